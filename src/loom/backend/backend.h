@@ -1,0 +1,111 @@
+// The op interface: every computation a model, optimizer or trainer needs, forward and backward.
+// CPU and CUDA implement it and pass the same tests. Shapes in comments use the legend
+//   B batch, T time (sequence), C d_model, V vocab, H query heads, KV key/value heads,
+//   hd head dim, F MLP hidden, N rows (B*T).
+// Invariants: activation gradients (dx) are overwritten; parameter gradients (dweight, dbias,
+// dtable) are accumulated with +=, so micro-batches accumulate without extra passes.
+// Float ops accept f32 and, for reference checks, f64 (all operands of one call share a dtype).
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string_view>
+
+#include "loom/core/tensor.h"
+
+namespace loom {
+
+struct GemmSpec {
+  bool trans_a = false;
+  bool trans_b = false;
+  float alpha = 1.0f;
+  float beta = 0.0f;   // 1.0 accumulates into C
+  int64_t batch = 1;   // operands hold `batch` matrices back to back
+};
+
+struct AdamWHyper {
+  float lr = 0.0f;
+  float beta1 = 0.9f;
+  float beta2 = 0.999f;
+  float eps = 1e-8f;
+  float weight_decay = 0.0f;  // decoupled: p -= lr * weight_decay * p
+  int64_t step = 1;           // 1-based, for bias correction
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual std::string_view name() const = 0;
+  virtual Allocator& allocator() = 0;
+
+  // C[b] = alpha * op(A[b]) @ op(B[b]) + beta * C[b] (+ bias[n] added to every row of C).
+  // A matrix's cols are its tensor's last dim; rows = numel / (batch * cols).
+  virtual void gemm(const Tensor& a, const Tensor& b, const Tensor& c, const GemmSpec& spec,
+                    const Tensor* bias = nullptr) = 0;
+
+  virtual void fill(const Tensor& x, double value) = 0;
+  virtual void copy(const Tensor& src, const Tensor& dst) = 0;
+  virtual void cast(const Tensor& src, const Tensor& dst) = 0;                 // f32 <-> bf16 (RNE) and f32 <-> f64
+  virtual void add(const Tensor& a, const Tensor& b, const Tensor& out) = 0;   // out = a + b (residual)
+  virtual void add_inplace(const Tensor& acc, const Tensor& x) = 0;            // acc += x
+  virtual void scale_inplace(const Tensor& x, double factor) = 0;              // x *= factor
+  virtual double sum_squares(const Tensor& x) = 0;                             // sum x^2, in double
+  virtual double sum(const Tensor& x) = 0;                                     // sum x, in double
+  virtual void bias_backward(const Tensor& dout, const Tensor& dbias) = 0;     // dbias (N) += column sums of dout (.., N)
+
+  // out[b,t] = table[tokens[b,t]] (+ positions[t]). tokens (B,T) i32, table (V,C), positions (Tmax,C) or null.
+  virtual void embedding_forward(const Tensor& tokens, const Tensor& table, const Tensor* positions,
+                                 const Tensor& out) = 0;
+  virtual void embedding_backward(const Tensor& tokens, const Tensor& dout, const Tensor& dtable,
+                                  const Tensor* dpositions) = 0;
+
+  // LayerNorm over the last dim C: out = (x - mean) * rstd * weight + bias; saves mean, rstd (N).
+  virtual void layernorm_forward(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& out,
+                                 const Tensor& mean, const Tensor& rstd, float eps) = 0;
+  virtual void layernorm_backward(const Tensor& dout, const Tensor& x, const Tensor& weight, const Tensor& mean,
+                                  const Tensor& rstd, const Tensor& dx, const Tensor& dweight,
+                                  const Tensor& dbias) = 0;
+  // RMSNorm (Zhang & Sennrich 2019): out = x * rstd * weight, rstd = 1/sqrt(mean(x^2) + eps).
+  virtual void rmsnorm_forward(const Tensor& x, const Tensor& weight, const Tensor& out, const Tensor& rstd,
+                               float eps) = 0;
+  virtual void rmsnorm_backward(const Tensor& dout, const Tensor& x, const Tensor& weight, const Tensor& rstd,
+                                const Tensor& dx, const Tensor& dweight) = 0;
+
+  // GELU, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+  virtual void gelu_forward(const Tensor& x, const Tensor& out) = 0;
+  virtual void gelu_backward(const Tensor& x, const Tensor& dout, const Tensor& dx) = 0;
+  // SwiGLU (Shazeer 2020): x (N, 2F) = [gate | up]; out (N, F) = silu(gate) * up.
+  virtual void swiglu_forward(const Tensor& x, const Tensor& out) = 0;
+  virtual void swiglu_backward(const Tensor& x, const Tensor& dout, const Tensor& dx) = 0;
+
+  // RoPE (Su et al. 2021), rotate-half convention, in place on the first n_heads * head_dim
+  // columns of x (B,T,W): pairs (j, j + hd/2) rotate by angle (pos_offset + t) * theta^(-2j/hd).
+  // The backward is the inverse rotation applied to the gradient.
+  virtual void rope_forward(const Tensor& x, int64_t head_dim, int64_t n_heads, float theta, int64_t pos_offset) = 0;
+  virtual void rope_backward(const Tensor& dx, int64_t head_dim, int64_t n_heads, float theta,
+                             int64_t pos_offset) = 0;
+
+  // Causal self-attention with grouped KV heads: qkv (B,T,(H+2KV)*hd) = [q heads | k heads | v heads];
+  // query head h reads kv head h / (H/KV); scale 1/sqrt(hd). out (B,T,H*hd); probs (B,H,T,T) saved.
+  virtual void attention_forward(const Tensor& qkv, const Tensor& out, const Tensor& probs, int64_t n_head,
+                                 int64_t n_kv_head) = 0;
+  // Needs the forward's out for D_i = dO_i . O_i (FlashAttention-2's rowsum trick). dqkv overwritten.
+  virtual void attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out, const Tensor& probs,
+                                  const Tensor& dqkv, int64_t n_head, int64_t n_kv_head) = 0;
+
+  // Fused softmax + cross-entropy. logits (N,V), targets (N) i32. losses[n] = lse[n] - logits[n, t_n];
+  // lse (N) saved; probabilities are never stored.
+  virtual void cross_entropy_forward(const Tensor& logits, const Tensor& targets, const Tensor& losses,
+                                     const Tensor& lse) = 0;
+  // dlogits = dloss * (softmax(logits) - onehot(targets)); dlogits may alias logits.
+  virtual void cross_entropy_backward(const Tensor& logits, const Tensor& targets, const Tensor& lse, float dloss,
+                                      const Tensor& dlogits) = 0;
+
+  // AdamW (Loshchilov & Hutter 2019) on a flat range: p -= lr*wd*p; m = b1 m + (1-b1) g;
+  // v = b2 v + (1-b2) g^2; p -= lr * (m/(1-b1^t)) / (sqrt(v/(1-b2^t)) + eps).
+  virtual void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
+                          const AdamWHyper& hyper) = 0;
+};
+
+std::unique_ptr<Backend> make_cpu_backend();
+
+}  // namespace loom

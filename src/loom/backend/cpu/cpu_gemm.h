@@ -1,0 +1,14 @@
+// Row-major GEMM on the CPU: C = alpha * op(A) @ op(B) + beta * C, op(A) (M,K), op(B) (K,N), C (M,N).
+// f32 goes to oneDNN's sgemm (chosen by measurement: docs/gemm.md); f64 is a plain blocked
+// loop used only by reference checks.
+#pragma once
+#include <cstdint>
+
+namespace loom::cpu {
+
+void gemm_f32(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
+              const float* b, int64_t ldb, float beta, float* c, int64_t ldc);
+void gemm_f64(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, double alpha, const double* a,
+              int64_t lda, const double* b, int64_t ldb, double beta, double* c, int64_t ldc);
+
+}  // namespace loom::cpu

@@ -1,0 +1,409 @@
+// CPU kernels, templated on the float type (float for training, double for reference checks).
+// Each kernel states its formula; legend and gradient invariants are those of backend.h.
+// Parallel loops split rows (or column blocks, where rows would race on a parameter gradient)
+// with static schedules, so every result is independent of timing: a run is reproducible.
+#pragma once
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "loom/backend/cpu/cpu_math.h"
+
+namespace loom::cpu {
+
+constexpr int64_t kColumnBlock = 64;  // columns per task in column-parallel reductions
+
+// acc[c] (C) += sum over rows r of x[r, c]; parallel over column blocks, rows summed in order.
+template <typename T>
+void column_sums_accumulate(const T* x, int64_t rows, int64_t cols, T* acc) {
+#pragma omp parallel for schedule(static)
+  for (int64_t c0 = 0; c0 < cols; c0 += kColumnBlock) {
+    const int64_t c1 = std::min(cols, c0 + kColumnBlock);
+    for (int64_t r = 0; r < rows; ++r) {
+      const T* row = x + r * cols;
+#pragma omp simd
+      for (int64_t c = c0; c < c1; ++c) acc[c] += row[c];
+    }
+  }
+}
+
+// out[n, c] = table[tokens[n], c] (+ positions[n % T, c]).
+template <typename T>
+void embedding_forward(const int32_t* tokens, const T* table, const T* positions, T* out, int64_t n_tokens,
+                       int64_t seq_len, int64_t channels) {
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < n_tokens; ++n) {
+    const T* row = table + static_cast<int64_t>(tokens[n]) * channels;
+    const T* pos = positions ? positions + (n % seq_len) * channels : nullptr;
+    T* o = out + n * channels;
+    if (pos) {
+#pragma omp simd
+      for (int64_t c = 0; c < channels; ++c) o[c] = row[c] + pos[c];
+    } else {
+      std::copy(row, row + channels, o);
+    }
+  }
+}
+
+// dtable[tokens[n]] += dout[n]; dpositions[n % T] += dout[n]. Column blocks keep it race-free.
+template <typename T>
+void embedding_backward(const int32_t* tokens, const T* dout, T* dtable, T* dpositions, int64_t n_tokens,
+                        int64_t seq_len, int64_t channels) {
+#pragma omp parallel for schedule(static)
+  for (int64_t c0 = 0; c0 < channels; c0 += kColumnBlock) {
+    const int64_t c1 = std::min(channels, c0 + kColumnBlock);
+    for (int64_t n = 0; n < n_tokens; ++n) {
+      const T* g = dout + n * channels;
+      T* dt = dtable + static_cast<int64_t>(tokens[n]) * channels;
+#pragma omp simd
+      for (int64_t c = c0; c < c1; ++c) dt[c] += g[c];
+      if (dpositions) {
+        T* dp = dpositions + (n % seq_len) * channels;
+#pragma omp simd
+        for (int64_t c = c0; c < c1; ++c) dp[c] += g[c];
+      }
+    }
+  }
+}
+
+// out = (x - mean) * rstd * w + b, mean and rstd over the row (biased variance).
+template <typename T>
+void layernorm_forward(const T* x, const T* w, const T* b, T* out, T* mean, T* rstd, int64_t rows,
+                       int64_t channels, T eps) {
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * channels;
+    T sum = 0;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t c = 0; c < channels; ++c) sum += xr[c];
+    const T m = sum / static_cast<T>(channels);
+    T var = 0;
+#pragma omp simd reduction(+ : var)
+    for (int64_t c = 0; c < channels; ++c) var += (xr[c] - m) * (xr[c] - m);
+    const T s = T(1) / std::sqrt(var / static_cast<T>(channels) + eps);
+    T* o = out + r * channels;
+#pragma omp simd
+    for (int64_t c = 0; c < channels; ++c) o[c] = (xr[c] - m) * s * w[c] + b[c];
+    mean[r] = m;
+    rstd[r] = s;
+  }
+}
+
+// xhat = (x - mean) * rstd; g = dout * w;
+// dx = rstd * (g - mean(g) - xhat * mean(g * xhat)); dw += sum_rows dout * xhat; db += sum_rows dout.
+template <typename T>
+void layernorm_backward(const T* dout, const T* x, const T* w, const T* mean, const T* rstd, T* dx, T* dw,
+                        T* db, int64_t rows, int64_t channels) {
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * channels;
+    const T* gr = dout + r * channels;
+    const T m = mean[r], s = rstd[r];
+    T sum_g = 0, sum_gx = 0;
+#pragma omp simd reduction(+ : sum_g, sum_gx)
+    for (int64_t c = 0; c < channels; ++c) {
+      const T g = gr[c] * w[c];
+      sum_g += g;
+      sum_gx += g * (xr[c] - m) * s;
+    }
+    const T mean_g = sum_g / static_cast<T>(channels), mean_gx = sum_gx / static_cast<T>(channels);
+    T* d = dx + r * channels;
+#pragma omp simd
+    for (int64_t c = 0; c < channels; ++c) d[c] = s * (gr[c] * w[c] - mean_g - (xr[c] - m) * s * mean_gx);
+  }
+#pragma omp parallel for schedule(static)
+  for (int64_t c0 = 0; c0 < channels; c0 += kColumnBlock) {
+    const int64_t c1 = std::min(channels, c0 + kColumnBlock);
+    for (int64_t r = 0; r < rows; ++r) {
+      const T* xr = x + r * channels;
+      const T* gr = dout + r * channels;
+      const T m = mean[r], s = rstd[r];
+#pragma omp simd
+      for (int64_t c = c0; c < c1; ++c) {
+        dw[c] += gr[c] * (xr[c] - m) * s;
+        db[c] += gr[c];
+      }
+    }
+  }
+}
+
+// out = x * rstd * w, rstd = 1 / sqrt(mean(x^2) + eps).
+template <typename T>
+void rmsnorm_forward(const T* x, const T* w, T* out, T* rstd, int64_t rows, int64_t channels, T eps) {
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * channels;
+    T ss = 0;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t c = 0; c < channels; ++c) ss += xr[c] * xr[c];
+    const T s = T(1) / std::sqrt(ss / static_cast<T>(channels) + eps);
+    T* o = out + r * channels;
+#pragma omp simd
+    for (int64_t c = 0; c < channels; ++c) o[c] = xr[c] * s * w[c];
+    rstd[r] = s;
+  }
+}
+
+// xhat = x * rstd; g = dout * w; dx = rstd * (g - xhat * mean(g * xhat)); dw += sum_rows dout * xhat.
+template <typename T>
+void rmsnorm_backward(const T* dout, const T* x, const T* w, const T* rstd, T* dx, T* dw, int64_t rows,
+                      int64_t channels) {
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * channels;
+    const T* gr = dout + r * channels;
+    const T s = rstd[r];
+    T sum_gx = 0;
+#pragma omp simd reduction(+ : sum_gx)
+    for (int64_t c = 0; c < channels; ++c) sum_gx += gr[c] * w[c] * xr[c] * s;
+    const T mean_gx = sum_gx / static_cast<T>(channels);
+    T* d = dx + r * channels;
+#pragma omp simd
+    for (int64_t c = 0; c < channels; ++c) d[c] = s * (gr[c] * w[c] - xr[c] * s * mean_gx);
+  }
+#pragma omp parallel for schedule(static)
+  for (int64_t c0 = 0; c0 < channels; c0 += kColumnBlock) {
+    const int64_t c1 = std::min(channels, c0 + kColumnBlock);
+    for (int64_t r = 0; r < rows; ++r) {
+      const T* xr = x + r * channels;
+      const T* gr = dout + r * channels;
+      const T s = rstd[r];
+#pragma omp simd
+      for (int64_t c = c0; c < c1; ++c) dw[c] += gr[c] * xr[c] * s;
+    }
+  }
+}
+
+constexpr double kGeluScale = 0.7978845608028654;  // sqrt(2/pi)
+constexpr double kGeluCubic = 0.044715;
+
+// y = 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3).
+template <typename T>
+void gelu_forward(const T* x, T* out, int64_t n) {
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    const T v = x[i];
+    const T u = T(kGeluScale) * (v + T(kGeluCubic) * v * v * v);
+    out[i] = T(0.5) * v * (T(1) + tanh_t<T>(u));
+  }
+}
+
+// dy/dx = 0.5 (1 + tanh u) + 0.5 x (1 - tanh^2 u) sqrt(2/pi) (1 + 3 * 0.044715 x^2).
+template <typename T>
+void gelu_backward(const T* x, const T* dout, T* dx, int64_t n) {
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    const T v = x[i];
+    const T u = T(kGeluScale) * (v + T(kGeluCubic) * v * v * v);
+    const T t = tanh_t<T>(u);
+    const T du = T(kGeluScale) * (T(1) + T(3 * kGeluCubic) * v * v);
+    dx[i] = dout[i] * (T(0.5) * (T(1) + t) + T(0.5) * v * (T(1) - t * t) * du);
+  }
+}
+
+// x (N, 2F) = [gate | up]; out = silu(gate) * up, silu(g) = g * sigmoid(g).
+template <typename T>
+void swiglu_forward(const T* x, T* out, int64_t rows, int64_t hidden) {
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* gate = x + r * 2 * hidden;
+    const T* up = gate + hidden;
+    T* o = out + r * hidden;
+#pragma omp simd
+    for (int64_t j = 0; j < hidden; ++j) o[j] = gate[j] * sigmoid_t<T>(gate[j]) * up[j];
+  }
+}
+
+// dgate = dout * up * sigmoid(g) (1 + g (1 - sigmoid(g))); dup = dout * silu(g).
+template <typename T>
+void swiglu_backward(const T* x, const T* dout, T* dx, int64_t rows, int64_t hidden) {
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* gate = x + r * 2 * hidden;
+    const T* up = gate + hidden;
+    const T* g = dout + r * hidden;
+    T* dgate = dx + r * 2 * hidden;
+    T* dup = dgate + hidden;
+#pragma omp simd
+    for (int64_t j = 0; j < hidden; ++j) {
+      const T sg = sigmoid_t<T>(gate[j]);
+      dgate[j] = g[j] * up[j] * sg * (T(1) + gate[j] * (T(1) - sg));
+      dup[j] = g[j] * gate[j] * sg;
+    }
+  }
+}
+
+// Rotates pairs (j, j + hd/2) of the first n_heads heads of every row by angle
+// direction * (pos_offset + t) * theta^(-2j/hd). direction -1 is the inverse (the backward).
+template <typename T>
+void rope_rotate(T* x, int64_t batch, int64_t seq_len, int64_t width, int64_t head_dim, int64_t n_heads,
+                 double theta, int64_t pos_offset, double direction) {
+  const int64_t half = head_dim / 2;
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < seq_len; ++t) {
+    for (int64_t j = 0; j < half; ++j) {
+      const double angle =
+          direction * static_cast<double>(pos_offset + t) * std::pow(theta, -2.0 * static_cast<double>(j) / head_dim);
+      const T cs = static_cast<T>(std::cos(angle)), sn = static_cast<T>(std::sin(angle));
+      for (int64_t b = 0; b < batch; ++b) {
+        T* row = x + (b * seq_len + t) * width;
+        for (int64_t h = 0; h < n_heads; ++h) {
+          T* v = row + h * head_dim;
+          const T a = v[j], c = v[j + half];
+          v[j] = a * cs - c * sn;
+          v[j + half] = c * cs + a * sn;
+        }
+      }
+    }
+  }
+}
+
+// Causal attention. For query row i of head h (kv head g = h / (H/KV)):
+//   s_j = q_i . k_j * scale (j <= i); p = softmax(s); out_i = sum_j p_j v_j. probs[b,h,i,j>i] = 0.
+template <typename T>
+void attention_forward(const T* qkv, T* out, T* probs, int64_t batch, int64_t seq_len, int64_t n_head,
+                       int64_t n_kv_head, int64_t head_dim) {
+  const int64_t width = (n_head + 2 * n_kv_head) * head_dim;
+  const int64_t group = n_head / n_kv_head;
+  const T scale = T(1) / std::sqrt(static_cast<T>(head_dim));
+#pragma omp parallel for collapse(3) schedule(static)
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t h = 0; h < n_head; ++h) {
+      for (int64_t i = 0; i < seq_len; ++i) {
+        const T* q = qkv + (b * seq_len + i) * width + h * head_dim;
+        const int64_t k_off = (n_head + h / group) * head_dim;
+        const int64_t v_off = (n_head + n_kv_head + h / group) * head_dim;
+        T* p = probs + ((b * n_head + h) * seq_len + i) * seq_len;
+        T max_s = -INFINITY;
+        for (int64_t j = 0; j <= i; ++j) {
+          const T* k = qkv + (b * seq_len + j) * width + k_off;
+          T dot = 0;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t d = 0; d < head_dim; ++d) dot += q[d] * k[d];
+          p[j] = dot * scale;
+          max_s = std::max(max_s, p[j]);
+        }
+        T sum = 0;
+        for (int64_t j = 0; j <= i; ++j) {
+          p[j] = exp_t<T>(p[j] - max_s);
+          sum += p[j];
+        }
+        const T inv = T(1) / sum;
+        for (int64_t j = 0; j <= i; ++j) p[j] *= inv;
+        for (int64_t j = i + 1; j < seq_len; ++j) p[j] = 0;
+        T* o = out + (b * seq_len + i) * n_head * head_dim + h * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) o[d] = 0;
+        for (int64_t j = 0; j <= i; ++j) {
+          const T* v = qkv + (b * seq_len + j) * width + v_off;
+          const T pj = p[j];
+#pragma omp simd
+          for (int64_t d = 0; d < head_dim; ++d) o[d] += pj * v[d];
+        }
+      }
+    }
+  }
+}
+
+// FlashAttention-2 style backward with saved probs P (Dao 2023):
+//   D_i = dO_i . O_i; dP_ij = dO_i . v_j; dS_ij = P_ij (dP_ij - D_i);
+//   dq_i = scale sum_j dS_ij k_j; dk_j += scale dS_ij q_i; dv_j += P_ij dO_i.
+// Parallel over (batch, kv head): the query heads of a group write the same dk, dv.
+template <typename T>
+void attention_backward(const T* dout, const T* qkv, const T* out, const T* probs, T* dqkv, int64_t batch,
+                        int64_t seq_len, int64_t n_head, int64_t n_kv_head, int64_t head_dim) {
+  const int64_t width = (n_head + 2 * n_kv_head) * head_dim;
+  const int64_t out_width = n_head * head_dim;
+  const int64_t group = n_head / n_kv_head;
+  const T scale = T(1) / std::sqrt(static_cast<T>(head_dim));
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t g = 0; g < n_kv_head; ++g) {
+      const int64_t k_off = (n_head + g) * head_dim;
+      const int64_t v_off = (n_head + n_kv_head + g) * head_dim;
+      for (int64_t t = 0; t < seq_len; ++t) {
+        T* row = dqkv + (b * seq_len + t) * width;
+        std::fill(row + k_off, row + k_off + head_dim, T(0));
+        std::fill(row + v_off, row + v_off + head_dim, T(0));
+      }
+      for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+        for (int64_t i = 0; i < seq_len; ++i) {
+          const T* q = qkv + (b * seq_len + i) * width + h * head_dim;
+          const T* o = out + (b * seq_len + i) * out_width + h * head_dim;
+          const T* dO = dout + (b * seq_len + i) * out_width + h * head_dim;
+          const T* p = probs + ((b * n_head + h) * seq_len + i) * seq_len;
+          T* dq = dqkv + (b * seq_len + i) * width + h * head_dim;
+          T D = 0;
+#pragma omp simd reduction(+ : D)
+          for (int64_t d = 0; d < head_dim; ++d) D += dO[d] * o[d];
+          for (int64_t d = 0; d < head_dim; ++d) dq[d] = 0;
+          for (int64_t j = 0; j <= i; ++j) {
+            const T* k = qkv + (b * seq_len + j) * width + k_off;
+            const T* v = qkv + (b * seq_len + j) * width + v_off;
+            T* dk = dqkv + (b * seq_len + j) * width + k_off;
+            T* dv = dqkv + (b * seq_len + j) * width + v_off;
+            T dp = 0;
+#pragma omp simd reduction(+ : dp)
+            for (int64_t d = 0; d < head_dim; ++d) dp += dO[d] * v[d];
+            const T pj = p[j];
+            const T ds = pj * (dp - D) * scale;
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; ++d) {
+              dq[d] += ds * k[d];
+              dk[d] += ds * q[d];
+              dv[d] += pj * dO[d];
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// loss_n = lse_n - x[n, t_n], lse_n = max + log(sum_v exp(x[n,v] - max)).
+template <typename T>
+void cross_entropy_forward(const T* logits, const int32_t* targets, T* losses, T* lse, int64_t rows,
+                           int64_t vocab) {
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* x = logits + r * vocab;
+    T max_x = -INFINITY;
+#pragma omp simd reduction(max : max_x)
+    for (int64_t v = 0; v < vocab; ++v) max_x = std::max(max_x, x[v]);
+    T sum = 0;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t v = 0; v < vocab; ++v) sum += exp_t<T>(x[v] - max_x);
+    lse[r] = max_x + std::log(sum);
+    losses[r] = lse[r] - x[targets[r]];
+  }
+}
+
+// dx[n, v] = dloss * (exp(x[n,v] - lse_n) - [v == t_n]). In place when dx == logits.
+template <typename T>
+void cross_entropy_backward(const T* logits, const int32_t* targets, const T* lse, T dloss, T* dx, int64_t rows,
+                            int64_t vocab) {
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* x = logits + r * vocab;
+    T* d = dx + r * vocab;
+    const T l = lse[r];
+#pragma omp simd
+    for (int64_t v = 0; v < vocab; ++v) d[v] = dloss * exp_t<T>(x[v] - l);
+    d[targets[r]] -= dloss;
+  }
+}
+
+template <typename T>
+void adamw_step(T* p, const T* g, T* m, T* v, int64_t n, T lr, T beta1, T beta2, T eps, T weight_decay,
+                T bias1, T bias2) {
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    p[i] -= lr * weight_decay * p[i];
+    m[i] = beta1 * m[i] + (T(1) - beta1) * g[i];
+    v[i] = beta2 * v[i] + (T(1) - beta2) * g[i] * g[i];
+    const T mhat = m[i] / bias1;
+    const T vhat = v[i] / bias2;
+    p[i] -= lr * mhat / (std::sqrt(vhat) + eps);
+  }
+}
+
+}  // namespace loom::cpu

@@ -1,0 +1,48 @@
+// Memory accounting: every allocation carries a category; current and peak bytes are kept per
+// category and in total. A tracker is owned by whoever owns the allocator (no global state).
+#pragma once
+#include <array>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+namespace loom {
+
+enum MemCategory : uint8_t {
+  MEM_PARAMETERS,
+  MEM_GRADIENTS,
+  MEM_OPTIMIZER_STATE,
+  MEM_ACTIVATIONS,
+  MEM_KV_CACHE,
+  MEM_COMMUNICATION,
+  MEM_WORKSPACE,
+  MEM_CATEGORY_COUNT
+};
+
+std::string_view mem_category_name(MemCategory category);  // "parameters", ...
+
+class MemoryTracker {
+ public:
+  void on_allocate(MemCategory category, size_t bytes);
+  void on_release(MemCategory category, size_t bytes);
+
+  size_t current(MemCategory category) const { return current_[category].load(); }
+  size_t peak(MemCategory category) const { return peak_[category].load(); }
+  size_t current_total() const { return current_total_.load(); }
+  size_t peak_total() const { return peak_total_.load(); }
+  void reset_peaks();  // peaks := current, to measure one phase (e.g. a training step)
+
+  std::string report() const;  // one line per category: current and peak bytes
+
+ private:
+  std::array<std::atomic<size_t>, MEM_CATEGORY_COUNT> current_{};  // [category]
+  std::array<std::atomic<size_t>, MEM_CATEGORY_COUNT> peak_{};     // [category]
+  std::atomic<size_t> current_total_{0};
+  std::atomic<size_t> peak_total_{0};
+};
+
+std::string format_bytes(size_t bytes);  // "12.3 MiB"
+
+}  // namespace loom

@@ -1,0 +1,91 @@
+#include "loom/core/tensor.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <new>
+
+#include "loom/core/error.h"
+
+namespace loom {
+
+int64_t shape_numel(const Shape& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+std::string shape_str(const Shape& shape) {
+  std::string out = "(";
+  for (size_t i = 0; i < shape.size(); ++i) out += (i ? ", " : "") + std::to_string(shape[i]);
+  return out + ")";
+}
+
+void* CpuAllocator::raw_allocate(size_t bytes) {
+  const size_t rounded = (bytes + 63) / 64 * 64;
+  void* ptr = std::aligned_alloc(64, rounded == 0 ? 64 : rounded);
+  if (ptr == nullptr) throw Error(str_cat("out of host memory allocating ", format_bytes(bytes)));
+  return ptr;
+}
+
+void CpuAllocator::raw_release(void* ptr, size_t) { std::free(ptr); }
+void CpuAllocator::raw_zero(void* ptr, size_t bytes) { std::memset(ptr, 0, bytes); }
+
+Storage::Storage(Allocator& owner, size_t size, MemCategory cat)
+    : allocator(&owner), data(owner.raw_allocate(size)), bytes(size), category(cat) {
+  allocator->tracker().on_allocate(category, bytes);
+}
+
+Storage::~Storage() {
+  allocator->tracker().on_release(category, bytes);
+  allocator->raw_release(data, bytes);
+}
+
+Tensor Tensor::empty(Allocator& allocator, Shape shape, DType dtype, MemCategory category) {
+  for (int64_t d : shape) LOOM_CHECK(d >= 0, "tensor shape ", shape_str(shape), " has a negative dim");
+  Tensor t;
+  t.shape_ = std::move(shape);
+  t.dtype_ = dtype;
+  t.storage_ = std::make_shared<Storage>(allocator, t.nbytes(), category);
+  return t;
+}
+
+Tensor Tensor::zeros(Allocator& allocator, Shape shape, DType dtype, MemCategory category) {
+  Tensor t = empty(allocator, std::move(shape), dtype, category);
+  t.zero_();
+  return t;
+}
+
+int64_t Tensor::dim(int axis) const {
+  const int n = ndim();
+  const int a = axis < 0 ? axis + n : axis;
+  LOOM_CHECK(a >= 0 && a < n, "dim ", axis, " out of range for tensor ", describe());
+  return shape_[a];
+}
+
+std::string Tensor::describe() const { return std::string(dtype_name(dtype_)) + shape_str(shape_); }
+
+Tensor Tensor::view(int64_t offset, Shape shape) const {
+  const int64_t n = shape_numel(shape);
+  LOOM_CHECK(offset >= 0 && offset + n <= numel(), "view of ", n, " elements at offset ", offset,
+             " exceeds tensor ", describe());
+  Tensor t = *this;
+  t.offset_bytes_ = offset_bytes_ + static_cast<size_t>(offset) * dtype_size(dtype_);
+  t.shape_ = std::move(shape);
+  return t;
+}
+
+Tensor Tensor::slice0(int64_t begin, int64_t end) const {
+  LOOM_CHECK(ndim() >= 1 && begin >= 0 && begin <= end && end <= shape_[0], "slice [", begin, ", ", end,
+             ") out of range for tensor ", describe());
+  Shape shape = shape_;
+  shape[0] = end - begin;
+  return view(begin * (numel() / (shape_[0] == 0 ? 1 : shape_[0])), shape);
+}
+
+void Tensor::zero_() const { storage_->allocator->raw_zero(raw_data(), nbytes()); }
+
+void Tensor::check_dtype(DType expected) const {
+  LOOM_CHECK(dtype_ == expected, "tensor ", describe(), " accessed as ", dtype_name(expected));
+}
+
+}  // namespace loom

@@ -1,0 +1,105 @@
+// Tensor: a handle to shared storage with a dtype, a shape and a device. Contiguous row-major;
+// views (flat-buffer ranges, outer-dim slices, reshapes) share storage. No hidden copies, no
+// implicit dtype promotion. Storage is allocated through an Allocator that records the bytes in
+// its MemoryTracker under the tensor's category.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "loom/core/dtype.h"
+#include "loom/core/memory.h"
+
+namespace loom {
+
+enum DeviceType : uint8_t { DEVICE_CPU, DEVICE_CUDA, DEVICE_COUNT };
+
+using Shape = std::vector<int64_t>;
+int64_t shape_numel(const Shape& shape);
+std::string shape_str(const Shape& shape);  // "(2, 3, 4)"
+
+class Allocator {
+ public:
+  virtual ~Allocator() = default;
+  virtual DeviceType device() const = 0;
+  virtual void* raw_allocate(size_t bytes) = 0;
+  virtual void raw_release(void* ptr, size_t bytes) = 0;
+  virtual void raw_zero(void* ptr, size_t bytes) = 0;
+  MemoryTracker& tracker() { return tracker_; }
+  const MemoryTracker& tracker() const { return tracker_; }
+
+ private:
+  MemoryTracker tracker_;
+};
+
+// Host memory, 64-byte aligned (one cache line, one AVX-512 vector).
+class CpuAllocator final : public Allocator {
+ public:
+  DeviceType device() const override { return DEVICE_CPU; }
+  void* raw_allocate(size_t bytes) override;
+  void raw_release(void* ptr, size_t bytes) override;
+  void raw_zero(void* ptr, size_t bytes) override;
+};
+
+struct Storage {
+  Storage(Allocator& allocator, size_t bytes, MemCategory category);
+  ~Storage();
+  Storage(const Storage&) = delete;
+  Storage& operator=(const Storage&) = delete;
+
+  Allocator* allocator;
+  void* data;
+  size_t bytes;
+  MemCategory category;
+};
+
+template <typename T>
+constexpr DType dtype_of();
+template <> constexpr DType dtype_of<float>() { return DTYPE_F32; }
+template <> constexpr DType dtype_of<double>() { return DTYPE_F64; }
+template <> constexpr DType dtype_of<bf16>() { return DTYPE_BF16; }
+template <> constexpr DType dtype_of<int32_t>() { return DTYPE_I32; }
+
+class Tensor {
+ public:
+  Tensor() = default;
+  static Tensor empty(Allocator& allocator, Shape shape, DType dtype, MemCategory category);
+  static Tensor zeros(Allocator& allocator, Shape shape, DType dtype, MemCategory category);
+
+  bool defined() const { return storage_ != nullptr; }
+  DType dtype() const { return dtype_; }
+  DeviceType device() const { return storage_->allocator->device(); }
+  MemCategory category() const { return storage_->category; }
+  const Shape& shape() const { return shape_; }
+  int ndim() const { return static_cast<int>(shape_.size()); }
+  int64_t dim(int axis) const;  // negative counts from the end
+  int64_t numel() const { return shape_numel(shape_); }
+  size_t nbytes() const { return static_cast<size_t>(numel()) * dtype_size(dtype_); }
+  std::string describe() const;  // "f32(2, 3)"
+
+  void* raw_data() const { return static_cast<char*>(storage_->data) + offset_bytes_; }
+  template <typename T>
+  T* data() const {
+    check_dtype(dtype_of<T>());
+    return static_cast<T*>(raw_data());
+  }
+
+  // A contiguous range of elements [offset, offset + numel(shape)) viewed with `shape`.
+  Tensor view(int64_t offset, Shape shape) const;
+  Tensor reshape(Shape shape) const { return view(0, std::move(shape)); }
+  // Rows [begin, end) of the outermost dim.
+  Tensor slice0(int64_t begin, int64_t end) const;
+  void zero_() const;
+
+ private:
+  void check_dtype(DType expected) const;
+
+  std::shared_ptr<Storage> storage_;
+  size_t offset_bytes_ = 0;
+  Shape shape_;
+  DType dtype_ = DTYPE_F32;
+};
+
+}  // namespace loom

@@ -1,0 +1,77 @@
+#include "loom/model/config.h"
+
+#include "loom/core/error.h"
+#include "loom/model/param_layout.h"
+
+namespace loom {
+
+namespace {
+constexpr std::string_view kArchNames[] = {"gpt2", "llama"};
+static_assert(sizeof(kArchNames) / sizeof(kArchNames[0]) == ARCH_COUNT);
+}  // namespace
+
+std::string_view arch_name(Arch arch) { return kArchNames[arch]; }
+
+Arch arch_from_name(std::string_view name) {
+  for (int a = 0; a < ARCH_COUNT; ++a) {
+    if (kArchNames[a] == name) return static_cast<Arch>(a);
+  }
+  throw Error(str_cat("model.arch: unknown architecture '", name, "', expected one of: gpt2, llama"));
+}
+
+void ModelConfig::validate() const {
+  auto positive = [](int64_t v, const char* key) { LOOM_CHECK(v > 0, key, " must be > 0, got ", v); };
+  positive(vocab_size, "model.vocab_size");
+  positive(max_seq_len, "model.max_seq_len");
+  positive(n_layer, "model.n_layer");
+  positive(n_head, "model.n_head");
+  positive(n_kv_head, "model.n_kv_head");
+  positive(d_model, "model.d_model");
+  positive(d_ff, "model.d_ff");
+  LOOM_CHECK(vocab_size <= INT32_MAX, "model.vocab_size must fit in int32, got ", vocab_size);
+  LOOM_CHECK(d_model % n_head == 0, "model.d_model (", d_model, ") must be a multiple of model.n_head (", n_head, ")");
+  LOOM_CHECK(n_head % n_kv_head == 0, "model.n_head (", n_head, ") must be a multiple of model.n_kv_head (", n_kv_head,
+             ")");
+  LOOM_CHECK(arch != ARCH_GPT2 || n_kv_head == n_head, "model.n_kv_head must equal model.n_head for gpt2 (MHA), got ",
+             n_kv_head, " vs ", n_head);
+  LOOM_CHECK(arch != ARCH_LLAMA || head_dim() % 2 == 0, "model.d_model / model.n_head must be even for RoPE, got ",
+             head_dim());
+  LOOM_CHECK(norm_eps > 0.0f, "model.norm_eps must be > 0, got ", norm_eps);
+  LOOM_CHECK(rope_theta > 0.0f, "model.rope_theta must be > 0, got ", rope_theta);
+  LOOM_CHECK(init_std > 0.0f, "model.init_std must be > 0, got ", init_std);
+}
+
+ModelConfig model_preset(std::string_view name) {
+  ModelConfig c;
+  if (name == "gpt2-124m") return c;
+  if (name == "gpt2-small") {
+    c.n_layer = 6, c.n_head = 6, c.n_kv_head = 6, c.d_model = 384, c.d_ff = 1536, c.max_seq_len = 256;
+    return c;
+  }
+  if (name == "gpt2-tiny") {
+    c.vocab_size = 97, c.max_seq_len = 16, c.n_layer = 2, c.n_head = 4, c.n_kv_head = 4, c.d_model = 32, c.d_ff = 128;
+    return c;
+  }
+  if (name == "llama-tiny") {
+    c.arch = ARCH_LLAMA;
+    c.vocab_size = 101, c.max_seq_len = 16, c.n_layer = 2, c.n_head = 6, c.n_kv_head = 2, c.d_model = 48, c.d_ff = 80;
+    return c;
+  }
+  throw Error(str_cat("unknown model preset '", name, "', expected one of: gpt2-tiny, gpt2-small, gpt2-124m, llama-tiny"));
+}
+
+int64_t param_count(const ModelConfig& config) { return build_param_layout(config).total; }
+
+int64_t matmul_param_count(const ModelConfig& config) {
+  const int64_t c = config.d_model;
+  const int64_t per_layer = config.qkv_width() * c + c * config.n_head * config.head_dim() +
+                            config.mlp_in_width() * c + c * config.d_ff;
+  return config.n_layer * per_layer + config.vocab_size * c;
+}
+
+double train_flops_per_token(const ModelConfig& config, int64_t seq_len) {
+  return 6.0 * static_cast<double>(matmul_param_count(config)) +
+         12.0 * static_cast<double>(config.n_layer * config.d_model * seq_len);
+}
+
+}  // namespace loom

@@ -1,0 +1,55 @@
+// One config schema for the decoder-only models Loom builds. The architecture decides the
+// block's pieces:
+//   gpt2:  learned positions, LayerNorm, GELU MLP, MHA, biases, head tied to the embedding
+//   llama: RoPE, RMSNorm, SwiGLU MLP, GQA, no biases, untied head
+#pragma once
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+namespace loom {
+
+enum Arch : uint8_t { ARCH_GPT2, ARCH_LLAMA, ARCH_COUNT };
+
+std::string_view arch_name(Arch arch);
+Arch arch_from_name(std::string_view name);  // throws naming the accepted values
+
+struct ModelConfig {
+  Arch arch = ARCH_GPT2;
+  int64_t vocab_size = 50257;
+  int64_t max_seq_len = 1024;
+  int64_t n_layer = 12;
+  int64_t n_head = 12;
+  int64_t n_kv_head = 12;
+  int64_t d_model = 768;
+  int64_t d_ff = 3072;
+  float norm_eps = 1e-5f;
+  float rope_theta = 10000.0f;
+  float init_std = 0.02f;
+
+  int64_t head_dim() const { return d_model / n_head; }
+  int64_t qkv_width() const { return (n_head + 2 * n_kv_head) * head_dim(); }
+  bool has_bias() const { return arch == ARCH_GPT2; }
+  bool learned_positions() const { return arch == ARCH_GPT2; }
+  bool tied_head() const { return arch == ARCH_GPT2; }
+  bool rmsnorm() const { return arch == ARCH_LLAMA; }
+  bool swiglu() const { return arch == ARCH_LLAMA; }
+  // Width of the MLP's first GEMM output: F (GELU) or 2F ([gate | up], SwiGLU).
+  int64_t mlp_in_width() const { return swiglu() ? 2 * d_ff : d_ff; }
+
+  void validate() const;  // throws naming the offending key (e.g. "model.n_head")
+};
+
+// Named presets: "gpt2-tiny", "gpt2-small" (6L, d=384), "gpt2-124m", "llama-tiny".
+ModelConfig model_preset(std::string_view name);
+
+int64_t param_count(const ModelConfig& config);
+// Parameters that take part in matmuls (the head counts once even when tied; position
+// embeddings and norms do not): the N of the 6N FLOPs rule.
+int64_t matmul_param_count(const ModelConfig& config);
+// Training FLOPs per token at sequence length T (Kaplan et al. 2020; PaLM appendix B):
+// 6N for the weight matmuls (2 forward + 4 backward) + 12 L C T for attention scores and
+// values (non-causal count, as PaLM states MFU).
+double train_flops_per_token(const ModelConfig& config, int64_t seq_len);
+
+}  // namespace loom

@@ -1,0 +1,120 @@
+#include "loom/model/transformer.h"
+
+#include "loom/core/error.h"
+#include "loom/core/philox.h"
+
+namespace loom {
+
+Transformer::Transformer(Backend& backend, const ModelConfig& config)
+    : backend_(backend), config_(config), layout_(build_param_layout(config)) {
+  Allocator& alloc = backend_.allocator();
+  params_ = Tensor::zeros(alloc, {layout_.total}, DTYPE_F32, MEM_PARAMETERS);
+  grads_ = Tensor::zeros(alloc, {layout_.total}, DTYPE_F32, MEM_GRADIENTS);
+  for (int64_t l = 0; l < config_.n_layer; ++l) {
+    blocks_.emplace_back(config_, block_params_view(config_, layout_, params_, l),
+                         block_params_view(config_, layout_, grads_, l));
+  }
+  if (config_.arch == ARCH_GPT2) {
+    embed_w = param("wte.weight"), d_embed_w = grad("wte.weight");
+    pos_w = param("wpe.weight"), d_pos_w = grad("wpe.weight");
+    final_w = param("ln_f.weight"), d_final_w = grad("ln_f.weight");
+    final_b = param("ln_f.bias"), d_final_b = grad("ln_f.bias");
+    head_w = embed_w, d_head_w = d_embed_w;
+  } else {
+    embed_w = param("model.embed_tokens.weight"), d_embed_w = grad("model.embed_tokens.weight");
+    final_w = param("model.norm.weight"), d_final_w = grad("model.norm.weight");
+    head_w = param("lm_head.weight"), d_head_w = grad("lm_head.weight");
+  }
+}
+
+Tensor Transformer::param(const std::string& name) const {
+  const ParamSpec& spec = layout_.find(name);
+  return params_.view(spec.offset, spec.shape);
+}
+
+Tensor Transformer::grad(const std::string& name) const {
+  const ParamSpec& spec = layout_.find(name);
+  return grads_.view(spec.offset, spec.shape);
+}
+
+void Transformer::init_weights(uint64_t seed) {
+  for (size_t i = 0; i < layout_.params.size(); ++i) {
+    const ParamSpec& spec = layout_.params[i];
+    const Tensor t = params_.view(spec.offset, spec.shape);
+    switch (spec.init) {
+      case INIT_NORMAL:
+        philox_fill_normal(t.data<float>(), spec.numel, seed, static_cast<uint32_t>(i), 0, 0.0f, spec.init_std);
+        break;
+      case INIT_ONES: backend_.fill(t, 1.0); break;
+      case INIT_ZEROS: backend_.fill(t, 0.0); break;
+      case INIT_COUNT: break;
+    }
+  }
+}
+
+void Transformer::zero_grads() { backend_.fill(grads_, 0.0); }
+
+ActivationStore Transformer::allocate_store(int64_t batch, int64_t seq_len) {
+  LOOM_CHECK(batch > 0, "batch size must be > 0, got ", batch);
+  LOOM_CHECK(seq_len > 0 && seq_len <= config_.max_seq_len, "sequence length ", seq_len,
+             " must be in [1, model.max_seq_len = ", config_.max_seq_len, "]");
+  Allocator& alloc = backend_.allocator();
+  const int64_t B = batch, T = seq_len, C = config_.d_model;
+  auto act = [&](Shape shape, DType dtype = DTYPE_F32) { return Tensor::empty(alloc, std::move(shape), dtype, MEM_ACTIVATIONS); };
+  ActivationStore s;
+  s.batch = B, s.seq_len = T;
+  s.tokens = act({B, T}, DTYPE_I32);
+  s.targets = act({B, T}, DTYPE_I32);
+  for (int64_t l = 0; l < config_.n_layer; ++l) s.blocks.push_back(allocate_block_saved(alloc, config_, B, T));
+  s.final_input = act({B, T, C});
+  s.final_norm = act({B, T, C});
+  if (!config_.rmsnorm()) s.final_mean = act({B, T});
+  s.final_rstd = act({B, T});
+  s.logits = act({B, T, config_.vocab_size});
+  s.losses = act({B, T});
+  s.lse = act({B, T});
+  if (B * T > scratch_tokens_) {
+    scratch_ = allocate_block_scratch(alloc, config_, B, T);
+    d_residual_ = Tensor::empty(alloc, {B, T, C}, DTYPE_F32, MEM_WORKSPACE);
+    scratch_tokens_ = B * T;
+  }
+  return s;
+}
+
+double Transformer::forward(ActivationStore& s, bool compute_loss) {
+  const Tensor& x0 = s.blocks.empty() ? s.final_input : s.blocks[0].input;
+  backend_.embedding_forward(s.tokens, embed_w, pos_w.defined() ? &pos_w : nullptr, x0);
+  for (size_t l = 0; l < blocks_.size(); ++l) {
+    const Tensor& out = l + 1 < blocks_.size() ? s.blocks[l + 1].input : s.final_input;
+    blocks_[l].forward(backend_, s.blocks[l], out);
+  }
+  norm_forward(backend_, config_, s.final_input, final_w, final_b, s.final_norm, s.final_mean, s.final_rstd);
+  GemmSpec head;
+  head.trans_b = true;
+  backend_.gemm(s.final_norm, head_w, s.logits, head);  // (B*T, C) @ (V, C)^T
+  if (!compute_loss) return 0.0;
+  backend_.cross_entropy_forward(s.logits, s.targets, s.losses, s.lse);
+  return backend_.sum(s.losses) / static_cast<double>(s.batch * s.seq_len);
+}
+
+void Transformer::backward(ActivationStore& s, float loss_weight) {
+  const int64_t B = s.batch, T = s.seq_len, C = config_.d_model;
+  const Tensor d_res = d_residual_.view(0, {B, T, C});
+  BlockScratch k = scratch_;
+  for (Tensor* t : {&k.d_norm, &k.d_tmp, &k.d_qkv, &k.d_attn, &k.d_fc, &k.d_act}) {
+    *t = t->view(0, {B, T, t->dim(-1)});
+  }
+  // d(logits) replaces the logits in place: dL/dlogit = w/(B T) (softmax - onehot).
+  backend_.cross_entropy_backward(s.logits, s.targets, s.lse, loss_weight / static_cast<float>(B * T), s.logits);
+  backend_.gemm(s.logits, head_w, k.d_norm, GemmSpec{});  // (B*T, V) @ (V, C)
+  GemmSpec accumulate;
+  accumulate.trans_a = true;
+  accumulate.beta = 1.0f;
+  backend_.gemm(s.logits, s.final_norm, d_head_w, accumulate);  // (V, B*T) @ (B*T, C)
+  norm_backward(backend_, config_, k.d_norm, s.final_input, final_w, s.final_mean, s.final_rstd, d_res, d_final_w,
+                d_final_b);
+  for (size_t l = blocks_.size(); l-- > 0;) blocks_[l].backward(backend_, s.blocks[l], d_res, k);
+  backend_.embedding_backward(s.tokens, d_res, d_embed_w, d_pos_w.defined() ? &d_pos_w : nullptr);
+}
+
+}  // namespace loom

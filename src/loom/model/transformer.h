@@ -1,0 +1,68 @@
+// A decoder-only transformer (GPT-2 or Llama, by config) with parameters and gradients in flat
+// buffers and activations in a per-micro-batch ActivationStore.
+//   tokens (B,T) -> embed (+ positions) -> L blocks -> final norm -> head -> logits (B,T,V)
+//   loss = mean over B*T of cross-entropy(logits, targets)
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "loom/backend/backend.h"
+#include "loom/model/config.h"
+#include "loom/model/param_layout.h"
+#include "loom/nn/block.h"
+
+namespace loom {
+
+// Everything one micro-batch keeps between forward and backward.
+struct ActivationStore {
+  int64_t batch = 0, seq_len = 0;
+  Tensor tokens, targets;               // (B,T) i32
+  std::vector<BlockSaved> blocks;       // [layer]
+  Tensor final_input;                   // (B,T,C) output of the last block
+  Tensor final_norm, final_mean, final_rstd;  // (B,T,C), (B,T), (B,T)
+  Tensor logits;                        // (B,T,V); overwritten by d(logits) in backward
+  Tensor losses, lse;                   // (B,T)
+};
+
+class Transformer {
+ public:
+  Transformer(Backend& backend, const ModelConfig& config);
+  Transformer(const Transformer&) = delete;
+  Transformer& operator=(const Transformer&) = delete;
+
+  const ModelConfig& config() const { return config_; }
+  const ParamLayout& layout() const { return layout_; }
+  const Tensor& params() const { return params_; }  // (P) flat, MEM_PARAMETERS
+  const Tensor& grads() const { return grads_; }    // (P) flat, MEM_GRADIENTS
+  Tensor param(const std::string& name) const;      // view into params()
+  Tensor grad(const std::string& name) const;       // view into grads()
+
+  // Normal(0, std) matrices (Philox stream = parameter index), ones for norm weights, zero biases.
+  void init_weights(uint64_t seed);
+  void zero_grads();
+
+  // Allocates a micro-batch's activations (and, if needed, the shared backward scratch).
+  ActivationStore allocate_store(int64_t batch, int64_t seq_len);
+  // Runs the model on store.tokens. With compute_loss, also the loss against store.targets;
+  // returns the mean loss (0 otherwise).
+  double forward(ActivationStore& store, bool compute_loss = true);
+  // Accumulates into grads() the gradient of loss_weight * (mean loss of the last forward).
+  void backward(ActivationStore& store, float loss_weight);
+
+ private:
+  Backend& backend_;
+  ModelConfig config_;
+  ParamLayout layout_;
+  Tensor params_, grads_;
+  std::vector<Block> blocks_;        // [layer]
+  Tensor embed_w, pos_w;             // (V,C), (Tmax,C) or undefined
+  Tensor final_w, final_b;           // (C), (C) or undefined
+  Tensor head_w;                     // (V,C): the embedding when tied
+  Tensor d_embed_w, d_pos_w, d_final_w, d_final_b, d_head_w;
+  BlockScratch scratch_;             // shared by all micro-batches' backward
+  Tensor d_residual_;                // (B,T,C)
+  int64_t scratch_tokens_ = 0;       // B*T the scratch is sized for
+};
+
+}  // namespace loom

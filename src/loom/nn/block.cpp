@@ -1,0 +1,144 @@
+#include "loom/nn/block.h"
+
+#include <string>
+
+namespace loom {
+
+namespace {
+Tensor view_of(const ParamLayout& layout, const Tensor& flat, const std::string& name) {
+  const ParamSpec& spec = layout.find(name);
+  return flat.view(spec.offset, spec.shape);
+}
+}  // namespace
+
+BlockParams block_params_view(const ModelConfig& config, const ParamLayout& layout, const Tensor& flat, int64_t layer) {
+  BlockParams p;
+  auto v = [&](const std::string& name) { return view_of(layout, flat, name); };
+  if (config.arch == ARCH_GPT2) {
+    const std::string pre = "h." + std::to_string(layer) + ".";
+    p.norm1_w = v(pre + "ln_1.weight"), p.norm1_b = v(pre + "ln_1.bias");
+    p.qkv_w = v(pre + "attn.c_attn.weight"), p.qkv_b = v(pre + "attn.c_attn.bias");
+    p.proj_w = v(pre + "attn.c_proj.weight"), p.proj_b = v(pre + "attn.c_proj.bias");
+    p.norm2_w = v(pre + "ln_2.weight"), p.norm2_b = v(pre + "ln_2.bias");
+    p.fc_w = v(pre + "mlp.c_fc.weight"), p.fc_b = v(pre + "mlp.c_fc.bias");
+    p.fc2_w = v(pre + "mlp.c_proj.weight"), p.fc2_b = v(pre + "mlp.c_proj.bias");
+  } else {
+    const std::string pre = "model.layers." + std::to_string(layer) + ".";
+    p.norm1_w = v(pre + "input_layernorm.weight");
+    p.qkv_w = v(pre + "self_attn.qkv_proj.weight");
+    p.proj_w = v(pre + "self_attn.o_proj.weight");
+    p.norm2_w = v(pre + "post_attention_layernorm.weight");
+    p.fc_w = v(pre + "mlp.gate_up_proj.weight");
+    p.fc2_w = v(pre + "mlp.down_proj.weight");
+  }
+  return p;
+}
+
+BlockSaved allocate_block_saved(Allocator& allocator, const ModelConfig& config, int64_t batch, int64_t seq_len) {
+  const int64_t B = batch, T = seq_len, C = config.d_model, H = config.n_head, hd = config.head_dim();
+  auto act = [&](Shape shape) { return Tensor::empty(allocator, std::move(shape), DTYPE_F32, MEM_ACTIVATIONS); };
+  BlockSaved s;
+  s.input = act({B, T, C});
+  s.norm1 = act({B, T, C});
+  if (!config.rmsnorm()) s.mean1 = act({B, T});
+  s.rstd1 = act({B, T});
+  s.qkv = act({B, T, config.qkv_width()});
+  s.probs = act({B, H, T, T});
+  s.attn = act({B, T, H * hd});
+  s.mid = act({B, T, C});
+  s.norm2 = act({B, T, C});
+  if (!config.rmsnorm()) s.mean2 = act({B, T});
+  s.rstd2 = act({B, T});
+  s.fc = act({B, T, config.mlp_in_width()});
+  s.act = act({B, T, config.d_ff});
+  return s;
+}
+
+BlockScratch allocate_block_scratch(Allocator& allocator, const ModelConfig& config, int64_t batch, int64_t seq_len) {
+  const int64_t B = batch, T = seq_len, C = config.d_model;
+  auto ws = [&](Shape shape) { return Tensor::empty(allocator, std::move(shape), DTYPE_F32, MEM_WORKSPACE); };
+  BlockScratch s;
+  s.d_norm = ws({B, T, C});
+  s.d_tmp = ws({B, T, C});
+  s.d_qkv = ws({B, T, config.qkv_width()});
+  s.d_attn = ws({B, T, config.n_head * config.head_dim()});
+  s.d_fc = ws({B, T, config.mlp_in_width()});
+  s.d_act = ws({B, T, config.d_ff});
+  return s;
+}
+
+void norm_forward(Backend& backend, const ModelConfig& config, const Tensor& x, const Tensor& weight,
+                  const Tensor& bias, const Tensor& out, const Tensor& mean, const Tensor& rstd) {
+  if (config.rmsnorm()) backend.rmsnorm_forward(x, weight, out, rstd, config.norm_eps);
+  else backend.layernorm_forward(x, weight, bias, out, mean, rstd, config.norm_eps);
+}
+
+void norm_backward(Backend& backend, const ModelConfig& config, const Tensor& dout, const Tensor& x,
+                   const Tensor& weight, const Tensor& mean, const Tensor& rstd, const Tensor& dx,
+                   const Tensor& dweight, const Tensor& dbias) {
+  if (config.rmsnorm()) backend.rmsnorm_backward(dout, x, weight, rstd, dx, dweight);
+  else backend.layernorm_backward(dout, x, weight, mean, rstd, dx, dweight, dbias);
+}
+
+void linear_forward(Backend& backend, const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& y, float beta) {
+  GemmSpec spec;
+  spec.trans_b = true;
+  spec.beta = beta;
+  backend.gemm(x, w, y, spec, b.defined() ? &b : nullptr);
+}
+
+void linear_backward(Backend& backend, const Tensor& x, const Tensor& w, const Tensor& dy, const Tensor& dx,
+                     const Tensor& dw, const Tensor& db) {
+  backend.gemm(dy, w, dx, GemmSpec{});  // (N, out) @ (out, in)
+  GemmSpec accumulate;
+  accumulate.trans_a = true;
+  accumulate.beta = 1.0f;
+  backend.gemm(dy, x, dw, accumulate);  // (out, N) @ (N, in)
+  if (db.defined()) backend.bias_backward(dy, db);
+}
+
+Block::Block(const ModelConfig& config, BlockParams params, BlockParams grads)
+    : config_(config), params_(std::move(params)), grads_(std::move(grads)) {}
+
+void Block::forward(Backend& backend, BlockSaved& s, const Tensor& out) const {
+  const BlockParams& p = params_;
+  norm_forward(backend, config_, s.input, p.norm1_w, p.norm1_b, s.norm1, s.mean1, s.rstd1);
+  linear_forward(backend, s.norm1, p.qkv_w, p.qkv_b, s.qkv);
+  if (!config_.learned_positions()) {
+    backend.rope_forward(s.qkv, config_.head_dim(), config_.n_head + config_.n_kv_head, config_.rope_theta, 0);
+  }
+  backend.attention_forward(s.qkv, s.attn, s.probs, config_.n_head, config_.n_kv_head);
+  backend.copy(s.input, s.mid);
+  linear_forward(backend, s.attn, p.proj_w, p.proj_b, s.mid, 1.0f);  // mid = input + proj(attn)
+
+  norm_forward(backend, config_, s.mid, p.norm2_w, p.norm2_b, s.norm2, s.mean2, s.rstd2);
+  linear_forward(backend, s.norm2, p.fc_w, p.fc_b, s.fc);
+  if (config_.swiglu()) backend.swiglu_forward(s.fc, s.act);
+  else backend.gelu_forward(s.fc, s.act);
+  backend.copy(s.mid, out);
+  linear_forward(backend, s.act, p.fc2_w, p.fc2_b, out, 1.0f);  // out = mid + fc2(act)
+}
+
+void Block::backward(Backend& backend, const BlockSaved& s, const Tensor& d_residual, BlockScratch& k) const {
+  const BlockParams& p = params_;
+  const BlockParams& g = grads_;
+  // MLP branch: d_residual is d(out); the residual path passes it to d(mid) unchanged.
+  linear_backward(backend, s.act, p.fc2_w, d_residual, k.d_act, g.fc2_w, g.fc2_b);
+  if (config_.swiglu()) backend.swiglu_backward(s.fc, k.d_act, k.d_fc);
+  else backend.gelu_backward(s.fc, k.d_act, k.d_fc);
+  linear_backward(backend, s.norm2, p.fc_w, k.d_fc, k.d_norm, g.fc_w, g.fc_b);
+  norm_backward(backend, config_, k.d_norm, s.mid, p.norm2_w, s.mean2, s.rstd2, k.d_tmp, g.norm2_w, g.norm2_b);
+  backend.add_inplace(d_residual, k.d_tmp);  // now d(mid)
+
+  // Attention branch.
+  linear_backward(backend, s.attn, p.proj_w, d_residual, k.d_attn, g.proj_w, g.proj_b);
+  backend.attention_backward(k.d_attn, s.qkv, s.attn, s.probs, k.d_qkv, config_.n_head, config_.n_kv_head);
+  if (!config_.learned_positions()) {
+    backend.rope_backward(k.d_qkv, config_.head_dim(), config_.n_head + config_.n_kv_head, config_.rope_theta, 0);
+  }
+  linear_backward(backend, s.norm1, p.qkv_w, k.d_qkv, k.d_norm, g.qkv_w, g.qkv_b);
+  norm_backward(backend, config_, k.d_norm, s.input, p.norm1_w, s.mean1, s.rstd1, k.d_tmp, g.norm1_w, g.norm1_b);
+  backend.add_inplace(d_residual, k.d_tmp);  // now d(input)
+}
+
+}  // namespace loom

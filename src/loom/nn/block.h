@@ -1,0 +1,86 @@
+// A transformer block with explicit forward and backward (llm.c style; no autograd tape).
+//   x (B,T,C) -> mid = x + proj(attention(rope(qkv(norm1(x)))))
+//             -> out = mid + fc2(act(fc(norm2(mid))))
+// norm is LayerNorm or RMSNorm, act is GELU or SwiGLU, rope only for RoPE models (ModelConfig).
+// What the backward needs is kept in an explicit BlockSaved record, one per micro-batch.
+#pragma once
+#include <cstdint>
+
+#include "loom/backend/backend.h"
+#include "loom/model/config.h"
+#include "loom/model/param_layout.h"
+
+namespace loom {
+
+// One block's parameters (or their gradients) as views into a flat buffer. Derived once from
+// the layout, so forward and backward use the same offsets. Biases and norm biases are
+// undefined tensors for bias-free architectures.
+struct BlockParams {
+  Tensor norm1_w, norm1_b;  // (C)
+  Tensor qkv_w, qkv_b;      // ((H + 2 KV) hd, C), ((H + 2 KV) hd)
+  Tensor proj_w, proj_b;    // (C, H hd), (C)
+  Tensor norm2_w, norm2_b;  // (C)
+  Tensor fc_w, fc_b;        // (F or 2F, C), (F or 2F)
+  Tensor fc2_w, fc2_b;      // (C, F), (C)
+};
+
+BlockParams block_params_view(const ModelConfig& config, const ParamLayout& layout, const Tensor& flat, int64_t layer);
+
+// Activations one block keeps for its backward, for one micro-batch.
+struct BlockSaved {
+  Tensor input;                  // (B,T,C) residual stream entering the block
+  Tensor norm1, mean1, rstd1;    // (B,T,C), (B,T), (B,T); mean1 unused for RMSNorm
+  Tensor qkv;                    // (B,T,(H+2KV)hd), after RoPE
+  Tensor probs;                  // (B,H,T,T)
+  Tensor attn;                   // (B,T,H hd)
+  Tensor mid;                    // (B,T,C) residual after attention
+  Tensor norm2, mean2, rstd2;    // (B,T,C), (B,T), (B,T)
+  Tensor fc;                     // (B,T,F or 2F) pre-activation
+  Tensor act;                    // (B,T,F)
+};
+
+BlockSaved allocate_block_saved(Allocator& allocator, const ModelConfig& config, int64_t batch, int64_t seq_len);
+
+// Activation-gradient scratch shared by all blocks of a backward pass (overwritten each use).
+struct BlockScratch {
+  Tensor d_norm;  // (B,T,C)
+  Tensor d_tmp;   // (B,T,C)
+  Tensor d_qkv;   // (B,T,(H+2KV)hd)
+  Tensor d_attn;  // (B,T,H hd)
+  Tensor d_fc;    // (B,T,F or 2F)
+  Tensor d_act;   // (B,T,F)
+};
+
+BlockScratch allocate_block_scratch(Allocator& allocator, const ModelConfig& config, int64_t batch, int64_t seq_len);
+
+// Normalisation of the configured kind (LayerNorm or RMSNorm) over the last dim.
+void norm_forward(Backend& backend, const ModelConfig& config, const Tensor& x, const Tensor& weight,
+                  const Tensor& bias, const Tensor& out, const Tensor& mean, const Tensor& rstd);
+void norm_backward(Backend& backend, const ModelConfig& config, const Tensor& dout, const Tensor& x,
+                   const Tensor& weight, const Tensor& mean, const Tensor& rstd, const Tensor& dx,
+                   const Tensor& dweight, const Tensor& dbias);
+
+// y (N, out) = x (N, in) @ w^T (+ b), with beta = 1 accumulating into y (the residual add).
+void linear_forward(Backend& backend, const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& y,
+                    float beta = 0.0f);
+// dx = dy @ w (overwritten); dw += dy^T @ x; db += colsum(dy).
+void linear_backward(Backend& backend, const Tensor& x, const Tensor& w, const Tensor& dy, const Tensor& dx,
+                     const Tensor& dw, const Tensor& db);
+
+class Block {
+ public:
+  Block(const ModelConfig& config, BlockParams params, BlockParams grads);
+
+  // saved.input must hold the block input; writes out (B,T,C) and the rest of `saved`.
+  void forward(Backend& backend, BlockSaved& saved, const Tensor& out) const;
+  // d_residual (B,T,C): gradient w.r.t. the block output on entry, w.r.t. its input on exit.
+  // Parameter gradients accumulate.
+  void backward(Backend& backend, const BlockSaved& saved, const Tensor& d_residual, BlockScratch& scratch) const;
+
+ private:
+  ModelConfig config_;
+  BlockParams params_;
+  BlockParams grads_;
+};
+
+}  // namespace loom

@@ -1,0 +1,87 @@
+#include "loom/train/trainer.h"
+
+#include <chrono>
+#include <cmath>
+
+#include "loom/core/error.h"
+#include "loom/core/philox.h"
+
+namespace loom {
+
+RandomWindowSource::RandomWindowSource(std::vector<int32_t> tokens, uint64_t seed)
+    : tokens_(std::move(tokens)), seed_(seed) {}
+
+void RandomWindowSource::fill(const Tensor& tokens, const Tensor& targets) {
+  const int64_t B = tokens.dim(0), T = tokens.dim(1);
+  const int64_t n = static_cast<int64_t>(tokens_.size());
+  LOOM_CHECK(n >= T + 1, "need at least ", T + 1, " tokens for windows of length ", T, ", have ", n);
+  int32_t* x = tokens.data<int32_t>();
+  int32_t* y = targets.data<int32_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    const uint64_t draw = static_cast<uint64_t>(draws_++);
+    const PhiloxCounter bits = philox4x32_10({static_cast<uint32_t>(draw), static_cast<uint32_t>(draw >> 32), 0, 0},
+                                             {static_cast<uint32_t>(seed_), static_cast<uint32_t>(seed_ >> 32)});
+    const uint64_t r = (static_cast<uint64_t>(bits[0]) << 32) | bits[1];
+    const int64_t start = static_cast<int64_t>(r % static_cast<uint64_t>(n - T));
+    for (int64_t t = 0; t < T; ++t) {
+      x[b * T + t] = tokens_[start + t];
+      y[b * T + t] = tokens_[start + t + 1];
+    }
+  }
+}
+
+void TrainConfig::validate() const {
+  LOOM_CHECK(batch_size > 0, "train.batch_size must be > 0, got ", batch_size);
+  LOOM_CHECK(seq_len > 0, "train.seq_len must be > 0, got ", seq_len);
+  LOOM_CHECK(grad_accum > 0, "train.grad_accum must be > 0, got ", grad_accum);
+  LOOM_CHECK(steps > 0, "train.steps must be > 0, got ", steps);
+  LOOM_CHECK(warmup_steps >= 0, "train.warmup_steps must be >= 0, got ", warmup_steps);
+  LOOM_CHECK(lr > 0.0 && min_lr >= 0.0 && min_lr <= lr, "train.lr must be > 0 and train.min_lr in [0, lr], got lr ",
+             lr, ", min_lr ", min_lr);
+}
+
+Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config)
+    : backend_(backend),
+      model_(model),
+      config_((config.validate(), config)),
+      store_(model.allocate_store(config.batch_size, config.seq_len)),
+      optimizer_(backend, model.params(), model.grads(), param_ranges(model.layout()), config.adamw),
+      schedule_{config.lr, config.min_lr, config.warmup_steps, config.steps} {}
+
+StepStats Trainer::train_step(BatchSource& data) {
+  const auto start = std::chrono::steady_clock::now();
+  model_.zero_grads();
+  double loss_sum = 0.0;
+  const float loss_weight = 1.0f / static_cast<float>(config_.grad_accum);
+  for (int64_t micro = 0; micro < config_.grad_accum; ++micro) {
+    data.fill(store_.tokens, store_.targets);
+    const double loss = model_.forward(store_);
+    LOOM_CHECK(std::isfinite(loss), "loss is ", loss, " at step ", step_, " (micro-batch ", micro,
+               "); stopping before the update, the weights are unchanged");
+    loss_sum += loss;
+    model_.backward(store_, loss_weight);
+  }
+  StepStats stats;
+  stats.step = step_;
+  stats.loss = loss_sum / static_cast<double>(config_.grad_accum);
+  stats.grad_norm = clip_grad_norm(backend_, model_.grads(), config_.grad_clip);
+  LOOM_CHECK(std::isfinite(stats.grad_norm), "gradient norm is ", stats.grad_norm, " at step ", step_,
+             "; stopping before the update, the weights are unchanged");
+  stats.lr = schedule_.lr(step_);
+  optimizer_.step(static_cast<float>(stats.lr));
+  stats.tokens = config_.grad_accum * config_.batch_size * config_.seq_len;
+  stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ++step_;
+  return stats;
+}
+
+double Trainer::evaluate(BatchSource& data, int64_t batches) {
+  double sum = 0.0;
+  for (int64_t i = 0; i < batches; ++i) {
+    data.fill(store_.tokens, store_.targets);
+    sum += model_.forward(store_);
+  }
+  return batches > 0 ? sum / static_cast<double>(batches) : 0.0;
+}
+
+}  // namespace loom

@@ -1,0 +1,77 @@
+// The training loop: gradient accumulation over micro-batches, global-norm clipping, AdamW
+// with warmup + cosine LR, and evaluation. All buffers are allocated once at construction;
+// a step allocates nothing.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "loom/model/transformer.h"
+#include "loom/optim/adamw.h"
+#include "loom/optim/schedule.h"
+
+namespace loom {
+
+// Fills a micro-batch: tokens (B,T) and next-token targets (B,T), both i32.
+class BatchSource {
+ public:
+  virtual ~BatchSource() = default;
+  virtual void fill(const Tensor& tokens, const Tensor& targets) = 0;
+};
+
+// Windows of T+1 tokens from a token array, each start drawn from Philox(seed, stream 0,
+// draw index): the sequence of batches is a pure function of (seed, draws so far).
+class RandomWindowSource final : public BatchSource {
+ public:
+  RandomWindowSource(std::vector<int32_t> tokens, uint64_t seed);
+  void fill(const Tensor& tokens, const Tensor& targets) override;
+  int64_t draws() const { return draws_; }
+
+ private:
+  std::vector<int32_t> tokens_;
+  uint64_t seed_;
+  int64_t draws_ = 0;
+};
+
+struct TrainConfig {
+  int64_t batch_size = 4;
+  int64_t seq_len = 64;
+  int64_t grad_accum = 1;  // micro-batches per optimizer step
+  int64_t steps = 100;
+  int64_t warmup_steps = 10;
+  double lr = 6e-4;
+  double min_lr = 6e-5;
+  double grad_clip = 1.0;  // <= 0 disables
+  AdamWConfig adamw;
+
+  void validate() const;  // throws naming the key (e.g. "train.batch_size")
+};
+
+struct StepStats {
+  int64_t step = 0;         // 0-based index of the step just taken
+  double loss = 0.0;        // mean over the step's micro-batches
+  double grad_norm = 0.0;   // before clipping
+  double lr = 0.0;
+  int64_t tokens = 0;
+  double seconds = 0.0;
+};
+
+class Trainer {
+ public:
+  Trainer(Backend& backend, Transformer& model, TrainConfig config);
+
+  StepStats train_step(BatchSource& data);  // throws on a non-finite loss, before updating
+  double evaluate(BatchSource& data, int64_t batches);
+  int64_t step() const { return step_; }
+  const AdamW& optimizer() const { return optimizer_; }
+
+ private:
+  Backend& backend_;
+  Transformer& model_;
+  TrainConfig config_;
+  ActivationStore store_;
+  AdamW optimizer_;
+  CosineSchedule schedule_;
+  int64_t step_ = 0;
+};
+
+}  // namespace loom

@@ -1,0 +1,99 @@
+// Model configs: parameter counts, FLOPs per token, layout, validation, and the model-level
+// gradient check (f32 model gradients against central differences of the f32 loss in double).
+#include <gtest/gtest.h>
+
+#include "loom/core/error.h"
+#include "loom/model/config.h"
+#include "loom/model/param_layout.h"
+#include "loom/model/transformer.h"
+#include "test_util.h"
+
+namespace loom {
+namespace {
+
+TEST(ModelConfigTest, Gpt2_124mHasTheKnownParameterCount) {
+  EXPECT_EQ(param_count(model_preset("gpt2-124m")), 124439808);  // Hugging Face's gpt2
+}
+
+TEST(ModelConfigTest, LlamaParameterCountFollowsTheArchitecture) {
+  const ModelConfig c = model_preset("llama-tiny");
+  const int64_t C = 48, V = 101, F = 80, hd = 8, L = 2;
+  const int64_t per_layer = C + (6 + 2 * 2) * hd * C + C * 6 * hd + C + 2 * F * C + C * F;
+  EXPECT_EQ(param_count(c), V * C + L * per_layer + C + V * C);
+}
+
+TEST(ModelConfigTest, TrainFlopsPerTokenIsSixNPlusAttention) {
+  const ModelConfig c = model_preset("gpt2-124m");
+  const double n = 124439808.0 - 1024 * 768 - 12 * 4 * 768 - 2 * 768 - 12 * (3 * 768 + 768 + 3072 + 768);
+  // Matmul weights only: no position table, norms or biases.
+  EXPECT_EQ(matmul_param_count(c), static_cast<int64_t>(n));
+  EXPECT_DOUBLE_EQ(train_flops_per_token(c, 1024), 6.0 * n + 12.0 * 12 * 768 * 1024);
+}
+
+TEST(ModelConfigTest, ValidationNamesTheKey) {
+  ModelConfig c = model_preset("llama-tiny");
+  c.n_kv_head = 4;  // 6 heads are not a multiple of 4
+  try {
+    c.validate();
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("model.n_kv_head"), std::string::npos) << e.what();
+  }
+}
+
+TEST(ParamLayoutTest, ParametersTileTheFlatBufferInOrder) {
+  for (const char* preset : {"gpt2-tiny", "llama-tiny"}) {
+    const ParamLayout layout = build_param_layout(model_preset(preset));
+    int64_t offset = 0;
+    for (const ParamSpec& p : layout.params) {
+      EXPECT_EQ(p.offset, offset) << p.name;
+      EXPECT_EQ(p.weight_decay, p.shape.size() == 2) << p.name;  // matrices decay, norms and biases do not
+      offset += p.numel;
+    }
+    EXPECT_EQ(offset, layout.total);
+  }
+}
+
+// Model gradient vs central differences of the model's own loss, on a few elements of every
+// parameter. The loss is f32, so the difference step is 1e-2 on weights of size 0.3 and the
+// tolerance is 2e-3 relative (fp32 rounding of a ~4.6 loss is ~5e-7; divided by 2h = 2e-2).
+TEST(TransformerTest, GradientsMatchFiniteDifferencesOfTheLoss) {
+  for (const char* preset : {"gpt2-tiny", "llama-tiny"}) {
+    auto backend = make_cpu_backend();
+    ModelConfig config = model_preset(preset);
+    config.init_std = 0.3f;  // large weights make every path matter
+    Transformer model(*backend, config);
+    model.init_weights(5);
+    ActivationStore store = model.allocate_store(2, 9);
+    Tensor tok = test::random_tokens(backend->allocator(), {2, 10}, static_cast<int32_t>(config.vocab_size), 7);
+    for (int64_t b = 0; b < 2; ++b) {
+      for (int64_t t = 0; t < 9; ++t) {
+        store.tokens.data<int32_t>()[b * 9 + t] = tok.data<int32_t>()[b * 10 + t];
+        store.targets.data<int32_t>()[b * 9 + t] = tok.data<int32_t>()[b * 10 + t + 1];
+      }
+    }
+    model.zero_grads();
+    model.forward(store);
+    model.backward(store, 1.0f);
+    float* p = model.params().data<float>();
+    const float* g = model.grads().data<float>();
+    for (const ParamSpec& spec : model.layout().params) {
+      for (int64_t k = 0; k < 3; ++k) {
+        const int64_t i = spec.offset + (k * 7919) % spec.numel;
+        const float saved = p[i];
+        const float h = 1e-2f;
+        p[i] = saved + h;
+        const double up = model.forward(store);
+        p[i] = saved - h;
+        const double down = model.forward(store);
+        p[i] = saved;
+        const double numeric = (up - down) / (2.0 * h);
+        EXPECT_NEAR(g[i], numeric, 2e-3 * std::max(1.0, std::abs(numeric)) + 1e-4)
+            << preset << " " << spec.name << "[" << i - spec.offset << "]";
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace loom

@@ -1,0 +1,439 @@
+// Every op of the CPU backend: forward against a naive reference written here, backward by
+// float64 central differences, on odd shapes (T, C, V not multiples of anything).
+// Tolerances: f32 forward vs naive double: 2e-6 relative to the output's scale (1e-5 for GEMMs
+// with K up to 37); f64 finite differences: 1e-6.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "loom/backend/backend.h"
+#include "loom/core/error.h"
+#include "test_util.h"
+
+namespace loom {
+namespace {
+
+using test::expect_gradient_matches;
+using test::max_rel_error;
+using test::random_tensor;
+using test::random_tokens;
+using test::values;
+using test::weighted_sum;
+
+constexpr double kFdTol = 1e-6;
+
+class OpsTest : public ::testing::Test {
+ protected:
+  std::unique_ptr<Backend> backend = make_cpu_backend();
+  Allocator& alloc = backend->allocator();
+  Tensor f64(Shape shape, uint64_t seed, double scale = 1.0) { return random_tensor(alloc, std::move(shape), DTYPE_F64, seed, scale); }
+  Tensor f32(Shape shape, uint64_t seed, double scale = 1.0) { return random_tensor(alloc, std::move(shape), DTYPE_F32, seed, scale); }
+  Tensor empty(Shape shape, DType dtype = DTYPE_F64) { return Tensor::empty(alloc, std::move(shape), dtype, MEM_WORKSPACE); }
+  Tensor zeros(Shape shape, DType dtype = DTYPE_F64) { return Tensor::zeros(alloc, std::move(shape), dtype, MEM_WORKSPACE); }
+};
+
+// ---------------------------------------------------------------- GEMM
+
+std::vector<double> naive_gemm(const std::vector<double>& a, const std::vector<double>& b, std::vector<double> c,
+                               int64_t batch, int64_t m, int64_t n, int64_t k, bool ta, bool tb, double alpha,
+                               double beta, const std::vector<double>* bias) {
+  for (int64_t z = 0; z < batch; ++z) {
+    for (int64_t i = 0; i < m; ++i) {
+      for (int64_t j = 0; j < n; ++j) {
+        double acc = 0;
+        for (int64_t p = 0; p < k; ++p) {
+          const double av = ta ? a[z * m * k + p * m + i] : a[z * m * k + i * k + p];
+          const double bv = tb ? b[z * k * n + j * k + p] : b[z * k * n + p * n + j];
+          acc += av * bv;
+        }
+        double& out = c[z * m * n + i * n + j];
+        out = alpha * acc + beta * out + (bias ? (*bias)[j] : 0.0);
+      }
+    }
+  }
+  return c;
+}
+
+TEST_F(OpsTest, GemmAllTransposesBatchedWithBiasMatchesNaive) {
+  const int64_t batch = 3, m = 7, n = 5, k = 37;
+  for (bool ta : {false, true}) {
+    for (bool tb : {false, true}) {
+      for (DType dtype : {DTYPE_F32, DTYPE_F64}) {
+        Tensor a = random_tensor(alloc, ta ? Shape{batch, k, m} : Shape{batch, m, k}, dtype, 1);
+        Tensor b = random_tensor(alloc, tb ? Shape{batch, n, k} : Shape{batch, k, n}, dtype, 2);
+        Tensor c = random_tensor(alloc, {batch, m, n}, dtype, 3);
+        Tensor bias = random_tensor(alloc, {n}, dtype, 4);
+        const std::vector<double> bias_v = values(bias);
+        const std::vector<double> expected =
+            naive_gemm(values(a), values(b), values(c), batch, m, n, k, ta, tb, 0.5, 0.25, &bias_v);
+        GemmSpec spec{ta, tb, 0.5f, 0.25f, batch};
+        backend->gemm(a, b, c, spec, &bias);
+        EXPECT_LT(max_rel_error(values(c), expected), dtype == DTYPE_F32 ? 1e-5 : 1e-13)
+            << "trans_a " << ta << " trans_b " << tb << " dtype " << dtype_name(dtype);
+      }
+    }
+  }
+}
+
+TEST_F(OpsTest, GemmRejectsShapesThatDoNotChain) {
+  Tensor a = f32({4, 3}, 1), b = f32({5, 2}, 2), c = f32({4, 2}, 3);
+  EXPECT_THROW(backend->gemm(a, b, c, GemmSpec{}), Error);
+}
+
+// ---------------------------------------------------------------- elementwise and reductions
+
+TEST_F(OpsTest, AddScaleSumAndSumSquaresMatchNaive) {
+  Tensor a = f32({13, 7}, 1), b = f32({13, 7}, 2), out = empty({13, 7}, DTYPE_F32);
+  backend->add(a, b, out);
+  const auto av = values(a), bv = values(b), ov = values(out);
+  double s = 0, ss = 0;
+  for (size_t i = 0; i < av.size(); ++i) {
+    EXPECT_EQ(ov[i], static_cast<double>(static_cast<float>(av[i]) + static_cast<float>(bv[i])));
+    s += av[i];
+    ss += av[i] * av[i];
+  }
+  EXPECT_NEAR(backend->sum(a), s, 1e-12);
+  EXPECT_NEAR(backend->sum_squares(a), ss, 1e-12);
+  backend->scale_inplace(a, 0.5);
+  EXPECT_EQ(values(a)[5], static_cast<double>(static_cast<float>(av[5]) * 0.5f));
+}
+
+TEST_F(OpsTest, BiasBackwardAccumulatesColumnSums) {
+  Tensor dout = f64({3, 5, 67}, 1), dbias = f64({67}, 2);  // 67 columns: two column blocks, one ragged
+  const auto before = values(dbias), d = values(dout);
+  backend->bias_backward(dout, dbias);
+  const auto after = values(dbias);
+  for (int64_t c = 0; c < 67; ++c) {
+    double expected = before[c];
+    for (int64_t r = 0; r < 15; ++r) expected += d[r * 67 + c];
+    EXPECT_NEAR(after[c], expected, 1e-12);
+  }
+}
+
+TEST_F(OpsTest, CastToBf16RoundsToNearestEven) {
+  Tensor x = f32({1000}, 9, 100.0), y = empty({1000}, DTYPE_BF16), back = empty({1000}, DTYPE_F32);
+  backend->cast(x, y);
+  backend->cast(y, back);
+  for (int64_t i = 0; i < 1000; ++i) {
+    EXPECT_EQ(y.data<bf16>()[i].bits, f32_to_bf16(x.data<float>()[i]).bits);
+    EXPECT_LE(std::abs(back.data<float>()[i] - x.data<float>()[i]), std::abs(x.data<float>()[i]) * (1.0 / 256));
+  }
+}
+
+// ---------------------------------------------------------------- embedding
+
+TEST_F(OpsTest, EmbeddingForwardMatchesNaiveAndBackwardMatchesFiniteDifferences) {
+  const int64_t B = 2, T = 5, V = 11, C = 67, Tmax = 7;
+  Tensor tokens = random_tokens(alloc, {B, T}, V, 3);
+  Tensor table = f64({V, C}, 1), pos = f64({Tmax, C}, 2), out = empty({B, T, C}), w = f64({B, T, C}, 4);
+  backend->embedding_forward(tokens, table, &pos, out);
+  const auto tv = values(table), pv = values(pos), ov = values(out);
+  for (int64_t n = 0; n < B * T; ++n) {
+    for (int64_t c = 0; c < C; ++c) {
+      EXPECT_EQ(ov[n * C + c], tv[tokens.data<int32_t>()[n] * C + c] + pv[(n % T) * C + c]);
+    }
+  }
+  Tensor dtable = zeros({V, C}), dpos = zeros({Tmax, C});
+  backend->embedding_backward(tokens, w, dtable, &dpos);
+  auto loss = [&] {
+    backend->embedding_forward(tokens, table, &pos, out);
+    return weighted_sum(out, w);
+  };
+  expect_gradient_matches(table, values(dtable), loss, kFdTol, "dtable");
+  expect_gradient_matches(pos, values(dpos), loss, kFdTol, "dpositions");
+}
+
+TEST_F(OpsTest, EmbeddingRejectsOutOfRangeToken) {
+  Tensor tokens = random_tokens(alloc, {1, 3}, 5, 1), table = f32({5, 4}, 1), out = empty({1, 3, 4}, DTYPE_F32);
+  tokens.data<int32_t>()[2] = 5;
+  EXPECT_THROW(backend->embedding_forward(tokens, table, nullptr, out), Error);
+}
+
+// ---------------------------------------------------------------- norms
+
+TEST_F(OpsTest, LayerNormForwardMatchesNaive) {
+  const int64_t N = 9, C = 67;
+  Tensor x = f32({N, C}, 1, 3.0), w = f32({C}, 2), b = f32({C}, 3);
+  Tensor out = empty({N, C}, DTYPE_F32), mean = empty({N}, DTYPE_F32), rstd = empty({N}, DTYPE_F32);
+  backend->layernorm_forward(x, w, b, out, mean, rstd, 1e-5f);
+  const auto xv = values(x), wv = values(w), bv = values(b);
+  std::vector<double> expected(N * C);
+  for (int64_t r = 0; r < N; ++r) {
+    double m = 0, var = 0;
+    for (int64_t c = 0; c < C; ++c) m += xv[r * C + c] / C;
+    for (int64_t c = 0; c < C; ++c) var += (xv[r * C + c] - m) * (xv[r * C + c] - m) / C;
+    for (int64_t c = 0; c < C; ++c) expected[r * C + c] = (xv[r * C + c] - m) / std::sqrt(var + 1e-5) * wv[c] + bv[c];
+  }
+  EXPECT_LT(max_rel_error(values(out), expected), 2e-6);
+}
+
+TEST_F(OpsTest, LayerNormBackwardMatchesFiniteDifferences) {
+  const int64_t N = 7, C = 13;
+  Tensor x = f64({N, C}, 1, 2.0), w = f64({C}, 2), b = f64({C}, 3), dout = f64({N, C}, 4);
+  Tensor out = empty({N, C}), mean = empty({N}), rstd = empty({N});
+  Tensor dx = empty({N, C}), dw = zeros({C}), db = zeros({C});
+  backend->layernorm_forward(x, w, b, out, mean, rstd, 1e-5f);
+  backend->layernorm_backward(dout, x, w, mean, rstd, dx, dw, db);
+  auto loss = [&] {
+    backend->layernorm_forward(x, w, b, out, mean, rstd, 1e-5f);
+    return weighted_sum(out, dout);
+  };
+  expect_gradient_matches(x, values(dx), loss, kFdTol, "dx");
+  expect_gradient_matches(w, values(dw), loss, kFdTol, "dweight");
+  expect_gradient_matches(b, values(db), loss, kFdTol, "dbias");
+}
+
+TEST_F(OpsTest, RmsNormForwardMatchesNaive) {
+  const int64_t N = 9, C = 67;
+  Tensor x = f32({N, C}, 1, 3.0), w = f32({C}, 2), out = empty({N, C}, DTYPE_F32), rstd = empty({N}, DTYPE_F32);
+  backend->rmsnorm_forward(x, w, out, rstd, 1e-5f);
+  const auto xv = values(x), wv = values(w);
+  std::vector<double> expected(N * C);
+  for (int64_t r = 0; r < N; ++r) {
+    double ms = 0;
+    for (int64_t c = 0; c < C; ++c) ms += xv[r * C + c] * xv[r * C + c] / C;
+    for (int64_t c = 0; c < C; ++c) expected[r * C + c] = xv[r * C + c] / std::sqrt(ms + 1e-5) * wv[c];
+  }
+  EXPECT_LT(max_rel_error(values(out), expected), 2e-6);
+}
+
+TEST_F(OpsTest, RmsNormBackwardMatchesFiniteDifferences) {
+  const int64_t N = 7, C = 13;
+  Tensor x = f64({N, C}, 1, 2.0), w = f64({C}, 2), dout = f64({N, C}, 4);
+  Tensor out = empty({N, C}), rstd = empty({N}), dx = empty({N, C}), dw = zeros({C});
+  backend->rmsnorm_forward(x, w, out, rstd, 1e-5f);
+  backend->rmsnorm_backward(dout, x, w, rstd, dx, dw);
+  auto loss = [&] {
+    backend->rmsnorm_forward(x, w, out, rstd, 1e-5f);
+    return weighted_sum(out, dout);
+  };
+  expect_gradient_matches(x, values(dx), loss, kFdTol, "dx");
+  expect_gradient_matches(w, values(dw), loss, kFdTol, "dweight");
+}
+
+// ---------------------------------------------------------------- activations
+
+TEST_F(OpsTest, GeluForwardMatchesNaiveAcrossRange) {
+  Tensor x = f32({1001}, 1, 12.0), out = empty({1001}, DTYPE_F32);
+  backend->gelu_forward(x, out);
+  const auto xv = values(x);
+  std::vector<double> expected(xv.size());
+  for (size_t i = 0; i < xv.size(); ++i) {
+    const double v = xv[i];
+    expected[i] = 0.5 * v * (1 + std::tanh(std::sqrt(2 / M_PI) * (v + 0.044715 * v * v * v)));
+  }
+  EXPECT_LT(max_rel_error(values(out), expected), 2e-6);
+}
+
+TEST_F(OpsTest, GeluBackwardMatchesFiniteDifferences) {
+  Tensor x = f64({3, 37}, 1, 4.0), dout = f64({3, 37}, 2), out = empty({3, 37}), dx = empty({3, 37});
+  backend->gelu_backward(x, dout, dx);
+  auto loss = [&] {
+    backend->gelu_forward(x, out);
+    return weighted_sum(out, dout);
+  };
+  expect_gradient_matches(x, values(dx), loss, kFdTol, "dx");
+}
+
+TEST_F(OpsTest, GeluBackwardF32MatchesF64) {
+  Tensor x = f32({501}, 1, 8.0), dout = f32({501}, 2), dx = empty({501}, DTYPE_F32);
+  Tensor x64 = empty({501}), dout64 = empty({501}), dx64 = empty({501});
+  backend->cast(x, x64);
+  backend->cast(dout, dout64);
+  backend->gelu_backward(x, dout, dx);
+  backend->gelu_backward(x64, dout64, dx64);
+  EXPECT_LT(max_rel_error(values(dx), values(dx64)), 2e-6);
+}
+
+TEST_F(OpsTest, SwiGluForwardMatchesNaive) {
+  const int64_t N = 5, F = 19;
+  Tensor x = f32({N, 2 * F}, 1, 6.0), out = empty({N, F}, DTYPE_F32);
+  backend->swiglu_forward(x, out);
+  const auto xv = values(x);
+  std::vector<double> expected(N * F);
+  for (int64_t r = 0; r < N; ++r) {
+    for (int64_t j = 0; j < F; ++j) {
+      const double g = xv[r * 2 * F + j], u = xv[r * 2 * F + F + j];
+      expected[r * F + j] = g / (1 + std::exp(-g)) * u;
+    }
+  }
+  EXPECT_LT(max_rel_error(values(out), expected), 2e-6);
+}
+
+TEST_F(OpsTest, SwiGluBackwardMatchesFiniteDifferences) {
+  const int64_t N = 5, F = 7;
+  Tensor x = f64({N, 2 * F}, 1, 4.0), dout = f64({N, F}, 2), out = empty({N, F}), dx = empty({N, 2 * F});
+  backend->swiglu_backward(x, dout, dx);
+  auto loss = [&] {
+    backend->swiglu_forward(x, out);
+    return weighted_sum(out, dout);
+  };
+  expect_gradient_matches(x, values(dx), loss, kFdTol, "dx");
+}
+
+// ---------------------------------------------------------------- RoPE
+
+TEST_F(OpsTest, RopeForwardRotatesHalvesByPositionAngles) {
+  const int64_t B = 2, T = 5, hd = 6, heads = 3, W = 5 * hd;  // the last 2 heads (e.g. v) stay untouched
+  Tensor x = f64({B, T, W}, 1);
+  const auto before = values(x);
+  backend->rope_forward(x, hd, heads, 10000.0f, 3);
+  const auto after = values(x);
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t h = 0; h < 5; ++h) {
+        for (int64_t j = 0; j < hd / 2; ++j) {
+          const int64_t i0 = (b * T + t) * W + h * hd + j, i1 = i0 + hd / 2;
+          double e0 = before[i0], e1 = before[i1];
+          if (h < heads) {
+            const double angle = (3 + t) * std::pow(10000.0, -2.0 * j / hd);
+            e0 = before[i0] * std::cos(angle) - before[i1] * std::sin(angle);
+            e1 = before[i1] * std::cos(angle) + before[i0] * std::sin(angle);
+          }
+          EXPECT_NEAR(after[i0], e0, 1e-14);
+          EXPECT_NEAR(after[i1], e1, 1e-14);
+        }
+      }
+    }
+  }
+}
+
+TEST_F(OpsTest, RopeBackwardMatchesFiniteDifferences) {
+  const int64_t B = 2, T = 5, hd = 4, W = 3 * hd;
+  Tensor x = f64({B, T, W}, 1), dout = f64({B, T, W}, 2), y = empty({B, T, W});
+  Tensor dx = empty({B, T, W});
+  backend->copy(dout, dx);
+  backend->rope_backward(dx, hd, 2, 500.0f, 0);
+  auto loss = [&] {
+    backend->copy(x, y);
+    backend->rope_forward(y, hd, 2, 500.0f, 0);
+    return weighted_sum(y, dout);
+  };
+  expect_gradient_matches(x, values(dx), loss, kFdTol, "dx");
+}
+
+// ---------------------------------------------------------------- attention
+
+std::vector<double> naive_attention(const std::vector<double>& qkv, int64_t B, int64_t T, int64_t H, int64_t KV,
+                                    int64_t hd) {
+  const int64_t W = (H + 2 * KV) * hd;
+  std::vector<double> out(B * T * H * hd, 0.0);
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t g = h / (H / KV);
+      for (int64_t i = 0; i < T; ++i) {
+        std::vector<double> s(i + 1);
+        double mx = -1e300, sum = 0;
+        for (int64_t j = 0; j <= i; ++j) {
+          double dot = 0;
+          for (int64_t d = 0; d < hd; ++d) dot += qkv[(b * T + i) * W + h * hd + d] * qkv[(b * T + j) * W + (H + g) * hd + d];
+          s[j] = dot / std::sqrt(static_cast<double>(hd));
+          mx = std::max(mx, s[j]);
+        }
+        for (auto& v : s) sum += (v = std::exp(v - mx));
+        for (int64_t j = 0; j <= i; ++j) {
+          for (int64_t d = 0; d < hd; ++d) {
+            out[(b * T + i) * H * hd + h * hd + d] += s[j] / sum * qkv[(b * T + j) * W + (H + KV + g) * hd + d];
+          }
+        }
+      }
+    }
+  }
+  return out;
+}
+
+TEST_F(OpsTest, AttentionForwardMatchesNaiveForMhaAndGqa) {
+  for (auto [H, KV] : {std::pair<int64_t, int64_t>{4, 4}, {6, 2}, {3, 1}}) {
+    const int64_t B = 2, T = 13, hd = 8;
+    Tensor qkv = f32({B, T, (H + 2 * KV) * hd}, 1, 2.0);
+    Tensor out = empty({B, T, H * hd}, DTYPE_F32), probs = empty({B, H, T, T}, DTYPE_F32);
+    backend->attention_forward(qkv, out, probs, H, KV);
+    EXPECT_LT(max_rel_error(values(out), naive_attention(values(qkv), B, T, H, KV, hd)), 2e-6) << "H " << H << " KV " << KV;
+    const float* p = probs.data<float>();
+    double row_sum = 0;
+    for (int64_t j = 0; j < T; ++j) row_sum += p[(T - 2) * T + j];
+    EXPECT_NEAR(row_sum, 1.0, 1e-6);
+    EXPECT_EQ(p[(T - 2) * T + (T - 1)], 0.0f);  // causal: no weight on the future
+  }
+}
+
+TEST_F(OpsTest, AttentionBackwardMatchesFiniteDifferencesWithGqa) {
+  const int64_t B = 2, T = 7, H = 4, KV = 2, hd = 3;
+  Tensor qkv = f64({B, T, (H + 2 * KV) * hd}, 1, 1.5), dout = f64({B, T, H * hd}, 2);
+  Tensor out = empty({B, T, H * hd}), probs = empty({B, H, T, T}), dqkv = f64({B, T, (H + 2 * KV) * hd}, 3);
+  backend->attention_forward(qkv, out, probs, H, KV);
+  backend->attention_backward(dout, qkv, out, probs, dqkv, H, KV);
+  auto loss = [&] {
+    backend->attention_forward(qkv, out, probs, H, KV);
+    return weighted_sum(out, dout);
+  };
+  expect_gradient_matches(qkv, values(dqkv), loss, kFdTol, "dqkv");
+}
+
+// ---------------------------------------------------------------- cross-entropy
+
+TEST_F(OpsTest, CrossEntropyForwardMatchesNaive) {
+  const int64_t N = 9, V = 1001;
+  Tensor logits = f32({N, V}, 1, 20.0), losses = empty({N}, DTYPE_F32), lse = empty({N}, DTYPE_F32);
+  Tensor targets = random_tokens(alloc, {N}, V, 2);
+  backend->cross_entropy_forward(logits, targets, losses, lse);
+  const auto x = values(logits);
+  std::vector<double> expected(N);
+  for (int64_t r = 0; r < N; ++r) {
+    double mx = -1e300, sum = 0;
+    for (int64_t v = 0; v < V; ++v) mx = std::max(mx, x[r * V + v]);
+    for (int64_t v = 0; v < V; ++v) sum += std::exp(x[r * V + v] - mx);
+    expected[r] = mx + std::log(sum) - x[r * V + targets.data<int32_t>()[r]];
+  }
+  EXPECT_LT(max_rel_error(values(losses), expected), 2e-6);
+}
+
+TEST_F(OpsTest, CrossEntropyBackwardMatchesFiniteDifferencesInPlace) {
+  const int64_t N = 5, V = 11;
+  Tensor logits = f64({N, V}, 1, 3.0), losses = empty({N}), lse = empty({N}), weights = f64({N}, 5);
+  Tensor targets = random_tokens(alloc, {N}, V, 2);
+  auto loss = [&] {
+    backend->cross_entropy_forward(logits, targets, losses, lse);
+    return weighted_sum(losses, weights);
+  };
+  // With per-row weights w_r the gradient is w_r (softmax - onehot): run the fused backward row by row.
+  loss();
+  Tensor dlogits = empty({N, V});
+  backend->copy(logits, dlogits);
+  for (int64_t r = 0; r < N; ++r) {
+    backend->cross_entropy_backward(dlogits.slice0(r, r + 1), targets.slice0(r, r + 1), lse.slice0(r, r + 1),
+                                    static_cast<float>(weights.data<double>()[r]), dlogits.slice0(r, r + 1));
+  }
+  // dloss is passed as float: compare at float precision of the weight.
+  expect_gradient_matches(logits, values(dlogits), loss, 1e-6, "dlogits");
+}
+
+TEST_F(OpsTest, CrossEntropyRejectsTargetOutsideVocab) {
+  Tensor logits = f32({2, 5}, 1), losses = empty({2}, DTYPE_F32), lse = empty({2}, DTYPE_F32);
+  Tensor targets = random_tokens(alloc, {2}, 5, 1);
+  targets.data<int32_t>()[1] = -1;
+  EXPECT_THROW(backend->cross_entropy_forward(logits, targets, losses, lse), Error);
+}
+
+// ---------------------------------------------------------------- AdamW
+
+TEST_F(OpsTest, AdamWStepMatchesNaiveFloat64) {
+  const int64_t n = 101;
+  Tensor p = f32({n}, 1), g = f32({n}, 2), m = zeros({n}, DTYPE_F32), v = zeros({n}, DTYPE_F32);
+  std::vector<double> pr = values(p), mr(n, 0.0), vr(n, 0.0);
+  const double lr = 1e-2, b1 = 0.9, b2 = 0.95, eps = 1e-8, wd = 0.1;
+  for (int64_t step = 1; step <= 3; ++step) {
+    backend->adamw_step(p, g, m, v, AdamWHyper{1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f, step});
+    const auto gv = values(g);
+    for (int64_t i = 0; i < n; ++i) {
+      pr[i] -= lr * wd * pr[i];
+      mr[i] = b1 * mr[i] + (1 - b1) * gv[i];
+      vr[i] = b2 * vr[i] + (1 - b2) * gv[i] * gv[i];
+      pr[i] -= lr * (mr[i] / (1 - std::pow(b1, step))) / (std::sqrt(vr[i] / (1 - std::pow(b2, step))) + eps);
+    }
+  }
+  EXPECT_LT(max_rel_error(values(p), pr), 1e-6);
+}
+
+}  // namespace
+}  // namespace loom

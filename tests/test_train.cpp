@@ -1,0 +1,103 @@
+// Trainer: memory accounting against the model's arithmetic, gradient accumulation, learning,
+// and the non-finite-loss guard.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "loom/core/error.h"
+#include "loom/train/trainer.h"
+
+namespace loom {
+namespace {
+
+std::vector<int32_t> repeating_tokens(int64_t n, int32_t period) {
+  std::vector<int32_t> t(n);
+  for (int64_t i = 0; i < n; ++i) t[i] = static_cast<int32_t>((i * 7 + i / period) % period);
+  return t;
+}
+
+// Parameters 4N, gradients 4N, AdamW state 8N bytes: the tracker must report exactly those
+// (within the 10%), and activations must be non-zero.
+TEST(TrainerTest, PeakMemoryByCategoryMatchesModelArithmetic) {
+  auto backend = make_cpu_backend();
+  ModelConfig config = model_preset("gpt2-tiny");
+  Transformer model(*backend, config);
+  model.init_weights(1);
+  TrainConfig tc;
+  tc.batch_size = 2, tc.seq_len = 16, tc.steps = 2;
+  Trainer trainer(*backend, model, tc);
+  RandomWindowSource data(repeating_tokens(500, 97), 3);
+  trainer.train_step(data);
+  const MemoryTracker& mem = backend->allocator().tracker();
+  const double n = static_cast<double>(param_count(config));
+  EXPECT_NEAR(mem.peak(MEM_PARAMETERS) / (4 * n), 1.0, 0.10);
+  EXPECT_NEAR(mem.peak(MEM_GRADIENTS) / (4 * n), 1.0, 0.10);
+  EXPECT_NEAR(mem.peak(MEM_OPTIMIZER_STATE) / (AdamW::kStateBytesPerParam * n), 1.0, 0.10);
+  EXPECT_GT(mem.peak(MEM_ACTIVATIONS), 0u);
+}
+
+// Two micro-batches of B=2 accumulate to the same gradient as one batch of B=4 with the same rows.
+TEST(TrainerTest, GradientAccumulationEqualsTheLargeBatch) {
+  auto backend = make_cpu_backend();
+  Transformer model(*backend, model_preset("llama-tiny"));
+  model.init_weights(1);
+  ActivationStore big = model.allocate_store(4, 8), small = model.allocate_store(2, 8);
+  const auto tokens = repeating_tokens(64, 101);
+  for (int64_t i = 0; i < 32; ++i) {
+    big.tokens.data<int32_t>()[i] = tokens[i];
+    big.targets.data<int32_t>()[i] = tokens[i + 1];
+  }
+  model.zero_grads();
+  model.forward(big);
+  model.backward(big, 1.0f);
+  std::vector<float> expected(model.grads().data<float>(), model.grads().data<float>() + model.grads().numel());
+  model.zero_grads();
+  for (int64_t half = 0; half < 2; ++half) {
+    for (int64_t i = 0; i < 16; ++i) {
+      small.tokens.data<int32_t>()[i] = tokens[half * 16 + i];
+      small.targets.data<int32_t>()[i] = tokens[half * 16 + i + 1];
+    }
+    model.forward(small);
+    model.backward(small, 0.5f);
+  }
+  const float* g = model.grads().data<float>();
+  double err = 0, scale = 0;
+  for (size_t i = 0; i < expected.size(); ++i) {
+    err = std::max(err, static_cast<double>(std::abs(g[i] - expected[i])));
+    scale = std::max(scale, static_cast<double>(std::abs(expected[i])));
+  }
+  EXPECT_LT(err / scale, 1e-5);
+}
+
+TEST(TrainerTest, LearnsARepeatingSequence) {
+  auto backend = make_cpu_backend();
+  Transformer model(*backend, model_preset("gpt2-tiny"));
+  model.init_weights(1);
+  TrainConfig tc;
+  tc.batch_size = 4, tc.seq_len = 16, tc.steps = 60, tc.warmup_steps = 5, tc.lr = 1e-2, tc.min_lr = 1e-3;
+  Trainer trainer(*backend, model, tc);
+  RandomWindowSource data(repeating_tokens(2000, 97), 3);
+  const double first = trainer.train_step(data).loss;
+  EXPECT_NEAR(first, std::log(97.0), 0.3);  // near-uniform predictions at init
+  double last = first;
+  for (int i = 1; i < tc.steps; ++i) last = trainer.train_step(data).loss;
+  EXPECT_LT(last, 0.5 * first);
+}
+
+TEST(TrainerTest, NonFiniteLossStopsBeforeTheUpdate) {
+  auto backend = make_cpu_backend();
+  Transformer model(*backend, model_preset("gpt2-tiny"));
+  model.init_weights(1);
+  model.params().data<float>()[0] = std::nanf("");  // poisons token 0's embedding
+  TrainConfig tc;
+  tc.batch_size = 1, tc.seq_len = 16;
+  Trainer trainer(*backend, model, tc);
+  const float before = model.params().data<float>()[5000];
+  RandomWindowSource data(std::vector<int32_t>(100, 0), 3);
+  EXPECT_THROW(trainer.train_step(data), Error);
+  EXPECT_EQ(model.params().data<float>()[5000], before);
+  EXPECT_EQ(trainer.step(), 0);
+}
+
+}  // namespace
+}  // namespace loom

@@ -1,0 +1,87 @@
+// Helpers for op tests: random tensors from Philox, naive comparisons, and a float64
+// central-difference gradient check.
+#pragma once
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <vector>
+
+#include "loom/core/philox.h"
+#include "loom/core/tensor.h"
+
+namespace loom::test {
+
+// Uniform in [-scale, scale), deterministic in (seed).
+inline Tensor random_tensor(Allocator& alloc, Shape shape, DType dtype, uint64_t seed, double scale = 1.0) {
+  Tensor t = Tensor::empty(alloc, std::move(shape), dtype, MEM_WORKSPACE);
+  std::vector<float> u(static_cast<size_t>(t.numel()));
+  philox_fill_uniform(u.data(), t.numel(), seed, 0, 0);
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    const double v = (2.0 * u[i] - 1.0) * scale;
+    if (dtype == DTYPE_F64) t.data<double>()[i] = v;
+    else t.data<float>()[i] = static_cast<float>(v);
+  }
+  return t;
+}
+
+inline Tensor random_tokens(Allocator& alloc, Shape shape, int32_t vocab, uint64_t seed) {
+  Tensor t = Tensor::empty(alloc, std::move(shape), DTYPE_I32, MEM_WORKSPACE);
+  std::vector<float> u(static_cast<size_t>(t.numel()));
+  philox_fill_uniform(u.data(), t.numel(), seed, 1, 0);
+  for (int64_t i = 0; i < t.numel(); ++i) t.data<int32_t>()[i] = std::min(vocab - 1, static_cast<int32_t>(u[i] * vocab));
+  return t;
+}
+
+template <typename T>
+std::vector<double> to_vector(const Tensor& t) {
+  const T* p = t.data<T>();
+  return std::vector<double>(p, p + t.numel());
+}
+
+inline std::vector<double> values(const Tensor& t) {
+  return t.dtype() == DTYPE_F64 ? to_vector<double>(t) : to_vector<float>(t);
+}
+
+// max |a - b| / max(max |b|, tiny): the error relative to the reference's scale.
+inline double max_rel_error(const std::vector<double>& a, const std::vector<double>& b) {
+  EXPECT_EQ(a.size(), b.size());
+  double err = 0.0, scale = 0.0;
+  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) {
+    err = std::max(err, std::abs(a[i] - b[i]));
+    scale = std::max(scale, std::abs(b[i]));
+  }
+  return err / std::max(scale, 1e-30);
+}
+
+// Central differences of loss() w.r.t. every element of x (f64), compared with `analytic`:
+// |numeric - analytic| <= tol * max(1, |analytic|). Step 1e-6 gives ~1e-9 error for smooth ops.
+inline void expect_gradient_matches(const Tensor& x, const std::vector<double>& analytic,
+                                    const std::function<double()>& loss, double tol, const char* what) {
+  ASSERT_EQ(x.dtype(), DTYPE_F64);
+  ASSERT_EQ(static_cast<int64_t>(analytic.size()), x.numel());
+  double* p = x.data<double>();
+  const double h = 1e-6;
+  for (int64_t i = 0; i < x.numel(); ++i) {
+    const double saved = p[i];
+    p[i] = saved + h;
+    const double up = loss();
+    p[i] = saved - h;
+    const double down = loss();
+    p[i] = saved;
+    const double numeric = (up - down) / (2 * h);
+    ASSERT_LE(std::abs(numeric - analytic[i]), tol * std::max(1.0, std::abs(analytic[i])))
+        << what << " element " << i << ": numeric " << numeric << " analytic " << analytic[i];
+  }
+}
+
+// sum_i out_i * weights_i, the scalar whose gradient w.r.t. out is `weights`.
+inline double weighted_sum(const Tensor& out, const Tensor& weights) {
+  const std::vector<double> o = values(out), w = values(weights);
+  double s = 0.0;
+  for (size_t i = 0; i < o.size(); ++i) s += o[i] * w[i];
+  return s;
+}
+
+}  // namespace loom::test
