@@ -520,6 +520,7 @@ struct Column {
 
   std::function<Candidate()> load;
   std::string name, info, unavailable;
+  bool bf16 = false;
   std::vector<Result> results;  // one per problem; empty when never measured
   double small_error = 0.0;
   bool failed = false;
@@ -542,6 +543,7 @@ void run_round(Column& col, const std::vector<Problem>& ps, Pool& pool, double b
   col.name = cand.name;
   col.info = cand.info;
   col.unavailable = cand.unavailable;
+  col.bf16 = cand.bf16;
   if (!cand.unavailable.empty()) return;
   std::fprintf(stderr, "round %d: measuring %s ...\n", round, cand.name.c_str());
   col.small_error = worse(col.small_error, small_shape_error(cand, col.failed));
@@ -626,7 +628,7 @@ void print_row(const char* label, const std::vector<Column>& cols,
   std::printf("\n");
 }
 
-void print_table(const std::vector<Column>& cols, const std::vector<Problem>& ps, double fp32_peak) {
+void print_table(const std::vector<Column>& cols, const std::vector<Problem>& ps, const Ceiling& ceiling) {
   std::printf("%-14s %-2s %6s %6s %6s", "shape", "op", "M", "N", "K");
   for (const Column& c : cols) std::printf(" %10s", c.name.c_str());
   std::printf("   (GFLOP/s)\n");
@@ -644,9 +646,10 @@ void print_table(const std::vector<Column>& cols, const std::vector<Problem>& ps
   }
   print_row("GPT-2 step (weighted)", cols,
             [&](const Column& c) { std::printf(" %10.1f", step_gflops(ps, c.results)); });
-  print_row("  % of fp32 FMA loop", cols, [&](const Column& c) {
-    if (fp32_peak > 0.0)
-      std::printf(" %9.0f%%", 100.0 * step_gflops(ps, c.results) / fp32_peak);
+  print_row("  % of ceiling (fp32 or bf16 loop)", cols, [&](const Column& c) {
+    const double peak = c.bf16 ? ceiling.bf16 : ceiling.fp32;
+    if (peak > 0.0)
+      std::printf(" %9.0f%%", 100.0 * step_gflops(ps, c.results) / peak);
     else
       std::printf(" %10s", "-");
   });
@@ -704,7 +707,7 @@ int main(int argc, char** argv) {
 
   const Ceiling after = measure_ceiling(opt.threads);
   print_header(cols, opt, before, after, load_before);
-  print_table(cols, problems, before.fp32);
+  print_table(cols, problems, before);
 
   bool all_correct = true;
   for (const Column& c : cols) {

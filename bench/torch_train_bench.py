@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """PyTorch CPU training-throughput baseline for Loom.
 
-    /usr/bin/python3 bench/torch_train_bench.py --model {gpt2-124m,small} \
+    /usr/bin/python3 bench/torch_train_bench.py --model {gpt2-124m,gpt2-small} \
         --batch B --seq T --steps N --warmup W --threads 2
 
 Trains the GPT-2 definition from tools/loom_reference.py in float32 on random
@@ -38,7 +38,7 @@ import loom_reference as ref  # noqa: E402
 MODELS = {
     "gpt2-124m": ref.ModelConfig(arch="gpt2", vocab_size=50257, max_seq_len=1024, n_layer=12, n_head=12,
                                  n_kv_head=12, d_model=768, d_ff=3072),
-    "small": ref.ModelConfig(arch="gpt2", vocab_size=50257, max_seq_len=256, n_layer=6, n_head=6,
+    "gpt2-small": ref.ModelConfig(arch="gpt2", vocab_size=50257, max_seq_len=256, n_layer=6, n_head=6,
                              n_kv_head=6, d_model=384, d_ff=1536),
 }
 

@@ -417,14 +417,15 @@ TEST_F(OpsTest, CrossEntropyRejectsTargetOutsideVocab) {
 
 // ---------------------------------------------------------------- AdamW
 
-TEST_F(OpsTest, AdamWStepMatchesNaiveFloat64) {
+TEST_F(OpsTest, AdamWStepWithGradScaleMatchesNaiveFloat64) {
   const int64_t n = 101;
   Tensor p = f32({n}, 1), g = f32({n}, 2), m = zeros({n}, DTYPE_F32), v = zeros({n}, DTYPE_F32);
   std::vector<double> pr = values(p), mr(n, 0.0), vr(n, 0.0);
   const double lr = 1e-2, b1 = 0.9, b2 = 0.95, eps = 1e-8, wd = 0.1;
   for (int64_t step = 1; step <= 3; ++step) {
-    backend->adamw_step(p, g, m, v, AdamWHyper{1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f, step});
-    const auto gv = values(g);
+    backend->adamw_step(p, g, m, v, AdamWHyper{1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.5f, step});
+    std::vector<double> gv = values(g);
+    for (double& x : gv) x *= 0.5;  // grad_scale (fused clipping)
     for (int64_t i = 0; i < n; ++i) {
       pr[i] -= lr * wd * pr[i];
       mr[i] = b1 * mr[i] + (1 - b1) * gv[i];

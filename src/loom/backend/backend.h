@@ -28,6 +28,7 @@ struct AdamWHyper {
   float beta2 = 0.999f;
   float eps = 1e-8f;
   float weight_decay = 0.0f;  // decoupled: p -= lr * weight_decay * p
+  float grad_scale = 1.0f;    // g is read as grad * grad_scale (gradient clipping fused in)
   int64_t step = 1;           // 1-based, for bias correction
 };
 
@@ -100,7 +101,7 @@ class Backend {
   virtual void cross_entropy_backward(const Tensor& logits, const Tensor& targets, const Tensor& lse, float dloss,
                                       const Tensor& dlogits) = 0;
 
-  // AdamW (Loshchilov & Hutter 2019) on a flat range: p -= lr*wd*p; m = b1 m + (1-b1) g;
+  // AdamW (Loshchilov & Hutter 2019) on a flat range, g = grad_scale * grad: p -= lr*wd*p; m = b1 m + (1-b1) g;
   // v = b2 v + (1-b2) g^2; p -= lr * (m/(1-b1^t)) / (sqrt(v/(1-b2^t)) + eps).
   virtual void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
                           const AdamWHyper& hyper) = 0;

@@ -1,5 +1,6 @@
 #include "loom/optim/adamw.h"
 
+#include <algorithm>
 #include <cmath>
 
 namespace loom {
@@ -24,7 +25,7 @@ AdamW::AdamW(Backend& backend, const Tensor& params, const Tensor& grads, std::v
   v_ = Tensor::zeros(backend_.allocator(), {params.numel()}, DTYPE_F32, MEM_OPTIMIZER_STATE);
 }
 
-void AdamW::step(float lr) {
+void AdamW::step(float lr, float grad_scale) {
   ++step_;
   for (const ParamRange& r : ranges_) {
     AdamWHyper h;
@@ -33,19 +34,18 @@ void AdamW::step(float lr) {
     h.beta2 = config_.beta2;
     h.eps = config_.eps;
     h.weight_decay = r.weight_decay ? config_.weight_decay : 0.0f;
+    h.grad_scale = grad_scale;
     h.step = step_;
     backend_.adamw_step(params_.view(r.offset, {r.count}), grads_.view(r.offset, {r.count}),
                         m_.view(r.offset, {r.count}), v_.view(r.offset, {r.count}), h);
   }
 }
 
-double clip_grad_norm(Backend& backend, const Tensor& grads, double max_norm) {
-  const double norm = std::sqrt(backend.sum_squares(grads));
-  if (max_norm > 0.0) {
-    const double coef = max_norm / (norm + 1e-6);
-    if (coef < 1.0) backend.scale_inplace(grads, coef);
-  }
-  return norm;
+double grad_norm(Backend& backend, const Tensor& grads) { return std::sqrt(backend.sum_squares(grads)); }
+
+float clip_coefficient(double norm, double max_norm) {
+  if (max_norm <= 0.0) return 1.0f;
+  return static_cast<float>(std::min(1.0, max_norm / (norm + 1e-6)));
 }
 
 }  // namespace loom

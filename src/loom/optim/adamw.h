@@ -31,7 +31,8 @@ class AdamW {
   AdamW(Backend& backend, const Tensor& params, const Tensor& grads, std::vector<ParamRange> ranges,
         AdamWConfig config);
 
-  void step(float lr);  // one update with the current grads; advances the step counter
+  // One update with grads * grad_scale (the clipping coefficient); advances the step counter.
+  void step(float lr, float grad_scale = 1.0f);
   int64_t steps_taken() const { return step_; }
   const Tensor& first_moment() const { return m_; }   // (P) MEM_OPTIMIZER_STATE
   const Tensor& second_moment() const { return v_; }  // (P) MEM_OPTIMIZER_STATE
@@ -45,8 +46,11 @@ class AdamW {
   int64_t step_ = 0;
 };
 
-// Scales grads so their global L2 norm is at most max_norm (coef = max_norm / (norm + 1e-6),
-// as torch.nn.utils.clip_grad_norm_). Returns the norm before clipping. max_norm <= 0: no clip.
-double clip_grad_norm(Backend& backend, const Tensor& grads, double max_norm);
+// Global L2 norm of the gradients, summed in a fixed order (bitwise reproducible).
+double grad_norm(Backend& backend, const Tensor& grads);
+// The factor that brings the norm to at most max_norm: min(1, max_norm / (norm + 1e-6)), as
+// torch.nn.utils.clip_grad_norm_. max_norm <= 0 disables clipping (factor 1). The optimizer
+// applies it while it reads the gradients, saving a pass over them.
+float clip_coefficient(double norm, double max_norm);
 
 }  // namespace loom

@@ -64,11 +64,11 @@ StepStats Trainer::train_step(BatchSource& data) {
   StepStats stats;
   stats.step = step_;
   stats.loss = loss_sum / static_cast<double>(config_.grad_accum);
-  stats.grad_norm = clip_grad_norm(backend_, model_.grads(), config_.grad_clip);
+  stats.grad_norm = grad_norm(backend_, model_.grads());
   LOOM_CHECK(std::isfinite(stats.grad_norm), "gradient norm is ", stats.grad_norm, " at step ", step_,
              "; stopping before the update, the weights are unchanged");
   stats.lr = schedule_.lr(step_);
-  optimizer_.step(static_cast<float>(stats.lr));
+  optimizer_.step(static_cast<float>(stats.lr), clip_coefficient(stats.grad_norm, config_.grad_clip));
   stats.tokens = config_.grad_accum * config_.batch_size * config_.seq_len;
   stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   ++step_;

@@ -313,7 +313,8 @@ class CpuBackend final : public Backend {
     const double bias2 = 1.0 - std::pow(static_cast<double>(h.beta2), static_cast<double>(h.step));
     dispatch_float(param.dtype(), op, [&]<typename T>() {
       cpu::adamw_step<T>(param.data<T>(), grad.data<T>(), m.data<T>(), v.data<T>(), param.numel(), h.lr, h.beta1,
-                         h.beta2, h.eps, h.weight_decay, static_cast<T>(bias1), static_cast<T>(bias2));
+                         h.beta2, h.eps, h.weight_decay, h.grad_scale, static_cast<T>(bias1),
+                         static_cast<T>(bias2));
     });
   }
 
