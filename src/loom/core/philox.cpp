@@ -33,19 +33,25 @@ PhiloxCounter philox4x32_10(PhiloxCounter counter, PhiloxKey key) {
   return counter;
 }
 
+// Box-Muller: (u1, u2) -> sqrt(-2 ln u1) (cos 2 pi u2, sin 2 pi u2); one Philox block gives
+// two pairs, i.e. the normals of global indices 4b .. 4b+3.
 void philox_fill_normal(float* out, int64_t count, uint64_t seed, uint32_t stream, int64_t first, float mean,
                         float stddev) {
+  const int64_t first_block = first / 4, last_block = (first + count + 3) / 4;
 #pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < count; ++i) {
-    const int64_t g = first + i;
-    const PhiloxCounter bits = block_for(g, seed, stream);
-    const int pair = static_cast<int>((g % 4) / 2);
-    const double u1 = philox_uniform(bits[2 * pair]);
-    const double u2 = philox_uniform(bits[2 * pair + 1]);
-    const double radius = std::sqrt(-2.0 * std::log(u1));
-    const double angle = 2.0 * M_PI * u2;
-    const double z = (g % 2 == 0) ? radius * std::cos(angle) : radius * std::sin(angle);
-    out[i] = mean + stddev * static_cast<float>(z);
+  for (int64_t blk = first_block; blk < last_block; ++blk) {
+    const PhiloxCounter bits = block_for(blk * 4, seed, stream);
+    float z[4];
+    for (int pair = 0; pair < 2; ++pair) {
+      const float radius = std::sqrt(-2.0f * std::log(philox_uniform(bits[2 * pair])));
+      const float angle = 2.0f * static_cast<float>(M_PI) * philox_uniform(bits[2 * pair + 1]);
+      z[2 * pair] = radius * std::cos(angle);
+      z[2 * pair + 1] = radius * std::sin(angle);
+    }
+    for (int j = 0; j < 4; ++j) {
+      const int64_t i = blk * 4 + j - first;
+      if (i >= 0 && i < count) out[i] = mean + stddev * z[j];
+    }
   }
 }
 

@@ -1,5 +1,7 @@
 #include "loom/core/tensor.h"
 
+#include <sys/mman.h>
+
 #include <cstdlib>
 #include <cstring>
 #include <new>
@@ -20,10 +22,16 @@ std::string shape_str(const Shape& shape) {
   return out + ")";
 }
 
+// Buffers of 2 MiB and more are 2 MiB aligned and asked to be backed by transparent huge
+// pages: first touch then faults once per 2 MiB instead of once per 4 KiB, which on a VM is
+// the difference between seconds and milliseconds for a GPT-2's parameters and optimizer state.
 void* CpuAllocator::raw_allocate(size_t bytes) {
-  const size_t rounded = (bytes + 63) / 64 * 64;
-  void* ptr = std::aligned_alloc(64, rounded == 0 ? 64 : rounded);
+  constexpr size_t kHugePage = size_t{2} << 20;
+  const size_t alignment = bytes >= kHugePage ? kHugePage : 64;
+  const size_t rounded = bytes == 0 ? alignment : (bytes + alignment - 1) / alignment * alignment;
+  void* ptr = std::aligned_alloc(alignment, rounded);
   if (ptr == nullptr) throw Error(str_cat("out of host memory allocating ", format_bytes(bytes)));
+  if (alignment == kHugePage) ::madvise(ptr, rounded, MADV_HUGEPAGE);  // advisory: ignored where unsupported
   return ptr;
 }
 

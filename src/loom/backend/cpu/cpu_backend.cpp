@@ -346,6 +346,7 @@ class CpuBackend final : public Backend {
       for (int64_t c = 0; c < kChunks; ++c) {
         double acc = 0;
         const int64_t end = std::min(n, (c + 1) * chunk);
+#pragma omp simd reduction(+ : acc)
         for (int64_t i = c * chunk; i < end; ++i) acc += f(static_cast<double>(p[i]));
         partial[c] = acc;
       }
