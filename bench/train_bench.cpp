@@ -10,6 +10,7 @@
 #include <string>
 
 #include "loom/core/error.h"
+#include "loom/train/throughput.h"
 #include "loom/train/trainer.h"
 
 namespace {
@@ -33,25 +34,6 @@ Args parse(int argc, char** argv) {
     else throw Error("unknown option " + key + " (expected --model, --batch, --seq, --steps, --warmup)");
   }
   return a;
-}
-
-// Best GFLOP/s of a 2048^3 f32 GEMM through the backend (the library the engine uses).
-double measure_gemm_peak_gflops(Backend& backend) {
-  const int64_t n = 2048;
-  Allocator& alloc = backend.allocator();
-  Tensor a = Tensor::zeros(alloc, {n, n}, DTYPE_F32, MEM_WORKSPACE);
-  Tensor b = Tensor::zeros(alloc, {n, n}, DTYPE_F32, MEM_WORKSPACE);
-  Tensor c = Tensor::zeros(alloc, {n, n}, DTYPE_F32, MEM_WORKSPACE);
-  backend.fill(a, 0.5);
-  backend.fill(b, 0.25);
-  double best = 0.0;
-  for (int rep = 0; rep < 6; ++rep) {
-    const auto t0 = std::chrono::steady_clock::now();
-    backend.gemm(a, b, c, GemmSpec{});
-    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (rep > 0) best = std::max(best, 2.0 * n * n * n / s / 1e9);
-  }
-  return best;
 }
 
 // Random token ids (Philox-free: a simple LCG is enough for throughput).

@@ -370,6 +370,23 @@ TEST_F(OpsTest, AttentionBackwardMatchesFiniteDifferencesWithGqa) {
   expect_gradient_matches(qkv, values(dqkv), loss, kFdTol, "dqkv");
 }
 
+// The f32 path (oneDNN GEMMs) against the f64 path (the finite-difference-checked one), GQA.
+TEST_F(OpsTest, AttentionF32MatchesF64ForwardAndBackward) {
+  const int64_t B = 2, T = 37, H = 6, KV = 2, hd = 16, W = (H + 2 * KV) * hd;
+  Tensor qkv = f32({B, T, W}, 1, 2.0), dout = f32({B, T, H * hd}, 2);
+  Tensor out = empty({B, T, H * hd}, DTYPE_F32), probs = empty({B, H, T, T}, DTYPE_F32), dqkv = empty({B, T, W}, DTYPE_F32);
+  Tensor qkv64 = empty({B, T, W}), dout64 = empty({B, T, H * hd}), out64 = empty({B, T, H * hd});
+  Tensor probs64 = empty({B, H, T, T}), dqkv64 = empty({B, T, W});
+  backend->cast(qkv, qkv64);
+  backend->cast(dout, dout64);
+  backend->attention_forward(qkv, out, probs, H, KV);
+  backend->attention_backward(dout, qkv, out, probs, dqkv, H, KV);
+  backend->attention_forward(qkv64, out64, probs64, H, KV);
+  backend->attention_backward(dout64, qkv64, out64, probs64, dqkv64, H, KV);
+  EXPECT_LT(max_rel_error(values(out), values(out64)), 2e-6);
+  EXPECT_LT(max_rel_error(values(dqkv), values(dqkv64)), 1e-5);
+}
+
 // ---------------------------------------------------------------- cross-entropy
 
 TEST_F(OpsTest, CrossEntropyForwardMatchesNaive) {

@@ -1,5 +1,7 @@
 #include "loom/model/transformer.h"
 
+#include <algorithm>
+
 #include "loom/core/error.h"
 #include "loom/core/philox.h"
 
@@ -95,6 +97,41 @@ double Transformer::forward(ActivationStore& s, bool compute_loss) {
   if (!compute_loss) return 0.0;
   backend_.cross_entropy_forward(s.logits, s.targets, s.losses, s.lse);
   return backend_.sum(s.losses) / static_cast<double>(s.batch * s.seq_len);
+}
+
+DecodeState Transformer::allocate_decode_state(int64_t batch) {
+  DecodeState d;
+  Allocator& alloc = backend_.allocator();
+  const int64_t kv_width = config_.n_kv_head * config_.head_dim();
+  for (int64_t l = 0; l < config_.n_layer; ++l) {
+    d.k_cache.push_back(Tensor::empty(alloc, {batch, config_.max_seq_len, kv_width}, DTYPE_F32, MEM_KV_CACHE));
+    d.v_cache.push_back(Tensor::empty(alloc, {batch, config_.max_seq_len, kv_width}, DTYPE_F32, MEM_KV_CACHE));
+  }
+  d.step = allocate_store(batch, 1);
+  d.q = Tensor::empty(alloc, {batch, config_.n_head * config_.head_dim()}, DTYPE_F32, MEM_ACTIVATIONS);
+  return d;
+}
+
+void Transformer::forward_decode(DecodeState& d, const std::vector<int32_t>& tokens) {
+  ActivationStore& s = d.step;
+  const int64_t pos = d.length;
+  LOOM_CHECK(static_cast<int64_t>(tokens.size()) == s.batch, "forward_decode: ", tokens.size(), " tokens for batch ",
+             s.batch);
+  LOOM_CHECK(pos < config_.max_seq_len, "forward_decode: position ", pos, " reaches model.max_seq_len = ",
+             config_.max_seq_len);
+  std::copy(tokens.begin(), tokens.end(), s.tokens.data<int32_t>());
+  const int64_t C = config_.d_model;
+  const Tensor positions = pos_w.defined() ? pos_w.view(pos * C, {config_.max_seq_len - pos, C}) : Tensor();
+  backend_.embedding_forward(s.tokens, embed_w, positions.defined() ? &positions : nullptr, s.blocks[0].input);
+  for (size_t l = 0; l < blocks_.size(); ++l) {
+    const Tensor& out = l + 1 < blocks_.size() ? s.blocks[l + 1].input : s.final_input;
+    blocks_[l].forward_decode(backend_, s.blocks[l], out, d.k_cache[l], d.v_cache[l], d.q, pos);
+  }
+  norm_forward(backend_, config_, s.final_input, final_w, final_b, s.final_norm, s.final_mean, s.final_rstd);
+  GemmSpec head;
+  head.trans_b = true;
+  backend_.gemm(s.final_norm, head_w, s.logits, head);
+  d.length = pos + 1;
 }
 
 void Transformer::backward(ActivationStore& s, float loss_weight) {

@@ -25,6 +25,15 @@ struct ActivationStore {
   Tensor losses, lse;                   // (B,T)
 };
 
+// Incremental decoding: per-layer KV caches and the activations of one position.
+struct DecodeState {
+  int64_t length = 0;             // positions already in the caches
+  std::vector<Tensor> k_cache;    // [layer] (B, Tmax, KV*hd), MEM_KV_CACHE
+  std::vector<Tensor> v_cache;    // [layer] (B, Tmax, KV*hd), MEM_KV_CACHE
+  ActivationStore step;           // T = 1; step.logits (B,1,V) after forward_decode
+  Tensor q;                       // (B, H*hd) scratch
+};
+
 class Transformer {
  public:
   Transformer(Backend& backend, const ModelConfig& config);
@@ -47,6 +56,10 @@ class Transformer {
   // Runs the model on store.tokens. With compute_loss, also the loss against store.targets;
   // returns the mean loss (0 otherwise).
   double forward(ActivationStore& store, bool compute_loss = true);
+  DecodeState allocate_decode_state(int64_t batch);
+  // Feeds tokens (B values, one per sequence) at position state.length and advances it;
+  // the next-token logits are in state.step.logits. Same math as forward(), one position.
+  void forward_decode(DecodeState& state, const std::vector<int32_t>& tokens);
   // Accumulates into grads() the gradient of loss_weight * (mean loss of the last forward).
   void backward(ActivationStore& store, float loss_weight);
 

@@ -119,6 +119,30 @@ void Block::forward(Backend& backend, BlockSaved& s, const Tensor& out) const {
   linear_forward(backend, s.act, p.fc2_w, p.fc2_b, out, 1.0f);  // out = mid + fc2(act)
 }
 
+void Block::forward_decode(Backend& backend, BlockSaved& s, const Tensor& out, const Tensor& k_cache,
+                           const Tensor& v_cache, const Tensor& q, int64_t pos) const {
+  const BlockParams& p = params_;
+  const int64_t B = s.input.dim(0), H = config_.n_head, hd = config_.head_dim();
+  const int64_t W = config_.qkv_width(), KW = config_.n_kv_head * hd, max_len = k_cache.dim(1);
+  norm_forward(backend, config_, s.input, p.norm1_w, p.norm1_b, s.norm1, s.mean1, s.rstd1);
+  linear_forward(backend, s.norm1, p.qkv_w, p.qkv_b, s.qkv);
+  if (!config_.learned_positions()) backend.rope_forward(s.qkv, hd, H + config_.n_kv_head, config_.rope_theta, pos);
+  for (int64_t b = 0; b < B; ++b) {
+    backend.copy(s.qkv.view(b * W, {H * hd}), q.view(b * H * hd, {H * hd}));
+    backend.copy(s.qkv.view(b * W + H * hd, {KW}), k_cache.view((b * max_len + pos) * KW, {KW}));
+    backend.copy(s.qkv.view(b * W + H * hd + KW, {KW}), v_cache.view((b * max_len + pos) * KW, {KW}));
+  }
+  backend.attention_decode(q, k_cache, v_cache, pos + 1, s.attn, H, config_.n_kv_head);
+  backend.copy(s.input, s.mid);
+  linear_forward(backend, s.attn, p.proj_w, p.proj_b, s.mid, 1.0f);
+  norm_forward(backend, config_, s.mid, p.norm2_w, p.norm2_b, s.norm2, s.mean2, s.rstd2);
+  linear_forward(backend, s.norm2, p.fc_w, p.fc_b, s.fc);
+  if (config_.swiglu()) backend.swiglu_forward(s.fc, s.act);
+  else backend.gelu_forward(s.fc, s.act);
+  backend.copy(s.mid, out);
+  linear_forward(backend, s.act, p.fc2_w, p.fc2_b, out, 1.0f);
+}
+
 void Block::backward(Backend& backend, const BlockSaved& s, const Tensor& d_residual, BlockScratch& k) const {
   const BlockParams& p = params_;
   const BlockParams& g = grads_;

@@ -73,6 +73,10 @@ class Block {
 
   // saved.input must hold the block input; writes out (B,T,C) and the rest of `saved`.
   void forward(Backend& backend, BlockSaved& saved, const Tensor& out) const;
+  // One decoding position (T = 1) at position `pos`: saved is a T=1 record used as scratch;
+  // the new k, v are appended to k_cache, v_cache (B, Tmax, KV*hd); q is (B, H*hd) scratch.
+  void forward_decode(Backend& backend, BlockSaved& saved, const Tensor& out, const Tensor& k_cache,
+                      const Tensor& v_cache, const Tensor& q, int64_t pos) const;
   // d_residual (B,T,C): gradient w.r.t. the block output on entry, w.r.t. its input on exit.
   // Parameter gradients accumulate.
   void backward(Backend& backend, const BlockSaved& saved, const Tensor& d_residual, BlockScratch& scratch) const;

@@ -34,6 +34,7 @@ class AdamW {
   // One update with grads * grad_scale (the clipping coefficient); advances the step counter.
   void step(float lr, float grad_scale = 1.0f);
   int64_t steps_taken() const { return step_; }
+  void restore_steps_taken(int64_t steps) { step_ = steps; }  // with m, v restored from a checkpoint
   const Tensor& first_moment() const { return m_; }   // (P) MEM_OPTIMIZER_STATE
   const Tensor& second_moment() const { return v_; }  // (P) MEM_OPTIMIZER_STATE
   static constexpr int64_t kStateBytesPerParam = 8;    // m and v in fp32

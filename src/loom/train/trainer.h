@@ -3,34 +3,12 @@
 // a step allocates nothing.
 #pragma once
 #include <cstdint>
-#include <vector>
-
+#include "loom/data/batch_source.h"
 #include "loom/model/transformer.h"
 #include "loom/optim/adamw.h"
 #include "loom/optim/schedule.h"
 
 namespace loom {
-
-// Fills a micro-batch: tokens (B,T) and next-token targets (B,T), both i32.
-class BatchSource {
- public:
-  virtual ~BatchSource() = default;
-  virtual void fill(const Tensor& tokens, const Tensor& targets) = 0;
-};
-
-// Windows of T+1 tokens from a token array, each start drawn from Philox(seed, stream 0,
-// draw index): the sequence of batches is a pure function of (seed, draws so far).
-class RandomWindowSource final : public BatchSource {
- public:
-  RandomWindowSource(std::vector<int32_t> tokens, uint64_t seed);
-  void fill(const Tensor& tokens, const Tensor& targets) override;
-  int64_t draws() const { return draws_; }
-
- private:
-  std::vector<int32_t> tokens_;
-  uint64_t seed_;
-  int64_t draws_ = 0;
-};
 
 struct TrainConfig {
   int64_t batch_size = 4;
@@ -63,6 +41,8 @@ class Trainer {
   double evaluate(BatchSource& data, int64_t batches);
   int64_t step() const { return step_; }
   const AdamW& optimizer() const { return optimizer_; }
+  // After a checkpoint restored the weights and the optimizer moments: continue at `step`.
+  void restore(int64_t step, int64_t optimizer_steps);
 
  private:
   Backend& backend_;

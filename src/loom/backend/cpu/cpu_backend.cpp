@@ -275,9 +275,29 @@ class CpuBackend final : public Backend {
     const auto [batch, seq_len, head_dim] = check_attention(op, qkv, out, probs, n_head, n_kv_head);
     check_elementwise(op, out, {&dout});
     check_elementwise(op, qkv, {&dqkv});
+    const Tensor scratch = workspace(seq_len * seq_len, qkv.dtype());
     dispatch_float(qkv.dtype(), op, [&]<typename T>() {
-      cpu::attention_backward(dout.data<T>(), qkv.data<T>(), out.data<T>(), probs.data<T>(), dqkv.data<T>(), batch,
-                              seq_len, n_head, n_kv_head, head_dim);
+      cpu::attention_backward(dout.data<T>(), qkv.data<T>(), out.data<T>(), probs.data<T>(), dqkv.data<T>(),
+                              scratch.data<T>(), batch, seq_len, n_head, n_kv_head, head_dim);
+    });
+  }
+
+  void attention_decode(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, int64_t length,
+                        const Tensor& out, int64_t n_head, int64_t n_kv_head) override {
+    const char* op = "attention_decode";
+    LOOM_CHECK(n_head > 0 && n_kv_head > 0 && n_head % n_kv_head == 0, op, ": n_head ", n_head,
+               " must be a multiple of n_kv_head ", n_kv_head);
+    LOOM_CHECK(k_cache.ndim() == 3, op, ": k_cache must be (B, Tmax, KV hd), got ", k_cache.describe());
+    const int64_t batch = k_cache.dim(0), max_len = k_cache.dim(1), head_dim = k_cache.dim(2) / n_kv_head;
+    LOOM_CHECK(length >= 1 && length <= max_len, op, ": length ", length, " outside [1, ", max_len, "]");
+    check_elementwise(op, k_cache, {&v_cache});
+    expect_dtype(q, k_cache.dtype(), op, "q");
+    expect_numel(q, batch * n_head * head_dim, op, "q (B, H hd)");
+    check_elementwise(op, q, {&out});
+    const Tensor scratch = workspace(batch * n_head * length, q.dtype());
+    dispatch_float(q.dtype(), op, [&]<typename T>() {
+      cpu::attention_decode(q.data<T>(), k_cache.data<T>(), v_cache.data<T>(), out.data<T>(), scratch.data<T>(), batch,
+                            max_len, length, n_head, n_kv_head, head_dim);
     });
   }
 
@@ -445,7 +465,18 @@ class CpuBackend final : public Backend {
     }
   }
 
+  // Scratch of at least `count` elements of `dtype`, kept and grown across calls, so
+  // steady-state steps allocate nothing. Accounted as workspace.
+  Tensor workspace(int64_t count, DType dtype) {
+    if (!workspace_.defined() || workspace_.dtype() != dtype || workspace_.numel() < count) {
+      workspace_ = Tensor();  // release first: peak memory is the larger buffer, not both
+      workspace_ = Tensor::empty(allocator_, {count}, dtype, MEM_WORKSPACE);
+    }
+    return workspace_;
+  }
+
   CpuAllocator allocator_;
+  Tensor workspace_;  // see workspace()
 };
 
 }  // namespace

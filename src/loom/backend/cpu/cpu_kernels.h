@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "loom/backend/cpu/cpu_gemm.h"
 #include "loom/backend/cpu/cpu_math.h"
 
 namespace loom::cpu {
@@ -258,102 +259,121 @@ void rope_rotate(T* x, int64_t batch, int64_t seq_len, int64_t width, int64_t he
   }
 }
 
-// Causal attention. For query row i of head h (kv head g = h / (H/KV)):
-//   s_j = q_i . k_j * scale (j <= i); p = softmax(s); out_i = sum_j p_j v_j. probs[b,h,i,j>i] = 0.
+// Causal attention, one (batch, head) per task, as GEMMs on strided views of qkv (no permute):
+//   S = scale Q_h K_g^T (T,T) written into probs; P = causal_softmax(S) in place (P[i, j>i] = 0);
+//   O_h = P V_g.  Query head h reads kv head g = h / (H/KV). The full S is computed and the
+// upper triangle discarded: a GEMM at full speed beats a triangular loop at a tenth of it.
+// Tasks run one after another, each GEMM and row loop using all threads: oneDNN's sgemm called
+// from inside a parallel region was measured 10x slower here (threads contend), so the
+// parallelism lives inside the task.
 template <typename T>
 void attention_forward(const T* qkv, T* out, T* probs, int64_t batch, int64_t seq_len, int64_t n_head,
                        int64_t n_kv_head, int64_t head_dim) {
-  const int64_t width = (n_head + 2 * n_kv_head) * head_dim;
+  const int64_t W = (n_head + 2 * n_kv_head) * head_dim, OW = n_head * head_dim, Tn = seq_len;
   const int64_t group = n_head / n_kv_head;
   const T scale = T(1) / std::sqrt(static_cast<T>(head_dim));
-#pragma omp parallel for collapse(3) schedule(static)
   for (int64_t b = 0; b < batch; ++b) {
     for (int64_t h = 0; h < n_head; ++h) {
-      for (int64_t i = 0; i < seq_len; ++i) {
-        const T* q = qkv + (b * seq_len + i) * width + h * head_dim;
-        const int64_t k_off = (n_head + h / group) * head_dim;
-        const int64_t v_off = (n_head + n_kv_head + h / group) * head_dim;
-        T* p = probs + ((b * n_head + h) * seq_len + i) * seq_len;
-        T max_s = -INFINITY;
-        for (int64_t j = 0; j <= i; ++j) {
-          const T* k = qkv + (b * seq_len + j) * width + k_off;
-          T dot = 0;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < head_dim; ++d) dot += q[d] * k[d];
-          p[j] = dot * scale;
-          max_s = std::max(max_s, p[j]);
-        }
+      const int64_t g = h / group;
+      const T* q = qkv + b * Tn * W + h * head_dim;
+      const T* k = qkv + b * Tn * W + (n_head + g) * head_dim;
+      const T* v = qkv + b * Tn * W + (n_head + n_kv_head + g) * head_dim;
+      T* p = probs + (b * n_head + h) * Tn * Tn;
+      gemm_t<T>(false, true, Tn, Tn, head_dim, scale, q, W, k, W, T(0), p, Tn);
+#pragma omp parallel for schedule(static)
+      for (int64_t i = 0; i < Tn; ++i) {
+        T* row = p + i * Tn;
+        T max_s = row[0];
+        for (int64_t j = 1; j <= i; ++j) max_s = std::max(max_s, row[j]);
         T sum = 0;
+#pragma omp simd reduction(+ : sum)
         for (int64_t j = 0; j <= i; ++j) {
-          p[j] = exp_t<T>(p[j] - max_s);
-          sum += p[j];
+          row[j] = exp_t<T>(row[j] - max_s);
+          sum += row[j];
         }
         const T inv = T(1) / sum;
-        for (int64_t j = 0; j <= i; ++j) p[j] *= inv;
-        for (int64_t j = i + 1; j < seq_len; ++j) p[j] = 0;
-        T* o = out + (b * seq_len + i) * n_head * head_dim + h * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) o[d] = 0;
-        for (int64_t j = 0; j <= i; ++j) {
-          const T* v = qkv + (b * seq_len + j) * width + v_off;
-          const T pj = p[j];
 #pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) o[d] += pj * v[d];
+        for (int64_t j = 0; j <= i; ++j) row[j] *= inv;
+        std::fill(row + i + 1, row + Tn, T(0));
+      }
+      gemm_t<T>(false, false, Tn, head_dim, Tn, T(1), p, Tn, v, W, T(0), out + b * Tn * OW + h * head_dim, OW);
+    }
+  }
+}
+
+// Backward with the saved P (FlashAttention-2's formulation, Dao 2023), per (batch, kv head):
+//   dP = dO_h V_g^T; D_i = dO_i . O_i; dS = scale P o (dP - D)  (scratch, T x T per thread)
+//   dQ_h = dS K_g;  dK_g += dS^T Q_h;  dV_g += P^T dO_h  (the group's query heads accumulate).
+// scratch holds T*T elements. Tasks run in sequence, threads inside (see attention_forward).
+template <typename T>
+void attention_backward(const T* dout, const T* qkv, const T* out, const T* probs, T* dqkv, T* scratch,
+                        int64_t batch, int64_t seq_len, int64_t n_head, int64_t n_kv_head, int64_t head_dim) {
+  const int64_t W = (n_head + 2 * n_kv_head) * head_dim, OW = n_head * head_dim, Tn = seq_len;
+  const int64_t group = n_head / n_kv_head;
+  const T scale = T(1) / std::sqrt(static_cast<T>(head_dim));
+  T* ds = scratch;
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t g = 0; g < n_kv_head; ++g) {
+      const T* k = qkv + b * Tn * W + (n_head + g) * head_dim;
+      const T* v = qkv + b * Tn * W + (n_head + n_kv_head + g) * head_dim;
+      T* dk = dqkv + b * Tn * W + (n_head + g) * head_dim;
+      T* dv = dqkv + b * Tn * W + (n_head + n_kv_head + g) * head_dim;
+      for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+        const T* q = qkv + b * Tn * W + h * head_dim;
+        const T* o = out + b * Tn * OW + h * head_dim;
+        const T* dO = dout + b * Tn * OW + h * head_dim;
+        const T* p = probs + (b * n_head + h) * Tn * Tn;
+        const T beta = h == g * group ? T(0) : T(1);
+        gemm_t<T>(false, true, Tn, Tn, head_dim, T(1), dO, OW, v, W, T(0), ds, Tn);
+#pragma omp parallel for schedule(static)
+        for (int64_t i = 0; i < Tn; ++i) {
+          T D = 0;
+#pragma omp simd reduction(+ : D)
+          for (int64_t d = 0; d < head_dim; ++d) D += dO[i * OW + d] * o[i * OW + d];
+          T* row = ds + i * Tn;
+          const T* prow = p + i * Tn;
+#pragma omp simd
+          for (int64_t j = 0; j < Tn; ++j) row[j] = scale * prow[j] * (row[j] - D);
         }
+        gemm_t<T>(false, false, Tn, head_dim, Tn, T(1), ds, Tn, k, W, T(0), dqkv + b * Tn * W + h * head_dim, W);
+        gemm_t<T>(true, false, Tn, head_dim, Tn, T(1), ds, Tn, q, W, beta, dk, W);
+        gemm_t<T>(true, false, Tn, head_dim, Tn, T(1), p, Tn, dO, OW, beta, dv, W);
       }
     }
   }
 }
 
-// FlashAttention-2 style backward with saved probs P (Dao 2023):
-//   D_i = dO_i . O_i; dP_ij = dO_i . v_j; dS_ij = P_ij (dP_ij - D_i);
-//   dq_i = scale sum_j dS_ij k_j; dk_j += scale dS_ij q_i; dv_j += P_ij dO_i.
-// Parallel over (batch, kv head): the query heads of a group write the same dk, dv.
+// Decode attention for one query per sequence: s_j = q . k_j * scale over j < length,
+// p = softmax(s), out = sum_j p_j v_j; head h reads kv head h / (H/KV). scratch: B*H*length.
 template <typename T>
-void attention_backward(const T* dout, const T* qkv, const T* out, const T* probs, T* dqkv, int64_t batch,
-                        int64_t seq_len, int64_t n_head, int64_t n_kv_head, int64_t head_dim) {
-  const int64_t width = (n_head + 2 * n_kv_head) * head_dim;
-  const int64_t out_width = n_head * head_dim;
-  const int64_t group = n_head / n_kv_head;
+void attention_decode(const T* q, const T* k_cache, const T* v_cache, T* out, T* scratch, int64_t batch,
+                      int64_t max_len, int64_t length, int64_t n_head, int64_t n_kv_head, int64_t head_dim) {
+  const int64_t group = n_head / n_kv_head, KW = n_kv_head * head_dim;
   const T scale = T(1) / std::sqrt(static_cast<T>(head_dim));
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t b = 0; b < batch; ++b) {
-    for (int64_t g = 0; g < n_kv_head; ++g) {
-      const int64_t k_off = (n_head + g) * head_dim;
-      const int64_t v_off = (n_head + n_kv_head + g) * head_dim;
-      for (int64_t t = 0; t < seq_len; ++t) {
-        T* row = dqkv + (b * seq_len + t) * width;
-        std::fill(row + k_off, row + k_off + head_dim, T(0));
-        std::fill(row + v_off, row + v_off + head_dim, T(0));
+    for (int64_t h = 0; h < n_head; ++h) {
+      const T* qh = q + (b * n_head + h) * head_dim;
+      const int64_t g = h / group;
+      T* s = scratch + (b * n_head + h) * length;
+      T max_s = -INFINITY;
+      for (int64_t j = 0; j < length; ++j) {
+        const T* k = k_cache + (b * max_len + j) * KW + g * head_dim;
+        T dot = 0;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * k[d];
+        s[j] = dot * scale;
+        max_s = std::max(max_s, s[j]);
       }
-      for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-        for (int64_t i = 0; i < seq_len; ++i) {
-          const T* q = qkv + (b * seq_len + i) * width + h * head_dim;
-          const T* o = out + (b * seq_len + i) * out_width + h * head_dim;
-          const T* dO = dout + (b * seq_len + i) * out_width + h * head_dim;
-          const T* p = probs + ((b * n_head + h) * seq_len + i) * seq_len;
-          T* dq = dqkv + (b * seq_len + i) * width + h * head_dim;
-          T D = 0;
-#pragma omp simd reduction(+ : D)
-          for (int64_t d = 0; d < head_dim; ++d) D += dO[d] * o[d];
-          for (int64_t d = 0; d < head_dim; ++d) dq[d] = 0;
-          for (int64_t j = 0; j <= i; ++j) {
-            const T* k = qkv + (b * seq_len + j) * width + k_off;
-            const T* v = qkv + (b * seq_len + j) * width + v_off;
-            T* dk = dqkv + (b * seq_len + j) * width + k_off;
-            T* dv = dqkv + (b * seq_len + j) * width + v_off;
-            T dp = 0;
-#pragma omp simd reduction(+ : dp)
-            for (int64_t d = 0; d < head_dim; ++d) dp += dO[d] * v[d];
-            const T pj = p[j];
-            const T ds = pj * (dp - D) * scale;
+      T sum = 0;
+      for (int64_t j = 0; j < length; ++j) sum += (s[j] = exp_t<T>(s[j] - max_s));
+      T* o = out + (b * n_head + h) * head_dim;
+      std::fill(o, o + head_dim, T(0));
+      for (int64_t j = 0; j < length; ++j) {
+        const T* v = v_cache + (b * max_len + j) * KW + g * head_dim;
+        const T p = s[j] / sum;
 #pragma omp simd
-            for (int64_t d = 0; d < head_dim; ++d) {
-              dq[d] += ds * k[d];
-              dk[d] += ds * q[d];
-              dv[d] += pj * dO[d];
-            }
-          }
-        }
+        for (int64_t d = 0; d < head_dim; ++d) o[d] += p * v[d];
       }
     }
   }

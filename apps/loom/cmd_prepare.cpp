@@ -1,0 +1,34 @@
+// loom prepare: text -> token shards (+ meta.json, stats.json) for `loom train`.
+#include <cstdio>
+#include <cstring>
+
+#include "cli.h"
+#include "commands.h"
+
+namespace loom::cli {
+
+namespace {
+const char* kHelp =
+    "usage: loom prepare [--input FILE] [--tokenizer gpt2|byte|DIR] [--out DIR] [--val-fraction F]\n"
+    "                    [--config FILE] [--set key=value,...]\n"
+    "\n"
+    "Tokenizes a text file into token shards with an end-of-text token after the text, splits off\n"
+    "the last F of the tokens for validation, and writes DIR/meta.json and DIR/stats.json (token\n"
+    "counts and the unigram entropy of the training split).\n"
+    "Without --input: the default corpus, every fortune of Debian's `fortunes` package (real\n"
+    "English text), one document each. Defaults come from the config: data.tokenizer, data.dir,\n"
+    "data.val_fraction, data.input.\n";
+}  // namespace
+
+int prepare_main(int argc, char** argv) {
+  if (argc >= 1 && std::strcmp(argv[0], "--help") == 0) return std::fputs(kHelp, stdout), 0;
+  const Args args(argc, argv, {"input", "tokenizer", "out", "val-fraction", "config", "set"}, {}, "prepare");
+  const LoomConfig config = load_config(args);
+  const std::string input = args.get("input", config.data.input);
+  const auto tokenizer = load_tokenizer(args.get("tokenizer", config.data.tokenizer));
+  const std::vector<std::string> documents = input.empty() ? default_corpus_documents() : text_file_documents(input);
+  prepare_dataset(documents, *tokenizer, args.get("out", config.data.dir), args.get_double("val-fraction", config.data.val_fraction));
+  return 0;
+}
+
+}  // namespace loom::cli

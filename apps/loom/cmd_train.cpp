@@ -1,0 +1,214 @@
+// loom train: the training loop a user runs. Composes the model, the data loaders, the
+// trainer, checkpoints, evaluation, the progress line, metrics and the final sample.
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "cli.h"
+#include "commands.h"
+#include "loom/core/error.h"
+#include "loom/data/loader.h"
+#include "loom/data/shard.h"
+#include "loom/infer/generate.h"
+#include "loom/train/throughput.h"
+
+namespace loom::cli {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+const char* kHelp =
+    "usage: loom train [--config FILE] [--set key=value,...] [--resume] [--stop-at-step N]\n"
+    "\n"
+    "Trains the model described by configs/default.toml, then FILE, then the --set overrides\n"
+    "(comma-separated or repeated). With no arguments it trains the default small GPT-2 on the\n"
+    "default corpus (preparing it first if data/fortunes is missing). Writes runs/<run.name>/:\n"
+    "config.toml (resolved), metrics.jsonl, checkpoints/step_N/, samples.txt.\n"
+    "  --resume          continue from the newest valid checkpoint of the run (corrupt ones are\n"
+    "                    skipped with a message); bitwise identical to an uninterrupted run\n"
+    "  --stop-at-step N  checkpoint and stop after step N, as an interrupted run would\n"
+    "\n"
+    "config keys (section.key):\n";
+
+// The one-line status of a step, and its JSON metrics record.
+struct StepReport {
+  StepStats stats;
+  double tokens_per_s = 0.0;
+  double mfu = 0.0;
+  size_t memory_bytes = 0;
+  double eta_seconds = 0.0;
+};
+
+void print_progress(const StepReport& r, int64_t total, bool terminal, bool force_line) {
+  char line[256];
+  std::snprintf(line, sizeof line, "step %lld/%lld | loss %.4f | lr %.2e | %.0f tok/s | MFU %.1f%% | mem %s | ETA %s",
+                static_cast<long long>(r.stats.step + 1), static_cast<long long>(total), r.stats.loss, r.stats.lr,
+                r.tokens_per_s, 100.0 * r.mfu, format_bytes(r.memory_bytes).c_str(), format_duration(r.eta_seconds).c_str());
+  if (terminal) std::printf("\r%-110s%s", line, force_line ? "\n" : "");
+  else if (force_line) std::printf("%s\n", line);
+  std::fflush(stdout);
+}
+
+class MetricsLog {
+ public:
+  explicit MetricsLog(const std::string& path) : out_(path, std::ios::app) {
+    LOOM_CHECK(out_, path, ": cannot open for appending");
+  }
+  void write(const nlohmann::json& record) {
+    out_ << record.dump() << "\n";
+    out_.flush();
+  }
+
+ private:
+  std::ofstream out_;
+};
+
+nlohmann::json memory_json(const MemoryTracker& mem) {
+  nlohmann::json j;
+  for (int c = 0; c < MEM_CATEGORY_COUNT; ++c) {
+    const auto cat = static_cast<MemCategory>(c);
+    j[std::string(mem_category_name(cat))] = {{"current", mem.current(cat)}, {"peak", mem.peak(cat)}};
+  }
+  return j;
+}
+
+double validation_loss(Trainer& trainer, TokenLoader& val, int64_t batches) {
+  val.rewind();
+  return trainer.evaluate(val, batches);
+}
+
+}  // namespace
+
+int train_main(int argc, char** argv) {
+  if (argc >= 1 && std::strcmp(argv[0], "--help") == 0) {
+    std::fputs(kHelp, stdout);
+    for (const std::string& key : config_keys()) std::printf("  %s\n", key.c_str());
+    return 0;
+  }
+  const Args args(argc, argv, {"config", "set", "stop-at-step"}, {"resume"}, "train");
+  LoomConfig config = load_config(args);
+  const int64_t stop_at = args.get_int("stop-at-step", -1);
+
+  const bool default_data = config.data.input.empty() && config.data.dir == DataConfig{}.dir;
+  if (!fs::exists(config.data.dir) && default_data) {
+    std::printf("preparing the default corpus into %s (first run)\n", config.data.dir.c_str());
+    prepare_dataset(default_corpus_documents(), *load_tokenizer(config.data.tokenizer), config.data.dir,
+                    config.data.val_fraction);
+  }
+  TokenDataset data = open_dataset(config.data.dir);
+  if (config.model.vocab_size == 0) config.model.vocab_size = static_cast<int64_t>(data.vocab_size);
+  LOOM_CHECK(config.model.vocab_size == static_cast<int64_t>(data.vocab_size), "model.vocab_size (", config.model.vocab_size,
+             ") differs from the dataset's vocabulary (", data.vocab_size, ", ", config.data.dir,
+             "/meta.json); set model.vocab_size = 0 to follow the data");
+  config.validate();
+
+  const std::string dir = run_dir(config);
+  fs::create_directories(dir);
+  const std::string config_text = config_to_toml(config);
+  write_text_atomic((fs::path(dir) / "config.toml").string(), config_text);
+
+  auto backend = make_cpu_backend();
+  Transformer model(*backend, config.model);
+  model.init_weights(config.loop.seed);
+  Trainer trainer(*backend, model, config.train);
+  TokenLoader train_data(std::move(data.train), config.train.seq_len, config.loop.seed);
+  TokenLoader val_data(std::move(data.val), config.train.seq_len, config.loop.seed, LOADER_ORDER_SEQUENTIAL);
+
+  CheckpointOptions ckpt_options;
+  ckpt_options.keep_last = static_cast<int>(config.loop.keep_checkpoints);
+  CheckpointManager checkpoints((fs::path(dir) / "checkpoints").string(), ckpt_options);
+  const ModelState model_state{config.model, model.params()};
+  const OptimizerState optimizer_state{trainer.optimizer().first_moment(), trainer.optimizer().second_moment()};
+  auto save = [&] {
+    CheckpointContents c;
+    c.step = trainer.step();
+    c.model = model_state;
+    c.optimizer = optimizer_state;
+    c.optimizer_steps = trainer.optimizer().steps_taken();
+    c.data_state = train_data.state();
+    c.config_text = config_text;
+    return checkpoints.save(c);
+  };
+  if (args.has("resume")) {
+    const auto loaded = checkpoints.load_latest(model_state, optimizer_state, [](const std::string& line) {
+      std::fprintf(stderr, "loom train: %s\n", line.c_str());
+    });
+    if (loaded) {
+      trainer.restore(loaded->step, loaded->optimizer_steps);
+      train_data.restore(loaded->data_state.get<LoaderState>());
+      std::printf("resumed from %s (step %lld)\n", loaded->path.c_str(), static_cast<long long>(loaded->step));
+    } else {
+      std::printf("no checkpoint in %s/checkpoints; starting from scratch\n", dir.c_str());
+    }
+  }
+
+  const double peak_gflops = measure_gemm_peak_gflops(*backend);
+  const double flops_per_token = train_flops_per_token(config.model, config.train.seq_len);
+  std::printf("run %s: %s, %lld parameters, %.1f MFLOP/token; GEMM peak %.0f GFLOP/s (measured, fp32)\n", dir.c_str(),
+              std::string(arch_name(config.model.arch)).c_str(), static_cast<long long>(param_count(config.model)),
+              flops_per_token / 1e6, peak_gflops);
+  MetricsLog metrics((fs::path(dir) / "metrics.jsonl").string());
+  const bool terminal = stdout_is_terminal();
+  const MemoryTracker& mem = backend->allocator().tracker();
+  double seconds_sum = 0.0;
+  int64_t steps_timed = 0;
+  double last_val = NAN;
+
+  while (trainer.step() < config.train.steps) {
+    const StepStats stats = trainer.train_step(train_data);
+    seconds_sum += stats.seconds;
+    ++steps_timed;
+    StepReport r{stats};
+    r.tokens_per_s = static_cast<double>(stats.tokens) / stats.seconds;
+    r.mfu = r.tokens_per_s * flops_per_token / (peak_gflops * 1e9);
+    r.memory_bytes = mem.current_total();
+    r.eta_seconds = seconds_sum / static_cast<double>(steps_timed) * static_cast<double>(config.train.steps - trainer.step());
+    metrics.write({{"step", stats.step + 1}, {"loss", stats.loss}, {"lr", stats.lr}, {"grad_norm", stats.grad_norm},
+                   {"tokens", stats.tokens}, {"seconds", stats.seconds}, {"tokens_per_s", r.tokens_per_s}, {"mfu", r.mfu},
+                   {"memory_bytes", r.memory_bytes}});
+    const int64_t done = trainer.step();
+    const bool eval_now = config.loop.eval_every > 0 && done % config.loop.eval_every == 0;
+    print_progress(r, config.train.steps, terminal, eval_now || done % config.loop.log_every == 0 || done == config.train.steps);
+    if (eval_now || done == config.train.steps) {
+      last_val = validation_loss(trainer, val_data, config.loop.eval_batches);
+      metrics.write({{"step", done}, {"val_loss", last_val}, {"memory", memory_json(mem)}});
+      std::printf("step %lld: validation loss %.4f (perplexity %.1f)\n", static_cast<long long>(done), last_val, std::exp(last_val));
+    }
+    if ((config.loop.checkpoint_every > 0 && done % config.loop.checkpoint_every == 0) || done == stop_at ||
+        done == config.train.steps) {
+      const std::string path = save();
+      if (done == stop_at && done < config.train.steps) {
+        std::printf("stopped after step %lld (--stop-at-step); checkpoint %s; continue with --resume\n",
+                    static_cast<long long>(done), path.c_str());
+        return 0;
+      }
+    }
+  }
+
+  const auto tokenizer = load_tokenizer(config.data.tokenizer);
+  std::vector<int32_t> prompt = tokenizer->encode(config.sample.prompt);
+  if (prompt.empty()) prompt.push_back(tokenizer->eot_token());
+  Sampler sampler(config.sample.sampling);
+  GenerateOptions options;
+  options.max_new_tokens = config.sample.max_new_tokens;
+  options.stop_token = tokenizer->eot_token();
+  std::vector<int32_t> sample = generate(model, prompt, sampler, options);
+  if (!sample.empty() && sample.back() == tokenizer->eot_token()) sample.pop_back();
+  const std::string text = config.sample.prompt + tokenizer->decode(sample);
+  write_text_atomic((fs::path(dir) / "samples.txt").string(), text + "\n");
+  std::printf("\nsample (temperature %.2f, top-k %lld, top-p %.2f):\n%s\n\n", config.sample.sampling.temperature,
+              static_cast<long long>(config.sample.sampling.top_k), config.sample.sampling.top_p, text.c_str());
+  std::printf("done: %lld steps, final validation loss %.4f; peak memory %s (parameters %s, gradients %s, optimizer %s, "
+              "activations %s)\n",
+              static_cast<long long>(trainer.step()), last_val, format_bytes(mem.peak_total()).c_str(),
+              format_bytes(mem.peak(MEM_PARAMETERS)).c_str(), format_bytes(mem.peak(MEM_GRADIENTS)).c_str(),
+              format_bytes(mem.peak(MEM_OPTIMIZER_STATE)).c_str(), format_bytes(mem.peak(MEM_ACTIVATIONS)).c_str());
+  return 0;
+}
+
+}  // namespace loom::cli

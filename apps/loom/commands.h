@@ -1,0 +1,12 @@
+// One function per subcommand; argv holds the arguments after the subcommand's name.
+#pragma once
+
+namespace loom::cli {
+
+int prepare_main(int argc, char** argv);
+int train_main(int argc, char** argv);
+int eval_main(int argc, char** argv);
+int generate_main(int argc, char** argv);
+int tokenizer_main(int argc, char** argv);
+
+}  // namespace loom::cli

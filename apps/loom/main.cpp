@@ -1,0 +1,44 @@
+// loom: the command-line front end. Every error reaches the user as one line on stderr and a
+// non-zero exit status.
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <string>
+
+#include "commands.h"
+
+namespace {
+
+const char* kUsage =
+    "usage: loom <command> [options]\n"
+    "\n"
+    "commands:\n"
+    "  prepare     tokenize a text file (default: Debian's fortunes) into token shards\n"
+    "  train       train a model (no arguments: the default small GPT-2 on the default corpus)\n"
+    "  eval        validation loss and perplexity of a checkpoint\n"
+    "  generate    sample text from a checkpoint (KV cache; greedy, temperature, top-k, top-p)\n"
+    "  tokenizer   train a byte-level BPE tokenizer on your own corpus\n"
+    "\n"
+    "`loom <command> --help` describes each command's options.\n";
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2 || std::strcmp(argv[1], "--help") == 0 || std::strcmp(argv[1], "-h") == 0) {
+    std::fputs(kUsage, argc < 2 ? stderr : stdout);
+    return argc < 2 ? 2 : 0;
+  }
+  const std::string command = argv[1];
+  try {
+    if (command == "prepare") return loom::cli::prepare_main(argc - 2, argv + 2);
+    if (command == "train") return loom::cli::train_main(argc - 2, argv + 2);
+    if (command == "eval") return loom::cli::eval_main(argc - 2, argv + 2);
+    if (command == "generate") return loom::cli::generate_main(argc - 2, argv + 2);
+    if (command == "tokenizer") return loom::cli::tokenizer_main(argc - 2, argv + 2);
+    std::fprintf(stderr, "loom: unknown command '%s'\n%s", command.c_str(), kUsage);
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "loom %s: error: %s\n", command.c_str(), e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,559 @@
+#include "loom/checkpoint/checkpoint.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iomanip>
+#include <memory>
+#include <optional>
+#include <set>
+#include <sstream>
+#include <utility>
+
+#include "loom/checkpoint/safetensors.h"
+#include "loom/core/error.h"
+#include "loom/model/param_layout.h"
+
+namespace loom {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr const char* kModelFile = "model.safetensors";
+constexpr const char* kOptimizerFile = "optimizer.safetensors";
+constexpr const char* kTrainerFile = "trainer.json";
+constexpr const char* kManifestFile = "manifest.json";
+constexpr const char* kRequiredFiles[] = {kModelFile, kOptimizerFile, kTrainerFile};  // all but the manifest
+constexpr const char* kManifestFormat = "loom-checkpoint";
+constexpr int64_t kManifestVersion = 1;
+constexpr const char* kStepPrefix = "step_";
+constexpr const char* kTmpSuffix = ".tmp";
+
+// ---- file system: one-line errors naming the path, fsync of files and folders ----
+
+void write_all(int fd, const void* data, size_t bytes, const std::string& path) {
+  const char* p = static_cast<const char*>(data);
+  while (bytes > 0) {
+    const ssize_t n = ::write(fd, p, bytes);
+    LOOM_CHECK(n >= 0, path, ": write failed: ", std::strerror(errno));
+    p += n;
+    bytes -= static_cast<size_t>(n);
+  }
+}
+
+// Writes `text` to `path` and fsyncs it (the caller fsyncs the folder).
+void write_text_synced(const std::string& path, const std::string& text) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  LOOM_CHECK(fd >= 0, path, ": cannot create: ", std::strerror(errno));
+  try {
+    write_all(fd, text.data(), text.size(), path);
+    LOOM_CHECK(::fsync(fd) == 0, path, ": fsync failed: ", std::strerror(errno));
+  } catch (...) {
+    ::close(fd);
+    throw;
+  }
+  ::close(fd);
+}
+
+// A rename or a new entry is durable only once its folder is fsynced.
+void fsync_dir(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_DIRECTORY);
+  LOOM_CHECK(fd >= 0, path, ": cannot open folder to fsync: ", std::strerror(errno));
+  const int rc = ::fsync(fd);
+  const int err = errno;
+  ::close(fd);
+  LOOM_CHECK(rc == 0, path, ": fsync of folder failed: ", std::strerror(err));
+}
+
+void remove_tree(const fs::path& path) {
+  std::error_code ec;
+  fs::remove_all(path, ec);
+  LOOM_CHECK(!ec, path.string(), ": cannot delete: ", ec.message());
+}
+
+struct FileDigest {
+  uint64_t bytes = 0;
+  uint64_t xxh64 = 0;
+};
+
+FileDigest digest_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  LOOM_CHECK(in, path, ": cannot open");
+  std::unique_ptr<XXH64_state_t, decltype(&XXH64_freeState)> state(XXH64_createState(), &XXH64_freeState);
+  LOOM_CHECK(state != nullptr && XXH64_reset(state.get(), 0) == XXH_OK, path, ": cannot start XXH64");
+  std::vector<char> buffer(size_t{1} << 20);
+  FileDigest digest;
+  while (in) {
+    in.read(buffer.data(), static_cast<std::streamsize>(buffer.size()));
+    const auto n = static_cast<size_t>(in.gcount());
+    XXH64_update(state.get(), buffer.data(), n);
+    digest.bytes += n;
+  }
+  LOOM_CHECK(in.eof(), path, ": read failed");
+  digest.xxh64 = XXH64_digest(state.get());
+  return digest;
+}
+
+std::string hex64(uint64_t v) {
+  std::ostringstream out;
+  out << std::hex << std::setw(16) << std::setfill('0') << v;
+  return out.str();
+}
+
+// ---- step directory names ----
+
+// The step of "step_<digits>" (with `suffix` after the digits), or -1 for any other name.
+int64_t parse_step_name(const std::string& name, const std::string& suffix) {
+  const std::string prefix = kStepPrefix;
+  if (name.size() <= prefix.size() + suffix.size() || name.compare(0, prefix.size(), prefix) != 0 ||
+      name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0) {
+    return -1;
+  }
+  const std::string digits = name.substr(prefix.size(), name.size() - prefix.size() - suffix.size());
+  if (digits.size() > 18 || !std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+    return -1;
+  }
+  return std::stoll(digits);
+}
+
+// ---- model config <-> json ----
+
+// The shortest decimal that reads back as `f` (0.02f -> 0.02, not 0.019999999552965164), so
+// the config in the file reads as the user wrote it and still round-trips bitwise.
+double shortest_decimal(float f) {
+  char buf[32];
+  for (int digits = 6; digits < 9; ++digits) {
+    std::snprintf(buf, sizeof(buf), "%.*g", digits, static_cast<double>(f));
+    if (std::strtof(buf, nullptr) == f) return std::strtod(buf, nullptr);
+  }
+  std::snprintf(buf, sizeof(buf), "%.9g", static_cast<double>(f));
+  return std::strtod(buf, nullptr);
+}
+
+nlohmann::json model_config_json(const ModelConfig& c) {
+  return {{"arch", std::string(arch_name(c.arch))},
+          {"vocab_size", c.vocab_size},
+          {"max_seq_len", c.max_seq_len},
+          {"n_layer", c.n_layer},
+          {"n_head", c.n_head},
+          {"n_kv_head", c.n_kv_head},
+          {"d_model", c.d_model},
+          {"d_ff", c.d_ff},
+          {"norm_eps", shortest_decimal(c.norm_eps)},
+          {"rope_theta", shortest_decimal(c.rope_theta)},
+          {"init_std", shortest_decimal(c.init_std)}};
+}
+
+ModelConfig model_config_from_json(const std::string& text, const std::string& path) {
+  ModelConfig c;
+  try {
+    const nlohmann::json j = nlohmann::json::parse(text);
+    c.arch = arch_from_name(j.at("arch").get<std::string>());
+    c.vocab_size = j.at("vocab_size").get<int64_t>();
+    c.max_seq_len = j.at("max_seq_len").get<int64_t>();
+    c.n_layer = j.at("n_layer").get<int64_t>();
+    c.n_head = j.at("n_head").get<int64_t>();
+    c.n_kv_head = j.at("n_kv_head").get<int64_t>();
+    c.d_model = j.at("d_model").get<int64_t>();
+    c.d_ff = j.at("d_ff").get<int64_t>();
+    c.norm_eps = j.at("norm_eps").get<float>();
+    c.rope_theta = j.at("rope_theta").get<float>();
+    c.init_std = j.at("init_std").get<float>();
+    c.validate();
+  } catch (const nlohmann::json::exception& e) {
+    throw Error(str_cat(path, ": metadata 'model_config' is not a valid model config (", e.what(), ")"));
+  } catch (const Error& e) {
+    throw Error(str_cat(path, ": metadata 'model_config' is not a valid model config (", e.what(), ")"));
+  }
+  return c;
+}
+
+// ---- Hugging Face GPT-2 layout ----
+
+// GPT-2's Conv1D weights, which Hugging Face stores (in, out): h.<i>.attn.c_attn.weight, ...
+bool is_conv1d_weight(const std::string& name) {
+  static const char* const kSuffixes[] = {".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight",
+                                          ".mlp.c_proj.weight"};
+  if (name.rfind("h.", 0) != 0) return false;
+  for (const char* suffix : kSuffixes) {
+    const size_t n = std::strlen(suffix);
+    if (name.size() > n && name.compare(name.size() - n, n, suffix) == 0) return true;
+  }
+  return false;
+}
+
+// dst (cols, rows) = src (rows, cols) transposed.
+void transpose_into(const float* src, float* dst, int64_t rows, int64_t cols) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) dst[c * rows + r] = src[r * cols + c];
+  }
+}
+
+bool file_transposes(const ParamSpec& spec, bool hf_layout) { return hf_layout && is_conv1d_weight(spec.name); }
+
+Shape file_shape(const ParamSpec& spec, bool hf_layout) {
+  return file_transposes(spec, hf_layout) ? Shape{spec.shape[1], spec.shape[0]} : spec.shape;
+}
+
+// ---- checks on the caller's tensors ----
+
+void check_flat_f32(const Tensor& t, int64_t numel, const std::string& where, const char* what) {
+  LOOM_CHECK(t.defined(), where, ": ", what, " is undefined, expected f32(", numel, ") in host memory");
+  LOOM_CHECK(t.dtype() == DTYPE_F32 && t.numel() == numel && t.device() == DEVICE_CPU, where, ": ", what, " is ",
+             t.describe(), (t.device() == DEVICE_CPU ? "" : " on a device"), ", expected f32(", numel,
+             ") in host memory");
+}
+
+// ---- writing ----
+
+void write_model_file(const std::string& path, const ModelState& model, const ParamLayout& layout, bool hf_layout) {
+  CpuAllocator transposed_alloc;  // the (in, out) copies of Conv1D weights, freed when written
+  std::vector<std::pair<std::string, Tensor>> tensors;
+  tensors.reserve(layout.params.size());
+  for (const ParamSpec& spec : layout.params) {
+    Tensor view = model.params.view(spec.offset, spec.shape);
+    if (file_transposes(spec, hf_layout)) {
+      Tensor t = Tensor::empty(transposed_alloc, file_shape(spec, hf_layout), DTYPE_F32, MEM_WORKSPACE);
+      transpose_into(view.data<float>(), t.data<float>(), spec.shape[0], spec.shape[1]);
+      view = t;
+    }
+    tensors.emplace_back(spec.name, view);
+  }
+  // "format": "pt" is what transformers' from_pretrained requires of a safetensors file.
+  write_safetensors(path, tensors,
+                    {{"format", "pt"},
+                     {"arch", std::string(arch_name(model.config.arch))},
+                     {"model_config", model_config_json(model.config).dump()},
+                     {"hf_layout", hf_layout ? "true" : "false"}});
+}
+
+void write_optimizer_file(const std::string& path, const CheckpointContents& c) {
+  write_safetensors(path, {{"exp_avg", c.optimizer.exp_avg}, {"exp_avg_sq", c.optimizer.exp_avg_sq}},
+                    {{"format", "pt"}, {"step", std::to_string(c.optimizer_steps)}});
+}
+
+nlohmann::json trainer_json(const CheckpointContents& c) {
+  return {{"step", c.step}, {"data_state", c.data_state}, {"config_text", c.config_text}, {"extra", c.extra}};
+}
+
+nlohmann::json manifest_json(const fs::path& dir, int64_t step) {
+  nlohmann::json files = nlohmann::json::object();
+  for (const char* name : kRequiredFiles) {
+    const FileDigest d = digest_file((dir / name).string());
+    files[name] = {{"bytes", d.bytes}, {"xxh64", hex64(d.xxh64)}};
+  }
+  return {{"format", kManifestFormat}, {"version", kManifestVersion}, {"step", step}, {"files", files}};
+}
+
+// ---- reading ----
+
+nlohmann::json read_json_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  LOOM_CHECK(in, path, ": cannot open");
+  try {
+    return nlohmann::json::parse(in);
+  } catch (const nlohmann::json::exception& e) {
+    throw Error(str_cat(path, ": not valid JSON (", e.what(), ")"));
+  }
+}
+
+bool metadata_flag(const SafetensorsFile& file, const std::string& path, const std::string& key) {
+  const std::string& v = file.metadata_value(key);
+  LOOM_CHECK(v == "true" || v == "false", path, ": metadata '", key, "' is '", v, "', expected true or false");
+  return v == "true";
+}
+
+// Checks that `file` holds exactly the model's parameters with the model's shapes (transposed
+// where the file says hf_layout), before anything is copied.
+void check_model_file(const SafetensorsFile& file, const std::string& path, const ModelConfig& config,
+                      const ParamLayout& layout, bool hf_layout) {
+  const std::string& arch = file.metadata_value("arch");
+  LOOM_CHECK(arch == arch_name(config.arch), path, ": checkpoint arch is '", arch, "', the model is '",
+             arch_name(config.arch), "'");
+  std::set<std::string> expected;
+  for (const ParamSpec& spec : layout.params) {
+    expected.insert(spec.name);
+    const Shape shape = file_shape(spec, hf_layout);
+    LOOM_CHECK(file.has(spec.name), path, ": no tensor '", spec.name, "', the model expects f32", shape_str(shape),
+               " (checkpoint model_config ", file.metadata_value("model_config"), ")");
+    LOOM_CHECK(file.dtype(spec.name) == DTYPE_F32 && file.shape(spec.name) == shape, path, ": tensor '", spec.name,
+               "' is ", dtype_name(file.dtype(spec.name)), shape_str(file.shape(spec.name)), ", the model expects f32",
+               shape_str(shape), " (checkpoint model_config ", file.metadata_value("model_config"), ")");
+  }
+  for (const std::string& name : file.names()) {
+    LOOM_CHECK(expected.count(name) != 0, path, ": tensor '", name, "' is not a parameter of this model (checkpoint ",
+               "model_config ", file.metadata_value("model_config"), ")");
+  }
+}
+
+void copy_model_file(const SafetensorsFile& file, const ModelState& model, const ParamLayout& layout, bool hf_layout) {
+  CpuAllocator transposed_alloc;
+  for (const ParamSpec& spec : layout.params) {
+    const Tensor dst = model.params.view(spec.offset, spec.shape);
+    if (!file_transposes(spec, hf_layout)) {
+      file.copy_into(spec.name, dst);
+      continue;
+    }
+    const Tensor stored = file.tensor(spec.name, transposed_alloc, MEM_WORKSPACE);  // (in, out)
+    transpose_into(stored.data<float>(), dst.data<float>(), spec.shape[1], spec.shape[0]);
+  }
+}
+
+void check_optimizer_file(const SafetensorsFile& file, const std::string& path, int64_t numel) {
+  for (const char* name : {"exp_avg", "exp_avg_sq"}) {
+    LOOM_CHECK(file.has(name), path, ": no tensor '", name, "', expected f32(", numel, ")");
+    LOOM_CHECK(file.dtype(name) == DTYPE_F32 && file.shape(name) == Shape{numel}, path, ": tensor '", name, "' is ",
+               dtype_name(file.dtype(name)), shape_str(file.shape(name)), ", the optimizer expects f32(", numel, ")");
+  }
+}
+
+int64_t parse_int(const std::string& text, const std::string& path, const std::string& key) {
+  try {
+    size_t used = 0;
+    const int64_t v = std::stoll(text, &used);
+    if (used == text.size()) return v;
+  } catch (const std::exception&) {
+  }
+  throw Error(str_cat(path, ": metadata '", key, "' is '", text, "', expected an integer"));
+}
+
+// Loads a checkpoint whose manifest has been checked.
+LoadedCheckpoint load_verified(const std::string& dir, const ModelState& model, const OptimizerState& optimizer) {
+  const ParamLayout layout = build_param_layout(model.config);
+  check_flat_f32(model.params, layout.total, dir, "model params");
+  const bool load_optimizer = optimizer.exp_avg.defined() || optimizer.exp_avg_sq.defined();
+  if (load_optimizer) {
+    check_flat_f32(optimizer.exp_avg, layout.total, dir, "optimizer exp_avg");
+    check_flat_f32(optimizer.exp_avg_sq, layout.total, dir, "optimizer exp_avg_sq");
+  }
+
+  const std::string model_path = (fs::path(dir) / kModelFile).string();
+  const SafetensorsFile model_file = SafetensorsFile::read(model_path);
+  const bool hf_layout = metadata_flag(model_file, model_path, "hf_layout");
+  check_model_file(model_file, model_path, model.config, layout, hf_layout);
+
+  const std::string trainer_path = (fs::path(dir) / kTrainerFile).string();
+  const nlohmann::json trainer = read_json_file(trainer_path);
+  LoadedCheckpoint loaded;
+  loaded.path = dir;
+  try {
+    loaded.step = trainer.at("step").get<int64_t>();
+    loaded.data_state = trainer.at("data_state");
+    loaded.config_text = trainer.at("config_text").get<std::string>();
+    loaded.extra = trainer.at("extra");
+  } catch (const nlohmann::json::exception& e) {
+    throw Error(str_cat(trainer_path, ": expected step, data_state, config_text and extra (", e.what(), ")"));
+  }
+
+  std::optional<SafetensorsFile> optimizer_file;
+  if (load_optimizer) {
+    const std::string optimizer_path = (fs::path(dir) / kOptimizerFile).string();
+    optimizer_file = SafetensorsFile::read(optimizer_path);
+    check_optimizer_file(*optimizer_file, optimizer_path, layout.total);
+    loaded.optimizer_steps = parse_int(optimizer_file->metadata_value("step"), optimizer_path, "step");
+  }
+
+  // Everything fits: only now overwrite the caller's tensors.
+  copy_model_file(model_file, model, layout, hf_layout);
+  if (optimizer_file) {
+    optimizer_file->copy_into("exp_avg", optimizer.exp_avg);
+    optimizer_file->copy_into("exp_avg_sq", optimizer.exp_avg_sq);
+  }
+  return loaded;
+}
+
+}  // namespace
+
+std::string checkpoint_dir_name(int64_t step) {
+  std::ostringstream out;
+  out << kStepPrefix << std::setw(8) << std::setfill('0') << step;
+  return out.str();
+}
+
+std::string checkpoint_problem(const std::string& path) {
+  const fs::path dir(path);
+  const fs::path manifest_path = dir / kManifestFile;
+  std::error_code ec;
+  if (!fs::is_regular_file(manifest_path, ec)) return str_cat(kManifestFile, " is missing");
+  nlohmann::json manifest;
+  try {
+    manifest = read_json_file(manifest_path.string());
+  } catch (const Error&) {
+    return str_cat(kManifestFile, " is not valid JSON");
+  }
+  try {
+    if (manifest.at("format").get<std::string>() != kManifestFormat || !manifest.at("files").is_object()) {
+      return str_cat(kManifestFile, " is not a Loom checkpoint manifest");
+    }
+    if (manifest.at("version").get<int64_t>() != kManifestVersion) {
+      return str_cat(kManifestFile, " has version ", manifest.at("version").get<int64_t>(), ", expected ",
+                     kManifestVersion);
+    }
+  } catch (const nlohmann::json::exception&) {
+    return str_cat(kManifestFile, " is not a Loom checkpoint manifest");
+  }
+  const nlohmann::json& files = manifest["files"];
+  for (const char* name : kRequiredFiles) {
+    if (!files.contains(name)) return str_cat(kManifestFile, " does not list ", name);
+  }
+  for (const auto& [name, entry] : files.items()) {
+    if (name.empty() || name.find('/') != std::string::npos || name == "." || name == "..") {
+      return str_cat(kManifestFile, " lists '", name, "', expected a file name inside the checkpoint");
+    }
+    if (!entry.is_object() || !entry.contains("bytes") || !entry["bytes"].is_number_unsigned() ||
+        !entry.contains("xxh64") || !entry["xxh64"].is_string()) {
+      return str_cat(kManifestFile, " entry for ", name, " needs bytes and xxh64");
+    }
+    const fs::path file = dir / name;
+    if (!fs::is_regular_file(file, ec)) return str_cat(name, " is missing");
+    const uint64_t expected_bytes = entry["bytes"].get<uint64_t>();
+    const uint64_t bytes = fs::file_size(file, ec);
+    if (ec) return str_cat(name, " cannot be read (", ec.message(), ")");
+    if (bytes != expected_bytes) return str_cat(name, " has ", bytes, " bytes, the manifest says ", expected_bytes);
+    FileDigest digest;
+    try {
+      digest = digest_file(file.string());
+    } catch (const Error& e) {
+      return e.what();
+    }
+    const std::string& expected_hash = entry["xxh64"].get_ref<const std::string&>();
+    if (hex64(digest.xxh64) != expected_hash) {
+      return str_cat(name, " has XXH64 ", hex64(digest.xxh64), ", the manifest says ", expected_hash);
+    }
+  }
+  return "";
+}
+
+ModelConfig checkpoint_model_config(const std::string& path) {
+  const std::string model_path = (fs::path(path) / kModelFile).string();
+  const SafetensorsFile file = SafetensorsFile::read(model_path);
+  return model_config_from_json(file.metadata_value("model_config"), model_path);
+}
+
+CheckpointManager::CheckpointManager(std::string dir, CheckpointOptions options)
+    : dir_(std::move(dir)), options_(options) {
+  LOOM_CHECK(options_.keep_last >= 1, dir_, ": checkpoint keep_last must be >= 1, got ", options_.keep_last);
+}
+
+std::string CheckpointManager::save(const CheckpointContents& contents) {
+  const fs::path final_dir = fs::path(dir_) / checkpoint_dir_name(contents.step);
+  const fs::path tmp_dir = fs::path(final_dir.string() + kTmpSuffix);
+  LOOM_CHECK(contents.step >= 0, final_dir.string(), ": checkpoint step must be >= 0, got ", contents.step);
+  const ParamLayout layout = build_param_layout(contents.model.config);
+  check_flat_f32(contents.model.params, layout.total, final_dir.string(), "model params");
+  check_flat_f32(contents.optimizer.exp_avg, layout.total, final_dir.string(), "optimizer exp_avg");
+  check_flat_f32(contents.optimizer.exp_avg_sq, layout.total, final_dir.string(), "optimizer exp_avg_sq");
+
+  std::error_code ec;
+  const bool created = fs::create_directories(dir_, ec);
+  LOOM_CHECK(!ec, dir_, ": cannot create the checkpoints folder: ", ec.message());
+  if (created) fsync_dir(fs::absolute(dir_).parent_path().string());
+  remove_stale_tmp_dirs();
+  fs::create_directory(tmp_dir, ec);
+  LOOM_CHECK(!ec, tmp_dir.string(), ": cannot create: ", ec.message());
+  try {
+    const bool hf_layout = options_.hf_layout && contents.model.config.arch == ARCH_GPT2;
+    write_model_file((tmp_dir / kModelFile).string(), contents.model, layout, hf_layout);
+    write_optimizer_file((tmp_dir / kOptimizerFile).string(), contents);
+    write_text_synced((tmp_dir / kTrainerFile).string(), trainer_json(contents).dump(2));
+    // The manifest goes last: its presence says every other file is complete.
+    write_text_synced((tmp_dir / kManifestFile).string(), manifest_json(tmp_dir, contents.step).dump(2));
+    fsync_dir(tmp_dir.string());
+    if (fs::exists(final_dir, ec)) {  // an older save of the same step, e.g. before a fall-back
+      verified_.erase(final_dir.string());
+      remove_tree(final_dir);
+    }
+    fs::rename(tmp_dir, final_dir, ec);
+    LOOM_CHECK(!ec, final_dir.string(), ": rename from ", tmp_dir.string(), " failed: ", ec.message());
+    fsync_dir(dir_);
+  } catch (...) {
+    fs::remove_all(tmp_dir, ec);
+    throw;
+  }
+  verified_.insert(final_dir.string());
+  prune(contents.step);
+  return final_dir.string();
+}
+
+std::optional<LoadedCheckpoint> CheckpointManager::load_latest(const ModelState& model, const OptimizerState& optimizer,
+                                                               const CheckpointWarning& warn) {
+  const std::vector<std::string> dirs = list();
+  for (size_t i = 0; i < dirs.size(); ++i) {
+    const std::string problem = checkpoint_problem(dirs[i]);
+    if (problem.empty()) {
+      verified_.insert(dirs[i]);
+      return load_verified(dirs[i], model, optimizer);
+    }
+    const std::string older = i + 1 < dirs.size() ? dirs[i + 1] : std::string("no checkpoint");
+    warn(str_cat("checkpoint ", dirs[i], " is corrupt (", problem, "); falling back to ", older));
+  }
+  return std::nullopt;
+}
+
+LoadedCheckpoint CheckpointManager::load(const std::string& path, const ModelState& model,
+                                         const OptimizerState& optimizer) {
+  const std::string problem = checkpoint_problem(path);
+  LOOM_CHECK(problem.empty(), "checkpoint ", path, " is corrupt (", problem, ")");
+  verified_.insert(path);
+  return load_verified(path, model, optimizer);
+}
+
+std::vector<std::string> CheckpointManager::list() const {
+  std::vector<std::pair<int64_t, std::string>> steps;
+  std::error_code ec;
+  if (!fs::is_directory(dir_, ec)) return {};
+  for (const fs::directory_entry& entry : fs::directory_iterator(dir_, ec)) {
+    const int64_t step = parse_step_name(entry.path().filename().string(), "");
+    if (step >= 0 && entry.is_directory(ec)) steps.emplace_back(step, entry.path().string());
+  }
+  LOOM_CHECK(!ec, dir_, ": cannot list the checkpoints folder: ", ec.message());
+  std::sort(steps.begin(), steps.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  std::vector<std::string> out;
+  for (auto& [step, path] : steps) out.push_back(std::move(path));
+  return out;
+}
+
+bool CheckpointManager::is_valid_cached(const std::string& path) {
+  if (verified_.count(path) != 0) return true;
+  if (!checkpoint_problem(path).empty()) return false;
+  verified_.insert(path);
+  return true;
+}
+
+// Folders a crashed save left behind; only a saving process creates them.
+void CheckpointManager::remove_stale_tmp_dirs() const {
+  std::error_code ec;
+  std::vector<fs::path> stale;
+  for (const fs::directory_entry& entry : fs::directory_iterator(dir_, ec)) {
+    if (parse_step_name(entry.path().filename().string(), kTmpSuffix) >= 0) stale.push_back(entry.path());
+  }
+  LOOM_CHECK(!ec, dir_, ": cannot list the checkpoints folder: ", ec.message());
+  for (const fs::path& p : stale) remove_tree(p);
+}
+
+// Keeps the newest keep_last valid checkpoints at or below the step just saved and deletes the
+// other ones there (older or invalid). Higher steps belong to a run that was rewound to an
+// earlier checkpoint; they are left for the user to judge.
+void CheckpointManager::prune(int64_t saved_step) {
+  int kept = 0;
+  for (const std::string& path : list()) {
+    if (parse_step_name(fs::path(path).filename().string(), "") > saved_step) continue;
+    if (kept < options_.keep_last && is_valid_cached(path)) {
+      ++kept;
+      continue;
+    }
+    verified_.erase(path);
+    remove_tree(path);
+  }
+}
+
+}  // namespace loom

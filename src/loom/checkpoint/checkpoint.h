@@ -1,0 +1,114 @@
+// Training checkpoints: one directory per step under a checkpoints folder (usually
+// runs/<name>/checkpoints/),
+//   step_<NNNNNNNN>/model.safetensors      every parameter under its ParamLayout name, f32
+//                   optimizer.safetensors  AdamW moments "exp_avg", "exp_avg_sq" (P) f32
+//                   trainer.json           step, data/RNG state, resolved config text, extra
+//                   manifest.json          size and XXH64 of each file above; written last
+// A checkpoint is valid iff its manifest exists and every listed file has the listed size and
+// checksum. Saving writes step_<N>.tmp/, fsyncs every file and the folder, renames it to
+// step_<N>/ and fsyncs the parent, so a crash leaves either the whole checkpoint or none.
+// This layer takes plain values (tensors, config, json); it knows nothing of the trainer.
+// P: total parameter count (ParamLayout::total).
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "loom/core/tensor.h"
+#include "loom/model/config.h"
+
+namespace loom {
+
+// The model's live parameters. Save reads them; load copies into them (no reallocation).
+struct ModelState {
+  ModelConfig config;  // its ParamLayout (build_param_layout) says where each parameter lives
+  Tensor params;       // (P) f32, host: the flat parameter buffer
+};
+
+// The AdamW moments, live. An undefined pair on load skips the optimizer (inference).
+struct OptimizerState {
+  Tensor exp_avg;     // (P) f32, host: first moment m
+  Tensor exp_avg_sq;  // (P) f32, host: second moment v
+};
+
+struct CheckpointContents {
+  int64_t step = 0;  // training steps completed; names the directory
+  ModelState model;
+  OptimizerState optimizer;     // both tensors required
+  int64_t optimizer_steps = 0;  // AdamW::steps_taken(), for bias correction on resume
+  nlohmann::json data_state;    // RNG / data-loader state, opaque to this layer
+  std::string config_text;      // the resolved run config
+  nlohmann::json extra;         // anything else the caller keeps, opaque
+};
+
+// What a load returns besides the tensors it filled.
+struct LoadedCheckpoint {
+  std::string path;  // the step directory
+  int64_t step = 0;
+  int64_t optimizer_steps = 0;  // pass to AdamW::restore_steps_taken
+  nlohmann::json data_state;
+  std::string config_text;
+  nlohmann::json extra;
+};
+
+struct CheckpointOptions {
+  int keep_last = 3;  // valid checkpoints kept; older ones are deleted after a save completes
+  // GPT-2 only: store the four Conv1D matrices per layer (attn.c_attn, attn.c_proj, mlp.c_fc,
+  // mlp.c_proj .weight) as (in, out), as Hugging Face's GPT2LMHeadModel expects. Loom keeps
+  // them (out, in); the file records the choice and load transposes back.
+  bool hf_layout = true;
+};
+
+// One line per skipped checkpoint: "checkpoint <path> is corrupt (<reason>); falling back to <older>".
+using CheckpointWarning = std::function<void(const std::string& line)>;
+
+class CheckpointManager {
+ public:
+  // `dir` is the checkpoints folder itself (created on the first save).
+  explicit CheckpointManager(std::string dir, CheckpointOptions options = {});
+
+  // Writes step_<contents.step>/ atomically (replacing one with the same step), deleting stale
+  // .tmp folders first and, once the new checkpoint is complete, every checkpoint at or below
+  // its step but the newest keep_last valid ones. Returns its path.
+  std::string save(const CheckpointContents& contents);
+
+  // The newest valid checkpoint, loaded into `model` (and `optimizer` when defined); invalid
+  // ones are skipped and reported through `warn`. nullopt when there is none. A valid
+  // checkpoint that does not fit the model is an error, not a fall-back.
+  std::optional<LoadedCheckpoint> load_latest(const ModelState& model, const OptimizerState& optimizer,
+                                              const CheckpointWarning& warn);
+  // The checkpoint at `path` (a step directory), after checking its manifest. Errors name the
+  // file and, for tensors, the tensor and both shapes; nothing is copied unless all of it fits.
+  LoadedCheckpoint load(const std::string& path, const ModelState& model, const OptimizerState& optimizer);
+
+  // Step directories (valid or not), newest first; .tmp folders are not listed.
+  std::vector<std::string> list() const;
+  const std::string& dir() const { return dir_; }
+
+ private:
+  bool is_valid_cached(const std::string& path);
+  void remove_stale_tmp_dirs() const;
+  void prune(int64_t saved_step);
+
+  std::string dir_;
+  CheckpointOptions options_;
+  // Step directories whose checksums matched in this process (written by save, or verified by
+  // a load). Pruning trusts them instead of re-reading every kept checkpoint on every save;
+  // loads always verify.
+  std::set<std::string> verified_;
+};
+
+// "" when the checkpoint at `path` is valid, else why not (one phrase naming the file).
+std::string checkpoint_problem(const std::string& path);
+
+// The model config recorded in a checkpoint, to build the model before loading it.
+ModelConfig checkpoint_model_config(const std::string& path);
+
+// "step_00001234"
+std::string checkpoint_dir_name(int64_t step);
+
+}  // namespace loom

@@ -1,0 +1,32 @@
+// Sources of training micro-batches. The trainer only sees BatchSource; loaders over token
+// shards (and their resumable positions) implement it.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "loom/core/tensor.h"
+
+namespace loom {
+
+// Fills a micro-batch: tokens (B,T) and next-token targets (B,T), both i32.
+class BatchSource {
+ public:
+  virtual ~BatchSource() = default;
+  virtual void fill(const Tensor& tokens, const Tensor& targets) = 0;
+};
+
+// Windows of T+1 tokens from a token array, each start drawn from Philox(seed, stream 0,
+// draw index): the sequence of batches is a pure function of (seed, draws so far).
+class RandomWindowSource final : public BatchSource {
+ public:
+  RandomWindowSource(std::vector<int32_t> tokens, uint64_t seed);
+  void fill(const Tensor& tokens, const Tensor& targets) override;
+  int64_t draws() const { return draws_; }
+
+ private:
+  std::vector<int32_t> tokens_;
+  uint64_t seed_;
+  int64_t draws_ = 0;
+};
+
+}  // namespace loom

@@ -1,0 +1,55 @@
+#include "loom/infer/sampler.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "loom/core/error.h"
+#include "loom/core/philox.h"
+
+namespace loom {
+
+void SamplingConfig::validate() const {
+  LOOM_CHECK(temperature >= 0.0f, "sample.temperature must be >= 0 (0 = greedy), got ", temperature);
+  LOOM_CHECK(top_k >= 0, "sample.top_k must be >= 0 (0 = no limit), got ", top_k);
+  LOOM_CHECK(top_p > 0.0f && top_p <= 1.0f, "sample.top_p must be in (0, 1], got ", top_p);
+}
+
+Sampler::Sampler(SamplingConfig config) : config_(config) { config_.validate(); }
+
+int32_t Sampler::sample(const float* logits, int64_t vocab) {
+  if (config_.temperature == 0.0f) return static_cast<int32_t>(std::max_element(logits, logits + vocab) - logits);
+  const float max_logit = *std::max_element(logits, logits + vocab);
+  candidates_.resize(static_cast<size_t>(vocab));
+  for (int64_t v = 0; v < vocab; ++v) {
+    candidates_[v] = {std::exp((logits[v] - max_logit) / config_.temperature), static_cast<int32_t>(v)};
+  }
+  auto by_probability = [](const auto& a, const auto& b) { return a.first > b.first || (a.first == b.first && a.second < b.second); };
+  size_t keep = candidates_.size();
+  if (config_.top_k > 0 && static_cast<size_t>(config_.top_k) < keep) {
+    keep = static_cast<size_t>(config_.top_k);
+    std::partial_sort(candidates_.begin(), candidates_.begin() + static_cast<std::ptrdiff_t>(keep), candidates_.end(), by_probability);
+  } else {
+    std::sort(candidates_.begin(), candidates_.end(), by_probability);
+  }
+  double total = 0.0;
+  for (size_t i = 0; i < keep; ++i) total += candidates_[i].first;
+  if (config_.top_p < 1.0f) {
+    double mass = 0.0;
+    size_t nucleus = 0;
+    while (nucleus < keep && mass < config_.top_p * total) mass += candidates_[nucleus++].first;
+    keep = std::max<size_t>(nucleus, 1);
+    total = mass;
+  }
+  const PhiloxCounter bits = philox4x32_10({static_cast<uint32_t>(draws_), static_cast<uint32_t>(draws_ >> 32), 1, 0},
+                                           {static_cast<uint32_t>(config_.seed), static_cast<uint32_t>(config_.seed >> 32)});
+  ++draws_;
+  const double target = static_cast<double>(philox_uniform(bits[0])) * total;
+  double cumulative = 0.0;
+  for (size_t i = 0; i < keep; ++i) {
+    cumulative += candidates_[i].first;
+    if (target < cumulative) return candidates_[i].second;
+  }
+  return candidates_[keep - 1].second;
+}
+
+}  // namespace loom

@@ -1,0 +1,237 @@
+#include "loom/train/config.h"
+
+#include <charconv>
+#include <sstream>
+#include <variant>
+
+// toml++ trips GCC 12's -Warray-bounds false positives inside its own headers.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Warray-bounds"
+#include <toml++/toml.h>
+#pragma GCC diagnostic pop
+
+#include "loom/core/error.h"
+
+namespace loom {
+
+namespace {
+
+// One schema entry: a key bound to a typed field of a LoomConfig.
+using Target = std::variant<int64_t*, uint64_t*, double*, float*, std::string*, Arch*>;
+
+struct Binding {
+  std::string key;
+  Target target;
+};
+
+std::vector<Binding> bindings(LoomConfig& c) {
+  return {
+      {"model.arch", &c.model.arch},
+      {"model.vocab_size", &c.model.vocab_size},
+      {"model.max_seq_len", &c.model.max_seq_len},
+      {"model.n_layer", &c.model.n_layer},
+      {"model.n_head", &c.model.n_head},
+      {"model.n_kv_head", &c.model.n_kv_head},
+      {"model.d_model", &c.model.d_model},
+      {"model.d_ff", &c.model.d_ff},
+      {"model.norm_eps", &c.model.norm_eps},
+      {"model.rope_theta", &c.model.rope_theta},
+      {"model.init_std", &c.model.init_std},
+      {"train.batch_size", &c.train.batch_size},
+      {"train.seq_len", &c.train.seq_len},
+      {"train.grad_accum", &c.train.grad_accum},
+      {"train.steps", &c.train.steps},
+      {"train.warmup_steps", &c.train.warmup_steps},
+      {"train.lr", &c.train.lr},
+      {"train.min_lr", &c.train.min_lr},
+      {"train.grad_clip", &c.train.grad_clip},
+      {"train.weight_decay", &c.train.adamw.weight_decay},
+      {"train.beta1", &c.train.adamw.beta1},
+      {"train.beta2", &c.train.adamw.beta2},
+      {"train.eps", &c.train.adamw.eps},
+      {"train.seed", &c.loop.seed},
+      {"train.eval_every", &c.loop.eval_every},
+      {"train.eval_batches", &c.loop.eval_batches},
+      {"train.checkpoint_every", &c.loop.checkpoint_every},
+      {"train.keep_checkpoints", &c.loop.keep_checkpoints},
+      {"train.log_every", &c.loop.log_every},
+      {"data.dir", &c.data.dir},
+      {"data.tokenizer", &c.data.tokenizer},
+      {"data.input", &c.data.input},
+      {"data.val_fraction", &c.data.val_fraction},
+      {"run.dir", &c.run.dir},
+      {"run.name", &c.run.name},
+      {"sample.prompt", &c.sample.prompt},
+      {"sample.max_new_tokens", &c.sample.max_new_tokens},
+      {"sample.temperature", &c.sample.sampling.temperature},
+      {"sample.top_k", &c.sample.sampling.top_k},
+      {"sample.top_p", &c.sample.sampling.top_p},
+      {"sample.seed", &c.sample.sampling.seed},
+  };
+}
+
+std::string type_name(const toml::node& node) {
+  switch (node.type()) {
+    case toml::node_type::string: return "a string";
+    case toml::node_type::integer: return "an integer";
+    case toml::node_type::floating_point: return "a float";
+    case toml::node_type::boolean: return "a boolean";
+    case toml::node_type::table: return "a table";
+    case toml::node_type::array: return "an array";
+    default: return "a date/time";
+  }
+}
+
+void assign(const Binding& b, const toml::node& node, const std::string& origin) {
+  auto wrong = [&](const char* expected) {
+    return Error(str_cat(origin, ": key '", b.key, "' expects ", expected, ", got ", type_name(node)));
+  };
+  std::visit(
+      [&](auto* field) {
+        using T = std::remove_pointer_t<decltype(field)>;
+        if constexpr (std::is_same_v<T, int64_t> || std::is_same_v<T, uint64_t>) {
+          if (!node.is_integer()) throw wrong("an integer");
+          const int64_t v = node.as_integer()->get();
+          if (std::is_same_v<T, uint64_t> && v < 0) throw Error(str_cat(origin, ": key '", b.key, "' must be >= 0"));
+          *field = static_cast<T>(v);
+        } else if constexpr (std::is_same_v<T, double> || std::is_same_v<T, float>) {
+          if (node.is_floating_point()) *field = static_cast<T>(node.as_floating_point()->get());
+          else if (node.is_integer()) *field = static_cast<T>(node.as_integer()->get());
+          else throw wrong("a number");
+        } else if constexpr (std::is_same_v<T, std::string>) {
+          if (!node.is_string()) throw wrong("a string");
+          *field = node.as_string()->get();
+        } else {
+          if (!node.is_string()) throw wrong("a string (gpt2 or llama)");
+          try {
+            *field = arch_from_name(node.as_string()->get());
+          } catch (const Error& e) {
+            throw Error(str_cat(origin, ": ", e.what()));
+          }
+        }
+      },
+      b.target);
+}
+
+void set_key(LoomConfig& config, const std::string& key, const toml::node& node, const std::string& origin) {
+  for (const Binding& b : bindings(config)) {
+    if (b.key == key) return assign(b, node, origin);
+  }
+  throw Error(str_cat(origin, ": unknown config key '", key, "' (see `loom train --help` for the keys)"));
+}
+
+// Walks nested tables, setting every leaf "a.b" it finds.
+void apply_table(LoomConfig& config, const toml::table& table, const std::string& prefix, const std::string& origin) {
+  for (const auto& [k, node] : table) {
+    const std::string key = prefix.empty() ? std::string(k.str()) : prefix + "." + std::string(k.str());
+    if (const toml::table* sub = node.as_table()) apply_table(config, *sub, key, origin);
+    else set_key(config, key, node, origin);
+  }
+}
+
+std::string toml_string(const std::string& s) {
+  std::ostringstream out;
+  out << toml::value<std::string>(s);
+  return out.str();
+}
+
+// Shortest text that reads back as the same float/double, always with a '.' or exponent (a TOML float).
+template <typename T>
+std::string toml_float(T v) {
+  char buffer[64];
+  const auto result = std::to_chars(buffer, buffer + sizeof buffer, v);
+  std::string text(buffer, result.ptr);
+  if (text.find_first_of(".eEn") == std::string::npos) text += ".0";
+  return text;
+}
+
+}  // namespace
+
+void LoomConfig::validate() const {
+  model.validate();
+  train.validate();
+  sample.sampling.validate();
+  LOOM_CHECK(train.seq_len <= model.max_seq_len, "train.seq_len (", train.seq_len, ") must be <= model.max_seq_len (",
+             model.max_seq_len, ")");
+  LOOM_CHECK(loop.eval_every >= 0 && loop.checkpoint_every >= 0 && loop.log_every >= 1 && loop.eval_batches >= 1,
+             "train.eval_every and train.checkpoint_every must be >= 0, train.log_every and train.eval_batches >= 1");
+  LOOM_CHECK(loop.keep_checkpoints >= 1, "train.keep_checkpoints must be >= 1, got ", loop.keep_checkpoints);
+  LOOM_CHECK(data.val_fraction > 0.0 && data.val_fraction < 1.0, "data.val_fraction must be in (0, 1), got ",
+             data.val_fraction);
+  LOOM_CHECK(sample.max_new_tokens >= 0, "sample.max_new_tokens must be >= 0, got ", sample.max_new_tokens);
+  LOOM_CHECK(!run.name.empty() && run.name.find('/') == std::string::npos, "run.name must be a non-empty folder name, got '",
+             run.name, "'");
+}
+
+void apply_config_file(LoomConfig& config, const std::string& path) {
+  toml::table table;
+  try {
+    table = toml::parse_file(path);
+  } catch (const toml::parse_error& e) {
+    const auto& where = e.source().begin;
+    throw Error(str_cat(path, ":", where.line, ":", where.column, ": ", e.description()));
+  }
+  apply_table(config, table, "", path);
+}
+
+void apply_config_text(LoomConfig& config, const std::string& text, const std::string& origin) {
+  toml::table table;
+  try {
+    table = toml::parse(text, origin);
+  } catch (const toml::parse_error& e) {
+    throw Error(str_cat(origin, ":", e.source().begin.line, ": ", e.description()));
+  }
+  apply_table(config, table, "", origin);
+}
+
+void apply_overrides(LoomConfig& config, const std::string& assignments, const std::string& origin) {
+  std::stringstream in(assignments);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    if (item.empty()) continue;
+    const size_t eq = item.find('=');
+    LOOM_CHECK(eq != std::string::npos && eq > 0, origin, ": expected key=value, got '", item, "'");
+    const std::string key = item.substr(0, eq), value = item.substr(eq + 1);
+    toml::table parsed;
+    try {
+      parsed = toml::parse("v = " + value);
+    } catch (const toml::parse_error&) {
+      parsed = toml::table{{"v", value}};  // a bare word is a string: --set data.dir=data/x
+    }
+    set_key(config, key, *parsed.get("v"), origin);
+  }
+}
+
+std::string config_to_toml(const LoomConfig& c) {
+  LoomConfig copy = c;
+  std::ostringstream out;
+  std::string section;
+  for (const Binding& b : bindings(copy)) {
+    const std::string sec = b.key.substr(0, b.key.find('.')), name = b.key.substr(b.key.find('.') + 1);
+    if (sec != section) {
+      out << (section.empty() ? "" : "\n") << "[" << sec << "]\n";
+      section = sec;
+    }
+    out << name << " = ";
+    std::visit(
+        [&](auto* field) {
+          using T = std::remove_pointer_t<decltype(field)>;
+          if constexpr (std::is_same_v<T, std::string>) out << toml_string(*field);
+          else if constexpr (std::is_same_v<T, Arch>) out << toml_string(std::string(arch_name(*field)));
+          else if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) out << toml_float(*field);
+          else out << static_cast<int64_t>(*field);
+        },
+        b.target);
+    out << "\n";
+  }
+  return out.str();
+}
+
+std::vector<std::string> config_keys() {
+  LoomConfig c;
+  std::vector<std::string> keys;
+  for (const Binding& b : bindings(c)) keys.push_back(b.key);
+  return keys;
+}
+
+}  // namespace loom

@@ -1,0 +1,65 @@
+// The whole run configuration, typed: parsed once from TOML (configs/*.toml) plus
+// `--set key=value` overrides, validated at load, and written back resolved into the run
+// folder. Every key is declared once in the schema (config.cpp); an unknown key or a value of
+// the wrong type is an error naming the file and key.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "loom/infer/sampler.h"
+#include "loom/model/config.h"
+#include "loom/train/trainer.h"
+
+namespace loom {
+
+struct DataConfig {
+  std::string dir = "data/fortunes";  // token shards written by `loom prepare`
+  std::string tokenizer = "gpt2";     // gpt2 | byte | a directory with encoder.json + vocab.bpe
+  std::string input = "";             // text for `loom prepare`; empty = the default corpus
+  double val_fraction = 0.05;
+};
+
+struct LoopConfig {
+  uint64_t seed = 1337;          // init and data order
+  int64_t eval_every = 100;      // steps; 0 = only at the end
+  int64_t eval_batches = 8;
+  int64_t checkpoint_every = 0;  // steps; 0 = only at the end
+  int64_t keep_checkpoints = 3;
+  int64_t log_every = 10;        // progress lines when stdout is not a terminal
+};
+
+struct RunConfig {
+  std::string dir = "runs";  // parent of run folders
+  std::string name = "default";
+};
+
+struct SampleConfig {
+  std::string prompt = "The";
+  int64_t max_new_tokens = 120;
+  SamplingConfig sampling{0.8f, 40, 0.95f, 1337};
+};
+
+struct LoomConfig {
+  ModelConfig model;
+  TrainConfig train;
+  LoopConfig loop;
+  DataConfig data;
+  RunConfig run;
+  SampleConfig sample;
+
+  void validate() const;
+};
+
+// Applies a TOML file on top of `config` (keys not in the file keep their values).
+void apply_config_file(LoomConfig& config, const std::string& path);
+// Applies TOML text (e.g. the resolved config a checkpoint carries); origin names it in errors.
+void apply_config_text(LoomConfig& config, const std::string& text, const std::string& origin);
+// Applies "a.b=1,c.d=x" (values parsed as TOML; bare words are strings). origin names the source in errors.
+void apply_overrides(LoomConfig& config, const std::string& assignments, const std::string& origin = "--set");
+// The resolved configuration as TOML text (every key, in schema order).
+std::string config_to_toml(const LoomConfig& config);
+// Every key the schema knows, "section.key", in order.
+std::vector<std::string> config_keys();
+
+}  // namespace loom

@@ -1,0 +1,411 @@
+// Checkpoint manager: bitwise round trips, Hugging Face's GPT-2 layout, fall-back past corrupt
+// checkpoints, crash leftovers, retention, and clear errors for a model that does not fit.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "loom/backend/backend.h"
+#include "loom/checkpoint/checkpoint.h"
+#include "loom/checkpoint/safetensors.h"
+#include "loom/core/error.h"
+#include "loom/model/transformer.h"
+#include "loom/optim/adamw.h"
+#include "test_util.h"
+
+namespace loom {
+namespace {
+
+namespace fs = std::filesystem;
+
+// A fresh folder under the system temp dir, deleted with its contents at the end of the test.
+class TempDir {
+ public:
+  TempDir() {
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    path_ =
+        fs::temp_directory_path() / ("loom_checkpoint_" + std::string(info->name()) + "_" + std::to_string(::getpid()));
+    fs::remove_all(path_);
+    fs::create_directories(path_);
+  }
+  ~TempDir() { fs::remove_all(path_); }
+  std::string str() const { return path_.string(); }
+  fs::path operator/(const std::string& name) const { return path_ / name; }
+
+ private:
+  fs::path path_;
+};
+
+// A model and its optimizer after a few AdamW steps on random gradients, so that the
+// parameters, m, v and the step counter all differ from a fresh pair.
+struct TrainedModel {
+  TrainedModel(const ModelConfig& config, uint64_t seed, int steps) : backend(make_cpu_backend()) {
+    model = std::make_unique<Transformer>(*backend, config);
+    model->init_weights(seed);
+    optimizer = std::make_unique<AdamW>(*backend, model->params(), model->grads(), param_ranges(model->layout()),
+                                        AdamWConfig{});
+    for (int s = 0; s < steps; ++s) {
+      const Tensor g = test::random_tensor(backend->allocator(), {model->grads().numel()}, DTYPE_F32, seed * 100 + s);
+      std::memcpy(model->grads().raw_data(), g.raw_data(), g.nbytes());
+      optimizer->step(1e-3f);
+    }
+  }
+
+  ModelState model_state() const { return {model->config(), model->params()}; }
+  OptimizerState optimizer_state() const { return {optimizer->first_moment(), optimizer->second_moment()}; }
+
+  CheckpointContents contents(int64_t step) const {
+    CheckpointContents c;
+    c.step = step;
+    c.model = model_state();
+    c.optimizer = optimizer_state();
+    c.optimizer_steps = optimizer->steps_taken();
+    c.data_state = {{"rng_seed", 1234}, {"shard", 3}, {"position", 4096 + step}};
+    c.config_text = "[model]\npreset = \"tiny\"\n";
+    c.extra = {{"best_loss", 2.5}, {"tokens_seen", 1 << 20}};
+    return c;
+  }
+
+  std::unique_ptr<Backend> backend;
+  std::unique_ptr<Transformer> model;
+  std::unique_ptr<AdamW> optimizer;
+};
+
+std::vector<char> bytes_of(const Tensor& t) {
+  const char* p = static_cast<const char*>(t.raw_data());
+  return std::vector<char>(p, p + t.nbytes());
+}
+
+void expect_same_state(const TrainedModel& a, const TrainedModel& b) {
+  EXPECT_EQ(bytes_of(a.model->params()), bytes_of(b.model->params()));
+  EXPECT_EQ(bytes_of(a.optimizer->first_moment()), bytes_of(b.optimizer->first_moment()));
+  EXPECT_EQ(bytes_of(a.optimizer->second_moment()), bytes_of(b.optimizer->second_moment()));
+}
+
+// Runs f and returns the loom::Error's message (fails the test when nothing is thrown).
+template <typename F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "expected a loom::Error";
+  return "";
+}
+
+void flip_byte(const fs::path& file, uint64_t offset) {
+  std::fstream io(file, std::ios::in | std::ios::out | std::ios::binary);
+  io.seekg(static_cast<std::streamoff>(offset));
+  char c = 0;
+  io.read(&c, 1);
+  c = static_cast<char>(c ^ 0x5a);
+  io.seekp(static_cast<std::streamoff>(offset));
+  io.write(&c, 1);
+}
+
+TEST(CheckpointTest, RoundTripIsBitwise) {
+  TempDir dir;
+  const TrainedModel saved(model_preset("llama-tiny"), 1, 3);
+  CheckpointManager manager(dir.str());
+  const std::string path = manager.save(saved.contents(42));
+  EXPECT_EQ(path, (dir / "step_00000042").string());
+
+  TrainedModel restored(model_preset("llama-tiny"), 2, 0);
+  const LoadedCheckpoint loaded = manager.load(path, restored.model_state(), restored.optimizer_state());
+  restored.optimizer->restore_steps_taken(loaded.optimizer_steps);
+
+  expect_same_state(saved, restored);
+  EXPECT_EQ(restored.optimizer->steps_taken(), 3);
+  const CheckpointContents expected = saved.contents(42);
+  EXPECT_EQ(loaded.path, path);
+  EXPECT_EQ(loaded.step, 42);
+  EXPECT_EQ(loaded.data_state, expected.data_state);
+  EXPECT_EQ(loaded.config_text, expected.config_text);
+  EXPECT_EQ(loaded.extra, expected.extra);
+}
+
+TEST(CheckpointTest, Gpt2IsStoredInHuggingFaceLayoutAndReloadsBitwise) {
+  TempDir dir;
+  const ModelConfig config = model_preset("gpt2-tiny");
+  const int64_t C = config.d_model;
+  const TrainedModel saved(config, 1, 2);
+  CheckpointManager manager(dir.str());
+  const std::string path = manager.save(saved.contents(1));
+
+  const SafetensorsFile file = SafetensorsFile::read((fs::path(path) / "model.safetensors").string());
+  EXPECT_EQ(file.metadata_value("format"), "pt");
+  EXPECT_EQ(file.metadata_value("arch"), "gpt2");
+  EXPECT_EQ(file.shape("h.0.attn.c_attn.weight"), (Shape{C, 3 * C}));
+  EXPECT_EQ(file.shape("h.1.mlp.c_fc.weight"), (Shape{C, config.d_ff}));
+  EXPECT_EQ(file.shape("h.1.mlp.c_proj.weight"), (Shape{config.d_ff, C}));
+  EXPECT_EQ(file.shape("wte.weight"), (Shape{config.vocab_size, C}));  // Embeddings are not Conv1D.
+  // Stored (in, out): element [i][o] is Loom's (out, in) element [o][i].
+  const Tensor stored = file.tensor("h.0.attn.c_attn.weight", saved.backend->allocator(), MEM_WORKSPACE);
+  const Tensor live = saved.model->param("h.0.attn.c_attn.weight");
+  EXPECT_EQ(stored.data<float>()[5 * 3 * C + 7], live.data<float>()[7 * C + 5]);
+
+  TrainedModel restored(config, 2, 0);
+  manager.load(path, restored.model_state(), restored.optimizer_state());
+  expect_same_state(saved, restored);
+}
+
+TEST(CheckpointTest, Gpt2WithoutHfLayoutKeepsLoomShapes) {
+  TempDir dir;
+  const ModelConfig config = model_preset("gpt2-tiny");
+  const TrainedModel saved(config, 1, 1);
+  CheckpointManager manager(dir.str(), CheckpointOptions{.keep_last = 3, .hf_layout = false});
+  const std::string path = manager.save(saved.contents(1));
+
+  const SafetensorsFile file = SafetensorsFile::read((fs::path(path) / "model.safetensors").string());
+  EXPECT_EQ(file.shape("h.0.attn.c_attn.weight"), (Shape{3 * config.d_model, config.d_model}));
+  TrainedModel restored(config, 2, 0);
+  manager.load(path, restored.model_state(), restored.optimizer_state());
+  expect_same_state(saved, restored);
+}
+
+TEST(CheckpointTest, ModelConfigIsReadBackFromTheCheckpoint) {
+  TempDir dir;
+  const ModelConfig config = model_preset("llama-tiny");
+  const TrainedModel saved(config, 1, 0);
+  const std::string path = CheckpointManager(dir.str()).save(saved.contents(1));
+  const ModelConfig read = checkpoint_model_config(path);
+  EXPECT_EQ(read.arch, config.arch);
+  EXPECT_EQ(read.vocab_size, config.vocab_size);
+  EXPECT_EQ(read.n_layer, config.n_layer);
+  EXPECT_EQ(read.n_kv_head, config.n_kv_head);
+  EXPECT_EQ(read.d_ff, config.d_ff);
+  EXPECT_EQ(read.norm_eps, config.norm_eps);
+  EXPECT_EQ(read.rope_theta, config.rope_theta);
+}
+
+TEST(CheckpointTest, LoadWithoutOptimizerFillsOnlyTheModel) {
+  TempDir dir;
+  const TrainedModel saved(model_preset("gpt2-tiny"), 1, 2);
+  CheckpointManager manager(dir.str());
+  const std::string path = manager.save(saved.contents(7));
+  TrainedModel restored(model_preset("gpt2-tiny"), 2, 0);
+  const LoadedCheckpoint loaded = manager.load(path, restored.model_state(), OptimizerState{});
+  EXPECT_EQ(bytes_of(restored.model->params()), bytes_of(saved.model->params()));
+  EXPECT_EQ(loaded.step, 7);
+}
+
+TEST(CheckpointTest, LoadLatestReturnsTheNewest) {
+  TempDir dir;
+  CheckpointManager manager(dir.str());
+  manager.save(TrainedModel(model_preset("gpt2-tiny"), 1, 1).contents(10));
+  const TrainedModel newest(model_preset("gpt2-tiny"), 2, 2);
+  manager.save(newest.contents(20));
+
+  TrainedModel restored(model_preset("gpt2-tiny"), 3, 0);
+  std::vector<std::string> warnings;
+  const auto loaded = manager.load_latest(restored.model_state(), restored.optimizer_state(),
+                                          [&](const std::string& w) { warnings.push_back(w); });
+  ASSERT_TRUE(loaded.has_value());
+  EXPECT_EQ(loaded->step, 20);
+  EXPECT_TRUE(warnings.empty());
+  expect_same_state(newest, restored);
+}
+
+TEST(CheckpointTest, LoadLatestInAnEmptyFolderFindsNothing) {
+  TempDir dir;
+  CheckpointManager manager((dir / "never_written").string());
+  TrainedModel model(model_preset("gpt2-tiny"), 1, 0);
+  std::vector<std::string> warnings;
+  EXPECT_FALSE(manager
+                   .load_latest(model.model_state(), model.optimizer_state(),
+                                [&](const std::string& w) { warnings.push_back(w); })
+                   .has_value());
+  EXPECT_TRUE(warnings.empty());
+}
+
+// Saves steps 1 and 2, damages step 2 with `damage`, and expects load_latest to load step 1
+// and report step 2 in one line that contains `reason`.
+void expect_fall_back_past(const std::function<void(const fs::path&)>& damage, const std::string& reason) {
+  TempDir dir;
+  CheckpointManager manager(dir.str());
+  const TrainedModel older(model_preset("gpt2-tiny"), 1, 1);
+  const std::string older_path = manager.save(older.contents(1));
+  const std::string newer_path = manager.save(TrainedModel(model_preset("gpt2-tiny"), 2, 2).contents(2));
+  damage(fs::path(newer_path));
+
+  TrainedModel restored(model_preset("gpt2-tiny"), 3, 0);
+  std::vector<std::string> warnings;
+  const auto loaded = manager.load_latest(restored.model_state(), restored.optimizer_state(),
+                                          [&](const std::string& w) { warnings.push_back(w); });
+  ASSERT_TRUE(loaded.has_value());
+  EXPECT_EQ(loaded->step, 1);
+  EXPECT_EQ(loaded->path, older_path);
+  expect_same_state(older, restored);
+  ASSERT_EQ(warnings.size(), 1u);
+  EXPECT_EQ(warnings[0].find("checkpoint " + newer_path + " is corrupt ("), 0u) << warnings[0];
+  EXPECT_NE(warnings[0].find(reason), std::string::npos) << warnings[0];
+  EXPECT_NE(warnings[0].find("); falling back to " + older_path), std::string::npos) << warnings[0];
+  EXPECT_EQ(warnings[0].find('\n'), std::string::npos) << warnings[0];
+}
+
+TEST(CheckpointTest, FlippedByteFallsBackToThePreviousCheckpoint) {
+  expect_fall_back_past(
+      [](const fs::path& p) { flip_byte(p / "model.safetensors", fs::file_size(p / "model.safetensors") / 2); },
+      "model.safetensors has XXH64");
+}
+
+TEST(CheckpointTest, TruncatedFileFallsBackToThePreviousCheckpoint) {
+  expect_fall_back_past(
+      [](const fs::path& p) {
+        fs::resize_file(p / "optimizer.safetensors", fs::file_size(p / "optimizer.safetensors") - 10);
+      },
+      "optimizer.safetensors has");
+}
+
+TEST(CheckpointTest, MissingManifestFallsBackToThePreviousCheckpoint) {
+  expect_fall_back_past([](const fs::path& p) { fs::remove(p / "manifest.json"); }, "manifest.json is missing");
+}
+
+TEST(CheckpointTest, DamagedTrainerStateFallsBackToThePreviousCheckpoint) {
+  expect_fall_back_past([](const fs::path& p) { flip_byte(p / "trainer.json", 3); }, "trainer.json has XXH64");
+}
+
+TEST(CheckpointTest, NoValidCheckpointFindsNothingAndReportsEach) {
+  TempDir dir;
+  CheckpointManager manager(dir.str());
+  const TrainedModel model(model_preset("gpt2-tiny"), 1, 1);
+  const std::string first = manager.save(model.contents(1));
+  const std::string second = manager.save(model.contents(2));
+  fs::remove(fs::path(first) / "manifest.json");
+  fs::remove(fs::path(second) / "trainer.json");
+
+  TrainedModel restored(model_preset("gpt2-tiny"), 3, 0);
+  std::vector<std::string> warnings;
+  EXPECT_FALSE(manager
+                   .load_latest(restored.model_state(), restored.optimizer_state(),
+                                [&](const std::string& w) { warnings.push_back(w); })
+                   .has_value());
+  ASSERT_EQ(warnings.size(), 2u);
+  EXPECT_NE(warnings[0].find(second + " is corrupt (trainer.json is missing); falling back to " + first),
+            std::string::npos)
+      << warnings[0];
+  EXPECT_NE(warnings[1].find(first + " is corrupt (manifest.json is missing); falling back to no checkpoint"),
+            std::string::npos)
+      << warnings[1];
+}
+
+TEST(CheckpointTest, LoadOfACorruptCheckpointIsAnErrorNamingIt) {
+  TempDir dir;
+  CheckpointManager manager(dir.str());
+  TrainedModel model(model_preset("gpt2-tiny"), 1, 1);
+  const std::string path = manager.save(model.contents(1));
+  flip_byte(fs::path(path) / "optimizer.safetensors", 100);
+  const std::string message = error_of([&] { manager.load(path, model.model_state(), model.optimizer_state()); });
+  EXPECT_NE(message.find("checkpoint " + path + " is corrupt (optimizer.safetensors has XXH64"), std::string::npos)
+      << message;
+}
+
+TEST(CheckpointTest, TmpFolderFromACrashIsIgnoredAndCleanedUpByTheNextSave) {
+  TempDir dir;
+  CheckpointManager manager(dir.str());
+  const TrainedModel model(model_preset("gpt2-tiny"), 1, 1);
+  manager.save(model.contents(1));
+  // A crash during save(2): everything written but the rename.
+  const std::string crashed = manager.save(model.contents(2));
+  fs::rename(crashed, crashed + ".tmp");
+
+  EXPECT_EQ(manager.list(), std::vector<std::string>{(dir / "step_00000001").string()});
+  TrainedModel restored(model_preset("gpt2-tiny"), 3, 0);
+  std::vector<std::string> warnings;
+  const auto loaded = manager.load_latest(restored.model_state(), restored.optimizer_state(),
+                                          [&](const std::string& w) { warnings.push_back(w); });
+  ASSERT_TRUE(loaded.has_value());
+  EXPECT_EQ(loaded->step, 1);
+  EXPECT_TRUE(warnings.empty());
+
+  manager.save(model.contents(3));
+  EXPECT_FALSE(fs::exists(crashed + ".tmp"));
+}
+
+TEST(CheckpointTest, KeepLastDeletesTheOldest) {
+  TempDir dir;
+  CheckpointManager manager(dir.str(), CheckpointOptions{.keep_last = 2});
+  const TrainedModel model(model_preset("gpt2-tiny"), 1, 1);
+  for (int64_t step : {100, 200, 300}) manager.save(model.contents(step));
+  EXPECT_EQ(manager.list(),
+            (std::vector<std::string>{(dir / "step_00000300").string(), (dir / "step_00000200").string()}));
+}
+
+TEST(CheckpointTest, KeepLastCountsOnlyValidCheckpoints) {
+  TempDir dir;
+  CheckpointManager manager(dir.str(), CheckpointOptions{.keep_last = 2});
+  const TrainedModel model(model_preset("gpt2-tiny"), 1, 1);
+  manager.save(model.contents(1));
+  const std::string broken = manager.save(model.contents(2));
+  fs::remove(fs::path(broken) / "manifest.json");
+  CheckpointManager fresh(dir.str(), CheckpointOptions{.keep_last = 2});  // verifies what is on disk
+  fresh.save(model.contents(3));
+  EXPECT_EQ(fresh.list(),
+            (std::vector<std::string>{(dir / "step_00000003").string(), (dir / "step_00000001").string()}));
+}
+
+TEST(CheckpointTest, SavingAStepAgainReplacesIt) {
+  TempDir dir;
+  CheckpointManager manager(dir.str());
+  manager.save(TrainedModel(model_preset("gpt2-tiny"), 1, 1).contents(5));
+  const TrainedModel second(model_preset("gpt2-tiny"), 2, 2);
+  const std::string path = manager.save(second.contents(5));
+
+  TrainedModel restored(model_preset("gpt2-tiny"), 3, 0);
+  manager.load(path, restored.model_state(), restored.optimizer_state());
+  expect_same_state(second, restored);
+}
+
+TEST(CheckpointTest, MismatchedModelConfigIsAnErrorNamingFileAndTensor) {
+  TempDir dir;
+  CheckpointManager manager(dir.str());
+  const std::string path = manager.save(TrainedModel(model_preset("gpt2-tiny"), 1, 1).contents(1));
+  ModelConfig wider = model_preset("gpt2-tiny");
+  wider.d_model = 64;
+  TrainedModel other(wider, 2, 0);
+  const std::vector<char> before = bytes_of(other.model->params());
+
+  const std::string message = error_of([&] { manager.load(path, other.model_state(), other.optimizer_state()); });
+  EXPECT_NE(message.find((fs::path(path) / "model.safetensors").string()), std::string::npos) << message;
+  EXPECT_NE(message.find("tensor 'wte.weight' is f32(97, 32), the model expects f32(97, 64)"), std::string::npos)
+      << message;
+  EXPECT_EQ(message.find('\n'), std::string::npos) << message;
+  EXPECT_EQ(bytes_of(other.model->params()), before);  // nothing copied
+}
+
+TEST(CheckpointTest, ExtraLayersAreAnErrorNamingTheTensor) {
+  TempDir dir;
+  CheckpointManager manager(dir.str());
+  const std::string path = manager.save(TrainedModel(model_preset("gpt2-tiny"), 1, 1).contents(1));
+  ModelConfig shallower = model_preset("gpt2-tiny");
+  shallower.n_layer = 1;
+  TrainedModel other(shallower, 2, 0);
+  const std::string message = error_of([&] { manager.load(path, other.model_state(), other.optimizer_state()); });
+  EXPECT_NE(message.find("tensor 'h.1."), std::string::npos) << message;
+  EXPECT_NE(message.find("is not a parameter of this model"), std::string::npos) << message;
+}
+
+TEST(CheckpointTest, MismatchedArchIsAnErrorNamingBoth) {
+  TempDir dir;
+  CheckpointManager manager(dir.str());
+  const std::string path = manager.save(TrainedModel(model_preset("gpt2-tiny"), 1, 1).contents(1));
+  TrainedModel llama(model_preset("llama-tiny"), 2, 0);
+  std::vector<std::string> warnings;
+  const std::string message = error_of([&] {
+    manager.load_latest(llama.model_state(), llama.optimizer_state(),
+                        [&](const std::string& w) { warnings.push_back(w); });
+  });
+  EXPECT_NE(message.find("model.safetensors: checkpoint arch is 'gpt2', the model is 'llama'"), std::string::npos)
+      << message;
+  EXPECT_TRUE(warnings.empty());  // a valid checkpoint that does not fit is not skipped
+}
+
+}  // namespace
+}  // namespace loom

@@ -1,0 +1,82 @@
+// Configuration: TOML files and --set overrides land in typed fields; unknown keys and wrong
+// types are errors naming the file and key; the resolved TOML reads back to the same config.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "loom/core/error.h"
+#include "loom/train/config.h"
+
+namespace loom {
+namespace {
+
+std::string write_temp(const std::string& name, const std::string& text) {
+  const std::string path = (std::filesystem::temp_directory_path() / ("loom_cfg_" + name)).string();
+  std::ofstream(path) << text;
+  return path;
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(ConfigTest, FileAndOverridesSetTypedFields) {
+  LoomConfig c;
+  apply_config_file(c, write_temp("ok.toml", "[model]\narch = \"llama\"\nn_layer = 3\n[train]\nlr = 1\n"));
+  apply_overrides(c, "train.lr=2e-3,data.dir=data/x,sample.top_k=5");
+  EXPECT_EQ(c.model.arch, ARCH_LLAMA);
+  EXPECT_EQ(c.model.n_layer, 3);
+  EXPECT_DOUBLE_EQ(c.train.lr, 2e-3);
+  EXPECT_EQ(c.data.dir, "data/x");
+  EXPECT_EQ(c.sample.sampling.top_k, 5);
+}
+
+TEST(ConfigTest, UnknownKeyNamesFileAndKey) {
+  LoomConfig c;
+  const std::string path = write_temp("unknown.toml", "[train]\nlrr = 1.0\n");
+  const std::string msg = error_of([&] { apply_config_file(c, path); });
+  EXPECT_NE(msg.find(path), std::string::npos) << msg;
+  EXPECT_NE(msg.find("train.lrr"), std::string::npos) << msg;
+  EXPECT_NE(error_of([&] { apply_overrides(c, "model.depth=3"); }).find("model.depth"), std::string::npos);
+}
+
+TEST(ConfigTest, WrongTypeNamesKeyAndExpectedType) {
+  LoomConfig c;
+  const std::string msg = error_of([&] { apply_config_file(c, write_temp("type.toml", "[train]\nsteps = \"many\"\n")); });
+  EXPECT_NE(msg.find("train.steps"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("integer"), std::string::npos) << msg;
+  EXPECT_NE(error_of([&] { apply_overrides(c, "model.arch=gpt3"); }).find("gpt3"), std::string::npos);
+}
+
+TEST(ConfigTest, SyntaxErrorNamesFileAndLine) {
+  LoomConfig c;
+  const std::string path = write_temp("syntax.toml", "[train]\nlr = = 3\n");
+  const std::string msg = error_of([&] { apply_config_file(c, path); });
+  EXPECT_NE(msg.find(path + ":2"), std::string::npos) << msg;
+}
+
+TEST(ConfigTest, ResolvedTomlRoundTrips) {
+  LoomConfig c;
+  apply_overrides(c, "train.lr=3e-4,model.norm_eps=1e-6,sample.prompt=\"Hi \\\"there\\\"\",train.seed=42");
+  LoomConfig back;
+  apply_config_file(back, write_temp("resolved.toml", config_to_toml(c)));
+  EXPECT_EQ(config_to_toml(back), config_to_toml(c));
+  EXPECT_EQ(back.sample.prompt, "Hi \"there\"");
+  EXPECT_EQ(back.model.norm_eps, 1e-6f);
+  EXPECT_EQ(back.loop.seed, 42u);
+}
+
+TEST(ConfigTest, ValidationCatchesInconsistentValues) {
+  LoomConfig c;
+  c.train.seq_len = c.model.max_seq_len + 1;
+  EXPECT_NE(error_of([&] { c.validate(); }).find("train.seq_len"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace loom
