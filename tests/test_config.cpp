@@ -29,11 +29,12 @@ std::string error_of(const std::function<void()>& f) {
 TEST(ConfigTest, FileAndOverridesSetTypedFields) {
   LoomConfig c;
   apply_config_file(c, write_temp("ok.toml", "[model]\narch = \"llama\"\nn_layer = 3\n[train]\nlr = 1\n"));
-  apply_overrides(c, "train.lr=2e-3,data.dir=data/x,sample.top_k=5");
+  apply_overrides(c, "train.lr=2e-3,data.dir=data/x,sample.top_k=5,run.name=nan");
   EXPECT_EQ(c.model.arch, ARCH_LLAMA);
   EXPECT_EQ(c.model.n_layer, 3);
   EXPECT_DOUBLE_EQ(c.train.lr, 2e-3);
   EXPECT_EQ(c.data.dir, "data/x");
+  EXPECT_EQ(c.run.name, "nan");  // string keys take the text as is
   EXPECT_EQ(c.sample.sampling.top_k, 5);
 }
 

@@ -218,7 +218,8 @@ void BpeTokenizer::merge_piece(std::string_view piece, std::vector<int32_t>& tok
 }
 
 void BpeTokenizer::encode_piece(std::string_view piece, std::vector<int32_t>& scratch, std::vector<int32_t>& out) const {
-  {
+  const bool cacheable = piece.size() <= kCacheMaxPieceBytes;
+  if (cacheable) {
     std::lock_guard<std::mutex> lock(cache_mutex_);
     const auto it = cache_.find(piece);
     if (it != cache_.end()) {
@@ -227,17 +228,17 @@ void BpeTokenizer::encode_piece(std::string_view piece, std::vector<int32_t>& sc
       return;
     }
   }
-  std::vector<int32_t>& tokens = scratch;
-  merge_piece(piece, tokens);
-  out.insert(out.end(), tokens.begin(), tokens.end());
+  merge_piece(piece, scratch);
+  out.insert(out.end(), scratch.begin(), scratch.end());
+  if (!cacheable) return;
   std::lock_guard<std::mutex> lock(cache_mutex_);
-  if (cache_tokens_.size() + tokens.size() > kCacheMaxTokens) {
+  if (cache_.size() >= kCacheMaxPieces || cache_tokens_.size() + scratch.size() > kCacheMaxTokens) {
     cache_.clear();
     cache_tokens_.clear();
   }
-  const auto [it, inserted] = cache_.try_emplace(std::string(piece), CachedPiece{static_cast<uint32_t>(cache_tokens_.size()),
-                                                                                 static_cast<uint32_t>(tokens.size())});
-  if (inserted) cache_tokens_.insert(cache_tokens_.end(), tokens.begin(), tokens.end());
+  const CachedPiece entry{static_cast<uint32_t>(cache_tokens_.size()), static_cast<uint32_t>(scratch.size())};
+  if (cache_.try_emplace(std::string(piece), entry).second)
+    cache_tokens_.insert(cache_tokens_.end(), scratch.begin(), scratch.end());
 }
 
 std::vector<int32_t> BpeTokenizer::encode(std::string_view text) const {

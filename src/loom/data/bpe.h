@@ -70,9 +70,12 @@ class BpeTokenizer final : public Tokenizer {
   std::array<int32_t, 256> byte_token_{};               // [byte] -> id of the one-byte token
   std::unordered_map<uint64_t, MergeRule> merges_;      // [(left id << 32) | right id]
 
-  // BPE result per distinct piece, shared by all calls; guarded by cache_mutex_, so encode is
-  // thread-safe. Cleared when it grows past kCacheMaxTokens.
-  static constexpr size_t kCacheMaxTokens = size_t{1} << 24;
+  // BPE result per distinct piece of at most kCacheMaxPieceBytes, shared by all calls and
+  // guarded by cache_mutex_ (encode is thread-safe; concurrent callers contend for it). Cleared
+  // when it would pass kCacheMaxPieces pieces or kCacheMaxTokens tokens (tens of MB at most).
+  static constexpr size_t kCacheMaxPieceBytes = 256;
+  static constexpr size_t kCacheMaxPieces = size_t{1} << 18;
+  static constexpr size_t kCacheMaxTokens = size_t{1} << 22;
   mutable std::mutex cache_mutex_;
   mutable std::unordered_map<std::string, CachedPiece, StringHash, std::equal_to<>> cache_;  // [piece bytes]
   mutable std::vector<int32_t> cache_tokens_;  // [sum of cached piece lengths]

@@ -120,6 +120,13 @@ void set_key(LoomConfig& config, const std::string& key, const toml::node& node,
   throw Error(str_cat(origin, ": unknown config key '", key, "' (see `loom train --help` for the keys)"));
 }
 
+bool is_string_key(LoomConfig& config, const std::string& key) {
+  for (const Binding& b : bindings(config)) {
+    if (b.key == key) return std::holds_alternative<std::string*>(b.target) || std::holds_alternative<Arch*>(b.target);
+  }
+  return false;
+}
+
 // Walks nested tables, setting every leaf "a.b" it finds.
 void apply_table(LoomConfig& config, const toml::table& table, const std::string& prefix, const std::string& origin) {
   for (const auto& [k, node] : table) {
@@ -198,6 +205,9 @@ void apply_overrides(LoomConfig& config, const std::string& assignments, const s
     } catch (const toml::parse_error&) {
       parsed = toml::table{{"v", value}};  // a bare word is a string: --set data.dir=data/x
     }
+    // For string keys the text itself is the value unless it is a quoted TOML string, so
+    // run.name=nan or data.dir=1e3 stay the strings they look like.
+    if (is_string_key(config, key) && !parsed.get("v")->is_string()) parsed = toml::table{{"v", value}};
     set_key(config, key, *parsed.get("v"), origin);
   }
 }

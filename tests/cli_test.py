@@ -1,0 +1,185 @@
+#!/usr/bin/python3
+"""End-to-end tests of the `loom` command line: a tiny run on a small text, bitwise resume,
+KV-cache generation, and every bad input of issue 3 (one clear line, non-zero exit, no lost
+data).  Run by ctest: cli_test.py <path to loom> ; stdlib only."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import unittest
+
+LOOM = os.path.abspath(sys.argv[1]) if len(sys.argv) > 1 else "build/bin/loom"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TEXT = "/usr/share/common-licenses/GPL-3"  # real English text present on every Debian system
+
+TINY = ",".join([
+    "model.n_layer=2", "model.n_head=2", "model.n_kv_head=2", "model.d_model=32", "model.d_ff=64",
+    "model.max_seq_len=32", "train.seq_len=32", "train.batch_size=4", "train.warmup_steps=2",
+    "train.lr=3e-3", "train.min_lr=3e-4", "train.eval_every=4", "train.eval_batches=2",
+    "train.checkpoint_every=4", "train.keep_checkpoints=3", "sample.max_new_tokens=16",
+    "sample.prompt=\"The \"",
+])
+
+
+def run(*args: str, expect_ok: bool = True, cwd: str = ROOT) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="2")
+    p = subprocess.run([LOOM, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    if expect_ok and p.returncode != 0:
+        raise AssertionError(f"loom {' '.join(args)} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
+    return p
+
+
+class Cli(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.mkdtemp(prefix="loom_cli_")
+        cls.data = os.path.join(cls.tmp, "data")
+        run("prepare", "--input", TEXT, "--tokenizer", "byte", "--out", cls.data, "--val-fraction", "0.1")
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.tmp, ignore_errors=True)
+
+    def train(self, name: str, *extra: str, expect_ok: bool = True, steps: int = 8):
+        sets = f"{TINY},train.steps={steps},data.dir={self.data},data.tokenizer=byte,run.dir={self.tmp}/runs,run.name={name}"
+        return run("train", "--set", sets, *extra, expect_ok=expect_ok)
+
+    def ckpt(self, name: str, step: int) -> str:
+        return os.path.join(self.tmp, "runs", name, "checkpoints", f"step_{step:08d}")
+
+    def assert_one_line_error(self, p: subprocess.CompletedProcess, *needles: str):
+        self.assertNotEqual(p.returncode, 0, p.stdout + p.stderr)
+        lines = [line for line in p.stderr.splitlines() if line.strip()]
+        self.assertEqual(len(lines), 1, p.stderr)
+        for needle in needles:
+            self.assertIn(needle, lines[0])
+
+    # ---------------------------------------------------------------- the happy path
+
+    def test_train_writes_run_folder_metrics_checkpoints_and_sample(self):
+        p = self.train("happy")
+        run_dir = os.path.join(self.tmp, "runs", "happy")
+        for f in ("config.toml", "metrics.jsonl", "samples.txt"):
+            self.assertTrue(os.path.exists(os.path.join(run_dir, f)), f)
+        self.assertTrue(os.path.exists(os.path.join(self.ckpt("happy", 8), "manifest.json")))
+        self.assertIn("validation loss", p.stdout)
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            self.assertGreaterEqual(sum(1 for _ in f), 8)
+
+    def test_resume_is_bitwise_identical(self):
+        self.train("straight")
+        stopped = self.train("resumed", "--stop-at-step", "4")
+        self.assertIn("stopped after step 4", stopped.stdout)
+        self.assertFalse(os.path.exists(self.ckpt("resumed", 8)))
+        resumed = self.train("resumed", "--resume")
+        self.assertIn("resumed from", resumed.stdout)
+        for f in ("model.safetensors", "optimizer.safetensors"):
+            with open(os.path.join(self.ckpt("straight", 8), f), "rb") as a, open(os.path.join(self.ckpt("resumed", 8), f), "rb") as b:
+                self.assertEqual(a.read(), b.read(), f)
+
+    def test_generate_is_reproducible_from_the_seed(self):
+        self.train("gen")
+        args = ("generate", "--checkpoint", os.path.join(self.tmp, "runs", "gen"), "--prompt", "The ", "--tokens", "20", "--seed", "5")
+        a, b = run(*args), run(*args)
+        self.assertEqual(a.stdout, b.stdout)
+        self.assertTrue(a.stdout.startswith("The "))
+        greedy = run("generate", "--checkpoint", self.ckpt("gen", 8), "--prompt", "The ", "--tokens", "20", "--greedy")
+        self.assertTrue(greedy.stdout.startswith("The "))
+
+    def test_eval_reports_loss_and_perplexity(self):
+        self.train("ev")
+        p = run("eval", "--checkpoint", os.path.join(self.tmp, "runs", "ev"))
+        self.assertIn("val loss", p.stdout)
+        self.assertIn("perplexity", p.stdout)
+
+    def test_every_command_has_help(self):
+        for cmd in ("prepare", "train", "eval", "generate", "tokenizer"):
+            p = run(cmd, "--help")
+            self.assertIn("usage: loom", p.stdout)
+
+    # ---------------------------------------------------------------- bad input
+
+    def test_unknown_config_key_names_the_key(self):
+        self.assert_one_line_error(self.train("bad", "--set", "train.lrr=1", expect_ok=False), "train.lrr")
+
+    def test_wrong_config_type_names_the_key(self):
+        self.assert_one_line_error(self.train("bad", "--set", "train.steps=many", expect_ok=False), "train.steps", "integer")
+
+    def test_bad_config_file_names_file_and_key(self):
+        path = os.path.join(self.tmp, "bad.toml")
+        with open(path, "w") as f:
+            f.write("[model]\nlayers = 3\n")
+        p = run("train", "--config", path, expect_ok=False)
+        self.assert_one_line_error(p, path, "model.layers")
+
+    def corrupt_data(self, name: str, damage) -> str:
+        d = os.path.join(self.tmp, name)
+        shutil.copytree(self.data, d)
+        damage(os.path.join(d, "train_000000.bin"))
+        return d
+
+    def train_on(self, data_dir: str):
+        return run("train", "--set", f"{TINY},train.steps=2,data.dir={data_dir},data.tokenizer=byte,run.dir={self.tmp}/runs,run.name=bad",
+                   expect_ok=False)
+
+    def test_missing_shard_names_the_file(self):
+        d = self.corrupt_data("d_missing", os.remove)
+        self.assert_one_line_error(self.train_on(d), "train_000000.bin")
+
+    def test_truncated_shard_names_the_file(self):
+        def truncate(path):
+            with open(path, "r+b") as f:
+                f.truncate(os.path.getsize(path) - 7)
+        self.assert_one_line_error(self.train_on(self.corrupt_data("d_trunc", truncate)), "train_000000.bin")
+
+    def test_wrong_magic_names_the_file(self):
+        def bad_magic(path):
+            with open(path, "r+b") as f:
+                f.write(b"NOTLOOM!")
+        self.assert_one_line_error(self.train_on(self.corrupt_data("d_magic", bad_magic)), "train_000000.bin", "magic")
+
+    def test_checksum_mismatch_names_the_file(self):
+        def flip(path):
+            with open(path, "r+b") as f:
+                f.seek(100)
+                b = f.read(1)
+                f.seek(100)
+                f.write(bytes([b[0] ^ 1]))
+        self.assert_one_line_error(self.train_on(self.corrupt_data("d_sum", flip)), "train_000000.bin", "checksum")
+
+    def test_missing_tokenizer_files_name_the_path(self):
+        p = run("prepare", "--input", TEXT, "--tokenizer", os.path.join(self.tmp, "no_tokenizer"),
+                "--out", os.path.join(self.tmp, "d_tok"), expect_ok=False)
+        self.assert_one_line_error(p, "no_tokenizer")
+
+    def test_corrupt_checkpoint_falls_back_to_the_previous_one(self):
+        self.train("fallback")
+        model = os.path.join(self.ckpt("fallback", 8), "model.safetensors")
+        with open(model, "r+b") as f:
+            f.seek(os.path.getsize(model) - 5)
+            f.write(b"\x00\x01\x02\x03\x04")
+        p = self.train("fallback", "--resume", steps=12)
+        self.assertIn("corrupt", p.stderr)
+        self.assertIn("step_00000004", p.stderr)
+        self.assertIn("resumed from", p.stdout)
+        self.assertIn("step_00000004", p.stdout)
+        self.assertTrue(os.path.exists(os.path.join(self.ckpt("fallback", 12), "manifest.json")))
+
+    def test_nan_loss_stops_with_a_message_and_keeps_the_last_checkpoint(self):
+        self.train("nan", steps=4)
+        good = os.path.join(self.ckpt("nan", 4), "model.safetensors")
+        with open(good, "rb") as f:
+            before = f.read()
+        p = self.train("nan", "--resume", "--set", "train.lr=1e30,train.min_lr=1e29", steps=8, expect_ok=False)
+        self.assert_one_line_error(p, "loss is")
+        with open(good, "rb") as f:
+            self.assertEqual(f.read(), before)
+        self.assertFalse(os.path.exists(self.ckpt("nan", 8)))
+
+
+if __name__ == "__main__":
+    unittest.main(argv=[sys.argv[0], "-v"])
