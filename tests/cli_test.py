@@ -96,6 +96,15 @@ class Cli(unittest.TestCase):
         self.assertIn("val loss", p.stdout)
         self.assertIn("perplexity", p.stdout)
 
+    def test_prepare_can_learn_its_own_bpe_and_train_uses_it(self):
+        data = os.path.join(self.tmp, "d_bpe")
+        run("prepare", "--input", TEXT, "--tokenizer", "bpe:300", "--out", data)
+        self.assertTrue(os.path.exists(os.path.join(data, "tokenizer", "vocab.bpe")))
+        p = run("train", "--set", f"{TINY},train.steps=2,data.dir={data},run.dir={self.tmp}/runs,run.name=bpe")
+        self.assertIn("sample", p.stdout)
+        with open(os.path.join(self.tmp, "runs", "bpe", "config.toml")) as f:
+            self.assertIn(os.path.join(data, "tokenizer"), f.read())
+
     def test_every_command_has_help(self):
         for cmd in ("prepare", "train", "eval", "generate", "tokenizer"):
             p = run(cmd, "--help")

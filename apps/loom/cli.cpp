@@ -13,6 +13,8 @@
 #include <sstream>
 
 #include "loom/core/error.h"
+#include "loom/core/philox.h"
+#include "loom/data/bpe.h"
 #include "loom/data/shard.h"
 
 namespace loom::cli {
@@ -162,6 +164,12 @@ std::vector<std::string> default_corpus_documents() {
     if (!current.empty()) documents.push_back(std::move(current));
   }
   LOOM_CHECK(!documents.empty(), dir.string(), ": no fortune files found");
+  // The files are sorted by topic; shuffle the fortunes (a fixed Philox-keyed Fisher-Yates) so
+  // the validation split, the tail of the stream, samples every topic like the training split.
+  for (size_t i = documents.size() - 1; i > 0; --i) {
+    const PhiloxCounter r = philox4x32_10({static_cast<uint32_t>(i), 0, 0, 0}, {0x464f5254u, 0x554e4553u});
+    std::swap(documents[i], documents[static_cast<size_t>(r[0] % (i + 1))]);
+  }
   return documents;
 }
 
@@ -172,6 +180,24 @@ std::vector<std::string> text_file_documents(const std::string& path) {
   buffer << in.rdbuf();
   LOOM_CHECK(!buffer.str().empty(), path, ": input text is empty");
   return {buffer.str()};
+}
+
+std::unique_ptr<Tokenizer> prepare_tokenizer(const std::string& spec, const std::vector<std::string>& documents,
+                                             const std::string& out_dir) {
+  if (spec.rfind("bpe:", 0) != 0) return load_tokenizer(spec);
+  int64_t vocab = 0;
+  try {
+    vocab = std::stoll(spec.substr(4));
+  } catch (const std::exception&) {
+  }
+  LOOM_CHECK(vocab > 257, "data.tokenizer '", spec, "': expected bpe:N with N > 257 tokens");
+  std::string text;
+  for (const std::string& doc : documents) text += doc;
+  const std::string dir = (fs::path(out_dir) / "tokenizer").string();
+  const BpeTrainResult result = train_bpe(text, vocab, dir);
+  std::printf("trained a byte-level BPE of %lld tokens on the corpus: %s\n", static_cast<long long>(result.vocab_size),
+              dir.c_str());
+  return load_tokenizer(dir);
 }
 
 void prepare_dataset(const std::vector<std::string>& documents, const Tokenizer& tokenizer, const std::string& out_dir,
@@ -206,6 +232,30 @@ void prepare_dataset(const std::vector<std::string>& documents, const Tokenizer&
   std::printf("prepared %s: %zu documents, %lld bytes -> %zu tokens (%zu train, %zu val), tokenizer %s, unigram entropy %.3f nats/token\n",
               out_dir.c_str(), documents.size(), static_cast<long long>(bytes), tokens.size(), n_train, tokens.size() - n_train,
               tokenizer.name().c_str(), entropy);
+}
+
+std::string printable_utf8(const std::string& bytes) {
+  std::string out;
+  size_t i = 0;
+  while (i < bytes.size()) {
+    const auto c = static_cast<unsigned char>(bytes[i]);
+    const size_t len = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xE ? 3 : (c >> 3) == 0x1E ? 4 : 0;
+    bool ok = len > 0 && i + len <= bytes.size();
+    for (size_t k = 1; ok && k < len; ++k) ok = (static_cast<unsigned char>(bytes[i + k]) >> 6) == 0x2;
+    if (ok && len > 1) {  // reject overlong forms, surrogates and code points above U+10FFFF
+      uint32_t cp = c & (0x7F >> len);
+      for (size_t k = 1; k < len; ++k) cp = (cp << 6) | (static_cast<unsigned char>(bytes[i + k]) & 0x3F);
+      ok = cp >= (len == 2 ? 0x80u : len == 3 ? 0x800u : 0x10000u) && cp <= 0x10FFFF && (cp < 0xD800 || cp > 0xDFFF);
+    }
+    if (ok) {
+      out.append(bytes, i, len);
+      i += len;
+    } else {
+      out += "\xEF\xBF\xBD";
+      ++i;
+    }
+  }
+  return out;
 }
 
 bool stdout_is_terminal() { return ::isatty(STDOUT_FILENO) == 1; }

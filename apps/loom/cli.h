@@ -49,15 +49,25 @@ LoomConfig checkpoint_config(const std::string& step_dir);
 // Writes `text` to path atomically (temp name, fsync, rename).
 void write_text_atomic(const std::string& path, const std::string& text);
 
-// The default corpus: every fortune of Debian's `fortunes` package, one document each.
+// The default corpus: every fortune of Debian's `fortunes` package, one document each, in a
+// fixed shuffled order (so the validation tail covers every topic).
 std::vector<std::string> default_corpus_documents();
 // A user's text file: one document, the whole file.
 std::vector<std::string> text_file_documents(const std::string& path);
+
+// The tokenizer for `loom prepare`: "gpt2", "byte", a directory, or "bpe:N" — a byte-level
+// BPE of N tokens learned from the documents themselves and saved in <out_dir>/tokenizer.
+std::unique_ptr<Tokenizer> prepare_tokenizer(const std::string& spec, const std::vector<std::string>& documents,
+                                             const std::string& out_dir);
 
 // Prepares a dataset: tokenizes documents (end-of-text between them), writes shards and
 // stats.json (token counts, unigram entropy). Prints a summary line.
 void prepare_dataset(const std::vector<std::string>& documents, const Tokenizer& tokenizer, const std::string& out_dir,
                      double val_fraction);
+
+// `bytes` with every invalid UTF-8 sequence replaced by U+FFFD, for display: a model may
+// sample byte tokens that do not form characters.
+std::string printable_utf8(const std::string& bytes);
 
 bool stdout_is_terminal();
 std::string format_duration(double seconds);  // "4m05s"

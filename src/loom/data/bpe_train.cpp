@@ -125,7 +125,8 @@ bool BpeTrainer::heap_less(const HeapEntry& x, const HeapEntry& y) const {
 
 void BpeTrainer::push(int64_t count, uint64_t pair) {
   heap_.push_back({count, pair});
-  std::push_heap(heap_.begin(), heap_.end(), [this](const HeapEntry& x, const HeapEntry& y) { return heap_less(x, y); });
+  std::push_heap(heap_.begin(), heap_.end(),
+                 [this](const HeapEntry& x, const HeapEntry& y) { return heap_less(x, y); });
 }
 
 void BpeTrainer::count_initial_pairs() {
@@ -164,7 +165,8 @@ void BpeTrainer::learn(int64_t vocab_size) {
     }
     if (top.count < 2) break;
     const int32_t left = pair_left(top.pair), right = pair_right(top.pair);
-    const int32_t merged = token_for(token_bytes_[static_cast<size_t>(left)] + token_bytes_[static_cast<size_t>(right)]);
+    const int32_t merged =
+        token_for(token_bytes_[static_cast<size_t>(left)] + token_bytes_[static_cast<size_t>(right)]);
     merge(top.pair, merged, static_cast<int64_t>(merges_.size()));
     merges_.push_back(top.pair);
   }

@@ -96,14 +96,14 @@ ScannedCodePoint scan_code_point(std::string_view text, size_t pos) {
 std::string_view Gpt2PreTokenizer::next() {
   const size_t start = pos_;
   if (start >= text_.size()) return {};
-  size_t end = start + contraction_bytes(start);
+  size_t end = start + contraction_bytes(start);  // case 1
   if (end == start) {
-    const CodePointClass after_space =
-        text_[start] == ' ' && start + 1 < text_.size() ? scan_code_point(text_, start + 1).cls : CODE_POINT_CLASS_SPACE;
+    const bool space_then_more = text_[start] == ' ' && start + 1 < text_.size();
+    const CodePointClass after_space = space_then_more ? scan_code_point(text_, start + 1).cls : CODE_POINT_CLASS_SPACE;
     const CodePointClass here = scan_code_point(text_, start).cls;
-    if (after_space != CODE_POINT_CLASS_SPACE) end = class_run_end(start + 1, after_space);
-    else if (here != CODE_POINT_CLASS_SPACE) end = class_run_end(start, here);
-    else end = space_match_end(start);
+    if (after_space != CODE_POINT_CLASS_SPACE) end = class_run_end(start + 1, after_space);  // case 2
+    else if (here != CODE_POINT_CLASS_SPACE) end = class_run_end(start, here);               // case 3
+    else end = space_match_end(start);                                                       // case 4
   }
   pos_ = end;
   return text_.substr(start, end - start);

@@ -15,7 +15,7 @@ namespace loom {
 
 struct DataConfig {
   std::string dir = "data/fortunes";  // token shards written by `loom prepare`
-  std::string tokenizer = "gpt2";     // gpt2 | byte | a directory with encoder.json + vocab.bpe
+  std::string tokenizer = "gpt2";     // gpt2 | byte | bpe:N (learned by prepare) | a directory with encoder.json + vocab.bpe
   std::string input = "";             // text for `loom prepare`; empty = the default corpus
   double val_fraction = 0.05;
 };
