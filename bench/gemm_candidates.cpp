@@ -353,12 +353,16 @@ std::string dnnl_info(const Library& lib, const char* entry_point) {
   std::string info = "oneDNN";
   if (auto version = lib.symbol<const DnnlVersion* (*)()>("dnnl_version")) {
     const DnnlVersion* v = version();
-    info += " " + std::to_string(v->major) + "." + std::to_string(v->minor) + "." +
-            std::to_string(v->patch);
+    char text[48];
+    std::snprintf(text, sizeof text, " %d.%d.%d", v->major, v->minor, v->patch);
+    info += text;
   }
-  info += std::string(" ") + entry_point;
-  if (auto isa = lib.symbol<int (*)()>("dnnl_get_effective_cpu_isa"))
-    info += ", isa " + dnnl_isa_name(isa());
+  info += " ";
+  info += entry_point;
+  if (auto isa = lib.symbol<int (*)()>("dnnl_get_effective_cpu_isa")) {
+    info += ", isa ";
+    info += dnnl_isa_name(isa());
+  }
   return info + ", threads from OpenMP";
 }
 
