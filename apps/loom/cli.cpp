@@ -1,6 +1,5 @@
 #include "cli.h"
 
-#include <fcntl.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -13,6 +12,7 @@
 #include <sstream>
 
 #include "loom/core/error.h"
+#include "loom/core/file_io.h"
 #include "loom/core/philox.h"
 #include "loom/data/bpe.h"
 #include "loom/data/shard.h"
@@ -131,16 +131,6 @@ LoomConfig checkpoint_config(const std::string& step_dir) {
   return config;
 }
 
-void write_text_atomic(const std::string& path, const std::string& text) {
-  const std::string tmp = path + ".tmp";
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  LOOM_CHECK(fd >= 0, tmp, ": cannot create: ", std::strerror(errno));
-  const bool ok = ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size()) && ::fsync(fd) == 0;
-  ::close(fd);
-  LOOM_CHECK(ok, tmp, ": write failed: ", std::strerror(errno));
-  LOOM_CHECK(std::rename(tmp.c_str(), path.c_str()) == 0, path, ": rename failed: ", std::strerror(errno));
-}
-
 std::vector<std::string> default_corpus_documents() {
   const fs::path dir = "/usr/share/games/fortunes";
   LOOM_CHECK(fs::is_directory(dir), dir.string(), ": the default corpus is missing; run scripts/setup (Debian package 'fortunes')");
@@ -228,7 +218,7 @@ void prepare_dataset(const std::vector<std::string>& documents, const Tokenizer&
                           {"val_tokens", tokens.size() - n_train},
                           {"unigram_entropy_nats", entropy},
                           {"tokenizer", tokenizer.name()}};
-  write_text_atomic((fs::path(out_dir) / "stats.json").string(), stats.dump(2) + "\n");
+  write_file_atomic((fs::path(out_dir) / "stats.json").string(), stats.dump(2) + "\n");
   std::printf("prepared %s: %zu documents, %lld bytes -> %zu tokens (%zu train, %zu val), tokenizer %s, unigram entropy %.3f nats/token\n",
               out_dir.c_str(), documents.size(), static_cast<long long>(bytes), tokens.size(), n_train, tokens.size() - n_train,
               tokenizer.name().c_str(), entropy);

@@ -46,9 +46,6 @@ std::string resolve_checkpoint(const std::string& path);
 // The config a checkpoint was trained with (its resolved TOML), with its model config.
 LoomConfig checkpoint_config(const std::string& step_dir);
 
-// Writes `text` to path atomically (temp name, fsync, rename).
-void write_text_atomic(const std::string& path, const std::string& text);
-
 // The default corpus: every fortune of Debian's `fortunes` package, one document each, in a
 // fixed shuffled order (so the validation tail covers every topic).
 std::vector<std::string> default_corpus_documents();

@@ -11,6 +11,7 @@
 #include "cli.h"
 #include "commands.h"
 #include "loom/core/error.h"
+#include "loom/core/file_io.h"
 #include "loom/data/loader.h"
 #include "loom/data/shard.h"
 #include "loom/infer/generate.h"
@@ -112,7 +113,7 @@ int train_main(int argc, char** argv) {
   const std::string dir = run_dir(config);
   fs::create_directories(dir);
   const std::string config_text = config_to_toml(config);
-  write_text_atomic((fs::path(dir) / "config.toml").string(), config_text);
+  write_file_atomic((fs::path(dir) / "config.toml").string(), config_text);
 
   auto backend = make_cpu_backend();
   Transformer model(*backend, config.model);
@@ -202,7 +203,7 @@ int train_main(int argc, char** argv) {
   std::vector<int32_t> sample = generate(model, prompt, sampler, options);
   if (!sample.empty() && sample.back() == tokenizer->eot_token()) sample.pop_back();
   const std::string text = printable_utf8(config.sample.prompt + tokenizer->decode(sample));
-  write_text_atomic((fs::path(dir) / "samples.txt").string(), text + "\n");
+  write_file_atomic((fs::path(dir) / "samples.txt").string(), text + "\n");
   std::printf("\nsample (temperature %.2f, top-k %lld, top-p %.2f):\n%s\n\n", config.sample.sampling.temperature,
               static_cast<long long>(config.sample.sampling.top_k), config.sample.sampling.top_p, text.c_str());
   std::printf("done: %lld steps, final validation loss %.4f; peak memory %s (parameters %s, gradients %s, optimizer %s, "

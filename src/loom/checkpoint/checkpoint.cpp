@@ -20,6 +20,7 @@
 
 #include "loom/checkpoint/safetensors.h"
 #include "loom/core/error.h"
+#include "loom/core/file_io.h"
 #include "loom/model/param_layout.h"
 
 namespace loom {
@@ -40,16 +41,6 @@ constexpr const char* kTmpSuffix = ".tmp";
 
 // ---- file system: one-line errors naming the path, fsync of files and folders ----
 
-void write_all(int fd, const void* data, size_t bytes, const std::string& path) {
-  const char* p = static_cast<const char*>(data);
-  while (bytes > 0) {
-    const ssize_t n = ::write(fd, p, bytes);
-    LOOM_CHECK(n >= 0, path, ": write failed: ", std::strerror(errno));
-    p += n;
-    bytes -= static_cast<size_t>(n);
-  }
-}
-
 // Writes `text` to `path` and fsyncs it (the caller fsyncs the folder).
 void write_text_synced(const std::string& path, const std::string& text) {
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
@@ -62,16 +53,6 @@ void write_text_synced(const std::string& path, const std::string& text) {
     throw;
   }
   ::close(fd);
-}
-
-// A rename or a new entry is durable only once its folder is fsynced.
-void fsync_dir(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_DIRECTORY);
-  LOOM_CHECK(fd >= 0, path, ": cannot open folder to fsync: ", std::strerror(errno));
-  const int rc = ::fsync(fd);
-  const int err = errno;
-  ::close(fd);
-  LOOM_CHECK(rc == 0, path, ": fsync of folder failed: ", std::strerror(err));
 }
 
 void remove_tree(const fs::path& path) {
@@ -456,7 +437,7 @@ std::string CheckpointManager::save(const CheckpointContents& contents) {
   std::error_code ec;
   const bool created = fs::create_directories(dir_, ec);
   LOOM_CHECK(!ec, dir_, ": cannot create the checkpoints folder: ", ec.message());
-  if (created) fsync_dir(fs::absolute(dir_).parent_path().string());
+  if (created) fsync_directory(fs::absolute(dir_).parent_path().string());
   remove_stale_tmp_dirs();
   fs::create_directory(tmp_dir, ec);
   LOOM_CHECK(!ec, tmp_dir.string(), ": cannot create: ", ec.message());
@@ -467,14 +448,14 @@ std::string CheckpointManager::save(const CheckpointContents& contents) {
     write_text_synced((tmp_dir / kTrainerFile).string(), trainer_json(contents).dump(2));
     // The manifest goes last: its presence says every other file is complete.
     write_text_synced((tmp_dir / kManifestFile).string(), manifest_json(tmp_dir, contents.step).dump(2));
-    fsync_dir(tmp_dir.string());
+    fsync_directory(tmp_dir.string());
     if (fs::exists(final_dir, ec)) {  // an older save of the same step, e.g. before a fall-back
       verified_.erase(final_dir.string());
       remove_tree(final_dir);
     }
     fs::rename(tmp_dir, final_dir, ec);
     LOOM_CHECK(!ec, final_dir.string(), ": rename from ", tmp_dir.string(), " failed: ", ec.message());
-    fsync_dir(dir_);
+    fsync_directory(dir_);
   } catch (...) {
     fs::remove_all(tmp_dir, ec);
     throw;

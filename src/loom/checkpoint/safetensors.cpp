@@ -1,7 +1,5 @@
 #include "loom/checkpoint/safetensors.h"
 
-#include <fcntl.h>
-#include <unistd.h>
 
 #include <cstdio>
 #include <cstring>
@@ -9,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "loom/core/error.h"
+#include "loom/core/file_io.h"
 
 namespace loom {
 
@@ -33,15 +32,6 @@ DType parse_dtype(const std::string& s, const std::string& path, const std::stri
   throw Error(str_cat(path, ": tensor '", name, "' has dtype ", s, ", expected one of F32, BF16, F64, I32"));
 }
 
-void write_all(int fd, const void* data, size_t bytes, const std::string& path) {
-  const char* p = static_cast<const char*>(data);
-  while (bytes > 0) {
-    const ssize_t n = ::write(fd, p, bytes);
-    if (n < 0) throw Error(str_cat(path, ": write failed: ", std::strerror(errno)));
-    p += n;
-    bytes -= static_cast<size_t>(n);
-  }
-}
 }  // namespace
 
 SafetensorsFile SafetensorsFile::read(const std::string& path) {
@@ -150,21 +140,9 @@ void write_safetensors(const std::string& path, const std::vector<std::pair<std:
   text.append((8 - text.size() % 8) % 8, ' ');  // data starts 8-byte aligned
   const uint64_t header_bytes = text.size();
 
-  const std::string tmp = path + ".tmp";
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  LOOM_CHECK(fd >= 0, tmp, ": cannot create: ", std::strerror(errno));
-  try {
-    write_all(fd, &header_bytes, 8, tmp);
-    write_all(fd, text.data(), text.size(), tmp);
-    for (const auto& [name, t] : tensors) write_all(fd, t.raw_data(), t.nbytes(), tmp);
-    LOOM_CHECK(::fsync(fd) == 0, tmp, ": fsync failed: ", std::strerror(errno));
-  } catch (...) {
-    ::close(fd);
-    ::unlink(tmp.c_str());
-    throw;
-  }
-  ::close(fd);
-  LOOM_CHECK(std::rename(tmp.c_str(), path.c_str()) == 0, path, ": rename from ", tmp, " failed: ", std::strerror(errno));
+  std::vector<ByteRange> parts{{&header_bytes, 8}, {text.data(), text.size()}};
+  for (const auto& [name, t] : tensors) parts.push_back({t.raw_data(), t.nbytes()});
+  write_file_atomic(path, parts);
 }
 
 }  // namespace loom

@@ -18,7 +18,6 @@
 // largest count comes from a max-heap with lazy deletion (an entry whose count is out of date
 // is re-pushed with the current count when it surfaces). A step costs O(occurrences of the
 // pair), not a recount of the corpus.
-#include <fcntl.h>
 #include <unistd.h>
 
 #include <nlohmann/json.hpp>
@@ -32,6 +31,7 @@
 #include <unordered_map>
 
 #include "loom/core/error.h"
+#include "loom/core/file_io.h"
 #include "loom/data/bpe.h"
 #include "loom/data/unicode.h"
 
@@ -244,36 +244,6 @@ std::string BpeTrainer::merges_text() const {
   return text;
 }
 
-struct FdGuard {
-  int fd;
-  ~FdGuard() {
-    if (fd >= 0) ::close(fd);
-  }
-};
-
-// Writes `bytes` to <path>.<pid>.tmp and fsyncs it; returns the temporary name.
-std::string write_temp_file(const std::string& path, const std::string& bytes) {
-  const std::string tmp = str_cat(path, ".", ::getpid(), ".tmp");
-  FdGuard out{::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644)};
-  LOOM_CHECK(out.fd >= 0, tmp, ": cannot create: ", std::strerror(errno));
-  for (size_t done = 0; done < bytes.size();) {
-    const ssize_t n = ::write(out.fd, bytes.data() + done, bytes.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      const int err = errno;
-      ::unlink(tmp.c_str());
-      throw Error(str_cat(tmp, ": write failed: ", std::strerror(err)));
-    }
-    done += static_cast<size_t>(n);
-  }
-  if (::fsync(out.fd) != 0) {
-    const int err = errno;
-    ::unlink(tmp.c_str());
-    throw Error(str_cat(tmp, ": fsync failed: ", std::strerror(err)));
-  }
-  return tmp;
-}
-
 // Both files are written and fsynced under temporary names before either is renamed into
 // place; then the directory is fsynced so that the renames are durable.
 void write_tokenizer_files(const std::filesystem::path& dir, const std::string& encoder, const std::string& merges) {
@@ -281,25 +251,18 @@ void write_tokenizer_files(const std::filesystem::path& dir, const std::string& 
   std::filesystem::create_directories(dir, ec);
   LOOM_CHECK(!ec, dir.string(), ": cannot create directory: ", ec.message());
   const std::string encoder_path = (dir / "encoder.json").string(), merges_path = (dir / "vocab.bpe").string();
-  const std::string encoder_tmp = write_temp_file(encoder_path, encoder);
+  const ByteRange encoder_bytes{encoder.data(), encoder.size()}, merges_bytes{merges.data(), merges.size()};
+  const std::string encoder_tmp = write_temp_synced(encoder_path, std::span(&encoder_bytes, 1));
   std::string merges_tmp;
   try {
-    merges_tmp = write_temp_file(merges_path, merges);
+    merges_tmp = write_temp_synced(merges_path, std::span(&merges_bytes, 1));
+    rename_into_place(merges_tmp, merges_path);
   } catch (...) {
     ::unlink(encoder_tmp.c_str());
     throw;
   }
-  for (const auto& [tmp, path] : {std::pair{merges_tmp, merges_path}, std::pair{encoder_tmp, encoder_path}}) {
-    if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-      const int err = errno;
-      ::unlink(encoder_tmp.c_str());
-      ::unlink(merges_tmp.c_str());
-      throw Error(str_cat(path, ": rename from ", tmp, " failed: ", std::strerror(err)));
-    }
-  }
-  FdGuard d{::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC)};
-  LOOM_CHECK(d.fd >= 0 && ::fsync(d.fd) == 0, dir.string(), ": cannot fsync directory after writing the tokenizer: ",
-             std::strerror(errno));
+  rename_into_place(encoder_tmp, encoder_path);
+  fsync_directory(dir.string());
 }
 
 }  // namespace

@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "loom/core/error.h"
+#include "loom/core/file_io.h"
 
 namespace loom {
 
@@ -46,17 +47,6 @@ struct FdGuard {
   }
 };
 
-void write_all(int fd, const void* data, size_t bytes, const std::string& path) {
-  const char* p = static_cast<const char*>(data);
-  while (bytes > 0) {
-    const ssize_t n = ::write(fd, p, bytes);
-    if (n < 0 && errno == EINTR) continue;
-    LOOM_CHECK(n >= 0, path, ": write failed: ", std::strerror(errno));
-    p += n;
-    bytes -= static_cast<size_t>(n);
-  }
-}
-
 void read_all(int fd, void* data, size_t bytes, const std::string& path) {
   char* p = static_cast<char*>(data);
   while (bytes > 0) {
@@ -67,33 +57,6 @@ void read_all(int fd, void* data, size_t bytes, const std::string& path) {
     p += n;
     bytes -= static_cast<size_t>(n);
   }
-}
-
-// Writes `bytes` to `path` atomically: <path>.<pid>.tmp in the same directory, fsync, rename,
-// then fsync of the directory so the rename itself is durable.
-void write_file_atomic(const std::string& path, std::span<const unsigned char> bytes) {
-  const std::string tmp = str_cat(path, ".", ::getpid(), ".tmp");
-  {
-    FdGuard out{::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644)};
-    LOOM_CHECK(out.fd >= 0, tmp, ": cannot create: ", std::strerror(errno));
-    try {
-      write_all(out.fd, bytes.data(), bytes.size(), tmp);
-      LOOM_CHECK(::fsync(out.fd) == 0, tmp, ": fsync failed: ", std::strerror(errno));
-    } catch (...) {
-      ::unlink(tmp.c_str());
-      throw;
-    }
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    const int err = errno;
-    ::unlink(tmp.c_str());
-    throw Error(str_cat(path, ": rename from ", tmp, " failed: ", std::strerror(err)));
-  }
-  std::string dir = std::filesystem::path(path).parent_path().string();
-  if (dir.empty()) dir = ".";
-  FdGuard d{::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC)};
-  LOOM_CHECK(d.fd >= 0 && ::fsync(d.fd) == 0, dir, ": cannot fsync directory after writing ", path, ": ",
-             std::strerror(errno));
 }
 
 // Reads and validates the shard at `path`, appending its tokens to `out`; returns vocab_size.
@@ -256,7 +219,7 @@ void write_shard(const std::string& path, std::span<const int32_t> tokens, uint6
   store_le(bytes.data() + 16, vocab_size);
   store_le(bytes.data() + 24, static_cast<uint64_t>(tokens.size()));
   store_le(bytes.data() + 32, static_cast<uint64_t>(XXH64(payload, tokens.size() * width, 0)));
-  write_file_atomic(path, bytes);
+  write_file_atomic(path, std::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()));
 }
 
 TokenShard read_shard(const std::string& path) {
@@ -298,8 +261,7 @@ void write_dataset(const std::string& dir, std::span<const int32_t> tokens, uint
        {{"train", write_split(root, "train", tokens.first(train_tokens), vocab_size, shard_tokens)},
         {"val", write_split(root, "val", tokens.subspan(train_tokens), vocab_size, shard_tokens)}}}};
   const std::string text = meta.dump(2) + "\n";
-  write_file_atomic(meta_path.string(),
-                    std::span(reinterpret_cast<const unsigned char*>(text.data()), text.size()));
+  write_file_atomic(meta_path.string(), text);
 }
 
 TokenDataset open_dataset(const std::string& dir) {
