@@ -58,7 +58,7 @@ int main(int argc, char** argv) {
     Transformer model(*backend, config);
     model.init_weights(1);
     TrainConfig tc;
-    tc.batch_size = args.batch, tc.seq_len = args.seq, tc.steps = args.warmup + args.steps, tc.warmup_steps = 1;
+    tc.batch_size = args.batch, tc.seq_len = args.seq, tc.steps = args.warmup + args.steps, tc.schedule.warmup = 1;
     Trainer trainer(*backend, model, tc);
     RandomWindowSource data(random_tokens(1 << 20, config.vocab_size), 7);
     for (int64_t i = 0; i < args.warmup; ++i) trainer.train_step(data);

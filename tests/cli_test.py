@@ -18,8 +18,8 @@ TEXT = "/usr/share/common-licenses/GPL-3"  # real English text present on every 
 
 TINY = ",".join([
     "model.n_layer=2", "model.n_head=2", "model.n_kv_head=2", "model.d_model=32", "model.d_ff=64",
-    "model.max_seq_len=32", "train.seq_len=32", "train.batch_size=4", "train.warmup_steps=2",
-    "train.lr=3e-3", "train.min_lr=3e-4", "train.eval_every=4", "train.eval_batches=2",
+    "model.max_seq_len=32", "train.seq_len=32", "train.batch_size=4", "optim.warmup_steps=2",
+    "optim.lr=3e-3", "optim.min_lr=3e-4", "train.eval_every=4", "train.eval_batches=2",
     "train.checkpoint_every=4", "train.keep_checkpoints=3", "sample.max_new_tokens=16",
     "sample.prompt=\"The \"",
 ])
@@ -183,7 +183,7 @@ class Cli(unittest.TestCase):
         good = os.path.join(self.ckpt("nan", 4), "model.safetensors")
         with open(good, "rb") as f:
             before = f.read()
-        p = self.train("nan", "--resume", "--set", "train.lr=1e30,train.min_lr=1e29", steps=8, expect_ok=False)
+        p = self.train("nan", "--resume", "--set", "optim.lr=1e30,optim.min_lr=1e29", steps=8, expect_ok=False)
         self.assert_one_line_error(p, "loss is")
         with open(good, "rb") as f:
             self.assertEqual(f.read(), before)

@@ -16,7 +16,7 @@
 #include "loom/checkpoint/safetensors.h"
 #include "loom/core/error.h"
 #include "loom/model/transformer.h"
-#include "loom/optim/adamw.h"
+#include "loom/optim/optimizer.h"
 #include "test_util.h"
 
 namespace loom {
@@ -48,8 +48,9 @@ struct TrainedModel {
   TrainedModel(const ModelConfig& config, uint64_t seed, int steps) : backend(make_cpu_backend()) {
     model = std::make_unique<Transformer>(*backend, config);
     model->init_weights(seed);
-    optimizer = std::make_unique<AdamW>(*backend, model->params(), model->grads(), param_ranges(model->layout()),
-                                        AdamWConfig{});
+    OptimConfig oc;
+    oc.name = "adamw";
+    optimizer = make_optimizer(*backend, model->params(), model->grads(), optim_params(model->layout(), oc.resolved()), oc);
     for (int s = 0; s < steps; ++s) {
       const Tensor g = test::random_tensor(backend->allocator(), {model->grads().numel()}, DTYPE_F32, seed * 100 + s);
       std::memcpy(model->grads().raw_data(), g.raw_data(), g.nbytes());
@@ -58,7 +59,7 @@ struct TrainedModel {
   }
 
   ModelState model_state() const { return {model->config(), model->params()}; }
-  OptimizerState optimizer_state() const { return {optimizer->first_moment(), optimizer->second_moment()}; }
+  OptimizerState optimizer_state() const { return {optimizer->name(), optimizer->state()}; }
 
   CheckpointContents contents(int64_t step) const {
     CheckpointContents c;
@@ -74,7 +75,7 @@ struct TrainedModel {
 
   std::unique_ptr<Backend> backend;
   std::unique_ptr<Transformer> model;
-  std::unique_ptr<AdamW> optimizer;
+  std::unique_ptr<Optimizer> optimizer;
 };
 
 std::vector<char> bytes_of(const Tensor& t) {
@@ -84,8 +85,11 @@ std::vector<char> bytes_of(const Tensor& t) {
 
 void expect_same_state(const TrainedModel& a, const TrainedModel& b) {
   EXPECT_EQ(bytes_of(a.model->params()), bytes_of(b.model->params()));
-  EXPECT_EQ(bytes_of(a.optimizer->first_moment()), bytes_of(b.optimizer->first_moment()));
-  EXPECT_EQ(bytes_of(a.optimizer->second_moment()), bytes_of(b.optimizer->second_moment()));
+  ASSERT_EQ(a.optimizer->state().size(), b.optimizer->state().size());
+  for (size_t i = 0; i < a.optimizer->state().size(); ++i) {
+    EXPECT_EQ(a.optimizer->state()[i].first, b.optimizer->state()[i].first);
+    EXPECT_EQ(bytes_of(a.optimizer->state()[i].second), bytes_of(b.optimizer->state()[i].second));
+  }
 }
 
 // Runs f and returns the loom::Error's message (fails the test when nothing is thrown).

@@ -28,11 +28,11 @@ std::string error_of(const std::function<void()>& f) {
 
 TEST(ConfigTest, FileAndOverridesSetTypedFields) {
   LoomConfig c;
-  apply_config_file(c, write_temp("ok.toml", "[model]\narch = \"llama\"\nn_layer = 3\n[train]\nlr = 1\n"));
-  apply_overrides(c, "train.lr=2e-3,data.dir=data/x,sample.top_k=5,run.name=nan");
+  apply_config_file(c, write_temp("ok.toml", "[model]\narch = \"llama\"\nn_layer = 3\n[optim]\nlr = 1\n"));
+  apply_overrides(c, "optim.lr=2e-3,data.dir=data/x,sample.top_k=5,run.name=nan");
   EXPECT_EQ(c.model.arch, ARCH_LLAMA);
   EXPECT_EQ(c.model.n_layer, 3);
-  EXPECT_DOUBLE_EQ(c.train.lr, 2e-3);
+  EXPECT_DOUBLE_EQ(c.train.schedule.max_lr, 2e-3);
   EXPECT_EQ(c.data.dir, "data/x");
   EXPECT_EQ(c.run.name, "nan");  // string keys take the text as is
   EXPECT_EQ(c.sample.sampling.top_k, 5);
@@ -57,14 +57,14 @@ TEST(ConfigTest, WrongTypeNamesKeyAndExpectedType) {
 
 TEST(ConfigTest, SyntaxErrorNamesFileAndLine) {
   LoomConfig c;
-  const std::string path = write_temp("syntax.toml", "[train]\nlr = = 3\n");
+  const std::string path = write_temp("syntax.toml", "[optim]\nlr = = 3\n");
   const std::string msg = error_of([&] { apply_config_file(c, path); });
   EXPECT_NE(msg.find(path + ":2"), std::string::npos) << msg;
 }
 
 TEST(ConfigTest, ResolvedTomlRoundTrips) {
   LoomConfig c;
-  apply_overrides(c, "train.lr=3e-4,model.norm_eps=1e-6,sample.prompt=\"Hi \\\"there\\\"\",train.seed=42");
+  apply_overrides(c, "optim.lr=3e-4,model.norm_eps=1e-6,sample.prompt=\"Hi \\\"there\\\"\",train.seed=42");
   LoomConfig back;
   apply_config_file(back, write_temp("resolved.toml", config_to_toml(c)));
   EXPECT_EQ(config_to_toml(back), config_to_toml(c));

@@ -47,7 +47,10 @@ TEST(ParamLayoutTest, ParametersTileTheFlatBufferInOrder) {
     int64_t offset = 0;
     for (const ParamSpec& p : layout.params) {
       EXPECT_EQ(p.offset, offset) << p.name;
-      EXPECT_EQ(p.weight_decay, p.shape.size() == 2) << p.name;  // matrices decay, norms and biases do not
+      int64_t rows = 0;
+      for (const ParamSegment& s : p.segments) rows += s.rows;
+      EXPECT_EQ(rows, p.shape.size() == 2 ? p.shape[0] : 1) << p.name;  // segments tile the rows
+      EXPECT_EQ(p.role == ROLE_VECTOR, p.shape.size() == 1) << p.name;
       offset += p.numel;
     }
     EXPECT_EQ(offset, layout.total);

@@ -85,10 +85,12 @@ TEST_P(ParityTest, TenAdamWStepsMatchPyTorch) {
   auto f64 = [&](const char* key) { return std::stod(fixture->metadata_value(key)); };
   tc.batch_size = batch, tc.seq_len = seq_len;
   tc.steps = std::stoll(fixture->metadata_value("steps"));
-  tc.warmup_steps = std::stoll(fixture->metadata_value("warmup"));
-  tc.lr = f64("max_lr"), tc.min_lr = f64("min_lr"), tc.grad_clip = f64("grad_clip");
-  tc.adamw.beta1 = static_cast<float>(f64("beta1")), tc.adamw.beta2 = static_cast<float>(f64("beta2"));
-  tc.adamw.eps = static_cast<float>(f64("eps")), tc.adamw.weight_decay = static_cast<float>(f64("weight_decay"));
+  tc.schedule.warmup = std::stoll(fixture->metadata_value("warmup"));
+  tc.schedule.max_lr = f64("max_lr"), tc.schedule.min_lr = f64("min_lr"), tc.grad_clip = f64("grad_clip");
+  tc.optim.name = "adamw";
+  tc.optim.beta1 = f64("beta1"), tc.optim.beta2 = f64("beta2");
+  tc.optim.eps = f64("eps"), tc.optim.weight_decay = f64("weight_decay");
+  tc.optim.no_decay = "*.bias,*ln_*,*norm*";  // the reference decays every matrix, embeddings included
   Trainer trainer(*backend, *model, tc);
   FixedBatch data(*fixture);
   const std::vector<double> expected = reference("losses");

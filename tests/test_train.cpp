@@ -32,7 +32,7 @@ TEST(TrainerTest, PeakMemoryByCategoryMatchesModelArithmetic) {
   const double n = static_cast<double>(param_count(config));
   EXPECT_NEAR(mem.peak(MEM_PARAMETERS) / (4 * n), 1.0, 0.10);
   EXPECT_NEAR(mem.peak(MEM_GRADIENTS) / (4 * n), 1.0, 0.10);
-  EXPECT_NEAR(mem.peak(MEM_OPTIMIZER_STATE) / (AdamW::kStateBytesPerParam * n), 1.0, 0.10);
+  EXPECT_EQ(mem.peak(MEM_OPTIMIZER_STATE), static_cast<size_t>(8 * param_count(config)));  // AdamW: m and v
   EXPECT_GT(mem.peak(MEM_ACTIVATIONS), 0u);
 }
 
@@ -74,7 +74,7 @@ TEST(TrainerTest, LearnsARepeatingSequence) {
   Transformer model(*backend, model_preset("gpt2-tiny"));
   model.init_weights(1);
   TrainConfig tc;
-  tc.batch_size = 4, tc.seq_len = 16, tc.steps = 60, tc.warmup_steps = 5, tc.lr = 1e-2, tc.min_lr = 1e-3;
+  tc.batch_size = 4, tc.seq_len = 16, tc.steps = 60, tc.schedule.warmup = 5, tc.schedule.max_lr = 1e-2, tc.schedule.min_lr = 1e-3;
   Trainer trainer(*backend, model, tc);
   RandomWindowSource data(repeating_tokens(2000, 97), 3);
   const double first = trainer.train_step(data).loss;

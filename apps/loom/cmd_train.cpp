@@ -24,7 +24,7 @@ namespace fs = std::filesystem;
 namespace {
 
 const char* kHelp =
-    "usage: loom train [--config FILE] [--set key=value,...] [--resume] [--stop-at-step N]\n"
+    "usage: loom train [--config FILE] [--set key=value,...] [--resume] [--stop-at-step N] [--dry-run]\n"
     "\n"
     "Trains the model described by configs/default.toml, then FILE, then the --set overrides\n"
     "(comma-separated or repeated). With no arguments it trains the default small GPT-2 on the\n"
@@ -33,6 +33,8 @@ const char* kHelp =
     "  --resume          continue from the newest valid checkpoint of the run (corrupt ones are\n"
     "                    skipped with a message); bitwise identical to an uninterrupted run\n"
     "  --stop-at-step N  checkpoint and stop after step N, as an interrupted run would\n"
+    "  --dry-run         build the model, data and optimizer, print the memory by category and the\n"
+    "                    optimizer state per parameter (measured and by formula), take no step\n"
     "\n"
     "config keys (section.key):\n";
 
@@ -91,8 +93,9 @@ int train_main(int argc, char** argv) {
     for (const std::string& key : config_keys()) std::printf("  %s\n", key.c_str());
     return 0;
   }
-  const Args args(argc, argv, {"config", "set", "stop-at-step"}, {"resume"}, "train");
+  const Args args(argc, argv, {"config", "set", "stop-at-step"}, {"resume", "dry-run"}, "train");
   LoomConfig config = load_config(args);
+  config.train.optim = config.train.optim.resolved();  // the written config names every default
   const int64_t stop_at = args.get_int("stop-at-step", -1);
 
   const bool default_data = config.data.input.empty() && config.data.dir == DataConfig{}.dir;
@@ -126,7 +129,7 @@ int train_main(int argc, char** argv) {
   ckpt_options.keep_last = static_cast<int>(config.loop.keep_checkpoints);
   CheckpointManager checkpoints((fs::path(dir) / "checkpoints").string(), ckpt_options);
   const ModelState model_state{config.model, model.params()};
-  const OptimizerState optimizer_state{trainer.optimizer().first_moment(), trainer.optimizer().second_moment()};
+  const OptimizerState optimizer_state{trainer.optimizer().name(), trainer.optimizer().state()};
   auto save = [&] {
     CheckpointContents c;
     c.step = trainer.step();
@@ -150,14 +153,41 @@ int train_main(int argc, char** argv) {
     }
   }
 
+  const MemoryTracker& mem = backend->allocator().tracker();
+  const int64_t n_params = param_count(config.model);
+  const int64_t state_bytes = trainer.optimizer().state_bytes();
+  const double state_per_param = static_cast<double>(state_bytes) / static_cast<double>(n_params);
+  if (args.has("dry-run")) {
+    const int64_t formula = optimizer_state_bytes(trainer.optim_params(), config.train.optim);
+    int64_t decayed = 0;
+    for (const OptimParam& q : trainer.optim_params()) decayed += q.weight_decay > 0.0f ? q.numel : 0;
+    std::printf("dry run %s: %s, %lld parameters (%lld with weight decay %g), optimizer %s, schedule %s\n", dir.c_str(),
+                std::string(arch_name(config.model.arch)).c_str(), static_cast<long long>(n_params),
+                static_cast<long long>(decayed), config.train.optim.weight_decay, trainer.optimizer().name().c_str(),
+                config.train.schedule.kind.c_str());
+    std::printf("optimizer state: %lld bytes = %.3f bytes/parameter (formula: %lld bytes, %.3f bytes/parameter)\n",
+                static_cast<long long>(state_bytes), state_per_param, static_cast<long long>(formula),
+                static_cast<double>(formula) / static_cast<double>(n_params));
+    for (int c = 0; c < MEM_CATEGORY_COUNT; ++c) {
+      const auto cat = static_cast<MemCategory>(c);
+      std::printf("  %-18s %s\n", std::string(mem_category_name(cat)).c_str(), format_bytes(mem.current(cat)).c_str());
+    }
+    std::printf("  %-18s %s\n", "total", format_bytes(mem.current_total()).c_str());
+    return 0;
+  }
+
   const double peak_gflops = measure_gemm_peak_gflops(*backend);
   const double flops_per_token = train_flops_per_token(config.model, config.train.seq_len);
   std::printf("run %s: %s, %lld parameters, %.1f MFLOP/token; GEMM peak %.0f GFLOP/s (measured, fp32)\n", dir.c_str(),
-              std::string(arch_name(config.model.arch)).c_str(), static_cast<long long>(param_count(config.model)),
-              flops_per_token / 1e6, peak_gflops);
+              std::string(arch_name(config.model.arch)).c_str(), static_cast<long long>(n_params), flops_per_token / 1e6,
+              peak_gflops);
+  std::printf("optimizer %s: state %s (%.2f bytes/parameter); schedule %s, lr %.2e\n", trainer.optimizer().name().c_str(),
+              format_bytes(static_cast<size_t>(state_bytes)).c_str(), state_per_param, config.train.schedule.kind.c_str(),
+              config.train.schedule.max_lr);
   MetricsLog metrics((fs::path(dir) / "metrics.jsonl").string());
+  metrics.write({{"optimizer", trainer.optimizer().name()}, {"parameters", n_params}, {"optimizer_state_bytes", state_bytes},
+                 {"state_bytes_per_param", state_per_param}, {"schedule", config.train.schedule.kind}});
   const bool terminal = stdout_is_terminal();
-  const MemoryTracker& mem = backend->allocator().tracker();
   double seconds_sum = 0.0;
   int64_t steps_timed = 0;
   double last_val = NAN;

@@ -218,8 +218,8 @@ void write_model_file(const std::string& path, const ModelState& model, const Pa
 }
 
 void write_optimizer_file(const std::string& path, const CheckpointContents& c) {
-  write_safetensors(path, {{"exp_avg", c.optimizer.exp_avg}, {"exp_avg_sq", c.optimizer.exp_avg_sq}},
-                    {{"format", "pt"}, {"step", std::to_string(c.optimizer_steps)}});
+  write_safetensors(path, c.optimizer.tensors,
+                    {{"format", "pt"}, {"optimizer", c.optimizer.name}, {"step", std::to_string(c.optimizer_steps)}});
 }
 
 nlohmann::json trainer_json(const CheckpointContents& c) {
@@ -289,11 +289,15 @@ void copy_model_file(const SafetensorsFile& file, const ModelState& model, const
   }
 }
 
-void check_optimizer_file(const SafetensorsFile& file, const std::string& path, int64_t numel) {
-  for (const char* name : {"exp_avg", "exp_avg_sq"}) {
-    LOOM_CHECK(file.has(name), path, ": no tensor '", name, "', expected f32(", numel, ")");
-    LOOM_CHECK(file.dtype(name) == DTYPE_F32 && file.shape(name) == Shape{numel}, path, ": tensor '", name, "' is ",
-               dtype_name(file.dtype(name)), shape_str(file.shape(name)), ", the optimizer expects f32(", numel, ")");
+void check_optimizer_file(const SafetensorsFile& file, const std::string& path, const OptimizerState& optimizer) {
+  const std::string saved = file.metadata().count("optimizer") != 0 ? file.metadata_value("optimizer") : "adamw";
+  LOOM_CHECK(saved == optimizer.name, path, ": holds the state of optimizer '", saved, "', the run uses '", optimizer.name,
+             "' (set optim.name = \"", saved, "\" to resume it)");
+  for (const auto& [name, t] : optimizer.tensors) {
+    LOOM_CHECK(file.has(name), path, ": no tensor '", name, "', the ", optimizer.name, " optimizer expects ", t.describe());
+    LOOM_CHECK(file.dtype(name) == t.dtype() && file.shape(name) == t.shape(), path, ": tensor '", name, "' is ",
+               dtype_name(file.dtype(name)), shape_str(file.shape(name)), ", the ", optimizer.name, " optimizer expects ",
+               t.describe());
   }
 }
 
@@ -311,11 +315,7 @@ int64_t parse_int(const std::string& text, const std::string& path, const std::s
 LoadedCheckpoint load_verified(const std::string& dir, const ModelState& model, const OptimizerState& optimizer) {
   const ParamLayout layout = build_param_layout(model.config);
   check_flat_f32(model.params, layout.total, dir, "model params");
-  const bool load_optimizer = optimizer.exp_avg.defined() || optimizer.exp_avg_sq.defined();
-  if (load_optimizer) {
-    check_flat_f32(optimizer.exp_avg, layout.total, dir, "optimizer exp_avg");
-    check_flat_f32(optimizer.exp_avg_sq, layout.total, dir, "optimizer exp_avg_sq");
-  }
+  const bool load_optimizer = !optimizer.tensors.empty();
 
   const std::string model_path = (fs::path(dir) / kModelFile).string();
   const SafetensorsFile model_file = SafetensorsFile::read(model_path);
@@ -339,15 +339,14 @@ LoadedCheckpoint load_verified(const std::string& dir, const ModelState& model, 
   if (load_optimizer) {
     const std::string optimizer_path = (fs::path(dir) / kOptimizerFile).string();
     optimizer_file = SafetensorsFile::read(optimizer_path);
-    check_optimizer_file(*optimizer_file, optimizer_path, layout.total);
+    check_optimizer_file(*optimizer_file, optimizer_path, optimizer);
     loaded.optimizer_steps = parse_int(optimizer_file->metadata_value("step"), optimizer_path, "step");
   }
 
   // Everything fits: only now overwrite the caller's tensors.
   copy_model_file(model_file, model, layout, hf_layout);
   if (optimizer_file) {
-    optimizer_file->copy_into("exp_avg", optimizer.exp_avg);
-    optimizer_file->copy_into("exp_avg_sq", optimizer.exp_avg_sq);
+    for (const auto& [name, t] : optimizer.tensors) optimizer_file->copy_into(name, t);
   }
   return loaded;
 }
@@ -431,8 +430,11 @@ std::string CheckpointManager::save(const CheckpointContents& contents) {
   LOOM_CHECK(contents.step >= 0, final_dir.string(), ": checkpoint step must be >= 0, got ", contents.step);
   const ParamLayout layout = build_param_layout(contents.model.config);
   check_flat_f32(contents.model.params, layout.total, final_dir.string(), "model params");
-  check_flat_f32(contents.optimizer.exp_avg, layout.total, final_dir.string(), "optimizer exp_avg");
-  check_flat_f32(contents.optimizer.exp_avg_sq, layout.total, final_dir.string(), "optimizer exp_avg_sq");
+  LOOM_CHECK(!contents.optimizer.tensors.empty() && !contents.optimizer.name.empty(), final_dir.string(),
+             ": a training checkpoint needs the optimizer's name and state tensors");
+  for (const auto& [name, t] : contents.optimizer.tensors) {
+    LOOM_CHECK(t.defined() && t.dtype() == DTYPE_F32, final_dir.string(), ": optimizer tensor '", name, "' must be f32");
+  }
 
   std::error_code ec;
   const bool created = fs::create_directories(dir_, ec);

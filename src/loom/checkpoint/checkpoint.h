@@ -1,7 +1,8 @@
 // Training checkpoints: one directory per step under a checkpoints folder (usually
 // runs/<name>/checkpoints/),
 //   step_<NNNNNNNN>/model.safetensors      every parameter under its ParamLayout name, f32
-//                   optimizer.safetensors  AdamW moments "exp_avg", "exp_avg_sq" (P) f32
+//                   optimizer.safetensors  the optimizer's named state tensors (f32), e.g. AdamW's
+//                                          "exp_avg", "exp_avg_sq" (P); metadata: optimizer name, step
 //                   trainer.json           step, data/RNG state, resolved config text, extra
 //                   manifest.json          size and XXH64 of each file above; written last
 // A checkpoint is valid iff its manifest exists and every listed file has the listed size and
@@ -29,17 +30,19 @@ struct ModelState {
   Tensor params;       // (P) f32, host: the flat parameter buffer
 };
 
-// The AdamW moments, live. An undefined pair on load skips the optimizer (inference).
+// The optimizer's state, live: its name and named f32 tensors (Optimizer::state()). An empty
+// list on load skips the optimizer (inference). On load the file must hold the same optimizer
+// and exactly these tensors with these shapes.
 struct OptimizerState {
-  Tensor exp_avg;     // (P) f32, host: first moment m
-  Tensor exp_avg_sq;  // (P) f32, host: second moment v
+  std::string name;
+  std::vector<std::pair<std::string, Tensor>> tensors;
 };
 
 struct CheckpointContents {
   int64_t step = 0;  // training steps completed; names the directory
   ModelState model;
-  OptimizerState optimizer;     // both tensors required
-  int64_t optimizer_steps = 0;  // AdamW::steps_taken(), for bias correction on resume
+  OptimizerState optimizer;
+  int64_t optimizer_steps = 0;  // Optimizer::steps_taken(), for bias correction on resume
   nlohmann::json data_state;    // RNG / data-loader state, opaque to this layer
   std::string config_text;      // the resolved run config
   nlohmann::json extra;         // anything else the caller keeps, opaque
@@ -49,7 +52,7 @@ struct CheckpointContents {
 struct LoadedCheckpoint {
   std::string path;  // the step directory
   int64_t step = 0;
-  int64_t optimizer_steps = 0;  // pass to AdamW::restore_steps_taken
+  int64_t optimizer_steps = 0;  // pass to Optimizer::restore_steps_taken
   nlohmann::json data_state;
   std::string config_text;
   nlohmann::json extra;

@@ -15,12 +15,31 @@ namespace loom {
 
 enum ParamInit : uint8_t { INIT_NORMAL, INIT_ZEROS, INIT_ONES, INIT_COUNT };
 
+// What a parameter is, for optimizers that treat kinds differently (Muon and LDAdam act on
+// hidden matrices only; Adam-mini partitions by role).
+enum ParamRole : uint8_t {
+  ROLE_EMBEDDING,  // token / position embedding (V, C): one row per token
+  ROLE_HIDDEN,     // a linear weight inside a block (out, in)
+  ROLE_HEAD,       // the output projection (V, C) when untied
+  ROLE_VECTOR,     // norm weights and biases
+};
+
+// A row range of a parameter that a PyTorch model would hold as its own matrix: Loom fuses
+// Q/K/V and gate/up, the optimizer still sees the separate matrices. block_rows is the height
+// of an Adam-mini block (Zhang et al. 2024): head_dim for Q and K (one block per head), 1 for
+// every other matrix (one per output neuron or token). A 1-D parameter is one segment of 1 row.
+struct ParamSegment {
+  int64_t rows = 1;
+  int64_t block_rows = 1;
+};
+
 struct ParamSpec {
   std::string name;
   Shape shape;
   int64_t offset = 0;   // into the flat buffer, in elements
   int64_t numel = 0;
-  bool weight_decay = false;  // matrices decay; norms and biases do not
+  ParamRole role = ROLE_VECTOR;
+  std::vector<ParamSegment> segments;  // rows sum to shape[0] (1 for a 1-D parameter)
   ParamInit init = INIT_NORMAL;
   float init_std = 0.0f;
 };

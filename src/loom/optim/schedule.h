@@ -1,20 +1,30 @@
-// Learning-rate schedule: linear warmup to max_lr over `warmup` steps, then cosine decay to
-// min_lr at `total` steps (Loshchilov & Hutter 2017, SGDR without restarts):
-//   lr(t) = max_lr (t+1)/warmup                                         t < warmup
-//   lr(t) = min_lr + (max_lr - min_lr) (1 + cos(pi (t - warmup)/(total - warmup))) / 2
-// t is the 0-based step; a pure function of t, so a resumed run needs only the step.
+// Learning-rate schedules (docs/optimizers.md): linear warmup to max_lr over `warmup` steps,
+// then constant, linear, cosine (Loshchilov & Hutter 2017, SGDR without restarts),
+// warmup-stable-decay (Hu et al. 2024, MiniCPM; 1-sqrt decay, Hägele et al. 2024), step,
+// exponential or inverse square root (Vaswani et al. 2017). A pure function of the 0-based
+// step, so a resumed run needs only the step it stopped at.
 #pragma once
 #include <cstdint>
+#include <string>
+#include <vector>
 
 namespace loom {
 
-struct CosineSchedule {
+struct ScheduleConfig {
+  std::string kind = "cosine";  // constant | linear | cosine | wsd | step | exponential | inverse_sqrt
   double max_lr = 3e-4;
   double min_lr = 3e-5;
   int64_t warmup = 0;
-  int64_t total = 1;
+  int64_t total = 1;              // train.steps
+  double decay_fraction = 0.2;    // wsd: the share of the steps spent decaying
+  std::string wsd_shape = "linear";  // wsd decay: linear | sqrt | cosine
+  int64_t step_size = 1000;       // step: steps between decays
+  double gamma = 0.1;             // step, exponential: the decay factor
 
+  void validate() const;  // throws naming the optim.* key
   double lr(int64_t step) const;
 };
+
+const std::vector<std::string>& schedule_names();
 
 }  // namespace loom

@@ -17,7 +17,11 @@ namespace loom {
 namespace {
 
 // One schema entry: a key bound to a typed field of a LoomConfig.
-using Target = std::variant<int64_t*, uint64_t*, double*, float*, std::string*, Arch*>;
+// TriBool: a boolean that may be left to the optimizer's default (-1 unset, 0, 1).
+struct TriBool {
+  int64_t* value;
+};
+using Target = std::variant<int64_t*, uint64_t*, double*, float*, std::string*, Arch*, bool*, TriBool>;
 
 struct Binding {
   std::string key;
@@ -41,20 +45,47 @@ std::vector<Binding> bindings(LoomConfig& c) {
       {"train.seq_len", &c.train.seq_len},
       {"train.grad_accum", &c.train.grad_accum},
       {"train.steps", &c.train.steps},
-      {"train.warmup_steps", &c.train.warmup_steps},
-      {"train.lr", &c.train.lr},
-      {"train.min_lr", &c.train.min_lr},
-      {"train.grad_clip", &c.train.grad_clip},
-      {"train.weight_decay", &c.train.adamw.weight_decay},
-      {"train.beta1", &c.train.adamw.beta1},
-      {"train.beta2", &c.train.adamw.beta2},
-      {"train.eps", &c.train.adamw.eps},
       {"train.seed", &c.loop.seed},
       {"train.eval_every", &c.loop.eval_every},
       {"train.eval_batches", &c.loop.eval_batches},
       {"train.checkpoint_every", &c.loop.checkpoint_every},
       {"train.keep_checkpoints", &c.loop.keep_checkpoints},
       {"train.log_every", &c.loop.log_every},
+      // docs/optimizers.md: the rules, their defaults (-1 = the optimizer's own) and the schedules.
+      {"optim.name", &c.train.optim.name},
+      {"optim.lr", &c.train.schedule.max_lr},
+      {"optim.min_lr", &c.train.schedule.min_lr},
+      {"optim.schedule", &c.train.schedule.kind},
+      {"optim.warmup_steps", &c.train.schedule.warmup},
+      {"optim.decay_fraction", &c.train.schedule.decay_fraction},
+      {"optim.wsd_shape", &c.train.schedule.wsd_shape},
+      {"optim.step_size", &c.train.schedule.step_size},
+      {"optim.gamma", &c.train.schedule.gamma},
+      {"optim.grad_clip", &c.train.grad_clip},
+      {"optim.weight_decay", &c.train.optim.weight_decay},
+      {"optim.no_decay", &c.train.optim.no_decay},
+      {"optim.lr_scale", &c.train.optim.lr_scale},
+      {"optim.beta1", &c.train.optim.beta1},
+      {"optim.beta2", &c.train.optim.beta2},
+      {"optim.beta3", &c.train.optim.beta3},
+      {"optim.eps", &c.train.optim.eps},
+      {"optim.eps2", &c.train.optim.eps2},
+      {"optim.momentum", &c.train.optim.momentum},
+      {"optim.dampening", &c.train.optim.dampening},
+      {"optim.nesterov", TriBool{&c.train.optim.nesterov}},
+      {"optim.centered", &c.train.optim.centered},
+      {"optim.amsgrad", &c.train.optim.amsgrad},
+      {"optim.lr_decay", &c.train.optim.lr_decay},
+      {"optim.initial_accumulator", &c.train.optim.initial_accumulator},
+      {"optim.relative_step", &c.train.optim.relative_step},
+      {"optim.scale_parameter", &c.train.optim.scale_parameter},
+      {"optim.warmup_init", &c.train.optim.warmup_init},
+      {"optim.clip_threshold", &c.train.optim.clip_threshold},
+      {"optim.decay_rate", &c.train.optim.decay_rate},
+      {"optim.rank", &c.train.optim.rank},
+      {"optim.rho", &c.train.optim.rho},
+      {"optim.ns_steps", &c.train.optim.ns_steps},
+      {"optim.muon_scale", &c.train.optim.muon_scale},
       {"data.dir", &c.data.dir},
       {"data.tokenizer", &c.data.tokenizer},
       {"data.input", &c.data.input},
@@ -87,7 +118,19 @@ void assign(const Binding& b, const toml::node& node, const std::string& origin)
     return Error(str_cat(origin, ": key '", b.key, "' expects ", expected, ", got ", type_name(node)));
   };
   std::visit(
-      [&](auto* field) {
+      [&](auto target) {
+        using P = decltype(target);
+        if constexpr (std::is_same_v<P, TriBool>) {
+          if (node.is_boolean()) *target.value = node.as_boolean()->get() ? 1 : 0;
+          else if (node.is_integer() && node.as_integer()->get() == -1) *target.value = -1;
+          else throw wrong("a boolean (or -1 for the optimizer's default)");
+          return;
+        } else if constexpr (std::is_same_v<P, bool*>) {
+          if (!node.is_boolean()) throw wrong("a boolean");
+          *target = node.as_boolean()->get();
+          return;
+        } else {
+        auto* field = target;
         using T = std::remove_pointer_t<decltype(field)>;
         if constexpr (std::is_same_v<T, int64_t> || std::is_same_v<T, uint64_t>) {
           if (!node.is_integer()) throw wrong("an integer");
@@ -108,6 +151,7 @@ void assign(const Binding& b, const toml::node& node, const std::string& origin)
           } catch (const Error& e) {
             throw Error(str_cat(origin, ": ", e.what()));
           }
+        }
         }
       },
       b.target);
@@ -192,9 +236,17 @@ void apply_config_text(LoomConfig& config, const std::string& text, const std::s
 }
 
 void apply_overrides(LoomConfig& config, const std::string& assignments, const std::string& origin) {
-  std::stringstream in(assignments);
-  std::string item;
-  while (std::getline(in, item, ',')) {
+  // Split at commas outside double quotes, so a quoted list stays one value:
+  // --set 'optim.no_decay="*.bias,*norm*"'.
+  std::vector<std::string> items(1);
+  bool quoted = false;
+  for (size_t i = 0; i < assignments.size(); ++i) {
+    const char ch = assignments[i];
+    if (ch == '"' && (i == 0 || assignments[i - 1] != '\\')) quoted = !quoted;
+    if (ch == ',' && !quoted) items.emplace_back();
+    else items.back() += ch;
+  }
+  for (const std::string& item : items) {
     if (item.empty()) continue;
     const size_t eq = item.find('=');
     LOOM_CHECK(eq != std::string::npos && eq > 0, origin, ": expected key=value, got '", item, "'");
@@ -224,12 +276,21 @@ std::string config_to_toml(const LoomConfig& c) {
     }
     out << name << " = ";
     std::visit(
-        [&](auto* field) {
+        [&](auto target) {
+          using P = decltype(target);
+          if constexpr (std::is_same_v<P, TriBool>) {
+            if (*target.value < 0) out << -1;
+            else out << (*target.value ? "true" : "false");
+          } else if constexpr (std::is_same_v<P, bool*>) {
+            out << (*target ? "true" : "false");
+          } else {
+          auto* field = target;
           using T = std::remove_pointer_t<decltype(field)>;
           if constexpr (std::is_same_v<T, std::string>) out << toml_string(*field);
           else if constexpr (std::is_same_v<T, Arch>) out << toml_string(std::string(arch_name(*field)));
           else if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) out << toml_float(*field);
           else out << static_cast<int64_t>(*field);
+          }
         },
         b.target);
     out << "\n";

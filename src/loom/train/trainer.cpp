@@ -12,9 +12,8 @@ void TrainConfig::validate() const {
   LOOM_CHECK(seq_len > 0, "train.seq_len must be > 0, got ", seq_len);
   LOOM_CHECK(grad_accum > 0, "train.grad_accum must be > 0, got ", grad_accum);
   LOOM_CHECK(steps > 0, "train.steps must be > 0, got ", steps);
-  LOOM_CHECK(warmup_steps >= 0, "train.warmup_steps must be >= 0, got ", warmup_steps);
-  LOOM_CHECK(lr > 0.0 && min_lr >= 0.0 && min_lr <= lr, "train.lr must be > 0 and train.min_lr in [0, lr], got lr ",
-             lr, ", min_lr ", min_lr);
+  schedule.validate();
+  (void)optim.resolved();  // throws naming the optim.* key
 }
 
 Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config)
@@ -22,12 +21,18 @@ Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config)
       model_(model),
       config_((config.validate(), config)),
       store_(model.allocate_store(config.batch_size, config.seq_len)),
-      optimizer_(backend, model.params(), model.grads(), param_ranges(model.layout()), config.adamw),
-      schedule_{config.lr, config.min_lr, config.warmup_steps, config.steps} {}
+      schedule_(config.schedule),
+      optim_params_(loom::optim_params(model.layout(), config.optim.resolved())),
+      optimizer_(make_optimizer(backend, model.params(), model.grads(), optim_params_, config.optim)) {
+  schedule_.total = config_.steps;
+  // The gradient buffer starts at zero; an optimizer that keeps error feedback in it (LDAdam)
+  // leaves it for the next backward to add into, the others are zeroed before each step.
+  model_.zero_grads();
+}
 
 StepStats Trainer::train_step(BatchSource& data) {
   const auto start = std::chrono::steady_clock::now();
-  model_.zero_grads();
+  if (!optimizer_->keeps_gradients()) model_.zero_grads();
   double loss_sum = 0.0;
   const float loss_weight = 1.0f / static_cast<float>(config_.grad_accum);
   for (int64_t micro = 0; micro < config_.grad_accum; ++micro) {
@@ -45,7 +50,7 @@ StepStats Trainer::train_step(BatchSource& data) {
   LOOM_CHECK(std::isfinite(stats.grad_norm), "gradient norm is ", stats.grad_norm, " at step ", step_,
              "; stopping before the update, the weights are unchanged");
   stats.lr = schedule_.lr(step_);
-  optimizer_.step(static_cast<float>(stats.lr), clip_coefficient(stats.grad_norm, config_.grad_clip));
+  optimizer_->step(static_cast<float>(stats.lr), clip_coefficient(stats.grad_norm, config_.grad_clip));
   stats.tokens = config_.grad_accum * config_.batch_size * config_.seq_len;
   stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   ++step_;
@@ -55,7 +60,7 @@ StepStats Trainer::train_step(BatchSource& data) {
 void Trainer::restore(int64_t step, int64_t optimizer_steps) {
   LOOM_CHECK(step >= 0 && step <= config_.steps, "checkpoint step ", step, " outside [0, train.steps = ", config_.steps, "]");
   step_ = step;
-  optimizer_.restore_steps_taken(optimizer_steps);
+  optimizer_->restore_steps_taken(optimizer_steps);
 }
 
 double Trainer::evaluate(BatchSource& data, int64_t batches) {

@@ -1,11 +1,13 @@
-// The training loop: gradient accumulation over micro-batches, global-norm clipping, AdamW
-// with warmup + cosine LR, and evaluation. All buffers are allocated once at construction;
+// The training loop: gradient accumulation over micro-batches, global-norm clipping, the
+// configured optimizer (optim/optimizer.h) and LR schedule, and evaluation. All buffers are allocated once at construction;
 // a step allocates nothing.
 #pragma once
 #include <cstdint>
+#include <memory>
+
 #include "loom/data/batch_source.h"
 #include "loom/model/transformer.h"
-#include "loom/optim/adamw.h"
+#include "loom/optim/optimizer.h"
 #include "loom/optim/schedule.h"
 
 namespace loom {
@@ -15,11 +17,9 @@ struct TrainConfig {
   int64_t seq_len = 64;
   int64_t grad_accum = 1;  // micro-batches per optimizer step
   int64_t steps = 100;
-  int64_t warmup_steps = 10;
-  double lr = 6e-4;
-  double min_lr = 6e-5;
-  double grad_clip = 1.0;  // <= 0 disables
-  AdamWConfig adamw;
+  double grad_clip = 1.0;   // <= 0 disables
+  OptimConfig optim;        // resolved by the trainer
+  ScheduleConfig schedule;  // total is taken from steps
 
   void validate() const;  // throws naming the key (e.g. "train.batch_size")
 };
@@ -40,7 +40,9 @@ class Trainer {
   StepStats train_step(BatchSource& data);  // throws on a non-finite loss, before updating
   double evaluate(BatchSource& data, int64_t batches);
   int64_t step() const { return step_; }
-  const AdamW& optimizer() const { return optimizer_; }
+  const Optimizer& optimizer() const { return *optimizer_; }
+  const std::vector<OptimParam>& optim_params() const { return optim_params_; }
+  const ScheduleConfig& schedule() const { return schedule_; }
   // After a checkpoint restored the weights and the optimizer moments: continue at `step`.
   void restore(int64_t step, int64_t optimizer_steps);
 
@@ -49,8 +51,9 @@ class Trainer {
   Transformer& model_;
   TrainConfig config_;
   ActivationStore store_;
-  AdamW optimizer_;
-  CosineSchedule schedule_;
+  ScheduleConfig schedule_;
+  std::vector<OptimParam> optim_params_;
+  std::unique_ptr<Optimizer> optimizer_;
   int64_t step_ = 0;
 };
 

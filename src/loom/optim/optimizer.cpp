@@ -1,0 +1,278 @@
+#include "loom/optim/optimizer.h"
+
+#include <algorithm>
+#include <cmath>
+#include <fnmatch.h>
+
+#include "loom/core/error.h"
+#include "loom/optim/rules.h"
+
+namespace loom {
+
+const std::vector<std::string>& optimizer_names() {
+  static const std::vector<std::string> names = {"sgd",  "momentum",  "nesterov", "adagrad", "rmsprop",
+                                                 "adam", "adamw",     "adafactor", "sm3",    "lion",
+                                                 "adam-mini", "came", "ldadam",   "muon"};
+  return names;
+}
+
+namespace {
+
+void fill(double& field, double value) {
+  if (field < 0.0) field = value;
+}
+
+void check_unit(double v, const char* key, bool allow_zero = true) {
+  LOOM_CHECK(v < 1.0 && (allow_zero ? v >= 0.0 : v > 0.0), key, " must be in ", allow_zero ? "[0, 1)" : "(0, 1)",
+             ", got ", v);
+}
+
+std::vector<std::string> split_list(const std::string& text) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (start <= text.size()) {
+    size_t end = text.find(',', start);
+    if (end == std::string::npos) end = text.size();
+    std::string item = text.substr(start, end - start);
+    const size_t a = item.find_first_not_of(" \t"), b = item.find_last_not_of(" \t");
+    if (a != std::string::npos) out.push_back(item.substr(a, b - a + 1));
+    start = end + 1;
+  }
+  return out;
+}
+
+}  // namespace
+
+OptimConfig OptimConfig::resolved() const {
+  OptimConfig c = *this;
+  const std::string& n = c.name;
+  const auto& names = optimizer_names();
+  if (std::find(names.begin(), names.end(), n) == names.end()) {
+    std::string known;
+    for (const std::string& k : names) known += (known.empty() ? "" : ", ") + k;
+    throw Error(str_cat("optim.name: unknown optimizer '", n, "' (expected one of ", known, ")"));
+  }
+  if (n == "sgd" || n == "momentum" || n == "nesterov") {
+    fill(c.momentum, n == "sgd" ? 0.0 : 0.9);
+    if (c.nesterov < 0) c.nesterov = n == "nesterov" ? 1 : 0;
+    fill(c.weight_decay, 0.0);
+  } else if (n == "adagrad") {
+    fill(c.eps, 1e-10);
+    fill(c.weight_decay, 0.0);
+  } else if (n == "rmsprop") {
+    fill(c.beta2, 0.99);
+    fill(c.eps, 1e-8);
+    fill(c.momentum, 0.0);
+    fill(c.weight_decay, 0.0);
+  } else if (n == "adam" || n == "adamw" || n == "adam-mini") {
+    fill(c.beta1, 0.9);
+    fill(c.beta2, 0.999);
+    fill(c.eps, 1e-8);
+    fill(c.weight_decay, n == "adam" ? 0.0 : n == "adamw" ? 0.01 : 0.1);
+  } else if (n == "adafactor") {
+    fill(c.beta1, 0.0);  // 0 = no first moment
+    fill(c.eps, 1e-30);
+    fill(c.eps2, 1e-3);
+    fill(c.weight_decay, 0.0);
+  } else if (n == "sm3") {
+    fill(c.eps, 0.0);
+    fill(c.weight_decay, 0.0);
+  } else if (n == "lion") {
+    fill(c.beta1, 0.9);
+    fill(c.beta2, 0.99);
+    fill(c.weight_decay, 0.0);
+  } else if (n == "came") {
+    fill(c.beta1, 0.9);
+    fill(c.beta2, 0.999);
+    fill(c.beta3, 0.9999);
+    fill(c.eps, 1e-30);
+    fill(c.eps2, 1e-16);
+    fill(c.weight_decay, 0.0);
+  } else if (n == "ldadam") {
+    fill(c.beta1, 0.908);
+    fill(c.beta2, 0.99);
+    fill(c.eps, 1e-8);
+    fill(c.weight_decay, 0.0);
+  } else if (n == "muon") {
+    fill(c.momentum, 0.95);
+    if (c.nesterov < 0) c.nesterov = 1;
+    fill(c.beta1, 0.9);
+    fill(c.beta2, 0.95);
+    fill(c.eps, 1e-8);
+    fill(c.weight_decay, 0.0);
+  }
+  // Keys the chosen rule does not read keep a harmless value.
+  fill(c.beta1, 0.9);
+  fill(c.beta2, 0.999);
+  fill(c.beta3, 0.9999);
+  fill(c.eps, 1e-8);
+  fill(c.eps2, 1e-3);
+  fill(c.momentum, 0.0);
+  if (c.nesterov < 0) c.nesterov = 0;
+
+  check_unit(c.beta1, "optim.beta1");
+  check_unit(c.beta2, "optim.beta2");
+  check_unit(c.beta3, "optim.beta3");
+  check_unit(c.momentum, "optim.momentum");
+  check_unit(c.rho, "optim.rho");
+  LOOM_CHECK(c.eps >= 0.0 && c.eps2 >= 0.0, "optim.eps and optim.eps2 must be >= 0, got ", c.eps, ", ", c.eps2);
+  LOOM_CHECK(c.dampening >= 0.0 && c.dampening <= 1.0, "optim.dampening must be in [0, 1], got ", c.dampening);
+  LOOM_CHECK(c.nesterov <= 1, "optim.nesterov must be true or false");
+  LOOM_CHECK(!(c.nesterov == 1 && (n == "sgd" || n == "momentum" || n == "nesterov") && (c.momentum <= 0.0 || c.dampening != 0.0)),
+             "optim.nesterov needs optim.momentum > 0 and optim.dampening = 0 (as torch.optim.SGD)");
+  LOOM_CHECK(c.weight_decay >= 0.0, "optim.weight_decay must be >= 0 (or -1 for the default), got ", c.weight_decay);
+  LOOM_CHECK(c.lr_decay >= 0.0 && c.initial_accumulator >= 0.0, "optim.lr_decay and optim.initial_accumulator must be >= 0");
+  LOOM_CHECK(c.clip_threshold > 0.0, "optim.clip_threshold must be > 0, got ", c.clip_threshold);
+  LOOM_CHECK(c.decay_rate < 0.0, "optim.decay_rate must be < 0 (Adafactor's beta2_t = 1 - t^decay_rate), got ", c.decay_rate);
+  LOOM_CHECK(c.rank >= 1, "optim.rank must be >= 1, got ", c.rank);
+  LOOM_CHECK(c.ns_steps >= 1, "optim.ns_steps must be >= 1, got ", c.ns_steps);
+  LOOM_CHECK(c.muon_scale == "moonshot" || c.muon_scale == "keller", "optim.muon_scale must be moonshot or keller, got '",
+             c.muon_scale, "'");
+  for (const std::string& rule : split_list(c.lr_scale)) {
+    const size_t eq = rule.find('=');
+    LOOM_CHECK(eq != std::string::npos && eq > 0, "optim.lr_scale: '", rule, "' is not glob=factor");
+    char* end = nullptr;
+    const double f = std::strtod(rule.c_str() + eq + 1, &end);
+    LOOM_CHECK(end != rule.c_str() + eq + 1 && *end == '\0' && f >= 0.0 && std::isfinite(f), "optim.lr_scale: '", rule,
+               "' needs a factor >= 0 after '='");
+  }
+  return c;
+}
+
+bool glob_match(const std::string& pattern, const std::string& name) {
+  return fnmatch(pattern.c_str(), name.c_str(), 0) == 0;
+}
+
+std::vector<OptimParam> optim_params(const ParamLayout& layout, const OptimConfig& config) {
+  LOOM_CHECK(config.weight_decay >= 0.0, "optim_params needs a resolved OptimConfig");
+  const std::vector<std::string> no_decay = split_list(config.no_decay);
+  std::vector<std::pair<std::string, float>> scales;
+  for (const std::string& rule : split_list(config.lr_scale)) {
+    const size_t eq = rule.find('=');
+    LOOM_CHECK(eq != std::string::npos, "optim.lr_scale: '", rule, "' is not glob=factor");
+    scales.emplace_back(rule.substr(0, eq), std::stof(rule.substr(eq + 1)));
+  }
+  std::vector<OptimParam> out;
+  for (const ParamSpec& spec : layout.params) {
+    OptimParam q;
+    q.name = spec.name;
+    q.offset = spec.offset;
+    q.numel = spec.numel;
+    q.matrix = spec.shape.size() == 2;
+    q.hidden = q.matrix && spec.role == ROLE_HIDDEN;
+    const bool decays = std::none_of(no_decay.begin(), no_decay.end(), [&](const std::string& g) { return glob_match(g, spec.name); });
+    q.weight_decay = decays ? static_cast<float>(config.weight_decay) : 0.0f;
+    for (const auto& [glob, factor] : scales) {
+      if (glob_match(glob, spec.name)) {
+        q.lr_scale = factor;
+        break;
+      }
+    }
+    const int64_t cols = q.matrix ? spec.shape[1] : spec.numel;
+    int64_t row = 0;
+    for (const ParamSegment& s : spec.segments) {
+      q.segments.push_back({spec.offset + row * cols, s.rows, cols, s.block_rows});
+      row += s.rows;
+    }
+    LOOM_CHECK(row * cols == spec.numel, "parameter ", spec.name, ": segments cover ", row * cols, " of ", spec.numel,
+               " elements");
+    out.push_back(std::move(q));
+  }
+  return out;
+}
+
+Optimizer::Optimizer(std::string name, Backend& backend, const Tensor& params, const Tensor& grads,
+                     std::vector<OptimParam> list)
+    : name_(std::move(name)), backend_(backend), params_(params), grads_(grads), list_(std::move(list)) {
+  LOOM_CHECK(params.dtype() == DTYPE_F32 && grads.dtype() == DTYPE_F32 && params.numel() == grads.numel(),
+             "optimizer ", name_, ": parameters and gradients must be f32 buffers of one size, got ", params.describe(),
+             " and ", grads.describe());
+  for (const OptimParam& q : list_) {
+    LOOM_CHECK(q.offset >= 0 && q.numel > 0 && q.offset + q.numel <= params.numel(), "optimizer ", name_, ": parameter ",
+               q.name, " [", q.offset, ", ", q.offset + q.numel, ") lies outside the buffer of ", params.numel());
+    int64_t covered = 0;
+    for (const OptimSegment& s : q.segments) {
+      LOOM_CHECK(s.rows > 0 && s.cols > 0 && s.block_rows > 0 && s.rows % s.block_rows == 0, "optimizer ", name_,
+                 ": parameter ", q.name, " has a segment of ", s.rows, "x", s.cols, " with blocks of ", s.block_rows, " rows");
+      covered += s.rows * s.cols;
+    }
+    LOOM_CHECK(covered == q.numel, "optimizer ", name_, ": the segments of ", q.name, " cover ", covered, " of ", q.numel,
+               " elements");
+  }
+}
+
+void Optimizer::step(float lr, float grad_scale) {
+  ++step_;
+  update(lr, grad_scale);
+}
+
+Tensor Optimizer::add_state(const std::string& state_name, int64_t n, float fill_value) {
+  LOOM_CHECK(n > 0, "optimizer ", name_, ": empty state buffer '", state_name, "'");
+  Tensor t = Tensor::zeros(backend_.allocator(), {n}, DTYPE_F32, MEM_OPTIMIZER_STATE);
+  if (fill_value != 0.0f) std::fill_n(t.data<float>(), t.numel(), fill_value);
+  state_.emplace_back(state_name, t);
+  state_bytes_ += static_cast<int64_t>(t.nbytes());
+  return t;
+}
+
+std::unique_ptr<Optimizer> make_optimizer(Backend& backend, const Tensor& params, const Tensor& grads,
+                                          std::vector<OptimParam> list, const OptimConfig& config) {
+  const OptimConfig c = config.resolved();
+  const std::string& n = c.name;
+  if (n == "sgd" || n == "momentum" || n == "nesterov") return make_sgd(backend, params, grads, std::move(list), c);
+  if (n == "adagrad") return make_adagrad(backend, params, grads, std::move(list), c);
+  if (n == "rmsprop") return make_rmsprop(backend, params, grads, std::move(list), c);
+  if (n == "adam" || n == "adamw") return make_adam(backend, params, grads, std::move(list), c);
+  if (n == "lion") return make_lion(backend, params, grads, std::move(list), c);
+  if (n == "adam-mini") return make_adam_mini(backend, params, grads, std::move(list), c);
+  if (n == "adafactor") return make_adafactor(backend, params, grads, std::move(list), c);
+  if (n == "sm3") return make_sm3(backend, params, grads, std::move(list), c);
+  if (n == "came") return make_came(backend, params, grads, std::move(list), c);
+  if (n == "ldadam") return make_ldadam(backend, params, grads, std::move(list), c);
+  return make_muon(backend, params, grads, std::move(list), c);
+}
+
+int64_t optimizer_state_bytes(const std::vector<OptimParam>& list, const OptimConfig& config) {
+  const OptimConfig c = config.resolved();
+  const std::string& n = c.name;
+  int64_t floats = 0;
+  for (const OptimParam& q : list) {
+    const int64_t N = q.numel;
+    int64_t factored = 0;  // sum over segments of rows + cols
+    int64_t blocks = 0;
+    for (const OptimSegment& s : q.segments) {
+      factored += s.rows + s.cols;
+      blocks += s.rows / s.block_rows;
+    }
+    if (n == "sgd" || n == "momentum" || n == "nesterov") floats += c.momentum > 0.0 ? N : 0;
+    else if (n == "adagrad") floats += N;
+    else if (n == "rmsprop") floats += N * (1 + (c.centered ? 1 : 0) + (c.momentum > 0.0 ? 1 : 0));
+    else if (n == "adam" || n == "adamw") floats += N * (c.amsgrad ? 3 : 2);
+    else if (n == "lion") floats += N;
+    else if (n == "adam-mini") floats += N + blocks;
+    else if (n == "adafactor") floats += (q.matrix ? factored : N) + (c.beta1 > 0.0 ? N : 0);
+    else if (n == "sm3") floats += q.matrix ? factored : N;
+    else if (n == "came") floats += N + (q.matrix ? 2 * factored : N);
+    else if (n == "muon") floats += q.hidden ? N : 2 * N;
+    else if (n == "ldadam") {
+      if (!q.hidden) {
+        floats += 2 * N;
+        continue;
+      }
+      for (const OptimSegment& s : q.segments) {
+        const int64_t m = std::min(s.rows, s.cols), w = std::max(s.rows, s.cols), r = std::min(c.rank, m);
+        floats += r == m ? 2 * s.rows * s.cols : 2 * r * w + m * r;
+      }
+    }
+  }
+  return floats * static_cast<int64_t>(sizeof(float));
+}
+
+double grad_norm(Backend& backend, const Tensor& grads) { return std::sqrt(backend.sum_squares(grads)); }
+
+float clip_coefficient(double norm, double max_norm) {
+  if (max_norm <= 0.0) return 1.0f;
+  return static_cast<float>(std::min(1.0, max_norm / (norm + 1e-6)));
+}
+
+}  // namespace loom

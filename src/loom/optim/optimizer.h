@@ -1,0 +1,133 @@
+// The optimizer family over flat parameter buffers: SGD (plain, momentum, Nesterov), Adagrad,
+// RMSprop, Adam, AdamW, Adafactor, SM3, Lion, Adam-mini, CAME, LDAdam and Muon. The exact
+// update rules, defaults and state sizes are in docs/optimizers.md (REFERENCE.md §3); each is
+// tested against a float64 reference (tests/test_optim_golden.cpp).
+//
+// An optimizer receives the flat parameter and gradient buffers and a list of OptimParam
+// ranges. Elementwise rules accept any range (a ZeRO shard); factored, blockwise and
+// orthogonalizing rules need whole parameters. State lives in flat f32 buffers counted as
+// MEM_OPTIMIZER_STATE and is listed by name for checkpoints.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "loom/backend/backend.h"
+#include "loom/model/param_layout.h"
+
+namespace loom {
+
+// optim.* config. Negative numbers (and nesterov = -1) mean "the optimizer's published
+// default"; resolve() fills them in.
+struct OptimConfig {
+  std::string name = "adamw";
+  double weight_decay = -1.0;
+  double beta1 = -1.0, beta2 = -1.0, beta3 = -1.0;  // beta2 is RMSprop's alpha
+  double eps = -1.0, eps2 = -1.0;
+  double momentum = -1.0;  // SGD, RMSprop, Muon
+  double dampening = 0.0;  // SGD
+  int64_t nesterov = -1;   // -1 default (name nesterov, and muon: on), 0 off, 1 on
+  bool centered = false;   // RMSprop
+  bool amsgrad = false;    // Adam, AdamW
+  double lr_decay = 0.0;   // Adagrad
+  double initial_accumulator = 0.0;  // Adagrad
+  bool relative_step = true;    // Adafactor
+  bool scale_parameter = true;  // Adafactor
+  bool warmup_init = false;     // Adafactor
+  double clip_threshold = 1.0;  // Adafactor, CAME
+  double decay_rate = -0.8;     // Adafactor
+  int64_t rank = 16;            // LDAdam
+  double rho = 0.908;           // LDAdam
+  int64_t ns_steps = 5;         // Muon
+  std::string muon_scale = "moonshot";  // moonshot | keller
+  // Parameter groups: comma-separated globs (no weight decay) and "glob=factor" lr multipliers.
+  std::string no_decay = "*.bias,*ln_*,*norm*,wte.*,wpe.*,*embed_tokens*";
+  std::string lr_scale = "";
+
+  // A copy with every default filled in for `name`; throws naming the key on a bad value.
+  OptimConfig resolved() const;
+};
+
+// The optimizer names, in docs/optimizers.md's order.
+const std::vector<std::string>& optimizer_names();
+
+struct OptimSegment {
+  int64_t offset = 0;  // elements into the flat buffers
+  int64_t rows = 1, cols = 1;
+  int64_t block_rows = 1;  // Adam-mini block height
+};
+
+struct OptimParam {
+  std::string name;
+  int64_t offset = 0, numel = 0;
+  bool matrix = false;  // 2-D: factored rules factor each segment
+  bool hidden = false;  // a hidden-layer matrix: Muon orthogonalizes it, LDAdam projects it
+  float weight_decay = 0.0f;
+  float lr_scale = 1.0f;
+  std::vector<OptimSegment> segments;
+};
+
+// The parameters of a model with their groups resolved from config.no_decay / lr_scale and
+// config.weight_decay (the config must be resolved).
+std::vector<OptimParam> optim_params(const ParamLayout& layout, const OptimConfig& config);
+
+// fnmatch-style glob: '*' any run of characters (dots included), '?' one character.
+bool glob_match(const std::string& pattern, const std::string& name);
+
+class Optimizer {
+ public:
+  virtual ~Optimizer() = default;
+  Optimizer(const Optimizer&) = delete;
+  Optimizer& operator=(const Optimizer&) = delete;
+
+  // One update from g = grad_scale * grads (grad_scale: the clipping coefficient) at learning
+  // rate lr (each parameter multiplies it by its lr_scale). Advances the step counter.
+  void step(float lr, float grad_scale = 1.0f);
+  int64_t steps_taken() const { return step_; }
+  void restore_steps_taken(int64_t steps) { step_ = steps; }  // with state() restored
+  const std::string& name() const { return name_; }
+
+  // Every tensor a resumed run needs, by name: the optimizer state and, when the optimizer
+  // keeps state in it (LDAdam's error feedback), the gradient buffer.
+  const std::vector<std::pair<std::string, Tensor>>& state() const { return state_; }
+  // Bytes of MEM_OPTIMIZER_STATE this optimizer allocated.
+  int64_t state_bytes() const { return state_bytes_; }
+  // True when the gradient buffer carries state between steps: the trainer must add the next
+  // backward into it instead of zeroing it (the optimizer leaves it zero otherwise).
+  virtual bool keeps_gradients() const { return false; }
+
+ protected:
+  Optimizer(std::string name, Backend& backend, const Tensor& params, const Tensor& grads, std::vector<OptimParam> list);
+  virtual void update(float lr, float grad_scale) = 0;  // step_ is already the 1-based step
+  // A zeroed f32 state buffer of n elements, listed in state() under `state_name`.
+  Tensor add_state(const std::string& state_name, int64_t n, float fill = 0.0f);
+  float* p(const OptimParam& q) const { return params_.data<float>() + q.offset; }
+  float* g(const OptimParam& q) const { return grads_.data<float>() + q.offset; }
+
+  std::string name_;
+  Backend& backend_;
+  Tensor params_, grads_;
+  std::vector<OptimParam> list_;
+  int64_t step_ = 0;
+  std::vector<std::pair<std::string, Tensor>> state_;
+  int64_t state_bytes_ = 0;
+};
+
+// Builds config.name (resolved) over `list`.
+std::unique_ptr<Optimizer> make_optimizer(Backend& backend, const Tensor& params, const Tensor& grads,
+                                          std::vector<OptimParam> list, const OptimConfig& config);
+
+// Optimizer-state bytes by docs/optimizers.md's formula, without allocating: what `loom
+// train --dry-run` reports and what the tests hold the allocations to.
+int64_t optimizer_state_bytes(const std::vector<OptimParam>& list, const OptimConfig& config);
+
+// Global L2 norm of the gradients, summed in a fixed order (bitwise reproducible).
+double grad_norm(Backend& backend, const Tensor& grads);
+// The factor that brings the norm to at most max_norm: min(1, max_norm / (norm + 1e-6)), as
+// torch.nn.utils.clip_grad_norm_. max_norm <= 0 disables clipping (factor 1). The optimizer
+// applies it while it reads the gradients, saving a pass over them.
+float clip_coefficient(double norm, double max_norm);
+
+}  // namespace loom
