@@ -81,6 +81,37 @@ class Cli(unittest.TestCase):
             with open(os.path.join(self.ckpt("straight", 8), f), "rb") as a, open(os.path.join(self.ckpt("resumed", 8), f), "rb") as b:
                 self.assertEqual(a.read(), b.read(), f)
 
+    def test_resume_is_bitwise_for_stateful_optimizers(self):
+        # LDAdam keeps error feedback in the gradient buffer, Muon two kinds of state, Adafactor factors.
+        for opt in ("ldadam", "muon", "adafactor"):
+            sets = ("--set", f"optim.name={opt},optim.rank=4")
+            self.train(f"straight_{opt}", *sets)
+            self.train(f"resumed_{opt}", *sets, "--stop-at-step", "4")
+            self.train(f"resumed_{opt}", *sets, "--resume")
+            for f in ("model.safetensors", "optimizer.safetensors"):
+                with open(os.path.join(self.ckpt(f"straight_{opt}", 8), f), "rb") as a, \
+                        open(os.path.join(self.ckpt(f"resumed_{opt}", 8), f), "rb") as b:
+                    self.assertEqual(a.read(), b.read(), f"{opt} {f}")
+
+    def test_resume_with_another_optimizer_names_both(self):
+        self.train("switch", "--stop-at-step", "4")
+        p = self.train("switch", "--resume", "--set", "optim.name=lion", expect_ok=False)
+        self.assert_one_line_error(p, "optimizer.safetensors", "'adamw'", "'lion'")
+
+    def test_dry_run_reports_optimizer_state_per_parameter(self):
+        expected = {"adamw": "8.000", "lion": "4.000", "sgd": "0.000", "adam-mini": None, "sm3": None}
+        for opt, per_param in expected.items():
+            p = self.train(f"dry_{opt}", "--dry-run", "--set", f"optim.name={opt}")
+            line = [l for l in p.stdout.splitlines() if l.startswith("optimizer state:")][0]
+            measured = line.split("=")[1].split()[0]
+            formula = line.split("formula:")[1].split(",")[1].split()[0]
+            self.assertEqual(measured, formula, line)
+            if per_param is not None:
+                self.assertEqual(measured, per_param, line)
+            self.assertIn("optimizer state", p.stdout)
+            self.assertFalse(os.path.exists(os.path.join(self.tmp, "runs", f"dry_{opt}", "checkpoints")))
+        self.assertLess(float(measured), 1.0)  # sm3: sublinear state
+
     def test_generate_is_reproducible_from_the_seed(self):
         self.train("gen")
         args = ("generate", "--checkpoint", os.path.join(self.tmp, "runs", "gen"), "--prompt", "The ", "--tokens", "20", "--seed", "5")
