@@ -83,7 +83,7 @@ class Cli(unittest.TestCase):
 
     def test_resume_is_bitwise_for_stateful_optimizers(self):
         # LDAdam keeps error feedback in the gradient buffer, Muon two kinds of state, Adafactor factors.
-        for opt in ("ldadam", "muon", "adafactor"):
+        for opt in ("ldadam", "muon", "adafactor", "sgd"):  # plain SGD: no state at all
             sets = ("--set", f"optim.name={opt},optim.rank=4")
             self.train(f"straight_{opt}", *sets)
             self.train(f"resumed_{opt}", *sets, "--stop-at-step", "4")

@@ -315,7 +315,7 @@ int64_t parse_int(const std::string& text, const std::string& path, const std::s
 LoadedCheckpoint load_verified(const std::string& dir, const ModelState& model, const OptimizerState& optimizer) {
   const ParamLayout layout = build_param_layout(model.config);
   check_flat_f32(model.params, layout.total, dir, "model params");
-  const bool load_optimizer = !optimizer.tensors.empty();
+  const bool load_optimizer = !optimizer.name.empty();
 
   const std::string model_path = (fs::path(dir) / kModelFile).string();
   const SafetensorsFile model_file = SafetensorsFile::read(model_path);
@@ -430,8 +430,8 @@ std::string CheckpointManager::save(const CheckpointContents& contents) {
   LOOM_CHECK(contents.step >= 0, final_dir.string(), ": checkpoint step must be >= 0, got ", contents.step);
   const ParamLayout layout = build_param_layout(contents.model.config);
   check_flat_f32(contents.model.params, layout.total, final_dir.string(), "model params");
-  LOOM_CHECK(!contents.optimizer.tensors.empty() && !contents.optimizer.name.empty(), final_dir.string(),
-             ": a training checkpoint needs the optimizer's name and state tensors");
+  LOOM_CHECK(!contents.optimizer.name.empty(), final_dir.string(),
+             ": a training checkpoint needs the optimizer's name (its state may be empty, as plain SGD's)");
   for (const auto& [name, t] : contents.optimizer.tensors) {
     LOOM_CHECK(t.defined() && t.dtype() == DTYPE_F32, final_dir.string(), ": optimizer tensor '", name, "' must be f32");
   }

@@ -30,8 +30,8 @@ struct ModelState {
   Tensor params;       // (P) f32, host: the flat parameter buffer
 };
 
-// The optimizer's state, live: its name and named f32 tensors (Optimizer::state()). An empty
-// list on load skips the optimizer (inference). On load the file must hold the same optimizer
+// The optimizer's state, live: its name and named f32 tensors (Optimizer::state(); plain SGD
+// has none). An empty name on load skips the optimizer (inference). On load the file must hold the same optimizer
 // and exactly these tensors with these shapes.
 struct OptimizerState {
   std::string name;
