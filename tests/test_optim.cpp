@@ -85,6 +85,33 @@ TEST(OptimTest, LionStepIsPlusMinusLrElementwise) {
   }
 }
 
+// ZeRO hands an optimizer a shard: for the elementwise rules, any split of the flat buffer into
+// ranges must give bit-identical parameters to the whole.
+TEST(OptimTest, ElementwiseRulesGiveTheSameResultOnAnySplitIntoShards) {
+  for (const char* name : {"sgd", "momentum", "nesterov", "adagrad", "rmsprop", "adam", "adamw", "lion"}) {
+    Fixture whole(0.1f), split(0.1f);
+    std::vector<OptimParam> shards;
+    for (const OptimParam& q : split.list) {
+      for (int64_t part = 0; part < 3; ++part) {  // three uneven ranges per parameter
+        OptimParam r = q;
+        const int64_t begin = q.numel * part / 3, end = q.numel * (part + 1) / 3;
+        r.offset = q.offset + begin;
+        r.numel = end - begin;
+        r.matrix = false;
+        r.segments = {{r.offset, 1, r.numel, 1}};
+        shards.push_back(r);
+      }
+    }
+    auto a = make_optimizer(*whole.backend, whole.params, whole.grads, whole.list, config(name));
+    auto b = make_optimizer(*split.backend, split.params, split.grads, shards, config(name));
+    for (int s = 0; s < 3; ++s) {
+      a->step(1e-2f, 0.9f);
+      b->step(1e-2f, 0.9f);
+    }
+    EXPECT_EQ(std::memcmp(whole.params.raw_data(), split.params.raw_data(), whole.params.nbytes()), 0) << name;
+  }
+}
+
 TEST(OptimTest, AdafactorUpdateRmsIsClippedToD) {
   Fixture f;
   OptimConfig c;
