@@ -5,6 +5,7 @@ data).  Run by ctest: cli_test.py <path to loom> ; stdlib only."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -92,6 +93,17 @@ class Cli(unittest.TestCase):
                 with open(os.path.join(self.ckpt(f"straight_{opt}", 8), f), "rb") as a, \
                         open(os.path.join(self.ckpt(f"resumed_{opt}", 8), f), "rb") as b:
                     self.assertEqual(a.read(), b.read(), f"{opt} {f}")
+
+    def test_loss_scaler_state_is_checkpointed_and_restored(self):
+        sets = ("--set", "precision.loss_scaling=true,precision.growth_interval=3")
+        self.train("scaled", *sets, "--stop-at-step", "4")
+        with open(os.path.join(self.ckpt("scaled", 4), "trainer.json")) as f:
+            state = json.load(f)["extra"]["loss_scaler"]
+        self.assertEqual((state["scale"], state["growth_tracker"]), (131072.0, 1))  # grew once at step 3
+        self.train("scaled", *sets, "--resume")
+        with open(os.path.join(self.ckpt("scaled", 8), "trainer.json")) as f:
+            state = json.load(f)["extra"]["loss_scaler"]
+        self.assertEqual((state["scale"], state["growth_tracker"]), (262144.0, 2))  # and at step 6
 
     def test_resume_with_another_optimizer_names_both(self):
         self.train("switch", "--stop-at-step", "4")

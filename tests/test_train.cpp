@@ -6,6 +6,7 @@
 
 #include "loom/core/error.h"
 #include "loom/train/trainer.h"
+#include "test_util.h"
 
 namespace loom {
 namespace {
@@ -97,6 +98,58 @@ TEST(TrainerTest, NonFiniteLossStopsBeforeTheUpdate) {
   EXPECT_THROW(trainer.train_step(data), Error);
   EXPECT_EQ(model.params().data<float>()[5000], before);
   EXPECT_EQ(trainer.step(), 0);
+}
+
+}  // namespace
+}  // namespace loom
+
+namespace loom {
+namespace {
+
+// GradScaler semantics in the trainer: a loss scale so large that the gradients overflow makes
+// the step a no-op (parameters and optimizer state bit-identical) and halves the scale, until
+// the scale fits and training proceeds; the scaled-and-unscaled gradient then equals the plain
+// one (scales are powers of two), so the loss curve matches a run without scaling.
+TEST(TrainerTest, LossScalingSkipsOverflowingStepsAndBacksOff) {
+  ModelConfig config = model_preset("gpt2-tiny");
+  auto make = [&](bool scaling, std::unique_ptr<Backend>& backend, std::unique_ptr<Transformer>& model) {
+    backend = make_cpu_backend();
+    model = std::make_unique<Transformer>(*backend, config);
+    model->init_weights(1);
+    // A final-norm gain of 1e4: finite loss, but d(wte) overflows fp32 under a scale of 2^127.
+    backend->fill(model->param("ln_f.weight"), 1e4);
+    TrainConfig tc;
+    tc.batch_size = 2, tc.seq_len = 16, tc.steps = 40;
+    tc.schedule.kind = "constant";  // skipped steps must not shift the lr of the taken ones
+    tc.loss_scaling = scaling;
+    tc.loss_scaler.init_scale = std::ldexp(1.0, 127);
+    return std::make_unique<Trainer>(*backend, *model, tc);
+  };
+  std::unique_ptr<Backend> b1, b2;
+  std::unique_ptr<Transformer> m1, m2;
+  auto scaled = make(true, b1, m1);
+  auto plain = make(false, b2, m2);
+  RandomWindowSource d1(repeating_tokens(500, 97), 3), d2(repeating_tokens(500, 97), 3);
+  int skipped = 0;
+  Tensor tokens = Tensor::empty(b2->allocator(), {2, 16}, DTYPE_I32, MEM_WORKSPACE);
+  Tensor targets = Tensor::empty(b2->allocator(), {2, 16}, DTYPE_I32, MEM_WORKSPACE);
+  for (int s = 0; s < 40; ++s) {
+    const std::vector<double> before = test::values(m1->params());
+    const StepStats st = scaled->train_step(d1);
+    if (st.skipped) {
+      ++skipped;
+      EXPECT_EQ(test::values(m1->params()), before) << "step " << s;  // bit-identical
+      EXPECT_EQ(scaled->loss_scaler()->scale(), st.loss_scale / 2) << "backoff";
+      d2.fill(tokens, targets);  // the plain run skips the same batch
+      continue;
+    }
+    // Once the scale fits, each taken step matches the unscaled run's step on the same batch.
+    const StepStats sp = plain->train_step(d2);
+    EXPECT_NEAR(st.loss, sp.loss, 1e-6 * sp.loss) << "step " << s;
+  }
+  EXPECT_GT(skipped, 0);
+  EXPECT_LT(skipped, 40);
+  EXPECT_LT(scaled->loss_scaler()->scale(), std::ldexp(1.0f, 127));
 }
 
 }  // namespace

@@ -138,6 +138,10 @@ int train_main(int argc, char** argv) {
     c.optimizer_steps = trainer.optimizer().steps_taken();
     c.data_state = train_data.state();
     c.config_text = config_text;
+    if (const DynamicLossScaler* ls = trainer.loss_scaler()) {
+      c.extra["loss_scaler"] = {{"scale", ls->state().scale}, {"growth_tracker", ls->state().growth_tracker},
+                                {"hysteresis_tracker", ls->state().hysteresis_tracker}};
+    }
     return checkpoints.save(c);
   };
   if (args.has("resume")) {
@@ -147,6 +151,10 @@ int train_main(int argc, char** argv) {
     if (loaded) {
       trainer.restore(loaded->step, loaded->optimizer_steps);
       train_data.restore(loaded->data_state.get<LoaderState>());
+      if (DynamicLossScaler* ls = trainer.loss_scaler(); ls != nullptr && loaded->extra.contains("loss_scaler")) {
+        const nlohmann::json& j = loaded->extra["loss_scaler"];
+        ls->restore({j.at("scale").get<float>(), j.at("growth_tracker").get<int64_t>(), j.at("hysteresis_tracker").get<int64_t>()});
+      }
       std::printf("resumed from %s (step %lld)\n", loaded->path.c_str(), static_cast<long long>(loaded->step));
     } else {
       std::printf("no checkpoint in %s/checkpoints; starting from scratch\n", dir.c_str());
@@ -202,7 +210,7 @@ int train_main(int argc, char** argv) {
     r.memory_bytes = mem.current_total();
     r.eta_seconds = seconds_sum / static_cast<double>(steps_timed) * static_cast<double>(config.train.steps - trainer.step());
     metrics.write({{"step", stats.step + 1}, {"loss", stats.loss}, {"lr", stats.lr}, {"grad_norm", stats.grad_norm},
-                   {"tokens", stats.tokens}, {"seconds", stats.seconds}, {"tokens_per_s", r.tokens_per_s}, {"mfu", r.mfu},
+                   {"tokens", stats.tokens}, {"seconds", stats.seconds}, {"loss_scale", stats.loss_scale}, {"skipped", stats.skipped}, {"tokens_per_s", r.tokens_per_s}, {"mfu", r.mfu},
                    {"memory_bytes", r.memory_bytes}});
     const int64_t done = trainer.step();
     const bool eval_now = config.loop.eval_every > 0 && done % config.loop.eval_every == 0;

@@ -13,6 +13,7 @@ void TrainConfig::validate() const {
   LOOM_CHECK(grad_accum > 0, "train.grad_accum must be > 0, got ", grad_accum);
   LOOM_CHECK(steps > 0, "train.steps must be > 0, got ", steps);
   schedule.validate();
+  if (loss_scaling) loss_scaler.validate();
   (void)optim.resolved();  // throws naming the optim.* key
 }
 
@@ -25,6 +26,11 @@ Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config)
       optim_params_(loom::optim_params(model.layout(), config.optim.resolved())),
       optimizer_(make_optimizer(backend, model.params(), model.grads(), optim_params_, config.optim)) {
   schedule_.total = config_.steps;
+  if (config_.loss_scaling) {
+    LOOM_CHECK(!optimizer_->keeps_gradients(), "precision.loss_scaling is not supported with optim.name = ",
+               optimizer_->name(), " (its error feedback lives in the gradient buffer, which unscaling would rescale)");
+    scaler_ = std::make_unique<DynamicLossScaler>(config_.loss_scaler);
+  }
   // The gradient buffer starts at zero; an optimizer that keeps error feedback in it (LDAdam)
   // leaves it for the next backward to add into, the others are zeroed before each step.
   model_.zero_grads();
@@ -34,7 +40,8 @@ StepStats Trainer::train_step(BatchSource& data) {
   const auto start = std::chrono::steady_clock::now();
   if (!optimizer_->keeps_gradients()) model_.zero_grads();
   double loss_sum = 0.0;
-  const float loss_weight = 1.0f / static_cast<float>(config_.grad_accum);
+  const float loss_scale = scaler_ ? scaler_->scale() : 1.0f;
+  const float loss_weight = loss_scale / static_cast<float>(config_.grad_accum);
   for (int64_t micro = 0; micro < config_.grad_accum; ++micro) {
     data.fill(store_.tokens, store_.targets);
     const double loss = model_.forward(store_);
@@ -46,12 +53,26 @@ StepStats Trainer::train_step(BatchSource& data) {
   StepStats stats;
   stats.step = step_;
   stats.loss = loss_sum / static_cast<double>(config_.grad_accum);
+  stats.loss_scale = loss_scale;
+  stats.tokens = config_.grad_accum * config_.batch_size * config_.seq_len;
+  stats.lr = schedule_.lr(step_);
+  if (scaler_) {
+    const Tensor& g = model_.grads();
+    const bool found_inf = scaler_->unscale(g.data<float>(), g.numel());
+    scaler_->update(found_inf);
+    if (found_inf) {  // GradScaler: skip the step; the weights and optimizer state stay as they are
+      model_.zero_grads();
+      stats.skipped = true;
+      stats.grad_norm = INFINITY;
+      stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      ++step_;
+      return stats;
+    }
+  }
   stats.grad_norm = grad_norm(backend_, model_.grads());
   LOOM_CHECK(std::isfinite(stats.grad_norm), "gradient norm is ", stats.grad_norm, " at step ", step_,
              "; stopping before the update, the weights are unchanged");
-  stats.lr = schedule_.lr(step_);
   optimizer_->step(static_cast<float>(stats.lr), clip_coefficient(stats.grad_norm, config_.grad_clip));
-  stats.tokens = config_.grad_accum * config_.batch_size * config_.seq_len;
   stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   ++step_;
   return stats;

@@ -9,6 +9,7 @@
 #include "loom/model/transformer.h"
 #include "loom/optim/optimizer.h"
 #include "loom/optim/schedule.h"
+#include "loom/precision/loss_scaler.h"
 
 namespace loom {
 
@@ -20,6 +21,10 @@ struct TrainConfig {
   double grad_clip = 1.0;   // <= 0 disables
   OptimConfig optim;        // resolved by the trainer
   ScheduleConfig schedule;  // total is taken from steps
+  // Dynamic loss scaling (GradScaler semantics): the loss is scaled by S before backward, the
+  // gradients unscaled and checked, a step with inf/NaN gradients skipped. Off by default.
+  bool loss_scaling = false;
+  LossScalerConfig loss_scaler;
 
   void validate() const;  // throws naming the key (e.g. "train.batch_size")
 };
@@ -27,7 +32,9 @@ struct TrainConfig {
 struct StepStats {
   int64_t step = 0;         // 0-based index of the step just taken
   double loss = 0.0;        // mean over the step's micro-batches
-  double grad_norm = 0.0;   // before clipping
+  double grad_norm = 0.0;   // before clipping (inf on a skipped step)
+  bool skipped = false;     // loss scaling found inf/NaN gradients: no update
+  float loss_scale = 1.0f;  // S used for this step (1 without loss scaling)
   double lr = 0.0;
   int64_t tokens = 0;
   double seconds = 0.0;
@@ -41,6 +48,8 @@ class Trainer {
   double evaluate(BatchSource& data, int64_t batches);
   int64_t step() const { return step_; }
   const Optimizer& optimizer() const { return *optimizer_; }
+  // The loss scaler (nullptr without loss scaling); its state goes into checkpoints.
+  DynamicLossScaler* loss_scaler() { return scaler_.get(); }
   const std::vector<OptimParam>& optim_params() const { return optim_params_; }
   const ScheduleConfig& schedule() const { return schedule_; }
   // After a checkpoint restored the weights and the optimizer moments: continue at `step`.
@@ -54,6 +63,7 @@ class Trainer {
   ScheduleConfig schedule_;
   std::vector<OptimParam> optim_params_;
   std::unique_ptr<Optimizer> optimizer_;
+  std::unique_ptr<DynamicLossScaler> scaler_;
   int64_t step_ = 0;
 };
 
