@@ -259,6 +259,17 @@ TEST(LossScalerTest, GrowsAfter2000CleanStepsAndBacksOffOnOverflow) {
   EXPECT_EQ(s.scale(), 32768.0f);
 }
 
+TEST(LossScalerTest, AnOverflowAtStep1999GivesHalfTheScaleAndResetsTheCounter) {
+  DynamicLossScaler s{LossScalerConfig{}};
+  for (int i = 0; i < 1998; ++i) s.update(false);
+  s.update(true);
+  EXPECT_EQ(s.scale(), 32768.0f);
+  for (int i = 0; i < 1999; ++i) s.update(false);
+  EXPECT_EQ(s.scale(), 32768.0f);  // the counter restarted at the overflow
+  s.update(false);
+  EXPECT_EQ(s.scale(), 65536.0f);
+}
+
 TEST(LossScalerTest, NeverGrowsToInfinity) {
   LossScalerConfig c;
   c.init_scale = std::ldexp(1.0, 127);
