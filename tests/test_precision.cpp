@@ -9,6 +9,7 @@
 #include <cmath>
 #include <vector>
 
+#include "loom/backend/backend.h"
 #include "loom/core/philox.h"
 #include "loom/precision/formats.h"
 #include "loom/precision/loss_scaler.h"
@@ -233,6 +234,50 @@ TEST(FormatsTest, Nvfp4MatchesTheTwoLevelScaleFormula) {
       if (s > 0.0f) {
         EXPECT_LE(std::fabs(back[k] - x[k]), 1.0f * s + 1e-6f) << k;  // half of E2M1's widest gap (2)
       }
+    }
+  }
+}
+
+// bf16 GEMM (oneDNN, AVX-512 BF16): products of the bf16-rounded inputs, accumulated in fp32,
+// against a float64 reference on those same rounded inputs; every transpose combination,
+// a batch, beta accumulation and a bias, on odd shapes.
+TEST(Bf16GemmTest, MatchesFloat64OnTheRoundedInputs) {
+  auto backend = make_cpu_backend();
+  Allocator& alloc = backend->allocator();
+  const int64_t batch = 2, m = 37, n = 29, k = 301;
+  for (int ta = 0; ta < 2; ++ta) {
+    for (int tb = 0; tb < 2; ++tb) {
+      std::vector<float> a32(batch * m * k), b32(batch * k * n), bias(n), c0(batch * m * n);
+      philox_fill_normal(a32.data(), static_cast<int64_t>(a32.size()), 1, 0, 0, 0.0f, 1.0f);
+      philox_fill_normal(b32.data(), static_cast<int64_t>(b32.size()), 2, 0, 0, 0.0f, 1.0f);
+      philox_fill_normal(bias.data(), n, 3, 0, 0, 0.0f, 1.0f);
+      philox_fill_normal(c0.data(), static_cast<int64_t>(c0.size()), 4, 0, 0, 0.0f, 1.0f);
+      const Shape sa = ta ? Shape{batch * k, m} : Shape{batch * m, k}, sb = tb ? Shape{batch * n, k} : Shape{batch * k, n};
+      Tensor a = Tensor::empty(alloc, sa, DTYPE_BF16, MEM_WORKSPACE), b = Tensor::empty(alloc, sb, DTYPE_BF16, MEM_WORKSPACE);
+      Tensor c = Tensor::empty(alloc, {batch * m, n}, DTYPE_F32, MEM_WORKSPACE), tbias = Tensor::empty(alloc, {n}, DTYPE_F32, MEM_WORKSPACE);
+      for (size_t i = 0; i < a32.size(); ++i) a.data<bf16>()[i] = f32_to_bf16(a32[i]);
+      for (size_t i = 0; i < b32.size(); ++i) b.data<bf16>()[i] = f32_to_bf16(b32[i]);
+      std::copy(bias.begin(), bias.end(), tbias.data<float>());
+      std::copy(c0.begin(), c0.end(), c.data<float>());
+      GemmSpec spec;
+      spec.trans_a = ta, spec.trans_b = tb, spec.alpha = 0.5f, spec.beta = 1.0f, spec.batch = batch;
+      backend->gemm(a, b, c, spec, &tbias);
+      double err = 0.0, scale = 0.0;
+      for (int64_t p = 0; p < batch; ++p) {
+        for (int64_t i = 0; i < m; ++i) {
+          for (int64_t j = 0; j < n; ++j) {
+            double acc = 0.0;
+            for (int64_t q = 0; q < k; ++q) {
+              const int64_t ia = p * m * k + (ta ? q * m + i : i * k + q), ib = p * k * n + (tb ? j * k + q : q * n + j);
+              acc += static_cast<double>(bf16_to_f32(a.data<bf16>()[ia])) * bf16_to_f32(b.data<bf16>()[ib]);
+            }
+            const double ref = 0.5 * acc + c0[static_cast<size_t>(p * m * n + i * n + j)] + bias[static_cast<size_t>(j)];
+            err = std::max(err, std::fabs(ref - c.data<float>()[p * m * n + i * n + j]));
+            scale = std::max(scale, std::fabs(ref));
+          }
+        }
+      }
+      EXPECT_LT(err / scale, 2e-6) << "trans_a " << ta << " trans_b " << tb;  // fp32 accumulation, K = 301
     }
   }
 }

@@ -39,6 +39,8 @@ class Backend {
   virtual Allocator& allocator() = 0;
 
   // C[b] = alpha * op(A[b]) @ op(B[b]) + beta * C[b] (+ bias[n] added to every row of C).
+  // A, B and C share a dtype (f32, f64), or A and B are bf16 and C (and bias) f32: bf16
+  // products accumulated in fp32.
   // A matrix's cols are its tensor's last dim; rows = numel / (batch * cols).
   virtual void gemm(const Tensor& a, const Tensor& b, const Tensor& c, const GemmSpec& spec,
                     const Tensor* bias = nullptr) = 0;

@@ -39,8 +39,9 @@ class CpuBackend final : public Backend {
 
   void gemm(const Tensor& a, const Tensor& b, const Tensor& c, const GemmSpec& spec, const Tensor* bias) override {
     const char* op = "gemm";
+    const bool bf16_in = a.dtype() == DTYPE_BF16;  // bf16 A and B, fp32 C (and bias)
     expect_dtype(b, a.dtype(), op, "B");
-    expect_dtype(c, a.dtype(), op, "C");
+    expect_dtype(c, bf16_in ? DTYPE_F32 : a.dtype(), op, "C");
     const int64_t batch = spec.batch;
     LOOM_CHECK(batch >= 1 && a.numel() % batch == 0 && b.numel() % batch == 0 && c.numel() % batch == 0, op,
                ": batch ", batch, " does not divide A ", a.describe(), ", B ", b.describe(), ", C ", c.describe());
@@ -53,8 +54,19 @@ class CpuBackend final : public Backend {
                ", ", k, ") @ op(B) (", op_b_rows, ", ", op_b_cols, ") -> C (", m, ", ", n, "); A ", a.describe(),
                " B ", b.describe(), " C ", c.describe());
     if (bias) {
-      expect_dtype(*bias, a.dtype(), op, "bias");
+      expect_dtype(*bias, c.dtype(), op, "bias");
       expect_numel(*bias, n, op, "bias");
+    }
+    if (bf16_in) {
+      const uint16_t* pa = static_cast<const uint16_t*>(a.raw_data());
+      const uint16_t* pb = static_cast<const uint16_t*>(b.raw_data());
+      float* pc = c.data<float>();
+      for (int64_t i = 0; i < batch; ++i) {
+        cpu::gemm_bf16(spec.trans_a, spec.trans_b, m, n, k, spec.alpha, pa + i * a_rows * a_cols, a_cols,
+                       pb + i * b_rows * b_cols, b_cols, spec.beta, pc + i * m * n, n);
+      }
+      if (bias) add_bias_rows(pc, bias->data<float>(), batch * m, n);
+      return;
     }
     dispatch_float(a.dtype(), op, [&]<typename T>() {
       const T* pa = a.data<T>();
