@@ -1,7 +1,9 @@
 // Training throughput of Loom on the CPU: a GPT-2-shaped model, random tokens, AdamW steps.
 // Prints one JSON line: tokens/s, step time, MFU against the GEMM peak measured in the same
 // process (oneDNN sgemm, 2048^3, best of several), and peak bytes per memory category.
-//   build/bench/train_bench --model gpt2-124m --batch 4 --seq 64 --steps 10 --warmup 2
+//   build/bench/train_bench --model gpt2-124m --batch 4 --seq 64 --steps 10 --warmup 2 [--compute f32|bf16|both]
+// --compute both runs fp32 and then bf16 compute (bf16 GEMM operands, fp32 accumulation) in the
+// same process and prints a third line with the bf16/fp32 speed ratio.
 // bench/compare_train.py runs it beside the PyTorch reference and prints the ratios.
 #include <chrono>
 #include <cstdio>
@@ -20,6 +22,7 @@ using namespace loom;
 struct Args {
   std::string model = "gpt2-124m";
   int64_t batch = 4, seq = 64, steps = 10, warmup = 2;
+  std::string compute = "f32";
 };
 
 Args parse(int argc, char** argv) {
@@ -31,7 +34,8 @@ Args parse(int argc, char** argv) {
     else if (key == "--seq") a.seq = std::stoll(value);
     else if (key == "--steps") a.steps = std::stoll(value);
     else if (key == "--warmup") a.warmup = std::stoll(value);
-    else throw Error("unknown option " + key + " (expected --model, --batch, --seq, --steps, --warmup)");
+    else if (key == "--compute") a.compute = value;
+    else throw Error("unknown option " + key + " (expected --model, --batch, --seq, --steps, --warmup, --compute)");
   }
   return a;
 }
@@ -47,45 +51,64 @@ std::vector<int32_t> random_tokens(int64_t count, int64_t vocab) {
   return t;
 }
 
+// One measured run; prints its JSON line and returns tokens/s.
+double run(const Args& args, const std::string& compute, double peak) {
+  auto backend = make_cpu_backend();
+  ModelConfig config = model_preset(args.model);
+  Transformer model(*backend, config);
+  model.init_weights(1);
+  TrainConfig tc;
+  tc.batch_size = args.batch, tc.seq_len = args.seq, tc.steps = args.warmup + args.steps, tc.schedule.warmup = 1;
+  tc.compute = compute;
+  Trainer trainer(*backend, model, tc);
+  RandomWindowSource data(random_tokens(1 << 20, config.vocab_size), 7);
+  for (int64_t i = 0; i < args.warmup; ++i) trainer.train_step(data);
+  backend->allocator().tracker().reset_peaks();
+  double seconds = 0.0, loss = 0.0;
+  int64_t tokens = 0;
+  for (int64_t i = 0; i < args.steps; ++i) {
+    const StepStats s = trainer.train_step(data);
+    seconds += s.seconds;
+    tokens += s.tokens;
+    loss = s.loss;
+  }
+  const double tps = static_cast<double>(tokens) / seconds;
+  const double flops = train_flops_per_token(config, args.seq) * tps;
+  const MemoryTracker& mem = backend->allocator().tracker();
+  std::printf(
+      "{\"impl\": \"loom\", \"compute\": \"%s\", \"model\": \"%s\", \"batch\": %lld, \"seq\": %lld, \"steps\": %lld, "
+      "\"tokens_per_s\": %.2f, \"step_ms\": %.2f, \"gemm_peak_gflops\": %.1f, \"achieved_gflops\": %.1f, \"mfu\": %.4f, "
+      "\"final_loss\": %.4f, \"params\": %lld",
+      compute.c_str(), args.model.c_str(), static_cast<long long>(args.batch), static_cast<long long>(args.seq),
+      static_cast<long long>(args.steps), tps, 1e3 * seconds / static_cast<double>(args.steps), peak, flops / 1e9,
+      flops / 1e9 / peak, loss, static_cast<long long>(param_count(config)));
+  for (int c = 0; c < MEM_CATEGORY_COUNT; ++c) {
+    const auto cat = static_cast<MemCategory>(c);
+    std::printf(", \"peak_bytes_%s\": %zu", std::string(mem_category_name(cat)).c_str(), mem.peak(cat));
+  }
+  std::printf("}\n");
+  std::fflush(stdout);
+  return tps;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   try {
     const Args args = parse(argc, argv);
-    auto backend = make_cpu_backend();
-    const double peak = measure_gemm_peak_gflops(*backend);
-    ModelConfig config = model_preset(args.model);
-    Transformer model(*backend, config);
-    model.init_weights(1);
-    TrainConfig tc;
-    tc.batch_size = args.batch, tc.seq_len = args.seq, tc.steps = args.warmup + args.steps, tc.schedule.warmup = 1;
-    Trainer trainer(*backend, model, tc);
-    RandomWindowSource data(random_tokens(1 << 20, config.vocab_size), 7);
-    for (int64_t i = 0; i < args.warmup; ++i) trainer.train_step(data);
-    backend->allocator().tracker().reset_peaks();
-    double seconds = 0.0, loss = 0.0;
-    int64_t tokens = 0;
-    for (int64_t i = 0; i < args.steps; ++i) {
-      const StepStats s = trainer.train_step(data);
-      seconds += s.seconds;
-      tokens += s.tokens;
-      loss = s.loss;
+    LOOM_CHECK(args.compute == "f32" || args.compute == "bf16" || args.compute == "both", "--compute must be f32, bf16 or both");
+    double peak = 0.0;
+    {
+      auto backend = make_cpu_backend();
+      peak = measure_gemm_peak_gflops(*backend);  // fp32 sgemm: MFU is stated against the fp32 peak
     }
-    const double tps = static_cast<double>(tokens) / seconds;
-    const double flops = train_flops_per_token(config, args.seq) * tps;
-    const MemoryTracker& mem = backend->allocator().tracker();
-    std::printf(
-        "{\"impl\": \"loom\", \"model\": \"%s\", \"batch\": %lld, \"seq\": %lld, \"steps\": %lld, \"tokens_per_s\": %.2f, "
-        "\"step_ms\": %.2f, \"gemm_peak_gflops\": %.1f, \"achieved_gflops\": %.1f, \"mfu\": %.4f, \"final_loss\": %.4f, "
-        "\"params\": %lld",
-        args.model.c_str(), static_cast<long long>(args.batch), static_cast<long long>(args.seq),
-        static_cast<long long>(args.steps), tps, 1e3 * seconds / static_cast<double>(args.steps), peak, flops / 1e9,
-        flops / 1e9 / peak, loss, static_cast<long long>(param_count(config)));
-    for (int c = 0; c < MEM_CATEGORY_COUNT; ++c) {
-      const auto cat = static_cast<MemCategory>(c);
-      std::printf(", \"peak_bytes_%s\": %zu", std::string(mem_category_name(cat)).c_str(), mem.peak(cat));
+    if (args.compute != "both") {
+      run(args, args.compute, peak);
+      return 0;
     }
-    std::printf("}\n");
+    const double f32 = run(args, "f32", peak);
+    const double bf16 = run(args, "bf16", peak);
+    std::printf("{\"bf16_over_f32_tokens_per_s\": %.3f}\n", bf16 / f32);
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "train_bench: %s\n", e.what());

@@ -105,6 +105,11 @@ class Cli(unittest.TestCase):
             state = json.load(f)["extra"]["loss_scaler"]
         self.assertEqual((state["scale"], state["growth_tracker"]), (262144.0, 2))  # and at step 6
 
+    def test_bf16_compute_trains_and_bad_value_names_the_key(self):
+        p = self.train("bf16", "--set", "precision.compute=bf16")
+        self.assertIn("validation loss", p.stdout)
+        self.assert_one_line_error(self.train("fp7", "--set", "precision.compute=fp7", expect_ok=False), "precision.compute")
+
     def test_resume_with_another_optimizer_names_both(self):
         self.train("switch", "--stop-at-step", "4")
         p = self.train("switch", "--resume", "--set", "optim.name=lion", expect_ok=False)

@@ -154,3 +154,44 @@ TEST(TrainerTest, LossScalingSkipsOverflowingStepsAndBacksOff) {
 
 }  // namespace
 }  // namespace loom
+
+namespace loom {
+namespace {
+
+// bf16 compute (bf16 GEMM operands, fp32 accumulation, fp32 master weights) against fp32 on the
+// same model and data: the first loss and every gradient agree to bf16's precision, and after
+// 60 AdamW steps the training loss is within 1% of fp32's (measured: 0.2%).
+TEST(TrainerTest, Bf16ComputeTracksFp32) {
+  ModelConfig config = model_preset("gpt2-tiny");
+  std::vector<double> loss[2], grads[2];
+  for (int bf = 0; bf < 2; ++bf) {
+    auto backend = make_cpu_backend();
+    Transformer model(*backend, config);
+    model.init_weights(1);
+    TrainConfig tc;
+    tc.batch_size = 8, tc.seq_len = 16, tc.steps = 60, tc.schedule.warmup = 5, tc.schedule.max_lr = 1e-2;
+    tc.compute = bf ? "bf16" : "f32";
+    Trainer trainer(*backend, model, tc);
+    EXPECT_EQ(model.compute_bf16(), bf == 1);
+    RandomWindowSource data(repeating_tokens(3000, 97), 3);
+    for (int s = 0; s < 60; ++s) {
+      loss[bf].push_back(trainer.train_step(data).loss);
+      if (s == 0) grads[bf] = test::values(model.grads());
+    }
+  }
+  EXPECT_NEAR(loss[1][0], loss[0][0], 1e-3 * loss[0][0]);
+  const double grad_err = test::max_rel_error(grads[1], grads[0]);
+  EXPECT_LT(grad_err, 1e-2);  // measured 3e-3
+  EXPECT_GT(grad_err, 1e-6);  // bf16 really ran: not bit-identical to fp32
+  double tail[2] = {0, 0};
+  for (int bf = 0; bf < 2; ++bf) {
+    for (int s = 50; s < 60; ++s) tail[bf] += loss[bf][static_cast<size_t>(s)] / 10;
+  }
+  EXPECT_NEAR(tail[1], tail[0], 0.01 * tail[0]);
+  EXPECT_LT(tail[0], 0.5 * loss[0][0]);  // and the model did learn
+  std::printf("bf16 vs fp32: first loss %.6f vs %.6f, gradient rel error %.2e, last-10 loss %.4f vs %.4f\n", loss[1][0],
+              loss[0][0], grad_err, tail[1], tail[0]);
+}
+
+}  // namespace
+}  // namespace loom

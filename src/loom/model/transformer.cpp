@@ -56,6 +56,37 @@ void Transformer::init_weights(uint64_t seed) {
 
 void Transformer::zero_grads() { backend_.fill(grads_, 0.0); }
 
+void Transformer::set_compute_bf16(bool on) {
+  if (!on) {
+    for (Block& b : blocks_) b.set_bf16(BlockParams{}, nullptr);
+    params16_ = head16_ = Tensor{};
+    return;
+  }
+  params16_ = Tensor::empty(backend_.allocator(), {layout_.total}, DTYPE_BF16, MEM_PARAMETERS);
+  for (int64_t l = 0; l < config_.n_layer; ++l) {
+    blocks_[static_cast<size_t>(l)].set_bf16(block_params_view(config_, layout_, params16_, l), &bf16_);
+  }
+  const ParamSpec& head = layout_.find(config_.arch == ARCH_GPT2 ? "wte.weight" : "lm_head.weight");
+  head16_ = params16_.view(head.offset, head.shape);
+  sync_bf16_weights();
+}
+
+void Transformer::sync_bf16_weights() {
+  if (compute_bf16()) backend_.cast(params_, params16_);
+}
+
+const Bf16Scratch* Transformer::bf16_scratch(int64_t tokens) {
+  if (!compute_bf16()) return nullptr;
+  if (tokens > bf16_tokens_) {  // the first step of a size allocates; later steps reuse
+    const int64_t width = std::max({config_.d_model, config_.qkv_width(), config_.n_head * config_.head_dim(),
+                                    config_.mlp_in_width(), config_.d_ff, config_.vocab_size});
+    bf16_.a = Tensor::empty(backend_.allocator(), {tokens * width}, DTYPE_BF16, MEM_WORKSPACE);
+    bf16_.b = Tensor::empty(backend_.allocator(), {tokens * width}, DTYPE_BF16, MEM_WORKSPACE);
+    bf16_tokens_ = tokens;
+  }
+  return &bf16_;
+}
+
 ActivationStore Transformer::allocate_store(int64_t batch, int64_t seq_len) {
   LOOM_CHECK(batch > 0, "batch size must be > 0, got ", batch);
   LOOM_CHECK(seq_len > 0 && seq_len <= config_.max_seq_len, "sequence length ", seq_len,
@@ -85,15 +116,14 @@ ActivationStore Transformer::allocate_store(int64_t batch, int64_t seq_len) {
 
 double Transformer::forward(ActivationStore& s, bool compute_loss) {
   const Tensor& x0 = s.blocks.empty() ? s.final_input : s.blocks[0].input;
+  const Bf16Scratch* low = bf16_scratch(s.batch * s.seq_len);
   backend_.embedding_forward(s.tokens, embed_w, pos_w.defined() ? &pos_w : nullptr, x0);
   for (size_t l = 0; l < blocks_.size(); ++l) {
     const Tensor& out = l + 1 < blocks_.size() ? s.blocks[l + 1].input : s.final_input;
     blocks_[l].forward(backend_, s.blocks[l], out);
   }
   norm_forward(backend_, config_, s.final_input, final_w, final_b, s.final_norm, s.final_mean, s.final_rstd);
-  GemmSpec head;
-  head.trans_b = true;
-  backend_.gemm(s.final_norm, head_w, s.logits, head);  // (B*T, C) @ (V, C)^T
+  linear_forward(backend_, s.final_norm, head_w, Tensor{}, s.logits, 0.0f, head16(), low);  // (B*T, C) @ (V, C)^T
   if (!compute_loss) return 0.0;
   backend_.cross_entropy_forward(s.logits, s.targets, s.losses, s.lse);
   return backend_.sum(s.losses) / static_cast<double>(s.batch * s.seq_len);
@@ -143,11 +173,8 @@ void Transformer::backward(ActivationStore& s, float loss_weight) {
   }
   // d(logits) replaces the logits in place: dL/dlogit = w/(B T) (softmax - onehot).
   backend_.cross_entropy_backward(s.logits, s.targets, s.lse, loss_weight / static_cast<float>(B * T), s.logits);
-  backend_.gemm(s.logits, head_w, k.d_norm, GemmSpec{});  // (B*T, V) @ (V, C)
-  GemmSpec accumulate;
-  accumulate.trans_a = true;
-  accumulate.beta = 1.0f;
-  backend_.gemm(s.logits, s.final_norm, d_head_w, accumulate);  // (V, B*T) @ (B*T, C)
+  // d_norm = d_logits @ W (B*T, C); dW += d_logits^T @ final_norm (V, C)
+  linear_backward(backend_, s.final_norm, head_w, s.logits, k.d_norm, d_head_w, Tensor{}, head16(), bf16_scratch(B * T));
   norm_backward(backend_, config_, k.d_norm, s.final_input, final_w, s.final_mean, s.final_rstd, d_res, d_final_w,
                 d_final_b);
   for (size_t l = blocks_.size(); l-- > 0;) blocks_[l].backward(backend_, s.blocks[l], d_res, k);

@@ -63,7 +63,18 @@ class Transformer {
   // Accumulates into grads() the gradient of loss_weight * (mean loss of the last forward).
   void backward(ActivationStore& store, float loss_weight);
 
+  // bf16 compute: every linear layer and the head multiply bf16 copies of their operands with
+  // fp32 accumulation (the autocast rule); weights, gradients, norms, softmax, attention and
+  // the loss stay fp32. Turning it on allocates the weights' bf16 copy; sync_bf16_weights()
+  // refreshes it and must run after the weights change (the trainer does, every step).
+  void set_compute_bf16(bool on);
+  bool compute_bf16() const { return params16_.defined(); }
+  void sync_bf16_weights();
+
  private:
+  const Tensor* head16() const { return compute_bf16() ? &head16_ : nullptr; }
+  const Bf16Scratch* bf16_scratch(int64_t tokens);
+
   Backend& backend_;
   ModelConfig config_;
   ParamLayout layout_;
@@ -76,6 +87,9 @@ class Transformer {
   BlockScratch scratch_;             // shared by all micro-batches' backward
   Tensor d_residual_;                // (B,T,C)
   int64_t scratch_tokens_ = 0;       // B*T the scratch is sized for
+  Tensor params16_, head16_;         // bf16 copy of params_ (bf16 compute only), head's view
+  Bf16Scratch bf16_;                 // bf16 operand buffers, sized for bf16_tokens_
+  int64_t bf16_tokens_ = 0;
 };
 
 }  // namespace loom

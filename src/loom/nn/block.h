@@ -60,12 +60,21 @@ void norm_backward(Backend& backend, const ModelConfig& config, const Tensor& do
                    const Tensor& weight, const Tensor& mean, const Tensor& rstd, const Tensor& dx,
                    const Tensor& dweight, const Tensor& dbias);
 
+// bf16 compute (precision.compute = "bf16", the autocast rule: matmuls in bf16, everything
+// else in fp32): GEMM operands are cast into these flat bf16 buffers and multiplied against the
+// weights' bf16 copy with fp32 accumulation and output. Sized for the largest operand of a step.
+struct Bf16Scratch {
+  Tensor a, b;  // bf16, flat
+};
+
 // y (N, out) = x (N, in) @ w^T (+ b), with beta = 1 accumulating into y (the residual add).
+// With w16 (w's bf16 copy) and scratch, x is cast to bf16 and the product runs in bf16.
 void linear_forward(Backend& backend, const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& y,
-                    float beta = 0.0f);
-// dx = dy @ w (overwritten); dw += dy^T @ x; db += colsum(dy).
+                    float beta = 0.0f, const Tensor* w16 = nullptr, const Bf16Scratch* scratch = nullptr);
+// dx = dy @ w (overwritten); dw += dy^T @ x; db += colsum(dy) (fp32). With w16 and scratch,
+// dy and x are cast to bf16 for both products.
 void linear_backward(Backend& backend, const Tensor& x, const Tensor& w, const Tensor& dy, const Tensor& dx,
-                     const Tensor& dw, const Tensor& db);
+                     const Tensor& dw, const Tensor& db, const Tensor* w16 = nullptr, const Bf16Scratch* scratch = nullptr);
 
 class Block {
  public:
@@ -80,11 +89,21 @@ class Block {
   // d_residual (B,T,C): gradient w.r.t. the block output on entry, w.r.t. its input on exit.
   // Parameter gradients accumulate.
   void backward(Backend& backend, const BlockSaved& saved, const Tensor& d_residual, BlockScratch& scratch) const;
+  // Runs forward and backward's linear layers in bf16 against params16 (views into the
+  // weights' bf16 copy), casting operands through `scratch`. nullptr scratch: back to fp32.
+  void set_bf16(BlockParams params16, const Bf16Scratch* scratch) {
+    params16_ = std::move(params16);
+    bf16_ = scratch;
+  }
 
  private:
+  const Tensor* w16(const Tensor& t) const { return bf16_ != nullptr ? &t : nullptr; }
+
   ModelConfig config_;
   BlockParams params_;
   BlockParams grads_;
+  BlockParams params16_;
+  const Bf16Scratch* bf16_ = nullptr;
 };
 
 }  // namespace loom

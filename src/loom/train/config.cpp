@@ -86,6 +86,7 @@ std::vector<Binding> bindings(LoomConfig& c) {
       {"optim.rho", &c.train.optim.rho},
       {"optim.ns_steps", &c.train.optim.ns_steps},
       {"optim.muon_scale", &c.train.optim.muon_scale},
+      {"precision.compute", &c.train.compute},
       {"precision.loss_scaling", &c.train.loss_scaling},
       {"precision.init_scale", &c.train.loss_scaler.init_scale},
       {"precision.growth_factor", &c.train.loss_scaler.growth_factor},

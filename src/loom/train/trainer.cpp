@@ -14,6 +14,7 @@ void TrainConfig::validate() const {
   LOOM_CHECK(steps > 0, "train.steps must be > 0, got ", steps);
   schedule.validate();
   if (loss_scaling) loss_scaler.validate();
+  LOOM_CHECK(compute == "f32" || compute == "bf16", "precision.compute must be f32 or bf16, got '", compute, "'");
   (void)optim.resolved();  // throws naming the optim.* key
 }
 
@@ -26,6 +27,7 @@ Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config)
       optim_params_(loom::optim_params(model.layout(), config.optim.resolved())),
       optimizer_(make_optimizer(backend, model.params(), model.grads(), optim_params_, config.optim)) {
   schedule_.total = config_.steps;
+  model_.set_compute_bf16(config_.compute == "bf16");
   if (config_.loss_scaling) {
     LOOM_CHECK(!optimizer_->keeps_gradients(), "precision.loss_scaling is not supported with optim.name = ",
                optimizer_->name(), " (its error feedback lives in the gradient buffer, which unscaling would rescale)");
@@ -39,6 +41,7 @@ Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config)
 StepStats Trainer::train_step(BatchSource& data) {
   const auto start = std::chrono::steady_clock::now();
   if (!optimizer_->keeps_gradients()) model_.zero_grads();
+  model_.sync_bf16_weights();  // the bf16 copy follows the fp32 master weights (no-op in fp32)
   double loss_sum = 0.0;
   const float loss_scale = scaler_ ? scaler_->scale() : 1.0f;
   const float loss_weight = loss_scale / static_cast<float>(config_.grad_accum);
@@ -85,6 +88,7 @@ void Trainer::restore(int64_t step, int64_t optimizer_steps) {
 }
 
 double Trainer::evaluate(BatchSource& data, int64_t batches) {
+  model_.sync_bf16_weights();
   double sum = 0.0;
   for (int64_t i = 0; i < batches; ++i) {
     data.fill(store_.tokens, store_.targets);

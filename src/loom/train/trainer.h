@@ -23,6 +23,7 @@ struct TrainConfig {
   ScheduleConfig schedule;  // total is taken from steps
   // Dynamic loss scaling (GradScaler semantics): the loss is scaled by S before backward, the
   // gradients unscaled and checked, a step with inf/NaN gradients skipped. Off by default.
+  std::string compute = "f32";  // f32 | bf16: the dtype of every linear layer's GEMM operands
   bool loss_scaling = false;
   LossScalerConfig loss_scaler;
 
