@@ -12,15 +12,11 @@ namespace loom {
 
 namespace {
 
-int64_t numel_of(const OptimParam& q) { return q.numel; }
-
 class Sgd final : public Optimizer {
  public:
   Sgd(Backend& b, const Tensor& params, const Tensor& grads, std::vector<OptimParam> list, const OptimConfig& c)
-      : Optimizer(c.name, b, params, grads, std::move(list)), c_(c) {
-    int64_t total = 0;
-    offsets_ = state_offsets(list_, numel_of, &total);
-    if (c_.momentum > 0.0) buf_ = add_state("momentum_buffer", total);
+      : Optimizer(c, b, params, grads, std::move(list)) {
+    if (c_.momentum > 0.0) buf_ = add_state("momentum_buffer", numel_total_);
   }
 
  private:
@@ -31,7 +27,7 @@ class Sgd final : public Optimizer {
       const OptimParam& q = list_[k];
       float* p = this->p(q);
       const float* g = this->g(q);
-      float* b = buf_.defined() ? buf_.data<float>() + offsets_[k] : nullptr;
+      float* b = buf_.defined() ? buf_.data<float>() + element_offsets_[k] : nullptr;
       const float eta = lr * q.lr_scale, wd = q.weight_decay;
 #pragma omp parallel for simd schedule(static)
       for (int64_t i = 0; i < q.numel; ++i) {
@@ -45,18 +41,14 @@ class Sgd final : public Optimizer {
     }
   }
 
-  OptimConfig c_;
-  std::vector<int64_t> offsets_;
   Tensor buf_;
 };
 
 class Adagrad final : public Optimizer {
  public:
   Adagrad(Backend& b, const Tensor& params, const Tensor& grads, std::vector<OptimParam> list, const OptimConfig& c)
-      : Optimizer(c.name, b, params, grads, std::move(list)), c_(c) {
-    int64_t total = 0;
-    offsets_ = state_offsets(list_, numel_of, &total);
-    sum_ = add_state("sum", total, static_cast<float>(c_.initial_accumulator));
+      : Optimizer(c, b, params, grads, std::move(list)) {
+    sum_ = add_state("sum", numel_total_, static_cast<float>(c_.initial_accumulator));
   }
 
  private:
@@ -66,7 +58,7 @@ class Adagrad final : public Optimizer {
       const OptimParam& q = list_[k];
       float* p = this->p(q);
       const float* g = this->g(q);
-      float* s = sum_.data<float>() + offsets_[k];
+      float* s = sum_.data<float>() + element_offsets_[k];
       const float clr = lr * q.lr_scale / static_cast<float>(1.0 + static_cast<double>(step_ - 1) * c_.lr_decay);
       const float wd = q.weight_decay;
 #pragma omp parallel for simd schedule(static)
@@ -78,20 +70,16 @@ class Adagrad final : public Optimizer {
     }
   }
 
-  OptimConfig c_;
-  std::vector<int64_t> offsets_;
   Tensor sum_;
 };
 
 class RmsProp final : public Optimizer {
  public:
   RmsProp(Backend& b, const Tensor& params, const Tensor& grads, std::vector<OptimParam> list, const OptimConfig& c)
-      : Optimizer(c.name, b, params, grads, std::move(list)), c_(c) {
-    int64_t total = 0;
-    offsets_ = state_offsets(list_, numel_of, &total);
-    square_ = add_state("square_avg", total);
-    if (c_.centered) mean_ = add_state("grad_avg", total);
-    if (c_.momentum > 0.0) buf_ = add_state("momentum_buffer", total);
+      : Optimizer(c, b, params, grads, std::move(list)) {
+    square_ = add_state("square_avg", numel_total_);
+    if (c_.centered) mean_ = add_state("grad_avg", numel_total_);
+    if (c_.momentum > 0.0) buf_ = add_state("momentum_buffer", numel_total_);
   }
 
  private:
@@ -101,9 +89,9 @@ class RmsProp final : public Optimizer {
       const OptimParam& q = list_[k];
       float* p = this->p(q);
       const float* g = this->g(q);
-      float* s = square_.data<float>() + offsets_[k];
-      float* ga = mean_.defined() ? mean_.data<float>() + offsets_[k] : nullptr;
-      float* b = buf_.defined() ? buf_.data<float>() + offsets_[k] : nullptr;
+      float* s = square_.data<float>() + element_offsets_[k];
+      float* ga = mean_.defined() ? mean_.data<float>() + element_offsets_[k] : nullptr;
+      float* b = buf_.defined() ? buf_.data<float>() + element_offsets_[k] : nullptr;
       const float eta = lr * q.lr_scale, wd = q.weight_decay;
 #pragma omp parallel for simd schedule(static)
       for (int64_t i = 0; i < q.numel; ++i) {
@@ -126,8 +114,6 @@ class RmsProp final : public Optimizer {
     }
   }
 
-  OptimConfig c_;
-  std::vector<int64_t> offsets_;
   Tensor square_, mean_, buf_;
 };
 
@@ -135,12 +121,10 @@ class RmsProp final : public Optimizer {
 class Adam final : public Optimizer {
  public:
   Adam(Backend& b, const Tensor& params, const Tensor& grads, std::vector<OptimParam> list, const OptimConfig& c)
-      : Optimizer(c.name, b, params, grads, std::move(list)), c_(c), decoupled_(c.name == "adamw") {
-    int64_t total = 0;
-    offsets_ = state_offsets(list_, numel_of, &total);
-    m_ = add_state("exp_avg", total);
-    v_ = add_state("exp_avg_sq", total);
-    if (c_.amsgrad) vmax_ = add_state("max_exp_avg_sq", total);
+      : Optimizer(c, b, params, grads, std::move(list)), decoupled_(c.name == "adamw") {
+    m_ = add_state("exp_avg", numel_total_);
+    v_ = add_state("exp_avg_sq", numel_total_);
+    if (c_.amsgrad) vmax_ = add_state("max_exp_avg_sq", numel_total_);
   }
 
  private:
@@ -149,23 +133,14 @@ class Adam final : public Optimizer {
       const OptimParam& q = list_[k];
       const float eta = lr * q.lr_scale;
       if (decoupled_ && !c_.amsgrad) {  // the backend's fused AdamW kernel
-        AdamWHyper h;
-        h.lr = eta;
-        h.beta1 = static_cast<float>(c_.beta1);
-        h.beta2 = static_cast<float>(c_.beta2);
-        h.eps = static_cast<float>(c_.eps);
-        h.weight_decay = q.weight_decay;
-        h.grad_scale = gs;
-        h.step = step_;
-        backend_.adamw_step(params_.view(q.offset, {q.numel}), grads_.view(q.offset, {q.numel}),
-                            m_.view(offsets_[k], {q.numel}), v_.view(offsets_[k], {q.numel}), h);
+        adamw(q.offset, q.numel, m_, v_, element_offsets_[k], eta, q.weight_decay, gs);
         continue;
       }
       float* p = this->p(q);
       const float* g = this->g(q);
-      float* m = m_.data<float>() + offsets_[k];
-      float* v = v_.data<float>() + offsets_[k];
-      float* vmax = vmax_.defined() ? vmax_.data<float>() + offsets_[k] : nullptr;
+      float* m = m_.data<float>() + element_offsets_[k];
+      float* v = v_.data<float>() + element_offsets_[k];
+      float* vmax = vmax_.defined() ? vmax_.data<float>() + element_offsets_[k] : nullptr;
       const float b1 = static_cast<float>(c_.beta1), b2 = static_cast<float>(c_.beta2), eps = static_cast<float>(c_.eps);
       const float bias1 = static_cast<float>(1.0 - std::pow(c_.beta1, static_cast<double>(step_)));
       const float bias2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(c_.beta2, static_cast<double>(step_))));
@@ -187,19 +162,15 @@ class Adam final : public Optimizer {
     }
   }
 
-  OptimConfig c_;
   bool decoupled_;
-  std::vector<int64_t> offsets_;
   Tensor m_, v_, vmax_;
 };
 
 class Lion final : public Optimizer {
  public:
   Lion(Backend& b, const Tensor& params, const Tensor& grads, std::vector<OptimParam> list, const OptimConfig& c)
-      : Optimizer(c.name, b, params, grads, std::move(list)), c_(c) {
-    int64_t total = 0;
-    offsets_ = state_offsets(list_, numel_of, &total);
-    m_ = add_state("exp_avg", total);
+      : Optimizer(c, b, params, grads, std::move(list)) {
+    m_ = add_state("exp_avg", numel_total_);
   }
 
  private:
@@ -209,7 +180,7 @@ class Lion final : public Optimizer {
       const OptimParam& q = list_[k];
       float* p = this->p(q);
       const float* g = this->g(q);
-      float* m = m_.data<float>() + offsets_[k];
+      float* m = m_.data<float>() + element_offsets_[k];
       const float eta = lr * q.lr_scale, decay = 1.0f - eta * q.weight_decay;
 #pragma omp parallel for simd schedule(static)
       for (int64_t i = 0; i < q.numel; ++i) {
@@ -222,8 +193,6 @@ class Lion final : public Optimizer {
     }
   }
 
-  OptimConfig c_;
-  std::vector<int64_t> offsets_;
   Tensor m_;
 };
 
@@ -232,15 +201,13 @@ class Lion final : public Optimizer {
 class AdamMini final : public Optimizer {
  public:
   AdamMini(Backend& b, const Tensor& params, const Tensor& grads, std::vector<OptimParam> list, const OptimConfig& c)
-      : Optimizer(c.name, b, params, grads, std::move(list)), c_(c) {
-    int64_t total = 0;
-    offsets_ = state_offsets(list_, numel_of, &total);
+      : Optimizer(c, b, params, grads, std::move(list)) {
     for (const OptimParam& q : list_) {
       for (const OptimSegment& s : q.segments) {
         for (int64_t r = 0; r < s.rows; r += s.block_rows) blocks_.push_back({s.offset + r * s.cols, s.block_rows * s.cols});
       }
     }
-    m_ = add_state("exp_avg", total);
+    m_ = add_state("exp_avg", numel_total_);
     v_ = add_state("exp_avg_sq_block", static_cast<int64_t>(blocks_.size()));
   }
 
@@ -263,7 +230,7 @@ class AdamMini final : public Optimizer {
       for (const OptimSegment& s : q.segments) nblocks += static_cast<size_t>(s.rows / s.block_rows);
       float* p0 = params_.data<float>();
       const float* g0 = grads_.data<float>();
-      float* m0 = m_.data<float>() + offsets_[k] - q.offset;  // indexed by flat offset
+      float* m0 = m_.data<float>() + element_offsets_[k] - q.offset;  // indexed by flat offset
 #pragma omp parallel for schedule(static) if (nblocks > 1)
       for (size_t j = block; j < block + nblocks; ++j) {
         const Block& bl = blocks_[j];
@@ -284,8 +251,6 @@ class AdamMini final : public Optimizer {
     }
   }
 
-  OptimConfig c_;
-  std::vector<int64_t> offsets_;
   std::vector<Block> blocks_;
   Tensor m_, v_;
 };

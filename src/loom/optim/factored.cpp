@@ -100,12 +100,11 @@ int64_t factored_size(const OptimParam& q) {
 class Adafactor final : public Optimizer {
  public:
   Adafactor(Backend& b, const Tensor& params, const Tensor& grads, std::vector<OptimParam> list, const OptimConfig& c)
-      : Optimizer(c.name, b, params, grads, std::move(list)), c_(c) {
-    int64_t total = 0, numel = 0;
+      : Optimizer(c, b, params, grads, std::move(list)) {
+    int64_t total = 0;
     offsets_ = state_offsets(list_, factored_size, &total);
-    m_offsets_ = state_offsets(list_, [](const OptimParam& q) { return q.numel; }, &numel);
     v_ = add_state("exp_avg_sq_factored", total);
-    if (c_.beta1 > 0.0) m_ = add_state("exp_avg", numel);
+    if (c_.beta1 > 0.0) m_ = add_state("exp_avg", numel_total_);
     work_ = Tensor::empty(b.allocator(), {max_segment(list_)}, DTYPE_F32, MEM_WORKSPACE);
   }
 
@@ -120,7 +119,7 @@ class Adafactor final : public Optimizer {
     for (size_t k = 0; k < list_.size(); ++k) {
       const OptimParam& q = list_[k];
       float* state = v_.data<float>() + offsets_[k];
-      float* mom = m_.defined() ? m_.data<float>() + m_offsets_[k] : nullptr;
+      float* mom = m_.defined() ? m_.data<float>() + element_offsets_[k] : nullptr;
       for (const OptimSegment& s : q.segments) {
         const int64_t m = s.rows, n = s.cols, N = m * n;
         float* p = params_.data<float>() + s.offset;
@@ -146,8 +145,7 @@ class Adafactor final : public Optimizer {
     }
   }
 
-  OptimConfig c_;
-  std::vector<int64_t> offsets_, m_offsets_;
+  std::vector<int64_t> offsets_;
   Tensor v_, m_, work_;
   std::vector<float> rf_, cf_;
 };
@@ -155,7 +153,7 @@ class Adafactor final : public Optimizer {
 class Sm3 final : public Optimizer {
  public:
   Sm3(Backend& b, const Tensor& params, const Tensor& grads, std::vector<OptimParam> list, const OptimConfig& c)
-      : Optimizer(c.name, b, params, grads, std::move(list)), c_(c) {
+      : Optimizer(c, b, params, grads, std::move(list)) {
     int64_t total = 0;
     offsets_ = state_offsets(list_, factored_size, &total);
     acc_ = add_state("accumulators", total);
@@ -215,7 +213,6 @@ class Sm3 final : public Optimizer {
     }
   }
 
-  OptimConfig c_;
   std::vector<int64_t> offsets_;
   Tensor acc_;
   std::vector<float> new_cols_, rows_;
@@ -224,12 +221,11 @@ class Sm3 final : public Optimizer {
 class Came final : public Optimizer {
  public:
   Came(Backend& b, const Tensor& params, const Tensor& grads, std::vector<OptimParam> list, const OptimConfig& c)
-      : Optimizer(c.name, b, params, grads, std::move(list)), c_(c) {
-    int64_t total = 0, numel = 0, residual = 0;
+      : Optimizer(c, b, params, grads, std::move(list)) {
+    int64_t total = 0, residual = 0;
     offsets_ = state_offsets(list_, factored_size, &total);
-    m_offsets_ = state_offsets(list_, [](const OptimParam& q) { return q.numel; }, &numel);
     r_offsets_ = state_offsets(list_, [](const OptimParam& q) { return q.matrix ? factored_size(q) : 0; }, &residual);
-    m_ = add_state("exp_avg", numel);
+    m_ = add_state("exp_avg", numel_total_);
     v_ = add_state("exp_avg_sq_factored", total);
     if (residual > 0) r_ = add_state("exp_avg_res_factored", residual);
     work_ = Tensor::empty(b.allocator(), {max_segment(list_)}, DTYPE_F32, MEM_WORKSPACE);
@@ -249,7 +245,7 @@ class Came final : public Optimizer {
         const int64_t m = s.rows, n = s.cols, N = m * n;
         float* p = params_.data<float>() + s.offset;
         const float* g = grads_.data<float>() + s.offset;
-        float* M = m_.data<float>() + m_offsets_[k] + (s.offset - q.offset);
+        float* M = m_.data<float>() + element_offsets_[k] + (s.offset - q.offset);
         state = precondition(q.matrix, m, n, g, gs, b2, eps1, state, U, rf_, cf_);
         const double rms_u = std::sqrt(sum_squares(U, N) / static_cast<double>(N));
         const float clip = static_cast<float>(1.0 / std::max(1.0, rms_u / c_.clip_threshold));
@@ -279,8 +275,7 @@ class Came final : public Optimizer {
     }
   }
 
-  OptimConfig c_;
-  std::vector<int64_t> offsets_, m_offsets_, r_offsets_;
+  std::vector<int64_t> offsets_, r_offsets_;
   Tensor m_, v_, r_, work_;
   std::vector<float> rf_, cf_;
 };

@@ -80,7 +80,7 @@ struct LowRank {
 class LdAdam final : public Optimizer {
  public:
   LdAdam(Backend& b, const Tensor& params, const Tensor& grads, std::vector<OptimParam> list, const OptimConfig& c)
-      : Optimizer(c.name, b, params, grads, std::move(list)), c_(c) {
+      : Optimizer(c, b, params, grads, std::move(list)) {
     int64_t moments = 0, projector = 0, big = 1, mr = 1, rn = 1;
     for (const OptimParam& q : list_) {
       for (const OptimSegment& s : q.segments) {
@@ -128,18 +128,15 @@ class LdAdam final : public Optimizer {
       const float eta = lr * q.lr_scale;
       for (const OptimSegment& s : q.segments) {
         const LowRank& seg = segs_[idx];
-        float* m = m_.data<float>() + moment_offsets_[idx];
-        float* v = v_.data<float>() + moment_offsets_[idx];
-        ++idx;
-        float* p = params_.data<float>() + s.offset;
+        const int64_t mo = moment_offsets_[idx++];
         float* g = grads_.data<float>() + s.offset;
-        const int64_t n = s.rows * s.cols;
         if (!seg.active) {
-          adamw_elements(p, g, m, v, n, eta, q.weight_decay, gs, c_.beta1, c_.beta2, c_.eps, step_);
-          std::fill_n(g, n, 0.0f);
+          adamw(s.offset, s.rows * s.cols, m_, v_, mo, eta, q.weight_decay, gs);
+          std::fill_n(g, s.rows * s.cols, 0.0f);
           continue;
         }
-        low_rank_step(seg, s, p, g, m, v, eta, q.weight_decay, gs);
+        low_rank_step(seg, s, params_.data<float>() + s.offset, g, m_.data<float>() + mo, v_.data<float>() + mo, eta,
+                      q.weight_decay, gs);
       }
     }
   }
@@ -262,7 +259,6 @@ class LdAdam final : public Optimizer {
     }
   }
 
-  OptimConfig c_;
   std::vector<LowRank> segs_;
   std::vector<int64_t> moment_offsets_;
   Tensor m_, v_, p_, g_, e_, b_, prev_, y_, z_, gh_, mt_;

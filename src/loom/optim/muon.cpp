@@ -64,7 +64,7 @@ namespace {
 class Muon final : public Optimizer {
  public:
   Muon(Backend& b, const Tensor& params, const Tensor& grads, std::vector<OptimParam> list, const OptimConfig& c)
-      : Optimizer(c.name, b, params, grads, std::move(list)), c_(c) {
+      : Optimizer(c, b, params, grads, std::move(list)) {
     int64_t hidden = 0, other = 0, big = 1, square = 1;
     buf_offsets_ = state_offsets(list_, [](const OptimParam& q) { return q.hidden ? q.numel : 0; }, &hidden);
     adam_offsets_ = state_offsets(list_, [](const OptimParam& q) { return q.hidden ? 0 : q.numel; }, &other);
@@ -96,8 +96,7 @@ class Muon final : public Optimizer {
       const OptimParam& q = list_[k];
       const float eta = lr * q.lr_scale;
       if (!q.hidden) {
-        adamw_elements(p(q), g(q), m_.data<float>() + adam_offsets_[k], v_.data<float>() + adam_offsets_[k], q.numel, eta,
-                       q.weight_decay, gs, c_.beta1, c_.beta2, c_.eps, step_);
+        adamw(q.offset, q.numel, m_, v_, adam_offsets_[k], eta, q.weight_decay, gs);
         continue;
       }
       float* B = buf_.data<float>() + buf_offsets_[k];
@@ -123,7 +122,6 @@ class Muon final : public Optimizer {
     }
   }
 
-  OptimConfig c_;
   std::vector<int64_t> buf_offsets_, adam_offsets_;
   Tensor buf_, m_, v_, u_, x_, y_, a_, bm_;
 };

@@ -181,24 +181,39 @@ std::vector<OptimParam> optim_params(const ParamLayout& layout, const OptimConfi
   return out;
 }
 
-Optimizer::Optimizer(std::string name, Backend& backend, const Tensor& params, const Tensor& grads,
+Optimizer::Optimizer(const OptimConfig& config, Backend& backend, const Tensor& params, const Tensor& grads,
                      std::vector<OptimParam> list)
-    : name_(std::move(name)), backend_(backend), params_(params), grads_(grads), list_(std::move(list)) {
+    : c_(config), backend_(backend), params_(params), grads_(grads), list_(std::move(list)) {
   LOOM_CHECK(params.dtype() == DTYPE_F32 && grads.dtype() == DTYPE_F32 && params.numel() == grads.numel(),
-             "optimizer ", name_, ": parameters and gradients must be f32 buffers of one size, got ", params.describe(),
+             "optimizer ", c_.name, ": parameters and gradients must be f32 buffers of one size, got ", params.describe(),
              " and ", grads.describe());
   for (const OptimParam& q : list_) {
-    LOOM_CHECK(q.offset >= 0 && q.numel > 0 && q.offset + q.numel <= params.numel(), "optimizer ", name_, ": parameter ",
+    LOOM_CHECK(q.offset >= 0 && q.numel > 0 && q.offset + q.numel <= params.numel(), "optimizer ", c_.name, ": parameter ",
                q.name, " [", q.offset, ", ", q.offset + q.numel, ") lies outside the buffer of ", params.numel());
     int64_t covered = 0;
     for (const OptimSegment& s : q.segments) {
-      LOOM_CHECK(s.rows > 0 && s.cols > 0 && s.block_rows > 0 && s.rows % s.block_rows == 0, "optimizer ", name_,
+      LOOM_CHECK(s.rows > 0 && s.cols > 0 && s.block_rows > 0 && s.rows % s.block_rows == 0, "optimizer ", c_.name,
                  ": parameter ", q.name, " has a segment of ", s.rows, "x", s.cols, " with blocks of ", s.block_rows, " rows");
       covered += s.rows * s.cols;
     }
-    LOOM_CHECK(covered == q.numel, "optimizer ", name_, ": the segments of ", q.name, " cover ", covered, " of ", q.numel,
+    LOOM_CHECK(covered == q.numel, "optimizer ", c_.name, ": the segments of ", q.name, " cover ", covered, " of ", q.numel,
                " elements");
+    element_offsets_.push_back(numel_total_);
+    numel_total_ += q.numel;
   }
+}
+
+void Optimizer::adamw(int64_t offset, int64_t n, const Tensor& m, const Tensor& v, int64_t m_offset, float lr,
+                      float weight_decay, float grad_scale) const {
+  AdamWHyper h;
+  h.lr = lr;
+  h.beta1 = static_cast<float>(c_.beta1);
+  h.beta2 = static_cast<float>(c_.beta2);
+  h.eps = static_cast<float>(c_.eps);
+  h.weight_decay = weight_decay;
+  h.grad_scale = grad_scale;
+  h.step = step_;
+  backend_.adamw_step(params_.view(offset, {n}), grads_.view(offset, {n}), m.view(m_offset, {n}), v.view(m_offset, {n}), h);
 }
 
 void Optimizer::step(float lr, float grad_scale) {
@@ -207,7 +222,7 @@ void Optimizer::step(float lr, float grad_scale) {
 }
 
 Tensor Optimizer::add_state(const std::string& state_name, int64_t n, float fill_value) {
-  LOOM_CHECK(n > 0, "optimizer ", name_, ": empty state buffer '", state_name, "'");
+  LOOM_CHECK(n > 0, "optimizer ", c_.name, ": empty state buffer '", state_name, "'");
   Tensor t = Tensor::zeros(backend_.allocator(), {n}, DTYPE_F32, MEM_OPTIMIZER_STATE);
   if (fill_value != 0.0f) std::fill_n(t.data<float>(), t.numel(), fill_value);
   state_.emplace_back(state_name, t);

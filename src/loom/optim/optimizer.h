@@ -87,7 +87,7 @@ class Optimizer {
   void step(float lr, float grad_scale = 1.0f);
   int64_t steps_taken() const { return step_; }
   void restore_steps_taken(int64_t steps) { step_ = steps; }  // with state() restored
-  const std::string& name() const { return name_; }
+  const std::string& name() const { return c_.name; }
 
   // Every tensor a resumed run needs, by name: the optimizer state and, when the optimizer
   // keeps state in it (LDAdam's error feedback), the gradient buffer.
@@ -99,17 +99,26 @@ class Optimizer {
   virtual bool keeps_gradients() const { return false; }
 
  protected:
-  Optimizer(std::string name, Backend& backend, const Tensor& params, const Tensor& grads, std::vector<OptimParam> list);
+  // `config` must be resolved.
+  Optimizer(const OptimConfig& config, Backend& backend, const Tensor& params, const Tensor& grads, std::vector<OptimParam> list);
   virtual void update(float lr, float grad_scale) = 0;  // step_ is already the 1-based step
   // A zeroed f32 state buffer of n elements, listed in state() under `state_name`.
   Tensor add_state(const std::string& state_name, int64_t n, float fill = 0.0f);
   float* p(const OptimParam& q) const { return params_.data<float>() + q.offset; }
   float* g(const OptimParam& q) const { return grads_.data<float>() + q.offset; }
+  // AdamW (the backend's fused kernel, betas and eps from the config) on flat elements
+  // [offset, offset + n) of the parameters, with moments m, v from element m_offset of the
+  // state buffers. The rule of `adamw`, and the fallback of Muon and LDAdam.
+  void adamw(int64_t offset, int64_t n, const Tensor& m, const Tensor& v, int64_t m_offset, float lr, float weight_decay,
+             float grad_scale) const;
 
-  std::string name_;
+  const OptimConfig c_;  // resolved
   Backend& backend_;
   Tensor params_, grads_;
   std::vector<OptimParam> list_;
+  // Where each parameter starts in a state buffer of one value per element (numel_total_ long).
+  std::vector<int64_t> element_offsets_;
+  int64_t numel_total_ = 0;
   int64_t step_ = 0;
   std::vector<std::pair<std::string, Tensor>> state_;
   int64_t state_bytes_ = 0;
