@@ -60,22 +60,20 @@ StepStats Trainer::train_step(BatchSource& data) {
   stats.tokens = config_.grad_accum * config_.batch_size * config_.seq_len;
   stats.lr = schedule_.lr(step_);
   if (scaler_) {
+    // GradScaler: unscale; with inf/NaN gradients skip the step, leaving the weights and the
+    // optimizer state as they are (the next step zeroes the gradients).
     const Tensor& g = model_.grads();
-    const bool found_inf = scaler_->unscale(g.data<float>(), g.numel());
-    scaler_->update(found_inf);
-    if (found_inf) {  // GradScaler: skip the step; the weights and optimizer state stay as they are
-      model_.zero_grads();
-      stats.skipped = true;
-      stats.grad_norm = INFINITY;
-      stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      ++step_;
-      return stats;
-    }
+    stats.skipped = scaler_->unscale(g.data<float>(), g.numel());
+    scaler_->update(stats.skipped);
   }
-  stats.grad_norm = grad_norm(backend_, model_.grads());
-  LOOM_CHECK(std::isfinite(stats.grad_norm), "gradient norm is ", stats.grad_norm, " at step ", step_,
-             "; stopping before the update, the weights are unchanged");
-  optimizer_->step(static_cast<float>(stats.lr), clip_coefficient(stats.grad_norm, config_.grad_clip));
+  if (stats.skipped) {
+    stats.grad_norm = INFINITY;
+  } else {
+    stats.grad_norm = grad_norm(backend_, model_.grads());
+    LOOM_CHECK(std::isfinite(stats.grad_norm), "gradient norm is ", stats.grad_norm, " at step ", step_,
+               "; stopping before the update, the weights are unchanged");
+    optimizer_->step(static_cast<float>(stats.lr), clip_coefficient(stats.grad_norm, config_.grad_clip));
+  }
   stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   ++step_;
   return stats;
