@@ -59,7 +59,7 @@ double run(const Args& args, const std::string& compute, double peak) {
   model.init_weights(1);
   TrainConfig tc;
   tc.batch_size = args.batch, tc.seq_len = args.seq, tc.steps = args.warmup + args.steps, tc.schedule.warmup = 1;
-  tc.compute = compute;
+  tc.precision.compute = compute;
   Trainer trainer(*backend, model, tc);
   RandomWindowSource data(random_tokens(1 << 20, config.vocab_size), 7);
   for (int64_t i = 0; i < args.warmup; ++i) trainer.train_step(data);

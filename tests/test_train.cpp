@@ -170,9 +170,9 @@ TEST(TrainerTest, Bf16ComputeTracksFp32) {
     model.init_weights(1);
     TrainConfig tc;
     tc.batch_size = 8, tc.seq_len = 16, tc.steps = 60, tc.schedule.warmup = 5, tc.schedule.max_lr = 1e-2;
-    tc.compute = bf ? "bf16" : "f32";
+    tc.precision.compute = bf ? "bf16" : "f32";
     Trainer trainer(*backend, model, tc);
-    EXPECT_EQ(model.compute_bf16(), bf == 1);
+    EXPECT_EQ(model.precision().recipe[LINEAR_MLP_IN], bf ? RECIPE_BF16 : RECIPE_F32);
     RandomWindowSource data(repeating_tokens(3000, 97), 3);
     for (int s = 0; s < 60; ++s) {
       loss[bf].push_back(trainer.train_step(data).loss);

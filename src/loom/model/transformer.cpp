@@ -8,7 +8,7 @@
 namespace loom {
 
 Transformer::Transformer(Backend& backend, const ModelConfig& config)
-    : backend_(backend), config_(config), layout_(build_param_layout(config)) {
+    : backend_(backend), config_(config), layout_(build_param_layout(config)), ws_(backend.allocator()) {
   Allocator& alloc = backend_.allocator();
   params_ = Tensor::zeros(alloc, {layout_.total}, DTYPE_F32, MEM_PARAMETERS);
   grads_ = Tensor::zeros(alloc, {layout_.total}, DTYPE_F32, MEM_GRADIENTS);
@@ -56,35 +56,41 @@ void Transformer::init_weights(uint64_t seed) {
 
 void Transformer::zero_grads() { backend_.fill(grads_, 0.0); }
 
-void Transformer::set_compute_bf16(bool on) {
-  if (!on) {
-    for (Block& b : blocks_) b.set_bf16(BlockParams{}, nullptr);
-    params16_ = head16_ = Tensor{};
-    return;
-  }
-  params16_ = Tensor::empty(backend_.allocator(), {layout_.total}, DTYPE_BF16, MEM_PARAMETERS);
+void Transformer::set_precision(const PrecisionPolicy& policy) {
+  policy_ = policy;
+  params16_ = head16_ = Tensor{};
+  if (policy_.param_bf16) params16_ = Tensor::empty(backend_.allocator(), {layout_.total}, DTYPE_BF16, MEM_PARAMETERS);
   for (int64_t l = 0; l < config_.n_layer; ++l) {
-    blocks_[static_cast<size_t>(l)].set_bf16(block_params_view(config_, layout_, params16_, l), &bf16_);
+    blocks_[static_cast<size_t>(l)].set_precision(
+        policy_, params16_.defined() ? block_params_view(config_, layout_, params16_, l) : BlockParams{}, &ws_);
   }
-  const ParamSpec& head = layout_.find(config_.arch == ARCH_GPT2 ? "wte.weight" : "lm_head.weight");
-  head16_ = params16_.view(head.offset, head.shape);
-  sync_bf16_weights();
+  head_ = LinearLayer(linear_setup(policy_, LINEAR_HEAD, false));
+  if (params16_.defined()) {
+    const ParamSpec& head = layout_.find(config_.arch == ARCH_GPT2 ? "wte.weight" : "lm_head.weight");
+    head16_ = params16_.view(head.offset, head.shape);
+  }
+  sync_weight_copy();
 }
 
-void Transformer::sync_bf16_weights() {
-  if (compute_bf16()) backend_.cast(params_, params16_);
+void Transformer::sync_weight_copy() {
+  if (params16_.defined()) backend_.cast(params_, params16_);
 }
 
-const Bf16Scratch* Transformer::bf16_scratch(int64_t tokens) {
-  if (!compute_bf16()) return nullptr;
-  if (tokens > bf16_tokens_) {  // the first step of a size allocates; later steps reuse
-    const int64_t width = std::max({config_.d_model, config_.qkv_width(), config_.n_head * config_.head_dim(),
-                                    config_.mlp_in_width(), config_.d_ff, config_.vocab_size});
-    bf16_.a = Tensor::empty(backend_.allocator(), {tokens * width}, DTYPE_BF16, MEM_WORKSPACE);
-    bf16_.b = Tensor::empty(backend_.allocator(), {tokens * width}, DTYPE_BF16, MEM_WORKSPACE);
-    bf16_tokens_ = tokens;
+void Transformer::end_step() {
+  for (LinearLayer* l : linear_layers()) l->end_step();
+}
+
+void Transformer::set_recording(bool on) {
+  for (LinearLayer* l : linear_layers()) l->set_recording(on);
+}
+
+std::vector<LinearLayer*> Transformer::linear_layers() {
+  std::vector<LinearLayer*> out;
+  for (Block& b : blocks_) {
+    for (LinearLayer* l : b.linears()) out.push_back(l);
   }
-  return &bf16_;
+  out.push_back(&head_);
+  return out;
 }
 
 ActivationStore Transformer::allocate_store(int64_t batch, int64_t seq_len) {
@@ -116,14 +122,13 @@ ActivationStore Transformer::allocate_store(int64_t batch, int64_t seq_len) {
 
 double Transformer::forward(ActivationStore& s, bool compute_loss) {
   const Tensor& x0 = s.blocks.empty() ? s.final_input : s.blocks[0].input;
-  const Bf16Scratch* low = bf16_scratch(s.batch * s.seq_len);
   backend_.embedding_forward(s.tokens, embed_w, pos_w.defined() ? &pos_w : nullptr, x0);
   for (size_t l = 0; l < blocks_.size(); ++l) {
     const Tensor& out = l + 1 < blocks_.size() ? s.blocks[l + 1].input : s.final_input;
     blocks_[l].forward(backend_, s.blocks[l], out);
   }
   norm_forward(backend_, config_, s.final_input, final_w, final_b, s.final_norm, s.final_mean, s.final_rstd);
-  linear_forward(backend_, s.final_norm, head_w, Tensor{}, s.logits, 0.0f, head16(), low);  // (B*T, C) @ (V, C)^T
+  head_.forward(backend_, s.final_norm, head_w, head16_, Tensor{}, s.logits, 0.0f, &ws_);  // (B*T, C) @ (V, C)^T
   if (!compute_loss) return 0.0;
   backend_.cross_entropy_forward(s.logits, s.targets, s.losses, s.lse);
   return backend_.sum(s.losses) / static_cast<double>(s.batch * s.seq_len);
@@ -174,7 +179,7 @@ void Transformer::backward(ActivationStore& s, float loss_weight) {
   // d(logits) replaces the logits in place: dL/dlogit = w/(B T) (softmax - onehot).
   backend_.cross_entropy_backward(s.logits, s.targets, s.lse, loss_weight / static_cast<float>(B * T), s.logits);
   // d_norm = d_logits @ W (B*T, C); dW += d_logits^T @ final_norm (V, C)
-  linear_backward(backend_, s.final_norm, head_w, s.logits, k.d_norm, d_head_w, Tensor{}, head16(), bf16_scratch(B * T));
+  head_.backward(backend_, s.final_norm, head_w, head16_, s.logits, k.d_norm, d_head_w, Tensor{}, &ws_);
   norm_backward(backend_, config_, k.d_norm, s.final_input, final_w, s.final_mean, s.final_rstd, d_res, d_final_w,
                 d_final_b);
   for (size_t l = blocks_.size(); l-- > 0;) blocks_[l].backward(backend_, s.blocks[l], d_res, k);

@@ -63,18 +63,20 @@ class Transformer {
   // Accumulates into grads() the gradient of loss_weight * (mean loss of the last forward).
   void backward(ActivationStore& store, float loss_weight);
 
-  // bf16 compute: every linear layer and the head multiply bf16 copies of their operands with
-  // fp32 accumulation (the autocast rule); weights, gradients, norms, softmax, attention and
-  // the loss stay fp32. Turning it on allocates the weights' bf16 copy; sync_bf16_weights()
-  // refreshes it and must run after the weights change (the trainer does, every step).
-  void set_compute_bf16(bool on);
-  bool compute_bf16() const { return params16_.defined(); }
-  void sync_bf16_weights();
+  // The precision policy (precision/policy.h): each linear layer's recipe, and the weights'
+  // bf16 copy when policy.param_bf16 (allocated here; sync_weight_copy() refreshes it and must
+  // run after the weights change: the trainer does, every step). Default: all fp32.
+  void set_precision(const PrecisionPolicy& policy);
+  const PrecisionPolicy& precision() const { return policy_; }
+  void sync_weight_copy();
+  // Once per optimizer step: FP8 delayed scaling moves this step's amaxes into the history.
+  void end_step();
+  // Off during evaluation: forward passes do not record FP8 amaxes.
+  void set_recording(bool on);
+  // Every linear layer (blocks in order: attn_qkv, attn_out, mlp_in, mlp_out; then the head).
+  std::vector<LinearLayer*> linear_layers();
 
  private:
-  const Tensor* head16() const { return compute_bf16() ? &head16_ : nullptr; }
-  const Bf16Scratch* bf16_scratch(int64_t tokens);
-
   Backend& backend_;
   ModelConfig config_;
   ParamLayout layout_;
@@ -87,9 +89,10 @@ class Transformer {
   BlockScratch scratch_;             // shared by all micro-batches' backward
   Tensor d_residual_;                // (B,T,C)
   int64_t scratch_tokens_ = 0;       // B*T the scratch is sized for
-  Tensor params16_, head16_;         // bf16 copy of params_ (bf16 compute only), head's view
-  Bf16Scratch bf16_;                 // bf16 operand buffers, sized for bf16_tokens_
-  int64_t bf16_tokens_ = 0;
+  PrecisionPolicy policy_;
+  Tensor params16_, head16_;         // bf16 copy of params_ (policy_.param_bf16 only), head's view
+  LinearLayer head_;
+  LinearWorkspace ws_;               // low-precision operands of every linear layer
 };
 
 }  // namespace loom

@@ -82,63 +82,36 @@ void norm_backward(Backend& backend, const ModelConfig& config, const Tensor& do
   else backend.layernorm_backward(dout, x, weight, mean, rstd, dx, dweight, dbias);
 }
 
-namespace {
-
-// x cast to bf16 into the flat buffer `into`, viewed with x's shape.
-Tensor as_bf16(Backend& backend, const Tensor& x, const Tensor& into) {
-  LOOM_CHECK(into.numel() >= x.numel(), "bf16 scratch of ", into.numel(), " elements is too small for ", x.describe());
-  Tensor t = into.view(0, x.shape());
-  backend.cast(x, t);
-  return t;
-}
-
-}  // namespace
-
-void linear_forward(Backend& backend, const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& y, float beta,
-                    const Tensor* w16, const Bf16Scratch* scratch) {
-  GemmSpec spec;
-  spec.trans_b = true;
-  spec.beta = beta;
-  if (w16 != nullptr && scratch != nullptr) {
-    backend.gemm(as_bf16(backend, x, scratch->a), *w16, y, spec, b.defined() ? &b : nullptr);
-    return;
-  }
-  backend.gemm(x, w, y, spec, b.defined() ? &b : nullptr);
-}
-
-void linear_backward(Backend& backend, const Tensor& x, const Tensor& w, const Tensor& dy, const Tensor& dx,
-                     const Tensor& dw, const Tensor& db, const Tensor* w16, const Bf16Scratch* scratch) {
-  const bool low = w16 != nullptr && scratch != nullptr;
-  const Tensor dy_op = low ? as_bf16(backend, dy, scratch->a) : dy;
-  backend.gemm(dy_op, low ? *w16 : w, dx, GemmSpec{});  // (N, out) @ (out, in)
-  GemmSpec accumulate;
-  accumulate.trans_a = true;
-  accumulate.beta = 1.0f;
-  backend.gemm(dy_op, low ? as_bf16(backend, x, scratch->b) : x, dw, accumulate);  // (out, N) @ (N, in)
-  if (db.defined()) backend.bias_backward(dy, db);
-}
-
 Block::Block(const ModelConfig& config, BlockParams params, BlockParams grads)
     : config_(config), params_(std::move(params)), grads_(std::move(grads)) {}
 
-void Block::forward(Backend& backend, BlockSaved& s, const Tensor& out) const {
+void Block::set_precision(const PrecisionPolicy& policy, BlockParams params16, LinearWorkspace* workspace) {
+  params16_ = std::move(params16);
+  ws_ = workspace;
+  qkv_ = LinearLayer(linear_setup(policy, LINEAR_ATTN_QKV, true));
+  proj_ = LinearLayer(linear_setup(policy, LINEAR_ATTN_OUT, true));
+  fc_ = LinearLayer(linear_setup(policy, LINEAR_MLP_IN, true));
+  fc2_ = LinearLayer(linear_setup(policy, LINEAR_MLP_OUT, true));
+}
+
+void Block::forward(Backend& backend, BlockSaved& s, const Tensor& out) {
   const BlockParams& p = params_;
   const BlockParams& q = params16_;
   norm_forward(backend, config_, s.input, p.norm1_w, p.norm1_b, s.norm1, s.mean1, s.rstd1);
-  linear_forward(backend, s.norm1, p.qkv_w, p.qkv_b, s.qkv, 0.0f, w16(q.qkv_w), bf16_);
+  qkv_.forward(backend, s.norm1, p.qkv_w, q.qkv_w, p.qkv_b, s.qkv, 0.0f, ws_);
   if (!config_.learned_positions()) {
     backend.rope_forward(s.qkv, config_.head_dim(), config_.n_head + config_.n_kv_head, config_.rope_theta, 0);
   }
   backend.attention_forward(s.qkv, s.attn, s.probs, config_.n_head, config_.n_kv_head);
   backend.copy(s.input, s.mid);
-  linear_forward(backend, s.attn, p.proj_w, p.proj_b, s.mid, 1.0f, w16(q.proj_w), bf16_);  // mid = input + proj(attn)
+  proj_.forward(backend, s.attn, p.proj_w, q.proj_w, p.proj_b, s.mid, 1.0f, ws_);  // mid = input + proj(attn)
 
   norm_forward(backend, config_, s.mid, p.norm2_w, p.norm2_b, s.norm2, s.mean2, s.rstd2);
-  linear_forward(backend, s.norm2, p.fc_w, p.fc_b, s.fc, 0.0f, w16(q.fc_w), bf16_);
+  fc_.forward(backend, s.norm2, p.fc_w, q.fc_w, p.fc_b, s.fc, 0.0f, ws_);
   if (config_.swiglu()) backend.swiglu_forward(s.fc, s.act);
   else backend.gelu_forward(s.fc, s.act);
   backend.copy(s.mid, out);
-  linear_forward(backend, s.act, p.fc2_w, p.fc2_b, out, 1.0f, w16(q.fc2_w), bf16_);  // out = mid + fc2(act)
+  fc2_.forward(backend, s.act, p.fc2_w, q.fc2_w, p.fc2_b, out, 1.0f, ws_);  // out = mid + fc2(act)
 }
 
 void Block::forward_decode(Backend& backend, BlockSaved& s, const Tensor& out, const Tensor& k_cache,
@@ -165,25 +138,25 @@ void Block::forward_decode(Backend& backend, BlockSaved& s, const Tensor& out, c
   linear_forward(backend, s.act, p.fc2_w, p.fc2_b, out, 1.0f);
 }
 
-void Block::backward(Backend& backend, const BlockSaved& s, const Tensor& d_residual, BlockScratch& k) const {
+void Block::backward(Backend& backend, const BlockSaved& s, const Tensor& d_residual, BlockScratch& k) {
   const BlockParams& p = params_;
   const BlockParams& g = grads_;
   const BlockParams& q = params16_;
   // MLP branch: d_residual is d(out); the residual path passes it to d(mid) unchanged.
-  linear_backward(backend, s.act, p.fc2_w, d_residual, k.d_act, g.fc2_w, g.fc2_b, w16(q.fc2_w), bf16_);
+  fc2_.backward(backend, s.act, p.fc2_w, q.fc2_w, d_residual, k.d_act, g.fc2_w, g.fc2_b, ws_);
   if (config_.swiglu()) backend.swiglu_backward(s.fc, k.d_act, k.d_fc);
   else backend.gelu_backward(s.fc, k.d_act, k.d_fc);
-  linear_backward(backend, s.norm2, p.fc_w, k.d_fc, k.d_norm, g.fc_w, g.fc_b, w16(q.fc_w), bf16_);
+  fc_.backward(backend, s.norm2, p.fc_w, q.fc_w, k.d_fc, k.d_norm, g.fc_w, g.fc_b, ws_);
   norm_backward(backend, config_, k.d_norm, s.mid, p.norm2_w, s.mean2, s.rstd2, k.d_tmp, g.norm2_w, g.norm2_b);
   backend.add_inplace(d_residual, k.d_tmp);  // now d(mid)
 
   // Attention branch.
-  linear_backward(backend, s.attn, p.proj_w, d_residual, k.d_attn, g.proj_w, g.proj_b, w16(q.proj_w), bf16_);
+  proj_.backward(backend, s.attn, p.proj_w, q.proj_w, d_residual, k.d_attn, g.proj_w, g.proj_b, ws_);
   backend.attention_backward(k.d_attn, s.qkv, s.attn, s.probs, k.d_qkv, config_.n_head, config_.n_kv_head);
   if (!config_.learned_positions()) {
     backend.rope_backward(k.d_qkv, config_.head_dim(), config_.n_head + config_.n_kv_head, config_.rope_theta, 0);
   }
-  linear_backward(backend, s.norm1, p.qkv_w, k.d_qkv, k.d_norm, g.qkv_w, g.qkv_b, w16(q.qkv_w), bf16_);
+  qkv_.backward(backend, s.norm1, p.qkv_w, q.qkv_w, k.d_qkv, k.d_norm, g.qkv_w, g.qkv_b, ws_);
   norm_backward(backend, config_, k.d_norm, s.input, p.norm1_w, s.mean1, s.rstd1, k.d_tmp, g.norm1_w, g.norm1_b);
   backend.add_inplace(d_residual, k.d_tmp);  // now d(input)
 }

@@ -4,11 +4,13 @@
 // norm is LayerNorm or RMSNorm, act is GELU or SwiGLU, rope only for RoPE models (ModelConfig).
 // What the backward needs is kept in an explicit BlockSaved record, one per micro-batch.
 #pragma once
+#include <array>
 #include <cstdint>
 
 #include "loom/backend/backend.h"
 #include "loom/model/config.h"
 #include "loom/model/param_layout.h"
+#include "loom/nn/linear.h"
 
 namespace loom {
 
@@ -60,50 +62,32 @@ void norm_backward(Backend& backend, const ModelConfig& config, const Tensor& do
                    const Tensor& weight, const Tensor& mean, const Tensor& rstd, const Tensor& dx,
                    const Tensor& dweight, const Tensor& dbias);
 
-// bf16 compute (precision.compute = "bf16", the autocast rule: matmuls in bf16, everything
-// else in fp32): GEMM operands are cast into these flat bf16 buffers and multiplied against the
-// weights' bf16 copy with fp32 accumulation and output. Sized for the largest operand of a step.
-struct Bf16Scratch {
-  Tensor a, b;  // bf16, flat
-};
-
-// y (N, out) = x (N, in) @ w^T (+ b), with beta = 1 accumulating into y (the residual add).
-// With w16 (w's bf16 copy) and scratch, x is cast to bf16 and the product runs in bf16.
-void linear_forward(Backend& backend, const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& y,
-                    float beta = 0.0f, const Tensor* w16 = nullptr, const Bf16Scratch* scratch = nullptr);
-// dx = dy @ w (overwritten); dw += dy^T @ x; db += colsum(dy) (fp32). With w16 and scratch,
-// dy and x are cast to bf16 for both products.
-void linear_backward(Backend& backend, const Tensor& x, const Tensor& w, const Tensor& dy, const Tensor& dx,
-                     const Tensor& dw, const Tensor& db, const Tensor* w16 = nullptr, const Bf16Scratch* scratch = nullptr);
-
 class Block {
  public:
   Block(const ModelConfig& config, BlockParams params, BlockParams grads);
 
   // saved.input must hold the block input; writes out (B,T,C) and the rest of `saved`.
-  void forward(Backend& backend, BlockSaved& saved, const Tensor& out) const;
-  // One decoding position (T = 1) at position `pos`: saved is a T=1 record used as scratch;
-  // the new k, v are appended to k_cache, v_cache (B, Tmax, KV*hd); q is (B, H*hd) scratch.
+  void forward(Backend& backend, BlockSaved& saved, const Tensor& out);
+  // One decoding position (T = 1) at position `pos`, in fp32: saved is a T=1 record used as
+  // scratch; the new k, v are appended to k_cache, v_cache (B, Tmax, KV*hd); q is (B, H*hd).
   void forward_decode(Backend& backend, BlockSaved& saved, const Tensor& out, const Tensor& k_cache,
                       const Tensor& v_cache, const Tensor& q, int64_t pos) const;
   // d_residual (B,T,C): gradient w.r.t. the block output on entry, w.r.t. its input on exit.
   // Parameter gradients accumulate.
-  void backward(Backend& backend, const BlockSaved& saved, const Tensor& d_residual, BlockScratch& scratch) const;
-  // Runs forward and backward's linear layers in bf16 against params16 (views into the
-  // weights' bf16 copy), casting operands through `scratch`. nullptr scratch: back to fp32.
-  void set_bf16(BlockParams params16, const Bf16Scratch* scratch) {
-    params16_ = std::move(params16);
-    bf16_ = scratch;
-  }
+  void backward(Backend& backend, const BlockSaved& saved, const Tensor& d_residual, BlockScratch& scratch);
+  // The precision policy's recipes for the four linear layers. params16 holds views into the
+  // weights' bf16 copy when the policy keeps one (precision.param = bf16), else is empty.
+  void set_precision(const PrecisionPolicy& policy, BlockParams params16, LinearWorkspace* workspace);
+  // attn_qkv, attn_out, mlp_in, mlp_out.
+  std::array<LinearLayer*, 4> linears() { return {&qkv_, &proj_, &fc_, &fc2_}; }
 
  private:
-  const Tensor* w16(const Tensor& t) const { return bf16_ != nullptr ? &t : nullptr; }
-
   ModelConfig config_;
   BlockParams params_;
   BlockParams grads_;
   BlockParams params16_;
-  const Bf16Scratch* bf16_ = nullptr;
+  LinearLayer qkv_, proj_, fc_, fc2_;
+  LinearWorkspace* ws_ = nullptr;
 };
 
 }  // namespace loom

@@ -4,8 +4,15 @@
 #include <cmath>
 
 #include "loom/core/error.h"
+#include "loom/precision/quantize.h"
 
 namespace loom {
+
+namespace {
+// Philox key of stochastic rounding of bf16 master weights (draw = step): fixed, so a resumed
+// run rounds exactly as an uninterrupted one.
+constexpr uint64_t kRoundingSeed = 0x5EEDB16F;
+}  // namespace
 
 void TrainConfig::validate() const {
   LOOM_CHECK(batch_size > 0, "train.batch_size must be > 0, got ", batch_size);
@@ -14,7 +21,7 @@ void TrainConfig::validate() const {
   LOOM_CHECK(steps > 0, "train.steps must be > 0, got ", steps);
   schedule.validate();
   if (loss_scaling) loss_scaler.validate();
-  LOOM_CHECK(compute == "f32" || compute == "bf16", "precision.compute must be f32 or bf16, got '", compute, "'");
+  precision.validate();
   (void)optim.resolved();  // throws naming the optim.* key
 }
 
@@ -27,7 +34,10 @@ Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config)
       optim_params_(loom::optim_params(model.layout(), config.optim.resolved())),
       optimizer_(make_optimizer(backend, model.params(), model.grads(), optim_params_, config.optim)) {
   schedule_.total = config_.steps;
-  model_.set_compute_bf16(config_.compute == "bf16");
+  model_.set_precision(resolve_policy(config_.precision));
+  if (model_.precision().master_bf16) {  // no fp32 master: the weights are bf16 values from the start
+    round_to_bf16(model_.params().data<float>(), model_.params().numel(), false);
+  }
   if (config_.loss_scaling) {
     LOOM_CHECK(!optimizer_->keeps_gradients(), "precision.loss_scaling is not supported with optim.name = ",
                optimizer_->name(), " (its error feedback lives in the gradient buffer, which unscaling would rescale)");
@@ -41,14 +51,15 @@ Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config)
 StepStats Trainer::train_step(BatchSource& data) {
   const auto start = std::chrono::steady_clock::now();
   if (!optimizer_->keeps_gradients()) model_.zero_grads();
-  model_.sync_bf16_weights();  // the bf16 copy follows the fp32 master weights (no-op in fp32)
+  model_.sync_weight_copy();  // the bf16 weight copy follows the master weights (if kept)
   double loss_sum = 0.0;
   const float loss_scale = scaler_ ? scaler_->scale() : 1.0f;
   const float loss_weight = loss_scale / static_cast<float>(config_.grad_accum);
   for (int64_t micro = 0; micro < config_.grad_accum; ++micro) {
     data.fill(store_.tokens, store_.targets);
     const double loss = model_.forward(store_);
-    LOOM_CHECK(std::isfinite(loss), "loss is ", loss, " at step ", step_, " (micro-batch ", micro,
+    // With loss scaling a non-finite loss (an fp16 overflow) makes non-finite gradients: skipped.
+    LOOM_CHECK(scaler_ || std::isfinite(loss), "loss is ", loss, " at step ", step_, " (micro-batch ", micro,
                "); stopping before the update, the weights are unchanged");
     loss_sum += loss;
     model_.backward(store_, loss_weight);
@@ -59,6 +70,10 @@ StepStats Trainer::train_step(BatchSource& data) {
   stats.loss_scale = loss_scale;
   stats.tokens = config_.grad_accum * config_.batch_size * config_.seq_len;
   stats.lr = schedule_.lr(step_);
+  const PrecisionPolicy& policy = model_.precision();
+  if (policy.reduce_bf16) {  // the gradient reduction's dtype (one rank: the accumulated sum)
+    round_to_bf16(model_.grads().data<float>(), model_.grads().numel(), false);
+  }
   if (scaler_) {
     // GradScaler: unscale; with inf/NaN gradients skip the step, leaving the weights and the
     // optimizer state as they are (the next step zeroes the gradients).
@@ -73,7 +88,12 @@ StepStats Trainer::train_step(BatchSource& data) {
     LOOM_CHECK(std::isfinite(stats.grad_norm), "gradient norm is ", stats.grad_norm, " at step ", step_,
                "; stopping before the update, the weights are unchanged");
     optimizer_->step(static_cast<float>(stats.lr), clip_coefficient(stats.grad_norm, config_.grad_clip));
+    if (policy.master_bf16) {  // no fp32 master: the update lands in bf16 (nearest or stochastic)
+      round_to_bf16(model_.params().data<float>(), model_.params().numel(), policy.stochastic_rounding, kRoundingSeed,
+                    0, static_cast<uint32_t>(step_));
+    }
   }
+  model_.end_step();
   stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   ++step_;
   return stats;
@@ -86,12 +106,14 @@ void Trainer::restore(int64_t step, int64_t optimizer_steps) {
 }
 
 double Trainer::evaluate(BatchSource& data, int64_t batches) {
-  model_.sync_bf16_weights();
+  model_.sync_weight_copy();
+  model_.set_recording(false);
   double sum = 0.0;
   for (int64_t i = 0; i < batches; ++i) {
     data.fill(store_.tokens, store_.targets);
     sum += model_.forward(store_);
   }
+  model_.set_recording(true);
   return batches > 0 ? sum / static_cast<double>(batches) : 0.0;
 }
 

@@ -10,6 +10,7 @@
 #include "loom/optim/optimizer.h"
 #include "loom/optim/schedule.h"
 #include "loom/precision/loss_scaler.h"
+#include "loom/precision/policy.h"
 
 namespace loom {
 
@@ -21,9 +22,9 @@ struct TrainConfig {
   double grad_clip = 1.0;   // <= 0 disables
   OptimConfig optim;        // resolved by the trainer
   ScheduleConfig schedule;  // total is taken from steps
+  PrecisionConfig precision;  // precision/policy.h: linear recipes, param/reduce/master dtypes
   // Dynamic loss scaling (GradScaler semantics): the loss is scaled by S before backward, the
   // gradients unscaled and checked, a step with inf/NaN gradients skipped. Off by default.
-  std::string compute = "f32";  // f32 | bf16: the dtype of every linear layer's GEMM operands
   bool loss_scaling = false;
   LossScalerConfig loss_scaler;
 

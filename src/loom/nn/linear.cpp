@@ -1,0 +1,236 @@
+#include "loom/nn/linear.h"
+
+#include <cmath>
+
+#include "loom/core/error.h"
+#include "loom/precision/quantize.h"
+
+namespace loom {
+
+void linear_forward(Backend& backend, const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& y, float beta) {
+  GemmSpec spec;
+  spec.trans_b = true;
+  spec.beta = beta;
+  backend.gemm(x, w, y, spec, b.defined() ? &b : nullptr);
+}
+
+void linear_backward(Backend& backend, const Tensor& x, const Tensor& w, const Tensor& dy, const Tensor& dx,
+                     const Tensor& dw, const Tensor& db) {
+  backend.gemm(dy, w, dx, GemmSpec{});  // (N, out) @ (out, in)
+  GemmSpec accumulate;
+  accumulate.trans_a = true;
+  accumulate.beta = 1.0f;
+  backend.gemm(dy, x, dw, accumulate);  // (out, N) @ (N, in)
+  if (db.defined()) backend.bias_backward(dy, db);
+}
+
+Tensor LinearWorkspace::get(std::array<Tensor, SLOT_COUNT>& buffers, Slot slot, const Shape& shape, DType dtype) {
+  int64_t numel = 1;
+  for (int64_t d : shape) numel *= d;
+  Tensor& buf = buffers[static_cast<size_t>(slot)];
+  if (!buf.defined() || buf.numel() < numel) buf = Tensor::empty(allocator_, {numel}, dtype, MEM_WORKSPACE);
+  return buf.view(0, shape);
+}
+
+Tensor LinearWorkspace::f32(Slot slot, const Shape& shape) { return get(f32_, slot, shape, DTYPE_F32); }
+Tensor LinearWorkspace::bf16(Slot slot, const Shape& shape) { return get(bf16_, slot, shape, DTYPE_BF16); }
+
+LinearSetup linear_setup(const PrecisionPolicy& policy, LinearKind kind, bool block_weight) {
+  LinearSetup s;
+  s.recipe = policy.recipe[kind];
+  s.qat = block_weight ? policy.qat : QAT_NONE;
+  s.fp8_margin = policy.fp8_margin;
+  s.fp8_history = policy.fp8_history;
+  s.fp8_most_recent = policy.fp8_most_recent;
+  s.fp8_backward = s.recipe == RECIPE_FP8_BLOCK ? policy.fp8_backward_block : policy.fp8_backward_delayed;
+  return s;
+}
+
+LinearLayer::LinearLayer(const LinearSetup& setup) : setup_(setup) {
+  if (setup_.recipe == RECIPE_FP8_DELAYED) {
+    for (DelayedScaling& s : scaling_) s = DelayedScaling(setup_.fp8_history, setup_.fp8_margin, setup_.fp8_most_recent);
+  }
+}
+
+void LinearLayer::end_step() {
+  if (setup_.recipe != RECIPE_FP8_DELAYED) return;
+  for (DelayedScaling& s : scaling_) s.advance();
+}
+
+namespace {
+
+constexpr int kX = 0, kW = 1, kDy = 2;  // scaling_[] slots
+constexpr int64_t kTile = 128;          // DeepSeek-V3 tile / block edge
+
+Shape shape2(const Tensor& t) { return {t.numel() / t.dim(-1), t.dim(-1)}; }
+
+GemmSpec spec_of(bool trans_a, bool trans_b, float beta, float alpha = 1.0f) {
+  GemmSpec s;
+  s.trans_a = trans_a, s.trans_b = trans_b, s.beta = beta, s.alpha = alpha;
+  return s;
+}
+
+// Rounds t in place to fp16 (overflow -> inf): what an fp16 GEMM returns.
+void round_fp16(const Tensor& t) { fake_quant(FMT_FP16, t.data<float>(), t.numel(), 1.0f, 1.0f, false, t.data<float>()); }
+
+Tensor fp16_of(const Tensor& x, LinearWorkspace& ws, LinearWorkspace::Slot slot) {
+  Tensor q = ws.f32(slot, x.shape());
+  fake_quant(FMT_FP16, x.data<float>(), x.numel(), 1.0f, 1.0f, false, q.data<float>());
+  return q;
+}
+
+Tensor codes_of(const Tensor& x, MiniFormat f, float scale, LinearWorkspace& ws, LinearWorkspace::Slot slot) {
+  Tensor q = ws.bf16(slot, x.shape());
+  quant_codes_bf16(f, x.data<float>(), x.numel(), scale, true, static_cast<uint16_t*>(q.raw_data()));
+  return q;
+}
+
+Tensor blocks_of(const Tensor& x, MiniFormat f, int64_t block_rows, int64_t block_cols, LinearWorkspace& ws,
+                 LinearWorkspace::Slot slot) {
+  Tensor q = ws.f32(slot, x.shape());
+  const Shape s = shape2(x);
+  fake_quant_blocks(f, x.data<float>(), s[0], s[1], block_rows, block_cols, q.data<float>());
+  return q;
+}
+
+}  // namespace
+
+Tensor LinearLayer::effective_weight(Backend& backend, const Tensor& w, const Tensor& w16, LinearWorkspace& ws) const {
+  if (!w16.defined() && setup_.qat == QAT_NONE) return w;
+  Tensor q = ws.f32(LinearWorkspace::Q, w.shape());
+  const Tensor& src = w16.defined() ? q : w;
+  if (w16.defined()) backend.cast(w16, q);
+  if (setup_.qat == QAT_MXFP4) fake_quant_mxfp4(src.data<float>(), w.dim(0), w.dim(1), q.data<float>());
+  if (setup_.qat == QAT_NVFP4) fake_quant_nvfp4(src.data<float>(), w.dim(0), w.dim(1), q.data<float>());
+  return q;
+}
+
+float LinearLayer::fp8_scale(int which, MiniFormat f, const Tensor& x, bool record) {
+  if (setup_.recipe == RECIPE_FP8_CURRENT) {
+    const float amax = amax_of(x.data<float>(), x.numel());
+    return std::isfinite(amax) && amax > 0.0f ? static_cast<float>(format_info(f).max) / amax : 1.0f;
+  }
+  DelayedScaling& s = scaling_[static_cast<size_t>(which)];
+  if (record && recording_) s.record(amax_of(x.data<float>(), x.numel()));
+  return s.scale(f);  // from previous steps: this step's amax only joins the history
+}
+
+void LinearLayer::forward(Backend& backend, const Tensor& x, const Tensor& w, const Tensor& w16, const Tensor& b,
+                          const Tensor& y, float beta, LinearWorkspace* ws) {
+  const Tensor* bias = b.defined() ? &b : nullptr;
+  const GemmSpec spec = spec_of(false, true, beta);
+  if (setup_.recipe == RECIPE_F32 && setup_.qat == QAT_NONE && !w16.defined()) {
+    backend.gemm(x, w, y, spec, bias);
+    return;
+  }
+  LOOM_CHECK(ws != nullptr, "linear layer (", recipe_name(setup_.recipe), "): no workspace");
+  using S = LinearWorkspace;
+  switch (setup_.recipe) {
+    case RECIPE_F32: backend.gemm(x, effective_weight(backend, w, w16, *ws), y, spec, bias); return;
+    case RECIPE_BF16: {
+      Tensor wb = w16;
+      if (!w16.defined() || setup_.qat != QAT_NONE) {
+        wb = ws->bf16(S::W, w.shape());
+        backend.cast(effective_weight(backend, w, w16, *ws), wb);
+      }
+      Tensor xb = ws->bf16(S::A, x.shape());
+      backend.cast(x, xb);
+      backend.gemm(xb, wb, y, spec, bias);
+      return;
+    }
+    case RECIPE_FP16: {
+      const Tensor wq = fp16_of(effective_weight(backend, w, w16, *ws), *ws, S::W);
+      const Tensor xq = fp16_of(x, *ws, S::A);
+      const Tensor t = ws->f32(S::C, y.shape());
+      backend.gemm(xq, wq, t, spec_of(false, true, 0.0f), bias);
+      round_fp16(t);  // autocast fp16 returns the product in fp16; the residual add is fp32
+      if (beta == 0.0f) backend.copy(t, y);
+      else backend.add_inplace(y, t);
+      return;
+    }
+    case RECIPE_FP8_DELAYED:
+    case RECIPE_FP8_CURRENT: {
+      const Tensor we = effective_weight(backend, w, w16, *ws);
+      const float sx = fp8_scale(kX, FMT_E4M3, x, true), sw = fp8_scale(kW, FMT_E4M3, we, true);
+      const Tensor xc = codes_of(x, FMT_E4M3, sx, *ws, S::A), wc = codes_of(we, FMT_E4M3, sw, *ws, S::W);
+      backend.gemm(xc, wc, y, spec_of(false, true, beta, (1.0f / sx) * (1.0f / sw)), bias);
+      return;
+    }
+    case RECIPE_FP8_BLOCK: {
+      const Tensor wq = blocks_of(effective_weight(backend, w, w16, *ws), FMT_E4M3, kTile, kTile, *ws, S::W);
+      const Tensor xq = blocks_of(x, FMT_E4M3, 1, kTile, *ws, S::A);
+      backend.gemm(xq, wq, y, spec, bias);
+      return;
+    }
+    case RECIPE_COUNT: break;
+  }
+  LOOM_CHECK(false, "linear layer: unknown recipe ", static_cast<int>(setup_.recipe));
+}
+
+void LinearLayer::backward(Backend& backend, const Tensor& x, const Tensor& w, const Tensor& w16, const Tensor& dy,
+                           const Tensor& dx, const Tensor& dw, const Tensor& db, LinearWorkspace* ws) {
+  if (db.defined()) backend.bias_backward(dy, db);  // an fp32 reduction in every recipe
+  const GemmSpec dgrad = spec_of(false, false, 0.0f), wgrad = spec_of(true, false, 1.0f);
+  if (setup_.recipe == RECIPE_F32 && setup_.qat == QAT_NONE && !w16.defined()) {
+    backend.gemm(dy, w, dx, dgrad);
+    backend.gemm(dy, x, dw, wgrad);
+    return;
+  }
+  LOOM_CHECK(ws != nullptr, "linear layer (", recipe_name(setup_.recipe), "): no workspace");
+  using S = LinearWorkspace;
+  switch (setup_.recipe) {
+    case RECIPE_F32: {
+      backend.gemm(dy, effective_weight(backend, w, w16, *ws), dx, dgrad);
+      backend.gemm(dy, x, dw, wgrad);
+      return;
+    }
+    case RECIPE_BF16: {
+      Tensor wb = w16;
+      if (!w16.defined() || setup_.qat != QAT_NONE) {
+        wb = ws->bf16(S::W, w.shape());
+        backend.cast(effective_weight(backend, w, w16, *ws), wb);
+      }
+      Tensor dyb = ws->bf16(S::A, dy.shape()), xb = ws->bf16(S::B, x.shape());
+      backend.cast(dy, dyb);
+      backend.cast(x, xb);
+      backend.gemm(dyb, wb, dx, dgrad);
+      backend.gemm(dyb, xb, dw, wgrad);
+      return;
+    }
+    case RECIPE_FP16: {
+      const Tensor wq = fp16_of(effective_weight(backend, w, w16, *ws), *ws, S::W);
+      const Tensor dyq = fp16_of(dy, *ws, S::A), xq = fp16_of(x, *ws, S::B);
+      backend.gemm(dyq, wq, dx, dgrad);
+      round_fp16(dx);
+      const Tensor t = ws->f32(S::C, dw.shape());
+      backend.gemm(dyq, xq, t, spec_of(true, false, 0.0f));
+      round_fp16(t);  // the weight's fp16 gradient, accumulated into the fp32 one
+      backend.add_inplace(dw, t);
+      return;
+    }
+    case RECIPE_FP8_DELAYED:
+    case RECIPE_FP8_CURRENT: {
+      const Tensor we = effective_weight(backend, w, w16, *ws);
+      const float sdy = fp8_scale(kDy, setup_.fp8_backward, dy, true);
+      const float sw = fp8_scale(kW, FMT_E4M3, we, false), sx = fp8_scale(kX, FMT_E4M3, x, false);
+      const Tensor dyc = codes_of(dy, setup_.fp8_backward, sdy, *ws, S::A);
+      const Tensor wc = codes_of(we, FMT_E4M3, sw, *ws, S::W), xc = codes_of(x, FMT_E4M3, sx, *ws, S::B);
+      backend.gemm(dyc, wc, dx, spec_of(false, false, 0.0f, (1.0f / sdy) * (1.0f / sw)));
+      backend.gemm(dyc, xc, dw, spec_of(true, false, 1.0f, (1.0f / sdy) * (1.0f / sx)));
+      return;
+    }
+    case RECIPE_FP8_BLOCK: {
+      // dgrad reduces over `out`: dy in 1x128 tiles along it, W in its forward 128x128 blocks.
+      const Tensor wq = blocks_of(effective_weight(backend, w, w16, *ws), FMT_E4M3, kTile, kTile, *ws, S::W);
+      backend.gemm(blocks_of(dy, setup_.fp8_backward, 1, kTile, *ws, S::A), wq, dx, dgrad);
+      // wgrad reduces over tokens: dy and x in 128x1 tiles along them.
+      const Tensor dyt = blocks_of(dy, setup_.fp8_backward, kTile, 1, *ws, S::A);
+      backend.gemm(dyt, blocks_of(x, FMT_E4M3, kTile, 1, *ws, S::B), dw, wgrad);
+      return;
+    }
+    case RECIPE_COUNT: break;
+  }
+  LOOM_CHECK(false, "linear layer: unknown recipe ", static_cast<int>(setup_.recipe));
+}
+
+}  // namespace loom

@@ -1,0 +1,81 @@
+// Linear layers y = x W^T + b and their backward, in fp32 or in a low-precision recipe of
+// precision/policy.h. A LinearLayer holds what a recipe keeps between calls (the FP8 amax
+// histories); operands are cast or quantized into a LinearWorkspace shared by all the layers
+// of a model, so a step allocates nothing after the first.
+//
+// The quantizers run on host memory (precision/quantize.h): the CPU backend computes the
+// low-precision GEMMs either natively (bf16, through oneDNN) or as an exact emulation (fp16,
+// fp8: values on the format's grid multiplied with fp32 accumulation). A device backend would
+// run the same recipes with its own casts and FP8 GEMMs.
+#pragma once
+#include <array>
+#include <cstdint>
+
+#include "loom/backend/backend.h"
+#include "loom/precision/policy.h"
+
+namespace loom {
+
+// y (N, out) = x (N, in) @ w^T (+ b), with beta = 1 accumulating into y (the residual add).
+void linear_forward(Backend& backend, const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& y, float beta = 0.0f);
+// dx = dy @ w (overwritten); dw += dy^T @ x; db += colsum(dy).
+void linear_backward(Backend& backend, const Tensor& x, const Tensor& w, const Tensor& dy, const Tensor& dx,
+                     const Tensor& dw, const Tensor& db);
+
+// Flat scratch buffers, grown on demand (MEM_WORKSPACE) and reused by every layer.
+class LinearWorkspace {
+ public:
+  enum Slot { A, B, C, W, Q, SLOT_COUNT };
+  explicit LinearWorkspace(Allocator& allocator) : allocator_(allocator) {}
+  // A view of `shape` into slot's f32 (or bf16) buffer, growing it when too small.
+  Tensor f32(Slot slot, const Shape& shape);
+  Tensor bf16(Slot slot, const Shape& shape);
+
+ private:
+  Tensor get(std::array<Tensor, SLOT_COUNT>& buffers, Slot slot, const Shape& shape, DType dtype);
+  Allocator& allocator_;
+  std::array<Tensor, SLOT_COUNT> f32_, bf16_;
+};
+
+// How one linear layer computes; default-constructed = fp32, no state.
+struct LinearSetup {
+  LinearRecipe recipe = RECIPE_F32;
+  QatFormat qat = QAT_NONE;  // fake-quantize the weight first (straight-through gradient)
+  int64_t fp8_margin = 0, fp8_history = 1024;
+  bool fp8_most_recent = false;
+  MiniFormat fp8_backward = FMT_E5M2;  // format of dy (E4M3 for fp8-block by default)
+};
+LinearSetup linear_setup(const PrecisionPolicy& policy, LinearKind kind, bool block_weight);
+
+class LinearLayer {
+ public:
+  LinearLayer() = default;
+  explicit LinearLayer(const LinearSetup& setup);
+
+  // w is the fp32 master weight; w16, when defined, its bf16 copy (precision.param = bf16),
+  // which the layer reads instead. ws must be set unless the recipe is f32 without QAT.
+  void forward(Backend& backend, const Tensor& x, const Tensor& w, const Tensor& w16, const Tensor& b, const Tensor& y,
+               float beta, LinearWorkspace* ws);
+  void backward(Backend& backend, const Tensor& x, const Tensor& w, const Tensor& w16, const Tensor& dy,
+                const Tensor& dx, const Tensor& dw, const Tensor& db, LinearWorkspace* ws);
+
+  // Delayed scaling: the amaxes recorded since the last call become history (once per step).
+  void end_step();
+  // Evaluation passes leave the amax history alone.
+  void set_recording(bool on) { recording_ = on; }
+  const LinearSetup& setup() const { return setup_; }
+  // x, w, dy scaling states (fp8-delayed only; checkpointed).
+  std::array<DelayedScaling, 3>& scaling() { return scaling_; }
+
+ private:
+  // The weight the recipe quantizes, in fp32: w itself, or w16 / QAT(w) in workspace slot Q.
+  Tensor effective_weight(Backend& backend, const Tensor& w, const Tensor& w16, LinearWorkspace& ws) const;
+  // x's FP8 scale for this call (records its amax under delayed scaling).
+  float fp8_scale(int which, MiniFormat f, const Tensor& x, bool record);
+
+  LinearSetup setup_;
+  std::array<DelayedScaling, 3> scaling_;
+  bool recording_ = true;
+};
+
+}  // namespace loom
