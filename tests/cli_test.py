@@ -94,6 +94,20 @@ class Cli(unittest.TestCase):
                         open(os.path.join(self.ckpt(f"resumed_{opt}", 8), f), "rb") as b:
                     self.assertEqual(a.read(), b.read(), f"{opt} {f}")
 
+    def test_resume_is_bitwise_for_low_precision_recipes(self):
+        # FP8 delayed scaling resumes its amax histories; stochastic rounding of bf16 master
+        # weights draws from (seed, step); fp16 resumes its loss scaler.
+        for name, sets in (("fp8d", "precision.compute=fp8-delayed,precision.fp8_amax_history=3"),
+                           ("srb", "precision.compute=bf16,precision.master=bf16,precision.stochastic_rounding=true"),
+                           ("fp16", "precision.compute=fp16,precision.loss_scaling=true")):
+            self.train(f"straight_{name}", "--set", sets)
+            self.train(f"resumed_{name}", "--set", sets, "--stop-at-step", "4")
+            self.train(f"resumed_{name}", "--set", sets, "--resume")
+            for f in ("model.safetensors", "optimizer.safetensors"):
+                with open(os.path.join(self.ckpt(f"straight_{name}", 8), f), "rb") as a, \
+                        open(os.path.join(self.ckpt(f"resumed_{name}", 8), f), "rb") as b:
+                    self.assertEqual(a.read(), b.read(), f"{name} {f}")
+
     def test_loss_scaler_state_is_checkpointed_and_restored(self):
         sets = ("--set", "precision.loss_scaling=true,precision.growth_interval=3")
         self.train("scaled", *sets, "--stop-at-step", "4")
@@ -109,6 +123,7 @@ class Cli(unittest.TestCase):
         p = self.train("bf16", "--set", "precision.compute=bf16")
         self.assertIn("validation loss", p.stdout)
         self.assert_one_line_error(self.train("fp7", "--set", "precision.compute=fp7", expect_ok=False), "precision.compute")
+        self.assert_one_line_error(self.train("qat", "--set", "precision.qat=int3", expect_ok=False), "precision.qat")
 
     def test_resume_with_another_optimizer_names_both(self):
         self.train("switch", "--stop-at-step", "4")

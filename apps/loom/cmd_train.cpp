@@ -129,8 +129,11 @@ int train_main(int argc, char** argv) {
   ckpt_options.keep_last = static_cast<int>(config.loop.keep_checkpoints);
   CheckpointManager checkpoints((fs::path(dir) / "checkpoints").string(), ckpt_options);
   const ModelState model_state{config.model, model.params()};
-  const OptimizerState optimizer_state{trainer.optimizer().name(), trainer.optimizer().state()};
+  OptimizerState optimizer_state{trainer.optimizer().name(), trainer.optimizer().state()};
+  // FP8 delayed scaling's amax histories resume with the optimizer (a bitwise-identical resume).
+  if (const Tensor& fp8 = model.pack_scaling_state(); fp8.defined()) optimizer_state.tensors.emplace_back("fp8_amax_history", fp8);
   auto save = [&] {
+    model.pack_scaling_state();
     CheckpointContents c;
     c.step = trainer.step();
     c.model = model_state;
@@ -150,6 +153,7 @@ int train_main(int argc, char** argv) {
     });
     if (loaded) {
       trainer.restore(loaded->step, loaded->optimizer_steps);
+      model.unpack_scaling_state();
       train_data.restore(loaded->data_state.get<LoaderState>());
       if (DynamicLossScaler* ls = trainer.loss_scaler(); ls != nullptr && loaded->extra.contains("loss_scaler")) {
         const nlohmann::json& j = loaded->extra["loss_scaler"];
@@ -192,9 +196,11 @@ int train_main(int argc, char** argv) {
   std::printf("optimizer %s: state %s (%.2f bytes/parameter); schedule %s, lr %.2e\n", trainer.optimizer().name().c_str(),
               format_bytes(static_cast<size_t>(state_bytes)).c_str(), state_per_param, config.train.schedule.kind.c_str(),
               config.train.schedule.max_lr);
+  std::printf("precision: %s%s\n", model.precision().describe().c_str(), config.train.loss_scaling ? ", dynamic loss scaling" : "");
   MetricsLog metrics((fs::path(dir) / "metrics.jsonl").string());
   metrics.write({{"optimizer", trainer.optimizer().name()}, {"parameters", n_params}, {"optimizer_state_bytes", state_bytes},
-                 {"state_bytes_per_param", state_per_param}, {"schedule", config.train.schedule.kind}});
+                 {"state_bytes_per_param", state_per_param}, {"schedule", config.train.schedule.kind},
+                 {"precision", model.precision().describe()}, {"loss_scaling", config.train.loss_scaling}});
   const bool terminal = stdout_is_terminal();
   double seconds_sum = 0.0;
   int64_t steps_timed = 0;

@@ -84,6 +84,44 @@ void Transformer::set_recording(bool on) {
   for (LinearLayer* l : linear_layers()) l->set_recording(on);
 }
 
+namespace {
+std::vector<LinearLayer*> delayed_layers(std::vector<LinearLayer*> all) {
+  std::erase_if(all, [](LinearLayer* l) { return l->setup().recipe != RECIPE_FP8_DELAYED; });
+  return all;
+}
+}  // namespace
+
+const Tensor& Transformer::pack_scaling_state() {
+  const std::vector<LinearLayer*> layers = delayed_layers(linear_layers());
+  if (layers.empty()) return scaling_state_;
+  const int64_t per = policy_.fp8_history + 1;
+  if (!scaling_state_.defined()) {
+    scaling_state_ = Tensor::empty(backend_.allocator(), {static_cast<int64_t>(layers.size()) * 3 * per}, DTYPE_F32,
+                                   MEM_OPTIMIZER_STATE);
+  }
+  float* p = scaling_state_.data<float>();
+  for (LinearLayer* l : layers) {
+    for (const DelayedScaling& s : l->scaling()) {
+      std::copy(s.history().begin(), s.history().end(), p);
+      p[per - 1] = s.amax_used();
+      p += per;
+    }
+  }
+  return scaling_state_;
+}
+
+void Transformer::unpack_scaling_state() {
+  if (!scaling_state_.defined()) return;
+  const int64_t per = policy_.fp8_history + 1;
+  const float* p = scaling_state_.data<float>();
+  for (LinearLayer* l : delayed_layers(linear_layers())) {
+    for (DelayedScaling& s : l->scaling()) {
+      s.restore(std::vector<float>(p, p + per - 1), p[per - 1]);
+      p += per;
+    }
+  }
+}
+
 std::vector<LinearLayer*> Transformer::linear_layers() {
   std::vector<LinearLayer*> out;
   for (Block& b : blocks_) {

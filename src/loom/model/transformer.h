@@ -73,6 +73,12 @@ class Transformer {
   void end_step();
   // Off during evaluation: forward passes do not record FP8 amaxes.
   void set_recording(bool on);
+  // FP8 delayed scaling state of every layer using it (per layer x, w, dy: the amax history,
+  // then the amax in use), packed into one flat f32 tensor for checkpoints; undefined when no
+  // layer uses delayed scaling. pack_scaling_state() refreshes the tensor from the layers,
+  // unpack_scaling_state() puts a loaded tensor back into them.
+  const Tensor& pack_scaling_state();
+  void unpack_scaling_state();
   // Every linear layer (blocks in order: attn_qkv, attn_out, mlp_in, mlp_out; then the head).
   std::vector<LinearLayer*> linear_layers();
 
@@ -93,6 +99,7 @@ class Transformer {
   Tensor params16_, head16_;         // bf16 copy of params_ (policy_.param_bf16 only), head's view
   LinearLayer head_;
   LinearWorkspace ws_;               // low-precision operands of every linear layer
+  Tensor scaling_state_;             // see pack_scaling_state()
 };
 
 }  // namespace loom

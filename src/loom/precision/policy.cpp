@@ -99,7 +99,8 @@ DelayedScaling::DelayedScaling(int64_t length, int64_t margin, bool most_recent)
 
 float DelayedScaling::scale(MiniFormat f) const {
   if (!(amax_ > 0.0f)) return 1.0f;
-  return static_cast<float>(format_info(f).max / static_cast<double>(amax_) / std::ldexp(1.0, static_cast<int>(margin_)));
+  // fp32 arithmetic, as TransformerEngine's update kernel: (fmax / amax) / 2^margin.
+  return static_cast<float>(format_info(f).max) / amax_ / std::ldexp(1.0f, static_cast<int>(margin_));
 }
 
 void DelayedScaling::record(float amax) {
