@@ -35,6 +35,8 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from runlog import finite, read_metrics  # noqa: E402
 
 # Learning rates tried per optimizer: values around a sensible center for this model (the
 # middle one is run first; with --lrs-per-opt 1 only it runs). A fourth value was added where
@@ -65,30 +67,6 @@ def lr_order(grid: list[float], n: int) -> list[float]:
     """The middle value first, then the others (low, high), n of them."""
     mid = len(grid) // 2
     return ([grid[mid]] + grid[:mid] + grid[mid + 1:])[:n]
-
-
-def read_metrics(path: str) -> tuple[dict, list[dict], list[dict]]:
-    """(header, step records, evaluation records) of a metrics.jsonl; empty if it is missing."""
-    header, steps, evals = {}, [], []
-    if os.path.exists(path):
-        with open(path) as f:
-            for line in f:
-                try:
-                    r = json.loads(line)
-                except ValueError:
-                    continue  # a line cut short by an interrupted run
-                if "val_loss" in r:
-                    evals.append(r)
-                elif "loss" in r:
-                    steps.append(r)
-                elif "optimizer" in r:
-                    header = r
-    return header, steps, evals
-
-
-def finite(x) -> float | None:
-    """x if it is a finite number, else None (loom writes NaN as null)."""
-    return x if isinstance(x, (int, float)) and math.isfinite(x) else None
 
 
 def final_val(evals: list[dict], steps: int) -> float | None:

@@ -29,6 +29,8 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from runlog import finite, read_metrics  # noqa: E402
 
 # name -> precision.* overrides (the rest is configs/default.toml).
 ROWS = {
@@ -45,28 +47,6 @@ ROWS = {
                           "precision.stochastic_rounding": "true"},
 }
 MEM = ["parameters", "gradients", "optimizer_state", "activations", "workspace"]
-
-
-def read_metrics(path: str) -> tuple[dict, list[dict], list[dict]]:
-    header, steps, evals = {}, [], []
-    if os.path.exists(path):
-        with open(path) as f:
-            for line in f:
-                try:
-                    r = json.loads(line)
-                except ValueError:
-                    continue
-                if "val_loss" in r:
-                    evals.append(r)
-                elif "loss" in r:
-                    steps.append(r)
-                elif "optimizer" in r:
-                    header = r
-    return header, steps, evals
-
-
-def finite(x) -> float | None:
-    return x if isinstance(x, (int, float)) and math.isfinite(x) else None
 
 
 def train(loom: str, out: str, name: str, sets: dict, steps: int) -> dict:

@@ -1,15 +1,19 @@
 // Training throughput of Loom on the CPU: a GPT-2-shaped model, random tokens, AdamW steps.
 // Prints one JSON line: tokens/s, step time, MFU against the GEMM peak measured in the same
 // process (oneDNN sgemm, 2048^3, best of several), and peak bytes per memory category.
-//   build/bench/train_bench --model gpt2-124m --batch 4 --seq 64 --steps 10 --warmup 2 [--compute f32|bf16|both]
-// --compute both runs fp32 and then bf16 compute (bf16 GEMM operands, fp32 accumulation) in the
-// same process and prints a third line with the bf16/fp32 speed ratio.
+//   build/bench/train_bench --model gpt2-124m --batch 4 --seq 64 --steps 10 --warmup 2 [--compute LIST]
+// --compute takes a comma-separated list of linear recipes (precision/policy.h: f32, bf16, fp16,
+// fp8-delayed, fp8-current, fp8-block), each optionally with +mxfp4 or +nvfp4 (weight QAT);
+// "both" means f32,bf16. Each runs in the same process, one JSON line each; with more than one, a
+// last line gives every recipe's tokens/s relative to the first.
 // bench/compare_train.py runs it beside the PyTorch reference and prints the ratios.
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <vector>
+#include <algorithm>
 
 #include "loom/core/error.h"
 #include "loom/train/throughput.h"
@@ -59,7 +63,9 @@ double run(const Args& args, const std::string& compute, double peak) {
   model.init_weights(1);
   TrainConfig tc;
   tc.batch_size = args.batch, tc.seq_len = args.seq, tc.steps = args.warmup + args.steps, tc.schedule.warmup = 1;
-  tc.precision.compute = compute;
+  const size_t plus = compute.find('+');
+  tc.precision.compute = compute.substr(0, plus);
+  if (plus != std::string::npos) tc.precision.qat = compute.substr(plus + 1);
   Trainer trainer(*backend, model, tc);
   RandomWindowSource data(random_tokens(1 << 20, config.vocab_size), 7);
   for (int64_t i = 0; i < args.warmup; ++i) trainer.train_step(data);
@@ -96,19 +102,26 @@ double run(const Args& args, const std::string& compute, double peak) {
 int main(int argc, char** argv) {
   try {
     const Args args = parse(argc, argv);
-    LOOM_CHECK(args.compute == "f32" || args.compute == "bf16" || args.compute == "both", "--compute must be f32, bf16 or both");
+    std::vector<std::string> recipes;
+    const std::string list = args.compute == "both" ? "f32,bf16" : args.compute;
+    for (size_t begin = 0; begin <= list.size();) {
+      const size_t end = std::min(list.find(',', begin), list.size());
+      if (end > begin) recipes.push_back(list.substr(begin, end - begin));
+      begin = end + 1;
+    }
+    LOOM_CHECK(!recipes.empty(), "--compute needs at least one recipe");
     double peak = 0.0;
     {
       auto backend = make_cpu_backend();
       peak = measure_gemm_peak_gflops(*backend);  // fp32 sgemm: MFU is stated against the fp32 peak
     }
-    if (args.compute != "both") {
-      run(args, args.compute, peak);
-      return 0;
+    std::vector<double> tps;
+    for (const std::string& r : recipes) tps.push_back(run(args, r, peak));
+    if (recipes.size() > 1) {
+      std::printf("{\"tokens_per_s_relative_to\": \"%s\"", recipes[0].c_str());
+      for (size_t i = 1; i < recipes.size(); ++i) std::printf(", \"%s\": %.3f", recipes[i].c_str(), tps[i] / tps[0]);
+      std::printf("}\n");
     }
-    const double f32 = run(args, "f32", peak);
-    const double bf16 = run(args, "bf16", peak);
-    std::printf("{\"bf16_over_f32_tokens_per_s\": %.3f}\n", bf16 / f32);
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "train_bench: %s\n", e.what());

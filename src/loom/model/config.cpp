@@ -44,6 +44,10 @@ void ModelConfig::validate() const {
 ModelConfig model_preset(std::string_view name) {
   ModelConfig c;
   if (name == "gpt2-124m") return c;
+  if (name == "gpt2-default") {  // the model of configs/default.toml with its 4096-token BPE
+    c.vocab_size = 4096, c.n_layer = 6, c.n_head = 4, c.n_kv_head = 4, c.d_model = 256, c.d_ff = 1024, c.max_seq_len = 128;
+    return c;
+  }
   if (name == "gpt2-small") {
     c.n_layer = 6, c.n_head = 6, c.n_kv_head = 6, c.d_model = 384, c.d_ff = 1536, c.max_seq_len = 256;
     return c;
@@ -57,7 +61,7 @@ ModelConfig model_preset(std::string_view name) {
     c.vocab_size = 101, c.max_seq_len = 16, c.n_layer = 2, c.n_head = 6, c.n_kv_head = 2, c.d_model = 48, c.d_ff = 80;
     return c;
   }
-  throw Error(str_cat("unknown model preset '", name, "', expected one of: gpt2-tiny, gpt2-small, gpt2-124m, llama-tiny"));
+  throw Error(str_cat("unknown model preset '", name, "', expected one of: gpt2-tiny, gpt2-default, gpt2-small, gpt2-124m, llama-tiny"));
 }
 
 int64_t param_count(const ModelConfig& config) { return build_param_layout(config).total; }

@@ -35,11 +35,15 @@ inline float pow2(int k) { return std::bit_cast<float>(static_cast<uint32_t>(k +
 // Round to nearest even onto the grid: |v| / quantum is exact (a power-of-two scaling of a
 // float), rint rounds it half-to-even, and anything that lands above max overflows.
 inline float round_grid(float v, const Grid& g) {
-  const float a = std::fabs(v);
-  const int e = std::clamp(static_cast<int>((std::bit_cast<uint32_t>(a) >> 23) & 0xFFu) - 127, g.emin, 127);
-  float r = std::rint(a * pow2(g.man - e)) * pow2(e - g.man);
-  if (r > g.max) r = g.overflow;
-  return std::copysign(r, v);
+  // Branch-free (selects, integer min/max, sign by bits) so the loops below vectorize.
+  const uint32_t bits = std::bit_cast<uint32_t>(v);
+  const float a = std::bit_cast<float>(bits & 0x7FFFFFFFu);
+  int e = static_cast<int>((bits >> 23) & 0xFFu) - 127;
+  e = e < g.emin ? g.emin : e;
+  e = e > 127 ? 127 : e;
+  const float r0 = std::rint(a * pow2(g.man - e)) * pow2(e - g.man);
+  const float r = r0 > g.max ? g.overflow : r0;
+  return std::bit_cast<float>(std::bit_cast<uint32_t>(r) | (bits & 0x80000000u));
 }
 
 }  // namespace
@@ -58,16 +62,22 @@ float amax_of(const float* x, int64_t n) {
 
 void fake_quant(MiniFormat f, const float* x, int64_t n, float scale, float post, bool saturate, float* out) {
   const Grid g = grid_of(f, saturate);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for simd schedule(static)
   for (int64_t i = 0; i < n; ++i) out[i] = round_grid(x[i] * scale, g) * post;
 }
 
 void quant_codes_bf16(MiniFormat f, const float* x, int64_t n, float scale, bool saturate, uint16_t* out) {
   LOOM_CHECK(f != FMT_FP16, "quant_codes_bf16: fp16 values are not bf16 values");
   const Grid g = grid_of(f, saturate);
+  constexpr int64_t kChunk = 512;  // round into a float chunk, then keep the upper halves (exact)
 #pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < n; ++i) {
-    out[i] = static_cast<uint16_t>(std::bit_cast<uint32_t>(round_grid(x[i] * scale, g)) >> 16);  // exact
+  for (int64_t c = 0; c < (n + kChunk - 1) / kChunk; ++c) {
+    float q[kChunk];
+    const int64_t begin = c * kChunk, len = std::min(kChunk, n - begin);
+#pragma omp simd
+    for (int64_t i = 0; i < len; ++i) q[i] = round_grid(x[begin + i] * scale, g);
+#pragma omp simd
+    for (int64_t i = 0; i < len; ++i) out[begin + i] = static_cast<uint16_t>(std::bit_cast<uint32_t>(q[i]) >> 16);
   }
 }
 
