@@ -1,0 +1,112 @@
+#include "loom/comm/communicator.h"
+
+#include <cstdlib>
+#include <cstring>
+
+#include "loom/core/error.h"
+
+namespace loom {
+
+const char* collective_name(Collective c) {
+  static constexpr const char* names[COLL_COUNT] = {"all_reduce", "reduce_scatter", "all_gather",
+                                                    "all_to_all", "broadcast",      "send_recv"};
+  return c < COLL_COUNT ? names[c] : "?";
+}
+
+int64_t ByteLedger::total_sent() const {
+  int64_t t = 0;
+  for (int64_t v : sent) t += v;
+  return t;
+}
+
+int64_t ByteLedger::total_received() const {
+  int64_t t = 0;
+  for (int64_t v : received) t += v;
+  return t;
+}
+
+void Communicator::book(Collective c, int64_t bytes, int root) {
+  const int64_t n = size();
+  ledger_.calls[c] += 1;
+  if (n == 1) return;  // nothing leaves the process
+  int64_t out = 0, in = 0;
+  switch (c) {
+    case COLL_ALL_REDUCE: out = in = 2 * (n - 1) * bytes / n; break;  // reduce-scatter + all-gather rings
+    case COLL_REDUCE_SCATTER:
+    case COLL_ALL_GATHER:
+    case COLL_ALL_TO_ALL: out = in = (n - 1) * bytes / n; break;  // bytes = the full buffer
+    case COLL_BROADCAST:
+      out = rank() == root ? bytes : 0;
+      in = rank() == root ? 0 : bytes;
+      break;
+    case COLL_SEND_RECV: out = bytes; break;  // recv books with root = -2: received
+    case COLL_COUNT: break;
+  }
+  if (c == COLL_SEND_RECV && root == -2) std::swap(out, in);
+  ledger_.sent[c] += out;
+  ledger_.received[c] += in;
+}
+
+void Communicator::check_chunks(const char* op, const Tensor& full, const Tensor& shard) const {
+  LOOM_CHECK(full.dtype() == shard.dtype(), op, " on rank ", rank(), ": dtypes differ (", full.describe(), " vs ",
+             shard.describe(), ")");
+  LOOM_CHECK(full.numel() == shard.numel() * size(), op, " on rank ", rank(), ": the full buffer ", full.describe(),
+             " must hold ", size(), " chunks of ", shard.numel(), " elements (pad to a multiple of the world size)");
+}
+
+namespace {
+
+class DoneWork final : public CommWork {
+ public:
+  void wait() override {}
+};
+
+class LocalCommunicator final : public Communicator {
+ public:
+  int rank() const override { return 0; }
+  int size() const override { return 1; }
+  std::string name() const override { return "local"; }
+
+  std::unique_ptr<CommWork> all_reduce_async(const Tensor& x, ReduceOp) override {
+    book(COLL_ALL_REDUCE, static_cast<int64_t>(x.nbytes()));
+    return std::make_unique<DoneWork>();
+  }
+  std::unique_ptr<CommWork> reduce_scatter_async(const Tensor& full, const Tensor& shard, ReduceOp) override {
+    check_chunks("reduce_scatter", full, shard);
+    book(COLL_REDUCE_SCATTER, static_cast<int64_t>(full.nbytes()));
+    if (full.raw_data() != shard.raw_data()) std::memcpy(shard.raw_data(), full.raw_data(), shard.nbytes());
+    return std::make_unique<DoneWork>();
+  }
+  std::unique_ptr<CommWork> all_gather_async(const Tensor& shard, const Tensor& full) override {
+    check_chunks("all_gather", full, shard);
+    book(COLL_ALL_GATHER, static_cast<int64_t>(full.nbytes()));
+    if (full.raw_data() != shard.raw_data()) std::memcpy(full.raw_data(), shard.raw_data(), shard.nbytes());
+    return std::make_unique<DoneWork>();
+  }
+  std::unique_ptr<CommWork> all_to_all_async(const Tensor& in, const Tensor& out) override {
+    check_chunks("all_to_all", in, out);
+    book(COLL_ALL_TO_ALL, static_cast<int64_t>(in.nbytes()));
+    if (in.raw_data() != out.raw_data()) std::memcpy(out.raw_data(), in.raw_data(), in.nbytes());
+    return std::make_unique<DoneWork>();
+  }
+  std::unique_ptr<CommWork> broadcast_async(const Tensor& x, int root) override {
+    LOOM_CHECK(root == 0, "broadcast: root ", root, " outside the 1 rank of a local communicator");
+    book(COLL_BROADCAST, static_cast<int64_t>(x.nbytes()), root);
+    return std::make_unique<DoneWork>();
+  }
+  void send(const Tensor&, int to, int) override { LOOM_CHECK(false, "send to rank ", to, ": a local communicator has 1 rank"); }
+  void recv(const Tensor&, int from, int) override {
+    LOOM_CHECK(false, "recv from rank ", from, ": a local communicator has 1 rank");
+  }
+  void barrier() override {}
+};
+
+}  // namespace
+
+std::unique_ptr<Communicator> make_local_communicator() { return std::make_unique<LocalCommunicator>(); }
+
+bool launched_by_mpirun() {
+  return std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr || std::getenv("PMI_SIZE") != nullptr;
+}
+
+}  // namespace loom

@@ -1,0 +1,104 @@
+// Collectives between the ranks of a job: a Communicator over host tensors, with a
+// single-process implementation (size 1) and an MPI one (Debian's OpenMPI; `mpirun -np N`).
+// Every collective is also available asynchronously: it returns a CommWork to wait() on, so a
+// bucket's all-reduce can run while backward computes the next bucket (issue 6's DDP).
+//
+// Conventions: tensors are contiguous host f32 (or bf16 / f64 / i32) buffers; all ranks call
+// the same collectives in the same order with the same sizes. reduce_scatter and all_gather
+// work on equal chunks: `full` holds size() chunks of `shard`'s numel, chunk r belonging to
+// rank r (callers pad; parallel/ shards any tensor size that way).
+//
+// The byte ledger counts, per rank and per collective kind, the bytes this rank sends and
+// receives under the bandwidth-optimal ring algorithms (Patarasuk & Yuan 2009; what NCCL's
+// "bus bandwidth" assumes): all-reduce 2(N-1)/N x bytes each way, reduce-scatter and all-gather
+// (N-1)/N x the full buffer, all-to-all (N-1)/N, broadcast the buffer (root sends, others
+// receive), send/recv the message. MPI may pick another algorithm internally; the ledger is
+// the algorithmic volume, the figure the ZeRO paper's communication analysis uses.
+#pragma once
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "loom/core/tensor.h"
+
+namespace loom {
+
+enum ReduceOp : uint8_t { REDUCE_SUM, REDUCE_MAX, REDUCE_MIN };
+
+enum Collective : uint8_t {
+  COLL_ALL_REDUCE,
+  COLL_REDUCE_SCATTER,
+  COLL_ALL_GATHER,
+  COLL_ALL_TO_ALL,
+  COLL_BROADCAST,
+  COLL_SEND_RECV,
+  COLL_COUNT
+};
+const char* collective_name(Collective c);  // "all_reduce", ...
+
+struct ByteLedger {
+  std::array<int64_t, COLL_COUNT> sent{}, received{}, calls{};
+  int64_t total_sent() const;
+  int64_t total_received() const;
+};
+
+// An operation in flight; wait() blocks until its buffers are final (and may be called once).
+class CommWork {
+ public:
+  virtual ~CommWork() = default;
+  virtual void wait() = 0;
+};
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual std::string name() const = 0;  // "local", "mpi"
+
+  // In place over every rank's x.
+  virtual std::unique_ptr<CommWork> all_reduce_async(const Tensor& x, ReduceOp op) = 0;
+  // shard (n) = chunk rank() of the sum over ranks of full (size() * n).
+  virtual std::unique_ptr<CommWork> reduce_scatter_async(const Tensor& full, const Tensor& shard, ReduceOp op) = 0;
+  // full (size() * n): chunk r = rank r's shard (n).
+  virtual std::unique_ptr<CommWork> all_gather_async(const Tensor& shard, const Tensor& full) = 0;
+  // out chunk r = rank r's in chunk rank(); in and out hold size() equal chunks.
+  virtual std::unique_ptr<CommWork> all_to_all_async(const Tensor& in, const Tensor& out) = 0;
+  virtual std::unique_ptr<CommWork> broadcast_async(const Tensor& x, int root) = 0;
+  virtual void send(const Tensor& x, int to, int tag = 0) = 0;
+  virtual void recv(const Tensor& x, int from, int tag = 0) = 0;
+  virtual void barrier() = 0;
+
+  // Blocking forms.
+  void all_reduce(const Tensor& x, ReduceOp op = REDUCE_SUM) { all_reduce_async(x, op)->wait(); }
+  void reduce_scatter(const Tensor& full, const Tensor& shard, ReduceOp op = REDUCE_SUM) {
+    reduce_scatter_async(full, shard, op)->wait();
+  }
+  void all_gather(const Tensor& shard, const Tensor& full) { all_gather_async(shard, full)->wait(); }
+  void all_to_all(const Tensor& in, const Tensor& out) { all_to_all_async(in, out)->wait(); }
+  void broadcast(const Tensor& x, int root = 0) { broadcast_async(x, root)->wait(); }
+
+  const ByteLedger& ledger() const { return ledger_; }
+  void reset_ledger() { ledger_ = ByteLedger{}; }
+
+ protected:
+  // Books one call of kind c for a buffer of `bytes` (see the header comment for the formulas).
+  void book(Collective c, int64_t bytes, int root = -1);
+  // Checks equal-chunk shapes and dtypes; throws naming the collective and rank.
+  void check_chunks(const char* op, const Tensor& full, const Tensor& shard) const;
+
+ private:
+  ByteLedger ledger_;
+};
+
+// The one-process communicator: every collective is the identity (or a copy).
+std::unique_ptr<Communicator> make_local_communicator();
+
+// MPI: initializes MPI on first use in the process (MPI_THREAD_FUNNELED) and finalizes at exit.
+// Throws when Loom was launched without mpirun and MPI cannot initialize.
+std::unique_ptr<Communicator> make_mpi_communicator();
+// True when the process was started by mpirun (OMPI_COMM_WORLD_SIZE / PMI_SIZE set).
+bool launched_by_mpirun();
+
+}  // namespace loom

@@ -1,0 +1,158 @@
+// The MPI communicator (OpenMPI): non-blocking collectives (MPI-3 MPI_I*) on MPI_COMM_WORLD.
+// MPI's error handler stays MPI_ERRORS_ARE_FATAL, so a failed peer ends the whole job instead
+// of leaving ranks waiting.
+#include <mpi.h>
+
+#include "loom/comm/communicator.h"
+#include "loom/core/error.h"
+
+namespace loom {
+
+namespace {
+
+// MPI is process-wide by nature: initialized once, on first use, finalized at exit.
+class MpiRuntime {
+ public:
+  static MpiRuntime& get() {
+    static MpiRuntime runtime;
+    return runtime;
+  }
+  ~MpiRuntime() {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (!finalized) MPI_Finalize();
+  }
+
+ private:
+  MpiRuntime() {
+    int initialized = 0;
+    MPI_Initialized(&initialized);
+    if (initialized) return;
+    int provided = 0;
+    LOOM_CHECK(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided) == MPI_SUCCESS,
+               "MPI_Init_thread failed: launch with mpirun");
+  }
+};
+
+MPI_Datatype mpi_type(DType d, const char* op) {
+  switch (d) {
+    case DTYPE_F32: return MPI_FLOAT;
+    case DTYPE_F64: return MPI_DOUBLE;
+    case DTYPE_I32: return MPI_INT;
+    case DTYPE_BF16: return MPI_UINT16_T;  // moved, never reduced (see reduce_type)
+    case DTYPE_COUNT: break;
+  }
+  throw Error(str_cat(op, ": unsupported dtype ", static_cast<int>(d)));
+}
+
+MPI_Datatype reduce_type(const Tensor& t, const char* op) {
+  LOOM_CHECK(t.dtype() != DTYPE_BF16, op, ": reductions over bf16 are not supported by MPI; reduce in f32");
+  return mpi_type(t.dtype(), op);
+}
+
+MPI_Op mpi_op(ReduceOp op) {
+  switch (op) {
+    case REDUCE_SUM: return MPI_SUM;
+    case REDUCE_MAX: return MPI_MAX;
+    case REDUCE_MIN: return MPI_MIN;
+  }
+  return MPI_SUM;
+}
+
+class MpiWork final : public CommWork {
+ public:
+  MpiWork() = default;
+  MPI_Request* request() { return &request_; }
+  void wait() override {
+    if (request_ != MPI_REQUEST_NULL) MPI_Wait(&request_, MPI_STATUS_IGNORE);
+  }
+  ~MpiWork() override { wait(); }  // a dropped handle still completes before its buffers go
+
+ private:
+  MPI_Request request_ = MPI_REQUEST_NULL;
+};
+
+int count_of(const Tensor& t, const char* op) {
+  LOOM_CHECK(t.numel() <= INT32_MAX, op, ": ", t.numel(), " elements exceed MPI's int count; split the buffer");
+  return static_cast<int>(t.numel());
+}
+
+class MpiCommunicator final : public Communicator {
+ public:
+  MpiCommunicator() {
+    MpiRuntime::get();
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
+    MPI_Comm_size(MPI_COMM_WORLD, &size_);
+  }
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  std::string name() const override { return "mpi"; }
+
+  std::unique_ptr<CommWork> all_reduce_async(const Tensor& x, ReduceOp op) override {
+    book(COLL_ALL_REDUCE, static_cast<int64_t>(x.nbytes()));
+    auto w = std::make_unique<MpiWork>();
+    MPI_Iallreduce(MPI_IN_PLACE, x.raw_data(), count_of(x, "all_reduce"), reduce_type(x, "all_reduce"), mpi_op(op),
+                   MPI_COMM_WORLD, w->request());
+    return w;
+  }
+  std::unique_ptr<CommWork> reduce_scatter_async(const Tensor& full, const Tensor& shard, ReduceOp op) override {
+    check_chunks("reduce_scatter", full, shard);
+    book(COLL_REDUCE_SCATTER, static_cast<int64_t>(full.nbytes()));
+    auto w = std::make_unique<MpiWork>();
+    MPI_Ireduce_scatter_block(full.raw_data(), shard.raw_data(), count_of(shard, "reduce_scatter"),
+                              reduce_type(full, "reduce_scatter"), mpi_op(op), MPI_COMM_WORLD, w->request());
+    return w;
+  }
+  std::unique_ptr<CommWork> all_gather_async(const Tensor& shard, const Tensor& full) override {
+    check_chunks("all_gather", full, shard);
+    book(COLL_ALL_GATHER, static_cast<int64_t>(full.nbytes()));
+    auto w = std::make_unique<MpiWork>();
+    const MPI_Datatype t = mpi_type(shard.dtype(), "all_gather");
+    const int n = count_of(shard, "all_gather");
+    MPI_Iallgather(shard.raw_data(), n, t, full.raw_data(), n, t, MPI_COMM_WORLD, w->request());
+    return w;
+  }
+  std::unique_ptr<CommWork> all_to_all_async(const Tensor& in, const Tensor& out) override {
+    LOOM_CHECK(in.dtype() == out.dtype() && in.numel() == out.numel() && in.numel() % size_ == 0, "all_to_all on rank ",
+               rank_, ": in ", in.describe(), " and out ", out.describe(), " must hold ", size_, " equal chunks");
+    book(COLL_ALL_TO_ALL, static_cast<int64_t>(in.nbytes()));
+    auto w = std::make_unique<MpiWork>();
+    const MPI_Datatype t = mpi_type(in.dtype(), "all_to_all");
+    const int n = count_of(in, "all_to_all") / size_;
+    MPI_Ialltoall(in.raw_data(), n, t, out.raw_data(), n, t, MPI_COMM_WORLD, w->request());
+    return w;
+  }
+  std::unique_ptr<CommWork> broadcast_async(const Tensor& x, int root) override {
+    LOOM_CHECK(root >= 0 && root < size_, "broadcast: root ", root, " outside [0, ", size_, ")");
+    book(COLL_BROADCAST, static_cast<int64_t>(x.nbytes()), root);
+    auto w = std::make_unique<MpiWork>();
+    MPI_Ibcast(x.raw_data(), count_of(x, "broadcast"), mpi_type(x.dtype(), "broadcast"), root, MPI_COMM_WORLD,
+               w->request());
+    return w;
+  }
+  void send(const Tensor& x, int to, int tag) override {
+    LOOM_CHECK(to >= 0 && to < size_ && to != rank_, "send from rank ", rank_, " to rank ", to, ": no such peer");
+    book(COLL_SEND_RECV, static_cast<int64_t>(x.nbytes()));
+    MPI_Send(x.raw_data(), count_of(x, "send"), mpi_type(x.dtype(), "send"), to, tag, MPI_COMM_WORLD);
+  }
+  void recv(const Tensor& x, int from, int tag) override {
+    LOOM_CHECK(from >= 0 && from < size_ && from != rank_, "recv on rank ", rank_, " from rank ", from, ": no such peer");
+    book(COLL_SEND_RECV, static_cast<int64_t>(x.nbytes()), -2);
+    MPI_Status status;
+    MPI_Recv(x.raw_data(), count_of(x, "recv"), mpi_type(x.dtype(), "recv"), from, tag, MPI_COMM_WORLD, &status);
+    int got = 0;
+    MPI_Get_count(&status, mpi_type(x.dtype(), "recv"), &got);
+    LOOM_CHECK(got == x.numel(), "recv on rank ", rank_, " from rank ", from, ": got ", got, " elements, expected ",
+               x.numel());
+  }
+  void barrier() override { MPI_Barrier(MPI_COMM_WORLD); }
+
+ private:
+  int rank_ = 0, size_ = 1;
+};
+
+}  // namespace
+
+std::unique_ptr<Communicator> make_mpi_communicator() { return std::make_unique<MpiCommunicator>(); }
+
+}  // namespace loom

@@ -1,0 +1,137 @@
+// The MPI communicator under `mpirun -np 2` and `-np 4` (ctest runs both): every collective's
+// values against the formula each rank can compute alone, asynchronous handles in flight
+// together, the byte ledger's ring formulas, and one-line errors. Not part of loom_tests: it
+// needs mpirun.
+#include <gtest/gtest.h>
+
+#include <vector>
+
+#include "loom/backend/backend.h"
+#include "loom/comm/communicator.h"
+#include "loom/core/error.h"
+
+namespace loom {
+namespace {
+
+struct Fixture {
+  std::unique_ptr<Communicator> comm = make_mpi_communicator();
+  std::unique_ptr<Backend> backend = make_cpu_backend();
+  int r = comm->rank(), n = comm->size();
+  Tensor f32(int64_t numel) { return Tensor::zeros(backend->allocator(), {numel}, DTYPE_F32, MEM_WORKSPACE); }
+};
+
+TEST(MpiComm, AllReduceSumAndMax) {
+  Fixture f;
+  ASSERT_GT(f.n, 1) << "run under mpirun -np 2 or more";
+  Tensor x = f.f32(1000), y = f.f32(7);
+  for (int64_t i = 0; i < 1000; ++i) x.data<float>()[i] = static_cast<float>(f.r * 1000 + i);
+  for (int64_t i = 0; i < 7; ++i) y.data<float>()[i] = static_cast<float>(f.r == 1 ? 100 + i : i);
+  f.comm->all_reduce(x);
+  f.comm->all_reduce(y, REDUCE_MAX);
+  for (int64_t i = 0; i < 1000; ++i) {
+    EXPECT_EQ(x.data<float>()[i], static_cast<float>(1000 * f.n * (f.n - 1) / 2 + f.n * i)) << i;
+  }
+  for (int64_t i = 0; i < 7; ++i) EXPECT_EQ(y.data<float>()[i], static_cast<float>(100 + i));
+}
+
+TEST(MpiComm, ReduceScatterAndAllGatherAreInverseShapes) {
+  Fixture f;
+  const int64_t chunk = 13;
+  Tensor full = f.f32(chunk * f.n), shard = f.f32(chunk);
+  for (int64_t j = 0; j < chunk * f.n; ++j) full.data<float>()[j] = static_cast<float>(f.r + j);
+  f.comm->reduce_scatter(full, shard);
+  for (int64_t i = 0; i < chunk; ++i) {  // sum over ranks q of (q + r*chunk + i)
+    EXPECT_EQ(shard.data<float>()[i], static_cast<float>(f.n * (f.n - 1) / 2 + f.n * (f.r * chunk + i))) << i;
+  }
+  for (int64_t i = 0; i < chunk; ++i) shard.data<float>()[i] = static_cast<float>(f.r * 100 + i);
+  f.comm->all_gather(shard, full);
+  for (int q = 0; q < f.n; ++q) {
+    for (int64_t i = 0; i < chunk; ++i) EXPECT_EQ(full.data<float>()[q * chunk + i], static_cast<float>(q * 100 + i));
+  }
+}
+
+TEST(MpiComm, AllToAllTransposesChunks) {
+  Fixture f;
+  const int64_t chunk = 5;
+  Tensor in = f.f32(chunk * f.n), out = f.f32(chunk * f.n);
+  for (int j = 0; j < f.n; ++j) {
+    for (int64_t i = 0; i < chunk; ++i) in.data<float>()[j * chunk + i] = static_cast<float>(f.r * 1000 + j * 10 + i);
+  }
+  f.comm->all_to_all(in, out);
+  for (int q = 0; q < f.n; ++q) {
+    for (int64_t i = 0; i < chunk; ++i) {
+      EXPECT_EQ(out.data<float>()[q * chunk + i], static_cast<float>(q * 1000 + f.r * 10 + i));
+    }
+  }
+}
+
+TEST(MpiComm, BroadcastSendRecvAndBarrier) {
+  Fixture f;
+  Tensor x = f.f32(9);
+  const int root = f.n - 1;
+  if (f.r == root) {
+    for (int64_t i = 0; i < 9; ++i) x.data<float>()[i] = static_cast<float>(42 + i);
+  }
+  f.comm->broadcast(x, root);
+  for (int64_t i = 0; i < 9; ++i) EXPECT_EQ(x.data<float>()[i], static_cast<float>(42 + i));
+  // A ring: even ranks send first, odd ranks receive first.
+  Tensor out = f.f32(3), in = f.f32(3);
+  for (int64_t i = 0; i < 3; ++i) out.data<float>()[i] = static_cast<float>(f.r * 10 + i);
+  const int next = (f.r + 1) % f.n, prev = (f.r + f.n - 1) % f.n;
+  if (f.r % 2 == 0) {
+    f.comm->send(out, next, 7);
+    f.comm->recv(in, prev, 7);
+  } else {
+    f.comm->recv(in, prev, 7);
+    f.comm->send(out, next, 7);
+  }
+  for (int64_t i = 0; i < 3; ++i) EXPECT_EQ(in.data<float>()[i], static_cast<float>(prev * 10 + i));
+  f.comm->barrier();
+}
+
+TEST(MpiComm, AsyncCollectivesOverlap) {
+  Fixture f;
+  std::vector<Tensor> buckets;
+  std::vector<std::unique_ptr<CommWork>> work;
+  for (int b = 0; b < 4; ++b) {
+    buckets.push_back(f.f32(1 << 12));
+    for (int64_t i = 0; i < (1 << 12); ++i) buckets.back().data<float>()[i] = static_cast<float>(b + f.r);
+    work.push_back(f.comm->all_reduce_async(buckets.back(), REDUCE_SUM));  // all four in flight
+  }
+  for (auto& w : work) w->wait();
+  for (int b = 0; b < 4; ++b) EXPECT_EQ(buckets[b].data<float>()[123], static_cast<float>(f.n * b + f.n * (f.n - 1) / 2));
+}
+
+TEST(MpiComm, LedgerFollowsTheRingFormulas) {
+  Fixture f;
+  const int64_t chunk = 1024, bytes = 4 * chunk * f.n;
+  Tensor full = f.f32(chunk * f.n), shard = f.f32(chunk);
+  f.comm->reset_ledger();
+  f.comm->all_reduce(full);
+  f.comm->reduce_scatter(full, shard);
+  f.comm->all_gather(shard, full);
+  const ByteLedger& l = f.comm->ledger();
+  EXPECT_EQ(l.sent[COLL_ALL_REDUCE], 2 * (f.n - 1) * bytes / f.n);
+  EXPECT_EQ(l.received[COLL_ALL_REDUCE], 2 * (f.n - 1) * bytes / f.n);
+  EXPECT_EQ(l.sent[COLL_REDUCE_SCATTER], (f.n - 1) * bytes / f.n);
+  EXPECT_EQ(l.sent[COLL_ALL_GATHER], (f.n - 1) * bytes / f.n);
+  // ZeRO's accounting: reduce-scatter + all-gather move what one all-reduce moves.
+  EXPECT_EQ(l.sent[COLL_REDUCE_SCATTER] + l.sent[COLL_ALL_GATHER], l.sent[COLL_ALL_REDUCE]);
+  EXPECT_EQ(l.calls[COLL_ALL_REDUCE], 1);
+}
+
+TEST(MpiComm, MisshapenChunksAndBf16ReductionsAreOneLineErrors) {
+  Fixture f;
+  Tensor full = f.f32(10 * f.n + 1), shard = f.f32(10);
+  try {
+    f.comm->reduce_scatter(full, shard);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("reduce_scatter on rank " + std::to_string(f.r)), std::string::npos) << e.what();
+  }
+  Tensor b = Tensor::zeros(f.backend->allocator(), {8}, DTYPE_BF16, MEM_WORKSPACE);
+  EXPECT_THROW(f.comm->all_reduce(b), Error);
+}
+
+}  // namespace
+}  // namespace loom
