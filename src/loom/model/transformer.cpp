@@ -16,6 +16,17 @@ Transformer::Transformer(Backend& backend, const ModelConfig& config)
     blocks_.emplace_back(config_, block_params_view(config_, layout_, params_, l),
                          block_params_view(config_, layout_, grads_, l));
   }
+  block_offset_.assign(static_cast<size_t>(config_.n_layer), layout_.total);
+  final_offset_ = layout_.total;
+  const std::string block_prefix = config_.arch == ARCH_GPT2 ? "h." : "model.layers.";
+  for (const ParamSpec& p : layout_.params) {
+    if (p.name.rfind(block_prefix, 0) == 0) {
+      const size_t l = std::stoul(p.name.substr(block_prefix.size()));
+      block_offset_[l] = std::min(block_offset_[l], p.offset);
+    } else if (p.name.find("ln_f") == 0 || p.name == "model.norm.weight" || p.name == "lm_head.weight") {
+      final_offset_ = std::min(final_offset_, p.offset);
+    }
+  }
   if (config_.arch == ARCH_GPT2) {
     embed_w = param("wte.weight"), d_embed_w = grad("wte.weight");
     pos_w = param("wpe.weight"), d_pos_w = grad("wpe.weight");
@@ -207,7 +218,7 @@ void Transformer::forward_decode(DecodeState& d, const std::vector<int32_t>& tok
   d.length = pos + 1;
 }
 
-void Transformer::backward(ActivationStore& s, float loss_weight) {
+void Transformer::backward(ActivationStore& s, float loss_weight, const std::function<void(int64_t)>& ready) {
   const int64_t B = s.batch, T = s.seq_len, C = config_.d_model;
   const Tensor d_res = d_residual_.view(0, {B, T, C});
   BlockScratch k = scratch_;
@@ -220,8 +231,13 @@ void Transformer::backward(ActivationStore& s, float loss_weight) {
   head_.backward(backend_, s.final_norm, head_w, head16_, s.logits, k.d_norm, d_head_w, Tensor{}, &ws_);
   norm_backward(backend_, config_, k.d_norm, s.final_input, final_w, s.final_mean, s.final_rstd, d_res, d_final_w,
                 d_final_b);
-  for (size_t l = blocks_.size(); l-- > 0;) blocks_[l].backward(backend_, s.blocks[l], d_res, k);
+  if (ready) ready(final_offset_);
+  for (size_t l = blocks_.size(); l-- > 0;) {
+    blocks_[l].backward(backend_, s.blocks[l], d_res, k);
+    if (ready) ready(block_offset_[l]);
+  }
   backend_.embedding_backward(s.tokens, d_res, d_embed_w, d_pos_w.defined() ? &d_pos_w : nullptr);
+  if (ready) ready(0);
 }
 
 }  // namespace loom

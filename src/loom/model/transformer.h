@@ -4,6 +4,7 @@
 //   loss = mean over B*T of cross-entropy(logits, targets)
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -61,7 +62,10 @@ class Transformer {
   // the next-token logits are in state.step.logits. Same math as forward(), one position.
   void forward_decode(DecodeState& state, const std::vector<int32_t>& tokens);
   // Accumulates into grads() the gradient of loss_weight * (mean loss of the last forward).
-  void backward(ActivationStore& store, float loss_weight);
+  // `ready`, if given, is told as backward proceeds that every gradient at flat offset >= its
+  // argument is final (after the head and final norm, after each block, then 0): data
+  // parallelism starts reducing those while backward goes on.
+  void backward(ActivationStore& store, float loss_weight, const std::function<void(int64_t)>& ready = {});
 
   // The precision policy (precision/policy.h): each linear layer's recipe, and the weights'
   // bf16 copy when policy.param_bf16 (allocated here; sync_weight_copy() refreshes it and must
@@ -88,6 +92,8 @@ class Transformer {
   ParamLayout layout_;
   Tensor params_, grads_;
   std::vector<Block> blocks_;        // [layer]
+  std::vector<int64_t> block_offset_;  // [layer] smallest flat offset of the block's parameters
+  int64_t final_offset_ = 0;         // smallest flat offset of the final norm and (untied) head
   Tensor embed_w, pos_w;             // (V,C), (Tmax,C) or undefined
   Tensor final_w, final_b;           // (C), (C) or undefined
   Tensor head_w;                     // (V,C): the embedding when tied

@@ -1,6 +1,7 @@
 #include "loom/train/trainer.h"
 
 #include <chrono>
+#include <algorithm>
 #include <cmath>
 
 #include "loom/core/error.h"
@@ -25,7 +26,7 @@ void TrainConfig::validate() const {
   (void)optim.resolved();  // throws naming the optim.* key
 }
 
-Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config)
+Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config, Communicator* comm, DdpConfig ddp)
     : backend_(backend),
       model_(model),
       config_((config.validate(), config)),
@@ -35,6 +36,13 @@ Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config)
       optimizer_(make_optimizer(backend, model.params(), model.grads(), optim_params_, config.optim)) {
   schedule_.total = config_.steps;
   model_.set_precision(resolve_policy(config_.precision));
+  if (comm != nullptr && comm->size() > 1) {
+    LOOM_CHECK(!optimizer_->keeps_gradients(), "data parallelism is not supported with optim.name = ", optimizer_->name(),
+               " (its error feedback lives in the gradient buffer, which the all-reduce would average)");
+    comm_ = comm;
+    ddp_ = std::make_unique<DataParallel>(*comm, model_.grads(), model_.layout(), ddp);
+    loss_buffer_ = Tensor::zeros(backend_.allocator(), {1}, DTYPE_F64, MEM_WORKSPACE);
+  }
   if (model_.precision().master_bf16) {  // no fp32 master: the weights are bf16 values from the start
     round_to_bf16(model_.params().data<float>(), model_.params().numel(), false);
   }
@@ -59,10 +67,23 @@ StepStats Trainer::train_step(BatchSource& data) {
     data.fill(store_.tokens, store_.targets);
     const double loss = model_.forward(store_);
     // With loss scaling a non-finite loss (an fp16 overflow) makes non-finite gradients: skipped.
-    LOOM_CHECK(scaler_ || std::isfinite(loss), "loss is ", loss, " at step ", step_, " (micro-batch ", micro,
+    // Data parallel ranks check the mean over ranks below, so that all of them stop together.
+    LOOM_CHECK(scaler_ || ddp_ || std::isfinite(loss), "loss is ", loss, " at step ", step_, " (micro-batch ", micro,
                "); stopping before the update, the weights are unchanged");
     loss_sum += loss;
-    model_.backward(store_, loss_weight);
+    if (ddp_ && micro + 1 == config_.grad_accum) {  // earlier micro-batches: no-sync
+      model_.backward(store_, loss_weight, [this](int64_t offset) { ddp_->ready_from(offset); });
+    } else {
+      model_.backward(store_, loss_weight);
+    }
+  }
+  if (ddp_) {
+    ddp_->finish();
+    loss_buffer_.data<double>()[0] = loss_sum;
+    comm_->all_reduce(loss_buffer_);
+    loss_sum = loss_buffer_.data<double>()[0] / comm_->size();
+    LOOM_CHECK(scaler_ || std::isfinite(loss_sum), "loss is ", loss_sum, " at step ", step_,
+               " (mean over ranks); stopping before the update, the weights are unchanged");
   }
   StepStats stats;
   stats.step = step_;
@@ -115,6 +136,27 @@ double Trainer::evaluate(BatchSource& data, int64_t batches) {
   }
   model_.set_recording(true);
   return batches > 0 ? sum / static_cast<double>(batches) : 0.0;
+}
+
+}  // namespace loom
+
+namespace loom {
+
+RankSliceSource::RankSliceSource(BatchSource& global, Allocator& allocator, int rank, int world, int64_t batch,
+                                 int64_t seq_len)
+    : global_(global), rank_(rank) {
+  LOOM_CHECK(world >= 1 && rank >= 0 && rank < world, "rank ", rank, " outside a world of ", world);
+  tokens_ = Tensor::empty(allocator, {batch * world, seq_len}, DTYPE_I32, MEM_WORKSPACE);
+  targets_ = Tensor::empty(allocator, {batch * world, seq_len}, DTYPE_I32, MEM_WORKSPACE);
+}
+
+void RankSliceSource::fill(const Tensor& tokens, const Tensor& targets) {
+  LOOM_CHECK(tokens.numel() * (tokens_.numel() / tokens.numel()) == tokens_.numel() && tokens.dim(-1) == tokens_.dim(-1),
+             "RankSliceSource: micro-batch ", tokens.describe(), " does not match ", tokens_.describe());
+  global_.fill(tokens_, targets_);
+  const int64_t n = tokens.numel();
+  std::copy_n(tokens_.data<int32_t>() + rank_ * n, n, tokens.data<int32_t>());
+  std::copy_n(targets_.data<int32_t>() + rank_ * n, n, targets.data<int32_t>());
 }
 
 }  // namespace loom

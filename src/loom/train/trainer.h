@@ -9,6 +9,7 @@
 #include "loom/model/transformer.h"
 #include "loom/optim/optimizer.h"
 #include "loom/optim/schedule.h"
+#include "loom/parallel/ddp.h"
 #include "loom/precision/loss_scaler.h"
 #include "loom/precision/policy.h"
 
@@ -44,7 +45,10 @@ struct StepStats {
 
 class Trainer {
  public:
-  Trainer(Backend& backend, Transformer& model, TrainConfig config);
+  // With a communicator of more than one rank the trainer is data parallel (parallel/ddp.h):
+  // `data` must then give this rank its part of each global batch (RankSliceSource), the
+  // gradients are averaged over ranks, and the reported loss is the mean over ranks.
+  Trainer(Backend& backend, Transformer& model, TrainConfig config, Communicator* comm = nullptr, DdpConfig ddp = {});
 
   StepStats train_step(BatchSource& data);  // throws on a non-finite loss, before updating
   double evaluate(BatchSource& data, int64_t batches);
@@ -66,7 +70,24 @@ class Trainer {
   std::vector<OptimParam> optim_params_;
   std::unique_ptr<Optimizer> optimizer_;
   std::unique_ptr<DynamicLossScaler> scaler_;
+  Communicator* comm_ = nullptr;
+  std::unique_ptr<DataParallel> ddp_;
+  Tensor loss_buffer_;  // (1) f64: the step's loss, averaged over ranks
   int64_t step_ = 0;
+};
+
+// This rank's rows of each global batch: fills the global (B * world, T) batch from `global`
+// and keeps rows [rank * B, (rank + 1) * B), so the ranks together see exactly the batch a
+// single process with batch B * world would, each a disjoint part.
+class RankSliceSource final : public BatchSource {
+ public:
+  RankSliceSource(BatchSource& global, Allocator& allocator, int rank, int world, int64_t batch, int64_t seq_len);
+  void fill(const Tensor& tokens, const Tensor& targets) override;
+
+ private:
+  BatchSource& global_;
+  int rank_;
+  Tensor tokens_, targets_;
 };
 
 }  // namespace loom

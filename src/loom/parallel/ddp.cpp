@@ -1,0 +1,55 @@
+#include "loom/parallel/ddp.h"
+
+#include <algorithm>
+
+#include "loom/core/error.h"
+
+namespace loom {
+
+DataParallel::DataParallel(Communicator& comm, const Tensor& grads, const ParamLayout& layout, DdpConfig config)
+    : comm_(comm), grads_(grads), config_(config) {
+  LOOM_CHECK(config_.bucket_bytes > 0, "parallel.bucket_mb must be > 0");
+  LOOM_CHECK(grads.dtype() == DTYPE_F32 && grads.numel() == layout.total, "data parallel: gradient buffer ",
+             grads.describe(), " does not match the layout's ", layout.total, " parameters");
+  const int64_t cap = std::max<int64_t>(1, config_.bucket_bytes / static_cast<int64_t>(sizeof(float)));
+  // Walk the parameters from the last one, closing a bucket when it reaches the cap.
+  std::vector<const ParamSpec*> specs;
+  for (const ParamSpec& p : layout.params) specs.push_back(&p);
+  std::sort(specs.begin(), specs.end(), [](const ParamSpec* a, const ParamSpec* b) { return a->offset > b->offset; });
+  int64_t end = layout.total, begin = layout.total;
+  for (const ParamSpec* p : specs) {
+    begin = p->offset;
+    if (end - begin >= cap) {
+      buckets_.push_back({begin, end});
+      end = begin;
+    }
+  }
+  if (end > 0) buckets_.push_back({0, end});
+}
+
+void DataParallel::ready_from(int64_t offset) {
+  if (!config_.overlap) return;
+  while (launched_ < buckets_.size() && buckets_[launched_].begin >= offset) {
+    const Bucket& b = buckets_[launched_++];
+    in_flight_.push_back(comm_.all_reduce_async(grads_.view(b.begin, {b.end - b.begin}), REDUCE_SUM));
+  }
+}
+
+void DataParallel::finish() {
+  const bool overlap = config_.overlap;
+  config_.overlap = true;
+  ready_from(0);
+  config_.overlap = overlap;
+  for (auto& w : in_flight_) w->wait();
+  in_flight_.clear();
+  launched_ = 0;
+  if (comm_.size() > 1) {
+    const float inv = 1.0f / static_cast<float>(comm_.size());
+    float* g = grads_.data<float>();
+    const int64_t n = grads_.numel();
+#pragma omp parallel for simd schedule(static)
+    for (int64_t i = 0; i < n; ++i) g[i] *= inv;
+  }
+}
+
+}  // namespace loom
