@@ -108,6 +108,56 @@ class Cli(unittest.TestCase):
                         open(os.path.join(self.ckpt(f"resumed_{name}", 8), f), "rb") as b:
                     self.assertEqual(a.read(), b.read(), f"{name} {f}")
 
+    # ---------------------------------------------------------------- data parallel (mpirun)
+    def mpirun(self, np: int, name: str, *extra: str, steps: int = 6, background: bool = False):
+        sets = f"{TINY},train.steps={steps},data.dir={self.data},data.tokenizer=byte,run.dir={self.tmp}/runs,run.name={name}"
+        env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+        cmd = ["mpirun", "--oversubscribe", "-np", str(np), LOOM, "train", "--set", sets, *extra]
+        if background:
+            return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+    def losses(self, name: str) -> list[float]:
+        with open(os.path.join(self.tmp, "runs", name, "metrics.jsonl")) as f:
+            return [r["loss"] for r in map(json.loads, f) if "loss" in r]
+
+    def test_mpirun_data_parallel_matches_one_process(self):
+        self.train("dp_single", "--set", "train.batch_size=4,train.checkpoint_every=0", steps=6)
+        p = self.mpirun(2, "dp_two", "--set", "train.batch_size=2,train.checkpoint_every=0")
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        self.assertIn("data parallel: 2 ranks", p.stdout)
+        single, two = self.losses("dp_single"), self.losses("dp_two")
+        self.assertEqual(len(single), 6)
+        for a, b in zip(single, two):
+            self.assertLess(abs(a - b) / a, 1e-5, (single, two))
+        with open(os.path.join(self.tmp, "runs", "dp_two", "logs", "rank1.log")) as f:
+            self.assertIn("data parallel", f.read())  # rank 1 logs to its own file, not stdout
+
+    def test_a_killed_rank_ends_the_whole_job(self):
+        p = self.mpirun(2, "dead", "--set", "train.checkpoint_every=0", steps=100000, background=True)
+        import time
+        log, victim, t0 = os.path.join(self.tmp, "runs", "dead", "logs", "rank1.log"), None, time.time()
+        while victim is None and time.time() - t0 < 60:  # rank 1's pid, once it is training
+            time.sleep(0.5)
+            if os.path.exists(log) and "data parallel" in open(log).read():
+                for pid in os.listdir("/proc"):
+                    try:
+                        with open(f"/proc/{pid}/environ", "rb") as f:
+                            env = f.read().split(b"\0")
+                        with open(f"/proc/{pid}/cmdline", "rb") as f:
+                            cmd = f.read()
+                    except OSError:
+                        continue
+                    if b"OMPI_COMM_WORLD_RANK=1" in env and b"run.name=dead" in cmd and cmd.startswith(LOOM.encode()):
+                        victim = int(pid)
+        self.assertIsNotNone(victim, "rank 1 never started training")
+        os.kill(victim, 9)
+        t1 = time.time()
+        out, err = p.communicate(timeout=60)  # raises if the job hangs
+        self.assertLess(time.time() - t1, 60)
+        self.assertNotEqual(p.returncode, 0)
+        self.assertIn("rank 1", out + err)
+
     def test_loss_scaler_state_is_checkpointed_and_restored(self):
         sets = ("--set", "precision.loss_scaling=true,precision.growth_interval=3")
         self.train("scaled", *sets, "--stop-at-step", "4")

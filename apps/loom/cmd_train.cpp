@@ -10,6 +10,7 @@
 
 #include "cli.h"
 #include "commands.h"
+#include "loom/comm/communicator.h"
 #include "loom/core/error.h"
 #include "loom/core/file_io.h"
 #include "loom/data/loader.h"
@@ -113,16 +114,31 @@ int train_main(int argc, char** argv) {
              "/meta.json); set model.vocab_size = 0 to follow the data");
   config.validate();
 
+  // Under mpirun: data parallel over every rank. Rank 0 writes the run folder and prints; the
+  // other ranks print into <run>/logs/rank<N>.log and keep their metrics beside it.
+  const std::unique_ptr<Communicator> comm = launched_by_mpirun() ? make_mpi_communicator() : make_local_communicator();
+  const bool lead = comm->rank() == 0;
   const std::string dir = run_dir(config);
   fs::create_directories(dir);
+  if (!lead) {
+    fs::create_directories(fs::path(dir) / "logs");
+    const std::string log = (fs::path(dir) / "logs" / ("rank" + std::to_string(comm->rank()) + ".log")).string();
+    LOOM_CHECK(std::freopen(log.c_str(), "w", stdout) != nullptr, "rank ", comm->rank(), ": cannot write ", log);
+  }
   const std::string config_text = config_to_toml(config);
-  write_file_atomic((fs::path(dir) / "config.toml").string(), config_text);
+  if (lead) write_file_atomic((fs::path(dir) / "config.toml").string(), config_text);
 
   auto backend = make_cpu_backend();
   Transformer model(*backend, config.model);
   model.init_weights(config.loop.seed);
-  Trainer trainer(*backend, model, config.train);
+  DdpConfig ddp;
+  ddp.bucket_bytes = static_cast<int64_t>(config.parallel.bucket_mb * (1 << 20));
+  ddp.overlap = config.parallel.overlap;
+  Trainer trainer(*backend, model, config.train, comm.get(), ddp);
   TokenLoader train_data(std::move(data.train), config.train.seq_len, config.loop.seed);
+  // Each rank trains on its rows of the global batch the loader draws (all ranks draw the same).
+  RankSliceSource rank_data(train_data, backend->allocator(), comm->rank(), comm->size(), config.train.batch_size,
+                            config.train.seq_len);
   TokenLoader val_data(std::move(data.val), config.train.seq_len, config.loop.seed, LOADER_ORDER_SEQUENTIAL);
 
   CheckpointOptions ckpt_options;
@@ -132,7 +148,8 @@ int train_main(int argc, char** argv) {
   OptimizerState optimizer_state{trainer.optimizer().name(), trainer.optimizer().state()};
   // FP8 delayed scaling's amax histories resume with the optimizer (a bitwise-identical resume).
   if (const Tensor& fp8 = model.pack_scaling_state(); fp8.defined()) optimizer_state.tensors.emplace_back("fp8_amax_history", fp8);
-  auto save = [&] {
+  auto save = [&]() -> std::string {
+    if (!lead) return "(written by rank 0)";  // data parallel ranks hold identical state
     model.pack_scaling_state();
     CheckpointContents c;
     c.step = trainer.step();
@@ -197,7 +214,14 @@ int train_main(int argc, char** argv) {
               format_bytes(static_cast<size_t>(state_bytes)).c_str(), state_per_param, config.train.schedule.kind.c_str(),
               config.train.schedule.max_lr);
   std::printf("precision: %s%s\n", model.precision().describe().c_str(), config.train.loss_scaling ? ", dynamic loss scaling" : "");
-  MetricsLog metrics((fs::path(dir) / "metrics.jsonl").string());
+  MetricsLog metrics(lead ? (fs::path(dir) / "metrics.jsonl").string()
+                          : (fs::path(dir) / "logs" / ("metrics.rank" + std::to_string(comm->rank()) + ".jsonl")).string());
+  if (comm->size() > 1) {
+    std::printf("data parallel: %d ranks (MPI), %lld sequences per rank per micro-batch, global batch %lld x %lld tokens\n",
+                comm->size(), static_cast<long long>(config.train.batch_size),
+                static_cast<long long>(config.train.batch_size * config.train.grad_accum * comm->size()),
+                static_cast<long long>(config.train.seq_len));
+  }
   metrics.write({{"optimizer", trainer.optimizer().name()}, {"parameters", n_params}, {"optimizer_state_bytes", state_bytes},
                  {"state_bytes_per_param", state_per_param}, {"schedule", config.train.schedule.kind},
                  {"precision", model.precision().describe()}, {"loss_scaling", config.train.loss_scaling}});
@@ -207,17 +231,18 @@ int train_main(int argc, char** argv) {
   double last_val = NAN;
 
   while (trainer.step() < config.train.steps) {
-    const StepStats stats = trainer.train_step(train_data);
+    const StepStats stats = trainer.train_step(rank_data);
     seconds_sum += stats.seconds;
     ++steps_timed;
     StepReport r{stats};
-    r.tokens_per_s = static_cast<double>(stats.tokens) / stats.seconds;
-    r.mfu = r.tokens_per_s * flops_per_token / (peak_gflops * 1e9);
+    r.tokens_per_s = static_cast<double>(stats.tokens * comm->size()) / stats.seconds;  // all ranks
+    r.mfu = r.tokens_per_s * flops_per_token / (peak_gflops * 1e9 * comm->size());    // peak measured per rank
     r.memory_bytes = mem.current_total();
     r.eta_seconds = seconds_sum / static_cast<double>(steps_timed) * static_cast<double>(config.train.steps - trainer.step());
     metrics.write({{"step", stats.step + 1}, {"loss", stats.loss}, {"lr", stats.lr}, {"grad_norm", stats.grad_norm},
                    {"tokens", stats.tokens}, {"seconds", stats.seconds}, {"loss_scale", stats.loss_scale}, {"skipped", stats.skipped}, {"tokens_per_s", r.tokens_per_s}, {"mfu", r.mfu},
-                   {"memory_bytes", r.memory_bytes}});
+                   {"memory_bytes", r.memory_bytes}, {"ranks", comm->size()},
+                   {"comm_bytes_sent", comm->ledger().total_sent()}, {"comm_bytes_received", comm->ledger().total_received()}});
     const int64_t done = trainer.step();
     const bool eval_now = config.loop.eval_every > 0 && done % config.loop.eval_every == 0;
     print_progress(r, config.train.steps, terminal, eval_now || done % config.loop.log_every == 0 || done == config.train.steps);
@@ -247,7 +272,7 @@ int train_main(int argc, char** argv) {
   std::vector<int32_t> sample = generate(model, prompt, sampler, options);
   if (!sample.empty() && sample.back() == tokenizer->eot_token()) sample.pop_back();
   const std::string text = printable_utf8(config.sample.prompt + tokenizer->decode(sample));
-  write_file_atomic((fs::path(dir) / "samples.txt").string(), text + "\n");
+  if (lead) write_file_atomic((fs::path(dir) / "samples.txt").string(), text + "\n");
   std::printf("\nsample (temperature %.2f, top-k %lld, top-p %.2f):\n%s\n\n", config.sample.sampling.temperature,
               static_cast<long long>(config.sample.sampling.top_k), config.sample.sampling.top_p, text.c_str());
   std::printf("done: %lld steps, final validation loss %.4f; peak memory %s (parameters %s, gradients %s, optimizer %s, "

@@ -107,6 +107,8 @@ std::vector<Binding> bindings(LoomConfig& c) {
       {"precision.backoff_factor", &c.train.loss_scaler.backoff_factor},
       {"precision.growth_interval", &c.train.loss_scaler.growth_interval},
       {"precision.hysteresis", &c.train.loss_scaler.hysteresis},
+      {"parallel.bucket_mb", &c.parallel.bucket_mb},
+      {"parallel.overlap", &c.parallel.overlap},
       {"data.dir", &c.data.dir},
       {"data.tokenizer", &c.data.tokenizer},
       {"data.input", &c.data.input},
@@ -223,6 +225,7 @@ void LoomConfig::validate() const {
   model.validate();
   train.validate();
   sample.sampling.validate();
+  LOOM_CHECK(parallel.bucket_mb > 0.0, "parallel.bucket_mb must be > 0, got ", parallel.bucket_mb);
   LOOM_CHECK(train.seq_len <= model.max_seq_len, "train.seq_len (", train.seq_len, ") must be <= model.max_seq_len (",
              model.max_seq_len, ")");
   LOOM_CHECK(loop.eval_every >= 0 && loop.checkpoint_every >= 0 && loop.log_every >= 1 && loop.eval_batches >= 1,

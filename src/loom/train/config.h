@@ -40,8 +40,16 @@ struct SampleConfig {
   SamplingConfig sampling{0.8f, 40, 0.95f, 1337};
 };
 
+// Multi-process training (`mpirun -np N loom train`): data parallel over the N ranks;
+// train.batch_size is each rank's micro-batch, so the global batch is batch_size * grad_accum * N.
+struct ParallelConfig {
+  double bucket_mb = 25.0;  // DDP gradient bucket size (PyTorch's bucket_cap_mb)
+  bool overlap = true;      // start each bucket's all-reduce during backward
+};
+
 struct LoomConfig {
   ModelConfig model;
+  ParallelConfig parallel;
   TrainConfig train;
   LoopConfig loop;
   DataConfig data;
