@@ -133,6 +133,19 @@ class Cli(unittest.TestCase):
         with open(os.path.join(self.tmp, "runs", "dp_two", "logs", "rank1.log")) as f:
             self.assertIn("data parallel", f.read())  # rank 1 logs to its own file, not stdout
 
+    def test_zero1_checkpoint_from_two_ranks_resumes_on_one(self):
+        self.train("z_single", "--set", "train.batch_size=4", steps=8)
+        p = self.mpirun(2, "z_sharded", "--set", "train.batch_size=2,parallel.zero_stage=1", "--stop-at-step", "4", steps=8)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        self.train("z_sharded", "--set", "train.batch_size=4", "--resume", steps=8)  # one process, whole state
+        single, resumed = self.losses("z_single"), self.losses("z_sharded")
+        self.assertEqual(len(resumed), 8)
+        for a, b in zip(single, resumed):
+            self.assertLess(abs(a - b) / a, 1e-5, (single, resumed))
+        bad = self.mpirun(2, "z_lion", "--set", "optim.name=adafactor,parallel.zero_stage=1", steps=2)
+        self.assertNotEqual(bad.returncode, 0)
+        self.assertIn("element-wise optimizer", bad.stderr)
+
     def test_a_killed_rank_ends_the_whole_job(self):
         p = self.mpirun(2, "dead", "--set", "train.checkpoint_every=0", steps=100000, background=True)
         import time

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "loom/comm/communicator.h"
+#include "loom/parallel/zero.h"
 #include "loom/train/trainer.h"
 
 namespace loom {
@@ -18,7 +19,8 @@ std::vector<int32_t> corpus(int64_t n, int32_t vocab) {
   return t;
 }
 
-std::vector<double> run(Communicator* comm, int64_t batch, int steps, std::vector<double>* params) {
+std::vector<double> run(Communicator* comm, int64_t batch, int steps, std::vector<double>* params, int64_t zero = 0,
+                        int64_t* state_bytes = nullptr) {
   ModelConfig config = model_preset("gpt2-tiny");
   auto backend = make_cpu_backend();
   Transformer model(*backend, config);
@@ -28,6 +30,7 @@ std::vector<double> run(Communicator* comm, int64_t batch, int steps, std::vecto
   tc.schedule.max_lr = 1e-2;
   DdpConfig ddp;
   ddp.bucket_bytes = 16 << 10;  // several buckets on a 100k-parameter model, launched during backward
+  ddp.zero_stage = zero;
   Trainer trainer(*backend, model, tc, comm, ddp);
   RandomWindowSource global(corpus(5000, static_cast<int32_t>(config.vocab_size)), 11);
   std::unique_ptr<RankSliceSource> slice;
@@ -38,6 +41,7 @@ std::vector<double> run(Communicator* comm, int64_t batch, int steps, std::vecto
   }
   std::vector<double> losses;
   for (int s = 0; s < steps; ++s) losses.push_back(trainer.train_step(*data).loss);
+  if (state_bytes) *state_bytes = backend->allocator().tracker().current(MEM_OPTIMIZER_STATE);
   const float* p = model.params().data<float>();
   params->assign(p, p + model.params().numel());
   return losses;
@@ -74,6 +78,38 @@ TEST(MpiDdp, ReproducesTheSingleProcessLossCurve) {
     std::printf("ddp np=%d: 20 steps, worst loss rel diff %.2e, params rel diff %.2e, all-reduce calls %lld, sent %lld bytes\n",
                 n, worst, perr / pmax, static_cast<long long>(l.calls[COLL_ALL_REDUCE]),
                 static_cast<long long>(l.sent[COLL_ALL_REDUCE]));
+  }
+}
+
+// ZeRO-1: the same loss curve as one process, with each rank holding the AdamW moments of its
+// shard only: 8 bytes x (its elements) = 8 Psi / N within the padding of one shard.
+TEST(MpiDdp, Zero1ShardsTheOptimizerStateAndKeepsTheCurve) {
+  auto comm = make_mpi_communicator();
+  const int n = comm->size();
+  std::vector<double> p_ref, p_zero;
+  int64_t ref_bytes = 0, zero_bytes = 0;
+  const std::vector<double> ref = run(nullptr, 2 * n, 20, &p_ref, 0, &ref_bytes);
+  const std::vector<double> zero = run(comm.get(), 2, 20, &p_zero, 1, &zero_bytes);
+  for (size_t s = 0; s < ref.size(); ++s) EXPECT_LT(std::abs(zero[s] - ref[s]) / std::abs(ref[s]), 1e-5) << "step " << s;
+  const int64_t P = static_cast<int64_t>(p_ref.size());
+  const ShardRange r = shard_range(P, comm->rank(), n);
+  EXPECT_EQ(ref_bytes, 8 * P);  // fp32 AdamW: exp_avg + exp_avg_sq
+  EXPECT_EQ(zero_bytes, 8 * (r.end - r.begin));
+  EXPECT_LE(zero_bytes, 8 * ((P + n - 1) / n));
+  auto backend = make_cpu_backend();  // outlives the tensors below
+  Tensor total = Tensor::zeros(backend->allocator(), {1}, DTYPE_F64, MEM_WORKSPACE);
+  total.data<double>()[0] = static_cast<double>(zero_bytes);
+  comm->all_reduce(total);
+  EXPECT_EQ(total.data<double>()[0], static_cast<double>(8 * P));  // the shards tile the state exactly
+  // Every rank ends with all the parameters, equal to the others' (the all-gather).
+  Tensor first = Tensor::zeros(backend->allocator(), {P}, DTYPE_F32, MEM_WORKSPACE);
+  for (int64_t i = 0; i < P; ++i) first.data<float>()[i] = static_cast<float>(p_zero[static_cast<size_t>(i)]);
+  comm->broadcast(first, 0);
+  for (int64_t i = 0; i < P; ++i) ASSERT_EQ(first.data<float>()[i], static_cast<float>(p_zero[static_cast<size_t>(i)])) << i;
+  if (comm->rank() == 0) {
+    std::printf("zero-1 np=%d: optimizer state %lld bytes on rank 0 of %lld without sharding (%.3f)\n", n,
+                static_cast<long long>(zero_bytes), static_cast<long long>(ref_bytes),
+                static_cast<double>(zero_bytes) / static_cast<double>(ref_bytes));
   }
 }
 

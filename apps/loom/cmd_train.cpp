@@ -1,5 +1,6 @@
 // loom train: the training loop a user runs. Composes the model, the data loaders, the
 // trainer, checkpoints, evaluation, the progress line, metrics and the final sample.
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -134,6 +135,7 @@ int train_main(int argc, char** argv) {
   DdpConfig ddp;
   ddp.bucket_bytes = static_cast<int64_t>(config.parallel.bucket_mb * (1 << 20));
   ddp.overlap = config.parallel.overlap;
+  ddp.zero_stage = config.parallel.zero_stage;
   Trainer trainer(*backend, model, config.train, comm.get(), ddp);
   TokenLoader train_data(std::move(data.train), config.train.seq_len, config.loop.seed);
   // Each rank trains on its rows of the global batch the loader draws (all ranks draw the same).
@@ -146,9 +148,23 @@ int train_main(int argc, char** argv) {
   CheckpointManager checkpoints((fs::path(dir) / "checkpoints").string(), ckpt_options);
   const ModelState model_state{config.model, model.params()};
   OptimizerState optimizer_state{trainer.optimizer().name(), trainer.optimizer().state()};
+  // ZeRO-1: each rank holds a shard of every state tensor; checkpoints hold them whole (gathered
+  // before a save, sliced after a load), the same files a run without sharding writes, so any
+  // number of ranks can resume them.
+  std::vector<std::pair<Tensor, Tensor>> zero_state;  // (this rank's shard, whole)
+  if (ShardGather* zero = trainer.zero()) {
+    for (auto& [name, shard] : optimizer_state.tensors) {
+      LOOM_CHECK(shard.numel() == zero->range().end - zero->range().begin, "ZeRO-1: optimizer state ", name, " of ",
+                 shard.numel(), " elements is not a shard of the parameters");
+      Tensor whole = Tensor::zeros(backend->allocator(), {model.layout().total}, DTYPE_F32, MEM_WORKSPACE);
+      zero_state.emplace_back(shard, whole);
+      shard = whole;
+    }
+  }
   // FP8 delayed scaling's amax histories resume with the optimizer (a bitwise-identical resume).
   if (const Tensor& fp8 = model.pack_scaling_state(); fp8.defined()) optimizer_state.tensors.emplace_back("fp8_amax_history", fp8);
   auto save = [&]() -> std::string {
+    for (auto& [shard, whole] : zero_state) trainer.zero()->gather_shard(shard, whole);  // every rank takes part
     if (!lead) return "(written by rank 0)";  // data parallel ranks hold identical state
     model.pack_scaling_state();
     CheckpointContents c;
@@ -170,6 +186,9 @@ int train_main(int argc, char** argv) {
     });
     if (loaded) {
       trainer.restore(loaded->step, loaded->optimizer_steps);
+      for (auto& [shard, whole] : zero_state) {
+        std::copy_n(whole.data<float>() + trainer.zero()->range().begin, shard.numel(), shard.data<float>());
+      }
       model.unpack_scaling_state();
       train_data.restore(loaded->data_state.get<LoaderState>());
       if (DynamicLossScaler* ls = trainer.loss_scaler(); ls != nullptr && loaded->extra.contains("loss_scaler")) {

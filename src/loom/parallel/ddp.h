@@ -24,6 +24,7 @@ namespace loom {
 struct DdpConfig {
   int64_t bucket_bytes = 25 << 20;  // PyTorch DDP's default bucket_cap_mb = 25
   bool overlap = true;              // false: one all-reduce per bucket after backward (for comparison)
+  int64_t zero_stage = 0;           // 0: plain DDP; 1: ZeRO-1, optimizer state sharded (parallel/zero.h)
 };
 
 class DataParallel {

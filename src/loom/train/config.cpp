@@ -109,6 +109,7 @@ std::vector<Binding> bindings(LoomConfig& c) {
       {"precision.hysteresis", &c.train.loss_scaler.hysteresis},
       {"parallel.bucket_mb", &c.parallel.bucket_mb},
       {"parallel.overlap", &c.parallel.overlap},
+      {"parallel.zero_stage", &c.parallel.zero_stage},
       {"data.dir", &c.data.dir},
       {"data.tokenizer", &c.data.tokenizer},
       {"data.input", &c.data.input},
@@ -225,6 +226,8 @@ void LoomConfig::validate() const {
   model.validate();
   train.validate();
   sample.sampling.validate();
+  LOOM_CHECK(parallel.zero_stage == 0 || parallel.zero_stage == 1, "parallel.zero_stage must be 0 or 1 (2 and 3 are "
+             "not implemented yet), got ", parallel.zero_stage);
   LOOM_CHECK(parallel.bucket_mb > 0.0, "parallel.bucket_mb must be > 0, got ", parallel.bucket_mb);
   LOOM_CHECK(train.seq_len <= model.max_seq_len, "train.seq_len (", train.seq_len, ") must be <= model.max_seq_len (",
              model.max_seq_len, ")");

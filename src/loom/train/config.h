@@ -45,6 +45,7 @@ struct SampleConfig {
 struct ParallelConfig {
   double bucket_mb = 25.0;  // DDP gradient bucket size (PyTorch's bucket_cap_mb)
   bool overlap = true;      // start each bucket's all-reduce during backward
+  int64_t zero_stage = 0;   // 0: DDP; 1: ZeRO-1 (optimizer state sharded over the ranks)
 };
 
 struct LoomConfig {

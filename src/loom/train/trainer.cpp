@@ -13,6 +13,19 @@ namespace {
 // Philox key of stochastic rounding of bf16 master weights (draw = step): fixed, so a resumed
 // run rounds exactly as an uninterrupted one.
 constexpr uint64_t kRoundingSeed = 0x5EEDB16F;
+
+// The parameters this rank's optimizer updates: all, or its ZeRO-1 shard.
+std::vector<OptimParam> rank_params(const std::vector<OptimParam>& all, const Communicator* comm, const DdpConfig& ddp,
+                                    int64_t total, const std::string& optimizer) {
+  LOOM_CHECK(ddp.zero_stage == 0 || ddp.zero_stage == 1, "parallel.zero_stage = ", ddp.zero_stage,
+             ": stages 0 (DDP) and 1 (sharded optimizer state) are implemented");
+  if (ddp.zero_stage == 0 || comm == nullptr || comm->size() == 1) return all;
+  LOOM_CHECK(elementwise_optimizer(optimizer), "parallel.zero_stage = 1 shards at element boundaries and needs an "
+             "element-wise optimizer (sgd, momentum, nesterov, adagrad, rmsprop, adam, adamw, lion), got optim.name = ",
+             optimizer);
+  const ShardRange r = shard_range(total, comm->rank(), comm->size());
+  return shard_optim_params(all, r.begin, r.end);
+}
 }  // namespace
 
 void TrainConfig::validate() const {
@@ -33,7 +46,9 @@ Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config, Commu
       store_(model.allocate_store(config.batch_size, config.seq_len)),
       schedule_(config.schedule),
       optim_params_(loom::optim_params(model.layout(), config.optim.resolved())),
-      optimizer_(make_optimizer(backend, model.params(), model.grads(), optim_params_, config.optim)) {
+      optimizer_(make_optimizer(backend, model.params(), model.grads(),
+                                rank_params(optim_params_, comm, ddp, model.layout().total, config.optim.resolved().name),
+                                config.optim)) {
   schedule_.total = config_.steps;
   model_.set_precision(resolve_policy(config_.precision));
   if (comm != nullptr && comm->size() > 1) {
@@ -42,6 +57,7 @@ Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config, Commu
     comm_ = comm;
     ddp_ = std::make_unique<DataParallel>(*comm, model_.grads(), model_.layout(), ddp);
     loss_buffer_ = Tensor::zeros(backend_.allocator(), {1}, DTYPE_F64, MEM_WORKSPACE);
+    if (ddp.zero_stage == 1) zero_ = std::make_unique<ShardGather>(*comm, backend_.allocator(), model_.layout().total);
   }
   if (model_.precision().master_bf16) {  // no fp32 master: the weights are bf16 values from the start
     round_to_bf16(model_.params().data<float>(), model_.params().numel(), false);
@@ -113,6 +129,7 @@ StepStats Trainer::train_step(BatchSource& data) {
       round_to_bf16(model_.params().data<float>(), model_.params().numel(), policy.stochastic_rounding, kRoundingSeed,
                     0, static_cast<uint32_t>(step_));
     }
+    if (zero_) zero_->gather_slices(model_.params());  // ZeRO-1: every rank's updated shard to all
   }
   model_.end_step();
   stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

@@ -10,6 +10,7 @@
 #include "loom/optim/optimizer.h"
 #include "loom/optim/schedule.h"
 #include "loom/parallel/ddp.h"
+#include "loom/parallel/zero.h"
 #include "loom/precision/loss_scaler.h"
 #include "loom/precision/policy.h"
 
@@ -56,7 +57,9 @@ class Trainer {
   const Optimizer& optimizer() const { return *optimizer_; }
   // The loss scaler (nullptr without loss scaling); its state goes into checkpoints.
   DynamicLossScaler* loss_scaler() { return scaler_.get(); }
-  const std::vector<OptimParam>& optim_params() const { return optim_params_; }
+  const std::vector<OptimParam>& optim_params() const { return optim_params_; }  // all parameters
+  // ZeRO-1: this rank's shard and the gather of sharded state (nullptr otherwise).
+  ShardGather* zero() { return zero_.get(); }
   const ScheduleConfig& schedule() const { return schedule_; }
   // After a checkpoint restored the weights and the optimizer moments: continue at `step`.
   void restore(int64_t step, int64_t optimizer_steps);
@@ -72,6 +75,7 @@ class Trainer {
   std::unique_ptr<DynamicLossScaler> scaler_;
   Communicator* comm_ = nullptr;
   std::unique_ptr<DataParallel> ddp_;
+  std::unique_ptr<ShardGather> zero_;
   Tensor loss_buffer_;  // (1) f64: the step's loss, averaged over ranks
   int64_t step_ = 0;
 };
