@@ -5,6 +5,7 @@
 #include "loom/backend/backend.h"
 #include "loom/comm/communicator.h"
 #include "loom/core/error.h"
+#include "loom/parallel/compress.h"
 #include "test_util.h"
 
 namespace loom {
@@ -30,6 +31,49 @@ TEST(LocalComm, CollectivesOfOneRank) {
   Tensor bad = Tensor::zeros(backend->allocator(), {16}, DTYPE_F32, MEM_WORKSPACE);
   EXPECT_THROW(comm->reduce_scatter(x, bad), Error);
   EXPECT_THROW(comm->send(x, 1), Error);
+}
+
+// Top-K with error feedback: over 6 steps, sum of what was sent + the residual = sum of the
+// gradients (fp32 rounding); each step sends exactly k entries, the largest of gradient +
+// residual; ratio 1 sends everything and leaves no residual.
+TEST(TopKCompression, ErrorFeedbackInvariantAndSelection) {
+  auto comm = make_local_communicator();
+  auto backend = make_cpu_backend();
+  const int64_t n = 1000, k = 37;
+  auto topk = make_topk_compressor(backend->allocator(), n + 10, static_cast<double>(k) / n);
+  std::vector<double> grad_sum(n, 0.0), sent_sum(n, 0.0);
+  for (int step = 0; step < 6; ++step) {
+    Tensor g = test::random_tensor(backend->allocator(), {n}, DTYPE_F32, 100 + step);
+    std::vector<double> acc(n);
+    for (int64_t i = 0; i < n; ++i) {
+      grad_sum[i] += g.data<float>()[i];
+      acc[i] = static_cast<double>(g.data<float>()[i]) + topk->residual().data<float>()[10 + i];
+    }
+    topk->reduce(*comm, g, 10);  // a bucket at offset 10 of the flat gradient
+    int64_t nonzero = 0;
+    double smallest_sent = 1e30, largest_kept = 0.0;
+    for (int64_t i = 0; i < n; ++i) {
+      const float s = g.data<float>()[i];
+      sent_sum[i] += s;
+      if (s != 0.0f) {
+        ++nonzero;
+        smallest_sent = std::min(smallest_sent, std::abs(acc[i]));
+      } else {
+        largest_kept = std::max(largest_kept, std::abs(acc[i]));
+      }
+    }
+    EXPECT_EQ(nonzero, k) << "step " << step;
+    EXPECT_GE(smallest_sent, largest_kept) << "step " << step;
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    EXPECT_NEAR(sent_sum[i] + topk->residual().data<float>()[10 + i], grad_sum[i], 1e-5) << i;
+  }
+  auto all = make_topk_compressor(backend->allocator(), n, 1.0);
+  Tensor g = test::random_tensor(backend->allocator(), {n}, DTYPE_F32, 9);
+  const std::vector<double> before = test::values(g);
+  all->reduce(*comm, g, 0);
+  EXPECT_EQ(test::values(g), before);
+  EXPECT_EQ(test::values(all->residual()), std::vector<double>(n, 0.0));
 }
 
 }  // namespace

@@ -136,6 +136,8 @@ int train_main(int argc, char** argv) {
   ddp.bucket_bytes = static_cast<int64_t>(config.parallel.bucket_mb * (1 << 20));
   ddp.overlap = config.parallel.overlap;
   ddp.zero_stage = config.parallel.zero_stage;
+  ddp.compression = config.parallel.compression;
+  ddp.topk_ratio = config.parallel.topk_ratio;
   Trainer trainer(*backend, model, config.train, comm.get(), ddp);
   TokenLoader train_data(std::move(data.train), config.train.seq_len, config.loop.seed);
   // Each rank trains on its rows of the global batch the loader draws (all ranks draw the same).

@@ -6,8 +6,12 @@
 
 namespace loom {
 
-DataParallel::DataParallel(Communicator& comm, const Tensor& grads, const ParamLayout& layout, DdpConfig config)
+DataParallel::DataParallel(Communicator& comm, Allocator& allocator, const Tensor& grads, const ParamLayout& layout,
+                           DdpConfig config)
     : comm_(comm), grads_(grads), config_(config) {
+  LOOM_CHECK(config_.compression == "none" || config_.compression == "topk", "parallel.compression must be none or topk, got '",
+             config_.compression, "'");
+  if (config_.compression == "topk") compressor_ = make_topk_compressor(allocator, layout.total, config_.topk_ratio);
   LOOM_CHECK(config_.bucket_bytes > 0, "parallel.bucket_mb must be > 0");
   LOOM_CHECK(grads.dtype() == DTYPE_F32 && grads.numel() == layout.total, "data parallel: gradient buffer ",
              grads.describe(), " does not match the layout's ", layout.total, " parameters");
@@ -31,6 +35,10 @@ void DataParallel::ready_from(int64_t offset) {
   if (!config_.overlap) return;
   while (launched_ < buckets_.size() && buckets_[launched_].begin >= offset) {
     const Bucket& b = buckets_[launched_++];
+    if (compressor_) {  // blocking: the hook's sparse exchange
+      compressor_->reduce(comm_, grads_.view(b.begin, {b.end - b.begin}), b.begin);
+      continue;
+    }
     in_flight_.push_back(comm_.all_reduce_async(grads_.view(b.begin, {b.end - b.begin}), REDUCE_SUM));
   }
 }

@@ -14,9 +14,11 @@
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "loom/comm/communicator.h"
+#include "loom/parallel/compress.h"
 #include "loom/model/param_layout.h"
 
 namespace loom {
@@ -25,11 +27,14 @@ struct DdpConfig {
   int64_t bucket_bytes = 25 << 20;  // PyTorch DDP's default bucket_cap_mb = 25
   bool overlap = true;              // false: one all-reduce per bucket after backward (for comparison)
   int64_t zero_stage = 0;           // 0: plain DDP; 1: ZeRO-1, optimizer state sharded (parallel/zero.h)
+  std::string compression = "none";  // none | topk (parallel/compress.h; replaces each bucket's all-reduce)
+  double topk_ratio = 0.01;          // fraction of each bucket's entries Top-K sends
 };
 
 class DataParallel {
  public:
-  DataParallel(Communicator& comm, const Tensor& grads, const ParamLayout& layout, DdpConfig config = {});
+  DataParallel(Communicator& comm, Allocator& allocator, const Tensor& grads, const ParamLayout& layout,
+               DdpConfig config = {});
 
   // Bucket b covers flat elements [begin, end) of the gradient buffer; buckets are in launch
   // order (the last parameters first).
@@ -51,6 +56,7 @@ class DataParallel {
   std::vector<Bucket> buckets_;
   size_t launched_ = 0;
   std::vector<std::unique_ptr<CommWork>> in_flight_;
+  std::unique_ptr<GradCompressor> compressor_;
 };
 
 }  // namespace loom

@@ -110,6 +110,8 @@ std::vector<Binding> bindings(LoomConfig& c) {
       {"parallel.bucket_mb", &c.parallel.bucket_mb},
       {"parallel.overlap", &c.parallel.overlap},
       {"parallel.zero_stage", &c.parallel.zero_stage},
+      {"parallel.compression", &c.parallel.compression},
+      {"parallel.topk_ratio", &c.parallel.topk_ratio},
       {"data.dir", &c.data.dir},
       {"data.tokenizer", &c.data.tokenizer},
       {"data.input", &c.data.input},

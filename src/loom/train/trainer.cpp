@@ -55,7 +55,7 @@ Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config, Commu
     LOOM_CHECK(!optimizer_->keeps_gradients(), "data parallelism is not supported with optim.name = ", optimizer_->name(),
                " (its error feedback lives in the gradient buffer, which the all-reduce would average)");
     comm_ = comm;
-    ddp_ = std::make_unique<DataParallel>(*comm, model_.grads(), model_.layout(), ddp);
+    ddp_ = std::make_unique<DataParallel>(*comm, backend_.allocator(), model_.grads(), model_.layout(), ddp);
     loss_buffer_ = Tensor::zeros(backend_.allocator(), {1}, DTYPE_F64, MEM_WORKSPACE);
     if (ddp.zero_stage == 1) zero_ = std::make_unique<ShardGather>(*comm, backend_.allocator(), model_.layout().total);
   }

@@ -1,0 +1,63 @@
+#include "loom/parallel/compress.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <vector>
+
+#include "loom/core/error.h"
+
+namespace loom {
+
+namespace {
+
+class TopK final : public GradCompressor {
+ public:
+  TopK(Allocator& allocator, int64_t total, double ratio) : allocator_(allocator), ratio_(ratio) {
+    LOOM_CHECK(ratio > 0.0 && ratio <= 1.0, "parallel.topk_ratio must be in (0, 1], got ", ratio);
+    residual_ = Tensor::zeros(allocator, {total}, DTYPE_F32, MEM_OPTIMIZER_STATE);  // error feedback
+  }
+
+  void reduce(Communicator& comm, const Tensor& bucket, int64_t offset) override {
+    const int64_t n = bucket.numel(), world = comm.size();
+    const int64_t k = std::max<int64_t>(1, static_cast<int64_t>(std::floor(ratio_ * static_cast<double>(n))));
+    float* g = bucket.data<float>();
+    float* e = residual_.data<float>() + offset;
+    for (int64_t i = 0; i < n; ++i) e[i] += g[i];  // accumulated = gradient + residual
+    std::vector<int32_t> order(static_cast<size_t>(n));
+    std::iota(order.begin(), order.end(), 0);
+    std::nth_element(order.begin(), order.begin() + (k - 1), order.end(), [&](int32_t a, int32_t b) {
+      const float fa = std::fabs(e[a]), fb = std::fabs(e[b]);
+      return fa > fb || (fa == fb && a < b);  // ties by index: deterministic
+    });
+    Tensor idx = Tensor::empty(allocator_, {k}, DTYPE_I32, MEM_WORKSPACE);
+    Tensor val = Tensor::empty(allocator_, {k}, DTYPE_F32, MEM_WORKSPACE);
+    for (int64_t j = 0; j < k; ++j) {
+      const int32_t i = order[static_cast<size_t>(j)];
+      idx.data<int32_t>()[j] = i;
+      val.data<float>()[j] = e[i];
+      e[i] = 0.0f;  // sent: the residual keeps the rest
+    }
+    Tensor all_idx = Tensor::empty(allocator_, {k * world}, DTYPE_I32, MEM_WORKSPACE);
+    Tensor all_val = Tensor::empty(allocator_, {k * world}, DTYPE_F32, MEM_WORKSPACE);
+    comm.all_gather(idx, all_idx);
+    comm.all_gather(val, all_val);
+    std::fill(g, g + n, 0.0f);
+    for (int64_t j = 0; j < k * world; ++j) g[all_idx.data<int32_t>()[j]] += all_val.data<float>()[j];  // rank order
+  }
+
+  const Tensor& residual() const override { return residual_; }
+
+ private:
+  Allocator& allocator_;
+  double ratio_;
+  Tensor residual_;
+};
+
+}  // namespace
+
+std::unique_ptr<GradCompressor> make_topk_compressor(Allocator& allocator, int64_t total, double ratio) {
+  return std::make_unique<TopK>(allocator, total, ratio);
+}
+
+}  // namespace loom

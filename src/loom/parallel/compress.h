@@ -1,0 +1,30 @@
+// Gradient compression on the DDP path (REFERENCE.md §9): a hook that replaces a bucket's
+// all-reduce. Top-K with error feedback (Stich et al. 2018; Lin et al., DGC, 2018 without the
+// momentum correction): each rank adds its residual to the bucket's gradient, sends the k
+// entries of largest magnitude (k = ratio x n, at least 1) as (index, value) pairs by
+// all-gather, keeps the rest as the new residual, and every rank sums the N sparse vectors into
+// the bucket (DDP then divides by N). Invariant, per rank and element: sent + residual after =
+// gradient + residual before, so over any number of steps sum(sent) + residual = sum(gradients).
+// Wire bytes per rank: (N-1)/N x N x k x 8 (an i32 index and an f32 value per entry).
+#pragma once
+#include <cstdint>
+#include <memory>
+
+#include "loom/comm/communicator.h"
+
+namespace loom {
+
+class GradCompressor {
+ public:
+  virtual ~GradCompressor() = default;
+  // bucket = the sum over ranks of what each rank transmits for [offset, offset + n) of the
+  // flat gradient (its compressed gradient). Blocking.
+  virtual void reduce(Communicator& comm, const Tensor& bucket, int64_t offset) = 0;
+  // The error-feedback residual over the whole flat gradient (checkpointable state).
+  virtual const Tensor& residual() const = 0;
+};
+
+// Top-K with error feedback over a flat gradient of `total` elements (the residual lives here).
+std::unique_ptr<GradCompressor> make_topk_compressor(Allocator& allocator, int64_t total, double ratio);
+
+}  // namespace loom
