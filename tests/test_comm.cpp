@@ -76,5 +76,32 @@ TEST(TopKCompression, ErrorFeedbackInvariantAndSelection) {
   EXPECT_EQ(test::values(all->residual()), std::vector<double>(n, 0.0));
 }
 
+// 1-bit with error feedback: what is sent is +-scale with scale = mean |gradient + residual|,
+// the invariant sum(sent) + residual = sum(gradients) holds over 6 steps.
+TEST(OneBitCompression, SendsSignTimesMeanMagnitudeWithErrorFeedback) {
+  auto comm = make_local_communicator();
+  auto backend = make_cpu_backend();
+  const int64_t n = 100;  // not a multiple of 32
+  auto onebit = make_onebit_compressor(backend->allocator(), n);
+  std::vector<double> grad_sum(n, 0.0), sent_sum(n, 0.0);
+  for (int step = 0; step < 6; ++step) {
+    Tensor g = test::random_tensor(backend->allocator(), {n}, DTYPE_F32, 200 + step);
+    std::vector<double> acc(n);
+    double l1 = 0.0;
+    for (int64_t i = 0; i < n; ++i) {
+      grad_sum[i] += g.data<float>()[i];
+      acc[i] = static_cast<double>(g.data<float>()[i]) + onebit->residual().data<float>()[i];
+      l1 += std::abs(acc[i]);
+    }
+    onebit->reduce(*comm, g, 0);
+    for (int64_t i = 0; i < n; ++i) {
+      const double expect = (acc[i] < 0 ? -1.0 : 1.0) * (l1 / n);
+      EXPECT_NEAR(g.data<float>()[i], expect, 1e-5 * (l1 / n)) << "step " << step << " element " << i;
+      sent_sum[i] += g.data<float>()[i];
+    }
+  }
+  for (int64_t i = 0; i < n; ++i) EXPECT_NEAR(sent_sum[i] + onebit->residual().data<float>()[i], grad_sum[i], 1e-5) << i;
+}
+
 }  // namespace
 }  // namespace loom

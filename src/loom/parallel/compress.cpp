@@ -54,7 +54,54 @@ class TopK final : public GradCompressor {
   Tensor residual_;
 };
 
+class OneBit final : public GradCompressor {
+ public:
+  OneBit(Allocator& allocator, int64_t total) : allocator_(allocator) {
+    residual_ = Tensor::zeros(allocator, {total}, DTYPE_F32, MEM_OPTIMIZER_STATE);
+  }
+
+  void reduce(Communicator& comm, const Tensor& bucket, int64_t offset) override {
+    const int64_t n = bucket.numel(), world = comm.size(), words = (n + 31) / 32;
+    float* g = bucket.data<float>();
+    float* e = residual_.data<float>() + offset;
+    double l1 = 0.0;
+    for (int64_t i = 0; i < n; ++i) {
+      e[i] += g[i];  // a = gradient + residual
+      l1 += std::fabs(static_cast<double>(e[i]));
+    }
+    const float scale = static_cast<float>(l1 / static_cast<double>(n));
+    Tensor bits = Tensor::zeros(allocator_, {words}, DTYPE_I32, MEM_WORKSPACE);
+    Tensor scl = Tensor::empty(allocator_, {1}, DTYPE_F32, MEM_WORKSPACE);
+    scl.data<float>()[0] = scale;
+    auto* w = reinterpret_cast<uint32_t*>(bits.data<int32_t>());
+    for (int64_t i = 0; i < n; ++i) {
+      const bool negative = e[i] < 0.0f;
+      if (negative) w[i / 32] |= 1u << (i % 32);
+      e[i] -= negative ? -scale : scale;  // residual = a - p
+    }
+    Tensor all_bits = Tensor::empty(allocator_, {words * world}, DTYPE_I32, MEM_WORKSPACE);
+    Tensor all_scl = Tensor::empty(allocator_, {world}, DTYPE_F32, MEM_WORKSPACE);
+    comm.all_gather(bits, all_bits);
+    comm.all_gather(scl, all_scl);
+    std::fill(g, g + n, 0.0f);
+    for (int64_t r = 0; r < world; ++r) {  // rank order
+      const auto* rw = reinterpret_cast<const uint32_t*>(all_bits.data<int32_t>()) + r * words;
+      const float s = all_scl.data<float>()[r];
+      for (int64_t i = 0; i < n; ++i) g[i] += (rw[i / 32] >> (i % 32)) & 1u ? -s : s;
+    }
+  }
+  const Tensor& residual() const override { return residual_; }
+
+ private:
+  Allocator& allocator_;
+  Tensor residual_;
+};
+
 }  // namespace
+
+std::unique_ptr<GradCompressor> make_onebit_compressor(Allocator& allocator, int64_t total) {
+  return std::make_unique<OneBit>(allocator, total);
+}
 
 std::unique_ptr<GradCompressor> make_topk_compressor(Allocator& allocator, int64_t total, double ratio) {
   return std::make_unique<TopK>(allocator, total, ratio);

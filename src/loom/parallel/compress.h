@@ -27,4 +27,11 @@ class GradCompressor {
 // Top-K with error feedback over a flat gradient of `total` elements (the residual lives here).
 std::unique_ptr<GradCompressor> make_topk_compressor(Allocator& allocator, int64_t total, double ratio);
 
+// 1-bit with error feedback (Seide et al. 2014; Karimireddy et al., "Error Feedback Fixes
+// SignSGD", ICML 2019): each rank sends p = (||a||_1 / n) sign(a) of a = gradient + residual
+// (signs packed 32 to an i32 word, plus the f32 scale), keeps a - p as the residual, and all
+// ranks sum the N decoded vectors. sign(0) = +1. Wire bytes per rank per bucket:
+// (N-1)/N x N x (4 ceil(n/32) + 4), about 1/32 of the fp32 gradient.
+std::unique_ptr<GradCompressor> make_onebit_compressor(Allocator& allocator, int64_t total);
+
 }  // namespace loom

@@ -9,9 +9,10 @@ namespace loom {
 DataParallel::DataParallel(Communicator& comm, Allocator& allocator, const Tensor& grads, const ParamLayout& layout,
                            DdpConfig config)
     : comm_(comm), grads_(grads), config_(config) {
-  LOOM_CHECK(config_.compression == "none" || config_.compression == "topk", "parallel.compression must be none or topk, got '",
-             config_.compression, "'");
+  LOOM_CHECK(config_.compression == "none" || config_.compression == "topk" || config_.compression == "onebit",
+             "parallel.compression must be none, topk or onebit, got '", config_.compression, "'");
   if (config_.compression == "topk") compressor_ = make_topk_compressor(allocator, layout.total, config_.topk_ratio);
+  if (config_.compression == "onebit") compressor_ = make_onebit_compressor(allocator, layout.total);
   LOOM_CHECK(config_.bucket_bytes > 0, "parallel.bucket_mb must be > 0");
   LOOM_CHECK(grads.dtype() == DTYPE_F32 && grads.numel() == layout.total, "data parallel: gradient buffer ",
              grads.describe(), " does not match the layout's ", layout.total, " parameters");
