@@ -103,5 +103,38 @@ TEST(OneBitCompression, SendsSignTimesMeanMagnitudeWithErrorFeedback) {
   for (int64_t i = 0; i < n; ++i) EXPECT_NEAR(sent_sum[i] + onebit->residual().data<float>()[i], grad_sum[i], 1e-5) << i;
 }
 
+// QSGD is unbiased: the mean of 20000 decoded vectors (different draws) is within 5 standard
+// errors of v for every element, each decoded value is ||v|| sign(v_i) l / s with l one of the
+// two levels around |v_i| s / ||v||, and the same draw index repeats exactly.
+TEST(QsgdCompression, UnbiasedOnTheTwoNearestLevels) {
+  auto comm = make_local_communicator();
+  auto backend = make_cpu_backend();
+  const int64_t n = 24;
+  const int s = 4;
+  auto qsgd = make_qsgd_compressor(backend->allocator(), n, s, 77);
+  Tensor v = test::random_tensor(backend->allocator(), {n}, DTYPE_F32, 5);
+  double sq = 0.0;
+  for (int64_t i = 0; i < n; ++i) sq += static_cast<double>(v.data<float>()[i]) * v.data<float>()[i];
+  const double norm = std::sqrt(sq);
+  const int draws = 20000;
+  std::vector<double> mean(n, 0.0), m2(n, 0.0);
+  Tensor g = Tensor::zeros(backend->allocator(), {n}, DTYPE_F32, MEM_WORKSPACE);
+  for (int d = 0; d < draws; ++d) {
+    std::copy_n(v.data<float>(), n, g.data<float>());
+    qsgd->reduce(*comm, g, 0);
+    for (int64_t i = 0; i < n; ++i) {
+      const double q = g.data<float>()[i], x = std::abs(v.data<float>()[i]) / norm * s;
+      const double level = std::abs(q) * s / norm;
+      ASSERT_TRUE(std::abs(level - std::floor(x)) < 1e-4 || std::abs(level - std::floor(x) - 1) < 1e-4) << level << " " << x;
+      mean[i] += q / draws;
+      m2[i] += q * q / draws;
+    }
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const double se = std::sqrt(std::max(m2[i] - mean[i] * mean[i], 1e-30) / draws);
+    EXPECT_LT(std::abs(mean[i] - v.data<float>()[i]), 5 * se + 1e-7) << i;
+  }
+}
+
 }  // namespace
 }  // namespace loom

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "loom/core/error.h"
+#include "loom/core/philox.h"
 
 namespace loom {
 
@@ -97,7 +98,63 @@ class OneBit final : public GradCompressor {
   Tensor residual_;
 };
 
+class Qsgd final : public GradCompressor {
+ public:
+  Qsgd(Allocator& allocator, int levels, uint64_t seed) : allocator_(allocator), levels_(levels), seed_(seed) {
+    LOOM_CHECK(levels >= 1 && levels <= 127, "parallel.qsgd_levels must be in [1, 127], got ", levels);
+    empty_ = Tensor::zeros(allocator, {1}, DTYPE_F32, MEM_WORKSPACE);
+  }
+
+  void reduce(Communicator& comm, const Tensor& bucket, int64_t offset) override {
+    const int64_t n = bucket.numel(), world = comm.size(), words = (n + 3) / 4;
+    float* g = bucket.data<float>();
+    double sq = 0.0;
+    for (int64_t i = 0; i < n; ++i) sq += static_cast<double>(g[i]) * g[i];
+    const float norm = static_cast<float>(std::sqrt(sq));
+    Tensor codes = Tensor::zeros(allocator_, {words}, DTYPE_I32, MEM_WORKSPACE);
+    Tensor nrm = Tensor::empty(allocator_, {1}, DTYPE_F32, MEM_WORKSPACE);
+    nrm.data<float>()[0] = norm;
+    auto* bytes = reinterpret_cast<int8_t*>(codes.data<int32_t>());
+    const PhiloxKey key = {static_cast<uint32_t>(seed_), static_cast<uint32_t>(seed_ >> 32)};
+    const uint32_t draw = static_cast<uint32_t>(calls_++);
+    for (int64_t q = 0; q < (n + 3) / 4 && norm > 0.0f; ++q) {
+      const PhiloxCounter r = philox4x32_10(
+          {static_cast<uint32_t>(offset + 4 * q), static_cast<uint32_t>(comm.rank()), draw, 0x9597u}, key);
+      for (int64_t j = 0; j < 4 && 4 * q + j < n; ++j) {
+        const int64_t i = 4 * q + j;
+        const double x = std::fabs(static_cast<double>(g[i])) / norm * levels_;
+        const double l = std::floor(x);
+        const int level = static_cast<int>(l) + (philox_uniform(r[static_cast<size_t>(j)]) < x - l ? 1 : 0);
+        bytes[i] = static_cast<int8_t>(g[i] < 0.0f ? -level : level);
+      }
+    }
+    Tensor all_codes = Tensor::empty(allocator_, {words * world}, DTYPE_I32, MEM_WORKSPACE);
+    Tensor all_norm = Tensor::empty(allocator_, {world}, DTYPE_F32, MEM_WORKSPACE);
+    comm.all_gather(codes, all_codes);
+    comm.all_gather(nrm, all_norm);
+    std::fill(g, g + n, 0.0f);
+    for (int64_t r = 0; r < world; ++r) {  // rank order
+      const auto* rb = reinterpret_cast<const int8_t*>(all_codes.data<int32_t>() + r * words);
+      const float unit = all_norm.data<float>()[r] / static_cast<float>(levels_);
+      for (int64_t i = 0; i < n; ++i) g[i] += unit * static_cast<float>(rb[i]);
+    }
+  }
+  const Tensor& residual() const override { return empty_; }  // unbiased: no error feedback
+
+ private:
+  Allocator& allocator_;
+  int levels_;
+  uint64_t seed_;
+  int64_t calls_ = 0;
+  Tensor empty_;
+};
+
 }  // namespace
+
+std::unique_ptr<GradCompressor> make_qsgd_compressor(Allocator& allocator, int64_t total, int levels, uint64_t seed) {
+  (void)total;
+  return std::make_unique<Qsgd>(allocator, levels, seed);
+}
 
 std::unique_ptr<GradCompressor> make_onebit_compressor(Allocator& allocator, int64_t total) {
   return std::make_unique<OneBit>(allocator, total);

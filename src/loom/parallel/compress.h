@@ -34,4 +34,12 @@ std::unique_ptr<GradCompressor> make_topk_compressor(Allocator& allocator, int64
 // (N-1)/N x N x (4 ceil(n/32) + 4), about 1/32 of the fp32 gradient.
 std::unique_ptr<GradCompressor> make_onebit_compressor(Allocator& allocator, int64_t total);
 
+// QSGD (Alistarh et al., NeurIPS 2017) with s levels (1..127): each rank sends ||v||_2 and, per
+// element, sign(v_i) xi_i with xi_i = l + 1 with probability |v_i| s / ||v|| - l, else l
+// (l = floor(|v_i| s / ||v||)); the decoded value ||v|| sign(v_i) xi_i / s is unbiased. The
+// random numbers are Philox(seed, stream = rank, draw = call count, element). No error
+// feedback (it is unbiased). Wire bytes per rank per bucket: (N-1)/N x N x (n + 4), one signed
+// byte per element packed 4 to a word, plus the norm.
+std::unique_ptr<GradCompressor> make_qsgd_compressor(Allocator& allocator, int64_t total, int levels, uint64_t seed);
+
 }  // namespace loom

@@ -9,8 +9,10 @@ namespace loom {
 DataParallel::DataParallel(Communicator& comm, Allocator& allocator, const Tensor& grads, const ParamLayout& layout,
                            DdpConfig config)
     : comm_(comm), grads_(grads), config_(config) {
-  LOOM_CHECK(config_.compression == "none" || config_.compression == "topk" || config_.compression == "onebit",
-             "parallel.compression must be none, topk or onebit, got '", config_.compression, "'");
+  LOOM_CHECK(config_.compression == "none" || config_.compression == "topk" || config_.compression == "onebit" ||
+                 config_.compression == "qsgd",
+             "parallel.compression must be none, topk, onebit or qsgd, got '", config_.compression, "'");
+  if (config_.compression == "qsgd") compressor_ = make_qsgd_compressor(allocator, layout.total, config_.qsgd_levels, 0x95D);
   if (config_.compression == "topk") compressor_ = make_topk_compressor(allocator, layout.total, config_.topk_ratio);
   if (config_.compression == "onebit") compressor_ = make_onebit_compressor(allocator, layout.total);
   LOOM_CHECK(config_.bucket_bytes > 0, "parallel.bucket_mb must be > 0");

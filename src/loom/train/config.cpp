@@ -112,6 +112,7 @@ std::vector<Binding> bindings(LoomConfig& c) {
       {"parallel.zero_stage", &c.parallel.zero_stage},
       {"parallel.compression", &c.parallel.compression},
       {"parallel.topk_ratio", &c.parallel.topk_ratio},
+      {"parallel.qsgd_levels", &c.parallel.qsgd_levels},
       {"data.dir", &c.data.dir},
       {"data.tokenizer", &c.data.tokenizer},
       {"data.input", &c.data.input},
