@@ -147,12 +147,14 @@ class Cli(unittest.TestCase):
         self.assertIn("element-wise optimizer", bad.stderr)
 
     def test_a_killed_rank_ends_the_whole_job(self):
-        p = self.mpirun(2, "dead", "--set", "train.checkpoint_every=0", steps=100000, background=True)
+        p = self.mpirun(2, "dead", "--set", "train.checkpoint_every=2,train.eval_every=0", steps=100000, background=True)
         import time
         log, victim, t0 = os.path.join(self.tmp, "runs", "dead", "logs", "rank1.log"), None, time.time()
         while victim is None and time.time() - t0 < 60:  # rank 1's pid, once it is training
             time.sleep(0.5)
-            if os.path.exists(log) and "data parallel" in open(log).read():
+            ck = os.path.join(self.tmp, "runs", "dead", "checkpoints")
+            has_ckpt = os.path.isdir(ck) and any(d.startswith("step_") and not d.endswith(".tmp") for d in os.listdir(ck))
+            if has_ckpt and os.path.exists(log) and "data parallel" in open(log).read():
                 for pid in os.listdir("/proc"):
                     try:
                         with open(f"/proc/{pid}/environ", "rb") as f:
@@ -163,13 +165,22 @@ class Cli(unittest.TestCase):
                         continue
                     if b"OMPI_COMM_WORLD_RANK=1" in env and b"run.name=dead" in cmd and cmd.startswith(LOOM.encode()):
                         victim = int(pid)
-        self.assertIsNotNone(victim, "rank 1 never started training")
+        self.assertIsNotNone(victim, "rank 1 never trained to a checkpoint")
         os.kill(victim, 9)
         t1 = time.time()
         out, err = p.communicate(timeout=60)  # raises if the job hangs
         self.assertLess(time.time() - t1, 60)
         self.assertNotEqual(p.returncode, 0)
         self.assertIn("rank 1", out + err)
+        # The job resumes from its last complete checkpoint (here: for 2 more steps).
+        ckpts = sorted(d for d in os.listdir(os.path.join(self.tmp, "runs", "dead", "checkpoints")) if d.startswith("step_")
+                       and not d.endswith(".tmp"))
+        self.assertTrue(ckpts, "no checkpoint before the kill")
+        last = int(ckpts[-1][len("step_"):])
+        r = self.mpirun(2, "dead", "--set", "train.checkpoint_every=2,train.eval_every=0", "--resume", steps=last + 2)
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        self.assertIn(f"resumed from", r.stdout)
+        self.assertTrue(os.path.isdir(self.ckpt("dead", last + 2)))
 
     def test_loss_scaler_state_is_checkpointed_and_restored(self):
         sets = ("--set", "precision.loss_scaling=true,precision.growth_interval=3")
