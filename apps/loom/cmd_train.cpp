@@ -139,6 +139,7 @@ int train_main(int argc, char** argv) {
   ddp.compression = config.parallel.compression;
   ddp.topk_ratio = config.parallel.topk_ratio;
   ddp.qsgd_levels = static_cast<int>(config.parallel.qsgd_levels);
+  ddp.powersgd_rank = static_cast<int>(config.parallel.powersgd_rank);
   Trainer trainer(*backend, model, config.train, comm.get(), ddp);
   TokenLoader train_data(std::move(data.train), config.train.seq_len, config.loop.seed);
   // Each rank trains on its rows of the global batch the loader draws (all ranks draw the same).

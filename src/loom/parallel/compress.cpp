@@ -1,6 +1,7 @@
 #include "loom/parallel/compress.h"
 
 #include <algorithm>
+#include <map>
 #include <cmath>
 #include <numeric>
 #include <vector>
@@ -149,7 +150,108 @@ class Qsgd final : public GradCompressor {
   Tensor empty_;
 };
 
+class PowerSgd final : public GradCompressor {
+ public:
+  PowerSgd(Allocator& allocator, const ParamLayout& layout, int rank, uint64_t seed)
+      : allocator_(allocator), layout_(layout), rank_(rank) {
+    LOOM_CHECK(rank >= 1, "parallel.powersgd_rank must be >= 1, got ", rank);
+    residual_ = Tensor::zeros(allocator, {layout.total}, DTYPE_F32, MEM_OPTIMIZER_STATE);
+    for (size_t k = 0; k < layout.params.size(); ++k) {
+      const ParamSpec& p = layout.params[k];
+      if (p.shape.size() != 2) continue;
+      const int64_t cols = p.numel / p.shape[0], r = std::min<int64_t>(rank, std::min(p.shape[0], cols));
+      std::vector<float> q(static_cast<size_t>(cols * r));
+      philox_fill_normal(q.data(), cols * r, seed, static_cast<uint32_t>(k), 0, 0.0f, 1.0f);
+      q_.emplace(p.offset, std::move(q));
+    }
+  }
+
+  void reduce(Communicator& comm, const Tensor& bucket, int64_t offset) override {
+    const int64_t n = bucket.numel();
+    float* g = bucket.data<float>();
+    for (const ParamSpec& p : layout_.params) {
+      if (p.offset < offset || p.offset + p.numel > offset + n) continue;
+      float* m = g + (p.offset - offset);
+      auto it = q_.find(p.offset);
+      if (it == q_.end()) {  // a vector: plain all-reduce
+        comm.all_reduce(bucket.view(p.offset - offset, {p.numel}));
+        continue;
+      }
+      const int64_t rows = p.shape[0], cols = p.numel / rows;
+      std::vector<float>& q = it->second;
+      const int64_t r = static_cast<int64_t>(q.size()) / cols;
+      float* e = residual_.data<float>() + p.offset;
+      for (int64_t i = 0; i < p.numel; ++i) e[i] += m[i];  // M = gradient + residual
+      Tensor pt = Tensor::zeros(allocator_, {rows * r}, DTYPE_F32, MEM_WORKSPACE);
+      float* P = pt.data<float>();
+      for (int64_t i = 0; i < rows; ++i) {  // P = M Q
+        for (int64_t j = 0; j < r; ++j) {
+          double acc = 0.0;
+          for (int64_t c = 0; c < cols; ++c) acc += static_cast<double>(e[i * cols + c]) * q[static_cast<size_t>(c * r + j)];
+          P[i * r + j] = static_cast<float>(acc);
+        }
+      }
+      comm.all_reduce(pt);
+      {  // orthonormalize P's columns: modified Gram-Schmidt in double, twice ("twice is enough")
+        std::vector<double> d(P, P + rows * r);
+        for (int pass = 0; pass < 2; ++pass) {
+          for (int64_t j = 0; j < r; ++j) {
+            for (int64_t k = 0; k < j; ++k) {
+              double dot = 0.0;
+              for (int64_t i = 0; i < rows; ++i) dot += d[static_cast<size_t>(i * r + j)] * d[static_cast<size_t>(i * r + k)];
+              for (int64_t i = 0; i < rows; ++i) d[static_cast<size_t>(i * r + j)] -= dot * d[static_cast<size_t>(i * r + k)];
+            }
+            double norm = 0.0;
+            for (int64_t i = 0; i < rows; ++i) norm += d[static_cast<size_t>(i * r + j)] * d[static_cast<size_t>(i * r + j)];
+            const double inv = norm > 1e-30 ? 1.0 / std::sqrt(norm) : 0.0;
+            for (int64_t i = 0; i < rows; ++i) d[static_cast<size_t>(i * r + j)] *= inv;
+          }
+        }
+        for (int64_t i = 0; i < rows * r; ++i) P[i] = static_cast<float>(d[static_cast<size_t>(i)]);
+      }
+      Tensor qt = Tensor::zeros(allocator_, {cols * r}, DTYPE_F32, MEM_WORKSPACE);
+      float* Q = qt.data<float>();
+      for (int64_t c = 0; c < cols; ++c) {  // Q = M^T P (own M), residual = M - P P^T M
+        for (int64_t j = 0; j < r; ++j) {
+          double acc = 0.0;
+          for (int64_t i = 0; i < rows; ++i) acc += static_cast<double>(e[i * cols + c]) * P[i * r + j];
+          Q[c * r + j] = static_cast<float>(acc);
+        }
+      }
+      for (int64_t i = 0; i < rows; ++i) {
+        for (int64_t c = 0; c < cols; ++c) {
+          double acc = 0.0;
+          for (int64_t j = 0; j < r; ++j) acc += static_cast<double>(P[i * r + j]) * Q[c * r + j];
+          e[i * cols + c] -= static_cast<float>(acc);
+        }
+      }
+      comm.all_reduce(qt);  // sum over ranks of M_i^T P
+      std::copy_n(Q, cols * r, q.data());  // warm start for the next step
+      for (int64_t i = 0; i < rows; ++i) {
+        for (int64_t c = 0; c < cols; ++c) {
+          double acc = 0.0;
+          for (int64_t j = 0; j < r; ++j) acc += static_cast<double>(P[i * r + j]) * Q[c * r + j];
+          m[i * cols + c] = static_cast<float>(acc);
+        }
+      }
+    }
+  }
+  const Tensor& residual() const override { return residual_; }
+
+ private:
+  Allocator& allocator_;
+  const ParamLayout& layout_;
+  int rank_;
+  Tensor residual_;
+  std::map<int64_t, std::vector<float>> q_;  // by parameter offset
+};
+
 }  // namespace
+
+std::unique_ptr<GradCompressor> make_powersgd_compressor(Allocator& allocator, const ParamLayout& layout, int rank,
+                                                         uint64_t seed) {
+  return std::make_unique<PowerSgd>(allocator, layout, rank, seed);
+}
 
 std::unique_ptr<GradCompressor> make_qsgd_compressor(Allocator& allocator, int64_t total, int levels, uint64_t seed) {
   (void)total;

@@ -11,6 +11,7 @@
 #include <memory>
 
 #include "loom/comm/communicator.h"
+#include "loom/model/param_layout.h"
 
 namespace loom {
 
@@ -41,5 +42,15 @@ std::unique_ptr<GradCompressor> make_onebit_compressor(Allocator& allocator, int
 // feedback (it is unbiased). Wire bytes per rank per bucket: (N-1)/N x N x (n + 4), one signed
 // byte per element packed 4 to a word, plus the norm.
 std::unique_ptr<GradCompressor> make_qsgd_compressor(Allocator& allocator, int64_t total, int levels, uint64_t seed);
+
+// PowerSGD (Vogels et al., NeurIPS 2019) of rank r with error feedback: each 2-D parameter M
+// (rows x cols, plus this rank's residual) is approximated by one power iteration warm-started
+// from the previous step's Q (cols x r; first Q from Philox(seed), equal on every rank):
+// P = M Q, all-reduce P, orthonormalize P (Gram-Schmidt), Q = M^T P, all-reduce Q; every rank
+// then holds P Q^T = P P^T (sum of M) and keeps M - P P^T M_own as its residual. 1-D parameters
+// are all-reduced uncompressed. At r = min(rows, cols) the result is the exact sum. Wire bytes
+// per matrix: two all-reduces of (rows + cols) r floats instead of rows x cols.
+std::unique_ptr<GradCompressor> make_powersgd_compressor(Allocator& allocator, const ParamLayout& layout, int rank,
+                                                         uint64_t seed);
 
 }  // namespace loom

@@ -113,6 +113,7 @@ std::vector<Binding> bindings(LoomConfig& c) {
       {"parallel.compression", &c.parallel.compression},
       {"parallel.topk_ratio", &c.parallel.topk_ratio},
       {"parallel.qsgd_levels", &c.parallel.qsgd_levels},
+      {"parallel.powersgd_rank", &c.parallel.powersgd_rank},
       {"data.dir", &c.data.dir},
       {"data.tokenizer", &c.data.tokenizer},
       {"data.input", &c.data.input},

@@ -46,9 +46,10 @@ struct ParallelConfig {
   double bucket_mb = 25.0;  // DDP gradient bucket size (PyTorch's bucket_cap_mb)
   bool overlap = true;      // start each bucket's all-reduce during backward
   int64_t zero_stage = 0;   // 0: DDP; 1: ZeRO-1 (optimizer state sharded over the ranks)
-  std::string compression = "none";  // none | topk | onebit | qsgd: gradient compression hook on the DDP path
+  std::string compression = "none";  // none | topk | onebit | qsgd | powersgd: gradient compression hook on the DDP path
   double topk_ratio = 0.01;
   int64_t qsgd_levels = 127;
+  int64_t powersgd_rank = 4;
 };
 
 struct LoomConfig {
