@@ -105,6 +105,13 @@ Tensor LinearLayer::effective_weight(Backend& backend, const Tensor& w, const Te
   return q;
 }
 
+Tensor LinearLayer::bf16_weight(Backend& backend, const Tensor& w, const Tensor& w16, LinearWorkspace& ws) const {
+  if (w16.defined() && setup_.qat == QAT_NONE) return w16;  // the kept bf16 copy, as is
+  Tensor wb = ws.bf16(LinearWorkspace::W, w.shape());
+  backend.cast(effective_weight(backend, w, w16, ws), wb);
+  return wb;
+}
+
 float LinearLayer::fp8_scale(int which, MiniFormat f, const Tensor& x, bool record) {
   if (setup_.recipe == RECIPE_FP8_CURRENT) {
     const float amax = amax_of(x.data<float>(), x.numel());
@@ -128,11 +135,7 @@ void LinearLayer::forward(Backend& backend, const Tensor& x, const Tensor& w, co
   switch (setup_.recipe) {
     case RECIPE_F32: backend.gemm(x, effective_weight(backend, w, w16, *ws), y, spec, bias); return;
     case RECIPE_BF16: {
-      Tensor wb = w16;
-      if (!w16.defined() || setup_.qat != QAT_NONE) {
-        wb = ws->bf16(S::W, w.shape());
-        backend.cast(effective_weight(backend, w, w16, *ws), wb);
-      }
+      const Tensor wb = bf16_weight(backend, w, w16, *ws);
       Tensor xb = ws->bf16(S::A, x.shape());
       backend.cast(x, xb);
       backend.gemm(xb, wb, y, spec, bias);
@@ -185,11 +188,7 @@ void LinearLayer::backward(Backend& backend, const Tensor& x, const Tensor& w, c
       return;
     }
     case RECIPE_BF16: {
-      Tensor wb = w16;
-      if (!w16.defined() || setup_.qat != QAT_NONE) {
-        wb = ws->bf16(S::W, w.shape());
-        backend.cast(effective_weight(backend, w, w16, *ws), wb);
-      }
+      const Tensor wb = bf16_weight(backend, w, w16, *ws);
       Tensor dyb = ws->bf16(S::A, dy.shape()), xb = ws->bf16(S::B, x.shape());
       backend.cast(dy, dyb);
       backend.cast(x, xb);

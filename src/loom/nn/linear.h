@@ -70,6 +70,8 @@ class LinearLayer {
  private:
   // The weight the recipe quantizes, in fp32: w itself, or w16 / QAT(w) in workspace slot Q.
   Tensor effective_weight(Backend& backend, const Tensor& w, const Tensor& w16, LinearWorkspace& ws) const;
+  // That weight in bf16: w16 itself, or effective_weight() cast into workspace slot W.
+  Tensor bf16_weight(Backend& backend, const Tensor& w, const Tensor& w16, LinearWorkspace& ws) const;
   // x's FP8 scale for this call (records its amax under delayed scaling).
   float fp8_scale(int which, MiniFormat f, const Tensor& x, bool record);
 

@@ -1,8 +1,8 @@
 #include "loom/parallel/compress.h"
 
 #include <algorithm>
-#include <map>
 #include <cmath>
+#include <map>
 #include <numeric>
 #include <vector>
 
@@ -12,6 +12,39 @@
 namespace loom {
 
 namespace {
+
+// All-gathers every rank's packed codes (i32 words) and one f32 scalar, then sets
+// g[i] = the sum over ranks, in rank order, of decode(rank's words, rank's scalar, i).
+template <typename Decode>
+void gather_and_sum(Communicator& comm, Allocator& allocator, const Tensor& words, float scalar, float* g, int64_t n,
+                    Decode decode) {
+  const int64_t world = comm.size(), w = words.numel();
+  Tensor s = Tensor::empty(allocator, {1}, DTYPE_F32, MEM_WORKSPACE);
+  s.data<float>()[0] = scalar;
+  Tensor all_words = Tensor::empty(allocator, {w * world}, DTYPE_I32, MEM_WORKSPACE);
+  Tensor all_s = Tensor::empty(allocator, {world}, DTYPE_F32, MEM_WORKSPACE);
+  comm.all_gather(words, all_words);
+  comm.all_gather(s, all_s);
+  std::fill(g, g + n, 0.0f);
+  for (int64_t r = 0; r < world; ++r) {
+    const int32_t* rw = all_words.data<int32_t>() + r * w;
+    const float sc = all_s.data<float>()[r];
+    for (int64_t i = 0; i < n; ++i) g[i] += decode(rw, sc, i);
+  }
+}
+
+// out (rows x cols) = P (rows x r) Q^T (Q: cols x r), accumulated in double.
+std::vector<float> times_transpose(const float* P, const float* Q, int64_t rows, int64_t cols, int64_t r) {
+  std::vector<float> out(static_cast<size_t>(rows * cols));
+  for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t c = 0; c < cols; ++c) {
+      double acc = 0.0;
+      for (int64_t j = 0; j < r; ++j) acc += static_cast<double>(P[i * r + j]) * Q[c * r + j];
+      out[static_cast<size_t>(i * cols + c)] = static_cast<float>(acc);
+    }
+  }
+  return out;
+}
 
 class TopK final : public GradCompressor {
  public:
@@ -63,7 +96,7 @@ class OneBit final : public GradCompressor {
   }
 
   void reduce(Communicator& comm, const Tensor& bucket, int64_t offset) override {
-    const int64_t n = bucket.numel(), world = comm.size(), words = (n + 31) / 32;
+    const int64_t n = bucket.numel(), words = (n + 31) / 32;
     float* g = bucket.data<float>();
     float* e = residual_.data<float>() + offset;
     double l1 = 0.0;
@@ -73,24 +106,15 @@ class OneBit final : public GradCompressor {
     }
     const float scale = static_cast<float>(l1 / static_cast<double>(n));
     Tensor bits = Tensor::zeros(allocator_, {words}, DTYPE_I32, MEM_WORKSPACE);
-    Tensor scl = Tensor::empty(allocator_, {1}, DTYPE_F32, MEM_WORKSPACE);
-    scl.data<float>()[0] = scale;
     auto* w = reinterpret_cast<uint32_t*>(bits.data<int32_t>());
     for (int64_t i = 0; i < n; ++i) {
       const bool negative = e[i] < 0.0f;
       if (negative) w[i / 32] |= 1u << (i % 32);
       e[i] -= negative ? -scale : scale;  // residual = a - p
     }
-    Tensor all_bits = Tensor::empty(allocator_, {words * world}, DTYPE_I32, MEM_WORKSPACE);
-    Tensor all_scl = Tensor::empty(allocator_, {world}, DTYPE_F32, MEM_WORKSPACE);
-    comm.all_gather(bits, all_bits);
-    comm.all_gather(scl, all_scl);
-    std::fill(g, g + n, 0.0f);
-    for (int64_t r = 0; r < world; ++r) {  // rank order
-      const auto* rw = reinterpret_cast<const uint32_t*>(all_bits.data<int32_t>()) + r * words;
-      const float s = all_scl.data<float>()[r];
-      for (int64_t i = 0; i < n; ++i) g[i] += (rw[i / 32] >> (i % 32)) & 1u ? -s : s;
-    }
+    gather_and_sum(comm, allocator_, bits, scale, g, n, [](const int32_t* rw, float s, int64_t i) {
+      return (reinterpret_cast<const uint32_t*>(rw)[i / 32] >> (i % 32)) & 1u ? -s : s;
+    });
   }
   const Tensor& residual() const override { return residual_; }
 
@@ -107,18 +131,16 @@ class Qsgd final : public GradCompressor {
   }
 
   void reduce(Communicator& comm, const Tensor& bucket, int64_t offset) override {
-    const int64_t n = bucket.numel(), world = comm.size(), words = (n + 3) / 4;
+    const int64_t n = bucket.numel(), words = (n + 3) / 4;
     float* g = bucket.data<float>();
     double sq = 0.0;
     for (int64_t i = 0; i < n; ++i) sq += static_cast<double>(g[i]) * g[i];
     const float norm = static_cast<float>(std::sqrt(sq));
     Tensor codes = Tensor::zeros(allocator_, {words}, DTYPE_I32, MEM_WORKSPACE);
-    Tensor nrm = Tensor::empty(allocator_, {1}, DTYPE_F32, MEM_WORKSPACE);
-    nrm.data<float>()[0] = norm;
     auto* bytes = reinterpret_cast<int8_t*>(codes.data<int32_t>());
     const PhiloxKey key = {static_cast<uint32_t>(seed_), static_cast<uint32_t>(seed_ >> 32)};
     const uint32_t draw = static_cast<uint32_t>(calls_++);
-    for (int64_t q = 0; q < (n + 3) / 4 && norm > 0.0f; ++q) {
+    for (int64_t q = 0; q < words && norm > 0.0f; ++q) {
       const PhiloxCounter r = philox4x32_10(
           {static_cast<uint32_t>(offset + 4 * q), static_cast<uint32_t>(comm.rank()), draw, 0x9597u}, key);
       for (int64_t j = 0; j < 4 && 4 * q + j < n; ++j) {
@@ -129,16 +151,10 @@ class Qsgd final : public GradCompressor {
         bytes[i] = static_cast<int8_t>(g[i] < 0.0f ? -level : level);
       }
     }
-    Tensor all_codes = Tensor::empty(allocator_, {words * world}, DTYPE_I32, MEM_WORKSPACE);
-    Tensor all_norm = Tensor::empty(allocator_, {world}, DTYPE_F32, MEM_WORKSPACE);
-    comm.all_gather(codes, all_codes);
-    comm.all_gather(nrm, all_norm);
-    std::fill(g, g + n, 0.0f);
-    for (int64_t r = 0; r < world; ++r) {  // rank order
-      const auto* rb = reinterpret_cast<const int8_t*>(all_codes.data<int32_t>() + r * words);
-      const float unit = all_norm.data<float>()[r] / static_cast<float>(levels_);
-      for (int64_t i = 0; i < n; ++i) g[i] += unit * static_cast<float>(rb[i]);
-    }
+    const float levels = static_cast<float>(levels_);
+    gather_and_sum(comm, allocator_, codes, norm, g, n, [levels](const int32_t* rw, float s, int64_t i) {
+      return s / levels * static_cast<float>(reinterpret_cast<const int8_t*>(rw)[i]);
+    });
   }
   const Tensor& residual() const override { return empty_; }  // unbiased: no error feedback
 
@@ -153,7 +169,7 @@ class Qsgd final : public GradCompressor {
 class PowerSgd final : public GradCompressor {
  public:
   PowerSgd(Allocator& allocator, const ParamLayout& layout, int rank, uint64_t seed)
-      : allocator_(allocator), layout_(layout), rank_(rank) {
+      : allocator_(allocator), layout_(layout) {
     LOOM_CHECK(rank >= 1, "parallel.powersgd_rank must be >= 1, got ", rank);
     residual_ = Tensor::zeros(allocator, {layout.total}, DTYPE_F32, MEM_OPTIMIZER_STATE);
     for (size_t k = 0; k < layout.params.size(); ++k) {
@@ -218,22 +234,12 @@ class PowerSgd final : public GradCompressor {
           Q[c * r + j] = static_cast<float>(acc);
         }
       }
-      for (int64_t i = 0; i < rows; ++i) {
-        for (int64_t c = 0; c < cols; ++c) {
-          double acc = 0.0;
-          for (int64_t j = 0; j < r; ++j) acc += static_cast<double>(P[i * r + j]) * Q[c * r + j];
-          e[i * cols + c] -= static_cast<float>(acc);
-        }
-      }
+      const std::vector<float> own = times_transpose(P, Q, rows, cols, r);  // P P^T M (own M)
+      for (int64_t i = 0; i < p.numel; ++i) e[i] -= own[static_cast<size_t>(i)];
       comm.all_reduce(qt);  // sum over ranks of M_i^T P
       std::copy_n(Q, cols * r, q.data());  // warm start for the next step
-      for (int64_t i = 0; i < rows; ++i) {
-        for (int64_t c = 0; c < cols; ++c) {
-          double acc = 0.0;
-          for (int64_t j = 0; j < r; ++j) acc += static_cast<double>(P[i * r + j]) * Q[c * r + j];
-          m[i * cols + c] = static_cast<float>(acc);
-        }
-      }
+      const std::vector<float> sum = times_transpose(P, Q, rows, cols, r);  // P P^T (sum of M)
+      std::copy(sum.begin(), sum.end(), m);
     }
   }
   const Tensor& residual() const override { return residual_; }
@@ -241,7 +247,6 @@ class PowerSgd final : public GradCompressor {
  private:
   Allocator& allocator_;
   const ParamLayout& layout_;
-  int rank_;
   Tensor residual_;
   std::map<int64_t, std::vector<float>> q_;  // by parameter offset
 };

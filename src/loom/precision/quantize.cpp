@@ -103,31 +103,41 @@ void fake_quant_blocks(MiniFormat f, const float* x, int64_t rows, int64_t cols,
   }
 }
 
-void fake_quant_mxfp4(const float* x, int64_t rows, int64_t cols, float* out) {
-  const Grid g = grid_of(FMT_E2M1, true);
-  const int64_t blocks = (cols + kMxBlock - 1) / kMxBlock;
+namespace {
+
+// Calls fn(xb, ob, len) for every run of `block` consecutive elements along each row of the
+// (rows, cols) arrays x and out (the last run of a row shorter), in parallel.
+template <typename Fn>
+void for_each_row_block(const float* x, float* out, int64_t rows, int64_t cols, int64_t block, Fn fn) {
+  const int64_t blocks = (cols + block - 1) / block;
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t b = 0; b < blocks; ++b) {
-      const float* xb = x + r * cols + b * kMxBlock;
-      float* ob = out + r * cols + b * kMxBlock;
-      const int64_t len = std::min<int64_t>(kMxBlock, cols - b * kMxBlock);
-      float amax = 0.0f;
-      bool finite = true;
-      for (int64_t k = 0; k < len; ++k) {
-        finite = finite && std::isfinite(xb[k]);
-        amax = std::max(amax, std::fabs(xb[k]));
-      }
-      if (!finite) {
-        std::fill(ob, ob + len, NAN);
-        continue;
-      }
-      int e = -127;
-      if (amax > 0.0f) e = std::clamp(std::ilogb(amax) - 2, -127, 127);  // floor(log2 amax) - emax(E2M1)
-      const float X = std::ldexp(1.0f, e);
-      for (int64_t k = 0; k < len; ++k) ob[k] = round_grid(xb[k] / X, g) * X;
+      fn(x + r * cols + b * block, out + r * cols + b * block, std::min(block, cols - b * block));
     }
   }
+}
+
+}  // namespace
+
+void fake_quant_mxfp4(const float* x, int64_t rows, int64_t cols, float* out) {
+  const Grid g = grid_of(FMT_E2M1, true);
+  for_each_row_block(x, out, rows, cols, kMxBlock, [&](const float* xb, float* ob, int64_t len) {
+    float amax = 0.0f;
+    bool finite = true;
+    for (int64_t k = 0; k < len; ++k) {
+      finite = finite && std::isfinite(xb[k]);
+      amax = std::max(amax, std::fabs(xb[k]));
+    }
+    if (!finite) {
+      std::fill(ob, ob + len, NAN);
+      return;
+    }
+    int e = -127;
+    if (amax > 0.0f) e = std::clamp(std::ilogb(amax) - 2, -127, 127);  // floor(log2 amax) - emax(E2M1)
+    const float X = std::ldexp(1.0f, e);
+    for (int64_t k = 0; k < len; ++k) ob[k] = round_grid(xb[k] / X, g) * X;
+  });
 }
 
 void fake_quant_nvfp4(const float* x, int64_t rows, int64_t cols, float* out) {
@@ -138,19 +148,12 @@ void fake_quant_nvfp4(const float* x, int64_t rows, int64_t cols, float* out) {
     return;
   }
   const float global = amax > 0.0f ? amax / (448.0f * 6.0f) : 1.0f;
-  const int64_t blocks = (cols + kNvBlock - 1) / kNvBlock;
-#pragma omp parallel for collapse(2) schedule(static)
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t b = 0; b < blocks; ++b) {
-      const float* xb = x + r * cols + b * kNvBlock;
-      float* ob = out + r * cols + b * kNvBlock;
-      const int64_t len = std::min<int64_t>(kNvBlock, cols - b * kNvBlock);
-      float block_amax = 0.0f;
-      for (int64_t k = 0; k < len; ++k) block_amax = std::max(block_amax, std::fabs(xb[k]));
-      const float scale = round_grid((block_amax / 6.0f) / global, e4m3) * global;
-      for (int64_t k = 0; k < len; ++k) ob[k] = scale == 0.0f ? 0.0f : round_grid(xb[k] / scale, e2m1) * scale;
-    }
-  }
+  for_each_row_block(x, out, rows, cols, kNvBlock, [&](const float* xb, float* ob, int64_t len) {
+    float block_amax = 0.0f;
+    for (int64_t k = 0; k < len; ++k) block_amax = std::max(block_amax, std::fabs(xb[k]));
+    const float scale = round_grid((block_amax / 6.0f) / global, e4m3) * global;
+    for (int64_t k = 0; k < len; ++k) ob[k] = scale == 0.0f ? 0.0f : round_grid(xb[k] / scale, e2m1) * scale;
+  });
 }
 
 void round_to_bf16(float* x, int64_t n, bool stochastic, uint64_t seed, uint32_t stream, uint32_t draw) {
