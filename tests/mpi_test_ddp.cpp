@@ -7,17 +7,12 @@
 #include <vector>
 
 #include "loom/comm/communicator.h"
+#include "mpi_corpus.h"
 #include "loom/parallel/zero.h"
 #include "loom/train/trainer.h"
 
 namespace loom {
 namespace {
-
-std::vector<int32_t> corpus(int64_t n, int32_t vocab) {
-  std::vector<int32_t> t(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) t[static_cast<size_t>(i)] = static_cast<int32_t>((i * 7 + i / vocab + (i * i) % 13) % vocab);
-  return t;
-}
 
 std::vector<double> run(Communicator* comm, int64_t batch, int steps, std::vector<double>* params, int64_t zero = 0,
                         int64_t* state_bytes = nullptr, double topk = 0.0, const char* compression = "topk") {
@@ -33,7 +28,7 @@ std::vector<double> run(Communicator* comm, int64_t batch, int steps, std::vecto
   ddp.zero_stage = zero;
   if (topk > 0.0) ddp.compression = compression, ddp.topk_ratio = topk;
   Trainer trainer(*backend, model, tc, comm, ddp);
-  RandomWindowSource global(corpus(5000, static_cast<int32_t>(config.vocab_size)), 11);
+  RandomWindowSource global(mpi_test_corpus(5000, static_cast<int32_t>(config.vocab_size)), 11);
   std::unique_ptr<RankSliceSource> slice;
   BatchSource* data = &global;
   if (comm != nullptr) {

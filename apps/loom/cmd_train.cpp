@@ -156,7 +156,7 @@ int train_main(int argc, char** argv) {
   // before a save, sliced after a load), the same files a run without sharding writes, so any
   // number of ranks can resume them.
   std::vector<std::pair<Tensor, Tensor>> zero_state;  // (this rank's shard, whole)
-  if (ShardGather* zero = trainer.zero()) {
+  if (ZeroSharding* zero = trainer.zero()) {
     for (auto& [name, shard] : optimizer_state.tensors) {
       LOOM_CHECK(shard.numel() == zero->range().end - zero->range().begin, "ZeRO-1: optimizer state ", name, " of ",
                  shard.numel(), " elements is not a shard of the parameters");
@@ -190,6 +190,7 @@ int train_main(int argc, char** argv) {
     });
     if (loaded) {
       trainer.restore(loaded->step, loaded->optimizer_steps);
+      trainer.params_loaded();
       for (auto& [shard, whole] : zero_state) {
         std::copy_n(whole.data<float>() + trainer.zero()->range().begin, shard.numel(), shard.data<float>());
       }
@@ -285,6 +286,7 @@ int train_main(int argc, char** argv) {
     }
   }
 
+  trainer.gather_params();  // ZeRO-3: the whole model on every rank, to sample
   const auto tokenizer = load_tokenizer(config.data.tokenizer);
   std::vector<int32_t> prompt = tokenizer->encode(config.sample.prompt);
   if (prompt.empty()) prompt.push_back(tokenizer->eot_token());

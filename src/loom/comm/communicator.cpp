@@ -54,6 +54,27 @@ void Communicator::check_chunks(const char* op, const Tensor& full, const Tensor
              " must hold ", size(), " chunks of ", shard.numel(), " elements (pad to a multiple of the world size)");
 }
 
+int64_t Communicator::check_counts(const char* op, const Tensor& x, const std::vector<int64_t>& counts) const {
+  LOOM_CHECK(static_cast<int>(counts.size()) == size(), op, " on rank ", rank(), ": ", counts.size(),
+             " segment counts for ", size(), " ranks");
+  int64_t sum = 0, own = 0;
+  for (int r = 0; r < size(); ++r) {
+    LOOM_CHECK(counts[r] >= 0, op, " on rank ", rank(), ": negative count ", counts[r], " for rank ", r);
+    if (r == rank()) own = sum;
+    sum += counts[r];
+  }
+  LOOM_CHECK(sum == x.numel(), op, " on rank ", rank(), ": counts sum to ", sum, ", the buffer ", x.describe(),
+             " has ", x.numel(), " elements");
+  return own;
+}
+
+void Communicator::book_v(Collective c, int64_t full_bytes, int64_t own_bytes) {
+  ledger_.calls[c] += 1;
+  if (size() == 1) return;
+  ledger_.sent[c] += full_bytes - own_bytes;
+  ledger_.received[c] += full_bytes - own_bytes;
+}
+
 namespace {
 
 class DoneWork final : public CommWork {
@@ -92,6 +113,17 @@ class LocalCommunicator final : public Communicator {
   std::unique_ptr<CommWork> broadcast_async(const Tensor& x, int root) override {
     LOOM_CHECK(root == 0, "broadcast: root ", root, " outside the 1 rank of a local communicator");
     book(COLL_BROADCAST, static_cast<int64_t>(x.nbytes()), root);
+    return std::make_unique<DoneWork>();
+  }
+  std::unique_ptr<CommWork> reduce_scatter_v_async(const Tensor& x, const std::vector<int64_t>& counts,
+                                                   ReduceOp) override {
+    check_counts("reduce_scatter_v", x, counts);
+    book_v(COLL_REDUCE_SCATTER, static_cast<int64_t>(x.nbytes()), static_cast<int64_t>(x.nbytes()));
+    return std::make_unique<DoneWork>();
+  }
+  std::unique_ptr<CommWork> all_gather_v_async(const Tensor& x, const std::vector<int64_t>& counts) override {
+    check_counts("all_gather_v", x, counts);
+    book_v(COLL_ALL_GATHER, static_cast<int64_t>(x.nbytes()), static_cast<int64_t>(x.nbytes()));
     return std::make_unique<DoneWork>();
   }
   void send(const Tensor&, int to, int) override { LOOM_CHECK(false, "send to rank ", to, ": a local communicator has 1 rank"); }

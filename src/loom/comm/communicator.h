@@ -13,12 +13,16 @@
 // "bus bandwidth" assumes): all-reduce 2(N-1)/N x bytes each way, reduce-scatter and all-gather
 // (N-1)/N x the full buffer, all-to-all (N-1)/N, broadcast the buffer (root sends, others
 // receive), send/recv the message. MPI may pick another algorithm internally; the ledger is
-// the algorithmic volume, the figure the ZeRO paper's communication analysis uses.
+// the algorithmic volume, the figure the ZeRO paper's communication analysis uses. The uneven
+// (v) forms book (full - own) bytes each way: exactly what a rank receives in a ring
+// all-gather, and what it sends in a ring reduce-scatter; equal to (N-1)/N x full for equal
+// segments.
 #pragma once
 #include <array>
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "loom/core/tensor.h"
 
@@ -66,6 +70,14 @@ class Communicator {
   // out chunk r = rank r's in chunk rank(); in and out hold size() equal chunks.
   virtual std::unique_ptr<CommWork> all_to_all_async(const Tensor& in, const Tensor& out) = 0;
   virtual std::unique_ptr<CommWork> broadcast_async(const Tensor& x, int root) = 0;
+  // Uneven segments, in place: x holds size() segments back to back, segment r of counts[r]
+  // elements (counts sum to x.numel(); zeros allowed). reduce_scatter_v: after wait(), this
+  // rank's segment of x holds the reduction over ranks of that segment (the rest of x is
+  // undefined). all_gather_v: after wait(), every segment r of x holds rank r's segment.
+  // ZeRO-2/3 reduce and gather a layer's slice of every rank's shard with these.
+  virtual std::unique_ptr<CommWork> reduce_scatter_v_async(const Tensor& x, const std::vector<int64_t>& counts,
+                                                           ReduceOp op) = 0;
+  virtual std::unique_ptr<CommWork> all_gather_v_async(const Tensor& x, const std::vector<int64_t>& counts) = 0;
   virtual void send(const Tensor& x, int to, int tag = 0) = 0;
   virtual void recv(const Tensor& x, int from, int tag = 0) = 0;
   virtual void barrier() = 0;
@@ -87,6 +99,11 @@ class Communicator {
   void book(Collective c, int64_t bytes, int root = -1);
   // Checks equal-chunk shapes and dtypes; throws naming the collective and rank.
   void check_chunks(const char* op, const Tensor& full, const Tensor& shard) const;
+  // Checks that counts has size() non-negative entries summing to x.numel(); returns this
+  // rank's first element.
+  int64_t check_counts(const char* op, const Tensor& x, const std::vector<int64_t>& counts) const;
+  // Books a v-collective: full and own bytes.
+  void book_v(Collective c, int64_t full_bytes, int64_t own_bytes);
 
  private:
   ByteLedger ledger_;

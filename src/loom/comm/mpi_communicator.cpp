@@ -3,6 +3,12 @@
 // of leaving ranks waiting.
 #include <mpi.h>
 
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <utility>
+#include <vector>
+
 #include "loom/comm/communicator.h"
 #include "loom/core/error.h"
 
@@ -63,14 +69,28 @@ class MpiWork final : public CommWork {
  public:
   MpiWork() = default;
   MPI_Request* request() { return &request_; }
+  // Runs once the request completes (e.g. moving an in-place reduce-scatter's result).
+  void then(std::function<void()> done) { done_ = std::move(done); }
   void wait() override {
     if (request_ != MPI_REQUEST_NULL) MPI_Wait(&request_, MPI_STATUS_IGNORE);
+    if (done_) std::exchange(done_, nullptr)();
   }
   ~MpiWork() override { wait(); }  // a dropped handle still completes before its buffers go
 
  private:
   MPI_Request request_ = MPI_REQUEST_NULL;
+  std::function<void()> done_;
 };
+
+// MPI's int counts and displacements of a v-collective.
+std::vector<int> int_counts(const std::vector<int64_t>& counts, const char* op) {
+  std::vector<int> out;
+  for (int64_t c : counts) {
+    LOOM_CHECK(c <= INT32_MAX, op, ": a segment of ", c, " elements exceeds MPI's int count");
+    out.push_back(static_cast<int>(c));
+  }
+  return out;
+}
 
 int count_of(const Tensor& t, const char* op) {
   LOOM_CHECK(t.numel() <= INT32_MAX, op, ": ", t.numel(), " elements exceed MPI's int count; split the buffer");
@@ -128,6 +148,38 @@ class MpiCommunicator final : public Communicator {
     auto w = std::make_unique<MpiWork>();
     MPI_Ibcast(x.raw_data(), count_of(x, "broadcast"), mpi_type(x.dtype(), "broadcast"), root, MPI_COMM_WORLD,
                w->request());
+    return w;
+  }
+  std::unique_ptr<CommWork> reduce_scatter_v_async(const Tensor& x, const std::vector<int64_t>& counts,
+                                                   ReduceOp op) override {
+    const int64_t own = check_counts("reduce_scatter_v", x, counts);
+    const size_t elem = dtype_size(x.dtype());
+    book_v(COLL_REDUCE_SCATTER, static_cast<int64_t>(x.nbytes()), counts[rank_] * static_cast<int64_t>(elem));
+    auto w = std::make_unique<MpiWork>();
+    count_of(x, "reduce_scatter_v");
+    auto n = std::make_shared<std::vector<int>>(int_counts(counts, "reduce_scatter_v"));
+    // MPI_IN_PLACE leaves this rank's result at the start of the buffer: moved to its segment.
+    MPI_Ireduce_scatter(MPI_IN_PLACE, x.raw_data(), n->data(), reduce_type(x, "reduce_scatter_v"), mpi_op(op),
+                        MPI_COMM_WORLD, w->request());
+    char* base = static_cast<char*>(x.raw_data());
+    const size_t bytes = static_cast<size_t>(counts[rank_]) * elem;
+    w->then([n, base, own, bytes, elem] {
+      if (own != 0 && bytes != 0) std::memmove(base + static_cast<size_t>(own) * elem, base, bytes);
+    });
+    return w;
+  }
+  std::unique_ptr<CommWork> all_gather_v_async(const Tensor& x, const std::vector<int64_t>& counts) override {
+    check_counts("all_gather_v", x, counts);
+    const int64_t elem = static_cast<int64_t>(dtype_size(x.dtype()));
+    book_v(COLL_ALL_GATHER, static_cast<int64_t>(x.nbytes()), counts[rank_] * elem);
+    auto w = std::make_unique<MpiWork>();
+    count_of(x, "all_gather_v");
+    auto n = std::make_shared<std::vector<int>>(int_counts(counts, "all_gather_v"));
+    auto displs = std::make_shared<std::vector<int>>(n->size(), 0);
+    for (size_t r = 1; r < n->size(); ++r) (*displs)[r] = (*displs)[r - 1] + (*n)[r - 1];
+    MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, x.raw_data(), n->data(), displs->data(),
+                    mpi_type(x.dtype(), "all_gather_v"), MPI_COMM_WORLD, w->request());
+    w->then([n, displs] {});  // the count arrays must outlive the request
     return w;
   }
   void send(const Tensor& x, int to, int tag) override {

@@ -169,15 +169,31 @@ ActivationStore Transformer::allocate_store(int64_t batch, int64_t seq_len) {
   return s;
 }
 
+std::vector<std::vector<std::pair<int64_t, int64_t>>> Transformer::param_units() const {
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> units;
+  const int64_t first_block = block_offset_.empty() ? final_offset_ : block_offset_[0];
+  units.push_back({{0, first_block}, {final_offset_, layout_.total}});
+  for (size_t l = 0; l < block_offset_.size(); ++l) {
+    units.push_back({{block_offset_[l], l + 1 < block_offset_.size() ? block_offset_[l + 1] : final_offset_}});
+  }
+  return units;
+}
+
 double Transformer::forward(ActivationStore& s, bool compute_loss) {
+  const auto use = [this](int unit) { if (hooks_.use) hooks_.use(unit, false); };
+  const auto done = [this](int unit) { if (hooks_.done) hooks_.done(unit, false); };
   const Tensor& x0 = s.blocks.empty() ? s.final_input : s.blocks[0].input;
+  use(0);
   backend_.embedding_forward(s.tokens, embed_w, pos_w.defined() ? &pos_w : nullptr, x0);
   for (size_t l = 0; l < blocks_.size(); ++l) {
     const Tensor& out = l + 1 < blocks_.size() ? s.blocks[l + 1].input : s.final_input;
+    use(static_cast<int>(l) + 1);
     blocks_[l].forward(backend_, s.blocks[l], out);
+    done(static_cast<int>(l) + 1);
   }
   norm_forward(backend_, config_, s.final_input, final_w, final_b, s.final_norm, s.final_mean, s.final_rstd);
   head_.forward(backend_, s.final_norm, head_w, head16_, Tensor{}, s.logits, 0.0f, &ws_);  // (B*T, C) @ (V, C)^T
+  done(0);
   if (!compute_loss) return 0.0;
   backend_.cross_entropy_forward(s.logits, s.targets, s.losses, s.lse);
   return backend_.sum(s.losses) / static_cast<double>(s.batch * s.seq_len);
@@ -225,6 +241,9 @@ void Transformer::backward(ActivationStore& s, float loss_weight, const std::fun
   for (Tensor* t : {&k.d_norm, &k.d_tmp, &k.d_qkv, &k.d_attn, &k.d_fc, &k.d_act}) {
     *t = t->view(0, {B, T, t->dim(-1)});
   }
+  const auto use = [this](int unit) { if (hooks_.use) hooks_.use(unit, true); };
+  const auto done = [this](int unit) { if (hooks_.done) hooks_.done(unit, true); };
+  use(0);
   // d(logits) replaces the logits in place: dL/dlogit = w/(B T) (softmax - onehot).
   backend_.cross_entropy_backward(s.logits, s.targets, s.lse, loss_weight / static_cast<float>(B * T), s.logits);
   // d_norm = d_logits @ W (B*T, C); dW += d_logits^T @ final_norm (V, C)
@@ -233,10 +252,13 @@ void Transformer::backward(ActivationStore& s, float loss_weight, const std::fun
                 d_final_b);
   if (ready) ready(final_offset_);
   for (size_t l = blocks_.size(); l-- > 0;) {
+    use(static_cast<int>(l) + 1);
     blocks_[l].backward(backend_, s.blocks[l], d_res, k);
+    done(static_cast<int>(l) + 1);
     if (ready) ready(block_offset_[l]);
   }
   backend_.embedding_backward(s.tokens, d_res, d_embed_w, d_pos_w.defined() ? &d_pos_w : nullptr);
+  done(0);
   if (ready) ready(0);
 }
 

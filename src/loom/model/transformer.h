@@ -35,6 +35,14 @@ struct DecodeState {
   Tensor q;                       // (B, H*hd) scratch
 };
 
+// Told which parameters a forward or backward is about to read, for sharded parameters
+// (ZeRO-3 gathers a unit before use and frees it after). Unit 0 is the embeddings, the final
+// norm and the head (used at both ends of a pass), unit l + 1 is block l. use(unit, backward)
+// runs before the unit's first read in that pass, done(unit, backward) after its last.
+struct ParamUseHooks {
+  std::function<void(int unit, bool backward)> use, done;
+};
+
 class Transformer {
  public:
   Transformer(Backend& backend, const ModelConfig& config);
@@ -66,6 +74,10 @@ class Transformer {
   // argument is final (after the head and final norm, after each block, then 0): data
   // parallelism starts reducing those while backward goes on.
   void backward(ActivationStore& store, float loss_weight, const std::function<void(int64_t)>& ready = {});
+  // Parameter use hooks of forward() and backward() (not of forward_decode); empty: none.
+  void set_param_use_hooks(ParamUseHooks hooks) { hooks_ = std::move(hooks); }
+  // The flat ranges [begin, end) of each unit the hooks name: [unit] -> ranges.
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> param_units() const;
 
   // The precision policy (precision/policy.h): each linear layer's recipe, and the weights'
   // bf16 copy when policy.param_bf16 (allocated here; sync_weight_copy() refreshes it and must
@@ -106,6 +118,7 @@ class Transformer {
   LinearLayer head_;
   LinearWorkspace ws_;               // low-precision operands of every linear layer
   Tensor scaling_state_;             // see pack_scaling_state()
+  ParamUseHooks hooks_;
 };
 
 }  // namespace loom

@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "loom/core/error.h"
+#include "loom/core/pages.h"
 
 namespace loom {
 
@@ -14,6 +15,15 @@ ShardRange shard_range(int64_t total, int rank, int world) {
   r.begin = std::min(total, rank * r.shard);
   r.end = std::min(total, r.begin + r.shard);
   return r;
+}
+
+std::vector<int64_t> shard_counts(int64_t begin, int64_t end, int64_t total, int world) {
+  std::vector<int64_t> counts(world);
+  for (int r = 0; r < world; ++r) {
+    const ShardRange s = shard_range(total, r, world);
+    counts[r] = std::max<int64_t>(0, std::min(end, s.end) - std::max(begin, s.begin));
+  }
+  return counts;
 }
 
 bool elementwise_optimizer(const std::string& name) {
@@ -37,24 +47,130 @@ std::vector<OptimParam> shard_optim_params(const std::vector<OptimParam>& list, 
   return out;
 }
 
-ShardGather::ShardGather(Communicator& comm, Allocator& allocator, int64_t total)
-    : comm_(comm), total_(total), range_(shard_range(total, comm.rank(), comm.size())) {
-  shard_ = Tensor::zeros(allocator, {range_.shard}, DTYPE_F32, MEM_WORKSPACE);
-  padded_ = Tensor::zeros(allocator, {range_.shard * comm.size()}, DTYPE_F32, MEM_WORKSPACE);
+ZeroSharding::ZeroSharding(Communicator& comm, int stage, const Tensor& params, const Tensor& grads,
+                           std::vector<std::vector<FlatRange>> units)
+    : comm_(comm),
+      stage_(stage),
+      params_(params),
+      grads_(grads),
+      units_(std::move(units)),
+      range_(shard_range(params.numel(), comm.rank(), comm.size())),
+      total_(params.numel()),
+      gathering_(units_.size()),
+      resident_(units_.size(), false) {
+  LOOM_CHECK(stage_ >= 1 && stage_ <= 3, "parallel.zero_stage must be 0, 1, 2 or 3, got ", stage_);
+  LOOM_CHECK(params.dtype() == DTYPE_F32 && grads.dtype() == DTYPE_F32 && grads.numel() == total_,
+             "ZeRO: parameter and gradient buffers ", params.describe(), ", ", grads.describe(), " must be f32 of one size");
+  reduced_from_ = total_;
+  if (stage_ >= 2) zero_grads();
+  if (stage_ == 3) release_params();
 }
 
-void ShardGather::gather_slices(const Tensor& full) {
-  LOOM_CHECK(full.numel() == total_, "ZeRO gather: buffer ", full.describe(), " is not ", total_, " elements");
-  gather_shard(full.view(range_.begin, {range_.end - range_.begin}), full);
+void ZeroSharding::release_outside_shard(const Tensor& t, FlatRange r) {
+  release_elements(t, r.begin, std::max(r.begin, std::min(r.end, range_.begin)));
+  release_elements(t, std::min(r.end, std::max(r.begin, range_.end)), r.end);
 }
 
-void ShardGather::gather_shard(const Tensor& shard, const Tensor& full) {
+void ZeroSharding::gather_params() {
+  if (stage_ == 3) {
+    if (whole_) return;
+    for (size_t u = 0; u < units_.size(); ++u) complete(gathering_[u], 0, false);
+    whole_ = true;
+  }
+  comm_.all_gather_v_async(params_, shard_counts(0, total_, total_, comm_.size()))->wait();
+}
+
+void ZeroSharding::zero_grads() {
+  finish_micro();
+  release_outside_shard(grads_, {0, total_});
+  std::memset(grads_.data<float>() + range_.begin, 0, static_cast<size_t>(range_.end - range_.begin) * sizeof(float));
+  reduced_from_ = total_;
+}
+
+void ZeroSharding::complete(std::deque<Pending>& q, size_t keep, bool release_grads) {
+  while (q.size() > keep) {
+    q.front().work->wait();
+    if (release_grads) release_outside_shard(grads_, q.front().range);
+    q.pop_front();
+  }
+}
+
+void ZeroSharding::reduce_from(int64_t offset) {
+  LOOM_CHECK(offset <= reduced_from_, "ZeRO: backward reported offset ", offset, " after ", reduced_from_);
+  if (offset == reduced_from_) return;
+  const FlatRange r{offset, reduced_from_};
+  reduced_from_ = offset;
+  reducing_.push_back({comm_.reduce_scatter_v_async(grads_.view(r.begin, {r.end - r.begin}),
+                                                    shard_counts(r.begin, r.end, total_, comm_.size()), REDUCE_SUM),
+                       r});
+  complete(reducing_, 2, true);  // at most two layers' gradients in flight
+}
+
+void ZeroSharding::finish_micro() {
+  complete(reducing_, 0, true);
+  release_outside_shard(grads_, {0, total_});  // the pages shared by two layers' edges
+  reduced_from_ = total_;
+}
+
+void ZeroSharding::finish() {
+  finish_micro();
+  if (comm_.size() == 1) return;
+  const float inv = 1.0f / static_cast<float>(comm_.size());
+  float* g = grads_.data<float>();
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = range_.begin; i < range_.end; ++i) g[i] *= inv;
+}
+
+void ZeroSharding::gather(int unit, std::deque<Pending>& into) {
+  for (const FlatRange& r : units_[unit]) {
+    into.push_back({comm_.all_gather_v_async(params_.view(r.begin, {r.end - r.begin}),
+                                             shard_counts(r.begin, r.end, total_, comm_.size())),
+                    r});
+  }
+}
+
+void ZeroSharding::use(int unit, bool backward) {
+  if (stage_ != 3 || whole_) return;
+  LOOM_CHECK(unit >= 0 && unit < static_cast<int>(units_.size()), "ZeRO-3: no parameter unit ", unit);
+  if (!resident_[unit]) {
+    if (gathering_[unit].empty()) gather(unit, gathering_[unit]);
+    complete(gathering_[unit], 0, false);
+    resident_[unit] = true;
+  }
+  // Prefetch: the unit the model uses next (blocks are units 1..L; unit 0 is used first).
+  const int last = static_cast<int>(units_.size()) - 1;
+  const int next = backward ? (unit == 0 ? last : unit - 1) : (unit == last ? 0 : unit + 1);
+  if (next >= 1 && next != unit && !resident_[next] && gathering_[next].empty()) gather(next, gathering_[next]);
+}
+
+void ZeroSharding::done(int unit, bool) {
+  if (stage_ != 3 || whole_) return;
+  complete(gathering_[unit], 0, false);
+  // Unit 0 is the last used in a pass: then no unit is resident and the whole complement of the
+  // shard is released at once (so the pages shared by two units' edges go too).
+  if (unit == 0) {
+    release_outside_shard(params_, {0, total_});
+  } else {
+    for (const FlatRange& r : units_[unit]) release_outside_shard(params_, r);
+  }
+  resident_[unit] = false;
+}
+
+void ZeroSharding::release_params() {
+  if (stage_ != 3) return;
+  for (size_t u = 0; u < units_.size(); ++u) complete(gathering_[u], 0, false);
+  std::fill(resident_.begin(), resident_.end(), false);
+  whole_ = false;
+  release_outside_shard(params_, {0, total_});
+}
+
+void ZeroSharding::gather_shard(const Tensor& shard, const Tensor& full) {
   const int64_t n = range_.end - range_.begin;
-  LOOM_CHECK(shard.numel() == n && full.numel() == total_, "ZeRO gather on rank ", comm_.rank(), ": shard ",
-             shard.describe(), " and full ", full.describe(), " should hold ", n, " and ", total_, " elements");
-  std::memcpy(shard_.data<float>(), shard.data<float>(), static_cast<size_t>(n) * sizeof(float));
-  comm_.all_gather(shard_, padded_);
-  std::memcpy(full.data<float>(), padded_.data<float>(), static_cast<size_t>(total_) * sizeof(float));
+  LOOM_CHECK(shard.numel() == n && full.numel() == total_ && full.dtype() == DTYPE_F32, "ZeRO gather on rank ",
+             comm_.rank(), ": shard ", shard.describe(), " and full ", full.describe(), " should hold ", n, " and ",
+             total_, " f32 elements");
+  std::memcpy(full.data<float>() + range_.begin, shard.data<float>(), static_cast<size_t>(n) * sizeof(float));
+  comm_.all_gather_v_async(full, shard_counts(0, total_, total_, comm_.size()))->wait();
 }
 
 }  // namespace loom

@@ -1,14 +1,31 @@
-// ZeRO stage 1 (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion
-// Parameter Models", SC'20): the optimizer state is partitioned over the data-parallel ranks.
-// The flat parameter buffer of P elements is cut into N equal shards of S = ceil(P / N)
-// elements (the last padded; any P works); rank r keeps the optimizer state of elements
-// [rS, min((r+1)S, P)) and updates only those, after the gradients were all-reduced as in DDP;
-// then the updated shards are all-gathered so every rank again holds all parameters.
-// Optimizer-state bytes per rank: K Psi / N (K = 8 for fp32 AdamW's two moments) plus padding.
+// ZeRO (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+// Models", SC'20): the model state is partitioned over the N data-parallel ranks.
+//
+// The flat buffers of P elements are cut into N shards of S = ceil(P / N) elements (the last
+// one short; any P works): rank r owns elements [rS, min((r+1)S, P)).
+//   stage 1: the optimizer state holds this rank's shard only; gradients are all-reduced as in
+//            DDP, each rank updates its shard, then the shards are all-gathered.
+//   stage 2: + gradients: after each layer's backward its gradient is reduce-scattered (every
+//            micro-batch), each rank keeps its shard and returns the rest of the layer's
+//            gradient memory to the OS.
+//   stage 3: + parameters: each rank keeps its parameter shard; a layer's parameters are
+//            all-gathered just before its forward and again before its backward, then freed,
+//            and the next layer's gather is started (prefetch) before this one computes.
+// Model-state bytes per rank (ZeRO paper, fp32 weights and AdamW, K = 8; REFERENCE.md §6):
+//   stage 0: 4P + 4P + 8P, stage 1: 4P + 4P + 8P/N, stage 2: 4P + (4 + 8)P/N, stage 3: 16P/N.
+// Communication per rank and step: stages 0-2 move 2(N-1)/N x 4P bytes (all-reduce, or
+// reduce-scatter + all-gather); stage 3 3(N-1)/N x 4P (two gathers and a reduce-scatter): 1.5x.
+//
+// Sharded memory is real: the flat buffers keep their address range (views stay valid) and the
+// elements a rank does not own are released to the OS (core/pages.h), so their pages are not
+// resident; resident_bytes() measures it.
+//
 // Only element-wise optimizers can be cut at arbitrary element boundaries (their update of an
 // element depends on that element alone); the others are refused with a one-line error.
 #pragma once
 #include <cstdint>
+#include <deque>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -23,6 +40,10 @@ struct ShardRange {
 };
 ShardRange shard_range(int64_t total, int rank, int world);
 
+// How many elements of [begin, end) fall in each rank's shard (they lie back to back, in rank
+// order: the segment layout of Communicator's v-collectives).
+std::vector<int64_t> shard_counts(int64_t begin, int64_t end, int64_t total, int world);
+
 // True for the optimizers whose update is element-wise (sgd, momentum, nesterov, adagrad,
 // rmsprop, adam, adamw, lion).
 bool elementwise_optimizer(const std::string& name);
@@ -31,22 +52,66 @@ bool elementwise_optimizer(const std::string& name);
 // segment each (element-wise rules ignore the matrix structure).
 std::vector<OptimParam> shard_optim_params(const std::vector<OptimParam>& list, int64_t begin, int64_t end);
 
-// All-gathers each rank's [begin, end) slice of a flat buffer into every rank's copy, through
-// padded staging buffers of S and N S elements.
-class ShardGather {
+// A contiguous range of flat elements.
+struct FlatRange {
+  int64_t begin = 0, end = 0;
+};
+
+class ZeroSharding {
  public:
-  ShardGather(Communicator& comm, Allocator& allocator, int64_t total);
+  // units[u]: the flat ranges of parameter unit u, as the model's use hooks name them (stage 3).
+  ZeroSharding(Communicator& comm, int stage, const Tensor& params, const Tensor& grads,
+               std::vector<std::vector<FlatRange>> units);
+  int stage() const { return stage_; }
   const ShardRange& range() const { return range_; }
-  // full (total) f32: every rank's slice of `full` becomes everyone's.
-  void gather_slices(const Tensor& full);
-  // shard (end - begin) f32 to full (total): a sharded optimizer state tensor, whole.
+
+  // Stages 1 and 2, after the optimizer step: every rank's updated shard of the parameters to
+  // every rank (in-place all-gather). Stage 3: the same, once, to make the parameters whole
+  // again (e.g. to sample after training); further use hooks then do nothing.
+  void gather_params();
+
+  // Stages 2 and 3: gradients. zero_grads() zeroes this rank's shard and releases the rest;
+  // reduce_from(offset) is backward's ready signal: the gradients in [offset, previous offset)
+  // are final and their reduce-scatter starts; finish_micro() waits for all of them (before the
+  // next micro-batch's backward adds into the buffer); finish() also divides the shard by N.
+  void zero_grads();
+  void reduce_from(int64_t offset);
+  void finish_micro();
+  void finish();
+
+  // Stage 3: the model's parameter use hooks.
+  void use(int unit, bool backward);
+  void done(int unit, bool backward);
+  // Stage 3: releases every parameter element outside this rank's shard (after the parameters
+  // were written whole: at the start, or by a checkpoint load).
+  void release_params();
+
+  // Element-wise gather of a sharded f32 state tensor (this rank's shard) into `full` (P) on
+  // every rank.
   void gather_shard(const Tensor& shard, const Tensor& full);
 
  private:
+  struct Pending {
+    std::unique_ptr<CommWork> work;
+    FlatRange range;
+  };
+  void release_outside_shard(const Tensor& t, FlatRange r);
+  void gather(int unit, std::deque<Pending>& into);
+  // Waits until at most `keep` operations of q are in flight; gradient reductions then release
+  // what this rank does not own.
+  void complete(std::deque<Pending>& q, size_t keep, bool release_grads);
+
   Communicator& comm_;
-  int64_t total_;
+  int stage_;
+  Tensor params_, grads_;
+  std::vector<std::vector<FlatRange>> units_;
   ShardRange range_;
-  Tensor shard_, padded_;
+  int64_t total_;
+  int64_t reduced_from_ = 0;  // backward's previous ready offset
+  std::deque<Pending> reducing_;
+  std::vector<std::deque<Pending>> gathering_;  // [unit]: gathers in flight
+  std::vector<bool> resident_;                  // [unit]: gathered and not yet released
+  bool whole_ = false;                          // gather_params() made stage 3's parameters whole
 };
 
 }  // namespace loom

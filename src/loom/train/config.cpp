@@ -230,8 +230,8 @@ void LoomConfig::validate() const {
   model.validate();
   train.validate();
   sample.sampling.validate();
-  LOOM_CHECK(parallel.zero_stage == 0 || parallel.zero_stage == 1, "parallel.zero_stage must be 0 or 1 (2 and 3 are "
-             "not implemented yet), got ", parallel.zero_stage);
+  LOOM_CHECK(parallel.zero_stage >= 0 && parallel.zero_stage <= 3, "parallel.zero_stage must be 0, 1, 2 or 3, got ",
+             parallel.zero_stage);
   LOOM_CHECK(parallel.bucket_mb > 0.0, "parallel.bucket_mb must be > 0, got ", parallel.bucket_mb);
   LOOM_CHECK(train.seq_len <= model.max_seq_len, "train.seq_len (", train.seq_len, ") must be <= model.max_seq_len (",
              model.max_seq_len, ")");

@@ -14,15 +14,15 @@ namespace {
 // run rounds exactly as an uninterrupted one.
 constexpr uint64_t kRoundingSeed = 0x5EEDB16F;
 
-// The parameters this rank's optimizer updates: all, or its ZeRO-1 shard.
+// The parameters this rank's optimizer updates: all, or its ZeRO shard.
 std::vector<OptimParam> rank_params(const std::vector<OptimParam>& all, const Communicator* comm, const DdpConfig& ddp,
                                     int64_t total, const std::string& optimizer) {
-  LOOM_CHECK(ddp.zero_stage == 0 || ddp.zero_stage == 1, "parallel.zero_stage = ", ddp.zero_stage,
-             ": stages 0 (DDP) and 1 (sharded optimizer state) are implemented");
+  LOOM_CHECK(ddp.zero_stage >= 0 && ddp.zero_stage <= 3, "parallel.zero_stage must be 0, 1, 2 or 3, got ",
+             ddp.zero_stage);
   if (ddp.zero_stage == 0 || comm == nullptr || comm->size() == 1) return all;
-  LOOM_CHECK(elementwise_optimizer(optimizer), "parallel.zero_stage = 1 shards at element boundaries and needs an "
-             "element-wise optimizer (sgd, momentum, nesterov, adagrad, rmsprop, adam, adamw, lion), got optim.name = ",
-             optimizer);
+  LOOM_CHECK(elementwise_optimizer(optimizer), "parallel.zero_stage = ", ddp.zero_stage, " shards at element "
+             "boundaries and needs an element-wise optimizer (sgd, momentum, nesterov, adagrad, rmsprop, adam, adamw, "
+             "lion), got optim.name = ", optimizer);
   const ShardRange r = shard_range(total, comm->rank(), comm->size());
   return shard_optim_params(all, r.begin, r.end);
 }
@@ -55,9 +55,28 @@ Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config, Commu
     LOOM_CHECK(!optimizer_->keeps_gradients(), "data parallelism is not supported with optim.name = ", optimizer_->name(),
                " (its error feedback lives in the gradient buffer, which the all-reduce would average)");
     comm_ = comm;
-    ddp_ = std::make_unique<DataParallel>(*comm, backend_.allocator(), model_.grads(), model_.layout(), ddp);
     loss_buffer_ = Tensor::zeros(backend_.allocator(), {1}, DTYPE_F64, MEM_WORKSPACE);
-    if (ddp.zero_stage == 1) zero_ = std::make_unique<ShardGather>(*comm, backend_.allocator(), model_.layout().total);
+    if (ddp.zero_stage <= 1) {  // gradients all-reduced (stage 1 then shards the update)
+      ddp_ = std::make_unique<DataParallel>(*comm, backend_.allocator(), model_.grads(), model_.layout(), ddp);
+    } else {
+      LOOM_CHECK(ddp.compression == "none", "parallel.compression = ", ddp.compression, " replaces DDP's all-reduce; "
+                 "parallel.zero_stage = ", ddp.zero_stage, " reduce-scatters instead: use zero_stage 0 or 1");
+    }
+    if (ddp.zero_stage >= 1) {
+      LOOM_CHECK(ddp.zero_stage < 3 || (!model_.precision().param_bf16 && !model_.precision().master_bf16),
+                 "parallel.zero_stage = 3 shards the fp32 parameters; the bf16 weights of precision.param = bf16 or "
+                 "precision.master = bf16 are not sharded: use f32 for both");
+      std::vector<std::vector<FlatRange>> units;
+      for (const auto& unit : model_.param_units()) {
+        units.emplace_back();
+        for (const auto& [begin, end] : unit) units.back().push_back({begin, end});
+      }
+      zero_ = std::make_unique<ZeroSharding>(*comm, static_cast<int>(ddp.zero_stage), model_.params(), model_.grads(),
+                                             std::move(units));
+      if (zero_->stage() == 3) {
+        model_.set_param_use_hooks({[this](int u, bool b) { zero_->use(u, b); }, [this](int u, bool b) { zero_->done(u, b); }});
+      }
+    }
   }
   if (model_.precision().master_bf16) {  // no fp32 master: the weights are bf16 values from the start
     round_to_bf16(model_.params().data<float>(), model_.params().numel(), false);
@@ -69,12 +88,16 @@ Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config, Commu
   }
   // The gradient buffer starts at zero; an optimizer that keeps error feedback in it (LDAdam)
   // leaves it for the next backward to add into, the others are zeroed before each step.
-  model_.zero_grads();
+  if (!sharded_grads()) model_.zero_grads();
 }
 
 StepStats Trainer::train_step(BatchSource& data) {
   const auto start = std::chrono::steady_clock::now();
-  if (!optimizer_->keeps_gradients()) model_.zero_grads();
+  if (sharded_grads()) {
+    zero_->zero_grads();  // this rank's shard zeroed, the rest released
+  } else if (!optimizer_->keeps_gradients()) {
+    model_.zero_grads();
+  }
   model_.sync_weight_copy();  // the bf16 weight copy follows the master weights (if kept)
   double loss_sum = 0.0;
   const float loss_scale = scaler_ ? scaler_->scale() : 1.0f;
@@ -87,14 +110,18 @@ StepStats Trainer::train_step(BatchSource& data) {
     LOOM_CHECK(scaler_ || ddp_ || std::isfinite(loss), "loss is ", loss, " at step ", step_, " (micro-batch ", micro,
                "); stopping before the update, the weights are unchanged");
     loss_sum += loss;
-    if (ddp_ && micro + 1 == config_.grad_accum) {  // earlier micro-batches: no-sync
+    if (sharded_grads()) {  // ZeRO-2/3: every micro-batch's gradients are reduce-scattered
+      model_.backward(store_, loss_weight, [this](int64_t offset) { zero_->reduce_from(offset); });
+      zero_->finish_micro();
+    } else if (ddp_ && micro + 1 == config_.grad_accum) {  // earlier micro-batches: no-sync
       model_.backward(store_, loss_weight, [this](int64_t offset) { ddp_->ready_from(offset); });
     } else {
       model_.backward(store_, loss_weight);
     }
   }
-  if (ddp_) {
-    ddp_->finish();
+  if (comm_ != nullptr) {
+    if (ddp_) ddp_->finish();
+    if (sharded_grads()) zero_->finish();
     loss_buffer_.data<double>()[0] = loss_sum;
     comm_->all_reduce(loss_buffer_);
     loss_sum = loss_buffer_.data<double>()[0] / comm_->size();
@@ -108,20 +135,24 @@ StepStats Trainer::train_step(BatchSource& data) {
   stats.tokens = config_.grad_accum * config_.batch_size * config_.seq_len;
   stats.lr = schedule_.lr(step_);
   const PrecisionPolicy& policy = model_.precision();
+  // The gradient elements this rank holds: all, or (ZeRO-2/3) its shard.
+  const int64_t g_begin = sharded_grads() ? zero_->range().begin : 0;
+  const Tensor grads = sharded_grads() ? model_.grads().view(g_begin, {zero_->range().end - g_begin}) : model_.grads();
   if (policy.reduce_bf16) {  // the gradient reduction's dtype (one rank: the accumulated sum)
-    round_to_bf16(model_.grads().data<float>(), model_.grads().numel(), false);
+    round_to_bf16(grads.data<float>(), grads.numel(), false);
   }
   if (scaler_) {
     // GradScaler: unscale; with inf/NaN gradients skip the step, leaving the weights and the
     // optimizer state as they are (the next step zeroes the gradients).
-    const Tensor& g = model_.grads();
-    stats.skipped = scaler_->unscale(g.data<float>(), g.numel());
+    stats.skipped = scaler_->unscale(grads.data<float>(), grads.numel());
+    if (sharded_grads()) stats.skipped = sum_over_ranks(stats.skipped ? 1.0 : 0.0) > 0.0;
     scaler_->update(stats.skipped);
   }
   if (stats.skipped) {
     stats.grad_norm = INFINITY;
   } else {
-    stats.grad_norm = grad_norm(backend_, model_.grads());
+    stats.grad_norm = grad_norm(backend_, grads);
+    if (sharded_grads()) stats.grad_norm = std::sqrt(sum_over_ranks(stats.grad_norm * stats.grad_norm));
     LOOM_CHECK(std::isfinite(stats.grad_norm), "gradient norm is ", stats.grad_norm, " at step ", step_,
                "; stopping before the update, the weights are unchanged");
     optimizer_->step(static_cast<float>(stats.lr), clip_coefficient(stats.grad_norm, config_.grad_clip));
@@ -129,12 +160,26 @@ StepStats Trainer::train_step(BatchSource& data) {
       round_to_bf16(model_.params().data<float>(), model_.params().numel(), policy.stochastic_rounding, kRoundingSeed,
                     0, static_cast<uint32_t>(step_));
     }
-    if (zero_) zero_->gather_slices(model_.params());  // ZeRO-1: every rank's updated shard to all
+    if (zero_ && zero_->stage() <= 2) zero_->gather_params();  // every rank's updated shard to all
   }
   model_.end_step();
   stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   ++step_;
   return stats;
+}
+
+double Trainer::sum_over_ranks(double x) {
+  loss_buffer_.data<double>()[0] = x;
+  comm_->all_reduce(loss_buffer_);
+  return loss_buffer_.data<double>()[0];
+}
+
+void Trainer::params_loaded() {
+  if (zero_) zero_->release_params();
+}
+
+void Trainer::gather_params() {
+  if (zero_) zero_->gather_params();
 }
 
 void Trainer::restore(int64_t step, int64_t optimizer_steps) {

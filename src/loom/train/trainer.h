@@ -58,8 +58,15 @@ class Trainer {
   // The loss scaler (nullptr without loss scaling); its state goes into checkpoints.
   DynamicLossScaler* loss_scaler() { return scaler_.get(); }
   const std::vector<OptimParam>& optim_params() const { return optim_params_; }  // all parameters
-  // ZeRO-1: this rank's shard and the gather of sharded state (nullptr otherwise).
-  ShardGather* zero() { return zero_.get(); }
+  // ZeRO (stages 1-3 over more than one rank): this rank's shard and the gathers of sharded
+  // state (nullptr otherwise).
+  ZeroSharding* zero() { return zero_.get(); }
+  // After the parameters were written whole (a checkpoint load): ZeRO-3 releases what this
+  // rank does not own.
+  void params_loaded();
+  // Makes the parameters whole on every rank (ZeRO-3; e.g. to sample after training): further
+  // steps keep them whole.
+  void gather_params();
   const ScheduleConfig& schedule() const { return schedule_; }
   // After a checkpoint restored the weights and the optimizer moments: continue at `step`.
   void restore(int64_t step, int64_t optimizer_steps);
@@ -75,7 +82,9 @@ class Trainer {
   std::unique_ptr<DynamicLossScaler> scaler_;
   Communicator* comm_ = nullptr;
   std::unique_ptr<DataParallel> ddp_;
-  std::unique_ptr<ShardGather> zero_;
+  std::unique_ptr<ZeroSharding> zero_;
+  bool sharded_grads() const { return zero_ && zero_->stage() >= 2; }
+  double sum_over_ranks(double x);  // all-reduce of one f64
   Tensor loss_buffer_;  // (1) f64: the step's loss, averaged over ranks
   int64_t step_ = 0;
 };
