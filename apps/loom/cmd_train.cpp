@@ -152,24 +152,21 @@ int train_main(int argc, char** argv) {
   CheckpointManager checkpoints((fs::path(dir) / "checkpoints").string(), ckpt_options);
   const ModelState model_state{config.model, model.params()};
   OptimizerState optimizer_state{trainer.optimizer().name(), trainer.optimizer().state()};
-  // ZeRO-1: each rank holds a shard of every state tensor; checkpoints hold them whole (gathered
-  // before a save, sliced after a load), the same files a run without sharding writes, so any
-  // number of ranks can resume them.
-  std::vector<std::pair<Tensor, Tensor>> zero_state;  // (this rank's shard, whole)
-  if (ZeroSharding* zero = trainer.zero()) {
-    for (auto& [name, shard] : optimizer_state.tensors) {
-      LOOM_CHECK(shard.numel() == zero->range().end - zero->range().begin, "ZeRO-1: optimizer state ", name, " of ",
+  // ZeRO: each rank holds a shard of the flat state and writes it to its own file of a sharded
+  // checkpoint (checkpoint/checkpoint.h); any number of ranks can resume it.
+  ZeroSharding* zero = trainer.zero();
+  if (zero != nullptr) {
+    optimizer_state.flat_begin = zero->range().begin;
+    for (const auto& [name, shard] : optimizer_state.tensors) {
+      LOOM_CHECK(shard.numel() == zero->range().end - zero->range().begin, "ZeRO: optimizer state ", name, " of ",
                  shard.numel(), " elements is not a shard of the parameters");
-      Tensor whole = Tensor::zeros(backend->allocator(), {model.layout().total}, DTYPE_F32, MEM_WORKSPACE);
-      zero_state.emplace_back(shard, whole);
-      shard = whole;
     }
   }
+  const std::vector<std::pair<std::string, Tensor>> flat_state = optimizer_state.tensors;
   // FP8 delayed scaling's amax histories resume with the optimizer (a bitwise-identical resume).
-  if (const Tensor& fp8 = model.pack_scaling_state(); fp8.defined()) optimizer_state.tensors.emplace_back("fp8_amax_history", fp8);
-  auto save = [&]() -> std::string {
-    for (auto& [shard, whole] : zero_state) trainer.zero()->gather_shard(shard, whole);  // every rank takes part
-    if (!lead) return "(written by rank 0)";  // data parallel ranks hold identical state
+  const Tensor& fp8 = model.pack_scaling_state();
+  if (fp8.defined()) optimizer_state.tensors.emplace_back("fp8_amax_history", fp8);
+  auto contents = [&] {
     model.pack_scaling_state();
     CheckpointContents c;
     c.step = trainer.step();
@@ -182,7 +179,30 @@ int train_main(int argc, char** argv) {
       c.extra["loss_scaler"] = {{"scale", ls->state().scale}, {"growth_tracker", ls->state().growth_tracker},
                                 {"hysteresis_tracker", ls->state().hysteresis_tracker}};
     }
-    return checkpoints.save(c);
+    return c;
+  };
+  auto save = [&]() -> std::string {
+    if (zero == nullptr) {
+      if (!lead) return "(written by rank 0)";  // data parallel ranks hold identical state
+      return checkpoints.save(contents());
+    }
+    const CheckpointContents c = contents();
+    ShardContents shard;
+    shard.rank = comm->rank(), shard.world = comm->size();
+    shard.begin = zero->range().begin, shard.end = zero->range().end;
+    shard.config = config.model;
+    shard.params = model.params().view(shard.begin, {shard.end - shard.begin});
+    shard.optimizer = c.optimizer.name;
+    shard.optimizer_steps = c.optimizer_steps;
+    shard.flat = flat_state;
+    if (fp8.defined()) shard.whole.emplace_back("fp8_amax_history", fp8);
+    if (lead) checkpoints.begin_sharded(c.step);
+    comm->barrier();
+    checkpoints.write_shard(c.step, shard);
+    comm->barrier();
+    std::string path = lead ? checkpoints.commit_sharded(c, comm->size()) : "(committed by rank 0)";
+    comm->barrier();
+    return path;
   };
   if (args.has("resume")) {
     const auto loaded = checkpoints.load_latest(model_state, optimizer_state, [](const std::string& line) {
@@ -191,9 +211,6 @@ int train_main(int argc, char** argv) {
     if (loaded) {
       trainer.restore(loaded->step, loaded->optimizer_steps);
       trainer.params_loaded();
-      for (auto& [shard, whole] : zero_state) {
-        std::copy_n(whole.data<float>() + trainer.zero()->range().begin, shard.numel(), shard.data<float>());
-      }
       model.unpack_scaling_state();
       train_data.restore(loaded->data_state.get<LoaderState>());
       if (DynamicLossScaler* ls = trainer.loss_scaler(); ls != nullptr && loaded->extra.contains("loss_scaler")) {

@@ -33,7 +33,6 @@ constexpr const char* kModelFile = "model.safetensors";
 constexpr const char* kOptimizerFile = "optimizer.safetensors";
 constexpr const char* kTrainerFile = "trainer.json";
 constexpr const char* kManifestFile = "manifest.json";
-constexpr const char* kRequiredFiles[] = {kModelFile, kOptimizerFile, kTrainerFile};  // all but the manifest
 constexpr const char* kManifestFormat = "loom-checkpoint";
 constexpr int64_t kManifestVersion = 1;
 constexpr const char* kStepPrefix = "step_";
@@ -226,13 +225,31 @@ nlohmann::json trainer_json(const CheckpointContents& c) {
   return {{"step", c.step}, {"data_state", c.data_state}, {"config_text", c.config_text}, {"extra", c.extra}};
 }
 
-nlohmann::json manifest_json(const fs::path& dir, int64_t step) {
+// "shard_00001_of_00004.safetensors"
+std::string shard_file_name(int rank, int world) {
+  std::ostringstream out;
+  out << "shard_" << std::setw(5) << std::setfill('0') << rank << "_of_" << std::setw(5) << std::setfill('0') << world
+      << ".safetensors";
+  return out.str();
+}
+
+// The files a checkpoint must hold besides the manifest: unsharded (shards = 0) or N shards.
+std::vector<std::string> required_files(int64_t shards) {
+  if (shards == 0) return {kModelFile, kOptimizerFile, kTrainerFile};
+  std::vector<std::string> files{kTrainerFile};
+  for (int64_t r = 0; r < shards; ++r) files.push_back(shard_file_name(static_cast<int>(r), static_cast<int>(shards)));
+  return files;
+}
+
+nlohmann::json manifest_json(const fs::path& dir, int64_t step, int64_t shards) {
   nlohmann::json files = nlohmann::json::object();
-  for (const char* name : kRequiredFiles) {
+  for (const std::string& name : required_files(shards)) {
     const FileDigest d = digest_file((dir / name).string());
     files[name] = {{"bytes", d.bytes}, {"xxh64", hex64(d.xxh64)}};
   }
-  return {{"format", kManifestFormat}, {"version", kManifestVersion}, {"step", step}, {"files", files}};
+  nlohmann::json m = {{"format", kManifestFormat}, {"version", kManifestVersion}, {"step", step}, {"files", files}};
+  if (shards > 0) m["shards"] = shards;
+  return m;
 }
 
 // ---- reading ----
@@ -295,9 +312,11 @@ void check_optimizer_file(const SafetensorsFile& file, const std::string& path, 
              "' (set optim.name = \"", saved, "\" to resume it)");
   for (const auto& [name, t] : optimizer.tensors) {
     LOOM_CHECK(file.has(name), path, ": no tensor '", name, "', the ", optimizer.name, " optimizer expects ", t.describe());
-    LOOM_CHECK(file.dtype(name) == t.dtype() && file.shape(name) == t.shape(), path, ": tensor '", name, "' is ",
-               dtype_name(file.dtype(name)), shape_str(file.shape(name)), ", the ", optimizer.name, " optimizer expects ",
-               t.describe());
+    const bool slice = file.shape(name).size() == 1 && optimizer.flat_begin + t.numel() <= file.shape(name)[0] &&
+                       t.ndim() == 1;  // a ZeRO rank's range of a flat state tensor
+    LOOM_CHECK(file.dtype(name) == t.dtype() && (file.shape(name) == t.shape() || slice), path, ": tensor '", name,
+               "' is ", dtype_name(file.dtype(name)), shape_str(file.shape(name)), ", the ", optimizer.name,
+               " optimizer expects ", t.describe(), optimizer.flat_begin > 0 ? " at a flat offset" : "");
   }
 }
 
@@ -311,17 +330,74 @@ int64_t parse_int(const std::string& text, const std::string& path, const std::s
   throw Error(str_cat(path, ": metadata '", key, "' is '", text, "', expected an integer"));
 }
 
-// Loads a checkpoint whose manifest has been checked.
-LoadedCheckpoint load_verified(const std::string& dir, const ModelState& model, const OptimizerState& optimizer) {
-  const ParamLayout layout = build_param_layout(model.config);
-  check_flat_f32(model.params, layout.total, dir, "model params");
-  const bool load_optimizer = !optimizer.name.empty();
+// Copies a checked optimizer file's tensors: whole, or this rank's range of a flat one.
+void copy_optimizer_file(const SafetensorsFile& file, const OptimizerState& optimizer) {
+  for (const auto& [name, t] : optimizer.tensors) {
+    if (file.shape(name) == t.shape()) {
+      file.copy_into(name, t);
+    } else {
+      file.copy_range_into(name, optimizer.flat_begin, t);
+    }
+  }
+}
 
-  const std::string model_path = (fs::path(dir) / kModelFile).string();
-  const SafetensorsFile model_file = SafetensorsFile::read(model_path);
-  const bool hf_layout = metadata_flag(model_file, model_path, "hf_layout");
-  check_model_file(model_file, model_path, model.config, layout, hf_layout);
+// ---- sharded checkpoints ----
 
+struct ShardFile {
+  std::string path;
+  SafetensorsFile file;
+  int64_t begin = 0, end = 0;
+};
+
+// Reads and checks every shard: the same model layout, contiguous ranges tiling [0, P), the
+// same optimizer; `flat` gets the names of the flat state tensors.
+std::vector<ShardFile> read_shards(const std::string& dir, int64_t shards, const ModelConfig& config,
+                                   const ParamLayout& layout, std::set<std::string>& flat) {
+  std::vector<ShardFile> out;
+  int64_t next = 0;
+  for (int64_t r = 0; r < shards; ++r) {
+    const std::string path = (fs::path(dir) / shard_file_name(static_cast<int>(r), static_cast<int>(shards))).string();
+    ShardFile s{path, SafetensorsFile::read(path)};
+    const std::string saved_config = s.file.metadata_value("model_config");
+    const ParamLayout saved = build_param_layout(model_config_from_json(saved_config, path));
+    bool same = saved.total == layout.total && saved.params.size() == layout.params.size() &&
+                s.file.metadata_value("arch") == arch_name(config.arch);
+    for (size_t i = 0; same && i < saved.params.size(); ++i) {
+      same = saved.params[i].name == layout.params[i].name && saved.params[i].shape == layout.params[i].shape;
+    }
+    LOOM_CHECK(same, path, ": the checkpoint's model (", s.file.metadata_value("arch"), " ", saved_config,
+               ") does not have this model's parameters (", arch_name(config.arch), ", ", layout.total, " elements)");
+    s.begin = parse_int(s.file.metadata_value("begin"), path, "begin");
+    s.end = parse_int(s.file.metadata_value("end"), path, "end");
+    LOOM_CHECK(s.begin == next && s.end >= s.begin && s.end <= layout.total, path, ": holds elements [", s.begin, ", ",
+               s.end, "), expected a range starting at ", next, " within [0, ", layout.total, ")");
+    next = s.end;
+    LOOM_CHECK(s.file.has("params") && s.file.shape("params") == Shape{s.end - s.begin} &&
+                   s.file.dtype("params") == DTYPE_F32,
+               path, ": expected tensor 'params' f32(", s.end - s.begin, ")");
+    std::set<std::string> names;
+    std::istringstream list(s.file.metadata_value("flat"));
+    for (std::string name; std::getline(list, name, ',');) {
+      if (!name.empty()) names.insert(name);
+    }
+    LOOM_CHECK(r == 0 || names == flat, path, ": its flat optimizer tensors differ from shard 0's");
+    flat = names;
+    out.push_back(std::move(s));
+  }
+  LOOM_CHECK(next == layout.total, dir, ": the shards cover [0, ", next, "), the model has ", layout.total, " elements");
+  return out;
+}
+
+// Fills elements [first, first + dst.numel()) of a flat tensor from the shards holding them.
+void copy_from_shards(const std::vector<ShardFile>& shards, const std::string& name, int64_t first, const Tensor& dst) {
+  const int64_t last = first + dst.numel();
+  for (const ShardFile& s : shards) {
+    const int64_t lo = std::max(first, s.begin), hi = std::min(last, s.end);
+    if (lo < hi) s.file.copy_range_into(name, lo - s.begin, dst.view(lo - first, {hi - lo}));
+  }
+}
+
+LoadedCheckpoint read_trainer_file(const std::string& dir) {
   const std::string trainer_path = (fs::path(dir) / kTrainerFile).string();
   const nlohmann::json trainer = read_json_file(trainer_path);
   LoadedCheckpoint loaded;
@@ -334,6 +410,63 @@ LoadedCheckpoint load_verified(const std::string& dir, const ModelState& model, 
   } catch (const nlohmann::json::exception& e) {
     throw Error(str_cat(trainer_path, ": expected step, data_state, config_text and extra (", e.what(), ")"));
   }
+  return loaded;
+}
+
+int64_t manifest_shards(const std::string& dir) {
+  return read_json_file((fs::path(dir) / kManifestFile).string()).value("shards", int64_t{0});
+}
+
+LoadedCheckpoint load_sharded(const std::string& dir, int64_t n_shards, const ModelState& model,
+                              const OptimizerState& optimizer) {
+  const ParamLayout layout = build_param_layout(model.config);
+  std::set<std::string> flat;
+  const std::vector<ShardFile> shards = read_shards(dir, n_shards, model.config, layout, flat);
+  LoadedCheckpoint loaded = read_trainer_file(dir);
+  if (!optimizer.name.empty()) {
+    const SafetensorsFile& first = shards[0].file;
+    const std::string& saved = first.metadata_value("optimizer");
+    LOOM_CHECK(saved == optimizer.name, shards[0].path, ": holds the state of optimizer '", saved, "', the run uses '",
+               optimizer.name, "' (set optim.name = \"", saved, "\" to resume it)");
+    for (const auto& [name, t] : optimizer.tensors) {
+      if (flat.count(name) != 0) {
+        LOOM_CHECK(t.dtype() == DTYPE_F32 && optimizer.flat_begin + t.numel() <= layout.total, dir, ": optimizer tensor '",
+                   name, "' ", t.describe(), " at flat offset ", optimizer.flat_begin, " exceeds the ", layout.total,
+                   " parameters");
+      } else {
+        LOOM_CHECK(first.has(name) && first.dtype(name) == t.dtype() && shape_numel(first.shape(name)) == t.numel(),
+                   shards[0].path, ": expected tensor '", name, "' ", t.describe(), " for the ", optimizer.name, " optimizer");
+      }
+    }
+    loaded.optimizer_steps = parse_int(first.metadata_value("step"), shards[0].path, "step");
+  }
+  // Everything fits: only now overwrite the caller's tensors.
+  copy_from_shards(shards, "params", 0, model.params);
+  if (!optimizer.name.empty()) {
+    for (const auto& [name, t] : optimizer.tensors) {
+      if (flat.count(name) != 0) {
+        copy_from_shards(shards, name, optimizer.flat_begin, t);
+      } else {
+        shards[0].file.copy_into(name, t);
+      }
+    }
+  }
+  return loaded;
+}
+
+
+// Loads a checkpoint whose manifest has been checked.
+LoadedCheckpoint load_verified(const std::string& dir, const ModelState& model, const OptimizerState& optimizer) {
+  const ParamLayout layout = build_param_layout(model.config);
+  check_flat_f32(model.params, layout.total, dir, "model params");
+  if (const int64_t shards = manifest_shards(dir); shards > 0) return load_sharded(dir, shards, model, optimizer);
+  const bool load_optimizer = !optimizer.name.empty();
+
+  const std::string model_path = (fs::path(dir) / kModelFile).string();
+  const SafetensorsFile model_file = SafetensorsFile::read(model_path);
+  const bool hf_layout = metadata_flag(model_file, model_path, "hf_layout");
+  check_model_file(model_file, model_path, model.config, layout, hf_layout);
+  LoadedCheckpoint loaded = read_trainer_file(dir);
 
   std::optional<SafetensorsFile> optimizer_file;
   if (load_optimizer) {
@@ -345,9 +478,7 @@ LoadedCheckpoint load_verified(const std::string& dir, const ModelState& model, 
 
   // Everything fits: only now overwrite the caller's tensors.
   copy_model_file(model_file, model, layout, hf_layout);
-  if (optimizer_file) {
-    for (const auto& [name, t] : optimizer.tensors) optimizer_file->copy_into(name, t);
-  }
+  if (optimizer_file) copy_optimizer_file(*optimizer_file, optimizer);
   return loaded;
 }
 
@@ -382,7 +513,11 @@ std::string checkpoint_problem(const std::string& path) {
     return str_cat(kManifestFile, " is not a Loom checkpoint manifest");
   }
   const nlohmann::json& files = manifest["files"];
-  for (const char* name : kRequiredFiles) {
+  const nlohmann::json shards = manifest.value("shards", nlohmann::json(0));
+  if (!shards.is_number_integer() || shards.get<int64_t>() < 0 || shards.get<int64_t>() > (1 << 20)) {
+    return str_cat(kManifestFile, " has shards = ", shards.dump(), ", expected a count of ranks");
+  }
+  for (const std::string& name : required_files(shards.get<int64_t>())) {
     if (!files.contains(name)) return str_cat(kManifestFile, " does not list ", name);
   }
   for (const auto& [name, entry] : files.items()) {
@@ -414,6 +549,10 @@ std::string checkpoint_problem(const std::string& path) {
 }
 
 ModelConfig checkpoint_model_config(const std::string& path) {
+  if (const int64_t shards = manifest_shards(path); shards > 0) {
+    const std::string shard_path = (fs::path(path) / shard_file_name(0, static_cast<int>(shards))).string();
+    return model_config_from_json(SafetensorsFile::read(shard_path).metadata_value("model_config"), shard_path);
+  }
   const std::string model_path = (fs::path(path) / kModelFile).string();
   const SafetensorsFile file = SafetensorsFile::read(model_path);
   return model_config_from_json(file.metadata_value("model_config"), model_path);
@@ -426,8 +565,6 @@ CheckpointManager::CheckpointManager(std::string dir, CheckpointOptions options)
 
 std::string CheckpointManager::save(const CheckpointContents& contents) {
   const fs::path final_dir = fs::path(dir_) / checkpoint_dir_name(contents.step);
-  const fs::path tmp_dir = fs::path(final_dir.string() + kTmpSuffix);
-  LOOM_CHECK(contents.step >= 0, final_dir.string(), ": checkpoint step must be >= 0, got ", contents.step);
   const ParamLayout layout = build_param_layout(contents.model.config);
   check_flat_f32(contents.model.params, layout.total, final_dir.string(), "model params");
   LOOM_CHECK(!contents.optimizer.name.empty(), final_dir.string(),
@@ -435,21 +572,76 @@ std::string CheckpointManager::save(const CheckpointContents& contents) {
   for (const auto& [name, t] : contents.optimizer.tensors) {
     LOOM_CHECK(t.defined() && t.dtype() == DTYPE_F32, final_dir.string(), ": optimizer tensor '", name, "' must be f32");
   }
+  begin_sharded(contents.step);
+  const fs::path tmp_dir = fs::path(final_dir.string() + kTmpSuffix);
+  try {
+    const bool hf_layout = options_.hf_layout && contents.model.config.arch == ARCH_GPT2;
+    write_model_file((tmp_dir / kModelFile).string(), contents.model, layout, hf_layout);
+    write_optimizer_file((tmp_dir / kOptimizerFile).string(), contents);
+  } catch (...) {
+    std::error_code ec;
+    fs::remove_all(tmp_dir, ec);
+    throw;
+  }
+  return commit(contents, 0);
+}
 
+void CheckpointManager::begin_sharded(int64_t step) {
+  const fs::path final_dir = fs::path(dir_) / checkpoint_dir_name(step);
+  LOOM_CHECK(step >= 0, final_dir.string(), ": checkpoint step must be >= 0, got ", step);
   std::error_code ec;
   const bool created = fs::create_directories(dir_, ec);
   LOOM_CHECK(!ec, dir_, ": cannot create the checkpoints folder: ", ec.message());
   if (created) fsync_directory(fs::absolute(dir_).parent_path().string());
   remove_stale_tmp_dirs();
+  const fs::path tmp_dir = fs::path(final_dir.string() + kTmpSuffix);
   fs::create_directory(tmp_dir, ec);
   LOOM_CHECK(!ec, tmp_dir.string(), ": cannot create: ", ec.message());
+}
+
+void CheckpointManager::write_shard(int64_t step, const ShardContents& shard) const {
+  const fs::path tmp_dir = fs::path((fs::path(dir_) / checkpoint_dir_name(step)).string() + kTmpSuffix);
+  const std::string path = (tmp_dir / shard_file_name(shard.rank, shard.world)).string();
+  const int64_t n = shard.end - shard.begin;
+  check_flat_f32(shard.params, n, path, "params");
+  std::vector<std::pair<std::string, Tensor>> tensors{{"params", shard.params}};
+  std::string flat;
+  for (const auto& [name, t] : shard.flat) {
+    LOOM_CHECK(name != "params" && name.find(',') == std::string::npos, path, ": optimizer tensor name '", name,
+               "' is reserved or holds a comma");
+    check_flat_f32(t, n, path, name.c_str());
+    tensors.emplace_back(name, t);
+    flat += (flat.empty() ? "" : ",") + name;
+  }
+  if (shard.rank == 0) {
+    for (const auto& [name, t] : shard.whole) tensors.emplace_back(name, t);
+  }
+  write_safetensors(path, tensors,
+                    {{"format", "pt"},
+                     {"arch", std::string(arch_name(shard.config.arch))},
+                     {"model_config", model_config_json(shard.config).dump()},
+                     {"rank", std::to_string(shard.rank)},
+                     {"world", std::to_string(shard.world)},
+                     {"begin", std::to_string(shard.begin)},
+                     {"end", std::to_string(shard.end)},
+                     {"flat", flat},
+                     {"optimizer", shard.optimizer},
+                     {"step", std::to_string(shard.optimizer_steps)}});
+}
+
+std::string CheckpointManager::commit_sharded(const CheckpointContents& contents, int world) {
+  LOOM_CHECK(world >= 1, dir_, ": a sharded checkpoint needs at least one shard, got ", world);
+  return commit(contents, world);
+}
+
+std::string CheckpointManager::commit(const CheckpointContents& contents, int shards) {
+  const fs::path final_dir = fs::path(dir_) / checkpoint_dir_name(contents.step);
+  const fs::path tmp_dir = fs::path(final_dir.string() + kTmpSuffix);
+  std::error_code ec;
   try {
-    const bool hf_layout = options_.hf_layout && contents.model.config.arch == ARCH_GPT2;
-    write_model_file((tmp_dir / kModelFile).string(), contents.model, layout, hf_layout);
-    write_optimizer_file((tmp_dir / kOptimizerFile).string(), contents);
     write_text_synced((tmp_dir / kTrainerFile).string(), trainer_json(contents).dump(2));
     // The manifest goes last: its presence says every other file is complete.
-    write_text_synced((tmp_dir / kManifestFile).string(), manifest_json(tmp_dir, contents.step).dump(2));
+    write_text_synced((tmp_dir / kManifestFile).string(), manifest_json(tmp_dir, contents.step, shards).dump(2));
     fsync_directory(tmp_dir.string());
     if (fs::exists(final_dir, ec)) {  // an older save of the same step, e.g. before a fall-back
       verified_.erase(final_dir.string());

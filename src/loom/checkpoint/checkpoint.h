@@ -5,6 +5,14 @@
 //                                          "exp_avg", "exp_avg_sq" (P); metadata: optimizer name, step
 //                   trainer.json           step, data/RNG state, resolved config text, extra
 //                   manifest.json          size and XXH64 of each file above; written last
+// A sharded checkpoint (data parallel ranks with ZeRO, each holding a shard of the flat state)
+// has instead of the two safetensors files one per rank,
+//                   shard_<r>_of_<N>.safetensors  elements [begin_r, end_r) of the flat
+//                                          parameters ("params") and of each flat optimizer
+//                                          tensor; shard 0 also the whole (non-flat) tensors
+// and the manifest records "shards": N. Any number of ranks loads it (resharding): a rank reads
+// the elements of its own range from whichever shards hold them, since every shard is a
+// contiguous range of the same flat order.
 // A checkpoint is valid iff its manifest exists and every listed file has the listed size and
 // checksum. Saving writes step_<N>.tmp/, fsyncs every file and the folder, renames it to
 // step_<N>/ and fsyncs the parent, so a crash leaves either the whole checkpoint or none.
@@ -36,6 +44,21 @@ struct ModelState {
 struct OptimizerState {
   std::string name;
   std::vector<std::pair<std::string, Tensor>> tensors;
+  // A ZeRO rank's state: its flat tensors (one value per parameter) hold only elements
+  // [flat_begin, flat_begin + numel) of the P-element state. Loading then reads that range.
+  int64_t flat_begin = 0;
+};
+
+// One rank's part of a sharded checkpoint.
+struct ShardContents {
+  int rank = 0, world = 1;
+  int64_t begin = 0, end = 0;  // this rank's flat elements
+  ModelConfig config;
+  Tensor params;  // (end - begin) f32: its slice of the parameters
+  std::string optimizer;
+  int64_t optimizer_steps = 0;
+  std::vector<std::pair<std::string, Tensor>> flat;   // (end - begin) f32 each
+  std::vector<std::pair<std::string, Tensor>> whole;  // rank 0: state kept entire (e.g. FP8 amax histories)
 };
 
 struct CheckpointContents {
@@ -79,6 +102,15 @@ class CheckpointManager {
   // its step but the newest keep_last valid ones. Returns its path.
   std::string save(const CheckpointContents& contents);
 
+  // A sharded save, in three phases with a barrier between them (the caller's; this layer
+  // knows nothing of ranks): rank 0 begin_sharded(step) makes a fresh step_<N>.tmp/; every
+  // rank write_shard(step, its shard); rank 0 commit_sharded(contents, world) writes
+  // trainer.json and the manifest over every file, renames the folder and prunes, as save()
+  // does (contents.model.params and contents.optimizer are not used). Returns the path.
+  void begin_sharded(int64_t step);
+  void write_shard(int64_t step, const ShardContents& shard) const;
+  std::string commit_sharded(const CheckpointContents& contents, int world);
+
   // The newest valid checkpoint, loaded into `model` (and `optimizer` when defined); invalid
   // ones are skipped and reported through `warn`. nullopt when there is none. A valid
   // checkpoint that does not fit the model is an error, not a fall-back.
@@ -94,6 +126,8 @@ class CheckpointManager {
 
  private:
   bool is_valid_cached(const std::string& path);
+  // trainer.json and the manifest into step_<N>.tmp/, then the atomic rename and pruning.
+  std::string commit(const CheckpointContents& contents, int shards);
   void remove_stale_tmp_dirs() const;
   void prune(int64_t saved_step);
 

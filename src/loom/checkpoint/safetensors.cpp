@@ -126,6 +126,16 @@ void SafetensorsFile::copy_into(const std::string& name, const Tensor& dst) cons
   std::memcpy(dst.raw_data(), data_.data() + e.begin, e.end - e.begin);
 }
 
+void SafetensorsFile::copy_range_into(const std::string& name, int64_t first, const Tensor& dst) const {
+  const Entry& e = entry(name);
+  LOOM_CHECK(dst.dtype() == e.dtype && first >= 0 && first + dst.numel() <= shape_numel(e.shape), path_, ": tensor '",
+             name, "' is ", dtype_name(e.dtype), shape_str(e.shape), ", cannot supply elements [", first, ", ",
+             first + dst.numel(), ") as ", dst.describe());
+  LOOM_CHECK(dst.device() == DEVICE_CPU, path_, ": tensor '", name, "' must be copied into host memory");
+  const size_t elem = dtype_size(e.dtype);
+  std::memcpy(dst.raw_data(), data_.data() + e.begin + static_cast<size_t>(first) * elem, dst.nbytes());
+}
+
 void write_safetensors(const std::string& path, const std::vector<std::pair<std::string, Tensor>>& tensors,
                        const std::map<std::string, std::string>& metadata) {
   nlohmann::json header = nlohmann::json::object();

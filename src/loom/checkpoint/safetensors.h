@@ -28,6 +28,8 @@ class SafetensorsFile {
   Tensor tensor(const std::string& name, Allocator& allocator, MemCategory category) const;
   // Copies the entry into `dst`, which must have the entry's dtype and element count.
   void copy_into(const std::string& name, const Tensor& dst) const;
+  // Copies elements [first, first + dst.numel()) of the entry (any shape, flat order) into dst.
+  void copy_range_into(const std::string& name, int64_t first, const Tensor& dst) const;
 
  private:
   struct Entry {

@@ -164,13 +164,4 @@ void ZeroSharding::release_params() {
   release_outside_shard(params_, {0, total_});
 }
 
-void ZeroSharding::gather_shard(const Tensor& shard, const Tensor& full) {
-  const int64_t n = range_.end - range_.begin;
-  LOOM_CHECK(shard.numel() == n && full.numel() == total_ && full.dtype() == DTYPE_F32, "ZeRO gather on rank ",
-             comm_.rank(), ": shard ", shard.describe(), " and full ", full.describe(), " should hold ", n, " and ",
-             total_, " f32 elements");
-  std::memcpy(full.data<float>() + range_.begin, shard.data<float>(), static_cast<size_t>(n) * sizeof(float));
-  comm_.all_gather_v_async(full, shard_counts(0, total_, total_, comm_.size()))->wait();
-}
-
 }  // namespace loom

@@ -86,9 +86,6 @@ class ZeroSharding {
   // were written whole: at the start, or by a checkpoint load).
   void release_params();
 
-  // Element-wise gather of a sharded f32 state tensor (this rank's shard) into `full` (P) on
-  // every rank.
-  void gather_shard(const Tensor& shard, const Tensor& full);
 
  private:
   struct Pending {
