@@ -78,6 +78,131 @@ TEST(TopKCompression, ErrorFeedbackInvariantAndSelection) {
   EXPECT_EQ(test::values(all->residual()), std::vector<double>(n, 0.0));
 }
 
+// DGC at momentum 0, no clipping and no warm-up is Top-K: bitwise the same output and residual
+// over 5 calls (a bucket at offset 10 of the flat gradient).
+TEST(DgcCompression, MomentumZeroIsTopK) {
+  auto comm = make_local_communicator();
+  auto backend = make_cpu_backend();
+  const int64_t n = 500;
+  auto topk = make_topk_compressor(backend->allocator(), n + 10, 0.03);
+  auto dgc = make_dgc_compressor(backend->allocator(), n + 10, {.ratio = 0.03, .momentum = 0.0});
+  for (int step = 0; step < 5; ++step) {
+    Tensor a = test::random_tensor(backend->allocator(), {n}, DTYPE_F32, 300 + step);
+    Tensor b = test::random_tensor(backend->allocator(), {n}, DTYPE_F32, 300 + step);
+    topk->reduce(*comm, a, 10);
+    dgc->reduce(*comm, b, 10);
+    EXPECT_EQ(test::values(b), test::values(a)) << "step " << step;
+    EXPECT_EQ(test::values(dgc->residual()), test::values(topk->residual())) << "step " << step;
+  }
+}
+
+// DGC with momentum 0.9, against a float64 reference of u = m u + g, v = v + u: each call sends
+// exactly k entries, the largest |v|; u and v are zero at the sent entries (momentum factor
+// masking) and follow the reference elsewhere; sum(sent) + v = sum over calls of u (before masking).
+TEST(DgcCompression, MomentumCorrectionAndFactorMasking) {
+  auto comm = make_local_communicator();
+  auto backend = make_cpu_backend();
+  const int64_t n = 400, k = 12, off = 5;
+  const double m = 0.9;
+  auto dgc = make_dgc_compressor(backend->allocator(), n + off, {.ratio = static_cast<double>(k) / n, .momentum = m});
+  std::vector<double> u(n, 0.0), v(n, 0.0), u_sum(n, 0.0), sent_sum(n, 0.0);
+  for (int step = 0; step < 8; ++step) {
+    Tensor g = test::random_tensor(backend->allocator(), {n}, DTYPE_F32, 400 + step);
+    for (int64_t i = 0; i < n; ++i) {
+      u[i] = m * u[i] + g.data<float>()[i];
+      v[i] += u[i];
+      u_sum[i] += u[i];
+    }
+    dgc->reduce(*comm, g, off);
+    const float* du = dgc->momentum()->data<float>() + off;
+    const float* dv = dgc->residual().data<float>() + off;
+    int64_t sent = 0;
+    double smallest_sent = 1e30, largest_kept = 0.0;
+    for (int64_t i = 0; i < n; ++i) {
+      const float s = g.data<float>()[i];
+      sent_sum[i] += s;
+      if (s != 0.0f) {
+        ++sent;
+        smallest_sent = std::min(smallest_sent, std::abs(v[i]));
+        EXPECT_NEAR(s, v[i], 1e-5) << "step " << step << " element " << i;
+        EXPECT_EQ(du[i], 0.0f) << "step " << step << " element " << i;
+        EXPECT_EQ(dv[i], 0.0f) << "step " << step << " element " << i;
+        u[i] = v[i] = 0.0;  // the reference masks the same entries
+      } else {
+        largest_kept = std::max(largest_kept, std::abs(v[i]));
+        EXPECT_NEAR(du[i], u[i], 1e-5) << "step " << step << " element " << i;
+        EXPECT_NEAR(dv[i], v[i], 1e-5) << "step " << step << " element " << i;
+      }
+    }
+    EXPECT_EQ(sent, k) << "step " << step;
+    EXPECT_GE(smallest_sent, largest_kept - 1e-5) << "step " << step;
+    for (int64_t i = 0; i < n; ++i) EXPECT_NEAR(sent_sum[i] + dv[i], u_sum[i], 1e-5) << "step " << step << " " << i;
+  }
+  EXPECT_EQ(dgc->momentum()->numel(), n + off);
+}
+
+// Sparsity warm-up at ratio 0.001 over 8 calls per bucket: S = 4 stages of 2 calls each, densities
+// 1/4, 1/16, 1/64, 1/256, then 0.001: k = floor(d n) for n = 1000 is 250, 62, 15, 3, then 1. Each
+// bucket (offset) counts its own calls; warmup_steps = 0 sends k = 1 from the first call.
+TEST(DgcCompression, SparsityWarmupSchedule) {
+  auto comm = make_local_communicator();
+  auto backend = make_cpu_backend();
+  const int64_t n = 1000;
+  auto dgc = make_dgc_compressor(backend->allocator(), 2 * n, {.ratio = 0.001, .momentum = 0.9, .warmup_steps = 8});
+  auto count = [&](GradCompressor& c, int64_t offset, uint64_t seed) {
+    Tensor g = test::random_tensor(backend->allocator(), {n}, DTYPE_F32, seed);
+    c.reduce(*comm, g, offset);
+    int64_t nonzero = 0;
+    for (int64_t i = 0; i < n; ++i) nonzero += g.data<float>()[i] != 0.0f;
+    return nonzero;
+  };
+  const std::vector<int64_t> expect = {250, 250, 62, 62, 15, 15, 3, 3, 1, 1, 1};
+  for (size_t t = 0; t < expect.size(); ++t) {
+    EXPECT_EQ(count(*dgc, n, 500 + t), expect[t]) << "bucket at n, call " << t;  // the later bucket first, as DDP
+    EXPECT_EQ(count(*dgc, 0, 600 + t), expect[t]) << "bucket at 0, call " << t;
+  }
+  auto none = make_dgc_compressor(backend->allocator(), n, {.ratio = 0.001});
+  EXPECT_EQ(count(*none, 0, 700), 1);
+  // ratio 0.1: one warm-up stage (1/4 > 0.1 > 1/16) over all 3 warm-up calls.
+  auto one = make_dgc_compressor(backend->allocator(), n, {.ratio = 0.1, .warmup_steps = 3});
+  for (const int64_t k : {250, 250, 250, 100, 100}) EXPECT_EQ(count(*one, 0, 800 + k), k);
+}
+
+// Local clipping: a gradient whose norm exceeds the threshold is scaled to norm = threshold
+// (ratio 1 and momentum 0 send it whole); below the threshold it passes unchanged; a bucket of a
+// quarter of the flat gradient is clipped to its share, threshold x sqrt(1/4).
+TEST(DgcCompression, LocalGradientClipping) {
+  auto comm = make_local_communicator();
+  auto backend = make_cpu_backend();
+  const int64_t n = 100;
+  auto norm = [](const Tensor& t) {
+    double sq = 0.0;
+    for (const double x : test::values(t)) sq += x * x;
+    return std::sqrt(sq);
+  };
+  const DgcOptions clip = {.ratio = 1.0, .momentum = 0.0, .clip_norm = 2.0};
+  auto dgc = make_dgc_compressor(backend->allocator(), n, clip);
+  Tensor g = test::random_tensor(backend->allocator(), {n}, DTYPE_F32, 900);
+  const std::vector<double> before = test::values(g);
+  const double norm_before = norm(g);
+  ASSERT_GT(norm_before, 4.0);
+  dgc->reduce(*comm, g, 0);
+  EXPECT_NEAR(norm(g), 2.0, 1e-6);
+  for (int64_t i = 0; i < n; ++i) EXPECT_NEAR(g.data<float>()[i], before[i] * 2.0 / norm_before, 1e-6) << i;
+
+  auto fresh = make_dgc_compressor(backend->allocator(), n, clip);
+  Tensor small = test::random_tensor(backend->allocator(), {n}, DTYPE_F32, 901, 0.1);
+  const std::vector<double> unchanged = test::values(small);
+  ASSERT_LT(norm(small), 2.0);
+  fresh->reduce(*comm, small, 0);
+  EXPECT_EQ(test::values(small), unchanged);
+
+  auto share = make_dgc_compressor(backend->allocator(), 4 * n, clip);
+  Tensor part = test::random_tensor(backend->allocator(), {n}, DTYPE_F32, 902);
+  share->reduce(*comm, part, 3 * n);
+  EXPECT_NEAR(norm(part), 1.0, 1e-6);
+}
+
 // 1-bit with error feedback: what is sent is +-scale with scale = mean |gradient + residual|,
 // the invariant sum(sent) + residual = sum(gradients) holds over 6 steps.
 TEST(OneBitCompression, SendsSignTimesMeanMagnitudeWithErrorFeedback) {

@@ -140,6 +140,9 @@ int train_main(int argc, char** argv) {
   ddp.topk_ratio = config.parallel.topk_ratio;
   ddp.qsgd_levels = static_cast<int>(config.parallel.qsgd_levels);
   ddp.powersgd_rank = static_cast<int>(config.parallel.powersgd_rank);
+  ddp.dgc.momentum = config.parallel.dgc_momentum;
+  ddp.dgc.clip_norm = config.parallel.dgc_clip;
+  ddp.dgc.warmup_steps = config.parallel.dgc_warmup_steps;
   Trainer trainer(*backend, model, config.train, comm.get(), ddp);
   TokenLoader train_data(std::move(data.train), config.train.seq_len, config.loop.seed);
   // Each rank trains on its rows of the global batch the loader draws (all ranks draw the same).

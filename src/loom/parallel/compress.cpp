@@ -46,6 +46,41 @@ std::vector<float> times_transpose(const float* P, const float* Q, int64_t rows,
   return out;
 }
 
+// k of a sparse exchange: ratio x n rounded down, at least 1.
+int64_t sparse_count(double ratio, int64_t n) {
+  return std::max<int64_t>(1, static_cast<int64_t>(std::floor(ratio * static_cast<double>(n))));
+}
+
+// Sends the k entries of acc (n elements) of largest magnitude as (index, value) pairs by
+// all-gather and zeroes them in acc (what is sent leaves the accumulator); g = the sum over
+// ranks, in rank order, of the N sparse vectors. Returns the k indices this rank sent.
+std::vector<int32_t> exchange_top_k(Communicator& comm, Allocator& allocator, float* acc, float* g, int64_t n,
+                                    int64_t k) {
+  const int64_t world = comm.size();
+  std::vector<int32_t> order(static_cast<size_t>(n));
+  std::iota(order.begin(), order.end(), 0);
+  std::nth_element(order.begin(), order.begin() + (k - 1), order.end(), [&](int32_t a, int32_t b) {
+    const float fa = std::fabs(acc[a]), fb = std::fabs(acc[b]);
+    return fa > fb || (fa == fb && a < b);  // ties by index: deterministic
+  });
+  order.resize(static_cast<size_t>(k));
+  Tensor idx = Tensor::empty(allocator, {k}, DTYPE_I32, MEM_WORKSPACE);
+  Tensor val = Tensor::empty(allocator, {k}, DTYPE_F32, MEM_WORKSPACE);
+  for (int64_t j = 0; j < k; ++j) {
+    const int32_t i = order[static_cast<size_t>(j)];
+    idx.data<int32_t>()[j] = i;
+    val.data<float>()[j] = acc[i];
+    acc[i] = 0.0f;  // sent: the accumulator keeps the rest
+  }
+  Tensor all_idx = Tensor::empty(allocator, {k * world}, DTYPE_I32, MEM_WORKSPACE);
+  Tensor all_val = Tensor::empty(allocator, {k * world}, DTYPE_F32, MEM_WORKSPACE);
+  comm.all_gather(idx, all_idx);
+  comm.all_gather(val, all_val);
+  std::fill(g, g + n, 0.0f);
+  for (int64_t j = 0; j < k * world; ++j) g[all_idx.data<int32_t>()[j]] += all_val.data<float>()[j];  // rank order
+  return order;
+}
+
 class TopK final : public GradCompressor {
  public:
   TopK(Allocator& allocator, int64_t total, double ratio) : allocator_(allocator), ratio_(ratio) {
@@ -54,31 +89,11 @@ class TopK final : public GradCompressor {
   }
 
   void reduce(Communicator& comm, const Tensor& bucket, int64_t offset) override {
-    const int64_t n = bucket.numel(), world = comm.size();
-    const int64_t k = std::max<int64_t>(1, static_cast<int64_t>(std::floor(ratio_ * static_cast<double>(n))));
+    const int64_t n = bucket.numel();
     float* g = bucket.data<float>();
     float* e = residual_.data<float>() + offset;
     for (int64_t i = 0; i < n; ++i) e[i] += g[i];  // accumulated = gradient + residual
-    std::vector<int32_t> order(static_cast<size_t>(n));
-    std::iota(order.begin(), order.end(), 0);
-    std::nth_element(order.begin(), order.begin() + (k - 1), order.end(), [&](int32_t a, int32_t b) {
-      const float fa = std::fabs(e[a]), fb = std::fabs(e[b]);
-      return fa > fb || (fa == fb && a < b);  // ties by index: deterministic
-    });
-    Tensor idx = Tensor::empty(allocator_, {k}, DTYPE_I32, MEM_WORKSPACE);
-    Tensor val = Tensor::empty(allocator_, {k}, DTYPE_F32, MEM_WORKSPACE);
-    for (int64_t j = 0; j < k; ++j) {
-      const int32_t i = order[static_cast<size_t>(j)];
-      idx.data<int32_t>()[j] = i;
-      val.data<float>()[j] = e[i];
-      e[i] = 0.0f;  // sent: the residual keeps the rest
-    }
-    Tensor all_idx = Tensor::empty(allocator_, {k * world}, DTYPE_I32, MEM_WORKSPACE);
-    Tensor all_val = Tensor::empty(allocator_, {k * world}, DTYPE_F32, MEM_WORKSPACE);
-    comm.all_gather(idx, all_idx);
-    comm.all_gather(val, all_val);
-    std::fill(g, g + n, 0.0f);
-    for (int64_t j = 0; j < k * world; ++j) g[all_idx.data<int32_t>()[j]] += all_val.data<float>()[j];  // rank order
+    exchange_top_k(comm, allocator_, e, g, n, sparse_count(ratio_, n));
   }
 
   const Tensor& residual() const override { return residual_; }
@@ -87,6 +102,59 @@ class TopK final : public GradCompressor {
   Allocator& allocator_;
   double ratio_;
   Tensor residual_;
+};
+
+class Dgc final : public GradCompressor {
+ public:
+  Dgc(Allocator& allocator, int64_t total, const DgcOptions& options)
+      : allocator_(allocator), total_(total), options_(options) {
+    LOOM_CHECK(options.ratio > 0.0 && options.ratio <= 1.0, "DGC ratio must be in (0, 1], got ", options.ratio);
+    LOOM_CHECK(options.momentum >= 0.0 && options.momentum < 1.0, "DGC momentum must be in [0, 1), got ",
+               options.momentum);
+    LOOM_CHECK(options.warmup_steps >= 0, "DGC warmup_steps must be >= 0, got ", options.warmup_steps);
+    while (std::pow(0.25, stages_ + 1) > options.ratio) ++stages_;  // warm-up densities 4^-1 .. 4^-S
+    u_ = Tensor::zeros(allocator, {total}, DTYPE_F32, MEM_OPTIMIZER_STATE);
+    v_ = Tensor::zeros(allocator, {total}, DTYPE_F32, MEM_OPTIMIZER_STATE);
+  }
+
+  void reduce(Communicator& comm, const Tensor& bucket, int64_t offset) override {
+    const int64_t n = bucket.numel(), t = steps_[offset]++;
+    float* g = bucket.data<float>();
+    float* u = u_.data<float>() + offset;
+    float* v = v_.data<float>() + offset;
+    if (options_.clip_norm > 0.0) {  // local clipping to this bucket's share of clip_norm N^-1/2
+      double sq = 0.0;
+      for (int64_t i = 0; i < n; ++i) sq += static_cast<double>(g[i]) * g[i];
+      const double share = static_cast<double>(n) / (static_cast<double>(total_) * comm.size());
+      const double limit = options_.clip_norm * std::sqrt(share), norm = std::sqrt(sq);
+      if (norm > limit) {
+        const float scale = static_cast<float>(limit / norm);
+        for (int64_t i = 0; i < n; ++i) g[i] *= scale;
+      }
+    }
+    const float m = static_cast<float>(options_.momentum);
+    for (int64_t i = 0; i < n; ++i) {
+      u[i] = m * u[i] + g[i];  // momentum correction
+      v[i] += u[i];            // accumulation
+    }
+    const double density = t < options_.warmup_steps && stages_ > 0
+                               ? std::pow(0.25, static_cast<double>(1 + t * stages_ / options_.warmup_steps))
+                               : options_.ratio;
+    for (const int32_t i : exchange_top_k(comm, allocator_, v, g, n, sparse_count(density, n))) {
+      u[i] = 0.0f;  // momentum factor masking (v was zeroed by the exchange)
+    }
+  }
+
+  const Tensor& residual() const override { return v_; }
+  const Tensor* momentum() const override { return &u_; }
+
+ private:
+  Allocator& allocator_;
+  int64_t total_;
+  DgcOptions options_;
+  int64_t stages_ = 0;  // S: warm-up stages
+  Tensor u_, v_;
+  std::map<int64_t, int64_t> steps_;  // reduce() calls so far, by bucket offset
 };
 
 class OneBit final : public GradCompressor {
@@ -265,6 +333,10 @@ std::unique_ptr<GradCompressor> make_qsgd_compressor(Allocator& allocator, int64
 
 std::unique_ptr<GradCompressor> make_onebit_compressor(Allocator& allocator, int64_t total) {
   return std::make_unique<OneBit>(allocator, total);
+}
+
+std::unique_ptr<GradCompressor> make_dgc_compressor(Allocator& allocator, int64_t total, const DgcOptions& options) {
+  return std::make_unique<Dgc>(allocator, total, options);
 }
 
 std::unique_ptr<GradCompressor> make_topk_compressor(Allocator& allocator, int64_t total, double ratio) {

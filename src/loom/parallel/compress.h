@@ -23,10 +23,45 @@ class GradCompressor {
   virtual void reduce(Communicator& comm, const Tensor& bucket, int64_t offset) = 0;
   // The error-feedback residual over the whole flat gradient (checkpointable state).
   virtual const Tensor& residual() const = 0;
+  // Momentum kept by the compressor over the whole flat gradient (DGC), or nullptr.
+  virtual const Tensor* momentum() const { return nullptr; }
 };
 
 // Top-K with error feedback over a flat gradient of `total` elements (the residual lives here).
 std::unique_ptr<GradCompressor> make_topk_compressor(Allocator& allocator, int64_t total, double ratio);
+
+// Deep Gradient Compression (Lin, Han, Mao, Wang, Dally, "Deep Gradient Compression: Reducing
+// the Communication Bandwidth for Distributed Training", ICLR 2018; Algorithm 1 with momentum
+// correction, local gradient clipping, momentum factor masking and sparsity warm-up). Per rank
+// and bucket of n elements at `offset`, with t = how many times reduce() has been called for
+// this offset before (a per-offset counter, so every bucket follows the same schedule):
+//   clip:  g <- g min(1, c_b / ||g||_2), c_b = clip_norm sqrt(n / (N total)): the paper's
+//          threshold scaled by N^-1/2, times the bucket's share sqrt(n / total) of the flat
+//          gradient (a bucket sees only its own part; the squared shares sum to clip_norm^2 / N,
+//          so the clipped local gradient's whole norm is <= clip_norm N^-1/2; with one bucket
+//          covering the whole gradient it is exactly the paper's local clipping). Off if <= 0.
+//   u <- m u + g            (momentum correction: u and v live here, for the whole flat gradient)
+//   v <- v + u              (accumulation)
+//   send the k entries of largest |v|, k = max(1, floor(d_t n)), as (index, value) pairs by
+//   all-gather, exactly as Top-K (ties by lower index; the paper estimates the threshold by
+//   sampling, this selection is exact); bucket = the sum of the N sparse vectors
+//   v <- 0, u <- 0 at the sent entries (momentum factor masking)
+// Sparsity warm-up (the paper's 75%, 93.75%, 98.4375%, 99.6%, then 1 - ratio): with S = the
+// number of s >= 1 with 4^-s > ratio (S = 4 at ratio 0.001) and W = warmup_steps,
+//   d_t = 4^-(1 + floor(t S / W)) for t < W, else ratio   (W = 0 or S = 0: always ratio),
+// so the W steps are cut into S equal stages (W = 4 epochs of steps at ratio 0.001 is the paper's
+// schedule). Invariant, per rank and element: sum(sent) + v = sum over steps of u (after
+// clipping and before masking). At momentum 0, no clipping and no warm-up it is Top-K exactly.
+// The momentum is already applied: the optimizer must be plain SGD (no momentum of its own).
+// residual() is v, momentum() is u; the per-offset step counters are not part of residual().
+// Wire bytes per rank: (N-1)/N x N x k x 8, as Top-K.
+struct DgcOptions {
+  double ratio = 0.001;        // final density k / n, in (0, 1]
+  double momentum = 0.9;       // m, in [0, 1)
+  double clip_norm = 0.0;      // <= 0: off; local clipping threshold of the whole flat gradient (before N^-1/2)
+  int64_t warmup_steps = 0;    // W: reduce() calls per bucket spent in the sparsity warm-up
+};
+std::unique_ptr<GradCompressor> make_dgc_compressor(Allocator& allocator, int64_t total, const DgcOptions& options);
 
 // 1-bit with error feedback (Seide et al. 2014; Karimireddy et al., "Error Feedback Fixes
 // SignSGD", ICML 2019): each rank sends p = (||a||_1 / n) sign(a) of a = gradient + residual

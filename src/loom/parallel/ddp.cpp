@@ -9,9 +9,14 @@ namespace loom {
 DataParallel::DataParallel(Communicator& comm, Allocator& allocator, const Tensor& grads, const ParamLayout& layout,
                            DdpConfig config)
     : comm_(comm), grads_(grads), config_(config) {
-  LOOM_CHECK(config_.compression == "none" || config_.compression == "topk" || config_.compression == "onebit" ||
-                 config_.compression == "qsgd" || config_.compression == "powersgd",
-             "parallel.compression must be none, topk, onebit, qsgd or powersgd, got '", config_.compression, "'");
+  LOOM_CHECK(config_.compression == "none" || config_.compression == "topk" || config_.compression == "dgc" ||
+                 config_.compression == "onebit" || config_.compression == "qsgd" || config_.compression == "powersgd",
+             "parallel.compression must be none, topk, dgc, onebit, qsgd or powersgd, got '", config_.compression, "'");
+  if (config_.compression == "dgc") {
+    DgcOptions dgc = config_.dgc;
+    dgc.ratio = config_.topk_ratio;
+    compressor_ = make_dgc_compressor(allocator, layout.total, dgc);
+  }
   if (config_.compression == "powersgd") compressor_ = make_powersgd_compressor(allocator, layout, config_.powersgd_rank, 0x5D);
   if (config_.compression == "qsgd") compressor_ = make_qsgd_compressor(allocator, layout.total, config_.qsgd_levels, 0x95D);
   if (config_.compression == "topk") compressor_ = make_topk_compressor(allocator, layout.total, config_.topk_ratio);

@@ -26,9 +26,10 @@ namespace loom {
 struct DdpConfig {
   int64_t bucket_bytes = 25 << 20;  // PyTorch DDP's default bucket_cap_mb = 25
   bool overlap = true;              // false: one all-reduce per bucket after backward (for comparison)
-  int64_t zero_stage = 0;           // 0: plain DDP; 1: ZeRO-1, optimizer state sharded (parallel/zero.h)
-  std::string compression = "none";  // none | topk | onebit | qsgd | powersgd (parallel/compress.h; replaces each bucket's all-reduce)
-  double topk_ratio = 0.01;          // fraction of each bucket's entries Top-K sends
+  int64_t zero_stage = 0;           // 0: plain DDP; 1-3: ZeRO (parallel/zero.h)
+  std::string compression = "none";  // none | topk | dgc | onebit | qsgd | powersgd (parallel/compress.h; replaces each bucket's all-reduce)
+  double topk_ratio = 0.01;          // fraction of each bucket's entries Top-K (and DGC, finally) sends
+  DgcOptions dgc;                    // DGC's momentum, clipping and warm-up (its ratio is topk_ratio)
   int qsgd_levels = 127;             // QSGD's s
   int powersgd_rank = 4;             // PowerSGD's r
 };

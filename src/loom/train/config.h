@@ -45,11 +45,14 @@ struct SampleConfig {
 struct ParallelConfig {
   double bucket_mb = 25.0;  // DDP gradient bucket size (PyTorch's bucket_cap_mb)
   bool overlap = true;      // start each bucket's all-reduce during backward
-  int64_t zero_stage = 0;   // 0: DDP; 1: ZeRO-1 (optimizer state sharded over the ranks)
-  std::string compression = "none";  // none | topk | onebit | qsgd | powersgd: gradient compression hook on the DDP path
-  double topk_ratio = 0.01;
+  int64_t zero_stage = 0;   // 0: DDP; 1, 2, 3: ZeRO (optimizer state; + gradients; + parameters sharded)
+  std::string compression = "none";  // none | topk | dgc | onebit | qsgd | powersgd: hook on the DDP path
+  double topk_ratio = 0.01;          // Top-K's and DGC's (final) density
   int64_t qsgd_levels = 127;
   int64_t powersgd_rank = 4;
+  double dgc_momentum = 0.9;         // DGC's momentum correction (use optim.name = sgd with it)
+  double dgc_clip = 0.0;             // DGC's local gradient clipping threshold (<= 0: off)
+  int64_t dgc_warmup_steps = 0;      // DGC's sparsity warm-up, in steps
 };
 
 struct LoomConfig {
