@@ -4,6 +4,7 @@
 
 #include "loom/backend/backend.h"
 #include "loom/comm/communicator.h"
+#include "loom/comm/device_mesh.h"
 #include "loom/core/error.h"
 #include "loom/model/config.h"
 #include "loom/model/param_layout.h"
@@ -12,6 +13,28 @@
 
 namespace loom {
 namespace {
+
+// 8 ranks as pp=2 x dp=2 x tp=2: tp groups are neighbours, pp stages 4 ranks apart.
+TEST(DeviceMesh, CoordinatesAndGroups) {
+  const DeviceMesh mesh(8, {{"pp", 2}, {"dp", 0}, {"tp", 2}});
+  EXPECT_EQ(mesh.size("dp"), 2);  // 0: the ranks left
+  EXPECT_EQ(mesh.describe(), "pp=2 x dp=2 x tp=2");
+  EXPECT_EQ(mesh.coord(5, "pp"), 1);
+  EXPECT_EQ(mesh.coord(5, "dp"), 0);
+  EXPECT_EQ(mesh.coord(5, "tp"), 1);
+  EXPECT_EQ(mesh.group(5, "tp"), (std::vector<int>{4, 5}));
+  EXPECT_EQ(mesh.group(5, "dp"), (std::vector<int>{5, 7}));
+  EXPECT_EQ(mesh.group(5, "pp"), (std::vector<int>{1, 5}));
+  for (int r = 0; r < 8; ++r) {  // coordinates and ranks are a bijection
+    EXPECT_EQ(mesh.coord(r, "pp") * 4 + mesh.coord(r, "dp") * 2 + mesh.coord(r, "tp"), r);
+  }
+  EXPECT_THROW(DeviceMesh(6, {{"dp", 4}, {"tp", 2}}), Error);
+  EXPECT_THROW(DeviceMesh(8, {{"dp", 0}, {"tp", 0}}), Error);
+  EXPECT_THROW(DeviceMesh(6, {{"dp", 0}, {"tp", 4}}), Error);
+  EXPECT_THROW(mesh.size("ep"), Error);
+  EXPECT_EQ(training_mesh(4, 0, 1, 1, 1).size("dp"), 4);
+  EXPECT_THROW(training_mesh(4, 2, 2, 1, 1), Error);  // model parallelism: not yet
+}
 
 TEST(LocalComm, CollectivesOfOneRank) {
   auto comm = make_local_communicator();

@@ -12,7 +12,9 @@
 #include "cli.h"
 #include "commands.h"
 #include "loom/comm/communicator.h"
+#include "loom/comm/device_mesh.h"
 #include "loom/core/error.h"
+#include "loom/core/pages.h"
 #include "loom/core/file_io.h"
 #include "loom/data/loader.h"
 #include "loom/data/shard.h"
@@ -73,6 +75,17 @@ class MetricsLog {
   std::ofstream out_;
 };
 
+// Bytes per collective this rank sent and received so far (comm/communicator.h's ring volumes).
+nlohmann::json ledger_json(const ByteLedger& ledger) {
+  nlohmann::json j = nlohmann::json::object();
+  for (int c = 0; c < COLL_COUNT; ++c) {
+    if (ledger.calls[c] == 0) continue;
+    j[collective_name(static_cast<Collective>(c))] = {{"calls", ledger.calls[c]}, {"sent", ledger.sent[c]},
+                                                      {"received", ledger.received[c]}};
+  }
+  return j;
+}
+
 nlohmann::json memory_json(const MemoryTracker& mem) {
   nlohmann::json j;
   for (int c = 0; c < MEM_CATEGORY_COUNT; ++c) {
@@ -119,6 +132,8 @@ int train_main(int argc, char** argv) {
   // other ranks print into <run>/logs/rank<N>.log and keep their metrics beside it.
   const std::unique_ptr<Communicator> comm = launched_by_mpirun() ? make_mpi_communicator() : make_local_communicator();
   const bool lead = comm->rank() == 0;
+  const DeviceMesh mesh = training_mesh(comm->size(), static_cast<int>(config.parallel.dp), static_cast<int>(config.parallel.tp),
+                                        static_cast<int>(config.parallel.pp), static_cast<int>(config.parallel.cp));
   const std::string dir = run_dir(config);
   fs::create_directories(dir);
   if (!lead) {
@@ -261,8 +276,8 @@ int train_main(int argc, char** argv) {
   MetricsLog metrics(lead ? (fs::path(dir) / "metrics.jsonl").string()
                           : (fs::path(dir) / "logs" / ("metrics.rank" + std::to_string(comm->rank()) + ".jsonl")).string());
   if (comm->size() > 1) {
-    std::printf("data parallel: %d ranks (MPI), %lld sequences per rank per micro-batch, global batch %lld x %lld tokens\n",
-                comm->size(), static_cast<long long>(config.train.batch_size),
+    std::printf("mesh %s; data parallel: %d ranks (MPI), %lld sequences per rank per micro-batch, global batch %lld x %lld tokens\n",
+                mesh.describe().c_str(), mesh.size("dp"), static_cast<long long>(config.train.batch_size),
                 static_cast<long long>(config.train.batch_size * config.train.grad_accum * comm->size()),
                 static_cast<long long>(config.train.seq_len));
   }
@@ -273,9 +288,12 @@ int train_main(int argc, char** argv) {
   double seconds_sum = 0.0;
   int64_t steps_timed = 0;
   double last_val = NAN;
+  int64_t last_resident_params = 0, last_resident_grads = 0;
 
   while (trainer.step() < config.train.steps) {
     const StepStats stats = trainer.train_step(rank_data);
+    last_resident_params = resident_bytes(model.params());
+    last_resident_grads = resident_bytes(model.grads());
     seconds_sum += stats.seconds;
     ++steps_timed;
     StepReport r{stats};
@@ -286,7 +304,10 @@ int train_main(int argc, char** argv) {
     metrics.write({{"step", stats.step + 1}, {"loss", stats.loss}, {"lr", stats.lr}, {"grad_norm", stats.grad_norm},
                    {"tokens", stats.tokens}, {"seconds", stats.seconds}, {"loss_scale", stats.loss_scale}, {"skipped", stats.skipped}, {"tokens_per_s", r.tokens_per_s}, {"mfu", r.mfu},
                    {"memory_bytes", r.memory_bytes}, {"ranks", comm->size()},
-                   {"comm_bytes_sent", comm->ledger().total_sent()}, {"comm_bytes_received", comm->ledger().total_received()}});
+                   {"comm_bytes_sent", comm->ledger().total_sent()}, {"comm_bytes_received", comm->ledger().total_received()},
+                   {"comm", ledger_json(comm->ledger())},
+                   // Measured residency (core/pages.h): under ZeRO-2/3 less than the buffers' size.
+                   {"resident_bytes", {{"parameters", last_resident_params}, {"gradients", last_resident_grads}}}});
     const int64_t done = trainer.step();
     const bool eval_now = config.loop.eval_every > 0 && done % config.loop.eval_every == 0;
     print_progress(r, config.train.steps, terminal, eval_now || done % config.loop.log_every == 0 || done == config.train.steps);
@@ -325,6 +346,13 @@ int train_main(int argc, char** argv) {
               static_cast<long long>(trainer.step()), last_val, format_bytes(mem.peak_total()).c_str(),
               format_bytes(mem.peak(MEM_PARAMETERS)).c_str(), format_bytes(mem.peak(MEM_GRADIENTS)).c_str(),
               format_bytes(mem.peak(MEM_OPTIMIZER_STATE)).c_str(), format_bytes(mem.peak(MEM_ACTIVATIONS)).c_str());
+  if (zero != nullptr) {
+    std::printf("ZeRO-%d: this rank owns %lld of %lld parameters; resident after the last step: parameters %s, "
+                "gradients %s (the buffers above are address space; the rest was returned to the OS)\n",
+                zero->stage(), static_cast<long long>(zero->range().end - zero->range().begin),
+                static_cast<long long>(model.layout().total), format_bytes(static_cast<size_t>(last_resident_params)).c_str(),
+                format_bytes(static_cast<size_t>(last_resident_grads)).c_str());
+  }
   return 0;
 }
 
