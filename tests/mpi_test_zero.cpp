@@ -31,7 +31,8 @@ ModelConfig zero_model(bool large) {
   return c;
 }
 
-RunResult run(Communicator* comm, int64_t batch, int steps, int64_t zero, int64_t accum, bool large) {
+RunResult run(Communicator* comm, int64_t batch, int steps, int64_t zero, int64_t accum, bool large,
+              const char* optimizer = "adamw") {
   const ModelConfig config = zero_model(large);
   auto backend = make_cpu_backend();
   Transformer model(*backend, config);
@@ -39,6 +40,7 @@ RunResult run(Communicator* comm, int64_t batch, int steps, int64_t zero, int64_
   TrainConfig tc;
   tc.batch_size = batch, tc.seq_len = 16, tc.grad_accum = accum, tc.steps = steps, tc.schedule.warmup = 3;
   tc.schedule.max_lr = 1e-2;
+  tc.optim.name = optimizer;
   DdpConfig ddp;
   ddp.bucket_bytes = 16 << 10;
   ddp.zero_stage = zero;
@@ -131,6 +133,13 @@ TEST(MpiZero, ModelStateBytesFollowTheZeroFormulas) {
   EXPECT_NEAR(z3 / ddp, 1.5, 1.5 * (16.0 * n / (4.0 * P) + 1e-4));  // loss/norm all-reduces: 16 bytes a step
   const double z2 = static_cast<double>(runs[2].ledger.sent[COLL_ALL_GATHER] + runs[2].ledger.sent[COLL_REDUCE_SCATTER]);
   EXPECT_NEAR(z2 / ddp, 1.0, 1e-3);
+  // Other optimizers' K at stage 3: (4 + 4 + K) P / N with K = 0 (SGD) and 4 (Lion's momentum).
+  for (const auto& [optimizer, k] : {std::pair<const char*, int64_t>{"sgd", 0}, {"lion", 4}}) {
+    const RunResult r = run(comm.get(), 1, 2, 3, 1, true, optimizer);
+    EXPECT_EQ(r.optimizer_bytes, k * mine) << optimizer;
+    const double measured = static_cast<double>(r.resident_params + r.resident_grads + r.optimizer_bytes);
+    EXPECT_NEAR(measured, static_cast<double>((8 + k) * P) / n, 2 * slack + 16.0 * n) << optimizer;
+  }
   if (rank == 0) {
     std::printf("bytes sent per rank over 2 steps, np=%d: DDP %.0f, ZeRO-2 %.0f (%.4fx), ZeRO-3 %.0f (%.4fx)\n", n, ddp, z2,
                 z2 / ddp, z3, z3 / ddp);
