@@ -154,15 +154,19 @@ class Cli(unittest.TestCase):
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
         shard_files = sorted(f for f in os.listdir(self.ckpt("r_shard", 4)) if f.startswith("shard_"))
         self.assertEqual(shard_files, [f"shard_0000{r}_of_00004.safetensors" for r in range(4)])
+        shutil.copytree(os.path.join(self.tmp, "runs", "r_shard"), os.path.join(self.tmp, "runs", "r_one"))
+        self.train("r_one", "--set", "train.batch_size=4", "--resume", steps=8)  # 4 ranks -> 1 process directly
         p = self.mpirun(2, "r_shard", "--set", "train.batch_size=2,parallel.zero_stage=2", "--resume", "--stop-at-step",
                         "6", steps=8)
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
         self.assertIn("resumed from", p.stdout)
         self.train("r_shard", "--set", "train.batch_size=4", "--resume", steps=8)
-        single, resumed = self.losses("r_single"), self.losses("r_shard")
-        self.assertEqual(len(resumed), 8)
-        for a, b in zip(single, resumed):
-            self.assertLess(abs(a - b) / a, 1e-5, (single, resumed))
+        single = self.losses("r_single")
+        for name in ("r_shard", "r_one"):
+            resumed = self.losses(name)
+            self.assertEqual(len(resumed), 8)
+            for a, b in zip(single, resumed):
+                self.assertLess(abs(a - b) / a, 1e-5, (name, single, resumed))
         # A sharded checkpoint is a checkpoint like any other for evaluation.
         e = run("eval", "--checkpoint", self.ckpt("r_shard", 6), "--data", self.data, "--batches", "2")
         self.assertIn("loss", e.stdout)

@@ -4,10 +4,16 @@
 // needs mpirun.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
+
 #include <vector>
 
 #include "loom/backend/backend.h"
 #include "loom/comm/communicator.h"
+#include "loom/model/param_layout.h"
+#include "loom/model/config.h"
+#include "loom/parallel/compress.h"
 #include "loom/core/error.h"
 
 namespace loom {
@@ -118,6 +124,44 @@ TEST(MpiComm, LedgerFollowsTheRingFormulas) {
   // ZeRO's accounting: reduce-scatter + all-gather move what one all-reduce moves.
   EXPECT_EQ(l.sent[COLL_REDUCE_SCATTER] + l.sent[COLL_ALL_GATHER], l.sent[COLL_ALL_REDUCE]);
   EXPECT_EQ(l.calls[COLL_ALL_REDUCE], 1);
+}
+
+// Every compression hook's wire bytes, per rank and call, equal its formula (compress.h).
+TEST(MpiComm, CompressionWireBytesFollowTheFormulas) {
+  Fixture f;
+  const int64_t n = 1000, N = f.n;  // not a multiple of 32 or 4
+  auto bytes_of = [&](GradCompressor& c) {
+    Tensor g = f.f32(n);
+    for (int64_t i = 0; i < n; ++i) g.data<float>()[i] = std::sin(0.37f * static_cast<float>(i + 17 * f.r));
+    f.comm->reset_ledger();
+    c.reduce(*f.comm, g, 0);
+    return f.comm->ledger().total_sent();
+  };
+  Allocator& a = f.backend->allocator();
+  const int64_t k = 50;  // floor(0.05 n)
+  EXPECT_EQ(bytes_of(*make_topk_compressor(a, n, 0.05)), (N - 1) * k * 8);
+  EXPECT_EQ(bytes_of(*make_dgc_compressor(a, n, DgcOptions{0.05, 0.9, 0.0, 0})), (N - 1) * k * 8);
+  EXPECT_EQ(bytes_of(*make_onebit_compressor(a, n)), (N - 1) * (4 * ((n + 31) / 32) + 4));
+  EXPECT_EQ(bytes_of(*make_qsgd_compressor(a, n, 127, 3)), (N - 1) * (4 * ((n + 3) / 4) + 4));
+  // PowerSGD on a whole model's gradient: per matrix two all-reduces of (rows + cols) r floats,
+  // vectors all-reduced dense.
+  const ParamLayout layout = build_param_layout(model_preset("gpt2-tiny"));
+  int64_t floats = 0, dense = 0;
+  for (const ParamSpec& p : layout.params) {
+    if (p.shape.size() != 2) {
+      dense += p.numel;
+      continue;
+    }
+    const int64_t rows = p.shape[0], cols = p.numel / rows, r = std::min<int64_t>(4, std::min(rows, cols));
+    floats += (rows + cols) * r;
+  }
+  auto psgd = make_powersgd_compressor(a, layout, 4, 5);
+  Tensor g = f.f32(layout.total);
+  for (int64_t i = 0; i < layout.total; ++i) g.data<float>()[i] = std::cos(0.11f * static_cast<float>(i + f.r));
+  f.comm->reset_ledger();
+  psgd->reduce(*f.comm, g, 0);
+  EXPECT_EQ(f.comm->ledger().total_sent(), 2 * (N - 1) * 4 * (floats + dense) / N);
+  EXPECT_LT(floats + dense, layout.total / 2);  // it compresses
 }
 
 TEST(MpiComm, MisshapenChunksAndBf16ReductionsAreOneLineErrors) {
