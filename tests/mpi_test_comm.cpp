@@ -11,6 +11,7 @@
 
 #include "loom/backend/backend.h"
 #include "loom/comm/communicator.h"
+#include "loom/comm/device_mesh.h"
 #include "loom/model/param_layout.h"
 #include "loom/model/config.h"
 #include "loom/parallel/compress.h"
@@ -124,6 +125,26 @@ TEST(MpiComm, LedgerFollowsTheRingFormulas) {
   // ZeRO's accounting: reduce-scatter + all-gather move what one all-reduce moves.
   EXPECT_EQ(l.sent[COLL_REDUCE_SCATTER] + l.sent[COLL_ALL_GATHER], l.sent[COLL_ALL_REDUCE]);
   EXPECT_EQ(l.calls[COLL_ALL_REDUCE], 1);
+}
+
+// Mesh groups: on 4 ranks as dp=2 x tp=2 the tp groups are {0,1}, {2,3} and the dp groups
+// {0,2}, {1,3}; a collective in a group sums only its members.
+TEST(MpiComm, MeshGroupsReduceInsideTheirGroup) {
+  Fixture f;
+  if (f.n != 4) GTEST_SKIP() << "needs 4 ranks";
+  const DeviceMesh mesh(4, {{"dp", 2}, {"tp", 2}});
+  auto tp = mesh_group(*f.comm, mesh, "tp");
+  auto dp = mesh_group(*f.comm, mesh, "dp");
+  EXPECT_EQ(tp->size(), 2);
+  EXPECT_EQ(tp->rank(), mesh.coord(f.r, "tp"));
+  EXPECT_EQ(dp->rank(), mesh.coord(f.r, "dp"));
+  Tensor x = f.f32(3);
+  x.data<float>()[0] = static_cast<float>(1 << f.r);
+  tp->all_reduce(x);
+  EXPECT_EQ(x.data<float>()[0], static_cast<float>(f.r < 2 ? 1 + 2 : 4 + 8));
+  x.data<float>()[0] = static_cast<float>(1 << f.r);
+  dp->all_reduce(x);
+  EXPECT_EQ(x.data<float>()[0], static_cast<float>(f.r % 2 == 0 ? 1 + 4 : 2 + 8));
 }
 
 // Every compression hook's wire bytes, per rank and call, equal its formula (compress.h).

@@ -131,6 +131,10 @@ class LocalCommunicator final : public Communicator {
     LOOM_CHECK(false, "recv from rank ", from, ": a local communicator has 1 rank");
   }
   void barrier() override {}
+  std::unique_ptr<Communicator> split(int color, int) override {
+    LOOM_CHECK(color >= 0, "split: color ", color, " must be >= 0");
+    return std::make_unique<LocalCommunicator>();
+  }
 };
 
 }  // namespace

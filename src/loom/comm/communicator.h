@@ -81,6 +81,9 @@ class Communicator {
   virtual void send(const Tensor& x, int to, int tag = 0) = 0;
   virtual void recv(const Tensor& x, int from, int tag = 0) = 0;
   virtual void barrier() = 0;
+  // A communicator over the ranks that pass the same color (>= 0), ranked by key (then by this
+  // rank): every rank calls it (MPI_Comm_split). Device-mesh groups are built with it.
+  virtual std::unique_ptr<Communicator> split(int color, int key) = 0;
 
   // Blocking forms.
   void all_reduce(const Tensor& x, ReduceOp op = REDUCE_SUM) { all_reduce_async(x, op)->wait(); }

@@ -62,6 +62,13 @@ std::string DeviceMesh::describe() const {
   return out;
 }
 
+std::unique_ptr<Communicator> mesh_group(Communicator& world, const DeviceMesh& mesh, const std::string& dim) {
+  LOOM_CHECK(world.size() == mesh.world(), "mesh group: the mesh ", mesh.describe(), " has ", mesh.world(),
+             " ranks, the communicator ", world.size());
+  const int r = world.rank();
+  return world.split(mesh.group(r, dim).front(), mesh.coord(r, dim));
+}
+
 DeviceMesh training_mesh(int world, int dp, int tp, int pp, int cp) {
   DeviceMesh mesh(world, {{"pp", pp}, {"dp", dp}, {"cp", cp}, {"tp", tp}});
   LOOM_CHECK(mesh.size("tp") == 1 && mesh.size("pp") == 1 && mesh.size("cp") == 1, "parallel.tp, parallel.pp and "

@@ -4,8 +4,11 @@
 // fast links), pipeline stages the farthest apart. A group along a dimension is the ranks
 // sharing every other coordinate; collectives of that dimension run inside it.
 #pragma once
+#include <memory>
 #include <string>
 #include <vector>
+
+#include "loom/comm/communicator.h"
 
 namespace loom {
 
@@ -33,6 +36,10 @@ class DeviceMesh {
   int world_;
   std::vector<MeshDim> dims_;
 };
+
+// This rank's communicator along `dim` of the mesh (its group, ranked by coordinate); every
+// rank of `world` must call it for the same dim.
+std::unique_ptr<Communicator> mesh_group(Communicator& world, const DeviceMesh& mesh, const std::string& dim);
 
 // The training mesh pp x dp x cp x tp from the parallel.* sizes (dp = 0: the ranks left).
 // Model-parallel sizes above 1 are refused until the model-parallel layers exist.

@@ -99,10 +99,21 @@ int count_of(const Tensor& t, const char* op) {
 
 class MpiCommunicator final : public Communicator {
  public:
-  MpiCommunicator() {
-    MpiRuntime::get();
-    MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
-    MPI_Comm_size(MPI_COMM_WORLD, &size_);
+  // world: MPI_COMM_WORLD; otherwise a communicator this object owns (from split()).
+  explicit MpiCommunicator(MPI_Comm comm) : comm_(comm) {
+    MPI_Comm_rank(comm_, &rank_);
+    MPI_Comm_size(comm_, &size_);
+  }
+  ~MpiCommunicator() override {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (comm_ != MPI_COMM_WORLD && !finalized) MPI_Comm_free(&comm_);
+  }
+  std::unique_ptr<Communicator> split(int color, int key) override {
+    LOOM_CHECK(color >= 0, "split on rank ", rank_, ": color ", color, " must be >= 0");
+    MPI_Comm sub = MPI_COMM_NULL;
+    LOOM_CHECK(MPI_Comm_split(comm_, color, key, &sub) == MPI_SUCCESS, "MPI_Comm_split failed on rank ", rank_);
+    return std::make_unique<MpiCommunicator>(sub);
   }
   int rank() const override { return rank_; }
   int size() const override { return size_; }
@@ -112,7 +123,7 @@ class MpiCommunicator final : public Communicator {
     book(COLL_ALL_REDUCE, static_cast<int64_t>(x.nbytes()));
     auto w = std::make_unique<MpiWork>();
     MPI_Iallreduce(MPI_IN_PLACE, x.raw_data(), count_of(x, "all_reduce"), reduce_type(x, "all_reduce"), mpi_op(op),
-                   MPI_COMM_WORLD, w->request());
+                   comm_, w->request());
     return w;
   }
   std::unique_ptr<CommWork> reduce_scatter_async(const Tensor& full, const Tensor& shard, ReduceOp op) override {
@@ -120,7 +131,7 @@ class MpiCommunicator final : public Communicator {
     book(COLL_REDUCE_SCATTER, static_cast<int64_t>(full.nbytes()));
     auto w = std::make_unique<MpiWork>();
     MPI_Ireduce_scatter_block(full.raw_data(), shard.raw_data(), count_of(shard, "reduce_scatter"),
-                              reduce_type(full, "reduce_scatter"), mpi_op(op), MPI_COMM_WORLD, w->request());
+                              reduce_type(full, "reduce_scatter"), mpi_op(op), comm_, w->request());
     return w;
   }
   std::unique_ptr<CommWork> all_gather_async(const Tensor& shard, const Tensor& full) override {
@@ -129,7 +140,7 @@ class MpiCommunicator final : public Communicator {
     auto w = std::make_unique<MpiWork>();
     const MPI_Datatype t = mpi_type(shard.dtype(), "all_gather");
     const int n = count_of(shard, "all_gather");
-    MPI_Iallgather(shard.raw_data(), n, t, full.raw_data(), n, t, MPI_COMM_WORLD, w->request());
+    MPI_Iallgather(shard.raw_data(), n, t, full.raw_data(), n, t, comm_, w->request());
     return w;
   }
   std::unique_ptr<CommWork> all_to_all_async(const Tensor& in, const Tensor& out) override {
@@ -139,7 +150,7 @@ class MpiCommunicator final : public Communicator {
     auto w = std::make_unique<MpiWork>();
     const MPI_Datatype t = mpi_type(in.dtype(), "all_to_all");
     const int n = count_of(in, "all_to_all") / size_;
-    MPI_Ialltoall(in.raw_data(), n, t, out.raw_data(), n, t, MPI_COMM_WORLD, w->request());
+    MPI_Ialltoall(in.raw_data(), n, t, out.raw_data(), n, t, comm_, w->request());
     return w;
   }
   std::unique_ptr<CommWork> broadcast_async(const Tensor& x, int root) override {
@@ -160,7 +171,7 @@ class MpiCommunicator final : public Communicator {
     auto n = std::make_shared<std::vector<int>>(int_counts(counts, "reduce_scatter_v"));
     // MPI_IN_PLACE leaves this rank's result at the start of the buffer: moved to its segment.
     MPI_Ireduce_scatter(MPI_IN_PLACE, x.raw_data(), n->data(), reduce_type(x, "reduce_scatter_v"), mpi_op(op),
-                        MPI_COMM_WORLD, w->request());
+                        comm_, w->request());
     char* base = static_cast<char*>(x.raw_data());
     const size_t bytes = static_cast<size_t>(counts[rank_]) * elem;
     w->then([n, base, own, bytes, elem] {
@@ -178,33 +189,37 @@ class MpiCommunicator final : public Communicator {
     auto displs = std::make_shared<std::vector<int>>(n->size(), 0);
     for (size_t r = 1; r < n->size(); ++r) (*displs)[r] = (*displs)[r - 1] + (*n)[r - 1];
     MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, x.raw_data(), n->data(), displs->data(),
-                    mpi_type(x.dtype(), "all_gather_v"), MPI_COMM_WORLD, w->request());
+                    mpi_type(x.dtype(), "all_gather_v"), comm_, w->request());
     w->then([n, displs] {});  // the count arrays must outlive the request
     return w;
   }
   void send(const Tensor& x, int to, int tag) override {
     LOOM_CHECK(to >= 0 && to < size_ && to != rank_, "send from rank ", rank_, " to rank ", to, ": no such peer");
     book(COLL_SEND_RECV, static_cast<int64_t>(x.nbytes()));
-    MPI_Send(x.raw_data(), count_of(x, "send"), mpi_type(x.dtype(), "send"), to, tag, MPI_COMM_WORLD);
+    MPI_Send(x.raw_data(), count_of(x, "send"), mpi_type(x.dtype(), "send"), to, tag, comm_);
   }
   void recv(const Tensor& x, int from, int tag) override {
     LOOM_CHECK(from >= 0 && from < size_ && from != rank_, "recv on rank ", rank_, " from rank ", from, ": no such peer");
     book(COLL_SEND_RECV, static_cast<int64_t>(x.nbytes()), -2);
     MPI_Status status;
-    MPI_Recv(x.raw_data(), count_of(x, "recv"), mpi_type(x.dtype(), "recv"), from, tag, MPI_COMM_WORLD, &status);
+    MPI_Recv(x.raw_data(), count_of(x, "recv"), mpi_type(x.dtype(), "recv"), from, tag, comm_, &status);
     int got = 0;
     MPI_Get_count(&status, mpi_type(x.dtype(), "recv"), &got);
     LOOM_CHECK(got == x.numel(), "recv on rank ", rank_, " from rank ", from, ": got ", got, " elements, expected ",
                x.numel());
   }
-  void barrier() override { MPI_Barrier(MPI_COMM_WORLD); }
+  void barrier() override { MPI_Barrier(comm_); }
 
  private:
+  MPI_Comm comm_;
   int rank_ = 0, size_ = 1;
 };
 
 }  // namespace
 
-std::unique_ptr<Communicator> make_mpi_communicator() { return std::make_unique<MpiCommunicator>(); }
+std::unique_ptr<Communicator> make_mpi_communicator() {
+  MpiRuntime::get();
+  return std::make_unique<MpiCommunicator>(MPI_COMM_WORLD);
+}
 
 }  // namespace loom
