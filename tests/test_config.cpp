@@ -7,23 +7,16 @@
 
 #include "loom/core/error.h"
 #include "loom/train/config.h"
+#include "test_util.h"
 
 namespace loom {
+using test::error_of;
 namespace {
 
 std::string write_temp(const std::string& name, const std::string& text) {
   const std::string path = (std::filesystem::temp_directory_path() / ("loom_cfg_" + name)).string();
   std::ofstream(path) << text;
   return path;
-}
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
 }
 
 TEST(ConfigTest, FileAndOverridesSetTypedFields) {

@@ -6,12 +6,25 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <string>
 #include <vector>
 
+#include "loom/core/error.h"
 #include "loom/core/philox.h"
 #include "loom/core/tensor.h"
 
 namespace loom::test {
+
+// The message of the loom::Error f throws ("" if none).
+inline std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
 
 // Uniform in [-scale, scale), deterministic in (seed).
 inline Tensor random_tensor(Allocator& alloc, Shape shape, DType dtype, uint64_t seed, double scale = 1.0) {

@@ -8,5 +8,6 @@ int train_main(int argc, char** argv);
 int eval_main(int argc, char** argv);
 int generate_main(int argc, char** argv);
 int tokenizer_main(int argc, char** argv);
+int plan_main(int argc, char** argv);
 
 }  // namespace loom::cli
