@@ -29,7 +29,9 @@ void ModelConfig::validate() const {
   positive(d_model, "model.d_model");
   positive(d_ff, "model.d_ff");
   LOOM_CHECK(vocab_size <= INT32_MAX, "model.vocab_size must fit in int32, got ", vocab_size);
-  LOOM_CHECK(d_model % n_head == 0, "model.d_model (", d_model, ") must be a multiple of model.n_head (", n_head, ")");
+  LOOM_CHECK(head_size > 0 || d_model % n_head == 0, "model.d_model (", d_model, ") must be a multiple of model.n_head (",
+             n_head, ")");
+  LOOM_CHECK(head_size >= 0, "model head_size must be >= 0, got ", head_size);
   LOOM_CHECK(n_head % n_kv_head == 0, "model.n_head (", n_head, ") must be a multiple of model.n_kv_head (", n_kv_head,
              ")");
   LOOM_CHECK(arch != ARCH_GPT2 || n_kv_head == n_head, "model.n_kv_head must equal model.n_head for gpt2 (MHA), got ",

@@ -26,8 +26,11 @@ struct ModelConfig {
   float norm_eps = 1e-5f;
   float rope_theta = 10000.0f;
   float init_std = 0.02f;
+  // Attention head width; 0: d_model / n_head. A tensor-parallel rank's slice of a model keeps
+  // the whole model's head width with n_head / tp heads (parallel/tensor_parallel.h).
+  int64_t head_size = 0;
 
-  int64_t head_dim() const { return d_model / n_head; }
+  int64_t head_dim() const { return head_size > 0 ? head_size : d_model / n_head; }
   int64_t qkv_width() const { return (n_head + 2 * n_kv_head) * head_dim(); }
   bool has_bias() const { return arch == ARCH_GPT2; }
   bool learned_positions() const { return arch == ARCH_GPT2; }

@@ -49,16 +49,16 @@ void add_gpt2(const ModelConfig& c, LayoutBuilder& b) {
   const int64_t C = c.d_model, F = c.d_ff, V = c.vocab_size;
   // GPT-2 scales the init of residual-output projections by 1/sqrt(2 L) (Radford et al. 2019).
   const float std = c.init_std, residual_std = c.init_std / std::sqrt(2.0f * static_cast<float>(c.n_layer));
-  const int64_t hd = c.head_dim();
+  const int64_t hd = c.head_dim(), A = c.n_head * hd;  // A = C, but for a tensor-parallel slice
   b.matrix("wte.weight", {V, C}, std, ROLE_EMBEDDING);
   b.matrix("wpe.weight", {c.max_seq_len, C}, std, ROLE_EMBEDDING);
   for (int64_t i = 0; i < c.n_layer; ++i) {
     const std::string p = "h." + std::to_string(i) + ".";
     b.norm_weight(p + "ln_1.weight", C);
     b.bias(p + "ln_1.bias", C);
-    b.matrix(p + "attn.c_attn.weight", {3 * C, C}, std, ROLE_HIDDEN, {{C, hd}, {C, hd}, {C, 1}});
-    b.bias(p + "attn.c_attn.bias", 3 * C);
-    b.matrix(p + "attn.c_proj.weight", {C, C}, residual_std);
+    b.matrix(p + "attn.c_attn.weight", {3 * A, C}, std, ROLE_HIDDEN, {{A, hd}, {A, hd}, {A, 1}});
+    b.bias(p + "attn.c_attn.bias", 3 * A);
+    b.matrix(p + "attn.c_proj.weight", {C, A}, residual_std);
     b.bias(p + "attn.c_proj.bias", C);
     b.norm_weight(p + "ln_2.weight", C);
     b.bias(p + "ln_2.bias", C);

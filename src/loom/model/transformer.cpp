@@ -1,5 +1,7 @@
 #include "loom/model/transformer.h"
 
+#include "loom/nn/vocab_parallel.h"
+
 #include <algorithm>
 
 #include "loom/core/error.h"
@@ -164,6 +166,7 @@ ActivationStore Transformer::allocate_store(int64_t batch, int64_t seq_len) {
   if (B * T > scratch_tokens_) {
     scratch_ = allocate_block_scratch(alloc, config_, B, T);
     d_residual_ = Tensor::empty(alloc, {B, T, C}, DTYPE_F32, MEM_WORKSPACE);
+    ce_sums_ = Tensor::empty(alloc, {B * T}, DTYPE_F32, MEM_WORKSPACE);
     scratch_tokens_ = B * T;
   }
   return s;
@@ -184,7 +187,13 @@ double Transformer::forward(ActivationStore& s, bool compute_loss) {
   const auto done = [this](int unit) { if (hooks_.done) hooks_.done(unit, false); };
   const Tensor& x0 = s.blocks.empty() ? s.final_input : s.blocks[0].input;
   use(0);
-  backend_.embedding_forward(s.tokens, embed_w, pos_w.defined() ? &pos_w : nullptr, x0);
+  if (tp_ != nullptr) {  // vocabulary-parallel embedding, then g (all-reduce), then positions
+    vocab_parallel_embedding_forward(s.tokens, embed_w, vocab_.begin, vocab_.valid, x0);
+    tp_->all_reduce(x0);
+    if (pos_w.defined()) add_positions(x0, pos_w);
+  } else {
+    backend_.embedding_forward(s.tokens, embed_w, pos_w.defined() ? &pos_w : nullptr, x0);
+  }
   for (size_t l = 0; l < blocks_.size(); ++l) {
     const Tensor& out = l + 1 < blocks_.size() ? s.blocks[l + 1].input : s.final_input;
     use(static_cast<int>(l) + 1);
@@ -195,7 +204,12 @@ double Transformer::forward(ActivationStore& s, bool compute_loss) {
   head_.forward(backend_, s.final_norm, head_w, head16_, Tensor{}, s.logits, 0.0f, &ws_);  // (B*T, C) @ (V, C)^T
   done(0);
   if (!compute_loss) return 0.0;
-  backend_.cross_entropy_forward(s.logits, s.targets, s.losses, s.lse);
+  if (tp_ != nullptr) {
+    vocab_parallel_cross_entropy_forward(*tp_, s.logits, s.targets, vocab_.begin, vocab_.valid, s.losses, s.lse,
+                                         ce_sums_.view(0, {s.batch * s.seq_len}));
+  } else {
+    backend_.cross_entropy_forward(s.logits, s.targets, s.losses, s.lse);
+  }
   return backend_.sum(s.losses) / static_cast<double>(s.batch * s.seq_len);
 }
 
@@ -212,7 +226,17 @@ DecodeState Transformer::allocate_decode_state(int64_t batch) {
   return d;
 }
 
+void Transformer::set_tensor_parallel(Communicator* tp, int64_t vocab_begin, int64_t vocab_valid) {
+  LOOM_CHECK(tp == nullptr || (vocab_begin >= 0 && vocab_valid >= 0 && vocab_valid <= config_.vocab_size),
+             "tensor parallel: vocabulary rows [", vocab_begin, ", +", vocab_valid, ") do not fit this slice's ",
+             config_.vocab_size, " rows");
+  tp_ = tp;
+  vocab_ = {vocab_begin, vocab_valid};
+  for (Block& b : blocks_) b.set_tensor_parallel(tp);
+}
+
 void Transformer::forward_decode(DecodeState& d, const std::vector<int32_t>& tokens) {
+  LOOM_CHECK(tp_ == nullptr, "incremental decoding of a tensor-parallel slice is not supported: gather the model first");
   ActivationStore& s = d.step;
   const int64_t pos = d.length;
   LOOM_CHECK(static_cast<int64_t>(tokens.size()) == s.batch, "forward_decode: ", tokens.size(), " tokens for batch ",
@@ -245,9 +269,15 @@ void Transformer::backward(ActivationStore& s, float loss_weight, const std::fun
   const auto done = [this](int unit) { if (hooks_.done) hooks_.done(unit, true); };
   use(0);
   // d(logits) replaces the logits in place: dL/dlogit = w/(B T) (softmax - onehot).
-  backend_.cross_entropy_backward(s.logits, s.targets, s.lse, loss_weight / static_cast<float>(B * T), s.logits);
+  const float scale = loss_weight / static_cast<float>(B * T);
+  if (tp_ != nullptr) {
+    vocab_parallel_cross_entropy_backward(s.logits, s.targets, s.lse, vocab_.begin, vocab_.valid, scale, s.logits);
+  } else {
+    backend_.cross_entropy_backward(s.logits, s.targets, s.lse, scale, s.logits);
+  }
   // d_norm = d_logits @ W (B*T, C); dW += d_logits^T @ final_norm (V, C)
   head_.backward(backend_, s.final_norm, head_w, head16_, s.logits, k.d_norm, d_head_w, Tensor{}, &ws_);
+  if (tp_ != nullptr) tp_->all_reduce(k.d_norm);  // f: the vocabulary slices' partial d(final norm)
   norm_backward(backend_, config_, k.d_norm, s.final_input, final_w, s.final_mean, s.final_rstd, d_res, d_final_w,
                 d_final_b);
   if (ready) ready(final_offset_);
@@ -257,7 +287,12 @@ void Transformer::backward(ActivationStore& s, float loss_weight, const std::fun
     done(static_cast<int>(l) + 1);
     if (ready) ready(block_offset_[l]);
   }
-  backend_.embedding_backward(s.tokens, d_res, d_embed_w, d_pos_w.defined() ? &d_pos_w : nullptr);
+  if (tp_ != nullptr) {
+    vocab_parallel_embedding_backward(s.tokens, d_res, d_embed_w, vocab_.begin, vocab_.valid);
+    if (d_pos_w.defined()) positions_backward(d_res, d_pos_w);
+  } else {
+    backend_.embedding_backward(s.tokens, d_res, d_embed_w, d_pos_w.defined() ? &d_pos_w : nullptr);
+  }
   done(0);
   if (ready) ready(0);
 }

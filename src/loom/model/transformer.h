@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "loom/backend/backend.h"
+#include "loom/comm/communicator.h"
 #include "loom/model/config.h"
 #include "loom/model/param_layout.h"
 #include "loom/nn/block.h"
@@ -74,6 +75,11 @@ class Transformer {
   // argument is final (after the head and final norm, after each block, then 0): data
   // parallelism starts reducing those while backward goes on.
   void backward(ActivationStore& store, float loss_weight, const std::function<void(int64_t)>& ready = {});
+  // Tensor parallelism (parallel/tensor_parallel.h): this model is one rank's slice (built from
+  // tp_local_config) and holds vocabulary rows [vocab_begin, vocab_begin + vocab_valid); its
+  // blocks and ends all-reduce over `tp`. nullptr: a whole model.
+  void set_tensor_parallel(Communicator* tp, int64_t vocab_begin, int64_t vocab_valid);
+  Communicator* tensor_parallel() const { return tp_; }
   // Parameter use hooks of forward() and backward() (not of forward_decode); empty: none.
   void set_param_use_hooks(ParamUseHooks hooks) { hooks_ = std::move(hooks); }
   // The flat ranges [begin, end) of each unit the hooks name: [unit] -> ranges.
@@ -119,6 +125,11 @@ class Transformer {
   LinearWorkspace ws_;               // low-precision operands of every linear layer
   Tensor scaling_state_;             // see pack_scaling_state()
   ParamUseHooks hooks_;
+  Communicator* tp_ = nullptr;
+  struct {
+    int64_t begin = 0, valid = 0;
+  } vocab_;                          // this slice's vocabulary rows (tensor parallel)
+  Tensor ce_sums_;                   // (B*T) scratch of the vocabulary-parallel cross-entropy
 };
 
 }  // namespace loom

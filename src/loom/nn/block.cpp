@@ -103,19 +103,32 @@ void Block::forward(Backend& backend, BlockSaved& s, const Tensor& out) {
     backend.rope_forward(s.qkv, config_.head_dim(), config_.n_head + config_.n_kv_head, config_.rope_theta, 0);
   }
   backend.attention_forward(s.qkv, s.attn, s.probs, config_.n_head, config_.n_kv_head);
-  backend.copy(s.input, s.mid);
-  proj_.forward(backend, s.attn, p.proj_w, q.proj_w, p.proj_b, s.mid, 1.0f, ws_);  // mid = input + proj(attn)
+  if (tp_ != nullptr) {  // g: the heads' partial projections summed (bias added once, by rank 0)
+    proj_.forward(backend, s.attn, p.proj_w, q.proj_w, tp_->rank() == 0 ? p.proj_b : Tensor{}, s.mid, 0.0f, ws_);
+    tp_->all_reduce(s.mid);
+    backend.add_inplace(s.mid, s.input);
+  } else {
+    backend.copy(s.input, s.mid);
+    proj_.forward(backend, s.attn, p.proj_w, q.proj_w, p.proj_b, s.mid, 1.0f, ws_);  // mid = input + proj(attn)
+  }
 
   norm_forward(backend, config_, s.mid, p.norm2_w, p.norm2_b, s.norm2, s.mean2, s.rstd2);
   fc_.forward(backend, s.norm2, p.fc_w, q.fc_w, p.fc_b, s.fc, 0.0f, ws_);
   if (config_.swiglu()) backend.swiglu_forward(s.fc, s.act);
   else backend.gelu_forward(s.fc, s.act);
-  backend.copy(s.mid, out);
-  fc2_.forward(backend, s.act, p.fc2_w, q.fc2_w, p.fc2_b, out, 1.0f, ws_);  // out = mid + fc2(act)
+  if (tp_ != nullptr) {  // g: the hidden slices' partial outputs summed
+    fc2_.forward(backend, s.act, p.fc2_w, q.fc2_w, tp_->rank() == 0 ? p.fc2_b : Tensor{}, out, 0.0f, ws_);
+    tp_->all_reduce(out);
+    backend.add_inplace(out, s.mid);
+  } else {
+    backend.copy(s.mid, out);
+    fc2_.forward(backend, s.act, p.fc2_w, q.fc2_w, p.fc2_b, out, 1.0f, ws_);  // out = mid + fc2(act)
+  }
 }
 
 void Block::forward_decode(Backend& backend, BlockSaved& s, const Tensor& out, const Tensor& k_cache,
                            const Tensor& v_cache, const Tensor& q, int64_t pos) const {
+  LOOM_CHECK(tp_ == nullptr, "decoding a tensor-parallel block slice is not supported");
   const BlockParams& p = params_;
   const int64_t B = s.input.dim(0), H = config_.n_head, hd = config_.head_dim();
   const int64_t W = config_.qkv_width(), KW = config_.n_kv_head * hd, max_len = k_cache.dim(1);
@@ -147,6 +160,7 @@ void Block::backward(Backend& backend, const BlockSaved& s, const Tensor& d_resi
   if (config_.swiglu()) backend.swiglu_backward(s.fc, k.d_act, k.d_fc);
   else backend.gelu_backward(s.fc, k.d_act, k.d_fc);
   fc_.backward(backend, s.norm2, p.fc_w, q.fc_w, k.d_fc, k.d_norm, g.fc_w, g.fc_b, ws_);
+  if (tp_ != nullptr) tp_->all_reduce(k.d_norm);  // f: the hidden slices' partial d(norm2 output)
   norm_backward(backend, config_, k.d_norm, s.mid, p.norm2_w, s.mean2, s.rstd2, k.d_tmp, g.norm2_w, g.norm2_b);
   backend.add_inplace(d_residual, k.d_tmp);  // now d(mid)
 
@@ -157,6 +171,7 @@ void Block::backward(Backend& backend, const BlockSaved& s, const Tensor& d_resi
     backend.rope_backward(k.d_qkv, config_.head_dim(), config_.n_head + config_.n_kv_head, config_.rope_theta, 0);
   }
   qkv_.backward(backend, s.norm1, p.qkv_w, q.qkv_w, k.d_qkv, k.d_norm, g.qkv_w, g.qkv_b, ws_);
+  if (tp_ != nullptr) tp_->all_reduce(k.d_norm);  // f: the heads' partial d(norm1 output)
   norm_backward(backend, config_, k.d_norm, s.input, p.norm1_w, s.mean1, s.rstd1, k.d_tmp, g.norm1_w, g.norm1_b);
   backend.add_inplace(d_residual, k.d_tmp);  // now d(input)
 }

@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "loom/backend/backend.h"
+#include "loom/comm/communicator.h"
 #include "loom/model/config.h"
 #include "loom/model/param_layout.h"
 #include "loom/nn/linear.h"
@@ -78,6 +79,10 @@ class Block {
   // The precision policy's recipes for the four linear layers. params16 holds views into the
   // weights' bf16 copy when the policy keeps one (precision.param = bf16), else is empty.
   void set_precision(const PrecisionPolicy& policy, BlockParams params16, LinearWorkspace* workspace);
+  // Tensor parallel (Megatron): this block is one rank's slice of heads and MLP width; the
+  // row-parallel outputs are all-reduced over `tp` in forward (g) and the column-parallel
+  // inputs' gradients in backward (f). nullptr: a whole block.
+  void set_tensor_parallel(Communicator* tp) { tp_ = tp; }
   // attn_qkv, attn_out, mlp_in, mlp_out.
   std::array<LinearLayer*, 4> linears() { return {&qkv_, &proj_, &fc_, &fc2_}; }
 
@@ -88,6 +93,7 @@ class Block {
   BlockParams params16_;
   LinearLayer qkv_, proj_, fc_, fc2_;
   LinearWorkspace* ws_ = nullptr;
+  Communicator* tp_ = nullptr;
 };
 
 }  // namespace loom

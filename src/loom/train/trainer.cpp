@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "loom/core/error.h"
+#include "loom/parallel/tensor_parallel.h"
 #include "loom/precision/quantize.h"
 
 namespace loom {
@@ -77,6 +78,16 @@ Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config, Commu
         model_.set_param_use_hooks({[this](int u, bool b) { zero_->use(u, b); }, [this](int u, bool b) { zero_->done(u, b); }});
       }
     }
+  }
+  if (Communicator* tp = model_.tensor_parallel(); tp != nullptr && tp->size() > 1) {
+    LOOM_CHECK(ddp.zero_stage <= 1, "parallel.zero_stage = ", ddp.zero_stage, " with parallel.tp > 1 is not supported "
+               "yet: use zero_stage 0 or 1");
+    LOOM_CHECK(!optimizer_->keeps_gradients() && elementwise_optimizer(optimizer_->name()),
+               "tensor parallelism needs an element-wise optimizer (each rank updates its slice), got optim.name = ",
+               optimizer_->name());
+    tp_ = tp;
+    tp_replicated_ = tp_replicated_ranges(model_.config());
+    tp_sum_ = Tensor::zeros(backend_.allocator(), {1}, DTYPE_F64, MEM_WORKSPACE);
   }
   if (model_.precision().master_bf16) {  // no fp32 master: the weights are bf16 values from the start
     round_to_bf16(model_.params().data<float>(), model_.params().numel(), false);
@@ -153,6 +164,16 @@ StepStats Trainer::train_step(BatchSource& data) {
   } else {
     stats.grad_norm = grad_norm(backend_, grads);
     if (sharded_grads()) stats.grad_norm = std::sqrt(sum_over_ranks(stats.grad_norm * stats.grad_norm));
+    if (tp_ != nullptr) {  // sliced parameters: their squares summed over the group; replicated ones once
+      double replicated = 0.0;
+      for (const auto& [begin, end] : tp_replicated_) {
+        const double n = grad_norm(backend_, model_.grads().view(begin, {end - begin}));
+        replicated += n * n;
+      }
+      tp_sum_.data<double>()[0] = stats.grad_norm * stats.grad_norm - replicated;
+      tp_->all_reduce(tp_sum_);
+      stats.grad_norm = std::sqrt(std::max(0.0, tp_sum_.data<double>()[0]) + replicated);
+    }
     LOOM_CHECK(std::isfinite(stats.grad_norm), "gradient norm is ", stats.grad_norm, " at step ", step_,
                "; stopping before the update, the weights are unchanged");
     optimizer_->step(static_cast<float>(stats.lr), clip_coefficient(stats.grad_norm, config_.grad_clip));

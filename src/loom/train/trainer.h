@@ -85,6 +85,9 @@ class Trainer {
   std::unique_ptr<ZeroSharding> zero_;
   bool sharded_grads() const { return zero_ && zero_->stage() >= 2; }
   double sum_over_ranks(double x);  // all-reduce of one f64
+  Communicator* tp_ = nullptr;      // the model's tensor-parallel group (more than one rank)
+  std::vector<std::pair<int64_t, int64_t>> tp_replicated_;  // flat ranges of replicated parameters
+  Tensor tp_sum_;                   // (1) f64
   Tensor loss_buffer_;  // (1) f64: the step's loss, averaged over ranks
   int64_t step_ = 0;
 };

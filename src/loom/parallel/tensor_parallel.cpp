@@ -1,0 +1,145 @@
+#include "loom/parallel/tensor_parallel.h"
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+
+#include "loom/core/error.h"
+#include "loom/nn/block.h"
+
+namespace loom {
+
+namespace {
+
+bool is_vocab_param(const std::string& name) {
+  return name == "wte.weight" || name == "model.embed_tokens.weight" || name == "lm_head.weight";
+}
+
+bool is_block_param(const ModelConfig& c, const std::string& name) {
+  return name.rfind(c.arch == ARCH_GPT2 ? "h." : "model.layers.", 0) == 0;
+}
+
+int64_t cols_of(const Tensor& t) { return t.ndim() == 2 ? t.dim(1) : 1; }
+
+// n rows starting at g0 of the global matrix <-> rows starting at l0 of the local one.
+void copy_rows(const Tensor& g, int64_t g0, const Tensor& l, int64_t l0, int64_t n, bool to_local) {
+  const int64_t cols = cols_of(g);
+  float* gp = g.data<float>() + g0 * cols;
+  float* lp = l.data<float>() + l0 * cols;
+  const size_t bytes = static_cast<size_t>(n * cols) * sizeof(float);
+  if (to_local) std::memcpy(lp, gp, bytes);
+  else std::memcpy(gp, lp, bytes);
+}
+
+// Columns [c0, c0 + local cols) of every row.
+void copy_cols(const Tensor& g, int64_t c0, const Tensor& l, bool to_local) {
+  const int64_t rows = g.dim(0), gc = g.dim(1), lc = l.dim(1);
+  for (int64_t i = 0; i < rows; ++i) {
+    float* gp = g.data<float>() + i * gc + c0;
+    float* lp = l.data<float>() + i * lc;
+    if (to_local) std::memcpy(lp, gp, static_cast<size_t>(lc) * sizeof(float));
+    else std::memcpy(gp, lp, static_cast<size_t>(lc) * sizeof(float));
+  }
+}
+
+void copy_whole(const Tensor& g, const Tensor& l, bool to_local) {
+  if (!g.defined()) return;
+  if (to_local) std::memcpy(l.raw_data(), g.raw_data(), g.nbytes());
+  else std::memcpy(g.raw_data(), l.raw_data(), g.nbytes());
+}
+
+}  // namespace
+
+ModelConfig tp_local_config(const ModelConfig& global, int tp) {
+  LOOM_CHECK(tp >= 1, "parallel.tp must be >= 1, got ", tp);
+  LOOM_CHECK(global.n_head % tp == 0 && global.n_kv_head % tp == 0, "parallel.tp = ", tp, " must divide model.n_head (",
+             global.n_head, ") and model.n_kv_head (", global.n_kv_head, "): attention is split by heads");
+  LOOM_CHECK(global.d_ff % tp == 0, "parallel.tp = ", tp, " must divide model.d_ff (", global.d_ff, ")");
+  ModelConfig local = global;
+  local.head_size = global.head_dim();
+  local.n_head = global.n_head / tp;
+  local.n_kv_head = global.n_kv_head / tp;
+  local.d_ff = global.d_ff / tp;
+  local.vocab_size = (global.vocab_size + tp - 1) / tp;
+  return local;
+}
+
+VocabRange tp_vocab_range(const ModelConfig& global, int rank, int tp) {
+  const int64_t rows = (global.vocab_size + tp - 1) / tp;
+  VocabRange v;
+  v.begin = std::min<int64_t>(global.vocab_size, rank * rows);
+  v.valid = std::min<int64_t>(global.vocab_size, v.begin + rows) - v.begin;
+  return v;
+}
+
+void tp_copy(const ModelConfig& gc, const Tensor& global, const ModelConfig& lc, const Tensor& local, int rank, int tp,
+             bool to_local, bool write_replicated) {
+  const ParamLayout gl = build_param_layout(gc), ll = build_param_layout(lc);
+  LOOM_CHECK(global.numel() == gl.total && local.numel() == ll.total && global.dtype() == DTYPE_F32 &&
+                 local.dtype() == DTYPE_F32,
+             "tensor parallel copy: buffers ", global.describe(), " and ", local.describe(), " do not hold ", gl.total,
+             " and ", ll.total, " f32 elements");
+  const bool replicated = to_local || write_replicated;
+  if (to_local) local.zero_();
+  for (const ParamSpec& spec : ll.params) {
+    if (is_block_param(lc, spec.name)) continue;
+    const Tensor g = global.view(gl.find(spec.name).offset, gl.find(spec.name).shape);
+    const Tensor l = local.view(spec.offset, spec.shape);
+    if (is_vocab_param(spec.name)) {
+      const VocabRange v = tp_vocab_range(gc, rank, tp);
+      copy_rows(g, v.begin, l, 0, v.valid, to_local);
+    } else if (replicated) {
+      copy_whole(g, l, to_local);
+    }
+  }
+  const int64_t hd = gc.head_dim(), H = gc.n_head, KV = gc.n_kv_head, F = gc.d_ff;
+  const int64_t Hl = lc.n_head, KVl = lc.n_kv_head, Fl = lc.d_ff;
+  for (int64_t layer = 0; layer < gc.n_layer; ++layer) {
+    const BlockParams g = block_params_view(gc, gl, global, layer);
+    const BlockParams l = block_params_view(lc, ll, local, layer);
+    for (const auto& [gt, lt] : {std::pair{g.qkv_w, l.qkv_w}, std::pair{g.qkv_b, l.qkv_b}}) {
+      if (!gt.defined()) continue;
+      copy_rows(gt, rank * Hl * hd, lt, 0, Hl * hd, to_local);                                  // query heads
+      copy_rows(gt, (H + rank * KVl) * hd, lt, Hl * hd, KVl * hd, to_local);                    // key heads
+      copy_rows(gt, (H + KV + rank * KVl) * hd, lt, (Hl + KVl) * hd, KVl * hd, to_local);       // value heads
+    }
+    copy_cols(g.proj_w, rank * Hl * hd, l.proj_w, to_local);
+    for (const auto& [gt, lt] : {std::pair{g.fc_w, l.fc_w}, std::pair{g.fc_b, l.fc_b}}) {
+      if (!gt.defined()) continue;
+      copy_rows(gt, rank * Fl, lt, 0, Fl, to_local);
+      if (gc.swiglu()) copy_rows(gt, F + rank * Fl, lt, Fl, Fl, to_local);  // the up half of [gate | up]
+    }
+    copy_cols(g.fc2_w, rank * Fl, l.fc2_w, to_local);
+    if (replicated) {
+      for (const auto& [gt, lt] : {std::pair{g.norm1_w, l.norm1_w}, std::pair{g.norm1_b, l.norm1_b},
+                                   std::pair{g.norm2_w, l.norm2_w}, std::pair{g.norm2_b, l.norm2_b},
+                                   std::pair{g.proj_b, l.proj_b}, std::pair{g.fc2_b, l.fc2_b}}) {
+        copy_whole(gt, lt, to_local);
+      }
+    }
+  }
+}
+
+std::vector<std::pair<int64_t, int64_t>> tp_replicated_ranges(const ModelConfig& lc) {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  for (const ParamSpec& spec : build_param_layout(lc).params) {
+    if (is_vocab_param(spec.name)) continue;
+    const std::string& n = spec.name;
+    auto ends = [&n](const char* suffix) {
+      const std::string s(suffix);
+      return n.size() >= s.size() && n.compare(n.size() - s.size(), s.size(), s) == 0;
+    };
+    // Sliced in a block: the fused QKV, the MLP's first weight and bias, the two row-parallel weights.
+    const bool sliced = is_block_param(lc, n) &&
+                        (ends("attn.c_attn.weight") || ends("attn.c_attn.bias") || ends("attn.c_proj.weight") ||
+                         ends("mlp.c_fc.weight") || ends("mlp.c_fc.bias") || ends("mlp.c_proj.weight") ||
+                         ends("self_attn.qkv_proj.weight") || ends("self_attn.o_proj.weight") ||
+                         ends("mlp.gate_up_proj.weight") || ends("mlp.down_proj.weight"));
+    if (sliced) continue;
+    if (!out.empty() && out.back().second == spec.offset) out.back().second += spec.numel;
+    else out.emplace_back(spec.offset, spec.offset + spec.numel);
+  }
+  return out;
+}
+
+}  // namespace loom
