@@ -19,6 +19,7 @@ namespace {
 struct Curve {
   std::vector<double> losses;
   std::vector<std::vector<float>> grads;  // [step] whole-model gradients (global layout)
+  int64_t tp_bytes = 0;                    // sent over the tensor-parallel group in the first step
 };
 
 TrainConfig train_config(int64_t batch, const char* optimizer) {
@@ -61,7 +62,9 @@ Curve tensor_parallel(Communicator& world, const ModelConfig& config, int tp_siz
   RankSliceSource data(global, backend->allocator(), dp->rank(), dp->size(), batch, 16);
   Curve c;
   for (int s = 0; s < 10; ++s) {
+    tp->reset_ledger();
     c.losses.push_back(trainer.train_step(data).loss);
+    if (s == 0) c.tp_bytes = tp->ledger().total_sent();
     whole.grads().zero_();  // every slice's gradients put back in the whole layout, summed over the group
     tp_copy(config, whole.grads(), local, model.grads(), tp->rank(), tp_size, false, tp->rank() == 0);
     tp->all_reduce(whole.grads());
@@ -106,7 +109,16 @@ TEST(MpiTensorParallel, ReproducesTheSingleProcessLossesAndGradients) {
         for (auto& g : ref_losses.grads) g.assign(1, 1.0f);
         compare(tp_losses, ref_losses, preset, world->rank(), &worst_loss, &worst_grad);
       }
+      // Bytes over the tp group per step, per micro-batch: all-reduces of the embedding output,
+      // 2 per layer forward (g after attention and MLP) and 2 backward (f), d(final norm), each
+      // B T C floats, and the cross-entropy's 3 B T floats; then the gradient norm's f64. Ring
+      // all-reduce: 2 (t-1)/t x bytes.
+      const int64_t B = 2, T = 16, C = config.d_model, L = config.n_layer, accum = 2;
+      const int64_t floats = accum * ((2 + 4 * L) * B * T * C + 3 * B * T);
+      EXPECT_EQ(tp.tp_bytes, 2 * (tp_size - 1) * (4 * floats + 8) / tp_size) << preset;
       if (world->rank() == 0) {
+        std::printf("%s tp=%d: %lld bytes sent per rank per step over the tp group (formula: 2(t-1)/t x 4 x "
+                    "[accum x ((2 + 4L) BTC + 3BT)] + norm)\n", preset, tp_size, static_cast<long long>(tp.tp_bytes));
         std::printf("%s dp=%d x tp=%d, %s: 10 steps, worst loss rel diff %.2e, worst gradient rel diff %.2e\n", preset,
                     dp_size, tp_size, optimizer, worst_loss, worst_grad);
       }
