@@ -171,6 +171,22 @@ class Cli(unittest.TestCase):
         e = run("eval", "--checkpoint", self.ckpt("r_shard", 6), "--data", self.data, "--batches", "2")
         self.assertIn("loss", e.stdout)
 
+    def test_tensor_parallel_training_matches_one_process_and_resumes_on_one(self):
+        self.train("tp_single", "--set", "train.batch_size=4", steps=8)
+        p = self.mpirun(2, "tp_two", "--set", "train.batch_size=4,parallel.tp=2", "--stop-at-step", "4", steps=8)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        self.assertIn("mesh pp=1 x dp=1 x cp=1 x tp=2", p.stdout)
+        self.train("tp_two", "--set", "train.batch_size=4", "--resume", steps=8)  # the whole-model checkpoint
+        p = self.mpirun(4, "tp_four", "--set", "train.batch_size=2,parallel.tp=2", steps=8)  # dp=2 x tp=2
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        self.assertIn("sample", p.stdout)
+        single = self.losses("tp_single")
+        for name in ("tp_two", "tp_four"):
+            other = self.losses(name)
+            self.assertEqual(len(other), 8)
+            for a, b in zip(single, other):
+                self.assertLess(abs(a - b) / a, 1e-5, (name, single, other))
+
     def test_a_killed_rank_ends_the_whole_job(self):
         p = self.mpirun(2, "dead", "--set", "train.checkpoint_every=2,train.eval_every=0", steps=100000, background=True)
         import time

@@ -33,7 +33,8 @@ TEST(DeviceMesh, CoordinatesAndGroups) {
   EXPECT_THROW(DeviceMesh(6, {{"dp", 0}, {"tp", 4}}), Error);
   EXPECT_THROW(mesh.size("ep"), Error);
   EXPECT_EQ(training_mesh(4, 0, 1, 1, 1).size("dp"), 4);
-  EXPECT_THROW(training_mesh(4, 2, 2, 1, 1), Error);  // model parallelism: not yet
+  EXPECT_EQ(training_mesh(4, 0, 2, 1, 1).size("dp"), 2);
+  EXPECT_THROW(training_mesh(4, 2, 1, 2, 1), Error);  // pipeline parallel training: not yet
 }
 
 TEST(LocalComm, CollectivesOfOneRank) {

@@ -13,6 +13,7 @@
 #include "commands.h"
 #include "loom/comm/communicator.h"
 #include "loom/comm/device_mesh.h"
+#include "loom/parallel/tensor_parallel.h"
 #include "loom/core/error.h"
 #include "loom/core/pages.h"
 #include "loom/core/file_io.h"
@@ -144,9 +145,42 @@ int train_main(int argc, char** argv) {
   const std::string config_text = config_to_toml(config);
   if (lead) write_file_atomic((fs::path(dir) / "config.toml").string(), config_text);
 
+  // Tensor parallel (parallel.tp > 1): each rank trains its slice of the model inside its tp
+  // group, data parallel across groups. Every rank also keeps the whole model: its init is
+  // sliced (identical to a one-process run), checkpoints are staged in it (the same files a
+  // one-process run writes), and it samples at the end.
+  const int tp_size = mesh.size("tp");
+  std::unique_ptr<Communicator> tp_comm, dp_comm;
+  Communicator* dp = comm.get();
+  if (tp_size > 1) {
+    LOOM_CHECK(config.parallel.zero_stage == 0, "parallel.tp > 1 with parallel.zero_stage = ", config.parallel.zero_stage,
+               " is not supported yet: use zero_stage 0");
+    tp_comm = mesh_group(*comm, mesh, "tp");
+    dp_comm = mesh_group(*comm, mesh, "dp");
+    dp = dp_comm.get();
+  }
   auto backend = make_cpu_backend();
-  Transformer model(*backend, config.model);
-  model.init_weights(config.loop.seed);
+  const ModelConfig local_config = tp_size > 1 ? tp_local_config(config.model, tp_size) : config.model;
+  Transformer model(*backend, local_config);
+  std::unique_ptr<Transformer> whole;
+  if (tp_size > 1) {
+    whole = std::make_unique<Transformer>(*backend, config.model);
+    whole->init_weights(config.loop.seed);
+    tp_copy(config.model, whole->params(), local_config, model.params(), tp_comm->rank(), tp_size, true);
+    const VocabRange vocab = tp_vocab_range(config.model, tp_comm->rank(), tp_size);
+    model.set_tensor_parallel(tp_comm.get(), vocab.begin, vocab.valid);
+  } else {
+    model.init_weights(config.loop.seed);
+  }
+  // Slice -> whole (on every rank of the group, summed) and whole -> slice.
+  auto to_whole = [&](const Tensor& local, const Tensor& whole_buffer) {
+    whole_buffer.zero_();
+    tp_copy(config.model, whole_buffer, local_config, local, tp_comm->rank(), tp_size, false, tp_comm->rank() == 0);
+    tp_comm->all_reduce(whole_buffer);
+  };
+  auto to_local = [&](const Tensor& whole_buffer, const Tensor& local) {
+    tp_copy(config.model, whole_buffer, local_config, local, tp_comm->rank(), tp_size, true);
+  };
   DdpConfig ddp;
   ddp.bucket_bytes = static_cast<int64_t>(config.parallel.bucket_mb * (1 << 20));
   ddp.overlap = config.parallel.overlap;
@@ -158,18 +192,26 @@ int train_main(int argc, char** argv) {
   ddp.dgc.momentum = config.parallel.dgc_momentum;
   ddp.dgc.clip_norm = config.parallel.dgc_clip;
   ddp.dgc.warmup_steps = config.parallel.dgc_warmup_steps;
-  Trainer trainer(*backend, model, config.train, comm.get(), ddp);
+  Trainer trainer(*backend, model, config.train, dp, ddp);
   TokenLoader train_data(std::move(data.train), config.train.seq_len, config.loop.seed);
   // Each rank trains on its rows of the global batch the loader draws (all ranks draw the same).
-  RankSliceSource rank_data(train_data, backend->allocator(), comm->rank(), comm->size(), config.train.batch_size,
+  RankSliceSource rank_data(train_data, backend->allocator(), dp->rank(), dp->size(), config.train.batch_size,
                             config.train.seq_len);
   TokenLoader val_data(std::move(data.val), config.train.seq_len, config.loop.seed, LOADER_ORDER_SEQUENTIAL);
 
   CheckpointOptions ckpt_options;
   ckpt_options.keep_last = static_cast<int>(config.loop.keep_checkpoints);
   CheckpointManager checkpoints((fs::path(dir) / "checkpoints").string(), ckpt_options);
-  const ModelState model_state{config.model, model.params()};
+  const ModelState model_state{config.model, whole ? whole->params() : model.params()};
   OptimizerState optimizer_state{trainer.optimizer().name(), trainer.optimizer().state()};
+  std::vector<std::pair<Tensor, Tensor>> tp_state;  // tensor parallel: (this slice's state, whole)
+  if (whole) {
+    for (auto& [name, local] : optimizer_state.tensors) {
+      Tensor w = Tensor::zeros(backend->allocator(), {whole->layout().total}, DTYPE_F32, MEM_WORKSPACE);
+      tp_state.emplace_back(local, w);
+      local = w;
+    }
+  }
   // ZeRO: each rank holds a shard of the flat state and writes it to its own file of a sharded
   // checkpoint (checkpoint/checkpoint.h); any number of ranks can resume it.
   ZeroSharding* zero = trainer.zero();
@@ -201,6 +243,10 @@ int train_main(int argc, char** argv) {
   };
   auto save = [&]() -> std::string {
     if (zero == nullptr) {
+      if (whole) {  // every rank of every tp group takes part in staging the whole state
+        to_whole(model.params(), whole->params());
+        for (auto& [local, w] : tp_state) to_whole(local, w);
+      }
       if (!lead) return "(written by rank 0)";  // data parallel ranks hold identical state
       return checkpoints.save(contents());
     }
@@ -228,6 +274,10 @@ int train_main(int argc, char** argv) {
     });
     if (loaded) {
       trainer.restore(loaded->step, loaded->optimizer_steps);
+      if (whole) {
+        to_local(whole->params(), model.params());
+        for (auto& [local, w] : tp_state) to_local(w, local);
+      }
       trainer.params_loaded();
       model.unpack_scaling_state();
       train_data.restore(loaded->data_state.get<LoaderState>());
@@ -278,7 +328,7 @@ int train_main(int argc, char** argv) {
   if (comm->size() > 1) {
     std::printf("mesh %s; data parallel: %d ranks (MPI), %lld sequences per rank per micro-batch, global batch %lld x %lld tokens\n",
                 mesh.describe().c_str(), mesh.size("dp"), static_cast<long long>(config.train.batch_size),
-                static_cast<long long>(config.train.batch_size * config.train.grad_accum * comm->size()),
+                static_cast<long long>(config.train.batch_size * config.train.grad_accum * dp->size()),
                 static_cast<long long>(config.train.seq_len));
   }
   metrics.write({{"optimizer", trainer.optimizer().name()}, {"parameters", n_params}, {"optimizer_state_bytes", state_bytes},
@@ -297,7 +347,7 @@ int train_main(int argc, char** argv) {
     seconds_sum += stats.seconds;
     ++steps_timed;
     StepReport r{stats};
-    r.tokens_per_s = static_cast<double>(stats.tokens * comm->size()) / stats.seconds;  // all ranks
+    r.tokens_per_s = static_cast<double>(stats.tokens * dp->size()) / stats.seconds;  // all data-parallel ranks
     r.mfu = r.tokens_per_s * flops_per_token / (peak_gflops * 1e9 * comm->size());    // peak measured per rank
     r.memory_bytes = mem.current_total();
     r.eta_seconds = seconds_sum / static_cast<double>(steps_timed) * static_cast<double>(config.train.steps - trainer.step());
@@ -328,6 +378,7 @@ int train_main(int argc, char** argv) {
   }
 
   trainer.gather_params();  // ZeRO-3: the whole model on every rank, to sample
+  if (whole) to_whole(model.params(), whole->params());  // tensor parallel: the slices put together
   const auto tokenizer = load_tokenizer(config.data.tokenizer);
   std::vector<int32_t> prompt = tokenizer->encode(config.sample.prompt);
   if (prompt.empty()) prompt.push_back(tokenizer->eot_token());
@@ -335,7 +386,7 @@ int train_main(int argc, char** argv) {
   GenerateOptions options;
   options.max_new_tokens = config.sample.max_new_tokens;
   options.stop_token = tokenizer->eot_token();
-  std::vector<int32_t> sample = generate(model, prompt, sampler, options);
+  std::vector<int32_t> sample = generate(whole ? *whole : model, prompt, sampler, options);
   if (!sample.empty() && sample.back() == tokenizer->eot_token()) sample.pop_back();
   const std::string text = printable_utf8(config.sample.prompt + tokenizer->decode(sample));
   if (lead) write_file_atomic((fs::path(dir) / "samples.txt").string(), text + "\n");

@@ -42,7 +42,7 @@ class DeviceMesh {
 std::unique_ptr<Communicator> mesh_group(Communicator& world, const DeviceMesh& mesh, const std::string& dim);
 
 // The training mesh pp x dp x cp x tp from the parallel.* sizes (dp = 0: the ranks left).
-// Model-parallel sizes above 1 are refused until the model-parallel layers exist.
+// Pipeline and context parallel sizes above 1 are refused until loom train runs them.
 DeviceMesh training_mesh(int world, int dp, int tp, int pp, int cp);
 
 }  // namespace loom
