@@ -16,16 +16,12 @@
 #include "loom/model/config.h"
 #include "loom/parallel/compress.h"
 #include "loom/core/error.h"
+#include "mpi_fixture.h"
 
 namespace loom {
 namespace {
 
-struct Fixture {
-  std::unique_ptr<Communicator> comm = make_mpi_communicator();
-  std::unique_ptr<Backend> backend = make_cpu_backend();
-  int r = comm->rank(), n = comm->size();
-  Tensor f32(int64_t numel) { return Tensor::zeros(backend->allocator(), {numel}, DTYPE_F32, MEM_WORKSPACE); }
-};
+using Fixture = MpiFixture;
 
 TEST(MpiComm, AllReduceSumAndMax) {
   Fixture f;

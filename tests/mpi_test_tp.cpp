@@ -11,7 +11,7 @@
 #include "loom/comm/device_mesh.h"
 #include "loom/parallel/tensor_parallel.h"
 #include "loom/train/trainer.h"
-#include "mpi_corpus.h"
+#include "mpi_fixture.h"
 
 namespace loom {
 namespace {

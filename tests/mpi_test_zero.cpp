@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "loom/comm/communicator.h"
-#include "mpi_corpus.h"
+#include "mpi_fixture.h"
 #include "loom/core/pages.h"
 #include "loom/parallel/zero.h"
 #include "loom/train/trainer.h"

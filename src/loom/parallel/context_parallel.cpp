@@ -1,0 +1,497 @@
+// Ring attention and Ulysses over a zig-zag sequence shard; see context_parallel.h for the
+// layout, the formulas and the byte counts.
+#include "loom/parallel/context_parallel.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "loom/core/error.h"
+
+namespace loom {
+
+namespace {
+
+constexpr int kRingTag = 7301;  // ring attention's point-to-point messages
+
+template <typename Fn>
+void dispatch_float(DType dtype, const char* op, Fn&& fn) {
+  if (dtype == DTYPE_F32) fn.template operator()<float>();
+  else if (dtype == DTYPE_F64) fn.template operator()<double>();
+  else throw Error(str_cat(op, ": not supported for dtype ", dtype_name(dtype), " (f32, f64)"));
+}
+
+void expect_shape(const char* op, const char* what, const Tensor& t, const Shape& shape, DType dtype) {
+  LOOM_CHECK(t.defined(), op, ": ", what, " is undefined");
+  LOOM_CHECK(t.shape() == shape && t.dtype() == dtype, op, ": ", what, " is ", t.describe(), ", expected ",
+             dtype_name(dtype), shape_str(shape));
+}
+
+// The dimensions of one attention call on a local shard.
+struct AttnDims {
+  int64_t B = 0, Tl = 0, H = 0, KV = 0, hd = 0;
+  int N = 1, r = 0;
+  int64_t C() const { return Tl / 2; }   // chunk length
+  int64_t seq() const { return Tl * N; } // global sequence T
+  int64_t QW() const { return H * hd; }  // q / out row width
+  int64_t KW() const { return KV * hd; } // k / v row width
+};
+
+// Validates q (B, Tl, H hd), k, v (B, Tl, KV hd) and the zig-zag sequence length.
+AttnDims attn_dims(const char* op, const Communicator& cp, const Tensor& q, const Tensor& k, const Tensor& v,
+                   int64_t n_head, int64_t n_kv_head) {
+  LOOM_CHECK(n_head > 0 && n_kv_head > 0 && n_head % n_kv_head == 0, op, ": n_head ", n_head,
+             " must be a positive multiple of n_kv_head ", n_kv_head);
+  LOOM_CHECK(q.defined() && q.ndim() == 3 && q.dim(2) % n_head == 0, op, ": q is ",
+             q.defined() ? q.describe() : "undefined", ", expected (B, Tl, n_head * head_dim) with n_head ", n_head);
+  AttnDims d;
+  d.B = q.dim(0);
+  d.Tl = q.dim(1);
+  d.H = n_head;
+  d.KV = n_kv_head;
+  d.hd = q.dim(2) / n_head;
+  d.N = cp.size();
+  d.r = cp.rank();
+  check_cp_seq_len(d.Tl * d.N, d.N);
+  expect_shape(op, "k", k, {d.B, d.Tl, d.KW()}, q.dtype());
+  expect_shape(op, "v", v, {d.B, d.Tl, d.KW()}, q.dtype());
+  return d;
+}
+
+// Exchanges with the ring neighbours: send `out` to r+1, receive `in` from r-1. Even ranks send
+// first and odd ranks receive first, so with blocking send/recv every send meets a posted
+// receive without a cycle of waits (for odd N, rank N-1 and rank 0 are both even: rank 0's send
+// to 1 completes first, then it receives from N-1).
+void ring_shift(Communicator& cp, const Tensor& out, const Tensor& in) {
+  const int n = cp.size(), r = cp.rank(), next = (r + 1) % n, prev = (r + n - 1) % n;
+  if (r % 2 == 0) {
+    cp.send(out, next, kRingTag);
+    cp.recv(in, prev, kRingTag);
+  } else {
+    cp.recv(in, prev, kRingTag);
+    cp.send(out, next, kRingTag);
+  }
+}
+
+// How many of the C keys at global positions [start, start + C) a query at position pq sees.
+inline int64_t visible_keys(int64_t pq, int64_t start, int64_t C) { return std::clamp<int64_t>(pq - start + 1, 0, C); }
+
+template <typename T>
+inline T dot(const T* a, const T* b, int64_t n) {
+  T s = 0;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+template <typename T>
+inline void axpy(T alpha, const T* x, T* y, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
+}
+
+// Merges one K/V block (owned by rank `owner`) into the running state of every local query,
+// the online softmax of FlashAttention (REFERENCE.md §13): with block scores s_j (visible keys),
+//   m' = max(m, max_j s_j); l = e^{m - m'} l + sum_j e^{s_j - m'}; O = e^{m - m'} O + sum_j e^{s_j - m'} V_j.
+// kblk, vblk (B, Tl, KV hd); acc (B, Tl, H hd) the unnormalized output; m, l (B, H, Tl);
+// scratch (threads, 2C) holds one query's scores.
+template <typename T>
+void ring_merge_block(const AttnDims& d, int owner, const std::vector<int64_t>& qpos, const T* q, const T* kblk,
+                      const T* vblk, T* acc, T* m, T* l, T* scratch) {
+  const int64_t C = d.C(), group = d.H / d.KV, QW = d.QW(), KW = d.KW(), hd = d.hd;
+  const int64_t kstart[2] = {owner * C, (2 * d.N - 1 - owner) * C};  // global start of the block's two chunks
+  const T scale = T(1) / std::sqrt(static_cast<T>(hd));
+#pragma omp parallel for collapse(3) schedule(static)
+  for (int64_t b = 0; b < d.B; ++b) {
+    for (int64_t h = 0; h < d.H; ++h) {
+      for (int64_t i = 0; i < d.Tl; ++i) {
+        const int64_t cnt[2] = {visible_keys(qpos[i], kstart[0], C), visible_keys(qpos[i], kstart[1], C)};
+        if (cnt[0] + cnt[1] == 0) continue;
+        T* s = scratch + omp_get_thread_num() * 2 * C;
+        const int64_t g = h / group;
+        const T* qi = q + (b * d.Tl + i) * QW + h * hd;
+        T block_max = -std::numeric_limits<T>::infinity();
+        for (int c = 0; c < 2; ++c) {
+          for (int64_t j = c * C; j < c * C + cnt[c]; ++j) {
+            s[j] = scale * dot(qi, kblk + (b * d.Tl + j) * KW + g * hd, hd);
+            block_max = std::max(block_max, s[j]);
+          }
+        }
+        const int64_t st = (b * d.H + h) * d.Tl + i;
+        const T m_new = std::max(m[st], block_max);
+        const T alpha = std::exp(m[st] - m_new);  // 0 while m is -inf
+        T* oi = acc + (b * d.Tl + i) * QW + h * hd;
+        for (int64_t e = 0; e < hd; ++e) oi[e] *= alpha;
+        T sum = l[st] * alpha;
+        for (int c = 0; c < 2; ++c) {
+          for (int64_t j = c * C; j < c * C + cnt[c]; ++j) {
+            const T p = std::exp(s[j] - m_new);
+            sum += p;
+            axpy(p, vblk + (b * d.Tl + j) * KW + g * hd, oi, hd);
+          }
+        }
+        l[st] = sum;
+        m[st] = m_new;
+      }
+    }
+  }
+}
+
+// Adds the local queries' gradient contributions for one K/V block (owned by rank `owner`):
+// dq (B, Tl, H hd) accumulates; dkblk, dvblk (B, Tl, KV hd) accumulate the block's gradient.
+// One task per (b, kv head g): it owns dK/dV of g and dQ of g's query heads, so no two threads
+// write the same element.
+template <typename T>
+void ring_backward_block(const AttnDims& d, int owner, const std::vector<int64_t>& qpos, const T* q, const T* dout,
+                         const T* lse, const T* D, const T* kblk, const T* vblk, T* dq, T* dkblk, T* dvblk) {
+  const int64_t C = d.C(), group = d.H / d.KV, QW = d.QW(), KW = d.KW(), hd = d.hd;
+  const int64_t kstart[2] = {owner * C, (2 * d.N - 1 - owner) * C};
+  const T scale = T(1) / std::sqrt(static_cast<T>(hd));
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t b = 0; b < d.B; ++b) {
+    for (int64_t g = 0; g < d.KV; ++g) {
+      for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+        for (int64_t i = 0; i < d.Tl; ++i) {
+          const int64_t cnt[2] = {visible_keys(qpos[i], kstart[0], C), visible_keys(qpos[i], kstart[1], C)};
+          const int64_t st = (b * d.H + h) * d.Tl + i;
+          const T* qi = q + (b * d.Tl + i) * QW + h * hd;
+          const T* doi = dout + (b * d.Tl + i) * QW + h * hd;
+          T* dqi = dq + (b * d.Tl + i) * QW + h * hd;
+          for (int c = 0; c < 2; ++c) {
+            for (int64_t j = c * C; j < c * C + cnt[c]; ++j) {
+              const int64_t kv_off = (b * d.Tl + j) * KW + g * hd;
+              const T p = std::exp(scale * dot(qi, kblk + kv_off, hd) - lse[st]);
+              axpy(p, doi, dvblk + kv_off, hd);
+              const T ds = p * (dot(doi, vblk + kv_off, hd) - D[st]);
+              axpy(scale * ds, kblk + kv_off, dqi, hd);
+              axpy(scale * ds, qi, dkblk + kv_off, hd);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// Copies `cols` bytes per row: row i of dst (at dst_off within a row of dst_stride bytes) from
+// row src_row(i) of src. Used to pack and unpack head groups and to reorder sequence rows.
+template <typename RowFn>
+void copy_rows(const char* src, int64_t src_stride, int64_t src_off, char* dst, int64_t dst_stride, int64_t dst_off,
+               int64_t rows, int64_t cols, RowFn src_row) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < rows; ++i) {
+    std::memcpy(dst + i * dst_stride + dst_off, src + src_row(i) * src_stride + src_off, static_cast<size_t>(cols));
+  }
+}
+
+Tensor comm_buffer(Backend& backend, int64_t numel, DType dtype) {
+  return Tensor::empty(backend.allocator(), {numel}, dtype, MEM_COMMUNICATION);
+}
+
+// Ulysses' head groups: rank r' owns query heads [r' hl, (r'+1) hl) and kv heads [r' kvl, (r'+1) kvl).
+struct UlyssesDims {
+  AttnDims a;
+  int64_t hl = 0, kvl = 0;
+  int64_t Wg() const { return (hl + 2 * kvl) * a.hd; }  // a rank's fused qkv row
+};
+
+UlyssesDims ulysses_dims(const char* op, const AttnDims& a) {
+  LOOM_CHECK(a.H % a.N == 0 && a.KV % a.N == 0, op, ": Ulysses needs n_head (", a.H, ") and n_kv_head (", a.KV,
+             ") divisible by parallel.cp (", a.N, ")");
+  return {a, a.H / a.N, a.KV / a.N};
+}
+
+// Moves head-sharded full-sequence rows (B, T, w) at column offset 0 into the per-source-rank
+// chunks of `chunks` (N, B, Tl, w): chunk r, row (b, t) <- row (b, pos_r[t]). With scatter =
+// false the direction is reversed (chunks -> full).
+void reorder_sequence(const UlyssesDims& u, const Tensor& full, const Tensor& chunks, int64_t w_bytes, bool scatter) {
+  const AttnDims& a = u.a;
+  char* f = static_cast<char*>(full.raw_data());
+  char* c = static_cast<char*>(chunks.raw_data());
+  for (int r = 0; r < a.N; ++r) {
+    const std::vector<int64_t> pos = cp_local_positions(a.seq(), r, a.N);
+    char* chunk = c + static_cast<int64_t>(r) * a.B * a.Tl * w_bytes;
+    const auto full_row = [&](int64_t i) { return (i / a.Tl) * a.seq() + pos[i % a.Tl]; };  // i = b Tl + t
+    if (scatter) {
+      copy_rows(f, w_bytes, 0, chunk, w_bytes, 0, a.B * a.Tl, w_bytes, full_row);
+    } else {
+#pragma omp parallel for schedule(static)
+      for (int64_t i = 0; i < a.B * a.Tl; ++i) {
+        std::memcpy(f + full_row(i) * w_bytes, chunk + i * w_bytes, static_cast<size_t>(w_bytes));
+      }
+    }
+  }
+}
+
+// Between this rank's (B, Tl, heads * hd) tensor x and the per-destination chunks (N, B, Tl, w)
+// at column offset `off_bytes`: chunk r' holds x's head group r' (group_bytes wide).
+// pack = true: x -> chunks; false: chunks -> x.
+void move_head_groups(const UlyssesDims& u, const Tensor& x, const Tensor& chunks, int64_t w_bytes,
+                      int64_t off_bytes, int64_t group_bytes, bool pack) {
+  const AttnDims& a = u.a;
+  const int64_t rows = a.B * a.Tl, x_bytes = u.a.N * group_bytes;
+  char* xp = static_cast<char*>(x.raw_data());
+  char* cb = static_cast<char*>(chunks.raw_data());
+  for (int r = 0; r < a.N; ++r) {
+    char* chunk = cb + static_cast<int64_t>(r) * rows * w_bytes;
+    const auto same = [](int64_t i) { return i; };
+    if (pack) copy_rows(xp, x_bytes, r * group_bytes, chunk, w_bytes, off_bytes, rows, group_bytes, same);
+    else copy_rows(chunk, w_bytes, off_bytes, xp, x_bytes, r * group_bytes, rows, group_bytes, same);
+  }
+}
+
+void ensure_saved(Backend& backend, Tensor& t, const Shape& shape, DType dtype) {
+  if (!t.defined() || t.shape() != shape || t.dtype() != dtype) {
+    t = Tensor::empty(backend.allocator(), shape, dtype, MEM_ACTIVATIONS);
+  }
+}
+
+}  // namespace
+
+// ---- Layout ------------------------------------------------------------------------------------
+
+void check_cp_seq_len(int64_t seq_len, int cp) {
+  LOOM_CHECK(cp >= 1 && seq_len > 0 && seq_len % (2 * static_cast<int64_t>(cp)) == 0, "parallel.cp = ", cp,
+             " needs train.seq_len divisible by 2 x parallel.cp = ", 2 * static_cast<int64_t>(cp),
+             " (zig-zag chunks), got train.seq_len = ", seq_len);
+}
+
+std::vector<int64_t> cp_local_positions(int64_t seq_len, int rank, int world) {
+  check_cp_seq_len(seq_len, world);
+  LOOM_CHECK(rank >= 0 && rank < world, "context parallel: rank ", rank, " outside [0, ", world, ")");
+  const int64_t C = seq_len / (2 * world);
+  std::vector<int64_t> pos(static_cast<size_t>(2 * C));
+  for (int64_t t = 0; t < C; ++t) {
+    pos[t] = rank * C + t;
+    pos[C + t] = (2 * world - 1 - rank) * C + t;
+  }
+  return pos;
+}
+
+namespace {
+
+// Checks full (B, T, W) against local (B, T/N, W); returns (row bytes, positions).
+std::vector<int64_t> local_rows(const char* op, const Tensor& full, const Tensor& local, int rank, int world) {
+  LOOM_CHECK(full.defined() && local.defined() && full.ndim() == 3 && local.ndim() == 3 &&
+                 full.dtype() == local.dtype() && full.dim(0) == local.dim(0) && full.dim(2) == local.dim(2) &&
+                 full.dim(1) == local.dim(1) * world,
+             op, ": full ", full.defined() ? full.describe() : "undefined", " and local ",
+             local.defined() ? local.describe() : "undefined", " must be (B, T, W) and (B, T/", world, ", W)");
+  return cp_local_positions(full.dim(1), rank, world);
+}
+
+}  // namespace
+
+void cp_take_local(const Tensor& full, const Tensor& local, int rank, int world) {
+  const std::vector<int64_t> pos = local_rows("cp_take_local", full, local, rank, world);
+  const int64_t Tl = local.dim(1), T = full.dim(1), w = local.dim(2) * static_cast<int64_t>(dtype_size(local.dtype()));
+  copy_rows(static_cast<const char*>(full.raw_data()), w, 0, static_cast<char*>(local.raw_data()), w, 0,
+            local.dim(0) * Tl, w, [&](int64_t i) { return (i / Tl) * T + pos[i % Tl]; });
+}
+
+void cp_put_local(const Tensor& local, const Tensor& full, int rank, int world) {
+  const std::vector<int64_t> pos = local_rows("cp_put_local", full, local, rank, world);
+  const int64_t Tl = local.dim(1), T = full.dim(1), w = local.dim(2) * static_cast<int64_t>(dtype_size(local.dtype()));
+  const char* src = static_cast<const char*>(local.raw_data());
+  char* dst = static_cast<char*>(full.raw_data());
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < local.dim(0) * Tl; ++i) {
+    std::memcpy(dst + ((i / Tl) * T + pos[i % Tl]) * w, src + i * w, static_cast<size_t>(w));
+  }
+}
+
+void cp_gather_sequence(Backend& backend, Communicator& cp, const Tensor& local, const Tensor& full) {
+  local_rows("cp_gather_sequence", full, local, cp.rank(), cp.size());
+  const Tensor all = comm_buffer(backend, local.numel() * cp.size(), local.dtype());  // (N, B, Tl, W)
+  cp.all_gather(local.reshape({local.numel()}), all);
+  for (int r = 0; r < cp.size(); ++r) cp_put_local(all.view(r * local.numel(), local.shape()), full, r, cp.size());
+}
+
+// ---- Ring attention ----------------------------------------------------------------------------
+
+void ring_attention_forward(Backend& backend, Communicator& cp, const Tensor& q, const Tensor& k, const Tensor& v,
+                            const Tensor& out, const Tensor& lse, int64_t n_head, int64_t n_kv_head) {
+  const char* op = "ring_attention_forward";
+  const AttnDims d = attn_dims(op, cp, q, k, v, n_head, n_kv_head);
+  expect_shape(op, "out", out, q.shape(), q.dtype());
+  expect_shape(op, "lse", lse, {d.B, d.H, d.Tl}, q.dtype());
+  const std::vector<int64_t> qpos = cp_local_positions(d.seq(), d.r, d.N);
+  const int64_t blk = d.B * d.Tl * d.KW();  // elements of one of K, V
+  // The block in hand and the one arriving: (2, B, Tl, KV hd) = [K | V].
+  Tensor cur = comm_buffer(backend, 2 * blk, q.dtype()), next = comm_buffer(backend, 2 * blk, q.dtype());
+  const Tensor l = Tensor::empty(backend.allocator(), {d.B * d.H * d.Tl}, q.dtype(), MEM_WORKSPACE);  // running sum
+  const Tensor scratch =
+      Tensor::empty(backend.allocator(), {omp_get_max_threads() * 2 * d.C()}, q.dtype(), MEM_WORKSPACE);
+  dispatch_float(q.dtype(), op, [&]<typename T>() {
+    std::memcpy(cur.data<T>(), k.data<T>(), k.nbytes());
+    std::memcpy(cur.data<T>() + blk, v.data<T>(), v.nbytes());
+    T* acc = out.data<T>();
+    T* m = lse.data<T>();  // the running max lives in lse until the end
+    std::fill(acc, acc + out.numel(), T(0));
+    std::fill(m, m + lse.numel(), -std::numeric_limits<T>::infinity());
+    std::fill(l.data<T>(), l.data<T>() + l.numel(), T(0));
+    for (int s = 0; s < d.N; ++s) {
+      const int owner = (d.r - s + d.N) % d.N;
+      ring_merge_block<T>(d, owner, qpos, q.data<T>(), cur.data<T>(), cur.data<T>() + blk, acc, m, l.data<T>(),
+                          scratch.data<T>());
+      if (s + 1 < d.N) {
+        ring_shift(cp, cur, next);
+        std::swap(cur, next);
+      }
+    }
+    // Every query sees at least itself, so l > 0: O /= l, lse = m + log l.
+    const T* lp = l.data<T>();
+#pragma omp parallel for collapse(3) schedule(static)
+    for (int64_t b = 0; b < d.B; ++b) {
+      for (int64_t h = 0; h < d.H; ++h) {
+        for (int64_t i = 0; i < d.Tl; ++i) {
+          const int64_t st = (b * d.H + h) * d.Tl + i;
+          T* oi = acc + (b * d.Tl + i) * d.QW() + h * d.hd;
+          const T inv = T(1) / lp[st];
+          for (int64_t e = 0; e < d.hd; ++e) oi[e] *= inv;
+          m[st] += std::log(lp[st]);
+        }
+      }
+    }
+  });
+}
+
+void ring_attention_backward(Backend& backend, Communicator& cp, const Tensor& dout, const Tensor& q,
+                             const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse, const Tensor& dq,
+                             const Tensor& dk, const Tensor& dv, int64_t n_head, int64_t n_kv_head) {
+  const char* op = "ring_attention_backward";
+  const AttnDims d = attn_dims(op, cp, q, k, v, n_head, n_kv_head);
+  for (const auto& [what, t] : {std::pair<const char*, const Tensor*>{"dout", &dout}, {"out", &out}, {"dq", &dq}}) {
+    expect_shape(op, what, *t, q.shape(), q.dtype());
+  }
+  expect_shape(op, "lse", lse, {d.B, d.H, d.Tl}, q.dtype());
+  expect_shape(op, "dk", dk, k.shape(), q.dtype());
+  expect_shape(op, "dv", dv, k.shape(), q.dtype());
+  const std::vector<int64_t> qpos = cp_local_positions(d.seq(), d.r, d.N);
+  const int64_t blk = d.B * d.Tl * d.KW();
+  // (4, B, Tl, KV hd) = [K | V | dK | dV]: a block travels with its accumulating gradient.
+  Tensor cur = comm_buffer(backend, 4 * blk, q.dtype()), next = comm_buffer(backend, 4 * blk, q.dtype());
+  const Tensor D = Tensor::empty(backend.allocator(), {d.B * d.H * d.Tl}, q.dtype(), MEM_WORKSPACE);
+  dispatch_float(q.dtype(), op, [&]<typename T>() {
+    // D_i = dO_i . O_i per (b, h, i) (FlashAttention-2's rowsum trick).
+    const T* po = out.data<T>();
+    const T* pdo = dout.data<T>();
+    T* pD = D.data<T>();
+#pragma omp parallel for collapse(3) schedule(static)
+    for (int64_t b = 0; b < d.B; ++b) {
+      for (int64_t h = 0; h < d.H; ++h) {
+        for (int64_t i = 0; i < d.Tl; ++i) {
+          const int64_t off = (b * d.Tl + i) * d.QW() + h * d.hd;
+          pD[(b * d.H + h) * d.Tl + i] = dot(pdo + off, po + off, d.hd);
+        }
+      }
+    }
+    std::memcpy(cur.data<T>(), k.data<T>(), k.nbytes());
+    std::memcpy(cur.data<T>() + blk, v.data<T>(), v.nbytes());
+    std::fill(cur.data<T>() + 2 * blk, cur.data<T>() + 4 * blk, T(0));
+    std::fill(dq.data<T>(), dq.data<T>() + dq.numel(), T(0));
+    for (int s = 0; s < d.N; ++s) {
+      const int owner = (d.r - s + d.N) % d.N;
+      T* c = cur.data<T>();
+      ring_backward_block<T>(d, owner, qpos, q.data<T>(), pdo, lse.data<T>(), pD, c, c + blk, dq.data<T>(),
+                             c + 2 * blk, c + 3 * blk);
+      if (s + 1 < d.N) {
+        ring_shift(cp, cur, next);
+        std::swap(cur, next);
+      }
+    }
+    // After N-1 hops this rank holds the block of rank r+1: one more hop sends its dK/dV home.
+    if (d.N > 1) ring_shift(cp, cur.view(2 * blk, {2 * blk}), next.view(2 * blk, {2 * blk}));
+    const T* home = (d.N > 1 ? next : cur).data<T>();
+    std::memcpy(dk.data<T>(), home + 2 * blk, dk.nbytes());
+    std::memcpy(dv.data<T>(), home + 3 * blk, dv.nbytes());
+  });
+}
+
+int64_t ring_attention_forward_bytes(int world, int64_t batch, int64_t local_seq, int64_t n_kv_head,
+                                     int64_t head_dim, int64_t elem_bytes) {
+  return static_cast<int64_t>(world - 1) * 2 * batch * local_seq * n_kv_head * head_dim * elem_bytes;
+}
+
+int64_t ring_attention_backward_bytes(int world, int64_t batch, int64_t local_seq, int64_t n_kv_head,
+                                      int64_t head_dim, int64_t elem_bytes) {
+  if (world == 1) return 0;
+  return (4 * static_cast<int64_t>(world) - 2) * batch * local_seq * n_kv_head * head_dim * elem_bytes;
+}
+
+// ---- Ulysses -----------------------------------------------------------------------------------
+
+void ulysses_attention_forward(Backend& backend, Communicator& cp, const Tensor& q, const Tensor& k, const Tensor& v,
+                               const Tensor& out, UlyssesSaved& saved, int64_t n_head, int64_t n_kv_head) {
+  const char* op = "ulysses_attention_forward";
+  const UlyssesDims u = ulysses_dims(op, attn_dims(op, cp, q, k, v, n_head, n_kv_head));
+  const AttnDims& a = u.a;
+  expect_shape(op, "out", out, q.shape(), q.dtype());
+  const int64_t E = static_cast<int64_t>(dtype_size(q.dtype()));
+  const int64_t qg = u.hl * a.hd * E, kg = u.kvl * a.hd * E, wg = u.Wg() * E, og = qg;  // bytes per row
+  ensure_saved(backend, saved.qkv, {a.B, a.seq(), u.Wg()}, q.dtype());
+  ensure_saved(backend, saved.out, {a.B, a.seq(), u.hl * a.hd}, q.dtype());
+  ensure_saved(backend, saved.probs, {a.B, u.hl, a.seq(), a.seq()}, q.dtype());
+
+  // q, k, v -> (N, B, Tl, Wg) chunks by destination head group -> all_to_all_qkv -> true order.
+  const Tensor send = comm_buffer(backend, a.N * a.B * a.Tl * u.Wg(), q.dtype());
+  const Tensor recv = comm_buffer(backend, send.numel(), q.dtype());
+  move_head_groups(u, q, send, wg, 0, qg, true);
+  move_head_groups(u, k, send, wg, qg, kg, true);
+  move_head_groups(u, v, send, wg, qg + kg, kg, true);
+  cp.all_to_all(send, recv);
+  reorder_sequence(u, saved.qkv, recv, wg, false);
+
+  backend.attention_forward(saved.qkv, saved.out, saved.probs, u.hl, u.kvl);
+
+  // out (B, T, H/N hd) in true order -> chunks by owner rank -> all_to_all_out -> out's columns.
+  const Tensor osend = send.view(0, {a.N * a.B * a.Tl * u.hl * a.hd});
+  const Tensor orecv = recv.view(0, osend.shape());
+  reorder_sequence(u, saved.out, osend, og, true);
+  cp.all_to_all(osend, orecv);
+  move_head_groups(u, out, orecv, og, 0, og, false);
+}
+
+void ulysses_attention_backward(Backend& backend, Communicator& cp, const Tensor& dout, const UlyssesSaved& saved,
+                                const Tensor& dq, const Tensor& dk, const Tensor& dv, int64_t n_head,
+                                int64_t n_kv_head) {
+  const char* op = "ulysses_attention_backward";
+  const UlyssesDims u = ulysses_dims(op, attn_dims(op, cp, dq, dk, dv, n_head, n_kv_head));
+  const AttnDims& a = u.a;
+  expect_shape(op, "dout", dout, dq.shape(), dq.dtype());
+  expect_shape(op, "saved.qkv", saved.qkv, {a.B, a.seq(), u.Wg()}, dq.dtype());
+  expect_shape(op, "saved.out", saved.out, {a.B, a.seq(), u.hl * a.hd}, dq.dtype());
+  const int64_t E = static_cast<int64_t>(dtype_size(dq.dtype()));
+  const int64_t qg = u.hl * a.hd * E, kg = u.kvl * a.hd * E, wg = u.Wg() * E, og = qg;
+
+  // dout -> head-sharded, true order (all_to_all_dout).
+  const Tensor send = comm_buffer(backend, a.N * a.B * a.Tl * u.Wg(), dq.dtype());
+  const Tensor recv = comm_buffer(backend, send.numel(), dq.dtype());
+  const Tensor dout_g = Tensor::empty(backend.allocator(), saved.out.shape(), dq.dtype(), MEM_WORKSPACE);
+  const Tensor dqkv_g = Tensor::empty(backend.allocator(), saved.qkv.shape(), dq.dtype(), MEM_WORKSPACE);
+  const Tensor osend = send.view(0, {a.N * a.B * a.Tl * u.hl * a.hd});
+  const Tensor orecv = recv.view(0, osend.shape());
+  move_head_groups(u, dout, osend, og, 0, og, true);
+  cp.all_to_all(osend, orecv);
+  reorder_sequence(u, dout_g, orecv, og, false);
+
+  backend.attention_backward(dout_g, saved.qkv, saved.out, saved.probs, dqkv_g, u.hl, u.kvl);
+
+  // dqkv (B, T, Wg) -> chunks by owner rank -> all_to_all_dqkv -> dq, dk, dv columns.
+  reorder_sequence(u, dqkv_g, send, wg, true);
+  cp.all_to_all(send, recv);
+  move_head_groups(u, dq, recv, wg, 0, qg, false);
+  move_head_groups(u, dk, recv, wg, qg, kg, false);
+  move_head_groups(u, dv, recv, wg, qg + kg, kg, false);
+}
+
+int64_t ulysses_attention_bytes(int world, int64_t batch, int64_t local_seq, int64_t n_head, int64_t n_kv_head,
+                                int64_t head_dim, int64_t elem_bytes) {
+  return static_cast<int64_t>(world - 1) * batch * local_seq * (2 * n_head + 2 * n_kv_head) * head_dim * elem_bytes /
+         world;
+}
+
+}  // namespace loom
