@@ -7,6 +7,7 @@
 
 #include "loom/backend/backend.h"
 #include "loom/comm/communicator.h"
+#include "loom/train/trainer.h"
 
 namespace loom {
 
@@ -23,6 +24,32 @@ inline std::vector<int32_t> mpi_test_corpus(int64_t n, int32_t vocab) {
   std::vector<int32_t> t(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) t[static_cast<size_t>(i)] = static_cast<int32_t>((i * 7 + i / vocab + (i * i) % 13) % vocab);
   return t;
+}
+
+// A training run's record: per step the loss, the gradient norm and the whole gradient.
+struct Curve {
+  std::vector<double> losses, norms;
+  std::vector<std::vector<float>> grads;  // [step]
+  int64_t tp_bytes = 0;                   // (tensor-parallel runs) sent over the tp group in the first step
+};
+
+// The one-process reference: the model of `config` initialised with seed 7, trained `steps`
+// steps on the test corpus with `tc`.
+inline Curve train_single(const ModelConfig& config, const TrainConfig& tc, int steps) {
+  auto backend = make_cpu_backend();
+  Transformer model(*backend, config);
+  model.init_weights(7);
+  Trainer trainer(*backend, model, tc);
+  RandomWindowSource data(mpi_test_corpus(5000, static_cast<int32_t>(config.vocab_size)), 11);
+  Curve c;
+  for (int s = 0; s < steps; ++s) {
+    const StepStats st = trainer.train_step(data);
+    c.losses.push_back(st.loss);
+    c.norms.push_back(st.grad_norm);
+    const float* g = model.grads().data<float>();
+    c.grads.emplace_back(g, g + model.grads().numel());
+  }
+  return c;
 }
 
 }  // namespace loom

@@ -16,11 +16,6 @@
 namespace loom {
 namespace {
 
-struct Curve {
-  std::vector<double> losses;
-  std::vector<std::vector<float>> grads;  // [step] whole-model gradients (global layout)
-  int64_t tp_bytes = 0;                    // sent over the tensor-parallel group in the first step
-};
 
 TrainConfig train_config(int64_t batch, const char* optimizer) {
   TrainConfig tc;
@@ -31,18 +26,7 @@ TrainConfig train_config(int64_t batch, const char* optimizer) {
 }
 
 Curve single(const ModelConfig& config, int64_t batch, const char* optimizer) {
-  auto backend = make_cpu_backend();
-  Transformer model(*backend, config);
-  model.init_weights(7);
-  Trainer trainer(*backend, model, train_config(batch, optimizer));
-  RandomWindowSource data(mpi_test_corpus(5000, static_cast<int32_t>(config.vocab_size)), 11);
-  Curve c;
-  for (int s = 0; s < 10; ++s) {
-    c.losses.push_back(trainer.train_step(data).loss);
-    const float* g = model.grads().data<float>();
-    c.grads.emplace_back(g, g + model.grads().numel());
-  }
-  return c;
+  return train_single(config, train_config(batch, optimizer), 10);
 }
 
 Curve tensor_parallel(Communicator& world, const ModelConfig& config, int tp_size, int64_t batch, const char* optimizer) {

@@ -127,6 +127,10 @@ class LocalCommunicator final : public Communicator {
     return std::make_unique<DoneWork>();
   }
   void send(const Tensor&, int to, int) override { LOOM_CHECK(false, "send to rank ", to, ": a local communicator has 1 rank"); }
+  std::unique_ptr<CommWork> send_async(const Tensor&, int to, int) override {
+    LOOM_CHECK(false, "send to rank ", to, ": a local communicator has 1 rank");
+    return nullptr;
+  }
   void recv(const Tensor&, int from, int) override {
     LOOM_CHECK(false, "recv from rank ", from, ": a local communicator has 1 rank");
   }

@@ -79,6 +79,9 @@ class Communicator {
                                                            ReduceOp op) = 0;
   virtual std::unique_ptr<CommWork> all_gather_v_async(const Tensor& x, const std::vector<int64_t>& counts) = 0;
   virtual void send(const Tensor& x, int to, int tag = 0) = 0;
+  // Non-blocking send: x must stay unchanged until wait() (pipeline stages send while the
+  // receiver may itself be sending, which blocking sends of large messages would deadlock).
+  virtual std::unique_ptr<CommWork> send_async(const Tensor& x, int to, int tag = 0) = 0;
   virtual void recv(const Tensor& x, int from, int tag = 0) = 0;
   virtual void barrier() = 0;
   // A communicator over the ranks that pass the same color (>= 0), ranked by key (then by this

@@ -198,6 +198,13 @@ class MpiCommunicator final : public Communicator {
     book(COLL_SEND_RECV, static_cast<int64_t>(x.nbytes()));
     MPI_Send(x.raw_data(), count_of(x, "send"), mpi_type(x.dtype(), "send"), to, tag, comm_);
   }
+  std::unique_ptr<CommWork> send_async(const Tensor& x, int to, int tag) override {
+    LOOM_CHECK(to >= 0 && to < size_ && to != rank_, "send from rank ", rank_, " to rank ", to, ": no such peer");
+    book(COLL_SEND_RECV, static_cast<int64_t>(x.nbytes()));
+    auto w = std::make_unique<MpiWork>();
+    MPI_Isend(x.raw_data(), count_of(x, "send"), mpi_type(x.dtype(), "send"), to, tag, comm_, w->request());
+    return w;
+  }
   void recv(const Tensor& x, int from, int tag) override {
     LOOM_CHECK(from >= 0 && from < size_ && from != rank_, "recv on rank ", rank_, " from rank ", from, ": no such peer");
     book(COLL_SEND_RECV, static_cast<int64_t>(x.nbytes()), -2);

@@ -145,9 +145,16 @@ std::vector<LinearLayer*> Transformer::linear_layers() {
 }
 
 ActivationStore Transformer::allocate_store(int64_t batch, int64_t seq_len) {
+  return allocate_stage_store(batch, seq_len, 0, config_.n_layer, false);
+}
+
+ActivationStore Transformer::allocate_stage_store(int64_t batch, int64_t seq_len, int64_t first, int64_t last,
+                                                  bool split_backward) {
   LOOM_CHECK(batch > 0, "batch size must be > 0, got ", batch);
   LOOM_CHECK(seq_len > 0 && seq_len <= config_.max_seq_len, "sequence length ", seq_len,
              " must be in [1, model.max_seq_len = ", config_.max_seq_len, "]");
+  LOOM_CHECK(0 <= first && first < last && last <= config_.n_layer, "pipeline stage: layers [", first, ", ", last,
+             ") outside the model's ", config_.n_layer);
   Allocator& alloc = backend_.allocator();
   const int64_t B = batch, T = seq_len, C = config_.d_model;
   auto act = [&](Shape shape, DType dtype = DTYPE_F32) { return Tensor::empty(alloc, std::move(shape), dtype, MEM_ACTIVATIONS); };
@@ -155,14 +162,19 @@ ActivationStore Transformer::allocate_store(int64_t batch, int64_t seq_len) {
   s.batch = B, s.seq_len = T;
   s.tokens = act({B, T}, DTYPE_I32);
   s.targets = act({B, T}, DTYPE_I32);
-  for (int64_t l = 0; l < config_.n_layer; ++l) s.blocks.push_back(allocate_block_saved(alloc, config_, B, T));
-  s.final_input = act({B, T, C});
-  s.final_norm = act({B, T, C});
-  if (!config_.rmsnorm()) s.final_mean = act({B, T});
-  s.final_rstd = act({B, T});
-  s.logits = act({B, T, config_.vocab_size});
-  s.losses = act({B, T});
-  s.lse = act({B, T});
+  s.blocks.resize(static_cast<size_t>(config_.n_layer));
+  for (int64_t l = first; l < last; ++l) s.blocks[l] = allocate_block_saved(alloc, config_, B, T, split_backward);
+  if (last < config_.n_layer) {
+    s.blocks[last].input = act({B, T, C});  // the stage's output: the next stage's input
+  } else {
+    s.final_input = act({B, T, C});
+    s.final_norm = act({B, T, C});
+    if (!config_.rmsnorm()) s.final_mean = act({B, T});
+    s.final_rstd = act({B, T});
+    s.logits = act({B, T, config_.vocab_size});
+    s.losses = act({B, T});
+    s.lse = act({B, T});
+  }
   if (B * T > scratch_tokens_) {
     scratch_ = allocate_block_scratch(alloc, config_, B, T);
     d_residual_ = Tensor::empty(alloc, {B, T, C}, DTYPE_F32, MEM_WORKSPACE);
@@ -183,23 +195,31 @@ std::vector<std::vector<std::pair<int64_t, int64_t>>> Transformer::param_units()
 }
 
 double Transformer::forward(ActivationStore& s, bool compute_loss) {
+  return forward_stage(s, 0, config_.n_layer, compute_loss);
+}
+
+double Transformer::forward_stage(ActivationStore& s, int64_t first, int64_t last, bool compute_loss) {
   const auto use = [this](int unit) { if (hooks_.use) hooks_.use(unit, false); };
   const auto done = [this](int unit) { if (hooks_.done) hooks_.done(unit, false); };
-  const Tensor& x0 = s.blocks.empty() ? s.final_input : s.blocks[0].input;
-  use(0);
-  if (tp_ != nullptr) {  // vocabulary-parallel embedding, then g (all-reduce), then positions
-    vocab_parallel_embedding_forward(s.tokens, embed_w, vocab_.begin, vocab_.valid, x0);
-    tp_->all_reduce(x0);
-    if (pos_w.defined()) add_positions(x0, pos_w);
-  } else {
-    backend_.embedding_forward(s.tokens, embed_w, pos_w.defined() ? &pos_w : nullptr, x0);
+  const int64_t L = config_.n_layer;
+  if (first == 0) {
+    const Tensor& x0 = s.blocks.empty() ? s.final_input : s.blocks[0].input;
+    use(0);
+    if (tp_ != nullptr) {  // vocabulary-parallel embedding, then g (all-reduce), then positions
+      vocab_parallel_embedding_forward(s.tokens, embed_w, vocab_.begin, vocab_.valid, x0);
+      tp_->all_reduce(x0);
+      if (pos_w.defined()) add_positions(x0, pos_w);
+    } else {
+      backend_.embedding_forward(s.tokens, embed_w, pos_w.defined() ? &pos_w : nullptr, x0);
+    }
   }
-  for (size_t l = 0; l < blocks_.size(); ++l) {
-    const Tensor& out = l + 1 < blocks_.size() ? s.blocks[l + 1].input : s.final_input;
+  for (int64_t l = first; l < last; ++l) {
+    const Tensor& out = l + 1 < L ? s.blocks[l + 1].input : s.final_input;
     use(static_cast<int>(l) + 1);
     blocks_[l].forward(backend_, s.blocks[l], out);
     done(static_cast<int>(l) + 1);
   }
+  if (last < L) return 0.0;
   norm_forward(backend_, config_, s.final_input, final_w, final_b, s.final_norm, s.final_mean, s.final_rstd);
   head_.forward(backend_, s.final_norm, head_w, head16_, Tensor{}, s.logits, 0.0f, &ws_);  // (B*T, C) @ (V, C)^T
   done(0);
@@ -211,6 +231,11 @@ double Transformer::forward(ActivationStore& s, bool compute_loss) {
     backend_.cross_entropy_forward(s.logits, s.targets, s.losses, s.lse);
   }
   return backend_.sum(s.losses) / static_cast<double>(s.batch * s.seq_len);
+}
+
+Tensor Transformer::stage_grad(int64_t batch, int64_t seq_len) const {
+  LOOM_CHECK(batch * seq_len <= scratch_tokens_, "stage_grad: (", batch, ", ", seq_len, ") exceeds the allocated stores");
+  return d_residual_.view(0, {batch, seq_len, config_.d_model});
 }
 
 DecodeState Transformer::allocate_decode_state(int64_t batch) {
@@ -259,34 +284,46 @@ void Transformer::forward_decode(DecodeState& d, const std::vector<int32_t>& tok
 }
 
 void Transformer::backward(ActivationStore& s, float loss_weight, const std::function<void(int64_t)>& ready) {
-  const int64_t B = s.batch, T = s.seq_len, C = config_.d_model;
-  const Tensor d_res = d_residual_.view(0, {B, T, C});
+  backward_stage(s, 0, config_.n_layer, loss_weight, BACKWARD_ALL, ready);
+}
+
+void Transformer::backward_stage(ActivationStore& s, int64_t first, int64_t last, float loss_weight, BackwardPart part,
+                                 const std::function<void(int64_t)>& ready) {
+  const int64_t B = s.batch, T = s.seq_len;
+  const Tensor d_res = stage_grad(B, T);
   BlockScratch k = scratch_;
   for (Tensor* t : {&k.d_norm, &k.d_tmp, &k.d_qkv, &k.d_attn, &k.d_fc, &k.d_act}) {
     *t = t->view(0, {B, T, t->dim(-1)});
   }
   const auto use = [this](int unit) { if (hooks_.use) hooks_.use(unit, true); };
   const auto done = [this](int unit) { if (hooks_.done) hooks_.done(unit, true); };
-  use(0);
-  // d(logits) replaces the logits in place: dL/dlogit = w/(B T) (softmax - onehot).
-  const float scale = loss_weight / static_cast<float>(B * T);
-  if (tp_ != nullptr) {
-    vocab_parallel_cross_entropy_backward(s.logits, s.targets, s.lse, vocab_.begin, vocab_.valid, scale, s.logits);
-  } else {
-    backend_.cross_entropy_backward(s.logits, s.targets, s.lse, scale, s.logits);
+  if (part == BACKWARD_WEIGHT) {  // zero-bubble W: the blocks' weight gradients, kept from the input pass
+    for (int64_t l = last; l-- > first;) blocks_[l].backward(backend_, s.blocks[l], d_res, k, BACKWARD_WEIGHT);
+    return;
   }
-  // d_norm = d_logits @ W (B*T, C); dW += d_logits^T @ final_norm (V, C)
-  head_.backward(backend_, s.final_norm, head_w, head16_, s.logits, k.d_norm, d_head_w, Tensor{}, &ws_);
-  if (tp_ != nullptr) tp_->all_reduce(k.d_norm);  // f: the vocabulary slices' partial d(final norm)
-  norm_backward(backend_, config_, k.d_norm, s.final_input, final_w, s.final_mean, s.final_rstd, d_res, d_final_w,
-                d_final_b);
-  if (ready) ready(final_offset_);
-  for (size_t l = blocks_.size(); l-- > 0;) {
+  if (last == config_.n_layer) {
+    use(0);
+    // d(logits) replaces the logits in place: dL/dlogit = w/(B T) (softmax - onehot).
+    const float scale = loss_weight / static_cast<float>(B * T);
+    if (tp_ != nullptr) {
+      vocab_parallel_cross_entropy_backward(s.logits, s.targets, s.lse, vocab_.begin, vocab_.valid, scale, s.logits);
+    } else {
+      backend_.cross_entropy_backward(s.logits, s.targets, s.lse, scale, s.logits);
+    }
+    // d_norm = d_logits @ W (B*T, C); dW += d_logits^T @ final_norm (V, C)
+    head_.backward(backend_, s.final_norm, head_w, head16_, s.logits, k.d_norm, d_head_w, Tensor{}, &ws_);
+    if (tp_ != nullptr) tp_->all_reduce(k.d_norm);  // f: the vocabulary slices' partial d(final norm)
+    norm_backward(backend_, config_, k.d_norm, s.final_input, final_w, s.final_mean, s.final_rstd, d_res, d_final_w,
+                  d_final_b);
+    if (ready) ready(final_offset_);
+  }  // else d_res holds d(stage output), put there by the caller (stage_grad)
+  for (int64_t l = last; l-- > first;) {
     use(static_cast<int>(l) + 1);
-    blocks_[l].backward(backend_, s.blocks[l], d_res, k);
+    blocks_[l].backward(backend_, s.blocks[l], d_res, k, part);
     done(static_cast<int>(l) + 1);
     if (ready) ready(block_offset_[l]);
   }
+  if (first > 0) return;  // d_res now holds d(stage input)
   if (tp_ != nullptr) {
     vocab_parallel_embedding_backward(s.tokens, d_res, d_embed_w, vocab_.begin, vocab_.valid);
     if (d_pos_w.defined()) positions_backward(d_res, d_pos_w);

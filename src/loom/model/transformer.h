@@ -51,6 +51,7 @@ class Transformer {
   Transformer& operator=(const Transformer&) = delete;
 
   const ModelConfig& config() const { return config_; }
+  Backend& backend() const { return backend_; }
   const ParamLayout& layout() const { return layout_; }
   const Tensor& params() const { return params_; }  // (P) flat, MEM_PARAMETERS
   const Tensor& grads() const { return grads_; }    // (P) flat, MEM_GRADIENTS
@@ -80,6 +81,17 @@ class Transformer {
   // blocks and ends all-reduce over `tp`. nullptr: a whole model.
   void set_tensor_parallel(Communicator* tp, int64_t vocab_begin, int64_t vocab_valid);
   Communicator* tensor_parallel() const { return tp_; }
+  // Pipeline stages (parallel/pipeline.h): layers [first, last), with the embedding when
+  // first == 0 and the final norm, head and loss when last == n_layer. A stage's store holds
+  // only its layers' activations (and split-backward buffers for zero-bubble schedules), plus
+  // its output: store.blocks[last].input, the next stage's store.blocks[last].input. Backward
+  // of a stage that is not the last starts from d(output) in stage_grad() and leaves d(input)
+  // there; forward() and backward() are the one-stage case.
+  ActivationStore allocate_stage_store(int64_t batch, int64_t seq_len, int64_t first, int64_t last, bool split_backward);
+  double forward_stage(ActivationStore& store, int64_t first, int64_t last, bool compute_loss = true);
+  void backward_stage(ActivationStore& store, int64_t first, int64_t last, float loss_weight, BackwardPart part,
+                      const std::function<void(int64_t)>& ready = {});
+  Tensor stage_grad(int64_t batch, int64_t seq_len) const;  // (B,T,C)
   // Parameter use hooks of forward() and backward() (not of forward_decode); empty: none.
   void set_param_use_hooks(ParamUseHooks hooks) { hooks_ = std::move(hooks); }
   // The flat ranges [begin, end) of each unit the hooks name: [unit] -> ranges.

@@ -36,7 +36,8 @@ BlockParams block_params_view(const ModelConfig& config, const ParamLayout& layo
   return p;
 }
 
-BlockSaved allocate_block_saved(Allocator& allocator, const ModelConfig& config, int64_t batch, int64_t seq_len) {
+BlockSaved allocate_block_saved(Allocator& allocator, const ModelConfig& config, int64_t batch, int64_t seq_len,
+                                bool split_backward) {
   const int64_t B = batch, T = seq_len, C = config.d_model, H = config.n_head, hd = config.head_dim();
   auto act = [&](Shape shape) { return Tensor::empty(allocator, std::move(shape), DTYPE_F32, MEM_ACTIVATIONS); };
   BlockSaved s;
@@ -53,6 +54,12 @@ BlockSaved allocate_block_saved(Allocator& allocator, const ModelConfig& config,
   s.rstd2 = act({B, T});
   s.fc = act({B, T, config.mlp_in_width()});
   s.act = act({B, T, config.d_ff});
+  if (split_backward) {
+    s.dy_fc2 = act({B, T, C});
+    s.dy_fc = act({B, T, config.mlp_in_width()});
+    s.dy_proj = act({B, T, C});
+    s.dy_qkv = act({B, T, config.qkv_width()});
+  }
   return s;
 }
 
@@ -151,26 +158,46 @@ void Block::forward_decode(Backend& backend, BlockSaved& s, const Tensor& out, c
   linear_forward(backend, s.act, p.fc2_w, p.fc2_b, out, 1.0f);
 }
 
-void Block::backward(Backend& backend, const BlockSaved& s, const Tensor& d_residual, BlockScratch& k) {
+void Block::backward(Backend& backend, const BlockSaved& s, const Tensor& d_residual, BlockScratch& k,
+                     BackwardPart part) {
   const BlockParams& p = params_;
   const BlockParams& g = grads_;
   const BlockParams& q = params16_;
+  if (part == BACKWARD_WEIGHT) {  // the four weight gradients from the kept output gradients
+    LOOM_CHECK(s.dy_qkv.defined(), "block backward: the weight pass needs activations allocated for a split backward");
+    fc2_.backward(backend, s.act, p.fc2_w, q.fc2_w, s.dy_fc2, Tensor{}, g.fc2_w, Tensor{}, ws_);
+    fc_.backward(backend, s.norm2, p.fc_w, q.fc_w, s.dy_fc, Tensor{}, g.fc_w, Tensor{}, ws_);
+    proj_.backward(backend, s.attn, p.proj_w, q.proj_w, s.dy_proj, Tensor{}, g.proj_w, Tensor{}, ws_);
+    qkv_.backward(backend, s.norm1, p.qkv_w, q.qkv_w, s.dy_qkv, Tensor{}, g.qkv_w, Tensor{}, ws_);
+    return;
+  }
+  const bool split = part == BACKWARD_INPUT;
+  LOOM_CHECK(!split || s.dy_qkv.defined(), "block backward: the input pass needs activations allocated for a split backward");
+  // Weight gradients now, or (split) kept output gradients for the weight pass.
+  auto dw = [split](const Tensor& grad) { return split ? Tensor{} : grad; };
+  auto keep = [&backend, split](const Tensor& dy, const Tensor& into) {
+    if (split) backend.copy(dy, into);
+  };
   // MLP branch: d_residual is d(out); the residual path passes it to d(mid) unchanged.
-  fc2_.backward(backend, s.act, p.fc2_w, q.fc2_w, d_residual, k.d_act, g.fc2_w, g.fc2_b, ws_);
+  keep(d_residual, s.dy_fc2);
+  fc2_.backward(backend, s.act, p.fc2_w, q.fc2_w, d_residual, k.d_act, dw(g.fc2_w), g.fc2_b, ws_);
   if (config_.swiglu()) backend.swiglu_backward(s.fc, k.d_act, k.d_fc);
   else backend.gelu_backward(s.fc, k.d_act, k.d_fc);
-  fc_.backward(backend, s.norm2, p.fc_w, q.fc_w, k.d_fc, k.d_norm, g.fc_w, g.fc_b, ws_);
+  keep(k.d_fc, s.dy_fc);
+  fc_.backward(backend, s.norm2, p.fc_w, q.fc_w, k.d_fc, k.d_norm, dw(g.fc_w), g.fc_b, ws_);
   if (tp_ != nullptr) tp_->all_reduce(k.d_norm);  // f: the hidden slices' partial d(norm2 output)
   norm_backward(backend, config_, k.d_norm, s.mid, p.norm2_w, s.mean2, s.rstd2, k.d_tmp, g.norm2_w, g.norm2_b);
   backend.add_inplace(d_residual, k.d_tmp);  // now d(mid)
 
   // Attention branch.
-  proj_.backward(backend, s.attn, p.proj_w, q.proj_w, d_residual, k.d_attn, g.proj_w, g.proj_b, ws_);
+  keep(d_residual, s.dy_proj);
+  proj_.backward(backend, s.attn, p.proj_w, q.proj_w, d_residual, k.d_attn, dw(g.proj_w), g.proj_b, ws_);
   backend.attention_backward(k.d_attn, s.qkv, s.attn, s.probs, k.d_qkv, config_.n_head, config_.n_kv_head);
   if (!config_.learned_positions()) {
     backend.rope_backward(k.d_qkv, config_.head_dim(), config_.n_head + config_.n_kv_head, config_.rope_theta, 0);
   }
-  qkv_.backward(backend, s.norm1, p.qkv_w, q.qkv_w, k.d_qkv, k.d_norm, g.qkv_w, g.qkv_b, ws_);
+  keep(k.d_qkv, s.dy_qkv);
+  qkv_.backward(backend, s.norm1, p.qkv_w, q.qkv_w, k.d_qkv, k.d_norm, dw(g.qkv_w), g.qkv_b, ws_);
   if (tp_ != nullptr) tp_->all_reduce(k.d_norm);  // f: the heads' partial d(norm1 output)
   norm_backward(backend, config_, k.d_norm, s.input, p.norm1_w, s.mean1, s.rstd1, k.d_tmp, g.norm1_w, g.norm1_b);
   backend.add_inplace(d_residual, k.d_tmp);  // now d(input)

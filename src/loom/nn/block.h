@@ -40,9 +40,18 @@ struct BlockSaved {
   Tensor norm2, mean2, rstd2;    // (B,T,C), (B,T), (B,T)
   Tensor fc;                     // (B,T,F or 2F) pre-activation
   Tensor act;                    // (B,T,F)
+  // Only for a backward split into input and weight gradients (zero-bubble pipelines): the
+  // output gradients of the four linear layers, kept from the input pass for the weight pass.
+  Tensor dy_fc2, dy_fc, dy_proj, dy_qkv;  // (B,T,C), (B,T,F or 2F), (B,T,C), (B,T,(H+2KV)hd)
 };
 
-BlockSaved allocate_block_saved(Allocator& allocator, const ModelConfig& config, int64_t batch, int64_t seq_len);
+// Which part of a block's backward to run: all of it, the input gradient (and the norms' and
+// biases' gradients) keeping the linear layers' output gradients, or the linear layers'
+// weight gradients from those (Qi et al., "Zero Bubble Pipeline Parallelism", 2024: B and W).
+enum BackwardPart : uint8_t { BACKWARD_ALL, BACKWARD_INPUT, BACKWARD_WEIGHT };
+
+BlockSaved allocate_block_saved(Allocator& allocator, const ModelConfig& config, int64_t batch, int64_t seq_len,
+                                bool split_backward = false);
 
 // Activation-gradient scratch shared by all blocks of a backward pass (overwritten each use).
 struct BlockScratch {
@@ -75,7 +84,8 @@ class Block {
                       const Tensor& v_cache, const Tensor& q, int64_t pos) const;
   // d_residual (B,T,C): gradient w.r.t. the block output on entry, w.r.t. its input on exit.
   // Parameter gradients accumulate.
-  void backward(Backend& backend, const BlockSaved& saved, const Tensor& d_residual, BlockScratch& scratch);
+  void backward(Backend& backend, const BlockSaved& saved, const Tensor& d_residual, BlockScratch& scratch,
+                BackwardPart part = BACKWARD_ALL);
   // The precision policy's recipes for the four linear layers. params16 holds views into the
   // weights' bf16 copy when the policy keeps one (precision.param = bf16), else is empty.
   void set_precision(const PrecisionPolicy& policy, BlockParams params16, LinearWorkspace* workspace);

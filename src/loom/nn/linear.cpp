@@ -175,10 +175,12 @@ void LinearLayer::backward(Backend& backend, const Tensor& x, const Tensor& w, c
   if (db.defined()) backend.bias_backward(dy, db);  // an fp32 reduction in every recipe
   const GemmSpec dgrad = spec_of(false, false, 0.0f), wgrad = spec_of(true, false, 1.0f);
   if (setup_.recipe == RECIPE_F32 && setup_.qat == QAT_NONE && !w16.defined()) {
-    backend.gemm(dy, w, dx, dgrad);
-    backend.gemm(dy, x, dw, wgrad);
+    if (dx.defined()) backend.gemm(dy, w, dx, dgrad);  // either half alone: zero-bubble's B and W
+    if (dw.defined()) backend.gemm(dy, x, dw, wgrad);
     return;
   }
+  LOOM_CHECK(dx.defined() && dw.defined(), "linear layer (", recipe_name(setup_.recipe), "): a split backward (input or "
+             "weight gradient alone) needs the f32 recipe");
   LOOM_CHECK(ws != nullptr, "linear layer (", recipe_name(setup_.recipe), "): no workspace");
   using S = LinearWorkspace;
   switch (setup_.recipe) {

@@ -56,6 +56,8 @@ class LinearLayer {
   // which the layer reads instead. ws must be set unless the recipe is f32 without QAT.
   void forward(Backend& backend, const Tensor& x, const Tensor& w, const Tensor& w16, const Tensor& b, const Tensor& y,
                float beta, LinearWorkspace* ws);
+  // dx = dy @ w; dw += dy^T @ x; db += colsum(dy). With the f32 recipe dx or dw may be left
+  // undefined to compute the other half alone (the input / weight split of zero-bubble schedules).
   void backward(Backend& backend, const Tensor& x, const Tensor& w, const Tensor& w16, const Tensor& dy,
                 const Tensor& dx, const Tensor& dw, const Tensor& db, LinearWorkspace* ws);
 

@@ -17,7 +17,17 @@ constexpr uint64_t kRoundingSeed = 0x5EEDB16F;
 
 // The parameters this rank's optimizer updates: all, or its ZeRO shard.
 std::vector<OptimParam> rank_params(const std::vector<OptimParam>& all, const Communicator* comm, const DdpConfig& ddp,
-                                    int64_t total, const std::string& optimizer) {
+                                    int64_t total, const std::string& optimizer, const PipelineRunner* pipeline) {
+  if (pipeline != nullptr && pipeline->comm().size() > 1) {  // this rank's stages
+    LOOM_CHECK(ddp.zero_stage == 0, "parallel.zero_stage = ", ddp.zero_stage, " with parallel.pp > 1 is not supported yet");
+    LOOM_CHECK(elementwise_optimizer(optimizer), "pipeline parallelism needs an element-wise optimizer (each rank "
+               "updates its stages), got optim.name = ", optimizer);
+    std::vector<OptimParam> mine;
+    for (const auto& [begin, end] : pipeline->owned()) {
+      for (OptimParam& p : shard_optim_params(all, begin, end)) mine.push_back(std::move(p));
+    }
+    return mine;
+  }
   LOOM_CHECK(ddp.zero_stage >= 0 && ddp.zero_stage <= 3, "parallel.zero_stage must be 0, 1, 2 or 3, got ",
              ddp.zero_stage);
   if (ddp.zero_stage == 0 || comm == nullptr || comm->size() == 1) return all;
@@ -40,7 +50,8 @@ void TrainConfig::validate() const {
   (void)optim.resolved();  // throws naming the optim.* key
 }
 
-Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config, Communicator* comm, DdpConfig ddp)
+Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config, Communicator* comm, DdpConfig ddp,
+                 PipelineRunner* pipeline)
     : backend_(backend),
       model_(model),
       config_((config.validate(), config)),
@@ -48,8 +59,13 @@ Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config, Commu
       schedule_(config.schedule),
       optim_params_(loom::optim_params(model.layout(), config.optim.resolved())),
       optimizer_(make_optimizer(backend, model.params(), model.grads(),
-                                rank_params(optim_params_, comm, ddp, model.layout().total, config.optim.resolved().name),
-                                config.optim)) {
+                                rank_params(optim_params_, comm, ddp, model.layout().total, config.optim.resolved().name,
+                                            pipeline),
+                                config.optim)),
+      pipeline_(pipeline) {
+  LOOM_CHECK(pipeline_ == nullptr || pipeline_->schedule().micro == config_.grad_accum, "the pipeline schedule runs ",
+             pipeline_ ? pipeline_->schedule().micro : 0, " micro-batches per step: set train.grad_accum to match (got ",
+             config_.grad_accum, ")");
   schedule_.total = config_.steps;
   model_.set_precision(resolve_policy(config_.precision));
   if (comm != nullptr && comm->size() > 1) {
@@ -87,8 +103,8 @@ Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config, Commu
                optimizer_->name());
     tp_ = tp;
     tp_replicated_ = tp_replicated_ranges(model_.config());
-    tp_sum_ = Tensor::zeros(backend_.allocator(), {1}, DTYPE_F64, MEM_WORKSPACE);
   }
+  tp_sum_ = Tensor::zeros(backend_.allocator(), {1}, DTYPE_F64, MEM_WORKSPACE);
   if (model_.precision().master_bf16) {  // no fp32 master: the weights are bf16 values from the start
     round_to_bf16(model_.params().data<float>(), model_.params().numel(), false);
   }
@@ -113,7 +129,12 @@ StepStats Trainer::train_step(BatchSource& data) {
   double loss_sum = 0.0;
   const float loss_scale = scaler_ ? scaler_->scale() : 1.0f;
   const float loss_weight = loss_scale / static_cast<float>(config_.grad_accum);
-  for (int64_t micro = 0; micro < config_.grad_accum; ++micro) {
+  for (int64_t micro = 0; micro < config_.grad_accum && pipeline_ != nullptr; micro = config_.grad_accum) {
+    loss_sum = pipeline_->run(data, loss_weight);  // all micro-batches, by the schedule
+    LOOM_CHECK(scaler_ || std::isfinite(loss_sum), "loss is ", loss_sum, " at step ", step_,
+               "; stopping before the update, the weights are unchanged");
+  }
+  for (int64_t micro = 0; micro < config_.grad_accum && pipeline_ == nullptr; ++micro) {
     data.fill(store_.tokens, store_.targets);
     const double loss = model_.forward(store_);
     // With loss scaling a non-finite loss (an fp16 overflow) makes non-finite gradients: skipped.
@@ -162,18 +183,8 @@ StepStats Trainer::train_step(BatchSource& data) {
   if (stats.skipped) {
     stats.grad_norm = INFINITY;
   } else {
-    stats.grad_norm = grad_norm(backend_, grads);
-    if (sharded_grads()) stats.grad_norm = std::sqrt(sum_over_ranks(stats.grad_norm * stats.grad_norm));
-    if (tp_ != nullptr) {  // sliced parameters: their squares summed over the group; replicated ones once
-      double replicated = 0.0;
-      for (const auto& [begin, end] : tp_replicated_) {
-        const double n = grad_norm(backend_, model_.grads().view(begin, {end - begin}));
-        replicated += n * n;
-      }
-      tp_sum_.data<double>()[0] = stats.grad_norm * stats.grad_norm - replicated;
-      tp_->all_reduce(tp_sum_);
-      stats.grad_norm = std::sqrt(std::max(0.0, tp_sum_.data<double>()[0]) + replicated);
-    }
+    stats.grad_norm = sharded_grads() ? std::sqrt(sum_over_ranks(std::pow(grad_norm(backend_, grads), 2)))
+                                      : global_grad_norm(grads);
     LOOM_CHECK(std::isfinite(stats.grad_norm), "gradient norm is ", stats.grad_norm, " at step ", step_,
                "; stopping before the update, the weights are unchanged");
     optimizer_->step(static_cast<float>(stats.lr), clip_coefficient(stats.grad_norm, config_.grad_clip));
@@ -187,6 +198,30 @@ StepStats Trainer::train_step(BatchSource& data) {
   stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   ++step_;
   return stats;
+}
+
+double Trainer::global_grad_norm(const Tensor& grads) {
+  const FlatRanges whole{{0, grads.numel()}};
+  const FlatRanges& ranges = pipeline_ != nullptr ? pipeline_->norm_ranges() : whole;
+  double sq = 0.0, replicated = 0.0;
+  for (const auto& [b, e] : ranges) sq += std::pow(grad_norm(backend_, grads.view(b, {e - b})), 2);
+  if (tp_ != nullptr) {  // sliced parameters: their squares summed over the group; replicated ones once
+    for (const auto& [rb, re] : tp_replicated_) {
+      for (const auto& [b, e] : ranges) {
+        const int64_t lo = std::max(b, rb), hi = std::min(e, re);
+        if (lo < hi) replicated += std::pow(grad_norm(backend_, grads.view(lo, {hi - lo})), 2);
+      }
+    }
+    tp_sum_.data<double>()[0] = sq - replicated;
+    tp_->all_reduce(tp_sum_);
+    sq = std::max(0.0, tp_sum_.data<double>()[0]) + replicated;
+  }
+  if (pipeline_ != nullptr && pipeline_->comm().size() > 1) {  // the stages' parts
+    tp_sum_.data<double>()[0] = sq;
+    pipeline_->comm().all_reduce(tp_sum_);
+    sq = tp_sum_.data<double>()[0];
+  }
+  return std::sqrt(sq);
 }
 
 double Trainer::sum_over_ranks(double x) {

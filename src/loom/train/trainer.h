@@ -10,6 +10,7 @@
 #include "loom/optim/optimizer.h"
 #include "loom/optim/schedule.h"
 #include "loom/parallel/ddp.h"
+#include "loom/parallel/pipeline.h"
 #include "loom/parallel/zero.h"
 #include "loom/precision/loss_scaler.h"
 #include "loom/precision/policy.h"
@@ -49,7 +50,10 @@ class Trainer {
   // With a communicator of more than one rank the trainer is data parallel (parallel/ddp.h):
   // `data` must then give this rank its part of each global batch (RankSliceSource), the
   // gradients are averaged over ranks, and the reported loss is the mean over ranks.
-  Trainer(Backend& backend, Transformer& model, TrainConfig config, Communicator* comm = nullptr, DdpConfig ddp = {});
+  // With a pipeline runner (parallel/pipeline.h) each step runs its schedule over grad_accum
+  // micro-batches and the optimizer updates only this rank's stages.
+  Trainer(Backend& backend, Transformer& model, TrainConfig config, Communicator* comm = nullptr, DdpConfig ddp = {},
+          PipelineRunner* pipeline = nullptr);
 
   StepStats train_step(BatchSource& data);  // throws on a non-finite loss, before updating
   double evaluate(BatchSource& data, int64_t batches);
@@ -85,6 +89,8 @@ class Trainer {
   std::unique_ptr<ZeroSharding> zero_;
   bool sharded_grads() const { return zero_ && zero_->stage() >= 2; }
   double sum_over_ranks(double x);  // all-reduce of one f64
+  PipelineRunner* pipeline_ = nullptr;
+  double global_grad_norm(const Tensor& grads);  // over every rank's part (tensor and pipeline parallel)
   Communicator* tp_ = nullptr;      // the model's tensor-parallel group (more than one rank)
   std::vector<std::pair<int64_t, int64_t>> tp_replicated_;  // flat ranges of replicated parameters
   Tensor tp_sum_;                   // (1) f64

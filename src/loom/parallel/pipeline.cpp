@@ -1,0 +1,161 @@
+#include "loom/parallel/pipeline.h"
+
+#include <algorithm>
+#include <chrono>
+
+#include "loom/core/error.h"
+
+namespace loom {
+
+namespace {
+double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+
+// Appends [begin, end) to sorted, merged ranges.
+void add_range(FlatRanges& ranges, int64_t begin, int64_t end) {
+  if (begin >= end) return;
+  ranges.emplace_back(begin, end);
+  std::sort(ranges.begin(), ranges.end());
+  FlatRanges merged;
+  for (const auto& r : ranges) {
+    if (!merged.empty() && r.first <= merged.back().second) merged.back().second = std::max(merged.back().second, r.second);
+    else merged.push_back(r);
+  }
+  ranges = std::move(merged);
+}
+}  // namespace
+
+std::vector<std::pair<int64_t, int64_t>> pipeline_layer_split(int64_t layers, int stages) {
+  LOOM_CHECK(stages >= 1 && layers >= stages, "parallel.pp x parallel.virtual_stages = ", stages,
+             " model stages need at least as many layers; the model has model.n_layer = ", layers);
+  std::vector<std::pair<int64_t, int64_t>> out;
+  int64_t first = 0;
+  for (int s = 0; s < stages; ++s) {
+    const int64_t n = layers / stages + (s < layers % stages ? 1 : 0);
+    out.emplace_back(first, first + n);
+    first += n;
+  }
+  return out;
+}
+
+PipelineRunner::PipelineRunner(Transformer& model, Communicator& pp, PipeSchedule schedule, int64_t batch,
+                               int64_t seq_len)
+    : model_(model), pp_(pp), schedule_(std::move(schedule)), batch_(batch), seq_len_(seq_len) {
+  validate_pipe_schedule(schedule_);
+  LOOM_CHECK(schedule_.stages == pp.size(), "pipeline schedule for parallel.pp = ", schedule_.stages, " on a group of ",
+             pp.size(), " ranks");
+  const int S = schedule_.model_stages(), rank = pp.rank(), v = schedule_.virtual_chunks, m = schedule_.micro;
+  const int64_t L = model.config().n_layer;
+  layers_ = pipeline_layer_split(L, S);
+  const auto units = model.param_units();  // [0]: embeddings and final norm / head; [l + 1]: block l
+  stores_.resize(static_cast<size_t>(v));
+  grad_out_.resize(static_cast<size_t>(v));
+  for (int c = 0; c < v; ++c) {
+    const auto [first, last] = layers_[static_cast<size_t>(schedule_.stage_of(rank, c))];
+    for (int i = 0; i < m; ++i) {
+      stores_[c].push_back(model.allocate_stage_store(batch, seq_len, first, last, schedule_.split_backward));
+      grad_out_[c].push_back(first > 0 ? Tensor::empty(model.backend().allocator(), {batch, seq_len, model.config().d_model},
+                                                       DTYPE_F32, MEM_COMMUNICATION)
+                                       : Tensor{});
+    }
+    for (int64_t l = first; l < last; ++l) {
+      for (const auto& [b, e] : units[static_cast<size_t>(l + 1)]) add_range(owned_, b, e);
+    }
+    if (first == 0) add_range(owned_, units[0][0].first, units[0][0].second);    // embeddings
+    if (last == L) add_range(owned_, units[0][1].first, units[0][1].second);     // final norm (+ untied head)
+  }
+  norm_ranges_ = owned_;
+  if (model.config().tied_head()) {
+    const ParamSpec& wte = model.layout().find("wte.weight");
+    tied_ = {wte.offset, wte.offset + wte.numel};
+    const bool last_stage = schedule_.rank_of(S - 1) == rank;
+    if (last_stage) add_range(owned_, tied_.first, tied_.second);
+  }
+  loss_ = Tensor::zeros(model.backend().allocator(), {1}, DTYPE_F64, MEM_WORKSPACE);
+}
+
+int PipelineRunner::tag(int direction, int stage, int micro) const {
+  return (direction * schedule_.model_stages() + stage) * schedule_.micro + micro;
+}
+
+void PipelineRunner::forward(const PipeAction& a) {
+  const int rank = pp_.rank(), s = schedule_.stage_of(rank, a.chunk);
+  const auto [first, last] = layers_[static_cast<size_t>(s)];
+  ActivationStore& store = stores_[a.chunk][a.micro];
+  if (s > 0) {  // the previous stage's output
+    const int from = schedule_.rank_of(s - 1);
+    if (from == rank) {
+      model_.backend().copy(stores_[schedule_.chunk_of(s - 1)][a.micro].blocks[first].input, store.blocks[first].input);
+    } else {
+      const double t = now();
+      pp_.recv(store.blocks[first].input, from, tag(0, s, a.micro));
+      idle_ += now() - t;
+    }
+  }
+  const double t = now();
+  const double loss = model_.forward_stage(store, first, last);
+  busy_ += now() - t;
+  if (last == model_.config().n_layer) loss_sum_ += loss;
+  if (s + 1 < schedule_.model_stages() && schedule_.rank_of(s + 1) != rank) {
+    sends_.push_back(pp_.send_async(store.blocks[last].input, schedule_.rank_of(s + 1), tag(0, s + 1, a.micro)));
+  }
+}
+
+void PipelineRunner::backward(const PipeAction& a) {
+  const int rank = pp_.rank(), s = schedule_.stage_of(rank, a.chunk);
+  const auto [first, last] = layers_[static_cast<size_t>(s)];
+  ActivationStore& store = stores_[a.chunk][a.micro];
+  const Tensor grad = model_.stage_grad(batch_, seq_len_);
+  if (a.op == PIPE_W) {
+    const double t = now();
+    model_.backward_stage(store, first, last, loss_weight_, BACKWARD_WEIGHT);
+    busy_ += now() - t;
+    return;
+  }
+  if (s + 1 < schedule_.model_stages()) {  // d(output) from the next stage
+    const int from = schedule_.rank_of(s + 1);
+    if (from == rank) {
+      model_.backend().copy(grad_out_[schedule_.chunk_of(s + 1)][a.micro], grad);
+    } else {
+      const double t = now();
+      pp_.recv(grad, from, tag(1, s, a.micro));
+      idle_ += now() - t;
+    }
+  }
+  const double t = now();
+  model_.backward_stage(store, first, last, loss_weight_, schedule_.split_backward ? BACKWARD_INPUT : BACKWARD_ALL);
+  busy_ += now() - t;
+  if (s > 0) {  // d(input) to the previous stage, from a buffer of its own (grad is reused)
+    const Tensor& out = grad_out_[a.chunk][a.micro];
+    model_.backend().copy(grad, out);
+    if (schedule_.rank_of(s - 1) != rank) sends_.push_back(pp_.send_async(out, schedule_.rank_of(s - 1), tag(1, s - 1, a.micro)));
+  }
+}
+
+double PipelineRunner::run(BatchSource& data, float loss_weight) {
+  loss_weight_ = loss_weight;
+  loss_sum_ = busy_ = idle_ = 0.0;
+  for (int i = 0; i < schedule_.micro; ++i) {  // the micro-batches, in the one-process order
+    ActivationStore& first = stores_[0][i];
+    data.fill(first.tokens, first.targets);
+    for (size_t c = 1; c < stores_.size(); ++c) {
+      model_.backend().copy(first.tokens, stores_[c][i].tokens);
+      model_.backend().copy(first.targets, stores_[c][i].targets);
+    }
+  }
+  for (const PipeAction& a : schedule_.per_rank[static_cast<size_t>(pp_.rank())]) {
+    if (a.op == PIPE_F) forward(a);
+    else backward(a);
+  }
+  const double t = now();
+  for (auto& w : sends_) w->wait();
+  sends_.clear();
+  if (tied_.second > tied_.first && pp_.size() > 1) {  // the embedding's and the head's gradient parts
+    pp_.all_reduce(model_.grads().view(tied_.first, {tied_.second - tied_.first}));
+  }
+  loss_.data<double>()[0] = loss_sum_;
+  pp_.all_reduce(loss_);  // only the last stage's rank holds the losses
+  idle_ += now() - t;
+  return loss_.data<double>()[0];
+}
+
+}  // namespace loom

@@ -1,0 +1,72 @@
+// Pipeline parallelism (GPipe, Huang et al. 2019; 1F1B and interleaved 1F1B, Narayanan et al.
+// 2021; ZB-H1, Qi et al. 2024): the model's layers are cut into p x v stages, model stage s on
+// rank s mod p; micro-batch activations flow forward and their gradients backward between
+// neighbouring stages by point-to-point messages. One runner executes any schedule of
+// parallel/pipeline_schedule.h: each rank runs its action list in order; F receives its input
+// from the previous stage (blocking), computes, and sends its output on (non-blocking); B
+// receives d(output) from the next stage, computes (for split schedules the input gradient
+// only), and sends d(input) back; W computes the kept weight gradients. A rank holds every
+// parameter in its flat buffers but computes and updates only its stages' (the optimizer gets
+// owned() only). With a tied head (GPT-2) the first and the last stage both hold the embedding,
+// and its two gradient parts are summed over the pipeline group after the step's backward.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "loom/comm/communicator.h"
+#include "loom/data/batch_source.h"
+#include "loom/model/transformer.h"
+#include "loom/parallel/pipeline_schedule.h"
+
+namespace loom {
+
+using FlatRanges = std::vector<std::pair<int64_t, int64_t>>;
+
+// Layers [first, last) of each of `stages` model stages: as even as possible, the earlier
+// stages one layer more when they do not divide (throws naming parallel.pp when a stage would
+// be empty).
+std::vector<std::pair<int64_t, int64_t>> pipeline_layer_split(int64_t layers, int stages);
+
+class PipelineRunner {
+ public:
+  PipelineRunner(Transformer& model, Communicator& pp, PipeSchedule schedule, int64_t batch, int64_t seq_len);
+
+  // One step: draws the schedule's m micro-batches from data (every rank draws all of them, in
+  // order, as a one-process run with grad_accum = m would), runs the schedule with each
+  // micro-batch's loss weighted by loss_weight, and returns the sum of the micro-batch losses
+  // (on every rank). Gradients accumulate into the model's buffer for this rank's stages.
+  double run(BatchSource& data, float loss_weight);
+
+  const PipeSchedule& schedule() const { return schedule_; }
+  Communicator& comm() const { return pp_; }
+  // Flat ranges of the parameters this rank's stages hold, and of those it counts in a global
+  // gradient norm (the same less the tied embedding on the last stage: counted by the first).
+  const FlatRanges& owned() const { return owned_; }
+  const FlatRanges& norm_ranges() const { return norm_ranges_; }
+  // Seconds of the last run computing, and waiting for a neighbour's message.
+  double busy_seconds() const { return busy_; }
+  double idle_seconds() const { return idle_; }
+
+ private:
+  int tag(int direction, int stage, int micro) const;
+  void forward(const PipeAction& a);
+  void backward(const PipeAction& a);
+
+  Transformer& model_;
+  Communicator& pp_;
+  PipeSchedule schedule_;
+  int64_t batch_, seq_len_;
+  std::vector<std::pair<int64_t, int64_t>> layers_;  // [model stage] layer range
+  std::vector<std::vector<ActivationStore>> stores_;  // [chunk][micro]
+  std::vector<std::vector<Tensor>> grad_out_;         // [chunk][micro] (B,T,C) d(input) being sent
+  std::vector<std::unique_ptr<CommWork>> sends_;
+  FlatRanges owned_, norm_ranges_;
+  std::pair<int64_t, int64_t> tied_{0, 0};  // the tied embedding's flat range (empty if untied)
+  Tensor loss_;                             // (1) f64
+  float loss_weight_ = 1.0f;
+  double loss_sum_ = 0.0, busy_ = 0.0, idle_ = 0.0;
+};
+
+}  // namespace loom
