@@ -177,7 +177,8 @@ class Cli(unittest.TestCase):
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
         self.assertIn("mesh pp=1 x dp=1 x cp=1 x tp=2", p.stdout)
         self.train("tp_two", "--set", "train.batch_size=4", "--resume", steps=8)  # the whole-model checkpoint
-        p = self.mpirun(4, "tp_four", "--set", "train.batch_size=2,parallel.tp=2", steps=8)  # dp=2 x tp=2
+        p = self.mpirun(4, "tp_four", "--set", "train.batch_size=2,parallel.tp=2,parallel.sequence_parallel=true",
+                        steps=8)  # dp=2 x tp=2, sequence parallel
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
         self.assertIn("sample", p.stdout)
         single = self.losses("tp_single")

@@ -29,7 +29,8 @@ Curve single(const ModelConfig& config, int64_t batch, const char* optimizer) {
   return train_single(config, train_config(batch, optimizer), 10);
 }
 
-Curve tensor_parallel(Communicator& world, const ModelConfig& config, int tp_size, int64_t batch, const char* optimizer) {
+Curve tensor_parallel(Communicator& world, const ModelConfig& config, int tp_size, int64_t batch, const char* optimizer,
+                      bool sequence_parallel, int64_t* activation_bytes) {
   const DeviceMesh mesh(world.size(), {{"dp", 0}, {"tp", tp_size}});
   auto tp = mesh_group(world, mesh, "tp");
   auto dp = mesh_group(world, mesh, "dp");
@@ -40,10 +41,11 @@ Curve tensor_parallel(Communicator& world, const ModelConfig& config, int tp_siz
   Transformer model(*backend, local);
   tp_copy(config, whole.params(), local, model.params(), tp->rank(), tp_size, true);
   const VocabRange vocab = tp_vocab_range(config, tp->rank(), tp_size);
-  model.set_tensor_parallel(tp.get(), vocab.begin, vocab.valid);
+  model.set_tensor_parallel(tp.get(), vocab.begin, vocab.valid, sequence_parallel);
   Trainer trainer(*backend, model, train_config(batch, optimizer), dp->size() > 1 ? dp.get() : nullptr);
   RandomWindowSource global(mpi_test_corpus(5000, static_cast<int32_t>(config.vocab_size)), 11);
   RankSliceSource data(global, backend->allocator(), dp->rank(), dp->size(), batch, 16);
+  *activation_bytes = static_cast<int64_t>(backend->allocator().tracker().current(MEM_ACTIVATIONS));
   Curve c;
   for (int s = 0; s < 10; ++s) {
     tp->reset_ledger();
@@ -74,38 +76,63 @@ void compare(const Curve& tp, const Curve& ref, const char* what, int rank, doub
   }
 }
 
+// tp = 2, and tp = 2 with sequence parallelism (np 2; dp = 2 x tp = 2 at np 4).
 TEST(MpiTensorParallel, ReproducesTheSingleProcessLossesAndGradients) {
   auto world = make_mpi_communicator();
   const int n = world->size(), tp_size = 2, dp_size = n / tp_size;
   for (const char* preset : {"gpt2-tiny", "llama-tiny"}) {
     const ModelConfig config = model_preset(preset);
-    // SGD keeps two runs' weights within rounding of each other, so each step's gradients
-    // compare; AdamW (sqrt(v) amplifies rounding where a gradient is ~0) is compared by loss.
-    for (const char* optimizer : {"sgd", "adamw"}) {
-      const Curve ref = single(config, 2 * dp_size, optimizer);
-      const Curve tp = tensor_parallel(*world, config, tp_size, 2, optimizer);
-      double worst_loss = 0.0, worst_grad = 0.0;
-      if (std::string(optimizer) == "sgd") {
-        compare(tp, ref, preset, world->rank(), &worst_loss, &worst_grad);
-      } else {
-        Curve tp_losses = tp, ref_losses = ref;
-        for (auto& g : tp_losses.grads) g.assign(1, 1.0f);
-        for (auto& g : ref_losses.grads) g.assign(1, 1.0f);
-        compare(tp_losses, ref_losses, preset, world->rank(), &worst_loss, &worst_grad);
+    int64_t activations[2] = {0, 0};  // [sequence parallel]
+    for (const bool sp : {false, true}) {
+      // SGD keeps two runs' weights within rounding of each other, so each step's gradients
+      // compare; AdamW (sqrt(v) amplifies rounding where a gradient is ~0) is compared by loss.
+      for (const char* optimizer : {"sgd", "adamw"}) {
+        const Curve ref = single(config, 2 * dp_size, optimizer);
+        const Curve tp = tensor_parallel(*world, config, tp_size, 2, optimizer, sp, &activations[sp]);
+        double worst_loss = 0.0, worst_grad = 0.0;
+        if (std::string(optimizer) == "sgd") {
+          compare(tp, ref, preset, world->rank(), &worst_loss, &worst_grad);
+        } else {
+          Curve tp_losses = tp, ref_losses = ref;
+          for (auto& g : tp_losses.grads) g.assign(1, 1.0f);
+          for (auto& g : ref_losses.grads) g.assign(1, 1.0f);
+          compare(tp_losses, ref_losses, preset, world->rank(), &worst_loss, &worst_grad);
+        }
+        // Bytes over the tp group per step. Per micro-batch, in units of B T C floats:
+        //   tp:    all-reduces (2 (t-1)/t each) of the embedding output, 2 per layer forward (g)
+        //          and 2 backward (f), d(final norm): 2 + 4L;
+        //   tp+sp: all-gathers and reduce-scatters ((t-1)/t each): forward the embedding's
+        //          reduce-scatter, per layer 2 gathers + 2 reduce-scatters, the final norm's gather;
+        //          backward the head's reduce-scatter, per layer 4 gathers (2 gradients, 2 norm
+        //          inputs again) + 2 reduce-scatters, the embedding's gather: 4 + 10L.
+        // Both: the cross-entropy's 3 all-reduces of B T floats; per step the gradient norm's f64
+        // and (sp) the all-reduce of the norms' and positions' partial gradients.
+        const int64_t B = 2, T = 16, C = config.d_model, L = config.n_layer, accum = 2, t = tp_size;
+        const int64_t btc = 4 * B * T * C, ce = accum * 3 * 4 * B * T;
+        int64_t partial = 0;  // sp: the norms' (and GPT-2's positions') gradient floats
+        for (const ParamSpec& p : build_param_layout(config).params) {
+          const bool norm = p.role == ROLE_VECTOR && p.name.find("attn.c_proj.bias") == std::string::npos &&
+                            p.name.find("mlp.c_proj.bias") == std::string::npos &&
+                            p.name.find("c_attn.bias") == std::string::npos && p.name.find("c_fc.bias") == std::string::npos;
+          if (norm || p.name == "wpe.weight") partial += p.numel;
+        }
+        const int64_t expected = sp ? accum * (4 + 10 * L) * (t - 1) * btc / t + 2 * (t - 1) * (ce + 4 * partial + 8) / t
+                                    : 2 * (t - 1) * (accum * (2 + 4 * L) * btc + ce + 8) / t;
+        EXPECT_EQ(tp.tp_bytes, expected) << preset << (sp ? " sp" : "");
+        if (world->rank() == 0) {
+          std::printf("%s dp=%d x tp=%d%s, %s: 10 steps, worst loss rel diff %.2e, worst gradient rel diff %.2e; "
+                      "%lld bytes sent per rank per step over the tp group (formula %lld)\n", preset, dp_size, tp_size,
+                      sp ? " + sp" : "", optimizer, worst_loss, worst_grad, static_cast<long long>(tp.tp_bytes),
+                      static_cast<long long>(expected));
+        }
       }
-      // Bytes over the tp group per step, per micro-batch: all-reduces of the embedding output,
-      // 2 per layer forward (g after attention and MLP) and 2 backward (f), d(final norm), each
-      // B T C floats, and the cross-entropy's 3 B T floats; then the gradient norm's f64. Ring
-      // all-reduce: 2 (t-1)/t x bytes.
-      const int64_t B = 2, T = 16, C = config.d_model, L = config.n_layer, accum = 2;
-      const int64_t floats = accum * ((2 + 4 * L) * B * T * C + 3 * B * T);
-      EXPECT_EQ(tp.tp_bytes, 2 * (tp_size - 1) * (4 * floats + 8) / tp_size) << preset;
-      if (world->rank() == 0) {
-        std::printf("%s tp=%d: %lld bytes sent per rank per step over the tp group (formula: 2(t-1)/t x 4 x "
-                    "[accum x ((2 + 4L) BTC + 3BT)] + norm)\n", preset, tp_size, static_cast<long long>(tp.tp_bytes));
-        std::printf("%s dp=%d x tp=%d, %s: 10 steps, worst loss rel diff %.2e, worst gradient rel diff %.2e\n", preset,
-                    dp_size, tp_size, optimizer, worst_loss, worst_grad);
-      }
+    }
+    // Sequence parallel keeps less: the residual stream and the norms on half the sequence.
+    EXPECT_LT(activations[1], activations[0]);
+    if (world->rank() == 0) {
+      std::printf("%s tp=%d: activation bytes per rank %lld, with sequence parallel %lld (%.3f)\n", preset, tp_size,
+                  static_cast<long long>(activations[0]), static_cast<long long>(activations[1]),
+                  static_cast<double>(activations[1]) / static_cast<double>(activations[0]));
     }
   }
 }

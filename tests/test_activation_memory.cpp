@@ -125,10 +125,18 @@ void check(const char* name, const ModelConfig& global, int64_t b, int64_t s, co
     const double ratio = static_cast<double>(layer) / static_cast<double>(reference);
     EXPECT_NEAR(ratio, c.ratio, 5e-5);
     EXPECT_EQ(std::abs(ratio - 1.0) <= 0.15, c.within_15pct) << "ratio " << ratio;
-    std::printf("%2d %14lld %14lld %14lld %7.4f | %10lld %12lld %12lld %12lld\n", c.t, static_cast<long long>(layer),
+    // (c) Tensor + sequence parallel: the residual stream and norms on 1/t of the sequence as
+    // well, so a layer keeps exactly 1/t of the t = 1 bytes (Korthikanti's sbh(34 + 5as/h)/t).
+    auto sp_backend = make_cpu_backend();
+    const BlockSaved sp_saved = allocate_block_saved(sp_backend->allocator(), local, b, s, false, c.t);
+    const auto sp_layer = static_cast<int64_t>(sp_backend->allocator().tracker().current(MEM_ACTIVATIONS));
+    EXPECT_EQ(sp_layer * c.t, loom_layer_bytes(global, 1, b, s));
+    std::printf("%2d %14lld %14lld %14lld %7.4f | %10lld %12lld %12lld %12lld | tp+sp %lld = t=1 / t\n", c.t,
+                static_cast<long long>(layer),
                 static_cast<long long>(formula), static_cast<long long>(reference), ratio,
                 static_cast<long long>(d.norm_stats), static_cast<long long>(d.dropout_output),
-                static_cast<long long>(d.qkv_attn_width), static_cast<long long>(d.mlp_width));
+                static_cast<long long>(d.qkv_attn_width), static_cast<long long>(d.mlp_width),
+                static_cast<long long>(sp_layer));
   }
 }
 

@@ -168,7 +168,7 @@ int train_main(int argc, char** argv) {
     whole->init_weights(config.loop.seed);
     tp_copy(config.model, whole->params(), local_config, model.params(), tp_comm->rank(), tp_size, true);
     const VocabRange vocab = tp_vocab_range(config.model, tp_comm->rank(), tp_size);
-    model.set_tensor_parallel(tp_comm.get(), vocab.begin, vocab.valid);
+    model.set_tensor_parallel(tp_comm.get(), vocab.begin, vocab.valid, config.parallel.sequence_parallel);
   } else {
     model.init_weights(config.loop.seed);
   }

@@ -1,5 +1,6 @@
 #include "loom/model/transformer.h"
 
+#include "loom/nn/sequence_parallel.h"
 #include "loom/nn/vocab_parallel.h"
 
 #include <algorithm>
@@ -162,15 +163,17 @@ ActivationStore Transformer::allocate_stage_store(int64_t batch, int64_t seq_len
   s.batch = B, s.seq_len = T;
   s.tokens = act({B, T}, DTYPE_I32);
   s.targets = act({B, T}, DTYPE_I32);
+  const int64_t Ts = T / shards();  // the residual stream's positions on this rank
   s.blocks.resize(static_cast<size_t>(config_.n_layer));
-  for (int64_t l = first; l < last; ++l) s.blocks[l] = allocate_block_saved(alloc, config_, B, T, split_backward);
+  for (int64_t l = first; l < last; ++l) s.blocks[l] = allocate_block_saved(alloc, config_, B, T, split_backward, shards());
   if (last < config_.n_layer) {
-    s.blocks[last].input = act({B, T, C});  // the stage's output: the next stage's input
+    s.blocks[last].input = act({B, Ts, C});  // the stage's output: the next stage's input
   } else {
-    s.final_input = act({B, T, C});
+    s.final_input = act({B, Ts, C});
     s.final_norm = act({B, T, C});
-    if (!config_.rmsnorm()) s.final_mean = act({B, T});
-    s.final_rstd = act({B, T});
+    if (sp_) s.final_norm_shard = act({B, Ts, C});
+    if (!config_.rmsnorm()) s.final_mean = act({B, Ts});
+    s.final_rstd = act({B, Ts});
     s.logits = act({B, T, config_.vocab_size});
     s.losses = act({B, T});
     s.lse = act({B, T});
@@ -179,6 +182,10 @@ ActivationStore Transformer::allocate_stage_store(int64_t batch, int64_t seq_len
     scratch_ = allocate_block_scratch(alloc, config_, B, T);
     d_residual_ = Tensor::empty(alloc, {B, T, C}, DTYPE_F32, MEM_WORKSPACE);
     ce_sums_ = Tensor::empty(alloc, {B * T}, DTYPE_F32, MEM_WORKSPACE);
+    if (sp_) {
+      seq_.full = Tensor::empty(alloc, {B * T * C}, DTYPE_F32, MEM_WORKSPACE);
+      seq_.staging = Tensor::empty(alloc, {B * T * C}, DTYPE_F32, MEM_COMMUNICATION);
+    }
     scratch_tokens_ = B * T;
   }
   return s;
@@ -205,7 +212,12 @@ double Transformer::forward_stage(ActivationStore& s, int64_t first, int64_t las
   if (first == 0) {
     const Tensor& x0 = s.blocks.empty() ? s.final_input : s.blocks[0].input;
     use(0);
-    if (tp_ != nullptr) {  // vocabulary-parallel embedding, then g (all-reduce), then positions
+    if (sp_) {  // vocabulary-parallel embedding, reduced onto this rank's sequence shard, then positions
+      const Tensor full = seq_.full.view(0, {s.batch, s.seq_len, config_.d_model});
+      vocab_parallel_embedding_forward(s.tokens, embed_w, vocab_.begin, vocab_.valid, full);
+      sequence_reduce_scatter(*tp_, full, x0, seq_.staging);
+      if (pos_w.defined()) add_positions(x0, pos_w, tp_->rank() * x0.dim(1));
+    } else if (tp_ != nullptr) {  // vocabulary-parallel embedding, then g (all-reduce), then positions
       vocab_parallel_embedding_forward(s.tokens, embed_w, vocab_.begin, vocab_.valid, x0);
       tp_->all_reduce(x0);
       if (pos_w.defined()) add_positions(x0, pos_w);
@@ -220,7 +232,12 @@ double Transformer::forward_stage(ActivationStore& s, int64_t first, int64_t las
     done(static_cast<int>(l) + 1);
   }
   if (last < L) return 0.0;
-  norm_forward(backend_, config_, s.final_input, final_w, final_b, s.final_norm, s.final_mean, s.final_rstd);
+  if (sp_) {  // the final norm on the shard, gathered for the vocabulary-parallel head
+    norm_forward(backend_, config_, s.final_input, final_w, final_b, s.final_norm_shard, s.final_mean, s.final_rstd);
+    sequence_all_gather(*tp_, s.final_norm_shard, s.final_norm, seq_.staging);
+  } else {
+    norm_forward(backend_, config_, s.final_input, final_w, final_b, s.final_norm, s.final_mean, s.final_rstd);
+  }
   head_.forward(backend_, s.final_norm, head_w, head16_, Tensor{}, s.logits, 0.0f, &ws_);  // (B*T, C) @ (V, C)^T
   done(0);
   if (!compute_loss) return 0.0;
@@ -235,7 +252,7 @@ double Transformer::forward_stage(ActivationStore& s, int64_t first, int64_t las
 
 Tensor Transformer::stage_grad(int64_t batch, int64_t seq_len) const {
   LOOM_CHECK(batch * seq_len <= scratch_tokens_, "stage_grad: (", batch, ", ", seq_len, ") exceeds the allocated stores");
-  return d_residual_.view(0, {batch, seq_len, config_.d_model});
+  return d_residual_.view(0, {batch, seq_len / shards(), config_.d_model});
 }
 
 DecodeState Transformer::allocate_decode_state(int64_t batch) {
@@ -251,13 +268,32 @@ DecodeState Transformer::allocate_decode_state(int64_t batch) {
   return d;
 }
 
-void Transformer::set_tensor_parallel(Communicator* tp, int64_t vocab_begin, int64_t vocab_valid) {
+void Transformer::set_tensor_parallel(Communicator* tp, int64_t vocab_begin, int64_t vocab_valid, bool sequence_parallel) {
   LOOM_CHECK(tp == nullptr || (vocab_begin >= 0 && vocab_valid >= 0 && vocab_valid <= config_.vocab_size),
              "tensor parallel: vocabulary rows [", vocab_begin, ", +", vocab_valid, ") do not fit this slice's ",
              config_.vocab_size, " rows");
+  LOOM_CHECK(scratch_tokens_ == 0, "set_tensor_parallel must come before the activation stores are allocated");
   tp_ = tp;
   vocab_ = {vocab_begin, vocab_valid};
-  for (Block& b : blocks_) b.set_tensor_parallel(tp);
+  sp_ = sequence_parallel && tp != nullptr;
+  for (Block& b : blocks_) b.set_tensor_parallel(tp, sp_ ? &seq_ : nullptr);
+}
+
+std::vector<std::pair<int64_t, int64_t>> Transformer::sequence_partial_ranges() const {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  if (!sp_) return out;
+  const auto add = [&](const Tensor& t) {
+    if (!t.defined()) return;
+    const int64_t begin = (static_cast<const char*>(t.raw_data()) - static_cast<const char*>(grads_.raw_data())) /
+                          static_cast<int64_t>(sizeof(float));
+    out.emplace_back(begin, begin + t.numel());
+  };
+  for (int64_t l = 0; l < config_.n_layer; ++l) {
+    const BlockParams g = block_params_view(config_, layout_, grads_, l);
+    for (const Tensor& t : {g.norm1_w, g.norm1_b, g.norm2_w, g.norm2_b}) add(t);
+  }
+  for (const Tensor& t : {d_final_w, d_final_b, d_pos_w}) add(t);
+  return out;
 }
 
 void Transformer::forward_decode(DecodeState& d, const std::vector<int32_t>& tokens) {
@@ -312,9 +348,14 @@ void Transformer::backward_stage(ActivationStore& s, int64_t first, int64_t last
     }
     // d_norm = d_logits @ W (B*T, C); dW += d_logits^T @ final_norm (V, C)
     head_.backward(backend_, s.final_norm, head_w, head16_, s.logits, k.d_norm, d_head_w, Tensor{}, &ws_);
-    if (tp_ != nullptr) tp_->all_reduce(k.d_norm);  // f: the vocabulary slices' partial d(final norm)
-    norm_backward(backend_, config_, k.d_norm, s.final_input, final_w, s.final_mean, s.final_rstd, d_res, d_final_w,
-                  d_final_b);
+    Tensor dn = k.d_norm;
+    if (sp_) {  // reduced onto the shard
+      dn = k.d_tmp.view(0, d_res.shape());
+      sequence_reduce_scatter(*tp_, k.d_norm, dn, seq_.staging);
+    } else if (tp_ != nullptr) {
+      tp_->all_reduce(k.d_norm);  // f: the vocabulary slices' partial d(final norm)
+    }
+    norm_backward(backend_, config_, dn, s.final_input, final_w, s.final_mean, s.final_rstd, d_res, d_final_w, d_final_b);
     if (ready) ready(final_offset_);
   }  // else d_res holds d(stage output), put there by the caller (stage_grad)
   for (int64_t l = last; l-- > first;) {
@@ -324,7 +365,12 @@ void Transformer::backward_stage(ActivationStore& s, int64_t first, int64_t last
     if (ready) ready(block_offset_[l]);
   }
   if (first > 0) return;  // d_res now holds d(stage input)
-  if (tp_ != nullptr) {
+  if (sp_) {  // the shards' gradients gathered for the vocabulary-parallel embedding
+    const Tensor full = seq_.full.view(0, {B, T, config_.d_model});
+    sequence_all_gather(*tp_, d_res, full, seq_.staging);
+    vocab_parallel_embedding_backward(s.tokens, full, d_embed_w, vocab_.begin, vocab_.valid);
+    if (d_pos_w.defined()) positions_backward(d_res, d_pos_w, tp_->rank() * d_res.dim(1));
+  } else if (tp_ != nullptr) {
     vocab_parallel_embedding_backward(s.tokens, d_res, d_embed_w, vocab_.begin, vocab_.valid);
     if (d_pos_w.defined()) positions_backward(d_res, d_pos_w);
   } else {

@@ -23,6 +23,7 @@ struct ActivationStore {
   std::vector<BlockSaved> blocks;       // [layer]
   Tensor final_input;                   // (B,T,C) output of the last block
   Tensor final_norm, final_mean, final_rstd;  // (B,T,C), (B,T), (B,T)
+  Tensor final_norm_shard;              // sequence parallel: (B,T/t,C) the final norm before its gather
   Tensor logits;                        // (B,T,V); overwritten by d(logits) in backward
   Tensor losses, lse;                   // (B,T)
 };
@@ -79,7 +80,13 @@ class Transformer {
   // Tensor parallelism (parallel/tensor_parallel.h): this model is one rank's slice (built from
   // tp_local_config) and holds vocabulary rows [vocab_begin, vocab_begin + vocab_valid); its
   // blocks and ends all-reduce over `tp`. nullptr: a whole model.
-  void set_tensor_parallel(Communicator* tp, int64_t vocab_begin, int64_t vocab_valid);
+  // With sequence_parallel the residual stream and norms run on this rank's 1/tp of every
+  // sequence (nn/sequence_parallel.h; train.seq_len a multiple of tp); the norms' and position
+  // embeddings' gradients are then partial over the group: sequence_partial_ranges() lists them
+  // (the trainer sums them over the group once a step).
+  void set_tensor_parallel(Communicator* tp, int64_t vocab_begin, int64_t vocab_valid, bool sequence_parallel = false);
+  bool sequence_parallel() const { return sp_; }
+  std::vector<std::pair<int64_t, int64_t>> sequence_partial_ranges() const;
   Communicator* tensor_parallel() const { return tp_; }
   // Pipeline stages (parallel/pipeline.h): layers [first, last), with the embedding when
   // first == 0 and the final norm, head and loss when last == n_layer. A stage's store holds
@@ -142,6 +149,9 @@ class Transformer {
     int64_t begin = 0, valid = 0;
   } vocab_;                          // this slice's vocabulary rows (tensor parallel)
   Tensor ce_sums_;                   // (B*T) scratch of the vocabulary-parallel cross-entropy
+  bool sp_ = false;                  // sequence parallel
+  SequenceScratch seq_;              // its whole-sequence buffers
+  int64_t shards() const { return sp_ ? tp_->size() : 1; }
 };
 
 }  // namespace loom

@@ -1,5 +1,7 @@
 #include "loom/nn/block.h"
 
+#include "loom/nn/sequence_parallel.h"
+
 #include "loom/core/error.h"
 
 #include <string>
@@ -37,21 +39,24 @@ BlockParams block_params_view(const ModelConfig& config, const ParamLayout& layo
 }
 
 BlockSaved allocate_block_saved(Allocator& allocator, const ModelConfig& config, int64_t batch, int64_t seq_len,
-                                bool split_backward) {
+                                bool split_backward, int64_t seq_shards) {
+  LOOM_CHECK(seq_shards >= 1 && seq_len % seq_shards == 0, "sequence parallel: train.seq_len (", seq_len,
+             ") must be a multiple of parallel.tp (", seq_shards, ")");
   const int64_t B = batch, T = seq_len, C = config.d_model, H = config.n_head, hd = config.head_dim();
+  const int64_t Ts = seq_len / seq_shards;  // the residual stream's positions on this rank
   auto act = [&](Shape shape) { return Tensor::empty(allocator, std::move(shape), DTYPE_F32, MEM_ACTIVATIONS); };
   BlockSaved s;
-  s.input = act({B, T, C});
-  s.norm1 = act({B, T, C});
-  if (!config.rmsnorm()) s.mean1 = act({B, T});
-  s.rstd1 = act({B, T});
+  s.input = act({B, Ts, C});
+  s.norm1 = act({B, Ts, C});
+  if (!config.rmsnorm()) s.mean1 = act({B, Ts});
+  s.rstd1 = act({B, Ts});
   s.qkv = act({B, T, config.qkv_width()});
   s.probs = act({B, H, T, T});
   s.attn = act({B, T, H * hd});
-  s.mid = act({B, T, C});
-  s.norm2 = act({B, T, C});
-  if (!config.rmsnorm()) s.mean2 = act({B, T});
-  s.rstd2 = act({B, T});
+  s.mid = act({B, Ts, C});
+  s.norm2 = act({B, Ts, C});
+  if (!config.rmsnorm()) s.mean2 = act({B, Ts});
+  s.rstd2 = act({B, Ts});
   s.fc = act({B, T, config.mlp_in_width()});
   s.act = act({B, T, config.d_ff});
   if (split_backward) {
@@ -101,18 +106,33 @@ void Block::set_precision(const PrecisionPolicy& policy, BlockParams params16, L
   fc2_ = LinearLayer(linear_setup(policy, LINEAR_MLP_OUT, true));
 }
 
+Tensor Block::gathered(const Tensor& shard, int64_t seq_len) const {
+  const Tensor full = seq_->full.view(0, {shard.dim(0), seq_len, shard.dim(2)});
+  sequence_all_gather(*tp_, shard, full, seq_->staging);
+  return full;
+}
+
 void Block::forward(Backend& backend, BlockSaved& s, const Tensor& out) {
   const BlockParams& p = params_;
   const BlockParams& q = params16_;
+  const int64_t T = s.qkv.dim(1);
+  // The row-parallel layers' partial outputs: summed over the group into the residual stream
+  // (all-reduce), or reduced onto this rank's sequence shard (reduce-scatter).
+  const auto reduce = [&](const Tensor& partial, const Tensor& into) {
+    if (seq_ != nullptr) sequence_reduce_scatter(*tp_, partial, into, seq_->staging);
+    else tp_->all_reduce(into);
+  };
+  const Tensor partial = seq_ != nullptr ? seq_->full.view(0, {s.qkv.dim(0), T, config_.d_model}) : Tensor{};
   norm_forward(backend, config_, s.input, p.norm1_w, p.norm1_b, s.norm1, s.mean1, s.rstd1);
-  qkv_.forward(backend, s.norm1, p.qkv_w, q.qkv_w, p.qkv_b, s.qkv, 0.0f, ws_);
+  qkv_.forward(backend, seq_ != nullptr ? gathered(s.norm1, T) : s.norm1, p.qkv_w, q.qkv_w, p.qkv_b, s.qkv, 0.0f, ws_);
   if (!config_.learned_positions()) {
     backend.rope_forward(s.qkv, config_.head_dim(), config_.n_head + config_.n_kv_head, config_.rope_theta, 0);
   }
   backend.attention_forward(s.qkv, s.attn, s.probs, config_.n_head, config_.n_kv_head);
   if (tp_ != nullptr) {  // g: the heads' partial projections summed (bias added once, by rank 0)
-    proj_.forward(backend, s.attn, p.proj_w, q.proj_w, tp_->rank() == 0 ? p.proj_b : Tensor{}, s.mid, 0.0f, ws_);
-    tp_->all_reduce(s.mid);
+    const Tensor y = seq_ != nullptr ? partial : s.mid;
+    proj_.forward(backend, s.attn, p.proj_w, q.proj_w, tp_->rank() == 0 ? p.proj_b : Tensor{}, y, 0.0f, ws_);
+    reduce(y, s.mid);
     backend.add_inplace(s.mid, s.input);
   } else {
     backend.copy(s.input, s.mid);
@@ -120,12 +140,13 @@ void Block::forward(Backend& backend, BlockSaved& s, const Tensor& out) {
   }
 
   norm_forward(backend, config_, s.mid, p.norm2_w, p.norm2_b, s.norm2, s.mean2, s.rstd2);
-  fc_.forward(backend, s.norm2, p.fc_w, q.fc_w, p.fc_b, s.fc, 0.0f, ws_);
+  fc_.forward(backend, seq_ != nullptr ? gathered(s.norm2, T) : s.norm2, p.fc_w, q.fc_w, p.fc_b, s.fc, 0.0f, ws_);
   if (config_.swiglu()) backend.swiglu_forward(s.fc, s.act);
   else backend.gelu_forward(s.fc, s.act);
   if (tp_ != nullptr) {  // g: the hidden slices' partial outputs summed
-    fc2_.forward(backend, s.act, p.fc2_w, q.fc2_w, tp_->rank() == 0 ? p.fc2_b : Tensor{}, out, 0.0f, ws_);
-    tp_->all_reduce(out);
+    const Tensor y = seq_ != nullptr ? partial : out;
+    fc2_.forward(backend, s.act, p.fc2_w, q.fc2_w, tp_->rank() == 0 ? p.fc2_b : Tensor{}, y, 0.0f, ws_);
+    reduce(y, out);
     backend.add_inplace(out, s.mid);
   } else {
     backend.copy(s.mid, out);
@@ -163,12 +184,17 @@ void Block::backward(Backend& backend, const BlockSaved& s, const Tensor& d_resi
   const BlockParams& p = params_;
   const BlockParams& g = grads_;
   const BlockParams& q = params16_;
+  const int64_t T = s.qkv.dim(1);
+  const bool sp = seq_ != nullptr;
+  // Sequence parallel: gradients arrive on the shard and are gathered before the row-parallel
+  // layers' backward (g's backward); the norms' inputs are gathered again for the weight gradients.
+  const auto whole = [&](const Tensor& shard) { return sp ? gathered(shard, T) : shard; };
   if (part == BACKWARD_WEIGHT) {  // the four weight gradients from the kept output gradients
     LOOM_CHECK(s.dy_qkv.defined(), "block backward: the weight pass needs activations allocated for a split backward");
     fc2_.backward(backend, s.act, p.fc2_w, q.fc2_w, s.dy_fc2, Tensor{}, g.fc2_w, Tensor{}, ws_);
-    fc_.backward(backend, s.norm2, p.fc_w, q.fc_w, s.dy_fc, Tensor{}, g.fc_w, Tensor{}, ws_);
+    fc_.backward(backend, whole(s.norm2), p.fc_w, q.fc_w, s.dy_fc, Tensor{}, g.fc_w, Tensor{}, ws_);
     proj_.backward(backend, s.attn, p.proj_w, q.proj_w, s.dy_proj, Tensor{}, g.proj_w, Tensor{}, ws_);
-    qkv_.backward(backend, s.norm1, p.qkv_w, q.qkv_w, s.dy_qkv, Tensor{}, g.qkv_w, Tensor{}, ws_);
+    qkv_.backward(backend, whole(s.norm1), p.qkv_w, q.qkv_w, s.dy_qkv, Tensor{}, g.qkv_w, Tensor{}, ws_);
     return;
   }
   const bool split = part == BACKWARD_INPUT;
@@ -178,29 +204,39 @@ void Block::backward(Backend& backend, const BlockSaved& s, const Tensor& d_resi
   auto keep = [&backend, split](const Tensor& dy, const Tensor& into) {
     if (split) backend.copy(dy, into);
   };
+  // The column-parallel layers' partial input gradients: summed over the group (f: all-reduce),
+  // or reduced onto the shard (reduce-scatter) into dn; the norm's input gradient then goes to dx.
+  const Tensor dn = sp ? k.d_tmp.view(0, d_residual.shape()) : k.d_norm;
+  const Tensor dx = sp ? k.d_norm.view(0, d_residual.shape()) : k.d_tmp;
+  const auto reduce = [&]() {
+    if (sp) sequence_reduce_scatter(*tp_, k.d_norm, dn, seq_->staging);
+    else if (tp_ != nullptr) tp_->all_reduce(k.d_norm);
+  };
   // MLP branch: d_residual is d(out); the residual path passes it to d(mid) unchanged.
-  keep(d_residual, s.dy_fc2);
-  fc2_.backward(backend, s.act, p.fc2_w, q.fc2_w, d_residual, k.d_act, dw(g.fc2_w), g.fc2_b, ws_);
+  const Tensor dy_out = whole(d_residual);
+  keep(dy_out, s.dy_fc2);
+  fc2_.backward(backend, s.act, p.fc2_w, q.fc2_w, dy_out, k.d_act, dw(g.fc2_w), g.fc2_b, ws_);
   if (config_.swiglu()) backend.swiglu_backward(s.fc, k.d_act, k.d_fc);
   else backend.gelu_backward(s.fc, k.d_act, k.d_fc);
   keep(k.d_fc, s.dy_fc);
-  fc_.backward(backend, s.norm2, p.fc_w, q.fc_w, k.d_fc, k.d_norm, dw(g.fc_w), g.fc_b, ws_);
-  if (tp_ != nullptr) tp_->all_reduce(k.d_norm);  // f: the hidden slices' partial d(norm2 output)
-  norm_backward(backend, config_, k.d_norm, s.mid, p.norm2_w, s.mean2, s.rstd2, k.d_tmp, g.norm2_w, g.norm2_b);
-  backend.add_inplace(d_residual, k.d_tmp);  // now d(mid)
+  fc_.backward(backend, whole(s.norm2), p.fc_w, q.fc_w, k.d_fc, k.d_norm, dw(g.fc_w), g.fc_b, ws_);
+  reduce();  // f: the hidden slices' partial d(norm2 output)
+  norm_backward(backend, config_, dn, s.mid, p.norm2_w, s.mean2, s.rstd2, dx, g.norm2_w, g.norm2_b);
+  backend.add_inplace(d_residual, dx);  // now d(mid)
 
   // Attention branch.
-  keep(d_residual, s.dy_proj);
-  proj_.backward(backend, s.attn, p.proj_w, q.proj_w, d_residual, k.d_attn, dw(g.proj_w), g.proj_b, ws_);
+  const Tensor dy_mid = whole(d_residual);
+  keep(dy_mid, s.dy_proj);
+  proj_.backward(backend, s.attn, p.proj_w, q.proj_w, dy_mid, k.d_attn, dw(g.proj_w), g.proj_b, ws_);
   backend.attention_backward(k.d_attn, s.qkv, s.attn, s.probs, k.d_qkv, config_.n_head, config_.n_kv_head);
   if (!config_.learned_positions()) {
     backend.rope_backward(k.d_qkv, config_.head_dim(), config_.n_head + config_.n_kv_head, config_.rope_theta, 0);
   }
   keep(k.d_qkv, s.dy_qkv);
-  qkv_.backward(backend, s.norm1, p.qkv_w, q.qkv_w, k.d_qkv, k.d_norm, dw(g.qkv_w), g.qkv_b, ws_);
-  if (tp_ != nullptr) tp_->all_reduce(k.d_norm);  // f: the heads' partial d(norm1 output)
-  norm_backward(backend, config_, k.d_norm, s.input, p.norm1_w, s.mean1, s.rstd1, k.d_tmp, g.norm1_w, g.norm1_b);
-  backend.add_inplace(d_residual, k.d_tmp);  // now d(input)
+  qkv_.backward(backend, whole(s.norm1), p.qkv_w, q.qkv_w, k.d_qkv, k.d_norm, dw(g.qkv_w), g.qkv_b, ws_);
+  reduce();  // f: the heads' partial d(norm1 output)
+  norm_backward(backend, config_, dn, s.input, p.norm1_w, s.mean1, s.rstd1, dx, g.norm1_w, g.norm1_b);
+  backend.add_inplace(d_residual, dx);  // now d(input)
 }
 
 }  // namespace loom

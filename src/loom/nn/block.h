@@ -50,8 +50,15 @@ struct BlockSaved {
 // weight gradients from those (Qi et al., "Zero Bubble Pipeline Parallelism", 2024: B and W).
 enum BackwardPart : uint8_t { BACKWARD_ALL, BACKWARD_INPUT, BACKWARD_WEIGHT };
 
+// seq_shards > 1 (sequence parallel): the residual stream and the norms (input, norm1/2,
+// their statistics, mid) hold seq_len / seq_shards positions; the rest the whole sequence.
 BlockSaved allocate_block_saved(Allocator& allocator, const ModelConfig& config, int64_t batch, int64_t seq_len,
-                                bool split_backward = false);
+                                bool split_backward = false, int64_t seq_shards = 1);
+
+// Whole-sequence (B,T,C) buffers a sequence-parallel block gathers into (shared by the blocks).
+struct SequenceScratch {
+  Tensor full, staging;
+};
 
 // Activation-gradient scratch shared by all blocks of a backward pass (overwritten each use).
 struct BlockScratch {
@@ -92,7 +99,12 @@ class Block {
   // Tensor parallel (Megatron): this block is one rank's slice of heads and MLP width; the
   // row-parallel outputs are all-reduced over `tp` in forward (g) and the column-parallel
   // inputs' gradients in backward (f). nullptr: a whole block.
-  void set_tensor_parallel(Communicator* tp) { tp_ = tp; }
+  // With `sequence` (sequence parallel, Korthikanti et al. 2022) the block's residual stream is
+  // this rank's sequence shard, gathered into sequence->full around the tensor-parallel layers.
+  void set_tensor_parallel(Communicator* tp, SequenceScratch* sequence = nullptr) {
+    tp_ = tp;
+    seq_ = sequence;
+  }
   // attn_qkv, attn_out, mlp_in, mlp_out.
   std::array<LinearLayer*, 4> linears() { return {&qkv_, &proj_, &fc_, &fc2_}; }
 
@@ -104,6 +116,9 @@ class Block {
   LinearLayer qkv_, proj_, fc_, fc2_;
   LinearWorkspace* ws_ = nullptr;
   Communicator* tp_ = nullptr;
+  SequenceScratch* seq_ = nullptr;  // set: sequence parallel
+  // The whole sequence of a shard (B, T/t, C), gathered into seq_->full as (B, T, C).
+  Tensor gathered(const Tensor& shard, int64_t seq_len) const;
 };
 
 }  // namespace loom

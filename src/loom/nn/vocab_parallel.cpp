@@ -42,9 +42,9 @@ void vocab_parallel_embedding_backward(const Tensor& tokens, const Tensor& d_out
   }
 }
 
-void add_positions(const Tensor& out, const Tensor& positions) {
+void add_positions(const Tensor& out, const Tensor& positions, int64_t first) {
   const int64_t B = out.dim(0), T = out.dim(1), C = out.dim(2);
-  const float* p = positions.data<float>();
+  const float* p = positions.data<float>() + first * C;
   float* o = out.data<float>();
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < B * T; ++i) {
@@ -54,10 +54,10 @@ void add_positions(const Tensor& out, const Tensor& positions) {
   }
 }
 
-void positions_backward(const Tensor& d_out, const Tensor& d_positions) {
+void positions_backward(const Tensor& d_out, const Tensor& d_positions, int64_t first) {
   const int64_t B = d_out.dim(0), T = d_out.dim(1), C = d_out.dim(2);
   const float* d = d_out.data<float>();
-  float* dp = d_positions.data<float>();
+  float* dp = d_positions.data<float>() + first * C;
   for (int64_t b = 0; b < B; ++b) {
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < T; ++t) {

@@ -24,9 +24,10 @@ void vocab_parallel_embedding_forward(const Tensor& tokens, const Tensor& weight
 // d_weight (Vs, C) += the rows of d_out (B,T,C) for the tokens in range.
 void vocab_parallel_embedding_backward(const Tensor& tokens, const Tensor& d_out, const Tensor& d_weight,
                                        int64_t begin, int64_t valid);
-// out (B,T,C) += positions (Tmax, C) rows 0..T-1; d_positions += sum over the batch of d_out.
-void add_positions(const Tensor& out, const Tensor& positions);
-void positions_backward(const Tensor& d_out, const Tensor& d_positions);
+// out (B,T,C) += positions (Tmax, C) rows first..first+T-1 (a sequence shard starts at first);
+// d_positions (those rows) += the sum over the batch of d_out.
+void add_positions(const Tensor& out, const Tensor& positions, int64_t first = 0);
+void positions_backward(const Tensor& d_out, const Tensor& d_positions, int64_t first = 0);
 
 // logits (N, Vs), targets (N) i32 (global token ids); losses, lse, sums (N; sums is scratch).
 void vocab_parallel_cross_entropy_forward(Communicator& tp, const Tensor& logits, const Tensor& targets, int64_t begin,

@@ -74,6 +74,9 @@ Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config, Commu
     comm_ = comm;
     loss_buffer_ = Tensor::zeros(backend_.allocator(), {1}, DTYPE_F64, MEM_WORKSPACE);
     if (ddp.zero_stage <= 1) {  // gradients all-reduced (stage 1 then shards the update)
+      // Sequence parallel sums some gradients over the tp group after backward: the data-parallel
+      // reduction then follows it instead of overlapping backward.
+      if (model_.sequence_parallel()) ddp.overlap = false;
       ddp_ = std::make_unique<DataParallel>(*comm, backend_.allocator(), model_.grads(), model_.layout(), ddp);
     } else {
       LOOM_CHECK(ddp.compression == "none", "parallel.compression = ", ddp.compression, " replaces DDP's all-reduce; "
@@ -103,6 +106,8 @@ Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config, Commu
                optimizer_->name());
     tp_ = tp;
     tp_replicated_ = tp_replicated_ranges(model_.config());
+    sequence_partial_ = model_.sequence_partial_ranges();
+    LOOM_CHECK(sequence_partial_.empty() || !sharded_grads(), "sequence parallel with ZeRO-2/3 is not supported yet");
   }
   tp_sum_ = Tensor::zeros(backend_.allocator(), {1}, DTYPE_F64, MEM_WORKSPACE);
   if (model_.precision().master_bf16) {  // no fp32 master: the weights are bf16 values from the start
@@ -150,6 +155,9 @@ StepStats Trainer::train_step(BatchSource& data) {
     } else {
       model_.backward(store_, loss_weight);
     }
+  }
+  for (const auto& [b, e] : sequence_partial_) {  // the norms' gradients: partial sums over the sequence shards
+    model_.tensor_parallel()->all_reduce(model_.grads().view(b, {e - b}));
   }
   if (comm_ != nullptr) {
     if (ddp_) ddp_->finish();

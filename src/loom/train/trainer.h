@@ -93,6 +93,7 @@ class Trainer {
   double global_grad_norm(const Tensor& grads);  // over every rank's part (tensor and pipeline parallel)
   Communicator* tp_ = nullptr;      // the model's tensor-parallel group (more than one rank)
   std::vector<std::pair<int64_t, int64_t>> tp_replicated_;  // flat ranges of replicated parameters
+  std::vector<std::pair<int64_t, int64_t>> sequence_partial_;  // sequence parallel: summed over tp once a step
   Tensor tp_sum_;                   // (1) f64
   Tensor loss_buffer_;  // (1) f64: the step's loss, averaged over ranks
   int64_t step_ = 0;
