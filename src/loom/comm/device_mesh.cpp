@@ -69,6 +69,18 @@ std::unique_ptr<Communicator> mesh_group(Communicator& world, const DeviceMesh& 
   return world.split(mesh.group(r, dim).front(), mesh.coord(r, dim));
 }
 
+std::unique_ptr<Communicator> mesh_group(Communicator& world, const DeviceMesh& mesh, const std::vector<std::string>& dims) {
+  LOOM_CHECK(world.size() == mesh.world(), "mesh group: the mesh ", mesh.describe(), " has ", mesh.world(),
+             " ranks, the communicator ", world.size());
+  const int r = world.rank();
+  int color = r, key = 0;
+  for (const std::string& dim : dims) {  // the group's first rank is the color; the key orders by coordinates
+    color = mesh.group(color, dim).front();
+    key = key * mesh.size(dim) + mesh.coord(r, dim);
+  }
+  return world.split(color, key);
+}
+
 DeviceMesh training_mesh(int world, int dp, int tp, int pp, int cp) {
   DeviceMesh mesh(world, {{"pp", pp}, {"dp", dp}, {"cp", cp}, {"tp", tp}});
   LOOM_CHECK(mesh.size("pp") == 1 && mesh.size("cp") == 1, "parallel.pp and parallel.cp must be 1 for now: pipeline "

@@ -40,6 +40,9 @@ class DeviceMesh {
 // This rank's communicator along `dim` of the mesh (its group, ranked by coordinate); every
 // rank of `world` must call it for the same dim.
 std::unique_ptr<Communicator> mesh_group(Communicator& world, const DeviceMesh& mesh, const std::string& dim);
+// The ranks sharing every coordinate but those of `dims` (e.g. {"dp", "cp"}: the group whose
+// gradients are averaged when context parallel ranks act as data parallel ones).
+std::unique_ptr<Communicator> mesh_group(Communicator& world, const DeviceMesh& mesh, const std::vector<std::string>& dims);
 
 // The training mesh pp x dp x cp x tp from the parallel.* sizes (dp = 0: the ranks left).
 // Pipeline and context parallel sizes above 1 are refused until loom train runs them.

@@ -1,5 +1,6 @@
 #include "loom/model/transformer.h"
 
+#include "loom/nn/context_parallel.h"
 #include "loom/nn/sequence_parallel.h"
 #include "loom/nn/vocab_parallel.h"
 
@@ -157,7 +158,23 @@ ActivationStore Transformer::allocate_stage_store(int64_t batch, int64_t seq_len
   LOOM_CHECK(0 <= first && first < last && last <= config_.n_layer, "pipeline stage: layers [", first, ", ", last,
              ") outside the model's ", config_.n_layer);
   Allocator& alloc = backend_.allocator();
-  const int64_t B = batch, T = seq_len, C = config_.d_model;
+  const int64_t C = config_.d_model;
+  if (cp_.comm != nullptr) {  // this rank's positions only: two zig-zag chunks
+    check_cp_seq_len(seq_len, cp_.comm->size());
+    const std::vector<int64_t> positions = cp_local_positions(seq_len, cp_.comm->rank(), cp_.comm->size());
+    const int64_t Tl = seq_len / cp_.comm->size();
+    cp_.chunk_starts = {positions[0], positions[static_cast<size_t>(Tl / 2)]};
+    const int64_t hd = config_.head_dim();
+    auto ws = [&](int64_t n) { return Tensor::empty(alloc, {n}, DTYPE_F32, MEM_WORKSPACE); };
+    if (!cp_.q.defined() || cp_.q.numel() < batch * Tl * config_.n_head * hd) {
+      cp_.q = ws(batch * Tl * config_.n_head * hd), cp_.dq = ws(batch * Tl * config_.n_head * hd);
+      cp_.k = ws(batch * Tl * config_.n_kv_head * hd), cp_.dk = ws(batch * Tl * config_.n_kv_head * hd);
+      cp_.v = ws(batch * Tl * config_.n_kv_head * hd), cp_.dv = ws(batch * Tl * config_.n_kv_head * hd);
+      cp_.chunk = ws(batch * (Tl / 2) * config_.qkv_width());
+    }
+    seq_len = Tl;
+  }
+  const int64_t B = batch, T = seq_len;
   auto act = [&](Shape shape, DType dtype = DTYPE_F32) { return Tensor::empty(alloc, std::move(shape), dtype, MEM_ACTIVATIONS); };
   ActivationStore s;
   s.batch = B, s.seq_len = T;
@@ -165,7 +182,9 @@ ActivationStore Transformer::allocate_stage_store(int64_t batch, int64_t seq_len
   s.targets = act({B, T}, DTYPE_I32);
   const int64_t Ts = T / shards();  // the residual stream's positions on this rank
   s.blocks.resize(static_cast<size_t>(config_.n_layer));
-  for (int64_t l = first; l < last; ++l) s.blocks[l] = allocate_block_saved(alloc, config_, B, T, split_backward, shards());
+  for (int64_t l = first; l < last; ++l) {
+    s.blocks[l] = allocate_block_saved(alloc, config_, B, T, split_backward, shards(), cp_.comm != nullptr);
+  }
   if (last < config_.n_layer) {
     s.blocks[last].input = act({B, Ts, C});  // the stage's output: the next stage's input
   } else {
@@ -221,6 +240,9 @@ double Transformer::forward_stage(ActivationStore& s, int64_t first, int64_t las
       vocab_parallel_embedding_forward(s.tokens, embed_w, vocab_.begin, vocab_.valid, x0);
       tp_->all_reduce(x0);
       if (pos_w.defined()) add_positions(x0, pos_w);
+    } else if (cp_.comm != nullptr) {  // positions of this rank's two chunks
+      backend_.embedding_forward(s.tokens, embed_w, nullptr, x0);
+      if (pos_w.defined()) for_each_chunk(x0, [&](const Tensor& rows, int64_t start) { add_positions(rows, pos_w, start); });
     } else {
       backend_.embedding_forward(s.tokens, embed_w, pos_w.defined() ? &pos_w : nullptr, x0);
     }
@@ -277,6 +299,22 @@ void Transformer::set_tensor_parallel(Communicator* tp, int64_t vocab_begin, int
   vocab_ = {vocab_begin, vocab_valid};
   sp_ = sequence_parallel && tp != nullptr;
   for (Block& b : blocks_) b.set_tensor_parallel(tp, sp_ ? &seq_ : nullptr);
+}
+
+void Transformer::set_context_parallel(Communicator* cp, bool ulysses) {
+  LOOM_CHECK(scratch_tokens_ == 0, "set_context_parallel must come before the activation stores are allocated");
+  LOOM_CHECK(cp == nullptr || tp_ == nullptr, "context parallel with tensor parallel is not supported yet");
+  cp_ = ContextParallel{};
+  cp_.comm = cp;
+  cp_.ulysses = ulysses;
+  for (Block& b : blocks_) b.set_context_parallel(cp != nullptr ? &cp_ : nullptr);
+}
+
+void Transformer::for_each_chunk(const Tensor& x, const std::function<void(const Tensor&, int64_t)>& f) const {
+  const int64_t B = x.dim(0), Tl = x.dim(1), C = x.dim(2), chunk = Tl / 2;
+  for (int c = 0; c < 2; ++c) {
+    for (int64_t b = 0; b < B; ++b) f(x.view((b * Tl + c * chunk) * C, {1, chunk, C}), cp_.chunk_starts[static_cast<size_t>(c)]);
+  }
 }
 
 std::vector<std::pair<int64_t, int64_t>> Transformer::sequence_partial_ranges() const {
@@ -373,6 +411,11 @@ void Transformer::backward_stage(ActivationStore& s, int64_t first, int64_t last
   } else if (tp_ != nullptr) {
     vocab_parallel_embedding_backward(s.tokens, d_res, d_embed_w, vocab_.begin, vocab_.valid);
     if (d_pos_w.defined()) positions_backward(d_res, d_pos_w);
+  } else if (cp_.comm != nullptr) {
+    backend_.embedding_backward(s.tokens, d_res, d_embed_w, nullptr);
+    if (d_pos_w.defined()) {
+      for_each_chunk(d_res, [&](const Tensor& rows, int64_t start) { positions_backward(rows, d_pos_w, start); });
+    }
   } else {
     backend_.embedding_backward(s.tokens, d_res, d_embed_w, d_pos_w.defined() ? &d_pos_w : nullptr);
   }

@@ -86,6 +86,12 @@ class Transformer {
   // (the trainer sums them over the group once a step).
   void set_tensor_parallel(Communicator* tp, int64_t vocab_begin, int64_t vocab_valid, bool sequence_parallel = false);
   bool sequence_parallel() const { return sp_; }
+  // Context parallel (nn/context_parallel.h): this rank holds seq_len / cp positions of every
+  // sequence, two zig-zag chunks; stores are allocated for the whole seq_len and hold this
+  // rank's part (store.seq_len is the local length; tokens and targets are the local rows,
+  // ContextSliceSource in train/trainer.h); attention is ring or Ulysses over `cp`. The losses
+  // and gradients of the group's ranks average to the whole sequence's (equal token counts).
+  void set_context_parallel(Communicator* cp, bool ulysses);
   std::vector<std::pair<int64_t, int64_t>> sequence_partial_ranges() const;
   Communicator* tensor_parallel() const { return tp_; }
   // Pipeline stages (parallel/pipeline.h): layers [first, last), with the embedding when
@@ -151,7 +157,11 @@ class Transformer {
   Tensor ce_sums_;                   // (B*T) scratch of the vocabulary-parallel cross-entropy
   bool sp_ = false;                  // sequence parallel
   SequenceScratch seq_;              // its whole-sequence buffers
+  ContextParallel cp_;               // context parallel (cp_.comm set)
   int64_t shards() const { return sp_ ? tp_->size() : 1; }
+  // Context parallel: f(rows (1, chunk, C) of one sequence, their first global position) for
+  // each of x's (B, T/cp, C) two chunks of every sequence.
+  void for_each_chunk(const Tensor& x, const std::function<void(const Tensor&, int64_t)>& f) const;
 };
 
 }  // namespace loom

@@ -4,6 +4,7 @@
 
 #include "loom/core/error.h"
 
+#include <cstring>
 #include <string>
 
 namespace loom {
@@ -39,7 +40,7 @@ BlockParams block_params_view(const ModelConfig& config, const ParamLayout& layo
 }
 
 BlockSaved allocate_block_saved(Allocator& allocator, const ModelConfig& config, int64_t batch, int64_t seq_len,
-                                bool split_backward, int64_t seq_shards) {
+                                bool split_backward, int64_t seq_shards, bool context_parallel) {
   LOOM_CHECK(seq_shards >= 1 && seq_len % seq_shards == 0, "sequence parallel: train.seq_len (", seq_len,
              ") must be a multiple of parallel.tp (", seq_shards, ")");
   const int64_t B = batch, T = seq_len, C = config.d_model, H = config.n_head, hd = config.head_dim();
@@ -51,7 +52,8 @@ BlockSaved allocate_block_saved(Allocator& allocator, const ModelConfig& config,
   if (!config.rmsnorm()) s.mean1 = act({B, Ts});
   s.rstd1 = act({B, Ts});
   s.qkv = act({B, T, config.qkv_width()});
-  s.probs = act({B, H, T, T});
+  if (context_parallel) s.lse = act({B, H, T});  // ring attention; Ulysses keeps its own
+  else s.probs = act({B, H, T, T});
   s.attn = act({B, T, H * hd});
   s.mid = act({B, Ts, C});
   s.norm2 = act({B, Ts, C});
@@ -106,6 +108,78 @@ void Block::set_precision(const PrecisionPolicy& policy, BlockParams params16, L
   fc2_ = LinearLayer(linear_setup(policy, LINEAR_MLP_OUT, true));
 }
 
+namespace {
+// Columns [c0, c0 + w) of every row of a (rows, W) tensor <-> a contiguous (rows, w) one.
+void copy_columns(const Tensor& from, int64_t c0, const Tensor& to, bool into_wide) {
+  const int64_t W = (into_wide ? to : from).dim(-1), w = (into_wide ? from : to).dim(-1);
+  const int64_t rows = from.numel() / from.dim(-1);
+  const float* src = from.data<float>();
+  float* dst = to.data<float>();
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    if (into_wide) std::memcpy(dst + r * W + c0, src + r * w, static_cast<size_t>(w) * sizeof(float));
+    else std::memcpy(dst + r * w, src + r * W + c0, static_cast<size_t>(w) * sizeof(float));
+  }
+}
+}  // namespace
+
+void Block::rope(Backend& backend, const Tensor& qkv, bool backward) const {
+  const int64_t heads = config_.n_head + config_.n_kv_head, hd = config_.head_dim();
+  if (cp_ == nullptr) {
+    if (backward) backend.rope_backward(qkv, hd, heads, config_.rope_theta, 0);
+    else backend.rope_forward(qkv, hd, heads, config_.rope_theta, 0);
+    return;
+  }
+  // This rank's positions are two chunks of the sequence (zig-zag): each rotated at its start.
+  const int64_t B = qkv.dim(0), Tl = qkv.dim(1), W = qkv.dim(2), chunk = Tl / 2;
+  const Tensor tmp = cp_->chunk.view(0, {B, chunk, W});
+  for (int c = 0; c < 2; ++c) {
+    for (int64_t b = 0; b < B; ++b) backend.copy(qkv.view((b * Tl + c * chunk) * W, {chunk, W}), tmp.view(b * chunk * W, {chunk, W}));
+    if (backward) backend.rope_backward(tmp, hd, heads, config_.rope_theta, cp_->chunk_starts[static_cast<size_t>(c)]);
+    else backend.rope_forward(tmp, hd, heads, config_.rope_theta, cp_->chunk_starts[static_cast<size_t>(c)]);
+    for (int64_t b = 0; b < B; ++b) backend.copy(tmp.view(b * chunk * W, {chunk, W}), qkv.view((b * Tl + c * chunk) * W, {chunk, W}));
+  }
+}
+
+void Block::attention_forward(Backend& backend, BlockSaved& s) const {
+  const int64_t H = config_.n_head, KV = config_.n_kv_head, hd = config_.head_dim();
+  if (cp_ == nullptr) {
+    backend.attention_forward(s.qkv, s.attn, s.probs, H, KV);
+    return;
+  }
+  const int64_t B = s.qkv.dim(0), Tl = s.qkv.dim(1);
+  const Tensor q = cp_->q.view(0, {B, Tl, H * hd}), k = cp_->k.view(0, {B, Tl, KV * hd}), v = cp_->v.view(0, {B, Tl, KV * hd});
+  copy_columns(s.qkv, 0, q, false);
+  copy_columns(s.qkv, H * hd, k, false);
+  copy_columns(s.qkv, (H + KV) * hd, v, false);
+  if (cp_->ulysses) ulysses_attention_forward(backend, *cp_->comm, q, k, v, s.attn, s.ulysses, H, KV);
+  else ring_attention_forward(backend, *cp_->comm, q, k, v, s.attn, s.lse, H, KV);
+}
+
+void Block::attention_backward(Backend& backend, const BlockSaved& s, BlockScratch& k) const {
+  const int64_t H = config_.n_head, KV = config_.n_kv_head, hd = config_.head_dim();
+  if (cp_ == nullptr) {
+    backend.attention_backward(k.d_attn, s.qkv, s.attn, s.probs, k.d_qkv, H, KV);
+    return;
+  }
+  const int64_t B = s.qkv.dim(0), Tl = s.qkv.dim(1);
+  const Tensor dq = cp_->dq.view(0, {B, Tl, H * hd}), dk = cp_->dk.view(0, {B, Tl, KV * hd}),
+               dv = cp_->dv.view(0, {B, Tl, KV * hd});
+  if (cp_->ulysses) {
+    ulysses_attention_backward(backend, *cp_->comm, k.d_attn, s.ulysses, dq, dk, dv, H, KV);
+  } else {
+    const Tensor q = cp_->q.view(0, {B, Tl, H * hd}), kk = cp_->k.view(0, {B, Tl, KV * hd}),
+                 v = cp_->v.view(0, {B, Tl, KV * hd});
+    copy_columns(s.qkv, 0, q, false);
+    copy_columns(s.qkv, H * hd, kk, false);
+    copy_columns(s.qkv, (H + KV) * hd, v, false);
+    ring_attention_backward(backend, *cp_->comm, k.d_attn, q, kk, v, s.attn, s.lse, dq, dk, dv, H, KV);
+  }
+  copy_columns(dq, 0, k.d_qkv, true);
+  copy_columns(dk, H * hd, k.d_qkv, true);
+  copy_columns(dv, (H + KV) * hd, k.d_qkv, true);
+}
+
 Tensor Block::gathered(const Tensor& shard, int64_t seq_len) const {
   const Tensor full = seq_->full.view(0, {shard.dim(0), seq_len, shard.dim(2)});
   sequence_all_gather(*tp_, shard, full, seq_->staging);
@@ -125,10 +199,8 @@ void Block::forward(Backend& backend, BlockSaved& s, const Tensor& out) {
   const Tensor partial = seq_ != nullptr ? seq_->full.view(0, {s.qkv.dim(0), T, config_.d_model}) : Tensor{};
   norm_forward(backend, config_, s.input, p.norm1_w, p.norm1_b, s.norm1, s.mean1, s.rstd1);
   qkv_.forward(backend, seq_ != nullptr ? gathered(s.norm1, T) : s.norm1, p.qkv_w, q.qkv_w, p.qkv_b, s.qkv, 0.0f, ws_);
-  if (!config_.learned_positions()) {
-    backend.rope_forward(s.qkv, config_.head_dim(), config_.n_head + config_.n_kv_head, config_.rope_theta, 0);
-  }
-  backend.attention_forward(s.qkv, s.attn, s.probs, config_.n_head, config_.n_kv_head);
+  if (!config_.learned_positions()) rope(backend, s.qkv, false);
+  attention_forward(backend, s);
   if (tp_ != nullptr) {  // g: the heads' partial projections summed (bias added once, by rank 0)
     const Tensor y = seq_ != nullptr ? partial : s.mid;
     proj_.forward(backend, s.attn, p.proj_w, q.proj_w, tp_->rank() == 0 ? p.proj_b : Tensor{}, y, 0.0f, ws_);
@@ -228,10 +300,8 @@ void Block::backward(Backend& backend, const BlockSaved& s, const Tensor& d_resi
   const Tensor dy_mid = whole(d_residual);
   keep(dy_mid, s.dy_proj);
   proj_.backward(backend, s.attn, p.proj_w, q.proj_w, dy_mid, k.d_attn, dw(g.proj_w), g.proj_b, ws_);
-  backend.attention_backward(k.d_attn, s.qkv, s.attn, s.probs, k.d_qkv, config_.n_head, config_.n_kv_head);
-  if (!config_.learned_positions()) {
-    backend.rope_backward(k.d_qkv, config_.head_dim(), config_.n_head + config_.n_kv_head, config_.rope_theta, 0);
-  }
+  attention_backward(backend, s, k);
+  if (!config_.learned_positions()) rope(backend, k.d_qkv, true);
   keep(k.d_qkv, s.dy_qkv);
   qkv_.backward(backend, whole(s.norm1), p.qkv_w, q.qkv_w, k.d_qkv, k.d_norm, dw(g.qkv_w), g.qkv_b, ws_);
   reduce();  // f: the heads' partial d(norm1 output)

@@ -6,11 +6,13 @@
 #pragma once
 #include <array>
 #include <cstdint>
+#include <vector>
 
 #include "loom/backend/backend.h"
 #include "loom/comm/communicator.h"
 #include "loom/model/config.h"
 #include "loom/model/param_layout.h"
+#include "loom/nn/context_parallel.h"
 #include "loom/nn/linear.h"
 
 namespace loom {
@@ -43,6 +45,10 @@ struct BlockSaved {
   // Only for a backward split into input and weight gradients (zero-bubble pipelines): the
   // output gradients of the four linear layers, kept from the input pass for the weight pass.
   Tensor dy_fc2, dy_fc, dy_proj, dy_qkv;  // (B,T,C), (B,T,F or 2F), (B,T,C), (B,T,(H+2KV)hd)
+  // Context parallel (T is then this rank's T/cp positions; probs is not kept): ring attention's
+  // log-sum-exp (B,H,T), or what Ulysses keeps.
+  Tensor lse;
+  UlyssesSaved ulysses;
 };
 
 // Which part of a block's backward to run: all of it, the input gradient (and the norms' and
@@ -52,12 +58,22 @@ enum BackwardPart : uint8_t { BACKWARD_ALL, BACKWARD_INPUT, BACKWARD_WEIGHT };
 
 // seq_shards > 1 (sequence parallel): the residual stream and the norms (input, norm1/2,
 // their statistics, mid) hold seq_len / seq_shards positions; the rest the whole sequence.
+// context_parallel: seq_len is this rank's share; ring attention's lse instead of probs.
 BlockSaved allocate_block_saved(Allocator& allocator, const ModelConfig& config, int64_t batch, int64_t seq_len,
-                                bool split_backward = false, int64_t seq_shards = 1);
+                                bool split_backward = false, int64_t seq_shards = 1, bool context_parallel = false);
 
 // Whole-sequence (B,T,C) buffers a sequence-parallel block gathers into (shared by the blocks).
 struct SequenceScratch {
   Tensor full, staging;
+};
+
+// Context parallel (nn/context_parallel.h): the group, the attention algorithm, this rank's
+// global positions (zig-zag chunks), and split q/k/v buffers shared by the blocks.
+struct ContextParallel {
+  Communicator* comm = nullptr;
+  bool ulysses = false;                // else ring attention
+  std::vector<int64_t> chunk_starts;   // global position of each of this rank's 2 chunks
+  Tensor q, k, v, dq, dk, dv, chunk;   // (B,T/cp,H hd), (B,T/cp,KV hd) x2, same, chunk (B,T/2cp,W)
 };
 
 // Activation-gradient scratch shared by all blocks of a backward pass (overwritten each use).
@@ -105,6 +121,9 @@ class Block {
     tp_ = tp;
     seq_ = sequence;
   }
+  // Context parallel: attention across the cp group's sequence shards (ring or Ulysses); RoPE at
+  // this rank's global positions.
+  void set_context_parallel(ContextParallel* cp) { cp_ = cp; }
   // attn_qkv, attn_out, mlp_in, mlp_out.
   std::array<LinearLayer*, 4> linears() { return {&qkv_, &proj_, &fc_, &fc2_}; }
 
@@ -117,6 +136,10 @@ class Block {
   LinearWorkspace* ws_ = nullptr;
   Communicator* tp_ = nullptr;
   SequenceScratch* seq_ = nullptr;  // set: sequence parallel
+  ContextParallel* cp_ = nullptr;   // set: context parallel
+  void rope(Backend& backend, const Tensor& qkv, bool backward) const;
+  void attention_forward(Backend& backend, BlockSaved& s) const;
+  void attention_backward(Backend& backend, const BlockSaved& s, BlockScratch& k) const;
   // The whole sequence of a shard (B, T/t, C), gathered into seq_->full as (B, T, C).
   Tensor gathered(const Tensor& shard, int64_t seq_len) const;
 };

@@ -113,4 +113,17 @@ class RankSliceSource final : public BatchSource {
   Tensor tokens_, targets_;
 };
 
+// Context parallel: this rank's positions (two zig-zag chunks, nn/context_parallel.h) of every
+// sequence `inner` gives: fills the whole (B, T) batch from `inner` and keeps the local rows.
+class ContextSliceSource final : public BatchSource {
+ public:
+  ContextSliceSource(BatchSource& inner, Allocator& allocator, int rank, int world, int64_t batch, int64_t seq_len);
+  void fill(const Tensor& tokens, const Tensor& targets) override;
+
+ private:
+  BatchSource& inner_;
+  int rank_, world_;
+  Tensor tokens_, targets_;
+};
+
 }  // namespace loom

@@ -1,6 +1,6 @@
 // Ring attention and Ulysses over a zig-zag sequence shard; see context_parallel.h for the
 // layout, the formulas and the byte counts.
-#include "loom/parallel/context_parallel.h"
+#include "loom/nn/context_parallel.h"
 
 #include <omp.h>
 
