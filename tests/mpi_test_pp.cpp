@@ -70,10 +70,20 @@ Curve parallel(Communicator& world, const ModelConfig& config, const Layout& lay
   Curve c;
   double busy = 0, idle = 0;
   for (int s = 0; s < kSteps; ++s) {
+    pp->reset_ledger();
     const StepStats st = trainer.train_step(data);
     c.losses.push_back(st.loss);
     c.norms.push_back(st.grad_norm);
     busy += runner.busy_seconds(), idle += runner.idle_seconds();
+    // Point-to-point bytes per step: every micro-batch's (B, T, C) activation leaves each of this
+    // rank's stages but the last, and its gradient each of its stages but the first.
+    const PipeSchedule& sched = runner.schedule();
+    int64_t messages = 0;
+    for (int chunk = 0; chunk < sched.virtual_chunks; ++chunk) {
+      const int stage = sched.stage_of(pp->rank(), chunk);
+      messages += (stage + 1 < sched.model_stages() ? 1 : 0) + (stage > 0 ? 1 : 0);
+    }
+    EXPECT_EQ(pp->ledger().sent[COLL_SEND_RECV], messages * kMicro * batch * 16 * config.d_model * 4) << "step " << s;
     // Each stage's gradients (counted once), the tensor slices put back, summed over the groups.
     Tensor mine = Tensor::zeros(backend->allocator(), {model.grads().numel()}, DTYPE_F32, MEM_WORKSPACE);
     for (const auto& [b, e] : runner.norm_ranges()) backend->copy(model.grads().view(b, {e - b}), mine.view(b, {e - b}));
