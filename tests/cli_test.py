@@ -188,6 +188,18 @@ class Cli(unittest.TestCase):
             for a, b in zip(single, other):
                 self.assertLess(abs(a - b) / a, 1e-5, (name, single, other))
 
+    def test_context_parallel_training_matches_one_process(self):
+        self.train("cp_single", "--set", "train.batch_size=4", steps=6)
+        for attention in ("ring", "ulysses"):
+            p = self.mpirun(2, "cp_" + attention, "--set", "train.batch_size=4,parallel.cp=2,parallel.cp_attention=" +
+                            attention, steps=6)
+            self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+            self.assertIn("mesh pp=1 x dp=1 x cp=2 x tp=1", p.stdout)
+            single, other = self.losses("cp_single"), self.losses("cp_" + attention)
+            self.assertEqual(len(other), 6)
+            for a, b in zip(single, other):
+                self.assertLess(abs(a - b) / a, 1e-5, (attention, single, other))
+
     def test_a_killed_rank_ends_the_whole_job(self):
         p = self.mpirun(2, "dead", "--set", "train.checkpoint_every=2,train.eval_every=0", steps=100000, background=True)
         import time

@@ -35,6 +35,7 @@ TEST(DeviceMesh, CoordinatesAndGroups) {
   EXPECT_EQ(training_mesh(4, 0, 1, 1, 1).size("dp"), 4);
   EXPECT_EQ(training_mesh(4, 0, 2, 1, 1).size("dp"), 2);
   EXPECT_THROW(training_mesh(4, 2, 1, 2, 1), Error);  // pipeline parallel training: not yet
+  EXPECT_EQ(training_mesh(4, 0, 1, 1, 2).size("dp"), 2);
 }
 
 TEST(LocalComm, CollectivesOfOneRank) {

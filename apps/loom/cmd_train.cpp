@@ -96,9 +96,17 @@ nlohmann::json memory_json(const MemoryTracker& mem) {
   return j;
 }
 
-double validation_loss(Trainer& trainer, TokenLoader& val, int64_t batches) {
+// The validation loss: with context parallelism each rank evaluates its positions of the same
+// batches, and the mean over the group is the whole sequences' mean (equal token counts).
+double validation_loss(Trainer& trainer, TokenLoader& val, BatchSource& source, int64_t batches, Communicator* cp,
+                       Allocator& allocator) {
   val.rewind();
-  return trainer.evaluate(val, batches);
+  const double loss = trainer.evaluate(source, batches);
+  if (cp == nullptr) return loss;
+  Tensor sum = Tensor::zeros(allocator, {1}, DTYPE_F64, MEM_WORKSPACE);
+  sum.data<double>()[0] = loss;
+  cp->all_reduce(sum);
+  return sum.data<double>()[0] / cp->size();
 }
 
 }  // namespace
@@ -149,15 +157,27 @@ int train_main(int argc, char** argv) {
   // group, data parallel across groups. Every rank also keeps the whole model: its init is
   // sliced (identical to a one-process run), checkpoints are staged in it (the same files a
   // one-process run writes), and it samples at the end.
-  const int tp_size = mesh.size("tp");
-  std::unique_ptr<Communicator> tp_comm, dp_comm;
+  const int tp_size = mesh.size("tp"), cp_size = mesh.size("cp");
+  // Context parallel (parallel.cp > 1): each rank holds 1/cp of every sequence; the gradients
+  // are averaged over dp x cp, the tokens counted over dp.
+  std::unique_ptr<Communicator> tp_comm, dp_comm, cp_comm, reduce_comm;
   Communicator* dp = comm.get();
+  Communicator* reduce = comm.get();
   if (tp_size > 1) {
     LOOM_CHECK(config.parallel.zero_stage == 0, "parallel.tp > 1 with parallel.zero_stage = ", config.parallel.zero_stage,
                " is not supported yet: use zero_stage 0");
     tp_comm = mesh_group(*comm, mesh, "tp");
+  }
+  if (tp_size > 1 || cp_size > 1) {
     dp_comm = mesh_group(*comm, mesh, "dp");
-    dp = dp_comm.get();
+    dp = reduce = dp_comm.get();
+  }
+  if (cp_size > 1) {
+    LOOM_CHECK(config.parallel.cp_attention == "ring" || config.parallel.cp_attention == "ulysses",
+               "parallel.cp_attention must be ring or ulysses, got '", config.parallel.cp_attention, "'");
+    cp_comm = mesh_group(*comm, mesh, "cp");
+    reduce_comm = mesh_group(*comm, mesh, std::vector<std::string>{"dp", "cp"});
+    reduce = reduce_comm.get();
   }
   auto backend = make_cpu_backend();
   const ModelConfig local_config = tp_size > 1 ? tp_local_config(config.model, tp_size) : config.model;
@@ -172,6 +192,7 @@ int train_main(int argc, char** argv) {
   } else {
     model.init_weights(config.loop.seed);
   }
+  if (cp_size > 1) model.set_context_parallel(cp_comm.get(), config.parallel.cp_attention == "ulysses");
   // Slice -> whole (on every rank of the group, summed) and whole -> slice.
   auto to_whole = [&](const Tensor& local, const Tensor& whole_buffer) {
     whole_buffer.zero_();
@@ -192,12 +213,21 @@ int train_main(int argc, char** argv) {
   ddp.dgc.momentum = config.parallel.dgc_momentum;
   ddp.dgc.clip_norm = config.parallel.dgc_clip;
   ddp.dgc.warmup_steps = config.parallel.dgc_warmup_steps;
-  Trainer trainer(*backend, model, config.train, dp, ddp);
+  Trainer trainer(*backend, model, config.train, reduce, ddp);
   TokenLoader train_data(std::move(data.train), config.train.seq_len, config.loop.seed);
   // Each rank trains on its rows of the global batch the loader draws (all ranks draw the same).
   RankSliceSource rank_data(train_data, backend->allocator(), dp->rank(), dp->size(), config.train.batch_size,
                             config.train.seq_len);
   TokenLoader val_data(std::move(data.val), config.train.seq_len, config.loop.seed, LOADER_ORDER_SEQUENTIAL);
+  std::unique_ptr<ContextSliceSource> cp_train, cp_val;  // context parallel: this rank's positions
+  if (cp_size > 1) {
+    cp_train = std::make_unique<ContextSliceSource>(rank_data, backend->allocator(), cp_comm->rank(), cp_size,
+                                                    config.train.batch_size, config.train.seq_len);
+    cp_val = std::make_unique<ContextSliceSource>(val_data, backend->allocator(), cp_comm->rank(), cp_size,
+                                                  config.train.batch_size, config.train.seq_len);
+  }
+  BatchSource& train_source = cp_train ? static_cast<BatchSource&>(*cp_train) : rank_data;
+  BatchSource& val_source = cp_val ? static_cast<BatchSource&>(*cp_val) : val_data;
 
   CheckpointOptions ckpt_options;
   ckpt_options.keep_last = static_cast<int>(config.loop.keep_checkpoints);
@@ -341,7 +371,7 @@ int train_main(int argc, char** argv) {
   int64_t last_resident_params = 0, last_resident_grads = 0;
 
   while (trainer.step() < config.train.steps) {
-    const StepStats stats = trainer.train_step(rank_data);
+    const StepStats stats = trainer.train_step(train_source);
     last_resident_params = resident_bytes(model.params());
     last_resident_grads = resident_bytes(model.grads());
     seconds_sum += stats.seconds;
@@ -362,7 +392,7 @@ int train_main(int argc, char** argv) {
     const bool eval_now = config.loop.eval_every > 0 && done % config.loop.eval_every == 0;
     print_progress(r, config.train.steps, terminal, eval_now || done % config.loop.log_every == 0 || done == config.train.steps);
     if (eval_now || done == config.train.steps) {
-      last_val = validation_loss(trainer, val_data, config.loop.eval_batches);
+      last_val = validation_loss(trainer, val_data, val_source, config.loop.eval_batches, cp_comm.get(), backend->allocator());
       metrics.write({{"step", done}, {"val_loss", last_val}, {"memory", memory_json(mem)}});
       std::printf("step %lld: validation loss %.4f (perplexity %.1f)\n", static_cast<long long>(done), last_val, std::exp(last_val));
     }

@@ -152,6 +152,11 @@ ActivationStore Transformer::allocate_store(int64_t batch, int64_t seq_len) {
 
 ActivationStore Transformer::allocate_stage_store(int64_t batch, int64_t seq_len, int64_t first, int64_t last,
                                                   bool split_backward) {
+  return allocate_store_for(batch, seq_len, first, last, split_backward, cp_.comm != nullptr);
+}
+
+ActivationStore Transformer::allocate_store_for(int64_t batch, int64_t seq_len, int64_t first, int64_t last,
+                                                bool split_backward, bool context_parallel) {
   LOOM_CHECK(batch > 0, "batch size must be > 0, got ", batch);
   LOOM_CHECK(seq_len > 0 && seq_len <= config_.max_seq_len, "sequence length ", seq_len,
              " must be in [1, model.max_seq_len = ", config_.max_seq_len, "]");
@@ -159,7 +164,7 @@ ActivationStore Transformer::allocate_stage_store(int64_t batch, int64_t seq_len
              ") outside the model's ", config_.n_layer);
   Allocator& alloc = backend_.allocator();
   const int64_t C = config_.d_model;
-  if (cp_.comm != nullptr) {  // this rank's positions only: two zig-zag chunks
+  if (context_parallel) {  // this rank's positions only: two zig-zag chunks
     check_cp_seq_len(seq_len, cp_.comm->size());
     const std::vector<int64_t> positions = cp_local_positions(seq_len, cp_.comm->rank(), cp_.comm->size());
     const int64_t Tl = seq_len / cp_.comm->size();
@@ -183,7 +188,7 @@ ActivationStore Transformer::allocate_stage_store(int64_t batch, int64_t seq_len
   const int64_t Ts = T / shards();  // the residual stream's positions on this rank
   s.blocks.resize(static_cast<size_t>(config_.n_layer));
   for (int64_t l = first; l < last; ++l) {
-    s.blocks[l] = allocate_block_saved(alloc, config_, B, T, split_backward, shards(), cp_.comm != nullptr);
+    s.blocks[l] = allocate_block_saved(alloc, config_, B, T, split_backward, shards(), context_parallel);
   }
   if (last < config_.n_layer) {
     s.blocks[last].input = act({B, Ts, C});  // the stage's output: the next stage's input
@@ -285,7 +290,7 @@ DecodeState Transformer::allocate_decode_state(int64_t batch) {
     d.k_cache.push_back(Tensor::empty(alloc, {batch, config_.max_seq_len, kv_width}, DTYPE_F32, MEM_KV_CACHE));
     d.v_cache.push_back(Tensor::empty(alloc, {batch, config_.max_seq_len, kv_width}, DTYPE_F32, MEM_KV_CACHE));
   }
-  d.step = allocate_store(batch, 1);
+  d.step = allocate_store_for(batch, 1, 0, config_.n_layer, false, false);  // decoding is never context parallel
   d.q = Tensor::empty(alloc, {batch, config_.n_head * config_.head_dim()}, DTYPE_F32, MEM_ACTIVATIONS);
   return d;
 }

@@ -159,6 +159,8 @@ class Transformer {
   SequenceScratch seq_;              // its whole-sequence buffers
   ContextParallel cp_;               // context parallel (cp_.comm set)
   int64_t shards() const { return sp_ ? tp_->size() : 1; }
+  ActivationStore allocate_store_for(int64_t batch, int64_t seq_len, int64_t first, int64_t last, bool split_backward,
+                                     bool context_parallel);
   // Context parallel: f(rows (1, chunk, C) of one sequence, their first global position) for
   // each of x's (B, T/cp, C) two chunks of every sequence.
   void for_each_chunk(const Tensor& x, const std::function<void(const Tensor&, int64_t)>& f) const;

@@ -112,6 +112,7 @@ std::vector<Binding> bindings(LoomConfig& c) {
       {"parallel.pp", &c.parallel.pp},
       {"parallel.cp", &c.parallel.cp},
       {"parallel.sequence_parallel", &c.parallel.sequence_parallel},
+      {"parallel.cp_attention", &c.parallel.cp_attention},
       {"parallel.bucket_mb", &c.parallel.bucket_mb},
       {"parallel.overlap", &c.parallel.overlap},
       {"parallel.zero_stage", &c.parallel.zero_stage},

@@ -46,6 +46,7 @@ struct ParallelConfig {
   int64_t dp = 0;  // data-parallel ranks (0: all the ranks the model-parallel sizes leave)
   int64_t tp = 1, pp = 1, cp = 1;  // tensor, pipeline, context parallel sizes (comm/device_mesh.h)
   bool sequence_parallel = false;  // with tp > 1: norms and the residual stream on sequence shards
+  std::string cp_attention = "ring";  // with cp > 1: ring | ulysses
   double bucket_mb = 25.0;  // DDP gradient bucket size (PyTorch's bucket_cap_mb)
   bool overlap = true;      // start each bucket's all-reduce during backward
   int64_t zero_stage = 0;   // 0: DDP; 1, 2, 3: ZeRO (optimizer state; + gradients; + parameters sharded)
