@@ -186,3 +186,38 @@ TEST(ActivationMemoryTest, LlamaGqaLargerMatchesTheFormulaAndKorthikanti) {
 
 }  // namespace
 }  // namespace loom
+
+namespace loom {
+namespace {
+
+// Context parallel (ring attention) on cp ranks: every per-position tensor holds s/cp positions,
+// and attention keeps its log-sum-exp (a·s·b/cp) in place of the (s, s) probabilities, so per
+// layer Loom keeps exactly the t = 1 bytes of everything but probs at s/cp, plus lse. Against
+// REFERENCE §7's per-position part converted to fp32 without dropout (64sbh, the 34sbh of the
+// 16-bit count less its 2sbh of masks, doubled) divided by cp, and no attention-score term,
+// GPT-2's ratio is 1 + (16 + 4a)/(64h) (the norm statistics and lse).
+TEST(ActivationMemoryTest, ContextParallelKeepsOneCpthPlusTheLogSumExp) {
+  for (const char* preset : {"gpt2-tiny", "llama-tiny"}) {
+    const ModelConfig g = model_preset(preset);
+    const int64_t b = 2, s = 16, h = g.d_model, a = g.n_head;
+    for (const int64_t cp : {2, 4}) {
+      auto backend = make_cpu_backend();
+      const BlockSaved saved = allocate_block_saved(backend->allocator(), g, b, s / cp, false, 1, true);
+      const auto layer = static_cast<int64_t>(backend->allocator().tracker().current(MEM_ACTIVATIONS));
+      const int64_t probs = kF32 * a * s * s * b, lse = kF32 * a * s * b / cp;
+      // Every per-position term is linear in s: the t = 1 formula at s/cp, less its probs term.
+      const int64_t expected = loom_layer_bytes(g, 1, b, s / cp) - probs / (cp * cp) + lse;
+      EXPECT_EQ(layer, expected) << preset << " cp=" << cp;
+      const double reference = 64.0 * static_cast<double>(s * b * h) / static_cast<double>(cp);
+      const double ratio = static_cast<double>(layer) / reference;
+      if (!g.swiglu()) {
+        EXPECT_NEAR(ratio, 1.0 + (16.0 + 4.0 * a) / (64.0 * h), 1e-12) << preset;
+      }
+      std::printf("%s cp=%lld: %lld bytes per layer, REFERENCE §7 per-position part / cp (fp32, no dropout) %.0f, "
+                  "ratio %.4f\n", preset, static_cast<long long>(cp), static_cast<long long>(layer), reference, ratio);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace loom
