@@ -200,6 +200,34 @@ class Cli(unittest.TestCase):
             for a, b in zip(single, other):
                 self.assertLess(abs(a - b) / a, 1e-5, (attention, single, other))
 
+    def test_pipeline_parallel_training_matches_one_process_and_resumes_on_one(self):
+        four = "model.n_layer=4,train.grad_accum=4,train.batch_size=2"
+        self.train("pp_single", "--set", four, steps=6)
+        p = self.mpirun(2, "pp_two", "--set", four + ",parallel.pp=2,parallel.schedule=1f1b", "--stop-at-step", "3",
+                        steps=6)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        self.assertIn("mesh pp=2 x dp=1 x cp=1 x tp=1", p.stdout)
+        self.train("pp_two", "--set", four, "--resume", steps=6)  # the whole model and optimizer state
+        p = self.mpirun(2, "pp_inter", "--set", four + ",parallel.pp=2,parallel.schedule=interleaved,"
+                        "parallel.virtual_stages=2", steps=6)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        self.assertIn("sample", p.stdout)
+        single = self.losses("pp_single")
+        for name in ("pp_two", "pp_inter"):
+            other = self.losses(name)
+            self.assertEqual(len(other), 6)
+            for a, b in zip(single, other):
+                self.assertLess(abs(a - b) / a, 1e-5, (name, single, other))
+        def val(name):
+            with open(os.path.join(self.tmp, "runs", name, "metrics.jsonl")) as f:
+                return [r["val_loss"] for r in map(json.loads, f) if "val_loss" in r]
+        self.assertTrue(val("pp_inter"))
+        for a, b in zip(val("pp_single"), val("pp_inter")):  # evaluation runs through the stages too
+            self.assertLess(abs(a - b) / a, 1e-5)
+        bad = self.mpirun(2, "pp_bad", "--set", four + ",parallel.pp=2,parallel.schedule=zigzag", steps=2)
+        self.assertNotEqual(bad.returncode, 0)
+        self.assertIn("parallel.schedule", bad.stderr)
+
     def test_a_killed_rank_ends_the_whole_job(self):
         p = self.mpirun(2, "dead", "--set", "train.checkpoint_every=2,train.eval_every=0", steps=100000, background=True)
         import time

@@ -34,7 +34,7 @@ TEST(DeviceMesh, CoordinatesAndGroups) {
   EXPECT_THROW(mesh.size("ep"), Error);
   EXPECT_EQ(training_mesh(4, 0, 1, 1, 1).size("dp"), 4);
   EXPECT_EQ(training_mesh(4, 0, 2, 1, 1).size("dp"), 2);
-  EXPECT_THROW(training_mesh(4, 2, 1, 2, 1), Error);  // pipeline parallel training: not yet
+  EXPECT_EQ(training_mesh(8, 0, 2, 2, 1).size("dp"), 2);
   EXPECT_EQ(training_mesh(4, 0, 1, 1, 2).size("dp"), 2);
 }
 

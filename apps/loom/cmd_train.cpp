@@ -13,6 +13,7 @@
 #include "commands.h"
 #include "loom/comm/communicator.h"
 #include "loom/comm/device_mesh.h"
+#include "loom/parallel/pipeline.h"
 #include "loom/parallel/tensor_parallel.h"
 #include "loom/core/error.h"
 #include "loom/core/pages.h"
@@ -157,10 +158,10 @@ int train_main(int argc, char** argv) {
   // group, data parallel across groups. Every rank also keeps the whole model: its init is
   // sliced (identical to a one-process run), checkpoints are staged in it (the same files a
   // one-process run writes), and it samples at the end.
-  const int tp_size = mesh.size("tp"), cp_size = mesh.size("cp");
+  const int tp_size = mesh.size("tp"), cp_size = mesh.size("cp"), pp_size = mesh.size("pp");
   // Context parallel (parallel.cp > 1): each rank holds 1/cp of every sequence; the gradients
   // are averaged over dp x cp, the tokens counted over dp.
-  std::unique_ptr<Communicator> tp_comm, dp_comm, cp_comm, reduce_comm;
+  std::unique_ptr<Communicator> tp_comm, dp_comm, cp_comm, reduce_comm, pp_comm;
   Communicator* dp = comm.get();
   Communicator* reduce = comm.get();
   if (tp_size > 1) {
@@ -168,9 +169,14 @@ int train_main(int argc, char** argv) {
                " is not supported yet: use zero_stage 0");
     tp_comm = mesh_group(*comm, mesh, "tp");
   }
-  if (tp_size > 1 || cp_size > 1) {
+  if (tp_size > 1 || cp_size > 1 || pp_size > 1) {
     dp_comm = mesh_group(*comm, mesh, "dp");
     dp = reduce = dp_comm.get();
+  }
+  if (pp_size > 1) {  // pipeline parallel: each rank runs and updates its stages (parallel/pipeline.h)
+    LOOM_CHECK(cp_size == 1 && config.parallel.zero_stage == 0, "parallel.pp > 1 with parallel.cp > 1 or "
+               "parallel.zero_stage > 0 is not supported yet");
+    pp_comm = mesh_group(*comm, mesh, "pp");
   }
   if (cp_size > 1) {
     LOOM_CHECK(config.parallel.cp_attention == "ring" || config.parallel.cp_attention == "ulysses",
@@ -213,7 +219,47 @@ int train_main(int argc, char** argv) {
   ddp.dgc.momentum = config.parallel.dgc_momentum;
   ddp.dgc.clip_norm = config.parallel.dgc_clip;
   ddp.dgc.warmup_steps = config.parallel.dgc_warmup_steps;
-  Trainer trainer(*backend, model, config.train, reduce, ddp);
+  std::unique_ptr<PipelineRunner> pipeline;
+  if (pp_size > 1) {
+    pipeline = std::make_unique<PipelineRunner>(
+        model, *pp_comm,
+        make_pipe_schedule(config.parallel.schedule, pp_size, static_cast<int>(config.train.grad_accum),
+                           static_cast<int>(config.parallel.virtual_stages)),
+        config.train.batch_size, config.train.seq_len);
+  }
+  Trainer trainer(*backend, model, config.train, reduce, ddp, pipeline.get());
+  // Pipeline parallel: every stage's parameters on every rank of the pipeline (each rank keeps its
+  // own stages current; a tied embedding is counted once), and an optimizer state tensor's owned
+  // part (the ranges concatenated) in the whole flat layout, or back.
+  auto pp_whole_params = [&]() {
+    const Tensor& g = model.params();
+    int64_t at = 0;
+    for (const auto& [b, e] : pipeline->norm_ranges()) {
+      if (b > at) g.view(at, {b - at}).zero_();
+      at = e;
+    }
+    if (at < g.numel()) g.view(at, {g.numel() - at}).zero_();
+    pp_comm->all_reduce(g);
+  };
+  auto pp_state_whole = [&](const Tensor& owned, const Tensor& full) {
+    full.zero_();
+    int64_t cursor = 0;
+    for (const auto& [b, e] : pipeline->owned()) {
+      for (const auto& [nb, ne] : pipeline->norm_ranges()) {  // each element once (the tied embedding)
+        const int64_t lo = std::max(b, nb), hi = std::min(e, ne);
+        if (lo < hi) backend->copy(owned.view(cursor + lo - b, {hi - lo}), full.view(lo, {hi - lo}));
+      }
+      cursor += e - b;
+    }
+    pp_comm->all_reduce(full);
+  };
+  auto pp_state_owned = [&](const Tensor& full, const Tensor& owned) {
+    int64_t cursor = 0;
+    for (const auto& [b, e] : pipeline->owned()) {
+      backend->copy(full.view(b, {e - b}), owned.view(cursor, {e - b}));
+      cursor += e - b;
+    }
+  };
   TokenLoader train_data(std::move(data.train), config.train.seq_len, config.loop.seed);
   // Each rank trains on its rows of the global batch the loader draws (all ranks draw the same).
   RankSliceSource rank_data(train_data, backend->allocator(), dp->rank(), dp->size(), config.train.batch_size,
@@ -234,6 +280,14 @@ int train_main(int argc, char** argv) {
   CheckpointManager checkpoints((fs::path(dir) / "checkpoints").string(), ckpt_options);
   const ModelState model_state{config.model, whole ? whole->params() : model.params()};
   OptimizerState optimizer_state{trainer.optimizer().name(), trainer.optimizer().state()};
+  std::vector<std::pair<Tensor, Tensor>> pp_state;  // pipeline parallel: (this rank's stages' state, flat)
+  if (pipeline) {
+    for (auto& [name, owned] : optimizer_state.tensors) {
+      Tensor full = Tensor::zeros(backend->allocator(), {model.layout().total}, DTYPE_F32, MEM_WORKSPACE);
+      pp_state.emplace_back(owned, full);
+      owned = full;
+    }
+  }
   std::vector<std::pair<Tensor, Tensor>> tp_state;  // tensor parallel: (this slice's state, whole)
   if (whole) {
     for (auto& [name, local] : optimizer_state.tensors) {
@@ -273,6 +327,10 @@ int train_main(int argc, char** argv) {
   };
   auto save = [&]() -> std::string {
     if (zero == nullptr) {
+      if (pipeline) {  // every rank of every pipeline takes part
+        pp_whole_params();
+        for (auto& [owned, full] : pp_state) pp_state_whole(owned, full);
+      }
       if (whole) {  // every rank of every tp group takes part in staging the whole state
         to_whole(model.params(), whole->params());
         for (auto& [local, w] : tp_state) to_whole(local, w);
@@ -308,6 +366,7 @@ int train_main(int argc, char** argv) {
         to_local(whole->params(), model.params());
         for (auto& [local, w] : tp_state) to_local(w, local);
       }
+      for (auto& [owned, full] : pp_state) pp_state_owned(full, owned);
       trainer.params_loaded();
       model.unpack_scaling_state();
       train_data.restore(loaded->data_state.get<LoaderState>());
@@ -408,6 +467,7 @@ int train_main(int argc, char** argv) {
   }
 
   trainer.gather_params();  // ZeRO-3: the whole model on every rank, to sample
+  if (pipeline) pp_whole_params();  // pipeline parallel: every stage's parameters
   if (whole) to_whole(model.params(), whole->params());  // tensor parallel: the slices put together
   const auto tokenizer = load_tokenizer(config.data.tokenizer);
   std::vector<int32_t> prompt = tokenizer->encode(config.sample.prompt);

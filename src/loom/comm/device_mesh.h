@@ -45,7 +45,6 @@ std::unique_ptr<Communicator> mesh_group(Communicator& world, const DeviceMesh& 
 std::unique_ptr<Communicator> mesh_group(Communicator& world, const DeviceMesh& mesh, const std::vector<std::string>& dims);
 
 // The training mesh pp x dp x cp x tp from the parallel.* sizes (dp = 0: the ranks left).
-// Pipeline parallel sizes above 1 are refused until loom train runs them.
 DeviceMesh training_mesh(int world, int dp, int tp, int pp, int cp);
 
 }  // namespace loom

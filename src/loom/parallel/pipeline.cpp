@@ -131,6 +131,31 @@ void PipelineRunner::backward(const PipeAction& a) {
   }
 }
 
+double PipelineRunner::evaluate(BatchSource& data, int64_t batches) {
+  const int rank = pp_.rank(), S = schedule_.model_stages();
+  double sum = 0.0;
+  loss_sum_ = 0.0;
+  for (int64_t i = 0; i < batches; ++i) {
+    ActivationStore& first = stores_[0][0];
+    data.fill(first.tokens, first.targets);
+    for (size_t c = 1; c < stores_.size(); ++c) {
+      model_.backend().copy(first.tokens, stores_[c][0].tokens);
+      model_.backend().copy(first.targets, stores_[c][0].targets);
+    }
+    for (int s = 0; s < S; ++s) {
+      if (schedule_.rank_of(s) != rank) continue;
+      forward(PipeAction{schedule_.chunk_of(s), 0, PIPE_F});
+    }
+    for (auto& w : sends_) w->wait();
+    sends_.clear();
+  }
+  sum = loss_sum_;
+  loss_sum_ = 0.0;
+  loss_.data<double>()[0] = sum;
+  pp_.all_reduce(loss_);  // only the last stage's rank holds the losses
+  return batches > 0 ? loss_.data<double>()[0] / static_cast<double>(batches) : 0.0;
+}
+
 double PipelineRunner::run(BatchSource& data, float loss_weight) {
   loss_weight_ = loss_weight;
   loss_sum_ = busy_ = idle_ = 0.0;

@@ -38,6 +38,9 @@ class PipelineRunner {
   // micro-batch's loss weighted by loss_weight, and returns the sum of the micro-batch losses
   // (on every rank). Gradients accumulate into the model's buffer for this rank's stages.
   double run(BatchSource& data, float loss_weight);
+  // The mean loss of `batches` micro-batches from data, forward only, one at a time through the
+  // stages (evaluation: no schedule), on every rank.
+  double evaluate(BatchSource& data, int64_t batches);
 
   const PipeSchedule& schedule() const { return schedule_; }
   Communicator& comm() const { return pp_; }

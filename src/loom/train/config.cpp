@@ -113,6 +113,8 @@ std::vector<Binding> bindings(LoomConfig& c) {
       {"parallel.cp", &c.parallel.cp},
       {"parallel.sequence_parallel", &c.parallel.sequence_parallel},
       {"parallel.cp_attention", &c.parallel.cp_attention},
+      {"parallel.schedule", &c.parallel.schedule},
+      {"parallel.virtual_stages", &c.parallel.virtual_stages},
       {"parallel.bucket_mb", &c.parallel.bucket_mb},
       {"parallel.overlap", &c.parallel.overlap},
       {"parallel.zero_stage", &c.parallel.zero_stage},

@@ -47,6 +47,8 @@ struct ParallelConfig {
   int64_t tp = 1, pp = 1, cp = 1;  // tensor, pipeline, context parallel sizes (comm/device_mesh.h)
   bool sequence_parallel = false;  // with tp > 1: norms and the residual stream on sequence shards
   std::string cp_attention = "ring";  // with cp > 1: ring | ulysses
+  std::string schedule = "1f1b";      // with pp > 1: gpipe | 1f1b | interleaved | zb-h1 (micro-batches: train.grad_accum)
+  int64_t virtual_stages = 1;         // model chunks per pipeline rank (interleaved: >= 2)
   double bucket_mb = 25.0;  // DDP gradient bucket size (PyTorch's bucket_cap_mb)
   bool overlap = true;      // start each bucket's all-reduce during backward
   int64_t zero_stage = 0;   // 0: DDP; 1, 2, 3: ZeRO (optimizer state; + gradients; + parameters sharded)

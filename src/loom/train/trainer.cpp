@@ -256,6 +256,11 @@ void Trainer::restore(int64_t step, int64_t optimizer_steps) {
 double Trainer::evaluate(BatchSource& data, int64_t batches) {
   model_.sync_weight_copy();
   model_.set_recording(false);
+  if (pipeline_ != nullptr) {
+    const double loss = pipeline_->evaluate(data, batches);
+    model_.set_recording(true);
+    return loss;
+  }
   double sum = 0.0;
   for (int64_t i = 0; i < batches; ++i) {
     data.fill(store_.tokens, store_.targets);
