@@ -43,6 +43,7 @@ Curve single(const ModelConfig& config, int64_t batch, const char* optimizer) {
 struct Layout {
   int dp = 1, tp = 1, pp = 2;
   const char* schedule = "1f1b";
+  bool sequence_parallel = false;
 };
 
 Curve parallel(Communicator& world, const ModelConfig& config, const Layout& lay, int64_t batch, const char* optimizer,
@@ -59,7 +60,7 @@ Curve parallel(Communicator& world, const ModelConfig& config, const Layout& lay
   tp_copy(config, whole.params(), local, model.params(), tp->rank(), lay.tp, true);
   if (lay.tp > 1) {
     const VocabRange v = tp_vocab_range(config, tp->rank(), lay.tp);
-    model.set_tensor_parallel(tp.get(), v.begin, v.valid);
+    model.set_tensor_parallel(tp.get(), v.begin, v.valid, lay.sequence_parallel);
   }
   const int chunks = std::string(lay.schedule) == "interleaved" ? 2 : 1;
   PipelineRunner runner(model, *pp, make_pipe_schedule(lay.schedule, lay.pp, kMicro, chunks), batch, 16);
@@ -77,13 +78,15 @@ Curve parallel(Communicator& world, const ModelConfig& config, const Layout& lay
     busy += runner.busy_seconds(), idle += runner.idle_seconds();
     // Point-to-point bytes per step: every micro-batch's (B, T, C) activation leaves each of this
     // rank's stages but the last, and its gradient each of its stages but the first.
+    // (Under sequence parallelism (B, T/tp, C).)
     const PipeSchedule& sched = runner.schedule();
     int64_t messages = 0;
     for (int chunk = 0; chunk < sched.virtual_chunks; ++chunk) {
       const int stage = sched.stage_of(pp->rank(), chunk);
       messages += (stage + 1 < sched.model_stages() ? 1 : 0) + (stage > 0 ? 1 : 0);
     }
-    EXPECT_EQ(pp->ledger().sent[COLL_SEND_RECV], messages * kMicro * batch * 16 * config.d_model * 4) << "step " << s;
+    const int64_t positions = 16 / (lay.sequence_parallel ? lay.tp : 1);  // sequence parallel: the rank's shard
+    EXPECT_EQ(pp->ledger().sent[COLL_SEND_RECV], messages * kMicro * batch * positions * config.d_model * 4) << "step " << s;
     // Each stage's gradients (counted once), the tensor slices put back, summed over the groups.
     Tensor mine = Tensor::zeros(backend->allocator(), {model.grads().numel()}, DTYPE_F32, MEM_WORKSPACE);
     for (const auto& [b, e] : runner.norm_ranges()) backend->copy(model.grads().view(b, {e - b}), mine.view(b, {e - b}));
@@ -120,8 +123,9 @@ void check(Communicator& world, const ModelConfig& config, const Layout& lay, co
       EXPECT_LT(std::sqrt(diff / norm), 1e-5) << preset << " " << lay.schedule << " gradient, step " << s;
     }
     if (world.rank() == 0) {
-      std::printf("%s dp=%d x tp=%d x pp=%d %s, %s: worst loss rel diff %.2e, gradient %.2e; measured idle %.0f%% of rank 0's step\n",
-                  preset, lay.dp, lay.tp, lay.pp, lay.schedule, optimizer, worst_loss, worst_grad, 100 * idle);
+      std::printf("%s dp=%d x tp=%d%s x pp=%d %s, %s: worst loss rel diff %.2e, gradient %.2e; measured idle %.0f%% of rank 0's step\n",
+                  preset, lay.dp, lay.tp, lay.sequence_parallel ? "+sp" : "", lay.pp, lay.schedule, optimizer, worst_loss,
+                  worst_grad, 100 * idle);
     }
   }
 }
@@ -134,13 +138,14 @@ TEST(MpiPipeline, EveryScheduleReproducesTheSingleProcessRun) {
     check(*world, four_layers("gpt2-tiny"), {n / 2, 1, 2, schedule}, "gpt2-tiny");  // np 4: dp = 2 x pp = 2
   }
   check(*world, four_layers("llama-tiny"), {1, n / 2, 2, "1f1b"}, "llama-tiny");  // np 4: tp = 2 x pp = 2
+  if (n == 4) check(*world, four_layers("gpt2-tiny"), {1, 2, 2, "zb-h1", true}, "gpt2-tiny");  // tp = 2 + sp x pp = 2
 }
 
 TEST(MpiPipeline, ThreeDimensionsDp2Tp2Pp2) {
   auto world = make_mpi_communicator();
   if (world->size() != 8) GTEST_SKIP() << "runs under np 8";
   check(*world, four_layers("gpt2-tiny"), {2, 2, 2, "1f1b"}, "gpt2-tiny");
-  check(*world, four_layers("llama-tiny"), {2, 2, 2, "zb-h1"}, "llama-tiny");
+  check(*world, four_layers("llama-tiny"), {2, 2, 2, "zb-h1", true}, "llama-tiny");  // with sequence parallel
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "commands.h"
+#include "loom/comm/communicator.h"
 
 namespace {
 
@@ -41,6 +42,8 @@ int main(int argc, char** argv) {
     return 2;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "loom %s: error: %s\n", command.c_str(), e.what());
+    std::fflush(stderr);
+    loom::abort_other_ranks(1);  // under mpirun the peers would otherwise wait for this rank forever
     return 1;
   }
 }

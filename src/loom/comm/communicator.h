@@ -123,5 +123,8 @@ std::unique_ptr<Communicator> make_local_communicator();
 std::unique_ptr<Communicator> make_mpi_communicator();
 // True when the process was started by mpirun (OMPI_COMM_WORLD_SIZE / PMI_SIZE set).
 bool launched_by_mpirun();
+// After a rank's fatal error: when MPI runs with more than one rank, ends the whole job
+// (MPI_Abort with `code`) instead of leaving the other ranks blocked in a collective; else nothing.
+void abort_other_ranks(int code);
 
 }  // namespace loom

@@ -224,6 +224,15 @@ class MpiCommunicator final : public Communicator {
 
 }  // namespace
 
+void abort_other_ranks(int code) {
+  int initialized = 0, finalized = 0, size = 1;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  if (!initialized || finalized) return;
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  if (size > 1) MPI_Abort(MPI_COMM_WORLD, code);
+}
+
 std::unique_ptr<Communicator> make_mpi_communicator() {
   MpiRuntime::get();
   return std::make_unique<MpiCommunicator>(MPI_COMM_WORLD);

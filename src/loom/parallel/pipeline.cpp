@@ -53,7 +53,8 @@ PipelineRunner::PipelineRunner(Transformer& model, Communicator& pp, PipeSchedul
     const auto [first, last] = layers_[static_cast<size_t>(schedule_.stage_of(rank, c))];
     for (int i = 0; i < m; ++i) {
       stores_[c].push_back(model.allocate_stage_store(batch, seq_len, first, last, schedule_.split_backward));
-      grad_out_[c].push_back(first > 0 ? Tensor::empty(model.backend().allocator(), {batch, seq_len, model.config().d_model},
+      // d(stage input) has the stage gradient's shape (1/tp of the sequence under sequence parallel).
+      grad_out_[c].push_back(first > 0 ? Tensor::empty(model.backend().allocator(), model.stage_grad(batch, seq_len).shape(),
                                                        DTYPE_F32, MEM_COMMUNICATION)
                                        : Tensor{});
     }
