@@ -174,8 +174,7 @@ int train_main(int argc, char** argv) {
     dp = reduce = dp_comm.get();
   }
   if (pp_size > 1) {  // pipeline parallel: each rank runs and updates its stages (parallel/pipeline.h)
-    LOOM_CHECK(cp_size == 1 && config.parallel.zero_stage == 0, "parallel.pp > 1 with parallel.cp > 1 or "
-               "parallel.zero_stage > 0 is not supported yet");
+    LOOM_CHECK(config.parallel.zero_stage == 0, "parallel.pp > 1 with parallel.zero_stage > 0 is not supported yet");
     pp_comm = mesh_group(*comm, mesh, "pp");
   }
   if (cp_size > 1) {

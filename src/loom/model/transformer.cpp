@@ -244,7 +244,11 @@ double Transformer::forward_stage(ActivationStore& s, int64_t first, int64_t las
     } else if (tp_ != nullptr) {  // vocabulary-parallel embedding, then g (all-reduce), then positions
       vocab_parallel_embedding_forward(s.tokens, embed_w, vocab_.begin, vocab_.valid, x0);
       tp_->all_reduce(x0);
-      if (pos_w.defined()) add_positions(x0, pos_w);
+      if (pos_w.defined() && cp_.comm != nullptr) {
+        for_each_chunk(x0, [&](const Tensor& rows, int64_t start) { add_positions(rows, pos_w, start); });
+      } else if (pos_w.defined()) {
+        add_positions(x0, pos_w);
+      }
     } else if (cp_.comm != nullptr) {  // positions of this rank's two chunks
       backend_.embedding_forward(s.tokens, embed_w, nullptr, x0);
       if (pos_w.defined()) for_each_chunk(x0, [&](const Tensor& rows, int64_t start) { add_positions(rows, pos_w, start); });
@@ -308,7 +312,7 @@ void Transformer::set_tensor_parallel(Communicator* tp, int64_t vocab_begin, int
 
 void Transformer::set_context_parallel(Communicator* cp, bool ulysses) {
   LOOM_CHECK(scratch_tokens_ == 0, "set_context_parallel must come before the activation stores are allocated");
-  LOOM_CHECK(cp == nullptr || tp_ == nullptr, "context parallel with tensor parallel is not supported yet");
+  LOOM_CHECK(cp == nullptr || !sp_, "context parallel with sequence parallel is not supported yet");
   cp_ = ContextParallel{};
   cp_.comm = cp;
   cp_.ulysses = ulysses;
@@ -415,7 +419,11 @@ void Transformer::backward_stage(ActivationStore& s, int64_t first, int64_t last
     if (d_pos_w.defined()) positions_backward(d_res, d_pos_w, tp_->rank() * d_res.dim(1));
   } else if (tp_ != nullptr) {
     vocab_parallel_embedding_backward(s.tokens, d_res, d_embed_w, vocab_.begin, vocab_.valid);
-    if (d_pos_w.defined()) positions_backward(d_res, d_pos_w);
+    if (d_pos_w.defined() && cp_.comm != nullptr) {
+      for_each_chunk(d_res, [&](const Tensor& rows, int64_t start) { positions_backward(rows, d_pos_w, start); });
+    } else if (d_pos_w.defined()) {
+      positions_backward(d_res, d_pos_w);
+    }
   } else if (cp_.comm != nullptr) {
     backend_.embedding_backward(s.tokens, d_res, d_embed_w, nullptr);
     if (d_pos_w.defined()) {

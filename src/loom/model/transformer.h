@@ -104,7 +104,9 @@ class Transformer {
   double forward_stage(ActivationStore& store, int64_t first, int64_t last, bool compute_loss = true);
   void backward_stage(ActivationStore& store, int64_t first, int64_t last, float loss_weight, BackwardPart part,
                       const std::function<void(int64_t)>& ready = {});
-  Tensor stage_grad(int64_t batch, int64_t seq_len) const;  // (B,T,C)
+  // (B, T, C) for a store of (batch, seq_len) (store.batch, store.seq_len): the positions this
+  // rank holds of the residual stream (1/tp of seq_len under sequence parallel).
+  Tensor stage_grad(int64_t batch, int64_t seq_len) const;
   // Parameter use hooks of forward() and backward() (not of forward_decode); empty: none.
   void set_param_use_hooks(ParamUseHooks hooks) { hooks_ = std::move(hooks); }
   // The flat ranges [begin, end) of each unit the hooks name: [unit] -> ranges.

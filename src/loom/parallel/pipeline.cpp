@@ -54,8 +54,10 @@ PipelineRunner::PipelineRunner(Transformer& model, Communicator& pp, PipeSchedul
     for (int i = 0; i < m; ++i) {
       stores_[c].push_back(model.allocate_stage_store(batch, seq_len, first, last, schedule_.split_backward));
       // d(stage input) has the stage gradient's shape (1/tp of the sequence under sequence parallel).
-      grad_out_[c].push_back(first > 0 ? Tensor::empty(model.backend().allocator(), model.stage_grad(batch, seq_len).shape(),
-                                                       DTYPE_F32, MEM_COMMUNICATION)
+      const ActivationStore& store = stores_[c].back();
+      grad_out_[c].push_back(first > 0 ? Tensor::empty(model.backend().allocator(),
+                                                       model.stage_grad(store.batch, store.seq_len).shape(), DTYPE_F32,
+                                                       MEM_COMMUNICATION)
                                        : Tensor{});
     }
     for (int64_t l = first; l < last; ++l) {
@@ -105,7 +107,7 @@ void PipelineRunner::backward(const PipeAction& a) {
   const int rank = pp_.rank(), s = schedule_.stage_of(rank, a.chunk);
   const auto [first, last] = layers_[static_cast<size_t>(s)];
   ActivationStore& store = stores_[a.chunk][a.micro];
-  const Tensor grad = model_.stage_grad(batch_, seq_len_);
+  const Tensor grad = model_.stage_grad(store.batch, store.seq_len);
   if (a.op == PIPE_W) {
     const double t = now();
     model_.backward_stage(store, first, last, loss_weight_, BACKWARD_WEIGHT);
