@@ -348,7 +348,7 @@ int main(int argc, char** argv) {
       for (const std::string& kind : kinds) {
         const int v = kind == "interleaved" ? args.chunks : 1;
         if (cost_table.count(v) != 0) continue;
-        const auto split = pipeline_layer_split(config.n_layer, P * v);  // throws naming parallel.pp if too few layers
+        const auto split = pipeline_stage_split(config, P * v, args.seq);  // the runner's split; throws naming parallel.pp if too few layers
         cost_table[v] = world->rank() == 0 ? time_stages(model, split, args, timing_data) : std::vector<StageCosts>{};
       }
       world->barrier();

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "loom/core/error.h"
+#include "loom/parallel/pipeline.h"
 #include "loom/parallel/pipeline_schedule.h"
 #include "test_util.h"
 
@@ -236,6 +237,42 @@ TEST(PipeSchedule, OneLineErrorsNameTheKey) {
   expect_error([] { make_pipe_schedule("1f1b", 4, 8, 2); }, "parallel.virtual_stages = 2");
   expect_error([] { make_pipe_schedule("gpipe", 4, 8, 0); }, "parallel.virtual_stages = 0");
   expect_error([] { make_pipe_schedule("1f1b", 1 << 13, 1 << 12); }, "parallel.pp x parallel.micro_batches");
+}
+
+}  // namespace
+}  // namespace loom
+
+namespace loom {
+namespace {
+
+// The cost-balanced split: the smallest possible largest stage cost (against every contiguous
+// split, enumerated), even without end costs, and a large head (GPT-2's 50257-token vocabulary)
+// moves layers off the last stage.
+TEST(PipeSchedule, StageSplitMinimisesTheLargestStageCost) {
+  const auto largest = [](const std::vector<std::pair<int64_t, int64_t>>& split, double first, double last) {
+    double worst = 0.0;
+    for (size_t s = 0; s < split.size(); ++s) {
+      worst = std::max(worst, static_cast<double>(split[s].second - split[s].first) + (s == 0 ? first : 0.0) +
+                                  (s + 1 == split.size() ? last : 0.0));
+    }
+    return worst;
+  };
+  EXPECT_EQ(pipeline_layer_split(5, 2), (std::vector<std::pair<int64_t, int64_t>>{{0, 3}, {3, 5}}));
+  EXPECT_EQ(pipeline_layer_split(8, 4), (std::vector<std::pair<int64_t, int64_t>>{{0, 2}, {2, 4}, {4, 6}, {6, 8}}));
+  for (const double last : {0.0, 1.5, 3.0, 7.0}) {
+    const auto split = pipeline_layer_split(10, 3, 1.0, 0.5, last);
+    ASSERT_EQ(split.front().first, 0);
+    ASSERT_EQ(split.back().second, 10);
+    double best = 1e300;  // every split of 10 layers into 3 non-empty stages: cuts a < b
+    for (int64_t a = 1; a < 10; ++a) {
+      for (int64_t b = a + 1; b < 10; ++b) best = std::min(best, largest({{0, a}, {a, b}, {b, 10}}, 0.5, last));
+    }
+    EXPECT_DOUBLE_EQ(largest(split, 0.5, last), best) << "last stage cost " << last;
+  }
+  ModelConfig gpt2 = model_preset("gpt2-124m");  // 12 layers; the head is ~5 layers' forward FLOPs
+  const auto split = pipeline_stage_split(gpt2, 4, 1024);
+  EXPECT_LT(split.back().second - split.back().first, 3);
+  EXPECT_THROW(pipeline_layer_split(2, 3), Error);
 }
 
 }  // namespace

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <limits>
 
 #include "loom/core/error.h"
 
@@ -24,17 +25,40 @@ void add_range(FlatRanges& ranges, int64_t begin, int64_t end) {
 }
 }  // namespace
 
-std::vector<std::pair<int64_t, int64_t>> pipeline_layer_split(int64_t layers, int stages) {
+std::vector<std::pair<int64_t, int64_t>> pipeline_layer_split(int64_t layers, int stages, double layer_cost,
+                                                              double first_cost, double last_cost) {
   LOOM_CHECK(stages >= 1 && layers >= stages, "parallel.pp x parallel.virtual_stages = ", stages,
              " model stages need at least as many layers; the model has model.n_layer = ", layers);
-  std::vector<std::pair<int64_t, int64_t>> out;
-  int64_t first = 0;
-  for (int s = 0; s < stages; ++s) {
-    const int64_t n = layers / stages + (s < layers % stages ? 1 : 0);
-    out.emplace_back(first, first + n);
-    first += n;
+  // best[s][n]: the smallest possible largest cost when stages 0..s-1 hold the first n layers.
+  const auto S = static_cast<size_t>(stages), L = static_cast<size_t>(layers);
+  const double inf = std::numeric_limits<double>::infinity();
+  std::vector<std::vector<double>> best(S + 1, std::vector<double>(L + 1, inf));
+  std::vector<std::vector<size_t>> cut(S + 1, std::vector<size_t>(L + 1, 0));
+  best[0][0] = 0.0;
+  for (size_t s = 1; s <= S; ++s) {
+    for (size_t n = s; n + (S - s) <= L; ++n) {
+      for (size_t k = n; k-- > s - 1;) {  // stage s-1 holds layers [k, n); ties: more layers early
+        const double cost = static_cast<double>(n - k) * layer_cost + (s == 1 ? first_cost : 0.0) +
+                            (s == S ? last_cost : 0.0);
+        const double worst = std::max(best[s - 1][k], cost);
+        if (worst < best[s][n] - 1e-12 * std::max(1.0, worst)) best[s][n] = worst, cut[s][n] = k;
+      }
+    }
+  }
+  std::vector<std::pair<int64_t, int64_t>> out(S);
+  for (size_t s = S, n = L; s >= 1; --s) {
+    out[s - 1] = {static_cast<int64_t>(cut[s][n]), static_cast<int64_t>(n)};
+    n = cut[s][n];
   }
   return out;
+}
+
+std::vector<std::pair<int64_t, int64_t>> pipeline_stage_split(const ModelConfig& c, int stages, int64_t seq_len) {
+  const double C = static_cast<double>(c.d_model), hd = static_cast<double>(c.head_dim());
+  const double gemm = 2.0 * (C * static_cast<double>(c.qkv_width()) + static_cast<double>(c.n_head) * hd * C +
+                             C * static_cast<double>(c.mlp_in_width()) + static_cast<double>(c.d_ff) * C);
+  const double attention = 4.0 * static_cast<double>(seq_len) * static_cast<double>(c.n_head) * hd;  // QK^T and PV
+  return pipeline_layer_split(c.n_layer, stages, gemm + attention, 0.0, 2.0 * static_cast<double>(c.vocab_size) * C);
 }
 
 PipelineRunner::PipelineRunner(Transformer& model, Communicator& pp, PipeSchedule schedule, int64_t batch,
@@ -45,7 +69,7 @@ PipelineRunner::PipelineRunner(Transformer& model, Communicator& pp, PipeSchedul
              pp.size(), " ranks");
   const int S = schedule_.model_stages(), rank = pp.rank(), v = schedule_.virtual_chunks, m = schedule_.micro;
   const int64_t L = model.config().n_layer;
-  layers_ = pipeline_layer_split(L, S);
+  layers_ = pipeline_stage_split(model.config(), S, seq_len);
   const auto units = model.param_units();  // [0]: embeddings and final norm / head; [l + 1]: block l
   stores_.resize(static_cast<size_t>(v));
   grad_out_.resize(static_cast<size_t>(v));

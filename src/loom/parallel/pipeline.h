@@ -24,10 +24,17 @@ namespace loom {
 
 using FlatRanges = std::vector<std::pair<int64_t, int64_t>>;
 
-// Layers [first, last) of each of `stages` model stages: as even as possible, the earlier
-// stages one layer more when they do not divide (throws naming parallel.pp when a stage would
-// be empty).
-std::vector<std::pair<int64_t, int64_t>> pipeline_layer_split(int64_t layers, int stages);
+// Layers [first, last) of each of `stages` model stages, balanced by cost: the contiguous split
+// that minimises the largest stage cost, a stage costing its layers (layer_cost each) plus
+// first_cost on stage 0 (the embedding) and last_cost on the last (final norm, head, loss);
+// among equal splits, earlier stages take more layers. Exact, by dynamic programming over (stage,
+// layers so far). With no end costs the layers are split as evenly as possible. Throws naming
+// parallel.pp when a stage would be empty.
+std::vector<std::pair<int64_t, int64_t>> pipeline_layer_split(int64_t layers, int stages, double layer_cost = 1.0,
+                                                              double first_cost = 0.0, double last_cost = 0.0);
+// The split of `config`'s layers by estimated forward FLOPs per token: a block's weight GEMMs
+// and attention at seq_len, the head's 2 V C.
+std::vector<std::pair<int64_t, int64_t>> pipeline_stage_split(const ModelConfig& config, int stages, int64_t seq_len);
 
 class PipelineRunner {
  public:
