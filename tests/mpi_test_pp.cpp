@@ -159,6 +159,30 @@ TEST(MpiPipeline, EveryScheduleReproducesTheSingleProcessRun) {
   }
 }
 
+// The runner keeps only the micro-batches a schedule has live at once: GPipe all m on every
+// rank, 1F1B min(p - rank, m) (the simulator's peak_live), measured as activation bytes.
+TEST(MpiPipeline, ActivationStoresFollowTheSchedulesPeak) {
+  auto world = make_mpi_communicator();
+  if (world->size() != 2) GTEST_SKIP() << "runs under np 2";
+  const ModelConfig config = four_layers("gpt2-tiny");
+  int64_t bytes[2] = {0, 0};
+  const char* kinds[2] = {"gpipe", "1f1b"};
+  for (int k = 0; k < 2; ++k) {
+    auto backend = make_cpu_backend();
+    Transformer model(*backend, config);
+    const PipeSchedule schedule = make_pipe_schedule(kinds[k], 2, kMicro);
+    PipelineRunner runner(model, *world, schedule, 2, 16);
+    bytes[k] = static_cast<int64_t>(backend->allocator().tracker().current(MEM_ACTIVATIONS));
+    EXPECT_EQ(simulate(schedule, PipeCosts{}).peak_live[static_cast<size_t>(world->rank())], k == 0 ? kMicro : 2 - world->rank());
+  }
+  // Per micro-batch store the same bytes: GPipe holds kMicro of them, 1F1B 2 - rank.
+  EXPECT_EQ(bytes[0] * (2 - world->rank()), bytes[1] * kMicro);
+  if (world->rank() == 0) {
+    std::printf("pp=2, m=%d, rank 0 activation bytes: gpipe %lld, 1f1b %lld\n", kMicro, static_cast<long long>(bytes[0]),
+                static_cast<long long>(bytes[1]));
+  }
+}
+
 TEST(MpiPipeline, ThreeDimensionsDp2Tp2Pp2) {
   auto world = make_mpi_communicator();
   if (world->size() != 8) GTEST_SKIP() << "runs under np 8";

@@ -71,18 +71,36 @@ PipelineRunner::PipelineRunner(Transformer& model, Communicator& pp, PipeSchedul
   const int64_t L = model.config().n_layer;
   layers_ = pipeline_stage_split(model.config(), S, seq_len);
   const auto units = model.param_units();  // [0]: embeddings and final norm / head; [l + 1]: block l
+  // Each chunk keeps as many activation stores as the schedule ever has micro-batches live on it
+  // (from F to B, or to W when the backward is split): GPipe m, 1F1B at most p - rank.
+  std::vector<int> live(static_cast<size_t>(v), 0), peak(static_cast<size_t>(v), 0);
+  for (const PipeAction& a : schedule_.per_rank[static_cast<size_t>(rank)]) {
+    if (a.op == PIPE_F) peak[a.chunk] = std::max(peak[a.chunk], ++live[a.chunk]);
+    if (a.op == (schedule_.split_backward ? PIPE_W : PIPE_B)) --live[a.chunk];
+  }
   stores_.resize(static_cast<size_t>(v));
   grad_out_.resize(static_cast<size_t>(v));
+  slot_.assign(static_cast<size_t>(v), std::vector<int>(static_cast<size_t>(m), -1));
+  pending_.resize(static_cast<size_t>(v));
   for (int c = 0; c < v; ++c) {
     const auto [first, last] = layers_[static_cast<size_t>(schedule_.stage_of(rank, c))];
-    for (int i = 0; i < m; ++i) {
+    for (int k = 0; k < std::max(1, peak[c]); ++k) {
       stores_[c].push_back(model.allocate_stage_store(batch, seq_len, first, last, schedule_.split_backward));
+      pending_[c].emplace_back();
+    }
+    const ActivationStore& store = stores_[c].back();
+    for (int i = 0; i < m; ++i) {
       // d(stage input) has the stage gradient's shape (1/tp of the sequence under sequence parallel).
-      const ActivationStore& store = stores_[c].back();
       grad_out_[c].push_back(first > 0 ? Tensor::empty(model.backend().allocator(),
                                                        model.stage_grad(store.batch, store.seq_len).shape(), DTYPE_F32,
                                                        MEM_COMMUNICATION)
                                        : Tensor{});
+    }
+    if (c == 0) {  // every micro-batch's tokens and targets, drawn at the start of a step
+      for (int i = 0; i < m; ++i) {
+        tokens_.push_back(Tensor::empty(model.backend().allocator(), store.tokens.shape(), DTYPE_I32, MEM_WORKSPACE));
+        targets_.push_back(Tensor::empty(model.backend().allocator(), store.targets.shape(), DTYPE_I32, MEM_WORKSPACE));
+      }
     }
     for (int64_t l = first; l < last; ++l) {
       for (const auto& [b, e] : units[static_cast<size_t>(l + 1)]) add_range(owned_, b, e);
@@ -104,14 +122,37 @@ int PipelineRunner::tag(int direction, int stage, int micro) const {
   return (direction * schedule_.model_stages() + stage) * schedule_.micro + micro;
 }
 
+int PipelineRunner::acquire(int chunk, int micro) {
+  std::vector<bool> used(stores_[chunk].size(), false);
+  for (int slot : slot_[chunk]) {
+    if (slot >= 0) used[static_cast<size_t>(slot)] = true;
+  }
+  const auto free = std::find(used.begin(), used.end(), false);
+  LOOM_CHECK(free != used.end(), "pipeline: no free activation store on chunk ", chunk, " for micro-batch ", micro);
+  const int slot = static_cast<int>(free - used.begin());
+  if (pending_[chunk][slot]) pending_[chunk][slot]->wait();  // its last output has left
+  pending_[chunk][slot].reset();
+  slot_[chunk][micro] = slot;
+  return slot;
+}
+
+ActivationStore& PipelineRunner::store_of(int chunk, int micro) {
+  const int slot = slot_[chunk][micro];
+  LOOM_CHECK(slot >= 0, "pipeline: micro-batch ", micro, " has no activations on chunk ", chunk);
+  return stores_[chunk][slot];
+}
+
 void PipelineRunner::forward(const PipeAction& a) {
   const int rank = pp_.rank(), s = schedule_.stage_of(rank, a.chunk);
   const auto [first, last] = layers_[static_cast<size_t>(s)];
-  ActivationStore& store = stores_[a.chunk][a.micro];
+  const int slot = acquire(a.chunk, a.micro);
+  ActivationStore& store = stores_[a.chunk][slot];
+  model_.backend().copy(tokens_[a.micro], store.tokens);
+  model_.backend().copy(targets_[a.micro], store.targets);
   if (s > 0) {  // the previous stage's output
     const int from = schedule_.rank_of(s - 1);
     if (from == rank) {
-      model_.backend().copy(stores_[schedule_.chunk_of(s - 1)][a.micro].blocks[first].input, store.blocks[first].input);
+      model_.backend().copy(store_of(schedule_.chunk_of(s - 1), a.micro).blocks[first].input, store.blocks[first].input);
     } else {
       const double t = now();
       pp_.recv(store.blocks[first].input, from, tag(0, s, a.micro));
@@ -123,19 +164,22 @@ void PipelineRunner::forward(const PipeAction& a) {
   busy_ += now() - t;
   if (last == model_.config().n_layer) loss_sum_ += loss;
   if (s + 1 < schedule_.model_stages() && schedule_.rank_of(s + 1) != rank) {
-    sends_.push_back(pp_.send_async(store.blocks[last].input, schedule_.rank_of(s + 1), tag(0, s + 1, a.micro)));
+    pending_[a.chunk][slot] = pp_.send_async(store.blocks[last].input, schedule_.rank_of(s + 1), tag(0, s + 1, a.micro));
   }
 }
+
+void PipelineRunner::release(int chunk, int micro) { slot_[chunk][micro] = -1; }
 
 void PipelineRunner::backward(const PipeAction& a) {
   const int rank = pp_.rank(), s = schedule_.stage_of(rank, a.chunk);
   const auto [first, last] = layers_[static_cast<size_t>(s)];
-  ActivationStore& store = stores_[a.chunk][a.micro];
+  ActivationStore& store = store_of(a.chunk, a.micro);
   const Tensor grad = model_.stage_grad(store.batch, store.seq_len);
   if (a.op == PIPE_W) {
     const double t = now();
     model_.backward_stage(store, first, last, loss_weight_, BACKWARD_WEIGHT);
     busy_ += now() - t;
+    release(a.chunk, a.micro);
     return;
   }
   if (s + 1 < schedule_.model_stages()) {  // d(output) from the next stage
@@ -156,6 +200,18 @@ void PipelineRunner::backward(const PipeAction& a) {
     model_.backend().copy(grad, out);
     if (schedule_.rank_of(s - 1) != rank) sends_.push_back(pp_.send_async(out, schedule_.rank_of(s - 1), tag(1, s - 1, a.micro)));
   }
+  if (!schedule_.split_backward) release(a.chunk, a.micro);
+}
+
+void PipelineRunner::wait_sends() {
+  for (auto& w : sends_) w->wait();
+  sends_.clear();
+  for (auto& chunk : pending_) {
+    for (auto& w : chunk) {
+      if (w) w->wait();
+      w.reset();
+    }
+  }
 }
 
 double PipelineRunner::evaluate(BatchSource& data, int64_t batches) {
@@ -163,18 +219,14 @@ double PipelineRunner::evaluate(BatchSource& data, int64_t batches) {
   double sum = 0.0;
   loss_sum_ = 0.0;
   for (int64_t i = 0; i < batches; ++i) {
-    ActivationStore& first = stores_[0][0];
-    data.fill(first.tokens, first.targets);
-    for (size_t c = 1; c < stores_.size(); ++c) {
-      model_.backend().copy(first.tokens, stores_[c][0].tokens);
-      model_.backend().copy(first.targets, stores_[c][0].targets);
+    data.fill(tokens_[0], targets_[0]);
+    for (int s = 0; s < S; ++s) {
+      if (schedule_.rank_of(s) == rank) forward(PipeAction{schedule_.chunk_of(s), 0, PIPE_F});
     }
     for (int s = 0; s < S; ++s) {
-      if (schedule_.rank_of(s) != rank) continue;
-      forward(PipeAction{schedule_.chunk_of(s), 0, PIPE_F});
+      if (schedule_.rank_of(s) == rank) release(schedule_.chunk_of(s), 0);
     }
-    for (auto& w : sends_) w->wait();
-    sends_.clear();
+    wait_sends();
   }
   sum = loss_sum_;
   loss_sum_ = 0.0;
@@ -186,21 +238,13 @@ double PipelineRunner::evaluate(BatchSource& data, int64_t batches) {
 double PipelineRunner::run(BatchSource& data, float loss_weight) {
   loss_weight_ = loss_weight;
   loss_sum_ = busy_ = idle_ = 0.0;
-  for (int i = 0; i < schedule_.micro; ++i) {  // the micro-batches, in the one-process order
-    ActivationStore& first = stores_[0][i];
-    data.fill(first.tokens, first.targets);
-    for (size_t c = 1; c < stores_.size(); ++c) {
-      model_.backend().copy(first.tokens, stores_[c][i].tokens);
-      model_.backend().copy(first.targets, stores_[c][i].targets);
-    }
-  }
+  for (int i = 0; i < schedule_.micro; ++i) data.fill(tokens_[i], targets_[i]);  // in the one-process order
   for (const PipeAction& a : schedule_.per_rank[static_cast<size_t>(pp_.rank())]) {
     if (a.op == PIPE_F) forward(a);
     else backward(a);
   }
   const double t = now();
-  for (auto& w : sends_) w->wait();
-  sends_.clear();
+  wait_sends();
   if (tied_.second > tied_.first && pp_.size() > 1) {  // the embedding's and the head's gradient parts
     pp_.all_reduce(model_.grads().view(tied_.first, {tied_.second - tied_.first}));
   }

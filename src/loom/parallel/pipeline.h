@@ -63,13 +63,20 @@ class PipelineRunner {
   int tag(int direction, int stage, int micro) const;
   void forward(const PipeAction& a);
   void backward(const PipeAction& a);
+  int acquire(int chunk, int micro);          // a free store for the micro-batch's F
+  void release(int chunk, int micro);         // after its B (or W)
+  ActivationStore& store_of(int chunk, int micro);
+  void wait_sends();
 
   Transformer& model_;
   Communicator& pp_;
   PipeSchedule schedule_;
   int64_t batch_, seq_len_;
   std::vector<std::pair<int64_t, int64_t>> layers_;  // [model stage] layer range
-  std::vector<std::vector<ActivationStore>> stores_;  // [chunk][micro]
+  std::vector<std::vector<ActivationStore>> stores_;  // [chunk][slot]: the schedule's peak live micro-batches
+  std::vector<std::vector<int>> slot_;                // [chunk][micro] its store while live, else -1
+  std::vector<std::vector<std::unique_ptr<CommWork>>> pending_;  // [chunk][slot] its output's send
+  std::vector<Tensor> tokens_, targets_;              // [micro] drawn at the start of a step
   std::vector<std::vector<Tensor>> grad_out_;         // [chunk][micro] (B,T,C) d(input) being sent
   std::vector<std::unique_ptr<CommWork>> sends_;
   FlatRanges owned_, norm_ranges_;

@@ -56,7 +56,8 @@ Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config, Commu
     : backend_(backend),
       model_(model),
       config_((config.validate(), config)),
-      store_(model.allocate_store(config.batch_size, config.seq_len)),
+      // A pipeline keeps its own stage stores (parallel/pipeline.h).
+      store_(pipeline != nullptr ? ActivationStore{} : model.allocate_store(config.batch_size, config.seq_len)),
       schedule_(config.schedule),
       optim_params_(loom::optim_params(model.layout(), config.optim.resolved())),
       optimizer_(make_optimizer(backend, model.params(), model.grads(),
