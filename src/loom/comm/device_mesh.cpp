@@ -63,10 +63,7 @@ std::string DeviceMesh::describe() const {
 }
 
 std::unique_ptr<Communicator> mesh_group(Communicator& world, const DeviceMesh& mesh, const std::string& dim) {
-  LOOM_CHECK(world.size() == mesh.world(), "mesh group: the mesh ", mesh.describe(), " has ", mesh.world(),
-             " ranks, the communicator ", world.size());
-  const int r = world.rank();
-  return world.split(mesh.group(r, dim).front(), mesh.coord(r, dim));
+  return mesh_group(world, mesh, std::vector<std::string>{dim});
 }
 
 std::unique_ptr<Communicator> mesh_group(Communicator& world, const DeviceMesh& mesh, const std::vector<std::string>& dims) {

@@ -4,7 +4,6 @@
 
 #include "loom/core/error.h"
 
-#include <cstring>
 #include <string>
 
 namespace loom {
@@ -108,21 +107,6 @@ void Block::set_precision(const PrecisionPolicy& policy, BlockParams params16, L
   fc2_ = LinearLayer(linear_setup(policy, LINEAR_MLP_OUT, true));
 }
 
-namespace {
-// Columns [c0, c0 + w) of every row of a (rows, W) tensor <-> a contiguous (rows, w) one.
-void copy_columns(const Tensor& from, int64_t c0, const Tensor& to, bool into_wide) {
-  const int64_t W = (into_wide ? to : from).dim(-1), w = (into_wide ? from : to).dim(-1);
-  const int64_t rows = from.numel() / from.dim(-1);
-  const float* src = from.data<float>();
-  float* dst = to.data<float>();
-#pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < rows; ++r) {
-    if (into_wide) std::memcpy(dst + r * W + c0, src + r * w, static_cast<size_t>(w) * sizeof(float));
-    else std::memcpy(dst + r * w, src + r * W + c0, static_cast<size_t>(w) * sizeof(float));
-  }
-}
-}  // namespace
-
 void Block::rope(Backend& backend, const Tensor& qkv, bool backward) const {
   const int64_t heads = config_.n_head + config_.n_kv_head, hd = config_.head_dim();
   if (cp_ == nullptr) {
@@ -175,9 +159,9 @@ void Block::attention_backward(Backend& backend, const BlockSaved& s, BlockScrat
     copy_columns(s.qkv, (H + KV) * hd, v, false);
     ring_attention_backward(backend, *cp_->comm, k.d_attn, q, kk, v, s.attn, s.lse, dq, dk, dv, H, KV);
   }
-  copy_columns(dq, 0, k.d_qkv, true);
-  copy_columns(dk, H * hd, k.d_qkv, true);
-  copy_columns(dv, (H + KV) * hd, k.d_qkv, true);
+  copy_columns(k.d_qkv, 0, dq, true);
+  copy_columns(k.d_qkv, H * hd, dk, true);
+  copy_columns(k.d_qkv, (H + KV) * hd, dv, true);
 }
 
 Tensor Block::gathered(const Tensor& shard, int64_t seq_len) const {

@@ -63,7 +63,7 @@ std::vector<std::pair<int64_t, int64_t>> pipeline_stage_split(const ModelConfig&
 
 PipelineRunner::PipelineRunner(Transformer& model, Communicator& pp, PipeSchedule schedule, int64_t batch,
                                int64_t seq_len)
-    : model_(model), pp_(pp), schedule_(std::move(schedule)), batch_(batch), seq_len_(seq_len) {
+    : model_(model), pp_(pp), schedule_(std::move(schedule)) {
   validate_pipe_schedule(schedule_);
   LOOM_CHECK(schedule_.stages == pp.size(), "pipeline schedule for parallel.pp = ", schedule_.stages, " on a group of ",
              pp.size(), " ranks");

@@ -71,7 +71,6 @@ class PipelineRunner {
   Transformer& model_;
   Communicator& pp_;
   PipeSchedule schedule_;
-  int64_t batch_, seq_len_;
   std::vector<std::pair<int64_t, int64_t>> layers_;  // [model stage] layer range
   std::vector<std::vector<ActivationStore>> stores_;  // [chunk][slot]: the schedule's peak live micro-batches
   std::vector<std::vector<int>> slot_;                // [chunk][micro] its store while live, else -1

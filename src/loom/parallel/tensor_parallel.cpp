@@ -31,17 +31,6 @@ void copy_rows(const Tensor& g, int64_t g0, const Tensor& l, int64_t l0, int64_t
   else std::memcpy(gp, lp, bytes);
 }
 
-// Columns [c0, c0 + local cols) of every row.
-void copy_cols(const Tensor& g, int64_t c0, const Tensor& l, bool to_local) {
-  const int64_t rows = g.dim(0), gc = g.dim(1), lc = l.dim(1);
-  for (int64_t i = 0; i < rows; ++i) {
-    float* gp = g.data<float>() + i * gc + c0;
-    float* lp = l.data<float>() + i * lc;
-    if (to_local) std::memcpy(lp, gp, static_cast<size_t>(lc) * sizeof(float));
-    else std::memcpy(gp, lp, static_cast<size_t>(lc) * sizeof(float));
-  }
-}
-
 void copy_whole(const Tensor& g, const Tensor& l, bool to_local) {
   if (!g.defined()) return;
   if (to_local) std::memcpy(l.raw_data(), g.raw_data(), g.nbytes());
@@ -103,13 +92,13 @@ void tp_copy(const ModelConfig& gc, const Tensor& global, const ModelConfig& lc,
       copy_rows(gt, (H + rank * KVl) * hd, lt, Hl * hd, KVl * hd, to_local);                    // key heads
       copy_rows(gt, (H + KV + rank * KVl) * hd, lt, (Hl + KVl) * hd, KVl * hd, to_local);       // value heads
     }
-    copy_cols(g.proj_w, rank * Hl * hd, l.proj_w, to_local);
+    copy_columns(g.proj_w, rank * Hl * hd, l.proj_w, !to_local);
     for (const auto& [gt, lt] : {std::pair{g.fc_w, l.fc_w}, std::pair{g.fc_b, l.fc_b}}) {
       if (!gt.defined()) continue;
       copy_rows(gt, rank * Fl, lt, 0, Fl, to_local);
       if (gc.swiglu()) copy_rows(gt, F + rank * Fl, lt, Fl, Fl, to_local);  // the up half of [gate | up]
     }
-    copy_cols(g.fc2_w, rank * Fl, l.fc2_w, to_local);
+    copy_columns(g.fc2_w, rank * Fl, l.fc2_w, !to_local);
     if (replicated) {
       for (const auto& [gt, lt] : {std::pair{g.norm1_w, l.norm1_w}, std::pair{g.norm1_b, l.norm1_b},
                                    std::pair{g.norm2_w, l.norm2_w}, std::pair{g.norm2_b, l.norm2_b},

@@ -74,7 +74,6 @@ Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config, Commu
     LOOM_CHECK(!optimizer_->keeps_gradients(), "data parallelism is not supported with optim.name = ", optimizer_->name(),
                " (its error feedback lives in the gradient buffer, which the all-reduce would average)");
     comm_ = comm;
-    loss_buffer_ = Tensor::zeros(backend_.allocator(), {1}, DTYPE_F64, MEM_WORKSPACE);
     if (ddp.zero_stage <= 1) {  // gradients all-reduced (stage 1 then shards the update)
       // Sequence parallel sums some gradients over the tp group after backward: the data-parallel
       // reduction then follows it instead of overlapping backward.
@@ -111,7 +110,7 @@ Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config, Commu
     sequence_partial_ = model_.sequence_partial_ranges();
     LOOM_CHECK(sequence_partial_.empty() || !sharded_grads(), "sequence parallel with ZeRO-2/3 is not supported yet");
   }
-  tp_sum_ = Tensor::zeros(backend_.allocator(), {1}, DTYPE_F64, MEM_WORKSPACE);
+  scalar_ = Tensor::zeros(backend_.allocator(), {1}, DTYPE_F64, MEM_WORKSPACE);
   if (model_.precision().master_bf16) {  // no fp32 master: the weights are bf16 values from the start
     round_to_bf16(model_.params().data<float>(), model_.params().numel(), false);
   }
@@ -136,12 +135,12 @@ StepStats Trainer::train_step(BatchSource& data) {
   double loss_sum = 0.0;
   const float loss_scale = scaler_ ? scaler_->scale() : 1.0f;
   const float loss_weight = loss_scale / static_cast<float>(config_.grad_accum);
-  for (int64_t micro = 0; micro < config_.grad_accum && pipeline_ != nullptr; micro = config_.grad_accum) {
+  if (pipeline_ != nullptr) {
     loss_sum = pipeline_->run(data, loss_weight);  // all micro-batches, by the schedule
     LOOM_CHECK(scaler_ || std::isfinite(loss_sum), "loss is ", loss_sum, " at step ", step_,
                "; stopping before the update, the weights are unchanged");
   }
-  for (int64_t micro = 0; micro < config_.grad_accum && pipeline_ == nullptr; ++micro) {
+  for (int64_t micro = 0; pipeline_ == nullptr && micro < config_.grad_accum; ++micro) {
     data.fill(store_.tokens, store_.targets);
     const double loss = model_.forward(store_);
     // With loss scaling a non-finite loss (an fp16 overflow) makes non-finite gradients: skipped.
@@ -164,9 +163,7 @@ StepStats Trainer::train_step(BatchSource& data) {
   if (comm_ != nullptr) {
     if (ddp_) ddp_->finish();
     if (sharded_grads()) zero_->finish();
-    loss_buffer_.data<double>()[0] = loss_sum;
-    comm_->all_reduce(loss_buffer_);
-    loss_sum = loss_buffer_.data<double>()[0] / comm_->size();
+    loss_sum = sum_over(*comm_, loss_sum) / comm_->size();
     LOOM_CHECK(scaler_ || std::isfinite(loss_sum), "loss is ", loss_sum, " at step ", step_,
                " (mean over ranks); stopping before the update, the weights are unchanged");
   }
@@ -187,13 +184,13 @@ StepStats Trainer::train_step(BatchSource& data) {
     // GradScaler: unscale; with inf/NaN gradients skip the step, leaving the weights and the
     // optimizer state as they are (the next step zeroes the gradients).
     stats.skipped = scaler_->unscale(grads.data<float>(), grads.numel());
-    if (sharded_grads()) stats.skipped = sum_over_ranks(stats.skipped ? 1.0 : 0.0) > 0.0;
+    if (sharded_grads()) stats.skipped = sum_over(*comm_, stats.skipped ? 1.0 : 0.0) > 0.0;
     scaler_->update(stats.skipped);
   }
   if (stats.skipped) {
     stats.grad_norm = INFINITY;
   } else {
-    stats.grad_norm = sharded_grads() ? std::sqrt(sum_over_ranks(std::pow(grad_norm(backend_, grads), 2)))
+    stats.grad_norm = sharded_grads() ? std::sqrt(sum_over(*comm_, std::pow(grad_norm(backend_, grads), 2)))
                                       : global_grad_norm(grads);
     LOOM_CHECK(std::isfinite(stats.grad_norm), "gradient norm is ", stats.grad_norm, " at step ", step_,
                "; stopping before the update, the weights are unchanged");
@@ -222,22 +219,16 @@ double Trainer::global_grad_norm(const Tensor& grads) {
         if (lo < hi) replicated += std::pow(grad_norm(backend_, grads.view(lo, {hi - lo})), 2);
       }
     }
-    tp_sum_.data<double>()[0] = sq - replicated;
-    tp_->all_reduce(tp_sum_);
-    sq = std::max(0.0, tp_sum_.data<double>()[0]) + replicated;
+    sq = std::max(0.0, sum_over(*tp_, sq - replicated)) + replicated;
   }
-  if (pipeline_ != nullptr && pipeline_->comm().size() > 1) {  // the stages' parts
-    tp_sum_.data<double>()[0] = sq;
-    pipeline_->comm().all_reduce(tp_sum_);
-    sq = tp_sum_.data<double>()[0];
-  }
+  if (pipeline_ != nullptr && pipeline_->comm().size() > 1) sq = sum_over(pipeline_->comm(), sq);  // the stages' parts
   return std::sqrt(sq);
 }
 
-double Trainer::sum_over_ranks(double x) {
-  loss_buffer_.data<double>()[0] = x;
-  comm_->all_reduce(loss_buffer_);
-  return loss_buffer_.data<double>()[0];
+double Trainer::sum_over(Communicator& group, double x) {
+  scalar_.data<double>()[0] = x;
+  group.all_reduce(scalar_);
+  return scalar_.data<double>()[0];
 }
 
 void Trainer::params_loaded() {

@@ -88,14 +88,13 @@ class Trainer {
   std::unique_ptr<DataParallel> ddp_;
   std::unique_ptr<ZeroSharding> zero_;
   bool sharded_grads() const { return zero_ && zero_->stage() >= 2; }
-  double sum_over_ranks(double x);  // all-reduce of one f64
+  double sum_over(Communicator& group, double x);  // all-reduce of one f64 through scalar_
   PipelineRunner* pipeline_ = nullptr;
   double global_grad_norm(const Tensor& grads);  // over every rank's part (tensor and pipeline parallel)
   Communicator* tp_ = nullptr;      // the model's tensor-parallel group (more than one rank)
   std::vector<std::pair<int64_t, int64_t>> tp_replicated_;  // flat ranges of replicated parameters
   std::vector<std::pair<int64_t, int64_t>> sequence_partial_;  // sequence parallel: summed over tp once a step
-  Tensor tp_sum_;                   // (1) f64
-  Tensor loss_buffer_;  // (1) f64: the step's loss, averaged over ranks
+  Tensor scalar_;  // (1) f64: the loss, flags and norms summed over a group
   int64_t step_ = 0;
 };
 
