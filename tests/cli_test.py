@@ -117,19 +117,24 @@ class Cli(unittest.TestCase):
             return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
-    def losses(self, name: str) -> list[float]:
+    def losses(self, name: str, key: str = "loss") -> list[float]:
         with open(os.path.join(self.tmp, "runs", name, "metrics.jsonl")) as f:
-            return [r["loss"] for r in map(json.loads, f) if "loss" in r]
+            return [r[key] for r in map(json.loads, f) if key in r]
+
+    def assert_same_curve(self, reference: str, name: str, steps: int | None, key: str = "loss"):
+        """Run `name`'s values of `key` equal `reference`'s within 1e-5 relative (and number `steps`)."""
+        ref, other = self.losses(reference, key), self.losses(name, key)
+        if steps is not None:
+            self.assertEqual((len(ref), len(other)), (steps, steps), (reference, name))
+        for a, b in zip(ref, other):
+            self.assertLess(abs(a - b) / a, 1e-5, (name, key, ref, other))
 
     def test_mpirun_data_parallel_matches_one_process(self):
         self.train("dp_single", "--set", "train.batch_size=4,train.checkpoint_every=0", steps=6)
         p = self.mpirun(2, "dp_two", "--set", "train.batch_size=2,train.checkpoint_every=0")
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
         self.assertIn("data parallel: 2 ranks", p.stdout)
-        single, two = self.losses("dp_single"), self.losses("dp_two")
-        self.assertEqual(len(single), 6)
-        for a, b in zip(single, two):
-            self.assertLess(abs(a - b) / a, 1e-5, (single, two))
+        self.assert_same_curve("dp_single", "dp_two", 6)
         with open(os.path.join(self.tmp, "runs", "dp_two", "logs", "rank1.log")) as f:
             self.assertIn("data parallel", f.read())  # rank 1 logs to its own file, not stdout
 
@@ -138,10 +143,7 @@ class Cli(unittest.TestCase):
         p = self.mpirun(2, "z_sharded", "--set", "train.batch_size=2,parallel.zero_stage=1", "--stop-at-step", "4", steps=8)
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
         self.train("z_sharded", "--set", "train.batch_size=4", "--resume", steps=8)  # one process, whole state
-        single, resumed = self.losses("z_single"), self.losses("z_sharded")
-        self.assertEqual(len(resumed), 8)
-        for a, b in zip(single, resumed):
-            self.assertLess(abs(a - b) / a, 1e-5, (single, resumed))
+        self.assert_same_curve("z_single", "z_sharded", 8)
         bad = self.mpirun(2, "z_lion", "--set", "optim.name=adafactor,parallel.zero_stage=1", steps=2)
         self.assertNotEqual(bad.returncode, 0)
         self.assertIn("element-wise optimizer", bad.stderr)
@@ -161,12 +163,8 @@ class Cli(unittest.TestCase):
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
         self.assertIn("resumed from", p.stdout)
         self.train("r_shard", "--set", "train.batch_size=4", "--resume", steps=8)
-        single = self.losses("r_single")
         for name in ("r_shard", "r_one"):
-            resumed = self.losses(name)
-            self.assertEqual(len(resumed), 8)
-            for a, b in zip(single, resumed):
-                self.assertLess(abs(a - b) / a, 1e-5, (name, single, resumed))
+            self.assert_same_curve("r_single", name, 8)
         # A sharded checkpoint is a checkpoint like any other for evaluation.
         e = run("eval", "--checkpoint", self.ckpt("r_shard", 6), "--data", self.data, "--batches", "2")
         self.assertIn("loss", e.stdout)
@@ -181,12 +179,8 @@ class Cli(unittest.TestCase):
                         steps=8)  # dp=2 x tp=2, sequence parallel
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
         self.assertIn("sample", p.stdout)
-        single = self.losses("tp_single")
         for name in ("tp_two", "tp_four"):
-            other = self.losses(name)
-            self.assertEqual(len(other), 8)
-            for a, b in zip(single, other):
-                self.assertLess(abs(a - b) / a, 1e-5, (name, single, other))
+            self.assert_same_curve("tp_single", name, 8)
 
     def test_context_parallel_training_matches_one_process(self):
         self.train("cp_single", "--set", "train.batch_size=4", steps=6)
@@ -195,10 +189,7 @@ class Cli(unittest.TestCase):
                             attention, steps=6)
             self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
             self.assertIn("mesh pp=1 x dp=1 x cp=2 x tp=1", p.stdout)
-            single, other = self.losses("cp_single"), self.losses("cp_" + attention)
-            self.assertEqual(len(other), 6)
-            for a, b in zip(single, other):
-                self.assertLess(abs(a - b) / a, 1e-5, (attention, single, other))
+            self.assert_same_curve("cp_single", "cp_" + attention, 6)
 
     def test_pipeline_parallel_training_matches_one_process_and_resumes_on_one(self):
         four = "model.n_layer=4,train.grad_accum=4,train.batch_size=2"
@@ -212,18 +203,10 @@ class Cli(unittest.TestCase):
                         "parallel.virtual_stages=2", steps=6)
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
         self.assertIn("sample", p.stdout)
-        single = self.losses("pp_single")
         for name in ("pp_two", "pp_inter"):
-            other = self.losses(name)
-            self.assertEqual(len(other), 6)
-            for a, b in zip(single, other):
-                self.assertLess(abs(a - b) / a, 1e-5, (name, single, other))
-        def val(name):
-            with open(os.path.join(self.tmp, "runs", name, "metrics.jsonl")) as f:
-                return [r["val_loss"] for r in map(json.loads, f) if "val_loss" in r]
-        self.assertTrue(val("pp_inter"))
-        for a, b in zip(val("pp_single"), val("pp_inter")):  # evaluation runs through the stages too
-            self.assertLess(abs(a - b) / a, 1e-5)
+            self.assert_same_curve("pp_single", name, 6)
+        self.assertTrue(self.losses("pp_inter", "val_loss"))
+        self.assert_same_curve("pp_single", "pp_inter", None, "val_loss")  # evaluation runs through the stages too
         bad = self.mpirun(2, "pp_bad", "--set", four + ",parallel.pp=2,parallel.schedule=zigzag", steps=2)
         self.assertNotEqual(bad.returncode, 0)
         self.assertIn("parallel.schedule", bad.stderr)

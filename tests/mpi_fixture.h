@@ -26,6 +26,19 @@ inline std::vector<int32_t> mpi_test_corpus(int64_t n, int32_t vocab) {
   return t;
 }
 
+// The test corpus's batches (16 tokens a sequence), and rank's `batch` rows of each global
+// batch of batch x world rows (world 1: the corpus's batches themselves).
+struct RankData {
+  RankData(Allocator& allocator, const ModelConfig& config, int rank, int world, int64_t batch)
+      : global(mpi_test_corpus(5000, static_cast<int32_t>(config.vocab_size)), 11) {
+    if (world > 1) slice = std::make_unique<RankSliceSource>(global, allocator, rank, world, batch, 16);
+  }
+  BatchSource& source() { return slice ? static_cast<BatchSource&>(*slice) : global; }
+
+  RandomWindowSource global;
+  std::unique_ptr<RankSliceSource> slice;
+};
+
 // A training run's record: per step the loss, the gradient norm and the whole gradient.
 struct Curve {
   std::vector<double> losses, norms;
@@ -40,10 +53,10 @@ inline Curve train_single(const ModelConfig& config, const TrainConfig& tc, int 
   Transformer model(*backend, config);
   model.init_weights(7);
   Trainer trainer(*backend, model, tc);
-  RandomWindowSource data(mpi_test_corpus(5000, static_cast<int32_t>(config.vocab_size)), 11);
+  RankData data(backend->allocator(), config, 0, 1, tc.batch_size);
   Curve c;
   for (int s = 0; s < steps; ++s) {
-    const StepStats st = trainer.train_step(data);
+    const StepStats st = trainer.train_step(data.source());
     c.losses.push_back(st.loss);
     c.norms.push_back(st.grad_norm);
     const float* g = model.grads().data<float>();

@@ -369,9 +369,8 @@ TEST(MpiContextParallelModel, RingAndUlyssesReproduceTheSingleProcessRun) {
         model.init_weights(7);
         model.set_context_parallel(cp.get(), ulysses);
         Trainer trainer(*backend, model, tc, reduce.get());
-        RandomWindowSource global(mpi_test_corpus(5000, static_cast<int32_t>(config.vocab_size)), 11);
-        RankSliceSource rows(global, backend->allocator(), dp->rank(), dp->size(), 2, 16);
-        ContextSliceSource data(rows, backend->allocator(), cp->rank(), cp->size(), 2, 16);
+        RankData rows(backend->allocator(), config, dp->rank(), dp->size(), 2);
+        ContextSliceSource data(rows.source(), backend->allocator(), cp->rank(), cp->size(), 2, 16);
         double worst_loss = 0, worst_grad = 0;
         for (int s = 0; s < 10; ++s) {
           const StepStats st = trainer.train_step(data);

@@ -31,15 +31,9 @@ std::vector<double> run(Communicator* comm, int64_t batch, int steps, std::vecto
   ddp.zero_stage = zero;
   if (topk > 0.0) ddp.compression = compression, ddp.topk_ratio = topk;
   Trainer trainer(*backend, model, tc, comm, ddp);
-  RandomWindowSource global(mpi_test_corpus(5000, static_cast<int32_t>(config.vocab_size)), 11);
-  std::unique_ptr<RankSliceSource> slice;
-  BatchSource* data = &global;
-  if (comm != nullptr) {
-    slice = std::make_unique<RankSliceSource>(global, backend->allocator(), comm->rank(), comm->size(), batch, 16);
-    data = slice.get();
-  }
+  RankData data(backend->allocator(), config, comm ? comm->rank() : 0, comm ? comm->size() : 1, batch);
   std::vector<double> losses;
-  for (int s = 0; s < steps; ++s) losses.push_back(trainer.train_step(*data).loss);
+  for (int s = 0; s < steps; ++s) losses.push_back(trainer.train_step(data.source()).loss);
   if (state_bytes) *state_bytes = backend->allocator().tracker().current(MEM_OPTIMIZER_STATE);
   const float* p = model.params().data<float>();
   params->assign(p, p + model.params().numel());

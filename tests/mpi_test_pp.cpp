@@ -71,10 +71,9 @@ Curve parallel(Communicator& world, const ModelConfig& config, const Layout& lay
   PipelineRunner runner(model, *pp, make_pipe_schedule(lay.schedule, lay.pp, kMicro, chunks), batch, 16);
   Trainer trainer(*backend, model, train_config(batch, optimizer), reduce->size() > 1 ? reduce.get() : nullptr,
                   DdpConfig{}, &runner);
-  RandomWindowSource global(mpi_test_corpus(5000, static_cast<int32_t>(config.vocab_size)), 11);
-  RankSliceSource rows(global, backend->allocator(), dp->rank(), dp->size(), batch, 16);
-  ContextSliceSource positions_of(rows, backend->allocator(), cp->rank(), cp->size(), batch, 16);
-  BatchSource& data = lay.cp > 1 ? static_cast<BatchSource&>(positions_of) : rows;
+  RankData rows(backend->allocator(), config, dp->rank(), dp->size(), batch);
+  ContextSliceSource positions_of(rows.source(), backend->allocator(), cp->rank(), cp->size(), batch, 16);
+  BatchSource& data = lay.cp > 1 ? static_cast<BatchSource&>(positions_of) : rows.source();
   Curve c;
   double busy = 0, idle = 0;
   for (int s = 0; s < kSteps; ++s) {

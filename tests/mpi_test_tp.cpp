@@ -43,8 +43,8 @@ Curve tensor_parallel(Communicator& world, const ModelConfig& config, int tp_siz
   const VocabRange vocab = tp_vocab_range(config, tp->rank(), tp_size);
   model.set_tensor_parallel(tp.get(), vocab.begin, vocab.valid, sequence_parallel);
   Trainer trainer(*backend, model, train_config(batch, optimizer), dp->size() > 1 ? dp.get() : nullptr);
-  RandomWindowSource global(mpi_test_corpus(5000, static_cast<int32_t>(config.vocab_size)), 11);
-  RankSliceSource data(global, backend->allocator(), dp->rank(), dp->size(), batch, 16);
+  RankData rows(backend->allocator(), config, dp->rank(), dp->size(), batch);
+  BatchSource& data = rows.source();
   *activation_bytes = static_cast<int64_t>(backend->allocator().tracker().current(MEM_ACTIVATIONS));
   Curve c;
   for (int s = 0; s < 10; ++s) {

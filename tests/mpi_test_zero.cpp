@@ -45,16 +45,10 @@ RunResult run(Communicator* comm, int64_t batch, int steps, int64_t zero, int64_
   ddp.bucket_bytes = 16 << 10;
   ddp.zero_stage = zero;
   Trainer trainer(*backend, model, tc, comm, ddp);
-  RandomWindowSource global(mpi_test_corpus(5000, static_cast<int32_t>(config.vocab_size)), 11);
-  std::unique_ptr<RankSliceSource> slice;
-  BatchSource* data = &global;
-  if (comm != nullptr) {
-    slice = std::make_unique<RankSliceSource>(global, backend->allocator(), comm->rank(), comm->size(), batch, 16);
-    data = slice.get();
-    comm->reset_ledger();
-  }
+  RankData data(backend->allocator(), config, comm ? comm->rank() : 0, comm ? comm->size() : 1, batch);
+  if (comm != nullptr) comm->reset_ledger();
   RunResult r;
-  for (int s = 0; s < steps; ++s) r.losses.push_back(trainer.train_step(*data).loss);
+  for (int s = 0; s < steps; ++s) r.losses.push_back(trainer.train_step(data.source()).loss);
   if (comm != nullptr) r.ledger = comm->ledger();
   r.resident_params = resident_bytes(model.params());
   r.resident_grads = resident_bytes(model.grads());
