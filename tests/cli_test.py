@@ -190,6 +190,13 @@ class Cli(unittest.TestCase):
             self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
             self.assertIn("mesh pp=1 x dp=1 x cp=2 x tp=1", p.stdout)
             self.assert_same_curve("cp_single", "cp_" + attention, 6)
+        # ZeRO shards over dp x cp (the ranks that average gradients); its sharded checkpoint resumes in one process.
+        p = self.mpirun(2, "cp_zero", "--set", "train.batch_size=4,parallel.cp=2,parallel.zero_stage=2", "--stop-at-step",
+                        "3", steps=6)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        self.assertIn("ZeRO-2 over 2 ranks", p.stdout)
+        self.train("cp_zero", "--set", "train.batch_size=4", "--resume", steps=6)
+        self.assert_same_curve("cp_single", "cp_zero", 6)
 
     def test_pipeline_parallel_training_matches_one_process_and_resumes_on_one(self):
         four = "model.n_layer=4,train.grad_accum=4,train.batch_size=2"
@@ -210,6 +217,28 @@ class Cli(unittest.TestCase):
         bad = self.mpirun(2, "pp_bad", "--set", four + ",parallel.pp=2,parallel.schedule=zigzag", steps=2)
         self.assertNotEqual(bad.returncode, 0)
         self.assertIn("parallel.schedule", bad.stderr)
+
+    def test_zero_on_the_dp_dimension_of_tp_and_pp_resumes_on_one(self):
+        # dp=2 x tp=2 with ZeRO-3 and dp=2 x pp=2 with ZeRO-1 (np 4): the one-process curve, and
+        # their checkpoints (written whole) resume in one process.
+        four = "model.n_layer=4,train.grad_accum=4,train.batch_size=2"
+        self.train("zc_single", "--set", four, steps=6)
+        p = self.mpirun(4, "zc_tp", "--set", "model.n_layer=4,train.grad_accum=4,train.batch_size=1,parallel.tp=2,"
+                        "parallel.zero_stage=3", "--stop-at-step", "3", steps=6)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        self.assertIn("mesh pp=1 x dp=2 x cp=1 x tp=2", p.stdout)
+        self.assertIn("ZeRO-3", p.stdout)
+        self.train("zc_tp", "--set", four, "--resume", steps=6)
+        p = self.mpirun(4, "zc_pp", "--set", "model.n_layer=4,train.grad_accum=4,train.batch_size=1,parallel.pp=2,"
+                        "parallel.zero_stage=1", "--stop-at-step", "3", steps=6)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        self.assertIn("mesh pp=2 x dp=2 x cp=1 x tp=1", p.stdout)
+        self.train("zc_pp", "--set", four, "--resume", steps=6)
+        for name in ("zc_tp", "zc_pp"):
+            self.assert_same_curve("zc_single", name, 6)
+        bad = self.mpirun(4, "zc_bad", "--set", four + ",parallel.pp=2,parallel.zero_stage=2", steps=2)
+        self.assertNotEqual(bad.returncode, 0)
+        self.assertIn("use zero_stage 0 or 1", bad.stderr)
 
     def test_a_killed_rank_ends_the_whole_job(self):
         p = self.mpirun(2, "dead", "--set", "train.checkpoint_every=2,train.eval_every=0", steps=100000, background=True)

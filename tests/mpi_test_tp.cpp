@@ -30,7 +30,7 @@ Curve single(const ModelConfig& config, int64_t batch, const char* optimizer) {
 }
 
 Curve tensor_parallel(Communicator& world, const ModelConfig& config, int tp_size, int64_t batch, const char* optimizer,
-                      bool sequence_parallel, int64_t* activation_bytes) {
+                      bool sequence_parallel, int64_t* activation_bytes, int zero_stage = 0) {
   const DeviceMesh mesh(world.size(), {{"dp", 0}, {"tp", tp_size}});
   auto tp = mesh_group(world, mesh, "tp");
   auto dp = mesh_group(world, mesh, "dp");
@@ -42,14 +42,18 @@ Curve tensor_parallel(Communicator& world, const ModelConfig& config, int tp_siz
   tp_copy(config, whole.params(), local, model.params(), tp->rank(), tp_size, true);
   const VocabRange vocab = tp_vocab_range(config, tp->rank(), tp_size);
   model.set_tensor_parallel(tp.get(), vocab.begin, vocab.valid, sequence_parallel);
-  Trainer trainer(*backend, model, train_config(batch, optimizer), dp->size() > 1 ? dp.get() : nullptr);
+  DdpConfig ddp;
+  ddp.zero_stage = zero_stage;
+  Trainer trainer(*backend, model, train_config(batch, optimizer), dp->size() > 1 ? dp.get() : nullptr, ddp);
   RankData rows(backend->allocator(), config, dp->rank(), dp->size(), batch);
   BatchSource& data = rows.source();
   *activation_bytes = static_cast<int64_t>(backend->allocator().tracker().current(MEM_ACTIVATIONS));
   Curve c;
   for (int s = 0; s < 10; ++s) {
     tp->reset_ledger();
-    c.losses.push_back(trainer.train_step(data).loss);
+    const StepStats st = trainer.train_step(data);
+    c.losses.push_back(st.loss);
+    c.norms.push_back(st.grad_norm);
     if (s == 0) c.tp_bytes = tp->ledger().total_sent();
     whole.grads().zero_();  // every slice's gradients put back in the whole layout, summed over the group
     tp_copy(config, whole.grads(), local, model.grads(), tp->rank(), tp_size, false, tp->rank() == 0);
@@ -133,6 +137,37 @@ TEST(MpiTensorParallel, ReproducesTheSingleProcessLossesAndGradients) {
       std::printf("%s tp=%d: activation bytes per rank %lld, with sequence parallel %lld (%.3f)\n", preset, tp_size,
                   static_cast<long long>(activations[0]), static_cast<long long>(activations[1]),
                   static_cast<double>(activations[1]) / static_cast<double>(activations[0]));
+    }
+  }
+}
+
+// ZeRO stages 1-3 on the dp dimension of dp = 2 x tp = 2 (np 4): the losses and gradient norms
+// of one process (stage 1 also every gradient; stages 2 and 3 keep only their shard's).
+TEST(MpiTensorParallel, ZeroOnTheDataParallelDimension) {
+  auto world = make_mpi_communicator();
+  if (world->size() != 4) GTEST_SKIP() << "runs under np 4";
+  for (const char* preset : {"gpt2-tiny", "llama-tiny"}) {
+    const ModelConfig config = model_preset(preset);
+    for (const int stage : {1, 2, 3}) {
+      for (const char* optimizer : {"sgd", "adamw"}) {
+        const Curve ref = single(config, 4, optimizer);
+        int64_t activations = 0;
+        Curve got = tensor_parallel(*world, config, 2, 2, optimizer, false, &activations, stage);
+        double worst_loss = 0.0, worst_norm = 0.0, worst_grad = 0.0;
+        for (size_t s = 0; s < ref.losses.size(); ++s) {
+          worst_loss = std::max(worst_loss, std::abs(got.losses[s] - ref.losses[s]) / ref.losses[s]);
+          if (std::string(optimizer) == "sgd") {
+            worst_norm = std::max(worst_norm, std::abs(got.norms[s] - ref.norms[s]) / ref.norms[s]);
+          }
+        }
+        EXPECT_LT(worst_loss, 1e-5) << preset << " ZeRO-" << stage << " " << optimizer;
+        EXPECT_LT(worst_norm, 1e-5) << preset << " ZeRO-" << stage << " " << optimizer << " gradient norm";
+        if (stage == 1 && std::string(optimizer) == "sgd") compare(got, ref, preset, world->rank(), &worst_loss, &worst_grad);
+        if (world->rank() == 0) {
+          std::printf("%s ZeRO-%d dp=2 x tp=2, %s: worst loss rel diff %.2e, gradient norm %.2e\n", preset, stage,
+                      optimizer, worst_loss, worst_norm);
+        }
+      }
     }
   }
 }

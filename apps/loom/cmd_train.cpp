@@ -164,19 +164,12 @@ int train_main(int argc, char** argv) {
   std::unique_ptr<Communicator> tp_comm, dp_comm, cp_comm, reduce_comm, pp_comm;
   Communicator* dp = comm.get();
   Communicator* reduce = comm.get();
-  if (tp_size > 1) {
-    LOOM_CHECK(config.parallel.zero_stage == 0, "parallel.tp > 1 with parallel.zero_stage = ", config.parallel.zero_stage,
-               " is not supported yet: use zero_stage 0");
-    tp_comm = mesh_group(*comm, mesh, "tp");
-  }
+  if (tp_size > 1) tp_comm = mesh_group(*comm, mesh, "tp");
   if (tp_size > 1 || cp_size > 1 || pp_size > 1) {
     dp_comm = mesh_group(*comm, mesh, "dp");
     dp = reduce = dp_comm.get();
   }
-  if (pp_size > 1) {  // pipeline parallel: each rank runs and updates its stages (parallel/pipeline.h)
-    LOOM_CHECK(config.parallel.zero_stage == 0, "parallel.pp > 1 with parallel.zero_stage > 0 is not supported yet");
-    pp_comm = mesh_group(*comm, mesh, "pp");
-  }
+  if (pp_size > 1) pp_comm = mesh_group(*comm, mesh, "pp");  // each rank runs and updates its stages (parallel/pipeline.h)
   if (cp_size > 1) {
     LOOM_CHECK(config.parallel.cp_attention == "ring" || config.parallel.cp_attention == "ulysses",
                "parallel.cp_attention must be ring or ulysses, got '", config.parallel.cp_attention, "'");
@@ -279,6 +272,25 @@ int train_main(int argc, char** argv) {
   CheckpointManager checkpoints((fs::path(dir) / "checkpoints").string(), ckpt_options);
   const ModelState model_state{config.model, whole ? whole->params() : model.params()};
   OptimizerState optimizer_state{trainer.optimizer().name(), trainer.optimizer().state()};
+  // The optimizer state is staged into the one-process layout through each dimension that cuts
+  // it, innermost first: ZeRO's shard -> its domain (gathered over the ZeRO group), a pipeline
+  // rank's stages -> the flat buffer (summed over pp), a tensor slice -> the whole model.
+  ZeroSharding* zero = trainer.zero();
+  const bool staged = pipeline || whole;  // the checkpoint is written whole (else ZeRO writes it sharded)
+  std::vector<std::pair<Tensor, Tensor>> zero_state;  // ZeRO under tp/pp: (this rank's shard, its domain)
+  if (zero != nullptr && staged) {
+    for (auto& [name, shard] : optimizer_state.tensors) {
+      LOOM_CHECK(shard.numel() == zero->range().end - zero->range().begin, "ZeRO: optimizer state ", name, " of ",
+                 shard.numel(), " elements is not a shard of the parameters");
+      Tensor domain = Tensor::zeros(backend->allocator(), {zero->domain_size()}, DTYPE_F32, MEM_WORKSPACE);
+      zero_state.emplace_back(shard, domain);
+      shard = domain;
+    }
+  }
+  auto zero_state_whole = [&](const Tensor& shard, const Tensor& domain) {
+    backend->copy(shard, domain.view(zero->range().begin, {shard.numel()}));
+    reduce->all_gather_v_async(domain, shard_counts(0, domain.numel(), domain.numel(), reduce->size()))->wait();
+  };
   std::vector<std::pair<Tensor, Tensor>> pp_state;  // pipeline parallel: (this rank's stages' state, flat)
   if (pipeline) {
     for (auto& [name, owned] : optimizer_state.tensors) {
@@ -295,10 +307,9 @@ int train_main(int argc, char** argv) {
       local = w;
     }
   }
-  // ZeRO: each rank holds a shard of the flat state and writes it to its own file of a sharded
-  // checkpoint (checkpoint/checkpoint.h); any number of ranks can resume it.
-  ZeroSharding* zero = trainer.zero();
-  if (zero != nullptr) {
+  // ZeRO alone: each rank holds a shard of the flat state and writes it to its own file of a
+  // sharded checkpoint (checkpoint/checkpoint.h); any number of ranks can resume it.
+  if (zero != nullptr && !staged) {
     optimizer_state.flat_begin = zero->range().begin;
     for (const auto& [name, shard] : optimizer_state.tensors) {
       LOOM_CHECK(shard.numel() == zero->range().end - zero->range().begin, "ZeRO: optimizer state ", name, " of ",
@@ -325,7 +336,9 @@ int train_main(int argc, char** argv) {
     return c;
   };
   auto save = [&]() -> std::string {
-    if (zero == nullptr) {
+    if (zero == nullptr || staged) {
+      if (zero != nullptr && zero->stage() == 3) trainer.gather_params();  // under tp: the slice whole on each dp rank
+      for (auto& [shard, domain] : zero_state) zero_state_whole(shard, domain);
       if (pipeline) {  // every rank of every pipeline takes part
         pp_whole_params();
         for (auto& [owned, full] : pp_state) pp_state_whole(owned, full);
@@ -334,8 +347,9 @@ int train_main(int argc, char** argv) {
         to_whole(model.params(), whole->params());
         for (auto& [local, w] : tp_state) to_whole(local, w);
       }
-      if (!lead) return "(written by rank 0)";  // data parallel ranks hold identical state
-      return checkpoints.save(contents());
+      std::string path = lead ? checkpoints.save(contents()) : "(written by rank 0)";  // dp ranks hold identical state
+      trainer.params_loaded();  // ZeRO-3: back to this rank's shard
+      return path;
     }
     const CheckpointContents c = contents();
     ShardContents shard;
@@ -366,6 +380,7 @@ int train_main(int argc, char** argv) {
         for (auto& [local, w] : tp_state) to_local(w, local);
       }
       for (auto& [owned, full] : pp_state) pp_state_owned(full, owned);
+      for (auto& [shard, domain] : zero_state) backend->copy(domain.view(zero->range().begin, {shard.numel()}), shard);
       trainer.params_loaded();
       model.unpack_scaling_state();
       train_data.restore(loaded->data_state.get<LoaderState>());
@@ -418,6 +433,11 @@ int train_main(int argc, char** argv) {
                 mesh.describe().c_str(), mesh.size("dp"), static_cast<long long>(config.train.batch_size),
                 static_cast<long long>(config.train.batch_size * config.train.grad_accum * dp->size()),
                 static_cast<long long>(config.train.seq_len));
+  }
+  if (zero != nullptr) {
+    std::printf("ZeRO-%d over %d ranks: this rank keeps the optimizer state of %lld of the %lld parameters it %s\n",
+                zero->stage(), reduce->size(), static_cast<long long>(zero->range().end - zero->range().begin),
+                static_cast<long long>(zero->domain_size()), pipeline ? "updates (its pipeline stages)" : "holds");
   }
   metrics.write({{"optimizer", trainer.optimizer().name()}, {"parameters", n_params}, {"optimizer_state_bytes", state_bytes},
                  {"state_bytes_per_param", state_per_param}, {"schedule", config.train.schedule.kind},

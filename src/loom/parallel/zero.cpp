@@ -47,20 +47,47 @@ std::vector<OptimParam> shard_optim_params(const std::vector<OptimParam>& list, 
   return out;
 }
 
+std::vector<FlatRange> domain_pieces(const std::vector<FlatRange>& domain, int64_t begin, int64_t end) {
+  std::vector<FlatRange> out;
+  int64_t at = 0;  // position of the current range's first element in the concatenation
+  for (const FlatRange& r : domain) {
+    const int64_t lo = std::max(begin, at), hi = std::min(end, at + r.end - r.begin);
+    if (lo < hi) out.push_back({r.begin + lo - at, r.begin + hi - at});
+    at += r.end - r.begin;
+  }
+  return out;
+}
+
+namespace {
+int64_t domain_length(const std::vector<FlatRange>& domain) {
+  int64_t n = 0;
+  for (const FlatRange& r : domain) n += r.end - r.begin;
+  return n;
+}
+}  // namespace
+
 ZeroSharding::ZeroSharding(Communicator& comm, int stage, const Tensor& params, const Tensor& grads,
-                           std::vector<std::vector<FlatRange>> units)
+                           std::vector<std::vector<FlatRange>> units, std::vector<FlatRange> domain)
     : comm_(comm),
       stage_(stage),
       params_(params),
       grads_(grads),
       units_(std::move(units)),
-      range_(shard_range(params.numel(), comm.rank(), comm.size())),
+      domain_(domain.empty() ? std::vector<FlatRange>{{0, params.numel()}} : std::move(domain)),
+      domain_total_(domain_length(domain_)),
+      range_(shard_range(domain_total_, comm.rank(), comm.size())),
       total_(params.numel()),
       gathering_(units_.size()),
       resident_(units_.size(), false) {
   LOOM_CHECK(stage_ >= 1 && stage_ <= 3, "parallel.zero_stage must be 0, 1, 2 or 3, got ", stage_);
   LOOM_CHECK(params.dtype() == DTYPE_F32 && grads.dtype() == DTYPE_F32 && grads.numel() == total_,
              "ZeRO: parameter and gradient buffers ", params.describe(), ", ", grads.describe(), " must be f32 of one size");
+  for (const FlatRange& r : domain_) {
+    LOOM_CHECK(r.begin >= 0 && r.begin <= r.end && r.end <= total_, "ZeRO: domain range [", r.begin, ", ", r.end,
+               ") outside the ", total_, " parameters");
+  }
+  LOOM_CHECK(stage_ == 1 || (domain_.size() == 1 && domain_[0].begin == 0 && domain_[0].end == total_),
+             "parallel.zero_stage = ", stage_, " shards the whole model; with parallel.pp > 1 use zero_stage 1");
   reduced_from_ = total_;
   if (stage_ >= 2) zero_grads();
   if (stage_ == 3) release_params();
@@ -77,7 +104,17 @@ void ZeroSharding::gather_params() {
     for (size_t u = 0; u < units_.size(); ++u) complete(gathering_[u], 0, false);
     whole_ = true;
   }
-  comm_.all_gather_v_async(params_, shard_counts(0, total_, total_, comm_.size()))->wait();
+  std::vector<std::unique_ptr<CommWork>> works;  // one in-place gather per domain range
+  int64_t at = 0;
+  for (const FlatRange& r : domain_) {
+    const int64_t n = r.end - r.begin;
+    if (n > 0) {
+      works.push_back(comm_.all_gather_v_async(params_.view(r.begin, {n}),
+                                               shard_counts(at, at + n, domain_total_, comm_.size())));
+    }
+    at += n;
+  }
+  for (auto& w : works) w->wait();
 }
 
 void ZeroSharding::zero_grads() {

@@ -20,6 +20,12 @@
 // elements a rank does not own are released to the OS (core/pages.h), so their pages are not
 // resident; resident_bytes() measures it.
 //
+// Under pipeline parallelism a rank updates only its stages' parameters: stage 1 then shards that
+// domain (the stages' flat ranges, concatenated) over the data-parallel group, so each rank holds
+// 1/N of its stages' optimizer state, and gathers the domain only. Stages 2 and 3 shard the whole
+// buffer (DeepSpeed likewise refuses ZeRO-2/3 with a pipeline: gradients accumulate over the
+// schedule's micro-batches while stages are still computing).
+//
 // Only element-wise optimizers can be cut at arbitrary element boundaries (their update of an
 // element depends on that element alone); the others are refused with a one-line error.
 #pragma once
@@ -57,13 +63,21 @@ struct FlatRange {
   int64_t begin = 0, end = 0;
 };
 
+// The flat pieces of positions [begin, end) of the concatenation of `domain`'s ranges.
+std::vector<FlatRange> domain_pieces(const std::vector<FlatRange>& domain, int64_t begin, int64_t end);
+
 class ZeroSharding {
  public:
   // units[u]: the flat ranges of parameter unit u, as the model's use hooks name them (stage 3).
+  // domain: the flat ranges sharded (empty: the whole buffer; stage 1 only otherwise).
   ZeroSharding(Communicator& comm, int stage, const Tensor& params, const Tensor& grads,
-               std::vector<std::vector<FlatRange>> units);
+               std::vector<std::vector<FlatRange>> units, std::vector<FlatRange> domain = {});
   int stage() const { return stage_; }
+  // This rank's shard as positions in the domain (with the whole buffer as domain: flat elements).
   const ShardRange& range() const { return range_; }
+  int64_t domain_size() const { return domain_total_; }
+  // The shard's flat pieces, in domain order (the optimizer state's element order).
+  std::vector<FlatRange> pieces() const { return domain_pieces(domain_, range_.begin, range_.end); }
 
   // Stages 1 and 2, after the optimizer step: every rank's updated shard of the parameters to
   // every rank (in-place all-gather). Stage 3: the same, once, to make the parameters whole
@@ -102,6 +116,8 @@ class ZeroSharding {
   int stage_;
   Tensor params_, grads_;
   std::vector<std::vector<FlatRange>> units_;
+  std::vector<FlatRange> domain_;
+  int64_t domain_total_ = 0;
   ShardRange range_;
   int64_t total_;
   int64_t reduced_from_ = 0;  // backward's previous ready offset

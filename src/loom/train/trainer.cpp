@@ -16,27 +16,41 @@ namespace {
 // run rounds exactly as an uninterrupted one.
 constexpr uint64_t kRoundingSeed = 0x5EEDB16F;
 
-// The parameters this rank's optimizer updates: all, or its ZeRO shard.
+// The flat ranges this rank's optimizer updates before ZeRO: its pipeline stages, or all.
+std::vector<FlatRange> update_domain(int64_t total, const PipelineRunner* pipeline) {
+  if (pipeline == nullptr || pipeline->comm().size() == 1) return {{0, total}};
+  std::vector<FlatRange> domain;
+  for (const auto& [begin, end] : pipeline->owned()) domain.push_back({begin, end});
+  return domain;
+}
+
+// The parameters this rank's optimizer updates: its domain, or its ZeRO shard of the domain.
 std::vector<OptimParam> rank_params(const std::vector<OptimParam>& all, const Communicator* comm, const DdpConfig& ddp,
                                     int64_t total, const std::string& optimizer, const PipelineRunner* pipeline) {
-  if (pipeline != nullptr && pipeline->comm().size() > 1) {  // this rank's stages
-    LOOM_CHECK(ddp.zero_stage == 0, "parallel.zero_stage = ", ddp.zero_stage, " with parallel.pp > 1 is not supported yet");
-    LOOM_CHECK(elementwise_optimizer(optimizer), "pipeline parallelism needs an element-wise optimizer (each rank "
-               "updates its stages), got optim.name = ", optimizer);
-    std::vector<OptimParam> mine;
-    for (const auto& [begin, end] : pipeline->owned()) {
-      for (OptimParam& p : shard_optim_params(all, begin, end)) mine.push_back(std::move(p));
-    }
-    return mine;
-  }
   LOOM_CHECK(ddp.zero_stage >= 0 && ddp.zero_stage <= 3, "parallel.zero_stage must be 0, 1, 2 or 3, got ",
              ddp.zero_stage);
-  if (ddp.zero_stage == 0 || comm == nullptr || comm->size() == 1) return all;
-  LOOM_CHECK(elementwise_optimizer(optimizer), "parallel.zero_stage = ", ddp.zero_stage, " shards at element "
-             "boundaries and needs an element-wise optimizer (sgd, momentum, nesterov, adagrad, rmsprop, adam, adamw, "
-             "lion), got optim.name = ", optimizer);
-  const ShardRange r = shard_range(total, comm->rank(), comm->size());
-  return shard_optim_params(all, r.begin, r.end);
+  const bool piped = pipeline != nullptr && pipeline->comm().size() > 1;
+  const bool sharded = ddp.zero_stage > 0 && comm != nullptr && comm->size() > 1;
+  if (!piped && !sharded) return all;
+  if (piped) {
+    LOOM_CHECK(ddp.zero_stage <= 1, "parallel.zero_stage = ", ddp.zero_stage, " with parallel.pp > 1: ZeRO-2/3 "
+               "shard the whole model, a pipeline stage updates its own layers; use zero_stage 0 or 1");
+    LOOM_CHECK(elementwise_optimizer(optimizer), "pipeline parallelism needs an element-wise optimizer (each rank "
+               "updates its stages), got optim.name = ", optimizer);
+  } else {
+    LOOM_CHECK(elementwise_optimizer(optimizer), "parallel.zero_stage = ", ddp.zero_stage, " shards at element "
+               "boundaries and needs an element-wise optimizer (sgd, momentum, nesterov, adagrad, rmsprop, adam, adamw, "
+               "lion), got optim.name = ", optimizer);
+  }
+  const std::vector<FlatRange> domain = update_domain(total, pipeline);
+  int64_t length = 0;
+  for (const FlatRange& r : domain) length += r.end - r.begin;
+  const ShardRange shard = sharded ? shard_range(length, comm->rank(), comm->size()) : ShardRange{0, length, length};
+  std::vector<OptimParam> mine;
+  for (const FlatRange& piece : domain_pieces(domain, shard.begin, shard.end)) {
+    for (OptimParam& p : shard_optim_params(all, piece.begin, piece.end)) mine.push_back(std::move(p));
+  }
+  return mine;
 }
 }  // namespace
 
@@ -93,22 +107,22 @@ Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config, Commu
         for (const auto& [begin, end] : unit) units.back().push_back({begin, end});
       }
       zero_ = std::make_unique<ZeroSharding>(*comm, static_cast<int>(ddp.zero_stage), model_.params(), model_.grads(),
-                                             std::move(units));
+                                             std::move(units), update_domain(model_.layout().total, pipeline));
       if (zero_->stage() == 3) {
         model_.set_param_use_hooks({[this](int u, bool b) { zero_->use(u, b); }, [this](int u, bool b) { zero_->done(u, b); }});
       }
     }
   }
   if (Communicator* tp = model_.tensor_parallel(); tp != nullptr && tp->size() > 1) {
-    LOOM_CHECK(ddp.zero_stage <= 1, "parallel.zero_stage = ", ddp.zero_stage, " with parallel.tp > 1 is not supported "
-               "yet: use zero_stage 0 or 1");
     LOOM_CHECK(!optimizer_->keeps_gradients() && elementwise_optimizer(optimizer_->name()),
                "tensor parallelism needs an element-wise optimizer (each rank updates its slice), got optim.name = ",
                optimizer_->name());
     tp_ = tp;
     tp_replicated_ = tp_replicated_ranges(model_.config());
     sequence_partial_ = model_.sequence_partial_ranges();
-    LOOM_CHECK(sequence_partial_.empty() || !sharded_grads(), "sequence parallel with ZeRO-2/3 is not supported yet");
+    LOOM_CHECK(sequence_partial_.empty() || !sharded_grads(), "parallel.sequence_parallel with parallel.zero_stage = ", ddp.zero_stage, " is not supported: the norms' "
+               "gradients are summed over the tp group after backward, ZeRO-2/3 reduce-scatter them during it; use "
+               "zero_stage 0 or 1");
   }
   scalar_ = Tensor::zeros(backend_.allocator(), {1}, DTYPE_F64, MEM_WORKSPACE);
   if (model_.precision().master_bf16) {  // no fp32 master: the weights are bf16 values from the start
@@ -190,8 +204,7 @@ StepStats Trainer::train_step(BatchSource& data) {
   if (stats.skipped) {
     stats.grad_norm = INFINITY;
   } else {
-    stats.grad_norm = sharded_grads() ? std::sqrt(sum_over(*comm_, std::pow(grad_norm(backend_, grads), 2)))
-                                      : global_grad_norm(grads);
+    stats.grad_norm = global_grad_norm();
     LOOM_CHECK(std::isfinite(stats.grad_norm), "gradient norm is ", stats.grad_norm, " at step ", step_,
                "; stopping before the update, the weights are unchanged");
     optimizer_->step(static_cast<float>(stats.lr), clip_coefficient(stats.grad_norm, config_.grad_clip));
@@ -207,11 +220,19 @@ StepStats Trainer::train_step(BatchSource& data) {
   return stats;
 }
 
-double Trainer::global_grad_norm(const Tensor& grads) {
-  const FlatRanges whole{{0, grads.numel()}};
-  const FlatRanges& ranges = pipeline_ != nullptr ? pipeline_->norm_ranges() : whole;
+double Trainer::global_grad_norm() {
+  const Tensor& grads = model_.grads();
+  FlatRanges ranges = pipeline_ != nullptr ? pipeline_->norm_ranges() : FlatRanges{{0, grads.numel()}};
+  if (sharded_grads()) {  // ZeRO-2/3: this rank holds its shard's gradients (the whole buffer is its domain)
+    for (auto& [b, e] : ranges) {
+      b = std::clamp(b, zero_->range().begin, zero_->range().end);
+      e = std::clamp(e, b, zero_->range().end);
+    }
+  }
   double sq = 0.0, replicated = 0.0;
-  for (const auto& [b, e] : ranges) sq += std::pow(grad_norm(backend_, grads.view(b, {e - b})), 2);
+  for (const auto& [b, e] : ranges) {
+    if (b < e) sq += std::pow(grad_norm(backend_, grads.view(b, {e - b})), 2);
+  }
   if (tp_ != nullptr) {  // sliced parameters: their squares summed over the group; replicated ones once
     for (const auto& [rb, re] : tp_replicated_) {
       for (const auto& [b, e] : ranges) {
@@ -219,8 +240,12 @@ double Trainer::global_grad_norm(const Tensor& grads) {
         if (lo < hi) replicated += std::pow(grad_norm(backend_, grads.view(lo, {hi - lo})), 2);
       }
     }
-    sq = std::max(0.0, sum_over(*tp_, sq - replicated)) + replicated;
   }
+  if (sharded_grads()) {  // the shards' parts
+    sq = sum_over(*comm_, sq);
+    if (tp_ != nullptr) replicated = sum_over(*comm_, replicated);
+  }
+  if (tp_ != nullptr) sq = std::max(0.0, sum_over(*tp_, sq - replicated)) + replicated;
   if (pipeline_ != nullptr && pipeline_->comm().size() > 1) sq = sum_over(pipeline_->comm(), sq);  // the stages' parts
   return std::sqrt(sq);
 }

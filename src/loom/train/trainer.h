@@ -90,7 +90,7 @@ class Trainer {
   bool sharded_grads() const { return zero_ && zero_->stage() >= 2; }
   double sum_over(Communicator& group, double x);  // all-reduce of one f64 through scalar_
   PipelineRunner* pipeline_ = nullptr;
-  double global_grad_norm(const Tensor& grads);  // over every rank's part (tensor and pipeline parallel)
+  double global_grad_norm();  // over every rank's part (ZeRO-2/3 shards, tensor and pipeline parallel)
   Communicator* tp_ = nullptr;      // the model's tensor-parallel group (more than one rank)
   std::vector<std::pair<int64_t, int64_t>> tp_replicated_;  // flat ranges of replicated parameters
   std::vector<std::pair<int64_t, int64_t>> sequence_partial_;  // sequence parallel: summed over tp once a step
