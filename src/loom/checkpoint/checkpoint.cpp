@@ -120,7 +120,7 @@ double shortest_decimal(float f) {
 }
 
 nlohmann::json model_config_json(const ModelConfig& c) {
-  return {{"arch", std::string(arch_name(c.arch))},
+  nlohmann::json j = {{"arch", std::string(arch_name(c.arch))},
           {"vocab_size", c.vocab_size},
           {"max_seq_len", c.max_seq_len},
           {"n_layer", c.n_layer},
@@ -131,6 +131,15 @@ nlohmann::json model_config_json(const ModelConfig& c) {
           {"norm_eps", shortest_decimal(c.norm_eps)},
           {"rope_theta", shortest_decimal(c.rope_theta)},
           {"init_std", shortest_decimal(c.init_std)}};
+  if (c.moe_experts > 0) {  // written only for MoE models: dense checkpoints keep their exact bytes
+    j["moe"] = {{"experts", c.moe_experts}, {"top_k", c.moe_top_k}, {"d_ff", c.moe_d_ff}, {"shared", c.moe_shared},
+                {"dense_layers", c.moe_dense_layers}, {"sigmoid", c.moe_sigmoid}, {"renorm", c.moe_renorm},
+                {"route_scale", shortest_decimal(c.moe_route_scale)}, {"groups", c.moe_groups},
+                {"topk_groups", c.moe_topk_groups}, {"capacity_factor", shortest_decimal(c.moe_capacity_factor)},
+                {"aux_alpha", shortest_decimal(c.moe_aux_alpha)}, {"seq_aux_alpha", shortest_decimal(c.moe_seq_aux_alpha)},
+                {"z_alpha", shortest_decimal(c.moe_z_alpha)}, {"bias_gamma", shortest_decimal(c.moe_bias_gamma)}};
+  }
+  return j;
 }
 
 ModelConfig model_config_from_json(const std::string& text, const std::string& path) {
@@ -148,6 +157,17 @@ ModelConfig model_config_from_json(const std::string& text, const std::string& p
     c.norm_eps = j.at("norm_eps").get<float>();
     c.rope_theta = j.at("rope_theta").get<float>();
     c.init_std = j.at("init_std").get<float>();
+    if (j.contains("moe")) {
+      const nlohmann::json& m = j.at("moe");
+      c.moe_experts = m.at("experts").get<int64_t>(), c.moe_top_k = m.at("top_k").get<int64_t>();
+      c.moe_d_ff = m.at("d_ff").get<int64_t>(), c.moe_shared = m.at("shared").get<int64_t>();
+      c.moe_dense_layers = m.at("dense_layers").get<int64_t>(), c.moe_sigmoid = m.at("sigmoid").get<bool>();
+      c.moe_renorm = m.at("renorm").get<bool>(), c.moe_route_scale = m.at("route_scale").get<float>();
+      c.moe_groups = m.at("groups").get<int64_t>(), c.moe_topk_groups = m.at("topk_groups").get<int64_t>();
+      c.moe_capacity_factor = m.at("capacity_factor").get<float>(), c.moe_aux_alpha = m.at("aux_alpha").get<float>();
+      c.moe_seq_aux_alpha = m.at("seq_aux_alpha").get<float>(), c.moe_z_alpha = m.at("z_alpha").get<float>();
+      c.moe_bias_gamma = m.at("bias_gamma").get<float>();
+    }
     c.validate();
   } catch (const nlohmann::json::exception& e) {
     throw Error(str_cat(path, ": metadata 'model_config' is not a valid model config (", e.what(), ")"));

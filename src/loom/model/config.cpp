@@ -1,5 +1,7 @@
 #include "loom/model/config.h"
 
+#include <algorithm>
+
 #include "loom/core/error.h"
 #include "loom/model/param_layout.h"
 
@@ -41,6 +43,25 @@ void ModelConfig::validate() const {
   LOOM_CHECK(norm_eps > 0.0f, "model.norm_eps must be > 0, got ", norm_eps);
   LOOM_CHECK(rope_theta > 0.0f, "model.rope_theta must be > 0, got ", rope_theta);
   LOOM_CHECK(init_std > 0.0f, "model.init_std must be > 0, got ", init_std);
+  LOOM_CHECK(moe_experts >= 0, "model.moe_experts must be >= 0, got ", moe_experts);
+  if (moe_experts > 0) {
+    LOOM_CHECK(moe_top_k >= 1 && moe_top_k <= std::min<int64_t>(moe_experts, 64), "model.moe_top_k must be in [1, "
+               "min(64, model.moe_experts = ", moe_experts, ")], got ", moe_top_k);
+    LOOM_CHECK(moe_d_ff >= 0, "model.moe_d_ff must be >= 0, got ", moe_d_ff);
+    LOOM_CHECK(moe_shared >= 0, "model.moe_shared must be >= 0, got ", moe_shared);
+    LOOM_CHECK(moe_dense_layers >= 0 && moe_dense_layers <= n_layer, "model.moe_dense_layers must be in [0, model.n_layer = ",
+               n_layer, "], got ", moe_dense_layers);
+    LOOM_CHECK(moe_groups >= 1 && moe_experts % moe_groups == 0, "model.moe_groups must divide model.moe_experts (",
+               moe_experts, "), got ", moe_groups);
+    LOOM_CHECK(moe_topk_groups >= 1 && moe_topk_groups <= moe_groups, "model.moe_topk_groups must be in [1, model.moe_groups = ",
+               moe_groups, "], got ", moe_topk_groups);
+    LOOM_CHECK(moe_topk_groups * (moe_experts / moe_groups) >= moe_top_k, "model.moe_topk_groups (", moe_topk_groups,
+               ") groups of ", moe_experts / moe_groups, " experts hold fewer than model.moe_top_k = ", moe_top_k);
+    LOOM_CHECK(moe_route_scale > 0.0f, "model.moe_route_scale must be > 0, got ", moe_route_scale);
+    LOOM_CHECK(moe_capacity_factor >= 0.0f, "model.moe_capacity_factor must be >= 0 (0: dropless), got ", moe_capacity_factor);
+    LOOM_CHECK(moe_aux_alpha >= 0.0f && moe_seq_aux_alpha >= 0.0f && moe_z_alpha >= 0.0f && moe_bias_gamma >= 0.0f,
+               "model.moe_aux_alpha, moe_seq_aux_alpha, moe_z_alpha and moe_bias_gamma must be >= 0");
+  }
 }
 
 ModelConfig model_preset(std::string_view name) {
@@ -63,16 +84,28 @@ ModelConfig model_preset(std::string_view name) {
     c.vocab_size = 101, c.max_seq_len = 16, c.n_layer = 2, c.n_head = 6, c.n_kv_head = 2, c.d_model = 48, c.d_ff = 80;
     return c;
   }
-  throw Error(str_cat("unknown model preset '", name, "', expected one of: gpt2-tiny, gpt2-default, gpt2-small, gpt2-124m, llama-tiny"));
+  if (name == "moe-tiny") {  // llama-tiny with 4 experts (top-2) and a shared expert from layer 1 on
+    c = model_preset("llama-tiny");
+    c.moe_experts = 4, c.moe_top_k = 2, c.moe_d_ff = 32, c.moe_shared = 1, c.moe_dense_layers = 1;
+    return c;
+  }
+  throw Error(str_cat("unknown model preset '", name, "', expected one of: gpt2-tiny, gpt2-default, gpt2-small, gpt2-124m, "
+                      "llama-tiny, moe-tiny"));
 }
 
 int64_t param_count(const ModelConfig& config) { return build_param_layout(config).total; }
 
 int64_t matmul_param_count(const ModelConfig& config) {
   const int64_t c = config.d_model;
-  const int64_t per_layer = config.qkv_width() * c + c * config.n_head * config.head_dim() +
-                            config.mlp_in_width() * c + c * config.d_ff;
-  return config.n_layer * per_layer + config.vocab_size * c;
+  const int64_t attention = config.qkv_width() * c + c * config.n_head * config.head_dim();
+  const int64_t dense = config.mlp_in_width() * c + c * config.d_ff;
+  const int64_t expert = config.expert_in_width() * c + c * config.expert_ff();
+  int64_t total = config.vocab_size * c;
+  for (int64_t l = 0; l < config.n_layer; ++l) {
+    total += attention + (config.moe_layer(l) ? config.moe_experts * c + (config.moe_top_k + config.moe_shared) * expert
+                                              : dense);
+  }
+  return total;
 }
 
 double train_flops_per_token(const ModelConfig& config, int64_t seq_len) {

@@ -30,6 +30,25 @@ struct ModelConfig {
   // the whole model's head width with n_head / tp heads (parallel/tensor_parallel.h).
   int64_t head_size = 0;
 
+  // Mixture of experts (nn/moe.h; REFERENCE.md §4). moe_experts = 0: every block has the dense
+  // MLP. Otherwise blocks from moe_dense_layers on route each token to moe_top_k of moe_experts
+  // experts (each an MLP of width moe_d_ff, or d_ff when 0) plus moe_shared always-on experts.
+  int64_t moe_experts = 0;
+  int64_t moe_top_k = 2;
+  int64_t moe_d_ff = 0;
+  int64_t moe_shared = 0;
+  int64_t moe_dense_layers = 0;
+  bool moe_sigmoid = false;         // router scores: softmax (false) or sigmoid (DeepSeek-V3)
+  bool moe_renorm = true;           // gates renormalised over the selected experts
+  float moe_route_scale = 1.0f;     // gates scaled after renormalisation (DeepSeek-V3: 2.5)
+  int64_t moe_groups = 1;           // group-limited routing: experts in moe_groups groups,
+  int64_t moe_topk_groups = 1;      //   tokens routed inside the best moe_topk_groups
+  float moe_capacity_factor = 0.0f;  // > 0: capacity ceil(k N / E x factor), overflow dropped; 0: dropless
+  float moe_aux_alpha = 0.0f;       // Switch/GShard load-balancing loss coefficient (1e-2 typical)
+  float moe_seq_aux_alpha = 0.0f;   // DeepSeek-V3 sequence-wise balance loss (1e-4)
+  float moe_z_alpha = 0.0f;         // router z-loss (ST-MoE: 1e-3)
+  float moe_bias_gamma = 0.0f;      // auxiliary-loss-free balancing bias speed (DeepSeek-V3: 1e-3)
+
   int64_t head_dim() const { return head_size > 0 ? head_size : d_model / n_head; }
   int64_t qkv_width() const { return (n_head + 2 * n_kv_head) * head_dim(); }
   bool has_bias() const { return arch == ARCH_GPT2; }
@@ -39,6 +58,11 @@ struct ModelConfig {
   bool swiglu() const { return arch == ARCH_LLAMA; }
   // Width of the MLP's first GEMM output: F (GELU) or 2F ([gate | up], SwiGLU).
   int64_t mlp_in_width() const { return swiglu() ? 2 * d_ff : d_ff; }
+  // Mixture of experts: whether block `layer` is an MoE block, an expert's width and its first
+  // GEMM's output width.
+  bool moe_layer(int64_t layer) const { return moe_experts > 0 && layer >= moe_dense_layers; }
+  int64_t expert_ff() const { return moe_d_ff > 0 ? moe_d_ff : d_ff; }
+  int64_t expert_in_width() const { return swiglu() ? 2 * expert_ff() : expert_ff(); }
 
   void validate() const;  // throws naming the offending key (e.g. "model.n_head")
 };
@@ -48,7 +72,8 @@ ModelConfig model_preset(std::string_view name);
 
 int64_t param_count(const ModelConfig& config);
 // Parameters that take part in matmuls (the head counts once even when tied; position
-// embeddings and norms do not): the N of the 6N FLOPs rule.
+// embeddings and norms do not): the N of the 6N FLOPs rule. For MoE the active ones: the
+// router, top_k routed and the shared experts per token.
 int64_t matmul_param_count(const ModelConfig& config);
 // Training FLOPs per token at sequence length T (Kaplan et al. 2020; PaLM appendix B):
 // 6N for the weight matmuls (2 forward + 4 backward) + 12 L C T for attention scores and

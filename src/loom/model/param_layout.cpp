@@ -27,6 +27,7 @@ class LayoutBuilder {
   }
   void norm_weight(std::string name, int64_t c) { add(std::move(name), {c}, ROLE_VECTOR, {{1, 1}}, INIT_ONES, 0.0f); }
   void bias(std::string name, int64_t n) { add(std::move(name), {n}, ROLE_VECTOR, {{1, 1}}, INIT_ZEROS, 0.0f); }
+  void buffer(std::string name, int64_t n) { add(std::move(name), {n}, ROLE_BUFFER, {{1, 1}}, INIT_ZEROS, 0.0f); }
 
  private:
   void add(std::string name, Shape shape, ParamRole role, std::vector<ParamSegment> segments, ParamInit init, float std) {
@@ -45,6 +46,35 @@ class LayoutBuilder {
   ParamLayout& layout_;
 };
 
+// An MoE block's MLP (nn/moe.h): names follow Hugging Face's DeepSeek/Qwen-MoE for Llama
+// (mlp.gate.weight, mlp.gate.e_score_correction_bias, mlp.experts.{e}.gate_up_proj.weight, ...)
+// and the GPT-2 block's for GPT-2 (mlp.router.weight, mlp.experts.{e}.c_fc.weight, ...). The
+// experts have no biases.
+void add_moe(const ModelConfig& c, LayoutBuilder& b, const std::string& p, float std, float residual_std) {
+  const int64_t C = c.d_model, F = c.expert_ff(), S = c.moe_shared * F;
+  const bool llama = c.swiglu();
+  b.matrix(p + (llama ? "mlp.gate.weight" : "mlp.router.weight"), {c.moe_experts, C}, std);
+  b.buffer(p + (llama ? "mlp.gate.e_score_correction_bias" : "mlp.router.bias_correction"), c.moe_experts);
+  for (int64_t e = 0; e < c.moe_experts; ++e) {
+    const std::string x = p + "mlp.experts." + std::to_string(e) + ".";
+    if (llama) {
+      b.matrix(x + "gate_up_proj.weight", {2 * F, C}, std, ROLE_HIDDEN, {{F, 1}, {F, 1}});
+      b.matrix(x + "down_proj.weight", {C, F}, residual_std);
+    } else {
+      b.matrix(x + "c_fc.weight", {F, C}, std);
+      b.matrix(x + "c_proj.weight", {C, F}, residual_std);
+    }
+  }
+  if (S == 0) return;
+  if (llama) {
+    b.matrix(p + "mlp.shared_experts.gate_up_proj.weight", {2 * S, C}, std, ROLE_HIDDEN, {{S, 1}, {S, 1}});
+    b.matrix(p + "mlp.shared_experts.down_proj.weight", {C, S}, residual_std);
+  } else {
+    b.matrix(p + "mlp.shared_experts.c_fc.weight", {S, C}, std);
+    b.matrix(p + "mlp.shared_experts.c_proj.weight", {C, S}, residual_std);
+  }
+}
+
 void add_gpt2(const ModelConfig& c, LayoutBuilder& b) {
   const int64_t C = c.d_model, F = c.d_ff, V = c.vocab_size;
   // GPT-2 scales the init of residual-output projections by 1/sqrt(2 L) (Radford et al. 2019).
@@ -62,6 +92,10 @@ void add_gpt2(const ModelConfig& c, LayoutBuilder& b) {
     b.bias(p + "attn.c_proj.bias", C);
     b.norm_weight(p + "ln_2.weight", C);
     b.bias(p + "ln_2.bias", C);
+    if (c.moe_layer(i)) {
+      add_moe(c, b, p, std, residual_std);
+      continue;
+    }
     b.matrix(p + "mlp.c_fc.weight", {F, C}, std);
     b.bias(p + "mlp.c_fc.bias", F);
     b.matrix(p + "mlp.c_proj.weight", {C, F}, residual_std);
@@ -83,6 +117,10 @@ void add_llama(const ModelConfig& c, LayoutBuilder& b) {
              {{c.n_head * hd, hd}, {kv, hd}, {kv, 1}});
     b.matrix(p + "self_attn.o_proj.weight", {C, c.n_head * c.head_dim()}, residual_std);
     b.norm_weight(p + "post_attention_layernorm.weight", C);
+    if (c.moe_layer(i)) {
+      add_moe(c, b, p, std, residual_std);
+      continue;
+    }
     b.matrix(p + "mlp.gate_up_proj.weight", {2 * F, C}, std, ROLE_HIDDEN, {{F, 1}, {F, 1}});
     b.matrix(p + "mlp.down_proj.weight", {C, F}, residual_std);
   }

@@ -2,7 +2,9 @@
 // buffers. Derived once from the config; forward, backward, optimizer and checkpoint I/O all
 // use these offsets. Names follow Hugging Face's where the layout allows (GPT-2: wte.weight,
 // h.{i}.attn.c_attn.weight, ...; Llama: model.layers.{i}.self_attn.qkv_proj.weight, ...);
-// every linear weight is stored (out_features, in_features).
+// every linear weight is stored (out_features, in_features). An MoE block's MLP is its router
+// (E, C), its routing bias (E), expert e's two matrices (mlp.experts.{e}.*) and the shared
+// experts' (one MLP of moe_shared x moe_d_ff), in that order: each expert contiguous.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -22,6 +24,7 @@ enum ParamRole : uint8_t {
   ROLE_HIDDEN,     // a linear weight inside a block (out, in)
   ROLE_HEAD,       // the output projection (V, C) when untied
   ROLE_VECTOR,     // norm weights and biases
+  ROLE_BUFFER,     // state kept with the weights but not trained (the MoE routing bias): no optimizer
 };
 
 // A row range of a parameter that a PyTorch model would hold as its own matrix: Loom fuses

@@ -19,6 +19,7 @@ Transformer::Transformer(Backend& backend, const ModelConfig& config)
   for (int64_t l = 0; l < config_.n_layer; ++l) {
     blocks_.emplace_back(config_, block_params_view(config_, layout_, params_, l),
                          block_params_view(config_, layout_, grads_, l));
+    blocks_.back().set_moe_scratch(&moe_scratch_);
   }
   block_offset_.assign(static_cast<size_t>(config_.n_layer), layout_.total);
   final_offset_ = layout_.total;
@@ -97,6 +98,46 @@ void Transformer::end_step() {
 
 void Transformer::set_recording(bool on) {
   for (LinearLayer* l : linear_layers()) l->set_recording(on);
+  for (Block& b : blocks_) b.set_recording(on);
+}
+
+void Transformer::moe_end_step(Communicator* group) {
+  moe_stats_.clear();
+  if (config_.moe_experts == 0) return;
+  // Per MoE layer: E loads, then tokens, dropped, micro-batches, aux, seq_aux, z, entropy.
+  const int64_t E = config_.moe_experts, per = E + 7;
+  std::vector<int64_t> layers;
+  for (int64_t l = 0; l < config_.n_layer; ++l) {
+    if (blocks_[l].is_moe()) layers.push_back(l);
+  }
+  if (!moe_sums_.defined()) {
+    moe_sums_ = Tensor::empty(backend_.allocator(), {static_cast<int64_t>(layers.size()) * per}, DTYPE_F64, MEM_WORKSPACE);
+  }
+  double* v = moe_sums_.data<double>();
+  for (size_t i = 0; i < layers.size(); ++i) {
+    Block::MoeStats& m = blocks_[layers[i]].moe_stats();
+    double* o = v + static_cast<int64_t>(i) * per;
+    for (int64_t e = 0; e < E; ++e) o[e] = m.load.empty() ? 0.0 : m.load[e];
+    o[E] = static_cast<double>(m.tokens), o[E + 1] = static_cast<double>(m.dropped);
+    o[E + 2] = static_cast<double>(m.micro_batches), o[E + 3] = m.aux, o[E + 4] = m.seq_aux, o[E + 5] = m.z;
+    o[E + 6] = m.entropy;
+    m = Block::MoeStats{};
+  }
+  if (group != nullptr && group->size() > 1) group->all_reduce(moe_sums_);  // every rank's tokens
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const double* o = v + static_cast<int64_t>(i) * per;
+    MoeLayerStats st;
+    st.layer = layers[i];
+    st.load.assign(o, o + E);
+    st.tokens = static_cast<int64_t>(o[E]), st.dropped = static_cast<int64_t>(o[E + 1]);
+    const double micro = std::max(1.0, o[E + 2]);
+    st.aux = o[E + 3] / micro, st.seq_aux = o[E + 4] / micro, st.z = o[E + 5] / micro, st.entropy = o[E + 6] / micro;
+    st.max_violation = moe_max_violation(st.load);
+    if (config_.moe_bias_gamma > 0.0f && st.tokens > 0) {  // auxiliary-loss-free balancing
+      moe_update_bias(blocks_[layers[i]].moe_bias(), st.load, config_.moe_bias_gamma);
+    }
+    if (st.tokens > 0) moe_stats_.push_back(std::move(st));
+  }
 }
 
 namespace {
@@ -188,7 +229,7 @@ ActivationStore Transformer::allocate_store_for(int64_t batch, int64_t seq_len, 
   const int64_t Ts = T / shards();  // the residual stream's positions on this rank
   s.blocks.resize(static_cast<size_t>(config_.n_layer));
   for (int64_t l = first; l < last; ++l) {
-    s.blocks[l] = allocate_block_saved(alloc, config_, B, T, split_backward, shards(), context_parallel);
+    s.blocks[l] = allocate_block_saved(alloc, config_, B, T, split_backward, shards(), context_parallel, config_.moe_layer(l));
   }
   if (last < config_.n_layer) {
     s.blocks[last].input = act({B, Ts, C});  // the stage's output: the next stage's input
@@ -201,6 +242,10 @@ ActivationStore Transformer::allocate_store_for(int64_t batch, int64_t seq_len, 
     s.logits = act({B, T, config_.vocab_size});
     s.losses = act({B, T});
     s.lse = act({B, T});
+  }
+  if (config_.moe_experts > 0 && B * T > moe_scratch_tokens_) {  // (decoding allocates its B tokens' too)
+    moe_scratch_ = allocate_moe_scratch(alloc, config_, B * T);
+    moe_scratch_tokens_ = B * T;
   }
   if (B * T > scratch_tokens_) {
     scratch_ = allocate_block_scratch(alloc, config_, B, T);
@@ -304,6 +349,8 @@ void Transformer::set_tensor_parallel(Communicator* tp, int64_t vocab_begin, int
              "tensor parallel: vocabulary rows [", vocab_begin, ", +", vocab_valid, ") do not fit this slice's ",
              config_.vocab_size, " rows");
   LOOM_CHECK(scratch_tokens_ == 0, "set_tensor_parallel must come before the activation stores are allocated");
+  LOOM_CHECK(tp == nullptr || config_.moe_experts == 0, "parallel.tp > 1 with an MoE model (model.moe_experts = ",
+             config_.moe_experts, ") is not supported yet");
   tp_ = tp;
   vocab_ = {vocab_begin, vocab_valid};
   sp_ = sequence_parallel && tp != nullptr;
@@ -313,6 +360,8 @@ void Transformer::set_tensor_parallel(Communicator* tp, int64_t vocab_begin, int
 void Transformer::set_context_parallel(Communicator* cp, bool ulysses) {
   LOOM_CHECK(scratch_tokens_ == 0, "set_context_parallel must come before the activation stores are allocated");
   LOOM_CHECK(cp == nullptr || !sp_, "context parallel with sequence parallel is not supported yet");
+  LOOM_CHECK(cp == nullptr || config_.moe_experts == 0, "parallel.cp > 1 with an MoE model (model.moe_experts = ",
+             config_.moe_experts, ") is not supported yet");
   cp_ = ContextParallel{};
   cp_.comm = cp;
   cp_.ulysses = ulysses;
@@ -380,6 +429,7 @@ void Transformer::backward_stage(ActivationStore& s, int64_t first, int64_t last
   }
   const auto use = [this](int unit) { if (hooks_.use) hooks_.use(unit, true); };
   const auto done = [this](int unit) { if (hooks_.done) hooks_.done(unit, true); };
+  for (int64_t l = first; l < last; ++l) blocks_[l].set_loss_weight(loss_weight);  // MoE auxiliary losses
   if (part == BACKWARD_WEIGHT) {  // zero-bubble W: the blocks' weight gradients, kept from the input pass
     for (int64_t l = last; l-- > first;) blocks_[l].backward(backend_, s.blocks[l], d_res, k, BACKWARD_WEIGHT);
     return;

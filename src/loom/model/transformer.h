@@ -16,6 +16,16 @@
 
 namespace loom {
 
+// One MoE layer's routing over a step (summed over the group moe_end_step was given).
+struct MoeLayerStats {
+  int64_t layer = 0;
+  std::vector<double> load;   // [expert] token assignments (before capacity)
+  int64_t tokens = 0, dropped = 0;
+  double max_violation = 0;   // max load / mean load - 1
+  double entropy = 0;         // mean router entropy (nats)
+  double aux = 0, seq_aux = 0, z = 0;  // the auxiliary losses, mean over micro-batches and ranks' sums
+};
+
 // Everything one micro-batch keeps between forward and backward.
 struct ActivationStore {
   int64_t batch = 0, seq_len = 0;
@@ -128,6 +138,11 @@ class Transformer {
   // unpack_scaling_state() puts a loaded tensor back into them.
   const Tensor& pack_scaling_state();
   void unpack_scaling_state();
+  // Mixture of experts, once per step after the update: the routing statistics of the step's
+  // forwards summed over `group` (the data-parallel ranks; nullptr: this process), the
+  // auxiliary-loss-free bias update (model.moe_bias_gamma > 0), counters reset.
+  void moe_end_step(Communicator* group);
+  const std::vector<MoeLayerStats>& moe_stats() const { return moe_stats_; }
   // Every linear layer (blocks in order: attn_qkv, attn_out, mlp_in, mlp_out; then the head).
   std::vector<LinearLayer*> linear_layers();
 
@@ -160,6 +175,10 @@ class Transformer {
   bool sp_ = false;                  // sequence parallel
   SequenceScratch seq_;              // its whole-sequence buffers
   ContextParallel cp_;               // context parallel (cp_.comm set)
+  MoeScratch moe_scratch_;           // shared by the MoE blocks
+  int64_t moe_scratch_tokens_ = 0;
+  Tensor moe_sums_;                  // (MoE layers x (E + 7)) f64: moe_end_step's reduction
+  std::vector<MoeLayerStats> moe_stats_;
   int64_t shards() const { return sp_ ? tp_->size() : 1; }
   ActivationStore allocate_store_for(int64_t batch, int64_t seq_len, int64_t first, int64_t last, bool split_backward,
                                      bool context_parallel);

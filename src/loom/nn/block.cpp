@@ -24,22 +24,30 @@ BlockParams block_params_view(const ModelConfig& config, const ParamLayout& layo
     p.qkv_w = v(pre + "attn.c_attn.weight"), p.qkv_b = v(pre + "attn.c_attn.bias");
     p.proj_w = v(pre + "attn.c_proj.weight"), p.proj_b = v(pre + "attn.c_proj.bias");
     p.norm2_w = v(pre + "ln_2.weight"), p.norm2_b = v(pre + "ln_2.bias");
-    p.fc_w = v(pre + "mlp.c_fc.weight"), p.fc_b = v(pre + "mlp.c_fc.bias");
-    p.fc2_w = v(pre + "mlp.c_proj.weight"), p.fc2_b = v(pre + "mlp.c_proj.bias");
+    if (config.moe_layer(layer)) {
+      p.moe = moe_params_view(config, layout, flat, layer);
+    } else {
+      p.fc_w = v(pre + "mlp.c_fc.weight"), p.fc_b = v(pre + "mlp.c_fc.bias");
+      p.fc2_w = v(pre + "mlp.c_proj.weight"), p.fc2_b = v(pre + "mlp.c_proj.bias");
+    }
   } else {
     const std::string pre = "model.layers." + std::to_string(layer) + ".";
     p.norm1_w = v(pre + "input_layernorm.weight");
     p.qkv_w = v(pre + "self_attn.qkv_proj.weight");
     p.proj_w = v(pre + "self_attn.o_proj.weight");
     p.norm2_w = v(pre + "post_attention_layernorm.weight");
-    p.fc_w = v(pre + "mlp.gate_up_proj.weight");
-    p.fc2_w = v(pre + "mlp.down_proj.weight");
+    if (config.moe_layer(layer)) {
+      p.moe = moe_params_view(config, layout, flat, layer);
+    } else {
+      p.fc_w = v(pre + "mlp.gate_up_proj.weight");
+      p.fc2_w = v(pre + "mlp.down_proj.weight");
+    }
   }
   return p;
 }
 
 BlockSaved allocate_block_saved(Allocator& allocator, const ModelConfig& config, int64_t batch, int64_t seq_len,
-                                bool split_backward, int64_t seq_shards, bool context_parallel) {
+                                bool split_backward, int64_t seq_shards, bool context_parallel, bool moe) {
   LOOM_CHECK(seq_shards >= 1 && seq_len % seq_shards == 0, "sequence parallel: train.seq_len (", seq_len,
              ") must be a multiple of parallel.tp (", seq_shards, ")");
   const int64_t B = batch, T = seq_len, C = config.d_model, H = config.n_head, hd = config.head_dim();
@@ -58,11 +66,15 @@ BlockSaved allocate_block_saved(Allocator& allocator, const ModelConfig& config,
   s.norm2 = act({B, Ts, C});
   if (!config.rmsnorm()) s.mean2 = act({B, Ts});
   s.rstd2 = act({B, Ts});
-  s.fc = act({B, T, config.mlp_in_width()});
-  s.act = act({B, T, config.d_ff});
+  if (moe) {
+    s.moe = allocate_moe_saved(allocator, config, B * T);
+  } else {
+    s.fc = act({B, T, config.mlp_in_width()});
+    s.act = act({B, T, config.d_ff});
+  }
   if (split_backward) {
-    s.dy_fc2 = act({B, T, C});
-    s.dy_fc = act({B, T, config.mlp_in_width()});
+    if (!moe) s.dy_fc2 = act({B, T, C});
+    if (!moe) s.dy_fc = act({B, T, config.mlp_in_width()});
     s.dy_proj = act({B, T, C});
     s.dy_qkv = act({B, T, config.qkv_width()});
   }
@@ -196,6 +208,21 @@ void Block::forward(Backend& backend, BlockSaved& s, const Tensor& out) {
   }
 
   norm_forward(backend, config_, s.mid, p.norm2_w, p.norm2_b, s.norm2, s.mean2, s.rstd2);
+  if (is_moe()) {  // out = mid + MoE(norm2)
+    LOOM_CHECK(tp_ == nullptr && cp_ == nullptr && moe_scratch_ != nullptr,
+               "an MoE block runs without tensor or context parallelism (and needs its scratch)");
+    const int64_t N = s.norm2.dim(0) * T, C = config_.d_model;
+    backend.copy(s.mid, out);
+    moe_forward(backend, config_, p.moe, s.norm2.view(0, {N, C}), s.moe, *moe_scratch_, out.view(0, {N, C}), T);
+    if (recording_) {
+      MoeStats& m = moe_stats_;
+      m.load.resize(static_cast<size_t>(config_.moe_experts), 0.0);
+      for (int64_t e = 0; e < config_.moe_experts; ++e) m.load[e] += static_cast<double>(s.moe.load[e]);
+      m.tokens += N, m.dropped += s.moe.dropped, ++m.micro_batches;
+      m.aux += s.moe.aux, m.seq_aux += s.moe.seq_aux, m.z += s.moe.z, m.entropy += s.moe.entropy;
+    }
+    return;
+  }
   fc_.forward(backend, seq_ != nullptr ? gathered(s.norm2, T) : s.norm2, p.fc_w, q.fc_w, p.fc_b, s.fc, 0.0f, ws_);
   if (config_.swiglu()) backend.swiglu_forward(s.fc, s.act);
   else backend.gelu_forward(s.fc, s.act);
@@ -228,6 +255,12 @@ void Block::forward_decode(Backend& backend, BlockSaved& s, const Tensor& out, c
   backend.copy(s.input, s.mid);
   linear_forward(backend, s.attn, p.proj_w, p.proj_b, s.mid, 1.0f);
   norm_forward(backend, config_, s.mid, p.norm2_w, p.norm2_b, s.norm2, s.mean2, s.rstd2);
+  if (is_moe()) {  // one position per sequence: B tokens routed (statistics are not recorded)
+    backend.copy(s.mid, out);
+    const int64_t C = config_.d_model;
+    moe_forward(backend, config_, p.moe, s.norm2.view(0, {B, C}), s.moe, *moe_scratch_, out.view(0, {B, C}), 1);
+    return;
+  }
   linear_forward(backend, s.norm2, p.fc_w, p.fc_b, s.fc);
   if (config_.swiglu()) backend.swiglu_forward(s.fc, s.act);
   else backend.gelu_forward(s.fc, s.act);
@@ -247,8 +280,10 @@ void Block::backward(Backend& backend, const BlockSaved& s, const Tensor& d_resi
   const auto whole = [&](const Tensor& shard) { return sp ? gathered(shard, T) : shard; };
   if (part == BACKWARD_WEIGHT) {  // the four weight gradients from the kept output gradients
     LOOM_CHECK(s.dy_qkv.defined(), "block backward: the weight pass needs activations allocated for a split backward");
-    fc2_.backward(backend, s.act, p.fc2_w, q.fc2_w, s.dy_fc2, Tensor{}, g.fc2_w, Tensor{}, ws_);
-    fc_.backward(backend, whole(s.norm2), p.fc_w, q.fc_w, s.dy_fc, Tensor{}, g.fc_w, Tensor{}, ws_);
+    if (!is_moe()) {  // an MoE block's weight gradients were computed in the input pass
+      fc2_.backward(backend, s.act, p.fc2_w, q.fc2_w, s.dy_fc2, Tensor{}, g.fc2_w, Tensor{}, ws_);
+      fc_.backward(backend, whole(s.norm2), p.fc_w, q.fc_w, s.dy_fc, Tensor{}, g.fc_w, Tensor{}, ws_);
+    }
     proj_.backward(backend, s.attn, p.proj_w, q.proj_w, s.dy_proj, Tensor{}, g.proj_w, Tensor{}, ws_);
     qkv_.backward(backend, whole(s.norm1), p.qkv_w, q.qkv_w, s.dy_qkv, Tensor{}, g.qkv_w, Tensor{}, ws_);
     return;
@@ -269,14 +304,20 @@ void Block::backward(Backend& backend, const BlockSaved& s, const Tensor& d_resi
     else if (tp_ != nullptr) tp_->all_reduce(k.d_norm);
   };
   // MLP branch: d_residual is d(out); the residual path passes it to d(mid) unchanged.
-  const Tensor dy_out = whole(d_residual);
-  keep(dy_out, s.dy_fc2);
-  fc2_.backward(backend, s.act, p.fc2_w, q.fc2_w, dy_out, k.d_act, dw(g.fc2_w), g.fc2_b, ws_);
-  if (config_.swiglu()) backend.swiglu_backward(s.fc, k.d_act, k.d_fc);
-  else backend.gelu_backward(s.fc, k.d_act, k.d_fc);
-  keep(k.d_fc, s.dy_fc);
-  fc_.backward(backend, whole(s.norm2), p.fc_w, q.fc_w, k.d_fc, k.d_norm, dw(g.fc_w), g.fc_b, ws_);
-  reduce();  // f: the hidden slices' partial d(norm2 output)
+  if (is_moe()) {  // d(norm2 output) = MoE backward (router, experts and shared experts at once)
+    const int64_t N = s.norm2.dim(0) * T, C = config_.d_model;
+    moe_backward(backend, config_, p.moe, g.moe, s.norm2.view(0, {N, C}), s.moe, *moe_scratch_,
+                 d_residual.view(0, {N, C}), k.d_norm.view(0, {N, C}), loss_weight_, T);
+  } else {
+    const Tensor dy_out = whole(d_residual);
+    keep(dy_out, s.dy_fc2);
+    fc2_.backward(backend, s.act, p.fc2_w, q.fc2_w, dy_out, k.d_act, dw(g.fc2_w), g.fc2_b, ws_);
+    if (config_.swiglu()) backend.swiglu_backward(s.fc, k.d_act, k.d_fc);
+    else backend.gelu_backward(s.fc, k.d_act, k.d_fc);
+    keep(k.d_fc, s.dy_fc);
+    fc_.backward(backend, whole(s.norm2), p.fc_w, q.fc_w, k.d_fc, k.d_norm, dw(g.fc_w), g.fc_b, ws_);
+    reduce();  // f: the hidden slices' partial d(norm2 output)
+  }
   norm_backward(backend, config_, dn, s.mid, p.norm2_w, s.mean2, s.rstd2, dx, g.norm2_w, g.norm2_b);
   backend.add_inplace(d_residual, dx);  // now d(mid)
 

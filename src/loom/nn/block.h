@@ -14,6 +14,7 @@
 #include "loom/model/param_layout.h"
 #include "loom/nn/context_parallel.h"
 #include "loom/nn/linear.h"
+#include "loom/nn/moe.h"
 
 namespace loom {
 
@@ -27,6 +28,7 @@ struct BlockParams {
   Tensor norm2_w, norm2_b;  // (C)
   Tensor fc_w, fc_b;        // (F or 2F, C), (F or 2F)
   Tensor fc2_w, fc2_b;      // (C, F), (C)
+  MoeParams moe;            // an MoE block (model.moe_*): its router and experts in place of fc, fc2
 };
 
 BlockParams block_params_view(const ModelConfig& config, const ParamLayout& layout, const Tensor& flat, int64_t layer);
@@ -49,6 +51,7 @@ struct BlockSaved {
   // log-sum-exp (B,H,T), or what Ulysses keeps.
   Tensor lse;
   UlyssesSaved ulysses;
+  MoeSaved moe;  // an MoE block: its routing and experts' activations (fc, act unused)
 };
 
 // Which part of a block's backward to run: all of it, the input gradient (and the norms' and
@@ -60,7 +63,8 @@ enum BackwardPart : uint8_t { BACKWARD_ALL, BACKWARD_INPUT, BACKWARD_WEIGHT };
 // their statistics, mid) hold seq_len / seq_shards positions; the rest the whole sequence.
 // context_parallel: seq_len is this rank's share; ring attention's lse instead of probs.
 BlockSaved allocate_block_saved(Allocator& allocator, const ModelConfig& config, int64_t batch, int64_t seq_len,
-                                bool split_backward = false, int64_t seq_shards = 1, bool context_parallel = false);
+                                bool split_backward = false, int64_t seq_shards = 1, bool context_parallel = false,
+                                bool moe = false);
 
 // Whole-sequence (B,T,C) buffers a sequence-parallel block gathers into (shared by the blocks).
 struct SequenceScratch {
@@ -127,6 +131,22 @@ class Block {
   // attn_qkv, attn_out, mlp_in, mlp_out.
   std::array<LinearLayer*, 4> linears() { return {&qkv_, &proj_, &fc_, &fc2_}; }
 
+  // Mixture of experts (nn/moe.h): this block's MLP is an MoE layer (its experts and router
+  // compute in fp32 whatever the precision policy). The scratch is shared by the blocks; the
+  // loss weight scales the auxiliary losses' gradients in backward (the cross-entropy's).
+  bool is_moe() const { return params_.moe.defined(); }
+  void set_moe_scratch(MoeScratch* scratch) { moe_scratch_ = scratch; }
+  void set_loss_weight(float w) { loss_weight_ = w; }
+  // Routing statistics accumulated over the forwards since the last reset (while recording).
+  struct MoeStats {
+    std::vector<double> load;  // [expert] assignments
+    int64_t tokens = 0, dropped = 0, micro_batches = 0;
+    double aux = 0, seq_aux = 0, z = 0, entropy = 0;  // sums over micro-batches
+  };
+  MoeStats& moe_stats() { return moe_stats_; }
+  void set_recording(bool on) { recording_ = on; }
+  const Tensor& moe_bias() const { return params_.moe.bias; }
+
  private:
   ModelConfig config_;
   BlockParams params_;
@@ -137,6 +157,10 @@ class Block {
   Communicator* tp_ = nullptr;
   SequenceScratch* seq_ = nullptr;  // set: sequence parallel
   ContextParallel* cp_ = nullptr;   // set: context parallel
+  MoeScratch* moe_scratch_ = nullptr;
+  float loss_weight_ = 1.0f;
+  MoeStats moe_stats_;
+  bool recording_ = true;
   void rope(Backend& backend, const Tensor& qkv, bool backward) const;
   void attention_forward(Backend& backend, BlockSaved& s) const;
   void attention_backward(Backend& backend, const BlockSaved& s, BlockScratch& k) const;

@@ -154,6 +154,7 @@ std::vector<OptimParam> optim_params(const ParamLayout& layout, const OptimConfi
   }
   std::vector<OptimParam> out;
   for (const ParamSpec& spec : layout.params) {
+    if (spec.role == ROLE_BUFFER) continue;  // not trained (nn/moe.h updates the routing bias itself)
     OptimParam q;
     q.name = spec.name;
     q.offset = spec.offset;

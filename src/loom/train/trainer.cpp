@@ -214,6 +214,7 @@ StepStats Trainer::train_step(BatchSource& data) {
     }
     if (zero_ && zero_->stage() <= 2) zero_->gather_params();  // every rank's updated shard to all
   }
+  model_.moe_end_step(comm_);  // routing statistics over the data-parallel ranks; the routing bias update
   model_.end_step();
   stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   ++step_;

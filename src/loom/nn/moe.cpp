@@ -1,0 +1,422 @@
+#include "loom/nn/moe.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
+
+#include "loom/core/error.h"
+#include "loom/nn/linear.h"
+
+namespace loom {
+
+namespace {
+Tensor view_of(const ParamLayout& layout, const Tensor& flat, const std::string& name) {
+  const ParamSpec& spec = layout.find(name);
+  return flat.view(spec.offset, spec.shape);
+}
+
+// Expert activation over rows: GELU on (n, F) or SwiGLU on (n, 2F) -> (n, F).
+void activation_forward(Backend& backend, const ModelConfig& c, const Tensor& h, const Tensor& act) {
+  if (c.swiglu()) backend.swiglu_forward(h, act);
+  else backend.gelu_forward(h, act);
+}
+void activation_backward(Backend& backend, const ModelConfig& c, const Tensor& h, const Tensor& dact, const Tensor& dh) {
+  if (c.swiglu()) backend.swiglu_backward(h, dact, dh);
+  else backend.gelu_backward(h, dact, dh);
+}
+}  // namespace
+
+MoeParams moe_params_view(const ModelConfig& c, const ParamLayout& layout, const Tensor& flat, int64_t layer) {
+  MoeParams p;
+  if (!c.moe_layer(layer)) return p;
+  const bool llama = c.swiglu();
+  const std::string pre = (llama ? "model.layers." : "h.") + std::to_string(layer) + ".";
+  auto v = [&](const std::string& name) { return view_of(layout, flat, pre + name); };
+  p.router_w = v(llama ? "mlp.gate.weight" : "mlp.router.weight");
+  p.bias = v(llama ? "mlp.gate.e_score_correction_bias" : "mlp.router.bias_correction");
+  for (int64_t e = 0; e < c.moe_experts; ++e) {
+    const std::string x = "mlp.experts." + std::to_string(e) + ".";
+    p.fc_w.push_back(v(x + (llama ? "gate_up_proj.weight" : "c_fc.weight")));
+    p.fc2_w.push_back(v(x + (llama ? "down_proj.weight" : "c_proj.weight")));
+  }
+  if (c.moe_shared > 0) {
+    p.shared_fc_w = v(llama ? "mlp.shared_experts.gate_up_proj.weight" : "mlp.shared_experts.c_fc.weight");
+    p.shared_fc2_w = v(llama ? "mlp.shared_experts.down_proj.weight" : "mlp.shared_experts.c_proj.weight");
+  }
+  return p;
+}
+
+int64_t moe_capacity(const ModelConfig& c, int64_t tokens) {
+  if (c.moe_capacity_factor <= 0.0f) return c.moe_top_k * tokens;
+  // ceil(k N / E x CF), in double so that an exact product is not rounded up.
+  const double exact = static_cast<double>(c.moe_top_k * tokens) / static_cast<double>(c.moe_experts) *
+                       static_cast<double>(c.moe_capacity_factor);
+  return static_cast<int64_t>(std::ceil(exact - 1e-9));
+}
+
+int64_t moe_max_rows(const ModelConfig& c, int64_t tokens) {
+  const int64_t all = c.moe_top_k * tokens;
+  return c.moe_capacity_factor > 0.0f ? std::min(all, c.moe_experts * moe_capacity(c, tokens)) : all;
+}
+
+MoeSaved allocate_moe_saved(Allocator& allocator, const ModelConfig& c, int64_t N) {
+  const int64_t E = c.moe_experts, K = c.moe_top_k, R = moe_max_rows(c, N), C = c.d_model;
+  auto act = [&](Shape shape, DType dtype = DTYPE_F32) { return Tensor::empty(allocator, std::move(shape), dtype, MEM_ACTIVATIONS); };
+  MoeSaved s;
+  s.logits = act({N, E});
+  s.scores = act({N, E});
+  s.expert = act({N, K}, DTYPE_I32);
+  s.gates = act({N, K});
+  s.row = act({N, K}, DTYPE_I32);
+  s.token = act({R}, DTYPE_I32);
+  s.h = act({R, c.expert_in_width()});
+  s.act = act({R, c.expert_ff()});
+  s.ye = act({R, C});
+  if (c.moe_shared > 0) {
+    const int64_t S = c.moe_shared * c.expert_ff();
+    s.shared_fc = act({N, c.swiglu() ? 2 * S : S});
+    s.shared_act = act({N, S});
+  }
+  return s;
+}
+
+MoeScratch allocate_moe_scratch(Allocator& allocator, const ModelConfig& c, int64_t N) {
+  const int64_t R = moe_max_rows(c, N), C = c.d_model;
+  auto ws = [&](Shape shape) { return Tensor::empty(allocator, std::move(shape), DTYPE_F32, MEM_WORKSPACE); };
+  MoeScratch k;
+  k.xe = ws({R, C});
+  k.dye = ws({R, C});
+  k.dh = ws({R, c.expert_in_width()});
+  k.dact = ws({R, c.expert_ff()});
+  k.ds = ws({N, c.moe_experts});
+  k.dx = ws({N, C});
+  if (c.moe_shared > 0) {
+    const int64_t S = c.moe_shared * c.expert_ff();
+    k.shared_dfc = ws({N, c.swiglu() ? 2 * S : S});
+    k.shared_dact = ws({N, S});
+  }
+  return k;
+}
+
+void moe_forward(Backend& backend, const ModelConfig& c, const MoeParams& p, const Tensor& x, MoeSaved& s,
+                 MoeScratch& k, const Tensor& y, int64_t seq_len) {
+  const int64_t N = x.dim(0), C = c.d_model, E = c.moe_experts, K = c.moe_top_k;
+  LOOM_CHECK(x.dim(1) == C && y.dim(0) == N && s.logits.dim(0) >= N && seq_len > 0 && N % seq_len == 0,
+             "moe_forward: x ", x.describe(), ", y ", y.describe(), " for ", s.logits.dim(0), " tokens of sequences of ",
+             seq_len);
+  s.tokens = N;
+  const Tensor logits = s.logits.view(0, {N, E}), scores = s.scores.view(0, {N, E});
+  linear_forward(backend, x, p.router_w, Tensor{}, logits);
+  const float* u = logits.data<float>();
+  float* sc = scores.data<float>();
+  const float* bias = p.bias.data<float>();
+  int32_t* expert = s.expert.data<int32_t>();
+  float* gates = s.gates.data<float>();
+  const int64_t G = c.moe_groups, per_group = E / G;
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < N; ++t) {
+    const float* ut = u + t * E;
+    float* st = sc + t * E;
+    if (c.moe_sigmoid) {
+      for (int64_t e = 0; e < E; ++e) st[e] = 1.0f / (1.0f + std::exp(-ut[e]));
+    } else {
+      const float m = *std::max_element(ut, ut + E);
+      double sum = 0.0;
+      for (int64_t e = 0; e < E; ++e) sum += std::exp(static_cast<double>(ut[e] - m));
+      for (int64_t e = 0; e < E; ++e) st[e] = static_cast<float>(std::exp(static_cast<double>(ut[e] - m)) / sum);
+    }
+    // Selection scores: s + b; experts outside the chosen groups and already chosen are out.
+    std::vector<float> sel(static_cast<size_t>(E));
+    for (int64_t e = 0; e < E; ++e) sel[e] = st[e] + bias[e];
+    constexpr float kOut = -std::numeric_limits<float>::infinity();
+    if (G > 1) {
+      std::vector<float> group_score(static_cast<size_t>(G));
+      for (int64_t g = 0; g < G; ++g) {  // the sum of the group's two best selection scores
+        float a = kOut, b = kOut;
+        for (int64_t e = g * per_group; e < (g + 1) * per_group; ++e) {
+          if (sel[e] > a) b = a, a = sel[e];
+          else if (sel[e] > b) b = sel[e];
+        }
+        group_score[g] = per_group > 1 ? a + b : a;
+      }
+      std::vector<bool> keep(static_cast<size_t>(G), false);
+      for (int64_t n = 0; n < c.moe_topk_groups; ++n) {
+        int64_t best = -1;
+        for (int64_t g = 0; g < G; ++g) {
+          if (!keep[g] && (best < 0 || group_score[g] > group_score[best])) best = g;
+        }
+        keep[best] = true;
+      }
+      for (int64_t e = 0; e < E; ++e) {
+        if (!keep[e / per_group]) sel[e] = kOut;
+      }
+    }
+    double sum_sel = 0.0;
+    for (int64_t j = 0; j < K; ++j) {
+      int64_t best = -1;
+      for (int64_t e = 0; e < E; ++e) {
+        if (sel[e] == kOut) continue;
+        if (best < 0 || sel[e] > sel[best]) best = e;
+      }
+      expert[t * K + j] = static_cast<int32_t>(best);
+      sel[best] = kOut;
+      sum_sel += st[best];
+    }
+    for (int64_t j = 0; j < K; ++j) {  // gates from the unbiased scores
+      const double g = st[expert[t * K + j]] / (c.moe_renorm ? sum_sel : 1.0);
+      gates[t * K + j] = static_cast<float>(g * c.moe_route_scale);
+    }
+  }
+  // Loads, capacity and the expert rows: priority order is (choice j, token t).
+  s.load.assign(static_cast<size_t>(E), 0);
+  for (int64_t a = 0; a < N * K; ++a) ++s.load[expert[a]];
+  const int64_t cap = moe_capacity(c, N);
+  std::vector<int64_t> kept(static_cast<size_t>(E), 0);
+  int32_t* row = s.row.data<int32_t>();
+  s.dropped = 0;
+  for (int64_t j = 0; j < K; ++j) {
+    for (int64_t t = 0; t < N; ++t) {
+      const int32_t e = expert[t * K + j];
+      if (kept[e] < cap) {
+        row[t * K + j] = static_cast<int32_t>(kept[e]++);  // rank within its expert for now
+      } else {
+        row[t * K + j] = -1;
+        ++s.dropped;
+      }
+    }
+  }
+  s.offsets.assign(static_cast<size_t>(E + 1), 0);
+  for (int64_t e = 0; e < E; ++e) s.offsets[e + 1] = s.offsets[e] + kept[e];
+  int32_t* token = s.token.data<int32_t>();
+  for (int64_t t = 0; t < N; ++t) {
+    for (int64_t j = 0; j < K; ++j) {
+      int32_t& r = row[t * K + j];
+      if (r < 0) continue;
+      r += static_cast<int32_t>(s.offsets[expert[t * K + j]]);
+      token[r] = static_cast<int32_t>(t);
+    }
+  }
+  // Experts: gather their rows, two GEMMs and the activation each.
+  const int64_t R = s.offsets[E], Fin = c.expert_in_width(), F = c.expert_ff();
+  const float* xs = x.data<float>();
+  float* xe = k.xe.data<float>();
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < R; ++r) std::memcpy(xe + r * C, xs + token[r] * C, static_cast<size_t>(C) * sizeof(float));
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t o = s.offsets[e], n = s.offsets[e + 1] - o;
+    if (n == 0) continue;
+    const Tensor h = s.h.view(o * Fin, {n, Fin}), a = s.act.view(o * F, {n, F});
+    linear_forward(backend, k.xe.view(o * C, {n, C}), p.fc_w[e], Tensor{}, h);
+    activation_forward(backend, c, h, a);
+    linear_forward(backend, a, p.fc2_w[e], Tensor{}, s.ye.view(o * C, {n, C}));
+  }
+  // Combine: y_t += sum over kept choices of g_j ye[row] (per token: deterministic).
+  float* ys = y.data<float>();
+  const float* ye = s.ye.data<float>();
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < N; ++t) {
+    for (int64_t j = 0; j < K; ++j) {
+      const int32_t r = row[t * K + j];
+      if (r < 0) continue;
+      const float g = gates[t * K + j];
+      for (int64_t i = 0; i < C; ++i) ys[t * C + i] += g * ye[r * C + i];
+    }
+  }
+  if (c.moe_shared > 0) {
+    linear_forward(backend, x, p.shared_fc_w, Tensor{}, s.shared_fc.view(0, {N, s.shared_fc.dim(1)}));
+    const Tensor sa = s.shared_act.view(0, {N, s.shared_act.dim(1)});
+    activation_forward(backend, c, s.shared_fc.view(0, {N, s.shared_fc.dim(1)}), sa);
+    linear_forward(backend, sa, p.shared_fc2_w, Tensor{}, y, 1.0f);
+  }
+  // The losses' values and the router entropy (q = s / sum s).
+  const int64_t T = seq_len, B = N / seq_len;
+  std::vector<double> P(static_cast<size_t>(E), 0.0);
+  double z = 0.0, entropy = 0.0, seq_aux = 0.0;
+  std::vector<double> Pb(static_cast<size_t>(E)), fb(static_cast<size_t>(E));
+  for (int64_t b = 0; b < B; ++b) {
+    std::fill(Pb.begin(), Pb.end(), 0.0);
+    std::fill(fb.begin(), fb.end(), 0.0);
+    for (int64_t t = b * T; t < (b + 1) * T; ++t) {
+      const float* st = sc + t * E;
+      double sum = 0.0;
+      for (int64_t e = 0; e < E; ++e) sum += st[e];
+      for (int64_t e = 0; e < E; ++e) {
+        const double q = st[e] / sum;
+        Pb[e] += q;
+        if (q > 0.0) entropy -= q * std::log(q);
+      }
+      const float* ut = u + t * E;
+      const float m = *std::max_element(ut, ut + E);
+      double se = 0.0;
+      for (int64_t e = 0; e < E; ++e) se += std::exp(static_cast<double>(ut[e] - m));
+      const double lse = m + std::log(se);
+      z += lse * lse;
+      for (int64_t j = 0; j < K; ++j) fb[expert[t * K + j]] += 1.0;
+    }
+    double lb = 0.0;
+    for (int64_t e = 0; e < E; ++e) {
+      P[e] += Pb[e];
+      lb += (static_cast<double>(E) / static_cast<double>(K * T) * fb[e]) * (Pb[e] / static_cast<double>(T));
+    }
+    seq_aux += c.moe_seq_aux_alpha * lb / static_cast<double>(B);
+  }
+  double aux = 0.0;
+  for (int64_t e = 0; e < E; ++e) {
+    aux += static_cast<double>(s.load[e]) / static_cast<double>(K * N) * P[e] / static_cast<double>(N);
+  }
+  s.aux = c.moe_aux_alpha * static_cast<double>(E) * aux;
+  s.seq_aux = seq_aux;
+  s.z = c.moe_z_alpha * z / static_cast<double>(N);
+  s.entropy = entropy / static_cast<double>(N);
+}
+
+void moe_backward(Backend& backend, const ModelConfig& c, const MoeParams& p, const MoeParams& g, const Tensor& x,
+                  const MoeSaved& s, MoeScratch& k, const Tensor& dy, const Tensor& dx, float loss_weight,
+                  int64_t seq_len) {
+  const int64_t N = s.tokens, C = c.d_model, E = c.moe_experts, K = c.moe_top_k;
+  const int64_t Fin = c.expert_in_width(), F = c.expert_ff();
+  LOOM_CHECK(x.dim(0) == N && dy.dim(0) == N && dx.dim(0) == N, "moe_backward: ", N, " tokens, got x ", x.describe(),
+             ", dy ", dy.describe(), ", dx ", dx.describe());
+  const float* u = s.logits.data<float>();
+  const float* sc = s.scores.data<float>();
+  const int32_t* expert = s.expert.data<int32_t>();
+  const float* gates = s.gates.data<float>();
+  const int32_t* row = s.row.data<int32_t>();
+  const float* ye = s.ye.data<float>();
+  const float* dys = dy.data<float>();
+  const int64_t T = seq_len, B = N / seq_len;
+  // The balance losses' d/dq_ti coefficients (q = s / sum s): c_i for every token (Switch), and
+  // per sequence (DeepSeek-V3), times loss_weight.
+  std::vector<double> c_aux(static_cast<size_t>(E), 0.0), c_seq(static_cast<size_t>(B * E), 0.0);
+  for (int64_t e = 0; e < E; ++e) {
+    const double f = static_cast<double>(s.load[e]) / static_cast<double>(K * N);
+    c_aux[e] = loss_weight * c.moe_aux_alpha * static_cast<double>(E) * f / static_cast<double>(N);
+  }
+  if (c.moe_seq_aux_alpha > 0.0f) {
+    for (int64_t t = 0; t < N; ++t) {
+      for (int64_t j = 0; j < K; ++j) c_seq[(t / T) * E + expert[t * K + j]] += 1.0;
+    }
+    for (double& v : c_seq) {  // f_i = E/(k T) count; dL/dq = alpha' f_i / (T B)
+      v = loss_weight * c.moe_seq_aux_alpha * static_cast<double>(E) / static_cast<double>(K * T) * v /
+          static_cast<double>(T * B);
+    }
+  }
+  const bool any_aux = c.moe_aux_alpha > 0.0f || c.moe_seq_aux_alpha > 0.0f;
+  const double z_coeff = loss_weight * c.moe_z_alpha * 2.0 / static_cast<double>(N);
+  float* du = k.ds.data<float>();
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < N; ++t) {
+    const float* st = sc + t * E;
+    std::vector<double> ds(static_cast<size_t>(E), 0.0);
+    // Gates: dg_j = dy_t . ye[row]; g_j = scale s_ij / S (renorm) or scale s_ij.
+    double dg[64];  // K <= 64 (ModelConfig::validate)
+    double S = 0.0, dgs = 0.0;
+    for (int64_t j = 0; j < K; ++j) {
+      const int32_t r = row[t * K + j];
+      double d = 0.0;
+      if (r >= 0) {
+        for (int64_t i = 0; i < C; ++i) d += static_cast<double>(dys[t * C + i]) * ye[r * C + i];
+      }
+      dg[j] = d;
+      S += st[expert[t * K + j]];
+      dgs += d * st[expert[t * K + j]];
+    }
+    for (int64_t j = 0; j < K; ++j) {
+      const int32_t e = expert[t * K + j];
+      ds[e] += c.moe_renorm ? c.moe_route_scale * (dg[j] / S - dgs / (S * S)) : c.moe_route_scale * dg[j];
+    }
+    if (any_aux) {
+      double sum = 0.0;
+      for (int64_t e = 0; e < E; ++e) sum += st[e];
+      const double* cs = c_seq.data() + (t / T) * E;
+      double cq = 0.0;
+      for (int64_t e = 0; e < E; ++e) cq += (c_aux[e] + cs[e]) * st[e] / sum;
+      for (int64_t e = 0; e < E; ++e) ds[e] += (c_aux[e] + cs[e] - cq) / sum;
+    }
+    // Scores -> logits, then the z-loss.
+    float* dut = du + t * E;
+    if (c.moe_sigmoid) {
+      for (int64_t e = 0; e < E; ++e) dut[e] = static_cast<float>(ds[e] * st[e] * (1.0 - st[e]));
+    } else {
+      double dot = 0.0;
+      for (int64_t e = 0; e < E; ++e) dot += ds[e] * st[e];
+      for (int64_t e = 0; e < E; ++e) dut[e] = static_cast<float>(st[e] * (ds[e] - dot));
+    }
+    if (c.moe_z_alpha > 0.0f) {
+      const float* ut = u + t * E;
+      const float m = *std::max_element(ut, ut + E);
+      double se = 0.0;
+      for (int64_t e = 0; e < E; ++e) se += std::exp(static_cast<double>(ut[e] - m));
+      const double lse = m + std::log(se);
+      for (int64_t e = 0; e < E; ++e) {
+        dut[e] += static_cast<float>(z_coeff * lse * std::exp(static_cast<double>(ut[e]) - lse));
+      }
+    }
+  }
+  // Router: dx = du Wr (overwrites dx), dWr += du^T x.
+  linear_backward(backend, x, p.router_w, k.ds.view(0, {N, E}), dx, g.router_w, Tensor{});
+  if (c.moe_shared > 0) {
+    const int64_t Sin = s.shared_fc.dim(1), S = s.shared_act.dim(1);
+    const Tensor dact = k.shared_dact.view(0, {N, S}), dfc = k.shared_dfc.view(0, {N, Sin}), dxs = k.dx.view(0, {N, C});
+    linear_backward(backend, s.shared_act.view(0, {N, S}), p.shared_fc2_w, dy, dact, g.shared_fc2_w, Tensor{});
+    activation_backward(backend, c, s.shared_fc.view(0, {N, Sin}), dact, dfc);
+    linear_backward(backend, x, p.shared_fc_w, dfc, dxs, g.shared_fc_w, Tensor{});
+    backend.add_inplace(dx, dxs);
+  }
+  // Experts: d(ye) = g dy per row; their inputs gathered again; d(xe) lands in dye.
+  const float* xs = x.data<float>();
+  float* xe = k.xe.data<float>();
+  float* dye = k.dye.data<float>();
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < N; ++t) {
+    for (int64_t j = 0; j < K; ++j) {
+      const int32_t r = row[t * K + j];
+      if (r < 0) continue;
+      const float gt = gates[t * K + j];
+      for (int64_t i = 0; i < C; ++i) dye[r * C + i] = gt * dys[t * C + i];
+      std::memcpy(xe + r * C, xs + t * C, static_cast<size_t>(C) * sizeof(float));
+    }
+  }
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t o = s.offsets[e], n = s.offsets[e + 1] - o;
+    if (n == 0) continue;
+    const Tensor dact = k.dact.view(o * F, {n, F}), dh = k.dh.view(o * Fin, {n, Fin}), d = k.dye.view(o * C, {n, C});
+    linear_backward(backend, s.act.view(o * F, {n, F}), p.fc2_w[e], d, dact, g.fc2_w[e], Tensor{});
+    activation_backward(backend, c, s.h.view(o * Fin, {n, Fin}), dact, dh);
+    linear_backward(backend, k.xe.view(o * C, {n, C}), p.fc_w[e], dh, d, g.fc_w[e], Tensor{});  // d(xe) into dye
+  }
+  float* dxs = dx.data<float>();
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < N; ++t) {
+    for (int64_t j = 0; j < K; ++j) {
+      const int32_t r = row[t * K + j];
+      if (r < 0) continue;
+      for (int64_t i = 0; i < C; ++i) dxs[t * C + i] += dye[r * C + i];
+    }
+  }
+}
+
+void moe_update_bias(const Tensor& bias, const std::vector<double>& load, float gamma) {
+  const int64_t E = bias.numel();
+  LOOM_CHECK(static_cast<int64_t>(load.size()) == E, "moe_update_bias: ", load.size(), " loads for ", E, " experts");
+  double mean = 0.0;
+  for (double l : load) mean += l;
+  mean /= static_cast<double>(E);
+  float* b = bias.data<float>();
+  for (int64_t e = 0; e < E; ++e) {
+    const double d = load[e] - mean;
+    b[e] -= gamma * static_cast<float>((d > 0.0) - (d < 0.0));
+  }
+}
+
+double moe_max_violation(const std::vector<double>& load) {
+  if (load.empty()) return 0.0;
+  double mean = 0.0, mx = 0.0;
+  for (double l : load) mean += l, mx = std::max(mx, l);
+  mean /= static_cast<double>(load.size());
+  return mean > 0.0 ? mx / mean - 1.0 : 0.0;
+}
+
+}  // namespace loom
