@@ -240,6 +240,30 @@ class Cli(unittest.TestCase):
         self.assertNotEqual(bad.returncode, 0)
         self.assertIn("use zero_stage 0 or 1", bad.stderr)
 
+    def test_moe_resumes_bitwise_and_expert_parallel_matches_one_process(self):
+        moe = ("model.moe_experts=4,model.moe_top_k=2,model.moe_d_ff=16,model.moe_shared=1,model.moe_bias_gamma=1e-2,"
+               "model.moe_seq_aux_alpha=1e-2,model.moe_z_alpha=1e-3")
+        self.train("moe_straight", "--set", moe)
+        self.train("moe_resumed", "--set", moe, "--stop-at-step", "4")
+        self.train("moe_resumed", "--set", moe, "--resume")  # the routing bias is in the weights
+        for f in ("model.safetensors", "optimizer.safetensors"):
+            with open(os.path.join(self.ckpt("moe_straight", 8), f), "rb") as a, \
+                    open(os.path.join(self.ckpt("moe_resumed", 8), f), "rb") as b:
+                self.assertEqual(a.read(), b.read(), f)
+        with open(os.path.join(self.tmp, "runs", "moe_straight", "metrics.jsonl")) as f:
+            routing = [r["moe"] for r in map(json.loads, f) if "moe" in r]
+        self.assertEqual(len(routing), 8)
+        self.assertEqual(len(routing[-1]), 2)  # both layers are MoE layers
+        self.assertEqual(sum(routing[-1][0]["load"]), 2 * 4 * 32)  # top-2 of every token of the batch
+        # ep = 2 over the two data-parallel ranks: the one-process curve; its checkpoint resumes in one process.
+        p = self.mpirun(2, "moe_ep", "--set", moe + ",train.batch_size=2,parallel.ep=2", "--stop-at-step", "4", steps=8)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        self.assertIn("ep=2", p.stdout)
+        self.train("moe_ep", "--set", moe, "--resume")
+        self.assert_same_curve("moe_straight", "moe_ep", 8)
+        bad = self.train("moe_bad", "--set", "parallel.ep=2", expect_ok=False)
+        self.assert_one_line_error(bad, "parallel.ep")
+
     def test_a_killed_rank_ends_the_whole_job(self):
         p = self.mpirun(2, "dead", "--set", "train.checkpoint_every=2,train.eval_every=0", steps=100000, background=True)
         import time

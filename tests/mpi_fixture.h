@@ -7,6 +7,7 @@
 
 #include "loom/backend/backend.h"
 #include "loom/comm/communicator.h"
+#include "loom/parallel/tensor_parallel.h"
 #include "loom/train/trainer.h"
 
 namespace loom {
@@ -37,6 +38,39 @@ struct RankData {
 
   RandomWindowSource global;
   std::unique_ptr<RankSliceSource> slice;
+};
+
+// The whole model of `config` (seed 7: every layout's starting point) and this rank's slice of
+// it in its tensor-parallel group (the whole model again when the group has one rank).
+struct SlicedModel {
+  SlicedModel(Backend& backend, const ModelConfig& config, Communicator& tp, bool sequence_parallel = false)
+      : whole(backend, config), local(tp.size() > 1 ? tp_local_config(config, tp.size()) : config), model(backend, local) {
+    whole.init_weights(7);
+    tp_copy(config, whole.params(), local, model.params(), tp.rank(), tp.size(), true);
+    if (tp.size() > 1) {
+      const VocabRange v = tp_vocab_range(config, tp.rank(), tp.size());
+      model.set_tensor_parallel(&tp, v.begin, v.valid, sequence_parallel);
+    }
+  }
+  // The whole model's gradient from this rank's: its `ranges` of the slice's gradients (all when
+  // empty: e.g. a pipeline stage's counted ranges), put back in the whole layout, summed over the
+  // tp and pp groups.
+  std::vector<float> whole_grads(Backend& backend, const std::vector<std::pair<int64_t, int64_t>>& ranges,
+                                 Communicator& tp, Communicator& pp) {
+    Tensor mine = Tensor::zeros(backend.allocator(), {model.grads().numel()}, DTYPE_F32, MEM_WORKSPACE);
+    if (ranges.empty()) backend.copy(model.grads(), mine);
+    for (const auto& [b, e] : ranges) backend.copy(model.grads().view(b, {e - b}), mine.view(b, {e - b}));
+    whole.grads().zero_();
+    tp_copy(whole.config(), whole.grads(), local, mine, tp.rank(), tp.size(), false, tp.rank() == 0);
+    tp.all_reduce(whole.grads());
+    pp.all_reduce(whole.grads());
+    const float* g = whole.grads().data<float>();
+    return std::vector<float>(g, g + whole.grads().numel());
+  }
+
+  Transformer whole;
+  ModelConfig local;
+  Transformer model;
 };
 
 // A training run's record: per step the loss, the gradient norm and the whole gradient.

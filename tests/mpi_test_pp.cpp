@@ -58,15 +58,8 @@ Curve parallel(Communicator& world, const ModelConfig& config, const Layout& lay
   auto cp = mesh_group(world, mesh, "cp");
   auto reduce = mesh_group(world, mesh, std::vector<std::string>{"dp", "cp"});  // gradients averaged over dp x cp
   auto backend = make_cpu_backend();
-  Transformer whole(*backend, config);
-  whole.init_weights(7);
-  const ModelConfig local = lay.tp > 1 ? tp_local_config(config, lay.tp) : config;
-  Transformer model(*backend, local);
-  tp_copy(config, whole.params(), local, model.params(), tp->rank(), lay.tp, true);
-  if (lay.tp > 1) {
-    const VocabRange v = tp_vocab_range(config, tp->rank(), lay.tp);
-    model.set_tensor_parallel(tp.get(), v.begin, v.valid, lay.sequence_parallel);
-  }
+  SlicedModel sliced(*backend, config, *tp, lay.sequence_parallel);
+  Transformer& model = sliced.model;
   if (lay.cp > 1) model.set_context_parallel(cp.get(), lay.ulysses);
   const int chunks = std::string(lay.schedule) == "interleaved" ? 2 : 1;
   PipelineRunner runner(model, *pp, make_pipe_schedule(lay.schedule, lay.pp, kMicro, chunks), batch, 16);
@@ -105,14 +98,7 @@ Curve parallel(Communicator& world, const ModelConfig& config, const Layout& lay
     const int64_t positions = 16 / (lay.sequence_parallel ? lay.tp : 1) / lay.cp;  // sequence / context parallel: the rank's share
     EXPECT_EQ(pp->ledger().sent[COLL_SEND_RECV], messages * kMicro * batch * positions * config.d_model * 4) << "step " << s;
     // Each stage's gradients (counted once), the tensor slices put back, summed over the groups.
-    Tensor mine = Tensor::zeros(backend->allocator(), {model.grads().numel()}, DTYPE_F32, MEM_WORKSPACE);
-    for (const auto& [b, e] : runner.norm_ranges()) backend->copy(model.grads().view(b, {e - b}), mine.view(b, {e - b}));
-    whole.grads().zero_();
-    tp_copy(config, whole.grads(), local, mine, tp->rank(), lay.tp, false, tp->rank() == 0);
-    tp->all_reduce(whole.grads());
-    pp->all_reduce(whole.grads());
-    const float* g = whole.grads().data<float>();
-    c.grads.emplace_back(g, g + whole.grads().numel());
+    c.grads.push_back(sliced.whole_grads(*backend, runner.norm_ranges(), *tp, *pp));
   }
   *idle_fraction = idle / (busy + idle);
   return c;

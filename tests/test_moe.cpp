@@ -6,10 +6,13 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <string>
 
 #include "loom/data/batch_source.h"
 #include "loom/model/transformer.h"
 #include "loom/nn/moe.h"
+#include "loom/train/config.h"
 #include "loom/train/trainer.h"
 #include "test_util.h"
 
@@ -253,6 +256,32 @@ TEST(MoeTest, TrainerReportsRoutingAndUpdatesTheBias) {
   double moved = 0.0;
   for (int64_t e = 0; e < c.moe_experts; ++e) moved += std::abs(bias.data<float>()[e]);
   EXPECT_GT(moved, 0.0);
+}
+
+// The real-size configs reproduce their published parameter counts: total, and active per token
+// (the router, top_k routed and the shared experts of each MoE layer; the head, plus for Qwen the
+// embedding table, which its "2.7B activated" counts).
+TEST(MoeTest, RealSizeConfigsHaveThePublishedParameterCounts) {
+  const char* dir = std::getenv("LOOM_SOURCE_DIR");
+  const std::string root = dir != nullptr ? dir : ".";
+  struct Case {
+    const char* file;
+    double total, active;  // published, billions
+    bool embedding_active;
+  };
+  for (const Case& c : {Case{"configs/deepseek_v3_shaped.toml", 671.0, 37.0, false},
+                        Case{"configs/qwen_moe_shaped.toml", 14.3, 2.7, true}}) {
+    LoomConfig config;
+    apply_config_file(config, root + "/" + c.file);
+    const double total = static_cast<double>(param_count(config.model)) / 1e9;
+    const double active = static_cast<double>(matmul_param_count(config.model) +
+                                              (c.embedding_active ? config.model.vocab_size * config.model.d_model : 0)) /
+                          1e9;
+    std::printf("%s: %.2fB parameters (published %.1fB), %.2fB active (published %.1fB)\n", c.file, total, c.total,
+                active, c.active);
+    EXPECT_NEAR(total / c.total, 1.0, 0.01) << c.file;
+    EXPECT_NEAR(active / c.active, 1.0, c.embedding_active ? 0.02 : 0.05) << c.file;  // MHA for MLA: +1.4B
+  }
 }
 
 }  // namespace

@@ -88,6 +88,17 @@ nlohmann::json ledger_json(const ByteLedger& ledger) {
   return j;
 }
 
+// Each MoE layer's routing over the step (nn/moe.h): the expert load histogram, its max
+// violation (max / mean - 1), the router entropy, dropped assignments and the auxiliary losses.
+nlohmann::json moe_json(const std::vector<MoeLayerStats>& stats) {
+  nlohmann::json j = nlohmann::json::array();
+  for (const MoeLayerStats& s : stats) {
+    j.push_back({{"layer", s.layer}, {"load", s.load}, {"max_violation", s.max_violation}, {"entropy", s.entropy},
+                 {"tokens", s.tokens}, {"dropped", s.dropped}, {"aux", s.aux}, {"seq_aux", s.seq_aux}, {"z", s.z}});
+  }
+  return j;
+}
+
 nlohmann::json memory_json(const MemoryTracker& mem) {
   nlohmann::json j;
   for (int c = 0; c < MEM_CATEGORY_COUNT; ++c) {
@@ -143,7 +154,8 @@ int train_main(int argc, char** argv) {
   const std::unique_ptr<Communicator> comm = launched_by_mpirun() ? make_mpi_communicator() : make_local_communicator();
   const bool lead = comm->rank() == 0;
   const DeviceMesh mesh = training_mesh(comm->size(), static_cast<int>(config.parallel.dp), static_cast<int>(config.parallel.tp),
-                                        static_cast<int>(config.parallel.pp), static_cast<int>(config.parallel.cp));
+                                        static_cast<int>(config.parallel.pp), static_cast<int>(config.parallel.cp),
+                                        static_cast<int>(config.parallel.ep));
   const std::string dir = run_dir(config);
   fs::create_directories(dir);
   if (!lead) {
@@ -161,20 +173,24 @@ int train_main(int argc, char** argv) {
   const int tp_size = mesh.size("tp"), cp_size = mesh.size("cp"), pp_size = mesh.size("pp");
   // Context parallel (parallel.cp > 1): each rank holds 1/cp of every sequence; the gradients
   // are averaged over dp x cp, the tokens counted over dp.
-  std::unique_ptr<Communicator> tp_comm, dp_comm, cp_comm, reduce_comm, pp_comm;
+  std::unique_ptr<Communicator> tp_comm, dp_comm, cp_comm, reduce_comm, pp_comm, ep_comm, owners_comm;
+  const int ep_size = static_cast<int>(config.parallel.ep);
   Communicator* dp = comm.get();
   Communicator* reduce = comm.get();
   if (tp_size > 1) tp_comm = mesh_group(*comm, mesh, "tp");
   if (tp_size > 1 || cp_size > 1 || pp_size > 1) {
-    dp_comm = mesh_group(*comm, mesh, "dp");
+    dp_comm = mesh_group(*comm, mesh, data_parallel_dims(mesh));
     dp = reduce = dp_comm.get();
   }
+  if (ep_size > 1) ep_comm = mesh_group(*comm, mesh, "ep");  // experts split over these dp ranks
   if (pp_size > 1) pp_comm = mesh_group(*comm, mesh, "pp");  // each rank runs and updates its stages (parallel/pipeline.h)
   if (cp_size > 1) {
     LOOM_CHECK(config.parallel.cp_attention == "ring" || config.parallel.cp_attention == "ulysses",
                "parallel.cp_attention must be ring or ulysses, got '", config.parallel.cp_attention, "'");
     cp_comm = mesh_group(*comm, mesh, "cp");
-    reduce_comm = mesh_group(*comm, mesh, std::vector<std::string>{"dp", "cp"});
+    std::vector<std::string> dims = data_parallel_dims(mesh);
+    dims.push_back("cp");
+    reduce_comm = mesh_group(*comm, mesh, dims);
     reduce = reduce_comm.get();
   }
   auto backend = make_cpu_backend();
@@ -191,6 +207,15 @@ int train_main(int argc, char** argv) {
     model.init_weights(config.loop.seed);
   }
   if (cp_size > 1) model.set_context_parallel(cp_comm.get(), config.parallel.cp_attention == "ulysses");
+  if (ep_size > 1) model.set_expert_parallel(ep_comm.get());
+  // Pipeline stages and expert-parallel ranks each update their own part of the flat buffers:
+  // their owners group (pp x ep) puts the parts together for checkpoints and sampling.
+  if (pp_size > 1 || ep_size > 1) {
+    std::vector<std::string> dims;
+    if (pp_size > 1) dims.push_back("pp");
+    if (ep_size > 1) dims.push_back("ep");
+    owners_comm = mesh_group(*comm, mesh, dims);
+  }
   // Slice -> whole (on every rank of the group, summed) and whole -> slice.
   auto to_whole = [&](const Tensor& local, const Tensor& whole_buffer) {
     whole_buffer.zero_();
@@ -220,36 +245,70 @@ int train_main(int argc, char** argv) {
         config.train.batch_size, config.train.seq_len);
   }
   Trainer trainer(*backend, model, config.train, reduce, ddp, pipeline.get());
-  // Pipeline parallel: every stage's parameters on every rank of the pipeline (each rank keeps its
-  // own stages current; a tied embedding is counted once), and an optimizer state tensor's owned
-  // part (the ranges concatenated) in the whole flat layout, or back.
-  auto pp_whole_params = [&]() {
+  // Pipeline and expert parallel: every rank updates its domain (its stages, less the experts
+  // other ep ranks compute). Each element is counted by one rank of the owners group: a stage's
+  // own elements (a tied embedding once, by the first stage), the shared (non-expert) ones by ep
+  // rank 0, each expert by its ep rank. Whole parameters and optimizer state are the sums over
+  // the group of what each rank counts.
+  const bool partial = pp_size > 1 || ep_size > 1;
+  std::vector<std::pair<int64_t, int64_t>> counted;  // flat ranges this rank contributes
+  if (partial) {
+    const int64_t total = model.layout().total;
+    std::vector<std::pair<int64_t, int64_t>> base = pipeline ? pipeline->norm_ranges()
+                                                             : std::vector<std::pair<int64_t, int64_t>>{{0, total}};
+    std::vector<std::pair<int64_t, int64_t>> mine;  // the expert filter: this rank's experts, plus the rest on ep rank 0
+    if (ep_size > 1) {
+      int64_t at = 0;
+      for (const auto& [fb, fe] : model.foreign_expert_ranges()) {  // ascending
+        if (fb > at && ep_comm->rank() == 0) mine.emplace_back(at, fb);
+        at = fe;
+      }
+      if (at < total && ep_comm->rank() == 0) mine.emplace_back(at, total);
+      if (ep_comm->rank() != 0) {  // its own experts only
+        for (const ParamSpec& p : model.layout().params) {
+          const bool expert = p.name.find(".mlp.experts.") != std::string::npos;
+          bool foreign = false;
+          for (const auto& [fb, fe] : model.foreign_expert_ranges()) foreign |= p.offset >= fb && p.offset < fe;
+          if (expert && !foreign) mine.emplace_back(p.offset, p.offset + p.numel);
+        }
+      }
+    } else {
+      mine.emplace_back(0, total);
+    }
+    for (const auto& [b, e] : base) {
+      for (const auto& [mb, me] : mine) {
+        const int64_t lo = std::max(b, mb), hi = std::min(e, me);
+        if (lo < hi) counted.emplace_back(lo, hi);
+      }
+    }
+  }
+  auto owners_whole_params = [&]() {
     const Tensor& g = model.params();
     int64_t at = 0;
-    for (const auto& [b, e] : pipeline->norm_ranges()) {
+    for (const auto& [b, e] : counted) {
       if (b > at) g.view(at, {b - at}).zero_();
       at = e;
     }
     if (at < g.numel()) g.view(at, {g.numel() - at}).zero_();
-    pp_comm->all_reduce(g);
+    owners_comm->all_reduce(g);
   };
-  auto pp_state_whole = [&](const Tensor& owned, const Tensor& full) {
+  auto owners_state_whole = [&](const Tensor& owned, const Tensor& full) {
     full.zero_();
     int64_t cursor = 0;
-    for (const auto& [b, e] : pipeline->owned()) {
-      for (const auto& [nb, ne] : pipeline->norm_ranges()) {  // each element once (the tied embedding)
-        const int64_t lo = std::max(b, nb), hi = std::min(e, ne);
-        if (lo < hi) backend->copy(owned.view(cursor + lo - b, {hi - lo}), full.view(lo, {hi - lo}));
+    for (const FlatRange& r : trainer.domain()) {
+      for (const auto& [nb, ne] : counted) {  // each element once
+        const int64_t lo = std::max(r.begin, nb), hi = std::min(r.end, ne);
+        if (lo < hi) backend->copy(owned.view(cursor + lo - r.begin, {hi - lo}), full.view(lo, {hi - lo}));
       }
-      cursor += e - b;
+      cursor += r.end - r.begin;
     }
-    pp_comm->all_reduce(full);
+    owners_comm->all_reduce(full);
   };
-  auto pp_state_owned = [&](const Tensor& full, const Tensor& owned) {
+  auto owners_state_owned = [&](const Tensor& full, const Tensor& owned) {
     int64_t cursor = 0;
-    for (const auto& [b, e] : pipeline->owned()) {
-      backend->copy(full.view(b, {e - b}), owned.view(cursor, {e - b}));
-      cursor += e - b;
+    for (const FlatRange& r : trainer.domain()) {
+      backend->copy(full.view(r.begin, {r.end - r.begin}), owned.view(cursor, {r.end - r.begin}));
+      cursor += r.end - r.begin;
     }
   };
   TokenLoader train_data(std::move(data.train), config.train.seq_len, config.loop.seed);
@@ -276,7 +335,7 @@ int train_main(int argc, char** argv) {
   // it, innermost first: ZeRO's shard -> its domain (gathered over the ZeRO group), a pipeline
   // rank's stages -> the flat buffer (summed over pp), a tensor slice -> the whole model.
   ZeroSharding* zero = trainer.zero();
-  const bool staged = pipeline || whole;  // the checkpoint is written whole (else ZeRO writes it sharded)
+  const bool staged = partial || whole;  // the checkpoint is written whole (else ZeRO writes it sharded)
   std::vector<std::pair<Tensor, Tensor>> zero_state;  // ZeRO under tp/pp: (this rank's shard, its domain)
   if (zero != nullptr && staged) {
     for (auto& [name, shard] : optimizer_state.tensors) {
@@ -291,8 +350,8 @@ int train_main(int argc, char** argv) {
     backend->copy(shard, domain.view(zero->range().begin, {shard.numel()}));
     reduce->all_gather_v_async(domain, shard_counts(0, domain.numel(), domain.numel(), reduce->size()))->wait();
   };
-  std::vector<std::pair<Tensor, Tensor>> pp_state;  // pipeline parallel: (this rank's stages' state, flat)
-  if (pipeline) {
+  std::vector<std::pair<Tensor, Tensor>> pp_state;  // pipeline / expert parallel: (this rank's domain's state, flat)
+  if (partial) {
     for (auto& [name, owned] : optimizer_state.tensors) {
       Tensor full = Tensor::zeros(backend->allocator(), {model.layout().total}, DTYPE_F32, MEM_WORKSPACE);
       pp_state.emplace_back(owned, full);
@@ -339,9 +398,9 @@ int train_main(int argc, char** argv) {
     if (zero == nullptr || staged) {
       if (zero != nullptr && zero->stage() == 3) trainer.gather_params();  // under tp: the slice whole on each dp rank
       for (auto& [shard, domain] : zero_state) zero_state_whole(shard, domain);
-      if (pipeline) {  // every rank of every pipeline takes part
-        pp_whole_params();
-        for (auto& [owned, full] : pp_state) pp_state_whole(owned, full);
+      if (partial) {  // every rank of every owners group takes part
+        owners_whole_params();
+        for (auto& [owned, full] : pp_state) owners_state_whole(owned, full);
       }
       if (whole) {  // every rank of every tp group takes part in staging the whole state
         to_whole(model.params(), whole->params());
@@ -379,7 +438,7 @@ int train_main(int argc, char** argv) {
         to_local(whole->params(), model.params());
         for (auto& [local, w] : tp_state) to_local(w, local);
       }
-      for (auto& [owned, full] : pp_state) pp_state_owned(full, owned);
+      for (auto& [owned, full] : pp_state) owners_state_owned(full, owned);
       for (auto& [shard, domain] : zero_state) backend->copy(domain.view(zero->range().begin, {shard.numel()}), shard);
       trainer.params_loaded();
       model.unpack_scaling_state();
@@ -430,7 +489,7 @@ int train_main(int argc, char** argv) {
                           : (fs::path(dir) / "logs" / ("metrics.rank" + std::to_string(comm->rank()) + ".jsonl")).string());
   if (comm->size() > 1) {
     std::printf("mesh %s; data parallel: %d ranks (MPI), %lld sequences per rank per micro-batch, global batch %lld x %lld tokens\n",
-                mesh.describe().c_str(), mesh.size("dp"), static_cast<long long>(config.train.batch_size),
+                mesh.describe().c_str(), dp->size(), static_cast<long long>(config.train.batch_size),
                 static_cast<long long>(config.train.batch_size * config.train.grad_accum * dp->size()),
                 static_cast<long long>(config.train.seq_len));
   }
@@ -465,7 +524,8 @@ int train_main(int argc, char** argv) {
                    {"comm_bytes_sent", comm->ledger().total_sent()}, {"comm_bytes_received", comm->ledger().total_received()},
                    {"comm", ledger_json(comm->ledger())},
                    // Measured residency (core/pages.h): under ZeRO-2/3 less than the buffers' size.
-                   {"resident_bytes", {{"parameters", last_resident_params}, {"gradients", last_resident_grads}}}});
+                   {"resident_bytes", {{"parameters", last_resident_params}, {"gradients", last_resident_grads}}},
+                   {"moe", moe_json(model.moe_stats())}});
     const int64_t done = trainer.step();
     const bool eval_now = config.loop.eval_every > 0 && done % config.loop.eval_every == 0;
     print_progress(r, config.train.steps, terminal, eval_now || done % config.loop.log_every == 0 || done == config.train.steps);
@@ -486,7 +546,8 @@ int train_main(int argc, char** argv) {
   }
 
   trainer.gather_params();  // ZeRO-3: the whole model on every rank, to sample
-  if (pipeline) pp_whole_params();  // pipeline parallel: every stage's parameters
+  if (partial) owners_whole_params();  // pipeline / expert parallel: every stage's and expert's parameters
+  if (ep_size > 1) model.set_expert_parallel(nullptr);  // sampling computes every expert locally
   if (whole) to_whole(model.params(), whole->params());  // tensor parallel: the slices put together
   const auto tokenizer = load_tokenizer(config.data.tokenizer);
   std::vector<int32_t> prompt = tokenizer->encode(config.sample.prompt);
@@ -506,6 +567,12 @@ int train_main(int argc, char** argv) {
               static_cast<long long>(trainer.step()), last_val, format_bytes(mem.peak_total()).c_str(),
               format_bytes(mem.peak(MEM_PARAMETERS)).c_str(), format_bytes(mem.peak(MEM_GRADIENTS)).c_str(),
               format_bytes(mem.peak(MEM_OPTIMIZER_STATE)).c_str(), format_bytes(mem.peak(MEM_ACTIVATIONS)).c_str());
+  for (const MoeLayerStats& st : model.moe_stats()) {  // the last step's routing
+    std::printf("MoE layer %lld, last step: max violation %.3f, router entropy %.3f nats, %lld of %lld assignments dropped, "
+                "aux %.3g, seq aux %.3g, z %.3g\n", static_cast<long long>(st.layer), st.max_violation, st.entropy,
+                static_cast<long long>(st.dropped), static_cast<long long>(st.tokens * config.model.moe_top_k), st.aux,
+                st.seq_aux, st.z);
+  }
   if (zero != nullptr) {
     std::printf("ZeRO-%d: this rank owns %lld of %lld parameters; resident after the last step: parameters %s, "
                 "gradients %s (the buffers above are address space; the rest was returned to the OS)\n",

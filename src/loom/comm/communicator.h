@@ -78,6 +78,11 @@ class Communicator {
   virtual std::unique_ptr<CommWork> reduce_scatter_v_async(const Tensor& x, const std::vector<int64_t>& counts,
                                                            ReduceOp op) = 0;
   virtual std::unique_ptr<CommWork> all_gather_v_async(const Tensor& x, const std::vector<int64_t>& counts) = 0;
+  // Uneven all-to-all (MoE dispatch): in holds size() segments back to back, segment r of
+  // send_counts[r] elements for rank r; after wait(), out holds size() segments, segment r of
+  // recv_counts[r] elements from rank r (recv_counts[r] must equal rank r's send_counts[rank()]).
+  virtual std::unique_ptr<CommWork> all_to_all_v_async(const Tensor& in, const std::vector<int64_t>& send_counts,
+                                                       const Tensor& out, const std::vector<int64_t>& recv_counts) = 0;
   virtual void send(const Tensor& x, int to, int tag = 0) = 0;
   // Non-blocking send: x must stay unchanged until wait() (pipeline stages send while the
   // receiver may itself be sending, which blocking sends of large messages would deadlock).
@@ -110,6 +115,11 @@ class Communicator {
   int64_t check_counts(const char* op, const Tensor& x, const std::vector<int64_t>& counts) const;
   // Books a v-collective: full and own bytes.
   void book_v(Collective c, int64_t full_bytes, int64_t own_bytes);
+  // Books an all-to-all-v: the bytes to and from the other ranks.
+  void book_sent_received(Collective c, int64_t sent, int64_t received);
+  // Checks an all-to-all-v's buffers and counts; throws naming the rank.
+  void check_all_to_all_v(const Tensor& in, const std::vector<int64_t>& send_counts, const Tensor& out,
+                          const std::vector<int64_t>& recv_counts) const;
 
  private:
   ByteLedger ledger_;

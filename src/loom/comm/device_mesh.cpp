@@ -78,9 +78,17 @@ std::unique_ptr<Communicator> mesh_group(Communicator& world, const DeviceMesh& 
   return world.split(color, key);
 }
 
-DeviceMesh training_mesh(int world, int dp, int tp, int pp, int cp) {
-  DeviceMesh mesh(world, {{"pp", pp}, {"dp", dp}, {"cp", cp}, {"tp", tp}});
-  return mesh;
+DeviceMesh training_mesh(int world, int dp, int tp, int pp, int cp, int ep) {
+  if (ep <= 1) return DeviceMesh(world, {{"pp", pp}, {"dp", dp}, {"cp", cp}, {"tp", tp}});
+  LOOM_CHECK(dp == 0 || dp % ep == 0, "parallel.ep = ", ep, " must divide parallel.dp = ", dp);
+  return DeviceMesh(world, {{"pp", pp}, {"dp", dp == 0 ? 0 : dp / ep}, {"ep", ep}, {"cp", cp}, {"tp", tp}});
+}
+
+std::vector<std::string> data_parallel_dims(const DeviceMesh& mesh) {
+  for (const MeshDim& d : mesh.dims()) {
+    if (d.name == "ep") return {"dp", "ep"};
+  }
+  return {"dp"};
 }
 
 }  // namespace loom

@@ -44,7 +44,11 @@ std::unique_ptr<Communicator> mesh_group(Communicator& world, const DeviceMesh& 
 // gradients are averaged when context parallel ranks act as data parallel ones).
 std::unique_ptr<Communicator> mesh_group(Communicator& world, const DeviceMesh& mesh, const std::vector<std::string>& dims);
 
-// The training mesh pp x dp x cp x tp from the parallel.* sizes (dp = 0: the ranks left).
-DeviceMesh training_mesh(int world, int dp, int tp, int pp, int cp);
+// The training mesh pp x dp x cp x tp from the parallel.* sizes (dp = 0: the ranks left). With
+// expert parallelism (ep > 1) the data-parallel ranks are split as dp/ep x ep: pp x dp x ep x cp
+// x tp, "dp" then naming the outer part; the data-parallel group is {"dp", "ep"}.
+DeviceMesh training_mesh(int world, int dp, int tp, int pp, int cp, int ep = 1);
+// The data-parallel group of a training mesh (dp, or dp x ep).
+std::vector<std::string> data_parallel_dims(const DeviceMesh& mesh);
 
 }  // namespace loom

@@ -157,8 +157,7 @@ class MpiCommunicator final : public Communicator {
     LOOM_CHECK(root >= 0 && root < size_, "broadcast: root ", root, " outside [0, ", size_, ")");
     book(COLL_BROADCAST, static_cast<int64_t>(x.nbytes()), root);
     auto w = std::make_unique<MpiWork>();
-    MPI_Ibcast(x.raw_data(), count_of(x, "broadcast"), mpi_type(x.dtype(), "broadcast"), root, MPI_COMM_WORLD,
-               w->request());
+    MPI_Ibcast(x.raw_data(), count_of(x, "broadcast"), mpi_type(x.dtype(), "broadcast"), root, comm_, w->request());
     return w;
   }
   std::unique_ptr<CommWork> reduce_scatter_v_async(const Tensor& x, const std::vector<int64_t>& counts,
@@ -191,6 +190,29 @@ class MpiCommunicator final : public Communicator {
     MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, x.raw_data(), n->data(), displs->data(),
                     mpi_type(x.dtype(), "all_gather_v"), comm_, w->request());
     w->then([n, displs] {});  // the count arrays must outlive the request
+    return w;
+  }
+  std::unique_ptr<CommWork> all_to_all_v_async(const Tensor& in, const std::vector<int64_t>& send_counts,
+                                               const Tensor& out, const std::vector<int64_t>& recv_counts) override {
+    check_all_to_all_v(in, send_counts, out, recv_counts);
+    const int64_t elem = static_cast<int64_t>(dtype_size(in.dtype()));
+    int64_t sent = 0, received = 0;
+    for (int r = 0; r < size_; ++r) {
+      if (r == rank_) continue;
+      sent += send_counts[r] * elem, received += recv_counts[r] * elem;
+    }
+    book_sent_received(COLL_ALL_TO_ALL, sent, received);
+    auto w = std::make_unique<MpiWork>();
+    count_of(in, "all_to_all_v");
+    count_of(out, "all_to_all_v");
+    auto sc = std::make_shared<std::vector<int>>(int_counts(send_counts, "all_to_all_v"));
+    auto rc = std::make_shared<std::vector<int>>(int_counts(recv_counts, "all_to_all_v"));
+    auto sd = std::make_shared<std::vector<int>>(sc->size(), 0), rd = std::make_shared<std::vector<int>>(rc->size(), 0);
+    for (size_t r = 1; r < sc->size(); ++r) (*sd)[r] = (*sd)[r - 1] + (*sc)[r - 1], (*rd)[r] = (*rd)[r - 1] + (*rc)[r - 1];
+    const MPI_Datatype t = mpi_type(in.dtype(), "all_to_all_v");
+    MPI_Ialltoallv(in.raw_data(), sc->data(), sd->data(), t, out.raw_data(), rc->data(), rd->data(), t, comm_,
+                   w->request());
+    w->then([sc, rc, sd, rd] {});  // the count arrays must outlive the request
     return w;
   }
   void send(const Tensor& x, int to, int tag) override {

@@ -24,7 +24,7 @@ enum ParamRole : uint8_t {
   ROLE_HIDDEN,     // a linear weight inside a block (out, in)
   ROLE_HEAD,       // the output projection (V, C) when untied
   ROLE_VECTOR,     // norm weights and biases
-  ROLE_BUFFER,     // state kept with the weights but not trained (the MoE routing bias): no optimizer
+  ROLE_BUFFER,     // state kept with the weights but not trained (the MoE routing bias): learning rate 0
 };
 
 // A row range of a parameter that a PyTorch model would hold as its own matrix: Loom fuses

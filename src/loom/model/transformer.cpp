@@ -104,8 +104,8 @@ void Transformer::set_recording(bool on) {
 void Transformer::moe_end_step(Communicator* group) {
   moe_stats_.clear();
   if (config_.moe_experts == 0) return;
-  // Per MoE layer: E loads, then tokens, dropped, micro-batches, aux, seq_aux, z, entropy.
-  const int64_t E = config_.moe_experts, per = E + 7;
+  // Per MoE layer: E loads, then tokens, dropped, micro-batches, aux, seq_aux, z, entropy, dispatched.
+  const int64_t E = config_.moe_experts, per = E + 8;
   std::vector<int64_t> layers;
   for (int64_t l = 0; l < config_.n_layer; ++l) {
     if (blocks_[l].is_moe()) layers.push_back(l);
@@ -120,7 +120,7 @@ void Transformer::moe_end_step(Communicator* group) {
     for (int64_t e = 0; e < E; ++e) o[e] = m.load.empty() ? 0.0 : m.load[e];
     o[E] = static_cast<double>(m.tokens), o[E + 1] = static_cast<double>(m.dropped);
     o[E + 2] = static_cast<double>(m.micro_batches), o[E + 3] = m.aux, o[E + 4] = m.seq_aux, o[E + 5] = m.z;
-    o[E + 6] = m.entropy;
+    o[E + 6] = m.entropy, o[E + 7] = static_cast<double>(m.dispatched);
     m = Block::MoeStats{};
   }
   if (group != nullptr && group->size() > 1) group->all_reduce(moe_sums_);  // every rank's tokens
@@ -133,6 +133,7 @@ void Transformer::moe_end_step(Communicator* group) {
     const double micro = std::max(1.0, o[E + 2]);
     st.aux = o[E + 3] / micro, st.seq_aux = o[E + 4] / micro, st.z = o[E + 5] / micro, st.entropy = o[E + 6] / micro;
     st.max_violation = moe_max_violation(st.load);
+    st.dispatched = static_cast<int64_t>(o[E + 7]);
     if (config_.moe_bias_gamma > 0.0f && st.tokens > 0) {  // auxiliary-loss-free balancing
       moe_update_bias(blocks_[layers[i]].moe_bias(), st.load, config_.moe_bias_gamma);
     }
@@ -230,6 +231,7 @@ ActivationStore Transformer::allocate_store_for(int64_t batch, int64_t seq_len, 
   s.blocks.resize(static_cast<size_t>(config_.n_layer));
   for (int64_t l = first; l < last; ++l) {
     s.blocks[l] = allocate_block_saved(alloc, config_, B, T, split_backward, shards(), context_parallel, config_.moe_layer(l));
+    if (config_.moe_layer(l) && ep_size() > 1) s.blocks[l].moe = allocate_moe_saved(alloc, config_, B * T, ep_size());
   }
   if (last < config_.n_layer) {
     s.blocks[last].input = act({B, Ts, C});  // the stage's output: the next stage's input
@@ -244,7 +246,7 @@ ActivationStore Transformer::allocate_store_for(int64_t batch, int64_t seq_len, 
     s.lse = act({B, T});
   }
   if (config_.moe_experts > 0 && B * T > moe_scratch_tokens_) {  // (decoding allocates its B tokens' too)
-    moe_scratch_ = allocate_moe_scratch(alloc, config_, B * T);
+    moe_scratch_ = allocate_moe_scratch(alloc, config_, B * T, ep_size());
     moe_scratch_tokens_ = B * T;
   }
   if (B * T > scratch_tokens_) {
@@ -349,12 +351,28 @@ void Transformer::set_tensor_parallel(Communicator* tp, int64_t vocab_begin, int
              "tensor parallel: vocabulary rows [", vocab_begin, ", +", vocab_valid, ") do not fit this slice's ",
              config_.vocab_size, " rows");
   LOOM_CHECK(scratch_tokens_ == 0, "set_tensor_parallel must come before the activation stores are allocated");
-  LOOM_CHECK(tp == nullptr || config_.moe_experts == 0, "parallel.tp > 1 with an MoE model (model.moe_experts = ",
-             config_.moe_experts, ") is not supported yet");
+  LOOM_CHECK(tp == nullptr || !sequence_parallel || config_.moe_experts == 0, "parallel.sequence_parallel with an "
+             "MoE model (model.moe_experts = ", config_.moe_experts, ") is not supported yet");
   tp_ = tp;
   vocab_ = {vocab_begin, vocab_valid};
   sp_ = sequence_parallel && tp != nullptr;
   for (Block& b : blocks_) b.set_tensor_parallel(tp, sp_ ? &seq_ : nullptr);
+}
+
+void Transformer::set_expert_parallel(Communicator* ep) {
+  if (ep != nullptr && ep->size() > 1) {
+    LOOM_CHECK(scratch_tokens_ == 0, "set_expert_parallel must come before the activation stores are allocated");
+    LOOM_CHECK(config_.moe_experts > 0, "parallel.ep = ", ep->size(), " needs an MoE model (model.moe_experts > 0)");
+    LOOM_CHECK(config_.moe_experts % ep->size() == 0, "parallel.ep = ", ep->size(), " must divide model.moe_experts = ",
+               config_.moe_experts);
+  }
+  ep_ = ep != nullptr && ep->size() > 1 ? ep : nullptr;
+  for (Block& b : blocks_) b.set_expert_parallel(ep_);
+}
+
+std::vector<std::pair<int64_t, int64_t>> Transformer::foreign_expert_ranges() const {
+  return ep_ == nullptr ? std::vector<std::pair<int64_t, int64_t>>{}
+                        : moe_foreign_expert_ranges(config_, layout_, ep_->rank(), ep_->size());
 }
 
 void Transformer::set_context_parallel(Communicator* cp, bool ulysses) {

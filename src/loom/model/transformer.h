@@ -21,6 +21,7 @@ struct MoeLayerStats {
   int64_t layer = 0;
   std::vector<double> load;   // [expert] token assignments (before capacity)
   int64_t tokens = 0, dropped = 0;
+  int64_t dispatched = 0;     // expert parallel: rows sent to another rank's experts (one way)
   double max_violation = 0;   // max load / mean load - 1
   double entropy = 0;         // mean router entropy (nats)
   double aux = 0, seq_aux = 0, z = 0;  // the auxiliary losses, mean over micro-batches and ranks' sums
@@ -102,6 +103,13 @@ class Transformer {
   // ContextSliceSource in train/trainer.h); attention is ring or Ulysses over `cp`. The losses
   // and gradients of the group's ranks average to the whole sequence's (equal token counts).
   void set_context_parallel(Communicator* cp, bool ulysses);
+  // Expert parallel (nn/moe.h): this rank computes experts [r E/ep, (r+1) E/ep) of every MoE
+  // block for the tokens of the whole ep group (nullptr or one rank: all experts). Every rank
+  // still holds all parameters; foreign_expert_ranges() are the flat ranges of the experts it
+  // does not compute (their gradients stay zero here; the optimizer skips them).
+  void set_expert_parallel(Communicator* ep);
+  Communicator* expert_parallel() const { return ep_; }
+  std::vector<std::pair<int64_t, int64_t>> foreign_expert_ranges() const;
   std::vector<std::pair<int64_t, int64_t>> sequence_partial_ranges() const;
   Communicator* tensor_parallel() const { return tp_; }
   // Pipeline stages (parallel/pipeline.h): layers [first, last), with the embedding when
@@ -176,8 +184,10 @@ class Transformer {
   SequenceScratch seq_;              // its whole-sequence buffers
   ContextParallel cp_;               // context parallel (cp_.comm set)
   MoeScratch moe_scratch_;           // shared by the MoE blocks
+  Communicator* ep_ = nullptr;       // expert parallel
+  int ep_size() const { return ep_ != nullptr ? ep_->size() : 1; }
   int64_t moe_scratch_tokens_ = 0;
-  Tensor moe_sums_;                  // (MoE layers x (E + 7)) f64: moe_end_step's reduction
+  Tensor moe_sums_;                  // (MoE layers x (E + 8)) f64: moe_end_step's reduction
   std::vector<MoeLayerStats> moe_stats_;
   int64_t shards() const { return sp_ ? tp_->size() : 1; }
   ActivationStore allocate_store_for(int64_t batch, int64_t seq_len, int64_t first, int64_t last, bool split_backward,

@@ -209,16 +209,18 @@ void Block::forward(Backend& backend, BlockSaved& s, const Tensor& out) {
 
   norm_forward(backend, config_, s.mid, p.norm2_w, p.norm2_b, s.norm2, s.mean2, s.rstd2);
   if (is_moe()) {  // out = mid + MoE(norm2)
-    LOOM_CHECK(tp_ == nullptr && cp_ == nullptr && moe_scratch_ != nullptr,
-               "an MoE block runs without tensor or context parallelism (and needs its scratch)");
+    LOOM_CHECK(seq_ == nullptr && cp_ == nullptr && moe_scratch_ != nullptr,
+               "an MoE block runs without sequence or context parallelism (and needs its scratch)");
     const int64_t N = s.norm2.dim(0) * T, C = config_.d_model;
     backend.copy(s.mid, out);
-    moe_forward(backend, config_, p.moe, s.norm2.view(0, {N, C}), s.moe, *moe_scratch_, out.view(0, {N, C}), T);
+    // Under tensor parallelism (not sequence parallel) the block input is whole on every rank
+    // of the group: each computes the whole MoE (its parameters are replicated), no reduction.
+    moe_forward(backend, config_, p.moe, s.norm2.view(0, {N, C}), s.moe, *moe_scratch_, out.view(0, {N, C}), T, ep_);
     if (recording_) {
       MoeStats& m = moe_stats_;
       m.load.resize(static_cast<size_t>(config_.moe_experts), 0.0);
       for (int64_t e = 0; e < config_.moe_experts; ++e) m.load[e] += static_cast<double>(s.moe.load[e]);
-      m.tokens += N, m.dropped += s.moe.dropped, ++m.micro_batches;
+      m.tokens += N, m.dropped += s.moe.dropped, m.dispatched += s.moe.dispatched, ++m.micro_batches;
       m.aux += s.moe.aux, m.seq_aux += s.moe.seq_aux, m.z += s.moe.z, m.entropy += s.moe.entropy;
     }
     return;
@@ -307,7 +309,7 @@ void Block::backward(Backend& backend, const BlockSaved& s, const Tensor& d_resi
   if (is_moe()) {  // d(norm2 output) = MoE backward (router, experts and shared experts at once)
     const int64_t N = s.norm2.dim(0) * T, C = config_.d_model;
     moe_backward(backend, config_, p.moe, g.moe, s.norm2.view(0, {N, C}), s.moe, *moe_scratch_,
-                 d_residual.view(0, {N, C}), k.d_norm.view(0, {N, C}), loss_weight_, T);
+                 d_residual.view(0, {N, C}), k.d_norm.view(0, {N, C}), loss_weight_, T, ep_);
   } else {
     const Tensor dy_out = whole(d_residual);
     keep(dy_out, s.dy_fc2);

@@ -136,11 +136,13 @@ class Block {
   // loss weight scales the auxiliary losses' gradients in backward (the cross-entropy's).
   bool is_moe() const { return params_.moe.defined(); }
   void set_moe_scratch(MoeScratch* scratch) { moe_scratch_ = scratch; }
+  // Expert parallel (nn/moe.h): this rank computes its share of the experts for the group's tokens.
+  void set_expert_parallel(Communicator* ep) { ep_ = ep; }
   void set_loss_weight(float w) { loss_weight_ = w; }
   // Routing statistics accumulated over the forwards since the last reset (while recording).
   struct MoeStats {
     std::vector<double> load;  // [expert] assignments
-    int64_t tokens = 0, dropped = 0, micro_batches = 0;
+    int64_t tokens = 0, dropped = 0, micro_batches = 0, dispatched = 0;
     double aux = 0, seq_aux = 0, z = 0, entropy = 0;  // sums over micro-batches
   };
   MoeStats& moe_stats() { return moe_stats_; }
@@ -158,6 +160,7 @@ class Block {
   SequenceScratch* seq_ = nullptr;  // set: sequence parallel
   ContextParallel* cp_ = nullptr;   // set: context parallel
   MoeScratch* moe_scratch_ = nullptr;
+  Communicator* ep_ = nullptr;
   float loss_weight_ = 1.0f;
   MoeStats moe_stats_;
   bool recording_ = true;

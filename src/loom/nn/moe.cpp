@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <string>
 
@@ -61,8 +62,16 @@ int64_t moe_max_rows(const ModelConfig& c, int64_t tokens) {
   return c.moe_capacity_factor > 0.0f ? std::min(all, c.moe_experts * moe_capacity(c, tokens)) : all;
 }
 
-MoeSaved allocate_moe_saved(Allocator& allocator, const ModelConfig& c, int64_t N) {
-  const int64_t E = c.moe_experts, K = c.moe_top_k, R = moe_max_rows(c, N), C = c.d_model;
+namespace {
+// The shared experts' first GEMM output width and hidden width.
+std::pair<int64_t, int64_t> shared_widths(const ModelConfig& c) {
+  const int64_t S = c.moe_shared * c.expert_ff();
+  return {c.swiglu() ? 2 * S : S, S};
+}
+}  // namespace
+
+MoeSaved allocate_moe_saved(Allocator& allocator, const ModelConfig& c, int64_t N, int ep) {
+  const int64_t E = c.moe_experts, K = c.moe_top_k, R = moe_max_rows(c, N), C = c.d_model, Rx = R * ep;
   auto act = [&](Shape shape, DType dtype = DTYPE_F32) { return Tensor::empty(allocator, std::move(shape), dtype, MEM_ACTIVATIONS); };
   MoeSaved s;
   s.logits = act({N, E});
@@ -71,42 +80,155 @@ MoeSaved allocate_moe_saved(Allocator& allocator, const ModelConfig& c, int64_t 
   s.gates = act({N, K});
   s.row = act({N, K}, DTYPE_I32);
   s.token = act({R}, DTYPE_I32);
-  s.h = act({R, c.expert_in_width()});
-  s.act = act({R, c.expert_ff()});
+  s.h = act({Rx, c.expert_in_width()});
+  s.act = act({Rx, c.expert_ff()});
   s.ye = act({R, C});
+  if (ep > 1) s.xp = act({Rx, C});
   if (c.moe_shared > 0) {
-    const int64_t S = c.moe_shared * c.expert_ff();
-    s.shared_fc = act({N, c.swiglu() ? 2 * S : S});
-    s.shared_act = act({N, S});
+    const auto [in, hidden] = shared_widths(c);
+    s.shared_fc = act({N, in});
+    s.shared_act = act({N, hidden});
   }
   return s;
 }
 
-MoeScratch allocate_moe_scratch(Allocator& allocator, const ModelConfig& c, int64_t N) {
-  const int64_t R = moe_max_rows(c, N), C = c.d_model;
+MoeScratch allocate_moe_scratch(Allocator& allocator, const ModelConfig& c, int64_t N, int ep) {
+  const int64_t R = moe_max_rows(c, N), C = c.d_model, Rx = R * ep;
   auto ws = [&](Shape shape) { return Tensor::empty(allocator, std::move(shape), DTYPE_F32, MEM_WORKSPACE); };
   MoeScratch k;
   k.xe = ws({R, C});
   k.dye = ws({R, C});
-  k.dh = ws({R, c.expert_in_width()});
-  k.dact = ws({R, c.expert_ff()});
+  k.dh = ws({Rx, c.expert_in_width()});
+  k.dact = ws({Rx, c.expert_ff()});
   k.ds = ws({N, c.moe_experts});
   k.dx = ws({N, C});
+  if (ep > 1) {
+    k.recv = Tensor::empty(allocator, {Rx, C}, DTYPE_F32, MEM_COMMUNICATION);
+    k.yp = ws({Rx, C});
+    k.counts_out = Tensor::empty(allocator, {c.moe_experts}, DTYPE_I32, MEM_COMMUNICATION);
+    k.counts_in = Tensor::empty(allocator, {c.moe_experts}, DTYPE_I32, MEM_COMMUNICATION);
+  }
   if (c.moe_shared > 0) {
-    const int64_t S = c.moe_shared * c.expert_ff();
-    k.shared_dfc = ws({N, c.swiglu() ? 2 * S : S});
-    k.shared_dact = ws({N, S});
+    const auto [in, hidden] = shared_widths(c);
+    k.shared_dfc = ws({N, in});
+    k.shared_dact = ws({N, hidden});
   }
   return k;
 }
 
+namespace {
+// Experts [first, first + offsets.size() - 1) on rows x (grouped by expert: expert first + i's
+// rows [offsets[i], offsets[i + 1])): h = x W1^T, act, y = act W2^T.
+void experts_forward(Backend& backend, const ModelConfig& c, const MoeParams& p, int64_t first,
+                     const std::vector<int64_t>& offsets, const Tensor& x, const Tensor& h, const Tensor& act,
+                     const Tensor& y) {
+  const int64_t C = c.d_model, Fin = c.expert_in_width(), F = c.expert_ff();
+  for (size_t i = 0; i + 1 < offsets.size(); ++i) {
+    const int64_t o = offsets[i], n = offsets[i + 1] - o, e = first + static_cast<int64_t>(i);
+    if (n == 0) continue;
+    const Tensor hv = h.view(o * Fin, {n, Fin}), av = act.view(o * F, {n, F});
+    linear_forward(backend, x.view(o * C, {n, C}), p.fc_w[e], Tensor{}, hv);
+    activation_forward(backend, c, hv, av);
+    linear_forward(backend, av, p.fc2_w[e], Tensor{}, y.view(o * C, {n, C}));
+  }
+}
+
+// Their backward: d holds the rows' output gradients on entry and their input gradients on exit.
+void experts_backward(Backend& backend, const ModelConfig& c, const MoeParams& p, const MoeParams& g, int64_t first,
+                      const std::vector<int64_t>& offsets, const Tensor& x, const Tensor& h, const Tensor& act,
+                      const Tensor& d, MoeScratch& k) {
+  const int64_t C = c.d_model, Fin = c.expert_in_width(), F = c.expert_ff();
+  for (size_t i = 0; i + 1 < offsets.size(); ++i) {
+    const int64_t o = offsets[i], n = offsets[i + 1] - o, e = first + static_cast<int64_t>(i);
+    if (n == 0) continue;
+    const Tensor dact = k.dact.view(o * F, {n, F}), dh = k.dh.view(o * Fin, {n, Fin}), dv = d.view(o * C, {n, C});
+    linear_backward(backend, act.view(o * F, {n, F}), p.fc2_w[e], dv, dact, g.fc2_w[e], Tensor{});
+    activation_backward(backend, c, h.view(o * Fin, {n, Fin}), dact, dh);
+    linear_backward(backend, x.view(o * C, {n, C}), p.fc_w[e], dh, dv, g.fc_w[e], Tensor{});
+  }
+}
+
+// Expert parallel: the received rows' order. Source-major (as the all-to-all-v delivers them:
+// source s's rows for local expert 0, 1, ...) <-> expert-major (local expert l's rows from source
+// 0, 1, ...), moving C floats per row. Returns the expert-major offsets of the local experts.
+std::vector<int64_t> permute_received(const std::vector<int64_t>& recv_rows, int64_t P, int64_t El, int64_t C,
+                                      const Tensor& source_major, const Tensor& expert_major, bool to_expert_major) {
+  std::vector<int64_t> eoff(static_cast<size_t>(El + 1), 0);
+  for (int64_t l = 0; l < El; ++l) {
+    eoff[l + 1] = eoff[l];
+    for (int64_t src = 0; src < P; ++src) eoff[l + 1] += recv_rows[src * El + l];
+  }
+  float* sm = source_major.data<float>();
+  float* em = expert_major.data<float>();
+  int64_t so = 0;
+  std::vector<int64_t> cursor(eoff.begin(), eoff.end() - 1);
+  for (int64_t src = 0; src < P; ++src) {
+    for (int64_t l = 0; l < El; ++l) {
+      const int64_t n = recv_rows[src * El + l];
+      const size_t bytes = static_cast<size_t>(n * C) * sizeof(float);
+      if (to_expert_major) std::memcpy(em + cursor[l] * C, sm + so * C, bytes);
+      else std::memcpy(sm + so * C, em + cursor[l] * C, bytes);
+      cursor[l] += n, so += n;
+    }
+  }
+  return eoff;
+}
+
+// Rows per rank (x C elements) of rows grouped by the global expert order, El experts per rank.
+std::vector<int64_t> rank_counts(const std::vector<int64_t>& offsets, int64_t P, int64_t El, int64_t C) {
+  std::vector<int64_t> out(static_cast<size_t>(P));
+  for (int64_t r = 0; r < P; ++r) out[r] = (offsets[(r + 1) * El] - offsets[r * El]) * C;
+  return out;
+}
+std::vector<int64_t> source_counts(const std::vector<int64_t>& recv_rows, int64_t P, int64_t El, int64_t C) {
+  std::vector<int64_t> out(static_cast<size_t>(P), 0);
+  for (int64_t r = 0; r < P; ++r) {
+    for (int64_t l = 0; l < El; ++l) out[r] += recv_rows[r * El + l] * C;
+  }
+  return out;
+}
+// Expert parallel round trip: `rows` (R rows grouped by global expert) to their experts' ranks,
+// arranged by local expert into `into`; compute(offsets of the local experts) leaves its results
+// in `out` (same arrangement), which go back to the rows' ranks into `back` (R rows).
+void expert_round_trip(Communicator& ep, const MoeSaved& s, MoeScratch& k, int64_t E, int64_t C, const Tensor& rows,
+                       const Tensor& into, const Tensor& out, const Tensor& back,
+                       const std::function<void(const std::vector<int64_t>&)>& compute) {
+  const int64_t P = ep.size(), El = E / P, R = s.offsets[E];
+  const std::vector<int64_t> sent = rank_counts(s.offsets, P, El, C), got = source_counts(s.recv_rows, P, El, C);
+  int64_t received = 0;
+  for (int64_t n : got) received += n;
+  const Tensor recv = k.recv.view(0, {received / C, C});
+  ep.all_to_all_v_async(rows.view(0, {R * C}), sent, recv.view(0, {received}), got)->wait();
+  compute(permute_received(s.recv_rows, P, El, C, recv, into, true));
+  permute_received(s.recv_rows, P, El, C, recv, out, false);
+  ep.all_to_all_v_async(recv.view(0, {received}), got, back.view(0, {R * C}), sent)->wait();
+}
+}  // namespace
+
+std::vector<std::pair<int64_t, int64_t>> moe_foreign_expert_ranges(const ModelConfig& c, const ParamLayout& layout,
+                                                                   int ep_rank, int ep_size) {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  if (c.moe_experts == 0 || ep_size <= 1) return out;
+  const int64_t El = c.moe_experts / ep_size;
+  for (const ParamSpec& spec : layout.params) {
+    const size_t at = spec.name.find(".mlp.experts.");
+    if (at == std::string::npos) continue;
+    const int64_t e = std::stoll(spec.name.substr(at + 13));
+    if (e / El == ep_rank) continue;
+    if (!out.empty() && out.back().second == spec.offset) out.back().second += spec.numel;
+    else out.emplace_back(spec.offset, spec.offset + spec.numel);
+  }
+  return out;
+}
+
 void moe_forward(Backend& backend, const ModelConfig& c, const MoeParams& p, const Tensor& x, MoeSaved& s,
-                 MoeScratch& k, const Tensor& y, int64_t seq_len) {
+                 MoeScratch& k, const Tensor& y, int64_t seq_len, Communicator* ep) {
   const int64_t N = x.dim(0), C = c.d_model, E = c.moe_experts, K = c.moe_top_k;
   LOOM_CHECK(x.dim(1) == C && y.dim(0) == N && s.logits.dim(0) >= N && seq_len > 0 && N % seq_len == 0,
              "moe_forward: x ", x.describe(), ", y ", y.describe(), " for ", s.logits.dim(0), " tokens of sequences of ",
              seq_len);
   s.tokens = N;
+  s.dispatched = 0;
   const Tensor logits = s.logits.view(0, {N, E}), scores = s.scores.view(0, {N, E});
   linear_forward(backend, x, p.router_w, Tensor{}, logits);
   const float* u = logits.data<float>();
@@ -198,19 +320,25 @@ void moe_forward(Backend& backend, const ModelConfig& c, const MoeParams& p, con
       token[r] = static_cast<int32_t>(t);
     }
   }
-  // Experts: gather their rows, two GEMMs and the activation each.
-  const int64_t R = s.offsets[E], Fin = c.expert_in_width(), F = c.expert_ff();
+  // Experts: gather their rows (grouped by expert), two GEMMs and the activation each.
+  const int64_t R = s.offsets[E];
   const float* xs = x.data<float>();
   float* xe = k.xe.data<float>();
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < R; ++r) std::memcpy(xe + r * C, xs + token[r] * C, static_cast<size_t>(C) * sizeof(float));
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t o = s.offsets[e], n = s.offsets[e + 1] - o;
-    if (n == 0) continue;
-    const Tensor h = s.h.view(o * Fin, {n, Fin}), a = s.act.view(o * F, {n, F});
-    linear_forward(backend, k.xe.view(o * C, {n, C}), p.fc_w[e], Tensor{}, h);
-    activation_forward(backend, c, h, a);
-    linear_forward(backend, a, p.fc2_w[e], Tensor{}, s.ye.view(o * C, {n, C}));
+  if (ep == nullptr || ep->size() == 1) {
+    experts_forward(backend, c, p, 0, s.offsets, k.xe, s.h, s.act, s.ye);
+  } else {  // dispatch each expert's rows to its rank, run the local experts, send the outputs back
+    const int64_t P = ep->size(), El = E / P;
+    LOOM_CHECK(E % P == 0, "expert parallel: parallel.ep = ", P, " must divide model.moe_experts = ", E);
+    int32_t* co = k.counts_out.data<int32_t>();
+    for (int64_t e = 0; e < E; ++e) co[e] = static_cast<int32_t>(s.offsets[e + 1] - s.offsets[e]);
+    ep->all_to_all(k.counts_out, k.counts_in);  // chunk r: rank r's rows for each of this rank's experts
+    s.recv_rows.assign(k.counts_in.data<int32_t>(), k.counts_in.data<int32_t>() + E);
+    s.dispatched = s.offsets[E] - (s.offsets[(ep->rank() + 1) * El] - s.offsets[ep->rank() * El]);
+    expert_round_trip(*ep, s, k, E, C, k.xe, s.xp, k.yp, s.ye, [&](const std::vector<int64_t>& eoff) {
+      experts_forward(backend, c, p, ep->rank() * El, eoff, s.xp, s.h, s.act, k.yp);
+    });
   }
   // Combine: y_t += sum over kept choices of g_j ye[row] (per token: deterministic).
   float* ys = y.data<float>();
@@ -274,9 +402,8 @@ void moe_forward(Backend& backend, const ModelConfig& c, const MoeParams& p, con
 
 void moe_backward(Backend& backend, const ModelConfig& c, const MoeParams& p, const MoeParams& g, const Tensor& x,
                   const MoeSaved& s, MoeScratch& k, const Tensor& dy, const Tensor& dx, float loss_weight,
-                  int64_t seq_len) {
+                  int64_t seq_len, Communicator* ep) {
   const int64_t N = s.tokens, C = c.d_model, E = c.moe_experts, K = c.moe_top_k;
-  const int64_t Fin = c.expert_in_width(), F = c.expert_ff();
   LOOM_CHECK(x.dim(0) == N && dy.dim(0) == N && dx.dim(0) == N, "moe_backward: ", N, " tokens, got x ", x.describe(),
              ", dy ", dy.describe(), ", dx ", dx.describe());
   const float* u = s.logits.data<float>();
@@ -379,13 +506,13 @@ void moe_backward(Backend& backend, const ModelConfig& c, const MoeParams& p, co
       std::memcpy(xe + r * C, xs + t * C, static_cast<size_t>(C) * sizeof(float));
     }
   }
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t o = s.offsets[e], n = s.offsets[e + 1] - o;
-    if (n == 0) continue;
-    const Tensor dact = k.dact.view(o * F, {n, F}), dh = k.dh.view(o * Fin, {n, Fin}), d = k.dye.view(o * C, {n, C});
-    linear_backward(backend, s.act.view(o * F, {n, F}), p.fc2_w[e], d, dact, g.fc2_w[e], Tensor{});
-    activation_backward(backend, c, s.h.view(o * Fin, {n, Fin}), dact, dh);
-    linear_backward(backend, k.xe.view(o * C, {n, C}), p.fc_w[e], dh, d, g.fc_w[e], Tensor{});  // d(xe) into dye
+  if (ep == nullptr || ep->size() == 1) {
+    experts_backward(backend, c, p, g, 0, s.offsets, k.xe, s.h, s.act, k.dye, k);  // d(xe) lands in dye
+  } else {  // the rows' output gradients to the experts' ranks, their input gradients back
+    const int64_t El = E / ep->size();
+    expert_round_trip(*ep, s, k, E, C, k.dye, k.yp, k.yp, k.dye, [&](const std::vector<int64_t>& eoff) {
+      experts_backward(backend, c, p, g, ep->rank() * El, eoff, s.xp, s.h, s.act, k.yp, k);
+    });
   }
   float* dxs = dx.data<float>();
 #pragma omp parallel for schedule(static)

@@ -21,11 +21,19 @@
 // Auxiliary-loss-free balancing (DeepSeek-V3): after each step b_i -= gamma sign(load_i - mean
 // load), load counted over the step's micro-batches and data-parallel ranks (moe_update_bias).
 // Assignments are counted before capacity: load, f_i and the max violation all use them.
+//
+// Expert parallelism (GShard; `ep` communicator of P ranks): rank r computes experts
+// [r E/P, (r+1) E/P) for the tokens of every rank of its group. Each rank routes its own tokens,
+// sends each expert's rows to the expert's rank with one all-to-all-v of exactly the kept rows
+// (no padding to capacity), the owners run their experts and send the outputs back with a
+// second all-to-all-v; backward sends the rows' output gradients and returns their input
+// gradients the same way. The router, the shared experts and the losses stay local.
 #pragma once
 #include <cstdint>
 #include <vector>
 
 #include "loom/backend/backend.h"
+#include "loom/comm/communicator.h"
 #include "loom/model/config.h"
 #include "loom/model/param_layout.h"
 
@@ -54,34 +62,46 @@ struct MoeSaved {
   Tensor expert, gates, row;  // (N, k): selected experts (i32, best first), gates, row in the expert buffers (i32, -1: dropped)
   Tensor token;               // (R) i32: the token of each expert row (rows grouped by expert)
   Tensor h, act, ye;          // (R, F or 2F), (R, F), (R, C): each row's expert pre-activation, activation, output
+                              // (expert parallel: h, act over the P R rows this rank's experts received)
+  Tensor xp;                  // expert parallel: (P R, C) the received rows, by local expert then source rank
+  std::vector<int64_t> recv_rows;  // expert parallel: [source x E/P + local expert] rows received
   Tensor shared_fc, shared_act;  // (N, S or 2S), (N, S)
   std::vector<int64_t> offsets;  // (E + 1): expert e's rows are [offsets[e], offsets[e + 1])
   std::vector<int64_t> load;     // (E): assignments per expert (before capacity)
   int64_t tokens = 0, dropped = 0;
+  int64_t dispatched = 0;     // expert parallel: rows sent to other ranks' experts (each way, forward and backward)
   double aux = 0, seq_aux = 0, z = 0;  // the losses' values (already weighted by their coefficients)
   double entropy = 0;                  // mean over tokens of the router's entropy (nats, of q)
 };
 
 // Shared scratch of every MoE block's forward and backward (sized for `tokens`).
 struct MoeScratch {
-  Tensor xe, dye, dh, dact;   // (R, C), (R, C), (R, F or 2F), (R, F)
+  Tensor xe, dye, dh, dact;   // (R, C), (R, C), (R, F or 2F), (R, F) (dh, dact: P R rows expert parallel)
+  Tensor recv, yp;            // expert parallel: (P R, C) rows by source rank, and by local expert
+  Tensor counts_out, counts_in;  // expert parallel: (E) i32 rows per expert sent, received
   Tensor ds;                  // (N, E)
   Tensor dx;                  // (N, C)
   Tensor shared_dfc, shared_dact;  // (N, S or 2S), (N, S)
 };
 
-MoeSaved allocate_moe_saved(Allocator& allocator, const ModelConfig& config, int64_t tokens);
-MoeScratch allocate_moe_scratch(Allocator& allocator, const ModelConfig& config, int64_t tokens);
+// ep: the expert-parallel group's size (the received rows are sized for the worst case, every
+// rank's rows to this rank's experts).
+MoeSaved allocate_moe_saved(Allocator& allocator, const ModelConfig& config, int64_t tokens, int ep = 1);
+MoeScratch allocate_moe_scratch(Allocator& allocator, const ModelConfig& config, int64_t tokens, int ep = 1);
 
 // y (N, C) += MoE(x); fills `saved`. seq_len: the rows of one sequence (for the sequence-wise loss).
 void moe_forward(Backend& backend, const ModelConfig& config, const MoeParams& p, const Tensor& x, MoeSaved& saved,
-                 MoeScratch& scratch, const Tensor& y, int64_t seq_len);
+                 MoeScratch& scratch, const Tensor& y, int64_t seq_len, Communicator* ep = nullptr);
 // dy (N, C): the gradient of y. Writes dx (N, C) (overwritten), accumulates the parameter
 // gradients into g (the routing bias gets none), and adds loss_weight x the auxiliary losses'
 // gradients (the weight the cross-entropy's gradient carries).
 void moe_backward(Backend& backend, const ModelConfig& config, const MoeParams& p, const MoeParams& g, const Tensor& x,
                   const MoeSaved& saved, MoeScratch& scratch, const Tensor& dy, const Tensor& dx, float loss_weight,
-                  int64_t seq_len);
+                  int64_t seq_len, Communicator* ep = nullptr);
+
+// The flat ranges of the experts an ep rank does not compute (expert parallel), merged.
+std::vector<std::pair<int64_t, int64_t>> moe_foreign_expert_ranges(const ModelConfig& config, const ParamLayout& layout,
+                                                                   int ep_rank, int ep_size);
 
 // Auxiliary-loss-free balancing: bias_i -= gamma sign(load_i - mean load).
 void moe_update_bias(const Tensor& bias, const std::vector<double>& load, float gamma);

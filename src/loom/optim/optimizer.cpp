@@ -154,7 +154,6 @@ std::vector<OptimParam> optim_params(const ParamLayout& layout, const OptimConfi
   }
   std::vector<OptimParam> out;
   for (const ParamSpec& spec : layout.params) {
-    if (spec.role == ROLE_BUFFER) continue;  // not trained (nn/moe.h updates the routing bias itself)
     OptimParam q;
     q.name = spec.name;
     q.offset = spec.offset;
@@ -168,6 +167,10 @@ std::vector<OptimParam> optim_params(const ParamLayout& layout, const OptimConfi
         q.lr_scale = factor;
         break;
       }
+    }
+    if (spec.role == ROLE_BUFFER) {  // not trained (nn/moe.h updates the routing bias): a zero step, whatever
+      q.lr_scale = 0.0f;             // the rule (kept in the list so that every flat layout stays whole)
+      q.weight_decay = 0.0f;
     }
     const int64_t cols = q.matrix ? spec.shape[1] : spec.numel;
     int64_t row = 0;

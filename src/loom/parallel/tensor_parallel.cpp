@@ -49,6 +49,7 @@ ModelConfig tp_local_config(const ModelConfig& global, int tp) {
   local.n_head = global.n_head / tp;
   local.n_kv_head = global.n_kv_head / tp;
   local.d_ff = global.d_ff / tp;
+  if (global.moe_experts > 0 && global.moe_d_ff == 0) local.moe_d_ff = global.d_ff;  // experts are not sliced
   local.vocab_size = (global.vocab_size + tp - 1) / tp;
   return local;
 }
@@ -98,7 +99,18 @@ void tp_copy(const ModelConfig& gc, const Tensor& global, const ModelConfig& lc,
       copy_rows(gt, rank * Fl, lt, 0, Fl, to_local);
       if (gc.swiglu()) copy_rows(gt, F + rank * Fl, lt, Fl, Fl, to_local);  // the up half of [gate | up]
     }
-    copy_columns(g.fc2_w, rank * Fl, l.fc2_w, !to_local);
+    if (g.fc2_w.defined()) copy_columns(g.fc2_w, rank * Fl, l.fc2_w, !to_local);
+    if (replicated && g.moe.defined()) {  // an MoE block's router and experts are replicated
+      for (const auto& [gt, lt] : {std::pair{g.moe.router_w, l.moe.router_w}, std::pair{g.moe.bias, l.moe.bias},
+                                   std::pair{g.moe.shared_fc_w, l.moe.shared_fc_w},
+                                   std::pair{g.moe.shared_fc2_w, l.moe.shared_fc2_w}}) {
+        copy_whole(gt, lt, to_local);
+      }
+      for (size_t e = 0; e < g.moe.fc_w.size(); ++e) {
+        copy_whole(g.moe.fc_w[e], l.moe.fc_w[e], to_local);
+        copy_whole(g.moe.fc2_w[e], l.moe.fc2_w[e], to_local);
+      }
+    }
     if (replicated) {
       for (const auto& [gt, lt] : {std::pair{g.norm1_w, l.norm1_w}, std::pair{g.norm1_b, l.norm1_b},
                                    std::pair{g.norm2_w, l.norm2_w}, std::pair{g.norm2_b, l.norm2_b},

@@ -126,6 +126,7 @@ std::vector<Binding> bindings(LoomConfig& c) {
       {"parallel.tp", &c.parallel.tp},
       {"parallel.pp", &c.parallel.pp},
       {"parallel.cp", &c.parallel.cp},
+      {"parallel.ep", &c.parallel.ep},
       {"parallel.sequence_parallel", &c.parallel.sequence_parallel},
       {"parallel.cp_attention", &c.parallel.cp_attention},
       {"parallel.schedule", &c.parallel.schedule},
@@ -259,6 +260,10 @@ void LoomConfig::validate() const {
   LOOM_CHECK(parallel.zero_stage >= 0 && parallel.zero_stage <= 3, "parallel.zero_stage must be 0, 1, 2 or 3, got ",
              parallel.zero_stage);
   LOOM_CHECK(parallel.bucket_mb > 0.0, "parallel.bucket_mb must be > 0, got ", parallel.bucket_mb);
+  LOOM_CHECK(parallel.ep >= 1, "parallel.ep must be >= 1, got ", parallel.ep);
+  LOOM_CHECK(parallel.ep == 1 || model.moe_experts > 0, "parallel.ep = ", parallel.ep, " needs an MoE model (model.moe_experts > 0)");
+  LOOM_CHECK(parallel.ep == 1 || parallel.dp == 0 || parallel.dp % parallel.ep == 0, "parallel.ep = ", parallel.ep,
+             " must divide parallel.dp = ", parallel.dp, " (experts are split over data-parallel ranks)");
   LOOM_CHECK(train.seq_len <= model.max_seq_len, "train.seq_len (", train.seq_len, ") must be <= model.max_seq_len (",
              model.max_seq_len, ")");
   LOOM_CHECK(loop.eval_every >= 0 && loop.checkpoint_every >= 0 && loop.log_every >= 1 && loop.eval_batches >= 1,

@@ -45,6 +45,7 @@ struct SampleConfig {
 struct ParallelConfig {
   int64_t dp = 0;  // data-parallel ranks (0: all the ranks the model-parallel sizes leave)
   int64_t tp = 1, pp = 1, cp = 1;  // tensor, pipeline, context parallel sizes (comm/device_mesh.h)
+  int64_t ep = 1;  // expert parallel: MoE experts split over ep of the dp ranks (nn/moe.h)
   bool sequence_parallel = false;  // with tp > 1: norms and the residual stream on sequence shards
   std::string cp_attention = "ring";  // with cp > 1: ring | ulysses
   std::string schedule = "1f1b";      // with pp > 1: gpipe | 1f1b | interleaved | zb-h1 (micro-batches: train.grad_accum)

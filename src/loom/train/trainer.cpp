@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "loom/core/error.h"
+#include "loom/core/pages.h"
 #include "loom/nn/context_parallel.h"
 #include "loom/parallel/tensor_parallel.h"
 #include "loom/precision/quantize.h"
@@ -16,33 +17,55 @@ namespace {
 // run rounds exactly as an uninterrupted one.
 constexpr uint64_t kRoundingSeed = 0x5EEDB16F;
 
-// The flat ranges this rank's optimizer updates before ZeRO: its pipeline stages, or all.
-std::vector<FlatRange> update_domain(int64_t total, const PipelineRunner* pipeline) {
-  if (pipeline == nullptr || pipeline->comm().size() == 1) return {{0, total}};
-  std::vector<FlatRange> domain;
-  for (const auto& [begin, end] : pipeline->owned()) domain.push_back({begin, end});
-  return domain;
+// The flat ranges this rank's optimizer updates before ZeRO: its pipeline stages (or all),
+// less the experts other expert-parallel ranks compute.
+std::vector<FlatRange> update_domain(const Transformer& model, const PipelineRunner* pipeline) {
+  std::vector<FlatRange> base;
+  if (pipeline == nullptr || pipeline->comm().size() == 1) {
+    base.push_back({0, model.layout().total});
+  } else {
+    for (const auto& [begin, end] : pipeline->owned()) base.push_back({begin, end});
+  }
+  const auto foreign = model.foreign_expert_ranges();  // ascending, disjoint
+  if (foreign.empty()) return base;
+  std::vector<FlatRange> out;
+  for (const FlatRange& r : base) {
+    int64_t at = r.begin;
+    for (const auto& [fb, fe] : foreign) {
+      if (fe <= at || fb >= r.end) continue;
+      if (fb > at) out.push_back({at, fb});
+      at = std::max(at, fe);
+    }
+    if (at < r.end) out.push_back({at, r.end});
+  }
+  return out;
 }
 
 // The parameters this rank's optimizer updates: its domain, or its ZeRO shard of the domain.
 std::vector<OptimParam> rank_params(const std::vector<OptimParam>& all, const Communicator* comm, const DdpConfig& ddp,
-                                    int64_t total, const std::string& optimizer, const PipelineRunner* pipeline) {
+                                    const Transformer& model, const std::string& optimizer, const PipelineRunner* pipeline) {
   LOOM_CHECK(ddp.zero_stage >= 0 && ddp.zero_stage <= 3, "parallel.zero_stage must be 0, 1, 2 or 3, got ",
              ddp.zero_stage);
   const bool piped = pipeline != nullptr && pipeline->comm().size() > 1;
+  const bool experts = model.expert_parallel() != nullptr;
   const bool sharded = ddp.zero_stage > 0 && comm != nullptr && comm->size() > 1;
-  if (!piped && !sharded) return all;
-  if (piped) {
-    LOOM_CHECK(ddp.zero_stage <= 1, "parallel.zero_stage = ", ddp.zero_stage, " with parallel.pp > 1: ZeRO-2/3 "
-               "shard the whole model, a pipeline stage updates its own layers; use zero_stage 0 or 1");
-    LOOM_CHECK(elementwise_optimizer(optimizer), "pipeline parallelism needs an element-wise optimizer (each rank "
-               "updates its stages), got optim.name = ", optimizer);
+  if (!piped && !experts && !sharded) return all;
+  // ZeRO shards one domain over the data-parallel ranks; under expert parallelism those ranks
+  // hold different experts (Megatron shards experts over the expert-data-parallel group instead).
+  LOOM_CHECK(!experts || !sharded, "parallel.zero_stage = ", ddp.zero_stage, " with parallel.ep > 1 is not supported "
+             "yet (the data-parallel ranks hold different experts): use zero_stage 0");
+  if (piped || experts) {
+    const char* what = piped ? "parallel.pp > 1" : "parallel.ep > 1";
+    LOOM_CHECK(ddp.zero_stage <= 1, "parallel.zero_stage = ", ddp.zero_stage, " with ", what, ": ZeRO-2/3 "
+               "shard the whole model, this rank updates only its own part; use zero_stage 0 or 1");
+    LOOM_CHECK(elementwise_optimizer(optimizer), what, " needs an element-wise optimizer (each rank updates its own "
+               "part of the model), got optim.name = ", optimizer);
   } else {
     LOOM_CHECK(elementwise_optimizer(optimizer), "parallel.zero_stage = ", ddp.zero_stage, " shards at element "
                "boundaries and needs an element-wise optimizer (sgd, momentum, nesterov, adagrad, rmsprop, adam, adamw, "
                "lion), got optim.name = ", optimizer);
   }
-  const std::vector<FlatRange> domain = update_domain(total, pipeline);
+  const std::vector<FlatRange> domain = update_domain(model, pipeline);
   int64_t length = 0;
   for (const FlatRange& r : domain) length += r.end - r.begin;
   const ShardRange shard = sharded ? shard_range(length, comm->rank(), comm->size()) : ShardRange{0, length, length};
@@ -75,14 +98,14 @@ Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config, Commu
       schedule_(config.schedule),
       optim_params_(loom::optim_params(model.layout(), config.optim.resolved())),
       optimizer_(make_optimizer(backend, model.params(), model.grads(),
-                                rank_params(optim_params_, comm, ddp, model.layout().total, config.optim.resolved().name,
-                                            pipeline),
+                                rank_params(optim_params_, comm, ddp, model, config.optim.resolved().name, pipeline),
                                 config.optim)),
       pipeline_(pipeline) {
   LOOM_CHECK(pipeline_ == nullptr || pipeline_->schedule().micro == config_.grad_accum, "the pipeline schedule runs ",
              pipeline_ ? pipeline_->schedule().micro : 0, " micro-batches per step: set train.grad_accum to match (got ",
              config_.grad_accum, ")");
   schedule_.total = config_.steps;
+  domain_ = update_domain(model_, pipeline_);
   model_.set_precision(resolve_policy(config_.precision));
   if (comm != nullptr && comm->size() > 1) {
     LOOM_CHECK(!optimizer_->keeps_gradients(), "data parallelism is not supported with optim.name = ", optimizer_->name(),
@@ -107,7 +130,7 @@ Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config, Commu
         for (const auto& [begin, end] : unit) units.back().push_back({begin, end});
       }
       zero_ = std::make_unique<ZeroSharding>(*comm, static_cast<int>(ddp.zero_stage), model_.params(), model_.grads(),
-                                             std::move(units), update_domain(model_.layout().total, pipeline));
+                                             std::move(units), update_domain(model_, pipeline));
       if (zero_->stage() == 3) {
         model_.set_param_use_hooks({[this](int u, bool b) { zero_->use(u, b); }, [this](int u, bool b) { zero_->done(u, b); }});
       }
@@ -136,6 +159,7 @@ Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config, Commu
   // The gradient buffer starts at zero; an optimizer that keeps error feedback in it (LDAdam)
   // leaves it for the next backward to add into, the others are zeroed before each step.
   if (!sharded_grads()) model_.zero_grads();
+  params_loaded();
 }
 
 StepStats Trainer::train_step(BatchSource& data) {
@@ -259,6 +283,9 @@ double Trainer::sum_over(Communicator& group, double x) {
 
 void Trainer::params_loaded() {
   if (zero_) zero_->release_params();
+  // Expert parallel: the experts other ranks compute are never read here; their pages go back
+  // to the OS (core/pages.h), so each rank's resident expert weights are its 1/ep.
+  for (const auto& [b, e] : model_.foreign_expert_ranges()) release_elements(model_.params(), b, e);
 }
 
 void Trainer::gather_params() {

@@ -65,8 +65,11 @@ class Trainer {
   // ZeRO (stages 1-3 over more than one rank): this rank's shard and the gathers of sharded
   // state (nullptr otherwise).
   ZeroSharding* zero() { return zero_.get(); }
+  // The flat ranges this rank's optimizer updates (before ZeRO's sharding): its pipeline stages
+  // (or all), less the experts other expert-parallel ranks compute.
+  const std::vector<FlatRange>& domain() const { return domain_; }
   // After the parameters were written whole (a checkpoint load): ZeRO-3 releases what this
-  // rank does not own.
+  // rank does not own, expert parallelism the experts other ranks compute.
   void params_loaded();
   // Makes the parameters whole on every rank (ZeRO-3; e.g. to sample after training): further
   // steps keep them whole.
@@ -95,6 +98,7 @@ class Trainer {
   std::vector<std::pair<int64_t, int64_t>> tp_replicated_;  // flat ranges of replicated parameters
   std::vector<std::pair<int64_t, int64_t>> sequence_partial_;  // sequence parallel: summed over tp once a step
   Tensor scalar_;  // (1) f64: the loss, flags and norms summed over a group
+  std::vector<FlatRange> domain_;
   int64_t step_ = 0;
 };
 
