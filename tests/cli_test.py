@@ -264,6 +264,18 @@ class Cli(unittest.TestCase):
         bad = self.train("moe_bad", "--set", "parallel.ep=2", expect_ok=False)
         self.assert_one_line_error(bad, "parallel.ep")
 
+    def test_recompute_trains_bitwise_the_same_losses(self):
+        self.train("rc_none", steps=4)
+        for policy in ("selective", "full", "every:2"):
+            p = self.train("rc_" + policy.replace(":", ""), "--set", "train.recompute=" + policy, steps=4)
+            self.assertIn("recompute " + policy, p.stdout)
+            self.assertEqual(self.losses("rc_none"), self.losses("rc_" + policy.replace(":", "")), policy)
+        p = self.train("rc_budget", "--set", "train.recompute=budget,train.recompute_budget_mb=0.3", steps=4)
+        self.assertIn("measured recompute", p.stdout)
+        self.assertEqual(self.losses("rc_none"), self.losses("rc_budget"))
+        bad = self.train("rc_bad", "--set", "train.recompute=sometimes", expect_ok=False)
+        self.assert_one_line_error(bad, "train.recompute")
+
     def test_a_killed_rank_ends_the_whole_job(self):
         p = self.mpirun(2, "dead", "--set", "train.checkpoint_every=2,train.eval_every=0", steps=100000, background=True)
         import time

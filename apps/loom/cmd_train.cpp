@@ -485,6 +485,15 @@ int train_main(int argc, char** argv) {
               format_bytes(static_cast<size_t>(state_bytes)).c_str(), state_per_param, config.train.schedule.kind.c_str(),
               config.train.schedule.max_lr);
   std::printf("precision: %s%s\n", model.precision().describe().c_str(), config.train.loss_scaling ? ", dynamic loss scaling" : "");
+  if (config.train.recompute != "none") {  // activation checkpointing (memory/recompute.h)
+    const Trainer::RecomputeReport& rc = trainer.recompute();
+    std::string plan;
+    for (RecomputePolicy p : rc.plan) plan += std::string(plan.empty() ? "" : " ") + std::string(recompute_name(p));
+    std::printf("recompute %s: blocks %s; kept activations %s of %s per micro-batch%s\n", config.train.recompute.c_str(),
+                plan.c_str(), format_bytes(static_cast<size_t>(rc.kept_bytes)).c_str(),
+                format_bytes(static_cast<size_t>(rc.no_recompute_bytes)).c_str(),
+                rc.seconds > 0 ? str_cat(", measured recompute ", rc.seconds * 1e3, " ms per micro-batch").c_str() : "");
+  }
   MetricsLog metrics(lead ? (fs::path(dir) / "metrics.jsonl").string()
                           : (fs::path(dir) / "logs" / ("metrics.rank" + std::to_string(comm->rank()) + ".jsonl")).string());
   if (comm->size() > 1) {

@@ -5,6 +5,8 @@
 #include "loom/nn/vocab_parallel.h"
 
 #include <algorithm>
+#include <chrono>
+#include <limits>
 
 #include "loom/core/error.h"
 #include "loom/core/philox.h"
@@ -197,8 +199,53 @@ ActivationStore Transformer::allocate_stage_store(int64_t batch, int64_t seq_len
   return allocate_store_for(batch, seq_len, first, last, split_backward, cp_.comm != nullptr);
 }
 
+void Transformer::set_recompute(std::vector<RecomputePolicy> plan) {
+  LOOM_CHECK(scratch_tokens_ == 0, "set_recompute must come before the activation stores are allocated");
+  LOOM_CHECK(plan.empty() || static_cast<int64_t>(plan.size()) == config_.n_layer, "recompute plan of ", plan.size(),
+             " layers for a model of ", config_.n_layer);
+  recompute_ = std::move(plan);
+}
+
+std::vector<std::array<double, RECOMPUTE_COUNT>> Transformer::measure_recompute_seconds(int64_t batch, int64_t seq_len,
+                                                                                     int repeats) {
+  Allocator& alloc = backend_.allocator();
+  const int64_t C = config_.d_model;
+  // A scratch record (workspace, freed on return) with a deterministic input in the range of a
+  // residual stream; its other fields come from the first forward.
+  BlockSaved kept = allocate_block_saved(alloc, config_, batch, seq_len, false, 1, false, false, RECOMPUTE_NONE,
+                                         MEM_WORKSPACE);
+  BlockSaved full = allocate_block_saved(alloc, config_, batch, seq_len, false, 1, false, false, RECOMPUTE_NONE,
+                                         MEM_WORKSPACE);
+  const Tensor out = Tensor::empty(alloc, {batch * seq_len * std::max(C, config_.n_head * config_.head_dim())},
+                                   DTYPE_F32, MEM_WORKSPACE);
+  philox_fill_normal(kept.input.data<float>(), kept.input.numel(), 1, 0, 0, 0.0f, 1.0f);
+  std::vector<std::array<double, RECOMPUTE_COUNT>> seconds(static_cast<size_t>(config_.n_layer));
+  for (int64_t l = 0; l < config_.n_layer; ++l) {
+    Block& b = blocks_[static_cast<size_t>(l)];
+    seconds[l][RECOMPUTE_NONE] = 0.0;
+    if (b.is_moe()) {  // (MoE blocks always keep everything)
+      seconds[l][RECOMPUTE_SELECTIVE] = seconds[l][RECOMPUTE_FULL] = std::numeric_limits<double>::infinity();
+      continue;
+    }
+    b.set_recording(false);
+    b.forward(backend_, kept, out.view(0, kept.input.shape()));
+    for (const RecomputePolicy p : {RECOMPUTE_SELECTIVE, RECOMPUTE_FULL}) {
+      double fastest = std::numeric_limits<double>::infinity();
+      for (int r = 0; r < repeats; ++r) {
+        BlockSaved f = full;
+        const auto start = std::chrono::steady_clock::now();
+        b.recompute(backend_, kept, p, f, out);
+        fastest = std::min(fastest, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+      }
+      seconds[l][p] = fastest;
+    }
+    b.set_recording(true);
+  }
+  return seconds;
+}
+
 ActivationStore Transformer::allocate_store_for(int64_t batch, int64_t seq_len, int64_t first, int64_t last,
-                                                bool split_backward, bool context_parallel) {
+                                                bool split_backward, bool context_parallel, bool recompute) {
   LOOM_CHECK(batch > 0, "batch size must be > 0, got ", batch);
   LOOM_CHECK(seq_len > 0 && seq_len <= config_.max_seq_len, "sequence length ", seq_len,
              " must be in [1, model.max_seq_len = ", config_.max_seq_len, "]");
@@ -230,7 +277,9 @@ ActivationStore Transformer::allocate_store_for(int64_t batch, int64_t seq_len, 
   const int64_t Ts = T / shards();  // the residual stream's positions on this rank
   s.blocks.resize(static_cast<size_t>(config_.n_layer));
   for (int64_t l = first; l < last; ++l) {
-    s.blocks[l] = allocate_block_saved(alloc, config_, B, T, split_backward, shards(), context_parallel, config_.moe_layer(l));
+    const RecomputePolicy keep = recompute && !recompute_.empty() ? recompute_[l] : RECOMPUTE_NONE;
+    s.blocks[l] = allocate_block_saved(alloc, config_, B, T, split_backward, shards(), context_parallel,
+                                       config_.moe_layer(l), keep);
     if (config_.moe_layer(l) && ep_size() > 1) s.blocks[l].moe = allocate_moe_saved(alloc, config_, B * T, ep_size());
   }
   if (last < config_.n_layer) {
@@ -244,6 +293,16 @@ ActivationStore Transformer::allocate_store_for(int64_t batch, int64_t seq_len, 
     s.logits = act({B, T, config_.vocab_size});
     s.losses = act({B, T});
     s.lse = act({B, T});
+  }
+  const bool any_recompute = recompute && std::any_of(recompute_.begin(), recompute_.end(),
+                                                      [](RecomputePolicy p) { return p != RECOMPUTE_NONE; });
+  LOOM_CHECK(!any_recompute || (tp_ == nullptr && cp_.comm == nullptr), "activation checkpointing (train.recompute) "
+             "with tensor or context parallelism is not supported yet");
+  if (any_recompute && (!recompute_record_.input.defined() || recompute_record_.input.dim(0) != B ||
+                        recompute_record_.input.dim(1) != T)) {
+    recompute_record_ = allocate_block_saved(alloc, config_, B, T);
+    recompute_out_ = Tensor::empty(alloc, {B * T * std::max(C, config_.n_head * config_.head_dim())}, DTYPE_F32,
+                                   MEM_ACTIVATIONS);
   }
   if (config_.moe_experts > 0 && B * T > moe_scratch_tokens_) {  // (decoding allocates its B tokens' too)
     moe_scratch_ = allocate_moe_scratch(alloc, config_, B * T, ep_size());
@@ -306,7 +365,12 @@ double Transformer::forward_stage(ActivationStore& s, int64_t first, int64_t las
   for (int64_t l = first; l < last; ++l) {
     const Tensor& out = l + 1 < L ? s.blocks[l + 1].input : s.final_input;
     use(static_cast<int>(l) + 1);
-    blocks_[l].forward(backend_, s.blocks[l], out);
+    if (!recompute_.empty() && recompute_[l] != RECOMPUTE_NONE) {  // writes the unkept fields into the shared record
+      BlockSaved through = with_kept(recompute_record_, s.blocks[l], recompute_[l]);
+      blocks_[l].forward(backend_, through, out);
+    } else {
+      blocks_[l].forward(backend_, s.blocks[l], out);
+    }
     done(static_cast<int>(l) + 1);
   }
   if (last < L) return 0.0;
@@ -341,7 +405,7 @@ DecodeState Transformer::allocate_decode_state(int64_t batch) {
     d.k_cache.push_back(Tensor::empty(alloc, {batch, config_.max_seq_len, kv_width}, DTYPE_F32, MEM_KV_CACHE));
     d.v_cache.push_back(Tensor::empty(alloc, {batch, config_.max_seq_len, kv_width}, DTYPE_F32, MEM_KV_CACHE));
   }
-  d.step = allocate_store_for(batch, 1, 0, config_.n_layer, false, false);  // decoding is never context parallel
+  d.step = allocate_store_for(batch, 1, 0, config_.n_layer, false, false, false);  // never context parallel, no recompute
   d.q = Tensor::empty(alloc, {batch, config_.n_head * config_.head_dim()}, DTYPE_F32, MEM_ACTIVATIONS);
   return d;
 }
@@ -475,7 +539,13 @@ void Transformer::backward_stage(ActivationStore& s, int64_t first, int64_t last
   }  // else d_res holds d(stage output), put there by the caller (stage_grad)
   for (int64_t l = last; l-- > first;) {
     use(static_cast<int>(l) + 1);
-    blocks_[l].backward(backend_, s.blocks[l], d_res, k, part);
+    if (!recompute_.empty() && recompute_[l] != RECOMPUTE_NONE) {  // the kept fields, completed
+      BlockSaved full = recompute_record_;
+      blocks_[l].recompute(backend_, s.blocks[l], recompute_[l], full, recompute_out_);
+      blocks_[l].backward(backend_, full, d_res, k, part);
+    } else {
+      blocks_[l].backward(backend_, s.blocks[l], d_res, k, part);
+    }
     done(static_cast<int>(l) + 1);
     if (ready) ready(block_offset_[l]);
   }

@@ -4,6 +4,7 @@
 //   loss = mean over B*T of cross-entropy(logits, targets)
 #pragma once
 #include <cstdint>
+#include <array>
 #include <functional>
 #include <string>
 #include <vector>
@@ -103,6 +104,15 @@ class Transformer {
   // ContextSliceSource in train/trainer.h); attention is ring or Ulysses over `cp`. The losses
   // and gradients of the group's ranks average to the whole sequence's (equal token counts).
   void set_context_parallel(Communicator* cp, bool ulysses);
+  // Activation checkpointing (memory/recompute.h): each block's policy (empty: none), set before
+  // the activation stores are allocated. Blocks that recompute keep less in every store; one
+  // shared full record (and its output scratch) receives the recomputed fields in backward.
+  void set_recompute(std::vector<RecomputePolicy> plan);
+  const std::vector<RecomputePolicy>& recompute_plan() const { return recompute_; }
+  // Measured seconds of recomputing each block under each policy for a (batch, seq_len)
+  // micro-batch (the fastest of `repeats` runs on a scratch record; none: 0).
+  std::vector<std::array<double, RECOMPUTE_COUNT>> measure_recompute_seconds(int64_t batch, int64_t seq_len,
+                                                                              int repeats = 3);
   // Expert parallel (nn/moe.h): this rank computes experts [r E/ep, (r+1) E/ep) of every MoE
   // block for the tokens of the whole ep group (nullptr or one rank: all experts). Every rank
   // still holds all parameters; foreign_expert_ranges() are the flat ranges of the experts it
@@ -183,6 +193,9 @@ class Transformer {
   bool sp_ = false;                  // sequence parallel
   SequenceScratch seq_;              // its whole-sequence buffers
   ContextParallel cp_;               // context parallel (cp_.comm set)
+  std::vector<RecomputePolicy> recompute_;  // [layer] (empty: none)
+  BlockSaved recompute_record_;      // the shared full record recomputation fills (activations)
+  Tensor recompute_out_;             // (B, T, max(C, H hd)) scratch of the recomputed forward
   MoeScratch moe_scratch_;           // shared by the MoE blocks
   Communicator* ep_ = nullptr;       // expert parallel
   int ep_size() const { return ep_ != nullptr ? ep_->size() : 1; }
@@ -191,7 +204,7 @@ class Transformer {
   std::vector<MoeLayerStats> moe_stats_;
   int64_t shards() const { return sp_ ? tp_->size() : 1; }
   ActivationStore allocate_store_for(int64_t batch, int64_t seq_len, int64_t first, int64_t last, bool split_backward,
-                                     bool context_parallel);
+                                     bool context_parallel, bool recompute = true);
   // Context parallel: f(rows (1, chunk, C) of one sequence, their first global position) for
   // each of x's (B, T/cp, C) two chunks of every sequence.
   void for_each_chunk(const Tensor& x, const std::function<void(const Tensor&, int64_t)>& f) const;

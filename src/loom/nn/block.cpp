@@ -47,14 +47,27 @@ BlockParams block_params_view(const ModelConfig& config, const ParamLayout& layo
 }
 
 BlockSaved allocate_block_saved(Allocator& allocator, const ModelConfig& config, int64_t batch, int64_t seq_len,
-                                bool split_backward, int64_t seq_shards, bool context_parallel, bool moe) {
+                                bool split_backward, int64_t seq_shards, bool context_parallel, bool moe,
+                                RecomputePolicy keep, MemCategory category) {
   LOOM_CHECK(seq_shards >= 1 && seq_len % seq_shards == 0, "sequence parallel: train.seq_len (", seq_len,
              ") must be a multiple of parallel.tp (", seq_shards, ")");
   const int64_t B = batch, T = seq_len, C = config.d_model, H = config.n_head, hd = config.head_dim();
   const int64_t Ts = seq_len / seq_shards;  // the residual stream's positions on this rank
-  auto act = [&](Shape shape) { return Tensor::empty(allocator, std::move(shape), DTYPE_F32, MEM_ACTIVATIONS); };
+  auto act = [&](Shape shape) { return Tensor::empty(allocator, std::move(shape), DTYPE_F32, category); };
   BlockSaved s;
   s.input = act({B, Ts, C});
+  if (keep != RECOMPUTE_NONE) {  // activation checkpointing (no model parallelism, no MoE)
+    LOOM_CHECK(!split_backward && seq_shards == 1 && !context_parallel && !moe,
+               "activation checkpointing (train.recompute) with pipeline, sequence or context parallelism or MoE "
+               "blocks is not supported yet");
+    if (keep == RECOMPUTE_SELECTIVE) {
+      s.qkv = act({B, T, config.qkv_width()});
+      s.attn = act({B, T, H * hd});
+      s.mid = act({B, Ts, C});
+      s.fc = act({B, T, config.mlp_in_width()});
+    }
+    return s;
+  }
   s.norm1 = act({B, Ts, C});
   if (!config.rmsnorm()) s.mean1 = act({B, Ts});
   s.rstd1 = act({B, Ts});
@@ -117,6 +130,38 @@ void Block::set_precision(const PrecisionPolicy& policy, BlockParams params16, L
   proj_ = LinearLayer(linear_setup(policy, LINEAR_ATTN_OUT, true));
   fc_ = LinearLayer(linear_setup(policy, LINEAR_MLP_IN, true));
   fc2_ = LinearLayer(linear_setup(policy, LINEAR_MLP_OUT, true));
+}
+
+BlockSaved with_kept(const BlockSaved& shared, const BlockSaved& kept, RecomputePolicy policy) {
+  BlockSaved r = shared;
+  r.input = kept.input;
+  if (policy == RECOMPUTE_SELECTIVE) r.qkv = kept.qkv, r.attn = kept.attn, r.mid = kept.mid, r.fc = kept.fc;
+  return r;
+}
+
+void Block::recompute(Backend& backend, const BlockSaved& kept, RecomputePolicy policy, BlockSaved& full,
+                      const Tensor& out_scratch) {
+  LOOM_CHECK(policy != RECOMPUTE_NONE && !is_moe() && tp_ == nullptr && cp_ == nullptr,
+             "block recompute: a policy that recomputes, on a block without MoE or model parallelism");
+  const BlockParams& p = params_;
+  const int64_t B = kept.input.dim(0), T = kept.input.dim(1), C = config_.d_model;
+  auto shaped = [](const Tensor& t, Shape shape) { return t.view(0, std::move(shape)); };
+  BlockSaved& r = full;
+  r = with_kept(full, kept, policy);
+  if (policy == RECOMPUTE_FULL) {
+    const bool was = recording_;
+    recording_ = false;
+    forward(backend, r, shaped(out_scratch, {B, T, C}));
+    recording_ = was;
+    return;
+  }
+  // Selective: the GEMM outputs and the residual stream are kept; norms, probabilities and the
+  // activation come again from them.
+  norm_forward(backend, config_, r.input, p.norm1_w, p.norm1_b, r.norm1, r.mean1, r.rstd1);
+  backend.attention_forward(r.qkv, shaped(out_scratch, r.attn.shape()), r.probs, config_.n_head, config_.n_kv_head);
+  norm_forward(backend, config_, r.mid, p.norm2_w, p.norm2_b, r.norm2, r.mean2, r.rstd2);
+  if (config_.swiglu()) backend.swiglu_forward(r.fc, r.act);
+  else backend.gelu_forward(r.fc, r.act);
 }
 
 void Block::rope(Backend& backend, const Tensor& qkv, bool backward) const {

@@ -54,6 +54,18 @@ struct BlockSaved {
   MoeSaved moe;  // an MoE block: its routing and experts' activations (fc, act unused)
 };
 
+// Activation checkpointing (memory/recompute.h): which fields of its BlockSaved a block keeps
+// from its forward to its backward; the rest are recomputed (Block::recompute) into a shared
+// full record just before the backward.
+//   none: all; selective: input, qkv, attn, mid, fc (the residual stream and GEMM outputs);
+//   full: input only.
+enum RecomputePolicy : uint8_t { RECOMPUTE_NONE, RECOMPUTE_SELECTIVE, RECOMPUTE_FULL, RECOMPUTE_COUNT };
+
+// A whole record for a block that keeps only `policy`'s fields: kept's tensors where it has them
+// (input; selective also qkv, attn, mid, fc), the shared record's elsewhere. The forward writes
+// through it (the unkept fields land in the shared record, overwritten by the next block).
+BlockSaved with_kept(const BlockSaved& shared, const BlockSaved& kept, RecomputePolicy policy);
+
 // Which part of a block's backward to run: all of it, the input gradient (and the norms' and
 // biases' gradients) keeping the linear layers' output gradients, or the linear layers'
 // weight gradients from those (Qi et al., "Zero Bubble Pipeline Parallelism", 2024: B and W).
@@ -64,7 +76,8 @@ enum BackwardPart : uint8_t { BACKWARD_ALL, BACKWARD_INPUT, BACKWARD_WEIGHT };
 // context_parallel: seq_len is this rank's share; ring attention's lse instead of probs.
 BlockSaved allocate_block_saved(Allocator& allocator, const ModelConfig& config, int64_t batch, int64_t seq_len,
                                 bool split_backward = false, int64_t seq_shards = 1, bool context_parallel = false,
-                                bool moe = false);
+                                bool moe = false, RecomputePolicy keep = RECOMPUTE_NONE,
+                                MemCategory category = MEM_ACTIVATIONS);
 
 // Whole-sequence (B,T,C) buffers a sequence-parallel block gathers into (shared by the blocks).
 struct SequenceScratch {
@@ -128,6 +141,13 @@ class Block {
   // Context parallel: attention across the cp group's sequence shards (ring or Ulysses); RoPE at
   // this rank's global positions.
   void set_context_parallel(ContextParallel* cp) { cp_ = cp; }
+  // Activation checkpointing: `kept` holds what `policy` kept of this block's forward; fills
+  // `full` (a whole record: its fields, or views of kept's where kept has them) with every field
+  // the backward reads, by running again the forward pieces that made the missing ones (the
+  // whole forward for RECOMPUTE_FULL, writing its output into out_scratch). Same ops, same
+  // inputs: the values are bitwise those of the first forward.
+  void recompute(Backend& backend, const BlockSaved& kept, RecomputePolicy policy, BlockSaved& full,
+                 const Tensor& out_scratch);
   // attn_qkv, attn_out, mlp_in, mlp_out.
   std::array<LinearLayer*, 4> linears() { return {&qkv_, &proj_, &fc_, &fc2_}; }
 

@@ -59,6 +59,8 @@ std::vector<Binding> bindings(LoomConfig& c) {
       {"train.batch_size", &c.train.batch_size},
       {"train.seq_len", &c.train.seq_len},
       {"train.grad_accum", &c.train.grad_accum},
+      {"train.recompute", &c.train.recompute},
+      {"train.recompute_budget_mb", &c.train.recompute_budget_mb},
       {"train.steps", &c.train.steps},
       {"train.seed", &c.loop.seed},
       {"train.eval_every", &c.loop.eval_every},

@@ -75,6 +75,34 @@ std::vector<OptimParam> rank_params(const std::vector<OptimParam>& all, const Co
   }
   return mine;
 }
+// Activation checkpointing: the plan train.recompute names, set on the model before its stores.
+Trainer::RecomputeReport configure_recompute(Transformer& model, const TrainConfig& config) {
+  Trainer::RecomputeReport r;
+  const ModelConfig& c = model.config();
+  RecomputeCosts costs;
+  for (int64_t l = 0; l < c.n_layer; ++l) {
+    std::array<int64_t, RECOMPUTE_COUNT> bytes{};
+    for (int p = 0; p < RECOMPUTE_COUNT; ++p) {
+      bytes[p] = block_kept_bytes(c, config.batch_size, config.seq_len, static_cast<RecomputePolicy>(p));
+    }
+    costs.bytes.push_back(bytes);
+  }
+  costs.scratch_bytes = block_kept_bytes(c, config.batch_size, config.seq_len, RECOMPUTE_NONE) +
+                        4 * config.batch_size * config.seq_len * std::max(c.d_model, c.n_head * c.head_dim());
+  costs.seconds.assign(static_cast<size_t>(c.n_layer), {0.0, 0.0, 0.0});
+  if (config.recompute == "budget") {
+    LOOM_CHECK(config.recompute_budget_mb > 0.0, "train.recompute = budget needs train.recompute_budget_mb > 0");
+    costs.seconds = model.measure_recompute_seconds(config.batch_size, config.seq_len);
+    r.plan = budget_recompute_plan(costs, static_cast<int64_t>(config.recompute_budget_mb * (1 << 20)));
+  } else {
+    r.plan = recompute_plan(config.recompute, c.n_layer);
+  }
+  r.kept_bytes = plan_bytes(costs, r.plan);
+  r.no_recompute_bytes = plan_bytes(costs, recompute_plan("none", c.n_layer));
+  r.seconds = plan_seconds(costs, r.plan);
+  model.set_recompute(r.plan);
+  return r;
+}
 }  // namespace
 
 void TrainConfig::validate() const {
@@ -94,6 +122,7 @@ Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config, Commu
       model_(model),
       config_((config.validate(), config)),
       // A pipeline keeps its own stage stores (parallel/pipeline.h).
+      recompute_(pipeline != nullptr ? RecomputeReport{} : configure_recompute(model, config_)),
       store_(pipeline != nullptr ? ActivationStore{} : model.allocate_store(config.batch_size, config.seq_len)),
       schedule_(config.schedule),
       optim_params_(loom::optim_params(model.layout(), config.optim.resolved())),
@@ -101,6 +130,8 @@ Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config, Commu
                                 rank_params(optim_params_, comm, ddp, model, config.optim.resolved().name, pipeline),
                                 config.optim)),
       pipeline_(pipeline) {
+  LOOM_CHECK(pipeline_ == nullptr || config_.recompute == "none", "train.recompute = ", config_.recompute,
+             " with parallel.pp > 1 is not supported yet");
   LOOM_CHECK(pipeline_ == nullptr || pipeline_->schedule().micro == config_.grad_accum, "the pipeline schedule runs ",
              pipeline_ ? pipeline_->schedule().micro : 0, " micro-batches per step: set train.grad_accum to match (got ",
              config_.grad_accum, ")");

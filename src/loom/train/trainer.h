@@ -11,6 +11,7 @@
 #include "loom/optim/schedule.h"
 #include "loom/parallel/ddp.h"
 #include "loom/parallel/pipeline.h"
+#include "loom/memory/recompute.h"
 #include "loom/parallel/zero.h"
 #include "loom/precision/loss_scaler.h"
 #include "loom/precision/policy.h"
@@ -30,6 +31,10 @@ struct TrainConfig {
   // gradients unscaled and checked, a step with inf/NaN gradients skipped. Off by default.
   bool loss_scaling = false;
   LossScalerConfig loss_scaler;
+  // Activation checkpointing (memory/recompute.h): none | selective | full | every:K | budget,
+  // the budget in MiB of the blocks' kept activations per micro-batch.
+  std::string recompute = "none";
+  double recompute_budget_mb = 0.0;
 
   void validate() const;  // throws naming the key (e.g. "train.batch_size")
 };
@@ -75,6 +80,14 @@ class Trainer {
   // steps keep them whole.
   void gather_params();
   const ScheduleConfig& schedule() const { return schedule_; }
+  // Activation checkpointing: the per-layer plan, and its estimated bytes and measured seconds.
+  struct RecomputeReport {
+    std::vector<RecomputePolicy> plan;
+    int64_t kept_bytes = 0;           // the blocks' kept activations + the shared record, per micro-batch
+    int64_t no_recompute_bytes = 0;   // the same without recomputation
+    double seconds = 0.0;             // measured recompute seconds per micro-batch (0 unless budget)
+  };
+  const RecomputeReport& recompute() const { return recompute_; }
   // After a checkpoint restored the weights and the optimizer moments: continue at `step`.
   void restore(int64_t step, int64_t optimizer_steps);
 
@@ -82,6 +95,7 @@ class Trainer {
   Backend& backend_;
   Transformer& model_;
   TrainConfig config_;
+  RecomputeReport recompute_;  // (before store_: it decides what the store keeps)
   ActivationStore store_;
   ScheduleConfig schedule_;
   std::vector<OptimParam> optim_params_;
