@@ -276,6 +276,18 @@ class Cli(unittest.TestCase):
         bad = self.train("rc_bad", "--set", "train.recompute=sometimes", expect_ok=False)
         self.assert_one_line_error(bad, "train.recompute")
 
+    def test_memory_reproduces_the_zero_example_and_measures_itself(self):
+        p = run("memory", "--set", "precision.param=bf16,precision.reduce=bf16,model.vocab_size=50257", "--ranks", "64",
+                "--params", "7.5e9")
+        self.assertIn("stage 0 120.0 GB | stage 1 (os) 31.4 GB | stage 2 (os+g) 16.6 GB | stage 3 (os+g+p) 1.9 GB", p.stdout)
+        sets = f"{TINY},data.dir={self.data},data.tokenizer=byte,model.vocab_size=0,train.recompute=selective"
+        p = run("memory", "--set", sets, "--measure")
+        rows = [line.split() for line in p.stdout.splitlines() if line.startswith("  ") and len(line.split()) == 6]
+        self.assertEqual([r[0] for r in rows], ["parameters", "gradients", "optimizer_state", "activations"], p.stdout)
+        for r in rows:
+            self.assertLess(abs(float(r[5]) - 1.0), 0.10, r)
+        self.assert_one_line_error(run("memory", "--set", "parallel.tp=2", expect_ok=False), "parallel.tp")
+
     def test_a_killed_rank_ends_the_whole_job(self):
         p = self.mpirun(2, "dead", "--set", "train.checkpoint_every=2,train.eval_every=0", steps=100000, background=True)
         import time

@@ -9,5 +9,6 @@ int eval_main(int argc, char** argv);
 int generate_main(int argc, char** argv);
 int tokenizer_main(int argc, char** argv);
 int plan_main(int argc, char** argv);
+int memory_main(int argc, char** argv);
 
 }  // namespace loom::cli

@@ -20,6 +20,7 @@ const char* kUsage =
     "  generate    sample text from a checkpoint (KV cache; greedy, temperature, top-k, top-p)\n"
     "  tokenizer   train a byte-level BPE tokenizer on your own corpus\n"
     "  plan        print a pipeline schedule and simulate its bubble and activation memory\n"
+    "  memory      bytes per rank by category before running (--measure: and after one step)\n"
     "\n"
     "`loom <command> --help` describes each command's options.\n";
 
@@ -38,6 +39,7 @@ int main(int argc, char** argv) {
     if (command == "generate") return loom::cli::generate_main(argc - 2, argv + 2);
     if (command == "tokenizer") return loom::cli::tokenizer_main(argc - 2, argv + 2);
     if (command == "plan") return loom::cli::plan_main(argc - 2, argv + 2);
+    if (command == "memory") return loom::cli::memory_main(argc - 2, argv + 2);
     std::fprintf(stderr, "loom: unknown command '%s'\n%s", command.c_str(), kUsage);
     return 2;
   } catch (const std::exception& e) {

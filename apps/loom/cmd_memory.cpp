@@ -1,0 +1,124 @@
+// loom memory: the bytes a training rank holds, by category, before anything runs
+// (memory/estimate.h), and with --measure the same measured after one step.
+#include <cstdio>
+#include <fstream>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "cli.h"
+#include "commands.h"
+#include "loom/comm/communicator.h"
+#include "loom/core/error.h"
+#include "loom/core/pages.h"
+#include "loom/data/batch_source.h"
+#include "loom/memory/estimate.h"
+#include "loom/train/trainer.h"
+
+namespace loom::cli {
+
+namespace {
+const char* kHelp =
+    "usage: loom memory [--config FILE] [--set k=v,...] [--ranks N] [--params P] [--measure]\n"
+    "\n"
+    "Prints the bytes per rank of the run the config describes, by memory category, before\n"
+    "anything runs: parameters (fp32, + the bf16 copy with precision.param = bf16), gradients,\n"
+    "optimizer state (its exact formula; ZeRO shards it, and with stages 2/3 the gradients and\n"
+    "parameters), and one micro-batch's activations under train.recompute. Then the ZeRO paper's\n"
+    "model-state accounting, (w + g + K) bytes per parameter over N ranks, stages 0-3.\n"
+    "\n"
+    "--ranks N    data-parallel ranks (default: the mpirun world, else 1)\n"
+    "--params P   the parameter count of the ZeRO table (default: the model's), e.g. 7.5e9\n"
+    "--measure    also build the model, run one training step on synthetic tokens, and print the\n"
+    "             measured bytes (resident pages for parameters and gradients) beside the estimate\n"
+    "             (under mpirun: data parallel over the world, as loom train)\n"
+    "Model-parallel layouts (parallel.tp, pp, cp, ep) are not estimated yet.\n";
+
+std::string gb(double bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.1f GB", bytes / 1e9);
+  return buf;
+}
+}  // namespace
+
+int memory_main(int argc, char** argv) {
+  for (int i = 0; i < argc; ++i) {
+    if (std::string(argv[i]) == "--help" || std::string(argv[i]) == "-h") {
+      std::fputs(kHelp, stdout);
+      return 0;
+    }
+  }
+  const Args args(argc, argv, {"config", "set", "ranks", "params"}, {"measure"}, "memory");
+  LoomConfig config = load_config(args);
+  LOOM_CHECK(config.parallel.tp == 1 && config.parallel.pp == 1 && config.parallel.cp == 1 && config.parallel.ep == 1,
+             "loom memory: parallel.tp, pp, cp and ep layouts are not estimated yet (got tp ", config.parallel.tp,
+             ", pp ", config.parallel.pp, ", cp ", config.parallel.cp, ", ep ", config.parallel.ep, ")");
+  if (config.model.vocab_size == 0) {  // the dataset's vocabulary, as loom train takes it
+    const std::string meta = config.data.dir + "/meta.json";
+    std::ifstream in(meta);
+    LOOM_CHECK(in.good(), "model.vocab_size = 0 follows the dataset, but ", meta, " cannot be read: set model.vocab_size");
+    config.model.vocab_size = nlohmann::json::parse(in).at("vocab_size").get<int64_t>();
+  }
+  const bool mpi = launched_by_mpirun();
+  std::unique_ptr<Communicator> comm = mpi ? make_mpi_communicator() : make_local_communicator();
+  MemoryPlan plan;
+  plan.model = config.model;
+  plan.batch = config.train.batch_size, plan.seq_len = config.train.seq_len;
+  plan.recompute = config.train.recompute, plan.recompute_budget_mb = config.train.recompute_budget_mb;
+  plan.optim = config.train.optim, plan.precision = config.train.precision;
+  plan.zero_stage = static_cast<int>(config.parallel.zero_stage);
+  plan.ranks = static_cast<int>(args.get_int("ranks", comm->size()));
+  LOOM_CHECK(!args.has("measure") || plan.ranks == comm->size(), "loom memory --measure runs on the ranks it has (",
+             comm->size(), "): drop --ranks or launch with mpirun -np ", plan.ranks);
+  const MemoryEstimate est = estimate_memory(plan);
+  const bool lead = comm->rank() == 0;
+
+  MemoryEstimate measured;
+  if (args.has("measure")) {
+    auto backend = make_cpu_backend();
+    Transformer model(*backend, config.model);
+    model.init_weights(config.loop.seed);
+    DdpConfig ddp;
+    ddp.zero_stage = config.parallel.zero_stage;
+    Trainer trainer(*backend, model, config.train, comm->size() > 1 ? comm.get() : nullptr, ddp);
+    std::vector<int32_t> tokens(static_cast<size_t>(64 * config.train.seq_len));
+    for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int32_t>((i * 2654435761u) % config.model.vocab_size);
+    RandomWindowSource data(std::move(tokens), config.loop.seed);
+    trainer.train_step(data);
+    const MemoryTracker& mem = backend->allocator().tracker();
+    for (int c = 0; c < MEM_CATEGORY_COUNT; ++c) measured.bytes[c] = static_cast<int64_t>(mem.peak(static_cast<MemCategory>(c)));
+    // Parameters and gradients as resident pages (ZeRO returns the unowned ones to the OS); the
+    // bf16 weight copy is allocated apart from the flat fp32 buffer.
+    measured.bytes[MEM_PARAMETERS] = resident_bytes(model.params()) +
+                                     (static_cast<int64_t>(mem.peak(MEM_PARAMETERS)) - 4 * model.params().numel());
+    measured.bytes[MEM_GRADIENTS] = resident_bytes(model.grads());
+  }
+  if (!lead) return 0;
+  std::printf("%s: %lld parameters, micro-batch %lld x %lld, optimizer %s, precision %s, recompute %s, "
+              "ZeRO-%d over %d ranks\n", std::string(arch_name(config.model.arch)).c_str(),
+              static_cast<long long>(est.parameters), static_cast<long long>(plan.batch),
+              static_cast<long long>(plan.seq_len), config.train.optim.name.c_str(),
+              resolve_policy(config.train.precision).describe().c_str(), plan.recompute.c_str(), plan.zero_stage,
+              plan.ranks);
+  std::printf("  %-16s %14s%s\n", "per rank", "estimated", args.has("measure") ? "       measured  measured/est" : "");
+  for (const MemCategory c : {MEM_PARAMETERS, MEM_GRADIENTS, MEM_OPTIMIZER_STATE, MEM_ACTIVATIONS}) {
+    std::printf("  %-16s %14s", std::string(mem_category_name(c)).c_str(),
+                format_bytes(static_cast<size_t>(est.bytes[c])).c_str());
+    if (args.has("measure")) {
+      std::printf(" %14s %8.4f", format_bytes(static_cast<size_t>(measured.bytes[c])).c_str(),
+                  est.bytes[c] > 0 ? static_cast<double>(measured.bytes[c]) / static_cast<double>(est.bytes[c]) : 0.0);
+    }
+    std::printf("\n");
+  }
+  std::printf("  %-16s %14s  (workspace and communication buffers not estimated)\n", "total",
+              format_bytes(static_cast<size_t>(est.total())).c_str());
+  const double P = args.has("params") ? args.get_double("params", 0.0) : static_cast<double>(est.parameters);
+  const auto [w, g, K] = zero_bytes_per_param(plan);
+  const auto z = zero_model_state_bytes(P, plan.ranks, w, g, K);
+  std::printf("ZeRO model states (Rajbhandari et al. 2020), %.4g parameters x (w %g + g %g + K %g) bytes over %d ranks:\n"
+              "  stage 0 %s | stage 1 (os) %s | stage 2 (os+g) %s | stage 3 (os+g+p) %s\n",
+              P, w, g, K, plan.ranks, gb(z[0]).c_str(), gb(z[1]).c_str(), gb(z[2]).c_str(), gb(z[3]).c_str());
+  return 0;
+}
+
+}  // namespace loom::cli

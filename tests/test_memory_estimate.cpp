@@ -1,0 +1,75 @@
+// loom memory's estimate (memory/estimate.h): the ZeRO paper's worked example exactly, and Loom's
+// bytes per category against what a real model and trainer allocate after one step, for several
+// (model, precision, optimizer, recompute) combinations.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+
+#include "loom/data/batch_source.h"
+#include "loom/memory/estimate.h"
+#include "loom/train/trainer.h"
+
+namespace loom {
+namespace {
+
+// Rajbhandari et al. 2020, Figure 1: 7.5B parameters, 64 ranks, mixed-precision Adam (K = 12).
+TEST(MemoryEstimateTest, ReproducesTheZeroPapersWorkedExample) {
+  const auto z = zero_model_state_bytes(7.5e9, 64, 2, 2, 12);
+  EXPECT_DOUBLE_EQ(z[0], 120e9);
+  EXPECT_DOUBLE_EQ(z[1], 31.40625e9);   // 31.4 GB
+  EXPECT_DOUBLE_EQ(z[2], 16.640625e9);  // 16.6 GB
+  EXPECT_DOUBLE_EQ(z[3], 1.875e9);      // 1.9 GB
+  // w, g, K from a run's settings: bf16 weights and reduction, fp32 master, AdamW: 2 + 2 + 12.
+  MemoryPlan plan;
+  plan.model = model_preset("gpt2-tiny");
+  plan.optim.name = "adamw";
+  plan.precision.param = "bf16", plan.precision.reduce = "bf16";
+  EXPECT_EQ(zero_bytes_per_param(plan), (std::array<double, 3>{2, 2, 12}));
+}
+
+struct Combo {
+  const char* preset;
+  const char* optimizer;
+  const char* param;      // precision.param
+  const char* recompute;  // train.recompute
+};
+
+TEST(MemoryEstimateTest, MatchesWhatOneTrainingStepAllocates) {
+  for (const Combo& c : {Combo{"gpt2-tiny", "adamw", "f32", "none"}, Combo{"llama-tiny", "adamw", "bf16", "none"},
+                         Combo{"gpt2-tiny", "sgd", "f32", "full"}, Combo{"llama-tiny", "lion", "f32", "selective"},
+                         Combo{"moe-tiny", "adamw", "f32", "none"}, Combo{"gpt2-tiny", "adafactor", "bf16", "every:2"}}) {
+    MemoryPlan plan;
+    plan.model = model_preset(c.preset);
+    plan.batch = 2, plan.seq_len = 16, plan.recompute = c.recompute;
+    plan.optim.name = c.optimizer;
+    plan.precision.param = c.param;
+    const MemoryEstimate est = estimate_memory(plan);
+    auto backend = make_cpu_backend();
+    Transformer model(*backend, plan.model);
+    model.init_weights(1);
+    TrainConfig tc;
+    tc.batch_size = plan.batch, tc.seq_len = plan.seq_len, tc.recompute = plan.recompute;
+    tc.optim.name = plan.optim.name;
+    tc.precision.param = plan.precision.param;
+    Trainer trainer(*backend, model, tc);
+    std::vector<int32_t> tokens(2048);
+    for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int32_t>(i * 13 % plan.model.vocab_size);
+    RandomWindowSource data(std::move(tokens), 3);
+    trainer.train_step(data);
+    const MemoryTracker& mem = backend->allocator().tracker();
+    std::printf("%-10s %-9s param %-4s recompute %-9s:", c.preset, c.optimizer, c.param, c.recompute);
+    for (const MemCategory cat : {MEM_PARAMETERS, MEM_GRADIENTS, MEM_OPTIMIZER_STATE, MEM_ACTIVATIONS}) {
+      const double measured = static_cast<double>(mem.peak(cat)), estimated = static_cast<double>(est.bytes[cat]);
+      std::printf(" %s %.0f/%.0f", std::string(mem_category_name(cat)).c_str(), measured, estimated);
+      if (estimated == 0.0) {  // (SGD keeps no state)
+        EXPECT_EQ(measured, 0.0) << c.preset << " " << c.optimizer << " " << mem_category_name(cat);
+      } else {
+        EXPECT_NEAR(measured / estimated, 1.0, 0.10) << c.preset << " " << c.optimizer << " " << mem_category_name(cat);
+      }
+    }
+    std::printf("\n");
+  }
+}
+
+}  // namespace
+}  // namespace loom
