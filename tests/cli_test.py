@@ -287,6 +287,11 @@ class Cli(unittest.TestCase):
         for r in rows:
             self.assertLess(abs(float(r[5]) - 1.0), 0.10, r)
         self.assert_one_line_error(run("memory", "--set", "parallel.tp=2", expect_ok=False), "parallel.tp")
+        # A device budget the optimizer state overflows: refused naming the remedies; trains offloaded.
+        big = self.train("budget_bad", "--set", "train.device_budget_mb=1.05", expect_ok=False, steps=2)
+        self.assert_one_line_error(big, "train.device_budget_mb", "optim.offload")
+        ok = self.train("budget_ok", "--set", "train.device_budget_mb=1.05,optim.offload=true", steps=2)
+        self.assertIn("offloaded optimizer state", ok.stdout)
 
     def test_a_killed_rank_ends_the_whole_job(self):
         p = self.mpirun(2, "dead", "--set", "train.checkpoint_every=2,train.eval_every=0", steps=100000, background=True)

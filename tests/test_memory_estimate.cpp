@@ -8,6 +8,7 @@
 #include "loom/data/batch_source.h"
 #include "loom/memory/estimate.h"
 #include "loom/train/trainer.h"
+#include "test_util.h"
 
 namespace loom {
 namespace {
@@ -69,6 +70,46 @@ TEST(MemoryEstimateTest, MatchesWhatOneTrainingStepAllocates) {
     }
     std::printf("\n");
   }
+}
+
+// Offload: a model whose optimizer state does not fit the device budget is refused naming the
+// remedies, and trains with optim.offload (its state accounted as host memory) to bitwise the
+// losses of a run without a budget; the estimate moves the state to the offloaded category.
+TEST(MemoryEstimateTest, OffloadTrainsAModelWhoseOptimizerStateExceedsTheDeviceBudget) {
+  const ModelConfig config = model_preset("gpt2-tiny");
+  std::vector<int32_t> corpus(2048);
+  for (size_t i = 0; i < corpus.size(); ++i) corpus[i] = static_cast<int32_t>(i * 7 % config.vocab_size);
+  auto train = [&](double budget_mb, bool offload, std::vector<double>* losses, int64_t* device) {
+    auto backend = make_cpu_backend();
+    Transformer model(*backend, config);
+    model.init_weights(2);
+    TrainConfig tc;
+    tc.batch_size = 2, tc.seq_len = 16, tc.steps = 3, tc.device_budget_mb = budget_mb;
+    tc.optim.offload = offload;
+    Trainer trainer(*backend, model, tc);
+    const MemoryTracker& mem = backend->allocator().tracker();
+    *device = static_cast<int64_t>(mem.current_total() - mem.current(MEM_OFFLOADED));
+    EXPECT_EQ(mem.current(offload ? MEM_OPTIMIZER_STATE : MEM_OFFLOADED), 0u);
+    RandomWindowSource data(corpus, 4);
+    for (int s = 0; s < 3; ++s) losses->push_back(trainer.train_step(data).loss);
+  };
+  std::vector<double> free_losses, offload_losses, unused;
+  int64_t device_all = 0, device_offloaded = 0;
+  train(0.0, false, &free_losses, &device_all);
+  const int64_t state = 8 * param_count(config);
+  const double budget_mb = static_cast<double>(device_all - state / 2) / (1 << 20);  // the state does not fit
+  const std::string error = test::error_of([&] { int64_t d = 0; train(budget_mb, false, &unused, &d); });
+  EXPECT_NE(error.find("train.device_budget_mb"), std::string::npos) << error;
+  EXPECT_NE(error.find("optim.offload"), std::string::npos) << error;
+  train(budget_mb, true, &offload_losses, &device_offloaded);
+  EXPECT_EQ(offload_losses, free_losses);
+  EXPECT_EQ(device_all - device_offloaded, state);
+  MemoryPlan plan;
+  plan.model = config, plan.batch = 2, plan.seq_len = 16;
+  plan.optim.offload = true;
+  const MemoryEstimate est = estimate_memory(plan);
+  EXPECT_EQ(est.bytes[MEM_OPTIMIZER_STATE], 0);
+  EXPECT_EQ(est.bytes[MEM_OFFLOADED], state);
 }
 
 }  // namespace

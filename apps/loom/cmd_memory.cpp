@@ -101,7 +101,8 @@ int memory_main(int argc, char** argv) {
               resolve_policy(config.train.precision).describe().c_str(), plan.recompute.c_str(), plan.zero_stage,
               plan.ranks);
   std::printf("  %-16s %14s%s\n", "per rank", "estimated", args.has("measure") ? "       measured  measured/est" : "");
-  for (const MemCategory c : {MEM_PARAMETERS, MEM_GRADIENTS, MEM_OPTIMIZER_STATE, MEM_ACTIVATIONS}) {
+  for (const MemCategory c : {MEM_PARAMETERS, MEM_GRADIENTS, MEM_OPTIMIZER_STATE, MEM_ACTIVATIONS, MEM_OFFLOADED}) {
+    if (c == MEM_OFFLOADED && est.bytes[c] == 0) continue;
     std::printf("  %-16s %14s", std::string(mem_category_name(c)).c_str(),
                 format_bytes(static_cast<size_t>(est.bytes[c])).c_str());
     if (args.has("measure")) {

@@ -572,10 +572,11 @@ int train_main(int argc, char** argv) {
   std::printf("\nsample (temperature %.2f, top-k %lld, top-p %.2f):\n%s\n\n", config.sample.sampling.temperature,
               static_cast<long long>(config.sample.sampling.top_k), config.sample.sampling.top_p, text.c_str());
   std::printf("done: %lld steps, final validation loss %.4f; peak memory %s (parameters %s, gradients %s, optimizer %s, "
-              "activations %s)\n",
+              "activations %s%s)\n",
               static_cast<long long>(trainer.step()), last_val, format_bytes(mem.peak_total()).c_str(),
               format_bytes(mem.peak(MEM_PARAMETERS)).c_str(), format_bytes(mem.peak(MEM_GRADIENTS)).c_str(),
-              format_bytes(mem.peak(MEM_OPTIMIZER_STATE)).c_str(), format_bytes(mem.peak(MEM_ACTIVATIONS)).c_str());
+              format_bytes(mem.peak(MEM_OPTIMIZER_STATE)).c_str(), format_bytes(mem.peak(MEM_ACTIVATIONS)).c_str(),
+              mem.peak(MEM_OFFLOADED) > 0 ? (", offloaded optimizer state " + format_bytes(mem.peak(MEM_OFFLOADED))).c_str() : "");
   for (const MoeLayerStats& st : model.moe_stats()) {  // the last step's routing
     std::printf("MoE layer %lld, last step: max violation %.3f, router entropy %.3f nats, %lld of %lld assignments dropped, "
                 "aux %.3g, seq aux %.3g, z %.3g\n", static_cast<long long>(st.layer), st.max_violation, st.entropy,

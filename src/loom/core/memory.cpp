@@ -6,7 +6,7 @@ namespace loom {
 
 namespace {
 constexpr std::string_view kCategoryNames[] = {"parameters",    "gradients",     "optimizer_state", "activations",
-                                               "kv_cache",      "communication", "workspace"};
+                                               "kv_cache",      "communication", "workspace",       "offloaded"};
 static_assert(sizeof(kCategoryNames) / sizeof(kCategoryNames[0]) == MEM_CATEGORY_COUNT);
 
 void raise_to(std::atomic<size_t>& peak, size_t value) {

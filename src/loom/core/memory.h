@@ -18,6 +18,7 @@ enum MemCategory : uint8_t {
   MEM_KV_CACHE,
   MEM_COMMUNICATION,
   MEM_WORKSPACE,
+  MEM_OFFLOADED,  // state kept in host memory (ZeRO-Offload; on the CPU backend the same RAM, counted apart)
   MEM_CATEGORY_COUNT
 };
 

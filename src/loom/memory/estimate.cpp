@@ -85,7 +85,8 @@ MemoryEstimate estimate_memory(const MemoryPlan& plan) {
   e.bytes[MEM_PARAMETERS] = 4 * (sharded_params ? shard : P) + (param_bf16(plan.precision) ? 2 * P : 0);
   e.bytes[MEM_GRADIENTS] = 4 * (sharded_grads ? shard : P);
   const int64_t state = optimizer_bytes(plan, layout);
-  e.bytes[MEM_OPTIMIZER_STATE] = N > 1 && plan.zero_stage > 0 ? state / P * shard + (state % P) * shard / P : state;
+  e.bytes[plan.optim.offload ? MEM_OFFLOADED : MEM_OPTIMIZER_STATE] =
+      N > 1 && plan.zero_stage > 0 ? state / P * shard + (state % P) * shard / P : state;
   e.bytes[MEM_ACTIVATIONS] = activation_store_bytes(plan);
   return e;
 }

@@ -227,7 +227,7 @@ void Optimizer::step(float lr, float grad_scale) {
 
 Tensor Optimizer::add_state(const std::string& state_name, int64_t n, float fill_value) {
   LOOM_CHECK(n > 0, "optimizer ", c_.name, ": empty state buffer '", state_name, "'");
-  Tensor t = Tensor::zeros(backend_.allocator(), {n}, DTYPE_F32, MEM_OPTIMIZER_STATE);
+  Tensor t = Tensor::zeros(backend_.allocator(), {n}, DTYPE_F32, c_.offload ? MEM_OFFLOADED : MEM_OPTIMIZER_STATE);
   if (fill_value != 0.0f) std::fill_n(t.data<float>(), t.numel(), fill_value);
   state_.emplace_back(state_name, t);
   state_bytes_ += static_cast<int64_t>(t.nbytes());

@@ -45,6 +45,10 @@ struct OptimConfig {
   // Parameter groups: comma-separated globs (no weight decay) and "glob=factor" lr multipliers.
   std::string no_decay = "*.bias,*ln_*,*norm*,wte.*,wpe.*,*embed_tokens*";
   std::string lr_scale = "";
+  // Offload (ZeRO-Offload, Ren et al. 2021): the state lives in host memory (MEM_OFFLOADED) and
+  // the update runs on the CPU. On the CPU backend that is the same RAM and the same cores: the
+  // state is only accounted apart, so a device budget sees what a GPU would hold.
+  bool offload = false;
 
   // A copy with every default filled in for `name`; throws naming the key on a bad value.
   OptimConfig resolved() const;

@@ -60,6 +60,7 @@ std::vector<Binding> bindings(LoomConfig& c) {
       {"train.seq_len", &c.train.seq_len},
       {"train.grad_accum", &c.train.grad_accum},
       {"train.recompute", &c.train.recompute},
+      {"train.device_budget_mb", &c.train.device_budget_mb},
       {"train.recompute_budget_mb", &c.train.recompute_budget_mb},
       {"train.steps", &c.train.steps},
       {"train.seed", &c.loop.seed},
@@ -70,6 +71,7 @@ std::vector<Binding> bindings(LoomConfig& c) {
       {"train.log_every", &c.loop.log_every},
       // docs/optimizers.md: the rules, their defaults (-1 = the optimizer's own) and the schedules.
       {"optim.name", &c.train.optim.name},
+      {"optim.offload", &c.train.optim.offload},
       {"optim.lr", &c.train.schedule.max_lr},
       {"optim.min_lr", &c.train.schedule.min_lr},
       {"optim.schedule", &c.train.schedule.kind},

@@ -191,6 +191,16 @@ Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config, Commu
   // leaves it for the next backward to add into, the others are zeroed before each step.
   if (!sharded_grads()) model_.zero_grads();
   params_loaded();
+  if (config_.device_budget_mb > 0.0) {
+    const MemoryTracker& mem = backend_.allocator().tracker();
+    const int64_t device = static_cast<int64_t>(mem.current_total() - mem.current(MEM_OFFLOADED));
+    const int64_t budget = static_cast<int64_t>(config_.device_budget_mb * (1 << 20));
+    LOOM_CHECK(device <= budget, "device memory after setup is ", format_bytes(static_cast<size_t>(device)),
+               " (optimizer state ", format_bytes(mem.current(MEM_OPTIMIZER_STATE)), ", activations ",
+               format_bytes(mem.current(MEM_ACTIVATIONS)), "), above train.device_budget_mb = ",
+               config_.device_budget_mb, " MiB: offload the optimizer state (optim.offload = true), recompute "
+               "activations (train.recompute) or shard it (parallel.zero_stage)");
+  }
 }
 
 StepStats Trainer::train_step(BatchSource& data) {

@@ -35,6 +35,9 @@ struct TrainConfig {
   // the budget in MiB of the blocks' kept activations per micro-batch.
   std::string recompute = "none";
   double recompute_budget_mb = 0.0;
+  // > 0: the memory a device holds after setup (every category but MEM_OFFLOADED) must fit; a
+  // run that does not is refused naming the remedies (offload, recompute, ZeRO).
+  double device_budget_mb = 0.0;
 
   void validate() const;  // throws naming the key (e.g. "train.batch_size")
 };
