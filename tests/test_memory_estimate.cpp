@@ -4,9 +4,13 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <utility>
 
 #include "loom/data/batch_source.h"
 #include "loom/memory/estimate.h"
+#include "loom/train/config.h"
 #include "loom/train/trainer.h"
 #include "test_util.h"
 
@@ -69,6 +73,25 @@ TEST(MemoryEstimateTest, MatchesWhatOneTrainingStepAllocates) {
       }
     }
     std::printf("\n");
+  }
+}
+
+// Real sizes: Llama-3-8B and 70B have their published parameter counts (8.03B and 70.55B) and
+// loom memory's estimate for them is the fp32 AdamW bill, 16 bytes per parameter of model state.
+TEST(MemoryEstimateTest, LlamaThreeConfigsAtRealSize) {
+  const char* dir = std::getenv("LOOM_SOURCE_DIR");
+  const std::string root = dir != nullptr ? dir : ".";
+  for (const auto& [file, published] : {std::pair{"configs/llama3_8b.toml", 8.03e9}, std::pair{"configs/llama3_70b.toml", 70.55e9}}) {
+    LoomConfig config;
+    apply_config_file(config, root + "/" + file);
+    MemoryPlan plan;
+    plan.model = config.model, plan.batch = config.train.batch_size, plan.seq_len = config.train.seq_len;
+    const MemoryEstimate est = estimate_memory(plan);
+    EXPECT_NEAR(static_cast<double>(est.parameters) / published, 1.0, 0.005) << file;
+    EXPECT_EQ(est.bytes[MEM_PARAMETERS] + est.bytes[MEM_GRADIENTS] + est.bytes[MEM_OPTIMIZER_STATE], 16 * est.parameters);
+    std::printf("%s: %.3fB parameters (published %.2fB); model states %.1f GB, activations of one 8192-token sequence "
+                "%.1f GB (fp32, no recomputation)\n", file, static_cast<double>(est.parameters) / 1e9, published / 1e9,
+                16.0 * static_cast<double>(est.parameters) / 1e9, static_cast<double>(est.bytes[MEM_ACTIVATIONS]) / 1e9);
   }
 }
 
