@@ -286,7 +286,7 @@ class Cli(unittest.TestCase):
         self.assertEqual([r[0] for r in rows], ["parameters", "gradients", "optimizer_state", "activations"], p.stdout)
         for r in rows:
             self.assertLess(abs(float(r[5]) - 1.0), 0.10, r)
-        self.assert_one_line_error(run("memory", "--set", "parallel.tp=2", expect_ok=False), "parallel.tp")
+        self.assert_one_line_error(run("memory", "--set", "parallel.pp=2", expect_ok=False), "pp")
         # A device budget the optimizer state overflows: refused naming the remedies; trains offloaded.
         big = self.train("budget_bad", "--set", "train.device_budget_mb=1.05", expect_ok=False, steps=2)
         self.assert_one_line_error(big, "train.device_budget_mb", "optim.offload")

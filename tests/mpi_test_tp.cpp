@@ -9,6 +9,7 @@
 
 #include "loom/comm/communicator.h"
 #include "loom/comm/device_mesh.h"
+#include "loom/memory/estimate.h"
 #include "loom/parallel/tensor_parallel.h"
 #include "loom/train/trainer.h"
 #include "mpi_fixture.h"
@@ -133,6 +134,10 @@ TEST(MpiTensorParallel, ReproducesTheSingleProcessLossesAndGradients) {
     }
     // Sequence parallel keeps less: the residual stream and the norms on half the sequence.
     EXPECT_LT(activations[1], activations[0]);
+    // loom memory's estimate (memory/estimate.h) of a tp rank's activation store, to the byte.
+    MemoryPlan plan;
+    plan.model = config, plan.batch = 2, plan.seq_len = 16, plan.tp = tp_size, plan.ranks = dp_size;
+    EXPECT_EQ(estimate_memory(plan).bytes[MEM_ACTIVATIONS], activations[0]) << preset;
     if (world->rank() == 0) {
       std::printf("%s tp=%d: activation bytes per rank %lld, with sequence parallel %lld (%.3f)\n", preset, tp_size,
                   static_cast<long long>(activations[0]), static_cast<long long>(activations[1]),

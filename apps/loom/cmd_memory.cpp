@@ -32,7 +32,8 @@ const char* kHelp =
     "--measure    also build the model, run one training step on synthetic tokens, and print the\n"
     "             measured bytes (resident pages for parameters and gradients) beside the estimate\n"
     "             (under mpirun: data parallel over the world, as loom train)\n"
-    "Model-parallel layouts (parallel.tp, pp, cp, ep) are not estimated yet.\n";
+    "parallel.tp (without sequence parallelism) is estimated for the rank's slice; sequence, pipeline,\n"
+    "context and expert parallel layouts are not estimated yet.\n";
 
 std::string gb(double bytes) {
   char buf[32];
@@ -50,9 +51,13 @@ int memory_main(int argc, char** argv) {
   }
   const Args args(argc, argv, {"config", "set", "ranks", "params"}, {"measure"}, "memory");
   LoomConfig config = load_config(args);
-  LOOM_CHECK(config.parallel.tp == 1 && config.parallel.pp == 1 && config.parallel.cp == 1 && config.parallel.ep == 1,
-             "loom memory: parallel.tp, pp, cp and ep layouts are not estimated yet (got tp ", config.parallel.tp,
-             ", pp ", config.parallel.pp, ", cp ", config.parallel.cp, ", ep ", config.parallel.ep, ")");
+  LOOM_CHECK(!config.parallel.sequence_parallel && config.parallel.pp == 1 && config.parallel.cp == 1 &&
+                 config.parallel.ep == 1,
+             "loom memory: parallel.sequence_parallel, pp, cp and ep layouts are not estimated yet (got sp ",
+             config.parallel.sequence_parallel, ", pp ", config.parallel.pp, ", cp ", config.parallel.cp, ", ep ",
+             config.parallel.ep, ")");
+  LOOM_CHECK(!args.has("measure") || config.parallel.tp == 1, "loom memory --measure runs data-parallel layouts only "
+             "(parallel.tp = ", config.parallel.tp, " is estimated, not measured)");
   if (config.model.vocab_size == 0) {  // the dataset's vocabulary, as loom train takes it
     const std::string meta = config.data.dir + "/meta.json";
     std::ifstream in(meta);
@@ -67,7 +72,8 @@ int memory_main(int argc, char** argv) {
   plan.recompute = config.train.recompute, plan.recompute_budget_mb = config.train.recompute_budget_mb;
   plan.optim = config.train.optim, plan.precision = config.train.precision;
   plan.zero_stage = static_cast<int>(config.parallel.zero_stage);
-  plan.ranks = static_cast<int>(args.get_int("ranks", comm->size()));
+  plan.tp = static_cast<int>(config.parallel.tp);
+  plan.ranks = static_cast<int>(args.get_int("ranks", comm->size() / plan.tp));  // the data-parallel ones
   LOOM_CHECK(!args.has("measure") || plan.ranks == comm->size(), "loom memory --measure runs on the ranks it has (",
              comm->size(), "): drop --ranks or launch with mpirun -np ", plan.ranks);
   const MemoryEstimate est = estimate_memory(plan);
@@ -94,9 +100,10 @@ int memory_main(int argc, char** argv) {
     measured.bytes[MEM_GRADIENTS] = resident_bytes(model.grads());
   }
   if (!lead) return 0;
-  std::printf("%s: %lld parameters, micro-batch %lld x %lld, optimizer %s, precision %s, recompute %s, "
+  std::printf("%s: %lld parameters%s, micro-batch %lld x %lld, optimizer %s, precision %s, recompute %s, "
               "ZeRO-%d over %d ranks\n", std::string(arch_name(config.model.arch)).c_str(),
-              static_cast<long long>(est.parameters), static_cast<long long>(plan.batch),
+              static_cast<long long>(est.parameters),
+              plan.tp > 1 ? str_cat(" in each of the ", plan.tp, " tensor-parallel slices").c_str() : "", static_cast<long long>(plan.batch),
               static_cast<long long>(plan.seq_len), config.train.optim.name.c_str(),
               resolve_policy(config.train.precision).describe().c_str(), plan.recompute.c_str(), plan.zero_stage,
               plan.ranks);

@@ -6,6 +6,7 @@
 #include "loom/memory/recompute.h"
 #include "loom/model/param_layout.h"
 #include "loom/nn/moe.h"
+#include "loom/parallel/tensor_parallel.h"
 
 namespace loom {
 
@@ -72,7 +73,15 @@ int64_t activation_store_bytes(const MemoryPlan& plan) {
   return bytes;
 }
 
-MemoryEstimate estimate_memory(const MemoryPlan& plan) {
+MemoryEstimate estimate_memory(const MemoryPlan& whole) {
+  LOOM_CHECK(whole.tp >= 1, "parallel.tp must be >= 1, got ", whole.tp);
+  if (whole.tp > 1) {  // the rank's slice
+    MemoryPlan slice = whole;
+    slice.model = tp_local_config(whole.model, whole.tp);
+    slice.tp = 1;
+    return estimate_memory(slice);
+  }
+  const MemoryPlan& plan = whole;
   LOOM_CHECK(plan.ranks >= 1, "loom memory: --ranks must be >= 1, got ", plan.ranks);
   LOOM_CHECK(plan.zero_stage >= 0 && plan.zero_stage <= 3, "parallel.zero_stage must be 0, 1, 2 or 3, got ",
              plan.zero_stage);

@@ -10,8 +10,10 @@
 //    precision.param = bf16) and gradients, the optimizer's state (its exact formula, sharded by
 //    ZeRO), and one micro-batch's activation store (each block's kept fields, the shared
 //    recompute record, the model's ends, MoE routing and expert buffers). ZeRO-2/3 count the
-//    resident shard of the gradients (and parameters), as the OS sees them. Model-parallel
-//    layouts (tp, pp, cp, ep) are not estimated yet (refused naming the key).
+//    resident shard of the gradients (and parameters), as the OS sees them. Tensor parallelism
+//    (without sequence parallelism) is the same bill for the rank's slice of the model
+//    (tp_local_config: heads, MLP width and vocabulary divided, norms whole). Other model-parallel
+//    layouts (sp, pp, cp, ep) are not estimated yet (refused naming the key).
 #pragma once
 #include <array>
 #include <cstdint>
@@ -38,6 +40,7 @@ struct MemoryPlan {
   PrecisionConfig precision;
   int zero_stage = 0;
   int ranks = 1;                    // data-parallel ranks
+  int tp = 1;                       // tensor-parallel ranks (not sequence parallel): each holds its slice
 };
 
 // w, g and K of accounting 1 for a run's precision and optimizer: w = 2 with precision.param =
