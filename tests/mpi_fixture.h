@@ -1,6 +1,7 @@
 // Shared by the distributed tests: the MPI fixture (the world communicator, a CPU backend,
 // this rank and the world size) and the token stream they train on.
 #pragma once
+#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -72,6 +73,16 @@ struct SlicedModel {
   ModelConfig local;
   Transformer model;
 };
+
+// ||got - ref|| / ||ref|| over a whole gradient (float64 sums): the gradient comparisons' measure.
+inline double gradient_rel_diff(const float* got, const std::vector<float>& ref) {
+  double diff = 0.0, norm = 0.0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double d = static_cast<double>(got[i]) - ref[i];
+    diff += d * d, norm += static_cast<double>(ref[i]) * ref[i];
+  }
+  return std::sqrt(diff / norm);
+}
 
 // A training run's record: per step the loss, the gradient norm and the whole gradient.
 struct Curve {

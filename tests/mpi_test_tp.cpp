@@ -70,12 +70,7 @@ void compare(const Curve& tp, const Curve& ref, const char* what, int rank, doub
     const double rel = std::abs(tp.losses[s] - ref.losses[s]) / std::abs(ref.losses[s]);
     *worst_loss = std::max(*worst_loss, rel);
     EXPECT_LT(rel, 1e-5) << what << " step " << s << ": " << tp.losses[s] << " vs " << ref.losses[s];
-    double diff = 0.0, norm = 0.0;
-    for (size_t i = 0; i < ref.grads[s].size(); ++i) {
-      const double d = static_cast<double>(tp.grads[s][i]) - ref.grads[s][i];
-      diff += d * d, norm += static_cast<double>(ref.grads[s][i]) * ref.grads[s][i];
-    }
-    const double grel = std::sqrt(diff / norm);
+    const double grel = gradient_rel_diff(tp.grads[s].data(), ref.grads[s]);
     *worst_grad = std::max(*worst_grad, grel);
     EXPECT_LT(grel, 1e-5) << what << " step " << s << " gradient (rank " << rank << ")";
   }
