@@ -253,27 +253,14 @@ int train_main(int argc, char** argv) {
   const bool partial = pp_size > 1 || ep_size > 1;
   std::vector<std::pair<int64_t, int64_t>> counted;  // flat ranges this rank contributes
   if (partial) {
-    const int64_t total = model.layout().total;
-    std::vector<std::pair<int64_t, int64_t>> base = pipeline ? pipeline->norm_ranges()
-                                                             : std::vector<std::pair<int64_t, int64_t>>{{0, total}};
-    std::vector<std::pair<int64_t, int64_t>> mine;  // the expert filter: this rank's experts, plus the rest on ep rank 0
-    if (ep_size > 1) {
-      int64_t at = 0;
-      for (const auto& [fb, fe] : model.foreign_expert_ranges()) {  // ascending
-        if (fb > at && ep_comm->rank() == 0) mine.emplace_back(at, fb);
-        at = fe;
-      }
-      if (at < total && ep_comm->rank() == 0) mine.emplace_back(at, total);
-      if (ep_comm->rank() != 0) {  // its own experts only
-        for (const ParamSpec& p : model.layout().params) {
-          const bool expert = p.name.find(".mlp.experts.") != std::string::npos;
-          bool foreign = false;
-          for (const auto& [fb, fe] : model.foreign_expert_ranges()) foreign |= p.offset >= fb && p.offset < fe;
-          if (expert && !foreign) mine.emplace_back(p.offset, p.offset + p.numel);
-        }
-      }
+    const std::vector<std::pair<int64_t, int64_t>> base =
+        pipeline ? pipeline->norm_ranges() : std::vector<std::pair<int64_t, int64_t>>{{0, model.layout().total}};
+    // ep rank 0 counts its whole domain (the shared weights and its experts), the others their experts.
+    std::vector<std::pair<int64_t, int64_t>> mine;
+    if (ep_size > 1 && ep_comm->rank() != 0) {
+      mine = model.own_expert_ranges();
     } else {
-      mine.emplace_back(0, total);
+      for (const FlatRange& r : trainer.domain()) mine.emplace_back(r.begin, r.end);
     }
     for (const auto& [b, e] : base) {
       for (const auto& [mb, me] : mine) {

@@ -434,9 +434,9 @@ void Transformer::set_expert_parallel(Communicator* ep) {
   for (Block& b : blocks_) b.set_expert_parallel(ep_);
 }
 
-std::vector<std::pair<int64_t, int64_t>> Transformer::foreign_expert_ranges() const {
+std::vector<std::pair<int64_t, int64_t>> Transformer::expert_ranges(bool own) const {
   return ep_ == nullptr ? std::vector<std::pair<int64_t, int64_t>>{}
-                        : moe_foreign_expert_ranges(config_, layout_, ep_->rank(), ep_->size());
+                        : moe_expert_ranges(config_, layout_, ep_->rank(), ep_->size(), own);
 }
 
 void Transformer::set_context_parallel(Communicator* cp, bool ulysses) {

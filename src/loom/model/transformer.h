@@ -116,10 +116,12 @@ class Transformer {
   // Expert parallel (nn/moe.h): this rank computes experts [r E/ep, (r+1) E/ep) of every MoE
   // block for the tokens of the whole ep group (nullptr or one rank: all experts). Every rank
   // still holds all parameters; foreign_expert_ranges() are the flat ranges of the experts it
-  // does not compute (their gradients stay zero here; the optimizer skips them).
+  // does not compute (their gradients stay zero here; the optimizer skips them), and
+  // own_expert_ranges() those it does (both empty without expert parallelism).
   void set_expert_parallel(Communicator* ep);
   Communicator* expert_parallel() const { return ep_; }
-  std::vector<std::pair<int64_t, int64_t>> foreign_expert_ranges() const;
+  std::vector<std::pair<int64_t, int64_t>> foreign_expert_ranges() const { return expert_ranges(false); }
+  std::vector<std::pair<int64_t, int64_t>> own_expert_ranges() const { return expert_ranges(true); }
   std::vector<std::pair<int64_t, int64_t>> sequence_partial_ranges() const;
   Communicator* tensor_parallel() const { return tp_; }
   // Pipeline stages (parallel/pipeline.h): layers [first, last), with the embedding when
@@ -199,6 +201,7 @@ class Transformer {
   MoeScratch moe_scratch_;           // shared by the MoE blocks
   Communicator* ep_ = nullptr;       // expert parallel
   int ep_size() const { return ep_ != nullptr ? ep_->size() : 1; }
+  std::vector<std::pair<int64_t, int64_t>> expert_ranges(bool own) const;
   int64_t moe_scratch_tokens_ = 0;
   Tensor moe_sums_;                  // (MoE layers x (E + 8)) f64: moe_end_step's reduction
   std::vector<MoeLayerStats> moe_stats_;

@@ -205,8 +205,8 @@ void expert_round_trip(Communicator& ep, const MoeSaved& s, MoeScratch& k, int64
 }
 }  // namespace
 
-std::vector<std::pair<int64_t, int64_t>> moe_foreign_expert_ranges(const ModelConfig& c, const ParamLayout& layout,
-                                                                   int ep_rank, int ep_size) {
+std::vector<std::pair<int64_t, int64_t>> moe_expert_ranges(const ModelConfig& c, const ParamLayout& layout,
+                                                           int ep_rank, int ep_size, bool own) {
   std::vector<std::pair<int64_t, int64_t>> out;
   if (c.moe_experts == 0 || ep_size <= 1) return out;
   const int64_t El = c.moe_experts / ep_size;
@@ -214,7 +214,7 @@ std::vector<std::pair<int64_t, int64_t>> moe_foreign_expert_ranges(const ModelCo
     const size_t at = spec.name.find(".mlp.experts.");
     if (at == std::string::npos) continue;
     const int64_t e = std::stoll(spec.name.substr(at + 13));
-    if (e / El == ep_rank) continue;
+    if ((e / El == ep_rank) != own) continue;
     if (!out.empty() && out.back().second == spec.offset) out.back().second += spec.numel;
     else out.emplace_back(spec.offset, spec.offset + spec.numel);
   }
@@ -492,7 +492,9 @@ void moe_backward(Backend& backend, const ModelConfig& c, const MoeParams& p, co
     linear_backward(backend, x, p.shared_fc_w, dfc, dxs, g.shared_fc_w, Tensor{});
     backend.add_inplace(dx, dxs);
   }
-  // Experts: d(ye) = g dy per row; their inputs gathered again; d(xe) lands in dye.
+  // Experts: d(ye) = g dy per row; d(xe) lands in dye. Their inputs: here gathered again into xe
+  // (the scratch other layers' forwards overwrote); expert parallel, saved (xp) by their owners.
+  const bool local = ep == nullptr || ep->size() == 1;
   const float* xs = x.data<float>();
   float* xe = k.xe.data<float>();
   float* dye = k.dye.data<float>();
@@ -503,10 +505,10 @@ void moe_backward(Backend& backend, const ModelConfig& c, const MoeParams& p, co
       if (r < 0) continue;
       const float gt = gates[t * K + j];
       for (int64_t i = 0; i < C; ++i) dye[r * C + i] = gt * dys[t * C + i];
-      std::memcpy(xe + r * C, xs + t * C, static_cast<size_t>(C) * sizeof(float));
+      if (local) std::memcpy(xe + r * C, xs + t * C, static_cast<size_t>(C) * sizeof(float));
     }
   }
-  if (ep == nullptr || ep->size() == 1) {
+  if (local) {
     experts_backward(backend, c, p, g, 0, s.offsets, k.xe, s.h, s.act, k.dye, k);  // d(xe) lands in dye
   } else {  // the rows' output gradients to the experts' ranks, their input gradients back
     const int64_t El = E / ep->size();

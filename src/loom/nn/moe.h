@@ -99,9 +99,10 @@ void moe_backward(Backend& backend, const ModelConfig& config, const MoeParams& 
                   const MoeSaved& saved, MoeScratch& scratch, const Tensor& dy, const Tensor& dx, float loss_weight,
                   int64_t seq_len, Communicator* ep = nullptr);
 
-// The flat ranges of the experts an ep rank does not compute (expert parallel), merged.
-std::vector<std::pair<int64_t, int64_t>> moe_foreign_expert_ranges(const ModelConfig& config, const ParamLayout& layout,
-                                                                   int ep_rank, int ep_size);
+// Expert parallel: the flat ranges (merged, ascending) of the experts ep rank `ep_rank` computes
+// (own) or of those the other ranks compute (!own).
+std::vector<std::pair<int64_t, int64_t>> moe_expert_ranges(const ModelConfig& config, const ParamLayout& layout,
+                                                           int ep_rank, int ep_size, bool own);
 
 // Auxiliary-loss-free balancing: bias_i -= gamma sign(load_i - mean load).
 void moe_update_bias(const Tensor& bias, const std::vector<double>& load, float gamma);
