@@ -286,7 +286,12 @@ class Cli(unittest.TestCase):
         self.assertEqual([r[0] for r in rows], ["parameters", "gradients", "optimizer_state", "activations"], p.stdout)
         for r in rows:
             self.assertLess(abs(float(r[5]) - 1.0), 0.10, r)
-        self.assert_one_line_error(run("memory", "--set", "parallel.pp=2", expect_ok=False), "pp")
+        # Model-parallel layouts are estimated (the largest pipeline rank), not measured.
+        p = run("memory", "--config", os.path.join(ROOT, "configs", "llama3_70b.toml"), "--set",
+                "parallel.tp=8,parallel.pp=4,parallel.sequence_parallel=true,train.grad_accum=8", "--ranks", "4")
+        self.assertIn("tp 8 (sequence parallel) x pp 4 (1f1b, 8 micro-batches)", p.stdout)
+        self.assertIn("pipeline rank 0 (the largest)", p.stdout)
+        self.assert_one_line_error(run("memory", "--set", "parallel.pp=2", "--measure", expect_ok=False), "pp")
         # A device budget the optimizer state overflows: refused naming the remedies; trains offloaded.
         big = self.train("budget_bad", "--set", "train.device_budget_mb=1.05", expect_ok=False, steps=2)
         self.assert_one_line_error(big, "train.device_budget_mb", "optim.offload")

@@ -1,5 +1,6 @@
 // loom memory: the bytes a training rank holds, by category, before anything runs
 // (memory/estimate.h), and with --measure the same measured after one step.
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <string>
@@ -32,8 +33,9 @@ const char* kHelp =
     "--measure    also build the model, run one training step on synthetic tokens, and print the\n"
     "             measured bytes (resident pages for parameters and gradients) beside the estimate\n"
     "             (under mpirun: data parallel over the world, as loom train)\n"
-    "parallel.tp (without sequence parallelism) is estimated for the rank's slice; sequence, pipeline,\n"
-    "context and expert parallel layouts are not estimated yet.\n";
+    "Model-parallel layouts (parallel.tp, sequence_parallel, pp with its schedule, cp, ep) are\n"
+    "estimated for the rank that holds the most: its tensor slice, its pipeline stages' layers and\n"
+    "live micro-batches, its 1/cp of each sequence, its experts (--measure: data parallel only).\n";
 
 std::string gb(double bytes) {
   char buf[32];
@@ -51,13 +53,11 @@ int memory_main(int argc, char** argv) {
   }
   const Args args(argc, argv, {"config", "set", "ranks", "params"}, {"measure"}, "memory");
   LoomConfig config = load_config(args);
-  LOOM_CHECK(!config.parallel.sequence_parallel && config.parallel.pp == 1 && config.parallel.cp == 1 &&
-                 config.parallel.ep == 1,
-             "loom memory: parallel.sequence_parallel, pp, cp and ep layouts are not estimated yet (got sp ",
-             config.parallel.sequence_parallel, ", pp ", config.parallel.pp, ", cp ", config.parallel.cp, ", ep ",
-             config.parallel.ep, ")");
-  LOOM_CHECK(!args.has("measure") || config.parallel.tp == 1, "loom memory --measure runs data-parallel layouts only "
-             "(parallel.tp = ", config.parallel.tp, " is estimated, not measured)");
+  const bool model_parallel = config.parallel.tp > 1 || config.parallel.pp > 1 || config.parallel.cp > 1 ||
+                              config.parallel.ep > 1;
+  LOOM_CHECK(!args.has("measure") || !model_parallel, "loom memory --measure runs data-parallel layouts only "
+             "(parallel.tp, pp, cp and ep are estimated, not measured: got ", config.parallel.tp, ", ",
+             config.parallel.pp, ", ", config.parallel.cp, ", ", config.parallel.ep, ")");
   if (config.model.vocab_size == 0) {  // the dataset's vocabulary, as loom train takes it
     const std::string meta = config.data.dir + "/meta.json";
     std::ifstream in(meta);
@@ -72,8 +72,15 @@ int memory_main(int argc, char** argv) {
   plan.recompute = config.train.recompute, plan.recompute_budget_mb = config.train.recompute_budget_mb;
   plan.optim = config.train.optim, plan.precision = config.train.precision;
   plan.zero_stage = static_cast<int>(config.parallel.zero_stage);
-  plan.tp = static_cast<int>(config.parallel.tp);
-  plan.ranks = static_cast<int>(args.get_int("ranks", comm->size() / plan.tp));  // the data-parallel ones
+  plan.tp = static_cast<int>(config.parallel.tp), plan.sequence_parallel = config.parallel.sequence_parallel;
+  plan.pp = static_cast<int>(config.parallel.pp), plan.schedule = config.parallel.schedule;
+  plan.micro = config.train.grad_accum, plan.virtual_stages = static_cast<int>(config.parallel.virtual_stages);
+  plan.cp = static_cast<int>(config.parallel.cp), plan.ulysses = config.parallel.cp_attention == "ulysses";
+  plan.ep = static_cast<int>(config.parallel.ep);
+  // The data-parallel ranks: --ranks, else parallel.dp, else what the world leaves.
+  const int model_ranks = plan.tp * plan.pp * plan.cp;
+  const int dp_default = config.parallel.dp > 0 ? static_cast<int>(config.parallel.dp) : std::max(1, comm->size() / model_ranks);
+  plan.ranks = static_cast<int>(args.get_int("ranks", dp_default));
   LOOM_CHECK(!args.has("measure") || plan.ranks == comm->size(), "loom memory --measure runs on the ranks it has (",
              comm->size(), "): drop --ranks or launch with mpirun -np ", plan.ranks);
   const MemoryEstimate est = estimate_memory(plan);
@@ -101,12 +108,20 @@ int memory_main(int argc, char** argv) {
   }
   if (!lead) return 0;
   std::printf("%s: %lld parameters%s, micro-batch %lld x %lld, optimizer %s, precision %s, recompute %s, "
-              "ZeRO-%d over %d ranks\n", std::string(arch_name(config.model.arch)).c_str(),
+              "ZeRO-%d over %d data-parallel ranks%s\n", std::string(arch_name(config.model.arch)).c_str(),
               static_cast<long long>(est.parameters),
               plan.tp > 1 ? str_cat(" in each of the ", plan.tp, " tensor-parallel slices").c_str() : "", static_cast<long long>(plan.batch),
               static_cast<long long>(plan.seq_len), config.train.optim.name.c_str(),
               resolve_policy(config.train.precision).describe().c_str(), plan.recompute.c_str(), plan.zero_stage,
-              plan.ranks);
+              plan.ranks, plan.cp > 1 ? str_cat(" x ", plan.cp, " context-parallel").c_str() : "");
+  if (model_parallel) {
+    std::printf("layout: tp %d%s x pp %d%s x cp %d%s x ep %d; this rank computes %lld parameters%s\n", plan.tp,
+                plan.sequence_parallel ? " (sequence parallel)" : "", plan.pp,
+                plan.pp > 1 ? str_cat(" (", plan.schedule, ", ", plan.micro, " micro-batches)").c_str() : "", plan.cp,
+                plan.cp > 1 ? (plan.ulysses ? " (Ulysses)" : " (ring)") : "", plan.ep,
+                static_cast<long long>(est.rank_parameters),
+                plan.pp > 1 ? str_cat(", pipeline rank ", est.pp_rank, " (the largest)").c_str() : "");
+  }
   std::printf("  %-16s %14s%s\n", "per rank", "estimated", args.has("measure") ? "       measured  measured/est" : "");
   for (const MemCategory c : {MEM_PARAMETERS, MEM_GRADIENTS, MEM_OPTIMIZER_STATE, MEM_ACTIVATIONS, MEM_OFFLOADED}) {
     if (c == MEM_OFFLOADED && est.bytes[c] == 0) continue;

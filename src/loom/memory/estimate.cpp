@@ -6,7 +6,9 @@
 #include "loom/memory/recompute.h"
 #include "loom/model/param_layout.h"
 #include "loom/nn/moe.h"
+#include "loom/parallel/pipeline.h"
 #include "loom/parallel/tensor_parallel.h"
+#include "loom/parallel/zero.h"
 
 namespace loom {
 
@@ -24,15 +26,115 @@ int64_t optimizer_bytes(const MemoryPlan& plan, const ParamLayout& layout) {
   return optimizer_state_bytes(optim_params(layout, resolved), resolved);
 }
 
-// An MoE block's routing and expert buffers (allocate_moe_saved) for N tokens.
-int64_t moe_saved_bytes(const ModelConfig& c, int64_t N) {
-  const int64_t E = c.moe_experts, K = c.moe_top_k, R = moe_max_rows(c, N), C = c.d_model;
-  int64_t floats = 2 * N * E + 3 * N * K + R + R * (c.expert_in_width() + c.expert_ff() + C);
-  if (c.moe_shared > 0) {
-    const int64_t S = c.moe_shared * c.expert_ff();
-    floats += N * ((c.swiglu() ? 2 : 1) * S + S);
+// The model a rank computes: the whole, or its tensor-parallel slice.
+ModelConfig rank_model(const MemoryPlan& plan) {
+  return plan.tp > 1 ? tp_local_config(plan.model, plan.tp) : plan.model;
+}
+
+void check_plan(const MemoryPlan& p) {
+  LOOM_CHECK(p.ranks >= 1, "loom memory: the data-parallel ranks must be >= 1, got ", p.ranks);
+  LOOM_CHECK(p.tp >= 1 && p.pp >= 1 && p.cp >= 1 && p.ep >= 1, "parallel.tp, pp, cp and ep must be >= 1, got ", p.tp,
+             ", ", p.pp, ", ", p.cp, ", ", p.ep);
+  LOOM_CHECK(p.zero_stage >= 0 && p.zero_stage <= 3, "parallel.zero_stage must be 0, 1, 2 or 3, got ", p.zero_stage);
+  LOOM_CHECK(!p.sequence_parallel || p.tp > 1, "parallel.sequence_parallel needs parallel.tp > 1");
+  LOOM_CHECK(p.ep == 1 || p.model.moe_experts % p.ep == 0, "parallel.ep = ", p.ep, " must divide model.moe_experts = ",
+             p.model.moe_experts);
+  LOOM_CHECK(p.recompute == "none" || (p.tp == 1 && p.pp == 1 && p.cp == 1),
+             "activation checkpointing (train.recompute) with tensor, pipeline or context parallelism is not supported yet");
+}
+
+// The layers of each model stage and the schedule (pp > 1).
+struct Stages {
+  PipeSchedule schedule;
+  std::vector<std::pair<int64_t, int64_t>> layers;
+};
+Stages plan_stages(const MemoryPlan& plan, const ModelConfig& c) {
+  Stages s;
+  if (plan.pp == 1) {
+    s.schedule.per_rank = {{}};
+    s.layers = {{0, c.n_layer}};
+    return s;
   }
-  return 4 * floats;
+  s.schedule = make_pipe_schedule(plan.schedule, plan.pp, static_cast<int>(plan.micro), plan.virtual_stages);
+  s.layers = pipeline_stage_split(c, s.schedule.model_stages(), plan.seq_len);
+  return s;
+}
+
+// One activation store of layers [first, last) (Transformer::allocate_store_for).
+int64_t store_bytes(const MemoryPlan& plan, const ModelConfig& c, int64_t first, int64_t last, bool split) {
+  const bool cp = plan.cp > 1;
+  const int64_t B = plan.batch, T = cp ? plan.seq_len / plan.cp : plan.seq_len, C = c.d_model, BT = B * T;
+  const int64_t shards = plan.sequence_parallel ? plan.tp : 1, Ts = T / shards;
+  int64_t bytes = 4 * 2 * BT;  // tokens and targets (i32)
+  if (plan.recompute == "budget") return bytes + static_cast<int64_t>(plan.recompute_budget_mb * (1 << 20)) +
+                                          4 * (2 * BT * C + (c.rmsnorm() ? 1 : 2) * BT + BT * c.vocab_size + 2 * BT);
+  const std::vector<RecomputePolicy> policies = recompute_plan(plan.recompute, c.n_layer);
+  bool shared = false;
+  for (int64_t l = first; l < last; ++l) {
+    const RecomputePolicy keep = c.moe_layer(l) ? RECOMPUTE_NONE : policies[l];
+    bytes += block_saved_bytes(c, B, T, split, shards, cp, c.moe_layer(l), keep, plan.ep);
+    shared |= keep != RECOMPUTE_NONE;
+    if (cp && plan.ulysses) {  // UlyssesSaved: the whole sequence for this rank's heads
+      const int64_t N = plan.cp, Tf = plan.seq_len, hd = c.head_dim(), hl = c.n_head / N, kvl = c.n_kv_head / N;
+      bytes += 4 * (B * Tf * (hl + 2 * kvl) * hd + B * Tf * hl * hd + B * hl * Tf * Tf);
+    }
+  }
+  if (shared) bytes += block_saved_bytes(c, B, T) + 4 * BT * std::max(C, c.n_head * c.head_dim());  // record, out
+  if (last < c.n_layer) return bytes + 4 * B * Ts * C;  // the stage's output
+  // The model's ends: the last block's output, the final norm (its shard under sequence
+  // parallel, its statistics), the logits, the per-position losses and log-sum-exps.
+  return bytes + 4 * (B * Ts * C + BT * C + (shards > 1 ? B * Ts * C : 0) + (c.rmsnorm() ? 1 : 2) * B * Ts +
+                      BT * c.vocab_size + 2 * BT);
+}
+
+int64_t rank_activation_bytes(const MemoryPlan& plan, const ModelConfig& c, const Stages& st, int pp_rank) {
+  if (plan.pp == 1) return store_bytes(plan, c, 0, c.n_layer, false);
+  const std::vector<int> peak = pipe_live_peak(st.schedule, pp_rank);
+  int64_t bytes = 0;
+  for (int chunk = 0; chunk < st.schedule.virtual_chunks; ++chunk) {
+    const auto [first, last] = st.layers[static_cast<size_t>(st.schedule.stage_of(pp_rank, chunk))];
+    bytes += std::max(1, peak[static_cast<size_t>(chunk)]) * store_bytes(plan, c, first, last, st.schedule.split_backward);
+  }
+  return bytes;
+}
+
+MemoryEstimate estimate_rank(const MemoryPlan& plan, const ModelConfig& c, const ParamLayout& layout, const Stages& st,
+                             int pp_rank) {
+  MemoryEstimate e;
+  e.pp_rank = pp_rank;
+  e.parameters = layout.total;
+  // The elements this rank computes and updates: its stages' (pipeline_owned_ranges), less the
+  // experts other ep ranks compute (ep rank 0's view: every ep rank holds as many).
+  std::vector<FlatRange> domain;
+  if (plan.pp > 1) {
+    for (const auto& [b, en] : pipeline_owned_ranges(c, layout, st.schedule, pp_rank, st.layers, false)) domain.push_back({b, en});
+  } else {
+    domain.push_back({0, layout.total});
+  }
+  if (plan.ep > 1) domain = subtract_ranges(domain, moe_expert_ranges(c, layout, 0, plan.ep, false));
+  int64_t D = 0;
+  for (const FlatRange& r : domain) D += r.end - r.begin;
+  e.rank_parameters = D;
+  // ZeRO shards the domain over the data-parallel ranks (x cp), rank 0 the largest shard.
+  const int Z = plan.ranks * plan.cp;
+  const bool sharded = plan.zero_stage > 0 && Z > 1;
+  const ShardRange shard = sharded ? shard_range(D, 0, Z) : ShardRange{0, D, D};
+  const int64_t S = shard.end - shard.begin;
+  e.bytes[MEM_PARAMETERS] = 4 * (plan.zero_stage == 3 && sharded ? S : D) + (param_bf16(plan.precision) ? 2 * D : 0);
+  e.bytes[MEM_GRADIENTS] = 4 * (plan.zero_stage >= 2 && sharded ? S : D);
+  // The optimizer's own list over the rank's elements (Trainer's rank_params).
+  const OptimConfig resolved = plan.optim.resolved();
+  std::vector<OptimParam> all = optim_params(layout, resolved), mine;
+  if (plan.pp == 1 && plan.ep == 1 && !sharded) {
+    mine = std::move(all);
+  } else {
+    for (const FlatRange& piece : domain_pieces(domain, shard.begin, shard.end)) {
+      for (OptimParam& p : shard_optim_params(all, piece.begin, piece.end)) mine.push_back(std::move(p));
+    }
+  }
+  e.bytes[plan.optim.offload ? MEM_OFFLOADED : MEM_OPTIMIZER_STATE] = optimizer_state_bytes(mine, resolved);
+  e.bytes[MEM_ACTIVATIONS] = rank_activation_bytes(plan, c, st, pp_rank);
+  return e;
 }
 }  // namespace
 
@@ -50,54 +152,25 @@ int64_t MemoryEstimate::total() const {
   return t;
 }
 
-int64_t activation_store_bytes(const MemoryPlan& plan) {
-  const ModelConfig& c = plan.model;
-  const int64_t B = plan.batch, T = plan.seq_len, BT = B * T, C = c.d_model;
-  // The model's ends: tokens and targets (i32), the last block's output, the final norm (and its
-  // statistics), the logits, the per-position losses and log-sum-exps.
-  int64_t bytes = 4 * (2 * BT + 2 * BT * C + (c.rmsnorm() ? 1 : 2) * BT + BT * c.vocab_size + 2 * BT);
-  if (plan.recompute == "budget") {
-    return bytes + static_cast<int64_t>(plan.recompute_budget_mb * (1 << 20));
-  }
-  const std::vector<RecomputePolicy> policies = recompute_plan(plan.recompute, c.n_layer);
-  bool shared = false;
-  for (int64_t l = 0; l < c.n_layer; ++l) {
-    if (c.moe_layer(l)) {  // an MoE block keeps everything but the dense MLP's fc and act
-      bytes += block_kept_bytes(c, B, T, RECOMPUTE_NONE) - 4 * BT * (c.mlp_in_width() + c.d_ff) + moe_saved_bytes(c, BT);
-      continue;
-    }
-    bytes += block_kept_bytes(c, B, T, policies[l]);
-    shared |= policies[l] != RECOMPUTE_NONE;
-  }
-  if (shared) bytes += block_kept_bytes(c, B, T, RECOMPUTE_NONE) + 4 * BT * std::max(C, c.n_head * c.head_dim());
-  return bytes;
+int64_t activation_store_bytes(const MemoryPlan& plan, int pp_rank) {
+  check_plan(plan);
+  const ModelConfig c = rank_model(plan);
+  return rank_activation_bytes(plan, c, plan_stages(plan, c), pp_rank);
 }
 
-MemoryEstimate estimate_memory(const MemoryPlan& whole) {
-  LOOM_CHECK(whole.tp >= 1, "parallel.tp must be >= 1, got ", whole.tp);
-  if (whole.tp > 1) {  // the rank's slice
-    MemoryPlan slice = whole;
-    slice.model = tp_local_config(whole.model, whole.tp);
-    slice.tp = 1;
-    return estimate_memory(slice);
+MemoryEstimate estimate_memory(const MemoryPlan& plan, int pp_rank) {
+  check_plan(plan);
+  LOOM_CHECK(pp_rank < plan.pp, "pipeline rank ", pp_rank, " of parallel.pp = ", plan.pp);
+  const ModelConfig c = rank_model(plan);
+  const ParamLayout layout = build_param_layout(c);
+  const Stages st = plan_stages(plan, c);
+  if (pp_rank >= 0) return estimate_rank(plan, c, layout, st, pp_rank);
+  MemoryEstimate best;
+  for (int r = 0; r < plan.pp; ++r) {
+    MemoryEstimate e = estimate_rank(plan, c, layout, st, r);
+    if (r == 0 || e.total() > best.total()) best = std::move(e);
   }
-  const MemoryPlan& plan = whole;
-  LOOM_CHECK(plan.ranks >= 1, "loom memory: --ranks must be >= 1, got ", plan.ranks);
-  LOOM_CHECK(plan.zero_stage >= 0 && plan.zero_stage <= 3, "parallel.zero_stage must be 0, 1, 2 or 3, got ",
-             plan.zero_stage);
-  const ParamLayout layout = build_param_layout(plan.model);
-  const int64_t P = layout.total, N = plan.ranks;
-  const int64_t shard = N > 1 && plan.zero_stage > 0 ? (P + N - 1) / N : P;  // rank 0's (the largest) shard
-  MemoryEstimate e;
-  e.parameters = P;
-  const bool sharded_params = plan.zero_stage == 3 && N > 1, sharded_grads = plan.zero_stage >= 2 && N > 1;
-  e.bytes[MEM_PARAMETERS] = 4 * (sharded_params ? shard : P) + (param_bf16(plan.precision) ? 2 * P : 0);
-  e.bytes[MEM_GRADIENTS] = 4 * (sharded_grads ? shard : P);
-  const int64_t state = optimizer_bytes(plan, layout);
-  e.bytes[plan.optim.offload ? MEM_OFFLOADED : MEM_OPTIMIZER_STATE] =
-      N > 1 && plan.zero_stage > 0 ? state / P * shard + (state % P) * shard / P : state;
-  e.bytes[MEM_ACTIVATIONS] = activation_store_bytes(plan);
-  return e;
+  return best;
 }
 
 }  // namespace loom

@@ -6,14 +6,22 @@
 //      stage 0: (w + g + K) P;  1: (w + g) P + K P / N;  2: w P + (g + K) P / N;  3: (w + g + K) P / N.
 //    With P = 7.5e9 and N = 64: 120 / 31.4 / 16.6 / 1.9 GB.
 // 2. What a Loom rank holds, by memory category, for a model, precision, optimizer, activation
-//    checkpointing plan and data-parallel layout: fp32 flat parameters (+ their bf16 copy with
-//    precision.param = bf16) and gradients, the optimizer's state (its exact formula, sharded by
-//    ZeRO), and one micro-batch's activation store (each block's kept fields, the shared
-//    recompute record, the model's ends, MoE routing and expert buffers). ZeRO-2/3 count the
-//    resident shard of the gradients (and parameters), as the OS sees them. Tensor parallelism
-//    (without sequence parallelism) is the same bill for the rank's slice of the model
-//    (tp_local_config: heads, MLP width and vocabulary divided, norms whole). Other model-parallel
-//    layouts (sp, pp, cp, ep) are not estimated yet (refused naming the key).
+//    checkpointing plan and parallel layout (dp x tp x pp x cp x ep, ZeRO over dp x cp):
+//    - parameters: fp32 (+ their bf16 copy with precision.param = bf16) of the elements the rank
+//      computes: its tensor-parallel slice (tp_local_config: heads, MLP width and vocabulary
+//      divided, norms whole), of its pipeline stages' layers (pipeline_owned_ranges), less the
+//      experts other expert-parallel ranks compute; ZeRO-3: the rank's shard of those;
+//    - gradients: the same elements in fp32; ZeRO-2/3: the shard;
+//    - optimizer state: its exact formula over the same elements (or the ZeRO shard);
+//    - activations: the stores the rank keeps: one micro-batch's, or with pipeline parallelism
+//      as many per model chunk as the schedule has micro-batches live on it (pipe_live_peak),
+//      each block's fields as allocate_block_saved allocates them (block_saved_bytes: sequence
+//      parallel shards the residual stream and norms over tp, context parallel keeps T / cp
+//      positions and ring attention's log-sum-exp, Ulysses its gathered heads' probabilities),
+//      the recompute record, the model's ends on the first / last stage.
+//    A real GPU rank holds this; Loom's CPU ranks also keep the whole model's flat buffers under
+//    tp and pp (to stage checkpoints), untouched by the step: loom memory --measure runs data
+//    parallel layouts only.
 #pragma once
 #include <array>
 #include <cstdint>
@@ -39,8 +47,16 @@ struct MemoryPlan {
   OptimConfig optim;
   PrecisionConfig precision;
   int zero_stage = 0;
-  int ranks = 1;                    // data-parallel ranks
-  int tp = 1;                       // tensor-parallel ranks (not sequence parallel): each holds its slice
+  int ranks = 1;                    // data-parallel ranks (ZeRO shards over ranks x cp)
+  int tp = 1;                       // tensor-parallel ranks: each holds its slice
+  bool sequence_parallel = false;   // with tp > 1
+  int pp = 1;                       // pipeline stages (ranks)
+  std::string schedule = "1f1b";    // with pp > 1: parallel.schedule
+  int64_t micro = 1;                // micro-batches per step (train.grad_accum)
+  int virtual_stages = 1;           // model chunks per pipeline rank
+  int cp = 1;                       // context-parallel ranks
+  bool ulysses = false;             // cp attention: ring (false) or Ulysses
+  int ep = 1;                       // expert-parallel ranks
 };
 
 // w, g and K of accounting 1 for a run's precision and optimizer: w = 2 with precision.param =
@@ -49,17 +65,20 @@ struct MemoryPlan {
 std::array<double, 3> zero_bytes_per_param(const MemoryPlan& plan);
 
 struct MemoryEstimate {
-  std::array<int64_t, MEM_CATEGORY_COUNT> bytes{};  // per rank (rank 0: the largest ZeRO shard)
-  int64_t parameters = 0;                           // the model's parameter count
+  std::array<int64_t, MEM_CATEGORY_COUNT> bytes{};  // per rank (ZeRO: rank 0, the largest shard)
+  int64_t parameters = 0;                           // the model's parameter count (a tp slice's)
+  int64_t rank_parameters = 0;                      // the elements this rank computes (before ZeRO)
+  int pp_rank = 0;                                  // the pipeline rank estimated
   int64_t total() const;
 };
 
-// Accounting 2.
-MemoryEstimate estimate_memory(const MemoryPlan& plan);
+// Accounting 2 for pipeline rank pp_rank, or (pp_rank < 0) the pipeline rank with the largest
+// total.
+MemoryEstimate estimate_memory(const MemoryPlan& plan, int pp_rank = -1);
 
-// One micro-batch's activation store (bytes of MEM_ACTIVATIONS), as Transformer::allocate_store
-// allocates it under the plan train.recompute names ("budget": at most the budget, estimated as
-// the budget itself plus the model's ends).
-int64_t activation_store_bytes(const MemoryPlan& plan);
+// The activation stores (bytes of MEM_ACTIVATIONS) of pipeline rank pp_rank (0 without pp), as
+// Transformer::allocate_store / PipelineRunner allocate them under the plan train.recompute
+// names ("budget": at most the budget, estimated as the budget itself plus the model's ends).
+int64_t activation_store_bytes(const MemoryPlan& plan, int pp_rank = 0);
 
 }  // namespace loom

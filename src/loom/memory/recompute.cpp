@@ -19,15 +19,7 @@ std::string_view recompute_name(RecomputePolicy p) {
 }
 
 int64_t block_kept_bytes(const ModelConfig& c, int64_t B, int64_t T, RecomputePolicy policy) {
-  const int64_t C = c.d_model, H = c.n_head, hd = c.head_dim(), BT = B * T;
-  const int64_t input = BT * C, qkv = BT * c.qkv_width(), attn = BT * H * hd, mid = BT * C, fc = BT * c.mlp_in_width();
-  int64_t floats = input;
-  if (policy == RECOMPUTE_SELECTIVE) floats += qkv + attn + mid + fc;
-  if (policy == RECOMPUTE_NONE) {
-    const int64_t stats = (c.rmsnorm() ? 1 : 2) * BT;  // (mean and) rstd
-    floats += 2 * (C * BT + stats) + qkv + B * H * T * T + attn + mid + fc + BT * c.d_ff;
-  }
-  return 4 * floats;
+  return block_saved_bytes(c, B, T, false, 1, false, false, policy);
 }
 
 std::vector<RecomputePolicy> recompute_plan(const std::string& name, int64_t n_layer) {

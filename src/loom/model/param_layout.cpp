@@ -1,5 +1,6 @@
 #include "loom/model/param_layout.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "loom/core/error.h"
@@ -137,6 +138,27 @@ ParamLayout build_param_layout(const ModelConfig& config) {
   if (config.arch == ARCH_GPT2) add_gpt2(config, builder);
   else add_llama(config, builder);
   return layout;
+}
+
+std::vector<std::vector<std::pair<int64_t, int64_t>>> layout_units(const ModelConfig& config, const ParamLayout& layout) {
+  std::vector<int64_t> block_offset(static_cast<size_t>(config.n_layer), layout.total);
+  int64_t final_offset = layout.total;
+  const std::string block_prefix = config.arch == ARCH_GPT2 ? "h." : "model.layers.";
+  for (const ParamSpec& p : layout.params) {
+    if (p.name.rfind(block_prefix, 0) == 0) {
+      const size_t l = std::stoul(p.name.substr(block_prefix.size()));
+      block_offset[l] = std::min(block_offset[l], p.offset);
+    } else if (p.name.find("ln_f") == 0 || p.name == "model.norm.weight" || p.name == "lm_head.weight") {
+      final_offset = std::min(final_offset, p.offset);
+    }
+  }
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> units;
+  const int64_t first_block = block_offset.empty() ? final_offset : block_offset[0];
+  units.push_back({{0, first_block}, {final_offset, layout.total}});
+  for (size_t l = 0; l < block_offset.size(); ++l) {
+    units.push_back({{block_offset[l], l + 1 < block_offset.size() ? block_offset[l + 1] : final_offset}});
+  }
+  return units;
 }
 
 }  // namespace loom

@@ -8,6 +8,7 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "loom/core/tensor.h"
@@ -55,5 +56,9 @@ struct ParamLayout {
 };
 
 ParamLayout build_param_layout(const ModelConfig& config);
+
+// The layout's units of parameter use, as flat ranges: [0] the embeddings and the final norm
+// (+ untied head), two ranges; [l + 1] block l, one range. Pipeline stages own whole units.
+std::vector<std::vector<std::pair<int64_t, int64_t>>> layout_units(const ModelConfig& config, const ParamLayout& layout);
 
 }  // namespace loom

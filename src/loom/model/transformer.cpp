@@ -23,17 +23,9 @@ Transformer::Transformer(Backend& backend, const ModelConfig& config)
                          block_params_view(config_, layout_, grads_, l));
     blocks_.back().set_moe_scratch(&moe_scratch_);
   }
-  block_offset_.assign(static_cast<size_t>(config_.n_layer), layout_.total);
-  final_offset_ = layout_.total;
-  const std::string block_prefix = config_.arch == ARCH_GPT2 ? "h." : "model.layers.";
-  for (const ParamSpec& p : layout_.params) {
-    if (p.name.rfind(block_prefix, 0) == 0) {
-      const size_t l = std::stoul(p.name.substr(block_prefix.size()));
-      block_offset_[l] = std::min(block_offset_[l], p.offset);
-    } else if (p.name.find("ln_f") == 0 || p.name == "model.norm.weight" || p.name == "lm_head.weight") {
-      final_offset_ = std::min(final_offset_, p.offset);
-    }
-  }
+  units_ = layout_units(config_, layout_);
+  final_offset_ = units_[0][1].first;
+  for (size_t l = 1; l < units_.size(); ++l) block_offset_.push_back(units_[l][0].first);
   if (config_.arch == ARCH_GPT2) {
     embed_w = param("wte.weight"), d_embed_w = grad("wte.weight");
     pos_w = param("wpe.weight"), d_pos_w = grad("wpe.weight");
@@ -279,8 +271,7 @@ ActivationStore Transformer::allocate_store_for(int64_t batch, int64_t seq_len, 
   for (int64_t l = first; l < last; ++l) {
     const RecomputePolicy keep = recompute && !recompute_.empty() ? recompute_[l] : RECOMPUTE_NONE;
     s.blocks[l] = allocate_block_saved(alloc, config_, B, T, split_backward, shards(), context_parallel,
-                                       config_.moe_layer(l), keep);
-    if (config_.moe_layer(l) && ep_size() > 1) s.blocks[l].moe = allocate_moe_saved(alloc, config_, B * T, ep_size());
+                                       config_.moe_layer(l), keep, MEM_ACTIVATIONS, ep_size());
   }
   if (last < config_.n_layer) {
     s.blocks[last].input = act({B, Ts, C});  // the stage's output: the next stage's input
@@ -319,16 +310,6 @@ ActivationStore Transformer::allocate_store_for(int64_t batch, int64_t seq_len, 
     scratch_tokens_ = B * T;
   }
   return s;
-}
-
-std::vector<std::vector<std::pair<int64_t, int64_t>>> Transformer::param_units() const {
-  std::vector<std::vector<std::pair<int64_t, int64_t>>> units;
-  const int64_t first_block = block_offset_.empty() ? final_offset_ : block_offset_[0];
-  units.push_back({{0, first_block}, {final_offset_, layout_.total}});
-  for (size_t l = 0; l < block_offset_.size(); ++l) {
-    units.push_back({{block_offset_[l], l + 1 < block_offset_.size() ? block_offset_[l + 1] : final_offset_}});
-  }
-  return units;
 }
 
 double Transformer::forward(ActivationStore& s, bool compute_loss) {

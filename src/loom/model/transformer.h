@@ -140,7 +140,7 @@ class Transformer {
   // Parameter use hooks of forward() and backward() (not of forward_decode); empty: none.
   void set_param_use_hooks(ParamUseHooks hooks) { hooks_ = std::move(hooks); }
   // The flat ranges [begin, end) of each unit the hooks name: [unit] -> ranges.
-  std::vector<std::vector<std::pair<int64_t, int64_t>>> param_units() const;
+  const std::vector<std::vector<std::pair<int64_t, int64_t>>>& param_units() const { return units_; }
 
   // The precision policy (precision/policy.h): each linear layer's recipe, and the weights'
   // bf16 copy when policy.param_bf16 (allocated here; sync_weight_copy() refreshes it and must
@@ -172,6 +172,7 @@ class Transformer {
   ParamLayout layout_;
   Tensor params_, grads_;
   std::vector<Block> blocks_;        // [layer]
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> units_;  // layout_units
   std::vector<int64_t> block_offset_;  // [layer] smallest flat offset of the block's parameters
   int64_t final_offset_ = 0;         // smallest flat offset of the final norm and (untied) head
   Tensor embed_w, pos_w;             // (V,C), (Tmax,C) or undefined

@@ -46,52 +46,78 @@ BlockParams block_params_view(const ModelConfig& config, const ParamLayout& layo
   return p;
 }
 
-BlockSaved allocate_block_saved(Allocator& allocator, const ModelConfig& config, int64_t batch, int64_t seq_len,
-                                bool split_backward, int64_t seq_shards, bool context_parallel, bool moe,
-                                RecomputePolicy keep, MemCategory category) {
+namespace {
+// The fields of a BlockSaved that allocate_block_saved allocates, with their shapes (fp32), in
+// allocation order; an MoE block's MoeSaved is added by the callers.
+std::vector<std::pair<Tensor BlockSaved::*, Shape>> block_saved_fields(const ModelConfig& config, int64_t batch,
+                                                                      int64_t seq_len, bool split_backward,
+                                                                      int64_t seq_shards, bool context_parallel,
+                                                                      bool moe, RecomputePolicy keep) {
   LOOM_CHECK(seq_shards >= 1 && seq_len % seq_shards == 0, "sequence parallel: train.seq_len (", seq_len,
              ") must be a multiple of parallel.tp (", seq_shards, ")");
   const int64_t B = batch, T = seq_len, C = config.d_model, H = config.n_head, hd = config.head_dim();
   const int64_t Ts = seq_len / seq_shards;  // the residual stream's positions on this rank
-  auto act = [&](Shape shape) { return Tensor::empty(allocator, std::move(shape), DTYPE_F32, category); };
-  BlockSaved s;
-  s.input = act({B, Ts, C});
+  std::vector<std::pair<Tensor BlockSaved::*, Shape>> f;
+  f.push_back({&BlockSaved::input, {B, Ts, C}});
   if (keep != RECOMPUTE_NONE) {  // activation checkpointing (no model parallelism, no MoE)
     LOOM_CHECK(!split_backward && seq_shards == 1 && !context_parallel && !moe,
                "activation checkpointing (train.recompute) with pipeline, sequence or context parallelism or MoE "
                "blocks is not supported yet");
     if (keep == RECOMPUTE_SELECTIVE) {
-      s.qkv = act({B, T, config.qkv_width()});
-      s.attn = act({B, T, H * hd});
-      s.mid = act({B, Ts, C});
-      s.fc = act({B, T, config.mlp_in_width()});
+      f.push_back({&BlockSaved::qkv, {B, T, config.qkv_width()}});
+      f.push_back({&BlockSaved::attn, {B, T, H * hd}});
+      f.push_back({&BlockSaved::mid, {B, Ts, C}});
+      f.push_back({&BlockSaved::fc, {B, T, config.mlp_in_width()}});
     }
-    return s;
+    return f;
   }
-  s.norm1 = act({B, Ts, C});
-  if (!config.rmsnorm()) s.mean1 = act({B, Ts});
-  s.rstd1 = act({B, Ts});
-  s.qkv = act({B, T, config.qkv_width()});
-  if (context_parallel) s.lse = act({B, H, T});  // ring attention; Ulysses keeps its own
-  else s.probs = act({B, H, T, T});
-  s.attn = act({B, T, H * hd});
-  s.mid = act({B, Ts, C});
-  s.norm2 = act({B, Ts, C});
-  if (!config.rmsnorm()) s.mean2 = act({B, Ts});
-  s.rstd2 = act({B, Ts});
-  if (moe) {
-    s.moe = allocate_moe_saved(allocator, config, B * T);
-  } else {
-    s.fc = act({B, T, config.mlp_in_width()});
-    s.act = act({B, T, config.d_ff});
+  f.push_back({&BlockSaved::norm1, {B, Ts, C}});
+  if (!config.rmsnorm()) f.push_back({&BlockSaved::mean1, {B, Ts}});
+  f.push_back({&BlockSaved::rstd1, {B, Ts}});
+  f.push_back({&BlockSaved::qkv, {B, T, config.qkv_width()}});
+  if (context_parallel) f.push_back({&BlockSaved::lse, {B, H, T}});  // ring attention; Ulysses keeps its own
+  else f.push_back({&BlockSaved::probs, {B, H, T, T}});
+  f.push_back({&BlockSaved::attn, {B, T, H * hd}});
+  f.push_back({&BlockSaved::mid, {B, Ts, C}});
+  f.push_back({&BlockSaved::norm2, {B, Ts, C}});
+  if (!config.rmsnorm()) f.push_back({&BlockSaved::mean2, {B, Ts}});
+  f.push_back({&BlockSaved::rstd2, {B, Ts}});
+  if (!moe) {
+    f.push_back({&BlockSaved::fc, {B, T, config.mlp_in_width()}});
+    f.push_back({&BlockSaved::act, {B, T, config.d_ff}});
   }
   if (split_backward) {
-    if (!moe) s.dy_fc2 = act({B, T, C});
-    if (!moe) s.dy_fc = act({B, T, config.mlp_in_width()});
-    s.dy_proj = act({B, T, C});
-    s.dy_qkv = act({B, T, config.qkv_width()});
+    if (!moe) f.push_back({&BlockSaved::dy_fc2, {B, T, C}});
+    if (!moe) f.push_back({&BlockSaved::dy_fc, {B, T, config.mlp_in_width()}});
+    f.push_back({&BlockSaved::dy_proj, {B, T, C}});
+    f.push_back({&BlockSaved::dy_qkv, {B, T, config.qkv_width()}});
   }
+  return f;
+}
+}  // namespace
+
+BlockSaved allocate_block_saved(Allocator& allocator, const ModelConfig& config, int64_t batch, int64_t seq_len,
+                                bool split_backward, int64_t seq_shards, bool context_parallel, bool moe,
+                                RecomputePolicy keep, MemCategory category, int ep) {
+  BlockSaved s;
+  for (auto& [field, shape] : block_saved_fields(config, batch, seq_len, split_backward, seq_shards, context_parallel,
+                                                 moe, keep)) {
+    s.*field = Tensor::empty(allocator, std::move(shape), DTYPE_F32, category);
+  }
+  if (moe && keep == RECOMPUTE_NONE) s.moe = allocate_moe_saved(allocator, config, batch * seq_len, ep);
   return s;
+}
+
+int64_t block_saved_bytes(const ModelConfig& config, int64_t batch, int64_t seq_len, bool split_backward,
+                          int64_t seq_shards, bool context_parallel, bool moe, RecomputePolicy keep, int ep) {
+  int64_t floats = 0;
+  for (const auto& [field, shape] : block_saved_fields(config, batch, seq_len, split_backward, seq_shards,
+                                                       context_parallel, moe, keep)) {
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    floats += n;
+  }
+  return 4 * floats + (moe && keep == RECOMPUTE_NONE ? moe_saved_bytes(config, batch * seq_len, ep) : 0);
 }
 
 BlockScratch allocate_block_scratch(Allocator& allocator, const ModelConfig& config, int64_t batch, int64_t seq_len) {

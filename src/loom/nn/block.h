@@ -74,10 +74,17 @@ enum BackwardPart : uint8_t { BACKWARD_ALL, BACKWARD_INPUT, BACKWARD_WEIGHT };
 // seq_shards > 1 (sequence parallel): the residual stream and the norms (input, norm1/2,
 // their statistics, mid) hold seq_len / seq_shards positions; the rest the whole sequence.
 // context_parallel: seq_len is this rank's share; ring attention's lse instead of probs.
+// moe: an MoE block (its routing and experts' buffers, allocate_moe_saved over an expert-parallel
+// group of ep ranks, instead of fc and act).
 BlockSaved allocate_block_saved(Allocator& allocator, const ModelConfig& config, int64_t batch, int64_t seq_len,
                                 bool split_backward = false, int64_t seq_shards = 1, bool context_parallel = false,
                                 bool moe = false, RecomputePolicy keep = RECOMPUTE_NONE,
-                                MemCategory category = MEM_ACTIVATIONS);
+                                MemCategory category = MEM_ACTIVATIONS, int ep = 1);
+// The bytes allocate_block_saved allocates for the same arguments, without allocating: the
+// allocation and this count walk one list of fields (memory/estimate.h plans real sizes with it).
+int64_t block_saved_bytes(const ModelConfig& config, int64_t batch, int64_t seq_len, bool split_backward = false,
+                          int64_t seq_shards = 1, bool context_parallel = false, bool moe = false,
+                          RecomputePolicy keep = RECOMPUTE_NONE, int ep = 1);
 
 // Whole-sequence (B,T,C) buffers a sequence-parallel block gathers into (shared by the blocks).
 struct SequenceScratch {

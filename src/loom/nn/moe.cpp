@@ -70,26 +70,45 @@ std::pair<int64_t, int64_t> shared_widths(const ModelConfig& c) {
 }
 }  // namespace
 
-MoeSaved allocate_moe_saved(Allocator& allocator, const ModelConfig& c, int64_t N, int ep) {
+namespace {
+struct MoeField {
+  Tensor MoeSaved::*field;
+  Shape shape;
+  DType dtype;
+};
+// The fields allocate_moe_saved allocates, in order.
+std::vector<MoeField> moe_saved_fields(const ModelConfig& c, int64_t N, int ep) {
   const int64_t E = c.moe_experts, K = c.moe_top_k, R = moe_max_rows(c, N), C = c.d_model, Rx = R * ep;
-  auto act = [&](Shape shape, DType dtype = DTYPE_F32) { return Tensor::empty(allocator, std::move(shape), dtype, MEM_ACTIVATIONS); };
-  MoeSaved s;
-  s.logits = act({N, E});
-  s.scores = act({N, E});
-  s.expert = act({N, K}, DTYPE_I32);
-  s.gates = act({N, K});
-  s.row = act({N, K}, DTYPE_I32);
-  s.token = act({R}, DTYPE_I32);
-  s.h = act({Rx, c.expert_in_width()});
-  s.act = act({Rx, c.expert_ff()});
-  s.ye = act({R, C});
-  if (ep > 1) s.xp = act({Rx, C});
+  std::vector<MoeField> f = {
+      {&MoeSaved::logits, {N, E}, DTYPE_F32},  {&MoeSaved::scores, {N, E}, DTYPE_F32},
+      {&MoeSaved::expert, {N, K}, DTYPE_I32},  {&MoeSaved::gates, {N, K}, DTYPE_F32},
+      {&MoeSaved::row, {N, K}, DTYPE_I32},     {&MoeSaved::token, {R}, DTYPE_I32},
+      {&MoeSaved::h, {Rx, c.expert_in_width()}, DTYPE_F32}, {&MoeSaved::act, {Rx, c.expert_ff()}, DTYPE_F32},
+      {&MoeSaved::ye, {R, C}, DTYPE_F32}};
+  if (ep > 1) f.push_back({&MoeSaved::xp, {Rx, C}, DTYPE_F32});
   if (c.moe_shared > 0) {
     const auto [in, hidden] = shared_widths(c);
-    s.shared_fc = act({N, in});
-    s.shared_act = act({N, hidden});
+    f.push_back({&MoeSaved::shared_fc, {N, in}, DTYPE_F32});
+    f.push_back({&MoeSaved::shared_act, {N, hidden}, DTYPE_F32});
   }
+  return f;
+}
+}  // namespace
+
+MoeSaved allocate_moe_saved(Allocator& allocator, const ModelConfig& c, int64_t N, int ep) {
+  MoeSaved s;
+  for (auto& f : moe_saved_fields(c, N, ep)) s.*f.field = Tensor::empty(allocator, std::move(f.shape), f.dtype, MEM_ACTIVATIONS);
   return s;
+}
+
+int64_t moe_saved_bytes(const ModelConfig& c, int64_t N, int ep) {
+  int64_t bytes = 0;
+  for (const MoeField& f : moe_saved_fields(c, N, ep)) {
+    int64_t n = static_cast<int64_t>(dtype_size(f.dtype));
+    for (int64_t d : f.shape) n *= d;
+    bytes += n;
+  }
+  return bytes;
 }
 
 MoeScratch allocate_moe_scratch(Allocator& allocator, const ModelConfig& c, int64_t N, int ep) {

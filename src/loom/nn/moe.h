@@ -87,6 +87,8 @@ struct MoeScratch {
 // ep: the expert-parallel group's size (the received rows are sized for the worst case, every
 // rank's rows to this rank's experts).
 MoeSaved allocate_moe_saved(Allocator& allocator, const ModelConfig& config, int64_t tokens, int ep = 1);
+// The bytes allocate_moe_saved allocates (the same list of fields), without allocating.
+int64_t moe_saved_bytes(const ModelConfig& config, int64_t tokens, int ep = 1);
 MoeScratch allocate_moe_scratch(Allocator& allocator, const ModelConfig& config, int64_t tokens, int ep = 1);
 
 // y (N, C) += MoE(x); fills `saved`. seq_len: the rows of one sequence (for the sequence-wise loss).

@@ -61,6 +61,25 @@ std::vector<std::pair<int64_t, int64_t>> pipeline_stage_split(const ModelConfig&
   return pipeline_layer_split(c.n_layer, stages, gemm + attention, 0.0, 2.0 * static_cast<double>(c.vocab_size) * C);
 }
 
+FlatRanges pipeline_owned_ranges(const ModelConfig& config, const ParamLayout& layout, const PipeSchedule& schedule,
+                                 int rank, const std::vector<std::pair<int64_t, int64_t>>& layers, bool norm) {
+  const auto units = layout_units(config, layout);  // [0]: embeddings and final norm / head; [l + 1]: block l
+  FlatRanges owned;
+  for (int c = 0; c < schedule.virtual_chunks; ++c) {
+    const auto [first, last] = layers[static_cast<size_t>(schedule.stage_of(rank, c))];
+    for (int64_t l = first; l < last; ++l) {
+      for (const auto& [b, e] : units[static_cast<size_t>(l + 1)]) add_range(owned, b, e);
+    }
+    if (first == 0) add_range(owned, units[0][0].first, units[0][0].second);               // embeddings
+    if (last == config.n_layer) add_range(owned, units[0][1].first, units[0][1].second);  // final norm (+ untied head)
+  }
+  if (!norm && config.tied_head() && schedule.rank_of(schedule.model_stages() - 1) == rank) {
+    const ParamSpec& wte = layout.find("wte.weight");
+    add_range(owned, wte.offset, wte.offset + wte.numel);
+  }
+  return owned;
+}
+
 PipelineRunner::PipelineRunner(Transformer& model, Communicator& pp, PipeSchedule schedule, int64_t batch,
                                int64_t seq_len)
     : model_(model), pp_(pp), schedule_(std::move(schedule)) {
@@ -68,16 +87,10 @@ PipelineRunner::PipelineRunner(Transformer& model, Communicator& pp, PipeSchedul
   LOOM_CHECK(schedule_.stages == pp.size(), "pipeline schedule for parallel.pp = ", schedule_.stages, " on a group of ",
              pp.size(), " ranks");
   const int S = schedule_.model_stages(), rank = pp.rank(), v = schedule_.virtual_chunks, m = schedule_.micro;
-  const int64_t L = model.config().n_layer;
   layers_ = pipeline_stage_split(model.config(), S, seq_len);
-  const auto units = model.param_units();  // [0]: embeddings and final norm / head; [l + 1]: block l
   // Each chunk keeps as many activation stores as the schedule ever has micro-batches live on it
   // (from F to B, or to W when the backward is split): GPipe m, 1F1B at most p - rank.
-  std::vector<int> live(static_cast<size_t>(v), 0), peak(static_cast<size_t>(v), 0);
-  for (const PipeAction& a : schedule_.per_rank[static_cast<size_t>(rank)]) {
-    if (a.op == PIPE_F) peak[a.chunk] = std::max(peak[a.chunk], ++live[a.chunk]);
-    if (a.op == (schedule_.split_backward ? PIPE_W : PIPE_B)) --live[a.chunk];
-  }
+  const std::vector<int> peak = pipe_live_peak(schedule_, rank);
   stores_.resize(static_cast<size_t>(v));
   grad_out_.resize(static_cast<size_t>(v));
   slot_.assign(static_cast<size_t>(v), std::vector<int>(static_cast<size_t>(m), -1));
@@ -102,18 +115,12 @@ PipelineRunner::PipelineRunner(Transformer& model, Communicator& pp, PipeSchedul
         targets_.push_back(Tensor::empty(model.backend().allocator(), store.targets.shape(), DTYPE_I32, MEM_WORKSPACE));
       }
     }
-    for (int64_t l = first; l < last; ++l) {
-      for (const auto& [b, e] : units[static_cast<size_t>(l + 1)]) add_range(owned_, b, e);
-    }
-    if (first == 0) add_range(owned_, units[0][0].first, units[0][0].second);    // embeddings
-    if (last == L) add_range(owned_, units[0][1].first, units[0][1].second);     // final norm (+ untied head)
   }
-  norm_ranges_ = owned_;
+  norm_ranges_ = pipeline_owned_ranges(model.config(), model.layout(), schedule_, rank, layers_, true);
+  owned_ = pipeline_owned_ranges(model.config(), model.layout(), schedule_, rank, layers_, false);
   if (model.config().tied_head()) {
     const ParamSpec& wte = model.layout().find("wte.weight");
     tied_ = {wte.offset, wte.offset + wte.numel};
-    const bool last_stage = schedule_.rank_of(S - 1) == rank;
-    if (last_stage) add_range(owned_, tied_.first, tied_.second);
   }
   loss_ = Tensor::zeros(model.backend().allocator(), {1}, DTYPE_F64, MEM_WORKSPACE);
 }

@@ -270,4 +270,14 @@ PipeSimulation simulate(const PipeSchedule& s, const PipeCosts& costs) {
   return out;
 }
 
+std::vector<int> pipe_live_peak(const PipeSchedule& schedule, int rank) {
+  const size_t v = static_cast<size_t>(schedule.virtual_chunks);
+  std::vector<int> live(v, 0), peak(v, 0);
+  for (const PipeAction& a : schedule.per_rank[static_cast<size_t>(rank)]) {
+    if (a.op == PIPE_F) peak[a.chunk] = std::max(peak[a.chunk], ++live[a.chunk]);
+    if (a.op == (schedule.split_backward ? PIPE_W : PIPE_B)) --live[a.chunk];
+  }
+  return peak;
+}
+
 }  // namespace loom

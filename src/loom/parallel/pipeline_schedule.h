@@ -102,6 +102,10 @@ struct PipeSimulation {
   std::vector<int> peak_held;
 };
 
+// [chunk] the most micro-batches whose activations `rank` holds at once on that chunk (from F to
+// B, or to W when the backward is split): the activation stores a pipeline rank keeps per chunk.
+std::vector<int> pipe_live_peak(const PipeSchedule& schedule, int rank);
+
 // Runs every rank's list strictly in order. An action starts when its rank is free and its
 // dependency is done (+ p2p when the dependency ran on another rank): F of stage s needs F of
 // stage s-1 (none for s = 0); B of stage s needs B of stage s+1, or F of stage s for the last

@@ -47,6 +47,20 @@ std::vector<OptimParam> shard_optim_params(const std::vector<OptimParam>& list, 
   return out;
 }
 
+std::vector<FlatRange> subtract_ranges(const std::vector<FlatRange>& a, const std::vector<std::pair<int64_t, int64_t>>& b) {
+  std::vector<FlatRange> out;
+  for (const FlatRange& r : a) {
+    int64_t at = r.begin;
+    for (const auto& [fb, fe] : b) {
+      if (fe <= at || fb >= r.end) continue;
+      if (fb > at) out.push_back({at, fb});
+      at = std::max(at, fe);
+    }
+    if (at < r.end) out.push_back({at, r.end});
+  }
+  return out;
+}
+
 std::vector<FlatRange> domain_pieces(const std::vector<FlatRange>& domain, int64_t begin, int64_t end) {
   std::vector<FlatRange> out;
   int64_t at = 0;  // position of the current range's first element in the concatenation

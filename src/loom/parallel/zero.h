@@ -33,6 +33,7 @@
 #include <deque>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "loom/comm/communicator.h"
@@ -62,6 +63,9 @@ std::vector<OptimParam> shard_optim_params(const std::vector<OptimParam>& list, 
 struct FlatRange {
   int64_t begin = 0, end = 0;
 };
+
+// The ranges a less the ranges b (both ascending and disjoint).
+std::vector<FlatRange> subtract_ranges(const std::vector<FlatRange>& a, const std::vector<std::pair<int64_t, int64_t>>& b);
 
 // The flat pieces of positions [begin, end) of the concatenation of `domain`'s ranges.
 std::vector<FlatRange> domain_pieces(const std::vector<FlatRange>& domain, int64_t begin, int64_t end);

@@ -26,19 +26,7 @@ std::vector<FlatRange> update_domain(const Transformer& model, const PipelineRun
   } else {
     for (const auto& [begin, end] : pipeline->owned()) base.push_back({begin, end});
   }
-  const auto foreign = model.foreign_expert_ranges();  // ascending, disjoint
-  if (foreign.empty()) return base;
-  std::vector<FlatRange> out;
-  for (const FlatRange& r : base) {
-    int64_t at = r.begin;
-    for (const auto& [fb, fe] : foreign) {
-      if (fe <= at || fb >= r.end) continue;
-      if (fb > at) out.push_back({at, fb});
-      at = std::max(at, fe);
-    }
-    if (at < r.end) out.push_back({at, r.end});
-  }
-  return out;
+  return subtract_ranges(base, model.foreign_expert_ranges());
 }
 
 // The parameters this rank's optimizer updates: its domain, or its ZeRO shard of the domain.
