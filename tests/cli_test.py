@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -275,6 +276,24 @@ class Cli(unittest.TestCase):
         self.assertEqual(self.losses("rc_none"), self.losses("rc_budget"))
         bad = self.train("rc_bad", "--set", "train.recompute=sometimes", expect_ok=False)
         self.assert_one_line_error(bad, "train.recompute")
+
+    def test_plan_ranks_the_layouts_that_fit_a_cluster(self):
+        hw = os.path.join(ROOT, "configs", "hardware", "h100_8nodes.toml")
+        p = run("plan", "--hardware", hw, "--config", os.path.join(ROOT, "configs", "llama3_70b.toml"), "--set",
+                "train.seq_len=4096,precision.param=bf16,precision.reduce=bf16", "--global-batch", "512", "--top", "3")
+        self.assertIn("8 nodes x 8 devices", p.stdout)
+        rows = [line.split() for line in p.stdout.splitlines() if re.match(r"^ +[0-9]+  dp ", line)]
+        self.assertEqual([r[0] for r in rows], ["1", "2", "3"], p.stdout)
+        self.assertIn("across nodes", p.stdout)
+        # The pipeline schedule mode is unchanged.
+        self.assertIn("bubble fraction", run("plan", "--schedule", "1f1b", "--pp", "2", "--micro", "4").stdout)
+        bad = os.path.join(self.tmp, "bad_hw.toml")
+        with open(bad, "w") as f:
+            f.write("[hardware]\nnodes = 2\ngpus = 8\n")
+        self.assert_one_line_error(run("plan", "--hardware", bad, expect_ok=False), "hardware.gpus")
+        with open(bad, "w") as f:
+            f.write("[hardware]\nmemory_gib = -1\n")
+        self.assert_one_line_error(run("plan", "--hardware", bad, expect_ok=False), "hardware.memory_gib")
 
     def test_memory_reproduces_the_zero_example_and_measures_itself(self):
         p = run("memory", "--set", "precision.param=bf16,precision.reduce=bf16,model.vocab_size=50257", "--ranks", "64",

@@ -98,6 +98,14 @@ LoomConfig load_config(const Args& args) {
   return config;
 }
 
+void vocab_from_data(LoomConfig& config) {
+  if (config.model.vocab_size != 0) return;
+  const std::string meta = config.data.dir + "/meta.json";
+  std::ifstream in(meta);
+  LOOM_CHECK(in.good(), "model.vocab_size = 0 follows the dataset, but ", meta, " cannot be read: set model.vocab_size");
+  config.model.vocab_size = nlohmann::json::parse(in).at("vocab_size").get<int64_t>();
+}
+
 std::string run_dir(const LoomConfig& config) { return (fs::path(config.run.dir) / config.run.name).string(); }
 
 std::string resolve_checkpoint(const std::string& path) {

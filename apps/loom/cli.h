@@ -35,6 +35,9 @@ class Args {
 
 // configs/default.toml, then --config FILE, then every --set, then validation.
 LoomConfig load_config(const Args& args);
+// model.vocab_size = 0 follows the dataset: its data.dir/meta.json's vocab_size (an error naming
+// the file and the key when it cannot be read).
+void vocab_from_data(LoomConfig& config);
 
 // runs/<name>
 std::string run_dir(const LoomConfig& config);

@@ -58,12 +58,7 @@ int memory_main(int argc, char** argv) {
   LOOM_CHECK(!args.has("measure") || !model_parallel, "loom memory --measure runs data-parallel layouts only "
              "(parallel.tp, pp, cp and ep are estimated, not measured: got ", config.parallel.tp, ", ",
              config.parallel.pp, ", ", config.parallel.cp, ", ", config.parallel.ep, ")");
-  if (config.model.vocab_size == 0) {  // the dataset's vocabulary, as loom train takes it
-    const std::string meta = config.data.dir + "/meta.json";
-    std::ifstream in(meta);
-    LOOM_CHECK(in.good(), "model.vocab_size = 0 follows the dataset, but ", meta, " cannot be read: set model.vocab_size");
-    config.model.vocab_size = nlohmann::json::parse(in).at("vocab_size").get<int64_t>();
-  }
+  vocab_from_data(config);
   const bool mpi = launched_by_mpirun();
   std::unique_ptr<Communicator> comm = mpi ? make_mpi_communicator() : make_local_communicator();
   MemoryPlan plan;

@@ -1,23 +1,47 @@
-// loom plan: a pipeline schedule as data (what each rank runs, in order), simulated with given op
-// costs: per-rank busy and idle time, peak live micro-batches, and the bubble next to its formula.
+// loom plan, two modes:
+// --hardware: the parallel layouts of a model that fit a cluster, ranked by estimated step time
+//   (memory/planner.h), with the reasoning;
+// --schedule: a pipeline schedule as data (what each rank runs, in order), simulated with given op
+//   costs: per-rank busy and idle time, peak live micro-batches, and the bubble next to its formula.
 #include <algorithm>
 #include <climits>
+#include <optional>
 #include <cstdio>
 #include <cstring>
 #include <exception>
 #include <string>
 #include <vector>
 
+// toml++ trips GCC 12's -Warray-bounds false positives inside its own headers.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Warray-bounds"
+#include <toml++/toml.h>
+#pragma GCC diagnostic pop
+
 #include "cli.h"
 #include "commands.h"
 #include "loom/core/error.h"
+#include "loom/core/memory.h"
+#include "loom/memory/planner.h"
 #include "loom/parallel/pipeline_schedule.h"
 
 namespace loom::cli {
 
 namespace {
 const char* kHelp =
-    "usage: loom plan --schedule KIND --pp P --micro M [--virtual V] [--costs F,B[,W]] [--p2p T]\n"
+    "usage: loom plan --hardware FILE [--config FILE] [--set k=v,...] [--global-batch G] [--top K] [--all]\n"
+    "       loom plan --schedule KIND --pp P --micro M [--virtual V] [--costs F,B[,W]] [--p2p T]\n"
+    "\n"
+    "With --hardware: every parallel layout of the config's model on the cluster FILE describes\n"
+    "(dp x tp x pp x cp x ep, ZeRO stage, recompute policy, pipeline schedule) whose bytes per\n"
+    "device (loom memory's estimate, flash attention's log-sum-exp instead of probabilities)\n"
+    "fit the device memory less the reserve, ranked by an estimated step time (memory/planner.h:\n"
+    "compute at the stated efficiency, pipeline bubble, tp / cp / pp / ep traffic, exposed\n"
+    "gradient reduction), with the reasoning. The micro-batch is train.batch_size x train.seq_len;\n"
+    "--global-batch G sequences per step (default train.batch_size x train.grad_accum x devices).\n"
+    "--top K prints the best K (default 10); --all also the layouts that do not fit.\n"
+    "FILE is TOML: [hardware] name, nodes, devices_per_node, memory_gib, peak_tflops (dense bf16),\n"
+    "efficiency, intra_node_gbs, inter_node_gbs, reserve (configs/hardware/*.toml).\n"
     "\n"
     "Prints the pipeline schedule KIND for P ranks and M micro-batches: one line per rank with the\n"
     "actions it runs, in order (F3 = forward of micro-batch 3, B3 its backward, W3 its weight\n"
@@ -82,11 +106,111 @@ void print_bubble(const PipeSchedule& s, const PipeCosts& c, const PipeSimulatio
                 max_idle, (p - 1) * (c.f + c.b - c.w), (p - 1) * (c.f + c.b + c.w));
   }
 }
+Hardware load_hardware(const std::string& path) {
+  toml::table file;
+  try {
+    file = toml::parse_file(path);
+  } catch (const toml::parse_error& e) {
+    throw Error(str_cat(path, ":", e.source().begin.line, ": ", std::string(e.description())));
+  }
+  const toml::table* t = file["hardware"].as_table();
+  LOOM_CHECK(t != nullptr, path, ": expected a [hardware] table");
+  Hardware hw;
+  for (const auto& [key, node] : *t) {
+    const std::string k(key.str());
+    auto number = [&]() {
+      const std::optional<double> v = node.value<double>();
+      LOOM_CHECK(v.has_value(), path, ": hardware.", k, " must be a number");
+      return *v;
+    };
+    auto integer = [&]() {
+      const std::optional<int64_t> v = node.value<int64_t>();
+      LOOM_CHECK(v.has_value() && *v >= 1 && *v <= INT_MAX, path, ": hardware.", k, " must be a positive integer");
+      return static_cast<int>(*v);
+    };
+    if (k == "name") {
+      const std::optional<std::string> v = node.value<std::string>();
+      LOOM_CHECK(v.has_value(), path, ": hardware.name must be a string");
+      hw.name = *v;
+    } else if (k == "nodes") {
+      hw.nodes = integer();
+    } else if (k == "devices_per_node") {
+      hw.devices_per_node = integer();
+    } else if (k == "memory_gib") {
+      hw.memory_gib = number();
+    } else if (k == "peak_tflops") {
+      hw.peak_tflops = number();
+    } else if (k == "efficiency") {
+      hw.efficiency = number();
+    } else if (k == "intra_node_gbs") {
+      hw.intra_node_gbs = number();
+    } else if (k == "inter_node_gbs") {
+      hw.inter_node_gbs = number();
+    } else if (k == "reserve") {
+      hw.reserve = number();
+    } else {
+      throw Error(str_cat(path, ": unknown key hardware.", k, " (expected name, nodes, devices_per_node, memory_gib, "
+                          "peak_tflops, efficiency, intra_node_gbs, inter_node_gbs, reserve)"));
+    }
+  }
+  try {
+    hw.validate();
+  } catch (const Error& e) {
+    throw Error(str_cat(path, ": ", e.what()));
+  }
+  return hw;
+}
+
+int layouts_main(const Args& args) {
+  const Hardware hw = load_hardware(args.get("hardware"));
+  LoomConfig config = load_config(args);
+  vocab_from_data(config);
+  config.model.validate();
+  MemoryPlan base;
+  base.model = config.model;
+  base.batch = config.train.batch_size, base.seq_len = config.train.seq_len;
+  base.optim = config.train.optim, base.precision = config.train.precision;
+  base.flash_attention = true;
+  const int64_t global = args.get_int("global-batch", config.train.batch_size * config.train.grad_accum * hw.devices());
+  const int top = static_cast<int>(std::clamp<int64_t>(args.get_int("top", 10), 1, 100000));
+  const std::vector<LayoutCost> layouts = plan_layouts(base, global, hw);
+  const int64_t fitting = std::count_if(layouts.begin(), layouts.end(), [](const LayoutCost& l) { return l.fits; });
+  std::printf("%s: %lld parameters, %s; micro-batch %lld x %lld, global batch %lld sequences (%lld tokens) per step; "
+              "optimizer %s, precision %s\n", std::string(arch_name(config.model.arch)).c_str(),
+              static_cast<long long>(param_count(config.model)), hw.name.c_str(), static_cast<long long>(base.batch),
+              static_cast<long long>(base.seq_len), static_cast<long long>(global),
+              static_cast<long long>(global * base.seq_len), base.optim.name.c_str(),
+              resolve_policy(base.precision).describe().c_str());
+  std::printf("%d nodes x %d devices, %.0f GiB each (%.0f%% reserved), %.0f TFLOP/s peak at %.0f%% efficiency, "
+              "%.0f GB/s in a node, %.0f GB/s between nodes\n", hw.nodes, hw.devices_per_node, hw.memory_gib,
+              100 * hw.reserve, hw.peak_tflops, 100 * hw.efficiency, hw.intra_node_gbs, hw.inter_node_gbs);
+  std::printf("%lld of %zu layouts fit (activations as Loom keeps them, fp32, flash attention); estimated, not "
+              "measured: loom train measures\n", static_cast<long long>(fitting), layouts.size());
+  if (fitting == 0) {
+    std::printf("nothing fits: the smallest layout needs %s per device: more devices, a smaller micro-batch or "
+                "sequence, or activation recompute\n", layouts.empty() ? "?" : format_bytes(static_cast<size_t>(layouts.front().memory.total())).c_str());
+  }
+  std::printf("%4s  %-62s %10s %10s %10s %6s  %s\n", "rank", "layout", "memory", "step s", "tokens/s", "MFU",
+              "compute / bubble / tp / cp / pp / ep / dp exposed (s)");
+  int shown = 0;
+  for (const LayoutCost& l : layouts) {
+    if (!l.fits && !args.has("all")) break;
+    if (shown == top && l.fits) continue;
+    ++shown;
+    std::printf("%4d  %-62s %10s %10.4g %10.4g %5.1f%%  %.3g / %.3g / %.3g / %.3g / %.3g / %.3g / %.3g\n", shown,
+                l.describe().c_str(), format_bytes(static_cast<size_t>(l.memory.total())).c_str(), l.step_s,
+                l.tokens_per_s, 100 * l.mfu, l.compute_s, l.bubble_s, l.tp_s, l.cp_s, l.pp_s, l.ep_s, l.dp_s);
+    std::printf("      %s%s\n", l.fits ? "" : "does not fit; ", l.reasoning.c_str());
+  }
+  return 0;
+}
 }  // namespace
 
 int plan_main(int argc, char** argv) {
   if (argc >= 1 && std::strcmp(argv[0], "--help") == 0) return std::fputs(kHelp, stdout), 0;
-  const Args args(argc, argv, {"schedule", "pp", "micro", "virtual", "costs", "p2p"}, {}, "plan");
+  const Args args(argc, argv, {"schedule", "pp", "micro", "virtual", "costs", "p2p", "hardware", "config", "set",
+                               "global-batch", "top"}, {"all"}, "plan");
+  if (args.has("hardware")) return layouts_main(args);
   LOOM_CHECK(args.has("schedule") && args.has("pp") && args.has("micro"), "loom plan needs --schedule KIND --pp P --micro M");
   const std::string kind = args.get("schedule");
   const int p = int_option(args, "pp", 1), m = int_option(args, "micro", 1);

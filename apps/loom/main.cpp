@@ -19,7 +19,7 @@ const char* kUsage =
     "  eval        validation loss and perplexity of a checkpoint\n"
     "  generate    sample text from a checkpoint (KV cache; greedy, temperature, top-k, top-p)\n"
     "  tokenizer   train a byte-level BPE tokenizer on your own corpus\n"
-    "  plan        print a pipeline schedule and simulate its bubble and activation memory\n"
+    "  plan        rank the parallel layouts that fit a cluster, or simulate a pipeline schedule\n"
     "  memory      bytes per rank by category before running (--measure: and after one step)\n"
     "\n"
     "`loom <command> --help` describes each command's options.\n";

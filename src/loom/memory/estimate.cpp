@@ -69,17 +69,22 @@ int64_t store_bytes(const MemoryPlan& plan, const ModelConfig& c, int64_t first,
   if (plan.recompute == "budget") return bytes + static_cast<int64_t>(plan.recompute_budget_mb * (1 << 20)) +
                                           4 * (2 * BT * C + (c.rmsnorm() ? 1 : 2) * BT + BT * c.vocab_size + 2 * BT);
   const std::vector<RecomputePolicy> policies = recompute_plan(plan.recompute, c.n_layer);
+  const int64_t flash_saving = 4 * B * c.n_head * (T * T - T);  // probabilities -> log-sum-exp
   bool shared = false;
   for (int64_t l = first; l < last; ++l) {
     const RecomputePolicy keep = c.moe_layer(l) ? RECOMPUTE_NONE : policies[l];
     bytes += block_saved_bytes(c, B, T, split, shards, cp, c.moe_layer(l), keep, plan.ep);
+    if (plan.flash_attention && keep == RECOMPUTE_NONE && !cp) bytes -= flash_saving;
     shared |= keep != RECOMPUTE_NONE;
     if (cp && plan.ulysses) {  // UlyssesSaved: the whole sequence for this rank's heads
       const int64_t N = plan.cp, Tf = plan.seq_len, hd = c.head_dim(), hl = c.n_head / N, kvl = c.n_kv_head / N;
-      bytes += 4 * (B * Tf * (hl + 2 * kvl) * hd + B * Tf * hl * hd + B * hl * Tf * Tf);
+      bytes += 4 * (B * Tf * (hl + 2 * kvl) * hd + B * Tf * hl * hd + B * hl * (plan.flash_attention ? Tf : Tf * Tf));
     }
   }
-  if (shared) bytes += block_saved_bytes(c, B, T) + 4 * BT * std::max(C, c.n_head * c.head_dim());  // record, out
+  if (shared) {  // the recompute record and output
+    bytes += block_saved_bytes(c, B, T) + 4 * BT * std::max(C, c.n_head * c.head_dim()) -
+             (plan.flash_attention ? flash_saving : 0);
+  }
   if (last < c.n_layer) return bytes + 4 * B * Ts * C;  // the stage's output
   // The model's ends: the last block's output, the final norm (its shard under sequence
   // parallel, its statistics), the logits, the per-position losses and log-sum-exps.

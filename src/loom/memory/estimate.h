@@ -57,6 +57,10 @@ struct MemoryPlan {
   int cp = 1;                       // context-parallel ranks
   bool ulysses = false;             // cp attention: ring (false) or Ulysses
   int ep = 1;                       // expert-parallel ranks
+  // Attention that keeps its rows' log-sum-exp (B, H, T) instead of the probabilities
+  // (B, H, T, T) (FlashAttention, Dao et al. 2022: what a GPU backend keeps); false: the CPU
+  // backend's store.
+  bool flash_attention = false;
 };
 
 // w, g and K of accounting 1 for a run's precision and optimizer: w = 2 with precision.param =
