@@ -1,0 +1,649 @@
+// Contiguous and paged KV caches (PagedAttention, Kwon et al. 2023) with KIVI quantization (Liu
+// et al. 2024). The storage, quantization schedule, sharing and accounting rules are stated in
+// kv_cache.h. Both caches derive from TiledKvCache, which owns everything but the mapping from
+// (sequence, tile index) to bytes: the paged cache looks the tile up in the sequence's block
+// table, the contiguous cache adds its offset to the sequence's region base. Attention and
+// read walk rows through that one mapping, so both caches sum in the same order.
+#include "loom/infer/kv_cache.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "loom/core/error.h"
+#include "loom/core/tensor.h"
+
+namespace loom {
+
+namespace {
+
+enum KvStream : int { STREAM_K, STREAM_V, STREAM_COUNT };
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// One of a position's two rows (K or V): how it is stored and when it leaves the fp32 window.
+struct StreamLayout {
+  KvQuantSpec spec;
+  bool present = false;    // V is absent when v_width == 0
+  int64_t width = 0;       // channels (0 when absent)
+  int64_t row_bytes = 0;   // kv_row_bytes
+  int64_t tile_bytes = 0;  // one tile of B rows
+  int64_t window = 0;      // rows of the fp32 ring per layer (W in kv_cache.h)
+  int64_t block = 0, residual = 0;
+
+  StreamLayout() = default;
+  StreamLayout(const KvQuantSpec& s, const KvCacheConfig& c)
+      : spec(s), present(s.width > 0), width(s.width), block(c.block_size), residual(c.residual) {
+    if (!present) return;
+    row_bytes = kv_row_bytes(spec);
+    tile_bytes = kv_tile_bytes(spec, block);
+    if (spec.format == KV_FP32) window = 0;
+    else if (spec.per_channel_integer()) window = residual + block - 1;
+    else window = residual;
+  }
+
+  // Positions [0, result) of a layer with n positions are stored in tiles, [result, n) in the window.
+  int64_t window_start(int64_t n) const {
+    if (spec.format == KV_FP32) return n;
+    const int64_t aged = std::max<int64_t>(0, n - residual);
+    return spec.per_channel_integer() ? aged / block * block : aged;
+  }
+
+  // Bytes of a tile whose first `filled` positions are in use.
+  int64_t used_tile_bytes(int64_t filled) const {
+    if (!present || filled <= 0) return 0;
+    return filled * row_bytes + kv_tile_param_bytes(spec);
+  }
+};
+
+struct Layouts {
+  StreamLayout stream[STREAM_COUNT];
+  explicit Layouts(const KvCacheConfig& c) : stream{StreamLayout(c.k_spec(), c), StreamLayout(c.v_spec(), c)} {}
+  int64_t tile_pair_bytes() const { return stream[STREAM_K].tile_bytes + stream[STREAM_V].tile_bytes; }
+  int64_t window_floats_per_layer() const {
+    return stream[STREAM_K].window * stream[STREAM_K].width + stream[STREAM_V].window * stream[STREAM_V].width;
+  }
+};
+
+// q . k over n floats, eight partial sums (so the loop vectorizes) combined in a fixed order.
+float dot(const float* a, const float* b, int64_t n) {
+  float lane[8] = {};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (int j = 0; j < 8; ++j) lane[j] += a[i + j] * b[i + j];
+  }
+  float acc = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+  for (; i < n; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+bool float_aligned(const uint8_t* p) { return reinterpret_cast<uintptr_t>(p) % alignof(float) == 0; }
+
+struct Sequence {
+  bool live = false;
+  int64_t length = 0;                // committed positions
+  std::vector<uint8_t> written;      // [layer] 1 when the layer wrote position `length`
+  std::vector<int64_t> blocks;       // [tile] pool block (paged)
+  int64_t region = -1;               // region index (contiguous)
+  std::unique_ptr<Storage> window;   // [layer] (K ring (W_K, kw), V ring (W_V, vw)) fp32
+
+  bool part_written() const { return std::find(written.begin(), written.end(), 1) != written.end(); }
+  int64_t filled() const { return length + (part_written() ? 1 : 0); }
+};
+
+// Everything except where a sequence's tile k lives (see the file comment).
+class TiledKvCache : public KvCache {
+ public:
+  TiledKvCache(const KvCacheConfig& config, Allocator* allocator)
+      : allocator_(allocator ? allocator : &own_allocator_), config_(config), layouts_((config.validate(), config)) {
+    LOOM_CHECK(allocator_->device() == DEVICE_CPU,
+               "kv cache: not supported: storage on a device allocator (this cache reads and writes rows on the host)");
+    const int64_t widest = std::max(config.k_width, config.v_width);
+    tile_scratch_.resize(static_cast<size_t>(config.block_size * config.k_width));
+    rows_scratch_.resize(static_cast<size_t>(config.block_size * widest));
+  }
+
+  int64_t add_sequence() override {
+    Sequence s;
+    s.live = true;
+    s.written.assign(static_cast<size_t>(config_.n_layer), 0);
+    s.window = allocate_window();
+    on_add(s);
+    sequences_.push_back(std::move(s));
+    return static_cast<int64_t>(sequences_.size()) - 1;
+  }
+
+  int64_t fork(int64_t seq) override {
+    const Sequence& parent = live(seq);
+    LOOM_CHECK(!parent.part_written(), "kv cache: fork(sequence ", seq, ") in the middle of position ", parent.length,
+               " (some layers wrote it, advance() was not called)");
+    Sequence child;
+    child.live = true;
+    child.length = parent.length;
+    child.written = parent.written;
+    child.window = allocate_window();
+    if (child.window) std::memcpy(child.window->data, parent.window->data, child.window->bytes);
+    on_fork(parent, child);
+    sequences_.push_back(std::move(child));
+    return static_cast<int64_t>(sequences_.size()) - 1;
+  }
+
+  void release(int64_t seq) override {
+    Sequence& s = live(seq);
+    on_release(s);
+    s.window.reset();
+    s.blocks.clear();
+    s.written.clear();
+    s.live = false;
+  }
+
+  int64_t length(int64_t seq) const override { return live(seq).length; }
+
+  void write(int64_t seq, int64_t layer, const float* k, const float* v) override {
+    Sequence& s = live(seq);
+    check_layer(layer);
+    const int64_t p = s.length;
+    LOOM_CHECK(!s.written[static_cast<size_t>(layer)], "kv cache: layer ", layer, " of sequence ", seq,
+               " already wrote position ", p, "; call advance() once every layer has written it");
+    check_row(STREAM_K, k, seq, layer, p);
+    if (layouts_.stream[STREAM_V].present) check_row(STREAM_V, v, seq, layer, p);
+    if (!s.part_written()) reserve_position(s, seq, p);
+    store_row(s, layer, STREAM_K, p, k);
+    if (layouts_.stream[STREAM_V].present) store_row(s, layer, STREAM_V, p, v);
+    s.written[static_cast<size_t>(layer)] = 1;
+  }
+
+  void advance(int64_t seq) override {
+    Sequence& s = live(seq);
+    for (int64_t l = 0; l < config_.n_layer; ++l) {
+      LOOM_CHECK(s.written[static_cast<size_t>(l)], "kv cache: advance(sequence ", seq, ") before layer ", l,
+                 " wrote position ", s.length);
+    }
+    std::fill(s.written.begin(), s.written.end(), 0);
+    ++s.length;
+  }
+
+  void attend(int64_t seq, int64_t layer, const float* q, float* out, int64_t n_head, int64_t n_kv_head,
+              int64_t head_dim, int64_t window) override {
+    const Sequence& s = live(seq);
+    check_layer(layer);
+    LOOM_CHECK(config_.v_width > 0, "kv cache: attend needs V rows (v_width > 0); read() an MLA latent cache instead");
+    LOOM_CHECK(n_head > 0 && n_kv_head > 0 && head_dim > 0 && n_head % n_kv_head == 0, "kv cache: attend with ",
+               n_head, " query heads over ", n_kv_head, " kv heads of ", head_dim,
+               " (expected positive sizes, query heads a multiple of kv heads)");
+    LOOM_CHECK(n_kv_head * head_dim == config_.k_width && n_kv_head * head_dim == config_.v_width, "kv cache: ",
+               n_kv_head, " kv heads of ", head_dim, " do not match k_width ", config_.k_width, " and v_width ",
+               config_.v_width);
+    LOOM_CHECK(window >= 0, "kv cache: attention window must be >= 0 (0 = all positions), got ", window);
+    const int64_t n = visible(s, layer);
+    LOOM_CHECK(n > 0, "kv cache: attend on sequence ", seq, " whose layer ", layer, " holds no position");
+    const int64_t first = window > 0 ? std::max<int64_t>(0, n - window) : 0, positions = n - first;
+    const int64_t group = n_head / n_kv_head;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
+    if (scores_.size() < static_cast<size_t>(n_head * positions)) scores_.resize(static_cast<size_t>(n_head * positions));
+    float* scores = scores_.data();  // (n_head, positions)
+    walk_rows(s, layer, STREAM_K, first, n, n, [&](int64_t t, const float* k) {
+      for (int64_t h = 0; h < n_head; ++h) {
+        scores[h * positions + t - first] = dot(q + h * head_dim, k + h / group * head_dim, head_dim) * scale;
+      }
+    });
+    sums_.resize(static_cast<size_t>(n_head));
+    for (int64_t h = 0; h < n_head; ++h) {
+      float* row = scores + h * positions;
+      float m = row[0];
+      for (int64_t i = 1; i < positions; ++i) m = std::max(m, row[i]);
+      float sum = 0.0f;
+      for (int64_t i = 0; i < positions; ++i) {
+        row[i] = std::exp(row[i] - m);
+        sum += row[i];
+      }
+      sums_[static_cast<size_t>(h)] = sum;
+    }
+    std::fill(out, out + n_head * head_dim, 0.0f);
+    walk_rows(s, layer, STREAM_V, first, n, n, [&](int64_t t, const float* v) {
+      for (int64_t h = 0; h < n_head; ++h) {
+        const float w = scores[h * positions + t - first];
+        const float* vh = v + h / group * head_dim;
+        float* o = out + h * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) o[d] += w * vh[d];
+      }
+    });
+    for (int64_t h = 0; h < n_head; ++h) {
+      for (int64_t d = 0; d < head_dim; ++d) out[h * head_dim + d] /= sums_[static_cast<size_t>(h)];
+    }
+  }
+
+  void read(int64_t seq, int64_t layer, int64_t begin, int64_t end, float* k_out, float* v_out) override {
+    const Sequence& s = live(seq);
+    check_layer(layer);
+    const int64_t n = visible(s, layer);
+    LOOM_CHECK(0 <= begin && begin <= end && end <= n, "kv cache: read of positions [", begin, ", ", end,
+               ") of sequence ", seq, " layer ", layer, ", which holds ", n);
+    const auto copy_into = [](float* out, int64_t width, int64_t offset) {
+      return [=](int64_t t, const float* row) {
+        std::memcpy(out + (t - offset) * width, row, static_cast<size_t>(width) * sizeof(float));
+      };
+    };
+    walk_rows(s, layer, STREAM_K, begin, end, n, copy_into(k_out, config_.k_width, begin));
+    if (!layouts_.stream[STREAM_V].present) return;
+    LOOM_CHECK(v_out != nullptr, "kv cache: read needs v_out for v_width ", config_.v_width);
+    walk_rows(s, layer, STREAM_V, begin, end, n, copy_into(v_out, config_.v_width, begin));
+  }
+
+  const KvCacheConfig& config() const override { return config_; }
+
+ protected:
+  // Where tile k of a sequence lives: layer `layer`'s tile of `stream`.
+  virtual uint8_t* tile(const Sequence& s, int64_t k, int64_t layer, int stream) const = 0;
+  // Makes position p of a sequence addressable (paged: allocates its block at a tile's start).
+  virtual void reserve_position(Sequence& s, int64_t seq, int64_t p) = 0;
+  // Called before storing into tile k (paged: copy-on-write of a shared block).
+  virtual void make_tile_writable(Sequence& s, int64_t k) = 0;
+  virtual void on_add(Sequence& s) = 0;
+  virtual void on_fork(const Sequence& parent, Sequence& child) = 0;
+  virtual void on_release(Sequence& s) = 0;
+
+  // Bytes of the tiles holding a unit's first `filled` positions (B per tile, all layers).
+  int64_t used_bytes_of_positions(int64_t filled) const {
+    const int64_t B = config_.block_size;
+    int64_t bytes = 0;
+    for (int64_t k = 0; k * B < filled; ++k) {
+      const int64_t f = std::min(B, filled - k * B);
+      bytes += layouts_.stream[STREAM_K].used_tile_bytes(f) + layouts_.stream[STREAM_V].used_tile_bytes(f);
+    }
+    return config_.n_layer * bytes;
+  }
+
+  int64_t window_bytes_reserved() const {
+    int64_t bytes = 0;
+    for (const Sequence& s : sequences_) bytes += s.window ? static_cast<int64_t>(s.window->bytes) : 0;
+    return bytes;
+  }
+
+  // Window rows holding positions, over live sequences, in bytes.
+  int64_t window_bytes_in_use() const {
+    int64_t rows = 0;
+    for (const Sequence& s : sequences_) {
+      if (!s.live) continue;
+      for (int64_t l = 0; l < config_.n_layer; ++l) {
+        const int64_t n = visible(s, l);
+        for (const StreamLayout& st : layouts_.stream) {
+          if (st.present && st.window > 0) rows += (n - st.window_start(n)) * st.width;
+        }
+      }
+    }
+    return rows * static_cast<int64_t>(sizeof(float));
+  }
+
+  const Sequence& live(int64_t seq) const {
+    LOOM_CHECK(0 <= seq && seq < static_cast<int64_t>(sequences_.size()), "kv cache: unknown sequence id ", seq,
+               " (", sequences_.size(), " sequences were added)");
+    LOOM_CHECK(sequences_[static_cast<size_t>(seq)].live, "kv cache: sequence ", seq,
+               " was released (expected a live sequence)");
+    return sequences_[static_cast<size_t>(seq)];
+  }
+  Sequence& live(int64_t seq) { return const_cast<Sequence&>(std::as_const(*this).live(seq)); }
+
+  Allocator* allocator() const { return allocator_; }
+
+ private:
+  // First, so that it outlives every Storage allocated from it (pools and windows).
+  CpuAllocator own_allocator_;
+  Allocator* allocator_;
+
+ protected:
+  const KvCacheConfig config_;
+  const Layouts layouts_;
+  std::vector<Sequence> sequences_;  // [sequence id]; released ids stay, marked dead
+
+ private:
+  void check_layer(int64_t layer) const {
+    LOOM_CHECK(0 <= layer && layer < config_.n_layer, "kv cache: layer ", layer, " is outside [0, ", config_.n_layer,
+               ")");
+  }
+
+  // Integer formats need finite values inside fp16's range (the (scale, min) are fp16), checked
+  // before anything is stored so a bad row leaves the cache unchanged.
+  void check_row(int stream, const float* x, int64_t seq, int64_t layer, int64_t p) const {
+    const StreamLayout& st = layouts_.stream[stream];
+    LOOM_CHECK(x != nullptr, "kv cache: write of sequence ", seq, " layer ", layer, " has no ",
+               stream == STREAM_K ? "K" : "V", " row");
+    if (!kv_format_is_integer(st.spec.format)) return;
+    for (int64_t c = 0; c < st.width; ++c) {
+      LOOM_CHECK(std::fabs(x[c]) < 65504.0f, "kv cache: ", stream == STREAM_K ? "K" : "V", " row of sequence ", seq,
+                 " layer ", layer, " position ", p, " channel ", c, " is ", x[c],
+                 " (expected finite values with |x| < 65504 for ", kv_format_name(st.spec.format), ")");
+    }
+  }
+
+  int64_t visible(const Sequence& s, int64_t layer) const { return s.length + s.written[static_cast<size_t>(layer)]; }
+
+  std::unique_ptr<Storage> allocate_window() {
+    const int64_t floats = config_.n_layer * layouts_.window_floats_per_layer();
+    if (floats == 0) return nullptr;
+    return std::make_unique<Storage>(*allocator_, static_cast<size_t>(floats) * sizeof(float), MEM_KV_CACHE);
+  }
+
+  // Layer `layer`'s ring of `stream`: (W, width) fp32, position t in row t % W.
+  float* window_rows(const Sequence& s, int64_t layer, int stream) const {
+    if (!s.window) return nullptr;
+    float* base = static_cast<float*>(s.window->data) + layer * layouts_.window_floats_per_layer();
+    if (stream == STREAM_V) base += layouts_.stream[STREAM_K].window * layouts_.stream[STREAM_K].width;
+    return base;
+  }
+
+  // Position p's row x joins layer `layer`: rows leaving the window go to their tiles first (row
+  // p itself when it is not to stay in the window), then p enters the window.
+  void store_row(Sequence& s, int64_t layer, int stream, int64_t p, const float* x) {
+    const StreamLayout& st = layouts_.stream[stream];
+    const int64_t B = config_.block_size, W = st.width;
+    const int64_t old_start = st.window_start(p), new_start = st.window_start(p + 1);
+    float* ring = window_rows(s, layer, stream);
+    const auto row_at = [&](int64_t t) -> const float* { return t == p ? x : ring + t % st.window * W; };
+    if (st.spec.per_channel_integer()) {
+      if (new_start > old_start) {  // tile old_start / B ages out whole
+        const int64_t k = old_start / B;
+        for (int64_t r = 0; r < B; ++r) {
+          std::memcpy(tile_scratch_.data() + r * W, row_at(k * B + r), static_cast<size_t>(W) * sizeof(float));
+        }
+        make_tile_writable(s, k);
+        kv_quantize_tile(st.spec, tile_scratch_.data(), B, tile(s, k, layer, stream));
+      }
+    } else {
+      for (int64_t t = old_start; t < new_start; ++t) {
+        make_tile_writable(s, t / B);
+        kv_quantize_tile(st.spec, row_at(t), 1, tile(s, t / B, layer, stream) + t % B * st.row_bytes);
+      }
+    }
+    if (p >= new_start) std::memcpy(ring + p % st.window * W, x, static_cast<size_t>(W) * sizeof(float));
+  }
+
+  // Calls fn(t, row) for positions t in [begin, end) in increasing order with layer `layer`'s
+  // fp32 row of `stream` (width floats), for a layer holding n positions.
+  template <typename Fn>
+  void walk_rows(const Sequence& s, int64_t layer, int stream, int64_t begin, int64_t end, int64_t n, Fn&& fn) {
+    const StreamLayout& st = layouts_.stream[stream];
+    const int64_t B = config_.block_size, W = st.width;
+    const int64_t stored_end = std::min(end, st.window_start(n));
+    int64_t t = begin;
+    while (t < stored_end) {
+      const int64_t k = t / B, r0 = t % B, r1 = std::min(B, stored_end - k * B);
+      const uint8_t* tp = tile(s, k, layer, stream);
+      if (st.spec.format == KV_FP32 && float_aligned(tp)) {
+        for (int64_t r = r0; r < r1; ++r) fn(t++, reinterpret_cast<const float*>(tp + r * st.row_bytes));
+      } else {
+        kv_dequantize_tile(st.spec, tp, B, r0, r1, rows_scratch_.data());
+        for (int64_t r = r0; r < r1; ++r) fn(t++, rows_scratch_.data() + (r - r0) * W);
+      }
+    }
+    const float* ring = window_rows(s, layer, stream);
+    for (; t < end; ++t) fn(t, ring + t % st.window * W);
+  }
+
+  std::vector<float> tile_scratch_;  // (B, k_width): a per-channel tile being quantized
+  std::vector<float> rows_scratch_;  // (B, max(k_width, v_width)): dequantized rows
+  std::vector<float> scores_;        // (n_head, positions)
+  std::vector<float> sums_;          // [n_head] softmax denominators
+};
+
+// PagedAttention's block manager: a pool of num_blocks blocks, a free list, reference counts.
+class PagedKvCache final : public TiledKvCache {
+ public:
+  PagedKvCache(const KvCacheConfig& config, Allocator* allocator)
+      : TiledKvCache(checked(config), allocator),
+        block_bytes_(kv_block_bytes(config)),
+        pool_(*this->allocator(), static_cast<size_t>(config.num_blocks * block_bytes_), MEM_KV_CACHE),
+        refcount_(static_cast<size_t>(config.num_blocks), 0) {
+    for (int64_t b = config.num_blocks - 1; b >= 0; --b) free_.push_back(b);
+  }
+
+  int64_t bytes_reserved() const override { return config_.num_blocks * block_bytes_ + window_bytes_reserved(); }
+  int64_t bytes_used() const override {
+    int64_t bytes = window_bytes_in_use();
+    for (int64_t f : block_fill()) bytes += used_bytes_of_positions(f);
+    return bytes;
+  }
+  int64_t block_bytes() const override { return block_bytes_; }
+  int64_t block_positions() const override { return config_.block_size; }
+  int64_t blocks_in_use() const override { return config_.num_blocks - free_blocks(); }
+  int64_t free_blocks() const override { return static_cast<int64_t>(free_.size()); }
+  int64_t positions_in_use() const override {
+    int64_t positions = 0;
+    for (int64_t f : block_fill()) positions += f;
+    return positions;
+  }
+  double utilisation() const override {
+    if (blocks_in_use() == 0) return 0.0;
+    int64_t bytes = 0;
+    for (int64_t f : block_fill()) bytes += used_bytes_of_positions(f);
+    return static_cast<double>(bytes) / static_cast<double>(blocks_in_use() * block_bytes_);
+  }
+  int64_t sequence_blocks(int64_t seq) const override { return static_cast<int64_t>(live(seq).blocks.size()); }
+  int64_t block_refcount(int64_t seq, int64_t position) const override {
+    const Sequence& s = live(seq);
+    const int64_t k = position / config_.block_size;
+    LOOM_CHECK(0 <= position && k < static_cast<int64_t>(s.blocks.size()), "kv cache: position ", position,
+               " of sequence ", seq, " has no block (", s.blocks.size(), " blocks of ", config_.block_size, ")");
+    return refcount_[static_cast<size_t>(s.blocks[static_cast<size_t>(k)])];
+  }
+
+ protected:
+  uint8_t* tile(const Sequence& s, int64_t k, int64_t layer, int stream) const override {
+    const int64_t block = s.blocks[static_cast<size_t>(k)];
+    return static_cast<uint8_t*>(pool_.data) + block * block_bytes_ + layer * layouts_.tile_pair_bytes() +
+           (stream == STREAM_V ? layouts_.stream[STREAM_K].tile_bytes : 0);
+  }
+
+  void reserve_position(Sequence& s, int64_t, int64_t p) override {
+    if (p / config_.block_size < static_cast<int64_t>(s.blocks.size())) return;
+    s.blocks.push_back(allocate_block());
+  }
+
+  void make_tile_writable(Sequence& s, int64_t k) override {
+    int64_t& block = s.blocks[static_cast<size_t>(k)];
+    if (refcount_[static_cast<size_t>(block)] == 1) return;
+    const int64_t copy = allocate_block();
+    uint8_t* base = static_cast<uint8_t*>(pool_.data);
+    std::memcpy(base + copy * block_bytes_, base + block * block_bytes_, static_cast<size_t>(block_bytes_));
+    --refcount_[static_cast<size_t>(block)];
+    block = copy;
+  }
+
+  void on_add(Sequence&) override {}
+  void on_fork(const Sequence& parent, Sequence& child) override {
+    child.blocks = parent.blocks;
+    for (int64_t b : child.blocks) ++refcount_[static_cast<size_t>(b)];
+  }
+  void on_release(Sequence& s) override {
+    for (int64_t b : s.blocks) {
+      if (--refcount_[static_cast<size_t>(b)] == 0) free_.push_back(b);
+    }
+  }
+
+ private:
+  static const KvCacheConfig& checked(const KvCacheConfig& config) {
+    LOOM_CHECK(config.num_blocks > 0, "kv_cache.num_blocks must be > 0 for a paged cache, got ", config.num_blocks);
+    return config;
+  }
+
+  int64_t allocate_block() {
+    LOOM_CHECK(!free_.empty(), "kv cache: out of blocks: all ", config_.num_blocks, " blocks of the pool (",
+               config_.block_size, " positions each) are in use; raise kv_cache.num_blocks or release sequences");
+    const int64_t b = free_.back();
+    free_.pop_back();
+    refcount_[static_cast<size_t>(b)] = 1;
+    return b;
+  }
+
+  // [block] filled positions: the most any live sequence referring to the block fills.
+  std::vector<int64_t> block_fill() const {
+    std::vector<int64_t> fill(static_cast<size_t>(config_.num_blocks), 0);
+    for (const Sequence& s : sequences_) {
+      if (!s.live) continue;
+      const int64_t n = s.filled();
+      for (size_t k = 0; k < s.blocks.size(); ++k) {
+        const int64_t f = std::clamp<int64_t>(n - static_cast<int64_t>(k) * config_.block_size, 0, config_.block_size);
+        fill[static_cast<size_t>(s.blocks[k])] = std::max(fill[static_cast<size_t>(s.blocks[k])], f);
+      }
+    }
+    return fill;
+  }
+
+  const int64_t block_bytes_;
+  Storage pool_;                   // (num_blocks, block_bytes_)
+  std::vector<int32_t> refcount_;  // [block] sequences referring to it
+  std::vector<int64_t> free_;      // free blocks; the back is handed out next
+};
+
+// One region of max_len positions per sequence slot, laid out [layer][K tiles | V tiles].
+class ContiguousKvCache final : public TiledKvCache {
+ public:
+  ContiguousKvCache(const KvCacheConfig& config, int64_t max_sequences, Allocator* allocator)
+      : TiledKvCache(checked(config, max_sequences), allocator),
+        max_sequences_(max_sequences),
+        stream_bytes_{region_stream_bytes(STREAM_K), region_stream_bytes(STREAM_V)},
+        region_bytes_(config.n_layer * (stream_bytes_[STREAM_K] + stream_bytes_[STREAM_V])),
+        pool_(*this->allocator(), static_cast<size_t>(max_sequences * region_bytes_), MEM_KV_CACHE) {
+    for (int64_t r = max_sequences - 1; r >= 0; --r) free_.push_back(r);
+  }
+
+  int64_t bytes_reserved() const override { return max_sequences_ * region_bytes_ + window_bytes_reserved(); }
+  int64_t bytes_used() const override {
+    int64_t bytes = window_bytes_in_use();
+    for (const Sequence& s : sequences_) bytes += s.live ? used_bytes_of_positions(s.filled()) : 0;
+    return bytes;
+  }
+  int64_t block_bytes() const override { return region_bytes_; }
+  int64_t block_positions() const override { return config_.max_len; }
+  int64_t blocks_in_use() const override { return max_sequences_ - free_blocks(); }
+  int64_t free_blocks() const override { return static_cast<int64_t>(free_.size()); }
+  int64_t positions_in_use() const override {
+    int64_t positions = 0;
+    for (const Sequence& s : sequences_) positions += s.live ? s.filled() : 0;
+    return positions;
+  }
+  double utilisation() const override {
+    if (blocks_in_use() == 0) return 0.0;
+    int64_t bytes = 0;
+    for (const Sequence& s : sequences_) bytes += s.live ? used_bytes_of_positions(s.filled()) : 0;
+    return static_cast<double>(bytes) / static_cast<double>(blocks_in_use() * region_bytes_);
+  }
+  int64_t sequence_blocks(int64_t seq) const override { return live(seq).region >= 0 ? 1 : 0; }
+  int64_t block_refcount(int64_t seq, int64_t position) const override {
+    live(seq);
+    LOOM_CHECK(0 <= position && position < config_.max_len, "kv cache: position ", position, " is outside [0, ",
+               config_.max_len, ")");
+    return 1;
+  }
+
+ protected:
+  uint8_t* tile(const Sequence& s, int64_t k, int64_t layer, int stream) const override {
+    return static_cast<uint8_t*>(pool_.data) + s.region * region_bytes_ +
+           layer * (stream_bytes_[STREAM_K] + stream_bytes_[STREAM_V]) + (stream == STREAM_V ? stream_bytes_[STREAM_K] : 0) +
+           k * layouts_.stream[stream].tile_bytes;
+  }
+
+  void reserve_position(Sequence&, int64_t seq, int64_t p) override {
+    LOOM_CHECK(p < config_.max_len, "kv cache: sequence ", seq, " is full (max_len ", config_.max_len, " positions)");
+  }
+  void make_tile_writable(Sequence&, int64_t) override {}
+
+  void on_add(Sequence& s) override { s.region = take_region(); }
+  void on_fork(const Sequence& parent, Sequence& child) override {
+    child.region = take_region();
+    uint8_t* base = static_cast<uint8_t*>(pool_.data);
+    std::memcpy(base + child.region * region_bytes_, base + parent.region * region_bytes_,
+                static_cast<size_t>(region_bytes_));
+  }
+  void on_release(Sequence& s) override {
+    free_.push_back(s.region);
+    s.region = -1;
+  }
+
+ private:
+  static const KvCacheConfig& checked(const KvCacheConfig& config, int64_t max_sequences) {
+    LOOM_CHECK(max_sequences > 0, "kv cache: max_sequences must be > 0 for a contiguous cache, got ", max_sequences);
+    LOOM_CHECK(config.max_len > 0, "kv_cache.max_len must be > 0 for a contiguous cache, got ", config.max_len);
+    const bool per_channel = config.k_spec().per_channel_integer() || (config.v_width > 0 && config.v_spec().per_channel_integer());
+    LOOM_CHECK(!per_channel || config.max_len % config.block_size == 0, "kv_cache.max_len ", config.max_len,
+               " must be a multiple of kv_cache.block_size ", config.block_size,
+               " for per-channel quantization (tiles of block_size positions)");
+    return config;
+  }
+
+  // One layer's stream in a region: max_len rows, or whole tiles for per-channel integers.
+  int64_t region_stream_bytes(int stream) const {
+    const StreamLayout& st = layouts_.stream[stream];
+    if (!st.present) return 0;
+    if (st.spec.per_channel_integer()) return config_.max_len / config_.block_size * st.tile_bytes;
+    return config_.max_len * st.row_bytes;
+  }
+
+  int64_t take_region() {
+    LOOM_CHECK(!free_.empty(), "kv cache: all ", max_sequences_, " sequence regions of the contiguous cache are in use",
+               " (max_sequences ", max_sequences_, ")");
+    const int64_t r = free_.back();
+    free_.pop_back();
+    return r;
+  }
+
+  const int64_t max_sequences_;
+  const int64_t stream_bytes_[STREAM_COUNT];  // [stream] one layer's bytes in a region
+  const int64_t region_bytes_;
+  Storage pool_;                // (max_sequences, region_bytes_)
+  std::vector<int64_t> free_;   // free regions
+};
+
+}  // namespace
+
+void KvCacheConfig::validate() const {
+  LOOM_CHECK(n_layer > 0, "kv_cache.n_layer must be > 0, got ", n_layer);
+  LOOM_CHECK(k_width > 0, "kv_cache.k_width must be > 0, got ", k_width);
+  LOOM_CHECK(v_width >= 0, "kv_cache.v_width must be >= 0 (0 = no V rows), got ", v_width);
+  LOOM_CHECK(block_size > 0, "kv_cache.block_size must be > 0, got ", block_size);
+  LOOM_CHECK(residual >= 0, "kv_cache.residual must be >= 0, got ", residual);
+  LOOM_CHECK(group >= 0, "kv_cache.group must be >= 0 (0 = the whole row), got ", group);
+  const auto check_spec = [](const KvQuantSpec& spec, const char* which) {
+    try {
+      spec.validate();
+    } catch (const Error& e) {
+      throw Error(str_cat("kv_cache ", which, " rows: ", e.what()));
+    }
+  };
+  check_spec(k_spec(), "K");
+  if (v_width > 0) check_spec(v_spec(), "V");
+}
+
+int64_t kv_block_bytes(const KvCacheConfig& config) {
+  config.validate();
+  const Layouts layouts(config);
+  return config.n_layer * layouts.tile_pair_bytes();
+}
+
+double kv_bytes_per_token(const KvCacheConfig& config) {
+  return static_cast<double>(kv_block_bytes(config)) / static_cast<double>(config.block_size);
+}
+
+int64_t kv_window_bytes(const KvCacheConfig& config) {
+  config.validate();
+  const Layouts layouts(config);
+  return config.n_layer * layouts.window_floats_per_layer() * static_cast<int64_t>(sizeof(float));
+}
+
+int64_t kv_sequence_bytes(const KvCacheConfig& config, int64_t length) {
+  LOOM_CHECK(length >= 0, "kv cache: sequence length must be >= 0, got ", length);
+  return ceil_div(length, config.block_size) * kv_block_bytes(config) + kv_window_bytes(config);
+}
+
+std::unique_ptr<KvCache> make_contiguous_kv_cache(const KvCacheConfig& config, int64_t max_sequences,
+                                                  Allocator* allocator) {
+  return std::make_unique<ContiguousKvCache>(config, max_sequences, allocator);
+}
+
+std::unique_ptr<KvCache> make_paged_kv_cache(const KvCacheConfig& config, Allocator* allocator) {
+  return std::make_unique<PagedKvCache>(config, allocator);
+}
+
+}  // namespace loom

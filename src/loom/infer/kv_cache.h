@@ -1,0 +1,148 @@
+// KV cache for autoregressive decoding: a contiguous cache (one fixed region of max_len
+// positions per sequence) and a paged cache (PagedAttention, Kwon et al. 2023: a pool of
+// fixed-size blocks, per-sequence block tables, reference-counted sharing with copy-on-write),
+// both storing rows in fp32, bf16 or KIVI's asymmetric int8/int4/int2 (Liu et al. 2024; formats
+// and byte layout in kv_quant.h).
+//
+// Dims: L = n_layer, B = block_size, R = residual, kw / vw = k_width / v_width. A position holds,
+// per layer, a K row (kw) and a V row (vw). vw may be 0: an MLA cache keeps only the compressed
+// latent (and the decoupled RoPE key) in the K row and is read with read().
+//
+// Decoding a position (per sequence):
+//     for layer l: write(seq, l, k, v); attend(seq, l, q, out, ...)   // or read(...)
+//     advance(seq)
+// write() stores position length(seq) of layer l; advance() commits it once every layer wrote
+// it. A layer's visible positions are [0, n) with n = length(seq) + (1 if that layer already
+// wrote position length(seq), else 0): attend and read see the row just written.
+//
+// Storage. Positions are grouped into tiles of B consecutive positions (tile k = positions
+// [kB, kB + B)); a tile holds, for every layer, a K tile and a V tile of B rows in the configured
+// formats: block layout [layer][K tile (kv_tile_bytes(k spec, B)) | V tile]. The paged cache maps
+// tile k of a sequence to a pool block through the sequence's block table; the contiguous cache
+// keeps a sequence's tiles at fixed offsets of its region, laid out [layer][K tiles | V tiles],
+// so an fp32 layer's K rows are one (max_len, kw) array.
+//
+// Quantization schedule (per layer, separately for K and V; "quantize" = store in the format):
+//   fp32:                              rows are stored in their tile when written.
+//   bf16 (either axis), per-token int: the newest R positions stay in an fp32 window; a position
+//                                      is stored in its tile when it leaves the window
+//                                      (R = 0: when written). Positions [0, max(0, n - R)) are
+//                                      in tiles.
+//   per-channel integer (KIVI keys):   a whole tile is quantized at once (block_size is the
+//                                      per-channel group) when all its positions are older than
+//                                      the newest R: positions [0, floor(max(0, n - R) / B) * B)
+//                                      are in tiles, the rest (at most R + B - 1) in the window.
+// The fp32 window is a per-sequence ring of W rows per layer and stream (W = 0 for fp32, R for
+// bf16/per-token, R + B - 1 for per-channel integer); rows in it read back bitwise as written.
+// A tile's slots are reserved (its block allocated) when its first position is written, even if
+// its rows still sit in the window.
+//
+// Sharing (paged). fork(seq) gives a new sequence the parent's block table (refcount + 1 on
+// every block, the partially filled last one included) and a copy of its fp32 window. The first
+// store into a block whose refcount is > 1 copies the block (all layers) into a free block for
+// the writing sequence (copy-on-write); the other sharers keep the original. release() drops
+// the sequence's references and returns blocks whose count reaches 0 to the free list. The
+// contiguous cache's fork copies the region; it needs max_len to be a multiple of B when a
+// stream is per-channel integer (whole tiles).
+//
+// Sequence ids count up from 0 and are never reused: using a released id throws ("was released").
+//
+// Accounting. bytes_reserved(): the pool (num_blocks blocks, or max_sequences regions) plus the
+// fp32 windows of live sequences. bytes_used(): over distinct blocks (regions) in use, the bytes
+// of their filled positions (integer per-token: kv_row_bytes per position; integer per-channel:
+// the tile's (scale, min) pairs once any position is filled, plus code rows), plus the window
+// rows holding positions. A sequence fills length(seq) positions, plus one while a position is
+// part-written. utilisation() = block part of bytes_used() / (blocks_in_use() * block_bytes()).
+//
+// Attention (attend): for query head h (kv head g = h / (n_head / n_kv_head)) over positions
+// [first, n), first = window > 0 ? max(0, n - window) : 0,
+//     s_t = (q_h . k_t[g]) / sqrt(head_dim),  p_t = exp(s_t - max s) / sum_t exp(s_t - max s),
+//     out_h = sum_t p_t v_t[g],
+// two passes in fp32 over positions in increasing order. Both caches run the same kernel on rows
+// handed out by the same walker (only the tile lookup differs), so for the same rows they give
+// bitwise equal outputs.
+//
+// A cache is not thread-safe: attend and read use scratch buffers owned by the cache.
+#pragma once
+#include <cstdint>
+#include <memory>
+
+#include "loom/infer/kv_quant.h"
+
+namespace loom {
+
+class Allocator;
+
+struct KvCacheConfig {
+  int64_t n_layer = 0, k_width = 0, v_width = 0;
+  int64_t block_size = 16;  // positions per block (paged) and per tile (both); per-channel group
+  int64_t num_blocks = 0;   // pool size (paged; must be > 0)
+  int64_t max_len = 0;      // positions per sequence (contiguous; must be > 0)
+  KvFormat k_format = KV_FP32, v_format = KV_FP32;
+  KvAxis k_axis = KV_PER_TOKEN, v_axis = KV_PER_TOKEN;
+  int64_t group = 0;     // per-token integer: channels per (scale, min) group; 0 = the whole row
+  int64_t residual = 0;  // KIVI: the newest `residual` positions stay fp32 (see the schedule above)
+
+  void validate() const;  // shapes, formats and groups; throws naming the kv_cache.<field>
+  KvQuantSpec k_spec() const { return {k_format, k_axis, k_width, group}; }
+  KvQuantSpec v_spec() const { return {v_format, v_axis, v_width, group}; }
+};
+
+// Bytes of one block (B positions, all layers, K and V tiles).
+int64_t kv_block_bytes(const KvCacheConfig& config);
+// Asymptotic bytes per position (all layers) of the stored formats: kv_block_bytes / B, i.e.
+//     L * (bytes_K + bytes_V),  bytes = 4w (fp32), 2w (bf16), w b / 8 + 4 w / group (per-token
+//     integer, group 0 = w), w b / 8 + 4 w / B (per-channel integer), b = 8, 4, 2;
+// for rows whose codes fill whole bytes (w b divisible by 8). The fp32 window is a per-sequence
+// constant (kv_window_bytes) and is not included.
+double kv_bytes_per_token(const KvCacheConfig& config);
+// fp32 window bytes per sequence: 4 L (W_K kw + W_V vw), W as in the schedule above.
+int64_t kv_window_bytes(const KvCacheConfig& config);
+// Exact bytes a paged cache reserves for one unshared sequence of `length` positions:
+// ceil(length / B) * kv_block_bytes + kv_window_bytes.
+int64_t kv_sequence_bytes(const KvCacheConfig& config, int64_t length);
+
+class KvCache {
+ public:
+  virtual ~KvCache() = default;
+
+  virtual int64_t add_sequence() = 0;         // a new empty sequence; returns its id
+  virtual int64_t fork(int64_t seq) = 0;      // a new sequence with seq's positions (see Sharing)
+  virtual void release(int64_t seq) = 0;      // the id becomes invalid; its storage is returned
+  virtual int64_t length(int64_t seq) const = 0;  // committed positions
+
+  // k: (k_width), v: (v_width; ignored when v_width == 0) -> position length(seq) of `layer`.
+  virtual void write(int64_t seq, int64_t layer, const float* k, const float* v) = 0;
+  virtual void advance(int64_t seq) = 0;  // commits position length(seq); every layer must have written it
+
+  // q: (n_head, head_dim), out: (n_head, head_dim); needs k_width == v_width == n_kv_head * head_dim.
+  virtual void attend(int64_t seq, int64_t layer, const float* q, float* out, int64_t n_head, int64_t n_kv_head,
+                      int64_t head_dim, int64_t window = 0) = 0;
+  // Rows [begin, end) of the visible positions, dequantized: k_out (end - begin, k_width) and,
+  // when v_width > 0, v_out (end - begin, v_width).
+  virtual void read(int64_t seq, int64_t layer, int64_t begin, int64_t end, float* k_out, float* v_out) = 0;
+
+  virtual const KvCacheConfig& config() const = 0;
+  // Accounting (see the header comment). A "block" is a pool block (paged) or a sequence's
+  // region (contiguous).
+  virtual int64_t bytes_reserved() const = 0;
+  virtual int64_t bytes_used() const = 0;
+  virtual int64_t block_bytes() const = 0;
+  virtual int64_t block_positions() const = 0;  // B (paged) or max_len (contiguous)
+  virtual int64_t blocks_in_use() const = 0;
+  virtual int64_t free_blocks() const = 0;
+  virtual int64_t positions_in_use() const = 0;  // filled positions over distinct blocks
+  virtual double utilisation() const = 0;
+  virtual int64_t sequence_blocks(int64_t seq) const = 0;                   // blocks seq refers to
+  virtual int64_t block_refcount(int64_t seq, int64_t position) const = 0;  // sharers of position's block
+};
+
+// max_sequences regions of max_len positions, allocated up front. allocator: a host allocator
+// (it must outlive the cache) whose tracker accounts the storage under MEM_KV_CACHE, exactly
+// bytes_reserved(); nullptr = one owned by the cache.
+std::unique_ptr<KvCache> make_contiguous_kv_cache(const KvCacheConfig& config, int64_t max_sequences,
+                                                  Allocator* allocator = nullptr);
+// A pool of num_blocks blocks of block_size positions, allocated up front.
+std::unique_ptr<KvCache> make_paged_kv_cache(const KvCacheConfig& config, Allocator* allocator = nullptr);
+
+}  // namespace loom
