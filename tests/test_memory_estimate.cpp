@@ -135,5 +135,47 @@ TEST(MemoryEstimateTest, OffloadTrainsAModelWhoseOptimizerStateExceedsTheDeviceB
   EXPECT_EQ(est.bytes[MEM_OFFLOADED], state);
 }
 
+// Activation offload: the checkpointed blocks' kept fields move to host memory (the offloaded
+// category), exactly as estimated; the losses are bitwise those of the run that keeps them.
+TEST(MemoryEstimateTest, ActivationOffloadMovesTheCheckpointsToHostMemory) {
+  for (const char* preset : {"gpt2-tiny", "llama-tiny"}) {
+    const ModelConfig config = model_preset(preset);
+    std::vector<int32_t> corpus(2048);
+    for (size_t i = 0; i < corpus.size(); ++i) corpus[i] = static_cast<int32_t>(i * 7 % config.vocab_size);
+    for (const char* policy : {"full", "selective", "every:2"}) {
+      std::vector<double> losses[2];
+      int64_t activations[2] = {0, 0}, offloaded[2] = {0, 0};
+      MemoryPlan plan;
+      plan.model = config, plan.batch = 2, plan.seq_len = 16, plan.recompute = policy;
+      for (const bool offload : {false, true}) {
+        auto backend = make_cpu_backend();
+        Transformer model(*backend, config);
+        model.init_weights(2);
+        TrainConfig tc;
+        tc.batch_size = 2, tc.seq_len = 16, tc.steps = 3, tc.recompute = policy, tc.offload_activations = offload;
+        Trainer trainer(*backend, model, tc);
+        RandomWindowSource data(corpus, 4);
+        for (int s = 0; s < 3; ++s) losses[offload].push_back(trainer.train_step(data).loss);
+        const MemoryTracker& mem = backend->allocator().tracker();
+        activations[offload] = static_cast<int64_t>(mem.current(MEM_ACTIVATIONS));
+        offloaded[offload] = static_cast<int64_t>(mem.current(MEM_OFFLOADED));
+        plan.offload_activations = offload;
+        const MemoryEstimate est = estimate_memory(plan);
+        EXPECT_EQ(est.bytes[MEM_ACTIVATIONS], activations[offload]) << preset << " " << policy << " " << offload;
+        EXPECT_EQ(est.bytes[MEM_OFFLOADED], offloaded[offload]) << preset << " " << policy << " " << offload;
+      }
+      EXPECT_EQ(losses[1], losses[0]) << preset << " " << policy;
+      EXPECT_EQ(offloaded[0], 0);
+      EXPECT_GT(offloaded[1], 0);
+      EXPECT_EQ(activations[0], activations[1] + offloaded[1]) << preset << " " << policy;  // moved, not added
+    }
+  }
+  TrainConfig tc;
+  tc.offload_activations = true;  // without a checkpointing policy: nothing to offload
+  const std::string error = test::error_of([&] { tc.validate(); });
+  EXPECT_NE(error.find("train.offload_activations"), std::string::npos) << error;
+  EXPECT_NE(error.find("train.recompute"), std::string::npos) << error;
+}
+
 }  // namespace
 }  // namespace loom

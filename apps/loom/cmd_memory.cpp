@@ -72,6 +72,7 @@ int memory_main(int argc, char** argv) {
   plan.micro = config.train.grad_accum, plan.virtual_stages = static_cast<int>(config.parallel.virtual_stages);
   plan.cp = static_cast<int>(config.parallel.cp), plan.ulysses = config.parallel.cp_attention == "ulysses";
   plan.ep = static_cast<int>(config.parallel.ep);
+  plan.offload_activations = config.train.offload_activations;
   // The data-parallel ranks: --ranks, else parallel.dp, else what the world leaves.
   const int model_ranks = plan.tp * plan.pp * plan.cp;
   const int dp_default = config.parallel.dp > 0 ? static_cast<int>(config.parallel.dp) : std::max(1, comm->size() / model_ranks);

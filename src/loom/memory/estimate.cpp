@@ -39,6 +39,8 @@ void check_plan(const MemoryPlan& p) {
   LOOM_CHECK(!p.sequence_parallel || p.tp > 1, "parallel.sequence_parallel needs parallel.tp > 1");
   LOOM_CHECK(p.ep == 1 || p.model.moe_experts % p.ep == 0, "parallel.ep = ", p.ep, " must divide model.moe_experts = ",
              p.model.moe_experts);
+  LOOM_CHECK(!p.offload_activations || (p.recompute != "none" && p.recompute != "budget"),
+             "loom memory: train.offload_activations is estimated with train.recompute = selective, full or every:K");
   LOOM_CHECK(p.recompute == "none" || (p.tp == 1 && p.pp == 1 && p.cp == 1),
              "activation checkpointing (train.recompute) with tensor, pipeline or context parallelism is not supported yet");
 }
@@ -139,6 +141,15 @@ MemoryEstimate estimate_rank(const MemoryPlan& plan, const ModelConfig& c, const
   }
   e.bytes[plan.optim.offload ? MEM_OFFLOADED : MEM_OPTIMIZER_STATE] = optimizer_state_bytes(mine, resolved);
   e.bytes[MEM_ACTIVATIONS] = rank_activation_bytes(plan, c, st, pp_rank);
+  if (plan.offload_activations && plan.recompute != "budget") {  // the checkpointed blocks' kept fields
+    const std::vector<RecomputePolicy> policies = recompute_plan(plan.recompute, c.n_layer);
+    for (int64_t l = 0; l < c.n_layer; ++l) {
+      if (c.moe_layer(l) || policies[l] == RECOMPUTE_NONE) continue;
+      const int64_t kept = block_saved_bytes(c, plan.batch, plan.seq_len, false, 1, false, false, policies[l]);
+      e.bytes[MEM_ACTIVATIONS] -= kept;
+      e.bytes[MEM_OFFLOADED] += kept;
+    }
+  }
   return e;
 }
 }  // namespace

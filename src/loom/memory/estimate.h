@@ -61,6 +61,7 @@ struct MemoryPlan {
   // (B, H, T, T) (FlashAttention, Dao et al. 2022: what a GPU backend keeps); false: the CPU
   // backend's store.
   bool flash_attention = false;
+  bool offload_activations = false;  // train.offload_activations: checkpointed blocks' kept fields offloaded
 };
 
 // w, g and K of accounting 1 for a run's precision and optimizer: w = 2 with precision.param =

@@ -191,11 +191,12 @@ ActivationStore Transformer::allocate_stage_store(int64_t batch, int64_t seq_len
   return allocate_store_for(batch, seq_len, first, last, split_backward, cp_.comm != nullptr);
 }
 
-void Transformer::set_recompute(std::vector<RecomputePolicy> plan) {
+void Transformer::set_recompute(std::vector<RecomputePolicy> plan, bool offload) {
   LOOM_CHECK(scratch_tokens_ == 0, "set_recompute must come before the activation stores are allocated");
   LOOM_CHECK(plan.empty() || static_cast<int64_t>(plan.size()) == config_.n_layer, "recompute plan of ", plan.size(),
              " layers for a model of ", config_.n_layer);
   recompute_ = std::move(plan);
+  recompute_offload_ = offload;
 }
 
 std::vector<std::array<double, RECOMPUTE_COUNT>> Transformer::measure_recompute_seconds(int64_t batch, int64_t seq_len,
@@ -270,8 +271,9 @@ ActivationStore Transformer::allocate_store_for(int64_t batch, int64_t seq_len, 
   s.blocks.resize(static_cast<size_t>(config_.n_layer));
   for (int64_t l = first; l < last; ++l) {
     const RecomputePolicy keep = recompute && !recompute_.empty() ? recompute_[l] : RECOMPUTE_NONE;
+    const MemCategory where = keep != RECOMPUTE_NONE && recompute_offload_ ? MEM_OFFLOADED : MEM_ACTIVATIONS;
     s.blocks[l] = allocate_block_saved(alloc, config_, B, T, split_backward, shards(), context_parallel,
-                                       config_.moe_layer(l), keep, MEM_ACTIVATIONS, ep_size());
+                                       config_.moe_layer(l), keep, where, ep_size());
   }
   if (last < config_.n_layer) {
     s.blocks[last].input = act({B, Ts, C});  // the stage's output: the next stage's input

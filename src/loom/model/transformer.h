@@ -107,7 +107,8 @@ class Transformer {
   // Activation checkpointing (memory/recompute.h): each block's policy (empty: none), set before
   // the activation stores are allocated. Blocks that recompute keep less in every store; one
   // shared full record (and its output scratch) receives the recomputed fields in backward.
-  void set_recompute(std::vector<RecomputePolicy> plan);
+  // offload: the checkpointed blocks' kept fields are host memory (MEM_OFFLOADED).
+  void set_recompute(std::vector<RecomputePolicy> plan, bool offload = false);
   const std::vector<RecomputePolicy>& recompute_plan() const { return recompute_; }
   // Measured seconds of recomputing each block under each policy for a (batch, seq_len)
   // micro-batch (the fastest of `repeats` runs on a scratch record; none: 0).
@@ -197,6 +198,7 @@ class Transformer {
   SequenceScratch seq_;              // its whole-sequence buffers
   ContextParallel cp_;               // context parallel (cp_.comm set)
   std::vector<RecomputePolicy> recompute_;  // [layer] (empty: none)
+  bool recompute_offload_ = false;          // kept fields in MEM_OFFLOADED
   BlockSaved recompute_record_;      // the shared full record recomputation fills (activations)
   Tensor recompute_out_;             // (B, T, max(C, H hd)) scratch of the recomputed forward
   MoeScratch moe_scratch_;           // shared by the MoE blocks

@@ -62,6 +62,7 @@ std::vector<Binding> bindings(LoomConfig& c) {
       {"train.recompute", &c.train.recompute},
       {"train.device_budget_mb", &c.train.device_budget_mb},
       {"train.recompute_budget_mb", &c.train.recompute_budget_mb},
+      {"train.offload_activations", &c.train.offload_activations},
       {"train.steps", &c.train.steps},
       {"train.seed", &c.loop.seed},
       {"train.eval_every", &c.loop.eval_every},

@@ -88,7 +88,7 @@ Trainer::RecomputeReport configure_recompute(Transformer& model, const TrainConf
   r.kept_bytes = plan_bytes(costs, r.plan);
   r.no_recompute_bytes = plan_bytes(costs, recompute_plan("none", c.n_layer));
   r.seconds = plan_seconds(costs, r.plan);
-  model.set_recompute(r.plan);
+  model.set_recompute(r.plan, config.offload_activations);
   return r;
 }
 }  // namespace
@@ -98,6 +98,8 @@ void TrainConfig::validate() const {
   LOOM_CHECK(seq_len > 0, "train.seq_len must be > 0, got ", seq_len);
   LOOM_CHECK(grad_accum > 0, "train.grad_accum must be > 0, got ", grad_accum);
   LOOM_CHECK(steps > 0, "train.steps must be > 0, got ", steps);
+  LOOM_CHECK(!offload_activations || recompute != "none", "train.offload_activations offloads the checkpointed "
+             "blocks' activations: set train.recompute (selective, full, every:K or budget)");
   schedule.validate();
   if (loss_scaling) loss_scaler.validate();
   precision.validate();

@@ -35,6 +35,10 @@ struct TrainConfig {
   // the budget in MiB of the blocks' kept activations per micro-batch.
   std::string recompute = "none";
   double recompute_budget_mb = 0.0;
+  // Activation offload: the checkpointed blocks' kept fields (their inputs; with selective also
+  // the GEMM outputs) live in host memory between forward and backward (MEM_OFFLOADED; on the
+  // CPU backend the same RAM, so only the accounting moves). Needs train.recompute != none.
+  bool offload_activations = false;
   // > 0: the memory a device holds after setup (every category but MEM_OFFLOADED) must fit; a
   // run that does not is refused naming the remedies (offload, recompute, ZeRO).
   double device_budget_mb = 0.0;
