@@ -187,6 +187,16 @@ TEST(CheckpointTest, ModelConfigIsReadBackFromTheCheckpoint) {
   EXPECT_EQ(read.d_ff, config.d_ff);
   EXPECT_EQ(read.norm_eps, config.norm_eps);
   EXPECT_EQ(read.rope_theta, config.rope_theta);
+  EXPECT_EQ(read.attn_window, 0);
+}
+
+TEST(CheckpointTest, AttentionWindowIsReadBackFromTheCheckpoint) {
+  TempDir dir;
+  ModelConfig config = model_preset("llama-tiny");
+  config.attn_window = 5;
+  const TrainedModel saved(config, 1, 0);
+  const std::string path = CheckpointManager(dir.str()).save(saved.contents(1));
+  EXPECT_EQ(checkpoint_model_config(path).attn_window, 5);
 }
 
 TEST(CheckpointTest, LoadWithoutOptimizerFillsOnlyTheModel) {

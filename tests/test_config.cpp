@@ -72,5 +72,23 @@ TEST(ConfigTest, ValidationCatchesInconsistentValues) {
   EXPECT_NE(error_of([&] { c.validate(); }).find("train.seq_len"), std::string::npos);
 }
 
+TEST(ConfigTest, AttentionWindowIsSetAndValidated) {
+  LoomConfig c;
+  apply_overrides(c, "model.attn_window=3");
+  EXPECT_EQ(c.model.attn_window, 3);
+  c.validate();
+  c.model.attn_window = -1;
+  EXPECT_NE(error_of([&] { c.validate(); }).find("model.attn_window"), std::string::npos);
+}
+
+TEST(ConfigTest, AttentionWindowWithContextParallelismIsRefused) {
+  LoomConfig c;
+  c.model.attn_window = 4;
+  c.parallel.cp = 2;
+  const std::string error = error_of([&] { c.validate(); });
+  EXPECT_NE(error.find("model.attn_window"), std::string::npos) << error;
+  EXPECT_NE(error.find("parallel.cp"), std::string::npos) << error;
+}
+
 }  // namespace
 }  // namespace loom

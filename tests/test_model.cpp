@@ -104,28 +104,46 @@ TEST(TransformerTest, GradientsMatchFiniteDifferencesOfTheLoss) {
 namespace loom {
 namespace {
 
+// Decodes tokens (B, T) one position at a time through the KV cache and checks every step's
+// logits against the full forward's over the same sequence; *logits: the full forward's.
+void expect_decoding_matches_full_forward(const ModelConfig& config, const char* what,
+                                          std::vector<double>* logits = nullptr) {
+  auto backend = make_cpu_backend();
+  Transformer model(*backend, config);
+  model.init_weights(3);
+  const int64_t B = 2, T = 11, V = config.vocab_size;
+  ActivationStore full = model.allocate_store(B, T);
+  Tensor tok = test::random_tokens(backend->allocator(), {B, T}, static_cast<int32_t>(V), 4);
+  backend->copy(tok, full.tokens);
+  model.forward(full, false);
+  DecodeState state = model.allocate_decode_state(B);
+  for (int64_t t = 0; t < T; ++t) {
+    model.forward_decode(state, {tok.data<int32_t>()[t], tok.data<int32_t>()[T + t]});
+    for (int64_t b = 0; b < B; ++b) {
+      const float* expected = full.logits.data<float>() + (b * T + t) * V;
+      const float* got = state.step.logits.data<float>() + b * V;
+      for (int64_t v = 0; v < V; ++v) ASSERT_NEAR(got[v], expected[v], 1e-5) << what << " b " << b << " t " << t;
+    }
+  }
+  EXPECT_GT(backend->allocator().tracker().current(MEM_KV_CACHE), 0u);
+  if (logits != nullptr) *logits = test::values(full.logits);
+}
+
 // KV-cache decoding, one position at a time, reproduces the full causal forward's logits.
 TEST(TransformerTest, DecodingWithKvCacheMatchesFullForward) {
+  for (const char* preset : {"gpt2-tiny", "llama-tiny"}) expect_decoding_matches_full_forward(model_preset(preset), preset);
+}
+
+// With a sliding window (model.attn_window = 3 < T = 11) the newest position attends to the last
+// 3 cached positions, as row t of the windowed full forward does.
+TEST(TransformerTest, DecodingWithSlidingWindowMatchesWindowedFullForward) {
   for (const char* preset : {"gpt2-tiny", "llama-tiny"}) {
-    auto backend = make_cpu_backend();
-    const ModelConfig config = model_preset(preset);
-    Transformer model(*backend, config);
-    model.init_weights(3);
-    const int64_t B = 2, T = 11, V = config.vocab_size;
-    ActivationStore full = model.allocate_store(B, T);
-    Tensor tok = test::random_tokens(backend->allocator(), {B, T}, static_cast<int32_t>(V), 4);
-    backend->copy(tok, full.tokens);
-    model.forward(full, false);
-    DecodeState state = model.allocate_decode_state(B);
-    for (int64_t t = 0; t < T; ++t) {
-      model.forward_decode(state, {tok.data<int32_t>()[t], tok.data<int32_t>()[T + t]});
-      for (int64_t b = 0; b < B; ++b) {
-        const float* expected = full.logits.data<float>() + (b * T + t) * V;
-        const float* got = state.step.logits.data<float>() + b * V;
-        for (int64_t v = 0; v < V; ++v) ASSERT_NEAR(got[v], expected[v], 1e-5) << preset << " b " << b << " t " << t;
-      }
-    }
-    EXPECT_GT(backend->allocator().tracker().current(MEM_KV_CACHE), 0u);
+    ModelConfig config = model_preset(preset);
+    std::vector<double> full, windowed;
+    expect_decoding_matches_full_forward(config, preset, &full);
+    config.attn_window = 3;
+    expect_decoding_matches_full_forward(config, preset, &windowed);
+    EXPECT_GT(test::max_rel_error(windowed, full), 1e-3) << preset;  // the window changes what later positions see
   }
 }
 

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 
 #include "loom/backend/backend.h"
 #include "loom/core/error.h"
@@ -347,7 +348,7 @@ TEST_F(OpsTest, AttentionForwardMatchesNaiveForMhaAndGqa) {
     const int64_t B = 2, T = 13, hd = 8;
     Tensor qkv = f32({B, T, (H + 2 * KV) * hd}, 1, 2.0);
     Tensor out = empty({B, T, H * hd}, DTYPE_F32), probs = empty({B, H, T, T}, DTYPE_F32);
-    backend->attention_forward(qkv, out, probs, H, KV);
+    backend->attention_forward(qkv, out, probs, H, KV, 0);
     EXPECT_LT(max_rel_error(values(out), naive_attention(values(qkv), B, T, H, KV, hd)), 2e-6) << "H " << H << " KV " << KV;
     const float* p = probs.data<float>();
     double row_sum = 0;
@@ -361,10 +362,10 @@ TEST_F(OpsTest, AttentionBackwardMatchesFiniteDifferencesWithGqa) {
   const int64_t B = 2, T = 7, H = 4, KV = 2, hd = 3;
   Tensor qkv = f64({B, T, (H + 2 * KV) * hd}, 1, 1.5), dout = f64({B, T, H * hd}, 2);
   Tensor out = empty({B, T, H * hd}), probs = empty({B, H, T, T}), dqkv = f64({B, T, (H + 2 * KV) * hd}, 3);
-  backend->attention_forward(qkv, out, probs, H, KV);
-  backend->attention_backward(dout, qkv, out, probs, dqkv, H, KV);
+  backend->attention_forward(qkv, out, probs, H, KV, 0);
+  backend->attention_backward(dout, qkv, out, probs, dqkv, H, KV, 0);
   auto loss = [&] {
-    backend->attention_forward(qkv, out, probs, H, KV);
+    backend->attention_forward(qkv, out, probs, H, KV, 0);
     return weighted_sum(out, dout);
   };
   expect_gradient_matches(qkv, values(dqkv), loss, kFdTol, "dqkv");
@@ -379,12 +380,176 @@ TEST_F(OpsTest, AttentionF32MatchesF64ForwardAndBackward) {
   Tensor probs64 = empty({B, H, T, T}), dqkv64 = empty({B, T, W});
   backend->cast(qkv, qkv64);
   backend->cast(dout, dout64);
-  backend->attention_forward(qkv, out, probs, H, KV);
-  backend->attention_backward(dout, qkv, out, probs, dqkv, H, KV);
-  backend->attention_forward(qkv64, out64, probs64, H, KV);
-  backend->attention_backward(dout64, qkv64, out64, probs64, dqkv64, H, KV);
+  backend->attention_forward(qkv, out, probs, H, KV, 0);
+  backend->attention_backward(dout, qkv, out, probs, dqkv, H, KV, 0);
+  backend->attention_forward(qkv64, out64, probs64, H, KV, 0);
+  backend->attention_backward(dout64, qkv64, out64, probs64, dqkv64, H, KV, 0);
   EXPECT_LT(max_rel_error(values(out), values(out64)), 2e-6);
   EXPECT_LT(max_rel_error(values(dqkv), values(dqkv64)), 1e-5);
+}
+
+// ---------------------------------------------------------------- sliding-window attention
+
+// Sliding-window attention (Beltagy et al. 2020; Jiang et al. 2023) written the slow way, in
+// double: the (T, T) score matrix with -inf outside i - W < j <= i, a softmax over each full
+// row, out = P V; the backward from P: dP = dO V^T, dS = scale P o (dP - rowsum(P o dP)),
+// dQ = dS K, dK = dS^T Q, dV = P^T dO (summed over the group's query heads).
+struct NaiveWindowAttention {
+  std::vector<double> out, probs, dqkv;
+};
+
+NaiveWindowAttention naive_window_attention(const std::vector<double>& qkv, const std::vector<double>& dout, int64_t B,
+                                            int64_t T, int64_t H, int64_t KV, int64_t hd, int64_t window) {
+  const int64_t W = (H + 2 * KV) * hd, OW = H * hd;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
+  NaiveWindowAttention r{std::vector<double>(B * T * OW, 0.0), std::vector<double>(B * H * T * T, 0.0),
+                         std::vector<double>(B * T * W, 0.0)};
+  auto q = [&](int64_t b, int64_t t, int64_t h, int64_t d) { return qkv[(b * T + t) * W + h * hd + d]; };
+  auto k = [&](int64_t b, int64_t t, int64_t g, int64_t d) { return qkv[(b * T + t) * W + (H + g) * hd + d]; };
+  auto v = [&](int64_t b, int64_t t, int64_t g, int64_t d) { return qkv[(b * T + t) * W + (H + KV + g) * hd + d]; };
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t g = h / (H / KV);
+      double* P = r.probs.data() + (b * H + h) * T * T;
+      for (int64_t i = 0; i < T; ++i) {
+        std::vector<double> s(T);
+        double mx = -INFINITY, sum = 0;
+        for (int64_t j = 0; j < T; ++j) {
+          double dot = 0;
+          for (int64_t d = 0; d < hd; ++d) dot += q(b, i, h, d) * k(b, j, g, d);
+          s[j] = (j <= i && j > i - window) ? dot * scale : -INFINITY;
+          mx = std::max(mx, s[j]);
+        }
+        for (auto& x : s) sum += (x = std::exp(x - mx));
+        for (int64_t j = 0; j < T; ++j) P[i * T + j] = s[j] / sum;
+      }
+      for (int64_t i = 0; i < T; ++i) {
+        for (int64_t j = 0; j < T; ++j) {
+          for (int64_t d = 0; d < hd; ++d) r.out[(b * T + i) * OW + h * hd + d] += P[i * T + j] * v(b, j, g, d);
+        }
+      }
+      for (int64_t i = 0; i < T; ++i) {
+        std::vector<double> dp(T);
+        double rowsum = 0;
+        for (int64_t j = 0; j < T; ++j) {
+          for (int64_t d = 0; d < hd; ++d) dp[j] += dout[(b * T + i) * OW + h * hd + d] * v(b, j, g, d);
+          rowsum += P[i * T + j] * dp[j];
+        }
+        for (int64_t j = 0; j < T; ++j) {
+          const double ds = scale * P[i * T + j] * (dp[j] - rowsum);
+          for (int64_t d = 0; d < hd; ++d) {
+            r.dqkv[(b * T + i) * W + h * hd + d] += ds * k(b, j, g, d);
+            r.dqkv[(b * T + j) * W + (H + g) * hd + d] += ds * q(b, i, h, d);
+            r.dqkv[(b * T + j) * W + (H + KV + g) * hd + d] += P[i * T + j] * dout[(b * T + i) * OW + h * hd + d];
+          }
+        }
+      }
+    }
+  }
+  return r;
+}
+
+// "1.23e-07": an error figure for RecordProperty (--gtest_output=json shows it).
+std::string scientific(double x) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.2e", x);
+  return buf;
+}
+
+// f32 kernels against the double masked softmax: out, the (T, T) probabilities (0 outside the
+// window) and dqkv, for GPT-2's MHA and Llama's GQA head layouts, windows 1, 3 and T - 1.
+TEST_F(OpsTest, AttentionWindowMatchesNaiveMaskedSoftmaxForMhaAndGqa) {
+  const int64_t B = 2, T = 45, hd = 8;  // T > 32: several tiles of query rows
+  double worst_out = 0, worst_probs = 0, worst_grad = 0;
+  for (auto [H, KV] : {std::pair<int64_t, int64_t>{4, 4}, {6, 2}}) {
+    for (int64_t window : {int64_t{1}, int64_t{3}, T - 1}) {
+      Tensor qkv = f32({B, T, (H + 2 * KV) * hd}, 1, 2.0), dout = f32({B, T, H * hd}, 2);
+      Tensor out = empty({B, T, H * hd}, DTYPE_F32), probs = empty({B, H, T, T}, DTYPE_F32);
+      Tensor dqkv = empty({B, T, (H + 2 * KV) * hd}, DTYPE_F32);
+      backend->attention_forward(qkv, out, probs, H, KV, window);
+      backend->attention_backward(dout, qkv, out, probs, dqkv, H, KV, window);
+      const NaiveWindowAttention ref = naive_window_attention(values(qkv), values(dout), B, T, H, KV, hd, window);
+      const double e_out = max_rel_error(values(out), ref.out), e_probs = max_rel_error(values(probs), ref.probs);
+      const double e_grad = max_rel_error(values(dqkv), ref.dqkv);
+      EXPECT_LT(e_out, 2e-6) << "H " << H << " KV " << KV << " window " << window;
+      EXPECT_LT(e_probs, 2e-6) << "H " << H << " KV " << KV << " window " << window;
+      EXPECT_LT(e_grad, 1e-5) << "H " << H << " KV " << KV << " window " << window;
+      worst_out = std::max(worst_out, e_out), worst_probs = std::max(worst_probs, e_probs);
+      worst_grad = std::max(worst_grad, e_grad);
+      EXPECT_EQ(probs.data<float>()[(T - 1) * T + (T - 1 - window)], 0.0f) << "window " << window;  // just outside
+    }
+  }
+  RecordProperty("max_rel_error_out", scientific(worst_out));
+  RecordProperty("max_rel_error_probs", scientific(worst_probs));
+  RecordProperty("max_rel_error_dqkv", scientific(worst_grad));
+}
+
+TEST_F(OpsTest, AttentionWindowBackwardMatchesFiniteDifferences) {
+  const int64_t B = 1, T = 37, hd = 3;  // T > 32: several tiles of query rows
+  for (auto [H, KV] : {std::pair<int64_t, int64_t>{3, 3}, {4, 2}}) {
+    for (int64_t window : {int64_t{1}, int64_t{3}, T - 1}) {
+      Tensor qkv = f64({B, T, (H + 2 * KV) * hd}, 1, 1.5), dout = f64({B, T, H * hd}, 2);
+      Tensor out = empty({B, T, H * hd}), probs = empty({B, H, T, T}), dqkv = f64({B, T, (H + 2 * KV) * hd}, 3);
+      backend->attention_forward(qkv, out, probs, H, KV, window);
+      backend->attention_backward(dout, qkv, out, probs, dqkv, H, KV, window);
+      auto loss = [&] {
+        backend->attention_forward(qkv, out, probs, H, KV, window);
+        return weighted_sum(out, dout);
+      };
+      SCOPED_TRACE("H " + std::to_string(H) + " KV " + std::to_string(KV) + " window " + std::to_string(window));
+      expect_gradient_matches(qkv, values(dqkv), loss, kFdTol, "dqkv");
+    }
+  }
+}
+
+// A window that covers the whole sequence is full causal attention, bit for bit.
+TEST_F(OpsTest, AttentionWindowOfSeqLenOrMoreEqualsFullAttentionBitwise) {
+  const int64_t B = 2, T = 13, H = 6, KV = 2, hd = 8, W = (H + 2 * KV) * hd;
+  Tensor qkv = f32({B, T, W}, 1, 2.0), dout = f32({B, T, H * hd}, 2);
+  auto run = [&](int64_t window) {
+    Tensor out = empty({B, T, H * hd}, DTYPE_F32), probs = empty({B, H, T, T}, DTYPE_F32), dqkv = empty({B, T, W}, DTYPE_F32);
+    backend->attention_forward(qkv, out, probs, H, KV, window);
+    backend->attention_backward(dout, qkv, out, probs, dqkv, H, KV, window);
+    return std::vector<std::vector<double>>{values(out), values(probs), values(dqkv)};
+  };
+  const auto full = run(0);
+  EXPECT_EQ(run(T), full);
+  EXPECT_EQ(run(T + 5), full);
+  EXPECT_NE(run(T - 1), full);
+}
+
+// Decoding the last position with a window reads the last W cached positions: it reproduces
+// row T-1 of the windowed forward.
+TEST_F(OpsTest, AttentionDecodeWindowMatchesWindowedForwardLastRow) {
+  const int64_t B = 2, T = 9, Tmax = 12, H = 6, KV = 2, hd = 8, W = (H + 2 * KV) * hd, KW = KV * hd;
+  Tensor qkv = f32({B, T, W}, 1, 2.0);
+  Tensor k_cache = zeros({B, Tmax, KW}, DTYPE_F32), v_cache = zeros({B, Tmax, KW}, DTYPE_F32);
+  Tensor q = empty({B, H * hd}, DTYPE_F32), out = empty({B, H * hd}, DTYPE_F32);
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t t = 0; t < T; ++t) {
+      backend->copy(qkv.view((b * T + t) * W + H * hd, {KW}), k_cache.view((b * Tmax + t) * KW, {KW}));
+      backend->copy(qkv.view((b * T + t) * W + (H + KV) * hd, {KW}), v_cache.view((b * Tmax + t) * KW, {KW}));
+    }
+    backend->copy(qkv.view((b * T + T - 1) * W, {H * hd}), q.view(b * H * hd, {H * hd}));
+  }
+  for (int64_t window : {int64_t{1}, int64_t{3}, T - 1, T}) {
+    Tensor full_out = empty({B, T, H * hd}, DTYPE_F32), probs = empty({B, H, T, T}, DTYPE_F32);
+    backend->attention_forward(qkv, full_out, probs, H, KV, window);
+    backend->attention_decode(q, k_cache, v_cache, T, out, H, KV, window);
+    std::vector<double> expected;
+    for (int64_t b = 0; b < B; ++b) {
+      const auto row = values(full_out.view((b * T + T - 1) * H * hd, {H * hd}));
+      expected.insert(expected.end(), row.begin(), row.end());
+    }
+    EXPECT_LT(max_rel_error(values(out), expected), 2e-6) << "window " << window;
+  }
+}
+
+TEST_F(OpsTest, AttentionRejectsNegativeWindow) {
+  const int64_t B = 1, T = 4, H = 2, KV = 2, hd = 4;
+  Tensor qkv = f32({B, T, (H + 2 * KV) * hd}, 1), out = empty({B, T, H * hd}, DTYPE_F32);
+  Tensor probs = empty({B, H, T, T}, DTYPE_F32);
+  EXPECT_THROW(backend->attention_forward(qkv, out, probs, H, KV, -1), Error);
 }
 
 // ---------------------------------------------------------------- cross-entropy

@@ -1,11 +1,14 @@
-// PyTorch parity: tools/make_fixtures.py builds a tiny GPT-2 and a tiny Llama (GQA) in PyTorch,
+// PyTorch parity: tools/make_fixtures.py builds a tiny GPT-2, a tiny Llama (GQA) and the same
+// Llama with a 3-position sliding window (model.attn_window) in PyTorch,
 // computes in float64, and stores weights, inputs, logits, loss, every gradient and the losses
 // of 10 AdamW steps (warmup + cosine, clipping). Loom loads the same weights and must match:
 //   logits within 1e-4 relative, loss within 1e-5, every parameter gradient within 1e-4
 //   relative, the 10 losses within 1e-4 (relative = max |a - b| / max |reference|, per tensor).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <string>
 
 #include "loom/checkpoint/safetensors.h"
@@ -14,6 +17,13 @@
 
 namespace loom {
 namespace {
+
+// "1.23e-07": an error figure for RecordProperty (--gtest_output=json shows it).
+std::string scientific(double x) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.2e", x);
+  return buf;
+}
 
 ModelConfig config_from(const SafetensorsFile& f) {
   ModelConfig c;
@@ -28,6 +38,7 @@ ModelConfig config_from(const SafetensorsFile& f) {
   c.d_ff = i64("d_ff");
   c.norm_eps = std::stof(f.metadata_value("norm_eps"));
   c.rope_theta = std::stof(f.metadata_value("rope_theta"));
+  if (f.metadata().count("attn_window") != 0) c.attn_window = i64("attn_window");  // sliding-window fixtures only
   return c;
 }
 
@@ -72,12 +83,19 @@ TEST_P(ParityTest, LogitsLossAndEveryGradientMatchPyTorch) {
   data.fill(store.tokens, store.targets);
   model->zero_grads();
   const double loss = model->forward(store);
-  EXPECT_LT(test::max_rel_error(test::values(store.logits), reference("logits")), 1e-4);
+  const double logits_error = test::max_rel_error(test::values(store.logits), reference("logits"));
+  EXPECT_LT(logits_error, 1e-4);
   EXPECT_NEAR(loss, reference("loss")[0], 1e-5);
   model->backward(store, 1.0f);
+  double grad_error = 0.0;
   for (const ParamSpec& p : model->layout().params) {
-    EXPECT_LT(test::max_rel_error(test::values(model->grad(p.name)), reference("grad." + p.name)), 1e-4) << p.name;
+    const double e = test::max_rel_error(test::values(model->grad(p.name)), reference("grad." + p.name));
+    EXPECT_LT(e, 1e-4) << p.name;
+    grad_error = std::max(grad_error, e);
   }
+  RecordProperty("logits_max_rel_error", scientific(logits_error));
+  RecordProperty("loss_abs_error", scientific(std::abs(loss - reference("loss")[0])));
+  RecordProperty("grad_max_rel_error", scientific(grad_error));
 }
 
 TEST_P(ParityTest, TenAdamWStepsMatchPyTorch) {
@@ -95,10 +113,17 @@ TEST_P(ParityTest, TenAdamWStepsMatchPyTorch) {
   FixedBatch data(*fixture);
   const std::vector<double> expected = reference("losses");
   ASSERT_EQ(static_cast<int64_t>(expected.size()), tc.steps);
-  for (int64_t s = 0; s < tc.steps; ++s) EXPECT_NEAR(trainer.train_step(data).loss, expected[s], 1e-4) << "step " << s;
+  double worst = 0.0;
+  for (int64_t s = 0; s < tc.steps; ++s) {
+    const double loss = trainer.train_step(data).loss;
+    EXPECT_NEAR(loss, expected[s], 1e-4) << "step " << s;
+    worst = std::max(worst, std::abs(loss - expected[s]));
+  }
+  RecordProperty("losses_max_abs_error", scientific(worst));
 }
 
-INSTANTIATE_TEST_SUITE_P(TinyModels, ParityTest, ::testing::Values("gpt2_tiny.safetensors", "llama_tiny.safetensors"));
+INSTANTIATE_TEST_SUITE_P(TinyModels, ParityTest, ::testing::Values("gpt2_tiny.safetensors", "llama_tiny.safetensors",
+                                                                   "llama_tiny_window.safetensors"));
 
 }  // namespace
 }  // namespace loom

@@ -154,6 +154,7 @@ class ModelConfig:
     d_ff: int  # F
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    attn_window: int = 0  # 0: full causal attention; W > 0: sliding window, keys i - W < j <= i
 
     @property
     def head_dim(self) -> int:
@@ -173,6 +174,8 @@ class ModelConfig:
             "d_ff": str(self.d_ff),
             "norm_eps": repr(float(self.norm_eps)),
             "rope_theta": repr(float(self.rope_theta)),
+            # written only when set, so the full-attention fixtures keep their bytes
+            **({"attn_window": str(self.attn_window)} if self.attn_window > 0 else {}),
         }
 
 
@@ -281,15 +284,18 @@ def merge_heads(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).reshape(B, T, n * hd)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0) -> torch.Tensor:
     """softmax(q k^T / sqrt(hd) + causal mask) v over (B, H, T, hd) tensors.
 
-    Query position t attends to key positions u <= t.  k and v must already have
-    H heads (GQA expansion is done by the caller)."""
+    Query position t attends to key positions u <= t, and with window W > 0 only to
+    t - W < u <= t (sliding window: Beltagy et al. 2020, Longformer; Jiang et al. 2023,
+    Mistral 7B).  k and v must already have H heads (GQA expansion is done by the caller)."""
     T, hd = q.shape[-2], q.shape[-1]
     scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))
-    future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
-    scores = scores.masked_fill(future, float("-inf"))
+    masked = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+    if window > 0:
+        masked |= torch.ones(T, T, dtype=torch.bool, device=q.device).tril(-window)
+    scores = scores.masked_fill(masked, float("-inf"))
     return torch.softmax(scores, dim=-1) @ v
 
 
@@ -322,7 +328,7 @@ def _gpt2_block(x: torch.Tensor, P: Params, i: int, cfg: ModelConfig) -> torch.T
     h = layer_norm(x, P[p + "ln_1.weight"], P[p + "ln_1.bias"], eps)
     qkv = linear(h, P[p + "attn.c_attn.weight"], P[p + "attn.c_attn.bias"])
     q, k, v = (split_heads(t, cfg.n_head) for t in qkv.split(C, dim=-1))
-    att = merge_heads(causal_attention(q, k, v))
+    att = merge_heads(causal_attention(q, k, v, cfg.attn_window))
     x = x + linear(att, P[p + "attn.c_proj.weight"], P[p + "attn.c_proj.bias"])
     h = layer_norm(x, P[p + "ln_2.weight"], P[p + "ln_2.bias"], eps)
     h = gelu_tanh(linear(h, P[p + "mlp.c_fc.weight"], P[p + "mlp.c_fc.bias"]))
@@ -352,7 +358,7 @@ def _llama_block(x: torch.Tensor, P: Params, i: int, cfg: ModelConfig, cos, sin)
     # GQA: query head h reads kv head h // (H / KVH).
     k = k.repeat_interleave(H // KVH, dim=1)
     v = v.repeat_interleave(H // KVH, dim=1)
-    x = x + linear(merge_heads(causal_attention(q, k, v)), P[p + "self_attn.o_proj.weight"])
+    x = x + linear(merge_heads(causal_attention(q, k, v, cfg.attn_window)), P[p + "self_attn.o_proj.weight"])
     h = rms_norm(x, P[p + "post_attention_layernorm.weight"], eps)
     gate, up = linear(h, P[p + "mlp.gate_up_proj.weight"]).split(F_, dim=-1)
     return x + linear(F.silu(gate) * up, P[p + "mlp.down_proj.weight"])
@@ -522,15 +528,16 @@ def train_with_torch_optim(P: Params, cfg: ModelConfig, tokens, targets, oc: Opt
 # --------------------------------------------------------------------------
 
 
-def _naive_attention_head(q, k, v) -> torch.Tensor:
-    """One head, (T, hd) each, written per query position."""
+def _naive_attention_head(q, k, v, window: int = 0) -> torch.Tensor:
+    """One head, (T, hd) each, written per query position; window W > 0 keeps keys t - W < u <= t."""
     T, hd = q.shape
     rows = []
     for t in range(T):
-        s = torch.stack([q[t] @ k[u] for u in range(t + 1)]) / math.sqrt(hd)
+        keys = range(max(0, t - window + 1) if window > 0 else 0, t + 1)
+        s = torch.stack([q[t] @ k[u] for u in keys]) / math.sqrt(hd)
         w = torch.exp(s - s.max())
         w = w / w.sum()
-        rows.append(sum(w[u] * v[u] for u in range(t + 1)))
+        rows.append(sum(w[i] * v[u] for i, u in enumerate(keys)))
     return torch.stack(rows)
 
 
@@ -578,7 +585,7 @@ def naive_forward(P: Params, cfg: ModelConfig, tokens: torch.Tensor) -> torch.Te
                 if rope:
                     qh = torch.stack([_naive_rope(qh[t], t, cfg.rope_theta) for t in range(T)])
                     kh = torch.stack([_naive_rope(kh[t], t, cfg.rope_theta) for t in range(T)])
-                out[b, :, h * hd : (h + 1) * hd] = _naive_attention_head(qh, kh, vh)
+                out[b, :, h * hd : (h + 1) * hd] = _naive_attention_head(qh, kh, vh, cfg.attn_window)
         return out
 
     tok = tokens.long()

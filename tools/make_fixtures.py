@@ -3,7 +3,8 @@
 
     /usr/bin/python3 tools/make_fixtures.py --out DIR [--check]
 
-writes DIR/gpt2_tiny.safetensors and DIR/llama_tiny.safetensors.  Each holds:
+writes DIR/gpt2_tiny.safetensors, DIR/llama_tiny.safetensors and
+DIR/llama_tiny_window.safetensors (llama_tiny with model.attn_window = 3).  Each holds:
 
     <param name>   F32   initial parameters (float32 values, see init_params)
     tokens         I32   (B, T) uniform in [0, V)
@@ -51,6 +52,13 @@ FIXTURES: Dict[str, Tuple[ref.ModelConfig, int, int]] = {
         2,
         11,
     ),
+    # llama_tiny with a sliding window of 3 positions, smaller than T = 11.
+    "llama_tiny_window": (
+        ref.ModelConfig(arch="llama", vocab_size=101, max_seq_len=16, n_layer=2, n_head=6, n_kv_head=2, d_model=48, d_ff=80,
+                        attn_window=3),
+        2,
+        11,
+    ),
 }
 
 # Parameters whose gradients --check verifies by finite differences.
@@ -60,6 +68,8 @@ FD_PARAMS = {
     "llama_tiny": ["model.embed_tokens.weight", "model.layers.0.self_attn.qkv_proj.weight",
                    "model.layers.1.input_layernorm.weight", "model.layers.1.mlp.gate_up_proj.weight",
                    "model.norm.weight", "lm_head.weight"],
+    "llama_tiny_window": ["model.embed_tokens.weight", "model.layers.0.self_attn.qkv_proj.weight",
+                          "model.layers.1.input_layernorm.weight", "model.norm.weight"],
 }
 
 

@@ -89,16 +89,21 @@ class Backend {
 
   // Causal self-attention with grouped KV heads: qkv (B,T,(H+2KV)*hd) = [q heads | k heads | v heads];
   // query head h reads kv head h / (H/KV); scale 1/sqrt(hd). out (B,T,H*hd); probs (B,H,T,T) saved.
+  // window W > 0 (sliding window, Beltagy et al. 2020; Jiang et al. 2023): query i attends to keys
+  // i - W < j <= i only, the others are skipped (O(T W) work) and their probs are 0; W = 0 or
+  // W >= T is full causal attention, computed exactly as without a window.
   virtual void attention_forward(const Tensor& qkv, const Tensor& out, const Tensor& probs, int64_t n_head,
-                                 int64_t n_kv_head) = 0;
+                                 int64_t n_kv_head, int64_t window) = 0;
   // Needs the forward's out for D_i = dO_i . O_i (FlashAttention-2's rowsum trick). dqkv overwritten.
+  // window: the forward's.
   virtual void attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out, const Tensor& probs,
-                                  const Tensor& dqkv, int64_t n_head, int64_t n_kv_head) = 0;
+                                  const Tensor& dqkv, int64_t n_head, int64_t n_kv_head, int64_t window) = 0;
 
   // One decoding step with a KV cache: the query of the newest position attends to cached
-  // positions [0, length). q (B, H*hd); k_cache, v_cache (B, Tmax, KV*hd); out (B, H*hd).
+  // positions [0, length), or with window W > 0 to the last W of them, [max(0, length - W), length).
+  // q (B, H*hd); k_cache, v_cache (B, Tmax, KV*hd); out (B, H*hd).
   virtual void attention_decode(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, int64_t length,
-                                const Tensor& out, int64_t n_head, int64_t n_kv_head) = 0;
+                                const Tensor& out, int64_t n_head, int64_t n_kv_head, int64_t window) = 0;
 
   // Fused softmax + cross-entropy. logits (N,V), targets (N) i32. losses[n] = lse[n] - logits[n, t_n];
   // lse (N) saved; probabilities are never stored.

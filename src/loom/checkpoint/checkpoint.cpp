@@ -131,6 +131,7 @@ nlohmann::json model_config_json(const ModelConfig& c) {
           {"norm_eps", shortest_decimal(c.norm_eps)},
           {"rope_theta", shortest_decimal(c.rope_theta)},
           {"init_std", shortest_decimal(c.init_std)}};
+  if (c.attn_window > 0) j["attn_window"] = c.attn_window;  // only when set: full-attention checkpoints keep their bytes
   if (c.moe_experts > 0) {  // written only for MoE models: dense checkpoints keep their exact bytes
     j["moe"] = {{"experts", c.moe_experts}, {"top_k", c.moe_top_k}, {"d_ff", c.moe_d_ff}, {"shared", c.moe_shared},
                 {"dense_layers", c.moe_dense_layers}, {"sigmoid", c.moe_sigmoid}, {"renorm", c.moe_renorm},
@@ -157,6 +158,7 @@ ModelConfig model_config_from_json(const std::string& text, const std::string& p
     c.norm_eps = j.at("norm_eps").get<float>();
     c.rope_theta = j.at("rope_theta").get<float>();
     c.init_std = j.at("init_std").get<float>();
+    if (j.contains("attn_window")) c.attn_window = j.at("attn_window").get<int64_t>();
     if (j.contains("moe")) {
       const nlohmann::json& m = j.at("moe");
       c.moe_experts = m.at("experts").get<int64_t>(), c.moe_top_k = m.at("top_k").get<int64_t>();

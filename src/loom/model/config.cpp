@@ -42,6 +42,7 @@ void ModelConfig::validate() const {
              head_dim());
   LOOM_CHECK(norm_eps > 0.0f, "model.norm_eps must be > 0, got ", norm_eps);
   LOOM_CHECK(rope_theta > 0.0f, "model.rope_theta must be > 0, got ", rope_theta);
+  LOOM_CHECK(attn_window >= 0, "model.attn_window must be >= 0 (0: full causal attention), got ", attn_window);
   LOOM_CHECK(init_std > 0.0f, "model.init_std must be > 0, got ", init_std);
   LOOM_CHECK(moe_experts >= 0, "model.moe_experts must be >= 0, got ", moe_experts);
   if (moe_experts > 0) {
@@ -109,8 +110,10 @@ int64_t matmul_param_count(const ModelConfig& config) {
 }
 
 double train_flops_per_token(const ModelConfig& config, int64_t seq_len) {
+  // A sliding window of W < T keys per query: each token's scores and values span W positions.
+  const int64_t span = config.attn_window > 0 ? std::min(seq_len, config.attn_window) : seq_len;
   return 6.0 * static_cast<double>(matmul_param_count(config)) +
-         12.0 * static_cast<double>(config.n_layer * config.d_model * seq_len);
+         12.0 * static_cast<double>(config.n_layer * config.d_model * span);
 }
 
 }  // namespace loom

@@ -29,6 +29,10 @@ struct ModelConfig {
   // Attention head width; 0: d_model / n_head. A tensor-parallel rank's slice of a model keeps
   // the whole model's head width with n_head / tp heads (parallel/tensor_parallel.h).
   int64_t head_size = 0;
+  // Sliding-window attention (Beltagy et al. 2020, Longformer; Jiang et al. 2023, Mistral 7B):
+  // 0: full causal attention; W > 0: position i attends to positions j with i - W < j <= i,
+  // in training and in decoding (docs/inference.md).
+  int64_t attn_window = 0;
 
   // Mixture of experts (nn/moe.h; REFERENCE.md §4). moe_experts = 0: every block has the dense
   // MLP. Otherwise blocks from moe_dense_layers on route each token to moe_top_k of moe_experts
@@ -77,7 +81,7 @@ int64_t param_count(const ModelConfig& config);
 int64_t matmul_param_count(const ModelConfig& config);
 // Training FLOPs per token at sequence length T (Kaplan et al. 2020; PaLM appendix B):
 // 6N for the weight matmuls (2 forward + 4 backward) + 12 L C T for attention scores and
-// values (non-causal count, as PaLM states MFU).
+// values (non-causal count, as PaLM states MFU), over min(T, model.attn_window) keys with a window.
 double train_flops_per_token(const ModelConfig& config, int64_t seq_len);
 
 }  // namespace loom

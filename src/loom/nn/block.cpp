@@ -184,7 +184,8 @@ void Block::recompute(Backend& backend, const BlockSaved& kept, RecomputePolicy 
   // Selective: the GEMM outputs and the residual stream are kept; norms, probabilities and the
   // activation come again from them.
   norm_forward(backend, config_, r.input, p.norm1_w, p.norm1_b, r.norm1, r.mean1, r.rstd1);
-  backend.attention_forward(r.qkv, shaped(out_scratch, r.attn.shape()), r.probs, config_.n_head, config_.n_kv_head);
+  backend.attention_forward(r.qkv, shaped(out_scratch, r.attn.shape()), r.probs, config_.n_head, config_.n_kv_head,
+                            config_.attn_window);
   norm_forward(backend, config_, r.mid, p.norm2_w, p.norm2_b, r.norm2, r.mean2, r.rstd2);
   if (config_.swiglu()) backend.swiglu_forward(r.fc, r.act);
   else backend.gelu_forward(r.fc, r.act);
@@ -211,9 +212,11 @@ void Block::rope(Backend& backend, const Tensor& qkv, bool backward) const {
 void Block::attention_forward(Backend& backend, BlockSaved& s) const {
   const int64_t H = config_.n_head, KV = config_.n_kv_head, hd = config_.head_dim();
   if (cp_ == nullptr) {
-    backend.attention_forward(s.qkv, s.attn, s.probs, H, KV);
+    backend.attention_forward(s.qkv, s.attn, s.probs, H, KV, config_.attn_window);
     return;
   }
+  LOOM_CHECK(config_.attn_window == 0, "model.attn_window (sliding-window attention) is not supported with context "
+             "parallelism (parallel.cp > 1)");
   const int64_t B = s.qkv.dim(0), Tl = s.qkv.dim(1);
   const Tensor q = cp_->q.view(0, {B, Tl, H * hd}), k = cp_->k.view(0, {B, Tl, KV * hd}), v = cp_->v.view(0, {B, Tl, KV * hd});
   copy_columns(s.qkv, 0, q, false);
@@ -226,7 +229,7 @@ void Block::attention_forward(Backend& backend, BlockSaved& s) const {
 void Block::attention_backward(Backend& backend, const BlockSaved& s, BlockScratch& k) const {
   const int64_t H = config_.n_head, KV = config_.n_kv_head, hd = config_.head_dim();
   if (cp_ == nullptr) {
-    backend.attention_backward(k.d_attn, s.qkv, s.attn, s.probs, k.d_qkv, H, KV);
+    backend.attention_backward(k.d_attn, s.qkv, s.attn, s.probs, k.d_qkv, H, KV, config_.attn_window);
     return;
   }
   const int64_t B = s.qkv.dim(0), Tl = s.qkv.dim(1);
@@ -324,7 +327,7 @@ void Block::forward_decode(Backend& backend, BlockSaved& s, const Tensor& out, c
     backend.copy(s.qkv.view(b * W + H * hd, {KW}), k_cache.view((b * max_len + pos) * KW, {KW}));
     backend.copy(s.qkv.view(b * W + H * hd + KW, {KW}), v_cache.view((b * max_len + pos) * KW, {KW}));
   }
-  backend.attention_decode(q, k_cache, v_cache, pos + 1, s.attn, H, config_.n_kv_head);
+  backend.attention_decode(q, k_cache, v_cache, pos + 1, s.attn, H, config_.n_kv_head, config_.attn_window);
   backend.copy(s.input, s.mid);
   linear_forward(backend, s.attn, p.proj_w, p.proj_b, s.mid, 1.0f);
   norm_forward(backend, config_, s.mid, p.norm2_w, p.norm2_b, s.norm2, s.mean2, s.rstd2);

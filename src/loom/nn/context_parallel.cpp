@@ -445,7 +445,7 @@ void ulysses_attention_forward(Backend& backend, Communicator& cp, const Tensor&
   cp.all_to_all(send, recv);
   reorder_sequence(u, saved.qkv, recv, wg, false);
 
-  backend.attention_forward(saved.qkv, saved.out, saved.probs, u.hl, u.kvl);
+  backend.attention_forward(saved.qkv, saved.out, saved.probs, u.hl, u.kvl, /*window=*/0);
 
   // out (B, T, H/N hd) in true order -> chunks by owner rank -> all_to_all_out -> out's columns.
   const Tensor osend = send.view(0, {a.N * a.B * a.Tl * u.hl * a.hd});
@@ -478,7 +478,7 @@ void ulysses_attention_backward(Backend& backend, Communicator& cp, const Tensor
   cp.all_to_all(osend, orecv);
   reorder_sequence(u, dout_g, orecv, og, false);
 
-  backend.attention_backward(dout_g, saved.qkv, saved.out, saved.probs, dqkv_g, u.hl, u.kvl);
+  backend.attention_backward(dout_g, saved.qkv, saved.out, saved.probs, dqkv_g, u.hl, u.kvl, /*window=*/0);
 
   // dqkv (B, T, Wg) -> chunks by owner rank -> all_to_all_dqkv -> dq, dk, dv columns.
   reorder_sequence(u, dqkv_g, send, wg, true);

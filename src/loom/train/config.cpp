@@ -41,6 +41,7 @@ std::vector<Binding> bindings(LoomConfig& c) {
       {"model.norm_eps", &c.model.norm_eps},
       {"model.rope_theta", &c.model.rope_theta},
       {"model.init_std", &c.model.init_std},
+      {"model.attn_window", &c.model.attn_window},
       {"model.moe_experts", &c.model.moe_experts},
       {"model.moe_top_k", &c.model.moe_top_k},
       {"model.moe_d_ff", &c.model.moe_d_ff},
@@ -266,6 +267,9 @@ void LoomConfig::validate() const {
              parallel.zero_stage);
   LOOM_CHECK(parallel.bucket_mb > 0.0, "parallel.bucket_mb must be > 0, got ", parallel.bucket_mb);
   LOOM_CHECK(parallel.ep >= 1, "parallel.ep must be >= 1, got ", parallel.ep);
+  LOOM_CHECK(model.attn_window == 0 || parallel.cp == 1, "model.attn_window = ", model.attn_window,
+             " (sliding-window attention) is not supported with context parallelism (parallel.cp = ", parallel.cp,
+             "); set model.attn_window = 0 or parallel.cp = 1");
   LOOM_CHECK(parallel.ep == 1 || model.moe_experts > 0, "parallel.ep = ", parallel.ep, " needs an MoE model (model.moe_experts > 0)");
   LOOM_CHECK(parallel.ep == 1 || parallel.dp == 0 || parallel.dp % parallel.ep == 0, "parallel.ep = ", parallel.ep,
              " must divide parallel.dp = ", parallel.dp, " (experts are split over data-parallel ranks)");

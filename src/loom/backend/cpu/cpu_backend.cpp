@@ -272,33 +272,48 @@ class CpuBackend final : public Backend {
   }
 
   void attention_forward(const Tensor& qkv, const Tensor& out, const Tensor& probs, int64_t n_head,
-                         int64_t n_kv_head) override {
+                         int64_t n_kv_head, int64_t window) override {
     const char* op = "attention_forward";
     const auto [batch, seq_len, head_dim] = check_attention(op, qkv, out, probs, n_head, n_kv_head);
+    LOOM_CHECK(window >= 0, op, ": window must be >= 0, got ", window);
     dispatch_float(qkv.dtype(), op, [&]<typename T>() {
-      cpu::attention_forward(qkv.data<T>(), out.data<T>(), probs.data<T>(), batch, seq_len, n_head, n_kv_head,
-                             head_dim);
+      if (window > 0 && window < seq_len) {
+        cpu::attention_forward_window(qkv.data<T>(), out.data<T>(), probs.data<T>(), batch, seq_len, n_head,
+                                      n_kv_head, head_dim, window);
+      } else {
+        cpu::attention_forward(qkv.data<T>(), out.data<T>(), probs.data<T>(), batch, seq_len, n_head, n_kv_head,
+                               head_dim);
+      }
     });
   }
 
   void attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out, const Tensor& probs,
-                          const Tensor& dqkv, int64_t n_head, int64_t n_kv_head) override {
+                          const Tensor& dqkv, int64_t n_head, int64_t n_kv_head, int64_t window) override {
     const char* op = "attention_backward";
     const auto [batch, seq_len, head_dim] = check_attention(op, qkv, out, probs, n_head, n_kv_head);
+    LOOM_CHECK(window >= 0, op, ": window must be >= 0, got ", window);
     check_elementwise(op, out, {&dout});
     check_elementwise(op, qkv, {&dqkv});
-    const Tensor scratch = workspace(seq_len * seq_len, qkv.dtype());
+    const bool windowed = window > 0 && window < seq_len;
+    const int64_t tile = cpu::window_tile_rows(window);  // the windowed backward's dS tile: Bq x (Bq + W - 1)
+    const Tensor scratch = workspace(windowed ? tile * (tile + window - 1) : seq_len * seq_len, qkv.dtype());
     dispatch_float(qkv.dtype(), op, [&]<typename T>() {
-      cpu::attention_backward(dout.data<T>(), qkv.data<T>(), out.data<T>(), probs.data<T>(), dqkv.data<T>(),
-                              scratch.data<T>(), batch, seq_len, n_head, n_kv_head, head_dim);
+      if (windowed) {
+        cpu::attention_backward_window(dout.data<T>(), qkv.data<T>(), out.data<T>(), probs.data<T>(), dqkv.data<T>(),
+                                       scratch.data<T>(), batch, seq_len, n_head, n_kv_head, head_dim, window);
+      } else {
+        cpu::attention_backward(dout.data<T>(), qkv.data<T>(), out.data<T>(), probs.data<T>(), dqkv.data<T>(),
+                                scratch.data<T>(), batch, seq_len, n_head, n_kv_head, head_dim);
+      }
     });
   }
 
   void attention_decode(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, int64_t length,
-                        const Tensor& out, int64_t n_head, int64_t n_kv_head) override {
+                        const Tensor& out, int64_t n_head, int64_t n_kv_head, int64_t window) override {
     const char* op = "attention_decode";
     LOOM_CHECK(n_head > 0 && n_kv_head > 0 && n_head % n_kv_head == 0, op, ": n_head ", n_head,
                " must be a multiple of n_kv_head ", n_kv_head);
+    LOOM_CHECK(window >= 0, op, ": window must be >= 0, got ", window);
     LOOM_CHECK(k_cache.ndim() == 3, op, ": k_cache must be (B, Tmax, KV hd), got ", k_cache.describe());
     const int64_t batch = k_cache.dim(0), max_len = k_cache.dim(1), head_dim = k_cache.dim(2) / n_kv_head;
     LOOM_CHECK(length >= 1 && length <= max_len, op, ": length ", length, " outside [1, ", max_len, "]");
@@ -309,7 +324,7 @@ class CpuBackend final : public Backend {
     const Tensor scratch = workspace(batch * n_head * length, q.dtype());
     dispatch_float(q.dtype(), op, [&]<typename T>() {
       cpu::attention_decode(q.data<T>(), k_cache.data<T>(), v_cache.data<T>(), out.data<T>(), scratch.data<T>(), batch,
-                            max_len, length, n_head, n_kv_head, head_dim);
+                            max_len, length, n_head, n_kv_head, head_dim, window);
     });
   }
 

@@ -343,12 +343,123 @@ void attention_backward(const T* dout, const T* qkv, const T* out, const T* prob
   }
 }
 
-// Decode attention for one query per sequence: s_j = q . k_j * scale over j < length,
+// Query rows per tile of the windowed kernels: a tile of Bq rows needs keys [i0 - W + 1, i0 + Bq),
+// Bq + W - 1 of them, so the GEMMs compute (Bq + W - 1) / W times the band; Bq = max(W, 32)
+// keeps that under 2x for W >= 32 and the GEMMs large enough to run at speed.
+inline int64_t window_tile_rows(int64_t window) { return std::max<int64_t>(window, 32); }
+
+// Sliding-window causal attention (Beltagy et al. 2020, Longformer; Jiang et al. 2023, Mistral 7B),
+// window W < T: query i attends to keys j in [max(0, i - W + 1), i]:
+//   s_ij = scale q_i . k_j;  P_ij = softmax_j(s_ij) over the window, 0 elsewhere;  o_i = sum_j P_ij v_j.
+// Per tile of query rows [i0, i1) and its keys [lo, i1), lo = max(0, i0 - W + 1), the GEMMs write
+// into and read from the tile's block of probs in place (its natural columns, leading dim T):
+//   S = scale Q_[i0,i1) K_[lo,i1)^T;  band softmax per row;  O_[i0,i1) = P V_[lo,i1).
+// Keys outside [lo, i1) are never touched: O(T (W + Bq) hd) per head instead of O(T^2 hd); the
+// rest of each probs row is written 0 (a fill, no arithmetic). Measured against a one-row-at-a-
+// time kernel (docs/inference.md): the tiles' GEMMs win from W = 16 on, 2-4x at W >= 64.
+template <typename T>
+void attention_forward_window(const T* qkv, T* out, T* probs, int64_t batch, int64_t seq_len, int64_t n_head,
+                              int64_t n_kv_head, int64_t head_dim, int64_t window) {
+  const int64_t W = (n_head + 2 * n_kv_head) * head_dim, OW = n_head * head_dim, Tn = seq_len;
+  const int64_t group = n_head / n_kv_head, tile = window_tile_rows(window);
+  const T scale = T(1) / std::sqrt(static_cast<T>(head_dim));
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t h = 0; h < n_head; ++h) {
+      const int64_t g = h / group;
+      const T* q = qkv + b * Tn * W + h * head_dim;
+      const T* k = qkv + b * Tn * W + (n_head + g) * head_dim;
+      const T* v = qkv + b * Tn * W + (n_head + n_kv_head + g) * head_dim;
+      T* p = probs + (b * n_head + h) * Tn * Tn;
+      for (int64_t i0 = 0; i0 < Tn; i0 += tile) {
+        const int64_t i1 = std::min(Tn, i0 + tile), lo = std::max<int64_t>(0, i0 - window + 1), n = i1 - lo;
+        gemm_t<T>(false, true, i1 - i0, n, head_dim, scale, q + i0 * W, W, k + lo * W, W, T(0), p + i0 * Tn + lo, Tn);
+#pragma omp parallel for schedule(static)
+        for (int64_t i = i0; i < i1; ++i) {
+          T* row = p + i * Tn;
+          const int64_t first = std::max<int64_t>(0, i - window + 1);
+          T max_s = row[first];
+          for (int64_t j = first + 1; j <= i; ++j) max_s = std::max(max_s, row[j]);
+          T sum = 0;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t j = first; j <= i; ++j) {
+            row[j] = exp_t<T>(row[j] - max_s);
+            sum += row[j];
+          }
+          const T inv = T(1) / sum;
+#pragma omp simd
+          for (int64_t j = first; j <= i; ++j) row[j] *= inv;
+          std::fill(row, row + first, T(0));
+          std::fill(row + i + 1, row + Tn, T(0));
+        }
+        gemm_t<T>(false, false, i1 - i0, head_dim, n, T(1), p + i0 * Tn + lo, Tn, v + lo * W, W, T(0),
+                  out + (b * Tn + i0) * OW + h * head_dim, OW);
+      }
+    }
+  }
+}
+
+// Backward of attention_forward_window, per (batch, kv head, query head, tile), with the saved P:
+//   dP = dO_[i0,i1) V_[lo,i1)^T;  dS = scale P o (dP - D) on the band, 0 elsewhere (scratch,
+//   Bq x (Bq + W - 1));  dQ_[i0,i1) = dS K_[lo,i1);  dK_[lo,i1) += dS^T Q_[i0,i1);
+//   dV_[lo,i1) += P^T dO_[i0,i1). Tiles overlap on keys, so dK and dV are zeroed once per kv head
+// and every tile accumulates, in a fixed order.
+template <typename T>
+void attention_backward_window(const T* dout, const T* qkv, const T* out, const T* probs, T* dqkv, T* scratch,
+                               int64_t batch, int64_t seq_len, int64_t n_head, int64_t n_kv_head, int64_t head_dim,
+                               int64_t window) {
+  const int64_t W = (n_head + 2 * n_kv_head) * head_dim, OW = n_head * head_dim, Tn = seq_len;
+  const int64_t group = n_head / n_kv_head, tile = window_tile_rows(window);
+  const T scale = T(1) / std::sqrt(static_cast<T>(head_dim));
+  T* ds = scratch;
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t g = 0; g < n_kv_head; ++g) {
+      const T* k = qkv + b * Tn * W + (n_head + g) * head_dim;
+      const T* v = qkv + b * Tn * W + (n_head + n_kv_head + g) * head_dim;
+      T* dk = dqkv + b * Tn * W + (n_head + g) * head_dim;
+      T* dv = dqkv + b * Tn * W + (n_head + n_kv_head + g) * head_dim;
+#pragma omp parallel for schedule(static)
+      for (int64_t t = 0; t < Tn; ++t) {
+        std::fill(dk + t * W, dk + t * W + head_dim, T(0));
+        std::fill(dv + t * W, dv + t * W + head_dim, T(0));
+      }
+      for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+        const T* q = qkv + b * Tn * W + h * head_dim;
+        const T* o = out + b * Tn * OW + h * head_dim;
+        const T* dO = dout + b * Tn * OW + h * head_dim;
+        const T* p = probs + (b * n_head + h) * Tn * Tn;
+        for (int64_t i0 = 0; i0 < Tn; i0 += tile) {
+          const int64_t i1 = std::min(Tn, i0 + tile), lo = std::max<int64_t>(0, i0 - window + 1), n = i1 - lo;
+          gemm_t<T>(false, true, i1 - i0, n, head_dim, T(1), dO + i0 * OW, OW, v + lo * W, W, T(0), ds, n);
+#pragma omp parallel for schedule(static)
+          for (int64_t i = i0; i < i1; ++i) {
+            T D = 0;
+#pragma omp simd reduction(+ : D)
+            for (int64_t d = 0; d < head_dim; ++d) D += dO[i * OW + d] * o[i * OW + d];
+            T* row = ds + (i - i0) * n;
+            const T* prow = p + i * Tn + lo;  // zero outside the band: so is dS
+#pragma omp simd
+            for (int64_t c = 0; c < n; ++c) row[c] = scale * prow[c] * (row[c] - D);
+          }
+          gemm_t<T>(false, false, i1 - i0, head_dim, n, T(1), ds, n, k + lo * W, W, T(0),
+                    dqkv + (b * Tn + i0) * W + h * head_dim, W);
+          gemm_t<T>(true, false, n, head_dim, i1 - i0, T(1), ds, n, q + i0 * W, W, T(1), dk + lo * W, W);
+          gemm_t<T>(true, false, n, head_dim, i1 - i0, T(1), p + i0 * Tn + lo, Tn, dO + i0 * OW, OW, T(1),
+                    dv + lo * W, W);
+        }
+      }
+    }
+  }
+}
+
+// Decode attention for one query per sequence: s_j = q . k_j * scale over j in [lo, length),
+// lo = 0, or max(0, length - window) for a sliding window (the last W positions, Mistral 7B);
 // p = softmax(s), out = sum_j p_j v_j; head h reads kv head h / (H/KV). scratch: B*H*length.
 template <typename T>
 void attention_decode(const T* q, const T* k_cache, const T* v_cache, T* out, T* scratch, int64_t batch,
-                      int64_t max_len, int64_t length, int64_t n_head, int64_t n_kv_head, int64_t head_dim) {
+                      int64_t max_len, int64_t length, int64_t n_head, int64_t n_kv_head, int64_t head_dim,
+                      int64_t window) {
   const int64_t group = n_head / n_kv_head, KW = n_kv_head * head_dim;
+  const int64_t lo = window > 0 ? std::max<int64_t>(0, length - window) : 0;
   const T scale = T(1) / std::sqrt(static_cast<T>(head_dim));
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t b = 0; b < batch; ++b) {
@@ -357,7 +468,7 @@ void attention_decode(const T* q, const T* k_cache, const T* v_cache, T* out, T*
       const int64_t g = h / group;
       T* s = scratch + (b * n_head + h) * length;
       T max_s = -INFINITY;
-      for (int64_t j = 0; j < length; ++j) {
+      for (int64_t j = lo; j < length; ++j) {
         const T* k = k_cache + (b * max_len + j) * KW + g * head_dim;
         T dot = 0;
 #pragma omp simd reduction(+ : dot)
@@ -366,10 +477,10 @@ void attention_decode(const T* q, const T* k_cache, const T* v_cache, T* out, T*
         max_s = std::max(max_s, s[j]);
       }
       T sum = 0;
-      for (int64_t j = 0; j < length; ++j) sum += (s[j] = exp_t<T>(s[j] - max_s));
+      for (int64_t j = lo; j < length; ++j) sum += (s[j] = exp_t<T>(s[j] - max_s));
       T* o = out + (b * n_head + h) * head_dim;
       std::fill(o, o + head_dim, T(0));
-      for (int64_t j = 0; j < length; ++j) {
+      for (int64_t j = lo; j < length; ++j) {
         const T* v = v_cache + (b * max_len + j) * KW + g * head_dim;
         const T p = s[j] / sum;
 #pragma omp simd
