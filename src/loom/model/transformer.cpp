@@ -393,6 +393,39 @@ DecodeState Transformer::allocate_decode_state(int64_t batch) {
   return d;
 }
 
+ActivationStore Transformer::allocate_rows(int64_t n) {
+  return allocate_store_for(n, 1, 0, config_.n_layer, false, false, false);  // never context parallel, no recompute
+}
+
+void Transformer::forward_rows(ActivationStore& s, const std::vector<int32_t>& tokens, const std::vector<int64_t>& positions,
+                               DecodeCache& cache) {
+  LOOM_CHECK(tp_ == nullptr, "decoding a tensor-parallel slice is not supported: gather the model first");
+  const int64_t n = s.batch, C = config_.d_model;
+  LOOM_CHECK(s.seq_len == 1 && static_cast<int64_t>(tokens.size()) == n && static_cast<int64_t>(positions.size()) == n,
+             "forward_rows: ", tokens.size(), " tokens and ", positions.size(), " positions for a store of ", n, " rows");
+  for (int64_t r = 0; r < n; ++r) {
+    LOOM_CHECK(positions[r] >= 0 && positions[r] < config_.max_seq_len, "forward_rows: position ", positions[r],
+               " outside [0, model.max_seq_len = ", config_.max_seq_len, ")");
+    s.tokens.data<int32_t>()[r] = tokens[r];
+  }
+  if (pos_w.defined()) {  // learned positions: each row its own
+    for (int64_t r = 0; r < n; ++r) {
+      const Tensor pos = pos_w.view(positions[r] * C, {1, C});
+      backend_.embedding_forward(s.tokens.view(r, {1, 1}), embed_w, &pos, s.blocks[0].input.view(r * C, {1, 1, C}));
+    }
+  } else {
+    backend_.embedding_forward(s.tokens, embed_w, nullptr, s.blocks[0].input);
+  }
+  for (size_t l = 0; l < blocks_.size(); ++l) {
+    const Tensor& out = l + 1 < blocks_.size() ? s.blocks[l + 1].input : s.final_input;
+    blocks_[l].forward_rows(backend_, s.blocks[l], out, positions, cache, static_cast<int64_t>(l));
+  }
+  norm_forward(backend_, config_, s.final_input, final_w, final_b, s.final_norm, s.final_mean, s.final_rstd);
+  GemmSpec head;
+  head.trans_b = true;
+  backend_.gemm(s.final_norm, head_w, s.logits, head);
+}
+
 void Transformer::set_tensor_parallel(Communicator* tp, int64_t vocab_begin, int64_t vocab_valid, bool sequence_parallel) {
   LOOM_CHECK(tp == nullptr || (vocab_begin >= 0 && vocab_valid >= 0 && vocab_valid <= config_.vocab_size),
              "tensor parallel: vocabulary rows [", vocab_begin, ", +", vocab_valid, ") do not fit this slice's ",

@@ -81,6 +81,13 @@ class Transformer {
   // returns the mean loss (0 otherwise).
   double forward(ActivationStore& store, bool compute_loss = true);
   DecodeState allocate_decode_state(int64_t batch);
+  // Decoding n independent sequences (infer/engine.h keeps their KV caches): allocate_rows(n)
+  // is an n-row, one-position store; forward_rows feeds tokens[r] at positions[r] through every
+  // layer, `cache` storing each row's keys and values and doing its attention
+  // (Block::forward_rows), and leaves the next-token logits in store.logits (n, 1, V).
+  ActivationStore allocate_rows(int64_t n);
+  void forward_rows(ActivationStore& store, const std::vector<int32_t>& tokens, const std::vector<int64_t>& positions,
+                    DecodeCache& cache);
   // Feeds tokens (B values, one per sequence) at position state.length and advances it;
   // the next-token logits are in state.step.logits. Same math as forward(), one position.
   void forward_decode(DecodeState& state, const std::vector<int32_t>& tokens);

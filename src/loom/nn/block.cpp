@@ -344,6 +344,38 @@ void Block::forward_decode(Backend& backend, BlockSaved& s, const Tensor& out, c
   linear_forward(backend, s.act, p.fc2_w, p.fc2_b, out, 1.0f);
 }
 
+void Block::forward_rows(Backend& backend, BlockSaved& s, const Tensor& out, const std::vector<int64_t>& positions,
+                         DecodeCache& cache, int64_t layer) const {
+  LOOM_CHECK(tp_ == nullptr, "decoding a tensor-parallel block slice is not supported");
+  const BlockParams& p = params_;
+  const int64_t n = s.input.dim(0), H = config_.n_head, hd = config_.head_dim();
+  const int64_t W = config_.qkv_width(), KW = config_.n_kv_head * hd;
+  LOOM_CHECK(static_cast<int64_t>(positions.size()) == n, "forward_rows: ", positions.size(), " positions for ", n, " rows");
+  norm_forward(backend, config_, s.input, p.norm1_w, p.norm1_b, s.norm1, s.mean1, s.rstd1);
+  linear_forward(backend, s.norm1, p.qkv_w, p.qkv_b, s.qkv);
+  for (int64_t r = 0; r < n; ++r) {
+    if (!config_.learned_positions()) {
+      backend.rope_forward(s.qkv.view(r * W, {1, 1, W}), hd, H + config_.n_kv_head, config_.rope_theta, positions[r]);
+    }
+    const float* row = s.qkv.data<float>() + r * W;
+    cache.attend(layer, r, row, row + H * hd, row + H * hd + KW, s.attn.data<float>() + r * H * hd);
+  }
+  backend.copy(s.input, s.mid);
+  linear_forward(backend, s.attn, p.proj_w, p.proj_b, s.mid, 1.0f);
+  norm_forward(backend, config_, s.mid, p.norm2_w, p.norm2_b, s.norm2, s.mean2, s.rstd2);
+  if (is_moe()) {  // one position per sequence: n tokens routed (statistics are not recorded)
+    backend.copy(s.mid, out);
+    const int64_t C = config_.d_model;
+    moe_forward(backend, config_, p.moe, s.norm2.view(0, {n, C}), s.moe, *moe_scratch_, out.view(0, {n, C}), 1);
+    return;
+  }
+  linear_forward(backend, s.norm2, p.fc_w, p.fc_b, s.fc);
+  if (config_.swiglu()) backend.swiglu_forward(s.fc, s.act);
+  else backend.gelu_forward(s.fc, s.act);
+  backend.copy(s.mid, out);
+  linear_forward(backend, s.act, p.fc2_w, p.fc2_b, out, 1.0f);
+}
+
 void Block::backward(Backend& backend, const BlockSaved& s, const Tensor& d_residual, BlockScratch& k,
                      BackwardPart part) {
   const BlockParams& p = params_;

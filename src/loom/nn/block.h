@@ -6,6 +6,7 @@
 #pragma once
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "loom/backend/backend.h"
@@ -119,6 +120,21 @@ void norm_backward(Backend& backend, const ModelConfig& config, const Tensor& do
                    const Tensor& weight, const Tensor& mean, const Tensor& rstd, const Tensor& dx,
                    const Tensor& dweight, const Tensor& dbias);
 
+// The KV caches of the sequences a decoding step runs (Block::forward_rows), kept by the caller
+// (infer/engine.h), one row per sequence.
+class DecodeCache {
+ public:
+  virtual ~DecodeCache() = default;
+  // MHA / GQA / MQA: stores row r's key and value (n_kv_head x head_dim each, after RoPE) as the
+  // newest position of its sequence in `layer`, and writes the attention of q (n_head x
+  // head_dim) over the sequence's visible positions (model.attn_window) to out (n_head x head_dim).
+  virtual void attend(int64_t layer, int64_t row, const float* q, const float* k, const float* v, float* out) = 0;
+  // MLA: stores row r's compressed latent (the cache's k_width floats) as the newest position of
+  // its sequence in `layer` and returns its visible positions' latents, (*count, k_width),
+  // dequantized, valid until the next call.
+  virtual const float* latent(int64_t layer, int64_t row, const float* latent, int64_t* count) = 0;
+};
+
 class Block {
  public:
   Block(const ModelConfig& config, BlockParams params, BlockParams grads);
@@ -127,6 +143,12 @@ class Block {
   void forward(Backend& backend, BlockSaved& saved, const Tensor& out);
   // One decoding position (T = 1) at position `pos`, in fp32: saved is a T=1 record used as
   // scratch; the new k, v are appended to k_cache, v_cache (B, Tmax, KV*hd); q is (B, H*hd).
+  // One position of each of n independent sequences (saved: an n-row, T = 1 record): row r at
+  // position positions[r]. After the norm, the QKV projection and RoPE at each row's position,
+  // cache.attend(layer, r, q, k, v, out) stores row r's key and value and writes its attention
+  // output over the row's sequence (the caller keeps the caches: infer/). Then as forward().
+  void forward_rows(Backend& backend, BlockSaved& saved, const Tensor& out, const std::vector<int64_t>& positions,
+                    DecodeCache& cache, int64_t layer) const;
   void forward_decode(Backend& backend, BlockSaved& saved, const Tensor& out, const Tensor& k_cache,
                       const Tensor& v_cache, const Tensor& q, int64_t pos) const;
   // d_residual (B,T,C): gradient w.r.t. the block output on entry, w.r.t. its input on exit.

@@ -1,0 +1,247 @@
+#include "loom/infer/engine.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "loom/core/error.h"
+
+namespace loom {
+
+void EngineConfig::validate() const {
+  LOOM_CHECK(max_batch >= 1, "generate.max_batch must be >= 1, got ", max_batch);
+  LOOM_CHECK(block_size >= 1, "generate.kv_block_size must be >= 1, got ", block_size);
+  LOOM_CHECK(num_blocks >= 0, "generate.kv_blocks must be >= 0 (0: enough for max_batch full sequences), got ", num_blocks);
+  LOOM_CHECK(residual >= 0, "generate.kv_residual must be >= 0, got ", residual);
+}
+
+KvCacheConfig engine_cache_config(const ModelConfig& model, const EngineConfig& engine) {
+  engine.validate();
+  KvCacheConfig c;
+  c.n_layer = model.n_layer;
+  c.k_width = c.v_width = model.n_kv_head * model.head_dim();
+  c.block_size = engine.block_size;
+  const int64_t blocks_per_sequence = (model.max_seq_len + engine.block_size - 1) / engine.block_size;
+  c.num_blocks = engine.num_blocks > 0 ? engine.num_blocks : engine.max_batch * blocks_per_sequence;
+  c.max_len = blocks_per_sequence * engine.block_size;  // whole tiles (per-channel formats need them)
+  c.k_format = engine.k_format, c.v_format = engine.v_format;
+  c.k_axis = engine.k_axis, c.v_axis = engine.v_axis;
+  c.group = engine.group, c.residual = engine.residual;
+  c.validate();
+  return c;
+}
+
+// The step's rows as the model's DecodeCache: row r is sequence seqs[r] of the KV cache.
+class GenerationEngine::Rows : public DecodeCache {
+ public:
+  Rows(KvCache& cache, const ModelConfig& model) : cache_(cache), model_(model) {}
+  std::vector<int64_t> seqs;
+
+  void attend(int64_t layer, int64_t row, const float* q, const float* k, const float* v, float* out) override {
+    const int64_t seq = seqs[static_cast<size_t>(row)];
+    cache_.write(seq, layer, k, v);
+    cache_.attend(seq, layer, q, out, model_.n_head, model_.n_kv_head, model_.head_dim(), model_.attn_window);
+  }
+  const float* latent(int64_t layer, int64_t row, const float* latent, int64_t* count) override {
+    const int64_t seq = seqs[static_cast<size_t>(row)];
+    cache_.write(seq, layer, latent, nullptr);
+    *count = cache_.length(seq) + 1;  // with the row just written
+    buffer_.resize(static_cast<size_t>(*count * cache_.config().k_width));
+    cache_.read(seq, layer, 0, *count, buffer_.data(), nullptr);
+    return buffer_.data();
+  }
+
+ private:
+  KvCache& cache_;
+  const ModelConfig& model_;
+  std::vector<float> buffer_;
+};
+
+struct GenerationEngine::Active {
+  int64_t id = 0, seq = 0, fed = 0, blocks = 0;
+  GenerationRequest request;
+  Sampler sampler;
+  GenerationResult result;
+  Active(int64_t id_, GenerationRequest r) : id(id_), request(std::move(r)), sampler(request.sampling) {}
+};
+
+GenerationEngine::GenerationEngine(Transformer& model, EngineConfig config) : model_(model), config_(config) {
+  const KvCacheConfig kv = engine_cache_config(model.config(), config_);
+  Allocator& alloc = model.backend().allocator();
+  cache_ = config_.paged ? make_paged_kv_cache(kv, &alloc) : make_contiguous_kv_cache(kv, config_.max_batch, &alloc);
+  rows_ = std::make_unique<Rows>(*cache_, model.config());
+}
+
+GenerationEngine::~GenerationEngine() = default;
+
+int64_t GenerationEngine::blocks_needed(const GenerationRequest& r) const {
+  if (!config_.paged) return 1;
+  const int64_t positions =
+      std::min(static_cast<int64_t>(r.prompt.size()) + r.max_new_tokens, model_.config().max_seq_len);
+  return (positions + config_.block_size - 1) / config_.block_size;
+}
+
+int64_t GenerationEngine::submit(GenerationRequest request) {
+  const int64_t id = static_cast<int64_t>(results_.size());
+  const int64_t context = model_.config().max_seq_len, vocab = model_.config().vocab_size;
+  LOOM_CHECK(!request.prompt.empty(), "request ", id, ": the prompt must hold at least one token");
+  LOOM_CHECK(static_cast<int64_t>(request.prompt.size()) <= context, "request ", id, ": prompt of ",
+             request.prompt.size(), " tokens exceeds model.max_seq_len = ", context);
+  for (const int32_t t : request.prompt) {
+    LOOM_CHECK(t >= 0 && t < vocab, "request ", id, ": token ", t, " outside the vocabulary [0, ", vocab, ")");
+  }
+  LOOM_CHECK(request.max_new_tokens >= 1, "request ", id, ": max_new_tokens must be >= 1, got ", request.max_new_tokens);
+  request.sampling.validate();
+  LOOM_CHECK(blocks_needed(request) <= cache_->config().num_blocks, "request ", id, " needs ", blocks_needed(request),
+             " KV blocks of ", config_.block_size, " positions, more than the pool's ", cache_->config().num_blocks,
+             " (generate.kv_blocks)");
+  results_.emplace_back();
+  submitted_.push_back(std::chrono::steady_clock::now());
+  done_.push_back(false);
+  waiting_.emplace_back(id, std::move(request));
+  return id;
+}
+
+void GenerationEngine::admit() {
+  const auto now = std::chrono::steady_clock::now();
+  while (!waiting_.empty() && static_cast<int64_t>(active_.size()) < config_.max_batch) {
+    const int64_t need = blocks_needed(waiting_.front().second);
+    if (config_.paged && reserved_blocks_ + need > cache_->config().num_blocks) break;  // first come, first served
+    auto a = std::make_unique<Active>(waiting_.front().first, std::move(waiting_.front().second));
+    waiting_.pop_front();
+    a->seq = cache_->add_sequence();
+    a->blocks = need;
+    reserved_blocks_ += need;
+    a->result.prompt_tokens = static_cast<int64_t>(a->request.prompt.size());
+    a->result.queued_s = std::chrono::duration<double>(now - submitted_[static_cast<size_t>(a->id)]).count();
+    active_.push_back(std::move(a));
+  }
+}
+
+bool GenerationEngine::step() {
+  const auto start = std::chrono::steady_clock::now();
+  admit();
+  if (active_.empty()) return false;
+  const int64_t n = static_cast<int64_t>(active_.size()), vocab = model_.config().vocab_size;
+  std::vector<int32_t> tokens;
+  std::vector<int64_t> positions;
+  rows_->seqs.clear();
+  for (const auto& a : active_) {
+    const int64_t prompt = static_cast<int64_t>(a->request.prompt.size());
+    tokens.push_back(a->fed < prompt ? a->request.prompt[static_cast<size_t>(a->fed)] : a->result.tokens.back());
+    positions.push_back(a->fed);
+    rows_->seqs.push_back(a->seq);
+  }
+  auto store = stores_.find(n);
+  if (store == stores_.end()) store = stores_.emplace(n, model_.allocate_rows(n)).first;
+  model_.forward_rows(store->second, tokens, positions, *rows_);
+  stats_.peak_blocks = std::max(stats_.peak_blocks, cache_->blocks_in_use());
+  stats_.peak_bytes_used = std::max(stats_.peak_bytes_used, cache_->bytes_used());
+  stats_.utilisation_sum += cache_->utilisation();
+  const auto now = std::chrono::steady_clock::now();
+  const float* logits = store->second.logits.data<float>();
+  for (int64_t r = 0; r < n; ++r) {
+    Active& a = *active_[static_cast<size_t>(r)];
+    cache_->advance(a.seq);
+    ++a.fed;
+    const int64_t prompt = static_cast<int64_t>(a.request.prompt.size());
+    if (a.fed < prompt) {
+      ++stats_.prompt_tokens;
+      continue;
+    }
+    if (a.fed == prompt) ++stats_.prompt_tokens;
+    const int32_t next = a.sampler.sample(logits + r * vocab, vocab);
+    a.result.tokens.push_back(next);
+    ++stats_.generated_tokens;
+    const double since = std::chrono::duration<double>(now - submitted_[static_cast<size_t>(a.id)]).count();
+    if (a.result.tokens.size() == 1) a.result.first_token_s = since;
+    const auto& stops = a.request.stop_tokens;
+    if (std::find(stops.begin(), stops.end(), next) != stops.end()) a.result.finish = "stop";
+    else if (static_cast<int64_t>(a.result.tokens.size()) >= a.request.max_new_tokens) a.result.finish = "length";
+    else if (a.fed >= model_.config().max_seq_len) a.result.finish = "context";
+    if (!a.result.finish.empty()) a.result.total_s = since;
+  }
+  // Retire the finished requests: their rows and blocks go to the next step's admissions.
+  for (size_t i = 0; i < active_.size();) {
+    Active& a = *active_[i];
+    if (a.result.finish.empty()) {
+      ++i;
+      continue;
+    }
+    cache_->release(a.seq);
+    reserved_blocks_ -= a.blocks;
+    results_[static_cast<size_t>(a.id)] = std::move(a.result);
+    done_[static_cast<size_t>(a.id)] = true;
+    active_.erase(active_.begin() + static_cast<std::ptrdiff_t>(i));
+  }
+  ++stats_.steps;
+  stats_.rows += n;
+  stats_.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return true;
+}
+
+void apply_kv_preset(EngineConfig& e, const std::string& name, int64_t head_dim) {
+  e.group = 0, e.residual = 0;
+  e.k_axis = e.v_axis = KV_PER_TOKEN;
+  if (name == "fp32" || name == "bf16") {
+    e.k_format = e.v_format = parse_kv_format(name);
+  } else if (name == "int8" || name == "int4") {
+    e.k_format = e.v_format = parse_kv_format(name);
+    e.group = head_dim;
+  } else if (name == "kivi4" || name == "kivi2") {
+    e.k_format = e.v_format = name == "kivi4" ? KV_INT4 : KV_INT2;
+    e.k_axis = KV_PER_CHANNEL;
+    e.group = head_dim;
+    e.residual = 32;
+  } else {
+    throw Error(str_cat("unknown KV cache format '", name, "', expected fp32, bf16, int8, int4, kivi4 or kivi2"));
+  }
+}
+
+double teacher_forced_loss(Transformer& model, const std::vector<std::vector<int32_t>>& sequences,
+                           const EngineConfig& engine) {
+  const ModelConfig& c = model.config();
+  const int64_t vocab = c.vocab_size;
+  auto cache = engine.paged ? make_paged_kv_cache(engine_cache_config(c, engine), &model.backend().allocator())
+                            : make_contiguous_kv_cache(engine_cache_config(c, engine), engine.max_batch,
+                                                       &model.backend().allocator());
+  GenerationEngine::Rows rows(*cache, c);
+  double sum = 0.0;
+  int64_t count = 0;
+  for (size_t first = 0; first < sequences.size(); first += static_cast<size_t>(engine.max_batch)) {
+    const size_t last = std::min(sequences.size(), first + static_cast<size_t>(engine.max_batch));
+    const int64_t n = static_cast<int64_t>(last - first);
+    const int64_t T = static_cast<int64_t>(sequences[first].size());
+    LOOM_CHECK(T >= 2 && T <= c.max_seq_len, "teacher_forced_loss: sequences of 2 to model.max_seq_len tokens, got ", T);
+    rows.seqs.clear();
+    for (size_t s = first; s < last; ++s) {
+      LOOM_CHECK(static_cast<int64_t>(sequences[s].size()) == T, "teacher_forced_loss: sequences of equal length");
+      rows.seqs.push_back(cache->add_sequence());
+    }
+    ActivationStore store = model.allocate_rows(n);
+    for (int64_t t = 0; t + 1 < T; ++t) {
+      std::vector<int32_t> tokens;
+      for (size_t s = first; s < last; ++s) tokens.push_back(sequences[s][static_cast<size_t>(t)]);
+      model.forward_rows(store, tokens, std::vector<int64_t>(static_cast<size_t>(n), t), rows);
+      for (int64_t r = 0; r < n; ++r) {
+        const float* logits = store.logits.data<float>() + r * vocab;
+        double max = logits[0], z = 0.0;
+        for (int64_t v = 1; v < vocab; ++v) max = std::max(max, static_cast<double>(logits[v]));
+        for (int64_t v = 0; v < vocab; ++v) z += std::exp(static_cast<double>(logits[v]) - max);
+        sum += max + std::log(z) - logits[sequences[first + static_cast<size_t>(r)][static_cast<size_t>(t + 1)]];
+        ++count;
+        cache->advance(rows.seqs[static_cast<size_t>(r)]);
+      }
+    }
+    for (const int64_t seq : rows.seqs) cache->release(seq);
+  }
+  return sum / static_cast<double>(count);
+}
+
+std::vector<GenerationResult> GenerationEngine::run() {
+  while (step()) {
+  }
+  LOOM_CHECK(waiting_.empty(), "generation engine: ", waiting_.size(), " requests could not be admitted");
+  return results_;
+}
+
+}  // namespace loom

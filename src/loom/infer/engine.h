@@ -1,0 +1,126 @@
+// A generation engine with continuous batching (Orca, Yu et al. 2022; vLLM, Kwon et al. 2023):
+// requests wait in a queue; every step admits waiting requests while a batch row and the KV
+// blocks they may need are free, runs one position of every active request through the model
+// (Transformer::forward_rows: the request's next prompt token during its prefill, else its
+// last sampled token), samples each request whose prompt is consumed, and retires the finished
+// ones (max_new_tokens, a stop token, or the model's context), freeing their rows and blocks for
+// the next step. Requests join and leave between steps.
+//
+// Each request has its own Sampler (its seed and draw counter) and its own sequence in the KV
+// cache, and a row's arithmetic does not depend on the other rows (each row's GEMM outputs are
+// the same dot products in the same order, its attention reads only its sequence), so a request
+// gets the same tokens in any batch as alone: tests/test_engine.cpp holds it.
+//
+// Prefill feeds one prompt token per step (chunked prefill with chunks of one): the time to the
+// first token is the prompt's length in steps, shared with the other rows.
+//
+// Admission reserves the worst case, ceil(min(prompt + max_new, max_seq_len) / block_size)
+// blocks (a contiguous cache: one region), so a running request never runs out (no preemption).
+#pragma once
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "loom/infer/kv_cache.h"
+#include "loom/infer/sampler.h"
+#include "loom/model/transformer.h"
+
+namespace loom {
+
+struct GenerationRequest {
+  std::vector<int32_t> prompt;        // at least one token
+  SamplingConfig sampling;            // its seed makes the request reproducible
+  int64_t max_new_tokens = 64;
+  std::vector<int32_t> stop_tokens;   // generation ends after drawing one (it is kept)
+};
+
+struct GenerationResult {
+  std::vector<int32_t> tokens;        // the new tokens
+  std::string finish;                 // "length", "stop" or "context"
+  int64_t prompt_tokens = 0;
+  double queued_s = 0;                // submit -> admitted
+  double first_token_s = 0;           // submit -> first new token (time to first token)
+  double total_s = 0;                 // submit -> finished
+};
+
+struct EngineConfig {
+  int64_t max_batch = 16;             // rows per step
+  bool paged = true;                  // paged KV cache, else contiguous (one max_seq_len region per row)
+  int64_t block_size = 16;
+  int64_t num_blocks = 0;             // paged pool; 0: max_batch x ceil(max_seq_len / block_size)
+  KvFormat k_format = KV_FP32, v_format = KV_FP32;
+  KvAxis k_axis = KV_PER_TOKEN, v_axis = KV_PER_TOKEN;
+  int64_t group = 0;                  // per-token integer formats: channels per (scale, min)
+  int64_t residual = 0;               // KIVI: newest positions kept fp32
+
+  void validate() const;  // throws naming the key (generate.max_batch, ...)
+};
+
+// The KV cache configuration of `model` under `engine`: k_width = v_width = n_kv_head x head_dim.
+KvCacheConfig engine_cache_config(const ModelConfig& model, const EngineConfig& engine);
+
+// Named cache formats (--kv): fp32; bf16; int8 and int4 (keys and values per token, one
+// (scale, min) per head: group = head_dim); kivi4 and kivi2 (KIVI, Liu et al. 2024: keys per
+// channel over each block of block_size positions, values per token per head, the newest
+// `residual` positions in fp32, default 32). Sets the format fields of `engine`; throws naming
+// the accepted names.
+void apply_kv_preset(EngineConfig& engine, const std::string& name, int64_t head_dim);
+
+// The mean next-token loss (nats) of `sequences` (each of at least 2 tokens), teacher-forced one
+// position at a time through a KV cache in `engine`'s formats (max_batch sequences side by side):
+// the quality cost of a quantized cache, next to loom eval's loss of the full forward.
+double teacher_forced_loss(Transformer& model, const std::vector<std::vector<int32_t>>& sequences,
+                           const EngineConfig& engine);
+
+struct EngineStats {
+  int64_t steps = 0;
+  int64_t rows = 0;                   // sum over steps of the rows run
+  int64_t prompt_tokens = 0, generated_tokens = 0;
+  double seconds = 0;                 // in step()
+  int64_t peak_blocks = 0;            // blocks in use (paged) or regions (contiguous)
+  int64_t peak_bytes_used = 0;        // KV bytes holding positions
+  double utilisation_sum = 0;         // of the cache, summed over steps (mean = / steps)
+};
+
+class GenerationEngine {
+ public:
+  GenerationEngine(Transformer& model, EngineConfig config);
+  ~GenerationEngine();
+
+  int64_t submit(GenerationRequest request);  // returns its id (0, 1, ...), in submission order
+  // One step; false when no request is waiting or active.
+  bool step();
+  // Steps until every submitted request has finished; their results in submission order.
+  std::vector<GenerationResult> run();
+
+  const EngineStats& stats() const { return stats_; }
+  const KvCache& cache() const { return *cache_; }
+  int64_t active() const { return static_cast<int64_t>(active_.size()); }
+
+  class Rows;  // the rows of a step as the model's DecodeCache (engine.cpp; teacher_forced_loss uses it too)
+
+ private:
+  struct Active;
+
+  int64_t blocks_needed(const GenerationRequest& request) const;
+  void admit();
+
+  Transformer& model_;
+  EngineConfig config_;
+  std::unique_ptr<KvCache> cache_;
+  std::unique_ptr<Rows> rows_;
+  std::map<int64_t, ActivationStore> stores_;  // [rows] one-position stores
+  std::deque<std::pair<int64_t, GenerationRequest>> waiting_;
+  std::vector<std::unique_ptr<Active>> active_;
+  std::vector<GenerationResult> results_;      // [id]
+  std::vector<std::chrono::steady_clock::time_point> submitted_;  // [id]
+  std::vector<bool> done_;                     // [id]
+  int64_t reserved_blocks_ = 0;                // by the active requests
+  EngineStats stats_;
+};
+
+}  // namespace loom
