@@ -398,6 +398,37 @@ class Cli(unittest.TestCase):
         greedy = run("generate", "--checkpoint", self.ckpt("gen", 8), "--prompt", "The ", "--tokens", "20", "--greedy")
         self.assertTrue(greedy.stdout.startswith("The "))
 
+    def test_generate_many_prompts_and_bench_generate(self):
+        self.train("genmany")
+        ckpt = os.path.join(self.tmp, "runs", "genmany")
+        prompts = os.path.join(self.tmp, "prompts.txt")
+        with open(prompts, "w") as f:
+            f.write("The \nA fortune\n\nIt is\nWhy\nOnce upon\n")
+        out = os.path.join(self.tmp, "gen.jsonl")
+        p = run("generate", "--checkpoint", ckpt, "--prompts", prompts, "--out", out, "--tokens", "12", "--seed", "3",
+                "--max-batch", "2", "--kv-block", "4")
+        self.assertIn("5 prompts", p.stdout)
+        with open(out) as f:
+            rows = [json.loads(line) for line in f]
+        self.assertEqual([r["prompt"] for r in rows], ["The ", "A fortune", "It is", "Why", "Once upon"])
+        for r in rows:
+            self.assertIn(r["finish"], ("length", "stop", "context"))
+            self.assertGreater(r["tokens"], 0)
+        # Each prompt's text does not depend on the others: alone (its seed is 3 + its index) it is the same.
+        with open(prompts, "w") as f:
+            f.write("The \n")
+        alone = run("generate", "--checkpoint", ckpt, "--prompts", prompts, "--tokens", "12", "--seed", "3")
+        self.assertEqual(json.loads(alone.stdout.splitlines()[0])["text"], rows[0]["text"])
+        quantized = run("generate", "--checkpoint", ckpt, "--prompts", prompts, "--tokens", "12", "--kv", "int8")
+        self.assertIn("KV cache int8", quantized.stderr)
+        self.assert_one_line_error(run("generate", "--checkpoint", ckpt, "--prompts", prompts, "--kv", "int3",
+                                       expect_ok=False), "kivi2")
+        b = run("bench", "generate", "--checkpoint", ckpt, "--requests", "4", "--prompt-tokens", "4", "--new-tokens", "6",
+                "--max-batch", "4", "--ppl", "fp32,int8", "--ppl-sequences", "2")
+        self.assertIn("every request the same tokens: yes", b.stdout)
+        self.assertRegex(b.stdout, r"ratio [0-9.]+x")
+        self.assertRegex(b.stdout, r"int8 +[0-9.]+ +[0-9.]+")
+
     def test_eval_reports_loss_and_perplexity(self):
         self.train("ev")
         p = run("eval", "--checkpoint", os.path.join(self.tmp, "runs", "ev"))
@@ -414,7 +445,7 @@ class Cli(unittest.TestCase):
             self.assertIn(os.path.join(data, "tokenizer"), f.read())
 
     def test_every_command_has_help(self):
-        for cmd in ("prepare", "train", "eval", "generate", "tokenizer"):
+        for cmd in ("prepare", "train", "eval", "generate", "tokenizer", "plan", "memory", "bench"):
             p = run(cmd, "--help")
             self.assertIn("usage: loom", p.stdout)
 

@@ -1,4 +1,6 @@
-// loom generate: text from a checkpoint with the KV cache and a sampler.
+// loom generate: text from a checkpoint with the KV cache and a sampler; with --prompts, many
+// prompts at once through the generation engine (continuous batching, infer/engine.h).
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -7,7 +9,11 @@
 #include "cli.h"
 #include "commands.h"
 #include "loom/core/error.h"
+#include "loom/core/file_io.h"
+#include "loom/infer/engine.h"
 #include "loom/infer/generate.h"
+
+#include <nlohmann/json.hpp>
 
 namespace loom::cli {
 
@@ -19,13 +25,24 @@ const char* kHelp =
     "PATH is a step folder, a run folder or a checkpoints folder (newest valid checkpoint).\n"
     "Feeds the prompt through the model's KV cache, then samples N tokens (default: the run's\n"
     "sample.* settings): temperature 0 or --greedy takes the most likely token. Stops at the\n"
-    "end-of-text token or the model's context length. Same seed, same text.\n";
+    "end-of-text token or the model's context length. Same seed, same text.\n"
+    "\n"
+    "       loom generate --checkpoint PATH --prompts FILE [--out FILE] [--max-batch B] [--kv FORMAT]\n"
+    "                     [--kv-block N] [--contiguous] [--tokens N] [sampling options as above]\n"
+    "\n"
+    "Every non-empty line of FILE is a prompt; they run together through the generation engine:\n"
+    "continuous batching of up to B rows (default 8), a paged KV cache of N-position blocks\n"
+    "(default 16; --contiguous: one max_seq_len region per row) in FORMAT (fp32, bf16, int8, int4,\n"
+    "kivi4, kivi2; default fp32). Prompt i samples with seed S + i, so its text does not depend on\n"
+    "the others. Writes one JSON line per prompt, in order ({\"id\", \"prompt\", \"text\",\n"
+    "\"tokens\", \"finish\", \"ttft_s\", \"total_s\"}) to --out (atomically) or stdout, then a summary.\n";
 }  // namespace
 
 int generate_main(int argc, char** argv) {
   if (argc >= 1 && std::strcmp(argv[0], "--help") == 0) return std::fputs(kHelp, stdout), 0;
-  const Args args(argc, argv, {"checkpoint", "prompt", "prompt-file", "tokens", "temperature", "top-k", "top-p", "seed"},
-                  {"greedy"}, "generate");
+  const Args args(argc, argv, {"checkpoint", "prompt", "prompt-file", "tokens", "temperature", "top-k", "top-p", "seed",
+                               "prompts", "out", "max-batch", "kv", "kv-block"},
+                  {"greedy", "contiguous"}, "generate");
   LOOM_CHECK(args.has("checkpoint"), "loom generate needs --checkpoint PATH");
   const std::string step_dir = resolve_checkpoint(args.get("checkpoint"));
   const LoomConfig config = checkpoint_config(step_dir);
@@ -49,6 +66,65 @@ int generate_main(int argc, char** argv) {
   auto backend = make_cpu_backend();
   Transformer model(*backend, config.model);
   CheckpointManager(step_dir).load(step_dir, ModelState{config.model, model.params()}, OptimizerState{});
+  if (args.has("prompts")) {
+    const std::string path = args.get("prompts");
+    std::ifstream in(path);
+    LOOM_CHECK(in, path, ": cannot open the prompts file");
+    std::vector<std::string> prompts;
+    for (std::string line; std::getline(in, line);) {
+      if (!line.empty() && line.back() == '\r') line.pop_back();
+      if (!line.empty()) prompts.push_back(line);
+    }
+    LOOM_CHECK(!prompts.empty(), path, ": no prompts (one per non-empty line)");
+    EngineConfig ec;
+    ec.max_batch = args.get_int("max-batch", 8);
+    ec.block_size = args.get_int("kv-block", 16);
+    ec.paged = !args.has("contiguous");
+    apply_kv_preset(ec, args.get("kv", "fp32"), config.model.head_dim());
+    GenerationEngine engine(model, ec);
+    const int64_t max_new = args.get_int("tokens", config.sample.max_new_tokens);
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      GenerationRequest r;
+      r.prompt = tokenizer->encode(prompts[i]);
+      if (r.prompt.empty()) r.prompt.push_back(tokenizer->eot_token());
+      r.sampling = sampling;
+      r.sampling.seed = sampling.seed + i;
+      r.max_new_tokens = std::min<int64_t>(max_new, config.model.max_seq_len - static_cast<int64_t>(r.prompt.size()));
+      LOOM_CHECK(r.max_new_tokens >= 1, path, ":", i + 1, ": the prompt fills the model's context (model.max_seq_len = ",
+                 config.model.max_seq_len, ")");
+      r.stop_tokens = {tokenizer->eot_token()};
+      engine.submit(std::move(r));
+    }
+    const std::vector<GenerationResult> results = engine.run();
+    std::string lines;
+    int64_t generated = 0;
+    double ttft = 0;
+    for (size_t i = 0; i < results.size(); ++i) {
+      const GenerationResult& g = results[i];
+      std::vector<int32_t> shown = g.tokens;
+      if (!shown.empty() && shown.back() == tokenizer->eot_token()) shown.pop_back();
+      nlohmann::json j = {{"id", i}, {"prompt", prompts[i]}, {"text", printable_utf8(tokenizer->decode(shown))},
+                          {"tokens", g.tokens.size()}, {"finish", g.finish}, {"ttft_s", g.first_token_s},
+                          {"total_s", g.total_s}};
+      lines += j.dump() + "\n";
+      generated += static_cast<int64_t>(g.tokens.size());
+      ttft += g.first_token_s;
+    }
+    const EngineStats& st = engine.stats();
+    const std::string summary = str_cat(results.size(), " prompts, ", generated, " tokens in ", st.steps, " steps (",
+                                        st.seconds, " s, ", static_cast<int64_t>(generated / st.seconds),
+                                        " new tokens/s), mean time to first token ", ttft / results.size(),
+                                        " s, KV cache ", args.get("kv", "fp32"), " ", ec.paged ? "paged" : "contiguous",
+                                        ", mean utilisation ", st.utilisation_sum / std::max<int64_t>(st.steps, 1), "\n");
+    if (args.has("out")) {
+      write_file_atomic(args.get("out"), lines);
+      std::fputs(summary.c_str(), stdout);
+    } else {
+      std::fputs(lines.c_str(), stdout);
+      std::fputs(summary.c_str(), stderr);
+    }
+    return 0;
+  }
   std::vector<int32_t> ids = tokenizer->encode(prompt);
   if (ids.empty()) ids.push_back(tokenizer->eot_token());
   Sampler sampler(sampling);

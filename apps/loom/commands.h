@@ -10,5 +10,6 @@ int generate_main(int argc, char** argv);
 int tokenizer_main(int argc, char** argv);
 int plan_main(int argc, char** argv);
 int memory_main(int argc, char** argv);
+int bench_main(int argc, char** argv);
 
 }  // namespace loom::cli

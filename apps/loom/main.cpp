@@ -21,6 +21,7 @@ const char* kUsage =
     "  tokenizer   train a byte-level BPE tokenizer on your own corpus\n"
     "  plan        rank the parallel layouts that fit a cluster, or simulate a pipeline schedule\n"
     "  memory      bytes per rank by category before running (--measure: and after one step)\n"
+    "  bench       bench generate: continuous batching against one at a time, KV cache formats\n"
     "\n"
     "`loom <command> --help` describes each command's options.\n";
 
@@ -40,6 +41,7 @@ int main(int argc, char** argv) {
     if (command == "tokenizer") return loom::cli::tokenizer_main(argc - 2, argv + 2);
     if (command == "plan") return loom::cli::plan_main(argc - 2, argv + 2);
     if (command == "memory") return loom::cli::memory_main(argc - 2, argv + 2);
+    if (command == "bench") return loom::cli::bench_main(argc - 2, argv + 2);
     std::fprintf(stderr, "loom: unknown command '%s'\n%s", command.c_str(), kUsage);
     return 2;
   } catch (const std::exception& e) {

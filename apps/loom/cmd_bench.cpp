@@ -1,0 +1,189 @@
+// loom bench generate: generation throughput with continuous batching against one request at a
+// time (the same requests, in the same run), time to first token, KV bytes per token and cache
+// utilisation; with --ppl, the quality cost of each KV cache format (teacher-forced loss through
+// the cache on validation text).
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <sstream>
+
+#include "cli.h"
+#include "commands.h"
+#include "loom/core/error.h"
+#include "loom/data/shard.h"
+#include "loom/infer/engine.h"
+
+namespace loom::cli {
+
+namespace {
+const char* kHelp =
+    "usage: loom bench generate [--checkpoint PATH | --config FILE --set k=v,...] [--requests N]\n"
+    "                           [--prompt-tokens L] [--new-tokens M] [--max-batch B] [--kv FORMAT]\n"
+    "                           [--kv-block K] [--contiguous] [--ppl FORMATS] [--ppl-sequences S]\n"
+    "\n"
+    "Generates M tokens (greedy) for each of N prompts of L tokens (default 32 x 32 x 64), windows of\n"
+    "the dataset's validation split (random tokens without one), twice in one run: one request at a\n"
+    "time (an engine of one row), then all of them through the engine with continuous batching of\n"
+    "up to B rows (default 16). Prints tokens/s of both and their ratio, the time to first token\n"
+    "(mean, p50, p90), the KV bytes per token (formula, and measured: bytes in use / positions at\n"
+    "the peak), the cache's mean utilisation, and whether every request got the same tokens.\n"
+    "FORMAT: fp32 (default), bf16, int8, int4, kivi4, kivi2 (infer/engine.h).\n"
+    "--ppl fp32,bf16,int8,...: for each format, the teacher-forced loss and perplexity of S\n"
+    "(default 16) validation windows of train.seq_len tokens through the cache, and the change\n"
+    "against fp32.\n"
+    "Without --checkpoint the model is the config's, randomly initialised (speed only).\n";
+
+double percentile(std::vector<double> v, double q) {
+  std::sort(v.begin(), v.end());
+  return v[static_cast<size_t>(std::min<double>(static_cast<double>(v.size() - 1), q * static_cast<double>(v.size())))];
+}
+
+std::vector<std::string> split_list(const std::string& text) {
+  std::vector<std::string> out;
+  std::stringstream in(text);
+  for (std::string item; std::getline(in, item, ',');) {
+    if (!item.empty()) out.push_back(item);
+  }
+  return out;
+}
+
+int bench_generate(const Args& args) {
+  LoomConfig config;
+  std::string step_dir;
+  if (args.has("checkpoint")) {
+    step_dir = resolve_checkpoint(args.get("checkpoint"));
+    config = checkpoint_config(step_dir);
+  } else {
+    config = load_config(args);
+    vocab_from_data(config);
+  }
+  auto backend = make_cpu_backend();
+  Transformer model(*backend, config.model);
+  if (!step_dir.empty()) {
+    CheckpointManager(step_dir).load(step_dir, ModelState{config.model, model.params()}, OptimizerState{});
+  } else {
+    model.init_weights(config.loop.seed);
+  }
+  const int64_t n = args.get_int("requests", 32), L = args.get_int("prompt-tokens", 32), M = args.get_int("new-tokens", 64);
+  LOOM_CHECK(n >= 1 && L >= 1 && M >= 1, "--requests, --prompt-tokens and --new-tokens must be >= 1");
+  LOOM_CHECK(L + M <= config.model.max_seq_len, "--prompt-tokens + --new-tokens = ", L + M, " exceeds model.max_seq_len = ",
+             config.model.max_seq_len);
+  std::vector<int32_t> text;  // validation tokens, if the dataset is there
+  try {
+    TokenDataset data = open_dataset(config.data.dir);
+    if (static_cast<int64_t>(data.vocab_size) == config.model.vocab_size) text = std::move(data.val.tokens);
+  } catch (const Error&) {
+  }
+  auto window = [&](int64_t i, int64_t length) {
+    std::vector<int32_t> w;
+    for (int64_t t = 0; t < length; ++t) {
+      const int64_t at = i * length + t;
+      w.push_back(static_cast<int32_t>(static_cast<int64_t>(text.size()) >= (i + 1) * length
+                                           ? text[static_cast<size_t>(at)]
+                                           : (at * 2654435761LL) % config.model.vocab_size));
+    }
+    return w;
+  };
+  std::vector<GenerationRequest> requests;
+  for (int64_t i = 0; i < n; ++i) {
+    GenerationRequest r;
+    r.prompt = window(i, L);
+    r.sampling.temperature = 0.0f;
+    r.max_new_tokens = M;
+    requests.push_back(std::move(r));
+  }
+  EngineConfig ec;
+  ec.max_batch = args.get_int("max-batch", 16);
+  ec.block_size = args.get_int("kv-block", 16);
+  ec.paged = !args.has("contiguous");
+  const std::string kv = args.get("kv", "fp32");
+  apply_kv_preset(ec, kv, config.model.head_dim());
+  const KvCacheConfig cache_config = engine_cache_config(config.model, ec);
+
+  std::printf("%s: %lld parameters; %lld requests of %lld prompt + %lld new tokens (greedy); KV cache %s, %s\n",
+              step_dir.empty() ? "random init" : step_dir.c_str(), static_cast<long long>(param_count(config.model)),
+              static_cast<long long>(n), static_cast<long long>(L), static_cast<long long>(M), kv.c_str(),
+              ec.paged ? str_cat("paged, blocks of ", ec.block_size).c_str() : "contiguous");
+  // One at a time: each request alone in an engine of one row.
+  EngineConfig single = ec;
+  single.max_batch = 1;
+  std::vector<std::vector<int32_t>> alone;
+  std::vector<double> alone_ttft;
+  const auto t0 = std::chrono::steady_clock::now();
+  {
+    GenerationEngine engine(model, single);
+    for (const GenerationRequest& r : requests) {
+      engine.submit(r);
+      const GenerationResult g = engine.run().back();
+      alone.push_back(g.tokens);
+      alone_ttft.push_back(g.first_token_s);
+    }
+  }
+  const double alone_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  // All at once, continuous batching.
+  const auto t1 = std::chrono::steady_clock::now();
+  GenerationEngine engine(model, ec);
+  for (const GenerationRequest& r : requests) engine.submit(r);
+  const std::vector<GenerationResult> together = engine.run();
+  const double batched_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
+  int64_t generated = 0, same = 0;
+  std::vector<double> ttft;
+  for (size_t i = 0; i < together.size(); ++i) {
+    generated += static_cast<int64_t>(together[i].tokens.size());
+    same += together[i].tokens == alone[i] ? 1 : 0;
+    ttft.push_back(together[i].first_token_s);
+  }
+  const EngineStats& st = engine.stats();
+  std::printf("one at a time:       %8.1f new tokens/s (%.2f s)  time to first token mean %.3f s\n", generated / alone_s,
+              alone_s, [&] { double s = 0; for (double x : alone_ttft) s += x; return s / alone_ttft.size(); }());
+  std::printf("continuous batching: %8.1f new tokens/s (%.2f s)  time to first token mean %.3f s, p50 %.3f s, p90 %.3f s "
+              "(all submitted at t = 0)\n", generated / batched_s, batched_s,
+              [&] { double s = 0; for (double x : ttft) s += x; return s / ttft.size(); }(), percentile(ttft, 0.5),
+              percentile(ttft, 0.9));
+  std::printf("ratio %.2fx; %lld steps, %.1f rows per step (max %lld); every request the same tokens: %s (%lld of %lld)\n",
+              alone_s / batched_s, static_cast<long long>(st.steps),
+              static_cast<double>(st.rows) / std::max<int64_t>(st.steps, 1), static_cast<long long>(ec.max_batch),
+              same == n ? "yes" : "NO", static_cast<long long>(same), static_cast<long long>(n));
+  std::printf("KV cache: %.1f bytes per token by formula (%lld layers), peak %s in use of %s reserved, %lld blocks at the "
+              "peak, mean utilisation %.3f\n", kv_bytes_per_token(cache_config), static_cast<long long>(cache_config.n_layer),
+              format_bytes(static_cast<size_t>(st.peak_bytes_used)).c_str(),
+              format_bytes(static_cast<size_t>(engine.cache().bytes_reserved())).c_str(),
+              static_cast<long long>(st.peak_blocks), st.utilisation_sum / std::max<int64_t>(st.steps, 1));
+  LOOM_CHECK(same == n, "continuous batching changed the tokens of ", n - same, " requests");
+
+  if (args.has("ppl")) {
+    const int64_t S = args.get_int("ppl-sequences", 16), T = std::min(config.train.seq_len, config.model.max_seq_len);
+    LOOM_CHECK(static_cast<int64_t>(text.size()) >= S * T, "--ppl needs ", S * T, " validation tokens in ", config.data.dir,
+               ", found ", text.size());
+    std::vector<std::vector<int32_t>> seqs;
+    for (int64_t i = 0; i < S; ++i) seqs.push_back(window(i, T));
+    std::printf("\nteacher-forced loss through the KV cache, %lld validation windows of %lld tokens:\n", static_cast<long long>(S),
+                static_cast<long long>(T));
+    std::printf("%-8s %14s %10s %12s %12s\n", "format", "bytes/token", "loss", "perplexity", "change");
+    double reference = 0;
+    for (const std::string& f : split_list(args.get("ppl"))) {
+      EngineConfig pc = ec;
+      apply_kv_preset(pc, f, config.model.head_dim());
+      const double loss = teacher_forced_loss(model, seqs, pc);
+      if (reference == 0) reference = std::exp(loss);
+      std::printf("%-8s %14.1f %10.5f %12.4f %+11.3f%%\n", f.c_str(), kv_bytes_per_token(engine_cache_config(config.model, pc)),
+                  loss, std::exp(loss), 100 * (std::exp(loss) / reference - 1));
+    }
+  }
+  return 0;
+}
+}  // namespace
+
+int bench_main(int argc, char** argv) {
+  if (argc < 1 || std::strcmp(argv[0], "--help") == 0) return std::fputs(kHelp, argc < 1 ? stderr : stdout), argc < 1 ? 2 : 0;
+  const std::string what = argv[0];
+  LOOM_CHECK(what == "generate", "loom bench: unknown benchmark '", what, "', expected generate");
+  const Args args(argc - 1, argv + 1, {"checkpoint", "config", "set", "requests", "prompt-tokens", "new-tokens", "max-batch",
+                                       "kv", "kv-block", "ppl", "ppl-sequences"},
+                  {"contiguous"}, "bench generate");
+  return bench_generate(args);
+}
+
+}  // namespace loom::cli
