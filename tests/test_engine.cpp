@@ -207,6 +207,39 @@ TEST(EngineTest, TeacherForcedLossThroughTheCacheMatchesTheForward) {
   EXPECT_NE(test::error_of([&] { apply_kv_preset(ec, "int3", 8); }).find("kivi2"), std::string::npos);
 }
 
+// KV bytes per token of a model's cache: L layers x (K + V) rows of n_kv_head x head_dim values,
+// 4 bytes each in fp32 (MHA: n_kv_head = n_head; GQA: fewer; MQA: 1), 2 in bf16, and for the
+// integer formats b/8 bytes a value plus a (scale, min) fp16 pair per group (per token: a group
+// of head_dim channels; KIVI keys per channel: one pair per channel per block of B positions).
+TEST(EngineTest, KvBytesPerTokenMatchTheirFormulas) {
+  ModelConfig mqa = model_preset("llama-tiny");
+  mqa.n_kv_head = 1;
+  for (const ModelConfig& c : {model_preset("gpt2-124m"), model_preset("llama-tiny"), mqa}) {
+    const double L = static_cast<double>(c.n_layer), w = static_cast<double>(c.n_kv_head * c.head_dim());
+    const double hd = static_cast<double>(c.head_dim()), B = 16;
+    EngineConfig ec;
+    ec.block_size = 16;
+    const std::map<std::string, double> expected = {
+        {"fp32", L * 2 * 4 * w},
+        {"bf16", L * 2 * 2 * w},
+        {"int8", L * 2 * (w + 4 * w / hd)},
+        {"int4", L * 2 * (w / 2 + 4 * w / hd)},
+        {"kivi4", L * ((w / 2 + 4 * w / B) + (w / 2 + 4 * w / hd))},
+        {"kivi2", L * ((w / 4 + 4 * w / B) + (w / 4 + 4 * w / hd))},
+    };
+    for (const auto& [name, bytes] : expected) {
+      apply_kv_preset(ec, name, c.head_dim());
+      EXPECT_DOUBLE_EQ(kv_bytes_per_token(engine_cache_config(c, ec)), bytes) << name << " n_kv_head " << c.n_kv_head;
+    }
+  }
+  // MHA against GQA at the same width: the cache shrinks by n_head / n_kv_head.
+  ModelConfig gqa = model_preset("gpt2-124m");
+  gqa.n_kv_head = 3;
+  EngineConfig ec;
+  EXPECT_DOUBLE_EQ(kv_bytes_per_token(engine_cache_config(model_preset("gpt2-124m"), ec)),
+                   4 * kv_bytes_per_token(engine_cache_config(gqa, ec)));
+}
+
 TEST(EngineTest, BadRequestsAreRefusedNamingTheProblem) {
   const ModelConfig config = model_preset("gpt2-tiny");
   auto backend = make_cpu_backend();
