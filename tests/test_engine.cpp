@@ -47,9 +47,9 @@ std::vector<GenerationResult> generate_all(Transformer& model, const std::vector
 }
 
 // A request alone, in an engine of one row.
-std::vector<int32_t> alone(Transformer& model, const GenerationRequest& r, bool paged) {
+std::vector<int32_t> alone(Transformer& model, const GenerationRequest& r, bool paged, bool chunked = false) {
   EngineConfig one;
-  one.max_batch = 1, one.paged = paged;
+  one.max_batch = 1, one.paged = paged, one.chunked_prefill = chunked;
   return generate_all(model, {r}, one).front().tokens;
 }
 
@@ -129,6 +129,13 @@ TEST(EngineTest, ContinuousBatchingGivesEachRequestItsTokensAlone) {
       } else {
         EXPECT_EQ(static_cast<int64_t>(together[i].tokens.size()), reqs[i].max_new_tokens) << together[i].finish;
       }
+    }
+    // Chunked prefill (prompts fed one token per step among the decoding rows): the same per request.
+    EngineConfig chunked = batched;
+    chunked.chunked_prefill = true;
+    const std::vector<GenerationResult> ch = generate_all(model, reqs, chunked);
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      EXPECT_EQ(ch[i].tokens, alone(model, reqs[i], true, true)) << preset << " request " << i << " (chunked prefill)";
     }
     // Different seeds and sampling settings give different continuations.
     EXPECT_NE(together[1].tokens, together[2].tokens) << preset;

@@ -113,14 +113,69 @@ void GenerationEngine::admit() {
     reserved_blocks_ += need;
     a->result.prompt_tokens = static_cast<int64_t>(a->request.prompt.size());
     a->result.queued_s = std::chrono::duration<double>(now - submitted_[static_cast<size_t>(a->id)]).count();
+    if (!config_.chunked_prefill) prefill(*a);
     active_.push_back(std::move(a));
+  }
+}
+
+void GenerationEngine::prefill(Active& a) {
+  const ModelConfig& c = model_.config();
+  const int64_t P = static_cast<int64_t>(a.request.prompt.size()), H = c.n_head, hd = c.head_dim();
+  const int64_t W = c.qkv_width(), KW = c.n_kv_head * hd;
+  ActivationStore s = model_.allocate_store(1, P);
+  std::copy(a.request.prompt.begin(), a.request.prompt.end(), s.tokens.data<int32_t>());
+  model_.set_recording(false);  // no MoE routing statistics from generation
+  model_.forward(s, false);
+  model_.set_recording(true);
+  for (int64_t t = 0; t < P; ++t) {
+    for (int64_t l = 0; l < c.n_layer; ++l) {
+      const float* row = s.blocks[static_cast<size_t>(l)].qkv.data<float>() + t * W;
+      cache_->write(a.seq, l, row + H * hd, row + H * hd + KW);
+    }
+    cache_->advance(a.seq);
+  }
+  a.fed = P;
+  stats_.prompt_tokens += P;
+  sampled(a, a.sampler.sample(s.logits.data<float>() + (P - 1) * c.vocab_size, c.vocab_size),
+          std::chrono::steady_clock::now());
+}
+
+void GenerationEngine::sampled(Active& a, int32_t next, std::chrono::steady_clock::time_point now) {
+  a.result.tokens.push_back(next);
+  ++stats_.generated_tokens;
+  const double since = std::chrono::duration<double>(now - submitted_[static_cast<size_t>(a.id)]).count();
+  if (a.result.tokens.size() == 1) a.result.first_token_s = since;
+  const auto& stops = a.request.stop_tokens;
+  if (std::find(stops.begin(), stops.end(), next) != stops.end()) a.result.finish = "stop";
+  else if (static_cast<int64_t>(a.result.tokens.size()) >= a.request.max_new_tokens) a.result.finish = "length";
+  else if (a.fed >= model_.config().max_seq_len) a.result.finish = "context";
+  if (!a.result.finish.empty()) a.result.total_s = since;
+}
+
+void GenerationEngine::retire() {
+  for (size_t i = 0; i < active_.size();) {
+    Active& a = *active_[i];
+    if (a.result.finish.empty()) {
+      ++i;
+      continue;
+    }
+    cache_->release(a.seq);
+    reserved_blocks_ -= a.blocks;
+    results_[static_cast<size_t>(a.id)] = std::move(a.result);
+    done_[static_cast<size_t>(a.id)] = true;
+    active_.erase(active_.begin() + static_cast<std::ptrdiff_t>(i));
   }
 }
 
 bool GenerationEngine::step() {
   const auto start = std::chrono::steady_clock::now();
   admit();
-  if (active_.empty()) return false;
+  retire();  // a prefill's first token may already finish a request
+  if (active_.empty()) {
+    const bool more = !waiting_.empty();
+    stats_.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    return more;
+  }
   const int64_t n = static_cast<int64_t>(active_.size()), vocab = model_.config().vocab_size;
   std::vector<int32_t> tokens;
   std::vector<int64_t> positions;
@@ -149,30 +204,9 @@ bool GenerationEngine::step() {
       continue;
     }
     if (a.fed == prompt) ++stats_.prompt_tokens;
-    const int32_t next = a.sampler.sample(logits + r * vocab, vocab);
-    a.result.tokens.push_back(next);
-    ++stats_.generated_tokens;
-    const double since = std::chrono::duration<double>(now - submitted_[static_cast<size_t>(a.id)]).count();
-    if (a.result.tokens.size() == 1) a.result.first_token_s = since;
-    const auto& stops = a.request.stop_tokens;
-    if (std::find(stops.begin(), stops.end(), next) != stops.end()) a.result.finish = "stop";
-    else if (static_cast<int64_t>(a.result.tokens.size()) >= a.request.max_new_tokens) a.result.finish = "length";
-    else if (a.fed >= model_.config().max_seq_len) a.result.finish = "context";
-    if (!a.result.finish.empty()) a.result.total_s = since;
+    sampled(a, a.sampler.sample(logits + r * vocab, vocab), now);
   }
-  // Retire the finished requests: their rows and blocks go to the next step's admissions.
-  for (size_t i = 0; i < active_.size();) {
-    Active& a = *active_[i];
-    if (a.result.finish.empty()) {
-      ++i;
-      continue;
-    }
-    cache_->release(a.seq);
-    reserved_blocks_ -= a.blocks;
-    results_[static_cast<size_t>(a.id)] = std::move(a.result);
-    done_[static_cast<size_t>(a.id)] = true;
-    active_.erase(active_.begin() + static_cast<std::ptrdiff_t>(i));
-  }
+  retire();  // their rows and blocks go to the next step's admissions
   ++stats_.steps;
   stats_.rows += n;
   stats_.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

@@ -11,8 +11,11 @@
 // the same dot products in the same order, its attention reads only its sequence), so a request
 // gets the same tokens in any batch as alone: tests/test_engine.cpp holds it.
 //
-// Prefill feeds one prompt token per step (chunked prefill with chunks of one): the time to the
-// first token is the prompt's length in steps, shared with the other rows.
+// Prefill: an admitted request's whole prompt runs in one forward (Transformer::forward over its
+// P positions: GEMMs of P rows), its keys and values (each block's saved qkv, after RoPE) go into
+// the cache, and its first token is sampled from the last position's logits, before the step's
+// decoding. With EngineConfig::chunked_prefill the prompt is instead fed one token per step as a
+// decoding row (chunks of one): no (P, P) attention store, but P steps to the first token.
 //
 // Admission reserves the worst case, ceil(min(prompt + max_new, max_seq_len) / block_size)
 // blocks (a contiguous cache: one region), so a running request never runs out (no preemption).
@@ -56,6 +59,7 @@ struct EngineConfig {
   KvAxis k_axis = KV_PER_TOKEN, v_axis = KV_PER_TOKEN;
   int64_t group = 0;                  // per-token integer formats: channels per (scale, min)
   int64_t residual = 0;               // KIVI: newest positions kept fp32
+  bool chunked_prefill = false;       // prompts one token per step instead of one forward
 
   void validate() const;  // throws naming the key (generate.max_batch, ...)
 };
@@ -108,6 +112,10 @@ class GenerationEngine {
 
   int64_t blocks_needed(const GenerationRequest& request) const;
   void admit();
+  void prefill(Active& a);
+  void retire();  // releases the finished requests' sequences and blocks
+  // After a new token: finished by a stop token, max_new_tokens or the context.
+  void sampled(Active& a, int32_t token, std::chrono::steady_clock::time_point now);
 
   Transformer& model_;
   EngineConfig config_;
