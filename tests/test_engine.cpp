@@ -266,5 +266,92 @@ TEST(EngineTest, BadRequestsAreRefusedNamingTheProblem) {
   EXPECT_NE(test::error_of([&] { GenerationEngine e(model, ec); }).find("generate.max_batch"), std::string::npos);
 }
 
+
+// Sliding window (llama-tiny with attn_window = 3): step() forgets the KV blocks older than the
+// window (KvCache::forget_before). The tokens are those of an engine that keeps every block
+// (EngineConfig::keep_all_blocks), the peak is smaller, and the admission reservation is exact:
+// a pool of exactly a request's measured peak runs it, one block less refuses it.
+TEST(EngineTest, SlidingWindowForgettingKeepsTheTokensAndShrinksThePeak) {
+  ModelConfig config = model_preset("llama-tiny");
+  config.attn_window = 3;
+  auto backend = make_cpu_backend();
+  Transformer model(*backend, config);
+  model.init_weights(13);
+  const std::vector<GenerationRequest> reqs = requests(config.vocab_size, config.max_seq_len);
+  for (const bool chunked : {false, true}) {
+    EngineConfig ec;
+    ec.max_batch = 4, ec.block_size = 2, ec.chunked_prefill = chunked;
+    EngineConfig keep = ec;
+    keep.keep_all_blocks = true;
+    GenerationEngine forgetting(model, ec), keeping(model, keep);
+    for (const GenerationRequest& r : reqs) forgetting.submit(r), keeping.submit(r);
+    const std::vector<GenerationResult> got = forgetting.run(), want = keeping.run();
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < got.size(); ++i) {
+      EXPECT_EQ(got[i].tokens, want[i].tokens) << "request " << i << (chunked ? " (chunked prefill)" : "");
+      EXPECT_EQ(got[i].finish, want[i].finish) << "request " << i;
+    }
+    EXPECT_LT(forgetting.stats().peak_blocks, keeping.stats().peak_blocks);
+    EXPECT_EQ(forgetting.cache().blocks_in_use(), 0);
+    std::printf("[          ] W = 3, B = 2, 12 requests, 4 rows%s: peak blocks %lld forgetting, %lld keeping all\n",
+                chunked ? ", chunked prefill" : "", static_cast<long long>(forgetting.stats().peak_blocks),
+                static_cast<long long>(keeping.stats().peak_blocks));
+  }
+  for (const bool chunked : {false, true}) {
+    for (const int64_t block : {2, 4}) {
+      for (const int64_t prompt : {1, 4, 7, 9}) {
+        for (const int64_t max_new : {2, 5, 12}) {
+          GenerationRequest r;
+          r.prompt = prompt_of(prompt, prompt + max_new, config.vocab_size);
+          r.max_new_tokens = std::min<int64_t>(max_new, config.max_seq_len - prompt + 1);
+          const std::string what = "prompt " + std::to_string(prompt) + ", max_new " + std::to_string(max_new) +
+                                   ", B " + std::to_string(block) + (chunked ? ", chunked" : "");
+          EngineConfig ec;
+          ec.max_batch = 1, ec.block_size = block, ec.chunked_prefill = chunked;
+          EngineConfig keep = ec;
+          keep.keep_all_blocks = true;
+          GenerationEngine measure(model, ec), all(model, keep);
+          measure.submit(r), all.submit(r);
+          const std::vector<int32_t> tokens = measure.run().front().tokens;
+          EXPECT_EQ(tokens, all.run().front().tokens) << what;
+          const int64_t peak = measure.stats().peak_blocks;
+          EXPECT_LE(peak, all.stats().peak_blocks) << what;
+          if (chunked) {
+            EXPECT_LE(peak, (3 + block - 1) / block + 1) << what;  // ceil(W / B) + 1
+          }
+          ec.num_blocks = peak;
+          GenerationEngine tight(model, ec);
+          tight.submit(r);
+          EXPECT_EQ(tight.run().front().tokens, tokens) << what;
+          ec.num_blocks = peak - 1;
+          if (peak > 1) {
+            GenerationEngine tighter(model, ec);
+            EXPECT_NE(test::error_of([&] { tighter.submit(r); }).find("generate.kv_blocks"), std::string::npos) << what;
+          }
+        }
+      }
+    }
+  }
+  {  // One request of 15 positions alone: blocks per sequence at the peak.
+    GenerationRequest r;
+    r.prompt = prompt_of(4, 1, config.vocab_size);
+    r.max_new_tokens = 12;
+    for (const bool chunked : {false, true}) {
+      EngineConfig ec;
+      ec.max_batch = 1, ec.block_size = 2, ec.chunked_prefill = chunked;
+      EngineConfig keep = ec;
+      keep.keep_all_blocks = true;
+      GenerationEngine forgetting(model, ec), keeping(model, keep);
+      forgetting.submit(r), keeping.submit(r);
+      forgetting.run(), keeping.run();
+      std::printf("[          ] W = 3, B = 2, prompt 4 + 12 new%s: peak blocks %lld forgetting, %lld keeping all\n",
+                  chunked ? " (chunked prefill)" : "", static_cast<long long>(forgetting.stats().peak_blocks),
+                  static_cast<long long>(keeping.stats().peak_blocks));
+      EXPECT_EQ(keeping.stats().peak_blocks, 8);
+      EXPECT_EQ(forgetting.stats().peak_blocks, chunked ? 2 : 3);  // prefill: [0, 4] live while 4 is written
+    }
+  }
+}
+
 }  // namespace
 }  // namespace loom

@@ -127,14 +127,13 @@ int generate_main(int argc, char** argv) {
   }
   std::vector<int32_t> ids = tokenizer->encode(prompt);
   if (ids.empty()) ids.push_back(tokenizer->eot_token());
-  Sampler sampler(sampling);
   GenerateOptions options;
   options.max_new_tokens = args.get_int("tokens", config.sample.max_new_tokens);
   options.stop_token = tokenizer->eot_token();
   std::fputs(prompt.c_str(), stdout);
   std::fflush(stdout);
   std::vector<int32_t> pending;  // tokens not yet printed: a UTF-8 character may span several
-  generate(model, ids, sampler, options, [&](int32_t token) {
+  generate(model, ids, sampling, options, [&](int32_t token) {
     if (token == tokenizer->eot_token()) return;
     pending.push_back(token);
     const std::string text = tokenizer->decode(pending);

@@ -548,11 +548,10 @@ int train_main(int argc, char** argv) {
   const auto tokenizer = load_tokenizer(config.data.tokenizer);
   std::vector<int32_t> prompt = tokenizer->encode(config.sample.prompt);
   if (prompt.empty()) prompt.push_back(tokenizer->eot_token());
-  Sampler sampler(config.sample.sampling);
   GenerateOptions options;
   options.max_new_tokens = config.sample.max_new_tokens;
   options.stop_token = tokenizer->eot_token();
-  std::vector<int32_t> sample = generate(whole ? *whole : model, prompt, sampler, options);
+  std::vector<int32_t> sample = generate(whole ? *whole : model, prompt, config.sample.sampling, options);
   if (!sample.empty() && sample.back() == tokenizer->eot_token()) sample.pop_back();
   const std::string text = printable_utf8(config.sample.prompt + tokenizer->decode(sample));
   if (lead) write_file_atomic((fs::path(dir) / "samples.txt").string(), text + "\n");

@@ -73,11 +73,33 @@ GenerationEngine::GenerationEngine(Transformer& model, EngineConfig config) : mo
 
 GenerationEngine::~GenerationEngine() = default;
 
+bool GenerationEngine::forgets() const {
+  // Rows::latent (MLA) reads every position, so only an attend cache may forget.
+  return model_.config().attn_window > 0 && !config_.keep_all_blocks && cache_->config().v_width > 0;
+}
+
 int64_t GenerationEngine::blocks_needed(const GenerationRequest& r) const {
   if (!config_.paged) return 1;
-  const int64_t positions =
-      std::min(static_cast<int64_t>(r.prompt.size()) + r.max_new_tokens, model_.config().max_seq_len);
-  return (positions + config_.block_size - 1) / config_.block_size;
+  const int64_t B = config_.block_size, P = static_cast<int64_t>(r.prompt.size());
+  const int64_t positions = std::min(P + r.max_new_tokens, model_.config().max_seq_len);
+  if (!forgets()) return (positions + B - 1) / B;
+  // Sliding window W: step() forgets positions < length - W + 1 after each advance, so position
+  // p is written while positions [p - W + 1, p] are live: tiles (p - W + 1) / B .. p / B, i.e.
+  //     held(p) = p / B - max(0, p - W + 1) / B + 1  <=  ceil((W + B - 1) / B)  <=  ceil(W / B) + 1
+  // blocks. Exceptions: a one-forward prefill writes [0, P) at once (ceil(P / B) blocks), and the
+  // first decoding step after it writes P with [0, P] live. The positions written are
+  // [0, T), T = min(P + max_new - 1, max_seq_len) (the last sampled token is never fed). The
+  // reservation is the largest of these. held(p) grows with p for p <= W - 1 and depends on
+  // p mod B only from there on, so its maximum over [from, T) lies in the last B positions.
+  const int64_t T = std::min(P + r.max_new_tokens - 1, model_.config().max_seq_len), W = model_.config().attn_window;
+  int64_t peak = 0, from = 0;
+  if (!config_.chunked_prefill) {
+    peak = (P + B - 1) / B;
+    if (P < T) peak = std::max(peak, P / B + 1);
+    from = P + 1;
+  }
+  for (int64_t p = std::max(from, T - B); p < T; ++p) peak = std::max(peak, p / B - std::max<int64_t>(0, p - W + 1) / B + 1);
+  return peak;
 }
 
 int64_t GenerationEngine::submit(GenerationRequest request) {
@@ -113,7 +135,8 @@ void GenerationEngine::admit() {
     reserved_blocks_ += need;
     a->result.prompt_tokens = static_cast<int64_t>(a->request.prompt.size());
     a->result.queued_s = std::chrono::duration<double>(now - submitted_[static_cast<size_t>(a->id)]).count();
-    if (!config_.chunked_prefill) prefill(*a);
+    // (A context-parallel model's forward spans its cp group: its prompts go through the rows.)
+    if (!config_.chunked_prefill && model_.context_parallel() == nullptr) prefill(*a);
     active_.push_back(std::move(a));
   }
 }
@@ -143,6 +166,7 @@ void GenerationEngine::prefill(Active& a) {
 void GenerationEngine::sampled(Active& a, int32_t next, std::chrono::steady_clock::time_point now) {
   a.result.tokens.push_back(next);
   ++stats_.generated_tokens;
+  if (on_token_) on_token_(a.id, next);
   const double since = std::chrono::duration<double>(now - submitted_[static_cast<size_t>(a.id)]).count();
   if (a.result.tokens.size() == 1) a.result.first_token_s = since;
   const auto& stops = a.request.stop_tokens;
@@ -198,6 +222,11 @@ bool GenerationEngine::step() {
     Active& a = *active_[static_cast<size_t>(r)];
     cache_->advance(a.seq);
     ++a.fed;
+    // Sliding window W: the next position n = length attends to [n + 1 - W, n] (KvCache::attend's
+    // first = max(0, visible - W), visible = n + 1), so older positions are never read again and
+    // the paged cache returns their blocks (vLLM's sliding-window block release; Mistral 7B's
+    // rolling buffer): a sequence then holds at most ceil((W + B - 1) / B) blocks.
+    if (forgets()) cache_->forget_before(a.seq, cache_->length(a.seq) - model_.config().attn_window + 1);
     const int64_t prompt = static_cast<int64_t>(a.request.prompt.size());
     if (a.fed < prompt) {
       ++stats_.prompt_tokens;

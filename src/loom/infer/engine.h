@@ -19,10 +19,14 @@
 //
 // Admission reserves the worst case, ceil(min(prompt + max_new, max_seq_len) / block_size)
 // blocks (a contiguous cache: one region), so a running request never runs out (no preemption).
+// With a sliding window (model.attn_window = W) step() forgets positions older than the window
+// (KvCache::forget_before), so the worst case is at most ceil((W + B - 1) / B) blocks, or
+// ceil((prompt + 1) / B) with a one-forward prefill (blocks_needed in engine.cpp, exact).
 #pragma once
 #include <chrono>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -60,6 +64,9 @@ struct EngineConfig {
   int64_t group = 0;                  // per-token integer formats: channels per (scale, min)
   int64_t residual = 0;               // KIVI: newest positions kept fp32
   bool chunked_prefill = false;       // prompts one token per step instead of one forward
+  // Test-only: with a sliding window (model.attn_window > 0), keep every position's KV blocks
+  // instead of forgetting those older than the window (KvCache::forget_before).
+  bool keep_all_blocks = false;
 
   void validate() const;  // throws naming the key (generate.max_batch, ...)
 };
@@ -101,6 +108,9 @@ class GenerationEngine {
   // Steps until every submitted request has finished; their results in submission order.
   std::vector<GenerationResult> run();
 
+  // Called with (request id, token) as each token is drawn (streaming); empty: none.
+  void set_on_token(std::function<void(int64_t, int32_t)> on_token) { on_token_ = std::move(on_token); }
+
   const EngineStats& stats() const { return stats_; }
   const KvCache& cache() const { return *cache_; }
   int64_t active() const { return static_cast<int64_t>(active_.size()); }
@@ -111,6 +121,7 @@ class GenerationEngine {
   struct Active;
 
   int64_t blocks_needed(const GenerationRequest& request) const;
+  bool forgets() const;  // sliding window: step() returns positions older than the window
   void admit();
   void prefill(Active& a);
   void retire();  // releases the finished requests' sequences and blocks
@@ -129,6 +140,7 @@ class GenerationEngine {
   std::vector<bool> done_;                     // [id]
   int64_t reserved_blocks_ = 0;                // by the active requests
   EngineStats stats_;
+  std::function<void(int64_t, int32_t)> on_token_;
 };
 
 }  // namespace loom

@@ -1,6 +1,6 @@
-// Autoregressive generation with the model's KV cache: the prompt is fed position by
-// position, then each sampled token is fed back until max_new_tokens, a stop token, or the
-// model's context (max_seq_len) is reached.
+// Autoregressive generation of one prompt: the generation engine (infer/engine.h) with one row
+// and a paged KV cache. The prompt is prefilled, then each sampled token is fed back until
+// max_new_tokens, the stop token, or the model's context (max_seq_len) is reached.
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -17,7 +17,7 @@ struct GenerateOptions {
 };
 
 // Returns the new tokens (not the prompt). on_token, if set, sees each token as it is drawn.
-std::vector<int32_t> generate(Transformer& model, const std::vector<int32_t>& prompt, Sampler& sampler,
+std::vector<int32_t> generate(Transformer& model, const std::vector<int32_t>& prompt, const SamplingConfig& sampling,
                               const GenerateOptions& options,
                               const std::function<void(int32_t)>& on_token = nullptr);
 

@@ -3,7 +3,9 @@
 // kv_cache.h. Both caches derive from TiledKvCache, which owns everything but the mapping from
 // (sequence, tile index) to bytes: the paged cache looks the tile up in the sequence's block
 // table, the contiguous cache adds its offset to the sequence's region base. Attention and
-// read walk rows through that one mapping, so both caches sum in the same order.
+// read walk rows through that one mapping, so both caches sum in the same order. forget_before
+// (sliding windows; kv_cache.h "Forgetting") records a per-sequence forget point in the base;
+// the paged cache also returns the blocks of the tiles wholly before it.
 #include "loom/infer/kv_cache.h"
 
 #include <algorithm>
@@ -81,11 +83,15 @@ float dot(const float* a, const float* b, int64_t n) {
 
 bool float_aligned(const uint8_t* p) { return reinterpret_cast<uintptr_t>(p) % alignof(float) == 0; }
 
+constexpr int64_t kNoBlock = -1;  // a forgotten tile's entry in a block table
+
 struct Sequence {
   bool live = false;
   int64_t length = 0;                // committed positions
   std::vector<uint8_t> written;      // [layer] 1 when the layer wrote position `length`
-  std::vector<int64_t> blocks;       // [tile] pool block (paged)
+  std::vector<int64_t> blocks;       // [tile] pool block (paged); kNoBlock once forgotten
+  int64_t forgotten = 0;             // positions [0, forgotten) are never read (forget_before)
+  int64_t dropped = 0;               // tiles [0, dropped) have no storage (paged: kNoBlock)
   int64_t region = -1;               // region index (contiguous)
   std::unique_ptr<Storage> window;   // [layer] (K ring (W_K, kw), V ring (W_V, vw)) fp32
 
@@ -123,6 +129,8 @@ class TiledKvCache : public KvCache {
     child.live = true;
     child.length = parent.length;
     child.written = parent.written;
+    child.forgotten = parent.forgotten;
+    child.dropped = parent.dropped;
     child.window = allocate_window();
     if (child.window) std::memcpy(child.window->data, parent.window->data, child.window->bytes);
     on_fork(parent, child);
@@ -165,6 +173,15 @@ class TiledKvCache : public KvCache {
     ++s.length;
   }
 
+  void forget_before(int64_t seq, int64_t position) override {
+    Sequence& s = live(seq);
+    LOOM_CHECK(position <= s.length, "kv cache: forget_before(sequence ", seq, ", position ", position,
+               ") beyond its ", s.length, " committed positions");
+    if (position <= s.forgotten) return;
+    s.forgotten = position;
+    on_forget(s);
+  }
+
   void attend(int64_t seq, int64_t layer, const float* q, float* out, int64_t n_head, int64_t n_kv_head,
               int64_t head_dim, int64_t window) override {
     const Sequence& s = live(seq);
@@ -180,6 +197,7 @@ class TiledKvCache : public KvCache {
     const int64_t n = visible(s, layer);
     LOOM_CHECK(n > 0, "kv cache: attend on sequence ", seq, " whose layer ", layer, " holds no position");
     const int64_t first = window > 0 ? std::max<int64_t>(0, n - window) : 0, positions = n - first;
+    check_not_forgotten(s, seq, layer, first);
     const int64_t group = n_head / n_kv_head;
     const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
     if (scores_.size() < static_cast<size_t>(n_head * positions)) scores_.resize(static_cast<size_t>(n_head * positions));
@@ -221,6 +239,7 @@ class TiledKvCache : public KvCache {
     const int64_t n = visible(s, layer);
     LOOM_CHECK(0 <= begin && begin <= end && end <= n, "kv cache: read of positions [", begin, ", ", end,
                ") of sequence ", seq, " layer ", layer, ", which holds ", n);
+    if (begin < end) check_not_forgotten(s, seq, layer, begin);
     const auto copy_into = [](float* out, int64_t width, int64_t offset) {
       return [=](int64_t t, const float* row) {
         std::memcpy(out + (t - offset) * width, row, static_cast<size_t>(width) * sizeof(float));
@@ -244,6 +263,8 @@ class TiledKvCache : public KvCache {
   virtual void on_add(Sequence& s) = 0;
   virtual void on_fork(const Sequence& parent, Sequence& child) = 0;
   virtual void on_release(Sequence& s) = 0;
+  // s.forgotten moved forward (paged: drops the blocks of tiles wholly before it).
+  virtual void on_forget(Sequence& s) = 0;
 
   // Bytes of the tiles holding a unit's first `filled` positions (B per tile, all layers).
   int64_t used_bytes_of_positions(int64_t filled) const {
@@ -320,6 +341,12 @@ class TiledKvCache : public KvCache {
 
   int64_t visible(const Sequence& s, int64_t layer) const { return s.length + s.written[static_cast<size_t>(layer)]; }
 
+  // Reading from position `first` on must not touch a forgotten position.
+  void check_not_forgotten(const Sequence& s, int64_t seq, int64_t layer, int64_t first) const {
+    LOOM_CHECK(first >= s.forgotten, "kv cache: read of position ", first, " of sequence ", seq, " layer ", layer,
+               ", which was forgotten (forget_before(", seq, ", ", s.forgotten, ") was called)");
+  }
+
   std::unique_ptr<Storage> allocate_window() {
     const int64_t floats = config_.n_layer * layouts_.window_floats_per_layer();
     if (floats == 0) return nullptr;
@@ -343,7 +370,8 @@ class TiledKvCache : public KvCache {
     float* ring = window_rows(s, layer, stream);
     const auto row_at = [&](int64_t t) -> const float* { return t == p ? x : ring + t % st.window * W; };
     if (st.spec.per_channel_integer()) {
-      if (new_start > old_start) {  // tile old_start / B ages out whole
+      // Tile old_start / B ages out whole; a forgotten tile's rows are never stored.
+      if (new_start > old_start && old_start / B >= s.dropped) {
         const int64_t k = old_start / B;
         for (int64_t r = 0; r < B; ++r) {
           std::memcpy(tile_scratch_.data() + r * W, row_at(k * B + r), static_cast<size_t>(W) * sizeof(float));
@@ -352,7 +380,7 @@ class TiledKvCache : public KvCache {
         kv_quantize_tile(st.spec, tile_scratch_.data(), B, tile(s, k, layer, stream));
       }
     } else {
-      for (int64_t t = old_start; t < new_start; ++t) {
+      for (int64_t t = std::max(old_start, s.dropped * B); t < new_start; ++t) {
         make_tile_writable(s, t / B);
         kv_quantize_tile(st.spec, row_at(t), 1, tile(s, t / B, layer, stream) + t % B * st.row_bytes);
       }
@@ -420,12 +448,17 @@ class PagedKvCache final : public TiledKvCache {
     for (int64_t f : block_fill()) bytes += used_bytes_of_positions(f);
     return static_cast<double>(bytes) / static_cast<double>(blocks_in_use() * block_bytes_);
   }
-  int64_t sequence_blocks(int64_t seq) const override { return static_cast<int64_t>(live(seq).blocks.size()); }
+  int64_t sequence_blocks(int64_t seq) const override {
+    const Sequence& s = live(seq);
+    return static_cast<int64_t>(s.blocks.size()) - s.dropped;
+  }
   int64_t block_refcount(int64_t seq, int64_t position) const override {
     const Sequence& s = live(seq);
     const int64_t k = position / config_.block_size;
     LOOM_CHECK(0 <= position && k < static_cast<int64_t>(s.blocks.size()), "kv cache: position ", position,
                " of sequence ", seq, " has no block (", s.blocks.size(), " blocks of ", config_.block_size, ")");
+    LOOM_CHECK(k >= s.dropped, "kv cache: position ", position, " of sequence ", seq,
+               " was forgotten (forget_before(", seq, ", ", s.forgotten, ") returned its block)");
     return refcount_[static_cast<size_t>(s.blocks[static_cast<size_t>(k)])];
   }
 
@@ -453,19 +486,34 @@ class PagedKvCache final : public TiledKvCache {
 
   void on_add(Sequence&) override {}
   void on_fork(const Sequence& parent, Sequence& child) override {
-    child.blocks = parent.blocks;
-    for (int64_t b : child.blocks) ++refcount_[static_cast<size_t>(b)];
+    child.blocks = parent.blocks;  // forgotten tiles stay kNoBlock: the child shares live blocks only
+    for (int64_t b : child.blocks) {
+      if (b != kNoBlock) ++refcount_[static_cast<size_t>(b)];
+    }
   }
   void on_release(Sequence& s) override {
-    for (int64_t b : s.blocks) {
-      if (--refcount_[static_cast<size_t>(b)] == 0) free_.push_back(b);
-    }
+    for (int64_t& b : s.blocks) drop(b);
+  }
+  // Tiles k with (k + 1) B <= forgotten hold forgotten positions only: their blocks go back
+  // (vLLM's sliding-window block release; Mistral 7B's rolling buffer bounds a sequence the same
+  // way). The table keeps its length, so tile k still maps to positions [kB, kB + B).
+  void on_forget(Sequence& s) override {
+    const int64_t dropped = s.forgotten / config_.block_size;  // forgotten <= length: those tiles exist
+    for (int64_t k = s.dropped; k < dropped; ++k) drop(s.blocks[static_cast<size_t>(k)]);
+    s.dropped = std::max(s.dropped, dropped);
   }
 
  private:
   static const KvCacheConfig& checked(const KvCacheConfig& config) {
     LOOM_CHECK(config.num_blocks > 0, "kv_cache.num_blocks must be > 0 for a paged cache, got ", config.num_blocks);
     return config;
+  }
+
+  // One reference to `block` goes; the block is free once none is left.
+  void drop(int64_t& block) {
+    if (block == kNoBlock) return;
+    if (--refcount_[static_cast<size_t>(block)] == 0) free_.push_back(block);
+    block = kNoBlock;
   }
 
   int64_t allocate_block() {
@@ -483,7 +531,7 @@ class PagedKvCache final : public TiledKvCache {
     for (const Sequence& s : sequences_) {
       if (!s.live) continue;
       const int64_t n = s.filled();
-      for (size_t k = 0; k < s.blocks.size(); ++k) {
+      for (size_t k = static_cast<size_t>(s.dropped); k < s.blocks.size(); ++k) {
         const int64_t f = std::clamp<int64_t>(n - static_cast<int64_t>(k) * config_.block_size, 0, config_.block_size);
         fill[static_cast<size_t>(s.blocks[k])] = std::max(fill[static_cast<size_t>(s.blocks[k])], f);
       }
@@ -561,6 +609,7 @@ class ContiguousKvCache final : public TiledKvCache {
     free_.push_back(s.region);
     s.region = -1;
   }
+  void on_forget(Sequence&) override {}  // a region is fixed: forgotten positions keep their storage
 
  private:
   static const KvCacheConfig& checked(const KvCacheConfig& config, int64_t max_sequences) {

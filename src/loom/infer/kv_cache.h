@@ -37,13 +37,30 @@
 // A tile's slots are reserved (its block allocated) when its first position is written, even if
 // its rows still sit in the window.
 //
-// Sharing (paged). fork(seq) gives a new sequence the parent's block table (refcount + 1 on
-// every block, the partially filled last one included) and a copy of its fp32 window. The first
+// Sharing (paged). fork(seq) gives a new sequence the parent's block table, forgotten tiles'
+// empty markers included (refcount + 1 on every live block, the partially filled last one
+// included; the child shares no forgotten block), the parent's forget point and a copy of its
+// fp32 window. The first
 // store into a block whose refcount is > 1 copies the block (all layers) into a free block for
 // the writing sequence (copy-on-write); the other sharers keep the original. release() drops
 // the sequence's references and returns blocks whose count reaches 0 to the free list. The
 // contiguous cache's fork copies the region; it needs max_len to be a multiple of B when a
 // stream is per-channel integer (whole tiles).
+//
+// Forgetting (sliding-window attention: Mistral 7B's rolling buffer, Jiang et al. 2023; vLLM's
+// sliding-window block release, Kwon et al. 2023). forget_before(seq, f) declares positions
+// [0, f) of seq never read again (f <= length(seq); the forget point only moves forward). The
+// paged cache then drops the sequence's references to the blocks of tiles k with (k + 1) B <= f
+// (refcount - 1, back to the free list at 0); the block table keeps its length with an empty
+// marker there, so tile k still maps to positions [kB, kB + B). The tile holding f stays whole.
+// The contiguous cache keeps its storage (a region is fixed). In both, attend and read of a
+// position < f throw naming the position and the sequence (attend with window > 0 reads
+// [max(0, n - window), n), so forget_before(seq, n + 1 - window) before writing position n is safe:
+// a sequence then holds at most ceil((window + B - 1) / B) <= ceil(window / B) + 1 blocks).
+// Quantization: rows of a forgotten tile still in the fp32 window are never stored when they
+// age out (there is no block to store them in); a live tile straddling f is stored, quantized
+// and read exactly as without forgetting (its per-channel (scale, min) still cover its forgotten
+// rows), so attention over live positions is bitwise the same as in a cache that forgets nothing.
 //
 // Sequence ids count up from 0 and are never reused: using a released id throws ("was released").
 //
@@ -53,6 +70,13 @@
 // the tile's (scale, min) pairs once any position is filled, plus code rows), plus the window
 // rows holding positions. A sequence fills length(seq) positions, plus one while a position is
 // part-written. utilisation() = block part of bytes_used() / (blocks_in_use() * block_bytes()).
+// Paged, after forget_before: only live blocks count: a block a sequence forgot counts for the
+// sharers still holding it, and is back in free_blocks() once none does; bytes_used(),
+// positions_in_use() and utilisation() sum over live blocks (the live tile holding the forget
+// point counts its filled positions from kB, as it stores them), sequence_blocks(seq) counts
+// the sequence's live blocks (not the empty markers). The fp32 window is a fixed per-sequence
+// ring, so its rows count as before (until they age out) whether forgotten or not. Contiguous:
+// forgetting changes no figure.
 //
 // Attention (attend): for query head h (kv head g = h / (n_head / n_kv_head)) over positions
 // [first, n), first = window > 0 ? max(0, n - window) : 0,
@@ -114,6 +138,10 @@ class KvCache {
   // k: (k_width), v: (v_width; ignored when v_width == 0) -> position length(seq) of `layer`.
   virtual void write(int64_t seq, int64_t layer, const float* k, const float* v) = 0;
   virtual void advance(int64_t seq) = 0;  // commits position length(seq); every layer must have written it
+  // Positions [0, position) of seq will never be read again (position <= length(seq); a smaller
+  // position than an earlier call is a no-op). Paged: returns the blocks they fill alone (see
+  // Forgetting); contiguous: keeps the storage. Reading them afterwards throws.
+  virtual void forget_before(int64_t seq, int64_t position) = 0;
 
   // q: (n_head, head_dim), out: (n_head, head_dim); needs k_width == v_width == n_kv_head * head_dim.
   virtual void attend(int64_t seq, int64_t layer, const float* q, float* out, int64_t n_head, int64_t n_kv_head,
@@ -133,8 +161,9 @@ class KvCache {
   virtual int64_t free_blocks() const = 0;
   virtual int64_t positions_in_use() const = 0;  // filled positions over distinct blocks
   virtual double utilisation() const = 0;
-  virtual int64_t sequence_blocks(int64_t seq) const = 0;                   // blocks seq refers to
-  virtual int64_t block_refcount(int64_t seq, int64_t position) const = 0;  // sharers of position's block
+  virtual int64_t sequence_blocks(int64_t seq) const = 0;                   // live blocks seq refers to
+  // Sharers of position's block; throws for a position whose block seq forgot (paged).
+  virtual int64_t block_refcount(int64_t seq, int64_t position) const = 0;
 };
 
 // max_sequences regions of max_len positions, allocated up front. allocator: a host allocator

@@ -128,6 +128,7 @@ class Transformer {
   // own_expert_ranges() those it does (both empty without expert parallelism).
   void set_expert_parallel(Communicator* ep);
   Communicator* expert_parallel() const { return ep_; }
+  Communicator* context_parallel() const { return cp_.comm; }
   std::vector<std::pair<int64_t, int64_t>> foreign_expert_ranges() const { return expert_ranges(false); }
   std::vector<std::pair<int64_t, int64_t>> own_expert_ranges() const { return expert_ranges(true); }
   std::vector<std::pair<int64_t, int64_t>> sequence_partial_ranges() const;
