@@ -265,6 +265,30 @@ class Cli(unittest.TestCase):
         bad = self.train("moe_bad", "--set", "parallel.ep=2", expect_ok=False)
         self.assert_one_line_error(bad, "parallel.ep")
 
+    def test_mla_trains_resumes_and_pipelines_and_refuses_what_it_does_not_support(self):
+        mla = "model.arch=llama,model.mla_kv_rank=16,model.mla_rope_dim=8,model.mla_v_dim=8,model.mla_q_rank=16"
+        p = self.train("mla_straight", "--set", mla)
+        self.assertIn("sample", p.stdout)  # decoded through the latent KV cache
+        prompts = os.path.join(self.tmp, "mla_prompts.txt")
+        with open(prompts, "w") as f:
+            f.write("The \nA\n")
+        g = run("generate", "--checkpoint", os.path.join(self.tmp, "runs", "mla_straight"), "--prompts", prompts,
+                "--tokens", "6", "--kv", "int8")
+        self.assertEqual(len(g.stdout.splitlines()), 2)
+        self.train("mla_resumed", "--set", mla, "--stop-at-step", "4")
+        self.train("mla_resumed", "--set", mla, "--resume")  # the MLA dimensions are in the checkpoint
+        with open(os.path.join(self.ckpt("mla_straight", 8), "model.safetensors"), "rb") as a, \
+                open(os.path.join(self.ckpt("mla_resumed", 8), "model.safetensors"), "rb") as b:
+            self.assertEqual(a.read(), b.read())
+        # Two pipeline stages, zero-bubble schedule (split backward): the one-process curve.
+        p = self.mpirun(2, "mla_pp", "--set", mla + ",parallel.pp=2,parallel.schedule=zb-h1", steps=8)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        self.assert_same_curve("mla_straight", "mla_pp", 8)
+        for extra, key in (("parallel.tp=2", "parallel.tp"), ("train.recompute=full", "train.recompute"),
+                           ("precision.attn_qkv=bf16", "precision.attn_qkv"), ("model.arch=gpt2", "model.arch")):
+            bad = self.train("mla_bad", "--set", mla + "," + extra, expect_ok=False, steps=2)
+            self.assert_one_line_error(bad, "model.mla_kv_rank", key)
+
     def test_recompute_trains_bitwise_the_same_losses(self):
         self.train("rc_none", steps=4)
         for policy in ("selective", "full", "every:2"):

@@ -199,6 +199,20 @@ TEST(CheckpointTest, AttentionWindowIsReadBackFromTheCheckpoint) {
   EXPECT_EQ(checkpoint_model_config(path).attn_window, 5);
 }
 
+TEST(CheckpointTest, MlaDimensionsAreReadBackFromTheCheckpoint) {
+  TempDir dir;
+  ModelConfig config = model_preset("llama-tiny");
+  config.n_kv_head = config.n_head;
+  config.mla_kv_rank = 16, config.mla_rope_dim = 4, config.mla_nope_dim = 6, config.mla_v_dim = 10, config.mla_q_rank = 12;
+  const TrainedModel saved(config, 1, 0);
+  const ModelConfig read = checkpoint_model_config(CheckpointManager(dir.str()).save(saved.contents(1)));
+  EXPECT_EQ(read.mla_kv_rank, 16);
+  EXPECT_EQ(read.mla_rope_dim, 4);
+  EXPECT_EQ(read.mla_nope_dim, 6);
+  EXPECT_EQ(read.mla_v_dim, 10);
+  EXPECT_EQ(read.mla_q_rank, 12);
+}
+
 TEST(CheckpointTest, LoadWithoutOptimizerFillsOnlyTheModel) {
   TempDir dir;
   const TrainedModel saved(model_preset("gpt2-tiny"), 1, 2);

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <map>
+#include <set>
 #include <string>
 
 #include "loom/core/error.h"
@@ -106,7 +107,7 @@ TEST(EngineTest, RowDecodingMatchesTheFullForward) {
 }
 
 TEST(EngineTest, ContinuousBatchingGivesEachRequestItsTokensAlone) {
-  for (const char* preset : {"gpt2-tiny", "llama-tiny", "moe-tiny"}) {
+  for (const char* preset : {"gpt2-tiny", "llama-tiny", "moe-tiny", "mla-tiny"}) {
     const ModelConfig config = model_preset(preset);
     auto backend = make_cpu_backend();
     Transformer model(*backend, config);
@@ -239,12 +240,54 @@ TEST(EngineTest, KvBytesPerTokenMatchTheirFormulas) {
       EXPECT_DOUBLE_EQ(kv_bytes_per_token(engine_cache_config(c, ec)), bytes) << name << " n_kv_head " << c.n_kv_head;
     }
   }
+  // MLA: one [latent | RoPE key] row of d_c + d_r values per layer, no V row.
+  const ModelConfig mla = model_preset("mla-tiny");
+  EngineConfig fp32;
+  EXPECT_DOUBLE_EQ(kv_bytes_per_token(engine_cache_config(mla, fp32)),
+                   4.0 * static_cast<double>(mla.n_layer * (mla.mla_kv_rank + mla.mla_rope_dim)));
   // MHA against GQA at the same width: the cache shrinks by n_head / n_kv_head.
   ModelConfig gqa = model_preset("gpt2-124m");
   gqa.n_kv_head = 3;
   EngineConfig ec;
   EXPECT_DOUBLE_EQ(kv_bytes_per_token(engine_cache_config(model_preset("gpt2-124m"), ec)),
                    4 * kv_bytes_per_token(engine_cache_config(gqa, ec)));
+}
+
+// Parallel sampling: n samples of one prompt are prefilled once and forked; they share the
+// prompt's blocks (refcount n) and each gets the tokens of an independent request with its seed.
+TEST(EngineTest, SamplesOfOnePromptShareItsBlocks) {
+  for (const char* preset : {"llama-tiny", "mla-tiny"}) {
+    const ModelConfig config = model_preset(preset);
+    auto backend = make_cpu_backend();
+    Transformer model(*backend, config);
+    model.init_weights(13);
+    GenerationRequest r;
+    r.prompt = prompt_of(9, 3, config.vocab_size);
+    r.max_new_tokens = 6, r.n = 4;
+    r.sampling.temperature = 1.0f, r.sampling.seed = 40;
+    EngineConfig ec;
+    ec.max_batch = 4, ec.block_size = 4;
+    GenerationEngine engine(model, ec);
+    EXPECT_EQ(engine.submit(r), 0);
+    ASSERT_TRUE(engine.step());  // admitted: prefilled once, forked 3 times, one token decoded
+    const KvCache& cache = engine.cache();
+    EXPECT_EQ(engine.active(), 4);
+    EXPECT_EQ(cache.block_refcount(0, 0), 4);  // the prompt's first block: one copy for all four
+    EXPECT_EQ(cache.block_refcount(0, 4), 4);
+    // Shared full blocks 2, plus each sample's own copy of the partly filled third.
+    EXPECT_EQ(cache.blocks_in_use(), 2 + 4);
+    const std::vector<GenerationResult> got = engine.run();
+    ASSERT_EQ(got.size(), 4u);
+    std::set<std::vector<int32_t>> distinct;
+    for (int64_t k = 0; k < 4; ++k) {
+      GenerationRequest one = r;
+      one.n = 1, one.sampling.seed = 40 + static_cast<uint64_t>(k);
+      EXPECT_EQ(got[k].tokens, alone(model, one, true)) << preset << " sample " << k;
+      distinct.insert(got[k].tokens);
+    }
+    EXPECT_GT(distinct.size(), 1u) << preset;  // different seeds, different samples
+    EXPECT_EQ(engine.cache().blocks_in_use(), 0);
+  }
 }
 
 TEST(EngineTest, BadRequestsAreRefusedNamingTheProblem) {

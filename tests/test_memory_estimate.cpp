@@ -42,7 +42,8 @@ struct Combo {
 TEST(MemoryEstimateTest, MatchesWhatOneTrainingStepAllocates) {
   for (const Combo& c : {Combo{"gpt2-tiny", "adamw", "f32", "none"}, Combo{"llama-tiny", "adamw", "bf16", "none"},
                          Combo{"gpt2-tiny", "sgd", "f32", "full"}, Combo{"llama-tiny", "lion", "f32", "selective"},
-                         Combo{"moe-tiny", "adamw", "f32", "none"}, Combo{"gpt2-tiny", "adafactor", "bf16", "every:2"}}) {
+                         Combo{"moe-tiny", "adamw", "f32", "none"}, Combo{"gpt2-tiny", "adafactor", "bf16", "every:2"},
+                         Combo{"mla-tiny", "adamw", "bf16", "none"}}) {
     MemoryPlan plan;
     plan.model = model_preset(c.preset);
     plan.batch = 2, plan.seq_len = 16, plan.recompute = c.recompute;

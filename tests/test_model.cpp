@@ -78,23 +78,7 @@ TEST(TransformerTest, GradientsMatchFiniteDifferencesOfTheLoss) {
     model.zero_grads();
     model.forward(store);
     model.backward(store, 1.0f);
-    float* p = model.params().data<float>();
-    const float* g = model.grads().data<float>();
-    for (const ParamSpec& spec : model.layout().params) {
-      for (int64_t k = 0; k < 3; ++k) {
-        const int64_t i = spec.offset + (k * 7919) % spec.numel;
-        const float saved = p[i];
-        const float h = 1e-2f;
-        p[i] = saved + h;
-        const double up = model.forward(store);
-        p[i] = saved - h;
-        const double down = model.forward(store);
-        p[i] = saved;
-        const double numeric = (up - down) / (2.0 * h);
-        EXPECT_NEAR(g[i], numeric, 2e-3 * std::max(1.0, std::abs(numeric)) + 1e-4)
-            << preset << " " << spec.name << "[" << i - spec.offset << "]";
-      }
-    }
+    test::expect_model_gradients_match_fd(model, store, preset);
   }
 }
 

@@ -1,5 +1,6 @@
-// PyTorch parity: tools/make_fixtures.py builds a tiny GPT-2, a tiny Llama (GQA) and the same
-// Llama with a 3-position sliding window (model.attn_window) in PyTorch,
+// PyTorch parity: tools/make_fixtures.py builds a tiny GPT-2, a tiny Llama (GQA), the same
+// Llama with a 3-position sliding window (model.attn_window) and two with Multi-head Latent
+// Attention (model.mla_*: queries direct; compressed queries with a 4-position window) in PyTorch,
 // computes in float64, and stores weights, inputs, logits, loss, every gradient and the losses
 // of 10 AdamW steps (warmup + cosine, clipping). Loom loads the same weights and must match:
 //   logits within 1e-4 relative, loss within 1e-5, every parameter gradient within 1e-4
@@ -39,6 +40,10 @@ ModelConfig config_from(const SafetensorsFile& f) {
   c.norm_eps = std::stof(f.metadata_value("norm_eps"));
   c.rope_theta = std::stof(f.metadata_value("rope_theta"));
   if (f.metadata().count("attn_window") != 0) c.attn_window = i64("attn_window");  // sliding-window fixtures only
+  if (f.metadata().count("mla_kv_rank") != 0) {  // MLA fixtures only
+    c.mla_kv_rank = i64("mla_kv_rank"), c.mla_rope_dim = i64("mla_rope_dim"), c.mla_nope_dim = i64("mla_nope_dim");
+    c.mla_v_dim = i64("mla_v_dim"), c.mla_q_rank = i64("mla_q_rank");
+  }
   return c;
 }
 
@@ -123,7 +128,9 @@ TEST_P(ParityTest, TenAdamWStepsMatchPyTorch) {
 }
 
 INSTANTIATE_TEST_SUITE_P(TinyModels, ParityTest, ::testing::Values("gpt2_tiny.safetensors", "llama_tiny.safetensors",
-                                                                   "llama_tiny_window.safetensors"));
+                                                                   "llama_tiny_window.safetensors",
+                                                                   "llama_tiny_mla.safetensors",
+                                                                   "llama_tiny_mla_q.safetensors"));
 
 }  // namespace
 }  // namespace loom

@@ -12,6 +12,7 @@
 #include "loom/core/error.h"
 #include "loom/core/philox.h"
 #include "loom/core/tensor.h"
+#include "loom/model/param_layout.h"
 
 namespace loom::test {
 
@@ -95,6 +96,34 @@ inline double weighted_sum(const Tensor& out, const Tensor& weights) {
   double s = 0.0;
   for (size_t i = 0; i < o.size(); ++i) s += o[i] * w[i];
   return s;
+}
+
+// Central differences of the model's loss on `store` (h = 1e-2, fp32) against the gradients its
+// backward left in model.grads(), at 3 elements of every trained parameter: each within
+// 2e-3 max(1, |fd|) + 1e-4. Returns the worst |analytic - fd| / max(1, |fd|).
+template <typename Model, typename Store>
+double expect_model_gradients_match_fd(Model& model, Store& store, const std::string& what) {
+  float* p = model.params().template data<float>();
+  const float* g = model.grads().template data<float>();
+  double worst = 0.0;
+  for (const auto& spec : model.layout().params) {
+    if (spec.role == ROLE_BUFFER) continue;  // the MoE routing bias is not trained
+    for (int64_t k = 0; k < 3; ++k) {
+      const int64_t i = spec.offset + (k * 7919) % spec.numel;
+      const float saved = p[i];
+      const float h = 1e-2f;
+      p[i] = saved + h;
+      const double up = model.forward(store);
+      p[i] = saved - h;
+      const double down = model.forward(store);
+      p[i] = saved;
+      const double numeric = (up - down) / (2.0 * h);
+      const double scale = std::max(1.0, std::abs(numeric));
+      EXPECT_NEAR(g[i], numeric, 2e-3 * scale + 1e-4) << what << " " << spec.name << "[" << i - spec.offset << "]";
+      worst = std::max(worst, std::abs(g[i] - numeric) / scale);
+    }
+  }
+  return worst;
 }
 
 }  // namespace loom::test

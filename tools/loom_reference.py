@@ -155,6 +155,24 @@ class ModelConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     attn_window: int = 0  # 0: full causal attention; W > 0: sliding window, keys i - W < j <= i
+    # Multi-head Latent Attention (DeepSeek-V2 §2.1), llama only; mla_kv_rank = 0: MHA / GQA.
+    mla_kv_rank: int = 0  # d_c, the KV latent width
+    mla_rope_dim: int = 0  # d_r, the decoupled RoPE query/key width per head (one key for all heads)
+    mla_nope_dim: int = 0  # d_n, a head's non-RoPE query/key width (0: head_dim)
+    mla_v_dim: int = 0  # d_v, a head's value width (0: head_dim)
+    mla_q_rank: int = 0  # d_q, the query latent width (0: queries projected from the input)
+
+    @property
+    def mla(self) -> bool:
+        return self.mla_kv_rank > 0
+
+    @property
+    def mla_nope(self) -> int:
+        return self.mla_nope_dim or self.head_dim
+
+    @property
+    def mla_v(self) -> int:
+        return self.mla_v_dim or self.head_dim
 
     @property
     def head_dim(self) -> int:
@@ -176,6 +194,17 @@ class ModelConfig:
             "rope_theta": repr(float(self.rope_theta)),
             # written only when set, so the full-attention fixtures keep their bytes
             **({"attn_window": str(self.attn_window)} if self.attn_window > 0 else {}),
+            **(
+                {
+                    "mla_kv_rank": str(self.mla_kv_rank),
+                    "mla_rope_dim": str(self.mla_rope_dim),
+                    "mla_nope_dim": str(self.mla_nope_dim),
+                    "mla_v_dim": str(self.mla_v_dim),
+                    "mla_q_rank": str(self.mla_q_rank),
+                }
+                if self.mla
+                else {}
+            ),
         }
 
 
@@ -206,15 +235,41 @@ def _gpt2_specs(c: ModelConfig) -> List[ParamSpec]:
     return specs
 
 
+def _mla_specs(c: ModelConfig, p: str) -> List[ParamSpec]:
+    """MLA attention weights, Hugging Face DeepSeek-V2 names; rows [q_n | q_r] and [k_n | v] per head."""
+    C, H, qk = c.d_model, c.n_head, c.mla_nope + c.mla_rope_dim
+    a = p + "self_attn."
+    if c.mla_q_rank > 0:
+        specs = [
+            (a + "q_a_proj.weight", (c.mla_q_rank, C), "matrix"),
+            (a + "q_a_layernorm.weight", (c.mla_q_rank,), "norm"),
+            (a + "q_b_proj.weight", (H * qk, c.mla_q_rank), "matrix"),
+        ]
+    else:
+        specs = [(a + "q_proj.weight", (H * qk, C), "matrix")]
+    return specs + [
+        (a + "kv_a_proj_with_mqa.weight", (c.mla_kv_rank + c.mla_rope_dim, C), "matrix"),
+        (a + "kv_a_layernorm.weight", (c.mla_kv_rank,), "norm"),
+        (a + "kv_b_proj.weight", (H * (c.mla_nope + c.mla_v), c.mla_kv_rank), "matrix"),
+        (a + "o_proj.weight", (C, H * c.mla_v), "matrix"),
+    ]
+
+
 def _llama_specs(c: ModelConfig) -> List[ParamSpec]:
     C, F_, V, hd = c.d_model, c.d_ff, c.vocab_size, c.head_dim
     specs: List[ParamSpec] = [("model.embed_tokens.weight", (V, C), "matrix")]
     for i in range(c.n_layer):
         p = f"model.layers.{i}."
+        if c.mla:
+            attention = _mla_specs(c, p)
+        else:
+            attention = [
+                (p + "self_attn.qkv_proj.weight", ((c.n_head + 2 * c.n_kv_head) * hd, C), "matrix"),
+                (p + "self_attn.o_proj.weight", (C, c.n_head * hd), "matrix"),
+            ]
         specs += [
             (p + "input_layernorm.weight", (C,), "norm"),
-            (p + "self_attn.qkv_proj.weight", ((c.n_head + 2 * c.n_kv_head) * hd, C), "matrix"),
-            (p + "self_attn.o_proj.weight", (C, c.n_head * hd), "matrix"),
+            *attention,
             (p + "post_attention_layernorm.weight", (C,), "norm"),
             (p + "mlp.gate_up_proj.weight", (2 * F_, C), "matrix"),
             (p + "mlp.down_proj.weight", (C, F_), "matrix"),
@@ -345,11 +400,42 @@ def gpt2_forward(P: Params, cfg: ModelConfig, tokens: torch.Tensor) -> torch.Ten
     return linear(x, P["wte.weight"])
 
 
+def mla_attention(h: torch.Tensor, P: Params, p: str, cfg: ModelConfig) -> torch.Tensor:
+    """Multi-head Latent Attention (DeepSeek-AI 2024, DeepSeek-V2 §2.1) of the normed input
+    h (B, T, C) -> (B, T, H d_v), before o_proj:
+      q = W_q h, or W_qb RMSNorm(W_qa h);  per head [q_n (d_n) | q_r (d_r)], RoPE on q_r
+      [c | k_r] = kv_a_proj_with_mqa h;  c' = RMSNorm(c);  k_r = RoPE(k_r), one key for all heads
+      [k_n | v] per head = kv_b_proj c'
+      o_h = softmax((q_n k_n^T + q_r k_r^T) / sqrt(d_n + d_r) + causal mask) v_h."""
+    a, eps, H = p + "self_attn.", cfg.norm_eps, cfg.n_head
+    dn, dr, dv, dc = cfg.mla_nope, cfg.mla_rope_dim, cfg.mla_v, cfg.mla_kv_rank
+    T = h.shape[1]
+    if cfg.mla_q_rank > 0:
+        q = linear(rms_norm(linear(h, P[a + "q_a_proj.weight"]), P[a + "q_a_layernorm.weight"], eps), P[a + "q_b_proj.weight"])
+    else:
+        q = linear(h, P[a + "q_proj.weight"])
+    q = split_heads(q, H)  # (B, H, T, d_n + d_r)
+    cos, sin = rope_cos_sin(T, dr, cfg.rope_theta, h.dtype)
+    q_n, q_r = q.split([dn, dr], dim=-1)
+    c, k_r = linear(h, P[a + "kv_a_proj_with_mqa.weight"]).split([dc, dr], dim=-1)
+    k_r = apply_rope(k_r.unsqueeze(1), cos, sin)  # (B, 1, T, d_r)
+    kv = split_heads(linear(rms_norm(c, P[a + "kv_a_layernorm.weight"], eps), P[a + "kv_b_proj.weight"]), H)
+    k_n, v = kv.split([dn, dv], dim=-1)
+    q = torch.cat([q_n, apply_rope(q_r, cos, sin)], dim=-1)
+    k = torch.cat([k_n, k_r.expand(-1, H, -1, -1)], dim=-1)
+    return merge_heads(causal_attention(q, k, v, cfg.attn_window))
+
+
 def _llama_block(x: torch.Tensor, P: Params, i: int, cfg: ModelConfig, cos, sin) -> torch.Tensor:
     """x += o_proj(attn(rope q, rope k, v));  x += down(silu(gate) * up)."""
     p, eps, hd = f"model.layers.{i}.", cfg.norm_eps, cfg.head_dim
     H, KVH, F_ = cfg.n_head, cfg.n_kv_head, cfg.d_ff
     h = rms_norm(x, P[p + "input_layernorm.weight"], eps)
+    if cfg.mla:
+        x = x + linear(mla_attention(h, P, p, cfg), P[p + "self_attn.o_proj.weight"])
+        h = rms_norm(x, P[p + "post_attention_layernorm.weight"], eps)
+        gate, up = linear(h, P[p + "mlp.gate_up_proj.weight"]).split(F_, dim=-1)
+        return x + linear(F.silu(gate) * up, P[p + "mlp.down_proj.weight"])
     qkv = linear(h, P[p + "self_attn.qkv_proj.weight"])
     q, k, v = qkv.split([H * hd, KVH * hd, KVH * hd], dim=-1)
     q = apply_rope(split_heads(q, H), cos, sin)
@@ -599,12 +685,35 @@ def naive_forward(P: Params, cfg: ModelConfig, tokens: torch.Tensor) -> torch.Te
             h = gelu(lin(ln(x, P[p + "ln_2.weight"], P[p + "ln_2.bias"]), P[p + "mlp.c_fc.weight"], P[p + "mlp.c_fc.bias"]))
             x = x + lin(h, P[p + "mlp.c_proj.weight"], P[p + "mlp.c_proj.bias"])
         return ln(x, P["ln_f.weight"], P["ln_f.bias"]) @ P["wte.weight"].T
+    def mla(h, p):
+        a, dn, dr, dv, dc = p + "self_attn.", cfg.mla_nope, cfg.mla_rope_dim, cfg.mla_v, cfg.mla_kv_rank
+        if cfg.mla_q_rank > 0:
+            q = lin(rms(lin(h, P[a + "q_a_proj.weight"]), P[a + "q_a_layernorm.weight"]), P[a + "q_b_proj.weight"])
+        else:
+            q = lin(h, P[a + "q_proj.weight"])
+        ckr = lin(h, P[a + "kv_a_proj_with_mqa.weight"])
+        kv = lin(rms(ckr[..., :dc], P[a + "kv_a_layernorm.weight"]), P[a + "kv_b_proj.weight"])
+        out = torch.zeros(B, T, H * dv, dtype=h.dtype)
+        for b in range(B):
+            kr = torch.stack([_naive_rope(ckr[b, t, dc:], t, cfg.rope_theta) for t in range(T)])
+            for hh in range(H):
+                qh = q[b, :, hh * (dn + dr) : (hh + 1) * (dn + dr)]
+                qh = torch.stack([torch.cat([qh[t, :dn], _naive_rope(qh[t, dn:], t, cfg.rope_theta)]) for t in range(T)])
+                kvh = kv[b, :, hh * (dn + dv) : (hh + 1) * (dn + dv)]
+                kh = torch.cat([kvh[:, :dn], kr], dim=-1)
+                out[b, :, hh * dv : (hh + 1) * dv] = _naive_attention_head(qh, kh, kvh[:, dn:], cfg.attn_window)
+        return out
+
     x = P["model.embed_tokens.weight"][tok]
     for i in range(cfg.n_layer):
         p = f"model.layers.{i}."
-        qkv = lin(rms(x, P[p + "input_layernorm.weight"]), P[p + "self_attn.qkv_proj.weight"])
-        q, k, v = qkv[..., : H * hd], qkv[..., H * hd : (H + KVH) * hd], qkv[..., (H + KVH) * hd :]
-        x = x + lin(attention(q, k, v, H, KVH, rope=True), P[p + "self_attn.o_proj.weight"])
+        if cfg.mla:
+            a = mla(rms(x, P[p + "input_layernorm.weight"]), p)
+        else:
+            qkv = lin(rms(x, P[p + "input_layernorm.weight"]), P[p + "self_attn.qkv_proj.weight"])
+            q, k, v = qkv[..., : H * hd], qkv[..., H * hd : (H + KVH) * hd], qkv[..., (H + KVH) * hd :]
+            a = attention(q, k, v, H, KVH, rope=True)
+        x = x + lin(a, P[p + "self_attn.o_proj.weight"])
         gu = lin(rms(x, P[p + "post_attention_layernorm.weight"]), P[p + "mlp.gate_up_proj.weight"])
         g, u = gu[..., : cfg.d_ff], gu[..., cfg.d_ff :]
         x = x + lin(g / (1 + torch.exp(-g)) * u, P[p + "mlp.down_proj.weight"])

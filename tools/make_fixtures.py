@@ -3,8 +3,10 @@
 
     /usr/bin/python3 tools/make_fixtures.py --out DIR [--check]
 
-writes DIR/gpt2_tiny.safetensors, DIR/llama_tiny.safetensors and
-DIR/llama_tiny_window.safetensors (llama_tiny with model.attn_window = 3).  Each holds:
+writes DIR/gpt2_tiny.safetensors, DIR/llama_tiny.safetensors,
+DIR/llama_tiny_window.safetensors (llama_tiny with model.attn_window = 3) and
+DIR/llama_tiny_mla{,_q}.safetensors (llama_tiny with Multi-head Latent Attention, without and
+with query compression).  Each holds:
 
     <param name>   F32   initial parameters (float32 values, see init_params)
     tokens         I32   (B, T) uniform in [0, V)
@@ -59,6 +61,20 @@ FIXTURES: Dict[str, Tuple[ref.ModelConfig, int, int]] = {
         2,
         11,
     ),
+    # llama_tiny with Multi-head Latent Attention (DeepSeek-V2 §2.1): d_c 16, d_r 4, d_n 8, d_v 8,
+    # queries projected directly; the _q variant compresses them too (d_q 12) and adds a window.
+    "llama_tiny_mla": (
+        ref.ModelConfig(arch="llama", vocab_size=101, max_seq_len=16, n_layer=2, n_head=6, n_kv_head=6, d_model=48, d_ff=80,
+                        mla_kv_rank=16, mla_rope_dim=4, mla_nope_dim=8, mla_v_dim=8),
+        2,
+        11,
+    ),
+    "llama_tiny_mla_q": (
+        ref.ModelConfig(arch="llama", vocab_size=101, max_seq_len=16, n_layer=2, n_head=6, n_kv_head=6, d_model=48, d_ff=80,
+                        attn_window=4, mla_kv_rank=16, mla_rope_dim=4, mla_nope_dim=6, mla_v_dim=10, mla_q_rank=12),
+        2,
+        11,
+    ),
 }
 
 # Parameters whose gradients --check verifies by finite differences.
@@ -70,6 +86,12 @@ FD_PARAMS = {
                    "model.norm.weight", "lm_head.weight"],
     "llama_tiny_window": ["model.embed_tokens.weight", "model.layers.0.self_attn.qkv_proj.weight",
                           "model.layers.1.input_layernorm.weight", "model.norm.weight"],
+    "llama_tiny_mla": ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.kv_a_proj_with_mqa.weight",
+                       "model.layers.0.self_attn.kv_a_layernorm.weight", "model.layers.1.self_attn.kv_b_proj.weight",
+                       "model.layers.1.self_attn.o_proj.weight"],
+    "llama_tiny_mla_q": ["model.layers.0.self_attn.q_a_proj.weight", "model.layers.0.self_attn.q_a_layernorm.weight",
+                         "model.layers.1.self_attn.q_b_proj.weight", "model.layers.0.self_attn.kv_a_proj_with_mqa.weight",
+                         "model.layers.1.self_attn.kv_b_proj.weight"],
 }
 
 

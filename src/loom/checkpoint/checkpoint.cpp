@@ -132,6 +132,10 @@ nlohmann::json model_config_json(const ModelConfig& c) {
           {"rope_theta", shortest_decimal(c.rope_theta)},
           {"init_std", shortest_decimal(c.init_std)}};
   if (c.attn_window > 0) j["attn_window"] = c.attn_window;  // only when set: full-attention checkpoints keep their bytes
+  if (c.mla()) {  // written only for MLA models
+    j["mla"] = {{"kv_rank", c.mla_kv_rank}, {"rope_dim", c.mla_rope_dim}, {"nope_dim", c.mla_nope_dim},
+                {"v_dim", c.mla_v_dim}, {"q_rank", c.mla_q_rank}};
+  }
   if (c.moe_experts > 0) {  // written only for MoE models: dense checkpoints keep their exact bytes
     j["moe"] = {{"experts", c.moe_experts}, {"top_k", c.moe_top_k}, {"d_ff", c.moe_d_ff}, {"shared", c.moe_shared},
                 {"dense_layers", c.moe_dense_layers}, {"sigmoid", c.moe_sigmoid}, {"renorm", c.moe_renorm},
@@ -159,6 +163,12 @@ ModelConfig model_config_from_json(const std::string& text, const std::string& p
     c.rope_theta = j.at("rope_theta").get<float>();
     c.init_std = j.at("init_std").get<float>();
     if (j.contains("attn_window")) c.attn_window = j.at("attn_window").get<int64_t>();
+    if (j.contains("mla")) {
+      const nlohmann::json& m = j.at("mla");
+      c.mla_kv_rank = m.at("kv_rank").get<int64_t>(), c.mla_rope_dim = m.at("rope_dim").get<int64_t>();
+      c.mla_nope_dim = m.at("nope_dim").get<int64_t>(), c.mla_v_dim = m.at("v_dim").get<int64_t>();
+      c.mla_q_rank = m.at("q_rank").get<int64_t>();
+    }
     if (j.contains("moe")) {
       const nlohmann::json& m = j.at("moe");
       c.moe_experts = m.at("experts").get<int64_t>(), c.moe_top_k = m.at("top_k").get<int64_t>();

@@ -18,7 +18,11 @@ KvCacheConfig engine_cache_config(const ModelConfig& model, const EngineConfig& 
   engine.validate();
   KvCacheConfig c;
   c.n_layer = model.n_layer;
-  c.k_width = c.v_width = model.n_kv_head * model.head_dim();
+  if (model.mla()) {  // MLA: one [normed latent | RoPE key] row per position, read back by Rows::latent
+    c.k_width = kv_cache_width(model), c.v_width = 0;
+  } else {
+    c.k_width = c.v_width = model.n_kv_head * model.head_dim();
+  }
   c.block_size = engine.block_size;
   const int64_t blocks_per_sequence = (model.max_seq_len + engine.block_size - 1) / engine.block_size;
   c.num_blocks = engine.num_blocks > 0 ? engine.num_blocks : engine.max_batch * blocks_per_sequence;
@@ -26,6 +30,8 @@ KvCacheConfig engine_cache_config(const ModelConfig& model, const EngineConfig& 
   c.k_format = engine.k_format, c.v_format = engine.v_format;
   c.k_axis = engine.k_axis, c.v_axis = engine.v_axis;
   c.group = engine.group, c.residual = engine.residual;
+  // Per-token groups of head_dim channels may not divide an MLA row (d_c + d_r): one group a row.
+  if (c.group > 0 && c.k_width % c.group != 0) c.group = 0;
   c.validate();
   return c;
 }
@@ -113,35 +119,73 @@ int64_t GenerationEngine::submit(GenerationRequest request) {
   }
   LOOM_CHECK(request.max_new_tokens >= 1, "request ", id, ": max_new_tokens must be >= 1, got ", request.max_new_tokens);
   request.sampling.validate();
-  LOOM_CHECK(blocks_needed(request) <= cache_->config().num_blocks, "request ", id, " needs ", blocks_needed(request),
+  LOOM_CHECK(request.n >= 1 && request.n <= config_.max_batch, "request ", id, ": n = ", request.n,
+             " samples must be in [1, generate.max_batch = ", config_.max_batch, "] (they run side by side)");
+  LOOM_CHECK(group_blocks(request) <= cache_->config().num_blocks, "request ", id, " needs ", group_blocks(request),
              " KV blocks of ", config_.block_size, " positions, more than the pool's ", cache_->config().num_blocks,
              " (generate.kv_blocks)");
-  results_.emplace_back();
-  submitted_.push_back(std::chrono::steady_clock::now());
-  done_.push_back(false);
+  for (int64_t k = 0; k < request.n; ++k) {
+    results_.emplace_back();
+    submitted_.push_back(std::chrono::steady_clock::now());
+    done_.push_back(false);
+  }
   waiting_.emplace_back(id, std::move(request));
   return id;
 }
 
+bool GenerationEngine::whole_prefill() const {
+  // A context-parallel model's forward spans its cp group, and a model with a checkpointing plan
+  // does not keep its blocks' keys and values: their prompts go through the rows.
+  const auto& plan = model_.recompute_plan();
+  return !config_.chunked_prefill && model_.context_parallel() == nullptr &&
+         std::all_of(plan.begin(), plan.end(), [](RecomputePolicy p) { return p == RECOMPUTE_NONE; });
+}
+
+bool GenerationEngine::shares_prompt() const { return config_.paged && whole_prefill(); }
+
+int64_t GenerationEngine::group_blocks(const GenerationRequest& r) const {
+  const int64_t one = blocks_needed(r);
+  if (r.n == 1 || !shares_prompt() || forgets()) return r.n * one;
+  // The prompt's full blocks are shared and never written again; each sample may own the rest.
+  const int64_t shared = static_cast<int64_t>(r.prompt.size()) / config_.block_size;
+  return shared + r.n * (one - shared);
+}
+
 void GenerationEngine::admit() {
   const auto now = std::chrono::steady_clock::now();
-  while (!waiting_.empty() && static_cast<int64_t>(active_.size()) < config_.max_batch) {
-    const int64_t need = blocks_needed(waiting_.front().second);
+  while (!waiting_.empty()) {
+    const GenerationRequest& next = waiting_.front().second;
+    if (static_cast<int64_t>(active_.size()) + next.n > config_.max_batch) break;
+    const int64_t need = group_blocks(next);
     if (config_.paged && reserved_blocks_ + need > cache_->config().num_blocks) break;  // first come, first served
-    auto a = std::make_unique<Active>(waiting_.front().first, std::move(waiting_.front().second));
+    const int64_t first = waiting_.front().first, n = next.n;
+    GenerationRequest request = std::move(waiting_.front().second);
     waiting_.pop_front();
-    a->seq = cache_->add_sequence();
-    a->blocks = need;
+    std::vector<Active*> group;
+    for (int64_t k = 0; k < n; ++k) {
+      GenerationRequest r = request;
+      r.sampling.seed = request.sampling.seed + static_cast<uint64_t>(k);
+      auto a = std::make_unique<Active>(first + k, std::move(r));
+      a->blocks = k == 0 ? need - (n - 1) * (need / n) : need / n;  // released per sample; sums to need
+      a->result.prompt_tokens = static_cast<int64_t>(a->request.prompt.size());
+      a->result.queued_s = std::chrono::duration<double>(now - submitted_[static_cast<size_t>(a->id)]).count();
+      group.push_back(a.get());
+      active_.push_back(std::move(a));
+    }
     reserved_blocks_ += need;
-    a->result.prompt_tokens = static_cast<int64_t>(a->request.prompt.size());
-    a->result.queued_s = std::chrono::duration<double>(now - submitted_[static_cast<size_t>(a->id)]).count();
-    // (A context-parallel model's forward spans its cp group: its prompts go through the rows.)
-    if (!config_.chunked_prefill && model_.context_parallel() == nullptr) prefill(*a);
-    active_.push_back(std::move(a));
+    if (shares_prompt()) {
+      prefill(group);
+    } else if (whole_prefill()) {  // a contiguous cache would copy the prompt on fork: prefill each
+      for (Active* a : group) prefill({a});
+    } else {
+      for (Active* a : group) a->seq = cache_->add_sequence();  // prompts fed through the rows
+    }
   }
 }
 
-void GenerationEngine::prefill(Active& a) {
+void GenerationEngine::prefill(const std::vector<Active*>& group) {
+  Active& a = *group.front();
+  a.seq = cache_->add_sequence();
   const ModelConfig& c = model_.config();
   const int64_t P = static_cast<int64_t>(a.request.prompt.size()), H = c.n_head, hd = c.head_dim();
   const int64_t W = c.qkv_width(), KW = c.n_kv_head * hd;
@@ -150,17 +194,30 @@ void GenerationEngine::prefill(Active& a) {
   model_.set_recording(false);  // no MoE routing statistics from generation
   model_.forward(s, false);
   model_.set_recording(true);
+  std::vector<float> latent(static_cast<size_t>(c.mla() ? kv_cache_width(c) : 0));
   for (int64_t t = 0; t < P; ++t) {
     for (int64_t l = 0; l < c.n_layer; ++l) {
-      const float* row = s.blocks[static_cast<size_t>(l)].qkv.data<float>() + t * W;
+      const BlockSaved& b = s.blocks[static_cast<size_t>(l)];
+      if (c.mla()) {  // the cache row [normed latent | RoPE key] (nn/mla.h)
+        const int64_t dc = c.mla_kv_rank, dr = c.mla_rope_dim;
+        std::copy_n(b.mla_c_norm.data<float>() + t * dc, dc, latent.data());
+        std::copy_n(b.mla_kr.data<float>() + t * dr, dr, latent.data() + dc);
+        cache_->write(a.seq, l, latent.data(), nullptr);
+        continue;
+      }
+      const float* row = b.qkv.data<float>() + t * W;
       cache_->write(a.seq, l, row + H * hd, row + H * hd + KW);
     }
     cache_->advance(a.seq);
   }
-  a.fed = P;
   stats_.prompt_tokens += P;
-  sampled(a, a.sampler.sample(s.logits.data<float>() + (P - 1) * c.vocab_size, c.vocab_size),
-          std::chrono::steady_clock::now());
+  const float* last = s.logits.data<float>() + (P - 1) * c.vocab_size;
+  const auto now = std::chrono::steady_clock::now();
+  for (Active* sample : group) {  // the others share the prompt's blocks (paged fork)
+    if (sample != &a) sample->seq = cache_->fork(a.seq);
+    sample->fed = P;
+    sampled(*sample, sample->sampler.sample(last, c.vocab_size), now);
+  }
 }
 
 void GenerationEngine::sampled(Active& a, int32_t next, std::chrono::steady_clock::time_point now) {

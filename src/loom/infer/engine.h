@@ -43,6 +43,11 @@ struct GenerationRequest {
   SamplingConfig sampling;            // its seed makes the request reproducible
   int64_t max_new_tokens = 64;
   std::vector<int32_t> stop_tokens;   // generation ends after drawing one (it is kept)
+  // n samples of this prompt (parallel sampling): ids id .. id + n - 1, sample k drawn with seed
+  // sampling.seed + k. They are admitted together, the prompt prefilled once and the samples
+  // forked from it: they share the prompt's KV blocks, each copying a block only when it writes
+  // into a shared one (copy-on-write).
+  int64_t n = 1;
 };
 
 struct GenerationResult {
@@ -102,7 +107,8 @@ class GenerationEngine {
   GenerationEngine(Transformer& model, EngineConfig config);
   ~GenerationEngine();
 
-  int64_t submit(GenerationRequest request);  // returns its id (0, 1, ...), in submission order
+  // Returns its id (0, 1, ...; with n samples the first of n consecutive ids), in submission order.
+  int64_t submit(GenerationRequest request);
   // One step; false when no request is waiting or active.
   bool step();
   // Steps until every submitted request has finished; their results in submission order.
@@ -121,9 +127,12 @@ class GenerationEngine {
   struct Active;
 
   int64_t blocks_needed(const GenerationRequest& request) const;
-  bool forgets() const;  // sliding window: step() returns positions older than the window
+  bool forgets() const;
+  bool whole_prefill() const;  // prompts in one forward (else through the rows)
+  bool shares_prompt() const;  // n samples prefill once and fork (paged, whole prefill)
   void admit();
-  void prefill(Active& a);
+  void prefill(const std::vector<Active*>& group);  // group[0]'s prompt; the others forked from it
+  int64_t group_blocks(const GenerationRequest& request) const;  // the blocks n samples reserve
   void retire();  // releases the finished requests' sequences and blocks
   // After a new token: finished by a stop token, max_new_tokens or the context.
   void sampled(Active& a, int32_t token, std::chrono::steady_clock::time_point now);

@@ -43,6 +43,8 @@ void check_plan(const MemoryPlan& p) {
              "loom memory: train.offload_activations is estimated with train.recompute = selective, full or every:K");
   LOOM_CHECK(p.recompute == "none" || (p.tp == 1 && p.pp == 1 && p.cp == 1),
              "activation checkpointing (train.recompute) with tensor, pipeline or context parallelism is not supported yet");
+  LOOM_CHECK(!p.model.mla() || p.recompute == "none", "model.mla_kv_rank > 0 (MLA) is not supported with activation "
+             "checkpointing (train.recompute = ", p.recompute, ")");
 }
 
 // The layers of each model stage and the schedule (pp > 1).

@@ -38,11 +38,22 @@ void ModelConfig::validate() const {
              ")");
   LOOM_CHECK(arch != ARCH_GPT2 || n_kv_head == n_head, "model.n_kv_head must equal model.n_head for gpt2 (MHA), got ",
              n_kv_head, " vs ", n_head);
-  LOOM_CHECK(arch != ARCH_LLAMA || head_dim() % 2 == 0, "model.d_model / model.n_head must be even for RoPE, got ",
+  LOOM_CHECK(arch != ARCH_LLAMA || mla_kv_rank > 0 || head_dim() % 2 == 0, "model.d_model / model.n_head must be even for RoPE, got ",
              head_dim());
   LOOM_CHECK(norm_eps > 0.0f, "model.norm_eps must be > 0, got ", norm_eps);
   LOOM_CHECK(rope_theta > 0.0f, "model.rope_theta must be > 0, got ", rope_theta);
   LOOM_CHECK(attn_window >= 0, "model.attn_window must be >= 0 (0: full causal attention), got ", attn_window);
+  LOOM_CHECK(mla_kv_rank >= 0 && mla_rope_dim >= 0 && mla_nope_dim >= 0 && mla_v_dim >= 0 && mla_q_rank >= 0,
+             "model.mla_kv_rank, mla_rope_dim, mla_nope_dim, mla_v_dim and mla_q_rank must be >= 0");
+  if (mla()) {
+    LOOM_CHECK(arch == ARCH_LLAMA, "model.mla_kv_rank = ", mla_kv_rank, ": MLA (multi-head latent attention) needs "
+               "model.arch = llama, got ", arch_name(arch));
+    LOOM_CHECK(mla_rope_dim > 0 && mla_rope_dim % 2 == 0, "model.mla_rope_dim must be even and > 0 with MLA "
+               "(model.mla_kv_rank > 0), got ", mla_rope_dim);
+  } else {
+    LOOM_CHECK(mla_rope_dim == 0 && mla_nope_dim == 0 && mla_v_dim == 0 && mla_q_rank == 0, "model.mla_rope_dim, "
+               "mla_nope_dim, mla_v_dim and mla_q_rank need MLA: set model.mla_kv_rank > 0");
+  }
   LOOM_CHECK(init_std > 0.0f, "model.init_std must be > 0, got ", init_std);
   LOOM_CHECK(moe_experts >= 0, "model.moe_experts must be >= 0, got ", moe_experts);
   if (moe_experts > 0) {
@@ -90,15 +101,37 @@ ModelConfig model_preset(std::string_view name) {
     c.moe_experts = 4, c.moe_top_k = 2, c.moe_d_ff = 32, c.moe_shared = 1, c.moe_dense_layers = 1;
     return c;
   }
+  if (name == "mla-tiny") {  // llama-tiny with Multi-head Latent Attention (d_c 16, d_r 4, d_n 8, d_v 8)
+    c = model_preset("llama-tiny");
+    c.n_kv_head = c.n_head, c.mla_kv_rank = 16, c.mla_rope_dim = 4, c.mla_nope_dim = 8, c.mla_v_dim = 8;
+    return c;
+  }
   throw Error(str_cat("unknown model preset '", name, "', expected one of: gpt2-tiny, gpt2-default, gpt2-small, gpt2-124m, "
-                      "llama-tiny, moe-tiny"));
+                      "llama-tiny, moe-tiny, mla-tiny"));
 }
 
 int64_t param_count(const ModelConfig& config) { return build_param_layout(config).total; }
 
+int64_t kv_cache_width(const ModelConfig& config) {
+  if (config.mla()) return config.mla_kv_rank + config.mla_rope_dim;
+  return 2 * config.n_kv_head * config.head_dim();
+}
+
+namespace {
+// One block's attention weights that take part in matmuls.
+int64_t attention_matmul_params(const ModelConfig& config) {
+  const int64_t c = config.d_model, H = config.n_head;
+  if (!config.mla()) return config.qkv_width() * c + c * H * config.head_dim();
+  const int64_t q = H * config.mla_qk(), dc = config.mla_kv_rank, dq = config.mla_q_rank;
+  const int64_t queries = dq > 0 ? dq * c + q * dq : q * c;
+  return queries + (dc + config.mla_rope_dim) * c + H * (config.mla_nope() + config.mla_v()) * dc +
+         c * config.attn_width();
+}
+}  // namespace
+
 int64_t matmul_param_count(const ModelConfig& config) {
   const int64_t c = config.d_model;
-  const int64_t attention = config.qkv_width() * c + c * config.n_head * config.head_dim();
+  const int64_t attention = attention_matmul_params(config);
   const int64_t dense = config.mlp_in_width() * c + c * config.d_ff;
   const int64_t expert = config.expert_in_width() * c + c * config.expert_ff();
   int64_t total = config.vocab_size * c;
@@ -112,6 +145,10 @@ int64_t matmul_param_count(const ModelConfig& config) {
 double train_flops_per_token(const ModelConfig& config, int64_t seq_len) {
   // A sliding window of W < T keys per query: each token's scores and values span W positions.
   const int64_t span = config.attn_window > 0 ? std::min(seq_len, config.attn_window) : seq_len;
+  if (config.mla()) {  // per key: q.k over d_n + d_r and p v over d_v, per head
+    return 6.0 * static_cast<double>(matmul_param_count(config)) +
+           6.0 * static_cast<double>(config.n_layer * span * config.n_head * (config.mla_qk() + config.mla_v()));
+  }
   return 6.0 * static_cast<double>(matmul_param_count(config)) +
          12.0 * static_cast<double>(config.n_layer * config.d_model * span);
 }

@@ -33,6 +33,17 @@ struct ModelConfig {
   // 0: full causal attention; W > 0: position i attends to positions j with i - W < j <= i,
   // in training and in decoding (docs/inference.md).
   int64_t attn_window = 0;
+  // Multi-head Latent Attention (DeepSeek-AI 2024, DeepSeek-V2 §2.1; nn/mla.h), Llama only.
+  // mla_kv_rank = d_c > 0: keys and values come from a d_c-wide compressed latent (RMS-normed)
+  // plus one decoupled RoPE key of mla_rope_dim = d_r shared by the heads; per head queries and
+  // keys are mla_nope_dim (d_n; 0: head_dim) + d_r wide, values mla_v_dim (d_v; 0: head_dim);
+  // mla_q_rank = d_q > 0 compresses the queries too (0: projected from the input). The KV cache
+  // keeps d_c + d_r floats per position and layer. 0: standard MHA / GQA attention.
+  int64_t mla_kv_rank = 0;
+  int64_t mla_rope_dim = 0;
+  int64_t mla_nope_dim = 0;
+  int64_t mla_v_dim = 0;
+  int64_t mla_q_rank = 0;
 
   // Mixture of experts (nn/moe.h; REFERENCE.md §4). moe_experts = 0: every block has the dense
   // MLP. Otherwise blocks from moe_dense_layers on route each token to moe_top_k of moe_experts
@@ -55,6 +66,12 @@ struct ModelConfig {
 
   int64_t head_dim() const { return head_size > 0 ? head_size : d_model / n_head; }
   int64_t qkv_width() const { return (n_head + 2 * n_kv_head) * head_dim(); }
+  bool mla() const { return mla_kv_rank > 0; }
+  int64_t mla_nope() const { return mla_nope_dim > 0 ? mla_nope_dim : head_dim(); }  // d_n
+  int64_t mla_v() const { return mla_v_dim > 0 ? mla_v_dim : head_dim(); }           // d_v
+  int64_t mla_qk() const { return mla_nope() + mla_rope_dim; }                      // d_n + d_r
+  // Width of the attention output (the input of the output projection): H d_v for MLA, H hd else.
+  int64_t attn_width() const { return n_head * (mla() ? mla_v() : head_dim()); }
   bool has_bias() const { return arch == ARCH_GPT2; }
   bool learned_positions() const { return arch == ARCH_GPT2; }
   bool tied_head() const { return arch == ARCH_GPT2; }
@@ -71,10 +88,14 @@ struct ModelConfig {
   void validate() const;  // throws naming the offending key (e.g. "model.n_head")
 };
 
-// Named presets: "gpt2-tiny", "gpt2-small" (6L, d=384), "gpt2-124m", "llama-tiny".
+// Named presets: "gpt2-tiny", "gpt2-small" (6L, d=384), "gpt2-124m", "llama-tiny", "moe-tiny",
+// "mla-tiny".
 ModelConfig model_preset(std::string_view name);
 
 int64_t param_count(const ModelConfig& config);
+// Floats the KV cache keeps per position and layer: 2 n_kv_head head_dim (a key and a value per
+// KV head) for MHA / GQA / MQA, d_c + d_r (the latent and the decoupled RoPE key) for MLA.
+int64_t kv_cache_width(const ModelConfig& config);
 // Parameters that take part in matmuls (the head counts once even when tied; position
 // embeddings and norms do not): the N of the 6N FLOPs rule. For MoE the active ones: the
 // router, top_k routed and the shared experts per token.
@@ -82,6 +103,7 @@ int64_t matmul_param_count(const ModelConfig& config);
 // Training FLOPs per token at sequence length T (Kaplan et al. 2020; PaLM appendix B):
 // 6N for the weight matmuls (2 forward + 4 backward) + 12 L C T for attention scores and
 // values (non-causal count, as PaLM states MFU), over min(T, model.attn_window) keys with a window.
+// MLA: 6 L T H (d_n + d_r + d_v) (a head's query/key and value widths).
 double train_flops_per_token(const ModelConfig& config, int64_t seq_len);
 
 }  // namespace loom

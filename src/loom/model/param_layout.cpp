@@ -106,6 +106,26 @@ void add_gpt2(const ModelConfig& c, LayoutBuilder& b) {
   b.bias("ln_f.bias", C);
 }
 
+// A block's MLA attention (nn/mla.h; DeepSeek-V2 §2.1) under Hugging Face DeepSeek-V2's names:
+// the queries (q_proj, or q_a_proj, q_a_layernorm, q_b_proj), rows [q_n | q_r] per head; the
+// latent and the decoupled RoPE key together (kv_a_proj_with_mqa: d_c + d_r rows), the latent's
+// norm, the up-projection to [k_n | v] per head (kv_b_proj), and o_proj (C, H d_v).
+void add_mla(const ModelConfig& c, LayoutBuilder& b, const std::string& p, float std, float residual_std) {
+  const int64_t C = c.d_model, H = c.n_head, qk = c.mla_qk(), dc = c.mla_kv_rank, dq = c.mla_q_rank;
+  if (dq > 0) {
+    b.matrix(p + "self_attn.q_a_proj.weight", {dq, C}, std);
+    b.norm_weight(p + "self_attn.q_a_layernorm.weight", dq);
+    b.matrix(p + "self_attn.q_b_proj.weight", {H * qk, dq}, std, ROLE_HIDDEN, {{H * qk, qk}});
+  } else {
+    b.matrix(p + "self_attn.q_proj.weight", {H * qk, C}, std, ROLE_HIDDEN, {{H * qk, qk}});
+  }
+  b.matrix(p + "self_attn.kv_a_proj_with_mqa.weight", {dc + c.mla_rope_dim, C}, std, ROLE_HIDDEN,
+           {{dc, 1}, {c.mla_rope_dim, c.mla_rope_dim}});
+  b.norm_weight(p + "self_attn.kv_a_layernorm.weight", dc);
+  b.matrix(p + "self_attn.kv_b_proj.weight", {H * (c.mla_nope() + c.mla_v()), dc}, std);
+  b.matrix(p + "self_attn.o_proj.weight", {C, c.attn_width()}, residual_std);
+}
+
 void add_llama(const ModelConfig& c, LayoutBuilder& b) {
   const int64_t C = c.d_model, F = c.d_ff, V = c.vocab_size;
   const float std = c.init_std, residual_std = c.init_std / std::sqrt(2.0f * static_cast<float>(c.n_layer));
@@ -114,9 +134,13 @@ void add_llama(const ModelConfig& c, LayoutBuilder& b) {
   for (int64_t i = 0; i < c.n_layer; ++i) {
     const std::string p = "model.layers." + std::to_string(i) + ".";
     b.norm_weight(p + "input_layernorm.weight", C);
-    b.matrix(p + "self_attn.qkv_proj.weight", {c.qkv_width(), C}, std, ROLE_HIDDEN,
-             {{c.n_head * hd, hd}, {kv, hd}, {kv, 1}});
-    b.matrix(p + "self_attn.o_proj.weight", {C, c.n_head * c.head_dim()}, residual_std);
+    if (c.mla()) {
+      add_mla(c, b, p, std, residual_std);
+    } else {
+      b.matrix(p + "self_attn.qkv_proj.weight", {c.qkv_width(), C}, std, ROLE_HIDDEN,
+               {{c.n_head * hd, hd}, {kv, hd}, {kv, 1}});
+      b.matrix(p + "self_attn.o_proj.weight", {C, c.n_head * c.head_dim()}, residual_std);
+    }
     b.norm_weight(p + "post_attention_layernorm.weight", C);
     if (c.moe_layer(i)) {
       add_moe(c, b, p, std, residual_std);

@@ -195,6 +195,8 @@ void Transformer::set_recompute(std::vector<RecomputePolicy> plan, bool offload)
   LOOM_CHECK(scratch_tokens_ == 0, "set_recompute must come before the activation stores are allocated");
   LOOM_CHECK(plan.empty() || static_cast<int64_t>(plan.size()) == config_.n_layer, "recompute plan of ", plan.size(),
              " layers for a model of ", config_.n_layer);
+  LOOM_CHECK(!config_.mla() || std::all_of(plan.begin(), plan.end(), [](RecomputePolicy p) { return p == RECOMPUTE_NONE; }),
+             "model.mla_kv_rank > 0 (MLA) is not supported with activation checkpointing: set train.recompute = none");
   recompute_ = std::move(plan);
   recompute_offload_ = offload;
 }
@@ -385,6 +387,12 @@ DecodeState Transformer::allocate_decode_state(int64_t batch) {
   Allocator& alloc = backend_.allocator();
   const int64_t kv_width = config_.n_kv_head * config_.head_dim();
   for (int64_t l = 0; l < config_.n_layer; ++l) {
+    if (config_.mla()) {  // MLA: one [c' | k_r] row per position (kv_cache_width), no V cache
+      d.k_cache.push_back(Tensor::empty(alloc, {batch, config_.max_seq_len, kv_cache_width(config_)}, DTYPE_F32,
+                                        MEM_KV_CACHE));
+      d.v_cache.emplace_back();
+      continue;
+    }
     d.k_cache.push_back(Tensor::empty(alloc, {batch, config_.max_seq_len, kv_width}, DTYPE_F32, MEM_KV_CACHE));
     d.v_cache.push_back(Tensor::empty(alloc, {batch, config_.max_seq_len, kv_width}, DTYPE_F32, MEM_KV_CACHE));
   }

@@ -43,8 +43,8 @@ struct ActivationStore {
 // Incremental decoding: per-layer KV caches and the activations of one position.
 struct DecodeState {
   int64_t length = 0;             // positions already in the caches
-  std::vector<Tensor> k_cache;    // [layer] (B, Tmax, KV*hd), MEM_KV_CACHE
-  std::vector<Tensor> v_cache;    // [layer] (B, Tmax, KV*hd), MEM_KV_CACHE
+  std::vector<Tensor> k_cache;    // [layer] (B, Tmax, KV*hd), MEM_KV_CACHE; MLA: (B, Tmax, d_c + d_r)
+  std::vector<Tensor> v_cache;    // [layer] (B, Tmax, KV*hd), MEM_KV_CACHE; MLA: undefined
   ActivationStore step;           // T = 1; step.logits (B,1,V) after forward_decode
   Tensor q;                       // (B, H*hd) scratch
 };

@@ -4,6 +4,7 @@
 
 #include "loom/core/error.h"
 
+#include <algorithm>
 #include <string>
 
 namespace loom {
@@ -33,7 +34,19 @@ BlockParams block_params_view(const ModelConfig& config, const ParamLayout& layo
   } else {
     const std::string pre = "model.layers." + std::to_string(layer) + ".";
     p.norm1_w = v(pre + "input_layernorm.weight");
-    p.qkv_w = v(pre + "self_attn.qkv_proj.weight");
+    if (config.mla()) {
+      const std::string a = pre + "self_attn.";
+      if (config.mla_q_rank > 0) {
+        p.mla.q_a_w = v(a + "q_a_proj.weight"), p.mla.q_a_norm = v(a + "q_a_layernorm.weight");
+        p.mla.q_b_w = v(a + "q_b_proj.weight");
+      } else {
+        p.mla.q_w = v(a + "q_proj.weight");
+      }
+      p.mla.kv_a_w = v(a + "kv_a_proj_with_mqa.weight"), p.mla.kv_norm = v(a + "kv_a_layernorm.weight");
+      p.mla.kv_b_w = v(a + "kv_b_proj.weight");
+    } else {
+      p.qkv_w = v(pre + "self_attn.qkv_proj.weight");
+    }
     p.proj_w = v(pre + "self_attn.o_proj.weight");
     p.norm2_w = v(pre + "post_attention_layernorm.weight");
     if (config.moe_layer(layer)) {
@@ -55,17 +68,19 @@ std::vector<std::pair<Tensor BlockSaved::*, Shape>> block_saved_fields(const Mod
                                                                       bool moe, RecomputePolicy keep) {
   LOOM_CHECK(seq_shards >= 1 && seq_len % seq_shards == 0, "sequence parallel: train.seq_len (", seq_len,
              ") must be a multiple of parallel.tp (", seq_shards, ")");
-  const int64_t B = batch, T = seq_len, C = config.d_model, H = config.n_head, hd = config.head_dim();
+  const int64_t B = batch, T = seq_len, C = config.d_model, H = config.n_head;
   const int64_t Ts = seq_len / seq_shards;  // the residual stream's positions on this rank
   std::vector<std::pair<Tensor BlockSaved::*, Shape>> f;
   f.push_back({&BlockSaved::input, {B, Ts, C}});
+  LOOM_CHECK(!config.mla() || (seq_shards == 1 && !context_parallel), "model.mla_kv_rank > 0 (MLA) is not supported "
+             "with sequence parallelism (parallel.sequence_parallel) or context parallelism (parallel.cp > 1)");
   if (keep != RECOMPUTE_NONE) {  // activation checkpointing (no model parallelism, no MoE)
     LOOM_CHECK(!split_backward && seq_shards == 1 && !context_parallel && !moe,
                "activation checkpointing (train.recompute) with pipeline, sequence or context parallelism or MoE "
                "blocks is not supported yet");
-    if (keep == RECOMPUTE_SELECTIVE) {
-      f.push_back({&BlockSaved::qkv, {B, T, config.qkv_width()}});
-      f.push_back({&BlockSaved::attn, {B, T, H * hd}});
+    if (keep == RECOMPUTE_SELECTIVE) {  // (sizes only for MLA: its blocks do not recompute)
+      if (!config.mla()) f.push_back({&BlockSaved::qkv, {B, T, config.qkv_width()}});
+      f.push_back({&BlockSaved::attn, {B, T, config.attn_width()}});
       f.push_back({&BlockSaved::mid, {B, Ts, C}});
       f.push_back({&BlockSaved::fc, {B, T, config.mlp_in_width()}});
     }
@@ -74,10 +89,25 @@ std::vector<std::pair<Tensor BlockSaved::*, Shape>> block_saved_fields(const Mod
   f.push_back({&BlockSaved::norm1, {B, Ts, C}});
   if (!config.rmsnorm()) f.push_back({&BlockSaved::mean1, {B, Ts}});
   f.push_back({&BlockSaved::rstd1, {B, Ts}});
-  f.push_back({&BlockSaved::qkv, {B, T, config.qkv_width()}});
+  if (config.mla()) {
+    const int64_t dq = config.mla_q_rank, dc = config.mla_kv_rank;
+    if (dq > 0) {
+      f.push_back({&BlockSaved::mla_qa, {B, T, dq}});
+      f.push_back({&BlockSaved::mla_qa_norm, {B, T, dq}});
+      f.push_back({&BlockSaved::mla_qa_rstd, {B, T}});
+    }
+    f.push_back({&BlockSaved::mla_q, {B, T, H * config.mla_qk()}});
+    f.push_back({&BlockSaved::mla_c, {B, T, dc}});
+    f.push_back({&BlockSaved::mla_c_norm, {B, T, dc}});
+    f.push_back({&BlockSaved::mla_c_rstd, {B, T}});
+    f.push_back({&BlockSaved::mla_kr, {B, T, config.mla_rope_dim}});
+    f.push_back({&BlockSaved::mla_kv, {B, T, H * (config.mla_nope() + config.mla_v())}});
+  } else {
+    f.push_back({&BlockSaved::qkv, {B, T, config.qkv_width()}});
+  }
   if (context_parallel) f.push_back({&BlockSaved::lse, {B, H, T}});  // ring attention; Ulysses keeps its own
   else f.push_back({&BlockSaved::probs, {B, H, T, T}});
-  f.push_back({&BlockSaved::attn, {B, T, H * hd}});
+  f.push_back({&BlockSaved::attn, {B, T, config.attn_width()}});
   f.push_back({&BlockSaved::mid, {B, Ts, C}});
   f.push_back({&BlockSaved::norm2, {B, Ts, C}});
   if (!config.rmsnorm()) f.push_back({&BlockSaved::mean2, {B, Ts}});
@@ -90,7 +120,8 @@ std::vector<std::pair<Tensor BlockSaved::*, Shape>> block_saved_fields(const Mod
     if (!moe) f.push_back({&BlockSaved::dy_fc2, {B, T, C}});
     if (!moe) f.push_back({&BlockSaved::dy_fc, {B, T, config.mlp_in_width()}});
     f.push_back({&BlockSaved::dy_proj, {B, T, C}});
-    f.push_back({&BlockSaved::dy_qkv, {B, T, config.qkv_width()}});
+    // MLA: its projections' weight gradients are computed in the input pass (nothing kept).
+    if (!config.mla()) f.push_back({&BlockSaved::dy_qkv, {B, T, config.qkv_width()}});
   }
   return f;
 }
@@ -126,8 +157,10 @@ BlockScratch allocate_block_scratch(Allocator& allocator, const ModelConfig& con
   BlockScratch s;
   s.d_norm = ws({B, T, C});
   s.d_tmp = ws({B, T, C});
-  s.d_qkv = ws({B, T, config.qkv_width()});
-  s.d_attn = ws({B, T, config.n_head * config.head_dim()});
+  // MLA: a width w with B T w >= mla_scratch_floats(B, T) (B T x floats and T more).
+  const int64_t mla_width = config.mla() ? mla_scratch_floats(config, 1, 1) : 0;
+  s.d_qkv = ws({B, T, config.mla() ? mla_width : config.qkv_width()});
+  s.d_attn = ws({B, T, config.attn_width()});
   s.d_fc = ws({B, T, config.mlp_in_width()});
   s.d_act = ws({B, T, config.d_ff});
   return s;
@@ -156,6 +189,15 @@ void Block::set_precision(const PrecisionPolicy& policy, BlockParams params16, L
   proj_ = LinearLayer(linear_setup(policy, LINEAR_ATTN_OUT, true));
   fc_ = LinearLayer(linear_setup(policy, LINEAR_MLP_IN, true));
   fc2_ = LinearLayer(linear_setup(policy, LINEAR_MLP_OUT, true));
+  // MLA's projections (nn/mla.h) compute in fp32; its output projection follows precision.attn_out.
+  LOOM_CHECK(!config_.mla() || (policy.recipe[LINEAR_ATTN_QKV] == RECIPE_F32 && policy.qat == QAT_NONE),
+             "model.mla_kv_rank > 0 (MLA) computes its projections in fp32: set precision.attn_qkv = f32 (got ",
+             recipe_name(policy.recipe[LINEAR_ATTN_QKV]), ") and precision.qat = none");
+}
+
+MlaActivations Block::mla_activations(const BlockSaved& s) {
+  return {s.mla_qa, s.mla_qa_norm, s.mla_qa_rstd, s.mla_q, s.mla_c, s.mla_c_norm, s.mla_c_rstd, s.mla_kr, s.mla_kv,
+          s.probs, s.attn};
 }
 
 BlockSaved with_kept(const BlockSaved& shared, const BlockSaved& kept, RecomputePolicy policy) {
@@ -167,8 +209,8 @@ BlockSaved with_kept(const BlockSaved& shared, const BlockSaved& kept, Recompute
 
 void Block::recompute(Backend& backend, const BlockSaved& kept, RecomputePolicy policy, BlockSaved& full,
                       const Tensor& out_scratch) {
-  LOOM_CHECK(policy != RECOMPUTE_NONE && !is_moe() && tp_ == nullptr && cp_ == nullptr,
-             "block recompute: a policy that recomputes, on a block without MoE or model parallelism");
+  LOOM_CHECK(policy != RECOMPUTE_NONE && !is_moe() && !config_.mla() && tp_ == nullptr && cp_ == nullptr,
+             "block recompute: a policy that recomputes, on a block without MoE, MLA or model parallelism");
   const BlockParams& p = params_;
   const int64_t B = kept.input.dim(0), T = kept.input.dim(1), C = config_.d_model;
   auto shaped = [](const Tensor& t, Shape shape) { return t.view(0, std::move(shape)); };
@@ -259,18 +301,24 @@ Tensor Block::gathered(const Tensor& shard, int64_t seq_len) const {
 void Block::forward(Backend& backend, BlockSaved& s, const Tensor& out) {
   const BlockParams& p = params_;
   const BlockParams& q = params16_;
-  const int64_t T = s.qkv.dim(1);
+  const int64_t T = s.attn.dim(1);
   // The row-parallel layers' partial outputs: summed over the group into the residual stream
   // (all-reduce), or reduced onto this rank's sequence shard (reduce-scatter).
   const auto reduce = [&](const Tensor& partial, const Tensor& into) {
     if (seq_ != nullptr) sequence_reduce_scatter(*tp_, partial, into, seq_->staging);
     else tp_->all_reduce(into);
   };
-  const Tensor partial = seq_ != nullptr ? seq_->full.view(0, {s.qkv.dim(0), T, config_.d_model}) : Tensor{};
+  const Tensor partial = seq_ != nullptr ? seq_->full.view(0, {s.attn.dim(0), T, config_.d_model}) : Tensor{};
   norm_forward(backend, config_, s.input, p.norm1_w, p.norm1_b, s.norm1, s.mean1, s.rstd1);
-  qkv_.forward(backend, seq_ != nullptr ? gathered(s.norm1, T) : s.norm1, p.qkv_w, q.qkv_w, p.qkv_b, s.qkv, 0.0f, ws_);
-  if (!config_.learned_positions()) rope(backend, s.qkv, false);
-  attention_forward(backend, s);
+  if (config_.mla()) {  // multi-head latent attention (nn/mla.h): a whole block only
+    LOOM_CHECK(tp_ == nullptr && cp_ == nullptr, "model.mla_kv_rank > 0 (MLA) is not supported with tensor, sequence "
+               "or context parallelism");
+    mla_forward(backend, config_, p.mla, s.norm1, mla_activations(s));
+  } else {
+    qkv_.forward(backend, seq_ != nullptr ? gathered(s.norm1, T) : s.norm1, p.qkv_w, q.qkv_w, p.qkv_b, s.qkv, 0.0f, ws_);
+    if (!config_.learned_positions()) rope(backend, s.qkv, false);
+    attention_forward(backend, s);
+  }
   if (tp_ != nullptr) {  // g: the heads' partial projections summed (bias added once, by rank 0)
     const Tensor y = seq_ != nullptr ? partial : s.mid;
     proj_.forward(backend, s.attn, p.proj_w, q.proj_w, tp_->rank() == 0 ? p.proj_b : Tensor{}, y, 0.0f, ws_);
@@ -320,14 +368,18 @@ void Block::forward_decode(Backend& backend, BlockSaved& s, const Tensor& out, c
   const int64_t B = s.input.dim(0), H = config_.n_head, hd = config_.head_dim();
   const int64_t W = config_.qkv_width(), KW = config_.n_kv_head * hd, max_len = k_cache.dim(1);
   norm_forward(backend, config_, s.input, p.norm1_w, p.norm1_b, s.norm1, s.mean1, s.rstd1);
-  linear_forward(backend, s.norm1, p.qkv_w, p.qkv_b, s.qkv);
-  if (!config_.learned_positions()) backend.rope_forward(s.qkv, hd, H + config_.n_kv_head, config_.rope_theta, pos);
-  for (int64_t b = 0; b < B; ++b) {
-    backend.copy(s.qkv.view(b * W, {H * hd}), q.view(b * H * hd, {H * hd}));
-    backend.copy(s.qkv.view(b * W + H * hd, {KW}), k_cache.view((b * max_len + pos) * KW, {KW}));
-    backend.copy(s.qkv.view(b * W + H * hd + KW, {KW}), v_cache.view((b * max_len + pos) * KW, {KW}));
+  if (config_.mla()) {
+    mla_decode(backend, s, k_cache, pos);
+  } else {
+    linear_forward(backend, s.norm1, p.qkv_w, p.qkv_b, s.qkv);
+    if (!config_.learned_positions()) backend.rope_forward(s.qkv, hd, H + config_.n_kv_head, config_.rope_theta, pos);
+    for (int64_t b = 0; b < B; ++b) {
+      backend.copy(s.qkv.view(b * W, {H * hd}), q.view(b * H * hd, {H * hd}));
+      backend.copy(s.qkv.view(b * W + H * hd, {KW}), k_cache.view((b * max_len + pos) * KW, {KW}));
+      backend.copy(s.qkv.view(b * W + H * hd + KW, {KW}), v_cache.view((b * max_len + pos) * KW, {KW}));
+    }
+    backend.attention_decode(q, k_cache, v_cache, pos + 1, s.attn, H, config_.n_kv_head, config_.attn_window);
   }
-  backend.attention_decode(q, k_cache, v_cache, pos + 1, s.attn, H, config_.n_kv_head, config_.attn_window);
   backend.copy(s.input, s.mid);
   linear_forward(backend, s.attn, p.proj_w, p.proj_b, s.mid, 1.0f);
   norm_forward(backend, config_, s.mid, p.norm2_w, p.norm2_b, s.norm2, s.mean2, s.rstd2);
@@ -352,13 +404,17 @@ void Block::forward_rows(Backend& backend, BlockSaved& s, const Tensor& out, con
   const int64_t W = config_.qkv_width(), KW = config_.n_kv_head * hd;
   LOOM_CHECK(static_cast<int64_t>(positions.size()) == n, "forward_rows: ", positions.size(), " positions for ", n, " rows");
   norm_forward(backend, config_, s.input, p.norm1_w, p.norm1_b, s.norm1, s.mean1, s.rstd1);
-  linear_forward(backend, s.norm1, p.qkv_w, p.qkv_b, s.qkv);
-  for (int64_t r = 0; r < n; ++r) {
-    if (!config_.learned_positions()) {
-      backend.rope_forward(s.qkv.view(r * W, {1, 1, W}), hd, H + config_.n_kv_head, config_.rope_theta, positions[r]);
+  if (config_.mla()) {
+    mla_rows(backend, s, positions, cache, layer);
+  } else {
+    linear_forward(backend, s.norm1, p.qkv_w, p.qkv_b, s.qkv);
+    for (int64_t r = 0; r < n; ++r) {
+      if (!config_.learned_positions()) {
+        backend.rope_forward(s.qkv.view(r * W, {1, 1, W}), hd, H + config_.n_kv_head, config_.rope_theta, positions[r]);
+      }
+      const float* row = s.qkv.data<float>() + r * W;
+      cache.attend(layer, r, row, row + H * hd, row + H * hd + KW, s.attn.data<float>() + r * H * hd);
     }
-    const float* row = s.qkv.data<float>() + r * W;
-    cache.attend(layer, r, row, row + H * hd, row + H * hd + KW, s.attn.data<float>() + r * H * hd);
   }
   backend.copy(s.input, s.mid);
   linear_forward(backend, s.attn, p.proj_w, p.proj_b, s.mid, 1.0f);
@@ -376,28 +432,65 @@ void Block::forward_rows(Backend& backend, BlockSaved& s, const Tensor& out, con
   linear_forward(backend, s.act, p.fc2_w, p.fc2_b, out, 1.0f);
 }
 
+void Block::mla_decode(Backend& backend, BlockSaved& s, const Tensor& k_cache, int64_t pos) const {
+  const int64_t B = s.input.dim(0), LW = config_.mla_kv_rank + config_.mla_rope_dim, max_len = k_cache.dim(1);
+  const int64_t first = config_.attn_window > 0 ? std::max<int64_t>(0, pos - config_.attn_window + 1) : 0;
+  MlaActivations a = mla_activations(s);
+  a.kv = Tensor{};  // the up-projection is absorbed into the query
+  const std::vector<int64_t> positions(static_cast<size_t>(B), pos);
+  mla_project(backend, config_, params_.mla, s.norm1, a, positions.data());
+  const int64_t qw = config_.n_head * config_.mla_qk(), dc = config_.mla_kv_rank, dr = config_.mla_rope_dim;
+  float* cache = k_cache.data<float>();
+  for (int64_t b = 0; b < B; ++b) {
+    float* row = cache + (b * max_len + pos) * LW;  // [c' | k_r] of position pos
+    std::copy_n(a.c_norm.data<float>() + b * dc, dc, row);
+    std::copy_n(a.kr.data<float>() + b * dr, dr, row + dc);
+    mla_attend_latents(config_, params_.mla, a.q.data<float>() + b * qw, cache + (b * max_len + first) * LW,
+                       pos + 1 - first, a.attn.data<float>() + b * config_.attn_width());
+  }
+}
+
+void Block::mla_rows(Backend& backend, BlockSaved& s, const std::vector<int64_t>& positions, DecodeCache& cache,
+                     int64_t layer) const {
+  const int64_t n = s.input.dim(0), dc = config_.mla_kv_rank, dr = config_.mla_rope_dim;
+  MlaActivations a = mla_activations(s);
+  a.kv = Tensor{};  // the up-projection is absorbed into the query
+  mla_project(backend, config_, params_.mla, s.norm1, a, positions.data());
+  const int64_t qw = config_.n_head * config_.mla_qk();
+  std::vector<float> latent(static_cast<size_t>(dc + dr));
+  for (int64_t r = 0; r < n; ++r) {
+    std::copy_n(a.c_norm.data<float>() + r * dc, dc, latent.data());
+    std::copy_n(a.kr.data<float>() + r * dr, dr, latent.data() + dc);
+    int64_t count = 0;
+    const float* latents = cache.latent(layer, r, latent.data(), &count);
+    mla_attend_latents(config_, params_.mla, a.q.data<float>() + r * qw, latents, count,
+                       a.attn.data<float>() + r * config_.attn_width());
+  }
+}
+
 void Block::backward(Backend& backend, const BlockSaved& s, const Tensor& d_residual, BlockScratch& k,
                      BackwardPart part) {
   const BlockParams& p = params_;
   const BlockParams& g = grads_;
   const BlockParams& q = params16_;
-  const int64_t T = s.qkv.dim(1);
+  const int64_t T = s.attn.dim(1);
   const bool sp = seq_ != nullptr;
   // Sequence parallel: gradients arrive on the shard and are gathered before the row-parallel
   // layers' backward (g's backward); the norms' inputs are gathered again for the weight gradients.
   const auto whole = [&](const Tensor& shard) { return sp ? gathered(shard, T) : shard; };
   if (part == BACKWARD_WEIGHT) {  // the four weight gradients from the kept output gradients
-    LOOM_CHECK(s.dy_qkv.defined(), "block backward: the weight pass needs activations allocated for a split backward");
+    LOOM_CHECK(s.dy_proj.defined(), "block backward: the weight pass needs activations allocated for a split backward");
     if (!is_moe()) {  // an MoE block's weight gradients were computed in the input pass
       fc2_.backward(backend, s.act, p.fc2_w, q.fc2_w, s.dy_fc2, Tensor{}, g.fc2_w, Tensor{}, ws_);
       fc_.backward(backend, whole(s.norm2), p.fc_w, q.fc_w, s.dy_fc, Tensor{}, g.fc_w, Tensor{}, ws_);
     }
     proj_.backward(backend, s.attn, p.proj_w, q.proj_w, s.dy_proj, Tensor{}, g.proj_w, Tensor{}, ws_);
-    qkv_.backward(backend, whole(s.norm1), p.qkv_w, q.qkv_w, s.dy_qkv, Tensor{}, g.qkv_w, Tensor{}, ws_);
+    // An MLA block's projections' weight gradients were computed in the input pass.
+    if (!config_.mla()) qkv_.backward(backend, whole(s.norm1), p.qkv_w, q.qkv_w, s.dy_qkv, Tensor{}, g.qkv_w, Tensor{}, ws_);
     return;
   }
   const bool split = part == BACKWARD_INPUT;
-  LOOM_CHECK(!split || s.dy_qkv.defined(), "block backward: the input pass needs activations allocated for a split backward");
+  LOOM_CHECK(!split || s.dy_proj.defined(), "block backward: the input pass needs activations allocated for a split backward");
   // Weight gradients now, or (split) kept output gradients for the weight pass.
   auto dw = [split](const Tensor& grad) { return split ? Tensor{} : grad; };
   auto keep = [&backend, split](const Tensor& dy, const Tensor& into) {
@@ -433,10 +526,14 @@ void Block::backward(Backend& backend, const BlockSaved& s, const Tensor& d_resi
   const Tensor dy_mid = whole(d_residual);
   keep(dy_mid, s.dy_proj);
   proj_.backward(backend, s.attn, p.proj_w, q.proj_w, dy_mid, k.d_attn, dw(g.proj_w), g.proj_b, ws_);
-  attention_backward(backend, s, k);
-  if (!config_.learned_positions()) rope(backend, k.d_qkv, true);
-  keep(k.d_qkv, s.dy_qkv);
-  qkv_.backward(backend, whole(s.norm1), p.qkv_w, q.qkv_w, k.d_qkv, k.d_norm, dw(g.qkv_w), g.qkv_b, ws_);
+  if (config_.mla()) {  // d(norm1 output) and MLA's weight gradients (also in a split input pass)
+    mla_backward(backend, config_, p.mla, g.mla, s.norm1, mla_activations(s), k.d_attn, k.d_norm, k.d_qkv);
+  } else {
+    attention_backward(backend, s, k);
+    if (!config_.learned_positions()) rope(backend, k.d_qkv, true);
+    keep(k.d_qkv, s.dy_qkv);
+    qkv_.backward(backend, whole(s.norm1), p.qkv_w, q.qkv_w, k.d_qkv, k.d_norm, dw(g.qkv_w), g.qkv_b, ws_);
+  }
   reduce();  // f: the heads' partial d(norm1 output)
   norm_backward(backend, config_, dn, s.input, p.norm1_w, s.mean1, s.rstd1, dx, g.norm1_w, g.norm1_b);
   backend.add_inplace(d_residual, dx);  // now d(input)

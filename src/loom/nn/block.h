@@ -15,17 +15,20 @@
 #include "loom/model/param_layout.h"
 #include "loom/nn/context_parallel.h"
 #include "loom/nn/linear.h"
+#include "loom/nn/mla.h"
 #include "loom/nn/moe.h"
 
 namespace loom {
 
 // One block's parameters (or their gradients) as views into a flat buffer. Derived once from
 // the layout, so forward and backward use the same offsets. Biases and norm biases are
-// undefined tensors for bias-free architectures.
+// undefined tensors for bias-free architectures. An MLA block (model.mla_kv_rank > 0) has mla's
+// projections in place of qkv.
 struct BlockParams {
   Tensor norm1_w, norm1_b;  // (C)
   Tensor qkv_w, qkv_b;      // ((H + 2 KV) hd, C), ((H + 2 KV) hd)
-  Tensor proj_w, proj_b;    // (C, H hd), (C)
+  MlaParams mla;            // MLA: queries, latent, decoupled RoPE key and up-projections (nn/mla.h)
+  Tensor proj_w, proj_b;    // (C, H hd), (C); MLA: (C, H d_v)
   Tensor norm2_w, norm2_b;  // (C)
   Tensor fc_w, fc_b;        // (F or 2F, C), (F or 2F)
   Tensor fc2_w, fc2_b;      // (C, F), (C)
@@ -38,9 +41,16 @@ BlockParams block_params_view(const ModelConfig& config, const ParamLayout& layo
 struct BlockSaved {
   Tensor input;                  // (B,T,C) residual stream entering the block
   Tensor norm1, mean1, rstd1;    // (B,T,C), (B,T), (B,T); mean1 unused for RMSNorm
-  Tensor qkv;                    // (B,T,(H+2KV)hd), after RoPE
+  Tensor qkv;                    // (B,T,(H+2KV)hd), after RoPE; not for MLA
+  // MLA (nn/mla.h) in place of qkv: the query latent and its norm (d_q > 0), the queries after
+  // RoPE, the KV latent and its norm, the decoupled RoPE key, the per-head [k_n | v].
+  Tensor mla_qa, mla_qa_norm, mla_qa_rstd;  // (B,T,d_q), (B,T,d_q), (B,T)
+  Tensor mla_q;                             // (B,T,H (d_n + d_r))
+  Tensor mla_c, mla_c_norm, mla_c_rstd;     // (B,T,d_c), (B,T,d_c), (B,T)
+  Tensor mla_kr;                            // (B,T,d_r)
+  Tensor mla_kv;                            // (B,T,H (d_n + d_v))
   Tensor probs;                  // (B,H,T,T)
-  Tensor attn;                   // (B,T,H hd)
+  Tensor attn;                   // (B,T,H hd); MLA: (B,T,H d_v)
   Tensor mid;                    // (B,T,C) residual after attention
   Tensor norm2, mean2, rstd2;    // (B,T,C), (B,T), (B,T)
   Tensor fc;                     // (B,T,F or 2F) pre-activation
@@ -105,8 +115,8 @@ struct ContextParallel {
 struct BlockScratch {
   Tensor d_norm;  // (B,T,C)
   Tensor d_tmp;   // (B,T,C)
-  Tensor d_qkv;   // (B,T,(H+2KV)hd)
-  Tensor d_attn;  // (B,T,H hd)
+  Tensor d_qkv;   // (B,T,(H+2KV)hd); MLA: (B,T,w) holding mla_backward's scratch
+  Tensor d_attn;  // (B,T,H hd); MLA: (B,T,H d_v)
   Tensor d_fc;    // (B,T,F or 2F)
   Tensor d_act;   // (B,T,F)
 };
@@ -129,7 +139,8 @@ class DecodeCache {
   // newest position of its sequence in `layer`, and writes the attention of q (n_head x
   // head_dim) over the sequence's visible positions (model.attn_window) to out (n_head x head_dim).
   virtual void attend(int64_t layer, int64_t row, const float* q, const float* k, const float* v, float* out) = 0;
-  // MLA: stores row r's compressed latent (the cache's k_width floats) as the newest position of
+  // MLA: stores row r's compressed latent [c' | k_r] (nn/mla.h: the normed latent and the RoPE
+  // key at the row's position) (the cache's k_width floats) as the newest position of
   // its sequence in `layer` and returns its visible positions' latents, (*count, k_width),
   // dequantized, valid until the next call.
   virtual const float* latent(int64_t layer, int64_t row, const float* latent, int64_t* count) = 0;
@@ -143,10 +154,13 @@ class Block {
   void forward(Backend& backend, BlockSaved& saved, const Tensor& out);
   // One decoding position (T = 1) at position `pos`, in fp32: saved is a T=1 record used as
   // scratch; the new k, v are appended to k_cache, v_cache (B, Tmax, KV*hd); q is (B, H*hd).
+  // MLA: k_cache is (B, Tmax, d_c + d_r) latents, v_cache and q unused (nn/mla.h).
   // One position of each of n independent sequences (saved: an n-row, T = 1 record): row r at
   // position positions[r]. After the norm, the QKV projection and RoPE at each row's position,
   // cache.attend(layer, r, q, k, v, out) stores row r's key and value and writes its attention
   // output over the row's sequence (the caller keeps the caches: infer/). Then as forward().
+  // MLA: cache.latent(layer, r, [c' | k_r], &count) stores the row's latent and returns the
+  // visible ones; the attention is computed from them with W_uk absorbed (nn/mla.h).
   void forward_rows(Backend& backend, BlockSaved& saved, const Tensor& out, const std::vector<int64_t>& positions,
                     DecodeCache& cache, int64_t layer) const;
   void forward_decode(Backend& backend, BlockSaved& saved, const Tensor& out, const Tensor& k_cache,
@@ -214,6 +228,14 @@ class Block {
   MoeStats moe_stats_;
   bool recording_ = true;
   void rope(Backend& backend, const Tensor& qkv, bool backward) const;
+  // MLA's activations as views of a record.
+  static MlaActivations mla_activations(const BlockSaved& s);
+  // MLA decoding (T = 1): the projections at each row's position, the row's [c' | k_r] stored
+  // (k_cache (B, Tmax, d_c + d_r) at pos; cache.latent) and its attention over the visible
+  // latents into saved.attn.
+  void mla_decode(Backend& backend, BlockSaved& s, const Tensor& k_cache, int64_t pos) const;
+  void mla_rows(Backend& backend, BlockSaved& s, const std::vector<int64_t>& positions, DecodeCache& cache,
+                int64_t layer) const;
   void attention_forward(Backend& backend, BlockSaved& s) const;
   void attention_backward(Backend& backend, const BlockSaved& s, BlockScratch& k) const;
   // The whole sequence of a shard (B, T/t, C), gathered into seq_->full as (B, T, C).

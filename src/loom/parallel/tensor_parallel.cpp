@@ -41,6 +41,8 @@ void copy_whole(const Tensor& g, const Tensor& l, bool to_local) {
 
 ModelConfig tp_local_config(const ModelConfig& global, int tp) {
   LOOM_CHECK(tp >= 1, "parallel.tp must be >= 1, got ", tp);
+  LOOM_CHECK(tp == 1 || !global.mla(), "model.mla_kv_rank > 0 (MLA) is not supported with tensor parallelism "
+             "(parallel.tp = ", tp, ")");
   LOOM_CHECK(global.n_head % tp == 0 && global.n_kv_head % tp == 0, "parallel.tp = ", tp, " must divide model.n_head (",
              global.n_head, ") and model.n_kv_head (", global.n_kv_head, "): attention is split by heads");
   LOOM_CHECK(global.d_ff % tp == 0, "parallel.tp = ", tp, " must divide model.d_ff (", global.d_ff, ")");

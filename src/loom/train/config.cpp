@@ -42,6 +42,11 @@ std::vector<Binding> bindings(LoomConfig& c) {
       {"model.rope_theta", &c.model.rope_theta},
       {"model.init_std", &c.model.init_std},
       {"model.attn_window", &c.model.attn_window},
+      {"model.mla_kv_rank", &c.model.mla_kv_rank},
+      {"model.mla_rope_dim", &c.model.mla_rope_dim},
+      {"model.mla_nope_dim", &c.model.mla_nope_dim},
+      {"model.mla_v_dim", &c.model.mla_v_dim},
+      {"model.mla_q_rank", &c.model.mla_q_rank},
       {"model.moe_experts", &c.model.moe_experts},
       {"model.moe_top_k", &c.model.moe_top_k},
       {"model.moe_d_ff", &c.model.moe_d_ff},
@@ -270,6 +275,16 @@ void LoomConfig::validate() const {
   LOOM_CHECK(model.attn_window == 0 || parallel.cp == 1, "model.attn_window = ", model.attn_window,
              " (sliding-window attention) is not supported with context parallelism (parallel.cp = ", parallel.cp,
              "); set model.attn_window = 0 or parallel.cp = 1");
+  if (model.mla()) {  // MLA (nn/mla.h) runs on whole blocks: no head, sequence or context split
+    LOOM_CHECK(parallel.tp == 1, "model.mla_kv_rank > 0 (MLA) is not supported with tensor parallelism (parallel.tp = ",
+               parallel.tp, ")");
+    LOOM_CHECK(!parallel.sequence_parallel, "model.mla_kv_rank > 0 (MLA) is not supported with "
+               "parallel.sequence_parallel");
+    LOOM_CHECK(parallel.cp == 1, "model.mla_kv_rank > 0 (MLA) is not supported with context parallelism (parallel.cp = ",
+               parallel.cp, ")");
+    LOOM_CHECK(train.recompute == "none", "model.mla_kv_rank > 0 (MLA) is not supported with activation checkpointing "
+               "(train.recompute = ", train.recompute, "); set train.recompute = none");
+  }
   LOOM_CHECK(parallel.ep == 1 || model.moe_experts > 0, "parallel.ep = ", parallel.ep, " needs an MoE model (model.moe_experts > 0)");
   LOOM_CHECK(parallel.ep == 1 || parallel.dp == 0 || parallel.dp % parallel.ep == 0, "parallel.ep = ", parallel.ep,
              " must divide parallel.dp = ", parallel.dp, " (experts are split over data-parallel ranks)");
