@@ -54,9 +54,13 @@ std::vector<int32_t> alone(Transformer& model, const GenerationRequest& r, bool 
   return generate_all(model, {r}, one).front().tokens;
 }
 
+// Also with a sliding window (model.attn_window = 3 < T = 11): each row attends to its last 3
+// positions, as row t of the windowed forward does.
 TEST(EngineTest, RowDecodingMatchesTheFullForward) {
-  for (const char* preset : {"gpt2-tiny", "llama-tiny", "moe-tiny"}) {
-    const ModelConfig config = model_preset(preset);
+  for (const std::string preset : {"gpt2-tiny", "llama-tiny", "moe-tiny", "gpt2-tiny+window", "llama-tiny+window"}) {
+    const bool windowed = preset.find("+window") != std::string::npos;
+    ModelConfig config = model_preset(preset.substr(0, preset.find('+')));
+    if (windowed) config.attn_window = 3;
     auto backend = make_cpu_backend();
     Transformer model(*backend, config);
     model.init_weights(3);

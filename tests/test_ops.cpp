@@ -518,33 +518,6 @@ TEST_F(OpsTest, AttentionWindowOfSeqLenOrMoreEqualsFullAttentionBitwise) {
   EXPECT_NE(run(T - 1), full);
 }
 
-// Decoding the last position with a window reads the last W cached positions: it reproduces
-// row T-1 of the windowed forward.
-TEST_F(OpsTest, AttentionDecodeWindowMatchesWindowedForwardLastRow) {
-  const int64_t B = 2, T = 9, Tmax = 12, H = 6, KV = 2, hd = 8, W = (H + 2 * KV) * hd, KW = KV * hd;
-  Tensor qkv = f32({B, T, W}, 1, 2.0);
-  Tensor k_cache = zeros({B, Tmax, KW}, DTYPE_F32), v_cache = zeros({B, Tmax, KW}, DTYPE_F32);
-  Tensor q = empty({B, H * hd}, DTYPE_F32), out = empty({B, H * hd}, DTYPE_F32);
-  for (int64_t b = 0; b < B; ++b) {
-    for (int64_t t = 0; t < T; ++t) {
-      backend->copy(qkv.view((b * T + t) * W + H * hd, {KW}), k_cache.view((b * Tmax + t) * KW, {KW}));
-      backend->copy(qkv.view((b * T + t) * W + (H + KV) * hd, {KW}), v_cache.view((b * Tmax + t) * KW, {KW}));
-    }
-    backend->copy(qkv.view((b * T + T - 1) * W, {H * hd}), q.view(b * H * hd, {H * hd}));
-  }
-  for (int64_t window : {int64_t{1}, int64_t{3}, T - 1, T}) {
-    Tensor full_out = empty({B, T, H * hd}, DTYPE_F32), probs = empty({B, H, T, T}, DTYPE_F32);
-    backend->attention_forward(qkv, full_out, probs, H, KV, window);
-    backend->attention_decode(q, k_cache, v_cache, T, out, H, KV, window);
-    std::vector<double> expected;
-    for (int64_t b = 0; b < B; ++b) {
-      const auto row = values(full_out.view((b * T + T - 1) * H * hd, {H * hd}));
-      expected.insert(expected.end(), row.begin(), row.end());
-    }
-    EXPECT_LT(max_rel_error(values(out), expected), 2e-6) << "window " << window;
-  }
-}
-
 TEST_F(OpsTest, AttentionRejectsNegativeWindow) {
   const int64_t B = 1, T = 4, H = 2, KV = 2, hd = 4;
   Tensor qkv = f32({B, T, (H + 2 * KV) * hd}, 1), out = empty({B, T, H * hd}, DTYPE_F32);

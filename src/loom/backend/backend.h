@@ -99,12 +99,6 @@ class Backend {
   virtual void attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out, const Tensor& probs,
                                   const Tensor& dqkv, int64_t n_head, int64_t n_kv_head, int64_t window) = 0;
 
-  // One decoding step with a KV cache: the query of the newest position attends to cached
-  // positions [0, length), or with window W > 0 to the last W of them, [max(0, length - W), length).
-  // q (B, H*hd); k_cache, v_cache (B, Tmax, KV*hd); out (B, H*hd).
-  virtual void attention_decode(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, int64_t length,
-                                const Tensor& out, int64_t n_head, int64_t n_kv_head, int64_t window) = 0;
-
   // Fused softmax + cross-entropy. logits (N,V), targets (N) i32. losses[n] = lse[n] - logits[n, t_n];
   // lse (N) saved; probabilities are never stored.
   virtual void cross_entropy_forward(const Tensor& logits, const Tensor& targets, const Tensor& losses,

@@ -382,25 +382,6 @@ Tensor Transformer::stage_grad(int64_t batch, int64_t seq_len) const {
   return d_residual_.view(0, {batch, seq_len / shards(), config_.d_model});
 }
 
-DecodeState Transformer::allocate_decode_state(int64_t batch) {
-  DecodeState d;
-  Allocator& alloc = backend_.allocator();
-  const int64_t kv_width = config_.n_kv_head * config_.head_dim();
-  for (int64_t l = 0; l < config_.n_layer; ++l) {
-    if (config_.mla()) {  // MLA: one [c' | k_r] row per position (kv_cache_width), no V cache
-      d.k_cache.push_back(Tensor::empty(alloc, {batch, config_.max_seq_len, kv_cache_width(config_)}, DTYPE_F32,
-                                        MEM_KV_CACHE));
-      d.v_cache.emplace_back();
-      continue;
-    }
-    d.k_cache.push_back(Tensor::empty(alloc, {batch, config_.max_seq_len, kv_width}, DTYPE_F32, MEM_KV_CACHE));
-    d.v_cache.push_back(Tensor::empty(alloc, {batch, config_.max_seq_len, kv_width}, DTYPE_F32, MEM_KV_CACHE));
-  }
-  d.step = allocate_store_for(batch, 1, 0, config_.n_layer, false, false, false);  // never context parallel, no recompute
-  d.q = Tensor::empty(alloc, {batch, config_.n_head * config_.head_dim()}, DTYPE_F32, MEM_ACTIVATIONS);
-  return d;
-}
-
 ActivationStore Transformer::allocate_rows(int64_t n) {
   return allocate_store_for(n, 1, 0, config_.n_layer, false, false, false);  // never context parallel, no recompute
 }
@@ -496,29 +477,6 @@ std::vector<std::pair<int64_t, int64_t>> Transformer::sequence_partial_ranges() 
   }
   for (const Tensor& t : {d_final_w, d_final_b, d_pos_w}) add(t);
   return out;
-}
-
-void Transformer::forward_decode(DecodeState& d, const std::vector<int32_t>& tokens) {
-  LOOM_CHECK(tp_ == nullptr, "incremental decoding of a tensor-parallel slice is not supported: gather the model first");
-  ActivationStore& s = d.step;
-  const int64_t pos = d.length;
-  LOOM_CHECK(static_cast<int64_t>(tokens.size()) == s.batch, "forward_decode: ", tokens.size(), " tokens for batch ",
-             s.batch);
-  LOOM_CHECK(pos < config_.max_seq_len, "forward_decode: position ", pos, " reaches model.max_seq_len = ",
-             config_.max_seq_len);
-  std::copy(tokens.begin(), tokens.end(), s.tokens.data<int32_t>());
-  const int64_t C = config_.d_model;
-  const Tensor positions = pos_w.defined() ? pos_w.view(pos * C, {config_.max_seq_len - pos, C}) : Tensor();
-  backend_.embedding_forward(s.tokens, embed_w, positions.defined() ? &positions : nullptr, s.blocks[0].input);
-  for (size_t l = 0; l < blocks_.size(); ++l) {
-    const Tensor& out = l + 1 < blocks_.size() ? s.blocks[l + 1].input : s.final_input;
-    blocks_[l].forward_decode(backend_, s.blocks[l], out, d.k_cache[l], d.v_cache[l], d.q, pos);
-  }
-  norm_forward(backend_, config_, s.final_input, final_w, final_b, s.final_norm, s.final_mean, s.final_rstd);
-  GemmSpec head;
-  head.trans_b = true;
-  backend_.gemm(s.final_norm, head_w, s.logits, head);
-  d.length = pos + 1;
 }
 
 void Transformer::backward(ActivationStore& s, float loss_weight, const std::function<void(int64_t)>& ready) {

@@ -40,14 +40,6 @@ struct ActivationStore {
   Tensor losses, lse;                   // (B,T)
 };
 
-// Incremental decoding: per-layer KV caches and the activations of one position.
-struct DecodeState {
-  int64_t length = 0;             // positions already in the caches
-  std::vector<Tensor> k_cache;    // [layer] (B, Tmax, KV*hd), MEM_KV_CACHE; MLA: (B, Tmax, d_c + d_r)
-  std::vector<Tensor> v_cache;    // [layer] (B, Tmax, KV*hd), MEM_KV_CACHE; MLA: undefined
-  ActivationStore step;           // T = 1; step.logits (B,1,V) after forward_decode
-  Tensor q;                       // (B, H*hd) scratch
-};
 
 // Told which parameters a forward or backward is about to read, for sharded parameters
 // (ZeRO-3 gathers a unit before use and frees it after). Unit 0 is the embeddings, the final
@@ -80,7 +72,6 @@ class Transformer {
   // Runs the model on store.tokens. With compute_loss, also the loss against store.targets;
   // returns the mean loss (0 otherwise).
   double forward(ActivationStore& store, bool compute_loss = true);
-  DecodeState allocate_decode_state(int64_t batch);
   // Decoding n independent sequences (infer/engine.h keeps their KV caches): allocate_rows(n)
   // is an n-row, one-position store; forward_rows feeds tokens[r] at positions[r] through every
   // layer, `cache` storing each row's keys and values and doing its attention
@@ -88,9 +79,6 @@ class Transformer {
   ActivationStore allocate_rows(int64_t n);
   void forward_rows(ActivationStore& store, const std::vector<int32_t>& tokens, const std::vector<int64_t>& positions,
                     DecodeCache& cache);
-  // Feeds tokens (B values, one per sequence) at position state.length and advances it;
-  // the next-token logits are in state.step.logits. Same math as forward(), one position.
-  void forward_decode(DecodeState& state, const std::vector<int32_t>& tokens);
   // Accumulates into grads() the gradient of loss_weight * (mean loss of the last forward).
   // `ready`, if given, is told as backward proceeds that every gradient at flat offset >= its
   // argument is final (after the head and final norm, after each block, then 0): data
@@ -146,7 +134,7 @@ class Transformer {
   // (B, T, C) for a store of (batch, seq_len) (store.batch, store.seq_len): the positions this
   // rank holds of the residual stream (1/tp of seq_len under sequence parallel).
   Tensor stage_grad(int64_t batch, int64_t seq_len) const;
-  // Parameter use hooks of forward() and backward() (not of forward_decode); empty: none.
+  // Parameter use hooks of forward() and backward() (not of forward_rows); empty: none.
   void set_param_use_hooks(ParamUseHooks hooks) { hooks_ = std::move(hooks); }
   // The flat ranges [begin, end) of each unit the hooks name: [unit] -> ranges.
   const std::vector<std::vector<std::pair<int64_t, int64_t>>>& param_units() const { return units_; }

@@ -361,41 +361,6 @@ void Block::forward(Backend& backend, BlockSaved& s, const Tensor& out) {
   }
 }
 
-void Block::forward_decode(Backend& backend, BlockSaved& s, const Tensor& out, const Tensor& k_cache,
-                           const Tensor& v_cache, const Tensor& q, int64_t pos) const {
-  LOOM_CHECK(tp_ == nullptr, "decoding a tensor-parallel block slice is not supported");
-  const BlockParams& p = params_;
-  const int64_t B = s.input.dim(0), H = config_.n_head, hd = config_.head_dim();
-  const int64_t W = config_.qkv_width(), KW = config_.n_kv_head * hd, max_len = k_cache.dim(1);
-  norm_forward(backend, config_, s.input, p.norm1_w, p.norm1_b, s.norm1, s.mean1, s.rstd1);
-  if (config_.mla()) {
-    mla_decode(backend, s, k_cache, pos);
-  } else {
-    linear_forward(backend, s.norm1, p.qkv_w, p.qkv_b, s.qkv);
-    if (!config_.learned_positions()) backend.rope_forward(s.qkv, hd, H + config_.n_kv_head, config_.rope_theta, pos);
-    for (int64_t b = 0; b < B; ++b) {
-      backend.copy(s.qkv.view(b * W, {H * hd}), q.view(b * H * hd, {H * hd}));
-      backend.copy(s.qkv.view(b * W + H * hd, {KW}), k_cache.view((b * max_len + pos) * KW, {KW}));
-      backend.copy(s.qkv.view(b * W + H * hd + KW, {KW}), v_cache.view((b * max_len + pos) * KW, {KW}));
-    }
-    backend.attention_decode(q, k_cache, v_cache, pos + 1, s.attn, H, config_.n_kv_head, config_.attn_window);
-  }
-  backend.copy(s.input, s.mid);
-  linear_forward(backend, s.attn, p.proj_w, p.proj_b, s.mid, 1.0f);
-  norm_forward(backend, config_, s.mid, p.norm2_w, p.norm2_b, s.norm2, s.mean2, s.rstd2);
-  if (is_moe()) {  // one position per sequence: B tokens routed (statistics are not recorded)
-    backend.copy(s.mid, out);
-    const int64_t C = config_.d_model;
-    moe_forward(backend, config_, p.moe, s.norm2.view(0, {B, C}), s.moe, *moe_scratch_, out.view(0, {B, C}), 1);
-    return;
-  }
-  linear_forward(backend, s.norm2, p.fc_w, p.fc_b, s.fc);
-  if (config_.swiglu()) backend.swiglu_forward(s.fc, s.act);
-  else backend.gelu_forward(s.fc, s.act);
-  backend.copy(s.mid, out);
-  linear_forward(backend, s.act, p.fc2_w, p.fc2_b, out, 1.0f);
-}
-
 void Block::forward_rows(Backend& backend, BlockSaved& s, const Tensor& out, const std::vector<int64_t>& positions,
                          DecodeCache& cache, int64_t layer) const {
   LOOM_CHECK(tp_ == nullptr, "decoding a tensor-parallel block slice is not supported");
@@ -432,24 +397,6 @@ void Block::forward_rows(Backend& backend, BlockSaved& s, const Tensor& out, con
   linear_forward(backend, s.act, p.fc2_w, p.fc2_b, out, 1.0f);
 }
 
-void Block::mla_decode(Backend& backend, BlockSaved& s, const Tensor& k_cache, int64_t pos) const {
-  const int64_t B = s.input.dim(0), LW = config_.mla_kv_rank + config_.mla_rope_dim, max_len = k_cache.dim(1);
-  const int64_t first = config_.attn_window > 0 ? std::max<int64_t>(0, pos - config_.attn_window + 1) : 0;
-  MlaActivations a = mla_activations(s);
-  a.kv = Tensor{};  // the up-projection is absorbed into the query
-  const std::vector<int64_t> positions(static_cast<size_t>(B), pos);
-  mla_project(backend, config_, params_.mla, s.norm1, a, positions.data());
-  const int64_t qw = config_.n_head * config_.mla_qk(), dc = config_.mla_kv_rank, dr = config_.mla_rope_dim;
-  float* cache = k_cache.data<float>();
-  for (int64_t b = 0; b < B; ++b) {
-    float* row = cache + (b * max_len + pos) * LW;  // [c' | k_r] of position pos
-    std::copy_n(a.c_norm.data<float>() + b * dc, dc, row);
-    std::copy_n(a.kr.data<float>() + b * dr, dr, row + dc);
-    mla_attend_latents(config_, params_.mla, a.q.data<float>() + b * qw, cache + (b * max_len + first) * LW,
-                       pos + 1 - first, a.attn.data<float>() + b * config_.attn_width());
-  }
-}
-
 void Block::mla_rows(Backend& backend, BlockSaved& s, const std::vector<int64_t>& positions, DecodeCache& cache,
                      int64_t layer) const {
   const int64_t n = s.input.dim(0), dc = config_.mla_kv_rank, dr = config_.mla_rope_dim;
@@ -463,7 +410,9 @@ void Block::mla_rows(Backend& backend, BlockSaved& s, const std::vector<int64_t>
     std::copy_n(a.kr.data<float>() + r * dr, dr, latent.data() + dc);
     int64_t count = 0;
     const float* latents = cache.latent(layer, r, latent.data(), &count);
-    mla_attend_latents(config_, params_.mla, a.q.data<float>() + r * qw, latents, count,
+    // A sliding window attends to the newest attn_window positions only.
+    const int64_t first = config_.attn_window > 0 ? std::max<int64_t>(0, count - config_.attn_window) : 0;
+    mla_attend_latents(config_, params_.mla, a.q.data<float>() + r * qw, latents + first * (dc + dr), count - first,
                        a.attn.data<float>() + r * config_.attn_width());
   }
 }

@@ -141,8 +141,8 @@ class DecodeCache {
   virtual void attend(int64_t layer, int64_t row, const float* q, const float* k, const float* v, float* out) = 0;
   // MLA: stores row r's compressed latent [c' | k_r] (nn/mla.h: the normed latent and the RoPE
   // key at the row's position) (the cache's k_width floats) as the newest position of
-  // its sequence in `layer` and returns its visible positions' latents, (*count, k_width),
-  // dequantized, valid until the next call.
+  // its sequence in `layer` and returns every position's latent of the sequence, (*count,
+  // k_width), dequantized, valid until the next call (the block applies model.attn_window).
   virtual const float* latent(int64_t layer, int64_t row, const float* latent, int64_t* count) = 0;
 };
 
@@ -152,9 +152,6 @@ class Block {
 
   // saved.input must hold the block input; writes out (B,T,C) and the rest of `saved`.
   void forward(Backend& backend, BlockSaved& saved, const Tensor& out);
-  // One decoding position (T = 1) at position `pos`, in fp32: saved is a T=1 record used as
-  // scratch; the new k, v are appended to k_cache, v_cache (B, Tmax, KV*hd); q is (B, H*hd).
-  // MLA: k_cache is (B, Tmax, d_c + d_r) latents, v_cache and q unused (nn/mla.h).
   // One position of each of n independent sequences (saved: an n-row, T = 1 record): row r at
   // position positions[r]. After the norm, the QKV projection and RoPE at each row's position,
   // cache.attend(layer, r, q, k, v, out) stores row r's key and value and writes its attention
@@ -163,8 +160,6 @@ class Block {
   // visible ones; the attention is computed from them with W_uk absorbed (nn/mla.h).
   void forward_rows(Backend& backend, BlockSaved& saved, const Tensor& out, const std::vector<int64_t>& positions,
                     DecodeCache& cache, int64_t layer) const;
-  void forward_decode(Backend& backend, BlockSaved& saved, const Tensor& out, const Tensor& k_cache,
-                      const Tensor& v_cache, const Tensor& q, int64_t pos) const;
   // d_residual (B,T,C): gradient w.r.t. the block output on entry, w.r.t. its input on exit.
   // Parameter gradients accumulate.
   void backward(Backend& backend, const BlockSaved& saved, const Tensor& d_residual, BlockScratch& scratch,
@@ -231,9 +226,7 @@ class Block {
   // MLA's activations as views of a record.
   static MlaActivations mla_activations(const BlockSaved& s);
   // MLA decoding (T = 1): the projections at each row's position, the row's [c' | k_r] stored
-  // (k_cache (B, Tmax, d_c + d_r) at pos; cache.latent) and its attention over the visible
-  // latents into saved.attn.
-  void mla_decode(Backend& backend, BlockSaved& s, const Tensor& k_cache, int64_t pos) const;
+  // (cache.latent) and its attention over the visible latents (the window's) into saved.attn.
   void mla_rows(Backend& backend, BlockSaved& s, const std::vector<int64_t>& positions, DecodeCache& cache,
                 int64_t layer) const;
   void attention_forward(Backend& backend, BlockSaved& s) const;

@@ -308,26 +308,6 @@ class CpuBackend final : public Backend {
     });
   }
 
-  void attention_decode(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, int64_t length,
-                        const Tensor& out, int64_t n_head, int64_t n_kv_head, int64_t window) override {
-    const char* op = "attention_decode";
-    LOOM_CHECK(n_head > 0 && n_kv_head > 0 && n_head % n_kv_head == 0, op, ": n_head ", n_head,
-               " must be a multiple of n_kv_head ", n_kv_head);
-    LOOM_CHECK(window >= 0, op, ": window must be >= 0, got ", window);
-    LOOM_CHECK(k_cache.ndim() == 3, op, ": k_cache must be (B, Tmax, KV hd), got ", k_cache.describe());
-    const int64_t batch = k_cache.dim(0), max_len = k_cache.dim(1), head_dim = k_cache.dim(2) / n_kv_head;
-    LOOM_CHECK(length >= 1 && length <= max_len, op, ": length ", length, " outside [1, ", max_len, "]");
-    check_elementwise(op, k_cache, {&v_cache});
-    expect_dtype(q, k_cache.dtype(), op, "q");
-    expect_numel(q, batch * n_head * head_dim, op, "q (B, H hd)");
-    check_elementwise(op, q, {&out});
-    const Tensor scratch = workspace(batch * n_head * length, q.dtype());
-    dispatch_float(q.dtype(), op, [&]<typename T>() {
-      cpu::attention_decode(q.data<T>(), k_cache.data<T>(), v_cache.data<T>(), out.data<T>(), scratch.data<T>(), batch,
-                            max_len, length, n_head, n_kv_head, head_dim, window);
-    });
-  }
-
   void cross_entropy_forward(const Tensor& logits, const Tensor& targets, const Tensor& losses,
                              const Tensor& lse) override {
     const char* op = "cross_entropy_forward";

@@ -451,46 +451,6 @@ void attention_backward_window(const T* dout, const T* qkv, const T* out, const 
   }
 }
 
-// Decode attention for one query per sequence: s_j = q . k_j * scale over j in [lo, length),
-// lo = 0, or max(0, length - window) for a sliding window (the last W positions, Mistral 7B);
-// p = softmax(s), out = sum_j p_j v_j; head h reads kv head h / (H/KV). scratch: B*H*length.
-template <typename T>
-void attention_decode(const T* q, const T* k_cache, const T* v_cache, T* out, T* scratch, int64_t batch,
-                      int64_t max_len, int64_t length, int64_t n_head, int64_t n_kv_head, int64_t head_dim,
-                      int64_t window) {
-  const int64_t group = n_head / n_kv_head, KW = n_kv_head * head_dim;
-  const int64_t lo = window > 0 ? std::max<int64_t>(0, length - window) : 0;
-  const T scale = T(1) / std::sqrt(static_cast<T>(head_dim));
-#pragma omp parallel for collapse(2) schedule(static)
-  for (int64_t b = 0; b < batch; ++b) {
-    for (int64_t h = 0; h < n_head; ++h) {
-      const T* qh = q + (b * n_head + h) * head_dim;
-      const int64_t g = h / group;
-      T* s = scratch + (b * n_head + h) * length;
-      T max_s = -INFINITY;
-      for (int64_t j = lo; j < length; ++j) {
-        const T* k = k_cache + (b * max_len + j) * KW + g * head_dim;
-        T dot = 0;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * k[d];
-        s[j] = dot * scale;
-        max_s = std::max(max_s, s[j]);
-      }
-      T sum = 0;
-      for (int64_t j = lo; j < length; ++j) sum += (s[j] = exp_t<T>(s[j] - max_s));
-      T* o = out + (b * n_head + h) * head_dim;
-      std::fill(o, o + head_dim, T(0));
-      for (int64_t j = lo; j < length; ++j) {
-        const T* v = v_cache + (b * max_len + j) * KW + g * head_dim;
-        const T p = s[j] / sum;
-#pragma omp simd
-        for (int64_t d = 0; d < head_dim; ++d) o[d] += p * v[d];
-      }
-    }
-  }
-}
-
-// loss_n = lse_n - x[n, t_n], lse_n = max + log(sum_v exp(x[n,v] - max)).
 template <typename T>
 void cross_entropy_forward(const T* logits, const int32_t* targets, T* losses, T* lse, int64_t rows,
                            int64_t vocab) {
