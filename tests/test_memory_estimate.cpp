@@ -136,6 +136,41 @@ TEST(MemoryEstimateTest, OffloadTrainsAModelWhoseOptimizerStateExceedsTheDeviceB
   EXPECT_EQ(est.bytes[MEM_OFFLOADED], state);
 }
 
+// ZeRO-Offload's master weights: with a bf16 weight copy for the compute, optim.offload also
+// moves the fp32 master weights to host memory (the device keeps the 2-byte copy), as estimated;
+// the losses are bitwise those of the run that keeps them on the device.
+TEST(MemoryEstimateTest, OffloadMovesTheFp32MasterWeightsBesideTheOptimizerState) {
+  const ModelConfig config = model_preset("llama-tiny");
+  std::vector<int32_t> corpus(2048);
+  for (size_t i = 0; i < corpus.size(); ++i) corpus[i] = static_cast<int32_t>(i * 7 % config.vocab_size);
+  const int64_t P = param_count(config);
+  std::vector<double> losses[2];
+  for (const bool offload : {false, true}) {
+    auto backend = make_cpu_backend();
+    Transformer model(*backend, config);
+    model.init_weights(2);
+    TrainConfig tc;
+    tc.batch_size = 2, tc.seq_len = 16, tc.steps = 3;
+    tc.precision.param = "bf16";
+    tc.optim.offload = offload;
+    Trainer trainer(*backend, model, tc);
+    RandomWindowSource data(corpus, 4);
+    for (int s = 0; s < 3; ++s) losses[offload].push_back(trainer.train_step(data).loss);
+    const MemoryTracker& mem = backend->allocator().tracker();
+    const int64_t state = 8 * P;  // AdamW
+    EXPECT_EQ(static_cast<int64_t>(mem.current(MEM_PARAMETERS)), offload ? 2 * P : 6 * P);
+    EXPECT_EQ(static_cast<int64_t>(mem.current(MEM_OFFLOADED)), offload ? 4 * P + state : 0);
+    MemoryPlan plan;
+    plan.model = config, plan.batch = 2, plan.seq_len = 16;
+    plan.precision.param = "bf16";
+    plan.optim.offload = offload;
+    const MemoryEstimate est = estimate_memory(plan);
+    EXPECT_EQ(est.bytes[MEM_PARAMETERS], static_cast<int64_t>(mem.current(MEM_PARAMETERS)));
+    EXPECT_EQ(est.bytes[MEM_OFFLOADED], static_cast<int64_t>(mem.current(MEM_OFFLOADED)));
+  }
+  EXPECT_EQ(losses[1], losses[0]);
+}
+
 // Activation offload: the checkpointed blocks' kept fields move to host memory (the offloaded
 // category), exactly as estimated; the losses are bitwise those of the run that keeps them.
 TEST(MemoryEstimateTest, ActivationOffloadMovesTheCheckpointsToHostMemory) {

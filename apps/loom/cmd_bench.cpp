@@ -21,7 +21,8 @@ namespace {
 const char* kHelp =
     "usage: loom bench generate [--checkpoint PATH | --config FILE --set k=v,...] [--requests N]\n"
     "                           [--prompt-tokens L] [--new-tokens M] [--max-batch B] [--kv FORMAT]\n"
-    "                           [--kv-block K] [--contiguous] [--ppl FORMATS] [--ppl-sequences S]\n"
+    "                           [--kv-block K] [--kv-group G] [--kv-residual R] [--contiguous]\n"
+    "                           [--ppl FORMATS] [--ppl-sequences S]\n"
     "\n"
     "Generates M tokens (greedy) for each of N prompts of L tokens (default 32 x 32 x 64), windows of\n"
     "the dataset's validation split (random tokens without one), twice in one run: one request at a\n"
@@ -29,7 +30,8 @@ const char* kHelp =
     "up to B rows (default 16). Prints tokens/s of both and their ratio, the time to first token\n"
     "(mean, p50, p90), the KV bytes per token (formula, and measured: bytes in use / positions at\n"
     "the peak), the cache's mean utilisation, and whether every request got the same tokens.\n"
-    "FORMAT: fp32 (default), bf16, int8, int4, kivi4, kivi2 (infer/engine.h).\n"
+    "FORMAT: fp32 (default), bf16, int8, int4, kivi4, kivi2 (infer/engine.h); --kv-group and\n"
+    "--kv-residual override the preset's group size and fp32 residual.\n"
     "--ppl fp32,bf16,int8,...: for each format, the teacher-forced loss and perplexity of S\n"
     "(default 16) validation windows of train.seq_len tokens through the cache, and the change\n"
     "against fp32.\n"
@@ -100,6 +102,7 @@ int bench_generate(const Args& args) {
   ec.paged = !args.has("contiguous");
   const std::string kv = args.get("kv", "fp32");
   apply_kv_preset(ec, kv, config.model.head_dim());
+  ec.group = args.get_int("kv-group", ec.group), ec.residual = args.get_int("kv-residual", ec.residual);
   const KvCacheConfig cache_config = engine_cache_config(config.model, ec);
 
   std::printf("%s: %lld parameters; %lld requests of %lld prompt + %lld new tokens (greedy); KV cache %s, %s\n",
@@ -166,6 +169,7 @@ int bench_generate(const Args& args) {
     for (const std::string& f : split_list(args.get("ppl"))) {
       EngineConfig pc = ec;
       apply_kv_preset(pc, f, config.model.head_dim());
+      pc.group = args.get_int("kv-group", pc.group), pc.residual = args.get_int("kv-residual", pc.residual);
       const double loss = teacher_forced_loss(model, seqs, pc);
       if (reference == 0) reference = std::exp(loss);
       std::printf("%-8s %14.1f %10.5f %12.4f %+11.3f%%\n", f.c_str(), kv_bytes_per_token(engine_cache_config(config.model, pc)),
@@ -181,7 +185,7 @@ int bench_main(int argc, char** argv) {
   const std::string what = argv[0];
   LOOM_CHECK(what == "generate", "loom bench: unknown benchmark '", what, "', expected generate");
   const Args args(argc - 1, argv + 1, {"checkpoint", "config", "set", "requests", "prompt-tokens", "new-tokens", "max-batch",
-                                       "kv", "kv-block", "ppl", "ppl-sequences"},
+                                       "kv", "kv-block", "kv-group", "kv-residual", "ppl", "ppl-sequences"},
                   {"contiguous"}, "bench generate");
   return bench_generate(args);
 }

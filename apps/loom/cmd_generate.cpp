@@ -28,12 +28,14 @@ const char* kHelp =
     "end-of-text token or the model's context length. Same seed, same text.\n"
     "\n"
     "       loom generate --checkpoint PATH --prompts FILE [--out FILE] [--max-batch B] [--kv FORMAT]\n"
-    "                     [--kv-block N] [--contiguous] [--tokens N] [sampling options as above]\n"
+    "                     [--kv-block N] [--kv-group G] [--kv-residual R] [--contiguous] [--tokens N]\n"
+    "                     [sampling options as above]\n"
     "\n"
     "Every non-empty line of FILE is a prompt; they run together through the generation engine:\n"
     "continuous batching of up to B rows (default 8), a paged KV cache of N-position blocks\n"
     "(default 16; --contiguous: one max_seq_len region per row) in FORMAT (fp32, bf16, int8, int4,\n"
-    "kivi4, kivi2; default fp32). Prompt i samples with seed S + i, so its text does not depend on\n"
+    "kivi4, kivi2; default fp32; --kv-group: channels per (scale, min) of the per-token formats,\n"
+    "--kv-residual: positions kept fp32). Prompt i samples with seed S + i, so its text does not depend on\n"
     "the others. Writes one JSON line per prompt, in order ({\"id\", \"prompt\", \"text\",\n"
     "\"tokens\", \"finish\", \"ttft_s\", \"total_s\"}) to --out (atomically) or stdout, then a summary.\n";
 }  // namespace
@@ -41,7 +43,7 @@ const char* kHelp =
 int generate_main(int argc, char** argv) {
   if (argc >= 1 && std::strcmp(argv[0], "--help") == 0) return std::fputs(kHelp, stdout), 0;
   const Args args(argc, argv, {"checkpoint", "prompt", "prompt-file", "tokens", "temperature", "top-k", "top-p", "seed",
-                               "prompts", "out", "max-batch", "kv", "kv-block"},
+                               "prompts", "out", "max-batch", "kv", "kv-block", "kv-group", "kv-residual"},
                   {"greedy", "contiguous"}, "generate");
   LOOM_CHECK(args.has("checkpoint"), "loom generate needs --checkpoint PATH");
   const std::string step_dir = resolve_checkpoint(args.get("checkpoint"));
@@ -81,6 +83,7 @@ int generate_main(int argc, char** argv) {
     ec.block_size = args.get_int("kv-block", 16);
     ec.paged = !args.has("contiguous");
     apply_kv_preset(ec, args.get("kv", "fp32"), config.model.head_dim());
+    ec.group = args.get_int("kv-group", ec.group), ec.residual = args.get_int("kv-residual", ec.residual);
     GenerationEngine engine(model, ec);
     const int64_t max_new = args.get_int("tokens", config.sample.max_new_tokens);
     for (size_t i = 0; i < prompts.size(); ++i) {

@@ -98,8 +98,12 @@ int memory_main(int argc, char** argv) {
     for (int c = 0; c < MEM_CATEGORY_COUNT; ++c) measured.bytes[c] = static_cast<int64_t>(mem.peak(static_cast<MemCategory>(c)));
     // Parameters and gradients as resident pages (ZeRO returns the unowned ones to the OS); the
     // bf16 weight copy is allocated apart from the flat fp32 buffer.
-    measured.bytes[MEM_PARAMETERS] = resident_bytes(model.params()) +
-                                     (static_cast<int64_t>(mem.peak(MEM_PARAMETERS)) - 4 * model.params().numel());
+    if (model.params().category() == MEM_PARAMETERS) {
+      measured.bytes[MEM_PARAMETERS] = resident_bytes(model.params()) +
+                                       (static_cast<int64_t>(mem.peak(MEM_PARAMETERS)) - 4 * model.params().numel());
+    } else {  // the fp32 master weights offloaded: the device holds the bf16 copy
+      measured.bytes[MEM_PARAMETERS] = static_cast<int64_t>(mem.current(MEM_PARAMETERS));
+    }
     measured.bytes[MEM_GRADIENTS] = resident_bytes(model.grads());
   }
   if (!lead) return 0;

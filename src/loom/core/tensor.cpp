@@ -48,6 +48,14 @@ Storage::~Storage() {
   allocator->raw_release(data, bytes);
 }
 
+void Tensor::move_to_category(MemCategory category) const {
+  LOOM_CHECK(defined(), "move_to_category of an undefined tensor");
+  if (storage_->category == category) return;
+  storage_->allocator->tracker().on_release(storage_->category, storage_->bytes);
+  storage_->allocator->tracker().on_allocate(category, storage_->bytes);
+  storage_->category = category;
+}
+
 Tensor Tensor::empty(Allocator& allocator, Shape shape, DType dtype, MemCategory category) {
   for (int64_t d : shape) LOOM_CHECK(d >= 0, "tensor shape ", shape_str(shape), " has a negative dim");
   Tensor t;

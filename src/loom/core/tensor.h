@@ -92,6 +92,10 @@ class Tensor {
   // Rows [begin, end) of the outermost dim.
   Tensor slice0(int64_t begin, int64_t end) const;
   void zero_() const;
+  // Accounts the whole storage under `category` from now on (the tracker's bytes move): a buffer
+  // offloaded to host memory. On the CPU backend host and device memory are the same RAM, so
+  // only the accounting moves; a device backend copies it out instead.
+  void move_to_category(MemCategory category) const;
 
  private:
   void check_dtype(DType expected) const;

@@ -130,6 +130,10 @@ MemoryEstimate estimate_rank(const MemoryPlan& plan, const ModelConfig& c, const
   const ShardRange shard = sharded ? shard_range(D, 0, Z) : ShardRange{0, D, D};
   const int64_t S = shard.end - shard.begin;
   e.bytes[MEM_PARAMETERS] = 4 * (plan.zero_stage == 3 && sharded ? S : D) + (param_bf16(plan.precision) ? 2 * D : 0);
+  if (plan.optim.offload && param_bf16(plan.precision)) {  // the fp32 master weights in host memory
+    e.bytes[MEM_PARAMETERS] -= 4 * (plan.zero_stage == 3 && sharded ? S : D);
+    e.bytes[MEM_OFFLOADED] += 4 * (plan.zero_stage == 3 && sharded ? S : D);
+  }
   e.bytes[MEM_GRADIENTS] = 4 * (plan.zero_stage >= 2 && sharded ? S : D);
   // The optimizer's own list over the rank's elements (Trainer's rank_params).
   const OptimConfig resolved = plan.optim.resolved();
@@ -141,7 +145,7 @@ MemoryEstimate estimate_rank(const MemoryPlan& plan, const ModelConfig& c, const
       for (OptimParam& p : shard_optim_params(all, piece.begin, piece.end)) mine.push_back(std::move(p));
     }
   }
-  e.bytes[plan.optim.offload ? MEM_OFFLOADED : MEM_OPTIMIZER_STATE] = optimizer_state_bytes(mine, resolved);
+  e.bytes[plan.optim.offload ? MEM_OFFLOADED : MEM_OPTIMIZER_STATE] += optimizer_state_bytes(mine, resolved);
   e.bytes[MEM_ACTIVATIONS] = rank_activation_bytes(plan, c, st, pp_rank);
   if (plan.offload_activations && plan.recompute != "budget") {  // the checkpointed blocks' kept fields
     const std::vector<RecomputePolicy> policies = recompute_plan(plan.recompute, c.n_layer);

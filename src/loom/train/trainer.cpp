@@ -128,6 +128,9 @@ Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config, Commu
   schedule_.total = config_.steps;
   domain_ = update_domain(model_, pipeline_);
   model_.set_precision(resolve_policy(config_.precision));
+  // ZeRO-Offload (Ren et al. 2021): with a 16-bit weight copy for the compute, the fp32 master
+  // weights live in host memory beside the optimizer state; the device keeps the copy.
+  if (config_.optim.offload && model_.precision().param_bf16) model_.params().move_to_category(MEM_OFFLOADED);
   if (comm != nullptr && comm->size() > 1) {
     LOOM_CHECK(!optimizer_->keeps_gradients(), "data parallelism is not supported with optim.name = ", optimizer_->name(),
                " (its error feedback lives in the gradient buffer, which the all-reduce would average)");
