@@ -17,6 +17,13 @@
 namespace loom {
 namespace {
 
+// The offload tests' tokens: 2048 of i * 7 mod vocab.
+std::vector<int32_t> cyclic_corpus(int64_t vocab) {
+  std::vector<int32_t> corpus(2048);
+  for (size_t i = 0; i < corpus.size(); ++i) corpus[i] = static_cast<int32_t>(static_cast<int64_t>(i) * 7 % vocab);
+  return corpus;
+}
+
 // Rajbhandari et al. 2020, Figure 1: 7.5B parameters, 64 ranks, mixed-precision Adam (K = 12).
 TEST(MemoryEstimateTest, ReproducesTheZeroPapersWorkedExample) {
   const auto z = zero_model_state_bytes(7.5e9, 64, 2, 2, 12);
@@ -101,8 +108,7 @@ TEST(MemoryEstimateTest, LlamaThreeConfigsAtRealSize) {
 // losses of a run without a budget; the estimate moves the state to the offloaded category.
 TEST(MemoryEstimateTest, OffloadTrainsAModelWhoseOptimizerStateExceedsTheDeviceBudget) {
   const ModelConfig config = model_preset("gpt2-tiny");
-  std::vector<int32_t> corpus(2048);
-  for (size_t i = 0; i < corpus.size(); ++i) corpus[i] = static_cast<int32_t>(i * 7 % config.vocab_size);
+  const std::vector<int32_t> corpus = cyclic_corpus(config.vocab_size);
   auto train = [&](double budget_mb, bool offload, std::vector<double>* losses, int64_t* device) {
     auto backend = make_cpu_backend();
     Transformer model(*backend, config);
@@ -141,8 +147,7 @@ TEST(MemoryEstimateTest, OffloadTrainsAModelWhoseOptimizerStateExceedsTheDeviceB
 // the losses are bitwise those of the run that keeps them on the device.
 TEST(MemoryEstimateTest, OffloadMovesTheFp32MasterWeightsBesideTheOptimizerState) {
   const ModelConfig config = model_preset("llama-tiny");
-  std::vector<int32_t> corpus(2048);
-  for (size_t i = 0; i < corpus.size(); ++i) corpus[i] = static_cast<int32_t>(i * 7 % config.vocab_size);
+  const std::vector<int32_t> corpus = cyclic_corpus(config.vocab_size);
   const int64_t P = param_count(config);
   std::vector<double> losses[2];
   for (const bool offload : {false, true}) {
@@ -176,8 +181,7 @@ TEST(MemoryEstimateTest, OffloadMovesTheFp32MasterWeightsBesideTheOptimizerState
 TEST(MemoryEstimateTest, ActivationOffloadMovesTheCheckpointsToHostMemory) {
   for (const char* preset : {"gpt2-tiny", "llama-tiny"}) {
     const ModelConfig config = model_preset(preset);
-    std::vector<int32_t> corpus(2048);
-    for (size_t i = 0; i < corpus.size(); ++i) corpus[i] = static_cast<int32_t>(i * 7 % config.vocab_size);
+    const std::vector<int32_t> corpus = cyclic_corpus(config.vocab_size);
     for (const char* policy : {"full", "selective", "every:2"}) {
       std::vector<double> losses[2];
       int64_t activations[2] = {0, 0}, offloaded[2] = {0, 0};

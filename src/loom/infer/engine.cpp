@@ -127,7 +127,6 @@ int64_t GenerationEngine::submit(GenerationRequest request) {
   for (int64_t k = 0; k < request.n; ++k) {
     results_.emplace_back();
     submitted_.push_back(std::chrono::steady_clock::now());
-    done_.push_back(false);
   }
   waiting_.emplace_back(id, std::move(request));
   return id;
@@ -243,7 +242,6 @@ void GenerationEngine::retire() {
     cache_->release(a.seq);
     reserved_blocks_ -= a.blocks;
     results_[static_cast<size_t>(a.id)] = std::move(a.result);
-    done_[static_cast<size_t>(a.id)] = true;
     active_.erase(active_.begin() + static_cast<std::ptrdiff_t>(i));
   }
 }

@@ -146,7 +146,6 @@ class GenerationEngine {
   std::vector<std::unique_ptr<Active>> active_;
   std::vector<GenerationResult> results_;      // [id]
   std::vector<std::chrono::steady_clock::time_point> submitted_;  // [id]
-  std::vector<bool> done_;                     // [id]
   int64_t reserved_blocks_ = 0;                // by the active requests
   EngineStats stats_;
   std::function<void(int64_t, int32_t)> on_token_;

@@ -70,8 +70,11 @@ int64_t store_bytes(const MemoryPlan& plan, const ModelConfig& c, int64_t first,
   const int64_t B = plan.batch, T = cp ? plan.seq_len / plan.cp : plan.seq_len, C = c.d_model, BT = B * T;
   const int64_t shards = plan.sequence_parallel ? plan.tp : 1, Ts = T / shards;
   int64_t bytes = 4 * 2 * BT;  // tokens and targets (i32)
-  if (plan.recompute == "budget") return bytes + static_cast<int64_t>(plan.recompute_budget_mb * (1 << 20)) +
-                                          4 * (2 * BT * C + (c.rmsnorm() ? 1 : 2) * BT + BT * c.vocab_size + 2 * BT);
+  // The model's ends (last stage): the last block's output, the final norm (its shard under
+  // sequence parallel, its statistics), the logits, the per-position losses and log-sum-exps.
+  const int64_t ends = 4 * (B * Ts * C + BT * C + (shards > 1 ? B * Ts * C : 0) + (c.rmsnorm() ? 1 : 2) * B * Ts +
+                            BT * c.vocab_size + 2 * BT);
+  if (plan.recompute == "budget") return bytes + static_cast<int64_t>(plan.recompute_budget_mb * (1 << 20)) + ends;
   const std::vector<RecomputePolicy> policies = recompute_plan(plan.recompute, c.n_layer);
   const int64_t flash_saving = 4 * B * c.n_head * (T * T - T);  // probabilities -> log-sum-exp
   bool shared = false;
@@ -89,11 +92,7 @@ int64_t store_bytes(const MemoryPlan& plan, const ModelConfig& c, int64_t first,
     bytes += block_saved_bytes(c, B, T) + 4 * BT * std::max(C, c.n_head * c.head_dim()) -
              (plan.flash_attention ? flash_saving : 0);
   }
-  if (last < c.n_layer) return bytes + 4 * B * Ts * C;  // the stage's output
-  // The model's ends: the last block's output, the final norm (its shard under sequence
-  // parallel, its statistics), the logits, the per-position losses and log-sum-exps.
-  return bytes + 4 * (B * Ts * C + BT * C + (shards > 1 ? B * Ts * C : 0) + (c.rmsnorm() ? 1 : 2) * B * Ts +
-                      BT * c.vocab_size + 2 * BT);
+  return bytes + (last < c.n_layer ? 4 * B * Ts * C : ends);  // the stage's output, or the model's ends
 }
 
 int64_t rank_activation_bytes(const MemoryPlan& plan, const ModelConfig& c, const Stages& st, int pp_rank) {
