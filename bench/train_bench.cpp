@@ -27,6 +27,9 @@ struct Args {
   std::string model = "gpt2-124m";
   int64_t batch = 4, seq = 64, steps = 10, warmup = 2;
   std::string compute = "f32";
+  std::string device = "cpu";  // make_backend: cpu | cuda
+  bool flash = false;          // train.flash_attention
+  double peak_tflops = 0.0;    // > 0: MFU against this stated peak instead of the measured GEMM peak
 };
 
 Args parse(int argc, char** argv) {
@@ -39,7 +42,11 @@ Args parse(int argc, char** argv) {
     else if (key == "--steps") a.steps = std::stoll(value);
     else if (key == "--warmup") a.warmup = std::stoll(value);
     else if (key == "--compute") a.compute = value;
-    else throw Error("unknown option " + key + " (expected --model, --batch, --seq, --steps, --warmup, --compute)");
+    else if (key == "--device") a.device = value;
+    else if (key == "--flash") a.flash = value == "1" || value == "true";
+    else if (key == "--peak-tflops") a.peak_tflops = std::stod(value);
+    else throw Error("unknown option " + key + " (expected --model, --batch, --seq, --steps, --warmup, --compute, "
+                     "--device, --flash, --peak-tflops)");
   }
   return a;
 }
@@ -57,7 +64,7 @@ std::vector<int32_t> random_tokens(int64_t count, int64_t vocab) {
 
 // One measured run; prints its JSON line and returns tokens/s.
 double run(const Args& args, const std::string& compute, double peak) {
-  auto backend = make_cpu_backend();
+  auto backend = make_backend(args.device);
   ModelConfig config = model_preset(args.model);
   Transformer model(*backend, config);
   model.init_weights(1);
@@ -66,6 +73,7 @@ double run(const Args& args, const std::string& compute, double peak) {
   const size_t plus = compute.find('+');
   tc.precision.compute = compute.substr(0, plus);
   if (plus != std::string::npos) tc.precision.qat = compute.substr(plus + 1);
+  tc.flash_attention = args.flash;
   Trainer trainer(*backend, model, tc);
   RandomWindowSource data(random_tokens(1 << 20, config.vocab_size), 7);
   for (int64_t i = 0; i < args.warmup; ++i) trainer.train_step(data);
@@ -82,17 +90,17 @@ double run(const Args& args, const std::string& compute, double peak) {
   const double flops = train_flops_per_token(config, args.seq) * tps;
   const MemoryTracker& mem = backend->allocator().tracker();
   std::printf(
-      "{\"impl\": \"loom\", \"compute\": \"%s\", \"model\": \"%s\", \"batch\": %lld, \"seq\": %lld, \"steps\": %lld, "
+      "{\"impl\": \"loom\", \"device\": \"%s\", \"flash\": %s, \"compute\": \"%s\", \"model\": \"%s\", \"batch\": %lld, \"seq\": %lld, \"steps\": %lld, "
       "\"tokens_per_s\": %.2f, \"step_ms\": %.2f, \"gemm_peak_gflops\": %.1f, \"achieved_gflops\": %.1f, \"mfu\": %.4f, "
       "\"final_loss\": %.4f, \"params\": %lld",
-      compute.c_str(), args.model.c_str(), static_cast<long long>(args.batch), static_cast<long long>(args.seq),
+      args.device.c_str(), args.flash ? "true" : "false", compute.c_str(), args.model.c_str(), static_cast<long long>(args.batch), static_cast<long long>(args.seq),
       static_cast<long long>(args.steps), tps, 1e3 * seconds / static_cast<double>(args.steps), peak, flops / 1e9,
       flops / 1e9 / peak, loss, static_cast<long long>(param_count(config)));
   for (int c = 0; c < MEM_CATEGORY_COUNT; ++c) {
     const auto cat = static_cast<MemCategory>(c);
     std::printf(", \"peak_bytes_%s\": %zu", std::string(mem_category_name(cat)).c_str(), mem.peak(cat));
   }
-  std::printf("}\n");
+  std::printf(", \"peak_bytes_total\": %zu}\n", mem.peak_total());
   std::fflush(stdout);
   return tps;
 }
@@ -110,10 +118,10 @@ int main(int argc, char** argv) {
       begin = end + 1;
     }
     LOOM_CHECK(!recipes.empty(), "--compute needs at least one recipe");
-    double peak = 0.0;
-    {
-      auto backend = make_cpu_backend();
-      peak = measure_gemm_peak_gflops(*backend);  // fp32 sgemm: MFU is stated against the fp32 peak
+    double peak = args.peak_tflops * 1e3;  // a stated peak (a GPU's datasheet dense bf16 figure)
+    if (peak <= 0.0) {
+      auto backend = make_backend(args.device);
+      peak = measure_gemm_peak_gflops(*backend);  // fp32 GEMM: MFU is stated against the fp32 peak
     }
     std::vector<double> tps;
     for (const std::string& r : recipes) tps.push_back(run(args, r, peak));

@@ -478,6 +478,13 @@ class Cli(unittest.TestCase):
     def test_unknown_config_key_names_the_key(self):
         self.assert_one_line_error(self.train("bad", "--set", "train.lrr=1", expect_ok=False), "train.lrr")
 
+    def test_device_key_is_checked_in_one_line(self):
+        # No GPU on a CI machine: device = "cuda" says which part is missing (the build or the device).
+        p = self.train("gpu", "--set", "device=cuda", expect_ok=False)
+        self.assertEqual(len(p.stderr.strip().splitlines()), 1, p.stderr)
+        self.assertTrue("no CUDA device is visible" in p.stderr or "has no CUDA backend" in p.stderr, p.stderr)
+        self.assert_one_line_error(self.train("tpu", "--set", "device=tpu", expect_ok=False), "device", "tpu")
+
     def test_wrong_config_type_names_the_key(self):
         self.assert_one_line_error(self.train("bad", "--set", "train.steps=many", expect_ok=False), "train.steps", "integer")
 

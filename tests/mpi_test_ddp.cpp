@@ -8,6 +8,8 @@
 
 #include "loom/comm/communicator.h"
 #include "mpi_fixture.h"
+#include "strict_backend.h"
+#include "test_util.h"
 #include "loom/parallel/zero.h"
 #include "loom/train/trainer.h"
 
@@ -38,6 +40,37 @@ std::vector<double> run(Communicator* comm, int64_t batch, int steps, std::vecto
   const float* p = model.params().data<float>();
   params->assign(p, p + model.params().numel());
   return losses;
+}
+
+// DDP on device memory (tests/strict_backend.h: memory host code may not read, as a GPU's): the
+// bucket all-reduces and the averaging go through the communicator and the backend only, and
+// the run is bitwise the CPU backend's: losses and every final weight.
+std::vector<double> run_on(Backend& backend, Communicator& comm, std::vector<double>* params) {
+  ModelConfig config = model_preset("gpt2-tiny");
+  Transformer model(backend, config);
+  model.init_weights(7);
+  TrainConfig tc;
+  tc.batch_size = 2, tc.seq_len = 16, tc.grad_accum = 2, tc.steps = 6, tc.schedule.warmup = 3;
+  DdpConfig ddp;
+  ddp.bucket_bytes = 16 << 10;
+  Trainer trainer(backend, model, tc, &comm, ddp);
+  CpuAllocator host;  // the batch is staged in host memory; the trainer writes it to the backend
+  RankData data(host, config, comm.rank(), comm.size(), 2);
+  std::vector<double> losses;
+  for (int s = 0; s < 6; ++s) losses.push_back(trainer.train_step(data.source()).loss);
+  *params = test::values(backend, model.params());
+  return losses;
+}
+
+TEST(MpiDdp, DeviceMemoryRunIsBitwiseTheCpuRun) {
+  auto comm = make_mpi_communicator();
+  auto cpu = make_cpu_backend();
+  test::StrictBackend strict;
+  std::vector<double> p_cpu, p_strict;
+  const std::vector<double> expected = run_on(*cpu, *comm, &p_cpu);
+  const std::vector<double> got = run_on(strict, *comm, &p_strict);
+  EXPECT_EQ(got, expected);
+  EXPECT_EQ(p_strict, p_cpu);
 }
 
 TEST(MpiDdp, ReproducesTheSingleProcessLossCurve) {

@@ -221,3 +221,37 @@ TEST(ActivationMemoryTest, ContextParallelKeepsOneCpthPlusTheLogSumExp) {
 
 }  // namespace
 }  // namespace loom
+
+namespace loom {
+namespace {
+
+// FlashAttention (train.flash_attention): a layer keeps lse (a s b floats) in place of probs
+// (a s^2 b), everything else as the t = 1 formula; the whole store is L such layers plus the
+// same model ends. The attention-map term, quadratic in s, is gone: per layer Loom then keeps
+// less than REF32 at every s (REF32 still counts 8as^2b for the softmax and dropout outputs).
+TEST(ActivationMemoryTest, FlashAttentionKeepsTheLogSumExpInPlaceOfProbs) {
+  for (const char* preset : {"gpt2-tiny", "llama-tiny"}) {
+    const ModelConfig g = model_preset(preset);
+    const int64_t b = 2, s = 16, a = g.n_head;
+    auto block_backend = make_cpu_backend();
+    const BlockSaved saved = allocate_block_saved(block_backend->allocator(), g, b, s, false, 1, false, false,
+                                                  RECOMPUTE_NONE, MEM_ACTIVATIONS, 1, true);
+    const auto layer = static_cast<int64_t>(block_backend->allocator().tracker().current(MEM_ACTIVATIONS));
+    const int64_t probs = kF32 * a * s * s * b, lse = kF32 * a * s * b;
+    EXPECT_EQ(layer, loom_layer_bytes(g, 1, b, s) - probs + lse) << preset;
+    EXPECT_EQ(layer, block_saved_bytes(g, b, s, false, 1, false, false, RECOMPUTE_NONE, 1, true)) << preset;
+
+    auto backend = make_cpu_backend();
+    Transformer model(*backend, g);
+    model.set_flash_attention(true);
+    const ActivationStore store = model.allocate_store(b, s);
+    const auto total = static_cast<int64_t>(backend->allocator().tracker().current(MEM_ACTIVATIONS));
+    EXPECT_EQ(total, g.n_layer * layer + loom_end_bytes(g, 1, b, s)) << preset;
+    EXPECT_LT(layer, reference_layer_bytes(g, 1, b, s)) << preset;
+    std::printf("%s flash: %lld bytes per layer (probs: %lld), store %lld\n", preset, static_cast<long long>(layer),
+                static_cast<long long>(loom_layer_bytes(g, 1, b, s)), static_cast<long long>(total));
+  }
+}
+
+}  // namespace
+}  // namespace loom

@@ -84,6 +84,42 @@ TEST(MemoryEstimateTest, MatchesWhatOneTrainingStepAllocates) {
   }
 }
 
+// train.flash_attention: one training step's activation bytes are exactly the estimate with
+// MemoryPlan::flash_attention (lse (B,H,T) in place of probs (B,H,T,T); selective keeps lse too),
+// for GPT-2 and Llama (GQA) under every checkpointing policy; without recomputation the saving
+// is exactly L x 4 B H (T^2 - T) bytes.
+TEST(MemoryEstimateTest, FlashAttentionActivationsAreExactlyTheEstimate) {
+  for (const char* preset : {"gpt2-tiny", "llama-tiny"}) {
+    const ModelConfig config = model_preset(preset);
+    for (const char* policy : {"none", "selective", "full", "every:2"}) {
+      MemoryPlan plan;
+      plan.model = config, plan.batch = 2, plan.seq_len = 16, plan.recompute = policy, plan.flash_attention = true;
+      auto backend = make_cpu_backend();
+      Transformer model(*backend, config);
+      model.init_weights(1);
+      TrainConfig tc;
+      tc.batch_size = plan.batch, tc.seq_len = plan.seq_len, tc.recompute = policy, tc.flash_attention = true;
+      Trainer trainer(*backend, model, tc);
+      RandomWindowSource data(cyclic_corpus(config.vocab_size), 3);
+      trainer.train_step(data);
+      const MemoryTracker& mem = backend->allocator().tracker();
+      const int64_t estimate = estimate_memory(plan).bytes[MEM_ACTIVATIONS];
+      EXPECT_EQ(static_cast<int64_t>(mem.peak(MEM_ACTIVATIONS)), estimate) << preset << " " << policy;
+      EXPECT_EQ(static_cast<int64_t>(mem.current(MEM_ACTIVATIONS)), estimate) << preset << " " << policy;
+      plan.flash_attention = false;
+      const int64_t probs_estimate = estimate_memory(plan).bytes[MEM_ACTIVATIONS];
+      const int64_t B = plan.batch, T = plan.seq_len, H = config.n_head;
+      if (std::string(policy) == "none") {
+        EXPECT_EQ(probs_estimate - estimate, config.n_layer * 4 * B * H * (T * T - T)) << preset;
+      }
+      EXPECT_LT(estimate, probs_estimate) << preset << " " << policy;
+      std::printf("%-10s recompute %-9s: activations with flash %lld (estimate %lld), with probabilities %lld\n", preset,
+                  policy, static_cast<long long>(mem.peak(MEM_ACTIVATIONS)), static_cast<long long>(estimate),
+                  static_cast<long long>(probs_estimate));
+    }
+  }
+}
+
 // Real sizes: Llama-3-8B and 70B have their published parameter counts (8.03B and 70.55B) and
 // loom memory's estimate for them is the fp32 AdamW bill, 16 bytes per parameter of model state.
 TEST(MemoryEstimateTest, LlamaThreeConfigsAtRealSize) {

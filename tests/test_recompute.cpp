@@ -31,10 +31,11 @@ struct PassResult {
   double seconds = 0;            // the fastest forward + backward of three
 };
 
-PassResult run(const ModelConfig& config, const std::vector<RecomputePolicy>& plan) {
+PassResult run(const ModelConfig& config, const std::vector<RecomputePolicy>& plan, bool flash = false) {
   auto backend = make_cpu_backend();
   Transformer model(*backend, config);
   model.init_weights(3);
+  model.set_flash_attention(flash);
   model.set_recompute(plan);
   ActivationStore store = model.allocate_store(kBatch, kSeq);
   PassResult r;
@@ -57,14 +58,16 @@ PassResult run(const ModelConfig& config, const std::vector<RecomputePolicy>& pl
   return r;
 }
 
-RecomputeCosts costs_of(const ModelConfig& c) {
+RecomputeCosts costs_of(const ModelConfig& c, bool flash = false) {
   RecomputeCosts costs;
   for (int64_t l = 0; l < c.n_layer; ++l) {
     std::array<int64_t, RECOMPUTE_COUNT> bytes{};
-    for (int p = 0; p < RECOMPUTE_COUNT; ++p) bytes[p] = block_kept_bytes(c, kBatch, kSeq, static_cast<RecomputePolicy>(p));
+    for (int p = 0; p < RECOMPUTE_COUNT; ++p) {
+      bytes[p] = block_kept_bytes(c, kBatch, kSeq, static_cast<RecomputePolicy>(p), flash);
+    }
     costs.bytes.push_back(bytes);
   }
-  costs.scratch_bytes = block_kept_bytes(c, kBatch, kSeq, RECOMPUTE_NONE) + 4 * kBatch * kSeq * c.d_model;
+  costs.scratch_bytes = block_kept_bytes(c, kBatch, kSeq, RECOMPUTE_NONE, flash) + 4 * kBatch * kSeq * c.d_model;
   costs.seconds.assign(static_cast<size_t>(c.n_layer), {0.0, 1.0, 3.0});  // unit costs: selective cheaper
   return costs;
 }
@@ -97,6 +100,30 @@ TEST(RecomputeTest, EveryPolicyGivesBitwiseTheSameGradientsAndExactlyTheEstimate
       if (name == "budget") {
         EXPECT_LE(r.activation_bytes - ends, budget);
       }
+    }
+  }
+}
+
+// With FlashAttention (train.flash_attention) the records keep lse instead of probs (selective:
+// lse too, and the attention is not rerun): every policy still gives bitwise the losses and
+// gradients of no recomputation with flash, and the store holds exactly the flash estimate.
+TEST(RecomputeTest, WithFlashAttentionEveryPolicyGivesBitwiseTheSameGradientsAndTheEstimatedBytes) {
+  for (const char* preset : {"gpt2-tiny", "llama-tiny"}) {
+    const ModelConfig c = four_layers(preset);
+    const PassResult base = run(c, {}, true);
+    const RecomputeCosts costs = costs_of(c, true);
+    const int64_t ends = base.activation_bytes - plan_bytes(costs, recompute_plan("none", c.n_layer));
+    EXPECT_EQ(ends, run(c, {}).activation_bytes - plan_bytes(costs_of(c), recompute_plan("none", c.n_layer)));
+    for (const char* name : {"none", "selective", "full", "every:2"}) {
+      const std::vector<RecomputePolicy> plan = recompute_plan(name, c.n_layer);
+      const PassResult r = run(c, plan, true);
+      EXPECT_EQ(r.loss, base.loss) << preset << " " << name;
+      ASSERT_EQ(r.grads.size(), base.grads.size());
+      EXPECT_EQ(std::memcmp(r.grads.data(), base.grads.data(), r.grads.size() * sizeof(float)), 0) << preset << " " << name;
+      EXPECT_EQ(r.activation_bytes, ends + plan_bytes(costs, plan)) << preset << " " << name;
+      std::printf("%s flash %-9s: activation bytes %8lld (estimate %8lld), forward + backward %.2f x none\n", preset,
+                  name, static_cast<long long>(r.activation_bytes), static_cast<long long>(ends + plan_bytes(costs, plan)),
+                  r.seconds / base.seconds);
     }
   }
 }

@@ -5,10 +5,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <fstream>
 #include <functional>
+#include <iterator>
 #include <string>
 #include <vector>
 
+#include "loom/backend/backend.h"
 #include "loom/core/error.h"
 #include "loom/core/philox.h"
 #include "loom/core/tensor.h"
@@ -26,6 +29,12 @@ inline std::string error_of(const std::function<void()>& f) {
   return "";
 }
 
+
+// A file's bytes ("" if unreadable).
+inline std::string read_file_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
 
 // Uniform in [-scale, scale), deterministic in (seed).
 inline Tensor random_tensor(Allocator& alloc, Shape shape, DType dtype, uint64_t seed, double scale = 1.0) {
@@ -56,6 +65,14 @@ std::vector<double> to_vector(const Tensor& t) {
 
 inline std::vector<double> values(const Tensor& t) {
   return t.dtype() == DTYPE_F64 ? to_vector<double>(t) : to_vector<float>(t);
+}
+
+// The values of a tensor of any backend (read through Backend::read into host memory).
+inline std::vector<double> values(Backend& backend, const Tensor& t) {
+  CpuAllocator host;
+  Tensor h = Tensor::empty(host, t.shape(), t.dtype(), MEM_WORKSPACE);
+  backend.read(t, h.raw_data());
+  return values(h);
 }
 
 // max |a - b| / max(max |b|, tiny): the error relative to the reference's scale.

@@ -73,6 +73,7 @@ int memory_main(int argc, char** argv) {
   plan.cp = static_cast<int>(config.parallel.cp), plan.ulysses = config.parallel.cp_attention == "ulysses";
   plan.ep = static_cast<int>(config.parallel.ep);
   plan.offload_activations = config.train.offload_activations;
+  plan.flash_attention = config.train.flash_attention;
   // The data-parallel ranks: --ranks, else parallel.dp, else what the world leaves.
   const int model_ranks = plan.tp * plan.pp * plan.cp;
   const int dp_default = config.parallel.dp > 0 ? static_cast<int>(config.parallel.dp) : std::max(1, comm->size() / model_ranks);
@@ -107,12 +108,13 @@ int memory_main(int argc, char** argv) {
     measured.bytes[MEM_GRADIENTS] = resident_bytes(model.grads());
   }
   if (!lead) return 0;
-  std::printf("%s: %lld parameters%s, micro-batch %lld x %lld, optimizer %s, precision %s, recompute %s, "
+  std::printf("%s: %lld parameters%s, micro-batch %lld x %lld, optimizer %s, precision %s, recompute %s%s, "
               "ZeRO-%d over %d data-parallel ranks%s\n", std::string(arch_name(config.model.arch)).c_str(),
               static_cast<long long>(est.parameters),
               plan.tp > 1 ? str_cat(" in each of the ", plan.tp, " tensor-parallel slices").c_str() : "", static_cast<long long>(plan.batch),
               static_cast<long long>(plan.seq_len), config.train.optim.name.c_str(),
-              resolve_policy(config.train.precision).describe().c_str(), plan.recompute.c_str(), plan.zero_stage,
+              resolve_policy(config.train.precision).describe().c_str(), plan.recompute.c_str(),
+              plan.flash_attention ? ", flash attention" : "", plan.zero_stage,
               plan.ranks, plan.cp > 1 ? str_cat(" x ", plan.cp, " context-parallel").c_str() : "");
   if (model_parallel) {
     std::printf("layout: tp %d%s x pp %d%s x cp %d%s x ep %d; this rank computes %lld parameters%s\n", plan.tp,

@@ -12,6 +12,10 @@
 #include "cli.h"
 #include "commands.h"
 #include "loom/comm/communicator.h"
+#ifdef LOOM_HAVE_CUDA
+#include "loom/backend/cuda/cuda_backend.h"
+#include "loom/comm/nccl_communicator.h"
+#endif
 #include "loom/comm/device_mesh.h"
 #include "loom/parallel/pipeline.h"
 #include "loom/parallel/tensor_parallel.h"
@@ -193,7 +197,19 @@ int train_main(int argc, char** argv) {
     reduce_comm = mesh_group(*comm, mesh, dims);
     reduce = reduce_comm.get();
   }
-  auto backend = make_cpu_backend();
+  // The backend (`device`). A GPU runs data parallelism (DDP, ZeRO) so far: its gradients go
+  // over NCCL, host values (losses, norms) over MPI.
+  auto backend = make_backend(config.device);
+  LOOM_CHECK(config.device == "cpu" || (tp_size == 1 && pp_size == 1 && cp_size == 1 && ep_size == 1), "device = \"",
+             config.device, "\" runs data parallelism only so far: parallel.tp, pp, cp and ep must be 1");
+  std::unique_ptr<Communicator> device_comm;
+#ifdef LOOM_HAVE_CUDA
+  if (config.device == "cuda" && comm->size() > 1) {
+    device_comm = make_routing_communicator(comm->split(0, comm->rank()),
+                                            make_nccl_communicator(*comm, cuda_device(*backend), cuda_stream(*backend)));
+    dp = reduce = device_comm.get();
+  }
+#endif
   const ModelConfig local_config = tp_size > 1 ? tp_local_config(config.model, tp_size) : config.model;
   Transformer model(*backend, local_config);
   std::unique_ptr<Transformer> whole;
@@ -315,6 +331,7 @@ int train_main(int argc, char** argv) {
 
   CheckpointOptions ckpt_options;
   ckpt_options.keep_last = static_cast<int>(config.loop.keep_checkpoints);
+  ckpt_options.backend = backend.get();  // a GPU's tensors are saved and loaded through host copies
   CheckpointManager checkpoints((fs::path(dir) / "checkpoints").string(), ckpt_options);
   const ModelState model_state{config.model, whole ? whole->params() : model.params()};
   OptimizerState optimizer_state{trainer.optimizer().name(), trainer.optimizer().state()};
@@ -551,7 +568,15 @@ int train_main(int argc, char** argv) {
   GenerateOptions options;
   options.max_new_tokens = config.sample.max_new_tokens;
   options.stop_token = tokenizer->eot_token();
-  std::vector<int32_t> sample = generate(whole ? *whole : model, prompt, config.sample.sampling, options);
+  std::unique_ptr<Backend> host_backend;  // a GPU run samples on the CPU (the KV cache is host code)
+  std::unique_ptr<Transformer> host_model;
+  if (!model.params().host_accessible()) {
+    host_backend = make_cpu_backend();
+    host_model = std::make_unique<Transformer>(*host_backend, config.model);
+    backend->read(model.params(), host_model->params().raw_data());
+  }
+  std::vector<int32_t> sample =
+      generate(host_model ? *host_model : whole ? *whole : model, prompt, config.sample.sampling, options);
   if (!sample.empty() && sample.back() == tokenizer->eot_token()) sample.pop_back();
   const std::string text = printable_utf8(config.sample.prompt + tokenizer->decode(sample));
   if (lead) write_file_atomic((fs::path(dir) / "samples.txt").string(), text + "\n");

@@ -38,6 +38,15 @@ class Backend {
   virtual std::string_view name() const = 0;
   virtual Allocator& allocator() = 0;
 
+  // Host memory <-> a tensor of this backend (dst.nbytes() / src.nbytes() bytes). On the CPU a
+  // memcpy; on a device a blocking copy that first waits for the work queued before it. Host
+  // code reads and writes backend tensors only through these (Tensor::data() refuses tensors
+  // that are not host-accessible).
+  virtual void write(const Tensor& dst, const void* host) = 0;
+  virtual void read(const Tensor& src, void* host) = 0;
+  // Blocks until every op queued so far has finished (a no-op on the CPU, whose ops are synchronous).
+  virtual void synchronize() {}
+
   // C[b] = alpha * op(A[b]) @ op(B[b]) + beta * C[b] (+ bias[n] added to every row of C).
   // A, B and C share a dtype (f32, f64), or A and B are bf16 and C (and bias) f32: bf16
   // products accumulated in fp32.
@@ -98,6 +107,13 @@ class Backend {
   // window: the forward's.
   virtual void attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out, const Tensor& probs,
                                   const Tensor& dqkv, int64_t n_head, int64_t n_kv_head, int64_t window) = 0;
+  // FlashAttention-2 (Dao 2023): the same attention (same qkv, out, window) without the
+  // probabilities: lse (B,H,T) = log-sum-exp of each query row's scaled scores is saved instead,
+  // and the backward recomputes P = exp(S - lse) tile by tile. O(T) extra memory.
+  virtual void flash_attention_forward(const Tensor& qkv, const Tensor& out, const Tensor& lse, int64_t n_head,
+                                       int64_t n_kv_head, int64_t window) = 0;
+  virtual void flash_attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out, const Tensor& lse,
+                                        const Tensor& dqkv, int64_t n_head, int64_t n_kv_head, int64_t window) = 0;
 
   // Fused softmax + cross-entropy. logits (N,V), targets (N) i32. losses[n] = lse[n] - logits[n, t_n];
   // lse (N) saved; probabilities are never stored.
@@ -114,5 +130,10 @@ class Backend {
 };
 
 std::unique_ptr<Backend> make_cpu_backend();
+// "cpu" or "cuda" (the config key `device`). "cuda" needs a build with the CUDA toolkit and a
+// visible GPU; otherwise a one-line error says which is missing.
+std::unique_ptr<Backend> make_backend(std::string_view device);
+// True when this build contains the CUDA backend (the toolkit was found at configure time).
+bool cuda_backend_built();
 
 }  // namespace loom

@@ -595,7 +595,39 @@ CheckpointManager::CheckpointManager(std::string dir, CheckpointOptions options)
   LOOM_CHECK(options_.keep_last >= 1, dir_, ": checkpoint keep_last must be >= 1, got ", options_.keep_last);
 }
 
-std::string CheckpointManager::save(const CheckpointContents& contents) {
+namespace {
+
+// Host copies of a run's tensors that host code cannot read: `twin` gives the tensor itself when
+// it is host-accessible, else a host tensor of its shape (filled from it when `read`).
+class HostStaging {
+ public:
+  explicit HostStaging(Backend* backend) : backend_(backend) {}
+  Tensor twin(const Tensor& t, bool read) {
+    if (!t.defined() || t.host_accessible()) return t;
+    LOOM_CHECK(backend_ != nullptr, "checkpoint: tensor ", t.describe(), " is in device memory but no backend was "
+               "given to read it (CheckpointOptions::backend)");
+    Tensor h = Tensor::empty(host_, t.shape(), t.dtype(), MEM_WORKSPACE);
+    if (read) backend_->read(t, h.raw_data());
+    pairs_.emplace_back(t, h);
+    return h;
+  }
+  void write_back() {
+    for (const auto& [device, h] : pairs_) backend_->write(device, h.raw_data());
+  }
+
+ private:
+  Backend* backend_;
+  CpuAllocator host_;
+  std::vector<std::pair<Tensor, Tensor>> pairs_;  // (device tensor, its host copy)
+};
+
+}  // namespace
+
+std::string CheckpointManager::save(const CheckpointContents& device_contents) {
+  HostStaging staging(options_.backend);  // a GPU's tensors: read into host copies first
+  CheckpointContents contents = device_contents;
+  contents.model.params = staging.twin(device_contents.model.params, true);
+  for (auto& [name, t] : contents.optimizer.tensors) t = staging.twin(t, true);
   const fs::path final_dir = fs::path(dir_) / checkpoint_dir_name(contents.step);
   const ParamLayout layout = build_param_layout(contents.model.config);
   check_flat_f32(contents.model.params, layout.total, final_dir.string(), "model params");
@@ -698,7 +730,7 @@ std::optional<LoadedCheckpoint> CheckpointManager::load_latest(const ModelState&
     const std::string problem = checkpoint_problem(dirs[i]);
     if (problem.empty()) {
       verified_.insert(dirs[i]);
-      return load_verified(dirs[i], model, optimizer);
+      return load_staged(dirs[i], model, optimizer);
     }
     const std::string older = i + 1 < dirs.size() ? dirs[i + 1] : std::string("no checkpoint");
     warn(str_cat("checkpoint ", dirs[i], " is corrupt (", problem, "); falling back to ", older));
@@ -711,7 +743,20 @@ LoadedCheckpoint CheckpointManager::load(const std::string& path, const ModelSta
   const std::string problem = checkpoint_problem(path);
   LOOM_CHECK(problem.empty(), "checkpoint ", path, " is corrupt (", problem, ")");
   verified_.insert(path);
-  return load_verified(path, model, optimizer);
+  return load_staged(path, model, optimizer);
+}
+
+
+LoadedCheckpoint CheckpointManager::load_staged(const std::string& path, const ModelState& model,
+                                                const OptimizerState& optimizer) {
+  HostStaging staging(options_.backend);
+  ModelState m = model;
+  m.params = staging.twin(model.params, false);
+  OptimizerState o = optimizer;
+  for (auto& [name, t] : o.tensors) t = staging.twin(t, false);
+  LoadedCheckpoint loaded = load_verified(path, m, o);  // throws before anything is written back
+  staging.write_back();
+  return loaded;
 }
 
 std::vector<std::string> CheckpointManager::list() const {

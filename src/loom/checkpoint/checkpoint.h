@@ -27,6 +27,7 @@
 #include <string>
 #include <vector>
 
+#include "loom/backend/backend.h"
 #include "loom/core/tensor.h"
 #include "loom/model/config.h"
 
@@ -87,6 +88,10 @@ struct CheckpointOptions {
   // mlp.c_proj .weight) as (in, out), as Hugging Face's GPT2LMHeadModel expects. Loom keeps
   // them (out, in); the file records the choice and load transposes back.
   bool hf_layout = true;
+  // The backend whose tensors a save reads and a load fills. Tensors host code cannot read (a
+  // GPU's) go through host copies, so a CPU and a GPU run write and read the same files. Null:
+  // every tensor must be in host memory.
+  Backend* backend = nullptr;
 };
 
 // One line per skipped checkpoint: "checkpoint <path> is corrupt (<reason>); falling back to <older>".
@@ -126,6 +131,8 @@ class CheckpointManager {
 
  private:
   bool is_valid_cached(const std::string& path);
+  // load_verified through host copies of any tensor host code cannot read (options_.backend).
+  LoadedCheckpoint load_staged(const std::string& path, const ModelState& model, const OptimizerState& optimizer);
   // trainer.json and the manifest into step_<N>.tmp/, then the atomic rename and pruning.
   std::string commit(const CheckpointContents& contents, int shards);
   void remove_stale_tmp_dirs() const;

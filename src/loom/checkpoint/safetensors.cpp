@@ -126,6 +126,13 @@ void SafetensorsFile::copy_into(const std::string& name, const Tensor& dst) cons
   std::memcpy(dst.raw_data(), data_.data() + e.begin, e.end - e.begin);
 }
 
+void SafetensorsFile::copy_into(const std::string& name, const Tensor& dst, Backend& backend) const {
+  const Entry& e = entry(name);
+  LOOM_CHECK(dst.dtype() == e.dtype && dst.numel() == shape_numel(e.shape), path_, ": tensor '", name, "' is ",
+             dtype_name(e.dtype), shape_str(e.shape), ", destination is ", dst.describe());
+  backend.write(dst, data_.data() + e.begin);
+}
+
 void SafetensorsFile::copy_range_into(const std::string& name, int64_t first, const Tensor& dst) const {
   const Entry& e = entry(name);
   LOOM_CHECK(dst.dtype() == e.dtype && first >= 0 && first + dst.numel() <= shape_numel(e.shape), path_, ": tensor '",

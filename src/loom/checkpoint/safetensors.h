@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "loom/backend/backend.h"
 #include "loom/core/tensor.h"
 
 namespace loom {
@@ -28,6 +29,8 @@ class SafetensorsFile {
   Tensor tensor(const std::string& name, Allocator& allocator, MemCategory category) const;
   // Copies the entry into `dst`, which must have the entry's dtype and element count.
   void copy_into(const std::string& name, const Tensor& dst) const;
+  // The same into a tensor of `backend` (a GPU's too), through Backend::write.
+  void copy_into(const std::string& name, const Tensor& dst, Backend& backend) const;
   // Copies elements [first, first + dst.numel()) of the entry (any shape, flat order) into dst.
   void copy_range_into(const std::string& name, int64_t first, const Tensor& dst) const;
 

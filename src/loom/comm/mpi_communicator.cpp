@@ -16,6 +16,15 @@ namespace loom {
 
 namespace {
 
+// A tensor's address for MPI: host memory only (the strict test backend's included, which is
+// host memory host code may not touch directly). GPU tensors go over NCCL instead.
+void* mpi_ptr(const Tensor& t) {
+  LOOM_CHECK(t.device() == DEVICE_CPU, "MPI communicator: tensor ", t.describe(), " is in GPU memory; GPU tensors go "
+             "over NCCL (loom train builds it under mpirun with device = \"cuda\")");
+  return t.device_ptr();
+}
+
+
 // MPI is process-wide by nature: initialized once, on first use, finalized at exit.
 class MpiRuntime {
  public:
@@ -122,7 +131,7 @@ class MpiCommunicator final : public Communicator {
   std::unique_ptr<CommWork> all_reduce_async(const Tensor& x, ReduceOp op) override {
     book(COLL_ALL_REDUCE, static_cast<int64_t>(x.nbytes()));
     auto w = std::make_unique<MpiWork>();
-    MPI_Iallreduce(MPI_IN_PLACE, x.raw_data(), count_of(x, "all_reduce"), reduce_type(x, "all_reduce"), mpi_op(op),
+    MPI_Iallreduce(MPI_IN_PLACE, mpi_ptr(x), count_of(x, "all_reduce"), reduce_type(x, "all_reduce"), mpi_op(op),
                    comm_, w->request());
     return w;
   }
@@ -130,7 +139,7 @@ class MpiCommunicator final : public Communicator {
     check_chunks("reduce_scatter", full, shard);
     book(COLL_REDUCE_SCATTER, static_cast<int64_t>(full.nbytes()));
     auto w = std::make_unique<MpiWork>();
-    MPI_Ireduce_scatter_block(full.raw_data(), shard.raw_data(), count_of(shard, "reduce_scatter"),
+    MPI_Ireduce_scatter_block(mpi_ptr(full), mpi_ptr(shard), count_of(shard, "reduce_scatter"),
                               reduce_type(full, "reduce_scatter"), mpi_op(op), comm_, w->request());
     return w;
   }
@@ -140,7 +149,7 @@ class MpiCommunicator final : public Communicator {
     auto w = std::make_unique<MpiWork>();
     const MPI_Datatype t = mpi_type(shard.dtype(), "all_gather");
     const int n = count_of(shard, "all_gather");
-    MPI_Iallgather(shard.raw_data(), n, t, full.raw_data(), n, t, comm_, w->request());
+    MPI_Iallgather(mpi_ptr(shard), n, t, mpi_ptr(full), n, t, comm_, w->request());
     return w;
   }
   std::unique_ptr<CommWork> all_to_all_async(const Tensor& in, const Tensor& out) override {
@@ -150,14 +159,14 @@ class MpiCommunicator final : public Communicator {
     auto w = std::make_unique<MpiWork>();
     const MPI_Datatype t = mpi_type(in.dtype(), "all_to_all");
     const int n = count_of(in, "all_to_all") / size_;
-    MPI_Ialltoall(in.raw_data(), n, t, out.raw_data(), n, t, comm_, w->request());
+    MPI_Ialltoall(mpi_ptr(in), n, t, mpi_ptr(out), n, t, comm_, w->request());
     return w;
   }
   std::unique_ptr<CommWork> broadcast_async(const Tensor& x, int root) override {
     LOOM_CHECK(root >= 0 && root < size_, "broadcast: root ", root, " outside [0, ", size_, ")");
     book(COLL_BROADCAST, static_cast<int64_t>(x.nbytes()), root);
     auto w = std::make_unique<MpiWork>();
-    MPI_Ibcast(x.raw_data(), count_of(x, "broadcast"), mpi_type(x.dtype(), "broadcast"), root, comm_, w->request());
+    MPI_Ibcast(mpi_ptr(x), count_of(x, "broadcast"), mpi_type(x.dtype(), "broadcast"), root, comm_, w->request());
     return w;
   }
   std::unique_ptr<CommWork> reduce_scatter_v_async(const Tensor& x, const std::vector<int64_t>& counts,
@@ -169,9 +178,9 @@ class MpiCommunicator final : public Communicator {
     count_of(x, "reduce_scatter_v");
     auto n = std::make_shared<std::vector<int>>(int_counts(counts, "reduce_scatter_v"));
     // MPI_IN_PLACE leaves this rank's result at the start of the buffer: moved to its segment.
-    MPI_Ireduce_scatter(MPI_IN_PLACE, x.raw_data(), n->data(), reduce_type(x, "reduce_scatter_v"), mpi_op(op),
+    MPI_Ireduce_scatter(MPI_IN_PLACE, mpi_ptr(x), n->data(), reduce_type(x, "reduce_scatter_v"), mpi_op(op),
                         comm_, w->request());
-    char* base = static_cast<char*>(x.raw_data());
+    char* base = static_cast<char*>(mpi_ptr(x));
     const size_t bytes = static_cast<size_t>(counts[rank_]) * elem;
     w->then([n, base, own, bytes, elem] {
       if (own != 0 && bytes != 0) std::memmove(base + static_cast<size_t>(own) * elem, base, bytes);
@@ -187,7 +196,7 @@ class MpiCommunicator final : public Communicator {
     auto n = std::make_shared<std::vector<int>>(int_counts(counts, "all_gather_v"));
     auto displs = std::make_shared<std::vector<int>>(n->size(), 0);
     for (size_t r = 1; r < n->size(); ++r) (*displs)[r] = (*displs)[r - 1] + (*n)[r - 1];
-    MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, x.raw_data(), n->data(), displs->data(),
+    MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, mpi_ptr(x), n->data(), displs->data(),
                     mpi_type(x.dtype(), "all_gather_v"), comm_, w->request());
     w->then([n, displs] {});  // the count arrays must outlive the request
     return w;
@@ -210,7 +219,7 @@ class MpiCommunicator final : public Communicator {
     auto sd = std::make_shared<std::vector<int>>(sc->size(), 0), rd = std::make_shared<std::vector<int>>(rc->size(), 0);
     for (size_t r = 1; r < sc->size(); ++r) (*sd)[r] = (*sd)[r - 1] + (*sc)[r - 1], (*rd)[r] = (*rd)[r - 1] + (*rc)[r - 1];
     const MPI_Datatype t = mpi_type(in.dtype(), "all_to_all_v");
-    MPI_Ialltoallv(in.raw_data(), sc->data(), sd->data(), t, out.raw_data(), rc->data(), rd->data(), t, comm_,
+    MPI_Ialltoallv(mpi_ptr(in), sc->data(), sd->data(), t, mpi_ptr(out), rc->data(), rd->data(), t, comm_,
                    w->request());
     w->then([sc, rc, sd, rd] {});  // the count arrays must outlive the request
     return w;
@@ -218,20 +227,20 @@ class MpiCommunicator final : public Communicator {
   void send(const Tensor& x, int to, int tag) override {
     LOOM_CHECK(to >= 0 && to < size_ && to != rank_, "send from rank ", rank_, " to rank ", to, ": no such peer");
     book(COLL_SEND_RECV, static_cast<int64_t>(x.nbytes()));
-    MPI_Send(x.raw_data(), count_of(x, "send"), mpi_type(x.dtype(), "send"), to, tag, comm_);
+    MPI_Send(mpi_ptr(x), count_of(x, "send"), mpi_type(x.dtype(), "send"), to, tag, comm_);
   }
   std::unique_ptr<CommWork> send_async(const Tensor& x, int to, int tag) override {
     LOOM_CHECK(to >= 0 && to < size_ && to != rank_, "send from rank ", rank_, " to rank ", to, ": no such peer");
     book(COLL_SEND_RECV, static_cast<int64_t>(x.nbytes()));
     auto w = std::make_unique<MpiWork>();
-    MPI_Isend(x.raw_data(), count_of(x, "send"), mpi_type(x.dtype(), "send"), to, tag, comm_, w->request());
+    MPI_Isend(mpi_ptr(x), count_of(x, "send"), mpi_type(x.dtype(), "send"), to, tag, comm_, w->request());
     return w;
   }
   void recv(const Tensor& x, int from, int tag) override {
     LOOM_CHECK(from >= 0 && from < size_ && from != rank_, "recv on rank ", rank_, " from rank ", from, ": no such peer");
     book(COLL_SEND_RECV, static_cast<int64_t>(x.nbytes()), -2);
     MPI_Status status;
-    MPI_Recv(x.raw_data(), count_of(x, "recv"), mpi_type(x.dtype(), "recv"), from, tag, comm_, &status);
+    MPI_Recv(mpi_ptr(x), count_of(x, "recv"), mpi_type(x.dtype(), "recv"), from, tag, comm_, &status);
     int got = 0;
     MPI_Get_count(&status, mpi_type(x.dtype(), "recv"), &got);
     LOOM_CHECK(got == x.numel(), "recv on rank ", rank_, " from rank ", from, ": got ", got, " elements, expected ",

@@ -39,7 +39,7 @@ void CpuAllocator::raw_release(void* ptr, size_t) { std::free(ptr); }
 void CpuAllocator::raw_zero(void* ptr, size_t bytes) { std::memset(ptr, 0, bytes); }
 
 Storage::Storage(Allocator& owner, size_t size, MemCategory cat)
-    : allocator(&owner), data(owner.raw_allocate(size)), bytes(size), category(cat) {
+    : allocator(&owner), host_accessible(owner.host_accessible()), data(owner.raw_allocate(size)), bytes(size), category(cat) {
   allocator->tracker().on_allocate(category, bytes);
 }
 
@@ -98,7 +98,12 @@ Tensor Tensor::slice0(int64_t begin, int64_t end) const {
   return view(begin * (numel() / (shape_[0] == 0 ? 1 : shape_[0])), shape);
 }
 
-void Tensor::zero_() const { storage_->allocator->raw_zero(raw_data(), nbytes()); }
+void Tensor::zero_() const { storage_->allocator->raw_zero(device_ptr(), nbytes()); }
+
+void Tensor::refuse_host_access() const {
+  throw Error(str_cat("host access to tensor ", describe(), " in ", device() == DEVICE_CUDA ? "GPU" : "device",
+                      " memory: copy it with Backend::read / Backend::write"));
+}
 
 void Tensor::check_dtype(DType expected) const {
   LOOM_CHECK(dtype_ == expected, "tensor ", describe(), " accessed as ", dtype_name(expected));

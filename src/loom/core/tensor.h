@@ -27,6 +27,8 @@ class Allocator {
   virtual void* raw_allocate(size_t bytes) = 0;
   virtual void raw_release(void* ptr, size_t bytes) = 0;
   virtual void raw_zero(void* ptr, size_t bytes) = 0;
+  // Whether host code may dereference this allocator's memory (Tensor::data). A GPU's is not.
+  virtual bool host_accessible() const { return device() == DEVICE_CPU; }
   MemoryTracker& tracker() { return tracker_; }
   const MemoryTracker& tracker() const { return tracker_; }
 
@@ -50,6 +52,7 @@ struct Storage {
   Storage& operator=(const Storage&) = delete;
 
   Allocator* allocator;
+  bool host_accessible;  // allocator->host_accessible(), read once
   void* data;
   size_t bytes;
   MemCategory category;
@@ -72,6 +75,8 @@ class Tensor {
   DType dtype() const { return dtype_; }
   DeviceType device() const { return storage_->allocator->device(); }
   MemCategory category() const { return storage_->category; }
+  // Whether host code may read and write the elements (data()); false for a GPU's memory.
+  bool host_accessible() const { return storage_->host_accessible || host_alias_; }
   const Shape& shape() const { return shape_; }
   int ndim() const { return static_cast<int>(shape_.size()); }
   int64_t dim(int axis) const;  // negative counts from the end
@@ -79,11 +84,26 @@ class Tensor {
   size_t nbytes() const { return static_cast<size_t>(numel()) * dtype_size(dtype_); }
   std::string describe() const;  // "f32(2, 3)"
 
-  void* raw_data() const { return static_cast<char*>(storage_->data) + offset_bytes_; }
+  // Host pointers to the elements. They throw for memory host code cannot read (a GPU's):
+  // move such data with Backend::read / Backend::write instead.
+  void* raw_data() const {
+    if (!storage_->host_accessible && !host_alias_) refuse_host_access();
+    return device_ptr();
+  }
   template <typename T>
   T* data() const {
     check_dtype(dtype_of<T>());
     return static_cast<T*>(raw_data());
+  }
+  // The elements' address in the memory of the tensor's device, unchecked: for backends and
+  // communicators, which hand it to device kernels and collectives.
+  void* device_ptr() const { return static_cast<char*>(storage_->data) + offset_bytes_; }
+  // The same tensor, readable from the host: only for a backend whose device memory is in fact
+  // host memory (the strict test backend, which checks that model code never reads it directly).
+  Tensor host_alias() const {
+    Tensor t = *this;
+    t.host_alias_ = true;
+    return t;
   }
 
   // A contiguous range of elements [offset, offset + numel(shape)) viewed with `shape`.
@@ -99,11 +119,13 @@ class Tensor {
 
  private:
   void check_dtype(DType expected) const;
+  [[noreturn]] void refuse_host_access() const;
 
   std::shared_ptr<Storage> storage_;
   size_t offset_bytes_ = 0;
   Shape shape_;
   DType dtype_ = DTYPE_F32;
+  bool host_alias_ = false;  // see host_alias()
 };
 
 // Columns [first, first + narrow's width) of every row of `wide` (rows, W) <-> the contiguous

@@ -17,7 +17,8 @@
 //      as many per model chunk as the schedule has micro-batches live on it (pipe_live_peak),
 //      each block's fields as allocate_block_saved allocates them (block_saved_bytes: sequence
 //      parallel shards the residual stream and norms over tp, context parallel keeps T / cp
-//      positions and ring attention's log-sum-exp, Ulysses its gathered heads' probabilities),
+//      positions and ring attention's log-sum-exp, Ulysses its gathered heads' probabilities,
+//      FlashAttention the rows' log-sum-exp instead of the probabilities),
 //      the recompute record, the model's ends on the first / last stage.
 //    A real GPU rank holds this; Loom's CPU ranks also keep the whole model's flat buffers under
 //    tp and pp (to stage checkpoints), untouched by the step: loom memory --measure runs data
@@ -57,9 +58,9 @@ struct MemoryPlan {
   int cp = 1;                       // context-parallel ranks
   bool ulysses = false;             // cp attention: ring (false) or Ulysses
   int ep = 1;                       // expert-parallel ranks
-  // Attention that keeps its rows' log-sum-exp (B, H, T) instead of the probabilities
-  // (B, H, T, T) (FlashAttention, Dao et al. 2022: what a GPU backend keeps); false: the CPU
-  // backend's store.
+  // train.flash_attention: attention that keeps its rows' log-sum-exp (B, H, T) instead of the
+  // probabilities (B, H, T, T) (FlashAttention, Dao et al. 2022; allocate_block_saved with
+  // flash: with selective recomputation lse is kept too); false: the probabilities.
   bool flash_attention = false;
   bool offload_activations = false;  // train.offload_activations: checkpointed blocks' kept fields offloaded
 };

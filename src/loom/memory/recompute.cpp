@@ -18,8 +18,8 @@ std::string_view recompute_name(RecomputePolicy p) {
   return "?";
 }
 
-int64_t block_kept_bytes(const ModelConfig& c, int64_t B, int64_t T, RecomputePolicy policy) {
-  return block_saved_bytes(c, B, T, false, 1, false, false, policy);
+int64_t block_kept_bytes(const ModelConfig& c, int64_t B, int64_t T, RecomputePolicy policy, bool flash) {
+  return block_saved_bytes(c, B, T, false, 1, false, false, policy, 1, flash);
 }
 
 std::vector<RecomputePolicy> recompute_plan(const std::string& name, int64_t n_layer) {

@@ -5,7 +5,9 @@
 //   selective: the residual stream and the GEMM outputs (input, qkv, attn, mid, fc); the norms'
 //              outputs and statistics, the attention probabilities and the MLP activation are
 //              recomputed from them just before the block's backward (cheap element-wise work and
-//              the attention core, no weight GEMM);
+//              the attention core, no weight GEMM). With FlashAttention (train.flash_attention)
+//              the attention's lse (B,H,T) is kept as well: it is small and the attention core
+//              is then not recomputed (its backward needs only qkv, attn and lse);
 //   full:      its input only; the whole block forward runs again before its backward.
 // Recomputation writes into one shared full record (one layer's activations), so the peak is the
 // kept bytes of every layer plus one layer's full record. It runs the same ops on the same
@@ -28,8 +30,10 @@ namespace loom {
 std::string_view recompute_name(RecomputePolicy p);
 
 // The activation bytes one block keeps for a micro-batch of (batch, seq_len) under each policy
-// (fp32, no model parallelism), exactly what allocate_block_saved allocates.
-int64_t block_kept_bytes(const ModelConfig& config, int64_t batch, int64_t seq_len, RecomputePolicy policy);
+// (fp32, no model parallelism), exactly what allocate_block_saved allocates; flash: with
+// FlashAttention (train.flash_attention), lse instead of the probabilities.
+int64_t block_kept_bytes(const ModelConfig& config, int64_t batch, int64_t seq_len, RecomputePolicy policy,
+                         bool flash = false);
 
 // What a plan costs: per layer the kept bytes and the recompute seconds of each policy.
 struct RecomputeCosts {

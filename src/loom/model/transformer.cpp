@@ -16,6 +16,10 @@ namespace loom {
 Transformer::Transformer(Backend& backend, const ModelConfig& config)
     : backend_(backend), config_(config), layout_(build_param_layout(config)), ws_(backend.allocator()) {
   Allocator& alloc = backend_.allocator();
+  // MLA's and the mixture of experts' routing and attention loops run on the host.
+  LOOM_CHECK(alloc.host_accessible() || (!config_.mla() && config_.moe_experts == 0), "model.",
+             config_.mla() ? "mla_kv_rank > 0 (MLA)" : "moe_experts > 0 (mixture of experts)",
+             " is not supported on the ", backend_.name(), " backend yet: use device = \"cpu\"");
   params_ = Tensor::zeros(alloc, {layout_.total}, DTYPE_F32, MEM_PARAMETERS);
   grads_ = Tensor::zeros(alloc, {layout_.total}, DTYPE_F32, MEM_GRADIENTS);
   for (int64_t l = 0; l < config_.n_layer; ++l) {
@@ -49,14 +53,28 @@ Tensor Transformer::grad(const std::string& name) const {
   return grads_.view(spec.offset, spec.shape);
 }
 
+namespace {
+
+// t (f32, any backend) = Philox normals (seed, stream `stream`, mean 0, `std`): in place when host
+// code may write it, else drawn into host memory and written through the backend.
+void fill_normal(Backend& backend, const Tensor& t, uint64_t seed, uint32_t stream, float std) {
+  if (t.host_accessible()) {
+    philox_fill_normal(t.data<float>(), t.numel(), seed, stream, 0, 0.0f, std);
+    return;
+  }
+  std::vector<float> host(static_cast<size_t>(t.numel()));
+  philox_fill_normal(host.data(), t.numel(), seed, stream, 0, 0.0f, std);
+  backend.write(t, host.data());
+}
+
+}  // namespace
+
 void Transformer::init_weights(uint64_t seed) {
   for (size_t i = 0; i < layout_.params.size(); ++i) {
     const ParamSpec& spec = layout_.params[i];
     const Tensor t = params_.view(spec.offset, spec.shape);
     switch (spec.init) {
-      case INIT_NORMAL:
-        philox_fill_normal(t.data<float>(), spec.numel, seed, static_cast<uint32_t>(i), 0, 0.0f, spec.init_std);
-        break;
+      case INIT_NORMAL: fill_normal(backend_, t, seed, static_cast<uint32_t>(i), spec.init_std); break;
       case INIT_ONES: backend_.fill(t, 1.0); break;
       case INIT_ZEROS: backend_.fill(t, 0.0); break;
       case INIT_COUNT: break;
@@ -67,6 +85,16 @@ void Transformer::init_weights(uint64_t seed) {
 void Transformer::zero_grads() { backend_.fill(grads_, 0.0); }
 
 void Transformer::set_precision(const PrecisionPolicy& policy) {
+  if (!params_.host_accessible()) {  // a GPU: the host-side number formats are not there
+    for (int k = 0; k < LINEAR_KIND_COUNT; ++k) {
+      LOOM_CHECK(policy.recipe[static_cast<size_t>(k)] == RECIPE_F32 || policy.recipe[static_cast<size_t>(k)] == RECIPE_BF16,
+                 "precision recipe ", recipe_name(policy.recipe[static_cast<size_t>(k)]), " is not supported on the ",
+                 backend_.name(), " backend yet (f32 and bf16 are; fp16 and fp8 quantize on the host)");
+    }
+    LOOM_CHECK(policy.qat == QAT_NONE && !policy.master_bf16 && !policy.reduce_bf16, "precision.qat, "
+               "precision.master = bf16 and precision.reduce = bf16 are not supported on the ", backend_.name(),
+               " backend yet (they round on the host)");
+  }
   policy_ = policy;
   params16_ = head16_ = Tensor{};
   if (policy_.param_bf16) params16_ = Tensor::empty(backend_.allocator(), {layout_.total}, DTYPE_BF16, MEM_PARAMETERS);
@@ -201,6 +229,12 @@ void Transformer::set_recompute(std::vector<RecomputePolicy> plan, bool offload)
   recompute_offload_ = offload;
 }
 
+void Transformer::set_flash_attention(bool on) {
+  LOOM_CHECK(scratch_tokens_ == 0, "set_flash_attention must come before the activation stores are allocated");
+  for (Block& b : blocks_) b.set_flash_attention(on);
+  flash_ = on;
+}
+
 std::vector<std::array<double, RECOMPUTE_COUNT>> Transformer::measure_recompute_seconds(int64_t batch, int64_t seq_len,
                                                                                      int repeats) {
   Allocator& alloc = backend_.allocator();
@@ -208,12 +242,12 @@ std::vector<std::array<double, RECOMPUTE_COUNT>> Transformer::measure_recompute_
   // A scratch record (workspace, freed on return) with a deterministic input in the range of a
   // residual stream; its other fields come from the first forward.
   BlockSaved kept = allocate_block_saved(alloc, config_, batch, seq_len, false, 1, false, false, RECOMPUTE_NONE,
-                                         MEM_WORKSPACE);
+                                         MEM_WORKSPACE, 1, flash_);
   BlockSaved full = allocate_block_saved(alloc, config_, batch, seq_len, false, 1, false, false, RECOMPUTE_NONE,
-                                         MEM_WORKSPACE);
+                                         MEM_WORKSPACE, 1, flash_);
   const Tensor out = Tensor::empty(alloc, {batch * seq_len * std::max(C, config_.n_head * config_.head_dim())},
                                    DTYPE_F32, MEM_WORKSPACE);
-  philox_fill_normal(kept.input.data<float>(), kept.input.numel(), 1, 0, 0, 0.0f, 1.0f);
+  fill_normal(backend_, kept.input, 1, 0, 1.0f);
   std::vector<std::array<double, RECOMPUTE_COUNT>> seconds(static_cast<size_t>(config_.n_layer));
   for (int64_t l = 0; l < config_.n_layer; ++l) {
     Block& b = blocks_[static_cast<size_t>(l)];
@@ -275,7 +309,7 @@ ActivationStore Transformer::allocate_store_for(int64_t batch, int64_t seq_len, 
     const RecomputePolicy keep = recompute && !recompute_.empty() ? recompute_[l] : RECOMPUTE_NONE;
     const MemCategory where = keep != RECOMPUTE_NONE && recompute_offload_ ? MEM_OFFLOADED : MEM_ACTIVATIONS;
     s.blocks[l] = allocate_block_saved(alloc, config_, B, T, split_backward, shards(), context_parallel,
-                                       config_.moe_layer(l), keep, where, ep_size());
+                                       config_.moe_layer(l), keep, where, ep_size(), flash_);
   }
   if (last < config_.n_layer) {
     s.blocks[last].input = act({B, Ts, C});  // the stage's output: the next stage's input
@@ -295,7 +329,8 @@ ActivationStore Transformer::allocate_store_for(int64_t batch, int64_t seq_len, 
              "with tensor or context parallelism is not supported yet");
   if (any_recompute && (!recompute_record_.input.defined() || recompute_record_.input.dim(0) != B ||
                         recompute_record_.input.dim(1) != T)) {
-    recompute_record_ = allocate_block_saved(alloc, config_, B, T);
+    recompute_record_ = allocate_block_saved(alloc, config_, B, T, false, 1, false, false, RECOMPUTE_NONE,
+                                             MEM_ACTIVATIONS, 1, flash_);
     recompute_out_ = Tensor::empty(alloc, {B * T * std::max(C, config_.n_head * config_.head_dim())}, DTYPE_F32,
                                    MEM_ACTIVATIONS);
   }

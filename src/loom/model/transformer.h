@@ -104,6 +104,11 @@ class Transformer {
   // shared full record (and its output scratch) receives the recomputed fields in backward.
   // offload: the checkpointed blocks' kept fields are host memory (MEM_OFFLOADED).
   void set_recompute(std::vector<RecomputePolicy> plan, bool offload = false);
+  // FlashAttention (train.flash_attention, Block::set_flash_attention): every block runs the
+  // backend's flash attention ops and its records keep lse instead of probs. Set before the
+  // activation stores are allocated.
+  void set_flash_attention(bool on);
+  bool flash_attention() const { return flash_; }
   const std::vector<RecomputePolicy>& recompute_plan() const { return recompute_; }
   // Measured seconds of recomputing each block under each policy for a (batch, seq_len)
   // micro-batch (the fastest of `repeats` runs on a scratch record; none: 0).
@@ -195,6 +200,7 @@ class Transformer {
   ContextParallel cp_;               // context parallel (cp_.comm set)
   std::vector<RecomputePolicy> recompute_;  // [layer] (empty: none)
   bool recompute_offload_ = false;          // kept fields in MEM_OFFLOADED
+  bool flash_ = false;                      // FlashAttention in every block
   BlockSaved recompute_record_;      // the shared full record recomputation fills (activations)
   Tensor recompute_out_;             // (B, T, max(C, H hd)) scratch of the recomputed forward
   MoeScratch moe_scratch_;           // shared by the MoE blocks

@@ -65,7 +65,7 @@ namespace {
 std::vector<std::pair<Tensor BlockSaved::*, Shape>> block_saved_fields(const ModelConfig& config, int64_t batch,
                                                                       int64_t seq_len, bool split_backward,
                                                                       int64_t seq_shards, bool context_parallel,
-                                                                      bool moe, RecomputePolicy keep) {
+                                                                      bool moe, RecomputePolicy keep, bool flash) {
   LOOM_CHECK(seq_shards >= 1 && seq_len % seq_shards == 0, "sequence parallel: train.seq_len (", seq_len,
              ") must be a multiple of parallel.tp (", seq_shards, ")");
   const int64_t B = batch, T = seq_len, C = config.d_model, H = config.n_head;
@@ -74,6 +74,8 @@ std::vector<std::pair<Tensor BlockSaved::*, Shape>> block_saved_fields(const Mod
   f.push_back({&BlockSaved::input, {B, Ts, C}});
   LOOM_CHECK(!config.mla() || (seq_shards == 1 && !context_parallel), "model.mla_kv_rank > 0 (MLA) is not supported "
              "with sequence parallelism (parallel.sequence_parallel) or context parallelism (parallel.cp > 1)");
+  LOOM_CHECK(!config.mla() || !flash, "train.flash_attention is not supported with model.mla_kv_rank > 0 (MLA computes "
+             "its own attention)");
   if (keep != RECOMPUTE_NONE) {  // activation checkpointing (no model parallelism, no MoE)
     LOOM_CHECK(!split_backward && seq_shards == 1 && !context_parallel && !moe,
                "activation checkpointing (train.recompute) with pipeline, sequence or context parallelism or MoE "
@@ -81,6 +83,7 @@ std::vector<std::pair<Tensor BlockSaved::*, Shape>> block_saved_fields(const Mod
     if (keep == RECOMPUTE_SELECTIVE) {  // (sizes only for MLA: its blocks do not recompute)
       if (!config.mla()) f.push_back({&BlockSaved::qkv, {B, T, config.qkv_width()}});
       f.push_back({&BlockSaved::attn, {B, T, config.attn_width()}});
+      if (flash) f.push_back({&BlockSaved::lse, {B, H, T}});  // the attention is not recomputed
       f.push_back({&BlockSaved::mid, {B, Ts, C}});
       f.push_back({&BlockSaved::fc, {B, T, config.mlp_in_width()}});
     }
@@ -105,7 +108,8 @@ std::vector<std::pair<Tensor BlockSaved::*, Shape>> block_saved_fields(const Mod
   } else {
     f.push_back({&BlockSaved::qkv, {B, T, config.qkv_width()}});
   }
-  if (context_parallel) f.push_back({&BlockSaved::lse, {B, H, T}});  // ring attention; Ulysses keeps its own
+  // FlashAttention or ring attention keep the rows' log-sum-exp; Ulysses keeps its own record.
+  if (context_parallel || flash) f.push_back({&BlockSaved::lse, {B, H, T}});
   else f.push_back({&BlockSaved::probs, {B, H, T, T}});
   f.push_back({&BlockSaved::attn, {B, T, config.attn_width()}});
   f.push_back({&BlockSaved::mid, {B, Ts, C}});
@@ -129,10 +133,10 @@ std::vector<std::pair<Tensor BlockSaved::*, Shape>> block_saved_fields(const Mod
 
 BlockSaved allocate_block_saved(Allocator& allocator, const ModelConfig& config, int64_t batch, int64_t seq_len,
                                 bool split_backward, int64_t seq_shards, bool context_parallel, bool moe,
-                                RecomputePolicy keep, MemCategory category, int ep) {
+                                RecomputePolicy keep, MemCategory category, int ep, bool flash) {
   BlockSaved s;
   for (auto& [field, shape] : block_saved_fields(config, batch, seq_len, split_backward, seq_shards, context_parallel,
-                                                 moe, keep)) {
+                                                 moe, keep, flash)) {
     s.*field = Tensor::empty(allocator, std::move(shape), DTYPE_F32, category);
   }
   if (moe && keep == RECOMPUTE_NONE) s.moe = allocate_moe_saved(allocator, config, batch * seq_len, ep);
@@ -140,10 +144,11 @@ BlockSaved allocate_block_saved(Allocator& allocator, const ModelConfig& config,
 }
 
 int64_t block_saved_bytes(const ModelConfig& config, int64_t batch, int64_t seq_len, bool split_backward,
-                          int64_t seq_shards, bool context_parallel, bool moe, RecomputePolicy keep, int ep) {
+                          int64_t seq_shards, bool context_parallel, bool moe, RecomputePolicy keep, int ep,
+                          bool flash) {
   int64_t floats = 0;
   for (const auto& [field, shape] : block_saved_fields(config, batch, seq_len, split_backward, seq_shards,
-                                                       context_parallel, moe, keep)) {
+                                                       context_parallel, moe, keep, flash)) {
     int64_t n = 1;
     for (int64_t d : shape) n *= d;
     floats += n;
@@ -195,6 +200,20 @@ void Block::set_precision(const PrecisionPolicy& policy, BlockParams params16, L
              recipe_name(policy.recipe[LINEAR_ATTN_QKV]), ") and precision.qat = none");
 }
 
+void Block::set_context_parallel(ContextParallel* cp) {
+  LOOM_CHECK(cp == nullptr || !flash_, "train.flash_attention is not supported with context parallelism (parallel.cp "
+             "> 1 runs ring or Ulysses attention)");
+  cp_ = cp;
+}
+
+void Block::set_flash_attention(bool on) {
+  LOOM_CHECK(!on || !config_.mla(), "train.flash_attention is not supported with model.mla_kv_rank > 0 (MLA computes "
+             "its own attention)");
+  LOOM_CHECK(!on || cp_ == nullptr, "train.flash_attention is not supported with context parallelism (parallel.cp > 1 "
+             "runs ring or Ulysses attention)");
+  flash_ = on;
+}
+
 MlaActivations Block::mla_activations(const BlockSaved& s) {
   return {s.mla_qa, s.mla_qa_norm, s.mla_qa_rstd, s.mla_q, s.mla_c, s.mla_c_norm, s.mla_c_rstd, s.mla_kr, s.mla_kv,
           s.probs, s.attn};
@@ -203,7 +222,10 @@ MlaActivations Block::mla_activations(const BlockSaved& s) {
 BlockSaved with_kept(const BlockSaved& shared, const BlockSaved& kept, RecomputePolicy policy) {
   BlockSaved r = shared;
   r.input = kept.input;
-  if (policy == RECOMPUTE_SELECTIVE) r.qkv = kept.qkv, r.attn = kept.attn, r.mid = kept.mid, r.fc = kept.fc;
+  if (policy == RECOMPUTE_SELECTIVE) {
+    r.qkv = kept.qkv, r.attn = kept.attn, r.mid = kept.mid, r.fc = kept.fc;
+    if (kept.lse.defined()) r.lse = kept.lse;  // FlashAttention
+  }
   return r;
 }
 
@@ -224,10 +246,12 @@ void Block::recompute(Backend& backend, const BlockSaved& kept, RecomputePolicy 
     return;
   }
   // Selective: the GEMM outputs and the residual stream are kept; norms, probabilities and the
-  // activation come again from them.
+  // activation come again from them (with FlashAttention lse is kept: no attention to rerun).
   norm_forward(backend, config_, r.input, p.norm1_w, p.norm1_b, r.norm1, r.mean1, r.rstd1);
-  backend.attention_forward(r.qkv, shaped(out_scratch, r.attn.shape()), r.probs, config_.n_head, config_.n_kv_head,
-                            config_.attn_window);
+  if (!flash_) {
+    backend.attention_forward(r.qkv, shaped(out_scratch, r.attn.shape()), r.probs, config_.n_head, config_.n_kv_head,
+                              config_.attn_window);
+  }
   norm_forward(backend, config_, r.mid, p.norm2_w, p.norm2_b, r.norm2, r.mean2, r.rstd2);
   if (config_.swiglu()) backend.swiglu_forward(r.fc, r.act);
   else backend.gelu_forward(r.fc, r.act);
@@ -253,6 +277,10 @@ void Block::rope(Backend& backend, const Tensor& qkv, bool backward) const {
 
 void Block::attention_forward(Backend& backend, BlockSaved& s) const {
   const int64_t H = config_.n_head, KV = config_.n_kv_head, hd = config_.head_dim();
+  if (cp_ == nullptr && flash_) {
+    backend.flash_attention_forward(s.qkv, s.attn, s.lse, H, KV, config_.attn_window);
+    return;
+  }
   if (cp_ == nullptr) {
     backend.attention_forward(s.qkv, s.attn, s.probs, H, KV, config_.attn_window);
     return;
@@ -270,6 +298,10 @@ void Block::attention_forward(Backend& backend, BlockSaved& s) const {
 
 void Block::attention_backward(Backend& backend, const BlockSaved& s, BlockScratch& k) const {
   const int64_t H = config_.n_head, KV = config_.n_kv_head, hd = config_.head_dim();
+  if (cp_ == nullptr && flash_) {
+    backend.flash_attention_backward(k.d_attn, s.qkv, s.attn, s.lse, k.d_qkv, H, KV, config_.attn_window);
+    return;
+  }
   if (cp_ == nullptr) {
     backend.attention_backward(k.d_attn, s.qkv, s.attn, s.probs, k.d_qkv, H, KV, config_.attn_window);
     return;

@@ -49,7 +49,7 @@ struct BlockSaved {
   Tensor mla_c, mla_c_norm, mla_c_rstd;     // (B,T,d_c), (B,T,d_c), (B,T)
   Tensor mla_kr;                            // (B,T,d_r)
   Tensor mla_kv;                            // (B,T,H (d_n + d_v))
-  Tensor probs;                  // (B,H,T,T)
+  Tensor probs;                  // (B,H,T,T); not kept with FlashAttention or context parallel (lse)
   Tensor attn;                   // (B,T,H hd); MLA: (B,T,H d_v)
   Tensor mid;                    // (B,T,C) residual after attention
   Tensor norm2, mean2, rstd2;    // (B,T,C), (B,T), (B,T)
@@ -58,8 +58,9 @@ struct BlockSaved {
   // Only for a backward split into input and weight gradients (zero-bubble pipelines): the
   // output gradients of the four linear layers, kept from the input pass for the weight pass.
   Tensor dy_fc2, dy_fc, dy_proj, dy_qkv;  // (B,T,C), (B,T,F or 2F), (B,T,C), (B,T,(H+2KV)hd)
-  // Context parallel (T is then this rank's T/cp positions; probs is not kept): ring attention's
-  // log-sum-exp (B,H,T), or what Ulysses keeps.
+  // The attention rows' log-sum-exp (B,H,T), kept instead of probs by FlashAttention
+  // (Block::set_flash_attention) and by context parallel ring attention (T is then this rank's
+  // T/cp positions); Ulysses keeps its own record.
   Tensor lse;
   UlyssesSaved ulysses;
   MoeSaved moe;  // an MoE block: its routing and experts' activations (fc, act unused)
@@ -68,12 +69,13 @@ struct BlockSaved {
 // Activation checkpointing (memory/recompute.h): which fields of its BlockSaved a block keeps
 // from its forward to its backward; the rest are recomputed (Block::recompute) into a shared
 // full record just before the backward.
-//   none: all; selective: input, qkv, attn, mid, fc (the residual stream and GEMM outputs);
+//   none: all; selective: input, qkv, attn, mid, fc (the residual stream and GEMM outputs),
+//   and with FlashAttention lse (B,H,T), so that the attention is not run again;
 //   full: input only.
 enum RecomputePolicy : uint8_t { RECOMPUTE_NONE, RECOMPUTE_SELECTIVE, RECOMPUTE_FULL, RECOMPUTE_COUNT };
 
 // A whole record for a block that keeps only `policy`'s fields: kept's tensors where it has them
-// (input; selective also qkv, attn, mid, fc), the shared record's elsewhere. The forward writes
+// (input; selective also qkv, attn, mid, fc, and lse with flash), the shared record's elsewhere. The forward writes
 // through it (the unkept fields land in the shared record, overwritten by the next block).
 BlockSaved with_kept(const BlockSaved& shared, const BlockSaved& kept, RecomputePolicy policy);
 
@@ -87,15 +89,16 @@ enum BackwardPart : uint8_t { BACKWARD_ALL, BACKWARD_INPUT, BACKWARD_WEIGHT };
 // context_parallel: seq_len is this rank's share; ring attention's lse instead of probs.
 // moe: an MoE block (its routing and experts' buffers, allocate_moe_saved over an expert-parallel
 // group of ep ranks, instead of fc and act).
+// flash: FlashAttention (Block::set_flash_attention): lse (B,H,T) instead of probs (B,H,T,T).
 BlockSaved allocate_block_saved(Allocator& allocator, const ModelConfig& config, int64_t batch, int64_t seq_len,
                                 bool split_backward = false, int64_t seq_shards = 1, bool context_parallel = false,
                                 bool moe = false, RecomputePolicy keep = RECOMPUTE_NONE,
-                                MemCategory category = MEM_ACTIVATIONS, int ep = 1);
+                                MemCategory category = MEM_ACTIVATIONS, int ep = 1, bool flash = false);
 // The bytes allocate_block_saved allocates for the same arguments, without allocating: the
 // allocation and this count walk one list of fields (memory/estimate.h plans real sizes with it).
 int64_t block_saved_bytes(const ModelConfig& config, int64_t batch, int64_t seq_len, bool split_backward = false,
                           int64_t seq_shards = 1, bool context_parallel = false, bool moe = false,
-                          RecomputePolicy keep = RECOMPUTE_NONE, int ep = 1);
+                          RecomputePolicy keep = RECOMPUTE_NONE, int ep = 1, bool flash = false);
 
 // Whole-sequence (B,T,C) buffers a sequence-parallel block gathers into (shared by the blocks).
 struct SequenceScratch {
@@ -178,7 +181,13 @@ class Block {
   }
   // Context parallel: attention across the cp group's sequence shards (ring or Ulysses); RoPE at
   // this rank's global positions.
-  void set_context_parallel(ContextParallel* cp) { cp_ = cp; }
+  void set_context_parallel(ContextParallel* cp);
+  // FlashAttention (train.flash_attention; Dao 2023): the attention runs the backend's
+  // flash_attention_forward / flash_attention_backward and the record keeps lse (B,H,T) instead
+  // of probs (B,H,T,T) (allocate_block_saved with flash). Not with MLA or context parallelism,
+  // which compute their own attention (nn/mla.h, nn/context_parallel.h).
+  void set_flash_attention(bool on);
+  bool flash_attention() const { return flash_; }
   // Activation checkpointing: `kept` holds what `policy` kept of this block's forward; fills
   // `full` (a whole record: its fields, or views of kept's where kept has them) with every field
   // the backward reads, by running again the forward pieces that made the missing ones (the
@@ -217,6 +226,7 @@ class Block {
   Communicator* tp_ = nullptr;
   SequenceScratch* seq_ = nullptr;  // set: sequence parallel
   ContextParallel* cp_ = nullptr;   // set: context parallel
+  bool flash_ = false;              // FlashAttention: lse kept instead of probs
   MoeScratch* moe_scratch_ = nullptr;
   Communicator* ep_ = nullptr;
   float loss_weight_ = 1.0f;

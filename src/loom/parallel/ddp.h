@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "loom/backend/backend.h"
 #include "loom/comm/communicator.h"
 #include "loom/parallel/compress.h"
 #include "loom/model/param_layout.h"
@@ -49,8 +50,9 @@ class DataParallel {
   // Called by backward: every gradient at flat offset >= `offset` is final. Launches the
   // all-reduce of each bucket now entirely ready (overlap on).
   void ready_from(int64_t offset);
-  // After backward: launches what is left, waits for every bucket and divides by the world size.
-  void finish();
+  // After backward: launches what is left, waits for every bucket and divides by the world size
+  // (through `backend` when given: a GPU's gradients; else on the host).
+  void finish(Backend* backend = nullptr);
 
  private:
   Communicator& comm_;

@@ -30,6 +30,7 @@ struct Binding {
 
 std::vector<Binding> bindings(LoomConfig& c) {
   return {
+      {"device", &c.device},  // top-level keys first: TOML puts them before any [table]
       {"model.arch", &c.model.arch},
       {"model.vocab_size", &c.model.vocab_size},
       {"model.max_seq_len", &c.model.max_seq_len},
@@ -69,6 +70,7 @@ std::vector<Binding> bindings(LoomConfig& c) {
       {"train.device_budget_mb", &c.train.device_budget_mb},
       {"train.recompute_budget_mb", &c.train.recompute_budget_mb},
       {"train.offload_activations", &c.train.offload_activations},
+      {"train.flash_attention", &c.train.flash_attention},
       {"train.steps", &c.train.steps},
       {"train.seed", &c.loop.seed},
       {"train.eval_every", &c.loop.eval_every},
@@ -268,6 +270,7 @@ void LoomConfig::validate() const {
   model.validate();
   train.validate();
   sample.sampling.validate();
+  LOOM_CHECK(device == "cpu" || device == "cuda", "device must be \"cpu\" or \"cuda\", got \"", device, "\"");
   LOOM_CHECK(parallel.zero_stage >= 0 && parallel.zero_stage <= 3, "parallel.zero_stage must be 0, 1, 2 or 3, got ",
              parallel.zero_stage);
   LOOM_CHECK(parallel.bucket_mb > 0.0, "parallel.bucket_mb must be > 0, got ", parallel.bucket_mb);
@@ -284,6 +287,14 @@ void LoomConfig::validate() const {
                parallel.cp, ")");
     LOOM_CHECK(train.recompute == "none", "model.mla_kv_rank > 0 (MLA) is not supported with activation checkpointing "
                "(train.recompute = ", train.recompute, "); set train.recompute = none");
+  }
+  if (train.flash_attention) {  // the blocks' own attention only (nn/block.h set_flash_attention)
+    LOOM_CHECK(parallel.cp == 1, "train.flash_attention is not supported with context parallelism (parallel.cp = ",
+               parallel.cp, " runs ring or Ulysses attention); set train.flash_attention = false or parallel.cp = 1");
+    LOOM_CHECK(parallel.pp == 1, "train.flash_attention is not supported with pipeline parallelism (parallel.pp = ",
+               parallel.pp, ") yet; set train.flash_attention = false or parallel.pp = 1");
+    LOOM_CHECK(!model.mla(), "train.flash_attention is not supported with model.mla_kv_rank > 0 (MLA computes its own "
+               "attention); set train.flash_attention = false");
   }
   LOOM_CHECK(parallel.ep == 1 || model.moe_experts > 0, "parallel.ep = ", parallel.ep, " needs an MoE model (model.moe_experts > 0)");
   LOOM_CHECK(parallel.ep == 1 || parallel.dp == 0 || parallel.dp % parallel.ep == 0, "parallel.ep = ", parallel.ep,
@@ -355,7 +366,8 @@ std::string config_to_toml(const LoomConfig& c) {
   std::ostringstream out;
   std::string section;
   for (const Binding& b : bindings(copy)) {
-    const std::string sec = b.key.substr(0, b.key.find('.')), name = b.key.substr(b.key.find('.') + 1);
+    const size_t dot = b.key.find('.');  // no dot: a top-level key (listed first, before any table)
+    const std::string sec = dot == std::string::npos ? "" : b.key.substr(0, dot), name = b.key.substr(dot + 1);
     if (sec != section) {
       out << (section.empty() ? "" : "\n") << "[" << sec << "]\n";
       section = sec;

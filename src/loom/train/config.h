@@ -63,6 +63,7 @@ struct ParallelConfig {
 };
 
 struct LoomConfig {
+  std::string device = "cpu";  // the backend: cpu | cuda (backend/backend.h make_backend)
   ModelConfig model;
   ParallelConfig parallel;
   TrainConfig train;

@@ -67,15 +67,17 @@ std::vector<OptimParam> rank_params(const std::vector<OptimParam>& all, const Co
 Trainer::RecomputeReport configure_recompute(Transformer& model, const TrainConfig& config) {
   Trainer::RecomputeReport r;
   const ModelConfig& c = model.config();
+  model.set_flash_attention(config.flash_attention);  // first: it decides what attention keeps, counted below
   RecomputeCosts costs;
   for (int64_t l = 0; l < c.n_layer; ++l) {
     std::array<int64_t, RECOMPUTE_COUNT> bytes{};
     for (int p = 0; p < RECOMPUTE_COUNT; ++p) {
-      bytes[p] = block_kept_bytes(c, config.batch_size, config.seq_len, static_cast<RecomputePolicy>(p));
+      bytes[p] = block_kept_bytes(c, config.batch_size, config.seq_len, static_cast<RecomputePolicy>(p),
+                                  config.flash_attention);
     }
     costs.bytes.push_back(bytes);
   }
-  costs.scratch_bytes = block_kept_bytes(c, config.batch_size, config.seq_len, RECOMPUTE_NONE) +
+  costs.scratch_bytes = block_kept_bytes(c, config.batch_size, config.seq_len, RECOMPUTE_NONE, config.flash_attention) +
                         4 * config.batch_size * config.seq_len * std::max(c.d_model, c.n_head * c.head_dim());
   costs.seconds.assign(static_cast<size_t>(c.n_layer), {0.0, 0.0, 0.0});
   if (config.recompute == "budget") {
@@ -122,6 +124,8 @@ Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config, Commu
       pipeline_(pipeline) {
   LOOM_CHECK(pipeline_ == nullptr || config_.recompute == "none", "train.recompute = ", config_.recompute,
              " with parallel.pp > 1 is not supported yet");
+  LOOM_CHECK(pipeline_ == nullptr || !config_.flash_attention,
+             "train.flash_attention with parallel.pp > 1 is not supported yet");
   LOOM_CHECK(pipeline_ == nullptr || pipeline_->schedule().micro == config_.grad_accum, "the pipeline schedule runs ",
              pipeline_ ? pipeline_->schedule().micro : 0, " micro-batches per step: set train.grad_accum to match (got ",
              config_.grad_accum, ")");
@@ -135,6 +139,9 @@ Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config, Commu
     LOOM_CHECK(!optimizer_->keeps_gradients(), "data parallelism is not supported with optim.name = ", optimizer_->name(),
                " (its error feedback lives in the gradient buffer, which the all-reduce would average)");
     comm_ = comm;
+    LOOM_CHECK(model_.params().host_accessible() || (ddp.zero_stage == 0 && ddp.compression == "none"),
+               "parallel.zero_stage > 0 and parallel.compression are not supported on the ", backend_.name(),
+               " backend yet (their shard and compression bookkeeping runs on the host): use plain data parallelism");
     if (ddp.zero_stage <= 1) {  // gradients all-reduced (stage 1 then shards the update)
       // Sequence parallel sums some gradients over the tp group after backward: the data-parallel
       // reduction then follows it instead of overlapping backward.
@@ -171,7 +178,7 @@ Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config, Commu
                "gradients are summed over the tp group after backward, ZeRO-2/3 reduce-scatter them during it; use "
                "zero_stage 0 or 1");
   }
-  scalar_ = Tensor::zeros(backend_.allocator(), {1}, DTYPE_F64, MEM_WORKSPACE);
+  scalar_ = Tensor::zeros(host_, {1}, DTYPE_F64, MEM_WORKSPACE);
   if (model_.precision().master_bf16) {  // no fp32 master: the weights are bf16 values from the start
     round_to_bf16(model_.params().data<float>(), model_.params().numel(), false);
   }
@@ -196,6 +203,20 @@ Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config, Commu
   }
 }
 
+namespace {
+
+// GradScaler's unscale through the op interface (any backend): grads *= fp32(1 / scale); true
+// when an element is inf or NaN. A sum of squares in double of finite floats is finite (at most
+// 1.2e77 per element), so it is finite exactly when every element is: the same verdict and the
+// same bits as DynamicLossScaler::unscale's host loop.
+bool unscale(Backend& backend, const Tensor& grads, float scale) {
+  const float inv = static_cast<float>(1.0 / static_cast<double>(scale));
+  if (inv != 1.0f) backend.scale_inplace(grads, inv);
+  return !std::isfinite(backend.sum_squares(grads));
+}
+
+}  // namespace
+
 StepStats Trainer::train_step(BatchSource& data) {
   const auto start = std::chrono::steady_clock::now();
   if (sharded_grads()) {
@@ -213,7 +234,7 @@ StepStats Trainer::train_step(BatchSource& data) {
                "; stopping before the update, the weights are unchanged");
   }
   for (int64_t micro = 0; pipeline_ == nullptr && micro < config_.grad_accum; ++micro) {
-    data.fill(store_.tokens, store_.targets);
+    load_batch(data);
     const double loss = model_.forward(store_);
     // With loss scaling a non-finite loss (an fp16 overflow) makes non-finite gradients: skipped.
     // Data parallel ranks check the mean over ranks below, so that all of them stop together.
@@ -233,7 +254,7 @@ StepStats Trainer::train_step(BatchSource& data) {
     model_.tensor_parallel()->all_reduce(model_.grads().view(b, {e - b}));
   }
   if (comm_ != nullptr) {
-    if (ddp_) ddp_->finish();
+    if (ddp_) ddp_->finish(&backend_);
     if (sharded_grads()) zero_->finish();
     loss_sum = sum_over(*comm_, loss_sum) / comm_->size();
     LOOM_CHECK(scaler_ || std::isfinite(loss_sum), "loss is ", loss_sum, " at step ", step_,
@@ -255,7 +276,7 @@ StepStats Trainer::train_step(BatchSource& data) {
   if (scaler_) {
     // GradScaler: unscale; with inf/NaN gradients skip the step, leaving the weights and the
     // optimizer state as they are (the next step zeroes the gradients).
-    stats.skipped = scaler_->unscale(grads.data<float>(), grads.numel());
+    stats.skipped = unscale(backend_, grads, scaler_->scale());
     if (sharded_grads()) stats.skipped = sum_over(*comm_, stats.skipped ? 1.0 : 0.0) > 0.0;
     scaler_->update(stats.skipped);
   }
@@ -274,6 +295,7 @@ StepStats Trainer::train_step(BatchSource& data) {
   }
   model_.moe_end_step(comm_);  // routing statistics over the data-parallel ranks; the routing bias update
   model_.end_step();
+  backend_.synchronize();  // a device's queued work belongs to this step's time
   stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   ++step_;
   return stats;
@@ -332,6 +354,20 @@ void Trainer::restore(int64_t step, int64_t optimizer_steps) {
   optimizer_->restore_steps_taken(optimizer_steps);
 }
 
+void Trainer::load_batch(BatchSource& data) {
+  if (store_.tokens.host_accessible()) {
+    data.fill(store_.tokens, store_.targets);
+    return;
+  }
+  if (!host_tokens_.defined()) {
+    host_tokens_ = Tensor::empty(host_, store_.tokens.shape(), DTYPE_I32, MEM_WORKSPACE);
+    host_targets_ = Tensor::empty(host_, store_.targets.shape(), DTYPE_I32, MEM_WORKSPACE);
+  }
+  data.fill(host_tokens_, host_targets_);
+  backend_.write(store_.tokens, host_tokens_.raw_data());
+  backend_.write(store_.targets, host_targets_.raw_data());
+}
+
 double Trainer::evaluate(BatchSource& data, int64_t batches) {
   model_.sync_weight_copy();
   model_.set_recording(false);
@@ -342,7 +378,7 @@ double Trainer::evaluate(BatchSource& data, int64_t batches) {
   }
   double sum = 0.0;
   for (int64_t i = 0; i < batches; ++i) {
-    data.fill(store_.tokens, store_.targets);
+    load_batch(data);
     sum += model_.forward(store_);
   }
   model_.set_recording(true);

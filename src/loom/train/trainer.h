@@ -39,6 +39,9 @@ struct TrainConfig {
   // the GEMM outputs) live in host memory between forward and backward (MEM_OFFLOADED; on the
   // CPU backend the same RAM, so only the accounting moves). Needs train.recompute != none.
   bool offload_activations = false;
+  // FlashAttention (nn/block.h set_flash_attention): every block's attention keeps its rows'
+  // log-sum-exp (B,H,T) instead of the probabilities (B,H,T,T). Not with pipeline stages yet.
+  bool flash_attention = false;
   // > 0: the memory a device holds after setup (every category but MEM_OFFLOADED) must fit; a
   // run that does not is refused naming the remedies (offload, recompute, ZeRO).
   double device_budget_mb = 0.0;
@@ -118,7 +121,10 @@ class Trainer {
   Communicator* tp_ = nullptr;      // the model's tensor-parallel group (more than one rank)
   std::vector<std::pair<int64_t, int64_t>> tp_replicated_;  // flat ranges of replicated parameters
   std::vector<std::pair<int64_t, int64_t>> sequence_partial_;  // sequence parallel: summed over tp once a step
-  Tensor scalar_;  // (1) f64: the loss, flags and norms summed over a group
+  void load_batch(BatchSource& data);  // the next batch into store_'s tokens and targets
+  CpuAllocator host_;  // host staging: scalar_ and, on a GPU backend, the batch
+  Tensor scalar_;      // (1) f64 on the host: the loss, flags and norms summed over a group
+  Tensor host_tokens_, host_targets_;  // the batch before it is written to the backend (GPU only)
   std::vector<FlatRange> domain_;
   int64_t step_ = 0;
 };

@@ -5,6 +5,8 @@
 #include <cstring>
 
 #include "loom/backend/backend.h"
+#include "loom/backend/checks.h"
+#include "loom/backend/cpu/cpu_flash.h"
 #include "loom/backend/cpu/cpu_gemm.h"
 #include "loom/backend/cpu/cpu_kernels.h"
 #include "loom/core/error.h"
@@ -20,43 +22,29 @@ void dispatch_float(DType dtype, const char* op, Fn&& fn) {
   else throw Error(str_cat(op, ": not supported for dtype ", dtype_name(dtype), " on the CPU backend (f32, f64)"));
 }
 
-void expect_dtype(const Tensor& t, DType dtype, const char* op, const char* what) {
-  LOOM_CHECK(t.defined(), op, ": ", what, " is undefined");
-  LOOM_CHECK(t.dtype() == dtype, op, ": ", what, " is ", t.describe(), ", expected dtype ", dtype_name(dtype));
-}
-
-void expect_numel(const Tensor& t, int64_t numel, const char* op, const char* what) {
-  LOOM_CHECK(t.numel() == numel, op, ": ", what, " is ", t.describe(), ", expected ", numel, " elements");
-}
-
-// Rows of a tensor viewed as (rows, last dim).
-int64_t rows_of(const Tensor& t) { return t.ndim() == 0 || t.dim(-1) == 0 ? 0 : t.numel() / t.dim(-1); }
+using checks::check_attention;
+using checks::check_cross_entropy;
+using checks::check_elementwise;
+using checks::check_embedding;
+using checks::check_row_op;
+using checks::check_swiglu;
+using checks::expect_dtype;
+using checks::expect_numel;
+using checks::rows_of;
 
 class CpuBackend final : public Backend {
  public:
   std::string_view name() const override { return "cpu"; }
   Allocator& allocator() override { return allocator_; }
 
+  void write(const Tensor& dst, const void* host) override { std::memcpy(dst.raw_data(), host, dst.nbytes()); }
+  void read(const Tensor& src, void* host) override { std::memcpy(host, src.raw_data(), src.nbytes()); }
+
   void gemm(const Tensor& a, const Tensor& b, const Tensor& c, const GemmSpec& spec, const Tensor* bias) override {
-    const char* op = "gemm";
-    const bool bf16_in = a.dtype() == DTYPE_BF16;  // bf16 A and B, fp32 C (and bias)
-    expect_dtype(b, a.dtype(), op, "B");
-    expect_dtype(c, bf16_in ? DTYPE_F32 : a.dtype(), op, "C");
-    const int64_t batch = spec.batch;
-    LOOM_CHECK(batch >= 1 && a.numel() % batch == 0 && b.numel() % batch == 0 && c.numel() % batch == 0, op,
-               ": batch ", batch, " does not divide A ", a.describe(), ", B ", b.describe(), ", C ", c.describe());
-    const int64_t a_cols = a.dim(-1), b_cols = b.dim(-1), n = c.dim(-1);
-    const int64_t a_rows = a.numel() / batch / a_cols, b_rows = b.numel() / batch / b_cols;
-    const int64_t m = c.numel() / batch / n;
-    const int64_t op_a_rows = spec.trans_a ? a_cols : a_rows, k = spec.trans_a ? a_rows : a_cols;
-    const int64_t op_b_rows = spec.trans_b ? b_cols : b_rows, op_b_cols = spec.trans_b ? b_rows : b_cols;
-    LOOM_CHECK(op_a_rows == m && op_b_rows == k && op_b_cols == n, op, ": shapes do not chain: op(A) (", op_a_rows,
-               ", ", k, ") @ op(B) (", op_b_rows, ", ", op_b_cols, ") -> C (", m, ", ", n, "); A ", a.describe(),
-               " B ", b.describe(), " C ", c.describe());
-    if (bias) {
-      expect_dtype(*bias, c.dtype(), op, "bias");
-      expect_numel(*bias, n, op, "bias");
-    }
+    const checks::GemmDims d = checks::check_gemm(a, b, c, spec, bias);
+    const bool bf16_in = a.dtype() == DTYPE_BF16;
+    const int64_t batch = spec.batch, m = d.m, n = d.n, k = d.k;
+    const int64_t a_rows = d.a_rows, a_cols = d.a_cols, b_rows = d.b_rows, b_cols = d.b_cols;
     if (bf16_in) {
       const uint16_t* pa = static_cast<const uint16_t*>(a.raw_data());
       const uint16_t* pb = static_cast<const uint16_t*>(b.raw_data());
@@ -68,7 +56,7 @@ class CpuBackend final : public Backend {
       if (bias) add_bias_rows(pc, bias->data<float>(), batch * m, n);
       return;
     }
-    dispatch_float(a.dtype(), op, [&]<typename T>() {
+    dispatch_float(a.dtype(), "gemm", [&]<typename T>() {
       const T* pa = a.data<T>();
       const T* pb = b.data<T>();
       T* pc = c.data<T>();
@@ -274,8 +262,7 @@ class CpuBackend final : public Backend {
   void attention_forward(const Tensor& qkv, const Tensor& out, const Tensor& probs, int64_t n_head,
                          int64_t n_kv_head, int64_t window) override {
     const char* op = "attention_forward";
-    const auto [batch, seq_len, head_dim] = check_attention(op, qkv, out, probs, n_head, n_kv_head);
-    LOOM_CHECK(window >= 0, op, ": window must be >= 0, got ", window);
+    const auto [batch, seq_len, head_dim] = check_attention(op, qkv, out, probs, n_head, n_kv_head, window, false);
     dispatch_float(qkv.dtype(), op, [&]<typename T>() {
       if (window > 0 && window < seq_len) {
         cpu::attention_forward_window(qkv.data<T>(), out.data<T>(), probs.data<T>(), batch, seq_len, n_head,
@@ -290,8 +277,7 @@ class CpuBackend final : public Backend {
   void attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out, const Tensor& probs,
                           const Tensor& dqkv, int64_t n_head, int64_t n_kv_head, int64_t window) override {
     const char* op = "attention_backward";
-    const auto [batch, seq_len, head_dim] = check_attention(op, qkv, out, probs, n_head, n_kv_head);
-    LOOM_CHECK(window >= 0, op, ": window must be >= 0, got ", window);
+    const auto [batch, seq_len, head_dim] = check_attention(op, qkv, out, probs, n_head, n_kv_head, window, false);
     check_elementwise(op, out, {&dout});
     check_elementwise(op, qkv, {&dqkv});
     const bool windowed = window > 0 && window < seq_len;
@@ -308,10 +294,43 @@ class CpuBackend final : public Backend {
     });
   }
 
+  // FLASH-STUB-BEGIN (replaced by the CPU flash attention)
+  // FlashAttention-2 (cpu_flash.h): tasks over (batch, head) / (batch, kv head), one tile
+  // scratch per thread from the workspace.
+  void flash_attention_forward(const Tensor& qkv, const Tensor& out, const Tensor& lse, int64_t n_head,
+                               int64_t n_kv_head, int64_t window) override {
+    const char* op = "flash_attention_forward";
+    const auto [batch, seq_len, head_dim] = check_attention(op, qkv, out, lse, n_head, n_kv_head, window, true);
+    const int threads = omp_get_max_threads();
+    const cpu::FlashTiles tiles;
+    const Tensor scratch = workspace(threads * cpu::flash_forward_scratch(tiles, head_dim), qkv.dtype());
+    dispatch_float(qkv.dtype(), op, [&]<typename T>() {
+      cpu::flash_attention_forward(qkv.data<T>(), out.data<T>(), lse.data<T>(), scratch.data<T>(), threads, batch,
+                                   seq_len, n_head, n_kv_head, head_dim, window, tiles);
+    });
+  }
+  void flash_attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out, const Tensor& lse,
+                                const Tensor& dqkv, int64_t n_head, int64_t n_kv_head, int64_t window) override {
+    const char* op = "flash_attention_backward";
+    const auto [batch, seq_len, head_dim] = check_attention(op, qkv, out, lse, n_head, n_kv_head, window, true);
+    check_elementwise(op, out, {&dout});
+    check_elementwise(op, qkv, {&dqkv});
+    const int threads = omp_get_max_threads();
+    const cpu::FlashTiles tiles;
+    const Tensor scratch = workspace(threads * cpu::flash_backward_scratch(tiles), qkv.dtype());
+    dispatch_float(qkv.dtype(), op, [&]<typename T>() {
+      cpu::flash_attention_backward(dout.data<T>(), qkv.data<T>(), out.data<T>(), lse.data<T>(), dqkv.data<T>(),
+                                    scratch.data<T>(), threads, batch, seq_len, n_head, n_kv_head, head_dim, window,
+                                    tiles);
+    });
+  }
+  // FLASH-STUB-END
+
   void cross_entropy_forward(const Tensor& logits, const Tensor& targets, const Tensor& losses,
                              const Tensor& lse) override {
     const char* op = "cross_entropy_forward";
     check_cross_entropy(op, logits, targets, lse);
+    check_target_range(op, logits, targets);
     expect_dtype(losses, logits.dtype(), op, "losses");
     expect_numel(losses, rows_of(logits), op, "losses");
     dispatch_float(logits.dtype(), op, [&]<typename T>() {
@@ -324,6 +343,7 @@ class CpuBackend final : public Backend {
                               const Tensor& dlogits) override {
     const char* op = "cross_entropy_backward";
     check_cross_entropy(op, logits, targets, lse);
+    check_target_range(op, logits, targets);
     check_elementwise(op, logits, {&dlogits});
     dispatch_float(logits.dtype(), op, [&]<typename T>() {
       cpu::cross_entropy_backward(logits.data<T>(), targets.data<int32_t>(), lse.data<T>(), static_cast<T>(dloss),
@@ -346,10 +366,6 @@ class CpuBackend final : public Backend {
   }
 
  private:
-  struct Dims3 {
-    int64_t a, b, c;
-  };
-
   template <typename T>
   static void add_bias_rows(T* c, const T* bias, int64_t rows, int64_t cols) {
 #pragma omp parallel for schedule(static)
@@ -383,43 +399,8 @@ class CpuBackend final : public Backend {
     return total;
   }
 
-  static void check_elementwise(const char* op, const Tensor& x, std::initializer_list<const Tensor*> others) {
-    for (const Tensor* t : others) {
-      expect_dtype(*t, x.dtype(), op, "operand");
-      expect_numel(*t, x.numel(), op, "operand");
-    }
-  }
 
-  // x (N, C); `same` are (N, C); `per_channel` are (C); `per_row` are (N).
-  static void check_row_op(const char* op, const Tensor& x, std::initializer_list<const Tensor*> same,
-                           std::initializer_list<const Tensor*> per_channel,
-                           std::initializer_list<const Tensor*> per_row) {
-    check_elementwise(op, x, same);
-    for (const Tensor* t : per_channel) {
-      expect_dtype(*t, x.dtype(), op, "per-channel operand");
-      expect_numel(*t, x.dim(-1), op, "per-channel operand");
-    }
-    for (const Tensor* t : per_row) {
-      expect_dtype(*t, x.dtype(), op, "per-row statistic");
-      expect_numel(*t, rows_of(x), op, "per-row statistic");
-    }
-  }
 
-  static Dims3 check_embedding(const char* op, const Tensor& tokens, const Tensor& table, const Tensor* positions,
-                               const Tensor& activations) {
-    expect_dtype(tokens, DTYPE_I32, op, "tokens");
-    LOOM_CHECK(tokens.ndim() == 2, op, ": tokens must be (B, T), got ", tokens.describe());
-    LOOM_CHECK(table.ndim() == 2, op, ": table must be (V, C), got ", table.describe());
-    const int64_t seq_len = tokens.dim(1), channels = table.dim(1);
-    expect_dtype(activations, table.dtype(), op, "activations");
-    expect_numel(activations, tokens.numel() * channels, op, "activations (B, T, C)");
-    if (positions) {
-      expect_dtype(*positions, table.dtype(), op, "positions");
-      LOOM_CHECK(positions->ndim() == 2 && positions->dim(1) == channels && positions->dim(0) >= seq_len, op,
-                 ": positions must be (Tmax >= ", seq_len, ", ", channels, "), got ", positions->describe());
-    }
-    return {tokens.numel(), seq_len, channels};
-  }
 
   static void check_token_range(const char* op, const Tensor& tokens, int64_t vocab) {
     const int32_t* t = tokens.data<int32_t>();
@@ -429,42 +410,18 @@ class CpuBackend final : public Backend {
     }
   }
 
-  static void check_swiglu(const char* op, const Tensor& x, const Tensor& out) {
-    expect_dtype(out, x.dtype(), op, "out");
-    LOOM_CHECK(x.dim(-1) == 2 * out.dim(-1) && rows_of(x) == rows_of(out), op, ": x must be (N, 2F) for out (N, F); x ",
-               x.describe(), ", out ", out.describe());
-  }
 
   void rope(const Tensor& x, int64_t head_dim, int64_t n_heads, float theta, int64_t pos_offset, double direction,
             const char* op) {
-    LOOM_CHECK(x.ndim() == 3, op, ": x must be (B, T, W), got ", x.describe());
-    LOOM_CHECK(head_dim % 2 == 0 && n_heads * head_dim <= x.dim(2), op, ": ", n_heads, " heads of dim ", head_dim,
-               " (even) must fit in width ", x.dim(2));
+    checks::check_rope(op, x, head_dim, n_heads);
     dispatch_float(x.dtype(), op, [&]<typename T>() {
       cpu::rope_rotate(x.data<T>(), x.dim(0), x.dim(1), x.dim(2), head_dim, n_heads, static_cast<double>(theta),
                        pos_offset, direction);
     });
   }
 
-  static Dims3 check_attention(const char* op, const Tensor& qkv, const Tensor& out, const Tensor& probs,
-                               int64_t n_head, int64_t n_kv_head) {
-    LOOM_CHECK(n_head > 0 && n_kv_head > 0 && n_head % n_kv_head == 0, op, ": n_head ", n_head,
-               " must be a multiple of n_kv_head ", n_kv_head);
-    LOOM_CHECK(qkv.ndim() == 3 && qkv.dim(2) % (n_head + 2 * n_kv_head) == 0, op, ": qkv must be (B, T, (H + 2 KV) hd), got ",
-               qkv.describe());
-    const int64_t batch = qkv.dim(0), seq_len = qkv.dim(1), head_dim = qkv.dim(2) / (n_head + 2 * n_kv_head);
-    expect_dtype(out, qkv.dtype(), op, "out");
-    expect_dtype(probs, qkv.dtype(), op, "probs");
-    expect_numel(out, batch * seq_len * n_head * head_dim, op, "out (B, T, H hd)");
-    expect_numel(probs, batch * n_head * seq_len * seq_len, op, "probs (B, H, T, T)");
-    return {batch, seq_len, head_dim};
-  }
 
-  static void check_cross_entropy(const char* op, const Tensor& logits, const Tensor& targets, const Tensor& lse) {
-    expect_dtype(targets, DTYPE_I32, op, "targets");
-    expect_numel(targets, rows_of(logits), op, "targets");
-    expect_dtype(lse, logits.dtype(), op, "lse");
-    expect_numel(lse, rows_of(logits), op, "lse");
+  static void check_target_range(const char* op, const Tensor& logits, const Tensor& targets) {
     const int32_t* t = targets.data<int32_t>();
     const int64_t vocab = logits.dim(-1);
     for (int64_t i = 0; i < targets.numel(); ++i) {

@@ -1,0 +1,118 @@
+#include "loom/backend/checks.h"
+
+#include "loom/core/error.h"
+
+namespace loom::checks {
+
+void expect_dtype(const Tensor& t, DType dtype, const char* op, const char* what) {
+  LOOM_CHECK(t.defined(), op, ": ", what, " is undefined");
+  LOOM_CHECK(t.dtype() == dtype, op, ": ", what, " is ", t.describe(), ", expected dtype ", dtype_name(dtype));
+}
+
+void expect_numel(const Tensor& t, int64_t numel, const char* op, const char* what) {
+  LOOM_CHECK(t.numel() == numel, op, ": ", what, " is ", t.describe(), ", expected ", numel, " elements");
+}
+
+int64_t rows_of(const Tensor& t) { return t.ndim() == 0 || t.dim(-1) == 0 ? 0 : t.numel() / t.dim(-1); }
+
+GemmDims check_gemm(const Tensor& a, const Tensor& b, const Tensor& c, const GemmSpec& spec, const Tensor* bias) {
+  const char* op = "gemm";
+  const bool bf16_in = a.dtype() == DTYPE_BF16;  // bf16 A and B, fp32 C (and bias)
+  expect_dtype(b, a.dtype(), op, "B");
+  expect_dtype(c, bf16_in ? DTYPE_F32 : a.dtype(), op, "C");
+  const int64_t batch = spec.batch;
+  LOOM_CHECK(batch >= 1 && a.numel() % batch == 0 && b.numel() % batch == 0 && c.numel() % batch == 0, op,
+             ": batch ", batch, " does not divide A ", a.describe(), ", B ", b.describe(), ", C ", c.describe());
+  GemmDims d{};
+  d.a_cols = a.dim(-1), d.b_cols = b.dim(-1), d.n = c.dim(-1);
+  d.a_rows = a.numel() / batch / d.a_cols, d.b_rows = b.numel() / batch / d.b_cols;
+  d.m = c.numel() / batch / d.n;
+  const int64_t op_a_rows = spec.trans_a ? d.a_cols : d.a_rows;
+  d.k = spec.trans_a ? d.a_rows : d.a_cols;
+  const int64_t op_b_rows = spec.trans_b ? d.b_cols : d.b_rows, op_b_cols = spec.trans_b ? d.b_rows : d.b_cols;
+  LOOM_CHECK(op_a_rows == d.m && op_b_rows == d.k && op_b_cols == d.n, op, ": shapes do not chain: op(A) (", op_a_rows,
+             ", ", d.k, ") @ op(B) (", op_b_rows, ", ", op_b_cols, ") -> C (", d.m, ", ", d.n, "); A ", a.describe(),
+             " B ", b.describe(), " C ", c.describe());
+  if (bias) {
+    expect_dtype(*bias, c.dtype(), op, "bias");
+    expect_numel(*bias, d.n, op, "bias");
+  }
+  return d;
+}
+
+void check_elementwise(const char* op, const Tensor& x, std::initializer_list<const Tensor*> others) {
+  for (const Tensor* t : others) {
+    expect_dtype(*t, x.dtype(), op, "operand");
+    expect_numel(*t, x.numel(), op, "operand");
+  }
+}
+
+void check_row_op(const char* op, const Tensor& x, std::initializer_list<const Tensor*> same,
+                  std::initializer_list<const Tensor*> per_channel, std::initializer_list<const Tensor*> per_row) {
+  check_elementwise(op, x, same);
+  for (const Tensor* t : per_channel) {
+    expect_dtype(*t, x.dtype(), op, "per-channel operand");
+    expect_numel(*t, x.dim(-1), op, "per-channel operand");
+  }
+  for (const Tensor* t : per_row) {
+    expect_dtype(*t, x.dtype(), op, "per-row statistic");
+    expect_numel(*t, rows_of(x), op, "per-row statistic");
+  }
+}
+
+Dims3 check_embedding(const char* op, const Tensor& tokens, const Tensor& table, const Tensor* positions,
+                      const Tensor& activations) {
+  expect_dtype(tokens, DTYPE_I32, op, "tokens");
+  LOOM_CHECK(tokens.ndim() == 2, op, ": tokens must be (B, T), got ", tokens.describe());
+  LOOM_CHECK(table.ndim() == 2, op, ": table must be (V, C), got ", table.describe());
+  const int64_t seq_len = tokens.dim(1), channels = table.dim(1);
+  expect_dtype(activations, table.dtype(), op, "activations");
+  expect_numel(activations, tokens.numel() * channels, op, "activations (B, T, C)");
+  if (positions) {
+    expect_dtype(*positions, table.dtype(), op, "positions");
+    LOOM_CHECK(positions->ndim() == 2 && positions->dim(1) == channels && positions->dim(0) >= seq_len, op,
+               ": positions must be (Tmax >= ", seq_len, ", ", channels, "), got ", positions->describe());
+  }
+  return {tokens.numel(), seq_len, channels};
+}
+
+void check_swiglu(const char* op, const Tensor& x, const Tensor& out) {
+  expect_dtype(out, x.dtype(), op, "out");
+  LOOM_CHECK(x.dim(-1) == 2 * out.dim(-1) && rows_of(x) == rows_of(out), op, ": x must be (N, 2F) for out (N, F); x ",
+             x.describe(), ", out ", out.describe());
+}
+
+void check_rope(const char* op, const Tensor& x, int64_t head_dim, int64_t n_heads) {
+  LOOM_CHECK(x.ndim() == 3, op, ": x must be (B, T, W), got ", x.describe());
+  LOOM_CHECK(head_dim % 2 == 0 && n_heads * head_dim <= x.dim(2), op, ": ", n_heads, " heads of dim ", head_dim,
+             " (even) must fit in width ", x.dim(2));
+}
+
+Dims3 check_attention(const char* op, const Tensor& qkv, const Tensor& out, const Tensor& saved, int64_t n_head,
+                      int64_t n_kv_head, int64_t window, bool flash) {
+  LOOM_CHECK(n_head > 0 && n_kv_head > 0 && n_head % n_kv_head == 0, op, ": n_head ", n_head,
+             " must be a multiple of n_kv_head ", n_kv_head);
+  LOOM_CHECK(qkv.ndim() == 3 && qkv.dim(2) % (n_head + 2 * n_kv_head) == 0, op,
+             ": qkv must be (B, T, (H + 2 KV) hd), got ", qkv.describe());
+  LOOM_CHECK(window >= 0, op, ": window must be >= 0, got ", window);
+  const int64_t batch = qkv.dim(0), seq_len = qkv.dim(1), head_dim = qkv.dim(2) / (n_head + 2 * n_kv_head);
+  expect_dtype(out, qkv.dtype(), op, "out");
+  expect_numel(out, batch * seq_len * n_head * head_dim, op, "out (B, T, H hd)");
+  if (flash) {
+    expect_dtype(saved, qkv.dtype(), op, "lse");
+    expect_numel(saved, batch * n_head * seq_len, op, "lse (B, H, T)");
+  } else {
+    expect_dtype(saved, qkv.dtype(), op, "probs");
+    expect_numel(saved, batch * n_head * seq_len * seq_len, op, "probs (B, H, T, T)");
+  }
+  return {batch, seq_len, head_dim};
+}
+
+void check_cross_entropy(const char* op, const Tensor& logits, const Tensor& targets, const Tensor& lse) {
+  expect_dtype(targets, DTYPE_I32, op, "targets");
+  expect_numel(targets, rows_of(logits), op, "targets");
+  expect_dtype(lse, logits.dtype(), op, "lse");
+  expect_numel(lse, rows_of(logits), op, "lse");
+}
+
+}  // namespace loom::checks

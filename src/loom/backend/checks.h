@@ -1,0 +1,47 @@
+// Shape and dtype validation shared by every backend, so a bad call fails with the same one-line
+// message on the CPU and on a GPU. Each check throws loom::Error naming the op and the operand.
+#pragma once
+#include <cstdint>
+#include <initializer_list>
+
+#include "loom/backend/backend.h"
+
+namespace loom::checks {
+
+void expect_dtype(const Tensor& t, DType dtype, const char* op, const char* what);
+void expect_numel(const Tensor& t, int64_t numel, const char* op, const char* what);
+// Rows of a tensor viewed as (rows, last dim).
+int64_t rows_of(const Tensor& t);
+
+// A GEMM's problem: C[b] (m, n) = op(A[b]) (m, k) @ op(B[b]) (k, n); lda/ldb are A's and B's
+// row lengths, a_rows/b_rows their row counts per batch entry.
+struct GemmDims {
+  int64_t m, n, k, a_rows, a_cols, b_rows, b_cols;
+};
+GemmDims check_gemm(const Tensor& a, const Tensor& b, const Tensor& c, const GemmSpec& spec, const Tensor* bias);
+
+// `others` share x's dtype and numel.
+void check_elementwise(const char* op, const Tensor& x, std::initializer_list<const Tensor*> others);
+// x (N, C); `same` are (N, C); `per_channel` are (C); `per_row` are (N).
+void check_row_op(const char* op, const Tensor& x, std::initializer_list<const Tensor*> same,
+                  std::initializer_list<const Tensor*> per_channel, std::initializer_list<const Tensor*> per_row);
+
+struct Dims3 {
+  int64_t a, b, c;
+};
+// tokens (B, T) i32, table (V, C), positions (Tmax >= T, C) or null, activations (B, T, C):
+// returns {B*T, T, C}.
+Dims3 check_embedding(const char* op, const Tensor& tokens, const Tensor& table, const Tensor* positions,
+                      const Tensor& activations);
+// x (N, 2F), out (N, F).
+void check_swiglu(const char* op, const Tensor& x, const Tensor& out);
+// x (B, T, W) with n_heads heads of an even head_dim in its first columns.
+void check_rope(const char* op, const Tensor& x, int64_t head_dim, int64_t n_heads);
+// qkv (B, T, (H + 2KV) hd), out (B, T, H hd), and `saved`: probs (B, H, T, T) when flash is
+// false, lse (B, H, T) when true; window >= 0. Returns {B, T, hd}.
+Dims3 check_attention(const char* op, const Tensor& qkv, const Tensor& out, const Tensor& saved, int64_t n_head,
+                      int64_t n_kv_head, int64_t window, bool flash);
+// logits (N, V), targets (N) i32, lse (N); the target values are checked by the backend.
+void check_cross_entropy(const char* op, const Tensor& logits, const Tensor& targets, const Tensor& lse);
+
+}  // namespace loom::checks

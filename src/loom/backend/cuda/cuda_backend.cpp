@@ -1,0 +1,551 @@
+// The CUDA implementation of the op interface: validates with the checks every backend shares
+// (backend/checks.h), then enqueues kernels (cuda_kernels.cu, cuda_attention.cu) and cuBLASLt /
+// cuBLAS GEMMs on one stream. Nothing synchronizes but the ops that return a host value (sum,
+// sum_squares), read/write, and the id checks of embedding and cross-entropy (one small copy
+// each, so a bad token id is a one-line error, never a silent wrong answer).
+//
+// GEMMs: C (m, n) row-major is the column-major (n, m) matrix C^T = op(B)^T op(A)^T, so every
+// call passes B as cuBLAS's "A" and A as its "B", with the transposes unchanged:
+//   f32: cuBLASLt, CUBLAS_COMPUTE_32F (true fp32, no TF32: the op tests compare at 1e-5);
+//   bf16 A, B with f32 C: cuBLASLt, bf16 inputs, fp32 accumulation and output;
+//   f64: cublasDgemmStridedBatched (reference checks).
+// The bias is added by a row kernel after the GEMM (cuBLASLt's bias epilogue would save one pass).
+#include "loom/backend/cuda/cuda_backend.h"
+
+#include <cublasLt.h>
+#include <cublas_v2.h>
+
+#include <climits>
+#include <cmath>
+#include <vector>
+
+#include "loom/backend/block_cache.h"
+#include "loom/backend/checks.h"
+#include "loom/backend/cuda/cuda_check.h"
+#include "loom/backend/cuda/cuda_kernels.h"
+#include "loom/core/error.h"
+
+#define LOOM_CUBLAS_STATUS(expr)                                                                             \
+  do {                                                                                                      \
+    const cublasStatus_t loom_cublas_status_ = (expr);                                                      \
+    if (loom_cublas_status_ != CUBLAS_STATUS_SUCCESS) {                                                     \
+      throw ::loom::Error(::loom::str_cat("cuBLAS error ", static_cast<int>(loom_cublas_status_), " (",     \
+                                          cublasGetStatusName(loom_cublas_status_), ") in ", #expr, " (",   \
+                                          __FILE__, ":", __LINE__, ")"));                                   \
+    }                                                                                                       \
+  } while (0)
+
+namespace loom {
+namespace {
+
+using checks::check_attention;
+using checks::check_cross_entropy;
+using checks::check_elementwise;
+using checks::check_embedding;
+using checks::check_row_op;
+using checks::check_swiglu;
+using checks::expect_dtype;
+using checks::expect_numel;
+using checks::rows_of;
+
+template <typename Fn>
+void dispatch_float(DType dtype, const char* op, Fn&& fn) {
+  if (dtype == DTYPE_F32) fn.template operator()<float>();
+  else if (dtype == DTYPE_F64) fn.template operator()<double>();
+  else throw Error(str_cat(op, ": not supported for dtype ", dtype_name(dtype), " on the CUDA backend (f32, f64)"));
+}
+
+template <typename T>
+T* dptr(const Tensor& t) {
+  return static_cast<T*>(t.device_ptr());
+}
+
+// Device memory through the block cache; zeroing runs on the backend's stream.
+class CudaAllocator final : public Allocator {
+ public:
+  CudaAllocator(int device, cudaStream_t stream)
+      : stream_(stream),
+        cache_(str_cat("CUDA device ", device),
+               [](size_t bytes) -> void* {
+                 void* ptr = nullptr;
+                 if (cudaMalloc(&ptr, bytes) != cudaSuccess) {
+                   (void)cudaGetLastError();  // clear the sticky out-of-memory status
+                   return nullptr;
+                 }
+                 return ptr;
+               },
+               [](void* ptr) { (void)cudaFree(ptr); }) {}
+
+  DeviceType device() const override { return DEVICE_CUDA; }
+  void* raw_allocate(size_t bytes) override { return cache_.allocate(bytes); }
+  void raw_release(void* ptr, size_t bytes) override { cache_.release(ptr, bytes); }
+  void raw_zero(void* ptr, size_t bytes) override {
+    if (bytes > 0) LOOM_CUDA_CHECK(cudaMemsetAsync(ptr, 0, bytes, stream_));
+  }
+  size_t reserved_bytes() const { return cache_.reserved_bytes(); }
+
+ private:
+  cudaStream_t stream_;
+  BlockCache cache_;
+};
+
+class CudaBackend final : public Backend {
+ public:
+  explicit CudaBackend(int device) : device_(device) {
+    LOOM_CUDA_CHECK(cudaSetDevice(device_));
+    LOOM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    allocator_ = std::make_unique<CudaAllocator>(device_, stream_);
+    LOOM_CUBLAS_STATUS(cublasLtCreate(&lt_));
+    LOOM_CUBLAS_STATUS(cublasCreate(&cublas_));
+    LOOM_CUBLAS_STATUS(cublasSetStream(cublas_, stream_));
+    lt_workspace_ = Tensor::empty(*allocator_, {kLtWorkspaceBytes / 8}, DTYPE_F64, MEM_WORKSPACE);  // bytes
+    LOOM_CUBLAS_STATUS(cublasSetWorkspace(cublas_, lt_workspace_.device_ptr(), kLtWorkspaceBytes));
+    flags_ = Tensor::empty(*allocator_, {1}, DTYPE_F64, MEM_WORKSPACE);  // one unsigned long long
+    partials_ = Tensor::empty(*allocator_, {cuda::kReducePartials}, DTYPE_F64, MEM_WORKSPACE);
+  }
+  ~CudaBackend() override {
+    (void)cudaStreamSynchronize(stream_);
+    workspace_ = Tensor();
+    lt_workspace_ = Tensor();
+    flags_ = Tensor();
+    partials_ = Tensor();
+    if (cublas_) (void)cublasDestroy(cublas_);
+    if (lt_) (void)cublasLtDestroy(lt_);
+    allocator_.reset();
+    if (stream_) (void)cudaStreamDestroy(stream_);
+  }
+
+  std::string_view name() const override { return "cuda"; }
+  Allocator& allocator() override { return *allocator_; }
+  cudaStream_t stream() const { return stream_; }
+  int device() const { return device_; }
+  size_t reserved_bytes() const { return allocator_->reserved_bytes(); }
+
+  void write(const Tensor& dst, const void* host) override {
+    if (dst.nbytes() == 0) return;
+    LOOM_CUDA_CHECK(cudaMemcpyAsync(dst.device_ptr(), host, dst.nbytes(), cudaMemcpyHostToDevice, stream_));
+    LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the host buffer may be reused on return
+  }
+  void read(const Tensor& src, void* host) override {
+    if (src.nbytes() == 0) return;
+    LOOM_CUDA_CHECK(cudaMemcpyAsync(host, src.device_ptr(), src.nbytes(), cudaMemcpyDeviceToHost, stream_));
+    LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
+  void synchronize() override { LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+
+  void gemm(const Tensor& a, const Tensor& b, const Tensor& c, const GemmSpec& spec, const Tensor* bias) override {
+    const checks::GemmDims d = checks::check_gemm(a, b, c, spec, bias);
+    if (d.m == 0 || d.n == 0) return;
+    LOOM_CHECK(d.m <= INT_MAX && d.n <= INT_MAX && d.k <= INT_MAX && spec.batch <= INT_MAX, "gemm: dims (", d.m, ", ",
+               d.n, ", ", d.k, ") exceed cuBLAS's 32-bit sizes");
+    if (a.dtype() == DTYPE_F64) {
+      gemm_f64(a, b, c, spec, d);
+    } else if (a.dtype() == DTYPE_F32 || a.dtype() == DTYPE_BF16) {
+      gemm_lt(a, b, c, spec, d);
+    } else {
+      throw Error(str_cat("gemm: not supported for dtype ", dtype_name(a.dtype()), " on the CUDA backend (f32, bf16, f64)"));
+    }
+    if (bias) {
+      dispatch_float(c.dtype(), "gemm", [&]<typename T>() {
+        cuda::add_bias_rows<T>(dptr<T>(c), dptr<T>(*bias), spec.batch * d.m, d.n, stream_);
+      });
+    }
+  }
+
+  void fill(const Tensor& x, double value) override {
+    dispatch_float(x.dtype(), "fill", [&]<typename T>() { cuda::fill<T>(dptr<T>(x), x.numel(), value, stream_); });
+  }
+
+  void copy(const Tensor& src, const Tensor& dst) override {
+    expect_dtype(dst, src.dtype(), "copy", "dst");
+    expect_numel(dst, src.numel(), "copy", "dst");
+    if (src.nbytes() == 0) return;
+    LOOM_CUDA_CHECK(
+        cudaMemcpyAsync(dst.device_ptr(), src.device_ptr(), src.nbytes(), cudaMemcpyDeviceToDevice, stream_));
+  }
+
+  void cast(const Tensor& src, const Tensor& dst) override {
+    expect_numel(dst, src.numel(), "cast", "dst");
+    const int64_t n = src.numel();
+    if (src.dtype() == dst.dtype()) return copy(src, dst);
+    if (src.dtype() == DTYPE_F32 && dst.dtype() == DTYPE_BF16) {
+      cuda::cast_f32_to_bf16(dptr<float>(src), dptr<uint16_t>(dst), n, stream_);
+    } else if (src.dtype() == DTYPE_BF16 && dst.dtype() == DTYPE_F32) {
+      cuda::cast_bf16_to_f32(dptr<uint16_t>(src), dptr<float>(dst), n, stream_);
+    } else if (src.dtype() == DTYPE_F32 && dst.dtype() == DTYPE_F64) {
+      cuda::cast_f32_to_f64(dptr<float>(src), dptr<double>(dst), n, stream_);
+    } else if (src.dtype() == DTYPE_F64 && dst.dtype() == DTYPE_F32) {
+      cuda::cast_f64_to_f32(dptr<double>(src), dptr<float>(dst), n, stream_);
+    } else {
+      throw Error(str_cat("cast: not supported from ", dtype_name(src.dtype()), " to ", dtype_name(dst.dtype())));
+    }
+  }
+
+  void add(const Tensor& a, const Tensor& b, const Tensor& out) override {
+    expect_dtype(b, a.dtype(), "add", "b");
+    expect_dtype(out, a.dtype(), "add", "out");
+    expect_numel(b, a.numel(), "add", "b");
+    expect_numel(out, a.numel(), "add", "out");
+    dispatch_float(a.dtype(), "add",
+                   [&]<typename T>() { cuda::add<T>(dptr<T>(a), dptr<T>(b), dptr<T>(out), a.numel(), stream_); });
+  }
+  void add_inplace(const Tensor& acc, const Tensor& x) override { add(acc, x, acc); }
+
+  void scale_inplace(const Tensor& x, double factor) override {
+    dispatch_float(x.dtype(), "scale_inplace",
+                   [&]<typename T>() { cuda::scale<T>(dptr<T>(x), x.numel(), factor, stream_); });
+  }
+
+  double sum_squares(const Tensor& x) override { return reduce(x, true, "sum_squares"); }
+  double sum(const Tensor& x) override { return reduce(x, false, "sum"); }
+
+  void bias_backward(const Tensor& dout, const Tensor& dbias) override {
+    expect_dtype(dbias, dout.dtype(), "bias_backward", "dbias");
+    expect_numel(dbias, dout.dim(-1), "bias_backward", "dbias");
+    const int64_t rows = rows_of(dout), cols = dout.dim(-1);
+    dispatch_float(dout.dtype(), "bias_backward", [&]<typename T>() {
+      void* scratch = workspace(cuda::column_sums_scratch_bytes(rows, cols, sizeof(T)));
+      cuda::column_sums_accumulate<T>(dptr<T>(dout), rows, cols, dptr<T>(dbias), scratch, stream_);
+    });
+  }
+
+  void embedding_forward(const Tensor& tokens, const Tensor& table, const Tensor* positions,
+                         const Tensor& out) override {
+    const char* op = "embedding_forward";
+    const auto [n_tokens, seq_len, channels] = check_embedding(op, tokens, table, positions, out);
+    reset_flag();
+    dispatch_float(table.dtype(), op, [&]<typename T>() {
+      cuda::embedding_forward<T>(dptr<int32_t>(tokens), dptr<T>(table), positions ? dptr<T>(*positions) : nullptr,
+                                 dptr<T>(out), n_tokens, seq_len, channels, table.dim(0), flag(), stream_);
+    });
+    check_flag(op, "token id", "position", tokens, table.dim(0));
+  }
+
+  void embedding_backward(const Tensor& tokens, const Tensor& dout, const Tensor& dtable,
+                          const Tensor* dpositions) override {
+    const char* op = "embedding_backward";
+    const auto [n_tokens, seq_len, channels] = check_embedding(op, tokens, dtable, dpositions, dout);
+    reset_flag();
+    dispatch_float(dtable.dtype(), op, [&]<typename T>() {
+      void* scratch =
+          workspace(cuda::embedding_backward_scratch_bytes(n_tokens, seq_len, channels, dtable.dim(0), sizeof(T)));
+      cuda::embedding_backward<T>(dptr<int32_t>(tokens), dptr<T>(dout), dptr<T>(dtable),
+                                  dpositions ? dptr<T>(*dpositions) : nullptr, n_tokens, seq_len, channels,
+                                  dtable.dim(0), scratch, flag(), stream_);
+    });
+    check_flag(op, "token id", "position", tokens, dtable.dim(0));
+  }
+
+  void layernorm_forward(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& out,
+                         const Tensor& mean, const Tensor& rstd, float eps) override {
+    const char* op = "layernorm_forward";
+    check_row_op(op, x, {&out}, {&weight, &bias}, {&mean, &rstd});
+    dispatch_float(x.dtype(), op, [&]<typename T>() {
+      cuda::layernorm_forward<T>(dptr<T>(x), dptr<T>(weight), dptr<T>(bias), dptr<T>(out), dptr<T>(mean),
+                                 dptr<T>(rstd), rows_of(x), x.dim(-1), eps, stream_);
+    });
+  }
+
+  void layernorm_backward(const Tensor& dout, const Tensor& x, const Tensor& weight, const Tensor& mean,
+                          const Tensor& rstd, const Tensor& dx, const Tensor& dweight, const Tensor& dbias) override {
+    const char* op = "layernorm_backward";
+    check_row_op(op, x, {&dout, &dx}, {&weight, &dweight, &dbias}, {&mean, &rstd});
+    dispatch_float(x.dtype(), op, [&]<typename T>() {
+      void* scratch = workspace(cuda::norm_backward_scratch_bytes(rows_of(x), x.dim(-1), sizeof(T)));
+      cuda::layernorm_backward<T>(dptr<T>(dout), dptr<T>(x), dptr<T>(weight), dptr<T>(mean), dptr<T>(rstd),
+                                  dptr<T>(dx), dptr<T>(dweight), dptr<T>(dbias), rows_of(x), x.dim(-1), scratch,
+                                  stream_);
+    });
+  }
+
+  void rmsnorm_forward(const Tensor& x, const Tensor& weight, const Tensor& out, const Tensor& rstd,
+                       float eps) override {
+    const char* op = "rmsnorm_forward";
+    check_row_op(op, x, {&out}, {&weight}, {&rstd});
+    dispatch_float(x.dtype(), op, [&]<typename T>() {
+      cuda::rmsnorm_forward<T>(dptr<T>(x), dptr<T>(weight), dptr<T>(out), dptr<T>(rstd), rows_of(x), x.dim(-1), eps,
+                               stream_);
+    });
+  }
+
+  void rmsnorm_backward(const Tensor& dout, const Tensor& x, const Tensor& weight, const Tensor& rstd,
+                        const Tensor& dx, const Tensor& dweight) override {
+    const char* op = "rmsnorm_backward";
+    check_row_op(op, x, {&dout, &dx}, {&weight, &dweight}, {&rstd});
+    dispatch_float(x.dtype(), op, [&]<typename T>() {
+      void* scratch = workspace(cuda::norm_backward_scratch_bytes(rows_of(x), x.dim(-1), sizeof(T)));
+      cuda::rmsnorm_backward<T>(dptr<T>(dout), dptr<T>(x), dptr<T>(weight), dptr<T>(rstd), dptr<T>(dx),
+                                dptr<T>(dweight), rows_of(x), x.dim(-1), scratch, stream_);
+    });
+  }
+
+  void gelu_forward(const Tensor& x, const Tensor& out) override {
+    check_elementwise("gelu_forward", x, {&out});
+    dispatch_float(x.dtype(), "gelu_forward",
+                   [&]<typename T>() { cuda::gelu_forward<T>(dptr<T>(x), dptr<T>(out), x.numel(), stream_); });
+  }
+
+  void gelu_backward(const Tensor& x, const Tensor& dout, const Tensor& dx) override {
+    check_elementwise("gelu_backward", x, {&dout, &dx});
+    dispatch_float(x.dtype(), "gelu_backward", [&]<typename T>() {
+      cuda::gelu_backward<T>(dptr<T>(x), dptr<T>(dout), dptr<T>(dx), x.numel(), stream_);
+    });
+  }
+
+  void swiglu_forward(const Tensor& x, const Tensor& out) override {
+    const char* op = "swiglu_forward";
+    check_swiglu(op, x, out);
+    dispatch_float(x.dtype(), op, [&]<typename T>() {
+      cuda::swiglu_forward<T>(dptr<T>(x), dptr<T>(out), rows_of(out), out.dim(-1), stream_);
+    });
+  }
+
+  void swiglu_backward(const Tensor& x, const Tensor& dout, const Tensor& dx) override {
+    const char* op = "swiglu_backward";
+    check_swiglu(op, x, dout);
+    check_elementwise(op, x, {&dx});
+    dispatch_float(x.dtype(), op, [&]<typename T>() {
+      cuda::swiglu_backward<T>(dptr<T>(x), dptr<T>(dout), dptr<T>(dx), rows_of(dout), dout.dim(-1), stream_);
+    });
+  }
+
+  void rope_forward(const Tensor& x, int64_t head_dim, int64_t n_heads, float theta, int64_t pos_offset) override {
+    rope(x, head_dim, n_heads, theta, pos_offset, 1.0, "rope_forward");
+  }
+  void rope_backward(const Tensor& dx, int64_t head_dim, int64_t n_heads, float theta, int64_t pos_offset) override {
+    rope(dx, head_dim, n_heads, theta, pos_offset, -1.0, "rope_backward");
+  }
+
+  void attention_forward(const Tensor& qkv, const Tensor& out, const Tensor& probs, int64_t n_head,
+                         int64_t n_kv_head, int64_t window) override {
+    const char* op = "attention_forward";
+    const auto [batch, seq_len, head_dim] = check_attention(op, qkv, out, probs, n_head, n_kv_head, window, false);
+    dispatch_float(qkv.dtype(), op, [&]<typename T>() {
+      cuda::attention_forward<T>(cublas_, dptr<T>(qkv), dptr<T>(out), dptr<T>(probs), batch, seq_len, n_head,
+                                 n_kv_head, head_dim, window, stream_);
+    });
+  }
+
+  void attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out, const Tensor& probs,
+                          const Tensor& dqkv, int64_t n_head, int64_t n_kv_head, int64_t window) override {
+    const char* op = "attention_backward";
+    const auto [batch, seq_len, head_dim] = check_attention(op, qkv, out, probs, n_head, n_kv_head, window, false);
+    check_elementwise(op, out, {&dout});
+    check_elementwise(op, qkv, {&dqkv});
+    dispatch_float(qkv.dtype(), op, [&]<typename T>() {
+      void* scratch = workspace(cuda::attention_backward_scratch_bytes(batch, seq_len, n_head, head_dim, sizeof(T)));
+      cuda::attention_backward<T>(cublas_, dptr<T>(dout), dptr<T>(qkv), dptr<T>(out), dptr<T>(probs), dptr<T>(dqkv),
+                                  scratch, batch, seq_len, n_head, n_kv_head, head_dim, window, stream_);
+    });
+  }
+
+  void flash_attention_forward(const Tensor& qkv, const Tensor& out, const Tensor& lse, int64_t n_head,
+                               int64_t n_kv_head, int64_t window) override {
+    const char* op = "flash_attention_forward";
+    const auto [batch, seq_len, head_dim] = check_attention(op, qkv, out, lse, n_head, n_kv_head, window, true);
+    dispatch_float(qkv.dtype(), op, [&]<typename T>() {
+      cuda::flash_attention_forward<T>(dptr<T>(qkv), dptr<T>(out), dptr<T>(lse), batch, seq_len, n_head, n_kv_head,
+                                       head_dim, window, stream_);
+    });
+  }
+
+  void flash_attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out, const Tensor& lse,
+                                const Tensor& dqkv, int64_t n_head, int64_t n_kv_head, int64_t window) override {
+    const char* op = "flash_attention_backward";
+    const auto [batch, seq_len, head_dim] = check_attention(op, qkv, out, lse, n_head, n_kv_head, window, true);
+    check_elementwise(op, out, {&dout});
+    check_elementwise(op, qkv, {&dqkv});
+    dispatch_float(qkv.dtype(), op, [&]<typename T>() {
+      void* scratch = workspace(
+          cuda::flash_attention_backward_scratch_bytes(batch, seq_len, n_head, n_kv_head, head_dim, sizeof(T)));
+      cuda::flash_attention_backward<T>(dptr<T>(dout), dptr<T>(qkv), dptr<T>(out), dptr<T>(lse), dptr<T>(dqkv),
+                                        scratch, batch, seq_len, n_head, n_kv_head, head_dim, window, stream_);
+    });
+  }
+
+  void cross_entropy_forward(const Tensor& logits, const Tensor& targets, const Tensor& losses,
+                             const Tensor& lse) override {
+    const char* op = "cross_entropy_forward";
+    check_cross_entropy(op, logits, targets, lse);
+    expect_dtype(losses, logits.dtype(), op, "losses");
+    expect_numel(losses, rows_of(logits), op, "losses");
+    reset_flag();
+    dispatch_float(logits.dtype(), op, [&]<typename T>() {
+      cuda::cross_entropy_forward<T>(dptr<T>(logits), dptr<int32_t>(targets), dptr<T>(losses), dptr<T>(lse),
+                                     rows_of(logits), logits.dim(-1), flag(), stream_);
+    });
+    check_flag(op, "target", "row", targets, logits.dim(-1));
+  }
+
+  void cross_entropy_backward(const Tensor& logits, const Tensor& targets, const Tensor& lse, float dloss,
+                              const Tensor& dlogits) override {
+    const char* op = "cross_entropy_backward";
+    check_cross_entropy(op, logits, targets, lse);
+    check_elementwise(op, logits, {&dlogits});
+    // The forward on the same targets has validated them.
+    dispatch_float(logits.dtype(), op, [&]<typename T>() {
+      cuda::cross_entropy_backward<T>(dptr<T>(logits), dptr<int32_t>(targets), dptr<T>(lse), dloss, dptr<T>(dlogits),
+                                      rows_of(logits), logits.dim(-1), stream_);
+    });
+  }
+
+  void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
+                  const AdamWHyper& h) override {
+    const char* op = "adamw_step";
+    check_elementwise(op, param, {&grad, &m, &v});
+    LOOM_CHECK(h.step >= 1, op, ": step must be >= 1 (bias correction), got ", h.step);
+    const double bias1 = 1.0 - std::pow(static_cast<double>(h.beta1), static_cast<double>(h.step));
+    const double bias2 = 1.0 - std::pow(static_cast<double>(h.beta2), static_cast<double>(h.step));
+    dispatch_float(param.dtype(), op, [&]<typename T>() {
+      cuda::adamw_step<T>(dptr<T>(param), dptr<T>(grad), dptr<T>(m), dptr<T>(v), param.numel(), h.lr, h.beta1,
+                          h.beta2, h.eps, h.weight_decay, h.grad_scale, static_cast<T>(bias1), static_cast<T>(bias2),
+                          stream_);
+    });
+  }
+
+ private:
+  static constexpr int64_t kLtWorkspaceBytes = int64_t{32} << 20;  // cuBLAS(Lt)'s split-K and Hopper kernels
+
+  // cuBLASLt for f32 and bf16 x bf16 -> f32 (see the file comment for the row-major mapping).
+  void gemm_lt(const Tensor& a, const Tensor& b, const Tensor& c, const GemmSpec& spec, const checks::GemmDims& d) {
+    const bool bf16 = a.dtype() == DTYPE_BF16;
+    const cudaDataType_t in_type = bf16 ? CUDA_R_16BF : CUDA_R_32F;
+    const size_t in_bytes = bf16 ? 2 : 4;
+    cublasLtMatmulDesc_t desc = nullptr;
+    cublasLtMatrixLayout_t la = nullptr, lb = nullptr, lc = nullptr;
+    const auto cleanup = [&] {
+      if (la) cublasLtMatrixLayoutDestroy(la);
+      if (lb) cublasLtMatrixLayoutDestroy(lb);
+      if (lc) cublasLtMatrixLayoutDestroy(lc);
+      if (desc) cublasLtMatmulDescDestroy(desc);
+    };
+    try {
+      LOOM_CUBLAS_STATUS(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+      // cuBLAS's A is our B, its B our A: op flags unchanged.
+      const cublasOperation_t op_first = spec.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+      const cublasOperation_t op_second = spec.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+      LOOM_CUBLAS_STATUS(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_first, sizeof(op_first)));
+      LOOM_CUBLAS_STATUS(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_second, sizeof(op_second)));
+      // Column-major views: our row-major (r, c) with ld c is cuBLAS's (c, r) with ld c.
+      LOOM_CUBLAS_STATUS(cublasLtMatrixLayoutCreate(&la, in_type, d.b_cols, d.b_rows, d.b_cols));
+      LOOM_CUBLAS_STATUS(cublasLtMatrixLayoutCreate(&lb, in_type, d.a_cols, d.a_rows, d.a_cols));
+      LOOM_CUBLAS_STATUS(cublasLtMatrixLayoutCreate(&lc, CUDA_R_32F, d.n, d.m, d.n));
+      if (spec.batch > 1) {
+        const int32_t count = static_cast<int32_t>(spec.batch);
+        const int64_t stride_first = d.b_rows * d.b_cols, stride_second = d.a_rows * d.a_cols, stride_c = d.m * d.n;
+        for (auto [layout, stride] : {std::pair{la, stride_first}, std::pair{lb, stride_second}, std::pair{lc, stride_c}}) {
+          LOOM_CUBLAS_STATUS(
+              cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof(count)));
+          LOOM_CUBLAS_STATUS(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+                                                              &stride, sizeof(stride)));
+        }
+      }
+      cublasLtMatmulPreference_t pref = nullptr;
+      LOOM_CUBLAS_STATUS(cublasLtMatmulPreferenceCreate(&pref));
+      const size_t ws = static_cast<size_t>(kLtWorkspaceBytes);
+      cublasLtMatmulHeuristicResult_t result{};
+      int found = 0;
+      const cublasStatus_t hs = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                                     &ws, sizeof(ws));
+      const cublasStatus_t hr =
+          hs == CUBLAS_STATUS_SUCCESS ? cublasLtMatmulAlgoGetHeuristic(lt_, desc, la, lb, lc, lc, pref, 1, &result, &found)
+                                      : hs;
+      cublasLtMatmulPreferenceDestroy(pref);
+      LOOM_CUBLAS_STATUS(hr);
+      LOOM_CHECK(found > 0, "gemm: cuBLASLt has no algorithm for ", dtype_name(a.dtype()), " (", d.m, ", ", d.n, ", ",
+                 d.k, ") batch ", spec.batch, " trans_a ", spec.trans_a, " trans_b ", spec.trans_b, " (alignment of ",
+                 in_bytes, "-byte elements?)");
+      const float alpha = spec.alpha, beta = spec.beta;
+      LOOM_CUBLAS_STATUS(cublasLtMatmul(lt_, desc, &alpha, b.device_ptr(), la, a.device_ptr(), lb, &beta,
+                                        c.device_ptr(), lc, c.device_ptr(), lc, &result.algo,
+                                        lt_workspace_.device_ptr(), ws, stream_));
+    } catch (...) {
+      cleanup();
+      throw;
+    }
+    cleanup();
+  }
+
+  void gemm_f64(const Tensor& a, const Tensor& b, const Tensor& c, const GemmSpec& spec, const checks::GemmDims& d) {
+    const double alpha = spec.alpha, beta = spec.beta;
+    LOOM_CUBLAS_STATUS(cublasDgemmStridedBatched(
+        cublas_, spec.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, spec.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
+        static_cast<int>(d.n), static_cast<int>(d.m), static_cast<int>(d.k), &alpha, dptr<double>(b),
+        static_cast<int>(d.b_cols), d.b_rows * d.b_cols, dptr<double>(a), static_cast<int>(d.a_cols),
+        d.a_rows * d.a_cols, &beta, dptr<double>(c), static_cast<int>(d.n), d.m * d.n, static_cast<int>(spec.batch)));
+  }
+
+  // Fixed-order sum: kReducePartials partials on the device, added here in index order.
+  double reduce(const Tensor& x, bool squares, const char* op) {
+    dispatch_float(x.dtype(), op, [&]<typename T>() {
+      cuda::reduce_partials<T>(dptr<T>(x), x.numel(), squares, dptr<double>(partials_), stream_);
+    });
+    std::vector<double> host(cuda::kReducePartials);
+    read(partials_, host.data());
+    double total = 0;
+    for (double v : host) total += v;
+    return total;
+  }
+
+  void rope(const Tensor& x, int64_t head_dim, int64_t n_heads, float theta, int64_t pos_offset, double direction,
+            const char* op) {
+    checks::check_rope(op, x, head_dim, n_heads);
+    dispatch_float(x.dtype(), op, [&]<typename T>() {
+      cuda::rope_rotate<T>(dptr<T>(x), x.dim(0), x.dim(1), x.dim(2), head_dim, n_heads, static_cast<double>(theta),
+                           pos_offset, direction, stream_);
+    });
+  }
+
+  // The lowest bad index a kernel saw (ULLONG_MAX: none).
+  unsigned long long* flag() { return static_cast<unsigned long long*>(flags_.device_ptr()); }
+  void reset_flag() { LOOM_CUDA_CHECK(cudaMemsetAsync(flags_.device_ptr(), 0xFF, sizeof(unsigned long long), stream_)); }
+  void check_flag(const char* op, const char* what, const char* where, const Tensor& ids, int64_t limit) {
+    unsigned long long bad = 0;
+    read(flags_, &bad);
+    if (bad == ~0ull) return;
+    int32_t id = 0;
+    read(ids.view(static_cast<int64_t>(bad), {1}), &id);
+    throw Error(str_cat(op, ": ", what, " ", id, " at ", where, " ", bad, " outside vocab [0, ", limit, ")"));
+  }
+
+  // Scratch of at least `bytes`, kept and grown across calls (steady-state steps allocate nothing).
+  void* workspace(size_t bytes) {
+    const int64_t want = static_cast<int64_t>((bytes + 7) / 8);  // 8-byte words
+    if (!workspace_.defined() || workspace_.numel() < want) {
+      workspace_ = Tensor();
+      workspace_ = Tensor::empty(*allocator_, {std::max<int64_t>(want, 1)}, DTYPE_F64, MEM_WORKSPACE);
+    }
+    return workspace_.device_ptr();
+  }
+
+  int device_ = 0;
+  cudaStream_t stream_ = nullptr;
+  std::unique_ptr<CudaAllocator> allocator_;
+  cublasLtHandle_t lt_ = nullptr;
+  cublasHandle_t cublas_ = nullptr;
+  Tensor lt_workspace_, flags_, partials_, workspace_;
+};
+
+CudaBackend& as_cuda(Backend& backend) {
+  auto* cuda = dynamic_cast<CudaBackend*>(&backend);
+  LOOM_CHECK(cuda != nullptr, "backend \"", backend.name(), "\" is not the CUDA backend");
+  return *cuda;
+}
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cuda_backend() {
+  int count = 0;
+  const cudaError_t status = cudaGetDeviceCount(&count);
+  LOOM_CHECK(status == cudaSuccess && count > 0, "device = \"cuda\": no CUDA device is visible (",
+             status == cudaSuccess ? "cudaGetDeviceCount found 0" : cudaGetErrorString(status), ")");
+  int device = 0;
+  LOOM_CUDA_CHECK(cudaGetDevice(&device));
+  return std::make_unique<CudaBackend>(device);
+}
+
+cudaStream_t cuda_stream(Backend& backend) { return as_cuda(backend).stream(); }
+int cuda_device(Backend& backend) { return as_cuda(backend).device(); }
+size_t cuda_reserved_bytes(Backend& backend) { return as_cuda(backend).reserved_bytes(); }
+
+}  // namespace loom

@@ -1,0 +1,122 @@
+// A test backend whose memory host code may not read: the CPU backend's kernels on tensors whose
+// allocator says "not host-accessible", so any Tensor::data() outside a backend throws, exactly
+// as it would on a GPU. Running the models, the trainer and the checkpoints on it proves they
+// reach their tensors only through the op interface and Backend::read / write, i.e. that they
+// run unchanged on the CUDA backend (whose kernels the op tests check on a GPU machine).
+#pragma once
+#include <cstring>
+#include <memory>
+
+#include "loom/backend/backend.h"
+
+namespace loom::test {
+
+class StrictAllocator final : public Allocator {
+ public:
+  DeviceType device() const override { return DEVICE_CPU; }
+  bool host_accessible() const override { return false; }
+  void* raw_allocate(size_t bytes) override { return host_.raw_allocate(bytes); }
+  void raw_release(void* ptr, size_t bytes) override { host_.raw_release(ptr, bytes); }
+  void raw_zero(void* ptr, size_t bytes) override { host_.raw_zero(ptr, bytes); }
+
+ private:
+  CpuAllocator host_;
+};
+
+class StrictBackend final : public Backend {
+ public:
+  std::string_view name() const override { return "strict"; }
+  Allocator& allocator() override { return allocator_; }
+  void write(const Tensor& dst, const void* host) override { std::memcpy(dst.device_ptr(), host, dst.nbytes()); }
+  void read(const Tensor& src, void* host) override { std::memcpy(host, src.device_ptr(), src.nbytes()); }
+
+  void gemm(const Tensor& a, const Tensor& b, const Tensor& c, const GemmSpec& spec, const Tensor* bias) override {
+    const Tensor hb = bias ? h(*bias) : Tensor();
+    cpu_->gemm(h(a), h(b), h(c), spec, bias ? &hb : nullptr);
+  }
+  void fill(const Tensor& x, double value) override { cpu_->fill(h(x), value); }
+  void copy(const Tensor& src, const Tensor& dst) override { cpu_->copy(h(src), h(dst)); }
+  void cast(const Tensor& src, const Tensor& dst) override { cpu_->cast(h(src), h(dst)); }
+  void add(const Tensor& a, const Tensor& b, const Tensor& out) override { cpu_->add(h(a), h(b), h(out)); }
+  void add_inplace(const Tensor& acc, const Tensor& x) override { cpu_->add_inplace(h(acc), h(x)); }
+  void scale_inplace(const Tensor& x, double factor) override { cpu_->scale_inplace(h(x), factor); }
+  double sum_squares(const Tensor& x) override { return cpu_->sum_squares(h(x)); }
+  double sum(const Tensor& x) override { return cpu_->sum(h(x)); }
+  void bias_backward(const Tensor& dout, const Tensor& dbias) override { cpu_->bias_backward(h(dout), h(dbias)); }
+  void embedding_forward(const Tensor& tokens, const Tensor& table, const Tensor* positions,
+                         const Tensor& out) override {
+    const Tensor hp = positions ? h(*positions) : Tensor();
+    cpu_->embedding_forward(h(tokens), h(table), positions ? &hp : nullptr, h(out));
+  }
+  void embedding_backward(const Tensor& tokens, const Tensor& dout, const Tensor& dtable,
+                          const Tensor* dpositions) override {
+    const Tensor hp = dpositions ? h(*dpositions) : Tensor();
+    cpu_->embedding_backward(h(tokens), h(dout), h(dtable), dpositions ? &hp : nullptr);
+  }
+  void layernorm_forward(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& out,
+                         const Tensor& mean, const Tensor& rstd, float eps) override {
+    cpu_->layernorm_forward(h(x), h(weight), h(bias), h(out), h(mean), h(rstd), eps);
+  }
+  void layernorm_backward(const Tensor& dout, const Tensor& x, const Tensor& weight, const Tensor& mean,
+                          const Tensor& rstd, const Tensor& dx, const Tensor& dweight, const Tensor& dbias) override {
+    cpu_->layernorm_backward(h(dout), h(x), h(weight), h(mean), h(rstd), h(dx), h(dweight), h(dbias));
+  }
+  void rmsnorm_forward(const Tensor& x, const Tensor& weight, const Tensor& out, const Tensor& rstd,
+                       float eps) override {
+    cpu_->rmsnorm_forward(h(x), h(weight), h(out), h(rstd), eps);
+  }
+  void rmsnorm_backward(const Tensor& dout, const Tensor& x, const Tensor& weight, const Tensor& rstd,
+                        const Tensor& dx, const Tensor& dweight) override {
+    cpu_->rmsnorm_backward(h(dout), h(x), h(weight), h(rstd), h(dx), h(dweight));
+  }
+  void gelu_forward(const Tensor& x, const Tensor& out) override { cpu_->gelu_forward(h(x), h(out)); }
+  void gelu_backward(const Tensor& x, const Tensor& dout, const Tensor& dx) override {
+    cpu_->gelu_backward(h(x), h(dout), h(dx));
+  }
+  void swiglu_forward(const Tensor& x, const Tensor& out) override { cpu_->swiglu_forward(h(x), h(out)); }
+  void swiglu_backward(const Tensor& x, const Tensor& dout, const Tensor& dx) override {
+    cpu_->swiglu_backward(h(x), h(dout), h(dx));
+  }
+  void rope_forward(const Tensor& x, int64_t head_dim, int64_t n_heads, float theta, int64_t pos_offset) override {
+    cpu_->rope_forward(h(x), head_dim, n_heads, theta, pos_offset);
+  }
+  void rope_backward(const Tensor& dx, int64_t head_dim, int64_t n_heads, float theta, int64_t pos_offset) override {
+    cpu_->rope_backward(h(dx), head_dim, n_heads, theta, pos_offset);
+  }
+  void attention_forward(const Tensor& qkv, const Tensor& out, const Tensor& probs, int64_t n_head, int64_t n_kv_head,
+                         int64_t window) override {
+    cpu_->attention_forward(h(qkv), h(out), h(probs), n_head, n_kv_head, window);
+  }
+  void attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out, const Tensor& probs,
+                          const Tensor& dqkv, int64_t n_head, int64_t n_kv_head, int64_t window) override {
+    cpu_->attention_backward(h(dout), h(qkv), h(out), h(probs), h(dqkv), n_head, n_kv_head, window);
+  }
+  void flash_attention_forward(const Tensor& qkv, const Tensor& out, const Tensor& lse, int64_t n_head,
+                               int64_t n_kv_head, int64_t window) override {
+    cpu_->flash_attention_forward(h(qkv), h(out), h(lse), n_head, n_kv_head, window);
+  }
+  void flash_attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out, const Tensor& lse,
+                                const Tensor& dqkv, int64_t n_head, int64_t n_kv_head, int64_t window) override {
+    cpu_->flash_attention_backward(h(dout), h(qkv), h(out), h(lse), h(dqkv), n_head, n_kv_head, window);
+  }
+  void cross_entropy_forward(const Tensor& logits, const Tensor& targets, const Tensor& losses,
+                             const Tensor& lse) override {
+    cpu_->cross_entropy_forward(h(logits), h(targets), h(losses), h(lse));
+  }
+  void cross_entropy_backward(const Tensor& logits, const Tensor& targets, const Tensor& lse, float dloss,
+                              const Tensor& dlogits) override {
+    cpu_->cross_entropy_backward(h(logits), h(targets), h(lse), dloss, h(dlogits));
+  }
+  void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
+                  const AdamWHyper& hyper) override {
+    cpu_->adamw_step(h(param), h(grad), h(m), h(v), hyper);
+  }
+
+ private:
+  static Tensor h(const Tensor& t) { return t.defined() ? t.host_alias() : t; }
+
+  StrictAllocator allocator_;
+  std::unique_ptr<Backend> cpu_ = make_cpu_backend();
+};
+
+}  // namespace loom::test

@@ -1,0 +1,248 @@
+// Device memory without a GPU: the strict backend (tests/strict_backend.h) gives the CPU kernels
+// memory that host code may not read, as a GPU's. These tests show that training, loss scaling,
+// evaluation and checkpoints reach a backend's tensors only through the op interface and
+// Backend::read / write (so they run unchanged on the CUDA backend), that the results are
+// bitwise those of the CPU backend, and that a checkpoint written from device memory is the
+// same file a CPU run writes. Also: the caching allocator's bookkeeping (backend/block_cache.h)
+// against a fake device, and the `device` key's errors.
+#include <gtest/gtest.h>
+
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <set>
+#include <vector>
+
+#include "loom/backend/block_cache.h"
+#include "loom/checkpoint/checkpoint.h"
+#include "loom/train/config.h"
+#include "loom/train/trainer.h"
+#include "strict_backend.h"
+#include "test_util.h"
+
+namespace loom {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::vector<int32_t> cyclic_tokens(int64_t n, int32_t vocab) {
+  std::vector<int32_t> t(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) t[static_cast<size_t>(i)] = static_cast<int32_t>((i * 13 + i / 7) % vocab);
+  return t;
+}
+
+TEST(DeviceMemoryTest, HostAccessToDeviceMemoryIsAOneLineError) {
+  test::StrictBackend backend;
+  const Tensor t = Tensor::zeros(backend.allocator(), {2, 3}, DTYPE_F32, MEM_WORKSPACE);
+  EXPECT_FALSE(t.host_accessible());
+  EXPECT_EQ(test::error_of([&] { (void)t.data<float>(); }),
+            "host access to tensor f32(2, 3) in device memory: copy it with Backend::read / Backend::write");
+  const std::vector<float> in{1, 2, 3, 4, 5, 6};
+  backend.write(t, in.data());
+  backend.scale_inplace(t, 2.0);
+  EXPECT_EQ(test::values(backend, t), (std::vector<double>{2, 4, 6, 8, 10, 12}));
+  EXPECT_EQ(test::values(backend, t.view(3, {2})), (std::vector<double>{8, 10}));  // views read their own range
+}
+
+// The losses, the gradient norms and every final weight of a run on device memory equal the CPU
+// run's bit for bit: GPT-2 in fp32, Llama (GQA) with bf16 GEMMs, a kept bf16 weight copy,
+// gradient accumulation and fp16-style dynamic loss scaling (unscaled through the backend).
+struct Case {
+  const char* preset;
+  const char* compute;
+  const char* param;
+  bool loss_scaling;
+};
+
+std::vector<double> train(Backend& backend, const Case& c, std::vector<double>* final_params) {
+  ModelConfig config = model_preset(c.preset);
+  Transformer model(backend, config);
+  model.init_weights(5);
+  TrainConfig tc;
+  tc.batch_size = 2, tc.seq_len = 12, tc.steps = 4, tc.grad_accum = 2, tc.schedule.warmup = 1;
+  tc.precision.compute = c.compute;
+  tc.precision.param = c.param;
+  tc.loss_scaling = c.loss_scaling;
+  Trainer trainer(backend, model, tc);
+  RandomWindowSource data(cyclic_tokens(600, static_cast<int32_t>(config.vocab_size)), 11);
+  std::vector<double> out;
+  for (int s = 0; s < 4; ++s) {
+    const StepStats st = trainer.train_step(data);
+    out.push_back(st.loss);
+    out.push_back(st.grad_norm);
+  }
+  RandomWindowSource eval_data(cyclic_tokens(600, static_cast<int32_t>(config.vocab_size)), 12);
+  out.push_back(trainer.evaluate(eval_data, 2));
+  *final_params = test::values(backend, model.params());
+  return out;
+}
+
+TEST(DeviceMemoryTest, TrainingOnDeviceMemoryIsBitwiseTheCpuRun) {
+  for (const Case& c : {Case{"gpt2-tiny", "f32", "f32", false}, Case{"llama-tiny", "bf16", "f32", false},
+                        Case{"llama-tiny", "bf16", "bf16", true}}) {
+    auto cpu = make_cpu_backend();
+    test::StrictBackend strict;
+    std::vector<double> cpu_params, strict_params;
+    const std::vector<double> expected = train(*cpu, c, &cpu_params);
+    const std::vector<double> got = train(strict, c, &strict_params);
+    EXPECT_EQ(got, expected) << c.preset << " compute " << c.compute << " param " << c.param;
+    EXPECT_EQ(strict_params, cpu_params) << c.preset;
+    EXPECT_GT(strict.allocator().tracker().peak(MEM_ACTIVATIONS), 0u);  // the run's tensors lived there
+  }
+}
+
+TEST(DeviceMemoryTest, HostOnlyFeaturesAreRefusedWithTheKeyNamed) {
+  test::StrictBackend strict;
+  Transformer model(strict, model_preset("gpt2-tiny"));
+  TrainConfig tc;
+  tc.batch_size = 1, tc.seq_len = 8;
+  tc.precision.compute = "fp8-delayed";
+  EXPECT_NE(test::error_of([&] { Trainer t(strict, model, tc); }).find("fp8-delayed is not supported on the strict "
+                                                                       "backend"),
+            std::string::npos);
+  ModelConfig moe = model_preset("gpt2-tiny");
+  moe.moe_experts = 4;
+  EXPECT_NE(test::error_of([&] { Transformer m(strict, moe); }).find("moe_experts > 0 (mixture of experts) is not "
+                                                                    "supported on the strict backend"),
+            std::string::npos);
+}
+
+// A checkpoint saved from device memory is byte for byte the CPU run's files, and loads back
+// into device memory (through the backend) and into a CPU model alike.
+TEST(DeviceMemoryTest, CheckpointsAreTheSameFilesFromDeviceMemory) {
+  const fs::path root = fs::temp_directory_path() / ("loom_device_ckpt_" + std::to_string(::getpid()));
+  fs::remove_all(root);
+  auto cpu = make_cpu_backend();
+  test::StrictBackend strict;
+  const ModelConfig config = model_preset("gpt2-tiny");
+  std::vector<std::string> paths;
+  for (Backend* b : {cpu.get(), static_cast<Backend*>(&strict)}) {
+    Transformer model(*b, config);
+    model.init_weights(3);
+    TrainConfig tc;
+    tc.batch_size = 2, tc.seq_len = 8, tc.steps = 2;
+    Trainer trainer(*b, model, tc);
+    RandomWindowSource data(cyclic_tokens(400, static_cast<int32_t>(config.vocab_size)), 4);
+    trainer.train_step(data);
+    CheckpointOptions options;
+    options.backend = b;
+    CheckpointManager manager((root / std::string(b->name())).string(), options);
+    CheckpointContents contents;
+    contents.step = 1;
+    contents.model = ModelState{config, model.params()};
+    contents.optimizer = OptimizerState{trainer.optimizer().name(), trainer.optimizer().state()};
+    contents.optimizer_steps = trainer.optimizer().steps_taken();
+    paths.push_back(manager.save(contents));
+
+    // Loads back into fresh device-memory tensors, through the backend.
+    Transformer fresh(*b, config);
+    TrainConfig tc2 = tc;
+    Trainer fresh_trainer(*b, fresh, tc2);
+    manager.load(paths.back(), ModelState{config, fresh.params()},
+                 OptimizerState{fresh_trainer.optimizer().name(), fresh_trainer.optimizer().state()});
+    EXPECT_EQ(test::values(*b, fresh.params()), test::values(*b, model.params())) << b->name();
+    for (size_t i = 0; i < contents.optimizer.tensors.size(); ++i) {
+      EXPECT_EQ(test::values(*b, fresh_trainer.optimizer().state()[i].second),
+                test::values(*b, contents.optimizer.tensors[i].second))
+          << b->name() << " " << contents.optimizer.tensors[i].first;
+    }
+  }
+  // Same files, same bytes.
+  std::set<std::string> names;
+  for (const auto& entry : fs::directory_iterator(paths[0])) names.insert(entry.path().filename().string());
+  for (const std::string& name : names) {
+    EXPECT_EQ(test::read_file_bytes((fs::path(paths[0]) / name).string()),
+              test::read_file_bytes((fs::path(paths[1]) / name).string()))
+        << name;
+  }
+  fs::remove_all(root);
+}
+
+// ---------------------------------------------------------------- the caching allocator
+
+struct FakeDevice {
+  size_t capacity = 0, used = 0;
+  std::vector<std::pair<void*, size_t>> live;  // what the "device" handed out
+  BlockCache cache{"fake device",
+                   [this](size_t bytes) -> void* {
+                     if (used + bytes > capacity) return nullptr;
+                     used += bytes;
+                     void* p = std::malloc(bytes);
+                     live.emplace_back(p, bytes);
+                     return p;
+                   },
+                   [this](void* p) {
+                     for (auto it = live.begin(); it != live.end(); ++it) {
+                       if (it->first == p) {
+                         used -= it->second;
+                         live.erase(it);
+                         break;
+                       }
+                     }
+                     std::free(p);
+                   }};
+};
+
+TEST(BlockCacheTest, RoundsRequestsToGranules) {
+  EXPECT_EQ(BlockCache::rounded(0), 0u);
+  EXPECT_EQ(BlockCache::rounded(1), 512u);
+  EXPECT_EQ(BlockCache::rounded(512), 512u);
+  EXPECT_EQ(BlockCache::rounded(513), 1024u);
+  EXPECT_EQ(BlockCache::rounded(size_t{1} << 20), size_t{1} << 20);
+  EXPECT_EQ(BlockCache::rounded((size_t{1} << 20) + 1), size_t{2} << 20);
+  EXPECT_EQ(BlockCache::rounded((size_t{5} << 20) + 3), size_t{6} << 20);
+}
+
+// A step loop that allocates the same shapes every step calls the device only in its first step.
+TEST(BlockCacheTest, RepeatedStepsReuseTheirBlocks) {
+  FakeDevice dev;
+  dev.capacity = size_t{64} << 20;
+  const std::vector<size_t> step_sizes{100, 4096, 3u << 20, 700, 4096};
+  for (int step = 0; step < 5; ++step) {
+    std::vector<std::pair<void*, size_t>> held;
+    for (size_t s : step_sizes) held.emplace_back(dev.cache.allocate(s), s);
+    for (auto& [p, s] : held) dev.cache.release(p, s);
+  }
+  EXPECT_EQ(dev.cache.device_allocations(), step_sizes.size());
+  EXPECT_EQ(dev.cache.reserved_bytes(), dev.used);
+  EXPECT_EQ(dev.cache.cached_bytes(), dev.used);  // everything released: all cached
+  dev.cache.empty_cache();
+  EXPECT_EQ(dev.used, 0u);
+  EXPECT_EQ(dev.cache.reserved_bytes(), 0u);
+}
+
+// Out of device memory: the cache is given back and the request retried; if it still does not
+// fit, one line names the device, the request and the bytes in use.
+TEST(BlockCacheTest, OutOfMemoryEmptiesTheCacheThenFailsWithOneLine) {
+  FakeDevice dev;
+  dev.capacity = size_t{8} << 20;
+  void* a = dev.cache.allocate(size_t{4} << 20);
+  void* b = dev.cache.allocate(size_t{2} << 20);
+  dev.cache.release(b, size_t{2} << 20);        // 2 MiB cached
+  void* c = dev.cache.allocate(size_t{4} << 20);  // fits only once the cached block is returned
+  EXPECT_NE(c, nullptr);
+  EXPECT_EQ(dev.cache.cached_bytes(), 0u);
+  EXPECT_EQ(dev.used, size_t{8} << 20);
+  EXPECT_EQ(test::error_of([&] { dev.cache.allocate(1000); }),
+            "fake device out of memory: allocating 1.00 KiB with 8.00 MiB in use by tensors (loom memory estimates a run "
+            "before it starts)");
+  dev.cache.release(a, size_t{4} << 20);
+  dev.cache.release(c, size_t{4} << 20);
+}
+
+TEST(DeviceConfigTest, DeviceKeyIsValidated) {
+  LoomConfig config;
+  config.device = "tpu";
+  EXPECT_EQ(test::error_of([&] { config.validate(); }), "device must be \"cpu\" or \"cuda\", got \"tpu\"");
+  EXPECT_NE(test::error_of([] { make_backend("tpu"); }).find("expected \"cpu\" or \"cuda\""), std::string::npos);
+  const std::string cuda = test::error_of([] { make_backend("cuda"); });
+  if (!cuda_backend_built()) {
+    EXPECT_NE(cuda.find("this build of Loom has no CUDA backend"), std::string::npos) << cuda;
+  } else if (!cuda.empty()) {  // built, no GPU here
+    EXPECT_NE(cuda.find("device = \"cuda\": no CUDA device is visible"), std::string::npos) << cuda;
+  }
+}
+
+}  // namespace
+}  // namespace loom
