@@ -101,6 +101,11 @@ TEST(DeviceMemoryTest, HostOnlyFeaturesAreRefusedWithTheKeyNamed) {
   EXPECT_NE(test::error_of([&] { Trainer t(strict, model, tc); }).find("fp8-delayed is not supported on the strict "
                                                                        "backend"),
             std::string::npos);
+  TrainConfig lion;
+  lion.batch_size = 1, lion.seq_len = 8, lion.optim.name = "lion";
+  Transformer model2(strict, model_preset("gpt2-tiny"));  // a Trainer allocates the model's stores once
+  EXPECT_EQ(test::error_of([&] { Trainer t(strict, model2, lion); }),
+            "optim.name = lion is not supported on the strict backend yet (its update runs on the host): use adamw");
   ModelConfig moe = model_preset("gpt2-tiny");
   moe.moe_experts = 4;
   EXPECT_NE(test::error_of([&] { Transformer m(strict, moe); }).find("moe_experts > 0 (mixture of experts) is not "

@@ -230,7 +230,8 @@ void Transformer::set_recompute(std::vector<RecomputePolicy> plan, bool offload)
 }
 
 void Transformer::set_flash_attention(bool on) {
-  LOOM_CHECK(scratch_tokens_ == 0, "set_flash_attention must come before the activation stores are allocated");
+  LOOM_CHECK(on == flash_ || scratch_tokens_ == 0,
+             "set_flash_attention must come before the activation stores are allocated");
   for (Block& b : blocks_) b.set_flash_attention(on);
   flash_ = on;
 }

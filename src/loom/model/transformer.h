@@ -105,8 +105,8 @@ class Transformer {
   // offload: the checkpointed blocks' kept fields are host memory (MEM_OFFLOADED).
   void set_recompute(std::vector<RecomputePolicy> plan, bool offload = false);
   // FlashAttention (train.flash_attention, Block::set_flash_attention): every block runs the
-  // backend's flash attention ops and its records keep lse instead of probs. Set before the
-  // activation stores are allocated.
+  // backend's flash attention ops and its records keep lse instead of probs. Changed only
+  // before the activation stores are allocated.
   void set_flash_attention(bool on);
   bool flash_attention() const { return flash_; }
   const std::vector<RecomputePolicy>& recompute_plan() const { return recompute_; }

@@ -238,6 +238,9 @@ std::unique_ptr<Optimizer> make_optimizer(Backend& backend, const Tensor& params
                                           std::vector<OptimParam> list, const OptimConfig& config) {
   const OptimConfig c = config.resolved();
   const std::string& n = c.name;
+  // On a GPU only AdamW has a device kernel (Backend::adamw_step); the others loop on the host.
+  LOOM_CHECK(params.host_accessible() || n == "adam" || n == "adamw", "optim.name = ", n, " is not supported on the ",
+             backend.name(), " backend yet (its update runs on the host): use adamw");
   if (n == "sgd" || n == "momentum" || n == "nesterov") return make_sgd(backend, params, grads, std::move(list), c);
   if (n == "adagrad") return make_adagrad(backend, params, grads, std::move(list), c);
   if (n == "rmsprop") return make_rmsprop(backend, params, grads, std::move(list), c);

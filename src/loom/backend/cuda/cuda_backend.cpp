@@ -16,6 +16,7 @@
 #include <cublas_v2.h>
 
 #include <climits>
+#include <cstdlib>
 #include <cmath>
 #include <vector>
 
@@ -539,8 +540,15 @@ std::unique_ptr<Backend> make_cuda_backend() {
   const cudaError_t status = cudaGetDeviceCount(&count);
   LOOM_CHECK(status == cudaSuccess && count > 0, "device = \"cuda\": no CUDA device is visible (",
              status == cudaSuccess ? "cudaGetDeviceCount found 0" : cudaGetErrorString(status), ")");
+  // Under mpirun, each rank on a node takes its own GPU: local rank modulo the visible GPUs.
   int device = 0;
   LOOM_CUDA_CHECK(cudaGetDevice(&device));
+  for (const char* var : {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"}) {
+    if (const char* v = std::getenv(var); v != nullptr && *v != '\0') {
+      device = std::atoi(v) % count;
+      break;
+    }
+  }
   return std::make_unique<CudaBackend>(device);
 }
 
