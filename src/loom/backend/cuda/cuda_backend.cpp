@@ -8,7 +8,8 @@
 // call passes B as cuBLAS's "A" and A as its "B", with the transposes unchanged:
 //   f32: cuBLASLt, CUBLAS_COMPUTE_32F (true fp32, no TF32: the op tests compare at 1e-5);
 //   bf16 A, B with f32 C: cuBLASLt, bf16 inputs, fp32 accumulation and output;
-//   f64: cublasDgemmStridedBatched (reference checks).
+//   f64: cublasDgemmStridedBatched (reference checks);
+//   shapes cuBLASLt declines (rows not 16-byte aligned): cublasGemmStridedBatchedEx, fp32 accumulation.
 // The bias is added by a row kernel after the GEMM (cuBLASLt's bias epilogue would save one pass).
 #include "loom/backend/cuda/cuda_backend.h"
 
@@ -411,14 +412,15 @@ class CudaBackend final : public Backend {
   void gemm_lt(const Tensor& a, const Tensor& b, const Tensor& c, const GemmSpec& spec, const checks::GemmDims& d) {
     const bool bf16 = a.dtype() == DTYPE_BF16;
     const cudaDataType_t in_type = bf16 ? CUDA_R_16BF : CUDA_R_32F;
-    const size_t in_bytes = bf16 ? 2 : 4;
     cublasLtMatmulDesc_t desc = nullptr;
     cublasLtMatrixLayout_t la = nullptr, lb = nullptr, lc = nullptr;
-    const auto cleanup = [&] {
+    const auto cleanup = [&] {  // idempotent
       if (la) cublasLtMatrixLayoutDestroy(la);
       if (lb) cublasLtMatrixLayoutDestroy(lb);
       if (lc) cublasLtMatrixLayoutDestroy(lc);
       if (desc) cublasLtMatmulDescDestroy(desc);
+      la = lb = lc = nullptr;
+      desc = nullptr;
     };
     try {
       LOOM_CUBLAS_STATUS(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
@@ -452,10 +454,10 @@ class CudaBackend final : public Backend {
           hs == CUBLAS_STATUS_SUCCESS ? cublasLtMatmulAlgoGetHeuristic(lt_, desc, la, lb, lc, lc, pref, 1, &result, &found)
                                       : hs;
       cublasLtMatmulPreferenceDestroy(pref);
-      LOOM_CUBLAS_STATUS(hr);
-      LOOM_CHECK(found > 0, "gemm: cuBLASLt has no algorithm for ", dtype_name(a.dtype()), " (", d.m, ", ", d.n, ", ",
-                 d.k, ") batch ", spec.batch, " trans_a ", spec.trans_a, " trans_b ", spec.trans_b, " (alignment of ",
-                 in_bytes, "-byte elements?)");
+      if (hr != CUBLAS_STATUS_SUCCESS || found == 0) {  // e.g. rows not 16-byte aligned: cuBLAS takes any
+        cleanup();
+        return gemm_ex(a, b, c, spec, d, in_type);
+      }
       const float alpha = spec.alpha, beta = spec.beta;
       LOOM_CUBLAS_STATUS(cublasLtMatmul(lt_, desc, &alpha, b.device_ptr(), la, a.device_ptr(), lb, &beta,
                                         c.device_ptr(), lc, c.device_ptr(), lc, &result.algo,
@@ -465,6 +467,19 @@ class CudaBackend final : public Backend {
       throw;
     }
     cleanup();
+  }
+
+  // The same product through cublasGemmStridedBatchedEx (fp32 accumulation, no TF32): for shapes
+  // cuBLASLt's heuristic declines (leading dimensions that are not multiples of 16 bytes).
+  void gemm_ex(const Tensor& a, const Tensor& b, const Tensor& c, const GemmSpec& spec, const checks::GemmDims& d,
+               cudaDataType_t in_type) {
+    const float alpha = spec.alpha, beta = spec.beta;
+    LOOM_CUBLAS_STATUS(cublasGemmStridedBatchedEx(
+        cublas_, spec.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, spec.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
+        static_cast<int>(d.n), static_cast<int>(d.m), static_cast<int>(d.k), &alpha, b.device_ptr(), in_type,
+        static_cast<int>(d.b_cols), d.b_rows * d.b_cols, a.device_ptr(), in_type, static_cast<int>(d.a_cols),
+        d.a_rows * d.a_cols, &beta, c.device_ptr(), CUDA_R_32F, static_cast<int>(d.n), d.m * d.n,
+        static_cast<int>(spec.batch), CUBLAS_COMPUTE_32F_PEDANTIC, CUBLAS_GEMM_DEFAULT));
   }
 
   void gemm_f64(const Tensor& a, const Tensor& b, const Tensor& c, const GemmSpec& spec, const checks::GemmDims& d) {
