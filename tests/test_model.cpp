@@ -60,25 +60,29 @@ TEST(ParamLayoutTest, ParametersTileTheFlatBufferInOrder) {
 // Model gradient vs central differences of the model's own loss, on a few elements of every
 // parameter. The loss is f32, so the difference step is 1e-2 on weights of size 0.3 and the
 // tolerance is 2e-3 relative (fp32 rounding of a ~4.6 loss is ~5e-7; divided by 2h = 2e-2).
+// With train.flash_attention too (the blocks keep lse instead of the probabilities).
 TEST(TransformerTest, GradientsMatchFiniteDifferencesOfTheLoss) {
-  for (const char* preset : {"gpt2-tiny", "llama-tiny"}) {
-    auto backend = make_cpu_backend();
-    ModelConfig config = model_preset(preset);
-    config.init_std = 0.3f;  // large weights make every path matter
-    Transformer model(*backend, config);
-    model.init_weights(5);
-    ActivationStore store = model.allocate_store(2, 9);
-    Tensor tok = test::random_tokens(backend->allocator(), {2, 10}, static_cast<int32_t>(config.vocab_size), 7);
-    for (int64_t b = 0; b < 2; ++b) {
-      for (int64_t t = 0; t < 9; ++t) {
-        store.tokens.data<int32_t>()[b * 9 + t] = tok.data<int32_t>()[b * 10 + t];
-        store.targets.data<int32_t>()[b * 9 + t] = tok.data<int32_t>()[b * 10 + t + 1];
+  for (const bool flash : {false, true}) {
+    for (const char* preset : {"gpt2-tiny", "llama-tiny"}) {
+      auto backend = make_cpu_backend();
+      ModelConfig config = model_preset(preset);
+      config.init_std = 0.3f;  // large weights make every path matter
+      Transformer model(*backend, config);
+      model.set_flash_attention(flash);
+      model.init_weights(5);
+      ActivationStore store = model.allocate_store(2, 9);
+      Tensor tok = test::random_tokens(backend->allocator(), {2, 10}, static_cast<int32_t>(config.vocab_size), 7);
+      for (int64_t b = 0; b < 2; ++b) {
+        for (int64_t t = 0; t < 9; ++t) {
+          store.tokens.data<int32_t>()[b * 9 + t] = tok.data<int32_t>()[b * 10 + t];
+          store.targets.data<int32_t>()[b * 9 + t] = tok.data<int32_t>()[b * 10 + t + 1];
+        }
       }
+      model.zero_grads();
+      model.forward(store);
+      model.backward(store, 1.0f);
+      test::expect_model_gradients_match_fd(model, store, std::string(preset) + (flash ? " flash" : ""));
     }
-    model.zero_grads();
-    model.forward(store);
-    model.backward(store, 1.0f);
-    test::expect_model_gradients_match_fd(model, store, preset);
   }
 }
 

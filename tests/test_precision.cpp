@@ -341,15 +341,19 @@ TEST(LossScalerTest, UnscaleMultipliesByTheFp32InverseAndFindsNonFinite) {
   LossScalerConfig c;
   c.init_scale = 3.0;  // 1/3 is not exact: inv = float32(1/float64(3))
   DynamicLossScaler s(c);
-  std::vector<float> g = {3.0f, -6.0f, 1.0f};
-  EXPECT_FALSE(s.unscale(g.data(), 3));
+  auto backend = make_cpu_backend();
+  auto tensor = [&](std::vector<float> v) {
+    Tensor t = Tensor::empty(backend->allocator(), {static_cast<int64_t>(v.size())}, DTYPE_F32, MEM_GRADIENTS);
+    backend->write(t, v.data());
+    return t;
+  };
+  const Tensor g = tensor({3.0f, -6.0f, 1.0f});
+  EXPECT_FALSE(s.unscale(*backend, g));
   const float inv = static_cast<float>(1.0 / 3.0);
-  EXPECT_EQ(g[0], 3.0f * inv);
-  EXPECT_EQ(g[2], inv);
-  g = {1.0f, INFINITY, 2.0f};
-  EXPECT_TRUE(s.unscale(g.data(), 3));
-  g = {NAN};
-  EXPECT_TRUE(s.unscale(g.data(), 1));
+  EXPECT_EQ(g.data<float>()[0], 3.0f * inv);
+  EXPECT_EQ(g.data<float>()[2], inv);
+  EXPECT_TRUE(s.unscale(*backend, tensor({1.0f, INFINITY, 2.0f})));
+  EXPECT_TRUE(s.unscale(*backend, tensor({NAN})));
 }
 
 }  // namespace

@@ -108,6 +108,15 @@ Dims3 check_attention(const char* op, const Tensor& qkv, const Tensor& out, cons
   return {batch, seq_len, head_dim};
 }
 
+Dims3 check_attention_backward(const char* op, const Tensor& dout, const Tensor& qkv, const Tensor& out,
+                               const Tensor& saved, const Tensor& dqkv, int64_t n_head, int64_t n_kv_head,
+                               int64_t window, bool flash) {
+  const Dims3 dims = check_attention(op, qkv, out, saved, n_head, n_kv_head, window, flash);
+  check_elementwise(op, out, {&dout});
+  check_elementwise(op, qkv, {&dqkv});
+  return dims;
+}
+
 void check_cross_entropy(const char* op, const Tensor& logits, const Tensor& targets, const Tensor& lse) {
   expect_dtype(targets, DTYPE_I32, op, "targets");
   expect_numel(targets, rows_of(logits), op, "targets");

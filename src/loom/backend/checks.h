@@ -5,8 +5,18 @@
 #include <initializer_list>
 
 #include "loom/backend/backend.h"
+#include "loom/core/error.h"
 
 namespace loom::checks {
+
+// Calls fn.template operator()<T>() with T = float or double according to dtype; any other dtype
+// throws naming the op and the backend ("CPU", "CUDA").
+template <typename Fn>
+void dispatch_float(DType dtype, const char* op, const char* backend, Fn&& fn) {
+  if (dtype == DTYPE_F32) fn.template operator()<float>();
+  else if (dtype == DTYPE_F64) fn.template operator()<double>();
+  else throw Error(str_cat(op, ": not supported for dtype ", dtype_name(dtype), " on the ", backend, " backend (f32, f64)"));
+}
 
 void expect_dtype(const Tensor& t, DType dtype, const char* op, const char* what);
 void expect_numel(const Tensor& t, int64_t numel, const char* op, const char* what);
@@ -41,6 +51,10 @@ void check_rope(const char* op, const Tensor& x, int64_t head_dim, int64_t n_hea
 // false, lse (B, H, T) when true; window >= 0. Returns {B, T, hd}.
 Dims3 check_attention(const char* op, const Tensor& qkv, const Tensor& out, const Tensor& saved, int64_t n_head,
                       int64_t n_kv_head, int64_t window, bool flash);
+// The backward's operands: check_attention's, plus dout shaped as out and dqkv as qkv.
+Dims3 check_attention_backward(const char* op, const Tensor& dout, const Tensor& qkv, const Tensor& out,
+                               const Tensor& saved, const Tensor& dqkv, int64_t n_head, int64_t n_kv_head,
+                               int64_t window, bool flash);
 // logits (N, V), targets (N) i32, lse (N); the target values are checked by the backend.
 void check_cross_entropy(const char* op, const Tensor& logits, const Tensor& targets, const Tensor& lse);
 

@@ -20,15 +20,10 @@ DynamicLossScaler::DynamicLossScaler(LossScalerConfig config) : config_((config.
   state_.hysteresis_tracker = config_.hysteresis;
 }
 
-bool DynamicLossScaler::unscale(float* grads, int64_t n) const {
+bool DynamicLossScaler::unscale(Backend& backend, const Tensor& grads) const {
   const float inv = static_cast<float>(1.0 / static_cast<double>(state_.scale));
-  int found = 0;
-#pragma omp parallel for reduction(| : found) schedule(static)
-  for (int64_t i = 0; i < n; ++i) {
-    if (inv != 1.0f) grads[i] *= inv;
-    found |= std::isfinite(grads[i]) ? 0 : 1;
-  }
-  return found != 0;
+  if (inv != 1.0f) backend.scale_inplace(grads, inv);
+  return !std::isfinite(backend.sum_squares(grads));
 }
 
 void DynamicLossScaler::update(bool found_inf) {

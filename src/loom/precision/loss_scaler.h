@@ -8,6 +8,8 @@
 #pragma once
 #include <cstdint>
 
+#include "loom/backend/backend.h"
+
 namespace loom {
 
 struct LossScalerConfig {
@@ -31,8 +33,10 @@ class DynamicLossScaler {
   explicit DynamicLossScaler(LossScalerConfig config);
 
   float scale() const { return state_.scale; }
-  // grads *= inv (unless inv == 1); returns true when any element is inf or NaN.
-  bool unscale(float* grads, int64_t n) const;
+  // grads *= inv = fp32(1 / scale) (unless inv == 1), through the backend (a GPU's gradients
+  // too); returns true when any element is inf or NaN. A sum of squares in double of finite
+  // floats is finite (at most 1.2e77 per element), so it is finite exactly when every element is.
+  bool unscale(Backend& backend, const Tensor& grads) const;
   // After each step (taken or skipped), with what unscale found.
   void update(bool found_inf);
 

@@ -203,20 +203,6 @@ Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config, Commu
   }
 }
 
-namespace {
-
-// GradScaler's unscale through the op interface (any backend): grads *= fp32(1 / scale); true
-// when an element is inf or NaN. A sum of squares in double of finite floats is finite (at most
-// 1.2e77 per element), so it is finite exactly when every element is: the same verdict and the
-// same bits as DynamicLossScaler::unscale's host loop.
-bool unscale(Backend& backend, const Tensor& grads, float scale) {
-  const float inv = static_cast<float>(1.0 / static_cast<double>(scale));
-  if (inv != 1.0f) backend.scale_inplace(grads, inv);
-  return !std::isfinite(backend.sum_squares(grads));
-}
-
-}  // namespace
-
 StepStats Trainer::train_step(BatchSource& data) {
   const auto start = std::chrono::steady_clock::now();
   if (sharded_grads()) {
@@ -276,7 +262,7 @@ StepStats Trainer::train_step(BatchSource& data) {
   if (scaler_) {
     // GradScaler: unscale; with inf/NaN gradients skip the step, leaving the weights and the
     // optimizer state as they are (the next step zeroes the gradients).
-    stats.skipped = unscale(backend_, grads, scaler_->scale());
+    stats.skipped = scaler_->unscale(backend_, grads);
     if (sharded_grads()) stats.skipped = sum_over(*comm_, stats.skipped ? 1.0 : 0.0) > 0.0;
     scaler_->update(stats.skipped);
   }

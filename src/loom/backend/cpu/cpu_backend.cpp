@@ -14,23 +14,19 @@
 namespace loom {
 namespace {
 
-// Calls fn.template operator()<T>() with T = float or double according to dtype.
-template <typename Fn>
-void dispatch_float(DType dtype, const char* op, Fn&& fn) {
-  if (dtype == DTYPE_F32) fn.template operator()<float>();
-  else if (dtype == DTYPE_F64) fn.template operator()<double>();
-  else throw Error(str_cat(op, ": not supported for dtype ", dtype_name(dtype), " on the CPU backend (f32, f64)"));
-}
-
 using checks::check_attention;
+using checks::check_attention_backward;
 using checks::check_cross_entropy;
 using checks::check_elementwise;
 using checks::check_embedding;
 using checks::check_row_op;
 using checks::check_swiglu;
+using checks::dispatch_float;
 using checks::expect_dtype;
 using checks::expect_numel;
 using checks::rows_of;
+
+constexpr const char* kBackend = "CPU";  // in dtype errors
 
 class CpuBackend final : public Backend {
  public:
@@ -56,7 +52,7 @@ class CpuBackend final : public Backend {
       if (bias) add_bias_rows(pc, bias->data<float>(), batch * m, n);
       return;
     }
-    dispatch_float(a.dtype(), "gemm", [&]<typename T>() {
+    dispatch_float(a.dtype(), "gemm", kBackend, [&]<typename T>() {
       const T* pa = a.data<T>();
       const T* pb = b.data<T>();
       T* pc = c.data<T>();
@@ -75,7 +71,7 @@ class CpuBackend final : public Backend {
   }
 
   void fill(const Tensor& x, double value) override {
-    dispatch_float(x.dtype(), "fill", [&]<typename T>() {
+    dispatch_float(x.dtype(), "fill", kBackend, [&]<typename T>() {
       T* p = x.data<T>();
       const int64_t n = x.numel();
 #pragma omp parallel for simd schedule(static)
@@ -121,7 +117,7 @@ class CpuBackend final : public Backend {
     expect_dtype(out, a.dtype(), "add", "out");
     expect_numel(b, a.numel(), "add", "b");
     expect_numel(out, a.numel(), "add", "out");
-    dispatch_float(a.dtype(), "add", [&]<typename T>() {
+    dispatch_float(a.dtype(), "add", kBackend, [&]<typename T>() {
       const T* pa = a.data<T>();
       const T* pb = b.data<T>();
       T* po = out.data<T>();
@@ -134,7 +130,7 @@ class CpuBackend final : public Backend {
   void add_inplace(const Tensor& acc, const Tensor& x) override { add(acc, x, acc); }
 
   void scale_inplace(const Tensor& x, double factor) override {
-    dispatch_float(x.dtype(), "scale_inplace", [&]<typename T>() {
+    dispatch_float(x.dtype(), "scale_inplace", kBackend, [&]<typename T>() {
       T* p = x.data<T>();
       const T f = static_cast<T>(factor);
       const int64_t n = x.numel();
@@ -153,7 +149,7 @@ class CpuBackend final : public Backend {
   void bias_backward(const Tensor& dout, const Tensor& dbias) override {
     expect_dtype(dbias, dout.dtype(), "bias_backward", "dbias");
     expect_numel(dbias, dout.dim(-1), "bias_backward", "dbias");
-    dispatch_float(dout.dtype(), "bias_backward", [&]<typename T>() {
+    dispatch_float(dout.dtype(), "bias_backward", kBackend, [&]<typename T>() {
       cpu::column_sums_accumulate(dout.data<T>(), rows_of(dout), dout.dim(-1), dbias.data<T>());
     });
   }
@@ -163,7 +159,7 @@ class CpuBackend final : public Backend {
     const char* op = "embedding_forward";
     const auto [n_tokens, seq_len, channels] = check_embedding(op, tokens, table, positions, out);
     check_token_range(op, tokens, table.dim(0));
-    dispatch_float(table.dtype(), op, [&]<typename T>() {
+    dispatch_float(table.dtype(), op, kBackend, [&]<typename T>() {
       cpu::embedding_forward(tokens.data<int32_t>(), table.data<T>(), positions ? positions->data<T>() : nullptr,
                              out.data<T>(), n_tokens, seq_len, channels);
     });
@@ -174,7 +170,7 @@ class CpuBackend final : public Backend {
     const char* op = "embedding_backward";
     const auto [n_tokens, seq_len, channels] = check_embedding(op, tokens, dtable, dpositions, dout);
     check_token_range(op, tokens, dtable.dim(0));
-    dispatch_float(dtable.dtype(), op, [&]<typename T>() {
+    dispatch_float(dtable.dtype(), op, kBackend, [&]<typename T>() {
       cpu::embedding_backward(tokens.data<int32_t>(), dout.data<T>(), dtable.data<T>(),
                               dpositions ? dpositions->data<T>() : nullptr, n_tokens, seq_len, channels);
     });
@@ -185,7 +181,7 @@ class CpuBackend final : public Backend {
     const char* op = "layernorm_forward";
     const int64_t rows = rows_of(x), channels = x.dim(-1);
     check_row_op(op, x, {&out}, {&weight, &bias}, {&mean, &rstd});
-    dispatch_float(x.dtype(), op, [&]<typename T>() {
+    dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() {
       cpu::layernorm_forward(x.data<T>(), weight.data<T>(), bias.data<T>(), out.data<T>(), mean.data<T>(),
                              rstd.data<T>(), rows, channels, static_cast<T>(eps));
     });
@@ -195,7 +191,7 @@ class CpuBackend final : public Backend {
                           const Tensor& rstd, const Tensor& dx, const Tensor& dweight, const Tensor& dbias) override {
     const char* op = "layernorm_backward";
     check_row_op(op, x, {&dout, &dx}, {&weight, &dweight, &dbias}, {&mean, &rstd});
-    dispatch_float(x.dtype(), op, [&]<typename T>() {
+    dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() {
       cpu::layernorm_backward(dout.data<T>(), x.data<T>(), weight.data<T>(), mean.data<T>(), rstd.data<T>(),
                               dx.data<T>(), dweight.data<T>(), dbias.data<T>(), rows_of(x), x.dim(-1));
     });
@@ -205,7 +201,7 @@ class CpuBackend final : public Backend {
                        float eps) override {
     const char* op = "rmsnorm_forward";
     check_row_op(op, x, {&out}, {&weight}, {&rstd});
-    dispatch_float(x.dtype(), op, [&]<typename T>() {
+    dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() {
       cpu::rmsnorm_forward(x.data<T>(), weight.data<T>(), out.data<T>(), rstd.data<T>(), rows_of(x), x.dim(-1),
                            static_cast<T>(eps));
     });
@@ -215,7 +211,7 @@ class CpuBackend final : public Backend {
                         const Tensor& dx, const Tensor& dweight) override {
     const char* op = "rmsnorm_backward";
     check_row_op(op, x, {&dout, &dx}, {&weight, &dweight}, {&rstd});
-    dispatch_float(x.dtype(), op, [&]<typename T>() {
+    dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() {
       cpu::rmsnorm_backward(dout.data<T>(), x.data<T>(), weight.data<T>(), rstd.data<T>(), dx.data<T>(),
                             dweight.data<T>(), rows_of(x), x.dim(-1));
     });
@@ -223,13 +219,13 @@ class CpuBackend final : public Backend {
 
   void gelu_forward(const Tensor& x, const Tensor& out) override {
     check_elementwise("gelu_forward", x, {&out});
-    dispatch_float(x.dtype(), "gelu_forward",
+    dispatch_float(x.dtype(), "gelu_forward", kBackend,
                    [&]<typename T>() { cpu::gelu_forward(x.data<T>(), out.data<T>(), x.numel()); });
   }
 
   void gelu_backward(const Tensor& x, const Tensor& dout, const Tensor& dx) override {
     check_elementwise("gelu_backward", x, {&dout, &dx});
-    dispatch_float(x.dtype(), "gelu_backward", [&]<typename T>() {
+    dispatch_float(x.dtype(), "gelu_backward", kBackend, [&]<typename T>() {
       cpu::gelu_backward(x.data<T>(), dout.data<T>(), dx.data<T>(), x.numel());
     });
   }
@@ -237,7 +233,7 @@ class CpuBackend final : public Backend {
   void swiglu_forward(const Tensor& x, const Tensor& out) override {
     const char* op = "swiglu_forward";
     check_swiglu(op, x, out);
-    dispatch_float(x.dtype(), op, [&]<typename T>() {
+    dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() {
       cpu::swiglu_forward(x.data<T>(), out.data<T>(), rows_of(out), out.dim(-1));
     });
   }
@@ -246,7 +242,7 @@ class CpuBackend final : public Backend {
     const char* op = "swiglu_backward";
     check_swiglu(op, x, dout);
     check_elementwise(op, x, {&dx});
-    dispatch_float(x.dtype(), op, [&]<typename T>() {
+    dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() {
       cpu::swiglu_backward(x.data<T>(), dout.data<T>(), dx.data<T>(), rows_of(dout), dout.dim(-1));
     });
   }
@@ -263,7 +259,7 @@ class CpuBackend final : public Backend {
                          int64_t n_kv_head, int64_t window) override {
     const char* op = "attention_forward";
     const auto [batch, seq_len, head_dim] = check_attention(op, qkv, out, probs, n_head, n_kv_head, window, false);
-    dispatch_float(qkv.dtype(), op, [&]<typename T>() {
+    dispatch_float(qkv.dtype(), op, kBackend, [&]<typename T>() {
       if (window > 0 && window < seq_len) {
         cpu::attention_forward_window(qkv.data<T>(), out.data<T>(), probs.data<T>(), batch, seq_len, n_head,
                                       n_kv_head, head_dim, window);
@@ -277,13 +273,12 @@ class CpuBackend final : public Backend {
   void attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out, const Tensor& probs,
                           const Tensor& dqkv, int64_t n_head, int64_t n_kv_head, int64_t window) override {
     const char* op = "attention_backward";
-    const auto [batch, seq_len, head_dim] = check_attention(op, qkv, out, probs, n_head, n_kv_head, window, false);
-    check_elementwise(op, out, {&dout});
-    check_elementwise(op, qkv, {&dqkv});
+    const auto [batch, seq_len, head_dim] =
+        check_attention_backward(op, dout, qkv, out, probs, dqkv, n_head, n_kv_head, window, false);
     const bool windowed = window > 0 && window < seq_len;
     const int64_t tile = cpu::window_tile_rows(window);  // the windowed backward's dS tile: Bq x (Bq + W - 1)
     const Tensor scratch = workspace(windowed ? tile * (tile + window - 1) : seq_len * seq_len, qkv.dtype());
-    dispatch_float(qkv.dtype(), op, [&]<typename T>() {
+    dispatch_float(qkv.dtype(), op, kBackend, [&]<typename T>() {
       if (windowed) {
         cpu::attention_backward_window(dout.data<T>(), qkv.data<T>(), out.data<T>(), probs.data<T>(), dqkv.data<T>(),
                                        scratch.data<T>(), batch, seq_len, n_head, n_kv_head, head_dim, window);
@@ -294,7 +289,6 @@ class CpuBackend final : public Backend {
     });
   }
 
-  // FLASH-STUB-BEGIN (replaced by the CPU flash attention)
   // FlashAttention-2 (cpu_flash.h): tasks over (batch, head) / (batch, kv head), one tile
   // scratch per thread from the workspace.
   void flash_attention_forward(const Tensor& qkv, const Tensor& out, const Tensor& lse, int64_t n_head,
@@ -304,7 +298,7 @@ class CpuBackend final : public Backend {
     const int threads = omp_get_max_threads();
     const cpu::FlashTiles tiles;
     const Tensor scratch = workspace(threads * cpu::flash_forward_scratch(tiles, head_dim), qkv.dtype());
-    dispatch_float(qkv.dtype(), op, [&]<typename T>() {
+    dispatch_float(qkv.dtype(), op, kBackend, [&]<typename T>() {
       cpu::flash_attention_forward(qkv.data<T>(), out.data<T>(), lse.data<T>(), scratch.data<T>(), threads, batch,
                                    seq_len, n_head, n_kv_head, head_dim, window, tiles);
     });
@@ -312,19 +306,17 @@ class CpuBackend final : public Backend {
   void flash_attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out, const Tensor& lse,
                                 const Tensor& dqkv, int64_t n_head, int64_t n_kv_head, int64_t window) override {
     const char* op = "flash_attention_backward";
-    const auto [batch, seq_len, head_dim] = check_attention(op, qkv, out, lse, n_head, n_kv_head, window, true);
-    check_elementwise(op, out, {&dout});
-    check_elementwise(op, qkv, {&dqkv});
+    const auto [batch, seq_len, head_dim] =
+        check_attention_backward(op, dout, qkv, out, lse, dqkv, n_head, n_kv_head, window, true);
     const int threads = omp_get_max_threads();
     const cpu::FlashTiles tiles;
     const Tensor scratch = workspace(threads * cpu::flash_backward_scratch(tiles), qkv.dtype());
-    dispatch_float(qkv.dtype(), op, [&]<typename T>() {
+    dispatch_float(qkv.dtype(), op, kBackend, [&]<typename T>() {
       cpu::flash_attention_backward(dout.data<T>(), qkv.data<T>(), out.data<T>(), lse.data<T>(), dqkv.data<T>(),
                                     scratch.data<T>(), threads, batch, seq_len, n_head, n_kv_head, head_dim, window,
                                     tiles);
     });
   }
-  // FLASH-STUB-END
 
   void cross_entropy_forward(const Tensor& logits, const Tensor& targets, const Tensor& losses,
                              const Tensor& lse) override {
@@ -333,7 +325,7 @@ class CpuBackend final : public Backend {
     check_target_range(op, logits, targets);
     expect_dtype(losses, logits.dtype(), op, "losses");
     expect_numel(losses, rows_of(logits), op, "losses");
-    dispatch_float(logits.dtype(), op, [&]<typename T>() {
+    dispatch_float(logits.dtype(), op, kBackend, [&]<typename T>() {
       cpu::cross_entropy_forward(logits.data<T>(), targets.data<int32_t>(), losses.data<T>(), lse.data<T>(),
                                  rows_of(logits), logits.dim(-1));
     });
@@ -345,7 +337,7 @@ class CpuBackend final : public Backend {
     check_cross_entropy(op, logits, targets, lse);
     check_target_range(op, logits, targets);
     check_elementwise(op, logits, {&dlogits});
-    dispatch_float(logits.dtype(), op, [&]<typename T>() {
+    dispatch_float(logits.dtype(), op, kBackend, [&]<typename T>() {
       cpu::cross_entropy_backward(logits.data<T>(), targets.data<int32_t>(), lse.data<T>(), static_cast<T>(dloss),
                                   dlogits.data<T>(), rows_of(logits), logits.dim(-1));
     });
@@ -358,7 +350,7 @@ class CpuBackend final : public Backend {
     LOOM_CHECK(h.step >= 1, op, ": step must be >= 1 (bias correction), got ", h.step);
     const double bias1 = 1.0 - std::pow(static_cast<double>(h.beta1), static_cast<double>(h.step));
     const double bias2 = 1.0 - std::pow(static_cast<double>(h.beta2), static_cast<double>(h.step));
-    dispatch_float(param.dtype(), op, [&]<typename T>() {
+    dispatch_float(param.dtype(), op, kBackend, [&]<typename T>() {
       cpu::adamw_step<T>(param.data<T>(), grad.data<T>(), m.data<T>(), v.data<T>(), param.numel(), h.lr, h.beta1,
                          h.beta2, h.eps, h.weight_decay, h.grad_scale, static_cast<T>(bias1),
                          static_cast<T>(bias2));
@@ -383,7 +375,7 @@ class CpuBackend final : public Backend {
     double partial[kChunks] = {};
     const int64_t n = x.numel();
     const int64_t chunk = (n + kChunks - 1) / kChunks;
-    dispatch_float(x.dtype(), op, [&]<typename T>() {
+    dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() {
       const T* p = x.data<T>();
 #pragma omp parallel for schedule(static)
       for (int64_t c = 0; c < kChunks; ++c) {
@@ -414,7 +406,7 @@ class CpuBackend final : public Backend {
   void rope(const Tensor& x, int64_t head_dim, int64_t n_heads, float theta, int64_t pos_offset, double direction,
             const char* op) {
     checks::check_rope(op, x, head_dim, n_heads);
-    dispatch_float(x.dtype(), op, [&]<typename T>() {
+    dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() {
       cpu::rope_rotate(x.data<T>(), x.dim(0), x.dim(1), x.dim(2), head_dim, n_heads, static_cast<double>(theta),
                        pos_offset, direction);
     });

@@ -41,21 +41,18 @@ namespace loom {
 namespace {
 
 using checks::check_attention;
+using checks::check_attention_backward;
 using checks::check_cross_entropy;
 using checks::check_elementwise;
 using checks::check_embedding;
 using checks::check_row_op;
 using checks::check_swiglu;
+using checks::dispatch_float;
 using checks::expect_dtype;
 using checks::expect_numel;
 using checks::rows_of;
 
-template <typename Fn>
-void dispatch_float(DType dtype, const char* op, Fn&& fn) {
-  if (dtype == DTYPE_F32) fn.template operator()<float>();
-  else if (dtype == DTYPE_F64) fn.template operator()<double>();
-  else throw Error(str_cat(op, ": not supported for dtype ", dtype_name(dtype), " on the CUDA backend (f32, f64)"));
-}
+constexpr const char* kBackend = "CUDA";  // in dtype errors
 
 template <typename T>
 T* dptr(const Tensor& t) {
@@ -148,14 +145,14 @@ class CudaBackend final : public Backend {
       throw Error(str_cat("gemm: not supported for dtype ", dtype_name(a.dtype()), " on the CUDA backend (f32, bf16, f64)"));
     }
     if (bias) {
-      dispatch_float(c.dtype(), "gemm", [&]<typename T>() {
+      dispatch_float(c.dtype(), "gemm", kBackend, [&]<typename T>() {
         cuda::add_bias_rows<T>(dptr<T>(c), dptr<T>(*bias), spec.batch * d.m, d.n, stream_);
       });
     }
   }
 
   void fill(const Tensor& x, double value) override {
-    dispatch_float(x.dtype(), "fill", [&]<typename T>() { cuda::fill<T>(dptr<T>(x), x.numel(), value, stream_); });
+    dispatch_float(x.dtype(), "fill", kBackend, [&]<typename T>() { cuda::fill<T>(dptr<T>(x), x.numel(), value, stream_); });
   }
 
   void copy(const Tensor& src, const Tensor& dst) override {
@@ -188,13 +185,13 @@ class CudaBackend final : public Backend {
     expect_dtype(out, a.dtype(), "add", "out");
     expect_numel(b, a.numel(), "add", "b");
     expect_numel(out, a.numel(), "add", "out");
-    dispatch_float(a.dtype(), "add",
+    dispatch_float(a.dtype(), "add", kBackend,
                    [&]<typename T>() { cuda::add<T>(dptr<T>(a), dptr<T>(b), dptr<T>(out), a.numel(), stream_); });
   }
   void add_inplace(const Tensor& acc, const Tensor& x) override { add(acc, x, acc); }
 
   void scale_inplace(const Tensor& x, double factor) override {
-    dispatch_float(x.dtype(), "scale_inplace",
+    dispatch_float(x.dtype(), "scale_inplace", kBackend,
                    [&]<typename T>() { cuda::scale<T>(dptr<T>(x), x.numel(), factor, stream_); });
   }
 
@@ -205,7 +202,7 @@ class CudaBackend final : public Backend {
     expect_dtype(dbias, dout.dtype(), "bias_backward", "dbias");
     expect_numel(dbias, dout.dim(-1), "bias_backward", "dbias");
     const int64_t rows = rows_of(dout), cols = dout.dim(-1);
-    dispatch_float(dout.dtype(), "bias_backward", [&]<typename T>() {
+    dispatch_float(dout.dtype(), "bias_backward", kBackend, [&]<typename T>() {
       void* scratch = workspace(cuda::column_sums_scratch_bytes(rows, cols, sizeof(T)));
       cuda::column_sums_accumulate<T>(dptr<T>(dout), rows, cols, dptr<T>(dbias), scratch, stream_);
     });
@@ -216,7 +213,7 @@ class CudaBackend final : public Backend {
     const char* op = "embedding_forward";
     const auto [n_tokens, seq_len, channels] = check_embedding(op, tokens, table, positions, out);
     reset_flag();
-    dispatch_float(table.dtype(), op, [&]<typename T>() {
+    dispatch_float(table.dtype(), op, kBackend, [&]<typename T>() {
       cuda::embedding_forward<T>(dptr<int32_t>(tokens), dptr<T>(table), positions ? dptr<T>(*positions) : nullptr,
                                  dptr<T>(out), n_tokens, seq_len, channels, table.dim(0), flag(), stream_);
     });
@@ -228,7 +225,7 @@ class CudaBackend final : public Backend {
     const char* op = "embedding_backward";
     const auto [n_tokens, seq_len, channels] = check_embedding(op, tokens, dtable, dpositions, dout);
     reset_flag();
-    dispatch_float(dtable.dtype(), op, [&]<typename T>() {
+    dispatch_float(dtable.dtype(), op, kBackend, [&]<typename T>() {
       void* scratch =
           workspace(cuda::embedding_backward_scratch_bytes(n_tokens, seq_len, channels, dtable.dim(0), sizeof(T)));
       cuda::embedding_backward<T>(dptr<int32_t>(tokens), dptr<T>(dout), dptr<T>(dtable),
@@ -242,7 +239,7 @@ class CudaBackend final : public Backend {
                          const Tensor& mean, const Tensor& rstd, float eps) override {
     const char* op = "layernorm_forward";
     check_row_op(op, x, {&out}, {&weight, &bias}, {&mean, &rstd});
-    dispatch_float(x.dtype(), op, [&]<typename T>() {
+    dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() {
       cuda::layernorm_forward<T>(dptr<T>(x), dptr<T>(weight), dptr<T>(bias), dptr<T>(out), dptr<T>(mean),
                                  dptr<T>(rstd), rows_of(x), x.dim(-1), eps, stream_);
     });
@@ -252,7 +249,7 @@ class CudaBackend final : public Backend {
                           const Tensor& rstd, const Tensor& dx, const Tensor& dweight, const Tensor& dbias) override {
     const char* op = "layernorm_backward";
     check_row_op(op, x, {&dout, &dx}, {&weight, &dweight, &dbias}, {&mean, &rstd});
-    dispatch_float(x.dtype(), op, [&]<typename T>() {
+    dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() {
       void* scratch = workspace(cuda::norm_backward_scratch_bytes(rows_of(x), x.dim(-1), sizeof(T)));
       cuda::layernorm_backward<T>(dptr<T>(dout), dptr<T>(x), dptr<T>(weight), dptr<T>(mean), dptr<T>(rstd),
                                   dptr<T>(dx), dptr<T>(dweight), dptr<T>(dbias), rows_of(x), x.dim(-1), scratch,
@@ -264,7 +261,7 @@ class CudaBackend final : public Backend {
                        float eps) override {
     const char* op = "rmsnorm_forward";
     check_row_op(op, x, {&out}, {&weight}, {&rstd});
-    dispatch_float(x.dtype(), op, [&]<typename T>() {
+    dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() {
       cuda::rmsnorm_forward<T>(dptr<T>(x), dptr<T>(weight), dptr<T>(out), dptr<T>(rstd), rows_of(x), x.dim(-1), eps,
                                stream_);
     });
@@ -274,7 +271,7 @@ class CudaBackend final : public Backend {
                         const Tensor& dx, const Tensor& dweight) override {
     const char* op = "rmsnorm_backward";
     check_row_op(op, x, {&dout, &dx}, {&weight, &dweight}, {&rstd});
-    dispatch_float(x.dtype(), op, [&]<typename T>() {
+    dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() {
       void* scratch = workspace(cuda::norm_backward_scratch_bytes(rows_of(x), x.dim(-1), sizeof(T)));
       cuda::rmsnorm_backward<T>(dptr<T>(dout), dptr<T>(x), dptr<T>(weight), dptr<T>(rstd), dptr<T>(dx),
                                 dptr<T>(dweight), rows_of(x), x.dim(-1), scratch, stream_);
@@ -283,13 +280,13 @@ class CudaBackend final : public Backend {
 
   void gelu_forward(const Tensor& x, const Tensor& out) override {
     check_elementwise("gelu_forward", x, {&out});
-    dispatch_float(x.dtype(), "gelu_forward",
+    dispatch_float(x.dtype(), "gelu_forward", kBackend,
                    [&]<typename T>() { cuda::gelu_forward<T>(dptr<T>(x), dptr<T>(out), x.numel(), stream_); });
   }
 
   void gelu_backward(const Tensor& x, const Tensor& dout, const Tensor& dx) override {
     check_elementwise("gelu_backward", x, {&dout, &dx});
-    dispatch_float(x.dtype(), "gelu_backward", [&]<typename T>() {
+    dispatch_float(x.dtype(), "gelu_backward", kBackend, [&]<typename T>() {
       cuda::gelu_backward<T>(dptr<T>(x), dptr<T>(dout), dptr<T>(dx), x.numel(), stream_);
     });
   }
@@ -297,7 +294,7 @@ class CudaBackend final : public Backend {
   void swiglu_forward(const Tensor& x, const Tensor& out) override {
     const char* op = "swiglu_forward";
     check_swiglu(op, x, out);
-    dispatch_float(x.dtype(), op, [&]<typename T>() {
+    dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() {
       cuda::swiglu_forward<T>(dptr<T>(x), dptr<T>(out), rows_of(out), out.dim(-1), stream_);
     });
   }
@@ -306,7 +303,7 @@ class CudaBackend final : public Backend {
     const char* op = "swiglu_backward";
     check_swiglu(op, x, dout);
     check_elementwise(op, x, {&dx});
-    dispatch_float(x.dtype(), op, [&]<typename T>() {
+    dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() {
       cuda::swiglu_backward<T>(dptr<T>(x), dptr<T>(dout), dptr<T>(dx), rows_of(dout), dout.dim(-1), stream_);
     });
   }
@@ -322,7 +319,7 @@ class CudaBackend final : public Backend {
                          int64_t n_kv_head, int64_t window) override {
     const char* op = "attention_forward";
     const auto [batch, seq_len, head_dim] = check_attention(op, qkv, out, probs, n_head, n_kv_head, window, false);
-    dispatch_float(qkv.dtype(), op, [&]<typename T>() {
+    dispatch_float(qkv.dtype(), op, kBackend, [&]<typename T>() {
       cuda::attention_forward<T>(cublas_, dptr<T>(qkv), dptr<T>(out), dptr<T>(probs), batch, seq_len, n_head,
                                  n_kv_head, head_dim, window, stream_);
     });
@@ -331,10 +328,9 @@ class CudaBackend final : public Backend {
   void attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out, const Tensor& probs,
                           const Tensor& dqkv, int64_t n_head, int64_t n_kv_head, int64_t window) override {
     const char* op = "attention_backward";
-    const auto [batch, seq_len, head_dim] = check_attention(op, qkv, out, probs, n_head, n_kv_head, window, false);
-    check_elementwise(op, out, {&dout});
-    check_elementwise(op, qkv, {&dqkv});
-    dispatch_float(qkv.dtype(), op, [&]<typename T>() {
+    const auto [batch, seq_len, head_dim] =
+        check_attention_backward(op, dout, qkv, out, probs, dqkv, n_head, n_kv_head, window, false);
+    dispatch_float(qkv.dtype(), op, kBackend, [&]<typename T>() {
       void* scratch = workspace(cuda::attention_backward_scratch_bytes(batch, seq_len, n_head, head_dim, sizeof(T)));
       cuda::attention_backward<T>(cublas_, dptr<T>(dout), dptr<T>(qkv), dptr<T>(out), dptr<T>(probs), dptr<T>(dqkv),
                                   scratch, batch, seq_len, n_head, n_kv_head, head_dim, window, stream_);
@@ -345,7 +341,7 @@ class CudaBackend final : public Backend {
                                int64_t n_kv_head, int64_t window) override {
     const char* op = "flash_attention_forward";
     const auto [batch, seq_len, head_dim] = check_attention(op, qkv, out, lse, n_head, n_kv_head, window, true);
-    dispatch_float(qkv.dtype(), op, [&]<typename T>() {
+    dispatch_float(qkv.dtype(), op, kBackend, [&]<typename T>() {
       cuda::flash_attention_forward<T>(dptr<T>(qkv), dptr<T>(out), dptr<T>(lse), batch, seq_len, n_head, n_kv_head,
                                        head_dim, window, stream_);
     });
@@ -354,10 +350,9 @@ class CudaBackend final : public Backend {
   void flash_attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out, const Tensor& lse,
                                 const Tensor& dqkv, int64_t n_head, int64_t n_kv_head, int64_t window) override {
     const char* op = "flash_attention_backward";
-    const auto [batch, seq_len, head_dim] = check_attention(op, qkv, out, lse, n_head, n_kv_head, window, true);
-    check_elementwise(op, out, {&dout});
-    check_elementwise(op, qkv, {&dqkv});
-    dispatch_float(qkv.dtype(), op, [&]<typename T>() {
+    const auto [batch, seq_len, head_dim] =
+        check_attention_backward(op, dout, qkv, out, lse, dqkv, n_head, n_kv_head, window, true);
+    dispatch_float(qkv.dtype(), op, kBackend, [&]<typename T>() {
       void* scratch = workspace(
           cuda::flash_attention_backward_scratch_bytes(batch, seq_len, n_head, n_kv_head, head_dim, sizeof(T)));
       cuda::flash_attention_backward<T>(dptr<T>(dout), dptr<T>(qkv), dptr<T>(out), dptr<T>(lse), dptr<T>(dqkv),
@@ -372,7 +367,7 @@ class CudaBackend final : public Backend {
     expect_dtype(losses, logits.dtype(), op, "losses");
     expect_numel(losses, rows_of(logits), op, "losses");
     reset_flag();
-    dispatch_float(logits.dtype(), op, [&]<typename T>() {
+    dispatch_float(logits.dtype(), op, kBackend, [&]<typename T>() {
       cuda::cross_entropy_forward<T>(dptr<T>(logits), dptr<int32_t>(targets), dptr<T>(losses), dptr<T>(lse),
                                      rows_of(logits), logits.dim(-1), flag(), stream_);
     });
@@ -385,7 +380,7 @@ class CudaBackend final : public Backend {
     check_cross_entropy(op, logits, targets, lse);
     check_elementwise(op, logits, {&dlogits});
     // The forward on the same targets has validated them.
-    dispatch_float(logits.dtype(), op, [&]<typename T>() {
+    dispatch_float(logits.dtype(), op, kBackend, [&]<typename T>() {
       cuda::cross_entropy_backward<T>(dptr<T>(logits), dptr<int32_t>(targets), dptr<T>(lse), dloss, dptr<T>(dlogits),
                                       rows_of(logits), logits.dim(-1), stream_);
     });
@@ -398,7 +393,7 @@ class CudaBackend final : public Backend {
     LOOM_CHECK(h.step >= 1, op, ": step must be >= 1 (bias correction), got ", h.step);
     const double bias1 = 1.0 - std::pow(static_cast<double>(h.beta1), static_cast<double>(h.step));
     const double bias2 = 1.0 - std::pow(static_cast<double>(h.beta2), static_cast<double>(h.step));
-    dispatch_float(param.dtype(), op, [&]<typename T>() {
+    dispatch_float(param.dtype(), op, kBackend, [&]<typename T>() {
       cuda::adamw_step<T>(dptr<T>(param), dptr<T>(grad), dptr<T>(m), dptr<T>(v), param.numel(), h.lr, h.beta1,
                           h.beta2, h.eps, h.weight_decay, h.grad_scale, static_cast<T>(bias1), static_cast<T>(bias2),
                           stream_);
@@ -493,7 +488,7 @@ class CudaBackend final : public Backend {
 
   // Fixed-order sum: kReducePartials partials on the device, added here in index order.
   double reduce(const Tensor& x, bool squares, const char* op) {
-    dispatch_float(x.dtype(), op, [&]<typename T>() {
+    dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() {
       cuda::reduce_partials<T>(dptr<T>(x), x.numel(), squares, dptr<double>(partials_), stream_);
     });
     std::vector<double> host(cuda::kReducePartials);
@@ -506,7 +501,7 @@ class CudaBackend final : public Backend {
   void rope(const Tensor& x, int64_t head_dim, int64_t n_heads, float theta, int64_t pos_offset, double direction,
             const char* op) {
     checks::check_rope(op, x, head_dim, n_heads);
-    dispatch_float(x.dtype(), op, [&]<typename T>() {
+    dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() {
       cuda::rope_rotate<T>(dptr<T>(x), x.dim(0), x.dim(1), x.dim(2), head_dim, n_heads, static_cast<double>(theta),
                            pos_offset, direction, stream_);
     });
