@@ -311,6 +311,40 @@ __device__ __forceinline__ void store_row(const T (&x)[kE], T* __restrict__ dst,
   }
 }
 
+// The query rows a forward or dQ block owns, grid (ceil(T / kRows), H, B) with the latest query
+// tiles first (they see the most keys): rows [i0, i0 + kRows) of head h of sequence b; lane t of
+// row i's group of kG lanes; the row widths of qkv (W) and out (H hd); the sequence's qkv rows
+// and its kv head's key and value columns.
+template <typename T>
+struct QueryBlock {
+  int i0, h, b, t, i;
+  bool active;  // i < T
+  int64_t width, out_width;
+  const T* base;
+  const T* kbase;
+  const T* vbase;
+};
+
+template <typename T, int kG, int kRows>
+__device__ __forceinline__ QueryBlock<T> query_block(const T* qkv, int seq_len, int n_head, int n_kv_head,
+                                                     int head_dim) {
+  QueryBlock<T> q;
+  const int n_tiles = (seq_len + kRows - 1) / kRows;
+  q.i0 = (n_tiles - 1 - static_cast<int>(blockIdx.x)) * kRows;
+  q.h = blockIdx.y;
+  q.b = blockIdx.z;
+  const int g = q.h / (n_head / n_kv_head);
+  q.width = static_cast<int64_t>(n_head + 2 * n_kv_head) * head_dim;
+  q.out_width = static_cast<int64_t>(n_head) * head_dim;
+  q.t = threadIdx.x % kG;
+  q.i = q.i0 + static_cast<int>(threadIdx.x) / kG;
+  q.active = q.i < seq_len;
+  q.base = qkv + static_cast<int64_t>(q.b) * seq_len * q.width;
+  q.kbase = q.base + static_cast<int64_t>(n_head + g) * head_dim;
+  q.vbase = q.base + static_cast<int64_t>(n_head + n_kv_head + g) * head_dim;
+  return q;
+}
+
 // ------------------------------------------------------------------------------------ flash forward
 // Grid (ceil(T / kRows), H, B), kRows = 128 / kG query rows per block (the latest query tiles,
 // which see the most keys, are scheduled first). Keys [lo, hi) of the block, lo = max(0, i0 -
@@ -332,18 +366,8 @@ __global__ void __launch_bounds__(kFlashThreads)
   __shared__ __align__(16) T ks[kTile][kHd];
   __shared__ __align__(16) T vs[kTile][kHd];
 
-  const int n_tiles = (seq_len + kRows - 1) / kRows;
-  const int i0 = (n_tiles - 1 - static_cast<int>(blockIdx.x)) * kRows;
-  const int h = blockIdx.y, b = blockIdx.z;
-  const int g = h / (n_head / n_kv_head);
-  const int64_t width = static_cast<int64_t>(n_head + 2 * n_kv_head) * head_dim;
-  const int64_t out_width = static_cast<int64_t>(n_head) * head_dim;
-  const int t = threadIdx.x % kG;
-  const int i = i0 + static_cast<int>(threadIdx.x) / kG;
-  const bool active = i < seq_len;
-  const T* base = qkv + static_cast<int64_t>(b) * seq_len * width;
-  const T* kbase = base + static_cast<int64_t>(n_head + g) * head_dim;
-  const T* vbase = base + static_cast<int64_t>(n_head + n_kv_head + g) * head_dim;
+  const auto [i0, h, b, t, i, active, width, out_width, base, kbase, vbase] =
+      query_block<T, kG, kRows>(qkv, seq_len, n_head, n_kv_head, head_dim);
 
   T q[kE], o[kE];
   load_row<T, kE, kG>(q, base + static_cast<int64_t>(i) * width + static_cast<int64_t>(h) * head_dim, active, t,
@@ -543,18 +567,8 @@ __global__ void __launch_bounds__(kFlashThreads)
   __shared__ __align__(16) T ks[kTile][kHd];
   __shared__ __align__(16) T vs[kTile][kHd];
 
-  const int n_tiles = (seq_len + kRows - 1) / kRows;
-  const int i0 = (n_tiles - 1 - static_cast<int>(blockIdx.x)) * kRows;
-  const int h = blockIdx.y, b = blockIdx.z;
-  const int g = h / (n_head / n_kv_head);
-  const int64_t width = static_cast<int64_t>(n_head + 2 * n_kv_head) * head_dim;
-  const int64_t out_width = static_cast<int64_t>(n_head) * head_dim;
-  const int t = threadIdx.x % kG;
-  const int i = i0 + static_cast<int>(threadIdx.x) / kG;
-  const bool active = i < seq_len;
-  const T* base = qkv + static_cast<int64_t>(b) * seq_len * width;
-  const T* kbase = base + static_cast<int64_t>(n_head + g) * head_dim;
-  const T* vbase = base + static_cast<int64_t>(n_head + n_kv_head + g) * head_dim;
+  const auto [i0, h, b, t, i, active, width, out_width, base, kbase, vbase] =
+      query_block<T, kG, kRows>(qkv, seq_len, n_head, n_kv_head, head_dim);
 
   T q[kE], dO[kE], dq[kE];
   load_row<T, kE, kG>(q, base + static_cast<int64_t>(i) * width + static_cast<int64_t>(h) * head_dim, active, t,

@@ -27,8 +27,8 @@
 //                   dx = dloss (exp(x - lse) - [v == target])
 //   adamw           g = grad grad_scale; m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2;
 //                   p = p (1 - lr wd) - lr (m / bias1) / (sqrt(v / bias2) + eps)
-// exp, tanh and sigmoid in float are cpu_math.h's (a Cody-Waite exp with a degree-7 polynomial),
-// reproduced here so both backends evaluate the same function; double uses the libm ones.
+// exp, tanh and sigmoid are backend/scalar_math.h's, the CPU kernels' own functions (a Cody-Waite
+// exp with a degree-7 polynomial in float; libm in double), so both backends evaluate the same one.
 //
 // Determinism: no floating-point atomics. Every sum has a fixed shape (fixed partition into
 // threads, fixed shuffle trees, partials combined in index order), so a run is bitwise equal to
@@ -47,6 +47,7 @@
 #include <cstdint>
 
 #include "loom/backend/cuda/cuda_check.h"
+#include "loom/backend/scalar_math.h"
 
 namespace loom::cuda {
 namespace {
@@ -70,40 +71,12 @@ __device__ __forceinline__ int64_t thread_index() {
 }
 __device__ __forceinline__ int64_t thread_count() { return static_cast<int64_t>(gridDim.x) * blockDim.x; }
 
-// ---------------------------------------------------------------- scalar math (cpu_math.h)
-// Cody-Waite exp of cpu_math.h: x = n ln2 + r, exp(r) by its degree-7 Taylor polynomial.
-__device__ __forceinline__ float fast_exp(float x) {
-  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-  const float n = floorf(x * 1.44269504088896341f + 0.5f);
-  const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723212e-6f;
-  float p = 1.0f / 5040.0f;
-  p = p * r + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  return p * __int_as_float(bits);
-}
-
-template <typename T>
-__device__ __forceinline__ T exp_t(T x) {
-  if constexpr (sizeof(T) == 4) return fast_exp(x);
-  else return ::exp(x);
-}
-
-template <typename T>
-__device__ __forceinline__ T tanh_t(T u) {
-  if constexpr (sizeof(T) == 4) return 1.0f - 2.0f / (fast_exp(2.0f * u) + 1.0f);
-  else return ::tanh(u);
-}
-
-template <typename T>
-__device__ __forceinline__ T sigmoid_t(T x) {
-  return T(1) / (T(1) + exp_t<T>(-x));
-}
+// ---------------------------------------------------------------- scalar math
+// exp, tanh and sigmoid: backend/scalar_math.h's, the CPU kernels' own functions.
+using math::exp_t;
+using math::fast_exp;
+using math::sigmoid_t;
+using math::tanh_t;
 
 template <typename T>
 __device__ __forceinline__ T sqrt_t(T x) {
