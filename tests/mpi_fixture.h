@@ -56,7 +56,7 @@ struct SlicedModel {
   // The whole model's gradient from this rank's: its `ranges` of the slice's gradients (all when
   // empty: e.g. a pipeline stage's counted ranges), put back in the whole layout, summed over the
   // tp and pp groups.
-  std::vector<float> whole_grads(Backend& backend, const std::vector<std::pair<int64_t, int64_t>>& ranges,
+  std::vector<float> whole_grads(Backend& backend, const RangeSet& ranges,
                                  Communicator& tp, Communicator& pp) {
     Tensor mine = Tensor::zeros(backend.allocator(), {model.grads().numel()}, DTYPE_F32, MEM_WORKSPACE);
     if (ranges.empty()) backend.copy(model.grads(), mine);

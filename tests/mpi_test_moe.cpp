@@ -63,7 +63,7 @@ Curve expert_parallel(Communicator& world, const ModelConfig& config, const Layo
   Trainer trainer(*backend, model, train_config(batch, optimizer), dp.get(), ddp, runner.get());
   // The optimizer holds state for this rank's experts only (and, with ZeRO-1, its shard of that).
   int64_t domain = 0;
-  for (const FlatRange& r : trainer.domain()) domain += r.end - r.begin;
+  for (const Range& r : trainer.domain()) domain += r.end - r.begin;
   const ParamLayout& layout = model.layout();
   int64_t experts = 0;
   for (const ParamSpec& p : layout.params) experts += p.name.find(".mlp.experts.") != std::string::npos ? p.numel : 0;
@@ -80,7 +80,7 @@ Curve expert_parallel(Communicator& world, const ModelConfig& config, const Layo
   if (lay.pp == 1 && lay.zero == 0) {
     const int64_t foreign = experts - experts / lay.ep;
     const int64_t resident = resident_bytes(model.params());
-    EXPECT_LE(resident, 4 * (layout.total - foreign) + 2 * 4096 * 2 * static_cast<int64_t>(model.foreign_expert_ranges().size()));
+    EXPECT_LE(resident, 4 * (layout.total - foreign) + 2 * 4096 * 2 * static_cast<int64_t>(model.foreign_expert_ranges().ranges().size()));
     EXPECT_LT(resident, 4 * layout.total);
   }
   RankData rows(backend->allocator(), config, dp->rank(), dp->size(), batch);
@@ -104,7 +104,7 @@ Curve expert_parallel(Communicator& world, const ModelConfig& config, const Layo
     c.norms.push_back(st.grad_norm);
     // Every rank holds all its stage's gradients after the data-parallel all-reduce (experts too).
     if (lay.zero >= 2) continue;  // (gradients sharded)
-    c.grads.push_back(sliced.whole_grads(*backend, runner ? runner->norm_ranges() : FlatRanges{}, *tp, *pp));
+    c.grads.push_back(sliced.whole_grads(*backend, runner ? runner->norm_ranges() : RangeSet{}, *tp, *pp));
   }
   return c;
 }

@@ -32,10 +32,26 @@ struct AdamWHyper {
   int64_t step = 1;           // 1-based, for bias correction
 };
 
+// What a backend runs, stated as data. Some features still compute on the host (loops over
+// tensor memory outside this interface); a backend whose memory host code cannot read lacks
+// them until their computation moves behind it. The training layout (train/layout.h) refuses a
+// configuration that needs a missing capability, naming the key and the backend.
+struct BackendCapabilities {
+  bool model_parallel = false;   // parallel.tp / pp / cp / ep (their slicing and merges loop on the host)
+  bool mixture_of_experts = false;  // model.moe_experts > 0 (routing, dispatch, combine)
+  bool latent_attention = false;    // model.mla_kv_rank > 0 (MLA)
+  bool zero_sharding = false;       // parallel.zero_stage > 0 (shard bookkeeping, page release)
+  bool gradient_compression = false;  // parallel.compression
+  bool low_precision = false;       // fp16 / fp8 recipes, QAT, bf16 master weights or reduction
+  bool every_optimizer = false;     // otherwise only adam / adamw (Backend::adamw_step)
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
   virtual std::string_view name() const = 0;
+  // Default: none of the host-computed features (a backend states what it adds).
+  virtual BackendCapabilities capabilities() const { return {}; }
   virtual Allocator& allocator() = 0;
 
   // Host memory <-> a tensor of this backend (dst.nbytes() / src.nbytes() bytes). On the CPU a

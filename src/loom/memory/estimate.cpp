@@ -112,15 +112,10 @@ MemoryEstimate estimate_rank(const MemoryPlan& plan, const ModelConfig& c, const
   e.parameters = layout.total;
   // The elements this rank computes and updates: its stages' (pipeline_owned_ranges), less the
   // experts other ep ranks compute (ep rank 0's view: every ep rank holds as many).
-  std::vector<FlatRange> domain;
-  if (plan.pp > 1) {
-    for (const auto& [b, en] : pipeline_owned_ranges(c, layout, st.schedule, pp_rank, st.layers, false)) domain.push_back({b, en});
-  } else {
-    domain.push_back({0, layout.total});
-  }
-  if (plan.ep > 1) domain = subtract_ranges(domain, moe_expert_ranges(c, layout, 0, plan.ep, false));
-  int64_t D = 0;
-  for (const FlatRange& r : domain) D += r.end - r.begin;
+  RangeSet domain = plan.pp > 1 ? pipeline_owned_ranges(c, layout, st.schedule, pp_rank, st.layers, false)
+                                : RangeSet::span(0, layout.total);
+  if (plan.ep > 1) domain = domain.subtract(moe_expert_ranges(c, layout, 0, plan.ep, false));
+  const int64_t D = domain.size();
   e.rank_parameters = D;
   // ZeRO shards the domain over the data-parallel ranks (x cp), rank 0 the largest shard.
   const int Z = plan.ranks * plan.cp;
@@ -139,7 +134,7 @@ MemoryEstimate estimate_rank(const MemoryPlan& plan, const ModelConfig& c, const
   if (plan.pp == 1 && plan.ep == 1 && !sharded) {
     mine = std::move(all);
   } else {
-    for (const FlatRange& piece : domain_pieces(domain, shard.begin, shard.end)) {
+    for (const Range& piece : domain.pieces(shard.begin, shard.end)) {
       for (OptimParam& p : shard_optim_params(all, piece.begin, piece.end)) mine.push_back(std::move(p));
     }
   }

@@ -164,7 +164,7 @@ ParamLayout build_param_layout(const ModelConfig& config) {
   return layout;
 }
 
-std::vector<std::vector<std::pair<int64_t, int64_t>>> layout_units(const ModelConfig& config, const ParamLayout& layout) {
+std::vector<RangeSet> layout_units(const ModelConfig& config, const ParamLayout& layout) {
   std::vector<int64_t> block_offset(static_cast<size_t>(config.n_layer), layout.total);
   int64_t final_offset = layout.total;
   const std::string block_prefix = config.arch == ARCH_GPT2 ? "h." : "model.layers.";
@@ -176,11 +176,11 @@ std::vector<std::vector<std::pair<int64_t, int64_t>>> layout_units(const ModelCo
       final_offset = std::min(final_offset, p.offset);
     }
   }
-  std::vector<std::vector<std::pair<int64_t, int64_t>>> units;
+  std::vector<RangeSet> units;
   const int64_t first_block = block_offset.empty() ? final_offset : block_offset[0];
   units.push_back({{0, first_block}, {final_offset, layout.total}});
   for (size_t l = 0; l < block_offset.size(); ++l) {
-    units.push_back({{block_offset[l], l + 1 < block_offset.size() ? block_offset[l + 1] : final_offset}});
+    units.push_back(RangeSet::span(block_offset[l], l + 1 < block_offset.size() ? block_offset[l + 1] : final_offset));
   }
   return units;
 }

@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "loom/core/range_set.h"
 #include "loom/core/tensor.h"
 #include "loom/model/config.h"
 
@@ -59,6 +60,6 @@ ParamLayout build_param_layout(const ModelConfig& config);
 
 // The layout's units of parameter use, as flat ranges: [0] the embeddings and the final norm
 // (+ untied head), two ranges; [l + 1] block l, one range. Pipeline stages own whole units.
-std::vector<std::vector<std::pair<int64_t, int64_t>>> layout_units(const ModelConfig& config, const ParamLayout& layout);
+std::vector<RangeSet> layout_units(const ModelConfig& config, const ParamLayout& layout);
 
 }  // namespace loom

@@ -28,8 +28,8 @@ Transformer::Transformer(Backend& backend, const ModelConfig& config)
     blocks_.back().set_moe_scratch(&moe_scratch_);
   }
   units_ = layout_units(config_, layout_);
-  final_offset_ = units_[0][1].first;
-  for (size_t l = 1; l < units_.size(); ++l) block_offset_.push_back(units_[l][0].first);
+  final_offset_ = units_[0].ranges()[1].begin;
+  for (size_t l = 1; l < units_.size(); ++l) block_offset_.push_back(units_[l].ranges()[0].begin);
   if (config_.arch == ARCH_GPT2) {
     embed_w = param("wte.weight"), d_embed_w = grad("wte.weight");
     pos_w = param("wpe.weight"), d_pos_w = grad("wpe.weight");
@@ -475,9 +475,8 @@ void Transformer::set_expert_parallel(Communicator* ep) {
   for (Block& b : blocks_) b.set_expert_parallel(ep_);
 }
 
-std::vector<std::pair<int64_t, int64_t>> Transformer::expert_ranges(bool own) const {
-  return ep_ == nullptr ? std::vector<std::pair<int64_t, int64_t>>{}
-                        : moe_expert_ranges(config_, layout_, ep_->rank(), ep_->size(), own);
+RangeSet Transformer::expert_ranges(bool own) const {
+  return ep_ == nullptr ? RangeSet{} : moe_expert_ranges(config_, layout_, ep_->rank(), ep_->size(), own);
 }
 
 void Transformer::set_context_parallel(Communicator* cp, bool ulysses) {

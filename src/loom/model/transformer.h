@@ -122,8 +122,8 @@ class Transformer {
   void set_expert_parallel(Communicator* ep);
   Communicator* expert_parallel() const { return ep_; }
   Communicator* context_parallel() const { return cp_.comm; }
-  std::vector<std::pair<int64_t, int64_t>> foreign_expert_ranges() const { return expert_ranges(false); }
-  std::vector<std::pair<int64_t, int64_t>> own_expert_ranges() const { return expert_ranges(true); }
+  RangeSet foreign_expert_ranges() const { return expert_ranges(false); }
+  RangeSet own_expert_ranges() const { return expert_ranges(true); }
   std::vector<std::pair<int64_t, int64_t>> sequence_partial_ranges() const;
   Communicator* tensor_parallel() const { return tp_; }
   // Pipeline stages (parallel/pipeline.h): layers [first, last), with the embedding when
@@ -142,7 +142,7 @@ class Transformer {
   // Parameter use hooks of forward() and backward() (not of forward_rows); empty: none.
   void set_param_use_hooks(ParamUseHooks hooks) { hooks_ = std::move(hooks); }
   // The flat ranges [begin, end) of each unit the hooks name: [unit] -> ranges.
-  const std::vector<std::vector<std::pair<int64_t, int64_t>>>& param_units() const { return units_; }
+  const std::vector<RangeSet>& param_units() const { return units_; }
 
   // The precision policy (precision/policy.h): each linear layer's recipe, and the weights'
   // bf16 copy when policy.param_bf16 (allocated here; sync_weight_copy() refreshes it and must
@@ -174,7 +174,7 @@ class Transformer {
   ParamLayout layout_;
   Tensor params_, grads_;
   std::vector<Block> blocks_;        // [layer]
-  std::vector<std::vector<std::pair<int64_t, int64_t>>> units_;  // layout_units
+  std::vector<RangeSet> units_;  // layout_units
   std::vector<int64_t> block_offset_;  // [layer] smallest flat offset of the block's parameters
   int64_t final_offset_ = 0;         // smallest flat offset of the final norm and (untied) head
   Tensor embed_w, pos_w;             // (V,C), (Tmax,C) or undefined
@@ -206,7 +206,7 @@ class Transformer {
   MoeScratch moe_scratch_;           // shared by the MoE blocks
   Communicator* ep_ = nullptr;       // expert parallel
   int ep_size() const { return ep_ != nullptr ? ep_->size() : 1; }
-  std::vector<std::pair<int64_t, int64_t>> expert_ranges(bool own) const;
+  RangeSet expert_ranges(bool own) const;
   int64_t moe_scratch_tokens_ = 0;
   Tensor moe_sums_;                  // (MoE layers x (E + 8)) f64: moe_end_step's reduction
   std::vector<MoeLayerStats> moe_stats_;

@@ -224,20 +224,18 @@ void expert_round_trip(Communicator& ep, const MoeSaved& s, MoeScratch& k, int64
 }
 }  // namespace
 
-std::vector<std::pair<int64_t, int64_t>> moe_expert_ranges(const ModelConfig& c, const ParamLayout& layout,
-                                                           int ep_rank, int ep_size, bool own) {
-  std::vector<std::pair<int64_t, int64_t>> out;
-  if (c.moe_experts == 0 || ep_size <= 1) return out;
+RangeSet moe_expert_ranges(const ModelConfig& c, const ParamLayout& layout, int ep_rank, int ep_size, bool own) {
+  std::vector<Range> out;
+  if (c.moe_experts == 0 || ep_size <= 1) return {};
   const int64_t El = c.moe_experts / ep_size;
   for (const ParamSpec& spec : layout.params) {
     const size_t at = spec.name.find(".mlp.experts.");
     if (at == std::string::npos) continue;
     const int64_t e = std::stoll(spec.name.substr(at + 13));
     if ((e / El == ep_rank) != own) continue;
-    if (!out.empty() && out.back().second == spec.offset) out.back().second += spec.numel;
-    else out.emplace_back(spec.offset, spec.offset + spec.numel);
+    out.push_back({spec.offset, spec.offset + spec.numel});
   }
-  return out;
+  return RangeSet(std::move(out));
 }
 
 void moe_forward(Backend& backend, const ModelConfig& c, const MoeParams& p, const Tensor& x, MoeSaved& s,

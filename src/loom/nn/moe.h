@@ -32,6 +32,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "loom/core/range_set.h"
 #include "loom/backend/backend.h"
 #include "loom/comm/communicator.h"
 #include "loom/model/config.h"
@@ -103,8 +104,7 @@ void moe_backward(Backend& backend, const ModelConfig& config, const MoeParams& 
 
 // Expert parallel: the flat ranges (merged, ascending) of the experts ep rank `ep_rank` computes
 // (own) or of those the other ranks compute (!own).
-std::vector<std::pair<int64_t, int64_t>> moe_expert_ranges(const ModelConfig& config, const ParamLayout& layout,
-                                                           int ep_rank, int ep_size, bool own);
+RangeSet moe_expert_ranges(const ModelConfig& config, const ParamLayout& layout, int ep_rank, int ep_size, bool own);
 
 // Auxiliary-loss-free balancing: bias_i -= gamma sign(load_i - mean load).
 void moe_update_bias(const Tensor& bias, const std::vector<double>& load, float gamma);

@@ -11,18 +11,6 @@ namespace loom {
 namespace {
 double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
-// Appends [begin, end) to sorted, merged ranges.
-void add_range(FlatRanges& ranges, int64_t begin, int64_t end) {
-  if (begin >= end) return;
-  ranges.emplace_back(begin, end);
-  std::sort(ranges.begin(), ranges.end());
-  FlatRanges merged;
-  for (const auto& r : ranges) {
-    if (!merged.empty() && r.first <= merged.back().second) merged.back().second = std::max(merged.back().second, r.second);
-    else merged.push_back(r);
-  }
-  ranges = std::move(merged);
-}
 }  // namespace
 
 std::vector<std::pair<int64_t, int64_t>> pipeline_layer_split(int64_t layers, int stages, double layer_cost,
@@ -61,23 +49,23 @@ std::vector<std::pair<int64_t, int64_t>> pipeline_stage_split(const ModelConfig&
   return pipeline_layer_split(c.n_layer, stages, gemm + attention, 0.0, 2.0 * static_cast<double>(c.vocab_size) * C);
 }
 
-FlatRanges pipeline_owned_ranges(const ModelConfig& config, const ParamLayout& layout, const PipeSchedule& schedule,
-                                 int rank, const std::vector<std::pair<int64_t, int64_t>>& layers, bool norm) {
-  const auto units = layout_units(config, layout);  // [0]: embeddings and final norm / head; [l + 1]: block l
-  FlatRanges owned;
+RangeSet pipeline_owned_ranges(const ModelConfig& config, const ParamLayout& layout, const PipeSchedule& schedule,
+                               int rank, const std::vector<std::pair<int64_t, int64_t>>& layers, bool norm) {
+  const std::vector<RangeSet> units = layout_units(config, layout);  // [0]: embeddings and final norm / head; [l + 1]: block l
+  std::vector<Range> owned;
   for (int c = 0; c < schedule.virtual_chunks; ++c) {
     const auto [first, last] = layers[static_cast<size_t>(schedule.stage_of(rank, c))];
     for (int64_t l = first; l < last; ++l) {
-      for (const auto& [b, e] : units[static_cast<size_t>(l + 1)]) add_range(owned, b, e);
+      for (const Range& r : units[static_cast<size_t>(l + 1)]) owned.push_back(r);
     }
-    if (first == 0) add_range(owned, units[0][0].first, units[0][0].second);               // embeddings
-    if (last == config.n_layer) add_range(owned, units[0][1].first, units[0][1].second);  // final norm (+ untied head)
+    if (first == 0) owned.push_back(units[0].ranges()[0]);                   // embeddings
+    if (last == config.n_layer) owned.push_back(units[0].ranges()[1]);  // final norm (+ untied head)
   }
   if (!norm && config.tied_head() && schedule.rank_of(schedule.model_stages() - 1) == rank) {
     const ParamSpec& wte = layout.find("wte.weight");
-    add_range(owned, wte.offset, wte.offset + wte.numel);
+    owned.push_back({wte.offset, wte.offset + wte.numel});
   }
-  return owned;
+  return RangeSet(std::move(owned));
 }
 
 PipelineRunner::PipelineRunner(Transformer& model, Communicator& pp, PipeSchedule schedule, int64_t batch,

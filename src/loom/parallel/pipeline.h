@@ -22,8 +22,6 @@
 
 namespace loom {
 
-using FlatRanges = std::vector<std::pair<int64_t, int64_t>>;
-
 // Layers [first, last) of each of `stages` model stages, balanced by cost: the contiguous split
 // that minimises the largest stage cost, a stage costing its layers (layer_cost each) plus
 // first_cost on stage 0 (the embedding) and last_cost on the last (final norm, head, loss);
@@ -40,8 +38,8 @@ std::vector<std::pair<int64_t, int64_t>> pipeline_stage_split(const ModelConfig&
 // (model/param_layout.h) of its stages' layers, the embeddings on the first stage, the final norm
 // (and untied head) on the last. norm: the ranges it counts in a global gradient norm; else with
 // a tied head the last stage also holds the embedding.
-FlatRanges pipeline_owned_ranges(const ModelConfig& config, const ParamLayout& layout, const PipeSchedule& schedule,
-                                 int rank, const std::vector<std::pair<int64_t, int64_t>>& layers, bool norm);
+RangeSet pipeline_owned_ranges(const ModelConfig& config, const ParamLayout& layout, const PipeSchedule& schedule,
+                               int rank, const std::vector<std::pair<int64_t, int64_t>>& layers, bool norm);
 
 class PipelineRunner {
  public:
@@ -60,8 +58,8 @@ class PipelineRunner {
   Communicator& comm() const { return pp_; }
   // Flat ranges of the parameters this rank's stages hold, and of those it counts in a global
   // gradient norm (the same less the tied embedding on the last stage: counted by the first).
-  const FlatRanges& owned() const { return owned_; }
-  const FlatRanges& norm_ranges() const { return norm_ranges_; }
+  const RangeSet& owned() const { return owned_; }
+  const RangeSet& norm_ranges() const { return norm_ranges_; }
   // Seconds of the last run computing, and waiting for a neighbour's message.
   double busy_seconds() const { return busy_; }
   double idle_seconds() const { return idle_; }
@@ -85,7 +83,7 @@ class PipelineRunner {
   std::vector<Tensor> tokens_, targets_;              // [micro] drawn at the start of a step
   std::vector<std::vector<Tensor>> grad_out_;         // [chunk][micro] (B,T,C) d(input) being sent
   std::vector<std::unique_ptr<CommWork>> sends_;
-  FlatRanges owned_, norm_ranges_;
+  RangeSet owned_, norm_ranges_;
   std::pair<int64_t, int64_t> tied_{0, 0};  // the tied embedding's flat range (empty if untied)
   Tensor loss_;                             // (1) f64
   float loss_weight_ = 1.0f;

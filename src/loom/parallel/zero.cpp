@@ -47,48 +47,15 @@ std::vector<OptimParam> shard_optim_params(const std::vector<OptimParam>& list, 
   return out;
 }
 
-std::vector<FlatRange> subtract_ranges(const std::vector<FlatRange>& a, const std::vector<std::pair<int64_t, int64_t>>& b) {
-  std::vector<FlatRange> out;
-  for (const FlatRange& r : a) {
-    int64_t at = r.begin;
-    for (const auto& [fb, fe] : b) {
-      if (fe <= at || fb >= r.end) continue;
-      if (fb > at) out.push_back({at, fb});
-      at = std::max(at, fe);
-    }
-    if (at < r.end) out.push_back({at, r.end});
-  }
-  return out;
-}
-
-std::vector<FlatRange> domain_pieces(const std::vector<FlatRange>& domain, int64_t begin, int64_t end) {
-  std::vector<FlatRange> out;
-  int64_t at = 0;  // position of the current range's first element in the concatenation
-  for (const FlatRange& r : domain) {
-    const int64_t lo = std::max(begin, at), hi = std::min(end, at + r.end - r.begin);
-    if (lo < hi) out.push_back({r.begin + lo - at, r.begin + hi - at});
-    at += r.end - r.begin;
-  }
-  return out;
-}
-
-namespace {
-int64_t domain_length(const std::vector<FlatRange>& domain) {
-  int64_t n = 0;
-  for (const FlatRange& r : domain) n += r.end - r.begin;
-  return n;
-}
-}  // namespace
-
 ZeroSharding::ZeroSharding(Communicator& comm, int stage, const Tensor& params, const Tensor& grads,
-                           std::vector<std::vector<FlatRange>> units, std::vector<FlatRange> domain)
+                           std::vector<RangeSet> units, RangeSet domain)
     : comm_(comm),
       stage_(stage),
       params_(params),
       grads_(grads),
       units_(std::move(units)),
-      domain_(domain.empty() ? std::vector<FlatRange>{{0, params.numel()}} : std::move(domain)),
-      domain_total_(domain_length(domain_)),
+      domain_(domain.empty() ? RangeSet::span(0, params.numel()) : std::move(domain)),
+      domain_total_(domain_.size()),
       range_(shard_range(domain_total_, comm.rank(), comm.size())),
       total_(params.numel()),
       gathering_(units_.size()),
@@ -96,18 +63,18 @@ ZeroSharding::ZeroSharding(Communicator& comm, int stage, const Tensor& params, 
   LOOM_CHECK(stage_ >= 1 && stage_ <= 3, "parallel.zero_stage must be 0, 1, 2 or 3, got ", stage_);
   LOOM_CHECK(params.dtype() == DTYPE_F32 && grads.dtype() == DTYPE_F32 && grads.numel() == total_,
              "ZeRO: parameter and gradient buffers ", params.describe(), ", ", grads.describe(), " must be f32 of one size");
-  for (const FlatRange& r : domain_) {
+  for (const Range& r : domain_) {
     LOOM_CHECK(r.begin >= 0 && r.begin <= r.end && r.end <= total_, "ZeRO: domain range [", r.begin, ", ", r.end,
                ") outside the ", total_, " parameters");
   }
-  LOOM_CHECK(stage_ == 1 || (domain_.size() == 1 && domain_[0].begin == 0 && domain_[0].end == total_),
+  LOOM_CHECK(stage_ == 1 || domain_ == RangeSet::span(0, total_),
              "parallel.zero_stage = ", stage_, " shards the whole model; with parallel.pp > 1 use zero_stage 1");
   reduced_from_ = total_;
   if (stage_ >= 2) zero_grads();
   if (stage_ == 3) release_params();
 }
 
-void ZeroSharding::release_outside_shard(const Tensor& t, FlatRange r) {
+void ZeroSharding::release_outside_shard(const Tensor& t, Range r) {
   release_elements(t, r.begin, std::max(r.begin, std::min(r.end, range_.begin)));
   release_elements(t, std::min(r.end, std::max(r.begin, range_.end)), r.end);
 }
@@ -120,7 +87,7 @@ void ZeroSharding::gather_params() {
   }
   std::vector<std::unique_ptr<CommWork>> works;  // one in-place gather per domain range
   int64_t at = 0;
-  for (const FlatRange& r : domain_) {
+  for (const Range& r : domain_) {
     const int64_t n = r.end - r.begin;
     if (n > 0) {
       works.push_back(comm_.all_gather_v_async(params_.view(r.begin, {n}),
@@ -149,7 +116,7 @@ void ZeroSharding::complete(std::deque<Pending>& q, size_t keep, bool release_gr
 void ZeroSharding::reduce_from(int64_t offset) {
   LOOM_CHECK(offset <= reduced_from_, "ZeRO: backward reported offset ", offset, " after ", reduced_from_);
   if (offset == reduced_from_) return;
-  const FlatRange r{offset, reduced_from_};
+  const Range r{offset, reduced_from_};
   reduced_from_ = offset;
   reducing_.push_back({comm_.reduce_scatter_v_async(grads_.view(r.begin, {r.end - r.begin}),
                                                     shard_counts(r.begin, r.end, total_, comm_.size()), REDUCE_SUM),
@@ -173,7 +140,7 @@ void ZeroSharding::finish() {
 }
 
 void ZeroSharding::gather(int unit, std::deque<Pending>& into) {
-  for (const FlatRange& r : units_[unit]) {
+  for (const Range& r : units_[unit]) {
     into.push_back({comm_.all_gather_v_async(params_.view(r.begin, {r.end - r.begin}),
                                              shard_counts(r.begin, r.end, total_, comm_.size())),
                     r});
@@ -202,7 +169,7 @@ void ZeroSharding::done(int unit, bool) {
   if (unit == 0) {
     release_outside_shard(params_, {0, total_});
   } else {
-    for (const FlatRange& r : units_[unit]) release_outside_shard(params_, r);
+    for (const Range& r : units_[unit]) release_outside_shard(params_, r);
   }
   resident_[unit] = false;
 }

@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "loom/comm/communicator.h"
+#include "loom/core/range_set.h"
 #include "loom/optim/optimizer.h"
 
 namespace loom {
@@ -59,29 +60,18 @@ bool elementwise_optimizer(const std::string& name);
 // segment each (element-wise rules ignore the matrix structure).
 std::vector<OptimParam> shard_optim_params(const std::vector<OptimParam>& list, int64_t begin, int64_t end);
 
-// A contiguous range of flat elements.
-struct FlatRange {
-  int64_t begin = 0, end = 0;
-};
-
-// The ranges a less the ranges b (both ascending and disjoint).
-std::vector<FlatRange> subtract_ranges(const std::vector<FlatRange>& a, const std::vector<std::pair<int64_t, int64_t>>& b);
-
-// The flat pieces of positions [begin, end) of the concatenation of `domain`'s ranges.
-std::vector<FlatRange> domain_pieces(const std::vector<FlatRange>& domain, int64_t begin, int64_t end);
-
 class ZeroSharding {
  public:
   // units[u]: the flat ranges of parameter unit u, as the model's use hooks name them (stage 3).
   // domain: the flat ranges sharded (empty: the whole buffer; stage 1 only otherwise).
   ZeroSharding(Communicator& comm, int stage, const Tensor& params, const Tensor& grads,
-               std::vector<std::vector<FlatRange>> units, std::vector<FlatRange> domain = {});
+               std::vector<RangeSet> units, RangeSet domain = {});
   int stage() const { return stage_; }
   // This rank's shard as positions in the domain (with the whole buffer as domain: flat elements).
   const ShardRange& range() const { return range_; }
   int64_t domain_size() const { return domain_total_; }
   // The shard's flat pieces, in domain order (the optimizer state's element order).
-  std::vector<FlatRange> pieces() const { return domain_pieces(domain_, range_.begin, range_.end); }
+  RangeSet pieces() const { return domain_.pieces(range_.begin, range_.end); }
 
   // Stages 1 and 2, after the optimizer step: every rank's updated shard of the parameters to
   // every rank (in-place all-gather). Stage 3: the same, once, to make the parameters whole
@@ -108,9 +98,9 @@ class ZeroSharding {
  private:
   struct Pending {
     std::unique_ptr<CommWork> work;
-    FlatRange range;
+    Range range;
   };
-  void release_outside_shard(const Tensor& t, FlatRange r);
+  void release_outside_shard(const Tensor& t, Range r);
   void gather(int unit, std::deque<Pending>& into);
   // Waits until at most `keep` operations of q are in flight; gradient reductions then release
   // what this rank does not own.
@@ -119,8 +109,8 @@ class ZeroSharding {
   Communicator& comm_;
   int stage_;
   Tensor params_, grads_;
-  std::vector<std::vector<FlatRange>> units_;
-  std::vector<FlatRange> domain_;
+  std::vector<RangeSet> units_;
+  RangeSet domain_;
   int64_t domain_total_ = 0;
   ShardRange range_;
   int64_t total_;

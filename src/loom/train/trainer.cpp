@@ -19,14 +19,10 @@ constexpr uint64_t kRoundingSeed = 0x5EEDB16F;
 
 // The flat ranges this rank's optimizer updates before ZeRO: its pipeline stages (or all),
 // less the experts other expert-parallel ranks compute.
-std::vector<FlatRange> update_domain(const Transformer& model, const PipelineRunner* pipeline) {
-  std::vector<FlatRange> base;
-  if (pipeline == nullptr || pipeline->comm().size() == 1) {
-    base.push_back({0, model.layout().total});
-  } else {
-    for (const auto& [begin, end] : pipeline->owned()) base.push_back({begin, end});
-  }
-  return subtract_ranges(base, model.foreign_expert_ranges());
+RangeSet update_domain(const Transformer& model, const PipelineRunner* pipeline) {
+  const RangeSet base = pipeline == nullptr || pipeline->comm().size() == 1 ? RangeSet::span(0, model.layout().total)
+                                                                            : pipeline->owned();
+  return base.subtract(model.foreign_expert_ranges());
 }
 
 // The parameters this rank's optimizer updates: its domain, or its ZeRO shard of the domain.
@@ -53,12 +49,11 @@ std::vector<OptimParam> rank_params(const std::vector<OptimParam>& all, const Co
                "boundaries and needs an element-wise optimizer (sgd, momentum, nesterov, adagrad, rmsprop, adam, adamw, "
                "lion), got optim.name = ", optimizer);
   }
-  const std::vector<FlatRange> domain = update_domain(model, pipeline);
-  int64_t length = 0;
-  for (const FlatRange& r : domain) length += r.end - r.begin;
+  const RangeSet domain = update_domain(model, pipeline);
+  const int64_t length = domain.size();
   const ShardRange shard = sharded ? shard_range(length, comm->rank(), comm->size()) : ShardRange{0, length, length};
   std::vector<OptimParam> mine;
-  for (const FlatRange& piece : domain_pieces(domain, shard.begin, shard.end)) {
+  for (const Range& piece : domain.pieces(shard.begin, shard.end)) {
     for (OptimParam& p : shard_optim_params(all, piece.begin, piece.end)) mine.push_back(std::move(p));
   }
   return mine;
@@ -155,13 +150,8 @@ Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config, Commu
       LOOM_CHECK(ddp.zero_stage < 3 || (!model_.precision().param_bf16 && !model_.precision().master_bf16),
                  "parallel.zero_stage = 3 shards the fp32 parameters; the bf16 weights of precision.param = bf16 or "
                  "precision.master = bf16 are not sharded: use f32 for both");
-      std::vector<std::vector<FlatRange>> units;
-      for (const auto& unit : model_.param_units()) {
-        units.emplace_back();
-        for (const auto& [begin, end] : unit) units.back().push_back({begin, end});
-      }
       zero_ = std::make_unique<ZeroSharding>(*comm, static_cast<int>(ddp.zero_stage), model_.params(), model_.grads(),
-                                             std::move(units), update_domain(model_, pipeline));
+                                             model_.param_units(), update_domain(model_, pipeline));
       if (zero_->stage() == 3) {
         model_.set_param_use_hooks({[this](int u, bool b) { zero_->use(u, b); }, [this](int u, bool b) { zero_->done(u, b); }});
       }
@@ -289,12 +279,9 @@ StepStats Trainer::train_step(BatchSource& data) {
 
 double Trainer::global_grad_norm() {
   const Tensor& grads = model_.grads();
-  FlatRanges ranges = pipeline_ != nullptr ? pipeline_->norm_ranges() : FlatRanges{{0, grads.numel()}};
+  RangeSet ranges = pipeline_ != nullptr ? pipeline_->norm_ranges() : RangeSet::span(0, grads.numel());
   if (sharded_grads()) {  // ZeRO-2/3: this rank holds its shard's gradients (the whole buffer is its domain)
-    for (auto& [b, e] : ranges) {
-      b = std::clamp(b, zero_->range().begin, zero_->range().end);
-      e = std::clamp(e, b, zero_->range().end);
-    }
+    ranges = ranges.intersect(RangeSet::span(zero_->range().begin, zero_->range().end));
   }
   double sq = 0.0, replicated = 0.0;
   for (const auto& [b, e] : ranges) {

@@ -82,7 +82,7 @@ class Trainer {
   ZeroSharding* zero() { return zero_.get(); }
   // The flat ranges this rank's optimizer updates (before ZeRO's sharding): its pipeline stages
   // (or all), less the experts other expert-parallel ranks compute.
-  const std::vector<FlatRange>& domain() const { return domain_; }
+  const RangeSet& domain() const { return domain_; }
   // After the parameters were written whole (a checkpoint load): ZeRO-3 releases what this
   // rank does not own, expert parallelism the experts other ranks compute.
   void params_loaded();
@@ -125,7 +125,7 @@ class Trainer {
   CpuAllocator host_;  // host staging: scalar_ and, on a GPU backend, the batch
   Tensor scalar_;      // (1) f64 on the host: the loss, flags and norms summed over a group
   Tensor host_tokens_, host_targets_;  // the batch before it is written to the backend (GPU only)
-  std::vector<FlatRange> domain_;
+  RangeSet domain_;
   int64_t step_ = 0;
 };
 

@@ -2,6 +2,9 @@
 
 #include <oneapi/dnnl/dnnl.h>
 
+#include <cstring>
+#include <vector>
+
 #include "loom/core/error.h"
 
 // Exported by oneDNN 2.x (libdnnl.so) but not declared in its dnnl.h: row-major
@@ -18,6 +21,26 @@ void gemm_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, floa
   if (m == 0 || n == 0) return;
   const dnnl_status_t status = dnnl_gemm_bf16bf16f32(trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', m, n, k, alpha, a, lda, b,
                                                      ldb, beta, c, ldc);
+  if (status == dnnl_unimplemented) {
+    // A CPU without AVX-512 (oneDNN 2.x has no bf16 GEMM for AVX2): widen A and B to fp32, which
+    // is exact, and run sgemm. The products of two bf16 values are exact in fp32, so this is
+    // still bf16 products accumulated in fp32; only the summation order is the library's. The
+    // widened copies live in per-thread buffers that grow to the largest shape once.
+    thread_local std::vector<float> wa, wb;
+    auto widen = [](const uint16_t* src, int64_t rows, int64_t cols, int64_t ld, std::vector<float>& dst) {
+      if (dst.size() < static_cast<size_t>(rows * ld)) dst.resize(static_cast<size_t>(rows * ld));
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t j = 0; j < cols; ++j) {
+          const uint32_t bits = static_cast<uint32_t>(src[r * ld + j]) << 16;
+          std::memcpy(&dst[static_cast<size_t>(r * ld + j)], &bits, sizeof(float));
+        }
+      }
+    };
+    widen(a, trans_a ? k : m, trans_a ? m : k, lda, wa);
+    widen(b, trans_b ? n : k, trans_b ? k : n, ldb, wb);
+    gemm_f32(trans_a, trans_b, m, n, k, alpha, wa.data(), lda, wb.data(), ldb, beta, c, ldc);
+    return;
+  }
   LOOM_CHECK(status == dnnl_success, "oneDNN bf16 gemm failed with status ", static_cast<int>(status), " for M=", m,
              " N=", n, " K=", k);
 }

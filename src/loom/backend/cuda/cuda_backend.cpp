@@ -115,6 +115,9 @@ class CudaBackend final : public Backend {
   }
 
   std::string_view name() const override { return "cuda"; }
+  // Data parallelism (DDP) with fp32 / bf16 GEMMs, flash attention and AdamW: the features whose
+  // every computation is an op of this backend. The rest still loops on the host (docs/cuda.md).
+  BackendCapabilities capabilities() const override { return {}; }
   Allocator& allocator() override { return *allocator_; }
   cudaStream_t stream() const { return stream_; }
   int device() const { return device_; }

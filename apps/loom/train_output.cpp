@@ -1,0 +1,172 @@
+#include "train_output.h"
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+
+#include "cli.h"
+#include "loom/core/error.h"
+#include "loom/infer/generate.h"
+#include "loom/model/config.h"
+
+namespace loom::cli {
+
+namespace fs = std::filesystem;
+
+void print_progress(const StepReport& r, int64_t total, bool terminal, bool force_line) {
+  char line[256];
+  std::snprintf(line, sizeof line, "step %lld/%lld | loss %.4f | lr %.2e | %.0f tok/s | MFU %.1f%% | mem %s | ETA %s",
+                static_cast<long long>(r.stats.step + 1), static_cast<long long>(total), r.stats.loss, r.stats.lr,
+                r.tokens_per_s, 100.0 * r.mfu, format_bytes(r.memory_bytes).c_str(), format_duration(r.eta_seconds).c_str());
+  if (terminal) std::printf("\r%-110s%s", line, force_line ? "\n" : "");
+  else if (force_line) std::printf("%s\n", line);
+  std::fflush(stdout);
+}
+
+MetricsLog::MetricsLog(const std::string& path) : out_(path, std::ios::app) {
+  LOOM_CHECK(out_, path, ": cannot open for appending");
+}
+
+void MetricsLog::write(const nlohmann::json& record) {
+  out_ << record.dump() << "\n";
+  out_.flush();
+}
+
+// Bytes per collective this rank sent and received so far (comm/communicator.h's ring volumes).
+nlohmann::json ledger_json(const ByteLedger& ledger) {
+  nlohmann::json j = nlohmann::json::object();
+  for (int c = 0; c < COLL_COUNT; ++c) {
+    if (ledger.calls[c] == 0) continue;
+    j[collective_name(static_cast<Collective>(c))] = {{"calls", ledger.calls[c]}, {"sent", ledger.sent[c]},
+                                                      {"received", ledger.received[c]}};
+  }
+  return j;
+}
+
+// Each MoE layer's routing over the step (nn/moe.h): the expert load histogram, its max
+// violation (max / mean - 1), the router entropy, dropped assignments and the auxiliary losses.
+nlohmann::json moe_json(const std::vector<MoeLayerStats>& stats) {
+  nlohmann::json j = nlohmann::json::array();
+  for (const MoeLayerStats& s : stats) {
+    j.push_back({{"layer", s.layer}, {"load", s.load}, {"max_violation", s.max_violation}, {"entropy", s.entropy},
+                 {"tokens", s.tokens}, {"dropped", s.dropped}, {"aux", s.aux}, {"seq_aux", s.seq_aux}, {"z", s.z}});
+  }
+  return j;
+}
+
+nlohmann::json memory_json(const MemoryTracker& mem) {
+  nlohmann::json j;
+  for (int c = 0; c < MEM_CATEGORY_COUNT; ++c) {
+    const auto cat = static_cast<MemCategory>(c);
+    j[std::string(mem_category_name(cat))] = {{"current", mem.current(cat)}, {"peak", mem.peak(cat)}};
+  }
+  return j;
+}
+
+
+TokenDataset open_training_data(LoomConfig& config) {
+  const bool default_data = config.data.input.empty() && config.data.dir == DataConfig{}.dir;
+  if (!fs::exists(config.data.dir) && default_data) {
+    std::printf("preparing the default corpus into %s (first run)\n", config.data.dir.c_str());
+    const std::vector<std::string> documents = default_corpus_documents();
+    prepare_dataset(documents, *prepare_tokenizer(config.data.tokenizer, documents, config.data.dir), config.data.dir,
+                    config.data.val_fraction);
+  }
+  TokenDataset data = open_dataset(config.data.dir);
+  config.data.tokenizer = data.tokenizer;  // the tokenizer the shards were made with (e.g. DIR/tokenizer for bpe:N)
+  if (config.model.vocab_size == 0) config.model.vocab_size = static_cast<int64_t>(data.vocab_size);
+  LOOM_CHECK(config.model.vocab_size == static_cast<int64_t>(data.vocab_size), "model.vocab_size (", config.model.vocab_size,
+             ") differs from the dataset's vocabulary (", data.vocab_size, ", ", config.data.dir,
+             "/meta.json); set model.vocab_size = 0 to follow the data");
+  return data;
+}
+
+void print_dry_run(const LoomConfig& config, const std::string& dir, const Trainer& trainer, const MemoryTracker& mem) {
+  const int64_t n_params = param_count(config.model);
+  const int64_t state_bytes = trainer.optimizer().state_bytes();
+  const int64_t formula = optimizer_state_bytes(trainer.optim_params(), config.train.optim);
+  int64_t decayed = 0;
+  for (const OptimParam& q : trainer.optim_params()) decayed += q.weight_decay > 0.0f ? q.numel : 0;
+  std::printf("dry run %s: %s, %lld parameters (%lld with weight decay %g), optimizer %s, schedule %s\n", dir.c_str(),
+              std::string(arch_name(config.model.arch)).c_str(), static_cast<long long>(n_params),
+              static_cast<long long>(decayed), config.train.optim.weight_decay, trainer.optimizer().name().c_str(),
+              config.train.schedule.kind.c_str());
+  std::printf("optimizer state: %lld bytes = %.3f bytes/parameter (formula: %lld bytes, %.3f bytes/parameter)\n",
+              static_cast<long long>(state_bytes), static_cast<double>(state_bytes) / static_cast<double>(n_params),
+              static_cast<long long>(formula), static_cast<double>(formula) / static_cast<double>(n_params));
+  for (int c = 0; c < MEM_CATEGORY_COUNT; ++c) {
+    const auto cat = static_cast<MemCategory>(c);
+    std::printf("  %-18s %s\n", std::string(mem_category_name(cat)).c_str(), format_bytes(mem.current(cat)).c_str());
+  }
+  std::printf("  %-18s %s\n", "total", format_bytes(mem.current_total()).c_str());
+}
+
+void print_run_header(const LoomConfig& config, const std::string& dir, const Transformer& model, const Trainer& trainer,
+                      double peak_gflops, double flops_per_token) {
+  const int64_t n_params = param_count(config.model);
+  const int64_t state_bytes = trainer.optimizer().state_bytes();
+  std::printf("run %s: %s, %lld parameters, %.1f MFLOP/token; GEMM peak %.0f GFLOP/s (measured, fp32)\n", dir.c_str(),
+              std::string(arch_name(config.model.arch)).c_str(), static_cast<long long>(n_params), flops_per_token / 1e6,
+              peak_gflops);
+  std::printf("optimizer %s: state %s (%.2f bytes/parameter); schedule %s, lr %.2e\n", trainer.optimizer().name().c_str(),
+              format_bytes(static_cast<size_t>(state_bytes)).c_str(),
+              static_cast<double>(state_bytes) / static_cast<double>(n_params), config.train.schedule.kind.c_str(),
+              config.train.schedule.max_lr);
+  std::printf("precision: %s%s\n", model.precision().describe().c_str(), config.train.loss_scaling ? ", dynamic loss scaling" : "");
+  if (config.train.recompute != "none") {  // activation checkpointing (memory/recompute.h)
+    const Trainer::RecomputeReport& rc = trainer.recompute();
+    std::string plan;
+    for (RecomputePolicy p : rc.plan) plan += std::string(plan.empty() ? "" : " ") + std::string(recompute_name(p));
+    std::printf("recompute %s: blocks %s; kept activations %s of %s per micro-batch%s\n", config.train.recompute.c_str(),
+                plan.c_str(), format_bytes(static_cast<size_t>(rc.kept_bytes)).c_str(),
+                format_bytes(static_cast<size_t>(rc.no_recompute_bytes)).c_str(),
+                rc.seconds > 0 ? str_cat(", measured recompute ", rc.seconds * 1e3, " ms per micro-batch").c_str() : "");
+  }
+}
+
+std::string final_sample(const LoomConfig& config, Backend& backend, Transformer& model) {
+  const auto tokenizer = load_tokenizer(config.data.tokenizer);
+  std::vector<int32_t> prompt = tokenizer->encode(config.sample.prompt);
+  if (prompt.empty()) prompt.push_back(tokenizer->eot_token());
+  GenerateOptions options;
+  options.max_new_tokens = config.sample.max_new_tokens;
+  options.stop_token = tokenizer->eot_token();
+  std::unique_ptr<Backend> host_backend;  // a GPU run samples on the CPU (the KV cache is host code)
+  std::unique_ptr<Transformer> host_model;
+  if (!model.params().host_accessible()) {
+    host_backend = make_cpu_backend();
+    host_model = std::make_unique<Transformer>(*host_backend, config.model);
+    backend.read(model.params(), host_model->params().raw_data());
+  }
+  std::vector<int32_t> sample = generate(host_model ? *host_model : model, prompt, config.sample.sampling, options);
+  if (!sample.empty() && sample.back() == tokenizer->eot_token()) sample.pop_back();
+  const std::string text = printable_utf8(config.sample.prompt + tokenizer->decode(sample));
+  std::printf("\nsample (temperature %.2f, top-k %lld, top-p %.2f):\n%s\n\n", config.sample.sampling.temperature,
+              static_cast<long long>(config.sample.sampling.top_k), config.sample.sampling.top_p, text.c_str());
+  return text;
+}
+
+void print_summary(const LoomConfig& config, const Trainer& trainer, const Transformer& model, const MemoryTracker& mem,
+                   double last_val, const ZeroSharding* zero, int64_t resident_params, int64_t resident_grads) {
+  std::printf("done: %lld steps, final validation loss %.4f; peak memory %s (parameters %s, gradients %s, optimizer %s, "
+              "activations %s%s)\n",
+              static_cast<long long>(trainer.step()), last_val, format_bytes(mem.peak_total()).c_str(),
+              format_bytes(mem.peak(MEM_PARAMETERS)).c_str(), format_bytes(mem.peak(MEM_GRADIENTS)).c_str(),
+              format_bytes(mem.peak(MEM_OPTIMIZER_STATE)).c_str(), format_bytes(mem.peak(MEM_ACTIVATIONS)).c_str(),
+              mem.peak(MEM_OFFLOADED) > 0 ? (", offloaded optimizer state " + format_bytes(mem.peak(MEM_OFFLOADED))).c_str() : "");
+  for (const MoeLayerStats& st : model.moe_stats()) {  // the last step's routing
+    std::printf("MoE layer %lld, last step: max violation %.3f, router entropy %.3f nats, %lld of %lld assignments dropped, "
+                "aux %.3g, seq aux %.3g, z %.3g\n", static_cast<long long>(st.layer), st.max_violation, st.entropy,
+                static_cast<long long>(st.dropped), static_cast<long long>(st.tokens * config.model.moe_top_k), st.aux,
+                st.seq_aux, st.z);
+  }
+  if (zero != nullptr) {
+    std::printf("ZeRO-%d: this rank owns %lld of %lld parameters; resident after the last step: parameters %s, "
+                "gradients %s (the buffers above are address space; the rest was returned to the OS)\n",
+                zero->stage(), static_cast<long long>(zero->range().end - zero->range().begin),
+                static_cast<long long>(model.layout().total), format_bytes(static_cast<size_t>(resident_params)).c_str(),
+                format_bytes(static_cast<size_t>(resident_grads)).c_str());
+  }
+}
+
+}  // namespace loom::cli

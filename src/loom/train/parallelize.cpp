@@ -1,0 +1,124 @@
+#include "loom/train/parallelize.h"
+
+#ifdef LOOM_HAVE_CUDA
+#include "loom/backend/cuda/cuda_backend.h"
+#include "loom/comm/nccl_communicator.h"
+#endif
+#include "loom/core/error.h"
+#include "loom/parallel/tensor_parallel.h"
+
+namespace loom {
+
+namespace {
+
+struct Build {
+  Backend& backend;
+  const LoomConfig& config;
+  ParallelLayout& layout;
+  TrainingModel out;
+};
+
+void tensor_parallel(Build& b) {
+  const ModelConfig& global = b.config.model;
+  Communicator* tp = b.layout.group(Axis::tp);
+  b.out.local_config = tp != nullptr ? tp_local_config(global, tp->size()) : global;
+  b.out.model = std::make_unique<Transformer>(b.backend, b.out.local_config);
+  if (tp == nullptr) {
+    b.out.model->init_weights(b.config.loop.seed);
+    return;
+  }
+  // The whole model is initialised as one process would, then sliced.
+  b.out.whole = std::make_unique<Transformer>(b.backend, global);
+  b.out.whole->init_weights(b.config.loop.seed);
+  tp_copy(global, b.out.whole->params(), b.out.local_config, b.out.model->params(), tp->rank(), tp->size(), true);
+  const VocabRange vocab = tp_vocab_range(global, tp->rank(), tp->size());
+  b.out.model->set_tensor_parallel(tp, vocab.begin, vocab.valid, b.config.parallel.sequence_parallel);
+}
+
+void context_parallel(Build& b) {
+  if (Communicator* cp = b.layout.group(Axis::cp)) b.out.model->set_context_parallel(cp, b.config.parallel.cp_attention == "ulysses");
+}
+
+void expert_parallel(Build& b) {
+  if (Communicator* ep = b.layout.group(Axis::ep)) b.out.model->set_expert_parallel(ep);
+}
+
+void pipeline_parallel(Build& b) {
+  Communicator* pp = b.layout.group(Axis::pp);
+  if (pp == nullptr) return;
+  const ParallelConfig& p = b.config.parallel;
+  const TrainConfig& t = b.config.train;
+  b.out.pipeline = std::make_unique<PipelineRunner>(
+      *b.out.model, *pp,
+      make_pipe_schedule(p.schedule, pp->size(), static_cast<int>(t.grad_accum), static_cast<int>(p.virtual_stages)),
+      t.batch_size, t.seq_len);
+}
+
+void data_parallel(Build& b) {
+#ifdef LOOM_HAVE_CUDA
+  // A GPU's gradients go over NCCL, host values (losses, norms) over MPI.
+  Communicator& world = b.layout.world();
+  if (b.config.device == "cuda" && world.size() > 1) {
+    b.layout.use_device_group(make_routing_communicator(
+        world.split(0, world.rank()), make_nccl_communicator(world, cuda_device(b.backend), cuda_stream(b.backend))));
+  }
+#endif
+  const ParallelConfig& p = b.config.parallel;
+  DdpConfig ddp;
+  ddp.bucket_bytes = static_cast<int64_t>(p.bucket_mb * (1 << 20));
+  ddp.overlap = p.overlap;
+  ddp.zero_stage = p.zero_stage;
+  ddp.compression = p.compression;
+  ddp.topk_ratio = p.topk_ratio;
+  ddp.qsgd_levels = static_cast<int>(p.qsgd_levels);
+  ddp.powersgd_rank = static_cast<int>(p.powersgd_rank);
+  ddp.dgc.momentum = p.dgc_momentum;
+  ddp.dgc.clip_norm = p.dgc_clip;
+  ddp.dgc.warmup_steps = p.dgc_warmup_steps;
+  b.out.trainer = std::make_unique<Trainer>(b.backend, *b.out.model, b.config.train, &b.layout.reduce_group(), ddp,
+                                            b.out.pipeline.get());
+}
+
+// The order of the passes: each may rely on every one above it.
+struct Pass {
+  Axis axis;
+  void (*apply)(Build&);
+};
+constexpr Pass kPasses[] = {
+    {Axis::tp, tensor_parallel}, {Axis::cp, context_parallel}, {Axis::ep, expert_parallel},
+    {Axis::pp, pipeline_parallel}, {Axis::dp, data_parallel},
+};
+
+}  // namespace
+
+TrainingModel parallelize(Backend& backend, const LoomConfig& config, ParallelLayout& layout) {
+  Build b{backend, config, layout, {}};
+  for (const Pass& pass : kPasses) pass.apply(b);
+  return std::move(b.out);
+}
+
+TrainingData::TrainingData(TokenDataset data, const LoomConfig& config, const ParallelLayout& layout, Allocator& allocator) {
+  const int64_t B = config.train.batch_size, T = config.train.seq_len;
+  train_ = std::make_unique<TokenLoader>(std::move(data.train), T, config.loop.seed);
+  val_ = std::make_unique<TokenLoader>(std::move(data.val), T, config.loop.seed, LOADER_ORDER_SEQUENTIAL);
+  // Each data-parallel rank trains on its rows of the global batch the loader draws.
+  const Communicator& dp = layout.batch_group();
+  rank_ = std::make_unique<RankSliceSource>(*train_, allocator, dp.rank(), dp.size(), B, T);
+  cp_ = layout.group(Axis::cp);
+  if (cp_ != nullptr) {
+    cp_train_ = std::make_unique<ContextSliceSource>(*rank_, allocator, cp_->rank(), cp_->size(), B, T);
+    cp_val_ = std::make_unique<ContextSliceSource>(*val_, allocator, cp_->rank(), cp_->size(), B, T);
+  }
+}
+
+double TrainingData::validation_loss(Trainer& trainer, int64_t batches, Allocator& allocator) {
+  val_->rewind();
+  const double loss = trainer.evaluate(cp_val_ ? static_cast<BatchSource&>(*cp_val_) : *val_, batches);
+  if (cp_ == nullptr) return loss;
+  Tensor sum = Tensor::zeros(allocator, {1}, DTYPE_F64, MEM_WORKSPACE);
+  sum.data<double>()[0] = loss;
+  cp_->all_reduce(sum);
+  return sum.data<double>()[0] / cp_->size();
+}
+
+}  // namespace loom

@@ -1,0 +1,161 @@
+// The layout component: RangeSet's set algebra against a naive per-element reference, and the
+// compatibility table's verdicts (each refusal names its keys; keys without effect are noted).
+#include <gtest/gtest.h>
+
+#include <random>
+#include <set>
+
+#include "loom/core/error.h"
+#include "loom/core/range_set.h"
+#include "loom/train/layout.h"
+#include "test_util.h"
+
+namespace loom {
+using test::error_of;
+namespace {
+
+std::set<int64_t> elements(const RangeSet& s) {
+  std::set<int64_t> out;
+  for (const Range& r : s) {
+    for (int64_t i = r.begin; i < r.end; ++i) out.insert(i);
+  }
+  return out;
+}
+
+RangeSet random_set(uint64_t seed, int64_t n) {
+  std::mt19937_64 rng(seed);
+  std::vector<Range> ranges;
+  int64_t at = 0;
+  while (at < n) {
+    const int64_t gap = static_cast<int64_t>(rng() % 5), len = 1 + static_cast<int64_t>(rng() % 7);
+    ranges.push_back({at + gap, std::min(n, at + gap + len)});
+    at += gap + len;
+  }
+  return RangeSet(std::move(ranges));
+}
+
+TEST(RangeSetTest, NormalisesSortsMergesAndDropsEmpty) {
+  const RangeSet s(std::vector<Range>{{10, 12}, {0, 3}, {3, 5}, {7, 7}, {11, 15}});
+  ASSERT_EQ(s.ranges().size(), 2u);
+  EXPECT_EQ(s.ranges()[0], (Range{0, 5}));
+  EXPECT_EQ(s.ranges()[1], (Range{10, 15}));
+  EXPECT_EQ(s.size(), 10);
+}
+
+TEST(RangeSetTest, SetAlgebraEqualsThePerElementReference) {
+  for (uint64_t seed = 1; seed <= 40; ++seed) {
+    const RangeSet a = random_set(seed, 60), b = random_set(seed + 1000, 60);
+    const std::set<int64_t> ea = elements(a), eb = elements(b);
+    std::set<int64_t> inter, diff, uni = ea;
+    for (int64_t x : ea) (eb.count(x) ? inter : diff).insert(x);
+    uni.insert(eb.begin(), eb.end());
+    EXPECT_EQ(elements(a.intersect(b)), inter) << seed;
+    EXPECT_EQ(elements(a.subtract(b)), diff) << seed;
+    EXPECT_EQ(elements(a.unite(b)), uni) << seed;
+    // pieces(begin, end): positions of the concatenation, as flat elements.
+    const std::vector<int64_t> flat(ea.begin(), ea.end());
+    const int64_t lo = static_cast<int64_t>(flat.size()) / 3, hi = 2 * static_cast<int64_t>(flat.size()) / 3;
+    const std::set<int64_t> expect(flat.begin() + lo, flat.begin() + hi);
+    EXPECT_EQ(elements(a.pieces(lo, hi)), expect) << seed;
+    // Results are normalised: ascending, disjoint, never touching.
+    for (const RangeSet& r : {a.intersect(b), a.subtract(b), a.unite(b)}) {
+      for (size_t i = 1; i < r.ranges().size(); ++i) EXPECT_LT(r.ranges()[i - 1].end, r.ranges()[i].begin);
+    }
+  }
+}
+
+LoomConfig tiny() {
+  LoomConfig c;
+  c.model.n_layer = 2, c.model.n_head = 4, c.model.n_kv_head = 2, c.model.d_model = 32, c.model.d_ff = 64;
+  c.model.max_seq_len = 32, c.train.seq_len = 32;
+  return c;
+}
+
+BackendCapabilities all_caps() { return {true, true, true, true, true, true, true}; }
+
+std::vector<std::string> verdict(const LoomConfig& c, int world, BackendCapabilities caps = all_caps()) {
+  return check_layout(layout_facts(c, world, caps, "test"));
+}
+
+TEST(LayoutTableTest, AcceptsSupportedLayoutsWithoutNotes) {
+  LoomConfig c = tiny();
+  EXPECT_TRUE(verdict(c, 1).empty());
+  c.parallel.tp = 2, c.parallel.sequence_parallel = true, c.parallel.zero_stage = 1;
+  EXPECT_TRUE(verdict(c, 4).empty());  // tp2 + sp x dp2 with ZeRO-1
+}
+
+TEST(LayoutTableTest, UlyssesHeadsMustDivideCpBeforeAnythingRuns) {
+  LoomConfig c = tiny();
+  c.parallel.cp = 4, c.parallel.cp_attention = "ulysses";  // n_kv_head 2 is not a multiple of 4
+  const std::string msg = error_of([&] { verdict(c, 4); });
+  EXPECT_NE(msg.find("parallel.cp_attention = ulysses"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("model.n_kv_head (2)"), std::string::npos) << msg;
+  c.parallel.cp_attention = "ring";
+  EXPECT_TRUE(verdict(c, 4).empty());
+}
+
+TEST(LayoutTableTest, KeysWithoutEffectAreNoted) {
+  LoomConfig c = tiny();
+  c.parallel.sequence_parallel = true;
+  std::vector<std::string> notes = verdict(c, 1);
+  ASSERT_EQ(notes.size(), 1u);
+  EXPECT_NE(notes[0].find("parallel.sequence_parallel has no effect"), std::string::npos) << notes[0];
+  c = tiny();
+  c.parallel.zero_stage = 2;
+  notes = verdict(c, 1);
+  ASSERT_EQ(notes.size(), 1u);
+  EXPECT_NE(notes[0].find("parallel.zero_stage = 2 has no effect"), std::string::npos) << notes[0];
+  EXPECT_TRUE(verdict(c, 2).empty());  // two data-parallel ranks: it shards
+  EXPECT_TRUE(verdict(c, 0).empty());  // world unknown (loom memory): nothing said
+}
+
+TEST(LayoutTableTest, SequenceParallelWithZero2IsRefusedAtEveryRankCount) {
+  LoomConfig c = tiny();
+  c.parallel.tp = 2, c.parallel.sequence_parallel = true, c.parallel.zero_stage = 2;
+  for (int world : {2, 4}) {
+    const std::string msg = error_of([&] { verdict(c, world); });
+    EXPECT_NE(msg.find("parallel.sequence_parallel with parallel.zero_stage = 2"), std::string::npos) << world << msg;
+  }
+}
+
+TEST(LayoutTableTest, RefusalsNameTheirKeys) {
+  struct Case {
+    const char* set;
+    int world;
+    const char* needle;
+  };
+  const Case cases[] = {
+      {"model.mla_kv_rank=16,model.arch=\"llama\",parallel.tp=2", 2, "model.mla_kv_rank"},
+      {"train.flash_attention=true,parallel.pp=2", 2, "train.flash_attention"},
+      {"model.attn_window=8,parallel.cp=2", 2, "model.attn_window"},
+      {"parallel.ep=2", 2, "parallel.ep = 2 needs an MoE model"},
+      {"parallel.pp=2,parallel.zero_stage=2", 4, "use zero_stage 0 or 1"},
+      {"optim.name=\"adafactor\",parallel.zero_stage=1", 2, "element-wise optimizer"},
+      {"optim.name=\"ldadam\"", 2, "data parallelism is not supported with optim.name = ldadam"},
+      {"parallel.tp=3", 3, "parallel.tp = 3 must divide model.n_head"},
+      {"parallel.cp=2,train.seq_len=30", 2, "train.seq_len divisible by 2 x parallel.cp"},
+      {"train.recompute=\"full\",parallel.tp=2", 2, "train.recompute = full"},
+  };
+  for (const Case& k : cases) {
+    LoomConfig c = tiny();
+    apply_overrides(c, k.set);
+    const std::string msg = error_of([&] { verdict(c, k.world); });
+    EXPECT_NE(msg.find(k.needle), std::string::npos) << k.set << ": " << msg;
+  }
+}
+
+TEST(LayoutTableTest, BackendCapabilitiesAreRefusedByName) {
+  LoomConfig c = tiny();
+  EXPECT_TRUE(verdict(c, 2, BackendCapabilities{}).empty());  // DDP with AdamW: every op is the backend's
+  c.train.optim.name = "lion";
+  std::string msg = error_of([&] { verdict(c, 1, BackendCapabilities{}); });
+  EXPECT_NE(msg.find("optim.name = lion"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("test backend"), std::string::npos) << msg;
+  c = tiny();
+  c.parallel.tp = 2;
+  msg = error_of([&] { verdict(c, 2, BackendCapabilities{}); });
+  EXPECT_NE(msg.find("parallel.tp = 2"), std::string::npos) << msg;
+}
+
+}  // namespace
+}  // namespace loom
