@@ -10,7 +10,7 @@ For each shape of the acceptance criterion -- GPT-2 124M (B=4, T=64) and a small
   * PyTorch as shipped: bench/torch_train_bench.py with Debian's torch and this machine's
     environment unchanged;
   * PyTorch at its best: the same with OPENBLAS_CORETYPE unset, OMP_WAIT_POLICY=PASSIVE and
-    tcmalloc preloaded (DESIGN.md: "compare against PyTorch at its best").
+    tcmalloc preloaded (Loom's rule: compare against PyTorch at its best, not as shipped).
 and prints tokens/s, the ratios Loom / PyTorch, and MFU. Runs are sequential, never concurrent.
 """
 

@@ -6,7 +6,7 @@
 // and W (weight gradient) of every model stage outside the pipeline, and one stage-to-stage message
 // (ping-pong between ranks 0 and 1); simulate() (parallel/pipeline_schedule.h) is run with those
 // measured unit costs and its idle fractions are printed beside the measured ones and beside the
-// formula's bubble fraction (REFERENCE.md section 5). Every schedule's step time is also given as
+// formula's bubble fraction (docs/model_parallel.md). Every schedule's step time is also given as
 // a ratio to GPipe's, measured in the same run (GPipe always runs, first, as the reference).
 //
 //   OMP_NUM_THREADS=1 mpirun --oversubscribe -np P build/bench/pipeline_bench
@@ -191,8 +191,8 @@ double time_p2p(Communicator& world, Backend& backend, const Args& a) {
   return result.data<double>()[0];
 }
 
-// The formula's bubble fraction of the step (REFERENCE.md section 5), from p, m, v and (ZB-H1)
-// the measured F, B, W: idle time / (idle time + ideal time).
+// The formula's bubble fraction of the step (GPipe, Megatron, Zero Bubble), from p, m, v and
+// (ZB-H1) the measured F, B, W: idle time / (idle time + ideal time).
 double formula_bubble(const PipeSchedule& s, const PipeCosts& c) {
   const double p = s.stages, m = s.micro, v = s.virtual_chunks;
   if (s.kind == "gpipe" || s.kind == "1f1b") return (p - 1) / (m + p - 1);

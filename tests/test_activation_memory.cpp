@@ -1,7 +1,7 @@
 // Activation memory of one rank: the MEM_ACTIVATIONS bytes that Transformer::allocate_store
 // counts equal Loom's per-layer formula times the layer count plus the model-end terms, to the
 // byte, for GPT-2 and Llama (GQA) at tensor-parallel sizes t = 1, 2, 4. The per-layer part is
-// then compared with Korthikanti et al. (arXiv 2205.05198, §4.1-4.2; REFERENCE.md §7), TP
+// then compared with Korthikanti et al. (arXiv 2205.05198, §4.1-4.2), tensor-parallel
 // formula sbh(10 + 24/t + 5as/(ht)) bytes (16-bit, dropout masks included), converted to Loom:
 // every 16-bit term doubled (fp32) and the three dropout-mask terms (as²b/t after softmax, sbh
 // after attention, sbh after the MLP; 1 byte per element) removed, which leaves
@@ -51,7 +51,7 @@ int64_t loom_end_bytes(const ModelConfig& g, int64_t t, int64_t b, int64_t s) {
   return kF32 * s * b * (2 + 2 * g.d_model + stats + ceil_div(g.vocab_size, t) + 2);
 }
 
-// REFERENCE.md §7 TP formula with 16-bit -> 32-bit and the dropout-mask terms removed (see top).
+// Korthikanti's TP formula sbh(10 + 24/t + 5as/(ht)), fp32 and without dropout masks (see top).
 int64_t reference_layer_bytes(const ModelConfig& g, int64_t t, int64_t b, int64_t s) {
   const int64_t h = g.d_model, a = g.n_head;
   EXPECT_EQ((24 * s * b * h) % t, 0);
@@ -117,8 +117,8 @@ void check(const char* name, const ModelConfig& global, int64_t b, int64_t s, co
     EXPECT_EQ(layer, formula);
     EXPECT_EQ(total, global.n_layer * formula + loom_end_bytes(global, c.t, b, s));
 
-    // (b) Against REFERENCE §7 converted to fp32 without dropout masks: the difference is exactly
-    // the named terms, and the ratio is the hand-computed one.
+    // (b) Against Korthikanti's formula converted to fp32 without dropout masks: the difference is
+    // exactly the named terms, and the ratio is the hand-computed one.
     const int64_t reference = reference_layer_bytes(global, c.t, b, s);
     const Difference d = difference(global, c.t, b, s);
     EXPECT_EQ(layer - reference, d.sum());
@@ -193,7 +193,7 @@ namespace {
 // Context parallel (ring attention) on cp ranks: every per-position tensor holds s/cp positions,
 // and attention keeps its log-sum-exp (a·s·b/cp) in place of the (s, s) probabilities, so per
 // layer Loom keeps exactly the t = 1 bytes of everything but probs at s/cp, plus lse. Against
-// REFERENCE §7's per-position part converted to fp32 without dropout (64sbh, the 34sbh of the
+// Korthikanti's per-position part converted to fp32 without dropout (64sbh, the 34sbh of the
 // 16-bit count less its 2sbh of masks, doubled) divided by cp, and no attention-score term,
 // GPT-2's ratio is 1 + (16 + 4a)/(64h) (the norm statistics and lse).
 TEST(ActivationMemoryTest, ContextParallelKeepsOneCpthPlusTheLogSumExp) {
@@ -213,7 +213,7 @@ TEST(ActivationMemoryTest, ContextParallelKeepsOneCpthPlusTheLogSumExp) {
       if (!g.swiglu()) {
         EXPECT_NEAR(ratio, 1.0 + (16.0 + 4.0 * a) / (64.0 * h), 1e-12) << preset;
       }
-      std::printf("%s cp=%lld: %lld bytes per layer, REFERENCE §7 per-position part / cp (fp32, no dropout) %.0f, "
+      std::printf("%s cp=%lld: %lld bytes per layer, Korthikanti per-position part / cp (fp32, no dropout) %.0f, "
                   "ratio %.4f\n", preset, static_cast<long long>(cp), static_cast<long long>(layer), reference, ratio);
     }
   }

@@ -38,7 +38,7 @@ TEST(BF16, OverflowInfinityAndNaN) {
   EXPECT_TRUE(std::isnan(bf16_to_f32(f32_to_bf16(from_bits(0x7F800001u)))));  // signalling NaN stays NaN
 }
 
-// Known-answer vectors of Random123 (REFERENCE.md section 12).
+// Known-answer vectors of Random123's Philox4x32-10 (Salmon et al. 2011, SC'11).
 TEST(Philox, KnownAnswerVectors) {
   EXPECT_EQ(philox4x32_10({0, 0, 0, 0}, {0, 0}), (PhiloxCounter{0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8}));
   EXPECT_EQ(philox4x32_10({0xffffffff, 0xffffffff, 0xffffffff, 0xffffffff}, {0xffffffff, 0xffffffff}),

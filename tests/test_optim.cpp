@@ -1,6 +1,6 @@
-// Optimizer properties from REFERENCE.md §3 (the golden values against float64 references are in
-// test_optim_golden.cpp), state-byte accounting, parameter groups, schedules, and bitwise
-// resume of every optimizer's state.
+// Optimizer properties from each method's paper (docs/optimizers.md; the golden values against
+// float64 references are in test_optim_golden.cpp), state-byte accounting, parameter groups,
+// schedules, and bitwise resume of every optimizer's state.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -195,7 +195,7 @@ TEST(OptimTest, LdAdamLowRankKeepsTheErrorInTheGradientBuffer) {
   EXPECT_EQ(other, 0.0);
 }
 
-// Singular values of NS5's output lie in about [0.7, 1.2], within REFERENCE's [0.5, 1.5]: the
+// Singular values of NS5's output lie in about [0.7, 1.2], within Jordan's Muon [0.5, 1.5]: the
 // eigenvalues of O O^T (Jacobi, in double) are the squared singular values.
 std::vector<double> symmetric_eigenvalues(std::vector<double> a, int64_t n) {
   for (int sweep = 0; sweep < 100; ++sweep) {

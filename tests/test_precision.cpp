@@ -1,7 +1,7 @@
 // Number-format codecs (exhaustive over every code of the 8-bit and 4-bit formats and of fp16,
 // against the CPU's own F16C conversion for fp16), rounding ties, saturation, NaN, subnormals,
 // stochastic rounding's bias, MXFP4/NVFP4 block quantization against the formula, and the
-// dynamic loss scaler's exact trajectory (REFERENCE.md §1-2).
+// dynamic loss scaler's exact trajectory (torch.amp.GradScaler's rule).
 #include <gtest/gtest.h>
 #include <immintrin.h>
 

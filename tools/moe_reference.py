@@ -5,7 +5,7 @@ Writes DIR/moe_llama_tiny.safetensors and DIR/moe_gpt2_tiny.safetensors for test
 every parameter, a batch, the logits, the cross-entropy, the auxiliary losses' sum, the dropped
 assignments, and the gradient of (cross-entropy + auxiliary losses) for every parameter.
 
-The MoE math (REFERENCE.md section 4), for the block's second-norm output x (N, C):
+The MoE math (docs/moe.md), for the block's second-norm output x (N, C):
   u = x Wr^T; s = softmax(u) or sigmoid(u); selection scores s + b (b: routing bias);
   groups (G > 1): a group's score is the sum of its two best selection scores, the top
   `topk_groups` groups are eligible; top-k of the eligible selection scores, best first;

@@ -1,4 +1,4 @@
-// The memory bill of training, before anything runs (REFERENCE.md §6-7, §10).
+// The memory bill of training, before anything runs (docs/memory.md, docs/activation_memory.md).
 //
 // Two accountings:
 // 1. The ZeRO paper's model states (Rajbhandari et al. 2020): w + g + K bytes per parameter

@@ -1,5 +1,5 @@
 // Activation checkpointing (recomputation) per block (Chen et al. 2016, "Training Deep Nets with
-// Sublinear Memory Cost"; Korthikanti et al. 2022, selective recomputation; REFERENCE.md §10).
+// Sublinear Memory Cost"; Korthikanti et al. 2022, selective recomputation, arXiv 2205.05198).
 // Each block keeps, between its forward and its backward:
 //   none:      everything its backward reads (nn/block.h BlockSaved);
 //   selective: the residual stream and the GEMM outputs (input, qkv, attn, mid, fc); the norms'

@@ -45,7 +45,7 @@ struct ModelConfig {
   int64_t mla_v_dim = 0;
   int64_t mla_q_rank = 0;
 
-  // Mixture of experts (nn/moe.h; REFERENCE.md §4). moe_experts = 0: every block has the dense
+  // Mixture of experts (nn/moe.h, docs/moe.md). moe_experts = 0: every block has the dense
   // MLP. Otherwise blocks from moe_dense_layers on route each token to moe_top_k of moe_experts
   // experts (each an MLP of width moe_d_ff, or d_ff when 0) plus moe_shared always-on experts.
   int64_t moe_experts = 0;

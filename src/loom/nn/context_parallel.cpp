@@ -94,7 +94,7 @@ inline void axpy(T alpha, const T* x, T* y, int64_t n) {
 }
 
 // Merges one K/V block (owned by rank `owner`) into the running state of every local query,
-// the online softmax of FlashAttention (REFERENCE.md §13): with block scores s_j (visible keys),
+// the online softmax of FlashAttention (Dao et al. 2022): with block scores s_j (visible keys),
 //   m' = max(m, max_j s_j); l = e^{m - m'} l + sum_j e^{s_j - m'}; O = e^{m - m'} O + sum_j e^{s_j - m'} V_j.
 // kblk, vblk (B, Tl, KV hd); acc (B, Tl, H hd) the unnormalized output; m, l (B, H, Tl);
 // scratch (threads, 2C) holds one query's scores.

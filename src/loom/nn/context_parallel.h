@@ -1,12 +1,12 @@
 // Context parallelism for causal self-attention: the sequence of T tokens is sharded over the N
 // ranks of a cp group, and attention — the only op that mixes positions — is computed exactly
-// across the shards, in one of two ways (REFERENCE.md §7):
+// across the shards, in one of two ways (docs/model_parallel.md):
 //
 //   Ring attention (Liu, Zaharia & Abbeel 2023, "Ring Attention with Blockwise Transformers for
 //   Near-Infinite Context"): each rank keeps its queries and passes its K/V block around the ring
 //   of ranks for N-1 steps; a block's contribution is merged into the running output with the
 //   online softmax (Milakov & Gimelshein 2018, "Online normalizer calculation for softmax"; the
-//   FlashAttention recurrence of Dao et al. 2022, REFERENCE.md §13). Backward follows
+//   FlashAttention recurrence of Dao et al. 2022, arXiv 2205.14135). Backward follows
 //   FlashAttention-2 (Dao 2023) with the saved log-sum-exp, and the partial dK/dV of each block
 //   travel with it until they are home again.
 //
@@ -72,7 +72,7 @@ void ring_attention_forward(Backend& backend, Communicator& cp, const Tensor& q,
 // H hd), dk and dv (B, Tl, KV hd). The K/V block circulates again, now with its accumulating
 // dK/dV: at step s the rank adds its queries' contribution to the dK/dV of block (r - s) mod N,
 // then passes K, V, dK, dV on; after the last step the dK/dV make one more hop and arrive home.
-// Per query i and visible key j (FlashAttention-2, REFERENCE.md §13):
+// Per query i and visible key j (FlashAttention-2, Dao 2023, arXiv 2307.08691):
 //   P = exp(S - lse); D_i = dO_i . O_i; dV_j += P dO_i; dP = dO_i . V_j; dS = P (dP - D_i);
 //   dQ_i += scale dS K_j; dK_j += scale dS Q_i.
 // Bytes sent per rank and layer (and the same received):
@@ -113,7 +113,8 @@ struct UlyssesSaved {
 // Bytes sent per rank and layer (and the same received), E = dtype bytes: each all-to-all
 // keeps 1/N of its buffer, so
 //   forward = backward = (N-1)/N x B Tl (2H + 2KV) hd E,
-// i.e. 4 (N-1)/N x the local bytes of q for MHA (REFERENCE.md §7: 4Nh/P per link).
+// i.e. 4 (N-1)/N x the local bytes of q for MHA (Ulysses, arXiv 2309.14509: 4Nh/P per link for
+// sequence N, hidden h, P ranks).
 // Memory: saved holds the full sequence for H/N heads, and probs is O(T^2) per head (the CPU
 // backend's attention saves P).
 void ulysses_attention_forward(Backend& backend, Communicator& cp, const Tensor& q, const Tensor& k, const Tensor& v,

@@ -1,4 +1,4 @@
-// Mixture of experts in place of a block's MLP (REFERENCE.md §4; Shazeer et al. 2017, GShard,
+// Mixture of experts in place of a block's MLP (docs/moe.md; Shazeer et al. 2017, GShard,
 // Switch Transformer, DeepSeekMoE / DeepSeek-V3). For the N tokens x (N, C) of a micro-batch
 // (the block's second norm output; sequences of seq_len consecutive rows):
 //   u = x Wr^T (N, E);  s = softmax(u) or sigmoid(u);  selection scores s + b (b: the routing

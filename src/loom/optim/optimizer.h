@@ -1,6 +1,6 @@
 // The optimizer family over flat parameter buffers: SGD (plain, momentum, Nesterov), Adagrad,
 // RMSprop, Adam, AdamW, Adafactor, SM3, Lion, Adam-mini, CAME, LDAdam and Muon. The exact
-// update rules, defaults and state sizes are in docs/optimizers.md (REFERENCE.md §3); each is
+// update rules, defaults and state sizes are in docs/optimizers.md, with each one's paper; each is
 // tested against a float64 reference (tests/test_optim_golden.cpp).
 //
 // An optimizer receives the flat parameter and gradient buffers and a list of OptimParam

@@ -1,4 +1,4 @@
-// Gradient compression on the DDP path (REFERENCE.md §9): a hook that replaces a bucket's
+// Gradient compression on the DDP path (docs/parallel.md): a hook that replaces a bucket's
 // all-reduce. Top-K with error feedback (Stich et al. 2018; Lin et al., DGC, 2018 without the
 // momentum correction): each rank adds its residual to the bucket's gradient, sends the k
 // entries of largest magnitude (k = ratio x n, at least 1) as (index, value) pairs by

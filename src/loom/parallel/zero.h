@@ -11,7 +11,7 @@
 //   stage 3: + parameters: each rank keeps its parameter shard; a layer's parameters are
 //            all-gathered just before its forward and again before its backward, then freed,
 //            and the next layer's gather is started (prefetch) before this one computes.
-// Model-state bytes per rank (ZeRO paper, fp32 weights and AdamW, K = 8; REFERENCE.md §6):
+// Model-state bytes per rank (ZeRO, Rajbhandari et al. 2020; fp32 weights and AdamW, K = 8):
 //   stage 0: 4P + 4P + 8P, stage 1: 4P + 4P + 8P/N, stage 2: 4P + (4 + 8)P/N, stage 3: 16P/N.
 // Communication per rank and step: stages 0-2 move 2(N-1)/N x 4P bytes (all-reduce, or
 // reduce-scatter + all-gather); stage 3 3(N-1)/N x 4P (two gathers and a reduce-scatter): 1.5x.

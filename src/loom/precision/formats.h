@@ -1,4 +1,4 @@
-// Exact codecs for the low-precision number formats (REFERENCE.md §2): IEEE fp16, OCP FP8
+// Exact codecs for the low-precision number formats (docs/precision.md): IEEE fp16, OCP FP8
 // E4M3 ("fn": no infinity, NaN = S.1111.111, max 448) and E5M2 (IEEE-style inf/NaN, max
 // 57344), E2M1 (FP4: ±{0, 0.5, 1, 1.5, 2, 3, 4, 6}), the E8M0 power-of-two scale, and the block
 // formats built on them: MXFP4 (OCP MX v1.0: 32 E2M1 elements share an E8M0 scale) and NVFP4

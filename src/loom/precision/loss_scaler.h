@@ -1,10 +1,10 @@
-// Dynamic loss scaling for fp16 training, with exactly torch.amp.GradScaler's semantics
-// (REFERENCE.md §1): the loss is multiplied by S before backward; the gradients are unscaled by
-// inv = float32(1 / float64(S)) (left alone when inv == 1) and checked for inf/NaN; a step
-// with a non-finite gradient is skipped. Then: overflow -> S *= backoff, counter = 0; else the
-// counter counts clean steps and after growth_interval of them S *= growth (only if the result
-// is finite), counter = 0. Optional hysteresis H (Megatron-LM / TransformerEngine): the backoff
-// waits for H consecutive overflows; H = 1 is GradScaler.
+// Dynamic loss scaling for fp16 training (Micikevicius et al. 2018), with exactly the semantics of
+// torch.amp.GradScaler (torch/amp/grad_scaler.py): the loss is multiplied by S before backward;
+// the gradients are unscaled by inv = float32(1 / float64(S)) (left alone when inv == 1) and
+// checked for inf/NaN; a step with a non-finite gradient is skipped. Then: overflow ->
+// S *= backoff, counter = 0; else the counter counts clean steps and after growth_interval of them
+// S *= growth (only if the result is finite), counter = 0. Optional hysteresis H (Megatron-LM /
+// TransformerEngine): the backoff waits for H consecutive overflows; H = 1 is GradScaler.
 #pragma once
 #include <cstdint>
 

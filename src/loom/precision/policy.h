@@ -2,7 +2,7 @@
 // of the weight copy they read, of the gradient reduction and of the master weights.
 //
 // Only the GEMMs of linear layers run in low precision: they are on the autocast fp16/bf16 list
-// of REFERENCE.md §1 (linear, addmm, matmul). Everything on its fp32 list stays fp32 here:
+// of PyTorch's CUDA AMP (linear, addmm, matmul). Everything on its fp32 list stays fp32 here:
 // softmax, layer_norm / RMSNorm, cross_entropy / log_softmax, sum and norm reductions, exp,
 // rsqrt; so do embeddings, residual adds and the optimizer. Attention's two batched matmuls
 // stay fp32 on the CPU backend (see docs/precision.md).

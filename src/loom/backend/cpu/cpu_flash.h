@@ -1,5 +1,5 @@
 // FlashAttention-2 on the CPU (Dao 2023, "FlashAttention-2: Faster Attention with Better
-// Parallelism and Work Partitioning"; REFERENCE.md §13), templated on the float type (float for
+// Parallelism and Work Partitioning", arXiv 2307.08691), templated on the float type (float for
 // training, double for reference checks). The attention is cpu_kernels.h's attention_forward /
 // attention_forward_window (causal, grouped KV heads, optional sliding window W; query head h
 // reads kv head g = h / G, G = H / KV, scale = 1/sqrt(hd)), but only lse (B,H,T) is kept:
