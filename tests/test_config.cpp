@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <sstream>
 
 #include "loom/core/error.h"
 #include "loom/train/config.h"
@@ -131,6 +132,34 @@ TEST(ConfigTest, SchemaGivesEveryKeyATypeDefaultAndMeaning) {
   // String keys with a fixed set of values name them.
   EXPECT_NE(by_key["parallel.cp_attention"].meaning.find("ring | ulysses"), std::string::npos);
   EXPECT_NE(by_key["optim.name"].meaning.find("adamw"), std::string::npos);
+}
+
+// docs/config.md is config_markdown(): one table per section, regenerated when the schema changes.
+TEST(ConfigTest, DocsConfigMdIsTheRenderedSchema) {
+  const std::string markdown = config_markdown();
+  EXPECT_NE(markdown.find("## [optim]\n\n| key | type | default | meaning |\n"), std::string::npos);
+  EXPECT_NE(markdown.find("| `parallel.cp_attention` | string | `'ring'` | with cp > 1: ring \\| ulysses |\n"),
+            std::string::npos);
+  const char* dir = std::getenv("LOOM_SOURCE_DIR");
+  const std::filesystem::path path =
+      (dir && *dir ? std::filesystem::path(dir) : std::filesystem::current_path()) / "docs" / "config.md";
+  std::ifstream in(path);
+  ASSERT_TRUE(in) << path << ": cannot open (LOOM_SOURCE_DIR names the repository)";
+  std::stringstream text;
+  text << in.rdbuf();
+  std::istringstream file_lines(text.str()), rendered_lines(markdown);
+  std::string file_line, rendered_line;
+  int line = 0;
+  while (true) {  // the first line that differs, for the message
+    ++line;
+    const bool more_file = static_cast<bool>(std::getline(file_lines, file_line));
+    const bool more_rendered = static_cast<bool>(std::getline(rendered_lines, rendered_line));
+    if (!more_file && !more_rendered) break;
+    if (more_file != more_rendered || file_line != rendered_line) break;
+  }
+  EXPECT_TRUE(text.str() == markdown) << path.string() << " is stale (line " << line << ": '" << file_line
+                                      << "', the schema gives '" << rendered_line << "'): regenerate it with "
+                                      << "`build/bin/loom config --markdown > docs/config.md`";
 }
 
 }  // namespace
