@@ -473,7 +473,60 @@ class Cli(unittest.TestCase):
             p = run(cmd, "--help")
             self.assertIn("usage: loom", p.stdout)
 
+    def test_options_take_key_equals_value_and_repeat_in_order(self):
+        sets = f"{TINY},train.steps=8,data.dir={self.data},data.tokenizer=byte,run.dir={self.tmp}/runs,run.name=eq"
+        p = run("train", f"--set={sets}", "--stop-at-step=2")
+        self.assertIn("stopped after step 2", p.stdout)
+        # Every --set is applied, in order: the last one wins.
+        p = run("config", "--set", "run.name=first,train.steps=7", "--set=run.name=second")
+        self.assertIn("name = 'second'", p.stdout)
+        self.assertIn("steps = 7", p.stdout)
+
+    def test_help_anywhere_on_the_line_lists_the_options(self):
+        p = run("train", "--set", "train.steps=3", "--resume", "-h")
+        self.assertEqual(p.stderr, "")
+        self.assertIn("usage: loom train", p.stdout)
+        for option in ("--config FILE", "--set KEY=VALUE", "--resume", "--stop-at-step N", "--dry-run", "-h, --help"):
+            self.assertIn(option, p.stdout)
+        # train's help lists every config key with its type, default and meaning, by section.
+        self.assertRegex(p.stdout, r"\n\[optim\]\n")
+        self.assertRegex(p.stdout, r"train\.batch_size +int +4 +sequences per micro-batch")
+        self.assertRegex(p.stdout, r"parallel\.cp_attention +string +'ring' +with cp > 1: ring \| ulysses")
+        for args, option in ((("tokenizer", "train", "--input", TEXT, "--help"), "--vocab-size N"),
+                             (("bench", "generate", "--requests", "2", "-h"), "--ppl-sequences S"),
+                             (("generate", "--checkpoint", "nowhere", "--help"), "--top-p P"),
+                             (("memory", "--measure", "-h"), "--ranks N")):
+            p = run(*args)
+            self.assertIn("usage: loom", p.stdout)
+            self.assertIn(option, p.stdout)
+        self.assertIn("train", run("-h").stdout)
+        self.assertIn("generate", run("--help").stdout)
+
+    def test_version(self):
+        for args in (("--version",), ("version",)):
+            self.assertRegex(run(*args).stdout, r"^loom [0-9]+\.[0-9]+\.[0-9]+\n$")
+
+    def test_config_markdown_is_docs_config_md(self):
+        with open(os.path.join(ROOT, "docs", "config.md")) as f:
+            self.assertEqual(run("config", "--markdown").stdout, f.read())
+
     # ---------------------------------------------------------------- bad input
+
+    def test_bad_options_are_one_line_naming_them(self):
+        p = run("train", "--set", "train.steps=1", "--bogus", "3", expect_ok=False)
+        self.assert_one_line_error(p, "loom train: error:", "'--bogus'", "--stop-at-step N", "--help")
+        self.assert_one_line_error(run("train", "--bogus=3", expect_ok=False), "'--bogus'")
+        self.assert_one_line_error(run("train", "stray", expect_ok=False), "'stray'")
+        self.assert_one_line_error(run("train", "--stop-at-step", expect_ok=False), "--stop-at-step", "value")
+        self.assert_one_line_error(run("train", "--stop-at-step=x", expect_ok=False), "--stop-at-step", "integer", "'x'")
+        self.assert_one_line_error(run("train", "--resume=yes", expect_ok=False), "--resume")
+        self.assert_one_line_error(run("prepare", "--val-fraction", "lots", "--out", os.path.join(self.tmp, "d_x"),
+                                       expect_ok=False), "--val-fraction", "number")
+        self.assert_one_line_error(run("tokenizer", "train", "--input", TEXT, "--vocab", "300", expect_ok=False),
+                                   "'--vocab'", "--vocab-size N")
+        self.assert_one_line_error(run("bench", "generate", "--kv-blocks", "4", expect_ok=False), "'--kv-blocks'")
+        self.assert_one_line_error(run("tokenizer", "learn", expect_ok=False), "'learn'", "train")
+        self.assert_one_line_error(run("frobnicate", expect_ok=False), "'frobnicate'", "train")
 
     def test_unknown_config_key_names_the_key(self):
         self.assert_one_line_error(self.train("bad", "--set", "train.lrr=1", expect_ok=False), "train.lrr")

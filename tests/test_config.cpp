@@ -2,8 +2,11 @@
 // types are errors naming the file and key; the resolved TOML reads back to the same config.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <sstream>
 
 #include "loom/core/error.h"
 #include "loom/train/config.h"
@@ -88,6 +91,75 @@ TEST(ConfigTest, AttentionWindowWithContextParallelismIsRefused) {
   const std::string error = error_of([&] { c.validate(); });
   EXPECT_NE(error.find("model.attn_window"), std::string::npos) << error;
   EXPECT_NE(error.find("parallel.cp"), std::string::npos) << error;
+}
+
+// Every key of the schema has a row: a type, a default that is TOML of that type and reads
+// back to the default, and a meaning.
+TEST(ConfigTest, SchemaGivesEveryKeyATypeDefaultAndMeaning) {
+  const std::vector<ConfigKey> rows = config_schema();
+  const std::vector<std::string> keys = config_keys();
+  ASSERT_EQ(rows.size(), keys.size());
+  std::map<std::string, ConfigKey> by_key;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    EXPECT_EQ(rows[i].key, keys[i]);
+    EXPECT_FALSE(rows[i].meaning.empty()) << rows[i].key;
+    EXPECT_EQ(rows[i].meaning.find('\n'), std::string::npos) << rows[i].key;
+    EXPECT_FALSE(rows[i].type.empty()) << rows[i].key;
+    EXPECT_FALSE(rows[i].default_value.empty()) << rows[i].key;
+    by_key[rows[i].key] = rows[i];
+    // The default, written into a TOML file, leaves a default configuration unchanged.
+    const std::string section = config_key_section(rows[i].key);
+    const std::string name = section.empty() ? rows[i].key : rows[i].key.substr(section.size() + 1);
+    LoomConfig c;
+    apply_config_text(c, (section.empty() ? "" : "[" + section + "]\n") + name + " = " + rows[i].default_value + "\n",
+                      rows[i].key);
+    EXPECT_EQ(config_to_toml(c), config_to_toml(LoomConfig{})) << rows[i].key;
+  }
+  EXPECT_EQ(by_key.size(), rows.size());  // no key twice
+  auto expect_row = [&](const std::string& key, const std::string& type, const std::string& value) {
+    ASSERT_EQ(by_key.count(key), 1u) << key;
+    EXPECT_EQ(by_key[key].type, type) << key;
+    EXPECT_EQ(by_key[key].default_value, value) << key;
+  };
+  expect_row("train.batch_size", "int", "4");
+  expect_row("train.seed", "uint", "1337");
+  expect_row("optim.name", "string", "'adamw'");
+  expect_row("optim.nesterov", "tri-bool", "-1");
+  expect_row("model.arch", "arch", "'gpt2'");
+  expect_row("data.val_fraction", "float", "0.05");
+  expect_row("parallel.overlap", "bool", "true");
+  expect_row("precision.param", "string", "''");
+  // String keys with a fixed set of values name them.
+  EXPECT_NE(by_key["parallel.cp_attention"].meaning.find("ring | ulysses"), std::string::npos);
+  EXPECT_NE(by_key["optim.name"].meaning.find("adamw"), std::string::npos);
+}
+
+// docs/config.md is config_markdown(): one table per section, regenerated when the schema changes.
+TEST(ConfigTest, DocsConfigMdIsTheRenderedSchema) {
+  const std::string markdown = config_markdown();
+  EXPECT_NE(markdown.find("## [optim]\n\n| key | type | default | meaning |\n"), std::string::npos);
+  EXPECT_NE(markdown.find("| `parallel.cp_attention` | string | `'ring'` | with cp > 1: ring \\| ulysses |\n"),
+            std::string::npos);
+  const char* dir = std::getenv("LOOM_SOURCE_DIR");
+  const std::filesystem::path path =
+      (dir && *dir ? std::filesystem::path(dir) : std::filesystem::current_path()) / "docs" / "config.md";
+  std::ifstream in(path);
+  ASSERT_TRUE(in) << path << ": cannot open (LOOM_SOURCE_DIR names the repository)";
+  std::stringstream text;
+  text << in.rdbuf();
+  std::istringstream file_lines(text.str()), rendered_lines(markdown);
+  std::string file_line, rendered_line;
+  int line = 0;
+  while (true) {  // the first line that differs, for the message
+    ++line;
+    const bool more_file = static_cast<bool>(std::getline(file_lines, file_line));
+    const bool more_rendered = static_cast<bool>(std::getline(rendered_lines, rendered_line));
+    if (!more_file && !more_rendered) break;
+    if (more_file != more_rendered || file_line != rendered_line) break;
+  }
+  EXPECT_TRUE(text.str() == markdown) << path.string() << " is stale (line " << line << ": '" << file_line
+                                      << "', the schema gives '" << rendered_line << "'): regenerate it with "
+                                      << "`build/bin/loom config --markdown > docs/config.md`";
 }
 
 }  // namespace

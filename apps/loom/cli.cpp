@@ -2,6 +2,8 @@
 
 #include <unistd.h>
 
+#include <CLI/CLI.hpp>
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -25,27 +27,80 @@ namespace fs = std::filesystem;
 #define LOOM_SOURCE_DIR "."
 #endif
 
-Args::Args(int argc, char** argv, const std::vector<std::string>& value_options, const std::vector<std::string>& flags,
-           const std::string& command)
-    : command_(command) {
-  auto accepted = [&] {
-    std::string list;
-    for (const auto& o : value_options) list += " --" + o + " VALUE";
-    for (const auto& f : flags) list += " --" + f;
-    return list;
+namespace {
+
+std::string option_text(const Option& o) { return "--" + o.name + (o.value.empty() ? "" : " " + o.value); }
+
+std::string accepted_options(const std::vector<Option>& options) {
+  std::string list;
+  for (const Option& o : options) list += option_text(o) + ", ";
+  return list + "-h/--help";
+}
+
+}  // namespace
+
+std::string options_help(const std::string& usage, const std::vector<Option>& options, const std::string& more) {
+  size_t width = std::string("-h, --help").size();
+  for (const Option& o : options) width = std::max(width, option_text(o).size());
+  std::string text = usage + "\noptions:\n";
+  auto row = [&](const std::string& name, const std::string& help) {
+    text += "  " + name + std::string(width + 2 - name.size(), ' ') + help + "\n";
   };
-  for (int i = 0; i < argc; ++i) {
-    const std::string arg = argv[i];
-    LOOM_CHECK(arg.rfind("--", 0) == 0, "loom ", command, ": unexpected argument '", arg, "'; accepted:", accepted());
-    const std::string name = arg.substr(2);
-    if (std::find(flags.begin(), flags.end(), name) != flags.end()) {
-      values_[name].push_back("true");
-    } else if (std::find(value_options.begin(), value_options.end(), name) != value_options.end()) {
-      LOOM_CHECK(i + 1 < argc, "loom ", command, ": option --", name, " needs a value");
-      values_[name].push_back(argv[++i]);
-    } else {
-      throw Error(str_cat("loom ", command, ": unknown option '", arg, "'; accepted:", accepted()));
+  for (const Option& o : options) row(option_text(o), o.help);
+  row("-h, --help", "print this help and exit");
+  return text + more;
+}
+
+Args::Args(int argc, char** argv, const std::string& command, const std::string& usage, const std::vector<Option>& options,
+           const std::string& more) {
+  CLI::App app("loom " + command, "loom " + command);
+  app.allow_extras();  // undeclared arguments are reported below, in one line naming them
+  app.set_help_flag("-h,--help", "print this help and exit");
+  std::vector<CLI::Option*> parsed;
+  for (const Option& o : options) {
+    const std::string flag = "--" + o.name;
+    parsed.push_back(o.value.empty() ? app.add_flag(flag, o.help)->disable_flag_override()
+                                     : app.add_option(flag, o.help)->type_name(o.value)->multi_option_policy(
+                                           CLI::MultiOptionPolicy::TakeAll));
+  }
+  const std::string see = str_cat("see `loom ", command, " --help`");
+  std::vector<std::string> reversed;  // CLI11 takes the arguments last first
+  for (int i = argc - 1; i >= 0; --i) reversed.emplace_back(argv[i]);
+  try {
+    app.parse(reversed);
+  } catch (const CLI::CallForHelp&) {
+    throw HelpRequest{options_help(usage, options, more)};
+  } catch (const CLI::ArgumentMismatch&) {
+    // Either a flag was given a value (--resume=yes), or a value option came last without its
+    // value (CLI11 takes the argument after an option as its value whatever it looks like).
+    for (int i = 0; i < argc; ++i) {
+      const std::string arg = argv[i];
+      for (const Option& o : options) {
+        if (o.value.empty() && arg.rfind("--" + o.name + "=", 0) == 0) {
+          throw Error(str_cat("option --", o.name, " takes no value, got '", arg, "'"));
+        }
+      }
     }
+    const std::string last = argc > 0 ? argv[argc - 1] : "";
+    for (const Option& o : options) {
+      if (!o.value.empty() && last == "--" + o.name) throw Error(str_cat("option --", o.name, " needs a value (", o.value, "); ", see));
+    }
+    throw Error(str_cat("bad option '", last, "'; accepted: ", accepted_options(options)));
+  } catch (const CLI::ParseError& e) {
+    throw Error(str_cat(e.what(), "; ", see));
+  }
+  const std::vector<std::string> extra = app.remaining();
+  if (!extra.empty()) {
+    const std::string& bad = extra.front();
+    if (bad.rfind("-", 0) == 0) {
+      throw Error(str_cat("unknown option '", bad.substr(0, bad.find('=')), "'; accepted: ", accepted_options(options)));
+    }
+    throw Error(str_cat("unexpected argument '", bad, "'; accepted: ", accepted_options(options)));
+  }
+  for (size_t i = 0; i < options.size(); ++i) {
+    if (parsed[i]->count() == 0) continue;
+    values_[options[i].name] = options[i].value.empty() ? std::vector<std::string>(parsed[i]->count(), "true")
+                                                        : parsed[i]->results();
   }
 }
 
@@ -69,7 +124,7 @@ int64_t Args::get_int(const std::string& name, int64_t fallback) const {
     if (used == v.size()) return out;
   } catch (const std::exception&) {
   }
-  throw Error(str_cat("loom ", command_, ": --", name, " expects an integer, got '", v, "'"));
+  throw Error(str_cat("option --", name, " expects an integer, got '", v, "'"));
 }
 
 double Args::get_double(const std::string& name, double fallback) const {
@@ -81,7 +136,48 @@ double Args::get_double(const std::string& name, double fallback) const {
     if (used == v.size()) return out;
   } catch (const std::exception&) {
   }
-  throw Error(str_cat("loom ", command_, ": --", name, " expects a number, got '", v, "'"));
+  throw Error(str_cat("option --", name, " expects a number, got '", v, "'"));
+}
+
+std::string config_keys_help() {
+  const std::vector<ConfigKey> rows = config_schema();
+  size_t key_width = 0, type_width = 0;
+  for (const ConfigKey& r : rows) key_width = std::max(key_width, r.key.size()), type_width = std::max(type_width, r.type.size());
+  constexpr size_t kDefaultWidth = 12;  // longer defaults push their meaning right
+  constexpr size_t kLineWidth = 120;
+  std::string text =
+      "\nconfig keys (--set section.key=value, or [section] key = value in a --config file), with\n"
+      "their type, the code's default and their meaning; configs/default.toml is applied on top of\n"
+      "these defaults before FILE and --set (`loom config` prints the resolved values; docs/config.md):\n";
+  std::string section = "-";
+  for (const ConfigKey& r : rows) {
+    const std::string sec = config_key_section(r.key);
+    if (sec != section) text += "\n" + (sec.empty() ? std::string("(top level)") : "[" + sec + "]") + "\n";
+    section = sec;
+    const std::string value = r.default_value.size() < kDefaultWidth
+                                  ? r.default_value + std::string(kDefaultWidth - r.default_value.size(), ' ')
+                                  : r.default_value + "  ";
+    std::string line = "  " + r.key + std::string(key_width + 2 - r.key.size(), ' ') + r.type +
+                       std::string(type_width + 2 - r.type.size(), ' ') + value;
+    // The meaning word-wrapped to kLineWidth columns, continuation lines under its first word.
+    const size_t indent = 2 + key_width + 2 + type_width + 2 + kDefaultWidth;
+    size_t column = line.size();
+    std::istringstream words(r.meaning);
+    bool first = true;
+    for (std::string word; words >> word; first = false) {
+      if (!first && column + 1 + word.size() > kLineWidth) {
+        line += "\n" + std::string(indent, ' ');
+        column = indent;
+      } else if (!first) {
+        line += ' ';
+        ++column;
+      }
+      line += word;
+      column += word.size();
+    }
+    text += line + "\n";
+  }
+  return text;
 }
 
 LoomConfig load_config(const Args& args) {

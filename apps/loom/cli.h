@@ -16,22 +16,43 @@
 
 namespace loom::cli {
 
-// --key value pairs and bare --flags. Every option must be declared by the subcommand; an
-// unknown one is an error that lists the accepted ones.
+// One option of a subcommand: --name VALUE (value: the placeholder shown in the help, e.g.
+// "FILE") or, with an empty value, a bare --name flag.
+struct Option {
+  std::string name;   // without the leading "--"
+  std::string value;  // "" for a flag
+  std::string help;   // one line
+};
+
+// -h / --help on a subcommand's line: the help text, which main() prints to stdout (exit 0).
+struct HelpRequest {
+  std::string text;
+};
+
+// A subcommand's options, parsed by CLI11: --key value and --key=value, flags, repeatable
+// options (every occurrence kept in order). Every option must be declared; an unknown one, a
+// missing value or a positional argument is an Error of one line naming it and the accepted
+// options. -h / --help anywhere throws HelpRequest with the help: `usage` (the command's usage
+// and description), every option with its help, then `more` (e.g. train's config keys).
 class Args {
  public:
-  Args(int argc, char** argv, const std::vector<std::string>& value_options, const std::vector<std::string>& flags,
-       const std::string& command);
+  Args(int argc, char** argv, const std::string& command, const std::string& usage, const std::vector<Option>& options,
+       const std::string& more = "");
   bool has(const std::string& name) const { return values_.count(name) != 0; }
-  std::string get(const std::string& name, const std::string& fallback = "") const;
+  std::string get(const std::string& name, const std::string& fallback = "") const;  // the last occurrence
   const std::vector<std::string>& all(const std::string& name) const;  // repeatable options (--set)
   int64_t get_int(const std::string& name, int64_t fallback) const;
   double get_double(const std::string& name, double fallback) const;
 
  private:
-  std::string command_;
   std::map<std::string, std::vector<std::string>> values_;
 };
+
+// The help of a command: `usage`, then "options:" with every option and its help, then `more`.
+std::string options_help(const std::string& usage, const std::vector<Option>& options, const std::string& more = "");
+
+// Every config key with its type, the code's default and its meaning, by section (train's help).
+std::string config_keys_help();
 
 // configs/default.toml, then --config FILE, then every --set, then validation.
 LoomConfig load_config(const Args& args);

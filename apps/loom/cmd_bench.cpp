@@ -181,12 +181,26 @@ int bench_generate(const Args& args) {
 }  // namespace
 
 int bench_main(int argc, char** argv) {
-  if (argc < 1 || std::strcmp(argv[0], "--help") == 0) return std::fputs(kHelp, argc < 1 ? stderr : stdout), argc < 1 ? 2 : 0;
+  const std::vector<Option> options = {
+      {"checkpoint", "PATH", "a step folder, a run folder or a checkpoints folder (default: a random model)"},
+      {"config", "FILE", "a TOML config applied after configs/default.toml"},
+      {"set", "KEY=VALUE,...", "config overrides, applied last (comma-separated; repeatable)"},
+      {"requests", "N", "requests (default 32)"},
+      {"prompt-tokens", "L", "tokens per prompt (default 32)"},
+      {"new-tokens", "M", "tokens generated per request (default 64)"},
+      {"max-batch", "B", "rows of continuous batching (default 16)"},
+      {"kv", "FORMAT", "KV cache format fp32 | bf16 | int8 | int4 | kivi4 | kivi2 (default fp32)"},
+      {"kv-block", "K", "positions per paged KV cache block (default 16)"},
+      {"kv-group", "G", "channels per (scale, min) of the per-token formats (default: the preset's)"},
+      {"kv-residual", "R", "newest positions kept fp32 (default: the preset's)"},
+      {"contiguous", "", "one max_seq_len KV region per row instead of paged blocks"},
+      {"ppl", "FORMATS", "comma-separated KV formats whose teacher-forced perplexity to measure"},
+      {"ppl-sequences", "S", "--ppl: validation windows (default 16)"}};
+  if (argc < 1) return std::fputs(options_help(kHelp, options).c_str(), stderr), 2;
   const std::string what = argv[0];
-  LOOM_CHECK(what == "generate", "loom bench: unknown benchmark '", what, "', expected generate");
-  const Args args(argc - 1, argv + 1, {"checkpoint", "config", "set", "requests", "prompt-tokens", "new-tokens", "max-batch",
-                                       "kv", "kv-block", "kv-group", "kv-residual", "ppl", "ppl-sequences"},
-                  {"contiguous"}, "bench generate");
+  if (what == "--help" || what == "-h") throw HelpRequest{options_help(kHelp, options)};
+  LOOM_CHECK(what == "generate", "unknown benchmark '", what, "', expected generate (see `loom bench --help`)");
+  const Args args(argc - 1, argv + 1, "bench generate", kHelp, options);
   return bench_generate(args);
 }
 

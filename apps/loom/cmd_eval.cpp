@@ -1,7 +1,6 @@
 // loom eval: loss and perplexity of a checkpoint on a dataset split.
 #include <cmath>
 #include <cstdio>
-#include <cstring>
 
 #include "cli.h"
 #include "commands.h"
@@ -21,8 +20,11 @@ const char* kHelp =
 }  // namespace
 
 int eval_main(int argc, char** argv) {
-  if (argc >= 1 && std::strcmp(argv[0], "--help") == 0) return std::fputs(kHelp, stdout), 0;
-  const Args args(argc, argv, {"checkpoint", "data", "split", "batches"}, {}, "eval");
+  const Args args(argc, argv, "eval", kHelp,
+                  {{"checkpoint", "PATH", "a step folder, a run folder or a checkpoints folder (required)"},
+                   {"data", "DIR", "the dataset (default: the run's data.dir)"},
+                   {"split", "val|train", "the split to evaluate (default: val)"},
+                   {"batches", "N", "batches to evaluate (default: the whole split, at most 200)"}});
   LOOM_CHECK(args.has("checkpoint"), "loom eval needs --checkpoint PATH");
   const std::string step_dir = resolve_checkpoint(args.get("checkpoint"));
   const LoomConfig config = checkpoint_config(step_dir);

@@ -41,10 +41,24 @@ const char* kHelp =
 }  // namespace
 
 int generate_main(int argc, char** argv) {
-  if (argc >= 1 && std::strcmp(argv[0], "--help") == 0) return std::fputs(kHelp, stdout), 0;
-  const Args args(argc, argv, {"checkpoint", "prompt", "prompt-file", "tokens", "temperature", "top-k", "top-p", "seed",
-                               "prompts", "out", "max-batch", "kv", "kv-block", "kv-group", "kv-residual"},
-                  {"greedy", "contiguous"}, "generate");
+  const Args args(argc, argv, "generate", kHelp,
+                  {{"checkpoint", "PATH", "a step folder, a run folder or a checkpoints folder (required)"},
+                   {"prompt", "TEXT", "the prompt (default: the run's sample.prompt)"},
+                   {"prompt-file", "FILE", "read the prompt from a file"},
+                   {"tokens", "N", "tokens to sample (default: the run's sample.max_new_tokens)"},
+                   {"temperature", "T", "sampling temperature; 0 = greedy (default: sample.temperature)"},
+                   {"top-k", "K", "sample among the K most likely tokens; 0 = no limit (default: sample.top_k)"},
+                   {"top-p", "P", "nucleus sampling threshold; 1 = no limit (default: sample.top_p)"},
+                   {"seed", "S", "sampling seed (default: sample.seed)"},
+                   {"greedy", "", "always take the most likely token (temperature 0)"},
+                   {"prompts", "FILE", "one prompt per non-empty line, generated together by the engine"},
+                   {"out", "FILE", "--prompts: write the JSON lines here (atomically) instead of stdout"},
+                   {"max-batch", "B", "--prompts: rows of continuous batching (default 8)"},
+                   {"kv", "FORMAT", "--prompts: KV cache format fp32 | bf16 | int8 | int4 | kivi4 | kivi2 (default fp32)"},
+                   {"kv-block", "N", "--prompts: positions per paged KV cache block (default 16)"},
+                   {"kv-group", "G", "--prompts: channels per (scale, min) of the per-token formats (default: the preset's)"},
+                   {"kv-residual", "R", "--prompts: newest positions kept fp32 (default: the preset's)"},
+                   {"contiguous", "", "--prompts: one max_seq_len KV region per row instead of paged blocks"}});
   LOOM_CHECK(args.has("checkpoint"), "loom generate needs --checkpoint PATH");
   const std::string step_dir = resolve_checkpoint(args.get("checkpoint"));
   const LoomConfig config = checkpoint_config(step_dir);

@@ -27,12 +27,9 @@ const char* kHelp =
     "optimizer state (its exact formula; ZeRO shards it, and with stages 2/3 the gradients and\n"
     "parameters), and one micro-batch's activations under train.recompute. Then the ZeRO paper's\n"
     "model-state accounting, (w + g + K) bytes per parameter over N ranks, stages 0-3.\n"
-    "\n"
-    "--ranks N    data-parallel ranks (default: the mpirun world, else 1)\n"
-    "--params P   the parameter count of the ZeRO table (default: the model's), e.g. 7.5e9\n"
-    "--measure    also build the model, run one training step on synthetic tokens, and print the\n"
-    "             measured bytes (resident pages for parameters and gradients) beside the estimate\n"
-    "             (under mpirun: data parallel over the world, as loom train)\n"
+    "--measure also builds the model, runs one training step on synthetic tokens, and prints the\n"
+    "measured bytes (resident pages for parameters and gradients) beside the estimate (under\n"
+    "mpirun: data parallel over the world, as loom train).\n"
     "Model-parallel layouts (parallel.tp, sequence_parallel, pp with its schedule, cp, ep) are\n"
     "estimated for the rank that holds the most: its tensor slice, its pipeline stages' layers and\n"
     "live micro-batches, its 1/cp of each sequence, its experts (--measure: data parallel only).\n";
@@ -45,13 +42,12 @@ std::string gb(double bytes) {
 }  // namespace
 
 int memory_main(int argc, char** argv) {
-  for (int i = 0; i < argc; ++i) {
-    if (std::string(argv[i]) == "--help" || std::string(argv[i]) == "-h") {
-      std::fputs(kHelp, stdout);
-      return 0;
-    }
-  }
-  const Args args(argc, argv, {"config", "set", "ranks", "params"}, {"measure"}, "memory");
+  const Args args(argc, argv, "memory", kHelp,
+                  {{"config", "FILE", "a TOML config applied after configs/default.toml"},
+                   {"set", "KEY=VALUE,...", "config overrides, applied last (comma-separated; repeatable)"},
+                   {"ranks", "N", "data-parallel ranks (default: the mpirun world, else 1)"},
+                   {"params", "P", "the parameter count of the ZeRO table (default: the model's), e.g. 7.5e9"},
+                   {"measure", "", "also run one training step and print the measured bytes beside the estimate"}});
   LoomConfig config = load_config(args);
   const bool model_parallel = config.parallel.tp > 1 || config.parallel.pp > 1 || config.parallel.cp > 1 ||
                               config.parallel.ep > 1;

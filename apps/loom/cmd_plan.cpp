@@ -207,9 +207,19 @@ int layouts_main(const Args& args) {
 }  // namespace
 
 int plan_main(int argc, char** argv) {
-  if (argc >= 1 && std::strcmp(argv[0], "--help") == 0) return std::fputs(kHelp, stdout), 0;
-  const Args args(argc, argv, {"schedule", "pp", "micro", "virtual", "costs", "p2p", "hardware", "config", "set",
-                               "global-batch", "top"}, {"all"}, "plan");
+  const Args args(argc, argv, "plan", kHelp,
+                  {{"hardware", "FILE", "rank the parallel layouts that fit the cluster FILE describes (TOML)"},
+                   {"config", "FILE", "a TOML config applied after configs/default.toml"},
+                   {"set", "KEY=VALUE,...", "config overrides, applied last (comma-separated; repeatable)"},
+                   {"global-batch", "G", "--hardware: sequences per step (default batch_size x grad_accum x devices)"},
+                   {"top", "K", "--hardware: print the best K layouts (default 10)"},
+                   {"all", "", "--hardware: also print the layouts that do not fit"},
+                   {"schedule", "KIND", "simulate a pipeline schedule: gpipe | 1f1b | interleaved | zb-h1"},
+                   {"pp", "P", "--schedule: pipeline ranks"},
+                   {"micro", "M", "--schedule: micro-batches"},
+                   {"virtual", "V", "--schedule interleaved: model chunks per rank (default 2)"},
+                   {"costs", "F,B[,W]", "--schedule: time of one forward, backward and weight-gradient op (default 1,1,1)"},
+                   {"p2p", "T", "--schedule: time added to an input from another rank (default 0)"}});
   if (args.has("hardware")) return layouts_main(args);
   LOOM_CHECK(args.has("schedule") && args.has("pp") && args.has("micro"), "loom plan needs --schedule KIND --pp P --micro M");
   const std::string kind = args.get("schedule");

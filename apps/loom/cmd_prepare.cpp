@@ -1,6 +1,5 @@
 // loom prepare: text -> token shards (+ meta.json, stats.json) for `loom train`.
 #include <cstdio>
-#include <cstring>
 
 #include "cli.h"
 #include "commands.h"
@@ -22,8 +21,13 @@ const char* kHelp =
 }  // namespace
 
 int prepare_main(int argc, char** argv) {
-  if (argc >= 1 && std::strcmp(argv[0], "--help") == 0) return std::fputs(kHelp, stdout), 0;
-  const Args args(argc, argv, {"input", "tokenizer", "out", "val-fraction", "config", "set"}, {}, "prepare");
+  const Args args(argc, argv, "prepare", kHelp,
+                  {{"input", "FILE", "the text to tokenize (default: data.input; empty: the default corpus)"},
+                   {"tokenizer", "NAME", "gpt2 | byte | bpe:N | a tokenizer folder (default: data.tokenizer)"},
+                   {"out", "DIR", "the dataset folder to write (default: data.dir)"},
+                   {"val-fraction", "F", "share of the tokens held out for validation (default: data.val_fraction)"},
+                   {"config", "FILE", "a TOML config applied after configs/default.toml"},
+                   {"set", "KEY=VALUE,...", "config overrides, applied last (comma-separated; repeatable)"}});
   const LoomConfig config = load_config(args);
   const std::string input = args.get("input", config.data.input);
   const std::string out = args.get("out", config.data.dir);

@@ -15,13 +15,17 @@ const char* kHelp =
     "\n"
     "Learns a byte-level BPE (Sennrich et al. 2016, GPT-2's pre-tokenizer) with N tokens from FILE\n"
     "and writes DIR/encoder.json and DIR/vocab.bpe. Use it with `loom prepare --tokenizer DIR`.\n";
+
+const std::vector<Option> kOptions = {{"input", "FILE", "the corpus: a text file (required)"},
+                                      {"vocab-size", "N", "tokens in the vocabulary, > 257 (default 4096)"},
+                                      {"out", "DIR", "the folder to write encoder.json and vocab.bpe to (required)"}};
 }  // namespace
 
 int tokenizer_main(int argc, char** argv) {
-  if (argc < 1 || std::strcmp(argv[0], "--help") == 0) return std::fputs(kHelp, argc < 1 ? stderr : stdout), argc < 1 ? 2 : 0;
-  LOOM_CHECK(std::strcmp(argv[0], "train") == 0, "unknown tokenizer command '", argv[0], "' (expected: train)");
-  if (argc >= 2 && std::strcmp(argv[1], "--help") == 0) return std::fputs(kHelp, stdout), 0;
-  const Args args(argc - 1, argv + 1, {"input", "vocab-size", "out"}, {}, "tokenizer train");
+  if (argc < 1) return std::fputs(options_help(kHelp, kOptions).c_str(), stderr), 2;
+  if (std::strcmp(argv[0], "--help") == 0 || std::strcmp(argv[0], "-h") == 0) throw HelpRequest{options_help(kHelp, kOptions)};
+  LOOM_CHECK(std::strcmp(argv[0], "train") == 0, "unknown tokenizer command '", argv[0], "' (expected: train; see `loom tokenizer --help`)");
+  const Args args(argc - 1, argv + 1, "tokenizer train", kHelp, kOptions);
   LOOM_CHECK(args.has("input") && args.has("out"), "loom tokenizer train needs --input FILE and --out DIR");
   const std::string text = text_file_documents(args.get("input"))[0];
   const BpeTrainResult result = train_bpe(text, args.get_int("vocab-size", 4096), args.get("out"));

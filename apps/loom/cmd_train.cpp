@@ -31,23 +31,21 @@ const char* kHelp =
     "(comma-separated or repeated). With no arguments it trains the default small GPT-2 on the\n"
     "default corpus (preparing it first if data/fortunes is missing). Writes runs/<run.name>/:\n"
     "config.toml (resolved), metrics.jsonl, checkpoints/step_N/, samples.txt.\n"
-    "  --resume          continue from the newest valid checkpoint of the run (corrupt ones are\n"
-    "                    skipped with a message); bitwise identical to an uninterrupted run\n"
-    "  --stop-at-step N  checkpoint and stop after step N, as an interrupted run would\n"
-    "  --dry-run         build the model, data and optimizer, print the memory by category and the\n"
-    "                    optimizer state per parameter (measured and by formula), take no step\n"
-    "\n"
-    "config keys (section.key):\n";
+    "--resume continues from the newest valid checkpoint of the run (corrupt ones are skipped with\n"
+    "a message), bitwise identical to an uninterrupted run. --dry-run builds the model, data and\n"
+    "optimizer, prints the memory by category and the optimizer state per parameter (measured and\n"
+    "by formula), and takes no step.\n";
 
 }  // namespace
 
 int train_main(int argc, char** argv) {
-  if (argc >= 1 && std::strcmp(argv[0], "--help") == 0) {
-    std::fputs(kHelp, stdout);
-    for (const std::string& key : config_keys()) std::printf("  %s\n", key.c_str());
-    return 0;
-  }
-  const Args args(argc, argv, {"config", "set", "stop-at-step"}, {"resume", "dry-run"}, "train");
+  const Args args(argc, argv, "train", kHelp,
+                  {{"config", "FILE", "a TOML config applied after configs/default.toml"},
+                   {"set", "KEY=VALUE,...", "config overrides, applied last (comma-separated; repeatable)"},
+                   {"resume", "", "continue from the newest valid checkpoint of the run"},
+                   {"stop-at-step", "N", "checkpoint and stop after step N, as an interrupted run would"},
+                   {"dry-run", "", "build everything, print the memory and optimizer state, take no step"}},
+                  config_keys_help());
   LoomConfig config = load_config(args);
   config.train.optim = config.train.optim.resolved();  // the written config names every default
   const int64_t stop_at = args.get_int("stop-at-step", -1);

@@ -11,5 +11,6 @@ int tokenizer_main(int argc, char** argv);
 int plan_main(int argc, char** argv);
 int memory_main(int argc, char** argv);
 int bench_main(int argc, char** argv);
+int config_main(int argc, char** argv);
 
 }  // namespace loom::cli

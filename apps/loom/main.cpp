@@ -5,8 +5,13 @@
 #include <exception>
 #include <string>
 
+#include "cli.h"
 #include "commands.h"
 #include "loom/comm/communicator.h"
+
+#ifndef LOOM_VERSION
+#define LOOM_VERSION "unknown"
+#endif
 
 namespace {
 
@@ -22,8 +27,10 @@ const char* kUsage =
     "  plan        rank the parallel layouts that fit a cluster, or simulate a pipeline schedule\n"
     "  memory      bytes per rank by category before running (--measure: and after one step)\n"
     "  bench       bench generate: continuous batching against one at a time, KV cache formats\n"
+    "  config      print the resolved configuration, or (--markdown) every config key's reference\n"
+    "  version     print loom's version (also `loom --version`)\n"
     "\n"
-    "`loom <command> --help` describes each command's options.\n";
+    "`loom <command> --help` (or -h) describes each command's options; docs/config.md every config key.\n";
 
 }  // namespace
 
@@ -33,6 +40,10 @@ int main(int argc, char** argv) {
     return argc < 2 ? 2 : 0;
   }
   const std::string command = argv[1];
+  if (command == "--version" || command == "version") {
+    std::printf("loom %s\n", LOOM_VERSION);
+    return 0;
+  }
   try {
     if (command == "prepare") return loom::cli::prepare_main(argc - 2, argv + 2);
     if (command == "train") return loom::cli::train_main(argc - 2, argv + 2);
@@ -42,8 +53,13 @@ int main(int argc, char** argv) {
     if (command == "plan") return loom::cli::plan_main(argc - 2, argv + 2);
     if (command == "memory") return loom::cli::memory_main(argc - 2, argv + 2);
     if (command == "bench") return loom::cli::bench_main(argc - 2, argv + 2);
-    std::fprintf(stderr, "loom: unknown command '%s'\n%s", command.c_str(), kUsage);
+    if (command == "config") return loom::cli::config_main(argc - 2, argv + 2);
+    std::fprintf(stderr, "loom: unknown command '%s'; commands: prepare, train, eval, generate, tokenizer, plan, memory, "
+                 "bench, config, version (see `loom --help`)\n", command.c_str());
     return 2;
+  } catch (const loom::cli::HelpRequest& help) {
+    std::fputs(help.text.c_str(), stdout);
+    return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "loom %s: error: %s\n", command.c_str(), e.what());
     std::fflush(stderr);

@@ -16,7 +16,8 @@ namespace loom {
 
 namespace {
 
-// One schema entry: a key bound to a typed field of a LoomConfig.
+// One schema entry: a key bound to a typed field of a LoomConfig, with its meaning (one line,
+// for `loom train --help` and docs/config.md; string keys name their accepted values).
 // TriBool: a boolean that may be left to the optimizer's default (-1 unset, 0, 1).
 struct TriBool {
   int64_t* value;
@@ -26,146 +27,148 @@ using Target = std::variant<int64_t*, uint64_t*, double*, float*, std::string*, 
 struct Binding {
   std::string key;
   Target target;
+  const char* meaning;
 };
 
 std::vector<Binding> bindings(LoomConfig& c) {
   return {
-      {"device", &c.device},  // top-level keys first: TOML puts them before any [table]
-      {"model.arch", &c.model.arch},
-      {"model.vocab_size", &c.model.vocab_size},
-      {"model.max_seq_len", &c.model.max_seq_len},
-      {"model.n_layer", &c.model.n_layer},
-      {"model.n_head", &c.model.n_head},
-      {"model.n_kv_head", &c.model.n_kv_head},
-      {"model.d_model", &c.model.d_model},
-      {"model.d_ff", &c.model.d_ff},
-      {"model.norm_eps", &c.model.norm_eps},
-      {"model.rope_theta", &c.model.rope_theta},
-      {"model.init_std", &c.model.init_std},
-      {"model.attn_window", &c.model.attn_window},
-      {"model.mla_kv_rank", &c.model.mla_kv_rank},
-      {"model.mla_rope_dim", &c.model.mla_rope_dim},
-      {"model.mla_nope_dim", &c.model.mla_nope_dim},
-      {"model.mla_v_dim", &c.model.mla_v_dim},
-      {"model.mla_q_rank", &c.model.mla_q_rank},
-      {"model.moe_experts", &c.model.moe_experts},
-      {"model.moe_top_k", &c.model.moe_top_k},
-      {"model.moe_d_ff", &c.model.moe_d_ff},
-      {"model.moe_shared", &c.model.moe_shared},
-      {"model.moe_dense_layers", &c.model.moe_dense_layers},
-      {"model.moe_sigmoid", &c.model.moe_sigmoid},
-      {"model.moe_renorm", &c.model.moe_renorm},
-      {"model.moe_route_scale", &c.model.moe_route_scale},
-      {"model.moe_groups", &c.model.moe_groups},
-      {"model.moe_topk_groups", &c.model.moe_topk_groups},
-      {"model.moe_capacity_factor", &c.model.moe_capacity_factor},
-      {"model.moe_aux_alpha", &c.model.moe_aux_alpha},
-      {"model.moe_seq_aux_alpha", &c.model.moe_seq_aux_alpha},
-      {"model.moe_z_alpha", &c.model.moe_z_alpha},
-      {"model.moe_bias_gamma", &c.model.moe_bias_gamma},
-      {"train.batch_size", &c.train.batch_size},
-      {"train.seq_len", &c.train.seq_len},
-      {"train.grad_accum", &c.train.grad_accum},
-      {"train.recompute", &c.train.recompute},
-      {"train.device_budget_mb", &c.train.device_budget_mb},
-      {"train.recompute_budget_mb", &c.train.recompute_budget_mb},
-      {"train.offload_activations", &c.train.offload_activations},
-      {"train.flash_attention", &c.train.flash_attention},
-      {"train.steps", &c.train.steps},
-      {"train.seed", &c.loop.seed},
-      {"train.eval_every", &c.loop.eval_every},
-      {"train.eval_batches", &c.loop.eval_batches},
-      {"train.checkpoint_every", &c.loop.checkpoint_every},
-      {"train.keep_checkpoints", &c.loop.keep_checkpoints},
-      {"train.log_every", &c.loop.log_every},
+      // Top-level keys first: TOML puts them before any [table].
+      {"device", &c.device, "the backend: cpu | cuda (a CUDA build and a visible GPU)"},
+      {"model.arch", &c.model.arch, "gpt2 (learned positions, LayerNorm, GELU, biases, tied head) | llama (RoPE, RMSNorm, SwiGLU, GQA, untied head)"},
+      {"model.vocab_size", &c.model.vocab_size, "tokens in the vocabulary; 0 = the dataset's (data.dir/meta.json)"},
+      {"model.max_seq_len", &c.model.max_seq_len, "longest sequence the model takes (gpt2: rows of the learned position table)"},
+      {"model.n_layer", &c.model.n_layer, "transformer blocks"},
+      {"model.n_head", &c.model.n_head, "attention (query) heads"},
+      {"model.n_kv_head", &c.model.n_kv_head, "key/value heads, dividing n_head (llama: GQA, 1 = MQA; gpt2: must equal n_head)"},
+      {"model.d_model", &c.model.d_model, "width of the residual stream"},
+      {"model.d_ff", &c.model.d_ff, "hidden width of the MLP (SwiGLU: of its gate and of its up projection)"},
+      {"model.norm_eps", &c.model.norm_eps, "epsilon of LayerNorm / RMSNorm"},
+      {"model.rope_theta", &c.model.rope_theta, "RoPE base frequency (llama)"},
+      {"model.init_std", &c.model.init_std, "standard deviation of the normal weight initialisation"},
+      {"model.attn_window", &c.model.attn_window, "sliding-window attention: 0 = full causal; W > 0 = position i attends to i-W < j <= i (not with parallel.cp > 1)"},
+      {"model.mla_kv_rank", &c.model.mla_kv_rank, "Multi-head Latent Attention (llama only): width d_c of the compressed KV latent; 0 = standard MHA / GQA"},
+      {"model.mla_rope_dim", &c.model.mla_rope_dim, "MLA: width d_r of the decoupled RoPE key shared by the heads"},
+      {"model.mla_nope_dim", &c.model.mla_nope_dim, "MLA: per-head query/key width without RoPE (d_n); 0 = head_dim"},
+      {"model.mla_v_dim", &c.model.mla_v_dim, "MLA: per-head value width (d_v); 0 = head_dim"},
+      {"model.mla_q_rank", &c.model.mla_q_rank, "MLA: width d_q of the compressed query latent; 0 = queries projected from the input"},
+      {"model.moe_experts", &c.model.moe_experts, "mixture of experts: routed experts per MoE block; 0 = every block has the dense MLP"},
+      {"model.moe_top_k", &c.model.moe_top_k, "MoE: experts each token is routed to"},
+      {"model.moe_d_ff", &c.model.moe_d_ff, "MoE: hidden width of each expert's MLP; 0 = model.d_ff"},
+      {"model.moe_shared", &c.model.moe_shared, "MoE: always-on shared experts per MoE block"},
+      {"model.moe_dense_layers", &c.model.moe_dense_layers, "MoE: the first N blocks keep the dense MLP"},
+      {"model.moe_sigmoid", &c.model.moe_sigmoid, "MoE router scores: false = softmax, true = sigmoid (DeepSeek-V3)"},
+      {"model.moe_renorm", &c.model.moe_renorm, "MoE: renormalise the gates over the selected experts"},
+      {"model.moe_route_scale", &c.model.moe_route_scale, "MoE: factor on the gates after renormalisation (DeepSeek-V3: 2.5)"},
+      {"model.moe_groups", &c.model.moe_groups, "MoE group-limited routing: the experts form this many groups"},
+      {"model.moe_topk_groups", &c.model.moe_topk_groups, "MoE group-limited routing: tokens are routed inside their best N groups"},
+      {"model.moe_capacity_factor", &c.model.moe_capacity_factor, "MoE: > 0 = expert capacity ceil(k N / E x factor), overflow dropped; 0 = dropless"},
+      {"model.moe_aux_alpha", &c.model.moe_aux_alpha, "MoE: Switch/GShard load-balancing loss coefficient (1e-2 typical; 0 = off)"},
+      {"model.moe_seq_aux_alpha", &c.model.moe_seq_aux_alpha, "MoE: DeepSeek-V3 sequence-wise balance loss coefficient (1e-4 typical; 0 = off)"},
+      {"model.moe_z_alpha", &c.model.moe_z_alpha, "MoE: router z-loss coefficient (ST-MoE: 1e-3; 0 = off)"},
+      {"model.moe_bias_gamma", &c.model.moe_bias_gamma, "MoE: auxiliary-loss-free balancing bias update speed (DeepSeek-V3: 1e-3; 0 = off)"},
+      {"train.batch_size", &c.train.batch_size, "sequences per micro-batch on each data-parallel rank (global batch: x grad_accum x dp)"},
+      {"train.seq_len", &c.train.seq_len, "tokens per training sequence (<= model.max_seq_len)"},
+      {"train.grad_accum", &c.train.grad_accum, "micro-batches per optimizer step (with parallel.pp > 1: the pipeline's micro-batches)"},
+      {"train.recompute", &c.train.recompute, "activation checkpointing: none | selective | full | every:K | budget (train.recompute_budget_mb)"},
+      {"train.device_budget_mb", &c.train.device_budget_mb, "> 0: the device memory after setup must fit in this many MiB, else the run is refused naming remedies; 0 = no check"},
+      {"train.recompute_budget_mb", &c.train.recompute_budget_mb, "train.recompute = budget: MiB of the blocks' kept activations per micro-batch"},
+      {"train.offload_activations", &c.train.offload_activations, "keep the checkpointed blocks' saved activations in host memory between forward and backward (needs train.recompute != none)"},
+      {"train.flash_attention", &c.train.flash_attention, "FlashAttention: keep each row's log-sum-exp instead of the (B,H,T,T) probabilities (not with parallel.cp/pp > 1 or MLA)"},
+      {"train.steps", &c.train.steps, "optimizer steps of the run (and the length of the LR schedule)"},
+      {"train.seed", &c.loop.seed, "seed of the weight initialisation and the data order"},
+      {"train.eval_every", &c.loop.eval_every, "steps between validation evaluations; 0 = only at the end"},
+      {"train.eval_batches", &c.loop.eval_batches, "validation batches per evaluation"},
+      {"train.checkpoint_every", &c.loop.checkpoint_every, "steps between checkpoints; 0 = only at the end"},
+      {"train.keep_checkpoints", &c.loop.keep_checkpoints, "newest checkpoints kept in the run folder (older ones are deleted)"},
+      {"train.log_every", &c.loop.log_every, "steps between progress lines when stdout is not a terminal"},
       // docs/optimizers.md: the rules, their defaults (-1 = the optimizer's own) and the schedules.
-      {"optim.name", &c.train.optim.name},
-      {"optim.offload", &c.train.optim.offload},
-      {"optim.lr", &c.train.schedule.max_lr},
-      {"optim.min_lr", &c.train.schedule.min_lr},
-      {"optim.schedule", &c.train.schedule.kind},
-      {"optim.warmup_steps", &c.train.schedule.warmup},
-      {"optim.decay_fraction", &c.train.schedule.decay_fraction},
-      {"optim.wsd_shape", &c.train.schedule.wsd_shape},
-      {"optim.step_size", &c.train.schedule.step_size},
-      {"optim.gamma", &c.train.schedule.gamma},
-      {"optim.grad_clip", &c.train.grad_clip},
-      {"optim.weight_decay", &c.train.optim.weight_decay},
-      {"optim.no_decay", &c.train.optim.no_decay},
-      {"optim.lr_scale", &c.train.optim.lr_scale},
-      {"optim.beta1", &c.train.optim.beta1},
-      {"optim.beta2", &c.train.optim.beta2},
-      {"optim.beta3", &c.train.optim.beta3},
-      {"optim.eps", &c.train.optim.eps},
-      {"optim.eps2", &c.train.optim.eps2},
-      {"optim.momentum", &c.train.optim.momentum},
-      {"optim.dampening", &c.train.optim.dampening},
-      {"optim.nesterov", TriBool{&c.train.optim.nesterov}},
-      {"optim.centered", &c.train.optim.centered},
-      {"optim.amsgrad", &c.train.optim.amsgrad},
-      {"optim.lr_decay", &c.train.optim.lr_decay},
-      {"optim.initial_accumulator", &c.train.optim.initial_accumulator},
-      {"optim.relative_step", &c.train.optim.relative_step},
-      {"optim.scale_parameter", &c.train.optim.scale_parameter},
-      {"optim.warmup_init", &c.train.optim.warmup_init},
-      {"optim.clip_threshold", &c.train.optim.clip_threshold},
-      {"optim.decay_rate", &c.train.optim.decay_rate},
-      {"optim.rank", &c.train.optim.rank},
-      {"optim.rho", &c.train.optim.rho},
-      {"optim.ns_steps", &c.train.optim.ns_steps},
-      {"optim.muon_scale", &c.train.optim.muon_scale},
-      {"precision.compute", &c.train.precision.compute},
-      {"precision.attn_qkv", &c.train.precision.attn_qkv},
-      {"precision.attn_out", &c.train.precision.attn_out},
-      {"precision.mlp_in", &c.train.precision.mlp_in},
-      {"precision.mlp_out", &c.train.precision.mlp_out},
-      {"precision.head", &c.train.precision.head},
-      {"precision.param", &c.train.precision.param},
-      {"precision.reduce", &c.train.precision.reduce},
-      {"precision.master", &c.train.precision.master},
-      {"precision.stochastic_rounding", &c.train.precision.stochastic_rounding},
-      {"precision.qat", &c.train.precision.qat},
-      {"precision.fp8_margin", &c.train.precision.fp8.margin},
-      {"precision.fp8_amax_history", &c.train.precision.fp8.amax_history},
-      {"precision.fp8_amax_compute", &c.train.precision.fp8.amax_compute},
-      {"precision.fp8_backward", &c.train.precision.fp8.backward},
-      {"precision.loss_scaling", &c.train.loss_scaling},
-      {"precision.init_scale", &c.train.loss_scaler.init_scale},
-      {"precision.growth_factor", &c.train.loss_scaler.growth_factor},
-      {"precision.backoff_factor", &c.train.loss_scaler.backoff_factor},
-      {"precision.growth_interval", &c.train.loss_scaler.growth_interval},
-      {"precision.hysteresis", &c.train.loss_scaler.hysteresis},
-      {"parallel.dp", &c.parallel.dp},
-      {"parallel.tp", &c.parallel.tp},
-      {"parallel.pp", &c.parallel.pp},
-      {"parallel.cp", &c.parallel.cp},
-      {"parallel.ep", &c.parallel.ep},
-      {"parallel.sequence_parallel", &c.parallel.sequence_parallel},
-      {"parallel.cp_attention", &c.parallel.cp_attention},
-      {"parallel.schedule", &c.parallel.schedule},
-      {"parallel.virtual_stages", &c.parallel.virtual_stages},
-      {"parallel.bucket_mb", &c.parallel.bucket_mb},
-      {"parallel.overlap", &c.parallel.overlap},
-      {"parallel.zero_stage", &c.parallel.zero_stage},
-      {"parallel.compression", &c.parallel.compression},
-      {"parallel.topk_ratio", &c.parallel.topk_ratio},
-      {"parallel.qsgd_levels", &c.parallel.qsgd_levels},
-      {"parallel.powersgd_rank", &c.parallel.powersgd_rank},
-      {"parallel.dgc_momentum", &c.parallel.dgc_momentum},
-      {"parallel.dgc_clip", &c.parallel.dgc_clip},
-      {"parallel.dgc_warmup_steps", &c.parallel.dgc_warmup_steps},
-      {"data.dir", &c.data.dir},
-      {"data.tokenizer", &c.data.tokenizer},
-      {"data.input", &c.data.input},
-      {"data.val_fraction", &c.data.val_fraction},
-      {"run.dir", &c.run.dir},
-      {"run.name", &c.run.name},
-      {"sample.prompt", &c.sample.prompt},
-      {"sample.max_new_tokens", &c.sample.max_new_tokens},
-      {"sample.temperature", &c.sample.sampling.temperature},
-      {"sample.top_k", &c.sample.sampling.top_k},
-      {"sample.top_p", &c.sample.sampling.top_p},
-      {"sample.seed", &c.sample.sampling.seed},
+      {"optim.name", &c.train.optim.name, "sgd | momentum | nesterov | adagrad | rmsprop | adam | adamw | adafactor | sm3 | lion | adam-mini | came | ldadam | muon"},
+      {"optim.offload", &c.train.optim.offload, "ZeRO-Offload: the optimizer state lives in host memory and the update runs on the CPU"},
+      {"optim.lr", &c.train.schedule.max_lr, "peak learning rate (the schedule's maximum)"},
+      {"optim.min_lr", &c.train.schedule.min_lr, "learning rate at the end of the schedule's decay"},
+      {"optim.schedule", &c.train.schedule.kind, "LR schedule: constant | linear | cosine | wsd | step | exponential | inverse_sqrt"},
+      {"optim.warmup_steps", &c.train.schedule.warmup, "steps of linear warm-up to optim.lr"},
+      {"optim.decay_fraction", &c.train.schedule.decay_fraction, "wsd: share of the steps spent decaying"},
+      {"optim.wsd_shape", &c.train.schedule.wsd_shape, "wsd decay shape: linear | sqrt | cosine"},
+      {"optim.step_size", &c.train.schedule.step_size, "step schedule: steps between decays"},
+      {"optim.gamma", &c.train.schedule.gamma, "step, exponential schedules: decay factor in (0, 1]"},
+      {"optim.grad_clip", &c.train.grad_clip, "clip the global gradient norm to this value; <= 0 = off"},
+      {"optim.weight_decay", &c.train.optim.weight_decay, "weight decay; -1 = the optimizer's default (adamw 0.01, adam-mini 0.1, others 0)"},
+      {"optim.no_decay", &c.train.optim.no_decay, "comma-separated globs of parameter names that get no weight decay"},
+      {"optim.lr_scale", &c.train.optim.lr_scale, "comma-separated glob=factor learning-rate multipliers, the first match wins (e.g. wte.*=0.5)"},
+      {"optim.beta1", &c.train.optim.beta1, "first-moment decay (Adam family, Lion, CAME, LDAdam, Adafactor, Muon's AdamW part); -1 = the optimizer's default"},
+      {"optim.beta2", &c.train.optim.beta2, "second-moment decay (RMSprop's alpha); -1 = the optimizer's default"},
+      {"optim.beta3", &c.train.optim.beta3, "CAME: decay of the confidence estimate; -1 = the optimizer's default (0.9999)"},
+      {"optim.eps", &c.train.optim.eps, "epsilon of the update's denominator; -1 = the optimizer's default"},
+      {"optim.eps2", &c.train.optim.eps2, "Adafactor: floor of the parameter scale; CAME: epsilon of the confidence; -1 = the optimizer's default"},
+      {"optim.momentum", &c.train.optim.momentum, "momentum (SGD, RMSprop, Muon); -1 = the optimizer's default"},
+      {"optim.dampening", &c.train.optim.dampening, "SGD: dampening of the momentum buffer"},
+      {"optim.nesterov", TriBool{&c.train.optim.nesterov}, "Nesterov momentum (SGD, Muon): true | false | -1 = the optimizer's default"},
+      {"optim.centered", &c.train.optim.centered, "RMSprop: centered (divide by the estimated variance)"},
+      {"optim.amsgrad", &c.train.optim.amsgrad, "Adam, AdamW: AMSGrad (the running maximum of the second moment)"},
+      {"optim.lr_decay", &c.train.optim.lr_decay, "Adagrad: step size lr / (1 + (t-1) lr_decay)"},
+      {"optim.initial_accumulator", &c.train.optim.initial_accumulator, "Adagrad: initial value of the squared-gradient sum"},
+      {"optim.relative_step", &c.train.optim.relative_step, "Adafactor: relative step min(1e-2, 1/sqrt(t)) instead of the schedule's lr"},
+      {"optim.scale_parameter", &c.train.optim.scale_parameter, "Adafactor: scale the step by the parameter's RMS"},
+      {"optim.warmup_init", &c.train.optim.warmup_init, "Adafactor: warm the relative step up, min(1e-6 t, 1/sqrt(t))"},
+      {"optim.clip_threshold", &c.train.optim.clip_threshold, "Adafactor, CAME: cap on the RMS of the update"},
+      {"optim.decay_rate", &c.train.optim.decay_rate, "Adafactor: second-moment decay 1 - t^decay_rate"},
+      {"optim.rank", &c.train.optim.rank, "LDAdam: rank of the projected optimizer state"},
+      {"optim.rho", &c.train.optim.rho, "LDAdam: weight of the previous momentum in the subspace update (rho b + (1 - rho) G)"},
+      {"optim.ns_steps", &c.train.optim.ns_steps, "Muon: Newton-Schulz iterations"},
+      {"optim.muon_scale", &c.train.optim.muon_scale, "Muon update scale: moonshot (0.2 sqrt(max(rows, cols)), AdamW's update RMS) | keller (sqrt(max(1, rows/cols)))"},
+      {"precision.compute", &c.train.precision.compute, "recipe of every linear layer not set below: f32 | bf16 | fp16 | fp8-delayed | fp8-current | fp8-block"},
+      {"precision.attn_qkv", &c.train.precision.attn_qkv, "recipe of the attention QKV projections (values as precision.compute); \"\" = precision.compute"},
+      {"precision.attn_out", &c.train.precision.attn_out, "recipe of the attention output projections; \"\" = precision.compute"},
+      {"precision.mlp_in", &c.train.precision.mlp_in, "recipe of the MLP input projections; \"\" = precision.compute"},
+      {"precision.mlp_out", &c.train.precision.mlp_out, "recipe of the MLP output projections; \"\" = precision.compute"},
+      {"precision.head", &c.train.precision.head, "recipe of the output head; \"\" = precision.compute (bf16 when that is fp8)"},
+      {"precision.param", &c.train.precision.param, "weight copy the linears read: f32 | bf16; \"\" = bf16 with bf16 compute, else f32"},
+      {"precision.reduce", &c.train.precision.reduce, "dtype gradients are reduced in (across micro-batches and ranks): f32 | bf16"},
+      {"precision.master", &c.train.precision.master, "master weights: f32 | bf16 (no fp32 master: weights rounded to bf16 after each update)"},
+      {"precision.stochastic_rounding", &c.train.precision.stochastic_rounding, "precision.master = bf16: round stochastically instead of to nearest"},
+      {"precision.qat", &c.train.precision.qat, "quantization-aware training of the block linears' weights: none | mxfp4 | nvfp4"},
+      {"precision.fp8_margin", &c.train.precision.fp8.margin, "fp8 recipes: scale so the amax lands 2^margin below the format's max"},
+      {"precision.fp8_amax_history", &c.train.precision.fp8.amax_history, "fp8-delayed: steps of amax history"},
+      {"precision.fp8_amax_compute", &c.train.precision.fp8.amax_compute, "fp8-delayed: amax from the history: max | most_recent"},
+      {"precision.fp8_backward", &c.train.precision.fp8.backward, "fp8 gradient format: e5m2 | e4m3; \"\" = the recipe's (delayed/current: e5m2, block: e4m3)"},
+      {"precision.loss_scaling", &c.train.loss_scaling, "dynamic loss scaling (GradScaler): scale the loss, skip steps with inf/NaN gradients"},
+      {"precision.init_scale", &c.train.loss_scaler.init_scale, "loss scaling: initial scale"},
+      {"precision.growth_factor", &c.train.loss_scaler.growth_factor, "loss scaling: factor on the scale after growth_interval clean steps"},
+      {"precision.backoff_factor", &c.train.loss_scaler.backoff_factor, "loss scaling: factor on the scale after an overflow"},
+      {"precision.growth_interval", &c.train.loss_scaler.growth_interval, "loss scaling: clean steps before the scale grows"},
+      {"precision.hysteresis", &c.train.loss_scaler.hysteresis, "loss scaling: consecutive overflows tolerated before a backoff"},
+      {"parallel.dp", &c.parallel.dp, "data-parallel ranks; 0 = all the ranks the model-parallel sizes leave"},
+      {"parallel.tp", &c.parallel.tp, "tensor-parallel ranks"},
+      {"parallel.pp", &c.parallel.pp, "pipeline-parallel stages (micro-batches: train.grad_accum)"},
+      {"parallel.cp", &c.parallel.cp, "context-parallel ranks (each sequence split over them)"},
+      {"parallel.ep", &c.parallel.ep, "expert parallel: MoE experts split over ep of the data-parallel ranks"},
+      {"parallel.sequence_parallel", &c.parallel.sequence_parallel, "with tp > 1: norms and the residual stream on sequence shards"},
+      {"parallel.cp_attention", &c.parallel.cp_attention, "with cp > 1: ring | ulysses"},
+      {"parallel.schedule", &c.parallel.schedule, "pipeline schedule with pp > 1: gpipe | 1f1b | interleaved | zb-h1"},
+      {"parallel.virtual_stages", &c.parallel.virtual_stages, "model chunks per pipeline rank (interleaved: >= 2)"},
+      {"parallel.bucket_mb", &c.parallel.bucket_mb, "DDP gradient bucket size in MiB (PyTorch's bucket_cap_mb)"},
+      {"parallel.overlap", &c.parallel.overlap, "DDP: start each bucket's all-reduce during backward"},
+      {"parallel.zero_stage", &c.parallel.zero_stage, "0 = DDP; 1, 2, 3 = ZeRO: optimizer state; + gradients; + parameters sharded"},
+      {"parallel.compression", &c.parallel.compression, "gradient compression on the DDP path: none | topk | dgc | onebit | qsgd | powersgd"},
+      {"parallel.topk_ratio", &c.parallel.topk_ratio, "topk, dgc: (final) fraction of the gradient elements sent"},
+      {"parallel.qsgd_levels", &c.parallel.qsgd_levels, "qsgd: quantization levels"},
+      {"parallel.powersgd_rank", &c.parallel.powersgd_rank, "powersgd: rank of the low-rank approximation"},
+      {"parallel.dgc_momentum", &c.parallel.dgc_momentum, "dgc: momentum correction (use it with optim.name = sgd)"},
+      {"parallel.dgc_clip", &c.parallel.dgc_clip, "dgc: local gradient clipping threshold; <= 0 = off"},
+      {"parallel.dgc_warmup_steps", &c.parallel.dgc_warmup_steps, "dgc: steps of sparsity warm-up"},
+      {"data.dir", &c.data.dir, "folder of the token shards `loom prepare` writes and `loom train` reads"},
+      {"data.tokenizer", &c.data.tokenizer, "gpt2 | byte | bpe:N (learned by `loom prepare`) | a folder with encoder.json and vocab.bpe"},
+      {"data.input", &c.data.input, "text file `loom prepare` tokenizes; \"\" = the default corpus (Debian's fortunes)"},
+      {"data.val_fraction", &c.data.val_fraction, "share of the tokens held out for validation, in (0, 1)"},
+      {"run.dir", &c.run.dir, "parent folder of the run folders"},
+      {"run.name", &c.run.name, "the run's folder: <run.dir>/<run.name>"},
+      {"sample.prompt", &c.sample.prompt, "prompt of the sample printed after training (and loom generate's default)"},
+      {"sample.max_new_tokens", &c.sample.max_new_tokens, "tokens sampled after training (and loom generate's default)"},
+      {"sample.temperature", &c.sample.sampling.temperature, "sampling temperature; 0 = greedy"},
+      {"sample.top_k", &c.sample.sampling.top_k, "sample among the k most likely tokens; 0 = no limit"},
+      {"sample.top_p", &c.sample.sampling.top_p, "nucleus sampling: the smallest set of tokens with probability >= p; 1 = no limit"},
+      {"sample.seed", &c.sample.sampling.seed, "seed of the sampler"},
   };
 }
 
@@ -262,6 +265,55 @@ std::string toml_float(T v) {
   std::string text(buffer, result.ptr);
   if (text.find_first_of(".eEn") == std::string::npos) text += ".0";
   return text;
+}
+
+// The value a binding points at, as TOML text.
+std::string toml_value(const Target& target) {
+  return std::visit(
+      [](auto t) -> std::string {
+        using P = decltype(t);
+        if constexpr (std::is_same_v<P, TriBool>) {
+          return *t.value < 0 ? "-1" : *t.value ? "true" : "false";
+        } else {
+          using T = std::remove_pointer_t<P>;
+          if constexpr (std::is_same_v<T, bool>) return *t ? "true" : "false";
+          else if constexpr (std::is_same_v<T, std::string>) return toml_string(*t);
+          else if constexpr (std::is_same_v<T, Arch>) return toml_string(std::string(arch_name(*t)));
+          else if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) return toml_float(*t);
+          else return std::to_string(static_cast<int64_t>(*t));
+        }
+      },
+      target);
+}
+
+// The schema's name for a binding's type (docs/config.md's "type" column).
+std::string schema_type(const Target& target) {
+  return std::visit(
+      [](auto t) -> std::string {
+        using P = decltype(t);
+        if constexpr (std::is_same_v<P, TriBool>) {
+          return "tri-bool";
+        } else {
+          using T = std::remove_pointer_t<P>;
+          if constexpr (std::is_same_v<T, bool>) return "bool";
+          else if constexpr (std::is_same_v<T, std::string>) return "string";
+          else if constexpr (std::is_same_v<T, Arch>) return "arch";
+          else if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) return "float";
+          else if constexpr (std::is_same_v<T, uint64_t>) return "uint";
+          else return "int";
+        }
+      },
+      target);
+}
+
+// A Markdown table cell: '|' escaped so it does not end the cell.
+std::string md_cell(const std::string& text) {
+  std::string out;
+  for (const char ch : text) {
+    if (ch == '|') out += '\\';
+    out += ch;
+  }
+  return out;
 }
 
 }  // namespace
@@ -372,26 +424,7 @@ std::string config_to_toml(const LoomConfig& c) {
       out << (section.empty() ? "" : "\n") << "[" << sec << "]\n";
       section = sec;
     }
-    out << name << " = ";
-    std::visit(
-        [&](auto target) {
-          using P = decltype(target);
-          if constexpr (std::is_same_v<P, TriBool>) {
-            if (*target.value < 0) out << -1;
-            else out << (*target.value ? "true" : "false");
-          } else if constexpr (std::is_same_v<P, bool*>) {
-            out << (*target ? "true" : "false");
-          } else {
-          auto* field = target;
-          using T = std::remove_pointer_t<decltype(field)>;
-          if constexpr (std::is_same_v<T, std::string>) out << toml_string(*field);
-          else if constexpr (std::is_same_v<T, Arch>) out << toml_string(std::string(arch_name(*field)));
-          else if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) out << toml_float(*field);
-          else out << static_cast<int64_t>(*field);
-          }
-        },
-        b.target);
-    out << "\n";
+    out << name << " = " << toml_value(b.target) << "\n";
   }
   return out.str();
 }
@@ -401,6 +434,55 @@ std::vector<std::string> config_keys() {
   std::vector<std::string> keys;
   for (const Binding& b : bindings(c)) keys.push_back(b.key);
   return keys;
+}
+
+std::string config_key_section(const std::string& key) {
+  const size_t dot = key.find('.');
+  return dot == std::string::npos ? "" : key.substr(0, dot);
+}
+
+std::vector<ConfigKey> config_schema() {
+  LoomConfig c;
+  std::vector<ConfigKey> rows;
+  for (const Binding& b : bindings(c)) rows.push_back({b.key, schema_type(b.target), toml_value(b.target), b.meaning});
+  return rows;
+}
+
+std::string config_markdown() {
+  std::ostringstream out;
+  out << "# Configuration keys\n"
+         "\n"
+         "Generated from the schema in src/loom/train/config.cpp; do not edit by hand. Regenerate with\n"
+         "`build/bin/loom config --markdown > docs/config.md` (tests/test_config.cpp fails when this file\n"
+         "is stale).\n"
+         "\n"
+         "Every key a run's configuration can set, as `section.key`: in a TOML file (`--config FILE`,\n"
+         "`[section]` tables) or on the command line (`--set section.key=value,...`). An unknown key or a\n"
+         "value of the wrong type is an error naming the key. `loom train --help` prints the same list.\n"
+         "\n"
+         "**Defaults** are the code's: the values of a default-constructed `LoomConfig`. Every command\n"
+         "that reads a config (`loom train`, `prepare`, `memory`, `plan`, `config`) first applies\n"
+         "`configs/default.toml` on top of them (the default run: a small GPT-2 on Debian's fortunes),\n"
+         "then `--config FILE`, then every `--set`. `loom config [--config FILE] [--set ...]` prints the\n"
+         "resolved values; a run writes them to `runs/<run.name>/config.toml`.\n"
+         "\n"
+         "**Types**: `int` (64-bit), `uint` (64-bit, >= 0), `float` (a TOML float or integer), `string`,\n"
+         "`bool` (`true` / `false`), `arch` (the string `gpt2` or `llama`), `tri-bool` (`true`, `false`\n"
+         "or `-1` for the optimizer's own default). In `--set`, a value of a string key is taken as\n"
+         "written unless it is a quoted TOML string.\n";
+  std::string section = "-";
+  for (const ConfigKey& row : config_schema()) {
+    const std::string sec = config_key_section(row.key);
+    if (sec != section) {
+      out << "\n## " << (sec.empty() ? "top level" : "[" + sec + "]") << "\n\n"
+          << "| key | type | default | meaning |\n"
+          << "|---|---|---|---|\n";
+      section = sec;
+    }
+    out << "| `" << row.key << "` | " << row.type << " | `" << md_cell(row.default_value) << "` | " << md_cell(row.meaning)
+        << " |\n";
+  }
+  return out.str();
 }
 
 }  // namespace loom

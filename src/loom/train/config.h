@@ -86,4 +86,20 @@ std::string config_to_toml(const LoomConfig& config);
 // Every key the schema knows, "section.key", in order.
 std::vector<std::string> config_keys();
 
+// One key of the schema: its type, its default and what it means.
+struct ConfigKey {
+  std::string key;            // "section.key" ("device": top level)
+  std::string type;           // int | uint | float | string | bool | arch | tri-bool
+  std::string default_value;  // as TOML text, from a default-constructed LoomConfig (the code's
+                              // default; configs/default.toml is applied on top for real runs)
+  std::string meaning;        // one line; string keys name their accepted values
+};
+// Every key's row, in schema order (config_keys()'s).
+std::vector<ConfigKey> config_schema();
+// "model" for "model.arch", "" for a top-level key.
+std::string config_key_section(const std::string& key);
+// docs/config.md: one table per section (key, type, default, meaning) from config_schema().
+// Regenerate with `build/bin/loom config --markdown > docs/config.md`.
+std::string config_markdown();
+
 }  // namespace loom
