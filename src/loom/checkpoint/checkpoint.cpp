@@ -18,10 +18,11 @@
 #include <sstream>
 #include <utility>
 
+#include "loom/checkpoint/model_config_json.h"
 #include "loom/checkpoint/safetensors.h"
 #include "loom/core/error.h"
 #include "loom/core/file_io.h"
-#include "loom/model/param_layout.h"
+#include "loom/arch/param_layout.h"
 
 namespace loom {
 
@@ -38,57 +39,6 @@ constexpr int64_t kManifestVersion = 1;
 constexpr const char* kStepPrefix = "step_";
 constexpr const char* kTmpSuffix = ".tmp";
 
-// ---- file system: one-line errors naming the path, fsync of files and folders ----
-
-// Writes `text` to `path` and fsyncs it (the caller fsyncs the folder).
-void write_text_synced(const std::string& path, const std::string& text) {
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  LOOM_CHECK(fd >= 0, path, ": cannot create: ", std::strerror(errno));
-  try {
-    write_all(fd, text.data(), text.size(), path);
-    LOOM_CHECK(::fsync(fd) == 0, path, ": fsync failed: ", std::strerror(errno));
-  } catch (...) {
-    ::close(fd);
-    throw;
-  }
-  ::close(fd);
-}
-
-void remove_tree(const fs::path& path) {
-  std::error_code ec;
-  fs::remove_all(path, ec);
-  LOOM_CHECK(!ec, path.string(), ": cannot delete: ", ec.message());
-}
-
-struct FileDigest {
-  uint64_t bytes = 0;
-  uint64_t xxh64 = 0;
-};
-
-FileDigest digest_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  LOOM_CHECK(in, path, ": cannot open");
-  std::unique_ptr<XXH64_state_t, decltype(&XXH64_freeState)> state(XXH64_createState(), &XXH64_freeState);
-  LOOM_CHECK(state != nullptr && XXH64_reset(state.get(), 0) == XXH_OK, path, ": cannot start XXH64");
-  std::vector<char> buffer(size_t{1} << 20);
-  FileDigest digest;
-  while (in) {
-    in.read(buffer.data(), static_cast<std::streamsize>(buffer.size()));
-    const auto n = static_cast<size_t>(in.gcount());
-    XXH64_update(state.get(), buffer.data(), n);
-    digest.bytes += n;
-  }
-  LOOM_CHECK(in.eof(), path, ": read failed");
-  digest.xxh64 = XXH64_digest(state.get());
-  return digest;
-}
-
-std::string hex64(uint64_t v) {
-  std::ostringstream out;
-  out << std::hex << std::setw(16) << std::setfill('0') << v;
-  return out.str();
-}
-
 // ---- step directory names ----
 
 // The step of "step_<digits>" (with `suffix` after the digits), or -1 for any other name.
@@ -103,90 +53,6 @@ int64_t parse_step_name(const std::string& name, const std::string& suffix) {
     return -1;
   }
   return std::stoll(digits);
-}
-
-// ---- model config <-> json ----
-
-// The shortest decimal that reads back as `f` (0.02f -> 0.02, not 0.019999999552965164), so
-// the config in the file reads as the user wrote it and still round-trips bitwise.
-double shortest_decimal(float f) {
-  char buf[32];
-  for (int digits = 6; digits < 9; ++digits) {
-    std::snprintf(buf, sizeof(buf), "%.*g", digits, static_cast<double>(f));
-    if (std::strtof(buf, nullptr) == f) return std::strtod(buf, nullptr);
-  }
-  std::snprintf(buf, sizeof(buf), "%.9g", static_cast<double>(f));
-  return std::strtod(buf, nullptr);
-}
-
-nlohmann::json model_config_json(const ModelConfig& c) {
-  nlohmann::json j = {{"arch", std::string(arch_name(c.arch))},
-          {"vocab_size", c.vocab_size},
-          {"max_seq_len", c.max_seq_len},
-          {"n_layer", c.n_layer},
-          {"n_head", c.n_head},
-          {"n_kv_head", c.n_kv_head},
-          {"d_model", c.d_model},
-          {"d_ff", c.d_ff},
-          {"norm_eps", shortest_decimal(c.norm_eps)},
-          {"rope_theta", shortest_decimal(c.rope_theta)},
-          {"init_std", shortest_decimal(c.init_std)}};
-  if (c.attn_window > 0) j["attn_window"] = c.attn_window;  // only when set: full-attention checkpoints keep their bytes
-  if (c.mla()) {  // written only for MLA models
-    j["mla"] = {{"kv_rank", c.mla_kv_rank}, {"rope_dim", c.mla_rope_dim}, {"nope_dim", c.mla_nope_dim},
-                {"v_dim", c.mla_v_dim}, {"q_rank", c.mla_q_rank}};
-  }
-  if (c.moe_experts > 0) {  // written only for MoE models: dense checkpoints keep their exact bytes
-    j["moe"] = {{"experts", c.moe_experts}, {"top_k", c.moe_top_k}, {"d_ff", c.moe_d_ff}, {"shared", c.moe_shared},
-                {"dense_layers", c.moe_dense_layers}, {"sigmoid", c.moe_sigmoid}, {"renorm", c.moe_renorm},
-                {"route_scale", shortest_decimal(c.moe_route_scale)}, {"groups", c.moe_groups},
-                {"topk_groups", c.moe_topk_groups}, {"capacity_factor", shortest_decimal(c.moe_capacity_factor)},
-                {"aux_alpha", shortest_decimal(c.moe_aux_alpha)}, {"seq_aux_alpha", shortest_decimal(c.moe_seq_aux_alpha)},
-                {"z_alpha", shortest_decimal(c.moe_z_alpha)}, {"bias_gamma", shortest_decimal(c.moe_bias_gamma)}};
-  }
-  return j;
-}
-
-ModelConfig model_config_from_json(const std::string& text, const std::string& path) {
-  ModelConfig c;
-  try {
-    const nlohmann::json j = nlohmann::json::parse(text);
-    c.arch = arch_from_name(j.at("arch").get<std::string>());
-    c.vocab_size = j.at("vocab_size").get<int64_t>();
-    c.max_seq_len = j.at("max_seq_len").get<int64_t>();
-    c.n_layer = j.at("n_layer").get<int64_t>();
-    c.n_head = j.at("n_head").get<int64_t>();
-    c.n_kv_head = j.at("n_kv_head").get<int64_t>();
-    c.d_model = j.at("d_model").get<int64_t>();
-    c.d_ff = j.at("d_ff").get<int64_t>();
-    c.norm_eps = j.at("norm_eps").get<float>();
-    c.rope_theta = j.at("rope_theta").get<float>();
-    c.init_std = j.at("init_std").get<float>();
-    if (j.contains("attn_window")) c.attn_window = j.at("attn_window").get<int64_t>();
-    if (j.contains("mla")) {
-      const nlohmann::json& m = j.at("mla");
-      c.mla_kv_rank = m.at("kv_rank").get<int64_t>(), c.mla_rope_dim = m.at("rope_dim").get<int64_t>();
-      c.mla_nope_dim = m.at("nope_dim").get<int64_t>(), c.mla_v_dim = m.at("v_dim").get<int64_t>();
-      c.mla_q_rank = m.at("q_rank").get<int64_t>();
-    }
-    if (j.contains("moe")) {
-      const nlohmann::json& m = j.at("moe");
-      c.moe_experts = m.at("experts").get<int64_t>(), c.moe_top_k = m.at("top_k").get<int64_t>();
-      c.moe_d_ff = m.at("d_ff").get<int64_t>(), c.moe_shared = m.at("shared").get<int64_t>();
-      c.moe_dense_layers = m.at("dense_layers").get<int64_t>(), c.moe_sigmoid = m.at("sigmoid").get<bool>();
-      c.moe_renorm = m.at("renorm").get<bool>(), c.moe_route_scale = m.at("route_scale").get<float>();
-      c.moe_groups = m.at("groups").get<int64_t>(), c.moe_topk_groups = m.at("topk_groups").get<int64_t>();
-      c.moe_capacity_factor = m.at("capacity_factor").get<float>(), c.moe_aux_alpha = m.at("aux_alpha").get<float>();
-      c.moe_seq_aux_alpha = m.at("seq_aux_alpha").get<float>(), c.moe_z_alpha = m.at("z_alpha").get<float>();
-      c.moe_bias_gamma = m.at("bias_gamma").get<float>();
-    }
-    c.validate();
-  } catch (const nlohmann::json::exception& e) {
-    throw Error(str_cat(path, ": metadata 'model_config' is not a valid model config (", e.what(), ")"));
-  } catch (const Error& e) {
-    throw Error(str_cat(path, ": metadata 'model_config' is not a valid model config (", e.what(), ")"));
-  }
-  return c;
 }
 
 // ---- Hugging Face GPT-2 layout ----

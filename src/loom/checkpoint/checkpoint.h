@@ -29,7 +29,7 @@
 
 #include "loom/backend/backend.h"
 #include "loom/core/tensor.h"
-#include "loom/model/config.h"
+#include "loom/arch/config.h"
 
 namespace loom {
 

@@ -7,6 +7,13 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <iomanip>
+#include <memory>
+#include <sstream>
+#include <vector>
+
+#include <xxhash.h>
 
 #include "loom/core/error.h"
 
@@ -70,6 +77,49 @@ void write_file_atomic(const std::string& path, std::span<const ByteRange> parts
 void write_file_atomic(const std::string& path, std::string_view bytes) {
   const ByteRange part{bytes.data(), bytes.size()};
   write_file_atomic(path, std::span<const ByteRange>(&part, 1));
+}
+
+void write_text_synced(const std::string& path, const std::string& text) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  LOOM_CHECK(fd >= 0, path, ": cannot create: ", std::strerror(errno));
+  try {
+    write_all(fd, text.data(), text.size(), path);
+    LOOM_CHECK(::fsync(fd) == 0, path, ": fsync failed: ", std::strerror(errno));
+  } catch (...) {
+    ::close(fd);
+    throw;
+  }
+  ::close(fd);
+}
+
+void remove_tree(const std::filesystem::path& path) {
+  std::error_code ec;
+  std::filesystem::remove_all(path, ec);
+  LOOM_CHECK(!ec, path.string(), ": cannot delete: ", ec.message());
+}
+
+FileDigest digest_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  LOOM_CHECK(in, path, ": cannot open");
+  std::unique_ptr<XXH64_state_t, decltype(&XXH64_freeState)> state(XXH64_createState(), &XXH64_freeState);
+  LOOM_CHECK(state != nullptr && XXH64_reset(state.get(), 0) == XXH_OK, path, ": cannot start XXH64");
+  std::vector<char> buffer(size_t{1} << 20);
+  FileDigest digest;
+  while (in) {
+    in.read(buffer.data(), static_cast<std::streamsize>(buffer.size()));
+    const auto n = static_cast<size_t>(in.gcount());
+    XXH64_update(state.get(), buffer.data(), n);
+    digest.bytes += n;
+  }
+  LOOM_CHECK(in.eof(), path, ": read failed");
+  digest.xxh64 = XXH64_digest(state.get());
+  return digest;
+}
+
+std::string hex64(uint64_t v) {
+  std::ostringstream out;
+  out << std::hex << std::setw(16) << std::setfill('0') << v;
+  return out.str();
 }
 
 }  // namespace loom

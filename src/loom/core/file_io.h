@@ -4,6 +4,8 @@
 // line naming the path.
 #pragma once
 #include <cstddef>
+#include <cstdint>
+#include <filesystem>
 #include <span>
 #include <string>
 #include <string_view>
@@ -29,5 +31,18 @@ void fsync_directory(const std::string& dir);
 // write_temp_synced + rename_into_place + fsync of the parent folder.
 void write_file_atomic(const std::string& path, std::span<const ByteRange> parts);
 void write_file_atomic(const std::string& path, std::string_view bytes);
+
+// Writes `text` to `path` and fsyncs it (the caller fsyncs the folder).
+void write_text_synced(const std::string& path, const std::string& text);
+// Deletes a file or folder tree; an error names the path.
+void remove_tree(const std::filesystem::path& path);
+
+// A file's size and XXH64 (seed 0) checksum, read in 1 MiB chunks.
+struct FileDigest {
+  uint64_t bytes = 0;
+  uint64_t xxh64 = 0;
+};
+FileDigest digest_file(const std::string& path);
+std::string hex64(uint64_t v);  // 16 lower-case hex digits
 
 }  // namespace loom

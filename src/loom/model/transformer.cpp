@@ -23,7 +23,7 @@ Transformer::Transformer(Backend& backend, const ModelConfig& config)
   params_ = Tensor::zeros(alloc, {layout_.total}, DTYPE_F32, MEM_PARAMETERS);
   grads_ = Tensor::zeros(alloc, {layout_.total}, DTYPE_F32, MEM_GRADIENTS);
   for (int64_t l = 0; l < config_.n_layer; ++l) {
-    blocks_.emplace_back(config_, block_params_view(config_, layout_, params_, l),
+    blocks_.emplace_back(config_, l, block_params_view(config_, layout_, params_, l),
                          block_params_view(config_, layout_, grads_, l));
     blocks_.back().set_moe_scratch(&moe_scratch_);
   }
@@ -227,6 +227,7 @@ void Transformer::set_recompute(std::vector<RecomputePolicy> plan, bool offload)
              "model.mla_kv_rank > 0 (MLA) is not supported with activation checkpointing: set train.recompute = none");
   recompute_ = std::move(plan);
   recompute_offload_ = offload;
+  for (size_t l = 0; l < blocks_.size(); ++l) blocks_[l].set_recompute(recompute_.empty() ? RECOMPUTE_NONE : recompute_[l]);
 }
 
 void Transformer::set_flash_attention(bool on) {
@@ -473,6 +474,12 @@ void Transformer::set_expert_parallel(Communicator* ep) {
   }
   ep_ = ep != nullptr && ep->size() > 1 ? ep : nullptr;
   for (Block& b : blocks_) b.set_expert_parallel(ep_);
+}
+
+std::vector<LayerPlan> Transformer::layer_plans() const {
+  std::vector<LayerPlan> plans;
+  for (const Block& b : blocks_) plans.push_back(b.plan());
+  return plans;
 }
 
 RangeSet Transformer::expert_ranges(bool own) const {

@@ -11,8 +11,8 @@
 
 #include "loom/backend/backend.h"
 #include "loom/comm/communicator.h"
-#include "loom/model/config.h"
-#include "loom/model/param_layout.h"
+#include "loom/arch/config.h"
+#include "loom/arch/param_layout.h"
 #include "loom/nn/block.h"
 
 namespace loom {
@@ -126,6 +126,8 @@ class Transformer {
   RangeSet own_expert_ranges() const { return expert_ranges(true); }
   std::vector<std::pair<int64_t, int64_t>> sequence_partial_ranges() const;
   Communicator* tensor_parallel() const { return tp_; }
+  // Each block's plan (nn/plan.h): its attention and MLP kinds, tp / sp.
+  std::vector<LayerPlan> layer_plans() const;
   // Pipeline stages (parallel/pipeline.h): layers [first, last), with the embedding when
   // first == 0 and the final norm, head and loss when last == n_layer. A stage's store holds
   // only its layers' activations (and split-backward buffers for zero-bubble schedules), plus

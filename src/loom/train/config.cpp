@@ -11,6 +11,7 @@
 #pragma GCC diagnostic pop
 
 #include "loom/core/error.h"
+#include "loom/train/layout.h"
 
 namespace loom {
 
@@ -31,41 +32,11 @@ struct Binding {
 };
 
 std::vector<Binding> bindings(LoomConfig& c) {
-  return {
-      // Top-level keys first: TOML puts them before any [table].
-      {"device", &c.device, "the backend: cpu | cuda (a CUDA build and a visible GPU)"},
-      {"model.arch", &c.model.arch, "gpt2 (learned positions, LayerNorm, GELU, biases, tied head) | llama (RoPE, RMSNorm, SwiGLU, GQA, untied head)"},
-      {"model.vocab_size", &c.model.vocab_size, "tokens in the vocabulary; 0 = the dataset's (data.dir/meta.json)"},
-      {"model.max_seq_len", &c.model.max_seq_len, "longest sequence the model takes (gpt2: rows of the learned position table)"},
-      {"model.n_layer", &c.model.n_layer, "transformer blocks"},
-      {"model.n_head", &c.model.n_head, "attention (query) heads"},
-      {"model.n_kv_head", &c.model.n_kv_head, "key/value heads, dividing n_head (llama: GQA, 1 = MQA; gpt2: must equal n_head)"},
-      {"model.d_model", &c.model.d_model, "width of the residual stream"},
-      {"model.d_ff", &c.model.d_ff, "hidden width of the MLP (SwiGLU: of its gate and of its up projection)"},
-      {"model.norm_eps", &c.model.norm_eps, "epsilon of LayerNorm / RMSNorm"},
-      {"model.rope_theta", &c.model.rope_theta, "RoPE base frequency (llama)"},
-      {"model.init_std", &c.model.init_std, "standard deviation of the normal weight initialisation"},
-      {"model.attn_window", &c.model.attn_window, "sliding-window attention: 0 = full causal; W > 0 = position i attends to i-W < j <= i (not with parallel.cp > 1)"},
-      {"model.mla_kv_rank", &c.model.mla_kv_rank, "Multi-head Latent Attention (llama only): width d_c of the compressed KV latent; 0 = standard MHA / GQA"},
-      {"model.mla_rope_dim", &c.model.mla_rope_dim, "MLA: width d_r of the decoupled RoPE key shared by the heads"},
-      {"model.mla_nope_dim", &c.model.mla_nope_dim, "MLA: per-head query/key width without RoPE (d_n); 0 = head_dim"},
-      {"model.mla_v_dim", &c.model.mla_v_dim, "MLA: per-head value width (d_v); 0 = head_dim"},
-      {"model.mla_q_rank", &c.model.mla_q_rank, "MLA: width d_q of the compressed query latent; 0 = queries projected from the input"},
-      {"model.moe_experts", &c.model.moe_experts, "mixture of experts: routed experts per MoE block; 0 = every block has the dense MLP"},
-      {"model.moe_top_k", &c.model.moe_top_k, "MoE: experts each token is routed to"},
-      {"model.moe_d_ff", &c.model.moe_d_ff, "MoE: hidden width of each expert's MLP; 0 = model.d_ff"},
-      {"model.moe_shared", &c.model.moe_shared, "MoE: always-on shared experts per MoE block"},
-      {"model.moe_dense_layers", &c.model.moe_dense_layers, "MoE: the first N blocks keep the dense MLP"},
-      {"model.moe_sigmoid", &c.model.moe_sigmoid, "MoE router scores: false = softmax, true = sigmoid (DeepSeek-V3)"},
-      {"model.moe_renorm", &c.model.moe_renorm, "MoE: renormalise the gates over the selected experts"},
-      {"model.moe_route_scale", &c.model.moe_route_scale, "MoE: factor on the gates after renormalisation (DeepSeek-V3: 2.5)"},
-      {"model.moe_groups", &c.model.moe_groups, "MoE group-limited routing: the experts form this many groups"},
-      {"model.moe_topk_groups", &c.model.moe_topk_groups, "MoE group-limited routing: tokens are routed inside their best N groups"},
-      {"model.moe_capacity_factor", &c.model.moe_capacity_factor, "MoE: > 0 = expert capacity ceil(k N / E x factor), overflow dropped; 0 = dropless"},
-      {"model.moe_aux_alpha", &c.model.moe_aux_alpha, "MoE: Switch/GShard load-balancing loss coefficient (1e-2 typical; 0 = off)"},
-      {"model.moe_seq_aux_alpha", &c.model.moe_seq_aux_alpha, "MoE: DeepSeek-V3 sequence-wise balance loss coefficient (1e-4 typical; 0 = off)"},
-      {"model.moe_z_alpha", &c.model.moe_z_alpha, "MoE: router z-loss coefficient (ST-MoE: 1e-3; 0 = off)"},
-      {"model.moe_bias_gamma", &c.model.moe_bias_gamma, "MoE: auxiliary-loss-free balancing bias update speed (DeepSeek-V3: 1e-3; 0 = off)"},
+  // Top-level keys first: TOML puts them before any [table]. The model's keys come from its
+  // schema (arch/config.h), the one list checkpoints also read.
+  std::vector<Binding> out = {{"device", &c.device, "the backend: cpu | cuda (a CUDA build and a visible GPU)"}};
+  visit_model_fields(c.model, [&](const ModelField& f, auto& value) { out.push_back({str_cat("model.", f.key), &value, f.meaning}); });
+  std::vector<Binding> rest = {
       {"train.batch_size", &c.train.batch_size, "sequences per micro-batch on each data-parallel rank (global batch: x grad_accum x dp)"},
       {"train.seq_len", &c.train.seq_len, "tokens per training sequence (<= model.max_seq_len)"},
       {"train.grad_accum", &c.train.grad_accum, "micro-batches per optimizer step (with parallel.pp > 1: the pipeline's micro-batches)"},
@@ -170,6 +141,8 @@ std::vector<Binding> bindings(LoomConfig& c) {
       {"sample.top_p", &c.sample.sampling.top_p, "nucleus sampling: the smallest set of tokens with probability >= p; 1 = no limit"},
       {"sample.seed", &c.sample.sampling.seed, "seed of the sampler"},
   };
+  out.insert(out.end(), rest.begin(), rest.end());
+  return out;
 }
 
 std::string type_name(const toml::node& node) {
@@ -327,30 +300,10 @@ void LoomConfig::validate() const {
              parallel.zero_stage);
   LOOM_CHECK(parallel.bucket_mb > 0.0, "parallel.bucket_mb must be > 0, got ", parallel.bucket_mb);
   LOOM_CHECK(parallel.ep >= 1, "parallel.ep must be >= 1, got ", parallel.ep);
-  LOOM_CHECK(model.attn_window == 0 || parallel.cp == 1, "model.attn_window = ", model.attn_window,
-             " (sliding-window attention) is not supported with context parallelism (parallel.cp = ", parallel.cp,
-             "); set model.attn_window = 0 or parallel.cp = 1");
-  if (model.mla()) {  // MLA (nn/mla.h) runs on whole blocks: no head, sequence or context split
-    LOOM_CHECK(parallel.tp == 1, "model.mla_kv_rank > 0 (MLA) is not supported with tensor parallelism (parallel.tp = ",
-               parallel.tp, ")");
-    LOOM_CHECK(!parallel.sequence_parallel, "model.mla_kv_rank > 0 (MLA) is not supported with "
-               "parallel.sequence_parallel");
-    LOOM_CHECK(parallel.cp == 1, "model.mla_kv_rank > 0 (MLA) is not supported with context parallelism (parallel.cp = ",
-               parallel.cp, ")");
-    LOOM_CHECK(train.recompute == "none", "model.mla_kv_rank > 0 (MLA) is not supported with activation checkpointing "
-               "(train.recompute = ", train.recompute, "); set train.recompute = none");
-  }
-  if (train.flash_attention) {  // the blocks' own attention only (nn/block.h set_flash_attention)
-    LOOM_CHECK(parallel.cp == 1, "train.flash_attention is not supported with context parallelism (parallel.cp = ",
-               parallel.cp, " runs ring or Ulysses attention); set train.flash_attention = false or parallel.cp = 1");
-    LOOM_CHECK(parallel.pp == 1, "train.flash_attention is not supported with pipeline parallelism (parallel.pp = ",
-               parallel.pp, ") yet; set train.flash_attention = false or parallel.pp = 1");
-    LOOM_CHECK(!model.mla(), "train.flash_attention is not supported with model.mla_kv_rank > 0 (MLA computes its own "
-               "attention); set train.flash_attention = false");
-  }
-  LOOM_CHECK(parallel.ep == 1 || model.moe_experts > 0, "parallel.ep = ", parallel.ep, " needs an MoE model (model.moe_experts > 0)");
-  LOOM_CHECK(parallel.ep == 1 || parallel.dp == 0 || parallel.dp % parallel.ep == 0, "parallel.ep = ", parallel.ep,
-             " must divide parallel.dp = ", parallel.dp, " (experts are split over data-parallel ranks)");
+  // Every combination of parallelisms, model features, precision and optimizer: the layout's
+  // compatibility table (train/layout.cpp), here without the world size or the backend (the
+  // layout checks those when the run starts).
+  (void)check_layout(layout_facts(*this, 0, kEveryCapability, "cpu"));
   LOOM_CHECK(train.seq_len <= model.max_seq_len, "train.seq_len (", train.seq_len, ") must be <= model.max_seq_len (",
              model.max_seq_len, ")");
   LOOM_CHECK(loop.eval_every >= 0 && loop.checkpoint_every >= 0 && loop.log_every >= 1 && loop.eval_batches >= 1,

@@ -13,7 +13,7 @@
 
 #include "loom/core/range_set.h"
 #include "loom/core/tensor.h"
-#include "loom/model/config.h"
+#include "loom/arch/config.h"
 
 namespace loom {
 

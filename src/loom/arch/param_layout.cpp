@@ -1,4 +1,4 @@
-#include "loom/model/param_layout.h"
+#include "loom/arch/param_layout.h"
 
 #include <algorithm>
 #include <cmath>

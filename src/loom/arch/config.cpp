@@ -1,9 +1,9 @@
-#include "loom/model/config.h"
+#include "loom/arch/config.h"
 
 #include <algorithm>
 
 #include "loom/core/error.h"
-#include "loom/model/param_layout.h"
+#include "loom/arch/param_layout.h"
 
 namespace loom {
 

@@ -1,0 +1,223 @@
+// One config schema for the decoder-only models Loom builds. The architecture decides the
+// block's pieces:
+//   gpt2:  learned positions, LayerNorm, GELU MLP, MHA, biases, head tied to the embedding
+//   llama: RoPE, RMSNorm, SwiGLU MLP, GQA, no biases, untied head
+#pragma once
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+namespace loom {
+
+enum Arch : uint8_t { ARCH_GPT2, ARCH_LLAMA, ARCH_COUNT };
+
+std::string_view arch_name(Arch arch);
+Arch arch_from_name(std::string_view name);  // throws naming the accepted values
+
+struct ModelConfig {
+  Arch arch = ARCH_GPT2;
+  int64_t vocab_size = 50257;
+  int64_t max_seq_len = 1024;
+  int64_t n_layer = 12;
+  int64_t n_head = 12;
+  int64_t n_kv_head = 12;
+  int64_t d_model = 768;
+  int64_t d_ff = 3072;
+  float norm_eps = 1e-5f;
+  float rope_theta = 10000.0f;
+  float init_std = 0.02f;
+  // Attention head width; 0: d_model / n_head. A tensor-parallel rank's slice of a model keeps
+  // the whole model's head width with n_head / tp heads (parallel/tensor_parallel.h).
+  int64_t head_size = 0;
+  // Sliding-window attention (Beltagy et al. 2020, Longformer; Jiang et al. 2023, Mistral 7B):
+  // 0: full causal attention; W > 0: position i attends to positions j with i - W < j <= i,
+  // in training and in decoding (docs/inference.md).
+  int64_t attn_window = 0;
+  // Multi-head Latent Attention (DeepSeek-AI 2024, DeepSeek-V2 §2.1; nn/mla.h), Llama only.
+  // mla_kv_rank = d_c > 0: keys and values come from a d_c-wide compressed latent (RMS-normed)
+  // plus one decoupled RoPE key of mla_rope_dim = d_r shared by the heads; per head queries and
+  // keys are mla_nope_dim (d_n; 0: head_dim) + d_r wide, values mla_v_dim (d_v; 0: head_dim);
+  // mla_q_rank = d_q > 0 compresses the queries too (0: projected from the input). The KV cache
+  // keeps d_c + d_r floats per position and layer. 0: standard MHA / GQA attention.
+  int64_t mla_kv_rank = 0;
+  int64_t mla_rope_dim = 0;
+  int64_t mla_nope_dim = 0;
+  int64_t mla_v_dim = 0;
+  int64_t mla_q_rank = 0;
+
+  // Mixture of experts (nn/moe.h, docs/moe.md). moe_experts = 0: every block has the dense
+  // MLP. Otherwise blocks from moe_dense_layers on route each token to moe_top_k of moe_experts
+  // experts (each an MLP of width moe_d_ff, or d_ff when 0) plus moe_shared always-on experts.
+  int64_t moe_experts = 0;
+  int64_t moe_top_k = 2;
+  int64_t moe_d_ff = 0;
+  int64_t moe_shared = 0;
+  int64_t moe_dense_layers = 0;
+  bool moe_sigmoid = false;         // router scores: softmax (false) or sigmoid (DeepSeek-V3)
+  bool moe_renorm = true;           // gates renormalised over the selected experts
+  float moe_route_scale = 1.0f;     // gates scaled after renormalisation (DeepSeek-V3: 2.5)
+  int64_t moe_groups = 1;           // group-limited routing: experts in moe_groups groups,
+  int64_t moe_topk_groups = 1;      //   tokens routed inside the best moe_topk_groups
+  float moe_capacity_factor = 0.0f;  // > 0: capacity ceil(k N / E x factor), overflow dropped; 0: dropless
+  float moe_aux_alpha = 0.0f;       // Switch/GShard load-balancing loss coefficient (1e-2 typical)
+  float moe_seq_aux_alpha = 0.0f;   // DeepSeek-V3 sequence-wise balance loss (1e-4)
+  float moe_z_alpha = 0.0f;         // router z-loss (ST-MoE: 1e-3)
+  float moe_bias_gamma = 0.0f;      // auxiliary-loss-free balancing bias speed (DeepSeek-V3: 1e-3)
+
+  int64_t head_dim() const { return head_size > 0 ? head_size : d_model / n_head; }
+  int64_t qkv_width() const { return (n_head + 2 * n_kv_head) * head_dim(); }
+  bool mla() const { return mla_kv_rank > 0; }
+  int64_t mla_nope() const { return mla_nope_dim > 0 ? mla_nope_dim : head_dim(); }  // d_n
+  int64_t mla_v() const { return mla_v_dim > 0 ? mla_v_dim : head_dim(); }           // d_v
+  int64_t mla_qk() const { return mla_nope() + mla_rope_dim; }                      // d_n + d_r
+  // Width of the attention output (the input of the output projection): H d_v for MLA, H hd else.
+  int64_t attn_width() const { return n_head * (mla() ? mla_v() : head_dim()); }
+  bool has_bias() const { return arch == ARCH_GPT2; }
+  bool learned_positions() const { return arch == ARCH_GPT2; }
+  bool tied_head() const { return arch == ARCH_GPT2; }
+  bool rmsnorm() const { return arch == ARCH_LLAMA; }
+  bool swiglu() const { return arch == ARCH_LLAMA; }
+  // Width of the MLP's first GEMM output: F (GELU) or 2F ([gate | up], SwiGLU).
+  int64_t mlp_in_width() const { return swiglu() ? 2 * d_ff : d_ff; }
+  // Mixture of experts: whether block `layer` is an MoE block, an expert's width and its first
+  // GEMM's output width.
+  bool moe_layer(int64_t layer) const { return moe_experts > 0 && layer >= moe_dense_layers; }
+  int64_t expert_ff() const { return moe_d_ff > 0 ? moe_d_ff : d_ff; }
+  int64_t expert_in_width() const { return swiglu() ? 2 * expert_ff() : expert_ff(); }
+
+  void validate() const;  // throws naming the offending key (e.g. "model.n_head")
+};
+
+// The model config's schema, written once. Each field: its key in a config file's [model]
+// table, where a checkpoint's model_config JSON keeps it (at the top level always, at the top
+// level only when set, or inside the "mla" / "moe" object written only for such models, so that
+// other checkpoints keep their bytes) under which name, and its meaning. The config file
+// (train/config.cpp), checkpoints (checkpoint/checkpoint.cpp) and `loom train --help` read it.
+struct ModelField {
+  enum Place : uint8_t { ALWAYS, IF_SET, MLA, MOE };
+  const char* key;      // model.<key>
+  Place place;          // where the checkpoint's model_config keeps it
+  const char* json;     // its name there
+  const char* meaning;  // one line for --help and docs/config.md
+};
+// visit(field, value) for every field of `c` in schema order (`value` an int64_t, float, bool
+// or Arch lvalue, const when c is).
+template <class Config, class Visit>
+void visit_model_fields(Config& c, Visit&& visit) {
+  visit(ModelField{"arch", ModelField::ALWAYS, "arch",
+                    "gpt2 (learned positions, LayerNorm, GELU, biases, tied head) | llama (RoPE, RMSNorm, SwiGLU, GQA, untied head)"},
+        c.arch);
+  visit(ModelField{"vocab_size", ModelField::ALWAYS, "vocab_size",
+                    "tokens in the vocabulary; 0 = the dataset's (data.dir/meta.json)"},
+        c.vocab_size);
+  visit(ModelField{"max_seq_len", ModelField::ALWAYS, "max_seq_len",
+                    "longest sequence the model takes (gpt2: rows of the learned position table)"},
+        c.max_seq_len);
+  visit(ModelField{"n_layer", ModelField::ALWAYS, "n_layer",
+                    "transformer blocks"},
+        c.n_layer);
+  visit(ModelField{"n_head", ModelField::ALWAYS, "n_head",
+                    "attention (query) heads"},
+        c.n_head);
+  visit(ModelField{"n_kv_head", ModelField::ALWAYS, "n_kv_head",
+                    "key/value heads, dividing n_head (llama: GQA, 1 = MQA; gpt2: must equal n_head)"},
+        c.n_kv_head);
+  visit(ModelField{"d_model", ModelField::ALWAYS, "d_model",
+                    "width of the residual stream"},
+        c.d_model);
+  visit(ModelField{"d_ff", ModelField::ALWAYS, "d_ff",
+                    "hidden width of the MLP (SwiGLU: of its gate and of its up projection)"},
+        c.d_ff);
+  visit(ModelField{"norm_eps", ModelField::ALWAYS, "norm_eps",
+                    "epsilon of LayerNorm / RMSNorm"},
+        c.norm_eps);
+  visit(ModelField{"rope_theta", ModelField::ALWAYS, "rope_theta",
+                    "RoPE base frequency (llama)"},
+        c.rope_theta);
+  visit(ModelField{"init_std", ModelField::ALWAYS, "init_std",
+                    "standard deviation of the normal weight initialisation"},
+        c.init_std);
+  visit(ModelField{"attn_window", ModelField::IF_SET, "attn_window",
+                    "sliding-window attention: 0 = full causal; W > 0 = position i attends to i-W < j <= i (not with parallel.cp > 1)"},
+        c.attn_window);
+  visit(ModelField{"mla_kv_rank", ModelField::MLA, "kv_rank",
+                    "Multi-head Latent Attention (llama only): width d_c of the compressed KV latent; 0 = standard MHA / GQA"},
+        c.mla_kv_rank);
+  visit(ModelField{"mla_rope_dim", ModelField::MLA, "rope_dim",
+                    "MLA: width d_r of the decoupled RoPE key shared by the heads"},
+        c.mla_rope_dim);
+  visit(ModelField{"mla_nope_dim", ModelField::MLA, "nope_dim",
+                    "MLA: per-head query/key width without RoPE (d_n); 0 = head_dim"},
+        c.mla_nope_dim);
+  visit(ModelField{"mla_v_dim", ModelField::MLA, "v_dim",
+                    "MLA: per-head value width (d_v); 0 = head_dim"},
+        c.mla_v_dim);
+  visit(ModelField{"mla_q_rank", ModelField::MLA, "q_rank",
+                    "MLA: width d_q of the compressed query latent; 0 = queries projected from the input"},
+        c.mla_q_rank);
+  visit(ModelField{"moe_experts", ModelField::MOE, "experts",
+                    "mixture of experts: routed experts per MoE block; 0 = every block has the dense MLP"},
+        c.moe_experts);
+  visit(ModelField{"moe_top_k", ModelField::MOE, "top_k",
+                    "MoE: experts each token is routed to"},
+        c.moe_top_k);
+  visit(ModelField{"moe_d_ff", ModelField::MOE, "d_ff",
+                    "MoE: hidden width of each expert's MLP; 0 = model.d_ff"},
+        c.moe_d_ff);
+  visit(ModelField{"moe_shared", ModelField::MOE, "shared",
+                    "MoE: always-on shared experts per MoE block"},
+        c.moe_shared);
+  visit(ModelField{"moe_dense_layers", ModelField::MOE, "dense_layers",
+                    "MoE: the first N blocks keep the dense MLP"},
+        c.moe_dense_layers);
+  visit(ModelField{"moe_sigmoid", ModelField::MOE, "sigmoid",
+                    "MoE router scores: false = softmax, true = sigmoid (DeepSeek-V3)"},
+        c.moe_sigmoid);
+  visit(ModelField{"moe_renorm", ModelField::MOE, "renorm",
+                    "MoE: renormalise the gates over the selected experts"},
+        c.moe_renorm);
+  visit(ModelField{"moe_route_scale", ModelField::MOE, "route_scale",
+                    "MoE: factor on the gates after renormalisation (DeepSeek-V3: 2.5)"},
+        c.moe_route_scale);
+  visit(ModelField{"moe_groups", ModelField::MOE, "groups",
+                    "MoE group-limited routing: the experts form this many groups"},
+        c.moe_groups);
+  visit(ModelField{"moe_topk_groups", ModelField::MOE, "topk_groups",
+                    "MoE group-limited routing: tokens are routed inside their best N groups"},
+        c.moe_topk_groups);
+  visit(ModelField{"moe_capacity_factor", ModelField::MOE, "capacity_factor",
+                    "MoE: > 0 = expert capacity ceil(k N / E x factor), overflow dropped; 0 = dropless"},
+        c.moe_capacity_factor);
+  visit(ModelField{"moe_aux_alpha", ModelField::MOE, "aux_alpha",
+                    "MoE: Switch/GShard load-balancing loss coefficient (1e-2 typical; 0 = off)"},
+        c.moe_aux_alpha);
+  visit(ModelField{"moe_seq_aux_alpha", ModelField::MOE, "seq_aux_alpha",
+                    "MoE: DeepSeek-V3 sequence-wise balance loss coefficient (1e-4 typical; 0 = off)"},
+        c.moe_seq_aux_alpha);
+  visit(ModelField{"moe_z_alpha", ModelField::MOE, "z_alpha",
+                    "MoE: router z-loss coefficient (ST-MoE: 1e-3; 0 = off)"},
+        c.moe_z_alpha);
+  visit(ModelField{"moe_bias_gamma", ModelField::MOE, "bias_gamma",
+                    "MoE: auxiliary-loss-free balancing bias update speed (DeepSeek-V3: 1e-3; 0 = off)"},
+        c.moe_bias_gamma);
+}
+
+// Named presets: "gpt2-tiny", "gpt2-small" (6L, d=384), "gpt2-124m", "llama-tiny", "moe-tiny",
+// "mla-tiny".
+ModelConfig model_preset(std::string_view name);
+
+int64_t param_count(const ModelConfig& config);
+// Floats the KV cache keeps per position and layer: 2 n_kv_head head_dim (a key and a value per
+// KV head) for MHA / GQA / MQA, d_c + d_r (the latent and the decoupled RoPE key) for MLA.
+int64_t kv_cache_width(const ModelConfig& config);
+// Parameters that take part in matmuls (the head counts once even when tied; position
+// embeddings and norms do not): the N of the 6N FLOPs rule. For MoE the active ones: the
+// router, top_k routed and the shared experts per token.
+int64_t matmul_param_count(const ModelConfig& config);
+// Training FLOPs per token at sequence length T (Kaplan et al. 2020; PaLM appendix B):
+// 6N for the weight matmuls (2 forward + 4 backward) + 12 L C T for attention scores and
+// values (non-causal count, as PaLM states MFU), over min(T, model.attn_window) keys with a window.
+// MLA: 6 L T H (d_n + d_r + d_v) (a head's query/key and value widths).
+double train_flops_per_token(const ModelConfig& config, int64_t seq_len);
+
+}  // namespace loom

@@ -1,0 +1,78 @@
+#include "loom/checkpoint/model_config_json.h"
+
+#include <cstdio>
+#include <cstdlib>
+#include <type_traits>
+
+#include "loom/core/error.h"
+
+namespace loom {
+
+namespace {
+
+// The shortest decimal that reads back as `f` (0.02f -> 0.02, not 0.019999999552965164), so
+// the config in the file reads as the user wrote it and still round-trips bitwise.
+double shortest_decimal(float f) {
+  char buf[32];
+  for (int digits = 6; digits < 9; ++digits) {
+    std::snprintf(buf, sizeof(buf), "%.*g", digits, static_cast<double>(f));
+    if (std::strtof(buf, nullptr) == f) return std::strtod(buf, nullptr);
+  }
+  std::snprintf(buf, sizeof(buf), "%.9g", static_cast<double>(f));
+  return std::strtod(buf, nullptr);
+}
+
+template <class T>
+nlohmann::json to_json_value(const T& v) {
+  if constexpr (std::is_same_v<T, Arch>) return std::string(arch_name(v));
+  else if constexpr (std::is_same_v<T, float>) return shortest_decimal(v);
+  else return v;
+}
+
+template <class T>
+void from_json_value(const nlohmann::json& j, T& v) {
+  if constexpr (std::is_same_v<T, Arch>) v = arch_from_name(j.get<std::string>());
+  else v = j.get<T>();
+}
+
+// The object a field lives in (nullptr: not written for this model).
+const char* group_name(ModelField::Place place) {
+  return place == ModelField::MLA ? "mla" : place == ModelField::MOE ? "moe" : nullptr;
+}
+
+}  // namespace
+
+nlohmann::json model_config_json(const ModelConfig& c) {
+  nlohmann::json j = nlohmann::json::object();
+  visit_model_fields(c, [&](const ModelField& f, const auto& value) {
+    switch (f.place) {
+      case ModelField::ALWAYS: j[f.json] = to_json_value(value); break;
+      case ModelField::IF_SET: if (value != 0) j[f.json] = to_json_value(value); break;  // full-attention checkpoints keep their bytes
+      case ModelField::MLA: if (c.mla()) j["mla"][f.json] = to_json_value(value); break;  // only for MLA models
+      case ModelField::MOE: if (c.moe_experts > 0) j["moe"][f.json] = to_json_value(value); break;  // dense checkpoints keep their bytes
+    }
+  });
+  return j;
+}
+
+ModelConfig model_config_from_json(const std::string& text, const std::string& path) {
+  ModelConfig c;
+  try {
+    const nlohmann::json j = nlohmann::json::parse(text);
+    visit_model_fields(c, [&](const ModelField& f, auto& value) {
+      if (const char* group = group_name(f.place)) {
+        if (j.contains(group)) from_json_value(j.at(group).at(f.json), value);
+      } else if (f.place == ModelField::ALWAYS || j.contains(f.json)) {
+        from_json_value(j.at(f.json), value);
+      }
+    });
+    c.validate();
+  } catch (const nlohmann::json::exception& e) {
+    throw Error(str_cat(path, ": metadata 'model_config' is not a valid model config (", e.what(), ")"));
+  } catch (const Error& e) {
+    throw Error(str_cat(path, ": metadata 'model_config' is not a valid model config (", e.what(), ")"));
+  }
+  return c;
+}
+
+}  // namespace loom
