@@ -71,7 +71,7 @@ LoomConfig tiny() {
   return c;
 }
 
-BackendCapabilities all_caps() { return {true, true, true, true, true, true, true}; }
+BackendCapabilities all_caps() { return kEveryCapability; }
 
 std::vector<std::string> verdict(const LoomConfig& c, int world, BackendCapabilities caps = all_caps()) {
   return check_layout(layout_facts(c, world, caps, "test"));

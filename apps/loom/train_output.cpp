@@ -7,7 +7,7 @@
 #include "cli.h"
 #include "loom/core/error.h"
 #include "loom/infer/generate.h"
-#include "loom/model/config.h"
+#include "loom/arch/config.h"
 
 namespace loom::cli {
 
@@ -113,6 +113,7 @@ void print_run_header(const LoomConfig& config, const std::string& dir, const Tr
               static_cast<double>(state_bytes) / static_cast<double>(n_params), config.train.schedule.kind.c_str(),
               config.train.schedule.max_lr);
   std::printf("precision: %s%s\n", model.precision().describe().c_str(), config.train.loss_scaling ? ", dynamic loss scaling" : "");
+  std::printf("layers: %s\n", describe_plans(model.layer_plans()).c_str());
   if (config.train.recompute != "none") {  // activation checkpointing (memory/recompute.h)
     const Trainer::RecomputeReport& rc = trainer.recompute();
     std::string plan;

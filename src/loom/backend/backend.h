@@ -45,6 +45,7 @@ struct BackendCapabilities {
   bool low_precision = false;       // fp16 / fp8 recipes, QAT, bf16 master weights or reduction
   bool every_optimizer = false;     // otherwise only adam / adamw (Backend::adamw_step)
 };
+inline constexpr BackendCapabilities kEveryCapability{true, true, true, true, true, true, true};
 
 class Backend {
  public:

@@ -1,11 +1,11 @@
 #include "loom/nn/block.h"
 
-#include "loom/nn/sequence_parallel.h"
-
-#include "loom/core/error.h"
-
 #include <algorithm>
 #include <string>
+
+#include "loom/core/error.h"
+#include "loom/nn/attention.h"
+#include "loom/nn/sequence_parallel.h"
 
 namespace loom {
 
@@ -184,8 +184,24 @@ void norm_backward(Backend& backend, const ModelConfig& config, const Tensor& do
   else backend.layernorm_backward(dout, x, weight, mean, rstd, dx, dweight, dbias);
 }
 
-Block::Block(const ModelConfig& config, BlockParams params, BlockParams grads)
-    : config_(config), params_(std::move(params)), grads_(std::move(grads)) {}
+Block::Block(const ModelConfig& config, int64_t layer, BlockParams params, BlockParams grads)
+    : config_(config), params_(std::move(params)), grads_(std::move(grads)), layer_(layer) {
+  replan(choices_);
+}
+
+void Block::replan(const PlanChoices& choices) {
+  plan_ = resolve_layer_plan(config_, layer_, choices);  // throws naming the keys: nothing changes then
+  choices_ = choices;
+}
+
+void Block::set_tensor_parallel(Communicator* tp, SequenceScratch* sequence) {
+  PlanChoices c = choices_;
+  c.tensor_parallel = tp != nullptr;
+  c.sequence_parallel = sequence != nullptr;
+  replan(c);
+  tp_ = tp;
+  seq_ = sequence;
+}
 
 void Block::set_precision(const PrecisionPolicy& policy, BlockParams params16, LinearWorkspace* workspace) {
   params16_ = std::move(params16);
@@ -201,17 +217,22 @@ void Block::set_precision(const PrecisionPolicy& policy, BlockParams params16, L
 }
 
 void Block::set_context_parallel(ContextParallel* cp) {
-  LOOM_CHECK(cp == nullptr || !flash_, "train.flash_attention is not supported with context parallelism (parallel.cp "
-             "> 1 runs ring or Ulysses attention)");
+  PlanChoices c = choices_;
+  c.context = cp == nullptr ? PlanChoices::NONE : cp->ulysses ? PlanChoices::ULYSSES : PlanChoices::RING;
+  replan(c);
   cp_ = cp;
 }
 
 void Block::set_flash_attention(bool on) {
-  LOOM_CHECK(!on || !config_.mla(), "train.flash_attention is not supported with model.mla_kv_rank > 0 (MLA computes "
-             "its own attention)");
-  LOOM_CHECK(!on || cp_ == nullptr, "train.flash_attention is not supported with context parallelism (parallel.cp > 1 "
-             "runs ring or Ulysses attention)");
-  flash_ = on;
+  PlanChoices c = choices_;
+  c.flash = on;
+  replan(c);
+}
+
+void Block::set_recompute(RecomputePolicy policy) {
+  PlanChoices c = choices_;
+  c.recompute = policy;
+  replan(c);
 }
 
 MlaActivations Block::mla_activations(const BlockSaved& s) {
@@ -248,7 +269,7 @@ void Block::recompute(Backend& backend, const BlockSaved& kept, RecomputePolicy 
   // Selective: the GEMM outputs and the residual stream are kept; norms, probabilities and the
   // activation come again from them (with FlashAttention lse is kept: no attention to rerun).
   norm_forward(backend, config_, r.input, p.norm1_w, p.norm1_b, r.norm1, r.mean1, r.rstd1);
-  if (!flash_) {
+  if (plan_.attention != AttentionKind::flash) {
     backend.attention_forward(r.qkv, shaped(out_scratch, r.attn.shape()), r.probs, config_.n_head, config_.n_kv_head,
                               config_.attn_window);
   }
@@ -275,55 +296,6 @@ void Block::rope(Backend& backend, const Tensor& qkv, bool backward) const {
   }
 }
 
-void Block::attention_forward(Backend& backend, BlockSaved& s) const {
-  const int64_t H = config_.n_head, KV = config_.n_kv_head, hd = config_.head_dim();
-  if (cp_ == nullptr && flash_) {
-    backend.flash_attention_forward(s.qkv, s.attn, s.lse, H, KV, config_.attn_window);
-    return;
-  }
-  if (cp_ == nullptr) {
-    backend.attention_forward(s.qkv, s.attn, s.probs, H, KV, config_.attn_window);
-    return;
-  }
-  LOOM_CHECK(config_.attn_window == 0, "model.attn_window (sliding-window attention) is not supported with context "
-             "parallelism (parallel.cp > 1)");
-  const int64_t B = s.qkv.dim(0), Tl = s.qkv.dim(1);
-  const Tensor q = cp_->q.view(0, {B, Tl, H * hd}), k = cp_->k.view(0, {B, Tl, KV * hd}), v = cp_->v.view(0, {B, Tl, KV * hd});
-  copy_columns(s.qkv, 0, q, false);
-  copy_columns(s.qkv, H * hd, k, false);
-  copy_columns(s.qkv, (H + KV) * hd, v, false);
-  if (cp_->ulysses) ulysses_attention_forward(backend, *cp_->comm, q, k, v, s.attn, s.ulysses, H, KV);
-  else ring_attention_forward(backend, *cp_->comm, q, k, v, s.attn, s.lse, H, KV);
-}
-
-void Block::attention_backward(Backend& backend, const BlockSaved& s, BlockScratch& k) const {
-  const int64_t H = config_.n_head, KV = config_.n_kv_head, hd = config_.head_dim();
-  if (cp_ == nullptr && flash_) {
-    backend.flash_attention_backward(k.d_attn, s.qkv, s.attn, s.lse, k.d_qkv, H, KV, config_.attn_window);
-    return;
-  }
-  if (cp_ == nullptr) {
-    backend.attention_backward(k.d_attn, s.qkv, s.attn, s.probs, k.d_qkv, H, KV, config_.attn_window);
-    return;
-  }
-  const int64_t B = s.qkv.dim(0), Tl = s.qkv.dim(1);
-  const Tensor dq = cp_->dq.view(0, {B, Tl, H * hd}), dk = cp_->dk.view(0, {B, Tl, KV * hd}),
-               dv = cp_->dv.view(0, {B, Tl, KV * hd});
-  if (cp_->ulysses) {
-    ulysses_attention_backward(backend, *cp_->comm, k.d_attn, s.ulysses, dq, dk, dv, H, KV);
-  } else {
-    const Tensor q = cp_->q.view(0, {B, Tl, H * hd}), kk = cp_->k.view(0, {B, Tl, KV * hd}),
-                 v = cp_->v.view(0, {B, Tl, KV * hd});
-    copy_columns(s.qkv, 0, q, false);
-    copy_columns(s.qkv, H * hd, kk, false);
-    copy_columns(s.qkv, (H + KV) * hd, v, false);
-    ring_attention_backward(backend, *cp_->comm, k.d_attn, q, kk, v, s.attn, s.lse, dq, dk, dv, H, KV);
-  }
-  copy_columns(k.d_qkv, 0, dq, true);
-  copy_columns(k.d_qkv, H * hd, dk, true);
-  copy_columns(k.d_qkv, (H + KV) * hd, dv, true);
-}
-
 Tensor Block::gathered(const Tensor& shard, int64_t seq_len) const {
   const Tensor full = seq_->full.view(0, {shard.dim(0), seq_len, shard.dim(2)});
   sequence_all_gather(*tp_, shard, full, seq_->staging);
@@ -342,14 +314,12 @@ void Block::forward(Backend& backend, BlockSaved& s, const Tensor& out) {
   };
   const Tensor partial = seq_ != nullptr ? seq_->full.view(0, {s.attn.dim(0), T, config_.d_model}) : Tensor{};
   norm_forward(backend, config_, s.input, p.norm1_w, p.norm1_b, s.norm1, s.mean1, s.rstd1);
-  if (config_.mla()) {  // multi-head latent attention (nn/mla.h): a whole block only
-    LOOM_CHECK(tp_ == nullptr && cp_ == nullptr, "model.mla_kv_rank > 0 (MLA) is not supported with tensor, sequence "
-               "or context parallelism");
+  if (plan_.attention == AttentionKind::mla) {  // multi-head latent attention (nn/mla.h): a whole block only
     mla_forward(backend, config_, p.mla, s.norm1, mla_activations(s));
   } else {
     qkv_.forward(backend, seq_ != nullptr ? gathered(s.norm1, T) : s.norm1, p.qkv_w, q.qkv_w, p.qkv_b, s.qkv, 0.0f, ws_);
     if (!config_.learned_positions()) rope(backend, s.qkv, false);
-    attention_forward(backend, s);
+    attention_forward(backend, plan_, config_, cp_, s);
   }
   if (tp_ != nullptr) {  // g: the heads' partial projections summed (bias added once, by rank 0)
     const Tensor y = seq_ != nullptr ? partial : s.mid;
@@ -401,7 +371,7 @@ void Block::forward_rows(Backend& backend, BlockSaved& s, const Tensor& out, con
   const int64_t W = config_.qkv_width(), KW = config_.n_kv_head * hd;
   LOOM_CHECK(static_cast<int64_t>(positions.size()) == n, "forward_rows: ", positions.size(), " positions for ", n, " rows");
   norm_forward(backend, config_, s.input, p.norm1_w, p.norm1_b, s.norm1, s.mean1, s.rstd1);
-  if (config_.mla()) {
+  if (plan_.attention == AttentionKind::mla) {
     mla_rows(backend, s, positions, cache, layer);
   } else {
     linear_forward(backend, s.norm1, p.qkv_w, p.qkv_b, s.qkv);
@@ -467,7 +437,7 @@ void Block::backward(Backend& backend, const BlockSaved& s, const Tensor& d_resi
     }
     proj_.backward(backend, s.attn, p.proj_w, q.proj_w, s.dy_proj, Tensor{}, g.proj_w, Tensor{}, ws_);
     // An MLA block's projections' weight gradients were computed in the input pass.
-    if (!config_.mla()) qkv_.backward(backend, whole(s.norm1), p.qkv_w, q.qkv_w, s.dy_qkv, Tensor{}, g.qkv_w, Tensor{}, ws_);
+    if (plan_.attention != AttentionKind::mla) qkv_.backward(backend, whole(s.norm1), p.qkv_w, q.qkv_w, s.dy_qkv, Tensor{}, g.qkv_w, Tensor{}, ws_);
     return;
   }
   const bool split = part == BACKWARD_INPUT;
@@ -507,10 +477,10 @@ void Block::backward(Backend& backend, const BlockSaved& s, const Tensor& d_resi
   const Tensor dy_mid = whole(d_residual);
   keep(dy_mid, s.dy_proj);
   proj_.backward(backend, s.attn, p.proj_w, q.proj_w, dy_mid, k.d_attn, dw(g.proj_w), g.proj_b, ws_);
-  if (config_.mla()) {  // d(norm1 output) and MLA's weight gradients (also in a split input pass)
+  if (plan_.attention == AttentionKind::mla) {  // d(norm1 output) and MLA's weight gradients (also in a split input pass)
     mla_backward(backend, config_, p.mla, g.mla, s.norm1, mla_activations(s), k.d_attn, k.d_norm, k.d_qkv);
   } else {
-    attention_backward(backend, s, k);
+    attention_backward(backend, plan_, config_, cp_, s, k);
     if (!config_.learned_positions()) rope(backend, k.d_qkv, true);
     keep(k.d_qkv, s.dy_qkv);
     qkv_.backward(backend, whole(s.norm1), p.qkv_w, q.qkv_w, k.d_qkv, k.d_norm, dw(g.qkv_w), g.qkv_b, ws_);

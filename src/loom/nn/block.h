@@ -11,12 +11,13 @@
 
 #include "loom/backend/backend.h"
 #include "loom/comm/communicator.h"
-#include "loom/model/config.h"
-#include "loom/model/param_layout.h"
+#include "loom/arch/config.h"
+#include "loom/arch/param_layout.h"
 #include "loom/nn/context_parallel.h"
 #include "loom/nn/linear.h"
 #include "loom/nn/mla.h"
 #include "loom/nn/moe.h"
+#include "loom/nn/plan.h"
 
 namespace loom {
 
@@ -65,14 +66,6 @@ struct BlockSaved {
   UlyssesSaved ulysses;
   MoeSaved moe;  // an MoE block: its routing and experts' activations (fc, act unused)
 };
-
-// Activation checkpointing (memory/recompute.h): which fields of its BlockSaved a block keeps
-// from its forward to its backward; the rest are recomputed (Block::recompute) into a shared
-// full record just before the backward.
-//   none: all; selective: input, qkv, attn, mid, fc (the residual stream and GEMM outputs),
-//   and with FlashAttention lse (B,H,T), so that the attention is not run again;
-//   full: input only.
-enum RecomputePolicy : uint8_t { RECOMPUTE_NONE, RECOMPUTE_SELECTIVE, RECOMPUTE_FULL, RECOMPUTE_COUNT };
 
 // A whole record for a block that keeps only `policy`'s fields: kept's tensors where it has them
 // (input; selective also qkv, attn, mid, fc, and lse with flash), the shared record's elsewhere. The forward writes
@@ -151,7 +144,11 @@ class DecodeCache {
 
 class Block {
  public:
-  Block(const ModelConfig& config, BlockParams params, BlockParams grads);
+  // `layer`: the block's index (its plan's MLP kind: model.moe_dense_layers).
+  Block(const ModelConfig& config, int64_t layer, BlockParams params, BlockParams grads);
+  // Which attention and MLP modules this block runs (nn/plan.h), resolved from the model config
+  // and the setters below whenever one of them changes.
+  const LayerPlan& plan() const { return plan_; }
 
   // saved.input must hold the block input; writes out (B,T,C) and the rest of `saved`.
   void forward(Backend& backend, BlockSaved& saved, const Tensor& out);
@@ -175,10 +172,7 @@ class Block {
   // inputs' gradients in backward (f). nullptr: a whole block.
   // With `sequence` (sequence parallel, Korthikanti et al. 2022) the block's residual stream is
   // this rank's sequence shard, gathered into sequence->full around the tensor-parallel layers.
-  void set_tensor_parallel(Communicator* tp, SequenceScratch* sequence = nullptr) {
-    tp_ = tp;
-    seq_ = sequence;
-  }
+  void set_tensor_parallel(Communicator* tp, SequenceScratch* sequence = nullptr);
   // Context parallel: attention across the cp group's sequence shards (ring or Ulysses); RoPE at
   // this rank's global positions.
   void set_context_parallel(ContextParallel* cp);
@@ -187,7 +181,9 @@ class Block {
   // of probs (B,H,T,T) (allocate_block_saved with flash). Not with MLA or context parallelism,
   // which compute their own attention (nn/mla.h, nn/context_parallel.h).
   void set_flash_attention(bool on);
-  bool flash_attention() const { return flash_; }
+  // Activation checkpointing: what this block keeps of its forward (memory/recompute.h).
+  void set_recompute(RecomputePolicy policy);
+  bool flash_attention() const { return plan_.attention == AttentionKind::flash; }
   // Activation checkpointing: `kept` holds what `policy` kept of this block's forward; fills
   // `full` (a whole record: its fields, or views of kept's where kept has them) with every field
   // the backward reads, by running again the forward pieces that made the missing ones (the
@@ -226,7 +222,10 @@ class Block {
   Communicator* tp_ = nullptr;
   SequenceScratch* seq_ = nullptr;  // set: sequence parallel
   ContextParallel* cp_ = nullptr;   // set: context parallel
-  bool flash_ = false;              // FlashAttention: lse kept instead of probs
+  int64_t layer_ = 0;
+  PlanChoices choices_;  // what the setters chose; plan_ is resolved from them
+  LayerPlan plan_;
+  void replan(const PlanChoices& choices);
   MoeScratch* moe_scratch_ = nullptr;
   Communicator* ep_ = nullptr;
   float loss_weight_ = 1.0f;
@@ -239,8 +238,6 @@ class Block {
   // (cache.latent) and its attention over the visible latents (the window's) into saved.attn.
   void mla_rows(Backend& backend, BlockSaved& s, const std::vector<int64_t>& positions, DecodeCache& cache,
                 int64_t layer) const;
-  void attention_forward(Backend& backend, BlockSaved& s) const;
-  void attention_backward(Backend& backend, const BlockSaved& s, BlockScratch& k) const;
   // The whole sequence of a shard (B, T/t, C), gathered into seq_->full as (B, T, C).
   Tensor gathered(const Tensor& shard, int64_t seq_len) const;
 };

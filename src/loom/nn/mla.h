@@ -22,7 +22,7 @@
 #include <cstdint>
 
 #include "loom/backend/backend.h"
-#include "loom/model/config.h"
+#include "loom/arch/config.h"
 
 namespace loom {
 

@@ -35,8 +35,8 @@
 #include "loom/core/range_set.h"
 #include "loom/backend/backend.h"
 #include "loom/comm/communicator.h"
-#include "loom/model/config.h"
-#include "loom/model/param_layout.h"
+#include "loom/arch/config.h"
+#include "loom/arch/param_layout.h"
 
 namespace loom {
 

@@ -9,18 +9,7 @@
 
 namespace loom {
 
-const std::vector<std::string>& optimizer_names() {
-  static const std::vector<std::string> names = {"sgd",  "momentum",  "nesterov", "adagrad", "rmsprop",
-                                                 "adam", "adamw",     "adafactor", "sm3",    "lion",
-                                                 "adam-mini", "came", "ldadam",   "muon"};
-  return names;
-}
-
 namespace {
-
-void fill(double& field, double value) {
-  if (field < 0.0) field = value;
-}
 
 void check_unit(double v, const char* key, bool allow_zero = true) {
   LOOM_CHECK(v < 1.0 && (allow_zero ? v >= 0.0 : v > 0.0), key, " must be in ", allow_zero ? "[0, 1)" : "(0, 1)",
@@ -46,68 +35,12 @@ std::vector<std::string> split_list(const std::string& text) {
 OptimConfig OptimConfig::resolved() const {
   OptimConfig c = *this;
   const std::string& n = c.name;
-  const auto& names = optimizer_names();
-  if (std::find(names.begin(), names.end(), n) == names.end()) {
-    std::string known;
-    for (const std::string& k : names) known += (known.empty() ? "" : ", ") + k;
-    throw Error(str_cat("optim.name: unknown optimizer '", n, "' (expected one of ", known, ")"));
-  }
-  if (n == "sgd" || n == "momentum" || n == "nesterov") {
-    fill(c.momentum, n == "sgd" ? 0.0 : 0.9);
-    if (c.nesterov < 0) c.nesterov = n == "nesterov" ? 1 : 0;
-    fill(c.weight_decay, 0.0);
-  } else if (n == "adagrad") {
-    fill(c.eps, 1e-10);
-    fill(c.weight_decay, 0.0);
-  } else if (n == "rmsprop") {
-    fill(c.beta2, 0.99);
-    fill(c.eps, 1e-8);
-    fill(c.momentum, 0.0);
-    fill(c.weight_decay, 0.0);
-  } else if (n == "adam" || n == "adamw" || n == "adam-mini") {
-    fill(c.beta1, 0.9);
-    fill(c.beta2, 0.999);
-    fill(c.eps, 1e-8);
-    fill(c.weight_decay, n == "adam" ? 0.0 : n == "adamw" ? 0.01 : 0.1);
-  } else if (n == "adafactor") {
-    fill(c.beta1, 0.0);  // 0 = no first moment
-    fill(c.eps, 1e-30);
-    fill(c.eps2, 1e-3);
-    fill(c.weight_decay, 0.0);
-  } else if (n == "sm3") {
-    fill(c.eps, 0.0);
-    fill(c.weight_decay, 0.0);
-  } else if (n == "lion") {
-    fill(c.beta1, 0.9);
-    fill(c.beta2, 0.99);
-    fill(c.weight_decay, 0.0);
-  } else if (n == "came") {
-    fill(c.beta1, 0.9);
-    fill(c.beta2, 0.999);
-    fill(c.beta3, 0.9999);
-    fill(c.eps, 1e-30);
-    fill(c.eps2, 1e-16);
-    fill(c.weight_decay, 0.0);
-  } else if (n == "ldadam") {
-    fill(c.beta1, 0.908);
-    fill(c.beta2, 0.99);
-    fill(c.eps, 1e-8);
-    fill(c.weight_decay, 0.0);
-  } else if (n == "muon") {
-    fill(c.momentum, 0.95);
-    if (c.nesterov < 0) c.nesterov = 1;
-    fill(c.beta1, 0.9);
-    fill(c.beta2, 0.95);
-    fill(c.eps, 1e-8);
-    fill(c.weight_decay, 0.0);
-  }
+  optimizer_row(n).defaults(c);  // throws naming the known optimizers
   // Keys the chosen rule does not read keep a harmless value.
-  fill(c.beta1, 0.9);
-  fill(c.beta2, 0.999);
-  fill(c.beta3, 0.9999);
-  fill(c.eps, 1e-8);
-  fill(c.eps2, 1e-3);
-  fill(c.momentum, 0.0);
+  for (auto [field, value] : {std::pair{&c.beta1, 0.9}, {&c.beta2, 0.999}, {&c.beta3, 0.9999}, {&c.eps, 1e-8},
+                              {&c.eps2, 1e-3}, {&c.momentum, 0.0}}) {
+    if (*field < 0.0) *field = value;
+  }
   if (c.nesterov < 0) c.nesterov = 0;
 
   check_unit(c.beta1, "optim.beta1");
@@ -241,52 +174,14 @@ std::unique_ptr<Optimizer> make_optimizer(Backend& backend, const Tensor& params
   // On a GPU only AdamW has a device kernel (Backend::adamw_step); the others loop on the host.
   LOOM_CHECK(params.host_accessible() || n == "adam" || n == "adamw", "optim.name = ", n, " is not supported on the ",
              backend.name(), " backend yet (its update runs on the host): use adamw");
-  if (n == "sgd" || n == "momentum" || n == "nesterov") return make_sgd(backend, params, grads, std::move(list), c);
-  if (n == "adagrad") return make_adagrad(backend, params, grads, std::move(list), c);
-  if (n == "rmsprop") return make_rmsprop(backend, params, grads, std::move(list), c);
-  if (n == "adam" || n == "adamw") return make_adam(backend, params, grads, std::move(list), c);
-  if (n == "lion") return make_lion(backend, params, grads, std::move(list), c);
-  if (n == "adam-mini") return make_adam_mini(backend, params, grads, std::move(list), c);
-  if (n == "adafactor") return make_adafactor(backend, params, grads, std::move(list), c);
-  if (n == "sm3") return make_sm3(backend, params, grads, std::move(list), c);
-  if (n == "came") return make_came(backend, params, grads, std::move(list), c);
-  if (n == "ldadam") return make_ldadam(backend, params, grads, std::move(list), c);
-  return make_muon(backend, params, grads, std::move(list), c);
+  return optimizer_row(n).make(backend, params, grads, std::move(list), c);
 }
 
 int64_t optimizer_state_bytes(const std::vector<OptimParam>& list, const OptimConfig& config) {
   const OptimConfig c = config.resolved();
-  const std::string& n = c.name;
+  const OptimizerRow& row = optimizer_row(c.name);
   int64_t floats = 0;
-  for (const OptimParam& q : list) {
-    const int64_t N = q.numel;
-    int64_t factored = 0;  // sum over segments of rows + cols
-    int64_t blocks = 0;
-    for (const OptimSegment& s : q.segments) {
-      factored += s.rows + s.cols;
-      blocks += s.rows / s.block_rows;
-    }
-    if (n == "sgd" || n == "momentum" || n == "nesterov") floats += c.momentum > 0.0 ? N : 0;
-    else if (n == "adagrad") floats += N;
-    else if (n == "rmsprop") floats += N * (1 + (c.centered ? 1 : 0) + (c.momentum > 0.0 ? 1 : 0));
-    else if (n == "adam" || n == "adamw") floats += N * (c.amsgrad ? 3 : 2);
-    else if (n == "lion") floats += N;
-    else if (n == "adam-mini") floats += N + blocks;
-    else if (n == "adafactor") floats += (q.matrix ? factored : N) + (c.beta1 > 0.0 ? N : 0);
-    else if (n == "sm3") floats += q.matrix ? factored : N;
-    else if (n == "came") floats += N + (q.matrix ? 2 * factored : N);
-    else if (n == "muon") floats += q.hidden ? N : 2 * N;
-    else if (n == "ldadam") {
-      if (!q.hidden) {
-        floats += 2 * N;
-        continue;
-      }
-      for (const OptimSegment& s : q.segments) {
-        const int64_t m = std::min(s.rows, s.cols), w = std::max(s.rows, s.cols), r = std::min(c.rank, m);
-        floats += r == m ? 2 * s.rows * s.cols : 2 * r * w + m * r;
-      }
-    }
-  }
+  for (const OptimParam& q : list) floats += row.state_floats(q, c);
   return floats * static_cast<int64_t>(sizeof(float));
 }
 

@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "loom/backend/backend.h"
-#include "loom/model/param_layout.h"
+#include "loom/arch/param_layout.h"
 
 namespace loom {
 
@@ -127,6 +127,26 @@ class Optimizer {
   std::vector<std::pair<std::string, Tensor>> state_;
   int64_t state_bytes_ = 0;
 };
+
+// The optimizer registry (optim/registry.cpp): one row per optimizer, read by config resolution,
+// make_optimizer, the state-size formula, ZeRO and the layout's compatibility table.
+struct OptimizerRow {
+  const char* name;
+  // The update of each element reads only that element's state, so ZeRO, tensor, pipeline and
+  // expert parallelism may cut the parameters anywhere.
+  bool elementwise;
+  // Error feedback lives in the gradient buffer (LDAdam): data parallelism and loss scaling
+  // would average or rescale it.
+  bool keeps_gradients;
+  void (*defaults)(OptimConfig& config);  // fills the keys left at -1 (config.name is set)
+  std::unique_ptr<Optimizer> (*make)(Backend& backend, const Tensor& params, const Tensor& grads,
+                                     std::vector<OptimParam> list, const OptimConfig& config);
+  int64_t (*state_floats)(const OptimParam& param, const OptimConfig& config);  // per parameter
+};
+const std::vector<OptimizerRow>& optimizer_rows();
+const OptimizerRow& optimizer_row(const std::string& name);  // throws listing the names
+// True for the optimizers whose update is element-wise (their row's `elementwise`).
+bool elementwise_optimizer(const std::string& name);
 
 // Builds config.name (resolved) over `list`.
 std::unique_ptr<Optimizer> make_optimizer(Backend& backend, const Tensor& params, const Tensor& grads,

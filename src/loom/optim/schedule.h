@@ -22,7 +22,23 @@ struct ScheduleConfig {
   double gamma = 0.1;             // step, exponential: the decay factor
 
   void validate() const;  // throws naming the optim.* key
+  double lr(int64_t step) const;  // resolves, then LrSchedule::lr (a step loop holds an LrSchedule)
+};
+
+// A schedule with its kind and shape parsed once (the strings stay in the config): what the
+// trainer evaluates every step.
+class LrSchedule {
+ public:
+  enum Kind : uint8_t { CONSTANT, LINEAR, COSINE, WSD, STEP, EXPONENTIAL, INVERSE_SQRT };
+  enum Shape : uint8_t { SHAPE_LINEAR, SHAPE_SQRT, SHAPE_COSINE };
+  explicit LrSchedule(const ScheduleConfig& config);  // validates
   double lr(int64_t step) const;
+  const ScheduleConfig& config() const { return c_; }
+
+ private:
+  ScheduleConfig c_;
+  Kind kind_;
+  Shape shape_;
 };
 
 const std::vector<std::string>& schedule_names();

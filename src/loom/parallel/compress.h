@@ -11,7 +11,7 @@
 #include <memory>
 
 #include "loom/comm/communicator.h"
-#include "loom/model/param_layout.h"
+#include "loom/arch/param_layout.h"
 
 namespace loom {
 

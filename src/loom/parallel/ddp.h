@@ -20,7 +20,7 @@
 #include "loom/backend/backend.h"
 #include "loom/comm/communicator.h"
 #include "loom/parallel/compress.h"
-#include "loom/model/param_layout.h"
+#include "loom/arch/param_layout.h"
 
 namespace loom {
 

@@ -35,7 +35,7 @@ std::vector<std::pair<int64_t, int64_t>> pipeline_layer_split(int64_t layers, in
 std::vector<std::pair<int64_t, int64_t>> pipeline_stage_split(const ModelConfig& config, int stages, int64_t seq_len);
 
 // The flat ranges (merged, ascending) of the parameters pipeline rank `rank` holds: the units
-// (model/param_layout.h) of its stages' layers, the embeddings on the first stage, the final norm
+// (arch/param_layout.h) of its stages' layers, the embeddings on the first stage, the final norm
 // (and untied head) on the last. norm: the ranges it counts in a global gradient norm; else with
 // a tied head the last stage also holds the embedding.
 RangeSet pipeline_owned_ranges(const ModelConfig& config, const ParamLayout& layout, const PipeSchedule& schedule,

@@ -19,8 +19,8 @@
 #include <vector>
 
 #include "loom/core/tensor.h"
-#include "loom/model/config.h"
-#include "loom/model/param_layout.h"
+#include "loom/arch/config.h"
+#include "loom/arch/param_layout.h"
 
 namespace loom {
 

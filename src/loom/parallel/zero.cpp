@@ -26,13 +26,6 @@ std::vector<int64_t> shard_counts(int64_t begin, int64_t end, int64_t total, int
   return counts;
 }
 
-bool elementwise_optimizer(const std::string& name) {
-  for (const char* n : {"sgd", "momentum", "nesterov", "adagrad", "rmsprop", "adam", "adamw", "lion"}) {
-    if (name == n) return true;
-  }
-  return false;
-}
-
 std::vector<OptimParam> shard_optim_params(const std::vector<OptimParam>& list, int64_t begin, int64_t end) {
   std::vector<OptimParam> out;
   for (const OptimParam& q : list) {

@@ -52,10 +52,6 @@ ShardRange shard_range(int64_t total, int rank, int world);
 // order: the segment layout of Communicator's v-collectives).
 std::vector<int64_t> shard_counts(int64_t begin, int64_t end, int64_t total, int world);
 
-// True for the optimizers whose update is element-wise (sgd, momentum, nesterov, adagrad,
-// rmsprop, adam, adamw, lion).
-bool elementwise_optimizer(const std::string& name);
-
 // The parameter list restricted to [begin, end): parameters cut at the edges, one flat
 // segment each (element-wise rules ignore the matrix structure).
 std::vector<OptimParam> shard_optim_params(const std::vector<OptimParam>& list, int64_t begin, int64_t end);

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "loom/infer/sampler.h"
-#include "loom/model/config.h"
+#include "loom/arch/config.h"
 #include "loom/train/trainer.h"
 
 namespace loom {

@@ -37,7 +37,7 @@ bool sp(const LayoutFacts& f) { return par(f).sequence_parallel && f.of(Axis::tp
 int64_t zero(const LayoutFacts& f) { return par(f).zero_stage; }
 const std::string& optimizer(const LayoutFacts& f) { return train(f).optim.name; }
 bool elementwise(const LayoutFacts& f) { return elementwise_optimizer(optimizer(f)); }
-bool keeps_gradients(const LayoutFacts& f) { return optimizer(f) == "ldadam"; }  // its error feedback lives in the gradients
+bool keeps_gradients(const LayoutFacts& f) { return optimizer_row(optimizer(f)).keeps_gradients; }
 // The ranks gradients are averaged over (dp x ep x cp); 0 when the world is not known.
 int reduce_ranks(const LayoutFacts& f) { return f.data_parallel * f.of(Axis::cp); }
 bool reduced(const LayoutFacts& f) { return reduce_ranks(f) > 1; }

@@ -111,7 +111,11 @@ Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config, Commu
       // A pipeline keeps its own stage stores (parallel/pipeline.h).
       recompute_(pipeline != nullptr ? RecomputeReport{} : configure_recompute(model, config_)),
       store_(pipeline != nullptr ? ActivationStore{} : model.allocate_store(config.batch_size, config.seq_len)),
-      schedule_(config.schedule),
+      schedule_([&] {
+        ScheduleConfig s = config.schedule;
+        s.total = config.steps;
+        return s;
+      }()),
       optim_params_(loom::optim_params(model.layout(), config.optim.resolved())),
       optimizer_(make_optimizer(backend, model.params(), model.grads(),
                                 rank_params(optim_params_, comm, ddp, model, config.optim.resolved().name, pipeline),
@@ -124,7 +128,6 @@ Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config, Commu
   LOOM_CHECK(pipeline_ == nullptr || pipeline_->schedule().micro == config_.grad_accum, "the pipeline schedule runs ",
              pipeline_ ? pipeline_->schedule().micro : 0, " micro-batches per step: set train.grad_accum to match (got ",
              config_.grad_accum, ")");
-  schedule_.total = config_.steps;
   domain_ = update_domain(model_, pipeline_);
   model_.set_precision(resolve_policy(config_.precision));
   // ZeRO-Offload (Ren et al. 2021): with a 16-bit weight copy for the compute, the fp32 master

@@ -89,7 +89,7 @@ class Trainer {
   // Makes the parameters whole on every rank (ZeRO-3; e.g. to sample after training): further
   // steps keep them whole.
   void gather_params();
-  const ScheduleConfig& schedule() const { return schedule_; }
+  const ScheduleConfig& schedule() const { return schedule_.config(); }
   // Activation checkpointing: the per-layer plan, and its estimated bytes and measured seconds.
   struct RecomputeReport {
     std::vector<RecomputePolicy> plan;
@@ -107,7 +107,7 @@ class Trainer {
   TrainConfig config_;
   RecomputeReport recompute_;  // (before store_: it decides what the store keeps)
   ActivationStore store_;
-  ScheduleConfig schedule_;
+  LrSchedule schedule_;  // kind parsed once
   std::vector<OptimParam> optim_params_;
   std::unique_ptr<Optimizer> optimizer_;
   std::unique_ptr<DynamicLossScaler> scaler_;

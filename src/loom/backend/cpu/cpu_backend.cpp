@@ -32,7 +32,7 @@ class CpuBackend final : public Backend {
  public:
   std::string_view name() const override { return "cpu"; }
   // Host code reads CPU memory directly: every feature runs.
-  BackendCapabilities capabilities() const override { return {true, true, true, true, true, true, true}; }
+  BackendCapabilities capabilities() const override { return kEveryCapability; }
   Allocator& allocator() override { return allocator_; }
 
   void write(const Tensor& dst, const void* host) override { std::memcpy(dst.raw_data(), host, dst.nbytes()); }

@@ -1,0 +1,60 @@
+// Each layer's plan: which attention and MLP modules a block composes, resolved once from the
+// model config and the run's choices (train.flash_attention, parallel.cp_attention, tp / sp,
+// train.recompute). The block dispatches on its plan; no other code branches on those flags.
+//
+// Attention kinds (nn/attention.h), one function pair each:
+//   mha      probabilities kept (B,H,T,T); MHA / GQA / MQA by n_kv_head
+//   flash    FlashAttention-2: each row's log-sum-exp kept instead (Backend::flash_attention_*)
+//   ring     context parallel: K/V blocks passed around the cp ring, online softmax (nn/context_parallel.h)
+//   ulysses  context parallel: all-to-all from sequence shards to head shards and back
+//   mla      multi-head latent attention (nn/mla.h), with its own projections
+// A sliding window (model.attn_window) is a mask of mha and flash, not a kind of its own: the
+// same kernels skip the masked keys. MLP kinds: dense (GELU / SwiGLU), moe (nn/moe.h).
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "loom/arch/config.h"
+
+namespace loom {
+
+// Activation checkpointing (memory/recompute.h): which fields of its BlockSaved a block keeps
+// from its forward to its backward; the rest are recomputed (Block::recompute) into a shared
+// full record just before the backward.
+//   none: all; selective: input, qkv, attn, mid, fc (the residual stream and GEMM outputs),
+//   and with FlashAttention lse (B,H,T), so that the attention is not run again;
+//   full: input only.
+enum RecomputePolicy : uint8_t { RECOMPUTE_NONE, RECOMPUTE_SELECTIVE, RECOMPUTE_FULL, RECOMPUTE_COUNT };
+
+enum class AttentionKind : uint8_t { mha, flash, ring, ulysses, mla };
+enum class MlpKind : uint8_t { dense, moe };
+
+struct LayerPlan {
+  AttentionKind attention = AttentionKind::mha;
+  MlpKind mlp = MlpKind::dense;
+  int64_t window = 0;              // model.attn_window: keys older than the window are masked
+  bool tensor_parallel = false;    // heads and MLP width sliced over the tp group
+  bool sequence_parallel = false;  // the residual stream on sequence shards (with tensor_parallel)
+  RecomputePolicy recompute = RECOMPUTE_NONE;
+};
+
+const char* attention_kind_name(AttentionKind kind);
+const char* mlp_kind_name(MlpKind kind);
+
+// The run's choices a plan is resolved from.
+struct PlanChoices {
+  bool flash = false;  // train.flash_attention
+  enum Context : uint8_t { NONE, RING, ULYSSES } context = NONE;  // parallel.cp > 1 and its algorithm
+  bool tensor_parallel = false, sequence_parallel = false;
+  RecomputePolicy recompute = RECOMPUTE_NONE;
+};
+
+// The plan of `layer`; throws naming the keys for a combination no module implements (the
+// layout's compatibility table, train/layout.h, refuses those first for a whole run).
+LayerPlan resolve_layer_plan(const ModelConfig& config, int64_t layer, const PlanChoices& choices);
+
+// "6 x attention flash + mlp dense" style summary of a model's plans, for the run header.
+std::string describe_plans(const std::vector<LayerPlan>& plans);
+
+}  // namespace loom
