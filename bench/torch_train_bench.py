@@ -39,7 +39,7 @@ The JSON line adds: "device": "cuda", "gpu" (torch.cuda.get_device_name()), "mfu
 "max_memory_reserved" (bytes, timed steps), "warmup_s", "compile", "flash_only", "cuda_version".
 
 Training FLOPs per token (the same as Loom's train_flops_per_token in
-src/loom/model/config.cpp; Kaplan et al. 2020, PaLM appendix B):
+src/loom/arch/config.cpp; Kaplan et al. 2020, PaLM appendix B):
 
     flops_per_token = 6 N + 12 L T d
 
@@ -91,7 +91,7 @@ H100_SXM_BF16_DENSE_TFLOPS = 989.4
 
 
 def matmul_param_count(cfg: ref.ModelConfig) -> int:
-    """Loom's matmul_param_count (src/loom/model/config.cpp) for MHA/GQA models without MoE/MLA:
+    """Loom's matmul_param_count (src/loom/arch/config.cpp) for MHA/GQA models without MoE/MLA:
     V d (embedding = tied head, counted once) + L (qkv + attention output + MLP matrices)."""
     assert not cfg.mla, "MLA FLOPs are not mirrored here"
     C, hd = cfg.d_model, cfg.head_dim

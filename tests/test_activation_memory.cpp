@@ -16,7 +16,7 @@
 
 #include "loom/backend/backend.h"
 #include "loom/core/memory.h"
-#include "loom/model/config.h"
+#include "loom/arch/config.h"
 #include "loom/model/transformer.h"
 #include "loom/nn/block.h"
 #include "loom/parallel/tensor_parallel.h"

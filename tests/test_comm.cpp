@@ -6,8 +6,8 @@
 #include "loom/comm/communicator.h"
 #include "loom/comm/device_mesh.h"
 #include "loom/core/error.h"
-#include "loom/model/config.h"
-#include "loom/model/param_layout.h"
+#include "loom/arch/config.h"
+#include "loom/arch/param_layout.h"
 #include "loom/parallel/compress.h"
 #include "test_util.h"
 

@@ -11,8 +11,8 @@
 #include <vector>
 
 #include "loom/core/error.h"
-#include "loom/model/config.h"
-#include "loom/model/param_layout.h"
+#include "loom/arch/config.h"
+#include "loom/arch/param_layout.h"
 #include "loom/model/transformer.h"
 #include "loom/train/config.h"
 #include "test_util.h"

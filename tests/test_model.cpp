@@ -3,8 +3,8 @@
 #include <gtest/gtest.h>
 
 #include "loom/core/error.h"
-#include "loom/model/config.h"
-#include "loom/model/param_layout.h"
+#include "loom/arch/config.h"
+#include "loom/arch/param_layout.h"
 #include "loom/model/transformer.h"
 #include "test_util.h"
 

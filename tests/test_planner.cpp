@@ -8,7 +8,7 @@
 
 #include "loom/core/error.h"
 #include "loom/memory/planner.h"
-#include "loom/model/config.h"
+#include "loom/arch/config.h"
 
 namespace loom {
 namespace {

@@ -15,7 +15,7 @@
 #include "loom/core/error.h"
 #include "loom/core/philox.h"
 #include "loom/core/tensor.h"
-#include "loom/model/param_layout.h"
+#include "loom/arch/param_layout.h"
 
 namespace loom::test {
 

@@ -58,7 +58,7 @@ class MoeConfig:
 
 
 def moe_specs(cfg: ref.ModelConfig, moe: MoeConfig) -> List[Tuple[str, Tuple[int, ...], str]]:
-    """Parameter specs in Loom's layout order (src/loom/model/param_layout.cpp)."""
+    """Parameter specs in Loom's layout order (src/loom/arch/param_layout.cpp)."""
     C, Fe, S = cfg.d_model, moe.d_ff, moe.shared * moe.d_ff
     llama = cfg.arch == "llama"
     out = []

@@ -4,7 +4,7 @@
 
 #include "loom/core/error.h"
 #include "loom/memory/recompute.h"
-#include "loom/model/param_layout.h"
+#include "loom/arch/param_layout.h"
 #include "loom/nn/moe.h"
 #include "loom/parallel/pipeline.h"
 #include "loom/parallel/tensor_parallel.h"

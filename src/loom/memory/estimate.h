@@ -29,7 +29,7 @@
 #include <string>
 
 #include "loom/core/memory.h"
-#include "loom/model/config.h"
+#include "loom/arch/config.h"
 #include "loom/optim/optimizer.h"
 #include "loom/precision/policy.h"
 

@@ -5,7 +5,7 @@
 #include <exception>
 
 #include "loom/core/error.h"
-#include "loom/model/config.h"
+#include "loom/arch/config.h"
 #include "loom/parallel/tensor_parallel.h"
 
 namespace loom {

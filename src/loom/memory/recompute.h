@@ -22,7 +22,7 @@
 #include <string>
 #include <vector>
 
-#include "loom/model/config.h"
+#include "loom/arch/config.h"
 #include "loom/nn/block.h"  // RecomputePolicy: which fields a block's saved record keeps
 
 namespace loom {
