@@ -292,8 +292,8 @@ void Block::attention_forward(Backend& backend, BlockSaved& s) const {
   copy_columns(s.qkv, 0, q, false);
   copy_columns(s.qkv, H * hd, k, false);
   copy_columns(s.qkv, (H + KV) * hd, v, false);
-  if (cp_->ulysses) ulysses_attention_forward(backend, *cp_->comm, q, k, v, s.attn, s.ulysses, H, KV);
-  else ring_attention_forward(backend, *cp_->comm, q, k, v, s.attn, s.lse, H, KV);
+  if (cp_->ulysses) ulysses_attention_forward(backend, *cp_->comm, q, k, v, s.attn, s.ulysses, H, KV, &cp_->work);
+  else ring_attention_forward(backend, *cp_->comm, q, k, v, s.attn, s.lse, H, KV, &cp_->work);
 }
 
 void Block::attention_backward(Backend& backend, const BlockSaved& s, BlockScratch& k) const {
@@ -310,14 +310,14 @@ void Block::attention_backward(Backend& backend, const BlockSaved& s, BlockScrat
   const Tensor dq = cp_->dq.view(0, {B, Tl, H * hd}), dk = cp_->dk.view(0, {B, Tl, KV * hd}),
                dv = cp_->dv.view(0, {B, Tl, KV * hd});
   if (cp_->ulysses) {
-    ulysses_attention_backward(backend, *cp_->comm, k.d_attn, s.ulysses, dq, dk, dv, H, KV);
+    ulysses_attention_backward(backend, *cp_->comm, k.d_attn, s.ulysses, dq, dk, dv, H, KV, &cp_->work);
   } else {
     const Tensor q = cp_->q.view(0, {B, Tl, H * hd}), kk = cp_->k.view(0, {B, Tl, KV * hd}),
                  v = cp_->v.view(0, {B, Tl, KV * hd});
     copy_columns(s.qkv, 0, q, false);
     copy_columns(s.qkv, H * hd, kk, false);
     copy_columns(s.qkv, (H + KV) * hd, v, false);
-    ring_attention_backward(backend, *cp_->comm, k.d_attn, q, kk, v, s.attn, s.lse, dq, dk, dv, H, KV);
+    ring_attention_backward(backend, *cp_->comm, k.d_attn, q, kk, v, s.attn, s.lse, dq, dk, dv, H, KV, &cp_->work);
   }
   copy_columns(k.d_qkv, 0, dq, true);
   copy_columns(k.d_qkv, H * hd, dk, true);
