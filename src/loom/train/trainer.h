@@ -126,6 +126,7 @@ class Trainer {
   Tensor scalar_;      // (1) f64 on the host: the loss, flags and norms summed over a group
   Tensor host_tokens_, host_targets_;  // the batch before it is written to the backend (GPU only)
   RangeSet domain_;
+  RangeSet norm_ranges_;  // the gradient elements global_grad_norm sums on this rank
   int64_t step_ = 0;
 };
 
