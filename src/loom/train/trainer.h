@@ -1,6 +1,6 @@
 // The training loop: gradient accumulation over micro-batches, global-norm clipping, the
-// configured optimizer (optim/optimizer.h) and LR schedule, and evaluation. All buffers are allocated once at construction;
-// a step allocates nothing.
+// configured optimizer (optim/optimizer.h) and LR schedule, and evaluation. Buffers are allocated at construction
+// (a few on first use, in the first step); a step after the first allocates nothing (tests/mpi_test_alloc.cpp).
 #pragma once
 #include <cstdint>
 #include <memory>
