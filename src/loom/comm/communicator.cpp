@@ -1,7 +1,10 @@
 #include "loom/comm/communicator.h"
 
+#include <array>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
+#include <new>
 
 #include "loom/core/error.h"
 
@@ -87,6 +90,60 @@ void Communicator::check_all_to_all_v(const Tensor& in, const std::vector<int64_
              out.describe(), ")");
   check_counts("all_to_all_v (send)", in, send_counts);
   check_counts("all_to_all_v (receive)", out, recv_counts);
+}
+
+namespace {
+
+// The recycled blocks of CommWork handles: one free list per 64-byte size class up to
+// kPooledBytes (larger handles use the heap directly). Blocks are never given back: the lists
+// hold at most the most handles ever in flight at once.
+constexpr size_t kBlockGrain = 64, kPooledBytes = 4096;
+
+struct FreeBlock {
+  FreeBlock* next;
+};
+
+struct WorkPool {
+  std::mutex mutex;
+  std::array<FreeBlock*, kPooledBytes / kBlockGrain> free{};
+};
+
+// Process-wide (handles may outlive the communicator that made them) and never destroyed (a
+// handle may be freed during static destruction).
+WorkPool& work_pool() {
+  alignas(WorkPool) static unsigned char storage[sizeof(WorkPool)];
+  static WorkPool* pool = new (storage) WorkPool;
+  return *pool;
+}
+
+size_t size_class(size_t bytes) { return (bytes + kBlockGrain - 1) / kBlockGrain - 1; }
+
+}  // namespace
+
+void* CommWork::operator new(size_t bytes) {
+  if (bytes == 0 || bytes > kPooledBytes) return ::operator new(bytes);
+  WorkPool& pool = work_pool();
+  const size_t c = size_class(bytes);
+  {
+    std::lock_guard<std::mutex> lock(pool.mutex);
+    if (FreeBlock* b = pool.free[c]) {
+      pool.free[c] = b->next;
+      return b;
+    }
+  }
+  return ::operator new((c + 1) * kBlockGrain);
+}
+
+void CommWork::operator delete(void* block, size_t bytes) {
+  if (block == nullptr) return;
+  if (bytes == 0 || bytes > kPooledBytes) {
+    ::operator delete(block);
+    return;
+  }
+  WorkPool& pool = work_pool();
+  const size_t c = size_class(bytes);
+  std::lock_guard<std::mutex> lock(pool.mutex);
+  pool.free[c] = new (block) FreeBlock{pool.free[c]};
 }
 
 namespace {

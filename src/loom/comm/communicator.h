@@ -48,10 +48,14 @@ struct ByteLedger {
 };
 
 // An operation in flight; wait() blocks until its buffers are final (and may be called once).
+// Handles are recycled (communicator.cpp): a freed handle's block serves the next one of its
+// size, so once a training step has run, the collectives of the next allocate nothing.
 class CommWork {
  public:
   virtual ~CommWork() = default;
   virtual void wait() = 0;
+  static void* operator new(size_t bytes);
+  static void operator delete(void* block, size_t bytes);
 };
 
 class Communicator {

@@ -3,8 +3,8 @@
 // of leaving ranks waiting.
 #include <mpi.h>
 
+#include <array>
 #include <cstring>
-#include <functional>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -74,31 +74,48 @@ MPI_Op mpi_op(ReduceOp op) {
   return MPI_SUM;
 }
 
+// A request in flight, with what must outlive it: a v-collective's int counts and
+// displacements (inline up to kInlineRanks ranks, so a handle allocates nothing beyond its
+// recycled block), and a move to run once it completes (an in-place reduce-scatter's result).
 class MpiWork final : public CommWork {
  public:
+  static constexpr int kInlineRanks = 32;
   MpiWork() = default;
   MPI_Request* request() { return &request_; }
-  // Runs once the request completes (e.g. moving an in-place reduce-scatter's result).
-  void then(std::function<void()> done) { done_ = std::move(done); }
+  // Runs once the request completes: moves `bytes` from base to base + to.
+  void then_move(char* base, size_t to, size_t bytes) { move_ = {base, to, bytes}; }
+  // Room for `arrays` int arrays of `ranks` entries each; array i at ints(ranks, i).
+  void reserve_ints(int arrays, int ranks) {
+    if (ranks > kInlineRanks) heap_.resize(static_cast<size_t>(arrays) * static_cast<size_t>(ranks));
+  }
+  int* ints(int ranks, int i) {
+    return (heap_.empty() ? inline_.data() : heap_.data()) + static_cast<ptrdiff_t>(i) * ranks;
+  }
   void wait() override {
     if (request_ != MPI_REQUEST_NULL) MPI_Wait(&request_, MPI_STATUS_IGNORE);
-    if (done_) std::exchange(done_, nullptr)();
+    if (move_.bytes != 0) std::memmove(move_.base + move_.to, move_.base, move_.bytes);
+    move_.bytes = 0;
   }
   ~MpiWork() override { wait(); }  // a dropped handle still completes before its buffers go
 
  private:
+  struct Move {
+    char* base = nullptr;
+    size_t to = 0, bytes = 0;
+  };
   MPI_Request request_ = MPI_REQUEST_NULL;
-  std::function<void()> done_;
+  Move move_;
+  std::array<int, 4 * kInlineRanks> inline_{};
+  std::vector<int> heap_;  // more ranks than kInlineRanks
 };
 
-// MPI's int counts and displacements of a v-collective.
-std::vector<int> int_counts(const std::vector<int64_t>& counts, const char* op) {
-  std::vector<int> out;
-  for (int64_t c : counts) {
-    LOOM_CHECK(c <= INT32_MAX, op, ": a segment of ", c, " elements exceeds MPI's int count");
-    out.push_back(static_cast<int>(c));
+// MPI's int counts of a v-collective into `out`, and (displs non-null) their displacements.
+void int_counts(const std::vector<int64_t>& counts, const char* op, int* out, int* displs = nullptr) {
+  for (size_t r = 0; r < counts.size(); ++r) {
+    LOOM_CHECK(counts[r] <= INT32_MAX, op, ": a segment of ", counts[r], " elements exceeds MPI's int count");
+    out[r] = static_cast<int>(counts[r]);
+    if (displs != nullptr) displs[r] = r == 0 ? 0 : displs[r - 1] + out[r - 1];
   }
-  return out;
 }
 
 int count_of(const Tensor& t, const char* op) {
@@ -176,15 +193,14 @@ class MpiCommunicator final : public Communicator {
     book_v(COLL_REDUCE_SCATTER, static_cast<int64_t>(x.nbytes()), counts[rank_] * static_cast<int64_t>(elem));
     auto w = std::make_unique<MpiWork>();
     count_of(x, "reduce_scatter_v");
-    auto n = std::make_shared<std::vector<int>>(int_counts(counts, "reduce_scatter_v"));
+    w->reserve_ints(1, size_);
+    int* n = w->ints(size_, 0);
+    int_counts(counts, "reduce_scatter_v", n);
     // MPI_IN_PLACE leaves this rank's result at the start of the buffer: moved to its segment.
-    MPI_Ireduce_scatter(MPI_IN_PLACE, mpi_ptr(x), n->data(), reduce_type(x, "reduce_scatter_v"), mpi_op(op),
-                        comm_, w->request());
-    char* base = static_cast<char*>(mpi_ptr(x));
+    MPI_Ireduce_scatter(MPI_IN_PLACE, mpi_ptr(x), n, reduce_type(x, "reduce_scatter_v"), mpi_op(op), comm_,
+                        w->request());
     const size_t bytes = static_cast<size_t>(counts[rank_]) * elem;
-    w->then([n, base, own, bytes, elem] {
-      if (own != 0 && bytes != 0) std::memmove(base + static_cast<size_t>(own) * elem, base, bytes);
-    });
+    if (own != 0) w->then_move(static_cast<char*>(mpi_ptr(x)), static_cast<size_t>(own) * elem, bytes);
     return w;
   }
   std::unique_ptr<CommWork> all_gather_v_async(const Tensor& x, const std::vector<int64_t>& counts) override {
@@ -193,12 +209,12 @@ class MpiCommunicator final : public Communicator {
     book_v(COLL_ALL_GATHER, static_cast<int64_t>(x.nbytes()), counts[rank_] * elem);
     auto w = std::make_unique<MpiWork>();
     count_of(x, "all_gather_v");
-    auto n = std::make_shared<std::vector<int>>(int_counts(counts, "all_gather_v"));
-    auto displs = std::make_shared<std::vector<int>>(n->size(), 0);
-    for (size_t r = 1; r < n->size(); ++r) (*displs)[r] = (*displs)[r - 1] + (*n)[r - 1];
-    MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, mpi_ptr(x), n->data(), displs->data(),
-                    mpi_type(x.dtype(), "all_gather_v"), comm_, w->request());
-    w->then([n, displs] {});  // the count arrays must outlive the request
+    w->reserve_ints(2, size_);
+    int* n = w->ints(size_, 0);
+    int* displs = w->ints(size_, 1);
+    int_counts(counts, "all_gather_v", n, displs);
+    MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, mpi_ptr(x), n, displs, mpi_type(x.dtype(), "all_gather_v"),
+                    comm_, w->request());
     return w;
   }
   std::unique_ptr<CommWork> all_to_all_v_async(const Tensor& in, const std::vector<int64_t>& send_counts,
@@ -214,14 +230,12 @@ class MpiCommunicator final : public Communicator {
     auto w = std::make_unique<MpiWork>();
     count_of(in, "all_to_all_v");
     count_of(out, "all_to_all_v");
-    auto sc = std::make_shared<std::vector<int>>(int_counts(send_counts, "all_to_all_v"));
-    auto rc = std::make_shared<std::vector<int>>(int_counts(recv_counts, "all_to_all_v"));
-    auto sd = std::make_shared<std::vector<int>>(sc->size(), 0), rd = std::make_shared<std::vector<int>>(rc->size(), 0);
-    for (size_t r = 1; r < sc->size(); ++r) (*sd)[r] = (*sd)[r - 1] + (*sc)[r - 1], (*rd)[r] = (*rd)[r - 1] + (*rc)[r - 1];
+    w->reserve_ints(4, size_);
+    int *sc = w->ints(size_, 0), *sd = w->ints(size_, 1), *rc = w->ints(size_, 2), *rd = w->ints(size_, 3);
+    int_counts(send_counts, "all_to_all_v", sc, sd);
+    int_counts(recv_counts, "all_to_all_v", rc, rd);
     const MPI_Datatype t = mpi_type(in.dtype(), "all_to_all_v");
-    MPI_Ialltoallv(mpi_ptr(in), sc->data(), sd->data(), t, mpi_ptr(out), rc->data(), rd->data(), t, comm_,
-                   w->request());
-    w->then([sc, rc, sd, rd] {});  // the count arrays must outlive the request
+    MPI_Ialltoallv(mpi_ptr(in), sc, sd, t, mpi_ptr(out), rc, rd, t, comm_, w->request());
     return w;
   }
   void send(const Tensor& x, int to, int tag) override {

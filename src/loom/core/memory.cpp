@@ -19,6 +19,16 @@ void raise_to(std::atomic<size_t>& peak, size_t value) {
 std::string_view mem_category_name(MemCategory category) { return kCategoryNames[category]; }
 
 void MemoryTracker::on_allocate(MemCategory category, size_t bytes) {
+  allocations_.fetch_add(1);
+  account(category, bytes);
+}
+
+void MemoryTracker::on_move(MemCategory from, MemCategory to, size_t bytes) {
+  on_release(from, bytes);
+  account(to, bytes);
+}
+
+void MemoryTracker::account(MemCategory category, size_t bytes) {
   raise_to(peak_[category], current_[category].fetch_add(bytes) + bytes);
   raise_to(peak_total_, current_total_.fetch_add(bytes) + bytes);
 }

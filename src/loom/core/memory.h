@@ -28,20 +28,26 @@ class MemoryTracker {
  public:
   void on_allocate(MemCategory category, size_t bytes);
   void on_release(MemCategory category, size_t bytes);
+  void on_move(MemCategory from, MemCategory to, size_t bytes);  // bytes accounted elsewhere: no allocation
 
   size_t current(MemCategory category) const { return current_[category].load(); }
   size_t peak(MemCategory category) const { return peak_[category].load(); }
   size_t current_total() const { return current_total_.load(); }
   size_t peak_total() const { return peak_total_.load(); }
+  // Allocations recorded so far (on_allocate calls): a phase that should allocate nothing (a
+  // training step after the first) leaves it unchanged.
+  size_t allocations() const { return allocations_.load(); }
   void reset_peaks();  // peaks := current, to measure one phase (e.g. a training step)
 
   std::string report() const;  // one line per category: current and peak bytes
 
  private:
+  void account(MemCategory category, size_t bytes);  // current and peak grow by bytes
   std::array<std::atomic<size_t>, MEM_CATEGORY_COUNT> current_{};  // [category]
   std::array<std::atomic<size_t>, MEM_CATEGORY_COUNT> peak_{};     // [category]
   std::atomic<size_t> current_total_{0};
   std::atomic<size_t> peak_total_{0};
+  std::atomic<size_t> allocations_{0};
 };
 
 std::string format_bytes(size_t bytes);  // "12.3 MiB"

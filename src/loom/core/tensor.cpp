@@ -10,6 +10,19 @@
 
 namespace loom {
 
+void Shape::push_back(int64_t d) {
+  LOOM_CHECK(size_ < kMaxDims, "a tensor shape has at most ", kMaxDims, " dims");
+  dims_[size_++] = d;
+}
+
+bool Shape::operator==(const Shape& other) const {
+  if (size_ != other.size_) return false;
+  for (size_t i = 0; i < size_; ++i) {
+    if (dims_[i] != other.dims_[i]) return false;
+  }
+  return true;
+}
+
 int64_t shape_numel(const Shape& shape) {
   int64_t n = 1;
   for (int64_t d : shape) n *= d;
@@ -51,8 +64,7 @@ Storage::~Storage() {
 void Tensor::move_to_category(MemCategory category) const {
   LOOM_CHECK(defined(), "move_to_category of an undefined tensor");
   if (storage_->category == category) return;
-  storage_->allocator->tracker().on_release(storage_->category, storage_->bytes);
-  storage_->allocator->tracker().on_allocate(category, storage_->bytes);
+  storage_->allocator->tracker().on_move(storage_->category, category, storage_->bytes);
   storage_->category = category;
 }
 

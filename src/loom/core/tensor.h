@@ -5,6 +5,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
 #include <string>
 #include <vector>
@@ -16,7 +17,40 @@ namespace loom {
 
 enum DeviceType : uint8_t { DEVICE_CPU, DEVICE_CUDA, DEVICE_COUNT };
 
-using Shape = std::vector<int64_t>;
+// A tensor's dims, kept inline (at most kMaxDims): making, copying and viewing tensors then
+// never touches the heap, so a training step's views allocate nothing.
+class Shape {
+ public:
+  static constexpr size_t kMaxDims = 8;
+  using value_type = int64_t;
+  using iterator = int64_t*;
+  using const_iterator = const int64_t*;
+
+  Shape() = default;
+  Shape(std::initializer_list<int64_t> dims) : Shape(dims.begin(), dims.end()) {}
+  template <typename It>
+  Shape(It first, It last) {
+    for (; first != last; ++first) push_back(static_cast<int64_t>(*first));
+  }
+
+  size_t size() const { return size_; }
+  bool empty() const { return size_ == 0; }
+  int64_t& operator[](size_t i) { return dims_[i]; }
+  int64_t operator[](size_t i) const { return dims_[i]; }
+  int64_t back() const { return dims_[size_ - 1]; }
+  int64_t* data() { return dims_; }
+  const int64_t* data() const { return dims_; }
+  iterator begin() { return dims_; }
+  iterator end() { return dims_ + size_; }
+  const_iterator begin() const { return dims_; }
+  const_iterator end() const { return dims_ + size_; }
+  void push_back(int64_t d);  // throws beyond kMaxDims
+  bool operator==(const Shape& other) const;
+
+ private:
+  int64_t dims_[kMaxDims] = {};
+  size_t size_ = 0;
+};
 int64_t shape_numel(const Shape& shape);
 std::string shape_str(const Shape& shape);  // "(2, 3, 4)"
 

@@ -114,8 +114,11 @@ void Transformer::sync_weight_copy() {
   if (params16_.defined()) backend_.cast(params_, params16_);
 }
 
-void Transformer::end_step() {
-  for (LinearLayer* l : linear_layers()) l->end_step();
+void Transformer::end_step() {  // every linear layer in linear_layers()'s order, without building the list
+  for (Block& b : blocks_) {
+    for (LinearLayer* l : b.linears()) l->end_step();
+  }
+  head_.end_step();
 }
 
 void Transformer::set_recording(bool on) {
@@ -124,17 +127,20 @@ void Transformer::set_recording(bool on) {
 }
 
 void Transformer::moe_end_step(Communicator* group) {
-  moe_stats_.clear();
-  if (config_.moe_experts == 0) return;
+  if (config_.moe_experts == 0) {
+    moe_stats_.clear();
+    return;
+  }
   // Per MoE layer: E loads, then tokens, dropped, micro-batches, aux, seq_aux, z, entropy, dispatched.
   const int64_t E = config_.moe_experts, per = E + 8;
-  std::vector<int64_t> layers;
-  for (int64_t l = 0; l < config_.n_layer; ++l) {
-    if (blocks_[l].is_moe()) layers.push_back(l);
-  }
   if (!moe_sums_.defined()) {
-    moe_sums_ = Tensor::empty(backend_.allocator(), {static_cast<int64_t>(layers.size()) * per}, DTYPE_F64, MEM_WORKSPACE);
+    for (int64_t l = 0; l < config_.n_layer; ++l) {
+      if (blocks_[l].is_moe()) moe_layers_.push_back(l);
+    }
+    moe_sums_ = Tensor::empty(backend_.allocator(), {static_cast<int64_t>(moe_layers_.size()) * per}, DTYPE_F64,
+                              MEM_WORKSPACE);
   }
+  const std::vector<int64_t>& layers = moe_layers_;
   double* v = moe_sums_.data<double>();
   for (size_t i = 0; i < layers.size(); ++i) {
     Block::MoeStats& m = blocks_[layers[i]].moe_stats();
@@ -143,12 +149,15 @@ void Transformer::moe_end_step(Communicator* group) {
     o[E] = static_cast<double>(m.tokens), o[E + 1] = static_cast<double>(m.dropped);
     o[E + 2] = static_cast<double>(m.micro_batches), o[E + 3] = m.aux, o[E + 4] = m.seq_aux, o[E + 5] = m.z;
     o[E + 6] = m.entropy, o[E + 7] = static_cast<double>(m.dispatched);
-    m = Block::MoeStats{};
+    m.reset();
   }
   if (group != nullptr && group->size() > 1) group->all_reduce(moe_sums_);  // every rank's tokens
+  size_t kept = 0;  // the entries of the layers with tokens, reused from the last step (their load's capacity)
   for (size_t i = 0; i < layers.size(); ++i) {
     const double* o = v + static_cast<int64_t>(i) * per;
-    MoeLayerStats st;
+    if (static_cast<int64_t>(o[E]) <= 0) continue;
+    MoeLayerStats& st = kept < moe_stats_.size() ? moe_stats_[kept] : moe_stats_.emplace_back();
+    ++kept;
     st.layer = layers[i];
     st.load.assign(o, o + E);
     st.tokens = static_cast<int64_t>(o[E]), st.dropped = static_cast<int64_t>(o[E + 1]);
@@ -156,11 +165,11 @@ void Transformer::moe_end_step(Communicator* group) {
     st.aux = o[E + 3] / micro, st.seq_aux = o[E + 4] / micro, st.z = o[E + 5] / micro, st.entropy = o[E + 6] / micro;
     st.max_violation = moe_max_violation(st.load);
     st.dispatched = static_cast<int64_t>(o[E + 7]);
-    if (config_.moe_bias_gamma > 0.0f && st.tokens > 0) {  // auxiliary-loss-free balancing
+    if (config_.moe_bias_gamma > 0.0f) {  // auxiliary-loss-free balancing
       moe_update_bias(blocks_[layers[i]].moe_bias(), st.load, config_.moe_bias_gamma);
     }
-    if (st.tokens > 0) moe_stats_.push_back(std::move(st));
   }
+  moe_stats_.resize(kept);
 }
 
 namespace {
@@ -296,6 +305,10 @@ ActivationStore Transformer::allocate_store_for(int64_t batch, int64_t seq_len, 
       cp_.k = ws(batch * Tl * config_.n_kv_head * hd), cp_.dk = ws(batch * Tl * config_.n_kv_head * hd);
       cp_.v = ws(batch * Tl * config_.n_kv_head * hd), cp_.dv = ws(batch * Tl * config_.n_kv_head * hd);
       cp_.chunk = ws(batch * (Tl / 2) * config_.qkv_width());
+    }
+    if (cp_.work.dims.batch != batch || cp_.work.dims.local_seq != Tl) {
+      cp_.work = allocate_cp_workspace(alloc, batch, Tl, config_.n_head, config_.n_kv_head, hd, cp_.comm->size(),
+                                       cp_.ulysses);
     }
     seq_len = Tl;
   }

@@ -212,6 +212,7 @@ class Transformer {
   int64_t moe_scratch_tokens_ = 0;
   Tensor moe_sums_;                  // (MoE layers x (E + 8)) f64: moe_end_step's reduction
   std::vector<MoeLayerStats> moe_stats_;
+  std::vector<int64_t> moe_layers_;  // the MoE blocks' layers (moe_sums_' rows)
   int64_t shards() const { return sp_ ? tp_->size() : 1; }
   ActivationStore allocate_store_for(int64_t batch, int64_t seq_len, int64_t first, int64_t last, bool split_backward,
                                      bool context_parallel, bool recompute = true);

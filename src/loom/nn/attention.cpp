@@ -42,8 +42,8 @@ void attention_forward(Backend& backend, const LayerPlan& plan, const ModelConfi
       LOOM_CHECK(cp != nullptr, "context-parallel attention without a cp group");
       const SplitQkv x = split_views(*cp, c, s.qkv.dim(0), s.qkv.dim(1), false);
       split_qkv(s.qkv, x, c, false);
-      if (plan.attention == AttentionKind::ulysses) ulysses_attention_forward(backend, *cp->comm, x.q, x.k, x.v, s.attn, s.ulysses, H, KV);
-      else ring_attention_forward(backend, *cp->comm, x.q, x.k, x.v, s.attn, s.lse, H, KV);
+      if (plan.attention == AttentionKind::ulysses) ulysses_attention_forward(backend, *cp->comm, x.q, x.k, x.v, s.attn, s.ulysses, H, KV, &cp->work);
+      else ring_attention_forward(backend, *cp->comm, x.q, x.k, x.v, s.attn, s.lse, H, KV, &cp->work);
       return;
     }
     case AttentionKind::mla:
@@ -68,11 +68,11 @@ void attention_backward(Backend& backend, const LayerPlan& plan, const ModelConf
       const int64_t B = s.qkv.dim(0), Tl = s.qkv.dim(1);
       const SplitQkv d = split_views(*cp, c, B, Tl, true);
       if (plan.attention == AttentionKind::ulysses) {
-        ulysses_attention_backward(backend, *cp->comm, k.d_attn, s.ulysses, d.q, d.k, d.v, H, KV);
+        ulysses_attention_backward(backend, *cp->comm, k.d_attn, s.ulysses, d.q, d.k, d.v, H, KV, &cp->work);
       } else {
         const SplitQkv x = split_views(*cp, c, B, Tl, false);
         split_qkv(s.qkv, x, c, false);
-        ring_attention_backward(backend, *cp->comm, k.d_attn, x.q, x.k, x.v, s.attn, s.lse, d.q, d.k, d.v, H, KV);
+        ring_attention_backward(backend, *cp->comm, k.d_attn, x.q, x.k, x.v, s.attn, s.lse, d.q, d.k, d.v, H, KV, &cp->work);
       }
       split_qkv(k.d_qkv, d, c, true);
       return;

@@ -105,6 +105,7 @@ struct ContextParallel {
   bool ulysses = false;                // else ring attention
   std::vector<int64_t> chunk_starts;   // global position of each of this rank's 2 chunks
   Tensor q, k, v, dq, dk, dv, chunk;   // (B,T/cp,H hd), (B,T/cp,KV hd) x2, same, chunk (B,T/2cp,W)
+  CpWorkspace work;                    // the attention calls' buffers (allocated with the store)
 };
 
 // Activation-gradient scratch shared by all blocks of a backward pass (overwritten each use).
@@ -207,6 +208,12 @@ class Block {
     std::vector<double> load;  // [expert] assignments
     int64_t tokens = 0, dropped = 0, micro_batches = 0, dispatched = 0;
     double aux = 0, seq_aux = 0, z = 0, entropy = 0;  // sums over micro-batches
+    void reset() {  // to no micro-batches, keeping load's capacity
+      std::vector<double> kept = std::move(load);
+      kept.clear();
+      *this = MoeStats{};
+      load = std::move(kept);
+    }
   };
   MoeStats& moe_stats() { return moe_stats_; }
   void set_recording(bool on) { recording_ = on; }

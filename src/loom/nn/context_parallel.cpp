@@ -38,6 +38,7 @@ struct AttnDims {
   int64_t seq() const { return Tl * N; } // global sequence T
   int64_t QW() const { return H * hd; }  // q / out row width
   int64_t KW() const { return KV * hd; } // k / v row width
+  int64_t pos(int64_t t) const { return cp_global_position(t, C(), r, N); }  // local query t's global position
 };
 
 // Validates q (B, Tl, H hd), k, v (B, Tl, KV hd) and the zig-zag sequence length.
@@ -99,8 +100,8 @@ inline void axpy(T alpha, const T* x, T* y, int64_t n) {
 // kblk, vblk (B, Tl, KV hd); acc (B, Tl, H hd) the unnormalized output; m, l (B, H, Tl);
 // scratch (threads, 2C) holds one query's scores.
 template <typename T>
-void ring_merge_block(const AttnDims& d, int owner, const std::vector<int64_t>& qpos, const T* q, const T* kblk,
-                      const T* vblk, T* acc, T* m, T* l, T* scratch) {
+void ring_merge_block(const AttnDims& d, int owner, const T* q, const T* kblk, const T* vblk, T* acc, T* m, T* l,
+                      T* scratch) {
   const int64_t C = d.C(), group = d.H / d.KV, QW = d.QW(), KW = d.KW(), hd = d.hd;
   const int64_t kstart[2] = {owner * C, (2 * d.N - 1 - owner) * C};  // global start of the block's two chunks
   const T scale = T(1) / std::sqrt(static_cast<T>(hd));
@@ -108,7 +109,7 @@ void ring_merge_block(const AttnDims& d, int owner, const std::vector<int64_t>& 
   for (int64_t b = 0; b < d.B; ++b) {
     for (int64_t h = 0; h < d.H; ++h) {
       for (int64_t i = 0; i < d.Tl; ++i) {
-        const int64_t cnt[2] = {visible_keys(qpos[i], kstart[0], C), visible_keys(qpos[i], kstart[1], C)};
+        const int64_t cnt[2] = {visible_keys(d.pos(i), kstart[0], C), visible_keys(d.pos(i), kstart[1], C)};
         if (cnt[0] + cnt[1] == 0) continue;
         T* s = scratch + omp_get_thread_num() * 2 * C;
         const int64_t g = h / group;
@@ -145,8 +146,8 @@ void ring_merge_block(const AttnDims& d, int owner, const std::vector<int64_t>& 
 // One task per (b, kv head g): it owns dK/dV of g and dQ of g's query heads, so no two threads
 // write the same element.
 template <typename T>
-void ring_backward_block(const AttnDims& d, int owner, const std::vector<int64_t>& qpos, const T* q, const T* dout,
-                         const T* lse, const T* D, const T* kblk, const T* vblk, T* dq, T* dkblk, T* dvblk) {
+void ring_backward_block(const AttnDims& d, int owner, const T* q, const T* dout, const T* lse, const T* D,
+                         const T* kblk, const T* vblk, T* dq, T* dkblk, T* dvblk) {
   const int64_t C = d.C(), group = d.H / d.KV, QW = d.QW(), KW = d.KW(), hd = d.hd;
   const int64_t kstart[2] = {owner * C, (2 * d.N - 1 - owner) * C};
   const T scale = T(1) / std::sqrt(static_cast<T>(hd));
@@ -155,7 +156,7 @@ void ring_backward_block(const AttnDims& d, int owner, const std::vector<int64_t
     for (int64_t g = 0; g < d.KV; ++g) {
       for (int64_t h = g * group; h < (g + 1) * group; ++h) {
         for (int64_t i = 0; i < d.Tl; ++i) {
-          const int64_t cnt[2] = {visible_keys(qpos[i], kstart[0], C), visible_keys(qpos[i], kstart[1], C)};
+          const int64_t cnt[2] = {visible_keys(d.pos(i), kstart[0], C), visible_keys(d.pos(i), kstart[1], C)};
           const int64_t st = (b * d.H + h) * d.Tl + i;
           const T* qi = q + (b * d.Tl + i) * QW + h * hd;
           const T* doi = dout + (b * d.Tl + i) * QW + h * hd;
@@ -187,8 +188,17 @@ void copy_rows(const char* src, int64_t src_stride, int64_t src_off, char* dst, 
   }
 }
 
-Tensor comm_buffer(Backend& backend, int64_t numel, DType dtype) {
-  return Tensor::empty(backend.allocator(), {numel}, dtype, MEM_COMMUNICATION);
+Tensor comm_buffer(Allocator& allocator, int64_t numel, DType dtype) {
+  return Tensor::empty(allocator, {numel}, dtype, MEM_COMMUNICATION);
+}
+
+// `given` when it is one for these dims (allocate_cp_workspace's), else a new one in `local`.
+const CpWorkspace& workspace_for(Backend& backend, const AttnDims& d, DType dtype, bool ulysses, CpWorkspace* given,
+                                 CpWorkspace& local) {
+  const CpWorkspace::Dims want{d.B, d.Tl, d.H, d.KV, d.hd, d.N, omp_get_max_threads(), ulysses, dtype};
+  if (given != nullptr && given->dims == want) return *given;
+  local = allocate_cp_workspace(backend.allocator(), d.B, d.Tl, d.H, d.KV, d.hd, d.N, ulysses, dtype);
+  return local;
 }
 
 // Ulysses' head groups: rank r' owns query heads [r' hl, (r'+1) hl) and kv heads [r' kvl, (r'+1) kvl).
@@ -212,9 +222,10 @@ void reorder_sequence(const UlyssesDims& u, const Tensor& full, const Tensor& ch
   char* f = static_cast<char*>(full.raw_data());
   char* c = static_cast<char*>(chunks.raw_data());
   for (int r = 0; r < a.N; ++r) {
-    const std::vector<int64_t> pos = cp_local_positions(a.seq(), r, a.N);
     char* chunk = c + static_cast<int64_t>(r) * a.B * a.Tl * w_bytes;
-    const auto full_row = [&](int64_t i) { return (i / a.Tl) * a.seq() + pos[i % a.Tl]; };  // i = b Tl + t
+    const auto full_row = [&](int64_t i) {  // i = b Tl + t
+      return (i / a.Tl) * a.seq() + cp_global_position(i % a.Tl, a.C(), r, a.N);
+    };
     if (scatter) {
       copy_rows(f, w_bytes, 0, chunk, w_bytes, 0, a.B * a.Tl, w_bytes, full_row);
     } else {
@@ -264,48 +275,69 @@ std::vector<int64_t> cp_local_positions(int64_t seq_len, int rank, int world) {
   LOOM_CHECK(rank >= 0 && rank < world, "context parallel: rank ", rank, " outside [0, ", world, ")");
   const int64_t C = seq_len / (2 * world);
   std::vector<int64_t> pos(static_cast<size_t>(2 * C));
-  for (int64_t t = 0; t < C; ++t) {
-    pos[t] = rank * C + t;
-    pos[C + t] = (2 * world - 1 - rank) * C + t;
-  }
+  for (int64_t t = 0; t < 2 * C; ++t) pos[static_cast<size_t>(t)] = cp_global_position(t, C, rank, world);
   return pos;
+}
+
+CpWorkspace allocate_cp_workspace(Allocator& allocator, int64_t batch, int64_t local_seq, int64_t n_head,
+                                  int64_t n_kv_head, int64_t head_dim, int world, bool ulysses, DType dtype) {
+  CpWorkspace w;
+  w.dims = {batch, local_seq, n_head, n_kv_head, head_dim, world, omp_get_max_threads(), ulysses, dtype};
+  const int64_t rows = batch * local_seq;
+  auto work = [&](Shape shape) { return Tensor::empty(allocator, std::move(shape), dtype, MEM_WORKSPACE); };
+  if (ulysses) {  // the all-to-all buffers (N, B, Tl, Wg) and the head-sharded gradients
+    const int64_t n = rows * (n_head + 2 * n_kv_head) * head_dim;
+    w.send = comm_buffer(allocator, n, dtype), w.recv = comm_buffer(allocator, n, dtype);
+    const int64_t seq = local_seq * world;
+    w.grad_out = work({batch, seq, n_head / world * head_dim});
+    w.grad_qkv = work({batch, seq, (n_head / world + 2 * (n_kv_head / world)) * head_dim});
+  } else {  // two [K | V | dK | dV] blocks, the running sum (or D) and one query's scores per thread
+    const int64_t n = 4 * rows * n_kv_head * head_dim;
+    w.send = comm_buffer(allocator, n, dtype), w.recv = comm_buffer(allocator, n, dtype);
+    w.stats = work({batch * n_head * local_seq});
+    w.scratch = work({omp_get_max_threads() * local_seq});
+  }
+  return w;
 }
 
 namespace {
 
-// Checks full (B, T, W) against local (B, T/N, W); returns (row bytes, positions).
-std::vector<int64_t> local_rows(const char* op, const Tensor& full, const Tensor& local, int rank, int world) {
+// Checks full (B, T, W) against local (B, T/N, W) and rank's zig-zag chunks.
+void check_local_rows(const char* op, const Tensor& full, const Tensor& local, int rank, int world) {
   LOOM_CHECK(full.defined() && local.defined() && full.ndim() == 3 && local.ndim() == 3 &&
                  full.dtype() == local.dtype() && full.dim(0) == local.dim(0) && full.dim(2) == local.dim(2) &&
                  full.dim(1) == local.dim(1) * world,
              op, ": full ", full.defined() ? full.describe() : "undefined", " and local ",
              local.defined() ? local.describe() : "undefined", " must be (B, T, W) and (B, T/", world, ", W)");
-  return cp_local_positions(full.dim(1), rank, world);
+  check_cp_seq_len(full.dim(1), world);
+  LOOM_CHECK(rank >= 0 && rank < world, "context parallel: rank ", rank, " outside [0, ", world, ")");
 }
 
 }  // namespace
 
 void cp_take_local(const Tensor& full, const Tensor& local, int rank, int world) {
-  const std::vector<int64_t> pos = local_rows("cp_take_local", full, local, rank, world);
+  check_local_rows("cp_take_local", full, local, rank, world);
   const int64_t Tl = local.dim(1), T = full.dim(1), w = local.dim(2) * static_cast<int64_t>(dtype_size(local.dtype()));
   copy_rows(static_cast<const char*>(full.raw_data()), w, 0, static_cast<char*>(local.raw_data()), w, 0,
-            local.dim(0) * Tl, w, [&](int64_t i) { return (i / Tl) * T + pos[i % Tl]; });
+            local.dim(0) * Tl, w,
+            [&](int64_t i) { return (i / Tl) * T + cp_global_position(i % Tl, Tl / 2, rank, world); });
 }
 
 void cp_put_local(const Tensor& local, const Tensor& full, int rank, int world) {
-  const std::vector<int64_t> pos = local_rows("cp_put_local", full, local, rank, world);
+  check_local_rows("cp_put_local", full, local, rank, world);
   const int64_t Tl = local.dim(1), T = full.dim(1), w = local.dim(2) * static_cast<int64_t>(dtype_size(local.dtype()));
   const char* src = static_cast<const char*>(local.raw_data());
   char* dst = static_cast<char*>(full.raw_data());
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < local.dim(0) * Tl; ++i) {
-    std::memcpy(dst + ((i / Tl) * T + pos[i % Tl]) * w, src + i * w, static_cast<size_t>(w));
+    std::memcpy(dst + ((i / Tl) * T + cp_global_position(i % Tl, Tl / 2, rank, world)) * w, src + i * w,
+                static_cast<size_t>(w));
   }
 }
 
 void cp_gather_sequence(Backend& backend, Communicator& cp, const Tensor& local, const Tensor& full) {
-  local_rows("cp_gather_sequence", full, local, cp.rank(), cp.size());
-  const Tensor all = comm_buffer(backend, local.numel() * cp.size(), local.dtype());  // (N, B, Tl, W)
+  check_local_rows("cp_gather_sequence", full, local, cp.rank(), cp.size());
+  const Tensor all = comm_buffer(backend.allocator(), local.numel() * cp.size(), local.dtype());  // (N, B, Tl, W)
   cp.all_gather(local.reshape({local.numel()}), all);
   for (int r = 0; r < cp.size(); ++r) cp_put_local(all.view(r * local.numel(), local.shape()), full, r, cp.size());
 }
@@ -313,18 +345,19 @@ void cp_gather_sequence(Backend& backend, Communicator& cp, const Tensor& local,
 // ---- Ring attention ----------------------------------------------------------------------------
 
 void ring_attention_forward(Backend& backend, Communicator& cp, const Tensor& q, const Tensor& k, const Tensor& v,
-                            const Tensor& out, const Tensor& lse, int64_t n_head, int64_t n_kv_head) {
+                            const Tensor& out, const Tensor& lse, int64_t n_head, int64_t n_kv_head,
+                            CpWorkspace* workspace) {
   const char* op = "ring_attention_forward";
   const AttnDims d = attn_dims(op, cp, q, k, v, n_head, n_kv_head);
   expect_shape(op, "out", out, q.shape(), q.dtype());
   expect_shape(op, "lse", lse, {d.B, d.H, d.Tl}, q.dtype());
-  const std::vector<int64_t> qpos = cp_local_positions(d.seq(), d.r, d.N);
+  CpWorkspace local;
+  const CpWorkspace& w = workspace_for(backend, d, q.dtype(), false, workspace, local);
   const int64_t blk = d.B * d.Tl * d.KW();  // elements of one of K, V
   // The block in hand and the one arriving: (2, B, Tl, KV hd) = [K | V].
-  Tensor cur = comm_buffer(backend, 2 * blk, q.dtype()), next = comm_buffer(backend, 2 * blk, q.dtype());
-  const Tensor l = Tensor::empty(backend.allocator(), {d.B * d.H * d.Tl}, q.dtype(), MEM_WORKSPACE);  // running sum
-  const Tensor scratch =
-      Tensor::empty(backend.allocator(), {omp_get_max_threads() * 2 * d.C()}, q.dtype(), MEM_WORKSPACE);
+  Tensor cur = w.send.view(0, {2 * blk}), next = w.recv.view(0, {2 * blk});
+  const Tensor& l = w.stats;  // running sum
+  const Tensor& scratch = w.scratch;
   dispatch_float(q.dtype(), op, [&]<typename T>() {
     std::memcpy(cur.data<T>(), k.data<T>(), k.nbytes());
     std::memcpy(cur.data<T>() + blk, v.data<T>(), v.nbytes());
@@ -335,7 +368,7 @@ void ring_attention_forward(Backend& backend, Communicator& cp, const Tensor& q,
     std::fill(l.data<T>(), l.data<T>() + l.numel(), T(0));
     for (int s = 0; s < d.N; ++s) {
       const int owner = (d.r - s + d.N) % d.N;
-      ring_merge_block<T>(d, owner, qpos, q.data<T>(), cur.data<T>(), cur.data<T>() + blk, acc, m, l.data<T>(),
+      ring_merge_block<T>(d, owner, q.data<T>(), cur.data<T>(), cur.data<T>() + blk, acc, m, l.data<T>(),
                           scratch.data<T>());
       if (s + 1 < d.N) {
         ring_shift(cp, cur, next);
@@ -361,7 +394,8 @@ void ring_attention_forward(Backend& backend, Communicator& cp, const Tensor& q,
 
 void ring_attention_backward(Backend& backend, Communicator& cp, const Tensor& dout, const Tensor& q,
                              const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse, const Tensor& dq,
-                             const Tensor& dk, const Tensor& dv, int64_t n_head, int64_t n_kv_head) {
+                             const Tensor& dk, const Tensor& dv, int64_t n_head, int64_t n_kv_head,
+                             CpWorkspace* workspace) {
   const char* op = "ring_attention_backward";
   const AttnDims d = attn_dims(op, cp, q, k, v, n_head, n_kv_head);
   for (const auto& [what, t] : {std::pair<const char*, const Tensor*>{"dout", &dout}, {"out", &out}, {"dq", &dq}}) {
@@ -370,11 +404,12 @@ void ring_attention_backward(Backend& backend, Communicator& cp, const Tensor& d
   expect_shape(op, "lse", lse, {d.B, d.H, d.Tl}, q.dtype());
   expect_shape(op, "dk", dk, k.shape(), q.dtype());
   expect_shape(op, "dv", dv, k.shape(), q.dtype());
-  const std::vector<int64_t> qpos = cp_local_positions(d.seq(), d.r, d.N);
+  CpWorkspace local;
+  const CpWorkspace& w = workspace_for(backend, d, q.dtype(), false, workspace, local);
   const int64_t blk = d.B * d.Tl * d.KW();
   // (4, B, Tl, KV hd) = [K | V | dK | dV]: a block travels with its accumulating gradient.
-  Tensor cur = comm_buffer(backend, 4 * blk, q.dtype()), next = comm_buffer(backend, 4 * blk, q.dtype());
-  const Tensor D = Tensor::empty(backend.allocator(), {d.B * d.H * d.Tl}, q.dtype(), MEM_WORKSPACE);
+  Tensor cur = w.send.view(0, {4 * blk}), next = w.recv.view(0, {4 * blk});
+  const Tensor& D = w.stats;
   dispatch_float(q.dtype(), op, [&]<typename T>() {
     // D_i = dO_i . O_i per (b, h, i) (FlashAttention-2's rowsum trick).
     const T* po = out.data<T>();
@@ -396,7 +431,7 @@ void ring_attention_backward(Backend& backend, Communicator& cp, const Tensor& d
     for (int s = 0; s < d.N; ++s) {
       const int owner = (d.r - s + d.N) % d.N;
       T* c = cur.data<T>();
-      ring_backward_block<T>(d, owner, qpos, q.data<T>(), pdo, lse.data<T>(), pD, c, c + blk, dq.data<T>(),
+      ring_backward_block<T>(d, owner, q.data<T>(), pdo, lse.data<T>(), pD, c, c + blk, dq.data<T>(),
                              c + 2 * blk, c + 3 * blk);
       if (s + 1 < d.N) {
         ring_shift(cp, cur, next);
@@ -425,7 +460,8 @@ int64_t ring_attention_backward_bytes(int world, int64_t batch, int64_t local_se
 // ---- Ulysses -----------------------------------------------------------------------------------
 
 void ulysses_attention_forward(Backend& backend, Communicator& cp, const Tensor& q, const Tensor& k, const Tensor& v,
-                               const Tensor& out, UlyssesSaved& saved, int64_t n_head, int64_t n_kv_head) {
+                               const Tensor& out, UlyssesSaved& saved, int64_t n_head, int64_t n_kv_head,
+                               CpWorkspace* workspace) {
   const char* op = "ulysses_attention_forward";
   const UlyssesDims u = ulysses_dims(op, attn_dims(op, cp, q, k, v, n_head, n_kv_head));
   const AttnDims& a = u.a;
@@ -437,8 +473,10 @@ void ulysses_attention_forward(Backend& backend, Communicator& cp, const Tensor&
   ensure_saved(backend, saved.probs, {a.B, u.hl, a.seq(), a.seq()}, q.dtype());
 
   // q, k, v -> (N, B, Tl, Wg) chunks by destination head group -> all_to_all_qkv -> true order.
-  const Tensor send = comm_buffer(backend, a.N * a.B * a.Tl * u.Wg(), q.dtype());
-  const Tensor recv = comm_buffer(backend, send.numel(), q.dtype());
+  CpWorkspace local;
+  const CpWorkspace& w = workspace_for(backend, a, q.dtype(), true, workspace, local);
+  const Tensor& send = w.send;
+  const Tensor& recv = w.recv;
   move_head_groups(u, q, send, wg, 0, qg, true);
   move_head_groups(u, k, send, wg, qg, kg, true);
   move_head_groups(u, v, send, wg, qg + kg, kg, true);
@@ -457,7 +495,7 @@ void ulysses_attention_forward(Backend& backend, Communicator& cp, const Tensor&
 
 void ulysses_attention_backward(Backend& backend, Communicator& cp, const Tensor& dout, const UlyssesSaved& saved,
                                 const Tensor& dq, const Tensor& dk, const Tensor& dv, int64_t n_head,
-                                int64_t n_kv_head) {
+                                int64_t n_kv_head, CpWorkspace* workspace) {
   const char* op = "ulysses_attention_backward";
   const UlyssesDims u = ulysses_dims(op, attn_dims(op, cp, dq, dk, dv, n_head, n_kv_head));
   const AttnDims& a = u.a;
@@ -468,10 +506,12 @@ void ulysses_attention_backward(Backend& backend, Communicator& cp, const Tensor
   const int64_t qg = u.hl * a.hd * E, kg = u.kvl * a.hd * E, wg = u.Wg() * E, og = qg;
 
   // dout -> head-sharded, true order (all_to_all_dout).
-  const Tensor send = comm_buffer(backend, a.N * a.B * a.Tl * u.Wg(), dq.dtype());
-  const Tensor recv = comm_buffer(backend, send.numel(), dq.dtype());
-  const Tensor dout_g = Tensor::empty(backend.allocator(), saved.out.shape(), dq.dtype(), MEM_WORKSPACE);
-  const Tensor dqkv_g = Tensor::empty(backend.allocator(), saved.qkv.shape(), dq.dtype(), MEM_WORKSPACE);
+  CpWorkspace local;
+  const CpWorkspace& w = workspace_for(backend, a, dq.dtype(), true, workspace, local);
+  const Tensor& send = w.send;
+  const Tensor& recv = w.recv;
+  const Tensor& dout_g = w.grad_out;
+  const Tensor& dqkv_g = w.grad_qkv;
   const Tensor osend = send.view(0, {a.N * a.B * a.Tl * u.hl * a.hd});
   const Tensor orecv = recv.view(0, osend.shape());
   move_head_groups(u, dout, osend, og, 0, og, true);

@@ -26,8 +26,9 @@
 // W any row width. Attention scale is 1/sqrt(hd), the mask causal on global positions: exactly
 // Backend::attention_forward's semantics. Tensors are contiguous host f32 or f64 (one dtype per
 // call). Activation gradients (dq, dk, dv) are overwritten. Every function is called by all
-// ranks of the cp communicator together. Communication and scratch buffers are allocated per
-// call from the backend's allocator (MEM_COMMUNICATION, MEM_WORKSPACE): a first, exact version.
+// ranks of the cp communicator together. Communication and scratch buffers come from a
+// CpWorkspace allocated once (a training step allocates nothing); a call given none (or one
+// for other dims) allocates its own from the backend's allocator (MEM_COMMUNICATION, MEM_WORKSPACE).
 #pragma once
 #include <cstdint>
 #include <vector>
@@ -42,6 +43,29 @@ void check_cp_seq_len(int64_t seq_len, int cp);
 
 // The global positions of rank's Tl = seq_len / world local positions, in local order.
 std::vector<int64_t> cp_local_positions(int64_t seq_len, int rank, int world);
+// One of them: the global position of local position t (< 2 chunk), chunk = seq_len / (2 world).
+inline int64_t cp_global_position(int64_t t, int64_t chunk, int rank, int world) {
+  return t < chunk ? rank * chunk + t : (2 * static_cast<int64_t>(world) - 1 - rank) * chunk + (t - chunk);
+}
+
+// The buffers of one ring or Ulysses call besides its arguments, for one set of dims.
+struct CpWorkspace {
+  struct Dims {
+    int64_t batch = 0, local_seq = 0, n_head = 0, n_kv_head = 0, head_dim = 0;
+    int world = 0, threads = 0;
+    bool ulysses = false;
+    DType dtype = DTYPE_F32;
+    bool operator==(const Dims&) const = default;
+  } dims;
+  Tensor send, recv;  // ring: the block in hand and the one arriving (4 B Tl KV hd each);
+                      // Ulysses: the all-to-all buffers (N, B, Tl, (H/N + 2 KV/N) hd)
+  Tensor stats;       // ring: (B H Tl) the forward's running sum, the backward's D
+  Tensor scratch;     // ring: (threads, 2C) one query's scores
+  Tensor grad_out, grad_qkv;  // Ulysses backward: dout and dqkv head-sharded over the whole sequence
+};
+CpWorkspace allocate_cp_workspace(Allocator& allocator, int64_t batch, int64_t local_seq, int64_t n_head,
+                                  int64_t n_kv_head, int64_t head_dim, int world, bool ulysses,
+                                  DType dtype = DTYPE_F32);
 
 // full (B, T, W) -> local (B, T/N, W): this rank's rows, in local (zig-zag) order. Any dtype.
 void cp_take_local(const Tensor& full, const Tensor& local, int rank, int world);
@@ -66,7 +90,8 @@ void cp_gather_sequence(Backend& backend, Communicator& cp, const Tensor& local,
 // per query); nothing O(T^2). Cost: plain loops over (b, h, query) with OpenMP, each query
 // computing its visible scores once (a dot product per key) — correctness first, not GEMMs.
 void ring_attention_forward(Backend& backend, Communicator& cp, const Tensor& q, const Tensor& k, const Tensor& v,
-                            const Tensor& out, const Tensor& lse, int64_t n_head, int64_t n_kv_head);
+                            const Tensor& out, const Tensor& lse, int64_t n_head, int64_t n_kv_head,
+                            CpWorkspace* workspace = nullptr);
 
 // Backward: given dout (B, Tl, H hd) and the forward's q, k, v, out and lse, writes dq (B, Tl,
 // H hd), dk and dv (B, Tl, KV hd). The K/V block circulates again, now with its accumulating
@@ -79,7 +104,8 @@ void ring_attention_forward(Backend& backend, Communicator& cp, const Tensor& q,
 //   backward: (N-1) x 2 B Tl KV hd E (K, V) + N x 2 B Tl KV hd E (dK, dV) = (4N - 2) B Tl KV hd E.
 void ring_attention_backward(Backend& backend, Communicator& cp, const Tensor& dout, const Tensor& q,
                              const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse, const Tensor& dq,
-                             const Tensor& dk, const Tensor& dv, int64_t n_head, int64_t n_kv_head);
+                             const Tensor& dk, const Tensor& dv, int64_t n_head, int64_t n_kv_head,
+                             CpWorkspace* workspace = nullptr);
 
 // Bytes sent per rank (and received) by ring_attention_forward / _backward: the formulas above.
 int64_t ring_attention_forward_bytes(int world, int64_t batch, int64_t local_seq, int64_t n_kv_head,
@@ -118,10 +144,11 @@ struct UlyssesSaved {
 // Memory: saved holds the full sequence for H/N heads, and probs is O(T^2) per head (the CPU
 // backend's attention saves P).
 void ulysses_attention_forward(Backend& backend, Communicator& cp, const Tensor& q, const Tensor& k, const Tensor& v,
-                               const Tensor& out, UlyssesSaved& saved, int64_t n_head, int64_t n_kv_head);
+                               const Tensor& out, UlyssesSaved& saved, int64_t n_head, int64_t n_kv_head,
+                               CpWorkspace* workspace = nullptr);
 void ulysses_attention_backward(Backend& backend, Communicator& cp, const Tensor& dout, const UlyssesSaved& saved,
                                 const Tensor& dq, const Tensor& dk, const Tensor& dv, int64_t n_head,
-                                int64_t n_kv_head);
+                                int64_t n_kv_head, CpWorkspace* workspace = nullptr);
 
 // Bytes sent per rank by ulysses_attention_forward (backward sends the same).
 int64_t ulysses_attention_bytes(int world, int64_t batch, int64_t local_seq, int64_t n_head, int64_t n_kv_head,

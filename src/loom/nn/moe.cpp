@@ -2,8 +2,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <omp.h>
+
 #include <cstring>
-#include <functional>
 #include <limits>
 #include <string>
 
@@ -98,6 +99,8 @@ std::vector<MoeField> moe_saved_fields(const ModelConfig& c, int64_t N, int ep) 
 MoeSaved allocate_moe_saved(Allocator& allocator, const ModelConfig& c, int64_t N, int ep) {
   MoeSaved s;
   for (auto& f : moe_saved_fields(c, N, ep)) s.*f.field = Tensor::empty(allocator, std::move(f.shape), f.dtype, MEM_ACTIVATIONS);
+  const size_t E = static_cast<size_t>(c.moe_experts);
+  s.offsets.reserve(E + 1), s.load.reserve(E), s.recv_rows.reserve(E);
   return s;
 }
 
@@ -136,6 +139,13 @@ MoeScratch allocate_moe_scratch(Allocator& allocator, const ModelConfig& c, int6
 }
 
 namespace {
+// v with at least n elements (grown only when smaller: reused scratch).
+template <typename T>
+T* at_least(std::vector<T>& v, int64_t n) {
+  if (v.size() < static_cast<size_t>(n)) v.resize(static_cast<size_t>(n));
+  return v.data();
+}
+
 // Experts [first, first + offsets.size() - 1) on rows x (grouped by expert: expert first + i's
 // rows [offsets[i], offsets[i + 1])): h = x W1^T, act, y = act W2^T.
 void experts_forward(Backend& backend, const ModelConfig& c, const MoeParams& p, int64_t first,
@@ -169,10 +179,12 @@ void experts_backward(Backend& backend, const ModelConfig& c, const MoeParams& p
 
 // Expert parallel: the received rows' order. Source-major (as the all-to-all-v delivers them:
 // source s's rows for local expert 0, 1, ...) <-> expert-major (local expert l's rows from source
-// 0, 1, ...), moving C floats per row. Returns the expert-major offsets of the local experts.
-std::vector<int64_t> permute_received(const std::vector<int64_t>& recv_rows, int64_t P, int64_t El, int64_t C,
-                                      const Tensor& source_major, const Tensor& expert_major, bool to_expert_major) {
-  std::vector<int64_t> eoff(static_cast<size_t>(El + 1), 0);
+// 0, 1, ...), moving C floats per row. Leaves the expert-major offsets of the local experts in
+// k.eoff.
+void permute_received(const std::vector<int64_t>& recv_rows, int64_t P, int64_t El, int64_t C,
+                      const Tensor& source_major, const Tensor& expert_major, bool to_expert_major, MoeScratch& k) {
+  std::vector<int64_t>& eoff = k.eoff;
+  eoff.assign(static_cast<size_t>(El + 1), 0);
   for (int64_t l = 0; l < El; ++l) {
     eoff[l + 1] = eoff[l];
     for (int64_t src = 0; src < P; ++src) eoff[l + 1] += recv_rows[src * El + l];
@@ -180,7 +192,8 @@ std::vector<int64_t> permute_received(const std::vector<int64_t>& recv_rows, int
   float* sm = source_major.data<float>();
   float* em = expert_major.data<float>();
   int64_t so = 0;
-  std::vector<int64_t> cursor(eoff.begin(), eoff.end() - 1);
+  std::vector<int64_t>& cursor = k.cursor;
+  cursor.assign(eoff.begin(), eoff.end() - 1);
   for (int64_t src = 0; src < P; ++src) {
     for (int64_t l = 0; l < El; ++l) {
       const int64_t n = recv_rows[src * El + l];
@@ -190,36 +203,37 @@ std::vector<int64_t> permute_received(const std::vector<int64_t>& recv_rows, int
       cursor[l] += n, so += n;
     }
   }
-  return eoff;
 }
 
 // Rows per rank (x C elements) of rows grouped by the global expert order, El experts per rank.
-std::vector<int64_t> rank_counts(const std::vector<int64_t>& offsets, int64_t P, int64_t El, int64_t C) {
-  std::vector<int64_t> out(static_cast<size_t>(P));
+void rank_counts(const std::vector<int64_t>& offsets, int64_t P, int64_t El, int64_t C, std::vector<int64_t>& out) {
+  out.assign(static_cast<size_t>(P), 0);
   for (int64_t r = 0; r < P; ++r) out[r] = (offsets[(r + 1) * El] - offsets[r * El]) * C;
-  return out;
 }
-std::vector<int64_t> source_counts(const std::vector<int64_t>& recv_rows, int64_t P, int64_t El, int64_t C) {
-  std::vector<int64_t> out(static_cast<size_t>(P), 0);
+void source_counts(const std::vector<int64_t>& recv_rows, int64_t P, int64_t El, int64_t C, std::vector<int64_t>& out) {
+  out.assign(static_cast<size_t>(P), 0);
   for (int64_t r = 0; r < P; ++r) {
     for (int64_t l = 0; l < El; ++l) out[r] += recv_rows[r * El + l] * C;
   }
-  return out;
 }
 // Expert parallel round trip: `rows` (R rows grouped by global expert) to their experts' ranks,
 // arranged by local expert into `into`; compute(offsets of the local experts) leaves its results
 // in `out` (same arrangement), which go back to the rows' ranks into `back` (R rows).
+template <typename Compute>
 void expert_round_trip(Communicator& ep, const MoeSaved& s, MoeScratch& k, int64_t E, int64_t C, const Tensor& rows,
-                       const Tensor& into, const Tensor& out, const Tensor& back,
-                       const std::function<void(const std::vector<int64_t>&)>& compute) {
+                       const Tensor& into, const Tensor& out, const Tensor& back, Compute&& compute) {
   const int64_t P = ep.size(), El = E / P, R = s.offsets[E];
-  const std::vector<int64_t> sent = rank_counts(s.offsets, P, El, C), got = source_counts(s.recv_rows, P, El, C);
+  std::vector<int64_t>& sent = k.sent;
+  std::vector<int64_t>& got = k.got;
+  rank_counts(s.offsets, P, El, C, sent);
+  source_counts(s.recv_rows, P, El, C, got);
   int64_t received = 0;
   for (int64_t n : got) received += n;
   const Tensor recv = k.recv.view(0, {received / C, C});
   ep.all_to_all_v_async(rows.view(0, {R * C}), sent, recv.view(0, {received}), got)->wait();
-  compute(permute_received(s.recv_rows, P, El, C, recv, into, true));
-  permute_received(s.recv_rows, P, El, C, recv, out, false);
+  permute_received(s.recv_rows, P, El, C, recv, into, true, k);
+  compute(static_cast<const std::vector<int64_t>&>(k.eoff));
+  permute_received(s.recv_rows, P, El, C, recv, out, false, k);
   ep.all_to_all_v_async(recv.view(0, {received}), got, back.view(0, {R * C}), sent)->wait();
 }
 }  // namespace
@@ -253,7 +267,9 @@ void moe_forward(Backend& backend, const ModelConfig& c, const MoeParams& p, con
   const float* bias = p.bias.data<float>();
   int32_t* expert = s.expert.data<int32_t>();
   float* gates = s.gates.data<float>();
-  const int64_t G = c.moe_groups, per_group = E / G;
+  const int64_t G = c.moe_groups, per_group = E / G, threads = omp_get_max_threads();
+  float* const select = at_least(k.select, threads * (E + G));
+  uint8_t* const keeps = at_least(k.keep, threads * G);
 #pragma omp parallel for schedule(static)
   for (int64_t t = 0; t < N; ++t) {
     const float* ut = u + t * E;
@@ -267,11 +283,11 @@ void moe_forward(Backend& backend, const ModelConfig& c, const MoeParams& p, con
       for (int64_t e = 0; e < E; ++e) st[e] = static_cast<float>(std::exp(static_cast<double>(ut[e] - m)) / sum);
     }
     // Selection scores: s + b; experts outside the chosen groups and already chosen are out.
-    std::vector<float> sel(static_cast<size_t>(E));
+    float* sel = select + omp_get_thread_num() * (E + G);
     for (int64_t e = 0; e < E; ++e) sel[e] = st[e] + bias[e];
     constexpr float kOut = -std::numeric_limits<float>::infinity();
     if (G > 1) {
-      std::vector<float> group_score(static_cast<size_t>(G));
+      float* group_score = sel + E;
       for (int64_t g = 0; g < G; ++g) {  // the sum of the group's two best selection scores
         float a = kOut, b = kOut;
         for (int64_t e = g * per_group; e < (g + 1) * per_group; ++e) {
@@ -280,7 +296,8 @@ void moe_forward(Backend& backend, const ModelConfig& c, const MoeParams& p, con
         }
         group_score[g] = per_group > 1 ? a + b : a;
       }
-      std::vector<bool> keep(static_cast<size_t>(G), false);
+      uint8_t* keep = keeps + omp_get_thread_num() * G;
+      std::fill(keep, keep + G, uint8_t{0});
       for (int64_t n = 0; n < c.moe_topk_groups; ++n) {
         int64_t best = -1;
         for (int64_t g = 0; g < G; ++g) {
@@ -312,7 +329,8 @@ void moe_forward(Backend& backend, const ModelConfig& c, const MoeParams& p, con
   s.load.assign(static_cast<size_t>(E), 0);
   for (int64_t a = 0; a < N * K; ++a) ++s.load[expert[a]];
   const int64_t cap = moe_capacity(c, N);
-  std::vector<int64_t> kept(static_cast<size_t>(E), 0);
+  std::vector<int64_t>& kept = k.kept;
+  kept.assign(static_cast<size_t>(E), 0);
   int32_t* row = s.row.data<int32_t>();
   s.dropped = 0;
   for (int64_t j = 0; j < K; ++j) {
@@ -377,9 +395,11 @@ void moe_forward(Backend& backend, const ModelConfig& c, const MoeParams& p, con
   }
   // The losses' values and the router entropy (q = s / sum s).
   const int64_t T = seq_len, B = N / seq_len;
-  std::vector<double> P(static_cast<size_t>(E), 0.0);
+  std::vector<double>& P = k.prob;
+  std::vector<double>& Pb = k.prob_seq;
+  std::vector<double>& fb = k.frac_seq;
+  P.assign(static_cast<size_t>(E), 0.0), Pb.assign(static_cast<size_t>(E), 0.0), fb.assign(static_cast<size_t>(E), 0.0);
   double z = 0.0, entropy = 0.0, seq_aux = 0.0;
-  std::vector<double> Pb(static_cast<size_t>(E)), fb(static_cast<size_t>(E));
   for (int64_t b = 0; b < B; ++b) {
     std::fill(Pb.begin(), Pb.end(), 0.0);
     std::fill(fb.begin(), fb.end(), 0.0);
@@ -433,7 +453,9 @@ void moe_backward(Backend& backend, const ModelConfig& c, const MoeParams& p, co
   const int64_t T = seq_len, B = N / seq_len;
   // The balance losses' d/dq_ti coefficients (q = s / sum s): c_i for every token (Switch), and
   // per sequence (DeepSeek-V3), times loss_weight.
-  std::vector<double> c_aux(static_cast<size_t>(E), 0.0), c_seq(static_cast<size_t>(B * E), 0.0);
+  std::vector<double>& c_aux = k.c_aux;
+  std::vector<double>& c_seq = k.c_seq;
+  c_aux.assign(static_cast<size_t>(E), 0.0), c_seq.assign(static_cast<size_t>(B * E), 0.0);
   for (int64_t e = 0; e < E; ++e) {
     const double f = static_cast<double>(s.load[e]) / static_cast<double>(K * N);
     c_aux[e] = loss_weight * c.moe_aux_alpha * static_cast<double>(E) * f / static_cast<double>(N);
@@ -450,10 +472,12 @@ void moe_backward(Backend& backend, const ModelConfig& c, const MoeParams& p, co
   const bool any_aux = c.moe_aux_alpha > 0.0f || c.moe_seq_aux_alpha > 0.0f;
   const double z_coeff = loss_weight * c.moe_z_alpha * 2.0 / static_cast<double>(N);
   float* du = k.ds.data<float>();
+  double* const dscores = at_least(k.dscores, static_cast<int64_t>(omp_get_max_threads()) * E);
 #pragma omp parallel for schedule(static)
   for (int64_t t = 0; t < N; ++t) {
     const float* st = sc + t * E;
-    std::vector<double> ds(static_cast<size_t>(E), 0.0);
+    double* ds = dscores + omp_get_thread_num() * E;
+    std::fill(ds, ds + E, 0.0);
     // Gates: dg_j = dy_t . ye[row]; g_j = scale s_ij / S (renorm) or scale s_ij.
     double dg[64];  // K <= 64 (ModelConfig::validate)
     double S = 0.0, dgs = 0.0;

@@ -83,6 +83,14 @@ struct MoeScratch {
   Tensor ds;                  // (N, E)
   Tensor dx;                  // (N, C)
   Tensor shared_dfc, shared_dact;  // (N, S or 2S), (N, S)
+  // Host scratch, sized on first use and kept, so that a step after the first allocates nothing.
+  std::vector<float> select;        // (threads, E + G): a token's selection scores and group scores
+  std::vector<uint8_t> keep;        // (threads, G): the groups a token keeps
+  std::vector<double> dscores;      // (threads, E): a token's score gradient
+  std::vector<int64_t> kept;        // (E): rows kept per expert
+  std::vector<double> prob, prob_seq, frac_seq;  // (E): the balance losses' sums
+  std::vector<double> c_aux, c_seq;              // (E), (B E): their gradients' coefficients
+  std::vector<int64_t> sent, got, eoff, cursor;  // expert parallel: elements per rank, the local experts' offsets
 };
 
 // ep: the expert-parallel group's size (the received rows are sized for the worst case, every

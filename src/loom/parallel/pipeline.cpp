@@ -118,13 +118,11 @@ int PipelineRunner::tag(int direction, int stage, int micro) const {
 }
 
 int PipelineRunner::acquire(int chunk, int micro) {
-  std::vector<bool> used(stores_[chunk].size(), false);
-  for (int slot : slot_[chunk]) {
-    if (slot >= 0) used[static_cast<size_t>(slot)] = true;
-  }
-  const auto free = std::find(used.begin(), used.end(), false);
-  LOOM_CHECK(free != used.end(), "pipeline: no free activation store on chunk ", chunk, " for micro-batch ", micro);
-  const int slot = static_cast<int>(free - used.begin());
+  const std::vector<int>& live = slot_[chunk];  // the first store no live micro-batch holds
+  int slot = 0;
+  while (slot < static_cast<int>(stores_[chunk].size()) && std::find(live.begin(), live.end(), slot) != live.end()) ++slot;
+  LOOM_CHECK(slot < static_cast<int>(stores_[chunk].size()), "pipeline: no free activation store on chunk ", chunk,
+             " for micro-batch ", micro);
   if (pending_[chunk][slot]) pending_[chunk][slot]->wait();  // its last output has left
   pending_[chunk][slot].reset();
   slot_[chunk][micro] = slot;

@@ -18,12 +18,17 @@ ShardRange shard_range(int64_t total, int rank, int world) {
 }
 
 std::vector<int64_t> shard_counts(int64_t begin, int64_t end, int64_t total, int world) {
-  std::vector<int64_t> counts(world);
+  std::vector<int64_t> counts;
+  shard_counts(begin, end, total, world, counts);
+  return counts;
+}
+
+void shard_counts(int64_t begin, int64_t end, int64_t total, int world, std::vector<int64_t>& counts) {
+  counts.resize(static_cast<size_t>(world));
   for (int r = 0; r < world; ++r) {
     const ShardRange s = shard_range(total, r, world);
-    counts[r] = std::max<int64_t>(0, std::min(end, s.end) - std::max(begin, s.begin));
+    counts[static_cast<size_t>(r)] = std::max<int64_t>(0, std::min(end, s.end) - std::max(begin, s.begin));
   }
-  return counts;
 }
 
 std::vector<OptimParam> shard_optim_params(const std::vector<OptimParam>& list, int64_t begin, int64_t end) {
@@ -78,17 +83,17 @@ void ZeroSharding::gather_params() {
     for (size_t u = 0; u < units_.size(); ++u) complete(gathering_[u], 0, false);
     whole_ = true;
   }
-  std::vector<std::unique_ptr<CommWork>> works;  // one in-place gather per domain range
   int64_t at = 0;
-  for (const Range& r : domain_) {
+  for (const Range& r : domain_) {  // one in-place gather per domain range
     const int64_t n = r.end - r.begin;
     if (n > 0) {
-      works.push_back(comm_.all_gather_v_async(params_.view(r.begin, {n}),
-                                               shard_counts(at, at + n, domain_total_, comm_.size())));
+      shard_counts(at, at + n, domain_total_, comm_.size(), counts_);
+      gathers_.push_back(comm_.all_gather_v_async(params_.view(r.begin, {n}), counts_));
     }
     at += n;
   }
-  for (auto& w : works) w->wait();
+  for (auto& w : gathers_) w->wait();
+  gathers_.clear();
 }
 
 void ZeroSharding::zero_grads() {
@@ -98,7 +103,7 @@ void ZeroSharding::zero_grads() {
   reduced_from_ = total_;
 }
 
-void ZeroSharding::complete(std::deque<Pending>& q, size_t keep, bool release_grads) {
+void ZeroSharding::complete(PendingQueue& q, size_t keep, bool release_grads) {
   while (q.size() > keep) {
     q.front().work->wait();
     if (release_grads) release_outside_shard(grads_, q.front().range);
@@ -111,9 +116,8 @@ void ZeroSharding::reduce_from(int64_t offset) {
   if (offset == reduced_from_) return;
   const Range r{offset, reduced_from_};
   reduced_from_ = offset;
-  reducing_.push_back({comm_.reduce_scatter_v_async(grads_.view(r.begin, {r.end - r.begin}),
-                                                    shard_counts(r.begin, r.end, total_, comm_.size()), REDUCE_SUM),
-                       r});
+  shard_counts(r.begin, r.end, total_, comm_.size(), counts_);
+  reducing_.push_back({comm_.reduce_scatter_v_async(grads_.view(r.begin, {r.end - r.begin}), counts_, REDUCE_SUM), r});
   complete(reducing_, 2, true);  // at most two layers' gradients in flight
 }
 
@@ -132,11 +136,10 @@ void ZeroSharding::finish() {
   for (int64_t i = range_.begin; i < range_.end; ++i) g[i] *= inv;
 }
 
-void ZeroSharding::gather(int unit, std::deque<Pending>& into) {
+void ZeroSharding::gather(int unit, PendingQueue& into) {
   for (const Range& r : units_[unit]) {
-    into.push_back({comm_.all_gather_v_async(params_.view(r.begin, {r.end - r.begin}),
-                                             shard_counts(r.begin, r.end, total_, comm_.size())),
-                    r});
+    shard_counts(r.begin, r.end, total_, comm_.size(), counts_);
+    into.push_back({comm_.all_gather_v_async(params_.view(r.begin, {r.end - r.begin}), counts_), r});
   }
 }
 

@@ -30,7 +30,6 @@
 // element depends on that element alone); the others are refused with a one-line error.
 #pragma once
 #include <cstdint>
-#include <deque>
 #include <memory>
 #include <string>
 #include <utility>
@@ -51,6 +50,7 @@ ShardRange shard_range(int64_t total, int rank, int world);
 // How many elements of [begin, end) fall in each rank's shard (they lie back to back, in rank
 // order: the segment layout of Communicator's v-collectives).
 std::vector<int64_t> shard_counts(int64_t begin, int64_t end, int64_t total, int world);
+void shard_counts(int64_t begin, int64_t end, int64_t total, int world, std::vector<int64_t>& counts);  // into counts
 
 // The parameter list restricted to [begin, end): parameters cut at the edges, one flat
 // segment each (element-wise rules ignore the matrix structure).
@@ -96,11 +96,28 @@ class ZeroSharding {
     std::unique_ptr<CommWork> work;
     Range range;
   };
+  // A FIFO of operations in flight over a vector that keeps its capacity (emptied, it starts
+  // again at the front): after the first step, queueing allocates nothing.
+  class PendingQueue {
+   public:
+    size_t size() const { return items_.size() - head_; }
+    bool empty() const { return size() == 0; }
+    Pending& front() { return items_[head_]; }
+    void push_back(Pending p) { items_.push_back(std::move(p)); }
+    void pop_front() {
+      items_[head_++] = Pending{};
+      if (head_ == items_.size()) items_.clear(), head_ = 0;
+    }
+
+   private:
+    std::vector<Pending> items_;
+    size_t head_ = 0;
+  };
   void release_outside_shard(const Tensor& t, Range r);
-  void gather(int unit, std::deque<Pending>& into);
+  void gather(int unit, PendingQueue& into);
   // Waits until at most `keep` operations of q are in flight; gradient reductions then release
   // what this rank does not own.
-  void complete(std::deque<Pending>& q, size_t keep, bool release_grads);
+  void complete(PendingQueue& q, size_t keep, bool release_grads);
 
   Communicator& comm_;
   int stage_;
@@ -111,8 +128,10 @@ class ZeroSharding {
   ShardRange range_;
   int64_t total_;
   int64_t reduced_from_ = 0;  // backward's previous ready offset
-  std::deque<Pending> reducing_;
-  std::vector<std::deque<Pending>> gathering_;  // [unit]: gathers in flight
+  PendingQueue reducing_;
+  std::vector<PendingQueue> gathering_;  // [unit]: gathers in flight
+  std::vector<std::unique_ptr<CommWork>> gathers_;  // gather_params()'s, one per domain range
+  std::vector<int64_t> counts_;                     // a v-collective's shard_counts
   std::vector<bool> resident_;                  // [unit]: gathered and not yet released
   bool whole_ = false;                          // gather_params() made stage 3's parameters whole
 };

@@ -172,6 +172,13 @@ Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config, Commu
                "zero_stage 0 or 1");
   }
   scalar_ = Tensor::zeros(host_, {1}, DTYPE_F64, MEM_WORKSPACE);
+  if (store_.tokens.defined() && !store_.tokens.host_accessible()) {  // a GPU's batch is staged on the host
+    host_tokens_ = Tensor::empty(host_, store_.tokens.shape(), DTYPE_I32, MEM_WORKSPACE);
+    host_targets_ = Tensor::empty(host_, store_.targets.shape(), DTYPE_I32, MEM_WORKSPACE);
+  }
+  // The gradient elements the norm sums: the stages' (or all), within this rank's ZeRO-2/3 shard.
+  norm_ranges_ = pipeline_ != nullptr ? pipeline_->norm_ranges() : RangeSet::span(0, model_.grads().numel());
+  if (sharded_grads()) norm_ranges_ = norm_ranges_.intersect(RangeSet::span(zero_->range().begin, zero_->range().end));
   if (model_.precision().master_bf16) {  // no fp32 master: the weights are bf16 values from the start
     round_to_bf16(model_.params().data<float>(), model_.params().numel(), false);
   }
@@ -282,10 +289,7 @@ StepStats Trainer::train_step(BatchSource& data) {
 
 double Trainer::global_grad_norm() {
   const Tensor& grads = model_.grads();
-  RangeSet ranges = pipeline_ != nullptr ? pipeline_->norm_ranges() : RangeSet::span(0, grads.numel());
-  if (sharded_grads()) {  // ZeRO-2/3: this rank holds its shard's gradients (the whole buffer is its domain)
-    ranges = ranges.intersect(RangeSet::span(zero_->range().begin, zero_->range().end));
-  }
+  const RangeSet& ranges = norm_ranges_;  // ZeRO-2/3: this rank holds its shard's gradients
   double sq = 0.0, replicated = 0.0;
   for (const auto& [b, e] : ranges) {
     if (b < e) sq += std::pow(grad_norm(backend_, grads.view(b, {e - b})), 2);
@@ -334,10 +338,6 @@ void Trainer::load_batch(BatchSource& data) {
   if (store_.tokens.host_accessible()) {
     data.fill(store_.tokens, store_.targets);
     return;
-  }
-  if (!host_tokens_.defined()) {
-    host_tokens_ = Tensor::empty(host_, store_.tokens.shape(), DTYPE_I32, MEM_WORKSPACE);
-    host_targets_ = Tensor::empty(host_, store_.targets.shape(), DTYPE_I32, MEM_WORKSPACE);
   }
   data.fill(host_tokens_, host_targets_);
   backend_.write(store_.tokens, host_tokens_.raw_data());

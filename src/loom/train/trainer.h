@@ -1,6 +1,6 @@
 // The training loop: gradient accumulation over micro-batches, global-norm clipping, the
-// configured optimizer (optim/optimizer.h) and LR schedule, and evaluation. All buffers are allocated once at construction;
-// a step allocates nothing.
+// configured optimizer (optim/optimizer.h) and LR schedule, and evaluation. Buffers are allocated at construction
+// (a few on first use, in the first step); a step after the first allocates nothing (tests/mpi_test_alloc.cpp).
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -126,6 +126,7 @@ class Trainer {
   Tensor scalar_;      // (1) f64 on the host: the loss, flags and norms summed over a group
   Tensor host_tokens_, host_targets_;  // the batch before it is written to the backend (GPU only)
   RangeSet domain_;
+  RangeSet norm_ranges_;  // the gradient elements global_grad_norm sums on this rank
   int64_t step_ = 0;
 };
 
