@@ -154,7 +154,7 @@ TEST(MpiComm, CompressionWireBytesFollowTheFormulas) {
     c.reduce(*f.comm, g, 0);
     return f.comm->ledger().total_sent();
   };
-  Allocator& a = f.backend->allocator();
+  Backend& a = *f.backend;
   const int64_t k = 50;  // floor(0.05 n)
   EXPECT_EQ(bytes_of(*make_topk_compressor(a, n, 0.05)), (N - 1) * k * 8);
   EXPECT_EQ(bytes_of(*make_dgc_compressor(a, n, DgcOptions{0.05, 0.9, 0.0, 0})), (N - 1) * k * 8);

@@ -10,6 +10,7 @@
 #include "mpi_fixture.h"
 #include "strict_backend.h"
 #include "test_util.h"
+#include "loom/parallel/ddp.h"
 #include "loom/parallel/zero.h"
 #include "loom/train/trainer.h"
 
@@ -201,6 +202,33 @@ TEST(MpiDdp, DgcCompression) {
     std::printf("dgc 5%% np=%d: last-5 loss %.4f vs momentum SGD %.4f (%+.2f%%); all-gather bytes sent %lld over 20 steps\n",
                 n, tail, tail_ref, 100 * (tail - tail_ref) / tail_ref,
                 static_cast<long long>(comm->ledger().sent[COLL_ALL_GATHER]));
+  }
+}
+
+// Every hook's buffers (codes, gathered codes, P and Q) are allocated when DataParallel is built:
+// three steps of every bucket reduced and averaged allocate nothing (the tracker's peak stays
+// where construction left it), DGC's densest warm-up step included.
+TEST(MpiDdp, CompressedStepsAllocateNothing) {
+  auto comm = make_mpi_communicator();
+  auto backend = make_cpu_backend();
+  const ParamLayout layout = build_param_layout(model_preset("gpt2-tiny"));
+  Tensor grads = Tensor::zeros(backend->allocator(), {layout.total}, DTYPE_F32, MEM_GRADIENTS);
+  for (const char* hook : {"topk", "dgc", "onebit", "qsgd", "powersgd"}) {
+    DdpConfig ddp;
+    ddp.bucket_bytes = 16 << 10;
+    ddp.compression = hook, ddp.topk_ratio = 0.05, ddp.dgc.warmup_steps = 2;
+    DataParallel dp(*comm, *backend, grads, layout, ddp);
+    MemoryTracker& mem = backend->allocator().tracker();
+    const size_t before = mem.current_total();
+    mem.reset_peaks();
+    for (int step = 0; step < 3; ++step) {
+      float* g = grads.data<float>();
+      for (int64_t i = 0; i < layout.total; ++i) g[i] = std::sin(0.01f * static_cast<float>(i + 7 * step + comm->rank()));
+      for (const DataParallel::Bucket& b : dp.buckets()) dp.ready_from(b.begin);
+      dp.finish(backend.get());
+    }
+    EXPECT_EQ(mem.peak_total(), before) << hook;
+    EXPECT_EQ(mem.current_total(), before) << hook;
   }
 }
 

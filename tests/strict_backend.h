@@ -112,6 +112,34 @@ class StrictBackend final : public Backend {
     cpu_->adamw_step(h(param), h(grad), h(m), h(v), hyper);
   }
 
+  void topk_extract(const Tensor& acc, const Tensor& idx, const Tensor& val, const Tensor& scratch) override {
+    cpu_->topk_extract(h(acc), h(idx), h(val), h(scratch));
+  }
+  void scatter_add(const Tensor& idx, const Tensor& val, const Tensor& out) override { cpu_->scatter_add(h(idx), h(val), h(out)); }
+  void scatter_zero(const Tensor& idx, const Tensor& x) override { cpu_->scatter_zero(h(idx), h(x)); }
+  void dgc_accumulate(const Tensor& g, const Tensor& u, const Tensor& v, float momentum, double clip) override {
+    cpu_->dgc_accumulate(h(g), h(u), h(v), momentum, clip);
+  }
+  void onebit_encode(const Tensor& acc, const Tensor& words, const Tensor& scale) override {
+    cpu_->onebit_encode(h(acc), h(words), h(scale));
+  }
+  void onebit_decode_add(const Tensor& words, const Tensor& scales, const Tensor& out) override {
+    cpu_->onebit_decode_add(h(words), h(scales), h(out));
+  }
+  void qsgd_encode(const Tensor& g, const Tensor& codes, const Tensor& norm, const QsgdSpec& spec) override {
+    cpu_->qsgd_encode(h(g), h(codes), h(norm), spec);
+  }
+  void qsgd_decode_add(const Tensor& codes, const Tensor& norms, int levels, const Tensor& out) override {
+    cpu_->qsgd_decode_add(h(codes), h(norms), levels, h(out));
+  }
+  void lowrank_project(const Tensor& m, const Tensor& q, const Tensor& out, bool transpose) override {
+    cpu_->lowrank_project(h(m), h(q), h(out), transpose);
+  }
+  void orthonormalize_columns(const Tensor& p) override { cpu_->orthonormalize_columns(h(p)); }
+  void lowrank_expand(const Tensor& p, const Tensor& q, const Tensor& out, float alpha, float beta) override {
+    cpu_->lowrank_expand(h(p), h(q), h(out), alpha, beta);
+  }
+
  private:
   static Tensor h(const Tensor& t) { return t.defined() ? t.host_alias() : t; }
 

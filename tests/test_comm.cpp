@@ -67,7 +67,7 @@ TEST(TopKCompression, ErrorFeedbackInvariantAndSelection) {
   auto comm = make_local_communicator();
   auto backend = make_cpu_backend();
   const int64_t n = 1000, k = 37;
-  auto topk = make_topk_compressor(backend->allocator(), n + 10, static_cast<double>(k) / n);
+  auto topk = make_topk_compressor(*backend, n + 10, static_cast<double>(k) / n);
   std::vector<double> grad_sum(n, 0.0), sent_sum(n, 0.0);
   for (int step = 0; step < 6; ++step) {
     Tensor g = test::random_tensor(backend->allocator(), {n}, DTYPE_F32, 100 + step);
@@ -95,7 +95,7 @@ TEST(TopKCompression, ErrorFeedbackInvariantAndSelection) {
   for (int64_t i = 0; i < n; ++i) {
     EXPECT_NEAR(sent_sum[i] + topk->residual().data<float>()[10 + i], grad_sum[i], 1e-5) << i;
   }
-  auto all = make_topk_compressor(backend->allocator(), n, 1.0);
+  auto all = make_topk_compressor(*backend, n, 1.0);
   Tensor g = test::random_tensor(backend->allocator(), {n}, DTYPE_F32, 9);
   const std::vector<double> before = test::values(g);
   all->reduce(*comm, g, 0);
@@ -109,8 +109,8 @@ TEST(DgcCompression, MomentumZeroIsTopK) {
   auto comm = make_local_communicator();
   auto backend = make_cpu_backend();
   const int64_t n = 500;
-  auto topk = make_topk_compressor(backend->allocator(), n + 10, 0.03);
-  auto dgc = make_dgc_compressor(backend->allocator(), n + 10, {.ratio = 0.03, .momentum = 0.0});
+  auto topk = make_topk_compressor(*backend, n + 10, 0.03);
+  auto dgc = make_dgc_compressor(*backend, n + 10, {.ratio = 0.03, .momentum = 0.0});
   for (int step = 0; step < 5; ++step) {
     Tensor a = test::random_tensor(backend->allocator(), {n}, DTYPE_F32, 300 + step);
     Tensor b = test::random_tensor(backend->allocator(), {n}, DTYPE_F32, 300 + step);
@@ -129,7 +129,7 @@ TEST(DgcCompression, MomentumCorrectionAndFactorMasking) {
   auto backend = make_cpu_backend();
   const int64_t n = 400, k = 12, off = 5;
   const double m = 0.9;
-  auto dgc = make_dgc_compressor(backend->allocator(), n + off, {.ratio = static_cast<double>(k) / n, .momentum = m});
+  auto dgc = make_dgc_compressor(*backend, n + off, {.ratio = static_cast<double>(k) / n, .momentum = m});
   std::vector<double> u(n, 0.0), v(n, 0.0), u_sum(n, 0.0), sent_sum(n, 0.0);
   for (int step = 0; step < 8; ++step) {
     Tensor g = test::random_tensor(backend->allocator(), {n}, DTYPE_F32, 400 + step);
@@ -173,7 +173,7 @@ TEST(DgcCompression, SparsityWarmupSchedule) {
   auto comm = make_local_communicator();
   auto backend = make_cpu_backend();
   const int64_t n = 1000;
-  auto dgc = make_dgc_compressor(backend->allocator(), 2 * n, {.ratio = 0.001, .momentum = 0.9, .warmup_steps = 8});
+  auto dgc = make_dgc_compressor(*backend, 2 * n, {.ratio = 0.001, .momentum = 0.9, .warmup_steps = 8});
   auto count = [&](GradCompressor& c, int64_t offset, uint64_t seed) {
     Tensor g = test::random_tensor(backend->allocator(), {n}, DTYPE_F32, seed);
     c.reduce(*comm, g, offset);
@@ -186,10 +186,10 @@ TEST(DgcCompression, SparsityWarmupSchedule) {
     EXPECT_EQ(count(*dgc, n, 500 + t), expect[t]) << "bucket at n, call " << t;  // the later bucket first, as DDP
     EXPECT_EQ(count(*dgc, 0, 600 + t), expect[t]) << "bucket at 0, call " << t;
   }
-  auto none = make_dgc_compressor(backend->allocator(), n, {.ratio = 0.001});
+  auto none = make_dgc_compressor(*backend, n, {.ratio = 0.001});
   EXPECT_EQ(count(*none, 0, 700), 1);
   // ratio 0.1: one warm-up stage (1/4 > 0.1 > 1/16) over all 3 warm-up calls.
-  auto one = make_dgc_compressor(backend->allocator(), n, {.ratio = 0.1, .warmup_steps = 3});
+  auto one = make_dgc_compressor(*backend, n, {.ratio = 0.1, .warmup_steps = 3});
   for (const int64_t k : {250, 250, 250, 100, 100}) EXPECT_EQ(count(*one, 0, 800 + k), k);
 }
 
@@ -206,7 +206,7 @@ TEST(DgcCompression, LocalGradientClipping) {
     return std::sqrt(sq);
   };
   const DgcOptions clip = {.ratio = 1.0, .momentum = 0.0, .clip_norm = 2.0};
-  auto dgc = make_dgc_compressor(backend->allocator(), n, clip);
+  auto dgc = make_dgc_compressor(*backend, n, clip);
   Tensor g = test::random_tensor(backend->allocator(), {n}, DTYPE_F32, 900);
   const std::vector<double> before = test::values(g);
   const double norm_before = norm(g);
@@ -215,14 +215,14 @@ TEST(DgcCompression, LocalGradientClipping) {
   EXPECT_NEAR(norm(g), 2.0, 1e-6);
   for (int64_t i = 0; i < n; ++i) EXPECT_NEAR(g.data<float>()[i], before[i] * 2.0 / norm_before, 1e-6) << i;
 
-  auto fresh = make_dgc_compressor(backend->allocator(), n, clip);
+  auto fresh = make_dgc_compressor(*backend, n, clip);
   Tensor small = test::random_tensor(backend->allocator(), {n}, DTYPE_F32, 901, 0.1);
   const std::vector<double> unchanged = test::values(small);
   ASSERT_LT(norm(small), 2.0);
   fresh->reduce(*comm, small, 0);
   EXPECT_EQ(test::values(small), unchanged);
 
-  auto share = make_dgc_compressor(backend->allocator(), 4 * n, clip);
+  auto share = make_dgc_compressor(*backend, 4 * n, clip);
   Tensor part = test::random_tensor(backend->allocator(), {n}, DTYPE_F32, 902);
   share->reduce(*comm, part, 3 * n);
   EXPECT_NEAR(norm(part), 1.0, 1e-6);
@@ -234,7 +234,7 @@ TEST(OneBitCompression, SendsSignTimesMeanMagnitudeWithErrorFeedback) {
   auto comm = make_local_communicator();
   auto backend = make_cpu_backend();
   const int64_t n = 100;  // not a multiple of 32
-  auto onebit = make_onebit_compressor(backend->allocator(), n);
+  auto onebit = make_onebit_compressor(*backend, n);
   std::vector<double> grad_sum(n, 0.0), sent_sum(n, 0.0);
   for (int step = 0; step < 6; ++step) {
     Tensor g = test::random_tensor(backend->allocator(), {n}, DTYPE_F32, 200 + step);
@@ -263,7 +263,7 @@ TEST(QsgdCompression, UnbiasedOnTheTwoNearestLevels) {
   auto backend = make_cpu_backend();
   const int64_t n = 24;
   const int s = 4;
-  auto qsgd = make_qsgd_compressor(backend->allocator(), n, s, 77);
+  auto qsgd = make_qsgd_compressor(*backend, n, s, 77);
   Tensor v = test::random_tensor(backend->allocator(), {n}, DTYPE_F32, 5);
   double sq = 0.0;
   for (int64_t i = 0; i < n; ++i) sq += static_cast<double>(v.data<float>()[i]) * v.data<float>()[i];
@@ -295,7 +295,7 @@ TEST(PowerSgdCompression, FullRankIsExactAndErrorFeedbackHolds) {
   auto comm = make_local_communicator();
   auto backend = make_cpu_backend();
   const ParamLayout layout = build_param_layout(model_preset("gpt2-tiny"));
-  auto full = make_powersgd_compressor(backend->allocator(), layout, 1000, 3);
+  auto full = make_powersgd_compressor(*backend, layout, 1000, 3);
   Tensor g = test::random_tensor(backend->allocator(), {layout.total}, DTYPE_F32, 21);
   const std::vector<double> before = test::values(g);
   full->reduce(*comm, g, 0);
@@ -307,7 +307,7 @@ TEST(PowerSgdCompression, FullRankIsExactAndErrorFeedbackHolds) {
   for (int64_t i = 0; i < layout.total; ++i) res = std::max(res, std::abs(static_cast<double>(full->residual().data<float>()[i])));
   EXPECT_LT(res, 1e-4);
 
-  auto low = make_powersgd_compressor(backend->allocator(), layout, 1, 3);
+  auto low = make_powersgd_compressor(*backend, layout, 1, 3);
   std::vector<double> grad_sum(static_cast<size_t>(layout.total), 0.0), sent_sum(grad_sum);
   for (int step = 0; step < 3; ++step) {
     Tensor h = test::random_tensor(backend->allocator(), {layout.total}, DTYPE_F32, 40 + step);
@@ -325,7 +325,7 @@ TEST(PowerSgdCompression, FullRankIsExactAndErrorFeedbackHolds) {
   EXPECT_GT(moved, 0.1);  // rank 1 really compressed: a residual is left
   // A rank-1 matrix goes through rank 1 exactly (after one warm step the power iteration has it).
   const ParamSpec& wte = layout.find("wte.weight");
-  auto one = make_powersgd_compressor(backend->allocator(), layout, 1, 4);
+  auto one = make_powersgd_compressor(*backend, layout, 1, 4);
   Tensor m = Tensor::zeros(backend->allocator(), {layout.total}, DTYPE_F32, MEM_WORKSPACE);
   const int64_t rows = wte.shape[0], cols = wte.shape[1];
   for (int64_t i = 0; i < rows; ++i) {

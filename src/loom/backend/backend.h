@@ -32,6 +32,16 @@ struct AdamWHyper {
   int64_t step = 1;           // 1-based, for bias correction
 };
 
+// Where QSGD's random numbers come from: element i of a call uses lane i % 4 of
+// Philox4x32-10(counter {offset + 4 floor(i / 4), stream, draw, 0x9597}, key {seed lo, seed hi}).
+struct QsgdSpec {
+  int levels = 127;     // s, 1..127
+  uint64_t seed = 0;
+  uint32_t stream = 0;  // the rank
+  uint32_t draw = 0;    // the compressor's call count
+  int64_t offset = 0;   // the bucket's flat offset
+};
+
 // What a backend runs, stated as data. Some features still compute on the host (loops over
 // tensor memory outside this interface); a backend whose memory host code cannot read lacks
 // them until their computation moves behind it. The training layout (train/layout.h) refuses a
@@ -144,6 +154,39 @@ class Backend {
   // v = b2 v + (1-b2) g^2; p -= lr * (m/(1-b1^t)) / (sqrt(v/(1-b2^t)) + eps).
   virtual void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
                           const AdamWHyper& hyper) = 0;
+
+  // Gradient compression (parallel/compress.h): the element loops of the compressors, f32 values,
+  // i32 indices and packed codes. Reductions stated "in order" run sequentially in double, so
+  // every backend gives the same bits. The defaults throw (the backend lacks
+  // capabilities().gradient_compression); the CPU and the strict test backend implement them.
+  // Top-K (Lin et al. 2018): idx (i32, ascending) and val get the k = idx.numel() entries of acc
+  // with the largest |acc| (ties: the lower index), which are then zeroed in acc; scratch: i32 of acc's numel.
+  virtual void topk_extract(const Tensor& acc, const Tensor& idx, const Tensor& val, const Tensor& scratch);
+  // out[idx[j]] += val[j], j = 0, 1, ... in order (decodes gathered sparse vectors rank by rank).
+  virtual void scatter_add(const Tensor& idx, const Tensor& val, const Tensor& out);
+  // x[idx[j]] = 0 for every j (DGC's momentum factor masking).
+  virtual void scatter_zero(const Tensor& idx, const Tensor& x);
+  // DGC: if clip > 0 and ||g||_2 (in order) > clip, g *= f32(clip / ||g||_2); then u = m u + g, v += u.
+  virtual void dgc_accumulate(const Tensor& g, const Tensor& u, const Tensor& v, float momentum, double clip);
+  // 1-bit (Seide et al. 2014): scale[0] = f32(sum |acc| (in order) / n); bit i % 32 of words[i / 32]
+  // (i32, ceil(n / 32), unused bits 0) = acc[i] < 0; acc -= that bit ? -scale : scale (the residual).
+  virtual void onebit_encode(const Tensor& acc, const Tensor& words, const Tensor& scale);
+  // out[i] += bit i of words[r] ? -scales[r] : scales[r] for r = 0 .. R - 1 in order; words (R x w), scales (R).
+  virtual void onebit_decode_add(const Tensor& words, const Tensor& scales, const Tensor& out);
+  // QSGD (Alistarh et al. 2017): norm[0] = f32(||g||_2, in order); byte i of codes (i32, ceil(n / 4),
+  // unused bytes 0) = sign(g_i) (l + [u_i < x - l]), x = |g_i| s / norm, l = floor(x); all 0 when norm = 0.
+  virtual void qsgd_encode(const Tensor& g, const Tensor& codes, const Tensor& norm, const QsgdSpec& spec);
+  // out[i] = fma(norms[r] / s, byte i of codes[r], out[i]) for r = 0 .. R - 1 in order; codes (R x w), norms (R).
+  virtual void qsgd_decode_add(const Tensor& codes, const Tensor& norms, int levels, const Tensor& out);
+  // PowerSGD (Vogels et al. 2019), m (rows, cols): out (rows, r) = m q (q: cols x r), or with
+  // transpose out (cols, r) = m^T q (q: rows x r); each entry accumulated in double, in order.
+  virtual void lowrank_project(const Tensor& m, const Tensor& q, const Tensor& out, bool transpose);
+  // p (rows, r): its columns orthonormalized by modified Gram-Schmidt in double, twice; a column
+  // of squared norm <= 1e-30 becomes 0.
+  virtual void orthonormalize_columns(const Tensor& p);
+  // out (rows, cols) = alpha f32(p q^T) + beta out (beta = 0: overwritten); p (rows, r), q (cols, r),
+  // each entry of p q^T accumulated in double.
+  virtual void lowrank_expand(const Tensor& p, const Tensor& q, const Tensor& out, float alpha, float beta);
 };
 
 std::unique_ptr<Backend> make_cpu_backend();

@@ -6,10 +6,17 @@
 // the bucket (DDP then divides by N). Invariant, per rank and element: sent + residual after =
 // gradient + residual before, so over any number of steps sum(sent) + residual = sum(gradients).
 // Wire bytes per rank: (N-1)/N x N x k x 8 (an i32 index and an f32 value per entry).
+//
+// Every element loop runs as a Backend op (backend.h: topk_extract, onebit_encode, ...); this
+// file only orders the ops and the communication. The buffers a bucket needs (codes, gathered
+// codes, P and Q) are allocated by prepare(), which DataParallel calls for every bucket at
+// construction, so a training step allocates nothing; reduce() on a bucket nobody prepared
+// prepares it first.
 #pragma once
 #include <cstdint>
 #include <memory>
 
+#include "loom/backend/backend.h"
 #include "loom/comm/communicator.h"
 #include "loom/arch/param_layout.h"
 
@@ -21,6 +28,8 @@ class GradCompressor {
   // bucket = the sum over ranks of what each rank transmits for [offset, offset + n) of the
   // flat gradient (its compressed gradient). Blocking.
   virtual void reduce(Communicator& comm, const Tensor& bucket, int64_t offset) = 0;
+  // Allocates the buffers of the bucket of n elements at `offset` for `world` ranks.
+  virtual void prepare(int world, int64_t offset, int64_t n) = 0;
   // The error-feedback residual over the whole flat gradient (checkpointable state).
   virtual const Tensor& residual() const = 0;
   // Momentum kept by the compressor over the whole flat gradient (DGC), or nullptr.
@@ -28,7 +37,7 @@ class GradCompressor {
 };
 
 // Top-K with error feedback over a flat gradient of `total` elements (the residual lives here).
-std::unique_ptr<GradCompressor> make_topk_compressor(Allocator& allocator, int64_t total, double ratio);
+std::unique_ptr<GradCompressor> make_topk_compressor(Backend& backend, int64_t total, double ratio);
 
 // Deep Gradient Compression (Lin, Han, Mao, Wang, Dally, "Deep Gradient Compression: Reducing
 // the Communication Bandwidth for Distributed Training", ICLR 2018; Algorithm 1 with momentum
@@ -61,14 +70,14 @@ struct DgcOptions {
   double clip_norm = 0.0;      // <= 0: off; local clipping threshold of the whole flat gradient (before N^-1/2)
   int64_t warmup_steps = 0;    // W: reduce() calls per bucket spent in the sparsity warm-up
 };
-std::unique_ptr<GradCompressor> make_dgc_compressor(Allocator& allocator, int64_t total, const DgcOptions& options);
+std::unique_ptr<GradCompressor> make_dgc_compressor(Backend& backend, int64_t total, const DgcOptions& options);
 
 // 1-bit with error feedback (Seide et al. 2014; Karimireddy et al., "Error Feedback Fixes
 // SignSGD", ICML 2019): each rank sends p = (||a||_1 / n) sign(a) of a = gradient + residual
 // (signs packed 32 to an i32 word, plus the f32 scale), keeps a - p as the residual, and all
 // ranks sum the N decoded vectors. sign(0) = +1. Wire bytes per rank per bucket:
 // (N-1)/N x N x (4 ceil(n/32) + 4), about 1/32 of the fp32 gradient.
-std::unique_ptr<GradCompressor> make_onebit_compressor(Allocator& allocator, int64_t total);
+std::unique_ptr<GradCompressor> make_onebit_compressor(Backend& backend, int64_t total);
 
 // QSGD (Alistarh et al., NeurIPS 2017) with s levels (1..127): each rank sends ||v||_2 and, per
 // element, sign(v_i) xi_i with xi_i = l + 1 with probability |v_i| s / ||v|| - l, else l
@@ -76,7 +85,7 @@ std::unique_ptr<GradCompressor> make_onebit_compressor(Allocator& allocator, int
 // random numbers are Philox(seed, stream = rank, draw = call count, element). No error
 // feedback (it is unbiased). Wire bytes per rank per bucket: (N-1)/N x N x (n + 4), one signed
 // byte per element packed 4 to a word, plus the norm.
-std::unique_ptr<GradCompressor> make_qsgd_compressor(Allocator& allocator, int64_t total, int levels, uint64_t seed);
+std::unique_ptr<GradCompressor> make_qsgd_compressor(Backend& backend, int64_t total, int levels, uint64_t seed);
 
 // PowerSGD (Vogels et al., NeurIPS 2019) of rank r with error feedback: each 2-D parameter M
 // (rows x cols, plus this rank's residual) is approximated by one power iteration warm-started
@@ -85,7 +94,7 @@ std::unique_ptr<GradCompressor> make_qsgd_compressor(Allocator& allocator, int64
 // then holds P Q^T = P P^T (sum of M) and keeps M - P P^T M_own as its residual. 1-D parameters
 // are all-reduced uncompressed. At r = min(rows, cols) the result is the exact sum. Wire bytes
 // per matrix: two all-reduces of (rows + cols) r floats instead of rows x cols.
-std::unique_ptr<GradCompressor> make_powersgd_compressor(Allocator& allocator, const ParamLayout& layout, int rank,
+std::unique_ptr<GradCompressor> make_powersgd_compressor(Backend& backend, const ParamLayout& layout, int rank,
                                                          uint64_t seed);
 
 }  // namespace loom

@@ -6,22 +6,14 @@
 
 namespace loom {
 
-DataParallel::DataParallel(Communicator& comm, Allocator& allocator, const Tensor& grads, const ParamLayout& layout,
+DataParallel::DataParallel(Communicator& comm, Backend& backend, const Tensor& grads, const ParamLayout& layout,
                            DdpConfig config)
     : comm_(comm), grads_(grads), config_(config) {
   LOOM_CHECK(config_.compression == "none" || config_.compression == "topk" || config_.compression == "dgc" ||
                  config_.compression == "onebit" || config_.compression == "qsgd" || config_.compression == "powersgd",
              "parallel.compression must be none, topk, dgc, onebit, qsgd or powersgd, got '", config_.compression, "'");
-  if (config_.compression == "dgc") {
-    DgcOptions dgc = config_.dgc;
-    dgc.ratio = config_.topk_ratio;
-    compressor_ = make_dgc_compressor(allocator, layout.total, dgc);
-  }
-  if (config_.compression == "powersgd") compressor_ = make_powersgd_compressor(allocator, layout, config_.powersgd_rank, 0x5D);
-  if (config_.compression == "qsgd") compressor_ = make_qsgd_compressor(allocator, layout.total, config_.qsgd_levels, 0x95D);
-  if (config_.compression == "topk") compressor_ = make_topk_compressor(allocator, layout.total, config_.topk_ratio);
-  if (config_.compression == "onebit") compressor_ = make_onebit_compressor(allocator, layout.total);
   LOOM_CHECK(config_.bucket_bytes > 0, "parallel.bucket_mb must be > 0");
+  LOOM_CHECK(config_.compression_warmup >= 0, "parallel.compression_warmup must be >= 0, got ", config_.compression_warmup);
   LOOM_CHECK(grads.dtype() == DTYPE_F32 && grads.numel() == layout.total, "data parallel: gradient buffer ",
              grads.describe(), " does not match the layout's ", layout.total, " parameters");
   const int64_t cap = std::max<int64_t>(1, config_.bucket_bytes / static_cast<int64_t>(sizeof(float)));
@@ -38,13 +30,26 @@ DataParallel::DataParallel(Communicator& comm, Allocator& allocator, const Tenso
     }
   }
   if (end > 0) buckets_.push_back({0, end});
+  if (config_.compression == "dgc") {
+    DgcOptions dgc = config_.dgc;
+    dgc.ratio = config_.topk_ratio;
+    compressor_ = make_dgc_compressor(backend, layout.total, dgc);
+  }
+  if (config_.compression == "powersgd") compressor_ = make_powersgd_compressor(backend, layout, config_.powersgd_rank, 0x5D);
+  if (config_.compression == "qsgd") compressor_ = make_qsgd_compressor(backend, layout.total, config_.qsgd_levels, 0x95D);
+  if (config_.compression == "topk") compressor_ = make_topk_compressor(backend, layout.total, config_.topk_ratio);
+  if (config_.compression == "onebit") compressor_ = make_onebit_compressor(backend, layout.total);
+  // Every bucket's buffers now: a training step allocates nothing.
+  for (const Bucket& b : buckets_) {
+    if (compressor_) compressor_->prepare(comm_.size(), b.begin, b.end - b.begin);
+  }
 }
 
 void DataParallel::ready_from(int64_t offset) {
   if (!config_.overlap) return;
   while (launched_ < buckets_.size() && buckets_[launched_].begin >= offset) {
     const Bucket& b = buckets_[launched_++];
-    if (compressor_) {  // blocking: the hook's sparse exchange
+    if (compressor_ && steps_ >= config_.compression_warmup) {  // blocking: the hook's sparse exchange
       compressor_->reduce(comm_, grads_.view(b.begin, {b.end - b.begin}), b.begin);
       continue;
     }
@@ -60,6 +65,7 @@ void DataParallel::finish(Backend* backend) {
   for (auto& w : in_flight_) w->wait();
   in_flight_.clear();
   launched_ = 0;
+  ++steps_;
   if (comm_.size() > 1) {
     const float inv = 1.0f / static_cast<float>(comm_.size());
     if (backend != nullptr) {  // the same float multiply, on the backend

@@ -33,11 +33,13 @@ struct DdpConfig {
   DgcOptions dgc;                    // DGC's momentum, clipping and warm-up (its ratio is topk_ratio)
   int qsgd_levels = 127;             // QSGD's s
   int powersgd_rank = 4;             // PowerSGD's r
+  int64_t compression_warmup = 0;    // steps (finish() calls) of plain all-reduce before the compressor takes over
 };
 
 class DataParallel {
  public:
-  DataParallel(Communicator& comm, Allocator& allocator, const Tensor& grads, const ParamLayout& layout,
+  // backend: where the gradients live and the compressors' ops run.
+  DataParallel(Communicator& comm, Backend& backend, const Tensor& grads, const ParamLayout& layout,
                DdpConfig config = {});
 
   // Bucket b covers flat elements [begin, end) of the gradient buffer; buckets are in launch
@@ -62,6 +64,7 @@ class DataParallel {
   size_t launched_ = 0;
   std::vector<std::unique_ptr<CommWork>> in_flight_;
   std::unique_ptr<GradCompressor> compressor_;
+  int64_t steps_ = 0;  // finish() calls so far (the compression warm-up)
 };
 
 }  // namespace loom

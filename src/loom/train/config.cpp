@@ -128,6 +128,7 @@ std::vector<Binding> bindings(LoomConfig& c) {
       {"parallel.dgc_momentum", &c.parallel.dgc_momentum, "dgc: momentum correction (use it with optim.name = sgd)"},
       {"parallel.dgc_clip", &c.parallel.dgc_clip, "dgc: local gradient clipping threshold; <= 0 = off"},
       {"parallel.dgc_warmup_steps", &c.parallel.dgc_warmup_steps, "dgc: steps of sparsity warm-up"},
+      {"parallel.compression_warmup", &c.parallel.compression_warmup, "steps of uncompressed all-reduce before parallel.compression takes over"},
       {"data.dir", &c.data.dir, "folder of the token shards `loom prepare` writes and `loom train` reads"},
       {"data.tokenizer", &c.data.tokenizer, "gpt2 | byte | bpe:N (learned by `loom prepare`) | a folder with encoder.json and vocab.bpe"},
       {"data.input", &c.data.input, "text file `loom prepare` tokenizes; \"\" = the default corpus (Debian's fortunes)"},

@@ -60,6 +60,7 @@ struct ParallelConfig {
   double dgc_momentum = 0.9;         // DGC's momentum correction (use optim.name = sgd with it)
   double dgc_clip = 0.0;             // DGC's local gradient clipping threshold (<= 0: off)
   int64_t dgc_warmup_steps = 0;      // DGC's sparsity warm-up, in steps
+  int64_t compression_warmup = 0;    // steps of plain all-reduce before parallel.compression takes over
 };
 
 struct LoomConfig {

@@ -18,7 +18,7 @@ namespace {
 // One row per combination Loom refuses (or, for a note, a key that does nothing here). `when`
 // reads the facts; `message` names the keys and their values and, where there is one, the way
 // out. Rows are checked in order; the first refusal stops the run before anything is allocated.
-enum class Verdict { refuse, no_effect };
+enum class Verdict { refuse, no_effect, advise };  // advise: runs, with a note on what it is measured to cost
 
 struct Rule {
   Verdict verdict;
@@ -260,6 +260,19 @@ const Rule kRules[] = {
     {Verdict::no_effect, [](const LayoutFacts& f) { return par(f).compression != "none" && f.world > 0 && !reduced(f); },
      [](const LayoutFacts& f) {
        return str_cat("parallel.compression = ", par(f).compression, " has no effect with one data-parallel rank");
+     }},
+    // Combinations that run but are measured to cost (docs/parallel.md, "Gradient compression").
+    {Verdict::advise,
+     [](const LayoutFacts& f) {
+       const std::string& c = par(f).compression;
+       const bool sgd = optimizer(f) == "sgd", momentum = optimizer(f) == "momentum" || optimizer(f) == "nesterov";
+       return reduced(f) && ((c == "dgc" && !sgd) || ((c == "topk" || c == "onebit") && !sgd && !momentum));
+     },
+     [](const LayoutFacts& f) {
+       return str_cat("parallel.compression = ", par(f).compression, " with optim.name = ", optimizer(f), ": ",
+                      par(f).compression == "dgc" ? "DGC applies the momentum itself and suits optim.name = sgd"
+                                                  : "Top-K and 1-bit suit momentum SGD (optim.name = momentum)",
+                      "; with AdamW they end well above the uncompressed loss (docs/parallel.md)");
      }},
     {Verdict::no_effect, [](const LayoutFacts& f) { return par(f).cp_attention != "ring" && f.of(Axis::cp) == 1; },
      [](const LayoutFacts& f) { return str_cat("parallel.cp_attention = ", par(f).cp_attention, " has no effect without parallel.cp > 1"); }},

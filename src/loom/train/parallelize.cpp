@@ -75,6 +75,7 @@ void data_parallel(Build& b) {
   ddp.dgc.momentum = p.dgc_momentum;
   ddp.dgc.clip_norm = p.dgc_clip;
   ddp.dgc.warmup_steps = p.dgc_warmup_steps;
+  ddp.compression_warmup = p.compression_warmup;
   b.out.trainer = std::make_unique<Trainer>(b.backend, *b.out.model, b.config.train, &b.layout.reduce_group(), ddp,
                                             b.out.pipeline.get());
 }

@@ -144,7 +144,7 @@ Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config, Commu
       // Sequence parallel sums some gradients over the tp group after backward: the data-parallel
       // reduction then follows it instead of overlapping backward.
       if (model_.sequence_parallel()) ddp.overlap = false;
-      ddp_ = std::make_unique<DataParallel>(*comm, backend_.allocator(), model_.grads(), model_.layout(), ddp);
+      ddp_ = std::make_unique<DataParallel>(*comm, backend_, model_.grads(), model_.layout(), ddp);
     } else {
       LOOM_CHECK(ddp.compression == "none", "parallel.compression = ", ddp.compression, " replaces DDP's all-reduce; "
                  "parallel.zero_stage = ", ddp.zero_stage, " reduce-scatters instead: use zero_stage 0 or 1");

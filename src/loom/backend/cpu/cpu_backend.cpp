@@ -6,6 +6,7 @@
 
 #include "loom/backend/backend.h"
 #include "loom/backend/checks.h"
+#include "loom/backend/cpu/cpu_compress.h"
 #include "loom/backend/cpu/cpu_flash.h"
 #include "loom/backend/cpu/cpu_gemm.h"
 #include "loom/backend/cpu/cpu_kernels.h"
@@ -343,6 +344,35 @@ class CpuBackend final : public Backend {
       cpu::cross_entropy_backward(logits.data<T>(), targets.data<int32_t>(), lse.data<T>(), static_cast<T>(dloss),
                                   dlogits.data<T>(), rows_of(logits), logits.dim(-1));
     });
+  }
+
+  // Gradient compression: cpu_compress.cpp.
+  void topk_extract(const Tensor& acc, const Tensor& idx, const Tensor& val, const Tensor& scratch) override {
+    cpu::topk_extract(acc, idx, val, scratch);
+  }
+  void scatter_add(const Tensor& idx, const Tensor& val, const Tensor& out) override { cpu::scatter_add(idx, val, out); }
+  void scatter_zero(const Tensor& idx, const Tensor& x) override { cpu::scatter_zero(idx, x); }
+  void dgc_accumulate(const Tensor& g, const Tensor& u, const Tensor& v, float momentum, double clip) override {
+    cpu::dgc_accumulate(g, u, v, momentum, clip);
+  }
+  void onebit_encode(const Tensor& acc, const Tensor& words, const Tensor& scale) override {
+    cpu::onebit_encode(acc, words, scale);
+  }
+  void onebit_decode_add(const Tensor& words, const Tensor& scales, const Tensor& out) override {
+    cpu::onebit_decode_add(words, scales, out);
+  }
+  void qsgd_encode(const Tensor& g, const Tensor& codes, const Tensor& norm, const QsgdSpec& spec) override {
+    cpu::qsgd_encode(g, codes, norm, spec);
+  }
+  void qsgd_decode_add(const Tensor& codes, const Tensor& norms, int levels, const Tensor& out) override {
+    cpu::qsgd_decode_add(codes, norms, levels, out);
+  }
+  void lowrank_project(const Tensor& m, const Tensor& q, const Tensor& out, bool transpose) override {
+    cpu::lowrank_project(m, q, out, transpose);
+  }
+  void orthonormalize_columns(const Tensor& p) override { cpu::orthonormalize_columns(p); }
+  void lowrank_expand(const Tensor& p, const Tensor& q, const Tensor& out, float alpha, float beta) override {
+    cpu::lowrank_expand(p, q, out, alpha, beta);
   }
 
   void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
