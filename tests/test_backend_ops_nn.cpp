@@ -1,0 +1,308 @@
+// Every op of the Backend interface on every backend against the CPU backend: norms, activations,
+// RoPE, both attention kernels, cross-entropy, AdamW, and bad ids naming the op. The fixture and
+// the tolerances: backend_ops_fixture.h; instantiated for every backend in test_backend_ops.cpp.
+#include "backend_ops_fixture.h"
+
+namespace loom::backend_ops_test {
+
+// ---------------------------------------------------------------- norms
+
+// Rows x C: odd, wider than one thread block's sweep, and GPT-2 small's 4096 x 768. x has a mean
+// offset (2 + U(-3, 3)), which a one-pass variance would get wrong.
+const std::vector<std::pair<int64_t, int64_t>> kNormShapes = {{2 * 17, 37}, {33, 2053}, {4096, 768}};
+
+TEST_P(BackendOpsTest, LayerNormForwardBackward) {
+  for (DType dtype : kFloatTypes) {
+    for (auto [N, C] : kNormShapes) {
+      Operands x;
+      x.tensors["x"] = rnd({N, C}, dtype, 1, 3.0, 2.0);
+      x.tensors["weight"] = rnd({C}, dtype, 2);
+      x.tensors["bias"] = rnd({C}, dtype, 3);
+      x.tensors["dout"] = rnd({N, C}, dtype, 4);
+      x.tensors["out"] = nans({N, C}, dtype);
+      x.tensors["mean"] = nans({N}, dtype);
+      x.tensors["rstd"] = nans({N}, dtype);
+      x.tensors["dx"] = nans({N, C}, dtype);
+      x.tensors["dweight"] = rnd({C}, dtype, 5);
+      x.tensors["dbias"] = rnd({C}, dtype, 6);
+      const Tol tol = elementwise_tol(dtype);
+      check(str_cat("layernorm ", dt(dtype), " (", N, ", ", C, ")"), x,
+            [](Backend& be, Operands& o) {
+              be.layernorm_forward(o["x"], o["weight"], o["bias"], o["out"], o["mean"], o["rstd"], 1e-5f);
+              be.layernorm_backward(o["dout"], o["x"], o["weight"], o["mean"], o["rstd"], o["dx"], o["dweight"],
+                                    o["dbias"]);
+            },
+            {{"out", tol}, {"mean", tol}, {"rstd", tol}, {"dx", tol}, {"dweight", tol}, {"dbias", tol}}, true);
+    }
+  }
+}
+
+TEST_P(BackendOpsTest, RmsNormForwardBackward) {
+  for (DType dtype : kFloatTypes) {
+    for (auto [N, C] : kNormShapes) {
+      Operands x;
+      x.tensors["x"] = rnd({N, C}, dtype, 1, 3.0, 2.0);
+      x.tensors["weight"] = rnd({C}, dtype, 2);
+      x.tensors["dout"] = rnd({N, C}, dtype, 4);
+      x.tensors["out"] = nans({N, C}, dtype);
+      x.tensors["rstd"] = nans({N}, dtype);
+      x.tensors["dx"] = nans({N, C}, dtype);
+      x.tensors["dweight"] = rnd({C}, dtype, 5);
+      const Tol tol = elementwise_tol(dtype);
+      check(str_cat("rmsnorm ", dt(dtype), " (", N, ", ", C, ")"), x,
+            [](Backend& be, Operands& o) {
+              be.rmsnorm_forward(o["x"], o["weight"], o["out"], o["rstd"], 1e-5f);
+              be.rmsnorm_backward(o["dout"], o["x"], o["weight"], o["rstd"], o["dx"], o["dweight"]);
+            },
+            {{"out", tol}, {"rstd", tol}, {"dx", tol}, {"dweight", tol}}, true);
+    }
+  }
+}
+
+// ---------------------------------------------------------------- activations
+
+TEST_P(BackendOpsTest, GeluForwardBackward) {
+  for (DType dtype : kFloatTypes) {
+    for (int64_t n : kFlatSizes) {
+      Operands x;
+      x.tensors["x"] = rnd({n}, dtype, 1, 8.0);  // both tails and the curved middle
+      x.tensors["dout"] = rnd({n}, dtype, 2);
+      x.tensors["out"] = nans({n}, dtype);
+      x.tensors["dx"] = nans({n}, dtype);
+      check(str_cat("gelu ", dt(dtype), " n ", n), x,
+            [](Backend& be, Operands& o) {
+              be.gelu_forward(o["x"], o["out"]);
+              be.gelu_backward(o["x"], o["dout"], o["dx"]);
+            },
+            {{"out", elementwise_tol(dtype)}, {"dx", elementwise_tol(dtype)}});
+    }
+  }
+}
+
+TEST_P(BackendOpsTest, SwiGluForwardBackward) {
+  for (DType dtype : kFloatTypes) {
+    for (auto [N, F] : {std::pair<int64_t, int64_t>{17, 37}, {2048, 1024}}) {
+      Operands x;
+      x.tensors["x"] = rnd({N, 2 * F}, dtype, 1, 6.0);
+      x.tensors["dout"] = rnd({N, F}, dtype, 2);
+      x.tensors["out"] = nans({N, F}, dtype);
+      x.tensors["dx"] = nans({N, 2 * F}, dtype);
+      check(str_cat("swiglu ", dt(dtype), " (", N, ", ", F, ")"), x,
+            [](Backend& be, Operands& o) {
+              be.swiglu_forward(o["x"], o["out"]);
+              be.swiglu_backward(o["x"], o["dout"], o["dx"]);
+            },
+            {{"out", elementwise_tol(dtype)}, {"dx", elementwise_tol(dtype)}});
+    }
+  }
+}
+
+// ---------------------------------------------------------------- RoPE
+
+// q and k heads rotated, v heads untouched (the layout attention reads); pos_offset as in
+// decoding with a KV cache.
+TEST_P(BackendOpsTest, RopeForwardBackwardWithPosOffset) {
+  struct Case {
+    int64_t B, T, H, KV, hd, pos_offset;
+    float theta;
+  };
+  for (DType dtype : kFloatTypes) {
+    for (const Case& c : {Case{2, 17, 3, 1, 8, 5, 10000.0f}, Case{4, 256, 4, 4, 64, 1000, 500000.0f}}) {
+      const int64_t W = (c.H + 2 * c.KV) * c.hd, rotated = c.H + c.KV;
+      Operands x;
+      x.tensors["x"] = rnd({c.B, c.T, W}, dtype, 1);
+      x.tensors["dx"] = rnd({c.B, c.T, W}, dtype, 2);
+      check(str_cat("rope ", dt(dtype), " B ", c.B, " T ", c.T, " hd ", c.hd, " heads ", rotated, " of ",
+                    c.H + 2 * c.KV, " pos_offset ", c.pos_offset),
+            x,
+            [c, rotated](Backend& be, Operands& o) {
+              be.rope_forward(o["x"], c.hd, rotated, c.theta, c.pos_offset);
+              be.rope_backward(o["dx"], c.hd, rotated, c.theta, c.pos_offset);
+            },
+            {{"x", elementwise_tol(dtype)}, {"dx", elementwise_tol(dtype)}});
+    }
+  }
+}
+
+// ---------------------------------------------------------------- attention
+
+struct AttentionCase {
+  int64_t B, T, H, KV, hd, window;
+  int64_t width() const { return (H + 2 * KV) * hd; }
+  std::string name() const {
+    return str_cat("B ", B, " T ", T, " H ", H, " KV ", KV, " hd ", hd, " window ", window);
+  }
+};
+
+// T = 17 with MHA, GQA and MQA x windows 0 (full), 3 and T (full, the boundary); then T = 256,
+// hd = 64 (GPT-2's head) MHA full and GQA with a window.
+std::vector<AttentionCase> attention_cases() {
+  std::vector<AttentionCase> cases;
+  for (auto [H, KV] : {std::pair<int64_t, int64_t>{4, 4}, {6, 2}, {3, 1}}) {
+    for (int64_t window : {0, 3, 17}) cases.push_back({2, 17, H, KV, 8, window});
+  }
+  cases.push_back({2, 256, 4, 4, 64, 0});
+  cases.push_back({2, 256, 4, 2, 64, 100});
+  return cases;
+}
+
+// Forward, then the backward from the forward's results; probs and dqkv start as NaN.
+TEST_P(BackendOpsTest, AttentionForwardBackward) {
+  for (DType dtype : kFloatTypes) {
+    for (const AttentionCase& c : attention_cases()) {
+      Operands x;
+      x.tensors["qkv"] = rnd({c.B, c.T, c.width()}, dtype, 1, 2.0);  // scaled: a peaked softmax
+      x.tensors["dout"] = rnd({c.B, c.T, c.H * c.hd}, dtype, 2);
+      x.tensors["out"] = nans({c.B, c.T, c.H * c.hd}, dtype);
+      x.tensors["probs"] = nans({c.B, c.H, c.T, c.T}, dtype);
+      x.tensors["dqkv"] = nans({c.B, c.T, c.width()}, dtype);
+      const Tol tol = reduction_tol(dtype);
+      check(str_cat("attention ", dt(dtype), " ", c.name()), x,
+            [c](Backend& be, Operands& o) {
+              be.attention_forward(o["qkv"], o["out"], o["probs"], c.H, c.KV, c.window);
+              be.attention_backward(o["dout"], o["qkv"], o["out"], o["probs"], o["dqkv"], c.H, c.KV, c.window);
+            },
+            {{"out", tol}, {"probs", tol}, {"dqkv", tol}}, true);
+    }
+  }
+}
+
+TEST_P(BackendOpsTest, FlashAttentionForwardBackward) {
+  for (DType dtype : kFloatTypes) {
+    for (const AttentionCase& c : attention_cases()) {
+      Operands x;
+      x.tensors["qkv"] = rnd({c.B, c.T, c.width()}, dtype, 1, 2.0);
+      x.tensors["dout"] = rnd({c.B, c.T, c.H * c.hd}, dtype, 2);
+      x.tensors["out"] = nans({c.B, c.T, c.H * c.hd}, dtype);
+      x.tensors["lse"] = nans({c.B, c.H, c.T}, dtype);
+      x.tensors["dqkv"] = nans({c.B, c.T, c.width()}, dtype);
+      const Tol tol = reduction_tol(dtype);
+      check(str_cat("flash attention ", dt(dtype), " ", c.name()), x,
+            [c](Backend& be, Operands& o) {
+              be.flash_attention_forward(o["qkv"], o["out"], o["lse"], c.H, c.KV, c.window);
+              be.flash_attention_backward(o["dout"], o["qkv"], o["out"], o["lse"], o["dqkv"], c.H, c.KV, c.window);
+            },
+            {{"out", tol}, {"lse", tol}, {"dqkv", tol}}, true);
+    }
+  }
+}
+
+// ---------------------------------------------------------------- cross-entropy
+
+// Forward; backward into a separate dlogits; backward in place (dlogits aliasing logits). One
+// logit of 100 in the small case: exp without the max subtracted overflows f32.
+TEST_P(BackendOpsTest, CrossEntropyForwardBackwardAndInPlace) {
+  for (DType dtype : kFloatTypes) {
+    for (auto [N, V] : {std::pair<int64_t, int64_t>{17, 101}, {64, 50257}}) {
+      Operands x;
+      Tensor logits = rnd({N, V}, dtype, 1, 5.0);
+      if (V == 101) {
+        if (dtype == DTYPE_F64) logits.data<double>()[3 * V + 7] = 100.0;
+        else logits.data<float>()[3 * V + 7] = 100.0f;
+      }
+      x.tensors["logits"] = logits;
+      x.tensors["targets"] = ids({N}, static_cast<int32_t>(V), 2);
+      x.tensors["losses"] = nans({N}, dtype);
+      x.tensors["lse"] = nans({N}, dtype);
+      x.tensors["dlogits"] = nans({N, V}, dtype);
+      const Tol tol = reduction_tol(dtype);
+      check(str_cat("cross_entropy ", dt(dtype), " N ", N, " V ", V), x,
+            [](Backend& be, Operands& o) {
+              be.cross_entropy_forward(o["logits"], o["targets"], o["losses"], o["lse"]);
+              be.cross_entropy_backward(o["logits"], o["targets"], o["lse"], 0.37f, o["dlogits"]);
+              be.cross_entropy_backward(o["logits"], o["targets"], o["lse"], 0.37f, o["logits"]);  // in place
+            },
+            {{"losses", tol}, {"lse", tol}, {"dlogits", tol}, {"logits", tol}});
+    }
+  }
+}
+
+// ---------------------------------------------------------------- AdamW
+
+// Three steps (bias correction 1..3) from m = v = 0 with weight decay and grad_scale, a new
+// gradient each step; lr 0.05 so the updates are visible at the parameters' scale.
+TEST_P(BackendOpsTest, AdamWThreeSteps) {
+  for (DType dtype : kFloatTypes) {
+    for (int64_t n : {int64_t{101}, int64_t{1} << 20}) {
+      Operands x;
+      x.tensors["param"] = rnd({n}, dtype, 1);
+      x.tensors["m"] = Tensor::zeros(host_, {n}, dtype, MEM_WORKSPACE);
+      x.tensors["v"] = Tensor::zeros(host_, {n}, dtype, MEM_WORKSPACE);
+      for (int step = 1; step <= 3; ++step) x.tensors[str_cat("grad", step)] = rnd({n}, dtype, 10 + step, 2.0);
+      const Tol tol = elementwise_tol(dtype);
+      check(str_cat("adamw ", dt(dtype), " n ", n), x,
+            [](Backend& be, Operands& o) {
+              for (int64_t step = 1; step <= 3; ++step) {
+                be.adamw_step(o["param"], o[str_cat("grad", step)], o["m"], o["v"],
+                              AdamWHyper{0.05f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.5f, step});
+              }
+            },
+            {{"param", tol}, {"m", tol}, {"v", tol}});
+    }
+  }
+}
+
+// ---------------------------------------------------------------- errors
+
+// A token id outside the vocab (too large, then negative) is a loom::Error naming the op, on the
+// CPU and on the backend under test, in the forward and the backward; the backend stays usable.
+TEST_P(BackendOpsTest, BadTokenIdThrowsNamingTheOp) {
+  const int64_t B = 2, T = 5, C = 4, V = 5;
+  for (int32_t bad : {7, -1}) {
+    Operands x;
+    Tensor tokens = ids({B, T}, V, 1);
+    tokens.data<int32_t>()[3] = bad;
+    x.tensors["tokens"] = tokens;
+    x.tensors["table"] = rnd({V, C}, DTYPE_F32, 2);
+    x.tensors["out"] = nans({B, T, C}, DTYPE_F32);
+    for (Backend* be : {cpu_.get(), backend_.get()}) {
+      const Operands o = be == cpu_.get() ? copy_to_host(x) : copy_to_backend(x);
+      for (const char* op : {"embedding_forward", "embedding_backward"}) {
+        const std::string message = error_of([&] {
+          if (std::string(op) == "embedding_forward") be->embedding_forward(o["tokens"], o["table"], nullptr, o["out"]);
+          else be->embedding_backward(o["tokens"], o["out"], o["table"], nullptr);
+        });
+        EXPECT_NE(message.find(op), std::string::npos) << be->name() << " token " << bad << ": \"" << message << "\"";
+        EXPECT_NE(message.find("outside vocab"), std::string::npos) << be->name() << ": \"" << message << "\"";
+      }
+    }
+  }
+  Operands x;  // then a good call on the backend under test
+  x.tensors["tokens"] = ids({B, T}, V, 1);
+  x.tensors["table"] = rnd({V, C}, DTYPE_F32, 2);
+  x.tensors["out"] = nans({B, T, C}, DTYPE_F32);
+  check("embedding_forward after errors", x,
+        [](Backend& be, Operands& o) { be.embedding_forward(o["tokens"], o["table"], nullptr, o["out"]); },
+        {{"out", {kF32ElementwiseTol}}});
+}
+
+TEST_P(BackendOpsTest, BadTargetThrowsNamingTheOp) {
+  const int64_t N = 6, V = 5;
+  for (int32_t bad : {5, -1}) {
+    Operands x;
+    Tensor targets = ids({N}, V, 1);
+    targets.data<int32_t>()[N - 1] = bad;
+    x.tensors["targets"] = targets;
+    x.tensors["logits"] = rnd({N, V}, DTYPE_F32, 2);
+    x.tensors["losses"] = nans({N}, DTYPE_F32);
+    x.tensors["lse"] = nans({N}, DTYPE_F32);
+    for (Backend* be : {cpu_.get(), backend_.get()}) {
+      const Operands o = be == cpu_.get() ? copy_to_host(x) : copy_to_backend(x);
+      const std::string message =
+          error_of([&] { be->cross_entropy_forward(o["logits"], o["targets"], o["losses"], o["lse"]); });
+      EXPECT_NE(message.find("cross_entropy_forward"), std::string::npos)
+          << be->name() << " target " << bad << ": \"" << message << "\"";
+      EXPECT_NE(message.find("outside vocab"), std::string::npos) << be->name() << ": \"" << message << "\"";
+    }
+  }
+  Operands x;
+  x.tensors["targets"] = ids({N}, V, 1);
+  x.tensors["logits"] = rnd({N, V}, DTYPE_F32, 2);
+  x.tensors["losses"] = nans({N}, DTYPE_F32);
+  x.tensors["lse"] = nans({N}, DTYPE_F32);
+  check("cross_entropy_forward after errors", x,
+        [](Backend& be, Operands& o) { be.cross_entropy_forward(o["logits"], o["targets"], o["losses"], o["lse"]); },
+        {{"losses", {kF32ReductionTol}}, {"lse", {kF32ReductionTol}}});
+}
+
+}  // namespace loom::backend_ops_test
