@@ -49,7 +49,8 @@
 
 // The fixture and helpers of the cross-backend op tests (test_backend_ops.cpp: GEMM, elementwise,
 // casts, reductions, embedding; test_backend_ops_nn.cpp: norms, activations, RoPE, attention,
-// cross-entropy, AdamW, bad ids). One named namespace, so both files add tests to one suite.
+// cross-entropy, AdamW, bad ids; test_backend_parallel_ops.cpp: the model-parallel ops). One
+// named namespace, so every file adds tests to one suite.
 namespace loom::backend_ops_test {
 
 using test::error_of;

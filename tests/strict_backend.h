@@ -140,6 +140,50 @@ class StrictBackend final : public Backend {
     cpu_->lowrank_expand(h(p), h(q), h(out), alpha, beta);
   }
 
+  void vocab_embedding_forward(const Tensor& tokens, const Tensor& weight, int64_t begin, int64_t valid,
+                               const Tensor& out) override {
+    cpu_->vocab_embedding_forward(h(tokens), h(weight), begin, valid, h(out));
+  }
+  void vocab_embedding_backward(const Tensor& tokens, const Tensor& dout, const Tensor& dweight, int64_t begin,
+                                int64_t valid) override {
+    cpu_->vocab_embedding_backward(h(tokens), h(dout), h(dweight), begin, valid);
+  }
+  void add_positions(const Tensor& out, const Tensor& positions, int64_t first) override {
+    cpu_->add_positions(h(out), h(positions), first);
+  }
+  void positions_backward(const Tensor& dout, const Tensor& dpositions, int64_t first) override {
+    cpu_->positions_backward(h(dout), h(dpositions), first);
+  }
+  void vocab_ce_partials(const Tensor& logits, const Tensor& targets, int64_t begin, int64_t valid,
+                         const Tensor& max, const Tensor& target) override {
+    cpu_->vocab_ce_partials(h(logits), h(targets), begin, valid, h(max), h(target));
+  }
+  void vocab_ce_sums(const Tensor& logits, const Tensor& max, int64_t valid, const Tensor& sums) override {
+    cpu_->vocab_ce_sums(h(logits), h(max), valid, h(sums));
+  }
+  void vocab_ce_finish(const Tensor& lse, const Tensor& sums, const Tensor& losses) override {
+    cpu_->vocab_ce_finish(h(lse), h(sums), h(losses));
+  }
+  void vocab_ce_backward(const Tensor& logits, const Tensor& targets, const Tensor& lse, int64_t begin, int64_t valid,
+                         float scale, const Tensor& dlogits) override {
+    cpu_->vocab_ce_backward(h(logits), h(targets), h(lse), begin, valid, scale, h(dlogits));
+  }
+  void ring_attention_merge(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& m,
+                            const Tensor& l, const Tensor& scratch, const RingBlock& block) override {
+    cpu_->ring_attention_merge(h(q), h(k), h(v), h(out), h(m), h(l), h(scratch), block);
+  }
+  void ring_attention_finish(const Tensor& out, const Tensor& lse, const Tensor& l, int64_t n_head) override {
+    cpu_->ring_attention_finish(h(out), h(lse), h(l), n_head);
+  }
+  void attention_row_dot(const Tensor& dout, const Tensor& out, const Tensor& D, int64_t n_head) override {
+    cpu_->attention_row_dot(h(dout), h(out), h(D), n_head);
+  }
+  void ring_attention_block_backward(const Tensor& q, const Tensor& dout, const Tensor& lse, const Tensor& D,
+                                     const Tensor& k, const Tensor& v, const Tensor& dq, const Tensor& dk,
+                                     const Tensor& dv, const RingBlock& block) override {
+    cpu_->ring_attention_block_backward(h(q), h(dout), h(lse), h(D), h(k), h(v), h(dq), h(dk), h(dv), block);
+  }
+
  private:
   static Tensor h(const Tensor& t) { return t.defined() ? t.host_alias() : t; }
 

@@ -1,5 +1,6 @@
 // The defaults of the Backend interface's optional ops: a one-line error naming the op and the
-// backend (the gradient compression ops; a backend that has them says so in its capabilities).
+// backend (the gradient compression and model-parallel ops; a backend that has them says so in
+// its capabilities).
 #include "loom/backend/backend.h"
 
 #include "loom/core/error.h"
@@ -7,9 +8,13 @@
 namespace loom {
 
 namespace {
-[[noreturn]] void unsupported(const Backend& backend, const char* op) {
-  throw Error(str_cat(op, ": not implemented on the ", backend.name(),
-                      " backend (gradient compression runs on the CPU backend only)"));
+[[noreturn]] void unsupported(const Backend& backend, const char* op,
+                              const char* feature = "gradient compression") {
+  throw Error(str_cat(op, ": not implemented on the ", backend.name(), " backend (", feature,
+                      " runs on the CPU backend only)"));
+}
+[[noreturn]] void no_model_parallel(const Backend& backend, const char* op) {
+  unsupported(backend, op, "model parallelism (parallel.tp / cp)");
 }
 }  // namespace
 
@@ -27,6 +32,44 @@ void Backend::lowrank_project(const Tensor&, const Tensor&, const Tensor&, bool)
 void Backend::orthonormalize_columns(const Tensor&) { unsupported(*this, "orthonormalize_columns"); }
 void Backend::lowrank_expand(const Tensor&, const Tensor&, const Tensor&, float, float) {
   unsupported(*this, "lowrank_expand");
+}
+
+void Backend::vocab_embedding_forward(const Tensor&, const Tensor&, int64_t, int64_t, const Tensor&) {
+  no_model_parallel(*this, "vocab_embedding_forward");
+}
+void Backend::vocab_embedding_backward(const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t) {
+  no_model_parallel(*this, "vocab_embedding_backward");
+}
+void Backend::add_positions(const Tensor&, const Tensor&, int64_t) { no_model_parallel(*this, "add_positions"); }
+void Backend::positions_backward(const Tensor&, const Tensor&, int64_t) {
+  no_model_parallel(*this, "positions_backward");
+}
+void Backend::vocab_ce_partials(const Tensor&, const Tensor&, int64_t, int64_t, const Tensor&, const Tensor&) {
+  no_model_parallel(*this, "vocab_ce_partials");
+}
+void Backend::vocab_ce_sums(const Tensor&, const Tensor&, int64_t, const Tensor&) {
+  no_model_parallel(*this, "vocab_ce_sums");
+}
+void Backend::vocab_ce_finish(const Tensor&, const Tensor&, const Tensor&) {
+  no_model_parallel(*this, "vocab_ce_finish");
+}
+void Backend::vocab_ce_backward(const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t, float, const Tensor&) {
+  no_model_parallel(*this, "vocab_ce_backward");
+}
+void Backend::ring_attention_merge(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                   const Tensor&, const Tensor&, const RingBlock&) {
+  no_model_parallel(*this, "ring_attention_merge");
+}
+void Backend::ring_attention_finish(const Tensor&, const Tensor&, const Tensor&, int64_t) {
+  no_model_parallel(*this, "ring_attention_finish");
+}
+void Backend::attention_row_dot(const Tensor&, const Tensor&, const Tensor&, int64_t) {
+  no_model_parallel(*this, "attention_row_dot");
+}
+void Backend::ring_attention_block_backward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                            const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                            const RingBlock&) {
+  no_model_parallel(*this, "ring_attention_block_backward");
 }
 
 }  // namespace loom

@@ -42,6 +42,13 @@ struct QsgdSpec {
   int64_t offset = 0;   // the bucket's flat offset
 };
 
+// Ring attention's block (nn/context_parallel.h): this rank's zig-zag shard of a sequence of
+// 2 world chunks holds chunks rank and 2 world - 1 - rank; the K/V block is rank owner's shard.
+struct RingBlock {
+  int64_t n_head = 1, n_kv_head = 1;  // query heads H, kv heads KV (H a multiple of KV)
+  int rank = 0, world = 1, owner = 0;
+};
+
 // What a backend runs, stated as data. Some features still compute on the host (loops over
 // tensor memory outside this interface); a backend whose memory host code cannot read lacks
 // them until their computation moves behind it. The training layout (train/layout.h) refuses a
@@ -187,6 +194,48 @@ class Backend {
   // out (rows, cols) = alpha f32(p q^T) + beta out (beta = 0: overwritten); p (rows, r), q (cols, r),
   // each entry of p q^T accumulated in double.
   virtual void lowrank_expand(const Tensor& p, const Tensor& q, const Tensor& out, float alpha, float beta);
+
+  // Model parallelism (nn/vocab_parallel.h, nn/context_parallel.h): the element loops of the
+  // vocabulary-parallel ends and of ring attention. The defaults throw (the backend lacks
+  // capabilities().model_parallel); the CPU and the strict test backend implement them.
+  // The vocab slice [begin, begin + valid) in weight (Vs >= valid, C) f32: out (B,T,C) = weight[tok - begin]
+  // for the tokens in the slice, 0 for the others.
+  virtual void vocab_embedding_forward(const Tensor& tokens, const Tensor& weight, int64_t begin, int64_t valid,
+                                       const Tensor& out);
+  // dweight[tok - begin] += dout's row of tok for the tokens in the slice, tokens in order.
+  virtual void vocab_embedding_backward(const Tensor& tokens, const Tensor& dout, const Tensor& dweight,
+                                        int64_t begin, int64_t valid);
+  // out (B,T,C) f32 += positions rows first .. first + T - 1, positions (Tmax, C).
+  virtual void add_positions(const Tensor& out, const Tensor& positions, int64_t first);
+  // dpositions rows first .. first + T - 1 += dout (B,T,C) summed over b = 0, 1, ... in order.
+  virtual void positions_backward(const Tensor& dout, const Tensor& dpositions, int64_t first);
+  // logits (N, Vs) f32, targets (N) i32: max[n] = max of row n's first `valid` logits; target[n] =
+  // logits[n, targets[n] - begin] when that column is in [0, valid), else 0.
+  virtual void vocab_ce_partials(const Tensor& logits, const Tensor& targets, int64_t begin, int64_t valid,
+                                 const Tensor& max, const Tensor& target);
+  // sums[n] = sum over v < valid, in order, of exp(logits[n, v] - max[n]) in f32.
+  virtual void vocab_ce_sums(const Tensor& logits, const Tensor& max, int64_t valid, const Tensor& sums);
+  // In place, per row: lse (the max on entry) = max + log(sums); losses (the target logit on entry) = lse - target.
+  virtual void vocab_ce_finish(const Tensor& lse, const Tensor& sums, const Tensor& losses);
+  // dlogits[n, v] = scale (exp(logits[n, v] - lse[n]) - [v = targets[n] - begin]) for v < valid, 0
+  // for the padding columns; dlogits may alias logits.
+  virtual void vocab_ce_backward(const Tensor& logits, const Tensor& targets, const Tensor& lse, int64_t begin,
+                                 int64_t valid, float scale, const Tensor& dlogits);
+  // The online-softmax merge of one K/V block, k, v (B,Tl,KV hd), into the running state of the
+  // local queries q (B,Tl,H hd): with the causally visible scores s_j, m' = max(m, max s_j);
+  // l = e^{m - m'} l + sum_j e^{s_j - m'}; out = e^{m - m'} out + sum_j e^{s_j - m'} v_j; m, l (B,H,Tl);
+  // scratch: at least (threads, Tl) elements.
+  virtual void ring_attention_merge(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                                    const Tensor& m, const Tensor& l, const Tensor& scratch, const RingBlock& block);
+  // out (B,Tl,H hd) /= l and lse (the running max on entry) += log l, per (b, h, i); l (B,H,Tl).
+  virtual void ring_attention_finish(const Tensor& out, const Tensor& lse, const Tensor& l, int64_t n_head);
+  // D (B,H,Tl) = dout . out per query head row (FlashAttention-2's rowsum); dout, out (B,Tl,H hd).
+  virtual void attention_row_dot(const Tensor& dout, const Tensor& out, const Tensor& D, int64_t n_head);
+  // One K/V block's gradient terms, P = exp(scale q.k - lse) on the visible keys: dv += P dout;
+  // dS = P (dout.v - D); dq += scale dS k; dk += scale dS q. dq (as q); dk, dv (as k) accumulate.
+  virtual void ring_attention_block_backward(const Tensor& q, const Tensor& dout, const Tensor& lse, const Tensor& D,
+                                             const Tensor& k, const Tensor& v, const Tensor& dq, const Tensor& dk,
+                                             const Tensor& dv, const RingBlock& block);
 };
 
 std::unique_ptr<Backend> make_cpu_backend();

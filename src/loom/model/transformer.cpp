@@ -379,20 +379,22 @@ double Transformer::forward_stage(ActivationStore& s, int64_t first, int64_t las
     use(0);
     if (sp_) {  // vocabulary-parallel embedding, reduced onto this rank's sequence shard, then positions
       const Tensor full = seq_.full.view(0, {s.batch, s.seq_len, config_.d_model});
-      vocab_parallel_embedding_forward(s.tokens, embed_w, vocab_.begin, vocab_.valid, full);
+      vocab_parallel_embedding_forward(backend_, s.tokens, embed_w, vocab_.begin, vocab_.valid, full);
       sequence_reduce_scatter(*tp_, full, x0, seq_.staging);
-      if (pos_w.defined()) add_positions(x0, pos_w, tp_->rank() * x0.dim(1));
+      if (pos_w.defined()) add_positions(backend_, x0, pos_w, tp_->rank() * x0.dim(1));
     } else if (tp_ != nullptr) {  // vocabulary-parallel embedding, then g (all-reduce), then positions
-      vocab_parallel_embedding_forward(s.tokens, embed_w, vocab_.begin, vocab_.valid, x0);
+      vocab_parallel_embedding_forward(backend_, s.tokens, embed_w, vocab_.begin, vocab_.valid, x0);
       tp_->all_reduce(x0);
       if (pos_w.defined() && cp_.comm != nullptr) {
-        for_each_chunk(x0, [&](const Tensor& rows, int64_t start) { add_positions(rows, pos_w, start); });
+        for_each_chunk(x0, [&](const Tensor& rows, int64_t start) { add_positions(backend_, rows, pos_w, start); });
       } else if (pos_w.defined()) {
-        add_positions(x0, pos_w);
+        add_positions(backend_, x0, pos_w);
       }
     } else if (cp_.comm != nullptr) {  // positions of this rank's two chunks
       backend_.embedding_forward(s.tokens, embed_w, nullptr, x0);
-      if (pos_w.defined()) for_each_chunk(x0, [&](const Tensor& rows, int64_t start) { add_positions(rows, pos_w, start); });
+      if (pos_w.defined()) {
+        for_each_chunk(x0, [&](const Tensor& rows, int64_t start) { add_positions(backend_, rows, pos_w, start); });
+      }
     } else {
       backend_.embedding_forward(s.tokens, embed_w, pos_w.defined() ? &pos_w : nullptr, x0);
     }
@@ -419,8 +421,8 @@ double Transformer::forward_stage(ActivationStore& s, int64_t first, int64_t las
   done(0);
   if (!compute_loss) return 0.0;
   if (tp_ != nullptr) {
-    vocab_parallel_cross_entropy_forward(*tp_, s.logits, s.targets, vocab_.begin, vocab_.valid, s.losses, s.lse,
-                                         ce_sums_.view(0, {s.batch * s.seq_len}));
+    vocab_parallel_cross_entropy_forward(backend_, *tp_, s.logits, s.targets, vocab_.begin, vocab_.valid, s.losses,
+                                         s.lse, ce_sums_.view(0, {s.batch * s.seq_len}));
   } else {
     backend_.cross_entropy_forward(s.logits, s.targets, s.losses, s.lse);
   }
@@ -558,7 +560,8 @@ void Transformer::backward_stage(ActivationStore& s, int64_t first, int64_t last
     // d(logits) replaces the logits in place: dL/dlogit = w/(B T) (softmax - onehot).
     const float scale = loss_weight / static_cast<float>(B * T);
     if (tp_ != nullptr) {
-      vocab_parallel_cross_entropy_backward(s.logits, s.targets, s.lse, vocab_.begin, vocab_.valid, scale, s.logits);
+      vocab_parallel_cross_entropy_backward(backend_, s.logits, s.targets, s.lse, vocab_.begin, vocab_.valid, scale,
+                                            s.logits);
     } else {
       backend_.cross_entropy_backward(s.logits, s.targets, s.lse, scale, s.logits);
     }
@@ -590,19 +593,19 @@ void Transformer::backward_stage(ActivationStore& s, int64_t first, int64_t last
   if (sp_) {  // the shards' gradients gathered for the vocabulary-parallel embedding
     const Tensor full = seq_.full.view(0, {B, T, config_.d_model});
     sequence_all_gather(*tp_, d_res, full, seq_.staging);
-    vocab_parallel_embedding_backward(s.tokens, full, d_embed_w, vocab_.begin, vocab_.valid);
-    if (d_pos_w.defined()) positions_backward(d_res, d_pos_w, tp_->rank() * d_res.dim(1));
+    vocab_parallel_embedding_backward(backend_, s.tokens, full, d_embed_w, vocab_.begin, vocab_.valid);
+    if (d_pos_w.defined()) positions_backward(backend_, d_res, d_pos_w, tp_->rank() * d_res.dim(1));
   } else if (tp_ != nullptr) {
-    vocab_parallel_embedding_backward(s.tokens, d_res, d_embed_w, vocab_.begin, vocab_.valid);
+    vocab_parallel_embedding_backward(backend_, s.tokens, d_res, d_embed_w, vocab_.begin, vocab_.valid);
     if (d_pos_w.defined() && cp_.comm != nullptr) {
-      for_each_chunk(d_res, [&](const Tensor& rows, int64_t start) { positions_backward(rows, d_pos_w, start); });
+      for_each_chunk(d_res, [&](const Tensor& rows, int64_t start) { positions_backward(backend_, rows, d_pos_w, start); });
     } else if (d_pos_w.defined()) {
-      positions_backward(d_res, d_pos_w);
+      positions_backward(backend_, d_res, d_pos_w);
     }
   } else if (cp_.comm != nullptr) {
     backend_.embedding_backward(s.tokens, d_res, d_embed_w, nullptr);
     if (d_pos_w.defined()) {
-      for_each_chunk(d_res, [&](const Tensor& rows, int64_t start) { positions_backward(rows, d_pos_w, start); });
+      for_each_chunk(d_res, [&](const Tensor& rows, int64_t start) { positions_backward(backend_, rows, d_pos_w, start); });
     }
   } else {
     backend_.embedding_backward(s.tokens, d_res, d_embed_w, d_pos_w.defined() ? &d_pos_w : nullptr);

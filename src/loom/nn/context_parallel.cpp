@@ -5,7 +5,6 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
 #include <limits>
 
@@ -17,11 +16,9 @@ namespace {
 
 constexpr int kRingTag = 7301;  // ring attention's point-to-point messages
 
-template <typename Fn>
-void dispatch_float(DType dtype, const char* op, Fn&& fn) {
-  if (dtype == DTYPE_F32) fn.template operator()<float>();
-  else if (dtype == DTYPE_F64) fn.template operator()<double>();
-  else throw Error(str_cat(op, ": not supported for dtype ", dtype_name(dtype), " (f32, f64)"));
+void expect_float(const char* op, DType dtype) {
+  LOOM_CHECK(dtype == DTYPE_F32 || dtype == DTYPE_F64, op, ": not supported for dtype ", dtype_name(dtype),
+             " (f32, f64)");
 }
 
 void expect_shape(const char* op, const char* what, const Tensor& t, const Shape& shape, DType dtype) {
@@ -74,106 +71,6 @@ void ring_shift(Communicator& cp, const Tensor& out, const Tensor& in) {
   } else {
     cp.recv(in, prev, kRingTag);
     cp.send(out, next, kRingTag);
-  }
-}
-
-// How many of the C keys at global positions [start, start + C) a query at position pq sees.
-inline int64_t visible_keys(int64_t pq, int64_t start, int64_t C) { return std::clamp<int64_t>(pq - start + 1, 0, C); }
-
-template <typename T>
-inline T dot(const T* a, const T* b, int64_t n) {
-  T s = 0;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
-
-template <typename T>
-inline void axpy(T alpha, const T* x, T* y, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
-}
-
-// Merges one K/V block (owned by rank `owner`) into the running state of every local query,
-// the online softmax of FlashAttention (Dao et al. 2022): with block scores s_j (visible keys),
-//   m' = max(m, max_j s_j); l = e^{m - m'} l + sum_j e^{s_j - m'}; O = e^{m - m'} O + sum_j e^{s_j - m'} V_j.
-// kblk, vblk (B, Tl, KV hd); acc (B, Tl, H hd) the unnormalized output; m, l (B, H, Tl);
-// scratch (threads, 2C) holds one query's scores.
-template <typename T>
-void ring_merge_block(const AttnDims& d, int owner, const T* q, const T* kblk, const T* vblk, T* acc, T* m, T* l,
-                      T* scratch) {
-  const int64_t C = d.C(), group = d.H / d.KV, QW = d.QW(), KW = d.KW(), hd = d.hd;
-  const int64_t kstart[2] = {owner * C, (2 * d.N - 1 - owner) * C};  // global start of the block's two chunks
-  const T scale = T(1) / std::sqrt(static_cast<T>(hd));
-#pragma omp parallel for collapse(3) schedule(static)
-  for (int64_t b = 0; b < d.B; ++b) {
-    for (int64_t h = 0; h < d.H; ++h) {
-      for (int64_t i = 0; i < d.Tl; ++i) {
-        const int64_t cnt[2] = {visible_keys(d.pos(i), kstart[0], C), visible_keys(d.pos(i), kstart[1], C)};
-        if (cnt[0] + cnt[1] == 0) continue;
-        T* s = scratch + omp_get_thread_num() * 2 * C;
-        const int64_t g = h / group;
-        const T* qi = q + (b * d.Tl + i) * QW + h * hd;
-        T block_max = -std::numeric_limits<T>::infinity();
-        for (int c = 0; c < 2; ++c) {
-          for (int64_t j = c * C; j < c * C + cnt[c]; ++j) {
-            s[j] = scale * dot(qi, kblk + (b * d.Tl + j) * KW + g * hd, hd);
-            block_max = std::max(block_max, s[j]);
-          }
-        }
-        const int64_t st = (b * d.H + h) * d.Tl + i;
-        const T m_new = std::max(m[st], block_max);
-        const T alpha = std::exp(m[st] - m_new);  // 0 while m is -inf
-        T* oi = acc + (b * d.Tl + i) * QW + h * hd;
-        for (int64_t e = 0; e < hd; ++e) oi[e] *= alpha;
-        T sum = l[st] * alpha;
-        for (int c = 0; c < 2; ++c) {
-          for (int64_t j = c * C; j < c * C + cnt[c]; ++j) {
-            const T p = std::exp(s[j] - m_new);
-            sum += p;
-            axpy(p, vblk + (b * d.Tl + j) * KW + g * hd, oi, hd);
-          }
-        }
-        l[st] = sum;
-        m[st] = m_new;
-      }
-    }
-  }
-}
-
-// Adds the local queries' gradient contributions for one K/V block (owned by rank `owner`):
-// dq (B, Tl, H hd) accumulates; dkblk, dvblk (B, Tl, KV hd) accumulate the block's gradient.
-// One task per (b, kv head g): it owns dK/dV of g and dQ of g's query heads, so no two threads
-// write the same element.
-template <typename T>
-void ring_backward_block(const AttnDims& d, int owner, const T* q, const T* dout, const T* lse, const T* D,
-                         const T* kblk, const T* vblk, T* dq, T* dkblk, T* dvblk) {
-  const int64_t C = d.C(), group = d.H / d.KV, QW = d.QW(), KW = d.KW(), hd = d.hd;
-  const int64_t kstart[2] = {owner * C, (2 * d.N - 1 - owner) * C};
-  const T scale = T(1) / std::sqrt(static_cast<T>(hd));
-#pragma omp parallel for collapse(2) schedule(static)
-  for (int64_t b = 0; b < d.B; ++b) {
-    for (int64_t g = 0; g < d.KV; ++g) {
-      for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-        for (int64_t i = 0; i < d.Tl; ++i) {
-          const int64_t cnt[2] = {visible_keys(d.pos(i), kstart[0], C), visible_keys(d.pos(i), kstart[1], C)};
-          const int64_t st = (b * d.H + h) * d.Tl + i;
-          const T* qi = q + (b * d.Tl + i) * QW + h * hd;
-          const T* doi = dout + (b * d.Tl + i) * QW + h * hd;
-          T* dqi = dq + (b * d.Tl + i) * QW + h * hd;
-          for (int c = 0; c < 2; ++c) {
-            for (int64_t j = c * C; j < c * C + cnt[c]; ++j) {
-              const int64_t kv_off = (b * d.Tl + j) * KW + g * hd;
-              const T p = std::exp(scale * dot(qi, kblk + kv_off, hd) - lse[st]);
-              axpy(p, doi, dvblk + kv_off, hd);
-              const T ds = p * (dot(doi, vblk + kv_off, hd) - D[st]);
-              axpy(scale * ds, kblk + kv_off, dqi, hd);
-              axpy(scale * ds, qi, dkblk + kv_off, hd);
-            }
-          }
-        }
-      }
-    }
   }
 }
 
@@ -349,47 +246,31 @@ void ring_attention_forward(Backend& backend, Communicator& cp, const Tensor& q,
                             CpWorkspace* workspace) {
   const char* op = "ring_attention_forward";
   const AttnDims d = attn_dims(op, cp, q, k, v, n_head, n_kv_head);
+  expect_float(op, q.dtype());
   expect_shape(op, "out", out, q.shape(), q.dtype());
   expect_shape(op, "lse", lse, {d.B, d.H, d.Tl}, q.dtype());
   CpWorkspace local;
   const CpWorkspace& w = workspace_for(backend, d, q.dtype(), false, workspace, local);
   const int64_t blk = d.B * d.Tl * d.KW();  // elements of one of K, V
+  const Shape& kv = k.shape();
   // The block in hand and the one arriving: (2, B, Tl, KV hd) = [K | V].
   Tensor cur = w.send.view(0, {2 * blk}), next = w.recv.view(0, {2 * blk});
-  const Tensor& l = w.stats;  // running sum
-  const Tensor& scratch = w.scratch;
-  dispatch_float(q.dtype(), op, [&]<typename T>() {
-    std::memcpy(cur.data<T>(), k.data<T>(), k.nbytes());
-    std::memcpy(cur.data<T>() + blk, v.data<T>(), v.nbytes());
-    T* acc = out.data<T>();
-    T* m = lse.data<T>();  // the running max lives in lse until the end
-    std::fill(acc, acc + out.numel(), T(0));
-    std::fill(m, m + lse.numel(), -std::numeric_limits<T>::infinity());
-    std::fill(l.data<T>(), l.data<T>() + l.numel(), T(0));
-    for (int s = 0; s < d.N; ++s) {
-      const int owner = (d.r - s + d.N) % d.N;
-      ring_merge_block<T>(d, owner, q.data<T>(), cur.data<T>(), cur.data<T>() + blk, acc, m, l.data<T>(),
-                          scratch.data<T>());
-      if (s + 1 < d.N) {
-        ring_shift(cp, cur, next);
-        std::swap(cur, next);
-      }
+  const Tensor l = w.stats.view(0, lse.shape());  // running sum
+  backend.copy(k, cur.view(0, kv));
+  backend.copy(v, cur.view(blk, kv));
+  backend.fill(out, 0.0);
+  backend.fill(lse, -std::numeric_limits<double>::infinity());  // the running max lives in lse until the end
+  backend.fill(l, 0.0);
+  for (int s = 0; s < d.N; ++s) {
+    const RingBlock block{d.H, d.KV, d.r, d.N, (d.r - s + d.N) % d.N};
+    backend.ring_attention_merge(q, cur.view(0, kv), cur.view(blk, kv), out, lse, l, w.scratch, block);
+    if (s + 1 < d.N) {
+      ring_shift(cp, cur, next);
+      std::swap(cur, next);
     }
-    // Every query sees at least itself, so l > 0: O /= l, lse = m + log l.
-    const T* lp = l.data<T>();
-#pragma omp parallel for collapse(3) schedule(static)
-    for (int64_t b = 0; b < d.B; ++b) {
-      for (int64_t h = 0; h < d.H; ++h) {
-        for (int64_t i = 0; i < d.Tl; ++i) {
-          const int64_t st = (b * d.H + h) * d.Tl + i;
-          T* oi = acc + (b * d.Tl + i) * d.QW() + h * d.hd;
-          const T inv = T(1) / lp[st];
-          for (int64_t e = 0; e < d.hd; ++e) oi[e] *= inv;
-          m[st] += std::log(lp[st]);
-        }
-      }
-    }
-  });
+  }
+  // Every query sees at least itself, so l > 0: O /= l, lse = m + log l.
+  backend.ring_attention_finish(out, lse, l, d.H);
 }
 
 void ring_attention_backward(Backend& backend, Communicator& cp, const Tensor& dout, const Tensor& q,
@@ -398,6 +279,7 @@ void ring_attention_backward(Backend& backend, Communicator& cp, const Tensor& d
                              CpWorkspace* workspace) {
   const char* op = "ring_attention_backward";
   const AttnDims d = attn_dims(op, cp, q, k, v, n_head, n_kv_head);
+  expect_float(op, q.dtype());
   for (const auto& [what, t] : {std::pair<const char*, const Tensor*>{"dout", &dout}, {"out", &out}, {"dq", &dq}}) {
     expect_shape(op, what, *t, q.shape(), q.dtype());
   }
@@ -407,43 +289,29 @@ void ring_attention_backward(Backend& backend, Communicator& cp, const Tensor& d
   CpWorkspace local;
   const CpWorkspace& w = workspace_for(backend, d, q.dtype(), false, workspace, local);
   const int64_t blk = d.B * d.Tl * d.KW();
+  const Shape& kv = k.shape();
   // (4, B, Tl, KV hd) = [K | V | dK | dV]: a block travels with its accumulating gradient.
   Tensor cur = w.send.view(0, {4 * blk}), next = w.recv.view(0, {4 * blk});
-  const Tensor& D = w.stats;
-  dispatch_float(q.dtype(), op, [&]<typename T>() {
-    // D_i = dO_i . O_i per (b, h, i) (FlashAttention-2's rowsum trick).
-    const T* po = out.data<T>();
-    const T* pdo = dout.data<T>();
-    T* pD = D.data<T>();
-#pragma omp parallel for collapse(3) schedule(static)
-    for (int64_t b = 0; b < d.B; ++b) {
-      for (int64_t h = 0; h < d.H; ++h) {
-        for (int64_t i = 0; i < d.Tl; ++i) {
-          const int64_t off = (b * d.Tl + i) * d.QW() + h * d.hd;
-          pD[(b * d.H + h) * d.Tl + i] = dot(pdo + off, po + off, d.hd);
-        }
-      }
+  const Tensor D = w.stats.view(0, lse.shape());
+  backend.attention_row_dot(dout, out, D, d.H);  // D_i = dO_i . O_i (FlashAttention-2's rowsum trick)
+  backend.copy(k, cur.view(0, kv));
+  backend.copy(v, cur.view(blk, kv));
+  backend.fill(cur.view(2 * blk, {2 * blk}), 0.0);
+  backend.fill(dq, 0.0);
+  for (int s = 0; s < d.N; ++s) {
+    const RingBlock block{d.H, d.KV, d.r, d.N, (d.r - s + d.N) % d.N};
+    backend.ring_attention_block_backward(q, dout, lse, D, cur.view(0, kv), cur.view(blk, kv), dq,
+                                          cur.view(2 * blk, kv), cur.view(3 * blk, kv), block);
+    if (s + 1 < d.N) {
+      ring_shift(cp, cur, next);
+      std::swap(cur, next);
     }
-    std::memcpy(cur.data<T>(), k.data<T>(), k.nbytes());
-    std::memcpy(cur.data<T>() + blk, v.data<T>(), v.nbytes());
-    std::fill(cur.data<T>() + 2 * blk, cur.data<T>() + 4 * blk, T(0));
-    std::fill(dq.data<T>(), dq.data<T>() + dq.numel(), T(0));
-    for (int s = 0; s < d.N; ++s) {
-      const int owner = (d.r - s + d.N) % d.N;
-      T* c = cur.data<T>();
-      ring_backward_block<T>(d, owner, q.data<T>(), pdo, lse.data<T>(), pD, c, c + blk, dq.data<T>(),
-                             c + 2 * blk, c + 3 * blk);
-      if (s + 1 < d.N) {
-        ring_shift(cp, cur, next);
-        std::swap(cur, next);
-      }
-    }
-    // After N-1 hops this rank holds the block of rank r+1: one more hop sends its dK/dV home.
-    if (d.N > 1) ring_shift(cp, cur.view(2 * blk, {2 * blk}), next.view(2 * blk, {2 * blk}));
-    const T* home = (d.N > 1 ? next : cur).data<T>();
-    std::memcpy(dk.data<T>(), home + 2 * blk, dk.nbytes());
-    std::memcpy(dv.data<T>(), home + 3 * blk, dv.nbytes());
-  });
+  }
+  // After N-1 hops this rank holds the block of rank r+1: one more hop sends its dK/dV home.
+  if (d.N > 1) ring_shift(cp, cur.view(2 * blk, {2 * blk}), next.view(2 * blk, {2 * blk}));
+  const Tensor& home = d.N > 1 ? next : cur;
+  backend.copy(home.view(2 * blk, kv), dk);
+  backend.copy(home.view(3 * blk, kv), dv);
 }
 
 int64_t ring_attention_forward_bytes(int world, int64_t batch, int64_t local_seq, int64_t n_kv_head,

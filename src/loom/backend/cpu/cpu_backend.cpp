@@ -10,6 +10,7 @@
 #include "loom/backend/cpu/cpu_flash.h"
 #include "loom/backend/cpu/cpu_gemm.h"
 #include "loom/backend/cpu/cpu_kernels.h"
+#include "loom/backend/cpu/cpu_parallel_ops.h"
 #include "loom/core/error.h"
 
 namespace loom {
@@ -373,6 +374,51 @@ class CpuBackend final : public Backend {
   void orthonormalize_columns(const Tensor& p) override { cpu::orthonormalize_columns(p); }
   void lowrank_expand(const Tensor& p, const Tensor& q, const Tensor& out, float alpha, float beta) override {
     cpu::lowrank_expand(p, q, out, alpha, beta);
+  }
+
+  // Model parallelism: cpu_parallel_ops.cpp.
+  void vocab_embedding_forward(const Tensor& tokens, const Tensor& weight, int64_t begin, int64_t valid,
+                               const Tensor& out) override {
+    cpu::vocab_embedding_forward(tokens, weight, begin, valid, out);
+  }
+  void vocab_embedding_backward(const Tensor& tokens, const Tensor& dout, const Tensor& dweight, int64_t begin,
+                                int64_t valid) override {
+    cpu::vocab_embedding_backward(tokens, dout, dweight, begin, valid);
+  }
+  void add_positions(const Tensor& out, const Tensor& positions, int64_t first) override {
+    cpu::add_positions(out, positions, first);
+  }
+  void positions_backward(const Tensor& dout, const Tensor& dpositions, int64_t first) override {
+    cpu::positions_backward(dout, dpositions, first);
+  }
+  void vocab_ce_partials(const Tensor& logits, const Tensor& targets, int64_t begin, int64_t valid,
+                         const Tensor& max, const Tensor& target) override {
+    cpu::vocab_ce_partials(logits, targets, begin, valid, max, target);
+  }
+  void vocab_ce_sums(const Tensor& logits, const Tensor& max, int64_t valid, const Tensor& sums) override {
+    cpu::vocab_ce_sums(logits, max, valid, sums);
+  }
+  void vocab_ce_finish(const Tensor& lse, const Tensor& sums, const Tensor& losses) override {
+    cpu::vocab_ce_finish(lse, sums, losses);
+  }
+  void vocab_ce_backward(const Tensor& logits, const Tensor& targets, const Tensor& lse, int64_t begin, int64_t valid,
+                         float scale, const Tensor& dlogits) override {
+    cpu::vocab_ce_backward(logits, targets, lse, begin, valid, scale, dlogits);
+  }
+  void ring_attention_merge(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& m,
+                            const Tensor& l, const Tensor& scratch, const RingBlock& block) override {
+    cpu::ring_attention_merge(q, k, v, out, m, l, scratch, block);
+  }
+  void ring_attention_finish(const Tensor& out, const Tensor& lse, const Tensor& l, int64_t n_head) override {
+    cpu::ring_attention_finish(out, lse, l, n_head);
+  }
+  void attention_row_dot(const Tensor& dout, const Tensor& out, const Tensor& D, int64_t n_head) override {
+    cpu::attention_row_dot(dout, out, D, n_head);
+  }
+  void ring_attention_block_backward(const Tensor& q, const Tensor& dout, const Tensor& lse, const Tensor& D,
+                                     const Tensor& k, const Tensor& v, const Tensor& dq, const Tensor& dk,
+                                     const Tensor& dv, const RingBlock& block) override {
+    cpu::ring_attention_block_backward(q, dout, lse, D, k, v, dq, dk, dv, block);
   }
 
   void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
