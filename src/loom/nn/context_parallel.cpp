@@ -75,7 +75,7 @@ void ring_shift(Communicator& cp, const Tensor& out, const Tensor& in) {
 }
 
 // Copies `cols` bytes per row: row i of dst (at dst_off within a row of dst_stride bytes) from
-// row src_row(i) of src. Used to pack and unpack head groups and to reorder sequence rows.
+// row src_row(i) of src. Used to pack and unpack head groups (column slices of rows).
 template <typename RowFn>
 void copy_rows(const char* src, int64_t src_stride, int64_t src_off, char* dst, int64_t dst_stride, int64_t dst_off,
                int64_t rows, int64_t cols, RowFn src_row) {
@@ -87,6 +87,19 @@ void copy_rows(const char* src, int64_t src_stride, int64_t src_off, char* dst, 
 
 Tensor comm_buffer(Allocator& allocator, int64_t numel, DType dtype) {
   return Tensor::empty(allocator, {numel}, dtype, MEM_COMMUNICATION);
+}
+
+// Calls move(full_rows, local_rows) for each of rank's 2B zig-zag chunks: the C = Tl/2 rows
+// (C, W) of full (B, T, W) and of local (B, Tl, W) that hold one chunk of one sequence.
+template <typename Fn>
+void for_each_local_chunk(const Tensor& full, const Tensor& local, int rank, int world, Fn&& move) {
+  const int64_t B = local.dim(0), Tl = local.dim(1), T = full.dim(1), W = local.dim(2), C = Tl / 2;
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t c = 0; c < 2; ++c) {
+      move(full.view((b * T + cp_global_position(c * C, C, rank, world)) * W, {C, W}),
+           local.view((b * Tl + c * C) * W, {C, W}));
+    }
+  }
 }
 
 // `given` when it is one for these dims (allocate_cp_workspace's), else a new one in `local`.
@@ -111,26 +124,19 @@ UlyssesDims ulysses_dims(const char* op, const AttnDims& a) {
   return {a, a.H / a.N, a.KV / a.N};
 }
 
-// Moves head-sharded full-sequence rows (B, T, w) at column offset 0 into the per-source-rank
-// chunks of `chunks` (N, B, Tl, w): chunk r, row (b, t) <- row (b, pos_r[t]). With scatter =
-// false the direction is reversed (chunks -> full).
-void reorder_sequence(const UlyssesDims& u, const Tensor& full, const Tensor& chunks, int64_t w_bytes, bool scatter) {
+// Moves head-sharded full-sequence rows (B, T, w) into the per-source-rank chunks of `chunks`
+// (N, B, Tl, w): chunk r, row (b, t) <- row (b, pos_r[t]), as 2 N B Backend::copy calls of
+// C rows each. With scatter = false the direction is reversed (chunks -> full).
+void reorder_sequence(Backend& backend, const UlyssesDims& u, const Tensor& full, const Tensor& chunks,
+                      bool scatter) {
   const AttnDims& a = u.a;
-  char* f = static_cast<char*>(full.raw_data());
-  char* c = static_cast<char*>(chunks.raw_data());
+  const int64_t w = full.dim(2);
   for (int r = 0; r < a.N; ++r) {
-    char* chunk = c + static_cast<int64_t>(r) * a.B * a.Tl * w_bytes;
-    const auto full_row = [&](int64_t i) {  // i = b Tl + t
-      return (i / a.Tl) * a.seq() + cp_global_position(i % a.Tl, a.C(), r, a.N);
-    };
-    if (scatter) {
-      copy_rows(f, w_bytes, 0, chunk, w_bytes, 0, a.B * a.Tl, w_bytes, full_row);
-    } else {
-#pragma omp parallel for schedule(static)
-      for (int64_t i = 0; i < a.B * a.Tl; ++i) {
-        std::memcpy(f + full_row(i) * w_bytes, chunk + i * w_bytes, static_cast<size_t>(w_bytes));
-      }
-    }
+    const Tensor chunk = chunks.view(static_cast<int64_t>(r) * a.B * a.Tl * w, {a.B, a.Tl, w});
+    for_each_local_chunk(full, chunk, r, a.N, [&](const Tensor& f, const Tensor& c) {
+      if (scatter) backend.copy(f, c);
+      else backend.copy(c, f);
+    });
   }
 }
 
@@ -214,29 +220,26 @@ void check_local_rows(const char* op, const Tensor& full, const Tensor& local, i
 
 void cp_take_local(const Tensor& full, const Tensor& local, int rank, int world) {
   check_local_rows("cp_take_local", full, local, rank, world);
-  const int64_t Tl = local.dim(1), T = full.dim(1), w = local.dim(2) * static_cast<int64_t>(dtype_size(local.dtype()));
-  copy_rows(static_cast<const char*>(full.raw_data()), w, 0, static_cast<char*>(local.raw_data()), w, 0,
-            local.dim(0) * Tl, w,
-            [&](int64_t i) { return (i / Tl) * T + cp_global_position(i % Tl, Tl / 2, rank, world); });
+  for_each_local_chunk(full, local, rank, world, [](const Tensor& f, const Tensor& l) {
+    std::memcpy(l.raw_data(), f.raw_data(), f.nbytes());
+  });
 }
 
 void cp_put_local(const Tensor& local, const Tensor& full, int rank, int world) {
   check_local_rows("cp_put_local", full, local, rank, world);
-  const int64_t Tl = local.dim(1), T = full.dim(1), w = local.dim(2) * static_cast<int64_t>(dtype_size(local.dtype()));
-  const char* src = static_cast<const char*>(local.raw_data());
-  char* dst = static_cast<char*>(full.raw_data());
-#pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < local.dim(0) * Tl; ++i) {
-    std::memcpy(dst + ((i / Tl) * T + cp_global_position(i % Tl, Tl / 2, rank, world)) * w, src + i * w,
-                static_cast<size_t>(w));
-  }
+  for_each_local_chunk(full, local, rank, world, [](const Tensor& f, const Tensor& l) {
+    std::memcpy(f.raw_data(), l.raw_data(), l.nbytes());
+  });
 }
 
 void cp_gather_sequence(Backend& backend, Communicator& cp, const Tensor& local, const Tensor& full) {
   check_local_rows("cp_gather_sequence", full, local, cp.rank(), cp.size());
   const Tensor all = comm_buffer(backend.allocator(), local.numel() * cp.size(), local.dtype());  // (N, B, Tl, W)
   cp.all_gather(local.reshape({local.numel()}), all);
-  for (int r = 0; r < cp.size(); ++r) cp_put_local(all.view(r * local.numel(), local.shape()), full, r, cp.size());
+  for (int r = 0; r < cp.size(); ++r) {
+    for_each_local_chunk(full, all.view(r * local.numel(), local.shape()), r, cp.size(),
+                         [&](const Tensor& f, const Tensor& l) { backend.copy(l, f); });
+  }
 }
 
 // ---- Ring attention ----------------------------------------------------------------------------
@@ -349,14 +352,14 @@ void ulysses_attention_forward(Backend& backend, Communicator& cp, const Tensor&
   move_head_groups(u, k, send, wg, qg, kg, true);
   move_head_groups(u, v, send, wg, qg + kg, kg, true);
   cp.all_to_all(send, recv);
-  reorder_sequence(u, saved.qkv, recv, wg, false);
+  reorder_sequence(backend, u, saved.qkv, recv, false);
 
   backend.attention_forward(saved.qkv, saved.out, saved.probs, u.hl, u.kvl, /*window=*/0);
 
   // out (B, T, H/N hd) in true order -> chunks by owner rank -> all_to_all_out -> out's columns.
   const Tensor osend = send.view(0, {a.N * a.B * a.Tl * u.hl * a.hd});
   const Tensor orecv = recv.view(0, osend.shape());
-  reorder_sequence(u, saved.out, osend, og, true);
+  reorder_sequence(backend, u, saved.out, osend, true);
   cp.all_to_all(osend, orecv);
   move_head_groups(u, out, orecv, og, 0, og, false);
 }
@@ -384,12 +387,12 @@ void ulysses_attention_backward(Backend& backend, Communicator& cp, const Tensor
   const Tensor orecv = recv.view(0, osend.shape());
   move_head_groups(u, dout, osend, og, 0, og, true);
   cp.all_to_all(osend, orecv);
-  reorder_sequence(u, dout_g, orecv, og, false);
+  reorder_sequence(backend, u, dout_g, orecv, false);
 
   backend.attention_backward(dout_g, saved.qkv, saved.out, saved.probs, dqkv_g, u.hl, u.kvl, /*window=*/0);
 
   // dqkv (B, T, Wg) -> chunks by owner rank -> all_to_all_dqkv -> dq, dk, dv columns.
-  reorder_sequence(u, dqkv_g, send, wg, true);
+  reorder_sequence(backend, u, dqkv_g, send, true);
   cp.all_to_all(send, recv);
   move_head_groups(u, dq, recv, wg, 0, qg, false);
   move_head_groups(u, dk, recv, wg, qg, kg, false);

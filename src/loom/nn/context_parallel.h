@@ -26,8 +26,10 @@
 // W any row width. Attention scale is 1/sqrt(hd), the mask causal on global positions: exactly
 // Backend::attention_forward's semantics. Tensors are contiguous f32 or f64 (one dtype per
 // call). Ring attention's element loops are Backend ops (ring_attention_merge,
-// ring_attention_finish, attention_row_dot, ring_attention_block_backward); the row copies
-// between layouts (cp_take_local, cp_put_local, Ulysses' reorders) still read host memory. Activation gradients (dq, dk, dv) are overwritten. Every function is called by all
+// ring_attention_finish, attention_row_dot, ring_attention_block_backward), and
+// cp_gather_sequence and Ulysses' sequence reorders are Backend::copy calls of whole chunks;
+// cp_take_local / cp_put_local (host tensors) and Ulysses' head-group packing (column slices of
+// rows) still copy host memory. Activation gradients (dq, dk, dv) are overwritten. Every function is called by all
 // ranks of the cp communicator together. Communication and scratch buffers come from a
 // CpWorkspace allocated once (a training step allocates nothing); a call given none (or one
 // for other dims) allocates its own from the backend's allocator (MEM_COMMUNICATION, MEM_WORKSPACE).
