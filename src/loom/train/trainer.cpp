@@ -154,7 +154,7 @@ Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config, Commu
                  "parallel.zero_stage = 3 shards the fp32 parameters; the bf16 weights of precision.param = bf16 or "
                  "precision.master = bf16 are not sharded: use f32 for both");
       zero_ = std::make_unique<ZeroSharding>(*comm, static_cast<int>(ddp.zero_stage), model_.params(), model_.grads(),
-                                             model_.param_units(), update_domain(model_, pipeline));
+                                             model_.param_units(), domain_);
       if (zero_->stage() == 3) {
         model_.set_param_use_hooks({[this](int u, bool b) { zero_->use(u, b); }, [this](int u, bool b) { zero_->done(u, b); }});
       }
