@@ -195,8 +195,8 @@ double time_p2p(Communicator& world, Backend& backend, const Args& a) {
 // (ZB-H1) the measured F, B, W: idle time / (idle time + ideal time).
 double formula_bubble(const PipeSchedule& s, const PipeCosts& c) {
   const double p = s.stages, m = s.micro, v = s.virtual_chunks;
-  if (s.kind == "gpipe" || s.kind == "1f1b") return (p - 1) / (m + p - 1);
-  if (s.kind == "interleaved") {
+  if (s.kind == PipeScheduleKind::gpipe || s.kind == PipeScheduleKind::one_f_one_b) return (p - 1) / (m + p - 1);
+  if (s.kind == PipeScheduleKind::interleaved) {
     const double x = (p - 1) / (v * m);  // bubble / ideal
     return x / (1 + x);
   }

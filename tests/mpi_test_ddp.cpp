@@ -32,7 +32,7 @@ std::vector<double> run(Communicator* comm, int64_t batch, int steps, std::vecto
   DdpConfig ddp;
   ddp.bucket_bytes = 16 << 10;  // several buckets on a 100k-parameter model, launched during backward
   ddp.zero_stage = zero;
-  if (topk > 0.0) ddp.compression = compression, ddp.topk_ratio = topk;
+  if (topk > 0.0) ddp.compression = parse_enum<Compression>(compression, "compression"), ddp.topk_ratio = topk;
   Trainer trainer(*backend, model, tc, comm, ddp);
   RankData data(backend->allocator(), config, comm ? comm->rank() : 0, comm ? comm->size() : 1, batch);
   std::vector<double> losses;
@@ -216,7 +216,7 @@ TEST(MpiDdp, CompressedStepsAllocateNothing) {
   for (const char* hook : {"topk", "dgc", "onebit", "qsgd", "powersgd"}) {
     DdpConfig ddp;
     ddp.bucket_bytes = 16 << 10;
-    ddp.compression = hook, ddp.topk_ratio = 0.05, ddp.dgc.warmup_steps = 2;
+    ddp.compression = parse_enum<Compression>(hook, "compression"), ddp.topk_ratio = 0.05, ddp.dgc.warmup_steps = 2;
     DataParallel dp(*comm, *backend, grads, layout, ddp);
     MemoryTracker& mem = backend->allocator().tracker();
     const size_t before = mem.current_total();

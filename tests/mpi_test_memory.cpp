@@ -22,7 +22,7 @@ void check(Communicator& world, const RunLayout& lay) {
   plan.model = run.config, plan.batch = kLayoutBatch, plan.seq_len = kLayoutSeq, plan.optim = tc.optim;
   plan.zero_stage = lay.zero, plan.ranks = lay.dp * lay.ep;
   plan.tp = lay.tp, plan.sequence_parallel = lay.sp;
-  plan.pp = lay.pp, plan.schedule = lay.schedule, plan.micro = tc.grad_accum, plan.virtual_stages = lay.virtual_stages;
+  plan.pp = lay.pp, plan.schedule = parse_enum<PipeScheduleKind>(lay.schedule, "schedule"), plan.micro = tc.grad_accum, plan.virtual_stages = lay.virtual_stages;
   plan.cp = lay.cp, plan.ulysses = lay.ulysses, plan.ep = lay.ep;
   const MemoryEstimate est = estimate_memory(plan, run.pp->rank());
   const MemoryTracker& mem = run.backend->allocator().tracker();

@@ -237,9 +237,9 @@ TEST(BlockCacheTest, OutOfMemoryEmptiesTheCacheThenFailsWithOneLine) {
 }
 
 TEST(DeviceConfigTest, DeviceKeyIsValidated) {
-  LoomConfig config;
-  config.device = "tpu";
-  EXPECT_EQ(test::error_of([&] { config.validate(); }), "device must be \"cpu\" or \"cuda\", got \"tpu\"");
+  LoomConfig config;  // parsed into its enum at load
+  EXPECT_EQ(test::error_of([&] { apply_overrides(config, "device=tpu"); }),
+            "--set: key 'device' must be one of cpu | cuda, got 'tpu'");
   EXPECT_NE(test::error_of([] { make_backend("tpu"); }).find("expected \"cpu\" or \"cuda\""), std::string::npos);
   const std::string cuda = test::error_of([] { make_backend("cuda"); });
   if (!cuda_backend_built()) {

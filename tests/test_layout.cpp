@@ -86,11 +86,11 @@ TEST(LayoutTableTest, AcceptsSupportedLayoutsWithoutNotes) {
 
 TEST(LayoutTableTest, UlyssesHeadsMustDivideCpBeforeAnythingRuns) {
   LoomConfig c = tiny();
-  c.parallel.cp = 4, c.parallel.cp_attention = "ulysses";  // n_kv_head 2 is not a multiple of 4
+  c.parallel.cp = 4, c.parallel.cp_attention = CpAttention::ulysses;  // n_kv_head 2 is not a multiple of 4
   const std::string msg = error_of([&] { verdict(c, 4); });
   EXPECT_NE(msg.find("parallel.cp_attention = ulysses"), std::string::npos) << msg;
   EXPECT_NE(msg.find("model.n_kv_head (2)"), std::string::npos) << msg;
-  c.parallel.cp_attention = "ring";
+  c.parallel.cp_attention = CpAttention::ring;
   EXPECT_TRUE(verdict(c, 4).empty());
 }
 

@@ -66,7 +66,7 @@ int memory_main(int argc, char** argv) {
   plan.tp = static_cast<int>(config.parallel.tp), plan.sequence_parallel = config.parallel.sequence_parallel;
   plan.pp = static_cast<int>(config.parallel.pp), plan.schedule = config.parallel.schedule;
   plan.micro = config.train.grad_accum, plan.virtual_stages = static_cast<int>(config.parallel.virtual_stages);
-  plan.cp = static_cast<int>(config.parallel.cp), plan.ulysses = config.parallel.cp_attention == "ulysses";
+  plan.cp = static_cast<int>(config.parallel.cp), plan.ulysses = config.parallel.cp_attention == CpAttention::ulysses;
   plan.ep = static_cast<int>(config.parallel.ep);
   plan.offload_activations = config.train.offload_activations;
   plan.flash_attention = config.train.flash_attention;
@@ -115,7 +115,7 @@ int memory_main(int argc, char** argv) {
   if (model_parallel) {
     std::printf("layout: tp %d%s x pp %d%s x cp %d%s x ep %d; this rank computes %lld parameters%s\n", plan.tp,
                 plan.sequence_parallel ? " (sequence parallel)" : "", plan.pp,
-                plan.pp > 1 ? str_cat(" (", plan.schedule, ", ", plan.micro, " micro-batches)").c_str() : "", plan.cp,
+                plan.pp > 1 ? str_cat(" (", enum_name(plan.schedule), ", ", plan.micro, " micro-batches)").c_str() : "", plan.cp,
                 plan.cp > 1 ? (plan.ulysses ? " (Ulysses)" : " (ring)") : "", plan.ep,
                 static_cast<long long>(est.rank_parameters),
                 plan.pp > 1 ? str_cat(", pipeline rank ", est.pp_rank, " (the largest)").c_str() : "");

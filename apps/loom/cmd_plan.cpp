@@ -95,10 +95,10 @@ void print_bubble(const PipeSchedule& s, const PipeCosts& c, const PipeSimulatio
   for (double idle : sim.idle) max_idle = std::max(max_idle, idle);
   std::printf("bubble fraction %.6g (idle / (p * makespan))\n", sim.bubble_fraction);
   if (c.p2p > 0) std::printf("(the formulas below leave out p2p)\n");
-  if (s.kind == "gpipe" || s.kind == "1f1b") {
+  if (s.kind == PipeScheduleKind::gpipe || s.kind == PipeScheduleKind::one_f_one_b) {
     std::printf("formula (p-1)/(m+p-1) = %.6g (Huang et al. 2019; Narayanan et al. 2021)\n",
                 static_cast<double>(p - 1) / (m + p - 1));
-  } else if (s.kind == "interleaved") {
+  } else if (s.kind == PipeScheduleKind::interleaved) {
     std::printf("bubble/ideal %.6g (idle per rank / busy per rank); formula (1/v)(p-1)/m = %.6g (Narayanan et al. 2021)\n",
                 max_idle / sim.busy[0], static_cast<double>(p - 1) / (static_cast<double>(v) * m));
   } else {

@@ -242,6 +242,7 @@ std::unique_ptr<Backend> make_cpu_backend();
 // "cpu" or "cuda" (the config key `device`). "cuda" needs a build with the CUDA toolkit and a
 // visible GPU; otherwise a one-line error says which is missing.
 std::unique_ptr<Backend> make_backend(std::string_view device);
+std::unique_ptr<Backend> make_backend(DeviceType device);
 // True when this build contains the CUDA backend (the toolkit was found at configure time).
 bool cuda_backend_built();
 

@@ -26,4 +26,6 @@ std::unique_ptr<Backend> make_backend(std::string_view device) {
   throw Error(str_cat("device = \"", device, "\": expected \"cpu\" or \"cuda\""));
 }
 
+std::unique_ptr<Backend> make_backend(DeviceType device) { return make_backend(enum_name(device)); }
+
 }  // namespace loom

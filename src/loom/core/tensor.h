@@ -10,12 +10,17 @@
 #include <string>
 #include <vector>
 
+#include "loom/core/enum_names.h"
 #include "loom/core/dtype.h"
 #include "loom/core/memory.h"
 
 namespace loom {
 
 enum DeviceType : uint8_t { DEVICE_CPU, DEVICE_CUDA, DEVICE_COUNT };
+template <>
+struct EnumNames<DeviceType> {  // the config key `device`
+  static constexpr std::array<std::string_view, DEVICE_COUNT> names{"cpu", "cuda"};
+};
 
 // A tensor's dims, kept inline (at most kMaxDims): making, copying and viewing tensors then
 // never touches the heap, so a training step's views allocate nothing.

@@ -31,6 +31,7 @@
 #include "loom/core/memory.h"
 #include "loom/arch/config.h"
 #include "loom/optim/optimizer.h"
+#include "loom/parallel/pipeline_schedule.h"
 #include "loom/precision/policy.h"
 
 namespace loom {
@@ -52,7 +53,7 @@ struct MemoryPlan {
   int tp = 1;                       // tensor-parallel ranks: each holds its slice
   bool sequence_parallel = false;   // with tp > 1
   int pp = 1;                       // pipeline stages (ranks)
-  std::string schedule = "1f1b";    // with pp > 1: parallel.schedule
+  PipeScheduleKind schedule = PipeScheduleKind::one_f_one_b;  // with pp > 1: parallel.schedule
   int64_t micro = 1;                // micro-batches per step (train.grad_accum)
   int virtual_stages = 1;           // model chunks per pipeline rank
   int cp = 1;                       // context-parallel ranks

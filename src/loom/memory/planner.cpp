@@ -24,7 +24,7 @@ void Hardware::validate() const {
 std::string LayoutCost::describe() const {
   const MemoryPlan& p = plan;
   std::string s = str_cat("dp ", p.ranks / p.ep, " x tp ", p.tp, p.sequence_parallel ? "+sp" : "", " x pp ", p.pp);
-  if (p.pp > 1) s += str_cat(" (", p.schedule, p.virtual_stages > 1 ? str_cat(" v", p.virtual_stages) : "", ")");
+  if (p.pp > 1) s += str_cat(" (", enum_name(p.schedule), p.virtual_stages > 1 ? str_cat(" v", p.virtual_stages) : "", ")");
   s += str_cat(" x cp ", p.cp);
   if (p.ep > 1) s += str_cat(" x ep ", p.ep);
   return s + str_cat(", ZeRO-", p.zero_stage, ", recompute ", p.recompute, ", ", p.micro, " micro-batch",
@@ -132,8 +132,8 @@ std::vector<LayoutCost> plan_layouts(const MemoryPlan& base, int64_t global_batc
         const int64_t micro = global_batch / (static_cast<int64_t>(dp) * base.batch);
         for (int ep = 1; ep <= dp; ep *= 2) {
           if (ep > 1 && (c.moe_experts == 0 || c.moe_experts % ep != 0 || dp % ep != 0)) continue;
-          for (const char* schedule : {"1f1b", "interleaved"}) {
-            const bool interleaved = std::string(schedule) == "interleaved";
+          for (const PipeScheduleKind schedule : {PipeScheduleKind::one_f_one_b, PipeScheduleKind::interleaved}) {
+            const bool interleaved = schedule == PipeScheduleKind::interleaved;
             if (interleaved && (pp == 1 || micro % pp != 0 || c.n_layer < 2 * pp)) continue;
             if (!interleaved && pp > 1 && micro < pp) continue;  // 1F1B needs m >= p to fill the pipe
             for (int zero = 0; zero <= 3; ++zero) {
@@ -145,7 +145,7 @@ std::vector<LayoutCost> plan_layouts(const MemoryPlan& base, int64_t global_batc
                 p = base;
                 p.tp = tp, p.sequence_parallel = tp > 1, p.cp = cp, p.ulysses = false, p.pp = pp, p.ep = ep;
                 p.ranks = dp, p.zero_stage = zero, p.recompute = recompute, p.micro = micro;
-                p.schedule = pp > 1 ? schedule : "1f1b", p.virtual_stages = interleaved ? 2 : 1;
+                p.schedule = pp > 1 ? schedule : PipeScheduleKind::one_f_one_b, p.virtual_stages = interleaved ? 2 : 1;
                 try {
                   lc.memory = estimate_memory(p);
                 } catch (const std::exception&) {

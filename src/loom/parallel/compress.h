@@ -19,8 +19,16 @@
 #include "loom/backend/backend.h"
 #include "loom/comm/communicator.h"
 #include "loom/arch/param_layout.h"
+#include "loom/core/enum_names.h"
 
 namespace loom {
+
+// parallel.compression: the hook that replaces each bucket's all-reduce (none: the all-reduce).
+enum class Compression { none, topk, dgc, onebit, qsgd, powersgd };
+template <>
+struct EnumNames<Compression> {
+  static constexpr std::array<std::string_view, 6> names{"none", "topk", "dgc", "onebit", "qsgd", "powersgd"};
+};
 
 class GradCompressor {
  public:

@@ -9,9 +9,6 @@ namespace loom {
 DataParallel::DataParallel(Communicator& comm, Backend& backend, const Tensor& grads, const ParamLayout& layout,
                            DdpConfig config)
     : comm_(comm), grads_(grads), config_(config) {
-  LOOM_CHECK(config_.compression == "none" || config_.compression == "topk" || config_.compression == "dgc" ||
-                 config_.compression == "onebit" || config_.compression == "qsgd" || config_.compression == "powersgd",
-             "parallel.compression must be none, topk, dgc, onebit, qsgd or powersgd, got '", config_.compression, "'");
   LOOM_CHECK(config_.bucket_bytes > 0, "parallel.bucket_mb must be > 0");
   LOOM_CHECK(config_.compression_warmup >= 0, "parallel.compression_warmup must be >= 0, got ", config_.compression_warmup);
   LOOM_CHECK(grads.dtype() == DTYPE_F32 && grads.numel() == layout.total, "data parallel: gradient buffer ",
@@ -30,15 +27,19 @@ DataParallel::DataParallel(Communicator& comm, Backend& backend, const Tensor& g
     }
   }
   if (end > 0) buckets_.push_back({0, end});
-  if (config_.compression == "dgc") {
-    DgcOptions dgc = config_.dgc;
-    dgc.ratio = config_.topk_ratio;
-    compressor_ = make_dgc_compressor(backend, layout.total, dgc);
+  switch (config_.compression) {
+    case Compression::none: break;
+    case Compression::dgc: {
+      DgcOptions dgc = config_.dgc;
+      dgc.ratio = config_.topk_ratio;
+      compressor_ = make_dgc_compressor(backend, layout.total, dgc);
+      break;
+    }
+    case Compression::powersgd: compressor_ = make_powersgd_compressor(backend, layout, config_.powersgd_rank, 0x5D); break;
+    case Compression::qsgd: compressor_ = make_qsgd_compressor(backend, layout.total, config_.qsgd_levels, 0x95D); break;
+    case Compression::topk: compressor_ = make_topk_compressor(backend, layout.total, config_.topk_ratio); break;
+    case Compression::onebit: compressor_ = make_onebit_compressor(backend, layout.total); break;
   }
-  if (config_.compression == "powersgd") compressor_ = make_powersgd_compressor(backend, layout, config_.powersgd_rank, 0x5D);
-  if (config_.compression == "qsgd") compressor_ = make_qsgd_compressor(backend, layout.total, config_.qsgd_levels, 0x95D);
-  if (config_.compression == "topk") compressor_ = make_topk_compressor(backend, layout.total, config_.topk_ratio);
-  if (config_.compression == "onebit") compressor_ = make_onebit_compressor(backend, layout.total);
   // Every bucket's buffers now: a training step allocates nothing.
   for (const Bucket& b : buckets_) {
     if (compressor_) compressor_->prepare(comm_.size(), b.begin, b.end - b.begin);

@@ -28,7 +28,7 @@ struct DdpConfig {
   int64_t bucket_bytes = 25 << 20;  // PyTorch DDP's default bucket_cap_mb = 25
   bool overlap = true;              // false: one all-reduce per bucket after backward (for comparison)
   int64_t zero_stage = 0;           // 0: plain DDP; 1-3: ZeRO (parallel/zero.h)
-  std::string compression = "none";  // none | topk | dgc | onebit | qsgd | powersgd (parallel/compress.h; replaces each bucket's all-reduce)
+  Compression compression = Compression::none;  // parallel/compress.h; replaces each bucket's all-reduce
   double topk_ratio = 0.01;          // fraction of each bucket's entries Top-K (and DGC, finally) sends
   DgcOptions dgc;                    // DGC's momentum, clipping and warm-up (its ratio is topk_ratio)
   int qsgd_levels = 127;             // QSGD's s

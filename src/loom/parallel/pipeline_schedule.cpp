@@ -3,6 +3,7 @@
 #include "loom/parallel/pipeline_schedule.h"
 
 #include <algorithm>
+#include <optional>
 
 #include "loom/core/error.h"
 
@@ -16,7 +17,7 @@ constexpr int64_t kMaxActionsPerOp = int64_t{1} << 24;
 static_assert(sizeof(kOpNames) / sizeof(kOpNames[0]) == PIPE_OP_COUNT);
 
 std::string schedule_label(const PipeSchedule& s) {
-  return str_cat("pipeline schedule '", s.kind, "' (p=", s.stages, ", m=", s.micro, ", v=", s.virtual_chunks, ")");
+  return str_cat("pipeline schedule '", enum_name(s.kind), "' (p=", s.stages, ", m=", s.micro, ", v=", s.virtual_chunks, ")");
 }
 
 // GPipe (Huang et al. 2019): every forward, then every backward in micro-batch order.
@@ -91,23 +92,27 @@ int PipeSchedule::rank_of(int stage) const { return stage % stages; }
 int PipeSchedule::chunk_of(int stage) const { return stage / stages; }
 
 const std::vector<std::string>& pipe_schedule_kinds() {
-  static const std::vector<std::string> kKinds = {"gpipe", "1f1b", "interleaved", "zb-h1"};
+  static const std::vector<std::string> kKinds(EnumNames<PipeScheduleKind>::names.begin(),
+                                               EnumNames<PipeScheduleKind>::names.end());
   return kKinds;
 }
 
 PipeSchedule make_pipe_schedule(const std::string& kind, int p, int m, int v) {
+  const std::optional<PipeScheduleKind> k = enum_from_name<PipeScheduleKind>(kind);
+  LOOM_CHECK(k.has_value(), "parallel.schedule = '", kind, "': unknown pipeline schedule (expected gpipe, 1f1b, interleaved or zb-h1)");
+  return make_pipe_schedule(*k, p, m, v);
+}
+
+PipeSchedule make_pipe_schedule(PipeScheduleKind kind, int p, int m, int v) {
   LOOM_CHECK(p >= 1, "parallel.pp = ", p, ": a pipeline needs at least 1 rank");
   LOOM_CHECK(m >= 1, "parallel.micro_batches = ", m, ": a pipeline step needs at least 1 micro-batch");
-  const auto& kinds = pipe_schedule_kinds();
-  LOOM_CHECK(std::find(kinds.begin(), kinds.end(), kind) != kinds.end(), "parallel.schedule = '", kind,
-             "': unknown pipeline schedule (expected gpipe, 1f1b, interleaved or zb-h1)");
-  if (kind == "interleaved") {
+  if (kind == PipeScheduleKind::interleaved) {
     LOOM_CHECK(v >= 2, "parallel.virtual_stages = ", v, ": the interleaved schedule needs at least 2 model chunks per rank");
     LOOM_CHECK(m % p == 0, "parallel.micro_batches = ", m, ": the interleaved schedule needs a multiple of parallel.pp = ", p,
                " (micro-batches go through the chunks in groups of p)");
   } else {
     LOOM_CHECK(v == 1, "parallel.virtual_stages = ", v, ": only parallel.schedule = interleaved runs several model chunks per rank, not '",
-               kind, "'");
+               enum_name(kind), "'");
   }
   const int64_t actions = static_cast<int64_t>(p) * m * v;
   LOOM_CHECK(actions <= kMaxActionsPerOp, "parallel.pp x parallel.micro_batches x parallel.virtual_stages = ", actions,
@@ -117,12 +122,14 @@ PipeSchedule make_pipe_schedule(const std::string& kind, int p, int m, int v) {
   s.stages = p;
   s.micro = m;
   s.virtual_chunks = v;
-  s.split_backward = kind == "zb-h1";
+  s.split_backward = kind == PipeScheduleKind::zb_h1;
   for (int r = 0; r < p; ++r) {
-    if (kind == "gpipe") s.per_rank.push_back(gpipe_rank(m));
-    if (kind == "1f1b") s.per_rank.push_back(one_f_one_b_rank(p, m, r));
-    if (kind == "interleaved") s.per_rank.push_back(interleaved_rank(p, m, v, r));
-    if (kind == "zb-h1") s.per_rank.push_back(zb_h1_rank(p, m, r));
+    switch (kind) {
+      case PipeScheduleKind::gpipe: s.per_rank.push_back(gpipe_rank(m)); break;
+      case PipeScheduleKind::one_f_one_b: s.per_rank.push_back(one_f_one_b_rank(p, m, r)); break;
+      case PipeScheduleKind::interleaved: s.per_rank.push_back(interleaved_rank(p, m, v, r)); break;
+      case PipeScheduleKind::zb_h1: s.per_rank.push_back(zb_h1_rank(p, m, r)); break;
+    }
   }
   return s;
 }

@@ -29,7 +29,16 @@
 #include <string>
 #include <vector>
 
+#include "loom/core/enum_names.h"
+
 namespace loom {
+
+// parallel.schedule, the kinds listed above.
+enum class PipeScheduleKind { gpipe, one_f_one_b, interleaved, zb_h1 };
+template <>
+struct EnumNames<PipeScheduleKind> {
+  static constexpr std::array<std::string_view, 4> names{"gpipe", "1f1b", "interleaved", "zb-h1"};
+};
 
 enum PipeOp : uint8_t { PIPE_F, PIPE_B, PIPE_W, PIPE_OP_COUNT };
 
@@ -41,7 +50,7 @@ struct PipeAction {
 };
 
 struct PipeSchedule {
-  std::string kind;           // gpipe | 1f1b | interleaved | zb-h1
+  PipeScheduleKind kind = PipeScheduleKind::one_f_one_b;
   int stages = 1;             // p: ranks of the pipeline
   int micro = 1;              // m: micro-batches per step
   int virtual_chunks = 1;     // v: model chunks per rank
@@ -56,6 +65,8 @@ struct PipeSchedule {
 
 // The schedule `kind` for p ranks, m micro-batches and v chunks per rank. One-line errors name
 // parallel.pp, parallel.micro_batches, parallel.schedule or parallel.virtual_stages.
+PipeSchedule make_pipe_schedule(PipeScheduleKind kind, int p, int m, int v = 1);
+// The same by name (tests, benchmarks): an unknown name is an error naming parallel.schedule.
 PipeSchedule make_pipe_schedule(const std::string& kind, int p, int m, int v = 1);
 
 // The kinds make_pipe_schedule accepts, in the order of the list above.

@@ -23,7 +23,20 @@ namespace {
 struct TriBool {
   int64_t* value;
 };
-using Target = std::variant<int64_t*, uint64_t*, double*, float*, std::string*, Arch*, bool*, TriBool>;
+// An enum field (core/enum_names.h): a TOML string parsed into the enum at load.
+struct EnumRef {
+  void* field;
+  std::vector<std::string_view> names;  // names[i] is the enum's value i
+  size_t (*get)(const void*);
+  void (*set)(void*, size_t);
+};
+template <class E>
+EnumRef enum_ref(E* field) {
+  const auto& names = EnumNames<E>::names;
+  return {field, {names.begin(), names.end()}, [](const void* f) { return static_cast<size_t>(*static_cast<const E*>(f)); },
+          [](void* f, size_t i) { *static_cast<E*>(f) = static_cast<E>(i); }};
+}
+using Target = std::variant<int64_t*, uint64_t*, double*, float*, std::string*, Arch*, bool*, TriBool, EnumRef>;
 
 struct Binding {
   std::string key;
@@ -34,7 +47,7 @@ struct Binding {
 std::vector<Binding> bindings(LoomConfig& c) {
   // Top-level keys first: TOML puts them before any [table]. The model's keys come from its
   // schema (arch/config.h), the one list checkpoints also read.
-  std::vector<Binding> out = {{"device", &c.device, "the backend: cpu | cuda (a CUDA build and a visible GPU)"}};
+  std::vector<Binding> out = {{"device", enum_ref(&c.device), "the backend: cpu | cuda (a CUDA build and a visible GPU)"}};
   visit_model_fields(c.model, [&](const ModelField& f, auto& value) { out.push_back({str_cat("model.", f.key), &value, f.meaning}); });
   std::vector<Binding> rest = {
       {"train.batch_size", &c.train.batch_size, "sequences per micro-batch on each data-parallel rank (global batch: x grad_accum x dp)"},
@@ -115,13 +128,13 @@ std::vector<Binding> bindings(LoomConfig& c) {
       {"parallel.cp", &c.parallel.cp, "context-parallel ranks (each sequence split over them)"},
       {"parallel.ep", &c.parallel.ep, "expert parallel: MoE experts split over ep of the data-parallel ranks"},
       {"parallel.sequence_parallel", &c.parallel.sequence_parallel, "with tp > 1: norms and the residual stream on sequence shards"},
-      {"parallel.cp_attention", &c.parallel.cp_attention, "with cp > 1: ring | ulysses"},
-      {"parallel.schedule", &c.parallel.schedule, "pipeline schedule with pp > 1: gpipe | 1f1b | interleaved | zb-h1"},
+      {"parallel.cp_attention", enum_ref(&c.parallel.cp_attention), "with cp > 1: ring | ulysses"},
+      {"parallel.schedule", enum_ref(&c.parallel.schedule), "pipeline schedule with pp > 1: gpipe | 1f1b | interleaved | zb-h1"},
       {"parallel.virtual_stages", &c.parallel.virtual_stages, "model chunks per pipeline rank (interleaved: >= 2)"},
       {"parallel.bucket_mb", &c.parallel.bucket_mb, "DDP gradient bucket size in MiB (PyTorch's bucket_cap_mb)"},
       {"parallel.overlap", &c.parallel.overlap, "DDP: start each bucket's all-reduce during backward"},
       {"parallel.zero_stage", &c.parallel.zero_stage, "0 = DDP; 1, 2, 3 = ZeRO: optimizer state; + gradients; + parameters sharded"},
-      {"parallel.compression", &c.parallel.compression, "gradient compression on the DDP path: none | topk | dgc | onebit | qsgd | powersgd"},
+      {"parallel.compression", enum_ref(&c.parallel.compression), "gradient compression on the DDP path: none | topk | dgc | onebit | qsgd | powersgd"},
       {"parallel.topk_ratio", &c.parallel.topk_ratio, "topk, dgc: (final) fraction of the gradient elements sent"},
       {"parallel.qsgd_levels", &c.parallel.qsgd_levels, "qsgd: quantization levels"},
       {"parallel.powersgd_rank", &c.parallel.powersgd_rank, "powersgd: rank of the low-rank approximation"},
@@ -165,7 +178,16 @@ void assign(const Binding& b, const toml::node& node, const std::string& origin)
   std::visit(
       [&](auto target) {
         using P = decltype(target);
-        if constexpr (std::is_same_v<P, TriBool>) {
+        if constexpr (std::is_same_v<P, EnumRef>) {
+          if (!node.is_string()) throw wrong("a string");
+          const std::string& name = node.as_string()->get();
+          for (size_t i = 0; i < target.names.size(); ++i) {
+            if (target.names[i] == name) return target.set(target.field, i);
+          }
+          std::string choices;
+          for (const std::string_view n : target.names) choices += std::string(choices.empty() ? "" : " | ") + std::string(n);
+          throw Error(str_cat(origin, ": key '", b.key, "' must be one of ", choices, ", got '", name, "'"));
+        } else if constexpr (std::is_same_v<P, TriBool>) {
           if (node.is_boolean()) *target.value = node.as_boolean()->get() ? 1 : 0;
           else if (node.is_integer() && node.as_integer()->get() == -1) *target.value = -1;
           else throw wrong("a boolean (or -1 for the optimizer's default)");
@@ -211,7 +233,10 @@ void set_key(LoomConfig& config, const std::string& key, const toml::node& node,
 
 bool is_string_key(LoomConfig& config, const std::string& key) {
   for (const Binding& b : bindings(config)) {
-    if (b.key == key) return std::holds_alternative<std::string*>(b.target) || std::holds_alternative<Arch*>(b.target);
+    if (b.key == key) {
+      return std::holds_alternative<std::string*>(b.target) || std::holds_alternative<Arch*>(b.target) ||
+             std::holds_alternative<EnumRef>(b.target);
+    }
   }
   return false;
 }
@@ -246,7 +271,9 @@ std::string toml_value(const Target& target) {
   return std::visit(
       [](auto t) -> std::string {
         using P = decltype(t);
-        if constexpr (std::is_same_v<P, TriBool>) {
+        if constexpr (std::is_same_v<P, EnumRef>) {
+          return toml_string(std::string(t.names[t.get(t.field)]));
+        } else if constexpr (std::is_same_v<P, TriBool>) {
           return *t.value < 0 ? "-1" : *t.value ? "true" : "false";
         } else {
           using T = std::remove_pointer_t<P>;
@@ -265,7 +292,9 @@ std::string schema_type(const Target& target) {
   return std::visit(
       [](auto t) -> std::string {
         using P = decltype(t);
-        if constexpr (std::is_same_v<P, TriBool>) {
+        if constexpr (std::is_same_v<P, EnumRef>) {
+          return "string";  // a TOML string, one of the names the meaning lists
+        } else if constexpr (std::is_same_v<P, TriBool>) {
           return "tri-bool";
         } else {
           using T = std::remove_pointer_t<P>;
@@ -296,7 +325,6 @@ void LoomConfig::validate() const {
   model.validate();
   train.validate();
   sample.sampling.validate();
-  LOOM_CHECK(device == "cpu" || device == "cuda", "device must be \"cpu\" or \"cuda\", got \"", device, "\"");
   LOOM_CHECK(parallel.zero_stage >= 0 && parallel.zero_stage <= 3, "parallel.zero_stage must be 0, 1, 2 or 3, got ",
              parallel.zero_stage);
   LOOM_CHECK(parallel.bucket_mb > 0.0, "parallel.bucket_mb must be > 0, got ", parallel.bucket_mb);

@@ -9,6 +9,8 @@
 
 #include "loom/infer/sampler.h"
 #include "loom/arch/config.h"
+#include "loom/parallel/compress.h"
+#include "loom/parallel/pipeline_schedule.h"
 #include "loom/train/trainer.h"
 
 namespace loom {
@@ -40,6 +42,13 @@ struct SampleConfig {
   SamplingConfig sampling{0.8f, 40, 0.95f, 1337};
 };
 
+// parallel.cp_attention: how attention sees the whole sequence under context parallelism.
+enum class CpAttention { ring, ulysses };
+template <>
+struct EnumNames<CpAttention> {
+  static constexpr std::array<std::string_view, 2> names{"ring", "ulysses"};
+};
+
 // Multi-process training (`mpirun -np N loom train`): data parallel over the N ranks;
 // train.batch_size is each rank's micro-batch, so the global batch is batch_size * grad_accum * N.
 struct ParallelConfig {
@@ -47,13 +56,13 @@ struct ParallelConfig {
   int64_t tp = 1, pp = 1, cp = 1;  // tensor, pipeline, context parallel sizes (comm/device_mesh.h)
   int64_t ep = 1;  // expert parallel: MoE experts split over ep of the dp ranks (nn/moe.h)
   bool sequence_parallel = false;  // with tp > 1: norms and the residual stream on sequence shards
-  std::string cp_attention = "ring";  // with cp > 1: ring | ulysses
-  std::string schedule = "1f1b";      // with pp > 1: gpipe | 1f1b | interleaved | zb-h1 (micro-batches: train.grad_accum)
+  CpAttention cp_attention = CpAttention::ring;  // with cp > 1
+  PipeScheduleKind schedule = PipeScheduleKind::one_f_one_b;  // with pp > 1 (micro-batches: train.grad_accum)
   int64_t virtual_stages = 1;         // model chunks per pipeline rank (interleaved: >= 2)
   double bucket_mb = 25.0;  // DDP gradient bucket size (PyTorch's bucket_cap_mb)
   bool overlap = true;      // start each bucket's all-reduce during backward
   int64_t zero_stage = 0;   // 0: DDP; 1, 2, 3: ZeRO (optimizer state; + gradients; + parameters sharded)
-  std::string compression = "none";  // none | topk | dgc | onebit | qsgd | powersgd: hook on the DDP path
+  Compression compression = Compression::none;  // hook on the DDP path (parallel/compress.h)
   double topk_ratio = 0.01;          // Top-K's and DGC's (final) density
   int64_t qsgd_levels = 127;
   int64_t powersgd_rank = 4;
@@ -64,7 +73,7 @@ struct ParallelConfig {
 };
 
 struct LoomConfig {
-  std::string device = "cpu";  // the backend: cpu | cuda (backend/backend.h make_backend)
+  DeviceType device = DEVICE_CPU;  // the backend: cpu | cuda (backend/backend.h make_backend)
   ModelConfig model;
   ParallelConfig parallel;
   TrainConfig train;

@@ -142,9 +142,6 @@ const Rule kRules[] = {
        return str_cat("parallel.sequence_parallel: train.seq_len (", train(f).seq_len, ") must be a multiple of parallel.tp (",
                       f.of(Axis::tp), ")");
      }},
-    {Verdict::refuse,
-     [](const LayoutFacts& f) { return f.of(Axis::cp) > 1 && par(f).cp_attention != "ring" && par(f).cp_attention != "ulysses"; },
-     [](const LayoutFacts& f) { return str_cat("parallel.cp_attention must be ring or ulysses, got '", par(f).cp_attention, "'"); }},
     {Verdict::refuse, [](const LayoutFacts& f) { return f.of(Axis::cp) > 1 && train(f).seq_len % (2 * f.of(Axis::cp)) != 0; },
      [](const LayoutFacts& f) {
        return str_cat("parallel.cp = ", f.of(Axis::cp), " needs train.seq_len divisible by 2 x parallel.cp = ",
@@ -153,7 +150,7 @@ const Rule kRules[] = {
     {Verdict::refuse,
      [](const LayoutFacts& f) {
        const int cp = f.of(Axis::cp);
-       return cp > 1 && par(f).cp_attention == "ulysses" && (model(f).n_head % cp != 0 || model(f).n_kv_head % cp != 0);
+       return cp > 1 && par(f).cp_attention == CpAttention::ulysses && (model(f).n_head % cp != 0 || model(f).n_kv_head % cp != 0);
      },
      [](const LayoutFacts& f) {
        return str_cat("parallel.cp_attention = ulysses needs parallel.cp = ", f.of(Axis::cp), " to divide model.n_head (",
@@ -202,9 +199,9 @@ const Rule kRules[] = {
        return str_cat("precision.loss_scaling is not supported with optim.name = ", optimizer(f), " (its error feedback "
                       "lives in the gradient buffer, which unscaling would rescale)");
      }},
-    {Verdict::refuse, [](const LayoutFacts& f) { return par(f).compression != "none" && zero(f) >= 2 && reduced(f); },
+    {Verdict::refuse, [](const LayoutFacts& f) { return par(f).compression != Compression::none && zero(f) >= 2 && reduced(f); },
      [](const LayoutFacts& f) {
-       return str_cat("parallel.compression = ", par(f).compression, " replaces DDP's all-reduce; parallel.zero_stage = ",
+       return str_cat("parallel.compression = ", enum_name(par(f).compression), " replaces DDP's all-reduce; parallel.zero_stage = ",
                       zero(f), " reduce-scatters instead: use zero_stage 0 or 1");
      }},
     {Verdict::refuse,
@@ -236,9 +233,9 @@ const Rule kRules[] = {
        return unsupported_on(f, str_cat("parallel.zero_stage = ", zero(f)), "the shard bookkeeping runs on the host: use "
                              "plain data parallelism");
      }},
-    {Verdict::refuse, [](const LayoutFacts& f) { return !f.backend.gradient_compression && par(f).compression != "none"; },
+    {Verdict::refuse, [](const LayoutFacts& f) { return !f.backend.gradient_compression && par(f).compression != Compression::none; },
      [](const LayoutFacts& f) {
-       return unsupported_on(f, str_cat("parallel.compression = ", par(f).compression), "the compressors run on the host");
+       return unsupported_on(f, str_cat("parallel.compression = ", enum_name(par(f).compression)), "the compressors run on the host");
      }},
     {Verdict::refuse, [](const LayoutFacts& f) { return !f.backend.low_precision && low_precision(f); },
      [](const LayoutFacts& f) {
@@ -257,27 +254,27 @@ const Rule kRules[] = {
      [](const LayoutFacts& f) {
        return str_cat("parallel.zero_stage = ", zero(f), " has no effect with one data-parallel rank (nothing to shard over)");
      }},
-    {Verdict::no_effect, [](const LayoutFacts& f) { return par(f).compression != "none" && f.world > 0 && !reduced(f); },
+    {Verdict::no_effect, [](const LayoutFacts& f) { return par(f).compression != Compression::none && f.world > 0 && !reduced(f); },
      [](const LayoutFacts& f) {
-       return str_cat("parallel.compression = ", par(f).compression, " has no effect with one data-parallel rank");
+       return str_cat("parallel.compression = ", enum_name(par(f).compression), " has no effect with one data-parallel rank");
      }},
     // Combinations that run but are measured to cost (docs/parallel.md, "Gradient compression").
     {Verdict::advise,
      [](const LayoutFacts& f) {
-       const std::string& c = par(f).compression;
+       const Compression c = par(f).compression;
        const bool sgd = optimizer(f) == "sgd", momentum = optimizer(f) == "momentum" || optimizer(f) == "nesterov";
-       return reduced(f) && ((c == "dgc" && !sgd) || ((c == "topk" || c == "onebit") && !sgd && !momentum));
+       return reduced(f) && ((c == Compression::dgc && !sgd) || ((c == Compression::topk || c == Compression::onebit) && !sgd && !momentum));
      },
      [](const LayoutFacts& f) {
-       return str_cat("parallel.compression = ", par(f).compression, " with optim.name = ", optimizer(f), ": ",
-                      par(f).compression == "dgc" ? "DGC applies the momentum itself and suits optim.name = sgd"
+       return str_cat("parallel.compression = ", enum_name(par(f).compression), " with optim.name = ", optimizer(f), ": ",
+                      par(f).compression == Compression::dgc ? "DGC applies the momentum itself and suits optim.name = sgd"
                                                   : "Top-K and 1-bit suit momentum SGD (optim.name = momentum)",
                       "; with AdamW they end well above the uncompressed loss (docs/parallel.md)");
      }},
-    {Verdict::no_effect, [](const LayoutFacts& f) { return par(f).cp_attention != "ring" && f.of(Axis::cp) == 1; },
-     [](const LayoutFacts& f) { return str_cat("parallel.cp_attention = ", par(f).cp_attention, " has no effect without parallel.cp > 1"); }},
+    {Verdict::no_effect, [](const LayoutFacts& f) { return par(f).cp_attention != CpAttention::ring && f.of(Axis::cp) == 1; },
+     [](const LayoutFacts& f) { return str_cat("parallel.cp_attention = ", enum_name(par(f).cp_attention), " has no effect without parallel.cp > 1"); }},
     {Verdict::no_effect,
-     [](const LayoutFacts& f) { return (par(f).schedule != "1f1b" || par(f).virtual_stages != 1) && f.of(Axis::pp) == 1; },
+     [](const LayoutFacts& f) { return (par(f).schedule != PipeScheduleKind::one_f_one_b || par(f).virtual_stages != 1) && f.of(Axis::pp) == 1; },
      [](const LayoutFacts&) {
        return std::string("parallel.schedule and parallel.virtual_stages have no effect without parallel.pp > 1");
      }},

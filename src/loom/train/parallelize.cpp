@@ -36,7 +36,7 @@ void tensor_parallel(Build& b) {
 }
 
 void context_parallel(Build& b) {
-  if (Communicator* cp = b.layout.group(Axis::cp)) b.out.model->set_context_parallel(cp, b.config.parallel.cp_attention == "ulysses");
+  if (Communicator* cp = b.layout.group(Axis::cp)) b.out.model->set_context_parallel(cp, b.config.parallel.cp_attention == CpAttention::ulysses);
 }
 
 void expert_parallel(Build& b) {
@@ -58,7 +58,7 @@ void data_parallel(Build& b) {
 #ifdef LOOM_HAVE_CUDA
   // A GPU's gradients go over NCCL, host values (losses, norms) over MPI.
   Communicator& world = b.layout.world();
-  if (b.config.device == "cuda" && world.size() > 1) {
+  if (b.config.device == DEVICE_CUDA && world.size() > 1) {
     b.layout.use_device_group(make_routing_communicator(
         world.split(0, world.rank()), make_nccl_communicator(world, cuda_device(b.backend), cuda_stream(b.backend))));
   }

@@ -137,7 +137,7 @@ Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config, Commu
     LOOM_CHECK(!optimizer_->keeps_gradients(), "data parallelism is not supported with optim.name = ", optimizer_->name(),
                " (its error feedback lives in the gradient buffer, which the all-reduce would average)");
     comm_ = comm;
-    LOOM_CHECK(model_.params().host_accessible() || (ddp.zero_stage == 0 && ddp.compression == "none"),
+    LOOM_CHECK(model_.params().host_accessible() || (ddp.zero_stage == 0 && ddp.compression == Compression::none),
                "parallel.zero_stage > 0 and parallel.compression are not supported on the ", backend_.name(),
                " backend yet (their shard and compression bookkeeping runs on the host): use plain data parallelism");
     if (ddp.zero_stage <= 1) {  // gradients all-reduced (stage 1 then shards the update)
@@ -146,7 +146,7 @@ Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config, Commu
       if (model_.sequence_parallel()) ddp.overlap = false;
       ddp_ = std::make_unique<DataParallel>(*comm, backend_, model_.grads(), model_.layout(), ddp);
     } else {
-      LOOM_CHECK(ddp.compression == "none", "parallel.compression = ", ddp.compression, " replaces DDP's all-reduce; "
+      LOOM_CHECK(ddp.compression == Compression::none, "parallel.compression = ", enum_name(ddp.compression), " replaces DDP's all-reduce; "
                  "parallel.zero_stage = ", ddp.zero_stage, " reduce-scatters instead: use zero_stage 0 or 1");
     }
     if (ddp.zero_stage >= 1) {
