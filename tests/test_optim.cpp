@@ -349,37 +349,37 @@ TEST(OptimTest, BadConfigNamesTheKey) {
 TEST(ScheduleTest, EveryScheduleAtItsKeyPoints) {
   ScheduleConfig s;
   s.max_lr = 1.0, s.min_lr = 0.1, s.warmup = 10, s.total = 110;
-  for (const std::string& kind : schedule_names()) {
-    s.kind = kind;
+  for (const std::string_view name : EnumNames<LrScheduleKind>::names) {
+    const std::string kind(name);
+    s.kind = parse_enum<LrScheduleKind>(name, "optim.schedule");
     s.validate();
     EXPECT_DOUBLE_EQ(s.lr(0), 0.1) << kind;  // warmup: max (s+1)/W
     EXPECT_DOUBLE_EQ(s.lr(9), 1.0) << kind;
   }
-  s.kind = "constant";
+  s.kind = LrScheduleKind::constant;
   EXPECT_DOUBLE_EQ(s.lr(100), 1.0);
-  s.kind = "linear";
+  s.kind = LrScheduleKind::linear;
   EXPECT_DOUBLE_EQ(s.lr(60), 0.55);
-  s.kind = "cosine";
+  s.kind = LrScheduleKind::cosine;
   EXPECT_DOUBLE_EQ(s.lr(10), 1.0);
   EXPECT_NEAR(s.lr(60), 0.55, 1e-12);
   EXPECT_NEAR(s.lr(110), 0.1, 1e-12);
-  s.kind = "wsd";  // decay over the last 22 steps (0.2 x 110), from step 88
+  s.kind = LrScheduleKind::wsd;  // decay over the last 22 steps (0.2 x 110), from step 88
   EXPECT_DOUBLE_EQ(s.lr(87), 1.0);
   EXPECT_DOUBLE_EQ(s.lr(99), 0.1 + 0.9 * (1.0 - 11.0 / 22.0));
-  s.wsd_shape = "sqrt";
+  s.wsd_shape = WsdShape::sqrt;
   EXPECT_DOUBLE_EQ(s.lr(99), 0.1 + 0.9 * (1.0 - std::sqrt(0.5)));
-  s.kind = "step";
+  s.kind = LrScheduleKind::step;
   s.step_size = 30, s.gamma = 0.5;
   EXPECT_DOUBLE_EQ(s.lr(39), 1.0);
   EXPECT_DOUBLE_EQ(s.lr(40), 0.5);
   EXPECT_DOUBLE_EQ(s.lr(100), 0.125);
-  s.kind = "exponential";
+  s.kind = LrScheduleKind::exponential;
   s.gamma = 0.9;
   EXPECT_NEAR(s.lr(12), 0.81, 1e-12);
-  s.kind = "inverse_sqrt";
+  s.kind = LrScheduleKind::inverse_sqrt;
   EXPECT_NEAR(s.lr(39), std::sqrt(10.0 / 40.0), 1e-12);
-  s.kind = "triangle";
-  EXPECT_THROW(s.validate(), Error);
+  EXPECT_THROW(parse_enum<LrScheduleKind>("triangle", "optim.schedule"), Error);
 }
 
 std::vector<int32_t> tokens(int64_t n, int64_t vocab) {

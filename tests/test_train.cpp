@@ -123,7 +123,7 @@ TEST(TrainerTest, LossScalingSkipsOverflowingStepsAndBacksOff) {
     backend->fill(model->param("ln_f.weight"), 1e4);
     TrainConfig tc;
     tc.batch_size = 2, tc.seq_len = 16, tc.steps = 40;
-    tc.schedule.kind = "constant";  // skipped steps must not shift the lr of the taken ones
+    tc.schedule.kind = LrScheduleKind::constant;  // skipped steps must not shift the lr of the taken ones
     tc.loss_scaling = scaling;
     tc.loss_scaler.init_scale = std::ldexp(1.0, 127);
     return std::make_unique<Trainer>(*backend, *model, tc);

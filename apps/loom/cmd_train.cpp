@@ -106,7 +106,7 @@ int train_main(int argc, char** argv) {
   const int64_t state_bytes = trainer.optimizer().state_bytes();
   metrics.write({{"optimizer", trainer.optimizer().name()}, {"parameters", n_params}, {"optimizer_state_bytes", state_bytes},
                  {"state_bytes_per_param", static_cast<double>(state_bytes) / static_cast<double>(n_params)},
-                 {"schedule", config.train.schedule.kind}, {"precision", model.precision().describe()},
+                 {"schedule", std::string(enum_name(config.train.schedule.kind))}, {"precision", model.precision().describe()},
                  {"loss_scaling", config.train.loss_scaling}});
   const bool terminal = stdout_is_terminal();
   double seconds_sum = 0.0;

@@ -90,7 +90,7 @@ void print_dry_run(const LoomConfig& config, const std::string& dir, const Train
   std::printf("dry run %s: %s, %lld parameters (%lld with weight decay %g), optimizer %s, schedule %s\n", dir.c_str(),
               std::string(arch_name(config.model.arch)).c_str(), static_cast<long long>(n_params),
               static_cast<long long>(decayed), config.train.optim.weight_decay, trainer.optimizer().name().c_str(),
-              config.train.schedule.kind.c_str());
+              std::string(enum_name(config.train.schedule.kind)).c_str());
   std::printf("optimizer state: %lld bytes = %.3f bytes/parameter (formula: %lld bytes, %.3f bytes/parameter)\n",
               static_cast<long long>(state_bytes), static_cast<double>(state_bytes) / static_cast<double>(n_params),
               static_cast<long long>(formula), static_cast<double>(formula) / static_cast<double>(n_params));
@@ -110,7 +110,7 @@ void print_run_header(const LoomConfig& config, const std::string& dir, const Tr
               peak_gflops);
   std::printf("optimizer %s: state %s (%.2f bytes/parameter); schedule %s, lr %.2e\n", trainer.optimizer().name().c_str(),
               format_bytes(static_cast<size_t>(state_bytes)).c_str(),
-              static_cast<double>(state_bytes) / static_cast<double>(n_params), config.train.schedule.kind.c_str(),
+              static_cast<double>(state_bytes) / static_cast<double>(n_params), std::string(enum_name(config.train.schedule.kind)).c_str(),
               config.train.schedule.max_lr);
   std::printf("precision: %s%s\n", model.precision().describe().c_str(), config.train.loss_scaling ? ", dynamic loss scaling" : "");
   std::printf("layers: %s\n", describe_plans(model.layer_plans()).c_str());

@@ -8,16 +8,30 @@
 #include <string>
 #include <vector>
 
+#include "loom/core/enum_names.h"
+
 namespace loom {
 
+enum class LrScheduleKind { constant, linear, cosine, wsd, step, exponential, inverse_sqrt };
+template <>
+struct EnumNames<LrScheduleKind> {  // optim.schedule
+  static constexpr std::array<std::string_view, 7> names{"constant", "linear",      "cosine",      "wsd",
+                                                         "step",     "exponential", "inverse_sqrt"};
+};
+enum class WsdShape { linear, sqrt, cosine };
+template <>
+struct EnumNames<WsdShape> {  // optim.wsd_shape
+  static constexpr std::array<std::string_view, 3> names{"linear", "sqrt", "cosine"};
+};
+
 struct ScheduleConfig {
-  std::string kind = "cosine";  // constant | linear | cosine | wsd | step | exponential | inverse_sqrt
+  LrScheduleKind kind = LrScheduleKind::cosine;
   double max_lr = 3e-4;
   double min_lr = 3e-5;
   int64_t warmup = 0;
   int64_t total = 1;              // train.steps
   double decay_fraction = 0.2;    // wsd: the share of the steps spent decaying
-  std::string wsd_shape = "linear";  // wsd decay: linear | sqrt | cosine
+  WsdShape wsd_shape = WsdShape::linear;  // wsd's decay
   int64_t step_size = 1000;       // step: steps between decays
   double gamma = 0.1;             // step, exponential: the decay factor
 
@@ -25,22 +39,15 @@ struct ScheduleConfig {
   double lr(int64_t step) const;  // resolves, then LrSchedule::lr (a step loop holds an LrSchedule)
 };
 
-// A schedule with its kind and shape parsed once (the strings stay in the config): what the
-// trainer evaluates every step.
+// A validated schedule: what the trainer evaluates every step.
 class LrSchedule {
  public:
-  enum Kind : uint8_t { CONSTANT, LINEAR, COSINE, WSD, STEP, EXPONENTIAL, INVERSE_SQRT };
-  enum Shape : uint8_t { SHAPE_LINEAR, SHAPE_SQRT, SHAPE_COSINE };
   explicit LrSchedule(const ScheduleConfig& config);  // validates
   double lr(int64_t step) const;
   const ScheduleConfig& config() const { return c_; }
 
  private:
   ScheduleConfig c_;
-  Kind kind_;
-  Shape shape_;
 };
-
-const std::vector<std::string>& schedule_names();
 
 }  // namespace loom
