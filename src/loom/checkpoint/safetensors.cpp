@@ -1,9 +1,14 @@
 #include "loom/checkpoint/safetensors.h"
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
+#include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "loom/core/error.h"
@@ -25,37 +30,80 @@ const char* safetensors_dtype(DType dtype) {
   throw Error("safetensors: unsupported dtype");
 }
 
-DType parse_dtype(const std::string& s, const std::string& path, const std::string& name) {
-  for (int d = 0; d < DTYPE_COUNT; ++d) {
-    if (s == safetensors_dtype(static_cast<DType>(d))) return static_cast<DType>(d);
+// The dtypes the format names with whole-byte elements, and their sizes.
+struct StoredType {
+  const char* name;
+  size_t size;
+};
+constexpr StoredType kStoredTypes[] = {{"BOOL", 1}, {"U8", 1},  {"I8", 1},  {"F8_E5M2", 1}, {"F8_E4M3", 1},
+                                       {"I16", 2},  {"U16", 2}, {"F16", 2}, {"BF16", 2},    {"I32", 4},
+                                       {"U32", 4},  {"F32", 4}, {"F64", 8}, {"I64", 8},     {"U64", 8}};
+
+size_t stored_size(const std::string& dtype, const std::string& path, const std::string& name) {
+  for (const StoredType& t : kStoredTypes) {
+    if (dtype == t.name) return t.size;
   }
-  throw Error(str_cat(path, ": tensor '", name, "' has dtype ", s, ", expected one of F32, BF16, F64, I32"));
+  throw Error(str_cat(path, ": tensor '", name, "' has dtype '", dtype, "', which is not a safetensors dtype Loom reads "
+                      "(F32, F16, BF16, F64, I32, I64, ...)"));
+}
+
+std::optional<DType> loom_dtype(const std::string& stored) {
+  for (int d = 0; d < DTYPE_COUNT; ++d) {
+    if (stored == safetensors_dtype(static_cast<DType>(d))) return static_cast<DType>(d);
+  }
+  return std::nullopt;
+}
+
+// A non-negative integer of the header, or an error naming the tensor and field.
+uint64_t header_uint(const nlohmann::json& v, const std::string& path, const std::string& name, const char* field) {
+  LOOM_CHECK(v.is_number_unsigned() || (v.is_number_integer() && v.get<int64_t>() >= 0), path, ": tensor '", name, "' ",
+             field, " must hold non-negative integers");
+  return v.get<uint64_t>();
 }
 
 }  // namespace
 
+struct SafetensorsFile::Mapping {
+  void* addr = nullptr;
+  size_t size = 0;
+  Mapping() = default;
+  Mapping(const Mapping&) = delete;
+  Mapping& operator=(const Mapping&) = delete;
+  ~Mapping() {
+    if (addr != nullptr) ::munmap(addr, size);
+  }
+  const char* data() const { return static_cast<const char*>(addr); }
+};
+
 SafetensorsFile SafetensorsFile::read(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  LOOM_CHECK(in, path, ": cannot open safetensors file");
-  in.seekg(0, std::ios::end);
-  const auto size = static_cast<uint64_t>(in.tellg());
-  in.seekg(0);
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  LOOM_CHECK(fd >= 0, path, ": cannot open safetensors file (", std::strerror(errno), ")");
+  struct stat st {};
+  const bool regular = ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode);
+  const auto size = static_cast<uint64_t>(regular ? st.st_size : 0);
+  auto map = std::make_shared<Mapping>();
+  if (regular && size >= 8) {
+    void* addr = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
+    if (addr != MAP_FAILED) map->addr = addr, map->size = size;
+  }
+  const int mmap_errno = errno;
+  ::close(fd);
+  LOOM_CHECK(regular, path, ": not a regular file");
   LOOM_CHECK(size >= 8, path, ": truncated safetensors file (", size, " bytes, expected at least 8)");
+  LOOM_CHECK(map->addr != nullptr, path, ": cannot map the file (", std::strerror(mmap_errno), ")");
   uint64_t header_bytes = 0;
-  in.read(reinterpret_cast<char*>(&header_bytes), 8);
+  std::memcpy(&header_bytes, map->data(), 8);  // little-endian, as the hosts Loom runs on
   LOOM_CHECK(header_bytes <= kMaxHeaderBytes && header_bytes <= size - 8, path, ": header size ", header_bytes,
              " exceeds the file (", size, " bytes)");
-  std::string header(header_bytes, '\0');
-  in.read(header.data(), static_cast<std::streamsize>(header_bytes));
+  LOOM_CHECK(header_bytes >= 2 && map->data()[8] == '{', path, ": the header must be a JSON object beginning with '{'");
   SafetensorsFile file;
   file.path_ = path;
-  file.data_.resize(size - 8 - header_bytes);
-  in.read(file.data_.data(), static_cast<std::streamsize>(file.data_.size()));
-  LOOM_CHECK(in, path, ": read failed");
+  file.data_offset_ = 8 + header_bytes;
+  const size_t data_size = size - file.data_offset_;
 
   nlohmann::json json;
   try {
-    json = nlohmann::json::parse(header);
+    json = nlohmann::json::parse(map->data() + 8, map->data() + 8 + header_bytes);
   } catch (const nlohmann::json::exception& e) {
     throw Error(str_cat(path, ": header is not valid JSON (", e.what(), ")"));
   }
@@ -69,24 +117,45 @@ SafetensorsFile SafetensorsFile::read(const std::string& path) {
       }
       continue;
     }
-    LOOM_CHECK(value.is_object() && value.contains("dtype") && value.contains("shape") &&
+    LOOM_CHECK(value.is_object() && value.contains("dtype") && value["dtype"].is_string() && value.contains("shape") &&
                    value.contains("data_offsets") && value["data_offsets"].is_array() &&
                    value["data_offsets"].size() == 2 && value["shape"].is_array(),
                path, ": tensor '", name, "' needs dtype, shape and data_offsets [begin, end]");
     Entry e;
-    e.dtype = parse_dtype(value["dtype"].get<std::string>(), path, name);
+    e.stored = value["dtype"].get<std::string>();
+    e.dtype = loom_dtype(e.stored);
+    uint64_t bytes = stored_size(e.stored, path, name);
     for (const auto& d : value["shape"]) {
-      LOOM_CHECK(d.is_number_unsigned(), path, ": tensor '", name, "' has a non-integer dim");
-      e.shape.push_back(d.get<int64_t>());
+      const uint64_t dim = header_uint(d, path, name, "shape");
+      LOOM_CHECK(dim == 0 || bytes <= data_size / dim, path, ": tensor '", name, "' of shape ", value["shape"].dump(),
+                 " holds more bytes than the ", data_size, "-byte data section");
+      bytes *= dim;
+      e.shape.push_back(static_cast<int64_t>(dim));
     }
-    e.begin = value["data_offsets"][0].get<size_t>();
-    e.end = value["data_offsets"][1].get<size_t>();
-    const size_t expected = static_cast<size_t>(shape_numel(e.shape)) * dtype_size(e.dtype);
-    LOOM_CHECK(e.begin <= e.end && e.end <= file.data_.size() && e.end - e.begin == expected, path, ": tensor '", name,
-               "' data_offsets [", e.begin, ", ", e.end, ") do not hold ", expected, " bytes inside the ",
-               file.data_.size(), "-byte data section (truncated file?)");
+    e.begin = header_uint(value["data_offsets"][0], path, name, "data_offsets");
+    e.end = header_uint(value["data_offsets"][1], path, name, "data_offsets");
+    LOOM_CHECK(e.begin <= e.end && e.end <= data_size && e.end - e.begin == bytes, path, ": tensor '", name,
+               "' data_offsets [", e.begin, ", ", e.end, ") do not hold its ", bytes, " bytes inside the ", data_size,
+               "-byte data section (truncated file?)");
     file.entries_.emplace(name, std::move(e));
   }
+  // The tensors tile the data section: no hole, no overlap, no trailing bytes.
+  std::vector<std::pair<size_t, const std::string*>> order;
+  for (const auto& [name, e] : file.entries_) order.push_back({e.begin, &name});
+  std::sort(order.begin(), order.end(), [&](const auto& a, const auto& b) {
+    const Entry &x = file.entries_.at(*a.second), &y = file.entries_.at(*b.second);
+    return x.begin != y.begin ? x.begin < y.begin : x.end < y.end;
+  });
+  size_t covered = 0;
+  for (const auto& [begin, name] : order) {
+    const Entry& e = file.entries_.at(*name);
+    LOOM_CHECK(e.begin == covered, path, ": tensor '", *name, "' begins at data offset ", e.begin, " but the tensors before it end at ",
+               covered, e.begin < covered ? " (overlapping tensors)" : " (bytes no tensor covers)");
+    covered = e.end;
+  }
+  LOOM_CHECK(covered == data_size, path, ": ", data_size - covered, " bytes after the last tensor (the data section is ",
+             data_size, " bytes, the tensors cover ", covered, ")");
+  file.map_ = std::move(map);
   return file;
 }
 
@@ -108,39 +177,67 @@ const SafetensorsFile::Entry& SafetensorsFile::entry(const std::string& name) co
   return it->second;
 }
 
-DType SafetensorsFile::dtype(const std::string& name) const { return entry(name).dtype; }
+const char* SafetensorsFile::bytes(const Entry& e) const { return map_->data() + data_offset_ + e.begin; }
+
+DType SafetensorsFile::dtype(const std::string& name) const {
+  const Entry& e = entry(name);
+  LOOM_CHECK(e.dtype.has_value(), path_, ": tensor '", name, "' is stored as ", e.stored,
+             ", which Loom tensors do not hold as it is (F32, BF16, F64, I32)");
+  return *e.dtype;
+}
+const std::string& SafetensorsFile::stored_dtype(const std::string& name) const { return entry(name).stored; }
 const Shape& SafetensorsFile::shape(const std::string& name) const { return entry(name).shape; }
 
 Tensor SafetensorsFile::tensor(const std::string& name, Allocator& allocator, MemCategory category) const {
-  const Entry& e = entry(name);
-  Tensor t = Tensor::empty(allocator, e.shape, e.dtype, category);
+  Tensor t = Tensor::empty(allocator, shape(name), dtype(name), category);
   copy_into(name, t);
   return t;
 }
 
 void SafetensorsFile::copy_into(const std::string& name, const Tensor& dst) const {
   const Entry& e = entry(name);
-  LOOM_CHECK(dst.dtype() == e.dtype && dst.numel() == shape_numel(e.shape), path_, ": tensor '", name, "' is ",
-             dtype_name(e.dtype), shape_str(e.shape), ", destination is ", dst.describe());
+  LOOM_CHECK(e.dtype == dst.dtype() && dst.numel() == shape_numel(e.shape), path_, ": tensor '", name, "' is ", e.stored,
+             shape_str(e.shape), ", destination is ", dst.describe());
   LOOM_CHECK(dst.device() == DEVICE_CPU, path_, ": tensor '", name, "' must be copied into host memory");
-  std::memcpy(dst.raw_data(), data_.data() + e.begin, e.end - e.begin);
+  std::memcpy(dst.raw_data(), bytes(e), e.end - e.begin);
 }
 
 void SafetensorsFile::copy_into(const std::string& name, const Tensor& dst, Backend& backend) const {
   const Entry& e = entry(name);
-  LOOM_CHECK(dst.dtype() == e.dtype && dst.numel() == shape_numel(e.shape), path_, ": tensor '", name, "' is ",
-             dtype_name(e.dtype), shape_str(e.shape), ", destination is ", dst.describe());
-  backend.write(dst, data_.data() + e.begin);
+  LOOM_CHECK(e.dtype == dst.dtype() && dst.numel() == shape_numel(e.shape), path_, ": tensor '", name, "' is ", e.stored,
+             shape_str(e.shape), ", destination is ", dst.describe());
+  backend.write(dst, bytes(e));
 }
 
 void SafetensorsFile::copy_range_into(const std::string& name, int64_t first, const Tensor& dst) const {
   const Entry& e = entry(name);
-  LOOM_CHECK(dst.dtype() == e.dtype && first >= 0 && first + dst.numel() <= shape_numel(e.shape), path_, ": tensor '",
-             name, "' is ", dtype_name(e.dtype), shape_str(e.shape), ", cannot supply elements [", first, ", ",
-             first + dst.numel(), ") as ", dst.describe());
+  LOOM_CHECK(e.dtype == dst.dtype() && first >= 0 && first + dst.numel() <= shape_numel(e.shape), path_, ": tensor '",
+             name, "' is ", e.stored, shape_str(e.shape), ", cannot supply elements [", first, ", ", first + dst.numel(),
+             ") as ", dst.describe());
   LOOM_CHECK(dst.device() == DEVICE_CPU, path_, ": tensor '", name, "' must be copied into host memory");
-  const size_t elem = dtype_size(e.dtype);
-  std::memcpy(dst.raw_data(), data_.data() + e.begin + static_cast<size_t>(first) * elem, dst.nbytes());
+  const size_t elem = dtype_size(dst.dtype());
+  std::memcpy(dst.raw_data(), bytes(e) + static_cast<size_t>(first) * elem, dst.nbytes());
+}
+
+void SafetensorsFile::copy_as_f32(const std::string& name, const Tensor& dst) const {
+  const Entry& e = entry(name);
+  const int64_t n = shape_numel(e.shape);
+  LOOM_CHECK(dst.dtype() == DTYPE_F32 && dst.numel() == n && dst.device() == DEVICE_CPU, path_, ": tensor '", name, "' is ",
+             e.stored, shape_str(e.shape), ", destination is ", dst.describe(), " (expected f32 host memory)");
+  const char* src = bytes(e);
+  float* out = dst.data<float>();
+  if (e.stored == "F32") {
+    std::memcpy(out, src, static_cast<size_t>(n) * 4);
+  } else if (e.stored == "F16" || e.stored == "BF16") {
+    const bool half = e.stored == "F16";
+    for (int64_t i = 0; i < n; ++i) {
+      uint16_t bits = 0;
+      std::memcpy(&bits, src + 2 * i, 2);  // the mapping gives no alignment guarantee beyond the header's
+      out[i] = half ? f16_to_f32(bits) : bf16_to_f32(bf16{bits});
+    }
+  } else {
+    throw Error(str_cat(path_, ": tensor '", name, "' is stored as ", e.stored, "; expected F32, F16 or BF16 weights"));
+  }
 }
 
 void write_safetensors(const std::string& path, const std::vector<std::pair<std::string, Tensor>>& tensors,

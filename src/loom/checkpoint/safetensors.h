@@ -1,10 +1,21 @@
-// The safetensors format (Hugging Face): u64 little-endian header size N, N bytes of JSON
+// The safetensors format (Hugging Face, https://github.com/huggingface/safetensors, "Format"):
+// u64 little-endian header size N, N bytes of UTF-8 JSON beginning with '{' (may be padded with
+// spaces),
 //   {"__metadata__": {str: str}, name: {"dtype": "F32", "shape": [...], "data_offsets": [b, e]}}
-// then the raw little-endian tensor bytes (offsets relative to the end of the header). Any
-// safetensors reader opens what we write; we read what any writer produces for our dtypes.
+// then the raw little-endian tensor bytes, offsets relative to the end of the header. The
+// tensors must cover the data section exactly: sorted by offset, each begins where the previous
+// one ends, the first at 0 and the last at the end of the file (no holes, no overlaps, no
+// trailing bytes), and each holds exactly numel x dtype size bytes.
+//
+// A file is memory-mapped, not read: a tensor's bytes are copied once, from the mapping into
+// the destination, so a model larger than free memory loads tensor by tensor. Every dtype the
+// format names is recognised; Loom tensors hold F32, BF16, F64 and I32 as they are, and
+// copy_as_f32 widens F16 and BF16 (exactly) for imported models.
 #pragma once
 #include <cstdint>
 #include <map>
+#include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -16,14 +27,18 @@ namespace loom {
 
 class SafetensorsFile {
  public:
-  // Reads and validates the whole file; errors name the file and the offending entry.
+  // Maps and validates the file; errors name the file and the offending entry.
   static SafetensorsFile read(const std::string& path);
 
+  const std::string& path() const { return path_; }
   bool has(const std::string& name) const { return entries_.count(name) != 0; }
   std::vector<std::string> names() const;  // sorted
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
   const std::string& metadata_value(const std::string& key) const;  // throws naming file and key
+  // The Loom dtype of an entry; an entry stored as a dtype Loom tensors do not hold (F16, I64,
+  // ...) is an error naming it (copy_as_f32 reads F16).
   DType dtype(const std::string& name) const;
+  const std::string& stored_dtype(const std::string& name) const;  // the file's name: "F16", "BF16", ...
   const Shape& shape(const std::string& name) const;
   // A new tensor holding the entry's data.
   Tensor tensor(const std::string& name, Allocator& allocator, MemCategory category) const;
@@ -33,19 +48,26 @@ class SafetensorsFile {
   void copy_into(const std::string& name, const Tensor& dst, Backend& backend) const;
   // Copies elements [first, first + dst.numel()) of the entry (any shape, flat order) into dst.
   void copy_range_into(const std::string& name, int64_t first, const Tensor& dst) const;
+  // Copies an F32, F16 or BF16 entry into the f32 host tensor dst of the same element count,
+  // widening exactly; any other stored dtype is an error naming the tensor.
+  void copy_as_f32(const std::string& name, const Tensor& dst) const;
 
  private:
   struct Entry {
-    DType dtype;
+    std::string stored;            // the file's dtype name
+    std::optional<DType> dtype;    // when a Loom tensor holds it as stored
     Shape shape;
-    size_t begin, end;  // into data_
+    size_t begin = 0, end = 0;     // into the data section
   };
+  struct Mapping;
   const Entry& entry(const std::string& name) const;
+  const char* bytes(const Entry& e) const;
 
   std::string path_;
   std::map<std::string, Entry> entries_;
   std::map<std::string, std::string> metadata_;
-  std::vector<char> data_;
+  std::shared_ptr<const Mapping> map_;  // the whole file, read-only
+  size_t data_offset_ = 0;              // 8 + N
 };
 
 // Writes host tensors atomically: a temporary file in the same folder, fsync, rename.

@@ -33,4 +33,17 @@ inline bf16 f32_to_bf16(float value) {
 
 inline float bf16_to_f32(bf16 value) { return std::bit_cast<float>(static_cast<uint32_t>(value.bits) << 16); }
 
+// IEEE 754 binary16 -> fp32, exact (every half is a float): normals re-biased (15 -> 127),
+// subnormals man x 2^-24, infinities and NaNs kept (the NaN payload shifted along).
+inline float f16_to_f32(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
+  if (exponent == 0x1f) return std::bit_cast<float>(sign | 0x7f800000u | (mantissa << 13));
+  if (exponent == 0) {
+    const float magnitude = static_cast<float>(mantissa) * 0x1p-24f;  // exact: mantissa < 2^10
+    return sign ? -magnitude : magnitude;
+  }
+  return std::bit_cast<float>(sign | ((exponent + 112u) << 23) | (mantissa << 13));
+}
+
 }  // namespace loom
