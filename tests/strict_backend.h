@@ -26,6 +26,12 @@ class StrictAllocator final : public Allocator {
 class StrictBackend final : public Backend {
  public:
   std::string_view name() const override { return "strict"; }
+  // What runs behind this backend of the host-computed features (backend.h BackendCapabilities).
+  BackendCapabilities capabilities() const override {
+    BackendCapabilities caps;
+    caps.mixture_of_experts = caps.latent_attention = true;  // the MoE and MLA ops below
+    return caps;
+  }
   Allocator& allocator() override { return allocator_; }
   void write(const Tensor& dst, const void* host) override { std::memcpy(dst.device_ptr(), host, dst.nbytes()); }
   void read(const Tensor& src, void* host) override { std::memcpy(host, src.device_ptr(), src.nbytes()); }
@@ -182,6 +188,52 @@ class StrictBackend final : public Backend {
                                      const Tensor& k, const Tensor& v, const Tensor& dq, const Tensor& dk,
                                      const Tensor& dv, const RingBlock& block) override {
     cpu_->ring_attention_block_backward(h(q), h(dout), h(lse), h(D), h(k), h(v), h(dq), h(dk), h(dv), block);
+  }
+
+  // Mixture of experts and latent attention.
+  void moe_route(const Tensor& logits, const Tensor& bias, const Tensor& scores, const Tensor& expert,
+                 const Tensor& gates, const Tensor& scratch, const MoeRouting& routing) override {
+    cpu_->moe_route(h(logits), h(bias), h(scores), h(expert), h(gates), h(scratch), routing);
+  }
+  void moe_assign(const Tensor& expert, int64_t capacity, const Tensor& row, const Tensor& token,
+                  const Tensor& counts) override {
+    cpu_->moe_assign(h(expert), capacity, h(row), h(token), h(counts));
+  }
+  void moe_dispatch(const Tensor& x, const Tensor& token, const Tensor& rows) override {
+    cpu_->moe_dispatch(h(x), h(token), h(rows));
+  }
+  void moe_combine(const Tensor& rows, const Tensor& row, const Tensor& gates, const Tensor& out) override {
+    cpu_->moe_combine(h(rows), h(row), h(gates), h(out));
+  }
+  void moe_combine_backward(const Tensor& dout, const Tensor& row, const Tensor& gates, const Tensor& drows) override {
+    cpu_->moe_combine_backward(h(dout), h(row), h(gates), h(drows));
+  }
+  void moe_balance_stats(const Tensor& logits, const Tensor& scores, const Tensor& expert, const Tensor& counts,
+                         const Tensor& stats, const Tensor& scratch, const MoeRouting& routing) override {
+    cpu_->moe_balance_stats(h(logits), h(scores), h(expert), h(counts), h(stats), h(scratch), routing);
+  }
+  void moe_router_backward(const Tensor& logits, const Tensor& scores, const Tensor& expert, const Tensor& row,
+                           const Tensor& ye, const Tensor& dy, const Tensor& counts, const Tensor& dlogits,
+                           const Tensor& scratch, const MoeRouting& routing) override {
+    cpu_->moe_router_backward(h(logits), h(scores), h(expert), h(row), h(ye), h(dy), h(counts), h(dlogits), h(scratch),
+                              routing);
+  }
+  void mla_rope(const Tensor& x, int64_t heads, int64_t stride, int64_t offset, int64_t rope_dim, float theta,
+                int64_t pos_offset, bool inverse) override {
+    cpu_->mla_rope(h(x), heads, stride, offset, rope_dim, theta, pos_offset, inverse);
+  }
+  void mla_attention_forward(const Tensor& q, const Tensor& kr, const Tensor& kv, const Tensor& probs,
+                             const Tensor& out, const MlaDims& dims) override {
+    cpu_->mla_attention_forward(h(q), h(kr), h(kv), h(probs), h(out), dims);
+  }
+  void mla_attention_backward(const Tensor& q, const Tensor& kr, const Tensor& kv, const Tensor& probs,
+                              const Tensor& dout, const Tensor& dq, const Tensor& dkv, const Tensor& dkr,
+                              const Tensor& dp_row, const MlaDims& dims) override {
+    cpu_->mla_attention_backward(h(q), h(kr), h(kv), h(probs), h(dout), h(dq), h(dkv), h(dkr), h(dp_row), dims);
+  }
+  void mla_attend_latents(const Tensor& q, const Tensor& latents, const Tensor& kv_b, const Tensor& out,
+                          const MlaDims& dims) override {
+    cpu_->mla_attend_latents(h(q), h(latents), h(kv_b), h(out), dims);
   }
 
  private:

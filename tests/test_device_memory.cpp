@@ -9,6 +9,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <set>
@@ -55,8 +56,10 @@ struct Case {
   bool loss_scaling;
 };
 
-std::vector<double> train(Backend& backend, const Case& c, std::vector<double>* final_params) {
-  ModelConfig config = model_preset(c.preset);
+// preset_override: the model to train instead of c.preset's.
+std::vector<double> train(Backend& backend, const Case& c, std::vector<double>* final_params,
+                          const ModelConfig* preset_override = nullptr) {
+  ModelConfig config = preset_override != nullptr ? *preset_override : model_preset(c.preset);
   Transformer model(backend, config);
   model.init_weights(5);
   TrainConfig tc;
@@ -106,11 +109,91 @@ TEST(DeviceMemoryTest, HostOnlyFeaturesAreRefusedWithTheKeyNamed) {
   Transformer model2(strict, model_preset("gpt2-tiny"));  // a Trainer allocates the model's stores once
   EXPECT_EQ(test::error_of([&] { Trainer t(strict, model2, lion); }),
             "optim.name = lion is not supported on the strict backend yet (its update runs on the host): use adamw");
-  ModelConfig moe = model_preset("gpt2-tiny");
-  moe.moe_experts = 4;
-  EXPECT_NE(test::error_of([&] { Transformer m(strict, moe); }).find("moe_experts > 0 (mixture of experts) is not "
-                                                                    "supported on the strict backend"),
-            std::string::npos);
+}
+
+// Mixture of experts (routing, capacity drops, dispatch, combine, the balance losses and the
+// auxiliary-loss-free bias) and MLA run behind the backend (Backend::moe_* / mla_*): their
+// training on device memory is bitwise the CPU run.
+TEST(DeviceMemoryTest, MoeAndMlaTrainingOnDeviceMemoryIsBitwiseTheCpuRun) {
+  ModelConfig gpt2_moe = model_preset("gpt2-tiny");
+  gpt2_moe.moe_experts = 4, gpt2_moe.moe_top_k = 2, gpt2_moe.moe_aux_alpha = 1e-2f, gpt2_moe.moe_z_alpha = 1e-3f;
+  gpt2_moe.moe_capacity_factor = 1.0f, gpt2_moe.moe_bias_gamma = 1e-2f;
+  ModelConfig llama_moe = model_preset("moe-tiny");  // a shared expert, sigmoid scores, two groups
+  llama_moe.moe_sigmoid = true, llama_moe.moe_groups = 2, llama_moe.moe_route_scale = 2.5f;
+  llama_moe.moe_seq_aux_alpha = 1e-2f;
+  ModelConfig mla_q = model_preset("mla-tiny");  // a query latent and a sliding window
+  mla_q.mla_q_rank = 12, mla_q.mla_nope_dim = 6, mla_q.mla_v_dim = 10, mla_q.attn_window = 4;
+  for (const ModelConfig& config : {gpt2_moe, llama_moe, model_preset("mla-tiny"), mla_q}) {
+    const Case c{config.arch == ARCH_GPT2 ? "gpt2-tiny" : "llama-tiny", "f32", "f32", false};
+    auto cpu = make_cpu_backend();
+    test::StrictBackend strict;
+    std::vector<double> cpu_params, strict_params;
+    const std::vector<double> expected = train(*cpu, c, &cpu_params, &config);
+    const std::vector<double> got = train(strict, c, &strict_params, &config);
+    EXPECT_EQ(got, expected) << c.preset << ", moe_experts " << config.moe_experts << ", mla_kv_rank "
+                             << config.mla_kv_rank;
+    EXPECT_EQ(strict_params, cpu_params) << c.preset;
+    EXPECT_GT(strict.allocator().tracker().peak(MEM_ACTIVATIONS), 0u);
+  }
+}
+
+// Decoding an MLA model through the latent cache (Transformer::forward_rows, Block::mla_rows)
+// on device memory gives the CPU run's logits bit for bit, so the same greedy tokens.
+class VectorLatents final : public DecodeCache {
+ public:
+  VectorLatents(int64_t layers, int64_t rows, int64_t width)
+      : width_(width), rows_(static_cast<size_t>(layers), std::vector<std::vector<float>>(static_cast<size_t>(rows))) {}
+  void attend(int64_t, int64_t, const float*, const float*, const float*, float*) override {
+    ADD_FAILURE() << "an MLA model decodes through latent()";
+  }
+  const float* latent(int64_t layer, int64_t row, const float* latent, int64_t* count) override {
+    std::vector<float>& v = rows_[static_cast<size_t>(layer)][static_cast<size_t>(row)];
+    v.insert(v.end(), latent, latent + width_);
+    *count = static_cast<int64_t>(v.size()) / width_;
+    return v.data();
+  }
+
+ private:
+  int64_t width_;
+  std::vector<std::vector<std::vector<float>>> rows_;
+};
+
+std::vector<float> greedy_logits(Backend& backend, const ModelConfig& config, std::vector<int32_t>* tokens) {
+  Transformer model(backend, config);
+  model.init_weights(5);
+  const int64_t n = 2, V = config.vocab_size;
+  ActivationStore s = model.allocate_rows(n);
+  VectorLatents cache(config.n_layer, n, config.mla_kv_rank + config.mla_rope_dim);
+  std::vector<int32_t> next{3, 7};
+  std::vector<int64_t> positions{0, 0};
+  std::vector<float> all, logits(static_cast<size_t>(n * V));
+  for (int step = 0; step < 10; ++step) {
+    model.forward_rows(s, next, positions, cache);
+    backend.read(s.logits, logits.data());
+    all.insert(all.end(), logits.begin(), logits.end());
+    for (int64_t r = 0; r < n; ++r) {
+      const auto row = logits.begin() + r * V;
+      next[r] = static_cast<int32_t>(std::max_element(row, row + V) - row);
+      tokens->push_back(next[r]);
+      ++positions[r];
+    }
+  }
+  return all;
+}
+
+TEST(DeviceMemoryTest, MlaDecodingOnDeviceMemoryIsBitwiseTheCpuRun) {
+  ModelConfig windowed = model_preset("mla-tiny");
+  windowed.attn_window = 4;
+  for (const ModelConfig& config : {model_preset("mla-tiny"), windowed}) {
+    auto cpu = make_cpu_backend();
+    test::StrictBackend strict;
+    std::vector<int32_t> cpu_tokens, strict_tokens;
+    const std::vector<float> expected = greedy_logits(*cpu, config, &cpu_tokens);
+    const std::vector<float> got = greedy_logits(strict, config, &strict_tokens);
+    EXPECT_EQ(strict_tokens, cpu_tokens) << "window " << config.attn_window;
+    EXPECT_EQ(got, expected) << "window " << config.attn_window;
+    EXPECT_EQ(cpu_tokens.size(), 20u);
+  }
 }
 
 // A checkpoint saved from device memory is byte for byte the CPU run's files, and loads back

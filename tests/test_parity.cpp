@@ -140,18 +140,13 @@ INSTANTIATE_TEST_SUITE_P(TinyModels, ParityTest,
                                                               "llama_tiny_mla.safetensors",
                                                               "llama_tiny_mla_q.safetensors"),
                                             ::testing::Values("cpu")));
-// MLA's attention loops run on the host: a device backend refuses the model (below).
+// On device memory too (MLA's loops are Backend::mla_* ops).
 INSTANTIATE_TEST_SUITE_P(DeviceMemory, ParityTest,
                          ::testing::Combine(::testing::Values("gpt2_tiny.safetensors", "llama_tiny.safetensors",
-                                                              "llama_tiny_window.safetensors"),
+                                                              "llama_tiny_window.safetensors",
+                                                              "llama_tiny_mla.safetensors",
+                                                              "llama_tiny_mla_q.safetensors"),
                                             ::testing::Values("strict")));
-
-TEST(DeviceMemoryParity, MlaIsRefusedWithTheKeyNamed) {
-  test::StrictBackend backend;
-  const SafetensorsFile f = SafetensorsFile::read(std::string(LOOM_FIXTURE_DIR) + "/llama_tiny_mla.safetensors");
-  const std::string message = test::error_of([&] { Transformer model(backend, config_from(f)); });
-  EXPECT_NE(message.find("mla_kv_rank > 0 (MLA) is not supported on the strict backend"), std::string::npos) << message;
-}
 
 }  // namespace
 }  // namespace loom

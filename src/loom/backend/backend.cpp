@@ -1,6 +1,6 @@
 // The defaults of the Backend interface's optional ops: a one-line error naming the op and the
-// backend (the gradient compression and model-parallel ops; a backend that has them says so in
-// its capabilities).
+// backend (the gradient compression, model-parallel, mixture-of-experts and latent-attention ops;
+// a backend that has them says so in its capabilities).
 #include "loom/backend/backend.h"
 
 #include "loom/core/error.h"
@@ -15,6 +15,12 @@ namespace {
 }
 [[noreturn]] void no_model_parallel(const Backend& backend, const char* op) {
   unsupported(backend, op, "model parallelism (parallel.tp / cp)");
+}
+[[noreturn]] void no_moe(const Backend& backend, const char* op) {
+  unsupported(backend, op, "model.moe_experts > 0 (mixture of experts)");
+}
+[[noreturn]] void no_mla(const Backend& backend, const char* op) {
+  unsupported(backend, op, "model.mla_kv_rank > 0 (MLA)");
 }
 }  // namespace
 
@@ -70,6 +76,42 @@ void Backend::ring_attention_block_backward(const Tensor&, const Tensor&, const 
                                             const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                                             const RingBlock&) {
   no_model_parallel(*this, "ring_attention_block_backward");
+}
+
+// Mixture of experts and latent attention.
+void Backend::moe_route(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                        const MoeRouting&) {
+  no_moe(*this, "moe_route");
+}
+void Backend::moe_assign(const Tensor&, int64_t, const Tensor&, const Tensor&, const Tensor&) {
+  no_moe(*this, "moe_assign");
+}
+void Backend::moe_dispatch(const Tensor&, const Tensor&, const Tensor&) { no_moe(*this, "moe_dispatch"); }
+void Backend::moe_combine(const Tensor&, const Tensor&, const Tensor&, const Tensor&) { no_moe(*this, "moe_combine"); }
+void Backend::moe_combine_backward(const Tensor&, const Tensor&, const Tensor&, const Tensor&) {
+  no_moe(*this, "moe_combine_backward");
+}
+void Backend::moe_balance_stats(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                const Tensor&, const MoeRouting&) {
+  no_moe(*this, "moe_balance_stats");
+}
+void Backend::moe_router_backward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                  const Tensor&, const Tensor&, const Tensor&, const Tensor&, const MoeRouting&) {
+  no_moe(*this, "moe_router_backward");
+}
+void Backend::mla_rope(const Tensor&, int64_t, int64_t, int64_t, int64_t, float, int64_t, bool) {
+  no_mla(*this, "mla_rope");
+}
+void Backend::mla_attention_forward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                    const MlaDims&) {
+  no_mla(*this, "mla_attention_forward");
+}
+void Backend::mla_attention_backward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                     const Tensor&, const Tensor&, const Tensor&, const Tensor&, const MlaDims&) {
+  no_mla(*this, "mla_attention_backward");
+}
+void Backend::mla_attend_latents(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const MlaDims&) {
+  no_mla(*this, "mla_attend_latents");
 }
 
 }  // namespace loom

@@ -49,6 +49,24 @@ struct RingBlock {
   int rank = 0, world = 1, owner = 0;
 };
 
+// ---- Mixture of experts and latent attention (nn/moe.h, nn/mla.h): the ops' parameters.
+// A router's configuration (ModelConfig's moe_* keys), as the MoE ops read it: E experts in G
+// groups (the tokens choose among the topk_groups best), top_k of them per token.
+struct MoeRouting {
+  int64_t experts = 1, top_k = 1, groups = 1, topk_groups = 1;
+  bool sigmoid = false;         // scores: softmax (false) or sigmoid of the logits
+  bool renorm = true;           // gates renormalised over the selected experts
+  float route_scale = 1.0f;     // gates' factor
+  float aux_alpha = 0.0f, seq_aux_alpha = 0.0f, z_alpha = 0.0f;  // the balance losses' coefficients
+  int64_t seq_len = 1;          // rows of one sequence (the sequence-wise loss)
+  float loss_weight = 1.0f;     // the backward's weight of the losses (the cross-entropy's)
+};
+// MLA's dimensions (nn/mla.h): H heads, d_n non-RoPE and d_r RoPE query/key widths, d_v value
+// width, d_c latent width; the sliding window (0: full causal).
+struct MlaDims {
+  int64_t n_head = 1, nope = 0, rope = 0, v = 0, latent = 0, window = 0;
+};
+
 // What a backend runs, stated as data. Some features still compute on the host (loops over
 // tensor memory outside this interface); a backend whose memory host code cannot read lacks
 // them until their computation moves behind it. The training layout (train/layout.h) refuses a
@@ -236,6 +254,76 @@ class Backend {
   virtual void ring_attention_block_backward(const Tensor& q, const Tensor& dout, const Tensor& lse, const Tensor& D,
                                              const Tensor& k, const Tensor& v, const Tensor& dq, const Tensor& dk,
                                              const Tensor& dv, const RingBlock& block);
+
+  // ---- Mixture of experts (nn/moe.h, docs/moe.md): routing, dispatch, combine and their
+  // backwards (Shazeer et al. 2017; GShard, Lepikhin et al. 2021; Switch, Fedus et al. 2022;
+  // DeepSeekMoE / DeepSeek-V3 2024). N tokens, E experts, k = top_k, R expert rows, C width. The
+  // defaults throw (the backend lacks capabilities().mixture_of_experts).
+  // Router: per token t (rows of logits (N,E) f32) scores s = softmax(u) (max-shifted, summed in
+  // double) or sigmoid(u); selection scores s + bias (E); groups > 1: group g scores the sum of its
+  // two best selection scores (its best alone with one expert a group), the topk_groups best
+  // groups (ties: the lower group) keep their experts, the others drop out; expert (N,k) i32 = the
+  // top-k selection scores, best first, ties to the lower index; gates (N,k) f32 = s_e (/ sum of
+  // the k selected s in double when renorm) x route_scale. scratch f32: at least
+  // omp threads x (E + 2 G) elements (each thread's selection and group scores).
+  virtual void moe_route(const Tensor& logits, const Tensor& bias, const Tensor& scores, const Tensor& expert,
+                         const Tensor& gates, const Tensor& scratch, const MoeRouting& routing);
+  // Capacity (GShard): assignments (t, j) in priority order (every token's choice j before any
+  // choice j + 1, tokens in order) take a row of their expert while it has fewer than `capacity`;
+  // the others are dropped (row -1). counts (3E + 1) i32 = [load | kept | offsets]: assignments per
+  // expert, rows kept per expert, their prefix sums (expert e's rows are [offsets[e], offsets[e+1]));
+  // row (N,k) i32 = the assignment's expert row; token[r] (i32, >= R entries) = the token of row r.
+  virtual void moe_assign(const Tensor& expert, int64_t capacity, const Tensor& row, const Tensor& token,
+                          const Tensor& counts);
+  // Dispatch: rows (R, C) f32, rows[r] = x[token[r]] for r < R (token i32, R entries).
+  virtual void moe_dispatch(const Tensor& x, const Tensor& token, const Tensor& rows);
+  // Combine: out[t] (N, C) += sum over j = 0 .. k-1 with row[t,j] >= 0, in order, of
+  // gates[t,j] rows[row[t,j]]; gates undefined: weight 1 (the backward of moe_dispatch: dx[t] +=
+  // the gradients of its rows).
+  virtual void moe_combine(const Tensor& rows, const Tensor& row, const Tensor& gates, const Tensor& out);
+  // Combine's backward for the rows: drows[row[t,j]] = gates[t,j] dout[t] for the kept (t, j).
+  virtual void moe_combine_backward(const Tensor& dout, const Tensor& row, const Tensor& gates, const Tensor& drows);
+  // The balance losses' values, stats (4) f64 = [aux, seq_aux, z, entropy], q = s / sum_e s:
+  //   aux = aux_alpha E sum_e f_e P_e, f_e = load_e / (k N), P_e = mean_t q_te (Switch);
+  //   seq_aux = mean over sequences of seq_aux_alpha sum_e (E/(k T) count_e) (mean_t q_te) over its
+  //             T = seq_len tokens (DeepSeek-V3);
+  //   z = z_alpha mean_t (logsumexp_e u_te)^2 (ST-MoE, Zoph et al. 2022); entropy = mean_t -sum_e q log q.
+  // Sums in double in token order; load from counts (moe_assign's). scratch f64: at least 3E.
+  virtual void moe_balance_stats(const Tensor& logits, const Tensor& scores, const Tensor& expert,
+                                 const Tensor& counts, const Tensor& stats, const Tensor& scratch,
+                                 const MoeRouting& routing);
+  // Router backward: dlogits (N,E) f32 (overwritten) from the gates' gradients dg_j = dy_t .
+  // ye[row] (double; 0 for a dropped choice) through g = scale s / S (renorm) or scale s, plus
+  // loss_weight x the balance losses' and the z-loss's gradients, through softmax or sigmoid.
+  // ye (R, C), dy (N, C), counts: moe_assign's. scratch f64: at least (1 + N / seq_len + omp
+  // threads) E elements.
+  virtual void moe_router_backward(const Tensor& logits, const Tensor& scores, const Tensor& expert,
+                                   const Tensor& row, const Tensor& ye, const Tensor& dy, const Tensor& counts,
+                                   const Tensor& dlogits, const Tensor& scratch, const MoeRouting& routing);
+
+  // ---- Multi-head latent attention (nn/mla.h; DeepSeek-V2, DeepSeek-AI 2024, §2.1). The
+  // defaults throw (the backend lacks capabilities().latent_attention).
+  // Rotate-half RoPE (Su et al. 2021) on d_r = rope_dim wide slices of x (B,T,W) f32: row (b, t)'s
+  // `heads` slices start at columns offset + h stride, pairs (j, j + d_r/2) turn by
+  // sign (pos_offset + t) theta^(-2j/d_r), sign -1 when inverse (the backward); angles in double.
+  virtual void mla_rope(const Tensor& x, int64_t heads, int64_t stride, int64_t offset, int64_t rope_dim,
+                        float theta, int64_t pos_offset, bool inverse);
+  // Attention: q (B,T,H (d_n+d_r)) = [q_n | q_r] per head, kr (B,T,d_r), kv (B,T,H (d_n+d_v)) =
+  // [k_n | v] per head; s(i,j) = (q_n . k_n(j) + q_r . k_r(j)) / sqrt(d_n + d_r) for the visible
+  // j (causal, window); probs (B,H,T,T) = softmax (0 where masked), out (B,T,H d_v) = sum_j p v(j).
+  virtual void mla_attention_forward(const Tensor& q, const Tensor& kr, const Tensor& kv, const Tensor& probs,
+                                     const Tensor& out, const MlaDims& dims);
+  // Its backward: dv(j) += p dout; dp = dout . v(j); ds = p (dp - sum_j p dp) / sqrt(d_n + d_r);
+  // dq += ds k(j), dk_n(j) += ds q_n, dkr(j) += ds q_r summed over the heads. dq, dkv, dkr
+  // accumulate (shaped as q, kv, kr); dp_row: T f32 of scratch.
+  virtual void mla_attention_backward(const Tensor& q, const Tensor& kr, const Tensor& kv, const Tensor& probs,
+                                      const Tensor& dout, const Tensor& dq, const Tensor& dkv, const Tensor& dkr,
+                                      const Tensor& dp_row, const MlaDims& dims);
+  // Decoding over cached latents (count, d_c + d_r) = [c' | k_r], all visible, W_uk absorbed:
+  // per head q~ = W_uk^T q_n, s(j) = (q~ . c'(j) + q_r . k_r(j)) / sqrt(d_n + d_r), p = softmax,
+  // out_h (d_v) = W_uv (sum_j p(j) c'(j)). q (H (d_n + d_r)), kv_b (H (d_n + d_v), d_c), out (H d_v).
+  virtual void mla_attend_latents(const Tensor& q, const Tensor& latents, const Tensor& kv_b, const Tensor& out,
+                                  const MlaDims& dims);
 };
 
 std::unique_ptr<Backend> make_cpu_backend();

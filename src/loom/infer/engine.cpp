@@ -199,8 +199,8 @@ void GenerationEngine::prefill(const std::vector<Active*>& group) {
       const BlockSaved& b = s.blocks[static_cast<size_t>(l)];
       if (c.mla()) {  // the cache row [normed latent | RoPE key] (nn/mla.h)
         const int64_t dc = c.mla_kv_rank, dr = c.mla_rope_dim;
-        std::copy_n(b.mla_c_norm.data<float>() + t * dc, dc, latent.data());
-        std::copy_n(b.mla_kr.data<float>() + t * dr, dr, latent.data() + dc);
+        model_.backend().read(b.mla_c_norm.view(t * dc, {dc}), latent.data());
+        model_.backend().read(b.mla_kr.view(t * dr, {dr}), latent.data() + dc);
         cache_->write(a.seq, l, latent.data(), nullptr);
         continue;
       }

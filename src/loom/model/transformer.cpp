@@ -16,10 +16,12 @@ namespace loom {
 Transformer::Transformer(Backend& backend, const ModelConfig& config)
     : backend_(backend), config_(config), layout_(build_param_layout(config)), ws_(backend.allocator()) {
   Allocator& alloc = backend_.allocator();
-  // MLA's and the mixture of experts' routing and attention loops run on the host.
-  LOOM_CHECK(alloc.host_accessible() || (!config_.mla() && config_.moe_experts == 0), "model.",
-             config_.mla() ? "mla_kv_rank > 0 (MLA)" : "moe_experts > 0 (mixture of experts)",
-             " is not supported on the ", backend_.name(), " backend yet: use device = \"cpu\"");
+  // MLA's and the mixture of experts' element loops are Backend ops (capabilities()).
+  const BackendCapabilities caps = backend_.capabilities();
+  LOOM_CHECK(config_.moe_experts == 0 || caps.mixture_of_experts, "model.moe_experts > 0 (mixture of experts) is not "
+             "supported on the ", backend_.name(), " backend (capabilities().mixture_of_experts is false)");
+  LOOM_CHECK(!config_.mla() || caps.latent_attention, "model.mla_kv_rank > 0 (MLA) is not supported on the ",
+             backend_.name(), " backend (capabilities().latent_attention is false)");
   params_ = Tensor::zeros(alloc, {layout_.total}, DTYPE_F32, MEM_PARAMETERS);
   grads_ = Tensor::zeros(alloc, {layout_.total}, DTYPE_F32, MEM_GRADIENTS);
   for (int64_t l = 0; l < config_.n_layer; ++l) {
@@ -141,7 +143,8 @@ void Transformer::moe_end_step(Communicator* group) {
                               MEM_WORKSPACE);
   }
   const std::vector<int64_t>& layers = moe_layers_;
-  double* v = moe_sums_.data<double>();
+  moe_sums_host_.resize(static_cast<size_t>(moe_sums_.numel()));  // sized once: the first step's
+  double* v = moe_sums_host_.data();
   for (size_t i = 0; i < layers.size(); ++i) {
     Block::MoeStats& m = blocks_[layers[i]].moe_stats();
     double* o = v + static_cast<int64_t>(i) * per;
@@ -151,7 +154,11 @@ void Transformer::moe_end_step(Communicator* group) {
     o[E + 6] = m.entropy, o[E + 7] = static_cast<double>(m.dispatched);
     m.reset();
   }
-  if (group != nullptr && group->size() > 1) group->all_reduce(moe_sums_);  // every rank's tokens
+  if (group != nullptr && group->size() > 1) {  // every rank's tokens
+    backend_.write(moe_sums_, v);
+    group->all_reduce(moe_sums_);
+    backend_.read(moe_sums_, v);
+  }
   size_t kept = 0;  // the entries of the layers with tokens, reused from the last step (their load's capacity)
   for (size_t i = 0; i < layers.size(); ++i) {
     const double* o = v + static_cast<int64_t>(i) * per;
@@ -166,7 +173,7 @@ void Transformer::moe_end_step(Communicator* group) {
     st.max_violation = moe_max_violation(st.load);
     st.dispatched = static_cast<int64_t>(o[E + 7]);
     if (config_.moe_bias_gamma > 0.0f) {  // auxiliary-loss-free balancing
-      moe_update_bias(blocks_[layers[i]].moe_bias(), st.load, config_.moe_bias_gamma);
+      moe_update_bias(backend_, blocks_[layers[i]].moe_bias(), st.load, config_.moe_bias_gamma, moe_scratch_.bias_host);
     }
   }
   moe_stats_.resize(kept);
@@ -447,8 +454,8 @@ void Transformer::forward_rows(ActivationStore& s, const std::vector<int32_t>& t
   for (int64_t r = 0; r < n; ++r) {
     LOOM_CHECK(positions[r] >= 0 && positions[r] < config_.max_seq_len, "forward_rows: position ", positions[r],
                " outside [0, model.max_seq_len = ", config_.max_seq_len, ")");
-    s.tokens.data<int32_t>()[r] = tokens[r];
   }
+  backend_.write(s.tokens, tokens.data());
   if (pos_w.defined()) {  // learned positions: each row its own
     for (int64_t r = 0; r < n; ++r) {
       const Tensor pos = pos_w.view(positions[r] * C, {1, C});

@@ -211,6 +211,7 @@ class Transformer {
   RangeSet expert_ranges(bool own) const;
   int64_t moe_scratch_tokens_ = 0;
   Tensor moe_sums_;                  // (MoE layers x (E + 8)) f64: moe_end_step's reduction
+  std::vector<double> moe_sums_host_;  // its host copy
   std::vector<MoeLayerStats> moe_stats_;
   std::vector<int64_t> moe_layers_;  // the MoE blocks' layers (moe_sums_' rows)
   int64_t shards() const { return sp_ ? tp_->size() : 1; }

@@ -405,17 +405,18 @@ void Block::mla_rows(Backend& backend, BlockSaved& s, const std::vector<int64_t>
   MlaActivations a = mla_activations(s);
   a.kv = Tensor{};  // the up-projection is absorbed into the query
   mla_project(backend, config_, params_.mla, s.norm1, a, positions.data());
-  const int64_t qw = config_.n_head * config_.mla_qk();
-  std::vector<float> latent(static_cast<size_t>(dc + dr));
-  for (int64_t r = 0; r < n; ++r) {
-    std::copy_n(a.c_norm.data<float>() + r * dc, dc, latent.data());
-    std::copy_n(a.kr.data<float>() + r * dr, dr, latent.data() + dc);
+  const int64_t qw = config_.n_head * config_.mla_qk(), lw = dc + dr, aw = config_.attn_width();
+  std::vector<float> latent(static_cast<size_t>(lw));
+  for (int64_t r = 0; r < n; ++r) {  // the row's [c' | k_r] to the host cache, the visible latents back
+    backend.read(a.c_norm.view(r * dc, {dc}), latent.data());
+    backend.read(a.kr.view(r * dr, {dr}), latent.data() + dc);
     int64_t count = 0;
     const float* latents = cache.latent(layer, r, latent.data(), &count);
     // A sliding window attends to the newest attn_window positions only.
     const int64_t first = config_.attn_window > 0 ? std::max<int64_t>(0, count - config_.attn_window) : 0;
-    mla_attend_latents(config_, params_.mla, a.q.data<float>() + r * qw, latents + first * (dc + dr), count - first,
-                       a.attn.data<float>() + r * config_.attn_width());
+    const Tensor visible = Tensor::empty(backend.allocator(), {count - first, lw}, DTYPE_F32, MEM_WORKSPACE);
+    backend.write(visible, latents + first * lw);
+    mla_attend_latents(backend, config_, params_.mla, a.q.view(r * qw, {qw}), visible, a.attn.view(r * aw, {aw}));
   }
 }
 

@@ -17,7 +17,9 @@
 // Decoding keeps only [c' | k_r] per position (d_c + d_r floats per layer) and attends with
 // W_uk absorbed into the query (DeepSeek-V2 §2.1.2): per head, q~ = W_uk,h^T q_n (d_c),
 // s(j) = (q~ . c'(j) + q_r . k_r(j)) / sqrt(qk), o_h = W_uv,h (sum_j p(j) c'(j)).
-// Parameter gradients accumulate (+=); activation gradients are overwritten.
+// Parameter gradients accumulate (+=); activation gradients are overwritten. The element loops
+// (the RoPE slices, the attention and its backward, the latent decoding) are Backend ops
+// (mla_rope, mla_attention_forward / _backward, mla_attend_latents); this file orders them.
 #pragma once
 #include <cstdint>
 
@@ -65,9 +67,9 @@ void mla_backward(Backend& backend, const ModelConfig& config, const MlaParams& 
                   const Tensor& x, const MlaActivations& a, const Tensor& d_attn, const Tensor& dx,
                   const Tensor& scratch);
 
-// Decoding from the cache: out (H d_v) = one position's attention, q (H qk, roped) over `count`
+// Decoding from the cache: out (H d_v) = one position's attention, q (H qk, roped) over the
 // cached latents (count, d_c + d_r) = [c' | k_r], all visible (W_uk absorbed into the query).
-void mla_attend_latents(const ModelConfig& config, const MlaParams& p, const float* q, const float* latents,
-                        int64_t count, float* out);
+void mla_attend_latents(Backend& backend, const ModelConfig& config, const MlaParams& p, const Tensor& q,
+                        const Tensor& latents, const Tensor& out);
 
 }  // namespace loom

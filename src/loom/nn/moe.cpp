@@ -1,11 +1,9 @@
 #include "loom/nn/moe.h"
 
-#include <algorithm>
-#include <cmath>
 #include <omp.h>
 
-#include <cstring>
-#include <limits>
+#include <algorithm>
+#include <cmath>
 #include <string>
 
 #include "loom/core/error.h"
@@ -84,6 +82,7 @@ std::vector<MoeField> moe_saved_fields(const ModelConfig& c, int64_t N, int ep) 
       {&MoeSaved::logits, {N, E}, DTYPE_F32},  {&MoeSaved::scores, {N, E}, DTYPE_F32},
       {&MoeSaved::expert, {N, K}, DTYPE_I32},  {&MoeSaved::gates, {N, K}, DTYPE_F32},
       {&MoeSaved::row, {N, K}, DTYPE_I32},     {&MoeSaved::token, {R}, DTYPE_I32},
+      {&MoeSaved::counts, {3 * E + 1}, DTYPE_I32},
       {&MoeSaved::h, {Rx, c.expert_in_width()}, DTYPE_F32}, {&MoeSaved::act, {Rx, c.expert_ff()}, DTYPE_F32},
       {&MoeSaved::ye, {R, C}, DTYPE_F32}};
   if (ep > 1) f.push_back({&MoeSaved::xp, {Rx, C}, DTYPE_F32});
@@ -124,6 +123,10 @@ MoeScratch allocate_moe_scratch(Allocator& allocator, const ModelConfig& c, int6
   k.dact = ws({Rx, c.expert_ff()});
   k.ds = ws({N, c.moe_experts});
   k.dx = ws({N, C});
+  const int64_t E = c.moe_experts, threads = omp_get_max_threads();
+  k.route = ws({threads * (E + 2 * c.moe_groups)});
+  k.stats = Tensor::empty(allocator, {4}, DTYPE_F64, MEM_WORKSPACE);
+  k.sums = Tensor::empty(allocator, {(1 + N + threads) * E}, DTYPE_F64, MEM_WORKSPACE);
   if (ep > 1) {
     k.recv = Tensor::empty(allocator, {Rx, C}, DTYPE_F32, MEM_COMMUNICATION);
     k.yp = ws({Rx, C});
@@ -181,7 +184,7 @@ void experts_backward(Backend& backend, const ModelConfig& c, const MoeParams& p
 // source s's rows for local expert 0, 1, ...) <-> expert-major (local expert l's rows from source
 // 0, 1, ...), moving C floats per row. Leaves the expert-major offsets of the local experts in
 // k.eoff.
-void permute_received(const std::vector<int64_t>& recv_rows, int64_t P, int64_t El, int64_t C,
+void permute_received(Backend& backend, const std::vector<int64_t>& recv_rows, int64_t P, int64_t El, int64_t C,
                       const Tensor& source_major, const Tensor& expert_major, bool to_expert_major, MoeScratch& k) {
   std::vector<int64_t>& eoff = k.eoff;
   eoff.assign(static_cast<size_t>(El + 1), 0);
@@ -189,17 +192,17 @@ void permute_received(const std::vector<int64_t>& recv_rows, int64_t P, int64_t 
     eoff[l + 1] = eoff[l];
     for (int64_t src = 0; src < P; ++src) eoff[l + 1] += recv_rows[src * El + l];
   }
-  float* sm = source_major.data<float>();
-  float* em = expert_major.data<float>();
   int64_t so = 0;
   std::vector<int64_t>& cursor = k.cursor;
   cursor.assign(eoff.begin(), eoff.end() - 1);
   for (int64_t src = 0; src < P; ++src) {
     for (int64_t l = 0; l < El; ++l) {
       const int64_t n = recv_rows[src * El + l];
-      const size_t bytes = static_cast<size_t>(n * C) * sizeof(float);
-      if (to_expert_major) std::memcpy(em + cursor[l] * C, sm + so * C, bytes);
-      else std::memcpy(sm + so * C, em + cursor[l] * C, bytes);
+      if (n > 0) {
+        const Tensor sm = source_major.view(so * C, {n, C}), em = expert_major.view(cursor[l] * C, {n, C});
+        if (to_expert_major) backend.copy(sm, em);
+        else backend.copy(em, sm);
+      }
       cursor[l] += n, so += n;
     }
   }
@@ -220,8 +223,8 @@ void source_counts(const std::vector<int64_t>& recv_rows, int64_t P, int64_t El,
 // arranged by local expert into `into`; compute(offsets of the local experts) leaves its results
 // in `out` (same arrangement), which go back to the rows' ranks into `back` (R rows).
 template <typename Compute>
-void expert_round_trip(Communicator& ep, const MoeSaved& s, MoeScratch& k, int64_t E, int64_t C, const Tensor& rows,
-                       const Tensor& into, const Tensor& out, const Tensor& back, Compute&& compute) {
+void expert_round_trip(Backend& backend, Communicator& ep, const MoeSaved& s, MoeScratch& k, int64_t E, int64_t C,
+                       const Tensor& rows, const Tensor& into, const Tensor& out, const Tensor& back, Compute&& compute) {
   const int64_t P = ep.size(), El = E / P, R = s.offsets[E];
   std::vector<int64_t>& sent = k.sent;
   std::vector<int64_t>& got = k.got;
@@ -231,9 +234,9 @@ void expert_round_trip(Communicator& ep, const MoeSaved& s, MoeScratch& k, int64
   for (int64_t n : got) received += n;
   const Tensor recv = k.recv.view(0, {received / C, C});
   ep.all_to_all_v_async(rows.view(0, {R * C}), sent, recv.view(0, {received}), got)->wait();
-  permute_received(s.recv_rows, P, El, C, recv, into, true, k);
+  permute_received(backend, s.recv_rows, P, El, C, recv, into, true, k);
   compute(static_cast<const std::vector<int64_t>&>(k.eoff));
-  permute_received(s.recv_rows, P, El, C, recv, out, false, k);
+  permute_received(backend, s.recv_rows, P, El, C, recv, out, false, k);
   ep.all_to_all_v_async(recv.view(0, {received}), got, back.view(0, {R * C}), sent)->wait();
 }
 }  // namespace
@@ -252,6 +255,45 @@ RangeSet moe_expert_ranges(const ModelConfig& c, const ParamLayout& layout, int 
   return RangeSet(std::move(out));
 }
 
+namespace {
+// The router's configuration as the MoE ops read it.
+MoeRouting routing_of(const ModelConfig& c, int64_t seq_len, float loss_weight = 1.0f) {
+  MoeRouting r;
+  r.experts = c.moe_experts, r.top_k = c.moe_top_k, r.groups = c.moe_groups, r.topk_groups = c.moe_topk_groups;
+  r.sigmoid = c.moe_sigmoid, r.renorm = c.moe_renorm, r.route_scale = c.moe_route_scale;
+  r.aux_alpha = c.moe_aux_alpha, r.seq_aux_alpha = c.moe_seq_aux_alpha, r.z_alpha = c.moe_z_alpha;
+  r.seq_len = seq_len, r.loss_weight = loss_weight;
+  return r;
+}
+
+// Backend::moe_assign's counts, read back: the loads, the experts' row offsets and the drops.
+void read_counts(Backend& backend, MoeSaved& s, MoeScratch& k, int64_t E, int64_t assignments) {
+  int32_t* h = at_least(k.counts_host, 3 * E + 1);
+  backend.read(s.counts, h);
+  s.load.assign(h, h + E);
+  s.offsets.assign(h + 2 * E, h + 3 * E + 1);
+  s.dropped = assignments - s.offsets[E];
+}
+
+// Expert parallel: every rank's row counts per expert to the experts' ranks (s.recv_rows), then
+// the rows there and back, the local experts computing in between.
+void experts_parallel_forward(Backend& backend, const ModelConfig& c, const MoeParams& p, MoeSaved& s, MoeScratch& k,
+                              Communicator& ep) {
+  const int64_t E = c.moe_experts, C = c.d_model, P = ep.size(), El = E / P;
+  LOOM_CHECK(E % P == 0, "expert parallel: parallel.ep = ", P, " must divide model.moe_experts = ", E);
+  int32_t* co = at_least(k.counts_host, 3 * E + 1);
+  for (int64_t e = 0; e < E; ++e) co[e] = static_cast<int32_t>(s.offsets[e + 1] - s.offsets[e]);
+  backend.write(k.counts_out, co);
+  ep.all_to_all(k.counts_out, k.counts_in);  // chunk r: rank r's rows for each of this rank's experts
+  backend.read(k.counts_in, co);
+  s.recv_rows.assign(co, co + E);
+  s.dispatched = s.offsets[E] - (s.offsets[(ep.rank() + 1) * El] - s.offsets[ep.rank() * El]);
+  expert_round_trip(backend, ep, s, k, E, C, k.xe, s.xp, k.yp, s.ye, [&](const std::vector<int64_t>& eoff) {
+    experts_forward(backend, c, p, ep.rank() * El, eoff, s.xp, s.h, s.act, k.yp);
+  });
+}
+}  // namespace
+
 void moe_forward(Backend& backend, const ModelConfig& c, const MoeParams& p, const Tensor& x, MoeSaved& s,
                  MoeScratch& k, const Tensor& y, int64_t seq_len, Communicator* ep) {
   const int64_t N = x.dim(0), C = c.d_model, E = c.moe_experts, K = c.moe_top_k;
@@ -261,132 +303,23 @@ void moe_forward(Backend& backend, const ModelConfig& c, const MoeParams& p, con
   s.tokens = N;
   s.dispatched = 0;
   const Tensor logits = s.logits.view(0, {N, E}), scores = s.scores.view(0, {N, E});
+  const Tensor expert = s.expert.view(0, {N, K}), gates = s.gates.view(0, {N, K}), row = s.row.view(0, {N, K});
+  const MoeRouting routing = routing_of(c, seq_len);
   linear_forward(backend, x, p.router_w, Tensor{}, logits);
-  const float* u = logits.data<float>();
-  float* sc = scores.data<float>();
-  const float* bias = p.bias.data<float>();
-  int32_t* expert = s.expert.data<int32_t>();
-  float* gates = s.gates.data<float>();
-  const int64_t G = c.moe_groups, per_group = E / G, threads = omp_get_max_threads();
-  float* const select = at_least(k.select, threads * (E + G));
-  uint8_t* const keeps = at_least(k.keep, threads * G);
-#pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < N; ++t) {
-    const float* ut = u + t * E;
-    float* st = sc + t * E;
-    if (c.moe_sigmoid) {
-      for (int64_t e = 0; e < E; ++e) st[e] = 1.0f / (1.0f + std::exp(-ut[e]));
-    } else {
-      const float m = *std::max_element(ut, ut + E);
-      double sum = 0.0;
-      for (int64_t e = 0; e < E; ++e) sum += std::exp(static_cast<double>(ut[e] - m));
-      for (int64_t e = 0; e < E; ++e) st[e] = static_cast<float>(std::exp(static_cast<double>(ut[e] - m)) / sum);
-    }
-    // Selection scores: s + b; experts outside the chosen groups and already chosen are out.
-    float* sel = select + omp_get_thread_num() * (E + G);
-    for (int64_t e = 0; e < E; ++e) sel[e] = st[e] + bias[e];
-    constexpr float kOut = -std::numeric_limits<float>::infinity();
-    if (G > 1) {
-      float* group_score = sel + E;
-      for (int64_t g = 0; g < G; ++g) {  // the sum of the group's two best selection scores
-        float a = kOut, b = kOut;
-        for (int64_t e = g * per_group; e < (g + 1) * per_group; ++e) {
-          if (sel[e] > a) b = a, a = sel[e];
-          else if (sel[e] > b) b = sel[e];
-        }
-        group_score[g] = per_group > 1 ? a + b : a;
-      }
-      uint8_t* keep = keeps + omp_get_thread_num() * G;
-      std::fill(keep, keep + G, uint8_t{0});
-      for (int64_t n = 0; n < c.moe_topk_groups; ++n) {
-        int64_t best = -1;
-        for (int64_t g = 0; g < G; ++g) {
-          if (!keep[g] && (best < 0 || group_score[g] > group_score[best])) best = g;
-        }
-        keep[best] = true;
-      }
-      for (int64_t e = 0; e < E; ++e) {
-        if (!keep[e / per_group]) sel[e] = kOut;
-      }
-    }
-    double sum_sel = 0.0;
-    for (int64_t j = 0; j < K; ++j) {
-      int64_t best = -1;
-      for (int64_t e = 0; e < E; ++e) {
-        if (sel[e] == kOut) continue;
-        if (best < 0 || sel[e] > sel[best]) best = e;
-      }
-      expert[t * K + j] = static_cast<int32_t>(best);
-      sel[best] = kOut;
-      sum_sel += st[best];
-    }
-    for (int64_t j = 0; j < K; ++j) {  // gates from the unbiased scores
-      const double g = st[expert[t * K + j]] / (c.moe_renorm ? sum_sel : 1.0);
-      gates[t * K + j] = static_cast<float>(g * c.moe_route_scale);
-    }
-  }
+  backend.moe_route(logits, p.bias, scores, expert, gates, k.route, routing);
   // Loads, capacity and the expert rows: priority order is (choice j, token t).
-  s.load.assign(static_cast<size_t>(E), 0);
-  for (int64_t a = 0; a < N * K; ++a) ++s.load[expert[a]];
-  const int64_t cap = moe_capacity(c, N);
-  std::vector<int64_t>& kept = k.kept;
-  kept.assign(static_cast<size_t>(E), 0);
-  int32_t* row = s.row.data<int32_t>();
-  s.dropped = 0;
-  for (int64_t j = 0; j < K; ++j) {
-    for (int64_t t = 0; t < N; ++t) {
-      const int32_t e = expert[t * K + j];
-      if (kept[e] < cap) {
-        row[t * K + j] = static_cast<int32_t>(kept[e]++);  // rank within its expert for now
-      } else {
-        row[t * K + j] = -1;
-        ++s.dropped;
-      }
-    }
-  }
-  s.offsets.assign(static_cast<size_t>(E + 1), 0);
-  for (int64_t e = 0; e < E; ++e) s.offsets[e + 1] = s.offsets[e] + kept[e];
-  int32_t* token = s.token.data<int32_t>();
-  for (int64_t t = 0; t < N; ++t) {
-    for (int64_t j = 0; j < K; ++j) {
-      int32_t& r = row[t * K + j];
-      if (r < 0) continue;
-      r += static_cast<int32_t>(s.offsets[expert[t * K + j]]);
-      token[r] = static_cast<int32_t>(t);
-    }
-  }
+  backend.moe_assign(expert, moe_capacity(c, N), row, s.token, s.counts);
+  read_counts(backend, s, k, E, N * K);
   // Experts: gather their rows (grouped by expert), two GEMMs and the activation each.
   const int64_t R = s.offsets[E];
-  const float* xs = x.data<float>();
-  float* xe = k.xe.data<float>();
-#pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < R; ++r) std::memcpy(xe + r * C, xs + token[r] * C, static_cast<size_t>(C) * sizeof(float));
+  if (R > 0) backend.moe_dispatch(x, s.token.view(0, {R}), k.xe.view(0, {R, C}));
   if (ep == nullptr || ep->size() == 1) {
     experts_forward(backend, c, p, 0, s.offsets, k.xe, s.h, s.act, s.ye);
   } else {  // dispatch each expert's rows to its rank, run the local experts, send the outputs back
-    const int64_t P = ep->size(), El = E / P;
-    LOOM_CHECK(E % P == 0, "expert parallel: parallel.ep = ", P, " must divide model.moe_experts = ", E);
-    int32_t* co = k.counts_out.data<int32_t>();
-    for (int64_t e = 0; e < E; ++e) co[e] = static_cast<int32_t>(s.offsets[e + 1] - s.offsets[e]);
-    ep->all_to_all(k.counts_out, k.counts_in);  // chunk r: rank r's rows for each of this rank's experts
-    s.recv_rows.assign(k.counts_in.data<int32_t>(), k.counts_in.data<int32_t>() + E);
-    s.dispatched = s.offsets[E] - (s.offsets[(ep->rank() + 1) * El] - s.offsets[ep->rank() * El]);
-    expert_round_trip(*ep, s, k, E, C, k.xe, s.xp, k.yp, s.ye, [&](const std::vector<int64_t>& eoff) {
-      experts_forward(backend, c, p, ep->rank() * El, eoff, s.xp, s.h, s.act, k.yp);
-    });
+    experts_parallel_forward(backend, c, p, s, k, *ep);
   }
   // Combine: y_t += sum over kept choices of g_j ye[row] (per token: deterministic).
-  float* ys = y.data<float>();
-  const float* ye = s.ye.data<float>();
-#pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < N; ++t) {
-    for (int64_t j = 0; j < K; ++j) {
-      const int32_t r = row[t * K + j];
-      if (r < 0) continue;
-      const float g = gates[t * K + j];
-      for (int64_t i = 0; i < C; ++i) ys[t * C + i] += g * ye[r * C + i];
-    }
-  }
+  backend.moe_combine(s.ye, row, gates, y);
   if (c.moe_shared > 0) {
     linear_forward(backend, x, p.shared_fc_w, Tensor{}, s.shared_fc.view(0, {N, s.shared_fc.dim(1)}));
     const Tensor sa = s.shared_act.view(0, {N, s.shared_act.dim(1)});
@@ -394,47 +327,10 @@ void moe_forward(Backend& backend, const ModelConfig& c, const MoeParams& p, con
     linear_forward(backend, sa, p.shared_fc2_w, Tensor{}, y, 1.0f);
   }
   // The losses' values and the router entropy (q = s / sum s).
-  const int64_t T = seq_len, B = N / seq_len;
-  std::vector<double>& P = k.prob;
-  std::vector<double>& Pb = k.prob_seq;
-  std::vector<double>& fb = k.frac_seq;
-  P.assign(static_cast<size_t>(E), 0.0), Pb.assign(static_cast<size_t>(E), 0.0), fb.assign(static_cast<size_t>(E), 0.0);
-  double z = 0.0, entropy = 0.0, seq_aux = 0.0;
-  for (int64_t b = 0; b < B; ++b) {
-    std::fill(Pb.begin(), Pb.end(), 0.0);
-    std::fill(fb.begin(), fb.end(), 0.0);
-    for (int64_t t = b * T; t < (b + 1) * T; ++t) {
-      const float* st = sc + t * E;
-      double sum = 0.0;
-      for (int64_t e = 0; e < E; ++e) sum += st[e];
-      for (int64_t e = 0; e < E; ++e) {
-        const double q = st[e] / sum;
-        Pb[e] += q;
-        if (q > 0.0) entropy -= q * std::log(q);
-      }
-      const float* ut = u + t * E;
-      const float m = *std::max_element(ut, ut + E);
-      double se = 0.0;
-      for (int64_t e = 0; e < E; ++e) se += std::exp(static_cast<double>(ut[e] - m));
-      const double lse = m + std::log(se);
-      z += lse * lse;
-      for (int64_t j = 0; j < K; ++j) fb[expert[t * K + j]] += 1.0;
-    }
-    double lb = 0.0;
-    for (int64_t e = 0; e < E; ++e) {
-      P[e] += Pb[e];
-      lb += (static_cast<double>(E) / static_cast<double>(K * T) * fb[e]) * (Pb[e] / static_cast<double>(T));
-    }
-    seq_aux += c.moe_seq_aux_alpha * lb / static_cast<double>(B);
-  }
-  double aux = 0.0;
-  for (int64_t e = 0; e < E; ++e) {
-    aux += static_cast<double>(s.load[e]) / static_cast<double>(K * N) * P[e] / static_cast<double>(N);
-  }
-  s.aux = c.moe_aux_alpha * static_cast<double>(E) * aux;
-  s.seq_aux = seq_aux;
-  s.z = c.moe_z_alpha * z / static_cast<double>(N);
-  s.entropy = entropy / static_cast<double>(N);
+  backend.moe_balance_stats(logits, scores, expert, s.counts, k.stats, k.sums, routing);
+  double stats[4];
+  backend.read(k.stats, stats);
+  s.aux = stats[0], s.seq_aux = stats[1], s.z = stats[2], s.entropy = stats[3];
 }
 
 void moe_backward(Backend& backend, const ModelConfig& c, const MoeParams& p, const MoeParams& g, const Tensor& x,
@@ -443,86 +339,10 @@ void moe_backward(Backend& backend, const ModelConfig& c, const MoeParams& p, co
   const int64_t N = s.tokens, C = c.d_model, E = c.moe_experts, K = c.moe_top_k;
   LOOM_CHECK(x.dim(0) == N && dy.dim(0) == N && dx.dim(0) == N, "moe_backward: ", N, " tokens, got x ", x.describe(),
              ", dy ", dy.describe(), ", dx ", dx.describe());
-  const float* u = s.logits.data<float>();
-  const float* sc = s.scores.data<float>();
-  const int32_t* expert = s.expert.data<int32_t>();
-  const float* gates = s.gates.data<float>();
-  const int32_t* row = s.row.data<int32_t>();
-  const float* ye = s.ye.data<float>();
-  const float* dys = dy.data<float>();
-  const int64_t T = seq_len, B = N / seq_len;
-  // The balance losses' d/dq_ti coefficients (q = s / sum s): c_i for every token (Switch), and
-  // per sequence (DeepSeek-V3), times loss_weight.
-  std::vector<double>& c_aux = k.c_aux;
-  std::vector<double>& c_seq = k.c_seq;
-  c_aux.assign(static_cast<size_t>(E), 0.0), c_seq.assign(static_cast<size_t>(B * E), 0.0);
-  for (int64_t e = 0; e < E; ++e) {
-    const double f = static_cast<double>(s.load[e]) / static_cast<double>(K * N);
-    c_aux[e] = loss_weight * c.moe_aux_alpha * static_cast<double>(E) * f / static_cast<double>(N);
-  }
-  if (c.moe_seq_aux_alpha > 0.0f) {
-    for (int64_t t = 0; t < N; ++t) {
-      for (int64_t j = 0; j < K; ++j) c_seq[(t / T) * E + expert[t * K + j]] += 1.0;
-    }
-    for (double& v : c_seq) {  // f_i = E/(k T) count; dL/dq = alpha' f_i / (T B)
-      v = loss_weight * c.moe_seq_aux_alpha * static_cast<double>(E) / static_cast<double>(K * T) * v /
-          static_cast<double>(T * B);
-    }
-  }
-  const bool any_aux = c.moe_aux_alpha > 0.0f || c.moe_seq_aux_alpha > 0.0f;
-  const double z_coeff = loss_weight * c.moe_z_alpha * 2.0 / static_cast<double>(N);
-  float* du = k.ds.data<float>();
-  double* const dscores = at_least(k.dscores, static_cast<int64_t>(omp_get_max_threads()) * E);
-#pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < N; ++t) {
-    const float* st = sc + t * E;
-    double* ds = dscores + omp_get_thread_num() * E;
-    std::fill(ds, ds + E, 0.0);
-    // Gates: dg_j = dy_t . ye[row]; g_j = scale s_ij / S (renorm) or scale s_ij.
-    double dg[64];  // K <= 64 (ModelConfig::validate)
-    double S = 0.0, dgs = 0.0;
-    for (int64_t j = 0; j < K; ++j) {
-      const int32_t r = row[t * K + j];
-      double d = 0.0;
-      if (r >= 0) {
-        for (int64_t i = 0; i < C; ++i) d += static_cast<double>(dys[t * C + i]) * ye[r * C + i];
-      }
-      dg[j] = d;
-      S += st[expert[t * K + j]];
-      dgs += d * st[expert[t * K + j]];
-    }
-    for (int64_t j = 0; j < K; ++j) {
-      const int32_t e = expert[t * K + j];
-      ds[e] += c.moe_renorm ? c.moe_route_scale * (dg[j] / S - dgs / (S * S)) : c.moe_route_scale * dg[j];
-    }
-    if (any_aux) {
-      double sum = 0.0;
-      for (int64_t e = 0; e < E; ++e) sum += st[e];
-      const double* cs = c_seq.data() + (t / T) * E;
-      double cq = 0.0;
-      for (int64_t e = 0; e < E; ++e) cq += (c_aux[e] + cs[e]) * st[e] / sum;
-      for (int64_t e = 0; e < E; ++e) ds[e] += (c_aux[e] + cs[e] - cq) / sum;
-    }
-    // Scores -> logits, then the z-loss.
-    float* dut = du + t * E;
-    if (c.moe_sigmoid) {
-      for (int64_t e = 0; e < E; ++e) dut[e] = static_cast<float>(ds[e] * st[e] * (1.0 - st[e]));
-    } else {
-      double dot = 0.0;
-      for (int64_t e = 0; e < E; ++e) dot += ds[e] * st[e];
-      for (int64_t e = 0; e < E; ++e) dut[e] = static_cast<float>(st[e] * (ds[e] - dot));
-    }
-    if (c.moe_z_alpha > 0.0f) {
-      const float* ut = u + t * E;
-      const float m = *std::max_element(ut, ut + E);
-      double se = 0.0;
-      for (int64_t e = 0; e < E; ++e) se += std::exp(static_cast<double>(ut[e] - m));
-      const double lse = m + std::log(se);
-      for (int64_t e = 0; e < E; ++e) {
-        dut[e] += static_cast<float>(z_coeff * lse * std::exp(static_cast<double>(ut[e]) - lse));
-      }
-    }
-  }
+  const Tensor expert = s.expert.view(0, {N, K}), gates = s.gates.view(0, {N, K}), row = s.row.view(0, {N, K});
+  // The gates' and the balance losses' gradients through the scores to the router's logits.
+  backend.moe_router_backward(s.logits.view(0, {N, E}), s.scores.view(0, {N, E}), expert, row, s.ye, dy, s.counts,
+                              k.ds.view(0, {N, E}), k.sums, routing_of(c, seq_len, loss_weight));
   // Router: dx = du Wr (overwrites dx), dWr += du^T x.
   linear_backward(backend, x, p.router_w, k.ds.view(0, {N, E}), dx, g.router_w, Tensor{});
   if (c.moe_shared > 0) {
@@ -536,49 +356,34 @@ void moe_backward(Backend& backend, const ModelConfig& c, const MoeParams& p, co
   // Experts: d(ye) = g dy per row; d(xe) lands in dye. Their inputs: here gathered again into xe
   // (the scratch other layers' forwards overwrote); expert parallel, saved (xp) by their owners.
   const bool local = ep == nullptr || ep->size() == 1;
-  const float* xs = x.data<float>();
-  float* xe = k.xe.data<float>();
-  float* dye = k.dye.data<float>();
-#pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < N; ++t) {
-    for (int64_t j = 0; j < K; ++j) {
-      const int32_t r = row[t * K + j];
-      if (r < 0) continue;
-      const float gt = gates[t * K + j];
-      for (int64_t i = 0; i < C; ++i) dye[r * C + i] = gt * dys[t * C + i];
-      if (local) std::memcpy(xe + r * C, xs + t * C, static_cast<size_t>(C) * sizeof(float));
-    }
-  }
+  const int64_t R = s.offsets[E];
+  backend.moe_combine_backward(dy, row, gates, k.dye);
+  if (local && R > 0) backend.moe_dispatch(x, s.token.view(0, {R}), k.xe.view(0, {R, C}));
   if (local) {
     experts_backward(backend, c, p, g, 0, s.offsets, k.xe, s.h, s.act, k.dye, k);  // d(xe) lands in dye
   } else {  // the rows' output gradients to the experts' ranks, their input gradients back
     const int64_t El = E / ep->size();
-    expert_round_trip(*ep, s, k, E, C, k.dye, k.yp, k.yp, k.dye, [&](const std::vector<int64_t>& eoff) {
+    expert_round_trip(backend, *ep, s, k, E, C, k.dye, k.yp, k.yp, k.dye, [&](const std::vector<int64_t>& eoff) {
       experts_backward(backend, c, p, g, ep->rank() * El, eoff, s.xp, s.h, s.act, k.yp, k);
     });
   }
-  float* dxs = dx.data<float>();
-#pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < N; ++t) {
-    for (int64_t j = 0; j < K; ++j) {
-      const int32_t r = row[t * K + j];
-      if (r < 0) continue;
-      for (int64_t i = 0; i < C; ++i) dxs[t * C + i] += dye[r * C + i];
-    }
-  }
+  backend.moe_combine(k.dye, row, Tensor{}, dx);  // dx_t += the input gradients of its rows
 }
 
-void moe_update_bias(const Tensor& bias, const std::vector<double>& load, float gamma) {
+void moe_update_bias(Backend& backend, const Tensor& bias, const std::vector<double>& load, float gamma,
+                     std::vector<float>& host) {
   const int64_t E = bias.numel();
   LOOM_CHECK(static_cast<int64_t>(load.size()) == E, "moe_update_bias: ", load.size(), " loads for ", E, " experts");
   double mean = 0.0;
   for (double l : load) mean += l;
   mean /= static_cast<double>(E);
-  float* b = bias.data<float>();
+  float* b = at_least(host, E);
+  backend.read(bias, b);
   for (int64_t e = 0; e < E; ++e) {
     const double d = load[e] - mean;
     b[e] -= gamma * static_cast<float>((d > 0.0) - (d < 0.0));
   }
+  backend.write(bias, b);
 }
 
 double moe_max_violation(const std::vector<double>& load) {

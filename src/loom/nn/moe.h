@@ -62,6 +62,7 @@ struct MoeSaved {
   Tensor logits, scores;      // (N, E) router logits u and scores s
   Tensor expert, gates, row;  // (N, k): selected experts (i32, best first), gates, row in the expert buffers (i32, -1: dropped)
   Tensor token;               // (R) i32: the token of each expert row (rows grouped by expert)
+  Tensor counts;              // (3E + 1) i32: Backend::moe_assign's [load | kept | offsets]
   Tensor h, act, ye;          // (R, F or 2F), (R, F), (R, C): each row's expert pre-activation, activation, output
                               // (expert parallel: h, act over the P R rows this rank's experts received)
   Tensor xp;                  // expert parallel: (P R, C) the received rows, by local expert then source rank
@@ -83,13 +84,12 @@ struct MoeScratch {
   Tensor ds;                  // (N, E)
   Tensor dx;                  // (N, C)
   Tensor shared_dfc, shared_dact;  // (N, S or 2S), (N, S)
+  Tensor route;               // f32 (threads (E + 2 G)): Backend::moe_route's scratch
+  Tensor stats;               // f64 (4): Backend::moe_balance_stats' losses
+  Tensor sums;                // f64 ((1 + N + threads) E): the balance statistics' and the router backward's scratch
   // Host scratch, sized on first use and kept, so that a step after the first allocates nothing.
-  std::vector<float> select;        // (threads, E + G): a token's selection scores and group scores
-  std::vector<uint8_t> keep;        // (threads, G): the groups a token keeps
-  std::vector<double> dscores;      // (threads, E): a token's score gradient
-  std::vector<int64_t> kept;        // (E): rows kept per expert
-  std::vector<double> prob, prob_seq, frac_seq;  // (E): the balance losses' sums
-  std::vector<double> c_aux, c_seq;              // (E), (B E): their gradients' coefficients
+  std::vector<int32_t> counts_host;              // (3E + 1): counts read back; expert parallel: (E) rows per expert
+  std::vector<float> bias_host;                  // (E): moe_update_bias' copy of the routing bias
   std::vector<int64_t> sent, got, eoff, cursor;  // expert parallel: elements per rank, the local experts' offsets
 };
 
@@ -114,8 +114,10 @@ void moe_backward(Backend& backend, const ModelConfig& config, const MoeParams& 
 // (own) or of those the other ranks compute (!own).
 RangeSet moe_expert_ranges(const ModelConfig& config, const ParamLayout& layout, int ep_rank, int ep_size, bool own);
 
-// Auxiliary-loss-free balancing: bias_i -= gamma sign(load_i - mean load).
-void moe_update_bias(const Tensor& bias, const std::vector<double>& load, float gamma);
+// Auxiliary-loss-free balancing: bias_i -= gamma sign(load_i - mean load), through host (E floats,
+// read into and written back from `host`, grown on first use).
+void moe_update_bias(Backend& backend, const Tensor& bias, const std::vector<double>& load, float gamma,
+                     std::vector<float>& host);
 
 // max_i load_i / mean load - 1 (0 when balanced; the MaxVio of Wang et al. 2024).
 double moe_max_violation(const std::vector<double>& load);

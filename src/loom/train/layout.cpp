@@ -222,11 +222,11 @@ const Rule kRules[] = {
      }},
     {Verdict::refuse, [](const LayoutFacts& f) { return !f.backend.mixture_of_experts && moe(f); },
      [](const LayoutFacts& f) {
-       return unsupported_on(f, "model.moe_experts > 0 (mixture of experts)", "routing runs on the host; use device = \"cpu\"");
+       return unsupported_on(f, "model.moe_experts > 0 (mixture of experts)", "it lacks the Backend::moe_* ops; use device = \"cpu\"");
      }},
     {Verdict::refuse, [](const LayoutFacts& f) { return !f.backend.latent_attention && mla(f); },
      [](const LayoutFacts& f) {
-       return unsupported_on(f, "model.mla_kv_rank > 0 (MLA)", "its attention runs on the host; use device = \"cpu\"");
+       return unsupported_on(f, "model.mla_kv_rank > 0 (MLA)", "it lacks the Backend::mla_* ops; use device = \"cpu\"");
      }},
     {Verdict::refuse, [](const LayoutFacts& f) { return !f.backend.zero_sharding && zero(f) > 0 && reduced(f); },
      [](const LayoutFacts& f) {

@@ -10,6 +10,7 @@
 #include "loom/backend/cpu/cpu_flash.h"
 #include "loom/backend/cpu/cpu_gemm.h"
 #include "loom/backend/cpu/cpu_kernels.h"
+#include "loom/backend/cpu/cpu_moe_ops.h"
 #include "loom/backend/cpu/cpu_parallel_ops.h"
 #include "loom/core/error.h"
 
@@ -419,6 +420,51 @@ class CpuBackend final : public Backend {
                                      const Tensor& k, const Tensor& v, const Tensor& dq, const Tensor& dk,
                                      const Tensor& dv, const RingBlock& block) override {
     cpu::ring_attention_block_backward(q, dout, lse, D, k, v, dq, dk, dv, block);
+  }
+
+  // Mixture of experts and latent attention: cpu_moe_ops.cpp, cpu_mla_ops.cpp.
+  void moe_route(const Tensor& logits, const Tensor& bias, const Tensor& scores, const Tensor& expert,
+                 const Tensor& gates, const Tensor& scratch, const MoeRouting& routing) override {
+    cpu::moe_route(logits, bias, scores, expert, gates, scratch, routing);
+  }
+  void moe_assign(const Tensor& expert, int64_t capacity, const Tensor& row, const Tensor& token,
+                  const Tensor& counts) override {
+    cpu::moe_assign(expert, capacity, row, token, counts);
+  }
+  void moe_dispatch(const Tensor& x, const Tensor& token, const Tensor& rows) override {
+    cpu::moe_dispatch(x, token, rows);
+  }
+  void moe_combine(const Tensor& rows, const Tensor& row, const Tensor& gates, const Tensor& out) override {
+    cpu::moe_combine(rows, row, gates, out);
+  }
+  void moe_combine_backward(const Tensor& dout, const Tensor& row, const Tensor& gates, const Tensor& drows) override {
+    cpu::moe_combine_backward(dout, row, gates, drows);
+  }
+  void moe_balance_stats(const Tensor& logits, const Tensor& scores, const Tensor& expert, const Tensor& counts,
+                         const Tensor& stats, const Tensor& scratch, const MoeRouting& routing) override {
+    cpu::moe_balance_stats(logits, scores, expert, counts, stats, scratch, routing);
+  }
+  void moe_router_backward(const Tensor& logits, const Tensor& scores, const Tensor& expert, const Tensor& row,
+                           const Tensor& ye, const Tensor& dy, const Tensor& counts, const Tensor& dlogits,
+                           const Tensor& scratch, const MoeRouting& routing) override {
+    cpu::moe_router_backward(logits, scores, expert, row, ye, dy, counts, dlogits, scratch, routing);
+  }
+  void mla_rope(const Tensor& x, int64_t heads, int64_t stride, int64_t offset, int64_t rope_dim, float theta,
+                int64_t pos_offset, bool inverse) override {
+    cpu::mla_rope(x, heads, stride, offset, rope_dim, theta, pos_offset, inverse);
+  }
+  void mla_attention_forward(const Tensor& q, const Tensor& kr, const Tensor& kv, const Tensor& probs,
+                             const Tensor& out, const MlaDims& dims) override {
+    cpu::mla_attention_forward(q, kr, kv, probs, out, dims);
+  }
+  void mla_attention_backward(const Tensor& q, const Tensor& kr, const Tensor& kv, const Tensor& probs,
+                              const Tensor& dout, const Tensor& dq, const Tensor& dkv, const Tensor& dkr,
+                              const Tensor& dp_row, const MlaDims& dims) override {
+    cpu::mla_attention_backward(q, kr, kv, probs, dout, dq, dkv, dkr, dp_row, dims);
+  }
+  void mla_attend_latents(const Tensor& q, const Tensor& latents, const Tensor& kv_b, const Tensor& out,
+                          const MlaDims& dims) override {
+    cpu::mla_attend_latents(q, latents, kv_b, out, dims);
   }
 
   void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,

@@ -1,0 +1,245 @@
+// CPU kernels of the multi-head latent attention ops (contracts in backend.h; the layouts in
+// nn/mla.h): the decoupled RoPE slices, the attention over [k_n | v] heads and the shared RoPE
+// key, its backward, and decoding over cached latents with W_uk absorbed into the query. The
+// loops are sequential, so every sum runs in index order.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "loom/backend/checks.h"
+#include "loom/backend/cpu/cpu_moe_ops.h"
+#include "loom/core/error.h"
+
+namespace loom::cpu {
+
+using checks::expect_dtype;
+using checks::expect_numel;
+
+namespace {
+
+// One attention call's dimensions.
+struct Dims {
+  int64_t B, T, H, dn, dr, dv, qk, kvw, window;
+};
+
+void expect_shape(const char* op, const char* what, const Tensor& t, const Shape& shape) {
+  LOOM_CHECK(t.shape() == shape && t.dtype() == DTYPE_F32, op, ": ", what, " is ", t.describe(), ", expected f32",
+             shape_str(shape));
+}
+
+// q (B,T,H qk), kr (B,T,d_r), kv (B,T,H (d_n + d_v)), probs (B,H,T,T), out / dout (B,T,H d_v).
+Dims check_attention(const char* op, const Tensor& q, const Tensor& kr, const Tensor& kv, const Tensor& probs,
+                     const Tensor& out, const MlaDims& m) {
+  LOOM_CHECK(m.n_head >= 1 && m.nope >= 0 && m.rope >= 0 && m.v >= 1 && m.nope + m.rope >= 1 && m.window >= 0 &&
+                 q.ndim() == 3,
+             op, ": bad dimensions (", m.n_head, " heads, d_n ", m.nope, ", d_r ", m.rope, ", d_v ", m.v,
+             ", window ", m.window, ") or q ", q.describe());
+  Dims d{q.dim(0), q.dim(1), m.n_head, m.nope, m.rope, m.v, m.nope + m.rope, m.nope + m.v, m.window};
+  expect_shape(op, "q", q, {d.B, d.T, d.H * d.qk});
+  expect_shape(op, "kr", kr, {d.B, d.T, d.dr});
+  expect_shape(op, "kv", kv, {d.B, d.T, d.H * d.kvw});
+  expect_shape(op, "probs", probs, {d.B, d.H, d.T, d.T});
+  expect_shape(op, "out", out, {d.B, d.T, d.H * d.dv});
+  return d;
+}
+
+// The first key position row i sees: 0, or i - W + 1 with a sliding window of W.
+int64_t first_visible(int64_t i, int64_t window) { return window > 0 ? std::max<int64_t>(0, i - window + 1) : 0; }
+
+}  // namespace
+
+void mla_rope(const Tensor& xt, int64_t heads, int64_t stride, int64_t offset, int64_t dr, float theta_f,
+              int64_t pos_offset, bool inverse) {
+  const char* op = "mla_rope";
+  expect_dtype(xt, DTYPE_F32, op, "x");
+  LOOM_CHECK(xt.ndim() == 3 && dr > 0 && dr % 2 == 0 && heads >= 1 && offset >= 0 && pos_offset >= 0 &&
+                 offset + (heads - 1) * stride + dr <= xt.dim(2),
+             op, ": x ", xt.describe(), " has no ", heads, " slices of width ", dr, " at ", offset, " + h ", stride);
+  const int64_t T = xt.dim(1), width = xt.dim(2), rows = xt.numel() / width, half = dr / 2;
+  const double theta = theta_f, direction = inverse ? -1.0 : 1.0;
+  float* x = xt.data<float>();
+  for (int64_t n = 0; n < rows; ++n) {
+    const int64_t pos = pos_offset + n % T;
+    float* row = x + n * width;
+    for (int64_t j = 0; j < half; ++j) {
+      const double angle = direction * static_cast<double>(pos) * std::pow(theta, -2.0 * static_cast<double>(j) / dr);
+      const float cs = static_cast<float>(std::cos(angle)), sn = static_cast<float>(std::sin(angle));
+      for (int64_t h = 0; h < heads; ++h) {
+        float* v = row + offset + h * stride;
+        const float a = v[j], c = v[j + half];
+        v[j] = a * cs - c * sn;
+        v[j + half] = c * cs + a * sn;
+      }
+    }
+  }
+}
+
+void mla_attention_forward(const Tensor& q_t, const Tensor& kr_t, const Tensor& kv_t, const Tensor& probs_t,
+                           const Tensor& out_t, const MlaDims& dims) {
+  const Dims d = check_attention("mla_attention_forward", q_t, kr_t, kv_t, probs_t, out_t, dims);
+  const int64_t T = d.T, W = d.window;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d.qk));
+  const float* q = q_t.data<float>();
+  const float* kr = kr_t.data<float>();
+  const float* kv = kv_t.data<float>();
+  float* probs = probs_t.data<float>();
+  float* out = out_t.data<float>();
+  for (int64_t b = 0; b < d.B; ++b) {
+    for (int64_t h = 0; h < d.H; ++h) {
+      for (int64_t i = 0; i < T; ++i) {
+        const float* qi = q + (b * T + i) * d.H * d.qk + h * d.qk;
+        float* pr = probs + ((b * d.H + h) * T + i) * T;
+        std::fill(pr, pr + T, 0.0f);
+        const int64_t j0 = first_visible(i, W);
+        float maxs = -std::numeric_limits<float>::infinity();
+        for (int64_t j = j0; j <= i; ++j) {
+          const float* kn = kv + (b * T + j) * d.H * d.kvw + h * d.kvw;
+          const float* krj = kr + (b * T + j) * d.dr;
+          float s = 0.0f;
+          for (int64_t e = 0; e < d.dn; ++e) s += qi[e] * kn[e];
+          for (int64_t e = 0; e < d.dr; ++e) s += qi[d.dn + e] * krj[e];
+          pr[j] = s * scale;
+          maxs = std::max(maxs, pr[j]);
+        }
+        double sum = 0.0;
+        for (int64_t j = j0; j <= i; ++j) {
+          pr[j] = std::exp(pr[j] - maxs);
+          sum += pr[j];
+        }
+        const float inv = static_cast<float>(1.0 / sum);
+        float* o = out + (b * T + i) * d.H * d.dv + h * d.dv;
+        std::fill(o, o + d.dv, 0.0f);
+        for (int64_t j = j0; j <= i; ++j) {
+          pr[j] *= inv;
+          const float* v = kv + (b * T + j) * d.H * d.kvw + h * d.kvw + d.dn;
+          for (int64_t e = 0; e < d.dv; ++e) o[e] += pr[j] * v[e];
+        }
+      }
+    }
+  }
+}
+
+void mla_attention_backward(const Tensor& q_t, const Tensor& kr_t, const Tensor& kv_t, const Tensor& probs_t,
+                            const Tensor& dout_t, const Tensor& dq_t, const Tensor& dkv_t, const Tensor& dkr_t,
+                            const Tensor& dp_row, const MlaDims& dims) {
+  const char* op = "mla_attention_backward";
+  const Dims d = check_attention(op, q_t, kr_t, kv_t, probs_t, dout_t, dims);
+  expect_shape(op, "dq", dq_t, q_t.shape());
+  expect_shape(op, "dkv", dkv_t, kv_t.shape());
+  expect_shape(op, "dkr", dkr_t, kr_t.shape());
+  expect_dtype(dp_row, DTYPE_F32, op, "dp_row");
+  LOOM_CHECK(dp_row.numel() >= d.T, op, ": dp_row ", dp_row.describe(), " holds fewer than T = ", d.T, " floats");
+  const int64_t T = d.T, W = d.window;
+  // dv_h(j) += p(i,j) do_h(i); dp(i,j) = do_h(i) . v_h(j); ds = p (dp - sum_j p dp);
+  // dq(i) = scale sum_j ds(i,j) k(j); dk(j) += scale ds(i,j) q(i), the RoPE key's summed over heads.
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d.qk));
+  const float* q = q_t.data<float>();
+  const float* kr = kr_t.data<float>();
+  const float* kv = kv_t.data<float>();
+  const float* probs = probs_t.data<float>();
+  const float* dout = dout_t.data<float>();
+  float* dqp = dq_t.data<float>();
+  float* dkvp = dkv_t.data<float>();
+  float* dkrp = dkr_t.data<float>();
+  float* dpr = dp_row.data<float>();
+  for (int64_t b = 0; b < d.B; ++b) {
+    for (int64_t h = 0; h < d.H; ++h) {
+      for (int64_t i = 0; i < T; ++i) {
+        const float* pr = probs + ((b * d.H + h) * T + i) * T;
+        const float* doi = dout + (b * T + i) * d.H * d.dv + h * d.dv;
+        const float* qi = q + (b * T + i) * d.H * d.qk + h * d.qk;
+        float* dqi = dqp + (b * T + i) * d.H * d.qk + h * d.qk;
+        const int64_t j0 = first_visible(i, W);
+        double dot = 0.0;
+        for (int64_t j = j0; j <= i; ++j) {
+          const float* v = kv + (b * T + j) * d.H * d.kvw + h * d.kvw + d.dn;
+          float* dv = dkvp + (b * T + j) * d.H * d.kvw + h * d.kvw + d.dn;
+          float s = 0.0f;
+          for (int64_t e = 0; e < d.dv; ++e) {
+            s += doi[e] * v[e];
+            dv[e] += pr[j] * doi[e];
+          }
+          dpr[j] = s;
+          dot += static_cast<double>(pr[j]) * s;
+        }
+        for (int64_t j = j0; j <= i; ++j) {
+          const float ds = pr[j] * (dpr[j] - static_cast<float>(dot)) * scale;
+          const float* kn = kv + (b * T + j) * d.H * d.kvw + h * d.kvw;
+          const float* krj = kr + (b * T + j) * d.dr;
+          float* dkn = dkvp + (b * T + j) * d.H * d.kvw + h * d.kvw;
+          float* dkrj = dkrp + (b * T + j) * d.dr;
+          for (int64_t e = 0; e < d.dn; ++e) {
+            dqi[e] += ds * kn[e];
+            dkn[e] += ds * qi[e];
+          }
+          for (int64_t e = 0; e < d.dr; ++e) {
+            dqi[d.dn + e] += ds * krj[e];
+            dkrj[e] += ds * qi[d.dn + e];
+          }
+        }
+      }
+    }
+  }
+}
+
+void mla_attend_latents(const Tensor& q_t, const Tensor& latents_t, const Tensor& kv_b, const Tensor& out_t,
+                        const MlaDims& m) {
+  const char* op = "mla_attend_latents";
+  const int64_t H = m.n_head, dn = m.nope, dr = m.rope, dv = m.v, dc = m.latent, qk = dn + dr, kvw = dn + dv;
+  const int64_t lw = dc + dr;
+  LOOM_CHECK(H >= 1 && dc >= 1 && qk >= 1 && dv >= 1 && latents_t.ndim() == 2 && latents_t.dim(1) == lw &&
+                 latents_t.dim(0) >= 1,
+             op, ": latents ", latents_t.describe(), " for d_c ", dc, " + d_r ", dr, " (at least one position)");
+  expect_dtype(latents_t, DTYPE_F32, op, "latents");
+  expect_dtype(q_t, DTYPE_F32, op, "q");
+  expect_numel(q_t, H * qk, op, "q");
+  expect_shape(op, "kv_b", kv_b, {H * kvw, dc});
+  expect_dtype(out_t, DTYPE_F32, op, "out");
+  expect_numel(out_t, H * dv, op, "out");
+  const int64_t count = latents_t.dim(0);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(qk));
+  const float* q = q_t.data<float>();
+  const float* latents = latents_t.data<float>();
+  const float* wkvb = kv_b.data<float>();  // (H (d_n + d_v), d_c)
+  float* out = out_t.data<float>();
+  std::vector<float> qt(static_cast<size_t>(dc)), scores(static_cast<size_t>(count)), ctx(static_cast<size_t>(dc));
+  for (int64_t h = 0; h < H; ++h) {
+    const float* qn = q + h * qk;
+    const float* qr = qn + dn;
+    const float* wuk = wkvb + h * kvw * dc;   // (d_n, d_c)
+    const float* wuv = wuk + dn * dc;         // (d_v, d_c)
+    std::fill(qt.begin(), qt.end(), 0.0f);  // q~ = W_uk^T q_n
+    for (int64_t e = 0; e < dn; ++e) {
+      for (int64_t k = 0; k < dc; ++k) qt[k] += qn[e] * wuk[e * dc + k];
+    }
+    float maxs = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < count; ++j) {
+      const float* lat = latents + j * lw;
+      float s = 0.0f;
+      for (int64_t k = 0; k < dc; ++k) s += qt[k] * lat[k];
+      for (int64_t e = 0; e < dr; ++e) s += qr[e] * lat[dc + e];
+      scores[j] = s * scale;
+      maxs = std::max(maxs, scores[j]);
+    }
+    double sum = 0.0;
+    for (int64_t j = 0; j < count; ++j) {
+      scores[j] = std::exp(scores[j] - maxs);
+      sum += scores[j];
+    }
+    const float inv = static_cast<float>(1.0 / sum);
+    std::fill(ctx.begin(), ctx.end(), 0.0f);  // sum_j p(j) c'(j)
+    for (int64_t j = 0; j < count; ++j) {
+      const float w = scores[j] * inv;
+      for (int64_t k = 0; k < dc; ++k) ctx[k] += w * latents[j * lw + k];
+    }
+    float* o = out + h * dv;  // o_h = W_uv ctx
+    for (int64_t e = 0; e < dv; ++e) {
+      float s = 0.0f;
+      for (int64_t k = 0; k < dc; ++k) s += wuv[e * dc + k] * ctx[k];
+      o[e] = s;
+    }
+  }
+}
+
+}  // namespace loom::cpu
