@@ -16,6 +16,9 @@ namespace {
 [[noreturn]] void no_model_parallel(const Backend& backend, const char* op) {
   unsupported(backend, op, "model parallelism (parallel.tp / cp)");
 }
+[[noreturn]] void no_low_precision(const Backend& backend, const char* op) {
+  unsupported(backend, op, "fp16 / fp8 recipes, QAT and bf16 master weights");
+}
 }  // namespace
 
 void Backend::topk_extract(const Tensor&, const Tensor&, const Tensor&, const Tensor&) { unsupported(*this, "topk_extract"); }
@@ -71,5 +74,20 @@ void Backend::ring_attention_block_backward(const Tensor&, const Tensor&, const 
                                             const RingBlock&) {
   no_model_parallel(*this, "ring_attention_block_backward");
 }
+
+// Low precision.
+float Backend::amax(const Tensor&) { no_low_precision(*this, "amax"); }
+void Backend::fake_quant(const Tensor&, const Tensor&, const NumberGrid&, float, float) {
+  no_low_precision(*this, "fake_quant");
+}
+void Backend::quant_codes_bf16(const Tensor&, const Tensor&, const NumberGrid&, float) {
+  no_low_precision(*this, "quant_codes_bf16");
+}
+void Backend::fake_quant_blocks(const Tensor&, const Tensor&, const NumberGrid&, int64_t, int64_t) {
+  no_low_precision(*this, "fake_quant_blocks");
+}
+void Backend::fake_quant_mxfp4(const Tensor&, const Tensor&) { no_low_precision(*this, "fake_quant_mxfp4"); }
+void Backend::fake_quant_nvfp4(const Tensor&, const Tensor&) { no_low_precision(*this, "fake_quant_nvfp4"); }
+void Backend::round_bf16(const Tensor&, bool, const RoundingDraw&) { no_low_precision(*this, "round_bf16"); }
 
 }  // namespace loom

@@ -8,7 +8,6 @@
 #include "loom/core/pages.h"
 #include "loom/nn/context_parallel.h"
 #include "loom/parallel/tensor_parallel.h"
-#include "loom/precision/quantize.h"
 
 namespace loom {
 
@@ -180,7 +179,7 @@ Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config, Commu
   norm_ranges_ = pipeline_ != nullptr ? pipeline_->norm_ranges() : RangeSet::span(0, model_.grads().numel());
   if (sharded_grads()) norm_ranges_ = norm_ranges_.intersect(RangeSet::span(zero_->range().begin, zero_->range().end));
   if (model_.precision().master_bf16) {  // no fp32 master: the weights are bf16 values from the start
-    round_to_bf16(model_.params().data<float>(), model_.params().numel(), false);
+    backend_.round_bf16(model_.params(), false, RoundingDraw{});
   }
   if (config_.loss_scaling) {
     LOOM_CHECK(!optimizer_->keeps_gradients(), "precision.loss_scaling is not supported with optim.name = ",
@@ -257,7 +256,7 @@ StepStats Trainer::train_step(BatchSource& data) {
   const int64_t g_begin = sharded_grads() ? zero_->range().begin : 0;
   const Tensor grads = sharded_grads() ? model_.grads().view(g_begin, {zero_->range().end - g_begin}) : model_.grads();
   if (policy.reduce_bf16) {  // the gradient reduction's dtype (one rank: the accumulated sum)
-    round_to_bf16(grads.data<float>(), grads.numel(), false);
+    backend_.round_bf16(grads, false, RoundingDraw{});
   }
   if (scaler_) {
     // GradScaler: unscale; with inf/NaN gradients skip the step, leaving the weights and the
@@ -274,8 +273,8 @@ StepStats Trainer::train_step(BatchSource& data) {
                "; stopping before the update, the weights are unchanged");
     optimizer_->step(static_cast<float>(stats.lr), clip_coefficient(stats.grad_norm, config_.grad_clip));
     if (policy.master_bf16) {  // no fp32 master: the update lands in bf16 (nearest or stochastic)
-      round_to_bf16(model_.params().data<float>(), model_.params().numel(), policy.stochastic_rounding, kRoundingSeed,
-                    0, static_cast<uint32_t>(step_));
+      backend_.round_bf16(model_.params(), policy.stochastic_rounding,
+                          RoundingDraw{kRoundingSeed, 0, static_cast<uint32_t>(step_)});
     }
     if (zero_ && zero_->stage() <= 2) zero_->gather_params();  // every rank's updated shard to all
   }
