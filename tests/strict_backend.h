@@ -31,6 +31,7 @@ class StrictBackend final : public Backend {
   BackendCapabilities capabilities() const override {
     BackendCapabilities c;
     c.low_precision = true;  // the quantizers and bf16 rounding are backend ops
+    c.zero_sharding = true;  // ZeRO zeroes and scales its shard, and zeroes released ranges, through the backend
     return c;
   }
   Allocator& allocator() override { return allocator_; }

@@ -136,9 +136,10 @@ Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config, Commu
     LOOM_CHECK(!optimizer_->keeps_gradients(), "data parallelism is not supported with optim.name = ", optimizer_->name(),
                " (its error feedback lives in the gradient buffer, which the all-reduce would average)");
     comm_ = comm;
-    LOOM_CHECK(model_.params().host_accessible() || (ddp.zero_stage == 0 && ddp.compression == "none"),
+    const BackendCapabilities caps = backend_.capabilities();
+    LOOM_CHECK((ddp.zero_stage == 0 || caps.zero_sharding) && (ddp.compression == "none" || caps.gradient_compression),
                "parallel.zero_stage > 0 and parallel.compression are not supported on the ", backend_.name(),
-               " backend yet (their shard and compression bookkeeping runs on the host): use plain data parallelism");
+               " backend yet (it lacks their ops): use plain data parallelism");
     if (ddp.zero_stage <= 1) {  // gradients all-reduced (stage 1 then shards the update)
       // Sequence parallel sums some gradients over the tp group after backward: the data-parallel
       // reduction then follows it instead of overlapping backward.
@@ -152,8 +153,8 @@ Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config, Commu
       LOOM_CHECK(ddp.zero_stage < 3 || (!model_.precision().param_bf16 && !model_.precision().master_bf16),
                  "parallel.zero_stage = 3 shards the fp32 parameters; the bf16 weights of precision.param = bf16 or "
                  "precision.master = bf16 are not sharded: use f32 for both");
-      zero_ = std::make_unique<ZeroSharding>(*comm, static_cast<int>(ddp.zero_stage), model_.params(), model_.grads(),
-                                             model_.param_units(), domain_);
+      zero_ = std::make_unique<ZeroSharding>(*comm, backend_, static_cast<int>(ddp.zero_stage), model_.params(),
+                                             model_.grads(), model_.param_units(), domain_);
       if (zero_->stage() == 3) {
         model_.set_param_use_hooks({[this](int u, bool b) { zero_->use(u, b); }, [this](int u, bool b) { zero_->done(u, b); }});
       }
@@ -239,7 +240,7 @@ StepStats Trainer::train_step(BatchSource& data) {
     model_.tensor_parallel()->all_reduce(model_.grads().view(b, {e - b}));
   }
   if (comm_ != nullptr) {
-    if (ddp_) ddp_->finish(&backend_);
+    if (ddp_) ddp_->finish();
     if (sharded_grads()) zero_->finish();
     loss_sum = sum_over(*comm_, loss_sum) / comm_->size();
     LOOM_CHECK(scaler_ || std::isfinite(loss_sum), "loss is ", loss_sum, " at step ", step_,
