@@ -225,7 +225,7 @@ TEST(MpiDdp, CompressedStepsAllocateNothing) {
       float* g = grads.data<float>();
       for (int64_t i = 0; i < layout.total; ++i) g[i] = std::sin(0.01f * static_cast<float>(i + 7 * step + comm->rank()));
       for (const DataParallel::Bucket& b : dp.buckets()) dp.ready_from(b.begin);
-      dp.finish(backend.get());
+      dp.finish();
     }
     EXPECT_EQ(mem.peak_total(), before) << hook;
     EXPECT_EQ(mem.current_total(), before) << hook;

@@ -6,8 +6,10 @@
 #pragma once
 #include <cstring>
 #include <memory>
+#include <string>
 
 #include "loom/backend/backend.h"
+#include "loom/core/error.h"
 
 namespace loom::test {
 
@@ -30,6 +32,8 @@ class StrictBackend final : public Backend {
   BackendCapabilities capabilities() const override {
     BackendCapabilities caps;
     caps.mixture_of_experts = caps.latent_attention = true;  // the MoE and MLA ops below
+    caps.low_precision = true;  // the quantizers and bf16 rounding are backend ops
+    caps.zero_sharding = true;  // ZeRO zeroes and scales its shard, and zeroes released ranges, through the backend
     return caps;
   }
   Allocator& allocator() override { return allocator_; }
@@ -235,6 +239,23 @@ class StrictBackend final : public Backend {
                           const MlaDims& dims) override {
     cpu_->mla_attend_latents(h(q), h(latents), h(kv_b), h(out), dims);
   }
+  // Low precision.
+  float amax(const Tensor& x) override { return cpu_->amax(h(x)); }
+  void fake_quant(const Tensor& x, const Tensor& out, const NumberGrid& grid, float scale, float post) override {
+    cpu_->fake_quant(h(x), h(out), grid, scale, post);
+  }
+  void quant_codes_bf16(const Tensor& x, const Tensor& out, const NumberGrid& grid, float scale) override {
+    cpu_->quant_codes_bf16(h(x), h(out), grid, scale);
+  }
+  void fake_quant_blocks(const Tensor& x, const Tensor& out, const NumberGrid& grid, int64_t block_rows,
+                         int64_t block_cols) override {
+    cpu_->fake_quant_blocks(h(x), h(out), grid, block_rows, block_cols);
+  }
+  void fake_quant_mxfp4(const Tensor& x, const Tensor& out) override { cpu_->fake_quant_mxfp4(h(x), h(out)); }
+  void fake_quant_nvfp4(const Tensor& x, const Tensor& out) override { cpu_->fake_quant_nvfp4(h(x), h(out)); }
+  void round_bf16(const Tensor& x, bool stochastic, const RoundingDraw& draw) override {
+    cpu_->round_bf16(h(x), stochastic, draw);
+  }
 
  private:
   static Tensor h(const Tensor& t) { return t.defined() ? t.host_alias() : t; }
@@ -242,5 +263,26 @@ class StrictBackend final : public Backend {
   StrictAllocator allocator_;
   std::unique_ptr<Backend> cpu_ = make_cpu_backend();
 };
+
+// The backend an op test runs on: "strict", or the named one where this build and machine have
+// it and it states `capability`; otherwise null, with the reason in *skip.
+inline std::unique_ptr<Backend> op_test_backend(const std::string& name, bool BackendCapabilities::*capability,
+                                                std::string* skip) {
+  if (name == "strict") return std::make_unique<StrictBackend>();
+  if (!cuda_backend_built()) {
+    *skip = "this build has no CUDA backend";
+    return nullptr;
+  }
+  std::unique_ptr<Backend> backend;
+  try {
+    backend = make_backend(name);
+  } catch (const Error& e) {
+    *skip = e.what();
+    return nullptr;
+  }
+  if (backend->capabilities().*capability) return backend;
+  *skip = std::string(backend->name()) + " lacks the capability under test";
+  return nullptr;
+}
 
 }  // namespace loom::test

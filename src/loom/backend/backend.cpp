@@ -22,6 +22,9 @@ namespace {
 [[noreturn]] void no_mla(const Backend& backend, const char* op) {
   unsupported(backend, op, "model.mla_kv_rank > 0 (MLA)");
 }
+[[noreturn]] void no_low_precision(const Backend& backend, const char* op) {
+  unsupported(backend, op, "fp16 / fp8 recipes, QAT and bf16 master weights");
+}
 }  // namespace
 
 void Backend::topk_extract(const Tensor&, const Tensor&, const Tensor&, const Tensor&) { unsupported(*this, "topk_extract"); }
@@ -113,5 +116,20 @@ void Backend::mla_attention_backward(const Tensor&, const Tensor&, const Tensor&
 void Backend::mla_attend_latents(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const MlaDims&) {
   no_mla(*this, "mla_attend_latents");
 }
+
+// Low precision.
+float Backend::amax(const Tensor&) { no_low_precision(*this, "amax"); }
+void Backend::fake_quant(const Tensor&, const Tensor&, const NumberGrid&, float, float) {
+  no_low_precision(*this, "fake_quant");
+}
+void Backend::quant_codes_bf16(const Tensor&, const Tensor&, const NumberGrid&, float) {
+  no_low_precision(*this, "quant_codes_bf16");
+}
+void Backend::fake_quant_blocks(const Tensor&, const Tensor&, const NumberGrid&, int64_t, int64_t) {
+  no_low_precision(*this, "fake_quant_blocks");
+}
+void Backend::fake_quant_mxfp4(const Tensor&, const Tensor&) { no_low_precision(*this, "fake_quant_mxfp4"); }
+void Backend::fake_quant_nvfp4(const Tensor&, const Tensor&) { no_low_precision(*this, "fake_quant_nvfp4"); }
+void Backend::round_bf16(const Tensor&, bool, const RoundingDraw&) { no_low_precision(*this, "round_bf16"); }
 
 }  // namespace loom

@@ -67,6 +67,25 @@ struct MlaDims {
   int64_t n_head = 1, nope = 0, rope = 0, v = 0, latent = 0, window = 0;
 };
 
+// Low precision: a binary floating-point format's grid of values, as data (precision/formats.h
+// builds it from the format's table: IEEE fp16, OCP FP8 E4M3 / E5M2, FP4 E2M1). Its values are
+// k 2^(e - man_bits) with e = max(floor(log2 |v|), emin), magnitudes up to max; a value that
+// rounds above max becomes overflow (max when saturating, else inf or NaN), keeping its sign.
+struct NumberGrid {
+  int man_bits = 0;
+  int emin = 0;
+  float max = 0.0f;
+  float overflow = 0.0f;
+};
+
+// Stochastic rounding's random numbers: element i uses lane i % 4 of Philox4x32-10(counter
+// {floor(i / 4) lo, hi, stream, draw}, key {seed lo, seed hi}) (Salmon et al. 2011).
+struct RoundingDraw {
+  uint64_t seed = 0;
+  uint32_t stream = 0;
+  uint32_t draw = 0;
+};
+
 // What a backend runs, stated as data. Some features still compute on the host (loops over
 // tensor memory outside this interface); a backend whose memory host code cannot read lacks
 // them until their computation moves behind it. The training layout (train/layout.h) refuses a
@@ -324,6 +343,35 @@ class Backend {
   // out_h (d_v) = W_uv (sum_j p(j) c'(j)). q (H (d_n + d_r)), kv_b (H (d_n + d_v), d_c), out (H d_v).
   virtual void mla_attend_latents(const Tensor& q, const Tensor& latents, const Tensor& kv_b, const Tensor& out,
                                   const MlaDims& dims);
+
+  // Low precision (nn/linear.h, the trainer's bf16 master weights; docs/precision.md): the
+  // quantizers of the fp16 / fp8 recipes and QAT, f32 operands. Q_g(v) rounds v to nearest, ties
+  // to even, onto grid g (NaN stays NaN). The defaults throw (the backend lacks
+  // capabilities().low_precision); the CPU and the strict test backend implement them.
+  // max |x[i]| (the amax of FP8 delayed / current scaling, Micikevicius et al. 2022); NaN if any is NaN.
+  virtual float amax(const Tensor& x);
+  // out[i] = Q_g(x[i] * scale) * post (fp16 rounding, FP8 fake quantization); out may alias x.
+  virtual void fake_quant(const Tensor& x, const Tensor& out, const NumberGrid& grid, float scale, float post);
+  // out (bf16) = Q_g(x * scale): exact as bf16 for a grid of at most 7 mantissa bits (FP8, FP4),
+  // so a bf16 GEMM over these codes is the FP8 GEMM.
+  virtual void quant_codes_bf16(const Tensor& x, const Tensor& out, const NumberGrid& grid, float scale);
+  // Block scaling (DeepSeek-V3 2024, sec. 3.3.2): x viewed as (rows, last dim) in block_rows x
+  // block_cols blocks (edge blocks smaller); s = max(amax_block, 1e-4) / g.max in f32 and
+  // out = Q_g(x / s) * s.
+  virtual void fake_quant_blocks(const Tensor& x, const Tensor& out, const NumberGrid& grid, int64_t block_rows,
+                                 int64_t block_cols);
+  // MXFP4 (OCP Microscaling Formats v1.0, sec. 5.3 and 6.3) along the last dim: each run of 32
+  // (the last shorter) gets X = 2^(floor(log2 amax) - 2) (0 -> 2^-127) and out = E2M1(x / X) X,
+  // saturating; a block with inf or NaN gives NaN.
+  virtual void fake_quant_mxfp4(const Tensor& x, const Tensor& out);
+  // NVFP4 (NVIDIA TransformerEngine): tensor scale s = amax / (448 * 6) (1 for a zero tensor);
+  // per run of 16 along the last dim, S = E4M3((amax_block / 6) / s) s and out = E2M1(x / S) S
+  // (0 when S = 0); a tensor with inf or NaN gives NaN everywhere.
+  virtual void fake_quant_nvfp4(const Tensor& x, const Tensor& out);
+  // x rounded in place to bf16 values kept in f32: nearest even, or stochastic (Gupta et al.
+  // 2015): add the 16 high bits of the element's random number below bf16's last place and
+  // truncate; inf and NaN stay.
+  virtual void round_bf16(const Tensor& x, bool stochastic, const RoundingDraw& draw);
 };
 
 std::unique_ptr<Backend> make_cpu_backend();

@@ -87,15 +87,15 @@ void Transformer::init_weights(uint64_t seed) {
 void Transformer::zero_grads() { backend_.fill(grads_, 0.0); }
 
 void Transformer::set_precision(const PrecisionPolicy& policy) {
-  if (!params_.host_accessible()) {  // a GPU: the host-side number formats are not there
+  if (!backend_.capabilities().low_precision) {  // the quantizers are ops this backend lacks
     for (int k = 0; k < LINEAR_KIND_COUNT; ++k) {
       LOOM_CHECK(policy.recipe[static_cast<size_t>(k)] == RECIPE_F32 || policy.recipe[static_cast<size_t>(k)] == RECIPE_BF16,
                  "precision recipe ", recipe_name(policy.recipe[static_cast<size_t>(k)]), " is not supported on the ",
-                 backend_.name(), " backend yet (f32 and bf16 are; fp16 and fp8 quantize on the host)");
+                 backend_.name(), " backend yet (f32 and bf16 are; it lacks the fp16 and fp8 quantizers)");
     }
     LOOM_CHECK(policy.qat == QAT_NONE && !policy.master_bf16 && !policy.reduce_bf16, "precision.qat, "
                "precision.master = bf16 and precision.reduce = bf16 are not supported on the ", backend_.name(),
-               " backend yet (they round on the host)");
+               " backend yet (it lacks the quantizers and bf16 rounding)");
   }
   policy_ = policy;
   params16_ = head16_ = Tensor{};
@@ -194,7 +194,10 @@ const Tensor& Transformer::pack_scaling_state() {
     scaling_state_ = Tensor::empty(backend_.allocator(), {static_cast<int64_t>(layers.size()) * 3 * per}, DTYPE_F32,
                                    MEM_OPTIMIZER_STATE);
   }
-  float* p = scaling_state_.data<float>();
+  // The histories live on the host (the FP8 scales are host scalars); the checkpointed tensor
+  // is backend memory, written through the backend.
+  std::vector<float> host(static_cast<size_t>(scaling_state_.numel()));
+  float* p = host.data();
   for (LinearLayer* l : layers) {
     for (const DelayedScaling& s : l->scaling()) {
       std::copy(s.history().begin(), s.history().end(), p);
@@ -202,13 +205,16 @@ const Tensor& Transformer::pack_scaling_state() {
       p += per;
     }
   }
+  backend_.write(scaling_state_, host.data());
   return scaling_state_;
 }
 
 void Transformer::unpack_scaling_state() {
   if (!scaling_state_.defined()) return;
   const int64_t per = policy_.fp8_history + 1;
-  const float* p = scaling_state_.data<float>();
+  std::vector<float> host(static_cast<size_t>(scaling_state_.numel()));
+  backend_.read(scaling_state_, host.data());
+  const float* p = host.data();
   for (LinearLayer* l : delayed_layers(linear_layers())) {
     for (DelayedScaling& s : l->scaling()) {
       s.restore(std::vector<float>(p, p + per - 1), p[per - 1]);

@@ -62,8 +62,6 @@ namespace {
 constexpr int kX = 0, kW = 1, kDy = 2;  // scaling_[] slots
 constexpr int64_t kTile = 128;          // DeepSeek-V3 tile / block edge
 
-Shape shape2(const Tensor& t) { return {t.numel() / t.dim(-1), t.dim(-1)}; }
-
 GemmSpec spec_of(bool trans_a, bool trans_b, float beta, float alpha = 1.0f) {
   GemmSpec s;
   s.trans_a = trans_a, s.trans_b = trans_b, s.beta = beta, s.alpha = alpha;
@@ -71,25 +69,25 @@ GemmSpec spec_of(bool trans_a, bool trans_b, float beta, float alpha = 1.0f) {
 }
 
 // Rounds t in place to fp16 (overflow -> inf): what an fp16 GEMM returns.
-void round_fp16(const Tensor& t) { fake_quant(FMT_FP16, t.data<float>(), t.numel(), 1.0f, 1.0f, false, t.data<float>()); }
+void round_fp16(Backend& backend, const Tensor& t) { backend.fake_quant(t, t, number_grid(FMT_FP16, false), 1.0f, 1.0f); }
 
-Tensor fp16_of(const Tensor& x, LinearWorkspace& ws, LinearWorkspace::Slot slot) {
+Tensor fp16_of(Backend& backend, const Tensor& x, LinearWorkspace& ws, LinearWorkspace::Slot slot) {
   Tensor q = ws.f32(slot, x.shape());
-  fake_quant(FMT_FP16, x.data<float>(), x.numel(), 1.0f, 1.0f, false, q.data<float>());
+  backend.fake_quant(x, q, number_grid(FMT_FP16, false), 1.0f, 1.0f);
   return q;
 }
 
-Tensor codes_of(const Tensor& x, MiniFormat f, float scale, LinearWorkspace& ws, LinearWorkspace::Slot slot) {
+Tensor codes_of(Backend& backend, const Tensor& x, MiniFormat f, float scale, LinearWorkspace& ws,
+                LinearWorkspace::Slot slot) {
   Tensor q = ws.bf16(slot, x.shape());
-  quant_codes_bf16(f, x.data<float>(), x.numel(), scale, true, static_cast<uint16_t*>(q.raw_data()));
+  backend.quant_codes_bf16(x, q, number_grid(f, true), scale);
   return q;
 }
 
-Tensor blocks_of(const Tensor& x, MiniFormat f, int64_t block_rows, int64_t block_cols, LinearWorkspace& ws,
-                 LinearWorkspace::Slot slot) {
+Tensor blocks_of(Backend& backend, const Tensor& x, MiniFormat f, int64_t block_rows, int64_t block_cols,
+                 LinearWorkspace& ws, LinearWorkspace::Slot slot) {
   Tensor q = ws.f32(slot, x.shape());
-  const Shape s = shape2(x);
-  fake_quant_blocks(f, x.data<float>(), s[0], s[1], block_rows, block_cols, q.data<float>());
+  backend.fake_quant_blocks(x, q, number_grid(f, true), block_rows, block_cols);  // x as (rows, last dim)
   return q;
 }
 
@@ -100,8 +98,8 @@ Tensor LinearLayer::effective_weight(Backend& backend, const Tensor& w, const Te
   Tensor q = ws.f32(LinearWorkspace::Q, w.shape());
   const Tensor& src = w16.defined() ? q : w;
   if (w16.defined()) backend.cast(w16, q);
-  if (setup_.qat == QAT_MXFP4) fake_quant_mxfp4(src.data<float>(), w.dim(0), w.dim(1), q.data<float>());
-  if (setup_.qat == QAT_NVFP4) fake_quant_nvfp4(src.data<float>(), w.dim(0), w.dim(1), q.data<float>());
+  if (setup_.qat == QAT_MXFP4) backend.fake_quant_mxfp4(src, q);
+  if (setup_.qat == QAT_NVFP4) backend.fake_quant_nvfp4(src, q);
   return q;
 }
 
@@ -112,13 +110,13 @@ Tensor LinearLayer::bf16_weight(Backend& backend, const Tensor& w, const Tensor&
   return wb;
 }
 
-float LinearLayer::fp8_scale(int which, MiniFormat f, const Tensor& x, bool record) {
+float LinearLayer::fp8_scale(Backend& backend, int which, MiniFormat f, const Tensor& x, bool record) {
   if (setup_.recipe == RECIPE_FP8_CURRENT) {
-    const float amax = amax_of(x.data<float>(), x.numel());
+    const float amax = backend.amax(x);
     return std::isfinite(amax) && amax > 0.0f ? static_cast<float>(format_info(f).max) / amax : 1.0f;
   }
   DelayedScaling& s = scaling_[static_cast<size_t>(which)];
-  if (record && recording_) s.record(amax_of(x.data<float>(), x.numel()));
+  if (record && recording_) s.record(backend.amax(x));
   return s.scale(f);  // from previous steps: this step's amax only joins the history
 }
 
@@ -142,11 +140,11 @@ void LinearLayer::forward(Backend& backend, const Tensor& x, const Tensor& w, co
       return;
     }
     case RECIPE_FP16: {
-      const Tensor wq = fp16_of(effective_weight(backend, w, w16, *ws), *ws, S::W);
-      const Tensor xq = fp16_of(x, *ws, S::A);
+      const Tensor wq = fp16_of(backend, effective_weight(backend, w, w16, *ws), *ws, S::W);
+      const Tensor xq = fp16_of(backend, x, *ws, S::A);
       const Tensor t = ws->f32(S::C, y.shape());
       backend.gemm(xq, wq, t, spec_of(false, true, 0.0f), bias);
-      round_fp16(t);  // autocast fp16 returns the product in fp16; the residual add is fp32
+      round_fp16(backend, t);  // autocast fp16 returns the product in fp16; the residual add is fp32
       if (beta == 0.0f) backend.copy(t, y);
       else backend.add_inplace(y, t);
       return;
@@ -154,14 +152,14 @@ void LinearLayer::forward(Backend& backend, const Tensor& x, const Tensor& w, co
     case RECIPE_FP8_DELAYED:
     case RECIPE_FP8_CURRENT: {
       const Tensor we = effective_weight(backend, w, w16, *ws);
-      const float sx = fp8_scale(kX, FMT_E4M3, x, true), sw = fp8_scale(kW, FMT_E4M3, we, true);
-      const Tensor xc = codes_of(x, FMT_E4M3, sx, *ws, S::A), wc = codes_of(we, FMT_E4M3, sw, *ws, S::W);
+      const float sx = fp8_scale(backend, kX, FMT_E4M3, x, true), sw = fp8_scale(backend, kW, FMT_E4M3, we, true);
+      const Tensor xc = codes_of(backend, x, FMT_E4M3, sx, *ws, S::A), wc = codes_of(backend, we, FMT_E4M3, sw, *ws, S::W);
       backend.gemm(xc, wc, y, spec_of(false, true, beta, (1.0f / sx) * (1.0f / sw)), bias);
       return;
     }
     case RECIPE_FP8_BLOCK: {
-      const Tensor wq = blocks_of(effective_weight(backend, w, w16, *ws), FMT_E4M3, kTile, kTile, *ws, S::W);
-      const Tensor xq = blocks_of(x, FMT_E4M3, 1, kTile, *ws, S::A);
+      const Tensor wq = blocks_of(backend, effective_weight(backend, w, w16, *ws), FMT_E4M3, kTile, kTile, *ws, S::W);
+      const Tensor xq = blocks_of(backend, x, FMT_E4M3, 1, kTile, *ws, S::A);
       backend.gemm(xq, wq, y, spec, bias);
       return;
     }
@@ -199,34 +197,34 @@ void LinearLayer::backward(Backend& backend, const Tensor& x, const Tensor& w, c
       return;
     }
     case RECIPE_FP16: {
-      const Tensor wq = fp16_of(effective_weight(backend, w, w16, *ws), *ws, S::W);
-      const Tensor dyq = fp16_of(dy, *ws, S::A), xq = fp16_of(x, *ws, S::B);
+      const Tensor wq = fp16_of(backend, effective_weight(backend, w, w16, *ws), *ws, S::W);
+      const Tensor dyq = fp16_of(backend, dy, *ws, S::A), xq = fp16_of(backend, x, *ws, S::B);
       backend.gemm(dyq, wq, dx, dgrad);
-      round_fp16(dx);
+      round_fp16(backend, dx);
       const Tensor t = ws->f32(S::C, dw.shape());
       backend.gemm(dyq, xq, t, spec_of(true, false, 0.0f));
-      round_fp16(t);  // the weight's fp16 gradient, accumulated into the fp32 one
+      round_fp16(backend, t);  // the weight's fp16 gradient, accumulated into the fp32 one
       backend.add_inplace(dw, t);
       return;
     }
     case RECIPE_FP8_DELAYED:
     case RECIPE_FP8_CURRENT: {
       const Tensor we = effective_weight(backend, w, w16, *ws);
-      const float sdy = fp8_scale(kDy, setup_.fp8_backward, dy, true);
-      const float sw = fp8_scale(kW, FMT_E4M3, we, false), sx = fp8_scale(kX, FMT_E4M3, x, false);
-      const Tensor dyc = codes_of(dy, setup_.fp8_backward, sdy, *ws, S::A);
-      const Tensor wc = codes_of(we, FMT_E4M3, sw, *ws, S::W), xc = codes_of(x, FMT_E4M3, sx, *ws, S::B);
+      const float sdy = fp8_scale(backend, kDy, setup_.fp8_backward, dy, true);
+      const float sw = fp8_scale(backend, kW, FMT_E4M3, we, false), sx = fp8_scale(backend, kX, FMT_E4M3, x, false);
+      const Tensor dyc = codes_of(backend, dy, setup_.fp8_backward, sdy, *ws, S::A);
+      const Tensor wc = codes_of(backend, we, FMT_E4M3, sw, *ws, S::W), xc = codes_of(backend, x, FMT_E4M3, sx, *ws, S::B);
       backend.gemm(dyc, wc, dx, spec_of(false, false, 0.0f, (1.0f / sdy) * (1.0f / sw)));
       backend.gemm(dyc, xc, dw, spec_of(true, false, 1.0f, (1.0f / sdy) * (1.0f / sx)));
       return;
     }
     case RECIPE_FP8_BLOCK: {
       // dgrad reduces over `out`: dy in 1x128 tiles along it, W in its forward 128x128 blocks.
-      const Tensor wq = blocks_of(effective_weight(backend, w, w16, *ws), FMT_E4M3, kTile, kTile, *ws, S::W);
-      backend.gemm(blocks_of(dy, setup_.fp8_backward, 1, kTile, *ws, S::A), wq, dx, dgrad);
+      const Tensor wq = blocks_of(backend, effective_weight(backend, w, w16, *ws), FMT_E4M3, kTile, kTile, *ws, S::W);
+      backend.gemm(blocks_of(backend, dy, setup_.fp8_backward, 1, kTile, *ws, S::A), wq, dx, dgrad);
       // wgrad reduces over tokens: dy and x in 128x1 tiles along them.
-      const Tensor dyt = blocks_of(dy, setup_.fp8_backward, kTile, 1, *ws, S::A);
-      backend.gemm(dyt, blocks_of(x, FMT_E4M3, kTile, 1, *ws, S::B), dw, wgrad);
+      const Tensor dyt = blocks_of(backend, dy, setup_.fp8_backward, kTile, 1, *ws, S::A);
+      backend.gemm(dyt, blocks_of(backend, x, FMT_E4M3, kTile, 1, *ws, S::B), dw, wgrad);
       return;
     }
     case RECIPE_COUNT: break;

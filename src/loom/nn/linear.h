@@ -3,10 +3,11 @@
 // histories); operands are cast or quantized into a LinearWorkspace shared by all the layers
 // of a model, so a step allocates nothing after the first.
 //
-// The quantizers run on host memory (precision/quantize.h): the CPU backend computes the
-// low-precision GEMMs either natively (bf16, through oneDNN) or as an exact emulation (fp16,
-// fp8: values on the format's grid multiplied with fp32 accumulation). A device backend would
-// run the same recipes with its own casts and FP8 GEMMs.
+// The quantizers are Backend ops (amax, fake_quant, quant_codes_bf16, fake_quant_blocks,
+// fake_quant_mxfp4 / _nvfp4); only the FP8 scales and amax histories live on the host. The CPU
+// backend computes the low-precision GEMMs either natively (bf16, through oneDNN) or as an
+// exact emulation (fp16, fp8: values on the format's grid multiplied with fp32 accumulation). A
+// device backend would run the same recipes with its own casts and FP8 GEMMs.
 #pragma once
 #include <array>
 #include <cstdint>
@@ -75,7 +76,7 @@ class LinearLayer {
   // That weight in bf16: w16 itself, or effective_weight() cast into workspace slot W.
   Tensor bf16_weight(Backend& backend, const Tensor& w, const Tensor& w16, LinearWorkspace& ws) const;
   // x's FP8 scale for this call (records its amax under delayed scaling).
-  float fp8_scale(int which, MiniFormat f, const Tensor& x, bool record);
+  float fp8_scale(Backend& backend, int which, MiniFormat f, const Tensor& x, bool record);
 
   LinearSetup setup_;
   std::array<DelayedScaling, 3> scaling_;

@@ -8,7 +8,7 @@ namespace loom {
 
 DataParallel::DataParallel(Communicator& comm, Backend& backend, const Tensor& grads, const ParamLayout& layout,
                            DdpConfig config)
-    : comm_(comm), grads_(grads), config_(config) {
+    : comm_(comm), backend_(backend), grads_(grads), config_(config) {
   LOOM_CHECK(config_.bucket_bytes > 0, "parallel.bucket_mb must be > 0");
   LOOM_CHECK(config_.compression_warmup >= 0, "parallel.compression_warmup must be >= 0, got ", config_.compression_warmup);
   LOOM_CHECK(grads.dtype() == DTYPE_F32 && grads.numel() == layout.total, "data parallel: gradient buffer ",
@@ -58,7 +58,7 @@ void DataParallel::ready_from(int64_t offset) {
   }
 }
 
-void DataParallel::finish(Backend* backend) {
+void DataParallel::finish() {
   const bool overlap = config_.overlap;
   config_.overlap = true;
   ready_from(0);
@@ -69,14 +69,7 @@ void DataParallel::finish(Backend* backend) {
   ++steps_;
   if (comm_.size() > 1) {
     const float inv = 1.0f / static_cast<float>(comm_.size());
-    if (backend != nullptr) {  // the same float multiply, on the backend
-      backend->scale_inplace(grads_, inv);
-      return;
-    }
-    float* g = grads_.data<float>();
-    const int64_t n = grads_.numel();
-#pragma omp parallel for simd schedule(static)
-    for (int64_t i = 0; i < n; ++i) g[i] *= inv;
+    backend_.scale_inplace(grads_, inv);  // the float multiply g *= inv
   }
 }
 

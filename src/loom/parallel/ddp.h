@@ -53,11 +53,12 @@ class DataParallel {
   // all-reduce of each bucket now entirely ready (overlap on).
   void ready_from(int64_t offset);
   // After backward: launches what is left, waits for every bucket and divides by the world size
-  // (through `backend` when given: a GPU's gradients; else on the host).
-  void finish(Backend* backend = nullptr);
+  // (Backend::scale_inplace).
+  void finish();
 
  private:
   Communicator& comm_;
+  Backend& backend_;
   Tensor grads_;
   DdpConfig config_;
   std::vector<Bucket> buckets_;

@@ -223,9 +223,8 @@ double PipelineRunner::evaluate(BatchSource& data, int64_t batches) {
   }
   sum = loss_sum_;
   loss_sum_ = 0.0;
-  loss_.data<double>()[0] = sum;
-  pp_.all_reduce(loss_);  // only the last stage's rank holds the losses
-  return batches > 0 ? loss_.data<double>()[0] / static_cast<double>(batches) : 0.0;
+  sum = reduce_loss(sum);
+  return batches > 0 ? sum / static_cast<double>(batches) : 0.0;
 }
 
 double PipelineRunner::run(BatchSource& data, float loss_weight) {
@@ -241,10 +240,18 @@ double PipelineRunner::run(BatchSource& data, float loss_weight) {
   if (tied_.second > tied_.first && pp_.size() > 1) {  // the embedding's and the head's gradient parts
     pp_.all_reduce(model_.grads().view(tied_.first, {tied_.second - tied_.first}));
   }
-  loss_.data<double>()[0] = loss_sum_;
-  pp_.all_reduce(loss_);  // only the last stage's rank holds the losses
+  const double loss = reduce_loss(loss_sum_);
   idle_ += now() - t;
-  return loss_.data<double>()[0];
+  return loss;
+}
+
+double PipelineRunner::reduce_loss(double local) {
+  Backend& backend = model_.backend();  // loss_ is backend memory: written and read through it
+  backend.write(loss_, &local);
+  pp_.all_reduce(loss_);  // only the last stage's rank holds the losses
+  double sum = 0.0;
+  backend.read(loss_, &sum);
+  return sum;
 }
 
 }  // namespace loom

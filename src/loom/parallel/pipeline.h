@@ -65,6 +65,8 @@ class PipelineRunner {
   double idle_seconds() const { return idle_; }
 
  private:
+  // The sum of `local` over the pipeline ranks, through loss_.
+  double reduce_loss(double local);
   int tag(int direction, int stage, int micro) const;
   void forward(const PipeAction& a);
   void backward(const PipeAction& a);

@@ -1,7 +1,6 @@
 #include "loom/parallel/zero.h"
 
 #include <algorithm>
-#include <cstring>
 
 #include "loom/core/error.h"
 #include "loom/core/pages.h"
@@ -45,9 +44,10 @@ std::vector<OptimParam> shard_optim_params(const std::vector<OptimParam>& list, 
   return out;
 }
 
-ZeroSharding::ZeroSharding(Communicator& comm, int stage, const Tensor& params, const Tensor& grads,
+ZeroSharding::ZeroSharding(Communicator& comm, Backend& backend, int stage, const Tensor& params, const Tensor& grads,
                            std::vector<RangeSet> units, RangeSet domain)
     : comm_(comm),
+      backend_(backend),
       stage_(stage),
       params_(params),
       grads_(grads),
@@ -72,9 +72,17 @@ ZeroSharding::ZeroSharding(Communicator& comm, int stage, const Tensor& params, 
   if (stage_ == 3) release_params();
 }
 
+void ZeroSharding::release(const Tensor& t, int64_t begin, int64_t end) {
+  if (begin >= end) return;
+  // Host memory: its pages go back to the OS (and read as zeros). A device's memory is not
+  // paged by the host: the elements are zeroed through the backend, the same values.
+  if (t.host_accessible()) release_elements(t, begin, end);
+  else backend_.fill(t.view(begin, {end - begin}), 0.0);
+}
+
 void ZeroSharding::release_outside_shard(const Tensor& t, Range r) {
-  release_elements(t, r.begin, std::max(r.begin, std::min(r.end, range_.begin)));
-  release_elements(t, std::min(r.end, std::max(r.begin, range_.end)), r.end);
+  release(t, r.begin, std::max(r.begin, std::min(r.end, range_.begin)));
+  release(t, std::min(r.end, std::max(r.begin, range_.end)), r.end);
 }
 
 void ZeroSharding::gather_params() {
@@ -99,7 +107,7 @@ void ZeroSharding::gather_params() {
 void ZeroSharding::zero_grads() {
   finish_micro();
   release_outside_shard(grads_, {0, total_});
-  std::memset(grads_.data<float>() + range_.begin, 0, static_cast<size_t>(range_.end - range_.begin) * sizeof(float));
+  if (range_.end > range_.begin) backend_.fill(grads_.view(range_.begin, {range_.end - range_.begin}), 0.0);
   reduced_from_ = total_;
 }
 
@@ -130,10 +138,8 @@ void ZeroSharding::finish_micro() {
 void ZeroSharding::finish() {
   finish_micro();
   if (comm_.size() == 1) return;
-  const float inv = 1.0f / static_cast<float>(comm_.size());
-  float* g = grads_.data<float>();
-#pragma omp parallel for simd schedule(static)
-  for (int64_t i = range_.begin; i < range_.end; ++i) g[i] *= inv;
+  const float inv = 1.0f / static_cast<float>(comm_.size());  // the float multiply, on the backend
+  if (range_.end > range_.begin) backend_.scale_inplace(grads_.view(range_.begin, {range_.end - range_.begin}), inv);
 }
 
 void ZeroSharding::gather(int unit, PendingQueue& into) {

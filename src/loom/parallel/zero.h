@@ -18,7 +18,8 @@
 //
 // Sharded memory is real: the flat buffers keep their address range (views stay valid) and the
 // elements a rank does not own are released to the OS (core/pages.h), so their pages are not
-// resident; resident_bytes() measures it.
+// resident; resident_bytes() measures it. On a backend whose memory the host cannot page (a
+// GPU) they are zeroed through the backend instead: the same values, the memory kept.
 //
 // Under pipeline parallelism a rank updates only its stages' parameters: stage 1 then shards that
 // domain (the stages' flat ranges, concatenated) over the data-parallel group, so each rank holds
@@ -35,6 +36,7 @@
 #include <utility>
 #include <vector>
 
+#include "loom/backend/backend.h"
 #include "loom/comm/communicator.h"
 #include "loom/core/range_set.h"
 #include "loom/optim/optimizer.h"
@@ -60,7 +62,8 @@ class ZeroSharding {
  public:
   // units[u]: the flat ranges of parameter unit u, as the model's use hooks name them (stage 3).
   // domain: the flat ranges sharded (empty: the whole buffer; stage 1 only otherwise).
-  ZeroSharding(Communicator& comm, int stage, const Tensor& params, const Tensor& grads,
+  // The shard's element work (zeroing, the 1/N scaling, zeroing released device memory) runs on `backend`.
+  ZeroSharding(Communicator& comm, Backend& backend, int stage, const Tensor& params, const Tensor& grads,
                std::vector<RangeSet> units, RangeSet domain = {});
   int stage() const { return stage_; }
   // This rank's shard as positions in the domain (with the whole buffer as domain: flat elements).
@@ -113,6 +116,8 @@ class ZeroSharding {
     std::vector<Pending> items_;
     size_t head_ = 0;
   };
+  // Elements [begin, end) of t released (host memory) or zeroed (device memory).
+  void release(const Tensor& t, int64_t begin, int64_t end);
   void release_outside_shard(const Tensor& t, Range r);
   void gather(int unit, PendingQueue& into);
   // Waits until at most `keep` operations of q are in flight; gradient reductions then release
@@ -120,6 +125,7 @@ class ZeroSharding {
   void complete(PendingQueue& q, size_t keep, bool release_grads);
 
   Communicator& comm_;
+  Backend& backend_;
   int stage_;
   Tensor params_, grads_;
   std::vector<RangeSet> units_;

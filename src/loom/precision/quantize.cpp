@@ -1,27 +1,19 @@
+// The fast quantizers by format name: each builds the format's grid from its table (formats.h)
+// and runs the CPU backend's kernel (backend/cpu/cpu_quant_ops.cpp) on host arrays, so these and
+// the Backend ops are the same arithmetic.
 #include "loom/precision/quantize.h"
 
-#include <algorithm>
-#include <bit>
 #include <cmath>
 
-#include "loom/core/dtype.h"
+#include "loom/backend/cpu/cpu_quant_ops.h"
 #include "loom/core/error.h"
-#include "loom/core/philox.h"
 
 namespace loom {
 
-namespace {
-
-// The grid of a format: values k * 2^(e - man) with e = max(floor(log2 |v|), emin).
-struct Grid {
-  int man = 0, emin = 0;
-  float max = 0.0f, overflow = 0.0f;
-};
-
-Grid grid_of(MiniFormat f, bool saturate) {
+NumberGrid number_grid(MiniFormat f, bool saturate) {
   const MiniFormatInfo& i = format_info(f);
-  Grid g;
-  g.man = i.man_bits;
+  NumberGrid g;
+  g.man_bits = i.man_bits;
   g.emin = 1 - i.bias;
   g.max = static_cast<float>(i.max);
   if (saturate || f == FMT_E2M1) g.overflow = g.max;
@@ -29,152 +21,28 @@ Grid grid_of(MiniFormat f, bool saturate) {
   return g;
 }
 
-// 2^k for k in [-126, 127], built from its bits.
-inline float pow2(int k) { return std::bit_cast<float>(static_cast<uint32_t>(k + 127) << 23); }
-
-// Round to nearest even onto the grid: |v| / quantum is exact (a power-of-two scaling of a
-// float), rint rounds it half-to-even, and anything that lands above max overflows.
-inline float round_grid(float v, const Grid& g) {
-  // Branch-free (selects, integer min/max, sign by bits) so the loops below vectorize.
-  const uint32_t bits = std::bit_cast<uint32_t>(v);
-  const float a = std::bit_cast<float>(bits & 0x7FFFFFFFu);
-  int e = static_cast<int>((bits >> 23) & 0xFFu) - 127;
-  e = e < g.emin ? g.emin : e;
-  e = e > 127 ? 127 : e;
-  const float r0 = std::rint(a * pow2(g.man - e)) * pow2(e - g.man);
-  const float r = r0 > g.max ? g.overflow : r0;
-  return std::bit_cast<float>(std::bit_cast<uint32_t>(r) | (bits & 0x80000000u));
-}
-
-}  // namespace
-
-float amax_of(const float* x, int64_t n) {
-  float m = 0.0f;
-  bool nan = false;
-#pragma omp parallel for reduction(max : m) reduction(|| : nan) schedule(static)
-  for (int64_t i = 0; i < n; ++i) {
-    const float a = std::fabs(x[i]);
-    nan = nan || std::isnan(a);
-    m = std::max(m, a);
-  }
-  return nan ? NAN : m;
-}
+float amax_of(const float* x, int64_t n) { return cpu::amax_of(x, n); }
 
 void fake_quant(MiniFormat f, const float* x, int64_t n, float scale, float post, bool saturate, float* out) {
-  const Grid g = grid_of(f, saturate);
-#pragma omp parallel for simd schedule(static)
-  for (int64_t i = 0; i < n; ++i) out[i] = round_grid(x[i] * scale, g) * post;
+  cpu::fake_quant(number_grid(f, saturate), x, n, scale, post, out);
 }
 
 void quant_codes_bf16(MiniFormat f, const float* x, int64_t n, float scale, bool saturate, uint16_t* out) {
   LOOM_CHECK(f != FMT_FP16, "quant_codes_bf16: fp16 values are not bf16 values");
-  const Grid g = grid_of(f, saturate);
-  constexpr int64_t kChunk = 512;  // round into a float chunk, then keep the upper halves (exact)
-#pragma omp parallel for schedule(static)
-  for (int64_t c = 0; c < (n + kChunk - 1) / kChunk; ++c) {
-    float q[kChunk];
-    const int64_t begin = c * kChunk, len = std::min(kChunk, n - begin);
-#pragma omp simd
-    for (int64_t i = 0; i < len; ++i) q[i] = round_grid(x[begin + i] * scale, g);
-#pragma omp simd
-    for (int64_t i = 0; i < len; ++i) out[begin + i] = static_cast<uint16_t>(std::bit_cast<uint32_t>(q[i]) >> 16);
-  }
+  cpu::quant_codes_bf16(number_grid(f, saturate), x, n, scale, out);
 }
 
 void fake_quant_blocks(MiniFormat f, const float* x, int64_t rows, int64_t cols, int64_t block_rows,
                        int64_t block_cols, float* out) {
-  LOOM_CHECK(block_rows > 0 && block_cols > 0, "fake_quant_blocks: block ", block_rows, "x", block_cols);
-  const Grid g = grid_of(f, true);
-  const int64_t brs = (rows + block_rows - 1) / block_rows, bcs = (cols + block_cols - 1) / block_cols;
-#pragma omp parallel for collapse(2) schedule(static)
-  for (int64_t br = 0; br < brs; ++br) {
-    for (int64_t bc = 0; bc < bcs; ++bc) {
-      const int64_t r0 = br * block_rows, r1 = std::min(rows, r0 + block_rows);
-      const int64_t c0 = bc * block_cols, c1 = std::min(cols, c0 + block_cols);
-      float amax = 0.0f;
-      for (int64_t r = r0; r < r1; ++r) {
-        for (int64_t c = c0; c < c1; ++c) amax = std::max(amax, std::fabs(x[r * cols + c]));
-      }
-      const float s = std::max(amax, 1e-4f) / g.max;  // DeepSeek-V3: max(amax, 1e-4) / 448
-      for (int64_t r = r0; r < r1; ++r) {
-        for (int64_t c = c0; c < c1; ++c) out[r * cols + c] = round_grid(x[r * cols + c] / s, g) * s;
-      }
-    }
-  }
+  cpu::fake_quant_blocks(number_grid(f, true), x, rows, cols, block_rows, block_cols, out);
 }
 
-namespace {
+void fake_quant_mxfp4(const float* x, int64_t rows, int64_t cols, float* out) { cpu::fake_quant_mxfp4(x, rows, cols, out); }
 
-// Calls fn(xb, ob, len) for every run of `block` consecutive elements along each row of the
-// (rows, cols) arrays x and out (the last run of a row shorter), in parallel.
-template <typename Fn>
-void for_each_row_block(const float* x, float* out, int64_t rows, int64_t cols, int64_t block, Fn fn) {
-  const int64_t blocks = (cols + block - 1) / block;
-#pragma omp parallel for collapse(2) schedule(static)
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t b = 0; b < blocks; ++b) {
-      fn(x + r * cols + b * block, out + r * cols + b * block, std::min(block, cols - b * block));
-    }
-  }
-}
-
-}  // namespace
-
-void fake_quant_mxfp4(const float* x, int64_t rows, int64_t cols, float* out) {
-  const Grid g = grid_of(FMT_E2M1, true);
-  for_each_row_block(x, out, rows, cols, kMxBlock, [&](const float* xb, float* ob, int64_t len) {
-    float amax = 0.0f;
-    bool finite = true;
-    for (int64_t k = 0; k < len; ++k) {
-      finite = finite && std::isfinite(xb[k]);
-      amax = std::max(amax, std::fabs(xb[k]));
-    }
-    if (!finite) {
-      std::fill(ob, ob + len, NAN);
-      return;
-    }
-    int e = -127;
-    if (amax > 0.0f) e = std::clamp(std::ilogb(amax) - 2, -127, 127);  // floor(log2 amax) - emax(E2M1)
-    const float X = std::ldexp(1.0f, e);
-    for (int64_t k = 0; k < len; ++k) ob[k] = round_grid(xb[k] / X, g) * X;
-  });
-}
-
-void fake_quant_nvfp4(const float* x, int64_t rows, int64_t cols, float* out) {
-  const Grid e2m1 = grid_of(FMT_E2M1, true), e4m3 = grid_of(FMT_E4M3, true);
-  const float amax = amax_of(x, rows * cols);
-  if (!std::isfinite(amax)) {
-    std::fill(out, out + rows * cols, NAN);
-    return;
-  }
-  const float global = amax > 0.0f ? amax / (448.0f * 6.0f) : 1.0f;
-  for_each_row_block(x, out, rows, cols, kNvBlock, [&](const float* xb, float* ob, int64_t len) {
-    float block_amax = 0.0f;
-    for (int64_t k = 0; k < len; ++k) block_amax = std::max(block_amax, std::fabs(xb[k]));
-    const float scale = round_grid((block_amax / 6.0f) / global, e4m3) * global;
-    for (int64_t k = 0; k < len; ++k) ob[k] = scale == 0.0f ? 0.0f : round_grid(xb[k] / scale, e2m1) * scale;
-  });
-}
+void fake_quant_nvfp4(const float* x, int64_t rows, int64_t cols, float* out) { cpu::fake_quant_nvfp4(x, rows, cols, out); }
 
 void round_to_bf16(float* x, int64_t n, bool stochastic, uint64_t seed, uint32_t stream, uint32_t draw) {
-  if (!stochastic) {
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n; ++i) x[i] = bf16_to_f32(f32_to_bf16(x[i]));
-    return;
-  }
-  const PhiloxKey key = {static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)};
-  const int64_t groups = (n + 3) / 4;
-#pragma omp parallel for schedule(static)
-  for (int64_t q = 0; q < groups; ++q) {
-    const PhiloxCounter r = philox4x32_10(
-        {static_cast<uint32_t>(q), static_cast<uint32_t>(static_cast<uint64_t>(q) >> 32), stream, draw}, key);
-    for (int64_t j = 0; j < 4 && q * 4 + j < n; ++j) {
-      float& v = x[q * 4 + j];
-      if (!std::isfinite(v)) continue;
-      const uint32_t u = std::bit_cast<uint32_t>(v) + (r[static_cast<size_t>(j)] >> 16);
-      v = std::bit_cast<float>(u & 0xFFFF0000u);
-    }
-  }
+  cpu::round_to_bf16(x, n, stochastic, RoundingDraw{seed, stream, draw});
 }
 
 }  // namespace loom

@@ -1,5 +1,6 @@
 // Fast quantizers over float arrays: the formats of formats.h applied to whole tensors with
-// per-tensor, per-tile or per-block scales, for low-precision linear layers (nn/linear.h).
+// per-tensor, per-tile or per-block scales, for low-precision linear layers (nn/linear.h), which
+// run them on tensors through the Backend's low-precision ops (backend.h; the same kernels).
 // Each "fake quantizer" returns values on the format's grid as floats, so the GEMM that follows
 // multiplies exactly the numbers the hardware would (an FP8 value times an FP8 value is exact in
 // fp32). They agree bit for bit with encode()/decode() of formats.h (tests), but round in float
@@ -8,9 +9,14 @@
 #pragma once
 #include <cstdint>
 
+#include "loom/backend/backend.h"
 #include "loom/precision/formats.h"
 
 namespace loom {
+
+// Format f's grid for the Backend's quantizers: overflow to ±max when saturating (E2M1 always),
+// else to ±inf (fp16, E5M2) or NaN (E4M3).
+NumberGrid number_grid(MiniFormat f, bool saturate);
 
 // max |x[i]|; NaN if any element is NaN. OpenMP-parallel.
 float amax_of(const float* x, int64_t n);

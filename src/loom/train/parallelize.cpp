@@ -116,10 +116,12 @@ double TrainingData::validation_loss(Trainer& trainer, int64_t batches, Allocato
   val_->rewind();
   const double loss = trainer.evaluate(cp_val_ ? static_cast<BatchSource&>(*cp_val_) : *val_, batches);
   if (cp_ == nullptr) return loss;
-  Tensor sum = Tensor::zeros(allocator, {1}, DTYPE_F64, MEM_WORKSPACE);
-  sum.data<double>()[0] = loss;
+  Tensor sum = Tensor::zeros(allocator, {1}, DTYPE_F64, MEM_WORKSPACE);  // the backend's memory: through it
+  trainer.backend().write(sum, &loss);
   cp_->all_reduce(sum);
-  return sum.data<double>()[0] / cp_->size();
+  double total = 0.0;
+  trainer.backend().read(sum, &total);
+  return total / cp_->size();
 }
 
 }  // namespace loom

@@ -8,7 +8,6 @@
 #include "loom/core/pages.h"
 #include "loom/nn/context_parallel.h"
 #include "loom/parallel/tensor_parallel.h"
-#include "loom/precision/quantize.h"
 
 namespace loom {
 
@@ -137,9 +136,10 @@ Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config, Commu
     LOOM_CHECK(!optimizer_->keeps_gradients(), "data parallelism is not supported with optim.name = ", optimizer_->name(),
                " (its error feedback lives in the gradient buffer, which the all-reduce would average)");
     comm_ = comm;
-    LOOM_CHECK(model_.params().host_accessible() || (ddp.zero_stage == 0 && ddp.compression == Compression::none),
+    const BackendCapabilities caps = backend_.capabilities();
+    LOOM_CHECK((ddp.zero_stage == 0 || caps.zero_sharding) && (ddp.compression == Compression::none || caps.gradient_compression),
                "parallel.zero_stage > 0 and parallel.compression are not supported on the ", backend_.name(),
-               " backend yet (their shard and compression bookkeeping runs on the host): use plain data parallelism");
+               " backend yet (it lacks their ops): use plain data parallelism");
     if (ddp.zero_stage <= 1) {  // gradients all-reduced (stage 1 then shards the update)
       // Sequence parallel sums some gradients over the tp group after backward: the data-parallel
       // reduction then follows it instead of overlapping backward.
@@ -153,8 +153,8 @@ Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config, Commu
       LOOM_CHECK(ddp.zero_stage < 3 || (!model_.precision().param_bf16 && !model_.precision().master_bf16),
                  "parallel.zero_stage = 3 shards the fp32 parameters; the bf16 weights of precision.param = bf16 or "
                  "precision.master = bf16 are not sharded: use f32 for both");
-      zero_ = std::make_unique<ZeroSharding>(*comm, static_cast<int>(ddp.zero_stage), model_.params(), model_.grads(),
-                                             model_.param_units(), domain_);
+      zero_ = std::make_unique<ZeroSharding>(*comm, backend_, static_cast<int>(ddp.zero_stage), model_.params(),
+                                             model_.grads(), model_.param_units(), domain_);
       if (zero_->stage() == 3) {
         model_.set_param_use_hooks({[this](int u, bool b) { zero_->use(u, b); }, [this](int u, bool b) { zero_->done(u, b); }});
       }
@@ -180,7 +180,7 @@ Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config, Commu
   norm_ranges_ = pipeline_ != nullptr ? pipeline_->norm_ranges() : RangeSet::span(0, model_.grads().numel());
   if (sharded_grads()) norm_ranges_ = norm_ranges_.intersect(RangeSet::span(zero_->range().begin, zero_->range().end));
   if (model_.precision().master_bf16) {  // no fp32 master: the weights are bf16 values from the start
-    round_to_bf16(model_.params().data<float>(), model_.params().numel(), false);
+    backend_.round_bf16(model_.params(), false, RoundingDraw{});
   }
   if (config_.loss_scaling) {
     LOOM_CHECK(!optimizer_->keeps_gradients(), "precision.loss_scaling is not supported with optim.name = ",
@@ -240,7 +240,7 @@ StepStats Trainer::train_step(BatchSource& data) {
     model_.tensor_parallel()->all_reduce(model_.grads().view(b, {e - b}));
   }
   if (comm_ != nullptr) {
-    if (ddp_) ddp_->finish(&backend_);
+    if (ddp_) ddp_->finish();
     if (sharded_grads()) zero_->finish();
     loss_sum = sum_over(*comm_, loss_sum) / comm_->size();
     LOOM_CHECK(scaler_ || std::isfinite(loss_sum), "loss is ", loss_sum, " at step ", step_,
@@ -257,7 +257,7 @@ StepStats Trainer::train_step(BatchSource& data) {
   const int64_t g_begin = sharded_grads() ? zero_->range().begin : 0;
   const Tensor grads = sharded_grads() ? model_.grads().view(g_begin, {zero_->range().end - g_begin}) : model_.grads();
   if (policy.reduce_bf16) {  // the gradient reduction's dtype (one rank: the accumulated sum)
-    round_to_bf16(grads.data<float>(), grads.numel(), false);
+    backend_.round_bf16(grads, false, RoundingDraw{});
   }
   if (scaler_) {
     // GradScaler: unscale; with inf/NaN gradients skip the step, leaving the weights and the
@@ -274,8 +274,8 @@ StepStats Trainer::train_step(BatchSource& data) {
                "; stopping before the update, the weights are unchanged");
     optimizer_->step(static_cast<float>(stats.lr), clip_coefficient(stats.grad_norm, config_.grad_clip));
     if (policy.master_bf16) {  // no fp32 master: the update lands in bf16 (nearest or stochastic)
-      round_to_bf16(model_.params().data<float>(), model_.params().numel(), policy.stochastic_rounding, kRoundingSeed,
-                    0, static_cast<uint32_t>(step_));
+      backend_.round_bf16(model_.params(), policy.stochastic_rounding,
+                          RoundingDraw{kRoundingSeed, 0, static_cast<uint32_t>(step_)});
     }
     if (zero_ && zero_->stage() <= 2) zero_->gather_params();  // every rank's updated shard to all
   }

@@ -73,6 +73,7 @@ class Trainer {
   StepStats train_step(BatchSource& data);  // throws on a non-finite loss, before updating
   double evaluate(BatchSource& data, int64_t batches);
   int64_t step() const { return step_; }
+  Backend& backend() const { return backend_; }
   const Optimizer& optimizer() const { return *optimizer_; }
   // The loss scaler (nullptr without loss scaling); its state goes into checkpoints.
   DynamicLossScaler* loss_scaler() { return scaler_.get(); }

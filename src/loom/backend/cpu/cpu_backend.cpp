@@ -12,6 +12,7 @@
 #include "loom/backend/cpu/cpu_kernels.h"
 #include "loom/backend/cpu/cpu_moe_ops.h"
 #include "loom/backend/cpu/cpu_parallel_ops.h"
+#include "loom/backend/cpu/cpu_quant_ops.h"
 #include "loom/core/error.h"
 
 namespace loom {
@@ -479,6 +480,24 @@ class CpuBackend final : public Backend {
                          h.beta2, h.eps, h.weight_decay, h.grad_scale, static_cast<T>(bias1),
                          static_cast<T>(bias2));
     });
+  }
+
+  // Low precision: cpu_quant_ops.cpp.
+  float amax(const Tensor& x) override { return cpu::amax(x); }
+  void fake_quant(const Tensor& x, const Tensor& out, const NumberGrid& grid, float scale, float post) override {
+    cpu::fake_quant(x, out, grid, scale, post);
+  }
+  void quant_codes_bf16(const Tensor& x, const Tensor& out, const NumberGrid& grid, float scale) override {
+    cpu::quant_codes_bf16(x, out, grid, scale);
+  }
+  void fake_quant_blocks(const Tensor& x, const Tensor& out, const NumberGrid& grid, int64_t block_rows,
+                         int64_t block_cols) override {
+    cpu::fake_quant_blocks(x, out, grid, block_rows, block_cols);
+  }
+  void fake_quant_mxfp4(const Tensor& x, const Tensor& out) override { cpu::fake_quant_mxfp4(x, out); }
+  void fake_quant_nvfp4(const Tensor& x, const Tensor& out) override { cpu::fake_quant_nvfp4(x, out); }
+  void round_bf16(const Tensor& x, bool stochastic, const RoundingDraw& draw) override {
+    cpu::round_bf16(x, stochastic, draw);
   }
 
  private:

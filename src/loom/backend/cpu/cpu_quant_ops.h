@@ -1,0 +1,33 @@
+// The CPU kernels of the low-precision ops (Backend::amax ... round_bf16; the contracts are in
+// backend.h): the quantizers of the fp16 / fp8 recipes and QAT, over float arrays, and the
+// Tensor ops that validate their operands and call them. precision/quantize.h applies the same
+// kernels to host arrays by format name. Static OpenMP schedules; every element's result is a
+// function of its own block, so results do not depend on the thread count.
+#pragma once
+#include <cstdint>
+
+#include "loom/backend/backend.h"
+
+namespace loom::cpu {
+
+// The array kernels (n elements; x (rows, cols) row-major where a shape is given).
+float amax_of(const float* x, int64_t n);
+void fake_quant(const NumberGrid& g, const float* x, int64_t n, float scale, float post, float* out);
+void quant_codes_bf16(const NumberGrid& g, const float* x, int64_t n, float scale, uint16_t* out);
+void fake_quant_blocks(const NumberGrid& g, const float* x, int64_t rows, int64_t cols, int64_t block_rows,
+                       int64_t block_cols, float* out);
+void fake_quant_mxfp4(const float* x, int64_t rows, int64_t cols, float* out);
+void fake_quant_nvfp4(const float* x, int64_t rows, int64_t cols, float* out);
+void round_to_bf16(float* x, int64_t n, bool stochastic, const RoundingDraw& draw);
+
+// The Backend ops on f32 tensors (out: x's numel; quant_codes_bf16's out bf16).
+float amax(const Tensor& x);
+void fake_quant(const Tensor& x, const Tensor& out, const NumberGrid& grid, float scale, float post);
+void quant_codes_bf16(const Tensor& x, const Tensor& out, const NumberGrid& grid, float scale);
+void fake_quant_blocks(const Tensor& x, const Tensor& out, const NumberGrid& grid, int64_t block_rows,
+                       int64_t block_cols);
+void fake_quant_mxfp4(const Tensor& x, const Tensor& out);
+void fake_quant_nvfp4(const Tensor& x, const Tensor& out);
+void round_bf16(const Tensor& x, bool stochastic, const RoundingDraw& draw);
+
+}  // namespace loom::cpu
