@@ -14,7 +14,7 @@ namespace {
                       " runs on the CPU backend only)"));
 }
 [[noreturn]] void no_optimizer(const Backend& backend, const char* op) {
-  unsupported(backend, op, "every optimizer but adam / adamw");
+  unsupported(backend, op, "every optimizer but plain adamw");
 }
 [[noreturn]] void no_model_parallel(const Backend& backend, const char* op) {
   unsupported(backend, op, "model parallelism (parallel.tp / cp)");

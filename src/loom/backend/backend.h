@@ -79,7 +79,7 @@ struct BackendCapabilities {
   bool zero_sharding = false;       // parallel.zero_stage > 0 (shard bookkeeping, page release)
   bool gradient_compression = false;  // parallel.compression
   bool low_precision = false;       // fp16 / fp8 recipes, QAT, bf16 master weights or reduction
-  bool every_optimizer = false;     // otherwise only adam / adamw (Backend::adamw_step)
+  bool every_optimizer = false;     // otherwise only plain adamw (Backend::adamw_step)
 };
 inline constexpr BackendCapabilities kEveryCapability{true, true, true, true, true, true, true};
 

@@ -191,12 +191,15 @@ Tensor Optimizer::add_state(const std::string& state_name, int64_t n, float fill
 std::unique_ptr<Optimizer> make_optimizer(Backend& backend, const Tensor& params, const Tensor& grads,
                                           std::vector<OptimParam> list, const OptimConfig& config) {
   const OptimConfig c = config.resolved();
-  // Every update runs through backend ops; a backend without the optimizer ops (its defaults
-  // throw) has only adam / adamw (Backend::adamw_step).
-  const bool adam = c.kind == OptimizerKind::adam || c.kind == OptimizerKind::adamw;
-  LOOM_CHECK(params.host_accessible() || backend.capabilities().every_optimizer || adam,
+  // Every update runs through backend ops; a backend without the optimizer ops (their defaults
+  // throw) has only plain AdamW (Backend::adamw_step).
+  LOOM_CHECK(params.host_accessible() || backend.capabilities().every_optimizer || fused_adamw_only(c),
              "optim.name = ", c.name, " is not supported on the ", backend.name(), " backend yet (its update runs on the host): use adamw");
   return optimizer_row(c.kind).make(backend, params, grads, std::move(list), c);
+}
+
+bool fused_adamw_only(const OptimConfig& config) {
+  return optimizer_row(config.name).kind == OptimizerKind::adamw && !config.amsgrad;
 }
 
 int64_t optimizer_state_bytes(const std::vector<OptimParam>& list, const OptimConfig& config) {

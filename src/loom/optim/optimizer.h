@@ -164,6 +164,10 @@ const OptimizerRow& optimizer_row(OptimizerKind kind);
 // True for the optimizers whose update is element-wise (their row's `elementwise`).
 bool elementwise_optimizer(OptimizerKind kind);
 
+// True for plain AdamW (no AMSGrad), the one rule a backend without capabilities().every_optimizer
+// runs (Backend::adamw_step); `config` resolved or not.
+bool fused_adamw_only(const OptimConfig& config);
+
 // Builds config.name (resolved) over `list`.
 std::unique_ptr<Optimizer> make_optimizer(Backend& backend, const Tensor& params, const Tensor& grads,
                                           std::vector<OptimParam> list, const OptimConfig& config);

@@ -250,7 +250,7 @@ const Rule kRules[] = {
      }},
     {Verdict::refuse,
      [](const LayoutFacts& f) {
-       return !f.backend.every_optimizer && kind(f) != OptimizerKind::adam && kind(f) != OptimizerKind::adamw;
+       return !f.backend.every_optimizer && !fused_adamw_only(train(f).optim);
      },
      [](const LayoutFacts& f) {
        return unsupported_on(f, str_cat("optim.name = ", optimizer(f)), "its update runs on the host: use adamw");
