@@ -33,6 +33,7 @@ class StrictBackend final : public Backend {
     BackendCapabilities caps;
     caps.mixture_of_experts = caps.latent_attention = true;  // the MoE and MLA ops below
     caps.low_precision = true;  // the quantizers and bf16 rounding are backend ops
+    caps.every_optimizer = true;  // the optimizer ops below
     caps.zero_sharding = true;  // ZeRO zeroes and scales its shard, and zeroes released ranges, through the backend
     return caps;
   }
@@ -255,6 +256,65 @@ class StrictBackend final : public Backend {
   void fake_quant_nvfp4(const Tensor& x, const Tensor& out) override { cpu_->fake_quant_nvfp4(h(x), h(out)); }
   void round_bf16(const Tensor& x, bool stochastic, const RoundingDraw& draw) override {
     cpu_->round_bf16(h(x), stochastic, draw);
+  }
+  // ---- optimizer ops
+  void sgd_step(const Tensor& p, const Tensor& g, const Tensor& buf, const OptimHyper& hy) override {
+    cpu_->sgd_step(h(p), h(g), h(buf), hy);
+  }
+  void adagrad_step(const Tensor& p, const Tensor& g, const Tensor& sum, const OptimHyper& hy) override {
+    cpu_->adagrad_step(h(p), h(g), h(sum), hy);
+  }
+  void rmsprop_step(const Tensor& p, const Tensor& g, const Tensor& square, const Tensor& avg, const Tensor& buf,
+                    const OptimHyper& hy) override {
+    cpu_->rmsprop_step(h(p), h(g), h(square), h(avg), h(buf), hy);
+  }
+  void adam_step(const Tensor& p, const Tensor& g, const Tensor& m, const Tensor& v, const Tensor& vmax,
+                 const OptimHyper& hy) override {
+    cpu_->adam_step(h(p), h(g), h(m), h(v), h(vmax), hy);
+  }
+  void lion_step(const Tensor& p, const Tensor& g, const Tensor& m, const OptimHyper& hy) override {
+    cpu_->lion_step(h(p), h(g), h(m), hy);
+  }
+  void adam_mini_step(const Tensor& p, const Tensor& g, const Tensor& m, const Tensor& v, const OptimHyper& hy) override {
+    cpu_->adam_mini_step(h(p), h(g), h(m), h(v), hy);
+  }
+  void adafactor_step(const Tensor& p, const Tensor& g, const Tensor& state, const Tensor& m, const Tensor& u,
+                      const OptimHyper& hy) override {
+    cpu_->adafactor_step(h(p), h(g), h(state), h(m), h(u), hy);
+  }
+  void sm3_step(const Tensor& p, const Tensor& g, const Tensor& acc, const OptimHyper& hy) override {
+    cpu_->sm3_step(h(p), h(g), h(acc), hy);
+  }
+  void came_step(const Tensor& p, const Tensor& g, const Tensor& state, const Tensor& m, const Tensor& res, const Tensor& u,
+                 const OptimHyper& hy) override {
+    cpu_->came_step(h(p), h(g), h(state), h(m), h(res), h(u), hy);
+  }
+  void scale_transpose(const Tensor& src, const Tensor& dst, float scale, bool transpose) override {
+    cpu_->scale_transpose(h(src), h(dst), scale, transpose);
+  }
+  void axpy(const Tensor& y, const Tensor& x, float alpha) override { cpu_->axpy(h(y), h(x), alpha); }
+  void muon_momentum(const Tensor& g, const Tensor& buf, const Tensor& u, const OptimHyper& hy) override {
+    cpu_->muon_momentum(h(g), h(buf), h(u), hy);
+  }
+  void newton_schulz_normalize(const Tensor& u, const Tensor& x) override { cpu_->newton_schulz_normalize(h(u), h(x)); }
+  void decayed_update(const Tensor& p, const Tensor& u, float decay, float step) override {
+    cpu_->decayed_update(h(p), h(u), decay, step);
+  }
+  void leading_eigenvectors(const Tensor& s, const Tensor& p) override { cpu_->leading_eigenvectors(h(s), h(p)); }
+  void gram_schmidt(const Tensor& y, const Tensor& fallback, const Tensor& p) override {
+    cpu_->gram_schmidt(h(y), h(fallback), h(p));
+  }
+  void ldadam_rotate(const Tensor& p, const Tensor& prev, const Tensor& m, const Tensor& v, const Tensor& mt,
+                     const Tensor& vt, const OptimHyper& hy) override {
+    cpu_->ldadam_rotate(h(p), h(prev), h(m), h(v), h(mt), h(vt), hy);
+  }
+  void ldadam_adam(const Tensor& m, const Tensor& v, const Tensor& mt, const Tensor& vt, const Tensor& gh,
+                   const OptimHyper& hy) override {
+    cpu_->ldadam_adam(h(m), h(v), h(mt), h(vt), h(gh), hy);
+  }
+  void ldadam_apply(const Tensor& p, const Tensor& g, const Tensor& d, const Tensor& e, bool transpose,
+                    const OptimHyper& hy) override {
+    cpu_->ldadam_apply(h(p), h(g), h(d), h(e), transpose, hy);
   }
 
  private:

@@ -151,6 +151,13 @@ TEST(LayoutTableTest, BackendCapabilitiesAreRefusedByName) {
   std::string msg = error_of([&] { verdict(c, 1, BackendCapabilities{}); });
   EXPECT_NE(msg.find("optim.name = lion"), std::string::npos) << msg;
   EXPECT_NE(msg.find("test backend"), std::string::npos) << msg;
+  EXPECT_TRUE(verdict(c, 1, BackendCapabilities{.every_optimizer = true}).empty());  // the optimizer ops
+  for (const char* name : {"adam", "adamw"}) {  // only plain AdamW has the fused adamw_step
+    c.train.optim.name = name;
+    c.train.optim.amsgrad = std::string(name) == "adamw";
+    msg = error_of([&] { verdict(c, 1, BackendCapabilities{}); });
+    EXPECT_NE(msg.find(str_cat("optim.name = ", name)), std::string::npos) << msg;
+  }
   c = tiny();
   c.parallel.tp = 2;
   msg = error_of([&] { verdict(c, 2, BackendCapabilities{}); });

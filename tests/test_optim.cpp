@@ -237,7 +237,7 @@ TEST(OptimTest, NewtonSchulzMapsSingularValuesNearOne) {
     const int64_t s = std::min(rows, cols);
     Tensor a = Tensor::empty(backend->allocator(), {s * s}, DTYPE_F32, MEM_WORKSPACE);
     Tensor b = Tensor::empty(backend->allocator(), {s * s}, DTYPE_F32, MEM_WORKSPACE);
-    newton_schulz5(*backend, u.data<float>(), out.data<float>(), rows, cols, 5, x, y, a, b);
+    newton_schulz5(*backend, u, out, rows, cols, 5, x, y, a, b);
     // O O^T (rows <= cols) or O^T O, s x s.
     std::vector<double> gram(static_cast<size_t>(s * s), 0.0);
     const float* o = out.data<float>();

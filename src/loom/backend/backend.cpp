@@ -13,6 +13,9 @@ namespace {
   throw Error(str_cat(op, ": not implemented on the ", backend.name(), " backend (", feature,
                       " runs on the CPU backend only)"));
 }
+[[noreturn]] void no_optimizer(const Backend& backend, const char* op) {
+  unsupported(backend, op, "every optimizer but plain adamw");
+}
 [[noreturn]] void no_model_parallel(const Backend& backend, const char* op) {
   unsupported(backend, op, "model parallelism (parallel.tp / cp)");
 }
@@ -131,5 +134,48 @@ void Backend::fake_quant_blocks(const Tensor&, const Tensor&, const NumberGrid&,
 void Backend::fake_quant_mxfp4(const Tensor&, const Tensor&) { no_low_precision(*this, "fake_quant_mxfp4"); }
 void Backend::fake_quant_nvfp4(const Tensor&, const Tensor&) { no_low_precision(*this, "fake_quant_nvfp4"); }
 void Backend::round_bf16(const Tensor&, bool, const RoundingDraw&) { no_low_precision(*this, "round_bf16"); }
+
+// ---------------------------------------------------------------- optimizer ops
+void Backend::sgd_step(const Tensor&, const Tensor&, const Tensor&, const OptimHyper&) { no_optimizer(*this, "sgd_step"); }
+void Backend::adagrad_step(const Tensor&, const Tensor&, const Tensor&, const OptimHyper&) {
+  no_optimizer(*this, "adagrad_step");
+}
+void Backend::rmsprop_step(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const OptimHyper&) {
+  no_optimizer(*this, "rmsprop_step");
+}
+void Backend::adam_step(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const OptimHyper&) {
+  no_optimizer(*this, "adam_step");
+}
+void Backend::lion_step(const Tensor&, const Tensor&, const Tensor&, const OptimHyper&) { no_optimizer(*this, "lion_step"); }
+void Backend::adam_mini_step(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const OptimHyper&) {
+  no_optimizer(*this, "adam_mini_step");
+}
+void Backend::adafactor_step(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const OptimHyper&) {
+  no_optimizer(*this, "adafactor_step");
+}
+void Backend::sm3_step(const Tensor&, const Tensor&, const Tensor&, const OptimHyper&) { no_optimizer(*this, "sm3_step"); }
+void Backend::came_step(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                        const OptimHyper&) {
+  no_optimizer(*this, "came_step");
+}
+void Backend::scale_transpose(const Tensor&, const Tensor&, float, bool) { no_optimizer(*this, "scale_transpose"); }
+void Backend::axpy(const Tensor&, const Tensor&, float) { no_optimizer(*this, "axpy"); }
+void Backend::muon_momentum(const Tensor&, const Tensor&, const Tensor&, const OptimHyper&) {
+  no_optimizer(*this, "muon_momentum");
+}
+void Backend::newton_schulz_normalize(const Tensor&, const Tensor&) { no_optimizer(*this, "newton_schulz_normalize"); }
+void Backend::decayed_update(const Tensor&, const Tensor&, float, float) { no_optimizer(*this, "decayed_update"); }
+void Backend::leading_eigenvectors(const Tensor&, const Tensor&) { no_optimizer(*this, "leading_eigenvectors"); }
+void Backend::gram_schmidt(const Tensor&, const Tensor&, const Tensor&) { no_optimizer(*this, "gram_schmidt"); }
+void Backend::ldadam_rotate(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                            const OptimHyper&) {
+  no_optimizer(*this, "ldadam_rotate");
+}
+void Backend::ldadam_adam(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const OptimHyper&) {
+  no_optimizer(*this, "ldadam_adam");
+}
+void Backend::ldadam_apply(const Tensor&, const Tensor&, const Tensor&, const Tensor&, bool, const OptimHyper&) {
+  no_optimizer(*this, "ldadam_apply");
+}
 
 }  // namespace loom

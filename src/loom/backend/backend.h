@@ -86,6 +86,25 @@ struct RoundingDraw {
   uint32_t draw = 0;
 };
 
+// ---------------------------------------------------------------- optimizer ops (optim/*.cpp)
+// The hyper-parameters of one optimizer op call: one parameter (or one segment of it) at one step,
+// as optim.* (docs/optimizers.md). lr is the parameter's rate (the schedule's lr times its
+// lr_scale); Adafactor's op reads it as its relative or absolute base rate.
+struct OptimHyper {
+  double lr = 0.0;
+  float weight_decay = 0.0f;
+  float grad_scale = 1.0f;  // g is read as grad * grad_scale (gradient clipping fused in)
+  int64_t step = 1;         // 1-based
+  double beta1 = 0.9, beta2 = 0.999, beta3 = 0.9999;  // beta2: RMSprop's alpha, Adafactor's beta2_t
+  double eps = 1e-8, eps2 = 1e-3;
+  double momentum = 0.0, dampening = 0.0;
+  double clip_threshold = 1.0;   // Adafactor, CAME: the update's RMS is clipped to it
+  bool nesterov = false;         // SGD, Muon
+  bool decoupled = true;         // Adam: decoupled decay (AdamW), else L2 added to the gradient
+  bool scale_parameter = true;   // Adafactor: the rate times max(eps2, RMS(p))
+  bool factored = false;         // Adafactor, SM3, CAME: a matrix segment (grad's shape is rows x cols)
+};
+
 // What a backend runs, stated as data. Some features still compute on the host (loops over
 // tensor memory outside this interface); a backend whose memory host code cannot read lacks
 // them until their computation moves behind it. The training layout (train/layout.h) refuses a
@@ -97,7 +116,7 @@ struct BackendCapabilities {
   bool zero_sharding = false;       // parallel.zero_stage > 0 (shard bookkeeping, page release)
   bool gradient_compression = false;  // parallel.compression
   bool low_precision = false;       // fp16 / fp8 recipes, QAT, bf16 master weights or reduction
-  bool every_optimizer = false;     // otherwise only adam / adamw (Backend::adamw_step)
+  bool every_optimizer = false;     // otherwise only plain adamw (Backend::adamw_step)
 };
 inline constexpr BackendCapabilities kEveryCapability{true, true, true, true, true, true, true};
 
@@ -372,6 +391,84 @@ class Backend {
   // 2015): add the 16 high bits of the element's random number below bf16's last place and
   // truncate; inf and NaN stay.
   virtual void round_bf16(const Tensor& x, bool stochastic, const RoundingDraw& draw);
+
+  // ---------------------------------------------------------------- optimizer ops
+  // The element loops, reductions and small matrix steps of the optimizers (optim/*.cpp; the
+  // rules, defaults and state sizes in docs/optimizers.md), f32 tensors throughout; an optional
+  // state operand is an undefined Tensor when the rule keeps none. The defaults throw (the backend
+  // lacks capabilities().every_optimizer); the CPU and the strict test backend implement them.
+  // Notation: g = grad_scale * grad, d = g + weight_decay * p (L2 decay), lr and wd from OptimHyper.
+  // SGD (Robbins & Monro 1951; heavy ball, Polyak 1964; Nesterov in Sutskever et al. 2013's form,
+  // as torch.optim.SGD): with buf, buf = d at step 1, else momentum buf + (1 - dampening) d;
+  // d = nesterov ? d + momentum buf : buf. p -= lr d.
+  virtual void sgd_step(const Tensor& param, const Tensor& grad, const Tensor& buf, const OptimHyper& hyper);
+  // Adagrad (Duchi et al. 2011): sum += d^2; p -= lr d / (sqrt(sum) + eps) (lr: the decayed rate).
+  virtual void adagrad_step(const Tensor& param, const Tensor& grad, const Tensor& sum, const OptimHyper& hyper);
+  // RMSprop (Hinton 2012; centered, Graves 2013), a = beta2: sq = a sq + (1 - a) d^2; with avg
+  // (centered) avg = a avg + (1 - a) d and den = sqrt(sq - avg^2) + eps, else den = sqrt(sq) + eps;
+  // with buf, buf = momentum buf + d / den, p -= lr buf, else p -= lr d / den.
+  virtual void rmsprop_step(const Tensor& param, const Tensor& grad, const Tensor& square, const Tensor& avg,
+                            const Tensor& buf, const OptimHyper& hyper);
+  // Adam (Kingma & Ba 2015) with L2 decay, or AdamW (Loshchilov & Hutter 2019) when decoupled
+  // (p *= 1 - lr wd, d = g), with AMSGrad (Reddi et al. 2018) when vmax is given:
+  // m = b1 m + (1-b1) d; v = b2 v + (1-b2) d^2; vmax = max(vmax, v);
+  // p -= (lr / (1-b1^t)) m / (sqrt(vmax or v) / sqrt(1-b2^t) + eps).
+  virtual void adam_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v, const Tensor& vmax,
+                         const OptimHyper& hyper);
+  // Lion (Chen et al. 2023): c = b1 m + (1-b1) g; p = p (1 - lr wd) - lr sign(c); m = b2 m + (1-b2) g.
+  virtual void lion_step(const Tensor& param, const Tensor& grad, const Tensor& m, const OptimHyper& hyper);
+  // Adam-mini (Zhang et al. 2024): v holds one second moment per block of param.numel() / v.numel()
+  // consecutive elements: v_b = b2 v_b + (1-b2) mean_b(g^2) (in double, in order);
+  // m = b1 m + (1-b1) g; p = p (1 - lr wd) - lr (m / (1-b1^t)) / (f32(sqrt(v_b / (1-b2^t))) + eps).
+  virtual void adam_mini_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
+                              const OptimHyper& hyper);
+  // Adafactor (Shazeer & Stern 2018, the Hugging Face semantics) on one segment, beta2 = beta2_t:
+  // V^ = EMA of g^2 + eps (factored: state = row means R (rows) then column means C (cols), V^_ij =
+  // R_i / mean(R) C_j; else state = V per element); U = g / sqrt(V^) (into u, the segment's size);
+  // rate = lr (scale_parameter: times max(eps2, RMS(p))); U *= rate / max(1, RMS(U) / clip_threshold);
+  // with m, m = b1 m + (1-b1) U, U = m; p = p (1 - wd rate) - U. RMS sums in double.
+  virtual void adafactor_step(const Tensor& param, const Tensor& grad, const Tensor& state, const Tensor& m,
+                              const Tensor& u, const OptimHyper& hyper);
+  // SM3-II (Anil et al. 2019) on one segment: factored, acc = row maxima (rows) then column maxima
+  // (cols), nu_ij = min(row_i, col_j) + g_ij^2, then acc = the row and column maxima of nu; else
+  // acc += g^2, nu = acc. p = p (1 - lr wd) - lr (nu > 0 ? g / (sqrt(nu) + eps) : 0).
+  virtual void sm3_step(const Tensor& param, const Tensor& grad, const Tensor& acc, const OptimHyper& hyper);
+  // CAME (Luo et al. 2023) on one segment: U as Adafactor's (beta2, eps, clip_threshold, no rate);
+  // m = b1 m + (1-b1) U; factored: the residual's factored EMA (beta3, state res = R then C) of
+  // (U - m)^2 + eps2 gives S^, p = p (1 - lr wd) - lr m / sqrt(S^); else p = p (1 - lr wd) - lr m.
+  virtual void came_step(const Tensor& param, const Tensor& grad, const Tensor& state, const Tensor& m,
+                         const Tensor& res, const Tensor& u, const OptimHyper& hyper);
+  // dst = scale * src, or (transpose) dst (cols, rows) = scale * src^T; src (rows, cols).
+  virtual void scale_transpose(const Tensor& src, const Tensor& dst, float scale, bool transpose);
+  // y += alpha * x.
+  virtual void axpy(const Tensor& y, const Tensor& x, float alpha);
+  // Muon (Jordan et al. 2024): buf = momentum buf + (1 - momentum) g;
+  // u = nesterov ? (1 - momentum) g + momentum buf : buf.
+  virtual void muon_momentum(const Tensor& grad, const Tensor& buf, const Tensor& u, const OptimHyper& hyper);
+  // Muon's Newton-Schulz start: x = u / (||u||_2 + 1e-7) (norm in double, in order), u (rows, cols)
+  // transposed into x when rows > cols.
+  virtual void newton_schulz_normalize(const Tensor& u, const Tensor& x);
+  // p = p decay - step u (Muon's update, the orthogonalized direction u).
+  virtual void decayed_update(const Tensor& param, const Tensor& u, float decay, float step);
+  // LDAdam (Robert et al. 2024, arXiv 2410.16103). The r leading eigenvectors (by descending
+  // eigenvalue) of the symmetric s (n, n), computed in double (LAPACK dsyevd), as the columns of p (n, r).
+  virtual void leading_eigenvectors(const Tensor& s, const Tensor& p);
+  // The columns of y (n, r) orthonormalized by modified Gram-Schmidt in double into p; a column
+  // whose squared norm after projection is <= 1e-60 takes fallback's column instead.
+  virtual void gram_schmidt(const Tensor& y, const Tensor& fallback, const Tensor& p);
+  // The moments carried into the new subspace: Q = P^T prev (r, r; 0 at step 1), mt = Q m, and
+  // vt = (1-b2^(t-1)) |Q.^2 (v / (1-b2^(t-1)) - m.^2 / (1-b1^(t-1))^2) + mt.^2 / (1-b1^(t-1))^2|
+  // (0 at step 1), all in double; p, prev (M, r); m, v, mt, vt (r, N).
+  virtual void ldadam_rotate(const Tensor& p, const Tensor& prev, const Tensor& m, const Tensor& v, const Tensor& mt,
+                             const Tensor& vt, const OptimHyper& hyper);
+  // Adam in the subspace: m = b1 mt + (1-b1) gh; v = b2 vt + (1-b2) gh^2;
+  // mt = (m / (1-b1^t)) / (sqrt(v / (1-b2^t)) + eps) (the direction).
+  virtual void ldadam_adam(const Tensor& m, const Tensor& v, const Tensor& mt, const Tensor& vt, const Tensor& gh,
+                           const OptimHyper& hyper);
+  // p (rows, cols) = p (1 - lr wd) - lr D and grad = E, D and E (rows, cols), or (cols, rows)
+  // read transposed when transpose (the error feedback goes back into the gradient buffer).
+  virtual void ldadam_apply(const Tensor& param, const Tensor& grad, const Tensor& d, const Tensor& e, bool transpose,
+                            const OptimHyper& hyper);
 };
 
 std::unique_ptr<Backend> make_cpu_backend();

@@ -12,26 +12,16 @@
 
 namespace loom {
 
-// Applies `steps` Newton-Schulz iterations to the rows x cols matrix u (row-major) and writes
-// the (approximately) orthogonalized result to out. Work tensors: x, y of rows*cols floats,
-// a, b of min(rows, cols)^2 floats. Exposed for the tests (tests/test_optim.cpp).
-void newton_schulz5(Backend& backend, const float* u, float* out, int64_t rows, int64_t cols, int64_t steps, const Tensor& x,
-                    const Tensor& y, const Tensor& a, const Tensor& b) {
+// Applies `steps` Newton-Schulz iterations to u (rows, cols) and writes the (approximately)
+// orthogonalized result to out. Work tensors: x, y of rows*cols floats, a, b of min(rows, cols)^2
+// floats. Exposed for the tests (tests/test_optim.cpp).
+void newton_schulz5(Backend& backend, const Tensor& u, const Tensor& out, int64_t rows, int64_t cols, int64_t steps,
+                    const Tensor& x, const Tensor& y, const Tensor& a, const Tensor& b) {
   constexpr float ka = 3.4445f, kb = -4.7750f, kc = 2.0315f;
   const bool transpose = rows > cols;
-  const int64_t s = transpose ? cols : rows, l = transpose ? rows : cols, n = rows * cols;
-  double norm = 0.0;
-  for (int64_t i = 0; i < n; ++i) norm += static_cast<double>(u[i]) * u[i];
-  const float inv = static_cast<float>(1.0 / (std::sqrt(norm) + 1e-7));
-  float* X = x.data<float>();
-  if (transpose) {
-    for (int64_t i = 0; i < rows; ++i) {
-      for (int64_t j = 0; j < cols; ++j) X[j * rows + i] = u[i * cols + j] * inv;
-    }
-  } else {
-    for (int64_t i = 0; i < n; ++i) X[i] = u[i] * inv;
-  }
+  const int64_t s = transpose ? cols : rows, l = transpose ? rows : cols;
   Tensor xv = x.view(0, {s, l}), yv = y.view(0, {s, l}), av = a.view(0, {s, s}), bv = b.view(0, {s, s});
+  backend.newton_schulz_normalize(u.view(0, {rows, cols}), xv);  // X = U / ||U||, the short side first
   for (int64_t it = 0; it < steps; ++it) {
     GemmSpec xxt;
     xxt.trans_b = true;
@@ -39,24 +29,12 @@ void newton_schulz5(Backend& backend, const float* u, float* out, int64_t rows, 
     GemmSpec aa;
     aa.alpha = kc;
     backend.gemm(av, av, bv, aa);  // B = c A A
-    float* A = av.data<float>();
-    float* B = bv.data<float>();
-    for (int64_t i = 0; i < s * s; ++i) B[i] += kb * A[i];
+    backend.axpy(bv, av, kb);      // B += b A
     backend.gemm(bv, xv, yv, GemmSpec{});  // Y = B X
-    float* Y = yv.data<float>();
-    float* Xd = xv.data<float>();
-#pragma omp parallel for simd schedule(static)
-    for (int64_t i = 0; i < n; ++i) Y[i] += ka * Xd[i];
+    backend.axpy(yv, xv, ka);              // Y += a X
     std::swap(xv, yv);
   }
-  const float* R = xv.data<float>();
-  if (transpose) {
-    for (int64_t i = 0; i < rows; ++i) {
-      for (int64_t j = 0; j < cols; ++j) out[i * cols + j] = R[j * rows + i];
-    }
-  } else {
-    std::copy_n(R, n, out);
-  }
+  backend.scale_transpose(xv, out.view(0, {rows, cols}), 1.0f, transpose);
 }
 
 namespace {
@@ -90,8 +68,6 @@ class Muon final : public Optimizer {
 
  private:
   void update(float lr, float gs) override {
-    const float mu = static_cast<float>(c_.momentum);
-    const bool nesterov = c_.nesterov == 1;
     for (size_t k = 0; k < list_.size(); ++k) {
       const OptimParam& q = list_[k];
       const float eta = lr * q.lr_scale;
@@ -99,25 +75,17 @@ class Muon final : public Optimizer {
         adamw(q.offset, q.numel, m_, v_, adam_offsets_[k], eta, q.weight_decay, gs);
         continue;
       }
-      float* B = buf_.data<float>() + buf_offsets_[k];
+      const OptimHyper h = hyper(q, lr, gs);
       for (const OptimSegment& s : q.segments) {
         const int64_t n = s.rows * s.cols, rel = s.offset - q.offset;
-        const float* g = grads_.data<float>() + s.offset;
-        float* U = u_.data<float>();
-#pragma omp parallel for simd schedule(static)
-        for (int64_t i = 0; i < n; ++i) {
-          const float d = g[i] * gs;
-          B[rel + i] = mu * B[rel + i] + (1.0f - mu) * d;
-          U[i] = nesterov ? (1.0f - mu) * d + mu * B[rel + i] : B[rel + i];
-        }
+        const Tensor U = u_.view(0, {n});
+        backend_.muon_momentum(grads_.view(s.offset, {n}), buf_.view(buf_offsets_[k] + rel, {n}), U, h);
         newton_schulz5(backend_, U, U, s.rows, s.cols, c_.ns_steps, x_, y_, a_, bm_);
-        const double scale = c_.muon_scale == "moonshot"
+        const double scale = c_.muon_scaling == MuonScale::moonshot
                                  ? 0.2 * std::sqrt(static_cast<double>(std::max(s.rows, s.cols)))
                                  : std::sqrt(std::max(1.0, static_cast<double>(s.rows) / static_cast<double>(s.cols)));
         const float step = eta * static_cast<float>(scale), decay = 1.0f - eta * q.weight_decay;
-        float* p = params_.data<float>() + s.offset;
-#pragma omp parallel for simd schedule(static)
-        for (int64_t i = 0; i < n; ++i) p[i] = p[i] * decay - step * U[i];
+        backend_.decayed_update(params_.view(s.offset, {n}), U, decay, step);
       }
     }
   }

@@ -34,8 +34,8 @@ std::vector<std::string> split_list(const std::string& text) {
 
 OptimConfig OptimConfig::resolved() const {
   OptimConfig c = *this;
-  const std::string& n = c.name;
-  optimizer_row(n).defaults(c);  // throws naming the known optimizers
+  c.kind = optimizer_row(c.name).kind;  // the one parse of optim.name; throws naming the known optimizers
+  optimizer_row(c.kind).defaults(c);
   // Keys the chosen rule does not read keep a harmless value.
   for (auto [field, value] : {std::pair{&c.beta1, 0.9}, {&c.beta2, 0.999}, {&c.beta3, 0.9999}, {&c.eps, 1e-8},
                               {&c.eps2, 1e-3}, {&c.momentum, 0.0}}) {
@@ -51,7 +51,8 @@ OptimConfig OptimConfig::resolved() const {
   LOOM_CHECK(c.eps >= 0.0 && c.eps2 >= 0.0, "optim.eps and optim.eps2 must be >= 0, got ", c.eps, ", ", c.eps2);
   LOOM_CHECK(c.dampening >= 0.0 && c.dampening <= 1.0, "optim.dampening must be in [0, 1], got ", c.dampening);
   LOOM_CHECK(c.nesterov <= 1, "optim.nesterov must be true or false");
-  LOOM_CHECK(!(c.nesterov == 1 && (n == "sgd" || n == "momentum" || n == "nesterov") && (c.momentum <= 0.0 || c.dampening != 0.0)),
+  const bool sgd = c.kind == OptimizerKind::sgd || c.kind == OptimizerKind::momentum || c.kind == OptimizerKind::nesterov;
+  LOOM_CHECK(!(c.nesterov == 1 && sgd && (c.momentum <= 0.0 || c.dampening != 0.0)),
              "optim.nesterov needs optim.momentum > 0 and optim.dampening = 0 (as torch.optim.SGD)");
   LOOM_CHECK(c.weight_decay >= 0.0, "optim.weight_decay must be >= 0 (or -1 for the default), got ", c.weight_decay);
   LOOM_CHECK(c.lr_decay >= 0.0 && c.initial_accumulator >= 0.0, "optim.lr_decay and optim.initial_accumulator must be >= 0");
@@ -61,6 +62,7 @@ OptimConfig OptimConfig::resolved() const {
   LOOM_CHECK(c.ns_steps >= 1, "optim.ns_steps must be >= 1, got ", c.ns_steps);
   LOOM_CHECK(c.muon_scale == "moonshot" || c.muon_scale == "keller", "optim.muon_scale must be moonshot or keller, got '",
              c.muon_scale, "'");
+  c.muon_scaling = c.muon_scale == "keller" ? MuonScale::keller : MuonScale::moonshot;
   for (const std::string& rule : split_list(c.lr_scale)) {
     const size_t eq = rule.find('=');
     LOOM_CHECK(eq != std::string::npos && eq > 0, "optim.lr_scale: '", rule, "' is not glob=factor");
@@ -153,6 +155,25 @@ void Optimizer::adamw(int64_t offset, int64_t n, const Tensor& m, const Tensor& 
   backend_.adamw_step(params_.view(offset, {n}), grads_.view(offset, {n}), m.view(m_offset, {n}), v.view(m_offset, {n}), h);
 }
 
+OptimHyper Optimizer::hyper(const OptimParam& q, float lr, float grad_scale) const {
+  OptimHyper h;
+  h.lr = lr * q.lr_scale;
+  h.weight_decay = q.weight_decay;
+  h.grad_scale = grad_scale;
+  h.step = step_;
+  h.beta1 = c_.beta1;
+  h.beta2 = c_.beta2;
+  h.beta3 = c_.beta3;
+  h.eps = c_.eps;
+  h.eps2 = c_.eps2;
+  h.momentum = c_.momentum;
+  h.dampening = c_.dampening;
+  h.clip_threshold = c_.clip_threshold;
+  h.nesterov = c_.nesterov == 1;
+  h.scale_parameter = c_.scale_parameter;
+  return h;
+}
+
 void Optimizer::step(float lr, float grad_scale) {
   ++step_;
   update(lr, grad_scale);
@@ -161,7 +182,7 @@ void Optimizer::step(float lr, float grad_scale) {
 Tensor Optimizer::add_state(const std::string& state_name, int64_t n, float fill_value) {
   LOOM_CHECK(n > 0, "optimizer ", c_.name, ": empty state buffer '", state_name, "'");
   Tensor t = Tensor::zeros(backend_.allocator(), {n}, DTYPE_F32, c_.offload ? MEM_OFFLOADED : MEM_OPTIMIZER_STATE);
-  if (fill_value != 0.0f) std::fill_n(t.data<float>(), t.numel(), fill_value);
+  if (fill_value != 0.0f) backend_.fill(t, fill_value);
   state_.emplace_back(state_name, t);
   state_bytes_ += static_cast<int64_t>(t.nbytes());
   return t;
@@ -170,16 +191,20 @@ Tensor Optimizer::add_state(const std::string& state_name, int64_t n, float fill
 std::unique_ptr<Optimizer> make_optimizer(Backend& backend, const Tensor& params, const Tensor& grads,
                                           std::vector<OptimParam> list, const OptimConfig& config) {
   const OptimConfig c = config.resolved();
-  const std::string& n = c.name;
-  // On a GPU only AdamW has a device kernel (Backend::adamw_step); the others loop on the host.
-  LOOM_CHECK(params.host_accessible() || n == "adam" || n == "adamw", "optim.name = ", n, " is not supported on the ",
-             backend.name(), " backend yet (its update runs on the host): use adamw");
-  return optimizer_row(n).make(backend, params, grads, std::move(list), c);
+  // Every update runs through backend ops; a backend without the optimizer ops (their defaults
+  // throw) has only plain AdamW (Backend::adamw_step).
+  LOOM_CHECK(params.host_accessible() || backend.capabilities().every_optimizer || fused_adamw_only(c),
+             "optim.name = ", c.name, " is not supported on the ", backend.name(), " backend yet (its update runs on the host): use adamw");
+  return optimizer_row(c.kind).make(backend, params, grads, std::move(list), c);
+}
+
+bool fused_adamw_only(const OptimConfig& config) {
+  return optimizer_row(config.name).kind == OptimizerKind::adamw && !config.amsgrad;
 }
 
 int64_t optimizer_state_bytes(const std::vector<OptimParam>& list, const OptimConfig& config) {
   const OptimConfig c = config.resolved();
-  const OptimizerRow& row = optimizer_row(c.name);
+  const OptimizerRow& row = optimizer_row(c.kind);
   int64_t floats = 0;
   for (const OptimParam& q : list) floats += row.state_floats(q, c);
   return floats * static_cast<int64_t>(sizeof(float));

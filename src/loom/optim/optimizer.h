@@ -19,10 +19,17 @@
 
 namespace loom {
 
+// The optimizers, in docs/optimizers.md's order. OptimConfig::resolved() parses optim.name into
+// one (the registry, optim/registry.cpp, is the only place that reads the names).
+enum class OptimizerKind { sgd, momentum, nesterov, adagrad, rmsprop, adam, adamw, adafactor, sm3, lion, adam_mini, came, ldadam, muon };
+// Muon's update scale (optim.muon_scale, parsed by resolved()).
+enum class MuonScale { moonshot, keller };
+
 // optim.* config. Negative numbers (and nesterov = -1) mean "the optimizer's published
 // default"; resolve() fills them in.
 struct OptimConfig {
-  std::string name = "adamw";
+  std::string name = "adamw";  // the config key; resolved() sets `kind` from it
+  OptimizerKind kind = OptimizerKind::adamw;
   double weight_decay = -1.0;
   double beta1 = -1.0, beta2 = -1.0, beta3 = -1.0;  // beta2 is RMSprop's alpha
   double eps = -1.0, eps2 = -1.0;
@@ -41,7 +48,8 @@ struct OptimConfig {
   int64_t rank = 16;            // LDAdam
   double rho = 0.908;           // LDAdam
   int64_t ns_steps = 5;         // Muon
-  std::string muon_scale = "moonshot";  // moonshot | keller
+  std::string muon_scale = "moonshot";  // moonshot | keller; resolved() sets `muon_scaling` from it
+  MuonScale muon_scaling = MuonScale::moonshot;
   // Parameter groups: comma-separated globs (no weight decay) and "glob=factor" lr multipliers.
   std::string no_decay = "*.bias,*ln_*,*norm*,wte.*,wpe.*,*embed_tokens*";
   std::string lr_scale = "";
@@ -92,6 +100,7 @@ class Optimizer {
   int64_t steps_taken() const { return step_; }
   void restore_steps_taken(int64_t steps) { step_ = steps; }  // with state() restored
   const std::string& name() const { return c_.name; }
+  OptimizerKind kind() const { return c_.kind; }
 
   // Every tensor a resumed run needs, by name: the optimizer state and, when the optimizer
   // keeps state in it (LDAdam's error feedback), the gradient buffer.
@@ -108,8 +117,13 @@ class Optimizer {
   virtual void update(float lr, float grad_scale) = 0;  // step_ is already the 1-based step
   // A zeroed f32 state buffer of n elements, listed in state() under `state_name`.
   Tensor add_state(const std::string& state_name, int64_t n, float fill = 0.0f);
-  float* p(const OptimParam& q) const { return params_.data<float>() + q.offset; }
-  float* g(const OptimParam& q) const { return grads_.data<float>() + q.offset; }
+  // The op hyper-parameters of parameter q at this step: its rate lr * q.lr_scale, its weight
+  // decay, grad_scale and the config's betas, eps, momentum, dampening and nesterov.
+  OptimHyper hyper(const OptimParam& q, float lr, float grad_scale) const;
+  // Parameter k's elements of a state buffer of one value per element; undefined if state is.
+  Tensor slice(const Tensor& state, size_t k, const OptimParam& q) const {
+    return state.defined() ? state.view(element_offsets_[k], {q.numel}) : Tensor();
+  }
   // AdamW (the backend's fused kernel, betas and eps from the config) on flat elements
   // [offset, offset + n) of the parameters, with moments m, v from element m_offset of the
   // state buffers. The rule of `adamw`, and the fallback of Muon and LDAdam.
@@ -132,21 +146,27 @@ class Optimizer {
 // make_optimizer, the state-size formula, ZeRO and the layout's compatibility table.
 struct OptimizerRow {
   const char* name;
+  OptimizerKind kind;
   // The update of each element reads only that element's state, so ZeRO, tensor, pipeline and
   // expert parallelism may cut the parameters anywhere.
   bool elementwise;
   // Error feedback lives in the gradient buffer (LDAdam): data parallelism and loss scaling
   // would average or rescale it.
   bool keeps_gradients;
-  void (*defaults)(OptimConfig& config);  // fills the keys left at -1 (config.name is set)
+  void (*defaults)(OptimConfig& config);  // fills the keys left at -1 (config.kind is set)
   std::unique_ptr<Optimizer> (*make)(Backend& backend, const Tensor& params, const Tensor& grads,
                                      std::vector<OptimParam> list, const OptimConfig& config);
   int64_t (*state_floats)(const OptimParam& param, const OptimConfig& config);  // per parameter
 };
 const std::vector<OptimizerRow>& optimizer_rows();
-const OptimizerRow& optimizer_row(const std::string& name);  // throws listing the names
+const OptimizerRow& optimizer_row(const std::string& name);  // parses optim.name; throws listing the names
+const OptimizerRow& optimizer_row(OptimizerKind kind);
 // True for the optimizers whose update is element-wise (their row's `elementwise`).
-bool elementwise_optimizer(const std::string& name);
+bool elementwise_optimizer(OptimizerKind kind);
+
+// True for plain AdamW (no AMSGrad), the one rule a backend without capabilities().every_optimizer
+// runs (Backend::adamw_step); `config` resolved or not.
+bool fused_adamw_only(const OptimConfig& config);
 
 // Builds config.name (resolved) over `list`.
 std::unique_ptr<Optimizer> make_optimizer(Backend& backend, const Tensor& params, const Tensor& grads,

@@ -29,8 +29,8 @@ Shape2 shape_of(const OptimParam& q) {
 }
 
 void sgd_defaults(OptimConfig& c) {
-  fill(c.momentum, c.name == "sgd" ? 0.0 : 0.9);
-  if (c.nesterov < 0) c.nesterov = c.name == "nesterov" ? 1 : 0;
+  fill(c.momentum, c.kind == OptimizerKind::sgd ? 0.0 : 0.9);
+  if (c.nesterov < 0) c.nesterov = c.kind == OptimizerKind::nesterov ? 1 : 0;
   fill(c.weight_decay, 0.0);
 }
 int64_t sgd_state(const OptimParam& q, const OptimConfig& c) { return c.momentum > 0.0 ? q.numel : 0; }
@@ -55,7 +55,7 @@ void adam_defaults(OptimConfig& c) {
   fill(c.beta1, 0.9);
   fill(c.beta2, 0.999);
   fill(c.eps, 1e-8);
-  fill(c.weight_decay, c.name == "adam" ? 0.0 : c.name == "adamw" ? 0.01 : 0.1);
+  fill(c.weight_decay, c.kind == OptimizerKind::adam ? 0.0 : c.kind == OptimizerKind::adamw ? 0.01 : 0.1);
 }
 int64_t adam_state(const OptimParam& q, const OptimConfig& c) { return q.numel * (c.amsgrad ? 3 : 2); }
 int64_t adam_mini_state(const OptimParam& q, const OptimConfig&) { return q.numel + shape_of(q).blocks; }
@@ -118,22 +118,24 @@ void muon_defaults(OptimConfig& c) {
 }
 int64_t muon_state(const OptimParam& q, const OptimConfig&) { return q.hidden ? q.numel : 2 * q.numel; }
 
-// name, element-wise, keeps gradients, defaults, factory, state floats per parameter.
+// name, kind, element-wise, keeps gradients, defaults, factory, state floats per parameter; in
+// OptimizerKind's order.
+using K = OptimizerKind;
 const std::vector<OptimizerRow> kRows = {
-    {"sgd", true, false, sgd_defaults, make_sgd, sgd_state},
-    {"momentum", true, false, sgd_defaults, make_sgd, sgd_state},
-    {"nesterov", true, false, sgd_defaults, make_sgd, sgd_state},
-    {"adagrad", true, false, adagrad_defaults, make_adagrad, one_per_element},
-    {"rmsprop", true, false, rmsprop_defaults, make_rmsprop, rmsprop_state},
-    {"adam", true, false, adam_defaults, make_adam, adam_state},
-    {"adamw", true, false, adam_defaults, make_adam, adam_state},
-    {"adafactor", false, false, adafactor_defaults, make_adafactor, adafactor_state},
-    {"sm3", false, false, sm3_defaults, make_sm3, sm3_state},
-    {"lion", true, false, lion_defaults, make_lion, one_per_element},
-    {"adam-mini", false, false, adam_defaults, make_adam_mini, adam_mini_state},
-    {"came", false, false, came_defaults, make_came, came_state},
-    {"ldadam", false, true, ldadam_defaults, make_ldadam, ldadam_state},
-    {"muon", false, false, muon_defaults, make_muon, muon_state},
+    {"sgd", K::sgd, true, false, sgd_defaults, make_sgd, sgd_state},
+    {"momentum", K::momentum, true, false, sgd_defaults, make_sgd, sgd_state},
+    {"nesterov", K::nesterov, true, false, sgd_defaults, make_sgd, sgd_state},
+    {"adagrad", K::adagrad, true, false, adagrad_defaults, make_adagrad, one_per_element},
+    {"rmsprop", K::rmsprop, true, false, rmsprop_defaults, make_rmsprop, rmsprop_state},
+    {"adam", K::adam, true, false, adam_defaults, make_adam, adam_state},
+    {"adamw", K::adamw, true, false, adam_defaults, make_adam, adam_state},
+    {"adafactor", K::adafactor, false, false, adafactor_defaults, make_adafactor, adafactor_state},
+    {"sm3", K::sm3, false, false, sm3_defaults, make_sm3, sm3_state},
+    {"lion", K::lion, true, false, lion_defaults, make_lion, one_per_element},
+    {"adam-mini", K::adam_mini, false, false, adam_defaults, make_adam_mini, adam_mini_state},
+    {"came", K::came, false, false, came_defaults, make_came, came_state},
+    {"ldadam", K::ldadam, false, true, ldadam_defaults, make_ldadam, ldadam_state},
+    {"muon", K::muon, false, false, muon_defaults, make_muon, muon_state},
 };
 
 }  // namespace
@@ -149,6 +151,12 @@ const OptimizerRow& optimizer_row(const std::string& name) {
   throw Error(str_cat("optim.name: unknown optimizer '", name, "' (expected one of ", known, ")"));
 }
 
+const OptimizerRow& optimizer_row(OptimizerKind kind) {
+  const OptimizerRow& r = kRows.at(static_cast<size_t>(kind));
+  LOOM_CHECK(r.kind == kind, "the optimizer registry is out of OptimizerKind's order at ", r.name);
+  return r;
+}
+
 const std::vector<std::string>& optimizer_names() {
   static const std::vector<std::string> names = [] {
     std::vector<std::string> out;
@@ -158,6 +166,6 @@ const std::vector<std::string>& optimizer_names() {
   return names;
 }
 
-bool elementwise_optimizer(const std::string& name) { return optimizer_row(name).elementwise; }
+bool elementwise_optimizer(OptimizerKind kind) { return optimizer_row(kind).elementwise; }
 
 }  // namespace loom

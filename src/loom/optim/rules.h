@@ -24,10 +24,10 @@ LOOM_RULE(make_ldadam);     // ldadam.cpp
 LOOM_RULE(make_muon);       // muon.cpp
 #undef LOOM_RULE
 
-// Muon's quintic Newton-Schulz iteration on a rows x cols matrix (muon.cpp); x, y hold
-// rows*cols floats, a, b min(rows, cols)^2. u and out may alias.
-void newton_schulz5(Backend& backend, const float* u, float* out, int64_t rows, int64_t cols, int64_t steps, const Tensor& x,
-                    const Tensor& y, const Tensor& a, const Tensor& b);
+// Muon's quintic Newton-Schulz iteration on a rows x cols matrix (muon.cpp), all through the
+// backend; u, out hold rows*cols floats, as x and y, a and b min(rows, cols)^2. u and out may alias.
+void newton_schulz5(Backend& backend, const Tensor& u, const Tensor& out, int64_t rows, int64_t cols, int64_t steps,
+                    const Tensor& x, const Tensor& y, const Tensor& a, const Tensor& b);
 
 // Offsets of each parameter into a compact state buffer holding `per_param(q)` floats each.
 template <typename F>

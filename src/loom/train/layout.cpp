@@ -36,8 +36,11 @@ bool flash(const LayoutFacts& f) { return train(f).flash_attention; }
 bool sp(const LayoutFacts& f) { return par(f).sequence_parallel && f.of(Axis::tp) > 1; }
 int64_t zero(const LayoutFacts& f) { return par(f).zero_stage; }
 const std::string& optimizer(const LayoutFacts& f) { return train(f).optim.name; }
-bool elementwise(const LayoutFacts& f) { return elementwise_optimizer(optimizer(f)); }
-bool keeps_gradients(const LayoutFacts& f) { return optimizer_row(optimizer(f)).keeps_gradients; }
+// optim.name's registry row (the registry parses the name; it throws naming the known ones).
+const OptimizerRow& optimizer_of(const LayoutFacts& f) { return optimizer_row(optimizer(f)); }
+OptimizerKind kind(const LayoutFacts& f) { return optimizer_of(f).kind; }
+bool elementwise(const LayoutFacts& f) { return optimizer_of(f).elementwise; }
+bool keeps_gradients(const LayoutFacts& f) { return optimizer_of(f).keeps_gradients; }
 // The ranks gradients are averaged over (dp x ep x cp); 0 when the world is not known.
 int reduce_ranks(const LayoutFacts& f) { return f.data_parallel * f.of(Axis::cp); }
 bool reduced(const LayoutFacts& f) { return reduce_ranks(f) > 1; }
@@ -243,7 +246,9 @@ const Rule kRules[] = {
                              "fp16 and fp8 quantize, QAT and bf16 master weights round on the host");
      }},
     {Verdict::refuse,
-     [](const LayoutFacts& f) { return !f.backend.every_optimizer && optimizer(f) != "adam" && optimizer(f) != "adamw"; },
+     [](const LayoutFacts& f) {
+       return !f.backend.every_optimizer && !fused_adamw_only(train(f).optim);
+     },
      [](const LayoutFacts& f) {
        return unsupported_on(f, str_cat("optim.name = ", optimizer(f)), "its update runs on the host: use adamw");
      }},
@@ -262,7 +267,8 @@ const Rule kRules[] = {
     {Verdict::advise,
      [](const LayoutFacts& f) {
        const Compression c = par(f).compression;
-       const bool sgd = optimizer(f) == "sgd", momentum = optimizer(f) == "momentum" || optimizer(f) == "nesterov";
+       const bool sgd = kind(f) == OptimizerKind::sgd;
+       const bool momentum = kind(f) == OptimizerKind::momentum || kind(f) == OptimizerKind::nesterov;
        return reduced(f) && ((c == Compression::dgc && !sgd) || ((c == Compression::topk || c == Compression::onebit) && !sgd && !momentum));
      },
      [](const LayoutFacts& f) {

@@ -26,7 +26,8 @@ RangeSet update_domain(const Transformer& model, const PipelineRunner* pipeline)
 
 // The parameters this rank's optimizer updates: its domain, or its ZeRO shard of the domain.
 std::vector<OptimParam> rank_params(const std::vector<OptimParam>& all, const Communicator* comm, const DdpConfig& ddp,
-                                    const Transformer& model, const std::string& optimizer, const PipelineRunner* pipeline) {
+                                    const Transformer& model, const OptimConfig& optim, const PipelineRunner* pipeline) {
+  const std::string& optimizer = optim.name;  // optim: resolved
   LOOM_CHECK(ddp.zero_stage >= 0 && ddp.zero_stage <= 3, "parallel.zero_stage must be 0, 1, 2 or 3, got ",
              ddp.zero_stage);
   const bool piped = pipeline != nullptr && pipeline->comm().size() > 1;
@@ -41,10 +42,10 @@ std::vector<OptimParam> rank_params(const std::vector<OptimParam>& all, const Co
     const char* what = piped ? "parallel.pp > 1" : "parallel.ep > 1";
     LOOM_CHECK(ddp.zero_stage <= 1, "parallel.zero_stage = ", ddp.zero_stage, " with ", what, ": ZeRO-2/3 "
                "shard the whole model, this rank updates only its own part; use zero_stage 0 or 1");
-    LOOM_CHECK(elementwise_optimizer(optimizer), what, " needs an element-wise optimizer (each rank updates its own "
+    LOOM_CHECK(elementwise_optimizer(optim.kind), what, " needs an element-wise optimizer (each rank updates its own "
                "part of the model), got optim.name = ", optimizer);
   } else {
-    LOOM_CHECK(elementwise_optimizer(optimizer), "parallel.zero_stage = ", ddp.zero_stage, " shards at element "
+    LOOM_CHECK(elementwise_optimizer(optim.kind), "parallel.zero_stage = ", ddp.zero_stage, " shards at element "
                "boundaries and needs an element-wise optimizer (sgd, momentum, nesterov, adagrad, rmsprop, adam, adamw, "
                "lion), got optim.name = ", optimizer);
   }
@@ -117,7 +118,7 @@ Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config, Commu
       }()),
       optim_params_(loom::optim_params(model.layout(), config.optim.resolved())),
       optimizer_(make_optimizer(backend, model.params(), model.grads(),
-                                rank_params(optim_params_, comm, ddp, model, config.optim.resolved().name, pipeline),
+                                rank_params(optim_params_, comm, ddp, model, config.optim.resolved(), pipeline),
                                 config.optim)),
       pipeline_(pipeline) {
   LOOM_CHECK(pipeline_ == nullptr || config_.recompute == "none", "train.recompute = ", config_.recompute,
@@ -161,7 +162,7 @@ Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config, Commu
     }
   }
   if (Communicator* tp = model_.tensor_parallel(); tp != nullptr && tp->size() > 1) {
-    LOOM_CHECK(!optimizer_->keeps_gradients() && elementwise_optimizer(optimizer_->name()),
+    LOOM_CHECK(!optimizer_->keeps_gradients() && elementwise_optimizer(optimizer_->kind()),
                "tensor parallelism needs an element-wise optimizer (each rank updates its slice), got optim.name = ",
                optimizer_->name());
     tp_ = tp;

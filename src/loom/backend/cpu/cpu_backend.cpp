@@ -13,6 +13,7 @@
 #include "loom/backend/cpu/cpu_moe_ops.h"
 #include "loom/backend/cpu/cpu_parallel_ops.h"
 #include "loom/backend/cpu/cpu_quant_ops.h"
+#include "loom/backend/cpu/cpu_optim_ops.h"
 #include "loom/core/error.h"
 
 namespace loom {
@@ -466,6 +467,57 @@ class CpuBackend final : public Backend {
   void mla_attend_latents(const Tensor& q, const Tensor& latents, const Tensor& kv_b, const Tensor& out,
                           const MlaDims& dims) override {
     cpu::mla_attend_latents(q, latents, kv_b, out, dims);
+  }
+  // Optimizers: cpu_optim_ops.cpp, cpu_optim_factored.cpp.
+  void sgd_step(const Tensor& p, const Tensor& g, const Tensor& buf, const OptimHyper& h) override { cpu::sgd_step(p, g, buf, h); }
+  void adagrad_step(const Tensor& p, const Tensor& g, const Tensor& sum, const OptimHyper& h) override {
+    cpu::adagrad_step(p, g, sum, h);
+  }
+  void rmsprop_step(const Tensor& p, const Tensor& g, const Tensor& square, const Tensor& avg, const Tensor& buf,
+                    const OptimHyper& h) override {
+    cpu::rmsprop_step(p, g, square, avg, buf, h);
+  }
+  void adam_step(const Tensor& p, const Tensor& g, const Tensor& m, const Tensor& v, const Tensor& vmax,
+                 const OptimHyper& h) override {
+    cpu::adam_step(p, g, m, v, vmax, h);
+  }
+  void lion_step(const Tensor& p, const Tensor& g, const Tensor& m, const OptimHyper& h) override { cpu::lion_step(p, g, m, h); }
+  void adam_mini_step(const Tensor& p, const Tensor& g, const Tensor& m, const Tensor& v, const OptimHyper& h) override {
+    cpu::adam_mini_step(p, g, m, v, h);
+  }
+  void adafactor_step(const Tensor& p, const Tensor& g, const Tensor& state, const Tensor& m, const Tensor& u,
+                      const OptimHyper& h) override {
+    cpu::adafactor_step(p, g, state, m, u, h);
+  }
+  void sm3_step(const Tensor& p, const Tensor& g, const Tensor& acc, const OptimHyper& h) override { cpu::sm3_step(p, g, acc, h); }
+  void came_step(const Tensor& p, const Tensor& g, const Tensor& state, const Tensor& m, const Tensor& res, const Tensor& u,
+                 const OptimHyper& h) override {
+    cpu::came_step(p, g, state, m, res, u, h);
+  }
+  void scale_transpose(const Tensor& src, const Tensor& dst, float scale, bool transpose) override {
+    cpu::scale_transpose(src, dst, scale, transpose);
+  }
+  void axpy(const Tensor& y, const Tensor& x, float alpha) override { cpu::axpy(y, x, alpha); }
+  void muon_momentum(const Tensor& g, const Tensor& buf, const Tensor& u, const OptimHyper& h) override {
+    cpu::muon_momentum(g, buf, u, h);
+  }
+  void newton_schulz_normalize(const Tensor& u, const Tensor& x) override { cpu::newton_schulz_normalize(u, x); }
+  void decayed_update(const Tensor& p, const Tensor& u, float decay, float step) override {
+    cpu::decayed_update(p, u, decay, step);
+  }
+  void leading_eigenvectors(const Tensor& s, const Tensor& p) override { cpu::leading_eigenvectors(s, p); }
+  void gram_schmidt(const Tensor& y, const Tensor& fallback, const Tensor& p) override { cpu::gram_schmidt(y, fallback, p); }
+  void ldadam_rotate(const Tensor& p, const Tensor& prev, const Tensor& m, const Tensor& v, const Tensor& mt,
+                     const Tensor& vt, const OptimHyper& h) override {
+    cpu::ldadam_rotate(p, prev, m, v, mt, vt, h);
+  }
+  void ldadam_adam(const Tensor& m, const Tensor& v, const Tensor& mt, const Tensor& vt, const Tensor& gh,
+                   const OptimHyper& h) override {
+    cpu::ldadam_adam(m, v, mt, vt, gh, h);
+  }
+  void ldadam_apply(const Tensor& p, const Tensor& g, const Tensor& d, const Tensor& e, bool transpose,
+                    const OptimHyper& h) override {
+    cpu::ldadam_apply(p, g, d, e, transpose, h);
   }
 
   void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
