@@ -51,5 +51,26 @@ TEST(LayerPlanTest, TheModelsBlocksRunTheirPlans) {
             str_cat("1 x attention flash + mlp dense, recompute selective, ", c.n_layer - 1, " x attention flash + mlp dense"));
 }
 
+// The precision recipe is part of each layer's plan: the policy's recipes of its four linears.
+TEST(LayerPlanTest, ThePlanCarriesTheLinearsPrecisionRecipes) {
+  auto backend = make_cpu_backend();
+  ModelConfig c = model_preset("gpt2-tiny");
+  Transformer model(*backend, c);
+  PrecisionConfig pc;
+  pc.compute = "bf16";
+  model.set_precision(resolve_policy(pc));
+  EXPECT_EQ(model.layer_plans()[0].linears[LINEAR_MLP_IN], RECIPE_BF16);
+  EXPECT_EQ(describe_plans(model.layer_plans()), str_cat(c.n_layer, " x attention mha + mlp dense, linears bf16"));
+  pc.compute = "f32", pc.attn_qkv = "fp8-current", pc.qat = "mxfp4";
+  model.set_precision(resolve_policy(pc));
+  EXPECT_EQ(describe_plans(model.layer_plans()),
+            str_cat(c.n_layer, " x attention mha + mlp dense, linears attn_qkv fp8-current, attn_out f32, mlp_in f32, "
+                               "mlp_out f32, qat mxfp4"));
+  PlanChoices low;
+  low.linears[LINEAR_ATTN_QKV] = RECIPE_BF16;
+  const std::string msg = error_of([&] { resolve_layer_plan(model_preset("mla-tiny"), 0, low); });
+  EXPECT_NE(msg.find("set precision.attn_qkv = f32 (got bf16)"), std::string::npos) << msg;
+}
+
 }  // namespace
 }  // namespace loom

@@ -204,16 +204,16 @@ void Block::set_tensor_parallel(Communicator* tp, SequenceScratch* sequence) {
 }
 
 void Block::set_precision(const PrecisionPolicy& policy, BlockParams params16, LinearWorkspace* workspace) {
+  PlanChoices c = choices_;
+  for (size_t k = 0; k < c.linears.size(); ++k) c.linears[k] = policy.recipe[k];
+  c.qat = policy.qat;
+  replan(c);  // MLA refuses low-precision projections by name
   params16_ = std::move(params16);
   ws_ = workspace;
   qkv_ = LinearLayer(linear_setup(policy, LINEAR_ATTN_QKV, true));
   proj_ = LinearLayer(linear_setup(policy, LINEAR_ATTN_OUT, true));
   fc_ = LinearLayer(linear_setup(policy, LINEAR_MLP_IN, true));
   fc2_ = LinearLayer(linear_setup(policy, LINEAR_MLP_OUT, true));
-  // MLA's projections (nn/mla.h) compute in fp32; its output projection follows precision.attn_out.
-  LOOM_CHECK(!config_.mla() || (policy.recipe[LINEAR_ATTN_QKV] == RECIPE_F32 && policy.qat == QAT_NONE),
-             "model.mla_kv_rank > 0 (MLA) computes its projections in fp32: set precision.attn_qkv = f32 (got ",
-             recipe_name(policy.recipe[LINEAR_ATTN_QKV]), ") and precision.qat = none");
 }
 
 void Block::set_context_parallel(ContextParallel* cp) {

@@ -1,6 +1,7 @@
 // Each layer's plan: which attention and MLP modules a block composes, resolved once from the
 // model config and the run's choices (train.flash_attention, parallel.cp_attention, tp / sp,
-// train.recompute). The block dispatches on its plan; no other code branches on those flags.
+// train.recompute, the precision recipe of its four linear layers). The block dispatches on its
+// plan; no other code branches on those flags.
 //
 // Attention kinds (nn/attention.h), one function pair each:
 //   mha      probabilities kept (B,H,T,T); MHA / GQA / MQA by n_kv_head
@@ -11,11 +12,13 @@
 // A sliding window (model.attn_window) is a mask of mha and flash, not a kind of its own: the
 // same kernels skip the masked keys. MLP kinds: dense (GELU / SwiGLU), moe (nn/moe.h).
 #pragma once
+#include <array>
 #include <cstdint>
 #include <string>
 #include <vector>
 
 #include "loom/arch/config.h"
+#include "loom/precision/policy.h"
 
 namespace loom {
 
@@ -37,6 +40,10 @@ struct LayerPlan {
   bool tensor_parallel = false;    // heads and MLP width sliced over the tp group
   bool sequence_parallel = false;  // the residual stream on sequence shards (with tensor_parallel)
   RecomputePolicy recompute = RECOMPUTE_NONE;
+  // The recipes of the block's linear layers (precision.attn_qkv, attn_out, mlp_in, mlp_out;
+  // LinearKind order) and the weights' QAT format (precision.qat).
+  std::array<LinearRecipe, 4> linears{RECIPE_F32, RECIPE_F32, RECIPE_F32, RECIPE_F32};
+  QatFormat qat = QAT_NONE;
 };
 
 const char* attention_kind_name(AttentionKind kind);
@@ -48,6 +55,8 @@ struct PlanChoices {
   enum Context : uint8_t { NONE, RING, ULYSSES } context = NONE;  // parallel.cp > 1 and its algorithm
   bool tensor_parallel = false, sequence_parallel = false;
   RecomputePolicy recompute = RECOMPUTE_NONE;
+  std::array<LinearRecipe, 4> linears{RECIPE_F32, RECIPE_F32, RECIPE_F32, RECIPE_F32};  // the precision policy's
+  QatFormat qat = QAT_NONE;
 };
 
 // The plan of `layer`; throws naming the keys for a combination no module implements (the
