@@ -47,7 +47,7 @@ struct SlicedModel {
   SlicedModel(Backend& backend, const ModelConfig& config, Communicator& tp, bool sequence_parallel = false)
       : whole(backend, config), local(tp.size() > 1 ? tp_local_config(config, tp.size()) : config), model(backend, local) {
     whole.init_weights(7);
-    tp_copy(config, whole.params(), local, model.params(), tp.rank(), tp.size(), true);
+    tp_copy(backend, config, whole.params(), local, model.params(), tp.rank(), tp.size(), true);
     if (tp.size() > 1) {
       const VocabRange v = tp_vocab_range(config, tp.rank(), tp.size());
       model.set_tensor_parallel(&tp, v.begin, v.valid, sequence_parallel);
@@ -62,7 +62,7 @@ struct SlicedModel {
     if (ranges.empty()) backend.copy(model.grads(), mine);
     for (const auto& [b, e] : ranges) backend.copy(model.grads().view(b, {e - b}), mine.view(b, {e - b}));
     whole.grads().zero_();
-    tp_copy(whole.config(), whole.grads(), local, mine, tp.rank(), tp.size(), false, tp.rank() == 0);
+    tp_copy(backend, whole.config(), whole.grads(), local, mine, tp.rank(), tp.size(), false, tp.rank() == 0);
     tp.all_reduce(whole.grads());
     pp.all_reduce(whole.grads());
     const float* g = whole.grads().data<float>();

@@ -4,6 +4,7 @@
 #pragma once
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "loom/comm/device_mesh.h"
@@ -33,8 +34,10 @@ struct RunLayout {
 
 constexpr int64_t kLayoutBatch = 2, kLayoutSeq = 16, kLayoutMicro = 4;
 
+// `backend_in`: the backend it runs on (the CPU's by default; the strict test backend's device
+// memory gets its batches staged in host memory, as a GPU's).
 struct LayoutRun {
-  LayoutRun(Communicator& world, const RunLayout& lay)
+  LayoutRun(Communicator& world, const RunLayout& lay, std::unique_ptr<Backend> backend_in = make_cpu_backend())
       : config(layout_model(lay)),
         mesh(world.size(), {{"pp", lay.pp}, {"dp", lay.dp}, {"ep", lay.ep}, {"cp", lay.cp}, {"tp", lay.tp}}),
         pp(mesh_group(world, mesh, "pp")),
@@ -43,10 +46,10 @@ struct LayoutRun {
         tp(mesh_group(world, mesh, "tp")),
         cp(mesh_group(world, mesh, "cp")),
         reduce(mesh_group(world, mesh, std::vector<std::string>{"dp", "ep", "cp"})),
-        backend(make_cpu_backend()),
+        backend(std::move(backend_in)),
         sliced(*backend, config, *tp, lay.sp),
-        rows(backend->allocator(), config, dp->rank(), dp->size(), kLayoutBatch),
-        positions(rows.source(), backend->allocator(), cp->rank(), cp->size(), kLayoutBatch, kLayoutSeq) {
+        rows(staging(), config, dp->rank(), dp->size(), kLayoutBatch),
+        positions(rows.source(), staging(), cp->rank(), cp->size(), kLayoutBatch, kLayoutSeq) {
     Transformer& model = sliced.model;
     if (lay.cp > 1) model.set_context_parallel(cp.get(), lay.ulysses);
     if (lay.ep > 1) model.set_expert_parallel(ep.get());
@@ -70,6 +73,10 @@ struct LayoutRun {
     return c;
   }
 
+  // The batch sources' memory: the backend's when host code can read it.
+  Allocator& staging() { return backend->allocator().host_accessible() ? backend->allocator() : host; }
+
+  CpuAllocator host;
   ModelConfig config;
   DeviceMesh mesh;
   std::unique_ptr<Communicator> pp, dp, ep, tp, cp, reduce;

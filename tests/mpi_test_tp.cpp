@@ -40,7 +40,7 @@ Curve tensor_parallel(Communicator& world, const ModelConfig& config, int tp_siz
   whole.init_weights(7);
   const ModelConfig local = tp_local_config(config, tp_size);
   Transformer model(*backend, local);
-  tp_copy(config, whole.params(), local, model.params(), tp->rank(), tp_size, true);
+  tp_copy(*backend, config, whole.params(), local, model.params(), tp->rank(), tp_size, true);
   const VocabRange vocab = tp_vocab_range(config, tp->rank(), tp_size);
   model.set_tensor_parallel(tp.get(), vocab.begin, vocab.valid, sequence_parallel);
   DdpConfig ddp;
@@ -57,7 +57,7 @@ Curve tensor_parallel(Communicator& world, const ModelConfig& config, int tp_siz
     c.norms.push_back(st.grad_norm);
     if (s == 0) c.tp_bytes = tp->ledger().total_sent();
     whole.grads().zero_();  // every slice's gradients put back in the whole layout, summed over the group
-    tp_copy(config, whole.grads(), local, model.grads(), tp->rank(), tp_size, false, tp->rank() == 0);
+    tp_copy(*backend, config, whole.grads(), local, model.grads(), tp->rank(), tp_size, false, tp->rank() == 0);
     tp->all_reduce(whole.grads());
     const float* g = whole.grads().data<float>();
     c.grads.emplace_back(g, g + whole.grads().numel());

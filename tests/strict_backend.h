@@ -35,6 +35,7 @@ class StrictBackend final : public Backend {
     caps.low_precision = true;  // the quantizers and bf16 rounding are backend ops
     caps.every_optimizer = true;  // the optimizer ops below
     caps.zero_sharding = true;  // ZeRO zeroes and scales its shard, and zeroes released ranges, through the backend
+    caps.model_parallel = true;  // tp / sp / pp / cp / ep: slicing through copy / copy_block, the vocab and ring ops
     return caps;
   }
   Allocator& allocator() override { return allocator_; }
@@ -193,6 +194,10 @@ class StrictBackend final : public Backend {
                                      const Tensor& k, const Tensor& v, const Tensor& dq, const Tensor& dk,
                                      const Tensor& dv, const RingBlock& block) override {
     cpu_->ring_attention_block_backward(h(q), h(dout), h(lse), h(D), h(k), h(v), h(dq), h(dk), h(dv), block);
+  }
+  // Model-parallel slicing.
+  void copy_block(const Tensor& src, const Tensor& dst, const BlockCopy& block) override {
+    cpu_->copy_block(h(src), h(dst), block);
   }
 
   // Mixture of experts and latent attention.

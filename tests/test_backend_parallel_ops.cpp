@@ -271,4 +271,55 @@ TEST_P(BackendOpsTest, RingAttentionMergeFinishAndBlockBackward) {
   }
 }
 
+// copy_block: strided 2-D blocks as tensor parallelism's column slices, sequence parallelism's
+// shards and Ulysses' head groups use them, in every dtype; bitwise the CPU's, and the CPU's
+// bitwise a naive element loop; the elements outside the block untouched (the NaNs stay).
+TEST_P(BackendOpsTest, CopyBlockIsTheNaiveStridedCopy) {
+  LOOM_SKIP_WITHOUT_MODEL_PARALLEL();
+  struct Case {
+    BlockCopy b;
+    int64_t src_n, dst_n;
+  };
+  const Case cases[] = {
+      {{5, 7, 1, 3, 13, 0, 2, 9}, 6 * 13, 5 * 9 + 4},  // columns of a wide matrix into a narrower one
+      {{3, 40, 0, 40, 80, 3, 0, 40}, 3 * 80, 6 * 40},  // a sequence shard: the second half of each row
+      {{1, 17, 0, 0, 17, 0, 5, 30}, 17, 30},           // one row
+      {{4, 0, 0, 0, 3, 0, 0, 3}, 12, 12},              // an empty block
+  };
+  for (const DType dtype : {DTYPE_F32, DTYPE_F64, DTYPE_BF16}) {
+    for (const Case& c : cases) {
+      Operands x;
+      x.tensors["src"] = rnd({c.src_n}, dtype, 11);
+      x.tensors["dst"] = nans({c.dst_n}, dtype);
+      const Op op = [&](Backend& be, Operands& o) { be.copy_block(o["src"], o["dst"], c.b); };
+      const std::string what = str_cat("copy_block ", dt(dtype), " ", c.b.rows, " x ", c.b.cols);
+      check(what, x, op, {{"dst", kBitwise}}, true);
+
+      Operands ref = copy_to_host(x);
+      op(*cpu_, ref);
+      const size_t e = dtype_size(dtype);
+      std::vector<uint8_t> want(static_cast<size_t>(c.dst_n) * e);
+      std::memcpy(want.data(), x["dst"].raw_data(), want.size());
+      const auto* src = static_cast<const uint8_t*>(x["src"].raw_data());
+      for (int64_t i = 0; i < c.b.rows; ++i) {
+        for (int64_t j = 0; j < c.b.cols; ++j) {
+          const int64_t from = (c.b.src_row + i) * c.b.src_stride + c.b.src_col + j;
+          const int64_t to = (c.b.dst_row + i) * c.b.dst_stride + c.b.dst_col + j;
+          std::memcpy(want.data() + to * e, src + from * e, e);
+        }
+      }
+      EXPECT_EQ(std::memcmp(ref["dst"].raw_data(), want.data(), want.size()), 0) << what;
+    }
+  }
+  // A block past either end is refused, naming the op.
+  Operands x;
+  x.tensors["src"] = rnd({20}, DTYPE_F32, 12);
+  x.tensors["dst"] = nans({20}, DTYPE_F32);
+  Operands on = copy_to_backend(x);
+  const std::string past = error_of([&] { backend_->copy_block(on["src"], on["dst"], BlockCopy{3, 5, 2, 0, 5, 0, 0, 5}); });
+  EXPECT_NE(past.find("copy_block"), std::string::npos) << past;
+  const std::string wide = error_of([&] { backend_->copy_block(on["src"], on["dst"], BlockCopy{2, 5, 0, 1, 5, 0, 0, 5}); });
+  EXPECT_NE(wide.find("copy_block"), std::string::npos) << wide;
+}
+
 }  // namespace loom::backend_ops_test

@@ -17,7 +17,7 @@ namespace {
   unsupported(backend, op, "every optimizer but plain adamw");
 }
 [[noreturn]] void no_model_parallel(const Backend& backend, const char* op) {
-  unsupported(backend, op, "model parallelism (parallel.tp / cp)");
+  unsupported(backend, op, "model parallelism (parallel.tp / pp / cp / ep)");
 }
 [[noreturn]] void no_moe(const Backend& backend, const char* op) {
   unsupported(backend, op, "model.moe_experts > 0 (mixture of experts)");
@@ -82,6 +82,17 @@ void Backend::ring_attention_block_backward(const Tensor&, const Tensor&, const 
                                             const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                                             const RingBlock&) {
   no_model_parallel(*this, "ring_attention_block_backward");
+}
+
+// Model-parallel slicing.
+void Backend::copy_block(const Tensor&, const Tensor&, const BlockCopy&) { no_model_parallel(*this, "copy_block"); }
+
+void copy_columns(Backend& backend, const Tensor& wide, int64_t first, const Tensor& narrow, bool into_wide) {
+  const int64_t W = wide.dim(-1), w = narrow.dim(-1), rows = wide.numel() / W;
+  LOOM_CHECK(narrow.numel() == rows * w && first >= 0 && first + w <= W, "copy_columns: ", narrow.describe(),
+             " is not columns [", first, ", +", w, ") of ", wide.describe());
+  if (into_wide) backend.copy_block(narrow, wide, BlockCopy{rows, w, 0, 0, w, 0, first, W});
+  else backend.copy_block(wide, narrow, BlockCopy{rows, w, 0, first, W, 0, 0, w});
 }
 
 // Mixture of experts and latent attention.

@@ -49,6 +49,14 @@ struct RingBlock {
   int rank = 0, world = 1, owner = 0;
 };
 
+// A strided 2-D block of elements (Backend::copy_block): rows x cols, at (row, col) of a tensor
+// viewed as rows of `stride` elements, on each side.
+struct BlockCopy {
+  int64_t rows = 0, cols = 0;
+  int64_t src_row = 0, src_col = 0, src_stride = 0;
+  int64_t dst_row = 0, dst_col = 0, dst_stride = 0;
+};
+
 // ---- Mixture of experts and latent attention (nn/moe.h, nn/mla.h): the ops' parameters.
 // A router's configuration (ModelConfig's moe_* keys), as the MoE ops read it: E experts in G
 // groups (the tokens choose among the topk_groups best), top_k of them per token.
@@ -110,7 +118,7 @@ struct OptimHyper {
 // them until their computation moves behind it. The training layout (train/layout.h) refuses a
 // configuration that needs a missing capability, naming the key and the backend.
 struct BackendCapabilities {
-  bool model_parallel = false;   // parallel.tp / pp / cp / ep (their slicing and merges loop on the host)
+  bool model_parallel = false;   // parallel.tp / pp / cp / ep (the vocab, ring attention and copy_block ops)
   bool mixture_of_experts = false;  // model.moe_experts > 0 (routing, dispatch, combine)
   bool latent_attention = false;    // model.mla_kv_rank > 0 (MLA)
   bool zero_sharding = false;       // parallel.zero_stage > 0 (shard bookkeeping, page release)
@@ -293,6 +301,15 @@ class Backend {
                                              const Tensor& k, const Tensor& v, const Tensor& dq, const Tensor& dk,
                                              const Tensor& dv, const RingBlock& block);
 
+  // ---- Model-parallel slicing (parallel/tensor_parallel.cpp, nn/sequence_parallel.cpp,
+  // nn/context_parallel.cpp, nn/attention.cpp): a rank's row / column slices of weights, a
+  // sequence shard and Ulysses' head groups are strided 2-D blocks of a tensor. The default
+  // throws (the backend lacks capabilities().model_parallel).
+  // dst's block = src's block, exactly: rows x cols elements; block row i is the `cols` elements
+  // at src_row + i, src_col of src viewed as rows of src_stride elements, into dst_row + i,
+  // dst_col of dst viewed with dst_stride. src and dst share a dtype (any) and do not overlap.
+  virtual void copy_block(const Tensor& src, const Tensor& dst, const BlockCopy& block);
+
   // ---- Mixture of experts (nn/moe.h, docs/moe.md): routing, dispatch, combine and their
   // backwards (Shazeer et al. 2017; GShard, Lepikhin et al. 2021; Switch, Fedus et al. 2022;
   // DeepSeekMoE / DeepSeek-V3 2024). N tokens, E experts, k = top_k, R expert rows, C width. The
@@ -470,6 +487,11 @@ class Backend {
   virtual void ldadam_apply(const Tensor& param, const Tensor& grad, const Tensor& d, const Tensor& e, bool transpose,
                             const OptimHyper& hyper);
 };
+
+// Model-parallel slicing through Backend::copy_block: columns [first, first + narrow's width) of
+// every row of `wide` (rows, W) <-> the contiguous narrow (rows, w), one dtype: into_wide copies
+// narrow into those columns, else out of them.
+void copy_columns(Backend& backend, const Tensor& wide, int64_t first, const Tensor& narrow, bool into_wide);
 
 std::unique_ptr<Backend> make_cpu_backend();
 // "cpu" or "cuda" (the config key `device`). "cuda" needs a build with the CUDA toolkit and a

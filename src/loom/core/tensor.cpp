@@ -121,18 +121,4 @@ void Tensor::check_dtype(DType expected) const {
   LOOM_CHECK(dtype_ == expected, "tensor ", describe(), " accessed as ", dtype_name(expected));
 }
 
-void copy_columns(const Tensor& wide, int64_t first, const Tensor& narrow, bool into_wide) {
-  const int64_t W = wide.dim(-1), w = narrow.dim(-1), rows = wide.numel() / W;
-  LOOM_CHECK(narrow.numel() == rows * w && first >= 0 && first + w <= W, "copy_columns: ", narrow.describe(),
-             " is not columns [", first, ", +", w, ") of ", wide.describe());
-  float* wp = wide.data<float>();
-  float* np = narrow.data<float>();
-  const size_t bytes = static_cast<size_t>(w) * sizeof(float);
-#pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < rows; ++r) {
-    if (into_wide) std::memcpy(wp + r * W + first, np + r * w, bytes);
-    else std::memcpy(np + r * w, wp + r * W + first, bytes);
-  }
-}
-
 }  // namespace loom

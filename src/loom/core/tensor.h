@@ -167,8 +167,4 @@ class Tensor {
   bool host_alias_ = false;  // see host_alias()
 };
 
-// Columns [first, first + narrow's width) of every row of `wide` (rows, W) <-> the contiguous
-// narrow (rows, w), f32 host tensors: into_wide copies narrow into those columns, else out of them.
-void copy_columns(const Tensor& wide, int64_t first, const Tensor& narrow, bool into_wide);
-
 }  // namespace loom

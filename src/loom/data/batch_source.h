@@ -9,6 +9,8 @@
 namespace loom {
 
 // Fills a micro-batch: tokens (B,T) and next-token targets (B,T), both i32.
+// Host tensors: a backend whose memory host code cannot read gets the batch staged on the host
+// and written with Backend::write (Trainer::load_batch, the pipeline's micro-batches).
 class BatchSource {
  public:
   virtual ~BatchSource() = default;

@@ -393,7 +393,7 @@ double Transformer::forward_stage(ActivationStore& s, int64_t first, int64_t las
     if (sp_) {  // vocabulary-parallel embedding, reduced onto this rank's sequence shard, then positions
       const Tensor full = seq_.full.view(0, {s.batch, s.seq_len, config_.d_model});
       vocab_parallel_embedding_forward(backend_, s.tokens, embed_w, vocab_.begin, vocab_.valid, full);
-      sequence_reduce_scatter(*tp_, full, x0, seq_.staging);
+      sequence_reduce_scatter(backend_, *tp_, full, x0, seq_.staging);
       if (pos_w.defined()) add_positions(backend_, x0, pos_w, tp_->rank() * x0.dim(1));
     } else if (tp_ != nullptr) {  // vocabulary-parallel embedding, then g (all-reduce), then positions
       vocab_parallel_embedding_forward(backend_, s.tokens, embed_w, vocab_.begin, vocab_.valid, x0);
@@ -426,7 +426,7 @@ double Transformer::forward_stage(ActivationStore& s, int64_t first, int64_t las
   if (last < L) return 0.0;
   if (sp_) {  // the final norm on the shard, gathered for the vocabulary-parallel head
     norm_forward(backend_, config_, s.final_input, final_w, final_b, s.final_norm_shard, s.final_mean, s.final_rstd);
-    sequence_all_gather(*tp_, s.final_norm_shard, s.final_norm, seq_.staging);
+    sequence_all_gather(backend_, *tp_, s.final_norm_shard, s.final_norm, seq_.staging);
   } else {
     norm_forward(backend_, config_, s.final_input, final_w, final_b, s.final_norm, s.final_mean, s.final_rstd);
   }
@@ -537,7 +537,7 @@ std::vector<std::pair<int64_t, int64_t>> Transformer::sequence_partial_ranges() 
   if (!sp_) return out;
   const auto add = [&](const Tensor& t) {
     if (!t.defined()) return;
-    const int64_t begin = (static_cast<const char*>(t.raw_data()) - static_cast<const char*>(grads_.raw_data())) /
+    const int64_t begin = (static_cast<const char*>(t.device_ptr()) - static_cast<const char*>(grads_.device_ptr())) /
                           static_cast<int64_t>(sizeof(float));
     out.emplace_back(begin, begin + t.numel());
   };
@@ -583,7 +583,7 @@ void Transformer::backward_stage(ActivationStore& s, int64_t first, int64_t last
     Tensor dn = k.d_norm;
     if (sp_) {  // reduced onto the shard
       dn = k.d_tmp.view(0, d_res.shape());
-      sequence_reduce_scatter(*tp_, k.d_norm, dn, seq_.staging);
+      sequence_reduce_scatter(backend_, *tp_, k.d_norm, dn, seq_.staging);
     } else if (tp_ != nullptr) {
       tp_->all_reduce(k.d_norm);  // f: the vocabulary slices' partial d(final norm)
     }
@@ -605,7 +605,7 @@ void Transformer::backward_stage(ActivationStore& s, int64_t first, int64_t last
   if (first > 0) return;  // d_res now holds d(stage input)
   if (sp_) {  // the shards' gradients gathered for the vocabulary-parallel embedding
     const Tensor full = seq_.full.view(0, {B, T, config_.d_model});
-    sequence_all_gather(*tp_, d_res, full, seq_.staging);
+    sequence_all_gather(backend_, *tp_, d_res, full, seq_.staging);
     vocab_parallel_embedding_backward(backend_, s.tokens, full, d_embed_w, vocab_.begin, vocab_.valid);
     if (d_pos_w.defined()) positions_backward(backend_, d_res, d_pos_w, tp_->rank() * d_res.dim(1));
   } else if (tp_ != nullptr) {

@@ -19,11 +19,11 @@ SplitQkv split_views(const ContextParallel& cp, const ModelConfig& c, int64_t B,
   return {q.view(0, {B, Tl, H * hd}), k.view(0, {B, Tl, KV * hd}), v.view(0, {B, Tl, KV * hd})};
 }
 
-void split_qkv(const Tensor& qkv, const SplitQkv& out, const ModelConfig& c, bool into_wide) {
+void split_qkv(Backend& backend, const Tensor& qkv, const SplitQkv& out, const ModelConfig& c, bool into_wide) {
   const int64_t H = c.n_head, KV = c.n_kv_head, hd = c.head_dim();
-  copy_columns(qkv, 0, out.q, into_wide);
-  copy_columns(qkv, H * hd, out.k, into_wide);
-  copy_columns(qkv, (H + KV) * hd, out.v, into_wide);
+  copy_columns(backend, qkv, 0, out.q, into_wide);
+  copy_columns(backend, qkv, H * hd, out.k, into_wide);
+  copy_columns(backend, qkv, (H + KV) * hd, out.v, into_wide);
 }
 
 }  // namespace
@@ -41,7 +41,7 @@ void attention_forward(Backend& backend, const LayerPlan& plan, const ModelConfi
     case AttentionKind::ulysses: {
       LOOM_CHECK(cp != nullptr, "context-parallel attention without a cp group");
       const SplitQkv x = split_views(*cp, c, s.qkv.dim(0), s.qkv.dim(1), false);
-      split_qkv(s.qkv, x, c, false);
+      split_qkv(backend, s.qkv, x, c, false);
       if (plan.attention == AttentionKind::ulysses) ulysses_attention_forward(backend, *cp->comm, x.q, x.k, x.v, s.attn, s.ulysses, H, KV, &cp->work);
       else ring_attention_forward(backend, *cp->comm, x.q, x.k, x.v, s.attn, s.lse, H, KV, &cp->work);
       return;
@@ -71,10 +71,10 @@ void attention_backward(Backend& backend, const LayerPlan& plan, const ModelConf
         ulysses_attention_backward(backend, *cp->comm, k.d_attn, s.ulysses, d.q, d.k, d.v, H, KV, &cp->work);
       } else {
         const SplitQkv x = split_views(*cp, c, B, Tl, false);
-        split_qkv(s.qkv, x, c, false);
+        split_qkv(backend, s.qkv, x, c, false);
         ring_attention_backward(backend, *cp->comm, k.d_attn, x.q, x.k, x.v, s.attn, s.lse, d.q, d.k, d.v, H, KV, &cp->work);
       }
-      split_qkv(k.d_qkv, d, c, true);
+      split_qkv(backend, k.d_qkv, d, c, true);
       return;
     }
     case AttentionKind::mla:

@@ -296,9 +296,9 @@ void Block::rope(Backend& backend, const Tensor& qkv, bool backward) const {
   }
 }
 
-Tensor Block::gathered(const Tensor& shard, int64_t seq_len) const {
+Tensor Block::gathered(Backend& backend, const Tensor& shard, int64_t seq_len) const {
   const Tensor full = seq_->full.view(0, {shard.dim(0), seq_len, shard.dim(2)});
-  sequence_all_gather(*tp_, shard, full, seq_->staging);
+  sequence_all_gather(backend, *tp_, shard, full, seq_->staging);
   return full;
 }
 
@@ -309,7 +309,7 @@ void Block::forward(Backend& backend, BlockSaved& s, const Tensor& out) {
   // The row-parallel layers' partial outputs: summed over the group into the residual stream
   // (all-reduce), or reduced onto this rank's sequence shard (reduce-scatter).
   const auto reduce = [&](const Tensor& partial, const Tensor& into) {
-    if (seq_ != nullptr) sequence_reduce_scatter(*tp_, partial, into, seq_->staging);
+    if (seq_ != nullptr) sequence_reduce_scatter(backend, *tp_, partial, into, seq_->staging);
     else tp_->all_reduce(into);
   };
   const Tensor partial = seq_ != nullptr ? seq_->full.view(0, {s.attn.dim(0), T, config_.d_model}) : Tensor{};
@@ -317,7 +317,7 @@ void Block::forward(Backend& backend, BlockSaved& s, const Tensor& out) {
   if (plan_.attention == AttentionKind::mla) {  // multi-head latent attention (nn/mla.h): a whole block only
     mla_forward(backend, config_, p.mla, s.norm1, mla_activations(s));
   } else {
-    qkv_.forward(backend, seq_ != nullptr ? gathered(s.norm1, T) : s.norm1, p.qkv_w, q.qkv_w, p.qkv_b, s.qkv, 0.0f, ws_);
+    qkv_.forward(backend, seq_ != nullptr ? gathered(backend, s.norm1, T) : s.norm1, p.qkv_w, q.qkv_w, p.qkv_b, s.qkv, 0.0f, ws_);
     if (!config_.learned_positions()) rope(backend, s.qkv, false);
     attention_forward(backend, plan_, config_, cp_, s);
   }
@@ -349,7 +349,7 @@ void Block::forward(Backend& backend, BlockSaved& s, const Tensor& out) {
     }
     return;
   }
-  fc_.forward(backend, seq_ != nullptr ? gathered(s.norm2, T) : s.norm2, p.fc_w, q.fc_w, p.fc_b, s.fc, 0.0f, ws_);
+  fc_.forward(backend, seq_ != nullptr ? gathered(backend, s.norm2, T) : s.norm2, p.fc_w, q.fc_w, p.fc_b, s.fc, 0.0f, ws_);
   if (config_.swiglu()) backend.swiglu_forward(s.fc, s.act);
   else backend.gelu_forward(s.fc, s.act);
   if (tp_ != nullptr) {  // g: the hidden slices' partial outputs summed
@@ -429,7 +429,7 @@ void Block::backward(Backend& backend, const BlockSaved& s, const Tensor& d_resi
   const bool sp = seq_ != nullptr;
   // Sequence parallel: gradients arrive on the shard and are gathered before the row-parallel
   // layers' backward (g's backward); the norms' inputs are gathered again for the weight gradients.
-  const auto whole = [&](const Tensor& shard) { return sp ? gathered(shard, T) : shard; };
+  const auto whole = [&](const Tensor& shard) { return sp ? gathered(backend, shard, T) : shard; };
   if (part == BACKWARD_WEIGHT) {  // the four weight gradients from the kept output gradients
     LOOM_CHECK(s.dy_proj.defined(), "block backward: the weight pass needs activations allocated for a split backward");
     if (!is_moe()) {  // an MoE block's weight gradients were computed in the input pass
@@ -453,7 +453,7 @@ void Block::backward(Backend& backend, const BlockSaved& s, const Tensor& d_resi
   const Tensor dn = sp ? k.d_tmp.view(0, d_residual.shape()) : k.d_norm;
   const Tensor dx = sp ? k.d_norm.view(0, d_residual.shape()) : k.d_tmp;
   const auto reduce = [&]() {
-    if (sp) sequence_reduce_scatter(*tp_, k.d_norm, dn, seq_->staging);
+    if (sp) sequence_reduce_scatter(backend, *tp_, k.d_norm, dn, seq_->staging);
     else if (tp_ != nullptr) tp_->all_reduce(k.d_norm);
   };
   // MLP branch: d_residual is d(out); the residual path passes it to d(mid) unchanged.

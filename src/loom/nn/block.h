@@ -246,7 +246,7 @@ class Block {
   void mla_rows(Backend& backend, BlockSaved& s, const std::vector<int64_t>& positions, DecodeCache& cache,
                 int64_t layer) const;
   // The whole sequence of a shard (B, T/t, C), gathered into seq_->full as (B, T, C).
-  Tensor gathered(const Tensor& shard, int64_t seq_len) const;
+  Tensor gathered(Backend& backend, const Tensor& shard, int64_t seq_len) const;
 };
 
 }  // namespace loom

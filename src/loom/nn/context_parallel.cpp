@@ -74,17 +74,6 @@ void ring_shift(Communicator& cp, const Tensor& out, const Tensor& in) {
   }
 }
 
-// Copies `cols` bytes per row: row i of dst (at dst_off within a row of dst_stride bytes) from
-// row src_row(i) of src. Used to pack and unpack head groups (column slices of rows).
-template <typename RowFn>
-void copy_rows(const char* src, int64_t src_stride, int64_t src_off, char* dst, int64_t dst_stride, int64_t dst_off,
-               int64_t rows, int64_t cols, RowFn src_row) {
-#pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < rows; ++i) {
-    std::memcpy(dst + i * dst_stride + dst_off, src + src_row(i) * src_stride + src_off, static_cast<size_t>(cols));
-  }
-}
-
 Tensor comm_buffer(Allocator& allocator, int64_t numel, DType dtype) {
   return Tensor::empty(allocator, {numel}, dtype, MEM_COMMUNICATION);
 }
@@ -141,19 +130,15 @@ void reorder_sequence(Backend& backend, const UlyssesDims& u, const Tensor& full
 }
 
 // Between this rank's (B, Tl, heads * hd) tensor x and the per-destination chunks (N, B, Tl, w)
-// at column offset `off_bytes`: chunk r' holds x's head group r' (group_bytes wide).
-// pack = true: x -> chunks; false: chunks -> x.
-void move_head_groups(const UlyssesDims& u, const Tensor& x, const Tensor& chunks, int64_t w_bytes,
-                      int64_t off_bytes, int64_t group_bytes, bool pack) {
+// at column offset `off` (elements): chunk r' holds x's head group r' (`group` wide), a
+// B Tl x group block of each (Backend::copy_block). pack = true: x -> chunks; false: chunks -> x.
+void move_head_groups(Backend& backend, const UlyssesDims& u, const Tensor& x, const Tensor& chunks, int64_t w,
+                      int64_t off, int64_t group, bool pack) {
   const AttnDims& a = u.a;
-  const int64_t rows = a.B * a.Tl, x_bytes = u.a.N * group_bytes;
-  char* xp = static_cast<char*>(x.raw_data());
-  char* cb = static_cast<char*>(chunks.raw_data());
-  for (int r = 0; r < a.N; ++r) {
-    char* chunk = cb + static_cast<int64_t>(r) * rows * w_bytes;
-    const auto same = [](int64_t i) { return i; };
-    if (pack) copy_rows(xp, x_bytes, r * group_bytes, chunk, w_bytes, off_bytes, rows, group_bytes, same);
-    else copy_rows(chunk, w_bytes, off_bytes, xp, x_bytes, r * group_bytes, rows, group_bytes, same);
+  const int64_t rows = a.B * a.Tl, xw = a.N * group;
+  for (int64_t r = 0; r < a.N; ++r) {
+    if (pack) backend.copy_block(x, chunks, BlockCopy{rows, group, 0, r * group, xw, r * rows, off, w});
+    else backend.copy_block(chunks, x, BlockCopy{rows, group, r * rows, off, w, 0, r * group, xw});
   }
 }
 
@@ -337,8 +322,7 @@ void ulysses_attention_forward(Backend& backend, Communicator& cp, const Tensor&
   const UlyssesDims u = ulysses_dims(op, attn_dims(op, cp, q, k, v, n_head, n_kv_head));
   const AttnDims& a = u.a;
   expect_shape(op, "out", out, q.shape(), q.dtype());
-  const int64_t E = static_cast<int64_t>(dtype_size(q.dtype()));
-  const int64_t qg = u.hl * a.hd * E, kg = u.kvl * a.hd * E, wg = u.Wg() * E, og = qg;  // bytes per row
+  const int64_t qg = u.hl * a.hd, kg = u.kvl * a.hd, wg = u.Wg(), og = qg;  // elements per row
   ensure_saved(backend, saved.qkv, {a.B, a.seq(), u.Wg()}, q.dtype());
   ensure_saved(backend, saved.out, {a.B, a.seq(), u.hl * a.hd}, q.dtype());
   ensure_saved(backend, saved.probs, {a.B, u.hl, a.seq(), a.seq()}, q.dtype());
@@ -348,9 +332,9 @@ void ulysses_attention_forward(Backend& backend, Communicator& cp, const Tensor&
   const CpWorkspace& w = workspace_for(backend, a, q.dtype(), true, workspace, local);
   const Tensor& send = w.send;
   const Tensor& recv = w.recv;
-  move_head_groups(u, q, send, wg, 0, qg, true);
-  move_head_groups(u, k, send, wg, qg, kg, true);
-  move_head_groups(u, v, send, wg, qg + kg, kg, true);
+  move_head_groups(backend, u, q, send, wg, 0, qg, true);
+  move_head_groups(backend, u, k, send, wg, qg, kg, true);
+  move_head_groups(backend, u, v, send, wg, qg + kg, kg, true);
   cp.all_to_all(send, recv);
   reorder_sequence(backend, u, saved.qkv, recv, false);
 
@@ -361,7 +345,7 @@ void ulysses_attention_forward(Backend& backend, Communicator& cp, const Tensor&
   const Tensor orecv = recv.view(0, osend.shape());
   reorder_sequence(backend, u, saved.out, osend, true);
   cp.all_to_all(osend, orecv);
-  move_head_groups(u, out, orecv, og, 0, og, false);
+  move_head_groups(backend, u, out, orecv, og, 0, og, false);
 }
 
 void ulysses_attention_backward(Backend& backend, Communicator& cp, const Tensor& dout, const UlyssesSaved& saved,
@@ -373,8 +357,7 @@ void ulysses_attention_backward(Backend& backend, Communicator& cp, const Tensor
   expect_shape(op, "dout", dout, dq.shape(), dq.dtype());
   expect_shape(op, "saved.qkv", saved.qkv, {a.B, a.seq(), u.Wg()}, dq.dtype());
   expect_shape(op, "saved.out", saved.out, {a.B, a.seq(), u.hl * a.hd}, dq.dtype());
-  const int64_t E = static_cast<int64_t>(dtype_size(dq.dtype()));
-  const int64_t qg = u.hl * a.hd * E, kg = u.kvl * a.hd * E, wg = u.Wg() * E, og = qg;
+  const int64_t qg = u.hl * a.hd, kg = u.kvl * a.hd, wg = u.Wg(), og = qg;  // elements per row
 
   // dout -> head-sharded, true order (all_to_all_dout).
   CpWorkspace local;
@@ -385,7 +368,7 @@ void ulysses_attention_backward(Backend& backend, Communicator& cp, const Tensor
   const Tensor& dqkv_g = w.grad_qkv;
   const Tensor osend = send.view(0, {a.N * a.B * a.Tl * u.hl * a.hd});
   const Tensor orecv = recv.view(0, osend.shape());
-  move_head_groups(u, dout, osend, og, 0, og, true);
+  move_head_groups(backend, u, dout, osend, og, 0, og, true);
   cp.all_to_all(osend, orecv);
   reorder_sequence(backend, u, dout_g, orecv, false);
 
@@ -394,9 +377,9 @@ void ulysses_attention_backward(Backend& backend, Communicator& cp, const Tensor
   // dqkv (B, T, Wg) -> chunks by owner rank -> all_to_all_dqkv -> dq, dk, dv columns.
   reorder_sequence(backend, u, dqkv_g, send, true);
   cp.all_to_all(send, recv);
-  move_head_groups(u, dq, recv, wg, 0, qg, false);
-  move_head_groups(u, dk, recv, wg, qg, kg, false);
-  move_head_groups(u, dv, recv, wg, qg + kg, kg, false);
+  move_head_groups(backend, u, dq, recv, wg, 0, qg, false);
+  move_head_groups(backend, u, dk, recv, wg, qg, kg, false);
+  move_head_groups(backend, u, dv, recv, wg, qg + kg, kg, false);
 }
 
 int64_t ulysses_attention_bytes(int world, int64_t batch, int64_t local_seq, int64_t n_head, int64_t n_kv_head,

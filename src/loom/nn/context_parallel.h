@@ -27,9 +27,10 @@
 // Backend::attention_forward's semantics. Tensors are contiguous f32 or f64 (one dtype per
 // call). Ring attention's element loops are Backend ops (ring_attention_merge,
 // ring_attention_finish, attention_row_dot, ring_attention_block_backward), and
-// cp_gather_sequence and Ulysses' sequence reorders are Backend::copy calls of whole chunks;
-// cp_take_local / cp_put_local (host tensors) and Ulysses' head-group packing (column slices of
-// rows) still copy host memory. Activation gradients (dq, dk, dv) are overwritten. Every function is called by all
+// cp_gather_sequence and Ulysses' sequence reorders are Backend::copy calls of whole chunks,
+// Ulysses' head-group packing (column slices of rows) Backend::copy_block calls; only
+// cp_take_local / cp_put_local copy host memory (the batch sources' host staging of tokens,
+// written to the backend by the trainer or the pipeline). Activation gradients (dq, dk, dv) are overwritten. Every function is called by all
 // ranks of the cp communicator together. Communication and scratch buffers come from a
 // CpWorkspace allocated once (a training step allocates nothing); a call given none (or one
 // for other dims) allocates its own from the backend's allocator (MEM_COMMUNICATION, MEM_WORKSPACE).
@@ -71,7 +72,8 @@ CpWorkspace allocate_cp_workspace(Allocator& allocator, int64_t batch, int64_t l
                                   int64_t n_kv_head, int64_t head_dim, int world, bool ulysses,
                                   DType dtype = DTYPE_F32);
 
-// full (B, T, W) -> local (B, T/N, W): this rank's rows, in local (zig-zag) order. Any dtype.
+// full (B, T, W) -> local (B, T/N, W): this rank's rows, in local (zig-zag) order. Any dtype;
+// host tensors (a batch source's staging).
 void cp_take_local(const Tensor& full, const Tensor& local, int rank, int world);
 // local (B, T/N, W) -> rank's rows of full (B, T, W); the other rows of full are untouched.
 void cp_put_local(const Tensor& local, const Tensor& full, int rank, int world);

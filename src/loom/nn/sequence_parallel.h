@@ -7,16 +7,17 @@
 // bytes. The norms' parameter gradients are then partial sums over the group (summed once a step).
 //
 // Tensors are (B, T, C) with T split: the shards are strided in memory, so the collectives go
-// through a (t, B, T/t, C) staging buffer.
+// through a (t, B, T/t, C) staging buffer (Backend::copy_block moves the shards in and out of it).
 #pragma once
+#include "loom/backend/backend.h"
 #include "loom/comm/communicator.h"
 #include "loom/core/tensor.h"
 
 namespace loom {
 
 // full (B, T, C) = the shards (B, T/t, C) of the group, in rank order along T.
-void sequence_all_gather(Communicator& tp, const Tensor& local, const Tensor& full, const Tensor& staging);
+void sequence_all_gather(Backend& backend, Communicator& tp, const Tensor& local, const Tensor& full, const Tensor& staging);
 // local (B, T/t, C) = this rank's rows of the sum over the group of full (B, T, C).
-void sequence_reduce_scatter(Communicator& tp, const Tensor& full, const Tensor& local, const Tensor& staging);
+void sequence_reduce_scatter(Backend& backend, Communicator& tp, const Tensor& full, const Tensor& local, const Tensor& staging);
 
 }  // namespace loom

@@ -102,6 +102,10 @@ PipelineRunner::PipelineRunner(Transformer& model, Communicator& pp, PipeSchedul
         tokens_.push_back(Tensor::empty(model.backend().allocator(), store.tokens.shape(), DTYPE_I32, MEM_WORKSPACE));
         targets_.push_back(Tensor::empty(model.backend().allocator(), store.targets.shape(), DTYPE_I32, MEM_WORKSPACE));
       }
+      if (!tokens_[0].host_accessible()) {  // batch sources write host memory
+        host_tokens_ = Tensor::empty(host_, store.tokens.shape(), DTYPE_I32, MEM_WORKSPACE);
+        host_targets_ = Tensor::empty(host_, store.targets.shape(), DTYPE_I32, MEM_WORKSPACE);
+      }
     }
   }
   norm_ranges_ = pipeline_owned_ranges(model.config(), model.layout(), schedule_, rank, layers_, true);
@@ -212,7 +216,7 @@ double PipelineRunner::evaluate(BatchSource& data, int64_t batches) {
   double sum = 0.0;
   loss_sum_ = 0.0;
   for (int64_t i = 0; i < batches; ++i) {
-    data.fill(tokens_[0], targets_[0]);
+    fill_micro(data, 0);
     for (int s = 0; s < S; ++s) {
       if (schedule_.rank_of(s) == rank) forward(PipeAction{schedule_.chunk_of(s), 0, PIPE_F});
     }
@@ -230,7 +234,7 @@ double PipelineRunner::evaluate(BatchSource& data, int64_t batches) {
 double PipelineRunner::run(BatchSource& data, float loss_weight) {
   loss_weight_ = loss_weight;
   loss_sum_ = busy_ = idle_ = 0.0;
-  for (int i = 0; i < schedule_.micro; ++i) data.fill(tokens_[i], targets_[i]);  // in the one-process order
+  for (int i = 0; i < schedule_.micro; ++i) fill_micro(data, i);  // in the one-process order
   for (const PipeAction& a : schedule_.per_rank[static_cast<size_t>(pp_.rank())]) {
     if (a.op == PIPE_F) forward(a);
     else backward(a);
@@ -243,6 +247,18 @@ double PipelineRunner::run(BatchSource& data, float loss_weight) {
   const double loss = reduce_loss(loss_sum_);
   idle_ += now() - t;
   return loss;
+}
+
+void PipelineRunner::fill_micro(BatchSource& data, int micro) {
+  const Tensor& tokens = tokens_[static_cast<size_t>(micro)];
+  const Tensor& targets = targets_[static_cast<size_t>(micro)];
+  if (!host_tokens_.defined()) {
+    data.fill(tokens, targets);
+    return;
+  }
+  data.fill(host_tokens_, host_targets_);
+  model_.backend().write(tokens, host_tokens_.raw_data());
+  model_.backend().write(targets, host_targets_.raw_data());
 }
 
 double PipelineRunner::reduce_loss(double local) {

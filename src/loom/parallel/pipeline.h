@@ -74,6 +74,7 @@ class PipelineRunner {
   void release(int chunk, int micro);         // after its B (or W)
   ActivationStore& store_of(int chunk, int micro);
   void wait_sends();
+  void fill_micro(BatchSource& data, int micro);  // tokens_[micro], targets_[micro] from data
 
   Transformer& model_;
   Communicator& pp_;
@@ -82,7 +83,9 @@ class PipelineRunner {
   std::vector<std::vector<ActivationStore>> stores_;  // [chunk][slot]: the schedule's peak live micro-batches
   std::vector<std::vector<int>> slot_;                // [chunk][micro] its store while live, else -1
   std::vector<std::vector<std::unique_ptr<CommWork>>> pending_;  // [chunk][slot] its output's send
+  CpuAllocator host_;                                 // host_tokens_'s (declared first: released last)
   std::vector<Tensor> tokens_, targets_;              // [micro] drawn at the start of a step
+  Tensor host_tokens_, host_targets_;                // the batch staged on the host (device memory only)
   std::vector<std::vector<Tensor>> grad_out_;         // [chunk][micro] (B,T,C) d(input) being sent
   std::vector<std::unique_ptr<CommWork>> sends_;
   RangeSet owned_, norm_ranges_;

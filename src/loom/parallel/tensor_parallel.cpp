@@ -1,7 +1,6 @@
 #include "loom/parallel/tensor_parallel.h"
 
 #include <algorithm>
-#include <cstring>
 #include <string>
 
 #include "loom/core/error.h"
@@ -21,20 +20,18 @@ bool is_block_param(const ModelConfig& c, const std::string& name) {
 
 int64_t cols_of(const Tensor& t) { return t.ndim() == 2 ? t.dim(1) : 1; }
 
-// n rows starting at g0 of the global matrix <-> rows starting at l0 of the local one.
-void copy_rows(const Tensor& g, int64_t g0, const Tensor& l, int64_t l0, int64_t n, bool to_local) {
+// n rows starting at g0 of the global matrix <-> rows starting at l0 of the local one (contiguous).
+void copy_rows(Backend& backend, const Tensor& g, int64_t g0, const Tensor& l, int64_t l0, int64_t n, bool to_local) {
   const int64_t cols = cols_of(g);
-  float* gp = g.data<float>() + g0 * cols;
-  float* lp = l.data<float>() + l0 * cols;
-  const size_t bytes = static_cast<size_t>(n * cols) * sizeof(float);
-  if (to_local) std::memcpy(lp, gp, bytes);
-  else std::memcpy(gp, lp, bytes);
+  const Tensor gv = g.view(g0 * cols, {n * cols}), lv = l.view(l0 * cols, {n * cols});
+  if (to_local) backend.copy(gv, lv);
+  else backend.copy(lv, gv);
 }
 
-void copy_whole(const Tensor& g, const Tensor& l, bool to_local) {
+void copy_whole(Backend& backend, const Tensor& g, const Tensor& l, bool to_local) {
   if (!g.defined()) return;
-  if (to_local) std::memcpy(l.raw_data(), g.raw_data(), g.nbytes());
-  else std::memcpy(g.raw_data(), l.raw_data(), g.nbytes());
+  if (to_local) backend.copy(g, l);
+  else backend.copy(l, g);
 }
 
 }  // namespace
@@ -64,7 +61,7 @@ VocabRange tp_vocab_range(const ModelConfig& global, int rank, int tp) {
   return v;
 }
 
-void tp_copy(const ModelConfig& gc, const Tensor& global, const ModelConfig& lc, const Tensor& local, int rank, int tp,
+void tp_copy(Backend& backend, const ModelConfig& gc, const Tensor& global, const ModelConfig& lc, const Tensor& local, int rank, int tp,
              bool to_local, bool write_replicated) {
   const ParamLayout gl = build_param_layout(gc), ll = build_param_layout(lc);
   LOOM_CHECK(global.numel() == gl.total && local.numel() == ll.total && global.dtype() == DTYPE_F32 &&
@@ -79,9 +76,9 @@ void tp_copy(const ModelConfig& gc, const Tensor& global, const ModelConfig& lc,
     const Tensor l = local.view(spec.offset, spec.shape);
     if (is_vocab_param(spec.name)) {
       const VocabRange v = tp_vocab_range(gc, rank, tp);
-      copy_rows(g, v.begin, l, 0, v.valid, to_local);
+      copy_rows(backend, g, v.begin, l, 0, v.valid, to_local);
     } else if (replicated) {
-      copy_whole(g, l, to_local);
+      copy_whole(backend, g, l, to_local);
     }
   }
   const int64_t hd = gc.head_dim(), H = gc.n_head, KV = gc.n_kv_head, F = gc.d_ff;
@@ -91,33 +88,33 @@ void tp_copy(const ModelConfig& gc, const Tensor& global, const ModelConfig& lc,
     const BlockParams l = block_params_view(lc, ll, local, layer);
     for (const auto& [gt, lt] : {std::pair{g.qkv_w, l.qkv_w}, std::pair{g.qkv_b, l.qkv_b}}) {
       if (!gt.defined()) continue;
-      copy_rows(gt, rank * Hl * hd, lt, 0, Hl * hd, to_local);                                  // query heads
-      copy_rows(gt, (H + rank * KVl) * hd, lt, Hl * hd, KVl * hd, to_local);                    // key heads
-      copy_rows(gt, (H + KV + rank * KVl) * hd, lt, (Hl + KVl) * hd, KVl * hd, to_local);       // value heads
+      copy_rows(backend, gt, rank * Hl * hd, lt, 0, Hl * hd, to_local);                                  // query heads
+      copy_rows(backend, gt, (H + rank * KVl) * hd, lt, Hl * hd, KVl * hd, to_local);                    // key heads
+      copy_rows(backend, gt, (H + KV + rank * KVl) * hd, lt, (Hl + KVl) * hd, KVl * hd, to_local);       // value heads
     }
-    copy_columns(g.proj_w, rank * Hl * hd, l.proj_w, !to_local);
+    copy_columns(backend, g.proj_w, rank * Hl * hd, l.proj_w, !to_local);
     for (const auto& [gt, lt] : {std::pair{g.fc_w, l.fc_w}, std::pair{g.fc_b, l.fc_b}}) {
       if (!gt.defined()) continue;
-      copy_rows(gt, rank * Fl, lt, 0, Fl, to_local);
-      if (gc.swiglu()) copy_rows(gt, F + rank * Fl, lt, Fl, Fl, to_local);  // the up half of [gate | up]
+      copy_rows(backend, gt, rank * Fl, lt, 0, Fl, to_local);
+      if (gc.swiglu()) copy_rows(backend, gt, F + rank * Fl, lt, Fl, Fl, to_local);  // the up half of [gate | up]
     }
-    if (g.fc2_w.defined()) copy_columns(g.fc2_w, rank * Fl, l.fc2_w, !to_local);
+    if (g.fc2_w.defined()) copy_columns(backend, g.fc2_w, rank * Fl, l.fc2_w, !to_local);
     if (replicated && g.moe.defined()) {  // an MoE block's router and experts are replicated
       for (const auto& [gt, lt] : {std::pair{g.moe.router_w, l.moe.router_w}, std::pair{g.moe.bias, l.moe.bias},
                                    std::pair{g.moe.shared_fc_w, l.moe.shared_fc_w},
                                    std::pair{g.moe.shared_fc2_w, l.moe.shared_fc2_w}}) {
-        copy_whole(gt, lt, to_local);
+        copy_whole(backend, gt, lt, to_local);
       }
       for (size_t e = 0; e < g.moe.fc_w.size(); ++e) {
-        copy_whole(g.moe.fc_w[e], l.moe.fc_w[e], to_local);
-        copy_whole(g.moe.fc2_w[e], l.moe.fc2_w[e], to_local);
+        copy_whole(backend, g.moe.fc_w[e], l.moe.fc_w[e], to_local);
+        copy_whole(backend, g.moe.fc2_w[e], l.moe.fc2_w[e], to_local);
       }
     }
     if (replicated) {
       for (const auto& [gt, lt] : {std::pair{g.norm1_w, l.norm1_w}, std::pair{g.norm1_b, l.norm1_b},
                                    std::pair{g.norm2_w, l.norm2_w}, std::pair{g.norm2_b, l.norm2_b},
                                    std::pair{g.proj_b, l.proj_b}, std::pair{g.fc2_b, l.fc2_b}}) {
-        copy_whole(gt, lt, to_local);
+        copy_whole(backend, gt, lt, to_local);
       }
     }
   }

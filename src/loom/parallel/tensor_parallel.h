@@ -18,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "loom/backend/backend.h"
 #include "loom/core/tensor.h"
 #include "loom/arch/config.h"
 #include "loom/arch/param_layout.h"
@@ -39,7 +40,8 @@ VocabRange tp_vocab_range(const ModelConfig& global, int rank, int tp);
 // to_local: global -> local (padding rows zeroed). Otherwise local -> global: writes rank's
 // slice into its positions of `global`, the replicated parameters only when write_replicated
 // (so that summing every rank's contribution over the group gives the whole buffer once).
-void tp_copy(const ModelConfig& global_config, const Tensor& global, const ModelConfig& local_config, const Tensor& local,
+// Both buffers are `backend`'s memory: the slices move with Backend::copy and copy_block.
+void tp_copy(Backend& backend, const ModelConfig& global_config, const Tensor& global, const ModelConfig& local_config, const Tensor& local,
              int rank, int tp, bool to_local, bool write_replicated = true);
 
 // A slice's flat ranges of replicated parameters ([begin, end) pairs, in order), from its

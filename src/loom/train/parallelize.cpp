@@ -30,7 +30,7 @@ void tensor_parallel(Build& b) {
   // The whole model is initialised as one process would, then sliced.
   b.out.whole = std::make_unique<Transformer>(b.backend, global);
   b.out.whole->init_weights(b.config.loop.seed);
-  tp_copy(global, b.out.whole->params(), b.out.local_config, b.out.model->params(), tp->rank(), tp->size(), true);
+  tp_copy(b.backend, global, b.out.whole->params(), b.out.local_config, b.out.model->params(), tp->rank(), tp->size(), true);
   const VocabRange vocab = tp_vocab_range(global, tp->rank(), tp->size());
   b.out.model->set_tensor_parallel(tp, vocab.begin, vocab.valid, b.config.parallel.sequence_parallel);
 }
@@ -104,11 +104,12 @@ TrainingData::TrainingData(TokenDataset data, const LoomConfig& config, const Pa
   val_ = std::make_unique<TokenLoader>(std::move(data.val), T, config.loop.seed, LOADER_ORDER_SEQUENTIAL);
   // Each data-parallel rank trains on its rows of the global batch the loader draws.
   const Communicator& dp = layout.batch_group();
-  rank_ = std::make_unique<RankSliceSource>(*train_, allocator, dp.rank(), dp.size(), B, T);
+  Allocator& staging = allocator.host_accessible() ? allocator : host_;  // batch sources write host memory
+  rank_ = std::make_unique<RankSliceSource>(*train_, staging, dp.rank(), dp.size(), B, T);
   cp_ = layout.group(Axis::cp);
   if (cp_ != nullptr) {
-    cp_train_ = std::make_unique<ContextSliceSource>(*rank_, allocator, cp_->rank(), cp_->size(), B, T);
-    cp_val_ = std::make_unique<ContextSliceSource>(*val_, allocator, cp_->rank(), cp_->size(), B, T);
+    cp_train_ = std::make_unique<ContextSliceSource>(*rank_, staging, cp_->rank(), cp_->size(), B, T);
+    cp_val_ = std::make_unique<ContextSliceSource>(*val_, staging, cp_->rank(), cp_->size(), B, T);
   }
 }
 

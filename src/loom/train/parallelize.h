@@ -36,7 +36,8 @@ TrainingModel parallelize(Backend& backend, const LoomConfig& config, ParallelLa
 
 // The batches each rank trains and validates on: the loader draws every global batch (all
 // ranks draw the same), each data-parallel rank keeps its rows, each context-parallel rank its
-// positions.
+// positions. The sources' staging is in `allocator` when host code can read it, else in host
+// memory (the trainer writes each batch to the device).
 class TrainingData {
  public:
   TrainingData(TokenDataset data, const LoomConfig& config, const ParallelLayout& layout, Allocator& allocator);
@@ -47,6 +48,7 @@ class TrainingData {
   double validation_loss(Trainer& trainer, int64_t batches, Allocator& allocator);
 
  private:
+  CpuAllocator host_;  // the sources' staging when `allocator` is a device's (declared first: released last)
   std::unique_ptr<TokenLoader> train_, val_;
   std::unique_ptr<RankSliceSource> rank_;
   std::unique_ptr<ContextSliceSource> cp_train_, cp_val_;

@@ -102,13 +102,13 @@ void TrainingState::owners_state_owned(const Tensor& full, const Tensor& owned) 
 void TrainingState::tp_whole(const Tensor& local, const Tensor& whole) {
   Communicator& tp = *layout_.group(Axis::tp);
   whole.zero_();
-  tp_copy(config_.model, whole, parts_.local_config, local, tp.rank(), tp.size(), false, tp.rank() == 0);
+  tp_copy(backend_, config_.model, whole, parts_.local_config, local, tp.rank(), tp.size(), false, tp.rank() == 0);
   tp.all_reduce(whole);
 }
 
 void TrainingState::tp_local(const Tensor& whole, const Tensor& local) {
   const Communicator& tp = *layout_.group(Axis::tp);
-  tp_copy(config_.model, whole, parts_.local_config, local, tp.rank(), tp.size(), true);
+  tp_copy(backend_, config_.model, whole, parts_.local_config, local, tp.rank(), tp.size(), true);
 }
 
 // ---- Save and resume -------------------------------------------------------------------------

@@ -321,8 +321,12 @@ double Trainer::sum_over(Communicator& group, double x) {
 void Trainer::params_loaded() {
   if (zero_) zero_->release_params();
   // Expert parallel: the experts other ranks compute are never read here; their pages go back
-  // to the OS (core/pages.h), so each rank's resident expert weights are its 1/ep.
-  for (const auto& [b, e] : model_.foreign_expert_ranges()) release_elements(model_.params(), b, e);
+  // to the OS (core/pages.h), so each rank's resident expert weights are its 1/ep. A device's
+  // memory is not paged by the host: they are zeroed through the backend, the same values.
+  for (const auto& [b, e] : model_.foreign_expert_ranges()) {
+    if (model_.params().host_accessible()) release_elements(model_.params(), b, e);
+    else backend_.fill(model_.params().view(b, {e - b}), 0.0);
+  }
 }
 
 void Trainer::gather_params() {

@@ -423,6 +423,10 @@ class CpuBackend final : public Backend {
                                      const Tensor& dv, const RingBlock& block) override {
     cpu::ring_attention_block_backward(q, dout, lse, D, k, v, dq, dk, dv, block);
   }
+  // Model-parallel slicing (cpu_parallel_ops.cpp).
+  void copy_block(const Tensor& src, const Tensor& dst, const BlockCopy& block) override {
+    cpu::copy_block(src, dst, block);
+  }
 
   // Mixture of experts and latent attention: cpu_moe_ops.cpp, cpu_mla_ops.cpp.
   void moe_route(const Tensor& logits, const Tensor& bias, const Tensor& scores, const Tensor& expert,

@@ -413,4 +413,34 @@ void ring_attention_block_backward(const Tensor& q, const Tensor& dout, const Te
   });
 }
 
+// ---- Model-parallel slicing
+
+namespace {
+// The block's extent on one side fits in t: the last row ends within its numel.
+void check_block_side(const char* what, const Tensor& t, int64_t row, int64_t col, int64_t stride,
+                      const BlockCopy& b) {
+  LOOM_CHECK(t.defined(), "copy_block: ", what, " is undefined");
+  LOOM_CHECK(row >= 0 && col >= 0 && col + b.cols <= stride &&
+                 (b.rows == 0 || (row + b.rows - 1) * stride + col + b.cols <= t.numel()),
+             "copy_block: ", b.rows, " x ", b.cols, " block at (", row, ", ", col, ") with row stride ", stride,
+             " is outside ", what, " ", t.describe());
+}
+}  // namespace
+
+void copy_block(const Tensor& src, const Tensor& dst, const BlockCopy& b) {
+  LOOM_CHECK(src.defined() && dst.defined() && src.dtype() == dst.dtype(), "copy_block: src ",
+             src.defined() ? src.describe() : "undefined", " and dst ", dst.defined() ? dst.describe() : "undefined",
+             " must share a dtype");
+  LOOM_CHECK(b.rows >= 0 && b.cols >= 0, "copy_block: negative block ", b.rows, " x ", b.cols);
+  check_block_side("src", src, b.src_row, b.src_col, b.src_stride, b);
+  check_block_side("dst", dst, b.dst_row, b.dst_col, b.dst_stride, b);
+  if (b.rows == 0 || b.cols == 0) return;
+  const int64_t elem = static_cast<int64_t>(dtype_size(src.dtype()));
+  const char* s = static_cast<const char*>(src.raw_data()) + (b.src_row * b.src_stride + b.src_col) * elem;
+  char* d = static_cast<char*>(dst.raw_data()) + (b.dst_row * b.dst_stride + b.dst_col) * elem;
+  const size_t bytes = static_cast<size_t>(b.cols * elem);
+#pragma omp parallel for schedule(static) if (b.rows * b.cols > 4096)
+  for (int64_t i = 0; i < b.rows; ++i) std::memcpy(d + i * b.dst_stride * elem, s + i * b.src_stride * elem, bytes);
+}
+
 }  // namespace loom::cpu

@@ -27,5 +27,7 @@ void attention_row_dot(const Tensor& dout, const Tensor& out, const Tensor& D, i
 void ring_attention_block_backward(const Tensor& q, const Tensor& dout, const Tensor& lse, const Tensor& D,
                                    const Tensor& k, const Tensor& v, const Tensor& dq, const Tensor& dk,
                                    const Tensor& dv, const RingBlock& block);
+// Model-parallel slicing: a strided 2-D block copy (exact).
+void copy_block(const Tensor& src, const Tensor& dst, const BlockCopy& block);
 
 }  // namespace loom::cpu
