@@ -1,7 +1,7 @@
 // Device memory without a GPU: the strict backend (tests/strict_backend.h) gives the CPU kernels
 // memory that host code may not read, as a GPU's. These tests show that training, loss scaling,
-// evaluation and checkpoints reach a backend's tensors only through the op interface and
-// Backend::read / write (so they run unchanged on the CUDA backend), that the results are
+// evaluation, generation and checkpoints reach a backend's tensors only through the op interface
+// and Backend::read / write (so they run unchanged on the CUDA backend), that the results are
 // bitwise those of the CPU backend, and that a checkpoint written from device memory is the
 // same file a CPU run writes. Also: the caching allocator's bookkeeping (backend/block_cache.h)
 // against a fake device, and the `device` key's errors.
@@ -13,11 +13,14 @@
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
+#include <map>
 #include <set>
+#include <string>
 #include <vector>
 
 #include "loom/backend/block_cache.h"
 #include "loom/checkpoint/checkpoint.h"
+#include "loom/infer/engine.h"
 #include "loom/optim/optimizer.h"
 #include "loom/train/config.h"
 #include "loom/train/layout.h"
@@ -256,6 +259,118 @@ TEST(DeviceMemoryTest, MlaDecodingOnDeviceMemoryIsBitwiseTheCpuRun) {
     EXPECT_EQ(strict_tokens, cpu_tokens) << "window " << config.attn_window;
     EXPECT_EQ(got, expected) << "window " << config.attn_window;
     EXPECT_EQ(cpu_tokens.size(), 20u);
+  }
+}
+
+// The generation engine (infer/engine.h) on device memory: the prompts written, each step's q/k/v
+// rows, attention outputs and logits moved through Backend::read / write (Block::forward_rows),
+// the KV cache in host memory. Every request's tokens and every logits row the sampler draws from
+// equal the CPU run's bit for bit.
+struct EngineRun {
+  std::vector<std::vector<int32_t>> tokens;      // [request id]
+  std::map<int64_t, std::vector<float>> logits;  // [request id] the rows its tokens were drawn from
+  std::vector<std::string> finish;
+  int64_t kv_bytes_reserved = 0;   // the cache's, after the run
+  size_t kv_bytes_in_backend = 0;  // MEM_KV_CACHE in the backend's allocator, after the run
+};
+
+EngineRun run_engine(Backend& backend, const ModelConfig& config, const EngineConfig& ec) {
+  Transformer model(backend, config);
+  model.init_weights(9);
+  GenerationEngine engine(model, ec);
+  EngineRun out;
+  engine.set_on_logits([&out](int64_t id, const float* logits, int64_t vocab) {
+    std::vector<float>& v = out.logits[id];
+    v.insert(v.end(), logits, logits + vocab);
+  });
+  // 5 requests (6 sequences) on 3 rows: they join and leave between steps; greedy and seeded
+  // sampling (temperature, top-k, top-p); request 2 asks for 2 samples (paged: the prompt
+  // prefilled once, its blocks shared); request 2 runs into the model's context.
+  for (int64_t i = 0; i < 5; ++i) {
+    GenerationRequest r;
+    const int64_t P = 2 + (i * 3) % 7;
+    for (int64_t t = 0; t < P; ++t) r.prompt.push_back(static_cast<int32_t>((t * 29 + i * 11 + 3) % config.vocab_size));
+    r.max_new_tokens = 6 + (i % 3) * 2;
+    r.sampling.seed = 40 + static_cast<uint64_t>(i);
+    r.sampling.temperature = i % 2 == 0 ? 0.0f : 0.8f;
+    r.sampling.top_k = i == 1 ? 10 : 0;
+    r.sampling.top_p = i == 3 ? 0.9f : 1.0f;
+    r.n = i == 2 ? 2 : 1;
+    engine.submit(std::move(r));
+  }
+  for (const GenerationResult& g : engine.run()) {
+    out.tokens.push_back(g.tokens);
+    out.finish.push_back(g.finish);
+  }
+  out.kv_bytes_reserved = engine.cache().bytes_reserved();
+  out.kv_bytes_in_backend = backend.allocator().tracker().current(MEM_KV_CACHE);
+  return out;
+}
+
+TEST(DeviceMemoryTest, GenerationOnDeviceMemoryIsBitwiseTheCpuRun) {
+  struct Mode {
+    const char* name;
+    bool paged, chunked;
+  };
+  int64_t runs = 0;
+  auto cpu = make_cpu_backend();
+  test::StrictBackend strict;
+  for (const char* preset : {"gpt2-tiny", "llama-tiny", "mla-tiny"}) {  // Llama: GQA; MLA: the latent cache
+    for (const int64_t window : {0, 3}) {
+      ModelConfig config = model_preset(preset);
+      config.attn_window = window;
+      for (const char* kv : {"fp32", "bf16", "int8", "int4", "kivi4", "kivi2"}) {
+        for (const Mode& mode : {Mode{"paged", true, false}, Mode{"contiguous", false, false},
+                                 Mode{"paged chunked", true, true}}) {
+          EngineConfig ec;
+          ec.max_batch = 3, ec.block_size = 4, ec.paged = mode.paged, ec.chunked_prefill = mode.chunked;
+          apply_kv_preset(ec, kv, config.head_dim());
+          if (ec.residual > 0) ec.residual = 3;  // KIVI: tiles quantized within the tiny context
+          const EngineRun expected = run_engine(*cpu, config, ec);
+          const EngineRun got = run_engine(strict, config, ec);
+          const std::string what = std::string(preset) + " window " + std::to_string(window) + " kv " + kv + " " + mode.name;
+          EXPECT_EQ(got.tokens, expected.tokens) << what;
+          EXPECT_EQ(got.finish, expected.finish) << what;
+          EXPECT_EQ(got.logits, expected.logits) << what;
+          ASSERT_EQ(expected.tokens.size(), 6u) << what;
+          EXPECT_EQ(expected.finish[2], "context") << what;  // 8 prompt tokens + 10 > 16 positions
+          EXPECT_EQ(expected.tokens[0].size(), 6u) << what;
+          EXPECT_EQ(expected.logits.at(4).size(), expected.tokens[4].size() * static_cast<size_t>(config.vocab_size)) << what;
+          // The cache is host memory: none of it in the device allocator; the CPU backend's holds it.
+          EXPECT_EQ(got.kv_bytes_in_backend, 0u) << what;
+          EXPECT_EQ(expected.kv_bytes_in_backend, static_cast<size_t>(expected.kv_bytes_reserved)) << what;
+          EXPECT_GT(expected.kv_bytes_reserved, 0) << what;
+          EXPECT_EQ(got.kv_bytes_reserved, expected.kv_bytes_reserved) << what;
+          ++runs;
+        }
+      }
+    }
+  }
+  EXPECT_EQ(runs, 3 * 2 * 6 * 3);
+  EXPECT_EQ(strict.allocator().tracker().peak(MEM_KV_CACHE), 0u);
+}
+
+// The teacher-forced loss through a quantized cache (loom bench generate --ppl) on device memory
+// is the CPU run's bit for bit.
+TEST(DeviceMemoryTest, TeacherForcedLossOnDeviceMemoryIsBitwiseTheCpuRun) {
+  for (const char* preset : {"gpt2-tiny", "llama-tiny"}) {
+    const ModelConfig config = model_preset(preset);
+    EngineConfig ec;
+    ec.max_batch = 2, ec.block_size = 4;
+    apply_kv_preset(ec, "int4", config.head_dim());
+    const std::vector<int32_t> all = cyclic_tokens(36, static_cast<int32_t>(config.vocab_size));
+    const std::vector<std::vector<int32_t>> sequences{{all.begin(), all.begin() + 12}, {all.begin() + 12, all.begin() + 24},
+                                                      {all.begin() + 24, all.end()}};
+    const auto loss = [&](Backend& backend) {
+      Transformer model(backend, config);
+      model.init_weights(9);
+      return teacher_forced_loss(model, sequences, ec);
+    };
+    auto cpu = make_cpu_backend();
+    test::StrictBackend strict;
+    const double expected = loss(*cpu);
+    EXPECT_GT(expected, 0.0) << preset;
+    EXPECT_EQ(loss(strict), expected) << preset;
   }
 }
 

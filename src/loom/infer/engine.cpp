@@ -70,10 +70,24 @@ struct GenerationEngine::Active {
   Active(int64_t id_, GenerationRequest r) : id(id_), request(std::move(r)), sampler(request.sampling) {}
 };
 
+namespace {
+
+// The KV cache is host memory: the backend's allocator where the host can read it (the CPU
+// backend: the cache's bytes count in its tracker), else `host`.
+Allocator* cache_allocator(Backend& backend, CpuAllocator& host) {
+  Allocator& alloc = backend.allocator();
+  return alloc.host_accessible() ? &alloc : &host;
+}
+
+std::unique_ptr<KvCache> make_engine_cache(const ModelConfig& model, const EngineConfig& engine, Allocator* alloc) {
+  const KvCacheConfig kv = engine_cache_config(model, engine);
+  return engine.paged ? make_paged_kv_cache(kv, alloc) : make_contiguous_kv_cache(kv, engine.max_batch, alloc);
+}
+
+}  // namespace
+
 GenerationEngine::GenerationEngine(Transformer& model, EngineConfig config) : model_(model), config_(config) {
-  const KvCacheConfig kv = engine_cache_config(model.config(), config_);
-  Allocator& alloc = model.backend().allocator();
-  cache_ = config_.paged ? make_paged_kv_cache(kv, &alloc) : make_contiguous_kv_cache(kv, config_.max_batch, &alloc);
+  cache_ = make_engine_cache(model.config(), config_, cache_allocator(model.backend(), host_allocator_));
   rows_ = std::make_unique<Rows>(*cache_, model.config());
 }
 
@@ -188,33 +202,54 @@ void GenerationEngine::prefill(const std::vector<Active*>& group) {
   const ModelConfig& c = model_.config();
   const int64_t P = static_cast<int64_t>(a.request.prompt.size()), H = c.n_head, hd = c.head_dim();
   const int64_t W = c.qkv_width(), KW = c.n_kv_head * hd;
+  Backend& backend = model_.backend();
   ActivationStore s = model_.allocate_store(1, P);
-  std::copy(a.request.prompt.begin(), a.request.prompt.end(), s.tokens.data<int32_t>());
+  backend.write(s.tokens, a.request.prompt.data());  // the prompt, staged on the host
   model_.set_recording(false);  // no MoE routing statistics from generation
   model_.forward(s, false);
   model_.set_recording(true);
   std::vector<float> latent(static_cast<size_t>(c.mla() ? kv_cache_width(c) : 0));
+  // Each layer's (P, W) q/k/v rows (after RoPE) on the host: in place where the host can read
+  // the backend's memory, else read in one Backend::read a layer into prefill_qkv_.
+  std::vector<const float*> qkv(static_cast<size_t>(c.n_layer), nullptr);
+  if (!c.mla()) {
+    const bool in_place = s.blocks.front().qkv.host_accessible();
+    if (!in_place) prefill_qkv_.resize(static_cast<size_t>(c.n_layer * P * W));
+    for (int64_t l = 0; l < c.n_layer; ++l) {
+      const Tensor rows = s.blocks[static_cast<size_t>(l)].qkv.view(0, {P, W});
+      if (in_place) {
+        qkv[static_cast<size_t>(l)] = rows.data<float>();
+        continue;
+      }
+      float* host = prefill_qkv_.data() + l * P * W;
+      backend.read(rows, host);
+      qkv[static_cast<size_t>(l)] = host;
+    }
+  }
   for (int64_t t = 0; t < P; ++t) {
     for (int64_t l = 0; l < c.n_layer; ++l) {
       const BlockSaved& b = s.blocks[static_cast<size_t>(l)];
       if (c.mla()) {  // the cache row [normed latent | RoPE key] (nn/mla.h)
         const int64_t dc = c.mla_kv_rank, dr = c.mla_rope_dim;
-        model_.backend().read(b.mla_c_norm.view(t * dc, {dc}), latent.data());
-        model_.backend().read(b.mla_kr.view(t * dr, {dr}), latent.data() + dc);
+        backend.read(b.mla_c_norm.view(t * dc, {dc}), latent.data());
+        backend.read(b.mla_kr.view(t * dr, {dr}), latent.data() + dc);
         cache_->write(a.seq, l, latent.data(), nullptr);
         continue;
       }
-      const float* row = b.qkv.data<float>() + t * W;
+      const float* row = qkv[static_cast<size_t>(l)] + t * W;
       cache_->write(a.seq, l, row + H * hd, row + H * hd + KW);
     }
     cache_->advance(a.seq);
   }
   stats_.prompt_tokens += P;
-  const float* last = s.logits.data<float>() + (P - 1) * c.vocab_size;
+  logits_.resize(static_cast<size_t>(c.vocab_size));  // the last position's logits
+  backend.read(s.logits.view((P - 1) * c.vocab_size, {c.vocab_size}), logits_.data());
+  const float* last = logits_.data();
   const auto now = std::chrono::steady_clock::now();
   for (Active* sample : group) {  // the others share the prompt's blocks (paged fork)
     if (sample != &a) sample->seq = cache_->fork(a.seq);
     sample->fed = P;
+    if (on_logits_) on_logits_(sample->id, last, c.vocab_size);
     sampled(*sample, sample->sampler.sample(last, c.vocab_size), now);
   }
 }
@@ -272,7 +307,9 @@ bool GenerationEngine::step() {
   stats_.peak_bytes_used = std::max(stats_.peak_bytes_used, cache_->bytes_used());
   stats_.utilisation_sum += cache_->utilisation();
   const auto now = std::chrono::steady_clock::now();
-  const float* logits = store->second.logits.data<float>();
+  logits_.resize(static_cast<size_t>(n * vocab));  // the rows' logits, read once
+  model_.backend().read(store->second.logits.view(0, {n, vocab}), logits_.data());
+  const float* logits = logits_.data();
   for (int64_t r = 0; r < n; ++r) {
     Active& a = *active_[static_cast<size_t>(r)];
     cache_->advance(a.seq);
@@ -288,6 +325,7 @@ bool GenerationEngine::step() {
       continue;
     }
     if (a.fed == prompt) ++stats_.prompt_tokens;
+    if (on_logits_) on_logits_(a.id, logits + r * vocab, vocab);
     sampled(a, a.sampler.sample(logits + r * vocab, vocab), now);
   }
   retire();  // their rows and blocks go to the next step's admissions
@@ -319,9 +357,8 @@ double teacher_forced_loss(Transformer& model, const std::vector<std::vector<int
                            const EngineConfig& engine) {
   const ModelConfig& c = model.config();
   const int64_t vocab = c.vocab_size;
-  auto cache = engine.paged ? make_paged_kv_cache(engine_cache_config(c, engine), &model.backend().allocator())
-                            : make_contiguous_kv_cache(engine_cache_config(c, engine), engine.max_batch,
-                                                       &model.backend().allocator());
+  CpuAllocator host;
+  auto cache = make_engine_cache(c, engine, cache_allocator(model.backend(), host));
   GenerationEngine::Rows rows(*cache, c);
   double sum = 0.0;
   int64_t count = 0;
@@ -336,12 +373,14 @@ double teacher_forced_loss(Transformer& model, const std::vector<std::vector<int
       rows.seqs.push_back(cache->add_sequence());
     }
     ActivationStore store = model.allocate_rows(n);
+    std::vector<float> all(static_cast<size_t>(n * vocab));
     for (int64_t t = 0; t + 1 < T; ++t) {
       std::vector<int32_t> tokens;
       for (size_t s = first; s < last; ++s) tokens.push_back(sequences[s][static_cast<size_t>(t)]);
       model.forward_rows(store, tokens, std::vector<int64_t>(static_cast<size_t>(n), t), rows);
+      model.backend().read(store.logits.view(0, {n, vocab}), all.data());
       for (int64_t r = 0; r < n; ++r) {
-        const float* logits = store.logits.data<float>() + r * vocab;
+        const float* logits = all.data() + r * vocab;
         double max = logits[0], z = 0.0;
         for (int64_t v = 1; v < vocab; ++v) max = std::max(max, static_cast<double>(logits[v]));
         for (int64_t v = 0; v < vocab; ++v) z += std::exp(static_cast<double>(logits[v]) - max);

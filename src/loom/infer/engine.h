@@ -22,6 +22,12 @@
 // With a sliding window (model.attn_window = W) step() forgets positions older than the window
 // (KvCache::forget_before), so the worst case is at most ceil((W + B - 1) / B) blocks, or
 // ceil((prompt + 1) / B) with a one-forward prefill (blocks_needed in engine.cpp, exact).
+//
+// Memory: the model's tensors live in its backend's memory and the engine reaches them only
+// through ops and Backend::read / write (the prompt written, each step's q/k/v rows, attention
+// outputs and logits moved once a step), so generation runs on any backend. The KV cache is
+// host memory owned by the engine (the backend's allocator where the host can read it, else its
+// own host allocator): every format's writes and attention run on the host.
 #pragma once
 #include <chrono>
 #include <cstdint>
@@ -116,6 +122,9 @@ class GenerationEngine {
 
   // Called with (request id, token) as each token is drawn (streaming); empty: none.
   void set_on_token(std::function<void(int64_t, int32_t)> on_token) { on_token_ = std::move(on_token); }
+  // Called with (request id, logits, vocab_size) just before each token is drawn from them (the
+  // host copy the sampler reads, valid during the call); empty: none.
+  void set_on_logits(std::function<void(int64_t, const float*, int64_t)> on_logits) { on_logits_ = std::move(on_logits); }
 
   const EngineStats& stats() const { return stats_; }
   const KvCache& cache() const { return *cache_; }
@@ -139,6 +148,9 @@ class GenerationEngine {
 
   Transformer& model_;
   EngineConfig config_;
+  // The KV cache is host memory: on a backend whose memory the host cannot read it comes from
+  // here (declared before the cache, which it outlives).
+  CpuAllocator host_allocator_;
   std::unique_ptr<KvCache> cache_;
   std::unique_ptr<Rows> rows_;
   std::map<int64_t, ActivationStore> stores_;  // [rows] one-position stores
@@ -149,6 +161,9 @@ class GenerationEngine {
   int64_t reserved_blocks_ = 0;                // by the active requests
   EngineStats stats_;
   std::function<void(int64_t, int32_t)> on_token_;
+  std::function<void(int64_t, const float*, int64_t)> on_logits_;
+  std::vector<float> logits_;       // host copy of a step's (n, vocab) logits (or a prefill's last row)
+  std::vector<float> prefill_qkv_;  // host copy of a prefill's (n_layer, P, qkv_width) rows (device memory)
 };
 
 }  // namespace loom

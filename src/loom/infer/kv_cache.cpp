@@ -104,7 +104,7 @@ class TiledKvCache : public KvCache {
  public:
   TiledKvCache(const KvCacheConfig& config, Allocator* allocator)
       : allocator_(allocator ? allocator : &own_allocator_), config_(config), layouts_((config.validate(), config)) {
-    LOOM_CHECK(allocator_->device() == DEVICE_CPU,
+    LOOM_CHECK(allocator_->host_accessible(),
                "kv cache: not supported: storage on a device allocator (this cache reads and writes rows on the host)");
     const int64_t widest = std::max(config.k_width, config.v_width);
     tile_scratch_.resize(static_cast<size_t>(config.block_size * config.k_width));

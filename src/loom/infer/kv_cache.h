@@ -167,7 +167,7 @@ class KvCache {
 };
 
 // max_sequences regions of max_len positions, allocated up front. allocator: a host allocator
-// (it must outlive the cache) whose tracker accounts the storage under MEM_KV_CACHE, exactly
+// (host_accessible(): the cache reads and writes its rows on the host; it must outlive the cache) whose tracker accounts the storage under MEM_KV_CACHE, exactly
 // bytes_reserved(); nullptr = one owned by the cache.
 std::unique_ptr<KvCache> make_contiguous_kv_cache(const KvCacheConfig& config, int64_t max_sequences,
                                                   Allocator* allocator = nullptr);

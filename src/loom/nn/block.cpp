@@ -375,13 +375,23 @@ void Block::forward_rows(Backend& backend, BlockSaved& s, const Tensor& out, con
     mla_rows(backend, s, positions, cache, layer);
   } else {
     linear_forward(backend, s.norm1, p.qkv_w, p.qkv_b, s.qkv);
-    for (int64_t r = 0; r < n; ++r) {
-      if (!config_.learned_positions()) {
+    if (!config_.learned_positions()) {
+      for (int64_t r = 0; r < n; ++r) {
         backend.rope_forward(s.qkv.view(r * W, {1, 1, W}), hd, H + config_.n_kv_head, config_.rope_theta, positions[r]);
       }
-      const float* row = s.qkv.data<float>() + r * W;
-      cache.attend(layer, r, row, row + H * hd, row + H * hd + KW, s.attn.data<float>() + r * H * hd);
     }
+    // The rows' q, k, v to the host in one read; each row's attention through its host cache;
+    // the outputs back in one write (the same arithmetic as on the rows in place).
+    std::vector<float>& qkv = cache.host_qkv;
+    std::vector<float>& attn = cache.host_attn;
+    qkv.resize(static_cast<size_t>(n * W));
+    attn.resize(static_cast<size_t>(n * H * hd));
+    backend.read(s.qkv.view(0, {n, W}), qkv.data());
+    for (int64_t r = 0; r < n; ++r) {
+      const float* row = qkv.data() + r * W;
+      cache.attend(layer, r, row, row + H * hd, row + H * hd + KW, attn.data() + r * H * hd);
+    }
+    backend.write(s.attn.view(0, {n, H * hd}), attn.data());
   }
   backend.copy(s.input, s.mid);
   linear_forward(backend, s.attn, p.proj_w, p.proj_b, s.mid, 1.0f);

@@ -141,6 +141,12 @@ class DecodeCache {
   // its sequence in `layer` and returns every position's latent of the sequence, (*count,
   // k_width), dequantized, valid until the next call (the block applies model.attn_window).
   virtual const float* latent(int64_t layer, int64_t row, const float* latent, int64_t* count) = 0;
+
+  // Host staging of Block::forward_rows (MHA / GQA / MQA), reused across layers and steps: the
+  // step's (n, qkv_width) rows read from the backend in one Backend::read, and the (n, n_head x
+  // head_dim) attention outputs written back in one Backend::write, so the caches run on host
+  // rows whatever memory the backend's tensors live in.
+  std::vector<float> host_qkv, host_attn;
 };
 
 class Block {
@@ -155,8 +161,9 @@ class Block {
   void forward(Backend& backend, BlockSaved& saved, const Tensor& out);
   // One position of each of n independent sequences (saved: an n-row, T = 1 record): row r at
   // position positions[r]. After the norm, the QKV projection and RoPE at each row's position,
-  // cache.attend(layer, r, q, k, v, out) stores row r's key and value and writes its attention
-  // output over the row's sequence (the caller keeps the caches: infer/). Then as forward().
+  // the rows go to the host (cache.host_qkv) and cache.attend(layer, r, q, k, v, out) stores row
+  // r's key and value and writes its attention output over the row's sequence (the caller keeps
+  // the caches, in host memory: infer/); the outputs go back to the backend. Then as forward().
   // MLA: cache.latent(layer, r, [c' | k_r], &count) stores the row's latent and returns the
   // visible ones; the attention is computed from them with W_uk absorbed (nn/mla.h).
   void forward_rows(Backend& backend, BlockSaved& saved, const Tensor& out, const std::vector<int64_t>& positions,
