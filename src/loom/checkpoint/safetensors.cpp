@@ -194,19 +194,21 @@ Tensor SafetensorsFile::tensor(const std::string& name, Allocator& allocator, Me
   return t;
 }
 
-void SafetensorsFile::copy_into(const std::string& name, const Tensor& dst) const {
+const char* SafetensorsFile::whole_source(const std::string& name, const Tensor& dst) const {
   const Entry& e = entry(name);
   LOOM_CHECK(e.dtype == dst.dtype() && dst.numel() == shape_numel(e.shape), path_, ": tensor '", name, "' is ", e.stored,
              shape_str(e.shape), ", destination is ", dst.describe());
+  return bytes(e);
+}
+
+void SafetensorsFile::copy_into(const std::string& name, const Tensor& dst) const {
+  const char* src = whole_source(name, dst);
   LOOM_CHECK(dst.device() == DEVICE_CPU, path_, ": tensor '", name, "' must be copied into host memory");
-  std::memcpy(dst.raw_data(), bytes(e), e.end - e.begin);
+  std::memcpy(dst.raw_data(), src, dst.nbytes());
 }
 
 void SafetensorsFile::copy_into(const std::string& name, const Tensor& dst, Backend& backend) const {
-  const Entry& e = entry(name);
-  LOOM_CHECK(e.dtype == dst.dtype() && dst.numel() == shape_numel(e.shape), path_, ": tensor '", name, "' is ", e.stored,
-             shape_str(e.shape), ", destination is ", dst.describe());
-  backend.write(dst, bytes(e));
+  backend.write(dst, whole_source(name, dst));
 }
 
 void SafetensorsFile::copy_range_into(const std::string& name, int64_t first, const Tensor& dst) const {

@@ -62,6 +62,8 @@ class SafetensorsFile {
   struct Mapping;
   const Entry& entry(const std::string& name) const;
   const char* bytes(const Entry& e) const;
+  // The entry's bytes after checking that dst has its dtype and element count.
+  const char* whole_source(const std::string& name, const Tensor& dst) const;
 
   std::string path_;
   std::map<std::string, Entry> entries_;

@@ -26,15 +26,13 @@ struct TriBool {
 // An enum field (core/enum_names.h): a TOML string parsed into the enum at load.
 struct EnumRef {
   void* field;
-  std::vector<std::string_view> names;  // names[i] is the enum's value i
-  size_t (*get)(const void*);
-  void (*set)(void*, size_t);
+  void (*parse)(void* field, std::string_view name, std::string_view key);  // parse_enum: throws naming key
+  std::string_view (*name)(const void* field);                              // enum_name
 };
 template <class E>
 EnumRef enum_ref(E* field) {
-  const auto& names = EnumNames<E>::names;
-  return {field, {names.begin(), names.end()}, [](const void* f) { return static_cast<size_t>(*static_cast<const E*>(f)); },
-          [](void* f, size_t i) { *static_cast<E*>(f) = static_cast<E>(i); }};
+  return {field, [](void* f, std::string_view name, std::string_view key) { *static_cast<E*>(f) = parse_enum<E>(name, key); },
+          [](const void* f) { return enum_name(*static_cast<const E*>(f)); }};
 }
 using Target = std::variant<int64_t*, uint64_t*, double*, float*, std::string*, Arch*, bool*, TriBool, EnumRef>;
 
@@ -180,13 +178,12 @@ void assign(const Binding& b, const toml::node& node, const std::string& origin)
         using P = decltype(target);
         if constexpr (std::is_same_v<P, EnumRef>) {
           if (!node.is_string()) throw wrong("a string");
-          const std::string& name = node.as_string()->get();
-          for (size_t i = 0; i < target.names.size(); ++i) {
-            if (target.names[i] == name) return target.set(target.field, i);
+          try {
+            target.parse(target.field, node.as_string()->get(), str_cat("key '", b.key, "'"));
+          } catch (const Error& e) {
+            throw Error(str_cat(origin, ": ", e.what()));
           }
-          std::string choices;
-          for (const std::string_view n : target.names) choices += std::string(choices.empty() ? "" : " | ") + std::string(n);
-          throw Error(str_cat(origin, ": key '", b.key, "' must be one of ", choices, ", got '", name, "'"));
+          return;
         } else if constexpr (std::is_same_v<P, TriBool>) {
           if (node.is_boolean()) *target.value = node.as_boolean()->get() ? 1 : 0;
           else if (node.is_integer() && node.as_integer()->get() == -1) *target.value = -1;
@@ -272,7 +269,7 @@ std::string toml_value(const Target& target) {
       [](auto t) -> std::string {
         using P = decltype(t);
         if constexpr (std::is_same_v<P, EnumRef>) {
-          return toml_string(std::string(t.names[t.get(t.field)]));
+          return toml_string(std::string(t.name(t.field)));
         } else if constexpr (std::is_same_v<P, TriBool>) {
           return *t.value < 0 ? "-1" : *t.value ? "true" : "false";
         } else {
