@@ -102,7 +102,8 @@ void check(const char* name, const ModelConfig& global, int64_t b, int64_t s, co
 
     // One block's saved record on its own allocator: the measured bytes per layer.
     auto block_backend = make_cpu_backend();
-    const BlockSaved saved = allocate_block_saved(block_backend->allocator(), local, b, s);
+    const BlockSaved saved = allocate_block_saved(block_backend->allocator(), local, resolve_layer_plan(local, 0, {}),
+                                                  {.batch = b, .seq_len = s});
     const auto layer = static_cast<int64_t>(block_backend->allocator().tracker().current(MEM_ACTIVATIONS));
 
     // The whole store of a freshly built slice: every layer plus the model's ends.
@@ -128,7 +129,10 @@ void check(const char* name, const ModelConfig& global, int64_t b, int64_t s, co
     // (c) Tensor + sequence parallel: the residual stream and norms on 1/t of the sequence as
     // well, so a layer keeps exactly 1/t of the t = 1 bytes (Korthikanti's sbh(34 + 5as/h)/t).
     auto sp_backend = make_cpu_backend();
-    const BlockSaved sp_saved = allocate_block_saved(sp_backend->allocator(), local, b, s, false, c.t);
+    const BlockSaved sp_saved = allocate_block_saved(
+        sp_backend->allocator(), local,
+        resolve_layer_plan(local, 0, {.tensor_parallel = true, .sequence_parallel = true}),
+        {.batch = b, .seq_len = s, .seq_shards = c.t});
     const auto sp_layer = static_cast<int64_t>(sp_backend->allocator().tracker().current(MEM_ACTIVATIONS));
     EXPECT_EQ(sp_layer * c.t, loom_layer_bytes(global, 1, b, s));
     std::printf("%2d %14lld %14lld %14lld %7.4f | %10lld %12lld %12lld %12lld | tp+sp %lld = t=1 / t\n", c.t,
@@ -202,7 +206,8 @@ TEST(ActivationMemoryTest, ContextParallelKeepsOneCpthPlusTheLogSumExp) {
     const int64_t b = 2, s = 16, h = g.d_model, a = g.n_head;
     for (const int64_t cp : {2, 4}) {
       auto backend = make_cpu_backend();
-      const BlockSaved saved = allocate_block_saved(backend->allocator(), g, b, s / cp, false, 1, true);
+      const BlockSaved saved = allocate_block_saved(backend->allocator(), g, resolve_layer_plan(g, 0, {.context = PlanChoices::RING}),
+                                                    {.batch = b, .seq_len = s / cp});
       const auto layer = static_cast<int64_t>(backend->allocator().tracker().current(MEM_ACTIVATIONS));
       const int64_t probs = kF32 * a * s * s * b, lse = kF32 * a * s * b / cp;
       // Every per-position term is linear in s: the t = 1 formula at s/cp, less its probs term.
@@ -233,13 +238,14 @@ TEST(ActivationMemoryTest, FlashAttentionKeepsTheLogSumExpInPlaceOfProbs) {
   for (const char* preset : {"gpt2-tiny", "llama-tiny"}) {
     const ModelConfig g = model_preset(preset);
     const int64_t b = 2, s = 16, a = g.n_head;
+    const LayerPlan flash = resolve_layer_plan(g, 0, {.flash = true});
     auto block_backend = make_cpu_backend();
-    const BlockSaved saved = allocate_block_saved(block_backend->allocator(), g, b, s, false, 1, false, false,
-                                                  RECOMPUTE_NONE, MEM_ACTIVATIONS, 1, true);
+    const BlockSaved saved = allocate_block_saved(block_backend->allocator(), g, flash,
+                                                  {.batch = b, .seq_len = s});
     const auto layer = static_cast<int64_t>(block_backend->allocator().tracker().current(MEM_ACTIVATIONS));
     const int64_t probs = kF32 * a * s * s * b, lse = kF32 * a * s * b;
     EXPECT_EQ(layer, loom_layer_bytes(g, 1, b, s) - probs + lse) << preset;
-    EXPECT_EQ(layer, block_saved_bytes(g, b, s, false, 1, false, false, RECOMPUTE_NONE, 1, true)) << preset;
+    EXPECT_EQ(layer, block_saved_bytes(g, flash, {.batch = b, .seq_len = s})) << preset;
 
     auto backend = make_cpu_backend();
     Transformer model(*backend, g);

@@ -321,9 +321,9 @@ TEST(FlashAttentionModelTest, StoresKeepTheLogSumExpInsteadOfProbabilities) {
     model.set_flash_attention(true);
     const ActivationStore store = model.allocate_store(2, 9);
     for (const BlockSaved& s : store.blocks) {
-      EXPECT_FALSE(s.probs.defined()) << preset;
-      ASSERT_TRUE(s.lse.defined()) << preset;
-      EXPECT_EQ(s.lse.shape(), (Shape{2, config.n_head, 9})) << preset;
+      EXPECT_FALSE(s.attention.probs.defined()) << preset;
+      ASSERT_TRUE(s.attention.lse.defined()) << preset;
+      EXPECT_EQ(s.attention.lse.shape(), (Shape{2, config.n_head, 9})) << preset;
     }
     EXPECT_NE(test::error_of([&] { model.set_flash_attention(false); }).find("before the activation stores"),
               std::string::npos);

@@ -55,7 +55,7 @@ TEST_P(MoeParityTest, LogitsLossesDropsAndEveryGradientMatchPyTorch) {
   std::vector<double> dropped;
   for (int64_t l = 0; l < config.n_layer; ++l) {
     if (!config.moe_layer(l)) continue;
-    const MoeSaved& m = store.blocks[l].moe;
+    const MoeSaved& m = store.blocks[l].mlp.moe;
     aux += m.aux + m.seq_aux + m.z;
     dropped.push_back(static_cast<double>(m.dropped));
   }

@@ -213,10 +213,10 @@ void GenerationEngine::prefill(const std::vector<Active*>& group) {
   // the backend's memory, else read in one Backend::read a layer into prefill_qkv_.
   std::vector<const float*> qkv(static_cast<size_t>(c.n_layer), nullptr);
   if (!c.mla()) {
-    const bool in_place = s.blocks.front().qkv.host_accessible();
+    const bool in_place = s.blocks.front().attention.qkv.host_accessible();
     if (!in_place) prefill_qkv_.resize(static_cast<size_t>(c.n_layer * P * W));
     for (int64_t l = 0; l < c.n_layer; ++l) {
-      const Tensor rows = s.blocks[static_cast<size_t>(l)].qkv.view(0, {P, W});
+      const Tensor rows = s.blocks[static_cast<size_t>(l)].attention.qkv.view(0, {P, W});
       if (in_place) {
         qkv[static_cast<size_t>(l)] = rows.data<float>();
         continue;
@@ -231,8 +231,8 @@ void GenerationEngine::prefill(const std::vector<Active*>& group) {
       const BlockSaved& b = s.blocks[static_cast<size_t>(l)];
       if (c.mla()) {  // the cache row [normed latent | RoPE key] (nn/mla.h)
         const int64_t dc = c.mla_kv_rank, dr = c.mla_rope_dim;
-        backend.read(b.mla_c_norm.view(t * dc, {dc}), latent.data());
-        backend.read(b.mla_kr.view(t * dr, {dr}), latent.data() + dc);
+        backend.read(b.attention.mla_c_norm.view(t * dc, {dc}), latent.data());
+        backend.read(b.attention.mla_kr.view(t * dr, {dr}), latent.data() + dc);
         cache_->write(a.seq, l, latent.data(), nullptr);
         continue;
       }

@@ -77,10 +77,15 @@ int64_t store_bytes(const MemoryPlan& plan, const ModelConfig& c, int64_t first,
   if (plan.recompute == "budget") return bytes + static_cast<int64_t>(plan.recompute_budget_mb * (1 << 20)) + ends;
   const std::vector<RecomputePolicy> policies = recompute_plan(plan.recompute, c.n_layer);
   const bool flash = plan.flash_attention;  // lse (B,H,T) in the blocks' records instead of probs (B,H,T,T)
+  PlanChoices choices;  // what decides the records' fields: the attention kind (and the MLP kind, per layer)
+  choices.flash = flash;
+  choices.context = !cp ? PlanChoices::NONE : plan.ulysses ? PlanChoices::ULYSSES : PlanChoices::RING;
   bool shared = false;
   for (int64_t l = first; l < last; ++l) {
     const RecomputePolicy keep = c.moe_layer(l) ? RECOMPUTE_NONE : policies[l];
-    bytes += block_saved_bytes(c, B, T, split, shards, cp, c.moe_layer(l), keep, plan.ep, flash);
+    bytes += block_saved_bytes(c, resolve_layer_plan(c, l, choices),
+                               {.batch = B, .seq_len = T, .seq_shards = shards, .split_backward = split, .keep = keep,
+                                .ep = plan.ep});
     shared |= keep != RECOMPUTE_NONE;
     if (cp && plan.ulysses) {  // UlyssesSaved: the whole sequence for this rank's heads
       const int64_t N = plan.cp, Tf = plan.seq_len, hd = c.head_dim(), hl = c.n_head / N, kvl = c.n_kv_head / N;
@@ -88,7 +93,7 @@ int64_t store_bytes(const MemoryPlan& plan, const ModelConfig& c, int64_t first,
     }
   }
   if (shared) {  // the recompute record and output
-    bytes += block_saved_bytes(c, B, T, false, 1, false, false, RECOMPUTE_NONE, 1, flash) +
+    bytes += block_kept_bytes(c, B, T, RECOMPUTE_NONE, flash) +
              4 * BT * std::max(C, c.n_head * c.head_dim());
   }
   return bytes + (last < c.n_layer ? 4 * B * Ts * C : ends);  // the stage's output, or the model's ends
@@ -144,8 +149,7 @@ MemoryEstimate estimate_rank(const MemoryPlan& plan, const ModelConfig& c, const
     const std::vector<RecomputePolicy> policies = recompute_plan(plan.recompute, c.n_layer);
     for (int64_t l = 0; l < c.n_layer; ++l) {
       if (c.moe_layer(l) || policies[l] == RECOMPUTE_NONE) continue;
-      const int64_t kept = block_saved_bytes(c, plan.batch, plan.seq_len, false, 1, false, false, policies[l], 1,
-                                             plan.flash_attention);
+      const int64_t kept = block_kept_bytes(c, plan.batch, plan.seq_len, policies[l], plan.flash_attention);
       e.bytes[MEM_ACTIVATIONS] -= kept;
       e.bytes[MEM_OFFLOADED] += kept;
     }

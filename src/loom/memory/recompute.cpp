@@ -19,7 +19,9 @@ std::string_view recompute_name(RecomputePolicy p) {
 }
 
 int64_t block_kept_bytes(const ModelConfig& c, int64_t B, int64_t T, RecomputePolicy policy, bool flash) {
-  return block_saved_bytes(c, B, T, false, 1, false, false, policy, 1, flash);
+  LayerPlan plan;  // a dense block without model parallelism (the blocks that recompute); MLA's sizes with MLA
+  plan.attention = c.mla() ? AttentionKind::mla : flash ? AttentionKind::flash : AttentionKind::mha;
+  return block_saved_bytes(c, plan, {.batch = B, .seq_len = T, .keep = policy});
 }
 
 std::vector<RecomputePolicy> recompute_plan(const std::string& name, int64_t n_layer) {

@@ -265,10 +265,9 @@ std::vector<std::array<double, RECOMPUTE_COUNT>> Transformer::measure_recompute_
   const int64_t C = config_.d_model;
   // A scratch record (workspace, freed on return) with a deterministic input in the range of a
   // residual stream; its other fields come from the first forward.
-  BlockSaved kept = allocate_block_saved(alloc, config_, batch, seq_len, false, 1, false, false, RECOMPUTE_NONE,
-                                         MEM_WORKSPACE, 1, flash_);
-  BlockSaved full = allocate_block_saved(alloc, config_, batch, seq_len, false, 1, false, false, RECOMPUTE_NONE,
-                                         MEM_WORKSPACE, 1, flash_);
+  const SavedShape shape{.batch = batch, .seq_len = seq_len, .category = MEM_WORKSPACE};
+  BlockSaved kept = allocate_block_saved(alloc, config_, recompute_record_plan(), shape);
+  BlockSaved full = allocate_block_saved(alloc, config_, recompute_record_plan(), shape);
   const Tensor out = Tensor::empty(alloc, {batch * seq_len * std::max(C, config_.n_head * config_.head_dim())},
                                    DTYPE_F32, MEM_WORKSPACE);
   fill_normal(backend_, kept.input, 1, 0, 1.0f);
@@ -295,6 +294,12 @@ std::vector<std::array<double, RECOMPUTE_COUNT>> Transformer::measure_recompute_
     b.set_recording(true);
   }
   return seconds;
+}
+
+LayerPlan Transformer::recompute_record_plan() const {
+  LayerPlan plan = blocks_.front().plan();  // (the blocks that recompute: no model parallelism, no MoE)
+  plan.mlp = MlpKind::dense;
+  return plan;
 }
 
 ActivationStore Transformer::allocate_store_for(int64_t batch, int64_t seq_len, int64_t first, int64_t last,
@@ -336,8 +341,13 @@ ActivationStore Transformer::allocate_store_for(int64_t batch, int64_t seq_len, 
   for (int64_t l = first; l < last; ++l) {
     const RecomputePolicy keep = recompute && !recompute_.empty() ? recompute_[l] : RECOMPUTE_NONE;
     const MemCategory where = keep != RECOMPUTE_NONE && recompute_offload_ ? MEM_OFFLOADED : MEM_ACTIVATIONS;
-    s.blocks[l] = allocate_block_saved(alloc, config_, B, T, split_backward, shards(), context_parallel,
-                                       config_.moe_layer(l), keep, where, ep_size(), flash_);
+    LayerPlan plan = blocks_[static_cast<size_t>(l)].plan();
+    if (!context_parallel && (plan.attention == AttentionKind::ring || plan.attention == AttentionKind::ulysses)) {
+      plan.attention = AttentionKind::mha;  // a store of whole sequences (decoding) on a cp model
+    }
+    s.blocks[l] = allocate_block_saved(alloc, config_, plan,
+                                       {.batch = B, .seq_len = T, .seq_shards = shards(), .split_backward = split_backward,
+                                        .keep = keep, .ep = ep_size(), .category = where});
   }
   if (last < config_.n_layer) {
     s.blocks[last].input = act({B, Ts, C});  // the stage's output: the next stage's input
@@ -357,8 +367,7 @@ ActivationStore Transformer::allocate_store_for(int64_t batch, int64_t seq_len, 
              "with tensor or context parallelism is not supported yet");
   if (any_recompute && (!recompute_record_.input.defined() || recompute_record_.input.dim(0) != B ||
                         recompute_record_.input.dim(1) != T)) {
-    recompute_record_ = allocate_block_saved(alloc, config_, B, T, false, 1, false, false, RECOMPUTE_NONE,
-                                             MEM_ACTIVATIONS, 1, flash_);
+    recompute_record_ = allocate_block_saved(alloc, config_, recompute_record_plan(), {.batch = B, .seq_len = T});
     recompute_out_ = Tensor::empty(alloc, {B * T * std::max(C, config_.n_head * config_.head_dim())}, DTYPE_F32,
                                    MEM_ACTIVATIONS);
   }
@@ -543,7 +552,7 @@ std::vector<std::pair<int64_t, int64_t>> Transformer::sequence_partial_ranges() 
   };
   for (int64_t l = 0; l < config_.n_layer; ++l) {
     const BlockParams g = block_params_view(config_, layout_, grads_, l);
-    for (const Tensor& t : {g.norm1_w, g.norm1_b, g.norm2_w, g.norm2_b}) add(t);
+    for (const Tensor& t : {g.attention.norm_w, g.attention.norm_b, g.mlp.norm_w, g.mlp.norm_b}) add(t);
   }
   for (const Tensor& t : {d_final_w, d_final_b, d_pos_w}) add(t);
   return out;

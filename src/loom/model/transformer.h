@@ -215,6 +215,8 @@ class Transformer {
   std::vector<MoeLayerStats> moe_stats_;
   std::vector<int64_t> moe_layers_;  // the MoE blocks' layers (moe_sums_' rows)
   int64_t shards() const { return sp_ ? tp_->size() : 1; }
+  // The plan of the full records recomputation fills: a dense block's (MLA's sizes with MLA).
+  LayerPlan recompute_record_plan() const;
   ActivationStore allocate_store_for(int64_t batch, int64_t seq_len, int64_t first, int64_t last, bool split_backward,
                                      bool context_parallel, bool recompute = true);
   // Context parallel: f(rows (1, chunk, C) of one sequence, their first global position) for

@@ -1,5 +1,7 @@
 #include "loom/nn/attention.h"
 
+#include <algorithm>
+
 #include "loom/core/error.h"
 #include "loom/nn/context_parallel.h"
 
@@ -28,7 +30,7 @@ void split_qkv(Backend& backend, const Tensor& qkv, const SplitQkv& out, const M
 
 }  // namespace
 
-void attention_forward(Backend& backend, const LayerPlan& plan, const ModelConfig& c, ContextParallel* cp, BlockSaved& s) {
+void attention_forward(Backend& backend, const LayerPlan& plan, const ModelConfig& c, ContextParallel* cp, AttentionSaved& s) {
   const int64_t H = c.n_head, KV = c.n_kv_head;
   switch (plan.attention) {
     case AttentionKind::mha:
@@ -53,7 +55,7 @@ void attention_forward(Backend& backend, const LayerPlan& plan, const ModelConfi
 }
 
 void attention_backward(Backend& backend, const LayerPlan& plan, const ModelConfig& c, ContextParallel* cp,
-                        const BlockSaved& s, BlockScratch& k) {
+                        const AttentionSaved& s, BlockScratch& k) {
   const int64_t H = c.n_head, KV = c.n_kv_head;
   switch (plan.attention) {
     case AttentionKind::mha:
@@ -81,6 +83,188 @@ void attention_backward(Backend& backend, const LayerPlan& plan, const ModelConf
       break;
   }
   throw Error("attention_backward: MLA runs its own module (nn/mla.h)");
+}
+
+
+void attention_saved_fields(const ModelConfig& config, const LayerPlan& plan, const SavedShape& shape,
+                            AttentionSaved& s, const SavedFieldFn& field) {
+  const int64_t B = shape.batch, T = shape.seq_len, C = config.d_model, H = config.n_head;
+  const int64_t Ts = T / shape.seq_shards;  // the residual stream's positions on this rank
+  const bool mla = plan.attention == AttentionKind::mla, flash = plan.attention == AttentionKind::flash;
+  if (shape.keep == RECOMPUTE_FULL) return;
+  if (shape.keep == RECOMPUTE_SELECTIVE) {  // the GEMM outputs (sizes only for MLA: its blocks do not recompute)
+    if (!mla) field(s.qkv, {B, T, config.qkv_width()});
+    field(s.attn, {B, T, config.attn_width()});
+    if (flash) field(s.lse, {B, H, T});  // the attention is not recomputed
+    return;
+  }
+  field(s.norm.out, {B, Ts, C});
+  if (!config.rmsnorm()) field(s.norm.mean, {B, Ts});
+  field(s.norm.rstd, {B, Ts});
+  if (mla) {
+    const int64_t dq = config.mla_q_rank, dc = config.mla_kv_rank;
+    if (dq > 0) {
+      field(s.mla_qa, {B, T, dq});
+      field(s.mla_qa_norm, {B, T, dq});
+      field(s.mla_qa_rstd, {B, T});
+    }
+    field(s.mla_q, {B, T, H * config.mla_qk()});
+    field(s.mla_c, {B, T, dc});
+    field(s.mla_c_norm, {B, T, dc});
+    field(s.mla_c_rstd, {B, T});
+    field(s.mla_kr, {B, T, config.mla_rope_dim});
+    field(s.mla_kv, {B, T, H * (config.mla_nope() + config.mla_v())});
+  } else {
+    field(s.qkv, {B, T, config.qkv_width()});
+  }
+  // FlashAttention or context parallel keep the rows' log-sum-exp (Ulysses then its own record).
+  if (plan.attention == AttentionKind::mha || mla) field(s.probs, {B, H, T, T});
+  else field(s.lse, {B, H, T});
+  field(s.attn, {B, T, config.attn_width()});
+  if (shape.split_backward) {
+    field(s.dy_proj, {B, T, C});
+    if (!mla) field(s.dy_qkv, {B, T, config.qkv_width()});
+  }
+}
+
+void AttentionLayer::set_precision(const PrecisionPolicy& policy, AttentionParams params16) {
+  params16_ = std::move(params16);
+  qkv_ = LinearLayer(linear_setup(policy, LINEAR_ATTN_QKV, true));
+  proj_ = LinearLayer(linear_setup(policy, LINEAR_ATTN_OUT, true));
+}
+
+MlaActivations AttentionLayer::mla_activations(const AttentionSaved& s) {
+  return {s.mla_qa, s.mla_qa_norm, s.mla_qa_rstd, s.mla_q, s.mla_c, s.mla_c_norm, s.mla_c_rstd, s.mla_kr, s.mla_kv,
+          s.probs, s.attn};
+}
+
+void AttentionLayer::rope(Backend& backend, const Tensor& qkv, bool backward) const {
+  const int64_t heads = config_.n_head + config_.n_kv_head, hd = config_.head_dim();
+  const ContextParallel* cp = links_.cp;
+  if (cp == nullptr) {
+    if (backward) backend.rope_backward(qkv, hd, heads, config_.rope_theta, 0);
+    else backend.rope_forward(qkv, hd, heads, config_.rope_theta, 0);
+    return;
+  }
+  // This rank's positions are two chunks of the sequence (zig-zag): each rotated at its start.
+  const int64_t B = qkv.dim(0), Tl = qkv.dim(1), W = qkv.dim(2), chunk = Tl / 2;
+  const Tensor tmp = cp->chunk.view(0, {B, chunk, W});
+  for (int c = 0; c < 2; ++c) {
+    for (int64_t b = 0; b < B; ++b) backend.copy(qkv.view((b * Tl + c * chunk) * W, {chunk, W}), tmp.view(b * chunk * W, {chunk, W}));
+    if (backward) backend.rope_backward(tmp, hd, heads, config_.rope_theta, cp->chunk_starts[static_cast<size_t>(c)]);
+    else backend.rope_forward(tmp, hd, heads, config_.rope_theta, cp->chunk_starts[static_cast<size_t>(c)]);
+    for (int64_t b = 0; b < B; ++b) backend.copy(tmp.view(b * chunk * W, {chunk, W}), qkv.view((b * Tl + c * chunk) * W, {chunk, W}));
+  }
+}
+
+void AttentionLayer::forward(Backend& backend, const Tensor& x, AttentionSaved& s, const Tensor& mid) {
+  const AttentionParams& p = params_;
+  const AttentionParams& q = params16_;
+  const int64_t T = s.attn.dim(1);
+  norm_forward(backend, config_, x, p.norm_w, p.norm_b, s.norm.out, s.norm.mean, s.norm.rstd);
+  if (plan_.attention == AttentionKind::mla) {  // multi-head latent attention (nn/mla.h): a whole layer only
+    mla_forward(backend, config_, p.mla, s.norm.out, mla_activations(s));
+  } else {
+    qkv_.forward(backend, links_.whole(backend, s.norm.out, T), p.qkv_w, q.qkv_w, p.qkv_b, s.qkv, 0.0f, links_.ws);
+    if (!config_.learned_positions()) rope(backend, s.qkv, false);
+    attention_forward(backend, plan_, config_, links_.cp, s);
+  }
+  // mid = x + proj(attn); g: the heads' partial projections summed over tp.
+  residual_linear_forward(backend, links_, proj_, s.attn, p.proj_w, q.proj_w, p.proj_b, x, mid);
+}
+
+void AttentionLayer::forward_rows(Backend& backend, const Tensor& x, AttentionSaved& s, const Tensor& mid,
+                                  const std::vector<int64_t>& positions, DecodeCache& cache, int64_t layer) const {
+  const AttentionParams& p = params_;
+  const int64_t n = x.dim(0), H = config_.n_head, hd = config_.head_dim();
+  const int64_t W = config_.qkv_width(), KW = config_.n_kv_head * hd;
+  norm_forward(backend, config_, x, p.norm_w, p.norm_b, s.norm.out, s.norm.mean, s.norm.rstd);
+  if (plan_.attention == AttentionKind::mla) {
+    mla_rows(backend, s, positions, cache, layer);
+  } else {
+    linear_forward(backend, s.norm.out, p.qkv_w, p.qkv_b, s.qkv);
+    if (!config_.learned_positions()) {
+      for (int64_t r = 0; r < n; ++r) {
+        backend.rope_forward(s.qkv.view(r * W, {1, 1, W}), hd, H + config_.n_kv_head, config_.rope_theta, positions[r]);
+      }
+    }
+    // The rows' q, k, v to the host in one read; each row's attention through its host cache;
+    // the outputs back in one write (the same arithmetic as on the rows in place).
+    std::vector<float>& qkv = cache.host_qkv;
+    std::vector<float>& attn = cache.host_attn;
+    qkv.resize(static_cast<size_t>(n * W));
+    attn.resize(static_cast<size_t>(n * H * hd));
+    backend.read(s.qkv.view(0, {n, W}), qkv.data());
+    for (int64_t r = 0; r < n; ++r) {
+      const float* row = qkv.data() + r * W;
+      cache.attend(layer, r, row, row + H * hd, row + H * hd + KW, attn.data() + r * H * hd);
+    }
+    backend.write(s.attn.view(0, {n, H * hd}), attn.data());
+  }
+  backend.copy(x, mid);
+  linear_forward(backend, s.attn, p.proj_w, p.proj_b, mid, 1.0f);
+}
+
+void AttentionLayer::mla_rows(Backend& backend, AttentionSaved& s, const std::vector<int64_t>& positions,
+                              DecodeCache& cache, int64_t layer) const {
+  const int64_t n = s.norm.out.dim(0), dc = config_.mla_kv_rank, dr = config_.mla_rope_dim;
+  MlaActivations a = mla_activations(s);
+  a.kv = Tensor{};  // the up-projection is absorbed into the query
+  mla_project(backend, config_, params_.mla, s.norm.out, a, positions.data());
+  const int64_t qw = config_.n_head * config_.mla_qk(), lw = dc + dr, aw = config_.attn_width();
+  std::vector<float> latent(static_cast<size_t>(lw));
+  for (int64_t r = 0; r < n; ++r) {  // the row's [c' | k_r] to the host cache, the visible latents back
+    backend.read(a.c_norm.view(r * dc, {dc}), latent.data());
+    backend.read(a.kr.view(r * dr, {dr}), latent.data() + dc);
+    int64_t count = 0;
+    const float* latents = cache.latent(layer, r, latent.data(), &count);
+    // A sliding window attends to the newest attn_window positions only.
+    const int64_t first = config_.attn_window > 0 ? std::max<int64_t>(0, count - config_.attn_window) : 0;
+    const Tensor visible = Tensor::empty(backend.allocator(), {count - first, lw}, DTYPE_F32, MEM_WORKSPACE);
+    backend.write(visible, latents + first * lw);
+    mla_attend_latents(backend, config_, params_.mla, a.q.view(r * qw, {qw}), visible, a.attn.view(r * aw, {aw}));
+  }
+}
+
+void AttentionLayer::backward(Backend& backend, const Tensor& x, const AttentionSaved& s, const Tensor& d_residual,
+                              BlockScratch& k, BackwardPart part) {
+  const AttentionParams& p = params_;
+  const AttentionParams& g = grads_;
+  const AttentionParams& q = params16_;
+  const int64_t T = s.attn.dim(1);
+  // Sequence parallel: gradients arrive on the shard and are gathered before the row-parallel
+  // layer's backward (g's backward); the norm's output is gathered again for the weight gradient.
+  const auto whole = [&](const Tensor& shard) { return links_.whole(backend, shard, T); };
+  const bool mla = plan_.attention == AttentionKind::mla;
+  const InputPass pass = input_pass(backend, part, s.dy_proj);
+  if (part == BACKWARD_WEIGHT) {  // the weight gradients from the kept output gradients
+    proj_.backward(backend, s.attn, p.proj_w, q.proj_w, s.dy_proj, Tensor{}, g.proj_w, Tensor{}, links_.ws);
+    // An MLA layer's projections' weight gradients were computed in the input pass.
+    if (!mla) qkv_.backward(backend, whole(s.norm.out), p.qkv_w, q.qkv_w, s.dy_qkv, Tensor{}, g.qkv_w, Tensor{}, links_.ws);
+    return;
+  }
+  const Tensor dy_mid = whole(d_residual);
+  pass.keep(dy_mid, s.dy_proj);
+  proj_.backward(backend, s.attn, p.proj_w, q.proj_w, dy_mid, k.d_attn, pass.dw(g.proj_w), g.proj_b, links_.ws);
+  if (mla) {  // d(norm1 output) and MLA's weight gradients (also in a split input pass)
+    mla_backward(backend, config_, p.mla, g.mla, s.norm.out, mla_activations(s), k.d_attn, k.d_norm, k.d_qkv);
+  } else {
+    attention_backward(backend, plan_, config_, links_.cp, s, k);
+    if (!config_.learned_positions()) rope(backend, k.d_qkv, true);
+    pass.keep(k.d_qkv, s.dy_qkv);
+    qkv_.backward(backend, whole(s.norm.out), p.qkv_w, q.qkv_w, k.d_qkv, k.d_norm, pass.dw(g.qkv_w), g.qkv_b, links_.ws);
+  }
+  // f: the heads' partial d(norm1 output), then through norm1 into d(x).
+  norm_residual_backward(backend, config_, links_, k, true, d_residual, x, p.norm_w, s.norm, g.norm_w, g.norm_b);
+}
+
+void AttentionLayer::recompute_selective(Backend& backend, const Tensor& x, AttentionSaved& s,
+                                         const Tensor& out_scratch) const {
+  norm_forward(backend, config_, x, params_.norm_w, params_.norm_b, s.norm.out, s.norm.mean, s.norm.rstd);
+  if (plan_.attention != AttentionKind::flash) {
+    backend.attention_forward(s.qkv, out_scratch.view(0, s.attn.shape()), s.probs, config_.n_head, config_.n_kv_head,
+                              config_.attn_window);
+  }
 }
 
 }  // namespace loom

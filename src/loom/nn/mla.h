@@ -40,7 +40,8 @@ struct MlaParams {
   bool defined() const { return kv_a_w.defined(); }
 };
 
-// The activations an MLA forward writes and its backward reads (views of the block's BlockSaved).
+// The activations an MLA forward writes and its backward reads (views of the attention sub-layer's
+// AttentionSaved, nn/attention.h).
 struct MlaActivations {
   Tensor qa, qa_norm, qa_rstd;  // (B,T,d_q), (B,T,d_q), (B,T): d_q > 0 only
   Tensor q;                     // (B,T,H qk) after RoPE

@@ -1,7 +1,7 @@
 // Each layer's plan: which attention and MLP modules a block composes, resolved once from the
 // model config and the run's choices (train.flash_attention, parallel.cp_attention, tp / sp,
-// train.recompute, the precision recipe of its four linear layers). The block dispatches on its
-// plan; no other code branches on those flags.
+// train.recompute, the precision recipe of its four linear layers). The block composes its two
+// sub-layers by its plan (nn/attention.h, nn/mlp.h); no other code branches on those flags.
 //
 // Attention kinds (nn/attention.h), one function pair each:
 //   mha      probabilities kept (B,H,T,T); MHA / GQA / MQA by n_kv_head

@@ -86,34 +86,34 @@ void tp_copy(Backend& backend, const ModelConfig& gc, const Tensor& global, cons
   for (int64_t layer = 0; layer < gc.n_layer; ++layer) {
     const BlockParams g = block_params_view(gc, gl, global, layer);
     const BlockParams l = block_params_view(lc, ll, local, layer);
-    for (const auto& [gt, lt] : {std::pair{g.qkv_w, l.qkv_w}, std::pair{g.qkv_b, l.qkv_b}}) {
+    for (const auto& [gt, lt] : {std::pair{g.attention.qkv_w, l.attention.qkv_w}, std::pair{g.attention.qkv_b, l.attention.qkv_b}}) {
       if (!gt.defined()) continue;
       copy_rows(backend, gt, rank * Hl * hd, lt, 0, Hl * hd, to_local);                                  // query heads
       copy_rows(backend, gt, (H + rank * KVl) * hd, lt, Hl * hd, KVl * hd, to_local);                    // key heads
       copy_rows(backend, gt, (H + KV + rank * KVl) * hd, lt, (Hl + KVl) * hd, KVl * hd, to_local);       // value heads
     }
-    copy_columns(backend, g.proj_w, rank * Hl * hd, l.proj_w, !to_local);
-    for (const auto& [gt, lt] : {std::pair{g.fc_w, l.fc_w}, std::pair{g.fc_b, l.fc_b}}) {
+    copy_columns(backend, g.attention.proj_w, rank * Hl * hd, l.attention.proj_w, !to_local);
+    for (const auto& [gt, lt] : {std::pair{g.mlp.fc_w, l.mlp.fc_w}, std::pair{g.mlp.fc_b, l.mlp.fc_b}}) {
       if (!gt.defined()) continue;
       copy_rows(backend, gt, rank * Fl, lt, 0, Fl, to_local);
       if (gc.swiglu()) copy_rows(backend, gt, F + rank * Fl, lt, Fl, Fl, to_local);  // the up half of [gate | up]
     }
-    if (g.fc2_w.defined()) copy_columns(backend, g.fc2_w, rank * Fl, l.fc2_w, !to_local);
-    if (replicated && g.moe.defined()) {  // an MoE block's router and experts are replicated
-      for (const auto& [gt, lt] : {std::pair{g.moe.router_w, l.moe.router_w}, std::pair{g.moe.bias, l.moe.bias},
-                                   std::pair{g.moe.shared_fc_w, l.moe.shared_fc_w},
-                                   std::pair{g.moe.shared_fc2_w, l.moe.shared_fc2_w}}) {
+    if (g.mlp.fc2_w.defined()) copy_columns(backend, g.mlp.fc2_w, rank * Fl, l.mlp.fc2_w, !to_local);
+    if (replicated && g.mlp.moe.defined()) {  // an MoE block's router and experts are replicated
+      for (const auto& [gt, lt] : {std::pair{g.mlp.moe.router_w, l.mlp.moe.router_w}, std::pair{g.mlp.moe.bias, l.mlp.moe.bias},
+                                   std::pair{g.mlp.moe.shared_fc_w, l.mlp.moe.shared_fc_w},
+                                   std::pair{g.mlp.moe.shared_fc2_w, l.mlp.moe.shared_fc2_w}}) {
         copy_whole(backend, gt, lt, to_local);
       }
-      for (size_t e = 0; e < g.moe.fc_w.size(); ++e) {
-        copy_whole(backend, g.moe.fc_w[e], l.moe.fc_w[e], to_local);
-        copy_whole(backend, g.moe.fc2_w[e], l.moe.fc2_w[e], to_local);
+      for (size_t e = 0; e < g.mlp.moe.fc_w.size(); ++e) {
+        copy_whole(backend, g.mlp.moe.fc_w[e], l.mlp.moe.fc_w[e], to_local);
+        copy_whole(backend, g.mlp.moe.fc2_w[e], l.mlp.moe.fc2_w[e], to_local);
       }
     }
     if (replicated) {
-      for (const auto& [gt, lt] : {std::pair{g.norm1_w, l.norm1_w}, std::pair{g.norm1_b, l.norm1_b},
-                                   std::pair{g.norm2_w, l.norm2_w}, std::pair{g.norm2_b, l.norm2_b},
-                                   std::pair{g.proj_b, l.proj_b}, std::pair{g.fc2_b, l.fc2_b}}) {
+      for (const auto& [gt, lt] : {std::pair{g.attention.norm_w, l.attention.norm_w}, std::pair{g.attention.norm_b, l.attention.norm_b},
+                                   std::pair{g.mlp.norm_w, l.mlp.norm_w}, std::pair{g.mlp.norm_b, l.mlp.norm_b},
+                                   std::pair{g.attention.proj_b, l.attention.proj_b}, std::pair{g.mlp.fc2_b, l.mlp.fc2_b}}) {
         copy_whole(backend, gt, lt, to_local);
       }
     }

@@ -12,7 +12,8 @@
 // A rank's slice is itself a model config: the same d_model and head width with H/tp heads,
 // KV/tp kv heads, F/tp hidden and Vs vocabulary rows, so the block and the flat buffers work
 // unchanged; the conjugate operators f (identity forward, all-reduce backward) and g
-// (all-reduce forward, identity backward) sit in nn/block.cpp and model/transformer.cpp.
+// (all-reduce forward, identity backward) sit in the block's sub-layers (nn/attention.cpp,
+// nn/mlp.cpp, nn/layer.cpp) and model/transformer.cpp.
 #pragma once
 #include <cstdint>
 #include <utility>

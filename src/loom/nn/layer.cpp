@@ -1,0 +1,85 @@
+#include "loom/nn/layer.h"
+
+#include "loom/core/error.h"
+
+#include "loom/nn/mla.h"
+#include "loom/nn/sequence_parallel.h"
+
+namespace loom {
+
+void norm_forward(Backend& backend, const ModelConfig& config, const Tensor& x, const Tensor& weight,
+                  const Tensor& bias, const Tensor& out, const Tensor& mean, const Tensor& rstd) {
+  if (config.rmsnorm()) backend.rmsnorm_forward(x, weight, out, rstd, config.norm_eps);
+  else backend.layernorm_forward(x, weight, bias, out, mean, rstd, config.norm_eps);
+}
+
+void norm_backward(Backend& backend, const ModelConfig& config, const Tensor& dout, const Tensor& x,
+                   const Tensor& weight, const Tensor& mean, const Tensor& rstd, const Tensor& dx,
+                   const Tensor& dweight, const Tensor& dbias) {
+  if (config.rmsnorm()) backend.rmsnorm_backward(dout, x, weight, rstd, dx, dweight);
+  else backend.layernorm_backward(dout, x, weight, mean, rstd, dx, dweight, dbias);
+}
+
+Tensor LayerLinks::whole(Backend& backend, const Tensor& shard, int64_t seq_len) const {
+  if (seq == nullptr) return shard;
+  const Tensor full = seq->full.view(0, {shard.dim(0), seq_len, shard.dim(2)});
+  sequence_all_gather(backend, *tp, shard, full, seq->staging);
+  return full;
+}
+
+void LayerLinks::reduce(Backend& backend, const Tensor& partial, const Tensor& into) const {
+  if (seq != nullptr) sequence_reduce_scatter(backend, *tp, partial, into, seq->staging);
+  else tp->all_reduce(into);
+}
+
+void residual_linear_forward(Backend& backend, const LayerLinks& links, LinearLayer& layer, const Tensor& x,
+                             const Tensor& w, const Tensor& w16, const Tensor& b, const Tensor& residual,
+                             const Tensor& out) {
+  if (links.tp == nullptr) {
+    backend.copy(residual, out);
+    layer.forward(backend, x, w, w16, b, out, 1.0f, links.ws);  // out = residual + layer(x)
+    return;
+  }
+  const int64_t C = out.dim(2);
+  const Tensor y = links.seq != nullptr ? links.seq->full.view(0, {x.dim(0), x.dim(1), C}) : out;
+  layer.forward(backend, x, w, w16, links.tp->rank() == 0 ? b : Tensor{}, y, 0.0f, links.ws);
+  links.reduce(backend, y, out);
+  backend.add_inplace(out, residual);
+}
+
+BlockScratch allocate_block_scratch(Allocator& allocator, const ModelConfig& config, int64_t batch, int64_t seq_len) {
+  const int64_t B = batch, T = seq_len, C = config.d_model;
+  auto ws = [&](Shape shape) { return Tensor::empty(allocator, std::move(shape), DTYPE_F32, MEM_WORKSPACE); };
+  BlockScratch s;
+  s.d_norm = ws({B, T, C});
+  s.d_tmp = ws({B, T, C});
+  // MLA: a width w with B T w >= mla_scratch_floats(B, T) (B T x floats and T more).
+  const int64_t mla_width = config.mla() ? mla_scratch_floats(config, 1, 1) : 0;
+  s.d_qkv = ws({B, T, config.mla() ? mla_width : config.qkv_width()});
+  s.d_attn = ws({B, T, config.attn_width()});
+  s.d_fc = ws({B, T, config.mlp_in_width()});
+  s.d_act = ws({B, T, config.d_ff});
+  return s;
+}
+
+InputPass input_pass(Backend& backend, BackwardPart part, const Tensor& kept) {
+  LOOM_CHECK(part == BACKWARD_ALL || kept.defined(), "block backward: the ",
+             part == BACKWARD_WEIGHT ? "weight" : "input", " pass needs activations allocated for a split backward");
+  return {backend, part == BACKWARD_INPUT};
+}
+
+void norm_residual_backward(Backend& backend, const ModelConfig& config, const LayerLinks& links, BlockScratch& k,
+                            bool partial, const Tensor& d_residual, const Tensor& x, const Tensor& weight,
+                            const NormSaved& norm, const Tensor& dweight, const Tensor& dbias) {
+  // Sequence parallel: the partial gradient (whole sequence, k.d_norm) is reduced onto the
+  // shard in d_tmp, and the norm's input gradient goes to d_norm; else the reverse.
+  const bool sp = links.seq != nullptr;
+  const Tensor dn = sp ? k.d_tmp.view(0, d_residual.shape()) : k.d_norm;
+  const Tensor dx = sp ? k.d_norm.view(0, d_residual.shape()) : k.d_tmp;
+  if (partial && sp) sequence_reduce_scatter(backend, *links.tp, k.d_norm, dn, links.seq->staging);
+  else if (partial && links.tp != nullptr) links.tp->all_reduce(k.d_norm);
+  norm_backward(backend, config, dn, x, weight, norm.mean, norm.rstd, dx, dweight, dbias);
+  backend.add_inplace(d_residual, dx);
+}
+
+}  // namespace loom

@@ -1,0 +1,156 @@
+// What the two sub-layers of a block (nn/attention.h, nn/mlp.h) share: the pre-norm, the
+// links to the model-parallel groups and buffers a layout gives them, the activation-gradient
+// scratch of a backward pass, the split of a backward into input and weight passes, and the
+// description of an activation record's size.
+//
+// Each sub-layer is pre-norm and residual: x -> x + f(norm(x)). It keeps what its backward
+// needs in its own Saved record and runs forward, backward (whole, or an input and a weight
+// pass) and, where it supports activation checkpointing, a recompute of what it did not keep.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "loom/arch/config.h"
+#include "loom/backend/backend.h"
+#include "loom/comm/communicator.h"
+#include "loom/nn/context_parallel.h"
+#include "loom/nn/linear.h"
+#include "loom/nn/plan.h"
+
+namespace loom {
+
+// A pre-norm's output and statistics: out (B,T,C), mean (B,T) (LayerNorm only), rstd (B,T).
+struct NormSaved {
+  Tensor out, mean, rstd;
+};
+
+// Normalisation of the configured kind (LayerNorm or RMSNorm) over the last dim.
+void norm_forward(Backend& backend, const ModelConfig& config, const Tensor& x, const Tensor& weight,
+                  const Tensor& bias, const Tensor& out, const Tensor& mean, const Tensor& rstd);
+void norm_backward(Backend& backend, const ModelConfig& config, const Tensor& dout, const Tensor& x,
+                   const Tensor& weight, const Tensor& mean, const Tensor& rstd, const Tensor& dx,
+                   const Tensor& dweight, const Tensor& dbias);
+
+// Which part of a backward to run: all of it, the input gradient (and the norms' and biases'
+// gradients) keeping the linear layers' output gradients, or the linear layers' weight
+// gradients from those (Qi et al., "Zero Bubble Pipeline Parallelism", 2024: B and W).
+enum BackwardPart : uint8_t { BACKWARD_ALL, BACKWARD_INPUT, BACKWARD_WEIGHT };
+
+// A sub-layer's input gradient pass (BACKWARD_ALL or BACKWARD_INPUT): in a split input pass the
+// linear layers' weight gradients are left out (dw gives no tensor) and their output gradients
+// kept for the weight pass (keep copies them into the record).
+struct InputPass {
+  Backend& backend;
+  bool split = false;
+  Tensor dw(const Tensor& grad) const { return split ? Tensor{} : grad; }
+  void keep(const Tensor& dy, const Tensor& into) const {
+    if (split) backend.copy(dy, into);
+  }
+};
+// Checks that a split pass (input or weight) has the record's kept output gradients (`kept`:
+// one of them), naming what is missing.
+InputPass input_pass(Backend& backend, BackwardPart part, const Tensor& kept);
+
+// The size of one block's activation record. seq_len: the positions this rank computes
+// attention and the MLP over (context parallel: its share of the sequence). seq_shards > 1
+// (sequence parallel): the residual stream and the norms hold seq_len / seq_shards positions.
+// split_backward: the linear layers' output gradients are kept for a weight pass. keep: which
+// fields activation checkpointing keeps (nn/plan.h). ep: the MoE's expert-parallel group size.
+struct SavedShape {
+  int64_t batch = 0, seq_len = 0;
+  int64_t seq_shards = 1;
+  bool split_backward = false;
+  RecomputePolicy keep = RECOMPUTE_NONE;
+  int ep = 1;
+  MemCategory category = MEM_ACTIVATIONS;
+};
+
+// Called once for each field a record allocates, with its shape (fp32), in allocation order;
+// allocation and byte counting walk the same list.
+using SavedFieldFn = std::function<void(Tensor& field, Shape shape)>;
+
+// Whole-sequence (B,T,C) buffers a sequence-parallel block gathers into (shared by the blocks).
+struct SequenceScratch {
+  Tensor full, staging;
+};
+
+// Context parallel (nn/context_parallel.h): the group, the attention algorithm, this rank's
+// global positions (zig-zag chunks), and split q/k/v buffers shared by the blocks.
+struct ContextParallel {
+  Communicator* comm = nullptr;
+  bool ulysses = false;                // else ring attention
+  std::vector<int64_t> chunk_starts;   // global position of each of this rank's 2 chunks
+  Tensor q, k, v, dq, dk, dv, chunk;   // (B,T/cp,H hd), (B,T/cp,KV hd) x2, same, chunk (B,T/2cp,W)
+  CpWorkspace work;                    // the attention calls' buffers (allocated with the store)
+};
+
+// What the layout gives a sub-layer: the tensor-parallel group (nullptr: a whole layer), the
+// sequence-parallel buffers (nullptr: the residual stream is whole), the context-parallel group
+// and buffers (attention only), and the low-precision linear layers' shared workspace.
+struct LayerLinks {
+  Communicator* tp = nullptr;
+  SequenceScratch* seq = nullptr;
+  ContextParallel* cp = nullptr;
+  LinearWorkspace* ws = nullptr;
+
+  // The whole sequence (B, T, C) of a sequence shard (B, T/t, C), gathered into seq->full; the
+  // shard itself without sequence parallelism.
+  Tensor whole(Backend& backend, const Tensor& shard, int64_t seq_len) const;
+  // A row-parallel layer's partial output summed over the tp group into `into`: all-reduce in
+  // place, or (sequence parallel) reduce-scatter of `partial` onto this rank's shard.
+  void reduce(Backend& backend, const Tensor& partial, const Tensor& into) const;
+};
+
+// out = residual + layer(x) for the block's row-parallel output layers (attention's proj, the
+// MLP's fc2), x (B,T,in). Under tensor parallelism each rank's partial product is summed over the
+// group (g: all-reduce, or under sequence parallelism reduce-scatter onto this rank's shard of
+// out) and the bias added once, by rank 0. w16: the weight's bf16 copy or undefined.
+void residual_linear_forward(Backend& backend, const LayerLinks& links, LinearLayer& layer, const Tensor& x,
+                             const Tensor& w, const Tensor& w16, const Tensor& b, const Tensor& residual,
+                             const Tensor& out);
+
+// Activation-gradient scratch shared by all blocks of a backward pass (overwritten each use).
+struct BlockScratch {
+  Tensor d_norm;  // (B,T,C)
+  Tensor d_tmp;   // (B,T,C)
+  Tensor d_qkv;   // (B,T,(H+2KV)hd); MLA: (B,T,w) holding mla_backward's scratch
+  Tensor d_attn;  // (B,T,H hd); MLA: (B,T,H d_v)
+  Tensor d_fc;    // (B,T,F or 2F)
+  Tensor d_act;   // (B,T,F)
+};
+
+BlockScratch allocate_block_scratch(Allocator& allocator, const ModelConfig& config, int64_t batch, int64_t seq_len);
+
+// A sub-layer's pre-norm backward and residual: the gradient w.r.t. the norm's output, in
+// k.d_norm, through the norm, added to d_residual (which then holds the gradient w.r.t. the
+// sub-layer's input x). `partial`: k.d_norm holds this rank's heads' or hidden slice's partial
+// gradient, first summed over the tp group (f: all-reduce) or reduced onto the shard
+// (reduce-scatter).
+void norm_residual_backward(Backend& backend, const ModelConfig& config, const LayerLinks& links, BlockScratch& k,
+                            bool partial, const Tensor& d_residual, const Tensor& x, const Tensor& weight,
+                            const NormSaved& norm, const Tensor& dweight, const Tensor& dbias);
+
+// The KV caches of the sequences a decoding step runs (Block::forward_rows), kept by the caller
+// (infer/engine.h), one row per sequence.
+class DecodeCache {
+ public:
+  virtual ~DecodeCache() = default;
+  // MHA / GQA / MQA: stores row r's key and value (n_kv_head x head_dim each, after RoPE) as the
+  // newest position of its sequence in `layer`, and writes the attention of q (n_head x
+  // head_dim) over the sequence's visible positions (model.attn_window) to out (n_head x head_dim).
+  virtual void attend(int64_t layer, int64_t row, const float* q, const float* k, const float* v, float* out) = 0;
+  // MLA: stores row r's compressed latent [c' | k_r] (nn/mla.h: the normed latent and the RoPE
+  // key at the row's position) (the cache's k_width floats) as the newest position of
+  // its sequence in `layer` and returns every position's latent of the sequence, (*count,
+  // k_width), dequantized, valid until the next call (the block applies model.attn_window).
+  virtual const float* latent(int64_t layer, int64_t row, const float* latent, int64_t* count) = 0;
+
+  // Host staging of Block::forward_rows (MHA / GQA / MQA), reused across layers and steps: the
+  // step's (n, qkv_width) rows read from the backend in one Backend::read, and the (n, n_head x
+  // head_dim) attention outputs written back in one Backend::write, so the caches run on host
+  // rows whatever memory the backend's tensors live in.
+  std::vector<float> host_qkv, host_attn;
+};
+
+}  // namespace loom

@@ -1,0 +1,128 @@
+#include "loom/nn/mlp.h"
+
+#include "loom/core/error.h"
+
+namespace loom {
+
+void mlp_saved_fields(const ModelConfig& config, const LayerPlan& plan, const SavedShape& shape, MlpSaved& s,
+                      const SavedFieldFn& field) {
+  const int64_t B = shape.batch, T = shape.seq_len, C = config.d_model;
+  const int64_t Ts = T / shape.seq_shards;  // the residual stream's positions on this rank
+  const bool dense = plan.mlp == MlpKind::dense;
+  if (shape.keep == RECOMPUTE_FULL) return;
+  if (shape.keep == RECOMPUTE_SELECTIVE) {
+    field(s.fc, {B, T, config.mlp_in_width()});
+    return;
+  }
+  field(s.norm.out, {B, Ts, C});
+  if (!config.rmsnorm()) field(s.norm.mean, {B, Ts});
+  field(s.norm.rstd, {B, Ts});
+  if (!dense) return;
+  field(s.fc, {B, T, config.mlp_in_width()});
+  field(s.act, {B, T, config.d_ff});
+  if (shape.split_backward) {
+    field(s.dy_fc2, {B, T, C});
+    field(s.dy_fc, {B, T, config.mlp_in_width()});
+  }
+}
+
+void MlpLayer::set_precision(const PrecisionPolicy& policy, MlpParams params16) {
+  params16_ = std::move(params16);
+  fc_ = LinearLayer(linear_setup(policy, LINEAR_MLP_IN, true));
+  fc2_ = LinearLayer(linear_setup(policy, LINEAR_MLP_OUT, true));
+}
+
+void MlpLayer::activation(Backend& backend, const MlpSaved& s) const {
+  if (config_.swiglu()) backend.swiglu_forward(s.fc, s.act);
+  else backend.gelu_forward(s.fc, s.act);
+}
+
+void MlpLayer::forward(Backend& backend, const Tensor& mid, MlpSaved& s, const Tensor& out) {
+  const MlpParams& p = params_;
+  const MlpParams& q = params16_;
+  norm_forward(backend, config_, mid, p.norm_w, p.norm_b, s.norm.out, s.norm.mean, s.norm.rstd);
+  if (is_moe()) {
+    forward_moe(backend, mid, s, out);
+    return;
+  }
+  const int64_t T = s.fc.dim(1);
+  fc_.forward(backend, links_.whole(backend, s.norm.out, T), p.fc_w, q.fc_w, p.fc_b, s.fc, 0.0f, links_.ws);
+  activation(backend, s);
+  // out = mid + fc2(act); g: the hidden slices' partial outputs summed over tp.
+  residual_linear_forward(backend, links_, fc2_, s.act, p.fc2_w, q.fc2_w, p.fc2_b, mid, out);
+}
+
+void MlpLayer::forward_moe(Backend& backend, const Tensor& mid, MlpSaved& s, const Tensor& out) {
+  LOOM_CHECK(links_.seq == nullptr && links_.cp == nullptr && moe_scratch_ != nullptr,
+             "an MoE block runs without sequence or context parallelism (and needs its scratch)");
+  const int64_t T = s.norm.out.dim(1), N = s.norm.out.dim(0) * T, C = config_.d_model;
+  backend.copy(mid, out);  // out = mid + MoE(norm2)
+  // Under tensor parallelism (not sequence parallel) the block input is whole on every rank
+  // of the group: each computes the whole MoE (its parameters are replicated), no reduction.
+  moe_forward(backend, config_, params_.moe, s.norm.out.view(0, {N, C}), s.moe, *moe_scratch_, out.view(0, {N, C}),
+              T, ep_);
+  if (recording_) {
+    MoeStats& m = moe_stats_;
+    m.load.resize(static_cast<size_t>(config_.moe_experts), 0.0);
+    for (int64_t e = 0; e < config_.moe_experts; ++e) m.load[e] += static_cast<double>(s.moe.load[e]);
+    m.tokens += N, m.dropped += s.moe.dropped, m.dispatched += s.moe.dispatched, ++m.micro_batches;
+    m.aux += s.moe.aux, m.seq_aux += s.moe.seq_aux, m.z += s.moe.z, m.entropy += s.moe.entropy;
+  }
+}
+
+void MlpLayer::forward_rows(Backend& backend, const Tensor& mid, MlpSaved& s, const Tensor& out) const {
+  const MlpParams& p = params_;
+  norm_forward(backend, config_, mid, p.norm_w, p.norm_b, s.norm.out, s.norm.mean, s.norm.rstd);
+  if (is_moe()) {  // one position per sequence: n tokens routed (statistics are not recorded)
+    const int64_t n = mid.dim(0), C = config_.d_model;
+    backend.copy(mid, out);
+    moe_forward(backend, config_, p.moe, s.norm.out.view(0, {n, C}), s.moe, *moe_scratch_, out.view(0, {n, C}), 1);
+    return;
+  }
+  linear_forward(backend, s.norm.out, p.fc_w, p.fc_b, s.fc);
+  activation(backend, s);
+  backend.copy(mid, out);
+  linear_forward(backend, s.act, p.fc2_w, p.fc2_b, out, 1.0f);
+}
+
+void MlpLayer::backward(Backend& backend, const Tensor& mid, const MlpSaved& s, const Tensor& d_residual,
+                        BlockScratch& k, BackwardPart part) {
+  const MlpParams& p = params_;
+  const MlpParams& g = grads_;
+  const MlpParams& q = params16_;
+  if (is_moe()) {
+    if (part == BACKWARD_WEIGHT) return;  // an MoE's weight gradients were computed in the input pass
+    // d(norm2 output) = the MoE backward (router, experts and shared experts at once).
+    const int64_t T = s.norm.out.dim(1), N = s.norm.out.dim(0) * T, C = config_.d_model;
+    moe_backward(backend, config_, p.moe, g.moe, s.norm.out.view(0, {N, C}), s.moe, *moe_scratch_,
+                 d_residual.view(0, {N, C}), k.d_norm.view(0, {N, C}), loss_weight_, T, ep_);
+    norm_residual_backward(backend, config_, links_, k, false, d_residual, mid, p.norm_w, s.norm, g.norm_w, g.norm_b);
+    return;
+  }
+  const int64_t T = s.fc.dim(1);
+  // Sequence parallel: gradients arrive on the shard and are gathered before the row-parallel
+  // layer's backward (g's backward); the norm's output is gathered again for the weight gradient.
+  const auto whole = [&](const Tensor& shard) { return links_.whole(backend, shard, T); };
+  const InputPass pass = input_pass(backend, part, s.dy_fc2);
+  if (part == BACKWARD_WEIGHT) {  // the weight gradients from the kept output gradients
+    fc2_.backward(backend, s.act, p.fc2_w, q.fc2_w, s.dy_fc2, Tensor{}, g.fc2_w, Tensor{}, links_.ws);
+    fc_.backward(backend, whole(s.norm.out), p.fc_w, q.fc_w, s.dy_fc, Tensor{}, g.fc_w, Tensor{}, links_.ws);
+    return;
+  }
+  const Tensor dy_out = whole(d_residual);
+  pass.keep(dy_out, s.dy_fc2);
+  fc2_.backward(backend, s.act, p.fc2_w, q.fc2_w, dy_out, k.d_act, pass.dw(g.fc2_w), g.fc2_b, links_.ws);
+  if (config_.swiglu()) backend.swiglu_backward(s.fc, k.d_act, k.d_fc);
+  else backend.gelu_backward(s.fc, k.d_act, k.d_fc);
+  pass.keep(k.d_fc, s.dy_fc);
+  fc_.backward(backend, whole(s.norm.out), p.fc_w, q.fc_w, k.d_fc, k.d_norm, pass.dw(g.fc_w), g.fc_b, links_.ws);
+  // f: the hidden slices' partial d(norm2 output), then through norm2 into d(mid).
+  norm_residual_backward(backend, config_, links_, k, true, d_residual, mid, p.norm_w, s.norm, g.norm_w, g.norm_b);
+}
+
+void MlpLayer::recompute_selective(Backend& backend, const Tensor& mid, MlpSaved& s) const {
+  norm_forward(backend, config_, mid, params_.norm_w, params_.norm_b, s.norm.out, s.norm.mean, s.norm.rstd);
+  activation(backend, s);
+}
+
+}  // namespace loom
