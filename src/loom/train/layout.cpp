@@ -233,8 +233,8 @@ const Rule kRules[] = {
      }},
     {Verdict::refuse, [](const LayoutFacts& f) { return !f.backend.zero_sharding && zero(f) > 0 && reduced(f); },
      [](const LayoutFacts& f) {
-       return unsupported_on(f, str_cat("parallel.zero_stage = ", zero(f)), "the shard bookkeeping runs on the host: use "
-                             "plain data parallelism");
+       return unsupported_on(f, str_cat("parallel.zero_stage = ", zero(f)), "it does not state capabilities().zero_sharding "
+                             "(ZeRO's fill / scale_inplace views and sharded collectives); use zero_stage 0");
      }},
     {Verdict::refuse, [](const LayoutFacts& f) { return !f.backend.gradient_compression && par(f).compression != Compression::none; },
      [](const LayoutFacts& f) {

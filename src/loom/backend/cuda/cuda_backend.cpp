@@ -115,9 +115,16 @@ class CudaBackend final : public Backend {
   }
 
   std::string_view name() const override { return "cuda"; }
-  // Data parallelism (DDP) with fp32 / bf16 GEMMs, flash attention and AdamW: the features whose
-  // every computation is an op of this backend. The rest still loops on the host (docs/cuda.md).
-  BackendCapabilities capabilities() const override { return {}; }
+  // Data parallelism (DDP, and ZeRO-1/2/3, whose shard bookkeeping is fill and scale_inplace
+  // views and NCCL's reduce-scatter / all-gather) with fp32 / bf16 GEMMs, flash attention and
+  // AdamW: the features whose every computation is an op of this backend. The other features'
+  // ops (model parallelism, MoE, MLA, compression, low precision, the other optimizers) have no
+  // CUDA kernels yet: their defaults throw, and the layout refuses them (docs/cuda.md).
+  BackendCapabilities capabilities() const override {
+    BackendCapabilities caps;
+    caps.zero_sharding = true;
+    return caps;
+  }
   Allocator& allocator() override { return *allocator_; }
   cudaStream_t stream() const { return stream_; }
   int device() const { return device_; }
