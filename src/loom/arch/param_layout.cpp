@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string_view>
 
 #include "loom/core/error.h"
 
@@ -154,6 +155,17 @@ void add_llama(const ModelConfig& c, LayoutBuilder& b) {
 }
 
 }  // namespace
+
+bool is_gpt2_conv1d_weight(const std::string& name) {
+  static const char* const kSuffixes[] = {".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight",
+                                          ".mlp.c_proj.weight"};
+  if (name.rfind("h.", 0) != 0) return false;
+  for (const char* suffix : kSuffixes) {
+    const std::string_view s(suffix);
+    if (name.size() > s.size() && name.compare(name.size() - s.size(), s.size(), s) == 0) return true;
+  }
+  return false;
+}
 
 ParamLayout build_param_layout(const ModelConfig& config) {
   config.validate();

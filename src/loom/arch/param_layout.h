@@ -58,6 +58,10 @@ struct ParamLayout {
 
 ParamLayout build_param_layout(const ModelConfig& config);
 
+// GPT-2's four Conv1D matrices of a block (h.N.attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj
+// .weight): Hugging Face's GPT2LMHeadModel stores them (in, out), Loom (out, in).
+bool is_gpt2_conv1d_weight(const std::string& name);
+
 // The layout's units of parameter use, as flat ranges: [0] the embeddings and the final norm
 // (+ untied head), two ranges; [l + 1] block l, one range. Pipeline stages own whole units.
 std::vector<RangeSet> layout_units(const ModelConfig& config, const ParamLayout& layout);

@@ -58,17 +58,6 @@ int64_t parse_step_name(const std::string& name, const std::string& suffix) {
 // ---- Hugging Face GPT-2 layout ----
 
 // GPT-2's Conv1D weights, which Hugging Face stores (in, out): h.<i>.attn.c_attn.weight, ...
-bool is_conv1d_weight(const std::string& name) {
-  static const char* const kSuffixes[] = {".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight",
-                                          ".mlp.c_proj.weight"};
-  if (name.rfind("h.", 0) != 0) return false;
-  for (const char* suffix : kSuffixes) {
-    const size_t n = std::strlen(suffix);
-    if (name.size() > n && name.compare(name.size() - n, n, suffix) == 0) return true;
-  }
-  return false;
-}
-
 // dst (cols, rows) = src (rows, cols) transposed.
 void transpose_into(const float* src, float* dst, int64_t rows, int64_t cols) {
   for (int64_t r = 0; r < rows; ++r) {
@@ -76,7 +65,7 @@ void transpose_into(const float* src, float* dst, int64_t rows, int64_t cols) {
   }
 }
 
-bool file_transposes(const ParamSpec& spec, bool hf_layout) { return hf_layout && is_conv1d_weight(spec.name); }
+bool file_transposes(const ParamSpec& spec, bool hf_layout) { return hf_layout && is_gpt2_conv1d_weight(spec.name); }
 
 Shape file_shape(const ParamSpec& spec, bool hf_layout) {
   return file_transposes(spec, hf_layout) ? Shape{spec.shape[1], spec.shape[0]} : spec.shape;
