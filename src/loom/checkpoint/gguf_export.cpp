@@ -66,7 +66,7 @@ class TensorSink {
     if (matrix) ne.push_back(static_cast<uint64_t>(rows));
     writer_.add_tensor(name, std::move(ne), t, std::move(bytes));
     ++tensors_;
-    if (t != GgmlType::F32) ++converted_;
+    if (matrix && t == matrix_type(type_)) ++converted_;
   }
   int64_t tensors() const { return tensors_; }
   int64_t converted() const { return converted_; }

@@ -50,7 +50,7 @@ GgufVocabulary gguf_vocabulary(const Tokenizer& tokenizer);
 
 struct GgufExportSummary {
   int64_t tensors = 0;
-  int64_t converted = 0;  // matrices stored as f16 / q8_0 / q4_0 (0 for f32)
+  int64_t converted = 0;  // matrices stored in the requested type
   uint64_t bytes = 0;     // file size
 };
 
