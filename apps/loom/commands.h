@@ -12,5 +12,6 @@ int plan_main(int argc, char** argv);
 int memory_main(int argc, char** argv);
 int bench_main(int argc, char** argv);
 int config_main(int argc, char** argv);
+int convert_main(int argc, char** argv);
 
 }  // namespace loom::cli

@@ -28,6 +28,7 @@ const char* kUsage =
     "  memory      bytes per rank by category before running (--measure: and after one step)\n"
     "  bench       bench generate: continuous batching against one at a time, KV cache formats\n"
     "  config      print the resolved configuration, or (--markdown) every config key's reference\n"
+    "  convert     a checkpoint as another format: --to gguf (llama.cpp, tokenizer included)\n"
     "  version     print loom's version (also `loom --version`)\n"
     "\n"
     "`loom <command> --help` (or -h) describes each command's options; docs/config.md every config key.\n";
@@ -54,8 +55,9 @@ int main(int argc, char** argv) {
     if (command == "memory") return loom::cli::memory_main(argc - 2, argv + 2);
     if (command == "bench") return loom::cli::bench_main(argc - 2, argv + 2);
     if (command == "config") return loom::cli::config_main(argc - 2, argv + 2);
+    if (command == "convert") return loom::cli::convert_main(argc - 2, argv + 2);
     std::fprintf(stderr, "loom: unknown command '%s'; commands: prepare, train, eval, generate, tokenizer, plan, memory, "
-                 "bench, config, version (see `loom --help`)\n", command.c_str());
+                 "bench, config, convert, version (see `loom --help`)\n", command.c_str());
     return 2;
   } catch (const loom::cli::HelpRequest& help) {
     std::fputs(help.text.c_str(), stdout);

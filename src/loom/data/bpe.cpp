@@ -173,6 +173,20 @@ void BpeTokenizer::load_merges(const std::string& path, const std::unordered_map
   }
 }
 
+std::vector<std::string> BpeTokenizer::merge_lines() const {
+  std::vector<std::pair<int32_t, uint64_t>> by_rank;  // (rank, pair key)
+  by_rank.reserve(merges_.size());
+  for (const auto& [key, rule] : merges_) by_rank.emplace_back(rule.rank, key);
+  std::sort(by_rank.begin(), by_rank.end());
+  std::vector<std::string> lines;
+  lines.reserve(by_rank.size());
+  for (const auto& [rank, key] : by_rank) {
+    const auto left = static_cast<size_t>(key >> 32), right = static_cast<size_t>(key & 0xFFFFFFFFu);
+    lines.push_back(gpt2_bytes_to_token(token_bytes_[left]) + " " + gpt2_bytes_to_token(token_bytes_[right]));
+  }
+  return lines;
+}
+
 void BpeTokenizer::add_merge(int32_t left, int32_t right, MergeRule rule) { merges_[pair_key(left, right)] = rule; }
 
 const BpeTokenizer::MergeRule* BpeTokenizer::find_merge(int32_t left, int32_t right) const {

@@ -41,6 +41,8 @@ class BpeTokenizer final : public Tokenizer {
   int64_t vocab_size() const override { return static_cast<int64_t>(token_bytes_.size()); }
   int32_t eot_token() const override { return eot_token_; }
   std::string name() const override { return name_; }
+  // The merges in rank order as vocab.bpe lists them: "left right", in GPT-2's byte alphabet.
+  std::vector<std::string> merge_lines() const;
 
  private:
   struct MergeRule {

@@ -1,0 +1,91 @@
+// The Loom side of tests/gguf_test.py: what llama.cpp's run of an exported GGUF is compared
+// with. usage: loom_gguf_probe STEP_DIR TOKENIZER TOKENS PROMPTS_FILE TEXT_FILE
+// Prints one JSON object: per prompt (one per non-empty line) its token ids, Loom's greedy
+// continuation of TOKENS tokens (infer/generate.h, temperature 0, stopping at end of text) and
+// the log-probabilities of the next token after the prompt; for the text, its first
+// min(max_seq_len + 1, n) tokens and the mean next-token loss over them from position 0.
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "loom/backend/backend.h"
+#include "loom/checkpoint/checkpoint.h"
+#include "loom/core/error.h"
+#include "loom/data/tokenizer.h"
+#include "loom/infer/generate.h"
+#include "loom/model/transformer.h"
+
+namespace {
+
+std::string read_all(const std::string& path) {
+  std::ifstream in(path);
+  LOOM_CHECK(in, path, ": cannot open");
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+// log softmax of every position's logits for `ids` fed from position 0: [position][token].
+std::vector<std::vector<double>> log_probs(loom::Transformer& model, const std::vector<int32_t>& ids) {
+  const auto T = static_cast<int64_t>(ids.size());
+  loom::ActivationStore store = model.allocate_store(1, T);
+  std::copy(ids.begin(), ids.end(), store.tokens.data<int32_t>());
+  model.forward(store, /*compute_loss=*/false);
+  const int64_t V = store.logits.shape()[2];
+  std::vector<std::vector<double>> out(static_cast<size_t>(T), std::vector<double>(static_cast<size_t>(V)));
+  for (int64_t t = 0; t < T; ++t) {
+    const float* row = store.logits.data<float>() + t * V;
+    double max = row[0], sum = 0.0;
+    for (int64_t v = 0; v < V; ++v) max = std::max(max, static_cast<double>(row[v]));
+    for (int64_t v = 0; v < V; ++v) sum += std::exp(row[v] - max);
+    for (int64_t v = 0; v < V; ++v) out[t][v] = row[v] - max - std::log(sum);
+  }
+  return out;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 6) {
+    std::fprintf(stderr, "usage: loom_gguf_probe STEP_DIR TOKENIZER TOKENS PROMPTS_FILE TEXT_FILE\n");
+    return 2;
+  }
+  try {
+    const std::string step = argv[1];
+    const loom::ModelConfig config = loom::checkpoint_model_config(step);
+    auto backend = loom::make_cpu_backend();
+    loom::Transformer model(*backend, config);
+    loom::CheckpointManager(step).load(step, loom::ModelState{config, model.params()}, loom::OptimizerState{});
+    const auto tokenizer = loom::load_tokenizer(argv[2]);
+    nlohmann::json out = {{"prompts", nlohmann::json::array()}};
+    std::istringstream prompts(read_all(argv[4]));
+    for (std::string line; std::getline(prompts, line);) {
+      if (line.empty()) continue;
+      const std::vector<int32_t> ids = tokenizer->encode(line);
+      loom::SamplingConfig greedy;
+      greedy.temperature = 0.0f;
+      loom::GenerateOptions options;
+      options.max_new_tokens = std::stoll(argv[3]);
+      options.stop_token = tokenizer->eot_token();
+      const std::vector<int32_t> continuation = loom::generate(model, ids, greedy, options);
+      out["prompts"].push_back({{"prompt", line}, {"tokens", ids}, {"continuation", continuation},
+                                {"next_logprobs", log_probs(model, ids).back()}});
+    }
+    std::vector<int32_t> text = tokenizer->encode(read_all(argv[5]));
+    text.resize(std::min<size_t>(text.size(), static_cast<size_t>(config.max_seq_len) + 1));
+    const std::vector<int32_t> inputs(text.begin(), text.end() - 1);
+    const auto lp = log_probs(model, inputs);
+    double nll = 0.0;
+    for (size_t t = 0; t < inputs.size(); ++t) nll -= lp[t][static_cast<size_t>(text[t + 1])];
+    out["text_tokens"] = text;
+    out["mean_nll"] = nll / static_cast<double>(inputs.size());
+    std::printf("%s\n", out.dump().c_str());
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "loom_gguf_probe: error: %s\n", e.what());
+    return 1;
+  }
+}
