@@ -459,6 +459,27 @@ class Cli(unittest.TestCase):
         self.assertIn("val loss", p.stdout)
         self.assertIn("perplexity", p.stdout)
 
+    def test_convert_to_hf_and_back_is_byte_identical_and_generates_the_same(self):
+        for arch in ("gpt2", "llama"):
+            name = f"conv_{arch}"
+            self.train(name, "--set", f"model.arch={arch}", steps=4)
+            hf = os.path.join(self.tmp, f"{name}_hf")
+            back = os.path.join(self.tmp, f"{name}_back")
+            run("convert", "--to", "hf", "--checkpoint", os.path.join(self.tmp, "runs", name), "--out", hf)
+            with open(os.path.join(hf, "config.json")) as f:
+                self.assertEqual(json.load(f)["model_type"], arch)
+            run("convert", "--to", "loom", "--checkpoint", hf, "--out", back, "--tokenizer", "byte")
+            original = os.path.join(self.ckpt(name, 4), "model.safetensors")
+            converted = os.path.join(back, "checkpoints", "step_00000000", "model.safetensors")
+            with open(original, "rb") as a, open(converted, "rb") as b:
+                self.assertEqual(a.read(), b.read(), arch)
+            # The same greedy continuation from the run, the Hugging Face folder and the round trip.
+            outs = [run("generate", "--checkpoint", c, "--prompt", "The ", "--tokens", "12", "--greedy").stdout
+                    for c in (self.ckpt(name, 4), back)]
+            self.assertEqual(outs[0], outs[1], arch)
+        p = run("convert", "--to", "hf", "--checkpoint", os.path.join(self.tmp, "nowhere"), "--out", hf, expect_ok=False)
+        self.assert_one_line_error(p, "nowhere")
+
     def test_prepare_can_learn_its_own_bpe_and_train_uses_it(self):
         data = os.path.join(self.tmp, "d_bpe")
         run("prepare", "--input", TEXT, "--tokenizer", "bpe:300", "--out", data)

@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "loom/checkpoint/hf_model.h"
 #include "loom/core/error.h"
 #include "loom/core/file_io.h"
 #include "loom/core/philox.h"
@@ -233,6 +234,27 @@ LoomConfig checkpoint_config(const std::string& step_dir) {
   }
   config.model = checkpoint_model_config(step_dir);
   return config;
+}
+
+ModelSource model_source(const std::string& path) {
+  ModelSource source;
+  if (is_hf_model_dir(path)) {
+    source.path = path;
+    source.hf = true;
+    source.config.model = hf_model_config(path);
+    source.config.data.tokenizer = fs::absolute(path).string();
+    source.config.run.name = fs::path(path).filename().string();
+    return source;
+  }
+  source.path = resolve_checkpoint(path);
+  source.config = checkpoint_config(source.path);
+  return source;
+}
+
+void load_weights(const ModelSource& source, const Tensor& params) {
+  const ModelState state{source.config.model, params};
+  if (source.hf) load_hf_weights(source.path, state);
+  else CheckpointManager(source.path).load(source.path, state, OptimizerState{});
 }
 
 std::vector<std::string> default_corpus_documents() {

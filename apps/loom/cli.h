@@ -70,6 +70,19 @@ std::string resolve_checkpoint(const std::string& path);
 // The config a checkpoint was trained with (its resolved TOML), with its model config.
 LoomConfig checkpoint_config(const std::string& step_dir);
 
+// What `--checkpoint PATH` names: a Loom checkpoint (a step, run or checkpoints folder: the
+// newest valid step, as resolve_checkpoint) or a Hugging Face model folder (config.json and
+// safetensors, checkpoint/hf_model.h).
+struct ModelSource {
+  std::string path;   // the step folder, or the Hugging Face folder
+  bool hf = false;
+  LoomConfig config;  // the run's; for a Hugging Face folder the defaults with its model, and
+                      // data.tokenizer = the folder (its tokenizer files)
+};
+ModelSource model_source(const std::string& path);
+// Fills `params` (the model's flat host f32 buffer, source.config.model's layout) from the source.
+void load_weights(const ModelSource& source, const Tensor& params);
+
 // The default corpus: every fortune of Debian's `fortunes` package, one document each, in a
 // fixed shuffled order (so the validation tail covers every topic).
 std::vector<std::string> default_corpus_documents();

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <optional>
 #include <sstream>
 
 #include "cli.h"
@@ -53,18 +54,18 @@ std::vector<std::string> split_list(const std::string& text) {
 
 int bench_generate(const Args& args) {
   LoomConfig config;
-  std::string step_dir;
+  std::optional<ModelSource> source;
   if (args.has("checkpoint")) {
-    step_dir = resolve_checkpoint(args.get("checkpoint"));
-    config = checkpoint_config(step_dir);
+    source = model_source(args.get("checkpoint"));
+    config = source->config;
   } else {
     config = load_config(args);
     vocab_from_data(config);
   }
   auto backend = make_cpu_backend();
   Transformer model(*backend, config.model);
-  if (!step_dir.empty()) {
-    CheckpointManager(step_dir).load(step_dir, ModelState{config.model, model.params()}, OptimizerState{});
+  if (source) {
+    load_weights(*source, model.params());
   } else {
     model.init_weights(config.loop.seed);
   }
@@ -106,7 +107,7 @@ int bench_generate(const Args& args) {
   const KvCacheConfig cache_config = engine_cache_config(config.model, ec);
 
   std::printf("%s: %lld parameters; %lld requests of %lld prompt + %lld new tokens (greedy); KV cache %s, %s\n",
-              step_dir.empty() ? "random init" : step_dir.c_str(), static_cast<long long>(param_count(config.model)),
+              source ? source->path.c_str() : "random init", static_cast<long long>(param_count(config.model)),
               static_cast<long long>(n), static_cast<long long>(L), static_cast<long long>(M), kv.c_str(),
               ec.paged ? str_cat("paged, blocks of ", ec.block_size).c_str() : "contiguous");
   // One at a time: each request alone in an engine of one row.

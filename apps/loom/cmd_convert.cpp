@@ -1,48 +1,51 @@
-// loom convert: a checkpoint in another format. --to gguf writes one llama.cpp GGUF file with
-// the tokenizer inside (checkpoint/gguf_export.h, docs/gguf.md).
+// loom convert: a model in another format. --to gguf writes one llama.cpp GGUF file with the
+// tokenizer inside (checkpoint/gguf_export.h, docs/gguf.md); --to hf a Hugging Face model folder
+// and --to loom a Loom checkpoint (checkpoint/hf_model.h, docs/models.md).
 #include <cstdio>
+#include <filesystem>
 
 #include "cli.h"
 #include "commands.h"
 #include "loom/checkpoint/gguf_export.h"
+#include "loom/checkpoint/hf_model.h"
 #include "loom/core/error.h"
 
 namespace loom::cli {
 
+namespace fs = std::filesystem;
+
 namespace {
 const char* kHelp =
-    "usage: loom convert --to gguf --checkpoint PATH --out FILE.gguf [--type f32|f16|q8_0|q4_0]\n"
+    "usage: loom convert --to gguf|hf|loom --checkpoint PATH --out OUT [--type f32|f16|q8_0|q4_0]\n"
     "                    [--name NAME] [--tokenizer KIND_OR_DIR]\n"
     "\n"
-    "PATH is a step folder, a run folder or a checkpoints folder (newest valid checkpoint).\n"
-    "--to gguf: one GGUF v3 file for llama.cpp (GPT-2 and Llama models) holding the weights, the\n"
-    "architecture metadata and the run's tokenizer; --type chooses the matrices' type (norms and\n"
-    "biases stay f32): f32 (default), f16, q8_0 or q4_0 (ggml's 32-element blocks). The file is\n"
-    "written atomically. docs/gguf.md has the tensor mapping and llama.cpp's measured agreement.\n";
-}  // namespace
+    "PATH is a Loom checkpoint (a step folder, a run folder or a checkpoints folder: the newest\n"
+    "valid checkpoint) or a Hugging Face model folder (config.json and model.safetensors or a\n"
+    "sharded index).\n"
+    "--to gguf: one GGUF v3 file OUT for llama.cpp (GPT-2 and Llama models) holding the weights, the\n"
+    "architecture metadata and the tokenizer; --type chooses the matrices' type (norms and biases\n"
+    "stay f32): f32 (default), f16, q8_0 or q4_0 (ggml's 32-element blocks). docs/gguf.md.\n"
+    "--to hf: a Hugging Face model folder OUT (config.json, model.safetensors, f32) with the\n"
+    "tokenizer's files copied in. --to loom: a Loom checkpoint OUT/checkpoints/step_00000000 (weights,\n"
+    "no optimizer state) that eval, generate, convert and train.init_from read. Files are written\n"
+    "to temporary names and renamed. docs/models.md has the families and how each maps.\n";
 
-int convert_main(int argc, char** argv) {
-  const Args args(argc, argv, "convert", kHelp,
-                  {{"to", "FORMAT", "the output format: gguf (required)"},
-                   {"checkpoint", "PATH", "a step folder, a run folder or a checkpoints folder (required)"},
-                   {"out", "FILE", "the file to write (required)"},
-                   {"type", "TYPE", "--to gguf: f32 | f16 | q8_0 | q4_0 for the matrices (default f32)"},
-                   {"name", "NAME", "--to gguf: general.name (default: the run's run.name)"},
-                   {"tokenizer", "KIND_OR_DIR", "the tokenizer to embed (default: the run's data.tokenizer)"}});
-  LOOM_CHECK(args.has("to"), "loom convert needs --to gguf");
-  LOOM_CHECK(args.get("to") == "gguf", "--to must be gguf, got '", args.get("to"), "'");
-  LOOM_CHECK(args.has("checkpoint"), "loom convert needs --checkpoint PATH");
-  LOOM_CHECK(args.has("out"), "loom convert needs --out FILE");
+// The files of a tokenizer directory, copied into `out` (a named kind such as "byte" has none).
+void copy_tokenizer_files(const std::string& tokenizer, const fs::path& out) {
+  if (!fs::is_directory(tokenizer)) return;
+  for (const auto& entry : fs::directory_iterator(tokenizer)) {
+    const std::string name = entry.path().filename().string();
+    const bool weights = name.find(".safetensors") != std::string::npos || name == "config.json" ||
+                         name == "expected.json";
+    if (entry.is_regular_file() && !weights) fs::copy_file(entry.path(), out / name, fs::copy_options::overwrite_existing);
+  }
+}
+
+int to_gguf(const Args& args, const ModelSource& source, const Tensor& params) {
+  const LoomConfig& config = source.config;
   const auto type = parse_enum<GgufExportType>(args.get("type", "f32"), "--type");
-  const std::string step_dir = resolve_checkpoint(args.get("checkpoint"));
-  const LoomConfig config = checkpoint_config(step_dir);
   const auto tokenizer = load_tokenizer(args.get("tokenizer", config.data.tokenizer));
   const GgufVocabulary vocab = gguf_vocabulary(*tokenizer);
-
-  auto backend = make_cpu_backend();
-  Transformer model(*backend, config.model);
-  CheckpointManager(step_dir).load(step_dir, ModelState{config.model, model.params()}, OptimizerState{});
-  const Tensor& params = model.params();
   const GgufExportSummary s =
       export_gguf(config.model, {params.data<float>(), static_cast<size_t>(params.numel())}, vocab, type,
                   args.get("name", config.run.name), args.get("out"));
@@ -51,6 +54,52 @@ int convert_main(int argc, char** argv) {
               static_cast<long long>(s.converted), std::string(enum_name(type)).c_str(),
               static_cast<long long>(vocab.tokens.size()), static_cast<double>(s.bytes) / 1e6);
   return 0;
+}
+
+int to_hf(const Args& args, const ModelSource& source, const Tensor& params) {
+  const fs::path out = args.get("out");
+  save_hf_model(out.string(), ModelState{source.config.model, params});
+  copy_tokenizer_files(args.get("tokenizer", source.config.data.tokenizer), out);
+  std::printf("wrote %s: a Hugging Face %s folder (config.json, model.safetensors, %lld parameters)\n",
+              out.string().c_str(), std::string(arch_name(source.config.model.arch)).c_str(),
+              static_cast<long long>(params.numel()));
+  return 0;
+}
+
+int to_loom(const Args& args, const ModelSource& source, const Tensor& params) {
+  LoomConfig config = source.config;
+  if (args.has("tokenizer")) config.data.tokenizer = args.get("tokenizer");
+  CheckpointContents contents;
+  contents.model = ModelState{config.model, params};
+  contents.optimizer.name = "none";  // weights only: no optimizer state
+  contents.config_text = config_to_toml(config);
+  const std::string path = CheckpointManager((fs::path(args.get("out")) / "checkpoints").string()).save(contents);
+  std::printf("wrote %s: a Loom checkpoint of a %s model (weights only)\n", path.c_str(),
+              std::string(arch_name(config.model.arch)).c_str());
+  return 0;
+}
+}  // namespace
+
+int convert_main(int argc, char** argv) {
+  const Args args(argc, argv, "convert", kHelp,
+                  {{"to", "FORMAT", "the output format: gguf | hf | loom (required)"},
+                   {"checkpoint", "PATH", "a Loom checkpoint or run folder, or a Hugging Face model folder (required)"},
+                   {"out", "OUT", "the file (gguf) or folder (hf, loom) to write (required)"},
+                   {"type", "TYPE", "--to gguf: f32 | f16 | q8_0 | q4_0 for the matrices (default f32)"},
+                   {"name", "NAME", "--to gguf: general.name (default: the run's run.name)"},
+                   {"tokenizer", "KIND_OR_DIR", "the tokenizer to embed or copy (default: the model's)"}});
+  LOOM_CHECK(args.has("to"), "loom convert needs --to gguf|hf|loom");
+  const std::string to = args.get("to");
+  LOOM_CHECK(to == "gguf" || to == "hf" || to == "loom", "--to must be gguf, hf or loom, got '", to, "'");
+  LOOM_CHECK(args.has("checkpoint"), "loom convert needs --checkpoint PATH");
+  LOOM_CHECK(args.has("out"), "loom convert needs --out ", to == "gguf" ? "FILE" : "DIR");
+  const ModelSource source = model_source(args.get("checkpoint"));
+  auto backend = make_cpu_backend();
+  Transformer model(*backend, source.config.model);
+  load_weights(source, model.params());
+  if (to == "gguf") return to_gguf(args, source, model.params());
+  if (to == "hf") return to_hf(args, source, model.params());
+  return to_loom(args, source, model.params());
 }
 
 }  // namespace loom::cli

@@ -26,8 +26,9 @@ int eval_main(int argc, char** argv) {
                    {"split", "val|train", "the split to evaluate (default: val)"},
                    {"batches", "N", "batches to evaluate (default: the whole split, at most 200)"}});
   LOOM_CHECK(args.has("checkpoint"), "loom eval needs --checkpoint PATH");
-  const std::string step_dir = resolve_checkpoint(args.get("checkpoint"));
-  const LoomConfig config = checkpoint_config(step_dir);
+  const ModelSource source = model_source(args.get("checkpoint"));
+  const LoomConfig& config = source.config;
+  const std::string& step_dir = source.path;
   TokenDataset data = open_dataset(args.get("data", config.data.dir));
   const std::string split = args.get("split", "val");
   LOOM_CHECK(split == "val" || split == "train", "--split must be val or train, got '", split, "'");
@@ -36,7 +37,7 @@ int eval_main(int argc, char** argv) {
 
   auto backend = make_cpu_backend();
   Transformer model(*backend, config.model);
-  CheckpointManager(step_dir).load(step_dir, ModelState{config.model, model.params()}, OptimizerState{});
+  load_weights(source, model.params());
   ActivationStore store = model.allocate_store(config.train.batch_size, config.train.seq_len);
   TokenLoader loader(split == "val" ? std::move(data.val) : std::move(data.train), config.train.seq_len, 0,
                      LOADER_ORDER_SEQUENTIAL);

@@ -60,8 +60,8 @@ int generate_main(int argc, char** argv) {
                    {"kv-residual", "R", "--prompts: newest positions kept fp32 (default: the preset's)"},
                    {"contiguous", "", "--prompts: one max_seq_len KV region per row instead of paged blocks"}});
   LOOM_CHECK(args.has("checkpoint"), "loom generate needs --checkpoint PATH");
-  const std::string step_dir = resolve_checkpoint(args.get("checkpoint"));
-  const LoomConfig config = checkpoint_config(step_dir);
+  const ModelSource source = model_source(args.get("checkpoint"));
+  const LoomConfig& config = source.config;
   std::string prompt = args.get("prompt", config.sample.prompt);
   if (args.has("prompt-file")) {
     std::ifstream in(args.get("prompt-file"));
@@ -81,7 +81,7 @@ int generate_main(int argc, char** argv) {
              tokenizer->vocab_size(), " tokens but the model ", config.model.vocab_size);
   auto backend = make_cpu_backend();
   Transformer model(*backend, config.model);
-  CheckpointManager(step_dir).load(step_dir, ModelState{config.model, model.params()}, OptimizerState{});
+  load_weights(source, model.params());
   if (args.has("prompts")) {
     const std::string path = args.get("prompts");
     std::ifstream in(path);
