@@ -480,6 +480,25 @@ class Cli(unittest.TestCase):
         p = run("convert", "--to", "hf", "--checkpoint", os.path.join(self.tmp, "nowhere"), "--out", hf, expect_ok=False)
         self.assert_one_line_error(p, "nowhere")
 
+    def test_init_from_a_checkpoint_or_its_hf_export_trains_the_same(self):
+        self.train("init_src", "--set", "model.arch=llama", steps=4)
+        hf = os.path.join(self.tmp, "init_src_hf")
+        run("convert", "--to", "hf", "--checkpoint", os.path.join(self.tmp, "runs", "init_src"), "--out", hf)
+
+        def losses(name: str) -> list[float]:
+            with open(os.path.join(self.tmp, "runs", name, "metrics.jsonl")) as f:
+                return [json.loads(line)["loss"] for line in f if '"loss"' in line]
+
+        a = self.train("init_a", "--set", f"train.init_from={os.path.join(self.tmp, 'runs', 'init_src')}", steps=3)
+        self.train("init_b", "--set", f"train.init_from={hf}", steps=3)
+        self.train("init_c", steps=3)
+        self.assertIn("weights from", a.stdout)
+        self.assertIn("llama", a.stdout)  # the model is the weights' (TINY says gpt2)
+        self.assertEqual(losses("init_a"), losses("init_b"))
+        self.assertNotEqual(losses("init_a")[0], losses("init_c")[0])
+        p = self.train("init_bad", "--set", f"train.init_from={os.path.join(self.tmp, 'nowhere')}", expect_ok=False)
+        self.assert_one_line_error(p, "nowhere")
+
     def test_prepare_can_learn_its_own_bpe_and_train_uses_it(self):
         data = os.path.join(self.tmp, "d_bpe")
         run("prepare", "--input", TEXT, "--tokenizer", "bpe:300", "--out", data)

@@ -14,6 +14,7 @@
 #include <sstream>
 
 #include "loom/checkpoint/hf_model.h"
+#include "loom/checkpoint/weights.h"
 #include "loom/core/error.h"
 #include "loom/core/file_io.h"
 #include "loom/core/philox.h"
@@ -252,10 +253,10 @@ ModelSource model_source(const std::string& path) {
 }
 
 void load_weights(const ModelSource& source, const Tensor& params) {
-  const ModelState state{source.config.model, params};
-  if (source.hf) load_hf_weights(source.path, state);
-  else CheckpointManager(source.path).load(source.path, state, OptimizerState{});
+  load_weights_from(source.path, ModelState{source.config.model, params});
 }
+
+std::string resolve_weights(const std::string& path) { return is_hf_model_dir(path) ? path : resolve_checkpoint(path); }
 
 std::vector<std::string> default_corpus_documents() {
   const fs::path dir = "/usr/share/games/fortunes";

@@ -82,6 +82,8 @@ struct ModelSource {
 ModelSource model_source(const std::string& path);
 // Fills `params` (the model's flat host f32 buffer, source.config.model's layout) from the source.
 void load_weights(const ModelSource& source, const Tensor& params);
+// A Hugging Face folder as it is, or a Loom run / checkpoints / step folder -> its newest valid step.
+std::string resolve_weights(const std::string& path);
 
 // The default corpus: every fortune of Debian's `fortunes` package, one document each, in a
 // fixed shuffled order (so the validation tail covers every topic).

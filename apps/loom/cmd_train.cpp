@@ -8,6 +8,7 @@
 
 #include "cli.h"
 #include "commands.h"
+#include "loom/checkpoint/weights.h"
 #include "loom/comm/communicator.h"
 #include "loom/core/error.h"
 #include "loom/core/file_io.h"
@@ -49,6 +50,10 @@ int train_main(int argc, char** argv) {
   LoomConfig config = load_config(args);
   config.train.optim = config.train.optim.resolved();  // the written config names every default
   const int64_t stop_at = args.get_int("stop-at-step", -1);
+  if (!config.loop.init_from.empty()) {  // the model is the weights' (checked against the data below)
+    config.loop.init_from = resolve_weights(config.loop.init_from);
+    config.model = weights_model_config(config.loop.init_from);
+  }
   TokenDataset data = open_training_data(config);
   config.validate();
 
@@ -66,6 +71,9 @@ int train_main(int argc, char** argv) {
     LOOM_CHECK(std::freopen(log.c_str(), "w", stdout) != nullptr, "rank ", comm->rank(), ": cannot write ", log);
   }
   for (const std::string& note : layout.notes()) std::printf("note: %s\n", note.c_str());
+  if (!config.loop.init_from.empty()) {
+    std::printf("weights from %s (train.init_from: its model config replaces model.*)\n", config.loop.init_from.c_str());
+  }
   const std::string config_text = config_to_toml(config);
   if (lead) write_file_atomic((fs::path(dir) / "config.toml").string(), config_text);
 

@@ -58,6 +58,7 @@ std::vector<Binding> bindings(LoomConfig& c) {
       {"train.flash_attention", &c.train.flash_attention, "FlashAttention: keep each row's log-sum-exp instead of the (B,H,T,T) probabilities (not with parallel.cp/pp > 1 or MLA)"},
       {"train.steps", &c.train.steps, "optimizer steps of the run (and the length of the LR schedule)"},
       {"train.seed", &c.loop.seed, "seed of the weight initialisation and the data order"},
+      {"train.init_from", &c.loop.init_from, "start from these weights (a Loom checkpoint or run folder, or a Hugging Face model folder) instead of a random init; fresh optimizer, schedule and data position; the model is the weights'"},
       {"train.eval_every", &c.loop.eval_every, "steps between validation evaluations; 0 = only at the end"},
       {"train.eval_batches", &c.loop.eval_batches, "validation batches per evaluation"},
       {"train.checkpoint_every", &c.loop.checkpoint_every, "steps between checkpoints; 0 = only at the end"},

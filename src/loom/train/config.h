@@ -29,6 +29,10 @@ struct LoopConfig {
   int64_t checkpoint_every = 0;  // steps; 0 = only at the end
   int64_t keep_checkpoints = 3;
   int64_t log_every = 10;        // progress lines when stdout is not a terminal
+  // train.init_from: start from these weights (a Loom checkpoint or a Hugging Face model folder,
+  // checkpoint/weights.h) instead of a random initialisation; the optimizer, schedule and data
+  // position start fresh. The model is the weights' (model.* keys are replaced).
+  std::string init_from;
 };
 
 struct RunConfig {

@@ -4,6 +4,7 @@
 #include "loom/backend/cuda/cuda_backend.h"
 #include "loom/comm/nccl_communicator.h"
 #endif
+#include "loom/checkpoint/weights.h"
 #include "loom/core/error.h"
 #include "loom/parallel/tensor_parallel.h"
 
@@ -18,18 +19,24 @@ struct Build {
   TrainingModel out;
 };
 
+// The weights a run starts from: train.init_from's, or the seeded random initialisation.
+void initialise(Build& b, Transformer& model, const ModelConfig& config) {
+  if (b.config.loop.init_from.empty()) model.init_weights(b.config.loop.seed);
+  else load_weights_from(b.config.loop.init_from, config, model.params(), b.backend);
+}
+
 void tensor_parallel(Build& b) {
   const ModelConfig& global = b.config.model;
   Communicator* tp = b.layout.group(Axis::tp);
   b.out.local_config = tp != nullptr ? tp_local_config(global, tp->size()) : global;
   b.out.model = std::make_unique<Transformer>(b.backend, b.out.local_config);
   if (tp == nullptr) {
-    b.out.model->init_weights(b.config.loop.seed);
+    initialise(b, *b.out.model, global);
     return;
   }
   // The whole model is initialised as one process would, then sliced.
   b.out.whole = std::make_unique<Transformer>(b.backend, global);
-  b.out.whole->init_weights(b.config.loop.seed);
+  initialise(b, *b.out.whole, global);
   tp_copy(b.backend, global, b.out.whole->params(), b.out.local_config, b.out.model->params(), tp->rank(), tp->size(), true);
   const VocabRange vocab = tp_vocab_range(global, tp->rank(), tp->size());
   b.out.model->set_tensor_parallel(tp, vocab.begin, vocab.valid, b.config.parallel.sequence_parallel);
