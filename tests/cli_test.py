@@ -6,6 +6,7 @@ data).  Run by ctest: cli_test.py <path to loom> ; stdlib only."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -498,6 +499,27 @@ class Cli(unittest.TestCase):
         self.assertNotEqual(losses("init_a")[0], losses("init_c")[0])
         p = self.train("init_bad", "--set", f"train.init_from={os.path.join(self.tmp, 'nowhere')}", expect_ok=False)
         self.assert_one_line_error(p, "nowhere")
+
+    def test_eval_text_reports_perplexity_over_windows(self):
+        self.train("evtext")
+        text = os.path.join(self.tmp, "eval.txt")
+        body = "The quick brown fox jumps over the lazy dog. " * 9 + "\u00e9t\u00e9 \U0001F600\n"
+        with open(text, "w", encoding="utf-8") as f:
+            f.write(body)
+        n_bytes = len(body.encode("utf-8"))  # the byte tokenizer: one token per byte
+        ckpt = os.path.join(self.tmp, "runs", "evtext")
+        one = json.loads(run("eval", "--checkpoint", ckpt, "--text", text, "--seq-len", "32", "--json").stdout)
+        self.assertEqual(one["tokens"], n_bytes)
+        self.assertEqual(one["windows"], n_bytes // 32)
+        self.assertAlmostEqual(one["perplexity"], math.exp(one["loss"]), places=9)
+        self.assertTrue(2.0 < one["loss"] < 8.0, one)
+        batched = json.loads(run("eval", "--checkpoint", ckpt, "--text", text, "--seq-len", "32", "--batch", "3",
+                                 "--json").stdout)
+        self.assertAlmostEqual(batched["loss"], one["loss"], delta=1e-6 * one["loss"])
+        human = run("eval", "--checkpoint", ckpt, "--text", text, "--seq-len", "32").stdout
+        self.assertRegex(human, r"loss \d+\.\d{9}, perplexity")
+        p = run("eval", "--checkpoint", ckpt, "--text", text, "--seq-len", "100000", expect_ok=False)
+        self.assert_one_line_error(p, "--seq-len")
 
     def test_prepare_can_learn_its_own_bpe_and_train_uses_it(self):
         data = os.path.join(self.tmp, "d_bpe")

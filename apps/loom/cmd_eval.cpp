@@ -1,6 +1,10 @@
-// loom eval: loss and perplexity of a checkpoint on a dataset split.
+// loom eval: loss and perplexity of a checkpoint on a dataset split, or on a text file.
 #include <cmath>
 #include <cstdio>
+#include <fstream>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
 
 #include "cli.h"
 #include "commands.h"
@@ -13,10 +17,73 @@ namespace loom::cli {
 namespace {
 const char* kHelp =
     "usage: loom eval --checkpoint PATH [--data DIR] [--split val|train] [--batches N]\n"
+    "       loom eval --checkpoint PATH --text FILE [--seq-len T] [--batch B] [--json]\n"
     "\n"
     "PATH is a step folder, a run folder or a checkpoints folder (the newest valid checkpoint is\n"
-    "used). Evaluates N batches (default: all of the split, at most 200) of the run's batch size\n"
-    "and sequence length, in order, and prints the mean loss and perplexity.\n";
+    "used), or a Hugging Face model folder. Without --text: evaluates N batches (default: all of\n"
+    "the split, at most 200) of the run's batch size and sequence length, in order, and prints the\n"
+    "mean loss and perplexity. With --text, as llama.cpp's perplexity tool: FILE is tokenized with\n"
+    "the model's tokenizer, cut into consecutive windows of T tokens (default: the run's\n"
+    "train.seq_len, at most model.max_seq_len; the last partial window dropped), and the loss is\n"
+    "the mean next-token loss over every predicted position (T - 1 per window), run B windows at a\n"
+    "time. --json prints one JSON object with loss, perplexity, tokens and windows.\n";
+
+struct TextEval {
+  double loss = 0.0;
+  int64_t tokens = 0, windows = 0, window = 0;
+};
+
+// Mean next-token loss over consecutive windows of `T` tokens of `ids`, B windows per forward.
+TextEval eval_text(Transformer& model, const std::vector<int32_t>& ids, int64_t T, int64_t B) {
+  TextEval r;
+  r.tokens = static_cast<int64_t>(ids.size());
+  r.window = T;
+  r.windows = r.tokens / T;
+  LOOM_CHECK(r.windows >= 1, "--text: ", r.tokens, " tokens make no window of --seq-len ", T);
+  double sum = 0.0;
+  for (int64_t first = 0; first < r.windows; first += B) {
+    const int64_t n = std::min(B, r.windows - first);
+    ActivationStore store = model.allocate_store(n, T - 1);
+    for (int64_t w = 0; w < n; ++w) {
+      const int32_t* window = ids.data() + (first + w) * T;
+      for (int64_t t = 0; t + 1 < T; ++t) {
+        store.tokens.data<int32_t>()[w * (T - 1) + t] = window[t];
+        store.targets.data<int32_t>()[w * (T - 1) + t] = window[t + 1];
+      }
+    }
+    sum += model.forward(store) * static_cast<double>(n);  // forward: the mean over its n (T - 1) positions
+  }
+  r.loss = sum / static_cast<double>(r.windows);
+  return r;
+}
+
+int eval_text_main(const Args& args, const ModelSource& source, Transformer& model) {
+  const LoomConfig& config = source.config;
+  const std::string path = args.get("text");
+  std::ifstream in(path, std::ios::binary);
+  LOOM_CHECK(in, path, ": cannot open the text file");
+  std::stringstream text;
+  text << in.rdbuf();
+  const auto tokenizer = load_tokenizer(config.data.tokenizer);
+  LOOM_CHECK(tokenizer->vocab_size() == config.model.vocab_size, "tokenizer ", tokenizer->name(), " has ",
+             tokenizer->vocab_size(), " tokens but the model ", config.model.vocab_size);
+  const int64_t T = args.get_int("seq-len", std::min(config.train.seq_len, config.model.max_seq_len));
+  LOOM_CHECK(T >= 2 && T - 1 <= config.model.max_seq_len, "--seq-len must be in [2, model.max_seq_len + 1 = ",
+             config.model.max_seq_len + 1, "], got ", T);
+  const int64_t B = args.get_int("batch", 1);
+  LOOM_CHECK(B >= 1, "--batch must be >= 1, got ", B);
+  const TextEval r = eval_text(model, tokenizer->encode(text.str()), T, B);
+  if (args.has("json")) {
+    const nlohmann::json j = {{"loss", r.loss}, {"perplexity", std::exp(r.loss)}, {"tokens", r.tokens},
+                              {"windows", r.windows}, {"seq_len", r.window}, {"text", path}, {"checkpoint", source.path}};
+    std::printf("%s\n", j.dump().c_str());
+  } else {
+    std::printf("%s on %s: loss %.9f, perplexity %.6f (%lld tokens, %lld windows of %lld)\n", source.path.c_str(),
+                path.c_str(), r.loss, std::exp(r.loss), static_cast<long long>(r.tokens),
+                static_cast<long long>(r.windows), static_cast<long long>(r.window));
+  }
+  return 0;
+}
 }  // namespace
 
 int eval_main(int argc, char** argv) {
@@ -24,10 +91,20 @@ int eval_main(int argc, char** argv) {
                   {{"checkpoint", "PATH", "a step folder, a run folder or a checkpoints folder (required)"},
                    {"data", "DIR", "the dataset (default: the run's data.dir)"},
                    {"split", "val|train", "the split to evaluate (default: val)"},
-                   {"batches", "N", "batches to evaluate (default: the whole split, at most 200)"}});
+                   {"batches", "N", "batches to evaluate (default: the whole split, at most 200)"},
+                   {"text", "FILE", "perplexity on a text file instead of a dataset split"},
+                   {"seq-len", "T", "--text: tokens per window (default: the run's train.seq_len)"},
+                   {"batch", "B", "--text: windows per forward (default 1)"},
+                   {"json", "", "--text: print one JSON object"}});
   LOOM_CHECK(args.has("checkpoint"), "loom eval needs --checkpoint PATH");
   const ModelSource source = model_source(args.get("checkpoint"));
   const LoomConfig& config = source.config;
+  if (args.has("text")) {
+    auto backend = make_cpu_backend();
+    Transformer model(*backend, config.model);
+    load_weights(source, model.params());
+    return eval_text_main(args, source, model);
+  }
   const std::string& step_dir = source.path;
   TokenDataset data = open_dataset(args.get("data", config.data.dir));
   const std::string split = args.get("split", "val");
@@ -50,7 +127,7 @@ int eval_main(int argc, char** argv) {
     sum += model.forward(store);
   }
   const double loss = sum / static_cast<double>(batches);
-  std::printf("%s: %s loss %.4f, perplexity %.2f (%lld batches of %lldx%lld tokens)\n", step_dir.c_str(), split.c_str(), loss,
+  std::printf("%s: %s loss %.9f, perplexity %.6f (%lld batches of %lldx%lld tokens)\n", step_dir.c_str(), split.c_str(), loss,
               std::exp(loss), static_cast<long long>(batches), static_cast<long long>(per_batch),
               static_cast<long long>(config.train.seq_len));
   return 0;
