@@ -529,6 +529,19 @@ class Cli(unittest.TestCase):
         self.assertIn("sample", p.stdout)
         with open(os.path.join(self.tmp, "runs", "bpe", "config.toml")) as f:
             self.assertIn(os.path.join(data, "tokenizer"), f.read())
+        # The checkpoint carries its tokenizer: moved away from the data (and its folder gone), it
+        # generates the same text from another working directory.
+        step = self.ckpt("bpe", 2)
+        self.assertTrue(os.path.exists(os.path.join(step, "tokenizer", "vocab.bpe")))
+        before = run("generate", "--checkpoint", step, "--prompt", "The ", "--tokens", "10", "--greedy").stdout
+        moved = os.path.join(self.tmp, "moved_step")
+        shutil.copytree(step, moved)
+        shutil.move(data, data + "_gone")
+        try:
+            after = run("generate", "--checkpoint", moved, "--prompt", "The ", "--tokens", "10", "--greedy", cwd="/").stdout
+        finally:
+            shutil.move(data + "_gone", data)
+        self.assertEqual(before, after)
 
     def test_every_command_has_help(self):
         for cmd in ("prepare", "train", "eval", "generate", "tokenizer", "plan", "memory", "bench"):

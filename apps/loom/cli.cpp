@@ -234,6 +234,8 @@ LoomConfig checkpoint_config(const std::string& step_dir) {
     apply_config_text(config, json["config_text"].get<std::string>(), trainer_json + " (config_text)");
   }
   config.model = checkpoint_model_config(step_dir);
+  // A self-contained checkpoint carries its tokenizer: used wherever the step folder now is.
+  if (fs::is_directory(fs::path(step_dir) / "tokenizer")) config.data.tokenizer = (fs::path(step_dir) / "tokenizer").string();
   return config;
 }
 

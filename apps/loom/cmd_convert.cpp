@@ -9,6 +9,7 @@
 #include "loom/checkpoint/gguf_export.h"
 #include "loom/checkpoint/hf_model.h"
 #include "loom/core/error.h"
+#include "loom/data/tokenizer_files.h"
 
 namespace loom::cli {
 
@@ -30,14 +31,10 @@ const char* kHelp =
     "no optimizer state) that eval, generate, convert and train.init_from read. Files are written\n"
     "to temporary names and renamed. docs/models.md has the families and how each maps.\n";
 
-// The files of a tokenizer directory, copied into `out` (a named kind such as "byte" has none).
+// The tokenizer's files, copied into `out` (a named kind such as "byte" has none).
 void copy_tokenizer_files(const std::string& tokenizer, const fs::path& out) {
-  if (!fs::is_directory(tokenizer)) return;
-  for (const auto& entry : fs::directory_iterator(tokenizer)) {
-    const std::string name = entry.path().filename().string();
-    const bool weights = name.find(".safetensors") != std::string::npos || name == "config.json" ||
-                         name == "expected.json";
-    if (entry.is_regular_file() && !weights) fs::copy_file(entry.path(), out / name, fs::copy_options::overwrite_existing);
+  for (const std::string& file : tokenizer_files(tokenizer)) {
+    fs::copy_file(file, out / fs::path(file).filename(), fs::copy_options::overwrite_existing);
   }
 }
 
@@ -73,6 +70,9 @@ int to_loom(const Args& args, const ModelSource& source, const Tensor& params) {
   contents.model = ModelState{config.model, params};
   contents.optimizer.name = "none";  // weights only: no optimizer state
   contents.config_text = config_to_toml(config);
+  for (const std::string& file : tokenizer_files(config.data.tokenizer)) {
+    contents.attached.emplace_back("tokenizer/" + fs::path(file).filename().string(), file);
+  }
   const std::string path = CheckpointManager((fs::path(args.get("out")) / "checkpoints").string()).save(contents);
   std::printf("wrote %s: a Loom checkpoint of a %s model (weights only)\n", path.c_str(),
               std::string(arch_name(config.model.arch)).c_str());

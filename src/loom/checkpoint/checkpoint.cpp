@@ -120,6 +120,34 @@ std::string shard_file_name(int rank, int world) {
   return out.str();
 }
 
+// A relative path inside a checkpoint: "model.safetensors", "tokenizer/vocab.bpe"; no empty,
+// "." or ".." component, not absolute.
+bool is_inside_name(const std::string& name) {
+  if (name.empty() || name.front() == '/') return false;
+  size_t begin = 0;
+  while (begin <= name.size()) {
+    const size_t end = std::min(name.find('/', begin), name.size());
+    const std::string part = name.substr(begin, end - begin);
+    if (part.empty() || part == "." || part == "..") return false;
+    begin = end + 1;
+  }
+  return true;
+}
+
+// Copies each attached file into dir/<name>, synced.
+void copy_attached(const fs::path& dir, const std::vector<std::pair<std::string, std::string>>& attached) {
+  for (const auto& [name, source] : attached) {
+    LOOM_CHECK(is_inside_name(name), "checkpoint: attached file name '", name, "' is not a path inside the checkpoint");
+    std::ifstream in(source, std::ios::binary);
+    LOOM_CHECK(in, source, ": cannot read the file to attach to the checkpoint");
+    std::stringstream bytes;
+    bytes << in.rdbuf();
+    fs::create_directories((dir / name).parent_path());
+    write_text_synced((dir / name).string(), bytes.str());
+    fsync_directory((dir / name).parent_path().string());
+  }
+}
+
 // The files a checkpoint must hold besides the manifest: unsharded (shards = 0) or N shards.
 std::vector<std::string> required_files(int64_t shards) {
   if (shards == 0) return {kModelFile, kOptimizerFile, kTrainerFile};
@@ -128,9 +156,12 @@ std::vector<std::string> required_files(int64_t shards) {
   return files;
 }
 
-nlohmann::json manifest_json(const fs::path& dir, int64_t step, int64_t shards) {
+nlohmann::json manifest_json(const fs::path& dir, int64_t step, int64_t shards,
+                             const std::vector<std::pair<std::string, std::string>>& attached) {
+  std::vector<std::string> names = required_files(shards);
+  for (const auto& [name, source] : attached) names.push_back(name);
   nlohmann::json files = nlohmann::json::object();
-  for (const std::string& name : required_files(shards)) {
+  for (const std::string& name : names) {
     const FileDigest d = digest_file((dir / name).string());
     files[name] = {{"bytes", d.bytes}, {"xxh64", hex64(d.xxh64)}};
   }
@@ -408,7 +439,7 @@ std::string checkpoint_problem(const std::string& path) {
     if (!files.contains(name)) return str_cat(kManifestFile, " does not list ", name);
   }
   for (const auto& [name, entry] : files.items()) {
-    if (name.empty() || name.find('/') != std::string::npos || name == "." || name == "..") {
+    if (!is_inside_name(name)) {
       return str_cat(kManifestFile, " lists '", name, "', expected a file name inside the checkpoint");
     }
     if (!entry.is_object() || !entry.contains("bytes") || !entry["bytes"].is_number_unsigned() ||
@@ -559,8 +590,10 @@ std::string CheckpointManager::commit(const CheckpointContents& contents, int sh
   std::error_code ec;
   try {
     write_text_synced((tmp_dir / kTrainerFile).string(), trainer_json(contents).dump(2));
+    copy_attached(tmp_dir, contents.attached);
     // The manifest goes last: its presence says every other file is complete.
-    write_text_synced((tmp_dir / kManifestFile).string(), manifest_json(tmp_dir, contents.step, shards).dump(2));
+    write_text_synced((tmp_dir / kManifestFile).string(),
+                      manifest_json(tmp_dir, contents.step, shards, contents.attached).dump(2));
     fsync_directory(tmp_dir.string());
     if (fs::exists(final_dir, ec)) {  // an older save of the same step, e.g. before a fall-back
       verified_.erase(final_dir.string());

@@ -70,6 +70,10 @@ struct CheckpointContents {
   nlohmann::json data_state;    // RNG / data-loader state, opaque to this layer
   std::string config_text;      // the resolved run config
   nlohmann::json extra;         // anything else the caller keeps, opaque
+  // Files copied into the checkpoint and listed in its manifest, (name inside the step folder,
+  // e.g. "tokenizer/vocab.bpe"; source path): what makes a checkpoint self-contained (its
+  // tokenizer), so that a step folder moved elsewhere still evaluates and generates alone.
+  std::vector<std::pair<std::string, std::string>> attached;
 };
 
 // What a load returns besides the tensors it filled.

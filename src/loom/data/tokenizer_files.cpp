@@ -1,0 +1,29 @@
+#include "loom/data/tokenizer_files.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <set>
+
+#include "loom/data/tokenizer.h"
+
+namespace loom {
+
+namespace fs = std::filesystem;
+
+std::vector<std::string> tokenizer_files(const std::string& kind_or_dir) {
+  static const std::set<std::string> kNames = {"encoder.json",          "vocab.bpe",        "vocab.json",
+                                               "merges.txt",            "tokenizer.json",   "tokenizer_config.json",
+                                               "tokenizer.model",       "special_tokens_map.json",
+                                               "added_tokens.json"};
+  const std::string dir = kind_or_dir == "gpt2" ? std::string(kGpt2DefaultDir) : kind_or_dir;
+  std::vector<std::string> files;
+  std::error_code ec;
+  if (kind_or_dir == "byte" || !fs::is_directory(dir, ec)) return files;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    if (entry.is_regular_file(ec) && kNames.count(entry.path().filename().string())) files.push_back(entry.path().string());
+  }
+  std::sort(files.begin(), files.end());
+  return files;
+}
+
+}  // namespace loom

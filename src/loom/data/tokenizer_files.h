@@ -1,0 +1,15 @@
+// The files a tokenizer is loaded from, so that checkpoints and exports carry their tokenizer
+// (a run folder or a checkpoint moved elsewhere still encodes and decodes alone).
+#pragma once
+#include <string>
+#include <vector>
+
+namespace loom {
+
+// Paths of the tokenizer files of a load_tokenizer argument: none for "byte"; GPT-2's
+// encoder.json and vocab.bpe for "gpt2"; for a directory, the tokenizer files it holds of the
+// formats Loom reads (encoder.json, vocab.bpe, vocab.json, merges.txt, tokenizer.json,
+// tokenizer_config.json, tokenizer.model, special_tokens_map.json, added_tokens.json), sorted.
+std::vector<std::string> tokenizer_files(const std::string& kind_or_dir);
+
+}  // namespace loom
