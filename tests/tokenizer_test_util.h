@@ -80,13 +80,13 @@ inline std::vector<std::string> reference_strings(const std::vector<std::string>
   std::vector<std::string> strings = corpus_fragments();
   for (const std::string& e : extra) {
     strings.push_back(e);
-    strings.push_back("Hello" + e + " world");
-    strings.push_back(" " + e + e + "\n" + e + "x");
+    strings.push_back(std::string("Hello").append(e).append(" world"));
+    strings.push_back(std::string(" ").append(e).append(e).append("\n").append(e).append("x"));
   }
-  for (int n : {1, 2, 3, 7, 16, 40}) {
-    strings.push_back(std::string(static_cast<size_t>(n), ' ') + "x" + std::string(static_cast<size_t>(n), ' '));
-    strings.push_back("a" + std::string(static_cast<size_t>(n), '\n') + "b\r\n\r\n c\t\t" + std::string(static_cast<size_t>(n), ' '));
-    strings.push_back(std::string(static_cast<size_t>(n), '7') + " " + std::to_string(n * 1234567) + "." + std::to_string(n));
+  for (const size_t n : {1, 2, 3, 7, 16, 40}) {
+    strings.push_back(std::string(n, ' ').append("x").append(n, ' '));
+    strings.push_back(std::string("a").append(n, '\n').append("b\r\n\r\n c\t\t").append(n, ' '));
+    strings.push_back(std::string(n, '7').append(" ").append(std::to_string(n * 1234567)).append(".").append(std::to_string(n)));
   }
   std::vector<std::string> pool = corpus_fragments();
   pool.insert(pool.end(), extra.begin(), extra.end());

@@ -17,7 +17,7 @@ using nlohmann::json;
 constexpr const char* kGpt2Pattern = R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
 
 // Ids above this are refused rather than allocated for (real vocabularies stay far below it).
-constexpr int64_t kMaxTokenId = int64_t{1} << 24;
+constexpr int64_t kMaxTokenId = int64_t{1} << 21;
 
 std::string type_of(const JsonFile& file, const json& obj, const std::string& where) {
   return file.string_at(obj, where, "type");
