@@ -88,6 +88,11 @@ inline std::vector<std::string> reference_strings(const std::vector<std::string>
     strings.push_back(std::string("a").append(n, '\n').append("b\r\n\r\n c\t\t").append(n, ' '));
     strings.push_back(std::string(n, '7').append(" ").append(std::to_string(n * 1234567)).append(".").append(std::to_string(n)));
   }
+  // Where JavaScript's \s (U+FEFF, not U+0085) and PCRE2's / Oniguruma's (U+0085, not U+FEFF)
+  // differ, next to punctuation, letters, spaces and newlines.
+  for (const char* s : {"!\u0085!", "a\u0085\u0085 b", ".\ufeff x", "\ufeff\ufeff\n", " \u0085\n", "x\u00a0\u00a0 y",
+                        "'\ufeffs", "\u0085\u0085\u0085", "(\ufeff)", "1\u00852"})
+    strings.emplace_back(s);
   std::vector<std::string> pool = corpus_fragments();
   pool.insert(pool.end(), extra.begin(), extra.end());
   std::mt19937 rng(20250101);
