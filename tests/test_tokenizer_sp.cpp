@@ -102,6 +102,15 @@ TEST_F(SpReference, TokenizerConfigAddsBosAndControlPiecesParseOnRequest) {
   EXPECT_EQ(std::count(unparsed.begin(), unparsed.end(), 2), 0);
 }
 
+TEST_F(SpReference, DirectoryWithBothFilesLoadsTheModel) {
+  TempDir both("sp_both");
+  fs::copy_file(model(), both / "tokenizer.model");
+  write_file(both / "tokenizer.json", R"({"model": {"type": "BPE", "byte_fallback": true}})");  // Llama 2's kind
+  const std::unique_ptr<Tokenizer> tok = load_tokenizer(both.str());
+  EXPECT_EQ(tok->name(), (both / "tokenizer.model").string());
+  EXPECT_EQ(tok->encode("Hello world"), SentencePieceTokenizer(model()).encode("Hello world"));
+}
+
 TEST(SpLoad, NotAModelIsAnErrorNamingTheFile) {
   TempDir dir("sp_bad");
   write_file(dir / "tokenizer.model", "this is not a protobuf");

