@@ -543,8 +543,26 @@ class Cli(unittest.TestCase):
             shutil.move(data + "_gone", data)
         self.assertEqual(before, after)
 
+    def test_tokenize_prints_ids_or_pieces_of_stdin(self):
+        def tokenize(*args: str, text: bytes) -> subprocess.CompletedProcess:
+            return subprocess.run([LOOM, "tokenize", *args], cwd=ROOT, input=text, capture_output=True, timeout=60)
+        p = tokenize("--tokenizer", "gpt2", "--ids", text=b"Hello world\n")
+        self.assertEqual((p.returncode, p.stdout), (0, b"15496 995 198\n"))
+        p = tokenize("--tokenizer", "gpt2", text=b"Hello world\n")
+        self.assertEqual(p.stdout.decode(), "Hello\n\u0120world\n\u010a\n")
+        p = tokenize("--tokenizer", "byte", "--ids", text=b"a\xff")
+        self.assertEqual(p.stdout, b"97 255\n")
+        p = tokenize("--tokenizer", "gpt2", "--ids", text=b"")
+        self.assertEqual((p.returncode, p.stdout), (0, b"\n"))
+        p = tokenize("--ids", text=b"x")
+        self.assert_one_line_error(subprocess.CompletedProcess(p.args, p.returncode, p.stdout.decode(), p.stderr.decode()),
+                                   "loom tokenize: error:", "--tokenizer PATH")
+        p = tokenize("--tokenizer", os.path.join(self.tmp, "nowhere"), text=b"x")
+        self.assert_one_line_error(subprocess.CompletedProcess(p.args, p.returncode, p.stdout.decode(), p.stderr.decode()),
+                                   "nowhere")
+
     def test_every_command_has_help(self):
-        for cmd in ("prepare", "train", "eval", "generate", "tokenizer", "plan", "memory", "bench"):
+        for cmd in ("prepare", "train", "eval", "generate", "tokenizer", "tokenize", "plan", "memory", "bench"):
             p = run(cmd, "--help")
             self.assertIn("usage: loom", p.stdout)
 

@@ -18,48 +18,15 @@
 #include "loom/data/bpe.h"
 #include "loom/data/tokenizer.h"
 #include "loom/data/unicode.h"
+#include "tokenizer_test_util.h"
 
 namespace loom {
 namespace {
 
 namespace fs = std::filesystem;
-
-// The repository: $LOOM_SOURCE_DIR (ctest sets it), else the current directory.
-fs::path source_dir() {
-  const char* dir = std::getenv("LOOM_SOURCE_DIR");
-  return dir && *dir ? fs::path(dir) : fs::current_path();
-}
+using namespace tokenizer_test;  // NOLINT: source_dir, TempDir, the corpus fragments
 
 fs::path gpt2_dir() { return source_dir() / kGpt2DefaultDir; }
-
-// A fresh directory under the system temp dir, removed with everything in it at scope exit.
-class TempDir {
- public:
-  explicit TempDir(const std::string& name)
-      : path_(fs::temp_directory_path() / ("loom_test_tokenizer_" + name + "_" + std::to_string(::getpid()))) {
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~TempDir() { fs::remove_all(path_); }
-  fs::path operator/(const std::string& name) const { return path_ / name; }
-  std::string str() const { return path_.string(); }
-
- private:
-  fs::path path_;
-};
-
-void write_file(const fs::path& path, const std::string& bytes) {
-  std::ofstream out(path, std::ios::binary);
-  out << bytes;
-  ASSERT_TRUE(out.good()) << path;
-}
-
-std::string read_file(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
 
 // The ids gpt-3-encoder gives `text`, from `node tools/gpt2_encode.js`.
 std::vector<int32_t> reference_gpt2_ids(const std::string& text) {
@@ -71,27 +38,6 @@ std::vector<int32_t> reference_gpt2_ids(const std::string& text) {
   EXPECT_EQ(status, 0) << command;
   if (status != 0) return {};
   return nlohmann::json::parse(read_file(dir / "ids.json")).get<std::vector<int32_t>>();
-}
-
-// Pieces that exercise every branch of GPT-2's regex and the BPE: scripts, CJK, emoji (with
-// skin tone and ZWJ), accents precomposed and combining, every kind of whitespace JS's \s has
-// (and U+0085, U+001F, which it has not), contractions in both cases, numbers of each kind,
-// punctuation runs, the end-of-text literal, and quote/comma runs that hit the reference's
-// comma-joined merge keys.
-const std::vector<std::string>& corpus_fragments() {
-  static const std::vector<std::string> fragments = {
-      "Hello", " world", "Hello world", "GPT-2", " the", "The", "x", " a", "  ", "   ", "\t", "\n", "\n\n",
-      "\r\n", " \n", "\t\t", " \t ", "\v", "\f", "I'm", "you're", " we've", "they'll", "he'd", "it's", "IT'S",
-      "It'S", "'s", "'", "''", " 're", "don't", "DON'T", "rock'n'roll", "'ll've", "123", " 456", "3.14159",
-      "1,000,000", "2024", "½", "²", "Ⅻ", "٣٤", "!!!", "?!", "...", "—", "--", " (", ")", "[x]",
-      "{\"a\": 1, \"b\": [2, 3]}", "\",\"", ",\"", "\",", "\"", ",", ",\"\",", "\"],[\"", "'],'", "<|endoftext|>",
-      "中文", "日本語のテキスト", "한국어", "😀", "👍🏽", "👨‍👩‍👧", "e\u0301", "café", "naïve", "Ω", "ﬁ",
-      "\u00a0", "\u3000", "\u2028", "\u2029", "\u200b", "\u0085", "\u001f", "\ufeff", "\u2003", "\u1680",
-      "Straße", "Ελληνικά", "русский", "עברית", "العربية", "हिन्दी", "ไทย", "$", "€100", "@user", "#tag",
-      "http://example.com/a?b=c&d=e", "   leading", "trailing   ", "x\u0301\u0302", "ǅ", "ʰ", "\x7f",
-      "ａｂｃ", "１２３", "🇫🇷", "\u0300", " \u0301x", "Ǆungla", "μ", "∑", "x²+y²",
-  };
-  return fragments;
 }
 
 // Every fragment once, then `pieces` fragments drawn by a fixed-seed mt19937 and concatenated.

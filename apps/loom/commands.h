@@ -8,6 +8,7 @@ int train_main(int argc, char** argv);
 int eval_main(int argc, char** argv);
 int generate_main(int argc, char** argv);
 int tokenizer_main(int argc, char** argv);
+int tokenize_main(int argc, char** argv);
 int plan_main(int argc, char** argv);
 int memory_main(int argc, char** argv);
 int bench_main(int argc, char** argv);

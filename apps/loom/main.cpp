@@ -24,6 +24,7 @@ const char* kUsage =
     "  eval        validation loss and perplexity of a checkpoint\n"
     "  generate    sample text from a checkpoint (KV cache; greedy, temperature, top-k, top-p)\n"
     "  tokenizer   train a byte-level BPE tokenizer on your own corpus\n"
+    "  tokenize    print the token ids or pieces of standard input (tokenizer.json, tokenizer.model, ...)\n"
     "  plan        rank the parallel layouts that fit a cluster, or simulate a pipeline schedule\n"
     "  memory      bytes per rank by category before running (--measure: and after one step)\n"
     "  bench       bench generate: continuous batching against one at a time, KV cache formats\n"
@@ -51,12 +52,13 @@ int main(int argc, char** argv) {
     if (command == "eval") return loom::cli::eval_main(argc - 2, argv + 2);
     if (command == "generate") return loom::cli::generate_main(argc - 2, argv + 2);
     if (command == "tokenizer") return loom::cli::tokenizer_main(argc - 2, argv + 2);
+    if (command == "tokenize") return loom::cli::tokenize_main(argc - 2, argv + 2);
     if (command == "plan") return loom::cli::plan_main(argc - 2, argv + 2);
     if (command == "memory") return loom::cli::memory_main(argc - 2, argv + 2);
     if (command == "bench") return loom::cli::bench_main(argc - 2, argv + 2);
     if (command == "config") return loom::cli::config_main(argc - 2, argv + 2);
     if (command == "convert") return loom::cli::convert_main(argc - 2, argv + 2);
-    std::fprintf(stderr, "loom: unknown command '%s'; commands: prepare, train, eval, generate, tokenizer, plan, memory, "
+    std::fprintf(stderr, "loom: unknown command '%s'; commands: prepare, train, eval, generate, tokenizer, tokenize, plan, memory, "
                  "bench, config, convert, version (see `loom --help`)\n", command.c_str());
     return 2;
   } catch (const loom::cli::HelpRequest& help) {

@@ -15,12 +15,13 @@
 #include <array>
 #include <cstdint>
 #include <memory>
-#include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <unordered_map>
 #include <vector>
 
+#include "loom/data/bpe_model.h"
 #include "loom/data/tokenizer.h"
 
 namespace loom {
@@ -29,58 +30,39 @@ namespace loom {
 std::array<char32_t, 256> gpt2_byte_alphabet();
 // The token string of raw bytes in that alphabet (UTF-8): "\x20hi" -> "Ġhi".
 std::string gpt2_bytes_to_token(std::string_view bytes);
+// The raw bytes a token string in that alphabet stands for: "Ġhi" -> "\x20hi"; nullopt when a
+// character is outside the alphabet.
+std::optional<std::string> gpt2_token_to_bytes(std::string_view token);
 
 class BpeTokenizer final : public Tokenizer {
  public:
   // Reads dir/encoder.json and dir/vocab.bpe and checks them (dense ids, every merge's parts
   // and result in encoder.json, "<|endoftext|>" present); `name` is what name() returns.
   BpeTokenizer(const std::string& dir, std::string name);
+  // The same from two named files: encoder.json + vocab.bpe, or Hugging Face's slow-tokenizer
+  // vocab.json + merges.txt (the same two formats under other names).
+  BpeTokenizer(const std::string& vocab_path, const std::string& merges_path, std::string name);
 
-  std::vector<int32_t> encode(std::string_view text) const override;
+  using Tokenizer::encode;
+  std::vector<int32_t> encode(std::string_view text, const EncodeOptions& options) const override;
   std::string decode(std::span<const int32_t> tokens) const override;
   int64_t vocab_size() const override { return static_cast<int64_t>(token_bytes_.size()); }
   int32_t eot_token() const override { return eot_token_; }
+  std::optional<int32_t> eos_token() const override { return eot_token_; }
+  std::string token_text(int32_t id) const override;
   std::string name() const override { return name_; }
   // The merges in rank order as vocab.bpe lists them: "left right", in GPT-2's byte alphabet.
   std::vector<std::string> merge_lines() const;
 
  private:
-  struct MergeRule {
-    int32_t rank;    // line of the merge in vocab.bpe, 0 = merged first
-    int32_t merged;  // id of the merged token
-  };
-  struct StringHash {
-    using is_transparent = void;
-    size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
-  };
-  struct CachedPiece {
-    uint32_t offset;  // into cache_tokens_
-    uint32_t count;
-  };
-
   void load_encoder(const std::string& path, std::unordered_map<std::string, int32_t>& ids);
   void load_merges(const std::string& path, const std::unordered_map<std::string, int32_t>& ids);
-  void add_merge(int32_t left, int32_t right, MergeRule rule);
-  const MergeRule* find_merge(int32_t left, int32_t right) const;
-  // Appends the tokens of one pre-token to `out`, from the cache or by merge_piece into `scratch`.
-  void encode_piece(std::string_view piece, std::vector<int32_t>& scratch, std::vector<int32_t>& out) const;
-  void merge_piece(std::string_view piece, std::vector<int32_t>& tokens) const;
 
   std::string name_;
   int32_t eot_token_ = -1;
-  std::vector<std::string> token_bytes_;                // [id] -> the raw bytes it stands for
-  std::array<int32_t, 256> byte_token_{};               // [byte] -> id of the one-byte token
-  std::unordered_map<uint64_t, MergeRule> merges_;      // [(left id << 32) | right id]
-
-  // BPE result per distinct piece of at most kCacheMaxPieceBytes, shared by all calls and
-  // guarded by cache_mutex_ (encode is thread-safe; concurrent callers contend for it). Cleared
-  // when it would pass kCacheMaxPieces pieces or kCacheMaxTokens tokens (tens of MB at most).
-  static constexpr size_t kCacheMaxPieceBytes = 256;
-  static constexpr size_t kCacheMaxPieces = size_t{1} << 18;
-  static constexpr size_t kCacheMaxTokens = size_t{1} << 22;
-  mutable std::mutex cache_mutex_;
-  mutable std::unordered_map<std::string, CachedPiece, StringHash, std::equal_to<>> cache_;  // [piece bytes]
-  mutable std::vector<int32_t> cache_tokens_;  // [sum of cached piece lengths]
+  std::vector<std::string> token_bytes_;  // [id] -> the raw bytes it stands for
+  std::array<int32_t, 256> byte_token_{};  // [byte] -> id of the one-byte token
+  std::unique_ptr<BpeModel> model_;
 };
 
 // GPT-2's BPE from a directory with encoder.json + vocab.bpe (GPT-2's own: kGpt2DefaultDir).

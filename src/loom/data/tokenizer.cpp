@@ -1,14 +1,17 @@
 // ByteTokenizer and the factory that picks a tokenizer by name (tokenizer.h).
 #include "loom/data/tokenizer.h"
 
+#include <cstdio>
 #include <filesystem>
 
 #include "loom/core/error.h"
 #include "loom/data/bpe.h"
+#include "loom/data/hf_tokenizer.h"
+#include "loom/data/sentencepiece_tokenizer.h"
 
 namespace loom {
 
-std::vector<int32_t> ByteTokenizer::encode(std::string_view text) const {
+std::vector<int32_t> ByteTokenizer::encode(std::string_view text, const EncodeOptions& /*options*/) const {
   std::vector<int32_t> tokens(text.size());  // (bytes)
   for (size_t i = 0; i < text.size(); ++i) tokens[i] = static_cast<unsigned char>(text[i]);
   return tokens;
@@ -25,11 +28,41 @@ std::string ByteTokenizer::decode(std::span<const int32_t> tokens) const {
   return text;
 }
 
+std::string ByteTokenizer::token_text(int32_t id) const {
+  LOOM_CHECK(id >= 0 && id <= kEotToken, "tokenizer byte: token id ", id, " is outside [0, 257)");
+  if (id == kEotToken) return "<|endoftext|>";
+  char hex[8];
+  std::snprintf(hex, sizeof(hex), "<0x%02X>", static_cast<unsigned>(id));
+  return id > ' ' && id < 0x7F ? std::string(1, static_cast<char>(id)) : std::string(hex);
+}
+
+namespace {
+
+namespace fs = std::filesystem;
+
+// The tokenizer in a file: tokenizer.json (or any *.json) or tokenizer.model (or any *.model).
+std::unique_ptr<Tokenizer> load_tokenizer_file(const fs::path& path) {
+  if (path.extension() == ".json") return std::make_unique<HfTokenizer>(path.string());
+  if (path.extension() == ".model") return std::make_unique<SentencePieceTokenizer>(path.string());
+  throw Error(str_cat("tokenizer \"", path.string(), "\": expected a tokenizer.json or tokenizer.model file, or a directory"));
+}
+
+}  // namespace
+
 std::unique_ptr<Tokenizer> load_tokenizer(const std::string& kind_or_dir) {
   if (kind_or_dir == "byte") return std::make_unique<ByteTokenizer>();
   if (kind_or_dir == "gpt2") return std::make_unique<BpeTokenizer>(kGpt2DefaultDir, "gpt2");
-  LOOM_CHECK(std::filesystem::is_directory(kind_or_dir), "tokenizer \"", kind_or_dir,
-             "\": expected \"byte\", \"gpt2\" or a directory holding encoder.json and vocab.bpe");
+  const fs::path path(kind_or_dir);
+  if (fs::is_regular_file(path)) return load_tokenizer_file(path);
+  LOOM_CHECK(fs::is_directory(path), "tokenizer \"", kind_or_dir,
+             "\": expected \"byte\", \"gpt2\", a tokenizer.json or tokenizer.model file, or a directory holding "
+             "tokenizer.json, tokenizer.model, vocab.json + merges.txt or encoder.json + vocab.bpe");
+  // Both files: the SentencePiece model, which Llama 2 / Mistral / Gemma directories carry beside
+  // a SentencePiece-style tokenizer.json (byte_fallback, Metaspace) that HfTokenizer refuses.
+  for (const char* file : {"tokenizer.model", "tokenizer.json"})
+    if (fs::is_regular_file(path / file)) return load_tokenizer_file(path / file);
+  if (fs::is_regular_file(path / "vocab.json") || fs::is_regular_file(path / "merges.txt"))
+    return std::make_unique<BpeTokenizer>((path / "vocab.json").string(), (path / "merges.txt").string(), kind_or_dir);
   return load_gpt2_tokenizer(kind_or_dir);
 }
 

@@ -1,0 +1,107 @@
+// BPE merging (bpe_model.h).
+#include "loom/data/bpe_model.h"
+
+#include <algorithm>
+#include <climits>
+
+namespace loom {
+namespace {
+
+constexpr int32_t kNoRank = INT32_MAX;
+
+uint64_t pair_key(int32_t left, int32_t right) {
+  return (static_cast<uint64_t>(static_cast<uint32_t>(left)) << 32) | static_cast<uint32_t>(right);
+}
+
+}  // namespace
+
+BpeModel::BpeModel(const std::array<int32_t, 256>& byte_token, const std::vector<BpeMerge>& merges)
+    : byte_token_(byte_token) {
+  merges_.reserve(merges.size());
+  for (size_t rank = 0; rank < merges.size(); ++rank)
+    merges_[pair_key(merges[rank].left, merges[rank].right)] = {static_cast<int32_t>(rank), merges[rank].merged};
+}
+
+std::vector<BpeMerge> BpeModel::merges() const {
+  std::vector<std::pair<int32_t, BpeMerge>> by_rank;  // (rank, merge)
+  by_rank.reserve(merges_.size());
+  for (const auto& [key, rule] : merges_) {
+    by_rank.push_back({rule.rank, BpeMerge{static_cast<int32_t>(key >> 32), static_cast<int32_t>(key & 0xFFFFFFFFu),
+                                           rule.merged}});
+  }
+  std::sort(by_rank.begin(), by_rank.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  std::vector<BpeMerge> out;
+  out.reserve(by_rank.size());
+  for (const auto& [rank, merge] : by_rank) out.push_back(merge);
+  return out;
+}
+
+const BpeModel::MergeRule* BpeModel::find_merge(int32_t left, int32_t right) const {
+  const auto it = merges_.find(pair_key(left, right));
+  return it == merges_.end() ? nullptr : &it->second;
+}
+
+// BPE of one pre-token, as encoder.py's bpe(): start from one token per byte; repeatedly take
+// the adjacent pair of lowest rank and merge every occurrence of that pair left to right.
+// ranks[i] is the rank of (tokens[i], tokens[i+1]); after a merge only the pairs touching a
+// merged token are looked up again. Cost: O(length x merges applied).
+void BpeModel::merge_piece(std::string_view piece, std::vector<int32_t>& tokens) const {
+  tokens.clear();  // (n) token ids of the piece
+  for (char c : piece) tokens.push_back(byte_token_[static_cast<unsigned char>(c)]);
+  const auto rank_of = [this](int32_t left, int32_t right) {
+    const MergeRule* rule = find_merge(left, right);
+    return rule ? rule->rank : kNoRank;
+  };
+  std::vector<int32_t> ranks;  // (n - 1)
+  for (size_t i = 0; i + 1 < tokens.size(); ++i) ranks.push_back(rank_of(tokens[i], tokens[i + 1]));
+
+  while (tokens.size() > 1) {
+    size_t best = 0;
+    for (size_t i = 1; i < ranks.size(); ++i)
+      if (ranks[i] < ranks[best]) best = i;
+    if (ranks[best] == kNoRank) break;
+    const int32_t left = tokens[best], right = tokens[best + 1];
+    const int32_t merged = find_merge(left, right)->merged;
+    // Compact in place: the write index w never passes the read index i.
+    const size_t n = tokens.size();
+    size_t w = 0;
+    bool prev_merged = false;
+    for (size_t i = 0; i < n;) {
+      const bool merge_here = i + 1 < n && tokens[i] == left && tokens[i + 1] == right;
+      const int32_t token = merge_here ? merged : tokens[i];
+      if (w > 0) ranks[w - 1] = (merge_here || prev_merged) ? rank_of(tokens[w - 1], token) : ranks[i - 1];
+      tokens[w++] = token;
+      prev_merged = merge_here;
+      i += merge_here ? 2 : 1;
+    }
+    tokens.resize(w);
+    ranks.resize(w - 1);
+  }
+}
+
+void BpeModel::encode_piece(std::string_view piece, std::vector<int32_t>& scratch,
+                                std::vector<int32_t>& out) const {
+  const bool cacheable = piece.size() <= kCacheMaxPieceBytes;
+  if (cacheable) {
+    std::lock_guard<std::mutex> lock(cache_mutex_);
+    const auto it = cache_.find(piece);
+    if (it != cache_.end()) {
+      const int32_t* first = cache_tokens_.data() + it->second.offset;
+      out.insert(out.end(), first, first + it->second.count);
+      return;
+    }
+  }
+  merge_piece(piece, scratch);
+  out.insert(out.end(), scratch.begin(), scratch.end());
+  if (!cacheable) return;
+  std::lock_guard<std::mutex> lock(cache_mutex_);
+  if (cache_.size() >= kCacheMaxPieces || cache_tokens_.size() + scratch.size() > kCacheMaxTokens) {
+    cache_.clear();
+    cache_tokens_.clear();
+  }
+  const CachedPiece entry{static_cast<uint32_t>(cache_tokens_.size()), static_cast<uint32_t>(scratch.size())};
+  if (cache_.try_emplace(std::string(piece), entry).second)
+    cache_tokens_.insert(cache_tokens_.end(), scratch.begin(), scratch.end());
+}
+
+}  // namespace loom

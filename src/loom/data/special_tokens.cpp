@@ -1,0 +1,125 @@
+// Added-token splitting, tokenizer_config.json and JSON key errors (special_tokens.h).
+#include "loom/data/special_tokens.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "loom/core/error.h"
+
+namespace loom {
+
+std::string read_text_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  LOOM_CHECK(in, path, ": cannot open for reading");
+  std::ostringstream text;
+  text << in.rdbuf();
+  LOOM_CHECK(!in.bad(), path, ": read failed");
+  return text.str();
+}
+
+nlohmann::json read_json_file(const std::string& path) {
+  const std::string text = read_text_file(path);
+  try {
+    return nlohmann::json::parse(text);
+  } catch (const nlohmann::json::exception& e) {
+    throw Error(str_cat(path, ": not valid JSON: ", e.what()));
+  }
+}
+
+std::string key_path(const std::string& where, const std::string& key) { return where.empty() ? key : where + "." + key; }
+
+void JsonFile::fail(const std::string& key, const std::string& what) const {
+  throw Error(str_cat(path, ": key ", key.empty() ? "(root)" : key, ": ", what));
+}
+
+const nlohmann::json* JsonFile::find(const nlohmann::json& obj, const std::string& where, const char* key) const {
+  if (!obj.is_object()) fail(where, "expected a JSON object");
+  const auto it = obj.find(key);
+  return it == obj.end() || it->is_null() ? nullptr : &*it;
+}
+
+const nlohmann::json& JsonFile::at(const nlohmann::json& obj, const std::string& where, const char* key) const {
+  const nlohmann::json* value = find(obj, where, key);
+  if (value == nullptr) fail(key_path(where, key), "missing");
+  return *value;
+}
+
+std::string JsonFile::string_at(const nlohmann::json& obj, const std::string& where, const char* key) const {
+  const nlohmann::json& value = at(obj, where, key);
+  if (!value.is_string()) fail(key_path(where, key), "expected a string");
+  return value.get<std::string>();
+}
+
+bool JsonFile::flag(const nlohmann::json& obj, const std::string& where, const char* key, bool fallback) const {
+  const nlohmann::json* value = find(obj, where, key);
+  if (value == nullptr) return fallback;
+  if (!value->is_boolean()) fail(key_path(where, key), "expected true or false");
+  return value->get<bool>();
+}
+
+AddedTokenSplitter::AddedTokenSplitter(std::vector<AddedToken> tokens) : tokens_(std::move(tokens)), by_first_byte_(256) {
+  std::erase_if(tokens_, [](const AddedToken& t) { return t.content.empty(); });
+  std::stable_sort(tokens_.begin(), tokens_.end(),
+                   [](const AddedToken& a, const AddedToken& b) { return a.content.size() > b.content.size(); });
+  for (size_t i = 0; i < tokens_.size(); ++i)
+    by_first_byte_[static_cast<unsigned char>(tokens_[i].content[0])].push_back(static_cast<uint32_t>(i));
+}
+
+const AddedToken* AddedTokenSplitter::match_at(std::string_view text, size_t pos, bool with_special) const {
+  for (const uint32_t i : by_first_byte_[static_cast<unsigned char>(text[pos])]) {
+    const AddedToken& token = tokens_[i];
+    if ((with_special || !token.special) && text.substr(pos).starts_with(token.content)) return &token;
+  }
+  return nullptr;
+}
+
+std::vector<TextSegment> AddedTokenSplitter::split(std::string_view text, bool with_special) const {
+  std::vector<TextSegment> segments;
+  size_t plain_start = 0;
+  for (size_t pos = 0; pos < text.size() && !tokens_.empty();) {
+    const AddedToken* token = match_at(text, pos, with_special);
+    if (token == nullptr) {
+      ++pos;
+      continue;
+    }
+    if (pos > plain_start) segments.push_back({text.substr(plain_start, pos - plain_start), -1});
+    segments.push_back({text.substr(pos, token->content.size()), token->id});
+    pos += token->content.size();
+    plain_start = pos;
+  }
+  if (plain_start < text.size()) segments.push_back({text.substr(plain_start), -1});
+  return segments;
+}
+
+namespace {
+
+// bos_token / eos_token: a string, or an AddedToken object {"content": ...}; null is absent.
+std::optional<std::string> config_token(const JsonFile& file, const nlohmann::json& root, const char* key) {
+  const nlohmann::json* value = file.find(root, "", key);
+  if (value == nullptr) return std::nullopt;
+  if (value->is_string()) return value->get<std::string>();
+  return file.string_at(*value, key, "content");
+}
+
+std::optional<bool> config_flag(const JsonFile& file, const nlohmann::json& root, const char* key) {
+  if (file.find(root, "", key) == nullptr) return std::nullopt;
+  return file.flag(root, "", key, false);
+}
+
+}  // namespace
+
+TokenizerConfig read_tokenizer_config(const std::string& path) {
+  TokenizerConfig config;
+  if (!std::filesystem::exists(path)) return config;
+  const JsonFile file{path};
+  const nlohmann::json root = read_json_file(path);
+  config.add_bos_token = config_flag(file, root, "add_bos_token");
+  config.add_eos_token = config_flag(file, root, "add_eos_token");
+  config.bos_token = config_token(file, root, "bos_token");
+  config.eos_token = config_token(file, root, "eos_token");
+  return config;
+}
+
+}  // namespace loom
