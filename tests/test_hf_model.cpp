@@ -94,7 +94,7 @@ TEST_P(HfImport, ExportAndReimportAreBitwise) {
   EXPECT_EQ(read_bytes(out / "config.json"), read_bytes(out2 / "config.json"));
 }
 
-INSTANTIATE_TEST_SUITE_P(Families, HfImport, ::testing::Values("gpt2", "gpt2_plain", "llama", "mistral"));
+INSTANTIATE_TEST_SUITE_P(Families, HfImport, ::testing::Values("gpt2", "gpt2_plain", "llama", "mistral", "qwen2"));
 
 // A copy of a fixture folder whose config.json or weights a test then breaks.
 fs::path broken_copy(const std::string& name, const std::string& tag) {
@@ -119,8 +119,8 @@ TEST(HfImportErrors, UnknownOrUnsupportedConfigKeysAreRefusedByName) {
   const Case cases[] = {
       {"llama", [](nlohmann::json& j) { j["rope_scaling"] = {{"rope_type", "llama3"}, {"factor", 8.0}}; }, "rope_scaling"},
       {"llama", [](nlohmann::json& j) { j["attention_bias"] = true; }, "attention_bias"},
-      {"llama", [](nlohmann::json& j) { j["tie_word_embeddings"] = true; }, "tie_word_embeddings"},
-      {"llama", [](nlohmann::json& j) { j["model_type"] = "qwen2"; }, "model_type 'qwen2'"},
+      {"qwen2", [](nlohmann::json& j) { j["use_sliding_window"] = true; }, "use_sliding_window"},
+      {"llama", [](nlohmann::json& j) { j["model_type"] = "qwen3"; }, "model_type 'qwen3'"},
       {"llama", [](nlohmann::json& j) { j["frobnicate"] = 3; }, "unknown key 'frobnicate'"},
       {"llama", [](nlohmann::json& j) { j.erase("hidden_size"); }, "'hidden_size' is missing"},
       {"llama", [](nlohmann::json& j) { j["hidden_size"] = "wide"; }, "'hidden_size' has the wrong type"},

@@ -2,6 +2,8 @@
 // gradient check (f32 model gradients against central differences of the f32 loss in double).
 #include <gtest/gtest.h>
 
+#include <string>
+
 #include "loom/core/error.h"
 #include "loom/arch/config.h"
 #include "loom/arch/param_layout.h"
@@ -61,29 +63,46 @@ TEST(ParamLayoutTest, ParametersTileTheFlatBufferInOrder) {
 // parameter. The loss is f32, so the difference step is 1e-2 on weights of size 0.3 and the
 // tolerance is 2e-3 relative (fp32 rounding of a ~4.6 loss is ~5e-7; divided by 2h = 2e-2).
 // With train.flash_attention too (the blocks keep lse instead of the probabilities).
+// Forward and backward of two sequences of 9 tokens, every parameter gradient against finite
+// differences of the loss (large weights so that every path matters).
+void expect_fd_gradients(ModelConfig config, bool flash, const std::string& label) {
+  auto backend = make_cpu_backend();
+  config.init_std = 0.3f;
+  Transformer model(*backend, config);
+  model.set_flash_attention(flash);
+  model.init_weights(5);
+  ActivationStore store = model.allocate_store(2, 9);
+  Tensor tok = test::random_tokens(backend->allocator(), {2, 10}, static_cast<int32_t>(config.vocab_size), 7);
+  for (int64_t b = 0; b < 2; ++b) {
+    for (int64_t t = 0; t < 9; ++t) {
+      store.tokens.data<int32_t>()[b * 9 + t] = tok.data<int32_t>()[b * 10 + t];
+      store.targets.data<int32_t>()[b * 9 + t] = tok.data<int32_t>()[b * 10 + t + 1];
+    }
+  }
+  model.zero_grads();
+  model.forward(store);
+  model.backward(store, 1.0f);
+  test::expect_model_gradients_match_fd(model, store, label);
+}
+
 TEST(TransformerTest, GradientsMatchFiniteDifferencesOfTheLoss) {
   for (const bool flash : {false, true}) {
     for (const char* preset : {"gpt2-tiny", "llama-tiny"}) {
-      auto backend = make_cpu_backend();
-      ModelConfig config = model_preset(preset);
-      config.init_std = 0.3f;  // large weights make every path matter
-      Transformer model(*backend, config);
-      model.set_flash_attention(flash);
-      model.init_weights(5);
-      ActivationStore store = model.allocate_store(2, 9);
-      Tensor tok = test::random_tokens(backend->allocator(), {2, 10}, static_cast<int32_t>(config.vocab_size), 7);
-      for (int64_t b = 0; b < 2; ++b) {
-        for (int64_t t = 0; t < 9; ++t) {
-          store.tokens.data<int32_t>()[b * 9 + t] = tok.data<int32_t>()[b * 10 + t];
-          store.targets.data<int32_t>()[b * 9 + t] = tok.data<int32_t>()[b * 10 + t + 1];
-        }
-      }
-      model.zero_grads();
-      model.forward(store);
-      model.backward(store, 1.0f);
-      test::expect_model_gradients_match_fd(model, store, std::string(preset) + (flash ? " flash" : ""));
+      expect_fd_gradients(model_preset(preset), flash, std::string(preset) + (flash ? " flash" : ""));
     }
   }
+}
+
+// Qwen2's q/k/v biases and a head tied to the embedding (Llama 3.2, Qwen2 0.5B): the bias and
+// the embedding's two gradients (as input and as head) against finite differences.
+TEST(TransformerTest, QkvBiasAndTiedLlamaHeadGradientsMatchFiniteDifferences) {
+  ModelConfig config = model_preset("llama-tiny");
+  config.qkv_bias = config.tie_embeddings = true;
+  auto backend = make_cpu_backend();
+  Transformer model(*backend, config);
+  EXPECT_NO_THROW(model.param("model.layers.0.self_attn.qkv_proj.bias"));
+  EXPECT_THROW(model.param("lm_head.weight"), Error);  // tied: the head is model.embed_tokens.weight
+  expect_fd_gradients(config, false, "llama qkv_bias tied");
 }
 
 }  // namespace

@@ -14,6 +14,7 @@ weights with each family's formulas as transformers writes them:
   llama    LlamaForCausalLM: RMSNorm (x * rsqrt(mean x^2 + eps)) * w, rotate-half RoPE with
            inv_freq = theta^(-2i/d), GQA, SiLU-gated MLP, untied head (bf16, sharded)
   mistral  MistralForCausalLM: llama's formulas plus a sliding window (keys j > i - W), f16
+  qwen2    Qwen2ForCausalLM: llama's formulas plus q/k/v biases, the head tied to the embedding
 
 Nothing here imports transformers (not in Debian); the formulas are written from the model
 papers and the modeling files' definitions. safetensors files are written by hand (the format:
@@ -119,9 +120,10 @@ def llama_logits(cfg: dict, w: dict[str, torch.Tensor], tokens: torch.Tensor) ->
     for layer in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{layer}."
         h = rms(x, p + "input_layernorm.weight")
-        q = (h @ g[p + "self_attn.q_proj.weight"].T).reshape(T, H, d).transpose(0, 1)
-        k = (h @ g[p + "self_attn.k_proj.weight"].T).reshape(T, KV, d).transpose(0, 1)
-        v = (h @ g[p + "self_attn.v_proj.weight"].T).reshape(T, KV, d).transpose(0, 1)
+        proj = lambda name: h @ g[p + f"self_attn.{name}.weight"].T + g.get(p + f"self_attn.{name}.bias", 0.0)
+        q = proj("q_proj").reshape(T, H, d).transpose(0, 1)
+        k = proj("k_proj").reshape(T, KV, d).transpose(0, 1)
+        v = proj("v_proj").reshape(T, KV, d).transpose(0, 1)
         q, k = rope(q, cfg["rope_theta"]), rope(k, cfg["rope_theta"])
         k, v = k.repeat_interleave(H // KV, dim=0), v.repeat_interleave(H // KV, dim=0)
         y = causal_attention(q, k, v, window).transpose(0, 1).reshape(T, C)
@@ -129,7 +131,8 @@ def llama_logits(cfg: dict, w: dict[str, torch.Tensor], tokens: torch.Tensor) ->
         h = rms(x, p + "post_attention_layernorm.weight")
         gate = h @ g[p + "mlp.gate_proj.weight"].T
         x = x + (torch.nn.functional.silu(gate) * (h @ g[p + "mlp.up_proj.weight"].T)) @ g[p + "mlp.down_proj.weight"].T
-    return rms(x, "model.norm.weight") @ g["lm_head.weight"].T
+    head = g["model.embed_tokens.weight"] if cfg.get("tie_word_embeddings") else g["lm_head.weight"]
+    return rms(x, "model.norm.weight") @ head.T
 
 
 def gpt2_case(gen: torch.Generator) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -153,7 +156,7 @@ def gpt2_case(gen: torch.Generator) -> tuple[dict, dict[str, torch.Tensor]]:
     return cfg, w
 
 
-def llama_case(gen: torch.Generator, mistral: bool) -> tuple[dict, dict[str, torch.Tensor]]:
+def llama_case(gen: torch.Generator, mistral: bool, qwen2: bool = False) -> tuple[dict, dict[str, torch.Tensor]]:
     C, F, L, V, H, KV = 32, 48, 2, 96, 4, 2
     d = C // H
     cfg = {"architectures": ["MistralForCausalLM" if mistral else "LlamaForCausalLM"],
@@ -163,7 +166,13 @@ def llama_case(gen: torch.Generator, mistral: bool) -> tuple[dict, dict[str, tor
            "hidden_act": "silu", "initializer_range": 0.02, "tie_word_embeddings": False, "attention_bias": False,
            "attention_dropout": 0.0, "rope_scaling": None, "bos_token_id": 1, "eos_token_id": 2,
            "torch_dtype": "float16" if mistral else "bfloat16", "transformers_version": "4.44.0", "use_cache": True}
-    if mistral:
+    if qwen2:
+        cfg.update({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "tie_word_embeddings": True,
+                    "use_sliding_window": False, "sliding_window": 32, "max_window_layers": 2, "rope_theta": 1e6,
+                    "torch_dtype": "bfloat16"})
+        for key in ("attention_bias",):
+            cfg.pop(key)
+    elif mistral:
         cfg["sliding_window"] = 5
     else:
         cfg.update({"mlp_bias": False, "pretraining_tp": 1, "head_dim": d})
@@ -177,6 +186,12 @@ def llama_case(gen: torch.Generator, mistral: bool) -> tuple[dict, dict[str, tor
                   p + "mlp.gate_proj.weight": r(F, C), p + "mlp.up_proj.weight": r(F, C),
                   p + "mlp.down_proj.weight": r(C, F)})
     w.update({"model.norm.weight": 1 + r(C, s=0.1), "lm_head.weight": r(V, C)})
+    if qwen2:
+        del w["lm_head.weight"]
+        for layer in range(L):
+            p = f"model.layers.{layer}.self_attn."
+            w.update({p + "q_proj.bias": r(H * d, s=0.1), p + "k_proj.bias": r(KV * d, s=0.1),
+                      p + "v_proj.bias": r(KV * d, s=0.1)})
     return cfg, w
 
 
@@ -211,6 +226,8 @@ def main() -> None:
         cfg, w = llama_case(gen, mistral)
         stored = {k: v.to(dtype) for k, v in w.items()}
         write_case(out, name, cfg, stored, {k: v.float() for k, v in stored.items()}, llama_logits, tokens, shards)
+    cfg, w = llama_case(gen, False, qwen2=True)
+    write_case(out, "qwen2", cfg, dict(w), w, llama_logits, tokens)
 
 
 if __name__ == "__main__":

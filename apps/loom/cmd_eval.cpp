@@ -72,7 +72,8 @@ int eval_text_main(const Args& args, const ModelSource& source, Transformer& mod
              config.model.max_seq_len + 1, "], got ", T);
   const int64_t B = args.get_int("batch", 1);
   LOOM_CHECK(B >= 1, "--batch must be >= 1, got ", B);
-  const TextEval r = eval_text(model, tokenizer->encode(text.str()), T, B);
+  // BOS (and EOS) where the tokenizer's files say every text gets them; special tokens in the text stay text.
+  const TextEval r = eval_text(model, tokenizer->encode(text.str(), EncodeOptions{.add_special_tokens = true}), T, B);
   if (args.has("json")) {
     const nlohmann::json j = {{"loss", r.loss}, {"perplexity", std::exp(r.loss)}, {"tokens", r.tokens},
                               {"windows", r.windows}, {"seq_len", r.window}, {"text", path}, {"checkpoint", source.path}};

@@ -42,6 +42,9 @@ void ModelConfig::validate() const {
              head_dim());
   LOOM_CHECK(norm_eps > 0.0f, "model.norm_eps must be > 0, got ", norm_eps);
   LOOM_CHECK(rope_theta > 0.0f, "model.rope_theta must be > 0, got ", rope_theta);
+  LOOM_CHECK(arch == ARCH_LLAMA || (!qkv_bias && !tie_embeddings), "model.qkv_bias and model.tie_embeddings are "
+             "llama options (gpt2 always has biases and a tied head)");
+  LOOM_CHECK(!qkv_bias || !mla(), "model.qkv_bias is not supported with model.mla_kv_rank > 0 (MLA has its own projections)");
   LOOM_CHECK(attn_window >= 0, "model.attn_window must be >= 0 (0: full causal attention), got ", attn_window);
   LOOM_CHECK(mla_kv_rank >= 0 && mla_rope_dim >= 0 && mla_nope_dim >= 0 && mla_v_dim >= 0 && mla_q_rank >= 0,
              "model.mla_kv_rank, mla_rope_dim, mla_nope_dim, mla_v_dim and mla_q_rank must be >= 0");

@@ -33,6 +33,10 @@ struct ModelConfig {
   // 0: full causal attention; W > 0: position i attends to positions j with i - W < j <= i,
   // in training and in decoding (docs/inference.md).
   int64_t attn_window = 0;
+  // Llama-family variants (gpt2 always has both): biases on the q/k/v projections (Qwen2 /
+  // Qwen2.5), and the output head tied to the token embedding (Llama 3.2 1B / 3B, Qwen2 0.5B).
+  bool qkv_bias = false;
+  bool tie_embeddings = false;
   // Multi-head Latent Attention (DeepSeek-AI 2024, DeepSeek-V2 §2.1; nn/mla.h), Llama only.
   // mla_kv_rank = d_c > 0: keys and values come from a d_c-wide compressed latent (RMS-normed)
   // plus one decoupled RoPE key of mla_rope_dim = d_r shared by the heads; per head queries and
@@ -74,7 +78,7 @@ struct ModelConfig {
   int64_t attn_width() const { return n_head * (mla() ? mla_v() : head_dim()); }
   bool has_bias() const { return arch == ARCH_GPT2; }
   bool learned_positions() const { return arch == ARCH_GPT2; }
-  bool tied_head() const { return arch == ARCH_GPT2; }
+  bool tied_head() const { return arch == ARCH_GPT2 || tie_embeddings; }
   bool rmsnorm() const { return arch == ARCH_LLAMA; }
   bool swiglu() const { return arch == ARCH_LLAMA; }
   // Width of the MLP's first GEMM output: F (GELU) or 2F ([gate | up], SwiGLU).
@@ -140,6 +144,12 @@ void visit_model_fields(Config& c, Visit&& visit) {
   visit(ModelField{"attn_window", ModelField::IF_SET, "attn_window",
                     "sliding-window attention: 0 = full causal; W > 0 = position i attends to i-W < j <= i (not with parallel.cp > 1)"},
         c.attn_window);
+  visit(ModelField{"qkv_bias", ModelField::IF_SET, "qkv_bias",
+                    "llama: biases on the q/k/v projections (Qwen2); gpt2 always has biases"},
+        c.qkv_bias);
+  visit(ModelField{"tie_embeddings", ModelField::IF_SET, "tie_embeddings",
+                    "llama: the output head is the token embedding (Llama 3.2 1B/3B, Qwen2 0.5B); gpt2 always ties"},
+        c.tie_embeddings);
   visit(ModelField{"mla_kv_rank", ModelField::MLA, "kv_rank",
                     "Multi-head Latent Attention (llama only): width d_c of the compressed KV latent; 0 = standard MHA / GQA"},
         c.mla_kv_rank);

@@ -140,6 +140,7 @@ void add_llama(const ModelConfig& c, LayoutBuilder& b) {
     } else {
       b.matrix(p + "self_attn.qkv_proj.weight", {c.qkv_width(), C}, std, ROLE_HIDDEN,
                {{c.n_head * hd, hd}, {kv, hd}, {kv, 1}});
+      if (c.qkv_bias) b.bias(p + "self_attn.qkv_proj.bias", c.qkv_width());
       b.matrix(p + "self_attn.o_proj.weight", {C, c.n_head * c.head_dim()}, residual_std);
     }
     b.norm_weight(p + "post_attention_layernorm.weight", C);
@@ -151,10 +152,18 @@ void add_llama(const ModelConfig& c, LayoutBuilder& b) {
     b.matrix(p + "mlp.down_proj.weight", {C, F}, residual_std);
   }
   b.norm_weight("model.norm.weight", C);
-  b.matrix("lm_head.weight", {V, C}, std, ROLE_HEAD);
+  if (!c.tie_embeddings) b.matrix("lm_head.weight", {V, C}, std, ROLE_HEAD);
 }
 
 }  // namespace
+
+const char* embedding_param_name(const ModelConfig& config) {
+  return config.arch == ARCH_GPT2 ? "wte.weight" : "model.embed_tokens.weight";
+}
+
+const char* head_param_name(const ModelConfig& config) {
+  return config.tied_head() ? embedding_param_name(config) : "lm_head.weight";
+}
 
 bool is_gpt2_conv1d_weight(const std::string& name) {
   static const char* const kSuffixes[] = {".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight",

@@ -58,6 +58,11 @@ struct ParamLayout {
 
 ParamLayout build_param_layout(const ModelConfig& config);
 
+// The token embedding's parameter ("wte.weight", "model.embed_tokens.weight") and the output
+// head's (the embedding's when the head is tied, else "lm_head.weight").
+const char* embedding_param_name(const ModelConfig& config);
+const char* head_param_name(const ModelConfig& config);
+
 // GPT-2's four Conv1D matrices of a block (h.N.attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj
 // .weight): Hugging Face's GPT2LMHeadModel stores them (in, out), Loom (out, in).
 bool is_gpt2_conv1d_weight(const std::string& name);

@@ -139,7 +139,9 @@ ModelConfig gpt2_config(ConfigReader& r) {
   return c;
 }
 
-ModelConfig llama_config(ConfigReader& r, bool mistral) {
+enum class LlamaFamily { llama, mistral, qwen2 };
+
+ModelConfig llama_config(ConfigReader& r, LlamaFamily family) {
   ModelConfig c;
   c.arch = ARCH_LLAMA;
   read_int_keys(r, kLlamaKeys, c);
@@ -150,10 +152,15 @@ ModelConfig llama_config(ConfigReader& r, bool mistral) {
   LOOM_CHECK(c.n_head > 0, "config.json: num_attention_heads must be > 0");
   const int64_t head_dim = r.get<int64_t>("head_dim", c.d_model / c.n_head);
   if (head_dim != c.d_model / c.n_head) c.head_size = head_dim;
-  if (mistral) c.attn_window = r.get<int64_t>("sliding_window", 0);
+  if (family == LlamaFamily::mistral) c.attn_window = r.get<int64_t>("sliding_window", 0);
+  c.tie_embeddings = r.get<bool>("tie_word_embeddings", false);
+  if (family == LlamaFamily::qwen2) {  // Qwen2: q/k/v biases; its sliding window only on layers past max_window_layers
+    c.qkv_bias = true;
+    r.require("use_sliding_window", false, false, "Qwen2's per-layer sliding window is not implemented");
+    r.ignore({"sliding_window", "max_window_layers"});
+  }
   r.require("hidden_act", "silu", "silu", "Loom's SwiGLU gates with SiLU");
-  r.require("tie_word_embeddings", false, false, "a Llama head tied to the embedding is not implemented yet");
-  r.require("attention_bias", false, false, "q/k/v/o biases are not implemented for llama yet");
+  r.require("attention_bias", false, false, "an output-projection bias (o_proj) is not implemented for llama");
   r.require("mlp_bias", false, false, "MLP biases are not implemented for llama yet");
   r.require("rope_scaling", json(), json(), "RoPE scaling (llama3, linear, yarn) is not implemented yet");
   r.require("pretraining_tp", 1, 1, "tensor-parallel slicing of the MLP at pretraining changes its arithmetic");
@@ -176,6 +183,10 @@ std::vector<Piece> pieces_of(const ModelConfig& c, const ParamSpec& spec) {
   if (c.arch == ARCH_LLAMA && ends_with(".self_attn.qkv_proj.weight")) {
     const int64_t q = c.n_head * c.head_dim(), kv = c.n_kv_head * c.head_dim();
     return {{stem + ".q_proj.weight", q}, {stem + ".k_proj.weight", kv}, {stem + ".v_proj.weight", kv}};
+  }
+  if (c.arch == ARCH_LLAMA && ends_with(".self_attn.qkv_proj.bias")) {
+    const int64_t q = c.n_head * c.head_dim(), kv = c.n_kv_head * c.head_dim();
+    return {{stem + ".q_proj.bias", q}, {stem + ".k_proj.bias", kv}, {stem + ".v_proj.bias", kv}};
   }
   if (c.arch == ARCH_LLAMA && ends_with(".mlp.gate_up_proj.weight")) {
     return {{stem + ".gate_proj.weight", c.d_ff}, {stem + ".up_proj.weight", c.d_ff}};
@@ -274,7 +285,7 @@ void copy_piece(const HfTensors& files, const Piece& piece, bool transpose, cons
   used.insert(stored);
 }
 
-// GPT-2 ties its head to wte: an lm_head.weight in the folder must be that same matrix.
+// A tied head is the token embedding: an lm_head.weight in the folder must be that same matrix.
 void check_tied_head(const HfTensors& files, const Tensor& wte, std::set<std::string>& used) {
   std::string stored;
   const SafetensorsFile* file = files.find("lm_head.weight", &stored);
@@ -285,7 +296,8 @@ void check_tied_head(const HfTensors& files, const Tensor& wte, std::set<std::st
   const Tensor head = Tensor::empty(host, wte.shape(), DTYPE_F32, MEM_WORKSPACE);
   file->copy_as_f32(stored, head);
   LOOM_CHECK(std::memcmp(head.data<float>(), wte.data<float>(), static_cast<size_t>(wte.numel()) * sizeof(float)) == 0,
-             file->path(), ": 'lm_head.weight' differs from 'wte.weight', but GPT-2 ties its head to the embedding");
+             file->path(), ": 'lm_head.weight' differs from the token embedding, but the model ties its head to it "
+             "(tie_word_embeddings)");
   used.insert(stored);
 }
 
@@ -297,11 +309,14 @@ json hf_config_json(const ModelConfig& c) {
          {"initializer_range", c.init_std}, {"tie_word_embeddings", true}};
     write_int_keys(j, kGpt2Keys, c);
   } else {
-    const bool mistral = c.attn_window > 0;
-    j = {{"architectures", {mistral ? "MistralForCausalLM" : "LlamaForCausalLM"}},
-         {"model_type", mistral ? "mistral" : "llama"}, {"num_key_value_heads", c.n_kv_head},
+    const bool mistral = c.attn_window > 0, qwen2 = c.qkv_bias;
+    LOOM_CHECK(!(mistral && qwen2), "export to a Hugging Face folder: q/k/v biases with a sliding window (Qwen2 with "
+               "use_sliding_window) are not mapped");
+    const char* type = qwen2 ? "qwen2" : mistral ? "mistral" : "llama";
+    const char* cls = qwen2 ? "Qwen2ForCausalLM" : mistral ? "MistralForCausalLM" : "LlamaForCausalLM";
+    j = {{"architectures", {cls}}, {"model_type", type}, {"num_key_value_heads", c.n_kv_head},
          {"head_dim", c.head_dim()}, {"rms_norm_eps", c.norm_eps}, {"rope_theta", c.rope_theta},
-         {"hidden_act", "silu"}, {"initializer_range", c.init_std}, {"tie_word_embeddings", false}};
+         {"hidden_act", "silu"}, {"initializer_range", c.init_std}, {"tie_word_embeddings", c.tie_embeddings}};
     write_int_keys(j, kLlamaKeys, c);
     if (mistral) j["sliding_window"] = c.attn_window;
   }
@@ -330,8 +345,10 @@ ModelConfig hf_model_config(const std::string& dir) {
   ignore_common(r);
   ModelConfig c;
   if (type == "gpt2") c = gpt2_config(r);
-  else if (type == "llama" || type == "mistral") c = llama_config(r, type == "mistral");
-  else throw Error(str_cat(path.string(), ": model_type '", type, "' is not supported yet (gpt2, llama, mistral)"));
+  else if (type == "llama") c = llama_config(r, LlamaFamily::llama);
+  else if (type == "mistral") c = llama_config(r, LlamaFamily::mistral);
+  else if (type == "qwen2") c = llama_config(r, LlamaFamily::qwen2);
+  else throw Error(str_cat(path.string(), ": model_type '", type, "' is not supported yet (gpt2, llama, mistral, qwen2)"));
   r.finish();
   try {
     c.validate();
@@ -358,8 +375,10 @@ void load_hf_weights(const std::string& dir, const ModelState& model) {
       row += piece.rows;
     }
   }
-  if (c.arch == ARCH_GPT2) check_tied_head(files, model.params.view(layout.find("wte.weight").offset,
-                                                                     layout.find("wte.weight").shape), used);
+  if (c.tied_head()) {
+    const ParamSpec& embedding = layout.find(embedding_param_name(c));
+    check_tied_head(files, model.params.view(embedding.offset, embedding.shape), used);
+  }
   for (const std::string& name : files.names()) {
     LOOM_CHECK(used.count(name) || is_buffer(name), files.describe(), ": tensor '", name, "' is not a parameter of a ",
                arch_name(c.arch), " model with this config.json");

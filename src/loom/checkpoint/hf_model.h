@@ -13,6 +13,8 @@
 //            {input_layernorm, self_attn.{q,k,v,o}_proj, post_attention_layernorm,
 //            mlp.{gate,up,down}_proj}, model.norm, lm_head. Loom fuses q/k/v into qkv_proj and
 //            gate/up into gate_up_proj (rows in that order); RoPE is rotate-half in both.
+//   qwen2    Qwen2ForCausalLM: llama plus q/k/v biases (model.qkv_bias). A Llama-family head tied
+//            to the embedding (tie_word_embeddings) sets model.tie_embeddings.
 // F32, F16 and BF16 tensors load (widened exactly to f32); files are memory-mapped. A config key
 // Loom does not know, or one whose value it does not implement (rope_scaling, attention_bias,
 // a tied Llama head, ...), is refused naming config.json and the key; a missing, unexpected or

@@ -41,7 +41,7 @@ Transformer::Transformer(Backend& backend, const ModelConfig& config)
   } else {
     embed_w = param("model.embed_tokens.weight"), d_embed_w = grad("model.embed_tokens.weight");
     final_w = param("model.norm.weight"), d_final_w = grad("model.norm.weight");
-    head_w = param("lm_head.weight"), d_head_w = grad("lm_head.weight");
+    head_w = param(head_param_name(config_)), d_head_w = grad(head_param_name(config_));
   }
 }
 
@@ -106,7 +106,7 @@ void Transformer::set_precision(const PrecisionPolicy& policy) {
   }
   head_ = LinearLayer(linear_setup(policy_, LINEAR_HEAD, false));
   if (params16_.defined()) {
-    const ParamSpec& head = layout_.find(config_.arch == ARCH_GPT2 ? "wte.weight" : "lm_head.weight");
+    const ParamSpec& head = layout_.find(head_param_name(config_));
     head16_ = params16_.view(head.offset, head.shape);
   }
   sync_weight_copy();

@@ -46,6 +46,7 @@ BlockParams block_params_view(const ModelConfig& config, const ParamLayout& layo
       p.mla.kv_b_w = v(a + "kv_b_proj.weight");
     } else {
       p.qkv_w = v(pre + "self_attn.qkv_proj.weight");
+      if (config.qkv_bias) p.qkv_b = v(pre + "self_attn.qkv_proj.bias");
     }
     p.proj_w = v(pre + "self_attn.o_proj.weight");
     m.norm_w = v(pre + "post_attention_layernorm.weight");

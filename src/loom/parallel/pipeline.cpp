@@ -62,7 +62,7 @@ RangeSet pipeline_owned_ranges(const ModelConfig& config, const ParamLayout& lay
     if (last == config.n_layer) owned.push_back(units[0].ranges()[1]);  // final norm (+ untied head)
   }
   if (!norm && config.tied_head() && schedule.rank_of(schedule.model_stages() - 1) == rank) {
-    const ParamSpec& wte = layout.find("wte.weight");
+    const ParamSpec& wte = layout.find(embedding_param_name(config));
     owned.push_back({wte.offset, wte.offset + wte.numel});
   }
   return RangeSet(std::move(owned));
@@ -111,7 +111,7 @@ PipelineRunner::PipelineRunner(Transformer& model, Communicator& pp, PipeSchedul
   norm_ranges_ = pipeline_owned_ranges(model.config(), model.layout(), schedule_, rank, layers_, true);
   owned_ = pipeline_owned_ranges(model.config(), model.layout(), schedule_, rank, layers_, false);
   if (model.config().tied_head()) {
-    const ParamSpec& wte = model.layout().find("wte.weight");
+    const ParamSpec& wte = model.layout().find(embedding_param_name(model.config()));
     tied_ = {wte.offset, wte.offset + wte.numel};
   }
   loss_ = Tensor::zeros(model.backend().allocator(), {1}, DTYPE_F64, MEM_WORKSPACE);

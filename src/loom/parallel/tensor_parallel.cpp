@@ -133,7 +133,8 @@ std::vector<std::pair<int64_t, int64_t>> tp_replicated_ranges(const ModelConfig&
     const bool sliced = is_block_param(lc, n) &&
                         (ends("attn.c_attn.weight") || ends("attn.c_attn.bias") || ends("attn.c_proj.weight") ||
                          ends("mlp.c_fc.weight") || ends("mlp.c_fc.bias") || ends("mlp.c_proj.weight") ||
-                         ends("self_attn.qkv_proj.weight") || ends("self_attn.o_proj.weight") ||
+                         ends("self_attn.qkv_proj.weight") || ends("self_attn.qkv_proj.bias") ||
+                         ends("self_attn.o_proj.weight") ||
                          ends("mlp.gate_up_proj.weight") || ends("mlp.down_proj.weight"));
     if (sliced) continue;
     if (!out.empty() && out.back().second == spec.offset) out.back().second += spec.numel;
