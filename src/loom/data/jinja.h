@@ -1,6 +1,6 @@
 // The Jinja subset that Hugging Face chat templates use, with the semantics of Hugging Face's
-// JavaScript implementation @huggingface/jinja (rendering byte for byte as it does): lexer and
-// parser (jinja_parse.cpp), values and operators (jinja_value.cpp), filters, tests and methods
+// JavaScript implementation @huggingface/jinja (rendering byte for byte as it does): lexer
+// (jinja_lex.cpp), parser (jinja_parse.cpp), values and operators (jinja_value.cpp), filters, tests and methods
 // (jinja_filters.cpp), the interpreter (jinja_eval.cpp). Internal to chat_template.cpp; see
 // chat_template.h for the interface and docs/tokenizers.md for the supported subset.
 // References: the Jinja template designer documentation (jinja.palletsprojects.com/templates)
