@@ -1,0 +1,43 @@
+// Chat templates: the `chat_template` of a Hugging Face tokenizer_config.json rendered for a
+// conversation, byte for byte as Hugging Face's JavaScript implementation @huggingface/jinja
+// renders it (the Jinja subset in jinja.h; docs/tokenizers.md lists what is supported).
+// Independent of the tokenizers: it only reads the file.
+//
+// A template that does not parse, a runtime error (an unknown filter, an operation on an
+// undefined value) and raise_exception(...) are one-line loom::Errors naming the line and
+// column of the template.
+#pragma once
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace loom {
+
+struct ChatMessage {
+  std::string role;     // "system", "user", "assistant", "tool", ...
+  std::string content;
+};
+
+struct ChatTemplateOptions {
+  std::string bos_token;             // the template variables bos_token and eos_token
+  std::string eos_token;
+  bool add_generation_prompt = false;
+  // More variables (tools, date_string, ...): a JSON object, null for none.
+  nlohmann::ordered_json extra = nullptr;
+};
+
+// Renders `tmpl` with messages = [{"role": ..., "content": ...}], bos_token, eos_token,
+// add_generation_prompt and the `extra` variables.
+std::string render_chat_template(const std::string& tmpl, const std::vector<ChatMessage>& messages,
+                                 const ChatTemplateOptions& options);
+
+// Renders `tmpl` with `variables`, a JSON object (numbers with an integral value are integers,
+// as in JavaScript).
+std::string render_jinja(const std::string& tmpl, const nlohmann::ordered_json& variables);
+
+// The chat template of a tokenizer_config.json: `chat_template` as a string, or as a list of
+// {"name", "template"} objects, of which the one named `name` ("default" unless given).
+std::string load_chat_template(const std::string& config_path, const std::string& name = "default");
+
+}  // namespace loom

@@ -1,0 +1,376 @@
+// The interpreter of the Jinja subset: statements, expressions and operators, with the scoping
+// and the operator typing of @huggingface/jinja.
+#include <cmath>
+#include <unordered_map>
+
+#include "loom/core/error.h"
+#include "loom/data/jinja.h"
+#include "loom/data/jinja_runtime.h"
+
+namespace loom::jinja {
+namespace {
+
+constexpr size_t kMaxIterations = 10'000'000;  // loop iterations in one rendering
+
+[[noreturn]] void fail(const std::string& what) { throw RuntimeError(what); }
+
+struct Scope {
+  std::unordered_map<std::string, Value> vars;
+  const Scope* parent = nullptr;
+  Value lookup(const std::string& name) const {
+    for (const Scope* s = this; s != nullptr; s = s->parent) {
+      auto it = s->vars.find(name);
+      if (it != s->vars.end()) return it->second;
+    }
+    return Value::undefined();
+  }
+};
+
+enum class Flow { Normal, Break, Continue };
+
+class Interpreter {
+ public:
+  explicit Interpreter(const std::string& source) : source_(source) {}
+
+  std::string program(const Ast& root, Scope& scope) {
+    std::string out = block(root.body, scope);
+    if (flow_ != Flow::Normal) fail_at(source_, root.pos, "break or continue outside a for loop");
+    return out;
+  }
+
+ private:
+  // Evaluates a node; a runtime error becomes a loom::Error naming the innermost failing node.
+  Value eval(const Ast& n, Scope& scope) {
+    try {
+      return eval_node(n, scope);
+    } catch (const RuntimeError& e) {
+      fail_at(source_, n.pos, e.what());
+    }
+  }
+  Value eval_node(const Ast& n, Scope& scope);
+  // The statements' output; empty, with flow_ set, when a break or continue cut it short.
+  std::string block(const std::vector<AstPtr>& statements, Scope& scope) {
+    std::string out;
+    for (const AstPtr& s : statements) {
+      const Value v = eval(*s, scope);
+      if (flow_ != Flow::Normal) return {};
+      if (v.kind != Kind::Null && v.kind != Kind::Undefined) out += to_output(v);
+    }
+    return out;
+  }
+  Value binary(const Ast& n, Scope& scope);
+  Value arithmetic(const std::string& op, const Value& a, const Value& b);
+  Value member(const Ast& n, Scope& scope);
+  Value call(const Ast& n, Scope& scope);
+  Args arguments(const Ast& n, size_t first, Scope& scope);
+  Value filter(const Ast& n, Scope& scope);
+  Value select_attr(const Ast& call, const Value& operand, bool select, Scope& scope);
+  Value set(const Ast& n, Scope& scope);
+  Value for_loop(const Ast& n, Scope& scope);
+  void bind(const Ast& var, const Value& item, Scope& scope);
+
+  const std::string& source_;
+  Flow flow_ = Flow::Normal;
+  size_t iterations_ = 0;
+};
+
+Value Interpreter::eval_node(const Ast& n, Scope& scope) {
+  switch (n.type) {
+    case Node::Program: return Value::string(block(n.body, scope));
+    case Node::Text:
+    case Node::Str: return Value::string(n.text);
+    case Node::Comment: return Value::null();
+    case Node::Int: return Value::integer(n.num);
+    case Node::Float: return Value::floating(n.num);
+    case Node::Ident: return scope.lookup(n.text);
+    case Node::ArrayLit:
+    case Node::TupleLit: {
+      List items;
+      for (const AstPtr& k : n.kids) items.push_back(eval(*k, scope));
+      return Value::array(std::move(items), n.type == Node::TupleLit ? Kind::Tuple : Kind::Array);
+    }
+    case Node::ObjectLit: {
+      Value obj = Value::object({});
+      for (size_t i = 0; i + 1 < n.kids.size(); i += 2) {
+        const Value key = eval(*n.kids[i], scope);
+        if (key.kind != Kind::String) fail(str_cat("Dict keys must be strings: got ", kind_name(key.kind)));
+        obj.set(key.str, eval(*n.kids[i + 1], scope));
+      }
+      return obj;
+    }
+    case Node::Member: return member(n, scope);
+    case Node::Call: return call(n, scope);
+    case Node::Unary: {
+      const Value v = eval(*n.kids[0], scope);
+      if (n.text == "not") return Value::boolean(!truthy(v));
+      if (!v.is_number() && v.kind != Kind::Bool) fail(str_cat("Unknown operator \"", n.text, "\" for ", kind_name(v.kind)));
+      const double x = (n.text == "-" ? -1 : 1) * (v.kind == Kind::Bool ? (v.b ? 1 : 0) : v.num);
+      return v.kind == Kind::Float ? Value::floating(x) : Value::integer(x);
+    }
+    case Node::Binary: return binary(n, scope);
+    case Node::Filter: return filter(n, scope);
+    case Node::Test: {
+      const Value v = eval(*n.kids[0], scope);
+      if (!has_test(n.text)) fail("Unknown test: " + n.text);
+      return Value::boolean(apply_test(n.text, v, nullptr) != n.flag);
+    }
+    case Node::Select: return truthy(eval(*n.kids[1], scope)) ? eval(*n.kids[0], scope) : Value::undefined();
+    case Node::Ternary: return truthy(eval(*n.kids[0], scope)) ? eval(*n.kids[1], scope) : eval(*n.kids[2], scope);
+    case Node::If: {
+      const bool test = truthy(eval(*n.kids[0], scope));
+      return Value::string(block(test ? n.body : n.alt, scope));
+    }
+    case Node::For: return for_loop(n, scope);
+    case Node::Set: return set(n, scope);
+    case Node::Break:
+    case Node::Continue: flow_ = n.type == Node::Break ? Flow::Break : Flow::Continue; return Value::undefined();
+    case Node::Slice:
+    case Node::KwArg: break;
+  }
+  fail("a slice or keyword argument is not an expression here");
+}
+
+Value Interpreter::binary(const Ast& n, Scope& scope) {
+  const std::string& op = n.text;
+  const Value left = eval(*n.kids[0], scope);
+  if (op == "and") return truthy(left) ? eval(*n.kids[1], scope) : left;
+  if (op == "or") return truthy(left) ? left : eval(*n.kids[1], scope);
+  const Value right = eval(*n.kids[1], scope);
+  if (op == "==") return Value::boolean(loose_equal(left, right));
+  if (op == "!=") return Value::boolean(!loose_equal(left, right));
+  const bool membership = op == "in" || op == "not in";
+  if (left.kind == Kind::Undefined || right.kind == Kind::Undefined) {
+    if (right.kind == Kind::Undefined && membership) return Value::boolean(op == "not in");
+    fail(str_cat("Cannot perform operation ", op, " on undefined values"));
+  }
+  if (left.kind == Kind::Null || right.kind == Kind::Null) fail("Cannot perform operation on null values");
+  if (op == "~") return Value::string(to_concat(left) + to_concat(right));
+  if (Value v = arithmetic(op, left, right); v.kind != Kind::Undefined) return v;
+  if (left.is_array() && right.is_array()) {
+    if (op == "+") {
+      List items = *left.arr;
+      items.insert(items.end(), right.arr->begin(), right.arr->end());
+      return Value::array(std::move(items));
+    }
+  } else if (right.is_array() && membership) {
+    bool found = false;
+    for (const Value& x : *right.arr) found = found || strict_equal(x, left);
+    return Value::boolean(found == (op == "in"));
+  }
+  if ((left.kind == Kind::String || right.kind == Kind::String) && op == "+")
+    return Value::string(to_concat(left) + to_concat(right));
+  if (left.kind == Kind::String && right.kind == Kind::String && membership)
+    return Value::boolean((right.str.find(left.str) != std::string::npos) == (op == "in"));
+  if (left.kind == Kind::String && right.is_object() && membership)
+    return Value::boolean((right.get(left.str) != nullptr) == (op == "in"));
+  fail(str_cat("Unknown operator \"", op, "\" between ", kind_name(left.kind), " and ", kind_name(right.kind)));
+}
+
+// Numbers: + - * keep integers, / gives a float, // floors, % is JavaScript's remainder.
+// Undefined when the operands are not both numbers.
+Value Interpreter::arithmetic(const std::string& op, const Value& left, const Value& right) {
+  auto numeric_like = [](const Value& v) { return v.is_number() || v.kind == Kind::Bool; };
+  auto num = [](const Value& v) { return v.kind == Kind::Bool ? (v.b ? 1.0 : 0.0) : v.num; };
+  if (op == "**" && numeric_like(left) && numeric_like(right)) {
+    const double a = num(left), b = num(right);
+    if (a == 0 && b < 0) fail("0.0 cannot be raised to a negative power");
+    const double r = std::pow(a, b);
+    if (!std::isfinite(r)) fail("Exponentiation result is not a finite real number");
+    return left.kind == Kind::Float || right.kind == Kind::Float || b < 0 ? Value::floating(r) : Value::integer(r);
+  }
+  if (!left.is_number() || !right.is_number()) return Value::undefined();
+  const double a = left.num, b = right.num;
+  const bool is_float = left.kind == Kind::Float || right.kind == Kind::Float;
+  auto typed = [is_float](double r) { return is_float ? Value::floating(r) : Value::integer(r); };
+  if (op == "+") return typed(a + b);
+  if (op == "-") return typed(a - b);
+  if (op == "*") return typed(a * b);
+  if (op == "/") return Value::floating(a / b);
+  if (op == "//") return typed(std::floor(a / b));
+  if (op == "%") return typed(std::fmod(a, b));
+  if (op == "<") return Value::boolean(a < b);
+  if (op == ">") return Value::boolean(a > b);
+  if (op == "<=") return Value::boolean(a <= b);
+  if (op == ">=") return Value::boolean(a >= b);
+  return Value::undefined();
+}
+
+Value Interpreter::member(const Ast& n, Scope& scope) {
+  const Value object = eval(*n.kids[0], scope);
+  const Ast& prop = *n.kids[1];
+  if (n.flag && prop.type == Node::Slice) {
+    auto part = [&](size_t i) { return prop.kids[i] ? eval(*prop.kids[i], scope) : Value::undefined(); };
+    const Value start = part(0), stop = part(1), step = part(2);
+    return slice_of(object, start, stop, step);
+  }
+  const Value key = n.flag ? eval(prop, scope) : prop.type == Node::Int ? Value::integer(prop.num) : Value::string(prop.text);
+  return member_of(object, key);
+}
+
+Args Interpreter::arguments(const Ast& n, size_t first, Scope& scope) {
+  Args args;
+  for (size_t i = first; i < n.kids.size(); ++i)
+    if (n.kids[i]->type != Node::KwArg) args.positional.push_back(eval(*n.kids[i], scope));
+  for (size_t i = first; i < n.kids.size(); ++i) {
+    const Ast& k = *n.kids[i];
+    if (k.type != Node::KwArg) continue;
+    if (args.kw(k.text)) fail(str_cat("Got multiple values for keyword argument '", k.text, "'"));
+    args.keyword.emplace_back(k.text, eval(*k.kids[0], scope));
+  }
+  return args;
+}
+
+Value Interpreter::call(const Ast& n, Scope& scope) {
+  Args args = arguments(n, 1, scope);
+  const Value fn = eval(*n.kids[0], scope);
+  if (fn.kind != Kind::Function) fail(str_cat("Cannot call something that is not a function: got ", kind_name(fn.kind)));
+  std::vector<Value> all = std::move(args.positional);
+  if (!args.keyword.empty()) all.push_back(Value::object(std::move(args.keyword), Kind::KwArgs));
+  return (*fn.fn)(all);
+}
+
+Value Interpreter::filter(const Ast& n, Scope& scope) {
+  const Value operand = eval(*n.kids[0], scope);
+  const Ast& f = *n.kids[1];
+  if (f.type == Node::Ident) return apply_filter(f.text, operand, nullptr);
+  if (f.type != Node::Call || f.kids[0]->type != Node::Ident) fail("Unknown filter");
+  const std::string& name = f.kids[0]->text;
+  if (operand.is_array() && (name == "selectattr" || name == "rejectattr")) return select_attr(f, operand, name == "selectattr", scope);
+  const Args args = arguments(f, 1, scope);
+  return apply_filter(name, operand, &args);
+}
+
+// items | selectattr("attr"[, "test"[, "value"]]): string literal arguments only.
+Value Interpreter::select_attr(const Ast& call, const Value& operand, bool select, Scope& scope) {
+  for (const Value& item : *operand.arr)
+    if (item.kind != Kind::Object && item.kind != Kind::KwArgs && item.kind != Kind::Namespace)
+      fail(str_cat("`", select ? "selectattr" : "rejectattr", "` can only be applied to array of objects"));
+  std::vector<Value> args;
+  for (size_t i = 1; i < call.kids.size(); ++i) {
+    if (call.kids[i]->type != Node::Str) fail("arguments of selectattr/rejectattr must be strings");
+    args.push_back(eval(*call.kids[i], scope));
+  }
+  if (args.empty()) fail("selectattr/rejectattr need an attribute name");
+  if (args.size() > 1 && !has_test(args[1].str)) fail("Unknown test: " + args[1].str);
+  List out;
+  for (const Value& item : *operand.arr) {
+    const Value* a = item.get(args[0].str);
+    const bool result = a && (args.size() > 1 ? apply_test(args[1].str, *a, args.size() > 2 ? &args[2] : nullptr) : truthy(*a));
+    if (result == select) out.push_back(item);
+  }
+  return Value::array(std::move(out));
+}
+
+Value Interpreter::set(const Ast& n, Scope& scope) {
+  Value rhs;
+  if (n.kids.size() > 1) {
+    rhs = eval(*n.kids[1], scope);
+  } else {
+    rhs = Value::string(block(n.body, scope));
+    if (flow_ != Flow::Normal) return Value::null();
+  }
+  const Ast& target = *n.kids[0];
+  if (target.type == Node::Ident) {
+    scope.vars[target.text] = rhs;
+  } else if (target.type == Node::TupleLit) {
+    if (!rhs.is_array()) fail(str_cat("Cannot unpack non-iterable type in set: ", kind_name(rhs.kind)));
+    if (rhs.arr->size() != target.kids.size())
+      fail(str_cat("Too ", target.kids.size() > rhs.arr->size() ? "few" : "many", " items to unpack in set"));
+    for (size_t i = 0; i < target.kids.size(); ++i) {
+      if (target.kids[i]->type != Node::Ident) fail("Cannot unpack to non-identifier in set");
+      scope.vars[target.kids[i]->text] = (*rhs.arr)[i];
+    }
+  } else if (target.type == Node::Member) {
+    const Value object = eval(*target.kids[0], scope);
+    if (object.kind != Kind::Namespace) fail("cannot assign attribute on non-namespace object");
+    if (target.kids[1]->type != Node::Ident) fail("Cannot assign to member with non-identifier property");
+    object.set(target.kids[1]->text, rhs);
+  } else {
+    fail("Invalid left-hand side of an assignment");
+  }
+  return Value::null();
+}
+
+void Interpreter::bind(const Ast& var, const Value& item, Scope& scope) {
+  if (var.type == Node::Ident) {
+    scope.vars[var.text] = item;
+    return;
+  }
+  if (item.kind != Kind::Array) fail(str_cat("Cannot unpack non-iterable type: ", kind_name(item.kind)));
+  if (var.kids.size() != item.arr->size())
+    fail(str_cat("Too ", var.kids.size() > item.arr->size() ? "few" : "many", " items to unpack"));
+  for (size_t j = 0; j < var.kids.size(); ++j) {
+    if (var.kids[j]->type != Node::Ident) fail("Cannot unpack non-identifier type");
+    scope.vars[var.kids[j]->text] = (*item.arr)[j];
+  }
+}
+
+Value Interpreter::for_loop(const Ast& n, Scope& outer) {
+  Scope scope{{}, &outer};
+  const Ast& var = *n.kids[0];
+  const Ast& source = *n.kids[1];
+  const Ast* test = source.type == Node::Select ? source.kids[1].get() : nullptr;
+  Value iterable = eval(test ? *source.kids[0] : source, scope);
+  if (iterable.is_object()) {
+    List keys;
+    for (const auto& entry : *iterable.obj) keys.push_back(Value::string(entry.first));
+    iterable = Value::array(std::move(keys));
+  }
+  if (!iterable.is_array()) fail(str_cat("Expected iterable or object type in for loop: got ", kind_name(iterable.kind)));
+  List items;
+  for (const Value& item : *iterable.arr) {
+    if (++iterations_ > kMaxIterations) fail("more than 10^7 loop iterations");
+    if (var.type != Node::Ident && item.kind != Kind::Array) fail(str_cat("Cannot unpack non-iterable type: ", kind_name(item.kind)));
+    if (test) {
+      Scope item_scope{{}, &scope};
+      bind(var, item, item_scope);
+      if (!truthy(eval(*test, item_scope))) continue;
+    }
+    items.push_back(item);
+  }
+  std::string out;
+  bool none = true;
+  const double len = static_cast<double>(items.size());
+  for (size_t i = 0; i < items.size(); ++i) {
+    if (++iterations_ > kMaxIterations) fail("more than 10^7 loop iterations");
+    const double k = static_cast<double>(i);
+    scope.vars["loop"] = Value::object({{"index", Value::integer(k + 1)},
+                                        {"index0", Value::integer(k)},
+                                        {"revindex", Value::integer(len - k)},
+                                        {"revindex0", Value::integer(len - k - 1)},
+                                        {"first", Value::boolean(i == 0)},
+                                        {"last", Value::boolean(i + 1 == items.size())},
+                                        {"length", Value::integer(len)},
+                                        {"previtem", i > 0 ? items[i - 1] : Value::undefined()},
+                                        {"nextitem", i + 1 < items.size() ? items[i + 1] : Value::undefined()}});
+    bind(var, items[i], scope);
+    const std::string body = block(n.body, scope);
+    if (flow_ == Flow::Continue) {
+      flow_ = Flow::Normal;
+      continue;
+    }
+    if (flow_ == Flow::Break) {
+      flow_ = Flow::Normal;
+      break;
+    }
+    out += body;
+    none = false;
+  }
+  if (none) out += block(n.alt, scope);
+  return Value::string(out);
+}
+
+}  // namespace
+
+std::string render(const Ast& program, const std::string& source, const Dict& globals) {
+  Scope scope;
+  for (auto& [name, value] : builtin_globals()) scope.vars[name] = value;
+  for (const auto& [name, value] : globals) {
+    if (scope.vars.count(name)) throw Error(str_cat("chat template: the variable ", name, " is already declared"));
+    scope.vars[name] = value;
+  }
+  Interpreter interpreter(source);
+  return interpreter.program(program, scope);
+}
+
+}  // namespace loom::jinja
