@@ -560,6 +560,10 @@ class Cli(unittest.TestCase):
         p = tokenize("--tokenizer", os.path.join(self.tmp, "nowhere"), text=b"x")
         self.assert_one_line_error(subprocess.CompletedProcess(p.args, p.returncode, p.stdout.decode(), p.stderr.decode()),
                                    "nowhere")
+        # A checkpoint's (and a run folder's) own tokenizer: this run's is the byte tokenizer.
+        self.train("tok_ckpt", steps=2)
+        p = tokenize("--checkpoint", os.path.join(self.tmp, "runs", "tok_ckpt"), "--ids", text=b"a\xff")
+        self.assertEqual((p.returncode, p.stdout), (0, b"97 255\n"))
 
     def test_every_command_has_help(self):
         for cmd in ("prepare", "train", "eval", "generate", "tokenizer", "tokenize", "plan", "memory", "bench"):

@@ -13,23 +13,27 @@ namespace loom::cli {
 
 namespace {
 const char* kHelp =
-    "usage: loom tokenize --tokenizer PATH [--ids] [--raw] < text\n"
+    "usage: loom tokenize --tokenizer PATH | --checkpoint PATH [--ids] [--raw] < text\n"
     "\n"
     "Encodes standard input (bytes, any encoding) and prints each token as its vocabulary writes\n"
     "it, one per line, or with --ids the token ids on one line, separated by spaces. By default the\n"
     "tokenizer's files decide, as Hugging Face's encode does: special tokens written in the text\n"
     "(\"<|eot_id|>\") are their ids and BOS/EOS are added where tokenizer_config.json or\n"
-    "tokenizer.json's post_processor say so.\n";
+    "tokenizer.json's post_processor say so. --checkpoint takes a Loom checkpoint or run folder or a\n"
+    "Hugging Face model folder and uses the model's tokenizer.\n";
 
 const std::vector<Option> kOptions = {
     {"tokenizer", "PATH", "byte, gpt2, a tokenizer.json or tokenizer.model file, or a directory holding one (or "
                           "vocab.json + merges.txt, encoder.json + vocab.bpe) (required)"},
+    {"checkpoint", "PATH", "use the tokenizer of a Loom checkpoint or run folder, or of a Hugging Face model folder"},
     {"ids", "", "print the token ids on one line instead of one piece per line"},
     {"raw", "", "add no BOS/EOS and read special tokens in the text as plain text"}};
 
-// The tokenizer the options name. (One place to add other sources, e.g. a checkpoint's.)
+// The tokenizer the options name: --tokenizer's, or the model's of --checkpoint.
 std::unique_ptr<Tokenizer> tokenizer_from(const Args& args) {
-  LOOM_CHECK(args.has("tokenizer"), "loom tokenize needs --tokenizer PATH (see `loom tokenize --help`)");
+  LOOM_CHECK(args.has("tokenizer") != args.has("checkpoint"),
+             "loom tokenize needs --tokenizer PATH or --checkpoint PATH, one of them (see `loom tokenize --help`)");
+  if (args.has("checkpoint")) return load_tokenizer(model_source(args.get("checkpoint")).config.data.tokenizer);
   return load_tokenizer(args.get("tokenizer"));
 }
 }  // namespace
