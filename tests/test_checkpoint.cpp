@@ -8,6 +8,7 @@
 #include <fstream>
 #include <functional>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -133,6 +134,31 @@ TEST(CheckpointTest, RoundTripIsBitwise) {
   EXPECT_EQ(loaded.data_state, expected.data_state);
   EXPECT_EQ(loaded.config_text, expected.config_text);
   EXPECT_EQ(loaded.extra, expected.extra);
+}
+
+// Attached files (a self-contained checkpoint's tokenizer) are copied into the step folder under
+// their relative names and listed in the manifest with their checksums: a changed one makes
+// the checkpoint invalid, naming the file.
+TEST(CheckpointTest, AttachedFilesAreCopiedInAndChecked) {
+  TempDir dir;
+  const TrainedModel saved(model_preset("llama-tiny"), 1, 1);
+  std::ofstream(dir / "vocab.bpe") << "#version: 0.2\na b\n";
+  std::ofstream(dir / "encoder.json") << "{}";
+  CheckpointContents c = saved.contents(3);
+  c.attached = {{"tokenizer/vocab.bpe", (dir / "vocab.bpe").string()},
+                {"tokenizer/encoder.json", (dir / "encoder.json").string()}};
+  const std::string path = CheckpointManager((dir / "ckpt").string()).save(c);
+  std::ifstream in(fs::path(path) / "tokenizer" / "vocab.bpe");
+  std::stringstream copied;
+  copied << in.rdbuf();
+  EXPECT_EQ(copied.str(), "#version: 0.2\na b\n");
+  EXPECT_EQ(checkpoint_problem(path), "");
+  std::ofstream(fs::path(path) / "tokenizer" / "vocab.bpe", std::ios::app) << "c d\n";
+  EXPECT_NE(checkpoint_problem(path).find("tokenizer/vocab.bpe has"), std::string::npos) << checkpoint_problem(path);
+  // Names must stay inside the step folder.
+  c.attached = {{"../escape.txt", (dir / "vocab.bpe").string()}};
+  EXPECT_NE(test::error_of([&] { CheckpointManager((dir / "ckpt2").string()).save(c); }).find("../escape.txt"),
+            std::string::npos);
 }
 
 TEST(CheckpointTest, Gpt2IsStoredInHuggingFaceLayoutAndReloadsBitwise) {
