@@ -17,6 +17,7 @@
 #include "loom/checkpoint/weights.h"
 #include "loom/core/error.h"
 #include "loom/core/file_io.h"
+#include "loom/core/json_file.h"
 #include "loom/core/philox.h"
 #include "loom/data/bpe.h"
 #include "loom/data/shard.h"
@@ -221,14 +222,7 @@ std::string resolve_checkpoint(const std::string& path) {
 
 LoomConfig checkpoint_config(const std::string& step_dir) {
   const std::string trainer_json = (fs::path(step_dir) / "trainer.json").string();
-  std::ifstream in(trainer_json);
-  LOOM_CHECK(in, trainer_json, ": cannot open");
-  nlohmann::json json;
-  try {
-    in >> json;
-  } catch (const nlohmann::json::exception& e) {
-    throw Error(str_cat(trainer_json, ": not valid JSON (", e.what(), ")"));
-  }
+  const nlohmann::json json = read_json_file(trainer_json);
   LoomConfig config;
   if (json.contains("config_text") && json["config_text"].is_string()) {
     apply_config_text(config, json["config_text"].get<std::string>(), trainer_json + " (config_text)");

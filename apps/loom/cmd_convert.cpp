@@ -70,9 +70,7 @@ int to_loom(const Args& args, const ModelSource& source, const Tensor& params) {
   contents.model = ModelState{config.model, params};
   contents.optimizer.name = "none";  // weights only: no optimizer state
   contents.config_text = config_to_toml(config);
-  for (const std::string& file : tokenizer_files(config.data.tokenizer)) {
-    contents.attached.emplace_back("tokenizer/" + fs::path(file).filename().string(), file);
-  }
+  contents.attached = tokenizer_attachments(config.data.tokenizer);
   const std::string path = CheckpointManager((fs::path(args.get("out")) / "checkpoints").string()).save(contents);
   std::printf("wrote %s: a Loom checkpoint of a %s model (weights only)\n", path.c_str(),
               std::string(arch_name(config.model.arch)).c_str());

@@ -22,6 +22,7 @@
 #include "loom/checkpoint/safetensors.h"
 #include "loom/core/error.h"
 #include "loom/core/file_io.h"
+#include "loom/core/json_file.h"
 #include "loom/arch/param_layout.h"
 
 namespace loom {
@@ -58,13 +59,6 @@ int64_t parse_step_name(const std::string& name, const std::string& suffix) {
 // ---- Hugging Face GPT-2 layout ----
 
 // GPT-2's Conv1D weights, which Hugging Face stores (in, out): h.<i>.attn.c_attn.weight, ...
-// dst (cols, rows) = src (rows, cols) transposed.
-void transpose_into(const float* src, float* dst, int64_t rows, int64_t cols) {
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t c = 0; c < cols; ++c) dst[c * rows + r] = src[r * cols + c];
-  }
-}
-
 bool file_transposes(const ParamSpec& spec, bool hf_layout) { return hf_layout && is_gpt2_conv1d_weight(spec.name); }
 
 Shape file_shape(const ParamSpec& spec, bool hf_layout) {
@@ -171,16 +165,6 @@ nlohmann::json manifest_json(const fs::path& dir, int64_t step, int64_t shards,
 }
 
 // ---- reading ----
-
-nlohmann::json read_json_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  LOOM_CHECK(in, path, ": cannot open");
-  try {
-    return nlohmann::json::parse(in);
-  } catch (const nlohmann::json::exception& e) {
-    throw Error(str_cat(path, ": not valid JSON (", e.what(), ")"));
-  }
-}
 
 bool metadata_flag(const SafetensorsFile& file, const std::string& path, const std::string& key) {
   const std::string& v = file.metadata_value(key);

@@ -15,6 +15,7 @@
 #include "loom/checkpoint/safetensors.h"
 #include "loom/core/error.h"
 #include "loom/core/file_io.h"
+#include "loom/core/json_file.h"
 
 namespace loom {
 
@@ -26,18 +27,6 @@ namespace {
 constexpr const char* kConfigFile = "config.json";
 constexpr const char* kWeightsFile = "model.safetensors";
 constexpr const char* kIndexFile = "model.safetensors.index.json";
-
-json read_json(const fs::path& path) {
-  std::ifstream in(path);
-  LOOM_CHECK(in.good(), path.string(), ": cannot open");
-  std::stringstream text;
-  text << in.rdbuf();
-  try {
-    return json::parse(text.str());
-  } catch (const json::exception& e) {
-    throw Error(str_cat(path.string(), ": not valid JSON (", e.what(), ")"));
-  }
-}
 
 // config.json, read key by key: every key must be mapped, known to carry no meaning for the
 // weights' arithmetic (metadata, dropout, initialisation), or refused by name.
@@ -203,7 +192,7 @@ class HfTensors {
       return;
     }
     const fs::path index = dir / kIndexFile;
-    const json j = read_json(index);
+    const json j = read_json_file(index.string());
     LOOM_CHECK(j.contains("weight_map") && j["weight_map"].is_object(), index.string(), ": key 'weight_map' is missing");
     std::map<std::string, std::string> expected;  // tensor -> shard
     for (const auto& [name, file] : j["weight_map"].items()) {
@@ -258,16 +247,23 @@ bool is_buffer(const std::string& name) {
   return false;
 }
 
+// The shape a piece has in the folder: its rows of a parameter of `cols` columns (a vector:
+// its rows alone), transposed for a GPT-2 Conv1D weight.
+Shape piece_shape(const Piece& piece, const ParamSpec& spec, bool transpose) {
+  if (spec.shape.size() == 1) return {piece.rows};
+  return transpose ? Shape{spec.shape[1], piece.rows} : Shape{piece.rows, spec.shape[1]};
+}
+
 // Copies `piece` (f32 after widening) into rows [row, row + piece.rows) of dst (rows x cols),
 // transposing a GPT-2 Conv1D weight.
-void copy_piece(const HfTensors& files, const Piece& piece, bool transpose, const Tensor& dst, int64_t row,
-                int64_t cols, std::set<std::string>& used) {
+void copy_piece(const HfTensors& files, const Piece& piece, const ParamSpec& spec, const Tensor& dst, int64_t row,
+                std::set<std::string>& used) {
+  const bool transpose = is_gpt2_conv1d_weight(spec.name);
+  const int64_t cols = spec.shape.size() == 2 ? spec.shape[1] : 1;
   std::string stored;
   const SafetensorsFile* file = files.find(piece.name, &stored);
   LOOM_CHECK(file != nullptr, files.describe(), ": tensor '", piece.name, "' is missing");
-  const Shape want = cols == 1 && dst.shape().size() == 1 ? Shape{piece.rows}
-                     : transpose                          ? Shape{cols, piece.rows}
-                                                          : Shape{piece.rows, cols};
+  const Shape want = piece_shape(piece, spec, transpose);
   LOOM_CHECK(file->shape(stored) == want, file->path(), ": tensor '", stored, "' has shape ",
              shape_str(file->shape(stored)), ", expected ", shape_str(want));
   CpuAllocator host;
@@ -275,13 +271,8 @@ void copy_piece(const HfTensors& files, const Piece& piece, bool transpose, cons
   file->copy_as_f32(stored, tmp);
   float* out = dst.data<float>() + row * cols;
   const float* in = tmp.data<float>();
-  if (!transpose) {
-    std::memcpy(out, in, static_cast<size_t>(piece.rows * cols) * sizeof(float));
-  } else {
-    for (int64_t i = 0; i < cols; ++i) {
-      for (int64_t j = 0; j < piece.rows; ++j) out[j * cols + i] = in[i * piece.rows + j];
-    }
-  }
+  if (transpose) transpose_into(in, out, cols, piece.rows);  // (in, out) -> Loom's (out, in)
+  else std::memcpy(out, in, static_cast<size_t>(piece.rows * cols) * sizeof(float));
   used.insert(stored);
 }
 
@@ -340,7 +331,7 @@ bool is_hf_model_dir(const std::string& dir) {
 
 ModelConfig hf_model_config(const std::string& dir) {
   const fs::path path = fs::path(dir) / kConfigFile;
-  ConfigReader r(read_json(path), path.string());
+  ConfigReader r(read_json_file(path.string()), path.string());
   const std::string type = r.get<std::string>("model_type");
   ignore_common(r);
   ModelConfig c;
@@ -368,10 +359,9 @@ void load_hf_weights(const std::string& dir, const ModelState& model) {
   std::set<std::string> used;
   for (const ParamSpec& spec : layout.params) {
     const Tensor dst = model.params.view(spec.offset, spec.shape);
-    const int64_t cols = spec.shape.size() == 2 ? spec.shape[1] : 1;
     int64_t row = 0;
     for (const Piece& piece : pieces_of(c, spec)) {
-      copy_piece(files, piece, is_gpt2_conv1d_weight(spec.name), dst, row, cols, used);
+      copy_piece(files, piece, spec, dst, row, used);
       row += piece.rows;
     }
   }
@@ -397,17 +387,11 @@ void save_hf_model(const std::string& dir, const ModelState& model) {
     const bool transpose = is_gpt2_conv1d_weight(spec.name);
     int64_t row = 0;
     for (const Piece& piece : pieces_of(c, spec)) {
-      const Shape shape = spec.shape.size() == 1 ? Shape{piece.rows} : transpose ? Shape{cols, piece.rows} : Shape{piece.rows, cols};
-      Tensor t = Tensor::empty(host, shape, DTYPE_F32, MEM_WORKSPACE);
+      Tensor t = Tensor::empty(host, piece_shape(piece, spec, transpose), DTYPE_F32, MEM_WORKSPACE);
       const float* in = src.data<float>() + row * cols;
       float* out = t.data<float>();
-      if (!transpose) {
-        std::memcpy(out, in, static_cast<size_t>(piece.rows * cols) * sizeof(float));
-      } else {
-        for (int64_t j = 0; j < piece.rows; ++j) {
-          for (int64_t i = 0; i < cols; ++i) out[i * piece.rows + j] = in[j * cols + i];
-        }
-      }
+      if (transpose) transpose_into(in, out, piece.rows, cols);  // Loom's (out, in) -> (in, out)
+      else std::memcpy(out, in, static_cast<size_t>(piece.rows * cols) * sizeof(float));
       tensors.emplace_back(piece.name, std::move(t));
       row += piece.rows;
     }

@@ -122,4 +122,13 @@ std::string hex64(uint64_t v) {
   return out.str();
 }
 
+std::string read_text_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  LOOM_CHECK(in, path, ": cannot open for reading");
+  std::ostringstream text;
+  text << in.rdbuf();
+  LOOM_CHECK(!in.bad(), path, ": read failed");
+  return text.str();
+}
+
 }  // namespace loom

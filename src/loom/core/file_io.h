@@ -32,6 +32,9 @@ void fsync_directory(const std::string& dir);
 void write_file_atomic(const std::string& path, std::span<const ByteRange> parts);
 void write_file_atomic(const std::string& path, std::string_view bytes);
 
+// The whole file's bytes; a loom::Error "<path>: cannot open for reading" / "read failed".
+std::string read_text_file(const std::string& path);
+
 // Writes `text` to `path` and fsyncs it (the caller fsyncs the folder).
 void write_text_synced(const std::string& path, const std::string& text);
 // Deletes a file or folder tree; an error names the path.

@@ -29,6 +29,12 @@ int64_t shape_numel(const Shape& shape) {
   return n;
 }
 
+void transpose_into(const float* src, float* dst, int64_t rows, int64_t cols) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) dst[c * rows + r] = src[r * cols + c];
+  }
+}
+
 std::string shape_str(const Shape& shape) {
   std::string out = "(";
   for (size_t i = 0; i < shape.size(); ++i) out += (i ? ", " : "") + std::to_string(shape[i]);

@@ -58,6 +58,8 @@ class Shape {
 };
 int64_t shape_numel(const Shape& shape);
 std::string shape_str(const Shape& shape);  // "(2, 3, 4)"
+// Host f32: dst (cols, rows) = src (rows, cols) transposed.
+void transpose_into(const float* src, float* dst, int64_t rows, int64_t cols);
 
 class Allocator {
  public:

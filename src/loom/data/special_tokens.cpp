@@ -10,24 +10,6 @@
 
 namespace loom {
 
-std::string read_text_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  LOOM_CHECK(in, path, ": cannot open for reading");
-  std::ostringstream text;
-  text << in.rdbuf();
-  LOOM_CHECK(!in.bad(), path, ": read failed");
-  return text.str();
-}
-
-nlohmann::json read_json_file(const std::string& path) {
-  const std::string text = read_text_file(path);
-  try {
-    return nlohmann::json::parse(text);
-  } catch (const nlohmann::json::exception& e) {
-    throw Error(str_cat(path, ": not valid JSON: ", e.what()));
-  }
-}
-
 std::string key_path(const std::string& where, const std::string& key) { return where.empty() ? key : where + "." + key; }
 
 void JsonFile::fail(const std::string& key, const std::string& what) const {

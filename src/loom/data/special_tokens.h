@@ -10,14 +10,11 @@
 
 #include <nlohmann/json.hpp>
 
+#include "loom/core/file_io.h"    // read_text_file
+#include "loom/core/json_file.h"  // read_json_file
 #include "loom/data/tokenizer.h"
 
 namespace loom {
-
-// The whole file's bytes; a loom::Error "<path>: cannot open for reading" / "read failed".
-std::string read_text_file(const std::string& path);
-// The whole file parsed; a loom::Error "<path>: not valid JSON: ..." or "<path>: cannot open".
-nlohmann::json read_json_file(const std::string& path);
 
 // A JSON file being read: errors name the file and the key path ("model.merges[3]").
 struct JsonFile {

@@ -26,4 +26,12 @@ std::vector<std::string> tokenizer_files(const std::string& kind_or_dir) {
   return files;
 }
 
+std::vector<std::pair<std::string, std::string>> tokenizer_attachments(const std::string& kind_or_dir) {
+  std::vector<std::pair<std::string, std::string>> out;
+  for (const std::string& file : tokenizer_files(kind_or_dir)) {
+    out.emplace_back("tokenizer/" + fs::path(file).filename().string(), file);
+  }
+  return out;
+}
+
 }  // namespace loom

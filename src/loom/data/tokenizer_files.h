@@ -2,6 +2,7 @@
 // (a run folder or a checkpoint moved elsewhere still encodes and decodes alone).
 #pragma once
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace loom {
@@ -11,5 +12,8 @@ namespace loom {
 // formats Loom reads (encoder.json, vocab.bpe, vocab.json, merges.txt, tokenizer.json,
 // tokenizer_config.json, tokenizer.model, special_tokens_map.json, added_tokens.json), sorted.
 std::vector<std::string> tokenizer_files(const std::string& kind_or_dir);
+
+// The same files as a checkpoint attaches them: ("tokenizer/<file name>", path) each.
+std::vector<std::pair<std::string, std::string>> tokenizer_attachments(const std::string& kind_or_dir);
 
 }  // namespace loom

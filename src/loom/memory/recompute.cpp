@@ -19,8 +19,9 @@ std::string_view recompute_name(RecomputePolicy p) {
 }
 
 int64_t block_kept_bytes(const ModelConfig& c, int64_t B, int64_t T, RecomputePolicy policy, bool flash) {
-  LayerPlan plan;  // a dense block without model parallelism (the blocks that recompute); MLA's sizes with MLA
-  plan.attention = c.mla() ? AttentionKind::mla : flash ? AttentionKind::flash : AttentionKind::mha;
+  // A dense block without model parallelism (the blocks that recompute); MLA's sizes with MLA.
+  LayerPlan plan = resolve_layer_plan(c, 0, {.flash = flash});
+  plan.mlp = MlpKind::dense;
   return block_saved_bytes(c, plan, {.batch = B, .seq_len = T, .keep = policy});
 }
 

@@ -1,7 +1,5 @@
 #include "loom/train/state_gather.h"
 
-#include <filesystem>
-
 #include "loom/core/error.h"
 #include "loom/data/tokenizer_files.h"
 #include "loom/parallel/tensor_parallel.h"
@@ -125,9 +123,7 @@ CheckpointContents TrainingState::contents() {
   c.optimizer_steps = parts_.trainer->optimizer().steps_taken();
   c.data_state = data_state_;
   c.config_text = config_text_;
-  for (const std::string& file : tokenizer_files(config_.data.tokenizer)) {  // self-contained: the tokenizer goes along
-    c.attached.emplace_back("tokenizer/" + std::filesystem::path(file).filename().string(), file);
-  }
+  c.attached = tokenizer_attachments(config_.data.tokenizer);  // self-contained: the tokenizer goes along
   if (const DynamicLossScaler* ls = parts_.trainer->loss_scaler()) {
     c.extra["loss_scaler"] = {{"scale", ls->state().scale}, {"growth_tracker", ls->state().growth_tracker},
                               {"hysteresis_tracker", ls->state().hysteresis_tracker}};
