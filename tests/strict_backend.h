@@ -89,11 +89,21 @@ class StrictBackend final : public Backend {
   void swiglu_backward(const Tensor& x, const Tensor& dout, const Tensor& dx) override {
     cpu_->swiglu_backward(h(x), h(dout), h(dx));
   }
-  void rope_forward(const Tensor& x, int64_t head_dim, int64_t n_heads, float theta, int64_t pos_offset) override {
-    cpu_->rope_forward(h(x), head_dim, n_heads, theta, pos_offset);
+  void head_rmsnorm_forward(const Tensor& x, const Tensor& weight, int64_t first, int64_t n, int64_t hd, float eps,
+                            const Tensor& in, const Tensor& rstd) override {
+    cpu_->head_rmsnorm_forward(h(x), h(weight), first, n, hd, eps, h(in), h(rstd));
   }
-  void rope_backward(const Tensor& dx, int64_t head_dim, int64_t n_heads, float theta, int64_t pos_offset) override {
-    cpu_->rope_backward(h(dx), head_dim, n_heads, theta, pos_offset);
+  void head_rmsnorm_backward(const Tensor& dx, const Tensor& in, const Tensor& weight, const Tensor& rstd, int64_t first,
+                             int64_t n, int64_t hd, const Tensor& dweight) override {
+    cpu_->head_rmsnorm_backward(h(dx), h(in), h(weight), h(rstd), first, n, hd, h(dweight));
+  }
+  void rope_forward(const Tensor& x, int64_t head_dim, int64_t n_heads, const RopeSpec& rope,
+                    int64_t pos_offset) override {
+    cpu_->rope_forward(h(x), head_dim, n_heads, rope, pos_offset);
+  }
+  void rope_backward(const Tensor& dx, int64_t head_dim, int64_t n_heads, const RopeSpec& rope,
+                     int64_t pos_offset) override {
+    cpu_->rope_backward(h(dx), head_dim, n_heads, rope, pos_offset);
   }
   void attention_forward(const Tensor& qkv, const Tensor& out, const Tensor& probs, int64_t n_head, int64_t n_kv_head,
                          int64_t window) override {
@@ -228,9 +238,9 @@ class StrictBackend final : public Backend {
     cpu_->moe_router_backward(h(logits), h(scores), h(expert), h(row), h(ye), h(dy), h(counts), h(dlogits), h(scratch),
                               routing);
   }
-  void mla_rope(const Tensor& x, int64_t heads, int64_t stride, int64_t offset, int64_t rope_dim, float theta,
-                int64_t pos_offset, bool inverse) override {
-    cpu_->mla_rope(h(x), heads, stride, offset, rope_dim, theta, pos_offset, inverse);
+  void mla_rope(const Tensor& x, int64_t heads, int64_t stride, int64_t offset, int64_t rope_dim,
+                const RopeSpec& rope, int64_t pos_offset, bool inverse) override {
+    cpu_->mla_rope(h(x), heads, stride, offset, rope_dim, rope, pos_offset, inverse);
   }
   void mla_attention_forward(const Tensor& q, const Tensor& kr, const Tensor& kv, const Tensor& probs,
                              const Tensor& out, const MlaDims& dims) override {

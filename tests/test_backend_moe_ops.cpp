@@ -353,7 +353,7 @@ TEST_P(BackendOpsTest, MoeBalanceStatsAndRouterBackward) {
 TEST_P(BackendOpsTest, MlaRopeForwardAndInverse) {
   LOOM_SKIP_WITHOUT(latent_attention);
   const int64_t B = 2, T = 5, H = 3, dn = 4, dr = 6, qk = dn + dr, first = 3;
-  const float theta = 10000.0f;
+  const RopeSpec theta{10000.0, ROPE_SCALING_LINEAR, 2.0};  // frequencies halved
   Operands x;
   x.tensors["q"] = rnd({B, T, H * qk}, DTYPE_F32, 51);
   x.tensors["back"] = rnd({B, T, H * qk}, DTYPE_F32, 51);  // the same values
@@ -369,13 +369,13 @@ TEST_P(BackendOpsTest, MlaRopeForwardAndInverse) {
 
   Operands ref = copy_to_host(x);
   op(*cpu_, ref);
-  // Rows' slices at offset + h stride turn by sign (first + t) theta^(-2j/d_r).
+  // Rows' slices at offset + h stride turn by sign (first + t) theta^(-2j/d_r) / 2.
   const auto rotate = [&](std::vector<double> v, int64_t width, int64_t heads, int64_t stride, int64_t offset,
                           double sign) {
     for (int64_t n = 0; n < B * T; ++n) {
       for (int64_t h = 0; h < heads; ++h) {
         for (int64_t j = 0; j < dr / 2; ++j) {
-          const double a = sign * static_cast<double>(first + n % T) * std::pow(theta, -2.0 * j / dr);
+          const double a = sign * static_cast<double>(first + n % T) * std::pow(theta.theta, -2.0 * j / dr) / 2.0;
           double* p = v.data() + n * width + offset + h * stride;
           const double x0 = p[j], x1 = p[j + dr / 2];
           p[j] = x0 * std::cos(a) - x1 * std::sin(a), p[j + dr / 2] = x1 * std::cos(a) + x0 * std::sin(a);

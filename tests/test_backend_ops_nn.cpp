@@ -104,10 +104,12 @@ TEST_P(BackendOpsTest, SwiGluForwardBackward) {
 TEST_P(BackendOpsTest, RopeForwardBackwardWithPosOffset) {
   struct Case {
     int64_t B, T, H, KV, hd, pos_offset;
-    float theta;
+    RopeSpec theta;
   };
+  const RopeSpec llama31{500000.0, ROPE_SCALING_LLAMA3, 8.0, 1.0, 4.0, 8192.0};
   for (DType dtype : kFloatTypes) {
-    for (const Case& c : {Case{2, 17, 3, 1, 8, 5, 10000.0f}, Case{4, 256, 4, 4, 64, 1000, 500000.0f}}) {
+    for (const Case& c : {Case{2, 17, 3, 1, 8, 5, {10000.0}}, Case{4, 256, 4, 4, 64, 1000, {500000.0}},
+                          Case{2, 33, 2, 1, 64, 7000, llama31}}) {
       const int64_t W = (c.H + 2 * c.KV) * c.hd, rotated = c.H + c.KV;
       Operands x;
       x.tensors["x"] = rnd({c.B, c.T, W}, dtype, 1);

@@ -55,12 +55,20 @@ std::vector<int32_t> alone(Transformer& model, const GenerationRequest& r, bool 
 }
 
 // Also with a sliding window (model.attn_window = 3 < T = 11): each row attends to its last 3
-// positions, as row t of the windowed forward does.
+// positions, as row t of the windowed forward does; and with Qwen3's q/k norm plus Llama 3.1's
+// RoPE scaling (each row normed and rotated at its own position).
 TEST(EngineTest, RowDecodingMatchesTheFullForward) {
-  for (const std::string preset : {"gpt2-tiny", "llama-tiny", "moe-tiny", "gpt2-tiny+window", "llama-tiny+window"}) {
+  for (const std::string preset : {"gpt2-tiny", "llama-tiny", "moe-tiny", "gpt2-tiny+window", "llama-tiny+window",
+                                   "llama-tiny+qknorm"}) {
     const bool windowed = preset.find("+window") != std::string::npos;
     ModelConfig config = model_preset(preset.substr(0, preset.find('+')));
     if (windowed) config.attn_window = 3;
+    if (preset.find("+qknorm") != std::string::npos) {
+      config.qk_norm = true;
+      config.rope_scaling = ROPE_SCALING_LLAMA3;
+      config.rope_factor = 4.0f;
+      config.rope_original_context = 8;
+    }
     auto backend = make_cpu_backend();
     Transformer model(*backend, config);
     model.init_weights(3);

@@ -1,6 +1,9 @@
 // Hugging Face model folders (checkpoint/hf_model.h) against PyTorch: tools/make_hf_fixtures.py
 // writes tiny GPT-2 (with and without the "transformer." prefix, mask buffers, a tied
-// lm_head), Llama (bf16, two shards with an index) and Mistral (f16, sliding window) folders in
+// lm_head), Llama (bf16, two shards with an index), Mistral (f16, sliding window), Qwen2 (q/k/v
+// biases, tied head), Llama 3.2 (llama3 rope_scaling, tied head, wide heads), Qwen3 (q/k norm),
+// Mixtral and Qwen3-MoE (MoE), DeepSeek-V2 and V3 (MLA with interleaved RoPE rows, dense and MoE
+// layers, shared experts, softmax / sigmoid group-limited routing) folders in
 // transformers' layout and their logits and loss in float64. Loom imports each and must give the
 // loss within 1e-5 relative and the logits within 1e-4 (max abs error over the largest logit),
 // the stated fp32 tolerances of the parity tests. Export and re-import is bitwise, and a second
@@ -94,7 +97,9 @@ TEST_P(HfImport, ExportAndReimportAreBitwise) {
   EXPECT_EQ(read_bytes(out / "config.json"), read_bytes(out2 / "config.json"));
 }
 
-INSTANTIATE_TEST_SUITE_P(Families, HfImport, ::testing::Values("gpt2", "gpt2_plain", "llama", "mistral", "qwen2"));
+INSTANTIATE_TEST_SUITE_P(Families, HfImport,
+                         ::testing::Values("gpt2", "gpt2_plain", "llama", "mistral", "qwen2", "llama32", "qwen3", "mixtral",
+                                           "qwen3_moe", "deepseek_v2", "deepseek_v3"));
 
 // A copy of a fixture folder whose config.json or weights a test then breaks.
 fs::path broken_copy(const std::string& name, const std::string& tag) {
@@ -117,14 +122,25 @@ TEST(HfImportErrors, UnknownOrUnsupportedConfigKeysAreRefusedByName) {
     const char* expected;
   };
   const Case cases[] = {
-      {"llama", [](nlohmann::json& j) { j["rope_scaling"] = {{"rope_type", "llama3"}, {"factor", 8.0}}; }, "rope_scaling"},
+      {"llama", [](nlohmann::json& j) { j["rope_scaling"] = {{"rope_type", "llama3"}, {"factor", 8.0}}; },
+       "rope_scaling.low_freq_factor is missing"},
+      {"llama", [](nlohmann::json& j) { j["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0}}; },
+       "rope_scaling.rope_type = 'yarn' is not supported"},
+      {"llama", [](nlohmann::json& j) { j["rope_scaling"] = {{"type", "linear"}, {"factor", 2.0}, {"beta", 1}}; },
+       "unknown key 'rope_scaling.beta'"},
       {"llama", [](nlohmann::json& j) { j["attention_bias"] = true; }, "attention_bias"},
       {"qwen2", [](nlohmann::json& j) { j["use_sliding_window"] = true; }, "use_sliding_window"},
-      {"llama", [](nlohmann::json& j) { j["model_type"] = "qwen3"; }, "model_type 'qwen3'"},
+      {"llama", [](nlohmann::json& j) { j["model_type"] = "qwen4"; }, "model_type 'qwen4'"},
       {"llama", [](nlohmann::json& j) { j["frobnicate"] = 3; }, "unknown key 'frobnicate'"},
       {"llama", [](nlohmann::json& j) { j.erase("hidden_size"); }, "'hidden_size' is missing"},
       {"llama", [](nlohmann::json& j) { j["hidden_size"] = "wide"; }, "'hidden_size' has the wrong type"},
       {"gpt2", [](nlohmann::json& j) { j["activation_function"] = "relu"; }, "activation_function"},
+      {"deepseek_v2", [](nlohmann::json& j) { j["topk_method"] = "group_limited_greedy", j["n_group"] = 2; },
+       "topk_method = 'group_limited_greedy' with n_group = 2 is not supported"},
+      {"deepseek_v3", [](nlohmann::json& j) { j["scoring_func"] = "softmax"; }, "scoring_func"},
+      {"deepseek_v3", [](nlohmann::json& j) { j["moe_layer_freq"] = 2; }, "moe_layer_freq"},
+      {"mixtral", [](nlohmann::json& j) { j["router_jitter_noise"] = 0.1; }, "router_jitter_noise"},
+      {"qwen3_moe", [](nlohmann::json& j) { j["mlp_only_layers"] = {0}; }, "mlp_only_layers"},
   };
   int i = 0;
   for (const Case& c : cases) {

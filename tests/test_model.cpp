@@ -105,5 +105,20 @@ TEST(TransformerTest, QkvBiasAndTiedLlamaHeadGradientsMatchFiniteDifferences) {
   expect_fd_gradients(config, false, "llama qkv_bias tied");
 }
 
+// Qwen3's per-head q/k RMSNorm and Llama 3.1's rescaled RoPE: the norms' weights and every
+// other gradient through them against finite differences, with and without flash attention.
+TEST(TransformerTest, QkNormAndLlama3RopeGradientsMatchFiniteDifferences) {
+  ModelConfig config = model_preset("llama-tiny");
+  config.qk_norm = true;
+  config.rope_scaling = ROPE_SCALING_LLAMA3;
+  config.rope_factor = 8.0f;
+  config.rope_original_context = 16;
+  auto backend = make_cpu_backend();
+  Transformer model(*backend, config);
+  EXPECT_EQ(model.param("model.layers.0.self_attn.q_norm.weight").numel(), config.head_dim());
+  EXPECT_EQ(model.param("model.layers.0.self_attn.k_norm.weight").numel(), config.head_dim());
+  for (const bool flash : {false, true}) expect_fd_gradients(config, flash, flash ? "qk_norm flash" : "qk_norm");
+}
+
 }  // namespace
 }  // namespace loom

@@ -212,6 +212,47 @@ TEST_F(OpsTest, RmsNormBackwardMatchesFiniteDifferences) {
   expect_gradient_matches(w, values(dw), loss, kFdTol, "dweight");
 }
 
+// Qwen3's q/k norm: heads [1, 3) of 5 in each row normed in place, the others untouched, the
+// heads before the norm kept in `in`.
+TEST_F(OpsTest, HeadRmsNormForwardMatchesNaiveOnItsHeadsOnly) {
+  const int64_t B = 2, T = 3, hd = 6, first = 1, n = 2, W = 5 * hd;
+  Tensor x = f32({B, T, W}, 1, 3.0), w = f32({hd}, 2), in = empty({B, T, n * hd}, DTYPE_F32),
+         rstd = empty({B, T, n}, DTYPE_F32);
+  const auto before = values(x), wv = values(w);
+  backend->head_rmsnorm_forward(x, w, first, n, hd, 1e-6f, in, rstd);
+  std::vector<double> expected = before, kept(static_cast<size_t>(B * T * n * hd));
+  for (int64_t r = 0; r < B * T; ++r) {
+    for (int64_t h = first; h < first + n; ++h) {
+      const double* v = before.data() + r * W + h * hd;
+      double ms = 0;
+      for (int64_t c = 0; c < hd; ++c) ms += v[c] * v[c] / hd;
+      for (int64_t c = 0; c < hd; ++c) {
+        expected[static_cast<size_t>(r * W + h * hd + c)] = v[c] / std::sqrt(ms + 1e-6) * wv[c];
+        kept[static_cast<size_t>((r * n + h - first) * hd + c)] = v[c];
+      }
+    }
+  }
+  EXPECT_LT(max_rel_error(values(x), expected), 2e-6);
+  EXPECT_EQ(values(in), kept);
+}
+
+TEST_F(OpsTest, HeadRmsNormBackwardMatchesFiniteDifferences) {
+  const int64_t B = 2, T = 2, hd = 4, first = 1, n = 2, W = 4 * hd;
+  Tensor x = f64({B, T, W}, 1, 2.0), w = f64({hd}, 2), dout = f64({B, T, W}, 4), y = empty({B, T, W});
+  Tensor in = empty({B, T, n * hd}), rstd = empty({B, T, n}), dx = empty({B, T, W}), dw = zeros({hd});
+  backend->copy(x, y);
+  backend->head_rmsnorm_forward(y, w, first, n, hd, 1e-5f, in, rstd);
+  backend->copy(dout, dx);
+  backend->head_rmsnorm_backward(dx, in, w, rstd, first, n, hd, dw);
+  auto loss = [&] {
+    backend->copy(x, y);
+    backend->head_rmsnorm_forward(y, w, first, n, hd, 1e-5f, in, rstd);
+    return weighted_sum(y, dout);
+  };
+  expect_gradient_matches(x, values(dx), loss, kFdTol, "dx");  // the untouched heads pass dout through
+  expect_gradient_matches(w, values(dw), loss, kFdTol, "dweight");
+}
+
 // ---------------------------------------------------------------- activations
 
 TEST_F(OpsTest, GeluForwardMatchesNaiveAcrossRange) {
@@ -278,7 +319,7 @@ TEST_F(OpsTest, RopeForwardRotatesHalvesByPositionAngles) {
   const int64_t B = 2, T = 5, hd = 6, heads = 3, W = 5 * hd;  // the last 2 heads (e.g. v) stay untouched
   Tensor x = f64({B, T, W}, 1);
   const auto before = values(x);
-  backend->rope_forward(x, hd, heads, 10000.0f, 3);
+  backend->rope_forward(x, hd, heads, RopeSpec{10000.0}, 3);
   const auto after = values(x);
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t t = 0; t < T; ++t) {
@@ -299,15 +340,56 @@ TEST_F(OpsTest, RopeForwardRotatesHalvesByPositionAngles) {
   }
 }
 
+// Llama 3.1's rescaled frequencies, written as its reference does (torch.where over the three
+// bands) and linear scaling, against the op at positions past the original context.
+TEST_F(OpsTest, RopeScalingLlama3AndLinearMatchTheirFormulas) {
+  const int64_t T = 3, hd = 16, pos = 200;
+  const double theta = 10000.0, factor = 8.0, low = 1.0, high = 4.0, context = 64.0;
+  auto llama3 = [&](int64_t j) {
+    const double inv = 1.0 / std::pow(theta, static_cast<double>(2 * j) / hd);
+    const double wavelen = 2.0 * M_PI / inv;
+    const double scaled = wavelen > context / low ? inv / factor : inv;
+    const double smooth = (context / wavelen - low) / (high - low);
+    const double smoothed = (1.0 - smooth) * scaled / factor + smooth * scaled;
+    const bool medium = !(wavelen < context / high) && !(wavelen > context / low);
+    return medium ? smoothed : scaled;
+  };
+  int bands[3] = {0, 0, 0};  // kept, blended, divided: each must occur
+  for (int64_t j = 0; j < hd / 2; ++j) {
+    const double inv = 1.0 / std::pow(theta, static_cast<double>(2 * j) / hd), f = llama3(j);
+    bands[f == inv ? 0 : (std::abs(f - inv / factor) < 1e-18 ? 2 : 1)]++;
+  }
+  ASSERT_TRUE(bands[0] > 0 && bands[1] > 0 && bands[2] > 0);
+  const RopeSpec specs[] = {{theta, ROPE_SCALING_LLAMA3, factor, low, high, context},
+                            {theta, ROPE_SCALING_LINEAR, factor, low, high, context}};
+  for (const RopeSpec& spec : specs) {
+    Tensor x = f64({1, T, hd}, 3);
+    const auto before = values(x);
+    backend->rope_forward(x, hd, 1, spec, pos);
+    const auto after = values(x);
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t j = 0; j < hd / 2; ++j) {
+        const double inv = spec.scaling == ROPE_SCALING_LLAMA3 ? llama3(j)
+                                                               : 1.0 / std::pow(theta, static_cast<double>(2 * j) / hd) / factor;
+        const double angle = static_cast<double>(pos + t) * inv;
+        const int64_t i0 = t * hd + j, i1 = i0 + hd / 2;
+        EXPECT_NEAR(after[i0], before[i0] * std::cos(angle) - before[i1] * std::sin(angle), 1e-12) << j;
+        EXPECT_NEAR(after[i1], before[i1] * std::cos(angle) + before[i0] * std::sin(angle), 1e-12) << j;
+      }
+    }
+  }
+}
+
 TEST_F(OpsTest, RopeBackwardMatchesFiniteDifferences) {
   const int64_t B = 2, T = 5, hd = 4, W = 3 * hd;
   Tensor x = f64({B, T, W}, 1), dout = f64({B, T, W}, 2), y = empty({B, T, W});
   Tensor dx = empty({B, T, W});
   backend->copy(dout, dx);
-  backend->rope_backward(dx, hd, 2, 500.0f, 0);
+  const RopeSpec rope{500.0, ROPE_SCALING_LLAMA3, 4.0, 1.0, 2.0, 40.0};
+  backend->rope_backward(dx, hd, 2, rope, 0);
   auto loss = [&] {
     backend->copy(x, y);
-    backend->rope_forward(y, hd, 2, 500.0f, 0);
+    backend->rope_forward(y, hd, 2, rope, 0);
     return weighted_sum(y, dout);
   };
   expect_gradient_matches(x, values(dx), loss, kFdTol, "dx");

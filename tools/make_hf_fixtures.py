@@ -15,6 +15,14 @@ weights with each family's formulas as transformers writes them:
            inv_freq = theta^(-2i/d), GQA, SiLU-gated MLP, untied head (bf16, sharded)
   mistral  MistralForCausalLM: llama's formulas plus a sliding window (keys j > i - W), f16
   qwen2    Qwen2ForCausalLM: llama's formulas plus q/k/v biases, the head tied to the embedding
+  llama32  LlamaForCausalLM with rope_scaling "llama3" (Llama 3.1 / 3.2), a tied head, wide heads
+  qwen3    Qwen3ForCausalLM: llama's formulas plus RMSNorm of each q and k head before RoPE
+  mixtral  MixtralForCausalLM: every MLP a softmax top-2 of 4 experts (block_sparse_moe, w1/w3/w2)
+  qwen3_moe  Qwen3MoeForCausalLM: qwen3 attention, softmax top-2 experts renormalised
+  deepseek_v2 / deepseek_v3  DeepseekV2/V3ForCausalLM (bf16): MLA with DeepSeek's interleaved RoPE
+           pairs, a dense first layer, MoE with a shared expert (V2: softmax greedy, scaled; V3:
+           compressed queries, sigmoid group-limited routing with the correction bias,
+           renormalised and scaled, plus a multi-token-prediction layer that Loom skips)
 
 Nothing here imports transformers (not in Debian); the formulas are written from the model
 papers and the modeling files' definitions. safetensors files are written by hand (the format:
@@ -101,36 +109,137 @@ def gpt2_logits(cfg: dict, w: dict[str, torch.Tensor], tokens: torch.Tensor) -> 
     return ln(x, "ln_f") @ g["wte.weight"].T
 
 
-def rope(x: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotate-half RoPE on (H, T, d): angle[t, i] = t theta^(-2i/d), duplicated over both halves."""
+def rope_inv_freq(cfg: dict, d: int) -> torch.Tensor:
+    """theta^(-2i/d), rescaled as config.json's rope_scaling says: "linear" divides by factor;
+    "llama3" (Llama 3.1) keeps wavelengths 2 pi / f below L / high_freq_factor, divides those above
+    L / low_freq_factor by factor and blends the ones between (L: original_max_position_embeddings)."""
+    inv_freq = 1.0 / (cfg["rope_theta"] ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    s = cfg.get("rope_scaling")
+    if not s:
+        return inv_freq
+    if s["rope_type"] == "linear":
+        return inv_freq / s["factor"]
+    assert s["rope_type"] == "llama3"
+    factor, low, high, L = s["factor"], s["low_freq_factor"], s["high_freq_factor"], s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > L / low, inv_freq / factor, inv_freq)
+    smooth = (L / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < L / high) & ~(wavelen > L / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope(x: torch.Tensor, cfg: dict) -> torch.Tensor:
+    """Rotate-half RoPE on (H, T, d): angle[t, i] = t inv_freq[i], duplicated over both halves."""
     T, d = x.shape[1], x.shape[2]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    inv_freq = rope_inv_freq(cfg, d)
     angle = torch.arange(T, dtype=torch.float64).unsqueeze(1) * inv_freq.unsqueeze(0)
     angle = torch.cat([angle, angle], dim=-1)
     rotated = torch.cat([-x[..., d // 2:], x[..., : d // 2]], dim=-1)
     return x * angle.cos() + rotated * angle.sin()
 
 
+def swiglu(g: dict, p: str, h: torch.Tensor, names=("gate_proj", "up_proj", "down_proj")) -> torch.Tensor:
+    gate, up, down = (g[p + n + ".weight"] for n in names)
+    return (torch.nn.functional.silu(h @ gate.T) * (h @ up.T)) @ down.T
+
+
+def moe(cfg: dict, g: dict, p: str, h: torch.Tensor) -> torch.Tensor:
+    """The MoE MLPs as each family's modeling code routes (T tokens of h (T, C)):
+    mixtral     softmax over the router logits, top-k, renormalised (softmax of the top-k logits);
+    qwen3_moe   softmax, top-k, renormalised when norm_topk_prob;
+    deepseek_v2 softmax, greedy top-k; renormalised when norm_topk_prob and k > 1, else scaled by
+                routed_scaling_factor; plus the shared experts (one MLP);
+    deepseek_v3 sigmoid; selection by scores + e_score_correction_bias inside the topk_group best of
+                n_group groups (a group scores the sum of its two best), gates = the sigmoid scores,
+                renormalised when norm_topk_prob and k > 1, then scaled by routed_scaling_factor."""
+    family, k = cfg["model_type"], cfg["num_experts_per_tok"]
+    if family == "mixtral":
+        gate, experts, names = p + "block_sparse_moe.gate.weight", p + "block_sparse_moe.experts.", ("w1", "w3", "w2")
+    else:
+        gate, experts, names = p + "mlp.gate.weight", p + "mlp.experts.", ("gate_proj", "up_proj", "down_proj")
+    logits = h @ g[gate].T
+    if family == "deepseek_v3":
+        scores = torch.sigmoid(logits)
+        choice = scores + g[p + "mlp.gate.e_score_correction_bias"]
+        G = cfg["n_group"]
+        group_scores = choice.view(h.shape[0], G, -1).topk(2, dim=-1)[0].sum(-1)
+        keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(cfg["topk_group"], dim=-1)[1], 1)
+        keep = keep.unsqueeze(-1).expand(-1, G, choice.shape[1] // G).reshape(h.shape[0], -1)
+        idx = choice.masked_fill(keep == 0, 0.0).topk(k, dim=-1)[1]
+        weight = scores.gather(1, idx)
+    else:
+        scores = torch.softmax(logits, dim=-1)
+        weight, idx = scores.topk(k, dim=-1)
+    renorm = {"mixtral": True, "qwen3_moe": cfg.get("norm_topk_prob", False)}.get(family, cfg.get("norm_topk_prob") and k > 1)
+    if renorm:
+        weight = weight / weight.sum(-1, keepdim=True)
+    if family == "deepseek_v3" or (family == "deepseek_v2" and not renorm):
+        weight = weight * cfg["routed_scaling_factor"]
+    out = torch.zeros_like(h)
+    for t in range(h.shape[0]):
+        for j in range(k):
+            out[t] += weight[t, j] * swiglu(g, experts + f"{int(idx[t, j])}.", h[t:t + 1], names)[0]
+    if p + "mlp.shared_experts.gate_proj.weight" in g:
+        out = out + swiglu(g, p + "mlp.shared_experts.", h)
+    return out
+
+
+def deepseek_rope(x: torch.Tensor, cfg: dict) -> torch.Tensor:
+    """DeepSeek's RoPE on (..., T, d_r): the interleaved pairs (2i, 2i+1) regrouped into halves
+    (x.view(d/2, 2).transpose), then rotate-half, as its modeling code does."""
+    *lead, T, d = x.shape
+    x = x.reshape(*lead, T, d // 2, 2).transpose(-1, -2).reshape(*lead, T, d)
+    return rope(x.reshape(-1, T, d), cfg).reshape(*lead, T, d)
+
+
+def mla(cfg: dict, g: dict, p: str, h: torch.Tensor, rms) -> torch.Tensor:
+    """DeepSeek-V2's multi-head latent attention on h (T, C), as its modeling code writes it."""
+    T, H = h.shape[0], cfg["num_attention_heads"]
+    dn, dr, dv, dc = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"], cfg["kv_lora_rank"]
+    a = p + "self_attn."
+    if cfg.get("q_lora_rank"):
+        q = rms(h @ g[a + "q_a_proj.weight"].T, a + "q_a_layernorm.weight") @ g[a + "q_b_proj.weight"].T
+    else:
+        q = h @ g[a + "q_proj.weight"].T
+    q = q.view(T, H, dn + dr).transpose(0, 1)
+    ckv = h @ g[a + "kv_a_proj_with_mqa.weight"].T
+    kv = rms(ckv[:, :dc], a + "kv_a_layernorm.weight") @ g[a + "kv_b_proj.weight"].T
+    kv = kv.view(T, H, dn + dv).transpose(0, 1)
+    k_pe = deepseek_rope(ckv[:, dc:].unsqueeze(0), cfg).expand(H, T, dr)
+    query = torch.cat([q[..., :dn], deepseek_rope(q[..., dn:], cfg)], dim=-1)
+    key = torch.cat([kv[..., :dn], k_pe], dim=-1)
+    y = causal_attention(query, key, kv[..., dn:])  # scale 1/sqrt(dn + dr)
+    return y.transpose(0, 1).reshape(T, H * dv) @ g[a + "o_proj.weight"].T
+
+
 def llama_logits(cfg: dict, w: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
     g = {k: v.double() for k, v in w.items()}
     C, H, KV, T = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], tokens.numel()
-    d, eps, window = C // H, cfg["rms_norm_eps"], cfg.get("sliding_window") or 0
+    d, eps, window = cfg.get("head_dim", C // H), cfg["rms_norm_eps"], cfg.get("sliding_window") or 0
     rms = lambda x, p: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * g[p]
     x = g["model.embed_tokens.weight"][tokens]
     for layer in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{layer}."
         h = rms(x, p + "input_layernorm.weight")
+        if "kv_lora_rank" in cfg:
+            x = x + mla(cfg, g, p, h, rms)
+            h = rms(x, p + "post_attention_layernorm.weight")
+            x = x + (swiglu(g, p + "mlp.", h) if layer < cfg.get("first_k_dense_replace", 0) else moe(cfg, g, p, h))
+            continue
         proj = lambda name: h @ g[p + f"self_attn.{name}.weight"].T + g.get(p + f"self_attn.{name}.bias", 0.0)
-        q = proj("q_proj").reshape(T, H, d).transpose(0, 1)
-        k = proj("k_proj").reshape(T, KV, d).transpose(0, 1)
+        q = proj("q_proj").reshape(T, H, d)
+        k = proj("k_proj").reshape(T, KV, d)
+        if p + "self_attn.q_norm.weight" in g:  # Qwen3: RMSNorm over each head before RoPE
+            q, k = rms(q, p + "self_attn.q_norm.weight"), rms(k, p + "self_attn.k_norm.weight")
+        q, k = q.transpose(0, 1), k.transpose(0, 1)
         v = proj("v_proj").reshape(T, KV, d).transpose(0, 1)
-        q, k = rope(q, cfg["rope_theta"]), rope(k, cfg["rope_theta"])
+        q, k = rope(q, cfg), rope(k, cfg)
         k, v = k.repeat_interleave(H // KV, dim=0), v.repeat_interleave(H // KV, dim=0)
-        y = causal_attention(q, k, v, window).transpose(0, 1).reshape(T, C)
+        y = causal_attention(q, k, v, window).transpose(0, 1).reshape(T, H * d)
         x = x + y @ g[p + "self_attn.o_proj.weight"].T
         h = rms(x, p + "post_attention_layernorm.weight")
-        gate = h @ g[p + "mlp.gate_proj.weight"].T
-        x = x + (torch.nn.functional.silu(gate) * (h @ g[p + "mlp.up_proj.weight"].T)) @ g[p + "mlp.down_proj.weight"].T
+        x = x + (moe(cfg, g, p, h) if cfg["model_type"] in ("mixtral", "qwen3_moe") else swiglu(g, p + "mlp.", h))
     head = g["model.embed_tokens.weight"] if cfg.get("tie_word_embeddings") else g["lm_head.weight"]
     return rms(x, "model.norm.weight") @ head.T
 
@@ -156,9 +265,10 @@ def gpt2_case(gen: torch.Generator) -> tuple[dict, dict[str, torch.Tensor]]:
     return cfg, w
 
 
-def llama_case(gen: torch.Generator, mistral: bool, qwen2: bool = False) -> tuple[dict, dict[str, torch.Tensor]]:
+def llama_case(gen: torch.Generator, mistral: bool, qwen2: bool = False,
+               head_dim: int = 0) -> tuple[dict, dict[str, torch.Tensor]]:
     C, F, L, V, H, KV = 32, 48, 2, 96, 4, 2
-    d = C // H
+    d = head_dim or C // H
     cfg = {"architectures": ["MistralForCausalLM" if mistral else "LlamaForCausalLM"],
            "model_type": "mistral" if mistral else "llama", "vocab_size": V, "hidden_size": C,
            "intermediate_size": F, "num_hidden_layers": L, "num_attention_heads": H, "num_key_value_heads": KV,
@@ -195,6 +305,95 @@ def llama_case(gen: torch.Generator, mistral: bool, qwen2: bool = False) -> tupl
     return cfg, w
 
 
+def moe_case(gen: torch.Generator, family: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Mixtral (every layer MoE, w1/w3/w2 experts) or Qwen3-MoE (q/k norm, mlp.experts)."""
+    qwen = family == "qwen3_moe"
+    cfg, w = llama_case(gen, False, qwen2=qwen, head_dim=16 if qwen else 0)
+    C, L, E, F = cfg["hidden_size"], cfg["num_hidden_layers"], 4, 24
+    r = lambda *shape, s=0.2: torch.randn(*shape, generator=gen) * s
+    for layer in range(L):
+        p = f"model.layers.{layer}."
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            del w[p + f"mlp.{name}.weight"]
+        if qwen:
+            for name in ("q_proj.bias", "k_proj.bias", "v_proj.bias"):
+                del w[p + "self_attn." + name]
+            w[p + "self_attn.q_norm.weight"] = 1 + r(16, s=0.3)
+            w[p + "self_attn.k_norm.weight"] = 1 + r(16, s=0.3)
+            w[p + "mlp.gate.weight"] = r(E, C, s=0.5)
+            for e in range(E):
+                w.update({p + f"mlp.experts.{e}.gate_proj.weight": r(F, C), p + f"mlp.experts.{e}.up_proj.weight": r(F, C),
+                          p + f"mlp.experts.{e}.down_proj.weight": r(C, F)})
+        else:
+            w[p + "block_sparse_moe.gate.weight"] = r(E, C, s=0.5)
+            for e in range(E):
+                x = p + f"block_sparse_moe.experts.{e}."
+                w.update({x + "w1.weight": r(48, C), x + "w3.weight": r(48, C), x + "w2.weight": r(C, 48)})
+    if qwen:
+        cfg.update({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "head_dim": 16,
+                    "attention_bias": False, "num_experts": E, "num_experts_per_tok": 2, "moe_intermediate_size": F,
+                    "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                    "output_router_logits": False, "router_aux_loss_coef": 0.001, "tie_word_embeddings": False})
+        w["lm_head.weight"] = r(cfg["vocab_size"], C)
+    else:
+        cfg.update({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": E,
+                    "num_experts_per_tok": 2, "router_jitter_noise": 0.0, "output_router_logits": False,
+                    "router_aux_loss_coef": 0.02, "sliding_window": None, "rope_theta": 1e6})
+        for key in ("mlp_bias", "pretraining_tp", "head_dim"):
+            cfg.pop(key)
+    return cfg, w
+
+
+def deepseek_case(gen: torch.Generator, v3: bool) -> tuple[dict, dict[str, torch.Tensor]]:
+    """DeepSeek-V2 (queries projected from the input, softmax greedy routing scaled without
+    renormalisation) or V3 (compressed queries, sigmoid group-limited routing with the correction
+    bias, renormalised and scaled, one multi-token-prediction layer to skip): MLA in every layer, a
+    dense first layer, MoE with one shared expert after."""
+    C, L, V, H, E = 32, 2, 96, 4, 8 if v3 else 4
+    dc, dq, dr, dn, dv, F, Fe = 16, 12, 4, 8, 8, 48, 16
+    cfg = {"architectures": ["DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM"],
+           "model_type": "deepseek_v3" if v3 else "deepseek_v2", "vocab_size": V, "hidden_size": C,
+           "intermediate_size": F, "moe_intermediate_size": Fe, "num_hidden_layers": L, "num_attention_heads": H,
+           "num_key_value_heads": H, "n_shared_experts": 1, "n_routed_experts": E, "num_experts_per_tok": 2,
+           "routed_scaling_factor": 2.5 if v3 else 1.5, "kv_lora_rank": dc, "q_lora_rank": dq if v3 else None,
+           "qk_rope_head_dim": dr, "v_head_dim": dv, "qk_nope_head_dim": dn,
+           "topk_method": "noaux_tc" if v3 else "greedy", "n_group": 4 if v3 else 1, "topk_group": 2 if v3 else 1,
+           "moe_layer_freq": 1, "first_k_dense_replace": 1, "norm_topk_prob": v3,
+           "scoring_func": "sigmoid" if v3 else "softmax", "aux_loss_alpha": 0.001, "seq_aux": True, "ep_size": 1,
+           "hidden_act": "silu", "max_position_embeddings": 64, "initializer_range": 0.02, "rms_norm_eps": 1e-6,
+           "use_cache": True, "tie_word_embeddings": False, "rope_theta": 10000.0, "rope_scaling": None,
+           "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 0, "eos_token_id": 1,
+           "torch_dtype": "bfloat16", "transformers_version": "4.46.0"}
+    if v3:
+        cfg["num_nextn_predict_layers"] = 1
+    r = lambda *shape, s=0.2: torch.randn(*shape, generator=gen) * s
+    w = {"model.embed_tokens.weight": r(V, C)}
+    for layer in range(L + (1 if v3 else 0)):
+        p = f"model.layers.{layer}."
+        a = p + "self_attn."
+        w.update({p + "input_layernorm.weight": 1 + r(C, s=0.1), p + "post_attention_layernorm.weight": 1 + r(C, s=0.1),
+                  a + "kv_a_proj_with_mqa.weight": r(dc + dr, C), a + "kv_a_layernorm.weight": 1 + r(dc, s=0.1),
+                  a + "kv_b_proj.weight": r(H * (dn + dv), dc), a + "o_proj.weight": r(C, H * dv)})
+        if v3:
+            w.update({a + "q_a_proj.weight": r(dq, C), a + "q_a_layernorm.weight": 1 + r(dq, s=0.1),
+                      a + "q_b_proj.weight": r(H * (dn + dr), dq)})
+        else:
+            w[a + "q_proj.weight"] = r(H * (dn + dr), C)
+        if layer == 0:
+            w.update({p + "mlp.gate_proj.weight": r(F, C), p + "mlp.up_proj.weight": r(F, C), p + "mlp.down_proj.weight": r(C, F)})
+            continue
+        w[p + "mlp.gate.weight"] = r(E, C, s=0.5)
+        if v3:
+            w[p + "mlp.gate.e_score_correction_bias"] = r(E, s=0.05)
+        for e in range(E):
+            x = p + f"mlp.experts.{e}."
+            w.update({x + "gate_proj.weight": r(Fe, C), x + "up_proj.weight": r(Fe, C), x + "down_proj.weight": r(C, Fe)})
+        x = p + "mlp.shared_experts."
+        w.update({x + "gate_proj.weight": r(Fe, C), x + "up_proj.weight": r(Fe, C), x + "down_proj.weight": r(C, Fe)})
+    w.update({"model.norm.weight": 1 + r(C, s=0.1), "lm_head.weight": r(V, C)})
+    return cfg, w
+
+
 def write_case(out: str, name: str, cfg: dict, stored: dict[str, torch.Tensor], weights: dict[str, torch.Tensor],
                logits_fn, tokens: torch.Tensor, shards: int = 1) -> None:
     path = os.path.join(out, name)
@@ -228,6 +427,31 @@ def main() -> None:
         write_case(out, name, cfg, stored, {k: v.float() for k, v in stored.items()}, llama_logits, tokens, shards)
     cfg, w = llama_case(gen, False, qwen2=True)
     write_case(out, "qwen2", cfg, dict(w), w, llama_logits, tokens)
+    # Llama 3.2 1B's shape in small: llama3 rope_scaling (L = 64 so that the 16-wide heads have
+    # pairs in all three bands: kept, blended, divided), a tied head, head_dim != hidden / heads.
+    cfg, w = llama_case(gen, False, head_dim=16)
+    cfg.update({"rope_theta": 10000.0, "tie_word_embeddings": True,
+                "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                 "original_max_position_embeddings": 64}})
+    del w["lm_head.weight"]
+    write_case(out, "llama32", cfg, dict(w), w, llama_logits, tokens)
+    # Qwen3: per-head q/k RMSNorm, no biases, head_dim 16 of hidden 32 (as Qwen3-0.6B: 128 of 1024).
+    cfg, w = llama_case(gen, False, qwen2=True, head_dim=16)
+    cfg.update({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 16, "attention_bias": False})
+    for layer in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{layer}.self_attn."
+        for name in ("q_proj.bias", "k_proj.bias", "v_proj.bias"):
+            del w[p + name]
+        w[p + "q_norm.weight"] = 1 + torch.randn(16, generator=gen) * 0.3
+        w[p + "k_norm.weight"] = 1 + torch.randn(16, generator=gen) * 0.3
+    write_case(out, "qwen3", cfg, dict(w), w, llama_logits, tokens)
+    for family in ("mixtral", "qwen3_moe"):
+        cfg, w = moe_case(gen, family)
+        write_case(out, family, cfg, dict(w), w, llama_logits, tokens)
+    for name, v3 in (("deepseek_v2", False), ("deepseek_v3", True)):
+        cfg, w = deepseek_case(gen, v3)
+        stored = {k: v.to(torch.bfloat16) for k, v in w.items()}
+        write_case(out, name, cfg, stored, {k: v.float() for k, v in stored.items()}, llama_logits, tokens)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,14 @@ void ModelConfig::validate() const {
              head_dim());
   LOOM_CHECK(norm_eps > 0.0f, "model.norm_eps must be > 0, got ", norm_eps);
   LOOM_CHECK(rope_theta > 0.0f, "model.rope_theta must be > 0, got ", rope_theta);
+  LOOM_CHECK(!qk_norm || (arch == ARCH_LLAMA && mla_kv_rank == 0), "model.qk_norm needs arch = llama without MLA");
+  LOOM_CHECK(rope_scaling == ROPE_SCALING_NONE || arch == ARCH_LLAMA, "model.rope_scaling needs arch = llama (gpt2 has learned positions)");
+  LOOM_CHECK(rope_scaling == ROPE_SCALING_NONE || rope_factor > 0.0f, "model.rope_factor must be > 0, got ", rope_factor);
+  LOOM_CHECK(rope_scaling != ROPE_SCALING_LLAMA3 ||
+                 (rope_low_freq_factor > 0.0f && rope_high_freq_factor > rope_low_freq_factor && rope_original_context > 0),
+             "model.rope_scaling = llama3 needs 0 < rope_low_freq_factor (", rope_low_freq_factor,
+             ") < rope_high_freq_factor (", rope_high_freq_factor, ") and rope_original_context > 0 (",
+             rope_original_context, ")");
   LOOM_CHECK(arch == ARCH_LLAMA || (!qkv_bias && !tie_embeddings), "model.qkv_bias and model.tie_embeddings are "
              "llama options (gpt2 always has biases and a tied head)");
   LOOM_CHECK(!qkv_bias || !mla(), "model.qkv_bias is not supported with model.mla_kv_rank > 0 (MLA has its own projections)");

@@ -7,6 +7,8 @@
 #include <string>
 #include <string_view>
 
+#include "loom/backend/rope.h"
+
 namespace loom {
 
 enum Arch : uint8_t { ARCH_GPT2, ARCH_LLAMA, ARCH_COUNT };
@@ -25,6 +27,14 @@ struct ModelConfig {
   int64_t d_ff = 3072;
   float norm_eps = 1e-5f;
   float rope_theta = 10000.0f;
+  // RoPE's long-context rescaling (backend/rope.h): none, linear (positions / rope_factor) or
+  // llama3 (Llama 3.1 / 3.2: low frequencies / rope_factor, high ones kept, a blend between,
+  // set by rope_low_freq_factor, rope_high_freq_factor and rope_original_context).
+  RopeScaling rope_scaling = ROPE_SCALING_NONE;
+  float rope_factor = 1.0f;
+  float rope_low_freq_factor = 1.0f;
+  float rope_high_freq_factor = 4.0f;
+  int64_t rope_original_context = 8192;
   float init_std = 0.02f;
   // Attention head width; 0: d_model / n_head. A tensor-parallel rank's slice of a model keeps
   // the whole model's head width with n_head / tp heads (parallel/tensor_parallel.h).
@@ -37,6 +47,9 @@ struct ModelConfig {
   // Qwen2.5), and the output head tied to the token embedding (Llama 3.2 1B / 3B, Qwen2 0.5B).
   bool qkv_bias = false;
   bool tie_embeddings = false;
+  // Qwen3: each query and key head RMS-normed over its head_dim (weights q_norm, k_norm of
+  // head_dim, shared by the heads) after the projection and before RoPE.
+  bool qk_norm = false;
   // Multi-head Latent Attention (DeepSeek-AI 2024, DeepSeek-V2 §2.1; nn/mla.h), Llama only.
   // mla_kv_rank = d_c > 0: keys and values come from a d_c-wide compressed latent (RMS-normed)
   // plus one decoupled RoPE key of mla_rope_dim = d_r shared by the heads; per head queries and
@@ -78,6 +91,11 @@ struct ModelConfig {
   int64_t attn_width() const { return n_head * (mla() ? mla_v() : head_dim()); }
   bool has_bias() const { return arch == ARCH_GPT2; }
   bool learned_positions() const { return arch == ARCH_GPT2; }
+  // The RoPE the rope ops apply (theta and the scaling above).
+  RopeSpec rope() const {
+    return {rope_theta, rope_scaling, rope_factor, rope_low_freq_factor, rope_high_freq_factor,
+            static_cast<double>(rope_original_context)};
+  }
   bool tied_head() const { return arch == ARCH_GPT2 || tie_embeddings; }
   bool rmsnorm() const { return arch == ARCH_LLAMA; }
   bool swiglu() const { return arch == ARCH_LLAMA; }
@@ -94,11 +112,11 @@ struct ModelConfig {
 
 // The model config's schema, written once. Each field: its key in a config file's [model]
 // table, where a checkpoint's model_config JSON keeps it (at the top level always, at the top
-// level only when set, or inside the "mla" / "moe" object written only for such models, so that
+// level only when set, or inside the "rope_scaling" / "mla" / "moe" object written only for such models, so that
 // other checkpoints keep their bytes) under which name, and its meaning. The config file
 // (train/config.cpp), checkpoints (checkpoint/checkpoint.cpp) and `loom train --help` read it.
 struct ModelField {
-  enum Place : uint8_t { ALWAYS, IF_SET, MLA, MOE };
+  enum Place : uint8_t { ALWAYS, IF_SET, ROPE, MLA, MOE };
   const char* key;      // model.<key>
   Place place;          // where the checkpoint's model_config keeps it
   const char* json;     // its name there
@@ -138,6 +156,21 @@ void visit_model_fields(Config& c, Visit&& visit) {
   visit(ModelField{"rope_theta", ModelField::ALWAYS, "rope_theta",
                     "RoPE base frequency (llama)"},
         c.rope_theta);
+  visit(ModelField{"rope_scaling", ModelField::ROPE, "type",
+                    "RoPE long-context rescaling (llama): none | linear (positions / rope_factor) | llama3 (Llama 3.1: low frequencies / rope_factor, blended by the next keys)"},
+        c.rope_scaling);
+  visit(ModelField{"rope_factor", ModelField::ROPE, "factor",
+                    "RoPE scaling factor (linear, llama3)"},
+        c.rope_factor);
+  visit(ModelField{"rope_low_freq_factor", ModelField::ROPE, "low_freq_factor",
+                    "llama3 RoPE scaling: wavelengths above rope_original_context / this are divided by rope_factor"},
+        c.rope_low_freq_factor);
+  visit(ModelField{"rope_high_freq_factor", ModelField::ROPE, "high_freq_factor",
+                    "llama3 RoPE scaling: wavelengths below rope_original_context / this keep their frequency"},
+        c.rope_high_freq_factor);
+  visit(ModelField{"rope_original_context", ModelField::ROPE, "original_context",
+                    "llama3 RoPE scaling: the context length the model was pre-trained with"},
+        c.rope_original_context);
   visit(ModelField{"init_std", ModelField::ALWAYS, "init_std",
                     "standard deviation of the normal weight initialisation"},
         c.init_std);
@@ -150,6 +183,9 @@ void visit_model_fields(Config& c, Visit&& visit) {
   visit(ModelField{"tie_embeddings", ModelField::IF_SET, "tie_embeddings",
                     "llama: the output head is the token embedding (Llama 3.2 1B/3B, Qwen2 0.5B); gpt2 always ties"},
         c.tie_embeddings);
+  visit(ModelField{"qk_norm", ModelField::IF_SET, "qk_norm",
+                    "llama: RMSNorm of each query and key head before RoPE (Qwen3; not with MLA or parallel.tp > 1)"},
+        c.qk_norm);
   visit(ModelField{"mla_kv_rank", ModelField::MLA, "kv_rank",
                     "Multi-head Latent Attention (llama only): width d_c of the compressed KV latent; 0 = standard MHA / GQA"},
         c.mla_kv_rank);

@@ -141,6 +141,10 @@ void add_llama(const ModelConfig& c, LayoutBuilder& b) {
       b.matrix(p + "self_attn.qkv_proj.weight", {c.qkv_width(), C}, std, ROLE_HIDDEN,
                {{c.n_head * hd, hd}, {kv, hd}, {kv, 1}});
       if (c.qkv_bias) b.bias(p + "self_attn.qkv_proj.bias", c.qkv_width());
+      if (c.qk_norm) {
+        b.norm_weight(p + "self_attn.q_norm.weight", hd);
+        b.norm_weight(p + "self_attn.k_norm.weight", hd);
+      }
       b.matrix(p + "self_attn.o_proj.weight", {C, c.n_head * c.head_dim()}, residual_std);
     }
     b.norm_weight(p + "post_attention_layernorm.weight", C);

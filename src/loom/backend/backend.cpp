@@ -116,7 +116,15 @@ void Backend::moe_router_backward(const Tensor&, const Tensor&, const Tensor&, c
                                   const Tensor&, const Tensor&, const Tensor&, const Tensor&, const MoeRouting&) {
   no_moe(*this, "moe_router_backward");
 }
-void Backend::mla_rope(const Tensor&, int64_t, int64_t, int64_t, int64_t, float, int64_t, bool) {
+void Backend::head_rmsnorm_forward(const Tensor&, const Tensor&, int64_t, int64_t, int64_t, float, const Tensor&,
+                                   const Tensor&) {
+  unsupported(*this, "head_rmsnorm_forward", "model.qk_norm");
+}
+void Backend::head_rmsnorm_backward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t, int64_t,
+                                    const Tensor&) {
+  unsupported(*this, "head_rmsnorm_backward", "model.qk_norm");
+}
+void Backend::mla_rope(const Tensor&, int64_t, int64_t, int64_t, int64_t, const RopeSpec&, int64_t, bool) {
   no_mla(*this, "mla_rope");
 }
 void Backend::mla_attention_forward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,

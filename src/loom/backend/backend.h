@@ -10,6 +10,7 @@
 #include <memory>
 #include <string_view>
 
+#include "loom/backend/rope.h"
 #include "loom/core/tensor.h"
 
 namespace loom {
@@ -125,8 +126,9 @@ struct BackendCapabilities {
   bool gradient_compression = false;  // parallel.compression
   bool low_precision = false;       // fp16 / fp8 recipes, QAT, bf16 master weights or reduction
   bool every_optimizer = false;     // otherwise only plain adamw (Backend::adamw_step)
+  bool head_norm = false;           // model.qk_norm (Backend::head_rmsnorm_*)
 };
-inline constexpr BackendCapabilities kEveryCapability{true, true, true, true, true, true, true};
+inline constexpr BackendCapabilities kEveryCapability{true, true, true, true, true, true, true, true};
 
 class Backend {
  public:
@@ -180,6 +182,15 @@ class Backend {
   virtual void rmsnorm_backward(const Tensor& dout, const Tensor& x, const Tensor& weight, const Tensor& rstd,
                                 const Tensor& dx, const Tensor& dweight) = 0;
 
+  // Per-head RMSNorm (Qwen3's q_norm / k_norm) in place on heads [first, first + n) of x
+  // (B,T,W), each hd wide: in (B,T,n hd) = the heads before, rstd (B,T,n), head = head * rstd
+  // * weight (hd). The backward turns d(out) in those columns of dx into d(in) in place and
+  // accumulates dweight. The defaults throw (model.qk_norm on a backend without them).
+  virtual void head_rmsnorm_forward(const Tensor& x, const Tensor& weight, int64_t first, int64_t n, int64_t hd,
+                                    float eps, const Tensor& in, const Tensor& rstd);
+  virtual void head_rmsnorm_backward(const Tensor& dx, const Tensor& in, const Tensor& weight, const Tensor& rstd,
+                                     int64_t first, int64_t n, int64_t hd, const Tensor& dweight);
+
   // GELU, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
   virtual void gelu_forward(const Tensor& x, const Tensor& out) = 0;
   virtual void gelu_backward(const Tensor& x, const Tensor& dout, const Tensor& dx) = 0;
@@ -188,10 +199,12 @@ class Backend {
   virtual void swiglu_backward(const Tensor& x, const Tensor& dout, const Tensor& dx) = 0;
 
   // RoPE (Su et al. 2021), rotate-half convention, in place on the first n_heads * head_dim
-  // columns of x (B,T,W): pairs (j, j + hd/2) rotate by angle (pos_offset + t) * theta^(-2j/hd).
+  // columns of x (B,T,W): pairs (j, j + hd/2) rotate by angle (pos_offset + t) * inv_freq(j)
+  // (backend/rope.h: theta^(-2j/hd), rescaled by rope.scaling), computed in double.
   // The backward is the inverse rotation applied to the gradient.
-  virtual void rope_forward(const Tensor& x, int64_t head_dim, int64_t n_heads, float theta, int64_t pos_offset) = 0;
-  virtual void rope_backward(const Tensor& dx, int64_t head_dim, int64_t n_heads, float theta,
+  virtual void rope_forward(const Tensor& x, int64_t head_dim, int64_t n_heads, const RopeSpec& rope,
+                            int64_t pos_offset) = 0;
+  virtual void rope_backward(const Tensor& dx, int64_t head_dim, int64_t n_heads, const RopeSpec& rope,
                              int64_t pos_offset) = 0;
 
   // Causal self-attention with grouped KV heads: qkv (B,T,(H+2KV)*hd) = [q heads | k heads | v heads];
@@ -360,9 +373,10 @@ class Backend {
   // defaults throw (the backend lacks capabilities().latent_attention).
   // Rotate-half RoPE (Su et al. 2021) on d_r = rope_dim wide slices of x (B,T,W) f32: row (b, t)'s
   // `heads` slices start at columns offset + h stride, pairs (j, j + d_r/2) turn by
-  // sign (pos_offset + t) theta^(-2j/d_r), sign -1 when inverse (the backward); angles in double.
+  // sign (pos_offset + t) inv_freq(j) (backend/rope.h, over d_r), sign -1 when inverse (the
+  // backward); angles in double.
   virtual void mla_rope(const Tensor& x, int64_t heads, int64_t stride, int64_t offset, int64_t rope_dim,
-                        float theta, int64_t pos_offset, bool inverse);
+                        const RopeSpec& rope, int64_t pos_offset, bool inverse);
   // Attention: q (B,T,H (d_n+d_r)) = [q_n | q_r] per head, kr (B,T,d_r), kv (B,T,H (d_n+d_v)) =
   // [k_n | v] per head; s(i,j) = (q_n . k_n(j) + q_r . k_r(j)) / sqrt(d_n + d_r) for the visible
   // j (causal, window); probs (B,H,T,T) = softmax (0 where masked), out (B,T,H d_v) = sum_j p v(j).

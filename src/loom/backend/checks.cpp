@@ -82,6 +82,19 @@ void check_swiglu(const char* op, const Tensor& x, const Tensor& out) {
              x.describe(), ", out ", out.describe());
 }
 
+void check_head_rows(const char* op, const Tensor& x, const Tensor& weight, int64_t first, int64_t n, int64_t hd,
+                     const Tensor& in, const Tensor& rstd) {
+  const int64_t tokens = rows_of(x);
+  LOOM_CHECK(hd > 0 && n > 0 && first >= 0 && (first + n) * hd <= x.dim(-1), op, ": heads [", first, ", ", first + n,
+             ") of ", hd, " do not fit in x ", x.describe());
+  LOOM_CHECK(weight.ndim() == 1 && weight.dim(0) == hd, op, ": weight ", weight.describe(), " must be (", hd, ")");
+  LOOM_CHECK(in.numel() == tokens * n * hd && rstd.numel() == tokens * n, op, ": in ", in.describe(), " / rstd ",
+             rstd.describe(), " must hold ", tokens, " x ", n, " heads");
+  for (const Tensor* t : {&weight, &in, &rstd}) {
+    LOOM_CHECK(t->dtype() == x.dtype(), op, ": ", t->describe(), " must have x's dtype ", x.describe());
+  }
+}
+
 void check_rope(const char* op, const Tensor& x, int64_t head_dim, int64_t n_heads) {
   LOOM_CHECK(x.ndim() == 3, op, ": x must be (B, T, W), got ", x.describe());
   LOOM_CHECK(head_dim % 2 == 0 && n_heads * head_dim <= x.dim(2), op, ": ", n_heads, " heads of dim ", head_dim,

@@ -47,6 +47,10 @@ Dims3 check_embedding(const char* op, const Tensor& tokens, const Tensor& table,
 void check_swiglu(const char* op, const Tensor& x, const Tensor& out);
 // x (B, T, W) with n_heads heads of an even head_dim in its first columns.
 void check_rope(const char* op, const Tensor& x, int64_t head_dim, int64_t n_heads);
+// head_rmsnorm_*: x (..., W) holds heads [first, first + n) of hd; in (..., n hd) and rstd
+// (..., n) its rows; weight (hd); all of x's dtype.
+void check_head_rows(const char* op, const Tensor& x, const Tensor& weight, int64_t first, int64_t n, int64_t hd,
+                     const Tensor& in, const Tensor& rstd);
 // qkv (B, T, (H + 2KV) hd), out (B, T, H hd), and `saved`: probs (B, H, T, T) when flash is
 // false, lse (B, H, T) when true; window >= 0. Returns {B, T, hd}.
 Dims3 check_attention(const char* op, const Tensor& qkv, const Tensor& out, const Tensor& saved, int64_t n_head,

@@ -162,6 +162,10 @@ void check_exportable(const ModelConfig& c, const GgufVocabulary& vocab) {
   LOOM_CHECK(!c.mla(), "model.mla_kv_rank = ", c.mla_kv_rank, ": GGUF export does not support MLA models");
   LOOM_CHECK(c.attn_window == 0, "model.attn_window = ", c.attn_window,
              ": GGUF export does not support sliding-window attention (llama.cpp's gpt2/llama attend to every position)");
+  LOOM_CHECK(!c.qk_norm, "model.qk_norm: GGUF export writes llama.cpp's llama architecture, which has no q/k norms "
+             "(Qwen3 is not mapped)");
+  LOOM_CHECK(c.rope_scaling == ROPE_SCALING_NONE, "model.rope_scaling = ", enum_name(c.rope_scaling),
+             ": GGUF export does not write RoPE scaling yet");
   LOOM_CHECK(c.arch == ARCH_LLAMA || c.head_dim() * c.n_head == c.d_model, "model.head_size = ", c.head_size,
              ": llama.cpp's gpt2 needs head_size = d_model / n_head");
   LOOM_CHECK(static_cast<int64_t>(vocab.tokens.size()) == c.vocab_size, "the tokenizer has ", vocab.tokens.size(),

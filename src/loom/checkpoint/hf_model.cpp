@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "loom/arch/param_layout.h"
+#include "loom/checkpoint/hf_config.h"
 #include "loom/checkpoint/safetensors.h"
 #include "loom/core/error.h"
 #include "loom/core/file_io.h"
@@ -28,160 +29,80 @@ constexpr const char* kConfigFile = "config.json";
 constexpr const char* kWeightsFile = "model.safetensors";
 constexpr const char* kIndexFile = "model.safetensors.index.json";
 
-// config.json, read key by key: every key must be mapped, known to carry no meaning for the
-// weights' arithmetic (metadata, dropout, initialisation), or refused by name.
-class ConfigReader {
- public:
-  ConfigReader(json j, std::string path) : j_(std::move(j)), path_(std::move(path)) {
-    LOOM_CHECK(j_.is_object(), path_, ": expected a JSON object");
-  }
-  bool has(const std::string& key) const { return j_.contains(key) && !j_[key].is_null(); }
-  template <class T>
-  T get(const std::string& key) {
-    used_.insert(key);
-    LOOM_CHECK(has(key), path_, ": key '", key, "' is missing");
-    try {
-      return j_[key].get<T>();
-    } catch (const json::exception&) {
-      throw Error(str_cat(path_, ": key '", key, "' has the wrong type (", j_[key].dump(), ")"));
-    }
-  }
-  template <class T>
-  T get(const std::string& key, T fallback) {
-    used_.insert(key);
-    return has(key) ? get<T>(key) : fallback;
-  }
-  // A key whose only value Loom implements is `expected` (absent or null counts as `fallback`).
-  void require(const std::string& key, const json& expected, const json& fallback, const char* why) {
-    used_.insert(key);
-    const json value = has(key) ? j_[key] : fallback;
-    LOOM_CHECK(value == expected, path_, ": ", key, " = ", value.dump(), " is not supported (", why, "; expected ",
-               expected.dump(), ")");
-  }
-  void ignore(std::initializer_list<const char*> keys) {
-    for (const char* k : keys) used_.insert(k);
-  }
-  // Refuses the first key that was neither read nor ignored.
-  void finish() const {
-    for (const auto& [key, value] : j_.items()) {
-      LOOM_CHECK(used_.count(key) != 0, path_, ": unknown key '", key, "' (", value.dump(),
-                 "): Loom does not know what it changes, so it will not guess");
-    }
-  }
-
- private:
-  json j_;
-  std::string path_;
-  std::set<std::string> used_;
-};
-
-// Keys of every transformers config that do not change the model's arithmetic at inference
-// or the meaning of its weights (metadata, generation defaults, token ids kept by the tokenizer).
-void ignore_common(ConfigReader& r) {
-  r.ignore({"architectures", "model_type", "transformers_version", "torch_dtype", "dtype", "use_cache",
-            "bos_token_id", "eos_token_id", "pad_token_id", "_name_or_path", "initializer_range", "tokenizer_class",
-            "task_specific_params", "output_attentions", "output_hidden_states", "return_dict", "is_decoder",
-            "max_length", "do_sample", "temperature", "top_p", "top_k", "use_return_dict"});
-}
-
-// The required integer keys of each family and the model fields they set (read on import,
-// written on export).
-struct IntKey {
-  const char* key;
-  int64_t ModelConfig::*field;
-};
-constexpr IntKey kGpt2Keys[] = {{"vocab_size", &ModelConfig::vocab_size}, {"n_positions", &ModelConfig::max_seq_len},
-                                {"n_embd", &ModelConfig::d_model},        {"n_layer", &ModelConfig::n_layer},
-                                {"n_head", &ModelConfig::n_head}};
-constexpr IntKey kLlamaKeys[] = {{"vocab_size", &ModelConfig::vocab_size},
-                                 {"max_position_embeddings", &ModelConfig::max_seq_len},
-                                 {"hidden_size", &ModelConfig::d_model},
-                                 {"intermediate_size", &ModelConfig::d_ff},
-                                 {"num_hidden_layers", &ModelConfig::n_layer},
-                                 {"num_attention_heads", &ModelConfig::n_head}};
-
-template <size_t N>
-void read_int_keys(ConfigReader& r, const IntKey (&keys)[N], ModelConfig& c) {
-  for (const IntKey& k : keys) c.*k.field = r.get<int64_t>(k.key);
-}
-template <size_t N>
-void write_int_keys(json& j, const IntKey (&keys)[N], const ModelConfig& c) {
-  for (const IntKey& k : keys) j[k.key] = c.*k.field;
-}
-
-ModelConfig gpt2_config(ConfigReader& r) {
-  ModelConfig c;
-  c.arch = ARCH_GPT2;
-  read_int_keys(r, kGpt2Keys, c);
-  c.n_kv_head = c.n_head;
-  c.d_ff = r.get<int64_t>("n_inner", 4 * c.d_model);
-  c.norm_eps = r.get<float>("layer_norm_epsilon", 1e-5f);
-  c.init_std = r.get<float>("initializer_range", 0.02f);
-  r.require("activation_function", "gelu_new", "gelu_new", "Loom's GELU is the tanh approximation");
-  r.require("tie_word_embeddings", true, true, "GPT-2's head is the token embedding");
-  r.require("scale_attn_weights", true, true, "attention scores are scaled by 1/sqrt(head_dim)");
-  r.require("scale_attn_by_inverse_layer_idx", false, false, "no per-layer score scaling");
-  r.require("reorder_and_upcast_attn", false, false, "no reordered attention");
-  r.require("add_cross_attention", false, false, "decoder-only");
-  r.ignore({"n_ctx", "resid_pdrop", "embd_pdrop", "attn_pdrop", "summary_type", "summary_use_proj",
-            "summary_activation", "summary_proj_to_labels", "summary_first_dropout"});
-  return c;
-}
-
-enum class LlamaFamily { llama, mistral, qwen2 };
-
-ModelConfig llama_config(ConfigReader& r, LlamaFamily family) {
-  ModelConfig c;
-  c.arch = ARCH_LLAMA;
-  read_int_keys(r, kLlamaKeys, c);
-  c.n_kv_head = r.get<int64_t>("num_key_value_heads", c.n_head);
-  c.norm_eps = r.get<float>("rms_norm_eps", 1e-6f);
-  c.rope_theta = r.get<float>("rope_theta", 10000.0f);
-  c.init_std = r.get<float>("initializer_range", 0.02f);
-  LOOM_CHECK(c.n_head > 0, "config.json: num_attention_heads must be > 0");
-  const int64_t head_dim = r.get<int64_t>("head_dim", c.d_model / c.n_head);
-  if (head_dim != c.d_model / c.n_head) c.head_size = head_dim;
-  if (family == LlamaFamily::mistral) c.attn_window = r.get<int64_t>("sliding_window", 0);
-  c.tie_embeddings = r.get<bool>("tie_word_embeddings", false);
-  if (family == LlamaFamily::qwen2) {  // Qwen2: q/k/v biases; its sliding window only on layers past max_window_layers
-    c.qkv_bias = true;
-    r.require("use_sliding_window", false, false, "Qwen2's per-layer sliding window is not implemented");
-    r.ignore({"sliding_window", "max_window_layers"});
-  }
-  r.require("hidden_act", "silu", "silu", "Loom's SwiGLU gates with SiLU");
-  r.require("attention_bias", false, false, "an output-projection bias (o_proj) is not implemented for llama");
-  r.require("mlp_bias", false, false, "MLP biases are not implemented for llama yet");
-  r.require("rope_scaling", json(), json(), "RoPE scaling (llama3, linear, yarn) is not implemented yet");
-  r.require("pretraining_tp", 1, 1, "tensor-parallel slicing of the MLP at pretraining changes its arithmetic");
-  r.ignore({"attention_dropout"});
-  return c;
-}
-
 // Where a Loom parameter's rows come from: tensors of the folder, stacked along rows.
 struct Piece {
   std::string name;  // transformers' name (without a "transformer." prefix)
   int64_t rows = 0;  // rows of the Loom parameter it fills
 };
 
-std::vector<Piece> pieces_of(const ModelConfig& c, const ParamSpec& spec) {
+bool ends_with(const std::string& n, const std::string& s) {
+  return n.size() >= s.size() && n.compare(n.size() - s.size(), s.size(), s) == 0;
+}
+
+// The transformers tensors of a Loom parameter. Loom fuses q/k/v (rows q, k, v) and each SwiGLU
+// MLP's gate/up (rows gate, up); Mixtral names its MoE "block_sparse_moe" with experts' w1 (gate),
+// w3 (up), w2 (down). Only DeepSeek-V3 stores the routing bias (elsewhere it has no pieces and
+// stays zero).
+std::vector<Piece> pieces_of(const ModelConfig& c, HfFamily family, const ParamSpec& spec) {
   const std::string& n = spec.name;
-  auto ends_with = [&n](const std::string& s) { return n.size() >= s.size() && n.compare(n.size() - s.size(), s.size(), s) == 0; };
   // "....self_attn" of "....self_attn.qkv_proj.weight": the name less its last two components.
   const size_t last = n.rfind('.');
   const std::string stem = last == std::string::npos || last == 0 ? n : n.substr(0, n.rfind('.', last - 1));
-  if (c.arch == ARCH_LLAMA && ends_with(".self_attn.qkv_proj.weight")) {
-    const int64_t q = c.n_head * c.head_dim(), kv = c.n_kv_head * c.head_dim();
+  const int64_t rows = spec.shape.empty() ? 1 : spec.shape[0];
+  if (c.arch != ARCH_LLAMA) return {{n, rows}};
+  const int64_t q = c.n_head * c.head_dim(), kv = c.n_kv_head * c.head_dim();
+  if (ends_with(n, ".self_attn.qkv_proj.weight")) {
     return {{stem + ".q_proj.weight", q}, {stem + ".k_proj.weight", kv}, {stem + ".v_proj.weight", kv}};
   }
-  if (c.arch == ARCH_LLAMA && ends_with(".self_attn.qkv_proj.bias")) {
-    const int64_t q = c.n_head * c.head_dim(), kv = c.n_kv_head * c.head_dim();
+  if (ends_with(n, ".self_attn.qkv_proj.bias")) {
     return {{stem + ".q_proj.bias", q}, {stem + ".k_proj.bias", kv}, {stem + ".v_proj.bias", kv}};
   }
-  if (c.arch == ARCH_LLAMA && ends_with(".mlp.gate_up_proj.weight")) {
-    return {{stem + ".gate_proj.weight", c.d_ff}, {stem + ".up_proj.weight", c.d_ff}};
+  if (ends_with(n, ".mlp.gate.e_score_correction_bias")) {
+    if (family == HfFamily::deepseek_v3) return {{n, rows}};
+    return {};
   }
-  return {{n, spec.shape.empty() ? 1 : spec.shape[0]}};
+  const size_t moe = n.find(".mlp.experts.");
+  if (family == HfFamily::mixtral && (moe != std::string::npos || ends_with(n, ".mlp.gate.weight"))) {
+    const std::string renamed = n.substr(0, n.find(".mlp.")) + ".block_sparse_moe." + n.substr(n.find(".mlp.") + 5);
+    const std::string expert = renamed.substr(0, renamed.rfind('.', renamed.rfind('.') - 1));
+    if (ends_with(n, ".gate_up_proj.weight")) return {{expert + ".w1.weight", rows / 2}, {expert + ".w3.weight", rows / 2}};
+    if (ends_with(n, ".down_proj.weight")) return {{expert + ".w2.weight", rows}};
+    return {{renamed, rows}};
+  }
+  if (ends_with(n, ".gate_up_proj.weight")) return {{stem + ".gate_proj.weight", rows / 2}, {stem + ".up_proj.weight", rows / 2}};
+  return {{n, rows}};
 }
+
+// DeepSeek stores the RoPE part of its queries and of kv_a_proj_with_mqa's key in interleaved
+// pairs (2i, 2i + 1); Loom rotates the halves (i, i + d_r/2), as transformers' DeepSeek code
+// does after permuting. Row i of a d_r-wide RoPE block in Loom is row perm(i) in the folder,
+// perm(i) = 2i for i < d_r/2, 2(i - d_r/2) + 1 after. Both q and k are permuted alike, so the
+// scores are those of the folder. to_loom: the folder's order in, Loom's out (else back).
+void permute_deepseek_rope_rows(const ModelConfig& c, const ParamSpec& spec, const Tensor& dst, bool to_loom) {
+  const std::string& n = spec.name;
+  const int64_t dr = c.mla_rope_dim, cols = spec.shape.size() == 2 ? spec.shape[1] : 1;
+  std::vector<int64_t> starts;  // first row of each RoPE block
+  if (ends_with(n, ".self_attn.q_proj.weight") || ends_with(n, ".self_attn.q_b_proj.weight")) {
+    for (int64_t h = 0; h < c.n_head; ++h) starts.push_back(h * c.mla_qk() + c.mla_nope());
+  } else if (ends_with(n, ".self_attn.kv_a_proj_with_mqa.weight")) {
+    starts.push_back(c.mla_kv_rank);
+  } else {
+    return;
+  }
+  float* data = dst.data<float>();
+  std::vector<float> block(static_cast<size_t>(dr * cols));
+  for (const int64_t first : starts) {
+    float* rows = data + first * cols;
+    std::memcpy(block.data(), rows, block.size() * sizeof(float));
+    for (int64_t i = 0; i < dr; ++i) {
+      const int64_t j = i < dr / 2 ? 2 * i : 2 * (i - dr / 2) + 1;
+      const int64_t from = to_loom ? j : i, to = to_loom ? i : j;
+      std::memcpy(rows + to * cols, block.data() + from * cols, static_cast<size_t>(cols) * sizeof(float));
+    }
+  }
+}
+
+bool deepseek(HfFamily f) { return f == HfFamily::deepseek_v2 || f == HfFamily::deepseek_v3; }
 
 // The folder's tensors by name, from model.safetensors or the shards its index names.
 class HfTensors {
@@ -247,6 +168,18 @@ bool is_buffer(const std::string& name) {
   return false;
 }
 
+// DeepSeek-V3's multi-token-prediction layers follow the model's layers (model.layers.{n_layer + i},
+// num_nextn_predict_layers of them): not part of next-token prediction, not loaded.
+bool is_extra_layer(const std::string& name, const ModelConfig& c, HfFamily family) {
+  const std::string prefix = "model.layers.";
+  if (family != HfFamily::deepseek_v3 || name.rfind(prefix, 0) != 0) return false;
+  const size_t dot = name.find('.', prefix.size());
+  if (dot == std::string::npos) return false;
+  const std::string index = name.substr(prefix.size(), dot - prefix.size());
+  return !index.empty() && index.size() < 10 && index.find_first_not_of("0123456789") == std::string::npos &&
+         std::stoll(index) >= c.n_layer;
+}
+
 // The shape a piece has in the folder: its rows of a parameter of `cols` columns (a vector:
 // its rows alone), transposed for a GPT-2 Conv1D weight.
 Shape piece_shape(const Piece& piece, const ParamSpec& spec, bool transpose) {
@@ -292,34 +225,6 @@ void check_tied_head(const HfTensors& files, const Tensor& wte, std::set<std::st
   used.insert(stored);
 }
 
-json hf_config_json(const ModelConfig& c) {
-  json j;
-  if (c.arch == ARCH_GPT2) {
-    j = {{"architectures", {"GPT2LMHeadModel"}}, {"model_type", "gpt2"}, {"n_ctx", c.max_seq_len},
-         {"n_inner", c.d_ff}, {"layer_norm_epsilon", c.norm_eps}, {"activation_function", "gelu_new"},
-         {"initializer_range", c.init_std}, {"tie_word_embeddings", true}};
-    write_int_keys(j, kGpt2Keys, c);
-  } else {
-    const bool mistral = c.attn_window > 0, qwen2 = c.qkv_bias;
-    LOOM_CHECK(!(mistral && qwen2), "export to a Hugging Face folder: q/k/v biases with a sliding window (Qwen2 with "
-               "use_sliding_window) are not mapped");
-    const char* type = qwen2 ? "qwen2" : mistral ? "mistral" : "llama";
-    const char* cls = qwen2 ? "Qwen2ForCausalLM" : mistral ? "MistralForCausalLM" : "LlamaForCausalLM";
-    j = {{"architectures", {cls}}, {"model_type", type}, {"num_key_value_heads", c.n_kv_head},
-         {"head_dim", c.head_dim()}, {"rms_norm_eps", c.norm_eps}, {"rope_theta", c.rope_theta},
-         {"hidden_act", "silu"}, {"initializer_range", c.init_std}, {"tie_word_embeddings", c.tie_embeddings}};
-    write_int_keys(j, kLlamaKeys, c);
-    if (mistral) j["sliding_window"] = c.attn_window;
-  }
-  j["torch_dtype"] = "float32";
-  return j;
-}
-
-void check_exportable(const ModelConfig& c) {
-  LOOM_CHECK(!c.mla() && c.moe_experts == 0, "export to a Hugging Face folder: MLA and mixture-of-experts models "
-             "are not mapped yet (model.mla_kv_rank / model.moe_experts)");
-}
-
 }  // namespace
 
 bool is_hf_model_dir(const std::string& dir) {
@@ -329,29 +234,11 @@ bool is_hf_model_dir(const std::string& dir) {
          (fs::is_regular_file(d / kWeightsFile, ec) || fs::is_regular_file(d / kIndexFile, ec));
 }
 
-ModelConfig hf_model_config(const std::string& dir) {
-  const fs::path path = fs::path(dir) / kConfigFile;
-  ConfigReader r(read_json_file(path.string()), path.string());
-  const std::string type = r.get<std::string>("model_type");
-  ignore_common(r);
-  ModelConfig c;
-  if (type == "gpt2") c = gpt2_config(r);
-  else if (type == "llama") c = llama_config(r, LlamaFamily::llama);
-  else if (type == "mistral") c = llama_config(r, LlamaFamily::mistral);
-  else if (type == "qwen2") c = llama_config(r, LlamaFamily::qwen2);
-  else throw Error(str_cat(path.string(), ": model_type '", type, "' is not supported yet (gpt2, llama, mistral, qwen2)"));
-  r.finish();
-  try {
-    c.validate();
-  } catch (const Error& e) {
-    throw Error(str_cat(path.string(), ": ", e.what()));
-  }
-  return c;
-}
+ModelConfig hf_model_config(const std::string& dir) { return read_hf_config((fs::path(dir) / kConfigFile).string()).model; }
 
 void load_hf_weights(const std::string& dir, const ModelState& model) {
   const ModelConfig& c = model.config;
-  check_exportable(c);
+  const HfFamily family = read_hf_config((fs::path(dir) / kConfigFile).string()).family;
   const ParamLayout layout = build_param_layout(c);
   LOOM_CHECK(model.params.numel() == layout.total, "load_hf_weights: a parameter buffer of ", model.params.numel(),
              " floats for a model of ", layout.total);
@@ -359,34 +246,43 @@ void load_hf_weights(const std::string& dir, const ModelState& model) {
   std::set<std::string> used;
   for (const ParamSpec& spec : layout.params) {
     const Tensor dst = model.params.view(spec.offset, spec.shape);
+    const std::vector<Piece> pieces = pieces_of(c, family, spec);
+    if (pieces.empty()) std::memset(dst.data<float>(), 0, static_cast<size_t>(dst.numel()) * sizeof(float));
     int64_t row = 0;
-    for (const Piece& piece : pieces_of(c, spec)) {
+    for (const Piece& piece : pieces) {
       copy_piece(files, piece, spec, dst, row, used);
       row += piece.rows;
     }
+    if (deepseek(family)) permute_deepseek_rope_rows(c, spec, dst, true);
   }
   if (c.tied_head()) {
     const ParamSpec& embedding = layout.find(embedding_param_name(c));
     check_tied_head(files, model.params.view(embedding.offset, embedding.shape), used);
   }
   for (const std::string& name : files.names()) {
-    LOOM_CHECK(used.count(name) || is_buffer(name), files.describe(), ": tensor '", name, "' is not a parameter of a ",
+    LOOM_CHECK(used.count(name) || is_buffer(name) || is_extra_layer(name, c, family), files.describe(), ": tensor '", name, "' is not a parameter of a ",
                arch_name(c.arch), " model with this config.json");
   }
 }
 
 void save_hf_model(const std::string& dir, const ModelState& model) {
   const ModelConfig& c = model.config;
-  check_exportable(c);
+  const HfFamily family = hf_family_of(c);
   const ParamLayout layout = build_param_layout(c);
   CpuAllocator host;
   std::vector<std::pair<std::string, Tensor>> tensors;
   for (const ParamSpec& spec : layout.params) {
-    const Tensor src = model.params.view(spec.offset, spec.shape);
+    Tensor src = model.params.view(spec.offset, spec.shape);
+    if (deepseek(family)) {  // a host copy in the folder's RoPE row order
+      Tensor copy = Tensor::empty(host, spec.shape, DTYPE_F32, MEM_WORKSPACE);
+      std::memcpy(copy.data<float>(), src.data<float>(), static_cast<size_t>(src.numel()) * sizeof(float));
+      permute_deepseek_rope_rows(c, spec, copy, false);
+      src = copy;
+    }
     const int64_t cols = spec.shape.size() == 2 ? spec.shape[1] : 1;
     const bool transpose = is_gpt2_conv1d_weight(spec.name);
     int64_t row = 0;
-    for (const Piece& piece : pieces_of(c, spec)) {
+    for (const Piece& piece : pieces_of(c, family, spec)) {
       Tensor t = Tensor::empty(host, piece_shape(piece, spec, transpose), DTYPE_F32, MEM_WORKSPACE);
       const float* in = src.data<float>() + row * cols;
       float* out = t.data<float>();

@@ -3,20 +3,27 @@
 //   model.safetensors                  the weights, or
 //   model.safetensors.index.json       {"weight_map": {tensor: file}} over model-0000N-of-0000M.safetensors
 //
-// Families mapped so far, with the tensors as transformers names them:
-//   gpt2     GPT2LMHeadModel: wte, wpe, h.N.{ln_1, attn.c_attn, attn.c_proj, ln_2, mlp.c_fc,
-//            mlp.c_proj}, ln_f, with or without a "transformer." prefix; Conv1D weights stored
-//            (in, out) (Loom keeps (out, in)); the head tied to wte (an lm_head.weight that
-//            differs from wte is refused); the attention-mask buffers attn.bias / masked_bias ignored.
-//   llama    LlamaForCausalLM (Llama 2 / 3 shapes) and mistral (MistralForCausalLM, its
-//            sliding_window as model.attn_window): model.embed_tokens, model.layers.N.
-//            {input_layernorm, self_attn.{q,k,v,o}_proj, post_attention_layernorm,
-//            mlp.{gate,up,down}_proj}, model.norm, lm_head. Loom fuses q/k/v into qkv_proj and
-//            gate/up into gate_up_proj (rows in that order); RoPE is rotate-half in both.
-//   qwen2    Qwen2ForCausalLM: llama plus q/k/v biases (model.qkv_bias). A Llama-family head tied
-//            to the embedding (tie_word_embeddings) sets model.tie_embeddings.
+// The families and their config.json keys: checkpoint/hf_config.h. Tensors as transformers
+// names them:
+//   gpt2     wte, wpe, h.N.{ln_1, attn.c_attn, attn.c_proj, ln_2, mlp.c_fc, mlp.c_proj}, ln_f, with
+//            or without a "transformer." prefix; Conv1D weights stored (in, out) (Loom keeps
+//            (out, in)); the head tied to wte (an lm_head.weight that differs from wte is
+//            refused); the attention-mask buffers attn.bias / masked_bias ignored.
+//   llama, mistral, qwen2, qwen3: model.embed_tokens, model.layers.N.{input_layernorm,
+//            self_attn.{q,k,v,o}_proj (+ q/k/v biases, + q_norm / k_norm), post_attention_layernorm,
+//            mlp.{gate,up,down}_proj}, model.norm, lm_head (absent when tied). Loom fuses q/k/v
+//            into qkv_proj and gate/up into gate_up_proj (rows in that order); RoPE is
+//            rotate-half in both.
+//   mixtral  as llama with model.layers.N.block_sparse_moe.{gate, experts.E.{w1, w3, w2}} (gate,
+//            up, down) in place of the MLP.
+//   qwen3_moe  as qwen3 with mlp.{gate, experts.E.{gate,up,down}_proj}.
+//   deepseek_v2 / _v3: MLA's self_attn.{q_proj | q_a_proj, q_a_layernorm, q_b_proj},
+//            kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj (the RoPE rows permuted from
+//            DeepSeek's interleaved pairs to rotate-half), mlp.{gate (+ e_score_correction_bias
+//            in v3), experts.E.*, shared_experts.*} after the first_k_dense_replace dense
+//            layers; V3's multi-token-prediction layers are skipped.
 // F32, F16 and BF16 tensors load (widened exactly to f32); files are memory-mapped. A config key
-// Loom does not know, or one whose value it does not implement (rope_scaling, attention_bias,
+// Loom does not know, or one whose value it does not implement (a yarn rope_scaling, attention_bias,
 // a tied Llama head, ...), is refused naming config.json and the key; a missing, unexpected or
 // misshapen tensor names the file and the tensor.
 #pragma once

@@ -25,6 +25,7 @@ double shortest_decimal(float f) {
 template <class T>
 nlohmann::json to_json_value(const T& v) {
   if constexpr (std::is_same_v<T, Arch>) return std::string(arch_name(v));
+  else if constexpr (std::is_same_v<T, RopeScaling>) return std::string(enum_name(v));
   else if constexpr (std::is_same_v<T, float>) return shortest_decimal(v);
   else return v;
 }
@@ -32,12 +33,18 @@ nlohmann::json to_json_value(const T& v) {
 template <class T>
 void from_json_value(const nlohmann::json& j, T& v) {
   if constexpr (std::is_same_v<T, Arch>) v = arch_from_name(j.get<std::string>());
+  else if constexpr (std::is_same_v<T, RopeScaling>) v = parse_enum<RopeScaling>(j.get<std::string>(), "rope_scaling.type");
   else v = j.get<T>();
 }
 
 // The object a field lives in (nullptr: not written for this model).
 const char* group_name(ModelField::Place place) {
-  return place == ModelField::MLA ? "mla" : place == ModelField::MOE ? "moe" : nullptr;
+  switch (place) {
+    case ModelField::ROPE: return "rope_scaling";
+    case ModelField::MLA: return "mla";
+    case ModelField::MOE: return "moe";
+    default: return nullptr;
+  }
 }
 
 }  // namespace
@@ -48,6 +55,7 @@ nlohmann::json model_config_json(const ModelConfig& c) {
     switch (f.place) {
       case ModelField::ALWAYS: j[f.json] = to_json_value(value); break;
       case ModelField::IF_SET: if (value != 0) j[f.json] = to_json_value(value); break;  // full-attention checkpoints keep their bytes
+      case ModelField::ROPE: if (c.rope_scaling != ROPE_SCALING_NONE) j["rope_scaling"][f.json] = to_json_value(value); break;
       case ModelField::MLA: if (c.mla()) j["mla"][f.json] = to_json_value(value); break;  // only for MLA models
       case ModelField::MOE: if (c.moe_experts > 0) j["moe"][f.json] = to_json_value(value); break;  // dense checkpoints keep their bytes
     }

@@ -22,6 +22,8 @@ Transformer::Transformer(Backend& backend, const ModelConfig& config)
              "supported on the ", backend_.name(), " backend (capabilities().mixture_of_experts is false)");
   LOOM_CHECK(!config_.mla() || caps.latent_attention, "model.mla_kv_rank > 0 (MLA) is not supported on the ",
              backend_.name(), " backend (capabilities().latent_attention is false)");
+  LOOM_CHECK(!config_.qk_norm || caps.head_norm, "model.qk_norm is not supported on the ", backend_.name(),
+             " backend (capabilities().head_norm is false)");
   params_ = Tensor::zeros(alloc, {layout_.total}, DTYPE_F32, MEM_PARAMETERS);
   grads_ = Tensor::zeros(alloc, {layout_.total}, DTYPE_F32, MEM_GRADIENTS);
   for (int64_t l = 0; l < config_.n_layer; ++l) {

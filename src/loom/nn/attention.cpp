@@ -92,8 +92,16 @@ void attention_saved_fields(const ModelConfig& config, const LayerPlan& plan, co
   const int64_t Ts = T / shape.seq_shards;  // the residual stream's positions on this rank
   const bool mla = plan.attention == AttentionKind::mla, flash = plan.attention == AttentionKind::flash;
   if (shape.keep == RECOMPUTE_FULL) return;
+  const auto qk_norm_fields = [&] {
+    if (!config.qk_norm) return;
+    field(s.q_in, {B, T, H * config.head_dim()});
+    field(s.q_rstd, {B, T, H});
+    field(s.k_in, {B, T, config.n_kv_head * config.head_dim()});
+    field(s.k_rstd, {B, T, config.n_kv_head});
+  };
   if (shape.keep == RECOMPUTE_SELECTIVE) {  // the GEMM outputs (sizes only for MLA: its blocks do not recompute)
     if (!mla) field(s.qkv, {B, T, config.qkv_width()});
+    qk_norm_fields();
     field(s.attn, {B, T, config.attn_width()});
     if (flash) field(s.lse, {B, H, T});  // the attention is not recomputed
     return;
@@ -116,6 +124,7 @@ void attention_saved_fields(const ModelConfig& config, const LayerPlan& plan, co
     field(s.mla_kv, {B, T, H * (config.mla_nope() + config.mla_v())});
   } else {
     field(s.qkv, {B, T, config.qkv_width()});
+    qk_norm_fields();
   }
   // FlashAttention or context parallel keep the rows' log-sum-exp (Ulysses then its own record).
   if (plan.attention == AttentionKind::mha || mla) field(s.probs, {B, H, T, T});
@@ -142,8 +151,8 @@ void AttentionLayer::rope(Backend& backend, const Tensor& qkv, bool backward) co
   const int64_t heads = config_.n_head + config_.n_kv_head, hd = config_.head_dim();
   const ContextParallel* cp = links_.cp;
   if (cp == nullptr) {
-    if (backward) backend.rope_backward(qkv, hd, heads, config_.rope_theta, 0);
-    else backend.rope_forward(qkv, hd, heads, config_.rope_theta, 0);
+    if (backward) backend.rope_backward(qkv, hd, heads, config_.rope(), 0);
+    else backend.rope_forward(qkv, hd, heads, config_.rope(), 0);
     return;
   }
   // This rank's positions are two chunks of the sequence (zig-zag): each rotated at its start.
@@ -151,10 +160,27 @@ void AttentionLayer::rope(Backend& backend, const Tensor& qkv, bool backward) co
   const Tensor tmp = cp->chunk.view(0, {B, chunk, W});
   for (int c = 0; c < 2; ++c) {
     for (int64_t b = 0; b < B; ++b) backend.copy(qkv.view((b * Tl + c * chunk) * W, {chunk, W}), tmp.view(b * chunk * W, {chunk, W}));
-    if (backward) backend.rope_backward(tmp, hd, heads, config_.rope_theta, cp->chunk_starts[static_cast<size_t>(c)]);
-    else backend.rope_forward(tmp, hd, heads, config_.rope_theta, cp->chunk_starts[static_cast<size_t>(c)]);
+    if (backward) backend.rope_backward(tmp, hd, heads, config_.rope(), cp->chunk_starts[static_cast<size_t>(c)]);
+    else backend.rope_forward(tmp, hd, heads, config_.rope(), cp->chunk_starts[static_cast<size_t>(c)]);
     for (int64_t b = 0; b < B; ++b) backend.copy(tmp.view(b * chunk * W, {chunk, W}), qkv.view((b * Tl + c * chunk) * W, {chunk, W}));
   }
+}
+
+void AttentionLayer::qk_norm_forward(Backend& backend, const Tensor& qkv, const AttentionSaved& s) const {
+  if (!config_.qk_norm) return;
+  const int64_t H = config_.n_head, KV = config_.n_kv_head, hd = config_.head_dim();
+  const int64_t rows = qkv.numel() / qkv.dim(-1);
+  backend.head_rmsnorm_forward(qkv, params_.q_norm, 0, H, hd, config_.norm_eps, s.q_in.view(0, {rows * H * hd}),
+                               s.q_rstd.view(0, {rows * H}));
+  backend.head_rmsnorm_forward(qkv, params_.k_norm, H, KV, hd, config_.norm_eps, s.k_in.view(0, {rows * KV * hd}),
+                               s.k_rstd.view(0, {rows * KV}));
+}
+
+void AttentionLayer::qk_norm_backward(Backend& backend, const Tensor& d_qkv, const AttentionSaved& s) const {
+  if (!config_.qk_norm) return;
+  const int64_t H = config_.n_head, KV = config_.n_kv_head, hd = config_.head_dim();
+  backend.head_rmsnorm_backward(d_qkv, s.q_in, params_.q_norm, s.q_rstd, 0, H, hd, grads_.q_norm);
+  backend.head_rmsnorm_backward(d_qkv, s.k_in, params_.k_norm, s.k_rstd, H, KV, hd, grads_.k_norm);
 }
 
 void AttentionLayer::forward(Backend& backend, const Tensor& x, AttentionSaved& s, const Tensor& mid) {
@@ -166,6 +192,7 @@ void AttentionLayer::forward(Backend& backend, const Tensor& x, AttentionSaved& 
     mla_forward(backend, config_, p.mla, s.norm.out, mla_activations(s));
   } else {
     qkv_.forward(backend, links_.whole(backend, s.norm.out, T), p.qkv_w, q.qkv_w, p.qkv_b, s.qkv, 0.0f, links_.ws);
+    qk_norm_forward(backend, s.qkv, s);
     if (!config_.learned_positions()) rope(backend, s.qkv, false);
     attention_forward(backend, plan_, config_, links_.cp, s);
   }
@@ -183,9 +210,10 @@ void AttentionLayer::forward_rows(Backend& backend, const Tensor& x, AttentionSa
     mla_rows(backend, s, positions, cache, layer);
   } else {
     linear_forward(backend, s.norm.out, p.qkv_w, p.qkv_b, s.qkv);
+    qk_norm_forward(backend, s.qkv.view(0, {n, W}), s);
     if (!config_.learned_positions()) {
       for (int64_t r = 0; r < n; ++r) {
-        backend.rope_forward(s.qkv.view(r * W, {1, 1, W}), hd, H + config_.n_kv_head, config_.rope_theta, positions[r]);
+        backend.rope_forward(s.qkv.view(r * W, {1, 1, W}), hd, H + config_.n_kv_head, config_.rope(), positions[r]);
       }
     }
     // The rows' q, k, v to the host in one read; each row's attention through its host cache;
@@ -251,6 +279,7 @@ void AttentionLayer::backward(Backend& backend, const Tensor& x, const Attention
   } else {
     attention_backward(backend, plan_, config_, links_.cp, s, k);
     if (!config_.learned_positions()) rope(backend, k.d_qkv, true);
+    qk_norm_backward(backend, k.d_qkv, s);
     pass.keep(k.d_qkv, s.dy_qkv);
     qkv_.backward(backend, whole(s.norm.out), p.qkv_w, q.qkv_w, k.d_qkv, k.d_norm, pass.dw(g.qkv_w), g.qkv_b, links_.ws);
   }

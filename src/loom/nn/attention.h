@@ -22,6 +22,7 @@ namespace loom {
 struct AttentionParams {
   Tensor norm_w, norm_b;  // (C)
   Tensor qkv_w, qkv_b;    // ((H + 2 KV) hd, C), ((H + 2 KV) hd)
+  Tensor q_norm, k_norm;  // (hd) each: model.qk_norm
   MlaParams mla;          // MLA: queries, latent, decoupled RoPE key and up-projections
   Tensor proj_w, proj_b;  // (C, H hd), (C); MLA: (C, H d_v)
 };
@@ -30,6 +31,8 @@ struct AttentionParams {
 struct AttentionSaved {
   NormSaved norm;  // norm1 of the block input (the residual stream's positions)
   Tensor qkv;      // (B,T,(H+2KV)hd), after RoPE; not for MLA
+  // model.qk_norm: the query and key heads before their norm, and the norms' rstd.
+  Tensor q_in, q_rstd, k_in, k_rstd;  // (B,T,H hd), (B,T,H), (B,T,KV hd), (B,T,KV)
   // MLA (nn/mla.h) in place of qkv: the query latent and its norm (d_q > 0), the queries after
   // RoPE, the KV latent and its norm, the decoupled RoPE key, the per-head [k_n | v].
   Tensor mla_qa, mla_qa_norm, mla_qa_rstd;  // (B,T,d_q), (B,T,d_q), (B,T)
@@ -96,6 +99,10 @@ class AttentionLayer {
   LayerLinks links_;
   LinearLayer qkv_, proj_;
   void rope(Backend& backend, const Tensor& qkv, bool backward) const;
+  // model.qk_norm on the query and key heads of qkv (in place), before RoPE; and its backward
+  // on d_qkv after RoPE's.
+  void qk_norm_forward(Backend& backend, const Tensor& qkv, const AttentionSaved& s) const;
+  void qk_norm_backward(Backend& backend, const Tensor& d_qkv, const AttentionSaved& s) const;
   static MlaActivations mla_activations(const AttentionSaved& s);
   // MLA decoding (T = 1): the projections at each row's position, the row's [c' | k_r] stored
   // (cache.latent) and its attention over the visible latents (the window's) into s.attn.

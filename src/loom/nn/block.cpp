@@ -47,6 +47,7 @@ BlockParams block_params_view(const ModelConfig& config, const ParamLayout& layo
     } else {
       p.qkv_w = v(pre + "self_attn.qkv_proj.weight");
       if (config.qkv_bias) p.qkv_b = v(pre + "self_attn.qkv_proj.bias");
+      if (config.qk_norm) p.q_norm = v(pre + "self_attn.q_norm.weight"), p.k_norm = v(pre + "self_attn.k_norm.weight");
     }
     p.proj_w = v(pre + "self_attn.o_proj.weight");
     m.norm_w = v(pre + "post_attention_layernorm.weight");

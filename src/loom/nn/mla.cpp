@@ -12,8 +12,8 @@ namespace {
 void rope_q_and_k(Backend& backend, const ModelConfig& config, const Tensor& q, const Tensor& kr, int64_t pos_offset,
                   bool inverse) {
   const int64_t H = config.n_head, dn = config.mla_nope(), dr = config.mla_rope_dim;
-  backend.mla_rope(q, H, dn + dr, dn, dr, config.rope_theta, pos_offset, inverse);
-  backend.mla_rope(kr, 1, dr, 0, dr, config.rope_theta, pos_offset, inverse);
+  backend.mla_rope(q, H, dn + dr, dn, dr, config.rope(), pos_offset, inverse);
+  backend.mla_rope(kr, 1, dr, 0, dr, config.rope(), pos_offset, inverse);
 }
 
 // dx (+)= dy @ w; dw += dy^T @ x (linear_backward with an accumulating dx).

@@ -46,7 +46,13 @@ std::vector<Binding> bindings(LoomConfig& c) {
   // Top-level keys first: TOML puts them before any [table]. The model's keys come from its
   // schema (arch/config.h), the one list checkpoints also read.
   std::vector<Binding> out = {{"device", enum_ref(&c.device), "the backend: cpu | cuda (a CUDA build and a visible GPU)"}};
-  visit_model_fields(c.model, [&](const ModelField& f, auto& value) { out.push_back({str_cat("model.", f.key), &value, f.meaning}); });
+  visit_model_fields(c.model, [&](const ModelField& f, auto& value) {
+    if constexpr (std::is_same_v<std::decay_t<decltype(value)>, RopeScaling>) {
+      out.push_back({str_cat("model.", f.key), enum_ref(&value), f.meaning});
+    } else {
+      out.push_back({str_cat("model.", f.key), &value, f.meaning});
+    }
+  });
   std::vector<Binding> rest = {
       {"train.batch_size", &c.train.batch_size, "sequences per micro-batch on each data-parallel rank (global batch: x grad_accum x dp)"},
       {"train.seq_len", &c.train.seq_len, "tokens per training sequence (<= model.max_seq_len)"},

@@ -90,6 +90,15 @@ const Rule kRules[] = {
        return str_cat("train.flash_attention is not supported with pipeline parallelism (parallel.pp = ", f.of(Axis::pp),
                       ") yet; set train.flash_attention = false or parallel.pp = 1");
      }},
+    {Verdict::refuse, [](const LayoutFacts& f) { return model(f).qk_norm && f.of(Axis::tp) > 1; },
+     [](const LayoutFacts& f) {
+       return str_cat("model.qk_norm with parallel.tp = ", f.of(Axis::tp), " is not supported yet (each rank's heads give "
+                      "partial q_norm / k_norm gradients that would need a sum over tp); use parallel.tp = 1");
+     }},
+    {Verdict::refuse, [](const LayoutFacts& f) { return !f.backend.head_norm && model(f).qk_norm; },
+     [](const LayoutFacts& f) {
+       return unsupported_on(f, "model.qk_norm (per-head q/k RMSNorm)", "it lacks Backend::head_rmsnorm_*; use device = \"cpu\"");
+     }},
     {Verdict::refuse, [](const LayoutFacts& f) { return model(f).attn_window > 0 && f.of(Axis::cp) > 1; },
      [](const LayoutFacts& f) {
        return str_cat("model.attn_window = ", model(f).attn_window, " (sliding-window attention) is not supported with "

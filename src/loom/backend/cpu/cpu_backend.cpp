@@ -224,6 +224,28 @@ class CpuBackend final : public Backend {
     });
   }
 
+  void head_rmsnorm_forward(const Tensor& x, const Tensor& weight, int64_t first, int64_t n, int64_t hd, float eps,
+                            const Tensor& in, const Tensor& rstd) override {
+    const char* op = "head_rmsnorm_forward";
+    checks::check_head_rows(op, x, weight, first, n, hd, in, rstd);
+    dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() {
+      cpu::head_rmsnorm_forward(x.data<T>(), weight.data<T>(), in.data<T>(), rstd.data<T>(), rows_of(x), x.dim(-1),
+                                first, n, hd, static_cast<T>(eps));
+    });
+  }
+
+  void head_rmsnorm_backward(const Tensor& dx, const Tensor& in, const Tensor& weight, const Tensor& rstd, int64_t first,
+                             int64_t n, int64_t hd, const Tensor& dweight) override {
+    const char* op = "head_rmsnorm_backward";
+    checks::check_head_rows(op, dx, weight, first, n, hd, in, rstd);
+    LOOM_CHECK(dweight.shape() == weight.shape() && dweight.dtype() == weight.dtype(), op, ": dweight ",
+               dweight.describe(), " must match weight ", weight.describe());
+    dispatch_float(dx.dtype(), op, kBackend, [&]<typename T>() {
+      cpu::head_rmsnorm_backward(dx.data<T>(), in.data<T>(), weight.data<T>(), rstd.data<T>(), dweight.data<T>(),
+                                 rows_of(dx), dx.dim(-1), first, n, hd);
+    });
+  }
+
   void gelu_forward(const Tensor& x, const Tensor& out) override {
     check_elementwise("gelu_forward", x, {&out});
     dispatch_float(x.dtype(), "gelu_forward", kBackend,
@@ -254,12 +276,14 @@ class CpuBackend final : public Backend {
     });
   }
 
-  void rope_forward(const Tensor& x, int64_t head_dim, int64_t n_heads, float theta, int64_t pos_offset) override {
-    rope(x, head_dim, n_heads, theta, pos_offset, 1.0, "rope_forward");
+  void rope_forward(const Tensor& x, int64_t head_dim, int64_t n_heads, const RopeSpec& rope_spec,
+                    int64_t pos_offset) override {
+    rope(x, head_dim, n_heads, rope_spec, pos_offset, 1.0, "rope_forward");
   }
 
-  void rope_backward(const Tensor& dx, int64_t head_dim, int64_t n_heads, float theta, int64_t pos_offset) override {
-    rope(dx, head_dim, n_heads, theta, pos_offset, -1.0, "rope_backward");
+  void rope_backward(const Tensor& dx, int64_t head_dim, int64_t n_heads, const RopeSpec& rope_spec,
+                     int64_t pos_offset) override {
+    rope(dx, head_dim, n_heads, rope_spec, pos_offset, -1.0, "rope_backward");
   }
 
   void attention_forward(const Tensor& qkv, const Tensor& out, const Tensor& probs, int64_t n_head,
@@ -455,9 +479,9 @@ class CpuBackend final : public Backend {
                            const Tensor& scratch, const MoeRouting& routing) override {
     cpu::moe_router_backward(logits, scores, expert, row, ye, dy, counts, dlogits, scratch, routing);
   }
-  void mla_rope(const Tensor& x, int64_t heads, int64_t stride, int64_t offset, int64_t rope_dim, float theta,
+  void mla_rope(const Tensor& x, int64_t heads, int64_t stride, int64_t offset, int64_t rope_dim, const RopeSpec& rope_spec,
                 int64_t pos_offset, bool inverse) override {
-    cpu::mla_rope(x, heads, stride, offset, rope_dim, theta, pos_offset, inverse);
+    cpu::mla_rope(x, heads, stride, offset, rope_dim, rope_spec, pos_offset, inverse);
   }
   void mla_attention_forward(const Tensor& q, const Tensor& kr, const Tensor& kv, const Tensor& probs,
                              const Tensor& out, const MlaDims& dims) override {
@@ -602,11 +626,11 @@ class CpuBackend final : public Backend {
   }
 
 
-  void rope(const Tensor& x, int64_t head_dim, int64_t n_heads, float theta, int64_t pos_offset, double direction,
+  void rope(const Tensor& x, int64_t head_dim, int64_t n_heads, const RopeSpec& rope_spec, int64_t pos_offset, double direction,
             const char* op) {
     checks::check_rope(op, x, head_dim, n_heads);
     dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() {
-      cpu::rope_rotate(x.data<T>(), x.dim(0), x.dim(1), x.dim(2), head_dim, n_heads, static_cast<double>(theta),
+      cpu::rope_rotate(x.data<T>(), x.dim(0), x.dim(1), x.dim(2), head_dim, n_heads, rope_spec,
                        pos_offset, direction);
     });
   }

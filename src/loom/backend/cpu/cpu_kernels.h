@@ -9,6 +9,7 @@
 
 #include "loom/backend/cpu/cpu_gemm.h"
 #include "loom/backend/cpu/cpu_math.h"
+#include "loom/backend/rope.h"
 
 namespace loom::cpu {
 
@@ -145,22 +146,25 @@ void rmsnorm_forward(const T* x, const T* w, T* out, T* rstd, int64_t rows, int6
   }
 }
 
+// One row of the RMSNorm backward: xhat = x * s; d = s * (g w - xhat * mean(g w xhat)). d may
+// be g (in place: each g[c] is read before d[c] is written).
+template <typename T>
+inline void rmsnorm_row_dx(const T* g, const T* x, const T* w, T s, T* d, int64_t channels) {
+  T sum_gx = 0;
+#pragma omp simd reduction(+ : sum_gx)
+  for (int64_t c = 0; c < channels; ++c) sum_gx += g[c] * w[c] * x[c] * s;
+  const T mean_gx = sum_gx / static_cast<T>(channels);
+#pragma omp simd
+  for (int64_t c = 0; c < channels; ++c) d[c] = s * (g[c] * w[c] - x[c] * s * mean_gx);
+}
+
 // xhat = x * rstd; g = dout * w; dx = rstd * (g - xhat * mean(g * xhat)); dw += sum_rows dout * xhat.
 template <typename T>
 void rmsnorm_backward(const T* dout, const T* x, const T* w, const T* rstd, T* dx, T* dw, int64_t rows,
                       int64_t channels) {
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < rows; ++r) {
-    const T* xr = x + r * channels;
-    const T* gr = dout + r * channels;
-    const T s = rstd[r];
-    T sum_gx = 0;
-#pragma omp simd reduction(+ : sum_gx)
-    for (int64_t c = 0; c < channels; ++c) sum_gx += gr[c] * w[c] * xr[c] * s;
-    const T mean_gx = sum_gx / static_cast<T>(channels);
-    T* d = dx + r * channels;
-#pragma omp simd
-    for (int64_t c = 0; c < channels; ++c) d[c] = s * (gr[c] * w[c] - xr[c] * s * mean_gx);
+    rmsnorm_row_dx(dout + r * channels, x + r * channels, w, rstd[r], dx + r * channels, channels);
   }
 #pragma omp parallel for schedule(static)
   for (int64_t c0 = 0; c0 < channels; c0 += kColumnBlock) {
@@ -173,6 +177,44 @@ void rmsnorm_backward(const T* dout, const T* x, const T* w, const T* rstd, T* d
       for (int64_t c = c0; c < c1; ++c) dw[c] += gr[c] * xr[c] * s;
     }
   }
+}
+
+// Per-head RMSNorm in place: row r = (token r / n, head first + r % n) of x (tokens, width),
+// hd wide, is copied to in[r] and normalised as rmsnorm_forward does.
+template <typename T>
+void head_rmsnorm_forward(T* x, const T* w, T* in, T* rstd, int64_t tokens, int64_t width, int64_t first, int64_t n,
+                          int64_t hd, T eps) {
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < tokens * n; ++r) {
+    T* xr = x + (r / n) * width + (first + r % n) * hd;
+    T* ir = in + r * hd;
+    T ss = 0;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t c = 0; c < hd; ++c) ir[c] = xr[c], ss += xr[c] * xr[c];
+    const T s = T(1) / std::sqrt(ss / static_cast<T>(hd) + eps);
+#pragma omp simd
+    for (int64_t c = 0; c < hd; ++c) xr[c] = ir[c] * s * w[c];
+    rstd[r] = s;
+  }
+}
+
+// Its backward, rmsnorm_backward's formulas on the same rows: dw first (it reads d(out)), then
+// d(out) is replaced by d(in) in place.
+template <typename T>
+void head_rmsnorm_backward(T* dx, const T* in, const T* w, const T* rstd, T* dw, int64_t tokens, int64_t width,
+                           int64_t first, int64_t n, int64_t hd) {
+  auto grad = [&](int64_t r) { return dx + (r / n) * width + (first + r % n) * hd; };
+#pragma omp parallel for schedule(static)
+  for (int64_t c0 = 0; c0 < hd; c0 += kColumnBlock) {
+    const int64_t c1 = std::min(hd, c0 + kColumnBlock);
+    for (int64_t r = 0; r < tokens * n; ++r) {
+      const T* gr = grad(r);
+      const T* xr = in + r * hd;
+      for (int64_t c = c0; c < c1; ++c) dw[c] += gr[c] * xr[c] * rstd[r];
+    }
+  }
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < tokens * n; ++r) rmsnorm_row_dx(grad(r), in + r * hd, w, rstd[r], grad(r), hd);
 }
 
 constexpr double kGeluScale = 0.7978845608028654;  // sqrt(2/pi)
@@ -238,13 +280,13 @@ void swiglu_backward(const T* x, const T* dout, T* dx, int64_t rows, int64_t hid
 // direction * (pos_offset + t) * theta^(-2j/hd). direction -1 is the inverse (the backward).
 template <typename T>
 void rope_rotate(T* x, int64_t batch, int64_t seq_len, int64_t width, int64_t head_dim, int64_t n_heads,
-                 double theta, int64_t pos_offset, double direction) {
+                 const RopeSpec& rope, int64_t pos_offset, double direction) {
   const int64_t half = head_dim / 2;
 #pragma omp parallel for schedule(static)
   for (int64_t t = 0; t < seq_len; ++t) {
     for (int64_t j = 0; j < half; ++j) {
       const double angle =
-          direction * static_cast<double>(pos_offset + t) * std::pow(theta, -2.0 * static_cast<double>(j) / head_dim);
+          direction * static_cast<double>(pos_offset + t) * rope_inv_freq(rope, j, head_dim);
       const T cs = static_cast<T>(std::cos(angle)), sn = static_cast<T>(std::sin(angle));
       for (int64_t b = 0; b < batch; ++b) {
         T* row = x + (b * seq_len + t) * width;

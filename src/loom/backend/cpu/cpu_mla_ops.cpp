@@ -49,7 +49,7 @@ int64_t first_visible(int64_t i, int64_t window) { return window > 0 ? std::max<
 
 }  // namespace
 
-void mla_rope(const Tensor& xt, int64_t heads, int64_t stride, int64_t offset, int64_t dr, float theta_f,
+void mla_rope(const Tensor& xt, int64_t heads, int64_t stride, int64_t offset, int64_t dr, const RopeSpec& rope,
               int64_t pos_offset, bool inverse) {
   const char* op = "mla_rope";
   expect_dtype(xt, DTYPE_F32, op, "x");
@@ -57,13 +57,13 @@ void mla_rope(const Tensor& xt, int64_t heads, int64_t stride, int64_t offset, i
                  offset + (heads - 1) * stride + dr <= xt.dim(2),
              op, ": x ", xt.describe(), " has no ", heads, " slices of width ", dr, " at ", offset, " + h ", stride);
   const int64_t T = xt.dim(1), width = xt.dim(2), rows = xt.numel() / width, half = dr / 2;
-  const double theta = theta_f, direction = inverse ? -1.0 : 1.0;
+  const double direction = inverse ? -1.0 : 1.0;
   float* x = xt.data<float>();
   for (int64_t n = 0; n < rows; ++n) {
     const int64_t pos = pos_offset + n % T;
     float* row = x + n * width;
     for (int64_t j = 0; j < half; ++j) {
-      const double angle = direction * static_cast<double>(pos) * std::pow(theta, -2.0 * static_cast<double>(j) / dr);
+      const double angle = direction * static_cast<double>(pos) * rope_inv_freq(rope, j, dr);
       const float cs = static_cast<float>(std::cos(angle)), sn = static_cast<float>(std::sin(angle));
       for (int64_t h = 0; h < heads; ++h) {
         float* v = row + offset + h * stride;

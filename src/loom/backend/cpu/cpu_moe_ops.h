@@ -19,7 +19,7 @@ void moe_router_backward(const Tensor& logits, const Tensor& scores, const Tenso
                          const Tensor& ye, const Tensor& dy, const Tensor& counts, const Tensor& dlogits,
                          const Tensor& scratch, const MoeRouting& routing);
 
-void mla_rope(const Tensor& x, int64_t heads, int64_t stride, int64_t offset, int64_t rope_dim, float theta,
+void mla_rope(const Tensor& x, int64_t heads, int64_t stride, int64_t offset, int64_t rope_dim, const RopeSpec& rope,
               int64_t pos_offset, bool inverse);
 void mla_attention_forward(const Tensor& q, const Tensor& kr, const Tensor& kv, const Tensor& probs, const Tensor& out,
                            const MlaDims& dims);

@@ -318,11 +318,13 @@ class CudaBackend final : public Backend {
     });
   }
 
-  void rope_forward(const Tensor& x, int64_t head_dim, int64_t n_heads, float theta, int64_t pos_offset) override {
-    rope(x, head_dim, n_heads, theta, pos_offset, 1.0, "rope_forward");
+  void rope_forward(const Tensor& x, int64_t head_dim, int64_t n_heads, const RopeSpec& rope_spec,
+                    int64_t pos_offset) override {
+    rope(x, head_dim, n_heads, rope_spec, pos_offset, 1.0, "rope_forward");
   }
-  void rope_backward(const Tensor& dx, int64_t head_dim, int64_t n_heads, float theta, int64_t pos_offset) override {
-    rope(dx, head_dim, n_heads, theta, pos_offset, -1.0, "rope_backward");
+  void rope_backward(const Tensor& dx, int64_t head_dim, int64_t n_heads, const RopeSpec& rope_spec,
+                     int64_t pos_offset) override {
+    rope(dx, head_dim, n_heads, rope_spec, pos_offset, -1.0, "rope_backward");
   }
 
   void attention_forward(const Tensor& qkv, const Tensor& out, const Tensor& probs, int64_t n_head,
@@ -508,11 +510,11 @@ class CudaBackend final : public Backend {
     return total;
   }
 
-  void rope(const Tensor& x, int64_t head_dim, int64_t n_heads, float theta, int64_t pos_offset, double direction,
+  void rope(const Tensor& x, int64_t head_dim, int64_t n_heads, const RopeSpec& rope_spec, int64_t pos_offset, double direction,
             const char* op) {
     checks::check_rope(op, x, head_dim, n_heads);
     dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() {
-      cuda::rope_rotate<T>(dptr<T>(x), x.dim(0), x.dim(1), x.dim(2), head_dim, n_heads, static_cast<double>(theta),
+      cuda::rope_rotate<T>(dptr<T>(x), x.dim(0), x.dim(1), x.dim(2), head_dim, n_heads, rope_spec,
                            pos_offset, direction, stream_);
     });
   }

@@ -573,13 +573,12 @@ __global__ void swiglu_backward_kernel(const T* x, const T* dout, T* dx, int64_t
 // then the pair (j, j + hd/2) of each of the n_heads heads of row (b, t) rotated in T.
 template <typename T>
 __global__ void rope_kernel(T* x, int64_t batch, int64_t seq_len, int64_t width, int64_t head_dim, int64_t n_heads,
-                            double theta, int64_t pos_offset, double direction) {
+                            RopeSpec rope, int64_t pos_offset, double direction) {
   const int64_t half = head_dim / 2;
   const int64_t n = batch * seq_len * half;
   for (int64_t i = thread_index(); i < n; i += thread_count()) {
     const int64_t j = i % half, bt = i / half, t = bt % seq_len;
-    const double angle = direction * static_cast<double>(pos_offset + t) *
-                         ::pow(theta, -2.0 * static_cast<double>(j) / static_cast<double>(head_dim));
+    const double angle = direction * static_cast<double>(pos_offset + t) * rope_inv_freq(rope, j, head_dim);
     const T cs = static_cast<T>(::cos(angle)), sn = static_cast<T>(::sin(angle));
     T* row = x + bt * width;
     for (int64_t h = 0; h < n_heads; ++h) {
@@ -917,11 +916,11 @@ void swiglu_backward(const T* x, const T* dout, T* dx, int64_t rows, int64_t hid
 }
 
 template <typename T>
-void rope_rotate(T* x, int64_t batch, int64_t seq_len, int64_t width, int64_t head_dim, int64_t n_heads, double theta,
+void rope_rotate(T* x, int64_t batch, int64_t seq_len, int64_t width, int64_t head_dim, int64_t n_heads, const RopeSpec& rope,
                  int64_t pos_offset, double direction, cudaStream_t stream) {
   const int64_t pairs = batch * seq_len * (head_dim / 2);
   if (pairs <= 0 || n_heads <= 0) return;
-  rope_kernel<T><<<grid_for(pairs, kBlock), kBlock, 0, stream>>>(x, batch, seq_len, width, head_dim, n_heads, theta,
+  rope_kernel<T><<<grid_for(pairs, kBlock), kBlock, 0, stream>>>(x, batch, seq_len, width, head_dim, n_heads, rope,
                                                                   pos_offset, direction);
   LOOM_CUDA_CHECK_LAUNCH();
 }
@@ -980,7 +979,7 @@ void adamw_step(T* p, const T* grad, T* m, T* v, int64_t n, double lr, double be
   template void gelu_backward<T>(const T*, const T*, T*, int64_t, cudaStream_t);                                     \
   template void swiglu_forward<T>(const T*, T*, int64_t, int64_t, cudaStream_t);                                     \
   template void swiglu_backward<T>(const T*, const T*, T*, int64_t, int64_t, cudaStream_t);                          \
-  template void rope_rotate<T>(T*, int64_t, int64_t, int64_t, int64_t, int64_t, double, int64_t, double,             \
+  template void rope_rotate<T>(T*, int64_t, int64_t, int64_t, int64_t, int64_t, const RopeSpec&, int64_t, double, \
                                cudaStream_t);                                                                        \
   template void cross_entropy_forward<T>(const T*, const int32_t*, T*, T*, int64_t, int64_t, unsigned long long*,    \
                                          cudaStream_t);                                                              \

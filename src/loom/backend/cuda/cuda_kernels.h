@@ -14,6 +14,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "loom/backend/rope.h"
+
 namespace loom::cuda {
 
 // ---------------------------------------------------------------- elementwise (cuda_kernels.cu)
@@ -89,7 +91,7 @@ void swiglu_backward(const T* x, const T* dout, T* dx, int64_t rows, int64_t hid
 // In place on x (batch, seq_len, width), the first n_heads * head_dim columns; direction +1
 // forward, -1 backward (the inverse rotation). Angles computed in double as on the CPU.
 template <typename T>
-void rope_rotate(T* x, int64_t batch, int64_t seq_len, int64_t width, int64_t head_dim, int64_t n_heads, double theta,
+void rope_rotate(T* x, int64_t batch, int64_t seq_len, int64_t width, int64_t head_dim, int64_t n_heads, const RopeSpec& rope,
                  int64_t pos_offset, double direction, cudaStream_t stream);
 
 // ---------------------------------------------------------------- loss

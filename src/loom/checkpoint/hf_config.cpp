@@ -1,0 +1,404 @@
+#include "loom/checkpoint/hf_config.h"
+
+#include <set>
+
+#include "loom/core/error.h"
+#include "loom/core/json_file.h"
+
+namespace loom {
+
+using nlohmann::json;
+
+namespace {
+
+// config.json, read key by key: every key must be mapped, known to carry no meaning for the
+// weights' arithmetic (metadata, dropout, initialisation), or refused by name.
+class ConfigReader {
+ public:
+  ConfigReader(json j, std::string path) : j_(std::move(j)), path_(std::move(path)) {
+    LOOM_CHECK(j_.is_object(), path_, ": expected a JSON object");
+  }
+  const std::string& path() const { return path_; }
+  bool has(const std::string& key) const { return j_.contains(key) && !j_[key].is_null(); }
+  template <class T>
+  T get(const std::string& key) {
+    used_.insert(key);
+    LOOM_CHECK(has(key), path_, ": key '", key, "' is missing");
+    try {
+      return j_[key].get<T>();
+    } catch (const json::exception&) {
+      throw Error(str_cat(path_, ": key '", key, "' has the wrong type (", j_[key].dump(), ")"));
+    }
+  }
+  template <class T>
+  T get(const std::string& key, T fallback) {
+    used_.insert(key);
+    return has(key) ? get<T>(key) : fallback;
+  }
+  // A key whose only value Loom implements is `expected` (absent or null counts as `fallback`).
+  void require(const std::string& key, const json& expected, const json& fallback, const char* why) {
+    used_.insert(key);
+    const json value = has(key) ? j_[key] : fallback;
+    LOOM_CHECK(value == expected, path_, ": ", key, " = ", value.dump(), " is not supported (", why, "; expected ",
+               expected.dump(), ")");
+  }
+  void ignore(std::initializer_list<const char*> keys) {
+    for (const char* k : keys) used_.insert(k);
+  }
+  // Refuses the first key that was neither read nor ignored.
+  void finish() const {
+    for (const auto& [key, value] : j_.items()) {
+      LOOM_CHECK(used_.count(key) != 0, path_, ": unknown key '", key, "' (", value.dump(),
+                 "): Loom does not know what it changes, so it will not guess");
+    }
+  }
+
+ private:
+  json j_;
+  std::string path_;
+  std::set<std::string> used_;
+};
+
+// Keys of every transformers config that do not change the model's arithmetic at inference
+// or the meaning of its weights (metadata, generation defaults, token ids kept by the tokenizer).
+void ignore_common(ConfigReader& r) {
+  r.ignore({"architectures", "model_type", "transformers_version", "torch_dtype", "dtype", "use_cache",
+            "bos_token_id", "eos_token_id", "pad_token_id", "_name_or_path", "initializer_range", "tokenizer_class",
+            "task_specific_params", "output_attentions", "output_hidden_states", "return_dict", "is_decoder",
+            "max_length", "do_sample", "temperature", "top_p", "top_k", "use_return_dict", "auto_map"});
+}
+
+// The required integer keys of each family and the model fields they set (read on import,
+// written on export).
+struct IntKey {
+  const char* key;
+  int64_t ModelConfig::*field;
+};
+constexpr IntKey kGpt2Keys[] = {{"vocab_size", &ModelConfig::vocab_size}, {"n_positions", &ModelConfig::max_seq_len},
+                                {"n_embd", &ModelConfig::d_model},        {"n_layer", &ModelConfig::n_layer},
+                                {"n_head", &ModelConfig::n_head}};
+constexpr IntKey kLlamaKeys[] = {{"vocab_size", &ModelConfig::vocab_size},
+                                 {"max_position_embeddings", &ModelConfig::max_seq_len},
+                                 {"hidden_size", &ModelConfig::d_model},
+                                 {"intermediate_size", &ModelConfig::d_ff},
+                                 {"num_hidden_layers", &ModelConfig::n_layer},
+                                 {"num_attention_heads", &ModelConfig::n_head}};
+constexpr IntKey kDeepseekMlaKeys[] = {{"kv_lora_rank", &ModelConfig::mla_kv_rank},
+                                       {"qk_rope_head_dim", &ModelConfig::mla_rope_dim},
+                                       {"qk_nope_head_dim", &ModelConfig::mla_nope_dim},
+                                       {"v_head_dim", &ModelConfig::mla_v_dim}};
+
+template <size_t N>
+void read_int_keys(ConfigReader& r, const IntKey (&keys)[N], ModelConfig& c) {
+  for (const IntKey& k : keys) c.*k.field = r.get<int64_t>(k.key);
+}
+template <size_t N>
+void write_int_keys(json& j, const IntKey (&keys)[N], const ModelConfig& c) {
+  for (const IntKey& k : keys) j[k.key] = c.*k.field;
+}
+
+ModelConfig gpt2_config(ConfigReader& r) {
+  ModelConfig c;
+  c.arch = ARCH_GPT2;
+  read_int_keys(r, kGpt2Keys, c);
+  c.n_kv_head = c.n_head;
+  c.d_ff = r.get<int64_t>("n_inner", 4 * c.d_model);
+  c.norm_eps = r.get<float>("layer_norm_epsilon", 1e-5f);
+  c.init_std = r.get<float>("initializer_range", 0.02f);
+  r.require("activation_function", "gelu_new", "gelu_new", "Loom's GELU is the tanh approximation");
+  r.require("tie_word_embeddings", true, true, "GPT-2's head is the token embedding");
+  r.require("scale_attn_weights", true, true, "attention scores are scaled by 1/sqrt(head_dim)");
+  r.require("scale_attn_by_inverse_layer_idx", false, false, "no per-layer score scaling");
+  r.require("reorder_and_upcast_attn", false, false, "no reordered attention");
+  r.require("add_cross_attention", false, false, "decoder-only");
+  r.ignore({"n_ctx", "resid_pdrop", "embd_pdrop", "attn_pdrop", "summary_type", "summary_use_proj",
+            "summary_activation", "summary_proj_to_labels", "summary_first_dropout"});
+  return c;
+}
+
+// config.json's rope_scaling: null, {"rope_type" (or "type"): "llama3", "factor",
+// "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"} or
+// {"rope_type": "linear", "factor"}; other types (yarn, dynamic, longrope) and keys are refused.
+void read_rope_scaling(ConfigReader& r, ModelConfig& c) {
+  if (!r.has("rope_scaling")) {
+    r.ignore({"rope_scaling"});
+    return;
+  }
+  const std::string& path = r.path();
+  const json s = r.get<json>("rope_scaling");
+  LOOM_CHECK(s.is_object(), path, ": rope_scaling must be an object or null, got ", s.dump());
+  const std::string type_key = s.contains("rope_type") ? "rope_type" : "type";
+  LOOM_CHECK(s.contains(type_key) && s[type_key].is_string(), path, ": rope_scaling.rope_type is missing");
+  const std::string type = s[type_key].get<std::string>();
+  std::set<std::string> known = {"rope_type", "type"};
+  auto number = [&](const char* key) {
+    known.insert(key);
+    LOOM_CHECK(s.contains(key) && s[key].is_number(), path, ": rope_scaling.", key, " is missing or not a number");
+    return s[key].get<double>();
+  };
+  if (type == "linear") {
+    c.rope_scaling = ROPE_SCALING_LINEAR;
+    c.rope_factor = static_cast<float>(number("factor"));
+  } else if (type == "llama3") {
+    c.rope_scaling = ROPE_SCALING_LLAMA3;
+    c.rope_factor = static_cast<float>(number("factor"));
+    c.rope_low_freq_factor = static_cast<float>(number("low_freq_factor"));
+    c.rope_high_freq_factor = static_cast<float>(number("high_freq_factor"));
+    c.rope_original_context = static_cast<int64_t>(number("original_max_position_embeddings"));
+  } else {
+    throw Error(str_cat(path, ": rope_scaling.rope_type = '", type, "' is not supported (linear, llama3)"));
+  }
+  for (const auto& [key, value] : s.items()) {
+    LOOM_CHECK(known.count(key) != 0, path, ": unknown key 'rope_scaling.", key, "' (", value.dump(), ") for rope_type ",
+               type);
+  }
+}
+
+json rope_scaling_json(const ModelConfig& c) {
+  if (c.rope_scaling == ROPE_SCALING_LINEAR) return {{"rope_type", "linear"}, {"factor", c.rope_factor}};
+  return {{"rope_type", "llama3"},
+          {"factor", c.rope_factor},
+          {"low_freq_factor", c.rope_low_freq_factor},
+          {"high_freq_factor", c.rope_high_freq_factor},
+          {"original_max_position_embeddings", c.rope_original_context}};
+}
+
+// The keys the Llama-derived families share (llama, mistral, qwen2/3, mixtral, qwen3_moe and
+// DeepSeek's non-attention keys).
+void read_llama_common(ConfigReader& r, ModelConfig& c) {
+  c.arch = ARCH_LLAMA;
+  read_int_keys(r, kLlamaKeys, c);
+  c.n_kv_head = r.get<int64_t>("num_key_value_heads", c.n_head);
+  c.norm_eps = r.get<float>("rms_norm_eps", 1e-6f);
+  c.rope_theta = r.get<float>("rope_theta", 10000.0f);
+  c.init_std = r.get<float>("initializer_range", 0.02f);
+  c.tie_embeddings = r.get<bool>("tie_word_embeddings", false);
+  LOOM_CHECK(c.n_head > 0, r.path(), ": num_attention_heads must be > 0");
+  r.require("hidden_act", "silu", "silu", "Loom's SwiGLU gates with SiLU");
+  r.require("attention_bias", false, false, "an output-projection bias (o_proj) is not implemented for llama");
+  r.require("mlp_bias", false, false, "MLP biases are not implemented for llama yet");
+  r.require("pretraining_tp", 1, 1, "tensor-parallel slicing of the MLP at pretraining changes its arithmetic");
+  read_rope_scaling(r, c);
+  r.ignore({"attention_dropout"});
+}
+
+void read_head_dim(ConfigReader& r, ModelConfig& c) {
+  const int64_t head_dim = r.get<int64_t>("head_dim", c.d_model / c.n_head);
+  if (head_dim != c.d_model / c.n_head || c.d_model % c.n_head != 0) c.head_size = head_dim;
+}
+
+// Mixtral, Qwen3-MoE: every layer routes each token to num_experts_per_tok of E experts by the
+// softmax of the router's logits (no shared experts, no groups); training-only keys ignored.
+void read_softmax_moe(ConfigReader& r, ModelConfig& c, const char* experts_key) {
+  c.moe_experts = r.get<int64_t>(experts_key);
+  c.moe_top_k = r.get<int64_t>("num_experts_per_tok");
+  r.ignore({"output_router_logits", "router_aux_loss_coef"});  // training: set model.moe_aux_alpha to train with it
+}
+
+ModelConfig llama_family_config(ConfigReader& r, HfFamily family) {
+  ModelConfig c;
+  read_llama_common(r, c);
+  read_head_dim(r, c);
+  switch (family) {
+    case HfFamily::mistral:
+    case HfFamily::mixtral: c.attn_window = r.get<int64_t>("sliding_window", 0); break;
+    case HfFamily::qwen2:
+    case HfFamily::qwen3:
+    case HfFamily::qwen3_moe:
+      // Qwen2: q/k/v biases; Qwen3: q/k norms instead. Their sliding window (only on layers past
+      // max_window_layers) is off in the released models.
+      c.qkv_bias = family == HfFamily::qwen2;
+      c.qk_norm = family != HfFamily::qwen2;
+      r.require("use_sliding_window", false, false, "Qwen's per-layer sliding window is not implemented");
+      r.ignore({"sliding_window", "max_window_layers", "layer_types"});
+      break;
+    default: break;
+  }
+  if (family == HfFamily::mixtral) {
+    read_softmax_moe(r, c, "num_local_experts");
+    r.require("router_jitter_noise", 0.0, 0.0, "router noise is a training choice Loom does not implement");
+  } else if (family == HfFamily::qwen3_moe) {
+    read_softmax_moe(r, c, "num_experts");
+    c.moe_d_ff = r.get<int64_t>("moe_intermediate_size");
+    c.moe_renorm = r.get<bool>("norm_topk_prob", false) && c.moe_top_k > 1;
+    r.require("decoder_sparse_step", 1, 1, "every layer is an MoE layer in Loom's mapping");
+    r.require("mlp_only_layers", json::array(), json::array(), "dense layers among MoE layers are not mapped");
+  }
+  return c;
+}
+
+// DeepSeek-V2 / V3: MLA attention, dense MLPs on the first first_k_dense_replace layers and
+// MoE ones after, with n_shared_experts always-on experts fused into one MLP.
+ModelConfig deepseek_config(ConfigReader& r, HfFamily family) {
+  const bool v3 = family == HfFamily::deepseek_v3;
+  ModelConfig c;
+  read_llama_common(r, c);
+  c.n_kv_head = c.n_head;  // MLA: num_key_value_heads carries no meaning
+  read_int_keys(r, kDeepseekMlaKeys, c);
+  c.mla_q_rank = r.get<int64_t>("q_lora_rank", 0);
+  r.ignore({"head_dim"});  // transformers' DeepseekV3Config writes qk_rope_head_dim here
+  r.require("rope_interleave", true, true, "the RoPE rows are permuted from DeepSeek's interleaved pairs on import");
+  c.moe_experts = r.get<int64_t>("n_routed_experts", 0);
+  if (c.moe_experts > 0) {
+    c.moe_top_k = r.get<int64_t>("num_experts_per_tok");
+    c.moe_d_ff = r.get<int64_t>("moe_intermediate_size");
+    c.moe_shared = r.get<int64_t>("n_shared_experts", 0);
+    c.moe_dense_layers = std::min(r.get<int64_t>("first_k_dense_replace", 0), c.n_layer);
+    r.require("moe_layer_freq", 1, 1, "every layer after first_k_dense_replace is an MoE layer");
+    const bool norm = r.get<bool>("norm_topk_prob", false) && c.moe_top_k > 1;
+    const float scale = r.get<float>("routed_scaling_factor", 1.0f);
+    c.moe_renorm = norm;
+    // V2 scales the gates only when it does not renormalise them; V3 always.
+    c.moe_route_scale = v3 || !norm ? scale : 1.0f;
+    r.require("scoring_func", v3 ? "sigmoid" : "softmax", v3 ? "sigmoid" : "softmax",
+              v3 ? "DeepSeek-V3 routes by sigmoid scores" : "DeepSeek-V2 routes by softmax scores");
+    const int64_t groups = r.get<int64_t>("n_group", 1);
+    if (v3) {
+      r.require("topk_method", "noaux_tc", "noaux_tc", "V3's group-limited routing scores a group by its two best experts");
+      c.moe_sigmoid = true;
+      c.moe_groups = groups;
+      c.moe_topk_groups = r.get<int64_t>("topk_group", 1);
+    } else {
+      const std::string method = r.get<std::string>("topk_method", "greedy");
+      LOOM_CHECK(method == "greedy" || groups <= 1, r.path(), ": topk_method = '", method, "' with n_group = ", groups,
+                 " is not supported (V2's group_limited_greedy scores a group by its best expert; Loom's groups "
+                 "by their two best)");
+      r.ignore({"topk_group"});
+    }
+  }
+  r.ignore({"n_group", "topk_group", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts",
+            "first_k_dense_replace", "routed_scaling_factor", "norm_topk_prob", "topk_method", "scoring_func",
+            "moe_layer_freq", "ep_size", "aux_loss_alpha", "seq_aux", "num_key_value_heads"});
+  // DeepSeek-V3's multi-token-prediction layers (model.layers.{n_layer + i}) are not part of the
+  // next-token model; their tensors are skipped on import.
+  r.ignore({"num_nextn_predict_layers"});
+  return c;
+}
+
+HfFamily family_of_type(const std::string& type, const std::string& path) {
+  static const std::pair<const char*, HfFamily> kTypes[] = {
+      {"gpt2", HfFamily::gpt2},           {"llama", HfFamily::llama},         {"mistral", HfFamily::mistral},
+      {"qwen2", HfFamily::qwen2},         {"qwen3", HfFamily::qwen3},         {"mixtral", HfFamily::mixtral},
+      {"qwen3_moe", HfFamily::qwen3_moe}, {"deepseek_v2", HfFamily::deepseek_v2}, {"deepseek_v3", HfFamily::deepseek_v3}};
+  for (const auto& [name, family] : kTypes) {
+    if (type == name) return family;
+  }
+  throw Error(str_cat(path, ": model_type '", type, "' is not supported yet (gpt2, llama, mistral, qwen2, qwen3, "
+                      "mixtral, qwen3_moe, deepseek_v2, deepseek_v3)"));
+}
+
+const char* family_type(HfFamily f) {
+  constexpr const char* kNames[] = {"gpt2", "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe",
+                                    "deepseek_v2", "deepseek_v3"};
+  return kNames[static_cast<int>(f)];
+}
+const char* family_class(HfFamily f) {
+  constexpr const char* kNames[] = {"GPT2LMHeadModel",    "LlamaForCausalLM",    "MistralForCausalLM",
+                                    "Qwen2ForCausalLM",   "Qwen3ForCausalLM",    "MixtralForCausalLM",
+                                    "Qwen3MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"};
+  return kNames[static_cast<int>(f)];
+}
+
+}  // namespace
+
+HfConfig read_hf_config(const std::string& path) {
+  ConfigReader r(read_json_file(path), path);
+  HfConfig out;
+  out.family = family_of_type(r.get<std::string>("model_type"), path);
+  ignore_common(r);
+  switch (out.family) {
+    case HfFamily::gpt2: out.model = gpt2_config(r); break;
+    case HfFamily::deepseek_v2:
+    case HfFamily::deepseek_v3: out.model = deepseek_config(r, out.family); break;
+    default: out.model = llama_family_config(r, out.family);
+  }
+  r.finish();
+  try {
+    out.model.validate();
+  } catch (const Error& e) {
+    throw Error(str_cat(path, ": ", e.what()));
+  }
+  return out;
+}
+
+HfFamily hf_family_of(const ModelConfig& c) {
+  const char* where = "export to a Hugging Face folder: ";
+  if (c.arch == ARCH_GPT2) {
+    LOOM_CHECK(!c.mla() && c.moe_experts == 0, where, "GPT-2 with MoE or MLA is no transformers family");
+    return HfFamily::gpt2;
+  }
+  const bool moe = c.moe_experts > 0;
+  if (c.mla()) {
+    LOOM_CHECK(!c.qkv_bias && !c.qk_norm && c.attn_window == 0 && c.head_size == 0, where,
+               "MLA (DeepSeek) with q/k/v biases, q/k norms, a window or a set head_size is no transformers family");
+    LOOM_CHECK(!moe || c.moe_sigmoid || c.moe_groups == 1, where,
+               "softmax routing with groups (DeepSeek-V2's group_limited_greedy) scores groups differently");
+    LOOM_CHECK(!moe || c.moe_sigmoid || !c.moe_renorm || c.moe_route_scale == 1.0f, where,
+               "DeepSeek-V2 does not scale renormalised gates (model.moe_route_scale must be 1)");
+    return moe && c.moe_sigmoid ? HfFamily::deepseek_v3 : HfFamily::deepseek_v2;
+  }
+  if (moe) {
+    LOOM_CHECK(c.moe_shared == 0 && c.moe_dense_layers == 0 && !c.moe_sigmoid && c.moe_groups == 1 &&
+                   c.moe_route_scale == 1.0f && !c.qkv_bias,
+               where, "an MoE model without MLA maps to Mixtral or Qwen3-MoE: softmax top-k routing over every layer, "
+               "no shared experts, groups, route scale or q/k/v biases");
+    if (c.qk_norm) {
+      LOOM_CHECK(c.attn_window == 0, where, "Qwen3-MoE has no sliding window here");
+      return HfFamily::qwen3_moe;
+    }
+    LOOM_CHECK(c.moe_renorm, where, "Mixtral renormalises its gates (model.moe_renorm must be true)");
+    return HfFamily::mixtral;
+  }
+  const bool mistral = c.attn_window > 0;
+  LOOM_CHECK(int(mistral) + int(c.qkv_bias) + int(c.qk_norm) <= 1, where, "a sliding window, q/k/v biases and q/k "
+             "norms (Mistral, Qwen2, Qwen3) together are no transformers family");
+  return c.qk_norm ? HfFamily::qwen3 : c.qkv_bias ? HfFamily::qwen2 : mistral ? HfFamily::mistral : HfFamily::llama;
+}
+
+json hf_config_json(const ModelConfig& c) {
+  const HfFamily f = hf_family_of(c);
+  json j = {{"architectures", {family_class(f)}}, {"model_type", family_type(f)}};
+  if (f == HfFamily::gpt2) {
+    j.update({{"n_ctx", c.max_seq_len}, {"n_inner", c.d_ff}, {"layer_norm_epsilon", c.norm_eps},
+              {"activation_function", "gelu_new"}, {"initializer_range", c.init_std}, {"tie_word_embeddings", true}});
+    write_int_keys(j, kGpt2Keys, c);
+    j["torch_dtype"] = "float32";
+    return j;
+  }
+  j.update({{"num_key_value_heads", c.n_kv_head}, {"rms_norm_eps", c.norm_eps}, {"rope_theta", c.rope_theta},
+            {"hidden_act", "silu"}, {"initializer_range", c.init_std}, {"tie_word_embeddings", c.tie_embeddings}});
+  write_int_keys(j, kLlamaKeys, c);
+  if (c.rope_scaling != ROPE_SCALING_NONE) j["rope_scaling"] = rope_scaling_json(c);
+  if (c.attn_window > 0) j["sliding_window"] = c.attn_window;
+  switch (f) {
+    case HfFamily::mixtral:
+      j.update({{"num_local_experts", c.moe_experts}, {"num_experts_per_tok", c.moe_top_k}});
+      break;
+    case HfFamily::qwen3_moe:
+      j.update({{"num_experts", c.moe_experts}, {"num_experts_per_tok", c.moe_top_k}, {"moe_intermediate_size", c.expert_ff()},
+                {"norm_topk_prob", c.moe_renorm}});
+      break;
+    case HfFamily::deepseek_v2:
+    case HfFamily::deepseek_v3:
+      write_int_keys(j, kDeepseekMlaKeys, c);
+      j["qk_nope_head_dim"] = c.mla_nope();
+      j["v_head_dim"] = c.mla_v();
+      j["q_lora_rank"] = c.mla_q_rank > 0 ? json(c.mla_q_rank) : json();
+      if (c.moe_experts > 0) {
+        j.update({{"n_routed_experts", c.moe_experts}, {"num_experts_per_tok", c.moe_top_k},
+                  {"moe_intermediate_size", c.expert_ff()}, {"n_shared_experts", c.moe_shared},
+                  {"first_k_dense_replace", c.moe_dense_layers}, {"moe_layer_freq", 1},
+                  {"norm_topk_prob", c.moe_renorm}, {"routed_scaling_factor", c.moe_route_scale},
+                  {"scoring_func", c.moe_sigmoid ? "sigmoid" : "softmax"},
+                  {"topk_method", c.moe_sigmoid ? "noaux_tc" : "greedy"}, {"n_group", c.moe_groups},
+                  {"topk_group", c.moe_topk_groups}});
+      }
+      break;
+    default: break;
+  }
+  if (f != HfFamily::mixtral && f != HfFamily::deepseek_v2 && f != HfFamily::deepseek_v3) j["head_dim"] = c.head_dim();
+  j["torch_dtype"] = "float32";
+  return j;
+}
+
+}  // namespace loom
