@@ -124,8 +124,10 @@ TEST(HfImportErrors, UnknownOrUnsupportedConfigKeysAreRefusedByName) {
   const Case cases[] = {
       {"llama", [](nlohmann::json& j) { j["rope_scaling"] = {{"rope_type", "llama3"}, {"factor", 8.0}}; },
        "rope_scaling.low_freq_factor is missing"},
-      {"llama", [](nlohmann::json& j) { j["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0}}; },
-       "rope_scaling.rope_type = 'yarn' is not supported"},
+      {"llama", [](nlohmann::json& j) { j["rope_scaling"] = {{"rope_type", "dynamic"}, {"factor", 4.0}}; },
+       "rope_scaling.rope_type = 'dynamic' is not supported"},
+      {"llama", [](nlohmann::json& j) { j["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0}, {"truncate", false}}; },
+       "rope_scaling.truncate = false is not supported"},
       {"llama", [](nlohmann::json& j) { j["rope_scaling"] = {{"type", "linear"}, {"factor", 2.0}, {"beta", 1}}; },
        "unknown key 'rope_scaling.beta'"},
       {"llama", [](nlohmann::json& j) { j["attention_bias"] = true; }, "attention_bias"},

@@ -4,6 +4,8 @@
 // with K up to 37); f64 finite differences: 1e-6.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include <cmath>
 #include <cstdio>
 
@@ -341,8 +343,9 @@ TEST_F(OpsTest, RopeForwardRotatesHalvesByPositionAngles) {
 }
 
 // Llama 3.1's rescaled frequencies, written as its reference does (torch.where over the three
-// bands) and linear scaling, against the op at positions past the original context.
-TEST_F(OpsTest, RopeScalingLlama3AndLinearMatchTheirFormulas) {
+// bands), linear scaling and YaRN (the ramp between the rounded correction dimensions, cos and
+// sin times the attention factor), against the op at positions past the original context.
+TEST_F(OpsTest, RopeScalingLlama3LinearAndYarnMatchTheirFormulas) {
   const int64_t T = 3, hd = 16, pos = 200;
   const double theta = 10000.0, factor = 8.0, low = 1.0, high = 4.0, context = 64.0;
   auto llama3 = [&](int64_t j) {
@@ -360,8 +363,20 @@ TEST_F(OpsTest, RopeScalingLlama3AndLinearMatchTheirFormulas) {
     bands[f == inv ? 0 : (std::abs(f - inv / factor) < 1e-18 ? 2 : 1)]++;
   }
   ASSERT_TRUE(bands[0] > 0 && bands[1] > 0 && bands[2] > 0);
+  // YaRN with beta 32 / 1 over a context of 64: correction dims floor(-0.37) -> 0 and ceil(2.3) = 3.
+  auto yarn = [&](int64_t j) {
+    const double inv = 1.0 / std::pow(theta, static_cast<double>(2 * j) / hd);
+    auto corr = [&](double rotations) { return hd * std::log(context / (rotations * 2.0 * M_PI)) / (2.0 * std::log(theta)); };
+    const double lo = std::max(std::floor(corr(32.0)), 0.0), hi = std::min(std::ceil(corr(1.0)), double(hd - 1));
+    const double ramp = std::clamp((static_cast<double>(j) - lo) / (hi - lo), 0.0, 1.0);
+    return inv / factor * ramp + inv * (1.0 - ramp);
+  };
+  EXPECT_EQ(yarn(0), 1.0);  // the fastest pair keeps its frequency, the slowest is divided
+  EXPECT_NEAR(yarn(hd / 2 - 1), 1.0 / std::pow(theta, static_cast<double>(hd - 2) / hd) / factor, 1e-18);
+  const double amplitude = 1.2;
   const RopeSpec specs[] = {{theta, ROPE_SCALING_LLAMA3, factor, low, high, context},
-                            {theta, ROPE_SCALING_LINEAR, factor, low, high, context}};
+                            {theta, ROPE_SCALING_LINEAR, factor, low, high, context},
+                            {theta, ROPE_SCALING_YARN, factor, low, high, context, 32.0, 1.0, amplitude}};
   for (const RopeSpec& spec : specs) {
     Tensor x = f64({1, T, hd}, 3);
     const auto before = values(x);
@@ -370,11 +385,12 @@ TEST_F(OpsTest, RopeScalingLlama3AndLinearMatchTheirFormulas) {
     for (int64_t t = 0; t < T; ++t) {
       for (int64_t j = 0; j < hd / 2; ++j) {
         const double inv = spec.scaling == ROPE_SCALING_LLAMA3 ? llama3(j)
+                           : spec.scaling == ROPE_SCALING_YARN ? yarn(j)
                                                                : 1.0 / std::pow(theta, static_cast<double>(2 * j) / hd) / factor;
-        const double angle = static_cast<double>(pos + t) * inv;
+        const double angle = static_cast<double>(pos + t) * inv, a = spec.amplitude;
         const int64_t i0 = t * hd + j, i1 = i0 + hd / 2;
-        EXPECT_NEAR(after[i0], before[i0] * std::cos(angle) - before[i1] * std::sin(angle), 1e-12) << j;
-        EXPECT_NEAR(after[i1], before[i1] * std::cos(angle) + before[i0] * std::sin(angle), 1e-12) << j;
+        EXPECT_NEAR(after[i0], a * (before[i0] * std::cos(angle) - before[i1] * std::sin(angle)), 1e-12) << j;
+        EXPECT_NEAR(after[i1], a * (before[i1] * std::cos(angle) + before[i0] * std::sin(angle)), 1e-12) << j;
       }
     }
   }
@@ -385,14 +401,18 @@ TEST_F(OpsTest, RopeBackwardMatchesFiniteDifferences) {
   Tensor x = f64({B, T, W}, 1), dout = f64({B, T, W}, 2), y = empty({B, T, W});
   Tensor dx = empty({B, T, W});
   backend->copy(dout, dx);
-  const RopeSpec rope{500.0, ROPE_SCALING_LLAMA3, 4.0, 1.0, 2.0, 40.0};
-  backend->rope_backward(dx, hd, 2, rope, 0);
-  auto loss = [&] {
-    backend->copy(x, y);
-    backend->rope_forward(y, hd, 2, rope, 0);
-    return weighted_sum(y, dout);
-  };
-  expect_gradient_matches(x, values(dx), loss, kFdTol, "dx");
+  // llama3 scaling, and YaRN's amplitude (the backward is the transpose: the inverse rotation times it).
+  for (const RopeSpec& rope : {RopeSpec{500.0, ROPE_SCALING_LLAMA3, 4.0, 1.0, 2.0, 40.0},
+                               RopeSpec{500.0, ROPE_SCALING_YARN, 4.0, 1.0, 4.0, 40.0, 32.0, 1.0, 1.3}}) {
+    backend->copy(dout, dx);
+    backend->rope_backward(dx, hd, 2, rope, 0);
+    auto loss = [&] {
+      backend->copy(x, y);
+      backend->rope_forward(y, hd, 2, rope, 0);
+      return weighted_sum(y, dout);
+    };
+    expect_gradient_matches(x, values(dx), loss, kFdTol, "dx");
+  }
 }
 
 // ---------------------------------------------------------------- attention

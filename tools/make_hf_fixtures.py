@@ -79,10 +79,10 @@ def gelu_new(x: torch.Tensor) -> torch.Tensor:
     return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x.pow(3))))
 
 
-def causal_attention(q, k, v, window: int = 0):
-    """q (H, T, d), k/v (H, T, d): softmax(q k^T / sqrt d) v over keys j <= i (and j > i - W)."""
+def causal_attention(q, k, v, window: int = 0, scale: float = 1.0):
+    """q (H, T, d), k/v (H, T, d): softmax(scale q k^T / sqrt d) v over keys j <= i (and j > i - W)."""
     T = q.shape[1]
-    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    scores = q @ k.transpose(-1, -2) * scale / math.sqrt(q.shape[-1])
     i = torch.arange(T).unsqueeze(1)
     j = torch.arange(T).unsqueeze(0)
     visible = j <= i
@@ -117,9 +117,19 @@ def rope_inv_freq(cfg: dict, d: int) -> torch.Tensor:
     s = cfg.get("rope_scaling")
     if not s:
         return inv_freq
-    if s["rope_type"] == "linear":
+    kind = s.get("rope_type", s.get("type"))
+    if kind == "linear":
         return inv_freq / s["factor"]
-    assert s["rope_type"] == "llama3"
+    if kind == "yarn":  # transformers' _compute_yarn_parameters (truncate = True)
+        base, factor, L = cfg["rope_theta"], s["factor"], s.get("original_max_position_embeddings", cfg["max_position_embeddings"])
+        corr = lambda rot: (d * math.log(L / (rot * 2 * math.pi))) / (2 * math.log(base))
+        low, high = max(math.floor(corr(s.get("beta_fast", 32))), 0), min(math.ceil(corr(s.get("beta_slow", 1))), d - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(d // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+        extrapolation = 1 - ramp
+        return (inv_freq / factor) * (1 - extrapolation) + inv_freq * extrapolation
+    assert kind == "llama3"
     factor, low, high, L = s["factor"], s["low_freq_factor"], s["high_freq_factor"], s["original_max_position_embeddings"]
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > L / low, inv_freq / factor, inv_freq)
@@ -129,6 +139,23 @@ def rope_inv_freq(cfg: dict, d: int) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def yarn_mscale(scale: float, m: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+
+def rope_amplitude(cfg: dict) -> float:
+    """YaRN's factor on cos and sin: attention_factor, else mscale(f, mscale) / mscale(f, mscale_all_dim)
+    when both are set, else mscale(f) (transformers; DeepSeek's code gives the same for its configs)."""
+    s = cfg.get("rope_scaling")
+    if not s or s.get("rope_type", s.get("type")) != "yarn":
+        return 1.0
+    if s.get("attention_factor") is not None:
+        return s["attention_factor"]
+    if s.get("mscale") and s.get("mscale_all_dim"):
+        return yarn_mscale(s["factor"], s["mscale"]) / yarn_mscale(s["factor"], s["mscale_all_dim"])
+    return yarn_mscale(s["factor"])
+
+
 def rope(x: torch.Tensor, cfg: dict) -> torch.Tensor:
     """Rotate-half RoPE on (H, T, d): angle[t, i] = t inv_freq[i], duplicated over both halves."""
     T, d = x.shape[1], x.shape[2]
@@ -136,7 +163,8 @@ def rope(x: torch.Tensor, cfg: dict) -> torch.Tensor:
     angle = torch.arange(T, dtype=torch.float64).unsqueeze(1) * inv_freq.unsqueeze(0)
     angle = torch.cat([angle, angle], dim=-1)
     rotated = torch.cat([-x[..., d // 2:], x[..., : d // 2]], dim=-1)
-    return x * angle.cos() + rotated * angle.sin()
+    a = rope_amplitude(cfg)
+    return x * (angle.cos() * a) + rotated * (angle.sin() * a)
 
 
 def swiglu(g: dict, p: str, h: torch.Tensor, names=("gate_proj", "up_proj", "down_proj")) -> torch.Tensor:
@@ -209,7 +237,10 @@ def mla(cfg: dict, g: dict, p: str, h: torch.Tensor, rms) -> torch.Tensor:
     k_pe = deepseek_rope(ckv[:, dc:].unsqueeze(0), cfg).expand(H, T, dr)
     query = torch.cat([q[..., :dn], deepseek_rope(q[..., dn:], cfg)], dim=-1)
     key = torch.cat([kv[..., :dn], k_pe], dim=-1)
-    y = causal_attention(query, key, kv[..., dn:])  # scale 1/sqrt(dn + dr)
+    s = cfg.get("rope_scaling") or {}
+    # DeepSeek's YaRN: softmax_scale times mscale(factor, mscale_all_dim)^2.
+    scale = yarn_mscale(s["factor"], s["mscale_all_dim"]) ** 2 if s.get("mscale_all_dim") else 1.0
+    y = causal_attention(query, key, kv[..., dn:], scale=scale)  # scale / sqrt(dn + dr)
     return y.transpose(0, 1).reshape(T, H * dv) @ g[a + "o_proj.weight"].T
 
 
@@ -364,6 +395,11 @@ def deepseek_case(gen: torch.Generator, v3: bool) -> tuple[dict, dict[str, torch
            "use_cache": True, "tie_word_embeddings": False, "rope_theta": 10000.0, "rope_scaling": None,
            "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 0, "eos_token_id": 1,
            "torch_dtype": "bfloat16", "transformers_version": "4.46.0"}
+    # YaRN as the released configs set it (V2-Lite: mscale 0.707 both; V3: 1.0 both), with a small
+    # original context so that the 4-wide RoPE part has pairs on both sides of the ramp.
+    m = 1.0 if v3 else 0.707
+    cfg["rope_scaling"] = {"type": "yarn", "factor": 40 if v3 else 8, "original_max_position_embeddings": 16,
+                           "beta_fast": 32, "beta_slow": 1, "mscale": m, "mscale_all_dim": m}
     if v3:
         cfg["num_nextn_predict_layers"] = 1
     r = lambda *shape, s=0.2: torch.randn(*shape, generator=gen) * s
@@ -437,7 +473,8 @@ def main() -> None:
     write_case(out, "llama32", cfg, dict(w), w, llama_logits, tokens)
     # Qwen3: per-head q/k RMSNorm, no biases, head_dim 16 of hidden 32 (as Qwen3-0.6B: 128 of 1024).
     cfg, w = llama_case(gen, False, qwen2=True, head_dim=16)
-    cfg.update({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 16, "attention_bias": False})
+    cfg.update({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 16, "attention_bias": False,
+                "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}})
     for layer in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{layer}.self_attn."
         for name in ("q_proj.bias", "k_proj.bias", "v_proj.bias"):

@@ -45,6 +45,12 @@ void ModelConfig::validate() const {
   LOOM_CHECK(!qk_norm || (arch == ARCH_LLAMA && mla_kv_rank == 0), "model.qk_norm needs arch = llama without MLA");
   LOOM_CHECK(rope_scaling == ROPE_SCALING_NONE || arch == ARCH_LLAMA, "model.rope_scaling needs arch = llama (gpt2 has learned positions)");
   LOOM_CHECK(rope_scaling == ROPE_SCALING_NONE || rope_factor > 0.0f, "model.rope_factor must be > 0, got ", rope_factor);
+  LOOM_CHECK(rope_scaling != ROPE_SCALING_YARN ||
+                 (rope_original_context > 0 && rope_beta_fast > rope_beta_slow && rope_beta_slow > 0.0f &&
+                  rope_attention_factor > 0.0f),
+             "model.rope_scaling = yarn needs rope_original_context > 0, rope_beta_fast (", rope_beta_fast,
+             ") > rope_beta_slow (", rope_beta_slow, ") > 0 and rope_attention_factor > 0");
+  LOOM_CHECK(mla_score_scale > 0.0f, "model.mla_score_scale must be > 0, got ", mla_score_scale);
   LOOM_CHECK(rope_scaling != ROPE_SCALING_LLAMA3 ||
                  (rope_low_freq_factor > 0.0f && rope_high_freq_factor > rope_low_freq_factor && rope_original_context > 0),
              "model.rope_scaling = llama3 needs 0 < rope_low_freq_factor (", rope_low_freq_factor,

@@ -27,14 +27,19 @@ struct ModelConfig {
   int64_t d_ff = 3072;
   float norm_eps = 1e-5f;
   float rope_theta = 10000.0f;
-  // RoPE's long-context rescaling (backend/rope.h): none, linear (positions / rope_factor) or
+  // RoPE's long-context rescaling (backend/rope.h): none, linear (positions / rope_factor),
   // llama3 (Llama 3.1 / 3.2: low frequencies / rope_factor, high ones kept, a blend between,
-  // set by rope_low_freq_factor, rope_high_freq_factor and rope_original_context).
+  // set by rope_low_freq_factor, rope_high_freq_factor and rope_original_context) or yarn (a
+  // ramp between rope_beta_fast and rope_beta_slow rotations, cos and sin times
+  // rope_attention_factor).
   RopeScaling rope_scaling = ROPE_SCALING_NONE;
   float rope_factor = 1.0f;
   float rope_low_freq_factor = 1.0f;
   float rope_high_freq_factor = 4.0f;
   int64_t rope_original_context = 8192;
+  float rope_beta_fast = 32.0f;
+  float rope_beta_slow = 1.0f;
+  float rope_attention_factor = 1.0f;
   float init_std = 0.02f;
   // Attention head width; 0: d_model / n_head. A tensor-parallel rank's slice of a model keeps
   // the whole model's head width with n_head / tp heads (parallel/tensor_parallel.h).
@@ -61,6 +66,7 @@ struct ModelConfig {
   int64_t mla_nope_dim = 0;
   int64_t mla_v_dim = 0;
   int64_t mla_q_rank = 0;
+  float mla_score_scale = 1.0f;  // the scores' scale is mla_score_scale / sqrt(d_n + d_r) (DeepSeek's YaRN mscale^2)
 
   // Mixture of experts (nn/moe.h, docs/moe.md). moe_experts = 0: every block has the dense
   // MLP. Otherwise blocks from moe_dense_layers on route each token to moe_top_k of moe_experts
@@ -93,8 +99,8 @@ struct ModelConfig {
   bool learned_positions() const { return arch == ARCH_GPT2; }
   // The RoPE the rope ops apply (theta and the scaling above).
   RopeSpec rope() const {
-    return {rope_theta, rope_scaling, rope_factor, rope_low_freq_factor, rope_high_freq_factor,
-            static_cast<double>(rope_original_context)};
+    return {rope_theta,     rope_scaling,   rope_factor,           rope_low_freq_factor, rope_high_freq_factor,
+            static_cast<double>(rope_original_context), rope_beta_fast, rope_beta_slow, rope_attention_factor};
   }
   bool tied_head() const { return arch == ARCH_GPT2 || tie_embeddings; }
   bool rmsnorm() const { return arch == ARCH_LLAMA; }
@@ -171,6 +177,15 @@ void visit_model_fields(Config& c, Visit&& visit) {
   visit(ModelField{"rope_original_context", ModelField::ROPE, "original_context",
                     "llama3 RoPE scaling: the context length the model was pre-trained with"},
         c.rope_original_context);
+  visit(ModelField{"rope_beta_fast", ModelField::ROPE, "beta_fast",
+                    "yarn RoPE scaling: pairs turning more than this many times over rope_original_context keep their frequency"},
+        c.rope_beta_fast);
+  visit(ModelField{"rope_beta_slow", ModelField::ROPE, "beta_slow",
+                    "yarn RoPE scaling: pairs turning fewer than this many times are divided by rope_factor (a ramp between)"},
+        c.rope_beta_slow);
+  visit(ModelField{"rope_attention_factor", ModelField::ROPE, "attention_factor",
+                    "yarn RoPE scaling: cos and sin are multiplied by it (YaRN's attention factor)"},
+        c.rope_attention_factor);
   visit(ModelField{"init_std", ModelField::ALWAYS, "init_std",
                     "standard deviation of the normal weight initialisation"},
         c.init_std);
@@ -201,6 +216,9 @@ void visit_model_fields(Config& c, Visit&& visit) {
   visit(ModelField{"mla_q_rank", ModelField::MLA, "q_rank",
                     "MLA: width d_q of the compressed query latent; 0 = queries projected from the input"},
         c.mla_q_rank);
+  visit(ModelField{"mla_score_scale", ModelField::MLA, "score_scale",
+                    "MLA: the attention scores' scale is this / sqrt(d_n + d_r) (DeepSeek's YaRN: mscale^2)"},
+        c.mla_score_scale);
   visit(ModelField{"moe_experts", ModelField::MOE, "experts",
                     "mixture of experts: routed experts per MoE block; 0 = every block has the dense MLP"},
         c.moe_experts);

@@ -71,9 +71,11 @@ struct MoeRouting {
   float loss_weight = 1.0f;     // the backward's weight of the losses (the cross-entropy's)
 };
 // MLA's dimensions (nn/mla.h): H heads, d_n non-RoPE and d_r RoPE query/key widths, d_v value
-// width, d_c latent width; the sliding window (0: full causal).
+// width, d_c latent width; the sliding window (0: full causal); the scores' scale is
+// score_scale / sqrt(d_n + d_r) (DeepSeek's YaRN multiplies it by mscale^2).
 struct MlaDims {
   int64_t n_head = 1, nope = 0, rope = 0, v = 0, latent = 0, window = 0;
+  double score_scale = 1.0;
 };
 
 // Low precision: a binary floating-point format's grid of values, as data (precision/formats.h
@@ -200,8 +202,9 @@ class Backend {
 
   // RoPE (Su et al. 2021), rotate-half convention, in place on the first n_heads * head_dim
   // columns of x (B,T,W): pairs (j, j + hd/2) rotate by angle (pos_offset + t) * inv_freq(j)
-  // (backend/rope.h: theta^(-2j/hd), rescaled by rope.scaling), computed in double.
-  // The backward is the inverse rotation applied to the gradient.
+  // (backend/rope.h: theta^(-2j/hd), rescaled by rope.scaling), computed in double; cos and sin
+  // times rope.amplitude. The backward applies the transpose (the inverse rotation times the
+  // amplitude) to the gradient.
   virtual void rope_forward(const Tensor& x, int64_t head_dim, int64_t n_heads, const RopeSpec& rope,
                             int64_t pos_offset) = 0;
   virtual void rope_backward(const Tensor& dx, int64_t head_dim, int64_t n_heads, const RopeSpec& rope,

@@ -7,7 +7,11 @@
 //           L / high_freq_factor keep their frequency, longer than L / low_freq_factor are
 //           divided by factor, and those between blend the two with
 //           s = (L / w - low_freq_factor) / (high_freq_factor - low_freq_factor):
-//           inv_freq ((1 - s) / factor + s).
+//           inv_freq ((1 - s) / factor + s);
+//   yarn    (Peng et al. 2023, YaRN): with the original context L and
+//           c(n) = d ln(L / (2 pi n)) / (2 ln theta), pairs below floor(c(beta_fast)) keep their
+//           frequency, pairs above ceil(c(beta_slow)) are divided by factor, a linear ramp in j
+//           between; cos and sin are multiplied by `amplitude` (YaRN's attention factor).
 // Host and device code share rope_inv_freq, so both backends compute the same angles (double).
 #pragma once
 #include <math.h>
@@ -21,27 +25,40 @@
 
 namespace loom {
 
-enum RopeScaling : uint8_t { ROPE_SCALING_NONE, ROPE_SCALING_LINEAR, ROPE_SCALING_LLAMA3 };
+enum RopeScaling : uint8_t { ROPE_SCALING_NONE, ROPE_SCALING_LINEAR, ROPE_SCALING_LLAMA3, ROPE_SCALING_YARN };
 
 template <>
 struct EnumNames<RopeScaling> {  // model.rope_scaling
-  static constexpr std::array<std::string_view, 3> names{"none", "linear", "llama3"};
+  static constexpr std::array<std::string_view, 4> names{"none", "linear", "llama3", "yarn"};
 };
 
 // The RoPE of a model, as the rope ops take it (plain values, passed to CUDA kernels by value).
 struct RopeSpec {
   double theta = 10000.0;
   RopeScaling scaling = ROPE_SCALING_NONE;
-  double factor = 1.0;              // linear, llama3
+  double factor = 1.0;              // linear, llama3, yarn
   double low_freq_factor = 1.0;     // llama3
   double high_freq_factor = 4.0;    // llama3
-  double original_context = 8192.0;  // llama3: the context the model was pre-trained with
+  double original_context = 8192.0;  // llama3, yarn: the context the model was pre-trained with
+  double beta_fast = 32.0, beta_slow = 1.0;  // yarn: the ramp's ends, in rotations over the context
+  double amplitude = 1.0;           // cos and sin are multiplied by it (yarn's attention factor)
 };
 
 // Inverse frequency of pair j (0 <= j < dim / 2) of a dim-wide rotation.
 LOOM_HOST_DEVICE double rope_inv_freq(const RopeSpec& r, int64_t j, int64_t dim) {
   const double base = ::pow(r.theta, -2.0 * static_cast<double>(j) / static_cast<double>(dim));
   if (r.scaling == ROPE_SCALING_LINEAR) return base / r.factor;
+  if (r.scaling == ROPE_SCALING_YARN) {
+    const double log_theta = 2.0 * ::log(r.theta), two_pi = 2.0 * 3.14159265358979323846;
+    double low = ::floor(static_cast<double>(dim) * ::log(r.original_context / (r.beta_fast * two_pi)) / log_theta);
+    double high = ::ceil(static_cast<double>(dim) * ::log(r.original_context / (r.beta_slow * two_pi)) / log_theta);
+    low = low < 0.0 ? 0.0 : low;
+    high = high > static_cast<double>(dim - 1) ? static_cast<double>(dim - 1) : high;
+    if (low == high) high += 0.001;
+    double ramp = (static_cast<double>(j) - low) / (high - low);
+    ramp = ramp < 0.0 ? 0.0 : (ramp > 1.0 ? 1.0 : ramp);
+    return base / r.factor * ramp + base * (1.0 - ramp);
+  }
   if (r.scaling != ROPE_SCALING_LLAMA3) return base;
   const double wavelength = 2.0 * 3.14159265358979323846 / base;
   if (wavelength < r.original_context / r.high_freq_factor) return base;

@@ -1,5 +1,6 @@
 #include "loom/checkpoint/hf_config.h"
 
+#include <cmath>
 #include <set>
 
 #include "loom/core/error.h"
@@ -116,10 +117,20 @@ ModelConfig gpt2_config(ConfigReader& r) {
   return c;
 }
 
+// YaRN's magnitude correction (Peng et al. 2023, §3.4; DeepSeek's yarn_get_mscale):
+// 0.1 m ln(s) + 1 for a scale s > 1, else 1.
+double yarn_mscale(double scale, double m) { return scale <= 1.0 ? 1.0 : 0.1 * m * std::log(scale) + 1.0; }
+
 // config.json's rope_scaling: null, {"rope_type" (or "type"): "llama3", "factor",
-// "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"} or
-// {"rope_type": "linear", "factor"}; other types (yarn, dynamic, longrope) and keys are refused.
-void read_rope_scaling(ConfigReader& r, ModelConfig& c) {
+// "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
+// {"rope_type": "linear", "factor"} or {"rope_type": "yarn", "factor",
+// "original_max_position_embeddings" (default max_position_embeddings), "beta_fast" (32),
+// "beta_slow" (1), "attention_factor" | "mscale", "mscale_all_dim"}; other types (dynamic,
+// longrope) and keys are refused. YaRN's cos/sin factor is attention_factor, else
+// mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are set, else
+// mscale(factor, 1), as transformers computes it; DeepSeek (mla) also multiplies the scores by
+// mscale(factor, mscale_all_dim)^2, as its attention does.
+void read_rope_scaling(ConfigReader& r, ModelConfig& c, bool deepseek = false) {
   if (!r.has("rope_scaling")) {
     r.ignore({"rope_scaling"});
     return;
@@ -145,8 +156,34 @@ void read_rope_scaling(ConfigReader& r, ModelConfig& c) {
     c.rope_low_freq_factor = static_cast<float>(number("low_freq_factor"));
     c.rope_high_freq_factor = static_cast<float>(number("high_freq_factor"));
     c.rope_original_context = static_cast<int64_t>(number("original_max_position_embeddings"));
+  } else if (type == "yarn") {
+    c.rope_scaling = ROPE_SCALING_YARN;
+    auto optional = [&](const char* key, double fallback) {
+      known.insert(key);
+      if (!s.contains(key) || s[key].is_null()) return fallback;
+      LOOM_CHECK(s[key].is_number(), path, ": rope_scaling.", key, " is not a number");
+      return s[key].get<double>();
+    };
+    const double factor = number("factor");
+    c.rope_factor = static_cast<float>(factor);
+    c.rope_original_context = static_cast<int64_t>(optional("original_max_position_embeddings",
+                                                            static_cast<double>(c.max_seq_len)));
+    c.rope_beta_fast = static_cast<float>(optional("beta_fast", 32.0));
+    c.rope_beta_slow = static_cast<float>(optional("beta_slow", 1.0));
+    const double mscale = optional("mscale", 0.0), mscale_all_dim = optional("mscale_all_dim", 0.0);
+    const double derived = mscale != 0.0 && mscale_all_dim != 0.0
+                               ? yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+                               : yarn_mscale(factor, deepseek ? mscale + (mscale == 0.0) : 1.0);
+    c.rope_attention_factor = static_cast<float>(optional("attention_factor", derived));
+    if (deepseek && mscale_all_dim != 0.0) {
+      const double m = yarn_mscale(factor, mscale_all_dim);
+      c.mla_score_scale = static_cast<float>(m * m);
+    }
+    known.insert("truncate");
+    LOOM_CHECK(!s.contains("truncate") || s["truncate"] == true, path, ": rope_scaling.truncate = ",
+               s["truncate"].dump(), " is not supported (the ramp's ends are rounded, as YaRN does)");
   } else {
-    throw Error(str_cat(path, ": rope_scaling.rope_type = '", type, "' is not supported (linear, llama3)"));
+    throw Error(str_cat(path, ": rope_scaling.rope_type = '", type, "' is not supported (linear, llama3, yarn)"));
   }
   for (const auto& [key, value] : s.items()) {
     LOOM_CHECK(known.count(key) != 0, path, ": unknown key 'rope_scaling.", key, "' (", value.dump(), ") for rope_type ",
@@ -156,6 +193,14 @@ void read_rope_scaling(ConfigReader& r, ModelConfig& c) {
 
 json rope_scaling_json(const ModelConfig& c) {
   if (c.rope_scaling == ROPE_SCALING_LINEAR) return {{"rope_type", "linear"}, {"factor", c.rope_factor}};
+  if (c.rope_scaling == ROPE_SCALING_YARN) {
+    return {{"rope_type", "yarn"},
+            {"factor", c.rope_factor},
+            {"original_max_position_embeddings", c.rope_original_context},
+            {"beta_fast", c.rope_beta_fast},
+            {"beta_slow", c.rope_beta_slow},
+            {"attention_factor", c.rope_attention_factor}};
+  }
   return {{"rope_type", "llama3"},
           {"factor", c.rope_factor},
           {"low_freq_factor", c.rope_low_freq_factor},
@@ -165,7 +210,7 @@ json rope_scaling_json(const ModelConfig& c) {
 
 // The keys the Llama-derived families share (llama, mistral, qwen2/3, mixtral, qwen3_moe and
 // DeepSeek's non-attention keys).
-void read_llama_common(ConfigReader& r, ModelConfig& c) {
+void read_llama_common(ConfigReader& r, ModelConfig& c, bool deepseek = false) {
   c.arch = ARCH_LLAMA;
   read_int_keys(r, kLlamaKeys, c);
   c.n_kv_head = r.get<int64_t>("num_key_value_heads", c.n_head);
@@ -178,7 +223,7 @@ void read_llama_common(ConfigReader& r, ModelConfig& c) {
   r.require("attention_bias", false, false, "an output-projection bias (o_proj) is not implemented for llama");
   r.require("mlp_bias", false, false, "MLP biases are not implemented for llama yet");
   r.require("pretraining_tp", 1, 1, "tensor-parallel slicing of the MLP at pretraining changes its arithmetic");
-  read_rope_scaling(r, c);
+  read_rope_scaling(r, c, deepseek);
   r.ignore({"attention_dropout"});
 }
 
@@ -232,7 +277,7 @@ ModelConfig llama_family_config(ConfigReader& r, HfFamily family) {
 ModelConfig deepseek_config(ConfigReader& r, HfFamily family) {
   const bool v3 = family == HfFamily::deepseek_v3;
   ModelConfig c;
-  read_llama_common(r, c);
+  read_llama_common(r, c, true);
   c.n_kv_head = c.n_head;  // MLA: num_key_value_heads carries no meaning
   read_int_keys(r, kDeepseekMlaKeys, c);
   c.mla_q_rank = r.get<int64_t>("q_lora_rank", 0);
@@ -369,6 +414,13 @@ json hf_config_json(const ModelConfig& c) {
             {"hidden_act", "silu"}, {"initializer_range", c.init_std}, {"tie_word_embeddings", c.tie_embeddings}});
   write_int_keys(j, kLlamaKeys, c);
   if (c.rope_scaling != ROPE_SCALING_NONE) j["rope_scaling"] = rope_scaling_json(c);
+  if (c.mla() && c.mla_score_scale != 1.0f) {  // DeepSeek's YaRN: the score scale as mscale_all_dim
+    LOOM_CHECK(c.rope_scaling == ROPE_SCALING_YARN && c.rope_factor > 1.0f, "export to a Hugging Face folder: "
+               "model.mla_score_scale != 1 is written as rope_scaling.mscale_all_dim, which needs rope_scaling = yarn "
+               "with rope_factor > 1");
+    j["rope_scaling"]["mscale_all_dim"] = (std::sqrt(static_cast<double>(c.mla_score_scale)) - 1.0) /
+                                          (0.1 * std::log(static_cast<double>(c.rope_factor)));
+  }
   if (c.attn_window > 0) j["sliding_window"] = c.attn_window;
   switch (f) {
     case HfFamily::mixtral:

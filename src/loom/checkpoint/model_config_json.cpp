@@ -69,7 +69,8 @@ ModelConfig model_config_from_json(const std::string& text, const std::string& p
     const nlohmann::json j = nlohmann::json::parse(text);
     visit_model_fields(c, [&](const ModelField& f, auto& value) {
       if (const char* group = group_name(f.place)) {
-        if (j.contains(group)) from_json_value(j.at(group).at(f.json), value);
+        // A key added to a group later (mla.score_scale) keeps its default in older checkpoints.
+        if (j.contains(group) && j.at(group).contains(f.json)) from_json_value(j.at(group).at(f.json), value);
       } else if (f.place == ModelField::ALWAYS || j.contains(f.json)) {
         from_json_value(j.at(f.json), value);
       }

@@ -48,7 +48,7 @@ Tensor rope_rows(const Tensor& kv_a, const Dims& d) { return kv_a.view(d.dc * d.
 MlaDims mla_dims(const ModelConfig& config) {
   MlaDims m;
   m.n_head = config.n_head, m.nope = config.mla_nope(), m.rope = config.mla_rope_dim, m.v = config.mla_v();
-  m.latent = config.mla_kv_rank, m.window = config.attn_window;
+  m.latent = config.mla_kv_rank, m.window = config.attn_window, m.score_scale = config.mla_score_scale;
   return m;
 }
 

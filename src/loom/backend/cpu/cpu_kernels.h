@@ -287,7 +287,7 @@ void rope_rotate(T* x, int64_t batch, int64_t seq_len, int64_t width, int64_t he
     for (int64_t j = 0; j < half; ++j) {
       const double angle =
           direction * static_cast<double>(pos_offset + t) * rope_inv_freq(rope, j, head_dim);
-      const T cs = static_cast<T>(std::cos(angle)), sn = static_cast<T>(std::sin(angle));
+      const T cs = static_cast<T>(std::cos(angle) * rope.amplitude), sn = static_cast<T>(std::sin(angle) * rope.amplitude);
       for (int64_t b = 0; b < batch; ++b) {
         T* row = x + (b * seq_len + t) * width;
         for (int64_t h = 0; h < n_heads; ++h) {

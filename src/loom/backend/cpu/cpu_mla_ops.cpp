@@ -64,7 +64,8 @@ void mla_rope(const Tensor& xt, int64_t heads, int64_t stride, int64_t offset, i
     float* row = x + n * width;
     for (int64_t j = 0; j < half; ++j) {
       const double angle = direction * static_cast<double>(pos) * rope_inv_freq(rope, j, dr);
-      const float cs = static_cast<float>(std::cos(angle)), sn = static_cast<float>(std::sin(angle));
+      const float cs = static_cast<float>(std::cos(angle) * rope.amplitude);
+      const float sn = static_cast<float>(std::sin(angle) * rope.amplitude);
       for (int64_t h = 0; h < heads; ++h) {
         float* v = row + offset + h * stride;
         const float a = v[j], c = v[j + half];
@@ -79,7 +80,7 @@ void mla_attention_forward(const Tensor& q_t, const Tensor& kr_t, const Tensor& 
                            const Tensor& out_t, const MlaDims& dims) {
   const Dims d = check_attention("mla_attention_forward", q_t, kr_t, kv_t, probs_t, out_t, dims);
   const int64_t T = d.T, W = d.window;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(d.qk));
+  const float scale = static_cast<float>(dims.score_scale) / std::sqrt(static_cast<float>(d.qk));
   const float* q = q_t.data<float>();
   const float* kr = kr_t.data<float>();
   const float* kv = kv_t.data<float>();
@@ -133,7 +134,7 @@ void mla_attention_backward(const Tensor& q_t, const Tensor& kr_t, const Tensor&
   const int64_t T = d.T, W = d.window;
   // dv_h(j) += p(i,j) do_h(i); dp(i,j) = do_h(i) . v_h(j); ds = p (dp - sum_j p dp);
   // dq(i) = scale sum_j ds(i,j) k(j); dk(j) += scale ds(i,j) q(i), the RoPE key's summed over heads.
-  const float scale = 1.0f / std::sqrt(static_cast<float>(d.qk));
+  const float scale = static_cast<float>(dims.score_scale) / std::sqrt(static_cast<float>(d.qk));
   const float* q = q_t.data<float>();
   const float* kr = kr_t.data<float>();
   const float* kv = kv_t.data<float>();
@@ -198,7 +199,7 @@ void mla_attend_latents(const Tensor& q_t, const Tensor& latents_t, const Tensor
   expect_dtype(out_t, DTYPE_F32, op, "out");
   expect_numel(out_t, H * dv, op, "out");
   const int64_t count = latents_t.dim(0);
-  const float scale = 1.0f / std::sqrt(static_cast<float>(qk));
+  const float scale = static_cast<float>(m.score_scale) / std::sqrt(static_cast<float>(qk));
   const float* q = q_t.data<float>();
   const float* latents = latents_t.data<float>();
   const float* wkvb = kv_b.data<float>();  // (H (d_n + d_v), d_c)

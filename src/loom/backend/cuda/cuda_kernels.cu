@@ -579,7 +579,7 @@ __global__ void rope_kernel(T* x, int64_t batch, int64_t seq_len, int64_t width,
   for (int64_t i = thread_index(); i < n; i += thread_count()) {
     const int64_t j = i % half, bt = i / half, t = bt % seq_len;
     const double angle = direction * static_cast<double>(pos_offset + t) * rope_inv_freq(rope, j, head_dim);
-    const T cs = static_cast<T>(::cos(angle)), sn = static_cast<T>(::sin(angle));
+    const T cs = static_cast<T>(::cos(angle) * rope.amplitude), sn = static_cast<T>(::sin(angle) * rope.amplitude);
     T* row = x + bt * width;
     for (int64_t h = 0; h < n_heads; ++h) {
       T* v = row + h * head_dim;
