@@ -6,6 +6,7 @@
 #include <string>
 
 #include "fuzz_input.h"
+#include "json_mutator.h"
 #include "loom/checkpoint/safetensors.h"
 #include "loom/core/error.h"
 
@@ -43,6 +44,32 @@ void read_entry(const loom::SafetensorsFile& file, const std::string& name, loom
 }
 
 }  // namespace
+
+extern "C" size_t LLVMFuzzerMutate(uint8_t* data, size_t size, size_t max_size);
+
+// Half of the mutations change the JSON header as JSON and rewrite its length (json_mutator.h).
+extern "C" size_t LLVMFuzzerCustomMutator(uint8_t* data, size_t size, size_t max_size, unsigned int seed) {
+  static const loom_fuzz::JsonWords words{
+      {"dtype", "shape", "data_offsets", "__metadata__", "w", "b"},
+      {"F32", "F16", "BF16", "F64", "I32", "I64", "U8", "I8", "BOOL", "U16", "I16", "U32", "U64", "F8_E4M3", "F8_E5M2", "",
+       "pt"}};
+  uint64_t header = 0;
+  if (size >= 8 && seed % 2 == 0) std::memcpy(&header, data, 8);
+  if (size >= 8 && seed % 2 == 0 && header <= size - 8) {
+    const std::string json(reinterpret_cast<const char*>(data) + 8, header);
+    if (const std::optional<std::string> changed = loom_fuzz::mutate_json(json, seed / 2, words)) {
+      const uint64_t n = changed->size();
+      const size_t rest = size - 8 - header;
+      if (8 + n + rest <= max_size) {
+        std::memmove(data + 8 + n, data + 8 + header, rest);
+        std::memcpy(data, &n, 8);
+        std::memcpy(data + 8, changed->data(), n);
+        return 8 + n + rest;
+      }
+    }
+  }
+  return LLVMFuzzerMutate(data, size, max_size);
+}
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   static const loom_fuzz::ScratchDir scratch;

@@ -5,12 +5,15 @@
 // is a finding, and so is a broken promise of the tokenizer: an id outside [0, vocab_size()),
 // or (no normalizer, no prefix space, special tokens not added) a decode(encode(text)) that is
 // not the text.
+#include <cstring>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "fuzz_input.h"
+#include "json_mutator.h"
 #include "loom/core/error.h"
 #include "loom/data/hf_tokenizer.h"
 
@@ -43,6 +46,36 @@ void check_ids(const loom::HfTokenizer& tok, const std::vector<int32_t>& ids) {
 }
 
 }  // namespace
+
+extern "C" size_t LLVMFuzzerMutate(uint8_t* data, size_t size, size_t max_size);
+
+// Half of the mutations change tokenizer.json as JSON (json_mutator.h), keeping the
+// tokenizer_config.json after the NUL as it is.
+extern "C" size_t LLVMFuzzerCustomMutator(uint8_t* data, size_t size, size_t max_size, unsigned int seed) {
+  static const loom_fuzz::JsonWords words{
+      {"type", "model", "vocab", "merges", "ignore_merges", "byte_fallback", "dropout", "continuing_subword_prefix",
+       "end_of_word_suffix", "normalizer", "pre_tokenizer", "pretokenizers", "pattern", "Regex", "String", "behavior",
+       "invert", "add_prefix_space", "use_regex", "added_tokens", "id", "content", "special", "normalized", "lstrip",
+       "rstrip", "single_word", "post_processor", "processors", "single", "pair", "special_tokens", "SpecialToken",
+       "Sequence", "type_id", "ids", "tokens", "decoder", "unk_token", "fuse_unk"},
+      {"BPE", "ByteLevel", "Split", "Sequence", "NFC", "NFKC", "Isolated", "Removed", "TemplateProcessing", "A", "B",
+       "<s>", "</s>", "<|endoftext|>", "<tool>", "\u0120", "\u0120w", "h e", "he ll", "", " ", "\\s+", "(", "\\p{L}+",
+       "(?i:'s|'t)|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+", "caf\u00e9"}};
+  if (seed % 2 == 0) {
+    const std::string_view input(reinterpret_cast<const char*>(data), size);
+    const size_t nul = input.find('\0');
+    const std::string rest(nul == std::string_view::npos ? std::string_view() : input.substr(nul));
+    if (const std::optional<std::string> changed =
+            loom_fuzz::mutate_json(std::string(input.substr(0, nul)), seed / 2, words)) {
+      if (changed->size() + rest.size() <= max_size) {
+        std::memcpy(data, changed->data(), changed->size());
+        std::memcpy(data + changed->size(), rest.data(), rest.size());
+        return changed->size() + rest.size();
+      }
+    }
+  }
+  return LLVMFuzzerMutate(data, size, max_size);
+}
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   static const loom_fuzz::ScratchDir scratch;
