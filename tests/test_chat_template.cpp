@@ -1,7 +1,7 @@
 // Chat templates (loom/data/chat_template.h) against Hugging Face's JavaScript implementation
-// @huggingface/jinja, run by tools/jinja_render.mjs: the real templates of Llama 3.1 Instruct,
-// Qwen2.5 Instruct, Mistral v0.1 / v0.3 Instruct and ChatML (tests/fixtures/chat_templates/)
-// over a set of conversations, and small templates for each feature, compared byte for byte (or
+// @huggingface/jinja, run by tools/jinja_render.mjs: the real templates of Llama 3 / 3.1 / 3.2
+// Instruct, Qwen2 / 2.5 Instruct, Mistral v0.1 / v0.3 / Nemo and Mixtral Instruct and ChatML
+// (tests/fixtures/chat_templates/, each naming its sources) over a set of conversations, and small templates for each feature, compared byte for byte (or
 // both failing). The reference needs node and the package (scripts/setup installs it into
 // .deps/npm): without them the tests fail, naming the command.
 #include <gtest/gtest.h>
@@ -70,15 +70,51 @@ ojson variables_of(const std::vector<ChatMessage>& messages, const std::string& 
   return {{"messages", list}, {"bos_token", bos}, {"eos_token", eos}, {"add_generation_prompt", gen}};
 }
 
+// Each fixture is the `chat_template` of a real model's tokenizer_config.json, byte for byte, with
+// the public copies it was taken from and checked against in its "source" list (docs/tokenizers.md):
+//   llama3_instruct             Meta-Llama-3-8B-Instruct: YJiangcm/WebR's copy of the file, Ollama's
+//                               template/index.json, huggingface.js ollama-utils' automap
+//   llama3_1_instruct           Llama-3.1-8B-Instruct: huggingface.js packages/jinja/test/e2e.test.js,
+//                               Ollama, the automap
+//   llama3_2_instruct           Llama-3.2-3B-Instruct: the automap, llama.cpp models/templates/
+//   qwen2_instruct              Qwen2-0.5B-Instruct: the automap, Ollama
+//   qwen2_5_instruct            Qwen2.5-7B-Instruct: e2e.test.js, the automap
+//   mistral_v0_1_instruct       Mistral-7B-Instruct-v0.1: e2e.test.js (then and now), the automap, Ollama
+//   mixtral_8x7b_instruct_v0_1  Mixtral-8x7B-Instruct-v0.1: e2e.test.js, Ollama
+//   mistral_v0_3_instruct_2024_05  Mistral-7B-Instruct-v0.3 as e2e.test.js has it (an earlier revision)
+//   mistral_nemo_instruct_2407  Mistral-Nemo-Instruct-2407: e2e.test.js
+//   chatml                      transformers' default ChatML template: e2e.test.js, the automap, Ollama
+// mistral_v0_3_instruct (the later revision of v0.3's template, with system messages and tool call
+// ids) was written from memory: no copy of the Hub file was found to check it against.
 struct TemplateFile {
   std::string name, bos, eos;
+  ojson extra = ojson::object();  // more variables for every conversation
+  bool tools = true;              // also rendered with a `tools` list
 };
 const std::vector<TemplateFile> kTemplates = {
+    {"llama3_instruct", "<|begin_of_text|>", "<|eot_id|>"},
     {"llama3_1_instruct", "<|begin_of_text|>", "<|eot_id|>"},
+    // Without date_string it prints today's date (strftime_now): fixed, so that a render on each side
+    // of midnight cannot differ.
+    {"llama3_2_instruct", "<|begin_of_text|>", "<|eot_id|>", {{"date_string", "26 Nov 2026"}}},
+    {"qwen2_instruct", "", "<|im_end|>"},
     {"qwen2_5_instruct", "", "<|im_end|>"},
-    {"mistral_v0_3_instruct", "<s>", "</s>"},
     {"mistral_v0_1_instruct", "<s>", "</s>"},
+    {"mixtral_8x7b_instruct_v0_1", "<s>", "</s>"},
+    {"mistral_v0_3_instruct", "<s>", "</s>"},
+    {"mistral_v0_3_instruct_2024_05", "<s>", "</s>"},
+    {"mistral_nemo_instruct_2407", "<s>", "</s>"},
     {"chatml", "<s>", "<|im_end|>"},
+    // More real templates, for the statements the ones above do not use: macros (Qwen3.5,
+    // MiniCPM3 with a call block, Jamba with *args, LFM2.5 with {% generation %}), reasoning blocks.
+    {"qwen3_0_6b", "", "<|im_end|>"},
+    {"qwen3_5_4b", "", "<|im_end|>"},
+    {"deepseek_r1", "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"},
+    {"llama3_2_11b_vision_instruct", "<|begin_of_text|>", "<|eot_id|>", {{"date_string", "26 Nov 2026"}}},
+    {"minicpm3_4b", "<s>", "<|im_end|>"},
+    {"ai21_jamba_large_1_6", "<|startoftext|>", "<|endoftext|>"},
+    // With tools it prints today's date (strftime_now, no date_string): no tools case.
+    {"lfm2_5_vl_450m", "<|startoftext|>", "<|im_end|>", ojson::object(), false},
 };
 
 std::string fixture(const std::string& name) {
@@ -90,16 +126,20 @@ std::vector<Case> template_cases() {
   for (const TemplateFile& t : kTemplates) {
     const std::string tmpl = load_chat_template(fixture(t.name));
     for (const Conversation& c : conversations())
-      for (const bool gen : {false, true})
-        cases.push_back({t.name + " / " + c.label + (gen ? " / generation prompt" : ""), tmpl,
-                         variables_of(c.messages, t.bos, t.eos, gen)});
+      for (const bool gen : {false, true}) {
+        ojson v = variables_of(c.messages, t.bos, t.eos, gen);
+        v.update(t.extra);
+        cases.push_back({t.name + " / " + c.label + (gen ? " / generation prompt" : ""), tmpl, v});
+      }
   }
   // The tool branches with JSON tools and other variables.
   const ojson tools = ojson::parse(R"([{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
       "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]}}}])");
   const std::vector<ChatMessage> ask = {{"system", "sys"}, {"user", "Weather in Paris?"}};
   for (const TemplateFile& t : kTemplates) {
+    if (!t.tools) continue;
     ojson v = variables_of(ask, t.bos, t.eos, true);
+    v.update(t.extra);
     v["tools"] = tools;
     cases.push_back({t.name + " / tools", load_chat_template(fixture(t.name)), v});
     v["tools_in_user_message"] = false;
@@ -154,6 +194,33 @@ std::vector<Case> feature_cases() {
       "{{ 'unterminated }}",
       "{% for m in messages %}",
       "{{ messages[0].content|trim|upper|replace('HI', 'Hey')|lower }}{{ (n + 3) * 2 }}{{ -n }}{{ +f }}",
+      // Macros (defaults, keywords, kwargs / varargs, recursion, the caller's scope), call blocks,
+      // filter blocks, {% generation %} tags and *list / **dict arguments, as real templates use them.
+      "{% macro greet(who, punct='!') %}Hello {{ who }}{{ punct }}{% endmacro %}{{ greet('a') }}|{{ greet('b', '?') }}|{{ greet(punct='.', who='c') }}|{{ greet() }}.",
+      "{% macro m(a, b=a ~ '2', c=none) %}[{{ a }},{{ b }},{{ c }}]{% endmacro %}{{ m(1) }}{{ m(1, c=3) }}{{ m(b=5, a=4) }}",
+      "{% macro kw(a) %}{{ a }}:{{ kwargs|tojson }}:{{ varargs|tojson }}{% endmacro %}{{ kw(1, 2, 3, x=4, y='z') }}|{{ kw() }}",
+      "{% macro fact(k) %}{% if k <= 1 %}1{% else %}{{ k }}*{{ fact(k - 1) }}{% endif %}{% endmacro %}{{ fact(5) }}",
+      "{% macro uses_outer() %}{{ n }}{{ inner }}{% endmacro %}{% set inner = 'I' %}{{ uses_outer() }}{% for inner in ['L'] %}{{ uses_outer() }}{% endfor %}",
+      "{% macro two(a) %}{{ a }}{% endmacro %}{{ two(1, 2) }}",
+      "{% macro two(a) %}{{ a }}{% endmacro %}{{ two(b=1) }}",
+      "{% macro m() %}{% set x = 5 %}{{ x }}{% endmacro %}{% set x = 1 %}{{ m() }}{{ x }}{{ m is defined }}{{ m is callable }}",
+      "{%- macro render(item) -%}\n  <{{ item }}>\n{%- endmacro -%}\n{%- for x in list -%}\n  {{ render(x) }}\n{%- endfor %}",
+      "{% macro wrap(tag) %}<{{ tag }}>{{ caller() }}</{{ tag }}>{% endmacro %}{% call wrap('b') %}inside {{ n }}{% endcall %}",
+      "{% macro each(items) %}{% for i in items %}{{ caller(i, loop.index) }};{% endfor %}{% endmacro %}{% call(x, k) each(list) %}{{ k }}={{ x }}{% endcall %}",
+      "{% macro noargs() %}{{ caller() }}{% endmacro %}{% call noargs() %}{% call noargs() %}nested{% endcall %}{% endcall %}",
+      "{% filter upper %}hello {{ name }}{% endfilter %}|{% filter replace('l', 'L') %}hello{% endfilter %}|{% filter indent(2, true) %}a\nb{% endfilter %}",
+      "{% filter trim %}   padded   {% endfilter %}|{% filter length %}abc{% endfilter %}",
+      "a  {% generation %}  b  {% endgeneration %}  c",
+      "a  {%- generation -%}  b  {%- endgeneration %}  c\n{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}\n{% endfor %}",
+      "{%generation%}x{%endgeneration%}|{% if true %}\n  {% generation %}\n  y\n  {% endgeneration %}\n{% endif %}",
+      "{% macro f(a, b, c) %}{{ a }}{{ b }}{{ c }}{% endmacro %}{{ f(*list) }}|{{ f(1, *[2, 3]) }}|{{ f(**{'a': 'x', 'b': 'y', 'c': 'z'}) }}|{{ f(*[1], c=3, **{'b': 2}) }}",
+      "{{ range(*[1, 4]) }}|{{ 'a-b-c'.split(*['-', 1]) }}",
+      "{% macro f(a) %}{{ a }}{% endmacro %}{{ f(*5) }}",
+      "{% macro f(a) %}{{ a }}{% endmacro %}{{ f(**list) }}",
+      "{% macro f(a) %}{{ a }}{% endmacro %}{{ f(a=1, **{'a': 2}) }}",
+      "{% macro m(a, a) %}{% endmacro %}",
+      "{% macro m(a=1, b) %}{% endmacro %}",
+      "{% macro m() %}x{% endmacro %}{{ m() ~ m() }}|{{ (m() + 'y')|upper }}|{{ m()|length }}",
   };
   std::vector<Case> cases;
   for (size_t i = 0; i < templates.size(); ++i) cases.push_back({"feature " + std::to_string(i), templates[i], vars});
@@ -191,8 +258,9 @@ std::vector<Rendered> render_reference(const std::vector<Case>& cases) {
   return out;
 }
 
-// Byte for byte, or both failing; returns how many outputs (not errors) matched.
-size_t expect_same(const std::vector<Case>& cases, size_t* errors) {
+// Byte for byte, or both failing (with the reference's message in Loom's error when
+// `same_messages`); returns how many outputs (not errors) matched.
+size_t expect_same(const std::vector<Case>& cases, size_t* errors, bool same_messages) {
   const std::vector<Rendered> expected = render_reference(cases);
   if (expected.size() != cases.size()) {
     ADD_FAILURE() << "the reference gave " << expected.size() << " results for " << cases.size() << " cases";
@@ -205,7 +273,10 @@ size_t expect_same(const std::vector<Case>& cases, size_t* errors) {
     if (!got.ok) {
       EXPECT_EQ(got.text.find('\n'), std::string::npos) << "a multi-line error: " << got.text;
     }
-    if (got.ok == expected[i].ok && (!got.ok || got.text == expected[i].text)) {
+    // Both failing agree only for the same reason where asked: Loom's error holds the reference's
+    // message (a raise_exception text, "Cannot perform operation ...").
+    const bool same_failure = !same_messages || got.text.find(expected[i].text) != std::string::npos;
+    if (got.ok == expected[i].ok && (got.ok ? got.text == expected[i].text : same_failure)) {
       (got.ok ? same : *errors) += 1;
       continue;
     }
@@ -221,16 +292,16 @@ size_t expect_same(const std::vector<Case>& cases, size_t* errors) {
 TEST(ChatTemplate, RealTemplatesMatchTheReference) {
   const std::vector<Case> cases = template_cases();
   size_t errors = 0;
-  const size_t same = expect_same(cases, &errors);
+  const size_t same = expect_same(cases, &errors, true);
   std::printf("[ chat templates ] %zu cases: %zu identical outputs, %zu errors on both sides\n", cases.size(), same, errors);
-  EXPECT_GE(cases.size(), 200u);
-  EXPECT_GE(errors, 12u);  // Mistral's raise_exception on bad alternation
+  EXPECT_GE(cases.size(), 880u);
+  EXPECT_GE(errors, 40u);  // the raise_exception of Mistral's templates on roles out of order
 }
 
 TEST(ChatTemplate, FeaturesMatchTheReference) {
   const std::vector<Case> cases = feature_cases();
   size_t errors = 0;
-  const size_t same = expect_same(cases, &errors);
+  const size_t same = expect_same(cases, &errors, false);
   std::printf("[ chat templates ] %zu feature templates: %zu identical outputs, %zu errors on both sides\n", cases.size(), same,
               errors);
 }
@@ -243,6 +314,20 @@ TEST(ChatTemplate, RendersChatMessages) {
   options.extra = {{"date_string", "02 Feb 2025"}};
   const std::string llama = render_chat_template(load_chat_template(fixture("llama3_1_instruct")), {{"user", "x"}}, options);
   EXPECT_NE(llama.find("Today Date: 02 Feb 2025"), std::string::npos) << llama;
+}
+
+// A call block's caller kept past the block (its scope gone) is refused rather than run; the
+// reference, whose scopes are garbage-collected, still renders it.
+TEST(ChatTemplate, CallerKeptPastItsBlockIsRefused) {
+  const std::string tmpl =
+      "{% set ns = namespace(f=none) %}{% macro keep() %}{% set ns.f = caller %}{% endmacro %}"
+      "{% call keep() %}body{% endcall %}{{ ns.f() }}";
+  try {
+    render_jinja(tmpl, ojson::object());
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("caller() used after its call block ended"), std::string::npos) << e.what();
+  }
 }
 
 TEST(ChatTemplate, LoadsTokenizerConfigForms) {

@@ -16,8 +16,9 @@
 // add_bos_token / add_eos_token (when given) replace what the post_processor adds.
 // Anything else is refused with a loom::Error naming the file and the key.
 //
-// Lossless for every byte string when the normalizer is null: the pieces of invalid UTF-8 are
-// byte tokens like any other (the reference libraries take only valid Unicode text).
+// Lossless for every byte string when the normalizer is null and no ByteLevel step adds a prefix
+// space: the pieces of invalid UTF-8 are byte tokens like any other (the reference libraries take
+// only valid Unicode text). fuzz/fuzz_tokenizer_json.cpp checks it on every file it loads.
 #pragma once
 #include <memory>
 #include <optional>

@@ -102,9 +102,9 @@ struct Token {
 std::vector<Token> tokenize(const std::string& source);
 
 enum class Node {
-  Program, Text, If, For, Break, Continue, Set, Comment,
+  Program, Text, If, For, Break, Continue, Set, Comment, Macro, CallBlock, FilterBlock,
   Int, Float, Str, ArrayLit, TupleLit, ObjectLit, Ident, Member, Call, Unary, Binary, Filter,
-  Test, Select, Ternary, Slice, KwArg
+  Test, Select, Ternary, Slice, KwArg, Spread  // Spread: *list (flag false) or **dict (flag true) in a call
 };
 struct Ast {
   Node type;
@@ -112,8 +112,11 @@ struct Ast {
   std::string text;  // Text/Str/Ident value, operator, test name
   double num = 0;
   bool flag = false;  // Member: computed; Test: negated
-  std::vector<std::unique_ptr<Ast>> kids;  // operands / elements / object keys and values alternating
-  std::vector<std::unique_ptr<Ast>> body, alt;  // statements (If/For/Set)
+  // Operands / elements / object keys and values alternating. Macro: its parameters (Ident, or
+  // KwArg holding the default); CallBlock: the Call, then the caller's parameters; FilterBlock:
+  // the filter (Ident or Call).
+  std::vector<std::unique_ptr<Ast>> kids;
+  std::vector<std::unique_ptr<Ast>> body, alt;  // statements (If/For/Set/Macro/CallBlock/FilterBlock)
 };
 using AstPtr = std::unique_ptr<Ast>;
 

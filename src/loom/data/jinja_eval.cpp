@@ -1,6 +1,8 @@
 // The interpreter of the Jinja subset: statements, expressions and operators, with the scoping
 // and the operator typing of @huggingface/jinja.
+#include <algorithm>
 #include <cmath>
+#include <memory>
 #include <unordered_map>
 
 #include "loom/core/error.h"
@@ -11,6 +13,7 @@ namespace loom::jinja {
 namespace {
 
 constexpr size_t kMaxIterations = 10'000'000;  // loop iterations in one rendering
+constexpr int kMaxCallDepth = 200;                // macro calls in progress (recursion)
 
 [[noreturn]] void fail(const std::string& what) { throw RuntimeError(what); }
 
@@ -27,6 +30,41 @@ struct Scope {
 };
 
 enum class Flow { Normal, Break, Continue };
+
+// Whether a macro's (or caller's) body reads `kwargs` / `varargs` without declaring them: then the
+// extra keyword / positional arguments are bound to them instead of being refused.
+struct SpecialArguments {
+  bool kwargs = false, varargs = false;
+};
+void find_special_arguments(const Ast& n, std::vector<std::string>& declared, SpecialArguments& found) {
+  auto declare = [&](const Ast& target) {
+    if (target.type == Node::Ident || target.type == Node::KwArg) declared.push_back(target.text);
+    for (const AstPtr& k : target.kids)
+      if (target.type == Node::TupleLit && k) declared.push_back(k->text);
+  };
+  if (n.type == Node::Ident && std::find(declared.begin(), declared.end(), n.text) == declared.end()) {
+    found.kwargs = found.kwargs || n.text == "kwargs";
+    found.varargs = found.varargs || n.text == "varargs";
+  }
+  if ((n.type == Node::For || n.type == Node::Set) && !n.kids.empty() && n.kids[0]) declare(*n.kids[0]);
+  if (n.type == Node::Macro)
+    for (const AstPtr& k : n.kids) declare(*k);
+  for (size_t i = 0; i < n.kids.size(); ++i) {
+    const bool target = (n.type == Node::For || n.type == Node::Set) && i == 0;
+    if (n.kids[i] && !target) find_special_arguments(*n.kids[i], declared, found);
+  }
+  for (const AstPtr& k : n.body) find_special_arguments(*k, declared, found);
+  for (const AstPtr& k : n.alt) find_special_arguments(*k, declared, found);
+}
+SpecialArguments special_arguments(const std::vector<AstPtr>& params, size_t first, const std::vector<AstPtr>& body) {
+  std::vector<std::string> declared;
+  SpecialArguments found;
+  for (size_t i = first; i < params.size(); ++i) declared.push_back(params[i]->text);
+  for (size_t i = first; i < params.size(); ++i)
+    if (params[i]->type == Node::KwArg) find_special_arguments(*params[i]->kids[0], declared, found);
+  for (const AstPtr& k : body) find_special_arguments(*k, declared, found);
+  return found;
+}
 
 class Interpreter {
  public:
@@ -66,12 +104,30 @@ class Interpreter {
   Value filter(const Ast& n, Scope& scope);
   Value select_attr(const Ast& call, const Value& operand, bool select, Scope& scope);
   Value set(const Ast& n, Scope& scope);
+  Value macro(const Ast& n, Scope& scope);
+  Value call_block(const Ast& n, Scope& scope);
+  Value filter_block(const Ast& n, Scope& scope);
+  Value invoke(const Ast& n, const std::string& name, size_t first_param, const SpecialArguments& special,
+               std::vector<Value>& args, const Scope& parent);
+  // Calls `fn` with the scope it is called from (a macro's body sees the caller's variables).
+  Value call_function(const Value& fn, std::vector<Value>& args, const Scope& from) {
+    const Scope* saved = calling_scope_;
+    calling_scope_ = &from;
+    struct Restore {
+      const Scope*& slot;
+      const Scope* value;
+      ~Restore() { slot = value; }
+    } restore{calling_scope_, saved};
+    return (*fn.fn)(args);
+  }
   Value for_loop(const Ast& n, Scope& scope);
   void bind(const Ast& var, const Value& item, Scope& scope);
 
   const std::string& source_;
   Flow flow_ = Flow::Normal;
   size_t iterations_ = 0;
+  const Scope* calling_scope_ = nullptr;
+  int call_depth_ = 0;
 };
 
 Value Interpreter::eval_node(const Ast& n, Scope& scope) {
@@ -122,10 +178,14 @@ Value Interpreter::eval_node(const Ast& n, Scope& scope) {
     }
     case Node::For: return for_loop(n, scope);
     case Node::Set: return set(n, scope);
+    case Node::Macro: return macro(n, scope);
+    case Node::CallBlock: return call_block(n, scope);
+    case Node::FilterBlock: return filter_block(n, scope);
     case Node::Break:
     case Node::Continue: flow_ = n.type == Node::Break ? Flow::Break : Flow::Continue; return Value::undefined();
     case Node::Slice:
-    case Node::KwArg: break;
+    case Node::KwArg:
+    case Node::Spread: break;
   }
   fail("a slice or keyword argument is not an expression here");
 }
@@ -207,15 +267,34 @@ Value Interpreter::member(const Ast& n, Scope& scope) {
   return member_of(object, key);
 }
 
+// Positional arguments (and the items of a *list) first, then keyword arguments (and the
+// entries of a **dict), each evaluated in that order.
 Args Interpreter::arguments(const Ast& n, size_t first, Scope& scope) {
   Args args;
-  for (size_t i = first; i < n.kids.size(); ++i)
-    if (n.kids[i]->type != Node::KwArg) args.positional.push_back(eval(*n.kids[i], scope));
   for (size_t i = first; i < n.kids.size(); ++i) {
     const Ast& k = *n.kids[i];
-    if (k.type != Node::KwArg) continue;
-    if (args.kw(k.text)) fail(str_cat("Got multiple values for keyword argument '", k.text, "'"));
-    args.keyword.emplace_back(k.text, eval(*k.kids[0], scope));
+    if (k.type == Node::Spread && !k.flag) {
+      const Value list = eval(*k.kids[0], scope);
+      if (!list.is_array()) fail(str_cat("Cannot unpack non-iterable type: ", kind_name(list.kind)));
+      args.positional.insert(args.positional.end(), list.arr->begin(), list.arr->end());
+    } else if (k.type != Node::KwArg && k.type != Node::Spread) {
+      args.positional.push_back(eval(k, scope));
+    }
+  }
+  auto add = [&](const std::string& key, Value v) {
+    if (args.kw(key)) fail(str_cat("Got multiple values for keyword argument '", key, "'"));
+    args.keyword.emplace_back(key, std::move(v));
+  };
+  for (size_t i = first; i < n.kids.size(); ++i) {
+    const Ast& k = *n.kids[i];
+    if (k.type == Node::KwArg) {
+      add(k.text, eval(*k.kids[0], scope));
+    } else if (k.type == Node::Spread && k.flag) {
+      const Value dict = eval(*k.kids[0], scope);
+      if (!dict.is_object() && dict.kind != Kind::Namespace)
+        fail(str_cat("Argument after ** must be a mapping, not ", kind_name(dict.kind)));
+      for (const auto& [key, value] : *dict.obj) add(key, value);
+    }
   }
   return args;
 }
@@ -226,7 +305,99 @@ Value Interpreter::call(const Ast& n, Scope& scope) {
   if (fn.kind != Kind::Function) fail(str_cat("Cannot call something that is not a function: got ", kind_name(fn.kind)));
   std::vector<Value> all = std::move(args.positional);
   if (!args.keyword.empty()) all.push_back(Value::object(std::move(args.keyword), Kind::KwArgs));
-  return (*fn.fn)(all);
+  return call_function(fn, all, scope);
+}
+
+// {% macro name(params) %}: `name` becomes a function of the current scope rendering the body in
+// a scope over the one it is called from, as the reference does.
+Value Interpreter::macro(const Ast& n, Scope& scope) {
+  const SpecialArguments special = special_arguments(n.kids, 0, n.body);
+  const Ast* node = &n;
+  scope.vars[n.text] = Value::function([this, node, special](std::vector<Value>& args) {
+    return invoke(*node, "'" + node->text + "'", 0, special, args, *calling_scope_);
+  });
+  return Value::null();
+}
+
+// Binds the arguments to the parameters n.kids[first_param...] (positional, then by name, then
+// the defaults, evaluated once every parameter is bound) and renders n.body.
+Value Interpreter::invoke(const Ast& n, const std::string& name, size_t first_param, const SpecialArguments& special,
+                          std::vector<Value>& args, const Scope& parent) {
+  if (call_depth_ >= kMaxCallDepth) fail("macro calls nested too deeply");
+  ++call_depth_;
+  struct Leave {
+    int& depth;
+    ~Leave() { --depth; }
+  } leave{call_depth_};
+  std::vector<Value> positional = args;
+  Dict keyword;
+  if (!positional.empty() && positional.back().kind == Kind::KwArgs) {
+    keyword = *positional.back().obj;
+    positional.pop_back();
+  }
+  Scope scope{{}, &parent};
+  std::vector<const Ast*> defaults;
+  for (size_t i = first_param; i < n.kids.size(); ++i) {
+    const Ast& param = *n.kids[i];
+    const size_t index = i - first_param;
+    Value value;
+    bool given = index < positional.size();
+    if (given) {
+      value = positional[index];
+    } else {
+      const auto it = std::find_if(keyword.begin(), keyword.end(), [&](const auto& kv) { return kv.first == param.text; });
+      if (it != keyword.end()) {
+        value = it->second;
+        keyword.erase(it);
+        given = true;
+      }
+    }
+    if (!given && param.type == Node::KwArg) defaults.push_back(&param);
+    scope.vars[param.text] = value;
+  }
+  const size_t count = n.kids.size() - first_param;
+  if (special.kwargs) scope.vars["kwargs"] = Value::object(std::move(keyword));
+  else if (!keyword.empty()) fail(str_cat("macro ", name, " takes no keyword argument '", keyword.front().first, "'"));
+  if (special.varargs) scope.vars["varargs"] = Value::array(List(positional.begin() + std::min(count, positional.size()), positional.end()));
+  else if (positional.size() > count) fail(str_cat("macro ", name, " takes not more than ", count, " argument(s)"));
+  for (const Ast* param : defaults) scope.vars[param->text] = eval(*param->kids[0], scope);
+  return Value::string(block(n.body, scope));
+}
+
+// {% call[(params)] macro(args) %}body{% endcall %}: the macro runs with `caller`, a function
+// rendering the body with its own parameters bound, in a scope over the call block's.
+Value Interpreter::call_block(const Ast& n, Scope& scope) {
+  const SpecialArguments special = special_arguments(n.kids, 1, n.body);
+  // The caller may be kept past the block (in a namespace): it then refuses to run, its scope gone.
+  const auto alive = std::make_shared<bool>(true);
+  struct Expire {
+    std::shared_ptr<bool> flag;
+    ~Expire() { *flag = false; }
+  } expire{alive};
+  const Ast* node = &n;
+  const Scope* home = &scope;
+  const Value caller = Value::function([this, node, special, alive, home](std::vector<Value>& args) {
+    if (!*alive) fail("caller() used after its call block ended");
+    return invoke(*node, "None", 1, special, args, *home);
+  });
+  const Ast& call = *n.kids[0];
+  Args args = arguments(call, 1, scope);
+  std::vector<Value> all = std::move(args.positional);
+  all.push_back(Value::object(std::move(args.keyword), Kind::KwArgs));
+  const Value fn = eval(*call.kids[0], scope);
+  if (fn.kind != Kind::Function) fail(str_cat("Cannot call something that is not a function: got ", kind_name(fn.kind)));
+  Scope with_caller{{{"caller", caller}}, &scope};
+  return call_function(fn, all, with_caller);
+}
+
+// {% filter f %}body{% endfilter %}: the body's output through f.
+Value Interpreter::filter_block(const Ast& n, Scope& scope) {
+  const Value rendered = Value::string(block(n.body, scope));
+  if (flow_ != Flow::Normal) return Value::null();
+  const Ast& f = *n.kids[0];
+  if (f.type == Node::Ident) return apply_filter(f.text, rendered, nullptr);
+  const Args args = arguments(f, 1, scope);
+  return apply_filter(f.kids[0]->text, rendered, &args);
 }
 
 Value Interpreter::filter(const Ast& n, Scope& scope) {

@@ -427,7 +427,8 @@ Value call_filter(const std::string& name, const Value& v, const Args& args) {
     if (!args.keyword.empty()) all.push_back(Value::object(args.keyword, Kind::KwArgs));
     return (*m.fn)(all);
   }
-  fail(str_cat("Unknown or unsupported filter \"", name, "\" on type: ", kind_name(v.kind)));
+  if (v.is_array() || v.kind == Kind::String) fail(str_cat("Unknown ", v.is_array() ? "ArrayValue" : "StringValue", " filter: ", name));
+  fail(str_cat("Cannot apply filter \"", name, "\" to type: ", kind_name(v.kind)));
 }
 
 }  // namespace

@@ -52,6 +52,52 @@ Source preprocess(const std::string& in) {
   return out;
 }
 
+// {% generation %} and {% endgeneration %} (transformers' markers of the assistant's tokens) are
+// removed with the whitespace around them; a '-' in the tag keeps that side's whitespace out, as
+// the reference's regex /(\s*){%(-?)\s*(?:end)?generation\s*(-?)%}(\s*)/g does.
+Source drop_generation_tags(const Source& in) {
+  const std::string& s = in.text;
+  Source out;
+  size_t copied = 0;  // s[0, copied) is in `out` or dropped
+  auto copy = [&](size_t from, size_t to) {
+    for (size_t k = from; k < to; ++k) out.push(s[k], in.origin[k]);
+  };
+  auto skip_space = [&](size_t j) {
+    while (const size_t k = js_space_at(s, j)) j += k;
+    return j;
+  };
+  for (size_t i = s.find("{%"); i != std::string::npos; i = s.find("{%", i)) {
+    size_t j = i + 2;
+    const bool strip_before = j < s.size() && s[j] == '-';
+    j = skip_space(j + (strip_before ? 1 : 0));
+    if (s.compare(j, 13, "endgeneration") == 0) j += 3;
+    if (s.compare(j, 10, "generation") != 0) {
+      i += 2;
+      continue;
+    }
+    j = skip_space(j + 10);
+    const bool strip_after = j < s.size() && s[j] == '-';
+    j += strip_after ? 1 : 0;
+    if (s.compare(j, 2, "%}") != 0) {
+      i += 2;
+      continue;
+    }
+    j += 2;
+    size_t before = i;
+    while (const size_t k = before > copied ? js_space_before(s, before) : 0) {
+      if (before - k < copied) break;
+      before -= k;
+    }
+    const size_t after = skip_space(j);
+    copy(copied, before);
+    if (!strip_before) copy(before, i);
+    if (!strip_after) copy(j, after);
+    copied = i = after;
+  }
+  copy(copied, s.size());
+  return out;
+}
+
 struct Lexer {
   const std::string& original;
   Source src;
@@ -271,7 +317,7 @@ void Lexer::run() {
 }  // namespace
 
 std::vector<Token> tokenize(const std::string& source) {
-  Lexer lexer{source, preprocess(source), {}};
+  Lexer lexer{source, drop_generation_tags(preprocess(source)), {}};
   lexer.run();
   return std::move(lexer.tokens);
 }

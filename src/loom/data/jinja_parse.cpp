@@ -67,7 +67,24 @@ struct Parser {
   void block_until(std::vector<AstPtr>& out, std::initializer_list<std::string_view> names) {
     while (!is_statement(names)) out.push_back(any());
   }
+  // At the '=' after `name`: the KwArg name=value (a keyword argument, a parameter's default).
+  AstPtr keyword_value(const Ast& name) {
+    ++cur;
+    AstPtr kw = node(Node::KwArg, name.pos, name.text);
+    kw->kids.push_back(expression());
+    return kw;
+  }
+  // "%}", the statements up to {% end %}, and that tag.
+  void body_until_end(Ast& n, const char* end) {
+    expect(Tok::CloseStmt, "%}");
+    block_until(n.body, {end});
+    expect_end(end);
+  }
   AstPtr set_statement(size_t pos);
+  AstPtr macro_statement(size_t pos);
+  AstPtr call_statement(size_t pos);
+  AstPtr filter_statement(size_t pos);
+  void parameters(Ast& owner);
   AstPtr if_statement(size_t pos);
   AstPtr for_statement(size_t pos);
   AstPtr sequence(bool primary_only);
@@ -122,6 +139,9 @@ AstPtr Parser::statement() {
     expect_end("endfor");
     return n;
   }
+  if (name.value == "macro") return macro_statement(name.pos);
+  if (name.value == "call") return call_statement(name.pos);
+  if (name.value == "filter") return filter_statement(name.pos);
   if (name.value == "break" || name.value == "continue") {
     expect(Tok::CloseStmt, "%}");
     return node(name.value == "break" ? Node::Break : Node::Continue, name.pos);
@@ -143,6 +163,72 @@ AstPtr Parser::set_statement(size_t pos) {
     ++cur;
   }
   expect(Tok::CloseStmt, "%}");
+  return n;
+}
+
+// (a, b=default, ...) of a macro or a call block's caller: names, each once, the defaulted last.
+void Parser::parameters(Ast& owner) {
+  expect(Tok::LParen, "(");
+  const size_t first = owner.kids.size();
+  bool defaulted = false;
+  while (!is(Tok::RParen)) {
+    if (is(Tok::Power) || (is(Tok::Multiplicative) && toks[cur].value == "*"))
+      fail("argument unpacking is not allowed in parameter declarations");
+    AstPtr param = expression();
+    if (param->type != Node::Ident) fail("expected a name for a parameter");
+    if (is(Tok::Equals)) {
+      param = keyword_value(*param);
+      defaulted = true;
+    } else if (defaulted) {
+      fail("a parameter without a default follows one with a default");
+    }
+    for (size_t i = first; i < owner.kids.size(); ++i)
+      if (owner.kids[i]->text == param->text) fail("duplicate parameter name: " + param->text);
+    owner.kids.push_back(std::move(param));
+    if (is(Tok::Comma)) ++cur;
+  }
+  ++cur;
+}
+
+// {% macro name(params) %}...{% endmacro %}
+AstPtr Parser::macro_statement(size_t pos) {
+  if (!is(Tok::Ident)) fail("expected a name after macro");
+  AstPtr n = node(Node::Macro, pos, toks[cur++].value);
+  parameters(*n);
+  body_until_end(*n, "endmacro");
+  return n;
+}
+
+// {% call[(params)] macro(args) %}...{% endcall %}: calls the macro with `caller` defined as a
+// function rendering the body.
+AstPtr Parser::call_statement(size_t pos) {
+  AstPtr n = node(Node::CallBlock, pos);
+  n->kids.push_back(nullptr);
+  if (is(Tok::LParen)) parameters(*n);
+  if (!is(Tok::Ident)) fail("expected a macro name after call");
+  AstPtr call = node(Node::Call, toks[cur].pos);
+  call->kids.push_back(node(Node::Ident, toks[cur].pos, toks[cur].value));
+  ++cur;
+  arguments(*call);
+  n->kids[0] = std::move(call);
+  body_until_end(*n, "endcall");
+  return n;
+}
+
+// {% filter name[(args)] %}...{% endfilter %}: the body's output through the filter.
+AstPtr Parser::filter_statement(size_t pos) {
+  AstPtr n = node(Node::FilterBlock, pos);
+  if (!is(Tok::Ident)) fail("expected a filter name");
+  AstPtr f = node(Node::Ident, toks[cur].pos, toks[cur].value);
+  ++cur;
+  if (is(Tok::LParen)) {
+    AstPtr call = node(Node::Call, f->pos);
+    call->kids.push_back(std::move(f));
+    arguments(*call);
+    f = std::move(call);
+  }
+  n->kids.push_back(std::move(f));
+  body_until_end(*n, "endfilter");
   return n;
 }
 
@@ -318,22 +404,38 @@ AstPtr Parser::call(AstPtr callee) {
   return is(Tok::LParen) ? call(std::move(n)) : std::move(n);
 }
 
-// (a, b, key=value): positional arguments first.
+// (a, b, *list, key=value, **dict): positional arguments first, at most one `*list` (no positional
+// argument after it) and `**dict` last.
 void Parser::arguments(Ast& call) {
   expect(Tok::LParen, "(");
-  bool keyword = false;
+  bool keyword = false, spread = false;
   while (!is(Tok::RParen)) {
-    if (is(Tok::Power) || (is(Tok::Multiplicative) && toks[cur].value == "*")) fail("argument unpacking is not supported");
-    AstPtr arg = expression();
-    if (is(Tok::Equals)) {
-      ++cur;
+    if (is(Tok::Power)) {
+      AstPtr n = node(Node::Spread, toks[cur++].pos);
+      n->flag = true;
+      n->kids.push_back(expression());
+      call.kids.push_back(std::move(n));
+      if (is(Tok::Comma)) ++cur;
+      if (!is(Tok::RParen)) fail("`**` must be applied to the final argument");
+      break;
+    }
+    AstPtr arg;
+    if (is(Tok::Multiplicative) && toks[cur].value == "*") {
+      if (spread) fail("only one `*` argument unpacking is allowed");
+      spread = true;
+      arg = node(Node::Spread, toks[cur++].pos);
+      arg->kids.push_back(expression());
+    } else {
+      arg = expression();
+    }
+    if (is(Tok::Equals) && arg->type != Node::Spread) {
       if (arg->type != Node::Ident) fail("expected a name for a keyword argument");
-      AstPtr kw = node(Node::KwArg, arg->pos, arg->text);
-      kw->kids.push_back(expression());
-      arg = std::move(kw);
+      arg = keyword_value(*arg);
       keyword = true;
     } else if (keyword) {
       fail("positional arguments must come before keyword arguments");
+    } else if (spread && arg->type != Node::Spread) {
+      fail("positional arguments must not follow `*` argument unpacking");
     }
     call.kids.push_back(std::move(arg));
     if (is(Tok::Comma)) ++cur;
