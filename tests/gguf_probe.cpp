@@ -1,8 +1,10 @@
 // The Loom side of tests/gguf_test.py: what llama.cpp's run of an exported GGUF is compared
-// with. usage: loom_gguf_probe STEP_DIR TOKENIZER TOKENS PROMPTS_FILE TEXT_FILE
-// Prints one JSON object: per prompt (one per non-empty line) its token ids, Loom's greedy
-// continuation of TOKENS tokens (infer/generate.h, temperature 0, stopping at end of text) and
-// the log-probabilities of the next token after the prompt; for the text, its first
+// with. usage: loom_gguf_probe WEIGHTS TOKENIZER TOKENS PROMPTS_JSON TEXT_FILE
+// WEIGHTS is a Loom step folder or a Hugging Face folder (checkpoint/weights.h); PROMPTS_JSON a
+// JSON array of strings. Prints one JSON object: per prompt its token ids (plain: special tokens
+// are text), its ids with special tokens parsed (tokens_special), Loom's greedy continuation of
+// TOKENS tokens (infer/generate.h, temperature 0, stopping at end of text) and the
+// log-probabilities of the next token after the prompt; for the text, its first
 // min(max_seq_len + 1, n) tokens and the mean next-token loss over them from position 0.
 #include <cmath>
 #include <cstdio>
@@ -12,7 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "loom/backend/backend.h"
-#include "loom/checkpoint/checkpoint.h"
+#include "loom/checkpoint/weights.h"
 #include "loom/core/error.h"
 #include "loom/data/tokenizer.h"
 #include "loom/infer/generate.h"
@@ -50,28 +52,27 @@ std::vector<std::vector<double>> log_probs(loom::Transformer& model, const std::
 
 int main(int argc, char** argv) {
   if (argc != 6) {
-    std::fprintf(stderr, "usage: loom_gguf_probe STEP_DIR TOKENIZER TOKENS PROMPTS_FILE TEXT_FILE\n");
+    std::fprintf(stderr, "usage: loom_gguf_probe WEIGHTS TOKENIZER TOKENS PROMPTS_JSON TEXT_FILE\n");
     return 2;
   }
   try {
-    const std::string step = argv[1];
-    const loom::ModelConfig config = loom::checkpoint_model_config(step);
+    const std::string weights = argv[1];
+    const loom::ModelConfig config = loom::weights_model_config(weights);
     auto backend = loom::make_cpu_backend();
     loom::Transformer model(*backend, config);
-    loom::CheckpointManager(step).load(step, loom::ModelState{config, model.params()}, loom::OptimizerState{});
+    loom::load_weights_from(weights, loom::ModelState{config, model.params()});
     const auto tokenizer = loom::load_tokenizer(argv[2]);
     nlohmann::json out = {{"prompts", nlohmann::json::array()}};
-    std::istringstream prompts(read_all(argv[4]));
-    for (std::string line; std::getline(prompts, line);) {
-      if (line.empty()) continue;
+    for (const std::string& line : nlohmann::json::parse(read_all(argv[4])).get<std::vector<std::string>>()) {
       const std::vector<int32_t> ids = tokenizer->encode(line);
+      const std::vector<int32_t> special = tokenizer->encode(line, loom::EncodeOptions{.parse_special_tokens = true});
       loom::SamplingConfig greedy;
       greedy.temperature = 0.0f;
       loom::GenerateOptions options;
       options.max_new_tokens = std::stoll(argv[3]);
       options.stop_token = tokenizer->eot_token();
       const std::vector<int32_t> continuation = loom::generate(model, ids, greedy, options);
-      out["prompts"].push_back({{"prompt", line}, {"tokens", ids}, {"continuation", continuation},
+      out["prompts"].push_back({{"prompt", line}, {"tokens", ids}, {"tokens_special", special}, {"continuation", continuation},
                                 {"next_logprobs", log_probs(model, ids).back()}});
     }
     std::vector<int32_t> text = tokenizer->encode(read_all(argv[5]));

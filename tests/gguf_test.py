@@ -4,8 +4,13 @@ tools/gguf_check.mjs): a tiny GPT-2 and a tiny Llama (GQA) trained a few steps o
 512-token BPE are exported as f32, f16, q8_0 and q4_0, and llama.cpp must tokenize the prompts and
 a text as Loom does, continue the prompts greedily with Loom's tokens (f32, f16), give Loom's
 next-token log-probabilities (f32 within 1e-3, f16 within 2e-2) and Loom's mean loss on the text;
-the quantized files' loss change is printed and only bounded. It fails (never skips) without node
-or node-llama-cpp (scripts/setup installs them into .deps/npm).
+the quantized files' loss change is printed and only bounded. Two more tiny Llamas are trained
+with Hugging Face tokenizers, a Llama-3-style tokenizer.json (Llama 3's regex, ignore_merges,
+BOS/EOS added tokens, a non-special added token and an id hole) and a Llama-2-style SentencePiece
+tokenizer.model, written as Hugging Face folders (`convert --to hf`) and exported from those
+folders as f32 and f16, with the same checks on more prompts: spaces, tabs, newlines, digits, CJK,
+emoji, special tokens written in the text (as text, and parsed). It fails (never skips) without
+node or node-llama-cpp (scripts/setup installs them into .deps/npm).
 Run by ctest: gguf_test.py <path to loom> <path to loom_gguf_probe>; stdlib only."""
 
 from __future__ import annotations
@@ -34,6 +39,21 @@ SETS = ",".join([
 ])
 ARCHS = {"gpt2": "model.arch=gpt2,model.n_kv_head=2", "llama": "model.arch=llama,model.n_kv_head=1"}
 TYPES = ("f32", "f16", "q8_0", "q4_0")
+HF_TYPES = ("f32", "f16")
+# For the Hugging Face tokenizers: ASCII, runs of spaces, a tab, newlines and \r\n, digits, CJK
+# and Korean, emoji with a skin tone and ZWJ, special tokens of both tokenizers written in the
+# text, and the tokenizer.json's non-special added token <tool_call>. Each is at most 48 tokens,
+# so that its 16-token continuation fits the context.
+HF_PROMPTS = PROMPTS + [
+    "  two spaces,   three,\tand a tab ",
+    "Version 3, 29 June 2007: 1234567 copies at 3.14159 each",
+    "中文，日本語、한국어",
+    "emoji 👍🏽 and 👨\u200d👩\u200d👧 family 😀",
+    "as text: <|begin_of_text|>x <|end_of_text|>",
+    "<s> </s>y <|endoftext|>",
+    "call <tool_call> now<tool_call>",
+    "line one\nline two\r\n\n    indented\n",
+]
 
 
 def run(*cmd: str, env_extra: dict | None = None) -> str:
@@ -57,34 +77,106 @@ class Gguf(unittest.TestCase):
         cls.tokenizer = os.path.join(cls.data, "tokenizer")
         with open(TEXT, encoding="utf-8") as f:
             cls.text = f.read()[20000:24000]
-        cls.prompts_file = os.path.join(cls.tmp, "prompts.txt")
         cls.text_file = os.path.join(cls.tmp, "text.txt")
-        with open(cls.prompts_file, "w", encoding="utf-8") as f:
-            f.write("\n".join(PROMPTS) + "\n")
         with open(cls.text_file, "w", encoding="utf-8") as f:
             f.write(cls.text)
         cls.results = {}
         for arch, sets in ARCHS.items():
-            cls.results[arch] = cls.check_arch(arch, sets)
+            cls.results[arch] = cls.check(arch, cls.data, cls.tokenizer, sets, PROMPTS, TYPES)
+        for name, tokenizer in (("hf llama, tokenizer.json", cls.llama3_style_tokenizer()),
+                                ("hf llama, tokenizer.model", cls.sentencepiece_tokenizer())):
+            data = os.path.join(cls.tmp, "data_" + os.path.basename(tokenizer))
+            run(LOOM, "prepare", "--input", TEXT, "--tokenizer", tokenizer, "--out", data, "--val-fraction", "0.1")
+            cls.results[name] = cls.check(name, data, tokenizer, ARCHS["llama"], HF_PROMPTS, HF_TYPES, hf=True)
 
     @classmethod
     def tearDownClass(cls):
         shutil.rmtree(cls.tmp, ignore_errors=True)
 
     @classmethod
-    def check_arch(cls, arch: str, sets: str) -> dict:
-        run(LOOM, "train", "--set", f"{SETS},{sets},data.dir={cls.data},data.tokenizer={cls.tokenizer},"
-            f"run.dir={cls.tmp}/runs,run.name={arch}")
-        step = os.path.join(cls.tmp, "runs", arch, "checkpoints", "step_00000040")
-        loom = json.loads(run(PROBE, step, cls.tokenizer, str(CONTINUATION), cls.prompts_file, cls.text_file))
-        out = {"loom": loom}
+    def llama3_style_tokenizer(cls) -> str:
+        """A Llama-3-style tokenizer.json on the learned BPE: its tokens but <|endoftext|> (ids
+        0..n-1), its merges, Llama 3's Split regex + ByteLevel, ignore_merges, <|begin_of_text|> n
+        and <|end_of_text|> n+1 (special; BOS by TemplateProcessing, EOS by tokenizer_config.json),
+        no token n+2, the non-special <tool_call> n+3."""
+        with open(os.path.join(cls.tokenizer, "encoder.json"), encoding="utf-8") as f:
+            encoder = json.load(f)
+        with open(os.path.join(cls.tokenizer, "vocab.bpe"), encoding="utf-8") as f:
+            merges = [line for line in f.read().split("\n")[1:] if line]
+        vocab = {t: i for t, i in encoder.items() if t != "<|endoftext|>"}
+        n = len(vocab)
+        assert sorted(vocab.values()) == list(range(n))
+        added = [(n, "<|begin_of_text|>", True), (n + 1, "<|end_of_text|>", True), (n + 3, "<tool_call>", False)]
+        regex = ("(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
+                 "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+")
+        byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}
+        bos = {"SpecialToken": {"id": "<|begin_of_text|>", "type_id": 0}}
+        tokenizer = {
+            "version": "1.0", "truncation": None, "padding": None,
+            "added_tokens": [{"id": i, "content": c, "single_word": False, "lstrip": False, "rstrip": False,
+                              "normalized": False, "special": special} for i, c, special in added],
+            "normalizer": None,
+            "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False}, byte_level]},
+            "post_processor": {"type": "Sequence", "processors": [byte_level, {
+                "type": "TemplateProcessing", "single": [bos, {"Sequence": {"id": "A", "type_id": 0}}],
+                "pair": [bos, {"Sequence": {"id": "A", "type_id": 0}}, bos, {"Sequence": {"id": "B", "type_id": 1}}],
+                "special_tokens": {"<|begin_of_text|>": {"id": "<|begin_of_text|>", "ids": [n],
+                                                         "tokens": ["<|begin_of_text|>"]}}}]},
+            "decoder": byte_level,
+            "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                      "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": True,
+                      "vocab": vocab, "merges": merges},
+        }
+        out = os.path.join(cls.tmp, "tokenizer_json")
+        os.makedirs(out)
+        with open(os.path.join(out, "tokenizer.json"), "w", encoding="utf-8") as f:
+            json.dump(tokenizer, f, ensure_ascii=False)
+        with open(os.path.join(out, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+            json.dump({"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}, f)
+        return out
+
+    @classmethod
+    def sentencepiece_tokenizer(cls) -> str:
+        """A Llama-2-style SentencePiece BPE (byte fallback, identity normalization, dummy prefix)
+        of 800 pieces trained on the text by python3-sentencepiece, with Llama 2's
+        tokenizer_config.json (BOS added)."""
+        out = os.path.join(cls.tmp, "tokenizer_model")
+        run(sys.executable, os.path.join(ROOT, "tools", "sentencepiece_reference.py"), "train", out, f"input={TEXT}",
+            "vocab_size=800")
+        with open(os.path.join(out, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+            json.dump({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True, "add_eos_token": False}, f)
+        return out
+
+    @classmethod
+    def check(cls, name: str, data: str, tokenizer: str, sets: str, prompts: list, types: tuple, hf: bool = False):
+        """Trains `name`, probes Loom's side and runs llama.cpp on each exported type. With `hf`
+        the run is written as a Hugging Face folder first, and the probe and the exports read that."""
+        run_name = name.replace(" ", "_").replace(",", "").replace(".", "_")
+        run(LOOM, "train", "--set", f"{SETS},{sets},data.dir={data},data.tokenizer={tokenizer},"
+            f"run.dir={cls.tmp}/runs,run.name={run_name}")
+        weights = os.path.join(cls.tmp, "runs", run_name, "checkpoints", "step_00000040")
+        if hf:
+            hf_dir = os.path.join(cls.tmp, "hf_" + run_name)
+            run(LOOM, "convert", "--to", "hf", "--checkpoint", weights, "--out", hf_dir)
+            expected = {"config.json", "model.safetensors", "tokenizer_config.json"} | (
+                set(os.listdir(tokenizer)) & {"tokenizer.json", "tokenizer.model"})
+            if set(os.listdir(hf_dir)) != expected:  # the run's tokenizer files go along
+                raise AssertionError(f"{hf_dir} holds {sorted(os.listdir(hf_dir))}, expected {sorted(expected)}")
+            weights = tokenizer = hf_dir
+        prompts_file = os.path.join(cls.tmp, f"prompts_{run_name}.json")
+        with open(prompts_file, "w", encoding="utf-8") as f:
+            json.dump(prompts, f, ensure_ascii=False)
+        loom = json.loads(run(PROBE, weights, tokenizer, str(CONTINUATION), prompts_file, cls.text_file))
+        out = {"loom": loom, "types": types, "prompts": prompts, "convert": {}}
         spec = os.path.join(cls.tmp, "spec.json")
         with open(spec, "w", encoding="utf-8") as f:
-            json.dump({"prompts": PROMPTS, "tokens": CONTINUATION, "text": cls.text, "context": CONTEXT,
+            json.dump({"prompts": prompts, "tokens": CONTINUATION, "text": cls.text, "context": CONTEXT,
                        "vocab": len(loom["prompts"][0]["next_logprobs"])}, f)
-        for t in TYPES:
-            gguf = os.path.join(cls.tmp, f"{arch}_{t}.gguf")
-            print(run(LOOM, "convert", "--to", "gguf", "--type", t, "--checkpoint", step, "--out", gguf).strip())
+        for t in types:
+            gguf = os.path.join(cls.tmp, f"{run_name}_{t}.gguf")
+            out["convert"][t] = run(LOOM, "convert", "--to", "gguf", "--type", t, "--checkpoint", weights, "--out", gguf)
+            print(out["convert"][t].strip())
             out[t] = json.loads(run("node", os.path.join(ROOT, "tools", "gguf_check.mjs"), gguf, spec,
                                     env_extra={"LOOM_NODE_MODULES": MODULES}))
         return out
@@ -98,36 +190,50 @@ class Gguf(unittest.TestCase):
         return diff
 
     def test_tokenizers_agree(self):
-        for arch, r in self.results.items():
-            for t in TYPES:
-                for a, b in zip(r["loom"]["prompts"], r[t]["prompts"]):
-                    self.assertEqual(a["tokens"], b["tokens"], f"{arch} {t}: {a['prompt']!r}")
-                self.assertEqual(r["loom"]["text_tokens"], r[t]["text_tokens"], f"{arch} {t}: the text")
+        for name, r in self.results.items():
+            compared = 0
+            for t in r["types"]:
+                for a, b in zip(r["loom"]["prompts"], r[t]["prompts"], strict=True):
+                    self.assertEqual(a["tokens"], b["tokens"], f"{name} {t}: {a['prompt']!r}")
+                    self.assertEqual(a["tokens_special"], b["tokens_special"], f"{name} {t}: {a['prompt']!r}, special "
+                                     "tokens parsed")
+                    compared += len(a["tokens"]) + len(a["tokens_special"])
+                self.assertEqual(r["loom"]["text_tokens"], r[t]["text_tokens"], f"{name} {t}: the text")
+                compared += len(r["loom"]["text_tokens"])
+            print(f"{name}: {len(r['prompts'])} prompts (plain and with special tokens parsed) and the text, "
+                  f"{compared} tokens over {len(r['types'])} files: identical")
+
+    def test_placeholder_is_reported(self):
+        out = self.results["hf llama, tokenizer.json"]["convert"]["f32"]
+        self.assertIn("gives no token for 1 id(s) below its size (513)", out)
+        self.assertNotIn("note:", self.results["hf llama, tokenizer.model"]["convert"]["f32"])
 
     def test_greedy_continuations_and_logprobs_agree(self):
-        for arch, r in self.results.items():
+        for name, r in self.results.items():
             for t, tolerance in (("f32", 1e-3), ("f16", 2e-2)):
                 same = sum(a["continuation"] == b["continuation"] for a, b in zip(r["loom"]["prompts"], r[t]["prompts"]))
                 diff = self.max_logprob_diff(r["loom"], r[t])
                 nll = r[t]["mean_nll"] - r["loom"]["mean_nll"]
-                print(f"{arch} {t}: {same}/{len(PROMPTS)} greedy continuations of {CONTINUATION} tokens identical, "
+                print(f"{name} {t}: {same}/{len(r['prompts'])} greedy continuations of {CONTINUATION} tokens identical, "
                       f"max |log p diff| {diff:.2e}, mean loss llama.cpp {r[t]['mean_nll']:.5f} vs Loom "
                       f"{r['loom']['mean_nll']:.5f} ({nll:+.2e})")
-                for a, b in zip(r["loom"]["prompts"], r[t]["prompts"]):
-                    self.assertEqual(a["continuation"], b["continuation"], f"{arch} {t}: {a['prompt']!r}")
-                self.assertLess(diff, tolerance, f"{arch} {t}")
-                self.assertLess(abs(nll), tolerance, f"{arch} {t}")
+                for a, b in zip(r["loom"]["prompts"], r[t]["prompts"], strict=True):
+                    self.assertEqual(a["continuation"], b["continuation"], f"{name} {t}: {a['prompt']!r}")
+                self.assertLess(diff, tolerance, f"{name} {t}")
+                self.assertLess(abs(nll), tolerance, f"{name} {t}")
 
     def test_quantized_loss_change_is_bounded(self):
-        for arch, r in self.results.items():
+        for name, r in self.results.items():
             base = r["f32"]["mean_nll"]
             for t, bound in (("f16", 0.01), ("q8_0", 0.05), ("q4_0", 0.5)):
+                if t not in r["types"]:
+                    continue
                 change = r[t]["mean_nll"] - base
                 same = sum(a["continuation"] == b["continuation"] for a, b in zip(r["loom"]["prompts"], r[t]["prompts"]))
-                print(f"{arch} {t}: mean loss {r[t]['mean_nll']:.4f} vs f32 {base:.4f} ({change:+.4f} nats, perplexity "
-                      f"x{math.exp(change):.4f}), {same}/{len(PROMPTS)} greedy continuations as Loom's")
-                self.assertTrue(math.isfinite(r[t]["mean_nll"]), f"{arch} {t}")
-                self.assertLess(abs(change), bound, f"{arch} {t}")
+                print(f"{name} {t}: mean loss {r[t]['mean_nll']:.4f} vs f32 {base:.4f} ({change:+.4f} nats, perplexity "
+                      f"x{math.exp(change):.4f}), {same}/{len(r['prompts'])} greedy continuations as Loom's")
+                self.assertTrue(math.isfinite(r[t]["mean_nll"]), f"{name} {t}")
+                self.assertLess(abs(change), bound, f"{name} {t}")
 
 
 if __name__ == "__main__":

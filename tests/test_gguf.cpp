@@ -1,12 +1,15 @@
-// GGUF export (checkpoint/gguf.h, gguf_export.h) and ggml's Q8_0 / Q4_0 blocks
+// GGUF export (checkpoint/gguf.h, gguf_export.h, gguf_vocab.h) and ggml's Q8_0 / Q4_0 blocks
 // (precision/ggml_blocks.h): the header, metadata and tensor infos parsed back byte by byte and
 // through GgufFile, the block quantizers against a naive reference written from ggml's
-// definitions, and the Loom -> llama.cpp tensor mapping, RoPE permutation included.
+// definitions, the Loom -> llama.cpp tensor mapping, RoPE permutation included, and the
+// tokenizer.ggml.* keys of a tokenizer.json and a SentencePiece model (trained by
+// python3-sentencepiece, whose tokenizer.vocab lists the pieces and scores independently).
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <map>
 #include <unistd.h>
 
 #include "loom/arch/param_layout.h"
@@ -14,9 +17,12 @@
 #include "loom/checkpoint/gguf_export.h"
 #include "loom/core/file_io.h"
 #include "loom/core/philox.h"
+#include "loom/data/bpe.h"
+#include "loom/data/sentencepiece_model.h"
 #include "loom/precision/formats.h"
 #include "loom/precision/ggml_blocks.h"
 #include "test_util.h"
+#include "tokenizer_test_util.h"
 
 namespace loom {
 namespace {
@@ -311,12 +317,320 @@ TEST(GgufExport, QuantizedTypesKeepVectorsF32AndRefuseWhatLlamaCppCannotRun) {
     export_gguf(moe, p, gguf_vocabulary(ByteTokenizer()), GgufExportType::F32, "x", temp_path("moe.gguf"));
   });
   EXPECT_NE(err.find("model.moe_experts"), std::string::npos) << err;
+  ModelConfig biased = tiny(ARCH_LLAMA);
+  biased.qkv_bias = true;
+  const std::vector<float> pb(static_cast<size_t>(build_param_layout(biased).total));
+  EXPECT_NE(test::error_of([&] {
+              export_gguf(biased, pb, gguf_vocabulary(ByteTokenizer()), GgufExportType::F32, "x", temp_path("b.gguf"));
+            }).find("model.qkv_bias = true"),
+            std::string::npos);
   ModelConfig small = tiny(ARCH_GPT2);
   small.vocab_size = 300;
   const std::vector<float> p2(static_cast<size_t>(build_param_layout(small).total));
   EXPECT_NE(test::error_of([&] {
               export_gguf(small, p2, gguf_vocabulary(ByteTokenizer()), GgufExportType::F32, "x", temp_path("v.gguf"));
             }).find("model.vocab_size = 300"),
+            std::string::npos);
+}
+
+// ---- the tokenizer inside the file (gguf_vocab.h) ----
+
+using nlohmann::json;
+using tokenizer_test::TempDir;
+using tokenizer_test::write_file;
+
+constexpr const char* kLlama3Regex =
+    R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
+constexpr const char* kQwen2Regex =
+    R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
+constexpr const char* kGpt2Regex = R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
+
+json byte_level(bool use_regex, bool add_prefix_space = false) {
+  return {{"type", "ByteLevel"}, {"add_prefix_space", add_prefix_space}, {"use_regex", use_regex}};
+}
+
+json split(const std::string& regex) {
+  return {{"type", "Split"}, {"pattern", {{"Regex", regex}}}, {"behavior", "Isolated"}, {"invert", false}};
+}
+
+json splits_then_byte_level(const std::vector<std::string>& regexes) {
+  json steps = json::array();
+  for (const std::string& r : regexes) steps.push_back(split(r));
+  steps.push_back(byte_level(false));
+  return {{"type", "Sequence"}, {"pretokenizers", steps}};
+}
+
+// A byte-level tokenizer.json: the 256 byte tokens (id = byte), "Ġt" 256, "he" 257, "Ġthe" 258
+// by the merges "Ġ t", "h e", "Ġt he"; added <|endoftext|> 259 (special) and <tool> 261 (not
+// special); id 260 is a hole.
+json small_tokenizer_json(const json& pre_tokenizer, bool ignore_merges) {
+  json vocab = json::object();
+  for (int b = 0; b < 256; ++b) vocab[gpt2_bytes_to_token(std::string(1, static_cast<char>(b)))] = b;
+  vocab["Ġt"] = 256, vocab["he"] = 257, vocab["Ġthe"] = 258;
+  json added = json::array();
+  added.push_back({{"id", 259}, {"content", "<|endoftext|>"}, {"special", true}});
+  added.push_back({{"id", 261}, {"content", "<tool>"}, {"special", false}});
+  return {{"model",
+           {{"type", "BPE"}, {"vocab", vocab}, {"merges", json::array({"Ġ t", "h e", "Ġt he"})}, {"ignore_merges", ignore_merges}}},
+          {"added_tokens", added},
+          {"pre_tokenizer", pre_tokenizer},
+          {"decoder", {{"type", "ByteLevel"}}}};
+}
+
+// A TemplateProcessing post-processor that puts <|endoftext|> (259) before a text.
+json bos_template() {
+  return {{"type", "TemplateProcessing"},
+          {"single", json::array({{{"SpecialToken", {{"id", "<|endoftext|>"}, {"type_id", 0}}}},
+                                  {{"Sequence", {{"id", "A"}, {"type_id", 0}}}}})},
+          {"special_tokens", {{"<|endoftext|>", {{"id", "<|endoftext|>"}, {"ids", {259}}, {"tokens", {"<|endoftext|>"}}}}}}};
+}
+
+// The GGUF vocabulary of `tokenizer_json` written as dir/name/tokenizer.json (and `config`, when
+// not null, as its tokenizer_config.json).
+GgufVocabulary vocabulary_of(const TempDir& dir, const std::string& name, const json& tokenizer_json,
+                             const json& config = nullptr) {
+  std::filesystem::create_directories(dir / name);
+  write_file(dir / name / "tokenizer.json", tokenizer_json.dump());
+  if (!config.is_null()) write_file(dir / name / "tokenizer_config.json", config.dump());
+  return gguf_vocabulary(*load_tokenizer((dir / name).string()));
+}
+
+std::string vocabulary_error(const TempDir& dir, const std::string& name, const json& tokenizer_json) {
+  return test::error_of([&] { vocabulary_of(dir, name, tokenizer_json); });
+}
+
+// Exports a tiny model of `arch` with `vocab` and reads the file back.
+GgufFile export_with(Arch arch, const GgufVocabulary& vocab) {
+  ModelConfig c = tiny(arch);
+  c.vocab_size = static_cast<int64_t>(vocab.tokens.size());
+  const std::vector<float> p = random_floats(build_param_layout(c).total, 6, 0.5f);
+  const std::string path = temp_path("vocab.gguf");
+  export_gguf(c, p, vocab, GgufExportType::F32, "v", path);
+  GgufFile f = GgufFile::read(path);
+  std::filesystem::remove(path);
+  return f;
+}
+
+TEST(GgufVocab, TokenizerJsonTokensTypesHolesMergesAndSpecials) {
+  const TempDir dir("gguf_vocab_gpt2");
+  const GgufVocabulary v = vocabulary_of(dir, "gpt2", small_tokenizer_json(byte_level(true), false),
+                                         {{"bos_token", "<|endoftext|>"}, {"eos_token", "<|endoftext|>"}});
+  EXPECT_EQ(v.model, "gpt2");
+  EXPECT_EQ(v.pre, "gpt-2");
+  ASSERT_EQ(v.tokens.size(), 262u);
+  EXPECT_EQ(v.tokens[' '], "Ġ");
+  EXPECT_EQ(v.tokens['\n'], "Ċ");
+  EXPECT_EQ(v.tokens[258], "Ġthe");
+  EXPECT_EQ(v.tokens[259], "<|endoftext|>");
+  EXPECT_EQ(v.tokens[260], "[PAD260]");
+  EXPECT_EQ(v.tokens[261], "<tool>");
+  EXPECT_EQ(v.types['a'], kGgufTokenNormal);
+  EXPECT_EQ(v.types[258], kGgufTokenNormal);
+  EXPECT_EQ(v.types[259], kGgufTokenControl);
+  EXPECT_EQ(v.types[260], kGgufTokenUnused);
+  EXPECT_EQ(v.types[261], kGgufTokenUserDefined);
+  EXPECT_EQ(v.placeholders, std::vector<int32_t>{260});
+  EXPECT_EQ(v.merges, (std::vector<std::string>{"Ġ t", "h e", "Ġt he"}));
+  EXPECT_EQ(v.bos, 259);
+  EXPECT_EQ(v.eos, 259);
+  EXPECT_FALSE(v.unknown);
+  EXPECT_FALSE(v.add_bos);
+  EXPECT_FALSE(v.add_eos);
+  EXPECT_TRUE(v.scores.empty());
+  EXPECT_FALSE(v.add_space_prefix);
+
+  const GgufFile f = export_with(ARCH_LLAMA, v);
+  EXPECT_EQ(f.get("tokenizer.ggml.model").s, "gpt2");
+  EXPECT_EQ(f.get("tokenizer.ggml.pre").s, "gpt-2");
+  const GgufValue& types = f.get("tokenizer.ggml.token_type");
+  EXPECT_EQ(types.element, GgufValueType::I32);
+  EXPECT_EQ(types.array[260].i, kGgufTokenUnused);
+  EXPECT_EQ(f.get("tokenizer.ggml.tokens").array[261].s, "<tool>");
+  EXPECT_EQ(f.get("tokenizer.ggml.merges").array[2].s, "Ġt he");
+  EXPECT_EQ(f.get("tokenizer.ggml.bos_token_id").type, GgufValueType::U32);
+  EXPECT_EQ(f.get("tokenizer.ggml.eos_token_id").i, 259);
+  EXPECT_EQ(f.get("tokenizer.ggml.add_bos_token").type, GgufValueType::BOOL);
+  EXPECT_FALSE(f.has("tokenizer.ggml.scores"));
+  EXPECT_FALSE(f.has("tokenizer.ggml.unknown_token_id"));
+  EXPECT_FALSE(f.has("tokenizer.ggml.add_space_prefix"));
+}
+
+TEST(GgufVocab, PreTokenizerNamedByItsRegexAndBosFromThePostProcessor) {
+  const TempDir dir("gguf_vocab_pre");
+  json llama3 = small_tokenizer_json(splits_then_byte_level({kLlama3Regex}), true);
+  llama3["post_processor"] = bos_template();
+  const GgufVocabulary l = vocabulary_of(dir, "llama3", llama3);
+  EXPECT_EQ(l.pre, "llama-bpe");
+  EXPECT_EQ(l.bos, 259);
+  EXPECT_TRUE(l.add_bos);
+  EXPECT_FALSE(l.add_eos);
+
+  json qwen2 = small_tokenizer_json(splits_then_byte_level({kQwen2Regex}), false);
+  qwen2["normalizer"] = {{"type", "NFC"}};
+  const GgufVocabulary q = vocabulary_of(dir, "qwen2", qwen2);
+  EXPECT_EQ(q.pre, "qwen2");
+  EXPECT_FALSE(q.bos);
+  EXPECT_EQ(q.eos, 259);  // no eos_token: end of text, the added <|endoftext|>
+  EXPECT_FALSE(q.add_bos);
+
+  EXPECT_EQ(vocabulary_of(dir, "gpt2_split", small_tokenizer_json(splits_then_byte_level({kGpt2Regex}), false)).pre,
+            "gpt-2");
+  // tokenizer_config.json's add_bos_token replaces what the post-processor adds.
+  EXPECT_FALSE(vocabulary_of(dir, "llama3_no_bos", llama3, {{"add_bos_token", false}}).add_bos);
+}
+
+TEST(GgufVocab, RefusesWhatLlamaCppWouldTokenizeDifferentlyNamingTheFileAndKey) {
+  const TempDir dir("gguf_vocab_refused");
+  const auto expect_refused = [&](const std::string& name, const json& tokenizer_json, const std::string& key,
+                                  const std::string& what) {
+    const std::string err = vocabulary_error(dir, name, tokenizer_json);
+    EXPECT_NE(err.find((dir / name / "tokenizer.json").string() + ": key " + key + ": "), std::string::npos) << err;
+    EXPECT_NE(err.find(what), std::string::npos) << err;
+    EXPECT_EQ(err.find('\n'), std::string::npos) << err;
+  };
+  expect_refused("unknown_regex", small_tokenizer_json(splits_then_byte_level({R"(\s+|\S+)"}), false),
+                 "pre_tokenizer.pretokenizers[0].pattern", "is not a pre-tokenizer llama.cpp knows by name");
+  expect_refused("two_regexes", small_tokenizer_json(splits_then_byte_level({kQwen2Regex, kGpt2Regex}), false),
+                 "pre_tokenizer.pretokenizers[1].pattern", "llama.cpp's pre-tokenizers split by one regex");
+  expect_refused("no_regex", small_tokenizer_json(byte_level(false), false), "pre_tokenizer", "no regex split");
+  expect_refused("prefix_space", small_tokenizer_json(byte_level(true, true), false), "pre_tokenizer.add_prefix_space",
+                 "adds no space");
+  expect_refused("llama3_merges", small_tokenizer_json(splits_then_byte_level({kLlama3Regex}), false),
+                 "model.ignore_merges", "\"llama-bpe\"");
+  expect_refused("gpt2_ignore", small_tokenizer_json(byte_level(true), true), "model.ignore_merges", "\"gpt-2\"");
+  json twice = small_tokenizer_json(byte_level(true), false);
+  twice["added_tokens"].push_back({{"id", 262}, {"content", "he"}, {"special", false}});
+  expect_refused("twice", twice, "added_tokens", "ids 257 and 262 are both \"he\"");
+  json two_before = small_tokenizer_json(byte_level(true), false);
+  two_before["post_processor"] = bos_template();
+  json& single = two_before["post_processor"]["single"];
+  const json first = single[0];
+  single.insert(single.begin(), first);  // <|endoftext|> <|endoftext|> $A
+  expect_refused("two_before", two_before, "post_processor", "adds 2 token(s) before a text");
+}
+
+// A SentencePiece BPE model trained by python3-sentencepiece on the GPL-3 with a user-defined
+// and a control symbol, and its tokenizer.vocab (piece <tab> score, one line per id).
+struct TrainedSentencePiece {
+  TempDir dir{"gguf_vocab_sp"};
+  bool trained = false;
+  explicit TrainedSentencePiece(const std::string& options = "") {
+    trained = tokenizer_test::train_sentencepiece(
+        dir.str(), "input=/usr/share/common-licenses/GPL-3 vocab_size=400 hard_vocab_limit=false "
+                   "user_defined_symbols='<tool>' control_symbols='<ctrl>' " + options);
+  }
+  std::string model() const { return (dir / "tokenizer.model").string(); }
+};
+
+TEST(GgufVocab, SentencePiecePiecesScoresTypesAndSettings) {
+  const TrainedSentencePiece sp;
+  ASSERT_TRUE(sp.trained) << "tools/sentencepiece_reference.py train failed: run scripts/setup (python3-sentencepiece)";
+  GgufVocabulary v = gguf_vocabulary(*load_tokenizer(sp.model()));
+  EXPECT_EQ(v.model, "llama");
+  EXPECT_EQ(v.pre, "");
+  EXPECT_TRUE(v.merges.empty());
+  std::istringstream listed(read_text_file((sp.dir / "tokenizer.vocab").string()));
+  size_t id = 0;
+  std::map<std::string, int32_t> type_of;
+  for (std::string line; std::getline(listed, line); ++id) {
+    const size_t tab = line.find('\t');
+    ASSERT_LT(id, v.tokens.size());
+    EXPECT_EQ(v.tokens[id], line.substr(0, tab)) << id;
+    EXPECT_FLOAT_EQ(v.scores[id], std::stof(line.substr(tab + 1))) << id;
+    type_of[v.tokens[id]] = v.types[id];
+  }
+  EXPECT_EQ(id, v.tokens.size());
+  EXPECT_EQ(v.scores.size(), v.tokens.size());
+  EXPECT_EQ(type_of["<unk>"], kGgufTokenUnknown);
+  EXPECT_EQ(type_of["<s>"], kGgufTokenControl);
+  EXPECT_EQ(type_of["</s>"], kGgufTokenControl);
+  EXPECT_EQ(type_of["<ctrl>"], kGgufTokenControl);
+  EXPECT_EQ(type_of["<tool>"], kGgufTokenUserDefined);
+  EXPECT_EQ(type_of["<0x41>"], kGgufTokenByte);
+  EXPECT_EQ(type_of["<0x0A>"], kGgufTokenByte);
+  EXPECT_EQ(type_of["▁the"], kGgufTokenNormal);
+  EXPECT_EQ(v.unknown, 0);
+  EXPECT_EQ(v.bos, 1);
+  EXPECT_EQ(v.eos, 2);
+  EXPECT_TRUE(v.add_bos);  // no tokenizer_config.json: llama.cpp's default for "llama"
+  EXPECT_FALSE(v.add_eos);
+  EXPECT_EQ(v.add_space_prefix, true);
+  EXPECT_TRUE(v.placeholders.empty());
+
+  const GgufFile f = export_with(ARCH_LLAMA, v);
+  EXPECT_EQ(f.get("tokenizer.ggml.model").s, "llama");
+  EXPECT_FALSE(f.has("tokenizer.ggml.pre"));
+  EXPECT_FALSE(f.has("tokenizer.ggml.merges"));
+  const GgufValue& scores = f.get("tokenizer.ggml.scores");
+  EXPECT_EQ(scores.element, GgufValueType::F32);
+  ASSERT_EQ(scores.array.size(), v.scores.size());
+  for (size_t i = 0; i < v.scores.size(); ++i) EXPECT_EQ(static_cast<float>(scores.array[i].f), v.scores[i]);
+  EXPECT_EQ(f.get("tokenizer.ggml.unknown_token_id").i, 0);
+  EXPECT_EQ(f.get("tokenizer.ggml.add_space_prefix").i, 1);
+  EXPECT_EQ(f.get("tokenizer.ggml.add_bos_token").i, 1);
+
+  write_file(sp.dir / "tokenizer_config.json", R"({"add_bos_token": false, "add_eos_token": true})");
+  v = gguf_vocabulary(*load_tokenizer(sp.model()));
+  EXPECT_FALSE(v.add_bos);
+  EXPECT_TRUE(v.add_eos);
+}
+
+TEST(GgufVocab, SentencePieceModelsLlamaCppWouldTokenizeDifferentlyAreRefused) {
+  for (const auto& [options, key] : std::vector<std::pair<std::string, std::string>>{
+           {"model_type=unigram", "trainer_spec.model_type"},
+           {"byte_fallback=false", "trainer_spec.byte_fallback"},
+           {"normalization_rule_name=nmt_nfkc", "normalizer_spec.precompiled_charsmap"},
+           {"remove_extra_whitespaces=true", "normalizer_spec.remove_extra_whitespaces"}}) {
+    const TrainedSentencePiece sp(options);
+    ASSERT_TRUE(sp.trained) << options;
+    const std::string err = test::error_of([&] { gguf_vocabulary(*load_tokenizer(sp.model())); });
+    EXPECT_EQ(err.rfind(sp.model() + ": key " + key + ": ", 0), 0u) << options << ": " << err;
+    EXPECT_EQ(err.find('\n'), std::string::npos) << err;
+  }
+}
+
+// The protocol buffers wire format by hand: a key is (field << 3 | wire type) as a varint.
+std::string varint(uint64_t v) {
+  std::string out;
+  for (; v >= 0x80; v >>= 7) out.push_back(static_cast<char>((v & 0x7F) | 0x80));
+  out.push_back(static_cast<char>(v));
+  return out;
+}
+std::string field_varint(uint32_t field, uint64_t v) { return varint(field << 3 | 0) + varint(v); }
+std::string field_bytes(uint32_t field, const std::string& bytes) { return varint(field << 3 | 2) + varint(bytes.size()) + bytes; }
+std::string field_float(uint32_t field, float f) {
+  std::string out = varint(field << 3 | 5);
+  out.append(reinterpret_cast<const char*>(&f), 4);
+  return out;
+}
+
+TEST(SentencePieceModelProto, ReadsPiecesAndSpecsSkipsOtherFieldsAndNamesTheFileWhenCut) {
+  const std::string piece0 = field_bytes(1, "<unk>") + field_float(2, 0.0f) + field_varint(3, 2);
+  const std::string piece1 = field_bytes(1, "▁a") + field_float(2, -1.5f) + field_varint(3, 5) + field_varint(200, 7);
+  const std::string piece2 = field_bytes(1, "b");  // type absent: NORMAL
+  const std::string trainer = field_varint(3, 2) + field_bytes(1, "corpus.txt") + field_varint(35, 1) + field_varint(24, 0);
+  const std::string normalizer = field_bytes(1, "identity") + field_varint(3, 0) + field_varint(4, 0);
+  const std::string bytes = field_bytes(1, piece0) + field_bytes(1, piece1) + field_bytes(2, trainer) +
+                            field_bytes(1, piece2) + field_bytes(3, normalizer) + field_bytes(4, "self test");
+  const SentencePieceModel m = parse_sentencepiece_model(bytes, "x.model");
+  ASSERT_EQ(m.pieces.size(), 3u);
+  EXPECT_EQ(m.pieces[0].text, "<unk>");
+  EXPECT_EQ(m.pieces[0].type, SentencePieceModel::kUnknown);
+  EXPECT_EQ(m.pieces[1].text, "▁a");
+  EXPECT_EQ(m.pieces[1].score, -1.5f);
+  EXPECT_EQ(m.pieces[1].type, SentencePieceModel::kUnused);
+  EXPECT_EQ(m.pieces[2].type, SentencePieceModel::kNormal);
+  EXPECT_EQ(m.model_type, SentencePieceModel::kBpe);
+  EXPECT_TRUE(m.byte_fallback);
+  EXPECT_EQ(m.normalizer_name, "identity");
+  EXPECT_FALSE(m.has_charsmap);
+  EXPECT_FALSE(m.add_dummy_prefix);
+  EXPECT_FALSE(m.remove_extra_whitespaces);
+  EXPECT_TRUE(m.escape_whitespaces);  // absent: the proto's default
+
+  const std::string err = test::error_of([&] { parse_sentencepiece_model(bytes.substr(0, bytes.size() - 3), "x.model"); });
+  EXPECT_EQ(err.rfind("x.model: not a SentencePiece model: ", 0), 0u) << err;
+  EXPECT_NE(test::error_of([&] { parse_sentencepiece_model(field_varint(2, 1), "x.model"); }).find("wire type 0"),
             std::string::npos);
 }
 

@@ -18,18 +18,11 @@ using namespace tokenizer_test;  // NOLINT
 
 constexpr size_t kStrings = 320;
 
-std::string python() {
-  const char* python = std::getenv("LOOM_PYTHON");
-  return python && *python ? python : "/usr/bin/python3";
-}
-
-std::string reference_script() { return (source_dir() / "tools" / "sentencepiece_reference.py").string(); }
-
 class SpReference : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     dir_ = std::make_unique<TempDir>("sp_model");
-    trained_ = run_command(python() + " \"" + reference_script() + "\" train \"" + dir_->str() + "\"");
+    trained_ = train_sentencepiece(dir_->str());
   }
   static void TearDownTestSuite() { dir_.reset(); }
   void SetUp() override {
@@ -46,7 +39,7 @@ class SpReference : public ::testing::Test {
 std::vector<std::vector<int32_t>> reference_ids(const std::string& model, const std::vector<std::string>& strings) {
   TempDir io("sp_io");
   write_file(io / "strings.json", nlohmann::json(strings).dump());
-  if (!run_command(python() + " \"" + reference_script() + "\" encode \"" + model + "\" \"" +
+  if (!run_command(python() + " \"" + sentencepiece_script() + "\" encode \"" + model + "\" \"" +
                    (io / "strings.json").string() + "\" > \"" + (io / "ids.json").string() + "\""))
     return {};
   return nlohmann::json::parse(read_file(io / "ids.json")).get<std::vector<std::vector<int32_t>>>();

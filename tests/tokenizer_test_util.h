@@ -111,6 +111,20 @@ inline bool run_command(const std::string& command) {
   return status == 0;
 }
 
+// Debian's python3 with sentencepiece: $LOOM_PYTHON (ctest sets it), else /usr/bin/python3.
+inline std::string python() {
+  const char* python = std::getenv("LOOM_PYTHON");
+  return python && *python ? python : "/usr/bin/python3";
+}
+
+inline std::string sentencepiece_script() { return (source_dir() / "tools" / "sentencepiece_reference.py").string(); }
+
+// tools/sentencepiece_reference.py train DIR OPTIONS: DIR/tokenizer.model and tokenizer.vocab
+// (piece <tab> score per line). False, and a test failure naming the command, when it fails.
+inline bool train_sentencepiece(const std::string& dir, const std::string& options = "") {
+  return run_command(python() + " \"" + sentencepiece_script() + "\" train \"" + dir + "\" " + options);
+}
+
 // A string for a failure message: JSON-escaped, invalid UTF-8 replaced.
 inline std::string shown(const std::string& s) {
   return nlohmann::json(s).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);

@@ -1,7 +1,8 @@
 #!/usr/bin/env node
 // llama.cpp's side of tests/gguf_test.py: loads a GGUF file written by `loom convert --to gguf`
 // with node-llama-cpp (its prebuilt llama.cpp, CPU only) and prints, as one JSON object,
-//   prompts[i]: {prompt, tokens (llama.cpp's tokenization), continuation (greedy: the most
+//   prompts[i]: {prompt, tokens (llama.cpp's tokenization, special tokens as text),
+//               tokens_special (the same with special tokens parsed), continuation (greedy: the most
 //               likely next token, fed back, `tokens` times or until end of text),
 //               next_logprobs (log-probabilities of every vocabulary token after the prompt)}
 //   text_tokens: llama.cpp's tokenization of the text, cut to context + 1 tokens
@@ -35,9 +36,11 @@ const model = await llama.loadModel({modelPath, gpuLayers: 0});
 const eos = model.tokens.eos;
 const wholeDistribution = {temperature: 1, topK: spec.vocab, topP: 1, minP: 0, seed: 1};
 
+// One cell more than the text needs: node-llama-cpp keeps a cell free, and when a sequence would
+// fill the context it erases the beginning (context shift) before evaluating the rest.
 async function withSequence(fn) {
   const context = await model.createContext({
-    contextSize: spec.context, batchSize: spec.context, sequences: 1, threads: 2,
+    contextSize: spec.context + 1, batchSize: spec.context, sequences: 1, threads: 2,
     experimentalKvCacheKeyType: "F32", experimentalKvCacheValueType: "F32",
   });
   try {
@@ -80,7 +83,8 @@ for (const prompt of spec.prompts) {
       if (token === eos) break;
       logprobs = await evaluateLast(sequence, [token]);
     }
-    return {prompt, tokens, continuation, next_logprobs: nextLogprobs.map((x) => (isFinite(x) ? x : -1e30))};
+    return {prompt, tokens, tokens_special: model.tokenize(prompt, true), continuation,
+            next_logprobs: nextLogprobs.map((x) => (isFinite(x) ? x : -1e30))};
   });
   prompts.push(result);
 }

@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """SentencePiece reference for tests/test_tokenizer_sp.cpp (Debian's python3-sentencepiece).
 
-  sentencepiece_reference.py train OUT_DIR    trains OUT_DIR/tokenizer.model, a Llama-2-style
-      BPE model (byte_fallback, identity normalization, extra whitespace kept, dummy prefix) of
-      2000 pieces on Debian's fortunes plus a few lines of other scripts, deterministically
+  sentencepiece_reference.py train OUT_DIR [KEY=VALUE ...]   trains OUT_DIR/tokenizer.model, a
+      Llama-2-style BPE model (byte_fallback, identity normalization, extra whitespace kept, dummy
+      prefix) of 2000 pieces on Debian's fortunes plus a few lines of other scripts,
+      deterministically. KEY=VALUE replaces a trainer option (vocab_size=800, model_type=unigram,
+      user_defined_symbols=<a>,<b>, ...); input=FILE trains on FILE's non-empty lines instead.
   sentencepiece_reference.py encode MODEL STRINGS.json   prints the ids of each string as JSON
 """
 import glob
@@ -32,14 +34,22 @@ def corpus_lines():
     return lines + EXTRA * 50
 
 
-def train(out_dir):
+def train(out_dir, overrides):
     os.makedirs(out_dir, exist_ok=True)
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(corpus_lines()), model_prefix=os.path.join(out_dir, "tokenizer"),
-        model_type="bpe", vocab_size=2000, byte_fallback=True, normalization_rule_name="identity",
-        remove_extra_whitespaces=False, add_dummy_prefix=True, character_coverage=0.9995,
-        split_digits=True, num_threads=1, input_sentence_size=0, minloglevel=2,
-        unk_id=0, bos_id=1, eos_id=2, pad_id=-1)
+    options = dict(model_type="bpe", vocab_size=2000, byte_fallback=True, normalization_rule_name="identity",
+                   remove_extra_whitespaces=False, add_dummy_prefix=True, character_coverage=0.9995,
+                   split_digits=True, num_threads=1, input_sentence_size=0, minloglevel=2,
+                   unk_id=0, bos_id=1, eos_id=2, pad_id=-1)
+    lines = None
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if key == "input":
+            with open(value, encoding="utf-8") as f:
+                lines = [line for line in f.read().splitlines() if line.strip()]
+        else:
+            options[key] = value
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines or corpus_lines()),
+                                   model_prefix=os.path.join(out_dir, "tokenizer"), **options)
 
 
 def encode(model, strings_file):
@@ -50,8 +60,8 @@ def encode(model, strings_file):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "train":
-        train(sys.argv[2])
+    if len(sys.argv) >= 3 and sys.argv[1] == "train":
+        train(sys.argv[2], sys.argv[3:])
     elif len(sys.argv) == 4 and sys.argv[1] == "encode":
         encode(sys.argv[2], sys.argv[3])
     else:

@@ -43,6 +43,12 @@ int to_gguf(const Args& args, const ModelSource& source, const Tensor& params) {
   const auto type = parse_enum<GgufExportType>(args.get("type", "f32"), "--type");
   const auto tokenizer = load_tokenizer(args.get("tokenizer", config.data.tokenizer));
   const GgufVocabulary vocab = gguf_vocabulary(*tokenizer);
+  if (!vocab.placeholders.empty()) {
+    std::string ids;
+    for (size_t i = 0; i < vocab.placeholders.size() && i < 8; ++i) ids += (i ? ", " : "") + std::to_string(vocab.placeholders[i]);
+    std::printf("note: %s gives no token for %zu id(s) below its size (%s%s); written as \"[PAD<id>]\", type unused\n",
+                tokenizer->name().c_str(), vocab.placeholders.size(), ids.c_str(), vocab.placeholders.size() > 8 ? ", ..." : "");
+  }
   const GgufExportSummary s =
       export_gguf(config.model, {params.data<float>(), static_cast<size_t>(params.numel())}, vocab, type,
                   args.get("name", config.run.name), args.get("out"));

@@ -126,6 +126,16 @@ GgufValue scalar(GgufValueType type) {
   return v;
 }
 
+// An array of `element` values, one made by `make` from each of `v`.
+template <class T, class Make>
+GgufValue array_of(GgufValueType element, const std::vector<T>& v, Make make) {
+  GgufValue g = scalar(GgufValueType::ARRAY);
+  g.element = element;
+  g.array.reserve(v.size());
+  for (const T& x : v) g.array.push_back(make(x));
+  return g;
+}
+
 }  // namespace
 
 const char* ggml_type_name(GgmlType type) {
@@ -155,21 +165,9 @@ GgufValue GgufValue::f32(float v) { GgufValue g = scalar(GgufValueType::F32); g.
 GgufValue GgufValue::boolean(bool v) { GgufValue g = scalar(GgufValueType::BOOL); g.i = v ? 1 : 0; return g; }
 GgufValue GgufValue::string(std::string v) { GgufValue g = scalar(GgufValueType::STRING); g.s = std::move(v); return g; }
 
-GgufValue GgufValue::strings(const std::vector<std::string>& v) {
-  GgufValue g = scalar(GgufValueType::ARRAY);
-  g.element = GgufValueType::STRING;
-  g.array.reserve(v.size());
-  for (const std::string& s : v) g.array.push_back(string(s));
-  return g;
-}
-
-GgufValue GgufValue::i32s(const std::vector<int32_t>& v) {
-  GgufValue g = scalar(GgufValueType::ARRAY);
-  g.element = GgufValueType::I32;
-  g.array.reserve(v.size());
-  for (int32_t x : v) g.array.push_back(i32(x));
-  return g;
-}
+GgufValue GgufValue::strings(const std::vector<std::string>& v) { return array_of(GgufValueType::STRING, v, string); }
+GgufValue GgufValue::i32s(const std::vector<int32_t>& v) { return array_of(GgufValueType::I32, v, i32); }
+GgufValue GgufValue::f32s(const std::vector<float>& v) { return array_of(GgufValueType::F32, v, f32); }
 
 GgufWriter::GgufWriter(uint32_t alignment) : alignment_(alignment) {
   LOOM_CHECK(alignment > 0 && (alignment & (alignment - 1)) == 0, "GGUF alignment must be a power of two, got ",

@@ -51,6 +51,7 @@ struct GgufValue {
   static GgufValue string(std::string v);
   static GgufValue strings(const std::vector<std::string>& v);
   static GgufValue i32s(const std::vector<int32_t>& v);
+  static GgufValue f32s(const std::vector<float>& v);
 };
 
 struct GgufTensorInfo {

@@ -7,17 +7,12 @@
 #include "loom/arch/param_layout.h"
 #include "loom/checkpoint/gguf.h"
 #include "loom/core/error.h"
-#include "loom/data/bpe.h"
 #include "loom/precision/formats.h"
 #include "loom/precision/ggml_blocks.h"
 
 namespace loom {
 
 namespace {
-
-// llama.cpp's token types (gguf-py constants.py TokenType / llama.h llama_token_type).
-constexpr int32_t kTokenNormal = 1;
-constexpr int32_t kTokenControl = 3;
 
 // llama.cpp's llama_ftype: what general.file_type says of the matrices.
 uint32_t file_type(GgufExportType type) {
@@ -166,6 +161,7 @@ void check_exportable(const ModelConfig& c, const GgufVocabulary& vocab) {
              "(Qwen3 is not mapped)");
   LOOM_CHECK(c.rope_scaling == ROPE_SCALING_NONE, "model.rope_scaling = ", enum_name(c.rope_scaling),
              ": GGUF export does not write RoPE scaling yet");
+  LOOM_CHECK(!c.qkv_bias, "model.qkv_bias = true: GGUF export does not write q/k/v biases (Qwen2) yet");
   LOOM_CHECK(c.arch == ARCH_LLAMA || c.head_dim() * c.n_head == c.d_model, "model.head_size = ", c.head_size,
              ": llama.cpp's gpt2 needs head_size = d_model / n_head");
   LOOM_CHECK(static_cast<int64_t>(vocab.tokens.size()) == c.vocab_size, "the tokenizer has ", vocab.tokens.size(),
@@ -195,35 +191,7 @@ void put_arch(GgufWriter& w, const ModelConfig& c) {
   }
 }
 
-// tokenizer.ggml.*: GPT-2's byte-level BPE with its pre-tokenizer ("gpt-2" in llama.cpp's
-// llama-vocab.cpp), end of text as BOS and EOS, nothing added around a prompt.
-void put_tokenizer(GgufWriter& w, const GgufVocabulary& vocab) {
-  std::vector<int32_t> types(vocab.tokens.size(), kTokenNormal);
-  types[static_cast<size_t>(vocab.eot)] = kTokenControl;
-  w.put("tokenizer.ggml.model", GgufValue::string("gpt2"));
-  w.put("tokenizer.ggml.pre", GgufValue::string("gpt-2"));
-  w.put("tokenizer.ggml.tokens", GgufValue::strings(vocab.tokens));
-  w.put("tokenizer.ggml.token_type", GgufValue::i32s(types));
-  w.put("tokenizer.ggml.merges", GgufValue::strings(vocab.merges));
-  w.put("tokenizer.ggml.bos_token_id", GgufValue::u32(static_cast<uint32_t>(vocab.eot)));
-  w.put("tokenizer.ggml.eos_token_id", GgufValue::u32(static_cast<uint32_t>(vocab.eot)));
-  w.put("tokenizer.ggml.add_bos_token", GgufValue::boolean(false));
-  w.put("tokenizer.ggml.add_eos_token", GgufValue::boolean(false));
-}
-
 }  // namespace
-
-GgufVocabulary gguf_vocabulary(const Tokenizer& tokenizer) {
-  GgufVocabulary v;
-  v.eot = tokenizer.eot_token();
-  v.tokens.reserve(static_cast<size_t>(tokenizer.vocab_size()));
-  for (int32_t id = 0; id < tokenizer.vocab_size(); ++id) {
-    const std::array<int32_t, 1> one{id};
-    v.tokens.push_back(gpt2_bytes_to_token(tokenizer.decode(one)));  // end of text: "<|endoftext|>" as it is
-  }
-  if (const auto* bpe = dynamic_cast<const BpeTokenizer*>(&tokenizer)) v.merges = bpe->merge_lines();
-  return v;
-}
 
 GgufExportSummary export_gguf(const ModelConfig& config, std::span<const float> params, const GgufVocabulary& vocab,
                               GgufExportType type, const std::string& name, const std::string& path) {
@@ -233,7 +201,7 @@ GgufExportSummary export_gguf(const ModelConfig& config, std::span<const float> 
   writer.put("general.name", GgufValue::string(name));
   writer.put("general.file_type", GgufValue::u32(file_type(type)));
   writer.put("general.quantization_version", GgufValue::u32(2));  // GGML_QNT_VERSION
-  put_tokenizer(writer, vocab);
+  put_gguf_tokenizer(writer, vocab);
   const Params named(config, params);
   TensorSink sink(writer, type);
   if (config.arch == ARCH_GPT2) add_gpt2_tensors(config, named, sink);

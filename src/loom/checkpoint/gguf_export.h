@@ -13,8 +13,8 @@
 //     Hugging Face's Llama), llama.cpp's LLM_ARCH_LLAMA (rope type NORM) the pairs (2j, 2j + 1),
 //     so q and k rows are permuted per head: GGUF row 2j + c = Loom row c hd/2 + j (c = 0, 1),
 //     the permutation convert_hf_to_gguf.py applies to Hugging Face checkpoints.
-// Refused, naming the key: MoE and MLA models, sliding-window attention, a head width other
-// than d_model / n_head for GPT-2, a tokenizer whose size differs from model.vocab_size.
+// Refused, naming the key: MoE and MLA models, sliding-window attention, q/k/v biases, a head
+// width other than d_model / n_head for GPT-2, a tokenizer whose size differs from model.vocab_size.
 #pragma once
 #include <array>
 #include <cstdint>
@@ -24,8 +24,8 @@
 #include <vector>
 
 #include "loom/arch/config.h"
+#include "loom/checkpoint/gguf_vocab.h"  // GgufVocabulary, gguf_vocabulary: the tokenizer inside the file
 #include "loom/core/enum_names.h"
-#include "loom/data/tokenizer.h"
 
 namespace loom {
 
@@ -36,17 +36,6 @@ template <>
 struct EnumNames<GgufExportType> {
   static constexpr std::array<std::string_view, 4> names{"f32", "f16", "q8_0", "q4_0"};
 };
-
-// The tokenizer as GGUF's "gpt2" model stores it: token strings in GPT-2's byte alphabet
-// (encoder.json's keys), merges "left right" by rank (vocab.bpe's lines), end of text.
-struct GgufVocabulary {
-  std::vector<std::string> tokens;
-  std::vector<std::string> merges;
-  int32_t eot = -1;
-};
-// A byte-level BPE's vocabulary and merges; the byte tokenizer is 256 one-byte tokens and end
-// of text with no merges (llama.cpp's BPE then yields one token per byte, as Loom does).
-GgufVocabulary gguf_vocabulary(const Tokenizer& tokenizer);
 
 struct GgufExportSummary {
   int64_t tensors = 0;

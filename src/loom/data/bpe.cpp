@@ -156,14 +156,16 @@ void BpeTokenizer::load_merges(const std::string& path, const std::unordered_map
   model_ = std::make_unique<BpeModel>(byte_token_, merges);
 }
 
-std::vector<std::string> BpeTokenizer::merge_lines() const {
+std::vector<std::string> gpt2_merge_lines(const BpeModel& model, const std::vector<std::string>& token_bytes) {
   std::vector<std::string> lines;
-  for (const BpeMerge& m : model_->merges()) {
-    lines.push_back(gpt2_bytes_to_token(token_bytes_[static_cast<size_t>(m.left)]) + " " +
-                    gpt2_bytes_to_token(token_bytes_[static_cast<size_t>(m.right)]));
+  for (const BpeMerge& m : model.merges()) {
+    lines.push_back(gpt2_bytes_to_token(token_bytes[static_cast<size_t>(m.left)]) + " " +
+                    gpt2_bytes_to_token(token_bytes[static_cast<size_t>(m.right)]));
   }
   return lines;
 }
+
+std::vector<std::string> BpeTokenizer::merge_lines() const { return gpt2_merge_lines(*model_, token_bytes_); }
 
 std::vector<int32_t> BpeTokenizer::encode(std::string_view text, const EncodeOptions& /*options*/) const {
   std::vector<int32_t> out;

@@ -33,6 +33,9 @@ std::string gpt2_bytes_to_token(std::string_view bytes);
 // The raw bytes a token string in that alphabet stands for: "Ġhi" -> "\x20hi"; nullopt when a
 // character is outside the alphabet.
 std::optional<std::string> gpt2_token_to_bytes(std::string_view token);
+// The merges of `model` by rank as "left right" lines in that alphabet (vocab.bpe's lines);
+// token_bytes[id]: the raw bytes of token id.
+std::vector<std::string> gpt2_merge_lines(const BpeModel& model, const std::vector<std::string>& token_bytes);
 
 class BpeTokenizer final : public Tokenizer {
  public:

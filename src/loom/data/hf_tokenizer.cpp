@@ -8,6 +8,7 @@
 #include <unicode/utf8.h>
 
 #include "loom/core/error.h"
+#include "loom/data/bpe.h"
 
 namespace loom {
 namespace {
@@ -98,6 +99,18 @@ std::string HfTokenizer::decode(std::span<const int32_t> tokens) const {
   }
   return text;
 }
+
+HfTokenizer::Pipeline HfTokenizer::pipeline() const {
+  Pipeline p{{}, "", nfc_, ignore_merges_, prefix_, suffix_};
+  for (const Step& step : steps_) {
+    if (step.split != nullptr)
+      p.regexes.push_back({key_path(step.key, step.byte_level ? "use_regex" : "pattern"), step.split->pattern()});
+    if (step.add_prefix_space) p.add_prefix_space = key_path(step.key, "add_prefix_space");
+  }
+  return p;
+}
+
+std::vector<std::string> HfTokenizer::merge_lines() const { return gpt2_merge_lines(*model_, token_bytes_); }
 
 std::string HfTokenizer::token_text(int32_t id) const {
   LOOM_CHECK(id >= 0 && id < vocab_size() && defined_[static_cast<size_t>(id)], "tokenizer ", name_, ": token id ", id,

@@ -35,6 +35,11 @@
 
 namespace loom {
 
+// GPT-2's pre-tokenizer regex, which a ByteLevel pre-tokenizer with use_regex applies (the
+// pattern of tokenizers' byte_level.rs and of GPT-2's encoder.py).
+inline constexpr const char* kGpt2PreTokenizerPattern =
+    R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
+
 class HfTokenizer final : public TokenizerWithSpecials {
  public:
   // `path`: a tokenizer.json file.
@@ -47,11 +52,33 @@ class HfTokenizer final : public TokenizerWithSpecials {
   std::string token_text(int32_t id) const override;
   std::string name() const override { return name_; }
 
+  // What the file says that encode() does not show, for writers of other formats
+  // (checkpoint/gguf_vocab.h).
+  struct PreTokenizerRegex {
+    std::string key;      // where the file gives it: "pre_tokenizer.pretokenizers[0].pattern"
+    std::string pattern;  // as run (a ByteLevel step with use_regex: GPT-2's pattern)
+  };
+  struct Pipeline {
+    std::vector<PreTokenizerRegex> regexes;  // in the order they split
+    std::string add_prefix_space;            // the key of a ByteLevel step's add_prefix_space = true, else ""
+    bool nfc = false;
+    bool ignore_merges = false;
+    std::vector<int32_t> prefix, suffix;  // what add_special_tokens puts around a text
+  };
+  Pipeline pipeline() const;
+  const std::vector<AddedToken>& added_tokens() const { return added_tokens_; }
+  // False for an id below vocab_size() that the file does not give.
+  bool has_id(int32_t id) const { return id >= 0 && id < vocab_size() && defined_[static_cast<size_t>(id)]; }
+  // The merges by rank, "left right" in GPT-2's byte alphabet.
+  std::vector<std::string> merge_lines() const;
+
  private:
   // One pre-tokenizer step: a Split by `split`, or (split null) ByteLevel.
   struct Step {
     std::unique_ptr<Regex> split;
+    bool byte_level = false;
     bool add_prefix_space = false;  // ByteLevel only
+    std::string key;                // where the file gives the step ("pre_tokenizer.pretokenizers[1]")
   };
 
   // Loading (hf_tokenizer_load.cpp), each reading one key of the file.

@@ -12,10 +12,6 @@ namespace {
 
 using nlohmann::json;
 
-// GPT-2's pre-tokenizer regex, which a ByteLevel pre-tokenizer with use_regex applies (the
-// pattern of tokenizers' byte_level.rs and of GPT-2's encoder.py).
-constexpr const char* kGpt2Pattern = R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
-
 // Ids above this are refused rather than allocated for (real vocabularies stay far below it).
 constexpr int64_t kMaxTokenId = int64_t{1} << 21;
 
@@ -162,9 +158,11 @@ void HfTokenizer::load_normalizer(const JsonFile& file, const json& root) {
 
 void HfTokenizer::load_byte_level(const JsonFile& file, const json& step, const std::string& where) {
   Step byte_level;
+  byte_level.byte_level = true;
+  byte_level.key = where;
   byte_level.add_prefix_space = file.flag(step, where, "add_prefix_space", false);
   if (file.flag(step, where, "use_regex", true))
-    byte_level.split = std::make_unique<Regex>(kGpt2Pattern, file.path + ": " + where + " (GPT-2's regex)");
+    byte_level.split = std::make_unique<Regex>(kGpt2PreTokenizerPattern, file.path + ": " + where + " (GPT-2's regex)");
   steps_.push_back(std::move(byte_level));
 }
 
@@ -191,7 +189,7 @@ void HfTokenizer::load_pre_tokenizer(const JsonFile& file, const json& root) {
     std::string regex;
     if (file.find(pattern, where + ".pattern", "Regex")) regex = file.string_at(pattern, where + ".pattern", "Regex");
     else regex = literal_pattern(file.string_at(pattern, where + ".pattern", "String"));
-    steps_.push_back({std::make_unique<Regex>(regex, file.path + ": key " + where + ".pattern"), false});
+    steps_.push_back({std::make_unique<Regex>(regex, file.path + ": key " + where + ".pattern"), false, false, where});
   }
   file.fail("pre_tokenizer.pretokenizers", "the last step must be ByteLevel (it maps bytes for the model)");
 }

@@ -23,6 +23,8 @@ SentencePieceTokenizer::SentencePieceTokenizer(const std::string& path)
   const std::string config_path = (std::filesystem::path(path).parent_path() / "tokenizer_config.json").string();
   const TokenizerConfig config = read_tokenizer_config(config_path);
   const JsonFile file{config_path};
+  config_add_bos_ = config.add_bos_token;
+  config_add_eos_ = config.add_eos_token;
   add_bos_ = config.add_bos_token.value_or(false);
   add_eos_ = config.add_eos_token.value_or(false);
   if (add_bos_ && !specials_.bos) file.fail("add_bos_token", "true, but " + path + " has no BOS piece");
@@ -64,6 +66,10 @@ std::string SentencePieceTokenizer::decode(std::span<const int32_t> tokens) cons
   const auto status = processor_->Decode(std::vector<int>(tokens.begin(), tokens.end()), &text);
   LOOM_CHECK(status.ok(), "tokenizer ", name_, ": SentencePiece decode failed: ", status.ToString());
   return text;
+}
+
+SentencePieceModel SentencePieceTokenizer::model() const {
+  return parse_sentencepiece_model(processor_->serialized_model_proto(), name_);
 }
 
 std::string SentencePieceTokenizer::token_text(int32_t id) const {

@@ -14,6 +14,7 @@
 #include <optional>
 #include <string>
 
+#include "loom/data/sentencepiece_model.h"
 #include "loom/data/special_tokens.h"
 #include "loom/data/tokenizer.h"
 
@@ -35,6 +36,11 @@ class SentencePieceTokenizer final : public TokenizerWithSpecials {
   int64_t vocab_size() const override { return vocab_size_; }
   std::string token_text(int32_t id) const override;
   std::string name() const override { return name_; }
+  // The model's pieces, scores, types and settings, read from the file's bytes.
+  SentencePieceModel model() const;
+  // tokenizer_config.json's add_bos_token / add_eos_token beside the model; nullopt when not given.
+  std::optional<bool> config_add_bos() const { return config_add_bos_; }
+  std::optional<bool> config_add_eos() const { return config_add_eos_; }
 
  private:
   void encode_plain(std::string_view text, std::vector<int32_t>& out) const;
@@ -43,6 +49,7 @@ class SentencePieceTokenizer final : public TokenizerWithSpecials {
   std::string name_;
   std::unique_ptr<sentencepiece::SentencePieceProcessor> processor_;
   int64_t vocab_size_ = 0;
+  std::optional<bool> config_add_bos_, config_add_eos_;
   bool add_bos_ = false, add_eos_ = false;
   std::unique_ptr<AddedTokenSplitter> controls_;  // the control pieces, as special tokens
 };

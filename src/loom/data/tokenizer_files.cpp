@@ -18,6 +18,12 @@ std::vector<std::string> tokenizer_files(const std::string& kind_or_dir) {
   const std::string dir = kind_or_dir == "gpt2" ? std::string(kGpt2DefaultDir) : kind_or_dir;
   std::vector<std::string> files;
   std::error_code ec;
+  if (kind_or_dir != "byte" && fs::is_regular_file(dir, ec)) {  // a tokenizer.json or tokenizer.model file
+    files.push_back(dir);
+    const fs::path config = fs::path(dir).parent_path() / "tokenizer_config.json";
+    if (fs::is_regular_file(config, ec)) files.push_back(config.string());
+    return files;
+  }
   if (kind_or_dir == "byte" || !fs::is_directory(dir, ec)) return files;
   for (const auto& entry : fs::directory_iterator(dir, ec)) {
     if (entry.is_regular_file(ec) && kNames.count(entry.path().filename().string())) files.push_back(entry.path().string());
