@@ -269,6 +269,10 @@ class StrictBackend final : public Backend {
   }
   void fake_quant_mxfp4(const Tensor& x, const Tensor& out) override { cpu_->fake_quant_mxfp4(h(x), h(out)); }
   void fake_quant_nvfp4(const Tensor& x, const Tensor& out) override { cpu_->fake_quant_nvfp4(h(x), h(out)); }
+  void nf4_dequantize(const Tensor& codes, const Tensor& absmax_codes, const Tensor& absmax_steps, const Nf4Spec& spec,
+                      int64_t first, const Tensor& out) override {
+    cpu_->nf4_dequantize(h(codes), h(absmax_codes), h(absmax_steps), spec, first, h(out));
+  }
   void round_bf16(const Tensor& x, bool stochastic, const RoundingDraw& draw) override {
     cpu_->round_bf16(h(x), stochastic, draw);
   }

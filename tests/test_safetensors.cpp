@@ -25,14 +25,20 @@ TEST(SafetensorsTest, RoundTripsTensorsAndMetadata) {
   CpuAllocator alloc;
   Tensor a = test::random_tensor(alloc, {3, 5}, DTYPE_F32, 1);
   Tensor b = test::random_tokens(alloc, {7}, 100, 2);
+  Tensor c = Tensor::empty(alloc, {5}, DTYPE_U8, MEM_WORKSPACE);  // packed codes (NF4)
+  for (int i = 0; i < 5; ++i) c.data<uint8_t>()[i] = static_cast<uint8_t>(60 * i + 7);
   const std::string path = temp_path("roundtrip.safetensors");
-  write_safetensors(path, {{"a", a}, {"b", b}}, {{"arch", "gpt2"}});
+  write_safetensors(path, {{"a", a}, {"b", b}, {"c", c}}, {{"arch", "gpt2"}});
   const SafetensorsFile f = SafetensorsFile::read(path);
   EXPECT_EQ(f.metadata_value("arch"), "gpt2");
   EXPECT_EQ(f.shape("a"), (Shape{3, 5}));
   EXPECT_EQ(f.dtype("b"), DTYPE_I32);
+  EXPECT_EQ(f.stored_dtype("c"), "U8");
   Tensor a2 = f.tensor("a", alloc, MEM_WORKSPACE);
   EXPECT_EQ(test::values(a2), test::values(a));
+  const Tensor c2 = f.tensor("c", alloc, MEM_WORKSPACE);
+  EXPECT_EQ(std::vector<uint8_t>(c2.data<uint8_t>(), c2.data<uint8_t>() + 5),
+            std::vector<uint8_t>(c.data<uint8_t>(), c.data<uint8_t>() + 5));
   EXPECT_FALSE(std::filesystem::exists(path + ".tmp"));
   std::remove(path.c_str());
 }

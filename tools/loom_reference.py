@@ -43,8 +43,9 @@ _TORCH_TO_ST = {
     torch.float64: "F64",
     torch.int32: "I32",
     torch.int64: "I64",
+    torch.uint8: "U8",
 }
-_ST_TO_NUMPY = {"F32": "<f4", "F64": "<f8", "I32": "<i4", "I64": "<i8"}
+_ST_TO_NUMPY = {"F32": "<f4", "F64": "<f8", "I32": "<i4", "I64": "<i8", "U8": "<u1"}
 _ALIGN = 8
 
 

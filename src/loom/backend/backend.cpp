@@ -152,6 +152,9 @@ void Backend::fake_quant_blocks(const Tensor&, const Tensor&, const NumberGrid&,
 }
 void Backend::fake_quant_mxfp4(const Tensor&, const Tensor&) { no_low_precision(*this, "fake_quant_mxfp4"); }
 void Backend::fake_quant_nvfp4(const Tensor&, const Tensor&) { no_low_precision(*this, "fake_quant_nvfp4"); }
+void Backend::nf4_dequantize(const Tensor&, const Tensor&, const Tensor&, const Nf4Spec&, int64_t, const Tensor&) {
+  unsupported(*this, "nf4_dequantize", "QLoRA's NF4 base weights");
+}
 void Backend::round_bf16(const Tensor&, bool, const RoundingDraw&) { no_low_precision(*this, "round_bf16"); }
 
 // ---------------------------------------------------------------- optimizer ops

@@ -6,6 +6,7 @@
 // dtable) are accumulated with +=, so micro-batches accumulate without extra passes.
 // Float ops accept f32 and, for reference checks, f64 (all operands of one call share a dtype).
 #pragma once
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <string_view>
@@ -96,6 +97,21 @@ struct RoundingDraw {
   uint32_t stream = 0;
   uint32_t draw = 0;
 };
+
+// QLoRA's NF4 weights as the dequantizing op reads them (Dettmers et al. 2023, sec. 3;
+// precision/nf4.h quantizes them and states the layout): 4-bit codes in blocks of kNf4Block
+// elements, each block's absmax double-quantized to an int8 code with one f32 step per
+// kNf4ScaleBlock blocks, around the tensor's mean absmax.
+inline constexpr int64_t kNf4Block = 64, kNf4ScaleBlock = 256;
+struct Nf4Spec {
+  std::array<float, 16> values{};  // the code values (precision/nf4.h kNf4Codes)
+  float absmax_mean = 0.0f;        // the double quantization's offset
+};
+// Block b's absmax from its int8 code q and its group's step: f32(q step + mean). The product is
+// exact in double, so a fused multiply-add gives the same number on every backend.
+inline float nf4_block_absmax(int8_t q, float step, float mean) {
+  return static_cast<float>(static_cast<double>(q) * static_cast<double>(step) + static_cast<double>(mean));
+}
 
 // ---------------------------------------------------------------- optimizer ops (optim/*.cpp)
 // The hyper-parameters of one optimizer op call: one parameter (or one segment of it) at one step,
@@ -425,6 +441,13 @@ class Backend {
   // 2015): add the 16 high bits of the element's random number below bf16's last place and
   // truncate; inf and NaN stay.
   virtual void round_bf16(const Tensor& x, bool stochastic, const RoundingDraw& draw);
+  // NF4 dequantization on the fly (QLoRA's frozen base weights; the default throws): elements
+  // [first, first + out.numel()) of the flat weight into out (f32, or bf16 rounded to nearest
+  // even). codes (u8): element e's code in byte e / 2, the high nibble for even e; absmax_codes
+  // (u8 holding int8 q_b) one per block b = e / 64; absmax_steps (f32) one per 256 blocks.
+  // c_b = f32(q_b step_{b / 256} + absmax_mean) (in double) and out = values[code_e] c_{e / 64}.
+  virtual void nf4_dequantize(const Tensor& codes, const Tensor& absmax_codes, const Tensor& absmax_steps,
+                              const Nf4Spec& spec, int64_t first, const Tensor& out);
 
   // ---------------------------------------------------------------- optimizer ops
   // The element loops, reductions and small matrix steps of the optimizers (optim/*.cpp; the

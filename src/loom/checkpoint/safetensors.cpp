@@ -25,6 +25,7 @@ const char* safetensors_dtype(DType dtype) {
     case DTYPE_BF16: return "BF16";
     case DTYPE_F64: return "F64";
     case DTYPE_I32: return "I32";
+    case DTYPE_U8: return "U8";
     case DTYPE_COUNT: break;
   }
   throw Error("safetensors: unsupported dtype");

@@ -54,6 +54,7 @@ MPI_Datatype mpi_type(DType d, const char* op) {
     case DTYPE_F32: return MPI_FLOAT;
     case DTYPE_F64: return MPI_DOUBLE;
     case DTYPE_I32: return MPI_INT;
+    case DTYPE_U8: return MPI_UINT8_T;
     case DTYPE_BF16: return MPI_UINT16_T;  // moved, never reduced (see reduce_type)
     case DTYPE_COUNT: break;
   }

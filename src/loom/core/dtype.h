@@ -13,6 +13,7 @@ enum DType : uint8_t {
   DTYPE_BF16,
   DTYPE_F64,  // reference checks (finite differences) only
   DTYPE_I32,  // token ids
+  DTYPE_U8,   // packed codes (QLoRA's NF4 weights and their 8-bit scales, precision/nf4.h)
   DTYPE_COUNT
 };
 

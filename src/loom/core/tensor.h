@@ -105,6 +105,7 @@ template <> constexpr DType dtype_of<float>() { return DTYPE_F32; }
 template <> constexpr DType dtype_of<double>() { return DTYPE_F64; }
 template <> constexpr DType dtype_of<bf16>() { return DTYPE_BF16; }
 template <> constexpr DType dtype_of<int32_t>() { return DTYPE_I32; }
+template <> constexpr DType dtype_of<uint8_t>() { return DTYPE_U8; }
 
 class Tensor {
  public:

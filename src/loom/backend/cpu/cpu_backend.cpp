@@ -576,6 +576,10 @@ class CpuBackend final : public Backend {
   }
   void fake_quant_mxfp4(const Tensor& x, const Tensor& out) override { cpu::fake_quant_mxfp4(x, out); }
   void fake_quant_nvfp4(const Tensor& x, const Tensor& out) override { cpu::fake_quant_nvfp4(x, out); }
+  void nf4_dequantize(const Tensor& codes, const Tensor& absmax_codes, const Tensor& absmax_steps, const Nf4Spec& spec,
+                      int64_t first, const Tensor& out) override {
+    cpu::nf4_dequantize(codes, absmax_codes, absmax_steps, spec, first, out);
+  }
   void round_bf16(const Tensor& x, bool stochastic, const RoundingDraw& draw) override {
     cpu::round_bf16(x, stochastic, draw);
   }

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <bit>
 #include <cmath>
+#include <type_traits>
 
 #include "loom/backend/checks.h"
 #include "loom/core/dtype.h"
@@ -163,6 +164,43 @@ void round_to_bf16(float* x, int64_t n, bool stochastic, const RoundingDraw& dra
   }
 }
 
+// QLoRA's NF4 (precision/nf4.h): per block of 64, the 16 code values times the block's
+// double-quantized absmax, then a lookup per element, a byte (two elements) at a time.
+template <typename T>
+void nf4_dequantize(const uint8_t* codes, const uint8_t* absmax_codes, const float* absmax_steps, const Nf4Spec& spec,
+                    int64_t first, int64_t n, T* out) {
+  if (n <= 0) return;
+  const int64_t b0 = first / kNf4Block, b1 = (first + n - 1) / kNf4Block;
+#pragma omp parallel for schedule(static)
+  for (int64_t b = b0; b <= b1; ++b) {
+    // The block's 16 values, scaled once: values[k] c_b, as the contract's product.
+    const float c = nf4_block_absmax(static_cast<int8_t>(absmax_codes[b]), absmax_steps[b / kNf4ScaleBlock],
+                                     spec.absmax_mean);
+    T table[16];
+    for (int k = 0; k < 16; ++k) {
+      if constexpr (std::is_same_v<T, float>) table[k] = spec.values[static_cast<size_t>(k)] * c;
+      else table[k] = f32_to_bf16(spec.values[static_cast<size_t>(k)] * c);
+    }
+    const int64_t e0 = std::max(first, b * kNf4Block), e1 = std::min(first + n, (b + 1) * kNf4Block);
+    const auto code = [&](int64_t e) { return (codes[e >> 1] >> ((~e & 1) << 2)) & 0x0F; };
+    int64_t e = e0;
+    if (e & 1) {  // a range starting at a low nibble
+      out[e - first] = table[code(e)];
+      ++e;
+    }
+    T* dst = out + (e - first);
+    const uint8_t* pairs = codes + (e >> 1);
+    const int64_t whole = (e1 - e) / 2;  // whole bytes: both of their elements are in range
+    for (int64_t i = 0; i < whole; ++i) {
+      dst[2 * i] = table[pairs[i] >> 4];
+      dst[2 * i + 1] = table[pairs[i] & 0x0F];
+    }
+    if (e + 2 * whole < e1) out[e1 - 1 - first] = table[code(e1 - 1)];
+  }
+}
+template void nf4_dequantize<float>(const uint8_t*, const uint8_t*, const float*, const Nf4Spec&, int64_t, int64_t, float*);
+template void nf4_dequantize<bf16>(const uint8_t*, const uint8_t*, const float*, const Nf4Spec&, int64_t, int64_t, bf16*);
+
 // ------------------------------------------------------------------------------ the Tensor ops
 
 namespace {
@@ -219,6 +257,27 @@ void fake_quant_nvfp4(const Tensor& x, const Tensor& out) {
 void round_bf16(const Tensor& x, bool stochastic, const RoundingDraw& draw) {
   check_quant("round_bf16", x, nullptr);
   round_to_bf16(x.data<float>(), x.numel(), stochastic, draw);
+}
+
+void nf4_dequantize(const Tensor& codes, const Tensor& absmax_codes, const Tensor& absmax_steps, const Nf4Spec& spec,
+                    int64_t first, const Tensor& out) {
+  const char* op = "nf4_dequantize";
+  checks::expect_dtype(codes, DTYPE_U8, op, "codes");
+  checks::expect_dtype(absmax_codes, DTYPE_U8, op, "absmax_codes");
+  checks::expect_dtype(absmax_steps, DTYPE_F32, op, "absmax_steps");
+  LOOM_CHECK(out.dtype() == DTYPE_F32 || out.dtype() == DTYPE_BF16, op, ": out is ", out.describe(), ", expected f32 or bf16");
+  const int64_t n = out.numel(), end = first + n;
+  const int64_t blocks = (end + kNf4Block - 1) / kNf4Block;
+  LOOM_CHECK(first >= 0 && codes.numel() >= (end + 1) / 2 && absmax_codes.numel() >= blocks &&
+                 absmax_steps.numel() >= (blocks + kNf4ScaleBlock - 1) / kNf4ScaleBlock,
+             op, ": elements [", first, ", ", end, ") need ", (end + 1) / 2, " code bytes, ", blocks, " absmax codes and ",
+             (blocks + kNf4ScaleBlock - 1) / kNf4ScaleBlock, " steps; got ", codes.describe(), ", ",
+             absmax_codes.describe(), ", ", absmax_steps.describe());
+  const uint8_t* c = codes.data<uint8_t>();
+  const uint8_t* q = absmax_codes.data<uint8_t>();
+  const float* s = absmax_steps.data<float>();
+  if (out.dtype() == DTYPE_F32) nf4_dequantize(c, q, s, spec, first, n, out.data<float>());
+  else nf4_dequantize(c, q, s, spec, first, n, out.data<bf16>());
 }
 
 }  // namespace loom::cpu

@@ -19,6 +19,10 @@ void fake_quant_blocks(const NumberGrid& g, const float* x, int64_t rows, int64_
 void fake_quant_mxfp4(const float* x, int64_t rows, int64_t cols, float* out);
 void fake_quant_nvfp4(const float* x, int64_t rows, int64_t cols, float* out);
 void round_to_bf16(float* x, int64_t n, bool stochastic, const RoundingDraw& draw);
+// NF4 elements [first, first + n) (backend.h nf4_dequantize) into out (float or bf16).
+template <typename T>
+void nf4_dequantize(const uint8_t* codes, const uint8_t* absmax_codes, const float* absmax_steps, const Nf4Spec& spec,
+                    int64_t first, int64_t n, T* out);
 
 // The Backend ops on f32 tensors (out: x's numel; quant_codes_bf16's out bf16).
 float amax(const Tensor& x);
@@ -29,5 +33,7 @@ void fake_quant_blocks(const Tensor& x, const Tensor& out, const NumberGrid& gri
 void fake_quant_mxfp4(const Tensor& x, const Tensor& out);
 void fake_quant_nvfp4(const Tensor& x, const Tensor& out);
 void round_bf16(const Tensor& x, bool stochastic, const RoundingDraw& draw);
+void nf4_dequantize(const Tensor& codes, const Tensor& absmax_codes, const Tensor& absmax_steps, const Nf4Spec& spec,
+                    int64_t first, const Tensor& out);
 
 }  // namespace loom::cpu
