@@ -83,6 +83,13 @@ class Gguf(unittest.TestCase):
         cls.results = {}
         for arch, sets in ARCHS.items():
             cls.results[arch] = cls.check(arch, cls.data, cls.tokenizer, sets, PROMPTS, TYPES)
+        # Llama 3.1 / 3.2's shape: llama3 RoPE scaling (written as rope_freqs; an original context of
+        # 16 so that the 64 positions use the rescaled frequencies) and a head tied to the embedding
+        # (no output.weight: llama.cpp reads token_embd).
+        cls.results["llama 3.1 rope, tied"] = cls.check(
+            "llama 3.1 rope, tied", cls.data, cls.tokenizer,
+            ARCHS["llama"] + ",model.rope_scaling=llama3,model.rope_factor=8,model.rope_original_context=16,"
+            "model.tie_embeddings=true", PROMPTS, HF_TYPES)
         for name, tokenizer in (("hf llama, tokenizer.json", cls.llama3_style_tokenizer()),
                                 ("hf llama, tokenizer.model", cls.sentencepiece_tokenizer())):
             data = os.path.join(cls.tmp, "data_" + os.path.basename(tokenizer))

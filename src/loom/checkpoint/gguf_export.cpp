@@ -149,7 +149,20 @@ void add_llama_tensors(const ModelConfig& c, const Params& params, TensorSink& s
     add_matrix(sink, params, p + "mlp.down_proj.weight", b + "ffn_down.weight");
   }
   add_vector(sink, params, "model.norm.weight", "output_norm.weight");
-  add_matrix(sink, params, "lm_head.weight", "output.weight");
+  // A tied head has no output.weight: llama.cpp's llama then uses token_embd.
+  if (!c.tie_embeddings) add_matrix(sink, params, "lm_head.weight", "output.weight");
+  // Linear and llama3 RoPE scaling as llama.cpp's rope_freqs (convert_hf_to_gguf.py writes it for
+  // Llama 3.1): pair j's angle is pos theta^(-2j/hd) / rope_freqs[j], so the factor is the
+  // unscaled frequency over Loom's (backend/rope.h).
+  if (c.rope_scaling == ROPE_SCALING_LINEAR || c.rope_scaling == ROPE_SCALING_LLAMA3) {
+    RopeSpec plain = c.rope();
+    plain.scaling = ROPE_SCALING_NONE;
+    std::vector<float> factors(static_cast<size_t>(hd / 2));
+    for (int64_t j = 0; j < hd / 2; ++j) {
+      factors[static_cast<size_t>(j)] = static_cast<float>(rope_inv_freq(plain, j, hd) / rope_inv_freq(c.rope(), j, hd));
+    }
+    sink.add("rope_freqs.weight", factors, 0, 0);
+  }
 }
 
 void check_exportable(const ModelConfig& c, const GgufVocabulary& vocab) {
@@ -159,8 +172,10 @@ void check_exportable(const ModelConfig& c, const GgufVocabulary& vocab) {
              ": GGUF export does not support sliding-window attention (llama.cpp's gpt2/llama attend to every position)");
   LOOM_CHECK(!c.qk_norm, "model.qk_norm: GGUF export writes llama.cpp's llama architecture, which has no q/k norms "
              "(Qwen3 is not mapped)");
-  LOOM_CHECK(c.rope_scaling == ROPE_SCALING_NONE, "model.rope_scaling = ", enum_name(c.rope_scaling),
-             ": GGUF export does not write RoPE scaling yet");
+  LOOM_CHECK(c.rope_scaling == ROPE_SCALING_NONE || c.rope_scaling == ROPE_SCALING_LINEAR ||
+                 c.rope_scaling == ROPE_SCALING_LLAMA3,
+             "model.rope_scaling = ", enum_name(c.rope_scaling),
+             ": GGUF export writes linear and llama3 scaling (rope_freqs), not yarn yet");
   LOOM_CHECK(!c.qkv_bias, "model.qkv_bias = true: GGUF export does not write q/k/v biases (Qwen2) yet");
   LOOM_CHECK(c.arch == ARCH_LLAMA || c.head_dim() * c.n_head == c.d_model, "model.head_size = ", c.head_size,
              ": llama.cpp's gpt2 needs head_size = d_model / n_head");
