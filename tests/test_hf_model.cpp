@@ -186,5 +186,36 @@ TEST(HfImportErrors, MissingExtraOrMisshapenTensorsAreRefusedByName) {
   }
 }
 
+// A Loom model no transformers family describes is refused on export, naming what does not fit
+// (and nothing is written).
+TEST(HfExportErrors, ModelsWithoutATransformersFamilyAreRefused) {
+  struct Case {
+    std::function<void(ModelConfig&)> edit;
+    const char* expected;
+  };
+  const Case cases[] = {
+      {[](ModelConfig& c) { c.moe_experts = 4, c.moe_shared = 1; }, "maps to Mixtral or Qwen3-MoE"},
+      {[](ModelConfig& c) { c.moe_experts = 4, c.moe_renorm = false; }, "Mixtral renormalises"},
+      {[](ModelConfig& c) { c.qkv_bias = c.qk_norm = true; }, "no transformers family"},
+      {[](ModelConfig& c) {
+         c.mla_kv_rank = 16, c.mla_rope_dim = 4, c.moe_experts = 4, c.moe_groups = 2;
+       },
+       "group_limited_greedy"},
+  };
+  auto backend = make_cpu_backend();
+  int i = 0;
+  for (const Case& c : cases) {
+    ModelConfig config = model_preset("llama-tiny");
+    c.edit(config);
+    Transformer model(*backend, config);
+    const fs::path out = fs::path(::testing::TempDir()) / ("hf_export_refused_" + std::to_string(i++));
+    fs::remove_all(out);
+    const std::string msg = test::error_of([&] { save_hf_model(out.string(), ModelState{config, model.params()}); });
+    EXPECT_NE(msg.find("export to a Hugging Face folder"), std::string::npos) << msg;
+    EXPECT_NE(msg.find(c.expected), std::string::npos) << msg;
+    EXPECT_FALSE(fs::exists(out / "model.safetensors"));
+  }
+}
+
 }  // namespace
 }  // namespace loom
