@@ -18,6 +18,7 @@
 #include "loom/data/bpe.h"
 #include "loom/data/tokenizer.h"
 #include "loom/data/unicode.h"
+#include "test_util.h"
 #include "tokenizer_test_util.h"
 
 namespace loom {
@@ -124,6 +125,18 @@ TEST(TokenizerLoad, MissingFilesAreAnErrorNamingThePathAndTheFix) {
     EXPECT_NE(message.find((dir / "encoder.json").string()), std::string::npos) << message;
     EXPECT_NE(message.find("scripts/setup"), std::string::npos) << message;
     EXPECT_EQ(message.find('\n'), std::string::npos) << message;
+  }
+}
+
+// A folder without any tokenizer file (a Hugging Face model folder saved without one) names
+// every accepted form, not only GPT-2's.
+TEST(TokenizerLoad, FolderWithoutTokenizerNamesEveryForm) {
+  TempDir dir("no_tokenizer");
+  write_file(dir / "config.json", "{}");
+  const std::string message = test::error_of([&] { load_tokenizer(dir.str()); });
+  EXPECT_NE(message.find(dir.str() + ": no tokenizer in this folder"), std::string::npos) << message;
+  for (const char* form : {"tokenizer.json", "tokenizer.model", "vocab.json + merges.txt", "encoder.json + vocab.bpe"}) {
+    EXPECT_NE(message.find(form), std::string::npos) << message;
   }
 }
 

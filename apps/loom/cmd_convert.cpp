@@ -7,6 +7,7 @@
 #include "cli.h"
 #include "commands.h"
 #include "loom/checkpoint/gguf_export.h"
+#include "loom/checkpoint/hf_config.h"
 #include "loom/checkpoint/hf_model.h"
 #include "loom/core/error.h"
 #include "loom/data/tokenizer_files.h"
@@ -64,7 +65,7 @@ int to_hf(const Args& args, const ModelSource& source, const Tensor& params) {
   save_hf_model(out.string(), ModelState{source.config.model, params});
   copy_tokenizer_files(args.get("tokenizer", source.config.data.tokenizer), out);
   std::printf("wrote %s: a Hugging Face %s folder (config.json, model.safetensors, %lld parameters)\n",
-              out.string().c_str(), std::string(arch_name(source.config.model.arch)).c_str(),
+              out.string().c_str(), hf_config_json(source.config.model)["model_type"].get<std::string>().c_str(),
               static_cast<long long>(params.numel()));
   return 0;
 }

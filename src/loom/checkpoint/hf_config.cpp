@@ -3,6 +3,7 @@
 #include <cmath>
 #include <set>
 
+#include "loom/checkpoint/model_config_json.h"
 #include "loom/core/error.h"
 #include "loom/core/json_file.h"
 
@@ -192,19 +193,20 @@ void read_rope_scaling(ConfigReader& r, ModelConfig& c, bool deepseek = false) {
 }
 
 json rope_scaling_json(const ModelConfig& c) {
-  if (c.rope_scaling == ROPE_SCALING_LINEAR) return {{"rope_type", "linear"}, {"factor", c.rope_factor}};
+  const auto d = shortest_decimal;
+  if (c.rope_scaling == ROPE_SCALING_LINEAR) return {{"rope_type", "linear"}, {"factor", d(c.rope_factor)}};
   if (c.rope_scaling == ROPE_SCALING_YARN) {
     return {{"rope_type", "yarn"},
-            {"factor", c.rope_factor},
+            {"factor", d(c.rope_factor)},
             {"original_max_position_embeddings", c.rope_original_context},
-            {"beta_fast", c.rope_beta_fast},
-            {"beta_slow", c.rope_beta_slow},
-            {"attention_factor", c.rope_attention_factor}};
+            {"beta_fast", d(c.rope_beta_fast)},
+            {"beta_slow", d(c.rope_beta_slow)},
+            {"attention_factor", d(c.rope_attention_factor)}};
   }
   return {{"rope_type", "llama3"},
-          {"factor", c.rope_factor},
-          {"low_freq_factor", c.rope_low_freq_factor},
-          {"high_freq_factor", c.rope_high_freq_factor},
+          {"factor", d(c.rope_factor)},
+          {"low_freq_factor", d(c.rope_low_freq_factor)},
+          {"high_freq_factor", d(c.rope_high_freq_factor)},
           {"original_max_position_embeddings", c.rope_original_context}};
 }
 
@@ -404,14 +406,15 @@ json hf_config_json(const ModelConfig& c) {
   const HfFamily f = hf_family_of(c);
   json j = {{"architectures", {family_class(f)}}, {"model_type", family_type(f)}};
   if (f == HfFamily::gpt2) {
-    j.update({{"n_ctx", c.max_seq_len}, {"n_inner", c.d_ff}, {"layer_norm_epsilon", c.norm_eps},
-              {"activation_function", "gelu_new"}, {"initializer_range", c.init_std}, {"tie_word_embeddings", true}});
+    j.update({{"n_ctx", c.max_seq_len}, {"n_inner", c.d_ff}, {"layer_norm_epsilon", shortest_decimal(c.norm_eps)},
+              {"activation_function", "gelu_new"}, {"initializer_range", shortest_decimal(c.init_std)}, {"tie_word_embeddings", true}});
     write_int_keys(j, kGpt2Keys, c);
     j["torch_dtype"] = "float32";
     return j;
   }
-  j.update({{"num_key_value_heads", c.n_kv_head}, {"rms_norm_eps", c.norm_eps}, {"rope_theta", c.rope_theta},
-            {"hidden_act", "silu"}, {"initializer_range", c.init_std}, {"tie_word_embeddings", c.tie_embeddings}});
+  j.update({{"num_key_value_heads", c.n_kv_head}, {"rms_norm_eps", shortest_decimal(c.norm_eps)},
+            {"rope_theta", shortest_decimal(c.rope_theta)}, {"hidden_act", "silu"},
+            {"initializer_range", shortest_decimal(c.init_std)}, {"tie_word_embeddings", c.tie_embeddings}});
   write_int_keys(j, kLlamaKeys, c);
   if (c.rope_scaling != ROPE_SCALING_NONE) j["rope_scaling"] = rope_scaling_json(c);
   if (c.mla() && c.mla_score_scale != 1.0f) {  // DeepSeek's YaRN: the score scale as mscale_all_dim
@@ -440,7 +443,7 @@ json hf_config_json(const ModelConfig& c) {
         j.update({{"n_routed_experts", c.moe_experts}, {"num_experts_per_tok", c.moe_top_k},
                   {"moe_intermediate_size", c.expert_ff()}, {"n_shared_experts", c.moe_shared},
                   {"first_k_dense_replace", c.moe_dense_layers}, {"moe_layer_freq", 1},
-                  {"norm_topk_prob", c.moe_renorm}, {"routed_scaling_factor", c.moe_route_scale},
+                  {"norm_topk_prob", c.moe_renorm}, {"routed_scaling_factor", shortest_decimal(c.moe_route_scale)},
                   {"scoring_func", c.moe_sigmoid ? "sigmoid" : "softmax"},
                   {"topk_method", c.moe_sigmoid ? "noaux_tc" : "greedy"}, {"n_group", c.moe_groups},
                   {"topk_group", c.moe_topk_groups}});

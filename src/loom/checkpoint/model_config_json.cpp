@@ -10,18 +10,6 @@ namespace loom {
 
 namespace {
 
-// The shortest decimal that reads back as `f` (0.02f -> 0.02, not 0.019999999552965164), so
-// the config in the file reads as the user wrote it and still round-trips bitwise.
-double shortest_decimal(float f) {
-  char buf[32];
-  for (int digits = 6; digits < 9; ++digits) {
-    std::snprintf(buf, sizeof(buf), "%.*g", digits, static_cast<double>(f));
-    if (std::strtof(buf, nullptr) == f) return std::strtod(buf, nullptr);
-  }
-  std::snprintf(buf, sizeof(buf), "%.9g", static_cast<double>(f));
-  return std::strtod(buf, nullptr);
-}
-
 template <class T>
 nlohmann::json to_json_value(const T& v) {
   if constexpr (std::is_same_v<T, Arch>) return std::string(arch_name(v));
@@ -48,6 +36,17 @@ const char* group_name(ModelField::Place place) {
 }
 
 }  // namespace
+
+// So the config in the file reads as the user wrote it and still round-trips bitwise.
+double shortest_decimal(float f) {
+  char buf[32];
+  for (int digits = 6; digits < 9; ++digits) {
+    std::snprintf(buf, sizeof(buf), "%.*g", digits, static_cast<double>(f));
+    if (std::strtof(buf, nullptr) == f) return std::strtod(buf, nullptr);
+  }
+  std::snprintf(buf, sizeof(buf), "%.9g", static_cast<double>(f));
+  return std::strtod(buf, nullptr);
+}
 
 nlohmann::json model_config_json(const ModelConfig& c) {
   nlohmann::json j = nlohmann::json::object();

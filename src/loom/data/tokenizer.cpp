@@ -63,6 +63,11 @@ std::unique_ptr<Tokenizer> load_tokenizer(const std::string& kind_or_dir) {
     if (fs::is_regular_file(path / file)) return load_tokenizer_file(path / file);
   if (fs::is_regular_file(path / "vocab.json") || fs::is_regular_file(path / "merges.txt"))
     return std::make_unique<BpeTokenizer>((path / "vocab.json").string(), (path / "merges.txt").string(), kind_or_dir);
+  // A folder with none of the files (a Hugging Face model folder saved without its tokenizer):
+  // name every form, not only GPT-2's.
+  LOOM_CHECK(fs::is_regular_file(path / "encoder.json") || fs::is_regular_file(path / "vocab.bpe"), kind_or_dir,
+             ": no tokenizer in this folder: expected tokenizer.json, tokenizer.model, vocab.json + merges.txt or "
+             "encoder.json + vocab.bpe (a Hugging Face folder saved without its tokenizer needs one copied in)");
   return load_gpt2_tokenizer(kind_or_dir);
 }
 
