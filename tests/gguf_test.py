@@ -90,6 +90,10 @@ class Gguf(unittest.TestCase):
             "llama 3.1 rope, tied", cls.data, cls.tokenizer,
             ARCHS["llama"] + ",model.rope_scaling=llama3,model.rope_factor=8,model.rope_original_context=16,"
             "model.tie_embeddings=true", PROMPTS, HF_TYPES)
+        # Qwen2's shape: q/k/v biases and a tied head, written as llama.cpp's qwen2 (NEOX RoPE).
+        cls.results["qwen2 biases, tied"] = cls.check(
+            "qwen2 biases, tied", cls.data, cls.tokenizer, ARCHS["llama"] + ",model.qkv_bias=true,model.tie_embeddings=true",
+            PROMPTS, HF_TYPES)
         for name, tokenizer in (("hf llama, tokenizer.json", cls.llama3_style_tokenizer()),
                                 ("hf llama, tokenizer.model", cls.sentencepiece_tokenizer())):
             data = os.path.join(cls.tmp, "data_" + os.path.basename(tokenizer))

@@ -6,6 +6,8 @@
 // python3-sentencepiece, whose tokenizer.vocab lists the pieces and scores independently).
 #include <gtest/gtest.h>
 
+#include <functional>
+
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -204,8 +206,9 @@ struct Exported {
   GgufFile file;
 };
 
-Exported export_tiny(Arch arch, GgufExportType type) {
+Exported export_tiny(Arch arch, GgufExportType type, const std::function<void(ModelConfig&)>& edit = {}) {
   Exported e{tiny(arch), {}, {}};
+  if (edit) edit(e.config);
   const ParamLayout layout = build_param_layout(e.config);
   e.params = random_floats(layout.total, 4, 0.5f);
   const std::string path = temp_path(std::string(arch_name(arch)) + ".gguf");
@@ -299,6 +302,23 @@ TEST(GgufExport, LlamaSplitsQkvAndGateUpAndPermutesForAdjacentPairRope) {
   }
 }
 
+// Qwen2 (q/k/v biases) as llama.cpp's qwen2: its RoPE turns the halves (NEOX) as Loom does, so q
+// and k keep Loom's row order (no permutation), and the biases are split as the weight's rows.
+TEST(GgufExport, Qwen2IsWrittenAsLlamaCppsQwen2WithBiasesAndUnpermutedRows) {
+  const Exported e = export_tiny(ARCH_LLAMA, GgufExportType::F32, [](ModelConfig& c) { c.qkv_bias = true; });
+  const ModelConfig& c = e.config;
+  EXPECT_EQ(e.file.get("general.architecture").s, "qwen2");
+  EXPECT_EQ(e.file.get("qwen2.attention.head_count_kv").i, c.n_kv_head);
+  const int64_t q = c.n_head * c.head_dim(), kv = c.n_kv_head * c.head_dim(), C = c.d_model;
+  const std::vector<float> w = param(e, "model.layers.0.self_attn.qkv_proj.weight");
+  const std::vector<float> b = param(e, "model.layers.0.self_attn.qkv_proj.bias");
+  EXPECT_EQ(e.file.tensor_f32("blk.0.attn_q.weight"), std::vector<float>(w.begin(), w.begin() + q * C));
+  EXPECT_EQ(e.file.tensor_f32("blk.0.attn_k.weight"), std::vector<float>(w.begin() + q * C, w.begin() + (q + kv) * C));
+  EXPECT_EQ(e.file.tensor_f32("blk.0.attn_q.bias"), std::vector<float>(b.begin(), b.begin() + q));
+  EXPECT_EQ(e.file.tensor_f32("blk.0.attn_k.bias"), std::vector<float>(b.begin() + q, b.begin() + q + kv));
+  EXPECT_EQ(e.file.tensor_f32("blk.0.attn_v.bias"), std::vector<float>(b.begin() + q + kv, b.end()));
+}
+
 TEST(GgufExport, QuantizedTypesKeepVectorsF32AndRefuseWhatLlamaCppCannotRun) {
   const Exported q4 = export_tiny(ARCH_LLAMA, GgufExportType::Q4_0);
   EXPECT_EQ(q4.file.get("general.file_type").i, 2);
@@ -319,10 +339,11 @@ TEST(GgufExport, QuantizedTypesKeepVectorsF32AndRefuseWhatLlamaCppCannotRun) {
   EXPECT_NE(err.find("model.moe_experts"), std::string::npos) << err;
   ModelConfig biased = tiny(ARCH_LLAMA);
   biased.qkv_bias = true;
+  biased.rope_scaling = ROPE_SCALING_LLAMA3;
   const std::vector<float> pb(static_cast<size_t>(build_param_layout(biased).total));
   EXPECT_NE(test::error_of([&] {
               export_gguf(biased, pb, gguf_vocabulary(ByteTokenizer()), GgufExportType::F32, "x", temp_path("b.gguf"));
-            }).find("model.qkv_bias = true"),
+            }).find("model.qkv_bias with model.rope_scaling = llama3"),
             std::string::npos);
   ModelConfig small = tiny(ARCH_GPT2);
   small.vocab_size = 300;

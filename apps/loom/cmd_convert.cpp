@@ -54,7 +54,7 @@ int to_gguf(const Args& args, const ModelSource& source, const Tensor& params) {
       export_gguf(config.model, {params.data<float>(), static_cast<size_t>(params.numel())}, vocab, type,
                   args.get("name", config.run.name), args.get("out"));
   std::printf("wrote %s: %s, %lld tensors (%lld matrices %s, the rest f32), %lld tokens, %.2f MB\n",
-              args.get("out").c_str(), std::string(arch_name(config.model.arch)).c_str(), static_cast<long long>(s.tensors),
+              args.get("out").c_str(), s.architecture.c_str(), static_cast<long long>(s.tensors),
               static_cast<long long>(s.converted), std::string(enum_name(type)).c_str(),
               static_cast<long long>(vocab.tokens.size()), static_cast<double>(s.bytes) / 1e6);
   return 0;

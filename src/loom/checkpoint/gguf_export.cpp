@@ -131,16 +131,29 @@ std::vector<float> head_rows(std::span<const float> w, int64_t C, int64_t first,
   return out;
 }
 
+// llama.cpp's architecture for a Llama-family model: "qwen2" with q/k/v biases (Qwen2 / 2.5),
+// else "llama".
+std::string gguf_arch(const ModelConfig& c) { return c.arch == ARCH_LLAMA && c.qkv_bias ? "qwen2" : std::string(arch_name(c.arch)); }
+
 void add_llama_tensors(const ModelConfig& c, const Params& params, TensorSink& sink) {
   const int64_t C = c.d_model, F = c.d_ff, hd = c.head_dim(), H = c.n_head, KV = c.n_kv_head;
+  // llama.cpp's llama turns adjacent pairs (rope type NORM: q and k rows permuted below); its
+  // qwen2 turns the halves (NEOX), as Loom does: rows as they are.
+  const bool permute = !c.qkv_bias;
   add_matrix(sink, params, "model.embed_tokens.weight", "token_embd.weight");
   for (int64_t i = 0; i < c.n_layer; ++i) {
     const std::string p = "model.layers." + std::to_string(i) + ".", b = "blk." + std::to_string(i) + ".";
     add_vector(sink, params, p + "input_layernorm.weight", b + "attn_norm.weight");
     const std::span<const float> qkv = params(p + "self_attn.qkv_proj.weight");
-    sink.add(b + "attn_q.weight", head_rows(qkv, C, 0, H, hd, true), H * hd, C);
-    sink.add(b + "attn_k.weight", head_rows(qkv, C, H * hd, KV, hd, true), KV * hd, C);
+    sink.add(b + "attn_q.weight", head_rows(qkv, C, 0, H, hd, permute), H * hd, C);
+    sink.add(b + "attn_k.weight", head_rows(qkv, C, H * hd, KV, hd, permute), KV * hd, C);
     sink.add(b + "attn_v.weight", head_rows(qkv, C, (H + KV) * hd, KV, hd, false), KV * hd, C);
+    if (c.qkv_bias) {  // Qwen2's biases, split as the weight's rows
+      const std::span<const float> bias = params(p + "self_attn.qkv_proj.bias");
+      sink.add(b + "attn_q.bias", bias.first(static_cast<size_t>(H * hd)), 0, 0);
+      sink.add(b + "attn_k.bias", bias.subspan(static_cast<size_t>(H * hd), static_cast<size_t>(KV * hd)), 0, 0);
+      sink.add(b + "attn_v.bias", bias.subspan(static_cast<size_t>((H + KV) * hd)), 0, 0);
+    }
     add_matrix(sink, params, p + "self_attn.o_proj.weight", b + "attn_output.weight");
     add_vector(sink, params, p + "post_attention_layernorm.weight", b + "ffn_norm.weight");
     const std::span<const float> gate_up = params(p + "mlp.gate_up_proj.weight");
@@ -176,7 +189,8 @@ void check_exportable(const ModelConfig& c, const GgufVocabulary& vocab) {
                  c.rope_scaling == ROPE_SCALING_LLAMA3,
              "model.rope_scaling = ", enum_name(c.rope_scaling),
              ": GGUF export writes linear and llama3 scaling (rope_freqs), not yarn yet");
-  LOOM_CHECK(!c.qkv_bias, "model.qkv_bias = true: GGUF export does not write q/k/v biases (Qwen2) yet");
+  LOOM_CHECK(!c.qkv_bias || c.rope_scaling == ROPE_SCALING_NONE, "model.qkv_bias with model.rope_scaling = ",
+             enum_name(c.rope_scaling), ": GGUF export writes q/k/v biases as llama.cpp's qwen2, without RoPE scaling");
   LOOM_CHECK(c.arch == ARCH_LLAMA || c.head_dim() * c.n_head == c.d_model, "model.head_size = ", c.head_size,
              ": llama.cpp's gpt2 needs head_size = d_model / n_head");
   LOOM_CHECK(static_cast<int64_t>(vocab.tokens.size()) == c.vocab_size, "the tokenizer has ", vocab.tokens.size(),
@@ -184,7 +198,7 @@ void check_exportable(const ModelConfig& c, const GgufVocabulary& vocab) {
 }
 
 void put_arch(GgufWriter& w, const ModelConfig& c) {
-  const std::string a(arch_name(c.arch));
+  const std::string a = gguf_arch(c);
   w.put("general.architecture", GgufValue::string(a));
   w.put(a + ".vocab_size", GgufValue::u32(static_cast<uint32_t>(c.vocab_size)));
   w.put(a + ".context_length", GgufValue::u32(static_cast<uint32_t>(c.max_seq_len)));
@@ -222,7 +236,7 @@ GgufExportSummary export_gguf(const ModelConfig& config, std::span<const float> 
   if (config.arch == ARCH_GPT2) add_gpt2_tensors(config, named, sink);
   else add_llama_tensors(config, named, sink);
   writer.write(path);
-  return {sink.tensors(), sink.converted(), static_cast<uint64_t>(std::filesystem::file_size(path))};
+  return {gguf_arch(config), sink.tensors(), sink.converted(), static_cast<uint64_t>(std::filesystem::file_size(path))};
 }
 
 }  // namespace loom

@@ -38,6 +38,7 @@ struct EnumNames<GgufExportType> {
 };
 
 struct GgufExportSummary {
+  std::string architecture;  // general.architecture: gpt2, llama or qwen2
   int64_t tensors = 0;
   int64_t converted = 0;  // matrices stored in the requested type
   uint64_t bytes = 0;     // file size
