@@ -94,6 +94,10 @@ class Gguf(unittest.TestCase):
         cls.results["qwen2 biases, tied"] = cls.check(
             "qwen2 biases, tied", cls.data, cls.tokenizer, ARCHS["llama"] + ",model.qkv_bias=true,model.tie_embeddings=true",
             PROMPTS, HF_TYPES)
+        # Qwen3's shape: per-head q/k norms, written as llama.cpp's qwen3.
+        cls.results["qwen3 qk norm"] = cls.check(
+            "qwen3 qk norm", cls.data, cls.tokenizer, ARCHS["llama"] + ",model.qk_norm=true",
+            PROMPTS, HF_TYPES)
         for name, tokenizer in (("hf llama, tokenizer.json", cls.llama3_style_tokenizer()),
                                 ("hf llama, tokenizer.model", cls.sentencepiece_tokenizer())):
             data = os.path.join(cls.tmp, "data_" + os.path.basename(tokenizer))

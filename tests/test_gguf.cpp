@@ -319,6 +319,18 @@ TEST(GgufExport, Qwen2IsWrittenAsLlamaCppsQwen2WithBiasesAndUnpermutedRows) {
   EXPECT_EQ(e.file.tensor_f32("blk.0.attn_v.bias"), std::vector<float>(b.begin() + q + kv, b.end()));
 }
 
+// Qwen3 (q/k norms) as llama.cpp's qwen3: unpermuted q/k rows (NEOX) and the two norms per layer.
+TEST(GgufExport, Qwen3IsWrittenAsLlamaCppsQwen3WithItsNorms) {
+  const Exported e = export_tiny(ARCH_LLAMA, GgufExportType::F32, [](ModelConfig& c) { c.qk_norm = true; });
+  const ModelConfig& c = e.config;
+  EXPECT_EQ(e.file.get("general.architecture").s, "qwen3");
+  const int64_t q = c.n_head * c.head_dim(), C = c.d_model;
+  const std::vector<float> w = param(e, "model.layers.1.self_attn.qkv_proj.weight");
+  EXPECT_EQ(e.file.tensor_f32("blk.1.attn_q.weight"), std::vector<float>(w.begin(), w.begin() + q * C));
+  EXPECT_EQ(e.file.tensor_f32("blk.1.attn_q_norm.weight"), param(e, "model.layers.1.self_attn.q_norm.weight"));
+  EXPECT_EQ(e.file.tensor_f32("blk.1.attn_k_norm.weight"), param(e, "model.layers.1.self_attn.k_norm.weight"));
+}
+
 TEST(GgufExport, QuantizedTypesKeepVectorsF32AndRefuseWhatLlamaCppCannotRun) {
   const Exported q4 = export_tiny(ARCH_LLAMA, GgufExportType::Q4_0);
   EXPECT_EQ(q4.file.get("general.file_type").i, 2);
@@ -343,7 +355,7 @@ TEST(GgufExport, QuantizedTypesKeepVectorsF32AndRefuseWhatLlamaCppCannotRun) {
   const std::vector<float> pb(static_cast<size_t>(build_param_layout(biased).total));
   EXPECT_NE(test::error_of([&] {
               export_gguf(biased, pb, gguf_vocabulary(ByteTokenizer()), GgufExportType::F32, "x", temp_path("b.gguf"));
-            }).find("model.qkv_bias with model.rope_scaling = llama3"),
+            }).find("model.qkv_bias / qk_norm with model.rope_scaling = llama3"),
             std::string::npos);
   ModelConfig small = tiny(ARCH_GPT2);
   small.vocab_size = 300;

@@ -132,14 +132,18 @@ std::vector<float> head_rows(std::span<const float> w, int64_t C, int64_t first,
 }
 
 // llama.cpp's architecture for a Llama-family model: "qwen2" with q/k/v biases (Qwen2 / 2.5),
-// else "llama".
-std::string gguf_arch(const ModelConfig& c) { return c.arch == ARCH_LLAMA && c.qkv_bias ? "qwen2" : std::string(arch_name(c.arch)); }
+// "qwen3" with q/k norms, else "llama".
+std::string gguf_arch(const ModelConfig& c) {
+  if (c.arch == ARCH_LLAMA && c.qkv_bias) return "qwen2";
+  if (c.arch == ARCH_LLAMA && c.qk_norm) return "qwen3";
+  return std::string(arch_name(c.arch));
+}
 
 void add_llama_tensors(const ModelConfig& c, const Params& params, TensorSink& sink) {
   const int64_t C = c.d_model, F = c.d_ff, hd = c.head_dim(), H = c.n_head, KV = c.n_kv_head;
   // llama.cpp's llama turns adjacent pairs (rope type NORM: q and k rows permuted below); its
-  // qwen2 turns the halves (NEOX), as Loom does: rows as they are.
-  const bool permute = !c.qkv_bias;
+  // qwen2 and qwen3 turn the halves (NEOX), as Loom does: rows as they are.
+  const bool permute = !c.qkv_bias && !c.qk_norm;
   add_matrix(sink, params, "model.embed_tokens.weight", "token_embd.weight");
   for (int64_t i = 0; i < c.n_layer; ++i) {
     const std::string p = "model.layers." + std::to_string(i) + ".", b = "blk." + std::to_string(i) + ".";
@@ -153,6 +157,10 @@ void add_llama_tensors(const ModelConfig& c, const Params& params, TensorSink& s
       sink.add(b + "attn_q.bias", bias.first(static_cast<size_t>(H * hd)), 0, 0);
       sink.add(b + "attn_k.bias", bias.subspan(static_cast<size_t>(H * hd), static_cast<size_t>(KV * hd)), 0, 0);
       sink.add(b + "attn_v.bias", bias.subspan(static_cast<size_t>((H + KV) * hd)), 0, 0);
+    }
+    if (c.qk_norm) {  // Qwen3's per-head norms (head_dim each)
+      add_vector(sink, params, p + "self_attn.q_norm.weight", b + "attn_q_norm.weight");
+      add_vector(sink, params, p + "self_attn.k_norm.weight", b + "attn_k_norm.weight");
     }
     add_matrix(sink, params, p + "self_attn.o_proj.weight", b + "attn_output.weight");
     add_vector(sink, params, p + "post_attention_layernorm.weight", b + "ffn_norm.weight");
@@ -183,14 +191,14 @@ void check_exportable(const ModelConfig& c, const GgufVocabulary& vocab) {
   LOOM_CHECK(!c.mla(), "model.mla_kv_rank = ", c.mla_kv_rank, ": GGUF export does not support MLA models");
   LOOM_CHECK(c.attn_window == 0, "model.attn_window = ", c.attn_window,
              ": GGUF export does not support sliding-window attention (llama.cpp's gpt2/llama attend to every position)");
-  LOOM_CHECK(!c.qk_norm, "model.qk_norm: GGUF export writes llama.cpp's llama architecture, which has no q/k norms "
-             "(Qwen3 is not mapped)");
+  LOOM_CHECK(!(c.qk_norm && c.qkv_bias), "model.qk_norm with model.qkv_bias: no llama.cpp architecture has both");
   LOOM_CHECK(c.rope_scaling == ROPE_SCALING_NONE || c.rope_scaling == ROPE_SCALING_LINEAR ||
                  c.rope_scaling == ROPE_SCALING_LLAMA3,
              "model.rope_scaling = ", enum_name(c.rope_scaling),
              ": GGUF export writes linear and llama3 scaling (rope_freqs), not yarn yet");
-  LOOM_CHECK(!c.qkv_bias || c.rope_scaling == ROPE_SCALING_NONE, "model.qkv_bias with model.rope_scaling = ",
-             enum_name(c.rope_scaling), ": GGUF export writes q/k/v biases as llama.cpp's qwen2, without RoPE scaling");
+  LOOM_CHECK(!(c.qkv_bias || c.qk_norm) || c.rope_scaling == ROPE_SCALING_NONE, "model.qkv_bias / qk_norm with "
+             "model.rope_scaling = ", enum_name(c.rope_scaling), ": GGUF export writes Qwen2 / Qwen3 as llama.cpp's "
+             "qwen2 / qwen3, without RoPE scaling");
   LOOM_CHECK(c.arch == ARCH_LLAMA || c.head_dim() * c.n_head == c.d_model, "model.head_size = ", c.head_size,
              ": llama.cpp's gpt2 needs head_size = d_model / n_head");
   LOOM_CHECK(static_cast<int64_t>(vocab.tokens.size()) == c.vocab_size, "the tokenizer has ", vocab.tokens.size(),
