@@ -1,6 +1,7 @@
 #include "loom/checkpoint/hf_config.h"
 
 #include <cmath>
+#include <optional>
 #include <set>
 
 #include "loom/checkpoint/model_config_json.h"
@@ -174,7 +175,7 @@ void read_rope_scaling(ConfigReader& r, ModelConfig& c, bool deepseek = false) {
     const double mscale = optional("mscale", 0.0), mscale_all_dim = optional("mscale_all_dim", 0.0);
     const double derived = mscale != 0.0 && mscale_all_dim != 0.0
                                ? yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
-                               : yarn_mscale(factor, deepseek ? mscale + (mscale == 0.0) : 1.0);
+                               : yarn_mscale(factor, deepseek && mscale != 0.0 ? mscale : 1.0);
     c.rope_attention_factor = static_cast<float>(optional("attention_factor", derived));
     if (deepseek && mscale_all_dim != 0.0) {
       const double m = yarn_mscale(factor, mscale_all_dim);
@@ -322,23 +323,7 @@ ModelConfig deepseek_config(ConfigReader& r, HfFamily family) {
   return c;
 }
 
-HfFamily family_of_type(const std::string& type, const std::string& path) {
-  static const std::pair<const char*, HfFamily> kTypes[] = {
-      {"gpt2", HfFamily::gpt2},           {"llama", HfFamily::llama},         {"mistral", HfFamily::mistral},
-      {"qwen2", HfFamily::qwen2},         {"qwen3", HfFamily::qwen3},         {"mixtral", HfFamily::mixtral},
-      {"qwen3_moe", HfFamily::qwen3_moe}, {"deepseek_v2", HfFamily::deepseek_v2}, {"deepseek_v3", HfFamily::deepseek_v3}};
-  for (const auto& [name, family] : kTypes) {
-    if (type == name) return family;
-  }
-  throw Error(str_cat(path, ": model_type '", type, "' is not supported yet (gpt2, llama, mistral, qwen2, qwen3, "
-                      "mixtral, qwen3_moe, deepseek_v2, deepseek_v3)"));
-}
-
-const char* family_type(HfFamily f) {
-  constexpr const char* kNames[] = {"gpt2", "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe",
-                                    "deepseek_v2", "deepseek_v3"};
-  return kNames[static_cast<int>(f)];
-}
+// The transformers class of each family (config.json's "architectures"), in HfFamily's order.
 const char* family_class(HfFamily f) {
   constexpr const char* kNames[] = {"GPT2LMHeadModel",    "LlamaForCausalLM",    "MistralForCausalLM",
                                     "Qwen2ForCausalLM",   "Qwen3ForCausalLM",    "MixtralForCausalLM",
@@ -351,7 +336,10 @@ const char* family_class(HfFamily f) {
 HfConfig read_hf_config(const std::string& path) {
   ConfigReader r(read_json_file(path), path);
   HfConfig out;
-  out.family = family_of_type(r.get<std::string>("model_type"), path);
+  const std::string type = r.get<std::string>("model_type");
+  const std::optional<HfFamily> family = enum_from_name<HfFamily>(type);
+  LOOM_CHECK(family.has_value(), path, ": model_type '", type, "' is not supported yet (", enum_choices<HfFamily>(), ")");
+  out.family = *family;
   ignore_common(r);
   switch (out.family) {
     case HfFamily::gpt2: out.model = gpt2_config(r); break;
@@ -404,7 +392,7 @@ HfFamily hf_family_of(const ModelConfig& c) {
 
 json hf_config_json(const ModelConfig& c) {
   const HfFamily f = hf_family_of(c);
-  json j = {{"architectures", {family_class(f)}}, {"model_type", family_type(f)}};
+  json j = {{"architectures", {family_class(f)}}, {"model_type", std::string(enum_name(f))}};
   if (f == HfFamily::gpt2) {
     j.update({{"n_ctx", c.max_seq_len}, {"n_inner", c.d_ff}, {"layer_norm_epsilon", shortest_decimal(c.norm_eps)},
               {"activation_function", "gelu_new"}, {"initializer_range", shortest_decimal(c.init_std)}, {"tie_word_embeddings", true}});

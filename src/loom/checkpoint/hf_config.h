@@ -20,10 +20,17 @@
 #include <nlohmann/json.hpp>
 
 #include "loom/arch/config.h"
+#include "loom/core/enum_names.h"
 
 namespace loom {
 
 enum class HfFamily { gpt2, llama, mistral, qwen2, qwen3, mixtral, qwen3_moe, deepseek_v2, deepseek_v3 };
+
+template <>
+struct EnumNames<HfFamily> {  // config.json's model_type
+  static constexpr std::array<std::string_view, 9> names{"gpt2",  "llama",   "mistral",   "qwen2",      "qwen3",
+                                                         "mixtral", "qwen3_moe", "deepseek_v2", "deepseek_v3"};
+};
 
 // The family and model config of a config.json (path: for errors).
 struct HfConfig {

@@ -78,17 +78,20 @@ std::vector<Piece> pieces_of(const ModelConfig& c, HfFamily family, const ParamS
 // does after permuting. Row i of a d_r-wide RoPE block in Loom is row perm(i) in the folder,
 // perm(i) = 2i for i < d_r/2, 2(i - d_r/2) + 1 after. Both q and k are permuted alike, so the
 // scores are those of the folder. to_loom: the folder's order in, Loom's out (else back).
-void permute_deepseek_rope_rows(const ModelConfig& c, const ParamSpec& spec, const Tensor& dst, bool to_loom) {
-  const std::string& n = spec.name;
-  const int64_t dr = c.mla_rope_dim, cols = spec.shape.size() == 2 ? spec.shape[1] : 1;
-  std::vector<int64_t> starts;  // first row of each RoPE block
+// The first row of each RoPE block of parameter `n` (empty: it has none).
+std::vector<int64_t> deepseek_rope_starts(const ModelConfig& c, const std::string& n) {
+  std::vector<int64_t> starts;
   if (ends_with(n, ".self_attn.q_proj.weight") || ends_with(n, ".self_attn.q_b_proj.weight")) {
     for (int64_t h = 0; h < c.n_head; ++h) starts.push_back(h * c.mla_qk() + c.mla_nope());
   } else if (ends_with(n, ".self_attn.kv_a_proj_with_mqa.weight")) {
     starts.push_back(c.mla_kv_rank);
-  } else {
-    return;
   }
+  return starts;
+}
+
+void permute_deepseek_rope_rows(const ModelConfig& c, const std::vector<int64_t>& starts, const Tensor& dst,
+                                bool to_loom) {
+  const int64_t dr = c.mla_rope_dim, cols = dst.ndim() == 2 ? dst.dim(1) : 1;
   float* data = dst.data<float>();
   std::vector<float> block(static_cast<size_t>(dr * cols));
   for (const int64_t first : starts) {
@@ -253,15 +256,15 @@ void load_hf_weights(const std::string& dir, const ModelState& model) {
       copy_piece(files, piece, spec, dst, row, used);
       row += piece.rows;
     }
-    if (deepseek(family)) permute_deepseek_rope_rows(c, spec, dst, true);
+    if (deepseek(family)) permute_deepseek_rope_rows(c, deepseek_rope_starts(c, spec.name), dst, true);
   }
   if (c.tied_head()) {
     const ParamSpec& embedding = layout.find(embedding_param_name(c));
     check_tied_head(files, model.params.view(embedding.offset, embedding.shape), used);
   }
   for (const std::string& name : files.names()) {
-    LOOM_CHECK(used.count(name) || is_buffer(name) || is_extra_layer(name, c, family), files.describe(), ": tensor '", name, "' is not a parameter of a ",
-               arch_name(c.arch), " model with this config.json");
+    LOOM_CHECK(used.count(name) || is_buffer(name) || is_extra_layer(name, c, family), files.describe(), ": tensor '",
+               name, "' is not a parameter of a ", arch_name(c.arch), " model with this config.json");
   }
 }
 
@@ -273,10 +276,11 @@ void save_hf_model(const std::string& dir, const ModelState& model) {
   std::vector<std::pair<std::string, Tensor>> tensors;
   for (const ParamSpec& spec : layout.params) {
     Tensor src = model.params.view(spec.offset, spec.shape);
-    if (deepseek(family)) {  // a host copy in the folder's RoPE row order
+    const std::vector<int64_t> rope_starts = deepseek(family) ? deepseek_rope_starts(c, spec.name) : std::vector<int64_t>{};
+    if (!rope_starts.empty()) {  // a host copy in the folder's RoPE row order
       Tensor copy = Tensor::empty(host, spec.shape, DTYPE_F32, MEM_WORKSPACE);
       std::memcpy(copy.data<float>(), src.data<float>(), static_cast<size_t>(src.numel()) * sizeof(float));
-      permute_deepseek_rope_rows(c, spec, copy, false);
+      permute_deepseek_rope_rows(c, rope_starts, copy, false);
       src = copy;
     }
     const int64_t cols = spec.shape.size() == 2 ? spec.shape[1] : 1;
