@@ -500,6 +500,53 @@ class Cli(unittest.TestCase):
         p = self.train("init_bad", "--set", f"train.init_from={os.path.join(self.tmp, 'nowhere')}", expect_ok=False)
         self.assert_one_line_error(p, "nowhere")
 
+    def test_lora_fine_tuning_exports_adapters_and_merged_weights(self):
+        # A base model exported to Hugging Face layout, LoRA-fine-tuned from there (train.init_from
+        # + peft.*), its adapters written in PEFT's layout and merged into a Hugging Face folder.
+        self.train("lora_base", "--set", "model.arch=llama", steps=4)
+        hf = os.path.join(self.tmp, "lora_base_hf")
+        run("convert", "--to", "hf", "--checkpoint", os.path.join(self.tmp, "runs", "lora_base"), "--out", hf,
+            "--tokenizer", "byte")
+        peft = f"train.init_from={hf},peft.method=lora,peft.rank=4,peft.alpha=8,peft.targets=\"q,k,v,o,gate,up,down\""
+        p = self.train("lora_ft", "--set", peft + ",optim.lr=0.01", steps=6)
+        self.assertIn("LoRA: rank 4, alpha 8 (scale 2), targets q,k,v,o,gate,up,down", p.stdout)
+        self.assertIn("the base is frozen", p.stdout)
+        ft = os.path.join(self.tmp, "runs", "lora_ft")
+        adapter, merged = os.path.join(self.tmp, "lora_adapter"), os.path.join(self.tmp, "lora_merged")
+        run("convert", "--to", "peft", "--checkpoint", ft, "--out", adapter)
+        with open(os.path.join(adapter, "adapter_config.json")) as f:
+            cfg = json.load(f)
+        self.assertEqual((cfg["peft_type"], cfg["r"], cfg["lora_alpha"]), ("LORA", 4, 8))
+        self.assertEqual(cfg["target_modules"], ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+        p = run("convert", "--to", "hf", "--checkpoint", ft, "--out", merged, "--tokenizer", "byte")
+        self.assertIn("merged the LoRA adapters", p.stdout)
+        text = os.path.join(self.tmp, "lora_eval.txt")
+        with open(text, "w") as f:
+            f.write("The quick brown fox jumps over the lazy dog. " * 6)
+
+        def loss(*source: str) -> float:
+            return json.loads(run("eval", *source, "--text", text, "--seq-len", "32", "--json").stdout)["loss"]
+
+        # The byte tokenizer has no files: the Hugging Face folders go back to Loom checkpoints to
+        # be evaluated (the base's round trip is bitwise, test_convert_...).
+        base, merged_loom = os.path.join(self.tmp, "lora_base_loom"), os.path.join(self.tmp, "lora_merged_loom")
+        for src, dst in ((hf, base), (merged, merged_loom)):
+            run("convert", "--to", "loom", "--checkpoint", src, "--out", dst, "--tokenizer", "byte")
+        tuned = loss("--checkpoint", ft)
+        self.assertEqual(loss("--checkpoint", base, "--adapter", adapter), tuned)  # the same computation
+        self.assertLess(abs(loss("--checkpoint", merged_loom) - tuned), 1e-5 * tuned)  # W + s B A, fp32
+        self.assertNotEqual(loss("--checkpoint", base), tuned)  # the adapters were trained
+        outs = [run("generate", "--checkpoint", c, "--prompt", "The ", "--tokens", "10", "--greedy", *extra).stdout
+                for c, extra in ((ft, ()), (base, ("--adapter", adapter)))]
+        self.assertEqual(outs[0], outs[1])
+        # Bad peft.* keys: one line naming the key.
+        p = self.train("lora_bad", "--set", peft.replace("q,k,v,o,gate,up,down", "q,x"), expect_ok=False)
+        self.assert_one_line_error(p, "peft.targets", "'x' matches no layer")
+        p = self.train("lora_bad", "--set", peft.replace("peft.rank=4", "peft.rank=100000"), expect_ok=False)
+        self.assert_one_line_error(p, "peft.rank = 100000 is larger than")
+        p = run("convert", "--to", "peft", "--checkpoint", hf, "--out", adapter + "_none", expect_ok=False)
+        self.assert_one_line_error(p, "has no LoRA adapters")
+
     def test_eval_text_reports_perplexity_over_windows(self):
         self.train("evtext")
         text = os.path.join(self.tmp, "eval.txt")

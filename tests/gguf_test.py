@@ -83,6 +83,15 @@ class Gguf(unittest.TestCase):
         cls.results = {}
         for arch, sets in ARCHS.items():
             cls.results[arch] = cls.check(arch, cls.data, cls.tokenizer, sets, PROMPTS, TYPES)
+        # LoRA (docs/finetune.md): the llama run fine-tuned with adapters on every linear layer;
+        # Loom's side is the adapted model, llama.cpp's the GGUF that `convert` merges (W + s B A).
+        lora_from = os.path.join(cls.tmp, "runs", "llama", "checkpoints", "step_00000040")
+        cls.results["llama + LoRA, merged"] = cls.check(
+            "llama + LoRA, merged", cls.data, cls.tokenizer,
+            ARCHS["llama"] + f',train.init_from={lora_from},peft.method=lora,peft.rank=8,peft.alpha=16,'
+            'peft.targets="q,k,v,o,gate,up,down"', PROMPTS, TYPES)
+        if "merged the LoRA adapters" not in cls.results["llama + LoRA, merged"]["convert"]["f32"]:
+            raise AssertionError("loom convert did not merge the LoRA run's adapters")
         # Llama 3.1 / 3.2's shape: llama3 RoPE scaling (written as rope_freqs; an original context of
         # 16 so that the 64 positions use the rescaled frequencies) and a head tied to the embedding
         # (no output.weight: llama.cpp reads token_embd).

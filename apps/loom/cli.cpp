@@ -13,6 +13,8 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "loom/arch/param_layout.h"
+#include "loom/checkpoint/peft.h"
 #include "loom/checkpoint/hf_model.h"
 #include "loom/checkpoint/weights.h"
 #include "loom/core/error.h"
@@ -21,6 +23,7 @@
 #include "loom/core/philox.h"
 #include "loom/data/bpe.h"
 #include "loom/data/shard.h"
+#include "loom/nn/lora.h"
 
 namespace loom::cli {
 
@@ -233,7 +236,7 @@ LoomConfig checkpoint_config(const std::string& step_dir) {
   return config;
 }
 
-ModelSource model_source(const std::string& path) {
+ModelSource model_source(const std::string& path, const std::string& adapter) {
   ModelSource source;
   if (is_hf_model_dir(path)) {
     source.path = path;
@@ -241,15 +244,28 @@ ModelSource model_source(const std::string& path) {
     source.config.model = hf_model_config(path);
     source.config.data.tokenizer = fs::absolute(path).string();
     source.config.run.name = fs::path(path).filename().string();
-    return source;
+  } else {
+    source.path = resolve_checkpoint(path);
+    source.config = checkpoint_config(source.path);
   }
-  source.path = resolve_checkpoint(path);
-  source.config = checkpoint_config(source.path);
+  if (!adapter.empty()) {
+    LOOM_CHECK(!source.config.model.lora(), path, " already has LoRA adapters (peft.method = lora): merge them first "
+               "(loom convert --to hf) to apply another");
+    source.adapter = adapter;
+    source.config.model = peft_adapter_config(adapter, source.config.model);
+  }
   return source;
 }
 
 void load_weights(const ModelSource& source, const Tensor& params) {
-  load_weights_from(source.path, ModelState{source.config.model, params});
+  if (source.adapter.empty()) {
+    load_weights_from(source.path, ModelState{source.config.model, params});
+    return;
+  }
+  // The base is the layout's first lora_begin elements (the same offsets as without adapters).
+  const ModelConfig& c = source.config.model;
+  load_weights_from(source.path, ModelState{lora_base_config(c), params.view(0, {lora_begin(c, build_param_layout(c))})});
+  load_peft_adapter(source.adapter, ModelState{c, params});
 }
 
 std::string resolve_weights(const std::string& path) { return is_hf_model_dir(path) ? path : resolve_checkpoint(path); }

@@ -78,8 +78,10 @@ struct ModelSource {
   bool hf = false;
   LoomConfig config;  // the run's; for a Hugging Face folder the defaults with its model, and
                       // data.tokenizer = the folder (its tokenizer files)
+  std::string adapter;  // a PEFT LoRA adapter folder loaded onto the weights (config.model has its peft.*)
 };
-ModelSource model_source(const std::string& path);
+// `adapter`, when given, is a PEFT LoRA folder (checkpoint/peft.h) applied to the weights.
+ModelSource model_source(const std::string& path, const std::string& adapter = "");
 // Fills `params` (the model's flat host f32 buffer, source.config.model's layout) from the source.
 void load_weights(const ModelSource& source, const Tensor& params);
 // A Hugging Face folder as it is, or a Loom run / checkpoints / step folder -> its newest valid step.

@@ -9,6 +9,8 @@
 #include "loom/checkpoint/gguf_export.h"
 #include "loom/checkpoint/hf_config.h"
 #include "loom/checkpoint/hf_model.h"
+#include "loom/checkpoint/peft.h"
+#include "loom/nn/lora.h"
 #include "loom/core/error.h"
 #include "loom/data/tokenizer_files.h"
 
@@ -18,8 +20,8 @@ namespace fs = std::filesystem;
 
 namespace {
 const char* kHelp =
-    "usage: loom convert --to gguf|hf|loom --checkpoint PATH --out OUT [--type f32|f16|q8_0|q4_0]\n"
-    "                    [--name NAME] [--tokenizer KIND_OR_DIR]\n"
+    "usage: loom convert --to gguf|hf|loom|peft --checkpoint PATH --out OUT [--adapter DIR]\n"
+    "                    [--type f32|f16|q8_0|q4_0] [--name NAME] [--tokenizer KIND_OR_DIR]\n"
     "\n"
     "PATH is a Loom checkpoint (a step folder, a run folder or a checkpoints folder: the newest\n"
     "valid checkpoint) or a Hugging Face model folder (config.json and model.safetensors or a\n"
@@ -30,7 +32,10 @@ const char* kHelp =
     "--to hf: a Hugging Face model folder OUT (config.json, model.safetensors, f32) with the\n"
     "tokenizer's files copied in. --to loom: a Loom checkpoint OUT/checkpoints/step_00000000 (weights,\n"
     "no optimizer state) that eval, generate, convert and train.init_from read. Files are written\n"
-    "to temporary names and renamed. docs/models.md has the families and how each maps.\n";
+    "to temporary names and renamed. docs/models.md has the families and how each maps.\n"
+    "LoRA (docs/finetune.md): --adapter DIR applies a PEFT adapter folder to PATH's weights. A model\n"
+    "with adapters is merged (W + s B A) for --to gguf and --to hf, kept as it is by --to loom, and\n"
+    "--to peft writes its adapters alone in PEFT's layout (adapter_config.json, adapter_model.safetensors).\n";
 
 // The tokenizer's files, copied into `out` (a named kind such as "byte" has none).
 void copy_tokenizer_files(const std::string& tokenizer, const fs::path& out) {
@@ -92,19 +97,39 @@ int convert_main(int argc, char** argv) {
                    {"out", "OUT", "the file (gguf) or folder (hf, loom) to write (required)"},
                    {"type", "TYPE", "--to gguf: f32 | f16 | q8_0 | q4_0 for the matrices (default f32)"},
                    {"name", "NAME", "--to gguf: general.name (default: the run's run.name)"},
-                   {"tokenizer", "KIND_OR_DIR", "the tokenizer to embed or copy (default: the model's)"}});
-  LOOM_CHECK(args.has("to"), "loom convert needs --to gguf|hf|loom");
+                   {"tokenizer", "KIND_OR_DIR", "the tokenizer to embed or copy (default: the model's)"},
+                   {"adapter", "DIR", "a PEFT LoRA adapter folder applied to the weights first"}});
+  LOOM_CHECK(args.has("to"), "loom convert needs --to gguf|hf|loom|peft");
   const std::string to = args.get("to");
-  LOOM_CHECK(to == "gguf" || to == "hf" || to == "loom", "--to must be gguf, hf or loom, got '", to, "'");
+  LOOM_CHECK(to == "gguf" || to == "hf" || to == "loom" || to == "peft", "--to must be gguf, hf, loom or peft, got '",
+             to, "'");
   LOOM_CHECK(args.has("checkpoint"), "loom convert needs --checkpoint PATH");
   LOOM_CHECK(args.has("out"), "loom convert needs --out ", to == "gguf" ? "FILE" : "DIR");
-  const ModelSource source = model_source(args.get("checkpoint"));
+  ModelSource source = model_source(args.get("checkpoint"), args.get("adapter", ""));
   auto backend = make_cpu_backend();
   Transformer model(*backend, source.config.model);
   load_weights(source, model.params());
-  if (to == "gguf") return to_gguf(args, source, model.params());
-  if (to == "hf") return to_hf(args, source, model.params());
-  return to_loom(args, source, model.params());
+  const ModelConfig& c = source.config.model;
+  if (to == "peft") {
+    LOOM_CHECK(c.lora(), args.get("checkpoint"), " has no LoRA adapters to write (peft.method = none)");
+    save_peft_adapter(args.get("out"), ModelState{c, model.params()});
+    std::printf("wrote %s: a PEFT LoRA adapter (rank %lld, alpha %g, targets %s)\n", args.get("out").c_str(),
+                static_cast<long long>(c.lora_rank), static_cast<double>(c.lora_alpha), c.lora_targets.c_str());
+    return 0;
+  }
+  if (to == "loom" || !c.lora()) {
+    if (to == "gguf") return to_gguf(args, source, model.params());
+    if (to == "hf") return to_hf(args, source, model.params());
+    return to_loom(args, source, model.params());
+  }
+  // A merged model: the base with W + s B A, the adapters gone.
+  const ParamLayout layout = build_param_layout(c);
+  const Tensor merged = Tensor::empty(backend->allocator(), {lora_begin(c, layout)}, DTYPE_F32, MEM_PARAMETERS);
+  lora_merge(*backend, c, model.params(), merged);
+  std::printf("merged the LoRA adapters (rank %lld, scale %g, targets %s) into the base weights\n",
+              static_cast<long long>(c.lora_rank), static_cast<double>(c.lora_scale()), c.lora_targets.c_str());
+  source.config.model = lora_base_config(c);
+  return to == "gguf" ? to_gguf(args, source, merged) : to_hf(args, source, merged);
 }
 
 }  // namespace loom::cli

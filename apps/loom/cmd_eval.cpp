@@ -90,6 +90,7 @@ int eval_text_main(const Args& args, const ModelSource& source, Transformer& mod
 int eval_main(int argc, char** argv) {
   const Args args(argc, argv, "eval", kHelp,
                   {{"checkpoint", "PATH", "a step folder, a run folder or a checkpoints folder (required)"},
+                   {"adapter", "DIR", "a PEFT LoRA adapter folder applied to the weights (docs/finetune.md)"},
                    {"data", "DIR", "the dataset (default: the run's data.dir)"},
                    {"split", "val|train", "the split to evaluate (default: val)"},
                    {"batches", "N", "batches to evaluate (default: the whole split, at most 200)"},
@@ -98,7 +99,7 @@ int eval_main(int argc, char** argv) {
                    {"batch", "B", "--text: windows per forward (default 1)"},
                    {"json", "", "--text: print one JSON object"}});
   LOOM_CHECK(args.has("checkpoint"), "loom eval needs --checkpoint PATH");
-  const ModelSource source = model_source(args.get("checkpoint"));
+  const ModelSource source = model_source(args.get("checkpoint"), args.get("adapter", ""));
   const LoomConfig& config = source.config;
   if (args.has("text")) {
     auto backend = make_cpu_backend();

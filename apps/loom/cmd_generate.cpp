@@ -43,6 +43,7 @@ const char* kHelp =
 int generate_main(int argc, char** argv) {
   const Args args(argc, argv, "generate", kHelp,
                   {{"checkpoint", "PATH", "a step folder, a run folder or a checkpoints folder (required)"},
+                   {"adapter", "DIR", "a PEFT LoRA adapter folder applied to the weights (docs/finetune.md)"},
                    {"prompt", "TEXT", "the prompt (default: the run's sample.prompt)"},
                    {"prompt-file", "FILE", "read the prompt from a file"},
                    {"tokens", "N", "tokens to sample (default: the run's sample.max_new_tokens)"},
@@ -60,7 +61,7 @@ int generate_main(int argc, char** argv) {
                    {"kv-residual", "R", "--prompts: newest positions kept fp32 (default: the preset's)"},
                    {"contiguous", "", "--prompts: one max_seq_len KV region per row instead of paged blocks"}});
   LOOM_CHECK(args.has("checkpoint"), "loom generate needs --checkpoint PATH");
-  const ModelSource source = model_source(args.get("checkpoint"));
+  const ModelSource source = model_source(args.get("checkpoint"), args.get("adapter", ""));
   const LoomConfig& config = source.config;
   std::string prompt = args.get("prompt", config.sample.prompt);
   if (args.has("prompt-file")) {

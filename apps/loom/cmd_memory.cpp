@@ -32,7 +32,9 @@ const char* kHelp =
     "mpirun: data parallel over the world, as loom train).\n"
     "Model-parallel layouts (parallel.tp, sequence_parallel, pp with its schedule, cp, ep) are\n"
     "estimated for the rank that holds the most: its tensor slice, its pipeline stages' layers and\n"
-    "live micro-batches, its 1/cp of each sequence, its experts (--measure: data parallel only).\n";
+    "live micro-batches, its 1/cp of each sequence, its experts (--measure: data parallel only).\n"
+    "--methods prints the model states of fine-tuning this model by each method: full, LoRA with the\n"
+    "peft.* keys' rank and targets, and QLoRA's formula (docs/finetune.md).\n";
 
 std::string gb(double bytes) {
   char buf[32];
@@ -47,7 +49,8 @@ int memory_main(int argc, char** argv) {
                    {"set", "KEY=VALUE,...", "config overrides, applied last (comma-separated; repeatable)"},
                    {"ranks", "N", "data-parallel ranks (default: the mpirun world, else 1)"},
                    {"params", "P", "the parameter count of the ZeRO table (default: the model's), e.g. 7.5e9"},
-                   {"measure", "", "also run one training step and print the measured bytes beside the estimate"}});
+                   {"measure", "", "also run one training step and print the measured bytes beside the estimate"},
+                   {"methods", "", "also print full fine-tuning vs LoRA vs QLoRA model-state bytes for this model"}});
   LoomConfig config = load_config(args);
   const bool model_parallel = config.parallel.tp > 1 || config.parallel.pp > 1 || config.parallel.cp > 1 ||
                               config.parallel.ep > 1;
@@ -139,6 +142,19 @@ int memory_main(int argc, char** argv) {
   std::printf("ZeRO model states (Rajbhandari et al. 2020), %.4g parameters x (w %g + g %g + K %g) bytes over %d ranks:\n"
               "  stage 0 %s | stage 1 (os) %s | stage 2 (os+g) %s | stage 3 (os+g+p) %s\n",
               P, w, g, K, plan.ranks, gb(z[0]).c_str(), gb(z[1]).c_str(), gb(z[2]).c_str(), gb(z[3]).c_str());
+  if (args.has("methods")) {
+    const ModelConfig& m = config.model;
+    std::printf("fine-tuning methods (one rank; fp32 weights and gradients, optimizer %s; LoRA rank %lld, alpha %g, "
+                "targets %s):\n  %-8s %14s %11s %11s %11s %11s %13s\n", config.train.optim.name.c_str(),
+                static_cast<long long>(m.lora_rank), static_cast<double>(m.lora_alpha), m.lora_targets.c_str(), "method",
+                "trainable", "weights", "gradients", "optimizer", "total", "saved weights");
+    for (const FinetuneMemory& r : finetune_memory(m, config.train.optim)) {
+      std::printf("  %-8s %14lld %11s %11s %11s %11s %13s%s\n", r.method.c_str(), static_cast<long long>(r.trainable),
+                  gb(static_cast<double>(r.weights)).c_str(), gb(static_cast<double>(r.gradients)).c_str(),
+                  gb(static_cast<double>(r.optimizer)).c_str(), gb(static_cast<double>(r.total())).c_str(),
+                  format_bytes(static_cast<size_t>(r.adapter_file)).c_str(), r.method == "qlora" ? "  (formula)" : "");
+    }
+  }
   return 0;
 }
 

@@ -8,6 +8,7 @@
 
 #include "cli.h"
 #include "commands.h"
+#include "loom/checkpoint/peft.h"
 #include "loom/checkpoint/weights.h"
 #include "loom/comm/communicator.h"
 #include "loom/core/error.h"
@@ -52,8 +53,11 @@ int train_main(int argc, char** argv) {
   const int64_t stop_at = args.get_int("stop-at-step", -1);
   if (!config.loop.init_from.empty()) {  // the model is the weights' (checked against the data below)
     config.loop.init_from = resolve_weights(config.loop.init_from);
-    config.model = weights_model_config(config.loop.init_from);
+    const ModelConfig weights = weights_model_config(config.loop.init_from);
+    // The run's peft.* apply to weights without adapters (LoRA on an imported model).
+    config.model = weights.lora() ? weights : with_peft_of(weights, config.model);
   }
+  if (!config.loop.peft_adapter.empty()) config.model = peft_adapter_config(config.loop.peft_adapter, config.model);
   TokenDataset data = open_training_data(config);
   config.validate();
 

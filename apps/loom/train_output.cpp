@@ -8,6 +8,7 @@
 #include "loom/core/error.h"
 #include "loom/infer/generate.h"
 #include "loom/arch/config.h"
+#include "loom/arch/param_layout.h"
 
 namespace loom::cli {
 
@@ -114,6 +115,15 @@ void print_run_header(const LoomConfig& config, const std::string& dir, const Tr
               config.train.schedule.max_lr);
   std::printf("precision: %s%s\n", model.precision().describe().c_str(), config.train.loss_scaling ? ", dynamic loss scaling" : "");
   std::printf("layers: %s\n", describe_plans(model.layer_plans()).c_str());
+  if (config.model.lora()) {  // docs/finetune.md
+    const int64_t base = lora_begin(config.model, model.layout()), adapters = model.layout().total - base;
+    std::printf("LoRA: rank %lld, alpha %g (scale %g%s), targets %s: %lld adapter parameters (%.3f%% of %lld); the base "
+                "is frozen (no gradients, no optimizer state)\n",
+                static_cast<long long>(config.model.lora_rank), static_cast<double>(config.model.lora_alpha),
+                static_cast<double>(config.model.lora_scale()), config.model.lora_rslora ? ", rsLoRA" : "",
+                config.model.lora_targets.c_str(), static_cast<long long>(adapters),
+                100.0 * static_cast<double>(adapters) / static_cast<double>(n_params), static_cast<long long>(n_params));
+  }
   if (config.train.recompute != "none") {  // activation checkpointing (memory/recompute.h)
     const Trainer::RecomputeReport& rc = trainer.recompute();
     std::string plan;

@@ -1,6 +1,10 @@
 #include "loom/arch/config.h"
 
 #include <algorithm>
+#include <array>
+#include <cmath>
+#include <optional>
+#include <utility>
 
 #include "loom/core/error.h"
 #include "loom/arch/param_layout.h"
@@ -71,6 +75,33 @@ void ModelConfig::validate() const {
     LOOM_CHECK(mla_rope_dim == 0 && mla_nope_dim == 0 && mla_v_dim == 0 && mla_q_rank == 0, "model.mla_rope_dim, "
                "mla_nope_dim, mla_v_dim and mla_q_rank need MLA: set model.mla_kv_rank > 0");
   }
+  if (lora()) {
+    LOOM_CHECK(lora_rank >= 1, "peft.rank must be >= 1, got ", lora_rank);
+    LOOM_CHECK(lora_alpha > 0.0f, "peft.alpha must be > 0, got ", lora_alpha);
+    LOOM_CHECK(!mla(), "peft.method = lora with MLA (model.mla_kv_rank > 0) is not supported yet: its projections "
+               "have no adapters");
+    const uint32_t mask = lora_target_mask();
+    const uint32_t mlp = (1u << LORA_GATE) | (1u << LORA_UP) | (1u << LORA_DOWN);
+    LOOM_CHECK(moe_experts == 0 || (mask & mlp) == 0, "peft.targets = '", lora_targets, "' adapts the MLP of an MoE "
+               "model (model.moe_experts = ", moe_experts, "), which is not supported yet: adapt q, k, v, o only");
+    if (arch == ARCH_GPT2) {
+      const uint32_t qkv = (1u << LORA_Q) | (1u << LORA_K) | (1u << LORA_V);
+      LOOM_CHECK((mask & qkv) == 0 || (mask & qkv) == qkv, "peft.targets = '", lora_targets, "': GPT-2's q, k and v "
+                 "are one matrix (c_attn), adapted together: list all three or none");
+      LOOM_CHECK((mask & (1u << LORA_GATE)) == 0, "peft.targets = '", lora_targets, "': GPT-2's MLP has no gate (use up, down)");
+    }
+    // (in, out) of each target; the rank may not exceed the smaller.
+    const int64_t C = d_model, F = d_ff, q = n_head * head_dim(), kv = n_kv_head * head_dim();
+    const std::array<std::pair<int64_t, int64_t>, LORA_TARGET_COUNT> dims{
+        {{C, arch == ARCH_GPT2 ? 3 * C : q}, {C, kv}, {C, kv}, {q, C}, {C, F}, {C, F}, {F, C}}};
+    for (int t = 0; t < LORA_TARGET_COUNT; ++t) {
+      if ((mask & (1u << t)) == 0) continue;
+      const int64_t smaller = std::min(dims[static_cast<size_t>(t)].first, dims[static_cast<size_t>(t)].second);
+      LOOM_CHECK(lora_rank <= smaller, "peft.rank = ", lora_rank, " is larger than the '",
+                 enum_name(static_cast<LoraTarget>(t)), "' layer it adapts (", dims[static_cast<size_t>(t)].first,
+                 " in, ", dims[static_cast<size_t>(t)].second, " out): use a rank <= ", smaller);
+    }
+  }
   LOOM_CHECK(init_std > 0.0f, "model.init_std must be > 0, got ", init_std);
   LOOM_CHECK(moe_experts >= 0, "model.moe_experts must be >= 0, got ", moe_experts);
   if (moe_experts > 0) {
@@ -125,6 +156,37 @@ ModelConfig model_preset(std::string_view name) {
   }
   throw Error(str_cat("unknown model preset '", name, "', expected one of: gpt2-tiny, gpt2-default, gpt2-small, gpt2-124m, "
                       "llama-tiny, moe-tiny, mla-tiny"));
+}
+
+ModelConfig with_peft_of(ModelConfig base, const ModelConfig& from) {
+  base.peft_method = from.peft_method;
+  base.lora_rank = from.lora_rank;
+  base.lora_alpha = from.lora_alpha;
+  base.lora_rslora = from.lora_rslora;
+  base.lora_targets = from.lora_targets;
+  return base;
+}
+
+float ModelConfig::lora_scale() const {
+  const double r = static_cast<double>(lora_rank);
+  return static_cast<float>(static_cast<double>(lora_alpha) / (lora_rslora ? std::sqrt(r) : r));
+}
+
+uint32_t ModelConfig::lora_target_mask() const {
+  uint32_t mask = 0;
+  size_t begin = 0;
+  while (begin <= lora_targets.size()) {
+    const size_t end = std::min(lora_targets.find(',', begin), lora_targets.size());
+    std::string name = lora_targets.substr(begin, end - begin);
+    while (!name.empty() && name.front() == ' ') name.erase(name.begin());
+    while (!name.empty() && name.back() == ' ') name.pop_back();
+    const std::optional<LoraTarget> t = enum_from_name<LoraTarget>(name);
+    LOOM_CHECK(t.has_value(), "peft.targets = '", lora_targets, "': '", name, "' matches no layer (expected a "
+               "comma-separated list of ", enum_choices<LoraTarget>(), ")");
+    mask |= 1u << *t;
+    begin = end + 1;
+  }
+  return mask;
 }
 
 int64_t param_count(const ModelConfig& config) { return build_param_layout(config).total; }

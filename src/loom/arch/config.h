@@ -8,12 +8,30 @@
 #include <string_view>
 
 #include "loom/backend/rope.h"
+#include "loom/core/enum_names.h"
 
 namespace loom {
 
 enum Arch : uint8_t { ARCH_GPT2, ARCH_LLAMA, ARCH_COUNT };
 
 std::string_view arch_name(Arch arch);
+
+// Parameter-efficient fine-tuning (docs/finetune.md): none, or LoRA adapters (Hu et al. 2021)
+// on the linear layers peft.targets names, the base weights frozen.
+enum class PeftMethod : uint8_t { none, lora };
+template <>
+struct EnumNames<PeftMethod> {  // peft.method
+  static constexpr std::array<std::string_view, 2> names{"none", "lora"};
+};
+
+// The linear layers LoRA can adapt, by the short names of peft.targets. Llama-family models
+// fuse q/k/v and gate/up into one matrix each: an adapter covers its rows of the fused output.
+// GPT-2's c_attn is one matrix in Hugging Face's model too: q, k and v are adapted together.
+enum LoraTarget : uint8_t { LORA_Q, LORA_K, LORA_V, LORA_O, LORA_GATE, LORA_UP, LORA_DOWN, LORA_TARGET_COUNT };
+template <>
+struct EnumNames<LoraTarget> {
+  static constexpr std::array<std::string_view, 7> names{"q", "k", "v", "o", "gate", "up", "down"};
+};
 Arch arch_from_name(std::string_view name);  // throws naming the accepted values
 
 struct ModelConfig {
@@ -87,6 +105,16 @@ struct ModelConfig {
   float moe_z_alpha = 0.0f;         // router z-loss (ST-MoE: 1e-3)
   float moe_bias_gamma = 0.0f;      // auxiliary-loss-free balancing bias speed (DeepSeek-V3: 1e-3)
 
+  // LoRA (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models"): each targeted
+  // linear layer y = W x becomes y = W x + s B A x with A (r, in), B (out, r), r = lora_rank and
+  // s = lora_alpha / r, or lora_alpha / sqrt(r) with rsLoRA (Kalajdzievski 2023). The adapters
+  // are parameters of their own at the end of the flat layout; everything else is frozen.
+  PeftMethod peft_method = PeftMethod::none;
+  int64_t lora_rank = 8;
+  float lora_alpha = 16.0f;
+  bool lora_rslora = false;
+  std::string lora_targets = "q,v";
+
   int64_t head_dim() const { return head_size > 0 ? head_size : d_model / n_head; }
   int64_t qkv_width() const { return (n_head + 2 * n_kv_head) * head_dim(); }
   bool mla() const { return mla_kv_rank > 0; }
@@ -113,6 +141,10 @@ struct ModelConfig {
   int64_t expert_ff() const { return moe_d_ff > 0 ? moe_d_ff : d_ff; }
   int64_t expert_in_width() const { return swiglu() ? 2 * expert_ff() : expert_ff(); }
 
+  bool lora() const { return peft_method == PeftMethod::lora; }
+  float lora_scale() const;             // s above
+  uint32_t lora_target_mask() const;    // bit LoraTarget; throws naming peft.targets
+
   void validate() const;  // throws naming the offending key (e.g. "model.n_head")
 };
 
@@ -122,14 +154,18 @@ struct ModelConfig {
 // other checkpoints keep their bytes) under which name, and its meaning. The config file
 // (train/config.cpp), checkpoints (checkpoint/checkpoint.cpp) and `loom train --help` read it.
 struct ModelField {
-  enum Place : uint8_t { ALWAYS, IF_SET, ROPE, MLA, MOE };
-  const char* key;      // model.<key>
+  enum Place : uint8_t { ALWAYS, IF_SET, ROPE, MLA, MOE, PEFT };
+  const char* key;      // model.<key> (peft.<key> for PEFT)
   Place place;          // where the checkpoint's model_config keeps it
   const char* json;     // its name there
   const char* meaning;  // one line for --help and docs/config.md
 };
-// visit(field, value) for every field of `c` in schema order (`value` an int64_t, float, bool
-// or Arch lvalue, const when c is).
+// A field's key in a config file: model.<key>, or peft.<key> for the PEFT group.
+inline std::string model_field_key(const ModelField& f) {
+  return std::string(f.place == ModelField::PEFT ? "peft." : "model.") + f.key;
+}
+// visit(field, value) for every field of `c` in schema order (`value` an int64_t, float, bool,
+// std::string, Arch, RopeScaling or PeftMethod lvalue, const when c is).
 template <class Config, class Visit>
 void visit_model_fields(Config& c, Visit&& visit) {
   visit(ModelField{"arch", ModelField::ALWAYS, "arch",
@@ -264,7 +300,25 @@ void visit_model_fields(Config& c, Visit&& visit) {
   visit(ModelField{"moe_bias_gamma", ModelField::MOE, "bias_gamma",
                     "MoE: auxiliary-loss-free balancing bias update speed (DeepSeek-V3: 1e-3; 0 = off)"},
         c.moe_bias_gamma);
+  visit(ModelField{"method", ModelField::PEFT, "method",
+                    "parameter-efficient fine-tuning: none | lora (adapters on peft.targets, every other weight frozen)"},
+        c.peft_method);
+  visit(ModelField{"rank", ModelField::PEFT, "rank",
+                    "LoRA rank r of every adapter (at most the adapted layer's smaller dimension)"},
+        c.lora_rank);
+  visit(ModelField{"alpha", ModelField::PEFT, "alpha",
+                    "LoRA alpha: the update is scaled by alpha / r (alpha / sqrt(r) with peft.rslora)"},
+        c.lora_alpha);
+  visit(ModelField{"rslora", ModelField::PEFT, "rslora",
+                    "rank-stabilised LoRA: scale alpha / sqrt(r) instead of alpha / r"},
+        c.lora_rslora);
+  visit(ModelField{"targets", ModelField::PEFT, "targets",
+                    "comma-separated layers LoRA adapts: q, k, v, o, gate, up, down (gpt2: q, k, v together; no gate)"},
+        c.lora_targets);
 }
+
+// `base` with the peft.* settings of `from` (train.init_from: the weights' model, the run's adapters).
+ModelConfig with_peft_of(ModelConfig base, const ModelConfig& from);
 
 // Named presets: "gpt2-tiny", "gpt2-small" (6L, d=384), "gpt2-124m", "llama-tiny", "moe-tiny",
 // "mla-tiny".

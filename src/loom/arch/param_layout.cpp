@@ -30,6 +30,10 @@ class LayoutBuilder {
   void norm_weight(std::string name, int64_t c) { add(std::move(name), {c}, ROLE_VECTOR, {{1, 1}}, INIT_ONES, 0.0f); }
   void bias(std::string name, int64_t n) { add(std::move(name), {n}, ROLE_VECTOR, {{1, 1}}, INIT_ZEROS, 0.0f); }
   void buffer(std::string name, int64_t n) { add(std::move(name), {n}, ROLE_BUFFER, {{1, 1}}, INIT_ZEROS, 0.0f); }
+  void zero_matrix(std::string name, Shape shape) {
+    const int64_t rows = shape[0];
+    add(std::move(name), std::move(shape), ROLE_HIDDEN, {{rows, 1}}, INIT_ZEROS, 0.0f);
+  }
 
  private:
   void add(std::string name, Shape shape, ParamRole role, std::vector<ParamSegment> segments, ParamInit init, float std) {
@@ -180,21 +184,68 @@ bool is_gpt2_conv1d_weight(const std::string& name) {
   return false;
 }
 
+std::vector<LoraSite> lora_sites(const ModelConfig& c, int64_t layer) {
+  std::vector<LoraSite> sites;
+  if (!c.lora()) return sites;
+  const uint32_t mask = c.lora_target_mask();
+  const auto on = [&](LoraTarget t) { return (mask & (1u << t)) != 0; };
+  const int64_t C = c.d_model, F = c.d_ff, q = c.n_head * c.head_dim(), kv = c.n_kv_head * c.head_dim();
+  const bool mlp = !c.moe_layer(layer);
+  if (c.arch == ARCH_GPT2) {
+    const std::string p = "h." + std::to_string(layer) + ".";
+    if (on(LORA_Q)) sites.push_back({LORA_ON_QKV, p + "attn.c_attn", C, 0, c.qkv_width()});
+    if (on(LORA_O)) sites.push_back({LORA_ON_PROJ, p + "attn.c_proj", q, 0, C});
+    if (mlp && on(LORA_UP)) sites.push_back({LORA_ON_FC, p + "mlp.c_fc", C, 0, F});
+    if (mlp && on(LORA_DOWN)) sites.push_back({LORA_ON_FC2, p + "mlp.c_proj", F, 0, C});
+    return sites;
+  }
+  const std::string p = "model.layers." + std::to_string(layer) + ".";
+  if (on(LORA_Q)) sites.push_back({LORA_ON_QKV, p + "self_attn.q_proj", C, 0, q});
+  if (on(LORA_K)) sites.push_back({LORA_ON_QKV, p + "self_attn.k_proj", C, q, kv});
+  if (on(LORA_V)) sites.push_back({LORA_ON_QKV, p + "self_attn.v_proj", C, q + kv, kv});
+  if (on(LORA_O)) sites.push_back({LORA_ON_PROJ, p + "self_attn.o_proj", q, 0, C});
+  if (mlp && on(LORA_GATE)) sites.push_back({LORA_ON_FC, p + "mlp.gate_proj", C, 0, F});
+  if (mlp && on(LORA_UP)) sites.push_back({LORA_ON_FC, p + "mlp.up_proj", C, F, F});
+  if (mlp && on(LORA_DOWN)) sites.push_back({LORA_ON_FC2, p + "mlp.down_proj", F, 0, C});
+  return sites;
+}
+
+int64_t lora_begin(const ModelConfig& /*config*/, const ParamLayout& layout) {
+  for (const ParamSpec& p : layout.params) {
+    if (p.name.find(".lora_A.") != std::string::npos) return p.offset;
+  }
+  return layout.total;
+}
+
 ParamLayout build_param_layout(const ModelConfig& config) {
   config.validate();
   ParamLayout layout;
   LayoutBuilder builder(layout);
   if (config.arch == ARCH_GPT2) add_gpt2(config, builder);
   else add_llama(config, builder);
+  // LoRA: A like PEFT's default (Kaiming-uniform with a = sqrt(5), i.e. U(-1/sqrt(in), 1/sqrt(in)),
+  // here a normal of the same variance 1 / (3 in)), B zero, so the adapted model starts as the base.
+  for (int64_t l = 0; l < config.n_layer; ++l) {
+    for (const LoraSite& site : lora_sites(config, l)) {
+      builder.matrix(site.module + ".lora_A.weight", {config.lora_rank, site.in},
+                     static_cast<float>(1.0 / std::sqrt(3.0 * static_cast<double>(site.in))));
+      builder.zero_matrix(site.module + ".lora_B.weight", {site.out_count, config.lora_rank});
+    }
+  }
   return layout;
 }
 
 std::vector<RangeSet> layout_units(const ModelConfig& config, const ParamLayout& layout) {
-  std::vector<int64_t> block_offset(static_cast<size_t>(config.n_layer), layout.total);
-  int64_t final_offset = layout.total;
+  const int64_t base_end = lora_begin(config, layout);
+  std::vector<int64_t> block_offset(static_cast<size_t>(config.n_layer), base_end);
+  std::vector<RangeSet> adapters(static_cast<size_t>(config.n_layer));
+  int64_t final_offset = base_end;
   const std::string block_prefix = config.arch == ARCH_GPT2 ? "h." : "model.layers.";
   for (const ParamSpec& p : layout.params) {
-    if (p.name.rfind(block_prefix, 0) == 0) {
+    if (p.offset >= base_end) {  // a block's adapters
+      const size_t l = std::stoul(p.name.substr(block_prefix.size()));
+      adapters[l] = adapters[l].unite(RangeSet::span(p.offset, p.offset + p.numel));
+    } else if (p.name.rfind(block_prefix, 0) == 0) {
       const size_t l = std::stoul(p.name.substr(block_prefix.size()));
       block_offset[l] = std::min(block_offset[l], p.offset);
     } else if (p.name.find("ln_f") == 0 || p.name == "model.norm.weight" || p.name == "lm_head.weight") {
@@ -203,9 +254,10 @@ std::vector<RangeSet> layout_units(const ModelConfig& config, const ParamLayout&
   }
   std::vector<RangeSet> units;
   const int64_t first_block = block_offset.empty() ? final_offset : block_offset[0];
-  units.push_back({{0, first_block}, {final_offset, layout.total}});
+  units.push_back({{0, first_block}, {final_offset, base_end}});
   for (size_t l = 0; l < block_offset.size(); ++l) {
-    units.push_back(RangeSet::span(block_offset[l], l + 1 < block_offset.size() ? block_offset[l + 1] : final_offset));
+    units.push_back(RangeSet::span(block_offset[l], l + 1 < block_offset.size() ? block_offset[l + 1] : final_offset)
+                        .unite(adapters[l]));
   }
   return units;
 }

@@ -58,6 +58,22 @@ struct ParamLayout {
 
 ParamLayout build_param_layout(const ModelConfig& config);
 
+// LoRA (config.lora()): one adapter per targeted linear layer of a block. It adds s B A x to
+// the columns [out_begin, out_begin + out_count) of the layer's output; its parameters are
+// `module`.lora_A.weight (r, in) and `module`.lora_B.weight (out_count, r), PEFT's names for
+// the Hugging Face module it adapts (GPT-2: h.N.attn.c_attn; Llama: model.layers.N.self_attn.q_proj).
+// They follow every base parameter in the flat layout (block by block, in LoraTarget order),
+// so the base keeps its offsets and initialisation and is the one range [0, lora_begin).
+enum LoraLinear : uint8_t { LORA_ON_QKV, LORA_ON_PROJ, LORA_ON_FC, LORA_ON_FC2 };
+struct LoraSite {
+  LoraLinear linear = LORA_ON_QKV;
+  std::string module;
+  int64_t in = 0, out_begin = 0, out_count = 0;
+};
+std::vector<LoraSite> lora_sites(const ModelConfig& config, int64_t layer);
+// The first adapter element (layout.total without adapters).
+int64_t lora_begin(const ModelConfig& config, const ParamLayout& layout);
+
 // The token embedding's parameter ("wte.weight", "model.embed_tokens.weight") and the output
 // head's (the embedding's when the head is tied, else "lm_head.weight").
 const char* embedding_param_name(const ModelConfig& config);
@@ -68,7 +84,7 @@ const char* head_param_name(const ModelConfig& config);
 bool is_gpt2_conv1d_weight(const std::string& name);
 
 // The layout's units of parameter use, as flat ranges: [0] the embeddings and the final norm
-// (+ untied head), two ranges; [l + 1] block l, one range. Pipeline stages own whole units.
+// (+ untied head), two ranges; [l + 1] block l, one range (two with LoRA: its adapters). Pipeline stages own whole units.
 std::vector<RangeSet> layout_units(const ModelConfig& config, const ParamLayout& layout);
 
 }  // namespace loom

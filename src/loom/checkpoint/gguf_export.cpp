@@ -187,6 +187,7 @@ void add_llama_tensors(const ModelConfig& c, const Params& params, TensorSink& s
 }
 
 void check_exportable(const ModelConfig& c, const GgufVocabulary& vocab) {
+  LOOM_CHECK(!c.lora(), "peft.method = lora: GGUF export writes merged weights (loom convert merges the adapters first)");
   LOOM_CHECK(c.moe_experts == 0, "model.moe_experts = ", c.moe_experts, ": GGUF export supports dense models only");
   LOOM_CHECK(!c.mla(), "model.mla_kv_rank = ", c.mla_kv_rank, ": GGUF export does not support MLA models");
   LOOM_CHECK(c.attn_window == 0, "model.attn_window = ", c.attn_window,

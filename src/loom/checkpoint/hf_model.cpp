@@ -270,6 +270,8 @@ void load_hf_weights(const std::string& dir, const ModelState& model) {
 
 void save_hf_model(const std::string& dir, const ModelState& model) {
   const ModelConfig& c = model.config;
+  LOOM_CHECK(!c.lora(), dir, ": a model with LoRA adapters is written merged (nn/lora.h lora_merge) or its adapters "
+             "alone (checkpoint/peft.h)");
   const HfFamily family = hf_family_of(c);
   const ParamLayout layout = build_param_layout(c);
   CpuAllocator host;

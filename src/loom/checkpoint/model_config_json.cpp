@@ -13,7 +13,7 @@ namespace {
 template <class T>
 nlohmann::json to_json_value(const T& v) {
   if constexpr (std::is_same_v<T, Arch>) return std::string(arch_name(v));
-  else if constexpr (std::is_same_v<T, RopeScaling>) return std::string(enum_name(v));
+  else if constexpr (std::is_same_v<T, RopeScaling> || std::is_same_v<T, PeftMethod>) return std::string(enum_name(v));
   else if constexpr (std::is_same_v<T, float>) return shortest_decimal(v);
   else return v;
 }
@@ -22,6 +22,7 @@ template <class T>
 void from_json_value(const nlohmann::json& j, T& v) {
   if constexpr (std::is_same_v<T, Arch>) v = arch_from_name(j.get<std::string>());
   else if constexpr (std::is_same_v<T, RopeScaling>) v = parse_enum<RopeScaling>(j.get<std::string>(), "rope_scaling.type");
+  else if constexpr (std::is_same_v<T, PeftMethod>) v = parse_enum<PeftMethod>(j.get<std::string>(), "peft.method");
   else v = j.get<T>();
 }
 
@@ -31,6 +32,7 @@ const char* group_name(ModelField::Place place) {
     case ModelField::ROPE: return "rope_scaling";
     case ModelField::MLA: return "mla";
     case ModelField::MOE: return "moe";
+    case ModelField::PEFT: return "peft";
     default: return nullptr;
   }
 }
@@ -53,10 +55,15 @@ nlohmann::json model_config_json(const ModelConfig& c) {
   visit_model_fields(c, [&](const ModelField& f, const auto& value) {
     switch (f.place) {
       case ModelField::ALWAYS: j[f.json] = to_json_value(value); break;
-      case ModelField::IF_SET: if (value != 0) j[f.json] = to_json_value(value); break;  // full-attention checkpoints keep their bytes
+      case ModelField::IF_SET:  // full-attention checkpoints keep their bytes
+        if constexpr (std::is_arithmetic_v<std::decay_t<decltype(value)>>) {
+          if (value != 0) j[f.json] = to_json_value(value);
+        }
+        break;
       case ModelField::ROPE: if (c.rope_scaling != ROPE_SCALING_NONE) j["rope_scaling"][f.json] = to_json_value(value); break;
       case ModelField::MLA: if (c.mla()) j["mla"][f.json] = to_json_value(value); break;  // only for MLA models
       case ModelField::MOE: if (c.moe_experts > 0) j["moe"][f.json] = to_json_value(value); break;  // dense checkpoints keep their bytes
+      case ModelField::PEFT: if (c.lora()) j["peft"][f.json] = to_json_value(value); break;  // only for adapted models
     }
   });
   return j;

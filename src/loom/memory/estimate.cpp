@@ -9,6 +9,7 @@
 #include "loom/parallel/pipeline.h"
 #include "loom/parallel/tensor_parallel.h"
 #include "loom/parallel/zero.h"
+#include "loom/precision/nf4.h"
 
 namespace loom {
 
@@ -117,26 +118,30 @@ MemoryEstimate estimate_rank(const MemoryPlan& plan, const ModelConfig& c, const
   e.parameters = layout.total;
   // The elements this rank computes and updates: its stages' (pipeline_owned_ranges), less the
   // experts other ep ranks compute (ep rank 0's view: every ep rank holds as many).
-  RangeSet domain = plan.pp > 1 ? pipeline_owned_ranges(c, layout, st.schedule, pp_rank, st.layers, false)
-                                : RangeSet::span(0, layout.total);
-  if (plan.ep > 1) domain = domain.subtract(moe_expert_ranges(c, layout, 0, plan.ep, false));
-  const int64_t D = domain.size();
+  RangeSet held = plan.pp > 1 ? pipeline_owned_ranges(c, layout, st.schedule, pp_rank, st.layers, false)
+                              : RangeSet::span(0, layout.total);
+  if (plan.ep > 1) held = held.subtract(moe_expert_ranges(c, layout, 0, plan.ep, false));
+  // LoRA (docs/finetune.md): the frozen base is held but has no gradients and no optimizer state.
+  const int64_t frozen_end = c.lora() ? lora_begin(c, layout) : 0;
+  const RangeSet domain = held.subtract(RangeSet::span(0, frozen_end));
+  const int64_t H = held.size(), D = domain.size();
   e.rank_parameters = D;
   // ZeRO shards the domain over the data-parallel ranks (x cp), rank 0 the largest shard.
   const int Z = plan.ranks * plan.cp;
   const bool sharded = plan.zero_stage > 0 && Z > 1;
   const ShardRange shard = sharded ? shard_range(D, 0, Z) : ShardRange{0, D, D};
   const int64_t S = shard.end - shard.begin;
-  e.bytes[MEM_PARAMETERS] = 4 * (plan.zero_stage == 3 && sharded ? S : D) + (param_bf16(plan.precision) ? 2 * D : 0);
+  const int64_t fp32 = 4 * (H - D + (plan.zero_stage == 3 && sharded ? S : D));
+  e.bytes[MEM_PARAMETERS] = fp32 + (param_bf16(plan.precision) ? 2 * H : 0);
   if (plan.optim.offload && param_bf16(plan.precision)) {  // the fp32 master weights in host memory
-    e.bytes[MEM_PARAMETERS] -= 4 * (plan.zero_stage == 3 && sharded ? S : D);
-    e.bytes[MEM_OFFLOADED] += 4 * (plan.zero_stage == 3 && sharded ? S : D);
+    e.bytes[MEM_PARAMETERS] -= fp32;
+    e.bytes[MEM_OFFLOADED] += fp32;
   }
   e.bytes[MEM_GRADIENTS] = 4 * (plan.zero_stage >= 2 && sharded ? S : D);
   // The optimizer's own list over the rank's elements (Trainer's rank_params).
   const OptimConfig resolved = plan.optim.resolved();
   std::vector<OptimParam> all = optim_params(layout, resolved), mine;
-  if (plan.pp == 1 && plan.ep == 1 && !sharded) {
+  if (plan.pp == 1 && plan.ep == 1 && !sharded && frozen_end == 0) {
     mine = std::move(all);
   } else {
     for (const Range& piece : domain.pieces(shard.begin, shard.end)) {
@@ -191,6 +196,29 @@ MemoryEstimate estimate_memory(const MemoryPlan& plan, int pp_rank) {
     if (r == 0 || e.total() > best.total()) best = std::move(e);
   }
   return best;
+}
+
+std::vector<FinetuneMemory> finetune_memory(const ModelConfig& model, const OptimConfig& optim) {
+  ModelConfig base = model, adapted = model;
+  base.peft_method = PeftMethod::none;
+  adapted.peft_method = PeftMethod::lora;
+  const OptimConfig resolved = optim.resolved();
+  const ParamLayout full_layout = build_param_layout(base), lora_layout = build_param_layout(adapted);
+  const int64_t P = full_layout.total, A = lora_layout.total - P;
+  std::vector<OptimParam> all = optim_params(lora_layout, resolved), adapters;
+  for (OptimParam& p : shard_optim_params(all, P, lora_layout.total)) adapters.push_back(std::move(p));
+  const int64_t adapter_state = optimizer_state_bytes(adapters, resolved);
+  std::vector<FinetuneMemory> rows;
+  rows.push_back({"full", P, 4 * P, 4 * P, optimizer_state_bytes(optim_params(full_layout, resolved), resolved), 4 * P});
+  rows.push_back({"lora", A, 4 * (P + A), 4 * A, adapter_state, 4 * A});
+  // QLoRA: each block matrix (ROLE_HIDDEN, 2-D) in NF4, everything else of the base in bf16.
+  int64_t nf4 = 0, rest = 0;
+  for (const ParamSpec& spec : full_layout.params) {
+    if (spec.role == ROLE_HIDDEN && spec.shape.size() == 2) nf4 += static_cast<int64_t>(nf4_bytes(spec.numel));
+    else rest += spec.numel;
+  }
+  rows.push_back({"qlora", A, nf4 + 2 * rest + 4 * A, 4 * A, adapter_state, 4 * A});
+  return rows;
 }
 
 }  // namespace loom

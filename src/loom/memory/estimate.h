@@ -27,6 +27,7 @@
 #include <array>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "loom/core/memory.h"
 #include "loom/arch/config.h"
@@ -70,6 +71,26 @@ struct MemoryPlan {
 // bf16 (else 4), g = 2 with precision.reduce = bf16 (else 4), K = the optimizer's state bytes per
 // parameter + 4 for an fp32 master copy when the weights are 16-bit.
 std::array<double, 3> zero_bytes_per_param(const MemoryPlan& plan);
+
+// Model-state bytes of fine-tuning one model by each method (docs/finetune.md, `loom memory
+// --methods`), for the LoRA settings in `model` (its peft.* keys; with peft.method = none, LoRA
+// with the keys' values) and optimizer `optim`: fp32 weights, fp32 gradients of what trains and
+// the optimizer's exact state over it.
+//   full    every parameter trains:           weights 4P, gradients 4P, state K(P)
+//   lora    the adapters (A parameters) train: weights 4P + 4A, gradients 4A, state K(A)
+//   qlora   LoRA over a base whose block matrices are NF4 with double-quantized scales
+//           (precision/nf4.h nf4_bytes per matrix, ~4.127 bits) and the rest (embeddings, head,
+//           norms, biases) bf16: weights nf4 + 2 rest + 4A, gradients 4A, state K(A). A formula:
+//           QLoRA's training path (the NF4 linear layers) is not implemented yet.
+// adapter_file is what the method's checkpoint of the trained part holds (fp32).
+struct FinetuneMemory {
+  std::string method;
+  int64_t trainable = 0;
+  int64_t weights = 0, gradients = 0, optimizer = 0;
+  int64_t adapter_file = 0;
+  int64_t total() const { return weights + gradients + optimizer; }
+};
+std::vector<FinetuneMemory> finetune_memory(const ModelConfig& model, const OptimConfig& optim);
 
 struct MemoryEstimate {
   std::array<int64_t, MEM_CATEGORY_COUNT> bytes{};  // per rank (ZeRO: rank 0, the largest shard)

@@ -26,9 +26,15 @@ Transformer::Transformer(Backend& backend, const ModelConfig& config)
              " backend (capabilities().head_norm is false)");
   params_ = Tensor::zeros(alloc, {layout_.total}, DTYPE_F32, MEM_PARAMETERS);
   grads_ = Tensor::zeros(alloc, {layout_.total}, DTYPE_F32, MEM_GRADIENTS);
+  frozen_end_ = config_.lora() ? lora_begin(config_, layout_) : 0;
+  if (frozen_end_ > 0) {  // the norm ops always compute their weights' gradients: frozen ones land here
+    const int64_t width = std::max(config_.d_model, config_.head_dim());
+    sink_w_ = Tensor::zeros(alloc, {width}, DTYPE_F32, MEM_WORKSPACE);
+    sink_b_ = Tensor::zeros(alloc, {width}, DTYPE_F32, MEM_WORKSPACE);
+  }
   for (int64_t l = 0; l < config_.n_layer; ++l) {
     blocks_.emplace_back(config_, l, block_params_view(config_, layout_, params_, l),
-                         block_params_view(config_, layout_, grads_, l));
+                         frozen_grads(block_params_view(config_, layout_, grads_, l)));
     blocks_.back().set_moe_scratch(&moe_scratch_);
   }
   units_ = layout_units(config_, layout_);
@@ -45,6 +51,28 @@ Transformer::Transformer(Backend& backend, const ModelConfig& config)
     final_w = param("model.norm.weight"), d_final_w = grad("model.norm.weight");
     head_w = param(head_param_name(config_)), d_head_w = grad(head_param_name(config_));
   }
+  if (frozen_end_ > 0) {  // LoRA: no gradient for the embeddings and the head
+    d_embed_w = d_pos_w = d_head_w = Tensor{};
+    d_final_w = sink(d_final_w, sink_w_), d_final_b = sink(d_final_b, sink_b_);
+  }
+}
+
+Tensor Transformer::sink(const Tensor& grad, const Tensor& sink) {
+  return grad.defined() ? sink.view(0, grad.shape()) : Tensor{};
+}
+
+BlockParams Transformer::frozen_grads(BlockParams g) const {
+  if (frozen_end_ == 0) return g;
+  AttentionParams& a = g.attention;
+  MlpParams& m = g.mlp;
+  for (Tensor* t : {&a.qkv_w, &a.qkv_b, &a.proj_w, &a.proj_b, &m.fc_w, &m.fc_b, &m.fc2_w, &m.fc2_b}) *t = Tensor{};
+  for (Tensor* t : {&a.norm_w, &a.q_norm, &a.k_norm, &m.norm_w}) *t = sink(*t, sink_w_);
+  for (Tensor* t : {&a.norm_b, &m.norm_b}) *t = sink(*t, sink_b_);
+  return g;
+}
+
+RangeSet Transformer::frozen_ranges() const {
+  return frozen_end_ > 0 ? RangeSet::span(0, frozen_end_) : RangeSet{};
 }
 
 Tensor Transformer::param(const std::string& name) const {
@@ -86,7 +114,10 @@ void Transformer::init_weights(uint64_t seed) {
   }
 }
 
-void Transformer::zero_grads() { backend_.fill(grads_, 0.0); }
+void Transformer::zero_grads() {
+  // A frozen range's gradients are never written (and their pages may be released).
+  backend_.fill(grads_.view(frozen_end_, {layout_.total - frozen_end_}), 0.0);
+}
 
 void Transformer::set_precision(const PrecisionPolicy& policy) {
   if (!backend_.capabilities().low_precision) {  // the quantizers are ops this backend lacks
@@ -599,7 +630,7 @@ void Transformer::backward_stage(ActivationStore& s, int64_t first, int64_t last
       tp_->all_reduce(k.d_norm);  // f: the vocabulary slices' partial d(final norm)
     }
     norm_backward(backend_, config_, dn, s.final_input, final_w, s.final_mean, s.final_rstd, d_res, d_final_w, d_final_b);
-    if (ready) ready(final_offset_);
+    if (ready && frozen_end_ == 0) ready(final_offset_);  // LoRA: the adapters, last in the buffer, finish last
   }  // else d_res holds d(stage output), put there by the caller (stage_grad)
   for (int64_t l = last; l-- > first;) {
     use(static_cast<int>(l) + 1);
@@ -611,10 +642,11 @@ void Transformer::backward_stage(ActivationStore& s, int64_t first, int64_t last
       blocks_[l].backward(backend_, s.blocks[l], d_res, k, part);
     }
     done(static_cast<int>(l) + 1);
-    if (ready) ready(block_offset_[l]);
+    if (ready && frozen_end_ == 0) ready(block_offset_[l]);
   }
   if (first > 0) return;  // d_res now holds d(stage input)
-  if (sp_) {  // the shards' gradients gathered for the vocabulary-parallel embedding
+  if (!d_embed_w.defined()) {  // frozen embeddings (LoRA)
+  } else if (sp_) {  // the shards' gradients gathered for the vocabulary-parallel embedding
     const Tensor full = seq_.full.view(0, {B, T, config_.d_model});
     sequence_all_gather(backend_, *tp_, d_res, full, seq_.staging);
     vocab_parallel_embedding_backward(backend_, s.tokens, full, d_embed_w, vocab_.begin, vocab_.valid);

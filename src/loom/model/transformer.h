@@ -123,6 +123,10 @@ class Transformer {
   Communicator* expert_parallel() const { return ep_; }
   Communicator* context_parallel() const { return cp_.comm; }
   RangeSet foreign_expert_ranges() const { return expert_ranges(false); }
+  // Frozen parameters (model.lora(): every base weight, the flat range before the adapters):
+  // backward writes no gradient there and zero_grads() leaves it alone, so its gradient pages
+  // are never touched; the optimizer skips it. Empty without LoRA.
+  RangeSet frozen_ranges() const;
   RangeSet own_expert_ranges() const { return expert_ranges(true); }
   std::vector<std::pair<int64_t, int64_t>> sequence_partial_ranges() const;
   Communicator* tensor_parallel() const { return tp_; }
@@ -215,6 +219,10 @@ class Transformer {
   std::vector<MoeLayerStats> moe_stats_;
   std::vector<int64_t> moe_layers_;  // the MoE blocks' layers (moe_sums_' rows)
   int64_t shards() const { return sp_ ? tp_->size() : 1; }
+  int64_t frozen_end_ = 0;           // [0, frozen_end_) frozen (LoRA's base)
+  Tensor sink_w_, sink_b_;           // where frozen norms' gradients go (never read)
+  static Tensor sink(const Tensor& grad, const Tensor& sink);
+  BlockParams frozen_grads(BlockParams g) const;
   // The plan of the full records recomputation fills: a dense block's (MLA's sizes with MLA).
   LayerPlan recompute_record_plan() const;
   ActivationStore allocate_store_for(int64_t batch, int64_t seq_len, int64_t first, int64_t last, bool split_backward,

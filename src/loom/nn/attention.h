@@ -12,6 +12,7 @@
 #include "loom/nn/context_parallel.h"
 #include "loom/nn/layer.h"
 #include "loom/nn/linear.h"
+#include "loom/nn/lora.h"
 #include "loom/nn/mla.h"
 #include "loom/nn/plan.h"
 
@@ -25,6 +26,7 @@ struct AttentionParams {
   Tensor q_norm, k_norm;  // (hd) each: model.qk_norm
   MlaParams mla;          // MLA: queries, latent, decoupled RoPE key and up-projections
   Tensor proj_w, proj_b;  // (C, H hd), (C); MLA: (C, H d_v)
+  LoraAdapters qkv_lora, proj_lora;  // model.lora(): the adapters of q/k/v and o (nn/lora.h)
 };
 
 // What the attention sub-layer keeps for its backward, for one micro-batch.

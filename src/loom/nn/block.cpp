@@ -58,6 +58,15 @@ BlockParams block_params_view(const ModelConfig& config, const ParamLayout& layo
       m.fc2_w = v(pre + "mlp.down_proj.weight");
     }
   }
+  for (const LoraSite& site : lora_sites(config, layer)) {
+    const LoraAdapter adapter{v(site.module + ".lora_A.weight"), v(site.module + ".lora_B.weight"), site.out_begin};
+    switch (site.linear) {
+      case LORA_ON_QKV: p.qkv_lora.push_back(adapter); break;
+      case LORA_ON_PROJ: p.proj_lora.push_back(adapter); break;
+      case LORA_ON_FC: m.fc_lora.push_back(adapter); break;
+      case LORA_ON_FC2: m.fc2_lora.push_back(adapter); break;
+    }
+  }
   return b;
 }
 

@@ -177,22 +177,23 @@ void LinearLayer::backward(Backend& backend, const Tensor& x, const Tensor& w, c
     if (dw.defined()) backend.gemm(dy, x, dw, wgrad);
     return;
   }
-  LOOM_CHECK(dx.defined() && dw.defined(), "linear layer (", recipe_name(setup_.recipe), "): a split backward (input or "
-             "weight gradient alone) needs the f32 recipe");
+  LOOM_CHECK(dx.defined(), "linear layer (", recipe_name(setup_.recipe), "): a split backward (the weight gradient "
+             "alone) needs the f32 recipe");  // dw alone may be undefined: a frozen weight (LoRA's base)
   LOOM_CHECK(ws != nullptr, "linear layer (", recipe_name(setup_.recipe), "): no workspace");
   using S = LinearWorkspace;
   switch (setup_.recipe) {
     case RECIPE_F32: {
       backend.gemm(dy, effective_weight(backend, w, w16, *ws), dx, dgrad);
-      backend.gemm(dy, x, dw, wgrad);
+      if (dw.defined()) backend.gemm(dy, x, dw, wgrad);
       return;
     }
     case RECIPE_BF16: {
       const Tensor wb = bf16_weight(backend, w, w16, *ws);
       Tensor dyb = ws->bf16(S::A, dy.shape()), xb = ws->bf16(S::B, x.shape());
       backend.cast(dy, dyb);
-      backend.cast(x, xb);
       backend.gemm(dyb, wb, dx, dgrad);
+      if (!dw.defined()) return;
+      backend.cast(x, xb);
       backend.gemm(dyb, xb, dw, wgrad);
       return;
     }
@@ -201,6 +202,7 @@ void LinearLayer::backward(Backend& backend, const Tensor& x, const Tensor& w, c
       const Tensor dyq = fp16_of(backend, dy, *ws, S::A), xq = fp16_of(backend, x, *ws, S::B);
       backend.gemm(dyq, wq, dx, dgrad);
       round_fp16(backend, dx);
+      if (!dw.defined()) return;
       const Tensor t = ws->f32(S::C, dw.shape());
       backend.gemm(dyq, xq, t, spec_of(true, false, 0.0f));
       round_fp16(backend, t);  // the weight's fp16 gradient, accumulated into the fp32 one
@@ -215,7 +217,7 @@ void LinearLayer::backward(Backend& backend, const Tensor& x, const Tensor& w, c
       const Tensor dyc = codes_of(backend, dy, setup_.fp8_backward, sdy, *ws, S::A);
       const Tensor wc = codes_of(backend, we, FMT_E4M3, sw, *ws, S::W), xc = codes_of(backend, x, FMT_E4M3, sx, *ws, S::B);
       backend.gemm(dyc, wc, dx, spec_of(false, false, 0.0f, (1.0f / sdy) * (1.0f / sw)));
-      backend.gemm(dyc, xc, dw, spec_of(true, false, 1.0f, (1.0f / sdy) * (1.0f / sx)));
+      if (dw.defined()) backend.gemm(dyc, xc, dw, spec_of(true, false, 1.0f, (1.0f / sdy) * (1.0f / sx)));
       return;
     }
     case RECIPE_FP8_BLOCK: {
@@ -223,6 +225,7 @@ void LinearLayer::backward(Backend& backend, const Tensor& x, const Tensor& w, c
       const Tensor wq = blocks_of(backend, effective_weight(backend, w, w16, *ws), FMT_E4M3, kTile, kTile, *ws, S::W);
       backend.gemm(blocks_of(backend, dy, setup_.fp8_backward, 1, kTile, *ws, S::A), wq, dx, dgrad);
       // wgrad reduces over tokens: dy and x in 128x1 tiles along them.
+      if (!dw.defined()) return;
       const Tensor dyt = blocks_of(backend, dy, setup_.fp8_backward, kTile, 1, *ws, S::A);
       backend.gemm(dyt, blocks_of(backend, x, FMT_E4M3, kTile, 1, *ws, S::B), dw, wgrad);
       return;

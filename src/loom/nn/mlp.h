@@ -9,6 +9,7 @@
 #include "loom/backend/backend.h"
 #include "loom/nn/layer.h"
 #include "loom/nn/linear.h"
+#include "loom/nn/lora.h"
 #include "loom/nn/moe.h"
 #include "loom/nn/plan.h"
 
@@ -21,6 +22,7 @@ struct MlpParams {
   Tensor fc_w, fc_b;      // (F or 2F, C), (F or 2F)
   Tensor fc2_w, fc2_b;    // (C, F), (C)
   MoeParams moe;
+  LoraAdapters fc_lora, fc2_lora;  // model.lora(): the adapters of gate/up and down (nn/lora.h)
 };
 
 // What the MLP sub-layer keeps for its backward, for one micro-batch.

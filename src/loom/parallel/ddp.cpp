@@ -20,13 +20,14 @@ DataParallel::DataParallel(Communicator& comm, Backend& backend, const Tensor& g
   std::sort(specs.begin(), specs.end(), [](const ParamSpec* a, const ParamSpec* b) { return a->offset > b->offset; });
   int64_t end = layout.total, begin = layout.total;
   for (const ParamSpec* p : specs) {
+    if (p->offset < config_.frozen_below) break;
     begin = p->offset;
     if (end - begin >= cap) {
       buckets_.push_back({begin, end});
       end = begin;
     }
   }
-  if (end > 0) buckets_.push_back({0, end});
+  if (end > config_.frozen_below) buckets_.push_back({config_.frozen_below, end});
   switch (config_.compression) {
     case Compression::none: break;
     case Compression::dgc: {

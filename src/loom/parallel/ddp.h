@@ -34,6 +34,8 @@ struct DdpConfig {
   int qsgd_levels = 127;             // QSGD's s
   int powersgd_rank = 4;             // PowerSGD's r
   int64_t compression_warmup = 0;    // steps (finish() calls) of plain all-reduce before the compressor takes over
+  // Frozen parameters (LoRA's base, [0, frozen_below)): no gradients, so no bucket covers them.
+  int64_t frozen_below = 0;
 };
 
 class DataParallel {

@@ -47,13 +47,16 @@ std::vector<Binding> bindings(LoomConfig& c) {
   // schema (arch/config.h), the one list checkpoints also read.
   std::vector<Binding> out = {{"device", enum_ref(&c.device), "the backend: cpu | cuda (a CUDA build and a visible GPU)"}};
   visit_model_fields(c.model, [&](const ModelField& f, auto& value) {
-    if constexpr (std::is_same_v<std::decay_t<decltype(value)>, RopeScaling>) {
-      out.push_back({str_cat("model.", f.key), enum_ref(&value), f.meaning});
+    using T = std::decay_t<decltype(value)>;
+    if constexpr (std::is_same_v<T, RopeScaling> || std::is_same_v<T, PeftMethod>) {
+      out.push_back({model_field_key(f), enum_ref(&value), f.meaning});
     } else {
-      out.push_back({str_cat("model.", f.key), &value, f.meaning});
+      out.push_back({model_field_key(f), &value, f.meaning});
     }
   });
   std::vector<Binding> rest = {
+      // After the model's peft.* keys (the last of its schema): one [peft] table.
+      {"peft.adapter", &c.loop.peft_adapter, "a PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors) loaded onto the weights; its config sets peft.*"},
       {"train.batch_size", &c.train.batch_size, "sequences per micro-batch on each data-parallel rank (global batch: x grad_accum x dp)"},
       {"train.seq_len", &c.train.seq_len, "tokens per training sequence (<= model.max_seq_len)"},
       {"train.grad_accum", &c.train.grad_accum, "micro-batches per optimizer step (with parallel.pp > 1: the pipeline's micro-batches)"},

@@ -33,6 +33,9 @@ struct LoopConfig {
   // checkpoint/weights.h) instead of a random initialisation; the optimizer, schedule and data
   // position start fresh. The model is the weights' (model.* keys are replaced).
   std::string init_from;
+  // peft.adapter: a PEFT LoRA adapter folder (checkpoint/peft.h) loaded onto the weights; its
+  // adapter_config.json sets the peft.* keys.
+  std::string peft_adapter;
 };
 
 struct RunConfig {

@@ -4,8 +4,11 @@
 #include "loom/backend/cuda/cuda_backend.h"
 #include "loom/comm/nccl_communicator.h"
 #endif
+#include "loom/arch/param_layout.h"
+#include "loom/checkpoint/peft.h"
 #include "loom/checkpoint/weights.h"
 #include "loom/core/error.h"
+#include "loom/nn/lora.h"
 #include "loom/parallel/tensor_parallel.h"
 
 namespace loom {
@@ -20,9 +23,24 @@ struct Build {
 };
 
 // The weights a run starts from: train.init_from's, or the seeded random initialisation.
+// LoRA on weights without adapters: the adapters start initialised (B = 0, so the model starts
+// as the base) and the base, the layout's first lora_begin elements, is the weights'.
 void initialise(Build& b, Transformer& model, const ModelConfig& config) {
-  if (b.config.loop.init_from.empty()) model.init_weights(b.config.loop.seed);
-  else load_weights_from(b.config.loop.init_from, config, model.params(), b.backend);
+  const LoopConfig& loop = b.config.loop;
+  if (loop.init_from.empty()) {
+    model.init_weights(loop.seed);
+  } else if (config.lora() && !weights_model_config(loop.init_from).lora()) {
+    model.init_weights(loop.seed);
+    const int64_t base = lora_begin(config, model.layout());
+    load_weights_from(loop.init_from, lora_base_config(config), model.params().view(0, {base}), b.backend);
+  } else {
+    load_weights_from(loop.init_from, config, model.params(), b.backend);
+  }
+  if (!loop.peft_adapter.empty()) {
+    LOOM_CHECK(model.params().host_accessible(), "peft.adapter loads into host memory: not on the ",
+               b.backend.name(), " backend yet");
+    load_peft_adapter(loop.peft_adapter, ModelState{config, model.params()});
+  }
 }
 
 void tensor_parallel(Build& b) {

@@ -21,7 +21,7 @@ constexpr uint64_t kRoundingSeed = 0x5EEDB16F;
 RangeSet update_domain(const Transformer& model, const PipelineRunner* pipeline) {
   const RangeSet base = pipeline == nullptr || pipeline->comm().size() == 1 ? RangeSet::span(0, model.layout().total)
                                                                             : pipeline->owned();
-  return base.subtract(model.foreign_expert_ranges());
+  return base.subtract(model.foreign_expert_ranges()).subtract(model.frozen_ranges());
 }
 
 // The parameters this rank's optimizer updates: its domain, or its ZeRO shard of the domain.
@@ -33,7 +33,8 @@ std::vector<OptimParam> rank_params(const std::vector<OptimParam>& all, const Co
   const bool piped = pipeline != nullptr && pipeline->comm().size() > 1;
   const bool experts = model.expert_parallel() != nullptr;
   const bool sharded = ddp.zero_stage > 0 && comm != nullptr && comm->size() > 1;
-  if (!piped && !experts && !sharded) return all;
+  const bool frozen = !model.frozen_ranges().empty();
+  if (!piped && !experts && !sharded && !frozen) return all;
   // ZeRO shards one domain over the data-parallel ranks; under expert parallelism those ranks
   // hold different experts (Megatron shards experts over the expert-data-parallel group instead).
   LOOM_CHECK(!experts || !sharded, "parallel.zero_stage = ", ddp.zero_stage, " with parallel.ep > 1 is not supported "
@@ -44,7 +45,7 @@ std::vector<OptimParam> rank_params(const std::vector<OptimParam>& all, const Co
                "shard the whole model, this rank updates only its own part; use zero_stage 0 or 1");
     LOOM_CHECK(elementwise_optimizer(optim.kind), what, " needs an element-wise optimizer (each rank updates its own "
                "part of the model), got optim.name = ", optimizer);
-  } else {
+  } else if (sharded) {
     LOOM_CHECK(elementwise_optimizer(optim.kind), "parallel.zero_stage = ", ddp.zero_stage, " shards at element "
                "boundaries and needs an element-wise optimizer (sgd, momentum, nesterov, adagrad, rmsprop, adam, adamw, "
                "lion), got optim.name = ", optimizer);
@@ -145,6 +146,7 @@ Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config, Commu
       // Sequence parallel sums some gradients over the tp group after backward: the data-parallel
       // reduction then follows it instead of overlapping backward.
       if (model_.sequence_parallel()) ddp.overlap = false;
+      ddp.frozen_below = model_.frozen_ranges().empty() ? 0 : model_.frozen_ranges().ranges()[0].end;
       ddp_ = std::make_unique<DataParallel>(*comm, backend_, model_.grads(), model_.layout(), ddp);
     } else {
       LOOM_CHECK(ddp.compression == Compression::none, "parallel.compression = ", enum_name(ddp.compression), " replaces DDP's all-reduce; "
@@ -180,6 +182,7 @@ Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config, Commu
   // The gradient elements the norm sums: the stages' (or all), within this rank's ZeRO-2/3 shard.
   norm_ranges_ = pipeline_ != nullptr ? pipeline_->norm_ranges() : RangeSet::span(0, model_.grads().numel());
   if (sharded_grads()) norm_ranges_ = norm_ranges_.intersect(RangeSet::span(zero_->range().begin, zero_->range().end));
+  norm_ranges_ = norm_ranges_.subtract(model_.frozen_ranges());
   if (model_.precision().master_bf16) {  // no fp32 master: the weights are bf16 values from the start
     backend_.round_bf16(model_.params(), false, RoundingDraw{});
   }
@@ -191,6 +194,11 @@ Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config, Commu
   // The gradient buffer starts at zero; an optimizer that keeps error feedback in it (LDAdam)
   // leaves it for the next backward to add into, the others are zeroed before each step.
   if (!sharded_grads()) model_.zero_grads();
+  // Frozen parameters have no gradients: their pages of the gradient buffer go back to the OS
+  // (never written again, they hold no memory; `loom memory` measures the resident bytes).
+  for (const auto& [b, e] : model_.frozen_ranges()) {
+    if (model_.grads().host_accessible()) release_elements(model_.grads(), b, e);
+  }
   params_loaded();
   if (config_.device_budget_mb > 0.0) {
     const MemoryTracker& mem = backend_.allocator().tracker();

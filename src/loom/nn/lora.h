@@ -1,0 +1,37 @@
+// LoRA adapters on a linear layer (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large
+// Language Models", eq. 3): the layer's output y = W x gains s B (A x) in the columns the
+// adapter covers, with A (r, in), B (out, r) and s = alpha / r (alpha / sqrt(r) with rsLoRA,
+// Kalajdzievski 2023). The frozen W is untouched: its gradient is not computed, only A's, B's
+// and the input's. Llama-family layers fuse q/k/v and gate/up, so an adapter names its first
+// output column (arch/param_layout.h lora_sites).
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "loom/arch/config.h"
+#include "loom/backend/backend.h"
+
+namespace loom {
+
+struct LoraAdapter {
+  Tensor a, b;            // (r, in), (out_count, r): parameters, or their gradients
+  int64_t out_begin = 0;  // first output column it adds to
+};
+using LoraAdapters = std::vector<LoraAdapter>;
+
+// y (.., W) += s B (A x) for each adapter, x (.., in).
+void lora_forward(Backend& backend, const Tensor& x, const LoraAdapters& adapters, float scale, const Tensor& y);
+// With dy (.., W) the layer's output gradient: grads' b += s dy_cols^T (A x), grads' a += d^T x
+// and dx (.., in) += d A, where d = s dy_cols B. A x is recomputed (r columns: cheap).
+void lora_backward(Backend& backend, const Tensor& x, const LoraAdapters& params, const LoraAdapters& grads,
+                   float scale, const Tensor& dy, const Tensor& dx);
+
+// Merging (Hu et al. 2021, sec. 4.1: no inference latency): `merged` (the base layout's
+// lora_begin elements) = the base weights of `params` with each adapted weight's rows
+// W[out_begin : out_begin + out_count] += s B A. `params` itself is not changed: the unmerged
+// model is the base, bit for bit.
+void lora_merge(Backend& backend, const ModelConfig& config, const Tensor& params, const Tensor& merged);
+// The model config without its adapters (peft.method = none): the merged model's.
+ModelConfig lora_base_config(const ModelConfig& config);
+
+}  // namespace loom

@@ -1,0 +1,329 @@
+// LoRA (nn/lora.h, arch/param_layout.h lora_sites, checkpoint/peft.h): the adapters' place in
+// the flat layout, a LoRA model at step 0 equal to its base bit for bit, finite differences of
+// the adapters' gradients, the frozen base (no gradient written, no optimizer state, its gradient
+// pages released), merging (the base untouched, the merged model's logits those of the adapted
+// one), PEFT's layout written and read back, and the refusals naming peft.* keys. PyTorch's
+// reference of the formula on PEFT-layout adapters: tests/test_lora_parity.cpp.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+
+#include "loom/arch/param_layout.h"
+#include "loom/checkpoint/peft.h"
+#include "loom/core/error.h"
+#include "loom/core/pages.h"
+#include "loom/infer/engine.h"
+#include "loom/infer/kv_cache.h"
+#include "loom/memory/estimate.h"
+#include "loom/model/transformer.h"
+#include "loom/nn/lora.h"
+#include "loom/train/trainer.h"
+#include "test_util.h"
+
+namespace loom {
+namespace {
+
+namespace fs = std::filesystem;
+
+ModelConfig lora_of(ModelConfig c, const std::string& targets, int64_t rank = 4, float alpha = 8.0f) {
+  c.peft_method = PeftMethod::lora;
+  c.lora_targets = targets;
+  c.lora_rank = rank;
+  c.lora_alpha = alpha;
+  return c;
+}
+
+void fill_tokens(ActivationStore& s, int32_t vocab, uint64_t seed) {
+  for (int64_t i = 0; i < s.tokens.numel(); ++i) {
+    s.tokens.data<int32_t>()[i] = static_cast<int32_t>((i * 37 + seed * 11) % vocab);
+    s.targets.data<int32_t>()[i] = static_cast<int32_t>((i * 53 + 7 + seed) % vocab);
+  }
+}
+
+// Every adapter's B gets random values (a trained adapter), so that LoRA changes the outputs.
+void randomize_adapters(Transformer& m, uint64_t seed) {
+  const int64_t begin = lora_begin(m.config(), m.layout());
+  float* p = m.params().data<float>();
+  for (int64_t i = begin; i < m.layout().total; ++i) {
+    p[i] = 0.3f * std::sin(static_cast<float>(i * 12.9898 + static_cast<double>(seed)));
+  }
+}
+
+std::vector<float> logits_of(Transformer& m, int64_t B, int64_t T) {
+  ActivationStore s = m.allocate_store(B, T);
+  fill_tokens(s, static_cast<int32_t>(m.config().vocab_size), 3);
+  m.forward(s);
+  const float* l = s.logits.data<float>();
+  return std::vector<float>(l, l + s.logits.numel());
+}
+
+TEST(LoraLayout, AdaptersFollowTheUnchangedBase) {
+  const ModelConfig base = model_preset("llama-tiny");
+  const ModelConfig c = lora_of(base, "q,k,v,o,gate,up,down", 4);
+  const ParamLayout lb = build_param_layout(base), ll = build_param_layout(c);
+  ASSERT_EQ(lora_begin(c, ll), lb.total);
+  for (size_t i = 0; i < lb.params.size(); ++i) {
+    EXPECT_EQ(ll.params[i].name, lb.params[i].name);
+    EXPECT_EQ(ll.params[i].offset, lb.params[i].offset);
+  }
+  const int64_t C = c.d_model, F = c.d_ff, q = c.n_head * c.head_dim(), kv = c.n_kv_head * c.head_dim();
+  const int64_t per_layer = 4 * ((C + q) + (C + kv) + (C + kv) + (q + C) + 2 * (C + F) + (F + C));
+  EXPECT_EQ(ll.total - lb.total, c.n_layer * per_layer);
+  const ParamSpec& a = ll.find("model.layers.1.self_attn.v_proj.lora_A.weight");
+  const ParamSpec& b = ll.find("model.layers.1.self_attn.v_proj.lora_B.weight");
+  EXPECT_EQ(a.shape, (Shape{4, C}));
+  EXPECT_EQ(b.shape, (Shape{kv, 4}));
+  EXPECT_EQ(b.init, INIT_ZEROS);
+  const std::vector<LoraSite> sites = lora_sites(c, 0);
+  ASSERT_EQ(sites.size(), 7u);
+  EXPECT_EQ(sites[2].out_begin, q + kv);  // v's rows of the fused qkv
+  EXPECT_EQ(sites[5].out_begin, F);       // up's rows of the fused gate_up
+  // The units (ZeRO-3, pipeline stages) cover every element exactly once.
+  RangeSet all;
+  int64_t covered = 0;
+  for (const RangeSet& u : layout_units(c, ll)) {
+    EXPECT_TRUE(all.intersect(u).empty());
+    all = all.unite(u);
+    covered += u.size();
+  }
+  EXPECT_EQ(covered, ll.total);
+  EXPECT_EQ(all.size(), ll.total);
+  // GPT-2: q, k, v are one adapter on c_attn (Hugging Face's one matrix).
+  const ModelConfig g = lora_of(model_preset("gpt2-tiny"), "q,k,v,o,up,down");
+  const std::vector<LoraSite> gs = lora_sites(g, 0);
+  ASSERT_EQ(gs.size(), 4u);
+  EXPECT_EQ(gs[0].module, "h.0.attn.c_attn");
+  EXPECT_EQ(gs[0].out_count, 3 * g.d_model);
+  EXPECT_EQ(g.lora_scale(), 2.0f);
+  ModelConfig rs = g;
+  rs.lora_rslora = true;
+  EXPECT_EQ(rs.lora_scale(), 4.0f);  // 8 / sqrt(4)
+}
+
+TEST(LoraModel, StepZeroGivesTheBaseLogitsBitwise) {
+  for (const char* preset : {"gpt2-tiny", "llama-tiny"}) {
+    auto backend = make_cpu_backend();
+    const ModelConfig base = model_preset(preset);
+    Transformer plain(*backend, base);
+    plain.init_weights(7);
+    Transformer adapted(*backend, lora_of(base, base.arch == ARCH_GPT2 ? "q,k,v,o,up,down" : "q,k,v,o,gate,up,down"));
+    adapted.init_weights(7);
+    // Same base weights (same offsets and Philox streams); A random, B zero.
+    ASSERT_EQ(std::memcmp(plain.params().data<float>(), adapted.params().data<float>(),
+                          static_cast<size_t>(plain.params().numel()) * sizeof(float)), 0) << preset;
+    const std::vector<float> want = logits_of(plain, 2, 16), got = logits_of(adapted, 2, 16);
+    ASSERT_EQ(want.size(), got.size());
+    EXPECT_EQ(std::memcmp(want.data(), got.data(), want.size() * sizeof(float)), 0) << preset;
+  }
+}
+
+TEST(LoraModel, AdapterGradientsMatchFiniteDifferencesAndTheBaseGetsNone) {
+  for (const char* preset : {"gpt2-tiny", "llama-tiny"}) {
+    auto backend = make_cpu_backend();
+    const ModelConfig base = model_preset(preset);
+    const ModelConfig c = lora_of(base, base.arch == ARCH_GPT2 ? "q,k,v,o,up,down" : "q,v,o,gate,down", 2, 4.0f);
+    Transformer model(*backend, c);
+    model.init_weights(3);
+    randomize_adapters(model, 5);
+    ActivationStore s = model.allocate_store(2, 8);
+    fill_tokens(s, static_cast<int32_t>(c.vocab_size), 1);
+    model.zero_grads();
+    model.forward(s);
+    model.backward(s, 1.0f);
+    const int64_t begin = lora_begin(c, model.layout());
+    const float* g = model.grads().data<float>();
+    for (int64_t i = 0; i < begin; ++i) ASSERT_EQ(g[i], 0.0f) << preset << " base gradient " << i;
+    double norm = 0;
+    for (int64_t i = begin; i < model.layout().total; ++i) norm += static_cast<double>(g[i]) * g[i];
+    EXPECT_GT(norm, 0.0);
+    // Finite differences at 3 elements of every adapter matrix.
+    test::expect_model_gradients_match_fd(model, s, preset, begin);
+  }
+}
+
+// Decoding (Transformer::forward_rows through a paged KV cache) applies the adapters too: each
+// position's logits equal the full forward's.
+TEST(LoraModel, DecodingRowsMatchTheFullForward) {
+  for (const char* preset : {"gpt2-tiny", "llama-tiny"}) {
+    auto backend = make_cpu_backend();
+    const ModelConfig base = model_preset(preset);
+    const ModelConfig c = lora_of(base, base.arch == ARCH_GPT2 ? "q,k,v,o,up,down" : "q,k,v,o,gate,up,down");
+    Transformer model(*backend, c);
+    model.init_weights(3);
+    randomize_adapters(model, 9);
+    const int64_t T = 6, V = c.vocab_size;
+    ActivationStore full = model.allocate_store(1, T);
+    fill_tokens(full, static_cast<int32_t>(V), 2);
+    model.forward(full, false);
+    EngineConfig ec;
+    ec.max_batch = 1;
+    auto cache = make_paged_kv_cache(engine_cache_config(c, ec), &backend->allocator());
+    struct Rows : DecodeCache {
+      KvCache* cache;
+      const ModelConfig* c;
+      int64_t seq = 0;
+      void attend(int64_t layer, int64_t, const float* q, const float* k, const float* v, float* out) override {
+        cache->write(seq, layer, k, v);
+        cache->attend(seq, layer, q, out, c->n_head, c->n_kv_head, c->head_dim(), c->attn_window);
+      }
+      const float* latent(int64_t, int64_t, const float*, int64_t*) override { return nullptr; }
+    } rows;
+    rows.cache = cache.get(), rows.c = &c, rows.seq = cache->add_sequence();
+    ActivationStore one = model.allocate_rows(1);
+    for (int64_t t = 0; t < T; ++t) {
+      model.forward_rows(one, {full.tokens.data<int32_t>()[t]}, {t}, rows);
+      std::vector<double> got(one.logits.data<float>(), one.logits.data<float>() + V);
+      std::vector<double> want(full.logits.data<float>() + t * V, full.logits.data<float>() + (t + 1) * V);
+      EXPECT_LT(test::max_rel_error(got, want), 1e-5) << preset << " position " << t;
+      cache->advance(rows.seq);
+    }
+  }
+}
+
+TEST(LoraModel, MergeKeepsTheBaseAndGivesTheAdaptedLogits) {
+  for (const char* preset : {"gpt2-tiny", "llama-tiny"}) {
+    auto backend = make_cpu_backend();
+    const ModelConfig base = model_preset(preset);
+    const ModelConfig c = lora_of(base, base.arch == ARCH_GPT2 ? "q,k,v,o,up,down" : "q,k,v,o,gate,up,down");
+    Transformer adapted(*backend, c);
+    adapted.init_weights(11);
+    randomize_adapters(adapted, 13);
+    const std::vector<float> before(adapted.params().data<float>(),
+                                    adapted.params().data<float>() + adapted.params().numel());
+    Transformer merged(*backend, lora_base_config(c));
+    lora_merge(*backend, c, adapted.params(), merged.params());
+    // Unmerged = the base, bit for bit: merging wrote elsewhere.
+    EXPECT_EQ(std::memcmp(before.data(), adapted.params().data<float>(), before.size() * sizeof(float)), 0);
+    const std::vector<float> a = logits_of(adapted, 2, 12), m = logits_of(merged, 2, 12);
+    const std::vector<double> ad(a.begin(), a.end()), md(m.begin(), m.end());
+    const double err = test::max_rel_error(md, ad);
+    EXPECT_LT(err, 1e-5) << preset;
+    // And the adapters matter: the base model's logits differ.
+    Transformer plain(*backend, base);
+    std::memcpy(plain.params().data<float>(), before.data(), static_cast<size_t>(plain.params().numel()) * sizeof(float));
+    const std::vector<float> p = logits_of(plain, 2, 12);
+    const std::vector<double> pd(p.begin(), p.end());
+    EXPECT_GT(test::max_rel_error(pd, ad), 1e-3) << preset;
+  }
+}
+
+TEST(LoraPeft, AdapterFoldersRoundTrip) {
+  for (const char* preset : {"gpt2-tiny", "llama-tiny"}) {
+    auto backend = make_cpu_backend();
+    const ModelConfig base = model_preset(preset);
+    ModelConfig c = lora_of(base, base.arch == ARCH_GPT2 ? "q,k,v,up" : "k,o,down", 3, 6.0f);
+    c.lora_rslora = true;
+    Transformer model(*backend, c);
+    model.init_weights(1);
+    randomize_adapters(model, 2);
+    const std::string dir = (fs::temp_directory_path() / ("loom_peft_" + std::string(preset))).string();
+    fs::remove_all(dir);
+    save_peft_adapter(dir, ModelState{c, model.params()});
+    ASSERT_TRUE(is_peft_adapter_dir(dir));
+    const ModelConfig read = peft_adapter_config(dir, base);
+    EXPECT_TRUE(read.lora());
+    EXPECT_EQ(read.lora_rank, 3);
+    EXPECT_EQ(read.lora_alpha, 6.0f);
+    EXPECT_TRUE(read.lora_rslora);
+    EXPECT_EQ(read.lora_targets, c.lora_targets);
+    Transformer back(*backend, read);
+    back.init_weights(99);  // different adapters until loaded
+    load_peft_adapter(dir, ModelState{read, back.params()});
+    const int64_t begin = lora_begin(c, model.layout());
+    EXPECT_EQ(std::memcmp(model.params().data<float>() + begin, back.params().data<float>() + begin,
+                          static_cast<size_t>(model.layout().total - begin) * sizeof(float)), 0) << preset;
+    fs::remove_all(dir);
+  }
+}
+
+TEST(LoraTrain, TheBaseStaysFrozenWithoutGradientsOrOptimizerState) {
+  auto backend = make_cpu_backend();
+  ModelConfig base = model_preset("gpt2-tiny");
+  base.d_model = 128, base.d_ff = 512, base.n_head = 4, base.n_kv_head = 4, base.vocab_size = 512;
+  const ModelConfig c = lora_of(base, "q,k,v,o,up,down", 4, 8.0f);
+  Transformer model(*backend, c);
+  model.init_weights(1);
+  const int64_t begin = lora_begin(c, model.layout()), adapters = model.layout().total - begin;
+  const std::vector<float> frozen(model.params().data<float>(), model.params().data<float>() + begin);
+  TrainConfig tc;
+  tc.batch_size = 4, tc.seq_len = 16, tc.steps = 30, tc.schedule.warmup = 2, tc.schedule.max_lr = 1e-2;
+  Trainer trainer(*backend, model, tc);
+  std::vector<int32_t> tokens(2000);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int32_t>((i * 7 + i / 97) % 97);
+  RandomWindowSource data(tokens, 3);
+  const double first = trainer.train_step(data).loss;
+  double last = first;
+  for (int i = 1; i < tc.steps; ++i) last = trainer.train_step(data).loss;
+  EXPECT_LT(last, first - 0.1);  // deterministic: the adapters learn (slowly, on a random base)
+  EXPECT_EQ(std::memcmp(frozen.data(), model.params().data<float>(), frozen.size() * sizeof(float)), 0);
+  // AdamW's m and v for the adapters only.
+  EXPECT_EQ(backend->allocator().tracker().peak(MEM_OPTIMIZER_STATE), static_cast<size_t>(8 * adapters));
+  // The base's gradient pages were released and never written again: what stays resident is
+  // the adapters' gradients (plus the page they share with the base's last elements).
+  const int64_t page = 4096, resident = resident_bytes(model.grads());
+  EXPECT_LE(resident, 4 * adapters + 2 * page);
+  EXPECT_GT(4 * begin, 8 * (4 * adapters + 2 * page));  // the measure can fail
+  std::printf("LoRA: %lld adapter of %lld parameters; gradient buffer %lld bytes resident of %lld; loss %.4f -> %.4f\n",
+              static_cast<long long>(adapters), static_cast<long long>(model.layout().total),
+              static_cast<long long>(resident), static_cast<long long>(4 * model.layout().total), first, last);
+}
+
+// loom memory: a LoRA run's estimate counts gradients and optimizer state of the adapters only,
+// and the methods table follows its formulas (Llama-3-8B's shape, AdamW).
+TEST(LoraMemory, EstimateAndMethodsTable) {
+  MemoryPlan plan;
+  plan.model = lora_of(model_preset("llama-tiny"), "q,k,v,o,gate,up,down", 4);
+  plan.batch = 2, plan.seq_len = 16;
+  const ParamLayout layout = build_param_layout(plan.model);
+  const int64_t A = layout.total - lora_begin(plan.model, layout);
+  const MemoryEstimate e = estimate_memory(plan);
+  EXPECT_EQ(e.bytes[MEM_PARAMETERS], 4 * layout.total);
+  EXPECT_EQ(e.bytes[MEM_GRADIENTS], 4 * A);
+  EXPECT_EQ(e.bytes[MEM_OPTIMIZER_STATE], 8 * A);
+
+  ModelConfig llama8b = model_preset("llama-tiny");
+  llama8b.vocab_size = 128256, llama8b.d_model = 4096, llama8b.n_layer = 32, llama8b.n_head = 32;
+  llama8b.n_kv_head = 8, llama8b.d_ff = 14336, llama8b.max_seq_len = 8192;
+  llama8b.lora_rank = 16, llama8b.lora_targets = "q,k,v,o,gate,up,down";
+  OptimConfig adamw;
+  adamw.name = "adamw";
+  const std::vector<FinetuneMemory> rows = finetune_memory(llama8b, adamw);
+  ASSERT_EQ(rows.size(), 3u);
+  const int64_t P = 8030261248;  // Llama-3-8B
+  EXPECT_EQ(rows[0].trainable, P);
+  EXPECT_EQ(rows[0].total(), 16 * P);
+  // r (in + out) per adapted matrix: 32 layers x 16 x (4096+4096 + 4096+1024 + 4096+1024 + 4096+4096 + 2 (4096+14336) + 14336+4096)
+  const int64_t A8 = 32LL * 16 * (8192 + 5120 + 5120 + 8192 + 2 * 18432 + 18432);
+  EXPECT_EQ(rows[1].trainable, A8);
+  EXPECT_EQ(rows[1].gradients, 4 * A8);
+  EXPECT_EQ(rows[1].optimizer, 8 * A8);
+  // QLoRA: 6,979,321,856 block-matrix parameters at ~4.127 bits, 1,050,939,392 others in bf16.
+  const int64_t matrices = 6979321856LL;
+  // docs/finetune.md's NF4 figure for the 224 separate matrices, less the 4-byte double-quantization
+  // mean of the 96 that Loom holds fused (q/k/v and gate/up: 128 tensors).
+  EXPECT_EQ(rows[2].weights - 4 * A8 - 2 * (P - matrices), 3600417664LL - 96 * 4);
+  std::printf("Llama-3-8B, AdamW: full %.1f GB, LoRA r=16 all linear %.1f GB (%lld trainable), QLoRA %.1f GB\n",
+              rows[0].total() / 1e9, rows[1].total() / 1e9, static_cast<long long>(A8), rows[2].total() / 1e9);
+}
+
+TEST(LoraConfig, BadKeysAreRefusedByName) {
+  const ModelConfig llama = model_preset("llama-tiny");
+  EXPECT_NE(test::error_of([&] { lora_of(llama, "q,x").validate(); }).find("'x' matches no layer"), std::string::npos);
+  EXPECT_NE(test::error_of([&] { lora_of(llama, "q", 1000).validate(); }).find("peft.rank = 1000 is larger than"),
+            std::string::npos);
+  EXPECT_NE(test::error_of([&] { lora_of(model_preset("gpt2-tiny"), "q").validate(); }).find("list all three"),
+            std::string::npos);
+  EXPECT_NE(test::error_of([&] { lora_of(model_preset("gpt2-tiny"), "gate").validate(); }).find("no gate"),
+            std::string::npos);
+  EXPECT_NE(test::error_of([&] { lora_of(model_preset("mla-tiny"), "q").validate(); }).find("MLA"), std::string::npos);
+  EXPECT_NE(test::error_of([&] { lora_of(model_preset("moe-tiny"), "q,down").validate(); }).find("MoE"),
+            std::string::npos);
+  ModelConfig zero = lora_of(llama, "q");
+  zero.lora_alpha = 0.0f;
+  EXPECT_NE(test::error_of([&] { zero.validate(); }).find("peft.alpha"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace loom
