@@ -246,7 +246,8 @@ class Backend {
                                         const Tensor& dqkv, int64_t n_head, int64_t n_kv_head, int64_t window) = 0;
 
   // Fused softmax + cross-entropy. logits (N,V), targets (N) i32. losses[n] = lse[n] - logits[n, t_n];
-  // lse (N) saved; probabilities are never stored.
+  // lse (N) saved; probabilities are never stored. A target of kIgnoreTarget (a loss mask:
+  // prompt tokens in supervised fine-tuning) gives loss 0 and a zero gradient row.
   virtual void cross_entropy_forward(const Tensor& logits, const Tensor& targets, const Tensor& losses,
                                      const Tensor& lse) = 0;
   // dlogits = dloss * (softmax(logits) - onehot(targets)); dlogits may alias logits.

@@ -15,6 +15,12 @@
 #define LOOM_HOST_DEVICE inline
 #endif
 
+namespace loom {
+// The target of a position that does not count (a loss mask; PyTorch's ignore_index default):
+// the cross-entropy ops, CPU and CUDA, give it loss 0 and a zero gradient row.
+inline constexpr int32_t kIgnoreTarget = -100;
+}  // namespace loom
+
 namespace loom::math {
 
 LOOM_HOST_DEVICE float fast_exp(float x) {

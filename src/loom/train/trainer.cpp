@@ -228,8 +228,9 @@ StepStats Trainer::train_step(BatchSource& data) {
     LOOM_CHECK(scaler_ || std::isfinite(loss_sum), "loss is ", loss_sum, " at step ", step_,
                "; stopping before the update, the weights are unchanged");
   }
+  int64_t valid = 0;  // positions whose target counts (loss masks: the others are kIgnoreTarget)
   for (int64_t micro = 0; pipeline_ == nullptr && micro < config_.grad_accum; ++micro) {
-    load_batch(data);
+    valid += load_batch(data);
     const double loss = model_.forward(store_);
     // With loss scaling a non-finite loss (an fp16 overflow) makes non-finite gradients: skipped.
     // Data parallel ranks check the mean over ranks below, so that all of them stop together.
@@ -254,6 +255,24 @@ StepStats Trainer::train_step(BatchSource& data) {
     loss_sum = sum_over(*comm_, loss_sum) / comm_->size();
     LOOM_CHECK(scaler_ || std::isfinite(loss_sum), "loss is ", loss_sum, " at step ", step_,
                " (mean over ranks); stopping before the update, the weights are unchanged");
+  }
+  // Loss masks: backward gave the mean over all of the step's positions, the masked ones counted
+  // as 0; the loss is the mean over the positions that count, on every rank and micro-batch
+  // together, so every layout gives the one-process loss: loss and gradients times
+  // positions / valid (a no-op without masks, skipped).
+  const int64_t positions = (comm_ != nullptr ? comm_->size() : 1) * config_.grad_accum * store_.tokens.numel();
+  if (pipeline_ == nullptr) {
+    if (comm_ != nullptr) valid = static_cast<int64_t>(sum_over(*comm_, static_cast<double>(valid)));
+    if (valid != positions) {
+      LOOM_CHECK(valid > 0, "step ", step_, ": every target of the step is masked (", kIgnoreTarget, "): no loss");
+      const double factor = static_cast<double>(positions) / static_cast<double>(valid);
+      const int64_t begin = sharded_grads() ? zero_->range().begin : 0;
+      const int64_t end = sharded_grads() ? zero_->range().end : model_.grads().numel();
+      for (const Range& r : RangeSet::span(begin, end).subtract(model_.frozen_ranges())) {
+        backend_.scale_inplace(model_.grads().view(r.begin, {r.end - r.begin}), factor);
+      }
+      loss_sum *= factor;
+    }
   }
   StepStats stats;
   stats.step = step_;
@@ -347,14 +366,21 @@ void Trainer::restore(int64_t step, int64_t optimizer_steps) {
   optimizer_->restore_steps_taken(optimizer_steps);
 }
 
-void Trainer::load_batch(BatchSource& data) {
+int64_t Trainer::load_batch(BatchSource& data) {
+  const Tensor& targets = store_.tokens.host_accessible() ? store_.targets : host_targets_;
   if (store_.tokens.host_accessible()) {
     data.fill(store_.tokens, store_.targets);
-    return;
+  } else {
+    data.fill(host_tokens_, host_targets_);
+    backend_.write(store_.tokens, host_tokens_.raw_data());
+    backend_.write(store_.targets, host_targets_.raw_data());
   }
-  data.fill(host_tokens_, host_targets_);
-  backend_.write(store_.tokens, host_tokens_.raw_data());
-  backend_.write(store_.targets, host_targets_.raw_data());
+  const int32_t* t = targets.data<int32_t>();
+  const int64_t n = targets.numel();
+  const int64_t valid = n - std::count(t, t + n, kIgnoreTarget);
+  LOOM_CHECK(valid == n || model_.tensor_parallel() == nullptr, "loss masks (targets ", kIgnoreTarget, ": prompt "
+             "tokens) with parallel.tp > 1 are not supported yet (the vocabulary-parallel cross-entropy counts them)");
+  return valid;
 }
 
 double Trainer::evaluate(BatchSource& data, int64_t batches) {
@@ -366,12 +392,17 @@ double Trainer::evaluate(BatchSource& data, int64_t batches) {
     return loss;
   }
   double sum = 0.0;
+  int64_t valid = 0;
+  const int64_t positions = store_.tokens.numel();
   for (int64_t i = 0; i < batches; ++i) {
-    load_batch(data);
+    valid += load_batch(data);
     sum += model_.forward(store_);
   }
   model_.set_recording(true);
-  return batches > 0 ? sum / static_cast<double>(batches) : 0.0;
+  if (batches == 0) return 0.0;
+  // Loss masks: the mean over the positions that count (forward's mean counts the others as 0).
+  if (valid != batches * positions) return valid > 0 ? sum * static_cast<double>(positions) / static_cast<double>(valid) : 0.0;
+  return sum / static_cast<double>(batches);
 }
 
 }  // namespace loom

@@ -122,7 +122,8 @@ class Trainer {
   Communicator* tp_ = nullptr;      // the model's tensor-parallel group (more than one rank)
   std::vector<std::pair<int64_t, int64_t>> tp_replicated_;  // flat ranges of replicated parameters
   std::vector<std::pair<int64_t, int64_t>> sequence_partial_;  // sequence parallel: summed over tp once a step
-  void load_batch(BatchSource& data);  // the next batch into store_'s tokens and targets
+  // The next batch into store_'s tokens and targets; returns how many targets count (not kIgnoreTarget).
+  int64_t load_batch(BatchSource& data);
   CpuAllocator host_;  // host staging: scalar_ and, on a GPU backend, the batch
   Tensor scalar_;      // (1) f64 on the host: the loss, flags and norms summed over a group
   Tensor host_tokens_, host_targets_;  // the batch before it is written to the backend (GPU only)

@@ -644,7 +644,8 @@ class CpuBackend final : public Backend {
     const int32_t* t = targets.data<int32_t>();
     const int64_t vocab = logits.dim(-1);
     for (int64_t i = 0; i < targets.numel(); ++i) {
-      LOOM_CHECK(t[i] >= 0 && t[i] < vocab, op, ": target ", t[i], " at row ", i, " outside vocab [0, ", vocab, ")");
+      LOOM_CHECK((t[i] >= 0 && t[i] < vocab) || t[i] == kIgnoreTarget, op, ": target ", t[i], " at row ", i,
+                 " outside vocab [0, ", vocab, ") and not kIgnoreTarget (", kIgnoreTarget, ")");
     }
   }
 

@@ -506,7 +506,7 @@ void cross_entropy_forward(const T* logits, const int32_t* targets, T* losses, T
 #pragma omp simd reduction(+ : sum)
     for (int64_t v = 0; v < vocab; ++v) sum += exp_t<T>(x[v] - max_x);
     lse[r] = max_x + std::log(sum);
-    losses[r] = lse[r] - x[targets[r]];
+    losses[r] = targets[r] == kIgnoreTarget ? T(0) : lse[r] - x[targets[r]];
   }
 }
 
@@ -518,6 +518,10 @@ void cross_entropy_backward(const T* logits, const int32_t* targets, const T* ls
   for (int64_t r = 0; r < rows; ++r) {
     const T* x = logits + r * vocab;
     T* d = dx + r * vocab;
+    if (targets[r] == kIgnoreTarget) {  // a masked position: no gradient
+      std::fill(d, d + vocab, T(0));
+      continue;
+    }
     const T l = lse[r];
 #pragma omp simd
     for (int64_t v = 0; v < vocab; ++v) d[v] = dloss * exp_t<T>(x[v] - l);

@@ -621,6 +621,10 @@ __global__ void __launch_bounds__(kCeBlock) cross_entropy_forward_kernel(const T
   const T lowest = sizeof(T) == 4 ? T(-FLT_MAX) : T(-DBL_MAX);  // lowest finite T
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const int32_t target = targets[r];
+    if (target == kIgnoreTarget) {  // a masked position (block-uniform): loss 0
+      if (threadIdx.x == 0) losses[r] = lse[r] = T(0);
+      continue;
+    }
     if (target < 0 || target >= vocab) {  // block-uniform: the row is skipped
       if (threadIdx.x == 0) {
         atomicMin(bad_row, static_cast<unsigned long long>(r));
