@@ -46,7 +46,7 @@ std::vector<int32_t> token_stream(size_t n, int32_t vocab) {
 
 // tokens[i] = i: a window's first token names the window (start / T).
 TokenSplit counting_split(size_t n) {
-  TokenSplit split{"train", std::vector<int32_t>(n)};
+  TokenSplit split{"train", std::vector<int32_t>(n), {}};
   for (size_t i = 0; i < n; ++i) split.tokens[i] = static_cast<int32_t>(i);
   return split;
 }
@@ -307,7 +307,7 @@ TEST(ShardDatasetTest, CorruptShardIsAnErrorNamingIt) {
 
 TEST(LoaderTest, TargetsAreTokensShiftedByOne) {
   const std::vector<int32_t> stream = token_stream(1000, 1009);  // no id repeats: a window has one position
-  TokenLoader loader(TokenSplit{"train", stream}, 16, 7);
+  TokenLoader loader(TokenSplit{"train", stream, {}}, 16, 7);
   for (int step = 0; step < 5; ++step) {
     const Batch b = next_batch(loader, 4);
     for (size_t row = 0; row < 4; ++row) {
@@ -442,7 +442,7 @@ TEST(LoaderTest, RanksOfWorldTwoAreDisjointAndTogetherFormTheGlobalBatch) {
 }
 
 TEST(LoaderTest, SplitShorterThanOneWindowIsAnErrorNamingTheSplit) {
-  TokenSplit val{"val", std::vector<int32_t>(64, 1)};
+  TokenSplit val{"val", std::vector<int32_t>(64, 1), {}};
   const std::string msg = error_of([&] { TokenLoader loader(val, 64, 0, LOADER_ORDER_SEQUENTIAL); });
   EXPECT_NE(msg.find("'val'"), std::string::npos) << msg;
   EXPECT_NE(msg.find("64 tokens"), std::string::npos) << msg;

@@ -9,7 +9,13 @@
 #include <cmath>
 #include <cstring>
 
+#include <filesystem>
+#include <fstream>
+
 #include "loom/core/error.h"
+#include "loom/data/loader.h"
+#include "loom/data/sft.h"
+#include "loom/data/shard.h"
 #include "loom/train/trainer.h"
 #include "test_util.h"
 
@@ -142,6 +148,88 @@ TEST(LossMask, MaskedPositionsContributeNothingAndMicroBatchesDoNotMatter) {
 TEST(LossMask, AStepWithEveryTargetMaskedIsRefused) {
   const std::vector<int64_t> all = {12, 12};
   EXPECT_NE(test::error_of([&] { step(model_preset("gpt2-tiny"), 2, 1, 12, all); }).find("every target of the step is masked"),
+            std::string::npos);
+}
+
+// chat-jsonl and prompt/completion jsonl: the counted tokens are exactly the assistant's replies
+// (with their end-of-turn marker) and the completions (with the end-of-text token); the mask
+// goes through the dataset's shards and the loader's targets.
+const char* kChatMl =
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+
+std::string write_lines(const std::string& name, const std::string& text) {
+  const std::string path = (std::filesystem::temp_directory_path() / name).string();
+  std::ofstream(path) << text;
+  return path;
+}
+
+std::string counted_text(const SftStream& s, const Tokenizer& tok) {
+  std::vector<int32_t> ids;
+  for (size_t i = 0; i < s.tokens.size(); ++i) {
+    if (s.mask[i]) ids.push_back(s.tokens[i]);
+  }
+  return tok.decode(ids);
+}
+
+TEST(SftData, ChatAndCompletionMasksCountOnlyTheReplies) {
+  const auto tok = load_tokenizer("byte");
+  const std::string chat = write_lines("loom_sft_chat.jsonl",
+      "{\"messages\": [{\"role\": \"system\", \"content\": \"Be brief.\"}, {\"role\": \"user\", \"content\": \"2+2?\"},"
+      " {\"role\": \"assistant\", \"content\": \"4\"}, {\"role\": \"user\", \"content\": \"x3?\"},"
+      " {\"role\": \"assistant\", \"content\": \"12\"}]}\n\n"
+      "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}, {\"role\": \"assistant\", \"content\": \"hello\"}]}\n");
+  const SftStream s = read_sft_file(chat, SftFormat::chat_jsonl, *tok, kChatMl);
+  EXPECT_EQ(s.examples, 2);
+  EXPECT_EQ(counted_text(s, *tok), "4<|im_end|>\n12<|im_end|>\nhello<|im_end|>\n");
+  const std::string all = tok->decode(s.tokens);
+  const std::string head = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n";
+  EXPECT_EQ(all.substr(0, head.size()), head);
+  ASSERT_EQ(s.tokens.size(), s.mask.size());
+  EXPECT_EQ(s.tokens.back(), tok->eot_token());
+  EXPECT_EQ(s.mask.back(), 0);
+
+  const std::string pc = write_lines("loom_sft_pc.jsonl", "{\"prompt\": \"Q: 1+1\\nA:\", \"completion\": \" 2\"}\n");
+  const SftStream c = read_sft_file(pc, SftFormat::jsonl, *tok, "");
+  EXPECT_EQ(counted_text(c, *tok), " 2<|endoftext|>");
+
+  // Through the dataset's shards to the loader's targets.
+  const std::string dir = (std::filesystem::temp_directory_path() / "loom_sft_ds").string();
+  std::filesystem::remove_all(dir);
+  write_dataset(dir, s.tokens, 257, "byte", 0.0, 16, s.mask);
+  const TokenDataset ds = open_dataset(dir);
+  ASSERT_EQ(ds.train.mask, s.mask);
+  const int64_t T = 20;
+  TokenLoader loader(ds.train, T, 1, LOADER_ORDER_SEQUENTIAL);
+  auto backend = make_cpu_backend();
+  const Tensor tokens = Tensor::empty(backend->allocator(), {1, T}, DTYPE_I32, MEM_WORKSPACE);
+  const Tensor targets = Tensor::empty(backend->allocator(), {1, T}, DTYPE_I32, MEM_WORKSPACE);
+  for (uint64_t w = 0; w < loader.windows_per_epoch(); ++w) {
+    loader.fill(tokens, targets);
+    for (int64_t t = 0; t < T; ++t) {
+      const size_t next = static_cast<size_t>(w * T + t + 1);
+      EXPECT_EQ(targets.data<int32_t>()[t], s.mask[next] ? s.tokens[next] : kIgnoreTarget) << w << " " << t;
+    }
+  }
+  std::filesystem::remove_all(dir);
+}
+
+TEST(SftData, BadLinesNameTheFileAndLine) {
+  const auto tok = load_tokenizer("byte");
+  const auto error = [&](const std::string& text, SftFormat f, const std::string& tmpl = kChatMl) {
+    const std::string path = write_lines("loom_sft_bad.jsonl", text);
+    return test::error_of([&] { read_sft_file(path, f, *tok, tmpl); });
+  };
+  const std::string ok = "{\"messages\": [{\"role\": \"user\", \"content\": \"a\"}, {\"role\": \"assistant\", \"content\": \"b\"}]}\n";
+  EXPECT_NE(error(ok + "{\"messages\": [\n", SftFormat::chat_jsonl).find("loom_sft_bad.jsonl:2: not valid JSON"), std::string::npos);
+  EXPECT_NE(error("{\"messages\": [{\"role\": \"user\", \"content\": \"a\"}]}\n", SftFormat::chat_jsonl)
+                .find("loom_sft_bad.jsonl:1: the conversation has no assistant message"), std::string::npos);
+  EXPECT_NE(error(ok, SftFormat::chat_jsonl, "{{ raise_exception('no system role') }}").find("does not render"),
+            std::string::npos);
+  EXPECT_NE(error("{\"messages\": [{\"role\": \"user\"}]}\n", SftFormat::chat_jsonl).find("messages[0]: expected a string \"content\""),
+            std::string::npos);
+  EXPECT_NE(error(ok, SftFormat::chat_jsonl, "").find("needs a chat template"), std::string::npos);
+  EXPECT_NE(error("{\"prompt\": \"a\"}\n", SftFormat::jsonl).find("loom_sft_bad.jsonl:1: expected a string \"completion\""),
             std::string::npos);
 }
 

@@ -9,17 +9,13 @@
 #include <bit>
 #include <cstdint>
 
+#include "loom/core/targets.h"  // kIgnoreTarget, read by the cross-entropy kernels
+
 #ifdef __CUDACC__
 #define LOOM_HOST_DEVICE __host__ __device__ __forceinline__
 #else
 #define LOOM_HOST_DEVICE inline
 #endif
-
-namespace loom {
-// The target of a position that does not count (a loss mask; PyTorch's ignore_index default):
-// the cross-entropy ops, CPU and CUDA, give it loss 0 and a zero gradient row.
-inline constexpr int32_t kIgnoreTarget = -100;
-}  // namespace loom
 
 namespace loom::math {
 

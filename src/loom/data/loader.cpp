@@ -1,5 +1,7 @@
 #include "loom/data/loader.h"
 
+#include "loom/core/targets.h"
+
 #include <algorithm>
 #include <nlohmann/json.hpp>
 #include <numeric>
@@ -96,6 +98,12 @@ void TokenLoader::fill(const Tensor& tokens, const Tensor& targets) {
     const int32_t* src = split_.tokens.data() + window * t;
     std::copy(src, src + t, x + b * t);
     std::copy(src + 1, src + t + 1, y + b * t);
+    if (!split_.mask.empty()) {  // supervised data: the targets that do not count are masked
+      const uint8_t* counts = split_.mask.data() + window * t + 1;
+      for (uint64_t i = 0; i < t; ++i) {
+        if (counts[i] == 0) y[b * t + i] = kIgnoreTarget;
+      }
+    }
   }
   const uint64_t advanced = index_ + rows * world;
   epoch_ += advanced / windows_;

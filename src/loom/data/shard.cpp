@@ -137,6 +137,13 @@ nlohmann::json write_split(const std::filesystem::path& dir, const std::string& 
   return {{"tokens", tokens.size()}, {"shards", shards}};
 }
 
+// The mask's shards: the same format, a vocabulary of 2.
+nlohmann::json write_mask(const std::filesystem::path& dir, const std::string& split, std::span<const uint8_t> mask,
+                          uint64_t shard_tokens) {
+  const std::vector<int32_t> bits(mask.begin(), mask.end());
+  return write_split(dir, split + "_mask", bits, 2, shard_tokens)["shards"];
+}
+
 // meta.json accessors: each failure names the file and the key path.
 const nlohmann::json& require(const nlohmann::json& obj, const char* key, const std::string& meta,
                               const std::string& where) {
@@ -192,6 +199,11 @@ TokenSplit open_split(const std::filesystem::path& dir, const nlohmann::json& sp
   }
   LOOM_CHECK(out.tokens.size() == total, meta, ": split '", name, "' lists shards holding ", out.tokens.size(),
              " tokens, but its 'tokens' says ", total);
+  if (split.contains("mask_shards")) {  // supervised data: one 0/1 per token (vocabulary 2)
+    const nlohmann::json masks = {{name, {{"tokens", total}, {"shards", split.at("mask_shards")}}}};
+    const TokenSplit bits = open_split(dir, masks, name, 2, meta);
+    out.mask.assign(bits.tokens.begin(), bits.tokens.end());
+  }
   return out;
 }
 }  // namespace
@@ -229,7 +241,8 @@ TokenShard read_shard(const std::string& path) {
 }
 
 void write_dataset(const std::string& dir, std::span<const int32_t> tokens, uint64_t vocab_size,
-                   const std::string& tokenizer_name, double val_fraction, uint64_t shard_tokens) {
+                   const std::string& tokenizer_name, double val_fraction, uint64_t shard_tokens,
+                   std::span<const uint8_t> mask) {
   LOOM_CHECK(val_fraction >= 0.0 && val_fraction < 1.0, dir, ": val_fraction is ", val_fraction,
              ", expected in [0, 1)");
   LOOM_CHECK(shard_tokens >= 1, dir, ": shard_tokens is 0, expected at least 1");
@@ -260,6 +273,11 @@ void write_dataset(const std::string& dir, std::span<const int32_t> tokens, uint
       {"splits",
        {{"train", write_split(root, "train", tokens.first(train_tokens), vocab_size, shard_tokens)},
         {"val", write_split(root, "val", tokens.subspan(train_tokens), vocab_size, shard_tokens)}}}};
+  if (!mask.empty()) {
+    LOOM_CHECK(mask.size() == tokens.size(), dir, ": ", mask.size(), " mask values for ", tokens.size(), " tokens");
+    meta["splits"]["train"]["mask_shards"] = write_mask(root, "train", mask.first(train_tokens), shard_tokens);
+    meta["splits"]["val"]["mask_shards"] = write_mask(root, "val", mask.subspan(train_tokens), shard_tokens);
+  }
   const std::string text = meta.dump(2) + "\n";
   write_file_atomic(meta_path.string(), text);
 }

@@ -65,6 +65,9 @@ TokenShard read_shard(const std::string& path);
 struct TokenSplit {
   std::string name;             // "train" or "val": error messages name it
   std::vector<int32_t> tokens;  // [token count]
+  // Supervised data (data/sft.h): [token count], 1 where predicting the token counts; empty:
+  // every token counts.
+  std::vector<uint8_t> mask;
 };
 
 struct TokenDataset {
@@ -77,9 +80,12 @@ struct TokenDataset {
 
 // Splits `tokens` into train (the first part) and val (the last floor(n * val_fraction)
 // tokens), writes each as shards of at most shard_tokens tokens into `dir` (created if
-// needed), then meta.json. val_fraction must be in [0, 1); shard_tokens >= 1.
+// needed), then meta.json. val_fraction must be in [0, 1); shard_tokens >= 1. A `mask` (one
+// 0/1 per token, supervised data) is written beside them as shards of the same format with a
+// vocabulary of 2 (<split>_mask_NNNNNN.bin, listed under the split's "mask_shards").
 void write_dataset(const std::string& dir, std::span<const int32_t> tokens, uint64_t vocab_size,
-                   const std::string& tokenizer_name, double val_fraction, uint64_t shard_tokens);
+                   const std::string& tokenizer_name, double val_fraction, uint64_t shard_tokens,
+                   std::span<const uint8_t> mask = {});
 
 // Loads and validates a dataset directory: errors name the missing directory, meta.json, the
 // offending key, or the listed shard that is missing or disagrees with meta.json.

@@ -252,13 +252,17 @@ double PipelineRunner::run(BatchSource& data, float loss_weight) {
 void PipelineRunner::fill_micro(BatchSource& data, int micro) {
   const Tensor& tokens = tokens_[static_cast<size_t>(micro)];
   const Tensor& targets = targets_[static_cast<size_t>(micro)];
+  const Tensor& host = host_tokens_.defined() ? host_targets_ : targets;
   if (!host_tokens_.defined()) {
     data.fill(tokens, targets);
-    return;
+  } else {
+    data.fill(host_tokens_, host_targets_);
+    model_.backend().write(tokens, host_tokens_.raw_data());
+    model_.backend().write(targets, host_targets_.raw_data());
   }
-  data.fill(host_tokens_, host_targets_);
-  model_.backend().write(tokens, host_tokens_.raw_data());
-  model_.backend().write(targets, host_targets_.raw_data());
+  const int32_t* t = host.data<int32_t>();
+  LOOM_CHECK(std::find(t, t + host.numel(), kIgnoreTarget) == t + host.numel(), "loss masks (targets ", kIgnoreTarget,
+             ": prompt tokens) with parallel.pp > 1 are not supported yet (the pipeline's loss counts every position)");
 }
 
 double PipelineRunner::reduce_loss(double local) {

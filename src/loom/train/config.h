@@ -11,6 +11,7 @@
 #include "loom/arch/config.h"
 #include "loom/parallel/compress.h"
 #include "loom/parallel/pipeline_schedule.h"
+#include "loom/data/sft.h"
 #include "loom/train/trainer.h"
 
 namespace loom {
@@ -19,6 +20,7 @@ struct DataConfig {
   std::string dir = "data/fortunes";  // token shards written by `loom prepare`
   std::string tokenizer = "gpt2";     // gpt2 | byte | bpe:N (learned by prepare) | a directory with encoder.json + vocab.bpe
   std::string input = "";             // text for `loom prepare`; empty = the default corpus
+  SftFormat format = SftFormat::text;  // what data.input holds (data/sft.h): text | chat-jsonl | jsonl
   double val_fraction = 0.05;
 };
 

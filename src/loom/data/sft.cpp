@@ -1,0 +1,110 @@
+#include "loom/data/sft.h"
+
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "loom/core/error.h"
+#include "loom/data/chat_template.h"
+
+namespace loom {
+
+namespace {
+
+void append(SftStream& out, const std::vector<int32_t>& ids, uint8_t counts) {
+  out.tokens.insert(out.tokens.end(), ids.begin(), ids.end());
+  out.mask.insert(out.mask.end(), ids.size(), counts);
+  if (counts) out.counted += static_cast<int64_t>(ids.size());
+}
+
+const std::string& string_field(const nlohmann::json& j, const char* key, const std::string& where) {
+  LOOM_CHECK(j.is_object() && j.contains(key) && j.at(key).is_string(), where, ": expected a string \"", key, "\"");
+  return j.at(key).get_ref<const std::string&>();
+}
+
+// One conversation: the rendered text cut at each assistant message's span.
+void add_conversation(SftStream& out, const nlohmann::json& line, const Tokenizer& tok, const std::string& tmpl,
+                      const std::string& where) {
+  LOOM_CHECK(line.is_object() && line.contains("messages") && line.at("messages").is_array(), where,
+             ": expected {\"messages\": [{\"role\": ..., \"content\": ...}, ...]}");
+  std::vector<ChatMessage> messages;
+  for (size_t i = 0; i < line.at("messages").size(); ++i) {
+    const nlohmann::json& m = line.at("messages")[i];
+    const std::string at = str_cat(where, ": messages[", i, "]");
+    messages.push_back({string_field(m, "role", at), string_field(m, "content", at)});
+  }
+  ChatTemplateOptions options;
+  if (tok.bos_token()) options.bos_token = tok.decode(std::vector<int32_t>{*tok.bos_token()});
+  if (tok.eos_token()) options.eos_token = tok.decode(std::vector<int32_t>{*tok.eos_token()});
+  const auto render = [&](size_t n, bool generation) {
+    ChatTemplateOptions o = options;
+    o.add_generation_prompt = generation;
+    try {
+      return render_chat_template(tmpl, std::vector<ChatMessage>(messages.begin(), messages.begin() + static_cast<long>(n)), o);
+    } catch (const Error& e) {
+      throw Error(str_cat(where, ": the chat template does not render this conversation (", e.what(), ")"));
+    }
+  };
+  const std::string full = render(messages.size(), false);
+  // The assistant spans [begin, end) in characters of `full`.
+  std::vector<std::pair<size_t, size_t>> spans;
+  for (size_t i = 0; i < messages.size(); ++i) {
+    if (messages[i].role != "assistant") continue;
+    const std::string before = render(i, true), through = render(i + 1, false);
+    LOOM_CHECK(through.compare(0, before.size(), before) == 0 && full.compare(0, through.size(), through) == 0, where,
+               ": the chat template does not render the conversation up to message ", i, " as a prefix of the whole "
+               "(the assistant's tokens cannot be told apart)");
+    spans.emplace_back(before.size(), through.size());
+  }
+  LOOM_CHECK(!spans.empty(), where, ": the conversation has no assistant message (nothing to learn)");
+  EncodeOptions special;
+  special.parse_special_tokens = true;
+  size_t at = 0;
+  for (const auto& [begin, end] : spans) {
+    append(out, tok.encode(std::string_view(full).substr(at, begin - at), special), 0);
+    append(out, tok.encode(std::string_view(full).substr(begin, end - begin), special), 1);
+    at = end;
+  }
+  append(out, tok.encode(std::string_view(full).substr(at), special), 0);
+}
+
+void add_completion(SftStream& out, const nlohmann::json& line, const Tokenizer& tok, const std::string& where) {
+  EncodeOptions prompt;
+  prompt.add_special_tokens = true;  // BOS, where the tokenizer's files ask for it
+  append(out, tok.encode(string_field(line, "prompt", where), prompt), 0);
+  const std::string& completion = string_field(line, "completion", where);
+  LOOM_CHECK(!completion.empty(), where, ": the completion is empty (nothing to learn)");
+  append(out, tok.encode(completion), 1);
+  append(out, {tok.eos_token().value_or(tok.eot_token())}, 1);  // learning to stop
+}
+
+}  // namespace
+
+SftStream read_sft_file(const std::string& path, SftFormat format, const Tokenizer& tokenizer,
+                        const std::string& chat_template) {
+  LOOM_CHECK(format != SftFormat::text, "read_sft_file: ", path, " is plain text, not supervised data");
+  LOOM_CHECK(format != SftFormat::chat_jsonl || !chat_template.empty(), path, ": data.format = chat-jsonl needs a chat "
+             "template: the tokenizer folder's tokenizer_config.json has none; give one with --chat-template FILE");
+  std::ifstream in(path);
+  LOOM_CHECK(in, path, ": cannot open the supervised data file");
+  SftStream out;
+  std::string text;
+  for (int64_t number = 1; std::getline(in, text); ++number) {
+    if (text.find_first_not_of(" \t\r") == std::string::npos) continue;  // blank lines
+    const std::string where = str_cat(path, ":", number);
+    nlohmann::json line;
+    try {
+      line = nlohmann::json::parse(text);
+    } catch (const nlohmann::json::exception& e) {
+      throw Error(str_cat(where, ": not valid JSON (", e.what(), ")"));
+    }
+    if (format == SftFormat::chat_jsonl) add_conversation(out, line, tokenizer, chat_template, where);
+    else add_completion(out, line, tokenizer, where);
+    append(out, {tokenizer.eot_token()}, 0);
+    ++out.examples;
+  }
+  LOOM_CHECK(out.examples > 0, path, ": no examples (one JSON object per line)");
+  return out;
+}
+
+}  // namespace loom

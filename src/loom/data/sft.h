@@ -1,0 +1,42 @@
+// Supervised fine-tuning data (docs/finetune.md): examples tokenized with a loss mask, 1 where
+// the token is a target that counts (the assistant's replies, a completion), 0 elsewhere.
+//   chat-jsonl  one conversation per line, OpenAI's shape: {"messages": [{"role": "system" |
+//               "user" | "assistant" | ..., "content": "..."}, ...]}, rendered with the model's
+//               chat template (data/chat_template.h). Assistant message i counts: the text
+//               between render(messages[:i], add_generation_prompt) and render(messages[:i+1])
+//               (its end-of-turn marker included), as TRL's assistant-only loss takes it.
+//   jsonl       {"prompt": "...", "completion": "..."} per line: the completion (and the
+//               end-of-text token after it) counts.
+// Each piece is tokenized on its own (special tokens written in the text parsed), so a mask
+// boundary is a token boundary; examples follow one another in the stream, each followed by the
+// end-of-text token (mask 0). Bad input is one line naming the file and line: malformed JSON, a
+// missing or mistyped key, a conversation without an assistant message, a template that does
+// not render (or does not render conversations as prefixes of each other).
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "loom/core/enum_names.h"
+#include "loom/data/tokenizer.h"
+
+namespace loom {
+
+enum class SftFormat : uint8_t { text, chat_jsonl, jsonl };
+template <>
+struct EnumNames<SftFormat> {  // data.format
+  static constexpr std::array<std::string_view, 3> names{"text", "chat-jsonl", "jsonl"};
+};
+
+struct SftStream {
+  std::vector<int32_t> tokens;
+  std::vector<uint8_t> mask;  // [token]: 1 where predicting this token counts
+  int64_t examples = 0, counted = 0;
+};
+
+// Reads `path` (chat-jsonl or jsonl) into one token stream with its mask. chat_template: the
+// Jinja source (needed for chat-jsonl).
+SftStream read_sft_file(const std::string& path, SftFormat format, const Tokenizer& tokenizer,
+                        const std::string& chat_template);
+
+}  // namespace loom
