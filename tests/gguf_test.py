@@ -39,6 +39,9 @@ SETS = ",".join([
 ])
 ARCHS = {"gpt2": "model.arch=gpt2,model.n_kv_head=2", "llama": "model.arch=llama,model.n_kv_head=1"}
 TYPES = ("f32", "f16", "q8_0", "q4_0")
+# Questions as examples/sft/chatml.jinja renders them for the assistant's reply.
+CHAT_PROMPTS = [f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n"
+                for q in ("What is 12 plus 7?", "Compute 30 - 4.", "6 * 7 = ?", "What is 21 times 3?")]
 HF_TYPES = ("f32", "f16")
 # For the Hugging Face tokenizers: ASCII, runs of spaces, a tab, newlines and \r\n, digits, CJK
 # and Korean, emoji with a skin tone and ZWJ, special tokens of both tokenizers written in the
@@ -83,14 +86,21 @@ class Gguf(unittest.TestCase):
         cls.results = {}
         for arch, sets in ARCHS.items():
             cls.results[arch] = cls.check(arch, cls.data, cls.tokenizer, sets, PROMPTS, TYPES)
-        # LoRA (docs/finetune.md): the llama run fine-tuned with adapters on every linear layer;
-        # Loom's side is the adapted model, llama.cpp's the GGUF that `convert` merges (W + s B A).
-        lora_from = os.path.join(cls.tmp, "runs", "llama", "checkpoints", "step_00000040")
-        cls.results["llama + LoRA, merged"] = cls.check(
-            "llama + LoRA, merged", cls.data, cls.tokenizer,
-            ARCHS["llama"] + f',train.init_from={lora_from},peft.method=lora,peft.rank=8,peft.alpha=16,'
-            'peft.targets="q,k,v,o,gate,up,down"', PROMPTS, TYPES)
-        if "merged the LoRA adapters" not in cls.results["llama + LoRA, merged"]["convert"]["f32"]:
+        # The fine-tuning example of docs/finetune.md: the llama run exported to a Hugging Face
+        # folder, LoRA SFT on the chat jsonl shipped in examples/sft (only the assistant's tokens
+        # count), merged by `convert --to gguf`; Loom's side is the adapted model, llama.cpp's the
+        # merged file, prompted as the template renders a question.
+        base_hf = os.path.join(cls.tmp, "llama_base_hf")
+        run(LOOM, "convert", "--to", "hf", "--checkpoint", os.path.join(cls.tmp, "runs", "llama"), "--out", base_hf)
+        sft = os.path.join(cls.tmp, "sft_data")
+        run(LOOM, "prepare", "--format", "chat-jsonl", "--input", os.path.join(ROOT, "examples", "sft", "arithmetic_chat.jsonl"),
+            "--tokenizer", base_hf, "--chat-template", os.path.join(ROOT, "examples", "sft", "chatml.jinja"), "--out", sft,
+            "--val-fraction", "0.1")
+        cls.results["llama + LoRA SFT, merged"] = cls.check(
+            "llama + LoRA SFT, merged", sft, base_hf,
+            ARCHS["llama"] + f',train.init_from={base_hf},peft.method=lora,peft.rank=8,peft.alpha=16,'
+            'peft.targets="q,k,v,o,gate,up,down",optim.lr=1e-2', CHAT_PROMPTS, TYPES)
+        if "merged the LoRA adapters" not in cls.results["llama + LoRA SFT, merged"]["convert"]["f32"]:
             raise AssertionError("loom convert did not merge the LoRA run's adapters")
         # Llama 3.1 / 3.2's shape: llama3 RoPE scaling (written as rope_freqs; an original context of
         # 16 so that the 64 positions use the rescaled frequencies) and a head tied to the embedding

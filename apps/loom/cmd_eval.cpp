@@ -1,4 +1,5 @@
 // loom eval: loss and perplexity of a checkpoint on a dataset split, or on a text file.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -124,14 +125,23 @@ int eval_main(int argc, char** argv) {
   const int64_t available = static_cast<int64_t>(loader.windows_per_epoch()) / per_batch;
   const int64_t batches = args.get_int("batches", std::min<int64_t>(std::max<int64_t>(available, 1), 200));
   double sum = 0.0;
+  int64_t counted = 0;  // supervised data: the targets that count (the others are kIgnoreTarget)
+  const int64_t positions = store.targets.numel();
   for (int64_t i = 0; i < batches; ++i) {
     loader.fill(store.tokens, store.targets);
+    const int32_t* t = store.targets.data<int32_t>();
+    counted += positions - std::count(t, t + positions, kIgnoreTarget);
     sum += model.forward(store);
   }
-  const double loss = sum / static_cast<double>(batches);
-  std::printf("%s: %s loss %.9f, perplexity %.6f (%lld batches of %lldx%lld tokens)\n", step_dir.c_str(), split.c_str(), loss,
-              std::exp(loss), static_cast<long long>(batches), static_cast<long long>(per_batch),
-              static_cast<long long>(config.train.seq_len));
+  // forward's mean counts a masked position as 0: the mean over the counted ones.
+  const bool masked = counted != batches * positions;
+  LOOM_CHECK(counted > 0, step_dir, ": every target of the ", batches, " evaluated batches is masked");
+  const double loss = masked ? sum * static_cast<double>(positions) / static_cast<double>(counted)
+                             : sum / static_cast<double>(batches);
+  std::printf("%s: %s loss %.9f, perplexity %.6f (%lld batches of %lldx%lld tokens%s)\n", step_dir.c_str(), split.c_str(),
+              loss, std::exp(loss), static_cast<long long>(batches), static_cast<long long>(per_batch),
+              static_cast<long long>(config.train.seq_len),
+              masked ? str_cat(", ", counted, " of them counted (loss mask)").c_str() : "");
   return 0;
 }
 
