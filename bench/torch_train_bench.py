@@ -247,6 +247,35 @@ def run_cuda(args, cfg: ref.ModelConfig) -> dict:
     }
 
 
+def add_lora(P, cfg: ref.ModelConfig, r: int) -> list:
+    """LoRA (Hu et al. 2021) on each block's four linear layers (GPT-2: c_attn, attn.c_proj, c_fc,
+    mlp.c_proj), as PEFT's LoraLayer computes it: y = W x + b + s B (A x), s = 2r / r = 2, A
+    Kaiming-uniform, B zero; the base frozen. Installed by wrapping the reference model's `linear`.
+    Returns the adapters (what the optimizer updates)."""
+    adapters, params = {}, []
+    for name, w in P.items():
+        if name.startswith("h.") and name.endswith((".c_attn.weight", ".c_proj.weight", ".c_fc.weight")):
+            a = torch.empty(r, w.shape[1])
+            torch.nn.init.kaiming_uniform_(a, a=5 ** 0.5)
+            b = torch.zeros(w.shape[0], r)
+            adapters[w.data_ptr()] = (a.requires_grad_(True), b.requires_grad_(True))
+            params += [a, b]
+    base = ref.linear
+
+    def lora_linear(x, w, bias=None):
+        y = base(x, w, bias)
+        ab = adapters.get(w.data_ptr())
+        return y if ab is None else y + 2.0 * torch.nn.functional.linear(torch.nn.functional.linear(x, ab[0]), ab[1])
+
+    ref.linear = lora_linear
+    return params
+
+
+def max_rss_bytes() -> int:
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 # --------------------------------------------------------------------------------------------
 # CPU: float32, as the CPU benchmark has always measured it
 # --------------------------------------------------------------------------------------------
@@ -256,8 +285,10 @@ def run_cpu(args, cfg: ref.ModelConfig) -> dict:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
 
-    P = {k: v.requires_grad_(True) for k, v in ref.init_params(cfg, seed=args.seed, dtype=torch.float32).items()}
+    P = {k: v.requires_grad_(args.lora == 0) for k, v in ref.init_params(cfg, seed=args.seed, dtype=torch.float32).items()}
     params = list(P.values())
+    if args.lora > 0:  # LoRA as PEFT computes it: y = W x + s B (A x) on every block linear, W frozen
+        params = add_lora(P, cfg, args.lora)
     opt = make_optimizer(params, lr=3e-4, weight_decay=0.1)
     data = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1))
     tokens, targets = data[:, :-1].contiguous(), data[:, 1:].contiguous()
@@ -289,6 +320,8 @@ def run_cpu(args, cfg: ref.ModelConfig) -> dict:
         "steps": args.steps,
         "warmup": args.warmup,
         "final_loss": loss,
+        "lora": args.lora,
+        "max_rss": max_rss_bytes(),
     }
 
 
@@ -301,6 +334,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps W (on cuda they include compilation)")
     ap.add_argument("--threads", type=int, default=2, help="CPU threads (--device cpu)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lora", type=int, default=0, help="> 0: LoRA of this rank on the block linears, the base frozen (cpu)")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--compile", type=int, choices=[0, 1], default=None,
                     help="torch.compile the model (cuda only; default 1 on cuda)")

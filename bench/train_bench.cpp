@@ -1,7 +1,7 @@
 // Training throughput of Loom on the CPU: a GPT-2-shaped model, random tokens, AdamW steps.
 // Prints one JSON line: tokens/s, step time, MFU against the GEMM peak measured in the same
 // process (oneDNN sgemm, 2048^3, best of several), and peak bytes per memory category.
-//   build/bench/train_bench --model gpt2-124m --batch 4 --seq 64 --steps 10 --warmup 2 [--compute LIST]
+//   build/bench/train_bench --model gpt2-124m --batch 4 --seq 64 --steps 10 --warmup 2 [--compute LIST] [--lora R]
 // --compute takes a comma-separated list of linear recipes (precision/policy.h: f32, bf16, fp16,
 // fp8-delayed, fp8-current, fp8-block), each optionally with +mxfp4 or +nvfp4 (weight QAT);
 // "both" means f32,bf16. Each runs in the same process, one JSON line each; with more than one, a
@@ -15,7 +15,10 @@
 #include <vector>
 #include <algorithm>
 
+#include <sys/resource.h>
+
 #include "loom/core/error.h"
+#include "loom/core/pages.h"
 #include "loom/train/throughput.h"
 #include "loom/train/trainer.h"
 
@@ -30,6 +33,7 @@ struct Args {
   std::string device = "cpu";  // make_backend: cpu | cuda
   bool flash = false;          // train.flash_attention
   double peak_tflops = 0.0;    // > 0: MFU against this stated peak instead of the measured GEMM peak
+  int64_t lora = 0;            // > 0: LoRA of this rank on every linear layer of the blocks, the base frozen
 };
 
 Args parse(int argc, char** argv) {
@@ -45,10 +49,18 @@ Args parse(int argc, char** argv) {
     else if (key == "--device") a.device = value;
     else if (key == "--flash") a.flash = value == "1" || value == "true";
     else if (key == "--peak-tflops") a.peak_tflops = std::stod(value);
+    else if (key == "--lora") a.lora = std::stoll(value);
     else throw Error("unknown option " + key + " (expected --model, --batch, --seq, --steps, --warmup, --compute, "
-                     "--device, --flash, --peak-tflops)");
+                     "--device, --flash, --peak-tflops, --lora)");
   }
   return a;
+}
+
+// The process's peak resident set (getrusage), in bytes: comparable with PyTorch's.
+long long max_rss_bytes() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return static_cast<long long>(usage.ru_maxrss) * 1024;
 }
 
 // Random token ids (Philox-free: a simple LCG is enough for throughput).
@@ -66,6 +78,12 @@ std::vector<int32_t> random_tokens(int64_t count, int64_t vocab) {
 double run(const Args& args, const std::string& compute, double peak) {
   auto backend = make_backend(args.device);
   ModelConfig config = model_preset(args.model);
+  if (args.lora > 0) {  // docs/finetune.md: alpha = 2 r, every linear layer of the blocks
+    config.peft_method = PeftMethod::lora;
+    config.lora_rank = args.lora;
+    config.lora_alpha = static_cast<float>(2 * args.lora);
+    config.lora_targets = config.arch == ARCH_GPT2 ? "q,k,v,o,up,down" : "q,k,v,o,gate,up,down";
+  }
   Transformer model(*backend, config);
   model.init_weights(1);
   TrainConfig tc;
@@ -92,15 +110,18 @@ double run(const Args& args, const std::string& compute, double peak) {
   std::printf(
       "{\"impl\": \"loom\", \"device\": \"%s\", \"flash\": %s, \"compute\": \"%s\", \"model\": \"%s\", \"batch\": %lld, \"seq\": %lld, \"steps\": %lld, "
       "\"tokens_per_s\": %.2f, \"step_ms\": %.2f, \"gemm_peak_gflops\": %.1f, \"achieved_gflops\": %.1f, \"mfu\": %.4f, "
-      "\"final_loss\": %.4f, \"params\": %lld",
+      "\"final_loss\": %.4f, \"params\": %lld, \"lora\": %lld, \"max_rss\": %lld",
       args.device.c_str(), args.flash ? "true" : "false", compute.c_str(), args.model.c_str(), static_cast<long long>(args.batch), static_cast<long long>(args.seq),
       static_cast<long long>(args.steps), tps, 1e3 * seconds / static_cast<double>(args.steps), peak, flops / 1e9,
-      flops / 1e9 / peak, loss, static_cast<long long>(param_count(config)));
+      flops / 1e9 / peak, loss, static_cast<long long>(param_count(config)), static_cast<long long>(args.lora),
+      max_rss_bytes());
   for (int c = 0; c < MEM_CATEGORY_COUNT; ++c) {
     const auto cat = static_cast<MemCategory>(c);
     std::printf(", \"peak_bytes_%s\": %zu", std::string(mem_category_name(cat)).c_str(), mem.peak(cat));
   }
-  std::printf(", \"peak_bytes_total\": %zu}\n", mem.peak_total());
+  // Allocated is not resident: a frozen range's gradient pages are released (LoRA).
+  std::printf(", \"peak_bytes_total\": %zu, \"resident_bytes_gradients\": %lld}\n", mem.peak_total(),
+              static_cast<long long>(resident_bytes(model.grads())));
   std::fflush(stdout);
   return tps;
 }
