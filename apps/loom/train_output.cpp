@@ -171,6 +171,10 @@ void print_summary(const LoomConfig& config, const Trainer& trainer, const Trans
                 static_cast<long long>(st.dropped), static_cast<long long>(st.tokens * config.model.moe_top_k), st.aux,
                 st.seq_aux, st.z);
   }
+  if (config.model.lora()) {  // the gradient buffer's pages of the frozen base were returned to the OS
+    std::printf("LoRA: gradients resident after the last step %s of the %s buffer (the frozen base has none)\n",
+                format_bytes(static_cast<size_t>(resident_grads)).c_str(), format_bytes(mem.peak(MEM_GRADIENTS)).c_str());
+  }
   if (zero != nullptr) {
     std::printf("ZeRO-%d: this rank owns %lld of %lld parameters; resident after the last step: parameters %s, "
                 "gradients %s (the buffers above are address space; the rest was returned to the OS)\n",
