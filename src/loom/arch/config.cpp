@@ -85,9 +85,6 @@ void ModelConfig::validate() const {
     LOOM_CHECK(moe_experts == 0 || (mask & mlp) == 0, "peft.targets = '", lora_targets, "' adapts the MLP of an MoE "
                "model (model.moe_experts = ", moe_experts, "), which is not supported yet: adapt q, k, v, o only");
     if (arch == ARCH_GPT2) {
-      const uint32_t qkv = (1u << LORA_Q) | (1u << LORA_K) | (1u << LORA_V);
-      LOOM_CHECK((mask & qkv) == 0 || (mask & qkv) == qkv, "peft.targets = '", lora_targets, "': GPT-2's q, k and v "
-                 "are one matrix (c_attn), adapted together: list all three or none");
       LOOM_CHECK((mask & (1u << LORA_GATE)) == 0, "peft.targets = '", lora_targets, "': GPT-2's MLP has no gate (use up, down)");
     }
     // (in, out) of each target; the rank may not exceed the smaller.

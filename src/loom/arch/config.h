@@ -26,7 +26,7 @@ struct EnumNames<PeftMethod> {  // peft.method
 
 // The linear layers LoRA can adapt, by the short names of peft.targets. Llama-family models
 // fuse q/k/v and gate/up into one matrix each: an adapter covers its rows of the fused output.
-// GPT-2's c_attn is one matrix in Hugging Face's model too: q, k and v are adapted together.
+// GPT-2's c_attn is one matrix in Hugging Face's model too: any of q, k, v adapts it whole.
 enum LoraTarget : uint8_t { LORA_Q, LORA_K, LORA_V, LORA_O, LORA_GATE, LORA_UP, LORA_DOWN, LORA_TARGET_COUNT };
 template <>
 struct EnumNames<LoraTarget> {
@@ -313,7 +313,7 @@ void visit_model_fields(Config& c, Visit&& visit) {
                     "rank-stabilised LoRA: scale alpha / sqrt(r) instead of alpha / r"},
         c.lora_rslora);
   visit(ModelField{"targets", ModelField::PEFT, "targets",
-                    "comma-separated layers LoRA adapts: q, k, v, o, gate, up, down (gpt2: q, k, v together; no gate)"},
+                    "comma-separated layers LoRA adapts: q, k, v, o, gate, up, down (gpt2: any of q, k, v adapts c_attn whole; no gate)"},
         c.lora_targets);
 }
 

@@ -193,7 +193,8 @@ std::vector<LoraSite> lora_sites(const ModelConfig& c, int64_t layer) {
   const bool mlp = !c.moe_layer(layer);
   if (c.arch == ARCH_GPT2) {
     const std::string p = "h." + std::to_string(layer) + ".";
-    if (on(LORA_Q)) sites.push_back({LORA_ON_QKV, p + "attn.c_attn", C, 0, c.qkv_width()});
+    // q, k and v are one matrix in Hugging Face's GPT-2 (c_attn): any of them adapts it whole.
+    if (on(LORA_Q) || on(LORA_K) || on(LORA_V)) sites.push_back({LORA_ON_QKV, p + "attn.c_attn", C, 0, c.qkv_width()});
     if (on(LORA_O)) sites.push_back({LORA_ON_PROJ, p + "attn.c_proj", q, 0, C});
     if (mlp && on(LORA_UP)) sites.push_back({LORA_ON_FC, p + "mlp.c_fc", C, 0, F});
     if (mlp && on(LORA_DOWN)) sites.push_back({LORA_ON_FC2, p + "mlp.c_proj", F, 0, C});

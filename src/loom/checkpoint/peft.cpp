@@ -31,7 +31,7 @@ std::vector<std::string> target_modules(const ModelConfig& c) {
   const auto on = [&](LoraTarget t) { return (mask & (1u << t)) != 0; };
   std::vector<std::string> out;
   if (c.arch == ARCH_GPT2) {
-    if (on(LORA_Q)) out.push_back("attn.c_attn");
+    if (on(LORA_Q) || on(LORA_K) || on(LORA_V)) out.push_back("attn.c_attn");
     if (on(LORA_O)) out.push_back("attn.c_proj");
     if (on(LORA_UP)) out.push_back("mlp.c_fc");
     if (on(LORA_DOWN)) out.push_back("mlp.c_proj");
