@@ -547,6 +547,37 @@ class Cli(unittest.TestCase):
         p = run("convert", "--to", "peft", "--checkpoint", hf, "--out", adapter + "_none", expect_ok=False)
         self.assert_one_line_error(p, "has no LoRA adapters")
 
+    def test_sft_chat_data_trains_on_the_assistant_tokens_and_bad_lines_are_named(self):
+        chats = os.path.join(ROOT, "examples", "sft", "arithmetic_chat.jsonl")
+        template = os.path.join(ROOT, "examples", "sft", "chatml.jinja")
+        sft = os.path.join(self.tmp, "sft_data")
+        p = run("prepare", "--format", "chat-jsonl", "--input", chats, "--tokenizer", "byte", "--chat-template", template,
+                "--out", sft, "--val-fraction", "0.1")
+        self.assertIn("240 chat-jsonl examples", p.stdout)
+        with open(os.path.join(sft, "meta.json")) as f:
+            self.assertIn("mask_shards", json.load(f)["splits"]["train"])
+        sets = f"{TINY},train.steps=6,data.dir={sft},data.tokenizer=byte,run.dir={self.tmp}/runs,run.name=sft"
+        run("train", "--set", sets)
+        e = run("eval", "--checkpoint", os.path.join(self.tmp, "runs", "sft"), "--data", sft).stdout
+        self.assertIn("of them counted (loss mask)", e)
+        # Bad input: one line naming the file and line, a non-zero exit, no dataset written.
+        good = '{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}\n'
+        cases = ((good + '{"messages": [\n', ":2: not valid JSON"),
+                 ('{"messages": [{"role": "user", "content": "a"}]}\n', ":1: the conversation has no assistant message"),
+                 (good + '{"messages": [{"role": "user", "content": 3}]}\n', ':2: messages[0]: expected a string "content"'))
+        for i, (text, needle) in enumerate(cases):
+            bad = os.path.join(self.tmp, f"bad_{i}.jsonl")
+            with open(bad, "w") as f:
+                f.write(text)
+            out = os.path.join(self.tmp, f"bad_sft_{i}")
+            p = run("prepare", "--format", "chat-jsonl", "--input", bad, "--tokenizer", "byte", "--chat-template", template,
+                    "--out", out, expect_ok=False)
+            self.assert_one_line_error(p, bad + needle)
+            self.assertFalse(os.path.exists(os.path.join(out, "meta.json")))
+        p = run("prepare", "--format", "chat-jsonl", "--input", chats, "--tokenizer", "byte", "--out", sft + "_x",
+                expect_ok=False)
+        self.assert_one_line_error(p, "needs a chat template")
+
     def test_eval_text_reports_perplexity_over_windows(self):
         self.train("evtext")
         text = os.path.join(self.tmp, "eval.txt")

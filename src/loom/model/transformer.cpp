@@ -645,27 +645,29 @@ void Transformer::backward_stage(ActivationStore& s, int64_t first, int64_t last
     if (ready && frozen_end_ == 0) ready(block_offset_[l]);
   }
   if (first > 0) return;  // d_res now holds d(stage input)
-  if (!d_embed_w.defined()) {  // frozen embeddings (LoRA)
-  } else if (sp_) {  // the shards' gradients gathered for the vocabulary-parallel embedding
-    const Tensor full = seq_.full.view(0, {B, T, config_.d_model});
-    sequence_all_gather(backend_, *tp_, d_res, full, seq_.staging);
-    vocab_parallel_embedding_backward(backend_, s.tokens, full, d_embed_w, vocab_.begin, vocab_.valid);
-    if (d_pos_w.defined()) positions_backward(backend_, d_res, d_pos_w, tp_->rank() * d_res.dim(1));
-  } else if (tp_ != nullptr) {
-    vocab_parallel_embedding_backward(backend_, s.tokens, d_res, d_embed_w, vocab_.begin, vocab_.valid);
-    if (d_pos_w.defined() && cp_.comm != nullptr) {
-      for_each_chunk(d_res, [&](const Tensor& rows, int64_t start) { positions_backward(backend_, rows, d_pos_w, start); });
-    } else if (d_pos_w.defined()) {
-      positions_backward(backend_, d_res, d_pos_w);
+  const auto embedding_backward = [&] {
+    if (sp_) {  // the shards' gradients gathered for the vocabulary-parallel embedding
+      const Tensor full = seq_.full.view(0, {B, T, config_.d_model});
+      sequence_all_gather(backend_, *tp_, d_res, full, seq_.staging);
+      vocab_parallel_embedding_backward(backend_, s.tokens, full, d_embed_w, vocab_.begin, vocab_.valid);
+      if (d_pos_w.defined()) positions_backward(backend_, d_res, d_pos_w, tp_->rank() * d_res.dim(1));
+    } else if (tp_ != nullptr) {
+      vocab_parallel_embedding_backward(backend_, s.tokens, d_res, d_embed_w, vocab_.begin, vocab_.valid);
+      if (d_pos_w.defined() && cp_.comm != nullptr) {
+        for_each_chunk(d_res, [&](const Tensor& rows, int64_t start) { positions_backward(backend_, rows, d_pos_w, start); });
+      } else if (d_pos_w.defined()) {
+        positions_backward(backend_, d_res, d_pos_w);
+      }
+    } else if (cp_.comm != nullptr) {
+      backend_.embedding_backward(s.tokens, d_res, d_embed_w, nullptr);
+      if (d_pos_w.defined()) {
+        for_each_chunk(d_res, [&](const Tensor& rows, int64_t start) { positions_backward(backend_, rows, d_pos_w, start); });
+      }
+    } else {
+      backend_.embedding_backward(s.tokens, d_res, d_embed_w, d_pos_w.defined() ? &d_pos_w : nullptr);
     }
-  } else if (cp_.comm != nullptr) {
-    backend_.embedding_backward(s.tokens, d_res, d_embed_w, nullptr);
-    if (d_pos_w.defined()) {
-      for_each_chunk(d_res, [&](const Tensor& rows, int64_t start) { positions_backward(backend_, rows, d_pos_w, start); });
-    }
-  } else {
-    backend_.embedding_backward(s.tokens, d_res, d_embed_w, d_pos_w.defined() ? &d_pos_w : nullptr);
-  }
+  };
+  if (d_embed_w.defined()) embedding_backward();  // frozen embeddings (LoRA): none
   done(0);
   if (ready) ready(0);
 }

@@ -260,11 +260,14 @@ StepStats Trainer::train_step(BatchSource& data) {
   // as 0; the loss is the mean over the positions that count, on every rank and micro-batch
   // together, so every layout gives the one-process loss: loss and gradients times
   // positions / valid (a no-op without masks, skipped).
+  // A step whose every target is masked (short windows of supervised data can fall between
+  // replies) has no loss: it makes no update (skipped, loss NaN).
   const int64_t positions = (comm_ != nullptr ? comm_->size() : 1) * config_.grad_accum * store_.tokens.numel();
+  bool nothing_counted = false;
   if (pipeline_ == nullptr) {
     if (comm_ != nullptr) valid = static_cast<int64_t>(sum_over(*comm_, static_cast<double>(valid)));
-    if (valid != positions) {
-      LOOM_CHECK(valid > 0, "step ", step_, ": every target of the step is masked (", kIgnoreTarget, "): no loss");
+    nothing_counted = valid == 0;
+    if (valid != positions && !nothing_counted) {
       const double factor = static_cast<double>(positions) / static_cast<double>(valid);
       const int64_t begin = sharded_grads() ? zero_->range().begin : 0;
       const int64_t end = sharded_grads() ? zero_->range().end : model_.grads().numel();
@@ -276,7 +279,7 @@ StepStats Trainer::train_step(BatchSource& data) {
   }
   StepStats stats;
   stats.step = step_;
-  stats.loss = loss_sum / static_cast<double>(config_.grad_accum);
+  stats.loss = nothing_counted ? NAN : loss_sum / static_cast<double>(config_.grad_accum);
   stats.loss_scale = loss_scale;
   stats.tokens = config_.grad_accum * config_.batch_size * config_.seq_len;
   stats.lr = schedule_.lr(step_);
@@ -287,7 +290,8 @@ StepStats Trainer::train_step(BatchSource& data) {
   if (policy.reduce_bf16) {  // the gradient reduction's dtype (one rank: the accumulated sum)
     backend_.round_bf16(grads, false, RoundingDraw{});
   }
-  if (scaler_) {
+  stats.skipped = nothing_counted;
+  if (scaler_ && !nothing_counted) {
     // GradScaler: unscale; with inf/NaN gradients skip the step, leaving the weights and the
     // optimizer state as they are (the next step zeroes the gradients).
     stats.skipped = scaler_->unscale(backend_, grads);
@@ -295,7 +299,7 @@ StepStats Trainer::train_step(BatchSource& data) {
     scaler_->update(stats.skipped);
   }
   if (stats.skipped) {
-    stats.grad_norm = INFINITY;
+    stats.grad_norm = nothing_counted ? 0.0 : INFINITY;
   } else {
     stats.grad_norm = global_grad_norm();
     LOOM_CHECK(std::isfinite(stats.grad_norm), "gradient norm is ", stats.grad_norm, " at step ", step_,
@@ -401,7 +405,7 @@ double Trainer::evaluate(BatchSource& data, int64_t batches) {
   model_.set_recording(true);
   if (batches == 0) return 0.0;
   // Loss masks: the mean over the positions that count (forward's mean counts the others as 0).
-  if (valid != batches * positions) return valid > 0 ? sum * static_cast<double>(positions) / static_cast<double>(valid) : 0.0;
+  if (valid != batches * positions) return valid > 0 ? sum * static_cast<double>(positions) / static_cast<double>(valid) : NAN;
   return sum / static_cast<double>(batches);
 }
 

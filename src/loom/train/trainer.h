@@ -52,8 +52,8 @@ struct TrainConfig {
 struct StepStats {
   int64_t step = 0;         // 0-based index of the step just taken
   double loss = 0.0;        // mean over the step's micro-batches
-  double grad_norm = 0.0;   // before clipping (inf on a skipped step)
-  bool skipped = false;     // loss scaling found inf/NaN gradients: no update
+  double grad_norm = 0.0;   // before clipping (inf on a step loss scaling skipped, 0 on one with no counted target)
+  bool skipped = false;     // no update: loss scaling found inf/NaN gradients, or every target was masked (loss NaN)
   float loss_scale = 1.0f;  // S used for this step (1 without loss scaling)
   double lr = 0.0;
   int64_t tokens = 0;
