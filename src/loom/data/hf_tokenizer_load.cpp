@@ -142,6 +142,12 @@ void HfTokenizer::load_added_tokens(const JsonFile& file, const json& root) {
     const std::string content = file.string_at(token, where, "content");
     for (const char* key : {"lstrip", "rstrip", "single_word"})
       if (file.flag(token, where, key, false)) file.fail(key_path(where, key), "true is not supported");
+    // An added token may repeat a vocabulary entry (GPT-2's <|endoftext|>), not take another's id.
+    if (const int64_t n = id.get<int64_t>(); n >= 0 && static_cast<size_t>(n) < defined_.size() &&
+                                             defined_[static_cast<size_t>(n)] && token_bytes_[static_cast<size_t>(n)] != content) {
+      file.fail(where + ".id", str_cat("id ", n, " is the vocabulary's \"", token_texts_[static_cast<size_t>(n)],
+                                       "\", not \"", content, "\""));
+    }
     set_token(file, where + ".id", id.get<int64_t>(), content, content);
     added_tokens_.push_back({content, static_cast<int32_t>(id.get<int64_t>()), file.flag(token, where, "special", false)});
   }
