@@ -1,15 +1,32 @@
 // Shared by the KV-cache tests (test_kv_cache.cpp, test_kv_cache_window.cpp): deterministic K/V
-// rows, a float64 attention reference and small cache configurations.
+// rows, a float64 attention reference and small cache configurations; and by the decoding tests
+// (test_engine.cpp, test_lora.cpp): CacheRows, forward_rows' DecodeCache over a KvCache.
 #pragma once
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
 
+#include "loom/arch/config.h"
 #include "loom/core/philox.h"
 #include "loom/infer/kv_cache.h"
+#include "loom/nn/layer.h"
 
 namespace loom::kvtest {
+
+// Transformer::forward_rows' cache for MHA / GQA models: row r of a call writes and attends to
+// sequence seqs[r] of `cache`.
+struct CacheRows : DecodeCache {
+  KvCache* cache = nullptr;
+  const ModelConfig* config = nullptr;
+  std::vector<int64_t> seqs;
+  void attend(int64_t layer, int64_t row, const float* q, const float* k, const float* v, float* out) override {
+    const int64_t seq = seqs[static_cast<size_t>(row)];
+    cache->write(seq, layer, k, v);
+    cache->attend(seq, layer, q, out, config->n_head, config->n_kv_head, config->head_dim(), config->attn_window);
+  }
+  const float* latent(int64_t, int64_t, const float*, int64_t*) override { return nullptr; }
+};
 
 // Deterministic rows: K and V of (tag, layer, position) are normal(0, 1), independent across
 // all four. `tags[p]` says which tag position p of a sequence was written with.

@@ -11,6 +11,7 @@
 
 #include "loom/core/error.h"
 #include "loom/infer/engine.h"
+#include "kv_test_util.h"
 #include "test_util.h"
 
 namespace loom {
@@ -81,17 +82,8 @@ TEST(EngineTest, RowDecodingMatchesTheFullForward) {
     EngineConfig ec;
     ec.max_batch = 2;
     auto cache = make_paged_kv_cache(engine_cache_config(config, ec), &backend->allocator());
-    struct Rows : DecodeCache {
-      KvCache* cache;
-      const ModelConfig* c;
-      std::vector<int64_t> seqs;
-      void attend(int64_t layer, int64_t row, const float* q, const float* k, const float* v, float* out) override {
-        cache->write(seqs[row], layer, k, v);
-        cache->attend(seqs[row], layer, q, out, c->n_head, c->n_kv_head, c->head_dim(), c->attn_window);
-      }
-      const float* latent(int64_t, int64_t, const float*, int64_t*) override { return nullptr; }
-    } rows;
-    rows.cache = cache.get(), rows.c = &config;
+    kvtest::CacheRows rows;
+    rows.cache = cache.get(), rows.config = &config;
     rows.seqs = {cache->add_sequence(), cache->add_sequence()};
     ActivationStore one = model.allocate_rows(1), two = model.allocate_rows(2);
     const std::vector<int64_t> seqs = rows.seqs;

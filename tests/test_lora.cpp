@@ -16,6 +16,7 @@
 #include "loom/core/pages.h"
 #include "loom/infer/engine.h"
 #include "loom/infer/kv_cache.h"
+#include "kv_test_util.h"
 #include "loom/memory/estimate.h"
 #include "loom/model/transformer.h"
 #include "loom/nn/lora.h"
@@ -34,6 +35,9 @@ ModelConfig lora_of(ModelConfig c, const std::string& targets, int64_t rank = 4,
   c.lora_alpha = alpha;
   return c;
 }
+
+// Every linear layer of a block (GPT-2 has no gate).
+const char* every_target(const ModelConfig& c) { return c.arch == ARCH_GPT2 ? "q,k,v,o,up,down" : "q,k,v,o,gate,up,down"; }
 
 void fill_tokens(ActivationStore& s, int32_t vocab, uint64_t seed) {
   for (int64_t i = 0; i < s.tokens.numel(); ++i) {
@@ -108,7 +112,7 @@ TEST(LoraModel, StepZeroGivesTheBaseLogitsBitwise) {
     const ModelConfig base = model_preset(preset);
     Transformer plain(*backend, base);
     plain.init_weights(7);
-    Transformer adapted(*backend, lora_of(base, base.arch == ARCH_GPT2 ? "q,k,v,o,up,down" : "q,k,v,o,gate,up,down"));
+    Transformer adapted(*backend, lora_of(base, every_target(base)));
     adapted.init_weights(7);
     // Same base weights (same offsets and Philox streams); A random, B zero.
     ASSERT_EQ(std::memcmp(plain.params().data<float>(), adapted.params().data<float>(),
@@ -149,7 +153,7 @@ TEST(LoraModel, DecodingRowsMatchTheFullForward) {
   for (const char* preset : {"gpt2-tiny", "llama-tiny"}) {
     auto backend = make_cpu_backend();
     const ModelConfig base = model_preset(preset);
-    const ModelConfig c = lora_of(base, base.arch == ARCH_GPT2 ? "q,k,v,o,up,down" : "q,k,v,o,gate,up,down");
+    const ModelConfig c = lora_of(base, every_target(base));
     Transformer model(*backend, c);
     model.init_weights(3);
     randomize_adapters(model, 9);
@@ -160,24 +164,15 @@ TEST(LoraModel, DecodingRowsMatchTheFullForward) {
     EngineConfig ec;
     ec.max_batch = 1;
     auto cache = make_paged_kv_cache(engine_cache_config(c, ec), &backend->allocator());
-    struct Rows : DecodeCache {
-      KvCache* cache;
-      const ModelConfig* c;
-      int64_t seq = 0;
-      void attend(int64_t layer, int64_t, const float* q, const float* k, const float* v, float* out) override {
-        cache->write(seq, layer, k, v);
-        cache->attend(seq, layer, q, out, c->n_head, c->n_kv_head, c->head_dim(), c->attn_window);
-      }
-      const float* latent(int64_t, int64_t, const float*, int64_t*) override { return nullptr; }
-    } rows;
-    rows.cache = cache.get(), rows.c = &c, rows.seq = cache->add_sequence();
+    kvtest::CacheRows rows;
+    rows.cache = cache.get(), rows.config = &c, rows.seqs = {cache->add_sequence()};
     ActivationStore one = model.allocate_rows(1);
     for (int64_t t = 0; t < T; ++t) {
       model.forward_rows(one, {full.tokens.data<int32_t>()[t]}, {t}, rows);
       std::vector<double> got(one.logits.data<float>(), one.logits.data<float>() + V);
       std::vector<double> want(full.logits.data<float>() + t * V, full.logits.data<float>() + (t + 1) * V);
       EXPECT_LT(test::max_rel_error(got, want), 1e-5) << preset << " position " << t;
-      cache->advance(rows.seq);
+      cache->advance(rows.seqs[0]);
     }
   }
 }
@@ -186,7 +181,7 @@ TEST(LoraModel, MergeKeepsTheBaseAndGivesTheAdaptedLogits) {
   for (const char* preset : {"gpt2-tiny", "llama-tiny"}) {
     auto backend = make_cpu_backend();
     const ModelConfig base = model_preset(preset);
-    const ModelConfig c = lora_of(base, base.arch == ARCH_GPT2 ? "q,k,v,o,up,down" : "q,k,v,o,gate,up,down");
+    const ModelConfig c = lora_of(base, every_target(base));
     Transformer adapted(*backend, c);
     adapted.init_weights(11);
     randomize_adapters(adapted, 13);

@@ -45,12 +45,7 @@ TEST_P(LoraParity, LogitsLossAndAdapterGradientsMatchPyTorch) {
   const nlohmann::json expected = nlohmann::json::parse(text.str());
   EXPECT_NEAR(config.lora_scale(), expected["scale"].get<double>(), 1e-6);
   const std::vector<int32_t> tokens = expected["tokens"].get<std::vector<int32_t>>();
-  const int64_t T = static_cast<int64_t>(tokens.size()) - 1;
-  ActivationStore store = model.allocate_store(1, T);
-  for (int64_t t = 0; t < T; ++t) {
-    store.tokens.data<int32_t>()[t] = tokens[static_cast<size_t>(t)];
-    store.targets.data<int32_t>()[t] = tokens[static_cast<size_t>(t + 1)];
-  }
+  ActivationStore store = test::next_token_store(model, tokens);
   model.zero_grads();
   const double loss = model.forward(store);
   const double want = expected["loss"].get<double>();

@@ -122,21 +122,7 @@ TEST(LossMask, MaskedPositionsContributeNothingAndMicroBatchesDoNotMatter) {
     };
     EXPECT_NEAR(one.loss, masked_mean(), 1e-6 * one.loss) << preset;
     // The gradients: central differences of that masked mean (3 elements of every parameter).
-    float* p = model.params().data<float>();
-    for (const ParamSpec& spec : model.layout().params) {
-      for (int64_t k = 0; k < 3; ++k) {
-        const int64_t i = spec.offset + (k * 7919) % spec.numel;
-        const float saved = p[i], h = 1e-2f;
-        p[i] = saved + h;
-        const double up = masked_mean();
-        p[i] = saved - h;
-        const double down = masked_mean();
-        p[i] = saved;
-        const double fd = (up - down) / (2.0 * h);
-        EXPECT_NEAR(one.grads[static_cast<size_t>(i)], fd, 2e-3 * std::max(1.0, std::abs(fd)) + 1e-4)
-            << preset << " " << spec.name;
-      }
-    }
+    test::expect_gradients_match_fd(model, one.grads.data(), masked_mean, preset);
     // Four micro-batches of one row each (1 to 10 counted targets apiece): the same step.
     const StepResult four = step(c, 1, 4, T, masked);
     EXPECT_NEAR(four.loss, one.loss, 1e-6 * one.loss) << preset;

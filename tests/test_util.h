@@ -107,6 +107,18 @@ inline void expect_gradient_matches(const Tensor& x, const std::vector<double>& 
   }
 }
 
+// A one-sequence store of model for `tokens`: inputs tokens[0, n-1), targets tokens[1, n).
+template <typename Model>
+auto next_token_store(Model& model, const std::vector<int32_t>& tokens) {
+  const int64_t T = static_cast<int64_t>(tokens.size()) - 1;
+  auto store = model.allocate_store(1, T);
+  for (int64_t t = 0; t < T; ++t) {
+    store.tokens.template data<int32_t>()[t] = tokens[static_cast<size_t>(t)];
+    store.targets.template data<int32_t>()[t] = tokens[static_cast<size_t>(t + 1)];
+  }
+  return store;
+}
+
 // sum_i out_i * weights_i, the scalar whose gradient w.r.t. out is `weights`.
 inline double weighted_sum(const Tensor& out, const Tensor& weights) {
   const std::vector<double> o = values(out), w = values(weights);
@@ -115,14 +127,14 @@ inline double weighted_sum(const Tensor& out, const Tensor& weights) {
   return s;
 }
 
-// Central differences of the model's loss on `store` (h = 1e-2, fp32) against the gradients its
-// backward left in model.grads(), at 3 elements of every trained parameter (those at flat
-// offset >= from: LoRA's adapters follow the frozen base): each within 2e-3 max(1, |fd|) + 1e-4.
+// Central differences of loss() (h = 1e-2 on the model's fp32 parameters) against the gradients
+// g (flat, the model's layout), at 3 elements of every trained parameter (those at flat offset
+// >= from: LoRA's adapters follow the frozen base): each within 2e-3 max(1, |fd|) + 1e-4.
 // Returns the worst |analytic - fd| / max(1, |fd|).
-template <typename Model, typename Store>
-double expect_model_gradients_match_fd(Model& model, Store& store, const std::string& what, int64_t from = 0) {
+template <typename Model>
+double expect_gradients_match_fd(Model& model, const float* g, const std::function<double()>& loss,
+                                 const std::string& what, int64_t from = 0) {
   float* p = model.params().template data<float>();
-  const float* g = model.grads().template data<float>();
   double worst = 0.0;
   for (const auto& spec : model.layout().params) {
     if (spec.role == ROLE_BUFFER || spec.offset < from) continue;  // the MoE routing bias is not trained
@@ -131,9 +143,9 @@ double expect_model_gradients_match_fd(Model& model, Store& store, const std::st
       const float saved = p[i];
       const float h = 1e-2f;
       p[i] = saved + h;
-      const double up = model.forward(store);
+      const double up = loss();
       p[i] = saved - h;
-      const double down = model.forward(store);
+      const double down = loss();
       p[i] = saved;
       const double numeric = (up - down) / (2.0 * h);
       const double scale = std::max(1.0, std::abs(numeric));
@@ -142,6 +154,13 @@ double expect_model_gradients_match_fd(Model& model, Store& store, const std::st
     }
   }
   return worst;
+}
+
+// The same for the model's own loss on `store` and the gradients its backward left in model.grads().
+template <typename Model, typename Store>
+double expect_model_gradients_match_fd(Model& model, Store& store, const std::string& what, int64_t from = 0) {
+  return expect_gradients_match_fd(model, model.grads().template data<float>(), [&] { return model.forward(store); },
+                                   what, from);
 }
 
 }  // namespace loom::test

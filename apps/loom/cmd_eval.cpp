@@ -129,8 +129,7 @@ int eval_main(int argc, char** argv) {
   const int64_t positions = store.targets.numel();
   for (int64_t i = 0; i < batches; ++i) {
     loader.fill(store.tokens, store.targets);
-    const int32_t* t = store.targets.data<int32_t>();
-    counted += positions - std::count(t, t + positions, kIgnoreTarget);
+    counted += counted_targets(store.targets.data<int32_t>(), positions);
     sum += model.forward(store);
   }
   // forward's mean counts a masked position as 0: the mean over the counted ones.

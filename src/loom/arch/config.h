@@ -15,6 +15,7 @@ namespace loom {
 enum Arch : uint8_t { ARCH_GPT2, ARCH_LLAMA, ARCH_COUNT };
 
 std::string_view arch_name(Arch arch);
+Arch arch_from_name(std::string_view name);  // throws naming the accepted values
 
 // Parameter-efficient fine-tuning (docs/finetune.md): none, or LoRA adapters (Hu et al. 2021)
 // on the linear layers peft.targets names, the base weights frozen.
@@ -32,7 +33,6 @@ template <>
 struct EnumNames<LoraTarget> {
   static constexpr std::array<std::string_view, 7> names{"q", "k", "v", "o", "gate", "up", "down"};
 };
-Arch arch_from_name(std::string_view name);  // throws naming the accepted values
 
 struct ModelConfig {
   Arch arch = ARCH_GPT2;

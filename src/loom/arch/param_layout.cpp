@@ -194,20 +194,26 @@ std::vector<LoraSite> lora_sites(const ModelConfig& c, int64_t layer) {
   if (c.arch == ARCH_GPT2) {
     const std::string p = "h." + std::to_string(layer) + ".";
     // q, k and v are one matrix in Hugging Face's GPT-2 (c_attn): any of them adapts it whole.
-    if (on(LORA_Q) || on(LORA_K) || on(LORA_V)) sites.push_back({LORA_ON_QKV, p + "attn.c_attn", C, 0, c.qkv_width()});
-    if (on(LORA_O)) sites.push_back({LORA_ON_PROJ, p + "attn.c_proj", q, 0, C});
-    if (mlp && on(LORA_UP)) sites.push_back({LORA_ON_FC, p + "mlp.c_fc", C, 0, F});
-    if (mlp && on(LORA_DOWN)) sites.push_back({LORA_ON_FC2, p + "mlp.c_proj", F, 0, C});
+    const auto add = [&](LoraLinear linear, const std::string& module, int64_t in, int64_t out) {
+      sites.push_back({linear, p + module, p + module + ".weight", in, 0, out});
+    };
+    if (on(LORA_Q) || on(LORA_K) || on(LORA_V)) add(LORA_ON_QKV, "attn.c_attn", C, c.qkv_width());
+    if (on(LORA_O)) add(LORA_ON_PROJ, "attn.c_proj", q, C);
+    if (mlp && on(LORA_UP)) add(LORA_ON_FC, "mlp.c_fc", C, F);
+    if (mlp && on(LORA_DOWN)) add(LORA_ON_FC2, "mlp.c_proj", F, C);
     return sites;
   }
   const std::string p = "model.layers." + std::to_string(layer) + ".";
-  if (on(LORA_Q)) sites.push_back({LORA_ON_QKV, p + "self_attn.q_proj", C, 0, q});
-  if (on(LORA_K)) sites.push_back({LORA_ON_QKV, p + "self_attn.k_proj", C, q, kv});
-  if (on(LORA_V)) sites.push_back({LORA_ON_QKV, p + "self_attn.v_proj", C, q + kv, kv});
-  if (on(LORA_O)) sites.push_back({LORA_ON_PROJ, p + "self_attn.o_proj", q, 0, C});
-  if (mlp && on(LORA_GATE)) sites.push_back({LORA_ON_FC, p + "mlp.gate_proj", C, 0, F});
-  if (mlp && on(LORA_UP)) sites.push_back({LORA_ON_FC, p + "mlp.up_proj", C, F, F});
-  if (mlp && on(LORA_DOWN)) sites.push_back({LORA_ON_FC2, p + "mlp.down_proj", F, 0, C});
+  const std::string qkv = p + "self_attn.qkv_proj.weight", gate_up = p + "mlp.gate_up_proj.weight";
+  const auto add = [&](LoraLinear linear, const std::string& module, const std::string& weight, int64_t in,
+                       int64_t begin, int64_t out) { sites.push_back({linear, p + module, weight, in, begin, out}); };
+  if (on(LORA_Q)) add(LORA_ON_QKV, "self_attn.q_proj", qkv, C, 0, q);
+  if (on(LORA_K)) add(LORA_ON_QKV, "self_attn.k_proj", qkv, C, q, kv);
+  if (on(LORA_V)) add(LORA_ON_QKV, "self_attn.v_proj", qkv, C, q + kv, kv);
+  if (on(LORA_O)) add(LORA_ON_PROJ, "self_attn.o_proj", p + "self_attn.o_proj.weight", q, 0, C);
+  if (mlp && on(LORA_GATE)) add(LORA_ON_FC, "mlp.gate_proj", gate_up, C, 0, F);
+  if (mlp && on(LORA_UP)) add(LORA_ON_FC, "mlp.up_proj", gate_up, C, F, F);
+  if (mlp && on(LORA_DOWN)) add(LORA_ON_FC2, "mlp.down_proj", p + "mlp.down_proj.weight", F, 0, C);
   return sites;
 }
 

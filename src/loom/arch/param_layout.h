@@ -68,6 +68,7 @@ enum LoraLinear : uint8_t { LORA_ON_QKV, LORA_ON_PROJ, LORA_ON_FC, LORA_ON_FC2 }
 struct LoraSite {
   LoraLinear linear = LORA_ON_QKV;
   std::string module;
+  std::string weight;  // the base parameter it adds to (Loom's fused qkv_proj / gate_up_proj for q, k, v, gate, up)
   int64_t in = 0, out_begin = 0, out_count = 0;
 };
 std::vector<LoraSite> lora_sites(const ModelConfig& config, int64_t layer);

@@ -23,6 +23,9 @@ namespace {
 constexpr const char* kAdapterConfig = "adapter_config.json";
 constexpr const char* kAdapterWeights = "adapter_model.safetensors";
 constexpr const char* kPrefix = "base_model.model.";
+// Hugging Face's Llama-family module of each LoraTarget.
+constexpr const char* kLlamaModules[LORA_TARGET_COUNT] = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                         "up_proj", "down_proj"};
 
 // PEFT's target_modules for each Loom target (GPT-2: c_attn for q, k and v; c_proj is both the
 // attention's and the MLP's output, told apart by its parent).
@@ -37,9 +40,8 @@ std::vector<std::string> target_modules(const ModelConfig& c) {
     if (on(LORA_DOWN)) out.push_back("mlp.c_proj");
     return out;
   }
-  static const char* const kNames[] = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
   for (int t = 0; t < LORA_TARGET_COUNT; ++t) {
-    if (on(static_cast<LoraTarget>(t))) out.push_back(kNames[t]);
+    if (on(static_cast<LoraTarget>(t))) out.push_back(kLlamaModules[t]);
   }
   return out;
 }
@@ -60,9 +62,8 @@ uint32_t targets_of_module(const ModelConfig& c, const std::string& module, cons
     if (module == "c_proj") return bit(LORA_O) | bit(LORA_DOWN);
     if (ends("c_fc")) return bit(LORA_UP);
   } else {
-    static const char* const kNames[] = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
     for (int t = 0; t < LORA_TARGET_COUNT; ++t) {
-      if (ends(kNames[t])) return bit(static_cast<LoraTarget>(t));
+      if (ends(kLlamaModules[t])) return bit(static_cast<LoraTarget>(t));
     }
   }
   throw Error(str_cat(file, ": target_modules entry '", module, "' matches no linear layer Loom adapts in a ",

@@ -189,20 +189,22 @@ void LinearLayer::backward(Backend& backend, const Tensor& x, const Tensor& w, c
     }
     case RECIPE_BF16: {
       const Tensor wb = bf16_weight(backend, w, w16, *ws);
-      Tensor dyb = ws->bf16(S::A, dy.shape()), xb = ws->bf16(S::B, x.shape());
+      const Tensor dyb = ws->bf16(S::A, dy.shape());
       backend.cast(dy, dyb);
       backend.gemm(dyb, wb, dx, dgrad);
       if (!dw.defined()) return;
+      const Tensor xb = ws->bf16(S::B, x.shape());
       backend.cast(x, xb);
       backend.gemm(dyb, xb, dw, wgrad);
       return;
     }
     case RECIPE_FP16: {
       const Tensor wq = fp16_of(backend, effective_weight(backend, w, w16, *ws), *ws, S::W);
-      const Tensor dyq = fp16_of(backend, dy, *ws, S::A), xq = fp16_of(backend, x, *ws, S::B);
+      const Tensor dyq = fp16_of(backend, dy, *ws, S::A);
       backend.gemm(dyq, wq, dx, dgrad);
       round_fp16(backend, dx);
       if (!dw.defined()) return;
+      const Tensor xq = fp16_of(backend, x, *ws, S::B);
       const Tensor t = ws->f32(S::C, dw.shape());
       backend.gemm(dyq, xq, t, spec_of(true, false, 0.0f));
       round_fp16(backend, t);  // the weight's fp16 gradient, accumulated into the fp32 one

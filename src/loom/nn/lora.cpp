@@ -12,7 +12,8 @@ Tensor rows_of(const Tensor& t) {
   return t.view(0, {t.numel() / w, w});
 }
 
-Tensor scratch(Backend& backend, int64_t rows, int64_t cols) {
+Tensor scratch(Backend& backend, LinearWorkspace* ws, LinearWorkspace::Slot slot, int64_t rows, int64_t cols) {
+  if (ws != nullptr) return ws->f32(slot, {rows, cols});
   return Tensor::empty(backend.allocator(), {rows, cols}, DTYPE_F32, MEM_WORKSPACE);
 }
 
@@ -24,7 +25,8 @@ GemmSpec spec(bool trans_a, bool trans_b, float alpha, float beta) {
 
 }  // namespace
 
-void lora_forward(Backend& backend, const Tensor& x, const LoraAdapters& adapters, float scale, const Tensor& y) {
+void lora_forward(Backend& backend, const Tensor& x, const LoraAdapters& adapters, float scale, const Tensor& y,
+                  LinearWorkspace* ws) {
   if (adapters.empty()) return;
   const Tensor x2 = rows_of(x), y2 = rows_of(y);
   const int64_t N = x2.dim(0), W = y2.dim(1);
@@ -33,12 +35,12 @@ void lora_forward(Backend& backend, const Tensor& x, const LoraAdapters& adapter
     LOOM_CHECK(ad.a.dim(1) == x2.dim(1) && ad.b.dim(1) == r && ad.out_begin + width <= W && y2.dim(0) == N,
                "lora_forward: adapter A ", ad.a.describe(), ", B ", ad.b.describe(), " at column ", ad.out_begin,
                " does not fit x ", x.describe(), " -> y ", y.describe());
-    const Tensor t = scratch(backend, N, r);
+    const Tensor t = scratch(backend, ws, LinearWorkspace::A, N, r);
     backend.gemm(x2, ad.a, t, spec(false, true, 1.0f, 0.0f));  // t = x A^T
     if (width == W) {
       backend.gemm(t, ad.b, y2, spec(false, true, scale, 1.0f));  // y += s t B^T
     } else {  // the adapter's columns of a fused output, out and back
-      const Tensor cols = scratch(backend, N, width);
+      const Tensor cols = scratch(backend, ws, LinearWorkspace::C, N, width);
       copy_columns(backend, y2, ad.out_begin, cols, false);
       backend.gemm(t, ad.b, cols, spec(false, true, scale, 1.0f));
       copy_columns(backend, y2, ad.out_begin, cols, true);
@@ -47,7 +49,7 @@ void lora_forward(Backend& backend, const Tensor& x, const LoraAdapters& adapter
 }
 
 void lora_backward(Backend& backend, const Tensor& x, const LoraAdapters& params, const LoraAdapters& grads,
-                   float scale, const Tensor& dy, const Tensor& dx) {
+                   float scale, const Tensor& dy, const Tensor& dx, LinearWorkspace* ws) {
   LOOM_CHECK(params.size() == grads.size(), "lora_backward: ", params.size(), " adapters, ", grads.size(), " gradients");
   if (params.empty()) return;
   const Tensor x2 = rows_of(x), dy2 = rows_of(dy), dx2 = rows_of(dx);
@@ -58,10 +60,10 @@ void lora_backward(Backend& backend, const Tensor& x, const LoraAdapters& params
     const int64_t r = p.a.dim(0), width = p.b.dim(0);
     Tensor dcols = dy2;
     if (width != W) {
-      dcols = scratch(backend, N, width);
+      dcols = scratch(backend, ws, LinearWorkspace::C, N, width);
       copy_columns(backend, dy2, p.out_begin, dcols, false);
     }
-    const Tensor t = scratch(backend, N, r), d = scratch(backend, N, r);
+    const Tensor t = scratch(backend, ws, LinearWorkspace::A, N, r), d = scratch(backend, ws, LinearWorkspace::B, N, r);
     backend.gemm(x2, p.a, t, spec(false, true, 1.0f, 0.0f));          // t = x A^T
     backend.gemm(dcols, t, g.b, spec(true, false, scale, 1.0f));      // dB += s dy^T t
     backend.gemm(dcols, p.b, d, spec(false, false, scale, 0.0f));     // d = s dy B
@@ -85,20 +87,12 @@ void lora_merge(Backend& backend, const ModelConfig& config, const Tensor& param
              params.describe(), " -> ", merged.describe(), " for a model of ", layout.total, " parameters (",
              base, " without adapters)");
   backend.copy(params.view(0, {base}), merged.view(0, {base}));
-  const ParamLayout base_layout = build_param_layout(lora_base_config(config));
   const float scale = config.lora_scale();
   for (int64_t l = 0; l < config.n_layer; ++l) {
     for (const LoraSite& site : lora_sites(config, l)) {
       const ParamSpec& a = layout.find(site.module + ".lora_A.weight");
       const ParamSpec& b = layout.find(site.module + ".lora_B.weight");
-      // The fused weight the site adapts, in the base layout (the same offsets).
-      const std::string stem = site.module.substr(0, site.module.rfind('.') + 1);
-      std::string weight;
-      if (config.arch == ARCH_GPT2) weight = site.module + ".weight";
-      else if (site.linear == LORA_ON_QKV) weight = stem + "qkv_proj.weight";
-      else if (site.linear == LORA_ON_FC) weight = stem + "gate_up_proj.weight";
-      else weight = site.module + ".weight";
-      const ParamSpec& w = base_layout.find(weight);
+      const ParamSpec& w = layout.find(site.weight);  // a base parameter: the same offset in `merged`
       const Tensor rows = merged.view(w.offset + site.out_begin * site.in, {site.out_count, site.in});
       backend.gemm(params.view(b.offset, b.shape), params.view(a.offset, a.shape), rows, spec(false, false, scale, 1.0f));
     }

@@ -10,6 +10,7 @@
 
 #include "loom/arch/config.h"
 #include "loom/backend/backend.h"
+#include "loom/nn/linear.h"
 
 namespace loom {
 
@@ -19,12 +20,17 @@ struct LoraAdapter {
 };
 using LoraAdapters = std::vector<LoraAdapter>;
 
-// y (.., W) += s B (A x) for each adapter, x (.., in).
-void lora_forward(Backend& backend, const Tensor& x, const LoraAdapters& adapters, float scale, const Tensor& y);
+// y (.., W) += s B (A x) for each adapter, x (.., in). The scratch (A x, and an adapter's columns
+// of a fused output) is the model's LinearWorkspace, slots A and C, free between linear layers'
+// calls, so a training step allocates nothing; without one (a model used before set_precision)
+// it is allocated per call.
+void lora_forward(Backend& backend, const Tensor& x, const LoraAdapters& adapters, float scale, const Tensor& y,
+                  LinearWorkspace* ws);
 // With dy (.., W) the layer's output gradient: grads' b += s dy_cols^T (A x), grads' a += d^T x
-// and dx (.., in) += d A, where d = s dy_cols B. A x is recomputed (r columns: cheap).
+// and dx (.., in) += d A, where d = s dy_cols B. A x is recomputed (r columns: cheap). Scratch:
+// slots A, B and C of ws, as above.
 void lora_backward(Backend& backend, const Tensor& x, const LoraAdapters& params, const LoraAdapters& grads,
-                   float scale, const Tensor& dy, const Tensor& dx);
+                   float scale, const Tensor& dy, const Tensor& dx, LinearWorkspace* ws);
 
 // Merging (Hu et al. 2021, sec. 4.1: no inference latency): `merged` (the base layout's
 // lora_begin elements) = the base weights of `params` with each adapted weight's rows

@@ -260,8 +260,7 @@ void PipelineRunner::fill_micro(BatchSource& data, int micro) {
     model_.backend().write(tokens, host_tokens_.raw_data());
     model_.backend().write(targets, host_targets_.raw_data());
   }
-  const int32_t* t = host.data<int32_t>();
-  LOOM_CHECK(std::find(t, t + host.numel(), kIgnoreTarget) == t + host.numel(), "loss masks (targets ", kIgnoreTarget,
+  LOOM_CHECK(counted_targets(host.data<int32_t>(), host.numel()) == host.numel(), "loss masks (targets ", kIgnoreTarget,
              ": prompt tokens) with parallel.pp > 1 are not supported yet (the pipeline's loss counts every position)");
 }
 

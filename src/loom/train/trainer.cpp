@@ -379,9 +379,8 @@ int64_t Trainer::load_batch(BatchSource& data) {
     backend_.write(store_.tokens, host_tokens_.raw_data());
     backend_.write(store_.targets, host_targets_.raw_data());
   }
-  const int32_t* t = targets.data<int32_t>();
   const int64_t n = targets.numel();
-  const int64_t valid = n - std::count(t, t + n, kIgnoreTarget);
+  const int64_t valid = counted_targets(targets.data<int32_t>(), n);
   LOOM_CHECK(valid == n || model_.tensor_parallel() == nullptr, "loss masks (targets ", kIgnoreTarget, ": prompt "
              "tokens) with parallel.tp > 1 are not supported yet (the vocabulary-parallel cross-entropy counts them)");
   return valid;
