@@ -560,6 +560,16 @@ class Cli(unittest.TestCase):
         run("train", "--set", sets)
         e = run("eval", "--checkpoint", os.path.join(self.tmp, "runs", "sft"), "--data", sft).stdout
         self.assertIn("of them counted (loss mask)", e)
+        # Packed conversations attending only within themselves: the same data, another computation
+        # (windows of 256 tokens hold whole conversations).
+        long = sets.replace("train.steps=6", "train.steps=2") + ",model.max_seq_len=256,train.seq_len=256,train.eval_every=0"
+        run("train", "--set", long.replace("run.name=sft", "run.name=sft_long"))
+        run("train", "--set", long.replace("run.name=sft", "run.name=sft_docs") + ",data.document_mask=true")
+        plain, docs = self.losses("sft_long"), self.losses("sft_docs")
+        self.assertEqual(len(docs), 2)
+        self.assertNotEqual(plain[0], docs[0])
+        e = run("eval", "--checkpoint", os.path.join(self.tmp, "runs", "sft_docs"), "--data", sft).stdout
+        self.assertIn("of them counted (loss mask)", e)
         # Bad input: one line naming the file and line, a non-zero exit, no dataset written.
         good = '{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}\n'
         cases = ((good + '{"messages": [\n', ":2: not valid JSON"),

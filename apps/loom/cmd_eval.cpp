@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli.h"
+#include "train_output.h"
 #include "commands.h"
 #include "loom/core/error.h"
 #include "loom/data/loader.h"
@@ -110,6 +111,7 @@ int eval_main(int argc, char** argv) {
   }
   const std::string& step_dir = source.path;
   TokenDataset data = open_dataset(args.get("data", config.data.dir));
+  set_document_end(config, data);
   const std::string split = args.get("split", "val");
   LOOM_CHECK(split == "val" || split == "train", "--split must be val or train, got '", split, "'");
   LOOM_CHECK(static_cast<int64_t>(data.vocab_size) == config.model.vocab_size, "dataset vocabulary ", data.vocab_size,
@@ -129,6 +131,9 @@ int eval_main(int argc, char** argv) {
   const int64_t positions = store.targets.numel();
   for (int64_t i = 0; i < batches; ++i) {
     loader.fill(store.tokens, store.targets);
+    if (loader.document_end() >= 0) {
+      store.docs = document_spans(store.tokens.data<int32_t>(), store.tokens.dim(0), store.tokens.dim(1), loader.document_end());
+    }
     counted += counted_targets(store.targets.data<int32_t>(), positions);
     sum += model.forward(store);
   }

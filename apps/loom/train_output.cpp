@@ -65,6 +65,15 @@ nlohmann::json memory_json(const MemoryTracker& mem) {
 }
 
 
+void set_document_end(const LoomConfig& config, TokenDataset& data) {
+  if (!config.data.document_mask) return;
+  // Documents end at the end-of-text token the dataset's tokenizer appends (loom prepare).
+  const int32_t end = load_tokenizer(config.data.tokenizer)->eot_token();
+  LOOM_CHECK(end >= 0 && end < static_cast<int64_t>(data.vocab_size), "data.document_mask: the tokenizer ",
+             config.data.tokenizer, " has no end-of-text token in the dataset's vocabulary (", data.vocab_size, ")");
+  data.train.document_end = data.val.document_end = end;
+}
+
 TokenDataset open_training_data(LoomConfig& config) {
   const bool default_data = config.data.input.empty() && config.data.dir == DataConfig{}.dir;
   if (!fs::exists(config.data.dir) && default_data) {
@@ -79,6 +88,7 @@ TokenDataset open_training_data(LoomConfig& config) {
   LOOM_CHECK(config.model.vocab_size == static_cast<int64_t>(data.vocab_size), "model.vocab_size (", config.model.vocab_size,
              ") differs from the dataset's vocabulary (", data.vocab_size, ", ", config.data.dir,
              "/meta.json); set model.vocab_size = 0 to follow the data");
+  set_document_end(config, data);
   return data;
 }
 

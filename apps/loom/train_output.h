@@ -39,6 +39,8 @@ nlohmann::json ledger_json(const ByteLedger& ledger);                // bytes pe
 nlohmann::json moe_json(const std::vector<MoeLayerStats>& stats);     // each MoE layer's routing this step
 nlohmann::json memory_json(const MemoryTracker& mem);                 // current and peak bytes per category
 
+// data.document_mask: the splits' documents end at the tokenizer's end-of-text token (else nothing).
+void set_document_end(const LoomConfig& config, TokenDataset& data);
 // The run's token shards (the default corpus is prepared on the first run); model.vocab_size
 // follows the data when 0, and data.tokenizer becomes the one the shards were made with.
 TokenDataset open_training_data(LoomConfig& config);

@@ -15,6 +15,9 @@ class BatchSource {
  public:
   virtual ~BatchSource() = default;
   virtual void fill(const Tensor& tokens, const Tensor& targets) = 0;
+  // Packed documents (core/documents.h, data.document_mask): the token that ends each document
+  // of the batches, whose consumer keeps attention and positions within documents; -1: none.
+  virtual int32_t document_end() const { return -1; }
 };
 
 // Windows of T+1 tokens from a token array, each start drawn from Philox(seed, stream 0,

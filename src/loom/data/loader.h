@@ -63,6 +63,7 @@ class TokenLoader final : public BatchSource {
 
   // tokens, targets: (B, T) i32 on the CPU, T == seq_len(); advances the cursor by B * world.
   void fill(const Tensor& tokens, const Tensor& targets) override;
+  int32_t document_end() const override { return split_.document_end; }
 
   LoaderState state() const;
   // Continues from `state`; throws if it came from another seed or another windows_per_epoch.

@@ -68,6 +68,9 @@ struct TokenSplit {
   // Supervised data (data/sft.h): [token count], 1 where predicting the token counts; empty:
   // every token counts.
   std::vector<uint8_t> mask;
+  // Packed documents (data.document_mask): the token ending each document (the tokenizer's
+  // end-of-text token), set by whoever opens the split for it; -1: batches are plain windows.
+  int32_t document_end = -1;
 };
 
 struct TokenDataset {

@@ -425,14 +425,39 @@ double Transformer::forward(ActivationStore& s, bool compute_loss) {
   return forward_stage(s, 0, config_.n_layer, compute_loss);
 }
 
+void Transformer::for_each_document(const ActivationStore& s, const Tensor& x,
+                                    const std::function<void(const Tensor&)>& f) const {
+  LOOM_CHECK(!sp_ && cp_.comm == nullptr, "packed documents (data.document_mask) with learned positions and sequence "
+             "or context parallelism are not supported yet");
+  if (s.docs.empty()) {
+    f(x);
+    return;
+  }
+  const int64_t T = x.dim(1), C = x.dim(2);
+  for (const DocumentSpan& d : s.docs) f(x.view((d.row * T + d.begin) * C, {1, d.length, C}));
+}
+
+void Transformer::set_documents(ActivationStore& s, int64_t first, int64_t last) {
+  LOOM_CHECK(s.docs.empty() || cp_.comm == nullptr, "packed documents (data.document_mask) with context parallelism "
+             "(parallel.cp > 1) are not supported yet");
+  for (int64_t l = first; l < last; ++l) s.blocks[l].attention.docs = s.docs.empty() ? nullptr : &s.docs;
+}
+
 double Transformer::forward_stage(ActivationStore& s, int64_t first, int64_t last, bool compute_loss) {
   const auto use = [this](int unit) { if (hooks_.use) hooks_.use(unit, false); };
   const auto done = [this](int unit) { if (hooks_.done) hooks_.done(unit, false); };
   const int64_t L = config_.n_layer;
+  set_documents(s, first, last);
   if (first == 0) {
     const Tensor& x0 = s.blocks.empty() ? s.final_input : s.blocks[0].input;
     use(0);
+    // Learned positions, restarted at each packed document's start.
+    const auto positions = [&](const Tensor& x) {
+      for_each_document(s, x, [&](const Tensor& rows) { add_positions(backend_, rows, pos_w); });
+    };
     if (sp_) {  // vocabulary-parallel embedding, reduced onto this rank's sequence shard, then positions
+      LOOM_CHECK(s.docs.empty() || !pos_w.defined(), "packed documents (data.document_mask) with learned positions "
+                 "and sequence parallelism are not supported yet");
       const Tensor full = seq_.full.view(0, {s.batch, s.seq_len, config_.d_model});
       vocab_parallel_embedding_forward(backend_, s.tokens, embed_w, vocab_.begin, vocab_.valid, full);
       sequence_reduce_scatter(backend_, *tp_, full, x0, seq_.staging);
@@ -443,13 +468,16 @@ double Transformer::forward_stage(ActivationStore& s, int64_t first, int64_t las
       if (pos_w.defined() && cp_.comm != nullptr) {
         for_each_chunk(x0, [&](const Tensor& rows, int64_t start) { add_positions(backend_, rows, pos_w, start); });
       } else if (pos_w.defined()) {
-        add_positions(backend_, x0, pos_w);
+        positions(x0);
       }
     } else if (cp_.comm != nullptr) {  // positions of this rank's two chunks
       backend_.embedding_forward(s.tokens, embed_w, nullptr, x0);
       if (pos_w.defined()) {
         for_each_chunk(x0, [&](const Tensor& rows, int64_t start) { add_positions(backend_, rows, pos_w, start); });
       }
+    } else if (!s.docs.empty() && pos_w.defined()) {
+      backend_.embedding_forward(s.tokens, embed_w, nullptr, x0);
+      positions(x0);
     } else {
       backend_.embedding_forward(s.tokens, embed_w, pos_w.defined() ? &pos_w : nullptr, x0);
     }
@@ -606,6 +634,7 @@ void Transformer::backward_stage(ActivationStore& s, int64_t first, int64_t last
   const auto use = [this](int unit) { if (hooks_.use) hooks_.use(unit, true); };
   const auto done = [this](int unit) { if (hooks_.done) hooks_.done(unit, true); };
   for (int64_t l = first; l < last; ++l) blocks_[l].set_loss_weight(loss_weight);  // MoE auxiliary losses
+  set_documents(s, first, last);
   if (part == BACKWARD_WEIGHT) {  // zero-bubble W: the blocks' weight gradients, kept from the input pass
     for (int64_t l = last; l-- > first;) blocks_[l].backward(backend_, s.blocks[l], d_res, k, BACKWARD_WEIGHT);
     return;
@@ -645,6 +674,9 @@ void Transformer::backward_stage(ActivationStore& s, int64_t first, int64_t last
     if (ready && frozen_end_ == 0) ready(block_offset_[l]);
   }
   if (first > 0) return;  // d_res now holds d(stage input)
+  const auto d_positions = [&](const Tensor& d) {  // learned positions, restarted at packed documents' starts
+    for_each_document(s, d, [&](const Tensor& rows) { positions_backward(backend_, rows, d_pos_w); });
+  };
   const auto embedding_backward = [&] {
     if (sp_) {  // the shards' gradients gathered for the vocabulary-parallel embedding
       const Tensor full = seq_.full.view(0, {B, T, config_.d_model});
@@ -656,13 +688,16 @@ void Transformer::backward_stage(ActivationStore& s, int64_t first, int64_t last
       if (d_pos_w.defined() && cp_.comm != nullptr) {
         for_each_chunk(d_res, [&](const Tensor& rows, int64_t start) { positions_backward(backend_, rows, d_pos_w, start); });
       } else if (d_pos_w.defined()) {
-        positions_backward(backend_, d_res, d_pos_w);
+        d_positions(d_res);
       }
     } else if (cp_.comm != nullptr) {
       backend_.embedding_backward(s.tokens, d_res, d_embed_w, nullptr);
       if (d_pos_w.defined()) {
         for_each_chunk(d_res, [&](const Tensor& rows, int64_t start) { positions_backward(backend_, rows, d_pos_w, start); });
       }
+    } else if (!s.docs.empty() && d_pos_w.defined()) {
+      backend_.embedding_backward(s.tokens, d_res, d_embed_w, nullptr);
+      d_positions(d_res);
     } else {
       backend_.embedding_backward(s.tokens, d_res, d_embed_w, d_pos_w.defined() ? &d_pos_w : nullptr);
     }

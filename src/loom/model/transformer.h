@@ -13,6 +13,7 @@
 #include "loom/comm/communicator.h"
 #include "loom/arch/config.h"
 #include "loom/arch/param_layout.h"
+#include "loom/core/documents.h"
 #include "loom/nn/block.h"
 
 namespace loom {
@@ -38,6 +39,9 @@ struct ActivationStore {
   Tensor final_norm_shard;              // sequence parallel: (B,T/t,C) the final norm before its gather
   Tensor logits;                        // (B,T,V); overwritten by d(logits) in backward
   Tensor losses, lse;                   // (B,T)
+  // Packed documents (core/documents.h, data.document_mask): each span attends within itself and
+  // its positions start at 0; empty: every row is one sequence. Set by whoever fills tokens.
+  DocumentSpans docs;
 };
 
 
@@ -230,6 +234,10 @@ class Transformer {
   // Context parallel: f(rows (1, chunk, C) of one sequence, their first global position) for
   // each of x's (B, T/cp, C) two chunks of every sequence.
   void for_each_chunk(const Tensor& x, const std::function<void(const Tensor&, int64_t)>& f) const;
+  // f on x (B,T,C) whole, or on each packed document's positions of it (1, L, C).
+  void for_each_document(const ActivationStore& s, const Tensor& x, const std::function<void(const Tensor&)>& f) const;
+  // Points the blocks [first, last) records of s at s.docs (nullptr when empty).
+  void set_documents(ActivationStore& s, int64_t first, int64_t last);
 };
 
 }  // namespace loom

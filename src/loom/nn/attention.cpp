@@ -28,10 +28,58 @@ void split_qkv(Backend& backend, const Tensor& qkv, const SplitQkv& out, const M
   copy_columns(backend, qkv, (H + KV) * hd, out.v, into_wide);
 }
 
+// Packed documents (core/documents.h): f(qkv, attn, saved, d_attn, d_qkv) once per span on
+// views of its positions, (1, L, width), with its own probabilities (1, H, L, L) or flash's
+// lse (1, H, L) carved one after another from `saved` (a span's L^2 never outgrow the row's T^2).
+// d_attn, d_qkv: undefined in the forward.
+template <typename F>
+void for_each_document(const DocumentSpans& docs, const Tensor& qkv, const Tensor& attn, const Tensor& saved,
+                       const Tensor& d_attn, const Tensor& d_qkv, int64_t H, bool flash, F&& f) {
+  const int64_t T = qkv.dim(1), W = qkv.dim(2), A = attn.dim(2);
+  int64_t carved = 0;
+  for (const DocumentSpan& d : docs) {
+    const int64_t at = d.row * T + d.begin, L = d.length;
+    const Tensor sv = flash ? saved.view(carved, {1, H, L}) : saved.view(carved, {1, H, L, L});
+    carved += sv.numel();
+    f(qkv.view(at * W, {1, L, W}), attn.view(at * A, {1, L, A}), sv,
+      d_attn.defined() ? d_attn.view(at * A, {1, L, A}) : Tensor{}, d_qkv.defined() ? d_qkv.view(at * W, {1, L, W}) : Tensor{});
+  }
+}
+
+void check_documents(const LayerPlan& plan) {
+  LOOM_CHECK(plan.attention == AttentionKind::mha || plan.attention == AttentionKind::flash, "packed documents "
+             "(data.document_mask) with ", plan.attention == AttentionKind::mla ? "MLA" : "context-parallel",
+             " attention are not supported yet");
+}
+
+// The probabilities (mha) of s.qkv into `out`, per document when packed.
+void mha_forward(Backend& backend, const ModelConfig& c, int64_t window, const AttentionSaved& s, const Tensor& out) {
+  if (s.docs == nullptr) {
+    backend.attention_forward(s.qkv, out, s.probs, c.n_head, c.n_kv_head, window);
+    return;
+  }
+  for_each_document(*s.docs, s.qkv, out, s.probs, Tensor{}, Tensor{}, c.n_head, false,
+                    [&](const Tensor& qkv, const Tensor& o, const Tensor& probs, const Tensor&, const Tensor&) {
+                      backend.attention_forward(qkv, o, probs, c.n_head, c.n_kv_head, window);
+                    });
+}
+
 }  // namespace
 
 void attention_forward(Backend& backend, const LayerPlan& plan, const ModelConfig& c, ContextParallel* cp, AttentionSaved& s) {
   const int64_t H = c.n_head, KV = c.n_kv_head;
+  if (s.docs != nullptr) {
+    check_documents(plan);
+    if (plan.attention == AttentionKind::mha) {
+      mha_forward(backend, c, plan.window, s, s.attn);
+    } else {
+      for_each_document(*s.docs, s.qkv, s.attn, s.lse, Tensor{}, Tensor{}, H, true,
+                        [&](const Tensor& qkv, const Tensor& out, const Tensor& lse, const Tensor&, const Tensor&) {
+                          backend.flash_attention_forward(qkv, out, lse, H, KV, plan.window);
+                        });
+    }
+    return;
+  }
   switch (plan.attention) {
     case AttentionKind::mha:
       backend.attention_forward(s.qkv, s.attn, s.probs, H, KV, plan.window);
@@ -57,6 +105,17 @@ void attention_forward(Backend& backend, const LayerPlan& plan, const ModelConfi
 void attention_backward(Backend& backend, const LayerPlan& plan, const ModelConfig& c, ContextParallel* cp,
                         const AttentionSaved& s, BlockScratch& k) {
   const int64_t H = c.n_head, KV = c.n_kv_head;
+  if (s.docs != nullptr) {
+    check_documents(plan);
+    const bool flash = plan.attention == AttentionKind::flash;
+    for_each_document(*s.docs, s.qkv, s.attn, flash ? s.lse : s.probs, k.d_attn, k.d_qkv, H, flash,
+                      [&](const Tensor& qkv, const Tensor& out, const Tensor& saved, const Tensor& d_out,
+                          const Tensor& d_qkv) {
+                        if (flash) backend.flash_attention_backward(d_out, qkv, out, saved, d_qkv, H, KV, plan.window);
+                        else backend.attention_backward(d_out, qkv, out, saved, d_qkv, H, KV, plan.window);
+                      });
+    return;
+  }
   switch (plan.attention) {
     case AttentionKind::mha:
       backend.attention_backward(k.d_attn, s.qkv, s.attn, s.probs, k.d_qkv, H, KV, plan.window);
@@ -147,9 +206,19 @@ MlaActivations AttentionLayer::mla_activations(const AttentionSaved& s) {
           s.probs, s.attn};
 }
 
-void AttentionLayer::rope(Backend& backend, const Tensor& qkv, bool backward) const {
+void AttentionLayer::rope(Backend& backend, const Tensor& qkv, bool backward, const DocumentSpans* docs) const {
   const int64_t heads = config_.n_head + config_.n_kv_head, hd = config_.head_dim();
   const ContextParallel* cp = links_.cp;
+  if (docs != nullptr) {  // packed documents: positions restart at each document's start
+    LOOM_CHECK(cp == nullptr, "packed documents (data.document_mask) with context parallelism are not supported yet");
+    const int64_t T = qkv.dim(1), W = qkv.dim(2);
+    for (const DocumentSpan& d : *docs) {
+      const Tensor x = qkv.view((d.row * T + d.begin) * W, {1, d.length, W});
+      if (backward) backend.rope_backward(x, hd, heads, config_.rope(), 0);
+      else backend.rope_forward(x, hd, heads, config_.rope(), 0);
+    }
+    return;
+  }
   if (cp == nullptr) {
     if (backward) backend.rope_backward(qkv, hd, heads, config_.rope(), 0);
     else backend.rope_forward(qkv, hd, heads, config_.rope(), 0);
@@ -194,7 +263,7 @@ void AttentionLayer::forward(Backend& backend, const Tensor& x, AttentionSaved& 
     qkv_.forward(backend, links_.whole(backend, s.norm.out, T), p.qkv_w, q.qkv_w, p.qkv_b, s.qkv, 0.0f, links_.ws);
     lora_forward(backend, s.norm.out, p.qkv_lora, config_.lora_scale(), s.qkv, links_.ws);
     qk_norm_forward(backend, s.qkv, s);
-    if (!config_.learned_positions()) rope(backend, s.qkv, false);
+    if (!config_.learned_positions()) rope(backend, s.qkv, false, s.docs);
     attention_forward(backend, plan_, config_, links_.cp, s);
   }
   // mid = x + proj(attn); g: the heads' partial projections summed over tp.
@@ -285,7 +354,7 @@ void AttentionLayer::backward(Backend& backend, const Tensor& x, const Attention
     mla_backward(backend, config_, p.mla, g.mla, s.norm.out, mla_activations(s), k.d_attn, k.d_norm, k.d_qkv);
   } else {
     attention_backward(backend, plan_, config_, links_.cp, s, k);
-    if (!config_.learned_positions()) rope(backend, k.d_qkv, true);
+    if (!config_.learned_positions()) rope(backend, k.d_qkv, true, s.docs);
     qk_norm_backward(backend, k.d_qkv, s);
     pass.keep(k.d_qkv, s.dy_qkv);
     qkv_.backward(backend, whole(s.norm.out), p.qkv_w, q.qkv_w, k.d_qkv, k.d_norm, pass.dw(g.qkv_w), g.qkv_b, links_.ws);
@@ -300,10 +369,7 @@ void AttentionLayer::backward(Backend& backend, const Tensor& x, const Attention
 void AttentionLayer::recompute_selective(Backend& backend, const Tensor& x, AttentionSaved& s,
                                          const Tensor& out_scratch) const {
   norm_forward(backend, config_, x, params_.norm_w, params_.norm_b, s.norm.out, s.norm.mean, s.norm.rstd);
-  if (plan_.attention != AttentionKind::flash) {
-    backend.attention_forward(s.qkv, out_scratch.view(0, s.attn.shape()), s.probs, config_.n_head, config_.n_kv_head,
-                              config_.attn_window);
-  }
+  if (plan_.attention != AttentionKind::flash) mha_forward(backend, config_, plan_.window, s, out_scratch.view(0, s.attn.shape()));
 }
 
 }  // namespace loom

@@ -9,6 +9,7 @@
 
 #include "loom/arch/config.h"
 #include "loom/backend/backend.h"
+#include "loom/core/documents.h"
 #include "loom/nn/context_parallel.h"
 #include "loom/nn/layer.h"
 #include "loom/nn/linear.h"
@@ -52,6 +53,9 @@ struct AttentionSaved {
   // output gradients of the two linear layers, kept from the input pass for the weight pass
   // (MLA: its projections' weight gradients are computed in the input pass, nothing kept).
   Tensor dy_proj, dy_qkv;  // (B,T,C), (B,T,(H+2KV)hd)
+  // Packed documents (core/documents.h): the micro-batch's spans, each attended and rotated on
+  // its own (the store's, set by the model for each pass); nullptr: every row one sequence.
+  const DocumentSpans* docs = nullptr;
 };
 
 // Each field the attention sub-layer of `plan` allocates for `shape`, in allocation order
@@ -100,7 +104,7 @@ class AttentionLayer {
   LayerPlan plan_;
   LayerLinks links_;
   LinearLayer qkv_, proj_;
-  void rope(Backend& backend, const Tensor& qkv, bool backward) const;
+  void rope(Backend& backend, const Tensor& qkv, bool backward, const DocumentSpans* docs) const;
   // model.qk_norm on the query and key heads of qkv (in place), before RoPE; and its backward
   // on d_qkv after RoPE's.
   void qk_norm_forward(Backend& backend, const Tensor& qkv, const AttentionSaved& s) const;

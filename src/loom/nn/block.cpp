@@ -181,6 +181,7 @@ void Block::set_recompute(RecomputePolicy policy) {
 BlockSaved with_kept(const BlockSaved& shared, const BlockSaved& kept, RecomputePolicy policy) {
   BlockSaved r = shared;
   r.input = kept.input;
+  r.attention.docs = kept.attention.docs;
   if (policy == RECOMPUTE_SELECTIVE) {
     r.attention.qkv = kept.attention.qkv, r.attention.attn = kept.attention.attn, r.mid = kept.mid;
     r.mlp.fc = kept.mlp.fc;

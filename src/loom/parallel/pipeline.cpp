@@ -250,6 +250,7 @@ double PipelineRunner::run(BatchSource& data, float loss_weight) {
 }
 
 void PipelineRunner::fill_micro(BatchSource& data, int micro) {
+  LOOM_CHECK(data.document_end() < 0, "packed documents (data.document_mask) with parallel.pp > 1 are not supported yet");
   const Tensor& tokens = tokens_[static_cast<size_t>(micro)];
   const Tensor& targets = targets_[static_cast<size_t>(micro)];
   const Tensor& host = host_tokens_.defined() ? host_targets_ : targets;

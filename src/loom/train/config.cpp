@@ -154,6 +154,7 @@ std::vector<Binding> bindings(LoomConfig& c) {
       {"data.tokenizer", &c.data.tokenizer, "gpt2 | byte | bpe:N (learned by `loom prepare`) | a folder with encoder.json and vocab.bpe"},
       {"data.input", &c.data.input, "text file `loom prepare` tokenizes; \"\" = the default corpus (Debian's fortunes)"},
       {"data.format", enum_ref(&c.data.format), "what `loom prepare` reads in data.input: text | chat-jsonl (conversations; only the assistant's tokens count) | jsonl (prompt/completion; the completion counts)"},
+      {"data.document_mask", &c.data.document_mask, "packed documents: each attends only within itself and its positions restart (documents end at the tokenizer's end-of-text token)"},
       {"data.val_fraction", &c.data.val_fraction, "share of the tokens held out for validation, in (0, 1)"},
       {"run.dir", &c.run.dir, "parent folder of the run folders"},
       {"run.name", &c.run.name, "the run's folder: <run.dir>/<run.name>"},

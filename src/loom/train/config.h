@@ -21,6 +21,9 @@ struct DataConfig {
   std::string tokenizer = "gpt2";     // gpt2 | byte | bpe:N (learned by prepare) | a directory with encoder.json + vocab.bpe
   std::string input = "";             // text for `loom prepare`; empty = the default corpus
   SftFormat format = SftFormat::text;  // what data.input holds (data/sft.h): text | chat-jsonl | jsonl
+  // Packed documents (core/documents.h): attention within each document (ended by the
+  // tokenizer's end-of-text token) and positions restarted at its start.
+  bool document_mask = false;
   double val_fraction = 0.05;
 };
 

@@ -139,6 +139,7 @@ class RankSliceSource final : public BatchSource {
  public:
   RankSliceSource(BatchSource& global, Allocator& allocator, int rank, int world, int64_t batch, int64_t seq_len);
   void fill(const Tensor& tokens, const Tensor& targets) override;
+  int32_t document_end() const override { return global_.document_end(); }
 
  private:
   BatchSource& global_;
@@ -152,6 +153,7 @@ class ContextSliceSource final : public BatchSource {
  public:
   ContextSliceSource(BatchSource& inner, Allocator& allocator, int rank, int world, int64_t batch, int64_t seq_len);
   void fill(const Tensor& tokens, const Tensor& targets) override;
+  int32_t document_end() const override { return inner_.document_end(); }
 
  private:
   BatchSource& inner_;
