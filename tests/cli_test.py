@@ -140,6 +140,20 @@ class Cli(unittest.TestCase):
         with open(os.path.join(self.tmp, "runs", "dp_two", "logs", "rank1.log")) as f:
             self.assertIn("data parallel", f.read())  # rank 1 logs to its own file, not stdout
 
+    def test_dpo_data_parallel_and_resumed_match_one_process(self):
+        pairs = os.path.join(ROOT, "examples", "dpo", "arithmetic_pairs.jsonl")
+        dpo = (f"model.max_seq_len=96,train.seq_len=96,data.format=preference-jsonl,data.input={pairs},"
+               "train.objective=dpo,train.eval_every=0,train.checkpoint_every=0")
+        self.train("dpo_one", "--set", dpo + ",train.batch_size=8", steps=6)
+        p = self.mpirun(2, "dpo_two", "--set", dpo + ",train.batch_size=4,parallel.zero_stage=1")
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        self.assert_same_curve("dpo_one", "dpo_two", 6)
+        # Stopped and resumed: the reference comes from the initial weights again, the pairs
+        # continue where they stopped.
+        self.train("dpo_resumed", "--set", dpo + ",train.batch_size=8", "--stop-at-step", "3", steps=6)
+        self.train("dpo_resumed", "--set", dpo + ",train.batch_size=8", "--resume", steps=6)
+        self.assert_same_curve("dpo_one", "dpo_resumed", 6)
+
     def test_zero1_checkpoint_from_two_ranks_resumes_on_one(self):
         self.train("z_single", "--set", "train.batch_size=4", steps=8)
         p = self.mpirun(2, "z_sharded", "--set", "train.batch_size=2,parallel.zero_stage=1", "--stop-at-step", "4", steps=8)
@@ -587,6 +601,45 @@ class Cli(unittest.TestCase):
         p = run("prepare", "--format", "chat-jsonl", "--input", chats, "--tokenizer", "byte", "--out", sft + "_x",
                 expect_ok=False)
         self.assert_one_line_error(p, "needs a chat template")
+
+    def test_dpo_trains_on_preference_pairs_and_refuses_bad_input(self):
+        pairs = os.path.join(ROOT, "examples", "dpo", "arithmetic_pairs.jsonl")
+        model = TINY.replace("model.max_seq_len=32", "model.max_seq_len=96").replace("train.seq_len=32", "train.seq_len=96")
+        sets = (f"{model},train.steps=12,train.batch_size=8,data.tokenizer=byte,data.format=preference-jsonl,"
+                f"data.input={pairs},train.objective=dpo,optim.lr=3e-3,run.dir={self.tmp}/runs,run.name=dpo")
+        p = run("train", "--set", sets)
+        self.assertIn("dpo (sigmoid, beta 0.1): 152 training pairs, 8 held out", p.stdout)
+        self.assertIn("validation dpo loss", p.stdout)
+        with open(os.path.join(self.tmp, "runs", "dpo", "metrics.jsonl")) as f:
+            records = [json.loads(line) for line in f]
+        steps = [r["dpo"] for r in records if "dpo" in r]
+        self.assertEqual(len(steps), 12)
+        # Step 1: the policy is the reference (the initial weights): log 2 whatever the pairs.
+        self.assertAlmostEqual(steps[0]["loss"], math.log(2.0), places=5)
+        self.assertAlmostEqual(steps[0]["margin"], 0.0, places=5)
+        self.assertEqual(steps[0]["pairs"], 4)
+        held = [r["val_dpo"] for r in records if "val_dpo" in r]
+        self.assertEqual(held[-1]["pairs"], 8)  # each held-out pair once
+        self.assertTrue(0.0 <= held[-1]["accuracy"] <= 1.0)
+        # SimPO: no reference pass.
+        p = run("train", "--set", sets.replace("run.name=dpo", "run.name=simpo").replace("train.steps=12", "train.steps=2")
+                + ",dpo.loss=simpo,dpo.beta=2.0")
+        self.assertIn("no reference model", p.stdout)
+        # Bad input: one line naming the key or the file and line.
+        p = run("train", "--set", sets.replace("train.batch_size=8", "train.batch_size=7"), expect_ok=False)
+        self.assert_one_line_error(p, "train.batch_size (7)", "must be even")
+        p = run("train", "--set", sets.replace("data.format=preference-jsonl", "data.format=jsonl"), expect_ok=False)
+        self.assert_one_line_error(p, "train.objective = dpo reads preference pairs")
+        p = run("train", "--set", sets.replace("train.objective=dpo", "train.objective=lm"), expect_ok=False)
+        self.assert_one_line_error(p, "data.format = preference-jsonl holds preference pairs")
+        bad = os.path.join(self.tmp, "bad_pairs.jsonl")
+        with open(bad, "w") as f:
+            f.write('{"prompt": "1+1=", "chosen": "2", "rejected": "3"}\n{"prompt": "1+2=", "chosen": "3"}\n')
+        p = run("train", "--set", sets.replace(pairs, bad), expect_ok=False)
+        self.assert_one_line_error(p, bad + ':2: expected a string "rejected"')
+        p = run("train", "--set", sets.replace("model.max_seq_len=96", "model.max_seq_len=32").replace("train.seq_len=96", "train.seq_len=32"),
+                expect_ok=False)
+        self.assert_one_line_error(p, pairs + ":1: the prompt and the chosen completion are", "train.seq_len + 1 = 33")
 
     def test_eval_text_reports_perplexity_over_windows(self):
         self.train("evtext")

@@ -14,6 +14,7 @@
 
 #include "loom/checkpoint/safetensors.h"
 #include "loom/train/trainer.h"
+#include "parity_util.h"
 #include "strict_backend.h"
 #include "test_util.h"
 
@@ -27,26 +28,6 @@ std::string scientific(double x) {
   return buf;
 }
 
-ModelConfig config_from(const SafetensorsFile& f) {
-  ModelConfig c;
-  auto i64 = [&](const char* key) { return std::stoll(f.metadata_value(key)); };
-  c.arch = arch_from_name(f.metadata_value("arch"));
-  c.vocab_size = i64("vocab_size");
-  c.max_seq_len = i64("max_seq_len");
-  c.n_layer = i64("n_layer");
-  c.n_head = i64("n_head");
-  c.n_kv_head = i64("n_kv_head");
-  c.d_model = i64("d_model");
-  c.d_ff = i64("d_ff");
-  c.norm_eps = std::stof(f.metadata_value("norm_eps"));
-  c.rope_theta = std::stof(f.metadata_value("rope_theta"));
-  if (f.metadata().count("attn_window") != 0) c.attn_window = i64("attn_window");  // sliding-window fixtures only
-  if (f.metadata().count("mla_kv_rank") != 0) {  // MLA fixtures only
-    c.mla_kv_rank = i64("mla_kv_rank"), c.mla_rope_dim = i64("mla_rope_dim"), c.mla_nope_dim = i64("mla_nope_dim");
-    c.mla_v_dim = i64("mla_v_dim"), c.mla_q_rank = i64("mla_q_rank");
-  }
-  return c;
-}
 
 // Replays one fixed batch, as the reference does.
 class FixedBatch final : public BatchSource {
@@ -70,7 +51,7 @@ class ParityTest : public ::testing::TestWithParam<std::tuple<std::string, std::
     if (std::get<1>(GetParam()) == "strict") backend = std::make_unique<test::StrictBackend>();
     fixture = std::make_unique<SafetensorsFile>(
         SafetensorsFile::read(std::string(LOOM_FIXTURE_DIR) + "/" + std::get<0>(GetParam())));
-    config = config_from(*fixture);
+    config = test::config_from(*fixture);
     model = std::make_unique<Transformer>(*backend, config);
     for (const ParamSpec& p : model->layout().params) fixture->copy_into(p.name, model->param(p.name), *backend);
     batch = std::stoll(fixture->metadata_value("batch"));

@@ -1,6 +1,7 @@
 // loom train: the training loop a user runs. Arguments, the loop, progress and metrics; the
 // layout (train/layout.h), its passes (train/parallelize.h) and the checkpoint state
 // (train/state_gather.h) are built below it, the printed reports are in train_output.h.
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -58,7 +59,14 @@ int train_main(int argc, char** argv) {
     config.model = weights.lora() ? weights : with_peft_of(weights, config.model);
   }
   if (!config.loop.peft_adapter.empty()) config.model = peft_adapter_config(config.loop.peft_adapter, config.model);
-  TokenDataset data = open_training_data(config);
+  const bool dpo = config.loop.objective == TrainObjective::dpo;
+  std::vector<PreferencePair> pairs;  // train.objective = dpo: read here, tokenized once
+  TokenDataset data;
+  if (dpo) {
+    pairs = read_dpo_pairs(config);
+  } else {
+    data = open_training_data(config);
+  }
   config.validate();
 
   // Under mpirun every rank trains its part of the layout. Rank 0 writes the run folder and
@@ -84,8 +92,24 @@ int train_main(int argc, char** argv) {
   TrainingModel parts = parallelize(*backend, config, layout);
   Transformer& model = *parts.model;
   Trainer& trainer = *parts.trainer;
-  TrainingData batches(std::move(data), config, layout, backend->allocator());
+  TrainingData batches = dpo ? TrainingData(std::move(pairs), load_tokenizer(config.data.tokenizer)->eot_token(), config,
+                                            layout, backend->allocator())
+                             : TrainingData(std::move(data), config, layout, backend->allocator());
   TrainingState state(*backend, config, layout, parts, (fs::path(dir) / "checkpoints").string(), config_text);
+  DpoObjective objective(config.dpo);
+  if (dpo) {  // the reference: the initial weights (before a resume loads later ones)
+    trainer.set_objective(&objective);
+    const auto start = std::chrono::steady_clock::now();
+    for (PreferenceBatches* split : batches.preference_splits()) objective.compute_reference(trainer, *split, config.train.batch_size);
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const std::vector<PreferenceBatches*> splits = batches.preference_splits();
+    const std::string reference = config.dpo.reference_free()
+                                      ? "no reference model"
+                                      : str_cat("reference log-probabilities of the initial weights: ", seconds, " s");
+    std::printf("dpo (%s, beta %g): %lld training pairs, %lld held out; %s\n", std::string(enum_name(config.dpo.loss)).c_str(),
+                config.dpo.beta, static_cast<long long>(splits[0]->pairs()), static_cast<long long>(splits[1]->pairs()),
+                reference.c_str());
+  }
   if (args.has("resume")) {
     const auto loaded = state.resume([](const std::string& line) { std::fprintf(stderr, "loom train: %s\n", line.c_str()); });
     if (loaded) {
@@ -128,6 +152,7 @@ int train_main(int argc, char** argv) {
 
   while (trainer.step() < config.train.steps) {
     const StepStats stats = trainer.train_step(batches.train());
+    const DpoObjective::Stats pref = objective.take_stats();
     last_resident_params = resident_bytes(model.params());
     last_resident_grads = resident_bytes(model.grads());
     seconds_sum += stats.seconds;
@@ -145,13 +170,22 @@ int train_main(int argc, char** argv) {
                    // Measured residency (core/pages.h): under ZeRO-2/3 less than the buffers' size.
                    {"resident_bytes", {{"parameters", last_resident_params}, {"gradients", last_resident_grads}}},
                    {"moe", moe_json(model.moe_stats())}});
+    if (dpo) metrics.write({{"step", stats.step + 1}, {"dpo", dpo_json(pref)}});
     const int64_t done = trainer.step();
     const bool eval_now = config.loop.eval_every > 0 && done % config.loop.eval_every == 0;
-    print_progress(r, config.train.steps, terminal, eval_now || done % config.loop.log_every == 0 || done == config.train.steps);
+    const bool log_now = eval_now || done % config.loop.log_every == 0 || done == config.train.steps;
+    print_progress(r, config.train.steps, terminal, log_now);
+    if (dpo && log_now) print_dpo("dpo", done, pref);
     if (eval_now || done == config.train.steps) {
       last_val = batches.validation_loss(trainer, config.loop.eval_batches, backend->allocator());
       metrics.write({{"step", done}, {"val_loss", last_val}, {"memory", memory_json(mem)}});
-      std::printf("step %lld: validation loss %.4f (perplexity %.1f)\n", static_cast<long long>(done), last_val, std::exp(last_val));
+      if (dpo) {
+        const DpoObjective::Stats held = objective.take_stats();
+        metrics.write({{"step", done}, {"val_dpo", dpo_json(held)}});
+        print_dpo("validation dpo", done, held);
+      } else {
+        std::printf("step %lld: validation loss %.4f (perplexity %.1f)\n", static_cast<long long>(done), last_val, std::exp(last_val));
+      }
     }
     if ((config.loop.checkpoint_every > 0 && done % config.loop.checkpoint_every == 0) || done == stop_at ||
         done == config.train.steps) {

@@ -65,6 +65,29 @@ nlohmann::json memory_json(const MemoryTracker& mem) {
 }
 
 
+std::vector<PreferencePair> read_dpo_pairs(LoomConfig& config) {
+  const auto tokenizer = load_tokenizer(config.data.tokenizer);
+  if (config.model.vocab_size == 0) config.model.vocab_size = tokenizer->vocab_size();
+  LOOM_CHECK(tokenizer->vocab_size() <= config.model.vocab_size, "data.tokenizer ", config.data.tokenizer, " has ",
+             tokenizer->vocab_size(), " tokens, more than model.vocab_size = ", config.model.vocab_size);
+  return read_preference_file(config.data.input, *tokenizer);
+}
+
+nlohmann::json dpo_json(const DpoObjective::Stats& s) {
+  const double n = std::max<double>(1.0, static_cast<double>(s.pairs));
+  return {{"pairs", s.pairs}, {"loss", s.loss / n}, {"reward_chosen", s.reward_chosen / n},
+          {"reward_rejected", s.reward_rejected / n}, {"margin", (s.reward_chosen - s.reward_rejected) / n},
+          {"accuracy", s.correct / n}};
+}
+
+void print_dpo(const char* what, int64_t step, const DpoObjective::Stats& s) {
+  const nlohmann::json j = dpo_json(s);
+  std::printf("step %lld: %s loss %.4f, rewards chosen %.4f rejected %.4f, margin %.4f, accuracy %.3f (%lld pairs)\n",
+              static_cast<long long>(step), what, j["loss"].get<double>(), j["reward_chosen"].get<double>(),
+              j["reward_rejected"].get<double>(), j["margin"].get<double>(), j["accuracy"].get<double>(),
+              static_cast<long long>(s.pairs));
+}
+
 void set_document_end(const LoomConfig& config, TokenDataset& data) {
   if (!config.data.document_mask) return;
   // Documents end at the end-of-text token the dataset's tokenizer appends (loom prepare).

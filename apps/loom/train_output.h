@@ -39,6 +39,12 @@ nlohmann::json ledger_json(const ByteLedger& ledger);                // bytes pe
 nlohmann::json moe_json(const std::vector<MoeLayerStats>& stats);     // each MoE layer's routing this step
 nlohmann::json memory_json(const MemoryTracker& mem);                 // current and peak bytes per category
 
+// train.objective = dpo: the pairs of data.input, tokenized with data.tokenizer (model.vocab_size
+// follows it when 0).
+std::vector<PreferencePair> read_dpo_pairs(LoomConfig& config);
+// The means of a DPO objective's stats: loss, rewards, margin, accuracy.
+nlohmann::json dpo_json(const DpoObjective::Stats& s);
+void print_dpo(const char* what, int64_t step, const DpoObjective::Stats& s);
 // data.document_mask: the splits' documents end at the tokenizer's end-of-text token (else nothing).
 void set_document_end(const LoomConfig& config, TokenDataset& data);
 // The run's token shards (the default corpus is prepared on the first run); model.vocab_size

@@ -8,6 +8,15 @@
 
 namespace loom {
 
+// A row of a preference batch (train.objective = dpo, train/dpo.h): its pair, its side, the
+// reference model's log-probability of its completion, and the completion's token count.
+struct RowInfo {
+  int64_t pair = 0;
+  bool chosen = true;
+  double reference = 0.0;
+  int64_t length = 0;
+};
+
 // Fills a micro-batch: tokens (B,T) and next-token targets (B,T), both i32.
 // Host tensors: a backend whose memory host code cannot read gets the batch staged on the host
 // and written with Backend::write (Trainer::load_batch, the pipeline's micro-batches).
@@ -18,6 +27,9 @@ class BatchSource {
   // Packed documents (core/documents.h, data.document_mask): the token that ends each document
   // of the batches, whose consumer keeps attention and positions within documents; -1: none.
   virtual int32_t document_end() const { return -1; }
+  // What the rows of the last fill are, for a sequence-level objective (preference pairs);
+  // empty for plain windows.
+  virtual std::vector<RowInfo> rows() const { return {}; }
 };
 
 // Windows of T+1 tokens from a token array, each start drawn from Philox(seed, stream 0,

@@ -55,7 +55,16 @@ struct LoaderState {
 void to_json(nlohmann::json& json, const LoaderState& state);
 void from_json(const nlohmann::json& json, LoaderState& state);
 
-class TokenLoader final : public BatchSource {
+// A source whose position goes into checkpoints: the token loader, the preference pairs
+// (train/dpo.h, whose order is a token loader's).
+class ResumableSource : public BatchSource {
+ public:
+  virtual LoaderState state() const = 0;
+  virtual void restore(const LoaderState& state) = 0;
+  virtual void rewind() = 0;  // back to the start (before each validation pass)
+};
+
+class TokenLoader final : public ResumableSource {
  public:
   // Throws if the split has fewer than seq_len + 1 tokens, or unless 0 <= rank < world.
   TokenLoader(TokenSplit split, int64_t seq_len, uint64_t seed, LoaderOrder order = LOADER_ORDER_SHUFFLED,
@@ -65,11 +74,11 @@ class TokenLoader final : public BatchSource {
   void fill(const Tensor& tokens, const Tensor& targets) override;
   int32_t document_end() const override { return split_.document_end; }
 
-  LoaderState state() const;
+  LoaderState state() const override;
   // Continues from `state`; throws if it came from another seed or another windows_per_epoch.
-  void restore(const LoaderState& state);
+  void restore(const LoaderState& state) override;
   // Back to window 0 of epoch 0 (e.g. before each validation pass).
-  void rewind();
+  void rewind() override;
 
   const std::string& split_name() const { return split_.name; }
   int64_t seq_len() const { return seq_len_; }

@@ -1,6 +1,7 @@
 #include "loom/data/sft.h"
 
 #include <fstream>
+#include <functional>
 
 #include <nlohmann/json.hpp>
 
@@ -68,26 +69,25 @@ void add_conversation(SftStream& out, const nlohmann::json& line, const Tokenize
   append(out, tok.encode(std::string_view(full).substr(at), special), 0);
 }
 
-void add_completion(SftStream& out, const nlohmann::json& line, const Tokenizer& tok, const std::string& where) {
+// The prompt (BOS first where the tokenizer's files ask for it) not counting, then the
+// completion and the end-of-sequence token counting.
+void add_completion(SftStream& out, const nlohmann::json& line, const char* completion_key, const Tokenizer& tok,
+                    const std::string& where) {
   EncodeOptions prompt;
-  prompt.add_special_tokens = true;  // BOS, where the tokenizer's files ask for it
+  prompt.add_special_tokens = true;
   append(out, tok.encode(string_field(line, "prompt", where), prompt), 0);
-  const std::string& completion = string_field(line, "completion", where);
-  LOOM_CHECK(!completion.empty(), where, ": the completion is empty (nothing to learn)");
+  const std::string& completion = string_field(line, completion_key, where);
+  LOOM_CHECK(!completion.empty(), where, ": the ", completion_key, " is empty (nothing to learn)");
   append(out, tok.encode(completion), 1);
   append(out, {tok.eos_token().value_or(tok.eot_token())}, 1);  // learning to stop
 }
 
-}  // namespace
-
-SftStream read_sft_file(const std::string& path, SftFormat format, const Tokenizer& tokenizer,
-                        const std::string& chat_template) {
-  LOOM_CHECK(format != SftFormat::text, "read_sft_file: ", path, " is plain text, not supervised data");
-  LOOM_CHECK(format != SftFormat::chat_jsonl || !chat_template.empty(), path, ": data.format = chat-jsonl needs a chat "
-             "template: the tokenizer folder's tokenizer_config.json has none; give one with --chat-template FILE");
+// f(line, "path:number") for each non-blank line of a jsonl file, parsed; returns the count.
+int64_t for_each_json_line(const std::string& path, const char* what,
+                           const std::function<void(const nlohmann::json&, const std::string&)>& f) {
   std::ifstream in(path);
-  LOOM_CHECK(in, path, ": cannot open the supervised data file");
-  SftStream out;
+  LOOM_CHECK(in, path, ": cannot open the ", what, " file");
+  int64_t examples = 0;
   std::string text;
   for (int64_t number = 1; std::getline(in, text); ++number) {
     if (text.find_first_not_of(" \t\r") == std::string::npos) continue;  // blank lines
@@ -98,13 +98,40 @@ SftStream read_sft_file(const std::string& path, SftFormat format, const Tokeniz
     } catch (const nlohmann::json::exception& e) {
       throw Error(str_cat(where, ": not valid JSON (", e.what(), ")"));
     }
-    if (format == SftFormat::chat_jsonl) add_conversation(out, line, tokenizer, chat_template, where);
-    else add_completion(out, line, tokenizer, where);
-    append(out, {tokenizer.eot_token()}, 0);
-    ++out.examples;
+    f(line, where);
+    ++examples;
   }
-  LOOM_CHECK(out.examples > 0, path, ": no examples (one JSON object per line)");
+  LOOM_CHECK(examples > 0, path, ": no examples (one JSON object per line)");
+  return examples;
+}
+
+}  // namespace
+
+SftStream read_sft_file(const std::string& path, SftFormat format, const Tokenizer& tokenizer,
+                        const std::string& chat_template) {
+  LOOM_CHECK(format != SftFormat::text, "read_sft_file: ", path, " is plain text, not supervised data");
+  LOOM_CHECK(format != SftFormat::preference_jsonl, path, ": data.format = preference-jsonl holds preference pairs: "
+             "loom train reads them itself with train.objective = dpo (no loom prepare)");
+  LOOM_CHECK(format != SftFormat::chat_jsonl || !chat_template.empty(), path, ": data.format = chat-jsonl needs a chat "
+             "template: the tokenizer folder's tokenizer_config.json has none; give one with --chat-template FILE");
+  SftStream out;
+  out.examples = for_each_json_line(path, "supervised data", [&](const nlohmann::json& line, const std::string& where) {
+    if (format == SftFormat::chat_jsonl) add_conversation(out, line, tokenizer, chat_template, where);
+    else add_completion(out, line, "completion", tokenizer, where);
+    append(out, {tokenizer.eot_token()}, 0);
+  });
   return out;
+}
+
+std::vector<PreferencePair> read_preference_file(const std::string& path, const Tokenizer& tokenizer) {
+  std::vector<PreferencePair> pairs;
+  for_each_json_line(path, "preference data", [&](const nlohmann::json& line, const std::string& where) {
+    PreferencePair& p = pairs.emplace_back();
+    add_completion(p.chosen, line, "chosen", tokenizer, where);
+    add_completion(p.rejected, line, "rejected", tokenizer, where);
+    p.line = where;
+  });
+  return pairs;
 }
 
 }  // namespace loom

@@ -22,10 +22,10 @@
 
 namespace loom {
 
-enum class SftFormat : uint8_t { text, chat_jsonl, jsonl };
+enum class SftFormat : uint8_t { text, chat_jsonl, jsonl, preference_jsonl };
 template <>
 struct EnumNames<SftFormat> {  // data.format
-  static constexpr std::array<std::string_view, 3> names{"text", "chat-jsonl", "jsonl"};
+  static constexpr std::array<std::string_view, 4> names{"text", "chat-jsonl", "jsonl", "preference-jsonl"};
 };
 
 struct SftStream {
@@ -38,5 +38,15 @@ struct SftStream {
 // Jinja source (needed for chat-jsonl).
 SftStream read_sft_file(const std::string& path, SftFormat format, const Tokenizer& tokenizer,
                         const std::string& chat_template);
+
+// Preference data (train.objective = dpo, train/dpo.h): {"prompt": "...", "chosen": "...",
+// "rejected": "..."} per line, TRL's standard preference format. Each side is one sequence as a
+// jsonl example is: the prompt (not counting), the completion and the end-of-sequence token
+// (counting); no end-of-text token after it. Errors name the file and line.
+struct PreferencePair {
+  SftStream chosen, rejected;
+  std::string line;  // "path:number", for errors
+};
+std::vector<PreferencePair> read_preference_file(const std::string& path, const Tokenizer& tokenizer);
 
 }  // namespace loom

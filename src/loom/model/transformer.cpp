@@ -643,7 +643,16 @@ void Transformer::backward_stage(ActivationStore& s, int64_t first, int64_t last
     use(0);
     // d(logits) replaces the logits in place: dL/dlogit = w/(B T) (softmax - onehot).
     const float scale = loss_weight / static_cast<float>(B * T);
-    if (tp_ != nullptr) {
+    if (!s.row_weights.empty()) {  // a sequence-level objective: each row its own weight
+      LOOM_CHECK(tp_ == nullptr && static_cast<int64_t>(s.row_weights.size()) == B, "per-row loss weights: ",
+                 s.row_weights.size(), " weights for ", B, " rows", tp_ != nullptr ? " (not with tensor parallelism)" : "");
+      const int64_t V = s.logits.dim(-1);
+      for (int64_t b = 0; b < B; ++b) {
+        const Tensor logits = s.logits.view(b * T * V, {T, V});
+        backend_.cross_entropy_backward(logits, s.targets.view(b * T, {T}), s.lse.view(b * T, {T}),
+                                        loss_weight * s.row_weights[static_cast<size_t>(b)], logits);
+      }
+    } else if (tp_ != nullptr) {
       vocab_parallel_cross_entropy_backward(backend_, s.logits, s.targets, s.lse, vocab_.begin, vocab_.valid, scale,
                                             s.logits);
     } else {

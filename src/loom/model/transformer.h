@@ -42,6 +42,10 @@ struct ActivationStore {
   // Packed documents (core/documents.h, data.document_mask): each span attends within itself and
   // its positions start at 0; empty: every row is one sequence. Set by whoever fills tokens.
   DocumentSpans docs;
+  // A sequence-level objective (train/trainer.h RowObjective): row b's positions get the
+  // gradient of loss_weight * row_weights[b] * (their summed cross-entropy) instead of the mean's;
+  // empty: the mean over the B T positions.
+  std::vector<float> row_weights;
 };
 
 

@@ -67,6 +67,7 @@ std::vector<Binding> bindings(LoomConfig& c) {
       {"train.flash_attention", &c.train.flash_attention, "FlashAttention: keep each row's log-sum-exp instead of the (B,H,T,T) probabilities (not with parallel.cp/pp > 1 or MLA)"},
       {"train.steps", &c.train.steps, "optimizer steps of the run (and the length of the LR schedule)"},
       {"train.seed", &c.loop.seed, "seed of the weight initialisation and the data order"},
+      {"train.objective", enum_ref(&c.loop.objective), "lm (next-token loss) | dpo (preference pairs from data.input, data.format = preference-jsonl; the dpo.* keys)"},
       {"train.init_from", &c.loop.init_from, "start from these weights (a Loom checkpoint or run folder, or a Hugging Face model folder) instead of a random init; fresh optimizer, schedule and data position; the model is the weights'"},
       {"train.eval_every", &c.loop.eval_every, "steps between validation evaluations; 0 = only at the end"},
       {"train.eval_batches", &c.loop.eval_batches, "validation batches per evaluation"},
@@ -150,6 +151,9 @@ std::vector<Binding> bindings(LoomConfig& c) {
       {"parallel.dgc_clip", &c.parallel.dgc_clip, "dgc: local gradient clipping threshold; <= 0 = off"},
       {"parallel.dgc_warmup_steps", &c.parallel.dgc_warmup_steps, "dgc: steps of sparsity warm-up"},
       {"parallel.compression_warmup", &c.parallel.compression_warmup, "steps of uncompressed all-reduce before parallel.compression takes over"},
+      {"dpo.loss", enum_ref(&c.dpo.loss), "train.objective = dpo: sigmoid (DPO) | ipo (IPO) | simpo (SimPO: length-normalised, no reference)"},
+      {"dpo.beta", &c.dpo.beta, "train.objective = dpo: beta, the strength of the reference (sigmoid, simpo) or 1/(2 beta) the target margin (ipo)"},
+      {"dpo.gamma", &c.dpo.gamma, "dpo.loss = simpo: the target reward margin gamma"},
       {"data.dir", &c.data.dir, "folder of the token shards `loom prepare` writes and `loom train` reads"},
       {"data.tokenizer", &c.data.tokenizer, "gpt2 | byte | bpe:N (learned by `loom prepare`) | a folder with encoder.json and vocab.bpe"},
       {"data.input", &c.data.input, "text file `loom prepare` tokenizes; \"\" = the default corpus (Debian's fortunes)"},
@@ -350,6 +354,17 @@ void LoomConfig::validate() const {
   LOOM_CHECK(data.val_fraction > 0.0 && data.val_fraction < 1.0, "data.val_fraction must be in (0, 1), got ",
              data.val_fraction);
   LOOM_CHECK(sample.max_new_tokens >= 0, "sample.max_new_tokens must be >= 0, got ", sample.max_new_tokens);
+  if (loop.objective == TrainObjective::dpo) {
+    LOOM_CHECK(data.format == SftFormat::preference_jsonl && !data.input.empty(), "train.objective = dpo reads preference "
+               "pairs: set data.format = preference-jsonl and data.input = FILE (one {\"prompt\", \"chosen\", "
+               "\"rejected\"} per line)");
+    LOOM_CHECK(train.batch_size % 2 == 0, "train.objective = dpo: train.batch_size (", train.batch_size, ") counts rows, "
+               "a chosen and a rejected one per pair: it must be even");
+    LOOM_CHECK(dpo.beta > 0.0, "dpo.beta must be > 0, got ", dpo.beta);
+  } else {
+    LOOM_CHECK(data.format != SftFormat::preference_jsonl, "data.format = preference-jsonl holds preference pairs: "
+               "train them with train.objective = dpo");
+  }
   LOOM_CHECK(!run.name.empty() && run.name.find('/') == std::string::npos, "run.name must be a non-empty folder name, got '",
              run.name, "'");
 }

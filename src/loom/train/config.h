@@ -12,6 +12,7 @@
 #include "loom/parallel/compress.h"
 #include "loom/parallel/pipeline_schedule.h"
 #include "loom/data/sft.h"
+#include "loom/train/dpo.h"
 #include "loom/train/trainer.h"
 
 namespace loom {
@@ -25,6 +26,13 @@ struct DataConfig {
   // tokenizer's end-of-text token) and positions restarted at its start.
   bool document_mask = false;
   double val_fraction = 0.05;
+};
+
+// train.objective: what a step minimises.
+enum class TrainObjective : uint8_t { lm, dpo };
+template <>
+struct EnumNames<TrainObjective> {
+  static constexpr std::array<std::string_view, 2> names{"lm", "dpo"};
 };
 
 struct LoopConfig {
@@ -41,6 +49,9 @@ struct LoopConfig {
   // peft.adapter: a PEFT LoRA adapter folder (checkpoint/peft.h) loaded onto the weights; its
   // adapter_config.json sets the peft.* keys.
   std::string peft_adapter;
+  // lm: the mean next-token loss over the counted targets; dpo: preference optimisation over
+  // the pairs of data.input (data.format = preference-jsonl; train/dpo.h, the dpo.* keys).
+  TrainObjective objective = TrainObjective::lm;
 };
 
 struct RunConfig {
@@ -93,6 +104,7 @@ struct LoomConfig {
   DataConfig data;
   RunConfig run;
   SampleConfig sample;
+  DpoConfig dpo;
 
   void validate() const;
 };

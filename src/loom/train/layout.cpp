@@ -73,6 +73,14 @@ const Rule kRules[] = {
        return std::string("data.document_mask with learned positions (gpt2) and parallel.sequence_parallel is not "
                           "supported yet: the positions restart inside the sequence shards");
      }},
+    // Preference optimisation: the rows' weights are applied by the one-process cross-entropy.
+    {Verdict::refuse, [](const LayoutFacts& f) {
+       return f.config->loop.objective == TrainObjective::dpo && (f.of(Axis::tp) > 1 || f.of(Axis::pp) > 1 || f.of(Axis::cp) > 1);
+     },
+     [](const LayoutFacts& f) {
+       return str_cat("train.objective = dpo is not supported with tensor, pipeline or context parallelism yet (parallel.tp = ",
+                      f.of(Axis::tp), ", pp = ", f.of(Axis::pp), ", cp = ", f.of(Axis::cp), "); use data parallelism");
+     }},
     // Model features against parallelisms and memory policies.
     {Verdict::refuse, [](const LayoutFacts& f) { return model(f).lora() && f.of(Axis::tp) > 1; },
      [](const LayoutFacts& f) {

@@ -1,5 +1,8 @@
 #include "loom/train/parallelize.h"
 
+#include <algorithm>
+#include <cmath>
+
 #ifdef LOOM_HAVE_CUDA
 #include "loom/backend/cuda/cuda_backend.h"
 #include "loom/comm/nccl_communicator.h"
@@ -138,8 +141,30 @@ TrainingData::TrainingData(TokenDataset data, const LoomConfig& config, const Pa
   }
 }
 
+TrainingData::TrainingData(std::vector<PreferencePair> pairs, int32_t pad_token, const LoomConfig& config,
+                           const ParallelLayout& layout, Allocator& allocator) {
+  const int64_t B = config.train.batch_size, T = config.train.seq_len, n = static_cast<int64_t>(pairs.size());
+  LOOM_CHECK(n >= 2, config.data.input, ": ", n, " preference pair; at least 2 are needed (one held out for validation)");
+  const int64_t held = std::clamp<int64_t>(static_cast<int64_t>(std::floor(static_cast<double>(n) * config.data.val_fraction)), 1, n - 1);
+  std::vector<PreferencePair> val(std::make_move_iterator(pairs.end() - held), std::make_move_iterator(pairs.end()));
+  pairs.resize(static_cast<size_t>(n - held));
+  auto train = std::make_unique<PreferenceBatches>(std::move(pairs), T, config.loop.seed, LOADER_ORDER_SHUFFLED, pad_token, "train");
+  auto held_out = std::make_unique<PreferenceBatches>(std::move(val), T, config.loop.seed, LOADER_ORDER_SEQUENTIAL, pad_token, "val");
+  preference_ = {train.get(), held_out.get()};
+  val_pairs_per_batch_ = B / 2;
+  train_ = std::move(train);
+  val_ = std::move(held_out);
+  const Communicator& dp = layout.batch_group();
+  Allocator& staging = allocator.host_accessible() ? allocator : host_;
+  rank_ = std::make_unique<RankSliceSource>(*train_, staging, dp.rank(), dp.size(), B, T);
+}
+
 double TrainingData::validation_loss(Trainer& trainer, int64_t batches, Allocator& allocator) {
   val_->rewind();
+  if (!preference_.empty()) {  // each held-out pair once (the last batch wraps around to the first pairs)
+    const int64_t per_batch = val_pairs_per_batch_, pairs = preference_[1]->pairs();
+    batches = std::min(batches, (pairs + per_batch - 1) / per_batch);
+  }
   const double loss = trainer.evaluate(cp_val_ ? static_cast<BatchSource&>(*cp_val_) : *val_, batches);
   if (cp_ == nullptr) return loss;
   Tensor sum = Tensor::zeros(allocator, {1}, DTYPE_F64, MEM_WORKSPACE);  // the backend's memory: through it

@@ -18,6 +18,7 @@
 #include "loom/model/transformer.h"
 #include "loom/parallel/pipeline.h"
 #include "loom/train/config.h"
+#include "loom/train/dpo.h"
 #include "loom/train/layout.h"
 #include "loom/train/trainer.h"
 
@@ -41,15 +42,24 @@ TrainingModel parallelize(Backend& backend, const LoomConfig& config, ParallelLa
 class TrainingData {
  public:
   TrainingData(TokenDataset data, const LoomConfig& config, const ParallelLayout& layout, Allocator& allocator);
+  // train.objective = dpo: preference pairs (train/dpo.h), the last data.val_fraction of them
+  // (at least one) held out; documents are padded with `pad_token`.
+  TrainingData(std::vector<PreferencePair> pairs, int32_t pad_token, const LoomConfig& config,
+               const ParallelLayout& layout, Allocator& allocator);
   BatchSource& train() { return cp_train_ ? static_cast<BatchSource&>(*cp_train_) : *rank_; }
-  TokenLoader& loader() { return *train_; }
-  // The validation loss over loop.eval_batches batches from the start of the split; with
-  // context parallelism the mean over the cp group (equal token counts per rank).
+  ResumableSource& loader() { return *train_; }
+  // The preference splits (train, val), for their reference log-probabilities; empty otherwise.
+  std::vector<PreferenceBatches*> preference_splits() const { return preference_; }
+  // The validation loss over loop.eval_batches batches from the start of the split (preference
+  // pairs: at most one pass over them); with context parallelism the mean over the cp group
+  // (equal token counts per rank).
   double validation_loss(Trainer& trainer, int64_t batches, Allocator& allocator);
 
  private:
   CpuAllocator host_;  // the sources' staging when `allocator` is a device's (declared first: released last)
-  std::unique_ptr<TokenLoader> train_, val_;
+  std::unique_ptr<ResumableSource> train_, val_;
+  std::vector<PreferenceBatches*> preference_;
+  int64_t val_pairs_per_batch_ = 0;
   std::unique_ptr<RankSliceSource> rank_;
   std::unique_ptr<ContextSliceSource> cp_train_, cp_val_;
   Communicator* cp_ = nullptr;

@@ -231,7 +231,8 @@ StepStats Trainer::train_step(BatchSource& data) {
   int64_t valid = 0;  // positions whose target counts (loss masks: the others are kIgnoreTarget)
   for (int64_t micro = 0; pipeline_ == nullptr && micro < config_.grad_accum; ++micro) {
     valid += load_batch(data);
-    const double loss = model_.forward(store_);
+    double loss = model_.forward(store_);
+    if (objective_ != nullptr) loss = objective_->weigh(backend_, store_, data);
     // With loss scaling a non-finite loss (an fp16 overflow) makes non-finite gradients: skipped.
     // Data parallel ranks check the mean over ranks below, so that all of them stop together.
     LOOM_CHECK(scaler_ || ddp_ || std::isfinite(loss), "loss is ", loss, " at step ", step_, " (micro-batch ", micro,
@@ -264,7 +265,7 @@ StepStats Trainer::train_step(BatchSource& data) {
   // replies) has no loss: it makes no update (skipped, loss NaN).
   const int64_t positions = (comm_ != nullptr ? comm_->size() : 1) * config_.grad_accum * store_.tokens.numel();
   bool nothing_counted = false;
-  if (pipeline_ == nullptr) {
+  if (pipeline_ == nullptr && objective_ == nullptr) {  // (an objective's loss is its own mean)
     if (comm_ != nullptr) valid = static_cast<int64_t>(sum_over(*comm_, static_cast<double>(valid)));
     nothing_counted = valid == 0;
     if (valid != positions && !nothing_counted) {
@@ -390,6 +391,16 @@ int64_t Trainer::load_batch(BatchSource& data) {
   return valid;
 }
 
+const ActivationStore& Trainer::forward_only(BatchSource& data) {
+  LOOM_CHECK(pipeline_ == nullptr, "Trainer::forward_only with pipeline stages is not supported");
+  model_.sync_weight_copy();
+  model_.set_recording(false);
+  load_batch(data);
+  model_.forward(store_);
+  model_.set_recording(true);
+  return store_;
+}
+
 double Trainer::evaluate(BatchSource& data, int64_t batches) {
   model_.sync_weight_copy();
   model_.set_recording(false);
@@ -403,10 +414,12 @@ double Trainer::evaluate(BatchSource& data, int64_t batches) {
   const int64_t positions = store_.tokens.numel();
   for (int64_t i = 0; i < batches; ++i) {
     valid += load_batch(data);
-    sum += model_.forward(store_);
+    const double loss = model_.forward(store_);
+    sum += objective_ != nullptr ? objective_->weigh(backend_, store_, data) : loss;
   }
   model_.set_recording(true);
   if (batches == 0) return 0.0;
+  if (objective_ != nullptr) return sum / static_cast<double>(batches);
   // Loss masks: the mean over the positions that count (forward's mean counts the others as 0).
   if (valid != batches * positions) return valid > 0 ? sum * static_cast<double>(positions) / static_cast<double>(valid) : NAN;
   return sum / static_cast<double>(batches);
@@ -418,7 +431,7 @@ namespace loom {
 
 RankSliceSource::RankSliceSource(BatchSource& global, Allocator& allocator, int rank, int world, int64_t batch,
                                  int64_t seq_len)
-    : global_(global), rank_(rank) {
+    : global_(global), rank_(rank), world_(world) {
   LOOM_CHECK(world >= 1 && rank >= 0 && rank < world, "rank ", rank, " outside a world of ", world);
   tokens_ = Tensor::empty(allocator, {batch * world, seq_len}, DTYPE_I32, MEM_WORKSPACE);
   targets_ = Tensor::empty(allocator, {batch * world, seq_len}, DTYPE_I32, MEM_WORKSPACE);
@@ -448,6 +461,13 @@ void RankSliceSource::fill(const Tensor& tokens, const Tensor& targets) {
   const int64_t n = tokens.numel();
   std::copy_n(tokens_.data<int32_t>() + rank_ * n, n, tokens.data<int32_t>());
   std::copy_n(targets_.data<int32_t>() + rank_ * n, n, targets.data<int32_t>());
+}
+
+std::vector<RowInfo> RankSliceSource::rows() const {
+  const std::vector<RowInfo> all = global_.rows();
+  if (all.empty()) return all;
+  const int64_t local = tokens_.dim(0) / world_;
+  return {all.begin() + rank_ * local, all.begin() + (rank_ + 1) * local};
 }
 
 }  // namespace loom

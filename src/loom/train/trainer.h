@@ -60,6 +60,17 @@ struct StepStats {
   double seconds = 0.0;
 };
 
+// A sequence-level objective over a micro-batch's rows (train.objective = dpo, train/dpo.h) in
+// place of the mean next-token loss: after the forward, from the rows' summed cross-entropies
+// (store.losses) and what the source says the rows are (BatchSource::rows), it returns the
+// micro-batch's loss and sets store.row_weights, the loss's derivative with respect to each
+// row's summed cross-entropy, which the backward then applies.
+class RowObjective {
+ public:
+  virtual ~RowObjective() = default;
+  virtual double weigh(Backend& backend, ActivationStore& store, const BatchSource& data) = 0;
+};
+
 class Trainer {
  public:
   // With a communicator of more than one rank the trainer is data parallel (parallel/ddp.h):
@@ -72,6 +83,11 @@ class Trainer {
 
   StepStats train_step(BatchSource& data);  // throws on a non-finite loss, before updating
   double evaluate(BatchSource& data, int64_t batches);
+  // The objective of train_step and evaluate (nullptr: the mean next-token loss); not owned.
+  void set_objective(RowObjective* objective) { objective_ = objective; }
+  // One batch from `data` through the forward, nothing recorded (no FP8 amax, no objective):
+  // its per-position losses, e.g. a reference model's log-probabilities. Not with pipelines.
+  const ActivationStore& forward_only(BatchSource& data);
   int64_t step() const { return step_; }
   Backend& backend() const { return backend_; }
   const Optimizer& optimizer() const { return *optimizer_; }
@@ -118,6 +134,7 @@ class Trainer {
   bool sharded_grads() const { return zero_ && zero_->stage() >= 2; }
   double sum_over(Communicator& group, double x);  // all-reduce of one f64 through scalar_
   PipelineRunner* pipeline_ = nullptr;
+  RowObjective* objective_ = nullptr;
   double global_grad_norm();  // over every rank's part (ZeRO-2/3 shards, tensor and pipeline parallel)
   Communicator* tp_ = nullptr;      // the model's tensor-parallel group (more than one rank)
   std::vector<std::pair<int64_t, int64_t>> tp_replicated_;  // flat ranges of replicated parameters
@@ -140,10 +157,11 @@ class RankSliceSource final : public BatchSource {
   RankSliceSource(BatchSource& global, Allocator& allocator, int rank, int world, int64_t batch, int64_t seq_len);
   void fill(const Tensor& tokens, const Tensor& targets) override;
   int32_t document_end() const override { return global_.document_end(); }
+  std::vector<RowInfo> rows() const override;  // the global fill's rows of this rank
 
  private:
   BatchSource& global_;
-  int rank_;
+  int rank_, world_;
   Tensor tokens_, targets_;
 };
 
@@ -154,6 +172,7 @@ class ContextSliceSource final : public BatchSource {
   ContextSliceSource(BatchSource& inner, Allocator& allocator, int rank, int world, int64_t batch, int64_t seq_len);
   void fill(const Tensor& tokens, const Tensor& targets) override;
   int32_t document_end() const override { return inner_.document_end(); }
+  std::vector<RowInfo> rows() const override { return inner_.rows(); }
 
  private:
   BatchSource& inner_;

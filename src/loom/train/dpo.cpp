@@ -1,0 +1,183 @@
+#include "loom/train/dpo.h"
+
+#include <cmath>
+#include <numeric>
+
+#include "loom/core/error.h"
+#include "loom/core/targets.h"
+
+namespace loom {
+
+namespace {
+
+double log_sigmoid(double z) { return z >= 0 ? -std::log1p(std::exp(-z)) : z - std::log1p(std::exp(z)); }
+double sigmoid(double z) { return z >= 0 ? 1.0 / (1.0 + std::exp(-z)) : std::exp(z) / (1.0 + std::exp(z)); }
+
+TokenSplit pair_indices(int64_t n, const std::string& name) {
+  TokenSplit s;
+  s.name = name + " pairs";
+  s.tokens.resize(static_cast<size_t>(n + 1));
+  std::iota(s.tokens.begin(), s.tokens.end(), 0);
+  return s;
+}
+
+}  // namespace
+
+PairTerms dpo_pair(const DpoConfig& c, double chosen, double rejected, double ref_chosen, double ref_rejected,
+                   int64_t len_chosen, int64_t len_rejected) {
+  PairTerms t;
+  switch (c.loss) {
+    case DpoLoss::sigmoid: {
+      const double z = c.beta * ((chosen - ref_chosen) - (rejected - ref_rejected));
+      t.loss = -log_sigmoid(z);
+      t.d_chosen = -c.beta * sigmoid(-z);
+      t.d_rejected = -t.d_chosen;
+      break;
+    }
+    case DpoLoss::ipo: {
+      const double h = (chosen - ref_chosen) - (rejected - ref_rejected), e = h - 1.0 / (2.0 * c.beta);
+      t.loss = e * e;
+      t.d_chosen = 2.0 * e;
+      t.d_rejected = -t.d_chosen;
+      break;
+    }
+    case DpoLoss::simpo: {
+      const double wc = c.beta / static_cast<double>(len_chosen), wr = c.beta / static_cast<double>(len_rejected);
+      const double z = wc * chosen - wr * rejected - c.gamma;
+      t.loss = -log_sigmoid(z);
+      t.d_chosen = -sigmoid(-z) * wc;
+      t.d_rejected = sigmoid(-z) * wr;
+      t.reward_chosen = wc * chosen;
+      t.reward_rejected = wr * rejected;
+      return t;
+    }
+  }
+  t.reward_chosen = c.beta * (chosen - ref_chosen);
+  t.reward_rejected = c.beta * (rejected - ref_rejected);
+  return t;
+}
+
+PreferenceBatches::PreferenceBatches(std::vector<PreferencePair> pairs, int64_t seq_len, uint64_t seed,
+                                     LoaderOrder order, int32_t pad_token, const std::string& name)
+    : seq_len_(seq_len), pad_(pad_token), order_(pair_indices(static_cast<int64_t>(pairs.size()), name), 1, seed, order) {
+  for (const PreferencePair& p : pairs) {
+    std::array<Sequence, 2>& q = pairs_.emplace_back();
+    for (int side = 0; side < 2; ++side) {
+      const SftStream& s = side == 0 ? p.chosen : p.rejected;
+      LOOM_CHECK(static_cast<int64_t>(s.tokens.size()) <= seq_len + 1, p.line, ": the prompt and the ",
+                 side == 0 ? "chosen" : "rejected", " completion are ", s.tokens.size(), " tokens, more than "
+                 "train.seq_len + 1 = ", seq_len + 1);
+      q[side].tokens = s.tokens;
+      q[side].mask = s.mask;
+      q[side].length = s.counted;
+    }
+  }
+}
+
+void PreferenceBatches::fill_pairs(const std::vector<int64_t>& ids, const Tensor& tokens, const Tensor& targets) {
+  const int64_t T = seq_len_;
+  LOOM_CHECK(tokens.ndim() == 2 && tokens.dim(1) == T && tokens.dim(0) == 2 * static_cast<int64_t>(ids.size()) &&
+                 targets.shape() == tokens.shape() && tokens.device() == DEVICE_CPU,
+             "PreferenceBatches: tokens ", tokens.describe(), " must be host (2 x pairs, ", T, ")");
+  int32_t* x = tokens.data<int32_t>();
+  int32_t* y = targets.data<int32_t>();
+  rows_.clear();
+  for (size_t i = 0; i < ids.size(); ++i) {
+    for (int side = 0; side < 2; ++side) {
+      const Sequence& s = pairs_[static_cast<size_t>(ids[i])][static_cast<size_t>(side)];
+      const int64_t row = 2 * static_cast<int64_t>(i) + side, n = static_cast<int64_t>(s.tokens.size());
+      for (int64_t t = 0; t < T; ++t) {
+        x[row * T + t] = t < n ? s.tokens[static_cast<size_t>(t)] : pad_;
+        y[row * T + t] = t + 1 < n && s.mask[static_cast<size_t>(t + 1)] ? s.tokens[static_cast<size_t>(t + 1)] : kIgnoreTarget;
+      }
+      rows_.push_back({ids[i], side == 0, s.reference, s.length});
+    }
+  }
+}
+
+void PreferenceBatches::fill(const Tensor& tokens, const Tensor& targets) {
+  LOOM_CHECK(tokens.ndim() == 2 && tokens.dim(0) % 2 == 0, "PreferenceBatches: ", tokens.dim(0),
+             " rows; preference batches hold pairs (train.batch_size must be even)");
+  const int64_t n = tokens.dim(0) / 2;
+  const Tensor ids = Tensor::empty(host_, {n, 1}, DTYPE_I32, MEM_WORKSPACE);
+  const Tensor next = Tensor::empty(host_, {n, 1}, DTYPE_I32, MEM_WORKSPACE);
+  order_.fill(ids, next);
+  fill_pairs(std::vector<int64_t>(ids.data<int32_t>(), ids.data<int32_t>() + n), tokens, targets);
+}
+
+void PreferenceBatches::fill_from(int64_t first, const Tensor& tokens, const Tensor& targets) {
+  std::vector<int64_t> ids(static_cast<size_t>(tokens.dim(0) / 2));
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = (first + static_cast<int64_t>(i)) % pairs();
+  fill_pairs(ids, tokens, targets);
+}
+
+void PreferenceBatches::set_reference(int64_t pair, double chosen, double rejected) {
+  pairs_[static_cast<size_t>(pair)][0].reference = chosen;
+  pairs_[static_cast<size_t>(pair)][1].reference = rejected;
+}
+
+std::vector<double> row_log_probs(Backend& backend, const ActivationStore& store) {
+  const int64_t B = store.batch, T = store.seq_len;
+  std::vector<float> losses(static_cast<size_t>(B * T));
+  backend.read(store.losses, losses.data());
+  std::vector<double> out(static_cast<size_t>(B), 0.0);
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t t = 0; t < T; ++t) out[static_cast<size_t>(b)] -= losses[static_cast<size_t>(b * T + t)];
+  }
+  return out;
+}
+
+double DpoObjective::weigh(Backend& backend, ActivationStore& store, const BatchSource& data) {
+  const std::vector<RowInfo> rows = data.rows();
+  const int64_t B = store.batch;
+  LOOM_CHECK(static_cast<int64_t>(rows.size()) == B && B % 2 == 0, "train.objective = dpo: the batch source gave ",
+             rows.size(), " preference rows for ", B, " rows (data.format must be preference-jsonl)");
+  const std::vector<double> logp = row_log_probs(backend, store);
+  const auto pairs = static_cast<double>(B / 2);
+  store.row_weights.assign(static_cast<size_t>(B), 0.0f);
+  double loss = 0.0;
+  for (int64_t i = 0; i < B / 2; ++i) {
+    const auto w = static_cast<size_t>(2 * i), l = w + 1;
+    LOOM_CHECK(rows[w].chosen && !rows[l].chosen && rows[w].pair == rows[l].pair, "train.objective = dpo: rows ", w,
+               " and ", l, " are not one pair's chosen and rejected sequences");
+    const PairTerms t = dpo_pair(config_, logp[w], logp[l], rows[w].reference, rows[l].reference, rows[w].length,
+                                 rows[l].length);
+    loss += t.loss;
+    // d loss / d (row's summed cross-entropy) = -d loss / d log p, over the micro-batch's mean.
+    store.row_weights[w] = static_cast<float>(-t.d_chosen / pairs);
+    store.row_weights[l] = static_cast<float>(-t.d_rejected / pairs);
+    ++stats_.pairs;
+    stats_.loss += t.loss;
+    stats_.reward_chosen += t.reward_chosen;
+    stats_.reward_rejected += t.reward_rejected;
+    stats_.correct += t.reward_chosen > t.reward_rejected ? 1.0 : 0.0;
+  }
+  return loss / pairs;
+}
+
+void DpoObjective::compute_reference(Trainer& trainer, PreferenceBatches& pairs, int64_t rows) const {
+  if (config_.reference_free()) return;
+  // A source over pairs first, first + 1, ...: the reference pass's batches.
+  class From final : public BatchSource {
+   public:
+    From(PreferenceBatches& p) : p_(p) {}
+    void fill(const Tensor& tokens, const Tensor& targets) override { p_.fill_from(first, tokens, targets); }
+    PreferenceBatches& p_;
+    int64_t first = 0;
+  } from(pairs);
+  for (int64_t first = 0; first < pairs.pairs(); first += rows / 2) {
+    from.first = first;
+    const std::vector<double> logp = row_log_probs(trainer.backend(), trainer.forward_only(from));
+    for (int64_t i = 0; i < rows / 2 && first + i < pairs.pairs(); ++i) {
+      pairs.set_reference(first + i, logp[static_cast<size_t>(2 * i)], logp[static_cast<size_t>(2 * i + 1)]);
+    }
+  }
+}
+
+DpoObjective::Stats DpoObjective::take_stats() {
+  const Stats s = stats_;
+  stats_ = Stats{};
+  return s;
+}
+
+}  // namespace loom
