@@ -641,6 +641,26 @@ class Cli(unittest.TestCase):
                 expect_ok=False)
         self.assert_one_line_error(p, pairs + ":1: the prompt and the chosen completion are", "train.seq_len + 1 = 33")
 
+    def test_qlora_trains_over_an_nf4_base_resumes_and_exports(self):
+        sets = 'peft.method=lora,peft.rank=4,peft.targets="q,k,v,o,up,down",peft.quantize_base=true,train.checkpoint_every=3'
+        p = self.train("qlora", "--set", sets, steps=6)
+        m = re.search(r"QLoRA: the base's (\d+) block-matrix parameters in NF4 with double-quantized scales: .* = ([0-9.]+) "
+                      r"bits per parameter", p.stdout)
+        self.assertIsNotNone(m, p.stdout)
+        self.assertEqual(int(m.group(1)), 2 * (32 * 96 + 32 * 32 + 64 * 32 + 32 * 64))  # TINY: qkv, proj, fc, fc2 per layer
+        self.assertGreater(float(m.group(2)), 4.1)
+        self.assertLess(float(m.group(2)), 4.6)
+        # Stopped at step 3 and resumed: the curve of the straight run (the checkpoint holds the
+        # dequantized base, quantized again identically).
+        self.train("qlora_resumed", "--set", sets, "--stop-at-step", "3", steps=6)
+        self.train("qlora_resumed", "--set", sets, "--resume", steps=6)
+        self.assert_same_curve("qlora", "qlora_resumed", 6)
+        run("eval", "--checkpoint", os.path.join(self.tmp, "runs", "qlora"), "--data", self.data)
+        run("convert", "--to", "hf", "--checkpoint", os.path.join(self.tmp, "runs", "qlora"), "--out",
+            os.path.join(self.tmp, "qlora_hf"))
+        p = self.train("qlora_bad", "--set", "peft.quantize_base=true", expect_ok=False, steps=2)
+        self.assert_one_line_error(p, "peft.quantize_base (QLoRA) needs peft.method = lora")
+
     def test_eval_text_reports_perplexity_over_windows(self):
         self.train("evtext")
         text = os.path.join(self.tmp, "eval.txt")

@@ -114,6 +114,7 @@ int train_main(int argc, char** argv) {
     const auto loaded = state.resume([](const std::string& line) { std::fprintf(stderr, "loom train: %s\n", line.c_str()); });
     if (loaded) {
       batches.loader().restore(loaded->data_state.get<LoaderState>());
+      model.release_base();  // QLoRA: the checkpoint wrote the quantized base's fp32 elements
       std::printf("resumed from %s (step %lld)\n", loaded->path.c_str(), static_cast<long long>(loaded->step));
     } else {
       std::printf("no checkpoint in %s/checkpoints; starting from scratch\n", dir.c_str());
@@ -189,7 +190,9 @@ int train_main(int argc, char** argv) {
     }
     if ((config.loop.checkpoint_every > 0 && done % config.loop.checkpoint_every == 0) || done == stop_at ||
         done == config.train.steps) {
+      model.materialize_base();  // QLoRA: the checkpoint holds the dequantized base
       const std::string path = state.save(batches.loader().state());
+      model.release_base();
       if (done == stop_at && done < config.train.steps) {
         std::printf("stopped after step %lld (--stop-at-step); checkpoint %s; continue with --resume\n",
                     static_cast<long long>(done), path.c_str());
@@ -198,6 +201,7 @@ int train_main(int argc, char** argv) {
     }
   }
 
+  model.materialize_base();  // QLoRA: decoding reads the fp32 weights
   const std::string text = final_sample(config, *backend, state.gather_for_sampling());
   if (lead) write_file_atomic((fs::path(dir) / "samples.txt").string(), text + "\n");
   print_summary(config, trainer, model, mem, last_val, zero, last_resident_params, last_resident_grads);

@@ -6,6 +6,7 @@
 
 #include "cli.h"
 #include "loom/core/error.h"
+#include "loom/core/pages.h"
 #include "loom/infer/generate.h"
 #include "loom/arch/config.h"
 #include "loom/arch/param_layout.h"
@@ -156,6 +157,14 @@ void print_run_header(const LoomConfig& config, const std::string& dir, const Tr
                 static_cast<double>(config.model.lora_scale()), config.model.lora_rslora ? ", rsLoRA" : "",
                 config.model.lora_targets.c_str(), static_cast<long long>(adapters),
                 100.0 * static_cast<double>(adapters) / static_cast<double>(n_params), static_cast<long long>(n_params));
+  }
+  if (config.model.lora_quantize_base) {  // QLoRA (docs/finetune.md)
+    const int64_t n = model.quantized_params(), bytes = model.quantized_bytes();
+    std::printf("QLoRA: the base's %lld block-matrix parameters in NF4 with double-quantized scales: %s = %.4f bits per "
+                "parameter (fp32: %s); parameters resident now %s\n",
+                static_cast<long long>(n), format_bytes(static_cast<size_t>(bytes)).c_str(),
+                8.0 * static_cast<double>(bytes) / static_cast<double>(n), format_bytes(static_cast<size_t>(4 * n)).c_str(),
+                format_bytes(static_cast<size_t>(resident_bytes(model.params()))).c_str());
   }
   if (config.train.recompute != "none") {  // activation checkpointing (memory/recompute.h)
     const Trainer::RecomputeReport& rc = trainer.recompute();

@@ -161,6 +161,7 @@ ModelConfig with_peft_of(ModelConfig base, const ModelConfig& from) {
   base.lora_alpha = from.lora_alpha;
   base.lora_rslora = from.lora_rslora;
   base.lora_targets = from.lora_targets;
+  base.lora_quantize_base = from.lora_quantize_base;
   return base;
 }
 

@@ -114,6 +114,9 @@ struct ModelConfig {
   float lora_alpha = 16.0f;
   bool lora_rslora = false;
   std::string lora_targets = "q,v";
+  // QLoRA (Dettmers et al. 2023): the frozen base's block matrices stored in NF4 with
+  // double-quantized scales and dequantized on the fly (model/transformer.h quantize_base).
+  bool lora_quantize_base = false;
 
   int64_t head_dim() const { return head_size > 0 ? head_size : d_model / n_head; }
   int64_t qkv_width() const { return (n_head + 2 * n_kv_head) * head_dim(); }
@@ -315,6 +318,9 @@ void visit_model_fields(Config& c, Visit&& visit) {
   visit(ModelField{"targets", ModelField::PEFT, "targets",
                     "comma-separated layers LoRA adapts: q, k, v, o, gate, up, down (gpt2: any of q, k, v adapts c_attn whole; no gate)"},
         c.lora_targets);
+  visit(ModelField{"quantize_base", ModelField::PEFT, "quantize_base",
+                    "QLoRA: the frozen base's block matrices in NF4 (double-quantized scales), dequantized on the fly in the linear layers"},
+        c.lora_quantize_base);
 }
 
 // `base` with the peft.* settings of `from` (train.init_from: the weights' model, the run's adapters).

@@ -145,8 +145,9 @@ struct BackendCapabilities {
   bool low_precision = false;       // fp16 / fp8 recipes, QAT, bf16 master weights or reduction
   bool every_optimizer = false;     // otherwise only plain adamw (Backend::adamw_step)
   bool head_norm = false;           // model.qk_norm (Backend::head_rmsnorm_*)
+  bool nf4 = false;                 // peft.quantize_base (QLoRA: Backend::nf4_dequantize in the linear layers)
 };
-inline constexpr BackendCapabilities kEveryCapability{true, true, true, true, true, true, true, true};
+inline constexpr BackendCapabilities kEveryCapability{true, true, true, true, true, true, true, true, true};
 
 class Backend {
  public:

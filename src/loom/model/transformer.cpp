@@ -9,6 +9,7 @@
 #include <limits>
 
 #include "loom/core/error.h"
+#include "loom/core/pages.h"
 #include "loom/core/philox.h"
 
 namespace loom {
@@ -143,6 +144,59 @@ void Transformer::set_precision(const PrecisionPolicy& policy) {
     head16_ = params16_.view(head.offset, head.shape);
   }
   sync_weight_copy();
+}
+
+void Transformer::quantize_base() {
+  LOOM_CHECK(config_.lora() && quantized_.empty(), "peft.quantize_base (QLoRA) needs peft.method = lora");
+  LOOM_CHECK(backend_.capabilities().nf4 && params_.host_accessible(), "peft.quantize_base (QLoRA) is not supported on "
+             "the ", backend_.name(), " backend yet (it lacks nf4_dequantize in the linear layers)");
+  LOOM_CHECK(!config_.mla() && config_.moe_experts == 0, "peft.quantize_base (QLoRA) with MoE or MLA blocks is not supported yet");
+  LOOM_CHECK(!params16_.defined(), "peft.quantize_base (QLoRA) with precision.param = bf16 is not supported");
+  set_precision(policy_);  // the blocks get the workspace their layers dequantize into
+  for (int64_t l = 0; l < config_.n_layer; ++l) {
+    const BlockParams p = block_params_view(config_, layout_, params_, l);
+    const std::array<LinearLayer*, 4> linears = blocks_[static_cast<size_t>(l)].linears();
+    const std::array<Tensor, 4> weights = {p.attention.qkv_w, p.attention.proj_w, p.mlp.fc_w, p.mlp.fc2_w};
+    for (size_t i = 0; i < weights.size(); ++i) {
+      const Tensor& w = weights[i];
+      const Nf4Tensor t = nf4_quantize(std::span<const float>(w.data<float>(), static_cast<size_t>(w.numel())), w.dim(0), w.dim(1));
+      QuantizedWeight q;
+      q.offset = (static_cast<const char*>(w.device_ptr()) - static_cast<const char*>(params_.device_ptr())) /
+                 static_cast<int64_t>(sizeof(float));
+      q.shape = w.shape();
+      q.bytes = t.bytes();
+      q.nf4 = std::make_unique<Nf4Device>(nf4_to_backend(t, backend_, MEM_PARAMETERS));
+      linears[i]->set_base(q.nf4.get());
+      quantized_.push_back(std::move(q));
+    }
+  }
+  materialize_base();
+  release_base();
+}
+
+void Transformer::materialize_base() {
+  for (const QuantizedWeight& q : quantized_) {
+    backend_.nf4_dequantize(q.nf4->codes, q.nf4->absmax_codes, q.nf4->absmax_steps, q.nf4->spec, 0,
+                            params_.view(q.offset, q.shape));
+  }
+}
+
+void Transformer::release_base() {
+  for (const QuantizedWeight& q : quantized_) {
+    release_elements(params_, q.offset, q.offset + shape_numel(q.shape));
+  }
+}
+
+int64_t Transformer::quantized_params() const {
+  int64_t total = 0;
+  for (const QuantizedWeight& q : quantized_) total += shape_numel(q.shape);
+  return total;
+}
+
+int64_t Transformer::quantized_bytes() const {
+  int64_t total = 0;
+  for (const QuantizedWeight& q : quantized_) total += static_cast<int64_t>(q.bytes);
+  return total;
 }
 
 void Transformer::sync_weight_copy() {

@@ -14,6 +14,7 @@
 #include "loom/arch/config.h"
 #include "loom/arch/param_layout.h"
 #include "loom/core/documents.h"
+#include "loom/precision/nf4.h"
 #include "loom/nn/block.h"
 
 namespace loom {
@@ -135,6 +136,19 @@ class Transformer {
   // backward writes no gradient there and zero_grads() leaves it alone, so its gradient pages
   // are never touched; the optimizer skips it. Empty without LoRA.
   RangeSet frozen_ranges() const;
+  // QLoRA (peft.quantize_base, docs/finetune.md): every block's four linear weights (the frozen
+  // base's matrices) stored in NF4 with double-quantized scales (precision/nf4.h), which the
+  // linear layers dequantize on the fly in forward and backward (LinearLayer's base). Their fp32
+  // elements first get the dequantized values -- what training computes with, so checkpoints,
+  // decoding and merging see the same weights -- and then their pages are released
+  // (release_base) until materialize_base writes them again (before a checkpoint or decoding).
+  // Needs LoRA, the nf4 capability, host-readable parameters, no MoE or MLA.
+  void quantize_base();
+  void materialize_base();
+  void release_base();
+  // The quantized weights: their element count and NF4 bytes (nf4_bytes of each).
+  int64_t quantized_params() const;
+  int64_t quantized_bytes() const;
   RangeSet own_expert_ranges() const { return expert_ranges(true); }
   std::vector<std::pair<int64_t, int64_t>> sequence_partial_ranges() const;
   Communicator* tensor_parallel() const { return tp_; }
@@ -228,6 +242,13 @@ class Transformer {
   std::vector<int64_t> moe_layers_;  // the MoE blocks' layers (moe_sums_' rows)
   int64_t shards() const { return sp_ ? tp_->size() : 1; }
   int64_t frozen_end_ = 0;           // [0, frozen_end_) frozen (LoRA's base)
+  struct QuantizedWeight {
+    int64_t offset = 0;
+    Shape shape;
+    size_t bytes = 0;
+    std::unique_ptr<Nf4Device> nf4;  // stable: the linear layers point at it
+  };
+  std::vector<QuantizedWeight> quantized_;  // QLoRA's base (quantize_base)
   Tensor sink_w_, sink_b_;           // where frozen norms' gradients go (never read)
   static Tensor sink(const Tensor& grad, const Tensor& sink);
   BlockParams frozen_grads(BlockParams g) const;

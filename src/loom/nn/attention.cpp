@@ -197,8 +197,8 @@ void attention_saved_fields(const ModelConfig& config, const LayerPlan& plan, co
 
 void AttentionLayer::set_precision(const PrecisionPolicy& policy, AttentionParams params16) {
   params16_ = std::move(params16);
-  qkv_ = LinearLayer(linear_setup(policy, LINEAR_ATTN_QKV, true));
-  proj_ = LinearLayer(linear_setup(policy, LINEAR_ATTN_OUT, true));
+  qkv_ = LinearLayer(linear_setup(policy, LINEAR_ATTN_QKV, true), qkv_.base());
+  proj_ = LinearLayer(linear_setup(policy, LINEAR_ATTN_OUT, true), proj_.base());
 }
 
 MlaActivations AttentionLayer::mla_activations(const AttentionSaved& s) {

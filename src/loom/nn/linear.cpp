@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "loom/core/error.h"
+#include "loom/precision/nf4.h"
 #include "loom/precision/quantize.h"
 
 namespace loom {
@@ -46,10 +47,16 @@ LinearSetup linear_setup(const PrecisionPolicy& policy, LinearKind kind, bool bl
   return s;
 }
 
-LinearLayer::LinearLayer(const LinearSetup& setup) : setup_(setup) {
+LinearLayer::LinearLayer(const LinearSetup& setup, const Nf4Device* base) : setup_(setup), base_(base) {
+  LOOM_CHECK(base == nullptr || setup.qat == QAT_NONE, "an NF4 base weight (peft.quantize_base) with precision.qat");
   if (setup_.recipe == RECIPE_FP8_DELAYED) {
     for (DelayedScaling& s : scaling_) s = DelayedScaling(setup_.fp8_history, setup_.fp8_margin, setup_.fp8_most_recent);
   }
+}
+
+void LinearLayer::set_base(const Nf4Device* base) {
+  LOOM_CHECK(base == nullptr || setup_.qat == QAT_NONE, "an NF4 base weight (peft.quantize_base) with precision.qat");
+  base_ = base;
 }
 
 void LinearLayer::end_step() {
@@ -94,6 +101,11 @@ Tensor blocks_of(Backend& backend, const Tensor& x, MiniFormat f, int64_t block_
 }  // namespace
 
 Tensor LinearLayer::effective_weight(Backend& backend, const Tensor& w, const Tensor& w16, LinearWorkspace& ws) const {
+  if (base_ != nullptr) {  // QLoRA: the NF4 weight, dequantized for this call only
+    Tensor q = ws.f32(LinearWorkspace::Q, w.shape());
+    backend.nf4_dequantize(base_->codes, base_->absmax_codes, base_->absmax_steps, base_->spec, 0, q);
+    return q;
+  }
   if (!w16.defined() && setup_.qat == QAT_NONE) return w;
   Tensor q = ws.f32(LinearWorkspace::Q, w.shape());
   const Tensor& src = w16.defined() ? q : w;
@@ -104,7 +116,7 @@ Tensor LinearLayer::effective_weight(Backend& backend, const Tensor& w, const Te
 }
 
 Tensor LinearLayer::bf16_weight(Backend& backend, const Tensor& w, const Tensor& w16, LinearWorkspace& ws) const {
-  if (w16.defined() && setup_.qat == QAT_NONE) return w16;  // the kept bf16 copy, as is
+  if (w16.defined() && setup_.qat == QAT_NONE && base_ == nullptr) return w16;  // the kept bf16 copy, as is
   Tensor wb = ws.bf16(LinearWorkspace::W, w.shape());
   backend.cast(effective_weight(backend, w, w16, ws), wb);
   return wb;
@@ -124,7 +136,7 @@ void LinearLayer::forward(Backend& backend, const Tensor& x, const Tensor& w, co
                           const Tensor& y, float beta, LinearWorkspace* ws) {
   const Tensor* bias = b.defined() ? &b : nullptr;
   const GemmSpec spec = spec_of(false, true, beta);
-  if (setup_.recipe == RECIPE_F32 && setup_.qat == QAT_NONE && !w16.defined()) {
+  if (setup_.recipe == RECIPE_F32 && setup_.qat == QAT_NONE && !w16.defined() && base_ == nullptr) {
     backend.gemm(x, w, y, spec, bias);
     return;
   }
@@ -172,7 +184,7 @@ void LinearLayer::backward(Backend& backend, const Tensor& x, const Tensor& w, c
                            const Tensor& dx, const Tensor& dw, const Tensor& db, LinearWorkspace* ws) {
   if (db.defined()) backend.bias_backward(dy, db);  // an fp32 reduction in every recipe
   const GemmSpec dgrad = spec_of(false, false, 0.0f), wgrad = spec_of(true, false, 1.0f);
-  if (setup_.recipe == RECIPE_F32 && setup_.qat == QAT_NONE && !w16.defined()) {
+  if (setup_.recipe == RECIPE_F32 && setup_.qat == QAT_NONE && !w16.defined() && base_ == nullptr) {
     if (dx.defined()) backend.gemm(dy, w, dx, dgrad);  // either half alone: zero-bubble's B and W
     if (dw.defined()) backend.gemm(dy, x, dw, wgrad);
     return;

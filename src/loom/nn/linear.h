@@ -17,6 +17,8 @@
 
 namespace loom {
 
+struct Nf4Device;  // precision/nf4.h
+
 // y (N, out) = x (N, in) @ w^T (+ b), with beta = 1 accumulating into y (the residual add).
 void linear_forward(Backend& backend, const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& y, float beta = 0.0f);
 // dx = dy @ w (overwritten); dw += dy^T @ x; db += colsum(dy).
@@ -51,7 +53,12 @@ LinearSetup linear_setup(const PrecisionPolicy& policy, LinearKind kind, bool bl
 class LinearLayer {
  public:
   LinearLayer() = default;
-  explicit LinearLayer(const LinearSetup& setup);
+  // base: QLoRA's frozen weight in NF4 (precision/nf4.h), dequantized on the fly into workspace
+  // slot Q wherever the recipe reads the weight (forward and the input gradient); the w passed
+  // to forward and backward then only gives its shape. nullptr: w is the weight.
+  explicit LinearLayer(const LinearSetup& setup, const Nf4Device* base = nullptr);
+  const Nf4Device* base() const { return base_; }
+  void set_base(const Nf4Device* base);
 
   // w is the fp32 master weight; w16, when defined, its bf16 copy (precision.param = bf16),
   // which the layer reads instead. ws must be set unless the recipe is f32 without QAT.
@@ -71,7 +78,8 @@ class LinearLayer {
   std::array<DelayedScaling, 3>& scaling() { return scaling_; }
 
  private:
-  // The weight the recipe quantizes, in fp32: w itself, or w16 / QAT(w) in workspace slot Q.
+  // The weight the recipe quantizes, in fp32: w itself, or w16 / QAT(w) / the NF4 base
+  // dequantized in workspace slot Q.
   Tensor effective_weight(Backend& backend, const Tensor& w, const Tensor& w16, LinearWorkspace& ws) const;
   // That weight in bf16: w16 itself, or effective_weight() cast into workspace slot W.
   Tensor bf16_weight(Backend& backend, const Tensor& w, const Tensor& w16, LinearWorkspace& ws) const;
@@ -79,6 +87,7 @@ class LinearLayer {
   float fp8_scale(Backend& backend, int which, MiniFormat f, const Tensor& x, bool record);
 
   LinearSetup setup_;
+  const Nf4Device* base_ = nullptr;
   std::array<DelayedScaling, 3> scaling_;
   bool recording_ = true;
 };

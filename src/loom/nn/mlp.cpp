@@ -28,8 +28,8 @@ void mlp_saved_fields(const ModelConfig& config, const LayerPlan& plan, const Sa
 
 void MlpLayer::set_precision(const PrecisionPolicy& policy, MlpParams params16) {
   params16_ = std::move(params16);
-  fc_ = LinearLayer(linear_setup(policy, LINEAR_MLP_IN, true));
-  fc2_ = LinearLayer(linear_setup(policy, LINEAR_MLP_OUT, true));
+  fc_ = LinearLayer(linear_setup(policy, LINEAR_MLP_IN, true), fc_.base());
+  fc2_ = LinearLayer(linear_setup(policy, LINEAR_MLP_OUT, true), fc2_.base());
 }
 
 void MlpLayer::activation(Backend& backend, const MlpSaved& s) const {

@@ -81,6 +81,19 @@ const Rule kRules[] = {
        return str_cat("train.objective = dpo is not supported with tensor, pipeline or context parallelism yet (parallel.tp = ",
                       f.of(Axis::tp), ", pp = ", f.of(Axis::pp), ", cp = ", f.of(Axis::cp), "); use data parallelism");
      }},
+    // QLoRA: the NF4 base is dequantized by the linear layers of one process's whole model.
+    {Verdict::refuse, [](const LayoutFacts& f) { return model(f).lora_quantize_base && !model(f).lora(); },
+     [](const LayoutFacts&) { return std::string("peft.quantize_base (QLoRA) needs peft.method = lora"); }},
+    {Verdict::refuse, [](const LayoutFacts& f) { return model(f).lora_quantize_base && !f.backend.nf4; },
+     [](const LayoutFacts& f) { return unsupported_on(f, "peft.quantize_base (QLoRA)", "it lacks nf4_dequantize; use device = \"cpu\""); }},
+    {Verdict::refuse, [](const LayoutFacts& f) {
+       return model(f).lora_quantize_base && (moe(f) || mla(f) || zero(f) >= 1 || low_precision(f) ||
+                                              resolve_policy(train(f).precision).param_bf16);
+     },
+     [](const LayoutFacts&) {
+       return std::string("peft.quantize_base (QLoRA) is not supported yet with MoE or MLA blocks, parallel.zero_stage >= 1, "
+                          "precision.param = bf16 or the fp16/fp8/QAT recipes");
+     }},
     // Model features against parallelisms and memory policies.
     {Verdict::refuse, [](const LayoutFacts& f) { return model(f).lora() && f.of(Axis::tp) > 1; },
      [](const LayoutFacts& f) {

@@ -106,6 +106,7 @@ void data_parallel(Build& b) {
   ddp.compression_warmup = p.compression_warmup;
   b.out.trainer = std::make_unique<Trainer>(b.backend, *b.out.model, b.config.train, &b.layout.reduce_group(), ddp,
                                             b.out.pipeline.get());
+  if (b.config.model.lora_quantize_base) b.out.model->quantize_base();  // QLoRA: after the weights are final
 }
 
 // The order of the passes: each may rely on every one above it.
