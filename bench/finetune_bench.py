@@ -1,17 +1,20 @@
 #!/usr/bin/python3
-"""Fine-tuning cost on this machine: full fine-tuning vs LoRA, Loom vs PyTorch, in the same run.
+"""Fine-tuning cost on this machine: full fine-tuning vs LoRA vs QLoRA, Loom vs PyTorch, in the same run.
 
     /usr/bin/python3 bench/finetune_bench.py [--build build] [--steps 6] [--warmup 2] [--rank 16]
 
 For each shape -- the small GPT-2 (6 layers, d = 384, B = 4, T = 256) and GPT-2 124M (B = 4,
 T = 64) -- runs, one after another (never concurrently):
-  * Loom full fine-tuning and Loom LoRA (rank R, alpha 2R, every block linear: c_attn, both
-    c_proj, c_fc; the base frozen): build/bench/train_bench [--lora R];
+  * Loom full fine-tuning, Loom LoRA (rank R, alpha 2R, every block linear: c_attn, both
+    c_proj, c_fc; the base frozen) and Loom QLoRA (the same over a base whose block matrices are
+    NF4): build/bench/train_bench [--lora R [--qlora 1]];
   * PyTorch at its best (OPENBLAS_CORETYPE unset, OMP_WAIT_POLICY=PASSIVE, tcmalloc), full and
     LoRA with the same formula as PEFT computes it: bench/torch_train_bench.py [--lora R];
 and prints step time, tokens/s, the process's peak resident memory (getrusage, both sides) and
-Loom's resident gradient bytes and optimizer state, then the ratios LoRA / full and Loom / PyTorch.
-QLoRA is not measured: its training path (NF4 linear layers) is not implemented yet.
+Loom's resident parameter and gradient bytes and optimizer state, then the ratios LoRA / full,
+QLoRA / LoRA and Loom / PyTorch. PyTorch has no QLoRA here (bitsandbytes is not in Debian). The
+peak RSS of a Loom QLoRA run still includes the fp32 base it quantizes after initialising it;
+its resident parameter bytes after the steps are what training holds.
 """
 
 from __future__ import annotations
@@ -48,14 +51,20 @@ def main() -> int:
             rows[("pytorch", lora)] = run_json([sys.executable, os.path.join(HERE, "torch_train_bench.py"), *common,
                                                 "--threads", str(args.threads), "--lora", str(lora)],
                                                torch_env(True, args.threads))
+        rows[("loom", "qlora")] = run_json([loom_bin, *common, "--lora", str(args.rank), "--qlora", "1"], loom_env)
         print(f"\n{model}, B={batch}, T={seq}, {args.threads} threads, {args.steps} timed steps, LoRA rank {args.rank}:")
-        print(f"  {'run':<22} {'step ms':>9} {'tokens/s':>10} {'peak RSS':>10}   Loom: gradients resident, optimizer state")
+        print(f"  {'run':<22} {'step ms':>9} {'tokens/s':>10} {'peak RSS':>10}   Loom: parameters, gradients resident; "
+              "optimizer state; NF4 bytes")
         for (impl, lora), r in rows.items():
-            name = f"{impl} {'LoRA' if lora else 'full'}"
+            name = f"{impl} {'QLoRA' if lora == 'qlora' else 'LoRA' if lora else 'full'}"
             extra = ""
             if impl == "loom":
-                extra = f"   {r['resident_bytes_gradients'] / 2**20:8.1f} MiB, {r['peak_bytes_optimizer_state'] / 2**20:8.1f} MiB"
+                extra = (f"   {r['resident_bytes_parameters'] / 2**20:8.1f} MiB, {r['resident_bytes_gradients'] / 2**20:8.1f} MiB; "
+                         f"{r['peak_bytes_optimizer_state'] / 2**20:8.1f} MiB; {r['nf4_bytes'] / 2**20:6.1f} MiB")
             print(f"  {name:<22} {r['step_ms']:9.1f} {r['tokens_per_s']:10.1f} {r['max_rss'] / 2**20:8.0f} MiB{extra}")
+        q, l = rows[("loom", "qlora")], rows[("loom", args.rank)]
+        print(f"  loom: QLoRA / LoRA step time {q['step_ms'] / l['step_ms']:.3f}, resident parameters "
+              f"{q['resident_bytes_parameters'] / l['resident_bytes_parameters']:.3f}")
         for impl in ("loom", "pytorch"):
             full, lora = rows[(impl, 0)], rows[(impl, args.rank)]
             print(f"  {impl}: LoRA / full step time {lora['step_ms'] / full['step_ms']:.3f}, "

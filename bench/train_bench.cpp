@@ -1,7 +1,7 @@
 // Training throughput of Loom on the CPU: a GPT-2-shaped model, random tokens, AdamW steps.
 // Prints one JSON line: tokens/s, step time, MFU against the GEMM peak measured in the same
 // process (oneDNN sgemm, 2048^3, best of several), and peak bytes per memory category.
-//   build/bench/train_bench --model gpt2-124m --batch 4 --seq 64 --steps 10 --warmup 2 [--compute LIST] [--lora R]
+//   build/bench/train_bench --model gpt2-124m --batch 4 --seq 64 --steps 10 --warmup 2 [--compute LIST] [--lora R [--qlora 1]]
 // --compute takes a comma-separated list of linear recipes (precision/policy.h: f32, bf16, fp16,
 // fp8-delayed, fp8-current, fp8-block), each optionally with +mxfp4 or +nvfp4 (weight QAT);
 // "both" means f32,bf16. Each runs in the same process, one JSON line each; with more than one, a
@@ -16,6 +16,7 @@
 #include <algorithm>
 
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include "loom/core/error.h"
 #include "loom/core/pages.h"
@@ -34,6 +35,7 @@ struct Args {
   bool flash = false;          // train.flash_attention
   double peak_tflops = 0.0;    // > 0: MFU against this stated peak instead of the measured GEMM peak
   int64_t lora = 0;            // > 0: LoRA of this rank on every linear layer of the blocks, the base frozen
+  bool qlora = false;          // with --lora: the base's block matrices in NF4 (peft.quantize_base)
 };
 
 Args parse(int argc, char** argv) {
@@ -50,8 +52,9 @@ Args parse(int argc, char** argv) {
     else if (key == "--flash") a.flash = value == "1" || value == "true";
     else if (key == "--peak-tflops") a.peak_tflops = std::stod(value);
     else if (key == "--lora") a.lora = std::stoll(value);
+    else if (key == "--qlora") a.qlora = value == "1" || value == "true";
     else throw Error("unknown option " + key + " (expected --model, --batch, --seq, --steps, --warmup, --compute, "
-                     "--device, --flash, --peak-tflops, --lora)");
+                     "--device, --flash, --peak-tflops, --lora, --qlora)");
   }
   return a;
 }
@@ -61,6 +64,16 @@ long long max_rss_bytes() {
   rusage usage{};
   getrusage(RUSAGE_SELF, &usage);
   return static_cast<long long>(usage.ru_maxrss) * 1024;
+}
+
+// The resident set now (/proc/self/statm), not the lifetime peak.
+long long current_rss_bytes() {
+  long long pages = 0, resident = 0;
+  if (FILE* f = std::fopen("/proc/self/statm", "r")) {
+    if (std::fscanf(f, "%lld %lld", &pages, &resident) != 2) resident = 0;
+    std::fclose(f);
+  }
+  return resident * static_cast<long long>(sysconf(_SC_PAGESIZE));
 }
 
 // Random token ids (Philox-free: a simple LCG is enough for throughput).
@@ -93,6 +106,7 @@ double run(const Args& args, const std::string& compute, double peak) {
   if (plus != std::string::npos) tc.precision.qat = compute.substr(plus + 1);
   tc.flash_attention = args.flash;
   Trainer trainer(*backend, model, tc);
+  if (args.qlora) model.quantize_base();  // as loom train does, after the trainer
   RandomWindowSource data(random_tokens(1 << 20, config.vocab_size), 7);
   for (int64_t i = 0; i < args.warmup; ++i) trainer.train_step(data);
   backend->allocator().tracker().reset_peaks();
@@ -110,18 +124,19 @@ double run(const Args& args, const std::string& compute, double peak) {
   std::printf(
       "{\"impl\": \"loom\", \"device\": \"%s\", \"flash\": %s, \"compute\": \"%s\", \"model\": \"%s\", \"batch\": %lld, \"seq\": %lld, \"steps\": %lld, "
       "\"tokens_per_s\": %.2f, \"step_ms\": %.2f, \"gemm_peak_gflops\": %.1f, \"achieved_gflops\": %.1f, \"mfu\": %.4f, "
-      "\"final_loss\": %.4f, \"params\": %lld, \"lora\": %lld, \"max_rss\": %lld",
+      "\"final_loss\": %.4f, \"params\": %lld, \"lora\": %lld, \"qlora\": %s, \"max_rss\": %lld, \"rss_end\": %lld",
       args.device.c_str(), args.flash ? "true" : "false", compute.c_str(), args.model.c_str(), static_cast<long long>(args.batch), static_cast<long long>(args.seq),
       static_cast<long long>(args.steps), tps, 1e3 * seconds / static_cast<double>(args.steps), peak, flops / 1e9,
       flops / 1e9 / peak, loss, static_cast<long long>(param_count(config)), static_cast<long long>(args.lora),
-      max_rss_bytes());
+      args.qlora ? "true" : "false", max_rss_bytes(), current_rss_bytes());
   for (int c = 0; c < MEM_CATEGORY_COUNT; ++c) {
     const auto cat = static_cast<MemCategory>(c);
     std::printf(", \"peak_bytes_%s\": %zu", std::string(mem_category_name(cat)).c_str(), mem.peak(cat));
   }
   // Allocated is not resident: a frozen range's gradient pages are released (LoRA).
-  std::printf(", \"peak_bytes_total\": %zu, \"resident_bytes_gradients\": %lld}\n", mem.peak_total(),
-              static_cast<long long>(resident_bytes(model.grads())));
+  std::printf(", \"peak_bytes_total\": %zu, \"resident_bytes_gradients\": %lld, \"resident_bytes_parameters\": %lld, "
+              "\"nf4_bytes\": %lld}\n", mem.peak_total(), static_cast<long long>(resident_bytes(model.grads())),
+              static_cast<long long>(resident_bytes(model.params())), static_cast<long long>(model.quantized_bytes()));
   std::fflush(stdout);
   return tps;
 }

@@ -80,8 +80,8 @@ std::array<double, 3> zero_bytes_per_param(const MemoryPlan& plan);
 //   lora    the adapters (A parameters) train: weights 4P + 4A, gradients 4A, state K(A)
 //   qlora   LoRA over a base whose block matrices are NF4 with double-quantized scales
 //           (precision/nf4.h nf4_bytes per matrix, ~4.127 bits) and the rest (embeddings, head,
-//           norms, biases) bf16: weights nf4 + 2 rest + 4A, gradients 4A, state K(A). A formula:
-//           QLoRA's training path (the NF4 linear layers) is not implemented yet.
+//           norms, biases) bf16: weights nf4 + 2 rest + 4A, gradients 4A, state K(A) -- the
+//           paper's setting; Loom's QLoRA runs (peft.quantize_base) keep the rest fp32.
 // adapter_file is what the method's checkpoint of the trained part holds (fp32).
 struct FinetuneMemory {
   std::string method;
