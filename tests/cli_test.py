@@ -61,6 +61,14 @@ class Cli(unittest.TestCase):
         for needle in needles:
             self.assertIn(needle, lines[0])
 
+    def assert_bad_input_line(self, sets: str, good: str, text: str, needle: str):
+        """Training on `text` in place of the data.input file `good` fails naming the file and line."""
+        bad = os.path.join(self.tmp, "bad_input.jsonl")
+        with open(bad, "w") as f:
+            f.write(text)
+        p = run("train", "--set", sets.replace(good, bad), expect_ok=False)
+        self.assert_one_line_error(p, bad + needle)
+
     # ---------------------------------------------------------------- the happy path
 
     def test_train_writes_run_folder_metrics_checkpoints_and_sample(self):
@@ -632,11 +640,8 @@ class Cli(unittest.TestCase):
         self.assert_one_line_error(p, "train.objective = dpo reads preference pairs")
         p = run("train", "--set", sets.replace("train.objective=dpo", "train.objective=lm"), expect_ok=False)
         self.assert_one_line_error(p, "data.format = preference-jsonl holds preference pairs")
-        bad = os.path.join(self.tmp, "bad_pairs.jsonl")
-        with open(bad, "w") as f:
-            f.write('{"prompt": "1+1=", "chosen": "2", "rejected": "3"}\n{"prompt": "1+2=", "chosen": "3"}\n')
-        p = run("train", "--set", sets.replace(pairs, bad), expect_ok=False)
-        self.assert_one_line_error(p, bad + ':2: expected a string "rejected"')
+        self.assert_bad_input_line(sets, pairs, '{"prompt": "1+1=", "chosen": "2", "rejected": "3"}\n{"prompt": "1+2=", "chosen": "3"}\n',
+                                   ':2: expected a string "rejected"')
         p = run("train", "--set", sets.replace("model.max_seq_len=96", "model.max_seq_len=32").replace("train.seq_len=96", "train.seq_len=32"),
                 expect_ok=False)
         self.assert_one_line_error(p, pairs + ":1: the prompt and the chosen completion are", "train.seq_len + 1 = 33")
@@ -660,6 +665,36 @@ class Cli(unittest.TestCase):
             os.path.join(self.tmp, "qlora_hf"))
         p = self.train("qlora_bad", "--set", "peft.quantize_base=true", expect_ok=False, steps=2)
         self.assert_one_line_error(p, "peft.quantize_base (QLoRA) needs peft.method = lora")
+
+    def test_grpo_rolls_out_rewards_and_refuses_bad_input(self):
+        prompts = os.path.join(ROOT, "examples", "grpo", "arithmetic_prompts.jsonl")
+        sets = (f"{TINY},train.steps=3,train.batch_size=8,data.tokenizer=byte,data.format=prompt-jsonl,"
+                f"data.input={prompts},train.objective=grpo,grpo.group=4,grpo.max_new_tokens=4,train.eval_every=0,"
+                f"optim.lr=1e-3,run.dir={self.tmp}/runs,run.name=grpo")
+        p = run("train", "--set", sets)
+        self.assertIn("grpo: 190 training prompts, 10 held out; 4 completions per prompt", p.stdout)
+        with open(os.path.join(self.tmp, "runs", "grpo", "metrics.jsonl")) as f:
+            records = [json.loads(line) for line in f]
+        steps = [r["grpo"] for r in records if "grpo" in r]
+        self.assertEqual(len(steps), 3)
+        self.assertEqual(steps[0]["completions"], 8)
+        self.assertAlmostEqual(steps[0]["kl"], 0.0, places=6)  # the reference is the initial policy
+        self.assertGreater(steps[0]["rollout_seconds"], 0.0)
+        vals = [r["val_reward"] for r in records if "val_reward" in r]
+        self.assertEqual(len(vals), 2)  # before the first step and at the end
+        # A reward command: every completion gets 1 (a constant reward: zero advantages).
+        p = run("train", "--set", sets.replace("run.name=grpo", "run.name=grpo_cmd") + ",grpo.reward_command=\"awk '{print 1}'\"")
+        with open(os.path.join(self.tmp, "runs", "grpo_cmd", "metrics.jsonl")) as f:
+            self.assertEqual([r["grpo"]["reward"] for r in map(json.loads, f) if "grpo" in r], [1.0, 1.0, 1.0])
+        # Bad input: one line naming the key, or the file and line.
+        p = run("train", "--set", sets.replace("train.batch_size=8", "train.batch_size=6"), expect_ok=False)
+        self.assert_one_line_error(p, "train.batch_size (6) must be a multiple of grpo.group (4)")
+        p = run("train", "--set", sets + ",grpo.reward_command=\"echo oops\"", expect_ok=False)
+        self.assert_one_line_error(p, "grpo.reward_command: line 1 of its output is 'oops")
+        self.assert_bad_input_line(sets, prompts, '{"prompt": "1 + 1 =", "answer": "2"}\n{"prompt": "2 + 2 ="}\n',
+                                   ':2: expected a string "answer"')
+        p = run("train", "--set", sets.replace("grpo.max_new_tokens=4", "grpo.max_new_tokens=30"), expect_ok=False)
+        self.assert_one_line_error(p, prompts + ":1: the prompt", "do not fit train.seq_len + 1 = 33")
 
     def test_eval_text_reports_perplexity_over_windows(self):
         self.train("evtext")

@@ -39,6 +39,13 @@ const char* kHelp =
     "optimizer, prints the memory by category and the optimizer state per parameter (measured and\n"
     "by formula), and takes no step.\n";
 
+// What ends a rollout's completion: the end-of-text token and the end-of-sequence one.
+std::vector<int32_t> stop_tokens(const Tokenizer& tokenizer) {
+  std::vector<int32_t> stop = {tokenizer.eot_token()};
+  if (tokenizer.eos_token() && *tokenizer.eos_token() != tokenizer.eot_token()) stop.push_back(*tokenizer.eos_token());
+  return stop;
+}
+
 }  // namespace
 
 int train_main(int argc, char** argv) {
@@ -59,11 +66,14 @@ int train_main(int argc, char** argv) {
     config.model = weights.lora() ? weights : with_peft_of(weights, config.model);
   }
   if (!config.loop.peft_adapter.empty()) config.model = peft_adapter_config(config.loop.peft_adapter, config.model);
-  const bool dpo = config.loop.objective == TrainObjective::dpo;
+  const bool dpo = config.loop.objective == TrainObjective::dpo, grpo = config.loop.objective == TrainObjective::grpo;
   std::vector<PreferencePair> pairs;  // train.objective = dpo: read here, tokenized once
+  std::vector<PromptExample> prompts;  // train.objective = grpo
   TokenDataset data;
   if (dpo) {
     pairs = read_dpo_pairs(config);
+  } else if (grpo) {
+    prompts = read_grpo_prompts(config);
   } else {
     data = open_training_data(config);
   }
@@ -92,11 +102,25 @@ int train_main(int argc, char** argv) {
   TrainingModel parts = parallelize(*backend, config, layout);
   Transformer& model = *parts.model;
   Trainer& trainer = *parts.trainer;
-  TrainingData batches = dpo ? TrainingData(std::move(pairs), load_tokenizer(config.data.tokenizer)->eot_token(), config,
-                                            layout, backend->allocator())
-                             : TrainingData(std::move(data), config, layout, backend->allocator());
+  const std::shared_ptr<Tokenizer> tokenizer = dpo || grpo ? load_tokenizer(config.data.tokenizer) : nullptr;
+  TrainingData batches =
+      dpo    ? TrainingData(std::move(pairs), tokenizer->eot_token(), config, layout, backend->allocator())
+      : grpo ? TrainingData(std::move(prompts), model, [tokenizer](const std::vector<int32_t>& t) { return tokenizer->decode(t); },
+                            stop_tokens(*tokenizer), tokenizer->eot_token(), config, layout, backend->allocator())
+             : TrainingData(std::move(data), config, layout, backend->allocator());
   TrainingState state(*backend, config, layout, parts, (fs::path(dir) / "checkpoints").string(), config_text);
   DpoObjective objective(config.dpo);
+  std::unique_ptr<GrpoObjective> grpo_objective;
+  if (grpo) {
+    grpo_objective = std::make_unique<GrpoObjective>(config.grpo, *batches.grpo_splits()[0]);
+    trainer.set_objective(grpo_objective.get());
+    std::printf("grpo: %lld training prompts, %lld held out; %lld completions per prompt, up to %lld tokens, temperature "
+                "%g; beta %g, epsilon %g; reward: %s\n",
+                static_cast<long long>(batches.grpo_splits()[0]->prompts()), static_cast<long long>(batches.grpo_splits()[1]->prompts()),
+                static_cast<long long>(config.grpo.group), static_cast<long long>(config.grpo.max_new_tokens),
+                config.grpo.temperature, config.grpo.beta, config.grpo.epsilon,
+                config.grpo.reward_command.empty() ? "exact answer (built in)" : config.grpo.reward_command.c_str());
+  }
   if (dpo) {  // the reference: the initial weights (before a resume loads later ones)
     trainer.set_objective(&objective);
     const auto start = std::chrono::steady_clock::now();
@@ -145,7 +169,15 @@ int train_main(int argc, char** argv) {
                  {"state_bytes_per_param", static_cast<double>(state_bytes) / static_cast<double>(n_params)},
                  {"schedule", std::string(enum_name(config.train.schedule.kind))}, {"precision", model.precision().describe()},
                  {"loss_scaling", config.train.loss_scaling}});
+  if (grpo && trainer.step() == 0) {  // the curve's start: the initial weights' greedy reward
+    const double start = batches.grpo_splits()[1]->greedy_reward(0);
+    metrics.write({{"step", 0}, {"val_reward", start}});
+    std::printf("step 0: validation greedy reward %.4f (%lld prompts)\n", start,
+                static_cast<long long>(batches.grpo_splits()[1]->prompts()));
+  }
   const bool terminal = stdout_is_terminal();
+  GrpoBatches::Stats window;  // GRPO's rollouts since the last progress line
+  double window_seconds = 0.0;
   double seconds_sum = 0.0;
   int64_t steps_timed = 0;
   double last_val = NAN;
@@ -172,12 +204,37 @@ int train_main(int argc, char** argv) {
                    {"resident_bytes", {{"parameters", last_resident_params}, {"gradients", last_resident_grads}}},
                    {"moe", moe_json(model.moe_stats())}});
     if (dpo) metrics.write({{"step", stats.step + 1}, {"dpo", dpo_json(pref)}});
+    nlohmann::json rollout;
+    if (grpo) {
+      const GrpoBatches::Stats g = batches.grpo_splits()[0]->take_stats();
+      window.completions += g.completions, window.reward += g.reward, window.tokens += g.tokens;
+      window.rollout_seconds += g.rollout_seconds, window_seconds += stats.seconds;
+      const double n = std::max<double>(1.0, static_cast<double>(g.completions));
+      rollout = {{"reward", g.reward / n}, {"completions", g.completions}, {"mean_length", static_cast<double>(g.tokens) / n},
+                 {"kl", grpo_objective->take_kl()}, {"rollout_seconds", g.rollout_seconds},
+                 {"train_seconds", stats.seconds - g.rollout_seconds}};
+      metrics.write({{"step", stats.step + 1}, {"grpo", rollout}});
+    }
     const int64_t done = trainer.step();
     const bool eval_now = config.loop.eval_every > 0 && done % config.loop.eval_every == 0;
     const bool log_now = eval_now || done % config.loop.log_every == 0 || done == config.train.steps;
     print_progress(r, config.train.steps, terminal, log_now);
     if (dpo && log_now) print_dpo("dpo", done, pref);
-    if (eval_now || done == config.train.steps) {
+    if (grpo && log_now) {  // the means since the last line
+      const double n = std::max<double>(1.0, static_cast<double>(window.completions));
+      std::printf("step %lld: grpo reward %.3f over the last %lld completions (mean length %.1f), KL %.4f (this step); "
+                  "rollouts %.2f s, training %.2f s\n", static_cast<long long>(done), window.reward / n,
+                  static_cast<long long>(window.completions), static_cast<double>(window.tokens) / n,
+                  rollout["kl"].get<double>(), window.rollout_seconds, window_seconds - window.rollout_seconds);
+      window = GrpoBatches::Stats{};
+      window_seconds = 0.0;
+    }
+    if (grpo && (eval_now || done == config.train.steps)) {  // the greedy reward on the held-out prompts
+      last_val = batches.grpo_splits()[1]->greedy_reward(0);
+      metrics.write({{"step", done}, {"val_reward", last_val}, {"memory", memory_json(mem)}});
+      std::printf("step %lld: validation greedy reward %.4f (%lld prompts)\n", static_cast<long long>(done), last_val,
+                  static_cast<long long>(batches.grpo_splits()[1]->prompts()));
+    } else if (eval_now || done == config.train.steps) {
       last_val = batches.validation_loss(trainer, config.loop.eval_batches, backend->allocator());
       metrics.write({{"step", done}, {"val_loss", last_val}, {"memory", memory_json(mem)}});
       if (dpo) {

@@ -66,12 +66,22 @@ nlohmann::json memory_json(const MemoryTracker& mem) {
 }
 
 
-std::vector<PreferencePair> read_dpo_pairs(LoomConfig& config) {
-  const auto tokenizer = load_tokenizer(config.data.tokenizer);
+namespace {
+std::unique_ptr<Tokenizer> objective_tokenizer(LoomConfig& config) {
+  auto tokenizer = load_tokenizer(config.data.tokenizer);
   if (config.model.vocab_size == 0) config.model.vocab_size = tokenizer->vocab_size();
   LOOM_CHECK(tokenizer->vocab_size() <= config.model.vocab_size, "data.tokenizer ", config.data.tokenizer, " has ",
              tokenizer->vocab_size(), " tokens, more than model.vocab_size = ", config.model.vocab_size);
-  return read_preference_file(config.data.input, *tokenizer);
+  return tokenizer;
+}
+}  // namespace
+
+std::vector<PreferencePair> read_dpo_pairs(LoomConfig& config) {
+  return read_preference_file(config.data.input, *objective_tokenizer(config));
+}
+
+std::vector<PromptExample> read_grpo_prompts(LoomConfig& config) {
+  return read_prompt_file(config.data.input, *objective_tokenizer(config));
 }
 
 nlohmann::json dpo_json(const DpoObjective::Stats& s) {
@@ -201,9 +211,12 @@ std::string final_sample(const LoomConfig& config, Backend& backend, Transformer
 
 void print_summary(const LoomConfig& config, const Trainer& trainer, const Transformer& model, const MemoryTracker& mem,
                    double last_val, const ZeroSharding* zero, int64_t resident_params, int64_t resident_grads) {
-  std::printf("done: %lld steps, final validation loss %.4f; peak memory %s (parameters %s, gradients %s, optimizer %s, "
+  const char* what = config.loop.objective == TrainObjective::grpo  ? "greedy reward"
+                     : config.loop.objective == TrainObjective::dpo ? "DPO loss"
+                                                                    : "loss";
+  std::printf("done: %lld steps, final validation %s %.4f; peak memory %s (parameters %s, gradients %s, optimizer %s, "
               "activations %s%s)\n",
-              static_cast<long long>(trainer.step()), last_val, format_bytes(mem.peak_total()).c_str(),
+              static_cast<long long>(trainer.step()), what, last_val, format_bytes(mem.peak_total()).c_str(),
               format_bytes(mem.peak(MEM_PARAMETERS)).c_str(), format_bytes(mem.peak(MEM_GRADIENTS)).c_str(),
               format_bytes(mem.peak(MEM_OPTIMIZER_STATE)).c_str(), format_bytes(mem.peak(MEM_ACTIVATIONS)).c_str(),
               mem.peak(MEM_OFFLOADED) > 0 ? (", offloaded optimizer state " + format_bytes(mem.peak(MEM_OFFLOADED))).c_str() : "");

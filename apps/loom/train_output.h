@@ -42,6 +42,8 @@ nlohmann::json memory_json(const MemoryTracker& mem);                 // current
 // train.objective = dpo: the pairs of data.input, tokenized with data.tokenizer (model.vocab_size
 // follows it when 0).
 std::vector<PreferencePair> read_dpo_pairs(LoomConfig& config);
+// train.objective = grpo: the prompts of data.input, the same way.
+std::vector<PromptExample> read_grpo_prompts(LoomConfig& config);
 // The means of a DPO objective's stats: loss, rewards, margin, accuracy.
 nlohmann::json dpo_json(const DpoObjective::Stats& s);
 void print_dpo(const char* what, int64_t step, const DpoObjective::Stats& s);

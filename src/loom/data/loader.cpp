@@ -110,6 +110,14 @@ void TokenLoader::fill(const Tensor& tokens, const Tensor& targets) {
   index_ = advanced % windows_;
 }
 
+TokenSplit index_split(int64_t n, const std::string& name) {
+  TokenSplit s;
+  s.name = name;
+  s.tokens.resize(static_cast<size_t>(n + 1));
+  std::iota(s.tokens.begin(), s.tokens.end(), 0);
+  return s;
+}
+
 LoaderState TokenLoader::state() const { return {epoch_, index_, seed_, windows_}; }
 
 void TokenLoader::restore(const LoaderState& state) {

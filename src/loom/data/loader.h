@@ -55,6 +55,10 @@ struct LoaderState {
 void to_json(nlohmann::json& json, const LoaderState& state);
 void from_json(const nlohmann::json& json, LoaderState& state);
 
+// The split 0, 1, ..., n: a TokenLoader over it with windows of one gives the indices of n items
+// (preference pairs, prompts) in the loader's order -- its shuffling, epochs and position.
+TokenSplit index_split(int64_t n, const std::string& name);
+
 // A source whose position goes into checkpoints: the token loader, the preference pairs
 // (train/dpo.h, whose order is a token loader's).
 class ResumableSource : public BatchSource {

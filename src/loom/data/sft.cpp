@@ -112,6 +112,8 @@ SftStream read_sft_file(const std::string& path, SftFormat format, const Tokeniz
   LOOM_CHECK(format != SftFormat::text, "read_sft_file: ", path, " is plain text, not supervised data");
   LOOM_CHECK(format != SftFormat::preference_jsonl, path, ": data.format = preference-jsonl holds preference pairs: "
              "loom train reads them itself with train.objective = dpo (no loom prepare)");
+  LOOM_CHECK(format != SftFormat::prompt_jsonl, path, ": data.format = prompt-jsonl holds prompts with answers: "
+             "loom train reads them itself with train.objective = grpo (no loom prepare)");
   LOOM_CHECK(format != SftFormat::chat_jsonl || !chat_template.empty(), path, ": data.format = chat-jsonl needs a chat "
              "template: the tokenizer folder's tokenizer_config.json has none; give one with --chat-template FILE");
   SftStream out;
@@ -121,6 +123,21 @@ SftStream read_sft_file(const std::string& path, SftFormat format, const Tokeniz
     append(out, {tokenizer.eot_token()}, 0);
   });
   return out;
+}
+
+std::vector<PromptExample> read_prompt_file(const std::string& path, const Tokenizer& tokenizer) {
+  std::vector<PromptExample> prompts;
+  for_each_json_line(path, "prompt data", [&](const nlohmann::json& line, const std::string& where) {
+    PromptExample& p = prompts.emplace_back();
+    p.text = string_field(line, "prompt", where);
+    p.answer = string_field(line, "answer", where);
+    EncodeOptions options;
+    options.add_special_tokens = true;
+    p.prompt = tokenizer.encode(p.text, options);
+    LOOM_CHECK(!p.prompt.empty(), where, ": the prompt is empty");
+    p.line = where;
+  });
+  return prompts;
 }
 
 std::vector<PreferencePair> read_preference_file(const std::string& path, const Tokenizer& tokenizer) {

@@ -22,10 +22,10 @@
 
 namespace loom {
 
-enum class SftFormat : uint8_t { text, chat_jsonl, jsonl, preference_jsonl };
+enum class SftFormat : uint8_t { text, chat_jsonl, jsonl, preference_jsonl, prompt_jsonl };
 template <>
 struct EnumNames<SftFormat> {  // data.format
-  static constexpr std::array<std::string_view, 4> names{"text", "chat-jsonl", "jsonl", "preference-jsonl"};
+  static constexpr std::array<std::string_view, 5> names{"text", "chat-jsonl", "jsonl", "preference-jsonl", "prompt-jsonl"};
 };
 
 struct SftStream {
@@ -48,5 +48,15 @@ struct PreferencePair {
   std::string line;  // "path:number", for errors
 };
 std::vector<PreferencePair> read_preference_file(const std::string& path, const Tokenizer& tokenizer);
+
+// Prompts with a verifiable answer (train.objective = grpo, train/grpo.h): {"prompt": "...",
+// "answer": "..."} per line; the prompt tokenized as a jsonl example's (BOS where the tokenizer's
+// files ask for it). Errors name the file and line.
+struct PromptExample {
+  std::vector<int32_t> prompt;
+  std::string text, answer;
+  std::string line;  // "path:number"
+};
+std::vector<PromptExample> read_prompt_file(const std::string& path, const Tokenizer& tokenizer);
 
 }  // namespace loom

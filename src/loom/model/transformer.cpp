@@ -697,7 +697,18 @@ void Transformer::backward_stage(ActivationStore& s, int64_t first, int64_t last
     use(0);
     // d(logits) replaces the logits in place: dL/dlogit = w/(B T) (softmax - onehot).
     const float scale = loss_weight / static_cast<float>(B * T);
-    if (!s.row_weights.empty()) {  // a sequence-level objective: each row its own weight
+    if (!s.position_weights.empty()) {  // each position its own weight (one op per position that has one)
+      LOOM_CHECK(tp_ == nullptr && static_cast<int64_t>(s.position_weights.size()) == B * T, "per-position loss weights: ",
+                 s.position_weights.size(), " weights for ", B * T, " positions",
+                 tp_ != nullptr ? " (not with tensor parallelism)" : "");
+      const int64_t V = s.logits.dim(-1);
+      for (int64_t i = 0; i < B * T; ++i) {
+        const Tensor logits = s.logits.view(i * V, {1, V});
+        const float w = s.position_weights[static_cast<size_t>(i)];
+        if (w == 0.0f) backend_.fill(logits, 0.0);  // a masked or weightless position: no gradient
+        else backend_.cross_entropy_backward(logits, s.targets.view(i, {1}), s.lse.view(i, {1}), loss_weight * w, logits);
+      }
+    } else if (!s.row_weights.empty()) {  // a sequence-level objective: each row its own weight
       LOOM_CHECK(tp_ == nullptr && static_cast<int64_t>(s.row_weights.size()) == B, "per-row loss weights: ",
                  s.row_weights.size(), " weights for ", B, " rows", tp_ != nullptr ? " (not with tensor parallelism)" : "");
       const int64_t V = s.logits.dim(-1);

@@ -47,6 +47,8 @@ struct ActivationStore {
   // gradient of loss_weight * row_weights[b] * (their summed cross-entropy) instead of the mean's;
   // empty: the mean over the B T positions.
   std::vector<float> row_weights;
+  // The same per position (B T), for an objective whose weights vary along a row (GRPO's KL term).
+  std::vector<float> position_weights;
 };
 
 

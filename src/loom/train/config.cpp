@@ -67,7 +67,7 @@ std::vector<Binding> bindings(LoomConfig& c) {
       {"train.flash_attention", &c.train.flash_attention, "FlashAttention: keep each row's log-sum-exp instead of the (B,H,T,T) probabilities (not with parallel.cp/pp > 1 or MLA)"},
       {"train.steps", &c.train.steps, "optimizer steps of the run (and the length of the LR schedule)"},
       {"train.seed", &c.loop.seed, "seed of the weight initialisation and the data order"},
-      {"train.objective", enum_ref(&c.loop.objective), "lm (next-token loss) | dpo (preference pairs from data.input, data.format = preference-jsonl; the dpo.* keys)"},
+      {"train.objective", enum_ref(&c.loop.objective), "lm (next-token loss) | dpo (preference pairs from data.input, data.format = preference-jsonl; the dpo.* keys) | grpo (rollouts of the prompts of data.input, data.format = prompt-jsonl; the grpo.* keys)"},
       {"train.init_from", &c.loop.init_from, "start from these weights (a Loom checkpoint or run folder, or a Hugging Face model folder) instead of a random init; fresh optimizer, schedule and data position; the model is the weights'"},
       {"train.eval_every", &c.loop.eval_every, "steps between validation evaluations; 0 = only at the end"},
       {"train.eval_batches", &c.loop.eval_batches, "validation batches per evaluation"},
@@ -154,6 +154,12 @@ std::vector<Binding> bindings(LoomConfig& c) {
       {"dpo.loss", enum_ref(&c.dpo.loss), "train.objective = dpo: sigmoid (DPO) | ipo (IPO) | simpo (SimPO: length-normalised, no reference)"},
       {"dpo.beta", &c.dpo.beta, "train.objective = dpo: beta, the strength of the reference (sigmoid, simpo) or 1/(2 beta) the target margin (ipo)"},
       {"dpo.gamma", &c.dpo.gamma, "dpo.loss = simpo: the target reward margin gamma"},
+      {"grpo.group", &c.grpo.group, "train.objective = grpo: completions sampled per prompt (G; train.batch_size must be a multiple)"},
+      {"grpo.max_new_tokens", &c.grpo.max_new_tokens, "train.objective = grpo: the longest completion"},
+      {"grpo.temperature", &c.grpo.temperature, "train.objective = grpo: the rollouts' sampling temperature"},
+      {"grpo.beta", &c.grpo.beta, "train.objective = grpo: weight of the KL term to the reference (the initial weights); 0 = no reference model"},
+      {"grpo.epsilon", &c.grpo.epsilon, "train.objective = grpo: the clipping range of the probability ratio"},
+      {"grpo.reward_command", &c.grpo.reward_command, "train.objective = grpo: a shell command reading {prompt, completion, answer} JSON lines, printing one reward per line; \"\" = the built-in exact-answer reward"},
       {"data.dir", &c.data.dir, "folder of the token shards `loom prepare` writes and `loom train` reads"},
       {"data.tokenizer", &c.data.tokenizer, "gpt2 | byte | bpe:N (learned by `loom prepare`) | a folder with encoder.json and vocab.bpe"},
       {"data.input", &c.data.input, "text file `loom prepare` tokenizes; \"\" = the default corpus (Debian's fortunes)"},
@@ -361,9 +367,21 @@ void LoomConfig::validate() const {
     LOOM_CHECK(train.batch_size % 2 == 0, "train.objective = dpo: train.batch_size (", train.batch_size, ") counts rows, "
                "a chosen and a rejected one per pair: it must be even");
     LOOM_CHECK(dpo.beta > 0.0, "dpo.beta must be > 0, got ", dpo.beta);
-  } else {
+  } else if (loop.objective == TrainObjective::grpo) {
+    LOOM_CHECK(data.format == SftFormat::prompt_jsonl && !data.input.empty(), "train.objective = grpo samples from "
+               "prompts: set data.format = prompt-jsonl and data.input = FILE (one {\"prompt\", \"answer\"} per line)");
+    LOOM_CHECK(grpo.group >= 2 && train.batch_size % grpo.group == 0, "train.objective = grpo: train.batch_size (",
+               train.batch_size, ") must be a multiple of grpo.group (", grpo.group, "), itself >= 2");
+    LOOM_CHECK(grpo.max_new_tokens >= 1 && grpo.temperature > 0.0 && grpo.beta >= 0.0 && grpo.epsilon > 0.0,
+               "grpo.max_new_tokens must be >= 1, grpo.temperature and grpo.epsilon > 0, grpo.beta >= 0");
+  }
+  if (loop.objective != TrainObjective::dpo) {
     LOOM_CHECK(data.format != SftFormat::preference_jsonl, "data.format = preference-jsonl holds preference pairs: "
                "train them with train.objective = dpo");
+  }
+  if (loop.objective != TrainObjective::grpo) {
+    LOOM_CHECK(data.format != SftFormat::prompt_jsonl, "data.format = prompt-jsonl holds prompts with answers: "
+               "train them with train.objective = grpo");
   }
   LOOM_CHECK(!run.name.empty() && run.name.find('/') == std::string::npos, "run.name must be a non-empty folder name, got '",
              run.name, "'");

@@ -13,6 +13,7 @@
 #include "loom/parallel/pipeline_schedule.h"
 #include "loom/data/sft.h"
 #include "loom/train/dpo.h"
+#include "loom/train/grpo.h"
 #include "loom/train/trainer.h"
 
 namespace loom {
@@ -29,10 +30,10 @@ struct DataConfig {
 };
 
 // train.objective: what a step minimises.
-enum class TrainObjective : uint8_t { lm, dpo };
+enum class TrainObjective : uint8_t { lm, dpo, grpo };
 template <>
 struct EnumNames<TrainObjective> {
-  static constexpr std::array<std::string_view, 2> names{"lm", "dpo"};
+  static constexpr std::array<std::string_view, 3> names{"lm", "dpo", "grpo"};
 };
 
 struct LoopConfig {
@@ -50,7 +51,8 @@ struct LoopConfig {
   // adapter_config.json sets the peft.* keys.
   std::string peft_adapter;
   // lm: the mean next-token loss over the counted targets; dpo: preference optimisation over
-  // the pairs of data.input (data.format = preference-jsonl; train/dpo.h, the dpo.* keys).
+  // the pairs of data.input (data.format = preference-jsonl; train/dpo.h, the dpo.* keys); grpo:
+  // rollouts of the prompts of data.input (data.format = prompt-jsonl; train/grpo.h, grpo.*).
   TrainObjective objective = TrainObjective::lm;
 };
 
@@ -105,6 +107,7 @@ struct LoomConfig {
   RunConfig run;
   SampleConfig sample;
   DpoConfig dpo;
+  GrpoConfig grpo;
 
   void validate() const;
 };

@@ -13,14 +13,6 @@ namespace {
 double log_sigmoid(double z) { return z >= 0 ? -std::log1p(std::exp(-z)) : z - std::log1p(std::exp(z)); }
 double sigmoid(double z) { return z >= 0 ? 1.0 / (1.0 + std::exp(-z)) : std::exp(z) / (1.0 + std::exp(z)); }
 
-TokenSplit pair_indices(int64_t n, const std::string& name) {
-  TokenSplit s;
-  s.name = name + " pairs";
-  s.tokens.resize(static_cast<size_t>(n + 1));
-  std::iota(s.tokens.begin(), s.tokens.end(), 0);
-  return s;
-}
-
 }  // namespace
 
 PairTerms dpo_pair(const DpoConfig& c, double chosen, double rejected, double ref_chosen, double ref_rejected,
@@ -59,7 +51,7 @@ PairTerms dpo_pair(const DpoConfig& c, double chosen, double rejected, double re
 
 PreferenceBatches::PreferenceBatches(std::vector<PreferencePair> pairs, int64_t seq_len, uint64_t seed,
                                      LoaderOrder order, int32_t pad_token, const std::string& name)
-    : seq_len_(seq_len), pad_(pad_token), order_(pair_indices(static_cast<int64_t>(pairs.size()), name), 1, seed, order) {
+    : seq_len_(seq_len), pad_(pad_token), order_(index_split(static_cast<int64_t>(pairs.size()), name + " pairs"), 1, seed, order) {
   for (const PreferencePair& p : pairs) {
     std::array<Sequence, 2>& q = pairs_.emplace_back();
     for (int side = 0; side < 2; ++side) {

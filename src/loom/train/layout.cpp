@@ -94,6 +94,15 @@ const Rule kRules[] = {
        return std::string("peft.quantize_base (QLoRA) is not supported yet with MoE or MLA blocks, parallel.zero_stage >= 1, "
                           "precision.param = bf16 or the fp16/fp8/QAT recipes");
      }},
+    {Verdict::refuse, [](const LayoutFacts& f) {
+       return f.config->loop.objective == TrainObjective::grpo &&
+              (f.of(Axis::tp) > 1 || f.of(Axis::pp) > 1 || f.of(Axis::cp) > 1 || f.data_parallel > 1 ||
+               model(f).lora_quantize_base || moe(f));
+     },
+     [](const LayoutFacts&) {
+       return std::string("train.objective = grpo runs on one process, without MoE or peft.quantize_base, for now "
+                          "(the rollouts decode with the whole fp32 model)");
+     }},
     // Model features against parallelisms and memory policies.
     {Verdict::refuse, [](const LayoutFacts& f) { return model(f).lora() && f.of(Axis::tp) > 1; },
      [](const LayoutFacts& f) {

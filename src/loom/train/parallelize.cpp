@@ -160,6 +160,28 @@ TrainingData::TrainingData(std::vector<PreferencePair> pairs, int32_t pad_token,
   rank_ = std::make_unique<RankSliceSource>(*train_, staging, dp.rank(), dp.size(), B, T);
 }
 
+TrainingData::TrainingData(std::vector<PromptExample> prompts, Transformer& policy,
+                           std::function<std::string(const std::vector<int32_t>&)> decode, std::vector<int32_t> stop,
+                           int32_t pad_token, const LoomConfig& config, const ParallelLayout& layout, Allocator& allocator) {
+  const int64_t B = config.train.batch_size, T = config.train.seq_len, n = static_cast<int64_t>(prompts.size());
+  LOOM_CHECK(n >= 2, config.data.input, ": ", n, " prompt; at least 2 are needed (one held out for validation)");
+  const int64_t held = std::clamp<int64_t>(static_cast<int64_t>(std::floor(static_cast<double>(n) * config.data.val_fraction)), 1, n - 1);
+  std::vector<PromptExample> val(std::make_move_iterator(prompts.end() - held), std::make_move_iterator(prompts.end()));
+  prompts.resize(static_cast<size_t>(n - held));
+  GrpoConfig held_out_config = config.grpo;
+  held_out_config.beta = 0.0;  // the held-out prompts are only decoded greedily: no reference model
+  auto train = std::make_unique<GrpoBatches>(std::move(prompts), policy, config.grpo, T, config.loop.seed,
+                                             LOADER_ORDER_SHUFFLED, decode, stop, pad_token, "train");
+  auto held_out = std::make_unique<GrpoBatches>(std::move(val), policy, held_out_config, T, config.loop.seed,
+                                                LOADER_ORDER_SEQUENTIAL, decode, stop, pad_token, "val");
+  grpo_ = {train.get(), held_out.get()};
+  train_ = std::move(train);
+  val_ = std::move(held_out);
+  const Communicator& dp = layout.batch_group();
+  Allocator& staging = allocator.host_accessible() ? allocator : host_;
+  rank_ = std::make_unique<RankSliceSource>(*train_, staging, dp.rank(), dp.size(), B, T);
+}
+
 double TrainingData::validation_loss(Trainer& trainer, int64_t batches, Allocator& allocator) {
   val_->rewind();
   if (!preference_.empty()) {  // each held-out pair once (the last batch wraps around to the first pairs)

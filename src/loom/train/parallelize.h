@@ -19,6 +19,7 @@
 #include "loom/parallel/pipeline.h"
 #include "loom/train/config.h"
 #include "loom/train/dpo.h"
+#include "loom/train/grpo.h"
 #include "loom/train/layout.h"
 #include "loom/train/trainer.h"
 
@@ -46,10 +47,17 @@ class TrainingData {
   // (at least one) held out; documents are padded with `pad_token`.
   TrainingData(std::vector<PreferencePair> pairs, int32_t pad_token, const LoomConfig& config,
                const ParallelLayout& layout, Allocator& allocator);
+  // train.objective = grpo: the prompts' rollouts from `policy` (train/grpo.h), the last
+  // data.val_fraction of the prompts (at least one) held out for the greedy reward.
+  TrainingData(std::vector<PromptExample> prompts, Transformer& policy,
+               std::function<std::string(const std::vector<int32_t>&)> decode, std::vector<int32_t> stop,
+               int32_t pad_token, const LoomConfig& config, const ParallelLayout& layout, Allocator& allocator);
   BatchSource& train() { return cp_train_ ? static_cast<BatchSource&>(*cp_train_) : *rank_; }
   ResumableSource& loader() { return *train_; }
   // The preference splits (train, val), for their reference log-probabilities; empty otherwise.
   std::vector<PreferenceBatches*> preference_splits() const { return preference_; }
+  // The GRPO splits (train, val); empty otherwise.
+  std::vector<GrpoBatches*> grpo_splits() const { return grpo_; }
   // The validation loss over loop.eval_batches batches from the start of the split (preference
   // pairs: at most one pass over them); with context parallelism the mean over the cp group
   // (equal token counts per rank).
@@ -59,6 +67,7 @@ class TrainingData {
   CpuAllocator host_;  // the sources' staging when `allocator` is a device's (declared first: released last)
   std::unique_ptr<ResumableSource> train_, val_;
   std::vector<PreferenceBatches*> preference_;
+  std::vector<GrpoBatches*> grpo_;
   int64_t val_pairs_per_batch_ = 0;
   std::unique_ptr<RankSliceSource> rank_;
   std::unique_ptr<ContextSliceSource> cp_train_, cp_val_;
