@@ -273,6 +273,9 @@ class StrictBackend final : public Backend {
                       int64_t first, const Tensor& out) override {
     cpu_->nf4_dequantize(h(codes), h(absmax_codes), h(absmax_steps), spec, first, h(out));
   }
+  void dropout(const Tensor& x, const Tensor& out, float p, const RoundingDraw& draw) override {
+    cpu_->dropout(h(x), h(out), p, draw);
+  }
   void round_bf16(const Tensor& x, bool stochastic, const RoundingDraw& draw) override {
     cpu_->round_bf16(h(x), stochastic, draw);
   }

@@ -147,6 +147,61 @@ TEST(LoraModel, AdapterGradientsMatchFiniteDifferencesAndTheBaseGetsNone) {
   }
 }
 
+// peft.dropout: the op keeps 1 - p of the elements scaled by 1 / (1 - p), the same draw the same
+// mask; in the model a training pass's adapter gradients are those of its masked loss (finite
+// differences with the same masks), and a pass without dropout (evaluation) is plain LoRA.
+TEST(LoraDropout, TheOpKeepsOneMinusPAndTheDrawRegeneratesTheMask) {
+  auto backend = make_cpu_backend();
+  Allocator& a = backend->allocator();
+  const int64_t n = 40000;
+  const Tensor x = test::random_tensor(a, {n}, DTYPE_F32, 4), out = Tensor::empty(a, {n}, DTYPE_F32, MEM_WORKSPACE);
+  const RoundingDraw draw{kLoraDropoutSeed, 3, 9};
+  backend->dropout(x, out, 0.25f, draw);
+  int64_t kept = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = out.data<float>()[i];
+    if (v == 0.0f) continue;
+    ++kept;
+    ASSERT_EQ(v, x.data<float>()[i] * (1.0f / 0.75f)) << i;
+  }
+  EXPECT_NEAR(static_cast<double>(kept) / n, 0.75, 0.01);
+  const Tensor again = Tensor::empty(a, {n}, DTYPE_F32, MEM_WORKSPACE), other = Tensor::empty(a, {n}, DTYPE_F32, MEM_WORKSPACE);
+  backend->copy(x, again);
+  backend->dropout(again, again, 0.25f, draw);  // in place, the same draw: the same values
+  EXPECT_EQ(std::memcmp(again.data<float>(), out.data<float>(), n * sizeof(float)), 0);
+  backend->dropout(x, other, 0.25f, RoundingDraw{kLoraDropoutSeed, 3, 10});
+  EXPECT_NE(std::memcmp(other.data<float>(), out.data<float>(), n * sizeof(float)), 0);
+}
+
+TEST(LoraDropout, GradientsAreThoseOfTheMaskedLossAndEvaluationHasNone) {
+  for (const char* preset : {"gpt2-tiny", "llama-tiny"}) {
+    auto backend = make_cpu_backend();
+    ModelConfig c = lora_of(model_preset(preset), every_target(model_preset(preset)), 2, 4.0f);
+    c.lora_dropout = 0.3f;
+    Transformer model(*backend, c);
+    model.init_weights(3);
+    randomize_adapters(model, 5);
+    ActivationStore s = model.allocate_store(2, 8);
+    fill_tokens(s, static_cast<int32_t>(c.vocab_size), 1);
+    const int64_t begin = lora_begin(c, model.layout());
+    // Evaluation (pass 0): plain LoRA, bit for bit.
+    ModelConfig plain_config = c;
+    plain_config.lora_dropout = 0.0f;
+    Transformer plain(*backend, plain_config);
+    backend->copy(model.params(), plain.params());
+    ActivationStore ps = plain.allocate_store(2, 8);
+    fill_tokens(ps, static_cast<int32_t>(c.vocab_size), 1);
+    EXPECT_EQ(model.forward(s), plain.forward(ps)) << preset;
+    // A training pass: other outputs (the test can fail), and the masked loss's gradients.
+    s.dropout_pass = 7;
+    model.zero_grads();
+    const double dropped = model.forward(s);
+    EXPECT_NE(dropped, plain.forward(ps)) << preset;
+    model.backward(s, 1.0f);
+    test::expect_model_gradients_match_fd(model, s, str_cat(preset, " with dropout"), begin);
+  }
+}
+
 // Decoding (Transformer::forward_rows through a paged KV cache) applies the adapters too: each
 // position's logits equal the full forward's.
 TEST(LoraModel, DecodingRowsMatchTheFullForward) {
@@ -210,6 +265,7 @@ TEST(LoraPeft, AdapterFoldersRoundTrip) {
     const ModelConfig base = model_preset(preset);
     ModelConfig c = lora_of(base, base.arch == ARCH_GPT2 ? "q,k,v,up" : "k,o,down", 3, 6.0f);
     c.lora_rslora = true;
+    c.lora_dropout = 0.05f;
     Transformer model(*backend, c);
     model.init_weights(1);
     randomize_adapters(model, 2);
@@ -222,6 +278,7 @@ TEST(LoraPeft, AdapterFoldersRoundTrip) {
     EXPECT_EQ(read.lora_rank, 3);
     EXPECT_EQ(read.lora_alpha, 6.0f);
     EXPECT_TRUE(read.lora_rslora);
+    EXPECT_EQ(read.lora_dropout, 0.05f);  // adapter_config.json's lora_dropout
     EXPECT_EQ(read.lora_targets, c.lora_targets);
     Transformer back(*backend, read);
     back.init_weights(99);  // different adapters until loaded

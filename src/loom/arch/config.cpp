@@ -78,6 +78,7 @@ void ModelConfig::validate() const {
   if (lora()) {
     LOOM_CHECK(lora_rank >= 1, "peft.rank must be >= 1, got ", lora_rank);
     LOOM_CHECK(lora_alpha > 0.0f, "peft.alpha must be > 0, got ", lora_alpha);
+    LOOM_CHECK(lora_dropout >= 0.0f && lora_dropout < 1.0f, "peft.dropout must be in [0, 1), got ", lora_dropout);
     LOOM_CHECK(!mla(), "peft.method = lora with MLA (model.mla_kv_rank > 0) is not supported yet: its projections "
                "have no adapters");
     const uint32_t mask = lora_target_mask();
@@ -162,6 +163,7 @@ ModelConfig with_peft_of(ModelConfig base, const ModelConfig& from) {
   base.lora_rslora = from.lora_rslora;
   base.lora_targets = from.lora_targets;
   base.lora_quantize_base = from.lora_quantize_base;
+  base.lora_dropout = from.lora_dropout;
   return base;
 }
 

@@ -117,6 +117,7 @@ struct ModelConfig {
   // QLoRA (Dettmers et al. 2023): the frozen base's block matrices stored in NF4 with
   // double-quantized scales and dequantized on the fly (model/transformer.h quantize_base).
   bool lora_quantize_base = false;
+  float lora_dropout = 0.0f;  // PEFT's lora_dropout: the adapters' input dropped out in training
 
   int64_t head_dim() const { return head_size > 0 ? head_size : d_model / n_head; }
   int64_t qkv_width() const { return (n_head + 2 * n_kv_head) * head_dim(); }
@@ -321,6 +322,9 @@ void visit_model_fields(Config& c, Visit&& visit) {
   visit(ModelField{"quantize_base", ModelField::PEFT, "quantize_base",
                     "QLoRA: the frozen base's block matrices in NF4 (double-quantized scales), dequantized on the fly in the linear layers"},
         c.lora_quantize_base);
+  visit(ModelField{"dropout", ModelField::PEFT, "dropout",
+                    "LoRA dropout: the probability of zeroing an element of the adapters' input in training (PEFT's lora_dropout)"},
+        c.lora_dropout);
 }
 
 // `base` with the peft.* settings of `from` (train.init_from: the weights' model, the run's adapters).

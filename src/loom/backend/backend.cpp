@@ -156,6 +156,9 @@ void Backend::nf4_dequantize(const Tensor&, const Tensor&, const Tensor&, const 
   unsupported(*this, "nf4_dequantize", "QLoRA's NF4 base weights");
 }
 void Backend::round_bf16(const Tensor&, bool, const RoundingDraw&) { no_low_precision(*this, "round_bf16"); }
+void Backend::dropout(const Tensor&, const Tensor&, float, const RoundingDraw&) {
+  throw Error(str_cat("dropout: not implemented on the ", name(), " backend (peft.dropout)"));
+}
 
 // ---------------------------------------------------------------- optimizer ops
 void Backend::sgd_step(const Tensor&, const Tensor&, const Tensor&, const OptimHyper&) { no_optimizer(*this, "sgd_step"); }

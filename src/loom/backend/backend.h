@@ -443,6 +443,12 @@ class Backend {
   // 2015): add the 16 high bits of the element's random number below bf16's last place and
   // truncate; inf and NaN stay.
   virtual void round_bf16(const Tensor& x, bool stochastic, const RoundingDraw& draw);
+  // Inverted dropout (Srivastava et al. 2014) with a mask the draw regenerates (LoRA's
+  // peft.dropout): out[i] = x[i] / (1 - p) where element i is kept, else 0; it is kept when
+  // u_i >= p, u_i the (i mod 4)-th word of Philox4x32-10(counter = (i / 4 lo, i / 4 hi,
+  // draw.stream, draw.draw), key = draw.seed) over 2^32. The same draw on a tensor of the same size
+  // gives the same mask, so the backward applies it to the gradient. out may alias x; p in [0, 1).
+  virtual void dropout(const Tensor& x, const Tensor& out, float p, const RoundingDraw& draw);
   // NF4 dequantization on the fly (QLoRA's frozen base weights; the default throws): elements
   // [first, first + out.numel()) of the flat weight into out (f32, or bf16 rounded to nearest
   // even). codes (u8): element e's code in byte e / 2, the high nibble for even e; absmax_codes

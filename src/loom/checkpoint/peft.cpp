@@ -105,6 +105,7 @@ ModelConfig peft_adapter_config(const std::string& dir, const ModelConfig& base)
     c.lora_rank = j.at("r").get<int64_t>();
     c.lora_alpha = j.value("lora_alpha", 8.0f);
     c.lora_rslora = j.value("use_rslora", false);
+    c.lora_dropout = j.value("lora_dropout", 0.0f);
     std::vector<std::string> modules;
     if (j.at("target_modules").is_string()) modules.push_back(j.at("target_modules").get<std::string>());
     else modules = j.at("target_modules").get<std::vector<std::string>>();
@@ -168,7 +169,7 @@ void save_peft_adapter(const std::string& dir, const ModelState& model) {
                       {"lora_alpha", shortest_decimal(c.lora_alpha)},
                       {"use_rslora", c.lora_rslora},
                       {"use_dora", false},
-                      {"lora_dropout", 0.0},
+                      {"lora_dropout", shortest_decimal(c.lora_dropout)},
                       {"bias", "none"},
                       {"fan_in_fan_out", c.arch == ARCH_GPT2},
                       {"target_modules", target_modules(c)},

@@ -494,7 +494,16 @@ void Transformer::for_each_document(const ActivationStore& s, const Tensor& x,
 void Transformer::set_documents(ActivationStore& s, int64_t first, int64_t last) {
   LOOM_CHECK(s.docs.empty() || cp_.comm == nullptr, "packed documents (data.document_mask) with context parallelism "
              "(parallel.cp > 1) are not supported yet");
-  for (int64_t l = first; l < last; ++l) s.blocks[l].attention.docs = s.docs.empty() ? nullptr : &s.docs;
+  for (int64_t l = first; l < last; ++l) {
+    BlockSaved& b = s.blocks[static_cast<size_t>(l)];
+    b.attention.docs = s.docs.empty() ? nullptr : &s.docs;
+    LoraDropout d;  // the layer's four sites draw streams 16 l + 4 site (+ the adapter)
+    if (s.dropout_pass != 0 && config_.lora_dropout > 0.0f) {
+      d.p = config_.lora_dropout;
+      d.draw = RoundingDraw{kLoraDropoutSeed, static_cast<uint32_t>(16 * l), s.dropout_pass};
+    }
+    b.attention.lora_dropout = b.mlp.lora_dropout = d;
+  }
 }
 
 double Transformer::forward_stage(ActivationStore& s, int64_t first, int64_t last, bool compute_loss) {

@@ -49,6 +49,9 @@ struct ActivationStore {
   std::vector<float> row_weights;
   // The same per position (B T), for an objective whose weights vary along a row (GRPO's KL term).
   std::vector<float> position_weights;
+  // peft.dropout: which training pass this is (the masks' Philox counter: the trainer numbers its
+  // micro-batches from 1); 0: no dropout (evaluation, decoding, a reference pass).
+  uint32_t dropout_pass = 0;
 };
 
 
@@ -263,7 +266,8 @@ class Transformer {
   void for_each_chunk(const Tensor& x, const std::function<void(const Tensor&, int64_t)>& f) const;
   // f on x (B,T,C) whole, or on each packed document's positions of it (1, L, C).
   void for_each_document(const ActivationStore& s, const Tensor& x, const std::function<void(const Tensor&)>& f) const;
-  // Points the blocks [first, last) records of s at s.docs (nullptr when empty).
+  // Points the blocks [first, last) records of s at s.docs (nullptr when empty) and gives them
+  // this pass's LoRA dropout (s.dropout_pass).
   void set_documents(ActivationStore& s, int64_t first, int64_t last);
 };
 

@@ -261,14 +261,14 @@ void AttentionLayer::forward(Backend& backend, const Tensor& x, AttentionSaved& 
     mla_forward(backend, config_, p.mla, s.norm.out, mla_activations(s));
   } else {
     qkv_.forward(backend, links_.whole(backend, s.norm.out, T), p.qkv_w, q.qkv_w, p.qkv_b, s.qkv, 0.0f, links_.ws);
-    lora_forward(backend, s.norm.out, p.qkv_lora, config_.lora_scale(), s.qkv, links_.ws);
+    lora_forward(backend, s.norm.out, p.qkv_lora, config_.lora_scale(), s.qkv, links_.ws, s.lora_dropout.at_site(0));
     qk_norm_forward(backend, s.qkv, s);
     if (!config_.learned_positions()) rope(backend, s.qkv, false, s.docs);
     attention_forward(backend, plan_, config_, links_.cp, s);
   }
   // mid = x + proj(attn); g: the heads' partial projections summed over tp.
   residual_linear_forward(backend, links_, proj_, s.attn, p.proj_w, q.proj_w, p.proj_b, x, mid);
-  lora_forward(backend, s.attn, p.proj_lora, config_.lora_scale(), mid, links_.ws);
+  lora_forward(backend, s.attn, p.proj_lora, config_.lora_scale(), mid, links_.ws, s.lora_dropout.at_site(1));
 }
 
 void AttentionLayer::forward_rows(Backend& backend, const Tensor& x, AttentionSaved& s, const Tensor& mid,
@@ -349,7 +349,8 @@ void AttentionLayer::backward(Backend& backend, const Tensor& x, const Attention
   const Tensor dy_mid = whole(d_residual);
   pass.keep(dy_mid, s.dy_proj);
   proj_.backward(backend, s.attn, p.proj_w, q.proj_w, dy_mid, k.d_attn, pass.dw(g.proj_w), g.proj_b, links_.ws);
-  lora_backward(backend, s.attn, p.proj_lora, g.proj_lora, config_.lora_scale(), dy_mid, k.d_attn, links_.ws);
+  lora_backward(backend, s.attn, p.proj_lora, g.proj_lora, config_.lora_scale(), dy_mid, k.d_attn, links_.ws,
+                s.lora_dropout.at_site(1));
   if (mla) {  // d(norm1 output) and MLA's weight gradients (also in a split input pass)
     mla_backward(backend, config_, p.mla, g.mla, s.norm.out, mla_activations(s), k.d_attn, k.d_norm, k.d_qkv);
   } else {
@@ -359,7 +360,8 @@ void AttentionLayer::backward(Backend& backend, const Tensor& x, const Attention
     pass.keep(k.d_qkv, s.dy_qkv);
     qkv_.backward(backend, whole(s.norm.out), p.qkv_w, q.qkv_w, k.d_qkv, k.d_norm, pass.dw(g.qkv_w), g.qkv_b, links_.ws);
     if (!p.qkv_lora.empty()) {  // (no sequence parallel with LoRA: whole() is the shard itself)
-      lora_backward(backend, s.norm.out, p.qkv_lora, g.qkv_lora, config_.lora_scale(), k.d_qkv, k.d_norm, links_.ws);
+      lora_backward(backend, s.norm.out, p.qkv_lora, g.qkv_lora, config_.lora_scale(), k.d_qkv, k.d_norm, links_.ws,
+                    s.lora_dropout.at_site(0));
     }
   }
   // f: the heads' partial d(norm1 output), then through norm1 into d(x).

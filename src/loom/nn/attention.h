@@ -56,6 +56,7 @@ struct AttentionSaved {
   // Packed documents (core/documents.h): the micro-batch's spans, each attended and rotated on
   // its own (the store's, set by the model for each pass); nullptr: every row one sequence.
   const DocumentSpans* docs = nullptr;
+  LoraDropout lora_dropout;  // peft.dropout in a training pass (the model sets it); p = 0 otherwise
 };
 
 // Each field the attention sub-layer of `plan` allocates for `shape`, in allocation order

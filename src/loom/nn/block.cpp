@@ -182,6 +182,7 @@ BlockSaved with_kept(const BlockSaved& shared, const BlockSaved& kept, Recompute
   BlockSaved r = shared;
   r.input = kept.input;
   r.attention.docs = kept.attention.docs;
+  r.attention.lora_dropout = kept.attention.lora_dropout, r.mlp.lora_dropout = kept.mlp.lora_dropout;
   if (policy == RECOMPUTE_SELECTIVE) {
     r.attention.qkv = kept.attention.qkv, r.attention.attn = kept.attention.attn, r.mid = kept.mid;
     r.mlp.fc = kept.mlp.fc;

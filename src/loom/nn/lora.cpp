@@ -25,18 +25,29 @@ GemmSpec spec(bool trans_a, bool trans_b, float alpha, float beta) {
 
 }  // namespace
 
+// The adapter's input: x, or x dropped out with adapter `index`'s mask into slot D.
+Tensor adapter_input(Backend& backend, const Tensor& x2, const LoraDropout& dropout, size_t index, LinearWorkspace* ws) {
+  if (dropout.p <= 0.0f) return x2;
+  const Tensor xd = scratch(backend, ws, LinearWorkspace::D, x2.dim(0), x2.dim(1));
+  RoundingDraw draw = dropout.draw;
+  draw.stream += static_cast<uint32_t>(index);
+  backend.dropout(x2, xd, dropout.p, draw);
+  return xd;
+}
+
 void lora_forward(Backend& backend, const Tensor& x, const LoraAdapters& adapters, float scale, const Tensor& y,
-                  LinearWorkspace* ws) {
+                  LinearWorkspace* ws, const LoraDropout& dropout) {
   if (adapters.empty()) return;
   const Tensor x2 = rows_of(x), y2 = rows_of(y);
   const int64_t N = x2.dim(0), W = y2.dim(1);
-  for (const LoraAdapter& ad : adapters) {
+  for (size_t index = 0; index < adapters.size(); ++index) {
+    const LoraAdapter& ad = adapters[index];
     const int64_t r = ad.a.dim(0), width = ad.b.dim(0);
     LOOM_CHECK(ad.a.dim(1) == x2.dim(1) && ad.b.dim(1) == r && ad.out_begin + width <= W && y2.dim(0) == N,
                "lora_forward: adapter A ", ad.a.describe(), ", B ", ad.b.describe(), " at column ", ad.out_begin,
                " does not fit x ", x.describe(), " -> y ", y.describe());
     const Tensor t = scratch(backend, ws, LinearWorkspace::A, N, r);
-    backend.gemm(x2, ad.a, t, spec(false, true, 1.0f, 0.0f));  // t = x A^T
+    backend.gemm(adapter_input(backend, x2, dropout, index, ws), ad.a, t, spec(false, true, 1.0f, 0.0f));  // t = x A^T
     if (width == W) {
       backend.gemm(t, ad.b, y2, spec(false, true, scale, 1.0f));  // y += s t B^T
     } else {  // the adapter's columns of a fused output, out and back
@@ -49,7 +60,7 @@ void lora_forward(Backend& backend, const Tensor& x, const LoraAdapters& adapter
 }
 
 void lora_backward(Backend& backend, const Tensor& x, const LoraAdapters& params, const LoraAdapters& grads,
-                   float scale, const Tensor& dy, const Tensor& dx, LinearWorkspace* ws) {
+                   float scale, const Tensor& dy, const Tensor& dx, LinearWorkspace* ws, const LoraDropout& dropout) {
   LOOM_CHECK(params.size() == grads.size(), "lora_backward: ", params.size(), " adapters, ", grads.size(), " gradients");
   if (params.empty()) return;
   const Tensor x2 = rows_of(x), dy2 = rows_of(dy), dx2 = rows_of(dx);
@@ -64,11 +75,21 @@ void lora_backward(Backend& backend, const Tensor& x, const LoraAdapters& params
       copy_columns(backend, dy2, p.out_begin, dcols, false);
     }
     const Tensor t = scratch(backend, ws, LinearWorkspace::A, N, r), d = scratch(backend, ws, LinearWorkspace::B, N, r);
-    backend.gemm(x2, p.a, t, spec(false, true, 1.0f, 0.0f));          // t = x A^T
+    const Tensor xi = adapter_input(backend, x2, dropout, i, ws);     // x, or its dropped-out copy
+    backend.gemm(xi, p.a, t, spec(false, true, 1.0f, 0.0f));          // t = x A^T
     backend.gemm(dcols, t, g.b, spec(true, false, scale, 1.0f));      // dB += s dy^T t
     backend.gemm(dcols, p.b, d, spec(false, false, scale, 0.0f));     // d = s dy B
-    backend.gemm(d, x2, g.a, spec(true, false, 1.0f, 1.0f));          // dA += d^T x
-    backend.gemm(d, p.a, dx2, spec(false, false, 1.0f, 1.0f));        // dx += d A
+    backend.gemm(d, xi, g.a, spec(true, false, 1.0f, 1.0f));          // dA += d^T x
+    if (dropout.p <= 0.0f) {
+      backend.gemm(d, p.a, dx2, spec(false, false, 1.0f, 1.0f));      // dx += d A
+      continue;
+    }
+    const Tensor e = scratch(backend, ws, LinearWorkspace::D, N, x2.dim(1));  // (x's dropped-out copy no longer read)
+    backend.gemm(d, p.a, e, spec(false, false, 1.0f, 0.0f));          // e = d A
+    RoundingDraw draw = dropout.draw;
+    draw.stream += static_cast<uint32_t>(i);
+    backend.dropout(e, e, dropout.p, draw);                           // through the same mask
+    backend.add_inplace(dx2, e);                                      // dx += mask (d A) / (1 - p)
   }
 }
 
@@ -77,6 +98,7 @@ ModelConfig lora_base_config(const ModelConfig& config) {
   base.peft_method = PeftMethod::none;
   base.lora_rank = ModelConfig{}.lora_rank, base.lora_alpha = ModelConfig{}.lora_alpha;
   base.lora_rslora = false, base.lora_targets = ModelConfig{}.lora_targets;
+  base.lora_quantize_base = false, base.lora_dropout = 0.0f;
   return base;
 }
 

@@ -20,17 +20,34 @@ struct LoraAdapter {
 };
 using LoraAdapters = std::vector<LoraAdapter>;
 
+// peft.dropout: the adapters' input dropped out (PEFT's lora_dropout: y += s B A dropout(x)),
+// each adapter of a site with its own mask, draw.stream + its index; p = 0: none (evaluation,
+// decoding). The backward regenerates the masks from the same draw.
+inline constexpr uint64_t kLoraDropoutSeed = 0x4C6F5241;  // "LoRA": the masks' Philox key
+
+struct LoraDropout {
+  float p = 0.0f;
+  RoundingDraw draw;
+  // The same pass's masks for the site `site` (0..3: q/k/v, o, gate/up, down) of a block: its
+  // own streams, 4 apart (a site holds at most 3 adapters).
+  LoraDropout at_site(uint32_t site) const {
+    LoraDropout d = *this;
+    d.draw.stream += 4 * site;
+    return d;
+  }
+};
+
 // y (.., W) += s B (A x) for each adapter, x (.., in). The scratch (A x, and an adapter's columns
 // of a fused output) is the model's LinearWorkspace, slots A and C, free between linear layers'
 // calls, so a training step allocates nothing; without one (a model used before set_precision)
 // it is allocated per call.
 void lora_forward(Backend& backend, const Tensor& x, const LoraAdapters& adapters, float scale, const Tensor& y,
-                  LinearWorkspace* ws);
+                  LinearWorkspace* ws, const LoraDropout& dropout = {});
 // With dy (.., W) the layer's output gradient: grads' b += s dy_cols^T (A x), grads' a += d^T x
 // and dx (.., in) += d A, where d = s dy_cols B. A x is recomputed (r columns: cheap). Scratch:
 // slots A, B and C of ws, as above.
 void lora_backward(Backend& backend, const Tensor& x, const LoraAdapters& params, const LoraAdapters& grads,
-                   float scale, const Tensor& dy, const Tensor& dx, LinearWorkspace* ws);
+                   float scale, const Tensor& dy, const Tensor& dx, LinearWorkspace* ws, const LoraDropout& dropout = {});
 
 // Merging (Hu et al. 2021, sec. 4.1: no inference latency): `merged` (the base layout's
 // lora_begin elements) = the base weights of `params` with each adapted weight's rows

@@ -34,6 +34,7 @@ struct MlpSaved {
   // kept from the input pass for the weight pass (an MoE's weight gradients come in the input pass).
   Tensor dy_fc2, dy_fc;  // (B,T,C), (B,T,F or 2F)
   MoeSaved moe;          // moe: its routing and experts' activations (allocate_moe_saved)
+  LoraDropout lora_dropout;  // peft.dropout in a training pass (the model sets it); p = 0 otherwise
 };
 
 // Each field the MLP sub-layer of `plan` allocates for `shape`, in allocation order (selective

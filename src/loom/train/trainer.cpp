@@ -231,6 +231,7 @@ StepStats Trainer::train_step(BatchSource& data) {
   int64_t valid = 0;  // positions whose target counts (loss masks: the others are kIgnoreTarget)
   for (int64_t micro = 0; pipeline_ == nullptr && micro < config_.grad_accum; ++micro) {
     valid += load_batch(data);
+    store_.dropout_pass = static_cast<uint32_t>(step_ * config_.grad_accum + micro + 1);  // peft.dropout's masks
     double loss = model_.forward(store_);
     if (objective_ != nullptr) loss = objective_->weigh(backend_, store_, data);
     // With loss scaling a non-finite loss (an fp16 overflow) makes non-finite gradients: skipped.
@@ -396,6 +397,7 @@ const ActivationStore& Trainer::forward_only(BatchSource& data) {
   model_.sync_weight_copy();
   model_.set_recording(false);
   load_batch(data);
+  store_.dropout_pass = 0;
   model_.forward(store_);
   model_.set_recording(true);
   return store_;
@@ -412,6 +414,7 @@ double Trainer::evaluate(BatchSource& data, int64_t batches) {
   double sum = 0.0;
   int64_t valid = 0;
   const int64_t positions = store_.tokens.numel();
+  store_.dropout_pass = 0;  // no dropout in evaluation
   for (int64_t i = 0; i < batches; ++i) {
     valid += load_batch(data);
     const double loss = model_.forward(store_);

@@ -580,6 +580,9 @@ class CpuBackend final : public Backend {
                       int64_t first, const Tensor& out) override {
     cpu::nf4_dequantize(codes, absmax_codes, absmax_steps, spec, first, out);
   }
+  void dropout(const Tensor& x, const Tensor& out, float p, const RoundingDraw& draw) override {
+    cpu::dropout(x, out, p, draw);
+  }
   void round_bf16(const Tensor& x, bool stochastic, const RoundingDraw& draw) override {
     cpu::round_bf16(x, stochastic, draw);
   }

@@ -254,6 +254,26 @@ void fake_quant_nvfp4(const Tensor& x, const Tensor& out) {
   fake_quant_nvfp4(x.data<float>(), cols == 0 ? 0 : x.numel() / cols, cols, out.data<float>());
 }
 
+void dropout(const Tensor& x, const Tensor& out, float p, const RoundingDraw& draw) {
+  check_quant("dropout", x, &out);
+  LOOM_CHECK(p >= 0.0f && p < 1.0f, "dropout: p = ", p, ", expected [0, 1)");
+  const float* in = x.data<float>();
+  float* o = out.data<float>();
+  const int64_t n = x.numel(), groups = (n + 3) / 4;
+  const auto threshold = static_cast<uint64_t>(static_cast<double>(p) * 4294967296.0);
+  const float keep = 1.0f / (1.0f - p);
+  const PhiloxKey key = {static_cast<uint32_t>(draw.seed), static_cast<uint32_t>(draw.seed >> 32)};
+#pragma omp parallel for schedule(static)
+  for (int64_t q = 0; q < groups; ++q) {
+    const PhiloxCounter r = philox4x32_10(
+        {static_cast<uint32_t>(q), static_cast<uint32_t>(static_cast<uint64_t>(q) >> 32), draw.stream, draw.draw}, key);
+    for (int64_t j = 0; j < 4 && q * 4 + j < n; ++j) {
+      const int64_t i = q * 4 + j;
+      o[i] = r[static_cast<size_t>(j)] >= threshold ? in[i] * keep : 0.0f;
+    }
+  }
+}
+
 void round_bf16(const Tensor& x, bool stochastic, const RoundingDraw& draw) {
   check_quant("round_bf16", x, nullptr);
   round_to_bf16(x.data<float>(), x.numel(), stochastic, draw);

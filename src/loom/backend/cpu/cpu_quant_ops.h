@@ -33,6 +33,7 @@ void fake_quant_blocks(const Tensor& x, const Tensor& out, const NumberGrid& gri
 void fake_quant_mxfp4(const Tensor& x, const Tensor& out);
 void fake_quant_nvfp4(const Tensor& x, const Tensor& out);
 void round_bf16(const Tensor& x, bool stochastic, const RoundingDraw& draw);
+void dropout(const Tensor& x, const Tensor& out, float p, const RoundingDraw& draw);
 void nf4_dequantize(const Tensor& codes, const Tensor& absmax_codes, const Tensor& absmax_steps, const Nf4Spec& spec,
                     int64_t first, const Tensor& out);
 
