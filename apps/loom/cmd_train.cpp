@@ -66,6 +66,7 @@ int train_main(int argc, char** argv) {
     config.model = weights.lora() ? weights : with_peft_of(weights, config.model);
   }
   if (!config.loop.peft_adapter.empty()) config.model = peft_adapter_config(config.loop.peft_adapter, config.model);
+  config.validate_objective();  // a wrong data.format is named before any data is opened
   const bool dpo = config.loop.objective == TrainObjective::dpo, grpo = config.loop.objective == TrainObjective::grpo;
   std::vector<PreferencePair> pairs;  // train.objective = dpo: read here, tokenized once
   std::vector<PromptExample> prompts;  // train.objective = grpo

@@ -360,6 +360,12 @@ void LoomConfig::validate() const {
   LOOM_CHECK(data.val_fraction > 0.0 && data.val_fraction < 1.0, "data.val_fraction must be in (0, 1), got ",
              data.val_fraction);
   LOOM_CHECK(sample.max_new_tokens >= 0, "sample.max_new_tokens must be >= 0, got ", sample.max_new_tokens);
+  validate_objective();
+  LOOM_CHECK(!run.name.empty() && run.name.find('/') == std::string::npos, "run.name must be a non-empty folder name, got '",
+             run.name, "'");
+}
+
+void LoomConfig::validate_objective() const {
   if (loop.objective == TrainObjective::dpo) {
     LOOM_CHECK(data.format == SftFormat::preference_jsonl && !data.input.empty(), "train.objective = dpo reads preference "
                "pairs: set data.format = preference-jsonl and data.input = FILE (one {\"prompt\", \"chosen\", "
@@ -383,8 +389,6 @@ void LoomConfig::validate() const {
     LOOM_CHECK(data.format != SftFormat::prompt_jsonl, "data.format = prompt-jsonl holds prompts with answers: "
                "train them with train.objective = grpo");
   }
-  LOOM_CHECK(!run.name.empty() && run.name.find('/') == std::string::npos, "run.name must be a non-empty folder name, got '",
-             run.name, "'");
 }
 
 void apply_config_file(LoomConfig& config, const std::string& path) {

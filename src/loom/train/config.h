@@ -110,6 +110,9 @@ struct LoomConfig {
   GrpoConfig grpo;
 
   void validate() const;
+  // train.objective against data.format and its keys (validate() runs it too; `loom train` runs
+  // it first, before opening any data).
+  void validate_objective() const;
 };
 
 // Applies a TOML file on top of `config` (keys not in the file keep their values).
