@@ -9,6 +9,7 @@
 #include "loom/backend/backend.h"
 #include "loom/comm/communicator.h"
 #include "loom/parallel/tensor_parallel.h"
+#include "loom/core/targets.h"
 #include "loom/train/trainer.h"
 
 namespace loom {
@@ -28,16 +29,40 @@ inline std::vector<int32_t> mpi_test_corpus(int64_t n, int32_t vocab) {
   return t;
 }
 
-// The test corpus's batches (16 tokens a sequence), and rank's `batch` rows of each global
-// batch of batch x world rows (world 1: the corpus's batches themselves).
-struct RankData {
-  RankData(Allocator& allocator, const ModelConfig& config, int rank, int world, int64_t batch)
-      : global(mpi_test_corpus(5000, static_cast<int32_t>(config.vocab_size)), 11) {
-    if (world > 1) slice = std::make_unique<RankSliceSource>(global, allocator, rank, world, batch, 16);
+// Loss masks: the first (row x 5) mod (T - 1) targets of each row the source gives are masked
+// (kIgnoreTarget), so every row counts between 1 and T of its targets.
+class MaskedWindows final : public BatchSource {
+ public:
+  MaskedWindows(BatchSource& inner, int64_t T) : inner_(inner), T_(T) {}
+  void fill(const Tensor& tokens, const Tensor& targets) override {
+    inner_.fill(tokens, targets);
+    const int64_t rows = tokens.numel() / T_;
+    for (int64_t r = 0; r < rows; ++r, ++row_) {
+      const int64_t masked = (row_ * 5) % (T_ - 1);  // 0 .. T-2 masked: every row counts >= 1
+      for (int64_t t = 0; t < masked; ++t) targets.data<int32_t>()[r * T_ + t] = kIgnoreTarget;
+    }
   }
-  BatchSource& source() { return slice ? static_cast<BatchSource&>(*slice) : global; }
+
+ private:
+  BatchSource& inner_;
+  int64_t T_, row_ = 0;
+};
+
+// The test corpus's batches (16 tokens a sequence), and rank's `batch` rows of each global
+// batch of batch x world rows (world 1: the corpus's batches themselves); `masked`: with the
+// loss masks of MaskedWindows.
+struct RankData {
+  RankData(Allocator& allocator, const ModelConfig& config, int rank, int world, int64_t batch, bool masked = false)
+      : global(mpi_test_corpus(5000, static_cast<int32_t>(config.vocab_size)), 11), masks(global, 16) {
+    BatchSource& all = masked ? static_cast<BatchSource&>(masks) : global;
+    if (world > 1) slice = std::make_unique<RankSliceSource>(all, allocator, rank, world, batch, 16);
+    whole = &all;
+  }
+  BatchSource& source() { return slice ? static_cast<BatchSource&>(*slice) : *whole; }
 
   RandomWindowSource global;
+  MaskedWindows masks;
+  BatchSource* whole = nullptr;
   std::unique_ptr<RankSliceSource> slice;
 };
 
@@ -93,12 +118,12 @@ struct Curve {
 
 // The one-process reference: the model of `config` initialised with seed 7, trained `steps`
 // steps on the test corpus with `tc`.
-inline Curve train_single(const ModelConfig& config, const TrainConfig& tc, int steps) {
+inline Curve train_single(const ModelConfig& config, const TrainConfig& tc, int steps, bool masked = false) {
   auto backend = make_cpu_backend();
   Transformer model(*backend, config);
   model.init_weights(7);
   Trainer trainer(*backend, model, tc);
-  RankData data(backend->allocator(), config, 0, 1, tc.batch_size);
+  RankData data(backend->allocator(), config, 0, 1, tc.batch_size, masked);
   Curve c;
   for (int s = 0; s < steps; ++s) {
     const StepStats st = trainer.train_step(data.source());

@@ -26,12 +26,12 @@ TrainConfig train_config(int64_t batch, const char* optimizer) {
   return tc;
 }
 
-Curve single(const ModelConfig& config, int64_t batch, const char* optimizer) {
-  return train_single(config, train_config(batch, optimizer), 10);
+Curve single(const ModelConfig& config, int64_t batch, const char* optimizer, bool masked = false) {
+  return train_single(config, train_config(batch, optimizer), 10, masked);
 }
 
 Curve tensor_parallel(Communicator& world, const ModelConfig& config, int tp_size, int64_t batch, const char* optimizer,
-                      bool sequence_parallel, int64_t* activation_bytes, int zero_stage = 0) {
+                      bool sequence_parallel, int64_t* activation_bytes, int zero_stage = 0, bool masked = false) {
   const DeviceMesh mesh(world.size(), {{"dp", 0}, {"tp", tp_size}});
   auto tp = mesh_group(world, mesh, "tp");
   auto dp = mesh_group(world, mesh, "dp");
@@ -46,7 +46,7 @@ Curve tensor_parallel(Communicator& world, const ModelConfig& config, int tp_siz
   DdpConfig ddp;
   ddp.zero_stage = zero_stage;
   Trainer trainer(*backend, model, train_config(batch, optimizer), dp->size() > 1 ? dp.get() : nullptr, ddp);
-  RankData rows(backend->allocator(), config, dp->rank(), dp->size(), batch);
+  RankData rows(backend->allocator(), config, dp->rank(), dp->size(), batch, masked);
   BatchSource& data = rows.source();
   *activation_bytes = static_cast<int64_t>(backend->allocator().tracker().current(MEM_ACTIVATIONS));
   Curve c;
@@ -137,6 +137,29 @@ TEST(MpiTensorParallel, ReproducesTheSingleProcessLossesAndGradients) {
       std::printf("%s tp=%d: activation bytes per rank %lld, with sequence parallel %lld (%.3f)\n", preset, tp_size,
                   static_cast<long long>(activations[0]), static_cast<long long>(activations[1]),
                   static_cast<double>(activations[1]) / static_cast<double>(activations[0]));
+    }
+  }
+}
+
+// Loss masks (supervised data) through the vocabulary-parallel cross-entropy: a masked row gets
+// loss 0 and no gradient on every vocabulary slice, so tp = 2 (with sp too) gives the
+// single-process masked loss and gradients.
+TEST(MpiTensorParallel, LossMasksGiveTheSingleProcessLossesAndGradients) {
+  auto world = make_mpi_communicator();
+  const int n = world->size(), tp_size = 2, dp_size = n / tp_size;
+  for (const char* preset : {"gpt2-tiny", "llama-tiny"}) {
+    const ModelConfig config = model_preset(preset);
+    const Curve ref = single(config, 2 * dp_size, "sgd", true);
+    for (const bool sp : {false, true}) {
+      int64_t activations = 0;
+      const Curve tp = tensor_parallel(*world, config, tp_size, 2, "sgd", sp, &activations, 0, true);
+      double worst_loss = 0.0, worst_grad = 0.0;
+      compare(tp, ref, preset, world->rank(), &worst_loss, &worst_grad);
+      if (world->rank() == 0) {
+        std::printf("%s masked, dp=%d x tp=%d%s: 10 steps, losses %.6f .. %.6f, worst loss rel diff %.2e, worst "
+                    "gradient rel diff %.2e\n", preset, dp_size, tp_size, sp ? " + sp" : "", ref.losses.front(),
+                    ref.losses.back(), worst_loss, worst_grad);
+      }
     }
   }
 }

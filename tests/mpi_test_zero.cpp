@@ -137,23 +137,7 @@ TEST(MpiZero, LoraReproducesTheSingleProcessCurveAndSendsOnlyAdapterGradients) {
 // targets (supervised data: the prompts masked), split over the ranks (and into 2 micro-batches
 // each), gives the one-process loss curve within 1e-5 and the same weights after 6 steps of
 // momentum SGD: the loss is the mean over the step's counted positions on every rank together.
-class MaskedWindows final : public BatchSource {
- public:
-  MaskedWindows(BatchSource& inner, int64_t T) : inner_(inner), T_(T) {}
-  void fill(const Tensor& tokens, const Tensor& targets) override {
-    inner_.fill(tokens, targets);
-    const int64_t rows = tokens.numel() / T_;
-    for (int64_t r = 0; r < rows; ++r, ++row_) {
-      const int64_t masked = (row_ * 5) % (T_ - 1);  // 0 .. T-2 masked: every row counts >= 1
-      for (int64_t t = 0; t < masked; ++t) targets.data<int32_t>()[r * T_ + t] = kIgnoreTarget;
-    }
-  }
-
- private:
-  BatchSource& inner_;
-  int64_t T_, row_ = 0;
-};
-
+// (MaskedWindows: tests/mpi_fixture.h.)
 TEST(MpiZero, LossMasksReproduceTheSingleProcessCurve) {
   auto comm = make_mpi_communicator();
   const int n = comm->size();

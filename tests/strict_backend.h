@@ -183,8 +183,8 @@ class StrictBackend final : public Backend {
   void vocab_ce_sums(const Tensor& logits, const Tensor& max, int64_t valid, const Tensor& sums) override {
     cpu_->vocab_ce_sums(h(logits), h(max), valid, h(sums));
   }
-  void vocab_ce_finish(const Tensor& lse, const Tensor& sums, const Tensor& losses) override {
-    cpu_->vocab_ce_finish(h(lse), h(sums), h(losses));
+  void vocab_ce_finish(const Tensor& targets, const Tensor& lse, const Tensor& sums, const Tensor& losses) override {
+    cpu_->vocab_ce_finish(h(targets), h(lse), h(sums), h(losses));
   }
   void vocab_ce_backward(const Tensor& logits, const Tensor& targets, const Tensor& lse, int64_t begin, int64_t valid,
                          float scale, const Tensor& dlogits) override {

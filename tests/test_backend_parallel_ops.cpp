@@ -118,7 +118,7 @@ TEST_P(BackendOpsTest, VocabCrossEntropyPartialsSumsFinishBackward) {
     const Op op = [&](Backend& be, Operands& o) {
       be.vocab_ce_partials(o["logits"], o["targets"], k.begin, k.valid, o["lse"], o["losses"]);
       be.vocab_ce_sums(o["logits"], o["lse"], k.valid, o["sums"]);
-      be.vocab_ce_finish(o["lse"], o["sums"], o["losses"]);
+      be.vocab_ce_finish(o["targets"], o["lse"], o["sums"], o["losses"]);
       be.vocab_ce_backward(o["logits"], o["targets"], o["lse"], k.begin, k.valid, scale, o["dlogits"]);
       be.vocab_ce_backward(o["inplace"], o["targets"], o["lse"], k.begin, k.valid, scale, o["inplace"]);
     };

@@ -62,7 +62,7 @@ void Backend::vocab_ce_partials(const Tensor&, const Tensor&, int64_t, int64_t, 
 void Backend::vocab_ce_sums(const Tensor&, const Tensor&, int64_t, const Tensor&) {
   no_model_parallel(*this, "vocab_ce_sums");
 }
-void Backend::vocab_ce_finish(const Tensor&, const Tensor&, const Tensor&) {
+void Backend::vocab_ce_finish(const Tensor&, const Tensor&, const Tensor&, const Tensor&) {
   no_model_parallel(*this, "vocab_ce_finish");
 }
 void Backend::vocab_ce_backward(const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t, float, const Tensor&) {

@@ -313,10 +313,11 @@ class Backend {
                                  const Tensor& max, const Tensor& target);
   // sums[n] = sum over v < valid, in order, of exp(logits[n, v] - max[n]) in f32.
   virtual void vocab_ce_sums(const Tensor& logits, const Tensor& max, int64_t valid, const Tensor& sums);
-  // In place, per row: lse (the max on entry) = max + log(sums); losses (the target logit on entry) = lse - target.
-  virtual void vocab_ce_finish(const Tensor& lse, const Tensor& sums, const Tensor& losses);
+  // In place, per row: lse (the max on entry) = max + log(sums); losses (the target logit on entry) =
+  // lse - target, and 0 for a row whose target is kIgnoreTarget (a loss mask).
+  virtual void vocab_ce_finish(const Tensor& targets, const Tensor& lse, const Tensor& sums, const Tensor& losses);
   // dlogits[n, v] = scale (exp(logits[n, v] - lse[n]) - [v = targets[n] - begin]) for v < valid, 0
-  // for the padding columns; dlogits may alias logits.
+  // for the padding columns and for a row whose target is kIgnoreTarget; dlogits may alias logits.
   virtual void vocab_ce_backward(const Tensor& logits, const Tensor& targets, const Tensor& lse, int64_t begin,
                                  int64_t valid, float scale, const Tensor& dlogits);
   // The online-softmax merge of one K/V block, k, v (B,Tl,KV hd), into the running state of the

@@ -31,7 +31,7 @@ void vocab_parallel_cross_entropy_forward(Backend& backend, Communicator& tp, co
   tp.all_reduce(losses, REDUCE_SUM);  // exactly one rank holds each target
   backend.vocab_ce_sums(logits, lse, valid, sums);
   tp.all_reduce(sums, REDUCE_SUM);
-  backend.vocab_ce_finish(lse, sums, losses);
+  backend.vocab_ce_finish(targets, lse, sums, losses);
 }
 
 void vocab_parallel_cross_entropy_backward(Backend& backend, const Tensor& logits, const Tensor& targets,

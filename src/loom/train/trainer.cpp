@@ -387,8 +387,6 @@ int64_t Trainer::load_batch(BatchSource& data) {
     const Tensor& tokens = store_.tokens.host_accessible() ? store_.tokens : host_tokens_;
     store_.docs = document_spans(tokens.data<int32_t>(), tokens.dim(0), tokens.dim(1), data.document_end());
   }
-  LOOM_CHECK(valid == n || model_.tensor_parallel() == nullptr, "loss masks (targets ", kIgnoreTarget, ": prompt "
-             "tokens) with parallel.tp > 1 are not supported yet (the vocabulary-parallel cross-entropy counts them)");
   return valid;
 }
 

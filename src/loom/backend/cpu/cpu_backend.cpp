@@ -425,8 +425,8 @@ class CpuBackend final : public Backend {
   void vocab_ce_sums(const Tensor& logits, const Tensor& max, int64_t valid, const Tensor& sums) override {
     cpu::vocab_ce_sums(logits, max, valid, sums);
   }
-  void vocab_ce_finish(const Tensor& lse, const Tensor& sums, const Tensor& losses) override {
-    cpu::vocab_ce_finish(lse, sums, losses);
+  void vocab_ce_finish(const Tensor& targets, const Tensor& lse, const Tensor& sums, const Tensor& losses) override {
+    cpu::vocab_ce_finish(targets, lse, sums, losses);
   }
   void vocab_ce_backward(const Tensor& logits, const Tensor& targets, const Tensor& lse, int64_t begin, int64_t valid,
                          float scale, const Tensor& dlogits) override {

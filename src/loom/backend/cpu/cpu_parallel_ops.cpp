@@ -14,6 +14,7 @@
 
 #include "loom/backend/checks.h"
 #include "loom/core/error.h"
+#include "loom/core/targets.h"
 
 namespace loom::cpu {
 
@@ -301,15 +302,18 @@ void vocab_ce_sums(const Tensor& logits, const Tensor& max, int64_t valid, const
   }
 }
 
-void vocab_ce_finish(const Tensor& lse, const Tensor& sums, const Tensor& losses) {
+void vocab_ce_finish(const Tensor& targets, const Tensor& lse, const Tensor& sums, const Tensor& losses) {
   const int64_t n = lse.numel();
   expect_rows("vocab_ce_finish", n, {{"lse", &lse}, {"sums", &sums}, {"losses", &losses}});
+  expect_dtype(targets, DTYPE_I32, "vocab_ce_finish", "targets");
+  expect_numel(targets, n, "vocab_ce_finish", "targets");
+  const int32_t* tgt = targets.data<int32_t>();
   float* m = lse.data<float>();
   const float* sum = sums.data<float>();
   float* t = losses.data<float>();
   for (int64_t r = 0; r < n; ++r) {
     m[r] = m[r] + std::log(sum[r]);
-    t[r] = m[r] - t[r];
+    t[r] = tgt[r] == kIgnoreTarget ? 0.0f : m[r] - t[r];  // a loss mask: the row counts nothing
   }
 }
 
@@ -326,6 +330,10 @@ void vocab_ce_backward(const Tensor& logits, const Tensor& targets, const Tensor
   float* d = dlogits.data<float>();
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < n; ++r) {
+    if (tgt[r] == kIgnoreTarget) {  // a loss mask: no gradient
+      for (int64_t v = 0; v < V; ++v) d[r * V + v] = 0.0f;
+      continue;
+    }
     for (int64_t v = 0; v < V; ++v) d[r * V + v] = v < valid ? scale * std::exp(x[r * V + v] - l[r]) : 0.0f;
     const int64_t col = tgt[r] - begin;
     if (col >= 0 && col < valid) d[r * V + col] -= scale;

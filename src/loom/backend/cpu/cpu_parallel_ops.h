@@ -17,7 +17,7 @@ void positions_backward(const Tensor& dout, const Tensor& dpositions, int64_t fi
 void vocab_ce_partials(const Tensor& logits, const Tensor& targets, int64_t begin, int64_t valid, const Tensor& max,
                        const Tensor& target);
 void vocab_ce_sums(const Tensor& logits, const Tensor& max, int64_t valid, const Tensor& sums);
-void vocab_ce_finish(const Tensor& lse, const Tensor& sums, const Tensor& losses);
+void vocab_ce_finish(const Tensor& targets, const Tensor& lse, const Tensor& sums, const Tensor& losses);
 void vocab_ce_backward(const Tensor& logits, const Tensor& targets, const Tensor& lse, int64_t begin, int64_t valid,
                        float scale, const Tensor& dlogits);
 void ring_attention_merge(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& m,
