@@ -71,10 +71,11 @@ int train_main(int argc, char** argv) {
   std::vector<PreferencePair> pairs;  // train.objective = dpo: read here, tokenized once
   std::vector<PromptExample> prompts;  // train.objective = grpo
   TokenDataset data;
+  const std::shared_ptr<Tokenizer> tokenizer = dpo || grpo ? objective_tokenizer(config) : nullptr;
   if (dpo) {
-    pairs = read_dpo_pairs(config);
+    pairs = read_preference_file(config.data.input, *tokenizer);
   } else if (grpo) {
-    prompts = read_grpo_prompts(config);
+    prompts = read_prompt_file(config.data.input, *tokenizer);
   } else {
     data = open_training_data(config);
   }
@@ -103,7 +104,6 @@ int train_main(int argc, char** argv) {
   TrainingModel parts = parallelize(*backend, config, layout);
   Transformer& model = *parts.model;
   Trainer& trainer = *parts.trainer;
-  const std::shared_ptr<Tokenizer> tokenizer = dpo || grpo ? load_tokenizer(config.data.tokenizer) : nullptr;
   TrainingData batches =
       dpo    ? TrainingData(std::move(pairs), tokenizer->eot_token(), config, layout, backend->allocator())
       : grpo ? TrainingData(std::move(prompts), model, [tokenizer](const std::vector<int32_t>& t) { return tokenizer->decode(t); },

@@ -66,22 +66,12 @@ nlohmann::json memory_json(const MemoryTracker& mem) {
 }
 
 
-namespace {
-std::unique_ptr<Tokenizer> objective_tokenizer(LoomConfig& config) {
-  auto tokenizer = load_tokenizer(config.data.tokenizer);
+std::shared_ptr<Tokenizer> objective_tokenizer(LoomConfig& config) {
+  std::shared_ptr<Tokenizer> tokenizer = load_tokenizer(config.data.tokenizer);
   if (config.model.vocab_size == 0) config.model.vocab_size = tokenizer->vocab_size();
   LOOM_CHECK(tokenizer->vocab_size() <= config.model.vocab_size, "data.tokenizer ", config.data.tokenizer, " has ",
              tokenizer->vocab_size(), " tokens, more than model.vocab_size = ", config.model.vocab_size);
   return tokenizer;
-}
-}  // namespace
-
-std::vector<PreferencePair> read_dpo_pairs(LoomConfig& config) {
-  return read_preference_file(config.data.input, *objective_tokenizer(config));
-}
-
-std::vector<PromptExample> read_grpo_prompts(LoomConfig& config) {
-  return read_prompt_file(config.data.input, *objective_tokenizer(config));
 }
 
 nlohmann::json dpo_json(const DpoObjective::Stats& s) {

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -39,11 +40,9 @@ nlohmann::json ledger_json(const ByteLedger& ledger);                // bytes pe
 nlohmann::json moe_json(const std::vector<MoeLayerStats>& stats);     // each MoE layer's routing this step
 nlohmann::json memory_json(const MemoryTracker& mem);                 // current and peak bytes per category
 
-// train.objective = dpo: the pairs of data.input, tokenized with data.tokenizer (model.vocab_size
-// follows it when 0).
-std::vector<PreferencePair> read_dpo_pairs(LoomConfig& config);
-// train.objective = grpo: the prompts of data.input, the same way.
-std::vector<PromptExample> read_grpo_prompts(LoomConfig& config);
+// train.objective = dpo | grpo: data.tokenizer, which tokenizes data.input's pairs or prompts and
+// pads and decodes their rows (model.vocab_size follows it when 0).
+std::shared_ptr<Tokenizer> objective_tokenizer(LoomConfig& config);
 // The means of a DPO objective's stats: loss, rewards, margin, accuracy.
 nlohmann::json dpo_json(const DpoObjective::Stats& s);
 void print_dpo(const char* what, int64_t step, const DpoObjective::Stats& s);

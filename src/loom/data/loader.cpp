@@ -89,12 +89,9 @@ void TokenLoader::fill(const Tensor& tokens, const Tensor& targets) {
   int32_t* x = tokens.data<int32_t>();   // (B, T)
   int32_t* y = targets.data<int32_t>();  // (B, T)
   const auto rows = static_cast<uint64_t>(tokens.dim(0));
-  const auto world = static_cast<uint64_t>(world_);
   const auto t = static_cast<uint64_t>(seq_len_);
   for (uint64_t b = 0; b < rows; ++b) {
-    // Position of this row in the global stream, relative to the cursor (epoch_, index_).
-    const uint64_t ahead = index_ + static_cast<uint64_t>(rank_) + b * world;
-    const uint64_t window = window_at(epoch_ + ahead / windows_, ahead % windows_);
+    const uint64_t window = row_window(b);
     const int32_t* src = split_.tokens.data() + window * t;
     std::copy(src, src + t, x + b * t);
     std::copy(src + 1, src + t + 1, y + b * t);
@@ -105,9 +102,26 @@ void TokenLoader::fill(const Tensor& tokens, const Tensor& targets) {
       }
     }
   }
-  const uint64_t advanced = index_ + rows * world;
+  advance(rows);
+}
+
+uint64_t TokenLoader::row_window(uint64_t row) {
+  // Position of this row in the global stream, relative to the cursor (epoch_, index_).
+  const uint64_t ahead = index_ + static_cast<uint64_t>(rank_) + row * static_cast<uint64_t>(world_);
+  return window_at(epoch_ + ahead / windows_, ahead % windows_);
+}
+
+void TokenLoader::advance(uint64_t rows) {
+  const uint64_t advanced = index_ + rows * static_cast<uint64_t>(world_);
   epoch_ += advanced / windows_;
   index_ = advanced % windows_;
+}
+
+std::vector<int64_t> TokenLoader::next_windows(int64_t rows) {
+  std::vector<int64_t> windows(static_cast<size_t>(rows));
+  for (int64_t b = 0; b < rows; ++b) windows[static_cast<size_t>(b)] = static_cast<int64_t>(row_window(static_cast<uint64_t>(b)));
+  advance(static_cast<uint64_t>(rows));
+  return windows;
 }
 
 TokenSplit index_split(int64_t n, const std::string& name) {

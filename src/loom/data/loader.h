@@ -55,8 +55,8 @@ struct LoaderState {
 void to_json(nlohmann::json& json, const LoaderState& state);
 void from_json(const nlohmann::json& json, LoaderState& state);
 
-// The split 0, 1, ..., n: a TokenLoader over it with windows of one gives the indices of n items
-// (preference pairs, prompts) in the loader's order -- its shuffling, epochs and position.
+// The split 0, 1, ..., n: a TokenLoader over it with windows of one orders n items (preference
+// pairs, prompts; next_windows gives their indices) -- its shuffling, epochs and position.
 TokenSplit index_split(int64_t n, const std::string& name);
 
 // A source whose position goes into checkpoints: the token loader, the preference pairs
@@ -76,6 +76,9 @@ class TokenLoader final : public ResumableSource {
 
   // tokens, targets: (B, T) i32 on the CPU, T == seq_len(); advances the cursor by B * world.
   void fill(const Tensor& tokens, const Tensor& targets) override;
+  // The window ids of the next `rows` rows (this rank's), advancing the cursor as fill() does;
+  // over an index_split they are the indices of the next items in the loader's order.
+  std::vector<int64_t> next_windows(int64_t rows);
   int32_t document_end() const override { return split_.document_end; }
 
   LoaderState state() const override;
@@ -93,6 +96,9 @@ class TokenLoader final : public ResumableSource {
  private:
   // The window id at position `index` of epoch `epoch`'s order.
   uint64_t window_at(uint64_t epoch, uint64_t index);
+  // Row `row`'s window of the next fill (this rank's rows are every world-th of the stream).
+  uint64_t row_window(uint64_t row);
+  void advance(uint64_t rows);  // the cursor past `rows` rows of every rank
   void shuffle_for_epoch(uint64_t epoch);
 
   TokenSplit split_;

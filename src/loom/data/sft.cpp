@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "loom/core/error.h"
+#include "loom/core/targets.h"
 #include "loom/data/chat_template.h"
 
 namespace loom {
@@ -123,6 +124,16 @@ SftStream read_sft_file(const std::string& path, SftFormat format, const Tokeniz
     append(out, {tokenizer.eot_token()}, 0);
   });
   return out;
+}
+
+void write_completion_row(std::span<const int32_t> seq, int64_t counted_from, int64_t T, int32_t pad, int32_t* x,
+                          int32_t* y) {
+  const auto n = static_cast<int64_t>(seq.size());
+  LOOM_CHECK(n <= T + 1, "write_completion_row: ", n, " tokens for a row of ", T, " positions");
+  for (int64_t t = 0; t < T; ++t) {
+    x[t] = t < n ? seq[static_cast<size_t>(t)] : pad;
+    y[t] = t + 1 < n && t + 1 >= counted_from ? seq[static_cast<size_t>(t + 1)] : kIgnoreTarget;
+  }
 }
 
 std::vector<PromptExample> read_prompt_file(const std::string& path, const Tokenizer& tokenizer) {

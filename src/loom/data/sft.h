@@ -14,6 +14,7 @@
 // not render (or does not render conversations as prefixes of each other).
 #pragma once
 #include <cstdint>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -48,6 +49,12 @@ struct PreferencePair {
   std::string line;  // "path:number", for errors
 };
 std::vector<PreferencePair> read_preference_file(const std::string& path, const Tokenizer& tokenizer);
+
+// One row of a batch of whole sequences (DPO's pairs, GRPO's rollouts): x (T) = seq padded with
+// `pad`; y (T) = the next token where it is at index counted_from or later (the completion),
+// kIgnoreTarget elsewhere (the prompt, the padding). seq holds at most T + 1 tokens.
+void write_completion_row(std::span<const int32_t> seq, int64_t counted_from, int64_t T, int32_t pad, int32_t* x,
+                          int32_t* y);
 
 // Prompts with a verifiable answer (train.objective = grpo, train/grpo.h): {"prompt": "...",
 // "answer": "..."} per line; the prompt tokenized as a jsonl example's (BOS where the tokenizer's

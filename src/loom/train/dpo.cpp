@@ -4,7 +4,6 @@
 #include <numeric>
 
 #include "loom/core/error.h"
-#include "loom/core/targets.h"
 
 namespace loom {
 
@@ -59,8 +58,8 @@ PreferenceBatches::PreferenceBatches(std::vector<PreferencePair> pairs, int64_t 
       LOOM_CHECK(static_cast<int64_t>(s.tokens.size()) <= seq_len + 1, p.line, ": the prompt and the ",
                  side == 0 ? "chosen" : "rejected", " completion are ", s.tokens.size(), " tokens, more than "
                  "train.seq_len + 1 = ", seq_len + 1);
-      q[side].tokens = s.tokens;
-      q[side].mask = s.mask;
+      q[side].tokens = s.tokens;  // the prompt (mask 0), then the completion and its end (mask 1)
+      q[side].prompt = static_cast<int64_t>(s.tokens.size()) - s.counted;
       q[side].length = s.counted;
     }
   }
@@ -77,11 +76,8 @@ void PreferenceBatches::fill_pairs(const std::vector<int64_t>& ids, const Tensor
   for (size_t i = 0; i < ids.size(); ++i) {
     for (int side = 0; side < 2; ++side) {
       const Sequence& s = pairs_[static_cast<size_t>(ids[i])][static_cast<size_t>(side)];
-      const int64_t row = 2 * static_cast<int64_t>(i) + side, n = static_cast<int64_t>(s.tokens.size());
-      for (int64_t t = 0; t < T; ++t) {
-        x[row * T + t] = t < n ? s.tokens[static_cast<size_t>(t)] : pad_;
-        y[row * T + t] = t + 1 < n && s.mask[static_cast<size_t>(t + 1)] ? s.tokens[static_cast<size_t>(t + 1)] : kIgnoreTarget;
-      }
+      const int64_t row = 2 * static_cast<int64_t>(i) + side;
+      write_completion_row(s.tokens, s.prompt, T, pad_, x + row * T, y + row * T);
       rows_.push_back({ids[i], side == 0, s.reference, s.length});
     }
   }
@@ -90,11 +86,7 @@ void PreferenceBatches::fill_pairs(const std::vector<int64_t>& ids, const Tensor
 void PreferenceBatches::fill(const Tensor& tokens, const Tensor& targets) {
   LOOM_CHECK(tokens.ndim() == 2 && tokens.dim(0) % 2 == 0, "PreferenceBatches: ", tokens.dim(0),
              " rows; preference batches hold pairs (train.batch_size must be even)");
-  const int64_t n = tokens.dim(0) / 2;
-  const Tensor ids = Tensor::empty(host_, {n, 1}, DTYPE_I32, MEM_WORKSPACE);
-  const Tensor next = Tensor::empty(host_, {n, 1}, DTYPE_I32, MEM_WORKSPACE);
-  order_.fill(ids, next);
-  fill_pairs(std::vector<int64_t>(ids.data<int32_t>(), ids.data<int32_t>() + n), tokens, targets);
+  fill_pairs(order_.next_windows(tokens.dim(0) / 2), tokens, targets);
 }
 
 void PreferenceBatches::fill_from(int64_t first, const Tensor& tokens, const Tensor& targets) {

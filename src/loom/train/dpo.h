@@ -72,7 +72,7 @@ class PreferenceBatches final : public ResumableSource {
   void fill_pairs(const std::vector<int64_t>& ids, const Tensor& tokens, const Tensor& targets);
   struct Sequence {
     std::vector<int32_t> tokens;
-    std::vector<uint8_t> mask;
+    int64_t prompt = 0;  // tokens before the completion (not counting)
     int64_t length = 0;  // completion tokens (counting)
     double reference = 0.0;
   };
@@ -80,7 +80,6 @@ class PreferenceBatches final : public ResumableSource {
   int64_t seq_len_;
   int32_t pad_;
   TokenLoader order_;  // over the pair indices, windows of one
-  CpuAllocator host_;
   std::vector<RowInfo> rows_;
 };
 

@@ -160,9 +160,7 @@ void GrpoBatches::fill(const Tensor& tokens, const Tensor& targets) {
              "train.objective = grpo: train.batch_size (", B, ") must be a multiple of grpo.group (", G, ")");
   const int64_t P = B / G;
   const LoaderState at = order_.state();
-  const Tensor ids_t = Tensor::empty(host_, {P, 1}, DTYPE_I32, MEM_WORKSPACE);
-  order_.fill(ids_t, Tensor::empty(host_, {P, 1}, DTYPE_I32, MEM_WORKSPACE));
-  const std::vector<int64_t> ids(ids_t.data<int32_t>(), ids_t.data<int32_t>() + P);
+  const std::vector<int64_t> ids = order_.next_windows(P);
   // The rollout's seeds follow the position in the prompt order: a resumed run draws the same.
   const uint64_t draw = at.epoch * at.windows_per_epoch + at.index;
   const std::vector<std::vector<int32_t>> completions = generate(ids, G, config_.temperature, seed_ ^ (draw * 0x9E3779B97F4A7C15ull));
@@ -176,11 +174,7 @@ void GrpoBatches::fill(const Tensor& tokens, const Tensor& targets) {
     const std::vector<int32_t>& completion = completions[static_cast<size_t>(row)];
     std::vector<int32_t> seq = prompt;
     seq.insert(seq.end(), completion.begin(), completion.end());
-    const auto n = static_cast<int64_t>(seq.size()), first = static_cast<int64_t>(prompt.size());
-    for (int64_t t = 0; t < T; ++t) {
-      x[row * T + t] = t < n ? seq[static_cast<size_t>(t)] : pad_;
-      y[row * T + t] = t + 1 < n && t + 1 >= first ? seq[static_cast<size_t>(t + 1)] : kIgnoreTarget;
-    }
+    write_completion_row(seq, static_cast<int64_t>(prompt.size()), T, pad_, x + row * T, y + row * T);
     rollout_.lengths[static_cast<size_t>(row)] = static_cast<int64_t>(completion.size());
     stats_.reward += rollout_.rewards[static_cast<size_t>(row)];
     stats_.tokens += static_cast<int64_t>(completion.size());

@@ -104,7 +104,6 @@ class GrpoBatches final : public ResumableSource {
   std::vector<int32_t> stop_;
   int32_t pad_;
   TokenLoader order_;  // over the prompt indices, windows of one
-  CpuAllocator host_;
   std::unique_ptr<Transformer> reference_;
   ActivationStore reference_store_;
   Rollout rollout_;

@@ -127,14 +127,36 @@ TrainingModel parallelize(Backend& backend, const LoomConfig& config, ParallelLa
   return std::move(b.out);
 }
 
+namespace {
+
+// The last data.val_fraction of `items` (at least one, and one left), moved out of it.
+template <typename Item>
+std::vector<Item> hold_out(std::vector<Item>& items, const LoomConfig& config, const char* what) {
+  const auto n = static_cast<int64_t>(items.size());
+  LOOM_CHECK(n >= 2, config.data.input, ": ", n, " ", what, "; at least 2 are needed (one held out for validation)");
+  const int64_t held =
+      std::clamp<int64_t>(static_cast<int64_t>(std::floor(static_cast<double>(n) * config.data.val_fraction)), 1, n - 1);
+  std::vector<Item> val(std::make_move_iterator(items.end() - held), std::make_move_iterator(items.end()));
+  items.resize(static_cast<size_t>(n - held));
+  return val;
+}
+
+}  // namespace
+
+Allocator& TrainingData::slice_rows(const LoomConfig& config, const ParallelLayout& layout, Allocator& allocator) {
+  // Each data-parallel rank trains on its rows of the global batch the source draws.
+  const Communicator& dp = layout.batch_group();
+  Allocator& staging = allocator.host_accessible() ? allocator : host_;  // batch sources write host memory
+  rank_ = std::make_unique<RankSliceSource>(*train_, staging, dp.rank(), dp.size(), config.train.batch_size,
+                                            config.train.seq_len);
+  return staging;
+}
+
 TrainingData::TrainingData(TokenDataset data, const LoomConfig& config, const ParallelLayout& layout, Allocator& allocator) {
   const int64_t B = config.train.batch_size, T = config.train.seq_len;
   train_ = std::make_unique<TokenLoader>(std::move(data.train), T, config.loop.seed);
   val_ = std::make_unique<TokenLoader>(std::move(data.val), T, config.loop.seed, LOADER_ORDER_SEQUENTIAL);
-  // Each data-parallel rank trains on its rows of the global batch the loader draws.
-  const Communicator& dp = layout.batch_group();
-  Allocator& staging = allocator.host_accessible() ? allocator : host_;  // batch sources write host memory
-  rank_ = std::make_unique<RankSliceSource>(*train_, staging, dp.rank(), dp.size(), B, T);
+  Allocator& staging = slice_rows(config, layout, allocator);
   cp_ = layout.group(Axis::cp);
   if (cp_ != nullptr) {
     cp_train_ = std::make_unique<ContextSliceSource>(*rank_, staging, cp_->rank(), cp_->size(), B, T);
@@ -144,30 +166,22 @@ TrainingData::TrainingData(TokenDataset data, const LoomConfig& config, const Pa
 
 TrainingData::TrainingData(std::vector<PreferencePair> pairs, int32_t pad_token, const LoomConfig& config,
                            const ParallelLayout& layout, Allocator& allocator) {
-  const int64_t B = config.train.batch_size, T = config.train.seq_len, n = static_cast<int64_t>(pairs.size());
-  LOOM_CHECK(n >= 2, config.data.input, ": ", n, " preference pair; at least 2 are needed (one held out for validation)");
-  const int64_t held = std::clamp<int64_t>(static_cast<int64_t>(std::floor(static_cast<double>(n) * config.data.val_fraction)), 1, n - 1);
-  std::vector<PreferencePair> val(std::make_move_iterator(pairs.end() - held), std::make_move_iterator(pairs.end()));
-  pairs.resize(static_cast<size_t>(n - held));
+  const int64_t T = config.train.seq_len;
+  std::vector<PreferencePair> val = hold_out(pairs, config, "preference pairs");
   auto train = std::make_unique<PreferenceBatches>(std::move(pairs), T, config.loop.seed, LOADER_ORDER_SHUFFLED, pad_token, "train");
   auto held_out = std::make_unique<PreferenceBatches>(std::move(val), T, config.loop.seed, LOADER_ORDER_SEQUENTIAL, pad_token, "val");
   preference_ = {train.get(), held_out.get()};
-  val_pairs_per_batch_ = B / 2;
+  val_pairs_per_batch_ = config.train.batch_size / 2;
   train_ = std::move(train);
   val_ = std::move(held_out);
-  const Communicator& dp = layout.batch_group();
-  Allocator& staging = allocator.host_accessible() ? allocator : host_;
-  rank_ = std::make_unique<RankSliceSource>(*train_, staging, dp.rank(), dp.size(), B, T);
+  slice_rows(config, layout, allocator);
 }
 
 TrainingData::TrainingData(std::vector<PromptExample> prompts, Transformer& policy,
                            std::function<std::string(const std::vector<int32_t>&)> decode, std::vector<int32_t> stop,
                            int32_t pad_token, const LoomConfig& config, const ParallelLayout& layout, Allocator& allocator) {
-  const int64_t B = config.train.batch_size, T = config.train.seq_len, n = static_cast<int64_t>(prompts.size());
-  LOOM_CHECK(n >= 2, config.data.input, ": ", n, " prompt; at least 2 are needed (one held out for validation)");
-  const int64_t held = std::clamp<int64_t>(static_cast<int64_t>(std::floor(static_cast<double>(n) * config.data.val_fraction)), 1, n - 1);
-  std::vector<PromptExample> val(std::make_move_iterator(prompts.end() - held), std::make_move_iterator(prompts.end()));
-  prompts.resize(static_cast<size_t>(n - held));
+  const int64_t T = config.train.seq_len;
+  std::vector<PromptExample> val = hold_out(prompts, config, "prompts");
   GrpoConfig held_out_config = config.grpo;
   held_out_config.beta = 0.0;  // the held-out prompts are only decoded greedily: no reference model
   auto train = std::make_unique<GrpoBatches>(std::move(prompts), policy, config.grpo, T, config.loop.seed,
@@ -177,9 +191,7 @@ TrainingData::TrainingData(std::vector<PromptExample> prompts, Transformer& poli
   grpo_ = {train.get(), held_out.get()};
   train_ = std::move(train);
   val_ = std::move(held_out);
-  const Communicator& dp = layout.batch_group();
-  Allocator& staging = allocator.host_accessible() ? allocator : host_;
-  rank_ = std::make_unique<RankSliceSource>(*train_, staging, dp.rank(), dp.size(), B, T);
+  slice_rows(config, layout, allocator);
 }
 
 double TrainingData::validation_loss(Trainer& trainer, int64_t batches, Allocator& allocator) {

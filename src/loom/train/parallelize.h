@@ -68,6 +68,8 @@ class TrainingData {
   std::unique_ptr<ResumableSource> train_, val_;
   std::vector<PreferenceBatches*> preference_;
   std::vector<GrpoBatches*> grpo_;
+  // rank_ over train_; returns the allocator the sources stage batches in.
+  Allocator& slice_rows(const LoomConfig& config, const ParallelLayout& layout, Allocator& allocator);
   int64_t val_pairs_per_batch_ = 0;
   std::unique_ptr<RankSliceSource> rank_;
   std::unique_ptr<ContextSliceSource> cp_train_, cp_val_;
