@@ -247,25 +247,36 @@ def run_cuda(args, cfg: ref.ModelConfig) -> dict:
     }
 
 
-def add_lora(P, cfg: ref.ModelConfig, r: int) -> list:
+def add_lora(P, cfg: ref.ModelConfig, r: int, dora: bool = False) -> list:
     """LoRA (Hu et al. 2021) on each block's four linear layers (GPT-2: c_attn, attn.c_proj, c_fc,
     mlp.c_proj), as PEFT's LoraLayer computes it: y = W x + b + s B (A x), s = 2r / r = 2, A
-    Kaiming-uniform, B zero; the base frozen. Installed by wrapping the reference model's `linear`.
-    Returns the adapters (what the optimizer updates)."""
+    Kaiming-uniform, B zero; the base frozen. With dora, PEFT's DoraLinearLayer (Liu et al. 2024):
+    a magnitude m = ||W_j|| per row and y = W x + b + (g - 1) W x + g s B A x, g = m / ||W + s B A||
+    (the norm detached; W x reused from the base output, as PEFT does without dropout).
+    Installed by wrapping the reference model's `linear`. Returns the adapters (what the optimizer
+    updates)."""
     adapters, params = {}, []
     for name, w in P.items():
         if name.startswith("h.") and name.endswith((".c_attn.weight", ".c_proj.weight", ".c_fc.weight")):
             a = torch.empty(r, w.shape[1])
             torch.nn.init.kaiming_uniform_(a, a=5 ** 0.5)
             b = torch.zeros(w.shape[0], r)
-            adapters[w.data_ptr()] = (a.requires_grad_(True), b.requires_grad_(True))
-            params += [a, b]
+            m = w.detach().norm(p=2, dim=1).requires_grad_(True) if dora else None
+            adapters[w.data_ptr()] = (a.requires_grad_(True), b.requires_grad_(True), m)
+            params += [a, b] + ([m] if dora else [])
     base = ref.linear
 
     def lora_linear(x, w, bias=None):
         y = base(x, w, bias)
         ab = adapters.get(w.data_ptr())
-        return y if ab is None else y + 2.0 * torch.nn.functional.linear(torch.nn.functional.linear(x, ab[0]), ab[1])
+        if ab is None:
+            return y
+        lora = torch.nn.functional.linear(torch.nn.functional.linear(x, ab[0]), ab[1])
+        if ab[2] is None:
+            return y + 2.0 * lora
+        gain = ab[2] / (w + 2.0 * (ab[1] @ ab[0])).norm(p=2, dim=1).detach()
+        base_out = y - bias if bias is not None else y
+        return y + (gain - 1) * base_out + gain * (2.0 * lora)
 
     ref.linear = lora_linear
     return params
@@ -288,7 +299,7 @@ def run_cpu(args, cfg: ref.ModelConfig) -> dict:
     P = {k: v.requires_grad_(args.lora == 0) for k, v in ref.init_params(cfg, seed=args.seed, dtype=torch.float32).items()}
     params = list(P.values())
     if args.lora > 0:  # LoRA as PEFT computes it: y = W x + s B (A x) on every block linear, W frozen
-        params = add_lora(P, cfg, args.lora)
+        params = add_lora(P, cfg, args.lora, args.dora)
     opt = make_optimizer(params, lr=3e-4, weight_decay=0.1)
     data = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1))
     tokens, targets = data[:, :-1].contiguous(), data[:, 1:].contiguous()
@@ -335,6 +346,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2, help="CPU threads (--device cpu)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lora", type=int, default=0, help="> 0: LoRA of this rank on the block linears, the base frozen (cpu)")
+    ap.add_argument("--dora", type=int, default=0, help="1: with --lora, DoRA's magnitudes (PEFT's use_dora)")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--compile", type=int, choices=[0, 1], default=None,
                     help="torch.compile the model (cuda only; default 1 on cuda)")

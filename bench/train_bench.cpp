@@ -1,7 +1,7 @@
 // Training throughput of Loom on the CPU: a GPT-2-shaped model, random tokens, AdamW steps.
 // Prints one JSON line: tokens/s, step time, MFU against the GEMM peak measured in the same
 // process (oneDNN sgemm, 2048^3, best of several), and peak bytes per memory category.
-//   build/bench/train_bench --model gpt2-124m --batch 4 --seq 64 --steps 10 --warmup 2 [--compute LIST] [--lora R [--qlora 1]]
+//   build/bench/train_bench --model gpt2-124m --batch 4 --seq 64 --steps 10 --warmup 2 [--compute LIST] [--lora R [--qlora 1] [--dora 1]]
 // --compute takes a comma-separated list of linear recipes (precision/policy.h: f32, bf16, fp16,
 // fp8-delayed, fp8-current, fp8-block), each optionally with +mxfp4 or +nvfp4 (weight QAT);
 // "both" means f32,bf16. Each runs in the same process, one JSON line each; with more than one, a
@@ -36,6 +36,7 @@ struct Args {
   double peak_tflops = 0.0;    // > 0: MFU against this stated peak instead of the measured GEMM peak
   int64_t lora = 0;            // > 0: LoRA of this rank on every linear layer of the blocks, the base frozen
   bool qlora = false;          // with --lora: the base's block matrices in NF4 (peft.quantize_base)
+  bool dora = false;           // with --lora: DoRA's magnitudes (peft.dora)
 };
 
 Args parse(int argc, char** argv) {
@@ -53,8 +54,9 @@ Args parse(int argc, char** argv) {
     else if (key == "--peak-tflops") a.peak_tflops = std::stod(value);
     else if (key == "--lora") a.lora = std::stoll(value);
     else if (key == "--qlora") a.qlora = value == "1" || value == "true";
+    else if (key == "--dora") a.dora = value == "1" || value == "true";
     else throw Error("unknown option " + key + " (expected --model, --batch, --seq, --steps, --warmup, --compute, "
-                     "--device, --flash, --peak-tflops, --lora, --qlora)");
+                     "--device, --flash, --peak-tflops, --lora, --qlora, --dora)");
   }
   return a;
 }
@@ -96,6 +98,7 @@ double run(const Args& args, const std::string& compute, double peak) {
     config.lora_rank = args.lora;
     config.lora_alpha = static_cast<float>(2 * args.lora);
     config.lora_targets = config.arch == ARCH_GPT2 ? "q,k,v,o,up,down" : "q,k,v,o,gate,up,down";
+    config.lora_dora = args.dora;
   }
   Transformer model(*backend, config);
   model.init_weights(1);

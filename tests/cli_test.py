@@ -568,6 +568,24 @@ class Cli(unittest.TestCase):
         self.assert_one_line_error(p, "peft.rank = 100000 is larger than")
         p = run("convert", "--to", "peft", "--checkpoint", hf, "--out", adapter + "_none", expect_ok=False)
         self.assert_one_line_error(p, "has no LoRA adapters")
+        # DoRA (peft.dora): the same path with trained magnitudes; PEFT's use_dora layout, the
+        # merged export equal to the adapted model.
+        p = self.train("dora_ft", "--set", peft + ",peft.dora=true,optim.lr=0.01", steps=6)
+        self.assertIn("DoRA (LoRA with trained magnitudes): rank 4", p.stdout)
+        ft = os.path.join(self.tmp, "runs", "dora_ft")
+        adapter, merged = os.path.join(self.tmp, "dora_adapter"), os.path.join(self.tmp, "dora_merged")
+        run("convert", "--to", "peft", "--checkpoint", ft, "--out", adapter)
+        with open(os.path.join(adapter, "adapter_config.json")) as f:
+            self.assertTrue(json.load(f)["use_dora"])
+        run("convert", "--to", "hf", "--checkpoint", ft, "--out", merged, "--tokenizer", "byte")
+        merged_loom = merged + "_loom"
+        run("convert", "--to", "loom", "--checkpoint", merged, "--out", merged_loom, "--tokenizer", "byte")
+        tuned = loss("--checkpoint", ft)
+        self.assertEqual(loss("--checkpoint", base, "--adapter", adapter), tuned)
+        self.assertLess(abs(loss("--checkpoint", merged_loom) - tuned), 1e-5 * tuned)  # m (W + s B A) / ||.||
+        self.assertNotEqual(loss("--checkpoint", base), tuned)
+        p = self.train("dora_bad", "--set", peft + ",peft.dora=true,peft.quantize_base=true", expect_ok=False)
+        self.assert_one_line_error(p, "peft.dora with peft.quantize_base")
 
     def test_sft_chat_data_trains_on_the_assistant_tokens_and_bad_lines_are_named(self):
         chats = os.path.join(ROOT, "examples", "sft", "arithmetic_chat.jsonl")

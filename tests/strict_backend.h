@@ -36,6 +36,7 @@ class StrictBackend final : public Backend {
     caps.every_optimizer = true;  // the optimizer ops below
     caps.zero_sharding = true;  // ZeRO zeroes and scales its shard, and zeroes released ranges, through the backend
     caps.model_parallel = true;  // tp / sp / pp / cp / ep: slicing through copy / copy_block, the vocab and ring ops
+    caps.dora = true;  // row_norms, dora_weight, dora_backward
     return caps;
   }
   Allocator& allocator() override { return allocator_; }
@@ -278,6 +279,15 @@ class StrictBackend final : public Backend {
   }
   void round_bf16(const Tensor& x, bool stochastic, const RoundingDraw& draw) override {
     cpu_->round_bf16(h(x), stochastic, draw);
+  }
+  void row_norms(const Tensor& x, const Tensor& norms) override { cpu_->row_norms(h(x), h(norms)); }
+  void dora_weight(const Tensor& merged, const Tensor& base, const Tensor& magnitude, const Tensor& norms,
+                   const Tensor& out) override {
+    cpu_->dora_weight(h(merged), h(base), h(magnitude), h(norms), h(out));
+  }
+  void dora_backward(const Tensor& grad, const Tensor& merged, const Tensor& magnitude, const Tensor& norms,
+                     const Tensor& dmagnitude) override {
+    cpu_->dora_backward(h(grad), h(merged), h(magnitude), h(norms), h(dmagnitude));
   }
   // ---- optimizer ops
   void sgd_step(const Tensor& p, const Tensor& g, const Tensor& buf, const OptimHyper& hy) override {

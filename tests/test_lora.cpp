@@ -2,13 +2,16 @@
 // the flat layout, a LoRA model at step 0 equal to its base bit for bit, finite differences of
 // the adapters' gradients, the frozen base (no gradient written, no optimizer state, its gradient
 // pages released), merging (the base untouched, the merged model's logits those of the adapted
-// one), PEFT's layout written and read back, and the refusals naming peft.* keys. PyTorch's
-// reference of the formula on PEFT-layout adapters: tests/test_lora_parity.cpp.
+// one), PEFT's layout written and read back, and the refusals naming peft.* keys; then the same
+// for DoRA (peft.dora, below). PyTorch's reference of the formulas on PEFT-layout adapters:
+// tests/test_lora_parity.cpp.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+
+#include <nlohmann/json.hpp>
 
 #include "loom/arch/param_layout.h"
 #include "loom/checkpoint/peft.h"
@@ -21,6 +24,7 @@
 #include "loom/model/transformer.h"
 #include "loom/nn/lora.h"
 #include "loom/train/trainer.h"
+#include "strict_backend.h"
 #include "test_util.h"
 
 namespace loom {
@@ -46,12 +50,20 @@ void fill_tokens(ActivationStore& s, int32_t vocab, uint64_t seed) {
   }
 }
 
-// Every adapter's B gets random values (a trained adapter), so that LoRA changes the outputs.
-void randomize_adapters(Transformer& m, uint64_t seed) {
-  const int64_t begin = lora_begin(m.config(), m.layout());
+bool is_magnitude(const ParamSpec& p) { return p.name.find(".lora_magnitude_vector") != std::string::npos; }
+
+// Every adapter's A and B get random values (a trained adapter), so that LoRA changes the
+// outputs; DoRA's magnitudes their initial norms perturbed by up to 30%.
+void randomize_adapters(Transformer& m, uint64_t seed, bool dora = false) {
   float* p = m.params().data<float>();
-  for (int64_t i = begin; i < m.layout().total; ++i) {
-    p[i] = 0.3f * std::sin(static_cast<float>(i * 12.9898 + static_cast<double>(seed)));
+  const int64_t begin = lora_begin(m.config(), m.layout());
+  for (const ParamSpec& spec : m.layout().params) {
+    if (spec.offset < begin) continue;
+    for (int64_t i = spec.offset; i < spec.offset + spec.numel; ++i) {
+      const float r = std::sin(static_cast<float>(static_cast<double>(i) * 12.9898 + static_cast<double>(seed)));
+      if (dora && is_magnitude(spec)) p[i] *= 1.0f + 0.3f * r;
+      else p[i] = 0.3f * r;
+    }
   }
 }
 
@@ -106,20 +118,40 @@ TEST(LoraLayout, AdaptersFollowTheUnchangedBase) {
   EXPECT_EQ(rs.lora_scale(), 4.0f);  // 8 / sqrt(4)
 }
 
+// Step 0 is the base bit for bit (LoRA: B = 0; DoRA: also m = the rows' norms, so g = 1).
 TEST(LoraModel, StepZeroGivesTheBaseLogitsBitwise) {
-  for (const char* preset : {"gpt2-tiny", "llama-tiny"}) {
-    auto backend = make_cpu_backend();
-    const ModelConfig base = model_preset(preset);
-    Transformer plain(*backend, base);
-    plain.init_weights(7);
-    Transformer adapted(*backend, lora_of(base, every_target(base)));
-    adapted.init_weights(7);
-    // Same base weights (same offsets and Philox streams); A random, B zero.
-    ASSERT_EQ(std::memcmp(plain.params().data<float>(), adapted.params().data<float>(),
-                          static_cast<size_t>(plain.params().numel()) * sizeof(float)), 0) << preset;
-    const std::vector<float> want = logits_of(plain, 2, 16), got = logits_of(adapted, 2, 16);
-    ASSERT_EQ(want.size(), got.size());
-    EXPECT_EQ(std::memcmp(want.data(), got.data(), want.size() * sizeof(float)), 0) << preset;
+  for (const bool dora : {false, true}) {
+    for (const char* preset : {"gpt2-tiny", "llama-tiny"}) {
+      auto backend = make_cpu_backend();
+      const ModelConfig base = model_preset(preset);
+      Transformer plain(*backend, base);
+      plain.init_weights(7);
+      ModelConfig c = lora_of(base, every_target(base));
+      c.lora_dora = dora;
+      Transformer adapted(*backend, c);
+      adapted.init_weights(7);
+      // Same base weights (same offsets and Philox streams); A random, B zero.
+      ASSERT_EQ(std::memcmp(plain.params().data<float>(), adapted.params().data<float>(),
+                            static_cast<size_t>(plain.params().numel()) * sizeof(float)), 0) << preset;
+      const std::vector<float> want = logits_of(plain, 2, 16), got = logits_of(adapted, 2, 16);
+      ASSERT_EQ(want.size(), got.size());
+      EXPECT_EQ(std::memcmp(want.data(), got.data(), want.size() * sizeof(float)), 0) << preset << " dora " << dora;
+      if (!dora) continue;
+      // m = ||W_j|| of the rows each adapter covers (q, k, v of the fused qkv apart for Llama).
+      const LoraSite site = lora_sites(c, 1).back();
+      const ParamSpec& w = adapted.layout().find(site.weight);
+      const ParamSpec& m = adapted.layout().find(site.module + ".lora_magnitude_vector");
+      ASSERT_EQ(m.numel, site.out_count);
+      const float* p = adapted.params().data<float>();
+      for (int64_t j = 0; j < site.out_count; j += 7) {
+        double ss = 0.0;
+        for (int64_t i = 0; i < site.in; ++i) {
+          const double v = p[w.offset + (site.out_begin + j) * site.in + i];
+          ss += v * v;
+        }
+        EXPECT_NEAR(p[m.offset + j], std::sqrt(ss), 1e-6 * std::sqrt(ss)) << preset << " " << m.name;
+      }
+    }
   }
 }
 
@@ -204,89 +236,119 @@ TEST(LoraDropout, GradientsAreThoseOfTheMaskedLossAndEvaluationHasNone) {
 
 // Decoding (Transformer::forward_rows through a paged KV cache) applies the adapters too: each
 // position's logits equal the full forward's.
+void expect_decoding_matches_full(Backend& backend, Transformer& model, const std::string& what) {
+  const ModelConfig& c = model.config();
+  const int64_t T = 6, V = c.vocab_size;
+  ActivationStore full = model.allocate_store(1, T);
+  fill_tokens(full, static_cast<int32_t>(V), 2);
+  model.forward(full, false);
+  EngineConfig ec;
+  ec.max_batch = 1;
+  auto cache = make_paged_kv_cache(engine_cache_config(c, ec), &backend.allocator());
+  kvtest::CacheRows rows;
+  rows.cache = cache.get(), rows.config = &c, rows.seqs = {cache->add_sequence()};
+  ActivationStore one = model.allocate_rows(1);
+  for (int64_t t = 0; t < T; ++t) {
+    model.forward_rows(one, {full.tokens.data<int32_t>()[t]}, {t}, rows);
+    std::vector<double> got(one.logits.data<float>(), one.logits.data<float>() + V);
+    std::vector<double> want(full.logits.data<float>() + t * V, full.logits.data<float>() + (t + 1) * V);
+    EXPECT_LT(test::max_rel_error(got, want), 1e-5) << what << " position " << t;
+    cache->advance(rows.seqs[0]);
+  }
+}
+
 TEST(LoraModel, DecodingRowsMatchTheFullForward) {
   for (const char* preset : {"gpt2-tiny", "llama-tiny"}) {
     auto backend = make_cpu_backend();
     const ModelConfig base = model_preset(preset);
-    const ModelConfig c = lora_of(base, every_target(base));
-    Transformer model(*backend, c);
+    Transformer model(*backend, lora_of(base, every_target(base)));
     model.init_weights(3);
     randomize_adapters(model, 9);
-    const int64_t T = 6, V = c.vocab_size;
-    ActivationStore full = model.allocate_store(1, T);
-    fill_tokens(full, static_cast<int32_t>(V), 2);
-    model.forward(full, false);
-    EngineConfig ec;
-    ec.max_batch = 1;
-    auto cache = make_paged_kv_cache(engine_cache_config(c, ec), &backend->allocator());
-    kvtest::CacheRows rows;
-    rows.cache = cache.get(), rows.config = &c, rows.seqs = {cache->add_sequence()};
-    ActivationStore one = model.allocate_rows(1);
-    for (int64_t t = 0; t < T; ++t) {
-      model.forward_rows(one, {full.tokens.data<int32_t>()[t]}, {t}, rows);
-      std::vector<double> got(one.logits.data<float>(), one.logits.data<float>() + V);
-      std::vector<double> want(full.logits.data<float>() + t * V, full.logits.data<float>() + (t + 1) * V);
-      EXPECT_LT(test::max_rel_error(got, want), 1e-5) << preset << " position " << t;
-      cache->advance(rows.seqs[0]);
+    expect_decoding_matches_full(*backend, model, preset);
+  }
+}
+
+// Merging (DoRA too): the base untouched, the merged model's logits those of the adapted one; the
+// adapters matter (the base's logits differ, and for DoRA also plain LoRA's with the same A, B).
+TEST(LoraModel, MergeKeepsTheBaseAndGivesTheAdaptedLogits) {
+  for (const bool dora : {false, true}) {
+    for (const char* preset : {"gpt2-tiny", "llama-tiny"}) {
+      const std::string what = str_cat(preset, dora ? " DoRA" : " LoRA");
+      auto backend = make_cpu_backend();
+      const ModelConfig base = model_preset(preset);
+      ModelConfig c = lora_of(base, every_target(base));
+      c.lora_dora = dora;
+      Transformer adapted(*backend, c);
+      adapted.init_weights(11);
+      randomize_adapters(adapted, 13, dora);
+      const std::vector<float> before(adapted.params().data<float>(),
+                                      adapted.params().data<float>() + adapted.params().numel());
+      Transformer merged(*backend, lora_base_config(c));
+      lora_merge(*backend, c, adapted.params(), merged.params());
+      // Unmerged = the base, bit for bit: merging wrote elsewhere.
+      EXPECT_EQ(std::memcmp(before.data(), adapted.params().data<float>(), before.size() * sizeof(float)), 0);
+      const std::vector<float> a = logits_of(adapted, 2, 12), m = logits_of(merged, 2, 12);
+      const std::vector<double> ad(a.begin(), a.end()), md(m.begin(), m.end());
+      EXPECT_LT(test::max_rel_error(md, ad), 1e-5) << what;
+      // The other model with the same bytes where its layout has them: the base (LoRA), or plain
+      // LoRA with the same A and B (DoRA).
+      ModelConfig other_config = dora ? c : base;
+      other_config.lora_dora = false;
+      Transformer other(*backend, other_config);
+      for (const ParamSpec& spec : other.layout().params) {
+        std::memcpy(other.params().data<float>() + spec.offset, before.data() + adapted.layout().find(spec.name).offset,
+                    static_cast<size_t>(spec.numel) * sizeof(float));
+      }
+      const std::vector<float> o = logits_of(other, 2, 12);
+      EXPECT_GT(test::max_rel_error(std::vector<double>(o.begin(), o.end()), ad), 1e-3) << what;
+      if (dora) expect_decoding_matches_full(*backend, adapted, what);
     }
   }
 }
 
-TEST(LoraModel, MergeKeepsTheBaseAndGivesTheAdaptedLogits) {
-  for (const char* preset : {"gpt2-tiny", "llama-tiny"}) {
-    auto backend = make_cpu_backend();
-    const ModelConfig base = model_preset(preset);
-    const ModelConfig c = lora_of(base, every_target(base));
-    Transformer adapted(*backend, c);
-    adapted.init_weights(11);
-    randomize_adapters(adapted, 13);
-    const std::vector<float> before(adapted.params().data<float>(),
-                                    adapted.params().data<float>() + adapted.params().numel());
-    Transformer merged(*backend, lora_base_config(c));
-    lora_merge(*backend, c, adapted.params(), merged.params());
-    // Unmerged = the base, bit for bit: merging wrote elsewhere.
-    EXPECT_EQ(std::memcmp(before.data(), adapted.params().data<float>(), before.size() * sizeof(float)), 0);
-    const std::vector<float> a = logits_of(adapted, 2, 12), m = logits_of(merged, 2, 12);
-    const std::vector<double> ad(a.begin(), a.end()), md(m.begin(), m.end());
-    const double err = test::max_rel_error(md, ad);
-    EXPECT_LT(err, 1e-5) << preset;
-    // And the adapters matter: the base model's logits differ.
-    Transformer plain(*backend, base);
-    std::memcpy(plain.params().data<float>(), before.data(), static_cast<size_t>(plain.params().numel()) * sizeof(float));
-    const std::vector<float> p = logits_of(plain, 2, 12);
-    const std::vector<double> pd(p.begin(), p.end());
-    EXPECT_GT(test::max_rel_error(pd, ad), 1e-3) << preset;
-  }
-}
-
+// PEFT's folders (DoRA's use_dora and magnitudes too) written and read back bit for bit.
 TEST(LoraPeft, AdapterFoldersRoundTrip) {
-  for (const char* preset : {"gpt2-tiny", "llama-tiny"}) {
-    auto backend = make_cpu_backend();
-    const ModelConfig base = model_preset(preset);
-    ModelConfig c = lora_of(base, base.arch == ARCH_GPT2 ? "q,k,v,up" : "k,o,down", 3, 6.0f);
-    c.lora_rslora = true;
-    c.lora_dropout = 0.05f;
-    Transformer model(*backend, c);
-    model.init_weights(1);
-    randomize_adapters(model, 2);
-    const std::string dir = (fs::temp_directory_path() / ("loom_peft_" + std::string(preset))).string();
-    fs::remove_all(dir);
-    save_peft_adapter(dir, ModelState{c, model.params()});
-    ASSERT_TRUE(is_peft_adapter_dir(dir));
-    const ModelConfig read = peft_adapter_config(dir, base);
-    EXPECT_TRUE(read.lora());
-    EXPECT_EQ(read.lora_rank, 3);
-    EXPECT_EQ(read.lora_alpha, 6.0f);
-    EXPECT_TRUE(read.lora_rslora);
-    EXPECT_EQ(read.lora_dropout, 0.05f);  // adapter_config.json's lora_dropout
-    EXPECT_EQ(read.lora_targets, c.lora_targets);
-    Transformer back(*backend, read);
-    back.init_weights(99);  // different adapters until loaded
-    load_peft_adapter(dir, ModelState{read, back.params()});
-    const int64_t begin = lora_begin(c, model.layout());
-    EXPECT_EQ(std::memcmp(model.params().data<float>() + begin, back.params().data<float>() + begin,
-                          static_cast<size_t>(model.layout().total - begin) * sizeof(float)), 0) << preset;
-    fs::remove_all(dir);
+  for (const bool dora : {false, true}) {
+    for (const char* preset : {"gpt2-tiny", "llama-tiny"}) {
+      const std::string what = str_cat(preset, dora ? " DoRA" : " LoRA");
+      auto backend = make_cpu_backend();
+      const ModelConfig base = model_preset(preset);
+      ModelConfig c = lora_of(base, base.arch == ARCH_GPT2 ? "q,k,v,up" : "k,o,down", 3, 6.0f);
+      c.lora_rslora = true;
+      c.lora_dropout = 0.05f;
+      c.lora_dora = dora;
+      Transformer model(*backend, c);
+      model.init_weights(1);
+      randomize_adapters(model, 2, dora);
+      const std::string dir = (fs::temp_directory_path() / ("loom_peft_" + std::string(preset))).string();
+      fs::remove_all(dir);
+      save_peft_adapter(dir, ModelState{c, model.params()});
+      ASSERT_TRUE(is_peft_adapter_dir(dir));
+      const nlohmann::json j = nlohmann::json::parse(test::read_file_bytes(dir + "/adapter_config.json"));
+      EXPECT_EQ(j.at("use_dora").get<bool>(), dora) << what;
+      const ModelConfig read = peft_adapter_config(dir, base);
+      EXPECT_TRUE(read.lora());
+      EXPECT_EQ(read.lora_rank, 3);
+      EXPECT_EQ(read.lora_alpha, 6.0f);
+      EXPECT_TRUE(read.lora_rslora);
+      EXPECT_EQ(read.lora_dropout, 0.05f);  // adapter_config.json's lora_dropout
+      EXPECT_EQ(read.lora_dora, dora);
+      EXPECT_EQ(read.lora_targets, c.lora_targets);
+      Transformer back(*backend, read);
+      back.init_weights(99);  // different adapters until loaded
+      load_peft_adapter(dir, ModelState{read, back.params()});
+      const int64_t begin = lora_begin(c, model.layout());
+      EXPECT_EQ(std::memcmp(model.params().data<float>() + begin, back.params().data<float>() + begin,
+                            static_cast<size_t>(model.layout().total - begin) * sizeof(float)), 0) << what;
+      if (dora) {  // read as a plain LoRA model's adapter, the magnitudes are named as not belonging
+        ModelConfig lora = read;
+        lora.lora_dora = false;
+        Transformer plain(*backend, lora);
+        const std::string msg = test::error_of([&] { load_peft_adapter(dir, ModelState{lora, plain.params()}); });
+        EXPECT_NE(msg.find("lora_magnitude_vector"), std::string::npos) << msg;
+      }
+      fs::remove_all(dir);
+    }
   }
 }
 
@@ -374,6 +436,130 @@ TEST(LoraConfig, BadKeysAreRefusedByName) {
   ModelConfig zero = lora_of(llama, "q");
   zero.lora_alpha = 0.0f;
   EXPECT_NE(test::error_of([&] { zero.validate(); }).find("peft.alpha"), std::string::npos);
+}
+
+// ---- DoRA (peft.dora; nn/lora.h): the three row ops against naive double references, a DoRA
+// model at step 0 equal to its base bit for bit, the magnitudes' gradients against central
+// differences (A's and B's follow PEFT's detached norm, which finite differences of the model
+// cannot see: tests/test_lora_parity.cpp checks them against PyTorch) and the refusals (merging,
+// decoding and PEFT's use_dora folders: with LoRA's tests above).
+
+ModelConfig dora_of(ModelConfig c, const std::string& targets, int64_t rank = 4, float alpha = 8.0f) {
+  c = lora_of(c, targets, rank, alpha);
+  c.lora_dora = true;
+  return c;
+}
+
+// t's values written into a tensor of `backend` (host data drawn on the CPU backend).
+Tensor on(Backend& backend, const Tensor& host) {
+  const Tensor t = Tensor::empty(backend.allocator(), host.shape(), DTYPE_F32, MEM_WORKSPACE);
+  backend.write(t, host.data<float>());
+  return t;
+}
+
+TEST(DoraOps, RowNormsWeightAndBackwardMatchDoubleReferences) {
+  auto cpu = make_cpu_backend();
+  Allocator& host = cpu->allocator();
+  for (const char* name : {"cpu", "strict"}) {
+    std::unique_ptr<Backend> backend = std::string(name) == "cpu" ? make_cpu_backend() : std::make_unique<test::StrictBackend>();
+    Allocator& a = backend->allocator();
+    const int64_t rows = 37, cols = 53;
+    const Tensor merged = on(*backend, test::random_tensor(host, {rows, cols}, DTYPE_F32, 1));
+    const Tensor base = on(*backend, test::random_tensor(host, {rows, cols}, DTYPE_F32, 2));
+    const Tensor mag = on(*backend, test::random_tensor(host, {rows}, DTYPE_F32, 3));
+    const Tensor grad = on(*backend, test::random_tensor(host, {rows, cols}, DTYPE_F32, 4));
+    const Tensor norms = Tensor::empty(a, {rows}, DTYPE_F32, MEM_WORKSPACE);
+    const Tensor out = Tensor::empty(a, {rows, cols}, DTYPE_F32, MEM_WORKSPACE);
+    const Tensor dm = on(*backend, test::random_tensor(host, {rows}, DTYPE_F32, 5));  // accumulated into
+    const std::vector<double> w = test::values(*backend, merged), b = test::values(*backend, base);
+    const std::vector<double> m = test::values(*backend, mag), g = test::values(*backend, grad);
+    const std::vector<double> dm0 = test::values(*backend, dm);
+    backend->row_norms(merged, norms);
+    backend->dora_weight(merged, base, mag, norms, out);
+    backend->dora_backward(grad, merged, mag, norms, dm);
+    const std::vector<double> n = test::values(*backend, norms), o = test::values(*backend, out);
+    const std::vector<double> dg = test::values(*backend, grad), dmv = test::values(*backend, dm);
+    for (int64_t j = 0; j < rows; ++j) {
+      double ss = 0.0, dot = 0.0;
+      for (int64_t i = 0; i < cols; ++i) ss += w[j * cols + i] * w[j * cols + i], dot += g[j * cols + i] * w[j * cols + i];
+      const double norm = std::sqrt(ss), gain = m[j] / norm;
+      EXPECT_NEAR(n[j], norm, 1e-6 * norm) << name << " row " << j;
+      EXPECT_NEAR(dmv[j], dm0[j] + dot / norm, 1e-5 * (1.0 + std::abs(dot / norm))) << name << " row " << j;
+      for (int64_t i = 0; i < cols; ++i) {
+        ASSERT_NEAR(o[j * cols + i], gain * w[j * cols + i] - b[j * cols + i], 1e-5 * (1.0 + std::abs(gain))) << name;
+        ASSERT_NEAR(dg[j * cols + i], gain * g[j * cols + i], 1e-5 * (1.0 + std::abs(gain))) << name;
+      }
+    }
+    // A zero row has gain 0 (no division by zero), and out may alias merged.
+    backend->fill(merged.view(0, {cols}), 0.0);
+    backend->row_norms(merged, norms);
+    backend->dora_weight(merged, Tensor{}, mag, norms, merged);
+    const std::vector<double> after = test::values(*backend, merged);
+    EXPECT_EQ(after[0], 0.0) << name;
+    EXPECT_NEAR(after[cols], (m[1] / n[1]) * w[cols], 1e-5) << name;
+  }
+}
+
+// The loss's gradient with respect to each magnitude is exact (the norm does not depend on m):
+// central differences at 3 elements of every magnitude. The base gets none.
+TEST(DoraModel, MagnitudeGradientsMatchFiniteDifferencesAndTheBaseGetsNone) {
+  for (const char* preset : {"gpt2-tiny", "llama-tiny"}) {
+    for (const float dropout : {0.0f, 0.3f}) {
+      auto backend = make_cpu_backend();
+      const ModelConfig base = model_preset(preset);
+      ModelConfig c = dora_of(base, base.arch == ARCH_GPT2 ? "q,k,v,o,up,down" : "q,v,o,gate,down", 2, 4.0f);
+      c.lora_dropout = dropout;
+      Transformer model(*backend, c);
+      model.init_weights(3);
+      randomize_adapters(model, 5, true);
+      ActivationStore s = model.allocate_store(2, 8);
+      fill_tokens(s, static_cast<int32_t>(c.vocab_size), 1);
+      s.dropout_pass = dropout > 0.0f ? 3 : 0;
+      model.zero_grads();
+      model.forward(s);
+      model.backward(s, 1.0f);
+      const int64_t begin = lora_begin(c, model.layout());
+      const float* g = model.grads().data<float>();
+      for (int64_t i = 0; i < begin; ++i) ASSERT_EQ(g[i], 0.0f) << preset << " base gradient " << i;
+      float* p = model.params().data<float>();
+      int checked = 0;
+      for (const ParamSpec& spec : model.layout().params) {
+        if (!is_magnitude(spec)) continue;
+        for (int64_t k = 0; k < 3; ++k) {
+          const int64_t i = spec.offset + (k * 7919) % spec.numel;
+          const float saved = p[i], h = 1e-2f;
+          p[i] = saved + h;
+          const double up = model.forward(s);
+          p[i] = saved - h;
+          const double down = model.forward(s);
+          p[i] = saved;
+          const double fd = (up - down) / (2.0 * h);
+          EXPECT_NEAR(g[i], fd, 2e-3 * std::max(1.0, std::abs(fd)) + 1e-4) << preset << " " << spec.name;
+          ++checked;
+        }
+      }
+      EXPECT_EQ(checked, 3 * static_cast<int>(lora_sites(c, 0).size() * static_cast<size_t>(c.n_layer)));
+      // A and B get gradients too (their values are checked against PyTorch in the parity test).
+      for (const ParamSpec& spec : model.layout().params) {
+        if (spec.offset < begin || is_magnitude(spec)) continue;
+        double norm = 0.0;
+        for (int64_t i = spec.offset; i < spec.offset + spec.numel; ++i) norm += static_cast<double>(g[i]) * g[i];
+        EXPECT_GT(norm, 0.0) << preset << " " << spec.name;
+      }
+    }
+  }
+}
+
+TEST(DoraConfig, RefusalsNameTheKeys) {
+  ModelConfig c = model_preset("llama-tiny");
+  c.lora_dora = true;
+  std::string msg = test::error_of([&] { c.validate(); });
+  EXPECT_NE(msg.find("peft.dora"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("peft.method = lora"), std::string::npos) << msg;
+  c = dora_of(model_preset("llama-tiny"), "q,v");
+  c.lora_quantize_base = true;
+  msg = test::error_of([&] { c.validate(); });
+  EXPECT_NE(msg.find("peft.quantize_base"), std::string::npos) << msg;
 }
 
 }  // namespace

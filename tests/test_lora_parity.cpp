@@ -1,7 +1,8 @@
 // LoRA against PyTorch: tools/make_lora_fixtures.py writes tiny Llama (all seven targets; q and v
 // with rsLoRA) and GPT-2 (c_attn, both c_proj, c_fc; rsLoRA) Hugging Face folders, adapters in
 // PEFT's layout with nonzero A and B, and the adapted model's logits, loss and the adapters'
-// gradients in float64 autograd. Loom reads the adapter folder (checkpoint/peft.h) onto the
+// gradients in float64 autograd; the *_dora cases add trained DoRA magnitudes (use_dora) on every
+// layer, the norm detached as PEFT's. Loom reads the adapter folder (checkpoint/peft.h) onto the
 // imported base and must give the loss within 1e-5 relative, the logits within 1e-4 (max abs
 // error over the largest, the parity tests' fp32 tolerance) and every adapter's gradient within
 // 1e-5 (max abs error over its largest element).
@@ -72,7 +73,7 @@ TEST_P(LoraParity, LogitsLossAndAdapterGradientsMatchPyTorch) {
               GetParam(), loss, want, logits_error, checked, worst);
 }
 
-INSTANTIATE_TEST_SUITE_P(Cases, LoraParity, ::testing::Values("llama", "llama_qv", "gpt2"));
+INSTANTIATE_TEST_SUITE_P(Cases, LoraParity, ::testing::Values("llama", "llama_qv", "gpt2", "llama_dora", "gpt2_dora"));
 
 }  // namespace
 }  // namespace loom

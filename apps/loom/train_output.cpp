@@ -151,8 +151,9 @@ void print_run_header(const LoomConfig& config, const std::string& dir, const Tr
   std::printf("layers: %s\n", describe_plans(model.layer_plans()).c_str());
   if (config.model.lora()) {  // docs/finetune.md
     const int64_t base = lora_begin(config.model, model.layout()), adapters = model.layout().total - base;
-    std::printf("LoRA: rank %lld, alpha %g (scale %g%s), targets %s: %lld adapter parameters (%.3f%% of %lld); the base "
+    std::printf("%s: rank %lld, alpha %g (scale %g%s), targets %s: %lld adapter parameters (%.3f%% of %lld); the base "
                 "is frozen (no gradients, no optimizer state)\n",
+                config.model.lora_dora ? "DoRA (LoRA with trained magnitudes)" : "LoRA",
                 static_cast<long long>(config.model.lora_rank), static_cast<double>(config.model.lora_alpha),
                 static_cast<double>(config.model.lora_scale()), config.model.lora_rslora ? ", rsLoRA" : "",
                 config.model.lora_targets.c_str(), static_cast<long long>(adapters),

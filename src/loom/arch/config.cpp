@@ -75,10 +75,13 @@ void ModelConfig::validate() const {
     LOOM_CHECK(mla_rope_dim == 0 && mla_nope_dim == 0 && mla_v_dim == 0 && mla_q_rank == 0, "model.mla_rope_dim, "
                "mla_nope_dim, mla_v_dim and mla_q_rank need MLA: set model.mla_kv_rank > 0");
   }
+  LOOM_CHECK(lora() || !lora_dora, "peft.dora = true needs peft.method = lora");
   if (lora()) {
     LOOM_CHECK(lora_rank >= 1, "peft.rank must be >= 1, got ", lora_rank);
     LOOM_CHECK(lora_alpha > 0.0f, "peft.alpha must be > 0, got ", lora_alpha);
     LOOM_CHECK(lora_dropout >= 0.0f && lora_dropout < 1.0f, "peft.dropout must be in [0, 1), got ", lora_dropout);
+    LOOM_CHECK(!lora_dora || !lora_quantize_base, "peft.dora with peft.quantize_base (QDoRA) is not supported yet: "
+               "DoRA reads the fp32 base weight");
     LOOM_CHECK(!mla(), "peft.method = lora with MLA (model.mla_kv_rank > 0) is not supported yet: its projections "
                "have no adapters");
     const uint32_t mask = lora_target_mask();
@@ -164,6 +167,7 @@ ModelConfig with_peft_of(ModelConfig base, const ModelConfig& from) {
   base.lora_targets = from.lora_targets;
   base.lora_quantize_base = from.lora_quantize_base;
   base.lora_dropout = from.lora_dropout;
+  base.lora_dora = from.lora_dora;
   return base;
 }
 

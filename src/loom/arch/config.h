@@ -118,6 +118,10 @@ struct ModelConfig {
   // double-quantized scales and dequantized on the fly (model/transformer.h quantize_base).
   bool lora_quantize_base = false;
   float lora_dropout = 0.0f;  // PEFT's lora_dropout: the adapters' input dropped out in training
+  // DoRA (Liu et al. 2024, "DoRA: Weight-Decomposed Low-Rank Adaptation"; PEFT's use_dora): each
+  // adapted row j becomes m_j (W + s B A)_j / ||(W + s B A)_j|| with a trained magnitude m,
+  // initialised to ||W_j|| (nn/lora.h).
+  bool lora_dora = false;
 
   int64_t head_dim() const { return head_size > 0 ? head_size : d_model / n_head; }
   int64_t qkv_width() const { return (n_head + 2 * n_kv_head) * head_dim(); }
@@ -325,6 +329,9 @@ void visit_model_fields(Config& c, Visit&& visit) {
   visit(ModelField{"dropout", ModelField::PEFT, "dropout",
                     "LoRA dropout: the probability of zeroing an element of the adapters' input in training (PEFT's lora_dropout)"},
         c.lora_dropout);
+  visit(ModelField{"dora", ModelField::PEFT, "dora",
+                    "DoRA: each adapted row rescaled to a trained magnitude (PEFT's use_dora; the norm is not differentiated, as PEFT)"},
+        c.lora_dora);
 }
 
 // `base` with the peft.* settings of `from` (train.init_from: the weights' model, the run's adapters).

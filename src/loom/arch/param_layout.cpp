@@ -29,6 +29,9 @@ class LayoutBuilder {
   }
   void norm_weight(std::string name, int64_t c) { add(std::move(name), {c}, ROLE_VECTOR, {{1, 1}}, INIT_ONES, 0.0f); }
   void bias(std::string name, int64_t n) { add(std::move(name), {n}, ROLE_VECTOR, {{1, 1}}, INIT_ZEROS, 0.0f); }
+  // DoRA's magnitude: ones here, set to the base rows' norms once the base is in place
+  // (Transformer::init_dora_magnitudes).
+  void magnitude(std::string name, int64_t n) { add(std::move(name), {n}, ROLE_VECTOR, {{1, 1}}, INIT_ONES, 0.0f); }
   void buffer(std::string name, int64_t n) { add(std::move(name), {n}, ROLE_BUFFER, {{1, 1}}, INIT_ZEROS, 0.0f); }
   void zero_matrix(std::string name, Shape shape) {
     const int64_t rows = shape[0];
@@ -237,6 +240,7 @@ ParamLayout build_param_layout(const ModelConfig& config) {
       builder.matrix(site.module + ".lora_A.weight", {config.lora_rank, site.in},
                      static_cast<float>(1.0 / std::sqrt(3.0 * static_cast<double>(site.in))));
       builder.zero_matrix(site.module + ".lora_B.weight", {site.out_count, config.lora_rank});
+      if (config.lora_dora) builder.magnitude(site.module + ".lora_magnitude_vector", site.out_count);
     }
   }
   return layout;

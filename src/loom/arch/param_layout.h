@@ -61,7 +61,8 @@ ParamLayout build_param_layout(const ModelConfig& config);
 // LoRA (config.lora()): one adapter per targeted linear layer of a block. It adds s B A x to
 // the columns [out_begin, out_begin + out_count) of the layer's output; its parameters are
 // `module`.lora_A.weight (r, in) and `module`.lora_B.weight (out_count, r), PEFT's names for
-// the Hugging Face module it adapts (GPT-2: h.N.attn.c_attn; Llama: model.layers.N.self_attn.q_proj).
+// the Hugging Face module it adapts (GPT-2: h.N.attn.c_attn; Llama: model.layers.N.self_attn.q_proj),
+// and with DoRA (peft.dora) `module`.lora_magnitude_vector (out_count), PEFT's saved name.
 // They follow every base parameter in the flat layout (block by block, in LoraTarget order),
 // so the base keeps its offsets and initialisation and is the one range [0, lora_begin).
 enum LoraLinear : uint8_t { LORA_ON_QKV, LORA_ON_PROJ, LORA_ON_FC, LORA_ON_FC2 };

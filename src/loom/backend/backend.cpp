@@ -156,6 +156,14 @@ void Backend::nf4_dequantize(const Tensor&, const Tensor&, const Tensor&, const 
   unsupported(*this, "nf4_dequantize", "QLoRA's NF4 base weights");
 }
 void Backend::round_bf16(const Tensor&, bool, const RoundingDraw&) { no_low_precision(*this, "round_bf16"); }
+void Backend::row_norms(const Tensor&, const Tensor&) { unsupported(*this, "row_norms", "DoRA, peft.dora"); }
+void Backend::dora_weight(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&) {
+  unsupported(*this, "dora_weight", "DoRA, peft.dora");
+}
+void Backend::dora_backward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&) {
+  unsupported(*this, "dora_backward", "DoRA, peft.dora");
+}
+
 void Backend::dropout(const Tensor&, const Tensor&, float, const RoundingDraw&) {
   throw Error(str_cat("dropout: not implemented on the ", name(), " backend (peft.dropout)"));
 }

@@ -146,8 +146,9 @@ struct BackendCapabilities {
   bool every_optimizer = false;     // otherwise only plain adamw (Backend::adamw_step)
   bool head_norm = false;           // model.qk_norm (Backend::head_rmsnorm_*)
   bool nf4 = false;                 // peft.quantize_base (QLoRA: Backend::nf4_dequantize in the linear layers)
+  bool dora = false;                // peft.dora (Backend::row_norms, dora_weight, dora_backward)
 };
-inline constexpr BackendCapabilities kEveryCapability{true, true, true, true, true, true, true, true, true};
+inline constexpr BackendCapabilities kEveryCapability{true, true, true, true, true, true, true, true, true, true};
 
 class Backend {
  public:
@@ -450,6 +451,20 @@ class Backend {
   // draw.stream, draw.draw), key = draw.seed) over 2^32. The same draw on a tensor of the same size
   // gives the same mask, so the backward applies it to the gradient. out may alias x; p in [0, 1).
   virtual void dropout(const Tensor& x, const Tensor& out, float p, const RoundingDraw& draw);
+  // DoRA's row ops (Liu et al. 2024, eq. 5; nn/lora.h), on f32 (rows, cols) matrices and (rows)
+  // vectors; the defaults throw (capabilities().dora). Each row's sum is taken in double, in
+  // order, so the result does not depend on the thread count.
+  // norms[j] = ||x_j||_2.
+  virtual void row_norms(const Tensor& x, const Tensor& norms);
+  // out_j = g_j merged_j - base_j, g_j = magnitude_j / norms_j (0 where norms_j = 0); base
+  // undefined reads as 0. out may alias merged.
+  virtual void dora_weight(const Tensor& merged, const Tensor& base, const Tensor& magnitude, const Tensor& norms,
+                           const Tensor& out);
+  // The norm held constant (PEFT detaches it): with grad = dL/d(out) of dora_weight,
+  // dmagnitude_j += (grad_j . merged_j) / norms_j (0 where norms_j = 0), then grad_j *= g_j in
+  // place, giving dL/d(merged).
+  virtual void dora_backward(const Tensor& grad, const Tensor& merged, const Tensor& magnitude, const Tensor& norms,
+                             const Tensor& dmagnitude);
   // NF4 dequantization on the fly (QLoRA's frozen base weights; the default throws): elements
   // [first, first + out.numel()) of the flat weight into out (f32, or bf16 rounded to nearest
   // even). codes (u8): element e's code in byte e / 2, the high nibble for even e; absmax_codes

@@ -92,7 +92,6 @@ ModelConfig peft_adapter_config(const std::string& dir, const ModelConfig& base)
     const auto refuse_if = [&](bool bad, const char* key, const char* why) {
       LOOM_CHECK(!bad, file, ": ", key, " = ", j.at(key).dump(), " is not supported (", why, ")");
     };
-    if (j.contains("use_dora")) refuse_if(j.at("use_dora").get<bool>(), "use_dora", "DoRA adapters");
     if (j.contains("bias")) refuse_if(j.at("bias").get<std::string>() != "none", "bias", "Loom trains no biases with LoRA");
     for (const char* key : {"modules_to_save", "layers_to_transform", "layers_pattern"}) {
       if (j.contains(key)) refuse_if(!j.at(key).is_null() && !j.at(key).empty(), key, "every layer's targets only");
@@ -106,6 +105,7 @@ ModelConfig peft_adapter_config(const std::string& dir, const ModelConfig& base)
     c.lora_alpha = j.value("lora_alpha", 8.0f);
     c.lora_rslora = j.value("use_rslora", false);
     c.lora_dropout = j.value("lora_dropout", 0.0f);
+    c.lora_dora = j.value("use_dora", false);
     std::vector<std::string> modules;
     if (j.at("target_modules").is_string()) modules.push_back(j.at("target_modules").get<std::string>());
     else modules = j.at("target_modules").get<std::vector<std::string>>();
@@ -140,6 +140,7 @@ void load_peft_adapter(const std::string& dir, const ModelState& model) {
     if (spec.offset < lora_begin(c, layout)) continue;
     std::string name = peft_name(c, spec.name);
     if (!file.has(name) && c.arch == ARCH_GPT2) name = kPrefix + spec.name;  // saved without "transformer."
+    if (!file.has(name) && file.has(name + ".weight")) name += ".weight";  // DoRA's magnitude, as a module's weight
     LOOM_CHECK(file.has(name), path, ": missing tensor '", peft_name(c, spec.name), "' (the adapter's targets are ",
                c.lora_targets, ", rank ", c.lora_rank, ")");
     LOOM_CHECK(file.shape(name) == spec.shape, path, ": tensor '", name, "' has shape ", shape_str(file.shape(name)),
@@ -168,7 +169,7 @@ void save_peft_adapter(const std::string& dir, const ModelState& model) {
                       {"r", c.lora_rank},
                       {"lora_alpha", shortest_decimal(c.lora_alpha)},
                       {"use_rslora", c.lora_rslora},
-                      {"use_dora", false},
+                      {"use_dora", c.lora_dora},
                       {"lora_dropout", shortest_decimal(c.lora_dropout)},
                       {"bias", "none"},
                       {"fan_in_fan_out", c.arch == ARCH_GPT2},

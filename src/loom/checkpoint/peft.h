@@ -4,13 +4,15 @@
 //                                "target_modules": [module names], "task_type": "CAUSAL_LM", ...}
 //   adapter_model.safetensors   base_model.model.<the Hugging Face module>.lora_A.weight (r, in)
 //                               and .lora_B.weight (out, r), f32 (F16 / BF16 widen on load)
+//                               and, with use_dora, .lora_magnitude_vector (out) (also read
+//                               with a .weight suffix)
 // The module is the one transformers names (model.layers.N.self_attn.q_proj; GPT-2:
 // transformer.h.N.attn.c_attn): arch/param_layout.h lora_sites. Loom's target names map to
 // PEFT's target_modules: q, k, v, o, gate, up, down = q_proj, k_proj, v_proj, o_proj, gate_proj,
 // up_proj, down_proj (GPT-2: c_attn for q, k, v together; attn.c_proj; c_fc; mlp.c_proj).
-// What Loom does not implement is refused naming the file and key: DoRA (use_dora), bias
+// What Loom does not implement is refused naming the file and key: bias
 // training (bias != "none"), modules_to_save, layers_to_transform, rank_pattern / alpha_pattern.
-// lora_dropout is read and ignored (it has no effect on the outputs).
+// lora_dropout is read as peft.dropout (it has no effect outside training).
 #pragma once
 #include <string>
 

@@ -1,6 +1,7 @@
 #include "loom/model/transformer.h"
 
 #include "loom/nn/context_parallel.h"
+#include "loom/nn/lora.h"
 #include "loom/nn/sequence_parallel.h"
 #include "loom/nn/vocab_parallel.h"
 
@@ -25,6 +26,8 @@ Transformer::Transformer(Backend& backend, const ModelConfig& config)
              backend_.name(), " backend (capabilities().latent_attention is false)");
   LOOM_CHECK(!config_.qk_norm || caps.head_norm, "model.qk_norm is not supported on the ", backend_.name(),
              " backend (capabilities().head_norm is false)");
+  LOOM_CHECK(!config_.lora_dora || caps.dora, "peft.dora is not supported on the ", backend_.name(),
+             " backend yet (capabilities().dora is false: it lacks row_norms, dora_weight and dora_backward)");
   params_ = Tensor::zeros(alloc, {layout_.total}, DTYPE_F32, MEM_PARAMETERS);
   grads_ = Tensor::zeros(alloc, {layout_.total}, DTYPE_F32, MEM_GRADIENTS);
   frozen_end_ = config_.lora() ? lora_begin(config_, layout_) : 0;
@@ -113,6 +116,7 @@ void Transformer::init_weights(uint64_t seed) {
       case INIT_COUNT: break;
     }
   }
+  dora_init_magnitudes(backend_, config_, params_);  // DoRA: m = the initialised base rows' norms
 }
 
 void Transformer::zero_grads() {

@@ -261,14 +261,16 @@ void AttentionLayer::forward(Backend& backend, const Tensor& x, AttentionSaved& 
     mla_forward(backend, config_, p.mla, s.norm.out, mla_activations(s));
   } else {
     qkv_.forward(backend, links_.whole(backend, s.norm.out, T), p.qkv_w, q.qkv_w, p.qkv_b, s.qkv, 0.0f, links_.ws);
-    lora_forward(backend, s.norm.out, p.qkv_lora, config_.lora_scale(), s.qkv, links_.ws, s.lora_dropout.at_site(0));
+    lora_forward(backend, s.norm.out, p.qkv_lora, config_.lora_scale(), s.qkv, links_.ws, s.lora_dropout.at_site(0),
+                 p.qkv_w);
     qk_norm_forward(backend, s.qkv, s);
     if (!config_.learned_positions()) rope(backend, s.qkv, false, s.docs);
     attention_forward(backend, plan_, config_, links_.cp, s);
   }
   // mid = x + proj(attn); g: the heads' partial projections summed over tp.
   residual_linear_forward(backend, links_, proj_, s.attn, p.proj_w, q.proj_w, p.proj_b, x, mid);
-  lora_forward(backend, s.attn, p.proj_lora, config_.lora_scale(), mid, links_.ws, s.lora_dropout.at_site(1));
+  lora_forward(backend, s.attn, p.proj_lora, config_.lora_scale(), mid, links_.ws, s.lora_dropout.at_site(1),
+               p.proj_w);
 }
 
 void AttentionLayer::forward_rows(Backend& backend, const Tensor& x, AttentionSaved& s, const Tensor& mid,
@@ -281,7 +283,7 @@ void AttentionLayer::forward_rows(Backend& backend, const Tensor& x, AttentionSa
     mla_rows(backend, s, positions, cache, layer);
   } else {
     linear_forward(backend, s.norm.out, p.qkv_w, p.qkv_b, s.qkv);
-    lora_forward(backend, s.norm.out, p.qkv_lora, config_.lora_scale(), s.qkv, links_.ws);
+    lora_forward(backend, s.norm.out, p.qkv_lora, config_.lora_scale(), s.qkv, links_.ws, {}, p.qkv_w);
     qk_norm_forward(backend, s.qkv.view(0, {n, W}), s);
     if (!config_.learned_positions()) {
       for (int64_t r = 0; r < n; ++r) {
@@ -303,7 +305,7 @@ void AttentionLayer::forward_rows(Backend& backend, const Tensor& x, AttentionSa
   }
   backend.copy(x, mid);
   linear_forward(backend, s.attn, p.proj_w, p.proj_b, mid, 1.0f);
-  lora_forward(backend, s.attn, p.proj_lora, config_.lora_scale(), mid, links_.ws);
+  lora_forward(backend, s.attn, p.proj_lora, config_.lora_scale(), mid, links_.ws, {}, p.proj_w);
 }
 
 void AttentionLayer::mla_rows(Backend& backend, AttentionSaved& s, const std::vector<int64_t>& positions,
@@ -350,7 +352,7 @@ void AttentionLayer::backward(Backend& backend, const Tensor& x, const Attention
   pass.keep(dy_mid, s.dy_proj);
   proj_.backward(backend, s.attn, p.proj_w, q.proj_w, dy_mid, k.d_attn, pass.dw(g.proj_w), g.proj_b, links_.ws);
   lora_backward(backend, s.attn, p.proj_lora, g.proj_lora, config_.lora_scale(), dy_mid, k.d_attn, links_.ws,
-                s.lora_dropout.at_site(1));
+                s.lora_dropout.at_site(1), p.proj_w);
   if (mla) {  // d(norm1 output) and MLA's weight gradients (also in a split input pass)
     mla_backward(backend, config_, p.mla, g.mla, s.norm.out, mla_activations(s), k.d_attn, k.d_norm, k.d_qkv);
   } else {
@@ -361,7 +363,7 @@ void AttentionLayer::backward(Backend& backend, const Tensor& x, const Attention
     qkv_.backward(backend, whole(s.norm.out), p.qkv_w, q.qkv_w, k.d_qkv, k.d_norm, pass.dw(g.qkv_w), g.qkv_b, links_.ws);
     if (!p.qkv_lora.empty()) {  // (no sequence parallel with LoRA: whole() is the shard itself)
       lora_backward(backend, s.norm.out, p.qkv_lora, g.qkv_lora, config_.lora_scale(), k.d_qkv, k.d_norm, links_.ws,
-                    s.lora_dropout.at_site(0));
+                    s.lora_dropout.at_site(0), p.qkv_w);
     }
   }
   // f: the heads' partial d(norm1 output), then through norm1 into d(x).

@@ -59,7 +59,8 @@ BlockParams block_params_view(const ModelConfig& config, const ParamLayout& layo
     }
   }
   for (const LoraSite& site : lora_sites(config, layer)) {
-    const LoraAdapter adapter{v(site.module + ".lora_A.weight"), v(site.module + ".lora_B.weight"), site.out_begin};
+    const LoraAdapter adapter{v(site.module + ".lora_A.weight"), v(site.module + ".lora_B.weight"), site.out_begin,
+                              config.lora_dora ? v(site.module + ".lora_magnitude_vector") : Tensor{}};
     switch (site.linear) {
       case LORA_ON_QKV: p.qkv_lora.push_back(adapter); break;
       case LORA_ON_PROJ: p.proj_lora.push_back(adapter); break;

@@ -28,7 +28,8 @@ void linear_backward(Backend& backend, const Tensor& x, const Tensor& w, const T
 // Flat scratch buffers, grown on demand (MEM_WORKSPACE) and reused by every layer.
 class LinearWorkspace {
  public:
-  enum Slot { A, B, C, W, Q, D, SLOT_COUNT };  // D: LoRA's dropped-out input
+  // D: LoRA's dropped-out input; E, F, G: DoRA's merged rows, their correction and their norms.
+  enum Slot { A, B, C, W, Q, D, E, F, G, SLOT_COUNT };
   explicit LinearWorkspace(Allocator& allocator) : allocator_(allocator) {}
   // A view of `shape` into slot's f32 (or bf16) buffer, growing it when too small.
   Tensor f32(Slot slot, const Shape& shape);

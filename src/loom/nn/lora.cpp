@@ -23,6 +23,27 @@ GemmSpec spec(bool trans_a, bool trans_b, float alpha, float beta) {
   return s;
 }
 
+// DoRA: V = W_rows + s B A into slot E, its row norms into slot G and C = g V - W_rows into
+// slot F (nn/lora.h).
+struct DoraRows {
+  Tensor merged, norms, weight;
+};
+DoraRows dora_rows(Backend& backend, const LoraAdapter& ad, const Tensor& w, float scale, LinearWorkspace* ws) {
+  const int64_t width = ad.b.dim(0), in = ad.a.dim(1);
+  LOOM_CHECK(w.defined() && w.numel() >= (ad.out_begin + width) * in && ad.m.numel() == width, "DoRA adapter at row ",
+             ad.out_begin, " (", width, " x ", in, ", magnitude ", ad.m.describe(), ") does not fit the base weight ",
+             w.describe());
+  const Tensor rows = w.view(ad.out_begin * in, {width, in});
+  DoraRows d{scratch(backend, ws, LinearWorkspace::E, width, in), scratch(backend, ws, LinearWorkspace::G, width, 1),
+             scratch(backend, ws, LinearWorkspace::F, width, in)};
+  d.norms = d.norms.view(0, {width});
+  backend.copy(rows, d.merged);
+  backend.gemm(ad.b, ad.a, d.merged, spec(false, false, scale, 1.0f));  // V = W + s B A
+  backend.row_norms(d.merged, d.norms);
+  backend.dora_weight(d.merged, rows, ad.m, d.norms, d.weight);          // C = g V - W
+  return d;
+}
+
 }  // namespace
 
 // The adapter's input: x, or x dropped out with adapter `index`'s mask into slot D.
@@ -36,7 +57,7 @@ Tensor adapter_input(Backend& backend, const Tensor& x2, const LoraDropout& drop
 }
 
 void lora_forward(Backend& backend, const Tensor& x, const LoraAdapters& adapters, float scale, const Tensor& y,
-                  LinearWorkspace* ws, const LoraDropout& dropout) {
+                  LinearWorkspace* ws, const LoraDropout& dropout, const Tensor& w) {
   if (adapters.empty()) return;
   const Tensor x2 = rows_of(x), y2 = rows_of(y);
   const int64_t N = x2.dim(0), W = y2.dim(1);
@@ -46,6 +67,19 @@ void lora_forward(Backend& backend, const Tensor& x, const LoraAdapters& adapter
     LOOM_CHECK(ad.a.dim(1) == x2.dim(1) && ad.b.dim(1) == r && ad.out_begin + width <= W && y2.dim(0) == N,
                "lora_forward: adapter A ", ad.a.describe(), ", B ", ad.b.describe(), " at column ", ad.out_begin,
                " does not fit x ", x.describe(), " -> y ", y.describe());
+    if (ad.m.defined()) {  // DoRA: y += x_d C^T
+      const DoraRows d = dora_rows(backend, ad, w, scale, ws);
+      const Tensor xi = adapter_input(backend, x2, dropout, index, ws);
+      if (width == W) {
+        backend.gemm(xi, d.weight, y2, spec(false, true, 1.0f, 1.0f));
+      } else {
+        const Tensor cols = scratch(backend, ws, LinearWorkspace::C, N, width);
+        copy_columns(backend, y2, ad.out_begin, cols, false);
+        backend.gemm(xi, d.weight, cols, spec(false, true, 1.0f, 1.0f));
+        copy_columns(backend, y2, ad.out_begin, cols, true);
+      }
+      continue;
+    }
     const Tensor t = scratch(backend, ws, LinearWorkspace::A, N, r);
     backend.gemm(adapter_input(backend, x2, dropout, index, ws), ad.a, t, spec(false, true, 1.0f, 0.0f));  // t = x A^T
     if (width == W) {
@@ -59,8 +93,37 @@ void lora_forward(Backend& backend, const Tensor& x, const LoraAdapters& adapter
   }
 }
 
+namespace {
+
+// One DoRA adapter's backward (nn/lora.h): dy_cols (N, width) its columns of the output gradient.
+void dora_backward(Backend& backend, const Tensor& x2, const LoraAdapter& p, const LoraAdapter& g, float scale,
+                   const Tensor& dcols, const Tensor& dx2, LinearWorkspace* ws, const LoraDropout& dropout, size_t index,
+                   const Tensor& w) {
+  const int64_t N = x2.dim(0), width = p.b.dim(0), in = x2.dim(1);
+  const DoraRows d = dora_rows(backend, p, w, scale, ws);
+  const Tensor xi = adapter_input(backend, x2, dropout, index, ws);
+  const Tensor dc = scratch(backend, ws, LinearWorkspace::B, width, in);
+  backend.gemm(dcols, xi, dc, spec(true, false, 1.0f, 0.0f));          // dC = dy^T x_d
+  if (dropout.p <= 0.0f) {
+    backend.gemm(dcols, d.weight, dx2, spec(false, false, 1.0f, 1.0f));  // dx += dy C
+  } else {
+    const Tensor e = scratch(backend, ws, LinearWorkspace::D, N, in);  // (x_d no longer read)
+    backend.gemm(dcols, d.weight, e, spec(false, false, 1.0f, 0.0f));
+    RoundingDraw draw = dropout.draw;
+    draw.stream += static_cast<uint32_t>(index);
+    backend.dropout(e, e, dropout.p, draw);                             // through x_d's mask
+    backend.add_inplace(dx2, e);
+  }
+  backend.dora_backward(dc, d.merged, p.m, d.norms, g.m);              // dm, and dC -> dV = g dC
+  backend.gemm(dc, p.a, g.b, spec(false, true, scale, 1.0f));           // dB += s dV A^T
+  backend.gemm(p.b, dc, g.a, spec(true, false, scale, 1.0f));           // dA += s B^T dV
+}
+
+}  // namespace
+
 void lora_backward(Backend& backend, const Tensor& x, const LoraAdapters& params, const LoraAdapters& grads,
-                   float scale, const Tensor& dy, const Tensor& dx, LinearWorkspace* ws, const LoraDropout& dropout) {
+                   float scale, const Tensor& dy, const Tensor& dx, LinearWorkspace* ws, const LoraDropout& dropout,
+                   const Tensor& w) {
   LOOM_CHECK(params.size() == grads.size(), "lora_backward: ", params.size(), " adapters, ", grads.size(), " gradients");
   if (params.empty()) return;
   const Tensor x2 = rows_of(x), dy2 = rows_of(dy), dx2 = rows_of(dx);
@@ -73,6 +136,10 @@ void lora_backward(Backend& backend, const Tensor& x, const LoraAdapters& params
     if (width != W) {
       dcols = scratch(backend, ws, LinearWorkspace::C, N, width);
       copy_columns(backend, dy2, p.out_begin, dcols, false);
+    }
+    if (p.m.defined()) {
+      dora_backward(backend, x2, p, g, scale, dcols, dx2, ws, dropout, i, w);
+      continue;
     }
     const Tensor t = scratch(backend, ws, LinearWorkspace::A, N, r), d = scratch(backend, ws, LinearWorkspace::B, N, r);
     const Tensor xi = adapter_input(backend, x2, dropout, i, ws);     // x, or its dropped-out copy
@@ -98,7 +165,7 @@ ModelConfig lora_base_config(const ModelConfig& config) {
   base.peft_method = PeftMethod::none;
   base.lora_rank = ModelConfig{}.lora_rank, base.lora_alpha = ModelConfig{}.lora_alpha;
   base.lora_rslora = false, base.lora_targets = ModelConfig{}.lora_targets;
-  base.lora_quantize_base = false, base.lora_dropout = 0.0f;
+  base.lora_quantize_base = false, base.lora_dropout = 0.0f, base.lora_dora = false;
   return base;
 }
 
@@ -117,6 +184,26 @@ void lora_merge(Backend& backend, const ModelConfig& config, const Tensor& param
       const ParamSpec& w = layout.find(site.weight);  // a base parameter: the same offset in `merged`
       const Tensor rows = merged.view(w.offset + site.out_begin * site.in, {site.out_count, site.in});
       backend.gemm(params.view(b.offset, b.shape), params.view(a.offset, a.shape), rows, spec(false, false, scale, 1.0f));
+      if (!config.lora_dora) continue;
+      const ParamSpec& m = layout.find(site.module + ".lora_magnitude_vector");  // rows = g (W + s B A)
+      const Tensor norms = Tensor::empty(backend.allocator(), {site.out_count}, DTYPE_F32, MEM_WORKSPACE);
+      backend.row_norms(rows, norms);
+      backend.dora_weight(rows, Tensor{}, params.view(m.offset, m.shape), norms, rows);
+    }
+  }
+}
+
+void dora_init_magnitudes(Backend& backend, const ModelConfig& config, const Tensor& params) {
+  if (!config.lora_dora) return;
+  const ParamLayout layout = build_param_layout(config);
+  LOOM_CHECK(params.numel() == layout.total, "dora_init_magnitudes: ", params.describe(), " for a model of ",
+             layout.total, " parameters");
+  for (int64_t l = 0; l < config.n_layer; ++l) {
+    for (const LoraSite& site : lora_sites(config, l)) {
+      const ParamSpec& w = layout.find(site.weight);
+      const ParamSpec& m = layout.find(site.module + ".lora_magnitude_vector");
+      backend.row_norms(params.view(w.offset + site.out_begin * site.in, {site.out_count, site.in}),
+                        params.view(m.offset, m.shape));
     }
   }
 }

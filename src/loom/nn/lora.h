@@ -17,6 +17,7 @@ namespace loom {
 struct LoraAdapter {
   Tensor a, b;            // (r, in), (out_count, r): parameters, or their gradients
   int64_t out_begin = 0;  // first output column it adds to
+  Tensor m;               // DoRA (peft.dora): the magnitude (out_count), or its gradient; else undefined
 };
 using LoraAdapters = std::vector<LoraAdapter>;
 
@@ -41,19 +42,32 @@ struct LoraDropout {
 // of a fused output) is the model's LinearWorkspace, slots A and C, free between linear layers'
 // calls, so a training step allocates nothing; without one (a model used before set_precision)
 // it is allocated per call.
+//
+// DoRA (Liu et al. 2024, "DoRA: Weight-Decomposed Low-Rank Adaptation", eq. 5, with the norm
+// held constant in the backward as their sec. 4.3 and PEFT do): an adapter with a magnitude m
+// makes its rows of the layer m_j V_j / ||V_j||, V = W + s B A, W the rows of the base weight
+// `w` (out, in) it covers. As PEFT's DoRA layer, the base output stays and the adapter adds
+// x_d C^T with C = g V - W, g_j = m_j / ||V_j|| (x_d: x, or its dropped-out copy), i.e.
+// (g - 1) x_d W^T + g s B A x_d. With B = 0 and m = ||W|| (the initialisation) C is exactly 0,
+// so the model starts as the base bit for bit. Scratch: slots C, D, E (V), F (C), G (norms).
 void lora_forward(Backend& backend, const Tensor& x, const LoraAdapters& adapters, float scale, const Tensor& y,
-                  LinearWorkspace* ws, const LoraDropout& dropout = {});
+                  LinearWorkspace* ws, const LoraDropout& dropout = {}, const Tensor& w = {});
 // With dy (.., W) the layer's output gradient: grads' b += s dy_cols^T (A x), grads' a += d^T x
 // and dx (.., in) += d A, where d = s dy_cols B. A x is recomputed (r columns: cheap). Scratch:
-// slots A, B and C of ws, as above.
+// slots A, B and C of ws, as above. DoRA: dx += dy_cols C, dC = dy_cols^T x_d (slot B), then
+// dm_j += dC_j . V_j / ||V_j||, dV = g dC, grads' b += s dV A^T and a += s B^T dV.
 void lora_backward(Backend& backend, const Tensor& x, const LoraAdapters& params, const LoraAdapters& grads,
-                   float scale, const Tensor& dy, const Tensor& dx, LinearWorkspace* ws, const LoraDropout& dropout = {});
+                   float scale, const Tensor& dy, const Tensor& dx, LinearWorkspace* ws, const LoraDropout& dropout = {},
+                   const Tensor& w = {});
 
 // Merging (Hu et al. 2021, sec. 4.1: no inference latency): `merged` (the base layout's
 // lora_begin elements) = the base weights of `params` with each adapted weight's rows
-// W[out_begin : out_begin + out_count] += s B A. `params` itself is not changed: the unmerged
+// W[out_begin : out_begin + out_count] += s B A (DoRA: then row j scaled by m_j / its norm). `params` itself is not changed: the unmerged
 // model is the base, bit for bit.
 void lora_merge(Backend& backend, const ModelConfig& config, const Tensor& params, const Tensor& merged);
+// DoRA's initial magnitudes: each adapter's m = the norms of the base rows it covers (so the
+// adapted model starts as the base), from the base weights of `params` (the whole layout).
+void dora_init_magnitudes(Backend& backend, const ModelConfig& config, const Tensor& params);
 // The model config without its adapters (peft.method = none): the merged model's.
 ModelConfig lora_base_config(const ModelConfig& config);
 

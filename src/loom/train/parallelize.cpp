@@ -36,6 +36,7 @@ void initialise(Build& b, Transformer& model, const ModelConfig& config) {
     model.init_weights(loop.seed);
     const int64_t base = lora_begin(config, model.layout());
     load_weights_from(loop.init_from, lora_base_config(config), model.params().view(0, {base}), b.backend);
+    dora_init_magnitudes(b.backend, config, model.params());  // DoRA: m = the loaded base rows' norms
   } else {
     load_weights_from(loop.init_from, config, model.params(), b.backend);
   }

@@ -586,6 +586,15 @@ class CpuBackend final : public Backend {
   void round_bf16(const Tensor& x, bool stochastic, const RoundingDraw& draw) override {
     cpu::round_bf16(x, stochastic, draw);
   }
+  void row_norms(const Tensor& x, const Tensor& norms) override { cpu::row_norms(x, norms); }
+  void dora_weight(const Tensor& merged, const Tensor& base, const Tensor& magnitude, const Tensor& norms,
+                   const Tensor& out) override {
+    cpu::dora_weight(merged, base, magnitude, norms, out);
+  }
+  void dora_backward(const Tensor& grad, const Tensor& merged, const Tensor& magnitude, const Tensor& norms,
+                     const Tensor& dmagnitude) override {
+    cpu::dora_backward(grad, merged, magnitude, norms, dmagnitude);
+  }
 
  private:
   template <typename T>

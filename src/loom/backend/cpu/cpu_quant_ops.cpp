@@ -274,6 +274,72 @@ void dropout(const Tensor& x, const Tensor& out, float p, const RoundingDraw& dr
   }
 }
 
+namespace {
+
+// DoRA's operands: merged (rows, cols) f32 and per-row vectors of `rows` elements.
+int64_t dora_rows(const char* op, const Tensor& m, std::initializer_list<const Tensor*> vectors) {
+  checks::expect_dtype(m, DTYPE_F32, op, "matrix");
+  LOOM_CHECK(m.ndim() == 2, op, ": expected a (rows, cols) matrix, got ", m.describe());
+  for (const Tensor* v : vectors) {
+    checks::expect_dtype(*v, DTYPE_F32, op, "vector");
+    checks::expect_numel(*v, m.dim(0), op, "vector");
+  }
+  return m.dim(0);
+}
+
+inline float dora_gain(float magnitude, float norm) { return norm > 0.0f ? magnitude / norm : 0.0f; }
+
+}  // namespace
+
+void row_norms(const Tensor& x, const Tensor& norms) {
+  const int64_t rows = dora_rows("row_norms", x, {&norms}), cols = x.dim(1);
+  const float* in = x.data<float>();
+  float* out = norms.data<float>();
+#pragma omp parallel for schedule(static)
+  for (int64_t j = 0; j < rows; ++j) {
+    double sum = 0.0;
+    for (int64_t i = 0; i < cols; ++i) sum += static_cast<double>(in[j * cols + i]) * in[j * cols + i];
+    out[j] = static_cast<float>(std::sqrt(sum));
+  }
+}
+
+void dora_weight(const Tensor& merged, const Tensor& base, const Tensor& magnitude, const Tensor& norms,
+                 const Tensor& out) {
+  const int64_t rows = dora_rows("dora_weight", merged, {&magnitude, &norms}), cols = merged.dim(1);
+  checks::expect_numel(out, merged.numel(), "dora_weight", "out");
+  if (base.defined()) checks::expect_numel(base, merged.numel(), "dora_weight", "base");
+  const float* w = merged.data<float>();
+  const float* b = base.defined() ? base.data<float>() : nullptr;
+  const float* m = magnitude.data<float>();
+  const float* n = norms.data<float>();
+  float* o = out.data<float>();
+#pragma omp parallel for schedule(static)
+  for (int64_t j = 0; j < rows; ++j) {
+    const float g = dora_gain(m[j], n[j]);
+    for (int64_t i = 0; i < cols; ++i) o[j * cols + i] = g * w[j * cols + i] - (b != nullptr ? b[j * cols + i] : 0.0f);
+  }
+}
+
+void dora_backward(const Tensor& grad, const Tensor& merged, const Tensor& magnitude, const Tensor& norms,
+                   const Tensor& dmagnitude) {
+  const int64_t rows = dora_rows("dora_backward", merged, {&magnitude, &norms, &dmagnitude}), cols = merged.dim(1);
+  checks::expect_dtype(grad, DTYPE_F32, "dora_backward", "grad");
+  checks::expect_numel(grad, merged.numel(), "dora_backward", "grad");
+  float* d = grad.data<float>();
+  const float* w = merged.data<float>();
+  const float* m = magnitude.data<float>();
+  const float* n = norms.data<float>();
+  float* dm = dmagnitude.data<float>();
+#pragma omp parallel for schedule(static)
+  for (int64_t j = 0; j < rows; ++j) {
+    double dot = 0.0;
+    for (int64_t i = 0; i < cols; ++i) dot += static_cast<double>(d[j * cols + i]) * w[j * cols + i];
+    if (n[j] > 0.0f) dm[j] += static_cast<float>(dot / static_cast<double>(n[j]));
+    const float g = dora_gain(m[j], n[j]);
+    for (int64_t i = 0; i < cols; ++i) d[j * cols + i] *= g;
+  }
+}
+
 void round_bf16(const Tensor& x, bool stochastic, const RoundingDraw& draw) {
   check_quant("round_bf16", x, nullptr);
   round_to_bf16(x.data<float>(), x.numel(), stochastic, draw);

@@ -34,6 +34,11 @@ void fake_quant_mxfp4(const Tensor& x, const Tensor& out);
 void fake_quant_nvfp4(const Tensor& x, const Tensor& out);
 void round_bf16(const Tensor& x, bool stochastic, const RoundingDraw& draw);
 void dropout(const Tensor& x, const Tensor& out, float p, const RoundingDraw& draw);
+void row_norms(const Tensor& x, const Tensor& norms);
+void dora_weight(const Tensor& merged, const Tensor& base, const Tensor& magnitude, const Tensor& norms,
+                 const Tensor& out);
+void dora_backward(const Tensor& grad, const Tensor& merged, const Tensor& magnitude, const Tensor& norms,
+                   const Tensor& dmagnitude);
 void nf4_dequantize(const Tensor& codes, const Tensor& absmax_codes, const Tensor& absmax_steps, const Nf4Spec& spec,
                     int64_t first, const Tensor& out);
 
