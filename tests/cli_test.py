@@ -172,6 +172,19 @@ class Cli(unittest.TestCase):
         self.assertNotEqual(bad.returncode, 0)
         self.assertIn("element-wise optimizer", bad.stderr)
 
+    def test_lora_zero_checkpoints_from_two_ranks_resume_on_one(self):
+        # LoRA under ZeRO-1, 2 and 3: the checkpoint holds one process's state (the adapters'
+        # optimizer state, the whole base), so a run stopped on two ranks resumes on one.
+        lora = 'peft.method=lora,peft.rank=4,peft.targets="q,k,v,o,up,down"'
+        self.train("lz_single", "--set", lora + ",train.batch_size=4", steps=8)
+        for stage in (1, 2, 3):
+            name = f"lz_{stage}"
+            p = self.mpirun(2, name, "--set", f"{lora},train.batch_size=2,parallel.zero_stage={stage}", "--stop-at-step", "4",
+                            steps=8)
+            self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+            self.train(name, "--set", lora + ",train.batch_size=4", "--resume", steps=8)
+            self.assert_same_curve("lz_single", name, 8)
+
     def test_zero3_checkpoint_from_four_ranks_resumes_on_two_and_on_one(self):
         # Global batch 4 throughout: 4 ranks x 1, then 2 x 2, then 1 x 4; the loss curve is the
         # single-process one (fp32, 1e-5) across both reshardings.

@@ -11,6 +11,7 @@
 #include "mpi_fixture.h"
 #include "loom/core/pages.h"
 #include "loom/arch/param_layout.h"
+#include "loom/memory/estimate.h"
 #include "loom/parallel/zero.h"
 #include "loom/train/trainer.h"
 
@@ -94,7 +95,10 @@ TEST(MpiZero, Stages2And3ReproduceTheSingleProcessLossCurve) {
 // stays rounding; Adam's per-element normalisation magnifies it where a gradient is near 0),
 // the optimizer's state (4 bytes per parameter) only for this rank's part of the adapters, and
 // DDP's wire bytes those of the adapters' gradients alone (the frozen base has no bucket).
-// ZeRO-2/3 are refused with LoRA (train/layout.cpp).
+// ZeRO-2/3 shard the whole buffer, the frozen base too (stage 3 its parameters): a rank's
+// optimizer state is the adapters inside its shard, and its resident gradient bytes no more than
+// those plus the pages at the edges (of the shard, of the adapters, of the buffer); the adapters' gradients are reduce-scattered once per
+// micro-batch, after the whole backward.
 TEST(MpiZero, LoraReproducesTheSingleProcessCurveAndSendsOnlyAdapterGradients) {
   auto comm = make_mpi_communicator();
   const int n = comm->size();
@@ -104,31 +108,59 @@ TEST(MpiZero, LoraReproducesTheSingleProcessCurveAndSendsOnlyAdapterGradients) {
   const ParamLayout layout = build_param_layout(config);
   const int64_t base = lora_begin(config, layout), adapters = layout.total - base;
   const RunResult ref = run(nullptr, 2 * n, 6, 0, 1, true, "momentum", &config);
-  for (int64_t stage = 0; stage <= 1; ++stage) {
-    const RunResult r = run(comm.get(), 2, 6, stage, 1, true, "momentum", &config);
-    expect_same_curve(r, ref, "lora");
-    for (int64_t i = 0; i < base; ++i) ASSERT_EQ(r.params[static_cast<size_t>(i)], ref.params[static_cast<size_t>(i)]) << i;
+  const RunResult ref2 = run(nullptr, 2 * n, 6, 0, 2, true, "momentum", &config);  // 2 micro-batches a step
+  for (int64_t stage = 0; stage <= 3; ++stage) {
+    const RunResult r = run(comm.get(), 2, 6, stage, stage >= 2 ? 2 : 1, true, "momentum", &config);
+    const RunResult& want = stage >= 2 ? ref2 : ref;
+    expect_same_curve(r, want, "lora");
+    for (int64_t i = 0; i < base; ++i) ASSERT_EQ(r.params[static_cast<size_t>(i)], want.params[static_cast<size_t>(i)]) << i;
     double worst = 0.0, scale = 0.0;
     for (int64_t i = base; i < layout.total; ++i) {
       const auto k = static_cast<size_t>(i);
-      worst = std::max(worst, static_cast<double>(std::abs(r.params[k] - ref.params[k])));
-      scale = std::max(scale, static_cast<double>(std::abs(ref.params[k])));
+      worst = std::max(worst, static_cast<double>(std::abs(r.params[k] - want.params[k])));
+      scale = std::max(scale, static_cast<double>(std::abs(want.params[k])));
     }
     worst /= scale;
     EXPECT_LT(worst, 1e-5) << "stage " << stage;
-    const int64_t state = stage >= 1 ? 4 * (shard_range(adapters, comm->rank(), n).end -
-                                            shard_range(adapters, comm->rank(), n).begin)
-                                     : 4 * adapters;
-    EXPECT_EQ(r.optimizer_bytes, state) << "stage " << stage;
+    // Stage 1 shards the adapters; stages 2 and 3 the whole buffer, of which this rank trains
+    // the adapters inside its shard.
+    const ShardRange whole = shard_range(layout.total, comm->rank(), n);
+    const int64_t mine = stage >= 2 ? std::max<int64_t>(0, whole.end - std::max(whole.begin, base))
+                                    : shard_range(adapters, comm->rank(), n).end - shard_range(adapters, comm->rank(), n).begin;
+    EXPECT_EQ(r.optimizer_bytes, 4 * (stage >= 1 ? mine : adapters)) << "stage " << stage;
+    if (stage <= 1) {  // every rank's adapters' gradients, nothing of the frozen base's
+      EXPECT_LE(r.resident_grads, 4 * adapters + 2 * 4096) << "stage " << stage;
+    } else {
+      // A page at each edge: the shard's two, the adapters' start, the buffer's end.
+      EXPECT_LE(r.resident_grads, 4 * mine + 4 * 4096) << "stage " << stage;
+      if (stage == 3) {
+        EXPECT_LE(r.resident_params, 4 * (whole.end - whole.begin) + 4 * 4096);
+      }
+      // loom memory's estimate: the rank holding the most adapters (memory/estimate.cpp).
+      int64_t most = 0;
+      for (int k = 0; k < n; ++k) {
+        const ShardRange z = shard_range(layout.total, k, n);
+        most = std::max<int64_t>(most, std::max<int64_t>(0, z.end - std::max(z.begin, base)));
+      }
+      MemoryPlan plan;
+      plan.model = config, plan.batch = 2, plan.seq_len = 16, plan.zero_stage = static_cast<int>(stage), plan.ranks = n;
+      plan.optim.name = "momentum";
+      const MemoryEstimate est = estimate_memory(plan);
+      EXPECT_EQ(est.bytes[MEM_OPTIMIZER_STATE], 4 * most) << "stage " << stage;
+      EXPECT_EQ(est.bytes[MEM_GRADIENTS], 4 * most) << "stage " << stage;
+      EXPECT_EQ(est.bytes[MEM_PARAMETERS], 4 * (stage == 3 ? shard_range(layout.total, 0, n).shard : layout.total));
+    }
     if (stage == 0) {  // all-reduce of the adapters' gradients (+ 16 bytes a step of loss and norm)
       const double wire = static_cast<double>(r.ledger.sent[COLL_ALL_REDUCE]);
       const double formula = 6.0 * 2.0 * (n - 1) / n * 4.0 * static_cast<double>(adapters);
       EXPECT_NEAR(wire, formula, 6.0 * 64.0) << "DDP bytes sent";
     }
-    if (comm->rank() == 0) {
-      std::printf("lora zero-%lld np=%d: %lld adapter of %lld parameters, optimizer %lld bytes, worst adapter diff %.2e of the largest\n",
-                  static_cast<long long>(stage), n, static_cast<long long>(adapters), static_cast<long long>(layout.total),
-                  static_cast<long long>(r.optimizer_bytes), worst);
+    if (comm->rank() == n - 1) {  // (the last rank: under ZeRO-2/3 it holds the adapters)
+      std::printf("lora zero-%lld np=%d, rank %d: %lld adapter of %lld parameters, optimizer %lld bytes, resident "
+                  "parameters %lld and gradients %lld bytes, worst adapter diff %.2e of the largest\n",
+                  static_cast<long long>(stage), n, comm->rank(), static_cast<long long>(adapters),
+                  static_cast<long long>(layout.total), static_cast<long long>(r.optimizer_bytes),
+                  static_cast<long long>(r.resident_params), static_cast<long long>(r.resident_grads), worst);
     }
   }
 }

@@ -131,20 +131,33 @@ MemoryEstimate estimate_rank(const MemoryPlan& plan, const ModelConfig& c, const
   const bool sharded = plan.zero_stage > 0 && Z > 1;
   const ShardRange shard = sharded ? shard_range(D, 0, Z) : ShardRange{0, D, D};
   const int64_t S = shard.end - shard.begin;
-  const int64_t fp32 = 4 * (H - D + (plan.zero_stage == 3 && sharded ? S : D));
+  int64_t fp32 = 4 * (H - D + (plan.zero_stage == 3 && sharded ? S : D));
+  // ZeRO-2/3 over a frozen base (LoRA) shard the whole buffer (Trainer, ZeroSharding's
+  // frozen_end): a rank's gradients and optimizer state are the adapters inside its shard, which
+  // are not spread evenly (they follow the base): the estimate is the rank holding the most.
+  RangeSet trained = domain.pieces(shard.begin, shard.end);
+  if (plan.zero_stage >= 2 && sharded && frozen_end > 0) {
+    int64_t most = -1;
+    for (int r = 0; r < Z; ++r) {
+      const ShardRange z = shard_range(layout.total, r, Z);
+      const RangeSet mine = RangeSet::span(z.begin, z.end).intersect(domain);
+      if (mine.size() > most) most = mine.size(), trained = mine;
+    }
+    fp32 = 4 * (plan.zero_stage == 3 ? shard_range(layout.total, 0, Z).shard : layout.total);
+  }
   e.bytes[MEM_PARAMETERS] = fp32 + (param_bf16(plan.precision) ? 2 * H : 0);
   if (plan.optim.offload && param_bf16(plan.precision)) {  // the fp32 master weights in host memory
     e.bytes[MEM_PARAMETERS] -= fp32;
     e.bytes[MEM_OFFLOADED] += fp32;
   }
-  e.bytes[MEM_GRADIENTS] = 4 * (plan.zero_stage >= 2 && sharded ? S : D);
+  e.bytes[MEM_GRADIENTS] = 4 * (plan.zero_stage >= 2 && sharded ? trained.size() : D);
   // The optimizer's own list over the rank's elements (Trainer's rank_params).
   const OptimConfig resolved = plan.optim.resolved();
   std::vector<OptimParam> all = optim_params(layout, resolved), mine;
   if (plan.pp == 1 && plan.ep == 1 && !sharded && frozen_end == 0) {
     mine = std::move(all);
   } else {
-    for (const Range& piece : domain.pieces(shard.begin, shard.end)) {
+    for (const Range& piece : trained) {
       for (OptimParam& p : shard_optim_params(all, piece.begin, piece.end)) mine.push_back(std::move(p));
     }
   }

@@ -340,8 +340,8 @@ void AttentionLayer::backward(Backend& backend, const Tensor& x, const Attention
   const auto whole = [&](const Tensor& shard) { return links_.whole(backend, shard, T); };
   const bool mla = plan_.attention == AttentionKind::mla;
   const InputPass pass = input_pass(backend, part, s.dy_proj);
-  LOOM_CHECK(part == BACKWARD_ALL || (p.qkv_lora.empty() && p.proj_lora.empty()), "LoRA adapters with a split "
-             "backward (zero-bubble pipeline schedules) are not supported yet");
+  // LoRA's adapters (zero-bubble schedules' split backward): their small gradients are computed
+  // with the input gradient, in the input pass; the weight pass is the frozen base's, which has none.
   if (part == BACKWARD_WEIGHT) {  // the weight gradients from the kept output gradients
     proj_.backward(backend, s.attn, p.proj_w, q.proj_w, s.dy_proj, Tensor{}, g.proj_w, Tensor{}, links_.ws);
     // An MLA layer's projections' weight gradients were computed in the input pass.

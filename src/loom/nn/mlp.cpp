@@ -110,8 +110,8 @@ void MlpLayer::backward(Backend& backend, const Tensor& mid, const MlpSaved& s, 
   // layer's backward (g's backward); the norm's output is gathered again for the weight gradient.
   const auto whole = [&](const Tensor& shard) { return links_.whole(backend, shard, T); };
   const InputPass pass = input_pass(backend, part, s.dy_fc2);
-  LOOM_CHECK(part == BACKWARD_ALL || (p.fc_lora.empty() && p.fc2_lora.empty()), "LoRA adapters with a split "
-             "backward (zero-bubble pipeline schedules) are not supported yet");
+  // LoRA's adapters (zero-bubble schedules' split backward): their small gradients are computed
+  // with the input gradient, in the input pass; the weight pass is the frozen base's, which has none.
   if (part == BACKWARD_WEIGHT) {  // the weight gradients from the kept output gradients
     fc2_.backward(backend, s.act, p.fc2_w, q.fc2_w, s.dy_fc2, Tensor{}, g.fc2_w, Tensor{}, links_.ws);
     fc_.backward(backend, whole(s.norm.out), p.fc_w, q.fc_w, s.dy_fc, Tensor{}, g.fc_w, Tensor{}, links_.ws);

@@ -180,7 +180,9 @@ void Optimizer::step(float lr, float grad_scale) {
 }
 
 Tensor Optimizer::add_state(const std::string& state_name, int64_t n, float fill_value) {
-  LOOM_CHECK(n > 0, "optimizer ", c_.name, ": empty state buffer '", state_name, "'");
+  // n = 0: a rank that updates nothing (its ZeRO-2/3 shard all frozen: LoRA's base) still lists
+  // its (empty) buffers, as every rank of a checkpoint's all-gather must.
+  LOOM_CHECK(n >= 0, "optimizer ", c_.name, ": state buffer '", state_name, "' of ", n, " elements");
   Tensor t = Tensor::zeros(backend_.allocator(), {n}, DTYPE_F32, c_.offload ? MEM_OFFLOADED : MEM_OPTIMIZER_STATE);
   if (fill_value != 0.0f) backend_.fill(t, fill_value);
   state_.emplace_back(state_name, t);

@@ -70,7 +70,9 @@ void DataParallel::finish() {
   ++steps_;
   if (comm_.size() > 1) {
     const float inv = 1.0f / static_cast<float>(comm_.size());
-    backend_.scale_inplace(grads_, inv);  // the float multiply g *= inv
+    // The float multiply g *= inv, over the gradients that exist (a frozen base's pages stay unwritten).
+    const int64_t n = grads_.numel() - config_.frozen_below;
+    if (n > 0) backend_.scale_inplace(grads_.view(config_.frozen_below, {n}), inv);
   }
 }
 

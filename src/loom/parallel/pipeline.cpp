@@ -1,6 +1,7 @@
 #include "loom/parallel/pipeline.h"
 
 #include <algorithm>
+#include <cmath>
 #include <chrono>
 #include <limits>
 
@@ -215,6 +216,7 @@ double PipelineRunner::evaluate(BatchSource& data, int64_t batches) {
   const int rank = pp_.rank(), S = schedule_.model_stages();
   double sum = 0.0;
   loss_sum_ = 0.0;
+  valid_ = positions_ = 0;
   for (int64_t i = 0; i < batches; ++i) {
     fill_micro(data, 0);
     for (int s = 0; s < S; ++s) {
@@ -228,12 +230,16 @@ double PipelineRunner::evaluate(BatchSource& data, int64_t batches) {
   sum = loss_sum_;
   loss_sum_ = 0.0;
   sum = reduce_loss(sum);
+  if (valid_ != positions_) {  // loss masks: the mean over the counted positions (every rank drew the same batches)
+    return valid_ > 0 ? sum * static_cast<double>(positions_) / static_cast<double>(batches * valid_) : NAN;
+  }
   return batches > 0 ? sum / static_cast<double>(batches) : 0.0;
 }
 
 double PipelineRunner::run(BatchSource& data, float loss_weight) {
   loss_weight_ = loss_weight;
   loss_sum_ = busy_ = idle_ = 0.0;
+  valid_ = positions_ = 0;
   for (int i = 0; i < schedule_.micro; ++i) fill_micro(data, i);  // in the one-process order
   for (const PipeAction& a : schedule_.per_rank[static_cast<size_t>(pp_.rank())]) {
     if (a.op == PIPE_F) forward(a);
@@ -261,8 +267,8 @@ void PipelineRunner::fill_micro(BatchSource& data, int micro) {
     model_.backend().write(tokens, host_tokens_.raw_data());
     model_.backend().write(targets, host_targets_.raw_data());
   }
-  LOOM_CHECK(counted_targets(host.data<int32_t>(), host.numel()) == host.numel(), "loss masks (targets ", kIgnoreTarget,
-             ": prompt tokens) with parallel.pp > 1 are not supported yet (the pipeline's loss counts every position)");
+  valid_ += counted_targets(host.data<int32_t>(), host.numel());  // loss masks: kIgnoreTarget is not counted
+  positions_ += host.numel();
 }
 
 double PipelineRunner::reduce_loss(double local) {

@@ -51,8 +51,14 @@ class PipelineRunner {
   // (on every rank). Gradients accumulate into the model's buffer for this rank's stages.
   double run(BatchSource& data, float loss_weight);
   // The mean loss of `batches` micro-batches from data, forward only, one at a time through the
-  // stages (evaluation: no schedule), on every rank.
+  // stages (evaluation: no schedule), on every rank; with loss masks the mean over the counted
+  // positions.
   double evaluate(BatchSource& data, int64_t batches);
+  // Loss masks: the positions whose target counts, and all positions, of the last run's
+  // micro-batches (each micro-batch's loss is its mean over all positions, masked ones 0, as the
+  // model's forward; the trainer rescales to the mean over the counted ones).
+  int64_t valid_targets() const { return valid_; }
+  int64_t positions() const { return positions_; }
 
   const PipeSchedule& schedule() const { return schedule_; }
   Communicator& comm() const { return pp_; }
@@ -93,6 +99,7 @@ class PipelineRunner {
   Tensor loss_;                             // (1) f64
   float loss_weight_ = 1.0f;
   double loss_sum_ = 0.0, busy_ = 0.0, idle_ = 0.0;
+  int64_t valid_ = 0, positions_ = 0;  // the last run's (or evaluation's) counted and all positions
 };
 
 }  // namespace loom

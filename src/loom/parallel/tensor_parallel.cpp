@@ -71,7 +71,10 @@ void tp_copy(Backend& backend, const ModelConfig& gc, const Tensor& global, cons
   const bool replicated = to_local || write_replicated;
   if (to_local) local.zero_();
   for (const ParamSpec& spec : ll.params) {
-    if (is_block_param(lc, spec.name)) continue;
+    const bool adapter = lc.lora() && spec.offset >= lora_begin(lc, ll);  // LoRA's: whole, one tensor-parallel rank only
+    if (is_block_param(lc, spec.name) && !adapter) continue;
+    LOOM_CHECK(!adapter || tp == 1, "tensor parallel copy: LoRA adapters are not sliced for tensor parallelism (",
+               spec.name, ")");
     const Tensor g = global.view(gl.find(spec.name).offset, gl.find(spec.name).shape);
     const Tensor l = local.view(spec.offset, spec.shape);
     if (is_vocab_param(spec.name)) {

@@ -45,7 +45,7 @@ std::vector<OptimParam> shard_optim_params(const std::vector<OptimParam>& list, 
 }
 
 ZeroSharding::ZeroSharding(Communicator& comm, Backend& backend, int stage, const Tensor& params, const Tensor& grads,
-                           std::vector<RangeSet> units, RangeSet domain)
+                           std::vector<RangeSet> units, RangeSet domain, int64_t frozen_end)
     : comm_(comm),
       backend_(backend),
       stage_(stage),
@@ -56,6 +56,7 @@ ZeroSharding::ZeroSharding(Communicator& comm, Backend& backend, int stage, cons
       domain_total_(domain_.size()),
       range_(shard_range(domain_total_, comm.rank(), comm.size())),
       total_(params.numel()),
+      frozen_end_(frozen_end),
       gathering_(units_.size()),
       resident_(units_.size(), false) {
   LOOM_CHECK(stage_ >= 1 && stage_ <= 3, "parallel.zero_stage must be 0, 1, 2 or 3, got ", stage_);
@@ -67,9 +68,16 @@ ZeroSharding::ZeroSharding(Communicator& comm, Backend& backend, int stage, cons
   }
   LOOM_CHECK(stage_ == 1 || domain_ == RangeSet::span(0, total_),
              "parallel.zero_stage = ", stage_, " shards the whole model; with parallel.pp > 1 use zero_stage 1");
+  LOOM_CHECK(frozen_end_ >= 0 && frozen_end_ <= total_ && (frozen_end_ == 0 || stage_ >= 2), "ZeRO: frozen range [0, ",
+             frozen_end_, ") of ", total_, " parameters (stages 2 and 3 only; stage 1 leaves it out of its domain)");
   reduced_from_ = total_;
   if (stage_ >= 2) zero_grads();
   if (stage_ == 3) release_params();
+}
+
+std::vector<int64_t> ZeroSharding::state_counts() const {
+  return frozen_end_ > 0 ? shard_counts(frozen_end_, total_, total_, comm_.size())
+                         : shard_counts(0, domain_total_, domain_total_, comm_.size());
 }
 
 void ZeroSharding::release(const Tensor& t, int64_t begin, int64_t end) {
@@ -91,6 +99,11 @@ void ZeroSharding::gather_params() {
     for (size_t u = 0; u < units_.size(); ++u) complete(gathering_[u], 0, false);
     whole_ = true;
   }
+  if (stage_ == 2 && frozen_end_ > 0) {  // over a frozen base (held whole): only the updated elements changed
+    shard_counts(frozen_end_, total_, total_, comm_.size(), counts_);
+    comm_.all_gather_v_async(params_.view(frozen_end_, {total_ - frozen_end_}), counts_)->wait();
+    return;
+  }
   int64_t at = 0;
   for (const Range& r : domain_) {  // one in-place gather per domain range
     const int64_t n = r.end - r.begin;
@@ -107,7 +120,9 @@ void ZeroSharding::gather_params() {
 void ZeroSharding::zero_grads() {
   finish_micro();
   release_outside_shard(grads_, {0, total_});
-  if (range_.end > range_.begin) backend_.fill(grads_.view(range_.begin, {range_.end - range_.begin}), 0.0);
+  const Range g = grad_shard();
+  release(grads_, range_.begin, g.begin);  // the shard's frozen part has no gradients
+  if (g.end > g.begin) backend_.fill(grads_.view(g.begin, {g.end - g.begin}), 0.0);
   reduced_from_ = total_;
 }
 
@@ -120,6 +135,7 @@ void ZeroSharding::complete(PendingQueue& q, size_t keep, bool release_grads) {
 }
 
 void ZeroSharding::reduce_from(int64_t offset) {
+  offset = std::max(offset, frozen_end_);  // nothing below a frozen end is ever reduced
   LOOM_CHECK(offset <= reduced_from_, "ZeRO: backward reported offset ", offset, " after ", reduced_from_);
   if (offset == reduced_from_) return;
   const Range r{offset, reduced_from_};
@@ -139,7 +155,8 @@ void ZeroSharding::finish() {
   finish_micro();
   if (comm_.size() == 1) return;
   const float inv = 1.0f / static_cast<float>(comm_.size());  // the float multiply, on the backend
-  if (range_.end > range_.begin) backend_.scale_inplace(grads_.view(range_.begin, {range_.end - range_.begin}), inv);
+  const Range g = grad_shard();
+  if (g.end > g.begin) backend_.scale_inplace(grads_.view(g.begin, {g.end - g.begin}), inv);
 }
 
 void ZeroSharding::gather(int unit, PendingQueue& into) {

@@ -62,15 +62,26 @@ class ZeroSharding {
  public:
   // units[u]: the flat ranges of parameter unit u, as the model's use hooks name them (stage 3).
   // domain: the flat ranges sharded (empty: the whole buffer; stage 1 only otherwise).
+  // frozen_end (stages 2 and 3): elements [0, frozen_end) are frozen (LoRA's base): they have no
+  // gradient, so none is zeroed, reduced, scaled or kept resident there, and stage 2 gathers only
+  // [frozen_end, P) after the update; stage 3 still shards and gathers the frozen parameters.
+  // The trainer then reports one ready offset per micro-batch, reduce_from(frozen_end), after the
+  // whole backward (the adapters sit after the base in the flat layout but finish last).
   // The shard's element work (zeroing, the 1/N scaling, zeroing released device memory) runs on `backend`.
   ZeroSharding(Communicator& comm, Backend& backend, int stage, const Tensor& params, const Tensor& grads,
-               std::vector<RangeSet> units, RangeSet domain = {});
+               std::vector<RangeSet> units, RangeSet domain = {}, int64_t frozen_end = 0);
   int stage() const { return stage_; }
   // This rank's shard as positions in the domain (with the whole buffer as domain: flat elements).
   const ShardRange& range() const { return range_; }
   int64_t domain_size() const { return domain_total_; }
   // The shard's flat pieces, in domain order (the optimizer state's element order).
   RangeSet pieces() const { return domain_.pieces(range_.begin, range_.end); }
+  // The optimizer state as a checkpoint holds it (one process's: the trained elements in flat
+  // order, the domain, or with a frozen base [frozen_end, P)): its length, this rank's offset in
+  // it, and every rank's count (back to back in rank order: an all-gather's segments).
+  int64_t state_size() const { return frozen_end_ > 0 ? total_ - frozen_end_ : domain_total_; }
+  int64_t state_offset() const { return frozen_end_ > 0 ? grad_shard().begin - frozen_end_ : range_.begin; }
+  std::vector<int64_t> state_counts() const;
 
   // Stages 1 and 2, after the optimizer step: every rank's updated shard of the parameters to
   // every rank (in-place all-gather). Stage 3: the same, once, to make the parameters whole
@@ -133,6 +144,9 @@ class ZeroSharding {
   int64_t domain_total_ = 0;
   ShardRange range_;
   int64_t total_;
+  int64_t frozen_end_ = 0;    // stages 2 and 3: [0, frozen_end_) has no gradients
+  // This rank's shard of the gradients that exist: range_ less the frozen elements.
+  Range grad_shard() const { return {std::max(range_.begin, frozen_end_), std::max(range_.end, frozen_end_)}; }
   int64_t reduced_from_ = 0;  // backward's previous ready offset
   PendingQueue reducing_;
   std::vector<PendingQueue> gathering_;  // [unit]: gathers in flight

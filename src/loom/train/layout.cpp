@@ -109,16 +109,6 @@ const Rule kRules[] = {
        return str_cat("peft.method = lora is not supported with tensor parallelism (parallel.tp = ", f.of(Axis::tp),
                       ") yet: the adapters are not sliced; use data parallelism");
      }},
-    {Verdict::refuse, [](const LayoutFacts& f) { return model(f).lora() && f.of(Axis::pp) > 1; },
-     [](const LayoutFacts& f) {
-       return str_cat("peft.method = lora is not supported with pipeline parallelism (parallel.pp = ", f.of(Axis::pp),
-                      ") yet; use data parallelism");
-     }},
-    {Verdict::refuse, [](const LayoutFacts& f) { return model(f).lora() && zero(f) >= 2; },
-     [](const LayoutFacts& f) {
-       return str_cat("parallel.zero_stage = ", zero(f), " with peft.method = lora is not supported yet (ZeRO-2/3 shard "
-                      "the whole model; LoRA trains the adapters only): use zero_stage 0 or 1");
-     }},
     {Verdict::refuse, [](const LayoutFacts& f) { return model(f).lora() && par(f).compression != Compression::none; },
      [](const LayoutFacts& f) {
        return str_cat("parallel.compression = ", enum_name(par(f).compression), " with peft.method = lora is not "

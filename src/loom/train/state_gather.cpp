@@ -40,7 +40,9 @@ TrainingState::TrainingState(Backend& backend, const LoomConfig& config, const P
   Trainer& trainer = *parts_.trainer;
   zero_ = trainer.zero();
   partial_ = layout_.owners_group() != nullptr;
-  staged_ = partial_ || parts_.whole != nullptr;
+  // A frozen base (LoRA): the optimizer state is the adapters' (one process's form), not a shard of
+  // the flat buffer, so ZeRO's shards are put together too instead of written as flat shards.
+  staged_ = partial_ || parts_.whole != nullptr || !model.frozen_ranges().empty();
   // Pipeline and expert parallel: every element is counted by one rank of the owners group: a
   // stage's own elements (a tied embedding once, by the first stage), the shared (non-expert)
   // ones by ep rank 0, each expert by its ep rank.
@@ -55,11 +57,11 @@ TrainingState::TrainingState(Backend& backend, const LoomConfig& config, const P
   Allocator& allocator = backend_.allocator();
   if (zero_ != nullptr) {
     for (const auto& [name, shard] : optimizer_state_.tensors) {
-      LOOM_CHECK(shard.numel() == zero_->range().end - zero_->range().begin, "ZeRO: optimizer state ", name, " of ",
-                 shard.numel(), " elements is not a shard of the parameters");
+      LOOM_CHECK(shard.numel() == zero_->state_counts()[static_cast<size_t>(layout_.reduce_group().rank())],
+                 "ZeRO: optimizer state ", name, " of ", shard.numel(), " elements is not a shard of the parameters");
     }
   }
-  if (zero_ != nullptr && staged_) zero_state_ = stage_through(optimizer_state_, allocator, zero_->domain_size());
+  if (zero_ != nullptr && staged_) zero_state_ = stage_through(optimizer_state_, allocator, zero_->state_size());
   if (partial_) pp_state_ = stage_through(optimizer_state_, allocator, model.layout().total);
   if (parts_.whole) tp_state_ = stage_through(optimizer_state_, allocator, parts_.whole->layout().total);
   // ZeRO alone: each rank holds a shard of the flat state and writes it to its own file of a
@@ -137,9 +139,8 @@ std::string TrainingState::save(const nlohmann::json& data_state) {
   Trainer& trainer = *parts_.trainer;
   if (zero_ != nullptr && zero_->stage() == 3) trainer.gather_params();  // under tp: the slice whole on each dp rank
   for (auto& [shard, domain] : zero_state_) {
-    backend_.copy(shard, domain.view(zero_->range().begin, {shard.numel()}));
-    layout_.reduce_group().all_gather_v_async(domain, shard_counts(0, domain.numel(), domain.numel(),
-                                                                   layout_.reduce_group().size()))->wait();
+    backend_.copy(shard, domain.view(zero_->state_offset(), {shard.numel()}));
+    layout_.reduce_group().all_gather_v_async(domain, zero_->state_counts())->wait();
   }
   if (partial_) {  // every rank of every owners group takes part
     owners_whole_params();
@@ -187,7 +188,7 @@ std::optional<LoadedCheckpoint> TrainingState::resume(const CheckpointWarning& w
     for (auto& [local, w] : tp_state_) tp_local(w, local);
   }
   for (auto& [owned, full] : pp_state_) owners_state_owned(full, owned);
-  for (auto& [shard, domain] : zero_state_) backend_.copy(domain.view(zero_->range().begin, {shard.numel()}), shard);
+  for (auto& [shard, domain] : zero_state_) backend_.copy(domain.view(zero_->state_offset(), {shard.numel()}), shard);
   trainer.params_loaded();
   parts_.model->unpack_scaling_state();
   if (DynamicLossScaler* ls = trainer.loss_scaler(); ls != nullptr && loaded->extra.contains("loss_scaler")) {

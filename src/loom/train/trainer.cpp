@@ -50,10 +50,17 @@ std::vector<OptimParam> rank_params(const std::vector<OptimParam>& all, const Co
                "boundaries and needs an element-wise optimizer (sgd, momentum, nesterov, adagrad, rmsprop, adam, adamw, "
                "lion), got optim.name = ", optimizer);
   }
+  std::vector<OptimParam> mine;
+  if (sharded && ddp.zero_stage >= 2) {  // the shard of the whole buffer (ZeroSharding's), less the frozen elements
+    const ShardRange shard = shard_range(model.layout().total, comm->rank(), comm->size());
+    for (const Range& piece : RangeSet::span(shard.begin, shard.end).subtract(model.frozen_ranges())) {
+      for (OptimParam& p : shard_optim_params(all, piece.begin, piece.end)) mine.push_back(std::move(p));
+    }
+    return mine;
+  }
   const RangeSet domain = update_domain(model, pipeline);
   const int64_t length = domain.size();
   const ShardRange shard = sharded ? shard_range(length, comm->rank(), comm->size()) : ShardRange{0, length, length};
-  std::vector<OptimParam> mine;
   for (const Range& piece : domain.pieces(shard.begin, shard.end)) {
     for (OptimParam& p : shard_optim_params(all, piece.begin, piece.end)) mine.push_back(std::move(p));
   }
@@ -156,8 +163,13 @@ Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config, Commu
       LOOM_CHECK(ddp.zero_stage < 3 || (!model_.precision().param_bf16 && !model_.precision().master_bf16),
                  "parallel.zero_stage = 3 shards the fp32 parameters; the bf16 weights of precision.param = bf16 or "
                  "precision.master = bf16 are not sharded: use f32 for both");
+      // Stages 2 and 3 shard the whole buffer, a frozen base included (stage 3 its parameters);
+      // stage 1 the update domain.
+      const int64_t frozen_end = model_.frozen_ranges().empty() ? 0 : model_.frozen_ranges().ranges()[0].end;
       zero_ = std::make_unique<ZeroSharding>(*comm, backend_, static_cast<int>(ddp.zero_stage), model_.params(),
-                                             model_.grads(), model_.param_units(), domain_);
+                                             model_.grads(), model_.param_units(),
+                                             ddp.zero_stage >= 2 ? RangeSet{} : domain_,
+                                             ddp.zero_stage >= 2 ? frozen_end : 0);
       if (zero_->stage() == 3) {
         model_.set_param_use_hooks({[this](int u, bool b) { zero_->use(u, b); }, [this](int u, bool b) { zero_->done(u, b); }});
       }
@@ -239,7 +251,11 @@ StepStats Trainer::train_step(BatchSource& data) {
     LOOM_CHECK(scaler_ || ddp_ || std::isfinite(loss), "loss is ", loss, " at step ", step_, " (micro-batch ", micro,
                "); stopping before the update, the weights are unchanged");
     loss_sum += loss;
-    if (sharded_grads()) {  // ZeRO-2/3: every micro-batch's gradients are reduce-scattered
+    if (sharded_grads() && !model_.frozen_ranges().empty()) {  // LoRA: the adapters, after the whole backward
+      model_.backward(store_, loss_weight);
+      zero_->reduce_from(0);  // (from the frozen end)
+      zero_->finish_micro();
+    } else if (sharded_grads()) {  // ZeRO-2/3: every micro-batch's gradients are reduce-scattered
       model_.backward(store_, loss_weight, [this](int64_t offset) { zero_->reduce_from(offset); });
       zero_->finish_micro();
     } else if (ddp_ && micro + 1 == config_.grad_accum) {  // earlier micro-batches: no-sync
@@ -264,9 +280,12 @@ StepStats Trainer::train_step(BatchSource& data) {
   // positions / valid (a no-op without masks, skipped).
   // A step whose every target is masked (short windows of supervised data can fall between
   // replies) has no loss: it makes no update (skipped, loss NaN).
-  const int64_t positions = (comm_ != nullptr ? comm_->size() : 1) * config_.grad_accum * store_.tokens.numel();
+  // (Pipelines: the runner counted its micro-batches' positions, on every rank of the pipeline.)
+  if (pipeline_ != nullptr) valid = pipeline_->valid_targets();
+  const int64_t local = pipeline_ != nullptr ? pipeline_->positions() : config_.grad_accum * store_.tokens.numel();
+  const int64_t positions = (comm_ != nullptr ? comm_->size() : 1) * local;
   bool nothing_counted = false;
-  if (pipeline_ == nullptr && objective_ == nullptr) {  // (an objective's loss is its own mean)
+  if (objective_ == nullptr) {  // (an objective's loss is its own mean)
     if (comm_ != nullptr) valid = static_cast<int64_t>(sum_over(*comm_, static_cast<double>(valid)));
     nothing_counted = valid == 0;
     if (valid != positions && !nothing_counted) {
