@@ -172,15 +172,17 @@ class Cli(unittest.TestCase):
         self.assertNotEqual(bad.returncode, 0)
         self.assertIn("element-wise optimizer", bad.stderr)
 
-    def test_lora_zero_checkpoints_from_two_ranks_resume_on_one(self):
-        # LoRA under ZeRO-1, 2 and 3: the checkpoint holds one process's state (the adapters'
-        # optimizer state, the whole base), so a run stopped on two ranks resumes on one.
+    def test_lora_checkpoints_from_two_ranks_resume_on_one(self):
+        # LoRA under ZeRO-1, 2 and 3, tensor parallelism (with sp) and a pipeline: the checkpoint
+        # holds one process's state (the adapters' optimizer state, the whole base), so a run
+        # stopped on two ranks resumes on one.
         lora = 'peft.method=lora,peft.rank=4,peft.targets="q,k,v,o,up,down"'
         self.train("lz_single", "--set", lora + ",train.batch_size=4", steps=8)
-        for stage in (1, 2, 3):
-            name = f"lz_{stage}"
-            p = self.mpirun(2, name, "--set", f"{lora},train.batch_size=2,parallel.zero_stage={stage}", "--stop-at-step", "4",
-                            steps=8)
+        layouts = {f"lz_zero{z}": f"train.batch_size=2,parallel.zero_stage={z}" for z in (1, 2, 3)}
+        layouts["lz_tp"] = "train.batch_size=4,parallel.tp=2,parallel.sequence_parallel=true"
+        layouts["lz_pp"] = "train.batch_size=2,train.grad_accum=2,parallel.pp=2"
+        for name, layout in layouts.items():
+            p = self.mpirun(2, name, "--set", f"{lora},{layout}", "--stop-at-step", "4", steps=8)
             self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
             self.train(name, "--set", lora + ",train.batch_size=4", "--resume", steps=8)
             self.assert_same_curve("lz_single", name, 8)

@@ -164,6 +164,35 @@ TEST(MpiTensorParallel, LossMasksGiveTheSingleProcessLossesAndGradients) {
   }
 }
 
+// LoRA on every linear layer under tp = 2 (with sp too; dp 2 x tp 2 at np 4): the adapters are
+// sliced as their layers (B's rows of q/k/v and gate/up, A's columns of o and down), the
+// row-parallel layers' terms summed with their partial outputs, and the replicated matrices'
+// partial gradients summed over tp: the one-process losses and gradients (SGD, masked targets
+// too).
+TEST(MpiTensorParallel, LoraReproducesTheSingleProcessLossesAndGradients) {
+  auto world = make_mpi_communicator();
+  const int n = world->size(), tp_size = 2, dp_size = n / tp_size;
+  for (const char* preset : {"gpt2-tiny", "llama-tiny"}) {
+    ModelConfig config = model_preset(preset);
+    config.peft_method = PeftMethod::lora, config.lora_rank = 4, config.lora_alpha = 8.0f;
+    config.lora_targets = config.arch == ARCH_GPT2 ? "q,k,v,o,up,down" : "q,k,v,o,gate,up,down";
+    for (const bool sp : {false, true}) {
+      for (const bool masked : {false, true}) {
+        const Curve ref = single(config, 2 * dp_size, "sgd", masked);
+        int64_t activations = 0;
+        const Curve tp = tensor_parallel(*world, config, tp_size, 2, "sgd", sp, &activations, 0, masked);
+        double worst_loss = 0.0, worst_grad = 0.0;
+        compare(tp, ref, preset, world->rank(), &worst_loss, &worst_grad);
+        if (world->rank() == 0) {
+          std::printf("%s LoRA%s, dp=%d x tp=%d%s: 10 steps, losses %.6f .. %.6f, worst loss rel diff %.2e, worst "
+                      "gradient rel diff %.2e\n", preset, masked ? " masked" : "", dp_size, tp_size, sp ? " + sp" : "",
+                      ref.losses.front(), ref.losses.back(), worst_loss, worst_grad);
+        }
+      }
+    }
+  }
+}
+
 // ZeRO stages 1-3 on the dp dimension of dp = 2 x tp = 2 (np 4): the losses and gradient norms
 // of one process (stage 1 also every gradient; stages 2 and 3 keep only their shard's).
 TEST(MpiTensorParallel, ZeroOnTheDataParallelDimension) {

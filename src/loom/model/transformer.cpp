@@ -669,20 +669,33 @@ void Transformer::for_each_chunk(const Tensor& x, const std::function<void(const
   }
 }
 
-std::vector<std::pair<int64_t, int64_t>> Transformer::sequence_partial_ranges() const {
+std::vector<std::pair<int64_t, int64_t>> Transformer::tp_partial_ranges() const {
   std::vector<std::pair<int64_t, int64_t>> out;
-  if (!sp_) return out;
+  if (tp_ == nullptr || tp_->size() == 1) return out;
   const auto add = [&](const Tensor& t) {
     if (!t.defined()) return;
     const int64_t begin = (static_cast<const char*>(t.device_ptr()) - static_cast<const char*>(grads_.device_ptr())) /
                           static_cast<int64_t>(sizeof(float));
+    // Frozen (LoRA's base: the norms' gradients go to a sink no one reads): nothing to sum.
+    if (begin < frozen_end_ || begin + t.numel() > grads_.numel()) return;
     out.emplace_back(begin, begin + t.numel());
   };
   for (int64_t l = 0; l < config_.n_layer; ++l) {
     const BlockParams g = block_params_view(config_, layout_, grads_, l);
-    for (const Tensor& t : {g.attention.norm_w, g.attention.norm_b, g.mlp.norm_w, g.mlp.norm_b}) add(t);
+    if (sp_) {
+      for (const Tensor& t : {g.attention.norm_w, g.attention.norm_b, g.mlp.norm_w, g.mlp.norm_b}) add(t);
+    }
+    // LoRA: each rank's output slice (q/k/v, gate/up) or input slice (o, down) gives part of the
+    // gradient of the adapter matrix all ranks hold.
+    for (const LoraAdapter& a : g.attention.qkv_lora) add(a.a);
+    for (const LoraAdapter& a : g.mlp.fc_lora) add(a.a);
+    for (const LoraAdapter& a : g.attention.proj_lora) add(a.b);
+    for (const LoraAdapter& a : g.mlp.fc2_lora) add(a.b);
   }
-  for (const Tensor& t : {d_final_w, d_final_b, d_pos_w}) add(t);
+  if (sp_) {
+    for (const Tensor& t : {d_final_w, d_final_b, d_pos_w}) add(t);
+  }
+  std::sort(out.begin(), out.end());
   return out;
 }
 

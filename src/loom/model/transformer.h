@@ -103,8 +103,9 @@ class Transformer {
   // blocks and ends all-reduce over `tp`. nullptr: a whole model.
   // With sequence_parallel the residual stream and norms run on this rank's 1/tp of every
   // sequence (nn/sequence_parallel.h; train.seq_len a multiple of tp); the norms' and position
-  // embeddings' gradients are then partial over the group: sequence_partial_ranges() lists them
-  // (the trainer sums them over the group once a step).
+  // embeddings' gradients are then partial over the group, as are (with LoRA) the replicated
+  // adapter matrices of the sliced layers (A of q/k/v and gate/up, B of o and down: nn/lora.h):
+  // tp_partial_ranges() lists them (the trainer sums them over the group once a step).
   void set_tensor_parallel(Communicator* tp, int64_t vocab_begin, int64_t vocab_valid, bool sequence_parallel = false);
   bool sequence_parallel() const { return sp_; }
   // Context parallel (nn/context_parallel.h): this rank holds seq_len / cp positions of every
@@ -155,7 +156,7 @@ class Transformer {
   int64_t quantized_params() const;
   int64_t quantized_bytes() const;
   RangeSet own_expert_ranges() const { return expert_ranges(true); }
-  std::vector<std::pair<int64_t, int64_t>> sequence_partial_ranges() const;
+  std::vector<std::pair<int64_t, int64_t>> tp_partial_ranges() const;
   Communicator* tensor_parallel() const { return tp_; }
   // Each block's plan (nn/plan.h): its attention and MLP kinds, tp / sp.
   std::vector<LayerPlan> layer_plans() const;

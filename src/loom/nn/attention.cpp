@@ -260,17 +260,16 @@ void AttentionLayer::forward(Backend& backend, const Tensor& x, AttentionSaved& 
   if (plan_.attention == AttentionKind::mla) {  // multi-head latent attention (nn/mla.h): a whole layer only
     mla_forward(backend, config_, p.mla, s.norm.out, mla_activations(s));
   } else {
-    qkv_.forward(backend, links_.whole(backend, s.norm.out, T), p.qkv_w, q.qkv_w, p.qkv_b, s.qkv, 0.0f, links_.ws);
-    lora_forward(backend, s.norm.out, p.qkv_lora, config_.lora_scale(), s.qkv, links_.ws, s.lora_dropout.at_site(0),
-                 p.qkv_w);
+    const Tensor input = links_.whole(backend, s.norm.out, T);  // (sequence parallel: gathered)
+    qkv_.forward(backend, input, p.qkv_w, q.qkv_w, p.qkv_b, s.qkv, 0.0f, links_.ws);
+    lora_forward(backend, input, p.qkv_lora, config_.lora_scale(), s.qkv, links_.ws, s.lora_dropout.at_site(0), p.qkv_w);
     qk_norm_forward(backend, s.qkv, s);
     if (!config_.learned_positions()) rope(backend, s.qkv, false, s.docs);
     attention_forward(backend, plan_, config_, links_.cp, s);
   }
   // mid = x + proj(attn); g: the heads' partial projections summed over tp.
-  residual_linear_forward(backend, links_, proj_, s.attn, p.proj_w, q.proj_w, p.proj_b, x, mid);
-  lora_forward(backend, s.attn, p.proj_lora, config_.lora_scale(), mid, links_.ws, s.lora_dropout.at_site(1),
-               p.proj_w);
+  residual_linear_forward(backend, links_, proj_, s.attn, p.proj_w, q.proj_w, p.proj_b, x, mid,
+                          LoraTerm{&p.proj_lora, config_.lora_scale(), links_.ws, s.lora_dropout.at_site(1), p.proj_w});
 }
 
 void AttentionLayer::forward_rows(Backend& backend, const Tensor& x, AttentionSaved& s, const Tensor& mid,
@@ -360,11 +359,10 @@ void AttentionLayer::backward(Backend& backend, const Tensor& x, const Attention
     if (!config_.learned_positions()) rope(backend, k.d_qkv, true, s.docs);
     qk_norm_backward(backend, k.d_qkv, s);
     pass.keep(k.d_qkv, s.dy_qkv);
-    qkv_.backward(backend, whole(s.norm.out), p.qkv_w, q.qkv_w, k.d_qkv, k.d_norm, pass.dw(g.qkv_w), g.qkv_b, links_.ws);
-    if (!p.qkv_lora.empty()) {  // (no sequence parallel with LoRA: whole() is the shard itself)
-      lora_backward(backend, s.norm.out, p.qkv_lora, g.qkv_lora, config_.lora_scale(), k.d_qkv, k.d_norm, links_.ws,
-                    s.lora_dropout.at_site(0), p.qkv_w);
-    }
+    const Tensor input = whole(s.norm.out);
+    qkv_.backward(backend, input, p.qkv_w, q.qkv_w, k.d_qkv, k.d_norm, pass.dw(g.qkv_w), g.qkv_b, links_.ws);
+    lora_backward(backend, input, p.qkv_lora, g.qkv_lora, config_.lora_scale(), k.d_qkv, k.d_norm, links_.ws,
+                  s.lora_dropout.at_site(0), p.qkv_w);
   }
   // f: the heads' partial d(norm1 output), then through norm1 into d(x).
   norm_residual_backward(backend, config_, links_, k, true, d_residual, x, p.norm_w, s.norm, g.norm_w, g.norm_b);

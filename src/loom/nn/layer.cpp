@@ -34,15 +34,20 @@ void LayerLinks::reduce(Backend& backend, const Tensor& partial, const Tensor& i
 
 void residual_linear_forward(Backend& backend, const LayerLinks& links, LinearLayer& layer, const Tensor& x,
                              const Tensor& w, const Tensor& w16, const Tensor& b, const Tensor& residual,
-                             const Tensor& out) {
+                             const Tensor& out, const LoraTerm& lora) {
+  const auto adapters = [&](const Tensor& y) {
+    if (lora.adapters != nullptr) lora_forward(backend, x, *lora.adapters, lora.scale, y, lora.ws, lora.dropout, lora.w);
+  };
   if (links.tp == nullptr) {
     backend.copy(residual, out);
     layer.forward(backend, x, w, w16, b, out, 1.0f, links.ws);  // out = residual + layer(x)
+    adapters(out);
     return;
   }
   const int64_t C = out.dim(2);
   const Tensor y = links.seq != nullptr ? links.seq->full.view(0, {x.dim(0), x.dim(1), C}) : out;
   layer.forward(backend, x, w, w16, links.tp->rank() == 0 ? b : Tensor{}, y, 0.0f, links.ws);
+  adapters(y);  // this rank's partial term, summed with the layer's
   links.reduce(backend, y, out);
   backend.add_inplace(out, residual);
 }

@@ -16,6 +16,7 @@
 #include "loom/comm/communicator.h"
 #include "loom/nn/context_parallel.h"
 #include "loom/nn/linear.h"
+#include "loom/nn/lora.h"
 #include "loom/nn/plan.h"
 
 namespace loom {
@@ -105,10 +106,12 @@ struct LayerLinks {
 // out = residual + layer(x) for the block's row-parallel output layers (attention's proj, the
 // MLP's fc2), x (B,T,in). Under tensor parallelism each rank's partial product is summed over the
 // group (g: all-reduce, or under sequence parallelism reduce-scatter onto this rank's shard of
-// out) and the bias added once, by rank 0. w16: the weight's bf16 copy or undefined.
+// out) and the bias added once, by rank 0. w16: the weight's bf16 copy or undefined. lora: the
+// layer's LoRA adapters, whose term is added to the layer's output before the sum (each rank's
+// input slice gives its partial term: nn/lora.h).
 void residual_linear_forward(Backend& backend, const LayerLinks& links, LinearLayer& layer, const Tensor& x,
                              const Tensor& w, const Tensor& w16, const Tensor& b, const Tensor& residual,
-                             const Tensor& out);
+                             const Tensor& out, const LoraTerm& lora = {});
 
 // Activation-gradient scratch shared by all blocks of a backward pass (overwritten each use).
 struct BlockScratch {

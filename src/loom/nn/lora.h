@@ -60,6 +60,16 @@ void lora_backward(Backend& backend, const Tensor& x, const LoraAdapters& params
                    float scale, const Tensor& dy, const Tensor& dx, LinearWorkspace* ws, const LoraDropout& dropout = {},
                    const Tensor& w = {});
 
+// One layer's adapters with what lora_forward needs beside the input and output: a layer that
+// adds their term itself (nn/layer.h residual_linear_forward) takes it. adapters null: none.
+struct LoraTerm {
+  const LoraAdapters* adapters = nullptr;
+  float scale = 0.0f;
+  LinearWorkspace* ws = nullptr;
+  LoraDropout dropout;
+  Tensor w;  // the base weight (DoRA)
+};
+
 // Merging (Hu et al. 2021, sec. 4.1: no inference latency): `merged` (the base layout's
 // lora_begin elements) = the base weights of `params` with each adapted weight's rows
 // W[out_begin : out_begin + out_count] += s B A (DoRA: then row j scaled by m_j / its norm). `params` itself is not changed: the unmerged

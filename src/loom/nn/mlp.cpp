@@ -46,14 +46,13 @@ void MlpLayer::forward(Backend& backend, const Tensor& mid, MlpSaved& s, const T
     return;
   }
   const int64_t T = s.fc.dim(1);
-  fc_.forward(backend, links_.whole(backend, s.norm.out, T), p.fc_w, q.fc_w, p.fc_b, s.fc, 0.0f, links_.ws);
-  lora_forward(backend, s.norm.out, p.fc_lora, config_.lora_scale(), s.fc, links_.ws, s.lora_dropout.at_site(2),
-               p.fc_w);
+  const Tensor input = links_.whole(backend, s.norm.out, T);  // (sequence parallel: gathered)
+  fc_.forward(backend, input, p.fc_w, q.fc_w, p.fc_b, s.fc, 0.0f, links_.ws);
+  lora_forward(backend, input, p.fc_lora, config_.lora_scale(), s.fc, links_.ws, s.lora_dropout.at_site(2), p.fc_w);
   activation(backend, s);
-  // out = mid + fc2(act); g: the hidden slices' partial outputs summed over tp.
-  residual_linear_forward(backend, links_, fc2_, s.act, p.fc2_w, q.fc2_w, p.fc2_b, mid, out);
-  lora_forward(backend, s.act, p.fc2_lora, config_.lora_scale(), out, links_.ws, s.lora_dropout.at_site(3),
-               p.fc2_w);
+  // out = mid + fc2(act); g: the hidden slices' partial outputs (and LoRA's terms) summed over tp.
+  residual_linear_forward(backend, links_, fc2_, s.act, p.fc2_w, q.fc2_w, p.fc2_b, mid, out,
+                          LoraTerm{&p.fc2_lora, config_.lora_scale(), links_.ws, s.lora_dropout.at_site(3), p.fc2_w});
 }
 
 void MlpLayer::forward_moe(Backend& backend, const Tensor& mid, MlpSaved& s, const Tensor& out) {
@@ -125,11 +124,10 @@ void MlpLayer::backward(Backend& backend, const Tensor& mid, const MlpSaved& s, 
   if (config_.swiglu()) backend.swiglu_backward(s.fc, k.d_act, k.d_fc);
   else backend.gelu_backward(s.fc, k.d_act, k.d_fc);
   pass.keep(k.d_fc, s.dy_fc);
-  fc_.backward(backend, whole(s.norm.out), p.fc_w, q.fc_w, k.d_fc, k.d_norm, pass.dw(g.fc_w), g.fc_b, links_.ws);
-  if (!p.fc_lora.empty()) {  // (no sequence parallel with LoRA: whole() is the shard itself)
-    lora_backward(backend, s.norm.out, p.fc_lora, g.fc_lora, config_.lora_scale(), k.d_fc, k.d_norm, links_.ws,
-                  s.lora_dropout.at_site(2), p.fc_w);
-  }
+  const Tensor input = whole(s.norm.out);
+  fc_.backward(backend, input, p.fc_w, q.fc_w, k.d_fc, k.d_norm, pass.dw(g.fc_w), g.fc_b, links_.ws);
+  lora_backward(backend, input, p.fc_lora, g.fc_lora, config_.lora_scale(), k.d_fc, k.d_norm, links_.ws,
+                s.lora_dropout.at_site(2), p.fc_w);
   // f: the hidden slices' partial d(norm2 output), then through norm2 into d(mid).
   norm_residual_backward(backend, config_, links_, k, true, d_residual, mid, p.norm_w, s.norm, g.norm_w, g.norm_b);
 }

@@ -34,6 +34,35 @@ void copy_whole(Backend& backend, const Tensor& g, const Tensor& l, bool to_loca
   else backend.copy(l, g);
 }
 
+// A fused column-parallel weight's rows: [global begin, local begin, count) of each piece a rank holds.
+struct RowPiece {
+  int64_t global = 0, local = 0, count = 0;
+};
+
+// LoRA's adapters of one layer (nn/lora.h), g and l in the same site order. A column-parallel
+// layer (qkv, fc: the output sliced) keeps A whole (replicated) and the rows of B its output
+// slice holds (`rows`: the fused weight's pieces); a row-parallel one (proj, fc2: the input
+// sliced) the columns [col0, col0 + its width) of A and B whole (replicated).
+void copy_adapters(Backend& backend, const LoraAdapters& g, const LoraAdapters& l, const std::vector<RowPiece>& rows,
+                   int64_t col0, bool column_parallel, bool to_local, bool replicated, int tp) {
+  LOOM_CHECK(g.size() == l.size(), "tensor parallel copy: ", g.size(), " global and ", l.size(), " local adapters");
+  for (size_t i = 0; i < g.size(); ++i) {
+    LOOM_CHECK(!g[i].m.defined() || tp == 1, "tensor parallel copy: DoRA's magnitudes are not sliced for tensor parallelism");
+    if (g[i].m.defined() && replicated) copy_whole(backend, g[i].m, l[i].m, to_local);  // (one rank: whole)
+    if (!column_parallel) {
+      copy_columns(backend, g[i].a, col0, l[i].a, !to_local);
+      if (replicated) copy_whole(backend, g[i].b, l[i].b, to_local);
+      continue;
+    }
+    if (replicated) copy_whole(backend, g[i].a, l[i].a, to_local);
+    const int64_t gb = g[i].out_begin, ge = gb + g[i].b.dim(0), lb = l[i].out_begin;
+    for (const RowPiece& p : rows) {  // the pieces of the adapter's rows [gb, ge) this rank holds
+      const int64_t lo = std::max(gb, p.global), hi = std::min(ge, p.global + p.count);
+      if (lo < hi) copy_rows(backend, g[i].b, lo - gb, l[i].b, p.local + (lo - p.global) - lb, hi - lo, to_local);
+    }
+  }
+}
+
 }  // namespace
 
 ModelConfig tp_local_config(const ModelConfig& global, int tp) {
@@ -71,10 +100,7 @@ void tp_copy(Backend& backend, const ModelConfig& gc, const Tensor& global, cons
   const bool replicated = to_local || write_replicated;
   if (to_local) local.zero_();
   for (const ParamSpec& spec : ll.params) {
-    const bool adapter = lc.lora() && spec.offset >= lora_begin(lc, ll);  // LoRA's: whole, one tensor-parallel rank only
-    if (is_block_param(lc, spec.name) && !adapter) continue;
-    LOOM_CHECK(!adapter || tp == 1, "tensor parallel copy: LoRA adapters are not sliced for tensor parallelism (",
-               spec.name, ")");
+    if (is_block_param(lc, spec.name)) continue;  // (LoRA's adapters too: per layer below)
     const Tensor g = global.view(gl.find(spec.name).offset, gl.find(spec.name).shape);
     const Tensor l = local.view(spec.offset, spec.shape);
     if (is_vocab_param(spec.name)) {
@@ -102,6 +128,16 @@ void tp_copy(Backend& backend, const ModelConfig& gc, const Tensor& global, cons
       if (gc.swiglu()) copy_rows(backend, gt, F + rank * Fl, lt, Fl, Fl, to_local);  // the up half of [gate | up]
     }
     if (g.mlp.fc2_w.defined()) copy_columns(backend, g.mlp.fc2_w, rank * Fl, l.mlp.fc2_w, !to_local);
+    // LoRA's adapters, sliced as their layers (the rows of the fused qkv and gate/up as above).
+    const std::vector<RowPiece> qkv_rows = {{rank * Hl * hd, 0, Hl * hd},
+                                            {(H + rank * KVl) * hd, Hl * hd, KVl * hd},
+                                            {(H + KV + rank * KVl) * hd, (Hl + KVl) * hd, KVl * hd}};
+    std::vector<RowPiece> fc_rows = {{rank * Fl, 0, Fl}};
+    if (gc.swiglu()) fc_rows.push_back({F + rank * Fl, Fl, Fl});
+    copy_adapters(backend, g.attention.qkv_lora, l.attention.qkv_lora, qkv_rows, 0, true, to_local, replicated, tp);
+    copy_adapters(backend, g.attention.proj_lora, l.attention.proj_lora, {}, rank * Hl * hd, false, to_local, replicated, tp);
+    copy_adapters(backend, g.mlp.fc_lora, l.mlp.fc_lora, fc_rows, 0, true, to_local, replicated, tp);
+    copy_adapters(backend, g.mlp.fc2_lora, l.mlp.fc2_lora, {}, rank * Fl, false, to_local, replicated, tp);
     if (replicated && g.mlp.moe.defined()) {  // an MoE block's router and experts are replicated
       for (const auto& [gt, lt] : {std::pair{g.mlp.moe.router_w, l.mlp.moe.router_w}, std::pair{g.mlp.moe.bias, l.mlp.moe.bias},
                                    std::pair{g.mlp.moe.shared_fc_w, l.mlp.moe.shared_fc_w},
@@ -139,7 +175,13 @@ std::vector<std::pair<int64_t, int64_t>> tp_replicated_ranges(const ModelConfig&
                          ends("self_attn.qkv_proj.weight") || ends("self_attn.qkv_proj.bias") ||
                          ends("self_attn.o_proj.weight") ||
                          ends("mlp.gate_up_proj.weight") || ends("mlp.down_proj.weight"));
-    if (sliced) continue;
+    // LoRA: B of a column-parallel layer (its output rows) and A of a row-parallel one (its input columns).
+    const bool column = ends("q_proj.lora_B.weight") || ends("k_proj.lora_B.weight") || ends("v_proj.lora_B.weight") ||
+                        ends("gate_proj.lora_B.weight") || ends("up_proj.lora_B.weight") ||
+                        ends("attn.c_attn.lora_B.weight") || ends("mlp.c_fc.lora_B.weight");
+    const bool row = ends("o_proj.lora_A.weight") || ends("down_proj.lora_A.weight") || ends("attn.c_proj.lora_A.weight") ||
+                     ends("mlp.c_proj.lora_A.weight");
+    if (sliced || column || row) continue;
     if (!out.empty() && out.back().second == spec.offset) out.back().second += spec.numel;
     else out.emplace_back(spec.offset, spec.offset + spec.numel);
   }

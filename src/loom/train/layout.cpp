@@ -104,10 +104,16 @@ const Rule kRules[] = {
                           "(the rollouts decode with the whole fp32 model)");
      }},
     // Model features against parallelisms and memory policies.
-    {Verdict::refuse, [](const LayoutFacts& f) { return model(f).lora() && f.of(Axis::tp) > 1; },
+    {Verdict::refuse, [](const LayoutFacts& f) { return model(f).lora_dora && f.of(Axis::tp) > 1; },
      [](const LayoutFacts& f) {
-       return str_cat("peft.method = lora is not supported with tensor parallelism (parallel.tp = ", f.of(Axis::tp),
-                      ") yet: the adapters are not sliced; use data parallelism");
+       return str_cat("peft.dora is not supported with tensor parallelism (parallel.tp = ", f.of(Axis::tp),
+                      ") yet: a row-parallel layer's row norms span the ranks; use LoRA, or data or pipeline parallelism");
+     }},
+    {Verdict::refuse, [](const LayoutFacts& f) { return model(f).lora() && f.of(Axis::tp) > 1 && zero(f) >= 2; },
+     [](const LayoutFacts& f) {
+       return str_cat("peft.method = lora with parallel.tp > 1 and parallel.zero_stage = ", zero(f), " is not supported "
+                      "yet: the replicated adapters' gradients are summed over tp after backward, ZeRO-2/3 reduce-scatter "
+                      "during it; use zero_stage 0 or 1");
      }},
     {Verdict::refuse, [](const LayoutFacts& f) { return model(f).lora() && par(f).compression != Compression::none; },
      [](const LayoutFacts& f) {

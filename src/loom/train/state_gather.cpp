@@ -49,7 +49,9 @@ TrainingState::TrainingState(Backend& backend, const LoomConfig& config, const P
   if (partial_) {
     const RangeSet base = parts_.pipeline ? parts_.pipeline->norm_ranges() : RangeSet::span(0, model.layout().total);
     const Communicator* ep = layout_.group(Axis::ep);
-    const RangeSet mine = ep != nullptr && ep->rank() != 0 ? model.own_expert_ranges() : trainer.domain();
+    // (A frozen base, LoRA's, is outside the trainer's domain but its stage's parameters count.)
+    const RangeSet mine = ep != nullptr && ep->rank() != 0 ? model.own_expert_ranges()
+                                                          : trainer.domain().unite(model.frozen_ranges());
     counted_ = base.intersect(mine);
   }
   model_state_ = ModelState{config.model, parts_.whole ? parts_.whole->params() : model.params()};
@@ -68,6 +70,16 @@ TrainingState::TrainingState(Backend& backend, const LoomConfig& config, const P
   // sharded checkpoint; any number of ranks can resume it.
   if (zero_ != nullptr && !staged_) optimizer_state_.flat_begin = zero_->range().begin;
   flat_state_ = optimizer_state_.tensors;
+  // A frozen base (LoRA): one process's optimizer state covers the adapters only, [frozen_end,
+  // P) of the whole layout; a pipeline's or tensor-parallel slices' flat staging buffers are
+  // saved and loaded as that view, so the checkpoint resumes on any layout.
+  if (config.model.lora() && (partial_ || parts_.whole != nullptr)) {
+    const ParamLayout whole = build_param_layout(config.model);
+    const int64_t frozen = lora_begin(config.model, whole);
+    for (auto& [name, t] : optimizer_state_.tensors) {
+      if (t.numel() == whole.total) t = t.view(frozen, {whole.total - frozen});
+    }
+  }
   fp8_ = model.pack_scaling_state();
   if (fp8_.defined()) optimizer_state_.tensors.emplace_back("fp8_amax_history", fp8_);
 }
@@ -109,6 +121,25 @@ void TrainingState::tp_whole(const Tensor& local, const Tensor& whole) {
   tp.all_reduce(whole);
 }
 
+// A slice's optimizer state: flat (the slice's layout), or with a frozen base the adapters only,
+// [frozen_end, P) of the slice's layout, put in a flat buffer to be copied as the parameters are.
+void TrainingState::tp_state_whole(const Tensor& local, const Tensor& whole) {
+  const int64_t total = parts_.model->layout().total;
+  if (local.numel() == total) return tp_whole(local, whole);
+  const int64_t frozen = total - local.numel();
+  Tensor flat = Tensor::zeros(backend_.allocator(), {total}, DTYPE_F32, MEM_WORKSPACE);
+  backend_.copy(local, flat.view(frozen, {local.numel()}));
+  tp_whole(flat, whole);
+}
+
+void TrainingState::tp_state_local(const Tensor& whole, const Tensor& local) {
+  const int64_t total = parts_.model->layout().total;
+  if (local.numel() == total) return tp_local(whole, local);
+  Tensor flat = Tensor::zeros(backend_.allocator(), {total}, DTYPE_F32, MEM_WORKSPACE);
+  tp_local(whole, flat);
+  backend_.copy(flat.view(total - local.numel(), {local.numel()}), local);
+}
+
 void TrainingState::tp_local(const Tensor& whole, const Tensor& local) {
   const Communicator& tp = *layout_.group(Axis::tp);
   tp_copy(backend_, config_.model, whole, parts_.local_config, local, tp.rank(), tp.size(), true);
@@ -148,7 +179,7 @@ std::string TrainingState::save(const nlohmann::json& data_state) {
   }
   if (parts_.whole) {  // every rank of every tp group takes part in staging the whole state
     tp_whole(parts_.model->params(), parts_.whole->params());
-    for (auto& [local, w] : tp_state_) tp_whole(local, w);
+    for (auto& [local, w] : tp_state_) tp_state_whole(local, w);
   }
   const bool lead = layout_.world().rank() == 0;
   std::string path = lead ? checkpoints_.save(contents()) : "(written by rank 0)";  // dp ranks hold identical state
@@ -185,7 +216,7 @@ std::optional<LoadedCheckpoint> TrainingState::resume(const CheckpointWarning& w
   trainer.restore(loaded->step, loaded->optimizer_steps);
   if (parts_.whole) {
     tp_local(parts_.whole->params(), parts_.model->params());
-    for (auto& [local, w] : tp_state_) tp_local(w, local);
+    for (auto& [local, w] : tp_state_) tp_state_local(w, local);
   }
   for (auto& [owned, full] : pp_state_) owners_state_owned(full, owned);
   for (auto& [shard, domain] : zero_state_) backend_.copy(domain.view(zero_->state_offset(), {shard.numel()}), shard);

@@ -42,6 +42,8 @@ class TrainingState {
   void owners_state_owned(const Tensor& full, const Tensor& owned);
   void tp_whole(const Tensor& local, const Tensor& whole);
   void tp_local(const Tensor& whole, const Tensor& local);
+  void tp_state_whole(const Tensor& local, const Tensor& whole);
+  void tp_state_local(const Tensor& whole, const Tensor& local);
   CheckpointContents contents();
   std::string save_sharded(const nlohmann::json& data_state);
 

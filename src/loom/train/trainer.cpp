@@ -150,9 +150,9 @@ Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config, Commu
                "parallel.zero_stage > 0 and parallel.compression are not supported on the ", backend_.name(),
                " backend yet (it lacks their ops): use plain data parallelism");
     if (ddp.zero_stage <= 1) {  // gradients all-reduced (stage 1 then shards the update)
-      // Sequence parallel sums some gradients over the tp group after backward: the data-parallel
-      // reduction then follows it instead of overlapping backward.
-      if (model_.sequence_parallel()) ddp.overlap = false;
+      // Sequence parallel and LoRA under tp sum some gradients over the tp group after backward:
+      // the data-parallel reduction then follows it instead of overlapping backward.
+      if (!model_.tp_partial_ranges().empty()) ddp.overlap = false;
       ddp.frozen_below = model_.frozen_ranges().empty() ? 0 : model_.frozen_ranges().ranges()[0].end;
       ddp_ = std::make_unique<DataParallel>(*comm, backend_, model_.grads(), model_.layout(), ddp);
     } else {
@@ -181,10 +181,11 @@ Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config, Commu
                optimizer_->name());
     tp_ = tp;
     tp_replicated_ = tp_replicated_ranges(model_.config());
-    sequence_partial_ = model_.sequence_partial_ranges();
-    LOOM_CHECK(sequence_partial_.empty() || !sharded_grads(), "parallel.sequence_parallel with parallel.zero_stage = ", ddp.zero_stage, " is not supported: the norms' "
-               "gradients are summed over the tp group after backward, ZeRO-2/3 reduce-scatter them during it; use "
-               "zero_stage 0 or 1");
+    tp_partial_ = model_.tp_partial_ranges();
+    LOOM_CHECK(tp_partial_.empty() || !sharded_grads(), "parallel.sequence_parallel or peft.method = lora with "
+               "parallel.tp > 1 and parallel.zero_stage = ", ddp.zero_stage, " is not supported: the norms' (or the "
+               "adapters') gradients are summed over the tp group after backward, ZeRO-2/3 reduce-scatter them during "
+               "it; use zero_stage 0 or 1");
   }
   scalar_ = Tensor::zeros(host_, {1}, DTYPE_F64, MEM_WORKSPACE);
   if (store_.tokens.defined() && !store_.tokens.host_accessible()) {  // a GPU's batch is staged on the host
@@ -264,7 +265,7 @@ StepStats Trainer::train_step(BatchSource& data) {
       model_.backward(store_, loss_weight);
     }
   }
-  for (const auto& [b, e] : sequence_partial_) {  // the norms' gradients: partial sums over the sequence shards
+  for (const auto& [b, e] : tp_partial_) {  // partial sums over the tp group: the sequence shards', the slices'
     model_.tensor_parallel()->all_reduce(model_.grads().view(b, {e - b}));
   }
   if (comm_ != nullptr) {

@@ -138,7 +138,7 @@ class Trainer {
   double global_grad_norm();  // over every rank's part (ZeRO-2/3 shards, tensor and pipeline parallel)
   Communicator* tp_ = nullptr;      // the model's tensor-parallel group (more than one rank)
   std::vector<std::pair<int64_t, int64_t>> tp_replicated_;  // flat ranges of replicated parameters
-  std::vector<std::pair<int64_t, int64_t>> sequence_partial_;  // sequence parallel: summed over tp once a step
+  std::vector<std::pair<int64_t, int64_t>> tp_partial_;  // sequence parallel's norms, LoRA's replicated adapters: summed over tp once a step
   // The next batch into store_'s tokens and targets; returns how many targets count (not kIgnoreTarget).
   int64_t load_batch(BatchSource& data);
   CpuAllocator host_;  // host staging: scalar_ and, on a GPU backend, the batch
