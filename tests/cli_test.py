@@ -666,6 +666,11 @@ class Cli(unittest.TestCase):
         p = run("train", "--set", sets.replace("run.name=dpo", "run.name=simpo").replace("train.steps=12", "train.steps=2")
                 + ",dpo.loss=simpo,dpo.beta=2.0")
         self.assertIn("no reference model", p.stdout)
+        # A live reference (a frozen copy of the initial weights): the same first step.
+        p = run("train", "--set", sets.replace("run.name=dpo", "run.name=dpo_live").replace("train.steps=12", "train.steps=2")
+                + ",dpo.reference=live")
+        self.assertIn("reference live: a frozen copy of the initial weights", p.stdout)
+        self.assertAlmostEqual(self.losses("dpo_live")[0], steps[0]["loss"], places=6)
         # Bad input: one line naming the key or the file and line.
         p = run("train", "--set", sets.replace("train.batch_size=8", "train.batch_size=7"), expect_ok=False)
         self.assert_one_line_error(p, "train.batch_size (7)", "must be even")

@@ -48,13 +48,38 @@ class MaskedWindows final : public BatchSource {
   int64_t T_, row_ = 0;
 };
 
+// Packed documents (data.document_mask): every input position p of the stream with p mod 5 = 3
+// becomes the end-of-text token kDocumentEnd, which the source names as its separator, so each
+// row holds several documents (tokens only: the targets stay the corpus's).
+class DocumentWindows final : public BatchSource {
+ public:
+  static constexpr int32_t kDocumentEnd = 1;
+  DocumentWindows(BatchSource& inner, int64_t T) : inner_(inner), T_(T) {}
+  void fill(const Tensor& tokens, const Tensor& targets) override {
+    inner_.fill(tokens, targets);
+    const int64_t rows = tokens.numel() / T_;
+    for (int64_t r = 0; r < rows; ++r, ++row_) {
+      for (int64_t t = 0; t < T_; ++t) {
+        if ((row_ * T_ + t) % 5 == 3) tokens.data<int32_t>()[r * T_ + t] = kDocumentEnd;
+      }
+    }
+  }
+  int32_t document_end() const override { return kDocumentEnd; }
+
+ private:
+  BatchSource& inner_;
+  int64_t T_, row_ = 0;
+};
+
 // The test corpus's batches (16 tokens a sequence), and rank's `batch` rows of each global
 // batch of batch x world rows (world 1: the corpus's batches themselves); `masked`: with the
-// loss masks of MaskedWindows.
+// loss masks of MaskedWindows; `documents`: packed as DocumentWindows.
 struct RankData {
-  RankData(Allocator& allocator, const ModelConfig& config, int rank, int world, int64_t batch, bool masked = false)
-      : global(mpi_test_corpus(5000, static_cast<int32_t>(config.vocab_size)), 11), masks(global, 16) {
-    BatchSource& all = masked ? static_cast<BatchSource&>(masks) : global;
+  RankData(Allocator& allocator, const ModelConfig& config, int rank, int world, int64_t batch, bool masked = false,
+           bool documents = false)
+      : global(mpi_test_corpus(5000, static_cast<int32_t>(config.vocab_size)), 11), masks(global, 16),
+        docs(masked ? static_cast<BatchSource&>(masks) : global, 16) {
+    BatchSource& all = documents ? static_cast<BatchSource&>(docs) : masked ? static_cast<BatchSource&>(masks) : global;
     if (world > 1) slice = std::make_unique<RankSliceSource>(all, allocator, rank, world, batch, 16);
     whole = &all;
   }
@@ -62,6 +87,7 @@ struct RankData {
 
   RandomWindowSource global;
   MaskedWindows masks;
+  DocumentWindows docs;
   BatchSource* whole = nullptr;
   std::unique_ptr<RankSliceSource> slice;
 };
@@ -118,12 +144,13 @@ struct Curve {
 
 // The one-process reference: the model of `config` initialised with seed 7, trained `steps`
 // steps on the test corpus with `tc`.
-inline Curve train_single(const ModelConfig& config, const TrainConfig& tc, int steps, bool masked = false) {
+inline Curve train_single(const ModelConfig& config, const TrainConfig& tc, int steps, bool masked = false,
+                          bool documents = false) {
   auto backend = make_cpu_backend();
   Transformer model(*backend, config);
   model.init_weights(7);
   Trainer trainer(*backend, model, tc);
-  RankData data(backend->allocator(), config, 0, 1, tc.batch_size, masked);
+  RankData data(backend->allocator(), config, 0, 1, tc.batch_size, masked, documents);
   Curve c;
   for (int s = 0; s < steps; ++s) {
     const StepStats st = trainer.train_step(data.source());

@@ -36,8 +36,9 @@ TrainConfig train_config(int64_t batch, const char* optimizer) {
 }
 
 
-Curve single(const ModelConfig& config, int64_t batch, const char* optimizer, bool masked = false) {
-  return train_single(config, train_config(batch, optimizer), kSteps, masked);
+Curve single(const ModelConfig& config, int64_t batch, const char* optimizer, bool masked = false,
+             bool documents = false) {
+  return train_single(config, train_config(batch, optimizer), kSteps, masked, documents);
 }
 
 struct Layout {
@@ -48,6 +49,7 @@ struct Layout {
   bool ulysses = false;
   int zero = 0;  // ZeRO stage over dp
   bool masked = false;  // loss masks on the targets (mpi_fixture.h MaskedWindows)
+  bool documents = false;  // packed documents (mpi_fixture.h DocumentWindows; data.document_mask)
 };
 
 Curve parallel(Communicator& world, const ModelConfig& config, const Layout& lay, int64_t batch, const char* optimizer,
@@ -76,7 +78,7 @@ Curve parallel(Communicator& world, const ModelConfig& config, const Layout& lay
     EXPECT_EQ(trainer.optimizer().state_bytes(), k * (shard.end - shard.begin)) << optimizer;
     EXPECT_LE(shard.end - shard.begin, (owned + reduce->size() - 1) / reduce->size());
   }
-  RankData rows(backend->allocator(), config, dp->rank(), dp->size(), batch, lay.masked);
+  RankData rows(backend->allocator(), config, dp->rank(), dp->size(), batch, lay.masked, lay.documents);
   ContextSliceSource positions_of(rows.source(), backend->allocator(), cp->rank(), cp->size(), batch, 16);
   BatchSource& data = lay.cp > 1 ? static_cast<BatchSource&>(positions_of) : rows.source();
   Curve c;
@@ -115,7 +117,7 @@ void check(Communicator& world, const ModelConfig& config, const Layout& lay, co
   const int64_t batch = 2;
   for (const char* optimizer : {"sgd", "adamw"}) {
     if (!adamw && std::string(optimizer) == "adamw") continue;
-    const Curve ref = single(config, batch * lay.dp, optimizer, lay.masked);
+    const Curve ref = single(config, batch * lay.dp, optimizer, lay.masked, lay.documents);
     double idle = 0;
     const Curve got = parallel(world, config, lay, batch, optimizer, &idle);
     double worst_loss = 0, worst_grad = 0;
@@ -131,7 +133,8 @@ void check(Communicator& world, const ModelConfig& config, const Layout& lay, co
     }
     if (world.rank() == 0) {
       std::printf("%s%s%s ZeRO-%d dp=%d x cp=%d%s x tp=%d%s x pp=%d %s, %s: worst loss rel diff %.2e, gradient %.2e; measured idle %.0f%% of rank 0's step\n",
-                  preset, config.lora() ? (config.lora_dora ? " DoRA" : " LoRA") : "", lay.masked ? " masked" : "",
+                  preset, config.lora() ? (config.lora_dora ? " DoRA" : " LoRA") : "",
+                  lay.masked ? " masked" : lay.documents ? " documents" : "",
                   lay.zero, lay.dp, lay.cp, lay.cp > 1 ? (lay.ulysses ? " ulysses" : " ring") : "", lay.tp,
                   lay.sequence_parallel ? "+sp" : "", lay.pp, lay.schedule, optimizer, worst_loss,
                   worst_grad, 100 * idle);
@@ -176,6 +179,29 @@ TEST(MpiPipeline, LoraAndLossMasksReproduceTheSingleProcessRun) {
     masked.masked = true;
     check(*world, four_layers("gpt2-tiny"), masked, "gpt2-tiny");
     check(*world, lora, masked, "llama-tiny");
+  }
+  // LoRA dropout: each micro-batch's masks numbered as one process's (pass = step x m + i + 1).
+  // (np 2 only: data parallel ranks draw their rows' masks by their local positions, as DDP does.)
+  if (n == 2) {
+    ModelConfig dropped = lora;
+    dropped.lora_dropout = 0.2f;
+    check(*world, dropped, {1, 1, 2, "1f1b"}, "llama-tiny");
+  }
+}
+
+// Packed documents (data.document_mask) through the stages: each micro-batch's spans go with it,
+// so attention stays inside each document and positions restart (RoPE, GPT-2's learned
+// positions) as in one process.
+TEST(MpiPipeline, PackedDocumentsReproduceTheSingleProcessRun) {
+  auto world = make_mpi_communicator();
+  const int n = world->size();
+  if (n != 2 && n != 4) GTEST_SKIP() << "runs under np 2 and np 4";
+  for (const char* preset : {"gpt2-tiny", "llama-tiny"}) {
+    for (const char* schedule : {"1f1b", "zb-h1"}) {
+      Layout docs{n / 2, 1, 2, schedule};
+      docs.documents = true;
+      check(*world, four_layers(preset), docs, preset);
+    }
   }
 }
 

@@ -128,9 +128,14 @@ int train_main(int argc, char** argv) {
     for (PreferenceBatches* split : batches.preference_splits()) objective.compute_reference(trainer, *split, config.train.batch_size);
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     const std::vector<PreferenceBatches*> splits = batches.preference_splits();
-    const std::string reference = config.dpo.reference_free()
-                                      ? "no reference model"
-                                      : str_cat("reference log-probabilities of the initial weights: ", seconds, " s");
+    std::string reference = config.dpo.reference_free()
+                                ? "no reference model"
+                                : str_cat("reference log-probabilities of the initial weights: ", seconds, " s");
+    if (config.dpo.reference == DpoReference::live && !config.dpo.reference_free()) {
+      LOOM_CHECK(config.model.lora() || config.parallel.zero_stage < 3, "dpo.reference = live copies the initial "
+                 "weights, which parallel.zero_stage = 3 has sharded: use zero_stage <= 2, dpo.reference = once or LoRA");
+      reference = "reference " + objective.set_live_reference(*parts.model);
+    }
     std::printf("dpo (%s, beta %g): %lld training pairs, %lld held out; %s\n", std::string(enum_name(config.dpo.loss)).c_str(),
                 config.dpo.beta, static_cast<long long>(splits[0]->pairs()), static_cast<long long>(splits[1]->pairs()),
                 reference.c_str());

@@ -215,6 +215,7 @@ void Transformer::end_step() {  // every linear layer in linear_layers()'s order
 }
 
 void Transformer::set_recording(bool on) {
+  recording_ = on;
   for (LinearLayer* l : linear_layers()) l->set_recording(on);
   for (Block& b : blocks_) b.set_recording(on);
 }
@@ -506,6 +507,7 @@ void Transformer::set_documents(ActivationStore& s, int64_t first, int64_t last)
       d.p = config_.lora_dropout;
       d.draw = RoundingDraw{kLoraDropoutSeed, static_cast<uint32_t>(16 * l), s.dropout_pass};
     }
+    d.off = s.adapters_off;
     b.attention.lora_dropout = b.mlp.lora_dropout = d;
   }
 }

@@ -52,6 +52,7 @@ struct ActivationStore {
   // peft.dropout: which training pass this is (the masks' Philox counter: the trainer numbers its
   // micro-batches from 1); 0: no dropout (evaluation, decoding, a reference pass).
   uint32_t dropout_pass = 0;
+  bool adapters_off = false;  // LoRA's adapters skipped: the base alone (DPO's live reference, train/dpo.h)
 };
 
 
@@ -188,6 +189,7 @@ class Transformer {
   void end_step();
   // Off during evaluation: forward passes do not record FP8 amaxes.
   void set_recording(bool on);
+  bool recording() const { return recording_; }
   // FP8 delayed scaling state of every layer using it (per layer x, w, dy: the amax history,
   // then the amax in use), packed into one flat f32 tensor for checkpoints; undefined when no
   // layer uses delayed scaling. pack_scaling_state() refreshes the tensor from the layers,
@@ -248,6 +250,7 @@ class Transformer {
   std::vector<int64_t> moe_layers_;  // the MoE blocks' layers (moe_sums_' rows)
   int64_t shards() const { return sp_ ? tp_->size() : 1; }
   int64_t frozen_end_ = 0;           // [0, frozen_end_) frozen (LoRA's base)
+  bool recording_ = true;            // set_recording's
   struct QuantizedWeight {
     int64_t offset = 0;
     Shape shape;

@@ -58,7 +58,7 @@ Tensor adapter_input(Backend& backend, const Tensor& x2, const LoraDropout& drop
 
 void lora_forward(Backend& backend, const Tensor& x, const LoraAdapters& adapters, float scale, const Tensor& y,
                   LinearWorkspace* ws, const LoraDropout& dropout, const Tensor& w) {
-  if (adapters.empty()) return;
+  if (adapters.empty() || dropout.off) return;
   const Tensor x2 = rows_of(x), y2 = rows_of(y);
   const int64_t N = x2.dim(0), W = y2.dim(1);
   for (size_t index = 0; index < adapters.size(); ++index) {

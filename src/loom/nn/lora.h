@@ -29,6 +29,7 @@ inline constexpr uint64_t kLoraDropoutSeed = 0x4C6F5241;  // "LoRA": the masks' 
 struct LoraDropout {
   float p = 0.0f;
   RoundingDraw draw;
+  bool off = false;  // the pass skips the adapters: the base alone (ActivationStore::adapters_off)
   // The same pass's masks for the site `site` (0..3: q/k/v, o, gate/up, down) of a block: its
   // own streams, 4 apart (a site holds at most 3 adapters).
   LoraDropout at_site(uint32_t site) const {

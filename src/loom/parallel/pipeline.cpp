@@ -147,6 +147,8 @@ void PipelineRunner::forward(const PipeAction& a) {
   ActivationStore& store = stores_[a.chunk][slot];
   model_.backend().copy(tokens_[a.micro], store.tokens);
   model_.backend().copy(targets_[a.micro], store.targets);
+  store.docs = docs_[static_cast<size_t>(a.micro)];
+  store.dropout_pass = first_pass_ > 0 ? first_pass_ + static_cast<uint32_t>(a.micro) : 0;
   if (s > 0) {  // the previous stage's output
     const int from = schedule_.rank_of(s - 1);
     if (from == rank) {
@@ -217,6 +219,7 @@ double PipelineRunner::evaluate(BatchSource& data, int64_t batches) {
   double sum = 0.0;
   loss_sum_ = 0.0;
   valid_ = positions_ = 0;
+  first_pass_ = 0;  // no dropout in evaluation
   for (int64_t i = 0; i < batches; ++i) {
     fill_micro(data, 0);
     for (int s = 0; s < S; ++s) {
@@ -236,8 +239,9 @@ double PipelineRunner::evaluate(BatchSource& data, int64_t batches) {
   return batches > 0 ? sum / static_cast<double>(batches) : 0.0;
 }
 
-double PipelineRunner::run(BatchSource& data, float loss_weight) {
+double PipelineRunner::run(BatchSource& data, float loss_weight, uint32_t first_pass) {
   loss_weight_ = loss_weight;
+  first_pass_ = first_pass;
   loss_sum_ = busy_ = idle_ = 0.0;
   valid_ = positions_ = 0;
   for (int i = 0; i < schedule_.micro; ++i) fill_micro(data, i);  // in the one-process order
@@ -256,7 +260,6 @@ double PipelineRunner::run(BatchSource& data, float loss_weight) {
 }
 
 void PipelineRunner::fill_micro(BatchSource& data, int micro) {
-  LOOM_CHECK(data.document_end() < 0, "packed documents (data.document_mask) with parallel.pp > 1 are not supported yet");
   const Tensor& tokens = tokens_[static_cast<size_t>(micro)];
   const Tensor& targets = targets_[static_cast<size_t>(micro)];
   const Tensor& host = host_tokens_.defined() ? host_targets_ : targets;
@@ -269,6 +272,11 @@ void PipelineRunner::fill_micro(BatchSource& data, int micro) {
   }
   valid_ += counted_targets(host.data<int32_t>(), host.numel());  // loss masks: kIgnoreTarget is not counted
   positions_ += host.numel();
+  const Tensor& host_tokens = host_tokens_.defined() ? host_tokens_ : tokens;
+  docs_.resize(static_cast<size_t>(schedule_.micro));
+  docs_[static_cast<size_t>(micro)] = data.document_end() >= 0 ? document_spans(host_tokens.data<int32_t>(), host_tokens.dim(0),
+                                                                                host_tokens.dim(1), data.document_end())
+                                                               : DocumentSpans{};
 }
 
 double PipelineRunner::reduce_loss(double local) {

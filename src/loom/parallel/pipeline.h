@@ -49,7 +49,10 @@ class PipelineRunner {
   // order, as a one-process run with grad_accum = m would), runs the schedule with each
   // micro-batch's loss weighted by loss_weight, and returns the sum of the micro-batch losses
   // (on every rank). Gradients accumulate into the model's buffer for this rank's stages.
-  double run(BatchSource& data, float loss_weight);
+  // first_pass: micro-batch i's LoRA dropout pass is first_pass + i (0: no dropout), as the
+  // trainer numbers a one-process step's micro-batches. Packed documents (data.document_mask)
+  // give each micro-batch its spans.
+  double run(BatchSource& data, float loss_weight, uint32_t first_pass = 0);
   // The mean loss of `batches` micro-batches from data, forward only, one at a time through the
   // stages (evaluation: no schedule), on every rank; with loss masks the mean over the counted
   // positions.
@@ -100,6 +103,8 @@ class PipelineRunner {
   float loss_weight_ = 1.0f;
   double loss_sum_ = 0.0, busy_ = 0.0, idle_ = 0.0;
   int64_t valid_ = 0, positions_ = 0;  // the last run's (or evaluation's) counted and all positions
+  std::vector<DocumentSpans> docs_;    // [micro]: its packed documents' spans (empty: none)
+  uint32_t first_pass_ = 0;            // the run's first LoRA dropout pass (0: none)
 };
 
 }  // namespace loom

@@ -154,6 +154,7 @@ std::vector<Binding> bindings(LoomConfig& c) {
       {"dpo.loss", enum_ref(&c.dpo.loss), "train.objective = dpo: sigmoid (DPO) | ipo (IPO) | simpo (SimPO: length-normalised, no reference)"},
       {"dpo.beta", &c.dpo.beta, "train.objective = dpo: beta, the strength of the reference (sigmoid, simpo) or 1/(2 beta) the target margin (ipo)"},
       {"dpo.gamma", &c.dpo.gamma, "dpo.loss = simpo: the target reward margin gamma"},
+      {"dpo.reference", enum_ref(&c.dpo.reference), "train.objective = dpo: once (every pair's reference log-probabilities before training) | live (each micro-batch's, from the base with LoRA's adapters off, or a frozen copy of the initial weights)"},
       {"grpo.group", &c.grpo.group, "train.objective = grpo: completions sampled per prompt (G; train.batch_size must be a multiple)"},
       {"grpo.max_new_tokens", &c.grpo.max_new_tokens, "train.objective = grpo: the longest completion"},
       {"grpo.temperature", &c.grpo.temperature, "train.objective = grpo: the rollouts' sampling temperature"},

@@ -124,8 +124,9 @@ double DpoObjective::weigh(Backend& backend, ActivationStore& store, const Batch
     const auto w = static_cast<size_t>(2 * i), l = w + 1;
     LOOM_CHECK(rows[w].chosen && !rows[l].chosen && rows[w].pair == rows[l].pair, "train.objective = dpo: rows ", w,
                " and ", l, " are not one pair's chosen and rejected sequences");
-    const PairTerms t = dpo_pair(config_, logp[w], logp[l], rows[w].reference, rows[l].reference, rows[w].length,
-                                 rows[l].length);
+    const bool live = !live_.empty() && !config_.reference_free();
+    const double ref_w = live ? live_[w] : rows[w].reference, ref_l = live ? live_[l] : rows[l].reference;
+    const PairTerms t = dpo_pair(config_, logp[w], logp[l], ref_w, ref_l, rows[w].length, rows[l].length);
     loss += t.loss;
     // d loss / d (row's summed cross-entropy) = -d loss / d log p, over the micro-batch's mean.
     store.row_weights[w] = static_cast<float>(-t.d_chosen / pairs);
@@ -139,8 +140,45 @@ double DpoObjective::weigh(Backend& backend, ActivationStore& store, const Batch
   return loss / pairs;
 }
 
+std::string DpoObjective::set_live_reference(Transformer& policy) {
+  LOOM_CHECK(config_.reference == DpoReference::live && !config_.reference_free(),
+             "set_live_reference: dpo.reference = live with a loss that has a reference");
+  if (policy.config().lora()) {
+    policy_ = &policy;
+    return "live: the policy with its LoRA adapters off (the base)";
+  }
+  reference_ = std::make_unique<Transformer>(policy.backend(), policy.config());
+  policy.backend().copy(policy.params(), reference_->params());
+  reference_->set_precision(policy.precision());
+  reference_->set_recording(false);
+  return "live: a frozen copy of the initial weights";
+}
+
+void DpoObjective::before_forward(Backend& backend, ActivationStore& store) {
+  if (policy_ == nullptr && reference_ == nullptr) return;
+  if (policy_ != nullptr) {  // the same rows through the base: the policy's forward then overwrites the store
+    const uint32_t pass = store.dropout_pass;
+    store.adapters_off = true, store.dropout_pass = 0;
+    const bool recording = policy_->recording();
+    policy_->set_recording(false);  // (FP8 delayed scaling: the reference pass is not recorded)
+    policy_->forward(store);
+    policy_->set_recording(recording);
+    store.adapters_off = false, store.dropout_pass = pass;
+    live_ = row_log_probs(backend, store);
+    return;
+  }
+  if (reference_store_ == nullptr || reference_store_->batch != store.batch || reference_store_->seq_len != store.seq_len) {
+    reference_store_ = std::make_unique<ActivationStore>(reference_->allocate_store(store.batch, store.seq_len));
+  }
+  backend.copy(store.tokens, reference_store_->tokens);
+  backend.copy(store.targets, reference_store_->targets);
+  reference_->sync_weight_copy();
+  reference_->forward(*reference_store_);
+  live_ = row_log_probs(backend, *reference_store_);
+}
+
 void DpoObjective::compute_reference(Trainer& trainer, PreferenceBatches& pairs, int64_t rows) const {
-  if (config_.reference_free()) return;
+  if (config_.reference_free() || config_.reference == DpoReference::live) return;
   // A source over pairs first, first + 1, ...: the reference pass's batches.
   class From final : public BatchSource {
    public:

@@ -36,8 +36,19 @@ struct EnumNames<DpoLoss> {  // dpo.loss
   static constexpr std::array<std::string_view, 3> names{"sigmoid", "ipo", "simpo"};
 };
 
+// Where the reference log-probabilities come from (dpo.reference): computed once before training
+// for every pair, or live, each micro-batch, from a reference model beside the policy: with
+// LoRA the policy itself with its adapters off (the base, as TRL with PEFT), else a frozen copy
+// of the initial weights.
+enum class DpoReference : uint8_t { once, live };
+template <>
+struct EnumNames<DpoReference> {  // dpo.reference
+  static constexpr std::array<std::string_view, 2> names{"once", "live"};
+};
+
 struct DpoConfig {
   DpoLoss loss = DpoLoss::sigmoid;
+  DpoReference reference = DpoReference::once;
   double beta = 0.1;   // TRL's default
   double gamma = 0.5;  // SimPO's target margin (TRL CPOTrainer's simpo_gamma default)
   bool reference_free() const { return loss == DpoLoss::simpo; }
@@ -90,8 +101,12 @@ class DpoObjective final : public RowObjective {
   double weigh(Backend& backend, ActivationStore& store, const BatchSource& data) override;
 
   // The reference log-probabilities of every pair, from the trainer's model as it is now (before
-  // any step): rows / 2 pairs at a time. Nothing to do for a reference-free loss.
+  // any step): rows / 2 pairs at a time. Nothing to do for a reference-free loss or a live one.
   void compute_reference(Trainer& trainer, PreferenceBatches& pairs, int64_t rows) const;
+  // dpo.reference = live: the reference is `policy` with its adapters off (LoRA) or a copy of its
+  // weights as they are now (the initial ones), in its precision. Returns what it is, in words.
+  std::string set_live_reference(Transformer& policy);
+  void before_forward(Backend& backend, ActivationStore& store) override;
 
   // Sums over the pairs weighed since the last take_stats() (this rank's pairs).
   struct Stats {
@@ -103,6 +118,10 @@ class DpoObjective final : public RowObjective {
  private:
   DpoConfig config_;
   Stats stats_;
+  Transformer* policy_ = nullptr;          // live, LoRA: the policy, run with its adapters off
+  std::unique_ptr<Transformer> reference_;  // live, full: the frozen initial weights
+  std::unique_ptr<ActivationStore> reference_store_;
+  std::vector<double> live_;                // live: this micro-batch's rows' reference log-probabilities
 };
 
 // Each row's summed log-probability of its counted targets: -(sum of its positions' losses).

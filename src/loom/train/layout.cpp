@@ -59,12 +59,11 @@ std::string unsupported_on(const LayoutFacts& f, const std::string& what, const 
 }
 
 const Rule kRules[] = {
-    // Packed documents (data.document_mask) run the attention per document on one process's rows.
-    {Verdict::refuse, [](const LayoutFacts& f) { return f.config->data.document_mask && (f.of(Axis::cp) > 1 || f.of(Axis::pp) > 1); },
+    // Packed documents (data.document_mask) run the attention per document on a rank's whole rows.
+    {Verdict::refuse, [](const LayoutFacts& f) { return f.config->data.document_mask && f.of(Axis::cp) > 1; },
      [](const LayoutFacts& f) {
-       return str_cat("data.document_mask is not supported with ", f.of(Axis::cp) > 1 ? "context" : "pipeline",
-                      " parallelism (parallel.", f.of(Axis::cp) > 1 ? "cp = " : "pp = ", std::max(f.of(Axis::cp), f.of(Axis::pp)),
-                      ") yet; use data or tensor parallelism");
+       return str_cat("data.document_mask is not supported with context parallelism (parallel.cp = ", f.of(Axis::cp),
+                      ") yet; use data, tensor or pipeline parallelism");
      }},
     {Verdict::refuse, [](const LayoutFacts& f) { return f.config->data.document_mask && mla(f); },
      [](const LayoutFacts&) { return std::string("data.document_mask is not supported with model.mla_kv_rank > 0 (MLA) yet"); }},

@@ -237,13 +237,15 @@ StepStats Trainer::train_step(BatchSource& data) {
   const float loss_scale = scaler_ ? scaler_->scale() : 1.0f;
   const float loss_weight = loss_scale / static_cast<float>(config_.grad_accum);
   if (pipeline_ != nullptr) {
-    loss_sum = pipeline_->run(data, loss_weight);  // all micro-batches, by the schedule
+    // All micro-batches, by the schedule; their LoRA dropout passes numbered as one process's.
+    loss_sum = pipeline_->run(data, loss_weight, static_cast<uint32_t>(step_ * config_.grad_accum + 1));
     LOOM_CHECK(scaler_ || std::isfinite(loss_sum), "loss is ", loss_sum, " at step ", step_,
                "; stopping before the update, the weights are unchanged");
   }
   int64_t valid = 0;  // positions whose target counts (loss masks: the others are kIgnoreTarget)
   for (int64_t micro = 0; pipeline_ == nullptr && micro < config_.grad_accum; ++micro) {
     valid += load_batch(data);
+    if (objective_ != nullptr) objective_->before_forward(backend_, store_);
     store_.dropout_pass = static_cast<uint32_t>(step_ * config_.grad_accum + micro + 1);  // peft.dropout's masks
     double loss = model_.forward(store_);
     if (objective_ != nullptr) loss = objective_->weigh(backend_, store_, data);
@@ -435,6 +437,7 @@ double Trainer::evaluate(BatchSource& data, int64_t batches) {
   store_.dropout_pass = 0;  // no dropout in evaluation
   for (int64_t i = 0; i < batches; ++i) {
     valid += load_batch(data);
+    if (objective_ != nullptr) objective_->before_forward(backend_, store_);
     const double loss = model_.forward(store_);
     sum += objective_ != nullptr ? objective_->weigh(backend_, store_, data) : loss;
   }

@@ -69,6 +69,9 @@ class RowObjective {
  public:
   virtual ~RowObjective() = default;
   virtual double weigh(Backend& backend, ActivationStore& store, const BatchSource& data) = 0;
+  // Called with each micro-batch's rows loaded, before the model's forward (a live reference
+  // pass may use the store; the forward that follows overwrites it).
+  virtual void before_forward(Backend& backend, ActivationStore& store) {}
 };
 
 class Trainer {
