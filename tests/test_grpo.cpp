@@ -8,6 +8,7 @@
 
 #include <cmath>
 
+#include "loom/arch/param_layout.h"
 #include "loom/core/targets.h"
 #include "loom/train/grpo.h"
 #include "test_util.h"
@@ -65,6 +66,22 @@ std::vector<PromptExample> prompts(int n) {
   return p;
 }
 
+// Groups of 8 completions of up to 3 tokens for 6 prompts (2 a step of 16 rows), the objective set.
+struct GrpoRun {
+  GrpoRun(Transformer& model, Trainer& trainer)
+      : batches(prompts(6), model, config(), 8, 3, LOADER_ORDER_SHUFFLED, digits, {}, 0, "train"),
+        objective(config(), batches) {
+    trainer.set_objective(&objective);
+  }
+  static GrpoConfig config() {
+    GrpoConfig gc;
+    gc.group = 8, gc.max_new_tokens = 3;
+    return gc;
+  }
+  GrpoBatches batches;
+  GrpoObjective objective;
+};
+
 TEST(Grpo, RolloutRowsAndTrainingRaiseTheReward) {
   auto backend = make_cpu_backend();
   Transformer model(*backend, model_preset("llama-tiny"));
@@ -73,11 +90,8 @@ TEST(Grpo, RolloutRowsAndTrainingRaiseTheReward) {
   tc.batch_size = 16, tc.seq_len = 8, tc.steps = 40, tc.grad_clip = 1.0;
   tc.schedule.warmup = 0, tc.schedule.max_lr = tc.schedule.min_lr = 1e-2;
   Trainer trainer(*backend, model, tc);
-  GrpoConfig gc;
-  gc.group = 8, gc.max_new_tokens = 3;
-  GrpoBatches batches(prompts(6), model, gc, 8, 3, LOADER_ORDER_SHUFFLED, digits, {}, 0, "train");
-  GrpoObjective objective(gc, batches);
-  trainer.set_objective(&objective);
+  GrpoRun run(model, trainer);
+  GrpoBatches& batches = run.batches;
   // One rollout by hand: the rows, and the reference (the same weights) equal to the policy.
   CpuAllocator host;
   const Tensor tokens = Tensor::empty(host, {16, 8}, DTYPE_I32, MEM_WORKSPACE), targets = Tensor::empty(host, {16, 8}, DTYPE_I32, MEM_WORKSPACE);
@@ -114,6 +128,48 @@ TEST(Grpo, RolloutRowsAndTrainingRaiseTheReward) {
   std::printf("GRPO, reward = first token ends in 7: mean reward %.3f (steps 1-5) -> %.3f (steps 36-40)\n", early, late);
   EXPECT_LT(early, 0.3);
   EXPECT_GT(late, 0.6);
+}
+
+// With LoRA the reference is the policy with its adapters off (no copy): after training steps
+// have moved the adapters, a rollout's reference log-probabilities are still the base model's.
+TEST(Grpo, LoraReferenceIsTheBaseWithTheAdaptersOff) {
+  auto backend = make_cpu_backend();
+  ModelConfig c = model_preset("llama-tiny");
+  c.peft_method = PeftMethod::lora, c.lora_rank = 4, c.lora_targets = "q,k,v,o,gate,up,down";
+  Transformer model(*backend, c);
+  model.init_weights(5);
+  Transformer base(*backend, model_preset("llama-tiny"));
+  base.init_weights(5);  // the same base weights (the same offsets and streams)
+  TrainConfig tc;
+  tc.batch_size = 16, tc.seq_len = 8, tc.steps = 4;
+  tc.schedule.warmup = 0, tc.schedule.max_lr = tc.schedule.min_lr = 5e-2;
+  Trainer trainer(*backend, model, tc);
+  GrpoRun run(model, trainer);
+  GrpoBatches& batches = run.batches;
+  EXPECT_EQ(backend->allocator().tracker().current(MEM_PARAMETERS),
+            static_cast<size_t>(model.params().nbytes() + base.params().nbytes()));  // no reference copy
+  for (int s = 0; s < 3; ++s) trainer.train_step(batches);
+  const float* p = model.params().data<float>();
+  double adapters = 0.0;
+  for (int64_t i = lora_begin(c, model.layout()); i < model.layout().total; ++i) adapters += std::abs(p[i]);
+  EXPECT_GT(adapters, 0.0);
+  CpuAllocator host;
+  const Tensor tokens = Tensor::empty(host, {16, 8}, DTYPE_I32, MEM_WORKSPACE), targets = Tensor::empty(host, {16, 8}, DTYPE_I32, MEM_WORKSPACE);
+  batches.fill(tokens, targets);
+  ActivationStore b = base.allocate_store(16, 8), m = model.allocate_store(16, 8);
+  for (ActivationStore* st : {&b, &m}) {
+    std::copy_n(tokens.data<int32_t>(), 128, st->tokens.data<int32_t>());
+    std::copy_n(targets.data<int32_t>(), 128, st->targets.data<int32_t>());
+  }
+  base.forward(b);
+  model.forward(m);
+  double moved = 0.0;
+  for (int64_t i = 0; i < 128; ++i) {
+    if (targets.data<int32_t>()[i] == kIgnoreTarget) continue;
+    EXPECT_NEAR(batches.rollout().reference[static_cast<size_t>(i)], -b.losses.data<float>()[i], 1e-6) << i;
+    moved = std::max(moved, static_cast<double>(std::abs(m.losses.data<float>()[i] - b.losses.data<float>()[i])));
+  }
+  EXPECT_GT(moved, 1e-4) << "the adapted policy differs from the base (the test can fail)";
 }
 
 }  // namespace

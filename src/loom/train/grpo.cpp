@@ -78,7 +78,9 @@ GrpoBatches::GrpoBatches(std::vector<PromptExample> prompts, Transformer& policy
                p.prompt.size(), " tokens) and grpo.max_new_tokens = ", config_.max_new_tokens,
                " do not fit train.seq_len + 1 = ", seq_len + 1);
   }
-  if (config_.beta > 0.0) {  // the reference: the initial weights, frozen
+  // The reference: the initial weights, frozen -- with LoRA the policy with its adapters off (the
+  // base, as TRL with PEFT: no second copy), else a copy.
+  if (config_.beta > 0.0 && !policy.config().lora()) {
     reference_ = std::make_unique<Transformer>(policy.backend(), policy.config());
     policy.backend().copy(policy.params(), reference_->params());
   }
@@ -181,13 +183,18 @@ void GrpoBatches::fill(const Tensor& tokens, const Tensor& targets) {
   }
   stats_.completions += B;
   rollout_.reference.clear();
-  if (reference_ != nullptr) {  // the reference's log-probabilities of the completions' tokens
-    if (reference_store_.batch != B) reference_store_ = reference_->allocate_store(B, T);
-    reference_->backend().write(reference_store_.tokens, x);
-    reference_->backend().write(reference_store_.targets, y);
-    reference_->forward(reference_store_);
+  if (config_.beta > 0.0) {  // the reference's log-probabilities of the completions' tokens
+    Transformer& reference = reference_ != nullptr ? *reference_ : policy_;
+    if (reference_store_.batch != B) reference_store_ = reference.allocate_store(B, T);
+    reference.backend().write(reference_store_.tokens, x);
+    reference.backend().write(reference_store_.targets, y);
+    reference_store_.adapters_off = reference_ == nullptr;  // LoRA: the base
+    const bool recording = reference.recording();
+    reference.set_recording(false);
+    reference.forward(reference_store_);
+    reference.set_recording(recording);
     rollout_.reference.resize(static_cast<size_t>(B * T));
-    reference_->backend().read(reference_store_.losses, rollout_.reference.data());
+    reference.backend().read(reference_store_.losses, rollout_.reference.data());
     for (float& v : rollout_.reference) v = -v;
   }
   stats_.rollout_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

@@ -69,7 +69,8 @@ struct Rollout {
 class GrpoBatches final : public ResumableSource {
  public:
   // decode: tokens -> text (for the reward); stop: the tokens that end a completion. The
-  // reference model is a copy of `policy`'s weights now (when config.beta > 0).
+  // reference model (when config.beta > 0) is a copy of `policy`'s weights now, or with LoRA the
+  // policy itself with its adapters off (the base, no copy).
   GrpoBatches(std::vector<PromptExample> prompts, Transformer& policy, GrpoConfig config, int64_t seq_len,
               uint64_t seed, LoaderOrder order, std::function<std::string(const std::vector<int32_t>&)> decode,
               std::vector<int32_t> stop, int32_t pad_token, const std::string& name);
@@ -104,7 +105,7 @@ class GrpoBatches final : public ResumableSource {
   std::vector<int32_t> stop_;
   int32_t pad_;
   TokenLoader order_;  // over the prompt indices, windows of one
-  std::unique_ptr<Transformer> reference_;
+  std::unique_ptr<Transformer> reference_;  // grpo.beta > 0 without LoRA: the initial weights (with LoRA: the policy, adapters off)
   ActivationStore reference_store_;
   Rollout rollout_;
   Stats stats_;
