@@ -343,49 +343,56 @@ TEST(UlyssesAttention, KvHeadsNotDivisibleByCpIsOneLineError) {
 namespace loom {
 namespace {
 
+// cp = 2 (dp = the rest of the world) against one process of the same global batch, 10 steps:
+// the losses (and with SGD every step's gradients) within 1e-5; returns the worst (loss, gradient).
+std::pair<double, double> check_cp(Communicator& world, const ModelConfig& config, bool ulysses, const char* optimizer,
+                                   bool masked, const std::string& what) {
+  const int n = world.size(), cp_size = 2, dp_size = n / cp_size;
+  const DeviceMesh mesh(n, {{"dp", dp_size}, {"cp", cp_size}});
+  TrainConfig tc;
+  tc.batch_size = 2, tc.seq_len = 16, tc.grad_accum = 2, tc.steps = 10, tc.schedule.warmup = 3;
+  tc.schedule.max_lr = 1e-2;
+  tc.optim.name = optimizer;
+  TrainConfig ref_tc = tc;
+  ref_tc.batch_size = 2 * dp_size;
+  const Curve ref = train_single(config, ref_tc, 10, masked);
+  auto cp = mesh_group(world, mesh, "cp");
+  auto reduce = mesh_group(world, mesh, std::vector<std::string>{"dp", "cp"});
+  auto dp = mesh_group(world, mesh, "dp");
+  auto backend = make_cpu_backend();
+  Transformer model(*backend, config);
+  model.init_weights(7);
+  model.set_context_parallel(cp.get(), ulysses);
+  Trainer trainer(*backend, model, tc, reduce.get());
+  RankData rows(backend->allocator(), config, dp->rank(), dp->size(), 2, masked);
+  ContextSliceSource data(rows.source(), backend->allocator(), cp->rank(), cp->size(), 2, 16);
+  double worst_loss = 0, worst_grad = 0;
+  for (int s = 0; s < 10; ++s) {
+    const StepStats st = trainer.train_step(data);
+    const double rel = std::abs(st.loss - ref.losses[s]) / ref.losses[s];
+    worst_loss = std::max(worst_loss, rel);
+    EXPECT_LT(rel, 1e-5) << what << " step " << s;
+    if (std::string(optimizer) != "sgd") continue;  // AdamW: by loss (sqrt(v) amplifies rounding)
+    const double grel = gradient_rel_diff(model.grads().data<float>(), ref.grads[s]);
+    worst_grad = std::max(worst_grad, grel);
+    EXPECT_LT(grel, 1e-5) << what << " gradient, step " << s;
+  }
+  if (world.rank() == 0) {
+    std::printf("%s, dp=%d x cp=%d: 10 steps, worst loss rel diff %.2e, gradient %.2e\n", what.c_str(), dp_size, cp_size,
+                worst_loss, worst_grad);
+  }
+  return {worst_loss, worst_grad};
+}
+
 // The model under context parallelism: cp = 2 (np 2; dp = 2 x cp = 2 at np 4) with ring and
 // with Ulysses attention reproduces the one-process losses and gradients (fp32, 10 steps).
 TEST(MpiContextParallelModel, RingAndUlyssesReproduceTheSingleProcessRun) {
   auto world = make_mpi_communicator();
-  const int n = world->size(), cp_size = 2, dp_size = n / cp_size;
-  const DeviceMesh mesh(n, {{"dp", dp_size}, {"cp", cp_size}});
   for (const char* preset : {"gpt2-tiny", "llama-tiny"}) {
-    const ModelConfig config = model_preset(preset);
     for (const bool ulysses : {false, true}) {
       for (const char* optimizer : {"sgd", "adamw"}) {
-        TrainConfig tc;
-        tc.batch_size = 2, tc.seq_len = 16, tc.grad_accum = 2, tc.steps = 10, tc.schedule.warmup = 3;
-        tc.schedule.max_lr = 1e-2;
-        tc.optim.name = optimizer;
-        TrainConfig ref_tc = tc;
-        ref_tc.batch_size = 2 * dp_size;
-        const Curve ref = train_single(config, ref_tc, 10);
-
-        auto cp = mesh_group(*world, mesh, "cp");
-        auto reduce = mesh_group(*world, mesh, std::vector<std::string>{"dp", "cp"});
-        auto dp = mesh_group(*world, mesh, "dp");
-        auto backend = make_cpu_backend();
-        Transformer model(*backend, config);
-        model.init_weights(7);
-        model.set_context_parallel(cp.get(), ulysses);
-        Trainer trainer(*backend, model, tc, reduce.get());
-        RankData rows(backend->allocator(), config, dp->rank(), dp->size(), 2);
-        ContextSliceSource data(rows.source(), backend->allocator(), cp->rank(), cp->size(), 2, 16);
-        double worst_loss = 0, worst_grad = 0;
-        for (int s = 0; s < 10; ++s) {
-          const StepStats st = trainer.train_step(data);
-          const double rel = std::abs(st.loss - ref.losses[s]) / ref.losses[s];
-          worst_loss = std::max(worst_loss, rel);
-          EXPECT_LT(rel, 1e-5) << preset << (ulysses ? " ulysses " : " ring ") << optimizer << " step " << s;
-          if (std::string(optimizer) != "sgd") continue;  // AdamW: by loss (sqrt(v) amplifies rounding)
-          const double grel = gradient_rel_diff(model.grads().data<float>(), ref.grads[s]);
-          worst_grad = std::max(worst_grad, grel);
-          EXPECT_LT(grel, 1e-5) << preset << " gradient, step " << s;
-        }
-        if (world->rank() == 0) {
-          std::printf("%s dp=%d x cp=%d %s, %s: 10 steps, worst loss rel diff %.2e, gradient %.2e\n", preset, dp_size,
-                      cp_size, ulysses ? "ulysses" : "ring", optimizer, worst_loss, worst_grad);
-        }
+        check_cp(*world, model_preset(preset), ulysses, optimizer, false,
+                 str_cat(preset, ulysses ? " ulysses, " : " ring, ", optimizer));
       }
     }
   }
@@ -397,8 +404,6 @@ TEST(MpiContextParallelModel, RingAndUlyssesReproduceTheSingleProcessRun) {
 // at np 4): the one-process losses and gradients (SGD, 10 steps).
 TEST(MpiContextParallelModel, LoraAndLossMasksReproduceTheSingleProcessRun) {
   auto world = make_mpi_communicator();
-  const int n = world->size(), cp_size = 2, dp_size = n / cp_size;
-  const DeviceMesh mesh(n, {{"dp", dp_size}, {"cp", cp_size}});
   for (const char* preset : {"gpt2-tiny", "llama-tiny"}) {
     for (const bool lora : {false, true}) {
       ModelConfig config = model_preset(preset);
@@ -407,37 +412,8 @@ TEST(MpiContextParallelModel, LoraAndLossMasksReproduceTheSingleProcessRun) {
         config.lora_targets = config.arch == ARCH_GPT2 ? "q,k,v,o,up,down" : "q,k,v,o,gate,up,down";
       }
       for (const bool ulysses : {false, true}) {
-        TrainConfig tc;
-        tc.batch_size = 2, tc.seq_len = 16, tc.grad_accum = 2, tc.steps = 10, tc.schedule.warmup = 3;
-        tc.schedule.max_lr = 1e-2;
-        tc.optim.name = "sgd";
-        TrainConfig ref_tc = tc;
-        ref_tc.batch_size = 2 * dp_size;
-        const Curve ref = train_single(config, ref_tc, 10, true);
-        auto cp = mesh_group(*world, mesh, "cp");
-        auto reduce = mesh_group(*world, mesh, std::vector<std::string>{"dp", "cp"});
-        auto dp = mesh_group(*world, mesh, "dp");
-        auto backend = make_cpu_backend();
-        Transformer model(*backend, config);
-        model.init_weights(7);
-        model.set_context_parallel(cp.get(), ulysses);
-        Trainer trainer(*backend, model, tc, reduce.get());
-        RankData rows(backend->allocator(), config, dp->rank(), dp->size(), 2, true);
-        ContextSliceSource data(rows.source(), backend->allocator(), cp->rank(), cp->size(), 2, 16);
-        double worst_loss = 0, worst_grad = 0;
-        for (int s = 0; s < 10; ++s) {
-          const StepStats st = trainer.train_step(data);
-          const double rel = std::abs(st.loss - ref.losses[s]) / ref.losses[s];
-          worst_loss = std::max(worst_loss, rel);
-          EXPECT_LT(rel, 1e-5) << preset << (lora ? " LoRA" : "") << (ulysses ? " ulysses" : " ring") << " step " << s;
-          const double grel = gradient_rel_diff(model.grads().data<float>(), ref.grads[s]);
-          worst_grad = std::max(worst_grad, grel);
-          EXPECT_LT(grel, 1e-5) << preset << " gradient, step " << s;
-        }
-        if (world->rank() == 0) {
-          std::printf("%s%s masked, dp=%d x cp=%d %s: 10 steps, worst loss rel diff %.2e, gradient %.2e\n", preset,
-                      lora ? " LoRA" : "", dp_size, cp_size, ulysses ? "ulysses" : "ring", worst_loss, worst_grad);
-        }
+        check_cp(*world, config, ulysses, "sgd", true,
+                 str_cat(preset, lora ? " LoRA" : "", " masked, ", ulysses ? "ulysses" : "ring"));
       }
     }
   }
