@@ -23,6 +23,7 @@
 #include "loom/memory/estimate.h"
 #include "loom/model/transformer.h"
 #include "loom/nn/lora.h"
+#include "loom/precision/policy.h"
 #include "loom/train/trainer.h"
 #include "strict_backend.h"
 #include "test_util.h"
@@ -510,6 +511,9 @@ TEST(DoraModel, MagnitudeGradientsMatchFiniteDifferencesAndTheBaseGetsNone) {
       ModelConfig c = dora_of(base, base.arch == ARCH_GPT2 ? "q,k,v,o,up,down" : "q,v,o,gate,down", 2, 4.0f);
       c.lora_dropout = dropout;
       Transformer model(*backend, c);
+      // Without dropout, with the linear layers' workspace: the layers compute with the merged
+      // weight g V (lora_layer_weight); with dropout the adapters add their correction.
+      if (dropout == 0.0f) model.set_precision(resolve_policy(PrecisionConfig{}));
       model.init_weights(3);
       randomize_adapters(model, 5, true);
       ActivationStore s = model.allocate_store(2, 8);

@@ -19,6 +19,7 @@
 #include "loom/checkpoint/peft.h"
 #include "loom/model/transformer.h"
 #include "loom/nn/lora.h"
+#include "loom/precision/policy.h"
 #include "test_util.h"
 
 namespace loom {
@@ -29,6 +30,9 @@ namespace fs = std::filesystem;
 class LoraParity : public ::testing::TestWithParam<const char*> {};
 
 TEST_P(LoraParity, LogitsLossAndAdapterGradientsMatchPyTorch) {
+  // DoRA's two computations: the adapters' correction, and (with the layers' workspace, no
+  // dropout) the layers on the merged weight g V (nn/lora.h lora_layer_weight).
+  for (const bool workspace : {false, true}) {
   const fs::path dir = fs::path(LOOM_FIXTURE_DIR) / "lora" / GetParam();
   const std::string base_dir = (dir / "base").string(), adapter_dir = (dir / "adapter").string();
   const ModelConfig base = hf_model_config(base_dir);
@@ -36,6 +40,7 @@ TEST_P(LoraParity, LogitsLossAndAdapterGradientsMatchPyTorch) {
   ASSERT_TRUE(config.lora());
   auto backend = make_cpu_backend();
   Transformer model(*backend, config);
+  if (workspace) model.set_precision(resolve_policy(PrecisionConfig{}));
   const int64_t begin = lora_begin(config, model.layout());
   load_hf_weights(base_dir, ModelState{base, model.params().view(0, {begin})});
   load_peft_adapter(adapter_dir, ModelState{config, model.params()});
@@ -69,8 +74,9 @@ TEST_P(LoraParity, LogitsLossAndAdapterGradientsMatchPyTorch) {
     ++checked;
   }
   EXPECT_EQ(checked, static_cast<int>(expected["grads"].size()));
-  std::printf("%s: loss %.9f (PyTorch %.9f), logits max rel error %.2e, %d adapter gradients, worst rel error %.2e\n",
-              GetParam(), loss, want, logits_error, checked, worst);
+  std::printf("%s%s: loss %.9f (PyTorch %.9f), logits max rel error %.2e, %d adapter gradients, worst rel error %.2e\n",
+              GetParam(), workspace ? " (workspace)" : "", loss, want, logits_error, checked, worst);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, LoraParity, ::testing::Values("llama", "llama_qv", "gpt2", "llama_dora", "gpt2_dora"));

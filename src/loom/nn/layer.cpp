@@ -36,7 +36,9 @@ void residual_linear_forward(Backend& backend, const LayerLinks& links, LinearLa
                              const Tensor& w, const Tensor& w16, const Tensor& b, const Tensor& residual,
                              const Tensor& out, const LoraTerm& lora) {
   const auto adapters = [&](const Tensor& y) {
-    if (lora.adapters != nullptr) lora_forward(backend, x, *lora.adapters, lora.scale, y, lora.ws, lora.dropout, lora.w);
+    if (lora.adapters != nullptr) {
+      lora_forward(backend, x, *lora.adapters, lora.scale, y, lora.ws, lora.dropout, lora.w, lora.dora_merged);
+    }
   };
   if (links.tp == nullptr) {
     backend.copy(residual, out);

@@ -28,8 +28,9 @@ void linear_backward(Backend& backend, const Tensor& x, const Tensor& w, const T
 // Flat scratch buffers, grown on demand (MEM_WORKSPACE) and reused by every layer.
 class LinearWorkspace {
  public:
-  // D: LoRA's dropped-out input; E, F, G: DoRA's merged rows, their correction and their norms.
-  enum Slot { A, B, C, W, Q, D, E, F, G, SLOT_COUNT };
+  // D: LoRA's dropped-out input; E, F, G: DoRA's merged rows, their correction and their norms;
+  // H: a DoRA layer's whole merged weight (nn/lora.h lora_layer_weight).
+  enum Slot { A, B, C, W, Q, D, E, F, G, H, SLOT_COUNT };
   explicit LinearWorkspace(Allocator& allocator) : allocator_(allocator) {}
   // A view of `shape` into slot's f32 (or bf16) buffer, growing it when too small.
   Tensor f32(Slot slot, const Shape& shape);

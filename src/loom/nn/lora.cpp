@@ -28,7 +28,8 @@ GemmSpec spec(bool trans_a, bool trans_b, float alpha, float beta) {
 struct DoraRows {
   Tensor merged, norms, weight;
 };
-DoraRows dora_rows(Backend& backend, const LoraAdapter& ad, const Tensor& w, float scale, LinearWorkspace* ws) {
+DoraRows dora_rows(Backend& backend, const LoraAdapter& ad, const Tensor& w, float scale, LinearWorkspace* ws,
+                   bool correction = true) {
   const int64_t width = ad.b.dim(0), in = ad.a.dim(1);
   LOOM_CHECK(w.defined() && w.numel() >= (ad.out_begin + width) * in && ad.m.numel() == width, "DoRA adapter at row ",
              ad.out_begin, " (", width, " x ", in, ", magnitude ", ad.m.describe(), ") does not fit the base weight ",
@@ -40,7 +41,7 @@ DoraRows dora_rows(Backend& backend, const LoraAdapter& ad, const Tensor& w, flo
   backend.copy(rows, d.merged);
   backend.gemm(ad.b, ad.a, d.merged, spec(false, false, scale, 1.0f));  // V = W + s B A
   backend.row_norms(d.merged, d.norms);
-  backend.dora_weight(d.merged, rows, ad.m, d.norms, d.weight);          // C = g V - W
+  if (correction) backend.dora_weight(d.merged, rows, ad.m, d.norms, d.weight);  // C = g V - W
   return d;
 }
 
@@ -57,7 +58,7 @@ Tensor adapter_input(Backend& backend, const Tensor& x2, const LoraDropout& drop
 }
 
 void lora_forward(Backend& backend, const Tensor& x, const LoraAdapters& adapters, float scale, const Tensor& y,
-                  LinearWorkspace* ws, const LoraDropout& dropout, const Tensor& w) {
+                  LinearWorkspace* ws, const LoraDropout& dropout, const Tensor& w, bool dora_merged) {
   if (adapters.empty() || dropout.off) return;
   const Tensor x2 = rows_of(x), y2 = rows_of(y);
   const int64_t N = x2.dim(0), W = y2.dim(1);
@@ -67,6 +68,7 @@ void lora_forward(Backend& backend, const Tensor& x, const LoraAdapters& adapter
     LOOM_CHECK(ad.a.dim(1) == x2.dim(1) && ad.b.dim(1) == r && ad.out_begin + width <= W && y2.dim(0) == N,
                "lora_forward: adapter A ", ad.a.describe(), ", B ", ad.b.describe(), " at column ", ad.out_begin,
                " does not fit x ", x.describe(), " -> y ", y.describe());
+    if (ad.m.defined() && dora_merged) continue;  // in the layer's merged weight already
     if (ad.m.defined()) {  // DoRA: y += x_d C^T
       const DoraRows d = dora_rows(backend, ad, w, scale, ws);
       const Tensor xi = adapter_input(backend, x2, dropout, index, ws);
@@ -98,13 +100,15 @@ namespace {
 // One DoRA adapter's backward (nn/lora.h): dy_cols (N, width) its columns of the output gradient.
 void dora_backward(Backend& backend, const Tensor& x2, const LoraAdapter& p, const LoraAdapter& g, float scale,
                    const Tensor& dcols, const Tensor& dx2, LinearWorkspace* ws, const LoraDropout& dropout, size_t index,
-                   const Tensor& w) {
+                   const Tensor& w, bool merged) {
   const int64_t N = x2.dim(0), width = p.b.dim(0), in = x2.dim(1);
-  const DoraRows d = dora_rows(backend, p, w, scale, ws);
+  const DoraRows d = dora_rows(backend, p, w, scale, ws, !merged);
   const Tensor xi = adapter_input(backend, x2, dropout, index, ws);
   const Tensor dc = scratch(backend, ws, LinearWorkspace::B, width, in);
   backend.gemm(dcols, xi, dc, spec(true, false, 1.0f, 0.0f));          // dC = dy^T x_d
-  if (dropout.p <= 0.0f) {
+  if (merged) {
+    // The layer's merged weight gave dx; y = x (g V)^T with g held: dV = g dy^T x, dm as below.
+  } else if (dropout.p <= 0.0f) {
     backend.gemm(dcols, d.weight, dx2, spec(false, false, 1.0f, 1.0f));  // dx += dy C
   } else {
     const Tensor e = scratch(backend, ws, LinearWorkspace::D, N, in);  // (x_d no longer read)
@@ -123,7 +127,7 @@ void dora_backward(Backend& backend, const Tensor& x2, const LoraAdapter& p, con
 
 void lora_backward(Backend& backend, const Tensor& x, const LoraAdapters& params, const LoraAdapters& grads,
                    float scale, const Tensor& dy, const Tensor& dx, LinearWorkspace* ws, const LoraDropout& dropout,
-                   const Tensor& w) {
+                   const Tensor& w, bool dora_merged) {
   LOOM_CHECK(params.size() == grads.size(), "lora_backward: ", params.size(), " adapters, ", grads.size(), " gradients");
   if (params.empty()) return;
   const Tensor x2 = rows_of(x), dy2 = rows_of(dy), dx2 = rows_of(dx);
@@ -138,7 +142,7 @@ void lora_backward(Backend& backend, const Tensor& x, const LoraAdapters& params
       copy_columns(backend, dy2, p.out_begin, dcols, false);
     }
     if (p.m.defined()) {
-      dora_backward(backend, x2, p, g, scale, dcols, dx2, ws, dropout, i, w);
+      dora_backward(backend, x2, p, g, scale, dcols, dx2, ws, dropout, i, w, dora_merged);
       continue;
     }
     const Tensor t = scratch(backend, ws, LinearWorkspace::A, N, r), d = scratch(backend, ws, LinearWorkspace::B, N, r);
@@ -206,6 +210,22 @@ void dora_init_magnitudes(Backend& backend, const ModelConfig& config, const Ten
                         params.view(m.offset, m.shape));
     }
   }
+}
+
+LoraWeight lora_layer_weight(Backend& backend, const Tensor& w, const Tensor& w16, const LoraAdapters& adapters,
+                             float scale, const LoraDropout& dropout, LinearWorkspace* ws) {
+  bool dora = false;
+  for (const LoraAdapter& ad : adapters) dora = dora || ad.m.defined();
+  if (!dora || dropout.p > 0.0f || dropout.off || w16.defined() || ws == nullptr) return {w, false};
+  const Tensor merged = ws->f32(LinearWorkspace::H, w.shape());
+  backend.copy(w, merged);
+  for (const LoraAdapter& ad : adapters) {
+    if (!ad.m.defined()) continue;
+    const int64_t width = ad.b.dim(0), in = ad.a.dim(1);
+    const DoraRows d = dora_rows(backend, ad, w, scale, ws, false);  // V and its norms
+    backend.dora_weight(d.merged, Tensor{}, ad.m, d.norms, merged.view(ad.out_begin * in, {width, in}));  // g V
+  }
+  return {merged, true};
 }
 
 }  // namespace loom

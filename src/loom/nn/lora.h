@@ -52,14 +52,27 @@ struct LoraDropout {
 // (g - 1) x_d W^T + g s B A x_d. With B = 0 and m = ||W|| (the initialisation) C is exactly 0,
 // so the model starts as the base bit for bit. Scratch: slots C, D, E (V), F (C), G (norms).
 void lora_forward(Backend& backend, const Tensor& x, const LoraAdapters& adapters, float scale, const Tensor& y,
-                  LinearWorkspace* ws, const LoraDropout& dropout = {}, const Tensor& w = {});
+                  LinearWorkspace* ws, const LoraDropout& dropout = {}, const Tensor& w = {}, bool dora_merged = false);
 // With dy (.., W) the layer's output gradient: grads' b += s dy_cols^T (A x), grads' a += d^T x
 // and dx (.., in) += d A, where d = s dy_cols B. A x is recomputed (r columns: cheap). Scratch:
 // slots A, B and C of ws, as above. DoRA: dx += dy_cols C, dC = dy_cols^T x_d (slot B), then
 // dm_j += dC_j . V_j / ||V_j||, dV = g dC, grads' b += s dV A^T and a += s B^T dV.
 void lora_backward(Backend& backend, const Tensor& x, const LoraAdapters& params, const LoraAdapters& grads,
                    float scale, const Tensor& dy, const Tensor& dx, LinearWorkspace* ws, const LoraDropout& dropout = {},
-                   const Tensor& w = {});
+                   const Tensor& w = {}, bool dora_merged = false);
+
+// The weight a layer with DoRA adapters computes with (training passes): without dropout, and
+// without a bf16 weight copy the layer would read instead, the whole merged weight -- W with each
+// DoRA adapter's rows replaced by g V (workspace slot H) -- so the layer's own GEMMs give the
+// adapted output and input gradient and the adapters add nothing in forward (dora_merged: pass
+// it to lora_forward and lora_backward, whose backward then computes only the adapters'
+// gradients). Otherwise w itself, and the adapters add their correction (above).
+struct LoraWeight {
+  Tensor w;
+  bool dora_merged = false;
+};
+LoraWeight lora_layer_weight(Backend& backend, const Tensor& w, const Tensor& w16, const LoraAdapters& adapters,
+                             float scale, const LoraDropout& dropout, LinearWorkspace* ws);
 
 // One layer's adapters with what lora_forward needs beside the input and output: a layer that
 // adds their term itself (nn/layer.h residual_linear_forward) takes it. adapters null: none.
@@ -69,6 +82,7 @@ struct LoraTerm {
   LinearWorkspace* ws = nullptr;
   LoraDropout dropout;
   Tensor w;  // the base weight (DoRA)
+  bool dora_merged = false;  // the layer computes with lora_layer_weight's merged weight
 };
 
 // Merging (Hu et al. 2021, sec. 4.1: no inference latency): `merged` (the base layout's
