@@ -261,21 +261,13 @@ void AttentionLayer::forward(Backend& backend, const Tensor& x, AttentionSaved& 
     mla_forward(backend, config_, p.mla, s.norm.out, mla_activations(s));
   } else {
     const Tensor input = links_.whole(backend, s.norm.out, T);  // (sequence parallel: gathered)
-    const LoraWeight wq = lora_layer_weight(backend, p.qkv_w, q.qkv_w, p.qkv_lora, config_.lora_scale(),
-                                            s.lora_dropout.at_site(0), links_.ws);  // (DoRA: merged)
-    qkv_.forward(backend, input, wq.w, q.qkv_w, p.qkv_b, s.qkv, 0.0f, links_.ws);
-    lora_forward(backend, input, p.qkv_lora, config_.lora_scale(), s.qkv, links_.ws, s.lora_dropout.at_site(0), p.qkv_w,
-                 wq.dora_merged);
+    adapted_linear_forward(backend, qkv_, input, p.qkv_w, q.qkv_w, p.qkv_b, s.qkv, qkv_lora(s), links_.ws);
     qk_norm_forward(backend, s.qkv, s);
     if (!config_.learned_positions()) rope(backend, s.qkv, false, s.docs);
     attention_forward(backend, plan_, config_, links_.cp, s);
   }
   // mid = x + proj(attn); g: the heads' partial projections summed over tp.
-  const LoraWeight wo = lora_layer_weight(backend, p.proj_w, q.proj_w, p.proj_lora, config_.lora_scale(),
-                                          s.lora_dropout.at_site(1), links_.ws);
-  residual_linear_forward(backend, links_, proj_, s.attn, wo.w, q.proj_w, p.proj_b, x, mid,
-                          LoraTerm{&p.proj_lora, config_.lora_scale(), links_.ws, s.lora_dropout.at_site(1), p.proj_w,
-                                   wo.dora_merged});
+  residual_linear_forward(backend, links_, proj_, s.attn, p.proj_w, q.proj_w, p.proj_b, x, mid, proj_lora(s));
 }
 
 void AttentionLayer::forward_rows(Backend& backend, const Tensor& x, AttentionSaved& s, const Tensor& mid,
@@ -355,11 +347,8 @@ void AttentionLayer::backward(Backend& backend, const Tensor& x, const Attention
   }
   const Tensor dy_mid = whole(d_residual);
   pass.keep(dy_mid, s.dy_proj);
-  const LoraWeight wo = lora_layer_weight(backend, p.proj_w, q.proj_w, p.proj_lora, config_.lora_scale(),
-                                          s.lora_dropout.at_site(1), links_.ws);  // (DoRA: merged)
-  proj_.backward(backend, s.attn, wo.w, q.proj_w, dy_mid, k.d_attn, pass.dw(g.proj_w), g.proj_b, links_.ws);
-  lora_backward(backend, s.attn, p.proj_lora, g.proj_lora, config_.lora_scale(), dy_mid, k.d_attn, links_.ws,
-                s.lora_dropout.at_site(1), p.proj_w, wo.dora_merged);
+  adapted_linear_backward(backend, proj_, s.attn, p.proj_w, q.proj_w, dy_mid, k.d_attn, pass.dw(g.proj_w), g.proj_b,
+                          proj_lora(s), g.proj_lora, links_.ws);
   if (mla) {  // d(norm1 output) and MLA's weight gradients (also in a split input pass)
     mla_backward(backend, config_, p.mla, g.mla, s.norm.out, mla_activations(s), k.d_attn, k.d_norm, k.d_qkv);
   } else {
@@ -368,11 +357,8 @@ void AttentionLayer::backward(Backend& backend, const Tensor& x, const Attention
     qk_norm_backward(backend, k.d_qkv, s);
     pass.keep(k.d_qkv, s.dy_qkv);
     const Tensor input = whole(s.norm.out);
-    const LoraWeight wq = lora_layer_weight(backend, p.qkv_w, q.qkv_w, p.qkv_lora, config_.lora_scale(),
-                                            s.lora_dropout.at_site(0), links_.ws);
-    qkv_.backward(backend, input, wq.w, q.qkv_w, k.d_qkv, k.d_norm, pass.dw(g.qkv_w), g.qkv_b, links_.ws);
-    lora_backward(backend, input, p.qkv_lora, g.qkv_lora, config_.lora_scale(), k.d_qkv, k.d_norm, links_.ws,
-                  s.lora_dropout.at_site(0), p.qkv_w, wq.dora_merged);
+    adapted_linear_backward(backend, qkv_, input, p.qkv_w, q.qkv_w, k.d_qkv, k.d_norm, pass.dw(g.qkv_w), g.qkv_b,
+                            qkv_lora(s), g.qkv_lora, links_.ws);
   }
   // f: the heads' partial d(norm1 output), then through norm1 into d(x).
   norm_residual_backward(backend, config_, links_, k, true, d_residual, x, p.norm_w, s.norm, g.norm_w, g.norm_b);

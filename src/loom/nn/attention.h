@@ -105,6 +105,13 @@ class AttentionLayer {
   LayerPlan plan_;
   LayerLinks links_;
   LinearLayer qkv_, proj_;
+  // A training pass's adapters of q/k/v (site 0) and o (site 1), with their dropout.
+  LoraTerm qkv_lora(const AttentionSaved& s) const {
+    return {&params_.qkv_lora, config_.lora_scale(), s.lora_dropout.at_site(0)};
+  }
+  LoraTerm proj_lora(const AttentionSaved& s) const {
+    return {&params_.proj_lora, config_.lora_scale(), s.lora_dropout.at_site(1)};
+  }
   void rope(Backend& backend, const Tensor& qkv, bool backward, const DocumentSpans* docs) const;
   // model.qk_norm on the query and key heads of qkv (in place), before RoPE; and its backward
   // on d_qkv after RoPE's.

@@ -32,24 +32,44 @@ void LayerLinks::reduce(Backend& backend, const Tensor& partial, const Tensor& i
   else tp->all_reduce(into);
 }
 
+namespace {
+const LoraAdapters kNoAdapters;
+const LoraAdapters& adapters_of(const LoraTerm& lora) { return lora.adapters != nullptr ? *lora.adapters : kNoAdapters; }
+}  // namespace
+
+void adapted_linear_forward(Backend& backend, LinearLayer& layer, const Tensor& x, const Tensor& w, const Tensor& w16,
+                            const Tensor& b, const Tensor& y, const LoraTerm& lora, LinearWorkspace* ws) {
+  const LoraAdapters& adapters = adapters_of(lora);
+  const LoraWeight lw = lora_layer_weight(backend, w, w16, adapters, lora.scale, lora.dropout, ws);
+  layer.forward(backend, x, lw.w, w16, b, y, 0.0f, ws);
+  lora_forward(backend, x, adapters, lora.scale, y, ws, lora.dropout, w, lw.dora_merged);
+}
+
+void adapted_linear_backward(Backend& backend, LinearLayer& layer, const Tensor& x, const Tensor& w, const Tensor& w16,
+                             const Tensor& dy, const Tensor& dx, const Tensor& dw, const Tensor& db,
+                             const LoraTerm& lora, const LoraAdapters& grads, LinearWorkspace* ws) {
+  const LoraAdapters& adapters = adapters_of(lora);
+  const LoraWeight lw = lora_layer_weight(backend, w, w16, adapters, lora.scale, lora.dropout, ws);
+  layer.backward(backend, x, lw.w, w16, dy, dx, dw, db, ws);
+  lora_backward(backend, x, adapters, grads, lora.scale, dy, dx, ws, lora.dropout, w, lw.dora_merged);
+}
+
 void residual_linear_forward(Backend& backend, const LayerLinks& links, LinearLayer& layer, const Tensor& x,
                              const Tensor& w, const Tensor& w16, const Tensor& b, const Tensor& residual,
                              const Tensor& out, const LoraTerm& lora) {
-  const auto adapters = [&](const Tensor& y) {
-    if (lora.adapters != nullptr) {
-      lora_forward(backend, x, *lora.adapters, lora.scale, y, lora.ws, lora.dropout, lora.w, lora.dora_merged);
-    }
-  };
+  const LoraAdapters& adapters = adapters_of(lora);
+  const LoraWeight lw = lora_layer_weight(backend, w, w16, adapters, lora.scale, lora.dropout, links.ws);
   if (links.tp == nullptr) {
     backend.copy(residual, out);
-    layer.forward(backend, x, w, w16, b, out, 1.0f, links.ws);  // out = residual + layer(x)
-    adapters(out);
+    layer.forward(backend, x, lw.w, w16, b, out, 1.0f, links.ws);  // out = residual + layer(x)
+    lora_forward(backend, x, adapters, lora.scale, out, links.ws, lora.dropout, w, lw.dora_merged);
     return;
   }
   const int64_t C = out.dim(2);
   const Tensor y = links.seq != nullptr ? links.seq->full.view(0, {x.dim(0), x.dim(1), C}) : out;
-  layer.forward(backend, x, w, w16, links.tp->rank() == 0 ? b : Tensor{}, y, 0.0f, links.ws);
-  adapters(y);  // this rank's partial term, summed with the layer's
+  layer.forward(backend, x, lw.w, w16, links.tp->rank() == 0 ? b : Tensor{}, y, 0.0f, links.ws);
+  // This rank's partial term, summed with the layer's.
+  lora_forward(backend, x, adapters, lora.scale, y, links.ws, lora.dropout, w, lw.dora_merged);
   links.reduce(backend, y, out);
   backend.add_inplace(out, residual);
 }

@@ -113,6 +113,16 @@ void residual_linear_forward(Backend& backend, const LayerLinks& links, LinearLa
                              const Tensor& w, const Tensor& w16, const Tensor& b, const Tensor& residual,
                              const Tensor& out, const LoraTerm& lora = {});
 
+// A linear layer with its LoRA adapters (nn/lora.h): y = layer(x) + their term. With DoRA and
+// no dropout the layer runs on lora_layer_weight's merged weight and the adapters add nothing.
+void adapted_linear_forward(Backend& backend, LinearLayer& layer, const Tensor& x, const Tensor& w, const Tensor& w16,
+                            const Tensor& b, const Tensor& y, const LoraTerm& lora, LinearWorkspace* ws);
+// Its backward: dx = dy (the weight the forward used) plus the adapters' part, dw (undefined when
+// frozen) and db as LinearLayer::backward, and the adapters' gradients into `grads`.
+void adapted_linear_backward(Backend& backend, LinearLayer& layer, const Tensor& x, const Tensor& w, const Tensor& w16,
+                             const Tensor& dy, const Tensor& dx, const Tensor& dw, const Tensor& db,
+                             const LoraTerm& lora, const LoraAdapters& grads, LinearWorkspace* ws);
+
 // Activation-gradient scratch shared by all blocks of a backward pass (overwritten each use).
 struct BlockScratch {
   Tensor d_norm;  // (B,T,C)

@@ -74,15 +74,12 @@ struct LoraWeight {
 LoraWeight lora_layer_weight(Backend& backend, const Tensor& w, const Tensor& w16, const LoraAdapters& adapters,
                              float scale, const LoraDropout& dropout, LinearWorkspace* ws);
 
-// One layer's adapters with what lora_forward needs beside the input and output: a layer that
-// adds their term itself (nn/layer.h residual_linear_forward) takes it. adapters null: none.
+// One linear layer's adapters, their scale and this pass's dropout, as the layer helpers of
+// nn/layer.h take them. adapters null: none.
 struct LoraTerm {
   const LoraAdapters* adapters = nullptr;
   float scale = 0.0f;
-  LinearWorkspace* ws = nullptr;
   LoraDropout dropout;
-  Tensor w;  // the base weight (DoRA)
-  bool dora_merged = false;  // the layer computes with lora_layer_weight's merged weight
 };
 
 // Merging (Hu et al. 2021, sec. 4.1: no inference latency): `merged` (the base layout's

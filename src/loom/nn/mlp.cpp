@@ -47,18 +47,10 @@ void MlpLayer::forward(Backend& backend, const Tensor& mid, MlpSaved& s, const T
   }
   const int64_t T = s.fc.dim(1);
   const Tensor input = links_.whole(backend, s.norm.out, T);  // (sequence parallel: gathered)
-  const LoraWeight wi = lora_layer_weight(backend, p.fc_w, q.fc_w, p.fc_lora, config_.lora_scale(),
-                                          s.lora_dropout.at_site(2), links_.ws);  // (DoRA: merged)
-  fc_.forward(backend, input, wi.w, q.fc_w, p.fc_b, s.fc, 0.0f, links_.ws);
-  lora_forward(backend, input, p.fc_lora, config_.lora_scale(), s.fc, links_.ws, s.lora_dropout.at_site(2), p.fc_w,
-               wi.dora_merged);
+  adapted_linear_forward(backend, fc_, input, p.fc_w, q.fc_w, p.fc_b, s.fc, fc_lora(s), links_.ws);
   activation(backend, s);
   // out = mid + fc2(act); g: the hidden slices' partial outputs (and LoRA's terms) summed over tp.
-  const LoraWeight wd = lora_layer_weight(backend, p.fc2_w, q.fc2_w, p.fc2_lora, config_.lora_scale(),
-                                          s.lora_dropout.at_site(3), links_.ws);
-  residual_linear_forward(backend, links_, fc2_, s.act, wd.w, q.fc2_w, p.fc2_b, mid, out,
-                          LoraTerm{&p.fc2_lora, config_.lora_scale(), links_.ws, s.lora_dropout.at_site(3), p.fc2_w,
-                                   wd.dora_merged});
+  residual_linear_forward(backend, links_, fc2_, s.act, p.fc2_w, q.fc2_w, p.fc2_b, mid, out, fc2_lora(s));
 }
 
 void MlpLayer::forward_moe(Backend& backend, const Tensor& mid, MlpSaved& s, const Tensor& out) {
@@ -124,20 +116,14 @@ void MlpLayer::backward(Backend& backend, const Tensor& mid, const MlpSaved& s, 
   }
   const Tensor dy_out = whole(d_residual);
   pass.keep(dy_out, s.dy_fc2);
-  const LoraWeight wd = lora_layer_weight(backend, p.fc2_w, q.fc2_w, p.fc2_lora, config_.lora_scale(),
-                                          s.lora_dropout.at_site(3), links_.ws);  // (DoRA: merged)
-  fc2_.backward(backend, s.act, wd.w, q.fc2_w, dy_out, k.d_act, pass.dw(g.fc2_w), g.fc2_b, links_.ws);
-  lora_backward(backend, s.act, p.fc2_lora, g.fc2_lora, config_.lora_scale(), dy_out, k.d_act, links_.ws,
-                s.lora_dropout.at_site(3), p.fc2_w, wd.dora_merged);
+  adapted_linear_backward(backend, fc2_, s.act, p.fc2_w, q.fc2_w, dy_out, k.d_act, pass.dw(g.fc2_w), g.fc2_b,
+                          fc2_lora(s), g.fc2_lora, links_.ws);
   if (config_.swiglu()) backend.swiglu_backward(s.fc, k.d_act, k.d_fc);
   else backend.gelu_backward(s.fc, k.d_act, k.d_fc);
   pass.keep(k.d_fc, s.dy_fc);
   const Tensor input = whole(s.norm.out);
-  const LoraWeight wi = lora_layer_weight(backend, p.fc_w, q.fc_w, p.fc_lora, config_.lora_scale(),
-                                          s.lora_dropout.at_site(2), links_.ws);
-  fc_.backward(backend, input, wi.w, q.fc_w, k.d_fc, k.d_norm, pass.dw(g.fc_w), g.fc_b, links_.ws);
-  lora_backward(backend, input, p.fc_lora, g.fc_lora, config_.lora_scale(), k.d_fc, k.d_norm, links_.ws,
-                s.lora_dropout.at_site(2), p.fc_w, wi.dora_merged);
+  adapted_linear_backward(backend, fc_, input, p.fc_w, q.fc_w, k.d_fc, k.d_norm, pass.dw(g.fc_w), g.fc_b, fc_lora(s),
+                          g.fc_lora, links_.ws);
   // f: the hidden slices' partial d(norm2 output), then through norm2 into d(mid).
   norm_residual_backward(backend, config_, links_, k, true, d_residual, mid, p.norm_w, s.norm, g.norm_w, g.norm_b);
 }

@@ -99,6 +99,11 @@ class MlpLayer {
   LayerPlan plan_;
   LayerLinks links_;
   LinearLayer fc_, fc2_;
+  // A training pass's adapters of gate/up (site 2) and down (site 3), with their dropout.
+  LoraTerm fc_lora(const MlpSaved& s) const { return {&params_.fc_lora, config_.lora_scale(), s.lora_dropout.at_site(2)}; }
+  LoraTerm fc2_lora(const MlpSaved& s) const {
+    return {&params_.fc2_lora, config_.lora_scale(), s.lora_dropout.at_site(3)};
+  }
   MoeScratch* moe_scratch_ = nullptr;
   Communicator* ep_ = nullptr;
   float loss_weight_ = 1.0f;

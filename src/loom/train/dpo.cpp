@@ -172,8 +172,7 @@ void DpoObjective::before_forward(Backend& backend, ActivationStore& store) {
   }
   backend.copy(store.tokens, reference_store_->tokens);
   backend.copy(store.targets, reference_store_->targets);
-  reference_->sync_weight_copy();
-  reference_->forward(*reference_store_);
+  reference_->forward(*reference_store_);  // (its frozen bf16 copy, if any, was made by set_precision)
   live_ = row_log_probs(backend, *reference_store_);
 }
 
