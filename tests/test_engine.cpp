@@ -400,5 +400,136 @@ TEST(EngineTest, SlidingWindowForgettingKeepsTheTokensAndShrinksThePeak) {
   }
 }
 
+
+// Automatic prefix caching (EngineConfig::prefix_cache): a prompt's full blocks stay cached after
+// its request; a later prompt that starts with them takes them (shared: refcount 2 while it runs)
+// and feeds only the rest, and gets the tokens it gets without the cache. Hits count whole
+// blocks; under memory pressure idle cached blocks are evicted, least recently used first.
+TEST(EngineTest, PrefixCacheSharesBlocksAndKeepsTheTokens) {
+  ModelConfig config = model_preset("llama-tiny");
+  config.max_seq_len = 32;
+  auto backend = make_cpu_backend();
+  Transformer model(*backend, config);
+  model.init_weights(13);
+  const std::vector<int32_t> base = prompt_of(20, 5, config.vocab_size);
+  GenerationRequest a;
+  a.prompt.assign(base.begin(), base.begin() + 14);  // 3 full blocks of 4, and 2 tokens
+  a.max_new_tokens = 5, a.sampling.temperature = 0.0f;
+  GenerationRequest b = a;  // the same 14 tokens, then its own 3
+  for (int32_t t : {7, 8, 9}) b.prompt.push_back(t);
+  GenerationRequest sampled = b;
+  sampled.sampling.temperature = 0.9f, sampled.sampling.seed = 77;
+  EngineConfig ec;
+  ec.max_batch = 2, ec.block_size = 4, ec.prefix_cache = true;
+  GenerationEngine engine(model, ec);
+  engine.submit(a);
+  const std::vector<GenerationResult> first = engine.run();
+  EXPECT_EQ(first.front().tokens, alone(model, a, true));
+  EXPECT_EQ(first.front().cached_tokens, 0);
+  const PrefixCache& prefix = *engine.prefix_cache();
+  EXPECT_EQ(prefix.entries(), 3);                 // the prompt's full blocks, kept
+  EXPECT_EQ(engine.cache().blocks_in_use(), 3);
+  EXPECT_EQ(prefix.idle_blocks(), 3);
+  EXPECT_EQ(prefix.stats().query_tokens, 12);     // (14 - 1) / 4 = 3 tiles looked up
+  EXPECT_EQ(prefix.stats().hit_tokens, 0);
+
+  engine.submit(b);
+  ASSERT_TRUE(engine.step());                     // admitted on the cached blocks: sequence 1
+  EXPECT_EQ(engine.cache().block_refcount(1, 0), 2);  // the table's reference and b's
+  EXPECT_EQ(engine.cache().block_refcount(1, 8), 2);
+  EXPECT_EQ(prefix.idle_blocks(), 0);
+  const GenerationResult got_b = engine.run().front();
+  EXPECT_EQ(got_b.cached_tokens, 12);
+  EXPECT_EQ(got_b.tokens, alone(model, b, true));
+  EXPECT_EQ(prefix.stats().hit_tokens, 12);
+  EXPECT_EQ(prefix.entries(), 4);                 // b's fourth block (tokens 12..15) joined
+
+  engine.submit(a);                               // the same prompt again: all 3 blocks hit
+  engine.submit(sampled);                         // and a sampled request on 4 cached blocks
+  const std::vector<GenerationResult> again = engine.run();
+  EXPECT_EQ(again[0].tokens, first.front().tokens);
+  EXPECT_EQ(again[0].cached_tokens, 12);
+  EXPECT_EQ(again[1].cached_tokens, 16);
+  EXPECT_EQ(again[1].tokens, alone(model, sampled, true));
+  EXPECT_EQ(engine.cache().blocks_in_use(), prefix.entries());
+
+  // A pool of 8 blocks: 4 cached and idle, a new prompt reserving 6 evicts 2, the least recently
+  // used (b's fourth block, then the deepest of a's), and gets its tokens.
+  ec.num_blocks = 8;
+  GenerationEngine tight(model, ec);
+  tight.submit(b);
+  tight.run();
+  EXPECT_EQ(tight.prefix_cache()->entries(), 4);
+  GenerationRequest c;
+  c.prompt = prompt_of(20, 9, config.vocab_size);
+  c.max_new_tokens = 4, c.sampling.temperature = 0.0f;  // 24 positions: 6 blocks
+  tight.submit(c);
+  EXPECT_EQ(tight.run().front().tokens, alone(model, c, true));
+  EXPECT_EQ(tight.prefix_cache()->stats().evicted_blocks, 2);
+  EXPECT_EQ(tight.prefix_cache()->entries(), 2 + 5);  // b's first two, c's five
+}
+
+// Cancelling: an active request finishes "cancelled" and frees its row for the waiting one at
+// the next step; a waiting one is never admitted. The others get their tokens.
+TEST(EngineTest, CancelledRequestsFreeTheirRowsAtTheNextStep) {
+  const ModelConfig config = model_preset("llama-tiny");
+  auto backend = make_cpu_backend();
+  Transformer model(*backend, config);
+  model.init_weights(13);
+  std::vector<GenerationRequest> rs(3);
+  for (size_t i = 0; i < rs.size(); ++i) {
+    rs[i].prompt = prompt_of(5, static_cast<int64_t>(i) + 1, config.vocab_size);
+    rs[i].max_new_tokens = 8, rs[i].sampling.temperature = 0.0f;
+  }
+  EngineConfig ec;
+  ec.max_batch = 1, ec.block_size = 4;
+  GenerationEngine engine(model, ec);
+  std::vector<int64_t> finished;
+  engine.set_on_finish([&](int64_t id, GenerationResult&& r) {
+    finished.push_back(id);
+    if (id == 0) {
+      EXPECT_EQ(r.finish, "cancelled");
+      EXPECT_EQ(r.tokens.size(), 3u);  // its prefill's token and two steps'
+    } else if (id == 1) {
+      EXPECT_EQ(r.finish, "cancelled");
+      EXPECT_TRUE(r.tokens.empty());
+    } else {
+      EXPECT_EQ(r.tokens, alone(model, rs[2], true));
+    }
+  });
+  for (const GenerationRequest& r : rs) engine.submit(r);
+  ASSERT_TRUE(engine.step());
+  ASSERT_TRUE(engine.step());
+  EXPECT_EQ(engine.active(), 1);
+  engine.cancel(1);  // waiting
+  engine.cancel(0);  // running
+  ASSERT_TRUE(engine.step());  // 0 leaves, 2 joins
+  EXPECT_EQ(engine.waiting(), 0);
+  EXPECT_TRUE(engine.run().empty());  // results went to the callback
+  EXPECT_EQ(finished, (std::vector<int64_t>{1, 0, 2}));
+  EXPECT_EQ(engine.cache().blocks_in_use(), 0);
+}
+
+// OpenAI's penalties: logit[t] -= presence * (count > 0) + frequency * count over the drawn tokens.
+TEST(EngineTest, PresenceAndFrequencyPenaltiesLowerDrawnTokens) {
+  const float logits[3] = {2.0f, 1.5f, 0.0f};
+  SamplingConfig greedy;
+  greedy.temperature = 0.0f;
+  greedy.presence_penalty = 1.0f;
+  Sampler presence(greedy);
+  // 0; then 0 is 1.0 < 1.5: 1; then 0 and 1 both penalised once: 0 (1.0 > 0.5).
+  EXPECT_EQ(presence.sample(logits, 3), 0);
+  EXPECT_EQ(presence.sample(logits, 3), 1);
+  EXPECT_EQ(presence.sample(logits, 3), 0);
+  greedy.presence_penalty = 0.0f, greedy.frequency_penalty = 0.4f;
+  Sampler frequency(greedy);
+  // 2.0, 1.6 (> 1.5), 1.2 < 1.5: 1, then 1.1 < 1.2: 0 again.
+  std::vector<int32_t> drawn;
+  for (int i = 0; i < 4; ++i) drawn.push_back(frequency.sample(logits, 3));
+  EXPECT_EQ(drawn, (std::vector<int32_t>{0, 0, 1, 0}));
+  greedy.frequency_penalty = 2.5f;
+  EXPECT_NE(test::error_of([&] { Sampler bad(greedy); }).find("frequency_penalty"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace loom

@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "loom/core/utf8.h"
 #include "loom/arch/param_layout.h"
 #include "loom/checkpoint/peft.h"
 #include "loom/checkpoint/hf_model.h"
@@ -363,29 +364,7 @@ void prepare_dataset(const std::vector<std::string>& documents, const Tokenizer&
               tokenizer.name().c_str(), entropy);
 }
 
-std::string printable_utf8(const std::string& bytes) {
-  std::string out;
-  size_t i = 0;
-  while (i < bytes.size()) {
-    const auto c = static_cast<unsigned char>(bytes[i]);
-    const size_t len = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xE ? 3 : (c >> 3) == 0x1E ? 4 : 0;
-    bool ok = len > 0 && i + len <= bytes.size();
-    for (size_t k = 1; ok && k < len; ++k) ok = (static_cast<unsigned char>(bytes[i + k]) >> 6) == 0x2;
-    if (ok && len > 1) {  // reject overlong forms, surrogates and code points above U+10FFFF
-      uint32_t cp = c & (0x7F >> len);
-      for (size_t k = 1; k < len; ++k) cp = (cp << 6) | (static_cast<unsigned char>(bytes[i + k]) & 0x3F);
-      ok = cp >= (len == 2 ? 0x80u : len == 3 ? 0x800u : 0x10000u) && cp <= 0x10FFFF && (cp < 0xD800 || cp > 0xDFFF);
-    }
-    if (ok) {
-      out.append(bytes, i, len);
-      i += len;
-    } else {
-      out += "\xEF\xBF\xBD";
-      ++i;
-    }
-  }
-  return out;
-}
+std::string printable_utf8(const std::string& bytes) { return valid_utf8(bytes); }
 
 bool stdout_is_terminal() { return ::isatty(STDOUT_FILENO) == 1; }
 

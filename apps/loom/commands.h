@@ -12,6 +12,7 @@ int tokenize_main(int argc, char** argv);
 int plan_main(int argc, char** argv);
 int memory_main(int argc, char** argv);
 int bench_main(int argc, char** argv);
+int serve_main(int argc, char** argv);
 int config_main(int argc, char** argv);
 int convert_main(int argc, char** argv);
 

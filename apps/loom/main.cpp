@@ -27,6 +27,7 @@ const char* kUsage =
     "  tokenize    print the token ids or pieces of standard input (tokenizer.json, tokenizer.model, ...)\n"
     "  plan        rank the parallel layouts that fit a cluster, or simulate a pipeline schedule\n"
     "  memory      bytes per rank by category before running (--measure: and after one step)\n"
+    "  serve       an OpenAI-compatible HTTP server (completions, chat, streaming, prefix caching, /metrics)\n"
     "  bench       bench generate: continuous batching against one at a time, KV cache formats\n"
     "  config      print the resolved configuration, or (--markdown) every config key's reference\n"
     "  convert     a checkpoint as another format: --to gguf (llama.cpp, tokenizer included)\n"
@@ -55,11 +56,12 @@ int main(int argc, char** argv) {
     if (command == "tokenize") return loom::cli::tokenize_main(argc - 2, argv + 2);
     if (command == "plan") return loom::cli::plan_main(argc - 2, argv + 2);
     if (command == "memory") return loom::cli::memory_main(argc - 2, argv + 2);
+    if (command == "serve") return loom::cli::serve_main(argc - 2, argv + 2);
     if (command == "bench") return loom::cli::bench_main(argc - 2, argv + 2);
     if (command == "config") return loom::cli::config_main(argc - 2, argv + 2);
     if (command == "convert") return loom::cli::convert_main(argc - 2, argv + 2);
     std::fprintf(stderr, "loom: unknown command '%s'; commands: prepare, train, eval, generate, tokenizer, tokenize, plan, memory, "
-                 "bench, config, convert, version (see `loom --help`)\n", command.c_str());
+                 "serve, bench, config, convert, version (see `loom --help`)\n", command.c_str());
     return 2;
   } catch (const loom::cli::HelpRequest& help) {
     std::fputs(help.text.c_str(), stdout);

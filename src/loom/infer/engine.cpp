@@ -64,6 +64,7 @@ class GenerationEngine::Rows : public DecodeCache {
 
 struct GenerationEngine::Active {
   int64_t id = 0, seq = 0, fed = 0, blocks = 0;
+  bool feeds_prompt = false;  // the rest of a prefix-cached prompt goes through the rows
   GenerationRequest request;
   Sampler sampler;
   GenerationResult result;
@@ -86,9 +87,28 @@ std::unique_ptr<KvCache> make_engine_cache(const ModelConfig& model, const Engin
 
 }  // namespace
 
+std::string prefix_cache_unsupported(const Transformer& model, const EngineConfig& engine) {
+  const auto& plan = model.recompute_plan();
+  if (!engine.paged) return "it needs a paged KV cache";
+  if (engine.chunked_prefill || model.context_parallel() != nullptr ||
+      !std::all_of(plan.begin(), plan.end(), [](RecomputePolicy p) { return p == RECOMPUTE_NONE; })) {
+    return "it needs whole-prompt prefill (no chunked prefill, context parallelism or recompute plan)";
+  }
+  if (model.config().attn_window > 0) return "a sliding window (model.attn_window) forgets the prompt's blocks";
+  if (kv_window_bytes(engine_cache_config(model.config(), engine)) > 0) {
+    return "its KV format keeps an fp32 window of recent rows outside the blocks (use fp32, bf16, int8 or int4 with no residual)";
+  }
+  return "";
+}
+
 GenerationEngine::GenerationEngine(Transformer& model, EngineConfig config) : model_(model), config_(config) {
   cache_ = make_engine_cache(model.config(), config_, cache_allocator(model.backend(), host_allocator_));
   rows_ = std::make_unique<Rows>(*cache_, model.config());
+  if (config_.prefix_cache) {
+    const std::string why = prefix_cache_unsupported(model, config_);
+    LOOM_CHECK(why.empty(), "automatic prefix caching is not supported here: ", why);
+    prefix_ = std::make_unique<PrefixCache>(*cache_);
+  }
 }
 
 GenerationEngine::~GenerationEngine() = default;
@@ -123,27 +143,34 @@ int64_t GenerationEngine::blocks_needed(const GenerationRequest& r) const {
 }
 
 int64_t GenerationEngine::submit(GenerationRequest request) {
-  const int64_t id = static_cast<int64_t>(results_.size());
-  const int64_t context = model_.config().max_seq_len, vocab = model_.config().vocab_size;
-  LOOM_CHECK(!request.prompt.empty(), "request ", id, ": the prompt must hold at least one token");
-  LOOM_CHECK(static_cast<int64_t>(request.prompt.size()) <= context, "request ", id, ": prompt of ",
-             request.prompt.size(), " tokens exceeds model.max_seq_len = ", context);
-  for (const int32_t t : request.prompt) {
-    LOOM_CHECK(t >= 0 && t < vocab, "request ", id, ": token ", t, " outside the vocabulary [0, ", vocab, ")");
+  try {
+    check(request);
+  } catch (const Error& e) {
+    throw Error(str_cat("request ", next_id_, ": ", e.what()));
   }
-  LOOM_CHECK(request.max_new_tokens >= 1, "request ", id, ": max_new_tokens must be >= 1, got ", request.max_new_tokens);
-  request.sampling.validate();
-  LOOM_CHECK(request.n >= 1 && request.n <= config_.max_batch, "request ", id, ": n = ", request.n,
-             " samples must be in [1, generate.max_batch = ", config_.max_batch, "] (they run side by side)");
-  LOOM_CHECK(group_blocks(request) <= cache_->config().num_blocks, "request ", id, " needs ", group_blocks(request),
-             " KV blocks of ", config_.block_size, " positions, more than the pool's ", cache_->config().num_blocks,
-             " (generate.kv_blocks)");
-  for (int64_t k = 0; k < request.n; ++k) {
-    results_.emplace_back();
-    submitted_.push_back(std::chrono::steady_clock::now());
-  }
+  const int64_t id = next_id_;
+  const auto now = std::chrono::steady_clock::now();
+  for (int64_t k = 0; k < request.n; ++k) submitted_[id + k] = now;
+  next_id_ += request.n;
   waiting_.emplace_back(id, std::move(request));
   return id;
+}
+
+void GenerationEngine::check(const GenerationRequest& request) const {
+  const int64_t context = model_.config().max_seq_len, vocab = model_.config().vocab_size;
+  LOOM_CHECK(!request.prompt.empty(), "the prompt must hold at least one token");
+  LOOM_CHECK(static_cast<int64_t>(request.prompt.size()) <= context, "prompt of ",
+             request.prompt.size(), " tokens exceeds model.max_seq_len = ", context);
+  for (const int32_t t : request.prompt) {
+    LOOM_CHECK(t >= 0 && t < vocab, "token ", t, " outside the vocabulary [0, ", vocab, ")");
+  }
+  LOOM_CHECK(request.max_new_tokens >= 1, "max_new_tokens must be >= 1, got ", request.max_new_tokens);
+  request.sampling.validate();
+  LOOM_CHECK(request.n >= 1 && request.n <= config_.max_batch, "n = ", request.n,
+             " samples must be in [1, generate.max_batch = ", config_.max_batch, "] (they run side by side)");
+  LOOM_CHECK(group_blocks(request) <= cache_->config().num_blocks, "the request needs ", group_blocks(request),
+             " KV blocks of ", config_.block_size, " positions, more than the pool's ", cache_->config().num_blocks,
+             " (generate.kv_blocks)");
 }
 
 bool GenerationEngine::whole_prefill() const {
@@ -168,9 +195,19 @@ void GenerationEngine::admit() {
   const auto now = std::chrono::steady_clock::now();
   while (!waiting_.empty()) {
     const GenerationRequest& next = waiting_.front().second;
+    if (!submitted_.contains(waiting_.front().first)) {  // cancelled while waiting
+      waiting_.pop_front();
+      continue;
+    }
     if (static_cast<int64_t>(active_.size()) + next.n > config_.max_batch) break;
     const int64_t need = group_blocks(next);
-    if (config_.paged && reserved_blocks_ + need > cache_->config().num_blocks) break;  // first come, first served
+    if (config_.paged) {
+      // Blocks in use <= the active requests' reservations + the cached blocks no request holds.
+      const int64_t pool = cache_->config().num_blocks;
+      int64_t idle = prefix_ ? prefix_->idle_blocks() : 0;
+      if (reserved_blocks_ + need + idle > pool && idle > 0) idle -= prefix_->evict(reserved_blocks_ + need + idle - pool);
+      if (reserved_blocks_ + need + idle > pool) break;  // first come, first served
+    }
     const int64_t first = waiting_.front().first, n = next.n;
     GenerationRequest request = std::move(waiting_.front().second);
     waiting_.pop_front();
@@ -181,11 +218,23 @@ void GenerationEngine::admit() {
       auto a = std::make_unique<Active>(first + k, std::move(r));
       a->blocks = k == 0 ? need - (n - 1) * (need / n) : need / n;  // released per sample; sums to need
       a->result.prompt_tokens = static_cast<int64_t>(a->request.prompt.size());
-      a->result.queued_s = std::chrono::duration<double>(now - submitted_[static_cast<size_t>(a->id)]).count();
+      a->result.queued_s = std::chrono::duration<double>(now - submitted_.at(a->id)).count();
       group.push_back(a.get());
       active_.push_back(std::move(a));
     }
     reserved_blocks_ += need;
+    if (prefix_ && n == 1) {
+      // The cached blocks of the prompt's longest cached prefix, leaving its last token to feed.
+      Active& a = *group.front();
+      const std::vector<int64_t> blocks = prefix_->match(a.request.prompt, (a.result.prompt_tokens - 1) / config_.block_size);
+      if (!blocks.empty()) {
+        a.seq = cache_->add_sequence_with(blocks);
+        a.fed = cache_->length(a.seq);
+        a.result.cached_tokens = a.fed;
+        a.feeds_prompt = true;
+        continue;
+      }
+    }
     if (shares_prompt()) {
       prefill(group);
     } else if (whole_prefill()) {  // a contiguous cache would copy the prompt on fork: prefill each
@@ -242,6 +291,7 @@ void GenerationEngine::prefill(const std::vector<Active*>& group) {
     cache_->advance(a.seq);
   }
   stats_.prompt_tokens += P;
+  if (prefix_) prefix_->insert(a.request.prompt, P / config_.block_size, a.seq);
   logits_.resize(static_cast<size_t>(c.vocab_size));  // the last position's logits
   backend.read(s.logits.view((P - 1) * c.vocab_size, {c.vocab_size}), logits_.data());
   const float* last = logits_.data();
@@ -258,7 +308,7 @@ void GenerationEngine::sampled(Active& a, int32_t next, std::chrono::steady_cloc
   a.result.tokens.push_back(next);
   ++stats_.generated_tokens;
   if (on_token_) on_token_(a.id, next);
-  const double since = std::chrono::duration<double>(now - submitted_[static_cast<size_t>(a.id)]).count();
+  const double since = std::chrono::duration<double>(now - submitted_.at(a.id)).count();
   if (a.result.tokens.size() == 1) a.result.first_token_s = since;
   const auto& stops = a.request.stop_tokens;
   if (std::find(stops.begin(), stops.end(), next) != stops.end()) a.result.finish = "stop";
@@ -276,13 +326,44 @@ void GenerationEngine::retire() {
     }
     cache_->release(a.seq);
     reserved_blocks_ -= a.blocks;
-    results_[static_cast<size_t>(a.id)] = std::move(a.result);
+    finish(a.id, std::move(a.result));
     active_.erase(active_.begin() + static_cast<std::ptrdiff_t>(i));
+  }
+}
+
+void GenerationEngine::finish(int64_t id, GenerationResult&& result) {
+  submitted_.erase(id);
+  if (on_finish_) on_finish_(id, std::move(result));
+  else results_[id] = std::move(result);
+}
+
+void GenerationEngine::cancel(int64_t first, int64_t count) {
+  for (int64_t id = first; id < first + count; ++id) {
+    const auto active = std::find_if(active_.begin(), active_.end(), [&](const auto& a) { return a->id == id; });
+    if (active != active_.end()) {
+      if ((*active)->result.finish.empty()) (*active)->result.finish = "cancelled";
+      continue;
+    }
+    if (!submitted_.contains(id)) continue;  // finished already, or unknown
+    // Waiting: admit() drops the group once its first id is gone; its results say "cancelled".
+    const auto waiting = std::find_if(waiting_.begin(), waiting_.end(), [&](const auto& w) {
+      return w.first <= id && id < w.first + w.second.n;
+    });
+    if (waiting == waiting_.end()) continue;
+    const int64_t group = waiting->first, n = waiting->second.n;
+    for (int64_t k = group; k < group + n; ++k) {
+      if (!submitted_.contains(k)) continue;
+      GenerationResult r;
+      r.finish = "cancelled";
+      r.prompt_tokens = static_cast<int64_t>(waiting->second.prompt.size());
+      finish(k, std::move(r));
+    }
   }
 }
 
 bool GenerationEngine::step() {
   const auto start = std::chrono::steady_clock::now();
+  retire();  // cancelled requests free their rows and blocks for this step's admissions
   admit();
   retire();  // a prefill's first token may already finish a request
   if (active_.empty()) {
@@ -324,7 +405,11 @@ bool GenerationEngine::step() {
       ++stats_.prompt_tokens;
       continue;
     }
-    if (a.fed == prompt) ++stats_.prompt_tokens;
+    if (a.fed == prompt) {
+      ++stats_.prompt_tokens;
+      if (a.feeds_prompt) prefix_->insert(a.request.prompt, prompt / config_.block_size, a.seq);
+      a.feeds_prompt = false;
+    }
     if (on_logits_) on_logits_(a.id, logits + r * vocab, vocab);
     sampled(a, a.sampler.sample(logits + r * vocab, vocab), now);
   }
@@ -398,7 +483,10 @@ std::vector<GenerationResult> GenerationEngine::run() {
   while (step()) {
   }
   LOOM_CHECK(waiting_.empty(), "generation engine: ", waiting_.size(), " requests could not be admitted");
-  return results_;
+  std::vector<GenerationResult> out;
+  for (auto& [id, r] : results_) out.push_back(std::move(r));
+  results_.clear();
+  return out;
 }
 
 }  // namespace loom

@@ -17,6 +17,13 @@
 // decoding. With EngineConfig::chunked_prefill the prompt is instead fed one token per step as a
 // decoding row (chunks of one): no (P, P) attention store, but P steps to the first token.
 //
+// Automatic prefix caching (EngineConfig::prefix_cache, infer/prefix_cache.h): a prompt's full
+// blocks stay cached after its request; a later request (n = 1) whose prompt starts with cached
+// blocks takes them and feeds only the rest of its prompt, one token a step through the rows
+// (at least its last token is always fed, for the first token's logits). Its prompt's full
+// blocks are cached once the prompt is consumed. Cached blocks no request holds are evicted
+// least-recently-used when an admission needs room.
+//
 // Admission reserves the worst case, ceil(min(prompt + max_new, max_seq_len) / block_size)
 // blocks (a contiguous cache: one region), so a running request never runs out (no preemption).
 // With a sliding window (model.attn_window = W) step() forgets positions older than the window
@@ -39,6 +46,7 @@
 #include <vector>
 
 #include "loom/infer/kv_cache.h"
+#include "loom/infer/prefix_cache.h"
 #include "loom/infer/sampler.h"
 #include "loom/model/transformer.h"
 
@@ -58,8 +66,9 @@ struct GenerationRequest {
 
 struct GenerationResult {
   std::vector<int32_t> tokens;        // the new tokens
-  std::string finish;                 // "length", "stop" or "context"
+  std::string finish;                 // "length", "stop", "context" or "cancelled"
   int64_t prompt_tokens = 0;
+  int64_t cached_tokens = 0;          // prompt tokens taken from the prefix cache
   double queued_s = 0;                // submit -> admitted
   double first_token_s = 0;           // submit -> first new token (time to first token)
   double total_s = 0;                 // submit -> finished
@@ -75,6 +84,9 @@ struct EngineConfig {
   int64_t group = 0;                  // per-token integer formats: channels per (scale, min)
   int64_t residual = 0;               // KIVI: newest positions kept fp32
   bool chunked_prefill = false;       // prompts one token per step instead of one forward
+  // Automatic prefix caching: needs a paged cache without an fp32 window (fp32, bf16, int8 or
+  // int4 with no residual), no sliding window and whole-prompt prefill; prefix_cache_supported.
+  bool prefix_cache = false;
   // Test-only: with a sliding window (model.attn_window > 0), keep every position's KV blocks
   // instead of forgetting those older than the window (KvCache::forget_before).
   bool keep_all_blocks = false;
@@ -98,6 +110,9 @@ void apply_kv_preset(EngineConfig& engine, const std::string& name, int64_t head
 double teacher_forced_loss(Transformer& model, const std::vector<std::vector<int32_t>>& sequences,
                            const EngineConfig& engine);
 
+// Why automatic prefix caching cannot run with `engine` on `model` ("" when it can).
+std::string prefix_cache_unsupported(const Transformer& model, const EngineConfig& engine);
+
 struct EngineStats {
   int64_t steps = 0;
   int64_t rows = 0;                   // sum over steps of the rows run
@@ -115,18 +130,32 @@ class GenerationEngine {
 
   // Returns its id (0, 1, ...; with n samples the first of n consecutive ids), in submission order.
   int64_t submit(GenerationRequest request);
+  // Throws what submit would for this request (a prompt too long, n too large, more blocks than
+  // the pool); reads only the configuration, so any thread may call it.
+  void check(const GenerationRequest& request) const;
   // One step; false when no request is waiting or active.
   bool step();
-  // Steps until every submitted request has finished; their results in submission order.
+  // Steps until every submitted request has finished; the results not yet returned (nor handed
+  // to the finish callback), in submission order.
   std::vector<GenerationResult> run();
+  // Ends requests ids [first, first + count): a waiting one is never admitted, an active one
+  // finishes ("cancelled") and frees its row and blocks at the next step.
+  void cancel(int64_t first, int64_t count = 1);
 
   // Called with (request id, token) as each token is drawn (streaming); empty: none.
   void set_on_token(std::function<void(int64_t, int32_t)> on_token) { on_token_ = std::move(on_token); }
   // Called with (request id, logits, vocab_size) just before each token is drawn from them (the
-  // host copy the sampler reads, valid during the call); empty: none.
+  // host copy the sampler reads, valid during the call and until on_token for the same id, which
+  // the engine calls next with the token drawn from them); empty: none.
   void set_on_logits(std::function<void(int64_t, const float*, int64_t)> on_logits) { on_logits_ = std::move(on_logits); }
 
+  // Called with (request id, result) as each request finishes, instead of keeping the result for
+  // run() (a server's engine then holds nothing for finished requests); empty: kept.
+  void set_on_finish(std::function<void(int64_t, GenerationResult&&)> on_finish) { on_finish_ = std::move(on_finish); }
+
   const EngineStats& stats() const { return stats_; }
+  const PrefixCache* prefix_cache() const { return prefix_.get(); }
+  int64_t waiting() const { return static_cast<int64_t>(waiting_.size()); }
   const KvCache& cache() const { return *cache_; }
   int64_t active() const { return static_cast<int64_t>(active_.size()); }
 
@@ -142,6 +171,7 @@ class GenerationEngine {
   void admit();
   void prefill(const std::vector<Active*>& group);  // group[0]'s prompt; the others forked from it
   int64_t group_blocks(const GenerationRequest& request) const;  // the blocks n samples reserve
+  void finish(int64_t id, GenerationResult&& result);
   void retire();  // releases the finished requests' sequences and blocks
   // After a new token: finished by a stop token, max_new_tokens or the context.
   void sampled(Active& a, int32_t token, std::chrono::steady_clock::time_point now);
@@ -153,15 +183,18 @@ class GenerationEngine {
   CpuAllocator host_allocator_;
   std::unique_ptr<KvCache> cache_;
   std::unique_ptr<Rows> rows_;
+  std::unique_ptr<PrefixCache> prefix_;       // EngineConfig::prefix_cache
   std::map<int64_t, ActivationStore> stores_;  // [rows] one-position stores
   std::deque<std::pair<int64_t, GenerationRequest>> waiting_;
   std::vector<std::unique_ptr<Active>> active_;
-  std::vector<GenerationResult> results_;      // [id]
-  std::vector<std::chrono::steady_clock::time_point> submitted_;  // [id]
+  int64_t next_id_ = 0;
+  std::map<int64_t, GenerationResult> results_;  // finished, not yet returned by run()
+  std::map<int64_t, std::chrono::steady_clock::time_point> submitted_;  // [id] of unfinished requests
   int64_t reserved_blocks_ = 0;                // by the active requests
   EngineStats stats_;
   std::function<void(int64_t, int32_t)> on_token_;
   std::function<void(int64_t, const float*, int64_t)> on_logits_;
+  std::function<void(int64_t, GenerationResult&&)> on_finish_;
   std::vector<float> logits_;       // host copy of a step's (n, vocab) logits (or a prefill's last row)
   std::vector<float> prefill_qkv_;  // host copy of a prefill's (n_layer, P, qkv_width) rows (device memory)
 };

@@ -64,6 +64,7 @@ struct Layouts {
   StreamLayout stream[STREAM_COUNT];
   explicit Layouts(const KvCacheConfig& c) : stream{StreamLayout(c.k_spec(), c), StreamLayout(c.v_spec(), c)} {}
   int64_t tile_pair_bytes() const { return stream[STREAM_K].tile_bytes + stream[STREAM_V].tile_bytes; }
+  bool has_window() const { return window_floats_per_layer() > 0; }
   int64_t window_floats_per_layer() const {
     return stream[STREAM_K].window * stream[STREAM_K].width + stream[STREAM_V].window * stream[STREAM_V].width;
   }
@@ -111,12 +112,24 @@ class TiledKvCache : public KvCache {
     rows_scratch_.resize(static_cast<size_t>(config.block_size * widest));
   }
 
-  int64_t add_sequence() override {
+  int64_t add_sequence() override { return add(std::vector<int64_t>{}); }
+
+  int64_t add_sequence_with(const std::vector<int64_t>& blocks) override {
+    LOOM_CHECK(!layouts_.has_window(), "kv cache: a sequence made of cached blocks needs a cache without an fp32 window "
+               "(kv_cache.residual = 0 and no per-channel integer stream)");
+    return add(blocks);
+  }
+
+  int64_t add(const std::vector<int64_t>& blocks) {
     Sequence s;
     s.live = true;
     s.written.assign(static_cast<size_t>(config_.n_layer), 0);
     s.window = allocate_window();
     on_add(s);
+    if (!blocks.empty()) {
+      adopt(s, blocks);
+      s.length = static_cast<int64_t>(blocks.size()) * config_.block_size;
+    }
     sequences_.push_back(std::move(s));
     return static_cast<int64_t>(sequences_.size()) - 1;
   }
@@ -261,6 +274,10 @@ class TiledKvCache : public KvCache {
   // Called before storing into tile k (paged: copy-on-write of a shared block).
   virtual void make_tile_writable(Sequence& s, int64_t k) = 0;
   virtual void on_add(Sequence& s) = 0;
+  // A new sequence's first tiles are `blocks` (add_sequence_with; paged only).
+  virtual void adopt(Sequence&, const std::vector<int64_t>&) {
+    throw Error("kv cache: cached blocks need a paged cache (generate.paged)");
+  }
   virtual void on_fork(const Sequence& parent, Sequence& child) = 0;
   virtual void on_release(Sequence& s) = 0;
   // s.forgotten moved forward (paged: drops the blocks of tiles wholly before it).
@@ -484,7 +501,27 @@ class PagedKvCache final : public TiledKvCache {
     block = copy;
   }
 
+  int64_t block_of(int64_t seq, int64_t tile) const override {
+    const Sequence& s = live(seq);
+    LOOM_CHECK(tile >= s.dropped && tile < static_cast<int64_t>(s.blocks.size()), "kv cache: sequence ", seq,
+               " holds no tile ", tile);
+    return s.blocks[static_cast<size_t>(tile)];
+  }
+  void retain(int64_t block) override { ++refcount_[static_cast<size_t>(checked_block(block))]; }
+  void drop(int64_t block) override {
+    LOOM_CHECK(refcount_[static_cast<size_t>(checked_block(block))] > 0, "kv cache: drop of free block ", block);
+    drop_reference(block);
+  }
+  int64_t refcount(int64_t block) const override { return refcount_[static_cast<size_t>(checked_block(block))]; }
+
   void on_add(Sequence&) override {}
+  void adopt(Sequence& s, const std::vector<int64_t>& blocks) override {
+    for (const int64_t b : blocks) {
+      LOOM_CHECK(refcount_[static_cast<size_t>(checked_block(b))] > 0, "kv cache: cached block ", b, " is free");
+      ++refcount_[static_cast<size_t>(b)];
+    }
+    s.blocks = blocks;
+  }
   void on_fork(const Sequence& parent, Sequence& child) override {
     child.blocks = parent.blocks;  // forgotten tiles stay kNoBlock: the child shares live blocks only
     for (int64_t b : child.blocks) {
@@ -492,14 +529,14 @@ class PagedKvCache final : public TiledKvCache {
     }
   }
   void on_release(Sequence& s) override {
-    for (int64_t& b : s.blocks) drop(b);
+    for (int64_t& b : s.blocks) drop_entry(b);
   }
   // Tiles k with (k + 1) B <= forgotten hold forgotten positions only: their blocks go back
   // (vLLM's sliding-window block release; Mistral 7B's rolling buffer bounds a sequence the same
   // way). The table keeps its length, so tile k still maps to positions [kB, kB + B).
   void on_forget(Sequence& s) override {
     const int64_t dropped = s.forgotten / config_.block_size;  // forgotten <= length: those tiles exist
-    for (int64_t k = s.dropped; k < dropped; ++k) drop(s.blocks[static_cast<size_t>(k)]);
+    for (int64_t k = s.dropped; k < dropped; ++k) drop_entry(s.blocks[static_cast<size_t>(k)]);
     s.dropped = std::max(s.dropped, dropped);
   }
 
@@ -510,10 +547,18 @@ class PagedKvCache final : public TiledKvCache {
   }
 
   // One reference to `block` goes; the block is free once none is left.
-  void drop(int64_t& block) {
+  void drop_entry(int64_t& block) {
     if (block == kNoBlock) return;
-    if (--refcount_[static_cast<size_t>(block)] == 0) free_.push_back(block);
+    drop_reference(block);
     block = kNoBlock;
+  }
+  void drop_reference(int64_t block) {
+    if (--refcount_[static_cast<size_t>(block)] == 0) free_.push_back(block);
+  }
+  int64_t checked_block(int64_t block) const {
+    LOOM_CHECK(block >= 0 && block < config_.num_blocks, "kv cache: block ", block, " outside the pool of ",
+               config_.num_blocks);
+    return block;
   }
 
   int64_t allocate_block() {
@@ -693,6 +738,14 @@ std::unique_ptr<KvCache> make_contiguous_kv_cache(const KvCacheConfig& config, i
 
 std::unique_ptr<KvCache> make_paged_kv_cache(const KvCacheConfig& config, Allocator* allocator) {
   return std::make_unique<PagedKvCache>(config, allocator);
+}
+
+int64_t KvCache::block_of(int64_t, int64_t) const { throw Error("kv cache: block_of needs a paged cache"); }
+void KvCache::retain(int64_t) { throw Error("kv cache: retain needs a paged cache"); }
+void KvCache::drop(int64_t) { throw Error("kv cache: drop needs a paged cache"); }
+int64_t KvCache::refcount(int64_t) const { throw Error("kv cache: refcount needs a paged cache"); }
+int64_t KvCache::add_sequence_with(const std::vector<int64_t>&) {
+  throw Error("kv cache: add_sequence_with needs a paged cache");
 }
 
 }  // namespace loom

@@ -90,6 +90,7 @@
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "loom/infer/kv_quant.h"
 
@@ -164,6 +165,20 @@ class KvCache {
   virtual int64_t sequence_blocks(int64_t seq) const = 0;                   // live blocks seq refers to
   // Sharers of position's block; throws for a position whose block seq forgot (paged).
   virtual int64_t block_refcount(int64_t seq, int64_t position) const = 0;
+
+  // Blocks held apart from sequences (paged only; automatic prefix caching, prefix_cache.h). A
+  // block is a pool index. The contiguous cache throws.
+  //   block_of(seq, k): the block holding tile k of seq (k < the tiles seq wrote);
+  //   retain(block) / drop(block): one more / one less reference (the block is free at 0);
+  //   refcount(block): its references (sequences and retains);
+  //   add_sequence_with(blocks): a new sequence whose first tiles are `blocks`, all full
+  //     (length = blocks.size() * B, one more reference each); needs a cache without an fp32
+  //     window (kv_window_bytes == 0), whose full tiles hold every row.
+  virtual int64_t block_of(int64_t seq, int64_t tile) const;
+  virtual void retain(int64_t block);
+  virtual void drop(int64_t block);
+  virtual int64_t refcount(int64_t block) const;
+  virtual int64_t add_sequence_with(const std::vector<int64_t>& blocks);
 };
 
 // max_sequences regions of max_len positions, allocated up front. allocator: a host allocator

@@ -12,11 +12,31 @@ void SamplingConfig::validate() const {
   LOOM_CHECK(temperature >= 0.0f, "sample.temperature must be >= 0 (0 = greedy), got ", temperature);
   LOOM_CHECK(top_k >= 0, "sample.top_k must be >= 0 (0 = no limit), got ", top_k);
   LOOM_CHECK(top_p > 0.0f && top_p <= 1.0f, "sample.top_p must be in (0, 1], got ", top_p);
+  LOOM_CHECK(presence_penalty >= -2.0f && presence_penalty <= 2.0f, "presence_penalty must be in [-2, 2], got ",
+             presence_penalty);
+  LOOM_CHECK(frequency_penalty >= -2.0f && frequency_penalty <= 2.0f, "frequency_penalty must be in [-2, 2], got ",
+             frequency_penalty);
 }
 
 Sampler::Sampler(SamplingConfig config) : config_(config) { config_.validate(); }
 
 int32_t Sampler::sample(const float* logits, int64_t vocab) {
+  if (config_.presence_penalty == 0.0f && config_.frequency_penalty == 0.0f) return pick(logits, vocab);
+  penalised_.assign(logits, logits + vocab);
+  std::vector<int32_t> sorted = drawn_;
+  std::sort(sorted.begin(), sorted.end());
+  for (size_t i = 0; i < sorted.size();) {
+    size_t j = i;
+    while (j < sorted.size() && sorted[j] == sorted[i]) ++j;
+    penalised_[static_cast<size_t>(sorted[i])] -= config_.presence_penalty + config_.frequency_penalty * static_cast<float>(j - i);
+    i = j;
+  }
+  const int32_t token = pick(penalised_.data(), vocab);
+  drawn_.push_back(token);
+  return token;
+}
+
+int32_t Sampler::pick(const float* logits, int64_t vocab) {
   if (config_.temperature == 0.0f) return static_cast<int32_t>(std::max_element(logits, logits + vocab) - logits);
   const float max_logit = *std::max_element(logits, logits + vocab);
   candidates_.resize(static_cast<size_t>(vocab));

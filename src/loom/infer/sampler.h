@@ -1,6 +1,6 @@
 // Next-token sampling: greedy, temperature, top-k (Fan et al. 2018) and nucleus/top-p
-// (Holtzman et al. 2020). Draws come from Philox(seed, draw index), so a seeded generation is
-// reproducible on any machine.
+// (Holtzman et al. 2020), after OpenAI's presence and frequency penalties. Draws come from
+// Philox(seed, draw index), so a seeded generation is reproducible on any machine.
 #pragma once
 #include <cstdint>
 #include <utility>
@@ -13,6 +13,10 @@ struct SamplingConfig {
   int64_t top_k = 0;         // 0 = no limit
   float top_p = 1.0f;        // 1 = no limit
   uint64_t seed = 1337;
+  // OpenAI's penalties over the tokens this sampler drew so far (vLLM's reading: the output, not
+  // the prompt): logit[t] -= presence * (count[t] > 0) + frequency * count[t]. In [-2, 2].
+  float presence_penalty = 0.0f;
+  float frequency_penalty = 0.0f;
 
   void validate() const;  // throws naming the key (sample.temperature, ...)
 };
@@ -21,12 +25,17 @@ class Sampler {
  public:
   explicit Sampler(SamplingConfig config);
   // Picks a token from logits (vocab values): softmax(logits / temperature) restricted to the
-  // top_k most likely tokens and then to the smallest prefix with probability >= top_p.
+  // top_k most likely tokens and then to the smallest prefix with probability >= top_p. With a
+  // penalty, the logits are first penalised (in a copy) by the counts of the tokens drawn so far.
   int32_t sample(const float* logits, int64_t vocab);
 
  private:
+  int32_t pick(const float* logits, int64_t vocab);
+
   SamplingConfig config_;
   uint64_t draws_ = 0;
+  std::vector<int32_t> drawn_;     // the tokens drawn so far (penalties only)
+  std::vector<float> penalised_;   // the penalised logits, reused
   std::vector<std::pair<float, int32_t>> candidates_;  // (probability, token), reused
 };
 

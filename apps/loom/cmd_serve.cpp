@@ -1,0 +1,153 @@
+// loom serve: an OpenAI-compatible HTTP server (src/loom/serve/) on the generation engine.
+#include <pthread.h>
+#include <signal.h>
+
+#include <chrono>
+#include <cstdio>
+#include <ctime>
+#include <filesystem>
+#include <thread>
+
+#include "cli.h"
+#include "commands.h"
+#include "loom/core/error.h"
+#include "loom/core/file_io.h"
+#include "loom/data/chat_template.h"
+#include "loom/infer/engine.h"
+#include "loom/serve/http_server.h"
+
+namespace loom::cli {
+
+namespace {
+const char* kHelp =
+    "usage: loom serve --checkpoint PATH [--host 127.0.0.1] [--port 8080] [--kv FORMAT] [--max-batch N]\n"
+    "                  [--max-queue N] [--kv-blocks N] [--kv-block N] [--no-prefix-cache]\n"
+    "                  [--chat-template FILE] [--model-name NAME] [--drain-timeout S] [--adapter DIR]\n"
+    "\n"
+    "Serves OpenAI's API on the generation engine (continuous batching, paged KV cache with\n"
+    "automatic prefix caching): POST /v1/completions, POST /v1/chat/completions (stream: server-sent\n"
+    "events), GET /v1/models, GET /health, GET /metrics (Prometheus). Requests join the running batch\n"
+    "between steps; at most N rows run (--max-batch, default 16) and N more wait (--max-queue,\n"
+    "default 64; then 429 with Retry-After). SIGTERM or SIGINT stops admitting (503), lets running\n"
+    "requests finish for up to --drain-timeout seconds (default 30), then exits 0; a second signal\n"
+    "exits at once. --port 0 takes a free port. Prints `listening on http://HOST:PORT` when ready.\n"
+    "docs/serving.md has the API, the flags and measured figures.\n";
+}  // namespace
+
+int serve_main(int argc, char** argv) {
+  const Args args(argc, argv, "serve", kHelp,
+                  {{"checkpoint", "PATH", "a step folder, a run folder, a checkpoints folder or a Hugging Face folder (required)"},
+                   {"adapter", "DIR", "a PEFT LoRA adapter folder applied to the weights"},
+                   {"host", "ADDR", "address to listen on (default 127.0.0.1)"},
+                   {"port", "N", "port (default 8080; 0: any free port)"},
+                   {"kv", "FORMAT", "KV cache format fp32 | bf16 | int8 | int4 | kivi4 | kivi2 (default fp32)"},
+                   {"kv-block", "N", "positions per KV block (default 16)"},
+                   {"kv-blocks", "N", "blocks in the KV pool (default: max-batch full-length sequences)"},
+                   {"max-batch", "N", "rows of continuous batching (default 16); also the largest n"},
+                   {"max-queue", "N", "requests waiting for a row before 429 (default 64)"},
+                   {"no-prefix-cache", "", "turn automatic prefix caching off"},
+                   {"chat-template", "FILE", "a Jinja chat template (default: the tokenizer folder's)"},
+                   {"model-name", "NAME", "the model id in /v1/models and responses (default: the checkpoint folder's name)"},
+                   {"drain-timeout", "S", "seconds running requests get to finish after SIGTERM (default 30)"},
+                   {"threads", "N", "HTTP worker threads (default: max-batch + max-queue + 8)"}});
+  LOOM_CHECK(args.has("checkpoint"), "loom serve needs --checkpoint PATH");
+  const ModelSource source = model_source(args.get("checkpoint"), args.get("adapter", ""));
+  const LoomConfig& config = source.config;
+  const auto tokenizer = load_tokenizer(config.data.tokenizer);
+  LOOM_CHECK(tokenizer->vocab_size() == config.model.vocab_size, "tokenizer ", tokenizer->name(), " has ",
+             tokenizer->vocab_size(), " tokens but the model ", config.model.vocab_size);
+
+  serve::ModelInfo info;
+  const std::filesystem::path checkpoint = std::filesystem::weakly_canonical(args.get("checkpoint"));
+  info.id = args.get("model-name", checkpoint.filename().string());
+  info.context = config.model.max_seq_len;
+  info.created = static_cast<int64_t>(std::time(nullptr));
+  info.stop_tokens = {tokenizer->eot_token()};
+  if (tokenizer->eos_token() && *tokenizer->eos_token() != tokenizer->eot_token()) info.stop_tokens.push_back(*tokenizer->eos_token());
+  if (args.has("chat-template")) {
+    info.chat_template = read_text_file(args.get("chat-template"));
+  } else if (const auto file = std::filesystem::path(config.data.tokenizer) / "tokenizer_config.json";
+             std::filesystem::is_regular_file(file)) {
+    try {
+      info.chat_template = load_chat_template(file.string());
+    } catch (const Error&) {
+      info.chat_template.clear();  // a tokenizer folder without a template: chat answers 400
+    }
+  }
+  if (tokenizer->bos_token()) info.chat_options.bos_token = tokenizer->decode(std::vector<int32_t>{*tokenizer->bos_token()});
+  if (tokenizer->eos_token()) info.chat_options.eos_token = tokenizer->decode(std::vector<int32_t>{*tokenizer->eos_token()});
+
+  EngineConfig ec;
+  ec.max_batch = args.get_int("max-batch", 16);
+  ec.block_size = args.get_int("kv-block", 16);
+  ec.num_blocks = args.get_int("kv-blocks", 0);
+  apply_kv_preset(ec, args.get("kv", "fp32"), config.model.head_dim());
+  info.max_n = ec.max_batch;
+  serve::SchedulerConfig sc;
+  sc.max_queue = args.get_int("max-queue", 64);
+  LOOM_CHECK(sc.max_queue >= 0, "--max-queue must be >= 0, got ", sc.max_queue);
+  const double drain_timeout = args.get_double("drain-timeout", 30.0);
+
+  auto backend = make_cpu_backend();
+  Transformer model(*backend, config.model);
+  load_weights(source, model.params());
+  std::string prefix_note = "off (--no-prefix-cache)";
+  if (!args.has("no-prefix-cache")) {
+    const std::string why = prefix_cache_unsupported(model, ec);
+    ec.prefix_cache = why.empty();
+    prefix_note = why.empty() ? "on" : "off: " + why;
+  }
+  GenerationEngine engine(model, ec);
+
+  // SIGTERM / SIGINT are taken by this thread with sigwait: blocked before any other thread starts.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  ::signal(SIGPIPE, SIG_IGN);  // a client that went away is a failed write, not a signal
+
+  serve::Metrics metrics;
+  serve::Scheduler scheduler(engine, *tokenizer, info, metrics, sc);
+  serve::HttpOptions ho;
+  ho.host = args.get("host", "127.0.0.1");
+  ho.port = static_cast<int>(args.get_int("port", 8080));
+  ho.threads = static_cast<int>(args.get_int("threads", ec.max_batch + sc.max_queue + 8));
+  serve::HttpServer http(scheduler, info, *tokenizer, metrics, ho);
+  const int port = http.bind();
+  scheduler.start();
+  std::thread server([&] { http.serve(); });
+  std::printf("loom serve: model %s (%lld parameters, context %lld), KV cache %s paged in %lld blocks of %lld, "
+              "max batch %lld, max queue %lld, prefix cache %s, chat template %s\n",
+              info.id.c_str(), static_cast<long long>(param_count(config.model)), static_cast<long long>(info.context),
+              args.get("kv", "fp32").c_str(), static_cast<long long>(engine.cache().config().num_blocks),
+              static_cast<long long>(ec.block_size), static_cast<long long>(ec.max_batch),
+              static_cast<long long>(sc.max_queue), prefix_note.c_str(), info.chat_template.empty() ? "none" : "yes");
+  std::printf("listening on http://%s:%d\n", ho.host.c_str(), port);
+  std::fflush(stdout);
+
+  int signal_number = 0;
+  sigwait(&signals, &signal_number);
+  std::printf("loom serve: %s: draining (no new requests; %g s for the running ones)\n",
+              signal_number == SIGTERM ? "SIGTERM" : "SIGINT", drain_timeout);
+  std::fflush(stdout);
+  // A second signal while draining exits at once.
+  std::thread second([signals]() mutable {
+    int again = 0;
+    sigwait(&signals, &again);
+    std::fprintf(stderr, "loom serve: second signal: exiting now\n");
+    std::_Exit(1);
+  });
+  second.detach();
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                                              std::chrono::duration<double>(drain_timeout));
+  const int64_t cancelled = scheduler.drain(deadline);
+  // Let the HTTP threads write the last responses of the finished jobs before the sockets close.
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  http.stop();
+  server.join();
+  std::printf("loom serve: stopped (%lld requests cancelled at the deadline)\n", static_cast<long long>(cancelled));
+  return 0;
+}
+
+}  // namespace loom::cli

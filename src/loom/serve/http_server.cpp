@@ -1,0 +1,226 @@
+#include "loom/serve/http_server.h"
+
+#include <httplib.h>
+
+#include "loom/core/error.h"
+
+namespace loom::serve {
+
+struct HttpServer::Impl {
+  Scheduler& scheduler;
+  const ModelInfo& model;
+  const Tokenizer& tokenizer;
+  Metrics& metrics;
+  HttpOptions options;
+  httplib::Server server;
+  std::atomic<uint64_t> next_id{1};
+
+  Impl(Scheduler& s, const ModelInfo& m, const Tokenizer& t, Metrics& mt, HttpOptions o)
+      : scheduler(s), model(m), tokenizer(t), metrics(mt), options(std::move(o)) {}
+
+  void error(httplib::Response& res, const ApiError& e, const std::string& endpoint) {
+    res.status = e.status();
+    if (e.status() == 429) res.set_header("Retry-After", "1");
+    res.set_content(e.body().dump(), "application/json");
+    metrics.request(endpoint, e.status());
+  }
+
+  void generate(const httplib::Request& req, httplib::Response& res, Endpoint endpoint);
+  void install();
+};
+
+namespace {
+
+// One server-sent event.
+std::string event(const nlohmann::json& data) {
+  return "data: " + data.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n\n";
+}
+
+}  // namespace
+
+void HttpServer::Impl::generate(const httplib::Request& req, httplib::Response& res, Endpoint endpoint) {
+  const auto received = std::chrono::steady_clock::now();
+  const std::string name = endpoint == Endpoint::chat ? "/v1/chat/completions" : "/v1/completions";
+  std::shared_ptr<Job> job;
+  try {
+    job = std::make_shared<Job>(parse_request(endpoint, req.body, tokenizer, model), received);
+    scheduler.submit(job);
+  } catch (const ApiError& e) {
+    error(res, e, name);
+    return;
+  } catch (const Error& e) {  // a tokenizer or template failure on this input
+    error(res, ApiError(400, e.what()), name);
+    return;
+  }
+  const std::string id = (endpoint == Endpoint::chat ? "chatcmpl-" : "cmpl-") + std::to_string(next_id++);
+  const ParsedRequest& request = job->request();
+  metrics.request(name, 200);
+  const auto releaser = [job](bool success) {
+    if (!success) job->cancel();
+  };
+  if (request.stream) {
+    res.set_header("Cache-Control", "no-cache");
+    res.set_chunked_content_provider(
+        "text/event-stream",
+        [this, job, id, endpoint](size_t, httplib::DataSink& sink) {
+          const ParsedRequest& r = job->request();
+          std::vector<size_t> sent_text, sent_logprobs;
+          std::vector<bool> finished;
+          uint64_t seen = 0;
+          const auto write = [&](const std::string& data) {
+            if (!sink.write(data.data(), data.size())) {
+              job->cancel();  // the client went away
+              return false;
+            }
+            return true;
+          };
+          while (true) {
+            seen = job->wait(seen, std::chrono::milliseconds(200));
+            const Job::Snapshot s = job->snapshot();
+            if (!s.error.empty()) {
+              write(event(ApiError(500, s.error, "", "server_error").body()));
+              write("data: [DONE]\n\n");
+              sink.done();
+              return true;
+            }
+            sent_text.resize(s.choices.size(), 0), sent_logprobs.resize(s.choices.size(), 0);
+            finished.resize(s.choices.size(), false);
+            for (size_t i = 0; i < s.choices.size(); ++i) {
+              const Job::Choice& c = s.choices[i];
+              const bool first = sent_text[i] == 0 && sent_logprobs[i] == 0;
+              if (c.text.size() > sent_text[i]) {
+                std::vector<TokenLogprob> lps(c.logprobs.begin() + static_cast<std::ptrdiff_t>(sent_logprobs[i]), c.logprobs.end());
+                if (!write(event(stream_chunk(id, model, endpoint, static_cast<int64_t>(i), c.text.substr(sent_text[i]), "",
+                                              first, r.logprobs >= 0 ? &lps : nullptr, tokenizer)))) {
+                  return false;
+                }
+                sent_text[i] = c.text.size(), sent_logprobs[i] = c.logprobs.size();
+              }
+              if (c.done && !finished[i]) {
+                finished[i] = true;
+                if (!write(event(stream_chunk(id, model, endpoint, static_cast<int64_t>(i), "", c.finish_reason,
+                                              first && sent_text[i] == 0, nullptr, tokenizer)))) {
+                  return false;
+                }
+              }
+            }
+            if (s.done) {
+              if (r.include_usage) {
+                int64_t generated = 0;
+                for (const Job::Choice& c : s.choices) generated += static_cast<int64_t>(c.tokens.size());
+                if (!write(event(usage_chunk(id, model, endpoint, s.prompt_tokens, generated)))) return false;
+              }
+              if (!write("data: [DONE]\n\n")) return false;
+              sink.done();
+              return true;
+            }
+          }
+        },
+        releaser);
+    return;
+  }
+  res.set_chunked_content_provider(
+      "application/json",
+      [this, job, id, endpoint](size_t, httplib::DataSink& sink) {
+        uint64_t seen = 0;
+        while (true) {
+          const uint64_t now = job->wait(seen, std::chrono::milliseconds(200));
+          const Job::Snapshot s = job->snapshot();
+          if (s.done) {
+            std::string body;
+            if (!s.error.empty()) {
+              body = ApiError(500, s.error, "", "server_error").body().dump();
+            } else {
+              std::vector<ChoiceOutput> choices;
+              int64_t generated = 0;
+              for (const Job::Choice& c : s.choices) {
+                choices.push_back({c.text, c.finish_reason, c.logprobs});
+                generated += static_cast<int64_t>(c.tokens.size());
+              }
+              body = completion_response(id, model, endpoint, choices, s.prompt_tokens, generated,
+                                         job->request().logprobs >= 0, tokenizer)
+                         .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+            }
+            if (!sink.write(body.data(), body.size())) {
+              job->cancel();
+              return false;
+            }
+            sink.done();
+            return true;
+          }
+          if (now == seen && !sink.write(" ", 1)) {  // 200 ms without news: is the client still there?
+            job->cancel();
+            return false;
+          }
+          seen = now;
+        }
+      },
+      releaser);
+}
+
+void HttpServer::Impl::install() {
+  server.set_payload_max_length(options.max_body_bytes);
+  server.set_keep_alive_max_count(1000);
+  server.set_read_timeout(std::chrono::seconds(30));
+  server.set_write_timeout(std::chrono::seconds(30));
+  const size_t threads = options.threads > 0 ? static_cast<size_t>(options.threads) : 64;
+  server.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
+  server.Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) { generate(req, res, Endpoint::completions); });
+  server.Post("/v1/chat/completions", [this](const httplib::Request& req, httplib::Response& res) { generate(req, res, Endpoint::chat); });
+  server.Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
+    res.set_content(models_response(model).dump(), "application/json");
+    metrics.request("/v1/models", 200);
+  });
+  server.Get("/health", [this](const httplib::Request&, httplib::Response& res) {
+    const bool draining = scheduler.draining();
+    res.status = draining ? 503 : 200;
+    res.set_content(nlohmann::json{{"status", draining ? "draining" : "ok"}}.dump(), "application/json");
+  });
+  server.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
+    res.set_content(metrics.render(scheduler.gauges()), "text/plain; version=0.0.4");
+  });
+  server.set_error_handler([](const httplib::Request& req, httplib::Response& res) {
+    if (!res.body.empty()) return;
+    const std::string message = res.status == 404 ? str_cat("no route ", req.method, " ", req.path)
+                                : res.status == 413 ? std::string("the request body is too large")
+                                                    : str_cat("HTTP status ", res.status);
+    res.set_content(ApiError(res.status, message).body().dump(), "application/json");
+  });
+  server.set_exception_handler([](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
+    std::string message = "internal error";
+    try {
+      std::rethrow_exception(ep);
+    } catch (const std::exception& e) {
+      message = e.what();
+    } catch (...) {
+    }
+    res.status = 500;
+    res.set_content(ApiError(500, message).body().dump(), "application/json");
+  });
+}
+
+HttpServer::HttpServer(Scheduler& scheduler, const ModelInfo& model, const Tokenizer& tokenizer, Metrics& metrics,
+                       HttpOptions options)
+    : impl_(std::make_unique<Impl>(scheduler, model, tokenizer, metrics, std::move(options))) {
+  impl_->install();
+}
+
+HttpServer::~HttpServer() = default;
+
+int HttpServer::bind() {
+  const HttpOptions& o = impl_->options;
+  if (o.port == 0) {
+    const int port = impl_->server.bind_to_any_port(o.host);
+    LOOM_CHECK(port > 0, "loom serve: cannot listen on ", o.host, " (any port)");
+    return port;
+  }
+  LOOM_CHECK(impl_->server.bind_to_port(o.host, o.port), "loom serve: cannot listen on ", o.host, ":", o.port,
+             " (in use, or not an address of this machine)");
+  return o.port;
+}
+
+void HttpServer::serve() { impl_->server.listen_after_bind(); }
+
+void HttpServer::stop() { impl_->server.stop(); }
+
+}  // namespace loom::serve
