@@ -1,6 +1,6 @@
 // loom serve: an OpenAI-compatible HTTP server (src/loom/serve/) on the generation engine.
-#include <pthread.h>
 #include <signal.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cstdio>
@@ -19,6 +19,8 @@
 namespace loom::cli {
 
 namespace {
+int signal_pipe[2] = {-1, -1};  // written by the SIGTERM / SIGINT handler, read by serve_main
+
 const char* kHelp =
     "usage: loom serve --checkpoint PATH [--host 127.0.0.1] [--port 8080] [--kv FORMAT] [--max-batch N]\n"
     "                  [--max-queue N] [--kv-blocks N] [--kv-block N] [--no-prefix-cache]\n"
@@ -35,6 +37,20 @@ const char* kHelp =
 }  // namespace
 
 int serve_main(int argc, char** argv) {
+  ::signal(SIGPIPE, SIG_IGN);  // a client that went away is a failed write, not a signal
+  // SIGTERM / SIGINT: the handler writes the signal's number into a pipe that the main thread
+  // reads (a handler may run on any thread, OpenBLAS' and OpenMP's included, and may only make
+  // async-signal-safe calls). The pipe's write end is the one piece of process-wide state here.
+  LOOM_CHECK(::pipe(signal_pipe) == 0, "loom serve: cannot create the signal pipe");
+  struct sigaction action = {};
+  action.sa_handler = [](int signo) {
+    const unsigned char byte = static_cast<unsigned char>(signo);
+    [[maybe_unused]] const ssize_t n = ::write(signal_pipe[1], &byte, 1);
+  };
+  sigemptyset(&action.sa_mask);
+  action.sa_flags = SA_RESTART;
+  ::sigaction(SIGTERM, &action, nullptr);
+  ::sigaction(SIGINT, &action, nullptr);
   const Args args(argc, argv, "serve", kHelp,
                   {{"checkpoint", "PATH", "a step folder, a run folder, a checkpoints folder or a Hugging Face folder (required)"},
                    {"adapter", "DIR", "a PEFT LoRA adapter folder applied to the weights"},
@@ -99,13 +115,6 @@ int serve_main(int argc, char** argv) {
   }
   GenerationEngine engine(model, ec);
 
-  // SIGTERM / SIGINT are taken by this thread with sigwait: blocked before any other thread starts.
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGTERM);
-  sigaddset(&signals, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
-  ::signal(SIGPIPE, SIG_IGN);  // a client that went away is a failed write, not a signal
 
   serve::Metrics metrics;
   serve::Scheduler scheduler(engine, *tokenizer, info, metrics, sc);
@@ -126,15 +135,19 @@ int serve_main(int argc, char** argv) {
   std::printf("listening on http://%s:%d\n", ho.host.c_str(), port);
   std::fflush(stdout);
 
-  int signal_number = 0;
-  sigwait(&signals, &signal_number);
+  const auto next_signal = [] {
+    unsigned char byte = 0;
+    while (::read(signal_pipe[0], &byte, 1) != 1) {
+    }
+    return static_cast<int>(byte);
+  };
+  const int signal_number = next_signal();
   std::printf("loom serve: %s: draining (no new requests; %g s for the running ones)\n",
               signal_number == SIGTERM ? "SIGTERM" : "SIGINT", drain_timeout);
   std::fflush(stdout);
   // A second signal while draining exits at once.
-  std::thread second([signals]() mutable {
-    int again = 0;
-    sigwait(&signals, &again);
+  std::thread second([next_signal] {
+    next_signal();
     std::fprintf(stderr, "loom serve: second signal: exiting now\n");
     std::_Exit(1);
   });

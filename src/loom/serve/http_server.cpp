@@ -21,7 +21,7 @@ struct HttpServer::Impl {
   void error(httplib::Response& res, const ApiError& e, const std::string& endpoint) {
     res.status = e.status();
     if (e.status() == 429) res.set_header("Retry-After", "1");
-    res.set_content(e.body().dump(), "application/json");
+    res.set_content(e.text(), "application/json");
     metrics.request(endpoint, e.status());
   }
 
@@ -129,7 +129,7 @@ void HttpServer::Impl::generate(const httplib::Request& req, httplib::Response& 
           if (s.done) {
             std::string body;
             if (!s.error.empty()) {
-              body = ApiError(500, s.error, "", "server_error").body().dump();
+              body = ApiError(500, s.error, "", "server_error").text();
             } else {
               std::vector<ChoiceOutput> choices;
               int64_t generated = 0;
@@ -184,7 +184,7 @@ void HttpServer::Impl::install() {
     const std::string message = res.status == 404 ? str_cat("no route ", req.method, " ", req.path)
                                 : res.status == 413 ? std::string("the request body is too large")
                                                     : str_cat("HTTP status ", res.status);
-    res.set_content(ApiError(res.status, message).body().dump(), "application/json");
+    res.set_content(ApiError(res.status, message).text(), "application/json");
   });
   server.set_exception_handler([](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
     std::string message = "internal error";
@@ -195,7 +195,7 @@ void HttpServer::Impl::install() {
     } catch (...) {
     }
     res.status = 500;
-    res.set_content(ApiError(500, message).body().dump(), "application/json");
+    res.set_content(ApiError(500, message).text(), "application/json");
   });
 }
 

@@ -25,6 +25,8 @@ json ApiError::body() const {
                      {"code", nullptr}}}};
 }
 
+std::string ApiError::text() const { return body().dump(-1, ' ', false, json::error_handler_t::replace); }
+
 namespace {
 
 [[noreturn]] void bad(const std::string& param, const std::string& message) { throw ApiError(400, message, param); }

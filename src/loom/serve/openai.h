@@ -41,6 +41,8 @@ class ApiError : public std::runtime_error {
   const std::string& type() const { return type_; }
   // {"error": {"message", "type", "param", "code"}}
   nlohmann::json body() const;
+  // body() as text; bytes of the message that are not UTF-8 (echoed input) become U+FFFD.
+  std::string text() const;
 
  private:
   static std::string default_type(int status);
