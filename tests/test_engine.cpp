@@ -406,7 +406,9 @@ TEST(EngineTest, SlidingWindowForgettingKeepsTheTokensAndShrinksThePeak) {
 // and feeds only the rest, and gets the tokens it gets without the cache. Hits count whole
 // blocks; under memory pressure idle cached blocks are evicted, least recently used first.
 TEST(EngineTest, PrefixCacheSharesBlocksAndKeepsTheTokens) {
-  ModelConfig config = model_preset("llama-tiny");
+  for (const char* preset : {"llama-tiny", "mla-tiny"}) {
+  SCOPED_TRACE(preset);
+  ModelConfig config = model_preset(preset);
   config.max_seq_len = 32;
   auto backend = make_cpu_backend();
   Transformer model(*backend, config);
@@ -467,6 +469,7 @@ TEST(EngineTest, PrefixCacheSharesBlocksAndKeepsTheTokens) {
   EXPECT_EQ(tight.run().front().tokens, alone(model, c, true));
   EXPECT_EQ(tight.prefix_cache()->stats().evicted_blocks, 2);
   EXPECT_EQ(tight.prefix_cache()->entries(), 2 + 5);  // b's first two, c's five
+  }
 }
 
 // Cancelling: an active request finishes "cancelled" and frees its row for the waiting one at

@@ -36,19 +36,41 @@ KvCacheConfig engine_cache_config(const ModelConfig& model, const EngineConfig& 
   return c;
 }
 
-// The step's rows as the model's DecodeCache: row r is sequence seqs[r] of the KV cache.
+// The step's rows as the model's DecodeCache: row r is sequence seqs[r] of the KV cache. A
+// sequence normally has one row, its next position. A prompt's rest after a prefix-cache hit is
+// a chunk of consecutive rows of one sequence (chunk[r] = 0, 1, ... of chunk_len[r] rows): each
+// attends to the sequence's cached positions and the chunk's rows up to itself, computed here on
+// the prefix read once per layer; commit() then stores the chunk's rows in the cache in order.
 class GenerationEngine::Rows : public DecodeCache {
  public:
   Rows(KvCache& cache, const ModelConfig& model) : cache_(cache), model_(model) {}
-  std::vector<int64_t> seqs;
+  std::vector<int64_t> seqs, chunk, chunk_len;  // [row]
+
+  void clear() {
+    seqs.clear(), chunk.clear(), chunk_len.clear();
+    chunks_.clear();
+  }
+  void add(int64_t seq, int64_t index = 0, int64_t length = 1) {
+    seqs.push_back(seq), chunk.push_back(index), chunk_len.push_back(length);
+  }
 
   void attend(int64_t layer, int64_t row, const float* q, const float* k, const float* v, float* out) override {
     const int64_t seq = seqs[static_cast<size_t>(row)];
+    if (chunk_len[static_cast<size_t>(row)] > 1) {
+      const int64_t count = append(layer, row, k, v);
+      const Chunk& c = chunks_.at(seq);
+      attend_rows(q, c.k[static_cast<size_t>(layer)].data(), c.v[static_cast<size_t>(layer)].data(), count, out);
+      return;
+    }
     cache_.write(seq, layer, k, v);
     cache_.attend(seq, layer, q, out, model_.n_head, model_.n_kv_head, model_.head_dim(), model_.attn_window);
   }
   const float* latent(int64_t layer, int64_t row, const float* latent, int64_t* count) override {
     const int64_t seq = seqs[static_cast<size_t>(row)];
+    if (chunk_len[static_cast<size_t>(row)] > 1) {
+      *count = append(layer, row, latent, nullptr);
+      return chunks_.at(seq).k[static_cast<size_t>(layer)].data();
+    }
     cache_.write(seq, layer, latent, nullptr);
     *count = cache_.length(seq) + 1;  // with the row just written
     buffer_.resize(static_cast<size_t>(*count * cache_.config().k_width));
@@ -56,10 +78,82 @@ class GenerationEngine::Rows : public DecodeCache {
     return buffer_.data();
   }
 
+  // Stores every chunk's rows (all layers) as its sequence's next positions.
+  void commit() {
+    const KvCacheConfig& c = cache_.config();
+    for (auto& [seq, chunk_rows] : chunks_) {
+      for (int64_t j = 0; j < chunk_rows.rows; ++j) {
+        for (int64_t l = 0; l < c.n_layer; ++l) {
+          const auto at = static_cast<size_t>(chunk_rows.prefix + j);
+          cache_.write(seq, l, chunk_rows.k[static_cast<size_t>(l)].data() + at * static_cast<size_t>(c.k_width),
+                       c.v_width > 0 ? chunk_rows.v[static_cast<size_t>(l)].data() + at * static_cast<size_t>(c.v_width) : nullptr);
+        }
+        cache_.advance(seq);
+      }
+    }
+    chunks_.clear();
+  }
+
  private:
+  struct Chunk {
+    int64_t prefix = 0, rows = 0;
+    std::vector<std::vector<float>> k, v;  // [layer] (prefix + rows so far, width)
+  };
+
+  // Row `row` of a chunk: the sequence's cached rows of `layer` on its first row, then this
+  // row's; returns the rows now visible.
+  int64_t append(int64_t layer, int64_t row, const float* k, const float* v) {
+    const int64_t seq = seqs[static_cast<size_t>(row)];
+    const KvCacheConfig& c = cache_.config();
+    Chunk& ch = chunks_[seq];
+    if (ch.k.empty()) {
+      ch.prefix = cache_.length(seq);
+      ch.k.resize(static_cast<size_t>(c.n_layer)), ch.v.resize(static_cast<size_t>(c.n_layer));
+    }
+    std::vector<float>& ks = ch.k[static_cast<size_t>(layer)];
+    std::vector<float>& vs = ch.v[static_cast<size_t>(layer)];
+    if (chunk[static_cast<size_t>(row)] == 0) {
+      ks.resize(static_cast<size_t>(ch.prefix * c.k_width)), vs.resize(static_cast<size_t>(ch.prefix * c.v_width));
+      if (ch.prefix > 0) cache_.read(seq, layer, 0, ch.prefix, ks.data(), c.v_width > 0 ? vs.data() : nullptr);
+    }
+    ks.insert(ks.end(), k, k + c.k_width);
+    if (c.v_width > 0) vs.insert(vs.end(), v, v + c.v_width);
+    ch.rows = std::max(ch.rows, chunk[static_cast<size_t>(row)] + 1);
+    return ch.prefix + chunk[static_cast<size_t>(row)] + 1;
+  }
+
+  // KvCache::attend's formula over `count` rows: per query head h (kv head h / (H / H_kv)),
+  // softmax(q_h . k_t / sqrt(head_dim)) over the visible rows, then the weighted sum of v_t.
+  void attend_rows(const float* q, const float* k, const float* v, int64_t count, float* out) {
+    const int64_t H = model_.n_head, G = model_.n_kv_head, hd = model_.head_dim(), width = G * hd;
+    const int64_t first = model_.attn_window > 0 ? std::max<int64_t>(0, count - model_.attn_window) : 0;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+    scores_.resize(static_cast<size_t>(count));
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t g = h / (H / G);
+      const float* qh = q + h * hd;
+      float max = -INFINITY;
+      for (int64_t t = first; t < count; ++t) {
+        float dot = 0;
+        for (int64_t i = 0; i < hd; ++i) dot += qh[i] * k[t * width + g * hd + i];
+        scores_[static_cast<size_t>(t)] = dot * scale;
+        max = std::max(max, scores_[static_cast<size_t>(t)]);
+      }
+      float sum = 0;
+      for (int64_t t = first; t < count; ++t) sum += scores_[static_cast<size_t>(t)] = std::exp(scores_[static_cast<size_t>(t)] - max);
+      float* oh = out + h * hd;
+      std::fill(oh, oh + hd, 0.0f);
+      for (int64_t t = first; t < count; ++t) {
+        const float p = scores_[static_cast<size_t>(t)] / sum;
+        for (int64_t i = 0; i < hd; ++i) oh[i] += p * v[t * width + g * hd + i];
+      }
+    }
+  }
+
   KvCache& cache_;
   const ModelConfig& model_;
-  std::vector<float> buffer_;
+  std::vector<float> buffer_, scores_;
+  std::map<int64_t, Chunk> chunks_;  // [sequence] this step's chunk
 };
 
 struct GenerationEngine::Active {
@@ -371,43 +465,69 @@ bool GenerationEngine::step() {
     stats_.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     return more;
   }
-  const int64_t n = static_cast<int64_t>(active_.size()), vocab = model_.config().vocab_size;
+  const int64_t vocab = model_.config().vocab_size;
   std::vector<int32_t> tokens;
   std::vector<int64_t> positions;
-  rows_->seqs.clear();
+  std::vector<int64_t> last_row;  // [active] its row whose logits it samples from
+  rows_->clear();
   for (const auto& a : active_) {
     const int64_t prompt = static_cast<int64_t>(a->request.prompt.size());
-    tokens.push_back(a->fed < prompt ? a->request.prompt[static_cast<size_t>(a->fed)] : a->result.tokens.back());
-    positions.push_back(a->fed);
-    rows_->seqs.push_back(a->seq);
+    if (a->feeds_prompt && a->fed < prompt) {  // a prefix-cache hit's rest of the prompt: one chunk
+      const int64_t m = std::min(prompt - a->fed, kMaxChunk);
+      for (int64_t j = 0; j < m; ++j) {
+        tokens.push_back(a->request.prompt[static_cast<size_t>(a->fed + j)]);
+        positions.push_back(a->fed + j);
+        rows_->add(a->seq, j, m);
+      }
+    } else {
+      tokens.push_back(a->fed < prompt ? a->request.prompt[static_cast<size_t>(a->fed)] : a->result.tokens.back());
+      positions.push_back(a->fed);
+      rows_->add(a->seq);
+    }
+    last_row.push_back(static_cast<int64_t>(tokens.size()) - 1);
   }
-  auto store = stores_.find(n);
-  if (store == stores_.end()) store = stores_.emplace(n, model_.allocate_rows(n)).first;
-  model_.forward_rows(store->second, tokens, positions, *rows_);
+  const int64_t n = static_cast<int64_t>(tokens.size());
+  // Stores of up to max_batch rows are kept; a step with a prompt chunk gets one for the step.
+  ActivationStore chunk_store;
+  ActivationStore* store = nullptr;
+  if (n <= config_.max_batch) {
+    auto it = stores_.find(n);
+    if (it == stores_.end()) it = stores_.emplace(n, model_.allocate_rows(n)).first;
+    store = &it->second;
+  } else {
+    chunk_store = model_.allocate_rows(n);
+    store = &chunk_store;
+  }
+  model_.forward_rows(*store, tokens, positions, *rows_);
+  rows_->commit();
   stats_.peak_blocks = std::max(stats_.peak_blocks, cache_->blocks_in_use());
   stats_.peak_bytes_used = std::max(stats_.peak_bytes_used, cache_->bytes_used());
   stats_.utilisation_sum += cache_->utilisation();
   const auto now = std::chrono::steady_clock::now();
   logits_.resize(static_cast<size_t>(n * vocab));  // the rows' logits, read once
-  model_.backend().read(store->second.logits.view(0, {n, vocab}), logits_.data());
+  model_.backend().read(store->logits.view(0, {n, vocab}), logits_.data());
   const float* logits = logits_.data();
-  for (int64_t r = 0; r < n; ++r) {
-    Active& a = *active_[static_cast<size_t>(r)];
-    cache_->advance(a.seq);
-    ++a.fed;
-    // Sliding window W: the next position n = length attends to [n + 1 - W, n] (KvCache::attend's
-    // first = max(0, visible - W), visible = n + 1), so older positions are never read again and
-    // the paged cache returns their blocks (vLLM's sliding-window block release; Mistral 7B's
-    // rolling buffer): a sequence then holds at most ceil((W + B - 1) / B) blocks.
-    if (forgets()) cache_->forget_before(a.seq, cache_->length(a.seq) - model_.config().attn_window + 1);
+  for (size_t i = 0; i < active_.size(); ++i) {
+    Active& a = *active_[i];
+    const int64_t r = last_row[i];
     const int64_t prompt = static_cast<int64_t>(a.request.prompt.size());
-    if (a.fed < prompt) {
-      ++stats_.prompt_tokens;
-      continue;
+    const int64_t fed = rows_->chunk_len[static_cast<size_t>(r)];  // positions this step fed (committed by the chunk)
+    if (fed > 1) {
+      a.fed += fed;
+      stats_.prompt_tokens += fed;
+    } else {
+      cache_->advance(a.seq);
+      ++a.fed;
+      // Sliding window W: the next position n = length attends to [n + 1 - W, n] (KvCache::attend's
+      // first = max(0, visible - W), visible = n + 1), so older positions are never read again and
+      // the paged cache returns their blocks (vLLM's sliding-window block release; Mistral 7B's
+      // rolling buffer): a sequence then holds at most ceil((W + B - 1) / B) blocks.
+      if (forgets()) cache_->forget_before(a.seq, cache_->length(a.seq) - model_.config().attn_window + 1);
+      if (a.fed <= prompt) ++stats_.prompt_tokens;
     }
-    if (a.fed == prompt) {
-      ++stats_.prompt_tokens;
-      if (a.feeds_prompt) prefix_->insert(a.request.prompt, prompt / config_.block_size, a.seq);
+    if (a.fed < prompt) continue;
+    if (a.fed == prompt && a.feeds_prompt) {
+      prefix_->insert(a.request.prompt, prompt / config_.block_size, a.seq);
       a.feeds_prompt = false;
     }
     if (on_logits_) on_logits_(a.id, logits + r * vocab, vocab);
@@ -452,10 +572,10 @@ double teacher_forced_loss(Transformer& model, const std::vector<std::vector<int
     const int64_t n = static_cast<int64_t>(last - first);
     const int64_t T = static_cast<int64_t>(sequences[first].size());
     LOOM_CHECK(T >= 2 && T <= c.max_seq_len, "teacher_forced_loss: sequences of 2 to model.max_seq_len tokens, got ", T);
-    rows.seqs.clear();
+    rows.clear();
     for (size_t s = first; s < last; ++s) {
       LOOM_CHECK(static_cast<int64_t>(sequences[s].size()) == T, "teacher_forced_loss: sequences of equal length");
-      rows.seqs.push_back(cache->add_sequence());
+      rows.add(cache->add_sequence());
     }
     ActivationStore store = model.allocate_rows(n);
     std::vector<float> all(static_cast<size_t>(n * vocab));

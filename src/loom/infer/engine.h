@@ -19,9 +19,10 @@
 //
 // Automatic prefix caching (EngineConfig::prefix_cache, infer/prefix_cache.h): a prompt's full
 // blocks stay cached after its request; a later request (n = 1) whose prompt starts with cached
-// blocks takes them and feeds only the rest of its prompt, one token a step through the rows
-// (at least its last token is always fed, for the first token's logits). Its prompt's full
-// blocks are cached once the prompt is consumed. Cached blocks no request holds are evicted
+// blocks takes them and feeds only the rest of its prompt (at least its last token, for the first
+// token's logits) as a chunk of rows in the next step, beside the other requests' decoding rows:
+// each chunk row attends to the cached positions and the chunk's rows before it (up to
+// kMaxChunk rows a step). Its prompt's full blocks are cached once the prompt is consumed. Cached blocks no request holds are evicted
 // least-recently-used when an admission needs room.
 //
 // Admission reserves the worst case, ceil(min(prompt + max_new, max_seq_len) / block_size)
@@ -125,6 +126,8 @@ struct EngineStats {
 
 class GenerationEngine {
  public:
+  static constexpr int64_t kMaxChunk = 256;  // prompt rows of one request in one step (prefix-cache hits)
+
   GenerationEngine(Transformer& model, EngineConfig config);
   ~GenerationEngine();
 

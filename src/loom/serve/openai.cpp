@@ -193,6 +193,7 @@ ParsedRequest parse_request(Endpoint endpoint, const std::string& text, const To
     std::erase_if(r.stop, [](const std::string& x) { return x.empty(); });
   }
   r.stream = boolean(body, "stream", false);
+  r.ignore_eos = boolean(body, "ignore_eos", false);
   if (const json* o = field(body, "stream_options")) {
     if (!o->is_object()) bad("stream_options", "'stream_options' must be an object");
     r.include_usage = boolean(*o, "include_usage", false);

@@ -8,7 +8,8 @@
 //   both:        model, max_tokens (chat also max_completion_tokens), temperature [0, 2], top_p
 //                (0, 1], top_k (>= 0, 0 = off; an extension vLLM and llama.cpp accept), seed, n
 //                [1, max n], stop (a string or up to 4 strings), presence_penalty and
-//                frequency_penalty [-2, 2], stream, stream_options.include_usage
+//                frequency_penalty [-2, 2], stream, stream_options.include_usage, ignore_eos (vLLM's
+//                extension: generate max_tokens whatever the model draws; benchmarks use it)
 //   completions: prompt (a string, an array of strings, or an array of token ids), logprobs
 //                (0..5: the top alternatives per token), echo (false only)
 //   chat:        messages [{role, content}] (content a string or text parts), logprobs (bool),
@@ -72,6 +73,7 @@ struct ParsedRequest {
   int64_t n = 1;
   std::vector<std::string> stop;
   bool stream = false, include_usage = false;
+  bool ignore_eos = false;         // no stop tokens (vLLM's extension)
   int64_t logprobs = -1;           // -1: none; else the number of top alternatives per token
 };
 

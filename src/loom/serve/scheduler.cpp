@@ -34,7 +34,7 @@ std::vector<GenerationRequest> engine_requests(const ParsedRequest& p, const Mod
     r.prompt = prompt;
     r.sampling = p.sampling;
     r.max_new_tokens = p.max_tokens;
-    r.stop_tokens = model.stop_tokens;
+    if (!p.ignore_eos) r.stop_tokens = model.stop_tokens;
     r.n = p.n;
     out.push_back(std::move(r));
   }
@@ -174,7 +174,7 @@ void Scheduler::on_token(int64_t id, int32_t token) {
   else metrics_.inter_token_latency(std::chrono::duration<double>(now - c.last_token).count());
   c.last_token = now;
   c.tokens.push_back(token);
-  const bool stop_token = std::find(model_.stop_tokens.begin(), model_.stop_tokens.end(), token) != model_.stop_tokens.end();
+  const bool stop_token = is_stop(job, token);
   if (const auto p = pending_logprob_.find(id); p != pending_logprob_.end()) {
     if (!stop_token) {
       p->second.token = token;
@@ -188,11 +188,14 @@ void Scheduler::on_token(int64_t id, int32_t token) {
   job.changed_.notify_all();
 }
 
+bool Scheduler::is_stop(const Job& job, int32_t token) const {
+  return !job.request_.ignore_eos &&
+         std::find(model_.stop_tokens.begin(), model_.stop_tokens.end(), token) != model_.stop_tokens.end();
+}
+
 void Scheduler::publish(Job& job, Job::Choice& c, bool final) {
   std::vector<int32_t> shown = c.tokens;
-  if (!shown.empty() && std::find(model_.stop_tokens.begin(), model_.stop_tokens.end(), shown.back()) != model_.stop_tokens.end()) {
-    shown.pop_back();
-  }
+  if (!shown.empty() && is_stop(job, shown.back())) shown.pop_back();
   std::string full = tokenizer_.decode(shown);
   size_t cut = std::string::npos, hold = 0;
   for (const std::string& s : job.request_.stop) {

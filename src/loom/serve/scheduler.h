@@ -106,6 +106,8 @@ class Scheduler {
   void on_finish(int64_t id, GenerationResult&& result);
   // Decodes choice `c`'s tokens and publishes its text (and, when `final`, all of it).
   void publish(Job& job, Job::Choice& c, bool final);
+  // `token` ends the job's choices (an end-of-text token, unless ignore_eos).
+  bool is_stop(const Job& job, int32_t token) const;
   void update_gauges();
 
   GenerationEngine& engine_;
