@@ -214,6 +214,7 @@ def main():
         print(f"{'clients':>7} {'requests':>8} {'failed':>6} {'lost':>4} {'tokens/s':>9} {'req/s':>6} "
               f"{'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8}")
         report["load"] = []
+        server.stream({"prompt": prompts[0], "max_tokens": 8})  # warm-up: threads and buffers start once
         for clients in [int(x) for x in args.levels.split(",")]:
             level = load_level(server, clients, max(16, 2 * clients), prompts, args.new)
             report["load"].append(level)

@@ -1,4 +1,5 @@
 // loom serve: an OpenAI-compatible HTTP server (src/loom/serve/) on the generation engine.
+#include <malloc.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -38,6 +39,11 @@ const char* kHelp =
 
 int serve_main(int argc, char** argv) {
   ::signal(SIGPIPE, SIG_IGN);  // a client that went away is a failed write, not a signal
+  // Each prefill allocates its prompt's activation store, of a size that varies by request. glibc
+  // raises its mmap threshold to the largest block freed, so those stores soon come from the
+  // heap, whose fragmentation grew the RSS by ~1 KB a request in a soak (bench/serve_bench.py);
+  // a fixed threshold keeps blocks of 128 KiB and more in mmap, returned whole when freed (flat).
+  ::mallopt(M_MMAP_THRESHOLD, 128 * 1024);
   // SIGTERM / SIGINT: the handler writes the signal's number into a pipe that the main thread
   // reads (a handler may run on any thread, OpenBLAS' and OpenMP's included, and may only make
   // async-signal-safe calls). The pipe's write end is the one piece of process-wide state here.

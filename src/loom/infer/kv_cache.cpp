@@ -9,6 +9,7 @@
 #include "loom/infer/kv_cache.h"
 
 #include <algorithm>
+#include <map>
 #include <cmath>
 #include <cstring>
 #include <utility>
@@ -130,8 +131,9 @@ class TiledKvCache : public KvCache {
       adopt(s, blocks);
       s.length = static_cast<int64_t>(blocks.size()) * config_.block_size;
     }
-    sequences_.push_back(std::move(s));
-    return static_cast<int64_t>(sequences_.size()) - 1;
+    const int64_t id = next_id_++;
+    sequences_.emplace(id, std::move(s));
+    return id;
   }
 
   int64_t fork(int64_t seq) override {
@@ -147,17 +149,15 @@ class TiledKvCache : public KvCache {
     child.window = allocate_window();
     if (child.window) std::memcpy(child.window->data, parent.window->data, child.window->bytes);
     on_fork(parent, child);
-    sequences_.push_back(std::move(child));
-    return static_cast<int64_t>(sequences_.size()) - 1;
+    const int64_t id = next_id_++;
+    sequences_.emplace(id, std::move(child));
+    return id;
   }
 
   void release(int64_t seq) override {
     Sequence& s = live(seq);
     on_release(s);
-    s.window.reset();
-    s.blocks.clear();
-    s.written.clear();
-    s.live = false;
+    sequences_.erase(seq);  // nothing of a released sequence stays (a server releases millions)
   }
 
   int64_t length(int64_t seq) const override { return live(seq).length; }
@@ -296,15 +296,14 @@ class TiledKvCache : public KvCache {
 
   int64_t window_bytes_reserved() const {
     int64_t bytes = 0;
-    for (const Sequence& s : sequences_) bytes += s.window ? static_cast<int64_t>(s.window->bytes) : 0;
+    for (const auto& [id, s] : sequences_) bytes += s.window ? static_cast<int64_t>(s.window->bytes) : 0;
     return bytes;
   }
 
   // Window rows holding positions, over live sequences, in bytes.
   int64_t window_bytes_in_use() const {
     int64_t rows = 0;
-    for (const Sequence& s : sequences_) {
-      if (!s.live) continue;
+    for (const auto& [id, s] : sequences_) {
       for (int64_t l = 0; l < config_.n_layer; ++l) {
         const int64_t n = visible(s, l);
         for (const StreamLayout& st : layouts_.stream) {
@@ -316,11 +315,11 @@ class TiledKvCache : public KvCache {
   }
 
   const Sequence& live(int64_t seq) const {
-    LOOM_CHECK(0 <= seq && seq < static_cast<int64_t>(sequences_.size()), "kv cache: unknown sequence id ", seq,
-               " (", sequences_.size(), " sequences were added)");
-    LOOM_CHECK(sequences_[static_cast<size_t>(seq)].live, "kv cache: sequence ", seq,
-               " was released (expected a live sequence)");
-    return sequences_[static_cast<size_t>(seq)];
+    LOOM_CHECK(0 <= seq && seq < next_id_, "kv cache: unknown sequence id ", seq, " (", next_id_,
+               " sequences were added)");
+    const auto it = sequences_.find(seq);
+    LOOM_CHECK(it != sequences_.end(), "kv cache: sequence ", seq, " was released (expected a live sequence)");
+    return it->second;
   }
   Sequence& live(int64_t seq) { return const_cast<Sequence&>(std::as_const(*this).live(seq)); }
 
@@ -334,7 +333,8 @@ class TiledKvCache : public KvCache {
  protected:
   const KvCacheConfig config_;
   const Layouts layouts_;
-  std::vector<Sequence> sequences_;  // [sequence id]; released ids stay, marked dead
+  std::map<int64_t, Sequence> sequences_;  // the live sequences by id; ids are never reused
+  int64_t next_id_ = 0;
 
  private:
   void check_layer(int64_t layer) const {
@@ -573,8 +573,7 @@ class PagedKvCache final : public TiledKvCache {
   // [block] filled positions: the most any live sequence referring to the block fills.
   std::vector<int64_t> block_fill() const {
     std::vector<int64_t> fill(static_cast<size_t>(config_.num_blocks), 0);
-    for (const Sequence& s : sequences_) {
-      if (!s.live) continue;
+    for (const auto& [id, s] : sequences_) {
       const int64_t n = s.filled();
       for (size_t k = static_cast<size_t>(s.dropped); k < s.blocks.size(); ++k) {
         const int64_t f = std::clamp<int64_t>(n - static_cast<int64_t>(k) * config_.block_size, 0, config_.block_size);
@@ -605,7 +604,7 @@ class ContiguousKvCache final : public TiledKvCache {
   int64_t bytes_reserved() const override { return max_sequences_ * region_bytes_ + window_bytes_reserved(); }
   int64_t bytes_used() const override {
     int64_t bytes = window_bytes_in_use();
-    for (const Sequence& s : sequences_) bytes += s.live ? used_bytes_of_positions(s.filled()) : 0;
+    for (const auto& [id, s] : sequences_) bytes += used_bytes_of_positions(s.filled());
     return bytes;
   }
   int64_t block_bytes() const override { return region_bytes_; }
@@ -614,13 +613,13 @@ class ContiguousKvCache final : public TiledKvCache {
   int64_t free_blocks() const override { return static_cast<int64_t>(free_.size()); }
   int64_t positions_in_use() const override {
     int64_t positions = 0;
-    for (const Sequence& s : sequences_) positions += s.live ? s.filled() : 0;
+    for (const auto& [id, s] : sequences_) positions += s.filled();
     return positions;
   }
   double utilisation() const override {
     if (blocks_in_use() == 0) return 0.0;
     int64_t bytes = 0;
-    for (const Sequence& s : sequences_) bytes += s.live ? used_bytes_of_positions(s.filled()) : 0;
+    for (const auto& [id, s] : sequences_) bytes += used_bytes_of_positions(s.filled());
     return static_cast<double>(bytes) / static_cast<double>(blocks_in_use() * region_bytes_);
   }
   int64_t sequence_blocks(int64_t seq) const override { return live(seq).region >= 0 ? 1 : 0; }
