@@ -123,8 +123,9 @@ void HttpServer::Impl::generate(const httplib::Request& req, httplib::Response& 
       "application/json",
       [this, job, id, endpoint](size_t, httplib::DataSink& sink) {
         uint64_t seen = 0;
+        auto last_write = std::chrono::steady_clock::now();
         while (true) {
-          const uint64_t now = job->wait(seen, std::chrono::milliseconds(200));
+          seen = job->wait(seen, std::chrono::milliseconds(200));
           const Job::Snapshot s = job->snapshot();
           if (s.done) {
             std::string body;
@@ -148,11 +149,14 @@ void HttpServer::Impl::generate(const httplib::Request& req, httplib::Response& 
             sink.done();
             return true;
           }
-          if (now == seen && !sink.write(" ", 1)) {  // 200 ms without news: is the client still there?
-            job->cancel();
-            return false;
+          // Every 200 ms: is the client still there? (JSON allows leading whitespace.)
+          if (std::chrono::steady_clock::now() - last_write >= std::chrono::milliseconds(200)) {
+            if (!sink.write(" ", 1)) {
+              job->cancel();
+              return false;
+            }
+            last_write = std::chrono::steady_clock::now();
           }
-          seen = now;
         }
       },
       releaser);
