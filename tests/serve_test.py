@@ -44,6 +44,14 @@ def run(*args: str) -> subprocess.CompletedProcess:
     return p
 
 
+def train_model(tmp: str, steps: int) -> str:
+    """MODEL trained `steps` steps on TEXT (byte tokenizer) under tmp; returns its run folder."""
+    data = os.path.join(tmp, "data")
+    run("prepare", "--input", TEXT, "--tokenizer", "byte", "--out", data, "--val-fraction", "0.05")
+    run("train", "--set", f"{MODEL},train.steps={steps},data.dir={data},data.tokenizer=byte,run.dir={tmp}/runs,run.name=m")
+    return os.path.join(tmp, "runs", "m")
+
+
 class Server:
     """`loom serve --port 0 ...` in the background; its port read from the line it prints."""
 
@@ -116,11 +124,7 @@ class Serve(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.tmp = tempfile.mkdtemp(prefix="loom_serve_")
-        data = os.path.join(cls.tmp, "data")
-        run("prepare", "--input", TEXT, "--tokenizer", "byte", "--out", data, "--val-fraction", "0.05")
-        run("train", "--set", f"{MODEL},train.steps=60,data.dir={data},data.tokenizer=byte,run.dir={cls.tmp}/runs,"
-            "run.name=m")
-        cls.ckpt = os.path.join(cls.tmp, "runs", "m")
+        cls.ckpt = train_model(cls.tmp, 60)
         cls.server = Server(cls.ckpt, "--max-batch", "8", "--max-queue", "64", "--chat-template", CHATML)
         # loom generate's greedy texts of PROMPTS (no prefix cache, one engine): the reference.
         prompts = os.path.join(cls.tmp, "prompts.txt")
@@ -331,10 +335,7 @@ class Limits(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.tmp = tempfile.mkdtemp(prefix="loom_serve_limits_")
-        data = os.path.join(cls.tmp, "data")
-        run("prepare", "--input", TEXT, "--tokenizer", "byte", "--out", data, "--val-fraction", "0.05")
-        run("train", "--set", f"{MODEL},train.steps=2,data.dir={data},data.tokenizer=byte,run.dir={cls.tmp}/runs,run.name=m")
-        cls.ckpt = os.path.join(cls.tmp, "runs", "m")
+        cls.ckpt = train_model(cls.tmp, 2)
 
     @classmethod
     def tearDownClass(cls):

@@ -366,6 +366,13 @@ void prepare_dataset(const std::vector<std::string>& documents, const Tokenizer&
 
 std::string printable_utf8(const std::string& bytes) { return valid_utf8(bytes); }
 
+std::unique_ptr<Tokenizer> model_tokenizer(const LoomConfig& config) {
+  auto tokenizer = load_tokenizer(config.data.tokenizer);
+  LOOM_CHECK(tokenizer->vocab_size() == config.model.vocab_size, "tokenizer ", tokenizer->name(), " has ",
+             tokenizer->vocab_size(), " tokens but the model ", config.model.vocab_size);
+  return tokenizer;
+}
+
 bool stdout_is_terminal() { return ::isatty(STDOUT_FILENO) == 1; }
 
 std::string format_duration(double seconds) {

@@ -82,6 +82,8 @@ struct ModelSource {
 };
 // `adapter`, when given, is a PEFT LoRA folder (checkpoint/peft.h) applied to the weights.
 ModelSource model_source(const std::string& path, const std::string& adapter = "");
+// The run's tokenizer (data.tokenizer), checked against the model's vocabulary (model.vocab_size).
+std::unique_ptr<Tokenizer> model_tokenizer(const LoomConfig& config);
 // Fills `params` (the model's flat host f32 buffer, source.config.model's layout) from the source.
 void load_weights(const ModelSource& source, const Tensor& params);
 // A Hugging Face folder as it is, or a Loom run / checkpoints / step folder -> its newest valid step.

@@ -66,9 +66,7 @@ int eval_text_main(const Args& args, const ModelSource& source, Transformer& mod
   LOOM_CHECK(in, path, ": cannot open the text file");
   std::stringstream text;
   text << in.rdbuf();
-  const auto tokenizer = load_tokenizer(config.data.tokenizer);
-  LOOM_CHECK(tokenizer->vocab_size() == config.model.vocab_size, "tokenizer ", tokenizer->name(), " has ",
-             tokenizer->vocab_size(), " tokens but the model ", config.model.vocab_size);
+  const auto tokenizer = model_tokenizer(config);
   const int64_t T = args.get_int("seq-len", std::min(config.train.seq_len, config.model.max_seq_len));
   LOOM_CHECK(T >= 2 && T - 1 <= config.model.max_seq_len, "--seq-len must be in [2, model.max_seq_len + 1 = ",
              config.model.max_seq_len + 1, "], got ", T);

@@ -77,9 +77,7 @@ int generate_main(int argc, char** argv) {
   sampling.top_p = static_cast<float>(args.get_double("top-p", sampling.top_p));
   sampling.seed = static_cast<uint64_t>(args.get_int("seed", static_cast<int64_t>(sampling.seed)));
 
-  const auto tokenizer = load_tokenizer(config.data.tokenizer);
-  LOOM_CHECK(tokenizer->vocab_size() == config.model.vocab_size, "tokenizer ", tokenizer->name(), " has ",
-             tokenizer->vocab_size(), " tokens but the model ", config.model.vocab_size);
+  const auto tokenizer = model_tokenizer(config);
   auto backend = make_cpu_backend();
   Transformer model(*backend, config.model);
   load_weights(source, model.params());

@@ -14,6 +14,7 @@
 #include "loom/core/error.h"
 #include "loom/core/file_io.h"
 #include "loom/data/chat_template.h"
+#include "loom/data/sft.h"
 #include "loom/infer/engine.h"
 #include "loom/serve/http_server.h"
 
@@ -75,9 +76,7 @@ int serve_main(int argc, char** argv) {
   LOOM_CHECK(args.has("checkpoint"), "loom serve needs --checkpoint PATH");
   const ModelSource source = model_source(args.get("checkpoint"), args.get("adapter", ""));
   const LoomConfig& config = source.config;
-  const auto tokenizer = load_tokenizer(config.data.tokenizer);
-  LOOM_CHECK(tokenizer->vocab_size() == config.model.vocab_size, "tokenizer ", tokenizer->name(), " has ",
-             tokenizer->vocab_size(), " tokens but the model ", config.model.vocab_size);
+  const auto tokenizer = model_tokenizer(config);
 
   serve::ModelInfo info;
   const std::filesystem::path checkpoint = std::filesystem::weakly_canonical(args.get("checkpoint"));
@@ -96,8 +95,7 @@ int serve_main(int argc, char** argv) {
       info.chat_template.clear();  // a tokenizer folder without a template: chat answers 400
     }
   }
-  if (tokenizer->bos_token()) info.chat_options.bos_token = tokenizer->decode(std::vector<int32_t>{*tokenizer->bos_token()});
-  if (tokenizer->eos_token()) info.chat_options.eos_token = tokenizer->decode(std::vector<int32_t>{*tokenizer->eos_token()});
+  info.chat_options = chat_template_options(*tokenizer);
 
   EngineConfig ec;
   ec.max_batch = args.get_int("max-batch", 16);

@@ -24,6 +24,17 @@ const std::string& string_field(const nlohmann::json& j, const char* key, const 
   return j.at(key).get_ref<const std::string&>();
 }
 
+}  // namespace
+
+ChatTemplateOptions chat_template_options(const Tokenizer& tok) {
+  ChatTemplateOptions options;
+  if (tok.bos_token()) options.bos_token = tok.decode(std::vector<int32_t>{*tok.bos_token()});
+  if (tok.eos_token()) options.eos_token = tok.decode(std::vector<int32_t>{*tok.eos_token()});
+  return options;
+}
+
+namespace {
+
 // One conversation: the rendered text cut at each assistant message's span.
 void add_conversation(SftStream& out, const nlohmann::json& line, const Tokenizer& tok, const std::string& tmpl,
                       const std::string& where) {
@@ -35,9 +46,7 @@ void add_conversation(SftStream& out, const nlohmann::json& line, const Tokenize
     const std::string at = str_cat(where, ": messages[", i, "]");
     messages.push_back({string_field(m, "role", at), string_field(m, "content", at)});
   }
-  ChatTemplateOptions options;
-  if (tok.bos_token()) options.bos_token = tok.decode(std::vector<int32_t>{*tok.bos_token()});
-  if (tok.eos_token()) options.eos_token = tok.decode(std::vector<int32_t>{*tok.eos_token()});
+  const ChatTemplateOptions options = chat_template_options(tok);
   const auto render = [&](size_t n, bool generation) {
     ChatTemplateOptions o = options;
     o.add_generation_prompt = generation;

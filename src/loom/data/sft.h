@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "loom/core/enum_names.h"
+#include "loom/data/chat_template.h"
 #include "loom/data/tokenizer.h"
 
 namespace loom {
@@ -34,6 +35,10 @@ struct SftStream {
   std::vector<uint8_t> mask;  // [token]: 1 where predicting this token counts
   int64_t examples = 0, counted = 0;
 };
+
+// The chat template's bos_token and eos_token variables: the text of the tokenizer's BOS and
+// EOS tokens, where its files name them (add_generation_prompt and extra left as they are).
+ChatTemplateOptions chat_template_options(const Tokenizer& tokenizer);
 
 // Reads `path` (chat-jsonl or jsonl) into one token stream with its mask. chat_template: the
 // Jinja source (needed for chat-jsonl).

@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "loom/core/error.h"
+#include "loom/infer/attend_rows.h"
 
 namespace loom {
 
@@ -59,7 +60,7 @@ class GenerationEngine::Rows : public DecodeCache {
     if (chunk_len[static_cast<size_t>(row)] > 1) {
       const int64_t count = append(layer, row, k, v);
       const Chunk& c = chunks_.at(seq);
-      attend_rows(q, c.k[static_cast<size_t>(layer)].data(), c.v[static_cast<size_t>(layer)].data(), count, out);
+      attend_chunk(q, c.k[static_cast<size_t>(layer)].data(), c.v[static_cast<size_t>(layer)].data(), count, out);
       return;
     }
     cache_.write(seq, layer, k, v);
@@ -122,37 +123,21 @@ class GenerationEngine::Rows : public DecodeCache {
     return ch.prefix + chunk[static_cast<size_t>(row)] + 1;
   }
 
-  // KvCache::attend's formula over `count` rows: per query head h (kv head h / (H / H_kv)),
-  // softmax(q_h . k_t / sqrt(head_dim)) over the visible rows, then the weighted sum of v_t.
-  void attend_rows(const float* q, const float* k, const float* v, int64_t count, float* out) {
-    const int64_t H = model_.n_head, G = model_.n_kv_head, hd = model_.head_dim(), width = G * hd;
+  // KvCache::attend's kernel (attend_rows.h) over the gathered rows [first, count).
+  void attend_chunk(const float* q, const float* k, const float* v, int64_t count, float* out) {
+    const int64_t G = model_.n_kv_head, hd = model_.head_dim();
     const int64_t first = model_.attn_window > 0 ? std::max<int64_t>(0, count - model_.attn_window) : 0;
-    const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-    scores_.resize(static_cast<size_t>(count));
-    for (int64_t h = 0; h < H; ++h) {
-      const int64_t g = h / (H / G);
-      const float* qh = q + h * hd;
-      float max = -INFINITY;
-      for (int64_t t = first; t < count; ++t) {
-        float dot = 0;
-        for (int64_t i = 0; i < hd; ++i) dot += qh[i] * k[t * width + g * hd + i];
-        scores_[static_cast<size_t>(t)] = dot * scale;
-        max = std::max(max, scores_[static_cast<size_t>(t)]);
-      }
-      float sum = 0;
-      for (int64_t t = first; t < count; ++t) sum += scores_[static_cast<size_t>(t)] = std::exp(scores_[static_cast<size_t>(t)] - max);
-      float* oh = out + h * hd;
-      std::fill(oh, oh + hd, 0.0f);
-      for (int64_t t = first; t < count; ++t) {
-        const float p = scores_[static_cast<size_t>(t)] / sum;
-        for (int64_t i = 0; i < hd; ++i) oh[i] += p * v[t * width + g * hd + i];
-      }
-    }
+    const auto rows = [&](const float* base) {
+      return [=](auto&& fn) {
+        for (int64_t t = first; t < count; ++t) fn(t, base + t * G * hd);
+      };
+    };
+    attend_rows(q, out, model_.n_head, G, hd, first, count, rows(k), rows(v), scores_, sums_);
   }
 
   KvCache& cache_;
   const ModelConfig& model_;
-  std::vector<float> buffer_, scores_;
+  std::vector<float> buffer_, scores_, sums_;
   std::map<int64_t, Chunk> chunks_;  // [sequence] this step's chunk
 };
 

@@ -17,6 +17,7 @@
 
 #include "loom/core/error.h"
 #include "loom/core/tensor.h"
+#include "loom/infer/attend_rows.h"
 
 namespace loom {
 
@@ -70,18 +71,6 @@ struct Layouts {
     return stream[STREAM_K].window * stream[STREAM_K].width + stream[STREAM_V].window * stream[STREAM_V].width;
   }
 };
-
-// q . k over n floats, eight partial sums (so the loop vectorizes) combined in a fixed order.
-float dot(const float* a, const float* b, int64_t n) {
-  float lane[8] = {};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    for (int j = 0; j < 8; ++j) lane[j] += a[i + j] * b[i + j];
-  }
-  float acc = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
-  for (; i < n; ++i) acc += a[i] * b[i];
-  return acc;
-}
 
 bool float_aligned(const uint8_t* p) { return reinterpret_cast<uintptr_t>(p) % alignof(float) == 0; }
 
@@ -209,41 +198,12 @@ class TiledKvCache : public KvCache {
     LOOM_CHECK(window >= 0, "kv cache: attention window must be >= 0 (0 = all positions), got ", window);
     const int64_t n = visible(s, layer);
     LOOM_CHECK(n > 0, "kv cache: attend on sequence ", seq, " whose layer ", layer, " holds no position");
-    const int64_t first = window > 0 ? std::max<int64_t>(0, n - window) : 0, positions = n - first;
+    const int64_t first = window > 0 ? std::max<int64_t>(0, n - window) : 0;
     check_not_forgotten(s, seq, layer, first);
-    const int64_t group = n_head / n_kv_head;
-    const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
-    if (scores_.size() < static_cast<size_t>(n_head * positions)) scores_.resize(static_cast<size_t>(n_head * positions));
-    float* scores = scores_.data();  // (n_head, positions)
-    walk_rows(s, layer, STREAM_K, first, n, n, [&](int64_t t, const float* k) {
-      for (int64_t h = 0; h < n_head; ++h) {
-        scores[h * positions + t - first] = dot(q + h * head_dim, k + h / group * head_dim, head_dim) * scale;
-      }
-    });
-    sums_.resize(static_cast<size_t>(n_head));
-    for (int64_t h = 0; h < n_head; ++h) {
-      float* row = scores + h * positions;
-      float m = row[0];
-      for (int64_t i = 1; i < positions; ++i) m = std::max(m, row[i]);
-      float sum = 0.0f;
-      for (int64_t i = 0; i < positions; ++i) {
-        row[i] = std::exp(row[i] - m);
-        sum += row[i];
-      }
-      sums_[static_cast<size_t>(h)] = sum;
-    }
-    std::fill(out, out + n_head * head_dim, 0.0f);
-    walk_rows(s, layer, STREAM_V, first, n, n, [&](int64_t t, const float* v) {
-      for (int64_t h = 0; h < n_head; ++h) {
-        const float w = scores[h * positions + t - first];
-        const float* vh = v + h / group * head_dim;
-        float* o = out + h * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) o[d] += w * vh[d];
-      }
-    });
-    for (int64_t h = 0; h < n_head; ++h) {
-      for (int64_t d = 0; d < head_dim; ++d) out[h * head_dim + d] /= sums_[static_cast<size_t>(h)];
-    }
+    attend_rows(
+        q, out, n_head, n_kv_head, head_dim, first, n,
+        [&](auto&& fn) { walk_rows(s, layer, STREAM_K, first, n, n, fn); },
+        [&](auto&& fn) { walk_rows(s, layer, STREAM_V, first, n, n, fn); }, scores_, sums_);
   }
 
   void read(int64_t seq, int64_t layer, int64_t begin, int64_t end, float* k_out, float* v_out) override {

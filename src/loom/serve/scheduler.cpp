@@ -14,6 +14,13 @@ uint64_t Job::wait(uint64_t seen, std::chrono::milliseconds timeout) {
   return version_;
 }
 
+void Job::fail(const std::string& error) {
+  std::lock_guard lock(mutex_);
+  error_ = error;
+  ++version_;
+  changed_.notify_all();
+}
+
 Job::Snapshot Job::snapshot() const {
   std::lock_guard lock(mutex_);
   Snapshot s;
@@ -125,10 +132,7 @@ void Scheduler::admit(const std::shared_ptr<Job>& job) {
     try {
       first = engine_.submit(std::move(r));
     } catch (const Error& e) {
-      std::lock_guard lock(job->mutex_);
-      job->error_ = e.what();
-      ++job->version_;
-      job->changed_.notify_all();
+      job->fail(e.what());
       return;
     }
     for (int64_t k = 0; k < p.n; ++k) {
@@ -264,7 +268,6 @@ EngineGauges Scheduler::gauges() const {
 }
 
 void Scheduler::loop() {
-  std::vector<Job*> cancelled;  // jobs whose engine requests were cancelled already
   while (true) {
     std::deque<std::shared_ptr<Job>> fresh;
     bool stopping = false;
@@ -276,18 +279,15 @@ void Scheduler::loop() {
     }
     for (const auto& job : fresh) {
       if (stopping) {
-        std::lock_guard lock(job->mutex_);
-        job->error_ = "the server is shutting down";
-        ++job->version_;
-        job->changed_.notify_all();
+        job->fail("the server is shutting down");
         continue;
       }
       admit(job);
     }
     // Jobs whose client went away (or all, when stopping) end now: rows and blocks free at the next step.
     for (const auto& job : jobs_) {
-      if (!(job->cancelled() || stopping) || std::find(cancelled.begin(), cancelled.end(), job.get()) != cancelled.end()) continue;
-      cancelled.push_back(job.get());
+      if (!(job->cancelled() || stopping) || job->ended_) continue;
+      job->ended_ = true;
       if (job->cancelled()) metrics_.cancelled();
       for (const Job::Choice& c : job->choices_) engine_.cancel(c.first_id);
     }
@@ -296,12 +296,7 @@ void Scheduler::loop() {
         engine_.step();
       } catch (const Error& e) {  // the engine failed: every running job gets the error
         for (const auto& job : jobs_) {
-          std::lock_guard lock(job->mutex_);
-          job->error_ = e.what();
-          ++job->version_;
-          job->changed_.notify_all();
-        }
-        for (const auto& job : jobs_) {
+          job->fail(e.what());
           for (const Job::Choice& c : job->choices_) engine_.cancel(c.first_id);
         }
       }
@@ -316,7 +311,6 @@ void Scheduler::loop() {
       });
       if (over && engine_done) {
         metrics_.request_latency(std::chrono::duration<double>(std::chrono::steady_clock::now() - job->received_).count());
-        std::erase(cancelled, job.get());
         return true;
       }
       return false;

@@ -65,6 +65,7 @@ class Job {
 
  private:
   friend class Scheduler;
+  void fail(const std::string& error);  // the job ends with `error`; its reader wakes
   ParsedRequest request_;
   std::chrono::steady_clock::time_point received_;
   mutable std::mutex mutex_;
@@ -74,6 +75,7 @@ class Job {
   int64_t prompt_tokens_ = 0;
   std::string error_;
   std::atomic<bool> cancelled_{false};
+  bool ended_ = false;  // the scheduler cancelled its engine requests (scheduler thread only)
 };
 
 struct SchedulerConfig {
