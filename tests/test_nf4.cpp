@@ -303,19 +303,7 @@ TEST(Nf4Bytes, BytesAndBitsPerParameterAreTheFormula) {
 // writes it), else written here into a temporary folder.
 class Nf4Reference : public ::testing::Test {
  protected:
-  static void SetUpTestSuite() {
-    const char* dir = std::getenv("LOOM_FIXTURE_DIR");
-    path_ = dir && *dir ? fs::path(dir) / "nf4.safetensors" : fs::path();
-    if (!path_.empty() && fs::exists(path_)) return;
-    const char* source = std::getenv("LOOM_SOURCE_DIR");
-    const char* python = std::getenv("LOOM_PYTHON");
-    const fs::path out = fs::temp_directory_path() / ("loom_test_nf4_" + std::to_string(::getpid()));
-    const std::string command = std::string(python && *python ? python : "/usr/bin/python3") + " \"" +
-                                ((source && *source ? fs::path(source) : fs::current_path()) / "tools" / "nf4_reference.py").string() +
-                                "\" --out \"" + out.string() + "\"";
-    path_ = std::system(command.c_str()) == 0 ? out / "nf4.safetensors" : fs::path();
-    temp_ = out;
-  }
+  static void SetUpTestSuite() { path_ = test::python_fixture("nf4_reference.py", "nf4.safetensors", temp_); }
   static void TearDownTestSuite() {
     if (!temp_.empty()) fs::remove_all(temp_);
   }
@@ -325,9 +313,7 @@ class Nf4Reference : public ::testing::Test {
 
   template <typename T>
   static std::vector<T> read(const SafetensorsFile& f, const std::string& name) {
-    CpuAllocator host;
-    const Tensor t = f.tensor(name, host, MEM_WORKSPACE);
-    return std::vector<T>(t.data<T>(), t.data<T>() + t.numel());
+    return test::entry_values<T>(f, name);
   }
 
   static inline fs::path path_, temp_;

@@ -3,7 +3,11 @@
 #pragma once
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cstdlib>
+#include <filesystem>
 #include <cmath>
 #include <fstream>
 #include <functional>
@@ -12,6 +16,7 @@
 #include <vector>
 
 #include "loom/backend/backend.h"
+#include "loom/checkpoint/safetensors.h"
 #include "loom/core/error.h"
 #include "loom/core/philox.h"
 #include "loom/core/tensor.h"
@@ -29,6 +34,30 @@ inline std::string error_of(const std::function<void()>& f) {
   return "";
 }
 
+
+// A fixture a tools/ script writes (python3 tools/<script> --out DIR writes DIR/<file>):
+// $LOOM_FIXTURE_DIR/<file> when ctest's setup test wrote it, else the script run here into a
+// fresh temporary folder, returned in `temp` for the caller to remove. Empty when the script failed.
+inline std::filesystem::path python_fixture(const std::string& script, const std::string& file, std::filesystem::path& temp) {
+  namespace fs = std::filesystem;
+  const char* dir = std::getenv("LOOM_FIXTURE_DIR");
+  if (dir != nullptr && *dir != 0 && fs::exists(fs::path(dir) / file)) return fs::path(dir) / file;
+  const char* source = std::getenv("LOOM_SOURCE_DIR");
+  const char* python = std::getenv("LOOM_PYTHON");
+  temp = fs::temp_directory_path() / ("loom_test_" + file + "_" + std::to_string(::getpid()));
+  const std::string command = std::string(python && *python ? python : "/usr/bin/python3") + " \"" +
+                              ((source && *source ? fs::path(source) : fs::current_path()) / "tools" / script).string() +
+                              "\" --out \"" + temp.string() + "\" > /dev/null";
+  return std::system(command.c_str()) == 0 ? temp / file : fs::path();
+}
+
+// A safetensors entry's values, as stored.
+template <typename T>
+std::vector<T> entry_values(const SafetensorsFile& f, const std::string& name) {
+  CpuAllocator host;
+  const Tensor t = f.tensor(name, host, MEM_WORKSPACE);
+  return std::vector<T>(t.data<T>(), t.data<T>() + t.numel());
+}
 
 // A file's bytes ("" if unreadable).
 inline std::string read_file_bytes(const std::string& path) {

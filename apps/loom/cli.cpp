@@ -248,6 +248,7 @@ ModelSource model_source(const std::string& path, const std::string& adapter) {
   } else {
     source.path = resolve_checkpoint(path);
     source.config = checkpoint_config(source.path);
+    source.quantized = is_quantized_model(source.path);
   }
   if (!adapter.empty()) {
     LOOM_CHECK(!source.config.model.lora(), path, " already has LoRA adapters (peft.method = lora): merge them first "
@@ -267,6 +268,17 @@ void load_weights(const ModelSource& source, const Tensor& params) {
   const ModelConfig& c = source.config.model;
   load_weights_from(source.path, ModelState{lora_base_config(c), params.view(0, {lora_begin(c, build_param_layout(c))})});
   load_peft_adapter(source.adapter, ModelState{c, params});
+}
+
+void load_model(const ModelSource& source, Transformer& model) {
+  if (!source.quantized) {
+    load_weights(source, model.params());
+    return;
+  }
+  LOOM_CHECK(source.adapter.empty(), source.path, " is a quantized model: apply --adapter to the checkpoint it was made from");
+  std::map<std::string, IntWeight> weights;
+  read_quantized_model(source.path, ModelState{source.config.model, model.params()}, weights);
+  model.set_int_weights(std::move(weights));
 }
 
 std::string resolve_weights(const std::string& path) { return is_hf_model_dir(path) ? path : resolve_checkpoint(path); }

@@ -79,6 +79,7 @@ struct ModelSource {
   LoomConfig config;  // the run's; for a Hugging Face folder the defaults with its model, and
                       // data.tokenizer = the folder (its tokenizer files)
   std::string adapter;  // a PEFT LoRA adapter folder loaded onto the weights (config.model has its peft.*)
+  bool quantized = false;  // a quantized model folder (loom quantize): load it with load_model
 };
 // `adapter`, when given, is a PEFT LoRA folder (checkpoint/peft.h) applied to the weights.
 ModelSource model_source(const std::string& path, const std::string& adapter = "");
@@ -86,6 +87,9 @@ ModelSource model_source(const std::string& path, const std::string& adapter = "
 std::unique_ptr<Tokenizer> model_tokenizer(const LoomConfig& config);
 // Fills `params` (the model's flat host f32 buffer, source.config.model's layout) from the source.
 void load_weights(const ModelSource& source, const Tensor& params);
+// The source's weights into `model`: load_weights, or for a quantized model folder its f32
+// parameters and its integer weights (Transformer::set_int_weights).
+void load_model(const ModelSource& source, Transformer& model);
 // A Hugging Face folder as it is, or a Loom run / checkpoints / step folder -> its newest valid step.
 std::string resolve_weights(const std::string& path);
 

@@ -65,7 +65,7 @@ int bench_generate(const Args& args) {
   auto backend = make_cpu_backend();
   Transformer model(*backend, config.model);
   if (source) {
-    load_weights(*source, model.params());
+    load_model(*source, model);
   } else {
     model.init_weights(config.loop.seed);
   }

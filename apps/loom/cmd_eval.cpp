@@ -104,7 +104,7 @@ int eval_main(int argc, char** argv) {
   if (args.has("text")) {
     auto backend = make_cpu_backend();
     Transformer model(*backend, config.model);
-    load_weights(source, model.params());
+    load_model(source, model);
     return eval_text_main(args, source, model);
   }
   const std::string& step_dir = source.path;
@@ -117,7 +117,7 @@ int eval_main(int argc, char** argv) {
 
   auto backend = make_cpu_backend();
   Transformer model(*backend, config.model);
-  load_weights(source, model.params());
+  load_model(source, model);
   ActivationStore store = model.allocate_store(config.train.batch_size, config.train.seq_len);
   TokenLoader loader(split == "val" ? std::move(data.val) : std::move(data.train), config.train.seq_len, 0,
                      LOADER_ORDER_SEQUENTIAL);

@@ -80,7 +80,7 @@ int generate_main(int argc, char** argv) {
   const auto tokenizer = model_tokenizer(config);
   auto backend = make_cpu_backend();
   Transformer model(*backend, config.model);
-  load_weights(source, model.params());
+  load_model(source, model);
   if (args.has("prompts")) {
     const std::string path = args.get("prompts");
     std::ifstream in(path);

@@ -110,7 +110,7 @@ int serve_main(int argc, char** argv) {
 
   auto backend = make_cpu_backend();
   Transformer model(*backend, config.model);
-  load_weights(source, model.params());
+  load_model(source, model);
   std::string prefix_note = "off (--no-prefix-cache)";
   if (!args.has("no-prefix-cache")) {
     const std::string why = prefix_cache_unsupported(model, ec);

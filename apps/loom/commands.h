@@ -15,5 +15,6 @@ int bench_main(int argc, char** argv);
 int serve_main(int argc, char** argv);
 int config_main(int argc, char** argv);
 int convert_main(int argc, char** argv);
+int quantize_main(int argc, char** argv);
 
 }  // namespace loom::cli

@@ -155,6 +155,15 @@ void Backend::fake_quant_nvfp4(const Tensor&, const Tensor&) { no_low_precision(
 void Backend::nf4_dequantize(const Tensor&, const Tensor&, const Tensor&, const Nf4Spec&, int64_t, const Tensor&) {
   unsupported(*this, "nf4_dequantize", "QLoRA's NF4 base weights");
 }
+
+void Backend::int_linear(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const IntWeightSpec&, const Tensor*,
+                         const Tensor&, float, const Tensor*) {
+  unsupported(*this, "int_linear", "quantized checkpoints (loom quantize)");
+}
+
+void Backend::int_dequantize(const Tensor&, const Tensor&, const Tensor&, const IntWeightSpec&, const Tensor*, const Tensor&) {
+  unsupported(*this, "int_dequantize", "quantized checkpoints (loom quantize)");
+}
 void Backend::round_bf16(const Tensor&, bool, const RoundingDraw&) { no_low_precision(*this, "round_bf16"); }
 void Backend::row_norms(const Tensor&, const Tensor&) { unsupported(*this, "row_norms", "DoRA, peft.dora"); }
 void Backend::dora_weight(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&) {

@@ -113,6 +113,17 @@ inline float nf4_block_absmax(int8_t q, float step, float mean) {
   return static_cast<float>(static_cast<double>(q) * static_cast<double>(step) + static_cast<double>(mean));
 }
 
+// A post-training-quantized weight (rows = out, cols = in) as Backend::int_linear reads it
+// (precision/int_quant.h states the packing): b-bit codes per group of `group` columns with an
+// f32 scale and a u8 zero point, w = s (q - z). act_int8 (SmoothQuant's W8A8, bits 8, one group
+// per row, z = 128): the input is quantized per row to symmetric int8 and the products summed
+// in int32.
+struct IntWeightSpec {
+  int bits = 4;
+  int64_t group = 128, rows = 0, cols = 0;
+  bool act_int8 = false;
+};
+
 // ---------------------------------------------------------------- optimizer ops (optim/*.cpp)
 // The hyper-parameters of one optimizer op call: one parameter (or one segment of it) at one step,
 // as optim.* (docs/optimizers.md). lr is the parameter's rate (the schedule's lr times its
@@ -147,8 +158,9 @@ struct BackendCapabilities {
   bool head_norm = false;           // model.qk_norm (Backend::head_rmsnorm_*)
   bool nf4 = false;                 // peft.quantize_base (QLoRA: Backend::nf4_dequantize in the linear layers)
   bool dora = false;                // peft.dora (Backend::row_norms, dora_weight, dora_backward)
+  bool int_weights = false;         // quantized checkpoints (Backend::int_linear, int_dequantize)
 };
-inline constexpr BackendCapabilities kEveryCapability{true, true, true, true, true, true, true, true, true, true};
+inline constexpr BackendCapabilities kEveryCapability{true, true, true, true, true, true, true, true, true, true, true};
 
 class Backend {
  public:
@@ -472,6 +484,17 @@ class Backend {
   // c_b = f32(q_b step_{b / 256} + absmax_mean) (in double) and out = values[code_e] c_{e / 64}.
   virtual void nf4_dequantize(const Tensor& codes, const Tensor& absmax_codes, const Tensor& absmax_steps,
                               const Nf4Spec& spec, int64_t first, const Tensor& out);
+  // y (N, rows) = beta y + x (N, cols) @ W^T (+ bias), W the quantized weight of `spec` (codes u8
+  // (rows, row_bytes), scales f32 and zeros u8 (rows, cols / group)). Weight-only formats: the
+  // codes are dequantized in registers and multiplied in f32 (the result equals
+  // int_dequantize-then-gemm up to the order of the f32 sums). act_int8: each input row is
+  // quantized to q_x = round(x / s_x), s_x = max |x| / 127, and y = s_x s_w sum q_x (q_w - 128)
+  // exactly in int32.
+  virtual void int_linear(const Tensor& x, const Tensor& codes, const Tensor& scales, const Tensor& zeros,
+                          const IntWeightSpec& spec, const Tensor* input_scale, const Tensor& y, float beta, const Tensor* bias);
+  // W in f32 (rows, cols) into out.
+  virtual void int_dequantize(const Tensor& codes, const Tensor& scales, const Tensor& zeros, const IntWeightSpec& spec,
+                              const Tensor* input_scale, const Tensor& out);
 
   // ---------------------------------------------------------------- optimizer ops
   // The element loops, reductions and small matrix steps of the optimizers (optim/*.cpp; the

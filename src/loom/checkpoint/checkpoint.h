@@ -21,6 +21,7 @@
 #pragma once
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
@@ -30,6 +31,7 @@
 #include "loom/backend/backend.h"
 #include "loom/core/tensor.h"
 #include "loom/arch/config.h"
+#include "loom/precision/int_quant.h"
 
 namespace loom {
 
@@ -158,5 +160,28 @@ ModelConfig checkpoint_model_config(const std::string& path);
 
 // "step_00001234"
 std::string checkpoint_dir_name(int64_t step);
+
+// A quantized model folder (loom quantize --out, docs/compression.md): a step folder without
+// optimizer state whose manifest has "kind": "quantized",
+//   model.safetensors  every parameter that is not quantized (F32, Loom's (out, in) layout), and
+//                      each quantized weight NAME as NAME.qweight, .scales, .zeros and the optional
+//                      .input_scale (precision/int_quant.h); metadata "quantization": the method,
+//                      bits, group and activation format as JSON, besides arch and model_config
+//   trainer.json       the source's config text; extra.quantization
+//   tokenizer/...      the attached tokenizer files
+// written into <dir>.tmp and renamed into place (an existing folder is replaced only if it is a
+// quantized model itself).
+struct QuantizedModelContents {
+  ModelState model;  // every parameter; the quantized ones' elements are not written
+  std::map<std::string, IntWeight> weights;
+  nlohmann::json quantization;  // {"method", "bits", "group", "activations", ...}
+  std::string config_text;
+  std::vector<std::pair<std::string, std::string>> attached;
+};
+void write_quantized_model(const std::string& dir, const QuantizedModelContents& contents);
+bool is_quantized_model(const std::string& path);
+// Checks the manifest and every tensor, then fills model.params' unquantized parameters and
+// `weights`; returns the quantization metadata. Errors name the file and the tensor.
+nlohmann::json read_quantized_model(const std::string& dir, const ModelState& model, std::map<std::string, IntWeight>& weights);
 
 }  // namespace loom

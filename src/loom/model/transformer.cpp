@@ -324,6 +324,62 @@ std::vector<LinearLayer*> Transformer::linear_layers() {
   return out;
 }
 
+std::vector<Transformer::LinearWeight> Transformer::linear_weights() {
+  LOOM_CHECK(!config_.mla() && config_.moe_experts == 0, "quantized linear weights with MoE or MLA blocks are not supported yet");
+  std::map<int64_t, std::string> names;  // flat offset -> parameter name
+  for (const ParamSpec& spec : layout_.params) names.emplace(spec.offset, spec.name);
+  auto offset_of = [&](const Tensor& w) {
+    return (static_cast<const char*>(w.device_ptr()) - static_cast<const char*>(params_.device_ptr())) /
+           static_cast<int64_t>(sizeof(float));
+  };
+  std::vector<LinearWeight> out;
+  for (int64_t l = 0; l < config_.n_layer; ++l) {
+    const BlockParams p = block_params_view(config_, layout_, params_, l);
+    const std::array<LinearLayer*, 4> linears = blocks_[static_cast<size_t>(l)].linears();
+    const std::array<Tensor, 4> weights = {p.attention.qkv_w, p.attention.proj_w, p.mlp.fc_w, p.mlp.fc2_w};
+    for (size_t i = 0; i < weights.size(); ++i) out.push_back({names.at(offset_of(weights[i])), linears[i], weights[i]});
+  }
+  out.push_back({names.at(offset_of(head_w)), &head_, head_w});
+  return out;
+}
+
+void Transformer::set_int_weights(std::map<std::string, IntWeight> weights) {
+  LOOM_CHECK(backend_.capabilities().int_weights && params_.host_accessible(), "quantized checkpoints are not supported "
+             "on the ", backend_.name(), " backend yet (it lacks int_linear)");
+  LOOM_CHECK(int_weights_.empty(), "set_int_weights: the model already has quantized weights");
+  set_precision(policy_);  // the layers get the workspace they dequantize into
+  const Tensor tied = config_.tied_head() ? embed_w : Tensor{};
+  for (const LinearWeight& lw : linear_weights()) {
+    auto it = weights.find(lw.name);
+    if (it == weights.end()) continue;
+    const IntWeightSpec& spec = it->second.spec;
+    LOOM_CHECK(spec.rows == lw.weight.dim(0) && spec.cols == lw.weight.dim(1), lw.name, ": quantized as (", spec.rows,
+               ", ", spec.cols, "), but the model's weight is (", lw.weight.dim(0), ", ", lw.weight.dim(1), ")");
+    int_weights_.push_back(std::make_unique<IntWeightDevice>(int_weight_to_backend(it->second, backend_, MEM_PARAMETERS)));
+    lw.layer->set_int_weight(int_weights_.back().get());
+    if (!(tied.defined() && lw.weight.device_ptr() == tied.device_ptr())) {
+      const int64_t begin = (static_cast<const char*>(lw.weight.device_ptr()) - static_cast<const char*>(params_.device_ptr())) /
+                            static_cast<int64_t>(sizeof(float));
+      release_elements(params_, begin, begin + lw.weight.numel());
+    }
+    weights.erase(it);
+  }
+  LOOM_CHECK(weights.empty(), weights.empty() ? std::string() : weights.begin()->first,
+             ": a quantized tensor that is not a linear layer's weight of this model");
+}
+
+int64_t Transformer::int_weight_params() const {
+  int64_t total = 0;
+  for (const auto& q : int_weights_) total += q->spec.rows * q->spec.cols;
+  return total;
+}
+
+int64_t Transformer::int_weight_bytes() const {
+  int64_t total = 0;
+  for (const auto& q : int_weights_) total += q->bytes;
+  return total;
+}
+
 ActivationStore Transformer::allocate_store(int64_t batch, int64_t seq_len) {
   return allocate_stage_store(batch, seq_len, 0, config_.n_layer, false);
 }
@@ -614,9 +670,7 @@ void Transformer::forward_rows(ActivationStore& s, const std::vector<int32_t>& t
     blocks_[l].forward_rows(backend_, s.blocks[l], out, positions, cache, static_cast<int64_t>(l));
   }
   norm_forward(backend_, config_, s.final_input, final_w, final_b, s.final_norm, s.final_mean, s.final_rstd);
-  GemmSpec head;
-  head.trans_b = true;
-  backend_.gemm(s.final_norm, head_w, s.logits, head);
+  head_.forward_plain(backend_, s.final_norm, head_w, Tensor{}, s.logits, 0.0f, &ws_);
 }
 
 void Transformer::set_tensor_parallel(Communicator* tp, int64_t vocab_begin, int64_t vocab_valid, bool sequence_parallel) {

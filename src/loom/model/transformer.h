@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <array>
 #include <functional>
+#include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -14,6 +16,7 @@
 #include "loom/arch/config.h"
 #include "loom/arch/param_layout.h"
 #include "loom/core/documents.h"
+#include "loom/precision/int_quant.h"
 #include "loom/precision/nf4.h"
 #include "loom/nn/block.h"
 
@@ -203,6 +206,22 @@ class Transformer {
   const std::vector<MoeLayerStats>& moe_stats() const { return moe_stats_; }
   // Every linear layer (blocks in order: attn_qkv, attn_out, mlp_in, mlp_out; then the head).
   std::vector<LinearLayer*> linear_layers();
+  // The same with each one's weight: its ParamLayout name and its view into params() (the
+  // embedding's for a tied head). Dense blocks only (no MoE or MLA).
+  struct LinearWeight {
+    std::string name;
+    LinearLayer* layer = nullptr;
+    Tensor weight;
+  };
+  std::vector<LinearWeight> linear_weights();
+  // Post-training-quantized weights (loom quantize, precision/int_quant.h), by parameter name:
+  // each named linear layer multiplies with its integer weight from now on (forward and
+  // decoding; backward refuses), and the fp32 elements' pages are released (not a tied head's:
+  // the embedding still looks tokens up). A name that is not a linear weight, or a shape that
+  // differs from the parameter's, is an error naming it.
+  void set_int_weights(std::map<std::string, IntWeight> weights);
+  int64_t int_weight_params() const;  // elements replaced
+  int64_t int_weight_bytes() const;   // their stored bytes (codes, scales, zeros, input scales)
 
  private:
   Backend& backend_;
@@ -258,6 +277,7 @@ class Transformer {
     std::unique_ptr<Nf4Device> nf4;  // stable: the linear layers point at it
   };
   std::vector<QuantizedWeight> quantized_;  // QLoRA's base (quantize_base)
+  std::vector<std::unique_ptr<IntWeightDevice>> int_weights_;  // set_int_weights (stable: layers point at them)
   Tensor sink_w_, sink_b_;           // where frozen norms' gradients go (never read)
   static Tensor sink(const Tensor& grad, const Tensor& sink);
   BlockParams frozen_grads(BlockParams g) const;

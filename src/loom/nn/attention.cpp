@@ -279,7 +279,7 @@ void AttentionLayer::forward_rows(Backend& backend, const Tensor& x, AttentionSa
   if (plan_.attention == AttentionKind::mla) {
     mla_rows(backend, s, positions, cache, layer);
   } else {
-    linear_forward(backend, s.norm.out, p.qkv_w, p.qkv_b, s.qkv);
+    qkv_.forward_plain(backend, s.norm.out, p.qkv_w, p.qkv_b, s.qkv, 0.0f, links_.ws);
     lora_forward(backend, s.norm.out, p.qkv_lora, config_.lora_scale(), s.qkv, links_.ws, {}, p.qkv_w);
     qk_norm_forward(backend, s.qkv.view(0, {n, W}), s);
     if (!config_.learned_positions()) {
@@ -301,7 +301,7 @@ void AttentionLayer::forward_rows(Backend& backend, const Tensor& x, AttentionSa
     backend.write(s.attn.view(0, {n, H * hd}), attn.data());
   }
   backend.copy(x, mid);
-  linear_forward(backend, s.attn, p.proj_w, p.proj_b, mid, 1.0f);
+  proj_.forward_plain(backend, s.attn, p.proj_w, p.proj_b, mid, 1.0f, links_.ws);
   lora_forward(backend, s.attn, p.proj_lora, config_.lora_scale(), mid, links_.ws, {}, p.proj_w);
 }
 

@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "loom/core/error.h"
+#include "loom/precision/int_quant.h"
 #include "loom/precision/nf4.h"
 #include "loom/precision/quantize.h"
 
@@ -132,8 +133,30 @@ float LinearLayer::fp8_scale(Backend& backend, int which, MiniFormat f, const Te
   return s.scale(f);  // from previous steps: this step's amax only joins the history
 }
 
+void LinearLayer::forward_plain(Backend& backend, const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& y,
+                                float beta, LinearWorkspace* ws) const {
+  if (int_weight_ == nullptr) {
+    linear_forward(backend, x, w, b, y, beta);
+    return;
+  }
+  const IntWeightDevice& q = *int_weight_;
+  const Tensor* bias = b.defined() ? &b : nullptr;
+  const Tensor* scale = q.input_scale.defined() ? &q.input_scale : nullptr;
+  if (q.spec.act_int8 || x.numel() / q.spec.cols <= kIntDirectRows || ws == nullptr) {
+    backend.int_linear(x, q.codes, q.scales, q.zeros, q.spec, scale, y, beta, bias);
+    return;
+  }
+  const Tensor wq = ws->f32(LinearWorkspace::Q, {q.spec.rows, q.spec.cols});
+  backend.int_dequantize(q.codes, q.scales, q.zeros, q.spec, scale, wq);
+  backend.gemm(x, wq, y, spec_of(false, true, beta), bias);
+}
+
 void LinearLayer::forward(Backend& backend, const Tensor& x, const Tensor& w, const Tensor& w16, const Tensor& b,
                           const Tensor& y, float beta, LinearWorkspace* ws) {
+  if (int_weight_ != nullptr) {
+    forward_plain(backend, x, w, b, y, beta, ws);
+    return;
+  }
   const Tensor* bias = b.defined() ? &b : nullptr;
   const GemmSpec spec = spec_of(false, true, beta);
   if (setup_.recipe == RECIPE_F32 && setup_.qat == QAT_NONE && !w16.defined() && base_ == nullptr) {
@@ -182,6 +205,8 @@ void LinearLayer::forward(Backend& backend, const Tensor& x, const Tensor& w, co
 
 void LinearLayer::backward(Backend& backend, const Tensor& x, const Tensor& w, const Tensor& w16, const Tensor& dy,
                            const Tensor& dx, const Tensor& dw, const Tensor& db, LinearWorkspace* ws) {
+  LOOM_CHECK(int_weight_ == nullptr, "a quantized checkpoint (loom quantize) cannot be trained: its weights are "
+             "integer codes; fine-tune the checkpoint it was made from");
   if (db.defined()) backend.bias_backward(dy, db);  // an fp32 reduction in every recipe
   const GemmSpec dgrad = spec_of(false, false, 0.0f), wgrad = spec_of(true, false, 1.0f);
   if (setup_.recipe == RECIPE_F32 && setup_.qat == QAT_NONE && !w16.defined() && base_ == nullptr) {

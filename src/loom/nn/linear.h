@@ -18,6 +18,7 @@
 namespace loom {
 
 struct Nf4Device;  // precision/nf4.h
+struct IntWeightDevice;  // precision/int_quant.h
 
 // y (N, out) = x (N, in) @ w^T (+ b), with beta = 1 accumulating into y (the residual add).
 void linear_forward(Backend& backend, const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& y, float beta = 0.0f);
@@ -61,6 +62,16 @@ class LinearLayer {
   explicit LinearLayer(const LinearSetup& setup, const Nf4Device* base = nullptr);
   const Nf4Device* base() const { return base_; }
   void set_base(const Nf4Device* base);
+  // A post-training-quantized weight (loom quantize, precision/int_quant.h) used instead of w:
+  // forward multiplies with it through Backend::int_linear for up to kIntDirectRows input rows
+  // (decoding: the codes are read once), and for more rows dequantizes it into workspace slot Q
+  // for one f32 GEMM (prefill, evaluation); W8A8 always runs int_linear. backward refuses it.
+  static constexpr int64_t kIntDirectRows = 16;
+  void set_int_weight(const IntWeightDevice* q) { int_weight_ = q; }
+  const IntWeightDevice* int_weight() const { return int_weight_; }
+  // Decoding's product: the quantized weight when set, else linear_forward's fp32 GEMM.
+  void forward_plain(Backend& backend, const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& y, float beta,
+                     LinearWorkspace* ws) const;
 
   // w is the fp32 master weight; w16, when defined, its bf16 copy (precision.param = bf16),
   // which the layer reads instead. ws must be set unless the recipe is f32 without QAT.
@@ -90,6 +101,7 @@ class LinearLayer {
 
   LinearSetup setup_;
   const Nf4Device* base_ = nullptr;
+  const IntWeightDevice* int_weight_ = nullptr;
   std::array<DelayedScaling, 3> scaling_;
   bool recording_ = true;
 };

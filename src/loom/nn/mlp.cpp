@@ -80,11 +80,11 @@ void MlpLayer::forward_rows(Backend& backend, const Tensor& mid, MlpSaved& s, co
     moe_forward(backend, config_, p.moe, s.norm.out.view(0, {n, C}), s.moe, *moe_scratch_, out.view(0, {n, C}), 1);
     return;
   }
-  linear_forward(backend, s.norm.out, p.fc_w, p.fc_b, s.fc);
+  fc_.forward_plain(backend, s.norm.out, p.fc_w, p.fc_b, s.fc, 0.0f, links_.ws);
   lora_forward(backend, s.norm.out, p.fc_lora, config_.lora_scale(), s.fc, links_.ws, {}, p.fc_w);
   activation(backend, s);
   backend.copy(mid, out);
-  linear_forward(backend, s.act, p.fc2_w, p.fc2_b, out, 1.0f);
+  fc2_.forward_plain(backend, s.act, p.fc2_w, p.fc2_b, out, 1.0f, links_.ws);
   lora_forward(backend, s.act, p.fc2_lora, config_.lora_scale(), out, links_.ws, {}, p.fc2_w);
 }
 

@@ -580,6 +580,14 @@ class CpuBackend final : public Backend {
                       int64_t first, const Tensor& out) override {
     cpu::nf4_dequantize(codes, absmax_codes, absmax_steps, spec, first, out);
   }
+  void int_linear(const Tensor& x, const Tensor& codes, const Tensor& scales, const Tensor& zeros,
+                  const IntWeightSpec& spec, const Tensor* input_scale, const Tensor& y, float beta, const Tensor* bias) override {
+    cpu::int_linear(x, codes, scales, zeros, spec, input_scale, y, beta, bias);
+  }
+  void int_dequantize(const Tensor& codes, const Tensor& scales, const Tensor& zeros, const IntWeightSpec& spec,
+                      const Tensor* input_scale, const Tensor& out) override {
+    cpu::int_dequantize(codes, scales, zeros, spec, input_scale, out);
+  }
   void dropout(const Tensor& x, const Tensor& out, float p, const RoundingDraw& draw) override {
     cpu::dropout(x, out, p, draw);
   }

@@ -41,5 +41,10 @@ void dora_backward(const Tensor& grad, const Tensor& merged, const Tensor& magni
                    const Tensor& dmagnitude);
 void nf4_dequantize(const Tensor& codes, const Tensor& absmax_codes, const Tensor& absmax_steps, const Nf4Spec& spec,
                     int64_t first, const Tensor& out);
+// Post-training-quantized weights (cpu_int_linear.cpp).
+void int_linear(const Tensor& x, const Tensor& codes, const Tensor& scales, const Tensor& zeros, const IntWeightSpec& spec,
+                const Tensor* input_scale, const Tensor& y, float beta, const Tensor* bias);
+void int_dequantize(const Tensor& codes, const Tensor& scales, const Tensor& zeros, const IntWeightSpec& spec,
+                    const Tensor* input_scale, const Tensor& out);
 
 }  // namespace loom::cpu

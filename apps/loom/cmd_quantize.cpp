@@ -1,0 +1,141 @@
+// loom quantize: post-training quantization of a checkpoint into a quantized model folder
+// (compress/quantize_model.h; the format in checkpoint/checkpoint.h and precision/int_quant.h;
+// docs/compression.md).
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+
+#include "cli.h"
+#include "commands.h"
+#include "loom/compress/quantize_model.h"
+#include "loom/core/error.h"
+#include "loom/data/tokenizer_files.h"
+
+namespace loom::cli {
+
+namespace {
+const char* kHelp =
+    "usage: loom quantize --checkpoint PATH --method rtn|gptq|awq|smoothquant|w8a8 --out DIR\n"
+    "                     [--bits 8|4|3] [--group G] [--calib FILE] [--calib-tokens N] [--act-order]\n"
+    "                     [--damp D] [--alpha A] [--no-head]\n"
+    "\n"
+    "Quantizes every block's linear weights and the output layer of PATH (a Loom checkpoint or a\n"
+    "Hugging Face folder) and writes a quantized model folder DIR that eval, generate and serve load:\n"
+    "packed integer codes with per-group scales and zero points (docs/compression.md).\n"
+    "  rtn          round to nearest per group of G input columns (default G = 128; 0: per row)\n"
+    "  gptq         GPTQ from calibration activations (lazy batches of 128, --damp 0.01, --act-order)\n"
+    "  awq          AWQ: an activation-aware per-channel scale searched on calibration activations\n"
+    "  smoothquant  SmoothQuant W8A8 (--bits 8; migration strength --alpha, default 0.5)\n"
+    "  w8a8         W8A8 without smoothing (the naive baseline)\n"
+    "gptq, awq and smoothquant read --calib FILE, a text tokenized with the model's tokenizer, of\n"
+    "which the first N tokens (--calib-tokens, default 8192) are used in sequences of min(256,\n"
+    "model.max_seq_len) tokens.\n";
+
+std::vector<std::vector<int32_t>> calibration_sequences(const Args& args, const LoomConfig& config, int64_t seq_len) {
+  const std::string path = args.get("calib");
+  std::ifstream in(path, std::ios::binary);
+  LOOM_CHECK(in, path, ": cannot open the calibration text (--calib)");
+  std::stringstream text;
+  text << in.rdbuf();
+  const auto tokenizer = model_tokenizer(config);
+  const std::vector<int32_t> ids = tokenizer->encode(text.str(), EncodeOptions{.add_special_tokens = true});
+  const int64_t wanted = args.get_int("calib-tokens", 8192);
+  LOOM_CHECK(wanted >= seq_len, "--calib-tokens ", wanted, " is less than one calibration sequence of ", seq_len, " tokens");
+  LOOM_CHECK(static_cast<int64_t>(ids.size()) >= wanted, path, ": ", ids.size(), " tokens, fewer than --calib-tokens ",
+             wanted, ": give a longer calibration text or a smaller --calib-tokens");
+  std::vector<std::vector<int32_t>> sequences;
+  for (int64_t first = 0; first + seq_len <= wanted; first += seq_len) {
+    sequences.emplace_back(ids.begin() + first, ids.begin() + first + seq_len);
+  }
+  return sequences;
+}
+}  // namespace
+
+int quantize_main(int argc, char** argv) {
+  const Args args(argc, argv, "quantize", kHelp,
+                  {{"checkpoint", "PATH", "a Loom checkpoint or run folder, or a Hugging Face model folder (required)"},
+                   {"method", "METHOD", "rtn | gptq | awq | smoothquant | w8a8 (required)"},
+                   {"out", "DIR", "the quantized model folder to write (required)"},
+                   {"bits", "B", "bits per weight: 8, 4 or 3 (default 4; W8A8 methods: 8)"},
+                   {"group", "G", "input columns per scale: a multiple of 32, 0 = one per row (default 128)"},
+                   {"calib", "FILE", "calibration text (gptq, awq, smoothquant)"},
+                   {"calib-tokens", "N", "calibration tokens used (default 8192)"},
+                   {"act-order", "", "gptq: columns in order of decreasing activation energy"},
+                   {"damp", "D", "gptq: dampening, a fraction of the Hessian's mean diagonal (default 0.01)"},
+                   {"alpha", "A", "smoothquant: migration strength in [0, 1] (default 0.5)"},
+                   {"no-head", "", "keep the output layer in f32"}});
+  LOOM_CHECK(args.has("checkpoint"), "loom quantize needs --checkpoint PATH");
+  LOOM_CHECK(args.has("method"), "loom quantize needs --method rtn|gptq|awq|smoothquant|w8a8");
+  LOOM_CHECK(args.has("out"), "loom quantize needs --out DIR");
+  QuantizeOptions o;
+  o.method = parse_quant_method(args.get("method"));
+  const bool w8a8 = o.method == QuantMethod::smoothquant || o.method == QuantMethod::w8a8;
+  o.bits = static_cast<int>(args.get_int("bits", w8a8 ? 8 : 4));
+  LOOM_CHECK(o.bits == 8 || o.bits == 4 || o.bits == 3, "--bits ", o.bits, " is not supported: expected 8, 4 or 3");
+  LOOM_CHECK(!w8a8 || o.bits == 8, "--bits ", o.bits, " is not supported by --method ", args.get("method"),
+             " (W8A8 stores int8 weights): use --bits 8");
+  o.group = args.get_int("group", 128);
+  LOOM_CHECK(o.group >= 0, "--group must be >= 0, got ", o.group);
+  o.gptq.act_order = args.has("act-order");
+  o.gptq.damp = args.get_double("damp", 0.01);
+  LOOM_CHECK(o.gptq.damp > 0.0, "--damp must be > 0, got ", o.gptq.damp);
+  o.alpha = args.get_double("alpha", 0.5);
+  LOOM_CHECK(o.alpha >= 0.0 && o.alpha <= 1.0, "--alpha must be in [0, 1], got ", o.alpha);
+  o.head = !args.has("no-head");
+  LOOM_CHECK(!args.has("act-order") || o.method == QuantMethod::gptq, "--act-order applies to --method gptq only");
+  LOOM_CHECK(quant_method_calibrates(o.method) || !args.has("calib"), "--method ", args.get("method"),
+             " uses no calibration data: drop --calib");
+  LOOM_CHECK(!quant_method_calibrates(o.method) || args.has("calib"), "--method ", args.get("method"),
+             " needs calibration text: --calib FILE");
+
+  const ModelSource source = model_source(args.get("checkpoint"));
+  LOOM_CHECK(!source.quantized, source.path, " is already quantized: quantize the checkpoint it was made from");
+  const LoomConfig& config = source.config;
+  LOOM_CHECK(!config.model.lora(), source.path, " has LoRA adapters: merge them first (loom convert --to hf)");
+  auto backend = make_cpu_backend();
+  Transformer model(*backend, config.model);
+  load_weights(source, model.params());
+  CpuAllocator host;
+  const Tensor original = Tensor::empty(host, model.params().shape(), DTYPE_F32, MEM_WORKSPACE);
+  backend->copy(model.params(), original);  // quantize_model writes dequantized block weights into the model
+  o.calib_seq_len = std::min<int64_t>(256, config.model.max_seq_len);
+  const std::vector<std::vector<int32_t>> sequences =
+      quant_method_calibrates(o.method) ? calibration_sequences(args, config, o.calib_seq_len)
+                                                 : std::vector<std::vector<int32_t>>{};
+  const auto start = std::chrono::steady_clock::now();
+  const bool verbose = stdout_is_terminal();
+  std::map<std::string, IntWeight> weights = quantize_model(model, sequences, o, [&](const std::string& line) {
+    if (verbose) std::printf("  %s\n", line.c_str());
+  });
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+
+  int64_t quantized = 0, stored = 0;
+  for (const auto& [name, q] : weights) quantized += q.spec.rows * q.spec.cols, stored += q.bytes();
+  const int64_t total = model.params().numel();
+  QuantizedModelContents contents;
+  contents.model = ModelState{config.model, original};
+  contents.weights = std::move(weights);
+  contents.quantization = {{"method", quant_method_name(o.method)},
+                           {"bits", o.bits},
+                           {"group", o.group},
+                           {"activations", w8a8 ? "int8" : "f32"},
+                           {"act_order", o.gptq.act_order},
+                           {"damp", o.gptq.damp},
+                           {"alpha", o.alpha},
+                           {"calib_tokens", static_cast<int64_t>(sequences.size()) * o.calib_seq_len},
+                           {"source", source.path}};
+  contents.config_text = config_to_toml(config);
+  contents.attached = tokenizer_attachments(config.data.tokenizer);
+  write_quantized_model(args.get("out"), contents);
+  const int64_t rest = (total - quantized) * 4;
+  std::printf("wrote %s: %s %d-bit%s, %lld of %lld parameters quantized (%.1f MiB of codes, scales and zeros; "
+              "%.1f MiB in f32 before), %.1f MiB of f32 parameters kept; %.1f s\n",
+              args.get("out").c_str(), quant_method_name(o.method), o.bits,
+              o.group == 0 || w8a8 ? " per row" : str_cat(" groups of ", o.group).c_str(), static_cast<long long>(quantized),
+              static_cast<long long>(total), static_cast<double>(stored) / (1 << 20),
+              static_cast<double>(quantized) * 4 / (1 << 20), static_cast<double>(rest) / (1 << 20), seconds);
+  return 0;
+}
+
+}  // namespace loom::cli

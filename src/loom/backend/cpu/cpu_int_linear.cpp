@@ -1,0 +1,220 @@
+// The CPU kernels of Backend::int_linear and int_dequantize (the contract in backend.h, the
+// packing in precision/int_quant.h), in AVX2 + FMA intrinsics (x86-64-v3, Loom's baseline):
+//
+// With an input scale (AWQ, SmoothQuant) int_linear multiplies a copy of x by it and
+// int_dequantize multiplies the weight's columns by it.
+// - Weight-only (8, 4, 3 bits): decoding is memory-bound, so the codes are read once per output
+//   row and turned into f32 in registers (u8 -> i32 -> f32), multiplied with up to 4 input rows
+//   at a time. Per group: acc += s (sum_c x_c q_c) and, outside the loop, y -= s z sum_c x_c (the
+//   zero point's term from each input row's group sums, computed once per call). The f32 sums
+//   are in a fixed order per output, so results do not depend on the thread count.
+// - W8A8 (SmoothQuant): each input row is quantized to int8 (symmetric, per row), and the dot
+//   products of int8 codes run in int32 with _mm256_maddubs_epi16 on |x| and sign(x) w (both
+//   operands in [-127, 127], so the int16 pair sums cannot saturate: 2 127^2 < 2^15), then
+//   _mm256_madd_epi16 to int32: exact.
+// OpenMP splits the output rows (static schedule).
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "loom/backend/cpu/cpu_quant_ops.h"
+#include "loom/core/error.h"
+
+namespace loom::cpu {
+namespace {
+
+constexpr int kRowBlock = 4;  // input rows multiplied with one decoded chunk of codes
+
+int64_t row_bytes(int bits, int64_t cols) { return bits == 8 ? cols : (bits == 4 ? cols / 2 : cols / 8 * 3); }
+
+inline float hsum(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+inline __m256 u8_to_f32(__m128i bytes8) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes8)); }
+
+// 32 codes of a chunk as 32 unsigned bytes (column order), from 8- or 4-bit storage, or from a
+// 3-bit chunk unpacked into `tmp`.
+inline __m256i chunk_codes(const uint8_t* row, int bits, int64_t c) {
+  if (bits == 8) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c));
+  if (bits == 4) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c / 2));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+    return _mm256_set_m128i(hi, lo);
+  }
+  alignas(32) uint8_t tmp[32];
+  const uint8_t* chunk = row + c / 8 * 3;
+  for (int k = 0; k < 4; ++k) {
+    const uint32_t v = chunk[3 * k] | (uint32_t{chunk[3 * k + 1]} << 8) | (uint32_t{chunk[3 * k + 2]} << 16);
+    for (int j = 0; j < 8; ++j) tmp[8 * k + j] = static_cast<uint8_t>((v >> (3 * j)) & 7u);
+  }
+  return _mm256_load_si256(reinterpret_cast<const __m256i*>(tmp));
+}
+
+// y rows [n0, n0 + nr) x output row o, weight-only.
+void weight_only_rows(const float* x, int64_t K, int64_t n0, int nr, const uint8_t* row, const float* scales,
+                      const uint8_t* zeros, const IntWeightSpec& s, const float* xsums, float out[kRowBlock]) {
+  const int64_t groups = K / s.group;
+  __m256 total[kRowBlock];
+  float zero_term[kRowBlock] = {};
+  for (int r = 0; r < kRowBlock; ++r) total[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256 acc[kRowBlock];
+    for (int r = 0; r < kRowBlock; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t c = g * s.group; c < (g + 1) * s.group; c += 32) {
+      const __m256i codes = chunk_codes(row, s.bits, c);
+      const __m128i lo = _mm256_castsi256_si128(codes), hi = _mm256_extracti128_si256(codes, 1);
+      const __m256 w0 = u8_to_f32(lo), w1 = u8_to_f32(_mm_srli_si128(lo, 8));
+      const __m256 w2 = u8_to_f32(hi), w3 = u8_to_f32(_mm_srli_si128(hi, 8));
+      for (int r = 0; r < nr; ++r) {
+        const float* xr = x + (n0 + r) * K + c;
+        __m256 a = _mm256_fmadd_ps(_mm256_loadu_ps(xr), w0, acc[r]);
+        a = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), w1, a);
+        a = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), w2, a);
+        acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), w3, a);
+      }
+    }
+    const __m256 sv = _mm256_set1_ps(scales[g]);
+    for (int r = 0; r < nr; ++r) {
+      total[r] = _mm256_fmadd_ps(sv, acc[r], total[r]);
+      zero_term[r] += scales[g] * static_cast<float>(zeros[g]) * xsums[(n0 + r) * groups + g];
+    }
+  }
+  for (int r = 0; r < nr; ++r) out[r] = hsum(total[r]) - zero_term[r];
+}
+
+// sum_c qx_c (code_c - 128) over one row, exact in int32.
+int32_t dot_s8(const int8_t* qx, const uint8_t* codes, int64_t K) {
+  __m256i acc = _mm256_setzero_si256();
+  const __m256i ones = _mm256_set1_epi16(1), bias = _mm256_set1_epi8(static_cast<char>(0x80));
+  for (int64_t c = 0; c < K; c += 32) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + c));
+    const __m256i w = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + c)), bias);  // code - 128
+    const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(a, a), _mm256_sign_epi8(w, a));
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, ones));
+  }
+  const __m128i s = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
+  const __m128i t = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1)));
+}
+
+void check_operands(const Tensor& x, const Tensor& codes, const Tensor& scales, const Tensor& zeros,
+                    const IntWeightSpec& s) {
+  LOOM_CHECK(s.bits == 8 || s.bits == 4 || s.bits == 3, "int_linear: ", s.bits, " bits, expected 8, 4 or 3");
+  LOOM_CHECK(s.cols % 32 == 0 && s.group % 32 == 0 && s.cols % s.group == 0 && (!s.act_int8 || (s.bits == 8 && s.group == s.cols)),
+             "int_linear: group ", s.group, " and ", s.cols, " columns do not fit the packed format");
+  LOOM_CHECK(codes.dtype() == DTYPE_U8 && codes.numel() == s.rows * row_bytes(s.bits, s.cols), "int_linear: codes ",
+             codes.describe(), " for (", s.rows, ", ", s.cols, ") at ", s.bits, " bits");
+  LOOM_CHECK(scales.dtype() == DTYPE_F32 && zeros.dtype() == DTYPE_U8 && scales.numel() == s.rows * (s.cols / s.group) &&
+             zeros.numel() == scales.numel(), "int_linear: scales ", scales.describe(), " / zeros ", zeros.describe());
+  LOOM_CHECK(!x.defined() || (x.dtype() == DTYPE_F32 && x.numel() % s.cols == 0), "int_linear: x ", x.describe(),
+             " for ", s.cols, " columns");
+}
+
+}  // namespace
+
+void int_linear(const Tensor& x, const Tensor& codes, const Tensor& scales, const Tensor& zeros, const IntWeightSpec& s,
+                const Tensor* input_scale, const Tensor& y, float beta, const Tensor* bias) {
+  check_operands(x, codes, scales, zeros, s);
+  const int64_t K = s.cols, O = s.rows, N = x.numel() / K, groups = K / s.group, rb = row_bytes(s.bits, K);
+  LOOM_CHECK(y.dtype() == DTYPE_F32 && y.numel() == N * O, "int_linear: y ", y.describe(), " for (", N, ", ", O, ")");
+  LOOM_CHECK(bias == nullptr || (bias->dtype() == DTYPE_F32 && bias->numel() == O), "int_linear: bias for ", O, " rows");
+  LOOM_CHECK(input_scale == nullptr || (input_scale->dtype() == DTYPE_F32 && input_scale->numel() == K),
+             "int_linear: input scale for ", K, " columns");
+  const float* xp = x.data<float>();
+  std::vector<float> scaled;  // x diag(input_scale)
+  if (input_scale != nullptr) {
+    scaled.resize(static_cast<size_t>(N * K));
+    const float* v = input_scale->data<float>();
+    for (int64_t n = 0; n < N; ++n) {
+      for (int64_t c = 0; c < K; ++c) scaled[static_cast<size_t>(n * K + c)] = xp[n * K + c] * v[c];
+    }
+    xp = scaled.data();
+  }
+  float* yp = y.data<float>();
+  const float* bp = bias != nullptr ? bias->data<float>() : nullptr;
+  const uint8_t* cp = codes.data<uint8_t>();
+  const float* sp = scales.data<float>();
+  const uint8_t* zp = zeros.data<uint8_t>();
+  auto store = [&](int64_t n, int64_t o, float v) {
+    if (bp != nullptr) v += bp[o];
+    float& dst = yp[n * O + o];
+    dst = beta == 0.0f ? v : beta * dst + v;
+  };
+  if (s.act_int8) {
+    std::vector<int8_t> qx(static_cast<size_t>(N * K));
+    std::vector<float> sx(static_cast<size_t>(N));
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; ++n) {
+      float amax = 0.0f;
+      for (int64_t c = 0; c < K; ++c) amax = std::max(amax, std::fabs(xp[n * K + c]));
+      const float scale = amax > 0.0f ? amax / 127.0f : 1.0f;
+      sx[static_cast<size_t>(n)] = scale;
+      for (int64_t c = 0; c < K; ++c) {
+        qx[static_cast<size_t>(n * K + c)] = static_cast<int8_t>(std::clamp(std::nearbyint(xp[n * K + c] / scale), -127.0f, 127.0f));
+      }
+    }
+#pragma omp parallel for schedule(static)
+    for (int64_t o = 0; o < O; ++o) {
+      for (int64_t n = 0; n < N; ++n) {
+        const int32_t d = dot_s8(qx.data() + n * K, cp + o * rb, K);
+        store(n, o, sx[static_cast<size_t>(n)] * sp[o] * static_cast<float>(d));
+      }
+    }
+    return;
+  }
+  std::vector<float> xsums(static_cast<size_t>(N * groups));  // each row's group sums (the zero points' term)
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t g = 0; g < groups; ++g) {
+      float t = 0.0f;
+      for (int64_t c = g * s.group; c < (g + 1) * s.group; ++c) t += xp[n * K + c];
+      xsums[static_cast<size_t>(n * groups + g)] = t;
+    }
+  }
+#pragma omp parallel for schedule(static)
+  for (int64_t o = 0; o < O; ++o) {
+    for (int64_t n0 = 0; n0 < N; n0 += kRowBlock) {
+      const int nr = static_cast<int>(std::min<int64_t>(kRowBlock, N - n0));
+      float out[kRowBlock];
+      weight_only_rows(xp, K, n0, nr, cp + o * rb, sp + o * groups, zp + o * groups, s, xsums.data(), out);
+      for (int r = 0; r < nr; ++r) store(n0 + r, o, out[r]);
+    }
+  }
+}
+
+void int_dequantize(const Tensor& codes, const Tensor& scales, const Tensor& zeros, const IntWeightSpec& s,
+                    const Tensor* input_scale, const Tensor& out) {
+  check_operands(Tensor{}, codes, scales, zeros, s);
+  LOOM_CHECK(out.dtype() == DTYPE_F32 && out.numel() == s.rows * s.cols, "int_dequantize: out ", out.describe(), " for (",
+             s.rows, ", ", s.cols, ")");
+  const int64_t K = s.cols, groups = K / s.group, rb = row_bytes(s.bits, K);
+  const uint8_t* cp = codes.data<uint8_t>();
+  const float* sp = scales.data<float>();
+  const uint8_t* zp = zeros.data<uint8_t>();
+  float* op = out.data<float>();
+  LOOM_CHECK(input_scale == nullptr || (input_scale->dtype() == DTYPE_F32 && input_scale->numel() == K),
+             "int_dequantize: input scale for ", K, " columns");
+  const float* in = input_scale != nullptr ? input_scale->data<float>() : nullptr;
+#pragma omp parallel for schedule(static)
+  for (int64_t o = 0; o < s.rows; ++o) {
+    for (int64_t c = 0; c < K; c += 32) {
+      const int64_t g = o * groups + c / s.group;
+      const __m256 sv = _mm256_set1_ps(sp[g]), zv = _mm256_set1_ps(static_cast<float>(zp[g]));
+      const __m256i codes32 = chunk_codes(cp + o * rb, s.bits, c);
+      const __m128i lo = _mm256_castsi256_si128(codes32), hi = _mm256_extracti128_si256(codes32, 1);
+      const __m256 w[4] = {u8_to_f32(lo), u8_to_f32(_mm_srli_si128(lo, 8)), u8_to_f32(hi), u8_to_f32(_mm_srli_si128(hi, 8))};
+      for (int k = 0; k < 4; ++k) _mm256_storeu_ps(op + o * K + c + 8 * k, _mm256_mul_ps(sv, _mm256_sub_ps(w[k], zv)));
+    }
+    if (in != nullptr) {  // W diag(input_scale): the same product as scaling the input
+      for (int64_t c = 0; c < K; ++c) op[o * K + c] *= in[c];
+    }
+  }
+}
+
+}  // namespace loom::cpu
