@@ -142,6 +142,13 @@ int bench_generate(const Args& args) {
   const EngineStats& st = engine.stats();
   std::printf("one at a time:       %8.1f new tokens/s (%.2f s)  time to first token mean %.3f s\n", generated / alone_s,
               alone_s, [&] { double s = 0; for (double x : alone_ttft) s += x; return s / alone_ttft.size(); }());
+  {  // one stream's two phases: the prompt (up to the first token) and the tokens after it
+    double first_s = 0.0;
+    for (double x : alone_ttft) first_s += x;
+    std::printf("single stream:       prefill %8.1f prompt tokens/s (prompt / time to first token), decode %8.1f tokens/s "
+                "(after the first token)\n", static_cast<double>(n * L) / first_s,
+                static_cast<double>(generated - n) / (alone_s - first_s));
+  }
   std::printf("continuous batching: %8.1f new tokens/s (%.2f s)  time to first token mean %.3f s, p50 %.3f s, p90 %.3f s "
               "(all submitted at t = 0)\n", generated / batched_s, batched_s,
               [&] { double s = 0; for (double x : ttft) s += x; return s / ttft.size(); }(), percentile(ttft, 0.5),

@@ -1,5 +1,8 @@
 // The CPU kernels of Backend::int_linear and int_dequantize (the contract in backend.h, the
-// packing in precision/int_quant.h), in AVX2 + FMA intrinsics (x86-64-v3, Loom's baseline):
+// packing in precision/int_quant.h). On CPUs with AVX512-VNNI (Zen 4/5, Ice Lake and later) every
+// format runs the integer kernel below (weight_only_vnni: the input quantized to int8 per row and
+// group, vpdpbusd on 32 codes at a time); elsewhere AVX2 + FMA intrinsics (x86-64-v3, Loom's
+// baseline) in the ways this paragraph describes:
 //
 // With an input scale (AWQ, SmoothQuant) int_linear multiplies a copy of x by it and
 // int_dequantize multiplies the weight's columns by it.
@@ -38,41 +41,47 @@ inline float hsum(__m256 v) {
 
 inline __m256 u8_to_f32(__m128i bytes8) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes8)); }
 
-// 32 codes of a chunk as 32 unsigned bytes (column order), from 8- or 4-bit storage, or from a
-// 3-bit chunk unpacked into `tmp`.
-inline __m256i chunk_codes(const uint8_t* row, int bits, int64_t c) {
-  if (bits == 8) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c));
-  if (bits == 4) {
+// The 32 codes of columns [c, c + 32) as two vectors of 16 bytes (columns c .. c + 15 and
+// c + 16 .. c + 31). 3 bits: BMI2's pdep spreads each 24-bit group of 8 codes into 8 bytes.
+template <int BITS>
+inline void chunk_codes(const uint8_t* row, int64_t c, __m128i& lo, __m128i& hi) {
+  if constexpr (BITS == 8) {
+    lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c));
+    hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c + 16));
+  } else if constexpr (BITS == 4) {
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c / 2));
     const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
-    return _mm256_set_m128i(hi, lo);
+    lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+  } else {
+    const uint8_t* chunk = row + c / 8 * 3;
+    uint64_t v[4];
+    for (int k = 0; k < 4; ++k) {
+      const uint32_t bits24 = chunk[3 * k] | (uint32_t{chunk[3 * k + 1]} << 8) | (uint32_t{chunk[3 * k + 2]} << 16);
+      v[k] = _pdep_u64(bits24, 0x0707070707070707ull);
+    }
+    lo = _mm_set_epi64x(static_cast<int64_t>(v[1]), static_cast<int64_t>(v[0]));
+    hi = _mm_set_epi64x(static_cast<int64_t>(v[3]), static_cast<int64_t>(v[2]));
   }
-  alignas(32) uint8_t tmp[32];
-  const uint8_t* chunk = row + c / 8 * 3;
-  for (int k = 0; k < 4; ++k) {
-    const uint32_t v = chunk[3 * k] | (uint32_t{chunk[3 * k + 1]} << 8) | (uint32_t{chunk[3 * k + 2]} << 16);
-    for (int j = 0; j < 8; ++j) tmp[8 * k + j] = static_cast<uint8_t>((v >> (3 * j)) & 7u);
-  }
-  return _mm256_load_si256(reinterpret_cast<const __m256i*>(tmp));
 }
 
-// y rows [n0, n0 + nr) x output row o, weight-only.
-void weight_only_rows(const float* x, int64_t K, int64_t n0, int nr, const uint8_t* row, const float* scales,
-                      const uint8_t* zeros, const IntWeightSpec& s, const float* xsums, float out[kRowBlock]) {
-  const int64_t groups = K / s.group;
-  __m256 total[kRowBlock];
-  float zero_term[kRowBlock] = {};
-  for (int r = 0; r < kRowBlock; ++r) total[r] = _mm256_setzero_ps();
+// One output row o against NR input rows [n0, n0 + NR): out[r] = sum_g s_g (sum_c x_c q_c) - s_g z_g xsum_g.
+// AVX2: 4 vectors of 8 per chunk of 32 columns.
+template <int BITS, int NR>
+void weight_only_avx2(const float* x, int64_t K, int64_t n0, const uint8_t* row, const float* scales, const uint8_t* zeros,
+                      int64_t group, const float* xsums, float* out) {
+  const int64_t groups = K / group;
+  __m256 total[NR];
+  float zero_term[NR] = {};
+  for (int r = 0; r < NR; ++r) total[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    __m256 acc[kRowBlock];
-    for (int r = 0; r < kRowBlock; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t c = g * s.group; c < (g + 1) * s.group; c += 32) {
-      const __m256i codes = chunk_codes(row, s.bits, c);
-      const __m128i lo = _mm256_castsi256_si128(codes), hi = _mm256_extracti128_si256(codes, 1);
+    __m256 acc[NR];
+    for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t c = g * group; c < (g + 1) * group; c += 32) {
+      __m128i lo, hi;
+      chunk_codes<BITS>(row, c, lo, hi);
       const __m256 w0 = u8_to_f32(lo), w1 = u8_to_f32(_mm_srli_si128(lo, 8));
       const __m256 w2 = u8_to_f32(hi), w3 = u8_to_f32(_mm_srli_si128(hi, 8));
-      for (int r = 0; r < nr; ++r) {
+      for (int r = 0; r < NR; ++r) {
         const float* xr = x + (n0 + r) * K + c;
         __m256 a = _mm256_fmadd_ps(_mm256_loadu_ps(xr), w0, acc[r]);
         a = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), w1, a);
@@ -81,12 +90,74 @@ void weight_only_rows(const float* x, int64_t K, int64_t n0, int nr, const uint8
       }
     }
     const __m256 sv = _mm256_set1_ps(scales[g]);
-    for (int r = 0; r < nr; ++r) {
+    for (int r = 0; r < NR; ++r) {
       total[r] = _mm256_fmadd_ps(sv, acc[r], total[r]);
       zero_term[r] += scales[g] * static_cast<float>(zeros[g]) * xsums[(n0 + r) * groups + g];
     }
   }
-  for (int r = 0; r < nr; ++r) out[r] = hsum(total[r]) - zero_term[r];
+  for (int r = 0; r < NR; ++r) out[r] = hsum(total[r]) - zero_term[r];
+}
+
+// Weight-only with 8-bit activations (CPUs with AVX512-VNNI, as llama.cpp's q8_0 dot products):
+// the input row's group is quantized to int8, q_x = round(x / s_x), s_x = max |x| / 127, and
+// sum_c q_x q_w runs in int32 with vpdpbusd (u8 codes times s8 inputs, 32 per instruction);
+// per group out += s_w s_x (sum q_x q_w - z sum q_x).
+template <int BITS, int NR>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,bmi2"))) void weight_only_vnni(
+    const int8_t* xq, int64_t K, int64_t n0, const uint8_t* row, const float* scales, const uint8_t* zeros, int64_t group,
+    const float* xs, const int32_t* xqsum, float* out) {
+  const int64_t groups = K / group;
+  __m256 total[NR];
+  float zero_term[NR] = {};
+  for (int r = 0; r < NR; ++r) total[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i acc[NR];
+    for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_si256();
+    for (int64_t c = g * group; c < (g + 1) * group; c += 32) {
+      __m128i lo, hi;
+      chunk_codes<BITS>(row, c, lo, hi);
+      const __m256i codes = _mm256_set_m128i(hi, lo);
+      for (int r = 0; r < NR; ++r) {
+        acc[r] = _mm256_dpbusd_epi32(acc[r], codes, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (n0 + r) * K + c)));
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      const float f = scales[g] * xs[(n0 + r) * groups + g];
+      total[r] = _mm256_fmadd_ps(_mm256_set1_ps(f), _mm256_cvtepi32_ps(acc[r]), total[r]);
+      zero_term[r] += f * static_cast<float>(static_cast<int32_t>(zeros[g]) * xqsum[(n0 + r) * groups + g]);
+    }
+  }
+  for (int r = 0; r < NR; ++r) out[r] = hsum(total[r]) - zero_term[r];
+}
+
+using VnniKernel = void (*)(const int8_t*, int64_t, int64_t, const uint8_t*, const float*, const uint8_t*, int64_t,
+                            const float*, const int32_t*, float*);
+
+template <int BITS>
+VnniKernel vnni_kernel(int nr) {
+  switch (nr) {
+    case 1: return weight_only_vnni<BITS, 1>;
+    case 2: return weight_only_vnni<BITS, 2>;
+    case 3: return weight_only_vnni<BITS, 3>;
+    default: return weight_only_vnni<BITS, 4>;
+  }
+}
+
+using RowKernel = void (*)(const float*, int64_t, int64_t, const uint8_t*, const float*, const uint8_t*, int64_t,
+                           const float*, float*);
+
+template <int BITS>
+RowKernel row_kernel(int nr) {
+  switch (nr) {
+    case 1: return weight_only_avx2<BITS, 1>;
+    case 2: return weight_only_avx2<BITS, 2>;
+    case 3: return weight_only_avx2<BITS, 3>;
+    default: return weight_only_avx2<BITS, 4>;
+  }
+}
+
+RowKernel weight_only_kernel(int bits, int nr) {
+  return bits == 8 ? row_kernel<8>(nr) : (bits == 4 ? row_kernel<4>(nr) : row_kernel<3>(nr));
 }
 
 // sum_c qx_c (code_c - 128) over one row, exact in int32.
@@ -119,6 +190,12 @@ void check_operands(const Tensor& x, const Tensor& codes, const Tensor& scales, 
 
 }  // namespace
 
+bool int_linear_quantizes_activations() {
+  static const bool vnni = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  return vnni;
+}
+
 void int_linear(const Tensor& x, const Tensor& codes, const Tensor& scales, const Tensor& zeros, const IntWeightSpec& s,
                 const Tensor* input_scale, const Tensor& y, float beta, const Tensor* bias) {
   check_operands(x, codes, scales, zeros, s);
@@ -147,24 +224,43 @@ void int_linear(const Tensor& x, const Tensor& codes, const Tensor& scales, cons
     float& dst = yp[n * O + o];
     dst = beta == 0.0f ? v : beta * dst + v;
   };
-  if (s.act_int8) {
+  if (s.act_int8 || int_linear_quantizes_activations()) {
+    // Each row's groups (W8A8: the whole row) to int8: scale, codes, and the codes' sum.
     std::vector<int8_t> qx(static_cast<size_t>(N * K));
-    std::vector<float> sx(static_cast<size_t>(N));
+    std::vector<float> sx(static_cast<size_t>(N * groups));
+    std::vector<int32_t> qsum(static_cast<size_t>(N * groups));
 #pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; ++n) {
+    for (int64_t ng = 0; ng < N * groups; ++ng) {
+      const float* xg = xp + ng * s.group;  // rows are K = groups x group long: group ng starts at ng x group
       float amax = 0.0f;
-      for (int64_t c = 0; c < K; ++c) amax = std::max(amax, std::fabs(xp[n * K + c]));
+      for (int64_t c = 0; c < s.group; ++c) amax = std::max(amax, std::fabs(xg[c]));
       const float scale = amax > 0.0f ? amax / 127.0f : 1.0f;
-      sx[static_cast<size_t>(n)] = scale;
-      for (int64_t c = 0; c < K; ++c) {
-        qx[static_cast<size_t>(n * K + c)] = static_cast<int8_t>(std::clamp(std::nearbyint(xp[n * K + c] / scale), -127.0f, 127.0f));
+      int32_t sum = 0;
+      for (int64_t c = 0; c < s.group; ++c) {
+        const int8_t q = static_cast<int8_t>(std::clamp(std::nearbyint(xg[c] / scale), -127.0f, 127.0f));
+        qx[static_cast<size_t>(ng * s.group + c)] = q;
+        sum += q;
       }
+      sx[static_cast<size_t>(ng)] = scale, qsum[static_cast<size_t>(ng)] = sum;
+    }
+    if (!int_linear_quantizes_activations()) {  // W8A8 without VNNI: maddubs on |x| and sign(x) (q_w - 128)
+#pragma omp parallel for schedule(static)
+      for (int64_t o = 0; o < O; ++o) {
+        for (int64_t n = 0; n < N; ++n) {
+          const int32_t d = dot_s8(qx.data() + n * K, cp + o * rb, K);
+          store(n, o, sx[static_cast<size_t>(n)] * sp[o] * static_cast<float>(d));
+        }
+      }
+      return;
     }
 #pragma omp parallel for schedule(static)
     for (int64_t o = 0; o < O; ++o) {
-      for (int64_t n = 0; n < N; ++n) {
-        const int32_t d = dot_s8(qx.data() + n * K, cp + o * rb, K);
-        store(n, o, sx[static_cast<size_t>(n)] * sp[o] * static_cast<float>(d));
+      for (int64_t n0 = 0; n0 < N; n0 += kRowBlock) {
+        const int nr = static_cast<int>(std::min<int64_t>(kRowBlock, N - n0));
+        float out[kRowBlock];
+        const VnniKernel k = s.bits == 8 ? vnni_kernel<8>(nr) : (s.bits == 4 ? vnni_kernel<4>(nr) : vnni_kernel<3>(nr));
+        k(qx.data(), K, n0, cp + o * rb, sp + o * groups, zp + o * groups, s.group, sx.data(), qsum.data(), out);
+        for (int r = 0; r < nr; ++r) store(n0 + r, o, out[r]);
       }
     }
     return;
@@ -182,7 +278,7 @@ void int_linear(const Tensor& x, const Tensor& codes, const Tensor& scales, cons
     for (int64_t n0 = 0; n0 < N; n0 += kRowBlock) {
       const int nr = static_cast<int>(std::min<int64_t>(kRowBlock, N - n0));
       float out[kRowBlock];
-      weight_only_rows(xp, K, n0, nr, cp + o * rb, sp + o * groups, zp + o * groups, s, xsums.data(), out);
+      weight_only_kernel(s.bits, nr)(xp, K, n0, cp + o * rb, sp + o * groups, zp + o * groups, s.group, xsums.data(), out);
       for (int r = 0; r < nr; ++r) store(n0 + r, o, out[r]);
     }
   }
@@ -206,8 +302,10 @@ void int_dequantize(const Tensor& codes, const Tensor& scales, const Tensor& zer
     for (int64_t c = 0; c < K; c += 32) {
       const int64_t g = o * groups + c / s.group;
       const __m256 sv = _mm256_set1_ps(sp[g]), zv = _mm256_set1_ps(static_cast<float>(zp[g]));
-      const __m256i codes32 = chunk_codes(cp + o * rb, s.bits, c);
-      const __m128i lo = _mm256_castsi256_si128(codes32), hi = _mm256_extracti128_si256(codes32, 1);
+      __m128i lo, hi;
+      if (s.bits == 8) chunk_codes<8>(cp + o * rb, c, lo, hi);
+      else if (s.bits == 4) chunk_codes<4>(cp + o * rb, c, lo, hi);
+      else chunk_codes<3>(cp + o * rb, c, lo, hi);
       const __m256 w[4] = {u8_to_f32(lo), u8_to_f32(_mm_srli_si128(lo, 8)), u8_to_f32(hi), u8_to_f32(_mm_srli_si128(hi, 8))};
       for (int k = 0; k < 4; ++k) _mm256_storeu_ps(op + o * K + c + 8 * k, _mm256_mul_ps(sv, _mm256_sub_ps(w[k], zv)));
     }
