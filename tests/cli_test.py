@@ -15,6 +15,8 @@ import sys
 import tempfile
 import unittest
 
+import torch
+
 LOOM = os.path.abspath(sys.argv[1]) if len(sys.argv) > 1 else "build/bin/loom"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXT = "/usr/share/common-licenses/GPL-3"  # real English text present on every Debian system
@@ -755,6 +757,113 @@ class Cli(unittest.TestCase):
         p = run("eval", "--checkpoint", ckpt, "--text", text, "--seq-len", "100000", expect_ok=False)
         self.assert_one_line_error(p, "--seq-len")
 
+    # ---------------------------------------------------------------- compression (docs/compression.md)
+
+    def tensors(self, step_dir: str) -> dict:
+        sys.path.insert(0, os.path.join(ROOT, "tools"))
+        import loom_reference as ref  # noqa: E402
+        tensors, _ = ref.read_safetensors(os.path.join(step_dir, "model.safetensors"))
+        return tensors
+
+    def test_quantize_methods_evaluate_generate_and_refuse_bad_input(self):
+        self.train("cq", steps=24)
+        ckpt = os.path.join(self.tmp, "runs", "cq")
+        text = os.path.join(self.tmp, "heldout.txt")
+        with open(TEXT) as f:
+            body = f.read()
+        with open(text, "w") as f:
+            f.write(body[-6000:])
+        def loss(path):
+            return json.loads(run("eval", "--checkpoint", path, "--text", text, "--seq-len", "32", "--batch", "8",
+                                  "--json").stdout)["loss"]
+        base = loss(ckpt)
+        q = lambda name: os.path.join(self.tmp, "q_" + name)
+        cases = {"rtn8": ["--method", "rtn", "--bits", "8", "--group", "32"],
+                 "rtn4": ["--method", "rtn", "--bits", "4", "--group", "32"],
+                 "gptq4": ["--method", "gptq", "--bits", "4", "--group", "32", "--calib", TEXT, "--calib-tokens", "4096"],
+                 "gptq3act": ["--method", "gptq", "--bits", "3", "--group", "32", "--act-order", "--calib", TEXT,
+                              "--calib-tokens", "2048"],
+                 "awq4": ["--method", "awq", "--bits", "4", "--group", "32", "--calib", TEXT, "--calib-tokens", "2048"],
+                 "sq": ["--method", "smoothquant", "--calib", TEXT, "--calib-tokens", "2048"],
+                 "w8a8": ["--method", "w8a8"]}
+        losses = {}
+        for name, extra in cases.items():
+            out = run("quantize", "--checkpoint", ckpt, "--out", q(name), *extra).stdout
+            self.assertRegex(out, r"wrote .*parameters quantized")
+            with open(os.path.join(q(name), "manifest.json")) as f:
+                manifest = json.load(f)
+            self.assertEqual(manifest["kind"], "quantized")
+            losses[name] = loss(q(name))
+        # 8 bits are within 1% of f32; every method stays within 15% of f32 on this 24-step model.
+        self.assertLess(abs(losses["rtn8"] - base), 0.01 * base, losses)
+        self.assertLess(abs(losses["sq"] - base), 0.02 * base, losses)
+        for name, value in losses.items():
+            self.assertLess(abs(value - base), 0.15 * base, (name, losses, base))
+        # The packed codes are in the file under their stated names and sizes.
+        t = self.tensors(q("rtn4"))
+        self.assertEqual(t["h.0.attn.c_attn.weight.qweight"].dtype, torch.uint8)
+        self.assertEqual(list(t["h.0.attn.c_attn.weight.qweight"].shape), [96, 16])  # 32 columns at 4 bits
+        self.assertEqual(list(t["h.0.attn.c_attn.weight.scales"].shape), [96, 1])
+        self.assertNotIn("h.0.attn.c_attn.weight", t)
+        self.assertIn("h.0.attn.c_attn.weight.input_scale", self.tensors(q("awq4")))
+        # generate and bench generate load it; training refuses it.
+        self.assertTrue(run("generate", "--checkpoint", q("gptq4"), "--prompt", "The ", "--tokens", "8").stdout)
+        self.assertIn("single stream", run("bench", "generate", "--checkpoint", q("rtn4"), "--requests", "2",
+                                           "--prompt-tokens", "8", "--new-tokens", "4").stdout)
+        p = run("convert", "--to", "hf", "--checkpoint", q("rtn4"), "--out", os.path.join(self.tmp, "qhf"), expect_ok=False)
+        self.assert_one_line_error(p, q("rtn4"), "is a quantized model")
+        # Bad input: one line naming the key or the file.
+        bad = [(["--method", "rtn", "--bits", "5"], "--bits 5"),
+               (["--method", "rtn", "--bits", "4", "--group", "48"], "--group 48"),
+               (["--method", "rtn", "--bits", "4", "--group", "128"], "--group 128"),
+               (["--method", "smoothquant", "--bits", "4", "--calib", TEXT], "--bits 4"),
+               (["--method", "gptq", "--bits", "4", "--group", "32"], "--calib FILE"),
+               (["--method", "gptq", "--group", "32", "--calib", text, "--calib-tokens", "100000"], text),
+               (["--method", "fancy"], "--method 'fancy'")]
+        for extra, needle in bad:
+            p = run("quantize", "--checkpoint", ckpt, "--out", q("bad"), *extra, expect_ok=False)
+            self.assert_one_line_error(p, needle)
+            self.assertFalse(os.path.exists(q("bad")))
+
+    def test_prune_and_merge(self):
+        self.train("cp", steps=12)
+        self.train("cp2", "--set", "train.seed=7", steps=12)
+        a, b = os.path.join(self.tmp, "runs", "cp"), os.path.join(self.tmp, "runs", "cp2")
+        step = lambda d: os.path.join(d, "checkpoints", "step_00000000")
+        out = run("prune", "--checkpoint", a, "--method", "magnitude", "--sparsity", "0.5",
+                  "--out", os.path.join(self.tmp, "pm")).stdout
+        self.assertIn("(50.00%", out)
+        t = self.tensors(step(os.path.join(self.tmp, "pm")))
+        w = t["h.1.mlp.c_fc.weight"]
+        self.assertEqual(int((w == 0).sum()), w.numel() // 2)
+        run("prune", "--checkpoint", a, "--method", "wanda", "--pattern", "2:4", "--calib", TEXT, "--calib-tokens", "1024",
+            "--out", os.path.join(self.tmp, "pw"))
+        w = self.tensors(step(os.path.join(self.tmp, "pw")))["h.0.attn.c_proj.weight"]  # (in, out) in the file
+        groups = (w.T.reshape(-1, 4) == 0).sum(dim=1)
+        self.assertTrue(bool((groups == 2).all()))
+        run("prune", "--checkpoint", a, "--method", "sparsegpt", "--sparsity", "0.5", "--calib", TEXT,
+            "--calib-tokens", "1024", "--out", os.path.join(self.tmp, "ps"))
+        p = run("prune", "--checkpoint", a, "--method", "wanda", "--out", os.path.join(self.tmp, "px"), expect_ok=False)
+        self.assert_one_line_error(p, "--calib FILE")
+        # The average of identical models is the model; task arithmetic with weight 0 is the base.
+        ta = self.tensors(self.ckpt("cp", 12))
+        run("merge", "--method", "average", "--out", os.path.join(self.tmp, "avg"), a, a)
+        for name, value in self.tensors(step(os.path.join(self.tmp, "avg"))).items():
+            self.assertTrue(torch.equal(value, ta[name]), name)
+        run("merge", "--method", "task-arithmetic", "--base", a, "--weights", "0", "--out", os.path.join(self.tmp, "ta0"), b)
+        for name, value in self.tensors(step(os.path.join(self.tmp, "ta0"))).items():
+            self.assertTrue(torch.equal(value, ta[name]), name)
+        for method in ("ties", "dare"):
+            run("merge", "--method", method, "--base", a, "--out", os.path.join(self.tmp, method), a, b)
+            self.assertIn("perplexity", run("eval", "--checkpoint", os.path.join(self.tmp, method), "--batches", "1").stdout)
+        # Different shapes or tokenizers are refused, naming the key or the tokenizer.
+        self.train("cwide", "--set", "model.d_ff=128", steps=4)
+        p = run("merge", "--method", "average", "--out", os.path.join(self.tmp, "mx"), a,
+                os.path.join(self.tmp, "runs", "cwide"), expect_ok=False)
+        self.assert_one_line_error(p, "model.d_ff = 128")
+        p = run("merge", "--method", "task-arithmetic", "--out", os.path.join(self.tmp, "mx"), a, expect_ok=False)
+        self.assert_one_line_error(p, "--base PATH")
+
     def test_prepare_can_learn_its_own_bpe_and_train_uses_it(self):
         data = os.path.join(self.tmp, "d_bpe")
         run("prepare", "--input", TEXT, "--tokenizer", "bpe:300", "--out", data)
@@ -800,7 +909,8 @@ class Cli(unittest.TestCase):
         self.assertEqual((p.returncode, p.stdout), (0, b"97 255\n"))
 
     def test_every_command_has_help(self):
-        for cmd in ("prepare", "train", "eval", "generate", "tokenizer", "tokenize", "plan", "memory", "bench"):
+        for cmd in ("prepare", "train", "eval", "generate", "tokenizer", "tokenize", "plan", "memory", "bench", "quantize",
+                    "prune", "merge"):
             p = run(cmd, "--help")
             self.assertIn("usage: loom", p.stdout)
 

@@ -24,6 +24,7 @@
 #include "loom/core/philox.h"
 #include "loom/data/bpe.h"
 #include "loom/data/shard.h"
+#include "loom/data/tokenizer_files.h"
 #include "loom/nn/lora.h"
 
 namespace loom::cli {
@@ -279,6 +280,34 @@ void load_model(const ModelSource& source, Transformer& model) {
   std::map<std::string, IntWeight> weights;
   read_quantized_model(source.path, ModelState{source.config.model, model.params()}, weights);
   model.set_int_weights(std::move(weights));
+}
+
+std::vector<std::vector<int32_t>> calibration_sequences(const std::string& path, int64_t tokens, const LoomConfig& config,
+                                                        int64_t seq_len) {
+  std::ifstream in(path, std::ios::binary);
+  LOOM_CHECK(in, path, ": cannot open the calibration text (--calib)");
+  std::stringstream text;
+  text << in.rdbuf();
+  const std::vector<int32_t> ids = model_tokenizer(config)->encode(text.str(), EncodeOptions{.add_special_tokens = true});
+  LOOM_CHECK(tokens >= seq_len, "--calib-tokens ", tokens, " is less than one calibration sequence of ", seq_len, " tokens");
+  LOOM_CHECK(static_cast<int64_t>(ids.size()) >= tokens, path, ": ", ids.size(), " tokens, fewer than --calib-tokens ",
+             tokens, ": give a longer calibration text or a smaller --calib-tokens");
+  std::vector<std::vector<int32_t>> sequences;
+  for (int64_t first = 0; first + seq_len <= tokens; first += seq_len) {
+    sequences.emplace_back(ids.begin() + first, ids.begin() + first + seq_len);
+  }
+  return sequences;
+}
+
+std::string save_weights_checkpoint(const std::string& out, const LoomConfig& config, const Tensor& params,
+                                    const nlohmann::json& extra) {
+  CheckpointContents contents;
+  contents.model = ModelState{config.model, params};
+  contents.optimizer.name = "none";  // weights only: no optimizer state
+  contents.config_text = config_to_toml(config);
+  contents.attached = tokenizer_attachments(config.data.tokenizer);
+  contents.extra = extra;
+  return CheckpointManager((fs::path(out) / "checkpoints").string()).save(contents);
 }
 
 std::string resolve_weights(const std::string& path) { return is_hf_model_dir(path) ? path : resolve_checkpoint(path); }

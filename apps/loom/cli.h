@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <vector>
@@ -90,6 +91,15 @@ void load_weights(const ModelSource& source, const Tensor& params);
 // The source's weights into `model`: load_weights, or for a quantized model folder its f32
 // parameters and its integer weights (Transformer::set_int_weights).
 void load_model(const ModelSource& source, Transformer& model);
+// Calibration data (loom quantize, loom prune): the first `tokens` tokens of the text file at
+// `path` (tokenized with the model's tokenizer) as sequences of seq_len tokens. Errors name the
+// file and --calib-tokens when the text is shorter.
+std::vector<std::vector<int32_t>> calibration_sequences(const std::string& path, int64_t tokens, const LoomConfig& config,
+                                                        int64_t seq_len);
+// A Loom checkpoint of weights only (no optimizer state) at <out>/checkpoints/step_00000000,
+// the tokenizer attached, `extra` in its trainer.json; returns the step folder.
+std::string save_weights_checkpoint(const std::string& out, const LoomConfig& config, const Tensor& params,
+                                    const nlohmann::json& extra = nlohmann::json::object());
 // A Hugging Face folder as it is, or a Loom run / checkpoints / step folder -> its newest valid step.
 std::string resolve_weights(const std::string& path);
 

@@ -78,12 +78,7 @@ int to_hf(const Args& args, const ModelSource& source, const Tensor& params) {
 int to_loom(const Args& args, const ModelSource& source, const Tensor& params) {
   LoomConfig config = source.config;
   if (args.has("tokenizer")) config.data.tokenizer = args.get("tokenizer");
-  CheckpointContents contents;
-  contents.model = ModelState{config.model, params};
-  contents.optimizer.name = "none";  // weights only: no optimizer state
-  contents.config_text = config_to_toml(config);
-  contents.attached = tokenizer_attachments(config.data.tokenizer);
-  const std::string path = CheckpointManager((fs::path(args.get("out")) / "checkpoints").string()).save(contents);
+  const std::string path = save_weights_checkpoint(args.get("out"), config, params);
   std::printf("wrote %s: a Loom checkpoint of a %s model (weights only)\n", path.c_str(),
               std::string(arch_name(config.model.arch)).c_str());
   return 0;

@@ -3,8 +3,6 @@
 // docs/compression.md).
 #include <chrono>
 #include <cstdio>
-#include <fstream>
-#include <sstream>
 
 #include "cli.h"
 #include "commands.h"
@@ -32,24 +30,6 @@ const char* kHelp =
     "which the first N tokens (--calib-tokens, default 8192) are used in sequences of min(256,\n"
     "model.max_seq_len) tokens.\n";
 
-std::vector<std::vector<int32_t>> calibration_sequences(const Args& args, const LoomConfig& config, int64_t seq_len) {
-  const std::string path = args.get("calib");
-  std::ifstream in(path, std::ios::binary);
-  LOOM_CHECK(in, path, ": cannot open the calibration text (--calib)");
-  std::stringstream text;
-  text << in.rdbuf();
-  const auto tokenizer = model_tokenizer(config);
-  const std::vector<int32_t> ids = tokenizer->encode(text.str(), EncodeOptions{.add_special_tokens = true});
-  const int64_t wanted = args.get_int("calib-tokens", 8192);
-  LOOM_CHECK(wanted >= seq_len, "--calib-tokens ", wanted, " is less than one calibration sequence of ", seq_len, " tokens");
-  LOOM_CHECK(static_cast<int64_t>(ids.size()) >= wanted, path, ": ", ids.size(), " tokens, fewer than --calib-tokens ",
-             wanted, ": give a longer calibration text or a smaller --calib-tokens");
-  std::vector<std::vector<int32_t>> sequences;
-  for (int64_t first = 0; first + seq_len <= wanted; first += seq_len) {
-    sequences.emplace_back(ids.begin() + first, ids.begin() + first + seq_len);
-  }
-  return sequences;
-}
 }  // namespace
 
 int quantize_main(int argc, char** argv) {
@@ -101,7 +81,7 @@ int quantize_main(int argc, char** argv) {
   backend->copy(model.params(), original);  // quantize_model writes dequantized block weights into the model
   o.calib_seq_len = std::min<int64_t>(256, config.model.max_seq_len);
   const std::vector<std::vector<int32_t>> sequences =
-      quant_method_calibrates(o.method) ? calibration_sequences(args, config, o.calib_seq_len)
+      quant_method_calibrates(o.method) ? calibration_sequences(args.get("calib"), args.get_int("calib-tokens", 8192), config, o.calib_seq_len)
                                                  : std::vector<std::vector<int32_t>>{};
   const auto start = std::chrono::steady_clock::now();
   const bool verbose = stdout_is_terminal();

@@ -16,5 +16,7 @@ int serve_main(int argc, char** argv);
 int config_main(int argc, char** argv);
 int convert_main(int argc, char** argv);
 int quantize_main(int argc, char** argv);
+int prune_main(int argc, char** argv);
+int merge_main(int argc, char** argv);
 
 }  // namespace loom::cli

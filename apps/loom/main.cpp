@@ -32,6 +32,8 @@ const char* kUsage =
     "  config      print the resolved configuration, or (--markdown) every config key's reference\n"
     "  convert     a checkpoint as another format: --to gguf (llama.cpp, tokenizer included)\n"
     "  quantize    post-training quantization: rtn, gptq, awq (8/4/3 bits), smoothquant / w8a8\n"
+    "  prune       magnitude, Wanda or SparseGPT pruning (a sparsity, or 2:4)\n"
+    "  merge       average, task arithmetic, TIES or DARE over checkpoints of one model\n"
     "  version     print loom's version (also `loom --version`)\n"
     "\n"
     "`loom <command> --help` (or -h) describes each command's options; docs/config.md every config key.\n";
@@ -62,8 +64,10 @@ int main(int argc, char** argv) {
     if (command == "config") return loom::cli::config_main(argc - 2, argv + 2);
     if (command == "convert") return loom::cli::convert_main(argc - 2, argv + 2);
     if (command == "quantize") return loom::cli::quantize_main(argc - 2, argv + 2);
+    if (command == "prune") return loom::cli::prune_main(argc - 2, argv + 2);
+    if (command == "merge") return loom::cli::merge_main(argc - 2, argv + 2);
     std::fprintf(stderr, "loom: unknown command '%s'; commands: prepare, train, eval, generate, tokenizer, tokenize, plan, memory, "
-                 "serve, bench, config, convert, quantize, version (see `loom --help`)\n", command.c_str());
+                 "serve, bench, config, convert, quantize, prune, merge, version (see `loom --help`)\n", command.c_str());
     return 2;
   } catch (const loom::cli::HelpRequest& help) {
     std::fputs(help.text.c_str(), stdout);

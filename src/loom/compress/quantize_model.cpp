@@ -35,13 +35,6 @@ bool quant_method_calibrates(QuantMethod m) {
 
 namespace {
 
-// Block `layer`'s linear weights in linear_weights() (4 per block, then the head).
-std::vector<Transformer::LinearWeight> layer_weights(Transformer& model, int64_t layer) {
-  std::vector<Transformer::LinearWeight> all = model.linear_weights();
-  if (layer == model.config().n_layer) return {all.back()};
-  return {all.begin() + layer * 4, all.begin() + layer * 4 + 4};
-}
-
 std::vector<float> read_host(Backend& backend, const Tensor& t) {
   std::vector<float> v(static_cast<size_t>(t.numel()));
   backend.read(t, v.data());
@@ -130,6 +123,12 @@ IntWeight smooth_quantize(const std::vector<float>& w, const InputStats& st, con
 
 }  // namespace
 
+std::vector<Transformer::LinearWeight> layer_linear_weights(Transformer& model, int64_t layer) {
+  std::vector<Transformer::LinearWeight> all = model.linear_weights();
+  if (layer == model.config().n_layer) return {all.back()};
+  return {all.begin() + layer * 4, all.begin() + layer * 4 + 4};
+}
+
 std::vector<float> effective_weight(const IntWeight& q) {
   std::vector<float> w = int_dequantize(q);
   if (!q.input_scale.empty()) {
@@ -143,7 +142,7 @@ std::map<std::string, InputStats> calibration_stats(Transformer& model, const st
   LOOM_CHECK(!sequences.empty(), "calibration: no sequences");
   Backend& backend = model.backend();
   const int64_t L = model.config().n_layer, T = static_cast<int64_t>(sequences[0].size());
-  const std::vector<Transformer::LinearWeight> weights = layer_weights(model, layer);
+  const std::vector<Transformer::LinearWeight> weights = layer_linear_weights(model, layer);
   std::map<std::string, InputStats> stats;
   std::vector<Tensor> hessians;
   for (const Transformer::LinearWeight& lw : weights) {
@@ -171,7 +170,7 @@ std::map<std::string, InputStats> calibration_stats(Transformer& model, const st
       std::copy(sequences[static_cast<size_t>(first + i)].begin(), sequences[static_cast<size_t>(first + i)].end(), tokens.begin() + i * T);
     }
     backend.write(store.tokens, tokens.data());
-    backend.fill(store.targets, 0.0);
+    backend.write(store.targets, tokens.data());  // unused (no loss), but valid ids
     model.forward_stage(store, 0, layer < L ? layer + 1 : L, false);
     std::vector<Tensor> inputs;
     if (layer < L) {
@@ -238,7 +237,7 @@ std::map<std::string, IntWeight> quantize_model(Transformer& model, const std::v
     if (layer == L && !o.head) break;
     std::map<std::string, InputStats> stats;
     if (quant_method_calibrates(o.method)) stats = calibration_stats(model, sequences, layer, o.method == QuantMethod::gptq);
-    for (const Transformer::LinearWeight& lw : layer_weights(model, layer)) {
+    for (const Transformer::LinearWeight& lw : layer_linear_weights(model, layer)) {
       const int64_t rows = lw.weight.dim(0), cols = lw.weight.dim(1);
       const IntWeightSpec spec = int_weight_spec(o.bits, o.group, rows, cols, act_int8, lw.name);
       const std::vector<float> w = read_host(backend, lw.weight);

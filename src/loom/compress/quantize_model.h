@@ -51,6 +51,9 @@ struct InputStats {
   static constexpr int64_t kSampleRows = 512;
 };
 
+// Block `layer`'s four linear weights in linear_weights() order, or (layer = n_layer) the head.
+std::vector<Transformer::LinearWeight> layer_linear_weights(Transformer& model, int64_t layer);
+
 // The statistics of block `layer`'s four linear inputs (or, with layer = n_layer, the head's)
 // over the calibration sequences (each calib_seq_len tokens), by the weight's parameter name.
 // `hessian`: accumulate sum x x^T (through Backend::gemm in f64).
