@@ -362,6 +362,8 @@ TEST(QuantizedModel, FolderRoundTripsAndRejectsDamage) {
     const std::vector<float> w(lw.weight.data<float>(), lw.weight.data<float>() + lw.weight.numel());
     contents.weights[lw.name] = rtn_quantize(w, int_weight_spec(3, 64, lw.weight.dim(0), lw.weight.dim(1), false, lw.name));
   }
+  const std::string head = model.linear_weights().back().name;  // GPT-2's tied head: the embedding
+  contents.also_f32.insert(head);
   contents.weights.begin()->second.input_scale.assign(static_cast<size_t>(contents.weights.begin()->second.spec.cols), 0.5f);
   contents.quantization = {{"method", "rtn"}, {"bits", 3}, {"group", 64}, {"activations", "f32"}};
   const fs::path dir = fs::temp_directory_path() / ("loom_test_qfolder_" + std::to_string(::getpid()));
@@ -381,6 +383,9 @@ TEST(QuantizedModel, FolderRoundTripsAndRejectsDamage) {
     EXPECT_EQ(back.at(name).zeros, q.zeros) << name;
     EXPECT_EQ(back.at(name).input_scale, q.input_scale) << name;
   }
+  // The tied head's embedding comes back in f32 beside its codes (lookups read it).
+  const Tensor e0 = model.param(head), e1 = other.param(head);
+  for (int64_t i = 0; i < e0.numel(); ++i) ASSERT_EQ(e1.data<float>()[i], e0.data<float>()[i]) << i;
   const Tensor norm = other.param(build_param_layout(c).params[2].name);
   EXPECT_EQ(norm.data<float>()[0], model.param(build_param_layout(c).params[2].name).data<float>()[0]);
   // A plain checkpoint load refuses it, naming what it is.

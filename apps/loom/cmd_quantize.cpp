@@ -96,6 +96,7 @@ int quantize_main(int argc, char** argv) {
   QuantizedModelContents contents;
   contents.model = ModelState{config.model, original};
   contents.weights = std::move(weights);
+  if (config.model.tied_head() && o.head) contents.also_f32.insert(model.linear_weights().back().name);
   contents.quantization = {{"method", quant_method_name(o.method)},
                            {"bits", o.bits},
                            {"group", o.group},
@@ -108,7 +109,8 @@ int quantize_main(int argc, char** argv) {
   contents.config_text = config_to_toml(config);
   contents.attached = tokenizer_attachments(config.data.tokenizer);
   write_quantized_model(args.get("out"), contents);
-  const int64_t rest = (total - quantized) * 4;
+  int64_t rest = (total - quantized) * 4;
+  for (const std::string& name : contents.also_f32) rest += shape_numel(model.layout().find(name).shape) * 4;
   std::printf("wrote %s: %s %d-bit%s, %lld of %lld parameters quantized (%.1f MiB of codes, scales and zeros; "
               "%.1f MiB in f32 before), %.1f MiB of f32 parameters kept; %.1f s\n",
               args.get("out").c_str(), quant_method_name(o.method), o.bits,

@@ -413,7 +413,9 @@ void write_quantized_model(const std::string& dir, const QuantizedModelContents&
     std::vector<std::pair<std::string, Tensor>> tensors;
     const ParamLayout layout = build_param_layout(c.model.config);
     for (const ParamSpec& spec : layout.params) {
-      if (c.weights.count(spec.name) == 0) tensors.emplace_back(spec.name, c.model.params.view(spec.offset, spec.shape));
+      if (c.weights.count(spec.name) == 0 || c.also_f32.count(spec.name) != 0) {
+        tensors.emplace_back(spec.name, c.model.params.view(spec.offset, spec.shape));
+      }
     }
     auto host_tensor = [&](const Shape& shape, DType dtype, const void* data) {
       Tensor t = Tensor::empty(host, shape, dtype, MEM_WORKSPACE);
@@ -473,10 +475,8 @@ nlohmann::json read_quantized_model(const std::string& dir, const ModelState& mo
   };
   std::map<std::string, IntWeight> loaded;
   for (const ParamSpec& spec : layout.params) {
-    if (!file.has(spec.name + ".qweight")) {
-      expect(spec.name, DTYPE_F32, spec.shape);
-      continue;
-    }
+    if (file.has(spec.name) || !file.has(spec.name + ".qweight")) expect(spec.name, DTYPE_F32, spec.shape);
+    if (!file.has(spec.name + ".qweight")) continue;
     LOOM_CHECK(spec.shape.size() == 2, path, ": ", spec.name, " is quantized but is not a matrix");
     const int64_t rows = spec.shape[0], cols = spec.shape[1];
     LOOM_CHECK(file.has(spec.name + ".scales"), path, ": missing tensor ", spec.name, ".scales");
@@ -505,7 +505,7 @@ nlohmann::json read_quantized_model(const std::string& dir, const ModelState& mo
   }
   // Everything fits: only now fill the caller's tensors.
   for (const ParamSpec& spec : layout.params) {
-    if (loaded.count(spec.name) == 0) file.copy_into(spec.name, model.params.view(spec.offset, spec.shape));
+    if (file.has(spec.name)) file.copy_into(spec.name, model.params.view(spec.offset, spec.shape));
   }
   weights = std::move(loaded);
   return quantization;

@@ -174,14 +174,17 @@ std::string checkpoint_dir_name(int64_t step);
 struct QuantizedModelContents {
   ModelState model;  // every parameter; the quantized ones' elements are not written
   std::map<std::string, IntWeight> weights;
+  // Quantized parameters whose f32 values are written too: a tied head's, the embedding that
+  // still looks tokens up.
+  std::set<std::string> also_f32;
   nlohmann::json quantization;  // {"method", "bits", "group", "activations", ...}
   std::string config_text;
   std::vector<std::pair<std::string, std::string>> attached;
 };
 void write_quantized_model(const std::string& dir, const QuantizedModelContents& contents);
 bool is_quantized_model(const std::string& path);
-// Checks the manifest and every tensor, then fills model.params' unquantized parameters and
-// `weights`; returns the quantization metadata. Errors name the file and the tensor.
+// Checks the manifest and every tensor, then fills model.params' f32 parameters (every one the
+// file holds in f32: the unquantized ones and a tied head's embedding) and `weights`; returns the quantization metadata. Errors name the file and the tensor.
 nlohmann::json read_quantized_model(const std::string& dir, const ModelState& model, std::map<std::string, IntWeight>& weights);
 
 }  // namespace loom
