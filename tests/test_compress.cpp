@@ -412,3 +412,56 @@ TEST(QuantizedModel, FolderRoundTripsAndRejectsDamage) {
 
 }  // namespace
 }  // namespace loom
+
+namespace loom {
+namespace {
+
+// ---------------------------------------------------------------- distillation's loss
+
+// T^2 KL(softmax(t / T) || softmax(s / T)) of one row, in double.
+double kd_row(const std::vector<double>& s, const std::vector<double>& t, double T) {
+  double ms = -1e300, mt = -1e300;
+  for (size_t v = 0; v < s.size(); ++v) ms = std::max(ms, s[v] / T), mt = std::max(mt, t[v] / T);
+  double zs = 0, zt = 0;
+  for (size_t v = 0; v < s.size(); ++v) zs += std::exp(s[v] / T - ms), zt += std::exp(t[v] / T - mt);
+  double kl = 0;
+  for (size_t v = 0; v < s.size(); ++v) {
+    const double lpt = t[v] / T - mt - std::log(zt), lps = s[v] / T - ms - std::log(zs);
+    kl += std::exp(lpt) * (lpt - lps);
+  }
+  return T * T * kl;
+}
+
+TEST(DistillLoss, MatchesTheDoubleKlAndItsFiniteDifferences) {
+  auto backend = make_cpu_backend();
+  Allocator& a = backend->allocator();
+  const int64_t N = 5, V = 37;
+  for (double T : {1.0, 2.0, 4.0}) {
+    const std::vector<float> s = normal(N * V, 1, 2.0f), t = normal(N * V, 2, 2.0f);
+    Tensor st = Tensor::empty(a, {N, V}, DTYPE_F32, MEM_WORKSPACE), tt = Tensor::empty(a, {N, V}, DTYPE_F32, MEM_WORKSPACE);
+    Tensor losses = Tensor::empty(a, {N}, DTYPE_F32, MEM_WORKSPACE), grad = Tensor::empty(a, {N, V}, DTYPE_F32, MEM_WORKSPACE);
+    backend->write(st, s.data()), backend->write(tt, t.data());
+    const float scale = 0.25f;
+    backend->distill_loss(st, tt, static_cast<float>(T), scale, losses, grad);
+    for (int64_t i = 0; i < N; ++i) {
+      std::vector<double> si(s.begin() + i * V, s.begin() + (i + 1) * V), ti(t.begin() + i * V, t.begin() + (i + 1) * V);
+      const double want = kd_row(si, ti, T);
+      EXPECT_NEAR(losses.data<float>()[i], want, 1e-5 * (1 + want)) << "T " << T << " row " << i;
+      EXPECT_GE(losses.data<float>()[i], -1e-6f);
+      for (int64_t v = 0; v < V; v += 6) {  // d(scale loss)/d s_v by central differences in double
+        const double h = 1e-4;
+        std::vector<double> up = si, down = si;
+        up[static_cast<size_t>(v)] += h, down[static_cast<size_t>(v)] -= h;
+        const double fd = scale * (kd_row(up, ti, T) - kd_row(down, ti, T)) / (2 * h);
+        EXPECT_NEAR(grad.data<float>()[i * V + v], fd, 1e-5) << "T " << T << " row " << i << " v " << v;
+      }
+    }
+    // The teacher itself: zero loss and zero gradient.
+    backend->distill_loss(tt, tt, static_cast<float>(T), 1.0f, losses, grad);
+    for (int64_t i = 0; i < N; ++i) EXPECT_NEAR(losses.data<float>()[i], 0.0f, 1e-6f);
+    for (int64_t i = 0; i < N * V; ++i) ASSERT_NEAR(grad.data<float>()[i], 0.0f, 1e-7f);
+  }
+}
+
+}  // namespace
+}  // namespace loom

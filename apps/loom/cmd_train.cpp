@@ -17,6 +17,7 @@
 #include "loom/core/pages.h"
 #include "loom/train/layout.h"
 #include "loom/train/parallelize.h"
+#include "loom/train/distill.h"
 #include "loom/train/state_gather.h"
 #include "loom/train/throughput.h"
 #include "train_output.h"
@@ -121,6 +122,22 @@ int train_main(int argc, char** argv) {
                 static_cast<long long>(config.grpo.group), static_cast<long long>(config.grpo.max_new_tokens),
                 config.grpo.temperature, config.grpo.beta, config.grpo.epsilon,
                 config.grpo.reward_command.empty() ? "exact answer (built in)" : config.grpo.reward_command.c_str());
+  }
+  std::unique_ptr<Transformer> teacher;  // train.objective = distill
+  std::unique_ptr<DistillObjective> distill_objective;
+  if (config.loop.objective == TrainObjective::distill) {
+    LOOM_CHECK(config.parallel.tp == 1 && config.parallel.pp == 1 && config.parallel.cp == 1, "train.objective = distill "
+               "runs with data parallelism only (parallel.tp, pp and cp = 1)");
+    const ModelSource source = model_source(config.distill.teacher);
+    teacher = std::make_unique<Transformer>(*backend, source.config.model);
+    load_model(source, *teacher);
+    LOOM_CHECK(source.config.model.vocab_size == config.model.vocab_size, "distill.teacher = ", config.distill.teacher,
+               " has ", source.config.model.vocab_size, " tokens, the student ", config.model.vocab_size,
+               ": the teacher must use the student's tokenizer");
+    distill_objective = std::make_unique<DistillObjective>(config.distill, *teacher);
+    trainer.set_objective(distill_objective.get());
+    std::printf("distill: teacher %s (%lld parameters), temperature %g, alpha %g\n", source.path.c_str(),
+                static_cast<long long>(teacher->params().numel()), config.distill.temperature, config.distill.alpha);
   }
   if (dpo) {  // the reference: the initial weights (before a resume loads later ones)
     trainer.set_objective(&objective);

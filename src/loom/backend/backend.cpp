@@ -156,6 +156,10 @@ void Backend::nf4_dequantize(const Tensor&, const Tensor&, const Tensor&, const 
   unsupported(*this, "nf4_dequantize", "QLoRA's NF4 base weights");
 }
 
+void Backend::distill_loss(const Tensor&, const Tensor&, float, float, const Tensor&, const Tensor&) {
+  unsupported(*this, "distill_loss", "train.objective = distill");
+}
+
 void Backend::int_linear(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const IntWeightSpec&, const Tensor*,
                          const Tensor&, float, const Tensor*) {
   unsupported(*this, "int_linear", "quantized checkpoints (loom quantize)");

@@ -778,7 +778,7 @@ void Transformer::backward_stage(ActivationStore& s, int64_t first, int64_t last
   if (last == config_.n_layer) {
     use(0);
     // d(logits) replaces the logits in place: dL/dlogit = w/(B T) (softmax - onehot).
-    const float scale = loss_weight / static_cast<float>(B * T);
+    const float scale = loss_weight * s.ce_weight / static_cast<float>(B * T);
     if (!s.position_weights.empty()) {  // each position its own weight (one op per position that has one)
       LOOM_CHECK(tp_ == nullptr && static_cast<int64_t>(s.position_weights.size()) == B * T, "per-position loss weights: ",
                  s.position_weights.size(), " weights for ", B * T, " positions",
@@ -804,6 +804,11 @@ void Transformer::backward_stage(ActivationStore& s, int64_t first, int64_t last
                                             s.logits);
     } else {
       backend_.cross_entropy_backward(s.logits, s.targets, s.lse, scale, s.logits);
+    }
+    if (s.logit_grad.defined()) {  // distillation's term (already scaled by its weight and 1/(B T))
+      LOOM_CHECK(tp_ == nullptr && s.row_weights.empty() && s.position_weights.empty(), "a logit gradient (distillation) "
+                 "with tensor parallelism or per-row weights is not supported");
+      backend_.axpy(s.logits, s.logit_grad, loss_weight);
     }
     // d_norm = d_logits @ W (B*T, C); dW += d_logits^T @ final_norm (V, C)
     head_.backward(backend_, s.final_norm, head_w, head16_, s.logits, k.d_norm, d_head_w, Tensor{}, &ws_);

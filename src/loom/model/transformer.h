@@ -56,6 +56,10 @@ struct ActivationStore {
   // micro-batches from 1); 0: no dropout (evaluation, decoding, a reference pass).
   uint32_t dropout_pass = 0;
   bool adapters_off = false;  // LoRA's adapters skipped: the base alone (DPO's live reference, train/dpo.h)
+  // Knowledge distillation (train/distill.h): the cross-entropy's gradient is weighted by
+  // ce_weight, and logit_grad (B T, V), when defined, is added to d(logits) after it.
+  float ce_weight = 1.0f;
+  Tensor logit_grad;
 };
 
 

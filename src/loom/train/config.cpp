@@ -155,6 +155,9 @@ std::vector<Binding> bindings(LoomConfig& c) {
       {"dpo.beta", &c.dpo.beta, "train.objective = dpo: beta, the strength of the reference (sigmoid, simpo) or 1/(2 beta) the target margin (ipo)"},
       {"dpo.gamma", &c.dpo.gamma, "dpo.loss = simpo: the target reward margin gamma"},
       {"dpo.reference", enum_ref(&c.dpo.reference), "train.objective = dpo: once (every pair's reference log-probabilities before training) | live (each micro-batch's, from the base with LoRA's adapters off, or a frozen copy of the initial weights)"},
+      {"distill.teacher", &c.distill.teacher, "train.objective = distill: the teacher's checkpoint (a Loom run, step or quantized folder, or a Hugging Face folder) with the student's tokenizer"},
+      {"distill.temperature", &c.distill.temperature, "train.objective = distill: the softmax temperature T of both distributions (the KL term is scaled by T^2)"},
+      {"distill.alpha", &c.distill.alpha, "train.objective = distill: the weight of the KL term; 1 - alpha weighs the next-token cross-entropy"},
       {"grpo.group", &c.grpo.group, "train.objective = grpo: completions sampled per prompt (G; train.batch_size must be a multiple)"},
       {"grpo.max_new_tokens", &c.grpo.max_new_tokens, "train.objective = grpo: the longest completion"},
       {"grpo.temperature", &c.grpo.temperature, "train.objective = grpo: the rollouts' sampling temperature"},
@@ -374,6 +377,11 @@ void LoomConfig::validate_objective() const {
     LOOM_CHECK(train.batch_size % 2 == 0, "train.objective = dpo: train.batch_size (", train.batch_size, ") counts rows, "
                "a chosen and a rejected one per pair: it must be even");
     LOOM_CHECK(dpo.beta > 0.0, "dpo.beta must be > 0, got ", dpo.beta);
+  } else if (loop.objective == TrainObjective::distill) {
+    LOOM_CHECK(!distill.teacher.empty(), "train.objective = distill needs distill.teacher = PATH (the teacher's checkpoint)");
+    LOOM_CHECK(distill.temperature > 0.0, "distill.temperature must be > 0, got ", distill.temperature);
+    LOOM_CHECK(distill.alpha >= 0.0 && distill.alpha <= 1.0, "distill.alpha must be in [0, 1], got ", distill.alpha);
+    LOOM_CHECK(data.format == SftFormat::text, "train.objective = distill trains on plain text data (data.format = text)");
   } else if (loop.objective == TrainObjective::grpo) {
     LOOM_CHECK(data.format == SftFormat::prompt_jsonl && !data.input.empty(), "train.objective = grpo samples from "
                "prompts: set data.format = prompt-jsonl and data.input = FILE (one {\"prompt\", \"answer\"} per line)");

@@ -14,6 +14,7 @@
 #include "loom/data/sft.h"
 #include "loom/train/dpo.h"
 #include "loom/train/grpo.h"
+#include "loom/train/distill.h"
 #include "loom/train/trainer.h"
 
 namespace loom {
@@ -30,10 +31,10 @@ struct DataConfig {
 };
 
 // train.objective: what a step minimises.
-enum class TrainObjective : uint8_t { lm, dpo, grpo };
+enum class TrainObjective : uint8_t { lm, dpo, grpo, distill };
 template <>
 struct EnumNames<TrainObjective> {
-  static constexpr std::array<std::string_view, 3> names{"lm", "dpo", "grpo"};
+  static constexpr std::array<std::string_view, 4> names{"lm", "dpo", "grpo", "distill"};
 };
 
 struct LoopConfig {
@@ -52,7 +53,8 @@ struct LoopConfig {
   std::string peft_adapter;
   // lm: the mean next-token loss over the counted targets; dpo: preference optimisation over
   // the pairs of data.input (data.format = preference-jsonl; train/dpo.h, the dpo.* keys); grpo:
-  // rollouts of the prompts of data.input (data.format = prompt-jsonl; train/grpo.h, grpo.*).
+  // rollouts of the prompts of data.input (data.format = prompt-jsonl; train/grpo.h, grpo.*);
+  // distill: next-token loss and a teacher's softened distribution (train/distill.h, distill.*).
   TrainObjective objective = TrainObjective::lm;
 };
 
@@ -108,6 +110,7 @@ struct LoomConfig {
   SampleConfig sample;
   DpoConfig dpo;
   GrpoConfig grpo;
+  DistillConfig distill;
 
   void validate() const;
   // train.objective against data.format and its keys (validate() runs it too; `loom train` runs

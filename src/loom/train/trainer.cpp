@@ -435,15 +435,16 @@ double Trainer::evaluate(BatchSource& data, int64_t batches) {
   int64_t valid = 0;
   const int64_t positions = store_.tokens.numel();
   store_.dropout_pass = 0;  // no dropout in evaluation
+  RowObjective* objective = objective_ != nullptr && objective_->evaluates_own_loss() ? objective_ : nullptr;
   for (int64_t i = 0; i < batches; ++i) {
     valid += load_batch(data);
-    if (objective_ != nullptr) objective_->before_forward(backend_, store_);
+    if (objective != nullptr) objective->before_forward(backend_, store_);
     const double loss = model_.forward(store_);
-    sum += objective_ != nullptr ? objective_->weigh(backend_, store_, data) : loss;
+    sum += objective != nullptr ? objective->weigh(backend_, store_, data) : loss;
   }
   model_.set_recording(true);
   if (batches == 0) return 0.0;
-  if (objective_ != nullptr) return sum / static_cast<double>(batches);
+  if (objective != nullptr) return sum / static_cast<double>(batches);
   // Loss masks: the mean over the positions that count (forward's mean counts the others as 0).
   if (valid != batches * positions) return valid > 0 ? sum * static_cast<double>(positions) / static_cast<double>(valid) : NAN;
   return sum / static_cast<double>(batches);

@@ -72,6 +72,9 @@ class RowObjective {
   // Called with each micro-batch's rows loaded, before the model's forward (a live reference
   // pass may use the store; the forward that follows overwrites it).
   virtual void before_forward(Backend& backend, ActivationStore& store) {}
+  // Whether evaluation reports this objective's loss (DPO, GRPO) or the plain next-token loss
+  // (distillation: the held-out cross-entropy is what a teacher should lower).
+  virtual bool evaluates_own_loss() const { return true; }
 };
 
 class Trainer {

@@ -1,0 +1,39 @@
+#include "loom/train/distill.h"
+
+#include "loom/core/error.h"
+
+namespace loom {
+
+DistillObjective::DistillObjective(const DistillConfig& config, Transformer& teacher) : config_(config), teacher_(teacher) {}
+
+void DistillObjective::before_forward(Backend& backend, ActivationStore& store) {
+  LOOM_CHECK(teacher_.config().vocab_size == store.logits.dim(-1), "distill.teacher = ", config_.teacher, " has ",
+             teacher_.config().vocab_size, " tokens, the student ", store.logits.dim(-1), ": the teacher must share the tokenizer");
+  if (teacher_store_.batch != store.batch || teacher_store_.seq_len != store.seq_len) {
+    teacher_store_ = teacher_.allocate_store(store.batch, store.seq_len);
+    kl_losses_ = Tensor::empty(backend.allocator(), {store.batch * store.seq_len}, DTYPE_F32, MEM_ACTIVATIONS);
+    grad_ = Tensor::empty(backend.allocator(), store.logits.shape(), DTYPE_F32, MEM_ACTIVATIONS);
+  }
+  backend.copy(store.tokens, teacher_store_.tokens);
+  backend.copy(store.targets, teacher_store_.targets);
+  teacher_store_.docs = store.docs;
+  const bool recording = teacher_.recording();
+  teacher_.set_recording(false);
+  teacher_.forward(teacher_store_, false);
+  teacher_.set_recording(recording);
+}
+
+double DistillObjective::weigh(Backend& backend, ActivationStore& store, const BatchSource&) {
+  const int64_t n = store.batch * store.seq_len;
+  const double alpha = config_.alpha;
+  last_ce_ = backend.sum(store.losses) / static_cast<double>(n);
+  // The KL term's gradient, alpha / n per position (the backward adds it after the cross-entropy's).
+  backend.distill_loss(store.logits, teacher_store_.logits, static_cast<float>(config_.temperature),
+                       static_cast<float>(alpha / static_cast<double>(n)), kl_losses_, grad_);
+  last_kl_ = backend.sum(kl_losses_) / static_cast<double>(n);
+  store.ce_weight = static_cast<float>(1.0 - alpha);
+  store.logit_grad = grad_;
+  return (1.0 - alpha) * last_ce_ + alpha * last_kl_;
+}
+
+}  // namespace loom
