@@ -144,19 +144,13 @@ std::map<std::string, InputStats> calibration_stats(Transformer& model, const st
   const int64_t L = model.config().n_layer, T = static_cast<int64_t>(sequences[0].size());
   const std::vector<Transformer::LinearWeight> weights = layer_linear_weights(model, layer);
   std::map<std::string, InputStats> stats;
-  std::vector<Tensor> hessians;
   for (const Transformer::LinearWeight& lw : weights) {
     const int64_t K = lw.weight.dim(1);
     InputStats& st = stats[lw.name];
     st.abs_sum.assign(static_cast<size_t>(K), 0.0);
     st.abs_max.assign(static_cast<size_t>(K), 0.0);
     st.sq_sum.assign(static_cast<size_t>(K), 0.0);
-    Tensor h;
-    if (hessian) {
-      h = Tensor::empty(backend.allocator(), {K, K}, DTYPE_F64, MEM_WORKSPACE);
-      backend.fill(h, 0.0);
-    }
-    hessians.push_back(h);
+    if (hessian) st.hessian.assign(static_cast<size_t>(K * K), 0.0);
   }
   constexpr int64_t kBatch = 4;
   const int64_t batches = (static_cast<int64_t>(sequences.size()) + kBatch - 1) / kBatch;
@@ -183,13 +177,13 @@ std::map<std::string, InputStats> calibration_stats(Transformer& model, const st
       const int64_t K = weights[i].weight.dim(1), rows = n * T;
       const Tensor x = inputs[i].view(0, {rows, K});
       InputStats& st = stats[weights[i].name];
-      if (hessian) {
-        Tensor xd = Tensor::empty(backend.allocator(), {rows, K}, DTYPE_F64, MEM_WORKSPACE);
-        backend.cast(x, xd);
+      if (hessian) {  // this batch's x^T x by the f32 GEMM, summed over batches in double (AutoGPTQ sums in f32)
+        Tensor h = Tensor::empty(backend.allocator(), {K, K}, DTYPE_F32, MEM_WORKSPACE);
         GemmSpec spec;
         spec.trans_a = true;
-        spec.beta = 1.0f;
-        backend.gemm(xd, xd, hessians[i], spec);
+        backend.gemm(x, x, h, spec);
+        const std::vector<float> part = read_host(backend, h);
+        for (size_t e = 0; e < part.size(); ++e) st.hessian[e] += part[e];
       }
       const std::vector<float> host = read_host(backend, x);
       for (int64_t r = 0; r < rows; ++r) {
@@ -206,13 +200,6 @@ std::map<std::string, InputStats> calibration_stats(Transformer& model, const st
         st.sample.insert(st.sample.end(), host.begin() + k * stride * K, host.begin() + (k * stride + 1) * K);
       }
       st.rows += rows;
-    }
-  }
-  if (hessian) {
-    for (size_t i = 0; i < weights.size(); ++i) {
-      InputStats& st = stats[weights[i].name];
-      st.hessian.resize(static_cast<size_t>(hessians[i].numel()));
-      backend.read(hessians[i], st.hessian.data());
     }
   }
   return stats;

@@ -56,7 +56,7 @@ std::vector<Transformer::LinearWeight> layer_linear_weights(Transformer& model, 
 
 // The statistics of block `layer`'s four linear inputs (or, with layer = n_layer, the head's)
 // over the calibration sequences (each calib_seq_len tokens), by the weight's parameter name.
-// `hessian`: accumulate sum x x^T (through Backend::gemm in f64).
+// `hessian`: accumulate sum x x^T (each batch's by Backend::gemm in f32, summed in double).
 std::map<std::string, InputStats> calibration_stats(Transformer& model, const std::vector<std::vector<int32_t>>& sequences,
                                                     int64_t layer, bool hessian);
 
