@@ -263,3 +263,16 @@ def main():
 
 if __name__ == "__main__":
     main()
+
+
+def speed_rounds(loom_bin: str, paths: dict, rounds: int = 3) -> dict:
+    """Decode and prefill tokens/s of each model in `paths` (label -> checkpoint), alternating over
+    `rounds` rounds so that a busy moment of the machine hits one round, not one format; returns
+    label -> list of (prefill, decode) per round."""
+    class A:
+        loom = loom_bin
+    out = {label: [] for label in paths}
+    for _ in range(rounds):
+        for label, path in paths.items():
+            out[label].append(speed(A, path))
+    return out
