@@ -169,6 +169,29 @@ nlohmann::json manifest_json(const fs::path& dir, int64_t step, int64_t shards,
   return m;
 }
 
+// Completes a folder whose data files are already in tmp_dir: trainer.json, the attached files
+// and the manifest (last: its presence says every other file is complete), fsync, then tmp_dir
+// renamed over final_dir (an existing one removed) and the parent fsynced. On failure tmp_dir is
+// removed. What saves and quantized folders share.
+void commit_folder(const fs::path& tmp_dir, const fs::path& final_dir, const CheckpointContents& contents, int64_t shards,
+                   const std::string& kind) {
+  std::error_code ec;
+  try {
+    write_text_synced((tmp_dir / kTrainerFile).string(), trainer_json(contents).dump(2));
+    copy_attached(tmp_dir, contents.attached);
+    write_text_synced((tmp_dir / kManifestFile).string(),
+                      manifest_json(tmp_dir, contents.step, shards, contents.attached, kind).dump(2));
+    fsync_directory(tmp_dir.string());
+    if (fs::exists(final_dir, ec)) remove_tree(final_dir);  // an older save of the same step, e.g. before a fall-back
+    fs::rename(tmp_dir, final_dir, ec);
+    LOOM_CHECK(!ec, final_dir.string(), ": rename from ", tmp_dir.string(), " failed: ", ec.message());
+    fsync_directory(final_dir.parent_path().empty() ? "." : final_dir.parent_path().string());
+  } catch (...) {
+    fs::remove_all(tmp_dir, ec);
+    throw;
+  }
+}
+
 // ---- reading ----
 
 bool metadata_flag(const SafetensorsFile& file, const std::string& path, const std::string& key) {
@@ -438,14 +461,8 @@ void write_quantized_model(const std::string& dir, const QuantizedModelContents&
     CheckpointContents trainer;
     trainer.config_text = c.config_text;
     trainer.extra = {{"quantization", c.quantization}};
-    write_text_synced((tmp_dir / kTrainerFile).string(), trainer_json(trainer).dump(2));
-    copy_attached(tmp_dir, c.attached);
-    write_text_synced((tmp_dir / kManifestFile).string(), manifest_json(tmp_dir, 0, 0, c.attached, kQuantizedKind).dump(2));
-    fsync_directory(tmp_dir.string());
-    if (fs::exists(final_dir, ec)) remove_tree(final_dir);
-    fs::rename(tmp_dir, final_dir, ec);
-    LOOM_CHECK(!ec, dir, ": rename from ", tmp_dir.string(), " failed: ", ec.message());
-    fsync_directory(final_dir.parent_path().empty() ? "." : final_dir.parent_path().string());
+    trainer.attached = c.attached;
+    commit_folder(tmp_dir, final_dir, trainer, 0, kQuantizedKind);
   } catch (...) {
     fs::remove_all(tmp_dir, ec);
     throw;
@@ -699,26 +716,8 @@ std::string CheckpointManager::commit_sharded(const CheckpointContents& contents
 
 std::string CheckpointManager::commit(const CheckpointContents& contents, int shards) {
   const fs::path final_dir = fs::path(dir_) / checkpoint_dir_name(contents.step);
-  const fs::path tmp_dir = fs::path(final_dir.string() + kTmpSuffix);
-  std::error_code ec;
-  try {
-    write_text_synced((tmp_dir / kTrainerFile).string(), trainer_json(contents).dump(2));
-    copy_attached(tmp_dir, contents.attached);
-    // The manifest goes last: its presence says every other file is complete.
-    write_text_synced((tmp_dir / kManifestFile).string(),
-                      manifest_json(tmp_dir, contents.step, shards, contents.attached).dump(2));
-    fsync_directory(tmp_dir.string());
-    if (fs::exists(final_dir, ec)) {  // an older save of the same step, e.g. before a fall-back
-      verified_.erase(final_dir.string());
-      remove_tree(final_dir);
-    }
-    fs::rename(tmp_dir, final_dir, ec);
-    LOOM_CHECK(!ec, final_dir.string(), ": rename from ", tmp_dir.string(), " failed: ", ec.message());
-    fsync_directory(dir_);
-  } catch (...) {
-    fs::remove_all(tmp_dir, ec);
-    throw;
-  }
+  verified_.erase(final_dir.string());  // an older save of the same step is replaced
+  commit_folder(fs::path(final_dir.string() + kTmpSuffix), final_dir, contents, shards, "");
   verified_.insert(final_dir.string());
   prune(contents.step);
   return final_dir.string();

@@ -155,9 +155,10 @@ std::map<std::string, InputStats> calibration_stats(Transformer& model, const st
   constexpr int64_t kBatch = 4;
   const int64_t batches = (static_cast<int64_t>(sequences.size()) + kBatch - 1) / kBatch;
   const int64_t per_batch_sample = std::max<int64_t>(1, InputStats::kSampleRows / batches);
+  ActivationStore store;
   for (int64_t b = 0; b < batches; ++b) {
     const int64_t first = b * kBatch, n = std::min<int64_t>(kBatch, static_cast<int64_t>(sequences.size()) - first);
-    ActivationStore store = model.allocate_store(n, T);
+    if (store.batch != n) store = model.allocate_store(n, T);  // once, and again for a shorter last batch
     std::vector<int32_t> tokens(static_cast<size_t>(n * T));
     for (int64_t i = 0; i < n; ++i) {
       LOOM_CHECK(static_cast<int64_t>(sequences[static_cast<size_t>(first + i)].size()) == T, "calibration: sequences of unequal length");
@@ -211,8 +212,6 @@ std::map<std::string, IntWeight> quantize_model(Transformer& model, const std::v
   Backend& backend = model.backend();
   const int64_t L = model.config().n_layer;
   const bool act_int8 = o.method == QuantMethod::smoothquant || o.method == QuantMethod::w8a8;
-  LOOM_CHECK(!act_int8 || o.bits == 8, "--bits ", o.bits, " is not supported by --method ", quant_method_name(o.method),
-             " (W8A8): use --bits 8");
   LOOM_CHECK(!quant_method_calibrates(o.method) || !sequences.empty(), "--method ", quant_method_name(o.method),
              " needs calibration text (--calib FILE)");
   // Every layer's shape against bits and group before any work.

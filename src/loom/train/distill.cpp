@@ -7,8 +7,6 @@ namespace loom {
 DistillObjective::DistillObjective(const DistillConfig& config, Transformer& teacher) : config_(config), teacher_(teacher) {}
 
 void DistillObjective::before_forward(Backend& backend, ActivationStore& store) {
-  LOOM_CHECK(teacher_.config().vocab_size == store.logits.dim(-1), "distill.teacher = ", config_.teacher, " has ",
-             teacher_.config().vocab_size, " tokens, the student ", store.logits.dim(-1), ": the teacher must share the tokenizer");
   if (teacher_store_.batch != store.batch || teacher_store_.seq_len != store.seq_len) {
     teacher_store_ = teacher_.allocate_store(store.batch, store.seq_len);
     kl_losses_ = Tensor::empty(backend.allocator(), {store.batch * store.seq_len}, DTYPE_F32, MEM_ACTIVATIONS);
