@@ -38,10 +38,13 @@ def run(*args: str, expect_ok: bool = True, cwd: str = ROOT) -> subprocess.Compl
     return p
 
 
-class Cli(unittest.TestCase):
+class LoomCase(unittest.TestCase):
+    """A temporary folder with a byte-level dataset of TEXT (cli_test.py, ops_test.py)."""
+    prefix = "loom_cli_"
+
     @classmethod
     def setUpClass(cls):
-        cls.tmp = tempfile.mkdtemp(prefix="loom_cli_")
+        cls.tmp = tempfile.mkdtemp(prefix=cls.prefix)
         cls.data = os.path.join(cls.tmp, "data")
         run("prepare", "--input", TEXT, "--tokenizer", "byte", "--out", cls.data, "--val-fraction", "0.1")
 
@@ -49,19 +52,23 @@ class Cli(unittest.TestCase):
     def tearDownClass(cls):
         shutil.rmtree(cls.tmp, ignore_errors=True)
 
+    def assert_one_line_error(self, p: subprocess.CompletedProcess, *needles: str):
+        self.assertNotEqual(p.returncode, 0, p.stdout + p.stderr)
+        # (warnings, e.g. a resume's changed config keys, are lines of their own)
+        lines = [line for line in p.stderr.splitlines() if line.strip() and ": warning: " not in line]
+        self.assertEqual(len(lines), 1, p.stderr)
+        for needle in needles:
+            self.assertIn(needle, lines[0])
+
+
+class Cli(LoomCase):
+
     def train(self, name: str, *extra: str, expect_ok: bool = True, steps: int = 8):
         sets = f"{TINY},train.steps={steps},data.dir={self.data},data.tokenizer=byte,run.dir={self.tmp}/runs,run.name={name}"
         return run("train", "--set", sets, *extra, expect_ok=expect_ok)
 
     def ckpt(self, name: str, step: int) -> str:
         return os.path.join(self.tmp, "runs", name, "checkpoints", f"step_{step:08d}")
-
-    def assert_one_line_error(self, p: subprocess.CompletedProcess, *needles: str):
-        self.assertNotEqual(p.returncode, 0, p.stdout + p.stderr)
-        lines = [line for line in p.stderr.splitlines() if line.strip()]
-        self.assertEqual(len(lines), 1, p.stderr)
-        for needle in needles:
-            self.assertIn(needle, lines[0])
 
     def assert_bad_input_line(self, sets: str, good: str, text: str, needle: str):
         """Training on `text` in place of the data.input file `good` fails naming the file and line."""
@@ -683,7 +690,7 @@ class Cli(unittest.TestCase):
         self.assert_bad_input_line(sets, pairs, '{"prompt": "1+1=", "chosen": "2", "rejected": "3"}\n{"prompt": "1+2=", "chosen": "3"}\n',
                                    ':2: expected a string "rejected"')
         p = run("train", "--set", sets.replace("model.max_seq_len=96", "model.max_seq_len=32").replace("train.seq_len=96", "train.seq_len=32"),
-                expect_ok=False)
+                "--overwrite", expect_ok=False)
         self.assert_one_line_error(p, pairs + ":1: the prompt and the chosen completion are", "train.seq_len + 1 = 33")
 
     def test_qlora_trains_over_an_nf4_base_resumes_and_exports(self):
@@ -729,11 +736,11 @@ class Cli(unittest.TestCase):
         # Bad input: one line naming the key, or the file and line.
         p = run("train", "--set", sets.replace("train.batch_size=8", "train.batch_size=6"), expect_ok=False)
         self.assert_one_line_error(p, "train.batch_size (6) must be a multiple of grpo.group (4)")
-        p = run("train", "--set", sets + ",grpo.reward_command=\"echo oops\"", expect_ok=False)
+        p = run("train", "--set", sets + ",grpo.reward_command=\"echo oops\"", "--overwrite", expect_ok=False)
         self.assert_one_line_error(p, "grpo.reward_command: line 1 of its output is 'oops")
         self.assert_bad_input_line(sets, prompts, '{"prompt": "1 + 1 =", "answer": "2"}\n{"prompt": "2 + 2 ="}\n',
                                    ':2: expected a string "answer"')
-        p = run("train", "--set", sets.replace("grpo.max_new_tokens=4", "grpo.max_new_tokens=30"), expect_ok=False)
+        p = run("train", "--set", sets.replace("grpo.max_new_tokens=4", "grpo.max_new_tokens=30"), "--overwrite", expect_ok=False)
         self.assert_one_line_error(p, prompts + ":1: the prompt", "do not fit train.seq_len + 1 = 33")
 
     def test_eval_text_reports_perplexity_over_windows(self):

@@ -67,6 +67,11 @@ Args::Args(int argc, char** argv, const std::string& command, const std::string&
   std::vector<CLI::Option*> parsed;
   for (const Option& o : options) {
     const std::string flag = "--" + o.name;
+    if (o.value.rfind('[', 0) == 0) {  // an optional value: --resume or --resume PATH
+      parsed.push_back(app.add_option(flag, o.help)->type_name(o.value)->expected(0, 1)->multi_option_policy(
+          CLI::MultiOptionPolicy::TakeAll));
+      continue;
+    }
     parsed.push_back(o.value.empty() ? app.add_flag(flag, o.help)->disable_flag_override()
                                      : app.add_option(flag, o.help)->type_name(o.value)->multi_option_policy(
                                            CLI::MultiOptionPolicy::TakeAll));
@@ -107,8 +112,10 @@ Args::Args(int argc, char** argv, const std::string& command, const std::string&
   }
   for (size_t i = 0; i < options.size(); ++i) {
     if (parsed[i]->count() == 0) continue;
-    values_[options[i].name] = options[i].value.empty() ? std::vector<std::string>(parsed[i]->count(), "true")
-                                                        : parsed[i]->results();
+    std::vector<std::string> results = options[i].value.empty() ? std::vector<std::string>(parsed[i]->count(), "true")
+                                                                 : parsed[i]->results();
+    if (results.empty()) results.emplace_back();  // an optional value left out
+    values_[options[i].name] = std::move(results);
   }
 }
 
@@ -195,7 +202,7 @@ LoomConfig load_config(const Args& args) {
   if (fs::exists(base)) apply_config_file(config, base);
   if (args.has("config")) {
     const std::string path = args.get("config");
-    LOOM_CHECK(fs::exists(path), path, ": config file not found");
+    LOOM_CHECK(fs::exists(path), path, ": config file not found");  // (apply_config_file refuses a directory or device)
     apply_config_file(config, path);
   }
   for (const std::string& set : args.all("set")) apply_overrides(config, set);
@@ -211,6 +218,24 @@ void vocab_from_data(LoomConfig& config) {
 }
 
 std::string run_dir(const LoomConfig& config) { return (fs::path(config.run.dir) / config.run.name).string(); }
+
+MemoryPlan memory_plan(const LoomConfig& config, int ranks) {
+  MemoryPlan plan;
+  plan.model = config.model;
+  plan.batch = config.train.batch_size, plan.seq_len = config.train.seq_len;
+  plan.recompute = config.train.recompute, plan.recompute_budget_mb = config.train.recompute_budget_mb;
+  plan.optim = config.train.optim, plan.precision = config.train.precision;
+  plan.zero_stage = static_cast<int>(config.parallel.zero_stage);
+  plan.tp = static_cast<int>(config.parallel.tp), plan.sequence_parallel = config.parallel.sequence_parallel;
+  plan.pp = static_cast<int>(config.parallel.pp), plan.schedule = config.parallel.schedule;
+  plan.micro = config.train.grad_accum, plan.virtual_stages = static_cast<int>(config.parallel.virtual_stages);
+  plan.cp = static_cast<int>(config.parallel.cp), plan.ulysses = config.parallel.cp_attention == CpAttention::ulysses;
+  plan.ep = static_cast<int>(config.parallel.ep);
+  plan.offload_activations = config.train.offload_activations;
+  plan.flash_attention = config.train.flash_attention;
+  plan.ranks = ranks;
+  return plan;
+}
 
 std::string resolve_checkpoint(const std::string& path) {
   LOOM_CHECK(fs::exists(path), path, ": no such checkpoint, run or checkpoints folder");
@@ -260,15 +285,31 @@ ModelSource model_source(const std::string& path, const std::string& adapter) {
   return source;
 }
 
+namespace {
+// Weights that hold inf or NaN evaluate to "loss nan" and sample garbage: refused by name.
+void check_finite_weights(const ModelSource& source, const Tensor& params) {
+  const float* w = params.data<float>();
+  for (const ParamSpec& p : build_param_layout(source.config.model).params) {
+    if (p.offset + p.numel > params.numel()) continue;  // (a quantized model's packed weights are not here)
+    for (int64_t i = 0; i < p.numel; ++i) {
+      LOOM_CHECK(std::isfinite(w[p.offset + i]), source.path, ": weight ", p.name, " holds ", w[p.offset + i],
+                 " at element ", i, " (a diverged or corrupted model); refusing to use non-finite weights");
+    }
+  }
+}
+}  // namespace
+
 void load_weights(const ModelSource& source, const Tensor& params) {
   if (source.adapter.empty()) {
     load_weights_from(source.path, ModelState{source.config.model, params});
+    check_finite_weights(source, params);
     return;
   }
   // The base is the layout's first lora_begin elements (the same offsets as without adapters).
   const ModelConfig& c = source.config.model;
   load_weights_from(source.path, ModelState{lora_base_config(c), params.view(0, {lora_begin(c, build_param_layout(c))})});
   load_peft_adapter(source.adapter, ModelState{c, params});
+  check_finite_weights(source, params);
 }
 
 void load_model(const ModelSource& source, Transformer& model) {
@@ -344,13 +385,10 @@ std::vector<std::string> default_corpus_documents() {
   return documents;
 }
 
-std::vector<std::string> text_file_documents(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  LOOM_CHECK(in, path, ": cannot open input text");
-  std::stringstream buffer;
-  buffer << in.rdbuf();
-  LOOM_CHECK(!buffer.str().empty(), path, ": input text is empty");
-  return {buffer.str()};
+std::vector<std::string> text_file_documents(const std::string& path, uint64_t max_bytes) {
+  std::string text = read_text_file(path, max_bytes, "--max-input-mb");
+  LOOM_CHECK(!text.empty(), path, ": input text is empty");
+  return {std::move(text)};
 }
 
 std::unique_ptr<Tokenizer> prepare_tokenizer(const std::string& spec, const std::vector<std::string>& documents,

@@ -12,13 +12,15 @@
 #include "loom/backend/backend.h"
 #include "loom/checkpoint/checkpoint.h"
 #include "loom/data/tokenizer.h"
+#include "loom/memory/estimate.h"
 #include "loom/model/transformer.h"
 #include "loom/train/config.h"
 
 namespace loom::cli {
 
 // One option of a subcommand: --name VALUE (value: the placeholder shown in the help, e.g.
-// "FILE") or, with an empty value, a bare --name flag.
+// "FILE"), with an empty value a bare --name flag, or with a value in brackets ("[PATH]") either
+// (get() is "" when the value is left out).
 struct Option {
   std::string name;   // without the leading "--"
   std::string value;  // "" for a flag
@@ -64,6 +66,9 @@ void vocab_from_data(LoomConfig& config);
 // runs/<name>
 std::string run_dir(const LoomConfig& config);
 
+// The memory estimate's plan (memory/estimate.h) of a config, with `ranks` data-parallel ranks.
+MemoryPlan memory_plan(const LoomConfig& config, int ranks);
+
 // A step folder, a run folder (its checkpoints/ is searched) or a checkpoints folder -> the
 // newest valid step folder, reporting skipped corrupt ones on stderr.
 std::string resolve_checkpoint(const std::string& path);
@@ -106,8 +111,9 @@ std::string resolve_weights(const std::string& path);
 // The default corpus: every fortune of Debian's `fortunes` package, one document each, in a
 // fixed shuffled order (so the validation tail covers every topic).
 std::vector<std::string> default_corpus_documents();
-// A user's text file: one document, the whole file.
-std::vector<std::string> text_file_documents(const std::string& path);
+// A user's text file: one document, the whole file; more than max_bytes is an error naming the
+// file (reading /dev/zero stops there).
+std::vector<std::string> text_file_documents(const std::string& path, uint64_t max_bytes);
 
 // The tokenizer for `loom prepare`: "gpt2", "byte", a directory, or "bpe:N" — a byte-level
 // BPE of N tokens learned from the documents themselves and saved in <out_dir>/tokenizer.

@@ -124,6 +124,7 @@ int eval_main(int argc, char** argv) {
   const int64_t per_batch = config.train.batch_size;
   const int64_t available = static_cast<int64_t>(loader.windows_per_epoch()) / per_batch;
   const int64_t batches = args.get_int("batches", std::min<int64_t>(std::max<int64_t>(available, 1), 200));
+  LOOM_CHECK(batches >= 1, "--batches must be >= 1, got ", batches);
   double sum = 0.0;
   int64_t counted = 0;  // supervised data: the targets that count (the others are kIgnoreTarget)
   const int64_t positions = store.targets.numel();

@@ -65,11 +65,7 @@ int generate_main(int argc, char** argv) {
   const LoomConfig& config = source.config;
   std::string prompt = args.get("prompt", config.sample.prompt);
   if (args.has("prompt-file")) {
-    std::ifstream in(args.get("prompt-file"));
-    LOOM_CHECK(in, args.get("prompt-file"), ": cannot open prompt file");
-    std::stringstream buffer;
-    buffer << in.rdbuf();
-    prompt = buffer.str();
+    prompt = read_text_file(args.get("prompt-file"), uint64_t{16} << 20, "--prompt-file's limit");
   }
   SamplingConfig sampling = config.sample.sampling;
   sampling.temperature = args.has("greedy") ? 0.0f : static_cast<float>(args.get_double("temperature", sampling.temperature));

@@ -60,21 +60,9 @@ int memory_main(int argc, char** argv) {
   vocab_from_data(config);
   const bool mpi = launched_by_mpirun();
   std::unique_ptr<Communicator> comm = mpi ? make_mpi_communicator() : make_local_communicator();
-  MemoryPlan plan;
-  plan.model = config.model;
-  plan.batch = config.train.batch_size, plan.seq_len = config.train.seq_len;
-  plan.recompute = config.train.recompute, plan.recompute_budget_mb = config.train.recompute_budget_mb;
-  plan.optim = config.train.optim, plan.precision = config.train.precision;
-  plan.zero_stage = static_cast<int>(config.parallel.zero_stage);
-  plan.tp = static_cast<int>(config.parallel.tp), plan.sequence_parallel = config.parallel.sequence_parallel;
-  plan.pp = static_cast<int>(config.parallel.pp), plan.schedule = config.parallel.schedule;
-  plan.micro = config.train.grad_accum, plan.virtual_stages = static_cast<int>(config.parallel.virtual_stages);
-  plan.cp = static_cast<int>(config.parallel.cp), plan.ulysses = config.parallel.cp_attention == CpAttention::ulysses;
-  plan.ep = static_cast<int>(config.parallel.ep);
-  plan.offload_activations = config.train.offload_activations;
-  plan.flash_attention = config.train.flash_attention;
+  MemoryPlan plan = memory_plan(config, 1);
   // The data-parallel ranks: --ranks, else parallel.dp, else what the world leaves.
-  const int model_ranks = plan.tp * plan.pp * plan.cp;
+  const int model_ranks = plan.tp * plan.pp * plan.cp;  // (memory_plan's, from parallel.*)
   const int dp_default = config.parallel.dp > 0 ? static_cast<int>(config.parallel.dp) : std::max(1, comm->size() / model_ranks);
   plan.ranks = static_cast<int>(args.get_int("ranks", dp_default));
   LOOM_CHECK(!args.has("measure") || plan.ranks == comm->size(), "loom memory --measure runs on the ranks it has (",

@@ -38,6 +38,7 @@ int prepare_main(int argc, char** argv) {
                    {"tokenizer", "NAME", "gpt2 | byte | bpe:N | a tokenizer folder (default: data.tokenizer)"},
                    {"out", "DIR", "the dataset folder to write (default: data.dir)"},
                    {"val-fraction", "F", "share of the tokens held out for validation (default: data.val_fraction)"},
+                   {"max-input-mb", "N", "refuse an --input text larger than N MiB (default 1024)"},
                    {"format", "FORMAT", "text | chat-jsonl | jsonl (default: data.format)"},
                    {"chat-template", "FILE", "chat-jsonl: a Jinja chat template (default: the tokenizer folder's)"},
                    {"config", "FILE", "a TOML config applied after configs/default.toml"},
@@ -45,6 +46,12 @@ int prepare_main(int argc, char** argv) {
   const LoomConfig config = load_config(args);
   const std::string input = args.get("input", config.data.input);
   const std::string out = args.get("out", config.data.dir);
+  const double val_fraction = args.get_double("val-fraction", config.data.val_fraction);
+  // Every training run evaluates on the held-out split: a dataset without one cannot be trained.
+  LOOM_CHECK(val_fraction > 0.0 && val_fraction < 1.0, "--val-fraction must be in (0, 1), got ", val_fraction,
+             " (the held-out split every training run evaluates on)");
+  const int64_t max_mb = args.get_int("max-input-mb", 1024);
+  LOOM_CHECK(max_mb >= 1, "--max-input-mb must be >= 1, got ", max_mb);
   const SftFormat format = args.has("format") ? parse_enum<SftFormat>(args.get("format"), "--format") : config.data.format;
   if (format != SftFormat::text) {
     LOOM_CHECK(!input.empty(), "--format ", enum_name(format), " needs --input FILE (or data.input)");
@@ -60,7 +67,6 @@ int prepare_main(int argc, char** argv) {
       tmpl = load_chat_template(config_file.string());
     }
     const SftStream sft = read_sft_file(input, format, *tokenizer, tmpl);
-    const double val_fraction = args.get_double("val-fraction", config.data.val_fraction);
     write_dataset(out, sft.tokens, static_cast<uint64_t>(tokenizer->vocab_size()), tokenizer->name(), val_fraction,
                   uint64_t{1} << 22, sft.mask);
     std::printf("prepared %s: %lld %s examples -> %zu tokens, %lld of them counted (%.1f%%), tokenizer %s\n",
@@ -69,9 +75,9 @@ int prepare_main(int argc, char** argv) {
                 100.0 * static_cast<double>(sft.counted) / static_cast<double>(sft.tokens.size()), tokenizer->name().c_str());
     return 0;
   }
-  const std::vector<std::string> documents = input.empty() ? default_corpus_documents() : text_file_documents(input);
+  const std::vector<std::string> documents = input.empty() ? default_corpus_documents() : text_file_documents(input, static_cast<uint64_t>(max_mb) << 20);
   const auto tokenizer = prepare_tokenizer(args.get("tokenizer", config.data.tokenizer), documents, out);
-  prepare_dataset(documents, *tokenizer, out, args.get_double("val-fraction", config.data.val_fraction));
+  prepare_dataset(documents, *tokenizer, out, val_fraction);
   return 0;
 }
 

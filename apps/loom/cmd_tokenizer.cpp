@@ -27,7 +27,7 @@ int tokenizer_main(int argc, char** argv) {
   LOOM_CHECK(std::strcmp(argv[0], "train") == 0, "unknown tokenizer command '", argv[0], "' (expected: train; see `loom tokenizer --help`)");
   const Args args(argc - 1, argv + 1, "tokenizer train", kHelp, kOptions);
   LOOM_CHECK(args.has("input") && args.has("out"), "loom tokenizer train needs --input FILE and --out DIR");
-  const std::string text = text_file_documents(args.get("input"))[0];
+  const std::string text = text_file_documents(args.get("input"), uint64_t{1} << 30)[0];  // 1 GiB
   const BpeTrainResult result = train_bpe(text, args.get_int("vocab-size", 4096), args.get("out"));
   (void)result;
   const auto tokenizer = load_tokenizer(args.get("out"));

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 
@@ -20,6 +21,7 @@
 #include "loom/train/distill.h"
 #include "loom/train/state_gather.h"
 #include "loom/train/throughput.h"
+#include "run_control.h"
 #include "train_output.h"
 
 namespace loom::cli {
@@ -29,16 +31,20 @@ namespace fs = std::filesystem;
 namespace {
 
 const char* kHelp =
-    "usage: loom train [--config FILE] [--set key=value,...] [--resume] [--stop-at-step N] [--dry-run]\n"
+    "usage: loom train [--config FILE] [--set key=value,...] [--resume [PATH]] [--overwrite] [--restarts N]\n"
+    "                  [--stop-at-step N] [--dry-run]\n"
     "\n"
     "Trains the model described by configs/default.toml, then FILE, then the --set overrides\n"
     "(comma-separated or repeated). With no arguments it trains the default small GPT-2 on the\n"
     "default corpus (preparing it first if data/fortunes is missing). Writes runs/<run.name>/:\n"
     "config.toml (resolved), metrics.jsonl, checkpoints/step_N/, samples.txt.\n"
     "--resume continues from the newest valid checkpoint of the run (corrupt ones are skipped with\n"
-    "a message), bitwise identical to an uninterrupted run. --dry-run builds the model, data and\n"
-    "optimizer, prints the memory by category and the optimizer state per parameter (measured and\n"
-    "by formula), and takes no step.\n";
+    "a message), or from the checkpoint PATH names, bitwise identical to an uninterrupted run;\n"
+    "metrics.jsonl is cut back to the resumed step. A run folder that already holds checkpoints or\n"
+    "metrics is refused without --resume or --overwrite. SIGTERM or SIGINT finishes the step,\n"
+    "writes a checkpoint and exits with status 75 (a second signal exits at once). --dry-run builds\n"
+    "the model, data and optimizer, prints the memory by category and the optimizer state per\n"
+    "parameter (measured and by formula), and takes no step. docs/operations.md.\n";
 
 // What ends a rollout's completion: the end-of-text token and the end-of-sequence one.
 std::vector<int32_t> stop_tokens(const Tokenizer& tokenizer) {
@@ -47,13 +53,47 @@ std::vector<int32_t> stop_tokens(const Tokenizer& tokenizer) {
   return stop;
 }
 
+// Refuses, before anything is allocated, a run whose estimated memory (memory/estimate.h, what
+// --dry-run and `loom memory` print) is more than the machine has available for all of its ranks
+// here: the OOM killer would end it mid-run instead.
+void check_memory_fits(const LoomConfig& config, const ParallelLayout& layout, int world) {
+  const MemoryEstimate est = estimate_memory(memory_plan(config, layout.batch_group().size()));
+  const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");  // ranks on this machine
+  const int64_t here = local != nullptr ? std::max(1, std::atoi(local)) : world;
+  const int64_t need = est.total() * here, available = available_memory_bytes();
+  LOOM_CHECK(available == 0 || need <= available, "the run needs an estimated ", format_bytes(static_cast<size_t>(need)),
+             here > 1 ? str_cat(" (", here, " ranks here x ", format_bytes(static_cast<size_t>(est.total())), ")") : std::string(),
+             " (parameters ", format_bytes(static_cast<size_t>(est.bytes[MEM_PARAMETERS])), ", optimizer state ",
+             format_bytes(static_cast<size_t>(est.bytes[MEM_OPTIMIZER_STATE])), ", activations ",
+             format_bytes(static_cast<size_t>(est.bytes[MEM_ACTIVATIONS])), ") but this machine has ",
+             format_bytes(static_cast<size_t>(available)), " available: lower train.batch_size or train.seq_len, recompute "
+             "activations (train.recompute), shard the state (parallel.zero_stage), or set train.memory_check = false");
+}
+
 }  // namespace
 
 int train_main(int argc, char** argv) {
+  // --restarts N: this same command line without it, under `loom supervise` (cmd_supervise.cpp).
+  for (int i = 0; i + 1 < argc; ++i) {
+    if (std::strcmp(argv[i], "--restarts") != 0) continue;
+    LOOM_CHECK(!launched_by_mpirun(), "--restarts restarts one process; under mpirun supervise the whole job: "
+               "loom supervise --restarts N -- mpirun ... loom train ...");
+    std::vector<std::string> command = {fs::read_symlink("/proc/self/exe").string(), "train"};
+    for (int j = 0; j < argc; ++j) {
+      if (j != i && j != i + 1) command.emplace_back(argv[j]);
+    }
+    const char* n = argv[i + 1];
+    char* end = nullptr;
+    const long long restarts = std::strtoll(n, &end, 10);
+    LOOM_CHECK(*n != '\0' && *end == '\0', "option --restarts expects an integer, got '", n, "'");
+    return supervise(command, restarts, 1.0);
+  }
   const Args args(argc, argv, "train", kHelp,
                   {{"config", "FILE", "a TOML config applied after configs/default.toml"},
                    {"set", "KEY=VALUE,...", "config overrides, applied last (comma-separated; repeatable)"},
-                   {"resume", "", "continue from the newest valid checkpoint of the run"},
+                   {"resume", "[PATH]", "continue from the newest valid checkpoint of the run, or from PATH (a step folder)"},
+                   {"overwrite", "", "start over in a run folder that holds checkpoints or metrics (deletes them)"},
+                   {"restarts", "N", "relaunch the training when it dies, resuming, up to N times (loom supervise)"},
                    {"stop-at-step", "N", "checkpoint and stop after step N, as an interrupted run would"},
                    {"dry-run", "", "build everything, print the memory and optimizer state, take no step"}},
                   config_keys_help());
@@ -90,6 +130,17 @@ int train_main(int argc, char** argv) {
   ParallelLayout layout(config, *comm, *backend);  // refuses an unsupported combination before allocating
   const std::string dir = run_dir(config);
   fs::create_directories(dir);
+  const bool resume = args.has("resume"), dry_run = args.has("dry-run");
+  std::unique_ptr<RunFolderLock> lock;  // rank 0 holds the run folder (docs/operations.md)
+  if (lead && !dry_run) {
+    lock = std::make_unique<RunFolderLock>(dir);
+    const std::string removed = prepare_run_folder(dir, resume, args.has("overwrite"));
+    if (!removed.empty()) std::printf("--overwrite: deleted %s of %s\n", removed.c_str(), dir.c_str());
+  }
+  comm->barrier();  // the folder is ready before the other ranks write their logs into it
+  if (lead && !dry_run && config.loop.memory_check && config.device == DEVICE_CPU) {
+    check_memory_fits(config, layout, comm->size());
+  }
   if (!lead) {
     fs::create_directories(fs::path(dir) / "logs");
     const std::string log = (fs::path(dir) / "logs" / ("rank" + std::to_string(comm->rank()) + ".log")).string();
@@ -157,12 +208,25 @@ int train_main(int argc, char** argv) {
                 config.dpo.beta, static_cast<long long>(splits[0]->pairs()), static_cast<long long>(splits[1]->pairs()),
                 reference.c_str());
   }
-  if (args.has("resume")) {
-    const auto loaded = state.resume([](const std::string& line) { std::fprintf(stderr, "loom train: %s\n", line.c_str()); });
+  const CheckpointWarning warn = [](const std::string& line) { std::fprintf(stderr, "loom train: %s\n", line.c_str()); };
+  int64_t resumed_step = -1;
+  if (resume) {
+    const std::string from_arg = args.get("resume");
+    LOOM_CHECK(from_arg.empty() || fs::exists(from_arg), "--resume ", from_arg, ": no such checkpoint, run or checkpoints folder");
+    const std::string from = from_arg.empty() ? "" : resolve_checkpoint(from_arg);
+    const auto loaded = state.resume(warn, from);
+    resumed_step = loaded ? loaded->step : 0;
     if (loaded) {
       batches.loader().restore(loaded->data_state.get<LoaderState>());
       model.release_base();  // QLoRA: the checkpoint wrote the quantized base's fp32 elements
       std::printf("resumed from %s (step %lld)\n", loaded->path.c_str(), static_cast<long long>(loaded->step));
+      const std::vector<std::string> changed = config_differences(loaded->config_text, config_text);
+      if (!changed.empty() && lead) {
+        std::string list;
+        for (const std::string& c : changed) list += (list.empty() ? "" : "; ") + c;
+        std::fprintf(stderr, "loom train: warning: the config differs from the checkpoint's in %zu key%s: %s\n",
+                     changed.size(), changed.size() == 1 ? "" : "s", list.c_str());
+      }
     } else {
       std::printf("no checkpoint in %s/checkpoints; starting from scratch\n", dir.c_str());
     }
@@ -177,7 +241,13 @@ int train_main(int argc, char** argv) {
   const double flops_per_token = train_flops_per_token(config.model, config.train.seq_len);
   print_run_header(config, dir, model, trainer, peak_gflops, flops_per_token);
   MetricsLog metrics(lead ? (fs::path(dir) / "metrics.jsonl").string()
-                          : (fs::path(dir) / "logs" / ("metrics.rank" + std::to_string(comm->rank()) + ".jsonl")).string());
+                          : (fs::path(dir) / "logs" / ("metrics.rank" + std::to_string(comm->rank()) + ".jsonl")).string(),
+                     resumed_step);
+  if (metrics.dropped() > 0 && lead) {
+    std::fprintf(stderr, "loom train: warning: metrics.jsonl: dropped %lld record%s after step %lld (the run resumes "
+                 "from there and writes them again)\n", static_cast<long long>(metrics.dropped()),
+                 metrics.dropped() == 1 ? "" : "s", static_cast<long long>(resumed_step));
+  }
   const Communicator& dp = layout.batch_group();
   if (comm->size() > 1) std::printf("%s\n", layout.describe(config.train.batch_size, config.train.grad_accum, config.train.seq_len).c_str());
   const ZeroSharding* zero = trainer.zero();
@@ -188,7 +258,8 @@ int train_main(int argc, char** argv) {
   }
   const int64_t n_params = param_count(config.model);
   const int64_t state_bytes = trainer.optimizer().state_bytes();
-  metrics.write({{"optimizer", trainer.optimizer().name()}, {"parameters", n_params}, {"optimizer_state_bytes", state_bytes},
+  metrics.write({{"schema_version", kMetricsSchemaVersion}, {"event", resume ? "resume" : "start"},
+                 {"start_step", trainer.step()}, {"optimizer", trainer.optimizer().name()}, {"parameters", n_params}, {"optimizer_state_bytes", state_bytes},
                  {"state_bytes_per_param", static_cast<double>(state_bytes) / static_cast<double>(n_params)},
                  {"schedule", std::string(enum_name(config.train.schedule.kind))}, {"precision", model.precision().describe()},
                  {"loss_scaling", config.train.loss_scaling}});
@@ -206,8 +277,93 @@ int train_main(int argc, char** argv) {
   double last_val = NAN;
   int64_t last_resident_params = 0, last_resident_grads = 0;
 
+  // Operations (docs/operations.md): preemption signals, the collective watchdog, anomalies, traces.
+  const StopSignals signals;
+  std::unique_ptr<Tracer> tracer;
+  if (config.loop.trace) {
+    tracer = std::make_unique<Tracer>(comm->rank());
+    trainer.set_tracer(tracer.get());
+    state.set_tracer(tracer.get());
+    for (const auto& [name, group] : layout.communicators()) group->set_tracer(tracer.get(), name);
+  }
+  auto write_trace = [&] {
+    if (!tracer) return;
+    const fs::path path = fs::path(dir) / "trace" / ("rank" + std::to_string(comm->rank()) + ".json");
+    fs::create_directories(path.parent_path());
+    tracer->write(path.string());
+    std::printf("trace: %s (%zu events; open it in ui.perfetto.dev)\n", path.string().c_str(), tracer->size());
+  };
+  Watchdog watchdog(config.loop.watchdog_seconds, dir, comm->rank(), comm->size());
+  CpuAllocator flag_host;
+  const Tensor flag = Tensor::zeros(flag_host, {1}, DTYPE_F64, MEM_WORKSPACE);
+  auto stop_signal = [&]() -> int {  // every rank stops at the same step: the first to see a signal decides
+    if (comm->size() == 1) return signals.requested();
+    flag.data<double>()[0] = signals.requested();
+    comm->all_reduce(flag, REDUCE_MAX);
+    return static_cast<int>(flag.data<double>()[0]);
+  };
+  std::string last_saved;  // the newest checkpoint's path, "" until one is written
+  int64_t last_saved_step = -1;
+  auto save_checkpoint = [&](bool async) -> bool {
+    model.materialize_base();  // QLoRA: the checkpoint holds the dequantized base
+    const TraceSpan span(tracer.get(), async ? "checkpoint snapshot" : "checkpoint", "checkpoint");
+    try {
+      last_saved = state.save(batches.loader().state(), async);
+      last_saved_step = trainer.step();
+    } catch (const Error& e) {
+      if (config.loop.stop_on_save_error) throw;
+      std::fprintf(stderr, "loom train: warning: step %lld: checkpoint not saved: %s; training goes on "
+                   "(train.stop_on_save_error = false), the previous checkpoint stays valid\n",
+                   static_cast<long long>(trainer.step()), e.what());
+      model.release_base();
+      return false;
+    }
+    model.release_base();
+    return true;
+  };
+  // A save in flight (async) reports its error at the next save or here.
+  auto finish_save = [&] {
+    try {
+      state.wait_for_save();
+    } catch (const Error& e) {
+      if (config.loop.stop_on_save_error) throw;
+      std::fprintf(stderr, "loom train: warning: checkpoint not saved: %s\n", e.what());
+    }
+  };
+
   while (trainer.step() < config.train.steps) {
+    const nlohmann::json position = batches.loader().state();  // names the batch if it proves bad
+    const int64_t step_start = tracer ? Tracer::now_ns() : 0;
     const StepStats stats = trainer.train_step(batches.train());
+    if (tracer) tracer->complete("step", "step", step_start);
+    watchdog.beat(stats.step);
+    if (stats.anomaly != Anomaly::none) {
+      const bool spike = stats.anomaly == Anomaly::spike;
+      const std::string what = spike ? str_cat("loss ", stats.loss, " is a spike (z-score ", stats.spike_z, ")")
+                                     : std::isfinite(stats.loss) ? str_cat("gradient norm ", stats.grad_norm, " is not finite")
+                                                                 : str_cat("loss ", stats.loss, " is not finite");
+      const std::string batch = str_cat("epoch ", position.value("epoch", 0), ", window ", position.value("index", 0));
+      std::string action = "skipped (no update)";
+      if (config.train.anomaly.policy == AnomalyPolicy::rollback) {
+        finish_save();
+        const auto loaded = state.resume(warn);  // the newest valid checkpoint; the data loader keeps its place
+        if (loaded) model.release_base();
+        action = loaded ? str_cat("skipped; rolled back to the checkpoint of step ", loaded->step)
+                        : std::string("skipped (no checkpoint to roll back to yet)");
+      }
+      std::fprintf(stderr, "loom train: warning: step %lld: %s; the batch at data position %s %s%s\n",
+                   static_cast<long long>(stats.step + 1), what.c_str(), batch.c_str(), action.c_str(),
+                   action.find("rolled back") != std::string::npos ? " (the batches since it are not replayed)" : "");
+      metrics.write({{"step", stats.step + 1}, {"anomaly", spike ? "spike" : "nonfinite"}, {"loss", stats.loss},
+                     {"spike_z", stats.spike_z}, {"batch", position}, {"action", action}, {"next_step", trainer.step() + 1}});
+      if (const int sig = stop_signal(); sig != 0) {
+        finish_save();
+        std::printf("stopped by %s at step %lld; checkpoint %s; continue with --resume\n", StopSignals::name(sig),
+                    static_cast<long long>(trainer.step()), save_checkpoint(false) ? last_saved.c_str() : "(not saved)");
+        return kPreemptedExit;
+      }
+      continue;
+    }
     const DpoObjective::Stats pref = objective.take_stats();
     last_resident_params = resident_bytes(model.params());
     last_resident_grads = resident_bytes(model.grads());
@@ -218,11 +374,17 @@ int train_main(int argc, char** argv) {
     r.mfu = r.tokens_per_s * flops_per_token / (peak_gflops * 1e9 * comm->size());   // peak measured per rank
     r.memory_bytes = mem.current_total();
     r.eta_seconds = seconds_sum / static_cast<double>(steps_timed) * static_cast<double>(config.train.steps - trainer.step());
+    // This rank's traffic over every communicator of the layout (world, tp, pp, cp, ep, dp, ...).
+    int64_t sent = 0, received = 0;
+    nlohmann::json comm_json = nlohmann::json::object();
+    for (const auto& [name, group] : layout.communicators()) {
+      sent += group->ledger().total_sent(), received += group->ledger().total_received();
+      if (group->ledger().total_sent() + group->ledger().total_received() > 0) comm_json[name] = ledger_json(group->ledger());
+    }
     metrics.write({{"step", stats.step + 1}, {"loss", stats.loss}, {"lr", stats.lr}, {"grad_norm", stats.grad_norm},
-                   {"tokens", stats.tokens}, {"seconds", stats.seconds}, {"loss_scale", stats.loss_scale}, {"skipped", stats.skipped}, {"tokens_per_s", r.tokens_per_s}, {"mfu", r.mfu},
+                   {"tokens", stats.tokens * dp.size()}, {"seconds", stats.seconds}, {"loss_scale", stats.loss_scale}, {"skipped", stats.skipped}, {"tokens_per_s", r.tokens_per_s}, {"mfu", r.mfu},
                    {"memory_bytes", r.memory_bytes}, {"ranks", comm->size()},
-                   {"comm_bytes_sent", comm->ledger().total_sent()}, {"comm_bytes_received", comm->ledger().total_received()},
-                   {"comm", ledger_json(comm->ledger())},
+                   {"comm_bytes_sent", sent}, {"comm_bytes_received", received}, {"comm", comm_json},
                    // Measured residency (core/pages.h): under ZeRO-2/3 less than the buffers' size.
                    {"resident_bytes", {{"parameters", last_resident_params}, {"gradients", last_resident_grads}}},
                    {"moe", moe_json(model.moe_stats())}});
@@ -258,6 +420,7 @@ int train_main(int argc, char** argv) {
       std::printf("step %lld: validation greedy reward %.4f (%lld prompts)\n", static_cast<long long>(done), last_val,
                   static_cast<long long>(batches.grpo_splits()[1]->prompts()));
     } else if (eval_now || done == config.train.steps) {
+      const TraceSpan span(tracer.get(), "validation", "eval");
       last_val = batches.validation_loss(trainer, config.loop.eval_batches, backend->allocator());
       metrics.write({{"step", done}, {"val_loss", last_val}, {"memory", memory_json(mem)}});
       if (dpo) {
@@ -268,17 +431,35 @@ int train_main(int argc, char** argv) {
         std::printf("step %lld: validation loss %.4f (perplexity %.1f)\n", static_cast<long long>(done), last_val, std::exp(last_val));
       }
     }
-    if ((config.loop.checkpoint_every > 0 && done % config.loop.checkpoint_every == 0) || done == stop_at ||
+    const int sig = stop_signal();
+    const bool stopping = sig != 0 || (done == stop_at && done < config.train.steps);
+    if ((config.loop.checkpoint_every > 0 && done % config.loop.checkpoint_every == 0) || stopping ||
         done == config.train.steps) {
-      model.materialize_base();  // QLoRA: the checkpoint holds the dequantized base
-      const std::string path = state.save(batches.loader().state());
-      model.release_base();
-      if (done == stop_at && done < config.train.steps) {
-        std::printf("stopped after step %lld (--stop-at-step); checkpoint %s; continue with --resume\n",
-                    static_cast<long long>(done), path.c_str());
-        return 0;
-      }
+      // The last checkpoint and a stopping one are written in the step (the process ends next).
+      save_checkpoint(config.loop.async_checkpoint && !stopping && done < config.train.steps);
+      watchdog.beat(stats.step);
     }
+    if (stopping) {
+      finish_save();
+      const std::string path = last_saved_step == done ? last_saved : "(not saved)";
+      if (sig != 0) {
+        std::printf("stopped by %s after step %lld; checkpoint %s; continue with --resume\n", StopSignals::name(sig),
+                    static_cast<long long>(done), path.c_str());
+        write_trace();
+        std::fflush(stdout);
+        return kPreemptedExit;
+      }
+      std::printf("stopped after step %lld (--stop-at-step); checkpoint %s; continue with --resume\n",
+                  static_cast<long long>(done), path.c_str());
+      write_trace();
+      return 0;
+    }
+  }
+  finish_save();
+  write_trace();
+  if (metrics.lost() > 0) {
+    std::fprintf(stderr, "loom train: warning: %lld metrics record%s could not be written to metrics.jsonl\n",
+                 static_cast<long long>(metrics.lost()), metrics.lost() == 1 ? "" : "s");
   }
 
   model.materialize_base();  // QLoRA: decoding reads the fp32 weights

@@ -1,5 +1,8 @@
 // One function per subcommand; argv holds the arguments after the subcommand's name.
 #pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
 
 namespace loom::cli {
 
@@ -18,5 +21,10 @@ int convert_main(int argc, char** argv);
 int quantize_main(int argc, char** argv);
 int prune_main(int argc, char** argv);
 int merge_main(int argc, char** argv);
+int report_main(int argc, char** argv);
+int supervise_main(int argc, char** argv);
+// Runs `command` (argv form) and relaunches it with --resume when it dies, up to `restarts`
+// times, waiting `backoff` seconds doubled each time (cmd_supervise.cpp); returns its last status.
+int supervise(std::vector<std::string> command, int64_t restarts, double backoff);
 
 }  // namespace loom::cli

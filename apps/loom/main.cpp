@@ -1,9 +1,11 @@
 // loom: the command-line front end. Every error reaches the user as one line on stderr and a
 // non-zero exit status.
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <exception>
 #include <string>
+#include <thread>
 
 #include "cli.h"
 #include "commands.h"
@@ -34,6 +36,8 @@ const char* kUsage =
     "  quantize    post-training quantization: rtn, gptq, awq (8/4/3 bits), smoothquant / w8a8\n"
     "  prune       magnitude, Wanda or SparseGPT pruning (a sparsity, or 2:4)\n"
     "  merge       average, task arithmetic, TIES or DARE over checkpoints of one model\n"
+    "  report      charts and a one-page HTML summary of one or several runs' metrics\n"
+    "  supervise   run a training job and relaunch it, resuming, when it dies (--restarts N)\n"
     "  version     print loom's version (also `loom --version`)\n"
     "\n"
     "`loom <command> --help` (or -h) describes each command's options; docs/config.md every config key.\n";
@@ -66,14 +70,27 @@ int main(int argc, char** argv) {
     if (command == "quantize") return loom::cli::quantize_main(argc - 2, argv + 2);
     if (command == "prune") return loom::cli::prune_main(argc - 2, argv + 2);
     if (command == "merge") return loom::cli::merge_main(argc - 2, argv + 2);
+    if (command == "report") return loom::cli::report_main(argc - 2, argv + 2);
+    if (command == "supervise") return loom::cli::supervise_main(argc - 2, argv + 2);
     std::fprintf(stderr, "loom: unknown command '%s'; commands: prepare, train, eval, generate, tokenizer, tokenize, plan, memory, "
-                 "serve, bench, config, convert, quantize, prune, merge, version (see `loom --help`)\n", command.c_str());
+                 "serve, bench, config, convert, quantize, prune, merge, report, supervise, version (see `loom --help`)\n", command.c_str());
     return 2;
   } catch (const loom::cli::HelpRequest& help) {
     std::fputs(help.text.c_str(), stdout);
     return 0;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "loom %s: error: %s\n", command.c_str(), e.what());
+    // Under several ranks the error is printed once, by the rank that found it, naming it: rank 0
+    // prints at once; another waits a moment, in which rank 0 ends the job if it found the same
+    // error (a bad config), so that only one line reaches the user.
+    int rank = -1;
+    try {
+      const loom::LaunchInfo launch = loom::detect_launch();
+      if (launch.mpi && launch.size != 1) rank = launch.rank;
+    } catch (const std::exception&) {
+    }
+    if (rank > 0) std::this_thread::sleep_for(std::chrono::seconds(1));
+    std::fprintf(stderr, "loom %s: error: %s%s\n", command.c_str(), rank >= 0 ? ("rank " + std::to_string(rank) + ": ").c_str() : "",
+                 e.what());
     std::fflush(stderr);
     loom::abort_other_ranks(1);  // under mpirun the peers would otherwise wait for this rank forever
     return 1;

@@ -1,11 +1,17 @@
 #include "train_output.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 
 #include "cli.h"
 #include "loom/core/error.h"
+#include "loom/core/file_io.h"
 #include "loom/core/pages.h"
 #include "loom/infer/generate.h"
 #include "loom/arch/config.h"
@@ -25,13 +31,65 @@ void print_progress(const StepReport& r, int64_t total, bool terminal, bool forc
   std::fflush(stdout);
 }
 
-MetricsLog::MetricsLog(const std::string& path) : out_(path, std::ios::app) {
-  LOOM_CHECK(out_, path, ": cannot open for appending");
+MetricsLog::MetricsLog(const std::string& path, int64_t resume_step) : path_(path) {
+  std::error_code ec;
+  if (std::filesystem::exists(path, ec)) {
+    // Keep every complete line that parses and is not a later step's; a torn last line goes.
+    const std::string text = read_text_file(path, uint64_t{4} << 30, "metrics.jsonl's limit");
+    std::string kept;
+    size_t begin = 0;
+    bool changed = false;
+    while (begin < text.size()) {
+      const size_t end = text.find('\n', begin);
+      if (end == std::string::npos) {  // no newline: a record cut short
+        changed = true;
+        ++dropped_;
+        break;
+      }
+      const std::string line = text.substr(begin, end - begin);
+      begin = end + 1;
+      const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+      const bool later = resume_step >= 0 && j.is_object() && j.contains("step") && j["step"].is_number() &&
+                         j["step"].get<int64_t>() > resume_step;
+      if (j.is_discarded() || later) {
+        changed = true;
+        ++dropped_;
+        continue;
+      }
+      kept += line + "\n";
+    }
+    if (changed) write_file_atomic(path, kept);
+  }
+  fd_ = ::open(path.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644);
+  LOOM_CHECK(fd_ >= 0, path, ": cannot open for appending: ", std::strerror(errno));
+  size_ = static_cast<int64_t>(::lseek(fd_, 0, SEEK_END));
+}
+
+MetricsLog::~MetricsLog() {
+  if (fd_ >= 0) ::close(fd_);
 }
 
 void MetricsLog::write(const nlohmann::json& record) {
-  out_ << record.dump() << "\n";
-  out_.flush();
+  const std::string line = record.dump() + "\n";
+  size_t done = 0;
+  while (done < line.size()) {
+    const ssize_t n = ::write(fd_, line.data() + done, line.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    done += static_cast<size_t>(n);
+  }
+  if (done == line.size()) {
+    size_ += static_cast<int64_t>(done);
+    return;
+  }
+  const int error = errno;
+  // What part of the line reached the file is cut off again: the file ends with a whole record.
+  const bool cut = ::ftruncate(fd_, size_) == 0;
+  if (lost_++ == 0) {
+    std::fprintf(stderr, "loom train: warning: %s: cannot append a metrics record (%s); %s, later records are tried "
+                 "again and the records lost are counted at the end\n", path_.c_str(), std::strerror(error),
+                 cut ? "the file keeps its complete records" : "cannot cut the partial record off either");
+  }
 }
 
 // Bytes per collective this rank sent and received so far (comm/communicator.h's ring volumes).

@@ -26,14 +26,29 @@ struct StepReport {
 };
 void print_progress(const StepReport& r, int64_t total, bool terminal, bool force_line);
 
-// metrics.jsonl: one JSON object per line, appended and flushed.
+// metrics.jsonl's schema version (docs/operations.md "metrics.jsonl"), in each run's first record.
+inline constexpr int kMetricsSchemaVersion = 1;
+
+// metrics.jsonl: one JSON object per line, each written whole with one write(2). A write that
+// fails (a full disk) is cut back off the file, so it stays valid JSON lines, reported once on
+// stderr and counted; later records are tried again.
 class MetricsLog {
  public:
-  explicit MetricsLog(const std::string& path);
+  // resume_step >= 0 (a resumed run): the records of later steps, which the resumed run writes
+  // again, and a torn last line (a kill mid-write) are dropped first (rewritten atomically).
+  explicit MetricsLog(const std::string& path, int64_t resume_step = -1);
+  ~MetricsLog();
+  MetricsLog(const MetricsLog&) = delete;
+  MetricsLog& operator=(const MetricsLog&) = delete;
   void write(const nlohmann::json& record);
+  int64_t dropped() const { return dropped_; }  // records removed by the resume's truncation
+  int64_t lost() const { return lost_; }        // records that could not be written
 
  private:
-  std::ofstream out_;
+  std::string path_;
+  int fd_ = -1;
+  int64_t size_ = 0;  // bytes of complete records
+  int64_t dropped_ = 0, lost_ = 0;
 };
 
 nlohmann::json ledger_json(const ByteLedger& ledger);                // bytes per collective sent / received

@@ -333,6 +333,9 @@ LoadedCheckpoint read_trainer_file(const std::string& dir) {
   LoadedCheckpoint loaded;
   loaded.path = dir;
   try {
+    // nlohmann casts a float such as 1e300 to the integer, undefined beyond its range.
+    LOOM_CHECK(trainer.at("step").is_number_integer(), trainer_path, ": step is ", trainer.at("step").dump(),
+               ", expected an integer");
     loaded.step = trainer.at("step").get<int64_t>();
     loaded.data_state = trainer.at("data_state");
     loaded.config_text = trainer.at("config_text").get<std::string>();
@@ -344,7 +347,13 @@ LoadedCheckpoint read_trainer_file(const std::string& dir) {
 }
 
 int64_t manifest_shards(const std::string& dir) {
-  return read_json_file((fs::path(dir) / kManifestFile).string()).value("shards", int64_t{0});
+  const std::string path = (fs::path(dir) / kManifestFile).string();
+  const nlohmann::json manifest = read_json_file(path);
+  LOOM_CHECK(manifest.is_object(), path, ": not a Loom checkpoint manifest (expected a JSON object)");
+  const nlohmann::json shards = manifest.value("shards", nlohmann::json(0));
+  LOOM_CHECK(shards.is_number_integer() && shards.get<int64_t>() >= 0 && shards.get<int64_t>() <= (1 << 20), path,
+             ": shards = ", shards.dump(), ", expected a count of ranks");
+  return shards.get<int64_t>();
 }
 
 LoadedCheckpoint load_sharded(const std::string& dir, int64_t n_shards, const ModelState& model,
@@ -421,7 +430,7 @@ bool is_quantized_model(const std::string& path) {
   const fs::path manifest = fs::path(path) / kManifestFile;
   if (!fs::is_regular_file(manifest, ec)) return false;
   const nlohmann::json m = read_json_file(manifest.string());
-  return m.is_object() && m.value("kind", std::string()) == kQuantizedKind;
+  return m.is_object() && m.value("kind", nlohmann::json()) == kQuantizedKind;
 }
 
 void write_quantized_model(const std::string& dir, const QuantizedModelContents& c) {
@@ -549,9 +558,8 @@ std::string checkpoint_problem(const std::string& path) {
     if (manifest.at("format").get<std::string>() != kManifestFormat || !manifest.at("files").is_object()) {
       return str_cat(kManifestFile, " is not a Loom checkpoint manifest");
     }
-    if (manifest.at("version").get<int64_t>() != kManifestVersion) {
-      return str_cat(kManifestFile, " has version ", manifest.at("version").get<int64_t>(), ", expected ",
-                     kManifestVersion);
+    if (!manifest.at("version").is_number_integer() || manifest.at("version").get<int64_t>() != kManifestVersion) {
+      return str_cat(kManifestFile, " has version ", manifest.at("version").dump(), ", expected ", kManifestVersion);
     }
   } catch (const nlohmann::json::exception&) {
     return str_cat(kManifestFile, " is not a Loom checkpoint manifest");

@@ -1,5 +1,6 @@
 #include "loom/checkpoint/model_config_json.h"
 
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <type_traits>
@@ -19,11 +20,20 @@ nlohmann::json to_json_value(const T& v) {
 }
 
 template <class T>
-void from_json_value(const nlohmann::json& j, T& v) {
+void from_json_value(const nlohmann::json& j, T& v, const char* key) {
   if constexpr (std::is_same_v<T, Arch>) v = arch_from_name(j.get<std::string>());
   else if constexpr (std::is_same_v<T, RopeScaling>) v = parse_enum<RopeScaling>(j.get<std::string>(), "rope_scaling.type");
   else if constexpr (std::is_same_v<T, PeftMethod>) v = parse_enum<PeftMethod>(j.get<std::string>(), "peft.method");
-  else v = j.get<T>();
+  else if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) {
+    // nlohmann casts a float such as 1e300 to the integer, undefined beyond its range.
+    LOOM_CHECK(j.is_number_integer(), key, " is ", j.dump(), ", expected an integer");
+    v = j.get<T>();
+  } else if constexpr (std::is_floating_point_v<T>) {
+    v = j.get<T>();  // 1e39 is a float's inf, which model_config_json could not write back (JSON has none)
+    LOOM_CHECK(std::isfinite(v), key, " is ", j.dump(), ", expected a finite ", sizeof(T) == 4 ? "float" : "double");
+  } else {
+    v = j.get<T>();
+  }
 }
 
 // The object a field lives in (nullptr: not written for this model).
@@ -76,9 +86,9 @@ ModelConfig model_config_from_json(const std::string& text, const std::string& p
     visit_model_fields(c, [&](const ModelField& f, auto& value) {
       if (const char* group = group_name(f.place)) {
         // A key added to a group later (mla.score_scale) keeps its default in older checkpoints.
-        if (j.contains(group) && j.at(group).contains(f.json)) from_json_value(j.at(group).at(f.json), value);
+        if (j.contains(group) && j.at(group).contains(f.json)) from_json_value(j.at(group).at(f.json), value, f.json);
       } else if (f.place == ModelField::ALWAYS || j.contains(f.json)) {
-        from_json_value(j.at(f.json), value);
+        from_json_value(j.at(f.json), value, f.json);
       }
     });
     c.validate();

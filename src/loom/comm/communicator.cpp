@@ -225,8 +225,50 @@ class LocalCommunicator final : public Communicator {
 
 std::unique_ptr<Communicator> make_local_communicator() { return std::make_unique<LocalCommunicator>(); }
 
-bool launched_by_mpirun() {
-  return std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr || std::getenv("PMI_SIZE") != nullptr;
+namespace {
+int env_int(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return fallback;
+  char* end = nullptr;
+  const long n = std::strtol(v, &end, 10);
+  LOOM_CHECK(*end == '\0' && n >= 0 && n < (1 << 24), "environment variable ", name, "='", v, "' is not a rank count or index");
+  return static_cast<int>(n);
 }
+}  // namespace
+
+LaunchInfo detect_launch() {
+  LaunchInfo info;
+  if (std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr) {  // OpenMPI's mpirun / prterun
+    info.launcher = "mpirun (OpenMPI)";
+    info.size = env_int("OMPI_COMM_WORLD_SIZE", 1), info.rank = env_int("OMPI_COMM_WORLD_RANK", 0);
+    info.mpi = true;
+    return info;
+  }
+  if (std::getenv("PMIX_RANK") != nullptr) {  // srun --mpi=pmix (OpenMPI wires itself through PMIx)
+    info.launcher = "PMIx (srun --mpi=pmix)";
+    info.rank = env_int("PMIX_RANK", 0), info.size = env_int("SLURM_STEP_NUM_TASKS", env_int("SLURM_NTASKS", 0));
+    info.mpi = true;
+    return info;
+  }
+  if (std::getenv("PMI_SIZE") != nullptr) {  // PMI-1/2 (srun --mpi=pmi2, MPICH's Hydra)
+    info.launcher = "PMI";
+    info.size = env_int("PMI_SIZE", 1), info.rank = env_int("PMI_RANK", 0);
+    info.mpi = true;
+    return info;
+  }
+  // Launchers that start several processes without anything MPI can wire up: each would train
+  // alone and write the same run folder. Refused, naming the variables and the way that works.
+  const int slurm_tasks = env_int("SLURM_STEP_NUM_TASKS", 1);
+  LOOM_CHECK(slurm_tasks <= 1, "srun started ", slurm_tasks, " tasks (SLURM_STEP_NUM_TASKS, this is SLURM_PROCID ",
+             env_int("SLURM_PROCID", 0), ") without PMIx, so they cannot be wired into one job: use srun --mpi=pmix, or "
+             "mpirun inside the allocation (docs/cluster.md)");
+  const int world = env_int("WORLD_SIZE", 1);
+  LOOM_CHECK(world <= 1, "WORLD_SIZE=", world, ", RANK=", env_int("RANK", 0), ", LOCAL_RANK=", env_int("LOCAL_RANK", 0),
+             " (a torchrun-style launch): Loom wires its ranks with MPI, so these ", world, " processes would each "
+             "train alone; launch with mpirun -np ", world, " or srun --mpi=pmix (docs/cluster.md)");
+  return info;
+}
+
+bool launched_by_mpirun() { return detect_launch().mpi; }
 
 }  // namespace loom

@@ -28,6 +28,8 @@
 
 namespace loom {
 
+class Tracer;
+
 enum ReduceOp : uint8_t { REDUCE_SUM, REDUCE_MAX, REDUCE_MIN };
 
 enum Collective : uint8_t {
@@ -108,8 +110,13 @@ class Communicator {
 
   const ByteLedger& ledger() const { return ledger_; }
   void reset_ledger() { ledger_ = ByteLedger{}; }
+  // train.trace: every collective from now on is an event of `tracer` (core/trace.h) with its
+  // bytes, tagged `group` (a literal: "world", "dp", "tp", ...). Null: none (the default).
+  void set_tracer(Tracer* tracer, const char* group) { tracer_ = tracer, trace_group_ = group; }
 
  protected:
+  Tracer* tracer_ = nullptr;
+  const char* trace_group_ = "world";
   // Books one call of kind c for a buffer of `bytes` (see the header comment for the formulas).
   void book(Collective c, int64_t bytes, int root = -1);
   // Checks equal-chunk shapes and dtypes; throws naming the collective and rank.
@@ -135,7 +142,18 @@ std::unique_ptr<Communicator> make_local_communicator();
 // MPI: initializes MPI on first use in the process (MPI_THREAD_FUNNELED) and finalizes at exit.
 // Throws when Loom was launched without mpirun and MPI cannot initialize.
 std::unique_ptr<Communicator> make_mpi_communicator();
-// True when the process was started by mpirun (OMPI_COMM_WORLD_SIZE / PMI_SIZE set).
+// How this process was launched, from the launchers' environment variables (docs/cluster.md):
+// OpenMPI's mpirun (OMPI_COMM_WORLD_SIZE / _RANK), PMIx (PMIX_RANK: srun --mpi=pmix), PMI
+// (PMI_SIZE / PMI_RANK). A launch of several processes that MPI cannot wire up (srun without
+// PMIx: SLURM_STEP_NUM_TASKS > 1; torchrun-style: WORLD_SIZE > 1) is an Error naming the
+// variables, instead of N independent runs writing one folder.
+struct LaunchInfo {
+  std::string launcher = "none";  // "mpirun (OpenMPI)", "PMIx (srun --mpi=pmix)", "PMI", "none"
+  int rank = 0, size = 1;         // size 0: the launcher did not say
+  bool mpi = false;               // MPI_Init will find its peers
+};
+LaunchInfo detect_launch();
+// True when an MPI launcher started the process (detect_launch().mpi; refuses the unwired ones).
 bool launched_by_mpirun();
 // After a rank's fatal error: when MPI runs with more than one rank, ends the whole job
 // (MPI_Abort with `code`) instead of leaving the other ranks blocked in a collective; else nothing.

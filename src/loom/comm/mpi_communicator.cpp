@@ -11,6 +11,7 @@
 
 #include "loom/comm/communicator.h"
 #include "loom/core/error.h"
+#include "loom/core/trace.h"
 
 namespace loom {
 
@@ -96,7 +97,18 @@ class MpiWork final : public CommWork {
     if (request_ != MPI_REQUEST_NULL) MPI_Wait(&request_, MPI_STATUS_IGNORE);
     if (move_.bytes != 0) std::memmove(move_.base + move_.to, move_.base, move_.bytes);
     move_.bytes = 0;
+    if (trace_.tracer != nullptr) {  // train.trace: the collective from issue to completion
+      trace_.tracer->complete(trace_.name, "comm", trace_.start, 0, trace_.bytes, trace_.sent, trace_.group);
+      trace_.tracer = nullptr;
+    }
   }
+  struct Trace {
+    Tracer* tracer = nullptr;
+    const char* name = nullptr;
+    const char* group = nullptr;
+    int64_t start = 0, bytes = 0, sent = 0;
+  };
+  void trace(const Trace& t) { trace_ = t; }
   ~MpiWork() override { wait(); }  // a dropped handle still completes before its buffers go
 
  private:
@@ -106,6 +118,7 @@ class MpiWork final : public CommWork {
   };
   MPI_Request request_ = MPI_REQUEST_NULL;
   Move move_;
+  Trace trace_;
   std::array<int, 4 * kInlineRanks> inline_{};
   std::vector<int> heap_;  // more ranks than kInlineRanks
 };
@@ -146,25 +159,38 @@ class MpiCommunicator final : public Communicator {
   int size() const override { return size_; }
   std::string name() const override { return "mpi"; }
 
-  std::unique_ptr<CommWork> all_reduce_async(const Tensor& x, ReduceOp op) override {
-    book(COLL_ALL_REDUCE, static_cast<int64_t>(x.nbytes()));
+  // A request's handle, traced (train.trace) as `op` of `bytes` from now: its sent bytes are
+  // what the ledger booked since sent_before.
+  std::unique_ptr<MpiWork> work(const char* op, int64_t bytes, int64_t sent_before) {
     auto w = std::make_unique<MpiWork>();
+    if (tracer_ != nullptr) {
+      w->trace({tracer_, op, trace_group_, Tracer::now_ns(), bytes, ledger().total_sent() - sent_before});
+    }
+    return w;
+  }
+
+  std::unique_ptr<CommWork> all_reduce_async(const Tensor& x, ReduceOp op) override {
+    const int64_t sent_before = ledger().total_sent();
+    book(COLL_ALL_REDUCE, static_cast<int64_t>(x.nbytes()));
+    auto w = work("all_reduce", static_cast<int64_t>(x.nbytes()), sent_before);
     MPI_Iallreduce(MPI_IN_PLACE, mpi_ptr(x), count_of(x, "all_reduce"), reduce_type(x, "all_reduce"), mpi_op(op),
                    comm_, w->request());
     return w;
   }
   std::unique_ptr<CommWork> reduce_scatter_async(const Tensor& full, const Tensor& shard, ReduceOp op) override {
     check_chunks("reduce_scatter", full, shard);
+    const int64_t sent_before = ledger().total_sent();
     book(COLL_REDUCE_SCATTER, static_cast<int64_t>(full.nbytes()));
-    auto w = std::make_unique<MpiWork>();
+    auto w = work("reduce_scatter", static_cast<int64_t>(full.nbytes()), sent_before);
     MPI_Ireduce_scatter_block(mpi_ptr(full), mpi_ptr(shard), count_of(shard, "reduce_scatter"),
                               reduce_type(full, "reduce_scatter"), mpi_op(op), comm_, w->request());
     return w;
   }
   std::unique_ptr<CommWork> all_gather_async(const Tensor& shard, const Tensor& full) override {
     check_chunks("all_gather", full, shard);
+    const int64_t sent_before = ledger().total_sent();
     book(COLL_ALL_GATHER, static_cast<int64_t>(full.nbytes()));
-    auto w = std::make_unique<MpiWork>();
+    auto w = work("all_gather", static_cast<int64_t>(full.nbytes()), sent_before);
     const MPI_Datatype t = mpi_type(shard.dtype(), "all_gather");
     const int n = count_of(shard, "all_gather");
     MPI_Iallgather(mpi_ptr(shard), n, t, mpi_ptr(full), n, t, comm_, w->request());
@@ -173,8 +199,9 @@ class MpiCommunicator final : public Communicator {
   std::unique_ptr<CommWork> all_to_all_async(const Tensor& in, const Tensor& out) override {
     LOOM_CHECK(in.dtype() == out.dtype() && in.numel() == out.numel() && in.numel() % size_ == 0, "all_to_all on rank ",
                rank_, ": in ", in.describe(), " and out ", out.describe(), " must hold ", size_, " equal chunks");
+    const int64_t sent_before = ledger().total_sent();
     book(COLL_ALL_TO_ALL, static_cast<int64_t>(in.nbytes()));
-    auto w = std::make_unique<MpiWork>();
+    auto w = work("all_to_all", static_cast<int64_t>(in.nbytes()), sent_before);
     const MPI_Datatype t = mpi_type(in.dtype(), "all_to_all");
     const int n = count_of(in, "all_to_all") / size_;
     MPI_Ialltoall(mpi_ptr(in), n, t, mpi_ptr(out), n, t, comm_, w->request());
@@ -182,8 +209,9 @@ class MpiCommunicator final : public Communicator {
   }
   std::unique_ptr<CommWork> broadcast_async(const Tensor& x, int root) override {
     LOOM_CHECK(root >= 0 && root < size_, "broadcast: root ", root, " outside [0, ", size_, ")");
+    const int64_t sent_before = ledger().total_sent();
     book(COLL_BROADCAST, static_cast<int64_t>(x.nbytes()), root);
-    auto w = std::make_unique<MpiWork>();
+    auto w = work("broadcast", static_cast<int64_t>(x.nbytes()), sent_before);
     MPI_Ibcast(mpi_ptr(x), count_of(x, "broadcast"), mpi_type(x.dtype(), "broadcast"), root, comm_, w->request());
     return w;
   }
@@ -191,8 +219,9 @@ class MpiCommunicator final : public Communicator {
                                                    ReduceOp op) override {
     const int64_t own = check_counts("reduce_scatter_v", x, counts);
     const size_t elem = dtype_size(x.dtype());
+    const int64_t sent_before = ledger().total_sent();
     book_v(COLL_REDUCE_SCATTER, static_cast<int64_t>(x.nbytes()), counts[rank_] * static_cast<int64_t>(elem));
-    auto w = std::make_unique<MpiWork>();
+    auto w = work("reduce_scatter_v", static_cast<int64_t>(x.nbytes()), sent_before);
     count_of(x, "reduce_scatter_v");
     w->reserve_ints(1, size_);
     int* n = w->ints(size_, 0);
@@ -207,8 +236,9 @@ class MpiCommunicator final : public Communicator {
   std::unique_ptr<CommWork> all_gather_v_async(const Tensor& x, const std::vector<int64_t>& counts) override {
     check_counts("all_gather_v", x, counts);
     const int64_t elem = static_cast<int64_t>(dtype_size(x.dtype()));
+    const int64_t sent_before = ledger().total_sent();
     book_v(COLL_ALL_GATHER, static_cast<int64_t>(x.nbytes()), counts[rank_] * elem);
-    auto w = std::make_unique<MpiWork>();
+    auto w = work("all_gather_v", static_cast<int64_t>(x.nbytes()), sent_before);
     count_of(x, "all_gather_v");
     w->reserve_ints(2, size_);
     int* n = w->ints(size_, 0);
@@ -227,8 +257,9 @@ class MpiCommunicator final : public Communicator {
       if (r == rank_) continue;
       sent += send_counts[r] * elem, received += recv_counts[r] * elem;
     }
+    const int64_t sent_before = ledger().total_sent();
     book_sent_received(COLL_ALL_TO_ALL, sent, received);
-    auto w = std::make_unique<MpiWork>();
+    auto w = work("all_to_all_v", sent + received, sent_before);
     count_of(in, "all_to_all_v");
     count_of(out, "all_to_all_v");
     w->reserve_ints(4, size_);
@@ -241,27 +272,36 @@ class MpiCommunicator final : public Communicator {
   }
   void send(const Tensor& x, int to, int tag) override {
     LOOM_CHECK(to >= 0 && to < size_ && to != rank_, "send from rank ", rank_, " to rank ", to, ": no such peer");
+    const int64_t start = tracer_ != nullptr ? Tracer::now_ns() : 0;
     book(COLL_SEND_RECV, static_cast<int64_t>(x.nbytes()));
     MPI_Send(mpi_ptr(x), count_of(x, "send"), mpi_type(x.dtype(), "send"), to, tag, comm_);
+    if (tracer_ != nullptr) tracer_->complete("send", "comm", start, 0, x.nbytes(), x.nbytes(), trace_group_);
   }
   std::unique_ptr<CommWork> send_async(const Tensor& x, int to, int tag) override {
     LOOM_CHECK(to >= 0 && to < size_ && to != rank_, "send from rank ", rank_, " to rank ", to, ": no such peer");
+    const int64_t sent_before = ledger().total_sent();
     book(COLL_SEND_RECV, static_cast<int64_t>(x.nbytes()));
-    auto w = std::make_unique<MpiWork>();
+    auto w = work("send", static_cast<int64_t>(x.nbytes()), sent_before);
     MPI_Isend(mpi_ptr(x), count_of(x, "send"), mpi_type(x.dtype(), "send"), to, tag, comm_, w->request());
     return w;
   }
   void recv(const Tensor& x, int from, int tag) override {
     LOOM_CHECK(from >= 0 && from < size_ && from != rank_, "recv on rank ", rank_, " from rank ", from, ": no such peer");
+    const int64_t start = tracer_ != nullptr ? Tracer::now_ns() : 0;
     book(COLL_SEND_RECV, static_cast<int64_t>(x.nbytes()), -2);
     MPI_Status status;
     MPI_Recv(mpi_ptr(x), count_of(x, "recv"), mpi_type(x.dtype(), "recv"), from, tag, comm_, &status);
+    if (tracer_ != nullptr) tracer_->complete("recv", "comm", start, 0, x.nbytes(), 0, trace_group_);
     int got = 0;
     MPI_Get_count(&status, mpi_type(x.dtype(), "recv"), &got);
     LOOM_CHECK(got == x.numel(), "recv on rank ", rank_, " from rank ", from, ": got ", got, " elements, expected ",
                x.numel());
   }
-  void barrier() override { MPI_Barrier(comm_); }
+  void barrier() override {
+    const int64_t start = tracer_ != nullptr ? Tracer::now_ns() : 0;
+    MPI_Barrier(comm_);
+    if (tracer_ != nullptr) tracer_->complete("barrier", "comm", start, 0, 0, 0, trace_group_);
+  }
 
  private:
   MPI_Comm comm_;

@@ -122,13 +122,35 @@ std::string hex64(uint64_t v) {
   return out.str();
 }
 
-std::string read_text_file(const std::string& path) {
+std::string read_text_file(const std::string& path, uint64_t max_bytes, const std::string& what) {
   std::ifstream in(path, std::ios::binary);
   LOOM_CHECK(in, path, ": cannot open for reading");
-  std::ostringstream text;
-  text << in.rdbuf();
+  std::string text;
+  constexpr size_t kChunk = 64 << 10;
+  const std::unique_ptr<char[]> chunk(new char[kChunk]);  // (not zeroed: read fills it)
+  while (in) {
+    in.read(chunk.get(), static_cast<std::streamsize>(kChunk));
+    const auto got = static_cast<size_t>(in.gcount());
+    LOOM_CHECK(text.size() + got <= max_bytes, path, ": more than ", max_bytes, " bytes (", what, ")");
+    text.append(chunk.get(), got);
+  }
   LOOM_CHECK(!in.bad(), path, ": read failed");
-  return text.str();
+  return text;
+}
+
+bool read_line_limited(std::istream& in, std::string& line, size_t max_bytes, const std::string& where) {
+  line.clear();
+  std::streambuf* buffer = in.rdbuf();
+  for (;;) {
+    const int c = buffer->sbumpc();
+    if (c == std::char_traits<char>::eof()) {
+      in.setstate(std::ios::eofbit);
+      return !line.empty();
+    }
+    if (c == '\n') return true;
+    LOOM_CHECK(line.size() < max_bytes, where, ": a line longer than ", max_bytes, " bytes");
+    line.push_back(static_cast<char>(c));
+  }
 }
 
 }  // namespace loom

@@ -32,8 +32,14 @@ void fsync_directory(const std::string& dir);
 void write_file_atomic(const std::string& path, std::span<const ByteRange> parts);
 void write_file_atomic(const std::string& path, std::string_view bytes);
 
-// The whole file's bytes; a loom::Error "<path>: cannot open for reading" / "read failed".
-std::string read_text_file(const std::string& path);
+// The whole file's bytes; a loom::Error "<path>: cannot open for reading" / "read failed", or,
+// past max_bytes (a device such as /dev/zero never ends), one naming the limit and `what` sets it.
+inline constexpr uint64_t kDefaultReadLimit = uint64_t{256} << 20;
+std::string read_text_file(const std::string& path, uint64_t max_bytes = kDefaultReadLimit,
+                           const std::string& what = "a text file's limit");
+// std::getline with a bound: the next line of `in` (without its '\n') into `line`; false at the
+// end. A line longer than max_bytes is an Error naming `where`.
+bool read_line_limited(std::istream& in, std::string& line, size_t max_bytes, const std::string& where);
 
 // Writes `text` to `path` and fsyncs it (the caller fsyncs the folder).
 void write_text_synced(const std::string& path, const std::string& text);

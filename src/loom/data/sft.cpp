@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "loom/core/error.h"
+#include "loom/core/file_io.h"
 #include "loom/core/targets.h"
 #include "loom/data/chat_template.h"
 
@@ -99,7 +100,8 @@ int64_t for_each_json_line(const std::string& path, const char* what,
   LOOM_CHECK(in, path, ": cannot open the ", what, " file");
   int64_t examples = 0;
   std::string text;
-  for (int64_t number = 1; std::getline(in, text); ++number) {
+  // One example per line; a line past 64 MiB is no example (a device such as /dev/zero has no end).
+  for (int64_t number = 1; read_line_limited(in, text, size_t{64} << 20, str_cat(path, ":", number)); ++number) {
     if (text.find_first_not_of(" \t\r") == std::string::npos) continue;  // blank lines
     const std::string where = str_cat(path, ":", number);
     nlohmann::json line;

@@ -1,6 +1,8 @@
 #include "loom/train/config.h"
 
+#include <cmath>
 #include <charconv>
+#include <filesystem>
 #include <sstream>
 #include <variant>
 
@@ -11,6 +13,7 @@
 #pragma GCC diagnostic pop
 
 #include "loom/core/error.h"
+#include "loom/core/utf8.h"
 #include "loom/train/layout.h"
 
 namespace loom {
@@ -74,6 +77,16 @@ std::vector<Binding> bindings(LoomConfig& c) {
       {"train.checkpoint_every", &c.loop.checkpoint_every, "steps between checkpoints; 0 = only at the end"},
       {"train.keep_checkpoints", &c.loop.keep_checkpoints, "newest checkpoints kept in the run folder (older ones are deleted)"},
       {"train.log_every", &c.loop.log_every, "steps between progress lines when stdout is not a terminal"},
+      {"train.async_checkpoint", &c.loop.async_checkpoint, "write checkpoints from a host snapshot in a background thread while training continues (one in flight)"},
+      {"train.stop_on_save_error", &c.loop.stop_on_save_error, "a failed checkpoint save (e.g. a full disk) stops the run; false: report it and keep training"},
+      {"train.on_anomaly", enum_ref(&c.train.anomaly.policy), "a non-finite or spiking loss: stop (before the update) | skip (no update, the batch recorded) | rollback (skip, and go back to the last checkpoint)"},
+      {"train.spike_zscore", &c.train.anomaly.spike_zscore, "> 0: a loss this many standard deviations above the mean of the last train.spike_window steps is a spike; 0 = off"},
+      {"train.spike_window", &c.train.anomaly.spike_window, "steps in the spike detector's moving window"},
+      {"train.inject_fault_step", &c.train.anomaly.fault_step, "testing: >= 0 poisons this step's loss and gradients (train.inject_fault); -1 = off"},
+      {"train.inject_fault", enum_ref(&c.train.anomaly.fault), "testing: nan (the loss and gradients NaN) | spike (multiplied by 100)"},
+      {"train.watchdog_seconds", &c.loop.watchdog_seconds, "> 0: a step without progress for this long (a stopped or hung rank) ends the job naming the silent ranks; 0 = off"},
+      {"train.memory_check", &c.loop.memory_check, "refuse a run whose estimated memory exceeds the machine's available memory (CPU)"},
+      {"train.trace", &c.loop.trace, "write a Chrome/Perfetto trace per rank to <run>/trace/rank<N>.json (forward, backward, collectives with bytes, optimizer, checkpoint, data)"},
       // docs/optimizers.md: the rules, their defaults (-1 = the optimizer's own) and the schedules.
       {"optim.name", &c.train.optim.name, "sgd | momentum | nesterov | adagrad | rmsprop | adam | adamw | adafactor | sm3 | lion | adam-mini | came | ldadam | muon"},
       {"optim.offload", &c.train.optim.offload, "ZeRO-Offload: the optimizer state lives in host memory and the update runs on the CPU"},
@@ -228,9 +241,14 @@ void assign(const Binding& b, const toml::node& node, const std::string& origin)
           if (std::is_same_v<T, uint64_t> && v < 0) throw Error(str_cat(origin, ": key '", b.key, "' must be >= 0"));
           *field = static_cast<T>(v);
         } else if constexpr (std::is_same_v<T, double> || std::is_same_v<T, float>) {
-          if (node.is_floating_point()) *field = static_cast<T>(node.as_floating_point()->get());
-          else if (node.is_integer()) *field = static_cast<T>(node.as_integer()->get());
+          double v = 0.0;
+          if (node.is_floating_point()) v = node.as_floating_point()->get();
+          else if (node.is_integer()) v = static_cast<double>(node.as_integer()->get());
           else throw wrong("a number");
+          // No key means anything by inf or nan (TOML spells both): refused here, by name, instead
+          // of surfacing steps later as a non-finite loss.
+          if (!std::isfinite(v)) throw Error(str_cat(origin, ": key '", b.key, "' expects a finite number, got ", v));
+          *field = static_cast<T>(v);
         } else if constexpr (std::is_same_v<T, std::string>) {
           if (!node.is_string()) throw wrong("a string");
           *field = node.as_string()->get();
@@ -361,6 +379,9 @@ void LoomConfig::validate() const {
   LOOM_CHECK(loop.eval_every >= 0 && loop.checkpoint_every >= 0 && loop.log_every >= 1 && loop.eval_batches >= 1,
              "train.eval_every and train.checkpoint_every must be >= 0, train.log_every and train.eval_batches >= 1");
   LOOM_CHECK(loop.keep_checkpoints >= 1, "train.keep_checkpoints must be >= 1, got ", loop.keep_checkpoints);
+  LOOM_CHECK(loop.watchdog_seconds >= 0.0, "train.watchdog_seconds must be >= 0 (0 = off), got ", loop.watchdog_seconds);
+  LOOM_CHECK(train.anomaly.policy != AnomalyPolicy::rollback || loop.checkpoint_every > 0, "train.on_anomaly = rollback "
+             "goes back to the last checkpoint: set train.checkpoint_every > 0");
   LOOM_CHECK(data.val_fraction > 0.0 && data.val_fraction < 1.0, "data.val_fraction must be in (0, 1), got ",
              data.val_fraction);
   LOOM_CHECK(sample.max_new_tokens >= 0, "sample.max_new_tokens must be >= 0, got ", sample.max_new_tokens);
@@ -401,6 +422,12 @@ void LoomConfig::validate_objective() const {
 }
 
 void apply_config_file(LoomConfig& config, const std::string& path) {
+  // A directory or a device (/dev/zero) is not a config: refused before the parser reads it.
+  std::error_code ec;
+  LOOM_CHECK(std::filesystem::is_regular_file(path, ec), path, ": not a config file (expected a TOML file)");
+  const uintmax_t size = std::filesystem::file_size(path, ec);
+  LOOM_CHECK(!ec && size <= kMaxConfigBytes, path, ": ", size, " bytes, more than a config file's limit of ",
+             kMaxConfigBytes, " bytes");
   toml::table table;
   try {
     table = toml::parse_file(path);
@@ -437,6 +464,8 @@ void apply_overrides(LoomConfig& config, const std::string& assignments, const s
     const size_t eq = item.find('=');
     LOOM_CHECK(eq != std::string::npos && eq > 0, origin, ": expected key=value, got '", item, "'");
     const std::string key = item.substr(0, eq), value = item.substr(eq + 1);
+    // A bare word is kept as written, so it must be text config_to_toml can write back.
+    LOOM_CHECK(valid_utf8(value) == value, origin, ": the value of '", key, "' is not valid UTF-8");
     toml::table parsed;
     try {
       parsed = toml::parse("v = " + value);

@@ -56,6 +56,18 @@ struct LoopConfig {
   // rollouts of the prompts of data.input (data.format = prompt-jsonl; train/grpo.h, grpo.*);
   // distill: next-token loss and a teacher's softened distribution (train/distill.h, distill.*).
   TrainObjective objective = TrainObjective::lm;
+  // Checkpoints written by a background thread from a host snapshot taken at the step boundary
+  // (at most one in flight; each complete and durable before the next begins).
+  bool async_checkpoint = false;
+  // A failed checkpoint save (a full disk): stop the run (true) or report it and keep training.
+  bool stop_on_save_error = true;
+  // > 0: a step that makes no progress for this many seconds (a rank stopped or hung in a
+  // collective) ends the job, naming the ranks that fell silent. 0 = no watchdog.
+  double watchdog_seconds = 600.0;
+  // Refuse a run whose estimated memory exceeds the machine's available memory (CPU backend).
+  bool memory_check = true;
+  // A Chrome / Perfetto trace per rank: <run>/trace/rank<N>.json.
+  bool trace = false;
 };
 
 struct RunConfig {
@@ -118,7 +130,10 @@ struct LoomConfig {
   void validate_objective() const;
 };
 
-// Applies a TOML file on top of `config` (keys not in the file keep their values).
+// A config file's size limit (a config is a few KiB; this stops a wrong path early).
+inline constexpr uintmax_t kMaxConfigBytes = 1 << 20;
+// Applies a TOML file on top of `config` (keys not in the file keep their values). A path that is
+// not a regular file (a directory, /dev/zero) or is over kMaxConfigBytes is an error naming it.
 void apply_config_file(LoomConfig& config, const std::string& path);
 // Applies TOML text (e.g. the resolved config a checkpoint carries); origin names it in errors.
 void apply_config_text(LoomConfig& config, const std::string& text, const std::string& origin);

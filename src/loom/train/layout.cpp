@@ -421,6 +421,19 @@ ParallelLayout::ParallelLayout(const LoomConfig& config, Communicator& world, co
   }
 }
 
+std::vector<std::pair<const char*, Communicator*>> ParallelLayout::communicators() const {
+  std::vector<std::pair<const char*, Communicator*>> out = {{"world", &world_}};
+  static constexpr const char* kAxisNames[kAxisCount] = {"pp", "dp", "ep", "cp", "tp"};  // (Axis order)
+  for (size_t a = 0; a < kAxisCount; ++a) {
+    if (groups_[a]) out.emplace_back(kAxisNames[a], groups_[a].get());
+  }
+  if (dp_group_) out.emplace_back("dp", dp_group_.get());
+  if (reduce_group_) out.emplace_back("reduce", reduce_group_.get());
+  if (owners_) out.emplace_back("owners", owners_.get());
+  if (device_) out.emplace_back("device", device_.get());
+  return out;
+}
+
 void ParallelLayout::use_device_group(std::unique_ptr<Communicator> device) {
   device_ = std::move(device);
   batch_ = reduce_ = device_.get();

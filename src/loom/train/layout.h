@@ -71,6 +71,11 @@ class ParallelLayout {
   // the run when it has one (comm/nccl_communicator.h).
   void use_device_group(std::unique_ptr<Communicator> device);
 
+  // Every communicator of the run, each once, with its name ("world", "tp", "dp", "dp+cp",
+  // "owners", "device", ...): the byte ledgers a job's traffic is the sum of, and what a trace
+  // is attached to.
+  std::vector<std::pair<const char*, Communicator*>> communicators() const;
+
   // One line: the mesh and how the batch is split.
   std::string describe(int64_t batch_size, int64_t grad_accum, int64_t seq_len) const;
 

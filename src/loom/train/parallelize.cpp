@@ -158,10 +158,16 @@ TrainingData::TrainingData(TokenDataset data, const LoomConfig& config, const Pa
   train_ = std::make_unique<TokenLoader>(std::move(data.train), T, config.loop.seed);
   val_ = std::make_unique<TokenLoader>(std::move(data.val), T, config.loop.seed, LOADER_ORDER_SEQUENTIAL);
   Allocator& staging = slice_rows(config, layout, allocator);
+  Communicator& dp = layout.batch_group();
+  if (dp.size() > 1) {
+    dp_ = &dp;
+    val_rank_ = std::make_unique<RankSliceSource>(*val_, staging, dp.rank(), dp.size(), B, T);
+  }
+  BatchSource& val = val_rank_ ? static_cast<BatchSource&>(*val_rank_) : *val_;
   cp_ = layout.group(Axis::cp);
   if (cp_ != nullptr) {
     cp_train_ = std::make_unique<ContextSliceSource>(*rank_, staging, cp_->rank(), cp_->size(), B, T);
-    cp_val_ = std::make_unique<ContextSliceSource>(*val_, staging, cp_->rank(), cp_->size(), B, T);
+    cp_val_ = std::make_unique<ContextSliceSource>(val, staging, cp_->rank(), cp_->size(), B, T);
   }
 }
 
@@ -201,14 +207,19 @@ double TrainingData::validation_loss(Trainer& trainer, int64_t batches, Allocato
     const int64_t per_batch = val_pairs_per_batch_, pairs = preference_[1]->pairs();
     batches = std::min(batches, (pairs + per_batch - 1) / per_batch);
   }
-  const double loss = trainer.evaluate(cp_val_ ? static_cast<BatchSource&>(*cp_val_) : *val_, batches);
-  if (cp_ == nullptr) return loss;
-  Tensor sum = Tensor::zeros(allocator, {1}, DTYPE_F64, MEM_WORKSPACE);  // the backend's memory: through it
-  trainer.backend().write(sum, &loss);
-  cp_->all_reduce(sum);
-  double total = 0.0;
-  trainer.backend().read(sum, &total);
-  return total / cp_->size();
+  BatchSource& val = cp_val_ ? static_cast<BatchSource&>(*cp_val_)
+                    : val_rank_ ? static_cast<BatchSource&>(*val_rank_)
+                                : *val_;
+  double loss = trainer.evaluate(val, batches);
+  for (Communicator* group : {cp_, dp_}) {  // the mean over the ranks' equal shares
+    if (group == nullptr) continue;
+    Tensor sum = Tensor::zeros(allocator, {1}, DTYPE_F64, MEM_WORKSPACE);  // the backend's memory: through it
+    trainer.backend().write(sum, &loss);
+    group->all_reduce(sum);
+    trainer.backend().read(sum, &loss);
+    loss /= group->size();
+  }
+  return loss;
 }
 
 }  // namespace loom

@@ -60,7 +60,8 @@ class TrainingData {
   std::vector<GrpoBatches*> grpo_splits() const { return grpo_; }
   // The validation loss over loop.eval_batches batches from the start of the split (preference
   // pairs: at most one pass over them); with context parallelism the mean over the cp group
-  // (equal token counts per rank).
+  // (equal token counts per rank); token data: the global batches' rows split over the
+  // data-parallel ranks and their losses averaged, the same sequences in every layout.
   double validation_loss(Trainer& trainer, int64_t batches, Allocator& allocator);
 
  private:
@@ -74,6 +75,10 @@ class TrainingData {
   std::unique_ptr<RankSliceSource> rank_;
   std::unique_ptr<ContextSliceSource> cp_train_, cp_val_;
   Communicator* cp_ = nullptr;
+  // Token data: each data-parallel rank scores its rows of each global validation batch, and the
+  // loss is their mean, so every layout scores the same sequences (those of batch x dp rows).
+  std::unique_ptr<RankSliceSource> val_rank_;
+  Communicator* dp_ = nullptr;
 };
 
 }  // namespace loom

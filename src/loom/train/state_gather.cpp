@@ -1,5 +1,8 @@
 #include "loom/train/state_gather.h"
 
+#include <cstring>
+#include <filesystem>
+
 #include "loom/core/error.h"
 #include "loom/data/tokenizer_files.h"
 #include "loom/parallel/tensor_parallel.h"
@@ -164,7 +167,8 @@ CheckpointContents TrainingState::contents() {
   return c;
 }
 
-std::string TrainingState::save(const nlohmann::json& data_state) {
+std::string TrainingState::save(const nlohmann::json& data_state, bool async) {
+  wait_for_save();  // one in flight at most, and durable before the next begins
   data_state_ = data_state;
   if (zero_ != nullptr && !staged_) return save_sharded(data_state);
   Trainer& trainer = *parts_.trainer;
@@ -182,9 +186,43 @@ std::string TrainingState::save(const nlohmann::json& data_state) {
     for (auto& [local, w] : tp_state_) tp_state_whole(local, w);
   }
   const bool lead = layout_.world().rank() == 0;
-  std::string path = lead ? checkpoints_.save(contents()) : "(written by rank 0)";  // dp ranks hold identical state
+  std::string path = "(written by rank 0)";  // dp ranks hold identical state
+  if (lead && async) {
+    CheckpointContents c = contents();
+    // The snapshot: host copies of every tensor the checkpoint reads, allocated by the first save.
+    std::vector<Tensor*> live = {&c.model.params};
+    for (auto& [name, t] : c.optimizer.tensors) live.push_back(&t);
+    if (snapshot_.empty()) {
+      for (Tensor* t : live) snapshot_.push_back(Tensor::empty(snapshot_host_, t->shape(), t->dtype(), MEM_WORKSPACE));
+    }
+    for (size_t i = 0; i < live.size(); ++i) {
+      if (live[i]->host_accessible()) std::memcpy(snapshot_[i].raw_data(), live[i]->raw_data(), live[i]->nbytes());
+      else backend_.read(*live[i], snapshot_[i].raw_data());
+      *live[i] = snapshot_[i];
+    }
+    path = (std::filesystem::path(checkpoints_.dir()) / checkpoint_dir_name(c.step)).string();
+    in_flight_ = std::async(std::launch::async, [this, c = std::move(c)] {
+      const TraceSpan span(tracer_, "checkpoint write", "checkpoint", 1);
+      return checkpoints_.save(c);
+    });
+  } else if (lead) {
+    path = checkpoints_.save(contents());
+  }
   trainer.params_loaded();  // ZeRO-3: back to this rank's shard
   return path;
+}
+
+std::string TrainingState::wait_for_save() {
+  if (!in_flight_.valid()) return "";
+  return in_flight_.get();  // (rethrows the writer's error; the future is then spent)
+}
+
+TrainingState::~TrainingState() {
+  if (!in_flight_.valid()) return;
+  try {
+    in_flight_.get();  // a checkpoint is never abandoned half-written by an exit
+  } catch (const std::exception&) {  // (reported by the caller's own wait, or lost with the run's error)
+  }
 }
 
 std::string TrainingState::save_sharded(const nlohmann::json& data_state) {
@@ -209,8 +247,10 @@ std::string TrainingState::save_sharded(const nlohmann::json& data_state) {
   return path;
 }
 
-std::optional<LoadedCheckpoint> TrainingState::resume(const CheckpointWarning& warn) {
-  std::optional<LoadedCheckpoint> loaded = checkpoints_.load_latest(model_state_, optimizer_state_, warn);
+std::optional<LoadedCheckpoint> TrainingState::resume(const CheckpointWarning& warn, const std::string& path) {
+  wait_for_save();
+  std::optional<LoadedCheckpoint> loaded = path.empty() ? checkpoints_.load_latest(model_state_, optimizer_state_, warn)
+                                                        : checkpoints_.load(path, model_state_, optimizer_state_);
   if (!loaded) return loaded;
   Trainer& trainer = *parts_.trainer;
   trainer.restore(loaded->step, loaded->optimizer_steps);

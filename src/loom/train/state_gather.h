@@ -10,6 +10,7 @@
 // A load runs the same steps backwards.
 #pragma once
 #include <functional>
+#include <future>
 #include <optional>
 #include <string>
 #include <utility>
@@ -17,6 +18,7 @@
 
 #include "loom/checkpoint/checkpoint.h"
 #include "loom/core/range_set.h"
+#include "loom/core/trace.h"
 #include "loom/train/parallelize.h"
 
 namespace loom {
@@ -28,10 +30,20 @@ class TrainingState {
                 const std::string& dir, std::string config_text);
 
   // Every rank calls it; rank 0 writes. Returns the checkpoint's path (a note on other ranks).
-  std::string save(const nlohmann::json& data_state);
-  // The newest valid checkpoint into every rank's state (corrupt ones reported through warn);
-  // nullopt when there is none. The caller restores its data loader from the result.
-  std::optional<LoadedCheckpoint> resume(const CheckpointWarning& warn);
+  // async (train.async_checkpoint): rank 0 copies the state into a host snapshot and a
+  // background thread writes it while training goes on; a save still in flight is waited for
+  // first, so at most one is, and each is complete and durable before the next begins. A
+  // sharded (ZeRO) checkpoint, whose ranks write together, is always written in the step.
+  std::string save(const nlohmann::json& data_state, bool async = false);
+  // Waits for the save in flight, if any: rethrows its error; returns its path ("" if none).
+  std::string wait_for_save();
+  ~TrainingState();
+  // train.trace: an async save's write is an event on the writer's thread (tid 1). Not owned.
+  void set_tracer(Tracer* tracer) { tracer_ = tracer; }
+  // The newest valid checkpoint (or the step folder `path`) into every rank's state (corrupt
+  // ones reported through warn); nullopt when there is none. The caller restores its data
+  // loader from the result (a rollback does not: the batches since are skipped).
+  std::optional<LoadedCheckpoint> resume(const CheckpointWarning& warn, const std::string& path = "");
   // Makes the whole model's parameters present on this rank (after training, to sample) and
   // returns the model that holds them.
   Transformer& gather_for_sampling();
@@ -65,6 +77,10 @@ class TrainingState {
   std::vector<std::pair<Tensor, Tensor>> pp_state_;    // pipeline / experts: (this rank's domain's state, flat)
   std::vector<std::pair<Tensor, Tensor>> tp_state_;    // tensor parallel: (this slice's state, whole)
   nlohmann::json data_state_;
+  CpuAllocator snapshot_host_;  // async saves: the host snapshot (declared before what it holds)
+  std::vector<Tensor> snapshot_;  // the model's parameters, then each optimizer tensor
+  std::future<std::string> in_flight_;
+  Tracer* tracer_ = nullptr;
 };
 
 }  // namespace loom

@@ -105,6 +105,8 @@ void TrainConfig::validate() const {
   LOOM_CHECK(steps > 0, "train.steps must be > 0, got ", steps);
   LOOM_CHECK(!offload_activations || recompute != "none", "train.offload_activations offloads the checkpointed "
              "blocks' activations: set train.recompute (selective, full, every:K or budget)");
+  LOOM_CHECK(anomaly.spike_zscore >= 0.0, "train.spike_zscore must be >= 0 (0 = off), got ", anomaly.spike_zscore);
+  LOOM_CHECK(anomaly.spike_window >= 2, "train.spike_window must be >= 2, got ", anomaly.spike_window);
   schedule.validate();
   if (loss_scaling) loss_scaler.validate();
   precision.validate();
@@ -237,22 +239,29 @@ StepStats Trainer::train_step(BatchSource& data) {
   const float loss_scale = scaler_ ? scaler_->scale() : 1.0f;
   const float loss_weight = loss_scale / static_cast<float>(config_.grad_accum);
   if (pipeline_ != nullptr) {
+    const TraceSpan span(tracer_, "pipeline schedule", "compute");
     // All micro-batches, by the schedule; their LoRA dropout passes numbered as one process's.
     loss_sum = pipeline_->run(data, loss_weight, static_cast<uint32_t>(step_ * config_.grad_accum + 1));
-    LOOM_CHECK(scaler_ || std::isfinite(loss_sum), "loss is ", loss_sum, " at step ", step_,
+    LOOM_CHECK(scaler_ || !stops_on_anomaly() || std::isfinite(loss_sum), "loss is ", loss_sum, " at step ", step_,
                "; stopping before the update, the weights are unchanged");
   }
   int64_t valid = 0;  // positions whose target counts (loss masks: the others are kIgnoreTarget)
   for (int64_t micro = 0; pipeline_ == nullptr && micro < config_.grad_accum; ++micro) {
-    valid += load_batch(data);
+    {
+      const TraceSpan span(tracer_, "data", "data");
+      valid += load_batch(data);
+    }
+    const int64_t forward_start = tracer_ != nullptr ? Tracer::now_ns() : 0;
     if (objective_ != nullptr) objective_->before_forward(backend_, store_);
     store_.dropout_pass = static_cast<uint32_t>(step_ * config_.grad_accum + micro + 1);  // peft.dropout's masks
     double loss = model_.forward(store_);
     if (objective_ != nullptr) loss = objective_->weigh(backend_, store_, data);
+    if (tracer_ != nullptr) tracer_->complete("forward", "compute", forward_start);
+    const TraceSpan backward_span(tracer_, "backward", "compute");
     // With loss scaling a non-finite loss (an fp16 overflow) makes non-finite gradients: skipped.
     // Data parallel ranks check the mean over ranks below, so that all of them stop together.
-    LOOM_CHECK(scaler_ || ddp_ || std::isfinite(loss), "loss is ", loss, " at step ", step_, " (micro-batch ", micro,
-               "); stopping before the update, the weights are unchanged");
+    LOOM_CHECK(scaler_ || ddp_ || !stops_on_anomaly() || std::isfinite(loss), "loss is ", loss, " at step ", step_,
+               " (micro-batch ", micro, "); stopping before the update, the weights are unchanged");
     loss_sum += loss;
     if (sharded_grads() && !model_.frozen_ranges().empty()) {  // LoRA: the adapters, after the whole backward
       model_.backward(store_, loss_weight);
@@ -271,11 +280,22 @@ StepStats Trainer::train_step(BatchSource& data) {
     model_.tensor_parallel()->all_reduce(model_.grads().view(b, {e - b}));
   }
   if (comm_ != nullptr) {
+    const TraceSpan span(tracer_, "gradient sync", "sync");  // (its collectives are "comm" events)
     if (ddp_) ddp_->finish();
     if (sharded_grads()) zero_->finish();
     loss_sum = sum_over(*comm_, loss_sum) / comm_->size();
-    LOOM_CHECK(scaler_ || std::isfinite(loss_sum), "loss is ", loss_sum, " at step ", step_,
+    LOOM_CHECK(scaler_ || !stops_on_anomaly() || std::isfinite(loss_sum), "loss is ", loss_sum, " at step ", step_,
                " (mean over ranks); stopping before the update, the weights are unchanged");
+  }
+  if (step_ == config_.anomaly.fault_step && !fault_injected_) {  // train.inject_fault: what a bad batch would do
+    fault_injected_ = true;  // once: the batch that follows a rollback is another
+    const bool nan = config_.anomaly.fault == FaultKind::nan;
+    loss_sum = nan ? NAN : loss_sum * 100.0;
+    const int64_t begin = sharded_grads() ? zero_->range().begin : 0;
+    const int64_t end = sharded_grads() ? zero_->range().end : model_.grads().numel();
+    for (const Range& r : RangeSet::span(begin, end).subtract(model_.frozen_ranges())) {
+      backend_.scale_inplace(model_.grads().view(r.begin, {r.end - r.begin}), nan ? NAN : 100.0);
+    }
   }
   // Loss masks: backward gave the mean over all of the step's positions, the masked ones counted
   // as 0; the loss is the mean over the positions that count, on every rank and micro-batch
@@ -315,6 +335,17 @@ StepStats Trainer::train_step(BatchSource& data) {
     backend_.round_bf16(grads, false, RoundingDraw{});
   }
   stats.skipped = nothing_counted;
+  if (!scaler_ && !nothing_counted) {  // train.on_anomaly: a non-finite or spiking loss
+    stats.anomaly = classify(stats.loss, stats.spike_z);
+    LOOM_CHECK(stats.anomaly != Anomaly::nonfinite || !stops_on_anomaly(), "loss is ", stats.loss, " at step ", step_,
+               "; stopping before the update, the weights are unchanged (train.on_anomaly = skip or rollback continue "
+               "instead)");
+    LOOM_CHECK(stats.anomaly != Anomaly::spike || !stops_on_anomaly(), "loss ", stats.loss, " at step ", step_,
+               " is a spike (z-score ", stats.spike_z, " over the last ", recent_losses_.size(), " steps, above "
+               "train.spike_zscore = ", config_.anomaly.spike_zscore, "); stopping before the update, the weights "
+               "are unchanged (train.on_anomaly = skip or rollback continue instead)");
+    stats.skipped = stats.anomaly != Anomaly::none;
+  }
   if (scaler_ && !nothing_counted) {
     // GradScaler: unscale; with inf/NaN gradients skip the step, leaving the weights and the
     // optimizer state as they are (the next step zeroes the gradients).
@@ -322,12 +353,18 @@ StepStats Trainer::train_step(BatchSource& data) {
     if (sharded_grads()) stats.skipped = sum_over(*comm_, stats.skipped ? 1.0 : 0.0) > 0.0;
     scaler_->update(stats.skipped);
   }
-  if (stats.skipped) {
-    stats.grad_norm = nothing_counted ? 0.0 : INFINITY;
-  } else {
+  const bool loss_anomaly = stats.anomaly != Anomaly::none;  // (its gradient norm is not computed: NaN)
+  if (!stats.skipped) {
     stats.grad_norm = global_grad_norm();
-    LOOM_CHECK(std::isfinite(stats.grad_norm), "gradient norm is ", stats.grad_norm, " at step ", step_,
-               "; stopping before the update, the weights are unchanged");
+    LOOM_CHECK(std::isfinite(stats.grad_norm) || !stops_on_anomaly(), "gradient norm is ", stats.grad_norm, " at step ",
+               step_, "; stopping before the update, the weights are unchanged");
+    if (!std::isfinite(stats.grad_norm) && !scaler_) stats.anomaly = Anomaly::nonfinite, stats.skipped = true;
+  }
+  if (stats.skipped) {
+    if (loss_anomaly) stats.grad_norm = NAN;
+    else if (stats.anomaly == Anomaly::none) stats.grad_norm = nothing_counted ? 0.0 : INFINITY;
+  } else {
+    const TraceSpan span(tracer_, "optimizer", "compute");
     optimizer_->step(static_cast<float>(stats.lr), clip_coefficient(stats.grad_norm, config_.grad_clip));
     if (policy.master_bf16) {  // no fp32 master: the update lands in bf16 (nearest or stochastic)
       backend_.round_bf16(model_.params(), policy.stochastic_rounding,
@@ -335,12 +372,31 @@ StepStats Trainer::train_step(BatchSource& data) {
     }
     if (zero_ && zero_->stage() <= 2) zero_->gather_params();  // every rank's updated shard to all
   }
+  if (!stats.skipped) {  // the window of accepted losses
+    recent_losses_.push_back(stats.loss);
+    if (static_cast<int64_t>(recent_losses_.size()) > config_.anomaly.spike_window) recent_losses_.pop_front();
+  }
   model_.moe_end_step(comm_);  // routing statistics over the data-parallel ranks; the routing bias update
   model_.end_step();
   backend_.synchronize();  // a device's queued work belongs to this step's time
   stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   ++step_;
   return stats;
+}
+
+Anomaly Trainer::classify(double loss, double& z) const {
+  z = 0.0;
+  if (!std::isfinite(loss)) return Anomaly::nonfinite;
+  const auto n = static_cast<int64_t>(recent_losses_.size());
+  if (config_.anomaly.spike_zscore <= 0.0 || n < config_.anomaly.spike_window || n < 2) return Anomaly::none;
+  double mean = 0.0, var = 0.0;
+  for (double l : recent_losses_) mean += l;
+  mean /= static_cast<double>(n);
+  for (double l : recent_losses_) var += (l - mean) * (l - mean);
+  const double sd = std::sqrt(var / static_cast<double>(n - 1));
+  // A flat window (sd 0) flags any rise; a floor of 1e-3 of the mean keeps noise from counting.
+  z = (loss - mean) / std::max(sd, 1e-3 * std::abs(mean) + 1e-12);
+  return z > config_.anomaly.spike_zscore ? Anomaly::spike : Anomaly::none;
 }
 
 double Trainer::global_grad_norm() {

@@ -5,6 +5,10 @@
 #include <cstdint>
 #include <memory>
 
+#include <deque>
+
+#include "loom/core/enum_names.h"
+#include "loom/core/trace.h"
 #include "loom/data/batch_source.h"
 #include "loom/model/transformer.h"
 #include "loom/optim/optimizer.h"
@@ -17,6 +21,35 @@
 #include "loom/precision/policy.h"
 
 namespace loom {
+
+// What a step does when its loss is non-finite or a spike (train.on_anomaly): stop the run
+// before the update (the default: the weights stay as they were), skip the step (no update, the
+// batch recorded), or skip it and roll back to the last checkpoint (the caller's part: the
+// trainer only reports the anomaly), as PaLM did for its loss spikes (Chowdhery et al. 2022, 5.1:
+// restart from a checkpoint before the spike and skip the batches that followed).
+enum class AnomalyPolicy { stop, skip, rollback };
+template <>
+struct EnumNames<AnomalyPolicy> {
+  static constexpr std::array<std::string_view, 3> names{"stop", "skip", "rollback"};
+};
+// Fault injection for tests of the policy (train.inject_fault): the step's loss and gradients
+// made NaN, or the loss and gradients multiplied by 100 (a spike).
+enum class FaultKind { nan, spike };
+template <>
+struct EnumNames<FaultKind> {
+  static constexpr std::array<std::string_view, 2> names{"nan", "spike"};
+};
+enum class Anomaly { none, nonfinite, spike };
+
+struct AnomalyConfig {
+  AnomalyPolicy policy = AnomalyPolicy::stop;
+  // > 0: a loss more than this many standard deviations above the mean of the last spike_window
+  // accepted losses is a spike (checked once the window is full). 0 = no spike detection.
+  double spike_zscore = 0.0;
+  int64_t spike_window = 50;
+  int64_t fault_step = -1;  // >= 0: inject `fault` at this step (0-based), for tests
+  FaultKind fault = FaultKind::nan;
+};
 
 struct TrainConfig {
   int64_t batch_size = 4;
@@ -45,6 +78,7 @@ struct TrainConfig {
   // > 0: the memory a device holds after setup (every category but MEM_OFFLOADED) must fit; a
   // run that does not is refused naming the remedies (offload, recompute, ZeRO).
   double device_budget_mb = 0.0;
+  AnomalyConfig anomaly;
 
   void validate() const;  // throws naming the key (e.g. "train.batch_size")
 };
@@ -58,6 +92,10 @@ struct StepStats {
   double lr = 0.0;
   int64_t tokens = 0;
   double seconds = 0.0;
+  // A non-finite or spiking loss under train.on_anomaly = skip / rollback: the step made no
+  // update (skipped is true); spike_z is the loss's z-score over the window (0 without one).
+  Anomaly anomaly = Anomaly::none;
+  double spike_z = 0.0;
 };
 
 // A sequence-level objective over a micro-batch's rows (train.objective = dpo, train/dpo.h) in
@@ -87,7 +125,9 @@ class Trainer {
   Trainer(Backend& backend, Transformer& model, TrainConfig config, Communicator* comm = nullptr, DdpConfig ddp = {},
           PipelineRunner* pipeline = nullptr);
 
-  StepStats train_step(BatchSource& data);  // throws on a non-finite loss, before updating
+  // Throws on a non-finite loss or gradient norm before updating, unless train.on_anomaly says
+  // to skip (StepStats::anomaly).
+  StepStats train_step(BatchSource& data);
   double evaluate(BatchSource& data, int64_t batches);
   // The objective of train_step and evaluate (nullptr: the mean next-token loss); not owned.
   void set_objective(RowObjective* objective) { objective_ = objective; }
@@ -95,6 +135,9 @@ class Trainer {
   // its per-position losses, e.g. a reference model's log-probabilities. Not with pipelines.
   const ActivationStore& forward_only(BatchSource& data);
   int64_t step() const { return step_; }
+  // train.trace: the step's parts (data, forward, backward, gradient sync, optimizer) become
+  // events of `tracer` (core/trace.h); null: none. Not owned.
+  void set_tracer(Tracer* tracer) { tracer_ = tracer; }
   Backend& backend() const { return backend_; }
   const Optimizer& optimizer() const { return *optimizer_; }
   // The loss scaler (nullptr without loss scaling); its state goes into checkpoints.
@@ -153,6 +196,12 @@ class Trainer {
   RangeSet domain_;
   RangeSet norm_ranges_;  // the gradient elements global_grad_norm sums on this rank
   int64_t step_ = 0;
+  std::deque<double> recent_losses_;  // the accepted steps' losses, for spike detection
+  bool fault_injected_ = false;       // train.inject_fault fires once per process
+  Tracer* tracer_ = nullptr;
+  // The step's anomaly (the same on every rank: the loss is the mean over ranks), or none.
+  Anomaly classify(double loss, double& z) const;
+  bool stops_on_anomaly() const { return config_.anomaly.policy == AnomalyPolicy::stop; }
 };
 
 // This rank's rows of each global batch: fills the global (B * world, T) batch from `global`

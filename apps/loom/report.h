@@ -1,0 +1,23 @@
+// loom report: a run's (or several runs') metrics.jsonl as hand-written SVG charts and one
+// index.html comparing the runs. Standard library and nlohmann/json only, so the report needs no
+// plotting library and no Python, and it reads the files without linking the training engine.
+#pragma once
+#include <string>
+#include <vector>
+
+namespace loom::cli {
+
+struct ReportResult {
+  std::vector<std::string> files;     // the files written, in order; index.html last
+  std::vector<std::string> warnings;  // one line each, e.g. "RUN/metrics.jsonl:812: the last line is cut short ..."
+};
+
+// Reads RUN_DIR/metrics.jsonl of each run and writes into out_dir (created if missing) one SVG
+// per chart that has data (loss, learning rate, gradient norm, tokens/s, MFU, memory, and the
+// reward / DPO accuracy of such runs) and index.html, each through a temporary name and a rename.
+// A step recorded twice (a resumed run) keeps its last record; a cut-short last line (a run
+// killed mid-write) is skipped with a warning. Any other bad line throws loom::Error naming the
+// file and line ("RUN/metrics.jsonl:7: ...").
+ReportResult write_report(const std::vector<std::string>& run_dirs, const std::string& out_dir);
+
+}  // namespace loom::cli
