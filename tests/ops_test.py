@@ -365,6 +365,14 @@ class Ops(LoomCase):
         self.assertIn("rank 0: no progress", line[0])
         self.assertIn("silent: rank 1", line[0])
 
+    def test_quiet_prints_the_summary_and_verbose_every_step(self):
+        q = self.train("quiet", "--quiet", steps=4)
+        lines = [x for x in q.stdout.splitlines() if x.strip()]
+        self.assertEqual(len(lines), 1, q.stdout)
+        self.assertTrue(lines[0].startswith("done: 4 steps"), lines[0])
+        v = self.train("verbose", "--verbose", steps=4)
+        self.assertEqual(len(re.findall(r"^  step \d: grad norm \S+, 128 tokens in", v.stdout, re.M)), 4, v.stdout)
+
     # ------------------------------------------------------------------ restarts
 
     def test_supervise_relaunches_a_killed_training_that_resumes_bitwise(self):

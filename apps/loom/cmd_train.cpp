@@ -1,6 +1,9 @@
 // loom train: the training loop a user runs. Arguments, the loop, progress and metrics; the
 // layout (train/layout.h), its passes (train/parallelize.h) and the checkpoint state
 // (train/state_gather.h) are built below it, the printed reports are in train_output.h.
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -94,6 +97,8 @@ int train_main(int argc, char** argv) {
                    {"resume", "[PATH]", "continue from the newest valid checkpoint of the run, or from PATH (a step folder)"},
                    {"overwrite", "", "start over in a run folder that holds checkpoints or metrics (deletes them)"},
                    {"restarts", "N", "relaunch the training when it dies, resuming, up to N times (loom supervise)"},
+                   {"quiet", "", "print only warnings, errors and the final summary line"},
+                   {"verbose", "", "a progress line every step, with its gradient norm and bytes per communicator"},
                    {"stop-at-step", "N", "checkpoint and stop after step N, as an interrupted run would"},
                    {"dry-run", "", "build everything, print the memory and optimizer state, take no step"}},
                   config_keys_help());
@@ -130,7 +135,17 @@ int train_main(int argc, char** argv) {
   ParallelLayout layout(config, *comm, *backend);  // refuses an unsupported combination before allocating
   const std::string dir = run_dir(config);
   fs::create_directories(dir);
-  const bool resume = args.has("resume"), dry_run = args.has("dry-run");
+  const bool resume = args.has("resume"), dry_run = args.has("dry-run"), verbose = args.has("verbose");
+  LOOM_CHECK(!verbose || !args.has("quiet"), "--quiet and --verbose exclude each other");
+  // --quiet: standard output goes to /dev/null until the final summary (stderr stays).
+  int saved_stdout = -1;
+  if (args.has("quiet") && lead) {
+    std::fflush(stdout);
+    saved_stdout = ::dup(1);
+    const int null = ::open("/dev/null", O_WRONLY);
+    LOOM_CHECK(saved_stdout >= 0 && null >= 0 && ::dup2(null, 1) >= 0, "--quiet: cannot redirect standard output");
+    ::close(null);
+  }
   std::unique_ptr<RunFolderLock> lock;  // rank 0 holds the run folder (docs/operations.md)
   if (lead && !dry_run) {
     lock = std::make_unique<RunFolderLock>(dir);
@@ -402,8 +417,19 @@ int train_main(int argc, char** argv) {
     }
     const int64_t done = trainer.step();
     const bool eval_now = config.loop.eval_every > 0 && done % config.loop.eval_every == 0;
-    const bool log_now = eval_now || done % config.loop.log_every == 0 || done == config.train.steps;
+    const bool log_now = verbose || eval_now || done % config.loop.log_every == 0 || done == config.train.steps;
     print_progress(r, config.train.steps, terminal, log_now);
+    if (verbose) {
+      std::string groups;
+      for (const auto& [name, value] : comm_json.items()) {
+        int64_t group_sent = 0;
+        for (const auto& [op, v] : value.items()) group_sent += v["sent"].get<int64_t>();
+        groups += str_cat(groups.empty() ? "" : ", ", name, " ", format_bytes(static_cast<size_t>(group_sent)));
+      }
+      std::printf("  step %lld: grad norm %.4g, %lld tokens in %.3f s, sent %s%s%s\n", static_cast<long long>(done),
+                  stats.grad_norm, static_cast<long long>(stats.tokens * dp.size()), stats.seconds,
+                  format_bytes(static_cast<size_t>(sent)).c_str(), groups.empty() ? "" : " (", groups.empty() ? "" : (groups + ")").c_str());
+    }
     if (dpo && log_now) print_dpo("dpo", done, pref);
     if (grpo && log_now) {  // the means since the last line
       const double n = std::max<double>(1.0, static_cast<double>(window.completions));
@@ -465,6 +491,11 @@ int train_main(int argc, char** argv) {
   model.materialize_base();  // QLoRA: decoding reads the fp32 weights
   const std::string text = final_sample(config, *backend, state.gather_for_sampling());
   if (lead) write_file_atomic((fs::path(dir) / "samples.txt").string(), text + "\n");
+  if (saved_stdout >= 0) {  // --quiet: the summary line is printed
+    std::fflush(stdout);
+    ::dup2(saved_stdout, 1);
+    ::close(saved_stdout);
+  }
   print_summary(config, trainer, model, mem, last_val, zero, last_resident_params, last_resident_grads);
   return 0;
 }

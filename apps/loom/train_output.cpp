@@ -171,6 +171,13 @@ TokenDataset open_training_data(LoomConfig& config) {
              ") differs from the dataset's vocabulary (", data.vocab_size, ", ", config.data.dir,
              "/meta.json); set model.vocab_size = 0 to follow the data");
   set_document_end(config, data);
+  // Each split needs one window of seq_len + 1 tokens; a dataset prepared without a held-out
+  // split (or a tiny one) is named here rather than by the loader deep inside the run.
+  for (const TokenSplit* split : {&data.train, &data.val}) {
+    LOOM_CHECK(split->tokens.size() >= static_cast<size_t>(config.train.seq_len) + 1, config.data.dir, ": the ",
+               split->name, " split has ", split->tokens.size(), " tokens, fewer than train.seq_len + 1 = ",
+               config.train.seq_len + 1, split->name == "val" ? "; prepare it again with a larger --val-fraction" : "");
+  }
   return data;
 }
 
