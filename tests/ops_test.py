@@ -373,6 +373,86 @@ class Ops(LoomCase):
         v = self.train("verbose", "--verbose", steps=4)
         self.assertEqual(len(re.findall(r"^  step \d: grad norm \S+, 128 tokens in", v.stdout, re.M)), 4, v.stdout)
 
+    # ------------------------------------------------------------------ two hosts
+
+    def two_hosts(self) -> list[str]:
+        """Two network namespaces joined by veth pairs to a bridge (10.78.0.1, .2; mpirun at .254), and
+        mpirun's arguments to run one rank in each over TCP: OpenMPI's rsh launcher with an agent that
+        runs its daemon through `ip netns exec`, shared memory off."""
+        if os.geteuid() != 0 or shutil.which("ip") is None:
+            self.skipTest("network namespaces need root and iproute2")
+        def sh(*cmd):
+            return subprocess.run(list(cmd), capture_output=True, text=True)
+        def teardown():
+            for i in (1, 2):
+                sh("ip", "netns", "del", f"loomt{i}")
+                sh("ip", "link", "del", f"loomtv{i}")
+            sh("ip", "link", "del", "loomtbr")
+        teardown()
+        self.addCleanup(teardown)
+        steps = [["ip", "link", "add", "loomtbr", "type", "bridge"], ["ip", "addr", "add", "10.78.0.254/24", "dev", "loomtbr"],
+                 ["ip", "link", "set", "loomtbr", "up"]]
+        for i in (1, 2):
+            ns = ["ip", "netns", "exec", f"loomt{i}"]
+            steps += [["ip", "netns", "add", f"loomt{i}"],
+                      ["ip", "link", "add", f"loomtv{i}", "type", "veth", "peer", "name", "eth0", "netns", f"loomt{i}"],
+                      ["ip", "link", "set", f"loomtv{i}", "master", "loomtbr", "up"],
+                      ns + ["ip", "addr", "add", f"10.78.0.{i}/24", "dev", "eth0"], ns + ["ip", "link", "set", "eth0", "up"],
+                      ns + ["ip", "link", "set", "lo", "up"]]
+        for cmd in steps:
+            p = sh(*cmd)
+            if p.returncode != 0:
+                self.skipTest(f"cannot build the namespaces ({' '.join(cmd)}: {p.stderr.strip()})")
+        agent, hosts = os.path.join(self.tmp, "netns_agent.sh"), os.path.join(self.tmp, "netns_hosts")
+        with open(agent, "w") as f:  # OpenMPI's plm_rsh_agent: "agent [options] HOST COMMAND..."
+            f.write('#!/bin/sh\nwhile [ "${1#-}" != "$1" ]; do shift; done\nhost=$1; shift\n'
+                    'exec ip netns exec "loomt${host##*.}" sh -c "$*"\n')
+        os.chmod(agent, 0o755)
+        with open(hosts, "w") as f:
+            f.write("10.78.0.1 slots=1\n10.78.0.2 slots=1\n")
+        net = "10.78.0.0/24"
+        return ["--hostfile", hosts, "--mca", "plm_rsh_agent", agent, "--mca", "oob_tcp_if_include", net,
+                "--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", net, "-x", "OMP_NUM_THREADS"]
+
+    def mpirun(self, launch: list[str], name: str, steps: int, extra: str, *args: str, background: bool = False):
+        env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+        cmd = ["mpirun", *launch, "-np", "2", LOOM, "train", "--set", self.sets(name, steps, extra), *args]
+        p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        return p if background else (p, *p.communicate(timeout=300))
+
+    def test_two_hosts_over_network_namespaces(self):
+        net = self.two_hosts()
+        # DDP and tensor parallel over TCP between the "hosts" equal the same layouts on one host.
+        for layout, extra in (("dp", ""), ("tp", "parallel.tp=2")):
+            p, out, err = self.mpirun(net, f"hosts_{layout}", 20, extra)
+            self.assertEqual(p.returncode, 0, out + err)
+            q, out, err = self.mpirun(["--oversubscribe"], f"host_{layout}", 20, extra)
+            self.assertEqual(q.returncode, 0, out + err)
+            self.assertEqual(self.state(f"hosts_{layout}", 20), self.state(f"host_{layout}", 20), layout)
+            losses = [[r["loss"] for r in self.records(n) if "loss_scale" in r] for n in (f"hosts_{layout}", f"host_{layout}")]
+            self.assertEqual(losses[0], losses[1])
+        # A link taken down mid-run: the job ends (the watchdog), and resumes once the link is back.
+        extra = QUIET + ",train.checkpoint_every=25,train.watchdog_seconds=5"
+        p = self.mpirun(net, "cut", 100000, extra, background=True)
+        t0 = time.time()
+        while not os.path.isdir(self.ckpt("cut", 50)) and time.time() - t0 < 120:
+            time.sleep(0.05)
+        subprocess.run(["ip", "link", "set", "loomtv2", "down"], check=True)
+        t1 = time.time()
+        try:  # both ranks end (the watchdog); mpirun itself reports once it reaches host 2's daemon again
+            while rank_pids("cut") and time.time() - t1 < 60:
+                time.sleep(0.2)
+            self.assertEqual(rank_pids("cut"), [], "a rank outlived the cut link by 60 s")
+        finally:
+            subprocess.run(["ip", "link", "set", "loomtv2", "up"], check=True)
+        out, err = p.communicate(timeout=120)
+        self.assertNotEqual(p.returncode, 0)
+        self.assertIn("no progress for", err)
+        done = sorted(int(d[5:]) for d in os.listdir(os.path.join(self.run_dir("cut"), "checkpoints")) if not d.endswith(".tmp"))
+        r, out, err = self.mpirun(net, "cut", done[-1] + 10, extra, "--resume")
+        self.assertEqual(r.returncode, 0, out + err)
+        self.assertIn(f"(step {done[-1]})", out)
+
     # ------------------------------------------------------------------ restarts
 
     def test_supervise_relaunches_a_killed_training_that_resumes_bitwise(self):

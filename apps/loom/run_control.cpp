@@ -140,18 +140,20 @@ void Watchdog::run() {
   // (one folder every rank sees). A rank blocked in a collective keeps writing; a stopped
   // (SIGSTOP) or dead one does not: its heartbeat goes stale, and that names it.
   int64_t written = 0;
+  auto heartbeat = [&] {
+    if (now_ns() - written < 1'000'000'000) return;
+    written = now_ns();
+    const std::string path = heartbeat_path(run_dir_, rank_), tmp = path + ".tmp";
+    {
+      std::ofstream out(tmp, std::ios::trunc);
+      out << step_.load() << " " << wall_ns() << "\n";
+    }
+    std::error_code ec;
+    fs::rename(tmp, path, ec);
+  };
   while (!stop_) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    if (now_ns() - written >= 1'000'000'000) {
-      written = now_ns();
-      const std::string path = heartbeat_path(run_dir_, rank_), tmp = path + ".tmp";
-      {
-        std::ofstream out(tmp, std::ios::trunc);
-        out << step_.load() << " " << wall_ns() << "\n";
-      }
-      std::error_code ec;
-      fs::rename(tmp, path, ec);
-    }
+    heartbeat();
     const double idle = static_cast<double>(now_ns() - last_ns_.load()) * 1e-9;
     if (idle < seconds_ || stop_) continue;
     std::vector<int> stale;
@@ -161,6 +163,7 @@ void Watchdog::run() {
     // is not stale yet: look again for a few seconds before concluding that every rank is alive.
     for (int look = 0; look < 8 && (look == 0 || stale.empty()); ++look) {
       if (look > 0) std::this_thread::sleep_for(std::chrono::seconds(1));
+      heartbeat();  // (still alive while looking: the others must not take this rank for silent)
       stale.clear(), reporter = -1, detail.clear();
     for (int r = 0; r < world_; ++r) {
       std::ifstream in(heartbeat_path(run_dir_, r));
@@ -180,7 +183,8 @@ void Watchdog::run() {
     if (reporter == rank_) {
       std::fprintf(stderr, "loom train: error: rank %d: no progress for %.0f s in step %lld (train.watchdog_seconds = "
                    "%g): %s; ending the job\n", rank_, idle, static_cast<long long>(step_.load() + 2), seconds_,
-                   stale.empty() ? "every rank is alive but none progresses (a hang inside a collective)"
+                   stale.empty() ? "every rank is alive but none progresses (a hang inside a collective, or the "
+                                   "network between ranks is down)"
                                  : str_cat("silent: ", detail, " (stopped, dead or unreachable)").c_str());
       std::fflush(stderr);
     } else {
