@@ -119,6 +119,24 @@ Args::Args(int argc, char** argv, const std::string& command, const std::string&
   }
 }
 
+std::vector<std::string> split_positionals(int argc, char** argv, const std::vector<Option>& options,
+                                           std::vector<char*>& rest) {
+  std::vector<std::string> positionals;
+  for (int i = 0; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg.rfind('-', 0) != 0) {
+      positionals.push_back(arg);
+      continue;
+    }
+    rest.push_back(argv[i]);
+    const bool takes_value = std::any_of(options.begin(), options.end(), [&](const Option& o) {
+      return !o.value.empty() && o.value.front() != '[' && arg == "--" + o.name;
+    });
+    if (takes_value && i + 1 < argc) rest.push_back(argv[++i]);
+  }
+  return positionals;
+}
+
 std::string Args::get(const std::string& name, const std::string& fallback) const {
   const auto it = values_.find(name);
   return it == values_.end() ? fallback : it->second.back();

@@ -51,6 +51,12 @@ class Args {
   std::map<std::string, std::vector<std::string>> values_;
 };
 
+// Commands with positional arguments (merge's PATHs, report's RUN_DIRs): the positional ones of
+// argv are returned, the rest go into `rest` for Args. An argument starting with '-' is an option;
+// `--name` of an option that takes a value (in `options`) takes the next argument with it.
+std::vector<std::string> split_positionals(int argc, char** argv, const std::vector<Option>& options,
+                                           std::vector<char*>& rest);
+
 // The help of a command: `usage`, then "options:" with every option and its help, then `more`.
 std::string options_help(const std::string& usage, const std::vector<Option>& options, const std::string& more = "");
 

@@ -62,25 +62,16 @@ std::string tokenizer_identity(const std::string& tokenizer) {
 }  // namespace
 
 int merge_main(int argc, char** argv) {
-  std::vector<std::string> paths;
-  std::vector<char*> options;
-  // Positional PATHs, then the options (Args takes options only).
-  for (int i = 0; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a.rfind("--", 0) == 0 || a == "-h") {
-      options.push_back(argv[i]);
-      if (a.find('=') == std::string::npos && a != "-h" && a != "--help" && i + 1 < argc) options.push_back(argv[++i]);
-    } else {
-      paths.push_back(a);
-    }
-  }
-  const Args args(static_cast<int>(options.size()), options.data(), "merge", kHelp,
-                  {{"method", "METHOD", "average | task-arithmetic | ties | dare (required)"},
-                   {"out", "DIR", "the run folder to write (required)"},
-                   {"base", "PATH", "the model the others were fine-tuned from (task-arithmetic, ties, dare)"},
-                   {"weights", "W1,W2,...", "one weight per model (default 1 each)"},
-                   {"density", "D", "ties, dare: the fraction of each task vector kept (default 0.5)"},
-                   {"seed", "N", "dare: the dropping's Philox seed (default 0)"}});
+  const std::vector<Option> options = {
+      {"method", "METHOD", "average | task-arithmetic | ties | dare (required)"},
+      {"out", "DIR", "the run folder to write (required)"},
+      {"base", "PATH", "the model the others were fine-tuned from (task-arithmetic, ties, dare)"},
+      {"weights", "W1,W2,...", "one weight per model (default 1 each)"},
+      {"density", "D", "ties, dare: the fraction of each task vector kept (default 0.5)"},
+      {"seed", "N", "dare: the dropping's Philox seed (default 0)"}};
+  std::vector<char*> rest;
+  const std::vector<std::string> paths = split_positionals(argc, argv, options, rest);  // the PATHs
+  const Args args(static_cast<int>(rest.size()), rest.data(), "merge", kHelp, options);
   LOOM_CHECK(args.has("method"), "loom merge needs --method average|task-arithmetic|ties|dare");
   LOOM_CHECK(args.has("out"), "loom merge needs --out DIR");
   LOOM_CHECK(!paths.empty(), "loom merge needs the checkpoints to merge as arguments: loom merge --method M --out DIR PATH PATH ...");

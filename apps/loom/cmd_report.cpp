@@ -22,22 +22,10 @@ const char* kHelp =
 }  // namespace
 
 int report_main(int argc, char** argv) {
-  // The run folders are positional: split them from the options before Args parses the rest.
-  std::vector<std::string> runs;
+  const std::vector<Option> options = {{"out", "DIR", "where the charts and index.html go"}};
   std::vector<char*> rest;
-  for (int i = 0; i < argc; ++i) {
-    const std::string arg = argv[i];
-    if (arg == "--out" && i + 1 < argc) {
-      rest.push_back(argv[i]);
-      rest.push_back(argv[++i]);
-    } else if (arg.rfind("-", 0) == 0) {
-      rest.push_back(argv[i]);
-    } else {
-      runs.push_back(arg);
-    }
-  }
-  const Args args(static_cast<int>(rest.size()), rest.data(), "report", kHelp,
-                  {{"out", "DIR", "where the charts and index.html go"}});
+  const std::vector<std::string> runs = split_positionals(argc, argv, options, rest);
+  const Args args(static_cast<int>(rest.size()), rest.data(), "report", kHelp, options);
   LOOM_CHECK(!runs.empty(), "loom report needs at least one run folder (RUN_DIR with a metrics.jsonl)");
   const std::string out =
       args.get("out", runs.size() == 1 ? (std::filesystem::path(runs[0]) / "report").string() : std::string("report"));

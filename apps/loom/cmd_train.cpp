@@ -7,7 +7,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 
@@ -61,8 +60,8 @@ std::vector<int32_t> stop_tokens(const Tokenizer& tokenizer) {
 // here: the OOM killer would end it mid-run instead.
 void check_memory_fits(const LoomConfig& config, const ParallelLayout& layout, int world) {
   const MemoryEstimate est = estimate_memory(memory_plan(config, layout.batch_group().size()));
-  const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");  // ranks on this machine
-  const int64_t here = local != nullptr ? std::max(1, std::atoi(local)) : world;
+  const int local = detect_launch().local_size;  // ranks on this machine (0: unknown, all of them)
+  const int64_t here = local > 0 ? local : world;
   const int64_t need = est.total() * here, available = available_memory_bytes();
   LOOM_CHECK(available == 0 || need <= available, "the run needs an estimated ", format_bytes(static_cast<size_t>(need)),
              here > 1 ? str_cat(" (", here, " ranks here x ", format_bytes(static_cast<size_t>(est.total())), ")") : std::string(),
@@ -76,21 +75,6 @@ void check_memory_fits(const LoomConfig& config, const ParallelLayout& layout, i
 }  // namespace
 
 int train_main(int argc, char** argv) {
-  // --restarts N: this same command line without it, under `loom supervise` (cmd_supervise.cpp).
-  for (int i = 0; i + 1 < argc; ++i) {
-    if (std::strcmp(argv[i], "--restarts") != 0) continue;
-    LOOM_CHECK(!launched_by_mpirun(), "--restarts restarts one process; under mpirun supervise the whole job: "
-               "loom supervise --restarts N -- mpirun ... loom train ...");
-    std::vector<std::string> command = {fs::read_symlink("/proc/self/exe").string(), "train"};
-    for (int j = 0; j < argc; ++j) {
-      if (j != i && j != i + 1) command.emplace_back(argv[j]);
-    }
-    const char* n = argv[i + 1];
-    char* end = nullptr;
-    const long long restarts = std::strtoll(n, &end, 10);
-    LOOM_CHECK(*n != '\0' && *end == '\0', "option --restarts expects an integer, got '", n, "'");
-    return supervise(command, restarts, 1.0);
-  }
   const Args args(argc, argv, "train", kHelp,
                   {{"config", "FILE", "a TOML config applied after configs/default.toml"},
                    {"set", "KEY=VALUE,...", "config overrides, applied last (comma-separated; repeatable)"},
@@ -102,6 +86,16 @@ int train_main(int argc, char** argv) {
                    {"stop-at-step", "N", "checkpoint and stop after step N, as an interrupted run would"},
                    {"dry-run", "", "build everything, print the memory and optimizer state, take no step"}},
                   config_keys_help());
+  if (args.has("restarts")) {  // this same command line without it, under `loom supervise` (cmd_supervise.cpp)
+    LOOM_CHECK(!launched_by_mpirun(), "--restarts restarts one process; under mpirun supervise the whole job: "
+               "loom supervise --restarts N -- mpirun ... loom train ...");
+    std::vector<std::string> command = {fs::read_symlink("/proc/self/exe").string(), "train"};
+    for (int i = 0; i < argc; ++i) {
+      if (std::strcmp(argv[i], "--restarts") == 0) ++i;  // (and its value)
+      else if (std::strncmp(argv[i], "--restarts=", 11) != 0) command.emplace_back(argv[i]);
+    }
+    return supervise(command, args.get_int("restarts", 0), 1.0);
+  }
   LoomConfig config = load_config(args);
   config.train.optim = config.train.optim.resolved();  // the written config names every default
   const int64_t stop_at = args.get_int("stop-at-step", -1);
@@ -319,7 +313,7 @@ int train_main(int argc, char** argv) {
   };
   std::string last_saved;  // the newest checkpoint's path, "" until one is written
   int64_t last_saved_step = -1;
-  auto save_checkpoint = [&](bool async) -> bool {
+  auto save_checkpoint = [&](bool async) {
     model.materialize_base();  // QLoRA: the checkpoint holds the dequantized base
     const TraceSpan span(tracer.get(), async ? "checkpoint snapshot" : "checkpoint", "checkpoint");
     try {
@@ -330,11 +324,8 @@ int train_main(int argc, char** argv) {
       std::fprintf(stderr, "loom train: warning: step %lld: checkpoint not saved: %s; training goes on "
                    "(train.stop_on_save_error = false), the previous checkpoint stays valid\n",
                    static_cast<long long>(trainer.step()), e.what());
-      model.release_base();
-      return false;
     }
     model.release_base();
-    return true;
   };
   // A save in flight (async) reports its error at the next save or here.
   auto finish_save = [&] {
@@ -344,6 +335,18 @@ int train_main(int argc, char** argv) {
       if (config.loop.stop_on_save_error) throw;
       std::fprintf(stderr, "loom train: warning: checkpoint not saved: %s\n", e.what());
     }
+  };
+
+  // SIGTERM / SIGINT at a step's end: a checkpoint of this step (unless one was just written), then
+  // exit kPreemptedExit for the scheduler or supervisor to resume.
+  auto preempted = [&](int sig) {
+    finish_save();
+    if (last_saved_step != trainer.step()) save_checkpoint(false);
+    std::printf("stopped by %s after step %lld; checkpoint %s; continue with --resume\n", StopSignals::name(sig),
+                static_cast<long long>(trainer.step()), last_saved_step == trainer.step() ? last_saved.c_str() : "(not saved)");
+    write_trace();
+    std::fflush(stdout);
+    return kPreemptedExit;
   };
 
   while (trainer.step() < config.train.steps) {
@@ -371,12 +374,7 @@ int train_main(int argc, char** argv) {
                    action.find("rolled back") != std::string::npos ? " (the batches since it are not replayed)" : "");
       metrics.write({{"step", stats.step + 1}, {"anomaly", spike ? "spike" : "nonfinite"}, {"loss", stats.loss},
                      {"spike_z", stats.spike_z}, {"batch", position}, {"action", action}, {"next_step", trainer.step() + 1}});
-      if (const int sig = stop_signal(); sig != 0) {
-        finish_save();
-        std::printf("stopped by %s at step %lld; checkpoint %s; continue with --resume\n", StopSignals::name(sig),
-                    static_cast<long long>(trainer.step()), save_checkpoint(false) ? last_saved.c_str() : "(not saved)");
-        return kPreemptedExit;
-      }
+      if (const int sig = stop_signal(); sig != 0) return preempted(sig);
       continue;
     }
     const DpoObjective::Stats pref = objective.take_stats();
@@ -392,9 +390,13 @@ int train_main(int argc, char** argv) {
     // This rank's traffic over every communicator of the layout (world, tp, pp, cp, ep, dp, ...).
     int64_t sent = 0, received = 0;
     nlohmann::json comm_json = nlohmann::json::object();
+    std::string groups;  // --verbose: bytes sent per communicator
     for (const auto& [name, group] : layout.communicators()) {
-      sent += group->ledger().total_sent(), received += group->ledger().total_received();
-      if (group->ledger().total_sent() + group->ledger().total_received() > 0) comm_json[name] = ledger_json(group->ledger());
+      const ByteLedger& ledger = group->ledger();
+      sent += ledger.total_sent(), received += ledger.total_received();
+      if (ledger.total_sent() + ledger.total_received() == 0) continue;
+      comm_json[name] = ledger_json(ledger);
+      groups += str_cat(groups.empty() ? "" : ", ", name, " ", format_bytes(static_cast<size_t>(ledger.total_sent())));
     }
     metrics.write({{"step", stats.step + 1}, {"loss", stats.loss}, {"lr", stats.lr}, {"grad_norm", stats.grad_norm},
                    {"tokens", stats.tokens * dp.size()}, {"seconds", stats.seconds}, {"loss_scale", stats.loss_scale}, {"skipped", stats.skipped}, {"tokens_per_s", r.tokens_per_s}, {"mfu", r.mfu},
@@ -420,12 +422,6 @@ int train_main(int argc, char** argv) {
     const bool log_now = verbose || eval_now || done % config.loop.log_every == 0 || done == config.train.steps;
     print_progress(r, config.train.steps, terminal, log_now);
     if (verbose) {
-      std::string groups;
-      for (const auto& [name, value] : comm_json.items()) {
-        int64_t group_sent = 0;
-        for (const auto& [op, v] : value.items()) group_sent += v["sent"].get<int64_t>();
-        groups += str_cat(groups.empty() ? "" : ", ", name, " ", format_bytes(static_cast<size_t>(group_sent)));
-      }
       std::printf("  step %lld: grad norm %.4g, %lld tokens in %.3f s, sent %s%s%s\n", static_cast<long long>(done),
                   stats.grad_norm, static_cast<long long>(stats.tokens * dp.size()), stats.seconds,
                   format_bytes(static_cast<size_t>(sent)).c_str(), groups.empty() ? "" : " (", groups.empty() ? "" : (groups + ")").c_str());
@@ -458,25 +454,18 @@ int train_main(int argc, char** argv) {
       }
     }
     const int sig = stop_signal();
-    const bool stopping = sig != 0 || (done == stop_at && done < config.train.steps);
+    const bool stopping = done == stop_at && done < config.train.steps;  // --stop-at-step
     if ((config.loop.checkpoint_every > 0 && done % config.loop.checkpoint_every == 0) || stopping ||
         done == config.train.steps) {
       // The last checkpoint and a stopping one are written in the step (the process ends next).
-      save_checkpoint(config.loop.async_checkpoint && !stopping && done < config.train.steps);
+      save_checkpoint(config.loop.async_checkpoint && !stopping && sig == 0 && done < config.train.steps);
       watchdog.beat(stats.step);
     }
+    if (sig != 0) return preempted(sig);  // (its checkpoint: the one above, or its own)
     if (stopping) {
       finish_save();
-      const std::string path = last_saved_step == done ? last_saved : "(not saved)";
-      if (sig != 0) {
-        std::printf("stopped by %s after step %lld; checkpoint %s; continue with --resume\n", StopSignals::name(sig),
-                    static_cast<long long>(done), path.c_str());
-        write_trace();
-        std::fflush(stdout);
-        return kPreemptedExit;
-      }
       std::printf("stopped after step %lld (--stop-at-step); checkpoint %s; continue with --resume\n",
-                  static_cast<long long>(done), path.c_str());
+                  static_cast<long long>(done), last_saved_step == done ? last_saved.c_str() : "(not saved)");
       write_trace();
       return 0;
     }

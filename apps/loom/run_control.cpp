@@ -68,7 +68,6 @@ std::string prepare_run_folder(const std::string& run_dir, bool resume, bool ove
 namespace {
 
 volatile std::sig_atomic_t g_stop_signal = 0;  // the handler's only state (see StopSignals)
-struct sigaction g_previous_term, g_previous_int;
 
 extern "C" void on_stop_signal(int signal) {
   if (g_stop_signal != 0) _exit(128 + signal);  // the second signal: at once (checkpoints are atomic)
@@ -83,13 +82,13 @@ StopSignals::StopSignals() {
   action.sa_handler = on_stop_signal;
   sigemptyset(&action.sa_mask);
   action.sa_flags = SA_RESTART;  // a signal does not fail the step's reads and writes
-  sigaction(SIGTERM, &action, &g_previous_term);
-  sigaction(SIGINT, &action, &g_previous_int);
+  sigaction(SIGTERM, &action, &previous_term_);
+  sigaction(SIGINT, &action, &previous_int_);
 }
 
 StopSignals::~StopSignals() {
-  sigaction(SIGTERM, &g_previous_term, nullptr);
-  sigaction(SIGINT, &g_previous_int, nullptr);
+  sigaction(SIGTERM, &previous_term_, nullptr);
+  sigaction(SIGINT, &previous_int_, nullptr);
 }
 
 int StopSignals::requested() const { return g_stop_signal; }
@@ -135,6 +134,25 @@ void Watchdog::beat(int64_t step) {
   step_ = step;
 }
 
+Watchdog::Silence Watchdog::listen() const {
+  Silence out;
+  for (int r = 0; r < world_; ++r) {
+    std::ifstream in(heartbeat_path(run_dir_, r));
+    int64_t step = 0, wall = 0;
+    in >> step >> wall;
+    const double age = static_cast<double>(wall_ns() - wall) * 1e-9;
+    if (r == rank_ || (in && age <= 3.0)) {
+      if (out.first_alive < 0) out.first_alive = r;
+      continue;
+    }
+    out.ranks.push_back(r);
+    out.detail += str_cat(out.detail.empty() ? "" : ", ", "rank ", r,
+                          in ? str_cat(" (silent for ", static_cast<int64_t>(age), " s, last finished step ", step + 1, ")")
+                             : std::string(" (never reported)"));
+  }
+  return out;
+}
+
 void Watchdog::run() {
   // Every second this thread writes "<last finished step> <wall-clock ns>" to its heartbeat file
   // (one folder every rank sees). A rank blocked in a collective keeps writing; a stopped
@@ -156,36 +174,20 @@ void Watchdog::run() {
     heartbeat();
     const double idle = static_cast<double>(now_ns() - last_ns_.load()) * 1e-9;
     if (idle < seconds_ || stop_) continue;
-    std::vector<int> stale;
-    int reporter = -1;  // the lowest-ranked rank still alive prints
-    std::string detail;
     // A heartbeat older than 3 s (three missed writes) is a silent rank. A rank stopped just now
     // is not stale yet: look again for a few seconds before concluding that every rank is alive.
-    for (int look = 0; look < 8 && (look == 0 || stale.empty()); ++look) {
-      if (look > 0) std::this_thread::sleep_for(std::chrono::seconds(1));
+    Silence silence = listen();
+    for (int look = 1; look < 8 && silence.ranks.empty(); ++look) {
+      std::this_thread::sleep_for(std::chrono::seconds(1));
       heartbeat();  // (still alive while looking: the others must not take this rank for silent)
-      stale.clear(), reporter = -1, detail.clear();
-    for (int r = 0; r < world_; ++r) {
-      std::ifstream in(heartbeat_path(run_dir_, r));
-      int64_t step = 0, wall = 0;
-      in >> step >> wall;
-      const double age = static_cast<double>(wall_ns() - wall) * 1e-9;
-      if (r != rank_ && (!in || age > 3.0)) {
-        stale.push_back(r);
-        detail += str_cat(detail.empty() ? "" : ", ", "rank ", r,
-                          in ? str_cat(" (silent for ", static_cast<int64_t>(age), " s, last finished step ", step + 1, ")")
-                             : std::string(" (never reported)"));
-      } else if (reporter < 0) {
-        reporter = r;
-      }
+      silence = listen();
     }
-    }
-    if (reporter == rank_) {
+    if (silence.first_alive == rank_) {  // the lowest-ranked rank still alive prints
       std::fprintf(stderr, "loom train: error: rank %d: no progress for %.0f s in step %lld (train.watchdog_seconds = "
                    "%g): %s; ending the job\n", rank_, idle, static_cast<long long>(step_.load() + 2), seconds_,
-                   stale.empty() ? "every rank is alive but none progresses (a hang inside a collective, or the "
-                                   "network between ranks is down)"
-                                 : str_cat("silent: ", detail, " (stopped, dead or unreachable)").c_str());
+                   silence.ranks.empty() ? "every rank is alive but none progresses (a hang inside a collective, or "
+                                           "the network between ranks is down)"
+                                         : str_cat("silent: ", silence.detail, " (stopped, dead or unreachable)").c_str());
       std::fflush(stderr);
     } else {
       std::this_thread::sleep_for(std::chrono::seconds(3));  // the reporting rank ends the job first

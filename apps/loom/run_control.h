@@ -2,6 +2,7 @@
 // overwrite a run, preemption signals, the collective watchdog, and the config a resume differs
 // in. What `loom train` needs to survive schedulers, failing machines and its own users.
 #pragma once
+#include <csignal>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -41,8 +42,13 @@ class StopSignals {
  public:
   StopSignals();   // installs the handlers
   ~StopSignals();  // restores the previous ones
+  StopSignals(const StopSignals&) = delete;
+  StopSignals& operator=(const StopSignals&) = delete;
   int requested() const;  // the first signal's number, 0 if none
   static const char* name(int signal);
+
+ private:
+  struct sigaction previous_term_ = {}, previous_int_ = {};
 };
 
 // Ends a job that stopped making progress: every rank's loop calls beat() after each step (and
@@ -57,6 +63,14 @@ class Watchdog {
 
  private:
   void run();
+  // The ranks whose heartbeats are older than 3 s (with a line naming each), and the lowest rank
+  // still beating (this one at worst).
+  struct Silence {
+    std::vector<int> ranks;
+    std::string detail;
+    int first_alive = -1;
+  };
+  Silence listen() const;
   double seconds_;
   std::string run_dir_;
   int rank_, world_;

@@ -241,6 +241,7 @@ LaunchInfo detect_launch() {
   if (std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr) {  // OpenMPI's mpirun / prterun
     info.launcher = "mpirun (OpenMPI)";
     info.size = env_int("OMPI_COMM_WORLD_SIZE", 1), info.rank = env_int("OMPI_COMM_WORLD_RANK", 0);
+    info.local_size = env_int("OMPI_COMM_WORLD_LOCAL_SIZE", 0);
     info.mpi = true;
     return info;
   }

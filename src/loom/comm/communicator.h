@@ -150,6 +150,7 @@ std::unique_ptr<Communicator> make_mpi_communicator();
 struct LaunchInfo {
   std::string launcher = "none";  // "mpirun (OpenMPI)", "PMIx (srun --mpi=pmix)", "PMI", "none"
   int rank = 0, size = 1;         // size 0: the launcher did not say
+  int local_size = 0;             // ranks on this machine (0: the launcher did not say)
   bool mpi = false;               // MPI_Init will find its peers
 };
 LaunchInfo detect_launch();

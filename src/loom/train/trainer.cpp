@@ -289,13 +289,9 @@ StepStats Trainer::train_step(BatchSource& data) {
   }
   if (step_ == config_.anomaly.fault_step && !fault_injected_) {  // train.inject_fault: what a bad batch would do
     fault_injected_ = true;  // once: the batch that follows a rollback is another
-    const bool nan = config_.anomaly.fault == FaultKind::nan;
-    loss_sum = nan ? NAN : loss_sum * 100.0;
-    const int64_t begin = sharded_grads() ? zero_->range().begin : 0;
-    const int64_t end = sharded_grads() ? zero_->range().end : model_.grads().numel();
-    for (const Range& r : RangeSet::span(begin, end).subtract(model_.frozen_ranges())) {
-      backend_.scale_inplace(model_.grads().view(r.begin, {r.end - r.begin}), nan ? NAN : 100.0);
-    }
+    const double factor = config_.anomaly.fault == FaultKind::nan ? NAN : 100.0;
+    loss_sum *= factor;
+    scale_grads(factor);
   }
   // Loss masks: backward gave the mean over all of the step's positions, the masked ones counted
   // as 0; the loss is the mean over the positions that count, on every rank and micro-batch
@@ -313,11 +309,7 @@ StepStats Trainer::train_step(BatchSource& data) {
     nothing_counted = valid == 0;
     if (valid != positions && !nothing_counted) {
       const double factor = static_cast<double>(positions) / static_cast<double>(valid);
-      const int64_t begin = sharded_grads() ? zero_->range().begin : 0;
-      const int64_t end = sharded_grads() ? zero_->range().end : model_.grads().numel();
-      for (const Range& r : RangeSet::span(begin, end).subtract(model_.frozen_ranges())) {
-        backend_.scale_inplace(model_.grads().view(r.begin, {r.end - r.begin}), factor);
-      }
+      scale_grads(factor);
       loss_sum *= factor;
     }
   }
@@ -337,6 +329,7 @@ StepStats Trainer::train_step(BatchSource& data) {
   stats.skipped = nothing_counted;
   if (!scaler_ && !nothing_counted) {  // train.on_anomaly: a non-finite or spiking loss
     stats.anomaly = classify(stats.loss, stats.spike_z);
+    if (stats.anomaly != Anomaly::none) stats.grad_norm = NAN;  // (not computed for a step the loss rules out)
     LOOM_CHECK(stats.anomaly != Anomaly::nonfinite || !stops_on_anomaly(), "loss is ", stats.loss, " at step ", step_,
                "; stopping before the update, the weights are unchanged (train.on_anomaly = skip or rollback continue "
                "instead)");
@@ -353,7 +346,6 @@ StepStats Trainer::train_step(BatchSource& data) {
     if (sharded_grads()) stats.skipped = sum_over(*comm_, stats.skipped ? 1.0 : 0.0) > 0.0;
     scaler_->update(stats.skipped);
   }
-  const bool loss_anomaly = stats.anomaly != Anomaly::none;  // (its gradient norm is not computed: NaN)
   if (!stats.skipped) {
     stats.grad_norm = global_grad_norm();
     LOOM_CHECK(std::isfinite(stats.grad_norm) || !stops_on_anomaly(), "gradient norm is ", stats.grad_norm, " at step ",
@@ -361,8 +353,7 @@ StepStats Trainer::train_step(BatchSource& data) {
     if (!std::isfinite(stats.grad_norm) && !scaler_) stats.anomaly = Anomaly::nonfinite, stats.skipped = true;
   }
   if (stats.skipped) {
-    if (loss_anomaly) stats.grad_norm = NAN;
-    else if (stats.anomaly == Anomaly::none) stats.grad_norm = nothing_counted ? 0.0 : INFINITY;
+    if (stats.anomaly == Anomaly::none) stats.grad_norm = nothing_counted ? 0.0 : INFINITY;
   } else {
     const TraceSpan span(tracer_, "optimizer", "compute");
     optimizer_->step(static_cast<float>(stats.lr), clip_coefficient(stats.grad_norm, config_.grad_clip));
@@ -382,6 +373,14 @@ StepStats Trainer::train_step(BatchSource& data) {
   stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   ++step_;
   return stats;
+}
+
+void Trainer::scale_grads(double factor) {
+  const int64_t begin = sharded_grads() ? zero_->range().begin : 0;
+  const int64_t end = sharded_grads() ? zero_->range().end : model_.grads().numel();
+  for (const Range& r : RangeSet::span(begin, end).subtract(model_.frozen_ranges())) {
+    backend_.scale_inplace(model_.grads().view(r.begin, {r.end - r.begin}), factor);
+  }
 }
 
 Anomaly Trainer::classify(double loss, double& z) const {

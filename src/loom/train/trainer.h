@@ -199,6 +199,8 @@ class Trainer {
   std::deque<double> recent_losses_;  // the accepted steps' losses, for spike detection
   bool fault_injected_ = false;       // train.inject_fault fires once per process
   Tracer* tracer_ = nullptr;
+  // Multiplies the gradients this rank holds (all, or its ZeRO-2/3 shard), less the frozen ones.
+  void scale_grads(double factor);
   // The step's anomaly (the same on every rank: the loss is the mean over ranks), or none.
   Anomaly classify(double loss, double& z) const;
   bool stops_on_anomaly() const { return config_.anomaly.policy == AnomalyPolicy::stop; }
