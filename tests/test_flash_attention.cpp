@@ -230,6 +230,24 @@ TEST_F(FlashAttentionTest, ResultsAreBitwiseIndependentOfTheThreadCount) {
   EXPECT_EQ(values(one.flash_out), values(many.flash_out));
   EXPECT_EQ(values(one.lse), values(many.lse));
   EXPECT_EQ(values(one.flash_dqkv), values(many.flash_dqkv));
+  // attention_forward / _backward (one task per batch and head, GEMMs inside the task) as well.
+  EXPECT_EQ(values(one.out), values(many.out));
+  EXPECT_EQ(values(one.probs), values(many.probs));
+  EXPECT_EQ(values(one.dqkv), values(many.dqkv));
+}
+
+// The same at a training shape (T = 256, hd = 64, GPT-2 small's heads), where oneDNN's sgemm picks
+// its blocked kernels: one thread gives the bits of many.
+TEST_F(FlashAttentionTest, FullAttentionAtTrainingShapeIsBitwiseIndependentOfTheThreadCount) {
+  const Case c{2, 256, 6, 6, 64, 0};
+  const int threads = omp_get_max_threads();
+  omp_set_num_threads(1);
+  const Run one = run(c, DTYPE_F32);
+  omp_set_num_threads(std::max(threads, 3));  // 3: an odd split of the 12 tasks as well
+  const Run many = run(c, DTYPE_F32);
+  omp_set_num_threads(threads);
+  EXPECT_EQ(values(one.out), values(many.out));
+  EXPECT_EQ(values(one.dqkv), values(many.dqkv));
 }
 
 // Bad operands fail with check_attention's (or check_elementwise's) one-line message.

@@ -308,7 +308,9 @@ class CpuBackend final : public Backend {
         check_attention_backward(op, dout, qkv, out, probs, dqkv, n_head, n_kv_head, window, false);
     const bool windowed = window > 0 && window < seq_len;
     const int64_t tile = cpu::window_tile_rows(window);  // the windowed backward's dS tile: Bq x (Bq + W - 1)
-    const Tensor scratch = workspace(windowed ? tile * (tile + window - 1) : seq_len * seq_len, qkv.dtype());
+    // The windowed backward's dS tile (Bq x (Bq + W - 1)); the full one's T x T per thread.
+    const Tensor scratch = workspace(windowed ? tile * (tile + window - 1) : omp_get_max_threads() * seq_len * seq_len,
+                                     qkv.dtype());
     dispatch_float(qkv.dtype(), op, kBackend, [&]<typename T>() {
       if (windowed) {
         cpu::attention_backward_window(dout.data<T>(), qkv.data<T>(), out.data<T>(), probs.data<T>(), dqkv.data<T>(),

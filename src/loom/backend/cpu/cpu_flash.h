@@ -85,9 +85,7 @@ T flash_online_row(T* s, int64_t n, int64_t first, int64_t last, T& m, T& l) {
     std::fill(s, s + n, T(0));
     return T(1);
   }
-  T max_s = s[first];
-#pragma omp simd reduction(max : max_s)
-  for (int64_t j = first + 1; j <= last; ++j) max_s = std::max(max_s, s[j]);
+  const T max_s = max_of(s + first, last - first + 1);
   const T m_new = std::max(m, max_s);
   const T alpha = m == -INFINITY ? T(0) : exp_t<T>(m - m_new);
   T sum = 0;

@@ -3,6 +3,7 @@
 // Parallel loops split rows (or column blocks, where rows would race on a parameter gradient)
 // with static schedules, so every result is independent of timing: a run is reproducible.
 #pragma once
+#include <omp.h>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -305,82 +306,82 @@ void rope_rotate(T* x, int64_t batch, int64_t seq_len, int64_t width, int64_t he
 //   S = scale Q_h K_g^T (T,T) written into probs; P = causal_softmax(S) in place (P[i, j>i] = 0);
 //   O_h = P V_g.  Query head h reads kv head g = h / (H/KV). The full S is computed and the
 // upper triangle discarded: a GEMM at full speed beats a triangular loop at a tenth of it.
-// Tasks run one after another, each GEMM and row loop using all threads: oneDNN's sgemm called
-// from inside a parallel region was measured 10x slower here (threads contend), so the
-// parallelism lives inside the task.
+// One parallel region per call: the tasks are spread over the threads (static schedule) and each
+// runs its GEMMs (oneDNN sgemm, sequential inside the region) and rows on its own thread. Each
+// task's arithmetic is the same whatever the thread count, so results are bitwise independent of
+// it. Before, the tasks ran one after another with the threads inside each GEMM and row loop:
+// 6 parallel regions per (batch, head) and layer, 5,100 per GPT-2 124M step (B=4, T=64), which
+// made passive OpenMP waits cost 12% of the step; one region per call is as fast spinning and
+// costs ~2% passive (docs/performance.md).
 template <typename T>
 void attention_forward(const T* qkv, T* out, T* probs, int64_t batch, int64_t seq_len, int64_t n_head,
-                       int64_t n_kv_head, int64_t head_dim) {
+                             int64_t n_kv_head, int64_t head_dim) {
   const int64_t W = (n_head + 2 * n_kv_head) * head_dim, OW = n_head * head_dim, Tn = seq_len;
   const int64_t group = n_head / n_kv_head;
   const T scale = T(1) / std::sqrt(static_cast<T>(head_dim));
-  for (int64_t b = 0; b < batch; ++b) {
-    for (int64_t h = 0; h < n_head; ++h) {
-      const int64_t g = h / group;
-      const T* q = qkv + b * Tn * W + h * head_dim;
-      const T* k = qkv + b * Tn * W + (n_head + g) * head_dim;
-      const T* v = qkv + b * Tn * W + (n_head + n_kv_head + g) * head_dim;
-      T* p = probs + (b * n_head + h) * Tn * Tn;
-      gemm_t<T>(false, true, Tn, Tn, head_dim, scale, q, W, k, W, T(0), p, Tn);
 #pragma omp parallel for schedule(static)
-      for (int64_t i = 0; i < Tn; ++i) {
-        T* row = p + i * Tn;
-        T max_s = row[0];
-        for (int64_t j = 1; j <= i; ++j) max_s = std::max(max_s, row[j]);
-        T sum = 0;
+  for (int64_t task = 0; task < batch * n_head; ++task) {
+    const int64_t b = task / n_head, h = task % n_head, g = h / group;
+    const T* q = qkv + b * Tn * W + h * head_dim;
+    const T* k = qkv + b * Tn * W + (n_head + g) * head_dim;
+    const T* v = qkv + b * Tn * W + (n_head + n_kv_head + g) * head_dim;
+    T* p = probs + (b * n_head + h) * Tn * Tn;
+    gemm_t<T>(false, true, Tn, Tn, head_dim, scale, q, W, k, W, T(0), p, Tn);
+    for (int64_t i = 0; i < Tn; ++i) {
+      T* row = p + i * Tn;
+      const T max_s = max_of(row, i + 1);
+      T sum = 0;
 #pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j <= i; ++j) {
-          row[j] = exp_t<T>(row[j] - max_s);
-          sum += row[j];
-        }
-        const T inv = T(1) / sum;
-#pragma omp simd
-        for (int64_t j = 0; j <= i; ++j) row[j] *= inv;
-        std::fill(row + i + 1, row + Tn, T(0));
+      for (int64_t j = 0; j <= i; ++j) {
+        row[j] = exp_t<T>(row[j] - max_s);
+        sum += row[j];
       }
-      gemm_t<T>(false, false, Tn, head_dim, Tn, T(1), p, Tn, v, W, T(0), out + b * Tn * OW + h * head_dim, OW);
+      const T inv = T(1) / sum;
+#pragma omp simd
+      for (int64_t j = 0; j <= i; ++j) row[j] *= inv;
+      std::fill(row + i + 1, row + Tn, T(0));
     }
+    gemm_t<T>(false, false, Tn, head_dim, Tn, T(1), p, Tn, v, W, T(0), out + b * Tn * OW + h * head_dim, OW);
   }
 }
 
-// Backward with the saved P (FlashAttention-2's formulation, Dao 2023), per (batch, kv head):
+// Backward with the saved P (FlashAttention-2's formulation, Dao 2023), per (batch, kv head) task:
 //   dP = dO_h V_g^T; D_i = dO_i . O_i; dS = scale P o (dP - D)  (scratch, T x T per thread)
-//   dQ_h = dS K_g;  dK_g += dS^T Q_h;  dV_g += P^T dO_h  (the group's query heads accumulate).
-// scratch holds T*T elements. Tasks run in sequence, threads inside (see attention_forward).
+//   dQ_h = dS K_g;  dK_g += dS^T Q_h;  dV_g += P^T dO_h  (the group's query heads accumulate, in order).
+// scratch holds threads x T x T elements (omp_get_max_threads()). One region, as the forward.
 template <typename T>
 void attention_backward(const T* dout, const T* qkv, const T* out, const T* probs, T* dqkv, T* scratch,
-                        int64_t batch, int64_t seq_len, int64_t n_head, int64_t n_kv_head, int64_t head_dim) {
+                              int64_t batch, int64_t seq_len, int64_t n_head, int64_t n_kv_head, int64_t head_dim) {
   const int64_t W = (n_head + 2 * n_kv_head) * head_dim, OW = n_head * head_dim, Tn = seq_len;
   const int64_t group = n_head / n_kv_head;
   const T scale = T(1) / std::sqrt(static_cast<T>(head_dim));
-  T* ds = scratch;
-  for (int64_t b = 0; b < batch; ++b) {
-    for (int64_t g = 0; g < n_kv_head; ++g) {
-      const T* k = qkv + b * Tn * W + (n_head + g) * head_dim;
-      const T* v = qkv + b * Tn * W + (n_head + n_kv_head + g) * head_dim;
-      T* dk = dqkv + b * Tn * W + (n_head + g) * head_dim;
-      T* dv = dqkv + b * Tn * W + (n_head + n_kv_head + g) * head_dim;
-      for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-        const T* q = qkv + b * Tn * W + h * head_dim;
-        const T* o = out + b * Tn * OW + h * head_dim;
-        const T* dO = dout + b * Tn * OW + h * head_dim;
-        const T* p = probs + (b * n_head + h) * Tn * Tn;
-        const T beta = h == g * group ? T(0) : T(1);
-        gemm_t<T>(false, true, Tn, Tn, head_dim, T(1), dO, OW, v, W, T(0), ds, Tn);
 #pragma omp parallel for schedule(static)
-        for (int64_t i = 0; i < Tn; ++i) {
-          T D = 0;
+  for (int64_t task = 0; task < batch * n_kv_head; ++task) {
+    const int64_t b = task / n_kv_head, g = task % n_kv_head;
+    T* ds = scratch + static_cast<int64_t>(omp_get_thread_num()) * Tn * Tn;
+    const T* k = qkv + b * Tn * W + (n_head + g) * head_dim;
+    const T* v = qkv + b * Tn * W + (n_head + n_kv_head + g) * head_dim;
+    T* dk = dqkv + b * Tn * W + (n_head + g) * head_dim;
+    T* dv = dqkv + b * Tn * W + (n_head + n_kv_head + g) * head_dim;
+    for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+      const T* q = qkv + b * Tn * W + h * head_dim;
+      const T* o = out + b * Tn * OW + h * head_dim;
+      const T* dO = dout + b * Tn * OW + h * head_dim;
+      const T* p = probs + (b * n_head + h) * Tn * Tn;
+      const T beta = h == g * group ? T(0) : T(1);
+      gemm_t<T>(false, true, Tn, Tn, head_dim, T(1), dO, OW, v, W, T(0), ds, Tn);
+      for (int64_t i = 0; i < Tn; ++i) {
+        T D = 0;
 #pragma omp simd reduction(+ : D)
-          for (int64_t d = 0; d < head_dim; ++d) D += dO[i * OW + d] * o[i * OW + d];
-          T* row = ds + i * Tn;
-          const T* prow = p + i * Tn;
+        for (int64_t d = 0; d < head_dim; ++d) D += dO[i * OW + d] * o[i * OW + d];
+        T* row = ds + i * Tn;
+        const T* prow = p + i * Tn;
 #pragma omp simd
-          for (int64_t j = 0; j < Tn; ++j) row[j] = scale * prow[j] * (row[j] - D);
-        }
-        gemm_t<T>(false, false, Tn, head_dim, Tn, T(1), ds, Tn, k, W, T(0), dqkv + b * Tn * W + h * head_dim, W);
-        gemm_t<T>(true, false, Tn, head_dim, Tn, T(1), ds, Tn, q, W, beta, dk, W);
-        gemm_t<T>(true, false, Tn, head_dim, Tn, T(1), p, Tn, dO, OW, beta, dv, W);
+        for (int64_t j = 0; j < Tn; ++j) row[j] = scale * prow[j] * (row[j] - D);
       }
+      gemm_t<T>(false, false, Tn, head_dim, Tn, T(1), ds, Tn, k, W, T(0), dqkv + b * Tn * W + h * head_dim, W);
+      gemm_t<T>(true, false, Tn, head_dim, Tn, T(1), ds, Tn, q, W, beta, dk, W);
+      gemm_t<T>(true, false, Tn, head_dim, Tn, T(1), p, Tn, dO, OW, beta, dv, W);
     }
   }
 }
@@ -419,8 +420,7 @@ void attention_forward_window(const T* qkv, T* out, T* probs, int64_t batch, int
         for (int64_t i = i0; i < i1; ++i) {
           T* row = p + i * Tn;
           const int64_t first = std::max<int64_t>(0, i - window + 1);
-          T max_s = row[first];
-          for (int64_t j = first + 1; j <= i; ++j) max_s = std::max(max_s, row[j]);
+          const T max_s = max_of(row + first, i - first + 1);
           T sum = 0;
 #pragma omp simd reduction(+ : sum)
           for (int64_t j = first; j <= i; ++j) {
@@ -499,9 +499,7 @@ void cross_entropy_forward(const T* logits, const int32_t* targets, T* losses, T
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < rows; ++r) {
     const T* x = logits + r * vocab;
-    T max_x = -INFINITY;
-#pragma omp simd reduction(max : max_x)
-    for (int64_t v = 0; v < vocab; ++v) max_x = std::max(max_x, x[v]);
+    const T max_x = max_of(x, vocab);
     T sum = 0;
 #pragma omp simd reduction(+ : sum)
     for (int64_t v = 0; v < vocab; ++v) sum += exp_t<T>(x[v] - max_x);
