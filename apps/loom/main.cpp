@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "cli.h"
+#include "loom/core/threads.h"
 #include "commands.h"
 #include "loom/comm/communicator.h"
 
@@ -50,6 +51,12 @@ int main(int argc, char** argv) {
     return argc < 2 ? 2 : 0;
   }
   const std::string command = argv[1];
+  // The commands that compute on several threads start with passive OpenMP waits unless the user
+  // chose a policy (core/threads.h); that re-executes the program (~0.5 s here), which the
+  // others are spared.
+  for (const char* heavy : {"train", "eval", "generate", "serve", "bench", "quantize", "prune"}) {
+    if (command == heavy) loom::use_passive_omp_waits(argv);
+  }
   if (command == "--version" || command == "version") {
     std::printf("loom %s\n", LOOM_VERSION);
     return 0;
