@@ -10,7 +10,9 @@ Trains the GPT-2 definition from tools/loom_reference.py (same parameters, same 
 tokens (one fixed batch): forward, mean cross-entropy, backward, global-norm clipping to 1.0,
 torch.optim.AdamW (lr 3e-4, betas (0.9, 0.95), eps 1e-8, decay 0.1 on dim >= 2 parameters only).
 
---device cpu (default; unchanged from the CPU benchmark): float32, non-fused AdamW.
+--device cpu (default; unchanged from the CPU benchmark): float32, non-fused AdamW; with
+--cpu-bf16 1 the forward (and so its backward) runs under torch.autocast(device_type="cpu",
+dtype=torch.bfloat16): linear and matmul in bf16 through oneDNN, the rest fp32 (PyTorch's CPU AMP).
 Attention is masked softmax via matmul (torch 1.13 has no F.scaled_dot_product_attention);
 LayerNorm/GELU/cross-entropy use the torch.nn.functional kernels.  After W untimed warm-up
 steps, N steps are timed with time.perf_counter and one JSON line is printed:
@@ -304,9 +306,13 @@ def run_cpu(args, cfg: ref.ModelConfig) -> dict:
     data = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1))
     tokens, targets = data[:, :-1].contiguous(), data[:, 1:].contiguous()
 
+    autocast = (torch.autocast(device_type="cpu", dtype=torch.bfloat16) if args.cpu_bf16
+                else contextlib.nullcontext())
+
     def train_step() -> float:
         opt.zero_grad(set_to_none=True)
-        loss = ref.loss_fn(P, cfg, tokens, targets)
+        with autocast:
+            loss = ref.loss_fn(P, cfg, tokens, targets)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
@@ -322,6 +328,7 @@ def run_cpu(args, cfg: ref.ModelConfig) -> dict:
     return {
         "impl": "pytorch",
         "model": args.model,
+        "compute": "bf16-autocast" if args.cpu_bf16 else "f32",
         "tokens_per_s": args.batch * args.seq * args.steps / elapsed,
         "step_ms": 1000.0 * elapsed / args.steps,
         "threads": args.threads,
@@ -348,6 +355,8 @@ def main(argv=None) -> int:
     ap.add_argument("--lora", type=int, default=0, help="> 0: LoRA of this rank on the block linears, the base frozen (cpu)")
     ap.add_argument("--dora", type=int, default=0, help="1: with --lora, DoRA's magnitudes (PEFT's use_dora)")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--cpu-bf16", type=int, choices=[0, 1], default=0,
+                    help="cpu: the forward under torch.autocast(device_type='cpu', dtype=torch.bfloat16)")
     ap.add_argument("--compile", type=int, choices=[0, 1], default=None,
                     help="torch.compile the model (cuda only; default 1 on cuda)")
     ap.add_argument("--flash-only", type=int, choices=[0, 1], default=None,

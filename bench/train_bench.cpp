@@ -1,6 +1,8 @@
 // Training throughput of Loom on the CPU: a GPT-2-shaped model, random tokens, AdamW steps.
-// Prints one JSON line: tokens/s, step time, MFU against the GEMM peak measured in the same
-// process (oneDNN sgemm, 2048^3, best of several), and peak bytes per memory category.
+// Prints one JSON line: tokens/s, step time, MFU against the GEMM peak of the recipe's compute
+// dtype (f32 or bf16; 2048^3 through the backend, measured once per machine and cached:
+// train/throughput.h; --peak-cache none measures it in the process) and against the
+// datasheet-style peak beside it, and peak bytes per memory category.
 //   build/bench/train_bench --model gpt2-124m --batch 4 --seq 64 --steps 10 --warmup 2 [--compute LIST] [--lora R [--qlora 1] [--dora 1]]
 // --compute takes a comma-separated list of linear recipes (precision/policy.h: f32, bf16, fp16,
 // fp8-delayed, fp8-current, fp8-block), each optionally with +mxfp4 or +nvfp4 (weight QAT);
@@ -20,6 +22,7 @@
 
 #include "loom/core/error.h"
 #include "loom/core/pages.h"
+#include "loom/core/threads.h"
 #include "loom/train/throughput.h"
 #include "loom/train/trainer.h"
 
@@ -34,6 +37,7 @@ struct Args {
   std::string device = "cpu";  // make_backend: cpu | cuda
   bool flash = false;          // train.flash_attention
   double peak_tflops = 0.0;    // > 0: MFU against this stated peak instead of the measured GEMM peak
+  std::string peak_cache = default_peak_cache_dir();  // "none": measure the peak in this process
   int64_t lora = 0;            // > 0: LoRA of this rank on every linear layer of the blocks, the base frozen
   bool qlora = false;          // with --lora: the base's block matrices in NF4 (peft.quantize_base)
   bool dora = false;           // with --lora: DoRA's magnitudes (peft.dora)
@@ -52,11 +56,12 @@ Args parse(int argc, char** argv) {
     else if (key == "--device") a.device = value;
     else if (key == "--flash") a.flash = value == "1" || value == "true";
     else if (key == "--peak-tflops") a.peak_tflops = std::stod(value);
+    else if (key == "--peak-cache") a.peak_cache = value == "none" ? "" : value;
     else if (key == "--lora") a.lora = std::stoll(value);
     else if (key == "--qlora") a.qlora = value == "1" || value == "true";
     else if (key == "--dora") a.dora = value == "1" || value == "true";
     else throw Error("unknown option " + key + " (expected --model, --batch, --seq, --steps, --warmup, --compute, "
-                     "--device, --flash, --peak-tflops, --lora, --qlora, --dora)");
+                     "--device, --flash, --peak-tflops, --peak-cache, --lora, --qlora, --dora)");
   }
   return a;
 }
@@ -90,7 +95,7 @@ std::vector<int32_t> random_tokens(int64_t count, int64_t vocab) {
 }
 
 // One measured run; prints its JSON line and returns tokens/s.
-double run(const Args& args, const std::string& compute, double peak) {
+double run(const Args& args, const std::string& compute) {
   auto backend = make_backend(args.device);
   ModelConfig config = model_preset(args.model);
   if (args.lora > 0) {  // docs/finetune.md: alpha = 2 r, every linear layer of the blocks
@@ -109,6 +114,12 @@ double run(const Args& args, const std::string& compute, double peak) {
   if (plus != std::string::npos) tc.precision.qat = compute.substr(plus + 1);
   tc.flash_attention = args.flash;
   Trainer trainer(*backend, model, tc);
+  GemmPeak peak;  // of the recipe's compute dtype, or the stated one
+  if (args.peak_tflops > 0.0) {
+    peak.measured_gflops = args.peak_tflops * 1e3;  // a stated peak (a GPU's datasheet dense bf16 figure)
+  } else {
+    peak = gemm_peak(*backend, mfu_dtype(model.precision()), args.peak_cache);
+  }
   if (args.qlora) model.quantize_base();  // as loom train does, after the trainer
   RandomWindowSource data(random_tokens(1 << 20, config.vocab_size), 7);
   for (int64_t i = 0; i < args.warmup; ++i) trainer.train_step(data);
@@ -125,12 +136,15 @@ double run(const Args& args, const std::string& compute, double peak) {
   const double flops = train_flops_per_token(config, args.seq) * tps;
   const MemoryTracker& mem = backend->allocator().tracker();
   std::printf(
-      "{\"impl\": \"loom\", \"device\": \"%s\", \"flash\": %s, \"compute\": \"%s\", \"model\": \"%s\", \"batch\": %lld, \"seq\": %lld, \"steps\": %lld, "
-      "\"tokens_per_s\": %.2f, \"step_ms\": %.2f, \"gemm_peak_gflops\": %.1f, \"achieved_gflops\": %.1f, \"mfu\": %.4f, "
+      "{\"impl\": \"loom\", \"device\": \"%s\", \"omp_wait_policy\": \"%s\", \"flash\": %s, \"compute\": \"%s\", \"model\": \"%s\", \"batch\": %lld, \"seq\": %lld, \"steps\": %lld, "
+      "\"tokens_per_s\": %.2f, \"step_ms\": %.2f, \"peak_dtype\": \"%s\", \"gemm_peak_gflops\": %.1f, \"peak_cached\": %s, "
+      "\"datasheet_peak_gflops\": %.1f, \"clock_ghz\": %.3f, \"achieved_gflops\": %.1f, \"mfu\": %.4f, \"mfu_datasheet\": %.4f, "
       "\"final_loss\": %.4f, \"params\": %lld, \"lora\": %lld, \"qlora\": %s, \"max_rss\": %lld, \"rss_end\": %lld",
-      args.device.c_str(), args.flash ? "true" : "false", compute.c_str(), args.model.c_str(), static_cast<long long>(args.batch), static_cast<long long>(args.seq),
-      static_cast<long long>(args.steps), tps, 1e3 * seconds / static_cast<double>(args.steps), peak, flops / 1e9,
-      flops / 1e9 / peak, loss, static_cast<long long>(param_count(config)), static_cast<long long>(args.lora),
+      args.device.c_str(), omp_wait_policy().c_str(), args.flash ? "true" : "false", compute.c_str(), args.model.c_str(), static_cast<long long>(args.batch), static_cast<long long>(args.seq),
+      static_cast<long long>(args.steps), tps, 1e3 * seconds / static_cast<double>(args.steps),
+      args.peak_tflops > 0.0 ? "stated" : std::string(dtype_name(peak.dtype)).c_str(), peak.measured_gflops,
+      peak.cached ? "true" : "false", peak.datasheet_gflops, peak.clock_ghz, flops / 1e9, flops / 1e9 / peak.measured_gflops,
+      peak.datasheet_gflops > 0.0 ? flops / 1e9 / peak.datasheet_gflops : 0.0, loss, static_cast<long long>(param_count(config)), static_cast<long long>(args.lora),
       args.qlora ? "true" : "false", max_rss_bytes(), current_rss_bytes());
   for (int c = 0; c < MEM_CATEGORY_COUNT; ++c) {
     const auto cat = static_cast<MemCategory>(c);
@@ -147,6 +161,7 @@ double run(const Args& args, const std::string& compute, double peak) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  use_passive_omp_waits(argv);  // as loom: passive waits unless OMP_WAIT_POLICY or GOMP_SPINCOUNT is set
   try {
     const Args args = parse(argc, argv);
     std::vector<std::string> recipes;
@@ -157,13 +172,8 @@ int main(int argc, char** argv) {
       begin = end + 1;
     }
     LOOM_CHECK(!recipes.empty(), "--compute needs at least one recipe");
-    double peak = args.peak_tflops * 1e3;  // a stated peak (a GPU's datasheet dense bf16 figure)
-    if (peak <= 0.0) {
-      auto backend = make_backend(args.device);
-      peak = measure_gemm_peak_gflops(*backend);  // fp32 GEMM: MFU is stated against the fp32 peak
-    }
     std::vector<double> tps;
-    for (const std::string& r : recipes) tps.push_back(run(args, r, peak));
+    for (const std::string& r : recipes) tps.push_back(run(args, r));
     if (recipes.size() > 1) {
       std::printf("{\"tokens_per_s_relative_to\": \"%s\"", recipes[0].c_str());
       for (size_t i = 1; i < recipes.size(); ++i) std::printf(", \"%s\": %.3f", recipes[i].c_str(), tps[i] / tps[0]);

@@ -375,6 +375,58 @@ class Ops(LoomCase):
         v = self.train("verbose", "--verbose", steps=4)
         self.assertEqual(len(re.findall(r"^  step \d: grad norm \S+, 128 tokens in", v.stdout, re.M)), 4, v.stdout)
 
+    # ------------------------------------------------------------------ MFU peak, OpenMP waits
+
+    def test_mfu_is_against_the_compute_dtypes_peak_measured_once_and_cached(self):
+        cache = os.path.join(self.tmp, "peak_cache")
+        env = dict(os.environ, OMP_NUM_THREADS="2", LOOM_CACHE_DIR=cache)
+        env.pop("OMP_WAIT_POLICY", None)
+        env.pop("GOMP_SPINCOUNT", None)
+
+        def train(name: str, extra: str = "", **more: str) -> tuple[str, dict]:
+            p = subprocess.run([LOOM, "train", "--set", self.sets(name, 2, extra)], cwd=ROOT, env=dict(env, **more),
+                               capture_output=True, text=True, timeout=600)
+            self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+            return p.stdout + p.stderr, self.records(name)[0]
+
+        first, rec = train("peak_f32")
+        self.assertRegex(first, r"f32 GEMM peak: \d+ GFLOP/s measured, \d+ datasheet-style \(2 threads x [\d.]+ GHz x \d+ FLOP/cycle\)")
+        self.assertNotIn("cached", first)
+        self.assertIn("threads: 2 per rank, OpenMP waits PASSIVE", first)  # the default, set by re-executing
+        with open(os.path.join(cache, "gemm_peak.json")) as f:
+            stored = json.load(f)
+        (key, entry), = stored.items()
+        self.assertTrue(key.startswith("cpu | ") and key.endswith(" | 2 threads | f32"), key)
+        self.assertEqual(rec["mfu_peak_dtype"], "f32")
+        self.assertEqual(rec["mfu_peak_gflops"], entry["gflops"])
+        self.assertGreater(rec["datasheet_peak_gflops"], 0)
+        # The second run reads the same number instead of measuring it again.
+        second, rec2 = train("peak_f32b", OMP_WAIT_POLICY="ACTIVE")
+        self.assertIn(f"(cached in {cache}/gemm_peak.json)", second)
+        self.assertIn("OpenMP waits ACTIVE", second)  # the user's choice is kept
+        self.assertEqual(rec2["mfu_peak_gflops"], entry["gflops"])
+        # A bf16 recipe is stated against the bf16 peak, added beside the f32 one.
+        third, rec3 = train("peak_bf16", "precision.compute=bf16")
+        self.assertRegex(third, r"bf16 GEMM peak: \d+ GFLOP/s measured, \d+ datasheet-style \(2 threads x [\d.]+ GHz x \d+ FLOP/cycle\)")
+        self.assertEqual(rec3["mfu_peak_dtype"], "bf16")
+        with open(os.path.join(cache, "gemm_peak.json")) as f:
+            self.assertEqual(len(json.load(f)), 2)
+        # mfu = tokens/s x FLOPs per token / peak: the same model's FLOPs per token from both runs
+        # agree only if each divided by its own dtype's peak.
+        def flops_per_token(name: str, peak: float) -> float:
+            step = [r for r in self.records(name) if "mfu" in r][-1]
+            return step["mfu"] * peak * 1e9 / step["tokens_per_s"]
+        self.assertAlmostEqual(flops_per_token("peak_bf16", rec3["mfu_peak_gflops"]) /
+                               flops_per_token("peak_f32", rec["mfu_peak_gflops"]), 1.0, places=6)
+        # A corrupt cache is a warning and a new measurement, never a failed run.
+        with open(os.path.join(cache, "gemm_peak.json"), "w") as f:
+            f.write("{not json")
+        fourth, _ = train("peak_bad")
+        self.assertIn("warning", fourth)
+        self.assertIn("measured,", fourth)
+        with open(os.path.join(cache, "gemm_peak.json")) as f:
+            self.assertIn("f32", "".join(json.load(f)))
+
     # ------------------------------------------------------------------ two hosts
 
     def two_hosts(self) -> list[str]:

@@ -246,9 +246,22 @@ int train_main(int argc, char** argv) {
   }
 
   const MemoryTracker& mem = backend->allocator().tracker();
-  const double peak_gflops = measure_gemm_peak_gflops(*backend);
+  // MFU is stated against the GEMM peak of the run's compute dtype (train/throughput.h). Rank 0
+  // reads it from the machine's cache or measures it and sends it to the others, so that ranks
+  // sharing cores do not measure it against each other.
+  GemmPeak peak;
+  if (comm->rank() == 0) peak = gemm_peak(*backend, mfu_dtype(model.precision()), default_peak_cache_dir());
+  if (comm->size() > 1) {
+    CpuAllocator peak_host;
+    const Tensor value = Tensor::zeros(peak_host, {1}, DTYPE_F64, MEM_WORKSPACE);
+    value.data<double>()[0] = peak.measured_gflops;
+    comm->all_reduce(value, REDUCE_MAX);
+    peak.measured_gflops = value.data<double>()[0];
+    peak.dtype = mfu_dtype(model.precision());
+  }
+  const double peak_gflops = peak.measured_gflops;
   const double flops_per_token = train_flops_per_token(config.model, config.train.seq_len);
-  print_run_header(config, dir, model, trainer, peak_gflops, flops_per_token);
+  print_run_header(config, dir, model, trainer, peak, flops_per_token);
   MetricsLog metrics(lead ? (fs::path(dir) / "metrics.jsonl").string()
                           : (fs::path(dir) / "logs" / ("metrics.rank" + std::to_string(comm->rank()) + ".jsonl")).string(),
                      resumed_step);
@@ -271,7 +284,8 @@ int train_main(int argc, char** argv) {
                  {"start_step", trainer.step()}, {"optimizer", trainer.optimizer().name()}, {"parameters", n_params}, {"optimizer_state_bytes", state_bytes},
                  {"state_bytes_per_param", static_cast<double>(state_bytes) / static_cast<double>(n_params)},
                  {"schedule", std::string(enum_name(config.train.schedule.kind))}, {"precision", model.precision().describe()},
-                 {"loss_scaling", config.train.loss_scaling}});
+                 {"loss_scaling", config.train.loss_scaling}, {"mfu_peak_dtype", std::string(dtype_name(peak.dtype))},
+                 {"mfu_peak_gflops", peak.measured_gflops}, {"datasheet_peak_gflops", peak.datasheet_gflops}});
   if (grpo && trainer.step() == 0) {  // the curve's start: the initial weights' greedy reward
     const double start = batches.grpo_splits()[1]->greedy_reward(0);
     metrics.write({{"step", 0}, {"val_reward", start}});

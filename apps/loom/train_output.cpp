@@ -1,5 +1,7 @@
 #include "train_output.h"
 
+#include <omp.h>
+
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -13,6 +15,7 @@
 #include "loom/core/error.h"
 #include "loom/core/file_io.h"
 #include "loom/core/pages.h"
+#include "loom/core/threads.h"
 #include "loom/infer/generate.h"
 #include "loom/arch/config.h"
 #include "loom/arch/param_layout.h"
@@ -202,12 +205,13 @@ void print_dry_run(const LoomConfig& config, const std::string& dir, const Train
 }
 
 void print_run_header(const LoomConfig& config, const std::string& dir, const Transformer& model, const Trainer& trainer,
-                      double peak_gflops, double flops_per_token) {
+                      const GemmPeak& peak, double flops_per_token) {
   const int64_t n_params = param_count(config.model);
   const int64_t state_bytes = trainer.optimizer().state_bytes();
-  std::printf("run %s: %s, %lld parameters, %.1f MFLOP/token; GEMM peak %.0f GFLOP/s (measured, fp32)\n", dir.c_str(),
-              std::string(arch_name(config.model.arch)).c_str(), static_cast<long long>(n_params), flops_per_token / 1e6,
-              peak_gflops);
+  std::printf("run %s: %s, %lld parameters, %.1f MFLOP/token\n", dir.c_str(),
+              std::string(arch_name(config.model.arch)).c_str(), static_cast<long long>(n_params), flops_per_token / 1e6);
+  std::printf("%s; MFU is against the measured one, per rank\n", peak.describe().c_str());
+  std::printf("threads: %d per rank, OpenMP waits %s (core/threads.h)\n", omp_get_max_threads(), omp_wait_policy().c_str());
   std::printf("optimizer %s: state %s (%.2f bytes/parameter); schedule %s, lr %.2e\n", trainer.optimizer().name().c_str(),
               format_bytes(static_cast<size_t>(state_bytes)).c_str(),
               static_cast<double>(state_bytes) / static_cast<double>(n_params), std::string(enum_name(config.train.schedule.kind)).c_str(),

@@ -12,6 +12,7 @@
 #include "loom/core/memory.h"
 #include "loom/data/shard.h"
 #include "loom/train/config.h"
+#include "loom/train/throughput.h"
 #include "loom/train/trainer.h"
 
 namespace loom::cli {
@@ -69,7 +70,7 @@ TokenDataset open_training_data(LoomConfig& config);
 
 void print_dry_run(const LoomConfig& config, const std::string& dir, const Trainer& trainer, const MemoryTracker& mem);
 void print_run_header(const LoomConfig& config, const std::string& dir, const Transformer& model, const Trainer& trainer,
-                      double peak_gflops, double flops_per_token);
+                      const GemmPeak& peak, double flops_per_token);
 // Samples config.sample from `model` (on the CPU when the model's memory is a device's); returns
 // the printable text, after printing it.
 std::string final_sample(const LoomConfig& config, Backend& backend, Transformer& model);

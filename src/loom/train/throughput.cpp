@@ -1,21 +1,90 @@
 #include "loom/train/throughput.h"
 
+#include <omp.h>
+
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+
+#include "loom/core/error.h"
+#include "loom/core/file_io.h"
+#include "loom/core/json_file.h"
 
 namespace loom {
 
-double measure_gemm_peak_gflops(Backend& backend) {
-  const int64_t n = 2048;
-  Allocator& alloc = backend.allocator();
-  Tensor a = Tensor::empty(alloc, {n, n}, DTYPE_F32, MEM_WORKSPACE);
-  Tensor b = Tensor::empty(alloc, {n, n}, DTYPE_F32, MEM_WORKSPACE);
-  Tensor c = Tensor::empty(alloc, {n, n}, DTYPE_F32, MEM_WORKSPACE);
-  backend.fill(a, 0.5);
-  backend.fill(b, 0.25);
-  backend.synchronize();
+namespace {
+
+// Cycles per second of one core: a chain of dependent integer adds retires one per cycle on
+// every x86 core since the Pentium Pro (latency 1), so the chain's length over its time is the
+// clock the core runs at now (turbo included), which /proc/cpuinfo does not report in a VM.
+double measure_clock_ghz() {
   double best = 0.0;
   for (int rep = 0; rep < 5; ++rep) {
+    uint64_t x = static_cast<uint64_t>(rep) + 1;
+    const int64_t n = 50'000'000;
+    const auto start = std::chrono::steady_clock::now();
+    for (int64_t i = 0; i < n; ++i) {
+#if defined(__x86_64__)
+      asm volatile("add $1, %0" : "+r"(x));  // one add per iteration; the loop's own inc/cmp/jmp run beside it
+#else
+      x += 1;
+      asm volatile("" : "+r"(x));
+#endif
+    }
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (x == 0) return 0.0;  // keeps x live
+    best = std::max(best, static_cast<double>(n) / seconds / 1e9);
+  }
+  return best;
+}
+
+int flops_per_cycle(DType dtype) {
+#if defined(__x86_64__)
+  if (dtype == DTYPE_BF16 && __builtin_cpu_supports("avx512bf16")) return 128;  // 2 units x 32 pairs x 2
+  if (__builtin_cpu_supports("avx512f")) return 64;                             // 2 units x 16 lanes x 2
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 32;
+#endif
+  return 0;
+}
+
+std::string cpu_model_name() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("model name", 0) == 0) {
+      const size_t colon = line.find(':');
+      if (colon != std::string::npos) return line.substr(line.find_first_not_of(" \t", colon + 1));
+    }
+  }
+  return "unknown cpu";
+}
+
+}  // namespace
+
+double measure_gemm_peak_gflops(Backend& backend, DType dtype) {
+  LOOM_CHECK(dtype == DTYPE_F32 || dtype == DTYPE_BF16, "measure_gemm_peak_gflops: dtype ", dtype_name(dtype),
+             " (expected f32 or bf16)");
+  const int64_t n = 2048;
+  Allocator& alloc = backend.allocator();
+  Tensor a32 = Tensor::empty(alloc, {n, n}, DTYPE_F32, MEM_WORKSPACE);
+  Tensor b32 = Tensor::empty(alloc, {n, n}, DTYPE_F32, MEM_WORKSPACE);
+  Tensor c = Tensor::empty(alloc, {n, n}, DTYPE_F32, MEM_WORKSPACE);
+  backend.fill(a32, 0.5);
+  backend.fill(b32, 0.25);
+  Tensor a = a32, b = b32;
+  if (dtype == DTYPE_BF16) {
+    a = Tensor::empty(alloc, {n, n}, DTYPE_BF16, MEM_WORKSPACE);
+    b = Tensor::empty(alloc, {n, n}, DTYPE_BF16, MEM_WORKSPACE);
+    backend.cast(a32, a);
+    backend.cast(b32, b);
+  }
+  backend.synchronize();
+  double best = 0.0;
+  for (int rep = 0; rep < 10; ++rep) {  // the best of 9 after a warm-up: it is cached, so it may take 0.5 s
     const auto start = std::chrono::steady_clock::now();
     backend.gemm(a, b, c, GemmSpec{});
     backend.synchronize();  // a device queues the GEMM: time its completion
@@ -23,6 +92,78 @@ double measure_gemm_peak_gflops(Backend& backend) {
     if (rep > 0) best = std::max(best, 2.0 * n * n * n / seconds / 1e9);
   }
   return best;
+}
+
+std::string default_peak_cache_dir() {
+  if (const char* dir = std::getenv("LOOM_CACHE_DIR"); dir != nullptr && *dir != '\0') return dir;
+  if (const char* xdg = std::getenv("XDG_CACHE_HOME"); xdg != nullptr && *xdg != '\0') return std::string(xdg) + "/loom";
+  if (const char* home = std::getenv("HOME"); home != nullptr && *home != '\0') return std::string(home) + "/.cache/loom";
+  return "";
+}
+
+DType mfu_dtype(const PrecisionPolicy& policy) {
+  const LinearRecipe r = policy.recipe[LINEAR_MLP_IN];
+  return r == RECIPE_BF16 || is_fp8(r) ? DTYPE_BF16 : DTYPE_F32;
+}
+
+std::string GemmPeak::describe() const {
+  std::string s = str_cat(dtype_name(dtype), " GEMM peak: ", static_cast<int64_t>(measured_gflops + 0.5),
+                          " GFLOP/s measured");
+  if (cached) s += str_cat(" (cached in ", cache_file, ")");
+  if (datasheet_gflops > 0.0) {
+    char clock[32];
+    std::snprintf(clock, sizeof clock, "%.2f", clock_ghz);
+    s += str_cat(", ", static_cast<int64_t>(datasheet_gflops + 0.5), " datasheet-style (", threads, " thread",
+                 threads == 1 ? "" : "s", " x ", clock, " GHz x ", flops_per_cycle, " FLOP/cycle)");
+  }
+  return s;
+}
+
+GemmPeak gemm_peak(Backend& backend, DType dtype, const std::string& cache_dir) {
+  GemmPeak peak;
+  peak.dtype = dtype;
+  const bool cpu = backend.name() == "cpu";
+  if (cpu) {
+    peak.threads = omp_get_max_threads();
+    peak.flops_per_cycle = flops_per_cycle(dtype);
+    peak.clock_ghz = measure_clock_ghz();
+    peak.datasheet_gflops = peak.threads * peak.clock_ghz * peak.flops_per_cycle;
+  }
+  const std::string key = str_cat(backend.name(), " | ", cpu_model_name(), " | ", peak.threads, " threads | ",
+                                  dtype_name(dtype));
+  const std::string file = cache_dir.empty() || !cpu ? "" : cache_dir + "/gemm_peak.json";
+  nlohmann::json cache = nlohmann::json::object();
+  if (!file.empty() && std::filesystem::exists(file)) {
+    try {
+      cache = read_json_file(file);
+      if (!cache.is_object()) cache = nlohmann::json::object();
+      const auto it = cache.find(key);
+      if (it != cache.end() && it->is_object() && it->contains("gflops") && (*it)["gflops"].is_number()) {
+        const double gflops = (*it)["gflops"].get<double>();
+        if (gflops > 0.0 && gflops < 1e9) {
+          peak.measured_gflops = gflops;
+          peak.cached = true;
+          peak.cache_file = file;
+          return peak;
+        }
+      }
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "loom: warning: %s; the GEMM peak is measured again\n", e.what());
+      cache = nlohmann::json::object();
+    }
+  }
+  peak.measured_gflops = measure_gemm_peak_gflops(backend, dtype);
+  if (!file.empty()) {
+    try {
+      std::filesystem::create_directories(cache_dir);
+      cache[key] = {{"gflops", peak.measured_gflops}, {"gemm", "2048^3, best of 9 after a warm-up"}};
+      write_file_atomic(file, cache.dump(2) + "\n");
+      peak.cache_file = file;
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "loom: warning: cannot cache the GEMM peak in %s: %s\n", file.c_str(), e.what());
+    }
+  }
+  return peak;
 }
 
 }  // namespace loom
