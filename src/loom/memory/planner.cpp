@@ -146,6 +146,10 @@ std::vector<LayoutCost> plan_layouts(const MemoryPlan& base, int64_t global_batc
                 p.tp = tp, p.sequence_parallel = tp > 1, p.cp = cp, p.ulysses = false, p.pp = pp, p.ep = ep;
                 p.ranks = dp, p.zero_stage = zero, p.recompute = recompute, p.micro = micro;
                 p.schedule = pp > 1 ? schedule : PipeScheduleKind::one_f_one_b, p.virtual_stages = interleaved ? 2 : 1;
+                // Context parallelism runs ring attention, which keeps its own log-sum-exp: the
+                // layer plan refuses flash attention with cp > 1, and before this line every cp
+                // layout was refused and silently skipped.
+                p.flash_attention = base.flash_attention && cp == 1;
                 try {
                   lc.memory = estimate_memory(p);
                 } catch (const std::exception&) {
