@@ -6,6 +6,7 @@ Usage: ops_test.py path/to/loom [unittest args]. Runs Loom as a user and a faili
 signals at random moments, a tmpfs that fills up, a rank that stops. Needs root for the tmpfs
 (the disk-full tests are skipped, saying so, without it) and mpirun for the multi-rank ones.
 """
+import hashlib
 import json
 import os
 import random
@@ -426,6 +427,24 @@ class Ops(LoomCase):
         self.assertIn("measured,", fourth)
         with open(os.path.join(cache, "gemm_peak.json")) as f:
             self.assertIn("f32", "".join(json.load(f)))
+
+    def test_one_two_and_four_threads_train_to_the_same_bits(self):
+        # d_ff = 1024 > 768: the MLP's down projection is an A x B^T GEMM whose K oneDNN sums
+        # differently on one thread (cpu_gemm.cpp slices it); 4 threads on 2 cores as well.
+        extra = "model.d_model=256,model.n_head=4,model.n_kv_head=4,model.d_ff=1024,train.checkpoint_every=3"
+        states = {}
+        for threads in (1, 2, 4):
+            name = f"threads{threads}"
+            p = subprocess.run([LOOM, "train", "--set", self.sets(name, 3, extra)], cwd=ROOT,
+                               env=dict(os.environ, OMP_NUM_THREADS=str(threads)), capture_output=True, text=True,
+                               timeout=600)
+            self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+            losses = [(r["loss"], r["grad_norm"]) for r in self.records(name) if "loss" in r]
+            digests = {f: hashlib.sha256(b).hexdigest() for f, b in self.state(name, 3).items()}
+            states[threads] = (losses, digests)  # digests: a failing assertEqual prints them, not megabytes
+        self.assertEqual(len(states[1][0]), 3)
+        self.assertEqual(states[1], states[2])
+        self.assertEqual(states[1], states[4])
 
     # ------------------------------------------------------------------ two hosts
 
