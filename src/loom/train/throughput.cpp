@@ -126,9 +126,11 @@ GemmPeak gemm_peak(Backend& backend, DType dtype, const std::string& cache_dir) 
   if (cpu) {
     peak.threads = omp_get_max_threads();
     peak.flops_per_cycle = flops_per_cycle(dtype);
-    peak.clock_ghz = measure_clock_ghz();
-    peak.datasheet_gflops = peak.threads * peak.clock_ghz * peak.flops_per_cycle;
   }
+  auto set_clock = [&peak](double ghz) {
+    peak.clock_ghz = ghz;
+    peak.datasheet_gflops = peak.threads * ghz * peak.flops_per_cycle;
+  };
   const std::string key = str_cat(backend.name(), " | ", cpu_model_name(), " | ", peak.threads, " threads | ",
                                   dtype_name(dtype));
   const std::string file = cache_dir.empty() || !cpu ? "" : cache_dir + "/gemm_peak.json";
@@ -140,8 +142,10 @@ GemmPeak gemm_peak(Backend& backend, DType dtype, const std::string& cache_dir) 
       const auto it = cache.find(key);
       if (it != cache.end() && it->is_object() && it->contains("gflops") && (*it)["gflops"].is_number()) {
         const double gflops = (*it)["gflops"].get<double>();
-        if (gflops > 0.0 && gflops < 1e9) {
+        const double ghz = it->contains("clock_ghz") && (*it)["clock_ghz"].is_number() ? (*it)["clock_ghz"].get<double>() : 0.0;
+        if (gflops > 0.0 && gflops < 1e9 && ghz > 0.0 && ghz < 100.0) {
           peak.measured_gflops = gflops;
+          set_clock(ghz);
           peak.cached = true;
           peak.cache_file = file;
           return peak;
@@ -152,11 +156,13 @@ GemmPeak gemm_peak(Backend& backend, DType dtype, const std::string& cache_dir) 
       cache = nlohmann::json::object();
     }
   }
+  if (cpu) set_clock(measure_clock_ghz());
   peak.measured_gflops = measure_gemm_peak_gflops(backend, dtype);
   if (!file.empty()) {
     try {
       std::filesystem::create_directories(cache_dir);
-      cache[key] = {{"gflops", peak.measured_gflops}, {"gemm", "2048^3, best of 9 after a warm-up"}};
+      cache[key] = {{"gflops", peak.measured_gflops}, {"gemm", "2048^3, best of 9 after a warm-up"},
+                    {"clock_ghz", peak.clock_ghz}};
       write_file_atomic(file, cache.dump(2) + "\n");
       peak.cache_file = file;
     } catch (const std::exception& e) {

@@ -37,9 +37,9 @@ struct GemmPeak {
 // backend, the best of 9 repetitions after a warm-up. About half a second on a 2-core CPU.
 double measure_gemm_peak_gflops(Backend& backend, DType dtype = DTYPE_F32);
 
-// The peak of `dtype` on this machine: the measured one from cache_dir/gemm_peak.json when it
-// holds this machine's key (backend, CPU model, thread count, dtype), else measured and added
-// to it (written to a temporary name and renamed). An empty cache_dir measures every time; so
+// The peak of `dtype` on this machine: the measured one (and the clock the datasheet-style peak
+// uses) from cache_dir/gemm_peak.json when it holds this machine's key (backend, CPU model,
+// thread count, dtype), else measured and added to it (written to a temporary name and renamed). An empty cache_dir measures every time; so
 // does a GPU backend (its key would need the device's name). A cache that cannot be read or
 // written is ignored with a warning on stderr, never an error.
 GemmPeak gemm_peak(Backend& backend, DType dtype, const std::string& cache_dir);
