@@ -246,6 +246,15 @@ int train_main(int argc, char** argv) {
   }
 
   const MemoryTracker& mem = backend->allocator().tracker();
+  // Traces (docs/operations.md) start before the first collective below, so that the trace's
+  // bytes add up to the ledgers'.
+  std::unique_ptr<Tracer> tracer;
+  if (config.loop.trace) {
+    tracer = std::make_unique<Tracer>(comm->rank());
+    trainer.set_tracer(tracer.get());
+    state.set_tracer(tracer.get());
+    for (const auto& [name, group] : layout.communicators()) group->set_tracer(tracer.get(), name);
+  }
   // MFU is stated against the GEMM peak of the run's compute dtype (train/throughput.h). Rank 0
   // reads it from the machine's cache or measures it and sends it to the others, so that ranks
   // sharing cores do not measure it against each other.
@@ -302,13 +311,6 @@ int train_main(int argc, char** argv) {
 
   // Operations (docs/operations.md): preemption signals, the collective watchdog, anomalies, traces.
   const StopSignals signals;
-  std::unique_ptr<Tracer> tracer;
-  if (config.loop.trace) {
-    tracer = std::make_unique<Tracer>(comm->rank());
-    trainer.set_tracer(tracer.get());
-    state.set_tracer(tracer.get());
-    for (const auto& [name, group] : layout.communicators()) group->set_tracer(tracer.get(), name);
-  }
   auto write_trace = [&] {
     if (!tracer) return;
     const fs::path path = fs::path(dir) / "trace" / ("rank" + std::to_string(comm->rank()) + ".json");

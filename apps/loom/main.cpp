@@ -8,9 +8,9 @@
 #include <thread>
 
 #include "cli.h"
-#include "loom/core/threads.h"
 #include "commands.h"
 #include "loom/comm/communicator.h"
+#include "loom/core/threads.h"
 
 #ifndef LOOM_VERSION
 #define LOOM_VERSION "unknown"
