@@ -36,7 +36,7 @@ def run_json(cmd: list[str], env: dict[str, str]) -> dict:
     out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
     lines = [line for line in out.splitlines() if line.startswith("{")]
     if not lines:
-        raise SystemExit(f"compare_train: no JSON result from {' '.join(cmd)}")
+        raise SystemExit(f"{os.path.basename(sys.argv[0])}: no JSON result from {' '.join(cmd)}")
     return json.loads(lines[-1])
 
 

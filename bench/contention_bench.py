@@ -23,9 +23,10 @@ import statistics
 import subprocess
 import sys
 
+from compare_train import run_json, torch_env
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 
 
 def tokens_per_s(cmd: list[str], env: dict[str, str], busy_core: int | None) -> float:
@@ -33,15 +34,11 @@ def tokens_per_s(cmd: list[str], env: dict[str, str], busy_core: int | None) -> 
     if busy_core is not None:
         busy = subprocess.Popen(["taskset", "-c", str(busy_core), "sh", "-c", "while :; do :; done"])
     try:
-        out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
+        return float(run_json(cmd, env)["tokens_per_s"])
     finally:
         if busy is not None:
             busy.kill()
             busy.wait()
-    lines = [line for line in out.splitlines() if line.startswith("{")]
-    if not lines:
-        raise SystemExit(f"contention_bench: no JSON result from {' '.join(cmd)}")
-    return float(json.loads(lines[-1])["tokens_per_s"])
 
 
 def main() -> int:
@@ -62,8 +59,8 @@ def main() -> int:
     base = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     for key in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
         base.pop(key, None)
-    torch_env = dict(base, OMP_WAIT_POLICY="PASSIVE", LD_PRELOAD=TCMALLOC)
-    torch_env.pop("OPENBLAS_CORETYPE", None)
+    tuned_torch = torch_env(True, args.threads)  # compare_train's PyTorch at its best
+    tuned_torch.pop("GOMP_SPINCOUNT", None)
     summary = []
     for model, batch, seq in shapes:
         common = ["--model", model, "--batch", batch, "--seq", seq, "--steps", str(args.steps), "--warmup", str(args.warmup)]
@@ -71,7 +68,7 @@ def main() -> int:
             "loom (default: passive)": ([loom_bin, "--peak-tflops", "1"] + common, base),
             "loom OMP_WAIT_POLICY=ACTIVE": ([loom_bin, "--peak-tflops", "1"] + common, dict(base, OMP_WAIT_POLICY="ACTIVE")),
             "pytorch (tuned)": ([sys.executable, os.path.join(HERE, "torch_train_bench.py")] + common +
-                                ["--threads", str(args.threads)], torch_env),
+                                ["--threads", str(args.threads)], tuned_torch),
         }
         results = {name: {"idle": [], "busy": []} for name in impls}
         for r in range(args.rounds):

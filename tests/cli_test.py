@@ -30,8 +30,8 @@ TINY = ",".join([
 ])
 
 
-def run(*args: str, expect_ok: bool = True, cwd: str = ROOT) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="2")
+def run(*args: str, expect_ok: bool = True, cwd: str = ROOT, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = env if env is not None else dict(os.environ, OMP_NUM_THREADS="2")
     p = subprocess.run([LOOM, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     if expect_ok and p.returncode != 0:
         raise AssertionError(f"loom {' '.join(args)} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")

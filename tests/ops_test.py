@@ -65,8 +65,9 @@ class Ops(LoomCase):
         return (f"{TINY},train.steps={steps},data.dir={self.data},data.tokenizer=byte,"
                 f"run.dir={runs or os.path.join(self.tmp, 'runs')},run.name={name}" + (f",{extra}" if extra else ""))
 
-    def train(self, name: str, *args: str, steps: int = 8, extra: str = "", expect_ok: bool = True, runs: str = ""):
-        return run("train", "--set", self.sets(name, steps, extra, runs), *args, expect_ok=expect_ok)
+    def train(self, name: str, *args: str, steps: int = 8, extra: str = "", expect_ok: bool = True, runs: str = "",
+              env: dict[str, str] | None = None):
+        return run("train", "--set", self.sets(name, steps, extra, runs), *args, expect_ok=expect_ok, env=env)
 
     def start(self, name: str, *args: str, steps: int, extra: str = "", np: int = 1) -> subprocess.Popen:
         cmd = [LOOM, "train", "--set", self.sets(name, steps, extra), *args]
@@ -385,9 +386,7 @@ class Ops(LoomCase):
         env.pop("GOMP_SPINCOUNT", None)
 
         def train(name: str, extra: str = "", **more: str) -> tuple[str, dict]:
-            p = subprocess.run([LOOM, "train", "--set", self.sets(name, 2, extra)], cwd=ROOT, env=dict(env, **more),
-                               capture_output=True, text=True, timeout=600)
-            self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+            p = self.train(name, steps=2, extra=extra, env=dict(env, **more))
             return p.stdout + p.stderr, self.records(name)[0]
 
         first, rec = train("peak_f32")
@@ -435,10 +434,7 @@ class Ops(LoomCase):
         states = {}
         for threads in (1, 2, 4):
             name = f"threads{threads}"
-            p = subprocess.run([LOOM, "train", "--set", self.sets(name, 3, extra)], cwd=ROOT,
-                               env=dict(os.environ, OMP_NUM_THREADS=str(threads)), capture_output=True, text=True,
-                               timeout=600)
-            self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+            self.train(name, steps=3, extra=extra, env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
             losses = [(r["loss"], r["grad_norm"]) for r in self.records(name) if "loss" in r]
             digests = {f: hashlib.sha256(b).hexdigest() for f, b in self.state(name, 3).items()}
             states[threads] = (losses, digests)  # digests: a failing assertEqual prints them, not megabytes

@@ -255,20 +255,22 @@ int train_main(int argc, char** argv) {
     state.set_tracer(tracer.get());
     for (const auto& [name, group] : layout.communicators()) group->set_tracer(tracer.get(), name);
   }
+  // One number MAX-reduced over the world: the GEMM peak below, the stop signal after each step.
+  CpuAllocator scalar_host;
+  const Tensor scalar = Tensor::zeros(scalar_host, {1}, DTYPE_F64, MEM_WORKSPACE);
+  auto world_max = [&](double value) {
+    if (comm->size() == 1) return value;
+    scalar.data<double>()[0] = value;
+    comm->all_reduce(scalar, REDUCE_MAX);
+    return scalar.data<double>()[0];
+  };
   // MFU is stated against the GEMM peak of the run's compute dtype (train/throughput.h). Rank 0
   // reads it from the machine's cache or measures it and sends it to the others, so that ranks
   // sharing cores do not measure it against each other.
   GemmPeak peak;
-  if (comm->rank() == 0) peak = gemm_peak(*backend, mfu_dtype(model.precision()), default_peak_cache_dir());
-  if (comm->size() > 1) {
-    CpuAllocator peak_host;
-    const Tensor value = Tensor::zeros(peak_host, {1}, DTYPE_F64, MEM_WORKSPACE);
-    value.data<double>()[0] = peak.measured_gflops;
-    comm->all_reduce(value, REDUCE_MAX);
-    peak.measured_gflops = value.data<double>()[0];
-    peak.dtype = mfu_dtype(model.precision());
-  }
-  const double peak_gflops = peak.measured_gflops;
+  peak.dtype = mfu_dtype(model.precision());
+  if (comm->rank() == 0) peak = gemm_peak(*backend, peak.dtype, default_peak_cache_dir());
+  peak.measured_gflops = world_max(peak.measured_gflops);
   const double flops_per_token = train_flops_per_token(config.model, config.train.seq_len);
   print_run_header(config, dir, model, trainer, peak, flops_per_token);
   MetricsLog metrics(lead ? (fs::path(dir) / "metrics.jsonl").string()
@@ -319,14 +321,8 @@ int train_main(int argc, char** argv) {
     std::printf("trace: %s (%zu events; open it in ui.perfetto.dev)\n", path.string().c_str(), tracer->size());
   };
   Watchdog watchdog(config.loop.watchdog_seconds, dir, comm->rank(), comm->size());
-  CpuAllocator flag_host;
-  const Tensor flag = Tensor::zeros(flag_host, {1}, DTYPE_F64, MEM_WORKSPACE);
-  auto stop_signal = [&]() -> int {  // every rank stops at the same step: the first to see a signal decides
-    if (comm->size() == 1) return signals.requested();
-    flag.data<double>()[0] = signals.requested();
-    comm->all_reduce(flag, REDUCE_MAX);
-    return static_cast<int>(flag.data<double>()[0]);
-  };
+  // Every rank stops at the same step: the first to see a signal decides.
+  auto stop_signal = [&] { return static_cast<int>(world_max(signals.requested())); };
   std::string last_saved;  // the newest checkpoint's path, "" until one is written
   int64_t last_saved_step = -1;
   auto save_checkpoint = [&](bool async) {
@@ -400,7 +396,7 @@ int train_main(int argc, char** argv) {
     ++steps_timed;
     StepReport r{stats};
     r.tokens_per_s = static_cast<double>(stats.tokens * dp.size()) / stats.seconds;  // all data-parallel ranks
-    r.mfu = r.tokens_per_s * flops_per_token / (peak_gflops * 1e9 * comm->size());   // peak measured per rank
+    r.mfu = r.tokens_per_s * flops_per_token / (peak.measured_gflops * 1e9 * comm->size());  // peak measured per rank
     r.memory_bytes = mem.current_total();
     r.eta_seconds = seconds_sum / static_cast<double>(steps_timed) * static_cast<double>(config.train.steps - trainer.step());
     // This rank's traffic over every communicator of the layout (world, tp, pp, cp, ep, dp, ...).

@@ -307,7 +307,7 @@ class CpuBackend final : public Backend {
     const auto [batch, seq_len, head_dim] =
         check_attention_backward(op, dout, qkv, out, probs, dqkv, n_head, n_kv_head, window, false);
     const bool windowed = window > 0 && window < seq_len;
-    const int64_t tile = cpu::window_tile_rows(window);  // the windowed backward's dS tile: Bq x (Bq + W - 1)
+    const int64_t tile = cpu::window_tile_rows(window);
     // The windowed backward's dS tile (Bq x (Bq + W - 1)); the full one's T x T per thread.
     const Tensor scratch = workspace(windowed ? tile * (tile + window - 1) : omp_get_max_threads() * seq_len * seq_len,
                                      qkv.dtype());

@@ -4,6 +4,7 @@
 // with static schedules, so every result is independent of timing: a run is reproducible.
 #pragma once
 #include <omp.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -315,7 +316,7 @@ void rope_rotate(T* x, int64_t batch, int64_t seq_len, int64_t width, int64_t he
 // costs ~2% passive (docs/performance.md).
 template <typename T>
 void attention_forward(const T* qkv, T* out, T* probs, int64_t batch, int64_t seq_len, int64_t n_head,
-                             int64_t n_kv_head, int64_t head_dim) {
+                       int64_t n_kv_head, int64_t head_dim) {
   const int64_t W = (n_head + 2 * n_kv_head) * head_dim, OW = n_head * head_dim, Tn = seq_len;
   const int64_t group = n_head / n_kv_head;
   const T scale = T(1) / std::sqrt(static_cast<T>(head_dim));
@@ -351,7 +352,7 @@ void attention_forward(const T* qkv, T* out, T* probs, int64_t batch, int64_t se
 // scratch holds threads x T x T elements (omp_get_max_threads()). One region, as the forward.
 template <typename T>
 void attention_backward(const T* dout, const T* qkv, const T* out, const T* probs, T* dqkv, T* scratch,
-                              int64_t batch, int64_t seq_len, int64_t n_head, int64_t n_kv_head, int64_t head_dim) {
+                        int64_t batch, int64_t seq_len, int64_t n_head, int64_t n_kv_head, int64_t head_dim) {
   const int64_t W = (n_head + 2 * n_kv_head) * head_dim, OW = n_head * head_dim, Tn = seq_len;
   const int64_t group = n_head / n_kv_head;
   const T scale = T(1) / std::sqrt(static_cast<T>(head_dim));

@@ -12,10 +12,6 @@ using math::fast_exp;
 using math::sigmoid_t;
 using math::tanh_t;
 
-}  // namespace loom::cpu
-
-namespace loom::cpu {
-
 // max(x[0..n)) (-inf for n = 0), vectorized: GCC keeps `m = std::max(m, x[i])` scalar even under
 // `omp simd reduction(max)` (a loop-carried vmaxss, measured at 62% of the cross-entropy
 // forward), so the maximum is taken in 16 independent lanes and then across them. The maximum is
