@@ -120,6 +120,47 @@ TEST(MemoryEstimateTest, FlashAttentionActivationsAreExactlyTheEstimate) {
   }
 }
 
+// precision.activations = bf16 under bf16 compute: one training step's activation bytes are
+// exactly the estimate, for GPT-2 and Llama under every checkpointing policy, with and without
+// FlashAttention; without recomputation the saving against f32-saved activations is exactly
+// L x 2 B T (C + attn_width + C + F) bytes (norm1's output, O, norm2's output and the activation
+// at 2 bytes instead of 4), and with FlashAttention O stays fp32.
+TEST(MemoryEstimateTest, Bf16SavedActivationsAreExactlyTheEstimate) {
+  for (const char* preset : {"gpt2-tiny", "llama-tiny"}) {
+    const ModelConfig config = model_preset(preset);
+    for (const bool flash : {false, true}) {
+      for (const char* policy : {"none", "selective", "full", "every:2"}) {
+        MemoryPlan plan;
+        plan.model = config, plan.batch = 2, plan.seq_len = 16, plan.recompute = policy, plan.flash_attention = flash;
+        plan.precision.compute = "bf16";
+        auto backend = make_cpu_backend();
+        Transformer model(*backend, config);
+        model.init_weights(1);
+        TrainConfig tc;
+        tc.batch_size = plan.batch, tc.seq_len = plan.seq_len, tc.recompute = policy, tc.flash_attention = flash;
+        tc.precision.compute = "bf16";
+        Trainer trainer(*backend, model, tc);
+        RandomWindowSource data(cyclic_corpus(config.vocab_size), 3);
+        trainer.train_step(data);
+        const MemoryTracker& mem = backend->allocator().tracker();
+        const int64_t estimate = estimate_memory(plan).bytes[MEM_ACTIVATIONS];
+        EXPECT_EQ(static_cast<int64_t>(mem.peak(MEM_ACTIVATIONS)), estimate) << preset << " " << policy << " " << flash;
+        plan.precision.activations = "f32";
+        const int64_t f32_estimate = estimate_memory(plan).bytes[MEM_ACTIVATIONS];
+        const int64_t B = plan.batch, T = plan.seq_len, C = config.d_model;
+        const int64_t halved = C + (flash ? 0 : config.attn_width()) + C + config.d_ff;
+        if (std::string(policy) == "none") {
+          EXPECT_EQ(f32_estimate - estimate, config.n_layer * 2 * B * T * halved) << preset;
+        }
+        EXPECT_LT(estimate, f32_estimate) << preset << " " << policy << " " << flash;
+        std::printf("%-10s flash %d recompute %-9s: activations bf16-saved %lld (estimate %lld), f32-saved %lld\n", preset,
+                    flash, policy, static_cast<long long>(mem.peak(MEM_ACTIVATIONS)), static_cast<long long>(estimate),
+                    static_cast<long long>(f32_estimate));
+      }
+    }
+  }
+}
+
 // Real sizes: Llama-3-8B and 70B have their published parameter counts (8.03B and 70.55B) and
 // loom memory's estimate for them is the fp32 AdamW bill, 16 bytes per parameter of model state.
 TEST(MemoryEstimateTest, LlamaThreeConfigsAtRealSize) {

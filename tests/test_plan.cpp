@@ -61,7 +61,7 @@ TEST(LayerPlanTest, ThePlanCarriesTheLinearsPrecisionRecipes) {
   pc.compute = "bf16";
   model.set_precision(resolve_policy(pc));
   EXPECT_EQ(model.layer_plans()[0].linears[LINEAR_MLP_IN], RECIPE_BF16);
-  EXPECT_EQ(describe_plans(model.layer_plans()), str_cat(c.n_layer, " x attention mha + mlp dense, linears bf16"));
+  EXPECT_EQ(describe_plans(model.layer_plans()), str_cat(c.n_layer, " x attention mha + mlp dense, linears bf16, inputs saved in bf16"));
   pc.compute = "f32", pc.attn_qkv = "fp8-current", pc.qat = "mxfp4";
   model.set_precision(resolve_policy(pc));
   EXPECT_EQ(describe_plans(model.layer_plans()),
@@ -133,6 +133,72 @@ TEST(LayerPlanTest, EachSubLayerRecordHoldsItsKindsFieldsAndTheCountIsTheAllocat
     }
   }
   EXPECT_EQ(checked, 20);
+}
+
+// precision.activations = bf16: the inputs of bf16 linear layers are saved in bf16 where nothing
+// else reads them in fp32; each exception of LayerPlan::saved_bf16's rule, and the bytes: each
+// such field is exactly half its fp32 size, the rest unchanged.
+TEST(LayerPlanTest, TheInputsOfBf16LinearsAreSavedInBf16WhereTheRecipeAllows) {
+  using Saved = std::array<bool, 4>;
+  PrecisionConfig pc;
+  pc.compute = "bf16";
+  PlanChoices bf16;
+  choose_precision(bf16, resolve_policy(pc));
+  const ModelConfig gpt2 = model_preset("gpt2-tiny"), llama = model_preset("llama-tiny");
+  EXPECT_EQ(resolve_layer_plan(gpt2, 0, bf16).saved_bf16, (Saved{true, true, true, true}));
+  EXPECT_EQ(resolve_layer_plan(gpt2, 0, {}).saved_bf16, (Saved{false, false, false, false}));  // f32 linears
+  PlanChoices off = bf16;
+  off.activations_bf16 = false;  // precision.activations = f32
+  EXPECT_EQ(resolve_layer_plan(gpt2, 0, off).saved_bf16, (Saved{false, false, false, false}));
+  PlanChoices mixed = bf16;  // only bf16 layers' inputs
+  mixed.linears[LINEAR_MLP_OUT] = RECIPE_FP8_CURRENT;
+  EXPECT_EQ(resolve_layer_plan(gpt2, 0, mixed).saved_bf16, (Saved{true, true, true, false}));
+  PlanChoices flash = bf16;  // flash attention's backward reads O in fp32
+  flash.flash = true;
+  EXPECT_EQ(resolve_layer_plan(llama, 0, flash).saved_bf16, (Saved{true, false, true, true}));
+  PlanChoices ring = bf16;
+  ring.context = PlanChoices::RING;
+  EXPECT_EQ(resolve_layer_plan(llama, 0, ring).saved_bf16, (Saved{true, false, true, true}));
+  PlanChoices sp = bf16;  // the norms' outputs are gathered in fp32
+  sp.tensor_parallel = sp.sequence_parallel = true;
+  EXPECT_EQ(resolve_layer_plan(llama, 0, sp).saved_bf16, (Saved{false, true, false, true}));
+  ModelConfig lora = llama;  // adapters on q and v read norm1's output in fp32
+  lora.peft_method = PeftMethod::lora, lora.lora_targets = "q,v,down";
+  EXPECT_EQ(resolve_layer_plan(lora, 0, bf16).saved_bf16, (Saved{false, true, true, false}));
+  ModelConfig moe = model_preset("moe-tiny");
+  moe.moe_dense_layers = 1;
+  EXPECT_EQ(resolve_layer_plan(moe, 0, bf16).saved_bf16, (Saved{true, true, true, true}));
+  EXPECT_EQ(resolve_layer_plan(moe, 1, bf16).saved_bf16, (Saved{true, true, false, false}));
+  PlanChoices mla = bf16;  // MLA projects in fp32 from norm1's output
+  mla.linears[LINEAR_ATTN_QKV] = RECIPE_F32;
+  EXPECT_EQ(resolve_layer_plan(model_preset("mla-tiny"), 0, mla).saved_bf16, (Saved{false, false, true, true}));
+
+  // Bytes: B T (C + attn_width + C + F) elements at 2 bytes instead of 4, for every policy's
+  // fields that are kept (selective keeps the attention output; full nothing of them).
+  for (const ModelConfig& c : {gpt2, llama}) {
+    const int64_t B = 2, T = 8, C = c.d_model;
+    const LayerPlan p16 = resolve_layer_plan(c, 0, bf16), p32 = resolve_layer_plan(c, 0, off);
+    for (const RecomputePolicy keep : {RECOMPUTE_NONE, RECOMPUTE_SELECTIVE, RECOMPUTE_FULL}) {
+      const SavedShape shape{.batch = B, .seq_len = T, .keep = keep};
+      const int64_t halved = keep == RECOMPUTE_NONE ? B * T * (C + c.attn_width() + C + c.d_ff)
+                             : keep == RECOMPUTE_SELECTIVE ? B * T * c.attn_width() : 0;
+      EXPECT_EQ(block_saved_bytes(c, p32, shape) - block_saved_bytes(c, p16, shape), 2 * halved) << c.arch << " keep " << static_cast<int>(keep);
+      auto backend = make_cpu_backend();
+      const BlockSaved s = allocate_block_saved(backend->allocator(), c, p16, shape);
+      EXPECT_EQ(static_cast<int64_t>(backend->allocator().tracker().current(MEM_ACTIVATIONS)),
+                block_saved_bytes(c, p16, shape));
+      if (keep == RECOMPUTE_NONE) {
+        EXPECT_EQ(s.attention.norm.out.dtype(), DTYPE_BF16);
+        EXPECT_EQ(s.attention.attn.dtype(), DTYPE_BF16);
+        EXPECT_EQ(s.mlp.norm.out.dtype(), DTYPE_BF16);
+        EXPECT_EQ(s.mlp.act.dtype(), DTYPE_BF16);
+        EXPECT_EQ(s.mlp.fc.dtype(), DTYPE_F32);  // GELU / SwiGLU's backward reads it in fp32
+        EXPECT_EQ(s.attention.qkv.dtype(), DTYPE_F32);
+        EXPECT_EQ(s.attention.probs.dtype(), DTYPE_F32);
+        EXPECT_EQ(s.mid.dtype(), DTYPE_F32);
+      }
+    }
+  }
 }
 
 }  // namespace

@@ -63,11 +63,11 @@ RecomputeCosts costs_of(const ModelConfig& c, bool flash = false) {
   for (int64_t l = 0; l < c.n_layer; ++l) {
     std::array<int64_t, RECOMPUTE_COUNT> bytes{};
     for (int p = 0; p < RECOMPUTE_COUNT; ++p) {
-      bytes[p] = block_kept_bytes(c, kBatch, kSeq, static_cast<RecomputePolicy>(p), flash);
+      bytes[p] = block_kept_bytes(c, kBatch, kSeq, static_cast<RecomputePolicy>(p), {.flash = flash});
     }
     costs.bytes.push_back(bytes);
   }
-  costs.scratch_bytes = block_kept_bytes(c, kBatch, kSeq, RECOMPUTE_NONE, flash) + 4 * kBatch * kSeq * c.d_model;
+  costs.scratch_bytes = block_kept_bytes(c, kBatch, kSeq, RECOMPUTE_NONE, {.flash = flash}) + 4 * kBatch * kSeq * c.d_model;
   costs.seconds.assign(static_cast<size_t>(c.n_layer), {0.0, 1.0, 3.0});  // unit costs: selective cheaper
   return costs;
 }

@@ -65,6 +65,17 @@ Stages plan_stages(const MemoryPlan& plan, const ModelConfig& c) {
   return s;
 }
 
+// What decides the records' fields (nn/plan.h): the attention kind, the layout's sequence
+// parallelism, the precision policy's bf16-saved inputs (and the MLP kind, per layer).
+PlanChoices plan_choices(const MemoryPlan& plan) {
+  PlanChoices choices;
+  choices.flash = plan.flash_attention;
+  choices.context = plan.cp == 1 ? PlanChoices::NONE : plan.ulysses ? PlanChoices::ULYSSES : PlanChoices::RING;
+  choices.tensor_parallel = choices.sequence_parallel = plan.sequence_parallel && plan.tp > 1;
+  choose_precision(choices, resolve_policy(plan.precision));
+  return choices;
+}
+
 // One activation store of layers [first, last) (Transformer::allocate_store_for).
 int64_t store_bytes(const MemoryPlan& plan, const ModelConfig& c, int64_t first, int64_t last, bool split) {
   const bool cp = plan.cp > 1;
@@ -78,9 +89,7 @@ int64_t store_bytes(const MemoryPlan& plan, const ModelConfig& c, int64_t first,
   if (plan.recompute == "budget") return bytes + static_cast<int64_t>(plan.recompute_budget_mb * (1 << 20)) + ends;
   const std::vector<RecomputePolicy> policies = recompute_plan(plan.recompute, c.n_layer);
   const bool flash = plan.flash_attention;  // lse (B,H,T) in the blocks' records instead of probs (B,H,T,T)
-  PlanChoices choices;  // what decides the records' fields: the attention kind (and the MLP kind, per layer)
-  choices.flash = flash;
-  choices.context = !cp ? PlanChoices::NONE : plan.ulysses ? PlanChoices::ULYSSES : PlanChoices::RING;
+  const PlanChoices choices = plan_choices(plan);
   bool shared = false;
   for (int64_t l = first; l < last; ++l) {
     const RecomputePolicy keep = c.moe_layer(l) ? RECOMPUTE_NONE : policies[l];
@@ -94,7 +103,7 @@ int64_t store_bytes(const MemoryPlan& plan, const ModelConfig& c, int64_t first,
     }
   }
   if (shared) {  // the recompute record and output
-    bytes += block_kept_bytes(c, B, T, RECOMPUTE_NONE, flash) +
+    bytes += block_kept_bytes(c, B, T, RECOMPUTE_NONE, choices) +
              4 * BT * std::max(C, c.n_head * c.head_dim());
   }
   return bytes + (last < c.n_layer ? 4 * B * Ts * C : ends);  // the stage's output, or the model's ends
@@ -167,7 +176,7 @@ MemoryEstimate estimate_rank(const MemoryPlan& plan, const ModelConfig& c, const
     const std::vector<RecomputePolicy> policies = recompute_plan(plan.recompute, c.n_layer);
     for (int64_t l = 0; l < c.n_layer; ++l) {
       if (c.moe_layer(l) || policies[l] == RECOMPUTE_NONE) continue;
-      const int64_t kept = block_kept_bytes(c, plan.batch, plan.seq_len, policies[l], plan.flash_attention);
+      const int64_t kept = block_kept_bytes(c, plan.batch, plan.seq_len, policies[l], plan_choices(plan));
       e.bytes[MEM_ACTIVATIONS] -= kept;
       e.bytes[MEM_OFFLOADED] += kept;
     }

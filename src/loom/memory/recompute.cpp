@@ -18,9 +18,11 @@ std::string_view recompute_name(RecomputePolicy p) {
   return "?";
 }
 
-int64_t block_kept_bytes(const ModelConfig& c, int64_t B, int64_t T, RecomputePolicy policy, bool flash) {
+int64_t block_kept_bytes(const ModelConfig& c, int64_t B, int64_t T, RecomputePolicy policy, const PlanChoices& choices) {
   // A dense block without model parallelism (the blocks that recompute); MLA's sizes with MLA.
-  LayerPlan plan = resolve_layer_plan(c, 0, {.flash = flash});
+  PlanChoices whole = choices;
+  whole.context = PlanChoices::NONE, whole.tensor_parallel = whole.sequence_parallel = false;
+  LayerPlan plan = resolve_layer_plan(c, 0, whole);
   plan.mlp = MlpKind::dense;
   return block_saved_bytes(c, plan, {.batch = B, .seq_len = T, .keep = policy});
 }

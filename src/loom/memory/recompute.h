@@ -30,10 +30,11 @@ namespace loom {
 std::string_view recompute_name(RecomputePolicy p);
 
 // The activation bytes one block keeps for a micro-batch of (batch, seq_len) under each policy
-// (fp32, no model parallelism), exactly what allocate_block_saved allocates; flash: with
-// FlashAttention (train.flash_attention), lse instead of the probabilities.
+// (no model parallelism), exactly what allocate_block_saved allocates for the run's choices:
+// with FlashAttention (choices.flash, train.flash_attention) lse instead of the probabilities,
+// the bf16-saved inputs of bf16 linear layers (choose_precision) in 2 bytes.
 int64_t block_kept_bytes(const ModelConfig& config, int64_t batch, int64_t seq_len, RecomputePolicy policy,
-                         bool flash = false);
+                         const PlanChoices& choices = {});
 
 // What a plan costs: per layer the kept bytes and the recompute seconds of each policy.
 struct RecomputeCosts {

@@ -451,7 +451,7 @@ LayerPlan Transformer::recompute_record_plan() const {
 }
 
 ActivationStore Transformer::allocate_store_for(int64_t batch, int64_t seq_len, int64_t first, int64_t last,
-                                                bool split_backward, bool context_parallel, bool recompute) {
+                                                bool split_backward, bool context_parallel, bool recompute, bool rows) {
   LOOM_CHECK(batch > 0, "batch size must be > 0, got ", batch);
   LOOM_CHECK(seq_len > 0 && seq_len <= config_.max_seq_len, "sequence length ", seq_len,
              " must be in [1, model.max_seq_len = ", config_.max_seq_len, "]");
@@ -493,6 +493,7 @@ ActivationStore Transformer::allocate_store_for(int64_t batch, int64_t seq_len, 
     if (!context_parallel && (plan.attention == AttentionKind::ring || plan.attention == AttentionKind::ulysses)) {
       plan.attention = AttentionKind::mha;  // a store of whole sequences (decoding) on a cp model
     }
+    if (rows) plan.saved_bf16 = {};  // decoding's fp32 records
     s.blocks[l] = allocate_block_saved(alloc, config_, plan,
                                        {.batch = B, .seq_len = T, .seq_shards = shards(), .split_backward = split_backward,
                                         .keep = keep, .ep = ep_size(), .category = where});
@@ -643,7 +644,7 @@ Tensor Transformer::stage_grad(int64_t batch, int64_t seq_len) const {
 }
 
 ActivationStore Transformer::allocate_rows(int64_t n) {
-  return allocate_store_for(n, 1, 0, config_.n_layer, false, false, false);  // never context parallel, no recompute
+  return allocate_store_for(n, 1, 0, config_.n_layer, false, false, false, true);  // never context parallel, no recompute
 }
 
 void Transformer::forward_rows(ActivationStore& s, const std::vector<int32_t>& tokens, const std::vector<int64_t>& positions,

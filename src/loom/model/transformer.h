@@ -287,8 +287,9 @@ class Transformer {
   BlockParams frozen_grads(BlockParams g) const;
   // The plan of the full records recomputation fills: a dense block's (MLA's sizes with MLA).
   LayerPlan recompute_record_plan() const;
+  // rows: a store of decoding's one-position rows (forward_rows reads its records in fp32).
   ActivationStore allocate_store_for(int64_t batch, int64_t seq_len, int64_t first, int64_t last, bool split_backward,
-                                     bool context_parallel, bool recompute = true);
+                                     bool context_parallel, bool recompute = true, bool rows = false);
   // Context parallel: f(rows (1, chunk, C) of one sequence, their first global position) for
   // each of x's (B, T/cp, C) two chunks of every sequence.
   void for_each_chunk(const Tensor& x, const std::function<void(const Tensor&, int64_t)>& f) const;

@@ -153,45 +153,45 @@ void attention_saved_fields(const ModelConfig& config, const LayerPlan& plan, co
   if (shape.keep == RECOMPUTE_FULL) return;
   const auto qk_norm_fields = [&] {
     if (!config.qk_norm) return;
-    field(s.q_in, {B, T, H * config.head_dim()});
-    field(s.q_rstd, {B, T, H});
-    field(s.k_in, {B, T, config.n_kv_head * config.head_dim()});
-    field(s.k_rstd, {B, T, config.n_kv_head});
+    field(s.q_in, {B, T, H * config.head_dim()}, DTYPE_F32);
+    field(s.q_rstd, {B, T, H}, DTYPE_F32);
+    field(s.k_in, {B, T, config.n_kv_head * config.head_dim()}, DTYPE_F32);
+    field(s.k_rstd, {B, T, config.n_kv_head}, DTYPE_F32);
   };
   if (shape.keep == RECOMPUTE_SELECTIVE) {  // the GEMM outputs (sizes only for MLA: its blocks do not recompute)
-    if (!mla) field(s.qkv, {B, T, config.qkv_width()});
+    if (!mla) field(s.qkv, {B, T, config.qkv_width()}, DTYPE_F32);
     qk_norm_fields();
-    field(s.attn, {B, T, config.attn_width()});
-    if (flash) field(s.lse, {B, H, T});  // the attention is not recomputed
+    field(s.attn, {B, T, config.attn_width()}, saved_dtype(plan, LINEAR_ATTN_OUT));
+    if (flash) field(s.lse, {B, H, T}, DTYPE_F32);  // the attention is not recomputed
     return;
   }
-  field(s.norm.out, {B, Ts, C});
-  if (!config.rmsnorm()) field(s.norm.mean, {B, Ts});
-  field(s.norm.rstd, {B, Ts});
+  field(s.norm.out, {B, Ts, C}, saved_dtype(plan, LINEAR_ATTN_QKV));
+  if (!config.rmsnorm()) field(s.norm.mean, {B, Ts}, DTYPE_F32);
+  field(s.norm.rstd, {B, Ts}, DTYPE_F32);
   if (mla) {
     const int64_t dq = config.mla_q_rank, dc = config.mla_kv_rank;
     if (dq > 0) {
-      field(s.mla_qa, {B, T, dq});
-      field(s.mla_qa_norm, {B, T, dq});
-      field(s.mla_qa_rstd, {B, T});
+      field(s.mla_qa, {B, T, dq}, DTYPE_F32);
+      field(s.mla_qa_norm, {B, T, dq}, DTYPE_F32);
+      field(s.mla_qa_rstd, {B, T}, DTYPE_F32);
     }
-    field(s.mla_q, {B, T, H * config.mla_qk()});
-    field(s.mla_c, {B, T, dc});
-    field(s.mla_c_norm, {B, T, dc});
-    field(s.mla_c_rstd, {B, T});
-    field(s.mla_kr, {B, T, config.mla_rope_dim});
-    field(s.mla_kv, {B, T, H * (config.mla_nope() + config.mla_v())});
+    field(s.mla_q, {B, T, H * config.mla_qk()}, DTYPE_F32);
+    field(s.mla_c, {B, T, dc}, DTYPE_F32);
+    field(s.mla_c_norm, {B, T, dc}, DTYPE_F32);
+    field(s.mla_c_rstd, {B, T}, DTYPE_F32);
+    field(s.mla_kr, {B, T, config.mla_rope_dim}, DTYPE_F32);
+    field(s.mla_kv, {B, T, H * (config.mla_nope() + config.mla_v())}, DTYPE_F32);
   } else {
-    field(s.qkv, {B, T, config.qkv_width()});
+    field(s.qkv, {B, T, config.qkv_width()}, DTYPE_F32);
     qk_norm_fields();
   }
   // FlashAttention or context parallel keep the rows' log-sum-exp (Ulysses then its own record).
-  if (plan.attention == AttentionKind::mha || mla) field(s.probs, {B, H, T, T});
-  else field(s.lse, {B, H, T});
-  field(s.attn, {B, T, config.attn_width()});
+  if (plan.attention == AttentionKind::mha || mla) field(s.probs, {B, H, T, T}, DTYPE_F32);
+  else field(s.lse, {B, H, T}, DTYPE_F32);
+  field(s.attn, {B, T, config.attn_width()}, saved_dtype(plan, LINEAR_ATTN_OUT));
   if (shape.split_backward) {
-    field(s.dy_proj, {B, T, C});
-    if (!mla) field(s.dy_qkv, {B, T, config.qkv_width()});
+    field(s.dy_proj, {B, T, C}, DTYPE_F32);
+    if (!mla) field(s.dy_qkv, {B, T, config.qkv_width()}, DTYPE_F32);
   }
 }
 
@@ -256,7 +256,7 @@ void AttentionLayer::forward(Backend& backend, const Tensor& x, AttentionSaved& 
   const AttentionParams& p = params_;
   const AttentionParams& q = params16_;
   const int64_t T = s.attn.dim(1);
-  norm_forward(backend, config_, x, p.norm_w, p.norm_b, s.norm.out, s.norm.mean, s.norm.rstd);
+  norm_forward_saved(backend, config_, links_.ws, x, p.norm_w, p.norm_b, s.norm);
   if (plan_.attention == AttentionKind::mla) {  // multi-head latent attention (nn/mla.h): a whole layer only
     mla_forward(backend, config_, p.mla, s.norm.out, mla_activations(s));
   } else {
@@ -264,7 +264,14 @@ void AttentionLayer::forward(Backend& backend, const Tensor& x, AttentionSaved& 
     adapted_linear_forward(backend, qkv_, input, p.qkv_w, q.qkv_w, p.qkv_b, s.qkv, qkv_lora(s), links_.ws);
     qk_norm_forward(backend, s.qkv, s);
     if (!config_.learned_positions()) rope(backend, s.qkv, false, s.docs);
-    attention_forward(backend, plan_, config_, links_.cp, s);
+    if (s.attn.dtype() == DTYPE_F32) {
+      attention_forward(backend, plan_, config_, links_.cp, s);
+    } else {  // kept in bf16 (LayerPlan::saved_bf16): computed in fp32, then rounded into s.attn
+      AttentionSaved staged = s;
+      staged.attn = saved_target(s.attn, links_.ws);
+      attention_forward(backend, plan_, config_, links_.cp, staged);
+      store_saved(backend, staged.attn, s.attn);
+    }
   }
   // mid = x + proj(attn); g: the heads' partial projections summed over tp.
   residual_linear_forward(backend, links_, proj_, s.attn, p.proj_w, q.proj_w, p.proj_b, x, mid, proj_lora(s));
@@ -352,7 +359,13 @@ void AttentionLayer::backward(Backend& backend, const Tensor& x, const Attention
   if (mla) {  // d(norm1 output) and MLA's weight gradients (also in a split input pass)
     mla_backward(backend, config_, p.mla, g.mla, s.norm.out, mla_activations(s), k.d_attn, k.d_norm, k.d_qkv);
   } else {
-    attention_backward(backend, plan_, config_, links_.cp, s, k);
+    if (s.attn.dtype() == DTYPE_F32) {
+      attention_backward(backend, plan_, config_, links_.cp, s, k);
+    } else {  // O kept in bf16: the kernel reads it widened (D = rowsum(dO o O) of the bf16 O, as autocast's)
+      AttentionSaved widened = s;
+      widened.attn = saved_f32(backend, s.attn, links_.ws);
+      attention_backward(backend, plan_, config_, links_.cp, widened, k);
+    }
     if (!config_.learned_positions()) rope(backend, k.d_qkv, true, s.docs);
     qk_norm_backward(backend, k.d_qkv, s);
     pass.keep(k.d_qkv, s.dy_qkv);
@@ -366,7 +379,7 @@ void AttentionLayer::backward(Backend& backend, const Tensor& x, const Attention
 
 void AttentionLayer::recompute_selective(Backend& backend, const Tensor& x, AttentionSaved& s,
                                          const Tensor& out_scratch) const {
-  norm_forward(backend, config_, x, params_.norm_w, params_.norm_b, s.norm.out, s.norm.mean, s.norm.rstd);
+  norm_forward_saved(backend, config_, links_.ws, x, params_.norm_w, params_.norm_b, s.norm);
   if (plan_.attention != AttentionKind::flash) mha_forward(backend, config_, plan_.window, s, out_scratch.view(0, s.attn.shape()));
 }
 

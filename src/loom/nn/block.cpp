@@ -83,9 +83,9 @@ void block_saved_fields(const ModelConfig& config, const LayerPlan& plan, const 
   LOOM_CHECK(shape.keep == RECOMPUTE_NONE || !model_parallel, "activation checkpointing (train.recompute) with "
              "pipeline, sequence or context parallelism or MoE blocks is not supported yet");
   const int64_t B = shape.batch, Ts = shape.seq_len / shape.seq_shards, C = config.d_model;
-  field(s.input, {B, Ts, C});
+  field(s.input, {B, Ts, C}, DTYPE_F32);
   attention_saved_fields(config, plan, shape, s.attention, field);
-  if (shape.keep != RECOMPUTE_FULL) field(s.mid, {B, Ts, C});
+  if (shape.keep != RECOMPUTE_FULL) field(s.mid, {B, Ts, C}, DTYPE_F32);
   mlp_saved_fields(config, plan, shape, s.mlp, field);
 }
 
@@ -97,22 +97,22 @@ bool has_moe_record(const LayerPlan& plan, const SavedShape& shape) {
 BlockSaved allocate_block_saved(Allocator& allocator, const ModelConfig& config, const LayerPlan& plan,
                                 const SavedShape& shape) {
   BlockSaved s;
-  block_saved_fields(config, plan, shape, s, [&](Tensor& field, Shape dims) {
-    field = Tensor::empty(allocator, std::move(dims), DTYPE_F32, shape.category);
+  block_saved_fields(config, plan, shape, s, [&](Tensor& field, Shape dims, DType dtype) {
+    field = Tensor::empty(allocator, std::move(dims), dtype, shape.category);
   });
   if (has_moe_record(plan, shape)) s.mlp.moe = allocate_moe_saved(allocator, config, shape.batch * shape.seq_len, shape.ep);
   return s;
 }
 
 int64_t block_saved_bytes(const ModelConfig& config, const LayerPlan& plan, const SavedShape& shape) {
-  int64_t floats = 0;
+  int64_t bytes = 0;
   BlockSaved s;
-  block_saved_fields(config, plan, shape, s, [&](Tensor&, const Shape& dims) {
-    int64_t n = 1;
+  block_saved_fields(config, plan, shape, s, [&](Tensor&, const Shape& dims, DType dtype) {
+    int64_t n = static_cast<int64_t>(dtype_size(dtype));
     for (int64_t d : dims) n *= d;
-    floats += n;
+    bytes += n;
   });
-  return 4 * floats + (has_moe_record(plan, shape) ? moe_saved_bytes(config, shape.batch * shape.seq_len, shape.ep) : 0);
+  return bytes + (has_moe_record(plan, shape) ? moe_saved_bytes(config, shape.batch * shape.seq_len, shape.ep) : 0);
 }
 
 Block::Block(const ModelConfig& config, int64_t layer, BlockParams params, BlockParams grads)
@@ -148,8 +148,7 @@ void Block::set_tensor_parallel(Communicator* tp, SequenceScratch* sequence) {
 
 void Block::set_precision(const PrecisionPolicy& policy, BlockParams params16, LinearWorkspace* workspace) {
   PlanChoices c = choices_;
-  for (size_t k = 0; k < c.linears.size(); ++k) c.linears[k] = policy.recipe[k];
-  c.qat = policy.qat;
+  choose_precision(c, policy);
   replan(c);  // MLA refuses low-precision projections by name
   LayerLinks links = links_;
   links.ws = workspace;

@@ -32,6 +32,31 @@ void LayerLinks::reduce(Backend& backend, const Tensor& partial, const Tensor& i
   else tp->all_reduce(into);
 }
 
+Tensor saved_target(const Tensor& field, LinearWorkspace* ws) {
+  if (field.dtype() == DTYPE_F32) return field;
+  LOOM_CHECK(field.dtype() == DTYPE_BF16 && ws != nullptr, "a saved activation in ", dtype_name(field.dtype()),
+             " needs bf16 and the linear layers' workspace");
+  return ws->f32(LinearWorkspace::S, field.shape());
+}
+
+void store_saved(Backend& backend, const Tensor& target, const Tensor& field) {
+  if (field.dtype() != target.dtype()) backend.cast(target, field);
+}
+
+Tensor saved_f32(Backend& backend, const Tensor& field, LinearWorkspace* ws) {
+  if (field.dtype() == DTYPE_F32) return field;
+  const Tensor wide = saved_target(field, ws);
+  backend.cast(field, wide);
+  return wide;
+}
+
+void norm_forward_saved(Backend& backend, const ModelConfig& config, LinearWorkspace* ws, const Tensor& x,
+                        const Tensor& weight, const Tensor& bias, const NormSaved& norm) {
+  const Tensor out = saved_target(norm.out, ws);
+  norm_forward(backend, config, x, weight, bias, out, norm.mean, norm.rstd);
+  store_saved(backend, out, norm.out);
+}
+
 namespace {
 const LoraAdapters kNoAdapters;
 const LoraAdapters& adapters_of(const LoraTerm& lora) { return lora.adapters != nullptr ? *lora.adapters : kNoAdapters; }

@@ -67,9 +67,27 @@ struct SavedShape {
   MemCategory category = MEM_ACTIVATIONS;
 };
 
-// Called once for each field a record allocates, with its shape (fp32), in allocation order;
-// allocation and byte counting walk the same list.
-using SavedFieldFn = std::function<void(Tensor& field, Shape shape)>;
+// Called once for each field a record allocates, with its shape and dtype (fp32, or bf16 for
+// the fields LayerPlan::saved_bf16 names), in allocation order; allocation and byte counting
+// walk the same list.
+using SavedFieldFn = std::function<void(Tensor& field, Shape shape, DType dtype)>;
+
+// The dtype of the saved input of the block's linear layer `kind` (LayerPlan::saved_bf16).
+inline DType saved_dtype(const LayerPlan& plan, LinearKind kind) {
+  return plan.saved_bf16[static_cast<size_t>(kind)] ? DTYPE_BF16 : DTYPE_F32;
+}
+
+// A saved field in bf16 is computed in fp32 and rounded into it: saved_target gives the fp32
+// tensor a kernel writes (the field itself when it is fp32, else the workspace's staging slot S
+// viewed to its shape), store_saved rounds that into the field (nothing when it is the field).
+// saved_f32 gives a field to an fp32 reader: itself, or widened into the staging slot. The slot
+// holds one field at a time, between a kernel and the next store_saved (or until the reader is done).
+Tensor saved_target(const Tensor& field, LinearWorkspace* ws);
+void store_saved(Backend& backend, const Tensor& target, const Tensor& field);
+Tensor saved_f32(Backend& backend, const Tensor& field, LinearWorkspace* ws);
+// norm_forward into a record's NormSaved, whose out may be kept in bf16.
+void norm_forward_saved(Backend& backend, const ModelConfig& config, LinearWorkspace* ws, const Tensor& x,
+                        const Tensor& weight, const Tensor& bias, const NormSaved& norm);
 
 // Whole-sequence (B,T,C) buffers a sequence-parallel block gathers into (shared by the blocks).
 struct SequenceScratch {

@@ -92,6 +92,15 @@ Tensor codes_of(Backend& backend, const Tensor& x, MiniFormat f, float scale, Li
   return q;
 }
 
+// The bf16 recipe's input: x itself when it is saved in bf16 (nn/plan.h LayerPlan::saved_bf16),
+// else x rounded into the workspace's slot.
+Tensor bf16_input(Backend& backend, const Tensor& x, LinearWorkspace& ws, LinearWorkspace::Slot slot) {
+  if (x.dtype() == DTYPE_BF16) return x;
+  const Tensor xb = ws.bf16(slot, x.shape());
+  backend.cast(x, xb);
+  return xb;
+}
+
 Tensor blocks_of(Backend& backend, const Tensor& x, MiniFormat f, int64_t block_rows, int64_t block_cols,
                  LinearWorkspace& ws, LinearWorkspace::Slot slot) {
   Tensor q = ws.f32(slot, x.shape());
@@ -100,6 +109,11 @@ Tensor blocks_of(Backend& backend, const Tensor& x, MiniFormat f, int64_t block_
 }
 
 }  // namespace
+
+void LinearLayer::check_input(const Tensor& x) const {
+  LOOM_CHECK(x.dtype() == DTYPE_F32 || (x.dtype() == DTYPE_BF16 && setup_.recipe == RECIPE_BF16), "linear layer (",
+             recipe_name(setup_.recipe), "): an input in ", dtype_name(x.dtype()), " (only the bf16 recipe reads bf16 inputs)");
+}
 
 Tensor LinearLayer::effective_weight(Backend& backend, const Tensor& w, const Tensor& w16, LinearWorkspace& ws) const {
   if (base_ != nullptr) {  // QLoRA: the NF4 weight, dequantized for this call only
@@ -159,6 +173,7 @@ void LinearLayer::forward(Backend& backend, const Tensor& x, const Tensor& w, co
   }
   const Tensor* bias = b.defined() ? &b : nullptr;
   const GemmSpec spec = spec_of(false, true, beta);
+  check_input(x);
   if (setup_.recipe == RECIPE_F32 && setup_.qat == QAT_NONE && !w16.defined() && base_ == nullptr) {
     backend.gemm(x, w, y, spec, bias);
     return;
@@ -169,8 +184,7 @@ void LinearLayer::forward(Backend& backend, const Tensor& x, const Tensor& w, co
     case RECIPE_F32: backend.gemm(x, effective_weight(backend, w, w16, *ws), y, spec, bias); return;
     case RECIPE_BF16: {
       const Tensor wb = bf16_weight(backend, w, w16, *ws);
-      Tensor xb = ws->bf16(S::A, x.shape());
-      backend.cast(x, xb);
+      const Tensor xb = bf16_input(backend, x, *ws, S::A);
       backend.gemm(xb, wb, y, spec, bias);
       return;
     }
@@ -207,6 +221,7 @@ void LinearLayer::backward(Backend& backend, const Tensor& x, const Tensor& w, c
                            const Tensor& dx, const Tensor& dw, const Tensor& db, LinearWorkspace* ws) {
   LOOM_CHECK(int_weight_ == nullptr, "a quantized checkpoint (loom quantize) cannot be trained: its weights are "
              "integer codes; fine-tune the checkpoint it was made from");
+  check_input(x);
   if (db.defined()) backend.bias_backward(dy, db);  // an fp32 reduction in every recipe
   const GemmSpec dgrad = spec_of(false, false, 0.0f), wgrad = spec_of(true, false, 1.0f);
   if (setup_.recipe == RECIPE_F32 && setup_.qat == QAT_NONE && !w16.defined() && base_ == nullptr) {
@@ -230,9 +245,7 @@ void LinearLayer::backward(Backend& backend, const Tensor& x, const Tensor& w, c
       backend.cast(dy, dyb);
       backend.gemm(dyb, wb, dx, dgrad);
       if (!dw.defined()) return;
-      const Tensor xb = ws->bf16(S::B, x.shape());
-      backend.cast(x, xb);
-      backend.gemm(dyb, xb, dw, wgrad);
+      backend.gemm(dyb, bf16_input(backend, x, *ws, S::B), dw, wgrad);
       return;
     }
     case RECIPE_FP16: {

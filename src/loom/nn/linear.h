@@ -30,8 +30,9 @@ void linear_backward(Backend& backend, const Tensor& x, const Tensor& w, const T
 class LinearWorkspace {
  public:
   // D: LoRA's dropped-out input; E, F, G: DoRA's merged rows, their correction and their norms;
-  // H: a DoRA layer's whole merged weight (nn/lora.h lora_layer_weight).
-  enum Slot { A, B, C, W, Q, D, E, F, G, H, SLOT_COUNT };
+  // H: a DoRA layer's whole merged weight (nn/lora.h lora_layer_weight); S: the fp32 staging of
+  // a saved activation kept in bf16 (nn/layer.h saved_target).
+  enum Slot { A, B, C, W, Q, D, E, F, G, H, S, SLOT_COUNT };
   explicit LinearWorkspace(Allocator& allocator) : allocator_(allocator) {}
   // A view of `shape` into slot's f32 (or bf16) buffer, growing it when too small.
   Tensor f32(Slot slot, const Shape& shape);
@@ -74,7 +75,9 @@ class LinearLayer {
                      LinearWorkspace* ws) const;
 
   // w is the fp32 master weight; w16, when defined, its bf16 copy (precision.param = bf16),
-  // which the layer reads instead. ws must be set unless the recipe is f32 without QAT.
+  // which the layer reads instead. ws must be set unless the recipe is f32 without QAT. x may
+  // be bf16 with the bf16 recipe (a saved input, nn/plan.h LayerPlan::saved_bf16): it is then
+  // multiplied as it is, where an fp32 x is first rounded to bf16.
   void forward(Backend& backend, const Tensor& x, const Tensor& w, const Tensor& w16, const Tensor& b, const Tensor& y,
                float beta, LinearWorkspace* ws);
   // dx = dy @ w; dw += dy^T @ x; db += colsum(dy). With the f32 recipe dx or dw may be left
@@ -96,6 +99,8 @@ class LinearLayer {
   Tensor effective_weight(Backend& backend, const Tensor& w, const Tensor& w16, LinearWorkspace& ws) const;
   // That weight in bf16: w16 itself, or effective_weight() cast into workspace slot W.
   Tensor bf16_weight(Backend& backend, const Tensor& w, const Tensor& w16, LinearWorkspace& ws) const;
+  // x is fp32, or bf16 for the bf16 recipe (a saved input, nn/plan.h LayerPlan::saved_bf16).
+  void check_input(const Tensor& x) const;
   // x's FP8 scale for this call (records its amax under delayed scaling).
   float fp8_scale(Backend& backend, int which, MiniFormat f, const Tensor& x, bool record);
 

@@ -11,18 +11,18 @@ void mlp_saved_fields(const ModelConfig& config, const LayerPlan& plan, const Sa
   const bool dense = plan.mlp == MlpKind::dense;
   if (shape.keep == RECOMPUTE_FULL) return;
   if (shape.keep == RECOMPUTE_SELECTIVE) {
-    field(s.fc, {B, T, config.mlp_in_width()});
+    field(s.fc, {B, T, config.mlp_in_width()}, DTYPE_F32);
     return;
   }
-  field(s.norm.out, {B, Ts, C});
-  if (!config.rmsnorm()) field(s.norm.mean, {B, Ts});
-  field(s.norm.rstd, {B, Ts});
+  field(s.norm.out, {B, Ts, C}, saved_dtype(plan, LINEAR_MLP_IN));
+  if (!config.rmsnorm()) field(s.norm.mean, {B, Ts}, DTYPE_F32);
+  field(s.norm.rstd, {B, Ts}, DTYPE_F32);
   if (!dense) return;
-  field(s.fc, {B, T, config.mlp_in_width()});
-  field(s.act, {B, T, config.d_ff});
+  field(s.fc, {B, T, config.mlp_in_width()}, DTYPE_F32);
+  field(s.act, {B, T, config.d_ff}, saved_dtype(plan, LINEAR_MLP_OUT));
   if (shape.split_backward) {
-    field(s.dy_fc2, {B, T, C});
-    field(s.dy_fc, {B, T, config.mlp_in_width()});
+    field(s.dy_fc2, {B, T, C}, DTYPE_F32);
+    field(s.dy_fc, {B, T, config.mlp_in_width()}, DTYPE_F32);
   }
 }
 
@@ -33,14 +33,16 @@ void MlpLayer::set_precision(const PrecisionPolicy& policy, MlpParams params16) 
 }
 
 void MlpLayer::activation(Backend& backend, const MlpSaved& s) const {
-  if (config_.swiglu()) backend.swiglu_forward(s.fc, s.act);
-  else backend.gelu_forward(s.fc, s.act);
+  const Tensor act = saved_target(s.act, links_.ws);  // (kept in bf16: computed in fp32, then rounded)
+  if (config_.swiglu()) backend.swiglu_forward(s.fc, act);
+  else backend.gelu_forward(s.fc, act);
+  store_saved(backend, act, s.act);
 }
 
 void MlpLayer::forward(Backend& backend, const Tensor& mid, MlpSaved& s, const Tensor& out) {
   const MlpParams& p = params_;
   const MlpParams& q = params16_;
-  norm_forward(backend, config_, mid, p.norm_w, p.norm_b, s.norm.out, s.norm.mean, s.norm.rstd);
+  norm_forward_saved(backend, config_, links_.ws, mid, p.norm_w, p.norm_b, s.norm);
   if (is_moe()) {
     forward_moe(backend, mid, s, out);
     return;
@@ -129,7 +131,7 @@ void MlpLayer::backward(Backend& backend, const Tensor& mid, const MlpSaved& s, 
 }
 
 void MlpLayer::recompute_selective(Backend& backend, const Tensor& mid, MlpSaved& s) const {
-  norm_forward(backend, config_, mid, params_.norm_w, params_.norm_b, s.norm.out, s.norm.mean, s.norm.rstd);
+  norm_forward_saved(backend, config_, links_.ws, mid, params_.norm_w, params_.norm_b, s.norm);
   activation(backend, s);
 }
 

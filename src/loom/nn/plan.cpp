@@ -4,6 +4,7 @@
 #include <map>
 #include <vector>
 
+#include "loom/arch/param_layout.h"
 #include "loom/core/error.h"
 
 namespace loom {
@@ -14,6 +15,32 @@ const char* attention_kind_name(AttentionKind kind) {
 }
 
 const char* mlp_kind_name(MlpKind kind) { return kind == MlpKind::moe ? "moe" : "dense"; }
+
+void choose_precision(PlanChoices& choices, const PrecisionPolicy& policy) {
+  for (size_t k = 0; k < choices.linears.size(); ++k) choices.linears[k] = policy.recipe[k];
+  choices.qat = policy.qat;
+  choices.activations_bf16 = policy.activations_bf16;
+}
+
+namespace {
+
+// LayerPlan::saved_bf16's rule.
+std::array<bool, 4> saved_bf16(const ModelConfig& config, int64_t layer, const LayerPlan& plan, bool wanted) {
+  std::array<bool, 4> on{};
+  if (!wanted) return on;
+  for (size_t k = 0; k < on.size(); ++k) on[k] = plan.linears[k] == RECIPE_BF16;
+  for (const LoraSite& site : lora_sites(config, layer)) {  // adapters read the layer's input in fp32
+    on[site.linear == LORA_ON_QKV ? LINEAR_ATTN_QKV : site.linear == LORA_ON_PROJ ? LINEAR_ATTN_OUT
+       : site.linear == LORA_ON_FC ? LINEAR_MLP_IN : LINEAR_MLP_OUT] = false;
+  }
+  if (plan.sequence_parallel) on[LINEAR_ATTN_QKV] = on[LINEAR_MLP_IN] = false;
+  if (plan.attention == AttentionKind::mla) on[LINEAR_ATTN_QKV] = false;
+  if (plan.attention != AttentionKind::mha) on[LINEAR_ATTN_OUT] = false;
+  if (plan.mlp != MlpKind::dense) on[LINEAR_MLP_IN] = on[LINEAR_MLP_OUT] = false;
+  return on;
+}
+
+}  // namespace
 
 LayerPlan resolve_layer_plan(const ModelConfig& config, int64_t layer, const PlanChoices& choices) {
   LayerPlan plan;
@@ -43,6 +70,7 @@ LayerPlan resolve_layer_plan(const ModelConfig& config, int64_t layer, const Pla
   } else {
     plan.attention = choices.flash ? AttentionKind::flash : AttentionKind::mha;
   }
+  plan.saved_bf16 = saved_bf16(config, layer, plan, choices.activations_bf16);
   return plan;
 }
 
@@ -60,6 +88,14 @@ std::string describe_linears(const LayerPlan& p) {
     }
   }
   if (p.qat != QAT_NONE) out += p.qat == QAT_MXFP4 ? ", qat mxfp4" : ", qat nvfp4";
+  const auto saved = std::count(p.saved_bf16.begin(), p.saved_bf16.end(), true);
+  if (saved == static_cast<int64_t>(p.saved_bf16.size())) out += ", inputs saved in bf16";
+  if (saved > 0 && saved < static_cast<int64_t>(p.saved_bf16.size())) {
+    out += ", bf16-saved inputs of";
+    for (size_t k = 0; k < p.saved_bf16.size(); ++k) {
+      if (p.saved_bf16[k]) out += str_cat(" ", linear_kind_name(static_cast<LinearKind>(k)));
+    }
+  }
   return out;
 }
 

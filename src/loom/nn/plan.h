@@ -44,6 +44,17 @@ struct LayerPlan {
   // LinearKind order) and the weights' QAT format (precision.qat).
   std::array<LinearRecipe, 4> linears{RECIPE_F32, RECIPE_F32, RECIPE_F32, RECIPE_F32};
   QatFormat qat = QAT_NONE;
+  // Saved activations kept in bf16 (precision.activations = bf16), by the linear layer (LinearKind
+  // order) whose input they are: attn_qkv norm1's output, attn_out the attention output, mlp_in
+  // norm2's output, mlp_out the activation. Each is true where that layer's recipe is bf16 and
+  // nothing else reads the field in fp32: the bf16 recipe rounds its input to bf16 in the forward
+  // and again for the weight gradient, so the bf16 copy is what the layer reads in both. Not with
+  // LoRA adapters on the layer (they read x in fp32), sequence parallelism (the norms' outputs are
+  // gathered in fp32), MLA or MoE (their own projections read the norm's output); the attention
+  // output only for mha, whose backward then reads O in bf16 for D = rowsum(dO o O), as autocast's
+  // attention does (flash and ring attention keep it fp32). The kernels write these fields in fp32
+  // into a staging buffer, rounded into the field after (nn/layer.h saved_target / store_saved).
+  std::array<bool, 4> saved_bf16{false, false, false, false};
 };
 
 const char* attention_kind_name(AttentionKind kind);
@@ -57,7 +68,11 @@ struct PlanChoices {
   RecomputePolicy recompute = RECOMPUTE_NONE;
   std::array<LinearRecipe, 4> linears{RECIPE_F32, RECIPE_F32, RECIPE_F32, RECIPE_F32};  // the precision policy's
   QatFormat qat = QAT_NONE;
+  bool activations_bf16 = false;  // precision.activations = bf16
 };
+
+// The precision policy's part of the choices: the block linears' recipes, QAT, saved activations.
+void choose_precision(PlanChoices& choices, const PrecisionPolicy& policy);
 
 // The plan of `layer`; throws naming the keys for a combination no module implements (the
 // layout's compatibility table, train/layout.h, refuses those first for a whole run).

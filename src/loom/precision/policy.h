@@ -68,6 +68,10 @@ struct PrecisionConfig {
   std::string master = "f32";  // f32 | bf16: bf16 = no fp32 master, weights rounded to bf16 after each update
   bool stochastic_rounding = false;  // master = bf16: round stochastically instead of to nearest
   std::string qat = "none";    // none | mxfp4 | nvfp4
+  // bf16 | f32: the dtype of the saved activations a bf16 linear layer reads (its input, which
+  // the bf16 recipe rounds to bf16 in the forward and again for the weight gradient, so the bf16
+  // copy loses nothing there; nn/plan.h LayerPlan::saved_bf16 says which); f32 keeps them fp32.
+  std::string activations = "bf16";
   Fp8Options fp8;
 
   void validate() const;  // throws naming the precision.* key
@@ -80,6 +84,7 @@ struct PrecisionPolicy {
   bool reduce_bf16 = false;
   bool master_bf16 = false;
   bool stochastic_rounding = false;
+  bool activations_bf16 = true;  // precision.activations = bf16 (only bf16 linears' inputs are affected)
   QatFormat qat = QAT_NONE;
   int64_t fp8_margin = 0, fp8_history = 1024;
   bool fp8_most_recent = false;

@@ -77,6 +77,9 @@ void pipeline_parallel(Build& b) {
   if (pp == nullptr) return;
   const ParallelConfig& p = b.config.parallel;
   const TrainConfig& t = b.config.train;
+  // The stage stores' fields follow the precision policy (bf16-saved inputs): set it first, as
+  // the trainer does again.
+  b.out.model->set_precision(resolve_policy(t.precision));
   b.out.pipeline = std::make_unique<PipelineRunner>(
       *b.out.model, *pp,
       make_pipe_schedule(p.schedule, pp->size(), static_cast<int>(t.grad_accum), static_cast<int>(p.virtual_stages)),

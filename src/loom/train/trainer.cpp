@@ -71,16 +71,18 @@ Trainer::RecomputeReport configure_recompute(Transformer& model, const TrainConf
   Trainer::RecomputeReport r;
   const ModelConfig& c = model.config();
   model.set_flash_attention(config.flash_attention);  // first: it decides what attention keeps, counted below
+  PlanChoices choices;  // what the kept fields' sizes depend on
+  choices.flash = config.flash_attention;
+  choose_precision(choices, resolve_policy(config.precision));
   RecomputeCosts costs;
   for (int64_t l = 0; l < c.n_layer; ++l) {
     std::array<int64_t, RECOMPUTE_COUNT> bytes{};
     for (int p = 0; p < RECOMPUTE_COUNT; ++p) {
-      bytes[p] = block_kept_bytes(c, config.batch_size, config.seq_len, static_cast<RecomputePolicy>(p),
-                                  config.flash_attention);
+      bytes[p] = block_kept_bytes(c, config.batch_size, config.seq_len, static_cast<RecomputePolicy>(p), choices);
     }
     costs.bytes.push_back(bytes);
   }
-  costs.scratch_bytes = block_kept_bytes(c, config.batch_size, config.seq_len, RECOMPUTE_NONE, config.flash_attention) +
+  costs.scratch_bytes = block_kept_bytes(c, config.batch_size, config.seq_len, RECOMPUTE_NONE, choices) +
                         4 * config.batch_size * config.seq_len * std::max(c.d_model, c.n_head * c.head_dim());
   costs.seconds.assign(static_cast<size_t>(c.n_layer), {0.0, 0.0, 0.0});
   if (config.recompute == "budget") {
@@ -118,9 +120,7 @@ Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config, Commu
     : backend_(backend),
       model_(model),
       config_((config.validate(), config)),
-      // A pipeline keeps its own stage stores (parallel/pipeline.h).
       recompute_(pipeline != nullptr ? RecomputeReport{} : configure_recompute(model, config_)),
-      store_(pipeline != nullptr ? ActivationStore{} : model.allocate_store(config.batch_size, config.seq_len)),
       schedule_([&] {
         ScheduleConfig s = config.schedule;
         s.total = config.steps;
@@ -140,6 +140,9 @@ Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config, Commu
              config_.grad_accum, ")");
   domain_ = update_domain(model_, pipeline_);
   model_.set_precision(resolve_policy(config_.precision));
+  // After the precision (the bf16-saved fields, nn/plan.h); a pipeline keeps its own stage
+  // stores (parallel/pipeline.h), allocated by its runner after the same policy was set.
+  if (pipeline_ == nullptr) store_ = model_.allocate_store(config_.batch_size, config_.seq_len);
   // ZeRO-Offload (Ren et al. 2021): with a 16-bit weight copy for the compute, the fp32 master
   // weights live in host memory beside the optimizer state; the device keeps the copy.
   if (config_.optim.offload && model_.precision().param_bf16) model_.params().move_to_category(MEM_OFFLOADED);
