@@ -8,8 +8,10 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 
 #include "loom/backend/backend.h"
+#include "loom/backend/cpu/cpu_math.h"
 #include "loom/core/error.h"
 #include "test_util.h"
 
@@ -663,6 +665,87 @@ TEST_F(OpsTest, CrossEntropyBackwardMatchesFiniteDifferencesInPlace) {
   }
   // dloss is passed as float: compare at float precision of the weight.
   expect_gradient_matches(logits, values(dlogits), loss, 1e-6, "dlogits");
+}
+
+// cpu::max_of (the vectorized row maximum of softmax and cross-entropy) is the maximum for every
+// length around its lane blocks, NaNs after the first element skipped as std::max skips them.
+TEST_F(OpsTest, RowMaximumIsTheMaximumSkippingNaNs) {
+  for (const int64_t n : {1, 7, 15, 16, 17, 31, 32, 33, 100, 1003}) {
+    std::vector<float> x(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) x[static_cast<size_t>(i)] = std::sin(0.37f * static_cast<float>(i * i)) * 50.0f;
+    float expected = x[0];
+    for (float v : x) expected = std::max(expected, v);
+    EXPECT_EQ(cpu::max_of(x.data(), n), expected) << n;
+    if (n > 5) {
+      x[5] = NAN;
+      EXPECT_EQ(cpu::max_of(x.data(), n), n > 5 ? [&] { float m = x[0]; for (float v : x) m = std::max(m, v); return m; }() : 0.0f) << n;
+    }
+    std::vector<double> d(x.begin(), x.end());
+    double de = d[0];
+    for (double v : d) de = std::max(de, v);
+    EXPECT_EQ(cpu::max_of(d.data(), n), de) << n;
+  }
+}
+
+// cast to bf16 (vectorized, branch-free) rounds exactly as core/dtype.h's f32_to_bf16: random
+// values over many binades, ties to even both ways, the largest finite value (rounds to inf),
+// infinities, signed zeros, subnormals and NaNs (kept quiet).
+TEST_F(OpsTest, CastToBf16RoundsAsF32ToBf16) {
+  const Tensor random = f32({5000}, 3, 1e3);
+  std::vector<float> x(random.data<float>(), random.data<float>() + random.numel());
+  for (int e = -140; e < 128; e += 7) x.push_back(std::ldexp(1.2345f, e));
+  for (const uint32_t bits : {0x3f808000u, 0x3f818000u, 0x7f7fffffu, 0x7f800000u, 0xff800000u, 0x80000000u, 0u,
+                              0x00000001u, 0x807fffffu, 0x7fc00000u, 0x7f800001u, 0xffa00000u, 0x3f80ffffu}) {
+    float v;
+    std::memcpy(&v, &bits, sizeof(v));
+    x.push_back(v);
+  }
+  const int64_t n = static_cast<int64_t>(x.size());
+  Tensor src = empty({n}, DTYPE_F32), dst = empty({n}, DTYPE_BF16);
+  backend->write(src, x.data());
+  backend->cast(src, dst);
+  const bf16* got = dst.data<bf16>();
+  int64_t mismatches = 0;
+  for (int64_t i = 0; i < n; ++i) mismatches += got[i].bits != f32_to_bf16(x[static_cast<size_t>(i)]).bits;
+  EXPECT_EQ(mismatches, 0);
+}
+
+// The loss and its gradient in one call are bitwise the two ops (and the cast, for a bf16
+// gradient), masked rows included, whatever the thread count's row split; a gradient neither
+// in place nor bf16 is refused.
+TEST_F(OpsTest, CrossEntropyLossAndGradIsBitwiseTheForwardThenTheBackward) {
+  const int64_t N = 37, V = 1003;
+  for (const bool to_bf16 : {false, true}) {
+    const Tensor logits = f32({N, V}, 1, 8.0);
+    Tensor targets = random_tokens(alloc, {N}, V, 2);
+    targets.data<int32_t>()[3] = kIgnoreTarget, targets.data<int32_t>()[N - 1] = kIgnoreTarget;
+    Tensor ref = empty({N, V}, DTYPE_F32), fused = empty({N, V}, DTYPE_F32);
+    backend->copy(logits, ref), backend->copy(logits, fused);
+    Tensor losses = empty({N}, DTYPE_F32), lse = empty({N}, DTYPE_F32), losses2 = empty({N}, DTYPE_F32),
+           lse2 = empty({N}, DTYPE_F32);
+    backend->cross_entropy_forward(ref, targets, losses, lse);
+    backend->cross_entropy_backward(ref, targets, lse, 0.0123f, ref);
+    Tensor expected = ref, got = fused;
+    if (to_bf16) {
+      expected = empty({N, V}, DTYPE_BF16), got = empty({N, V}, DTYPE_BF16);
+      backend->cast(ref, expected);
+    }
+    backend->cross_entropy_loss_and_grad(fused, targets, losses2, lse2, 0.0123f, got);
+    EXPECT_EQ(values(losses2), values(losses));
+    EXPECT_EQ(values(lse2), values(lse));
+    if (to_bf16) {
+      const uint16_t* a = reinterpret_cast<const uint16_t*>(got.raw_data());
+      const uint16_t* b = reinterpret_cast<const uint16_t*>(expected.raw_data());
+      EXPECT_TRUE(std::equal(a, a + N * V, b)) << "bf16 gradient";
+    } else {
+      EXPECT_EQ(values(got), values(expected));
+    }
+    EXPECT_EQ(values(losses)[3], 0.0);  // a masked row: no loss ...
+    EXPECT_EQ(values(ref)[3 * V + 5], 0.0);  // ... and no gradient
+  }
+  Tensor logits = f32({2, 5}, 1), other = f32({2, 5}, 2), losses = empty({2}, DTYPE_F32), lse = empty({2}, DTYPE_F32);
+  EXPECT_THROW(backend->cross_entropy_loss_and_grad(logits, random_tokens(alloc, {2}, 5, 1), losses, lse, 1.0f, other),
+               Error);
 }
 
 TEST_F(OpsTest, CrossEntropyRejectsTargetOutsideVocab) {

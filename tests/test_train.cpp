@@ -313,6 +313,44 @@ TEST(TrainerTest, Bf16SavedActivationsTrainAsTheFp32SavedOnes) {
   }
 }
 
+// The trainer's fused loss (ActivationStore::fused_loss_weight): the loss pass writes d(logits)
+// and backward starts from it; the gradients are bitwise those of the loss then its gradient in
+// backward, for an fp32 head (in place) and a bf16 one (straight into the head's bf16 operand).
+// A backward with another loss weight than the loss pass's is refused.
+TEST(TrainerTest, TheFusedLossGivesBitwiseTheGradientsOfTheSeparateOnes) {
+  for (const char* compute : {"f32", "bf16"}) {
+    const ModelConfig config = model_preset("gpt2-tiny");
+    auto backend = make_cpu_backend();
+    Transformer model(*backend, config);
+    model.init_weights(1);
+    PrecisionConfig pc;
+    pc.compute = compute;
+    model.set_precision(resolve_policy(pc));
+    ActivationStore store = model.allocate_store(4, 16);
+    const std::vector<int32_t> tokens = repeating_tokens(65, 29);
+    backend->write(store.tokens, tokens.data());
+    backend->write(store.targets, tokens.data() + 1);
+    const auto run = [&](float fused) {
+      model.zero_grads();
+      store.fused_loss_weight = fused;
+      const double loss = model.forward(store);
+      EXPECT_EQ(store.dlogits.defined(), fused != 0.0f) << compute;
+      if (fused != 0.0f) {
+        EXPECT_EQ(store.dlogits.dtype(), std::string(compute) == "bf16" ? DTYPE_BF16 : DTYPE_F32);
+      }
+      model.backward(store, 0.5f);
+      EXPECT_FALSE(store.dlogits.defined());
+      return std::make_pair(loss, test::values(model.grads()));
+    };
+    const auto plain = run(0.0f), fused = run(0.5f);
+    EXPECT_EQ(fused.first, plain.first) << compute;
+    EXPECT_EQ(fused.second, plain.second) << compute;
+    store.fused_loss_weight = 0.5f;
+    model.forward(store);
+    EXPECT_THROW(model.backward(store, 0.25f), Error) << compute;
+  }
+}
+
 // FP16 with dynamic loss scaling from 2^40: the first steps overflow fp16 (inf gradients), are
 // skipped with the parameters bit-identical, and halve the scale each time, until it fits; then
 // training proceeds, with at most an occasional overflow as the gradients grow (the growth

@@ -56,6 +56,13 @@ void Backend::add_positions(const Tensor&, const Tensor&, int64_t) { no_model_pa
 void Backend::positions_backward(const Tensor&, const Tensor&, int64_t) {
   no_model_parallel(*this, "positions_backward");
 }
+void Backend::cross_entropy_loss_and_grad(const Tensor& logits, const Tensor& targets, const Tensor& losses,
+                                          const Tensor& lse, float dloss, const Tensor& dlogits) {
+  cross_entropy_forward(logits, targets, losses, lse);
+  const bool round = dlogits.dtype() != logits.dtype();
+  cross_entropy_backward(logits, targets, lse, dloss, round ? logits : dlogits);
+  if (round) cast(logits, dlogits);
+}
 void Backend::vocab_ce_partials(const Tensor&, const Tensor&, int64_t, int64_t, const Tensor&, const Tensor&) {
   no_model_parallel(*this, "vocab_ce_partials");
 }

@@ -267,6 +267,13 @@ class Backend {
   // dlogits = dloss * (softmax(logits) - onehot(targets)); dlogits may alias logits.
   virtual void cross_entropy_backward(const Tensor& logits, const Tensor& targets, const Tensor& lse, float dloss,
                                       const Tensor& dlogits) = 0;
+  // Both in one call, for a training pass whose loss weight is known at the loss: losses and lse
+  // as cross_entropy_forward, dlogits as cross_entropy_backward with dloss, bitwise. dlogits is
+  // the logits themselves (in place), or a bf16 tensor of their shape: the fp32 gradient rounded
+  // as cast() rounds it (the logits may then be overwritten or not). The default runs the two ops
+  // and the cast; a backend may fuse them (the CPU's: one row at a time, while it is in cache).
+  virtual void cross_entropy_loss_and_grad(const Tensor& logits, const Tensor& targets, const Tensor& losses,
+                                           const Tensor& lse, float dloss, const Tensor& dlogits);
 
   // AdamW (Loshchilov & Hutter 2019) on a flat range, g = grad_scale * grad: p -= lr*wd*p; m = b1 m + (1-b1) g;
   // v = b2 v + (1-b2) g^2; p -= lr * (m/(1-b1^t)) / (sqrt(v/(1-b2^t)) + eps).

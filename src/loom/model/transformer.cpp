@@ -628,10 +628,18 @@ double Transformer::forward_stage(ActivationStore& s, int64_t first, int64_t las
   }
   head_.forward(backend_, s.final_norm, head_w, head16_, Tensor{}, s.logits, 0.0f, &ws_);  // (B*T, C) @ (V, C)^T
   done(0);
+  const float fused = s.fused_loss_weight;
+  s.fused_loss_weight = 0.0f, s.dlogits = Tensor{};
   if (!compute_loss) return 0.0;
   if (tp_ != nullptr) {
     vocab_parallel_cross_entropy_forward(backend_, *tp_, s.logits, s.targets, vocab_.begin, vocab_.valid, s.losses,
                                          s.lse, ce_sums_.view(0, {s.batch * s.seq_len}));
+  } else if (fused != 0.0f && s.row_weights.empty() && s.position_weights.empty() && !s.logit_grad.defined()) {
+    // The loss and d(logits) together (the row in cache once), bf16 straight into the head's operand.
+    const float scale = fused * s.ce_weight / static_cast<float>(s.batch * s.seq_len);
+    s.dlogits = head_.setup().recipe == RECIPE_BF16 ? ws_.bf16(LinearWorkspace::L, s.logits.shape()) : s.logits;
+    s.dlogits_weight = fused;
+    backend_.cross_entropy_loss_and_grad(s.logits, s.targets, s.losses, s.lse, scale, s.dlogits);
   } else {
     backend_.cross_entropy_forward(s.logits, s.targets, s.losses, s.lse);
   }
@@ -780,7 +788,13 @@ void Transformer::backward_stage(ActivationStore& s, int64_t first, int64_t last
     use(0);
     // d(logits) replaces the logits in place: dL/dlogit = w/(B T) (softmax - onehot).
     const float scale = loss_weight * s.ce_weight / static_cast<float>(B * T);
-    if (!s.position_weights.empty()) {  // each position its own weight (one op per position that has one)
+    const Tensor dlogits = s.dlogits.defined() ? s.dlogits : s.logits;
+    if (s.dlogits.defined()) {  // the loss pass computed it (ActivationStore::fused_loss_weight)
+      LOOM_CHECK(s.dlogits_weight == loss_weight && s.position_weights.empty() && s.row_weights.empty() &&
+                 !s.logit_grad.defined(), "backward: the loss pass computed d(logits) with loss weight ",
+                 s.dlogits_weight, ", backward runs with ", loss_weight, " (or per-row / position weights or a logit "
+                 "gradient were set after the forward)");
+    } else if (!s.position_weights.empty()) {  // each position its own weight (one op per position that has one)
       LOOM_CHECK(tp_ == nullptr && static_cast<int64_t>(s.position_weights.size()) == B * T, "per-position loss weights: ",
                  s.position_weights.size(), " weights for ", B * T, " positions",
                  tp_ != nullptr ? " (not with tensor parallelism)" : "");
@@ -812,7 +826,8 @@ void Transformer::backward_stage(ActivationStore& s, int64_t first, int64_t last
       backend_.axpy(s.logits, s.logit_grad, loss_weight);
     }
     // d_norm = d_logits @ W (B*T, C); dW += d_logits^T @ final_norm (V, C)
-    head_.backward(backend_, s.final_norm, head_w, head16_, s.logits, k.d_norm, d_head_w, Tensor{}, &ws_);
+    head_.backward(backend_, s.final_norm, head_w, head16_, dlogits, k.d_norm, d_head_w, Tensor{}, &ws_);
+    s.dlogits = Tensor{};
     Tensor dn = k.d_norm;
     if (sp_) {  // reduced onto the shard
       dn = k.d_tmp.view(0, d_res.shape());

@@ -60,6 +60,14 @@ struct ActivationStore {
   // ce_weight, and logit_grad (B T, V), when defined, is added to d(logits) after it.
   float ce_weight = 1.0f;
   Tensor logit_grad;
+  // A training pass that knows its backward's loss weight at the loss (the trainer, without an
+  // objective): the loss pass writes d(logits) too (Backend::cross_entropy_loss_and_grad, into
+  // dlogits: the logits in place, or the workspace's bf16 slot L for a bf16 head) and backward
+  // starts from it. Consumed by the forward (0 after it); not with tensor parallelism (the
+  // vocabulary-parallel loss), row / position weights or a logit gradient.
+  float fused_loss_weight = 0.0f;
+  Tensor dlogits;
+  float dlogits_weight = 0.0f;  // the loss weight dlogits was computed with
 };
 
 

@@ -92,8 +92,8 @@ Tensor codes_of(Backend& backend, const Tensor& x, MiniFormat f, float scale, Li
   return q;
 }
 
-// The bf16 recipe's input: x itself when it is saved in bf16 (nn/plan.h LayerPlan::saved_bf16),
-// else x rounded into the workspace's slot.
+// The bf16 recipe's operand: x itself when it is already bf16 (a saved input, nn/plan.h
+// LayerPlan::saved_bf16, or the loss's gradient), else x rounded into the workspace's slot.
 Tensor bf16_input(Backend& backend, const Tensor& x, LinearWorkspace& ws, LinearWorkspace::Slot slot) {
   if (x.dtype() == DTYPE_BF16) return x;
   const Tensor xb = ws.bf16(slot, x.shape());
@@ -222,6 +222,9 @@ void LinearLayer::backward(Backend& backend, const Tensor& x, const Tensor& w, c
   LOOM_CHECK(int_weight_ == nullptr, "a quantized checkpoint (loom quantize) cannot be trained: its weights are "
              "integer codes; fine-tune the checkpoint it was made from");
   check_input(x);
+  LOOM_CHECK(dy.dtype() == DTYPE_F32 || (dy.dtype() == DTYPE_BF16 && setup_.recipe == RECIPE_BF16 && !db.defined()),
+             "linear layer (", recipe_name(setup_.recipe), "): an output gradient in ", dtype_name(dy.dtype()),
+             " (only the bf16 recipe without a bias reads a bf16 one)");
   if (db.defined()) backend.bias_backward(dy, db);  // an fp32 reduction in every recipe
   const GemmSpec dgrad = spec_of(false, false, 0.0f), wgrad = spec_of(true, false, 1.0f);
   if (setup_.recipe == RECIPE_F32 && setup_.qat == QAT_NONE && !w16.defined() && base_ == nullptr) {
@@ -241,8 +244,7 @@ void LinearLayer::backward(Backend& backend, const Tensor& x, const Tensor& w, c
     }
     case RECIPE_BF16: {
       const Tensor wb = bf16_weight(backend, w, w16, *ws);
-      const Tensor dyb = ws->bf16(S::A, dy.shape());
-      backend.cast(dy, dyb);
+      const Tensor dyb = bf16_input(backend, dy, *ws, S::A);  // (a bf16 dy: the loss's, Transformer::backward)
       backend.gemm(dyb, wb, dx, dgrad);
       if (!dw.defined()) return;
       backend.gemm(dyb, bf16_input(backend, x, *ws, S::B), dw, wgrad);

@@ -257,6 +257,8 @@ StepStats Trainer::train_step(BatchSource& data) {
     const int64_t forward_start = tracer_ != nullptr ? Tracer::now_ns() : 0;
     if (objective_ != nullptr) objective_->before_forward(backend_, store_);
     store_.dropout_pass = static_cast<uint32_t>(step_ * config_.grad_accum + micro + 1);  // peft.dropout's masks
+    // The plain loss: its gradient comes with it (the objectives weigh the losses after the forward).
+    store_.fused_loss_weight = objective_ == nullptr ? loss_weight : 0.0f;
     double loss = model_.forward(store_);
     if (objective_ != nullptr) loss = objective_->weigh(backend_, store_, data);
     if (tracer_ != nullptr) tracer_->complete("forward", "compute", forward_start);

@@ -98,9 +98,10 @@ class CpuBackend final : public Backend {
     if (src.dtype() == dst.dtype()) return copy(src, dst);
     if (src.dtype() == DTYPE_F32 && dst.dtype() == DTYPE_BF16) {
       const float* s = src.data<float>();
-      bf16* d = dst.data<bf16>();
+      uint16_t* d = reinterpret_cast<uint16_t*>(dst.data<bf16>());
+      constexpr int64_t kBlock = 4096;  // (f32_to_bf16's rounding, vectorized: cpu_math.h)
 #pragma omp parallel for schedule(static)
-      for (int64_t i = 0; i < n; ++i) d[i] = f32_to_bf16(s[i]);
+      for (int64_t b = 0; b < n; b += kBlock) cpu::round_to_bf16_bits(s + b, d + b, std::min(kBlock, n - b));
     } else if (src.dtype() == DTYPE_BF16 && dst.dtype() == DTYPE_F32) {
       const bf16* s = src.data<bf16>();
       float* d = dst.data<float>();
@@ -373,6 +374,27 @@ class CpuBackend final : public Backend {
     dispatch_float(logits.dtype(), op, kBackend, [&]<typename T>() {
       cpu::cross_entropy_backward(logits.data<T>(), targets.data<int32_t>(), lse.data<T>(), static_cast<T>(dloss),
                                   dlogits.data<T>(), rows_of(logits), logits.dim(-1));
+    });
+  }
+
+  void cross_entropy_loss_and_grad(const Tensor& logits, const Tensor& targets, const Tensor& losses, const Tensor& lse,
+                                   float dloss, const Tensor& dlogits) override {
+    const char* op = "cross_entropy_loss_and_grad";
+    check_cross_entropy(op, logits, targets, lse);
+    check_target_range(op, logits, targets);
+    expect_dtype(losses, logits.dtype(), op, "losses");
+    expect_numel(losses, rows_of(logits), op, "losses");
+    expect_numel(dlogits, logits.numel(), op, "dlogits");
+    if (dlogits.dtype() == DTYPE_BF16 && logits.dtype() == DTYPE_F32) {
+      cpu::cross_entropy_loss_and_grad(logits.data<float>(), targets.data<int32_t>(), losses.data<float>(),
+                                       lse.data<float>(), dloss, dlogits.data<bf16>(), rows_of(logits), logits.dim(-1));
+      return;
+    }
+    LOOM_CHECK(dlogits.raw_data() == logits.raw_data() && dlogits.dtype() == logits.dtype(), op, ": dlogits is the logits (in place) or bf16, got ",
+               dlogits.describe(), " for logits ", logits.describe());
+    dispatch_float(logits.dtype(), op, kBackend, [&]<typename T>() {
+      cpu::cross_entropy_loss_and_grad(logits.data<T>(), targets.data<int32_t>(), losses.data<T>(), lse.data<T>(),
+                                       static_cast<T>(dloss), logits.data<T>(), rows_of(logits), logits.dim(-1));
     });
   }
 
