@@ -126,6 +126,10 @@ class StrictBackend final : public Backend {
                              const Tensor& lse) override {
     cpu_->cross_entropy_forward(h(logits), h(targets), h(losses), h(lse));
   }
+  void cross_entropy_loss_and_grad(const Tensor& logits, const Tensor& targets, const Tensor& losses, const Tensor& lse,
+                                   float dloss, const Tensor& dlogits) override {
+    cpu_->cross_entropy_loss_and_grad(h(logits), h(targets), h(losses), h(lse), dloss, h(dlogits));
+  }
   void cross_entropy_backward(const Tensor& logits, const Tensor& targets, const Tensor& lse, float dloss,
                               const Tensor& dlogits) override {
     cpu_->cross_entropy_backward(h(logits), h(targets), h(lse), dloss, h(dlogits));
