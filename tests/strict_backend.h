@@ -37,6 +37,7 @@ class StrictBackend final : public Backend {
     caps.zero_sharding = true;  // ZeRO zeroes and scales its shard, and zeroes released ranges, through the backend
     caps.model_parallel = true;  // tp / sp / pp / cp / ep: slicing through copy / copy_block, the vocab and ring ops
     caps.dora = true;  // row_norms, dora_weight, dora_backward
+    caps.bf16_attention = true;  // attention_*_bf16 below
     return caps;
   }
   Allocator& allocator() override { return allocator_; }
@@ -125,6 +126,14 @@ class StrictBackend final : public Backend {
   void cross_entropy_forward(const Tensor& logits, const Tensor& targets, const Tensor& losses,
                              const Tensor& lse) override {
     cpu_->cross_entropy_forward(h(logits), h(targets), h(losses), h(lse));
+  }
+  void attention_forward_bf16(const Tensor& qkv, const Tensor& out, const Tensor& probs, int64_t n_head,
+                              int64_t n_kv_head) override {
+    cpu_->attention_forward_bf16(h(qkv), h(out), h(probs), n_head, n_kv_head);
+  }
+  void attention_backward_bf16(const Tensor& dout, const Tensor& qkv, const Tensor& out, const Tensor& probs,
+                               const Tensor& dqkv, int64_t n_head, int64_t n_kv_head) override {
+    cpu_->attention_backward_bf16(h(dout), h(qkv), h(out), h(probs), h(dqkv), n_head, n_kv_head);
   }
   void cross_entropy_loss_and_grad(const Tensor& logits, const Tensor& targets, const Tensor& losses, const Tensor& lse,
                                    float dloss, const Tensor& dlogits) override {

@@ -3,6 +3,7 @@
 // Tolerances: f32 forward vs naive double: 2e-6 relative to the output's scale (1e-5 for GEMMs
 // with K up to 37); f64 finite differences: 1e-6.
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include <algorithm>
 
@@ -620,6 +621,67 @@ TEST_F(OpsTest, AttentionWindowOfSeqLenOrMoreEqualsFullAttentionBitwise) {
   EXPECT_EQ(run(T), full);
   EXPECT_EQ(run(T + 5), full);
   EXPECT_NE(run(T - 1), full);
+}
+
+// The full causal kernels run in blocks of 64 query rows over keys [0, i1) (cpu_kernels.h
+// kCausalRows): at T = 150 (blocks of 64, 64, 22) forward and backward, fp32 and f64, against the
+// naive double attention (window >= T: full causal), GQA and MHA.
+TEST_F(OpsTest, AttentionCausalBlocksMatchNaive) {
+  const int64_t B = 2, T = 150, hd = 16;
+  for (auto [H, KV] : {std::pair<int64_t, int64_t>{4, 4}, {6, 2}}) {
+    for (const DType dtype : {DTYPE_F32, DTYPE_F64}) {
+      Tensor qkv32 = f32({B, T, (H + 2 * KV) * hd}, 1, 2.0), dout32 = f32({B, T, H * hd}, 2);
+      Tensor qkv = empty({B, T, (H + 2 * KV) * hd}, dtype), dout = empty({B, T, H * hd}, dtype);
+      backend->cast(qkv32, qkv), backend->cast(dout32, dout);
+      Tensor out = empty({B, T, H * hd}, dtype), probs = empty({B, H, T, T}, dtype);
+      Tensor dqkv = empty({B, T, (H + 2 * KV) * hd}, dtype);
+      backend->attention_forward(qkv, out, probs, H, KV, 0);
+      backend->attention_backward(dout, qkv, out, probs, dqkv, H, KV, 0);
+      const NaiveWindowAttention ref = naive_window_attention(values(qkv), values(dout), B, T, H, KV, hd, T);
+      const bool f = dtype == DTYPE_F32;
+      EXPECT_LT(max_rel_error(values(out), ref.out), f ? 2e-6 : 1e-12) << H << " " << KV << " " << f;
+      EXPECT_LT(max_rel_error(values(probs), ref.probs), f ? 2e-6 : 1e-12) << H << " " << KV << " " << f;
+      EXPECT_LT(max_rel_error(values(dqkv), ref.dqkv), f ? 1e-5 : 1e-12) << H << " " << KV << " " << f;
+    }
+  }
+}
+
+// precision.attention = bf16 (Backend::attention_forward_bf16 / _backward_bf16) against the
+// naive double attention at T = 150 (three row blocks), MHA and GQA. Every GEMM operand is
+// rounded to bf16 (unit roundoff u = 2^-8): a product of two rounded operands is off by up to
+// 2u relative, so S, O and each backward product are within a few u of the largest entry, and
+// the softmax turns S's absolute error into P's relative one. Bounds: out and probs 1e-2 (2.5u),
+// dqkv 2e-2 (5u: two rounded products in a row) of the largest; measured 4.6e-3, 3.0e-3 and
+// 4.2e-3. Above 1e-4, so the fp32 kernels would fail the last check (bf16 really ran). The
+// results do not depend on the thread count.
+TEST_F(OpsTest, AttentionBf16GemmsTrackTheDoubleAttention) {
+  const int64_t B = 2, T = 150, hd = 16;
+  for (auto [H, KV] : {std::pair<int64_t, int64_t>{4, 4}, {6, 2}}) {
+    const int64_t W = (H + 2 * KV) * hd;
+    Tensor qkv = f32({B, T, W}, 1, 2.0), dout = f32({B, T, H * hd}, 2);
+    const NaiveWindowAttention ref = naive_window_attention(values(qkv), values(dout), B, T, H, KV, hd, T);
+    std::vector<std::vector<double>> runs;
+    for (const int threads : {1, 3}) {
+      const int was = omp_get_max_threads();
+      omp_set_num_threads(threads);
+      Tensor out = empty({B, T, H * hd}, DTYPE_F32), probs = empty({B, H, T, T}, DTYPE_F32), dqkv = empty({B, T, W}, DTYPE_F32);
+      backend->attention_forward_bf16(qkv, out, probs, H, KV);
+      backend->attention_backward_bf16(dout, qkv, out, probs, dqkv, H, KV);
+      omp_set_num_threads(was);
+      const double e_out = max_rel_error(values(out), ref.out), e_probs = max_rel_error(values(probs), ref.probs);
+      const double e_grad = max_rel_error(values(dqkv), ref.dqkv);
+      std::printf("bf16 attention H %lld KV %lld, %d threads: out %.1e, probs %.1e, dqkv %.1e of the largest\n",
+                  static_cast<long long>(H), static_cast<long long>(KV), threads, e_out, e_probs, e_grad);
+      EXPECT_LT(e_out, 1e-2);
+      EXPECT_LT(e_probs, 1e-2);
+      EXPECT_LT(e_grad, 2e-2);
+      EXPECT_GT(e_grad, 1e-4);
+      std::vector<double> all = values(out);
+      for (const double v : values(dqkv)) all.push_back(v);
+      runs.push_back(all);
+    }
+    EXPECT_EQ(runs[0], runs[1]) << "1 and 3 threads";
+  }
 }
 
 TEST_F(OpsTest, AttentionRejectsNegativeWindow) {

@@ -169,6 +169,16 @@ TEST(LayerPlanTest, TheInputsOfBf16LinearsAreSavedInBf16WhereTheRecipeAllows) {
   moe.moe_dense_layers = 1;
   EXPECT_EQ(resolve_layer_plan(moe, 0, bf16).saved_bf16, (Saved{true, true, true, true}));
   EXPECT_EQ(resolve_layer_plan(moe, 1, bf16).saved_bf16, (Saved{true, true, false, false}));
+  PlanChoices attn16 = bf16;  // precision.attention = bf16: the plain attention without a window only
+  attn16.attention_bf16 = true;
+  EXPECT_TRUE(resolve_layer_plan(gpt2, 0, attn16).attention_bf16);
+  EXPECT_FALSE(resolve_layer_plan(gpt2, 0, bf16).attention_bf16);
+  attn16.flash = true;
+  EXPECT_FALSE(resolve_layer_plan(gpt2, 0, attn16).attention_bf16);
+  attn16.flash = false;
+  ModelConfig windowed = llama;
+  windowed.attn_window = 4;
+  EXPECT_FALSE(resolve_layer_plan(windowed, 0, attn16).attention_bf16);
   PlanChoices mla = bf16;  // MLA projects in fp32 from norm1's output
   mla.linears[LINEAR_ATTN_QKV] = RECIPE_F32;
   EXPECT_EQ(resolve_layer_plan(model_preset("mla-tiny"), 0, mla).saved_bf16, (Saved{false, false, true, true}));

@@ -56,6 +56,13 @@ void Backend::add_positions(const Tensor&, const Tensor&, int64_t) { no_model_pa
 void Backend::positions_backward(const Tensor&, const Tensor&, int64_t) {
   no_model_parallel(*this, "positions_backward");
 }
+void Backend::attention_forward_bf16(const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t) {
+  unsupported(*this, "attention_forward_bf16", "precision.attention = bf16");
+}
+void Backend::attention_backward_bf16(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                      int64_t, int64_t) {
+  unsupported(*this, "attention_backward_bf16", "precision.attention = bf16");
+}
 void Backend::cross_entropy_loss_and_grad(const Tensor& logits, const Tensor& targets, const Tensor& losses,
                                           const Tensor& lse, float dloss, const Tensor& dlogits) {
   cross_entropy_forward(logits, targets, losses, lse);

@@ -159,8 +159,9 @@ struct BackendCapabilities {
   bool nf4 = false;                 // peft.quantize_base (QLoRA: Backend::nf4_dequantize in the linear layers)
   bool dora = false;                // peft.dora (Backend::row_norms, dora_weight, dora_backward)
   bool int_weights = false;         // quantized checkpoints (Backend::int_linear, int_dequantize)
+  bool bf16_attention = false;      // precision.attention = bf16 (Backend::attention_forward_bf16 / _backward_bf16)
 };
-inline constexpr BackendCapabilities kEveryCapability{true, true, true, true, true, true, true, true, true, true, true};
+inline constexpr BackendCapabilities kEveryCapability{true, true, true, true, true, true, true, true, true, true, true, true};
 
 class Backend {
  public:
@@ -251,6 +252,14 @@ class Backend {
   // window: the forward's.
   virtual void attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out, const Tensor& probs,
                                   const Tensor& dqkv, int64_t n_head, int64_t n_kv_head, int64_t window) = 0;
+  // The same attention (no window) with bf16 GEMMs (precision.attention = bf16): the operands of
+  // S = Q K^T and O = P V, and of the backward's dP = dO V^T, dQ = dS K, dK = dS^T Q and
+  // dV = P^T dO, rounded to bf16 (RNE) with fp32 accumulation, as autocast's attention; the
+  // softmax, D and dS are computed and probs saved in fp32. Optional (capabilities().bf16_attention).
+  virtual void attention_forward_bf16(const Tensor& qkv, const Tensor& out, const Tensor& probs, int64_t n_head,
+                                      int64_t n_kv_head);
+  virtual void attention_backward_bf16(const Tensor& dout, const Tensor& qkv, const Tensor& out, const Tensor& probs,
+                                       const Tensor& dqkv, int64_t n_head, int64_t n_kv_head);
   // FlashAttention-2 (Dao 2023): the same attention (same qkv, out, window) without the
   // probabilities: lse (B,H,T) = log-sum-exp of each query row's scaled scores is saved instead,
   // and the backward recomputes P = exp(S - lse) tile by tile. O(T) extra memory.

@@ -135,6 +135,8 @@ void Transformer::set_precision(const PrecisionPolicy& policy) {
                "precision.master = bf16 and precision.reduce = bf16 are not supported on the ", backend_.name(),
                " backend yet (it lacks the quantizers and bf16 rounding)");
   }
+  LOOM_CHECK(!policy.attention_bf16 || backend_.capabilities().bf16_attention, "precision.attention = bf16 is not "
+             "supported on the ", backend_.name(), " backend yet (it lacks attention_forward_bf16): set it to f32");
   policy_ = policy;
   params16_ = head16_ = Tensor{};
   if (policy_.param_bf16) params16_ = Tensor::empty(backend_.allocator(), {layout_.total}, DTYPE_BF16, MEM_PARAMETERS);

@@ -52,15 +52,28 @@ void check_documents(const LayerPlan& plan) {
              " attention are not supported yet");
 }
 
+// The plain attention's ops, with the plan's GEMM precision (LayerPlan::attention_bf16: no window).
+void mha_op_forward(Backend& backend, const LayerPlan& plan, const ModelConfig& c, const Tensor& qkv, const Tensor& out,
+                    const Tensor& probs) {
+  if (plan.attention_bf16) backend.attention_forward_bf16(qkv, out, probs, c.n_head, c.n_kv_head);
+  else backend.attention_forward(qkv, out, probs, c.n_head, c.n_kv_head, plan.window);
+}
+void mha_op_backward(Backend& backend, const LayerPlan& plan, const ModelConfig& c, const Tensor& dout,
+                     const Tensor& qkv, const Tensor& out, const Tensor& probs, const Tensor& dqkv) {
+  if (plan.attention_bf16) backend.attention_backward_bf16(dout, qkv, out, probs, dqkv, c.n_head, c.n_kv_head);
+  else backend.attention_backward(dout, qkv, out, probs, dqkv, c.n_head, c.n_kv_head, plan.window);
+}
+
 // The probabilities (mha) of s.qkv into `out`, per document when packed.
-void mha_forward(Backend& backend, const ModelConfig& c, int64_t window, const AttentionSaved& s, const Tensor& out) {
+void mha_forward(Backend& backend, const LayerPlan& plan, const ModelConfig& c, const AttentionSaved& s,
+                 const Tensor& out) {
   if (s.docs == nullptr) {
-    backend.attention_forward(s.qkv, out, s.probs, c.n_head, c.n_kv_head, window);
+    mha_op_forward(backend, plan, c, s.qkv, out, s.probs);
     return;
   }
   for_each_document(*s.docs, s.qkv, out, s.probs, Tensor{}, Tensor{}, c.n_head, false,
                     [&](const Tensor& qkv, const Tensor& o, const Tensor& probs, const Tensor&, const Tensor&) {
-                      backend.attention_forward(qkv, o, probs, c.n_head, c.n_kv_head, window);
+                      mha_op_forward(backend, plan, c, qkv, o, probs);
                     });
 }
 
@@ -71,7 +84,7 @@ void attention_forward(Backend& backend, const LayerPlan& plan, const ModelConfi
   if (s.docs != nullptr) {
     check_documents(plan);
     if (plan.attention == AttentionKind::mha) {
-      mha_forward(backend, c, plan.window, s, s.attn);
+      mha_forward(backend, plan, c, s, s.attn);
     } else {
       for_each_document(*s.docs, s.qkv, s.attn, s.lse, Tensor{}, Tensor{}, H, true,
                         [&](const Tensor& qkv, const Tensor& out, const Tensor& lse, const Tensor&, const Tensor&) {
@@ -82,7 +95,7 @@ void attention_forward(Backend& backend, const LayerPlan& plan, const ModelConfi
   }
   switch (plan.attention) {
     case AttentionKind::mha:
-      backend.attention_forward(s.qkv, s.attn, s.probs, H, KV, plan.window);
+      mha_op_forward(backend, plan, c, s.qkv, s.attn, s.probs);
       return;
     case AttentionKind::flash:
       backend.flash_attention_forward(s.qkv, s.attn, s.lse, H, KV, plan.window);
@@ -112,13 +125,13 @@ void attention_backward(Backend& backend, const LayerPlan& plan, const ModelConf
                       [&](const Tensor& qkv, const Tensor& out, const Tensor& saved, const Tensor& d_out,
                           const Tensor& d_qkv) {
                         if (flash) backend.flash_attention_backward(d_out, qkv, out, saved, d_qkv, H, KV, plan.window);
-                        else backend.attention_backward(d_out, qkv, out, saved, d_qkv, H, KV, plan.window);
+                        else mha_op_backward(backend, plan, c, d_out, qkv, out, saved, d_qkv);
                       });
     return;
   }
   switch (plan.attention) {
     case AttentionKind::mha:
-      backend.attention_backward(k.d_attn, s.qkv, s.attn, s.probs, k.d_qkv, H, KV, plan.window);
+      mha_op_backward(backend, plan, c, k.d_attn, s.qkv, s.attn, s.probs, k.d_qkv);
       return;
     case AttentionKind::flash:
       backend.flash_attention_backward(k.d_attn, s.qkv, s.attn, s.lse, k.d_qkv, H, KV, plan.window);
@@ -380,7 +393,7 @@ void AttentionLayer::backward(Backend& backend, const Tensor& x, const Attention
 void AttentionLayer::recompute_selective(Backend& backend, const Tensor& x, AttentionSaved& s,
                                          const Tensor& out_scratch) const {
   norm_forward_saved(backend, config_, links_.ws, x, params_.norm_w, params_.norm_b, s.norm);
-  if (plan_.attention != AttentionKind::flash) mha_forward(backend, config_, plan_.window, s, out_scratch.view(0, s.attn.shape()));
+  if (plan_.attention != AttentionKind::flash) mha_forward(backend, plan_, config_, s, out_scratch.view(0, s.attn.shape()));
 }
 
 }  // namespace loom

@@ -20,6 +20,7 @@ void choose_precision(PlanChoices& choices, const PrecisionPolicy& policy) {
   for (size_t k = 0; k < choices.linears.size(); ++k) choices.linears[k] = policy.recipe[k];
   choices.qat = policy.qat;
   choices.activations_bf16 = policy.activations_bf16;
+  choices.attention_bf16 = policy.attention_bf16;
 }
 
 namespace {
@@ -71,6 +72,7 @@ LayerPlan resolve_layer_plan(const ModelConfig& config, int64_t layer, const Pla
     plan.attention = choices.flash ? AttentionKind::flash : AttentionKind::mha;
   }
   plan.saved_bf16 = saved_bf16(config, layer, plan, choices.activations_bf16);
+  plan.attention_bf16 = choices.attention_bf16 && plan.attention == AttentionKind::mha && plan.window == 0;
   return plan;
 }
 
@@ -88,6 +90,7 @@ std::string describe_linears(const LayerPlan& p) {
     }
   }
   if (p.qat != QAT_NONE) out += p.qat == QAT_MXFP4 ? ", qat mxfp4" : ", qat nvfp4";
+  if (p.attention_bf16) out += ", attention GEMMs bf16";
   const auto saved = std::count(p.saved_bf16.begin(), p.saved_bf16.end(), true);
   if (saved == static_cast<int64_t>(p.saved_bf16.size())) out += ", inputs saved in bf16";
   if (saved > 0 && saved < static_cast<int64_t>(p.saved_bf16.size())) {

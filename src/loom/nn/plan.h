@@ -55,6 +55,10 @@ struct LayerPlan {
   // attention does (flash and ring attention keep it fp32). The kernels write these fields in fp32
   // into a staging buffer, rounded into the field after (nn/layer.h saved_target / store_saved).
   std::array<bool, 4> saved_bf16{false, false, false, false};
+  // precision.attention = bf16 on the plain attention without a window (Backend::
+  // attention_forward_bf16 / attention_backward_bf16); flash, windowed, context-parallel and MLA
+  // attention keep their fp32 GEMMs.
+  bool attention_bf16 = false;
 };
 
 const char* attention_kind_name(AttentionKind kind);
@@ -69,6 +73,7 @@ struct PlanChoices {
   std::array<LinearRecipe, 4> linears{RECIPE_F32, RECIPE_F32, RECIPE_F32, RECIPE_F32};  // the precision policy's
   QatFormat qat = QAT_NONE;
   bool activations_bf16 = false;  // precision.activations = bf16
+  bool attention_bf16 = false;    // precision.attention = bf16
 };
 
 // The precision policy's part of the choices: the block linears' recipes, QAT, saved activations.

@@ -72,6 +72,12 @@ struct PrecisionConfig {
   // the bf16 recipe rounds to bf16 in the forward and again for the weight gradient, so the bf16
   // copy loses nothing there; nn/plan.h LayerPlan::saved_bf16 says which); f32 keeps them fp32.
   std::string activations = "bf16";
+  // f32 | bf16: the dtype attention's GEMMs (QK^T, PV and their four backward products) multiply
+  // in; bf16 rounds their operands (fp32 accumulation; softmax and the saved probabilities stay
+  // fp32), as autocast's attention does. Only the plain attention without a window has bf16
+  // kernels (nn/plan.h LayerPlan::attention_bf16); flash, windowed and context-parallel attention
+  // stay fp32.
+  std::string attention = "f32";
   Fp8Options fp8;
 
   void validate() const;  // throws naming the precision.* key
@@ -85,6 +91,7 @@ struct PrecisionPolicy {
   bool master_bf16 = false;
   bool stochastic_rounding = false;
   bool activations_bf16 = true;  // precision.activations = bf16 (only bf16 linears' inputs are affected)
+  bool attention_bf16 = false;   // precision.attention = bf16
   QatFormat qat = QAT_NONE;
   int64_t fp8_margin = 0, fp8_history = 1024;
   bool fp8_most_recent = false;

@@ -323,6 +323,27 @@ class CpuBackend final : public Backend {
     });
   }
 
+  void attention_forward_bf16(const Tensor& qkv, const Tensor& out, const Tensor& probs, int64_t n_head,
+                              int64_t n_kv_head) override {
+    const char* op = "attention_forward_bf16";
+    const auto [batch, seq_len, head_dim] = check_attention(op, qkv, out, probs, n_head, n_kv_head, 0, false);
+    expect_dtype(qkv, DTYPE_F32, op, "qkv");
+    const Tensor scratch = workspace(omp_get_max_threads() * cpu::attention_bf16_scratch(seq_len, head_dim), DTYPE_F32);
+    cpu::attention_forward_bf16(qkv.data<float>(), out.data<float>(), probs.data<float>(), scratch.data<float>(), batch,
+                                seq_len, n_head, n_kv_head, head_dim);
+  }
+
+  void attention_backward_bf16(const Tensor& dout, const Tensor& qkv, const Tensor& out, const Tensor& probs,
+                               const Tensor& dqkv, int64_t n_head, int64_t n_kv_head) override {
+    const char* op = "attention_backward_bf16";
+    const auto [batch, seq_len, head_dim] =
+        check_attention_backward(op, dout, qkv, out, probs, dqkv, n_head, n_kv_head, 0, false);
+    expect_dtype(qkv, DTYPE_F32, op, "qkv");
+    const Tensor scratch = workspace(omp_get_max_threads() * cpu::attention_bf16_scratch(seq_len, head_dim), DTYPE_F32);
+    cpu::attention_backward_bf16(dout.data<float>(), qkv.data<float>(), out.data<float>(), probs.data<float>(),
+                                 dqkv.data<float>(), scratch.data<float>(), batch, seq_len, n_head, n_kv_head, head_dim);
+  }
+
   // FlashAttention-2 (cpu_flash.h): tasks over (batch, head) / (batch, kv head), one tile
   // scratch per thread from the workspace.
   void flash_attention_forward(const Tensor& qkv, const Tensor& out, const Tensor& lse, int64_t n_head,

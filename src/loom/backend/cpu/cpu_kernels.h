@@ -313,6 +313,42 @@ void rope_rotate(T* x, int64_t batch, int64_t seq_len, int64_t width, int64_t he
 // loop at a tenth of it. 64 rows keep the GEMMs at speed (measured: the small model's step).
 inline constexpr int64_t kCausalRows = 64;
 
+// Rows [i0, i1) of S (leading dimension T) into the causal softmax P in place: row i over keys
+// [0, i], zero after (the rest of the row too).
+template <typename T>
+inline void causal_softmax_rows(T* p, int64_t Tn, int64_t i0, int64_t i1) {
+  for (int64_t i = i0; i < i1; ++i) {
+    T* row = p + i * Tn;
+    const T max_s = max_of(row, i + 1);
+    T sum = 0;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j <= i; ++j) {
+      row[j] = exp_t<T>(row[j] - max_s);
+      sum += row[j];
+    }
+    const T inv = T(1) / sum;
+#pragma omp simd
+    for (int64_t j = 0; j <= i; ++j) row[j] *= inv;
+    std::fill(row + i + 1, row + Tn, T(0));
+  }
+}
+
+// Rows [i0, i1) of dP (in ds, leading dimension T, keys [0, i1)) into dS = scale P o (dP - D),
+// D_i = dO_i . O_i (dO, O: head rows with leading dimension OW).
+template <typename T>
+inline void softmax_grad_rows(T* ds, const T* p, const T* dO, const T* o, int64_t Tn, int64_t OW, int64_t head_dim,
+                              int64_t i0, int64_t i1, T scale) {
+  for (int64_t i = i0; i < i1; ++i) {
+    T D = 0;
+#pragma omp simd reduction(+ : D)
+    for (int64_t d = 0; d < head_dim; ++d) D += dO[i * OW + d] * o[i * OW + d];
+    T* row = ds + i * Tn;
+    const T* prow = p + i * Tn;
+#pragma omp simd
+    for (int64_t j = 0; j < i1; ++j) row[j] = scale * prow[j] * (row[j] - D);
+  }
+}
+
 // Causal attention, one (batch, head) per task, as GEMMs on strided views of qkv (no permute),
 // per block of kCausalRows query rows [i0, i1):
 //   S = scale Q_h[i0,i1) K_g[0,i1)^T written into probs; P = causal_softmax(S) in place (P[i, j>i]
@@ -341,20 +377,7 @@ void attention_forward(const T* qkv, T* out, T* probs, int64_t batch, int64_t se
     for (int64_t i0 = 0; i0 < Tn; i0 += kCausalRows) {
       const int64_t i1 = std::min(Tn, i0 + kCausalRows);
       gemm_t<T>(false, true, i1 - i0, i1, head_dim, scale, q + i0 * W, W, k, W, T(0), p + i0 * Tn, Tn);
-      for (int64_t i = i0; i < i1; ++i) {
-        T* row = p + i * Tn;
-        const T max_s = max_of(row, i + 1);
-        T sum = 0;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j <= i; ++j) {
-          row[j] = exp_t<T>(row[j] - max_s);
-          sum += row[j];
-        }
-        const T inv = T(1) / sum;
-#pragma omp simd
-        for (int64_t j = 0; j <= i; ++j) row[j] *= inv;
-        std::fill(row + i + 1, row + Tn, T(0));
-      }
+      causal_softmax_rows(p, Tn, i0, i1);
       gemm_t<T>(false, false, i1 - i0, head_dim, i1, T(1), p + i0 * Tn, Tn, v, W, T(0),
                 out + (b * Tn + i0) * OW + h * head_dim, OW);
     }
@@ -394,18 +417,91 @@ void attention_backward(const T* dout, const T* qkv, const T* out, const T* prob
         const int64_t i1 = std::min(Tn, i0 + kCausalRows), rows = i1 - i0;
         T* dsb = ds + i0 * Tn;
         gemm_t<T>(false, true, rows, i1, head_dim, T(1), dO + i0 * OW, OW, v, W, T(0), dsb, Tn);
-        for (int64_t i = i0; i < i1; ++i) {
-          T D = 0;
-#pragma omp simd reduction(+ : D)
-          for (int64_t d = 0; d < head_dim; ++d) D += dO[i * OW + d] * o[i * OW + d];
-          T* row = ds + i * Tn;
-          const T* prow = p + i * Tn;
-#pragma omp simd
-          for (int64_t j = 0; j < i1; ++j) row[j] = scale * prow[j] * (row[j] - D);
-        }
+        softmax_grad_rows(ds, p, dO, o, Tn, OW, head_dim, i0, i1, scale);
         gemm_t<T>(false, false, rows, head_dim, i1, T(1), dsb, Tn, k, W, T(0), dqkv + (b * Tn + i0) * W + h * head_dim, W);
         gemm_t<T>(true, false, i1, head_dim, rows, T(1), dsb, Tn, q + i0 * W, W, T(1), dk, W);
         gemm_t<T>(true, false, i1, head_dim, rows, T(1), p + i0 * Tn, Tn, dO + i0 * OW, OW, T(1), dv, W);
+      }
+    }
+  }
+}
+
+// precision.attention = bf16: attention_forward / attention_backward with every GEMM's operands
+// rounded to bf16 (round_to_bf16_bits, RNE) and multiplied by oneDNN's bf16 GEMM with fp32
+// accumulation; the softmax, D and dS are computed, and P saved, in fp32 as there. Each task
+// rounds its heads' q, k, v (and dO) rows into contiguous bf16 copies (T x hd), and each block's
+// P (and dS) rows into a bf16 block (rows x i1). Per-thread scratch: attention_bf16_scratch floats.
+inline int64_t attention_bf16_scratch(int64_t seq_len, int64_t head_dim) {
+  const int64_t halves = 4 * seq_len * head_dim + 2 * kCausalRows * seq_len;  // bf16 elements
+  return seq_len * seq_len + (halves + 1) / 2;  // dS (fp32), then the bf16 copies
+}
+
+// rows x width fp32 (leading dimension ld) into bf16, contiguous.
+inline void rows_to_bf16(const float* x, int64_t ld, int64_t rows, int64_t width, uint16_t* out) {
+  for (int64_t r = 0; r < rows; ++r) round_to_bf16_bits(x + r * ld, out + r * width, width);
+}
+
+inline void attention_forward_bf16(const float* qkv, float* out, float* probs, float* scratch, int64_t batch,
+                                   int64_t seq_len, int64_t n_head, int64_t n_kv_head, int64_t head_dim) {
+  const int64_t W = (n_head + 2 * n_kv_head) * head_dim, OW = n_head * head_dim, Tn = seq_len, hd = head_dim;
+  const int64_t group = n_head / n_kv_head;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
+#pragma omp parallel for schedule(static)
+  for (int64_t task = 0; task < batch * n_head; ++task) {
+    const int64_t b = task / n_head, h = task % n_head, g = h / group;
+    float* mine = scratch + static_cast<int64_t>(omp_get_thread_num()) * attention_bf16_scratch(Tn, hd);
+    uint16_t* qb = reinterpret_cast<uint16_t*>(mine + Tn * Tn);
+    uint16_t *kb = qb + Tn * hd, *vb = kb + Tn * hd, *pb = vb + Tn * hd;
+    rows_to_bf16(qkv + b * Tn * W + h * hd, W, Tn, hd, qb);
+    rows_to_bf16(qkv + b * Tn * W + (n_head + g) * hd, W, Tn, hd, kb);
+    rows_to_bf16(qkv + b * Tn * W + (n_head + n_kv_head + g) * hd, W, Tn, hd, vb);
+    float* p = probs + (b * n_head + h) * Tn * Tn;
+    for (int64_t i0 = 0; i0 < Tn; i0 += kCausalRows) {
+      const int64_t i1 = std::min(Tn, i0 + kCausalRows), rows = i1 - i0;
+      gemm_bf16(false, true, rows, i1, hd, scale, qb + i0 * hd, hd, kb, hd, 0.0f, p + i0 * Tn, Tn);
+      causal_softmax_rows(p, Tn, i0, i1);
+      rows_to_bf16(p + i0 * Tn, Tn, rows, i1, pb);
+      gemm_bf16(false, false, rows, hd, i1, 1.0f, pb, i1, vb, hd, 0.0f, out + (b * Tn + i0) * OW + h * hd, OW);
+    }
+  }
+}
+
+inline void attention_backward_bf16(const float* dout, const float* qkv, const float* out, const float* probs,
+                                    float* dqkv, float* scratch, int64_t batch, int64_t seq_len, int64_t n_head,
+                                    int64_t n_kv_head, int64_t head_dim) {
+  const int64_t W = (n_head + 2 * n_kv_head) * head_dim, OW = n_head * head_dim, Tn = seq_len, hd = head_dim;
+  const int64_t group = n_head / n_kv_head;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
+#pragma omp parallel for schedule(static)
+  for (int64_t task = 0; task < batch * n_kv_head; ++task) {
+    const int64_t b = task / n_kv_head, g = task % n_kv_head;
+    float* ds = scratch + static_cast<int64_t>(omp_get_thread_num()) * attention_bf16_scratch(Tn, hd);
+    uint16_t* qb = reinterpret_cast<uint16_t*>(ds + Tn * Tn);
+    uint16_t *kb = qb + Tn * hd, *vb = kb + Tn * hd, *dob = vb + Tn * hd, *dsb = dob + Tn * hd;
+    uint16_t* pb = dsb + kCausalRows * Tn;
+    rows_to_bf16(qkv + b * Tn * W + (n_head + g) * hd, W, Tn, hd, kb);
+    rows_to_bf16(qkv + b * Tn * W + (n_head + n_kv_head + g) * hd, W, Tn, hd, vb);
+    float* dk = dqkv + b * Tn * W + (n_head + g) * hd;
+    float* dv = dqkv + b * Tn * W + (n_head + n_kv_head + g) * hd;
+    for (int64_t t = 0; t < Tn; ++t) {
+      std::fill(dk + t * W, dk + t * W + hd, 0.0f);
+      std::fill(dv + t * W, dv + t * W + hd, 0.0f);
+    }
+    for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+      const float* o = out + b * Tn * OW + h * hd;
+      const float* dO = dout + b * Tn * OW + h * hd;
+      const float* p = probs + (b * n_head + h) * Tn * Tn;
+      rows_to_bf16(qkv + b * Tn * W + h * hd, W, Tn, hd, qb);
+      rows_to_bf16(dO, OW, Tn, hd, dob);
+      for (int64_t i0 = 0; i0 < Tn; i0 += kCausalRows) {
+        const int64_t i1 = std::min(Tn, i0 + kCausalRows), rows = i1 - i0;
+        gemm_bf16(false, true, rows, i1, hd, 1.0f, dob + i0 * hd, hd, vb, hd, 0.0f, ds + i0 * Tn, Tn);
+        softmax_grad_rows(ds, p, dO, o, Tn, OW, hd, i0, i1, scale);
+        rows_to_bf16(ds + i0 * Tn, Tn, rows, i1, dsb);
+        rows_to_bf16(p + i0 * Tn, Tn, rows, i1, pb);
+        gemm_bf16(false, false, rows, hd, i1, 1.0f, dsb, i1, kb, hd, 0.0f, dqkv + (b * Tn + i0) * W + h * hd, W);
+        gemm_bf16(true, false, i1, hd, rows, 1.0f, dsb, i1, qb + i0 * hd, hd, 1.0f, dk, W);
+        gemm_bf16(true, false, i1, hd, rows, 1.0f, pb, i1, dob + i0 * hd, hd, 1.0f, dv, W);
       }
     }
   }
