@@ -411,8 +411,8 @@ class CpuBackend final : public Backend {
                                        lse.data<float>(), dloss, dlogits.data<bf16>(), rows_of(logits), logits.dim(-1));
       return;
     }
-    LOOM_CHECK(dlogits.raw_data() == logits.raw_data() && dlogits.dtype() == logits.dtype(), op, ": dlogits is the logits (in place) or bf16, got ",
-               dlogits.describe(), " for logits ", logits.describe());
+    LOOM_CHECK(dlogits.raw_data() == logits.raw_data() && dlogits.dtype() == logits.dtype(), op,
+               ": dlogits is the logits (in place) or bf16, got ", dlogits.describe(), " for logits ", logits.describe());
     dispatch_float(logits.dtype(), op, kBackend, [&]<typename T>() {
       cpu::cross_entropy_loss_and_grad(logits.data<T>(), targets.data<int32_t>(), losses.data<T>(), lse.data<T>(),
                                        static_cast<T>(dloss), logits.data<T>(), rows_of(logits), logits.dim(-1));

@@ -614,19 +614,34 @@ void attention_backward_window(const T* dout, const T* qkv, const T* out, const 
   }
 }
 
+// One row of the loss: lse = max + log sum exp(x - max), loss = lse - x_t (0 for a masked row).
+template <typename T>
+inline void cross_entropy_row_loss(const T* x, int32_t t, int64_t vocab, T* lse, T* loss) {
+  const T max_x = max_of(x, vocab);
+  T sum = 0;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t v = 0; v < vocab; ++v) sum += exp_t<T>(x[v] - max_x);
+  *lse = max_x + std::log(sum);
+  *loss = t == kIgnoreTarget ? T(0) : *lse - x[t];
+}
+
+// One row of its gradient: d_v = dloss (exp(x_v - lse) - [v == t]), 0 for a masked row. d may be x.
+template <typename T>
+inline void cross_entropy_row_grad(const T* x, int32_t t, T lse, T dloss, T* d, int64_t vocab) {
+  if (t == kIgnoreTarget) {  // a masked position: no gradient
+    std::fill(d, d + vocab, T(0));
+    return;
+  }
+#pragma omp simd
+  for (int64_t v = 0; v < vocab; ++v) d[v] = dloss * exp_t<T>(x[v] - lse);
+  d[t] -= dloss;
+}
+
 template <typename T>
 void cross_entropy_forward(const T* logits, const int32_t* targets, T* losses, T* lse, int64_t rows,
                            int64_t vocab) {
 #pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* x = logits + r * vocab;
-    const T max_x = max_of(x, vocab);
-    T sum = 0;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t v = 0; v < vocab; ++v) sum += exp_t<T>(x[v] - max_x);
-    lse[r] = max_x + std::log(sum);
-    losses[r] = targets[r] == kIgnoreTarget ? T(0) : lse[r] - x[targets[r]];
-  }
+  for (int64_t r = 0; r < rows; ++r) cross_entropy_row_loss(logits + r * vocab, targets[r], vocab, lse + r, losses + r);
 }
 
 // dx[n, v] = dloss * (exp(x[n,v] - lse_n) - [v == t_n]). In place when dx == logits.
@@ -635,24 +650,15 @@ void cross_entropy_backward(const T* logits, const int32_t* targets, const T* ls
                             int64_t vocab) {
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < rows; ++r) {
-    const T* x = logits + r * vocab;
-    T* d = dx + r * vocab;
-    if (targets[r] == kIgnoreTarget) {  // a masked position: no gradient
-      std::fill(d, d + vocab, T(0));
-      continue;
-    }
-    const T l = lse[r];
-#pragma omp simd
-    for (int64_t v = 0; v < vocab; ++v) d[v] = dloss * exp_t<T>(x[v] - l);
-    d[targets[r]] -= dloss;
+    cross_entropy_row_grad(logits + r * vocab, targets[r], lse[r], dloss, dx + r * vocab, vocab);
   }
 }
 
 // cross_entropy_forward then cross_entropy_backward of each row while it is in cache (the row,
-// V floats, is read from memory once instead of twice): the same arithmetic, so losses, lse and
-// the gradient are bitwise theirs. With D = T the gradient replaces the row in place; with a bf16
-// dx (Backend::cross_entropy_loss_and_grad) it goes through a per-thread fp32 row (in cache) and
-// is rounded into dx as cast() rounds, the logits left as they are.
+// V floats, is read from memory once instead of twice): the same row functions, so losses, lse
+// and the gradient are bitwise theirs. With D = T the gradient replaces the row in place; with a
+// bf16 dx (Backend::cross_entropy_loss_and_grad) it goes through a per-thread fp32 row (in cache)
+// and is rounded into dx as cast() rounds, the logits left as they are.
 template <typename T, typename D>
 void cross_entropy_loss_and_grad(T* logits, const int32_t* targets, T* losses, T* lse, T dloss, D* dx, int64_t rows,
                                  int64_t vocab) {
@@ -661,22 +667,9 @@ void cross_entropy_loss_and_grad(T* logits, const int32_t* targets, T* losses, T
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < rows; ++r) {
     T* x = logits + r * vocab;
-    const T max_x = max_of(x, vocab);
-    T sum = 0;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t v = 0; v < vocab; ++v) sum += exp_t<T>(x[v] - max_x);
-    lse[r] = max_x + std::log(sum);
-    const int32_t t = targets[r];
-    losses[r] = t == kIgnoreTarget ? T(0) : lse[r] - x[t];
+    cross_entropy_row_loss(x, targets[r], vocab, lse + r, losses + r);
     T* g = kInPlace ? x : scratch.data() + static_cast<int64_t>(omp_get_thread_num()) * vocab;
-    if (t == kIgnoreTarget) {  // a masked position: no gradient
-      std::fill(g, g + vocab, T(0));
-    } else {
-      const T l = lse[r];
-#pragma omp simd
-      for (int64_t v = 0; v < vocab; ++v) g[v] = dloss * exp_t<T>(x[v] - l);
-      g[t] -= dloss;
-    }
+    cross_entropy_row_grad(x, targets[r], lse[r], dloss, g, vocab);
     if constexpr (!kInPlace) {
       static_assert(sizeof(D) == sizeof(uint16_t), "dx: bf16");
       round_to_bf16_bits(g, reinterpret_cast<uint16_t*>(dx + r * vocab), vocab);
