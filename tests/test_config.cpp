@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <sstream>
 
@@ -49,6 +50,24 @@ TEST(ConfigTest, WrongTypeNamesKeyAndExpectedType) {
   EXPECT_NE(msg.find("train.steps"), std::string::npos) << msg;
   EXPECT_NE(msg.find("integer"), std::string::npos) << msg;
   EXPECT_NE(error_of([&] { apply_overrides(c, "model.arch=gpt3"); }).find("gpt3"), std::string::npos);
+}
+
+// A float key holds a 32-bit float: 1e300 would be stored as inf, and the run's own config.toml
+// (config_to_toml writes inf) could not be read back. Refused by name instead; FLT_MAX itself is
+// taken, and a double key takes 1e300. (Found by fuzz_config.)
+TEST(ConfigTest, FloatKeyOutsideTheFloatRangeIsRefusedByName) {
+  LoomConfig c;
+  const std::string msg = error_of([&] { apply_overrides(c, "sample.temperature=1e300"); });
+  EXPECT_NE(msg.find("sample.temperature"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("32-bit float"), std::string::npos) << msg;
+  EXPECT_NE(error_of([&] { apply_config_file(c, write_temp("big.toml", "[sample]\ntop_p = -1e300\n")); })
+                .find("sample.top_p"), std::string::npos);
+  apply_overrides(c, "sample.temperature=3.4028234663852886e38,data.val_fraction=1e300");
+  EXPECT_EQ(c.sample.sampling.temperature, std::numeric_limits<float>::max());
+  EXPECT_EQ(c.data.val_fraction, 1e300);
+  LoomConfig back;
+  apply_config_text(back, config_to_toml(c), "config_to_toml");
+  EXPECT_EQ(back.sample.sampling.temperature, std::numeric_limits<float>::max());
 }
 
 TEST(ConfigTest, SyntaxErrorNamesFileAndLine) {

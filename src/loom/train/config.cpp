@@ -3,6 +3,7 @@
 #include <cmath>
 #include <charconv>
 #include <filesystem>
+#include <limits>
 #include <sstream>
 #include <variant>
 
@@ -250,6 +251,12 @@ void assign(const Binding& b, const toml::node& node, const std::string& origin)
           // No key means anything by inf or nan (TOML spells both): refused here, by name, instead
           // of surfacing steps later as a non-finite loss.
           if (!std::isfinite(v)) throw Error(str_cat(origin, ": key '", b.key, "' expects a finite number, got ", v));
+          // A float key holds a 32-bit float: a larger magnitude would become inf when stored,
+          // which the config's own text (config_to_toml) could then not be read back from.
+          // (IEEE rounding: a value within half an ulp above the largest float still rounds to it.)
+          if (std::is_same_v<T, float> && !std::isfinite(static_cast<float>(v)))
+            throw Error(str_cat(origin, ": key '", b.key, "' expects a number of magnitude at most ",
+                                std::numeric_limits<float>::max(), " (a 32-bit float), got ", v));
           *field = static_cast<T>(v);
         } else if constexpr (std::is_same_v<T, std::string>) {
           if (!node.is_string()) throw wrong("a string");
