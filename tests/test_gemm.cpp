@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -49,6 +50,64 @@ TEST(CpuGemm, SameBitsForOneTwoAndFourThreads) {
       const auto one = product(s, a, b, 1, beta, c0);
       EXPECT_EQ(one, product(s, a, b, 2, beta, c0)) << s.m << "x" << s.n << "x" << s.k << " beta " << beta;
       EXPECT_EQ(one, product(s, a, b, 4, beta, c0)) << s.m << "x" << s.n << "x" << s.k << " beta " << beta;
+    }
+  }
+}
+
+// gemm_f32_tiled, the path where oneDNN runs AVX2 kernels (there its own threading gives other
+// bits on 3 and 4 threads than on 1 and 2), run on every CPU: 1, 2, 3 and 4 threads give the same
+// bits in all four transpose forms, with edge tiles in both dimensions, alpha and beta.
+TEST(CpuGemm, TiledSameBitsForOneToFourThreads) {
+  const Shape shapes[] = {{false, true, 256, 768, 3072}, {false, false, 300, 700, 500}, {true, false, 768, 256, 256},
+                          {true, true, 129, 257, 100}, {false, true, 2048, 384, 1536}, {false, true, 33, 65, 769},
+                          {true, false, 8200, 400, 64}};  // the last: A^T tall enough for 1024 x 384 tiles, not copied
+  for (const Shape& s : shapes) {
+    const auto a = values(s.m * s.k, 7), b = values(s.k * s.n, 8), c0 = values(s.m * s.n, 9);
+    for (const float beta : {0.0f, 1.0f}) {
+      std::vector<std::vector<float>> runs;
+      const int saved = omp_get_max_threads();
+      for (const int threads : {1, 2, 3, 4}) {
+        omp_set_num_threads(threads);
+        std::vector<float> c = c0;
+        loom::cpu::gemm_f32_tiled(s.ta, s.tb, s.m, s.n, s.k, 0.75f, a.data(), s.ta ? s.m : s.k, b.data(),
+                                  s.tb ? s.k : s.n, beta, c.data(), s.n);
+        runs.push_back(std::move(c));
+      }
+      omp_set_num_threads(saved);
+      for (size_t r = 1; r < runs.size(); ++r)
+        EXPECT_EQ(runs[0], runs[r]) << s.m << "x" << s.n << "x" << s.k << " beta " << beta << " run " << r;
+    }
+  }
+}
+
+// The tiled product is the product in every transpose form: against double precision, within
+// the fp32 bound K u (|alpha| max|a||b| K + |beta c|) per element.
+TEST(CpuGemm, TiledProductMatchesDoubleReference) {
+  // Two tile rows (128 + 22) and columns (256 + 44) in each transpose form; then A^T with 8200
+  // rows, which runs in 1024 x 384 tiles without the copy.
+  const Shape shapes[] = {{false, false, 150, 300, 200}, {false, true, 150, 300, 200}, {true, false, 150, 300, 200},
+                          {true, true, 150, 300, 200}, {true, false, 8200, 400, 64}};
+  for (const Shape& s : shapes) {
+    const bool ta = s.ta, tb = s.tb;
+    {
+      const auto a = values(s.m * s.k, 10), b = values(s.k * s.n, 11), c0 = values(s.m * s.n, 12);
+      std::vector<float> c = c0;
+      loom::cpu::gemm_f32_tiled(ta, tb, s.m, s.n, s.k, 0.75f, a.data(), ta ? s.m : s.k, b.data(), tb ? s.k : s.n, 0.5f,
+                                c.data(), s.n);
+      double worst = 0.0;
+      for (int64_t i = 0; i < s.m; ++i) {
+        for (int64_t j = 0; j < s.n; ++j) {
+          double ref = 0.5 * c0[static_cast<size_t>(i * s.n + j)];
+          for (int64_t p = 0; p < s.k; ++p) {
+            const double av = ta ? a[static_cast<size_t>(p * s.m + i)] : a[static_cast<size_t>(i * s.k + p)];
+            const double bv = tb ? b[static_cast<size_t>(j * s.k + p)] : b[static_cast<size_t>(p * s.n + j)];
+            ref += 0.75 * av * bv;
+          }
+          worst = std::max(worst, std::abs(ref - c[static_cast<size_t>(i * s.n + j)]));
+        }
+      }
+      EXPECT_LT(worst, static_cast<double>(s.k) * 6e-8 * 2.0) << "ta " << ta << " tb " << tb << " m " << s.m;
+      EXPECT_GT(worst, 0.0) << "ta " << ta << " tb " << tb;
     }
   }
 }

@@ -2,6 +2,8 @@
 
 #include <oneapi/dnnl/dnnl.h>
 
+#include <omp.h>
+
 #include <algorithm>
 #include <cstring>
 #include <vector>
@@ -55,6 +57,12 @@ void gemm_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, floa
 // first slice), and C = alpha T + beta C by an elementwise pass where alpha != 1 or beta != 0
 // (T in a per-thread buffer). Tested on 1, 2 and 4 threads (tests/test_gemm.cpp); neutral in
 // speed on the GPT-2 shapes (0.96-1.03x per shape).
+//
+// That holds for oneDNN's AVX-512 kernels. On a CPU with AVX2 only (measured on an AMD Zen 3),
+// its sgemm chooses between copy and no-copy kernels and splits the work by the thread count,
+// and 3 or 4 threads give other bits than 1 and 2 in every transpose form, at any K. There Loom
+// splits C itself (gemm_f32_tiled): fixed tiles of 128 x 256, each a whole oneDNN call on one
+// thread, so each element is computed the same way whichever thread count runs the tiles.
 constexpr int64_t kThreadStableK = 768;
 
 namespace {
@@ -66,11 +74,75 @@ void sgemm_checked(char ta, char tb, int64_t m, int64_t n, int64_t k, float alph
              " N=", n, " K=", k);
 }
 
+// Whether oneDNN runs its AVX-512 (avx512_core or later) kernels here: the CPU has them and
+// DNNL_MAX_CPU_ISA does not cap them. Fixed for the process.
+bool dnnl_runs_avx512() {
+  static const bool avx512 = (static_cast<unsigned>(dnnl_get_effective_cpu_isa()) &
+                              static_cast<unsigned>(dnnl_cpu_isa_avx512_core)) == static_cast<unsigned>(dnnl_cpu_isa_avx512_core);
+  return avx512;
+}
+
+// Tiles of C for gemm_f32_tiled: 128 x 256 kept oneDNN's AVX2 kernels within noise of its own
+// threading on the GPT-2 shapes (2 threads, 256 and 2048 rows) and gives 6 or more tiles to
+// spread over the threads on all but the smallest products.
+constexpr int64_t kTileRows = 128, kTileCols = 256;
+constexpr int64_t kTallRows = 8192;  // op(A) = A^T with at least this many rows: not copied (below)
+
 }  // namespace
 
-void gemm_f32(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
-              const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+void gemm_f32_tiled(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
+                    int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
   if (m == 0 || n == 0) return;
+  // op(A) = A^T: A is copied transposed first (an exact copy), so the tiles multiply N x op(B).
+  // On oneDNN's AVX2 kernels a tile of A^T x B takes its slow no-copy path (half the rate at
+  // 3072 x 768 x 256); the copy costs O(m k) against the product's O(m n k). Its buffer is the
+  // calling thread's and grows to the largest A once (no allocation in a training step after
+  // the first).
+  // Where A^T has many rows (the head's weight gradient: a row per token of the vocabulary),
+  // the copy would be the size of the logits; there A^T x B runs in tiles of 1024 x 384 instead,
+  // large enough that oneDNN takes its copy-based kernels for them (as fast as its own threading
+  // on 50257 x 384 x 2048 and 50257 x 768 x 256).
+  const bool tall_trans_a = trans_a && m >= kTallRows;
+  const int64_t tile_rows = tall_trans_a ? 1024 : kTileRows, tile_cols = tall_trans_a ? 384 : kTileCols;
+  thread_local std::vector<float> a_t;
+  if (trans_a && !tall_trans_a && k > 0) {
+    if (a_t.size() < static_cast<size_t>(m * k)) a_t.resize(static_cast<size_t>(m * k));
+    float* dst = a_t.data();  // the calling thread's buffer (a_t names another one in each worker)
+    constexpr int64_t kBlock = 32;  // 32 x 32 blocks: each block's rows and columns stay in L1
+#pragma omp parallel for schedule(static)
+    for (int64_t i0 = 0; i0 < m; i0 += kBlock) {
+      for (int64_t p0 = 0; p0 < k; p0 += kBlock) {
+        const int64_t i1 = std::min(m, i0 + kBlock), p1 = std::min(k, p0 + kBlock);
+        for (int64_t i = i0; i < i1; ++i) {
+          for (int64_t p = p0; p < p1; ++p) dst[i * k + p] = a[p * lda + i];
+        }
+      }
+    }
+    a = dst;
+    lda = k;
+    trans_a = false;
+  }
+  const int64_t tiles_m = (m + tile_rows - 1) / tile_rows, tiles_n = (n + tile_cols - 1) / tile_cols;
+  int worst = dnnl_success;  // the largest status of any tile (oneDNN's errors are positive)
+#pragma omp parallel for schedule(dynamic, 1) reduction(max : worst)
+  for (int64_t t = 0; t < tiles_m * tiles_n; ++t) {
+    const int64_t i0 = t / tiles_n * tile_rows, j0 = t % tiles_n * tile_cols;
+    const int64_t rows = std::min(tile_rows, m - i0), cols = std::min(tile_cols, n - j0);
+    const float* at = trans_a ? a + i0 : a + i0 * lda;
+    const float* bt = trans_b ? b + j0 * ldb : b + j0;
+    const dnnl_status_t status = dnnl_sgemm(trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', rows, cols, k, alpha, at, lda, bt,
+                                            ldb, beta, c + i0 * ldc + j0, ldc);
+    worst = std::max(worst, static_cast<int>(status));
+  }
+  LOOM_CHECK(worst == dnnl_success, "oneDNN sgemm failed with status ", worst, " for M=", m, " N=",
+             n, " K=", k);
+}
+
+namespace {
+
+void gemm_f32_library_threads(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
+                              const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c,
+                              int64_t ldc) {
   if (trans_a || !trans_b || k == 0) {
     sgemm_checked(trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
     return;
@@ -96,6 +168,21 @@ void gemm_f32(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float
       for (int64_t j = 0; j < n; ++j) ci[j] = alpha * ti[j] + beta * ci[j];
     }
   }
+}
+
+}  // namespace
+
+void gemm_f32(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
+              const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  if (m == 0 || n == 0) return;
+  if (omp_in_parallel()) {
+    // Inside a parallel region (attention's tasks) oneDNN runs the whole product on this
+    // thread: the same bits whatever the thread count.
+    sgemm_checked(trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    return;
+  }
+  if (dnnl_runs_avx512()) gemm_f32_library_threads(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  else gemm_f32_tiled(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
 
 void gemm_f64(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, double alpha, const double* a,

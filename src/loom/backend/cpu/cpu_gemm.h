@@ -6,8 +6,16 @@
 
 namespace loom::cpu {
 
+// The same bits for any thread count (cpu_gemm.cpp): oneDNN's own threading on its AVX-512
+// kernels (with K slices), gemm_f32_tiled on its AVX2 kernels, one call on this thread inside a
+// parallel region.
 void gemm_f32(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
               const float* b, int64_t ldb, float beta, float* c, int64_t ldc);
+// C split into fixed tiles, each one single-threaded oneDNN call (op(A) = A^T is copied
+// transposed first): the same bits for any thread count on any CPU. gemm_f32's path where
+// oneDNN runs AVX2 kernels; public so that tests run it on every CPU.
+void gemm_f32_tiled(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
+                    int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc);
 // bf16 A and B (raw bit patterns), fp32 accumulation and C: oneDNN's bf16 GEMM (2x fp32 on
 // this CPU's AVX-512 BF16, docs/gemm.md).
 void gemm_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const uint16_t* a, int64_t lda,
