@@ -60,7 +60,8 @@ TEST(CpuGemm, SameBitsForOneTwoAndFourThreads) {
 TEST(CpuGemm, TiledSameBitsForOneToFourThreads) {
   const Shape shapes[] = {{false, true, 256, 768, 3072}, {false, false, 300, 700, 500}, {true, false, 768, 256, 256},
                           {true, true, 129, 257, 100}, {false, true, 2048, 384, 1536}, {false, true, 33, 65, 769},
-                          {true, false, 8200, 400, 64}};  // the last: A^T tall enough for 1024 x 384 tiles, not copied
+                          {true, false, 8200, 400, 64},    // A^T tall enough for 1024 x 384 tiles, not copied
+                          {true, false, 1100, 40, 8000}};  // A^T too large to copy (8.8M elements)
   for (const Shape& s : shapes) {
     const auto a = values(s.m * s.k, 7), b = values(s.k * s.n, 8), c0 = values(s.m * s.n, 9);
     for (const float beta : {0.0f, 1.0f}) {

@@ -86,7 +86,8 @@ bool dnnl_runs_avx512() {
 // threading on the GPT-2 shapes (2 threads, 256 and 2048 rows) and gives 6 or more tiles to
 // spread over the threads on all but the smallest products.
 constexpr int64_t kTileRows = 128, kTileCols = 256;
-constexpr int64_t kTallRows = 8192;  // op(A) = A^T with at least this many rows: not copied (below)
+constexpr int64_t kTallRows = 8192;       // op(A) = A^T with at least this many rows: not copied (below)
+constexpr int64_t kMaxCopy = 8 << 20;     // nor one of more elements than this (32 MiB)
 
 }  // namespace
 
@@ -101,11 +102,12 @@ void gemm_f32_tiled(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
   // Where A^T has many rows (the head's weight gradient: a row per token of the vocabulary),
   // the copy would be the size of the logits; there A^T x B runs in tiles of 1024 x 384 instead,
   // large enough that oneDNN takes its copy-based kernels for them (as fast as its own threading
-  // on 50257 x 384 x 2048 and 50257 x 768 x 256).
-  const bool tall_trans_a = trans_a && m >= kTallRows;
-  const int64_t tile_rows = tall_trans_a ? 1024 : kTileRows, tile_cols = tall_trans_a ? 384 : kTileCols;
+  // on 50257 x 384 x 2048 and 50257 x 768 x 256). So does an A larger than kMaxCopy elements,
+  // which would otherwise stay held by the thread's buffer for the rest of the run.
+  const bool copy_a = trans_a && k > 0 && m < kTallRows && m * k <= kMaxCopy;
+  const int64_t tile_rows = trans_a && !copy_a ? 1024 : kTileRows, tile_cols = trans_a && !copy_a ? 384 : kTileCols;
   thread_local std::vector<float> a_t;
-  if (trans_a && !tall_trans_a && k > 0) {
+  if (copy_a) {
     if (a_t.size() < static_cast<size_t>(m * k)) a_t.resize(static_cast<size_t>(m * k));
     float* dst = a_t.data();  // the calling thread's buffer (a_t names another one in each worker)
     constexpr int64_t kBlock = 32;  // 32 x 32 blocks: each block's rows and columns stay in L1
