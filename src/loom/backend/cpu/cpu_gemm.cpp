@@ -88,6 +88,7 @@ bool dnnl_runs_avx512() {
 constexpr int64_t kTileRows = 128, kTileCols = 256;
 constexpr int64_t kTallRows = 8192;       // op(A) = A^T with at least this many rows: not copied (below)
 constexpr int64_t kMaxCopy = 8 << 20;     // nor one of more elements than this (32 MiB)
+constexpr int64_t kUncopiedTileRows = 1024, kUncopiedTileCols = 384;  // the tiles of an uncopied A^T
 
 }  // namespace
 
@@ -105,7 +106,9 @@ void gemm_f32_tiled(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
   // on 50257 x 384 x 2048 and 50257 x 768 x 256). So does an A larger than kMaxCopy elements,
   // which would otherwise stay held by the thread's buffer for the rest of the run.
   const bool copy_a = trans_a && k > 0 && m < kTallRows && m * k <= kMaxCopy;
-  const int64_t tile_rows = trans_a && !copy_a ? 1024 : kTileRows, tile_cols = trans_a && !copy_a ? 384 : kTileCols;
+  const bool uncopied_a_t = trans_a && !copy_a;
+  const int64_t tile_rows = uncopied_a_t ? kUncopiedTileRows : kTileRows;
+  const int64_t tile_cols = uncopied_a_t ? kUncopiedTileCols : kTileCols;
   thread_local std::vector<float> a_t;
   if (copy_a) {
     if (a_t.size() < static_cast<size_t>(m * k)) a_t.resize(static_cast<size_t>(m * k));
@@ -177,14 +180,15 @@ void gemm_f32_library_threads(bool trans_a, bool trans_b, int64_t m, int64_t n, 
 void gemm_f32(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
               const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
   if (m == 0 || n == 0) return;
-  if (omp_in_parallel()) {
+  if (dnnl_runs_avx512()) {
+    gemm_f32_library_threads(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  } else if (omp_in_parallel()) {
     // Inside a parallel region (attention's tasks) oneDNN runs the whole product on this
-    // thread: the same bits whatever the thread count.
+    // thread, the same bits whatever the thread count; tiles would only add calls.
     sgemm_checked(trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
-    return;
+  } else {
+    gemm_f32_tiled(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
   }
-  if (dnnl_runs_avx512()) gemm_f32_library_threads(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
-  else gemm_f32_tiled(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
 
 void gemm_f64(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, double alpha, const double* a,

@@ -7,8 +7,8 @@
 namespace loom::cpu {
 
 // The same bits for any thread count (cpu_gemm.cpp): oneDNN's own threading on its AVX-512
-// kernels (with K slices), gemm_f32_tiled on its AVX2 kernels, one call on this thread inside a
-// parallel region.
+// kernels (with K slices), else gemm_f32_tiled, or one call on this thread inside a parallel
+// region.
 void gemm_f32(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
               const float* b, int64_t ldb, float beta, float* c, int64_t ldc);
 // C split into fixed tiles, each one single-threaded oneDNN call (op(A) = A^T is copied
