@@ -145,13 +145,13 @@ double run(const Args& args, const std::string& compute) {
   const MemoryTracker& mem = backend->allocator().tracker();
   std::printf(
       "{\"impl\": \"loom\", \"device\": \"%s\", \"omp_wait_policy\": \"%s\", \"flash\": %s, \"compute\": \"%s\", \"model\": \"%s\", \"batch\": %lld, \"seq\": %lld, \"steps\": %lld, "
-      "\"tokens_per_s\": %.2f, \"step_ms\": %.2f, \"peak_dtype\": \"%s\", \"gemm_peak_gflops\": %.1f, \"peak_cached\": %s, "
+      "\"tokens_per_s\": %.2f, \"step_ms\": %.2f, \"peak_dtype\": \"%s\", \"gemm_peak_gflops\": %.1f, \"peak_cached\": %s, \"gemm_kernels\": \"%s\", "
       "\"datasheet_peak_gflops\": %.1f, \"clock_ghz\": %.3f, \"achieved_gflops\": %.1f, \"mfu\": %.4f, \"mfu_datasheet\": %.4f, "
       "\"final_loss\": %.4f, \"params\": %lld, \"lora\": %lld, \"qlora\": %s, \"max_rss\": %lld, \"rss_end\": %lld",
       args.device.c_str(), omp_wait_policy().c_str(), args.flash ? "true" : "false", compute.c_str(), args.model.c_str(), static_cast<long long>(args.batch), static_cast<long long>(args.seq),
       static_cast<long long>(args.steps), tps, 1e3 * seconds / static_cast<double>(args.steps),
       args.peak_tflops > 0.0 ? "stated" : std::string(dtype_name(peak.dtype)).c_str(), peak.measured_gflops,
-      peak.cached ? "true" : "false", peak.datasheet_gflops, peak.clock_ghz, flops / 1e9, flops / 1e9 / peak.measured_gflops,
+      peak.cached ? "true" : "false", backend->gemm_kernels(peak.dtype).c_str(), peak.datasheet_gflops, peak.clock_ghz, flops / 1e9, flops / 1e9 / peak.measured_gflops,
       peak.datasheet_gflops > 0.0 ? flops / 1e9 / peak.datasheet_gflops : 0.0, loss, static_cast<long long>(param_count(config)), static_cast<long long>(args.lora),
       args.qlora ? "true" : "false", max_rss_bytes(), current_rss_bytes());
   for (int c = 0; c < MEM_CATEGORY_COUNT; ++c) {

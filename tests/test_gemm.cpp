@@ -81,6 +81,34 @@ TEST(CpuGemm, TiledSameBitsForOneToFourThreads) {
   }
 }
 
+// transpose_f32 (the A^T copy of the tiled path): every element lands where the element loop puts
+// it, for shapes with and without whole 8 x 8 tiles and 64 x 64 blocks, with padded leading
+// dimensions, on 1 and 2 threads; the padding of dst is left alone.
+TEST(CpuGemm, TransposeMovesEveryElementToItsPlace) {
+  const int64_t shapes[][2] = {{8, 8}, {1, 9}, {9, 1}, {64, 64}, {67, 131}, {130, 72}, {200, 7}, {0, 5}};
+  for (const auto& shape : shapes) {
+    const int64_t rows = shape[0], cols = shape[1], ld_src = cols + 3, ld_dst = rows + 5;
+    const auto src = values(std::max<int64_t>(1, rows * ld_src), 21);
+    for (const int threads : {1, 2}) {
+      const int saved = omp_get_max_threads();
+      omp_set_num_threads(threads);
+      std::vector<float> dst(static_cast<size_t>(cols * ld_dst), -7.0f);
+      loom::cpu::transpose_f32(src.data(), ld_src, rows, cols, dst.data(), ld_dst);
+      omp_set_num_threads(saved);
+      int64_t wrong = 0, padding_touched = 0;
+      for (int64_t j = 0; j < cols; ++j) {
+        for (int64_t p = 0; p < ld_dst; ++p) {
+          const float got = dst[static_cast<size_t>(j * ld_dst + p)];
+          if (p < rows) wrong += got != src[static_cast<size_t>(p * ld_src + j)];
+          else padding_touched += got != -7.0f;
+        }
+      }
+      EXPECT_EQ(wrong, 0) << rows << " x " << cols << " on " << threads << " threads";
+      EXPECT_EQ(padding_touched, 0) << rows << " x " << cols << " on " << threads << " threads";
+    }
+  }
+}
+
 // The tiled product is the product in every transpose form: against double precision, within
 // the fp32 bound K u (|alpha| max|a||b| K + |beta c|) per element.
 TEST(CpuGemm, TiledProductMatchesDoubleReference) {
@@ -110,6 +138,52 @@ TEST(CpuGemm, TiledProductMatchesDoubleReference) {
       EXPECT_LT(worst, static_cast<double>(s.k) * 6e-8 * 2.0) << "ta " << ta << " tb " << tb << " m " << s.m;
       EXPECT_GT(worst, 0.0) << "ta " << ta << " tb " << tb;
     }
+  }
+}
+
+// gemm_bf16 in every transpose form, with padded leading dimensions and row lengths that are not
+// a multiple of 8 (the AVX2 fallback widens 8 values at a time, on the threads from 64Ki values
+// on): the products of the bf16 values accumulated in fp32, against double precision within
+// K u max|a||b| per element (the products are exact in fp32; only the sums round).
+TEST(CpuGemm, Bf16ProductIsTheProductOfTheBf16Values) {
+  const Shape shapes[] = {{false, false, 37, 29, 83}, {false, true, 37, 29, 83}, {true, false, 37, 29, 83},
+                          {true, true, 37, 29, 83}, {false, true, 300, 260, 301}, {true, false, 301, 260, 300}};
+  auto to_bf16 = [](const std::vector<float>& v) {
+    std::vector<uint16_t> out(v.size());
+    for (size_t i = 0; i < v.size(); ++i) {
+      uint32_t bits;
+      std::memcpy(&bits, &v[i], sizeof bits);
+      out[i] = static_cast<uint16_t>(bits >> 16);  // truncation: any bf16 values will do
+    }
+    return out;
+  };
+  auto value = [](uint16_t h) {
+    const uint32_t bits = static_cast<uint32_t>(h) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return static_cast<double>(f);
+  };
+  for (const Shape& s : shapes) {
+    const int64_t a_rows = s.ta ? s.k : s.m, a_cols = s.ta ? s.m : s.k;
+    const int64_t b_rows = s.tb ? s.n : s.k, b_cols = s.tb ? s.k : s.n;
+    const int64_t lda = a_cols + 5, ldb = b_cols + 3, ldc = s.n + 2;
+    const auto a = to_bf16(values(a_rows * lda, 31)), b = to_bf16(values(b_rows * ldb, 32));
+    std::vector<float> c(static_cast<size_t>(s.m * ldc), 0.0f);
+    loom::cpu::gemm_bf16(s.ta, s.tb, s.m, s.n, s.k, 1.0f, a.data(), lda, b.data(), ldb, 0.0f, c.data(), ldc);
+    double worst = 0.0;
+    for (int64_t i = 0; i < s.m; ++i) {
+      for (int64_t j = 0; j < s.n; ++j) {
+        double ref = 0.0;
+        for (int64_t p = 0; p < s.k; ++p) {
+          const double av = value(s.ta ? a[static_cast<size_t>(p * lda + i)] : a[static_cast<size_t>(i * lda + p)]);
+          const double bv = value(s.tb ? b[static_cast<size_t>(j * ldb + p)] : b[static_cast<size_t>(p * ldb + j)]);
+          ref += av * bv;
+        }
+        worst = std::max(worst, std::abs(ref - c[static_cast<size_t>(i * ldc + j)]));
+      }
+    }
+    EXPECT_LT(worst, static_cast<double>(s.k) * 6e-8) << s.ta << s.tb << " " << s.m << "x" << s.n << "x" << s.k;
+    EXPECT_GT(worst, 0.0) << s.ta << s.tb << " " << s.m << "x" << s.n << "x" << s.k;
   }
 }
 

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "loom/core/error.h"
+#include "loom/train/throughput.h"
 #include "loom/train/trainer.h"
 #include "test_util.h"
 
@@ -22,6 +23,33 @@ std::vector<int32_t> repeating_tokens(int64_t n, int32_t period) {
 
 // Parameters 4N, gradients 4N, AdamW state 8N bytes: the tracker must report exactly those
 // (within the 10%), and activations must be non-zero.
+// A GEMM peak measured while the clock loop ran below 80% of the CPU's stated clock is not cached
+// (train/throughput.h): the shared VM's 0.73 GHz against 2.45 stated is busy; a turbo clock above
+// the stated one, or a CPU that states none, is not.
+TEST(GemmPeakTest, AMeasurementOnABusyMachineIsNotKept) {
+  EXPECT_TRUE(peak_measured_on_a_busy_machine(0.73, 2.445));
+  EXPECT_TRUE(peak_measured_on_a_busy_machine(1.9, 2.445));
+  EXPECT_FALSE(peak_measured_on_a_busy_machine(2.0, 2.445));
+  EXPECT_FALSE(peak_measured_on_a_busy_machine(2.93, 2.445));
+  EXPECT_FALSE(peak_measured_on_a_busy_machine(0.5, 0.0));
+}
+
+// The CPU backend names its GEMM kernels per input dtype, with the revision the peak cache keys on.
+TEST(GemmPeakTest, TheCpuBackendNamesItsGemmKernelsWithARevision) {
+  auto backend = make_cpu_backend();
+  const std::string f32 = backend->gemm_kernels(DTYPE_F32), bf16 = backend->gemm_kernels(DTYPE_BF16);
+  EXPECT_EQ(f32.rfind("oneDNN sgemm, ", 0), 0u) << f32;
+  EXPECT_NE(f32, bf16);
+  for (const std::string& s : {f32, bf16}) {
+    const size_t at = s.rfind(" (cpu gemm r");
+    ASSERT_NE(at, std::string::npos) << s;
+    EXPECT_EQ(s.back(), ')') << s;
+    EXPECT_TRUE(std::isdigit(static_cast<unsigned char>(s[at + 12]))) << s;
+  }
+  // Without AVX-512 the bf16 GEMM is widened to fp32, and the words say so.
+  EXPECT_EQ(bf16.find("widened") != std::string::npos, f32.find("AVX2") != std::string::npos) << bf16;
+}
+
 TEST(TrainerTest, PeakMemoryByCategoryMatchesModelArithmetic) {
   auto backend = make_cpu_backend();
   ModelConfig config = model_preset("gpt2-tiny");

@@ -9,6 +9,7 @@
 #include <array>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <string_view>
 
 #include "loom/backend/rope.h"
@@ -169,6 +170,11 @@ class Backend {
   virtual std::string_view name() const = 0;
   // Default: none of the host-computed features (a backend states what it adds).
   virtual BackendCapabilities capabilities() const { return {}; }
+  // Which kernels run this backend's GEMM with inputs of `dtype` (f32, or bf16 into f32), in
+  // words, with a revision that changes whenever their speed may: the run header states it, and
+  // the cached GEMM peak (train/throughput.h) is kept per description, so a peak measured with
+  // other kernels is measured again. "" where not stated.
+  virtual std::string gemm_kernels(DType dtype) const { return {}; }
   virtual Allocator& allocator() = 0;
 
   // Host memory <-> a tensor of this backend (dst.nbytes() / src.nbytes() bytes). On the CPU a

@@ -63,7 +63,25 @@ std::string cpu_model_name() {
   return "unknown cpu";
 }
 
+// The clock the kernel states for the first CPU ("cpu MHz" in /proc/cpuinfo), in GHz; 0 where not
+// stated. In a VM the nominal clock; on bare metal the current one.
+double stated_cpu_ghz() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("cpu MHz", 0) == 0) {
+      const size_t colon = line.find(':');
+      if (colon != std::string::npos) return std::atof(line.c_str() + colon + 1) / 1000.0;
+    }
+  }
+  return 0.0;
+}
+
 }  // namespace
+
+bool peak_measured_on_a_busy_machine(double measured_ghz, double stated_ghz) {
+  return stated_ghz > 0.0 && measured_ghz < 0.8 * stated_ghz;
+}
 
 double measure_gemm_peak_gflops(Backend& backend, DType dtype) {
   LOOM_CHECK(dtype == DTYPE_F32 || dtype == DTYPE_BF16, "measure_gemm_peak_gflops: dtype ", dtype_name(dtype),
@@ -110,18 +128,21 @@ std::string GemmPeak::describe() const {
   std::string s = str_cat(dtype_name(dtype), " GEMM peak: ", static_cast<int64_t>(measured_gflops + 0.5),
                           " GFLOP/s measured");
   if (cached) s += str_cat(" (cached in ", cache_file, ")");
+  if (busy) s += " (on a busy machine, not cached)";
+  std::string tail = kernels.empty() ? "" : str_cat("; kernels: ", kernels);
   if (datasheet_gflops > 0.0) {
     char clock[32];
     std::snprintf(clock, sizeof clock, "%.2f", clock_ghz);
     s += str_cat(", ", static_cast<int64_t>(datasheet_gflops + 0.5), " datasheet-style (", threads, " thread",
                  threads == 1 ? "" : "s", " x ", clock, " GHz x ", flops_per_cycle, " FLOP/cycle)");
   }
-  return s;
+  return s + tail;
 }
 
 GemmPeak gemm_peak(Backend& backend, DType dtype, const std::string& cache_dir) {
   GemmPeak peak;
   peak.dtype = dtype;
+  peak.kernels = backend.gemm_kernels(dtype);
   const bool cpu = backend.name() == "cpu";
   if (cpu) {
     peak.threads = omp_get_max_threads();
@@ -132,7 +153,7 @@ GemmPeak gemm_peak(Backend& backend, DType dtype, const std::string& cache_dir) 
     peak.datasheet_gflops = peak.threads * ghz * peak.flops_per_cycle;
   };
   const std::string key = str_cat(backend.name(), " | ", cpu_model_name(), " | ", peak.threads, " threads | ",
-                                  dtype_name(dtype));
+                                  dtype_name(dtype), peak.kernels.empty() ? "" : " | ", peak.kernels);
   const std::string file = cache_dir.empty() || !cpu ? "" : cache_dir + "/gemm_peak.json";
   nlohmann::json cache = nlohmann::json::object();
   if (!file.empty() && std::filesystem::exists(file)) {
@@ -158,7 +179,17 @@ GemmPeak gemm_peak(Backend& backend, DType dtype, const std::string& cache_dir) 
   }
   if (cpu) set_clock(measure_clock_ghz());
   peak.measured_gflops = measure_gemm_peak_gflops(backend, dtype);
-  if (!file.empty()) {
+  // A peak measured while other work held the cores would be kept for every later run, and their
+  // MFU overstated by as much: seen on a shared VM whose clock loop ran at 0.73 GHz (stated 2.45)
+  // and measured 75 GFLOP/s against 166 measured idle. Such a measurement serves this run only.
+  const char* check = std::getenv("LOOM_PEAK_BUSY_CHECK");  // "0": cache it anyway (throughput.h)
+  const double stated = cpu && (check == nullptr || std::string(check) != "0") ? stated_cpu_ghz() : 0.0;
+  if (!file.empty() && peak_measured_on_a_busy_machine(peak.clock_ghz, stated)) {
+    std::fprintf(stderr, "loom: warning: the machine looked busy while the %s GEMM peak was measured (a clock loop ran "
+                 "at %.2f GHz, the CPU states %.2f): %.0f GFLOP/s is used for this run's MFU and not cached in %s\n",
+                 std::string(dtype_name(dtype)).c_str(), peak.clock_ghz, stated, peak.measured_gflops, file.c_str());
+    peak.busy = true;
+  } else if (!file.empty()) {
     try {
       std::filesystem::create_directories(cache_dir);
       cache[key] = {{"gflops", peak.measured_gflops}, {"gemm", "2048^3, best of 9 after a warm-up"},

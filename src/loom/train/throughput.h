@@ -27,9 +27,12 @@ struct GemmPeak {
   double clock_ghz = 0.0;         // measured
   int flops_per_cycle = 0;        // per core
   int threads = 0;
+  std::string kernels;            // the backend's gemm_kernels(dtype): which kernels were measured
   bool cached = false;            // measured_gflops came from the cache file
+  bool busy = false;              // measured now, on a machine that looked busy: not cached (below)
   std::string cache_file;         // where it is kept ("" = not cached)
-  // "bf16 GEMM peak: 912 GFLOP/s measured (cached in F), 950 datasheet-style (2 threads x 3.71 GHz x 128 FLOP/cycle)"
+  // "bf16 GEMM peak: 912 GFLOP/s measured (cached in F), 950 datasheet-style (2 threads x 3.71 GHz x
+  // 128 FLOP/cycle); kernels: ..."
   std::string describe() const;
 };
 
@@ -39,10 +42,17 @@ double measure_gemm_peak_gflops(Backend& backend, DType dtype = DTYPE_F32);
 
 // The peak of `dtype` on this machine: the measured one (and the clock the datasheet-style peak
 // uses) from cache_dir/gemm_peak.json when it holds this machine's key (backend, CPU model,
-// thread count, dtype), else measured and added to it (written to a temporary name and renamed). An empty cache_dir measures every time; so
-// does a GPU backend (its key would need the device's name). A cache that cannot be read or
-// written is ignored with a warning on stderr, never an error.
+// thread count, dtype, the backend's gemm_kernels(dtype)), else measured and added to it (written
+// to a temporary name and renamed) unless the machine looked busy (peak_measured_on_a_busy_machine:
+// a warning, and the next run measures again; LOOM_PEAK_BUSY_CHECK=0 caches it anyway, for a CPU
+// whose stated clock is not one it runs at). An empty cache_dir measures every time; so does a
+// GPU backend (its key would need the device's name). A cache that cannot be read or written is
+// ignored with a warning on stderr, never an error.
 GemmPeak gemm_peak(Backend& backend, DType dtype, const std::string& cache_dir);
+
+// Whether a measurement looks taken beside other work: the clock loop ran below 80% of the clock
+// the CPU states (/proc/cpuinfo; 0 = not stated, never busy). gemm_peak then does not cache it.
+bool peak_measured_on_a_busy_machine(double measured_ghz, double stated_ghz);
 
 // $LOOM_CACHE_DIR, else $XDG_CACHE_HOME/loom, else $HOME/.cache/loom, else "" (no cache).
 std::string default_peak_cache_dir();

@@ -38,6 +38,7 @@ class CpuBackend final : public Backend {
   std::string_view name() const override { return "cpu"; }
   // Host code reads CPU memory directly: every feature runs.
   BackendCapabilities capabilities() const override { return kEveryCapability; }
+  std::string gemm_kernels(DType dtype) const override { return cpu::gemm_kernels(dtype == DTYPE_BF16); }
   Allocator& allocator() override { return allocator_; }
 
   void write(const Tensor& dst, const void* host) override { std::memcpy(dst.raw_data(), host, dst.nbytes()); }
