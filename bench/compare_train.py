@@ -2,7 +2,7 @@
 """Loom vs PyTorch training throughput on this machine, measured in the same run.
 
     /usr/bin/python3 bench/compare_train.py [--build build] [--steps 6] [--warmup 2] [--threads 2]
-        [--rounds 2] [--skip-shipped]
+        [--rounds 2] [--skip-shipped] [--dtypes f32,bf16]
 
 For each shape of the acceptance criterion -- GPT-2 124M (B=4, T=64) and a small GPT-2
 (6 layers, d=384, B=8, T=256) -- and each compute dtype (f32; bf16), runs in alternating rounds:
@@ -12,6 +12,8 @@ For each shape of the acceptance criterion -- GPT-2 124M (B=4, T=64) and a small
   * PyTorch at its best: bench/torch_train_bench.py with OPENBLAS_CORETYPE unset,
     OMP_WAIT_POLICY=PASSIVE and tcmalloc preloaded, fp32 and bf16 autocast (--cpu-bf16 1);
   * PyTorch as shipped (fp32, this machine's environment unchanged), unless --skip-shipped.
+--dtypes f32 leaves bf16 out: on a CPU without AVX-512 BF16, PyTorch's bf16 autocast ran 3 steps of
+GPT-2 124M for over 5 minutes, and Loom's bf16 GEMM widens to fp32 there (its run header says so).
 Prints tokens/s (medians over the rounds), the ratios Loom / PyTorch at its best (for bf16 also
 against PyTorch's faster recipe), and MFU. Runs are sequential, never concurrent.
 """
@@ -57,7 +59,11 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--skip-shipped", action="store_true", help="skip the slow as-shipped PyTorch run")
+    ap.add_argument("--dtypes", default="f32,bf16", help="compute dtypes to compare: f32, bf16 or both")
     args = ap.parse_args()
+    dtypes = [d for d in args.dtypes.split(",") if d]
+    if not dtypes or any(d not in ("f32", "bf16") for d in dtypes):
+        raise SystemExit(f"compare_train: --dtypes {args.dtypes!r}: expected f32, bf16 or f32,bf16")
 
     loom_bin = os.path.join(args.build, "bench", "train_bench")
     if not os.access(loom_bin, os.X_OK):
@@ -74,6 +80,7 @@ def main() -> int:
             "pt f32": (torch_cmd, torch_env(True, args.threads)),
             "pt bf16": (torch_cmd + ["--cpu-bf16", "1"], torch_env(True, args.threads)),
         }
+        runs = {name: v for name, v in runs.items() if name.split()[1] in dtypes}
         if not args.skip_shipped:
             runs["pt shipped"] = (torch_cmd, torch_env(False, args.threads))
         results: dict[str, list[dict]] = {name: [] for name in runs}
@@ -95,12 +102,14 @@ def main() -> int:
     print(f"{'shape':<24}{'dtype':<6}{'Loom tok/s':>11}{'PT tok/s':>10}{'Loom/PT':>9}{'PT shipped':>11}"
           f"{'MFU':>7}{'peak GF/s':>10}{'MFU (datasheet)':>16}")
     for shape, med, mfu, mfu_ds, peaks in rows:
-        for dtype in ("f32", "bf16"):
+        for dtype in dtypes:
             loom, pt = med[f"loom {dtype}"], med[f"pt {dtype}"]
             shipped = med.get("pt shipped", float("nan")) if dtype == "f32" else float("nan")
             dt, peak, ds = peaks[f"loom {dtype}"]
             print(f"{shape:<24}{dtype:<6}{loom:>11.1f}{pt:>10.1f}{loom / pt:>9.2f}{shipped:>11.1f}"
                   f"{100 * mfu[f'loom {dtype}']:>6.1f}%{peak:>10.0f}{100 * mfu_ds[f'loom {dtype}']:>9.1f}% of {ds:.0f}")
+        if len(dtypes) < 2:
+            continue
         best_pt = max(med["pt f32"], med["pt bf16"])
         print(f"{shape:<24}bf16 Loom / PyTorch's faster recipe ({'bf16' if med['pt bf16'] >= med['pt f32'] else 'f32'}): "
               f"{med['loom bf16'] / best_pt:.2f}")

@@ -61,7 +61,8 @@ TEST(CpuGemm, TiledSameBitsForOneToFourThreads) {
   const Shape shapes[] = {{false, true, 256, 768, 3072}, {false, false, 300, 700, 500}, {true, false, 768, 256, 256},
                           {true, true, 129, 257, 100}, {false, true, 2048, 384, 1536}, {false, true, 33, 65, 769},
                           {true, false, 8200, 400, 64},    // A^T tall enough for 1024 x 384 tiles, not copied
-                          {true, false, 1100, 40, 8000}};  // A^T too large to copy (8.8M elements)
+                          {true, false, 1100, 40, 8000},   // A^T too large to copy (8.8M elements)
+                          {false, false, 200, 1024, 300}, {true, false, 300, 512, 200}};  // B copied padded
   for (const Shape& s : shapes) {
     const auto a = values(s.m * s.k, 7), b = values(s.k * s.n, 8), c0 = values(s.m * s.n, 9);
     for (const float beta : {0.0f, 1.0f}) {
@@ -113,9 +114,10 @@ TEST(CpuGemm, TransposeMovesEveryElementToItsPlace) {
 // the fp32 bound K u (|alpha| max|a||b| K + |beta c|) per element.
 TEST(CpuGemm, TiledProductMatchesDoubleReference) {
   // Two tile rows (128 + 22) and columns (256 + 44) in each transpose form; then A^T with 8200
-  // rows, which runs in 1024 x 384 tiles without the copy.
+  // rows, which runs in 1024 x 384 tiles without the copy; then B copied with padded rows.
   const Shape shapes[] = {{false, false, 150, 300, 200}, {false, true, 150, 300, 200}, {true, false, 150, 300, 200},
-                          {true, true, 150, 300, 200}, {true, false, 8200, 400, 64}};
+                          {true, true, 150, 300, 200}, {true, false, 8200, 400, 64},
+                          {false, false, 150, 512, 200}, {true, false, 150, 1024, 100}};  // B's rows 512 / 1024 apart: padded
   for (const Shape& s : shapes) {
     const bool ta = s.ta, tb = s.tb;
     {
