@@ -7,7 +7,8 @@
 //                in a cache file (below), so a run does not spend a second on it and every run of
 //                a machine states its MFU against the same number.
 //   datasheet    threads x clock x FLOPs per cycle and core: the clock measured with a chain of
-//                dependent integer adds (one per cycle), the FLOPs per cycle from the instruction
+//                dependent integer adds (one per cycle) before and after the GEMM, or the clock
+//                /proc/cpuinfo states where that is higher, the FLOPs per cycle from the instruction
 //                set: AVX-512 fp32 FMA 2 units x 16 lanes x 2 = 64, AVX-512 BF16 dot products
 //                (VDPBF16PS) 2 x 32 x 2 = 128; AVX2 32 and (bf16 widened to fp32) 32. Two FMA
 //                units per core is an assumption (Zen 4 / Zen 5, Xeon Gold / Platinum).
@@ -50,13 +51,11 @@ double measure_gemm_peak_gflops(Backend& backend, DType dtype = DTYPE_F32);
 // ignored with a warning on stderr, never an error.
 GemmPeak gemm_peak(Backend& backend, DType dtype, const std::string& cache_dir);
 
-// Whether a measurement looks taken beside other work: the clock loop ran below 80% of the clock
-// the CPU states (/proc/cpuinfo; 0 = not stated), or the GEMM below half the datasheet-style peak
-// (0 = not known). oneDNN reached 74-93% of it on every CPU measured (docs/performance.md); a CPU
-// with one FMA unit per core would look busy on every run (LOOM_PEAK_BUSY_CHECK=0).
+// Whether a measurement looks taken beside other work: the GEMM ran below half the datasheet-style
+// peak (0 = not known). oneDNN reached 72-93% of it on every CPU measured (docs/performance.md); a
+// CPU with one FMA unit per core would look busy on every run (LOOM_PEAK_BUSY_CHECK=0).
 // gemm_peak then does not cache it.
-bool peak_measured_on_a_busy_machine(double measured_ghz, double stated_ghz, double measured_gflops,
-                                     double datasheet_gflops);
+bool peak_measured_on_a_busy_machine(double measured_gflops, double datasheet_gflops);
 
 // $LOOM_CACHE_DIR, else $XDG_CACHE_HOME/loom, else $HOME/.cache/loom, else "" (no cache).
 std::string default_peak_cache_dir();
