@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <string_view>
 
 #include "loom/core/error.h"
 #include "loom/core/file_io.h"
@@ -51,31 +52,29 @@ int flops_per_cycle(DType dtype) {
   return 0;
 }
 
-std::string cpu_model_name() {
+// The value of the first CPU's /proc/cpuinfo line that starts with `field` ("model name: AMD
+// EPYC" -> "AMD EPYC"), blanks after the colon removed; "" where there is none.
+std::string cpuinfo_field(std::string_view field) {
   std::ifstream in("/proc/cpuinfo");
   std::string line;
   while (std::getline(in, line)) {
-    if (line.rfind("model name", 0) == 0) {
-      const size_t colon = line.find(':');
-      if (colon != std::string::npos) return line.substr(line.find_first_not_of(" \t", colon + 1));
+    const size_t colon = line.find(':');
+    if (line.rfind(field, 0) == 0 && colon != std::string::npos) {
+      const size_t start = line.find_first_not_of(" \t", colon + 1);
+      return start == std::string::npos ? "" : line.substr(start);
     }
   }
-  return "unknown cpu";
+  return "";
 }
 
-// The clock the kernel states for the first CPU ("cpu MHz" in /proc/cpuinfo), in GHz; 0 where not
-// stated. In a VM the nominal clock; on bare metal the current one.
-double stated_cpu_ghz() {
-  std::ifstream in("/proc/cpuinfo");
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind("cpu MHz", 0) == 0) {
-      const size_t colon = line.find(':');
-      if (colon != std::string::npos) return std::atof(line.c_str() + colon + 1) / 1000.0;
-    }
-  }
-  return 0.0;
+std::string cpu_model_name() {
+  const std::string name = cpuinfo_field("model name");
+  return name.empty() ? "unknown cpu" : name;
 }
+
+// The clock the kernel states for the first CPU ("cpu MHz"), in GHz; 0 where not stated. In a VM
+// the nominal clock; on bare metal the current one.
+double stated_cpu_ghz() { return std::atof(cpuinfo_field("cpu MHz").c_str()) / 1000.0; }
 
 }  // namespace
 
@@ -129,14 +128,14 @@ std::string GemmPeak::describe() const {
                           " GFLOP/s measured");
   if (cached) s += str_cat(" (cached in ", cache_file, ")");
   if (busy) s += " (on a busy machine, not cached)";
-  std::string tail = kernels.empty() ? "" : str_cat("; kernels: ", kernels);
   if (datasheet_gflops > 0.0) {
     char clock[32];
     std::snprintf(clock, sizeof clock, "%.2f", clock_ghz);
     s += str_cat(", ", static_cast<int64_t>(datasheet_gflops + 0.5), " datasheet-style (", threads, " thread",
                  threads == 1 ? "" : "s", " x ", clock, " GHz x ", flops_per_cycle, " FLOP/cycle)");
   }
-  return s + tail;
+  if (!kernels.empty()) s += str_cat("; kernels: ", kernels);
+  return s;
 }
 
 GemmPeak gemm_peak(Backend& backend, DType dtype, const std::string& cache_dir) {

@@ -45,8 +45,7 @@ double measure_gemm_peak_gflops(Backend& backend, DType dtype = DTYPE_F32);
 // uses) from cache_dir/gemm_peak.json when it holds this machine's key (backend, CPU model,
 // thread count, dtype, the backend's gemm_kernels(dtype)), else measured and added to it (written
 // to a temporary name and renamed) unless the machine looked busy (peak_measured_on_a_busy_machine:
-// a warning, and the next run measures again; LOOM_PEAK_BUSY_CHECK=0 caches it anyway, for a CPU
-// whose stated clock is not one it runs at). An empty cache_dir measures every time; so does a
+// a warning, and the next run measures again; LOOM_PEAK_BUSY_CHECK=0 caches it anyway). An empty cache_dir measures every time; so does a
 // GPU backend (its key would need the device's name). A cache that cannot be read or written is
 // ignored with a warning on stderr, never an error.
 GemmPeak gemm_peak(Backend& backend, DType dtype, const std::string& cache_dir);

@@ -87,11 +87,15 @@ void sgemm_checked(char ta, char tb, int64_t m, int64_t n, int64_t k, float alph
              " N=", n, " K=", k);
 }
 
-// Whether oneDNN runs its AVX-512 (avx512_core or later) kernels here: the CPU has them and
-// DNNL_MAX_CPU_ISA does not cap them. Fixed for the process.
+// Whether oneDNN runs kernels of `isa` or a later one here: the CPU has them and
+// DNNL_MAX_CPU_ISA does not cap them (oneDNN's ISA values are nested bit masks).
+bool dnnl_runs(dnnl_cpu_isa_t isa) {
+  return (static_cast<unsigned>(dnnl_get_effective_cpu_isa()) & static_cast<unsigned>(isa)) == static_cast<unsigned>(isa);
+}
+
+// Whether oneDNN runs its AVX-512 (avx512_core or later) kernels here. Fixed for the process.
 bool dnnl_runs_avx512() {
-  static const bool avx512 = (static_cast<unsigned>(dnnl_get_effective_cpu_isa()) &
-                              static_cast<unsigned>(dnnl_cpu_isa_avx512_core)) == static_cast<unsigned>(dnnl_cpu_isa_avx512_core);
+  static const bool avx512 = dnnl_runs(dnnl_cpu_isa_avx512_core);
   return avx512;
 }
 
@@ -141,10 +145,7 @@ std::string gemm_kernels(bool bf16) {
   if (!bf16) {
     s = "oneDNN sgemm, " + path;
   } else if (avx512) {
-    const bool native = (static_cast<unsigned>(dnnl_get_effective_cpu_isa()) &
-                         static_cast<unsigned>(dnnl_cpu_isa_avx512_core_bf16)) ==
-                        static_cast<unsigned>(dnnl_cpu_isa_avx512_core_bf16);
-    s = native ? "oneDNN bf16 GEMM on AVX-512 BF16 dot products" : "oneDNN bf16 GEMM, AVX-512 without BF16 instructions (emulated)";
+    s = dnnl_runs(dnnl_cpu_isa_avx512_core_bf16) ? "oneDNN bf16 GEMM on AVX-512 BF16 dot products" : "oneDNN bf16 GEMM, AVX-512 without BF16 instructions (emulated)";
   } else {
     s = "bf16 widened to fp32 for oneDNN sgemm (no bf16 GEMM without AVX-512: bf16 numerics at fp32 speed), " + path;
   }
