@@ -62,7 +62,8 @@ TEST(CpuGemm, TiledSameBitsForOneToFourThreads) {
                           {true, true, 129, 257, 100}, {false, true, 2048, 384, 1536}, {false, true, 33, 65, 769},
                           {true, false, 8200, 400, 64},    // A^T tall enough for 1024 x 384 tiles, not copied
                           {true, false, 1100, 40, 8000},   // A^T too large to copy (8.8M elements)
-                          {false, false, 200, 1024, 300}, {true, false, 300, 512, 200}};  // B copied padded
+                          {false, false, 200, 1024, 300}, {true, false, 300, 512, 200},  // B copied padded
+                          {false, false, 150, 8192, 1100}};  // B of 9.0M elements: a padded strip per tile
   for (const Shape& s : shapes) {
     const auto a = values(s.m * s.k, 7), b = values(s.k * s.n, 8), c0 = values(s.m * s.n, 9);
     for (const float beta : {0.0f, 1.0f}) {
@@ -114,10 +115,12 @@ TEST(CpuGemm, TransposeMovesEveryElementToItsPlace) {
 // the fp32 bound K u (|alpha| max|a||b| K + |beta c|) per element.
 TEST(CpuGemm, TiledProductMatchesDoubleReference) {
   // Two tile rows (128 + 22) and columns (256 + 44) in each transpose form; then A^T with 8200
-  // rows, which runs in 1024 x 384 tiles without the copy; then B copied with padded rows.
+  // rows, which runs in 1024 x 384 tiles without the copy; then B copied with padded rows, whole
+  // and (8.5M elements, more than the whole copy's limit) a strip per tile.
   const Shape shapes[] = {{false, false, 150, 300, 200}, {false, true, 150, 300, 200}, {true, false, 150, 300, 200},
                           {true, true, 150, 300, 200}, {true, false, 8200, 400, 64},
-                          {false, false, 150, 512, 200}, {true, false, 150, 1024, 100}};  // B's rows 512 / 1024 apart: padded
+                          {false, false, 150, 512, 200}, {true, false, 150, 1024, 100},  // B's rows 512 / 1024 apart: padded
+                          {false, false, 20, 8192, 1040}};  // B in padded strips
   for (const Shape& s : shapes) {
     const bool ta = s.ta, tb = s.tb;
     {
@@ -187,6 +190,36 @@ TEST(CpuGemm, Bf16ProductIsTheProductOfTheBf16Values) {
     EXPECT_LT(worst, static_cast<double>(s.k) * 6e-8) << s.ta << s.tb << " " << s.m << "x" << s.n << "x" << s.k;
     EXPECT_GT(worst, 0.0) << s.ta << s.tb << " " << s.m << "x" << s.n << "x" << s.k;
   }
+}
+
+// Inside a parallel region (attention's tasks) each thread runs its product alone; an A x B with
+// B's rows a multiple of 512 floats apart reads a padded copy of B. The copy changes where B's
+// values are, not the arithmetic: the same bits as with B stored compactly, and within the fp32
+// bound of a double reference.
+TEST(CpuGemm, InParallelRegionAliasedBSameBitsAsCompactB) {
+  const int64_t m = 64, n = 100, k = 300, ldb = 1024;
+  const auto a = values(m * k, 13), b_wide = values(k * ldb, 14);
+  std::vector<float> b(static_cast<size_t>(k * n));
+  for (int64_t p = 0; p < k; ++p)
+    std::memcpy(b.data() + p * n, b_wide.data() + p * ldb, static_cast<size_t>(n) * sizeof(float));
+  std::vector<float> c_wide(static_cast<size_t>(2 * m * n)), c(static_cast<size_t>(2 * m * n));
+#pragma omp parallel for num_threads(2) schedule(static)
+  for (int t = 0; t < 2; ++t) {
+    loom::cpu::gemm_f32(false, false, m, n, k, 0.75f, a.data(), k, b_wide.data(), ldb, 0.0f, c_wide.data() + t * m * n, n);
+    loom::cpu::gemm_f32(false, false, m, n, k, 0.75f, a.data(), k, b.data(), n, 0.0f, c.data() + t * m * n, n);
+  }
+  EXPECT_EQ(c_wide, c);
+  double worst = 0.0;
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < n; ++j) {
+      double ref = 0.0;
+      for (int64_t p = 0; p < k; ++p) ref += 0.75 * a[static_cast<size_t>(i * k + p)] * b[static_cast<size_t>(p * n + j)];
+      worst = std::max(worst, std::abs(ref - c_wide[static_cast<size_t>(i * n + j)]));
+      worst = std::max(worst, std::abs(ref - c_wide[static_cast<size_t>(m * n + i * n + j)]));
+    }
+  }
+  EXPECT_LT(worst, static_cast<double>(k) * 6e-8 * 2.0);
+  EXPECT_GT(worst, 0.0);
 }
 
 // The sliced product is the product: against double precision, fp32 GEMM error bounds (K u max|a||b|).

@@ -22,7 +22,7 @@ void gemm_f32_tiled(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
 void transpose_f32(const float* src, int64_t ld_src, int64_t rows, int64_t cols, float* dst, int64_t ld_dst);
 // Which kernels gemm_f32 (bf16 = false) or gemm_bf16 (true) run on this CPU, in words, ending in
 // the revision of Loom's path (kGemmRevision in cpu_gemm.cpp), e.g. "oneDNN sgemm, oneDNN's AVX2
-// kernels in 128 x 256 tiles (cpu gemm r3)". The backend's gemm_kernels().
+// kernels in 128 x 256 tiles (cpu gemm r4)". The backend's gemm_kernels().
 std::string gemm_kernels(bool bf16);
 // bf16 A and B (raw bit patterns), fp32 accumulation and C: oneDNN's bf16 GEMM (2x fp32 on
 // this CPU's AVX-512 BF16, docs/gemm.md).
