@@ -82,7 +82,7 @@ class CpuBackend final : public Backend {
     dispatch_float(x.dtype(), "fill", kBackend, [&]<typename T>() {
       T* p = x.data<T>();
       const int64_t n = x.numel();
-#pragma omp parallel for simd schedule(static)
+#pragma omp parallel for simd schedule(dynamic, cpu::kStreamChunk) if (n > cpu::kStreamChunk)
       for (int64_t i = 0; i < n; ++i) p[i] = static_cast<T>(value);
     });
   }
@@ -674,7 +674,7 @@ class CpuBackend final : public Backend {
     const int64_t chunk = (n + kChunks - 1) / kChunks;
     dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() {
       const T* p = x.data<T>();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(dynamic, 1) if (n > cpu::kStreamChunk)
       for (int64_t c = 0; c < kChunks; ++c) {
         double acc = 0;
         const int64_t end = std::min(n, (c + 1) * chunk);

@@ -12,6 +12,13 @@ using math::fast_exp;
 using math::sigmoid_t;
 using math::tanh_t;
 
+// The chunk of an elementwise pass over a long array (AdamW, fill, sum of squares) handed to the
+// threads one at a time (schedule(dynamic)): a thread that shares its core with another process
+// takes fewer chunks instead of holding the others at the end of the pass, as a static split
+// does. Arrays of at most one chunk run on the calling thread (no parallel region). The values
+// do not depend on which thread runs a chunk.
+constexpr int64_t kStreamChunk = 1 << 16;
+
 // max(x[0..n)) (-inf for n = 0), vectorized: GCC keeps `m = std::max(m, x[i])` scalar even under
 // `omp simd reduction(max)` (a loop-carried vmaxss, measured at 62% of the cross-entropy
 // forward), and a 16-lane array of partial maxima stays scalar where the function is inlined

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "loom/backend/checks.h"
+#include "loom/backend/cpu/cpu_math.h"
 #include "loom/core/error.h"
 
 extern "C" void dsyevd_(const char* jobz, const char* uplo, const int* n, double* a, const int* lda, double* w, double* work,
@@ -125,7 +126,7 @@ void adam_step(const Tensor& param, const Tensor& grad, const Tensor& m_, const 
   const float bias2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(h.beta2, static_cast<double>(h.step))));
   const float step_size = eta / bias1;
   const float l2 = h.decoupled ? 0.0f : h.weight_decay, decay = h.decoupled ? 1.0f - eta * h.weight_decay : 1.0f;
-#pragma omp parallel for simd schedule(static)
+#pragma omp parallel for simd schedule(dynamic, kStreamChunk) if (n > kStreamChunk)
   for (int64_t i = 0; i < n; ++i) {
     const float d = g[i] * gs + l2 * p[i];
     p[i] *= decay;
