@@ -131,6 +131,20 @@ inline void transpose_8x8(const float* src, int64_t ld_src, float* dst, int64_t 
   }
 }
 
+// buffer with room for `count` floats (it grows to the largest request and stays): the per-thread
+// copies below, so that a training step allocates nothing after its first.
+float* sized(std::vector<float>& buffer, int64_t count) {
+  if (buffer.size() < static_cast<size_t>(count)) buffer.resize(static_cast<size_t>(count));
+  return buffer.data();
+}
+
+// dst = src, `rows` rows of `cols` floats (src's rows ld_src apart, dst's ld_dst): the padded
+// copies of an aliasing B. On the threads, or on this one (inside a tile or a parallel region).
+void copy_rows(const float* src, int64_t ld_src, int64_t rows, int64_t cols, float* dst, int64_t ld_dst, bool threads) {
+#pragma omp parallel for schedule(static) if (threads)
+  for (int64_t p = 0; p < rows; ++p) std::memcpy(dst + p * ld_dst, src + p * ld_src, static_cast<size_t>(cols) * sizeof(float));
+}
+
 }  // namespace
 
 // The revision of the CPU GEMM path, part of gemm_kernels() and so of the GEMM peak cache's key:
@@ -197,8 +211,7 @@ void gemm_f32_tiled(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
   const int64_t tile_cols = uncopied_a_t ? kUncopiedTileCols : kTileCols;
   thread_local std::vector<float> a_t;
   if (copy_a) {
-    if (a_t.size() < static_cast<size_t>(m * k)) a_t.resize(static_cast<size_t>(m * k));
-    float* dst = a_t.data();  // the calling thread's buffer (a_t names another one in each worker)
+    float* dst = sized(a_t, m * k);  // the calling thread's buffer (a_t names another one in each worker)
     transpose_f32(a, lda, k, m, dst, k);
     a = dst;
     lda = k;
@@ -221,10 +234,8 @@ void gemm_f32_tiled(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
   thread_local std::vector<float> b_padded;
   if (copy_b) {
     const int64_t ld = n + kRowPadFloats;
-    if (b_padded.size() < static_cast<size_t>(k * ld)) b_padded.resize(static_cast<size_t>(k * ld));
-    float* dst = b_padded.data();
-#pragma omp parallel for schedule(static)
-    for (int64_t p = 0; p < k; ++p) std::memcpy(dst + p * ld, b + p * ldb, static_cast<size_t>(n) * sizeof(float));
+    float* dst = sized(b_padded, k * ld);
+    copy_rows(b, ldb, k, n, dst, ld, true);
     b = dst;
     ldb = ld;
   }
@@ -244,13 +255,10 @@ void gemm_f32_tiled(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
       int64_t ldbt = ldb;
       if (strips_b) {
         ldbt = tile_cols + kRowPadFloats;
-        if (b_padded.size() < static_cast<size_t>(k * ldbt)) b_padded.resize(static_cast<size_t>(k * ldbt));
-        if (held != tj) {
-          for (int64_t p = 0; p < k; ++p)
-            std::memcpy(b_padded.data() + p * ldbt, bt + p * ldb, static_cast<size_t>(cols) * sizeof(float));
-          held = tj;
-        }
-        bt = b_padded.data();
+        float* strip = sized(b_padded, k * ldbt);
+        if (held != tj) copy_rows(bt, ldb, k, cols, strip, ldbt, false);
+        held = tj;
+        bt = strip;
       }
       const dnnl_status_t status = dnnl_sgemm(trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', rows, cols, k, alpha, at, lda,
                                               bt, ldbt, beta, c + i0 * ldc + j0, ldc);
@@ -273,8 +281,7 @@ void gemm_f32_library_threads(bool trans_a, bool trans_b, int64_t m, int64_t n, 
   // A x B^T: the product with alpha 1 in slices of K, into C itself or into T.
   const bool direct = alpha == 1.0f && beta == 0.0f;
   thread_local std::vector<float> scratch;
-  if (!direct && scratch.size() < static_cast<size_t>(m * n)) scratch.resize(static_cast<size_t>(m * n));
-  float* t = direct ? c : scratch.data();
+  float* t = direct ? c : sized(scratch, m * n);
   const int64_t ldt = direct ? ldc : n;
   for (int64_t k0 = 0; k0 < k; k0 += kThreadStableK) {
     sgemm_checked('N', 'T', m, n, std::min(kThreadStableK, k - k0), 1.0f, a + k0, lda, b + k0, ldb,
@@ -308,10 +315,9 @@ void gemm_f32(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float
     thread_local std::vector<float> b_padded;
     if (!trans_a && !trans_b && k > 0 && ldb % kAliasedRowFloats == 0 && k * (n + kRowPadFloats) <= kMaxCopy) {
       const int64_t ld = n + kRowPadFloats;
-      if (b_padded.size() < static_cast<size_t>(k * ld)) b_padded.resize(static_cast<size_t>(k * ld));
-      for (int64_t p = 0; p < k; ++p)
-        std::memcpy(b_padded.data() + p * ld, b + p * ldb, static_cast<size_t>(n) * sizeof(float));
-      b = b_padded.data();
+      float* dst = sized(b_padded, k * ld);
+      copy_rows(b, ldb, k, n, dst, ld, false);
+      b = dst;
       ldb = ld;
     }
     sgemm_checked(trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
