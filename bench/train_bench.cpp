@@ -142,6 +142,8 @@ double run(const Args& args, const std::string& compute) {
   }
   const double tps = static_cast<double>(tokens) / seconds;
   const double flops = train_flops_per_token(config, args.seq) * tps;
+  if (const std::string w = peak.above_peak_warning(flops / 1e9 / peak.measured_gflops); !w.empty())
+    std::fprintf(stderr, "train_bench: warning: %s\n", w.c_str());
   const MemoryTracker& mem = backend->allocator().tracker();
   std::printf(
       "{\"impl\": \"loom\", \"device\": \"%s\", \"omp_wait_policy\": \"%s\", \"flash\": %s, \"compute\": \"%s\", \"model\": \"%s\", \"batch\": %lld, \"seq\": %lld, \"steps\": %lld, "

@@ -431,6 +431,14 @@ class Ops(LoomCase):
         self.assertGreater(rec_stale["mfu_peak_gflops"], 1.0)
         with open(os.path.join(cache, "gemm_peak.json")) as f:
             self.assertEqual(sorted(json.load(f)), sorted([stale, key]))
+        # A cached peak below what the run reaches (measured while the machine was slower): the
+        # run says so once, naming the file, and keeps the cached figure.
+        with open(os.path.join(cache, "gemm_peak.json"), "w") as f:
+            json.dump({key: {"gflops": 0.001, "clock_ghz": entry["clock_ghz"], "gemm": entry["gemm"]}}, f)
+        low, rec_low = train("peak_low")
+        self.assertEqual(rec_low["mfu_peak_gflops"], 0.001)
+        self.assertEqual(low.count(f"is above the cached f32 GEMM peak (0 GFLOP/s in {cache}/gemm_peak.json)"), 1, low)
+        self.assertNotIn("is above the cached", second)  # the real peak: no warning
         # A corrupt cache is a warning and a new measurement, never a failed run.
         with open(os.path.join(cache, "gemm_peak.json"), "w") as f:
             f.write("{not json")

@@ -35,6 +35,24 @@ TEST(GemmPeakTest, AMeasurementOnABusyMachineIsNotKept) {
   EXPECT_FALSE(peak_measured_on_a_busy_machine(50.0, 0.0));
 }
 
+// MFU above 1 against a cached peak says the peak was measured on a slower machine state: the
+// warning names the dtype, the peak and the file; none at or below 1, and none for a peak the run
+// measured itself (it would be the run's own noise, and there is no file to delete).
+TEST(GemmPeakTest, AnMfuAboveTheCachedPeakNamesTheFileToDelete) {
+  GemmPeak peak;
+  peak.dtype = DTYPE_BF16;
+  peak.measured_gflops = 133.7;
+  peak.cached = true;
+  peak.cache_file = "/cache/loom/gemm_peak.json";
+  EXPECT_EQ(peak.above_peak_warning(1.32),
+            "MFU 132% is above the cached bf16 GEMM peak (134 GFLOP/s in /cache/loom/gemm_peak.json), which was "
+            "measured while this machine was slower; delete that file to measure it again");
+  EXPECT_EQ(peak.above_peak_warning(1.0), "");
+  EXPECT_EQ(peak.above_peak_warning(0.83), "");
+  peak.cached = false;
+  EXPECT_EQ(peak.above_peak_warning(1.32), "");
+}
+
 // The CPU backend names its GEMM kernels per input dtype, with the revision the peak cache keys on.
 TEST(GemmPeakTest, TheCpuBackendNamesItsGemmKernelsWithARevision) {
   auto backend = make_cpu_backend();

@@ -308,6 +308,7 @@ int train_main(int argc, char** argv) {
   double window_seconds = 0.0;
   double seconds_sum = 0.0;
   int64_t steps_timed = 0;
+  bool warned_above_peak = false;  // the cached-peak warning is said once per run
   double last_val = NAN;
   int64_t last_resident_params = 0, last_resident_grads = 0;
 
@@ -397,6 +398,11 @@ int train_main(int argc, char** argv) {
     StepReport r{stats};
     r.tokens_per_s = static_cast<double>(stats.tokens * dp.size()) / stats.seconds;  // all data-parallel ranks
     r.mfu = r.tokens_per_s * flops_per_token / (peak.measured_gflops * 1e9 * comm->size());  // peak measured per rank
+    if (!warned_above_peak) {  // rank 0 holds the cached peak (the others only its value)
+      const std::string w = peak.above_peak_warning(r.mfu);
+      if (!w.empty()) std::fprintf(stderr, "loom train: warning: step %lld: %s\n", static_cast<long long>(stats.step + 1), w.c_str());
+      warned_above_peak = !w.empty();
+    }
     r.memory_bytes = mem.current_total();
     r.eta_seconds = seconds_sum / static_cast<double>(steps_timed) * static_cast<double>(config.train.steps - trainer.step());
     // This rank's traffic over every communicator of the layout (world, tp, pp, cp, ep, dp, ...).

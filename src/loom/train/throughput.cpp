@@ -138,6 +138,13 @@ std::string GemmPeak::describe() const {
   return s;
 }
 
+std::string GemmPeak::above_peak_warning(double mfu) const {
+  if (!cached || !(mfu > 1.0)) return "";
+  return str_cat("MFU ", static_cast<int64_t>(100.0 * mfu + 0.5), "% is above the cached ", dtype_name(dtype),
+                 " GEMM peak (", static_cast<int64_t>(measured_gflops + 0.5), " GFLOP/s in ", cache_file,
+                 "), which was measured while this machine was slower; delete that file to measure it again");
+}
+
 GemmPeak gemm_peak(Backend& backend, DType dtype, const std::string& cache_dir) {
   GemmPeak peak;
   peak.dtype = dtype;

@@ -35,6 +35,11 @@ struct GemmPeak {
   // "bf16 GEMM peak: 912 GFLOP/s measured (cached in F), 950 datasheet-style (2 threads x 3.71 GHz x
   // 128 FLOP/cycle); kernels: ..."
   std::string describe() const;
+  // Where a run's MFU against a cached peak is above 1, the peak was measured while the machine
+  // was slower than it is now (a shared VM's host was busy; the busy check only refuses a GEMM
+  // under half the datasheet-style peak): a one-line warning naming the cache file to delete so
+  // that the next run measures again. "" otherwise (MFU <= 1, or a peak measured by this run).
+  std::string above_peak_warning(double mfu) const;
 };
 
 // Best GFLOP/s of a 2048^3 GEMM with inputs of `dtype` (f32, or bf16 into f32) through the
