@@ -142,7 +142,8 @@ double run(const Args& args, const std::string& compute) {
   }
   const double tps = static_cast<double>(tokens) / seconds;
   const double flops = train_flops_per_token(config, args.seq) * tps;
-  if (const std::string w = peak.above_peak_warning(flops / 1e9 / peak.measured_gflops); !w.empty())
+  const double mfu = flops / 1e9 / peak.measured_gflops;
+  if (const std::string w = peak.above_peak_warning(mfu); !w.empty())
     std::fprintf(stderr, "train_bench: warning: %s\n", w.c_str());
   const MemoryTracker& mem = backend->allocator().tracker();
   std::printf(
@@ -153,7 +154,7 @@ double run(const Args& args, const std::string& compute) {
       args.device.c_str(), omp_wait_policy().c_str(), args.flash ? "true" : "false", compute.c_str(), args.model.c_str(), static_cast<long long>(args.batch), static_cast<long long>(args.seq),
       static_cast<long long>(args.steps), tps, 1e3 * seconds / static_cast<double>(args.steps),
       args.peak_tflops > 0.0 ? "stated" : std::string(dtype_name(peak.dtype)).c_str(), peak.measured_gflops,
-      peak.cached ? "true" : "false", backend->gemm_kernels(peak.dtype).c_str(), peak.datasheet_gflops, peak.clock_ghz, flops / 1e9, flops / 1e9 / peak.measured_gflops,
+      peak.cached ? "true" : "false", backend->gemm_kernels(peak.dtype).c_str(), peak.datasheet_gflops, peak.clock_ghz, flops / 1e9, mfu,
       peak.datasheet_gflops > 0.0 ? flops / 1e9 / peak.datasheet_gflops : 0.0, loss, static_cast<long long>(param_count(config)), static_cast<long long>(args.lora),
       args.qlora ? "true" : "false", max_rss_bytes(), current_rss_bytes());
   for (int c = 0; c < MEM_CATEGORY_COUNT; ++c) {

@@ -20,6 +20,17 @@ extern "C" dnnl_status_t dnnl_gemm_bf16bf16f32(char transa, char transb, dnnl_di
 
 namespace loom::cpu {
 
+namespace {
+
+// buffer with room for `count` floats (it grows to the largest request and stays): the per-thread
+// copies below, so that a training step allocates nothing after its first.
+float* sized(std::vector<float>& buffer, int64_t count) {
+  if (buffer.size() < static_cast<size_t>(count)) buffer.resize(static_cast<size_t>(count));
+  return buffer.data();
+}
+
+}  // namespace
+
 void gemm_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const uint16_t* a, int64_t lda,
                const uint16_t* b, int64_t ldb, float beta, float* c, int64_t ldc) {
   if (m == 0 || n == 0) return;
@@ -35,8 +46,7 @@ void gemm_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, floa
     // the AVX2 machine, the other thread waiting.
     thread_local std::vector<float> wa, wb;
     auto widen = [](const uint16_t* src, int64_t rows, int64_t cols, int64_t ld, std::vector<float>& dst) {
-      if (dst.size() < static_cast<size_t>(rows * ld)) dst.resize(static_cast<size_t>(rows * ld));
-      float* out = dst.data();
+      float* out = sized(dst, rows * ld);
 #pragma omp parallel for schedule(static) if (rows * cols >= (1 << 16))
       for (int64_t r = 0; r < rows; ++r) {
         const uint16_t* in_row = src + r * ld;
@@ -131,18 +141,29 @@ inline void transpose_8x8(const float* src, int64_t ld_src, float* dst, int64_t 
   }
 }
 
-// buffer with room for `count` floats (it grows to the largest request and stays): the per-thread
-// copies below, so that a training step allocates nothing after its first.
-float* sized(std::vector<float>& buffer, int64_t count) {
-  if (buffer.size() < static_cast<size_t>(count)) buffer.resize(static_cast<size_t>(count));
-  return buffer.data();
-}
-
 // dst = src, `rows` rows of `cols` floats (src's rows ld_src apart, dst's ld_dst): the padded
 // copies of an aliasing B. On the threads, or on this one (inside a tile or a parallel region).
 void copy_rows(const float* src, int64_t ld_src, int64_t rows, int64_t cols, float* dst, int64_t ld_dst, bool threads) {
 #pragma omp parallel for schedule(static) if (threads)
   for (int64_t p = 0; p < rows; ++p) std::memcpy(dst + p * ld_dst, src + p * ld_src, static_cast<size_t>(cols) * sizeof(float));
+}
+
+// Whether op(B) = B (k x n, rows ldb apart) has rows a multiple of 512 floats apart, which
+// oneDNN's single-threaded AVX2 sgemm runs at half the rate or less (gemm_f32_tiled).
+bool b_rows_alias(bool trans_b, int64_t k, int64_t ldb) { return !trans_b && k > 0 && ldb % kAliasedRowFloats == 0; }
+
+// Such a B of at most kMaxCopy elements with its padding: copied into `buffer` with its rows
+// kRowPadFloats further apart (on the threads or on this one), and b, ldb then name the copy.
+// Returns whether it copied.
+bool copy_aliasing_b(bool trans_b, int64_t k, int64_t n, const float*& b, int64_t& ldb, std::vector<float>& buffer,
+                     bool threads) {
+  const int64_t ld = n + kRowPadFloats;
+  if (!b_rows_alias(trans_b, k, ldb) || k * ld > kMaxCopy) return false;
+  float* dst = sized(buffer, k * ld);
+  copy_rows(b, ldb, k, n, dst, ld, threads);
+  b = dst;
+  ldb = ld;
+  return true;
 }
 
 }  // namespace
@@ -228,22 +249,17 @@ void gemm_f32_tiled(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
   // the tile, into its own buffer of k x 272 floats (up to kMaxCopy elements, so k <= 30840); the
   // tiles then go strip by strip, so that a thread's next tile mostly reads the strip it already
   // holds (2048 x 4096 x 4096: 138 GFLOP/s uncopied against 164 with padded rows).
-  const bool aliased_b = !trans_b && k > 0 && ldb % kAliasedRowFloats == 0;
-  const bool copy_b = aliased_b && k * (n + kRowPadFloats) <= kMaxCopy;
-  const bool strips_b = aliased_b && !copy_b && k * (tile_cols + kRowPadFloats) <= kMaxCopy;
   thread_local std::vector<float> b_padded;
-  if (copy_b) {
-    const int64_t ld = n + kRowPadFloats;
-    float* dst = sized(b_padded, k * ld);
-    copy_rows(b, ldb, k, n, dst, ld, true);
-    b = dst;
-    ldb = ld;
-  }
+  const int64_t ld_strip = tile_cols + kRowPadFloats;
+  const bool aliasing = b_rows_alias(trans_b, k, ldb);
+  const bool copied_b = copy_aliasing_b(trans_b, k, n, b, ldb, b_padded, true);  // whole, where it fits
+  const bool strips_b = aliasing && !copied_b && k * ld_strip <= kMaxCopy;
   const int64_t tiles_m = (m + tile_rows - 1) / tile_rows, tiles_n = (n + tile_cols - 1) / tile_cols;
   int worst = dnnl_success;  // the largest status of any tile (oneDNN's errors are positive)
 #pragma omp parallel reduction(max : worst)
   {
-    int64_t held = -1;  // the strip of B in this thread's b_padded (strips_b)
+    float* strip = strips_b ? sized(b_padded, k * ld_strip) : nullptr;  // this thread's b_padded
+    int64_t held = -1;                                                   // the strip of B it holds
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < tiles_m * tiles_n; ++t) {
       // Row by row of tiles, or strip by strip where each strip is copied.
@@ -254,11 +270,10 @@ void gemm_f32_tiled(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
       const float* bt = trans_b ? b + j0 * ldb : b + j0;
       int64_t ldbt = ldb;
       if (strips_b) {
-        ldbt = tile_cols + kRowPadFloats;
-        float* strip = sized(b_padded, k * ldbt);
-        if (held != tj) copy_rows(bt, ldb, k, cols, strip, ldbt, false);
+        if (held != tj) copy_rows(bt, ldb, k, cols, strip, ld_strip, false);
         held = tj;
         bt = strip;
+        ldbt = ld_strip;
       }
       const dnnl_status_t status = dnnl_sgemm(trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', rows, cols, k, alpha, at, lda,
                                               bt, ldbt, beta, c + i0 * ldc + j0, ldc);
@@ -313,13 +328,7 @@ void gemm_f32(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float
     // whose B rows alias (P V with V's rows 4096 or 6144 floats apart in a Llama-size qkv:
     // 64 x 128 x 512 at 76 GFLOP/s against 89 padded) reads B from a padded copy on this thread.
     thread_local std::vector<float> b_padded;
-    if (!trans_a && !trans_b && k > 0 && ldb % kAliasedRowFloats == 0 && k * (n + kRowPadFloats) <= kMaxCopy) {
-      const int64_t ld = n + kRowPadFloats;
-      float* dst = sized(b_padded, k * ld);
-      copy_rows(b, ldb, k, n, dst, ld, false);
-      b = dst;
-      ldb = ld;
-    }
+    if (!trans_a) copy_aliasing_b(trans_b, k, n, b, ldb, b_padded, false);
     sgemm_checked(trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
   } else {
     gemm_f32_tiled(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
