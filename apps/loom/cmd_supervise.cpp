@@ -5,7 +5,10 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <pthread.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <csignal>
@@ -18,6 +21,7 @@
 #include "cli.h"
 #include "commands.h"
 #include "loom/core/error.h"
+#include "loom/core/signals.h"
 #include "run_control.h"
 
 namespace loom::cli {
@@ -31,13 +35,19 @@ const char* kHelp =
     "a killed process or rank, any non-zero exit other than a preemption's 75 — runs it again with\n"
     "--resume added (once), so it continues from the newest valid checkpoint. Waits SECONDS before\n"
     "the first restart, doubling up to 60 s, and gives up after N restarts with the last exit status.\n"
-    "SIGTERM and SIGINT are passed to COMMAND, which checkpoints and exits 75; supervise then exits\n"
-    "75 too, without restarting (the scheduler's call).\n";
+    "SIGTERM, SIGINT and SIGUSR1 are passed to COMMAND (loom train checkpoints and exits 75);\n"
+    "after one, supervise restarts nothing and exits with COMMAND's status (the scheduler's call).\n";
 
-pid_t g_child = 0;  // (the signal handler's: it forwards to the running command)
+// The signal handler's state (it runs on core/signals.h's signal thread): the running command, to
+// which it forwards, and the first signal received, after which nothing is restarted.
+std::atomic<pid_t> g_child{0};
+std::atomic<int> g_received{0};
+constexpr int kForwarded[] = {SIGTERM, SIGINT, SIGUSR1};
 
 extern "C" void forward_signal(int signal) {
-  if (g_child > 0) ::kill(g_child, signal);
+  int none = 0;
+  g_received.compare_exchange_strong(none, signal);
+  if (const pid_t child = g_child.load(); child > 0) ::kill(child, signal);
 }
 
 // The exit status a shell would report: the code, or 128 + the signal.
@@ -53,11 +63,11 @@ int supervise(std::vector<std::string> command, int64_t restarts, double backoff
   LOOM_CHECK(!command.empty(), "loom supervise needs a command after --");
   LOOM_CHECK(restarts >= 0, "--restarts must be >= 0, got ", restarts);
   LOOM_CHECK(backoff >= 0.0, "--backoff must be >= 0, got ", backoff);
-  struct sigaction action = {}, old_term = {}, old_int = {};
+  struct sigaction action = {};
   action.sa_handler = forward_signal;
   sigemptyset(&action.sa_mask);
-  sigaction(SIGTERM, &action, &old_term);
-  sigaction(SIGINT, &action, &old_int);
+  action.sa_flags = SA_RESTART;
+  for (const int s : kForwarded) sigaction(s, &action, nullptr);
   int code = 0;
   for (int64_t attempt = 0;; ++attempt) {
     std::vector<char*> argv;
@@ -68,16 +78,24 @@ int supervise(std::vector<std::string> command, int64_t restarts, double backoff
     const pid_t pid = ::fork();
     LOOM_CHECK(pid >= 0, "loom supervise: fork failed: ", std::strerror(errno));
     if (pid == 0) {
+      for (const int s : kForwarded) std::signal(s, SIG_DFL);
+      pthread_sigmask(SIG_SETMASK, &original_signal_mask(), nullptr);  // the command gets the signals loom blocks
       ::execvp(argv[0], argv.data());
       std::fprintf(stderr, "loom supervise: error: cannot run %s: %s\n", argv[0], std::strerror(errno));
       _exit(127);
     }
-    g_child = pid;
+    g_child.store(pid);
+    if (const int s = g_received.load(); s != 0) ::kill(pid, s);  // one that came while it was starting
     int status = 0;
     while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
     }
-    g_child = 0;
+    g_child.store(0);
     code = status_code(status);
+    if (g_received.load() != 0) {
+      std::fprintf(stderr, "loom supervise: received %s: %s exited with status %d; not restarting\n",
+                   StopSignals::name(g_received.load()), command[0].c_str(), code);
+      break;
+    }
     if (code == 0 || code == kPreemptedExit || code == 127) break;  // done, preempted, or not runnable
     if (attempt >= restarts) {
       std::fprintf(stderr, "loom supervise: error: %s failed %lld time%s (last exit status %d%s); giving up after "
@@ -90,11 +108,17 @@ int supervise(std::vector<std::string> command, int64_t restarts, double backoff
     std::fprintf(stderr, "loom supervise: %s exited with status %d; restart %lld of %lld in %.1f s, resuming from the "
                  "newest valid checkpoint\n", command[0].c_str(), code, static_cast<long long>(attempt + 1),
                  static_cast<long long>(restarts), wait);
-    std::this_thread::sleep_for(std::chrono::duration<double>(wait));
+    const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(wait);
+    while (g_received.load() == 0 && std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    if (const int s = g_received.load(); s != 0) {
+      std::fprintf(stderr, "loom supervise: received %s while waiting to restart; not restarting\n", StopSignals::name(s));
+      break;
+    }
     if (std::find(command.begin(), command.end(), "--resume") == command.end()) command.push_back("--resume");
   }
-  sigaction(SIGTERM, &old_term, nullptr);
-  sigaction(SIGINT, &old_int, nullptr);
+  for (const int s : kForwarded) std::signal(s, SIG_DFL);
   return code;
 }
 

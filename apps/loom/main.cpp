@@ -10,7 +10,9 @@
 #include "cli.h"
 #include "commands.h"
 #include "loom/comm/communicator.h"
+#include "loom/core/signals.h"
 #include "loom/core/threads.h"
+#include "run_control.h"
 
 #ifndef LOOM_VERSION
 #define LOOM_VERSION "unknown"
@@ -45,6 +47,10 @@ const char* kUsage =
 
 }  // namespace
 
+// No thread that computes may run a signal handler (core/signals.h: oneDNN's JIT GEMMs move the
+// stack pointer into the heap): every asynchronous signal is blocked before any thread exists.
+LOOM_BLOCK_SIGNALS_BEFORE_LIBRARIES
+
 int main(int argc, char** argv) {
   if (argc < 2 || std::strcmp(argv[1], "--help") == 0 || std::strcmp(argv[1], "-h") == 0) {
     std::fputs(kUsage, argc < 2 ? stderr : stdout);
@@ -57,6 +63,10 @@ int main(int argc, char** argv) {
   for (const char* heavy : {"train", "eval", "generate", "serve", "bench", "quantize", "prune"}) {
     if (command == heavy) loom::use_passive_omp_waits(argv);
   }
+  // Asynchronous signals were blocked before any library started a thread (below); they reach
+  // one signal thread, started once `train` has its handlers (a stop signal sent meanwhile waits).
+  if (command == "train") loom::cli::install_stop_handlers();
+  loom::start_signal_thread();
   if (command == "--version" || command == "version") {
     std::printf("loom %s\n", LOOM_VERSION);
     return 0;

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <csignal>
 #include <cstdio>
 #include <cstring>
@@ -67,34 +68,36 @@ std::string prepare_run_folder(const std::string& run_dir, bool resume, bool ove
 
 namespace {
 
-volatile std::sig_atomic_t g_stop_signal = 0;  // the handler's only state (see StopSignals)
+// The handler's only state (see StopSignals). It runs on core/signals.h's signal thread and the
+// loop reads it on the main thread: an atomic, lock-free and so async-signal-safe.
+std::atomic<int> g_stop_signal{0};
+static_assert(std::atomic<int>::is_always_lock_free);
 
 extern "C" void on_stop_signal(int signal) {
-  if (g_stop_signal != 0) _exit(128 + signal);  // the second signal: at once (checkpoints are atomic)
-  g_stop_signal = signal;
+  if (g_stop_signal.load() != 0) _exit(128 + signal);  // the second signal: at once (checkpoints are atomic)
+  g_stop_signal.store(signal);
 }
 
 }  // namespace
 
-StopSignals::StopSignals() {
-  g_stop_signal = 0;
+void install_stop_handlers() {
   struct sigaction action = {};
   action.sa_handler = on_stop_signal;
   sigemptyset(&action.sa_mask);
   action.sa_flags = SA_RESTART;  // a signal does not fail the step's reads and writes
-  sigaction(SIGTERM, &action, &previous_term_);
-  sigaction(SIGINT, &action, &previous_int_);
+  for (const int s : kStopSignals) sigaction(s, &action, nullptr);
 }
+
+StopSignals::StopSignals() { install_stop_handlers(); }
 
 StopSignals::~StopSignals() {
-  sigaction(SIGTERM, &previous_term_, nullptr);
-  sigaction(SIGINT, &previous_int_, nullptr);
+  for (const int s : kStopSignals) std::signal(s, SIG_DFL);
 }
 
-int StopSignals::requested() const { return g_stop_signal; }
+int StopSignals::requested() const { return g_stop_signal.load(); }
 
 const char* StopSignals::name(int signal) {
-  return signal == SIGTERM ? "SIGTERM" : signal == SIGINT ? "SIGINT" : "a signal";
+  return signal == SIGTERM ? "SIGTERM" : signal == SIGINT ? "SIGINT" : signal == SIGUSR1 ? "SIGUSR1" : "a signal";
 }
 
 // ---- Watchdog ----------------------------------------------------------------------------------

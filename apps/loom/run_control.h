@@ -35,20 +35,24 @@ class RunFolderLock {
 // samples.txt). Returns what was deleted ("" if nothing).
 std::string prepare_run_folder(const std::string& run_dir, bool resume, bool overwrite);
 
-// SIGTERM and SIGINT: the first sets the request (the loop checkpoints at the step's end and
-// exits kPreemptedExit), a second exits at once. The handler's flag is the one global besides the
+// SIGTERM, SIGINT and SIGUSR1 (the warning Slurm sends with --signal=USR1@SECONDS before it
+// preempts): the first sets the request (the loop checkpoints at the step's end and exits
+// kPreemptedExit), a second exits at once. The handlers run on the signal thread of
+// core/signals.h, never on a thread that computes; main() installs them for `loom train` before
+// that thread starts, so a signal sent while the run is still starting (or re-executing itself)
+// is kept for the loop rather than killing it. The handler's flag is the one global besides the
 // logger: a signal handler receives no context (POSIX sigaction).
+inline constexpr int kStopSignals[] = {SIGTERM, SIGINT, SIGUSR1};
+void install_stop_handlers();
+
 class StopSignals {
  public:
-  StopSignals();   // installs the handlers
-  ~StopSignals();  // restores the previous ones
+  StopSignals();   // installs the handlers (if main has not); keeps a request already made
+  ~StopSignals();  // the default actions again
   StopSignals(const StopSignals&) = delete;
   StopSignals& operator=(const StopSignals&) = delete;
   int requested() const;  // the first signal's number, 0 if none
   static const char* name(int signal);
-
- private:
-  struct sigaction previous_term_ = {}, previous_int_ = {};
 };
 
 // Ends a job that stopped making progress: every rank's loop calls beat() after each step (and

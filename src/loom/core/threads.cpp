@@ -4,15 +4,19 @@
 
 #include <cstdlib>
 
+#include "loom/core/signals.h"
+
 namespace loom {
 
 void use_passive_omp_waits(char** argv) {
   if (std::getenv("OMP_WAIT_POLICY") != nullptr || std::getenv("GOMP_SPINCOUNT") != nullptr) return;
   if (setenv("OMP_WAIT_POLICY", "PASSIVE", 1) != 0) return;
+  keep_original_signal_mask_across_exec();  // blocked signals stay pending through the exec
   execv("/proc/self/exe", argv);
   // execv returned: /proc is not mounted or the binary is gone. The runtime keeps its default;
-  // the variable is cleared so that child processes see what this one runs under.
+  // the variables are cleared so that child processes see what this one runs under.
   unsetenv("OMP_WAIT_POLICY");
+  unsetenv("LOOM_ORIGINAL_SIGMASK");
 }
 
 std::string omp_wait_policy() {

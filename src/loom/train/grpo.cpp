@@ -16,6 +16,7 @@
 
 #include "loom/core/error.h"
 #include "loom/core/file_io.h"
+#include "loom/core/signals.h"
 #include "loom/core/targets.h"
 #include "loom/infer/engine.h"
 
@@ -131,7 +132,11 @@ std::vector<double> GrpoBatches::rewards(const std::vector<int64_t>& ids,
     }
     LOOM_CHECK(f.good(), "grpo.reward_command: cannot write ", input);
   }
-  FILE* pipe = ::popen((config_.reward_command + " < '" + input + "'").c_str(), "r");
+  FILE* pipe = nullptr;
+  {
+    const OriginalSignalMask mask;  // the command gets the signals loom's threads block (core/signals.h)
+    pipe = ::popen((config_.reward_command + " < '" + input + "'").c_str(), "r");
+  }
   std::string output;
   if (pipe != nullptr) {
     char buffer[4096];
