@@ -3,7 +3,9 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <ctime>
 #include <filesystem>
@@ -13,6 +15,7 @@
 #include "commands.h"
 #include "loom/core/error.h"
 #include "loom/core/file_io.h"
+#include "loom/core/signals.h"
 #include "loom/data/chat_template.h"
 #include "loom/data/sft.h"
 #include "loom/infer/engine.h"
@@ -27,14 +30,20 @@ const char* kHelp =
     "usage: loom serve --checkpoint PATH [--host 127.0.0.1] [--port 8080] [--kv FORMAT] [--max-batch N]\n"
     "                  [--max-queue N] [--kv-blocks N] [--kv-block N] [--no-prefix-cache]\n"
     "                  [--chat-template FILE] [--model-name NAME] [--drain-timeout S] [--adapter DIR]\n"
+    "                  [--threads N] [--request-timeout S] [--keepalive-timeout S] [--keepalive-requests N]\n"
+    "                  [--max-connections N] [--max-connections-per-client N] [--write-timeout S]\n"
     "\n"
     "Serves OpenAI's API on the generation engine (continuous batching, paged KV cache with\n"
     "automatic prefix caching): POST /v1/completions, POST /v1/chat/completions (stream: server-sent\n"
     "events), GET /v1/models, GET /health, GET /metrics (Prometheus). Requests join the running batch\n"
     "between steps; at most N rows run (--max-batch, default 16) and N more wait (--max-queue,\n"
     "default 64; then 429 with Retry-After). SIGTERM or SIGINT stops admitting (503), lets running\n"
-    "requests finish for up to --drain-timeout seconds (default 30), then exits 0; a second signal\n"
-    "exits at once. --port 0 takes a free port. Prints `listening on http://HOST:PORT` when ready.\n"
+    "requests finish for up to --drain-timeout seconds (default 30), then closes the connections\n"
+    "left, whatever their clients do, and exits 0; a second signal exits at once. --port 0 takes a\n"
+    "free port. Prints `listening on http://HOST:PORT` when ready.\n"
+    "Each request must arrive whole (header and body) within --request-timeout seconds (default 10;\n"
+    "then 408); at most --max-connections connections are open (default 1024), at most\n"
+    "--max-connections-per-client from one address (default 128; then 503 and close).\n"
     "docs/serving.md has the API, the flags and measured figures.\n";
 }  // namespace
 
@@ -46,8 +55,8 @@ int serve_main(int argc, char** argv) {
   // a fixed threshold keeps blocks of 128 KiB and more in mmap, returned whole when freed (flat).
   ::mallopt(M_MMAP_THRESHOLD, 128 * 1024);
   // SIGTERM / SIGINT: the handler writes the signal's number into a pipe that the main thread
-  // reads (a handler may run on any thread, OpenBLAS' and OpenMP's included, and may only make
-  // async-signal-safe calls). The pipe's write end is the one piece of process-wide state here.
+  // reads (it runs on the signal thread of core/signals.h and may only make async-signal-safe
+  // calls). The pipe's write end is the one piece of process-wide state here.
   LOOM_CHECK(::pipe(signal_pipe) == 0, "loom serve: cannot create the signal pipe");
   struct sigaction action = {};
   action.sa_handler = [](int signo) {
@@ -58,6 +67,7 @@ int serve_main(int argc, char** argv) {
   action.sa_flags = SA_RESTART;
   ::sigaction(SIGTERM, &action, nullptr);
   ::sigaction(SIGINT, &action, nullptr);
+  start_signal_thread();  // (main leaves it to here: a signal sent while starting finds the handler)
   const Args args(argc, argv, "serve", kHelp,
                   {{"checkpoint", "PATH", "a step folder, a run folder, a checkpoints folder or a Hugging Face folder (required)"},
                    {"adapter", "DIR", "a PEFT LoRA adapter folder applied to the weights"},
@@ -72,8 +82,38 @@ int serve_main(int argc, char** argv) {
                    {"chat-template", "FILE", "a Jinja chat template (default: the tokenizer folder's)"},
                    {"model-name", "NAME", "the model id in /v1/models and responses (default: the checkpoint folder's name)"},
                    {"drain-timeout", "S", "seconds running requests get to finish after SIGTERM (default 30)"},
-                   {"threads", "N", "HTTP worker threads (default: max-batch + max-queue + 8)"}});
+                   {"threads", "N", "HTTP worker threads (default: max-batch + max-queue + 8)"},
+                   {"request-timeout", "S", "seconds for a request's header and body to arrive, in all (default 10; then 408)"},
+                   {"keepalive-timeout", "S", "idle seconds a connection is kept between requests (default 5; 0: no keep-alive)"},
+                   {"keepalive-requests", "N", "requests on one connection before it closes (default 1000)"},
+                   {"max-connections", "N", "connections open at once (default 1024; then 503 and close)"},
+                   {"max-connections-per-client", "N", "connections open at once from one address (default 128; then 503)"},
+                   {"write-timeout", "S", "seconds a response's write may make no progress before the connection closes (default 30)"}});
   LOOM_CHECK(args.has("checkpoint"), "loom serve needs --checkpoint PATH");
+  // The flags that need no model are checked first, so a typo costs no loading time.
+  const int64_t max_batch = args.get_int("max-batch", 16);
+  LOOM_CHECK(max_batch >= 1, "--max-batch must be >= 1, got ", max_batch);
+  serve::SchedulerConfig sc;
+  sc.max_queue = args.get_int("max-queue", 64);
+  LOOM_CHECK(sc.max_queue >= 0, "--max-queue must be >= 0, got ", sc.max_queue);
+  const double drain_timeout = args.get_double("drain-timeout", 30.0);
+  LOOM_CHECK(std::isfinite(drain_timeout) && drain_timeout >= 0 && drain_timeout <= 86400,
+             "--drain-timeout must be seconds in [0, 86400], got ", drain_timeout);
+  const int64_t port = args.get_int("port", 8080);
+  LOOM_CHECK(port >= 0 && port <= 65535, "--port must be a port number 0..65535 (0: any free port), got ", port);
+  const int64_t threads = args.get_int("threads", max_batch + sc.max_queue + 8);
+  LOOM_CHECK(threads >= 1 && threads <= 100000, "--threads must be 1..100000, got ", threads);
+  serve::HttpOptions ho;
+  ho.host = args.get("host", "127.0.0.1");
+  ho.port = static_cast<int>(port);
+  ho.threads = static_cast<int>(threads);
+  ho.request_timeout = args.get_double("request-timeout", ho.request_timeout);
+  ho.keepalive_timeout = args.get_double("keepalive-timeout", ho.keepalive_timeout);
+  ho.keepalive_requests = args.get_int("keepalive-requests", ho.keepalive_requests);
+  ho.max_connections = args.get_int("max-connections", ho.max_connections);
+  ho.max_connections_per_client = args.get_int("max-connections-per-client", ho.max_connections_per_client);
+  ho.write_timeout = args.get_double("write-timeout", ho.write_timeout);
+  serve::check_gate_options(ho);
   const ModelSource source = model_source(args.get("checkpoint"), args.get("adapter", ""));
   const LoomConfig& config = source.config;
   const auto tokenizer = model_tokenizer(config);
@@ -98,15 +138,11 @@ int serve_main(int argc, char** argv) {
   info.chat_options = chat_template_options(*tokenizer);
 
   EngineConfig ec;
-  ec.max_batch = args.get_int("max-batch", 16);
+  ec.max_batch = max_batch;
   ec.block_size = args.get_int("kv-block", 16);
   ec.num_blocks = args.get_int("kv-blocks", 0);
   apply_kv_preset(ec, args.get("kv", "fp32"), config.model.head_dim());
   info.max_n = ec.max_batch;
-  serve::SchedulerConfig sc;
-  sc.max_queue = args.get_int("max-queue", 64);
-  LOOM_CHECK(sc.max_queue >= 0, "--max-queue must be >= 0, got ", sc.max_queue);
-  const double drain_timeout = args.get_double("drain-timeout", 30.0);
 
   auto backend = make_cpu_backend();
   Transformer model(*backend, config.model);
@@ -122,21 +158,18 @@ int serve_main(int argc, char** argv) {
 
   serve::Metrics metrics;
   serve::Scheduler scheduler(engine, *tokenizer, info, metrics, sc);
-  serve::HttpOptions ho;
-  ho.host = args.get("host", "127.0.0.1");
-  ho.port = static_cast<int>(args.get_int("port", 8080));
-  ho.threads = static_cast<int>(args.get_int("threads", ec.max_batch + sc.max_queue + 8));
   serve::HttpServer http(scheduler, info, *tokenizer, metrics, ho);
-  const int port = http.bind();
+  const int bound_port = http.bind();
   scheduler.start();
   std::thread server([&] { http.serve(); });
   std::printf("loom serve: model %s (%lld parameters, context %lld), KV cache %s paged in %lld blocks of %lld, "
-              "max batch %lld, max queue %lld, prefix cache %s, chat template %s\n",
+              "max batch %lld, max queue %lld, prefix cache %s, chat template %s, connections %lld (%lld per client)\n",
               info.id.c_str(), static_cast<long long>(param_count(config.model)), static_cast<long long>(info.context),
               args.get("kv", "fp32").c_str(), static_cast<long long>(engine.cache().config().num_blocks),
               static_cast<long long>(ec.block_size), static_cast<long long>(ec.max_batch),
-              static_cast<long long>(sc.max_queue), prefix_note.c_str(), info.chat_template.empty() ? "none" : "yes");
-  std::printf("listening on http://%s:%d\n", ho.host.c_str(), port);
+              static_cast<long long>(sc.max_queue), prefix_note.c_str(), info.chat_template.empty() ? "none" : "yes",
+              static_cast<long long>(http.max_connections()), static_cast<long long>(ho.max_connections_per_client));
+  std::printf("listening on http://%s:%d\n", ho.host.c_str(), bound_port);
   std::fflush(stdout);
 
   const auto next_signal = [] {
@@ -158,10 +191,12 @@ int serve_main(int argc, char** argv) {
   second.detach();
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                                                               std::chrono::duration<double>(drain_timeout));
+  http.drain();  // no more keep-alive; new requests are still read and answered (503)
   const int64_t cancelled = scheduler.drain(deadline);
-  // Let the HTTP threads write the last responses of the finished jobs before the sockets close.
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
-  http.stop();
+  // The workers write the last responses of the finished (or, at the deadline, cancelled) jobs;
+  // at the deadline (a moment later if it has passed, for the cancelled jobs' last words) the
+  // remaining sockets are shut down, whatever the clients do.
+  http.stop(std::max(deadline, std::chrono::steady_clock::now() + std::chrono::milliseconds(300)));
   server.join();
   std::printf("loom serve: stopped (%lld requests cancelled at the deadline)\n", static_cast<long long>(cancelled));
   return 0;

@@ -65,8 +65,9 @@ int main(int argc, char** argv) {
   }
   // Asynchronous signals were blocked before any library started a thread (below); they reach
   // one signal thread, started once `train` has its handlers (a stop signal sent meanwhile waits).
+  // (`serve` starts it itself, once its drain handler is installed.)
   if (command == "train") loom::cli::install_stop_handlers();
-  loom::start_signal_thread();
+  if (command != "serve") loom::start_signal_thread();
   if (command == "--version" || command == "version") {
     std::printf("loom %s\n", LOOM_VERSION);
     return 0;

@@ -2,9 +2,62 @@
 
 #include <httplib.h>
 
+#include <algorithm>
+#include <cstring>
+
 #include "loom/core/error.h"
 
 namespace loom::serve {
+
+namespace {
+
+// httplib's view of one complete request (serve/connection_gate.h): reads come from the bytes
+// the gate buffered, exactly one request's, then end (0); writes go to the socket under the
+// gate's write timeout.
+class ExchangeStream final : public httplib::Stream {
+ public:
+  explicit ExchangeStream(Exchange& exchange) : exchange_(exchange) {}
+  bool is_readable() const override { return offset_ < exchange_.request().size(); }
+  bool is_writable() const override { return exchange_.writable(); }
+  ssize_t read(char* ptr, size_t size) override {
+    const std::string& request = exchange_.request();
+    const size_t n = std::min(size, request.size() - offset_);
+    std::memcpy(ptr, request.data() + offset_, n);
+    offset_ += n;
+    return static_cast<ssize_t>(n);
+  }
+  ssize_t write(const char* ptr, size_t size) override {
+    return exchange_.write(ptr, size) ? static_cast<ssize_t>(size) : -1;
+  }
+  void get_remote_ip_and_port(std::string& ip, int& port) const override {
+    ip = exchange_.peer_ip(), port = exchange_.peer_port();
+  }
+  void get_local_ip_and_port(std::string& ip, int& port) const override {
+    ip = exchange_.local_ip(), port = exchange_.local_port();
+  }
+  socket_t socket() const override { return exchange_.socket(); }
+
+ private:
+  Exchange& exchange_;
+  size_t offset_ = 0;
+};
+
+// httplib's server without its listener and thread pool: the routes, the request parser and the
+// response writer, run by a gate worker on one request (Server::process_request is protected).
+class Router final : public httplib::Server {
+ public:
+  // `listening` stands for the server's socket, which httplib's content providers compare with
+  // INVALID_SOCKET to tell whether the server is shutting down.
+  void serving(socket_t listening) { svr_sock_ = listening; }
+  bool answer(Exchange& exchange) {
+    ExchangeStream stream(exchange);
+    bool closed = false;
+    const bool written = process_request(stream, exchange.last(), closed, nullptr);
+    return written && !closed;
+  }
+};
+
+}  // namespace
 
 struct HttpServer::Impl {
   Scheduler& scheduler;
@@ -12,11 +65,13 @@ struct HttpServer::Impl {
   const Tokenizer& tokenizer;
   Metrics& metrics;
   HttpOptions options;
-  httplib::Server server;
+  Router server;
+  ConnectionGate gate;
   std::atomic<uint64_t> next_id{1};
 
   Impl(Scheduler& s, const ModelInfo& m, const Tokenizer& t, Metrics& mt, HttpOptions o)
-      : scheduler(s), model(m), tokenizer(t), metrics(mt), options(std::move(o)) {}
+      : scheduler(s), model(m), tokenizer(t), metrics(mt), options(o),
+        gate(std::move(o), [this](Exchange& exchange) { return server.answer(exchange); }) {}
 
   void error(httplib::Response& res, const ApiError& e, const std::string& endpoint) {
     res.status = e.status();
@@ -163,12 +218,11 @@ void HttpServer::Impl::generate(const httplib::Request& req, httplib::Response& 
 }
 
 void HttpServer::Impl::install() {
+  // The gate enforces the limits; httplib's settings here only shape what it writes (the
+  // Keep-Alive header) and stay consistent with them.
   server.set_payload_max_length(options.max_body_bytes);
-  server.set_keep_alive_max_count(1000);
-  server.set_read_timeout(std::chrono::seconds(30));
-  server.set_write_timeout(std::chrono::seconds(30));
-  const size_t threads = options.threads > 0 ? static_cast<size_t>(options.threads) : 64;
-  server.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
+  server.set_keep_alive_max_count(static_cast<size_t>(options.keepalive_requests));
+  server.set_keep_alive_timeout(static_cast<time_t>(options.keepalive_timeout));
   server.Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) { generate(req, res, Endpoint::completions); });
   server.Post("/v1/chat/completions", [this](const httplib::Request& req, httplib::Response& res) { generate(req, res, Endpoint::chat); });
   server.Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
@@ -212,19 +266,17 @@ HttpServer::HttpServer(Scheduler& scheduler, const ModelInfo& model, const Token
 HttpServer::~HttpServer() = default;
 
 int HttpServer::bind() {
-  const HttpOptions& o = impl_->options;
-  if (o.port == 0) {
-    const int port = impl_->server.bind_to_any_port(o.host);
-    LOOM_CHECK(port > 0, "loom serve: cannot listen on ", o.host, " (any port)");
-    return port;
-  }
-  LOOM_CHECK(impl_->server.bind_to_port(o.host, o.port), "loom serve: cannot listen on ", o.host, ":", o.port,
-             " (in use, or not an address of this machine)");
-  return o.port;
+  const int port = impl_->gate.bind();
+  impl_->server.serving(impl_->gate.listening_socket());
+  return port;
 }
 
-void HttpServer::serve() { impl_->server.listen_after_bind(); }
+int64_t HttpServer::max_connections() const { return impl_->gate.max_connections(); }
 
-void HttpServer::stop() { impl_->server.stop(); }
+void HttpServer::serve() { impl_->gate.run(); }
+
+void HttpServer::drain() { impl_->gate.drain(); }
+
+void HttpServer::stop(std::chrono::steady_clock::time_point deadline) { impl_->gate.stop(deadline); }
 
 }  // namespace loom::serve
