@@ -357,6 +357,89 @@ TEST(ChatTemplate, ErrorsNameThePosition) {
   }
 }
 
+// Hostile templates (issue 41): recursion, endless loops and growing strings or lists stop at a
+// stated limit, quickly and within bounded memory, with a one-line Error naming the template's
+// file (ChatTemplateOptions::source) and the limit.
+TEST(ChatTemplateLimits, HostileTemplatesStopAtANamedLimit) {
+  struct Hostile {
+    const char* label;
+    const char* tmpl;
+    const char* limit;
+  };
+  const Hostile cases[] = {
+      {"a macro calling itself twice, 25 levels deep",
+       "{% macro f(n) %}{% if n > 0 %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(25) }}",
+       "the chat template's step limit"},
+      {"endless recursion", "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}",
+       "macro calls nested more than 200 deep (the chat template's recursion limit)"},
+      {"nested loops", "{% for i in range(1000000) %}{% for j in range(1000000) %}{% endfor %}{% endfor %}",
+       "the chat template's step limit"},
+      {"string doubling",
+       "{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}",
+       "a string of more than 16 MiB"},
+      {"string + string", "{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
+       "a string of more than 16 MiB"},
+      {"replace growth",
+       "{% set ns = namespace(s='abcdefgh') %}{% for i in range(40) %}{% set ns.s = ns.s.replace('a', 'aaaa') %}"
+       "{% endfor %}{{ ns.s }}",
+       "a string of more than 16 MiB"},
+      {"replace filter growth",
+       "{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s = ns.s|replace('a', 'aaa') %}{% endfor %}",
+       "a string of more than 16 MiB"},
+      {"tojson indent", "{{ range(100000)|list|tojson(indent=1000000) }}", "a string of more than 16 MiB"},
+      {"list doubling", "{% set ns = namespace(l=[1]) %}{% for i in range(25) %}{% set ns.l = ns.l + ns.l %}{% endfor %}",
+       "the chat template's step limit"},
+      {"a long split",
+       "{% set ns = namespace(s=',') %}{% for i in range(21) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s.split(',')|length }}",
+       "a list or dict of more than 2^20 items (the limit of a chat template's lists)"},
+      {"a long range", "{{ range(3000000)|length }}", "range() of more than 2^20 numbers"},
+      {"join growth", "{% set ns = namespace(s='xxxxxxxx') %}{% for i in range(30) %}{% set ns.s = ns.s|join(ns.s) %}{% endfor %}",
+       "a string of more than 16 MiB"},
+      {"indent growth",
+       "{% set ns = namespace(s='a\\nb') %}{% for i in range(30) %}{% set ns.s = (ns.s ~ '\\n' ~ ns.s)|indent(1000) %}"
+       "{% endfor %}",
+       "a string of more than 16 MiB"},
+      {"lists nested in a loop", "{% set ns = namespace(l=[]) %}{% for i in range(1000) %}{% set ns.l = [ns.l] %}{% endfor %}",
+       "nested more than 200 deep"},
+      {"a namespace holding itself", "{% set ns = namespace() %}{% set ns.me = ns %}{{ ns|tojson }}", "nested more than 200 deep"},
+      {"a long output",
+       "{% set ns = namespace(s='x') %}{% for i in range(10) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}"
+       "{% for i in range(20000) %}{{ ns.s }}{% endfor %}",
+       "a string of more than 16 MiB"},
+  };
+  ChatTemplateOptions options;
+  options.source = "/models/evil/tokenizer_config.json";
+  for (const Hostile& h : cases) {
+    const auto start = std::chrono::steady_clock::now();
+    std::string msg;
+    try {
+      render_chat_template(h.tmpl, {{"user", "hi"}}, options);
+    } catch (const Error& e) {
+      msg = e.what();
+    }
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    EXPECT_EQ(msg.rfind(std::string(options.source) + ": chat template: line 1, column ", 0), 0u) << h.label << ": " << msg;
+    EXPECT_NE(msg.find(h.limit), std::string::npos) << h.label << ": " << msg;
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << h.label << ": " << msg;
+    // (No timed assertion: the step budget bounds the work, whatever the machine's speed.)
+    std::printf("[ chat templates ] %s: stopped after %.2f s\n", h.label, seconds);
+  }
+  // Within the limits, the same constructs render: 2^19 characters, 2^14 items, 150 levels.
+  const std::string ok = render_jinja(
+      "{% set ns = namespace(s='x', l=[1], d=[]) %}{% for i in range(19) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}"
+      "{% for i in range(14) %}{% set ns.l = ns.l + ns.l %}{% endfor %}{% for i in range(150) %}{% set ns.d = [ns.d] %}"
+      "{% endfor %}{{ ns.s|length }} {{ ns.l|length }} {{ ns.d|tojson|length }}",
+      ojson::object());
+  EXPECT_EQ(ok, "524288 16384 302");
+  // Without a source the error names no file, as before.
+  try {
+    render_jinja("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", ojson::object());
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()).rfind("chat template: line 1, column ", 0), 0u) << e.what();
+  }
+}
+
 // Mutations of the real templates (deleted, duplicated and inserted pieces, truncation) render
 // or fail with a loom::Error, never anything else; a fixed seed and a bounded count.
 TEST(ChatTemplateFuzz, MutatedTemplatesNeverCrash) {

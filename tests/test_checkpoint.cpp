@@ -3,17 +3,20 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include "loom/backend/backend.h"
 #include "loom/checkpoint/checkpoint.h"
+#include "loom/checkpoint/hf_model.h"
 #include "loom/checkpoint/safetensors.h"
 #include "loom/core/error.h"
 #include "loom/model/transformer.h"
@@ -459,6 +462,87 @@ TEST(CheckpointTest, MismatchedArchIsAnErrorNamingBoth) {
   EXPECT_NE(message.find("model.safetensors: checkpoint arch is 'gpt2', the model is 'llama'"), std::string::npos)
       << message;
   EXPECT_TRUE(warnings.empty());  // a valid checkpoint that does not fit is not skipped
+}
+
+// ---- Hugging Face folders whose config.json does not fit their tensors (issue 41) ----
+
+// A Hugging Face folder of `config` (random weights) in `dir`, its config.json edited by `edit`.
+void write_hf_folder(const fs::path& dir, const ModelConfig& config, const std::function<void(nlohmann::json&)>& edit) {
+  TrainedModel model(config, 3, 0);
+  save_hf_model(dir.string(), model.model_state());
+  nlohmann::json j;
+  std::ifstream(dir / "config.json") >> j;
+  edit(j);
+  std::ofstream(dir / "config.json") << j.dump(2);
+}
+
+// Layer and expert counts beyond the tensors present are refused when the config is read, before
+// a model of that size (or its parameter layout) is allocated, naming the first missing tensor.
+TEST(HfImport, CountsBeyondTheTensorsAreRefusedNamingTheMissingTensor) {
+  TempDir dir;
+  struct Case {
+    std::string name;
+    ModelConfig config;
+    std::function<void(nlohmann::json&)> edit;
+    std::string expected;
+  };
+  ModelConfig mixtral = model_preset("llama-tiny");
+  mixtral.moe_experts = 4, mixtral.moe_top_k = 2, mixtral.moe_renorm = true;
+  const Case cases[] = {
+      {"llama", model_preset("llama-tiny"), [](nlohmann::json& j) { j["num_hidden_layers"] = 1e9; },
+       "tensor 'model.layers.2.input_layernorm.weight' is missing from the safetensors files in DIR, which hold 2 layers; "
+       "DIR/config.json says num_hidden_layers 1000000000"},
+      {"gpt2", model_preset("gpt2-tiny"), [](nlohmann::json& j) { j["n_layer"] = 100000; },
+       "tensor 'h.2.ln_1.weight' is missing from the safetensors files in DIR, which hold 2 layers; DIR/config.json says "
+       "n_layer 100000"},
+      {"mixtral", mixtral, [](nlohmann::json& j) { j["num_local_experts"] = 1000000; },
+       "tensor 'model.layers.0.block_sparse_moe.experts.4.w1.weight' is missing from the safetensors files in DIR, which "
+       "hold 4 experts per layer; DIR/config.json says num_local_experts 1000000"},
+      {"width", model_preset("llama-tiny"), [](nlohmann::json& j) { j["intermediate_size"] = 100000; },
+       "tensor 'model.layers.0.mlp.gate_proj.weight' has shape (80, 48), expected (100000, 48) (from DIR/config.json)"},
+  };
+  for (const Case& c : cases) {
+    const fs::path folder = dir / c.name;
+    write_hf_folder(folder, c.config, c.edit);
+    std::string expected = c.expected;
+    for (size_t at; (at = expected.find("DIR")) != std::string::npos;) expected.replace(at, 3, folder.string());
+    const auto start = std::chrono::steady_clock::now();
+    const std::string message = error_of([&] { hf_model_config(folder.string()); });
+    EXPECT_NE(message.find(expected), std::string::npos) << c.name << ": " << message;
+    EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 2.0) << c.name;
+  }
+  // The folders as written load.
+  const fs::path good = dir / "good";
+  write_hf_folder(good, mixtral, [](nlohmann::json&) {});
+  EXPECT_EQ(hf_model_config(good.string()).moe_experts, 4);
+}
+
+// An integer key of config.json refuses a fraction (64.5 was read as 64) and other types, naming
+// the key; a float key a value its type cannot hold.
+TEST(HfImport, IntegerKeysRefuseFractionsNamingTheKey) {
+  TempDir dir;
+  const std::pair<std::function<void(nlohmann::json&)>, std::string> cases[] = {
+      {[](nlohmann::json& j) { j["hidden_size"] = 64.5; }, "config.json: key 'hidden_size' must be an integer, got 64.5"},
+      {[](nlohmann::json& j) { j["num_attention_heads"] = true; }, "config.json: key 'num_attention_heads' has the wrong type (true)"},
+      {[](nlohmann::json& j) { j["vocab_size"] = 1e30; }, "config.json: key 'vocab_size' = 1e+30 is out of range"},
+      {[](nlohmann::json& j) {
+         j["rope_scaling"] = {{"rope_type", "llama3"}, {"factor", 8.0}, {"low_freq_factor", 1.0}, {"high_freq_factor", 4.0},
+                              {"original_max_position_embeddings", 8192.5}};
+       },
+       "config.json: rope_scaling.original_max_position_embeddings must be an integer, got 8192.5"},
+      {[](nlohmann::json& j) { j["rms_norm_eps"] = 1e300; }, "config.json: key 'rms_norm_eps' = 1e+300 is not a finite number"},
+  };
+  int i = 0;
+  for (const auto& [edit, expected] : cases) {
+    const fs::path folder = dir / ("case" + std::to_string(i++));
+    write_hf_folder(folder, model_preset("llama-tiny"), edit);
+    const std::string message = error_of([&] { hf_model_config(folder.string()); });
+    EXPECT_NE(message.find(expected), std::string::npos) << message;
+  }
+  // An integral value written as a float is that integer.
+  const fs::path folder = dir / "float";
+  write_hf_folder(folder, model_preset("llama-tiny"), [](nlohmann::json& j) { j["num_hidden_layers"] = 2.0; });
+  EXPECT_EQ(hf_model_config(folder.string()).n_layer, 2);
 }
 
 }  // namespace

@@ -14,8 +14,13 @@
 #include <vector>
 
 #include "loom/core/error.h"
+#include "loom/core/file_io.h"
 #include "loom/data/loader.h"
 #include "loom/data/shard.h"
+#include "loom/data/bpe.h"
+#include "loom/data/text_tokens.h"
+#include "test_util.h"
+#include "tokenizer_test_util.h"
 
 namespace loom {
 namespace {
@@ -468,6 +473,75 @@ TEST(LoaderTest, LoadsADatasetWrittenByWriteDataset) {
   EXPECT_EQ(val.windows_per_epoch(), (200u - 1) / 32);
   const std::vector<int32_t> stream = token_stream(2000, 300);
   EXPECT_EQ(next_batch(val, 1).tokens, std::vector<int32_t>(stream.begin() + 1800, stream.begin() + 1832));
+}
+
+// ---- Bounded, incremental tokenization of a text file (data/text_tokens.h; issue 41) ----
+
+// The text cut into pieces encodes as the whole does for GPT-2's BPE (the cuts fall before a
+// space after a non-space: a boundary of its pre-tokenizer), with BOS/EOS once around the whole.
+TEST(TextTokens, PiecesEncodeAsTheWholeText) {
+  const auto gpt2 = load_gpt2_tokenizer((tokenizer_test::source_dir() / kGpt2DefaultDir).string());
+  std::string text;
+  const std::string license = read_text_file("/usr/share/common-licenses/GPL-3");
+  while (text.size() < 3 * kTextPieceBytes) text += license + " \xc3\xa9t\xc3\xa9  \n\n\t x";
+  TextTokensOptions options;
+  const TextTokens pieces = text_tokens(text, *gpt2, options);
+  EXPECT_TRUE(pieces.whole);
+  EXPECT_EQ(pieces.ids, gpt2->encode(text));
+  // From a file, read in chunks, the same; with max_tokens only about one piece is read.
+  TempDir dir("text_tokens");
+  write_file_atomic(dir.file("big.txt"), text);
+  EXPECT_EQ(read_text_tokens(dir.file("big.txt"), *gpt2, options).ids, pieces.ids);
+  options.max_tokens = 1000;
+  const TextTokens first = read_text_tokens(dir.file("big.txt"), *gpt2, options);
+  EXPECT_FALSE(first.whole);
+  EXPECT_EQ(first.ids, std::vector<int32_t>(pieces.ids.begin(), pieces.ids.begin() + 1000));
+  EXPECT_LE(first.bytes, 2 * kTextPieceBytes);
+  // The byte tokenizer's BOS-less, EOS-less encoding is the bytes; a cut in a run without
+  // spaces falls on a UTF-8 character's first byte.
+  const std::string cjk = [] {
+    std::string s;
+    while (s.size() < kTextPieceBytes + 10) s += "\xe6\x97\xa5";  // U+65E5, three bytes
+    return s;
+  }();
+  const size_t cut = text_piece_end(std::string_view(cjk).substr(0, kTextPieceBytes));
+  EXPECT_GT(cut, kTextPieceBytes - 4);
+  EXPECT_EQ(static_cast<unsigned char>(cjk[cut]), 0xe6);
+}
+
+TEST(TextTokens, EndlessFoldersAndLargeInputsStopAtTheStatedLimit) {
+  ByteTokenizer bytes;
+  TextTokensOptions options;
+  options.what = "--calib";
+  options.limit = "--max-input-mb";
+  options.max_bytes = uint64_t{4} << 20;
+  // Enough tokens of /dev/zero: read until they are there, about one piece.
+  options.max_tokens = 1024;
+  const TextTokens zeros = read_text_tokens("/dev/zero", bytes, options);
+  EXPECT_EQ(zeros.ids, std::vector<int32_t>(1024, 0));
+  EXPECT_LE(zeros.bytes, 2 * kTextPieceBytes);
+  // The whole of /dev/zero: the limit, named, after reading only that far.
+  options.max_tokens = -1;
+  options.what = "eval --text";
+  std::string msg = test::error_of([&] { read_text_tokens("/dev/zero", bytes, options); });
+  EXPECT_EQ(msg, "eval --text /dev/zero: more than 4 MiB without reaching its end (the limit is --max-input-mb)");
+  // A file larger than the limit is refused before it is read; a folder is named as one.
+  TempDir dir("text_limits");
+  write_file_atomic(dir.file("five.txt"), std::string(size_t{5} << 20, 'a'));
+  msg = test::error_of([&] { read_text_tokens(dir.file("five.txt"), bytes, options); });
+  EXPECT_NE(msg.find("five.txt: 5242880 bytes, more than 4 MiB (the limit is --max-input-mb)"), std::string::npos) << msg;
+  msg = test::error_of([&] { read_text_tokens(dir.str(), bytes, options); });
+  EXPECT_EQ(msg, "eval --text " + dir.str() + ": is a directory, not a text file");
+  msg = test::error_of([&] { read_text_tokens(dir.file("none.txt"), bytes, options); });
+  EXPECT_NE(msg.find("none.txt: cannot open for reading"), std::string::npos) << msg;
+  // Tokens asked for that the first max_bytes do not hold: the limit and the count, named.
+  options.max_tokens = int64_t{6} << 20;
+  msg = test::error_of([&] { read_text_tokens(dir.file("five.txt"), bytes, options); });
+  EXPECT_NE(msg.find("fewer than the 6291456 asked for (the limit is --max-input-mb)"), std::string::npos) << msg;
+  // A short text: its tokens, whole.
+  write_file_atomic(dir.file("short.txt"), "abc");
+  options.max_tokens = 2;
+  EXPECT_EQ(read_text_tokens(dir.file("short.txt"), bytes, options).ids, (std::vector<int32_t>{97, 98}));
 }
 
 }  // namespace

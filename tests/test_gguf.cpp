@@ -127,6 +127,34 @@ TEST(Gguf, BadFilesAreOneLineErrorsNamingThePath) {
             std::string::npos);
 }
 
+// Counts and shapes a file cannot hold are refused before anything is sized by them (issue 41):
+// an array of 2^60 elements, a tensor of 2^40 x 2^40 elements, a device read whole.
+TEST(Gguf, CountsAndShapesBeyondTheFileAreRefusedBeforeAllocating) {
+  const std::string path = temp_path("huge.gguf");
+  auto u32 = [](uint32_t v) { return std::string(reinterpret_cast<const char*>(&v), 4); };
+  auto u64 = [](uint64_t v) { return std::string(reinterpret_cast<const char*>(&v), 8); };
+  auto str = [&](const std::string& x) { return u64(x.size()) + x; };
+  // One metadata key: an array of 2^60 u32.
+  write_file_atomic(path, "GGUF" + u32(3) + u64(0) + u64(1) + str("big") + u32(9) + u32(4) + u64(uint64_t{1} << 60) +
+                              std::string(64, '\0'));
+  std::string msg = test::error_of([&] { GgufFile::read(path); });
+  EXPECT_NE(msg.find(path + ": metadata key big: array of 1152921504606846976 elements past the end"), std::string::npos) << msg;
+  // One tensor of 2^40 x 2^40 f32 elements (the product overflows 64 bits).
+  const std::string info = str("t") + u32(2) + u64(uint64_t{1} << 40) + u64(uint64_t{1} << 40) + u32(0) + u64(0);
+  write_file_atomic(path, "GGUF" + u32(3) + u64(1) + u64(0) + info + std::string(64, '\0'));
+  msg = test::error_of([&] { GgufFile::read(path); });
+  EXPECT_NE(msg.find(path + ": tensor t of 2 dimensions"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("has more elements than the"), std::string::npos) << msg;
+  // A tensor that fits in 64 bits but not in the file, at an offset past its end.
+  const std::string far = str("t") + u32(1) + u64(8) + u32(0) + u64(uint64_t{1} << 62);
+  write_file_atomic(path, "GGUF" + u32(3) + u64(1) + u64(0) + far + std::string(64, '\0'));
+  msg = test::error_of([&] { GgufFile::read(path); });
+  EXPECT_NE(msg.find("ends past the end of the file"), std::string::npos) << msg;
+  std::filesystem::remove(path);
+  msg = test::error_of([&] { GgufFile::read("/dev/zero"); });
+  EXPECT_NE(msg.find("/dev/zero: not a regular file"), std::string::npos) << msg;
+}
+
 struct Blocks {
   std::vector<uint8_t> bytes;
   std::vector<float> back;  // dequantized
@@ -219,7 +247,8 @@ Exported export_tiny(Arch arch, GgufExportType type, const std::function<void(Mo
 }
 
 std::vector<float> param(const Exported& e, const std::string& name) {
-  const ParamSpec& p = build_param_layout(e.config).find(name);
+  const ParamLayout layout = build_param_layout(e.config);  // (find's reference lives as long as the layout)
+  const ParamSpec& p = layout.find(name);
   return {e.params.begin() + p.offset, e.params.begin() + p.offset + p.numel};
 }
 

@@ -24,6 +24,7 @@
 #include "loom/core/philox.h"
 #include "loom/data/bpe.h"
 #include "loom/data/shard.h"
+#include "loom/data/text_tokens.h"
 #include "loom/data/tokenizer_files.h"
 #include "loom/nn/lora.h"
 
@@ -342,13 +343,17 @@ void load_model(const ModelSource& source, Transformer& model) {
 }
 
 std::vector<std::vector<int32_t>> calibration_sequences(const std::string& path, int64_t tokens, const LoomConfig& config,
-                                                        int64_t seq_len) {
-  std::ifstream in(path, std::ios::binary);
-  LOOM_CHECK(in, path, ": cannot open the calibration text (--calib)");
-  std::stringstream text;
-  text << in.rdbuf();
-  const std::vector<int32_t> ids = model_tokenizer(config)->encode(text.str(), EncodeOptions{.add_special_tokens = true});
+                                                        int64_t seq_len, uint64_t max_bytes) {
   LOOM_CHECK(tokens >= seq_len, "--calib-tokens ", tokens, " is less than one calibration sequence of ", seq_len, " tokens");
+  // Only the first `tokens` tokens are used: the text is read and tokenized until it has them.
+  TextTokensOptions options;
+  options.max_tokens = tokens;
+  options.max_bytes = max_bytes;
+  options.what = "--calib";
+  options.limit = byte_limit_text(max_bytes) + " for a calibration text";
+  options.encode.add_special_tokens = true;
+  const TextTokens text = read_text_tokens(path, *model_tokenizer(config), options);
+  const std::vector<int32_t>& ids = text.ids;
   LOOM_CHECK(static_cast<int64_t>(ids.size()) >= tokens, path, ": ", ids.size(), " tokens, fewer than --calib-tokens ",
              tokens, ": give a longer calibration text or a smaller --calib-tokens");
   std::vector<std::vector<int32_t>> sequences;
@@ -358,13 +363,49 @@ std::vector<std::vector<int32_t>> calibration_sequences(const std::string& path,
   return sequences;
 }
 
+void check_weights_out(const std::string& out) {
+  std::error_code ec;
+  const fs::path dir(out);
+  if (!fs::exists(dir, ec)) return;
+  LOOM_CHECK(fs::is_directory(dir, ec), out, ": exists and is not a folder; choose another --out (nothing was written)");
+  std::string other;  // the first entry that a weights-only save does not write
+  for (const fs::directory_entry& entry : fs::directory_iterator(dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name != "checkpoints" || !entry.is_directory(ec)) {
+      other = name;
+      break;
+    }
+    for (const fs::directory_entry& step : fs::directory_iterator(entry.path(), ec)) {
+      const std::string s = step.path().filename().string();
+      if (s != "step_00000000" && s != "step_00000000.tmp") {
+        other = "checkpoints/" + s;
+        break;
+      }
+    }
+    if (!other.empty()) break;
+  }
+  LOOM_CHECK(!ec, out, ": cannot list the folder: ", ec.message());
+  LOOM_CHECK(other.empty(), out, ": exists and is not a weights-only checkpoint folder (it holds ", other,
+             "; a training run?); choose another --out (nothing was written)");
+}
+
 std::string save_weights_checkpoint(const std::string& out, const LoomConfig& config, const Tensor& params,
                                     const nlohmann::json& extra) {
+  check_weights_out(out);
   CheckpointContents contents;
   contents.model = ModelState{config.model, params};
   contents.optimizer.name = "none";  // weights only: no optimizer state
-  contents.config_text = config_to_toml(config);
   contents.attached = tokenizer_attachments(config.data.tokenizer);
+  LoomConfig recorded = config;
+  if (contents.attached.empty() && !config.data.tokenizer.empty() && config.data.tokenizer != "byte") {
+    // A folder without tokenizer files (a Hugging Face folder saved without them): its path would
+    // make the checkpoint depend on a folder that has no tokenizer and may move. Recorded as none.
+    recorded.data.tokenizer.clear();
+    std::fprintf(stderr, "loom: warning: %s holds no tokenizer files: the checkpoint records no tokenizer (eval, "
+                 "generate and serve need one: loom convert --to loom --tokenizer KIND_OR_DIR)\n",
+                 config.data.tokenizer.c_str());
+  }
+  contents.config_text = config_to_toml(recorded);
   contents.extra = extra;
   return CheckpointManager((fs::path(out) / "checkpoints").string()).save(contents);
 }
@@ -464,6 +505,9 @@ void prepare_dataset(const std::vector<std::string>& documents, const Tokenizer&
 std::string printable_utf8(const std::string& bytes) { return valid_utf8(bytes); }
 
 std::unique_ptr<Tokenizer> model_tokenizer(const LoomConfig& config) {
+  // (save_weights_checkpoint records none for a Hugging Face folder without tokenizer files)
+  LOOM_CHECK(!config.data.tokenizer.empty(), "the model records no tokenizer (it was made from a Hugging Face folder "
+             "without tokenizer files): give it one with loom convert --to loom --tokenizer KIND_OR_DIR");
   auto tokenizer = load_tokenizer(config.data.tokenizer);
   LOOM_CHECK(tokenizer->vocab_size() == config.model.vocab_size, "tokenizer ", tokenizer->name(), " has ",
              tokenizer->vocab_size(), " tokens but the model ", config.model.vocab_size);

@@ -103,14 +103,24 @@ void load_weights(const ModelSource& source, const Tensor& params);
 // parameters and its integer weights (Transformer::set_int_weights).
 void load_model(const ModelSource& source, Transformer& model);
 // Calibration data (loom quantize, loom prune): the first `tokens` tokens of the text file at
-// `path` (tokenized with the model's tokenizer) as sequences of seq_len tokens. Errors name the
-// file and --calib-tokens when the text is shorter.
+// `path` (tokenized with the model's tokenizer) as sequences of seq_len tokens. The file is read
+// and tokenized in pieces only until it has them (data/text_tokens.h), at most max_bytes of it.
+// Errors name the file and --calib-tokens when the text is shorter, the limit when the first
+// max_bytes hold fewer tokens (/dev/zero under a tokenizer that merges zeros), a folder.
+inline constexpr uint64_t kCalibrationReadLimit = uint64_t{256} << 20;
 std::vector<std::vector<int32_t>> calibration_sequences(const std::string& path, int64_t tokens, const LoomConfig& config,
-                                                        int64_t seq_len);
+                                                        int64_t seq_len, uint64_t max_bytes = kCalibrationReadLimit);
 // A Loom checkpoint of weights only (no optimizer state) at <out>/checkpoints/step_00000000,
-// the tokenizer attached, `extra` in its trainer.json; returns the step folder.
+// the tokenizer attached, `extra` in its trainer.json; returns the step folder. A tokenizer folder
+// without tokenizer files is recorded as none (data.tokenizer = "", a warning on stderr), which
+// model_tokenizer refuses naming --tokenizer.
 std::string save_weights_checkpoint(const std::string& out, const LoomConfig& config, const Tensor& params,
                                     const nlohmann::json& extra = nlohmann::json::object());
+// Refuses an `out` that save_weights_checkpoint would mix into: one that exists and holds anything
+// but checkpoints/step_00000000 (an earlier weights-only save, replaced), e.g. a training run whose
+// newer steps eval would go on reading. loom merge, prune and convert --to loom call it before
+// loading anything; save_weights_checkpoint calls it too.
+void check_weights_out(const std::string& out);
 // A Hugging Face folder as it is, or a Loom run / checkpoints / step folder -> its newest valid step.
 std::string resolve_weights(const std::string& path);
 

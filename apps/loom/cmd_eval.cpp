@@ -2,8 +2,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <fstream>
-#include <sstream>
+#include <cstdint>
 
 #include <nlohmann/json.hpp>
 
@@ -13,13 +12,15 @@
 #include "loom/core/error.h"
 #include "loom/data/loader.h"
 #include "loom/data/shard.h"
+#include "loom/data/text_tokens.h"
 
 namespace loom::cli {
 
 namespace {
 const char* kHelp =
     "usage: loom eval --checkpoint PATH [--data DIR] [--split val|train] [--batches N]\n"
-    "       loom eval --checkpoint PATH --text FILE [--seq-len T] [--batch B] [--json]\n"
+    "       loom eval --checkpoint PATH --text FILE [--seq-len T] [--batch B] [--windows N] [--max-input-mb N]\n"
+    "                 [--json]\n"
     "\n"
     "PATH is a step folder, a run folder or a checkpoints folder (the newest valid checkpoint is\n"
     "used), or a Hugging Face model folder. Without --text: evaluates N batches (default: all of\n"
@@ -28,7 +29,9 @@ const char* kHelp =
     "the model's tokenizer, cut into consecutive windows of T tokens (default: the run's\n"
     "train.seq_len, at most model.max_seq_len; the last partial window dropped), and the loss is\n"
     "the mean next-token loss over every predicted position (T - 1 per window), run B windows at a\n"
-    "time. --json prints one JSON object with loss, perplexity, tokens and windows.\n";
+    "time. --json prints one JSON object with loss, perplexity, tokens and windows. --windows N\n"
+    "evaluates only the first N windows, reading the text only as far as they need; a text larger\n"
+    "than --max-input-mb (default 256 MiB) is refused, before it is read where its size is known.\n";
 
 struct TextEval {
   double loss = 0.0;
@@ -36,12 +39,12 @@ struct TextEval {
 };
 
 // Mean next-token loss over consecutive windows of `T` tokens of `ids`, B windows per forward.
-TextEval eval_text(Transformer& model, const std::vector<int32_t>& ids, int64_t T, int64_t B) {
+TextEval eval_text(Transformer& model, const std::vector<int32_t>& ids, int64_t T, int64_t B, const std::string& path) {
   TextEval r;
   r.tokens = static_cast<int64_t>(ids.size());
   r.window = T;
   r.windows = r.tokens / T;
-  LOOM_CHECK(r.windows >= 1, "--text: ", r.tokens, " tokens make no window of --seq-len ", T);
+  LOOM_CHECK(r.windows >= 1, "eval --text ", path, ": ", r.tokens, " tokens make no window of --seq-len ", T);
   double sum = 0.0;
   for (int64_t first = 0; first < r.windows; first += B) {
     const int64_t n = std::min(B, r.windows - first);
@@ -62,18 +65,28 @@ TextEval eval_text(Transformer& model, const std::vector<int32_t>& ids, int64_t 
 int eval_text_main(const Args& args, const ModelSource& source, Transformer& model) {
   const LoomConfig& config = source.config;
   const std::string path = args.get("text");
-  std::ifstream in(path, std::ios::binary);
-  LOOM_CHECK(in, path, ": cannot open the text file");
-  std::stringstream text;
-  text << in.rdbuf();
   const auto tokenizer = model_tokenizer(config);
   const int64_t T = args.get_int("seq-len", std::min(config.train.seq_len, config.model.max_seq_len));
   LOOM_CHECK(T >= 2 && T - 1 <= config.model.max_seq_len, "--seq-len must be in [2, model.max_seq_len + 1 = ",
              config.model.max_seq_len + 1, "], got ", T);
   const int64_t B = args.get_int("batch", 1);
   LOOM_CHECK(B >= 1, "--batch must be >= 1, got ", B);
-  // BOS (and EOS) where the tokenizer's files say every text gets them; special tokens in the text stay text.
-  const TextEval r = eval_text(model, tokenizer->encode(text.str(), EncodeOptions{.add_special_tokens = true}), T, B);
+  const int64_t max_mb = args.get_int("max-input-mb", 256);
+  LOOM_CHECK(max_mb >= 1 && max_mb <= (int64_t{1} << 20), "--max-input-mb must be in [1, 1048576], got ", max_mb);
+  const int64_t windows = args.get_int("windows", -1);
+  LOOM_CHECK(!args.has("windows") || (windows >= 1 && windows <= INT64_MAX / T), "--windows must be >= 1, got ",
+             args.get("windows"));
+  // The text is read and tokenized piece by piece (data/text_tokens.h): with --windows only as
+  // far as those windows need; BOS (and EOS) where the tokenizer's files say every text gets
+  // them; special tokens in the text stay text.
+  TextTokensOptions options;
+  options.max_tokens = windows > 0 ? windows * T : -1;
+  options.max_bytes = static_cast<uint64_t>(max_mb) << 20;
+  options.what = "eval --text";
+  options.limit = "--max-input-mb";
+  options.encode.add_special_tokens = true;
+  const TextTokens text = read_text_tokens(path, *tokenizer, options);
+  const TextEval r = eval_text(model, text.ids, T, B, path);
   if (args.has("json")) {
     const nlohmann::json j = {{"loss", r.loss}, {"perplexity", std::exp(r.loss)}, {"tokens", r.tokens},
                               {"windows", r.windows}, {"seq_len", r.window}, {"text", path}, {"checkpoint", source.path}};
@@ -97,6 +110,8 @@ int eval_main(int argc, char** argv) {
                    {"text", "FILE", "perplexity on a text file instead of a dataset split"},
                    {"seq-len", "T", "--text: tokens per window (default: the run's train.seq_len)"},
                    {"batch", "B", "--text: windows per forward (default 1)"},
+                   {"windows", "N", "--text: evaluate only the first N windows (the text is read only that far)"},
+                   {"max-input-mb", "N", "--text: refuse a text larger than N MiB (default 256)"},
                    {"json", "", "--text: print one JSON object"}});
   LOOM_CHECK(args.has("checkpoint"), "loom eval needs --checkpoint PATH");
   const ModelSource source = model_source(args.get("checkpoint"), args.get("adapter", ""));

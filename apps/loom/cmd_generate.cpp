@@ -79,8 +79,7 @@ int generate_main(int argc, char** argv) {
   load_model(source, model);
   if (args.has("prompts")) {
     const std::string path = args.get("prompts");
-    std::ifstream in(path);
-    LOOM_CHECK(in, path, ": cannot open the prompts file");
+    std::istringstream in(read_text_file(path, uint64_t{64} << 20, "--prompts' limit"));
     std::vector<std::string> prompts;
     for (std::string line; std::getline(in, line);) {
       if (!line.empty() && line.back() == '\r') line.pop_back();

@@ -125,17 +125,21 @@ int serve_main(int argc, char** argv) {
   info.created = static_cast<int64_t>(std::time(nullptr));
   info.stop_tokens = {tokenizer->eot_token()};
   if (tokenizer->eos_token() && *tokenizer->eos_token() != tokenizer->eot_token()) info.stop_tokens.push_back(*tokenizer->eos_token());
+  std::string template_file;  // named in the template's errors
   if (args.has("chat-template")) {
-    info.chat_template = read_text_file(args.get("chat-template"));
+    template_file = args.get("chat-template");
+    info.chat_template = read_text_file(template_file);
   } else if (const auto file = std::filesystem::path(config.data.tokenizer) / "tokenizer_config.json";
              std::filesystem::is_regular_file(file)) {
     try {
       info.chat_template = load_chat_template(file.string());
+      template_file = file.string();
     } catch (const Error&) {
       info.chat_template.clear();  // a tokenizer folder without a template: chat answers 400
     }
   }
   info.chat_options = chat_template_options(*tokenizer);
+  info.chat_options.source = template_file;
 
   EngineConfig ec;
   ec.max_batch = max_batch;

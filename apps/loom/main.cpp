@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <new>
 #include <string>
 #include <thread>
 
@@ -96,6 +97,13 @@ int main(int argc, char** argv) {
   } catch (const loom::cli::HelpRequest& help) {
     std::fputs(help.text.c_str(), stdout);
     return 0;
+  } catch (const std::bad_alloc&) {
+    // Every reader and renderer bounds what it holds and names the file and the limit; an
+    // allocation that still fails is said in one line rather than as std::bad_alloc.
+    std::fprintf(stderr, "loom %s: error: out of memory (an allocation failed; see `loom %s --help` and "
+                 "docs/operations.md \"Memory and input limits\")\n", command.c_str(), command.c_str());
+    loom::abort_other_ranks(1);
+    return 1;
   } catch (const std::exception& e) {
     // Under several ranks the error is printed once, by the rank that found it, naming it: rank 0
     // prints at once; another waits a moment, in which rank 0 ends the job if it found the same

@@ -134,12 +134,9 @@ bool is_inside_name(const std::string& name) {
 void copy_attached(const fs::path& dir, const std::vector<std::pair<std::string, std::string>>& attached) {
   for (const auto& [name, source] : attached) {
     LOOM_CHECK(is_inside_name(name), "checkpoint: attached file name '", name, "' is not a path inside the checkpoint");
-    std::ifstream in(source, std::ios::binary);
-    LOOM_CHECK(in, source, ": cannot read the file to attach to the checkpoint");
-    std::stringstream bytes;
-    bytes << in.rdbuf();
+    const std::string bytes = read_text_file(source, kDefaultReadLimit, "the limit of a file attached to a checkpoint");
     fs::create_directories((dir / name).parent_path());
-    write_text_synced((dir / name).string(), bytes.str());
+    write_text_synced((dir / name).string(), bytes);
     fsync_directory((dir / name).parent_path().string());
   }
 }

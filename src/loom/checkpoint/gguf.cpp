@@ -1,8 +1,8 @@
 #include "loom/checkpoint/gguf.h"
 
+#include <algorithm>
 #include <cstring>
-#include <fstream>
-#include <iterator>
+#include <filesystem>
 #include <span>
 
 #include "loom/core/error.h"
@@ -88,6 +88,23 @@ class Cursor {
   uint64_t pos_ = 0;
 };
 
+// The fewest bytes a value of `type` takes in the file (a string: its length, an array: its
+// element type and count).
+uint64_t min_value_bytes(GgufValueType type) {
+  switch (type) {
+    case GgufValueType::U8:
+    case GgufValueType::I8:
+    case GgufValueType::BOOL: return 1;
+    case GgufValueType::U16:
+    case GgufValueType::I16: return 2;
+    case GgufValueType::U32:
+    case GgufValueType::I32:
+    case GgufValueType::F32: return 4;
+    case GgufValueType::ARRAY: return 12;
+    default: return 8;
+  }
+}
+
 GgufValue Cursor::value(GgufValueType type, const std::string& key, int depth) {
   GgufValue v;
   v.type = type;
@@ -110,8 +127,12 @@ GgufValue Cursor::value(GgufValueType type, const std::string& key, int depth) {
       LOOM_CHECK(static_cast<uint32_t>(v.element) <= 12, path_, ": metadata key ", key, ": unknown array element type ",
                  static_cast<uint32_t>(v.element));
       const auto n = raw<uint64_t>(key.c_str());
-      LOOM_CHECK(n <= bytes_.size() - pos_, path_, ": metadata key ", key, ": array of ", n, " elements past the end");
-      v.array.reserve(n);
+      // Each element takes at least this many bytes of the file: a count the file cannot hold is
+      // refused before anything is reserved for it.
+      const uint64_t least = min_value_bytes(v.element);
+      LOOM_CHECK(n <= (bytes_.size() - pos_) / least, path_, ": metadata key ", key, ": array of ", n,
+                 " elements past the end");
+      v.array.reserve(std::min<uint64_t>(n, 1 << 16));
       for (uint64_t k = 0; k < n; ++k) v.array.push_back(value(v.element, key, depth + 1));
       break;
     }
@@ -224,9 +245,12 @@ void GgufWriter::write(const std::string& path) const {
 GgufFile GgufFile::read(const std::string& path) {
   GgufFile f;
   f.path_ = path;
-  std::ifstream in(path, std::ios::binary);
-  LOOM_CHECK(in, path, ": cannot open the GGUF file");
-  f.bytes_.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  // A regular file, read by its size (a device or FIFO, which could be endless, is refused).
+  std::error_code ec;
+  LOOM_CHECK(std::filesystem::is_regular_file(path, ec), path, ": not a regular file (a GGUF file is read whole)");
+  const uint64_t size = std::filesystem::file_size(path, ec);
+  LOOM_CHECK(!ec, path, ": cannot read the GGUF file's size (", ec.message(), ")");
+  f.bytes_ = read_text_file(path, size, "the size the file had when it was opened");
   Cursor c(f.bytes_, path);
   LOOM_CHECK(c.raw<uint32_t>("magic") == kMagic, path, ": not a GGUF file (bad magic)");
   f.version = c.raw<uint32_t>("version");
@@ -256,12 +280,28 @@ GgufFile GgufFile::read(const std::string& path) {
     f.tensors.push_back(std::move(t));
   }
   f.data_offset = align_up(c.pos(), f.alignment);
+  // Every tensor inside the file: its element count (each type takes at least half a byte an
+  // element) and its bytes checked without overflow before anything is sized by them.
+  const uint64_t file_bytes = f.bytes_.size();
+  LOOM_CHECK(f.data_offset <= file_bytes || f.tensors.empty(), path, ": the data section starts at byte ",
+             f.data_offset, ", past the end of the file (", file_bytes, ")");
   for (const GgufTensorInfo& t : f.tensors) {
     uint64_t elements = 1;
-    for (uint64_t d : t.ne) elements *= d;
-    const uint64_t end = f.data_offset + t.offset + ggml_tensor_bytes(t.type, elements);
-    LOOM_CHECK(end <= f.bytes_.size(), path, ": tensor ", t.name, " ends at byte ", end, " past the end of the file (",
-               f.bytes_.size(), ")");
+    for (uint64_t d : t.ne) {
+      if (d != 0 && elements > 2 * file_bytes / d) {
+        std::string shape;
+        for (uint64_t e : t.ne) shape += (shape.empty() ? "" : ", ") + std::to_string(e);
+        throw Error(str_cat(path, ": tensor ", t.name, " of ", t.ne.size(), " dimensions [", shape,
+                            "] has more elements than the ", file_bytes, "-byte file can hold"));
+      }
+      elements *= d;
+    }
+    LOOM_CHECK((t.type != GgmlType::Q4_0 && t.type != GgmlType::Q8_0) || t.ne[0] % 32 == 0, path, ": tensor ", t.name,
+               " is ", ggml_type_name(t.type), " with rows of ", t.ne[0], " elements, not a multiple of its 32-element blocks");
+    const uint64_t bytes = ggml_tensor_bytes(t.type, elements);
+    LOOM_CHECK(t.offset <= file_bytes - f.data_offset && bytes <= file_bytes - f.data_offset - t.offset, path, ": tensor ",
+               t.name, " (", bytes, " bytes at data offset ", t.offset, ") ends past the end of the file (", file_bytes,
+               " bytes)");
   }
   return f;
 }

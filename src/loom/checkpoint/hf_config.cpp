@@ -1,8 +1,10 @@
 #include "loom/checkpoint/hf_config.h"
 
 #include <cmath>
+#include <limits>
 #include <optional>
 #include <set>
+#include <type_traits>
 
 #include "loom/checkpoint/model_config_json.h"
 #include "loom/core/error.h"
@@ -23,14 +25,45 @@ class ConfigReader {
   }
   const std::string& path() const { return path_; }
   bool has(const std::string& key) const { return j_.contains(key) && !j_[key].is_null(); }
+  // An integer key refuses a fraction (64.5 is not read as 64) and a number outside int64;
+  // a float key, a value its type cannot hold (1e300 as a float).
   template <class T>
   T get(const std::string& key) {
     used_.insert(key);
     LOOM_CHECK(has(key), path_, ": key '", key, "' is missing");
-    try {
-      return j_[key].get<T>();
-    } catch (const json::exception&) {
-      throw Error(str_cat(path_, ": key '", key, "' has the wrong type (", j_[key].dump(), ")"));
+    const json& v = j_[key];
+    if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) {
+      LOOM_CHECK(v.is_number(), path_, ": key '", key, "' has the wrong type (", v.dump(), ")");
+      int64_t value = 0;
+      if (v.is_number_float()) {
+        const double d = v.get<double>();
+        LOOM_CHECK(std::isfinite(d) && std::floor(d) == d, path_, ": key '", key, "' must be an integer, got ", v.dump());
+        LOOM_CHECK(std::fabs(d) < 0x1p62, path_, ": key '", key, "' = ", v.dump(), " is out of range");
+        value = static_cast<int64_t>(d);
+      } else if (v.is_number_unsigned()) {
+        LOOM_CHECK(v.get<uint64_t>() <= uint64_t{1} << 62, path_, ": key '", key, "' = ", v.dump(), " is out of range");
+        value = v.get<int64_t>();
+      } else {
+        value = v.get<int64_t>();
+      }
+      LOOM_CHECK(value >= static_cast<int64_t>(std::numeric_limits<T>::min()) &&
+                     (value < 0 || static_cast<uint64_t>(value) <= static_cast<uint64_t>(std::numeric_limits<T>::max())),
+                 path_, ": key '", key, "' = ", v.dump(), " is out of range");
+      return static_cast<T>(value);
+    } else {
+      try {
+        if constexpr (std::is_floating_point_v<T>) {
+          LOOM_CHECK(v.is_number(), path_, ": key '", key, "' has the wrong type (", v.dump(), ")");
+          const double d = v.get<double>();
+          LOOM_CHECK(std::isfinite(d) && std::fabs(d) <= static_cast<double>(std::numeric_limits<T>::max()), path_,
+                     ": key '", key, "' = ", v.dump(), " is not a finite number");
+          return static_cast<T>(d);
+        } else {
+          return v.get<T>();
+        }
+      } catch (const json::exception&) {
+        throw Error(str_cat(path_, ": key '", key, "' has the wrong type (", v.dump(), ")"));
+      }
     }
   }
   template <class T>
@@ -149,6 +182,12 @@ void read_rope_scaling(ConfigReader& r, ModelConfig& c, bool deepseek = false) {
     LOOM_CHECK(s.contains(key) && s[key].is_number(), path, ": rope_scaling.", key, " is missing or not a number");
     return s[key].get<double>();
   };
+  // An integer of rope_scaling (a position count).
+  auto integer = [&](const char* key, double value) {
+    LOOM_CHECK(std::floor(value) == value && std::fabs(value) < 0x1p62, path, ": rope_scaling.", key,
+               " must be an integer, got ", value);
+    return static_cast<int64_t>(value);
+  };
   if (type == "linear") {
     c.rope_scaling = ROPE_SCALING_LINEAR;
     c.rope_factor = static_cast<float>(number("factor"));
@@ -157,7 +196,7 @@ void read_rope_scaling(ConfigReader& r, ModelConfig& c, bool deepseek = false) {
     c.rope_factor = static_cast<float>(number("factor"));
     c.rope_low_freq_factor = static_cast<float>(number("low_freq_factor"));
     c.rope_high_freq_factor = static_cast<float>(number("high_freq_factor"));
-    c.rope_original_context = static_cast<int64_t>(number("original_max_position_embeddings"));
+    c.rope_original_context = integer("original_max_position_embeddings", number("original_max_position_embeddings"));
   } else if (type == "yarn") {
     c.rope_scaling = ROPE_SCALING_YARN;
     auto optional = [&](const char* key, double fallback) {
@@ -168,8 +207,8 @@ void read_rope_scaling(ConfigReader& r, ModelConfig& c, bool deepseek = false) {
     };
     const double factor = number("factor");
     c.rope_factor = static_cast<float>(factor);
-    c.rope_original_context = static_cast<int64_t>(optional("original_max_position_embeddings",
-                                                            static_cast<double>(c.max_seq_len)));
+    c.rope_original_context = integer("original_max_position_embeddings",
+                                      optional("original_max_position_embeddings", static_cast<double>(c.max_seq_len)));
     c.rope_beta_fast = static_cast<float>(optional("beta_fast", 32.0));
     c.rope_beta_slow = static_cast<float>(optional("beta_slow", 1.0));
     const double mscale = optional("mscale", 0.0), mscale_all_dim = optional("mscale_all_dim", 0.0);

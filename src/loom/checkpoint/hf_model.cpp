@@ -2,6 +2,7 @@
 
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <map>
 #include <memory>
@@ -228,6 +229,85 @@ void check_tied_head(const HfTensors& files, const Tensor& wte, std::set<std::st
   used.insert(stored);
 }
 
+// The number N of a "<prefix>N." at the start of `name` (after any "transformer."), or -1.
+int64_t index_after(const std::string& name, const std::string& prefix) {
+  const size_t at = name.find(prefix);
+  if (at == std::string::npos) return -1;
+  const size_t first = at + prefix.size(), dot = name.find('.', first);
+  if (dot == std::string::npos || dot == first || dot - first > 9) return -1;
+  for (size_t i = first; i < dot; ++i)
+    if (name[i] < '0' || name[i] > '9') return -1;
+  return std::stoll(name.substr(first, dot - first));
+}
+
+// The first index with no tensor at all: the layers (or experts) 0..k-1 the files hold.
+int64_t indices_held(const std::vector<std::string>& names, const std::function<int64_t(const std::string&)>& index) {
+  std::set<int64_t> held;
+  for (const std::string& name : names)
+    if (const int64_t i = index(name); i >= 0) held.insert(i);
+  int64_t k = 0;
+  while (held.count(k)) ++k;
+  return k;
+}
+
+int64_t layer_index(const std::string& name, const ModelConfig& c) {
+  if (c.arch != ARCH_GPT2) return name.rfind("model.layers.", 0) == 0 ? index_after(name, "model.layers.") : -1;
+  const std::string bare = name.rfind("transformer.", 0) == 0 ? name.substr(12) : name;
+  return bare.rfind("h.", 0) == 0 ? index_after(bare, "h.") : -1;
+}
+
+int64_t expert_index(const std::string& name) { return index_after(name, ".experts."); }
+
+const char* layers_key(HfFamily f) { return f == HfFamily::gpt2 ? "n_layer" : "num_hidden_layers"; }
+const char* experts_key(HfFamily f) {
+  return f == HfFamily::mixtral ? "num_local_experts" : f == HfFamily::qwen3_moe ? "num_experts" : "n_routed_experts";
+}
+
+// The folder's tensors against its config.json, before a model of that size is allocated: the
+// layers and experts it says against those the files hold (a config's 10^9 layers over 2 layers'
+// tensors is refused here, naming the first missing tensor, instead of allocating for them),
+// then every parameter's tensors present with the shapes the config gives them.
+void check_hf_tensors(const fs::path& dir, const HfConfig& hf, const HfTensors& files) {
+  const ModelConfig& c = hf.model;
+  const std::string config_path = (dir / kConfigFile).string();
+  const std::vector<std::string> names = files.names();
+  const int64_t layers = indices_held(names, [&](const std::string& n) { return layer_index(n, c); });
+  const int64_t experts = c.moe_experts > 0 ? indices_held(names, expert_index) : 0;
+  // A config no larger than the files: the parameters are walked over it, in layout order.
+  ModelConfig bounded = c;
+  bounded.n_layer = std::min(c.n_layer, layers + 1);
+  bounded.moe_dense_layers = std::min(c.moe_dense_layers, bounded.n_layer);
+  if (c.moe_experts > 0) {
+    bounded.moe_experts = std::min(c.moe_experts, experts + 1);
+    bounded.moe_top_k = std::min(c.moe_top_k, bounded.moe_experts);
+  }
+  const ParamLayout layout = build_param_layout(bounded);
+  // First the counts (a tensor of a layer or expert past those held), then every tensor.
+  for (const bool counts : {true, false}) {
+    for (const ParamSpec& spec : layout.params) {
+      const bool transpose = is_gpt2_conv1d_weight(spec.name);
+      for (const Piece& piece : pieces_of(c, hf.family, spec)) {
+        std::string stored;
+        const SafetensorsFile* file = files.find(piece.name, &stored);
+        if (counts) {
+          if (file != nullptr) continue;
+          const std::string missing = str_cat("tensor '", piece.name, "' is missing from the safetensors files in ",
+                                              dir.string());
+          LOOM_CHECK(layer_index(piece.name, c) < layers, missing, ", which hold ", layers, " layers; ", config_path,
+                     " says ", layers_key(hf.family), " ", c.n_layer);
+          LOOM_CHECK(expert_index(piece.name) < experts || c.moe_experts == 0, missing, ", which hold ", experts,
+                     " experts per layer; ", config_path, " says ", experts_key(hf.family), " ", c.moe_experts);
+          continue;
+        }
+        LOOM_CHECK(file != nullptr, files.describe(), ": tensor '", piece.name, "' is missing");
+        const Shape want = piece_shape(piece, spec, transpose);
+        LOOM_CHECK(file->shape(stored) == want, file->path(), ": tensor '", stored, "' has shape ",
+                   shape_str(file->shape(stored)), ", expected ", shape_str(want), " (from ", config_path, ")");
+      }
+    }
+  }
+}
+
 }  // namespace
 
 bool is_hf_model_dir(const std::string& dir) {
@@ -237,15 +317,20 @@ bool is_hf_model_dir(const std::string& dir) {
          (fs::is_regular_file(d / kWeightsFile, ec) || fs::is_regular_file(d / kIndexFile, ec));
 }
 
-ModelConfig hf_model_config(const std::string& dir) { return read_hf_config((fs::path(dir) / kConfigFile).string()).model; }
+ModelConfig hf_model_config(const std::string& dir) {
+  const HfConfig hf = read_hf_config((fs::path(dir) / kConfigFile).string());
+  check_hf_tensors(fs::path(dir), hf, HfTensors{fs::path(dir)});
+  return hf.model;
+}
 
 void load_hf_weights(const std::string& dir, const ModelState& model) {
   const ModelConfig& c = model.config;
   const HfFamily family = read_hf_config((fs::path(dir) / kConfigFile).string()).family;
+  const HfTensors files{fs::path(dir)};
+  check_hf_tensors(fs::path(dir), HfConfig{family, c}, files);
   const ParamLayout layout = build_param_layout(c);
   LOOM_CHECK(model.params.numel() == layout.total, "load_hf_weights: a parameter buffer of ", model.params.numel(),
              " floats for a model of ", layout.total);
-  const HfTensors files{fs::path(dir)};
   std::set<std::string> used;
   for (const ParamSpec& spec : layout.params) {
     const Tensor dst = model.params.view(spec.offset, spec.shape);

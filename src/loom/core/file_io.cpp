@@ -123,6 +123,8 @@ std::string hex64(uint64_t v) {
 }
 
 std::string read_text_file(const std::string& path, uint64_t max_bytes, const std::string& what) {
+  std::error_code ec;
+  LOOM_CHECK(!std::filesystem::is_directory(path, ec), path, ": is a directory, not a file");
   std::ifstream in(path, std::ios::binary);
   LOOM_CHECK(in, path, ": cannot open for reading");
   std::string text;

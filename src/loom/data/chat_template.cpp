@@ -2,9 +2,11 @@
 #include "loom/data/chat_template.h"
 
 #include <cmath>
+#include <new>
 
 #include "loom/core/error.h"
 #include "loom/data/jinja.h"
+#include "loom/data/jinja_runtime.h"
 #include "loom/data/special_tokens.h"
 
 namespace loom {
@@ -38,14 +40,26 @@ jinja::Value from_json(const nlohmann::ordered_json& j) {
 
 }  // namespace
 
-std::string render_jinja(const std::string& tmpl, const nlohmann::ordered_json& variables) {
-  LOOM_CHECK(variables.is_object() || variables.is_null(), "chat template: the variables must be a JSON object");
-  const std::vector<jinja::Token> tokens = jinja::tokenize(tmpl);
-  const jinja::AstPtr program = jinja::parse(tokens, tmpl);
-  jinja::Dict globals;
-  if (variables.is_object())
-    for (const auto& [k, v] : variables.items()) globals.emplace_back(k, from_json(v));
-  return jinja::render(*program, tmpl, globals);
+std::string render_jinja(const std::string& tmpl, const nlohmann::ordered_json& variables, const std::string& source) {
+  const std::string named = source.empty() ? "" : source + ": ";
+  try {
+    LOOM_CHECK(variables.is_object() || variables.is_null(), "chat template: the variables must be a JSON object");
+    const std::vector<jinja::Token> tokens = jinja::tokenize(tmpl);
+    const jinja::AstPtr program = jinja::parse(tokens, tmpl);
+    jinja::Dict globals;
+    try {
+      if (variables.is_object())
+        for (const auto& [k, v] : variables.items()) globals.emplace_back(k, from_json(v));
+    } catch (const jinja::RuntimeError& e) {
+      throw Error(str_cat("chat template: the variables: ", e.what()));
+    }
+    return jinja::render(*program, tmpl, globals);
+  } catch (const Error& e) {
+    if (source.empty()) throw;
+    throw Error(named + e.what());
+  } catch (const std::bad_alloc&) {
+    throw Error(named + "chat template: out of memory while rendering");
+  }
 }
 
 std::string render_chat_template(const std::string& tmpl, const std::vector<ChatMessage>& messages,
@@ -61,7 +75,7 @@ std::string render_chat_template(const std::string& tmpl, const std::vector<Chat
     LOOM_CHECK(options.extra.is_object(), "chat template: extra variables must be a JSON object");
     for (const auto& [k, v] : options.extra.items()) vars[k] = v;
   }
-  return render_jinja(tmpl, vars);
+  return render_jinja(tmpl, vars, options.source);
 }
 
 std::string load_chat_template(const std::string& config_path, const std::string& name) {

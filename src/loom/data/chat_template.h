@@ -5,7 +5,11 @@
 //
 // A template that does not parse, a runtime error (an unknown filter, an operation on an
 // undefined value) and raise_exception(...) are one-line loom::Errors naming the line and
-// column of the template.
+// column of the template, and the template's file when the caller names it (`source`). A
+// rendering runs within limits (data/jinja_runtime.h; docs/tokenizers.md): 200 nested macro
+// calls, 10^7 loop iterations and macro calls, 16 MiB per string (the output too), 2^20 items per
+// list, 200 levels of nested values and 2^30 units of work; each one passed is such an Error
+// naming the limit.
 #pragma once
 #include <string>
 #include <vector>
@@ -25,6 +29,9 @@ struct ChatTemplateOptions {
   bool add_generation_prompt = false;
   // More variables (tools, date_string, ...): a JSON object, null for none.
   nlohmann::ordered_json extra = nullptr;
+  // Where the template comes from (its file: a tokenizer_config.json, a --chat-template file),
+  // named first in every error; "" for none.
+  std::string source;
 };
 
 // Renders `tmpl` with messages = [{"role": ..., "content": ...}], bos_token, eos_token,
@@ -33,8 +40,8 @@ std::string render_chat_template(const std::string& tmpl, const std::vector<Chat
                                  const ChatTemplateOptions& options);
 
 // Renders `tmpl` with `variables`, a JSON object (numbers with an integral value are integers,
-// as in JavaScript).
-std::string render_jinja(const std::string& tmpl, const nlohmann::ordered_json& variables);
+// as in JavaScript). `source`: the template's file, named first in errors ("" for none).
+std::string render_jinja(const std::string& tmpl, const nlohmann::ordered_json& variables, const std::string& source = "");
 
 // The chat template of a tokenizer_config.json: `chat_template` as a string, or as a list of
 // {"name", "template"} objects, of which the one named `name` ("default" unless given).

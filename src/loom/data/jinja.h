@@ -24,8 +24,12 @@ enum class Kind { Undefined, Null, Bool, Int, Float, String, Array, Tuple, Objec
 
 // A runtime value. Numbers are doubles, as in JavaScript (Int and Float differ in printing and
 // arithmetic typing). Arrays, objects and functions are shared: equality between them is identity.
+// `depth`: how deeply a list, dict or method holds other values (1 + the deepest it holds; 0 for
+// the rest), limited to kMaxValueDepth when it is made (jinja_runtime.h), so that no chain of
+// values is deeper than that between two namespaces (which the interpreter clears at the end).
 struct Value {
   Kind kind = Kind::Undefined;
+  int depth = 0;
   bool b = false;
   double num = 0;
   std::string str;
@@ -48,7 +52,8 @@ struct Value {
   bool is_number() const { return kind == Kind::Int || kind == Kind::Float; }
   // obj's value for key, or nullptr.
   const Value* get(const std::string& key) const;
-  void set(const std::string& key, Value v) const;
+  // Sets obj's key (the depth of this handle follows; other handles of a namespace keep theirs).
+  void set(const std::string& key, Value v);
 };
 
 // The type name @huggingface/jinja gives a kind ("StringValue"), for error messages.
@@ -70,6 +75,7 @@ struct JsonOptions {
   std::string item_sep, key_sep;
   bool undefined_as_null = true;
 };
+// Errors (RuntimeError) past the string limit or kMaxValueDepth levels (a namespace can hold itself).
 std::string to_json(const Value& v, const JsonOptions& options, int depth = 0);
 // JS `==` between the values and JS `===` (used by `in`).
 bool loose_equal(const Value& a, const Value& b);
@@ -79,7 +85,6 @@ bool strict_equal(const Value& a, const Value& b);
 size_t js_space_at(const std::string& s, size_t pos);      // length of the \s character at pos, or 0
 size_t js_space_before(const std::string& s, size_t end);  // length of the \s character ending at end, or 0
 std::string js_trim(const std::string& s, bool start, bool end);
-std::vector<std::string> code_points(const std::string& s);
 size_t utf16_length(const std::string& s);
 
 // ---- Syntax ----
@@ -122,7 +127,8 @@ using AstPtr = std::unique_ptr<Ast>;
 
 AstPtr parse(const std::vector<Token>& tokens, const std::string& source);
 
-// Renders a parsed program with `globals` (name -> value) declared over the built-ins.
+// Renders a parsed program with `globals` (name -> value) declared over the built-ins, within
+// the limits of jinja_runtime.h (each exceeded one is an Error naming it).
 std::string render(const Ast& program, const std::string& source, const Dict& globals);
 
 }  // namespace loom::jinja

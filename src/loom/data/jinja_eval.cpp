@@ -12,9 +12,6 @@
 namespace loom::jinja {
 namespace {
 
-constexpr size_t kMaxIterations = 10'000'000;  // loop iterations in one rendering
-constexpr int kMaxCallDepth = 200;                // macro calls in progress (recursion)
-
 [[noreturn]] void fail(const std::string& what) { throw RuntimeError(what); }
 
 struct Scope {
@@ -66,25 +63,57 @@ SpecialArguments special_arguments(const std::vector<AstPtr>& params, size_t fir
   return found;
 }
 
+// Runs one rendering within the limits of jinja_runtime.h: kMaxCallDepth, kMaxSteps (the nodes
+// evaluated, loop iterations, macro calls and the values made, copied or scanned), and, where
+// values are made, the string, item and depth limits.
 class Interpreter {
  public:
   explicit Interpreter(const std::string& source) : source_(source) {}
+  Interpreter(const Interpreter&) = delete;
+  Interpreter& operator=(const Interpreter&) = delete;
+  // A namespace may be made to hold itself or a chain longer than any limit on making values:
+  // each one made is emptied at the end, one at a time, so none is freed recursively.
+  ~Interpreter() {
+    for (const std::shared_ptr<Dict>& ns : namespaces_) ns->clear();
+  }
+  void keep_namespace(const Value& ns) {
+    if (ns.obj) namespaces_.push_back(ns.obj);
+  }
 
   std::string program(const Ast& root, Scope& scope) {
-    std::string out = block(root.body, scope);
+    std::string out;
+    try {
+      out = block(root.body, scope);
+    } catch (const RuntimeError& e) {
+      fail_at(source_, root.pos, e.what());
+    }
     if (flow_ != Flow::Normal) fail_at(source_, root.pos, "break or continue outside a for loop");
     return out;
   }
 
  private:
   // Evaluates a node; a runtime error becomes a loom::Error naming the innermost failing node.
+  // Its steps: one, and the value it gives (a variable's or an item's string is copied, its list
+  // shared).
   Value eval(const Ast& n, Scope& scope) {
     try {
-      return eval_node(n, scope);
+      steps(1);
+      Value v = eval_node(n, scope);
+      const bool lookup = n.type == Node::Ident || (n.type == Node::Member && n.kids[1]->type != Node::Slice);
+      charge(lookup ? v.str.size() : value_work(v));
+      return v;
     } catch (const RuntimeError& e) {
       fail_at(source_, n.pos, e.what());
     }
   }
+  // Counts `bytes` of values made, copied or scanned, and n steps.
+  void charge(uint64_t bytes) {
+    work_ += bytes;
+    if (work_ > kMaxSteps * kStepBytes)
+      fail(str_cat("more than ", kMaxSteps, " steps (the chat template's step limit: expressions evaluated, loop "
+                   "iterations, macro calls and the data they make)"));
+  }
+  void steps(uint64_t n) { charge(n * kStepBytes); }
   Value eval_node(const Ast& n, Scope& scope);
   // The statements' output; empty, with flow_ set, when a break or continue cut it short.
   std::string block(const std::vector<AstPtr>& statements, Scope& scope) {
@@ -92,7 +121,10 @@ class Interpreter {
     for (const AstPtr& s : statements) {
       const Value v = eval(*s, scope);
       if (flow_ != Flow::Normal) return {};
-      if (v.kind != Kind::Null && v.kind != Kind::Undefined) out += to_output(v);
+      if (v.kind == Kind::Null || v.kind == Kind::Undefined) continue;
+      if (v.kind == Kind::String) check_string_size(out.size() + v.str.size());
+      out += to_output(v);
+      check_string_size(out.size());
     }
     return out;
   }
@@ -125,9 +157,10 @@ class Interpreter {
 
   const std::string& source_;
   Flow flow_ = Flow::Normal;
-  size_t iterations_ = 0;
+  uint64_t work_ = 0;  // steps x kStepBytes
   const Scope* calling_scope_ = nullptr;
   int call_depth_ = 0;
+  std::vector<std::shared_ptr<Dict>> namespaces_;
 };
 
 Value Interpreter::eval_node(const Ast& n, Scope& scope) {
@@ -168,6 +201,7 @@ Value Interpreter::eval_node(const Ast& n, Scope& scope) {
     case Node::Test: {
       const Value v = eval(*n.kids[0], scope);
       if (!has_test(n.text)) fail("Unknown test: " + n.text);
+      charge(value_work(v));
       return Value::boolean(apply_test(n.text, v, nullptr) != n.flag);
     }
     case Node::Select: return truthy(eval(*n.kids[1], scope)) ? eval(*n.kids[0], scope) : Value::undefined();
@@ -196,6 +230,7 @@ Value Interpreter::binary(const Ast& n, Scope& scope) {
   if (op == "and") return truthy(left) ? eval(*n.kids[1], scope) : left;
   if (op == "or") return truthy(left) ? left : eval(*n.kids[1], scope);
   const Value right = eval(*n.kids[1], scope);
+  charge(value_work(left) + value_work(right));  // (compared, scanned or copied)
   if (op == "==") return Value::boolean(loose_equal(left, right));
   if (op == "!=") return Value::boolean(!loose_equal(left, right));
   const bool membership = op == "in" || op == "not in";
@@ -204,10 +239,17 @@ Value Interpreter::binary(const Ast& n, Scope& scope) {
     fail(str_cat("Cannot perform operation ", op, " on undefined values"));
   }
   if (left.kind == Kind::Null || right.kind == Kind::Null) fail("Cannot perform operation on null values");
-  if (op == "~") return Value::string(to_concat(left) + to_concat(right));
+  const auto concat = [](const Value& a, const Value& b) {
+    std::string x = to_concat(a);
+    const std::string y = to_concat(b);
+    check_string_size(x.size() + y.size());
+    return Value::string(x += y);
+  };
+  if (op == "~") return concat(left, right);
   if (Value v = arithmetic(op, left, right); v.kind != Kind::Undefined) return v;
   if (left.is_array() && right.is_array()) {
     if (op == "+") {
+      check_items(left.arr->size() + right.arr->size());
       List items = *left.arr;
       items.insert(items.end(), right.arr->begin(), right.arr->end());
       return Value::array(std::move(items));
@@ -217,8 +259,7 @@ Value Interpreter::binary(const Ast& n, Scope& scope) {
     for (const Value& x : *right.arr) found = found || strict_equal(x, left);
     return Value::boolean(found == (op == "in"));
   }
-  if ((left.kind == Kind::String || right.kind == Kind::String) && op == "+")
-    return Value::string(to_concat(left) + to_concat(right));
+  if ((left.kind == Kind::String || right.kind == Kind::String) && op == "+") return concat(left, right);
   if (left.kind == Kind::String && right.kind == Kind::String && membership)
     return Value::boolean((right.str.find(left.str) != std::string::npos) == (op == "in"));
   if (left.kind == Kind::String && right.is_object() && membership)
@@ -257,6 +298,7 @@ Value Interpreter::arithmetic(const std::string& op, const Value& left, const Va
 
 Value Interpreter::member(const Ast& n, Scope& scope) {
   const Value object = eval(*n.kids[0], scope);
+  charge(object.str.size());  // (a string's characters are counted or copied)
   const Ast& prop = *n.kids[1];
   if (n.flag && prop.type == Node::Slice) {
     auto part = [&](size_t i) { return prop.kids[i] ? eval(*prop.kids[i], scope) : Value::undefined(); };
@@ -301,6 +343,8 @@ Args Interpreter::arguments(const Ast& n, size_t first, Scope& scope) {
 
 Value Interpreter::call(const Ast& n, Scope& scope) {
   Args args = arguments(n, 1, scope);
+  for (const Value& a : args.positional) charge(value_work(a));  // (copied to the callee)
+  for (const auto& [k, a] : args.keyword) charge(value_work(a));
   const Value fn = eval(*n.kids[0], scope);
   if (fn.kind != Kind::Function) fail(str_cat("Cannot call something that is not a function: got ", kind_name(fn.kind)));
   std::vector<Value> all = std::move(args.positional);
@@ -323,7 +367,9 @@ Value Interpreter::macro(const Ast& n, Scope& scope) {
 // the defaults, evaluated once every parameter is bound) and renders n.body.
 Value Interpreter::invoke(const Ast& n, const std::string& name, size_t first_param, const SpecialArguments& special,
                           std::vector<Value>& args, const Scope& parent) {
-  if (call_depth_ >= kMaxCallDepth) fail("macro calls nested too deeply");
+  if (call_depth_ >= kMaxCallDepth)
+    fail(str_cat("macro calls nested more than ", kMaxCallDepth, " deep (the chat template's recursion limit)"));
+  steps(1);
   ++call_depth_;
   struct Leave {
     int& depth;
@@ -403,6 +449,12 @@ Value Interpreter::filter_block(const Ast& n, Scope& scope) {
 Value Interpreter::filter(const Ast& n, Scope& scope) {
   const Value operand = eval(*n.kids[0], scope);
   const Ast& f = *n.kids[1];
+  // A filter reads its operand once; a sort about log2(n) times.
+  const std::string& name0 = f.type == Node::Call && !f.kids.empty() ? f.kids[0]->text : f.text;
+  uint64_t passes = 1;
+  if (name0 == "sort" && operand.arr)
+    for (size_t k = operand.arr->size(); k > 1; k /= 2) ++passes;
+  charge(value_work(operand) * passes);
   if (f.type == Node::Ident) return apply_filter(f.text, operand, nullptr);
   if (f.type != Node::Call || f.kids[0]->type != Node::Ident) fail("Unknown filter");
   const std::string& name = f.kids[0]->text;
@@ -452,9 +504,10 @@ Value Interpreter::set(const Ast& n, Scope& scope) {
       scope.vars[target.kids[i]->text] = (*rhs.arr)[i];
     }
   } else if (target.type == Node::Member) {
-    const Value object = eval(*target.kids[0], scope);
+    Value object = eval(*target.kids[0], scope);
     if (object.kind != Kind::Namespace) fail("cannot assign attribute on non-namespace object");
     if (target.kids[1]->type != Node::Ident) fail("Cannot assign to member with non-identifier property");
+    charge(object.obj->size() * kItemBytes);  // (its keys are searched)
     object.set(target.kids[1]->text, rhs);
   } else {
     fail("Invalid left-hand side of an assignment");
@@ -488,9 +541,10 @@ Value Interpreter::for_loop(const Ast& n, Scope& outer) {
     iterable = Value::array(std::move(keys));
   }
   if (!iterable.is_array()) fail(str_cat("Expected iterable or object type in for loop: got ", kind_name(iterable.kind)));
+  charge(value_work(iterable));  // (its items are copied)
   List items;
   for (const Value& item : *iterable.arr) {
-    if (++iterations_ > kMaxIterations) fail("more than 10^7 loop iterations");
+    steps(1);
     if (var.type != Node::Ident && item.kind != Kind::Array) fail(str_cat("Cannot unpack non-iterable type: ", kind_name(item.kind)));
     if (test) {
       Scope item_scope{{}, &scope};
@@ -503,7 +557,7 @@ Value Interpreter::for_loop(const Ast& n, Scope& outer) {
   bool none = true;
   const double len = static_cast<double>(items.size());
   for (size_t i = 0; i < items.size(); ++i) {
-    if (++iterations_ > kMaxIterations) fail("more than 10^7 loop iterations");
+    steps(kLoopSteps);  // (the loop variable's nine entries)
     const double k = static_cast<double>(i);
     scope.vars["loop"] = Value::object({{"index", Value::integer(k + 1)},
                                         {"index0", Value::integer(k)},
@@ -524,6 +578,7 @@ Value Interpreter::for_loop(const Ast& n, Scope& outer) {
       flow_ = Flow::Normal;
       break;
     }
+    check_string_size(out.size() + body.size());
     out += body;
     none = false;
   }
@@ -541,6 +596,13 @@ std::string render(const Ast& program, const std::string& source, const Dict& gl
     scope.vars[name] = value;
   }
   Interpreter interpreter(source);
+  // namespace(...): the built-in, each namespace made kept to be emptied at the end.
+  const Value make_namespace = scope.vars["namespace"];
+  scope.vars["namespace"] = Value::function([make_namespace, &interpreter](std::vector<Value>& args) {
+    Value ns = (*make_namespace.fn)(args);
+    interpreter.keep_namespace(ns);
+    return ns;
+  });
   return interpreter.program(program, scope);
 }
 

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <ctime>
+#include <unordered_set>
 
 #include <unicode/locid.h>
 #include <unicode/unistr.h>
@@ -26,8 +27,6 @@ const Value* Args::at(size_t i, const std::string& key) const {
 
 namespace {
 
-constexpr size_t kMaxRange = 1 << 20;
-
 [[noreturn]] void fail(const std::string& what) { throw RuntimeError(what); }
 
 std::string case_map(const std::string& s, bool upper) {
@@ -36,6 +35,7 @@ std::string case_map(const std::string& s, bool upper) {
   else u.toLower(icu::Locale::getRoot());
   std::string out;
   u.toUTF8String(out);
+  check_string_size(out.size());  // (a case mapping can lengthen a string: "ß" -> "SS")
   return out;
 }
 
@@ -112,6 +112,7 @@ Value split(const std::string& s, const std::vector<Value>& args) {
         parts.push_back(Value::string(t.substr(i)));
         break;
       }
+      check_items(parts.size() + 1);
       size_t j = i;
       while (j < t.size() && js_space_at(t, j) == 0) j += utf8_length(t, j);
       parts.push_back(Value::string(t.substr(i, j - i)));
@@ -123,6 +124,7 @@ Value split(const std::string& s, const std::vector<Value>& args) {
   size_t from = 0;
   for (size_t at; (at = s.find(sep.str, from)) != std::string::npos; from = at + sep.str.size()) {
     if (max != -1 && static_cast<double>(parts.size()) >= max) break;
+    check_items(parts.size() + 2);
     parts.push_back(Value::string(s.substr(from, at - from)));
   }
   parts.push_back(Value::string(s.substr(from)));
@@ -138,19 +140,28 @@ Value replace(const std::string& s, const std::vector<Value>& args) {
   const std::string& from = args[0].str;
   const std::string& to = args[1].str;
   double left = count.kind == Kind::Null || count.num < 0 ? INFINITY : count.num;
-  std::string out;
+  std::string out;  // checked against the string limit as it grows
   if (from.empty()) {
-    for (const std::string& cp : code_points(s)) {
+    for (size_t i = 0; i < s.size();) {
+      const size_t len = utf8_length(s, i);
       if (left-- > 0) out += to;
-      out += cp;
+      out.append(s, i, len);
+      check_string_size(out.size());
+      i += len;
     }
     if (left > 0) out += to;
+    check_string_size(out.size());
     return Value::string(out);
   }
   size_t pos = 0;
-  for (size_t at; left > 0 && (at = s.find(from, pos)) != std::string::npos; pos = at + from.size(), --left)
-    out += s.substr(pos, at - pos) + to;
-  return Value::string(out + s.substr(pos));
+  for (size_t at; left > 0 && (at = s.find(from, pos)) != std::string::npos; pos = at + from.size(), --left) {
+    out.append(s, pos, at - pos);
+    out += to;
+    check_string_size(out.size());
+  }
+  out.append(s, pos);
+  check_string_size(out.size());
+  return Value::string(out);
 }
 
 Value string_method(const Value& self, const std::string& name) {
@@ -181,17 +192,25 @@ Value entries(const Value& obj, int which) {  // 0 items, 1 keys, 2 values
   return Value::array(std::move(out));
 }
 
+// A method holds its dict: as deep as a list of it (a chain of methods of dicts of methods
+// nests as lists do).
+Value held(Value method, const Value& self) {
+  check_value_depth(self.depth + 1);
+  method.depth = self.depth + 1;
+  return method;
+}
+
 Value object_method(const Value& self, const std::string& name) {
   if (name == "get")
-    return Value::function([self](std::vector<Value>& args) {
+    return held(Value::function([self](std::vector<Value>& args) {
       if (args.empty() || args[0].kind != Kind::String)
         fail(str_cat("Dict key must be a string: got ", args.empty() ? "UndefinedValue" : kind_name(args[0].kind)));
       const Value* v = self.get(args[0].str);
       return v ? *v : args.size() > 1 ? args[1] : Value::null();
-    });
+    }), self);
   for (int which = 0; which < 3; ++which)
     if (name == (which == 0 ? "items" : which == 1 ? "keys" : "values"))
-      return Value::function([self, which](std::vector<Value>&) { return entries(self, which); });
+      return held(Value::function([self, which](std::vector<Value>&) { return entries(self, which); }), self);
   return Value::undefined();
 }
 
@@ -239,11 +258,24 @@ Value sorted(const Value& arr, bool reverse, bool case_sensitive, const Value& a
     if (attribute.kind == Kind::Null) return item;
     return attribute_path(item, attribute.kind == Kind::Int ? js_number(attribute.num) : attribute.str);
   };
-  List out = *arr.arr;
-  std::stable_sort(out.begin(), out.end(), [&](const Value& a, const Value& b) {
-    const int c = compare(key(a), key(b), case_sensitive);
+  // Each item's key once (lower-cased once, not at every comparison), then the order of the keys.
+  const List& items = *arr.arr;
+  std::vector<Value> keys;
+  keys.reserve(items.size());
+  for (const Value& item : items) {
+    Value k = key(item);
+    if (!case_sensitive && k.kind == Kind::String) k.str = case_map(k.str, false);
+    keys.push_back(std::move(k));
+  }
+  std::vector<size_t> order(items.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    const int c = compare(keys[a], keys[b], true);
     return reverse ? c > 0 : c < 0;
   });
+  List out;
+  out.reserve(items.size());
+  for (const size_t i : order) out.push_back(items[i]);
   return Value::array(std::move(out));
 }
 
@@ -253,8 +285,28 @@ std::string join_values(const List& items, const std::string& sep) {
     const Value& v = items[i];
     if (i) out += sep;
     if (v.kind != Kind::Null && v.kind != Kind::Undefined) out += to_concat(v);
+    check_string_size(out.size());
   }
   return out;
+}
+
+// A key equal for two values exactly when strict_equal holds (numbers by value, NaN never).
+std::string identity(const Value& v) {
+  if (v.is_number()) {
+    if (std::isnan(v.num)) return str_cat("N", static_cast<const void*>(&v));  // (unequal to everything)
+    const double d = v.num == 0 ? 0.0 : v.num;  // (-0 === 0)
+    return str_cat("n", std::string(reinterpret_cast<const char*>(&d), sizeof d));
+  }
+  switch (v.kind) {
+    case Kind::Undefined: return "u";
+    case Kind::Null: return "z";
+    case Kind::Bool: return v.b ? "t" : "f";
+    case Kind::String: return "s" + v.str;
+    default:
+      if (v.arr) return str_cat("a", static_cast<const void*>(v.arr.get()));
+      if (v.obj) return str_cat("o", static_cast<const void*>(v.obj.get()));
+      return str_cat("c", static_cast<const void*>(v.fn.get()));
+  }
 }
 
 Value array_filter(const std::string& name, const Value& a) {
@@ -273,8 +325,9 @@ Value array_filter(const std::string& name, const Value& a) {
   }
   if (name == "unique") {
     List out;
+    std::unordered_set<std::string> seen;
     for (const Value& x : items)
-      if (std::none_of(out.begin(), out.end(), [&](const Value& y) { return strict_equal(x, y); })) out.push_back(x);
+      if (seen.insert(identity(x)).second) out.push_back(x);
     return Value::array(std::move(out));
   }
   fail("Unknown ArrayValue filter: " + name);
@@ -288,6 +341,7 @@ std::string indent_lines(const std::string& s, size_t width, bool first, bool bl
     const std::string x = s.substr(start, nl == std::string::npos ? std::string::npos : nl - start);
     if (line > 0) out += "\n";
     out += ((line == 0 && !first) || (x.empty() && !blank)) ? x : std::string(width, ' ') + x;
+    check_string_size(out.size());
     if (nl == std::string::npos) return out;
     start = nl + 1;
     ++line;
@@ -391,10 +445,16 @@ Value call_filter(const std::string& name, const Value& v, const Args& args) {
     if (v.kind != Kind::String && !v.is_array()) fail(str_cat("Cannot apply filter \"join\" to type: ", kind_name(v.kind)));
     const Value* sep = args.at(0, "separator");
     if (sep && sep->kind != Kind::String) fail("separator must be a string");
-    List items;
-    if (v.kind == Kind::String)
-      for (const std::string& cp : code_points(v.str)) items.push_back(Value::string(cp));
-    return Value::string(join_values(v.kind == Kind::String ? items : *v.arr, sep ? sep->str : ""));
+    if (v.is_array()) return Value::string(join_values(*v.arr, sep ? sep->str : ""));
+    std::string out;  // the characters of the string, joined
+    for (size_t i = 0; i < v.str.size();) {
+      const size_t len = utf8_length(v.str, i);
+      if (i > 0 && sep) out += sep->str;
+      out.append(v.str, i, len);
+      check_string_size(out.size());
+      i += len;
+    }
+    return Value::string(out);
   }
   if (name == "default") {
     const Value* fallback = args.at(0, "");
@@ -486,8 +546,9 @@ Value member_of(const Value& object, const Value& property) {
       const double i = property.num < 0 ? property.num + n : property.num;
       if (i < 0 || i >= n) return Value::undefined();
       if (object.is_array()) return (*object.arr)[static_cast<size_t>(i)];
-      const std::vector<std::string> cps = code_points(object.str);
-      return i < static_cast<double>(cps.size()) ? Value::string(cps[static_cast<size_t>(i)]) : Value::undefined();
+      size_t at = 0;  // the i-th code point
+      for (double k = 0; k < i && at < object.str.size(); ++k) at += utf8_length(object.str, at);
+      return at < object.str.size() ? Value::string(object.str.substr(at, utf8_length(object.str, at))) : Value::undefined();
     }
     if (property.kind != Kind::String)
       fail(str_cat("Cannot access property with non-string/non-number: got ", kind_name(property.kind)));
@@ -502,8 +563,14 @@ Value slice_of(const Value& object, const Value& start_v, const Value& stop_v, c
   if (!object.is_array() && object.kind != Kind::String) fail("Slice object must be an array or string");
   for (const Value* v : {&start_v, &stop_v, &step_v})
     if (v->kind != Kind::Int && v->kind != Kind::Undefined) fail("Slice start, stop and step must be integers or undefined");
-  const std::vector<std::string> cps = object.kind == Kind::String ? code_points(object.str) : std::vector<std::string>{};
-  const double len = object.kind == Kind::String ? static_cast<double>(cps.size()) : static_cast<double>(object.arr->size());
+  // A string's code points by their byte offsets (the last entry: the string's end).
+  std::vector<uint32_t> cps;
+  if (object.kind == Kind::String) {
+    check_string_size(object.str.size());
+    for (size_t i = 0; i < object.str.size(); i += utf8_length(object.str, i)) cps.push_back(static_cast<uint32_t>(i));
+    cps.push_back(static_cast<uint32_t>(object.str.size()));
+  }
+  const double len = object.kind == Kind::String ? static_cast<double>(cps.size() - 1) : static_cast<double>(object.arr->size());
   const double step = step_v.kind == Kind::Int ? step_v.num : 1;
   if (step == 0) return object.kind == Kind::String ? Value::string("") : Value::array({});
   double start, stop;
@@ -518,8 +585,9 @@ Value slice_of(const Value& object, const Value& start_v, const Value& stop_v, c
   List items;
   std::string text;
   for (double i = start; dir * i < dir * stop; i += step) {
-    if (object.kind == Kind::String) text += cps[static_cast<size_t>(i)];
-    else items.push_back((*object.arr)[static_cast<size_t>(i)]);
+    const auto k = static_cast<size_t>(i);
+    if (object.kind == Kind::String) text.append(object.str, cps[k], cps[k + 1] - cps[k]);
+    else items.push_back((*object.arr)[k]);
   }
   return object.kind == Kind::String ? Value::string(text) : Value::array(std::move(items));
 }
@@ -561,7 +629,7 @@ Value range_fn(std::vector<Value>& args) {
   if (step == 0) fail("range() step must not be zero");
   List out;
   for (double i = start; step > 0 ? i < stop : i > stop; i += step) {
-    if (out.size() >= kMaxRange) fail("range() of more than 2^20 numbers");
+    if (out.size() >= kMaxItems) fail("range() of more than 2^20 numbers (the limit of a chat template's lists)");
     out.push_back(Value::integer(i));
   }
   return Value::array(std::move(out));
@@ -585,6 +653,7 @@ Value strftime_fn(std::vector<Value>& args) {
     const char fmt[3] = {'%', d, '\0'};
     std::strftime(buf, sizeof(buf), fmt, &tm);
     out += buf;
+    check_string_size(out.size());
   }
   return Value::string(out);
 }

@@ -1,5 +1,6 @@
 // Values of the Jinja subset: construction, truthiness, printing, JSON, equality and the
 // JavaScript string rules (whitespace, UTF-16 lengths) that @huggingface/jinja inherits.
+#include <algorithm>
 #include <charconv>
 #include <cmath>
 #include <cstdio>
@@ -42,14 +43,20 @@ Value Value::string(std::string x) {
   return v;
 }
 Value Value::array(List x, Kind kind) {
+  check_items(x.size());
   Value v;
   v.kind = kind;
+  for (const Value& item : x) v.depth = std::max(v.depth, item.depth);
+  check_value_depth(++v.depth);
   v.arr = std::make_shared<List>(std::move(x));
   return v;
 }
 Value Value::object(Dict x, Kind kind) {
+  check_items(x.size());
   Value v;
   v.kind = kind;
+  for (const auto& entry : x) v.depth = std::max(v.depth, entry.second.depth);
+  check_value_depth(++v.depth);
   v.obj = std::make_shared<Dict>(std::move(x));
   return v;
 }
@@ -67,13 +74,46 @@ const Value* Value::get(const std::string& key) const {
   return nullptr;
 }
 
-void Value::set(const std::string& key, Value v) const {
+void Value::set(const std::string& key, Value v) {
+  check_value_depth(v.depth + 1);
+  depth = std::max(depth, v.depth + 1);
   for (auto& [k, old] : *obj)
     if (k == key) {
       old = std::move(v);
       return;
     }
+  check_items(obj->size() + 1);
   obj->emplace_back(key, std::move(v));
+}
+
+void check_string_size(size_t bytes) {
+  if (bytes > kMaxStringBytes)
+    throw RuntimeError(str_cat("a string of more than ", kMaxStringBytes >> 20, " MiB (the limit of a chat template's "
+                               "strings and of its output)"));
+}
+
+void check_items(size_t items) {
+  if (items > kMaxItems)
+    throw RuntimeError("a list or dict of more than 2^20 items (the limit of a chat template's lists)");
+}
+
+void check_value_depth(int depth) {
+  if (depth > kMaxValueDepth)
+    throw RuntimeError(str_cat("lists and dicts nested more than ", kMaxValueDepth, " deep (the limit of a chat "
+                               "template's values)"));
+}
+
+uint64_t value_work(const Value& v) {
+  if (v.kind == Kind::String) return v.str.size();
+  uint64_t work = 0;
+  if (v.arr) {
+    work += v.arr->size() * kItemBytes;
+    for (const Value& x : *v.arr) work += x.str.size();
+  } else if (v.obj) {
+    work += v.obj->size() * kItemBytes;
+    for (const auto& [k, x] : *v.obj) work += k.size() + x.str.size();
+  }
+  return work;
 }
 
 const char* kind_name(Kind kind) {
@@ -192,45 +232,68 @@ std::string json_string(const std::string& s, bool ensure_ascii) {
 
 }  // namespace
 
-std::string to_json(const Value& v, const JsonOptions& options, int depth) {
-  const bool indented = options.indent > 0;
-  const std::string item_sep = options.separators ? options.item_sep : indented ? "," : ", ";
-  const std::string key_sep = options.separators ? options.key_sep : ": ";
+namespace {
+
+// to_json into `out`, which is checked against the string limit as it grows (an indent of 1000
+// over nested lists grows fast), `depth` levels down (a namespace can hold itself).
+void json_into(std::string& out, const Value& v, const JsonOptions& options, int depth) {
   switch (v.kind) {
-    case Kind::Null: return "null";
-    case Kind::Undefined: return options.undefined_as_null ? "null" : "undefined";
-    case Kind::Bool: return v.b ? "true" : "false";
+    case Kind::Null: out += "null"; return;
+    case Kind::Undefined: out += options.undefined_as_null ? "null" : "undefined"; return;
+    case Kind::Bool: out += v.b ? "true" : "false"; return;
     case Kind::Int:
-    case Kind::Float: return std::isfinite(v.num) ? js_number(v.num) : "null";
-    case Kind::String: return json_string(v.str, options.ensure_ascii);
+    case Kind::Float: out += std::isfinite(v.num) ? js_number(v.num) : "null"; return;
+    case Kind::String:
+      check_string_size(out.size() + v.str.size());
+      out += json_string(v.str, options.ensure_ascii);
+      check_string_size(out.size());
+      return;
     case Kind::Array:
     case Kind::Object:
     case Kind::Namespace: break;
     default: throw RuntimeError(str_cat("cannot convert to JSON: ", kind_name(v.kind)));
   }
+  check_value_depth(depth + 1);
+  const bool indented = options.indent > 0;
+  const std::string item_sep = options.separators ? options.item_sep : indented ? "," : ", ";
+  const std::string key_sep = options.separators ? options.key_sep : ": ";
   const std::string unit = indented ? std::string(static_cast<size_t>(options.indent), ' ') : "";
   std::string base = "\n";
   for (int i = 0; i < depth; ++i) base += unit;
   const std::string child = base + unit;
-  std::vector<std::string> parts;
-  if (v.kind == Kind::Array) {
-    for (const Value& x : *v.arr) parts.push_back(to_json(x, options, depth + 1));
+  const bool is_array = v.kind == Kind::Array;
+  out += is_array ? "[" : "{";
+  if (is_array) {
+    for (size_t i = 0; i < v.arr->size(); ++i) {
+      if (i > 0) out += item_sep;
+      if (indented) out += child;
+      check_string_size(out.size());
+      json_into(out, (*v.arr)[i], options, depth + 1);
+    }
   } else {
     Dict entries = *v.obj;
     if (options.sort_keys)
       std::stable_sort(entries.begin(), entries.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
-    for (const auto& [key, x] : entries)
-      parts.push_back((indented ? child : "") + json_string(key, options.ensure_ascii) + key_sep + to_json(x, options, depth + 1));
+    for (size_t i = 0; i < entries.size(); ++i) {
+      if (i > 0) out += item_sep;
+      if (indented) out += child;
+      out += json_string(entries[i].first, options.ensure_ascii);
+      out += key_sep;
+      check_string_size(out.size());
+      json_into(out, entries[i].second, options, depth + 1);
+    }
   }
-  const bool is_array = v.kind == Kind::Array;
-  std::string out = is_array ? "[" : "{";
-  if (indented && !parts.empty() && is_array) out += child;
-  for (size_t i = 0; i < parts.size(); ++i) {
-    if (i > 0) out += item_sep + (indented && is_array ? child : "");
-    out += parts[i];
-  }
-  if (indented && !parts.empty()) out += base;
-  return out + (is_array ? "]" : "}");
+  if (indented && (is_array ? !v.arr->empty() : !v.obj->empty())) out += base;
+  out += is_array ? "]" : "}";
+  check_string_size(out.size());
+}
+
+}  // namespace
+
+std::string to_json(const Value& v, const JsonOptions& options, int depth) {
+  std::string out;
+  json_into(out, v, options, depth);
+  return out;
 }
 
 std::string to_output(const Value& v) {
@@ -260,6 +323,7 @@ std::string to_concat(const Value& v) {
       for (size_t i = 0; i < v.arr->size(); ++i) {
         if (i) out.push_back(',');
         out += to_output((*v.arr)[i]);
+        check_string_size(out.size());
       }
       return out;
     }
@@ -369,16 +433,6 @@ std::string js_trim(const std::string& s, bool start, bool end) {
   if (end)
     for (size_t n; e > b && (n = js_space_before(s, e)) > 0;) e -= n;
   return s.substr(b, e - b);
-}
-
-std::vector<std::string> code_points(const std::string& s) {
-  std::vector<std::string> out;
-  for (size_t i = 0; i < s.size();) {
-    const size_t len = utf8_length(s, i);
-    out.push_back(s.substr(i, len));
-    i += len;
-  }
-  return out;
 }
 
 size_t utf16_length(const std::string& s) {
