@@ -53,7 +53,7 @@ def check_report(loom: str, tmp: str):
     """Two synthetic runs: `alpha` was killed during step 13 and resumed from its step-10 checkpoint
     (steps 11-13 recorded twice; the cut record shares its line with the resumed run's header),
     then killed mid-write again (a cut-short last line). `beta&<b>` has no MFU and a best
-    validation loss before its last. A third run with a corrupt middle line must fail."""
+    validation loss before its last. A third run's corrupt middle line is skipped with a warning."""
     env = dict(os.environ, OMP_NUM_THREADS="2")
 
     def report(*args: str) -> subprocess.CompletedProcess:
@@ -123,10 +123,18 @@ def check_report(loom: str, tmp: str):
         f.write("\n".join(_lines([_header(1000), _step(1, 5.0)]) + ['{"step": 2, "loss": oops}'] +
                           _lines([_step(3, 4.0)])) + "\n")
     p = report(beta, bad, "--out", os.path.join(tmp, "report_bad"))
-    _expect(p.returncode != 0, f"a corrupt line was accepted:\n{p.stdout}\n{p.stderr}")
+    _expect(p.returncode == 0, f"a corrupt middle line refused the report:\n{p.stdout}\n{p.stderr}")
     lines = [line for line in p.stderr.splitlines() if line.strip()]
-    _expect(len(lines) == 1 and f"{bad}/metrics.jsonl:3" in lines[0],
-            f"not one line naming the file and line:\n{p.stderr}")
+    _expect(len(lines) == 1 and f"{bad}/metrics.jsonl:3: not valid JSON" in lines[0] and "skipped" in lines[0],
+            f"not one warning naming the file and line:\n{p.stderr}")
+    root = ET.parse(os.path.join(tmp, "report_bad", "loss.svg")).getroot()
+    points = [len(line.get("points").split()) for line in root.iter(SVG + "polyline")
+              if (line.find(SVG + "title") is not None and line.find(SVG + "title").text == "corrupt: training loss")]
+    _expect(points == [2], f"steps 1 and 3 around the skipped line: {points}")
+    p = report(os.path.join(tmp, "report_runs", "nowhere"), "--out", os.path.join(tmp, "report_none"))
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    _expect(p.returncode != 0 and len(lines) == 1 and "nowhere" in lines[0],
+            f"not one line naming the missing run:\n{p.stderr}")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@
 
 #include "loom/core/error.h"
 #include "loom/data/loader.h"
+#include "loom/data/chat_template.h"
 #include "loom/data/sft.h"
 #include "loom/data/shard.h"
 #include "loom/train/trainer.h"
@@ -210,6 +211,97 @@ TEST(SftData, ChatAndCompletionMasksCountOnlyTheReplies) {
     }
   }
   std::filesystem::remove_all(dir);
+}
+
+// The chat-jsonl spans are found from windows of each conversation (linear time); they must be
+// exactly the spans of the definition, render(messages[:i], add_generation_prompt) to
+// render(messages[:i+1]), which this test computes prefix by prefix, for templates shaped like
+// released models' (BOS and trim as Llama 3, a default system prompt as Qwen2.5, a system prompt
+// folded into the first turn and roles checked by parity as Gemma, tool responses merged with their
+// neighbours as Qwen) and for ones the windows cannot reproduce (turn numbers, a think block only
+// on the last message), which fall back to the prefixes or fail as they did.
+TEST(SftData, ChatSpansFromWindowsAreTheSpansOfEveryPrefix) {
+  const auto tok = load_tokenizer("byte");
+  const std::string chatml_body =
+      "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+      "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+  const std::vector<std::string> templates = {
+      kChatMl,
+      "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n{{ m.content | trim }}"
+      "<|eot_id|>{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}",
+      "{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are helpful.<|im_end|>\n{% endif %}" + chatml_body,
+      "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set first = messages[0]['content'] + '\n\n' %}"
+      "{% set loop_messages = messages[1:] %}{% else %}{% set first = '' %}{% set loop_messages = messages %}{% endif %}"
+      "{% for message in loop_messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+      "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+      "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}<start_of_turn>{{ role }}\n"
+      "{{ (first if loop.first else '') + message['content'] | trim }}<end_of_turn>\n{% endfor %}"
+      "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}",
+      "{% for m in messages %}{% if m.role == 'tool' %}{% if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}"
+      "<|im_start|>user{% endif %}\n<tool_response>{{ m.content }}</tool_response>"
+      "{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{% endif %}{% else %}"
+      "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+      "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+      "{% for m in messages %}[{{ loop.index }}] {{ m.role }}: {{ m.content }}\n{% endfor %}"
+      "{% if add_generation_prompt %}[{{ messages | length + 1 }}] assistant: {% endif %}",
+  };
+  // Conversations of up to 15 messages: with or without a system message, user and assistant
+  // alternating, contents with spaces to trim, empty ones, and (some) two tool responses in a row.
+  std::vector<nlohmann::json> conversations;
+  for (int c = 0; c < 12; ++c) {
+    nlohmann::json messages = nlohmann::json::array();
+    if (c % 3 == 0) messages.push_back({{"role", "system"}, {"content", "Be brief. "}});
+    const int turns = 1 + (c * 5) % 8;
+    for (int t = 0; t < turns; ++t) {
+      messages.push_back({{"role", "user"}, {"content", str_cat(" question ", c, ".", t, t % 3 == 0 ? "  " : "")}});
+      if (c % 4 == 1 && t % 2 == 1) {
+        messages.push_back({{"role", "assistant"}, {"content", "<tool_call>f()</tool_call>"}});
+        messages.push_back({{"role", "tool"}, {"content", str_cat("r", t)}});
+        messages.push_back({{"role", "tool"}, {"content", str_cat("s", t)}});
+      }
+      messages.push_back({{"role", "assistant"}, {"content", t % 4 == 2 ? std::string() : str_cat("answer ", c * 10 + t, "\n")}});
+    }
+    conversations.push_back({{"messages", messages}});
+  }
+  for (size_t k = 0; k < templates.size(); ++k) {
+    const std::string& tmpl = templates[k];
+    ChatTemplateOptions options = chat_template_options(*tok);
+    for (const nlohmann::json& conversation : conversations) {
+      std::vector<ChatMessage> messages;
+      for (const auto& m : conversation["messages"]) messages.push_back({m["role"], m["content"]});
+      const auto render = [&](size_t n, bool generation) {
+        ChatTemplateOptions o = options;
+        o.add_generation_prompt = generation;
+        return render_chat_template(tmpl, std::vector<ChatMessage>(messages.begin(), messages.begin() + static_cast<long>(n)), o);
+      };
+      bool gemma_roles = true;  // roles alternate from the first non-system message
+      for (size_t i = messages[0].role == "system" ? 1 : 0, j = 0; i < messages.size(); ++i, ++j)
+        gemma_roles = gemma_roles && (messages[i].role == "user") == (j % 2 == 0);
+      if (k == 3 && !gemma_roles) continue;
+      const std::string full = render(messages.size(), false);
+      std::vector<uint8_t> mask(full.size(), 0);
+      for (size_t i = 0; i < messages.size(); ++i) {
+        if (messages[i].role != "assistant") continue;
+        const size_t begin = render(i, true).size(), end = render(i + 1, false).size();
+        for (size_t b = begin; b < end; ++b) mask[b] = 1;
+      }
+      const std::string path = write_lines("loom_sft_windows.jsonl", conversation.dump() + "\n");
+      const SftStream s = read_sft_file(path, SftFormat::chat_jsonl, *tok, tmpl);
+      ASSERT_EQ(s.tokens.size(), full.size() + 1) << k << " " << conversation.dump();
+      EXPECT_EQ(tok->decode(std::span<const int32_t>(s.tokens).first(full.size())), full) << k;
+      mask.push_back(0);  // the end-of-text token
+      EXPECT_EQ(s.mask, mask) << "template " << k << ": " << conversation.dump();
+    }
+  }
+  // A think block on the last message only (Qwen3's loop.last): no prefix is a prefix of the
+  // whole, from windows or not.
+  const std::string think =
+      "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' and loop.last %}<think></think>"
+      "{% endif %}{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+  const std::string path = write_lines("loom_sft_windows.jsonl", conversations[5].dump() + "\n");
+  EXPECT_NE(test::error_of([&] { read_sft_file(path, SftFormat::chat_jsonl, *tok, think); })
+                .find("does not render the conversation up to message"),
+            std::string::npos);
 }
 
 TEST(SftData, BadLinesNameTheFileAndLine) {

@@ -114,6 +114,30 @@ TEST(ServeTest, BadRequestsAre400sNamingTheField) {
             std::make_pair(400, std::string("messages")));
 }
 
+// Integers past int64 (nlohmann keeps 2^63 .. 2^64 - 1 unsigned) are reported as given, not
+// wrapped: max_tokens 2^63 was "got -9223372036854775808", top_k 2^64 - 1 passed as -1 (no limit).
+TEST(ServeTest, HugeIntegersAreRefusedAsGiven) {
+  ByteTokenizer tok;
+  const auto message = [&](const std::string& body) {
+    try {
+      parse_request(Endpoint::completions, body, tok, model_info());
+    } catch (const ApiError& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  EXPECT_EQ(message(R"({"prompt": "a", "max_tokens": 9223372036854775808})"),
+            "'max_tokens' must be in [1, 64], got 9223372036854775808");
+  EXPECT_EQ(message(R"({"prompt": "a", "max_tokens": 18446744073709551615})"),
+            "'max_tokens' must be in [1, 64], got 18446744073709551615");
+  EXPECT_EQ(message(R"({"prompt": "a", "max_tokens": -9223372036854775808})"),
+            "'max_tokens' must be in [1, 64], got -9223372036854775808");
+  EXPECT_EQ(message(R"({"prompt": "a", "top_k": 18446744073709551615})"),
+            "'top_k' must be in [-1, 1073741824], got 18446744073709551615");
+  EXPECT_EQ(message(R"({"prompt": "a", "max_tokens": 2.5})"), "'max_tokens' must be an integer, got 2.5");
+  EXPECT_EQ(message(R"({"prompt": "a", "max_tokens": 64, "top_k": -1})"), "accepted");
+}
+
 TEST(ServeTest, ResponsesHaveOpenAIsShape) {
   ByteTokenizer tok;
   const ModelInfo m = model_info();

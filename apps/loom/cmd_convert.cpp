@@ -12,6 +12,8 @@
 #include "loom/checkpoint/peft.h"
 #include "loom/nn/lora.h"
 #include "loom/core/error.h"
+#include "loom/core/file_io.h"
+#include "loom/data/bpe.h"
 #include "loom/data/tokenizer_files.h"
 
 namespace loom::cli {
@@ -30,9 +32,12 @@ const char* kHelp =
     "architecture metadata and the tokenizer; --type chooses the matrices' type (norms and biases\n"
     "stay f32): f32 (default), f16, q8_0 or q4_0 (ggml's 32-element blocks). docs/gguf.md.\n"
     "--to hf: a Hugging Face model folder OUT (config.json, model.safetensors, f32) with the\n"
-    "tokenizer's files copied in. --to loom: a Loom checkpoint OUT/checkpoints/step_00000000 (weights,\n"
-    "no optimizer state) that eval, generate, convert and train.init_from read. Files are written\n"
-    "to temporary names and renamed. docs/models.md has the families and how each maps.\n"
+    "tokenizer's files copied in (Loom's byte tokenizer written as a tokenizer.json). --to loom: a Loom\n"
+    "checkpoint OUT/checkpoints/step_00000000 (weights, no optimizer state, the tokenizer's files\n"
+    "inside; none from a Hugging Face folder without them: give --tokenizer) that eval, generate,\n"
+    "convert and train.init_from read; an existing OUT that holds anything else (a training run) is\n"
+    "refused. Files are written to temporary names and renamed. docs/models.md has the families and\n"
+    "how each maps.\n"
     "LoRA (docs/finetune.md): --adapter DIR applies a PEFT adapter folder to PATH's weights. A model\n"
     "with adapters is merged (W + s B A) for --to gguf and --to hf, kept as it is by --to loom, and\n"
     "--to peft writes its adapters alone in PEFT's layout (adapter_config.json, adapter_model.safetensors).\n";
@@ -44,9 +49,42 @@ void copy_tokenizer_files(const std::string& tokenizer, const fs::path& out) {
   }
 }
 
+// Loom's byte tokenizer as Hugging Face files: tokenizer.json, a byte-level BPE without merges
+// whose token b is byte b (in GPT-2's byte alphabet) and <|endoftext|> = 256, and a
+// tokenizer_config.json naming it the end of sequence. Loom reads them back (HfTokenizer: the
+// same ids for every byte string), and so does Hugging Face's tokenizers (its JavaScript port,
+// tools/hf_encode.js, gives the same ids and parses <|endoftext|> in text).
+void write_byte_tokenizer(const fs::path& out, int64_t max_seq_len) {
+  nlohmann::ordered_json vocab = nlohmann::ordered_json::object();
+  for (int b = 0; b < 256; ++b) vocab[gpt2_bytes_to_token(std::string(1, static_cast<char>(b)))] = b;
+  const nlohmann::ordered_json byte_level = {
+      {"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true}, {"use_regex", false}};
+  const nlohmann::ordered_json tokenizer = {
+      {"version", "1.0"},
+      {"truncation", nullptr},
+      {"padding", nullptr},
+      {"added_tokens", {{{"id", ByteTokenizer::kEotToken}, {"content", "<|endoftext|>"}, {"single_word", false},
+                         {"lstrip", false}, {"rstrip", false}, {"normalized", false}, {"special", true}}}},
+      {"normalizer", nullptr},
+      {"pre_tokenizer", byte_level},
+      {"post_processor", byte_level},
+      {"decoder", byte_level},
+      {"model", {{"type", "BPE"}, {"dropout", nullptr}, {"unk_token", nullptr}, {"continuing_subword_prefix", nullptr},
+                 {"end_of_word_suffix", nullptr}, {"fuse_unk", false}, {"byte_fallback", false},
+                 {"ignore_merges", false}, {"vocab", vocab}, {"merges", nlohmann::ordered_json::array()}}}};
+  const nlohmann::ordered_json config = {{"tokenizer_class", "PreTrainedTokenizerFast"},
+                                         {"eos_token", "<|endoftext|>"},
+                                         {"model_max_length", max_seq_len},
+                                         {"clean_up_tokenization_spaces", false}};
+  write_file_atomic((out / "tokenizer.json").string(), tokenizer.dump(2) + "\n");
+  write_file_atomic((out / "tokenizer_config.json").string(), config.dump(2) + "\n");
+}
+
 int to_gguf(const Args& args, const ModelSource& source, const Tensor& params) {
   const LoomConfig& config = source.config;
   const auto type = parse_enum<GgufExportType>(args.get("type", "f32"), "--type");
+  LOOM_CHECK(args.has("tokenizer") || !config.data.tokenizer.empty(), source.path, " records no tokenizer, which a GGUF "
+             "file holds: give --tokenizer KIND_OR_DIR");
   const auto tokenizer = load_tokenizer(args.get("tokenizer", config.data.tokenizer));
   const GgufVocabulary vocab = gguf_vocabulary(*tokenizer);
   if (!vocab.placeholders.empty()) {
@@ -68,7 +106,18 @@ int to_gguf(const Args& args, const ModelSource& source, const Tensor& params) {
 int to_hf(const Args& args, const ModelSource& source, const Tensor& params) {
   const fs::path out = args.get("out");
   save_hf_model(out.string(), ModelState{source.config.model, params});
-  copy_tokenizer_files(args.get("tokenizer", source.config.data.tokenizer), out);
+  const std::string tokenizer = args.get("tokenizer", source.config.data.tokenizer);
+  if (tokenizer == "byte") {
+    write_byte_tokenizer(out, source.config.model.max_seq_len);
+    std::printf("wrote Loom's byte tokenizer as tokenizer.json (a byte-level BPE without merges: token b is byte b, "
+                "<|endoftext|> is %d) and tokenizer_config.json\n", ByteTokenizer::kEotToken);
+  } else if (tokenizer.empty()) {
+    std::fprintf(stderr, "loom convert: warning: %s records no tokenizer: %s has none, and eval, generate and serve "
+                 "refuse it until one is copied in (or convert again with --tokenizer KIND_OR_DIR)\n",
+                 source.path.c_str(), out.string().c_str());
+  } else {
+    copy_tokenizer_files(tokenizer, out);
+  }
   std::printf("wrote %s: a Hugging Face %s folder (config.json, model.safetensors, %lld parameters)\n",
               out.string().c_str(), hf_config_json(source.config.model)["model_type"].get<std::string>().c_str(),
               static_cast<long long>(params.numel()));
@@ -100,6 +149,7 @@ int convert_main(int argc, char** argv) {
              to, "'");
   LOOM_CHECK(args.has("checkpoint"), "loom convert needs --checkpoint PATH");
   LOOM_CHECK(args.has("out"), "loom convert needs --out ", to == "gguf" ? "FILE" : "DIR");
+  if (to == "loom") check_weights_out(args.get("out"));
   ModelSource source = model_source(args.get("checkpoint"), args.get("adapter", ""));
   auto backend = make_cpu_backend();
   Transformer model(*backend, source.config.model);

@@ -1,5 +1,6 @@
 // loom merge: average, task arithmetic, TIES or DARE over checkpoints of one model
 // (compress/prune_merge.h, docs/compression.md), written as a Loom checkpoint.
+#include <cmath>
 #include <cstdio>
 #include <sstream>
 
@@ -31,13 +32,17 @@ std::vector<double> parse_weights(const std::string& text) {
   std::stringstream in(text);
   std::string item;
   while (std::getline(in, item, ',')) {
+    double value = 0.0;
     try {
       size_t used = 0;
-      w.push_back(std::stod(item, &used));
+      value = std::stod(item, &used);
       LOOM_CHECK(used == item.size(), "");
     } catch (...) {
       throw Error(str_cat("--weights '", text, "': '", item, "' is not a number"));
     }
+    // stod reads "nan" and "inf": a weight of either makes every merged value NaN.
+    LOOM_CHECK(std::isfinite(value), "--weights '", text, "': '", item, "' is not a finite number");
+    w.push_back(value);
   }
   return w;
 }
@@ -84,6 +89,7 @@ int merge_main(int argc, char** argv) {
   o.seed = static_cast<uint64_t>(args.get_int("seed", 0));
   LOOM_CHECK(o.method == MergeMethod::average || args.has("base"), "--method ", args.get("method"), " needs --base PATH");
   LOOM_CHECK(o.method != MergeMethod::average || !args.has("base"), "--method average uses no --base");
+  check_weights_out(args.get("out"));
 
   auto backend = make_cpu_backend();
   std::vector<std::string> all = paths;

@@ -59,14 +59,16 @@ int prepare_main(int argc, char** argv) {
     LOOM_CHECK(spec.rfind("bpe:", 0) != 0, "--format ", enum_name(format), ": data.tokenizer = ", spec, " learns a "
                "tokenizer from text; supervised data uses the model's tokenizer (a folder, gpt2 or byte)");
     const auto tokenizer = load_tokenizer(spec);
-    std::string tmpl;
+    std::string tmpl, tmpl_file;
     if (args.has("chat-template")) {
-      tmpl = read_text_file(args.get("chat-template"));
+      tmpl_file = args.get("chat-template");
+      tmpl = read_text_file(tmpl_file);
     } else if (const std::filesystem::path config_file = std::filesystem::path(spec) / "tokenizer_config.json";
                format == SftFormat::chat_jsonl && std::filesystem::is_regular_file(config_file)) {
-      tmpl = load_chat_template(config_file.string());
+      tmpl_file = config_file.string();
+      tmpl = load_chat_template(tmpl_file);
     }
-    const SftStream sft = read_sft_file(input, format, *tokenizer, tmpl);
+    const SftStream sft = read_sft_file(input, format, *tokenizer, tmpl, tmpl_file);
     write_dataset(out, sft.tokens, static_cast<uint64_t>(tokenizer->vocab_size()), tokenizer->name(), val_fraction,
                   uint64_t{1} << 22, sft.mask);
     std::printf("prepared %s: %lld %s examples -> %zu tokens, %lld of them counted (%.1f%%), tokenizer %s\n",

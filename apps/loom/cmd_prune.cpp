@@ -49,6 +49,7 @@ int prune_main(int argc, char** argv) {
   const bool calibrates = o.method != PruneMethod::magnitude;
   LOOM_CHECK(calibrates || !args.has("calib"), "--method magnitude uses no calibration data: drop --calib");
   LOOM_CHECK(!calibrates || args.has("calib"), "--method ", args.get("method"), " needs calibration text: --calib FILE");
+  check_weights_out(args.get("out"));
   const ModelSource source = model_source(args.get("checkpoint"));
   LOOM_CHECK(!source.quantized, source.path, " is quantized: prune the checkpoint it was made from");
   const LoomConfig& config = source.config;

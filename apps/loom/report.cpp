@@ -242,6 +242,13 @@ Run read_run(const std::string& dir, std::vector<std::string>& warnings) {
   const auto blank = [](const std::string& s) { return s.find_first_not_of(" \t") == std::string::npos; };
   size_t last = lines.size();
   while (last > 0 && blank(lines[last - 1])) --last;
+  // An unreadable line (a disk error, a hand edit, another program's write) costs its record, not
+  // the report: skipped with a warning naming it, the first kNamedSkips of a file each.
+  constexpr int64_t kNamedSkips = 10;
+  int64_t skipped = 0;
+  const auto skip = [&](const std::string& why) {
+    if (++skipped <= kNamedSkips) warnings.push_back(why + "; skipped");
+  };
   for (size_t i = 0; i < last; ++i) {
     if (blank(lines[i])) continue;
     const std::string where = run.metrics + ":" + std::to_string(i + 1);
@@ -264,12 +271,27 @@ Run read_run(const std::string& dir, std::vector<std::string>& warnings) {
           detail = e.what();
           if (const size_t at = detail.find("parse error"); at != std::string::npos) detail = detail.substr(at);
         }
-        throw Error(str_cat(where, ": not valid JSON (", excerpt(detail, 160), ")"));
+        skip(str_cat(where, ": not valid JSON (", excerpt(detail, 160), ")"));
+        continue;
       }
     }
-    LOOM_CHECK(rec.is_object(), where, ": expected a JSON object per line, found ", excerpt(lines[i], 30));
+    if (!rec.is_object()) {
+      skip(str_cat(where, ": expected a JSON object per line, found ", excerpt(lines[i], 30)));
+      continue;
+    }
+    try {
+      Run scratch;
+      add_record(scratch, rec, where);  // every check first, so that a bad record changes nothing
+    } catch (const Error& e) {
+      skip(e.what());
+      continue;
+    } catch (const json::exception& e) {
+      skip(str_cat(where, ": ", e.what()));
+      continue;
+    }
     add_record(run, rec, where);
   }
+  if (skipped > kNamedSkips) warnings.push_back(str_cat(run.metrics, ": ", skipped - kNamedSkips, " more unreadable lines skipped"));
   if (run.steps.empty()) warnings.push_back(run.metrics + ": no training step recorded");
   return run;
 }

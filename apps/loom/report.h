@@ -16,8 +16,9 @@ struct ReportResult {
 // per chart that has data (loss, learning rate, gradient norm, tokens/s, MFU, memory, and the
 // reward / DPO accuracy of such runs) and index.html, each through a temporary name and a rename.
 // A step recorded twice (a resumed run) keeps its last record; a cut-short last line (a run
-// killed mid-write) is skipped with a warning. Any other bad line throws loom::Error naming the
-// file and line ("RUN/metrics.jsonl:7: ...").
+// killed mid-write) is skipped with a warning, and so is any other line that is not a record
+// (not JSON, not an object, a field of the wrong type): a warning naming the file and line
+// ("RUN/metrics.jsonl:7: not valid JSON (...); skipped"), the first 10 of a file each.
 ReportResult write_report(const std::vector<std::string>& run_dirs, const std::string& out_dir);
 
 }  // namespace loom::cli

@@ -1,5 +1,6 @@
 #include "loom/checkpoint/peft.h"
 
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <set>
@@ -145,7 +146,14 @@ void load_peft_adapter(const std::string& dir, const ModelState& model) {
                c.lora_targets, ", rank ", c.lora_rank, ")");
     LOOM_CHECK(file.shape(name) == spec.shape, path, ": tensor '", name, "' has shape ", shape_str(file.shape(name)),
                ", expected ", shape_str(spec.shape));
-    file.copy_as_f32(name, model.params.view(spec.offset, spec.shape));
+    const Tensor dst = model.params.view(spec.offset, spec.shape);
+    file.copy_as_f32(name, dst);
+    // Named here: a later check of the whole model would blame the base checkpoint.
+    const float* w = dst.data<float>();
+    for (int64_t i = 0; i < spec.numel; ++i) {
+      LOOM_CHECK(std::isfinite(w[i]), path, ": tensor '", name, "' holds ", w[i], " at element ", i,
+                 " (a diverged or corrupted adapter); refusing to use non-finite weights");
+    }
     used.insert(name);
   }
   for (const std::string& name : file.names()) {

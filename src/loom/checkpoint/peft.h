@@ -27,7 +27,8 @@ bool is_peft_adapter_dir(const std::string& dir);
 ModelConfig peft_adapter_config(const std::string& dir, const ModelConfig& base);
 
 // Copies the adapter's tensors into model.params (model.config.lora(); every adapter of its
-// layout must be in the file with its shape, and every tensor in the file used).
+// layout must be in the file with its shape, and every tensor in the file used). A value that is
+// not finite is an Error naming the file, the tensor and the element.
 void load_peft_adapter(const std::string& dir, const ModelState& model);
 
 // Writes adapter_config.json and adapter_model.safetensors of model's adapters into `dir`

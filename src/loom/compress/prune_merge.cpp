@@ -104,19 +104,48 @@ std::pair<int64_t, int64_t> prune_model(Transformer& model, const std::vector<st
   return {zeroed, total};
 }
 
+namespace {
+
+// A merge whose weights or values overflow f32 (or a weight of NaN) gives inf or NaN: refused
+// naming the first such tensor and element, before anything is written.
+void check_merged_finite(const std::vector<float>& out, const ParamLayout& layout) {
+  for (const ParamSpec& spec : layout.params) {
+    if (spec.offset + spec.numel > static_cast<int64_t>(out.size())) continue;
+    for (int64_t i = 0; i < spec.numel; ++i) {
+      const float v = out[static_cast<size_t>(spec.offset + i)];
+      LOOM_CHECK(std::isfinite(v), "merge: the merged tensor ", spec.name, " holds ", v, " at element ", i,
+                 " (the weights times the models' values overflow f32?); nothing was written");
+    }
+  }
+}
+
+void merge_into(const std::vector<std::vector<float>>& models, const std::vector<float>& base, const ParamLayout& layout,
+                const MergeOptions& o, const std::vector<double>& w, std::vector<float>& out);
+
+}  // namespace
+
 void merge_models(const std::vector<std::vector<float>>& models, const std::vector<float>& base, const ParamLayout& layout,
                   const MergeOptions& o, std::vector<float>& out) {
   LOOM_CHECK(!models.empty(), "merge: no models");
-  const size_t P = models[0].size();
   std::vector<double> w = o.weights.empty() ? std::vector<double>(models.size(), 1.0) : o.weights;
   LOOM_CHECK(w.size() == models.size(), "--weights has ", w.size(), " values for ", models.size(), " models");
+  for (const double x : w) LOOM_CHECK(std::isfinite(x), "--weights: ", x, " is not a finite number");
+  merge_into(models, base, layout, o, w, out);
+  check_merged_finite(out, layout);
+}
+
+namespace {
+
+void merge_into(const std::vector<std::vector<float>>& models, const std::vector<float>& base, const ParamLayout& layout,
+                const MergeOptions& o, const std::vector<double>& w, std::vector<float>& out) {
+  const size_t P = models[0].size();
   LOOM_CHECK(o.method == MergeMethod::average || base.size() == P, "--method needs --base PATH");
   LOOM_CHECK(o.method == MergeMethod::average || o.method == MergeMethod::task_arithmetic || (o.density > 0.0 && o.density <= 1.0),
              "--density must be in (0, 1], got ", o.density);
   out.assign(P, 0.0f);
   if (o.method == MergeMethod::average) {
     const double sum = std::accumulate(w.begin(), w.end(), 0.0);
-    LOOM_CHECK(sum != 0.0, "--weights sum to 0: the average is undefined");
+    LOOM_CHECK(sum != 0.0 && std::isfinite(sum), "--weights sum to ", sum, ": the average is undefined");
 #pragma omp parallel for schedule(static)
     for (size_t i = 0; i < P; ++i) {
       double acc = 0.0;
@@ -167,5 +196,7 @@ void merge_models(const std::vector<std::vector<float>>& models, const std::vect
     out[i] = static_cast<float>(static_cast<double>(base[i]) + acc);
   }
 }
+
+}  // namespace
 
 }  // namespace loom

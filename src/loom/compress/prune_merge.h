@@ -60,7 +60,8 @@ struct MergeOptions {
 };
 
 // Merges `models` (flat parameter vectors of one layout) onto `base` (task-arithmetic, ties,
-// dare; empty for average) into `out`. `layout` gives ties its tensors.
+// dare; empty for average) into `out`. `layout` gives ties its tensors. A weight that is not
+// finite, or a merged value that is not (an overflow of f32), is an Error naming the tensor.
 void merge_models(const std::vector<std::vector<float>>& models, const std::vector<float>& base, const ParamLayout& layout,
                   const MergeOptions& options, std::vector<float>& out);
 

@@ -2,6 +2,7 @@
 
 #include <fstream>
 #include <functional>
+#include <optional>
 
 #include <nlohmann/json.hpp>
 
@@ -36,9 +37,110 @@ ChatTemplateOptions chat_template_options(const Tokenizer& tok) {
 
 namespace {
 
+using Spans = std::vector<std::pair<size_t, size_t>>;  // assistant spans [begin, end) in characters of `full`
+
+// A conversation's renderer: render(list, generation) of any list of its messages, errors
+// naming the line.
+struct ChatRenderer {
+  const std::string& tmpl;
+  ChatTemplateOptions options;
+  const std::string& where;
+
+  std::string operator()(const std::vector<ChatMessage>& list, bool generation) const {
+    ChatTemplateOptions o = options;
+    o.add_generation_prompt = generation;
+    try {
+      return render_chat_template(tmpl, list, o);
+    } catch (const Error& e) {
+      throw Error(str_cat(where, ": the chat template does not render this conversation (", e.what(), ")"));
+    }
+  }
+  std::string prefix(const std::vector<ChatMessage>& messages, size_t n, bool generation) const {
+    return (*this)(std::vector<ChatMessage>(messages.begin(), messages.begin() + static_cast<std::ptrdiff_t>(n)), generation);
+  }
+};
+
+// Assistant message i's span by definition: between render(messages[:i], add_generation_prompt)
+// and render(messages[:i+1]), each a prefix of the next and of `full`. Two renders of a prefix per
+// assistant message: quadratic in the conversation's length.
+std::pair<size_t, size_t> exact_span(const ChatRenderer& render, const std::vector<ChatMessage>& messages, size_t i,
+                                     const std::string& full) {
+  const std::string before = render.prefix(messages, i, true), through = render.prefix(messages, i + 1, false);
+  LOOM_CHECK(through.compare(0, before.size(), before) == 0 && full.compare(0, through.size(), through) == 0,
+             render.where, ": the chat template does not render the conversation up to message ", i,
+             " as a prefix of the whole (the assistant's tokens cannot be told apart)");
+  return {before.size(), through.size()};
+}
+
+Spans exact_spans(const ChatRenderer& render, const std::vector<ChatMessage>& messages, const std::string& full) {
+  Spans spans;
+  for (size_t i = 0; i < messages.size(); ++i) {
+    if (messages[i].role == "assistant") spans.push_back(exact_span(render, messages, i, full));
+  }
+  return spans;
+}
+
+// The same spans in time linear in the conversation, for the templates where each message's text
+// depends only on the first kHead messages, the kContext (or kContext + 1) messages before it,
+// the parity of its index and itself (every chat template of a released model we know of). Message
+// k's text (render(messages[:k+1]) past render(messages[:k])) is rendered from a window: the
+// first kHead messages, then messages[s:k+1] with s - kHead even (so loop.index0 % 2 is the same,
+// as Gemma's and Mistral's role checks need). The texts must concatenate to exactly `full`, and
+// each assistant's generation prompt must be a prefix of its text; nullopt otherwise (or when a
+// window does not render), and the caller renders every prefix instead.
+constexpr size_t kHead = 2, kContext = 2;
+
+std::optional<Spans> windowed_spans(const ChatRenderer& render, const std::vector<ChatMessage>& messages,
+                                    const std::string& full) {
+  const size_t n = messages.size(), first = kHead + kContext;  // prefixes of up to `first` messages: whole
+  if (n <= first + 2) return std::nullopt;  // short: the exact spans cost as much
+  Spans spans;
+  try {
+    for (size_t i = 0; i < first; ++i) {
+      if (messages[i].role == "assistant") spans.push_back(exact_span(render, messages, i, full));
+    }
+  } catch (const Error&) {
+    return std::nullopt;  // the caller's exact spans give the error
+  }
+  try {
+    const std::string head = render.prefix(messages, first, false);
+    if (full.compare(0, head.size(), head) != 0) return std::nullopt;
+    size_t at = head.size();
+    std::vector<ChatMessage> window;
+    size_t cached_start = 0, cached_end = 0;  // `cached` = render(head + messages[cached_start:cached_end])
+    std::string cached;
+    for (size_t k = first; k < n; ++k) {
+      size_t s = k - kContext;
+      if ((s - kHead) % 2 != 0) --s;
+      window.assign(messages.begin(), messages.begin() + static_cast<std::ptrdiff_t>(kHead));
+      window.insert(window.end(), messages.begin() + static_cast<std::ptrdiff_t>(s),
+                    messages.begin() + static_cast<std::ptrdiff_t>(k));
+      const std::string before = cached_start == s && cached_end == k ? std::move(cached) : render(window, false);
+      window.push_back(messages[k]);
+      std::string through = render(window, false);
+      if (through.compare(0, before.size(), before) != 0) return std::nullopt;
+      const size_t length = through.size() - before.size();
+      if (full.compare(at, length, through, before.size(), length) != 0) return std::nullopt;
+      if (messages[k].role == "assistant") {
+        window.pop_back();
+        const std::string prompted = render(window, true);
+        if (prompted.compare(0, before.size(), before) != 0 || through.compare(0, prompted.size(), prompted) != 0)
+          return std::nullopt;
+        spans.emplace_back(at + prompted.size() - before.size(), at + length);
+      }
+      at += length;
+      cached = std::move(through), cached_start = s, cached_end = k + 1;
+    }
+    if (at != full.size()) return std::nullopt;
+  } catch (const Error&) {
+    return std::nullopt;
+  }
+  return spans;
+}
+
 // One conversation: the rendered text cut at each assistant message's span.
 void add_conversation(SftStream& out, const nlohmann::json& line, const Tokenizer& tok, const std::string& tmpl,
-                      const std::string& where) {
+                      const std::string& template_source, const std::string& where) {
   LOOM_CHECK(line.is_object() && line.contains("messages") && line.at("messages").is_array(), where,
              ": expected {\"messages\": [{\"role\": ..., \"content\": ...}, ...]}");
   std::vector<ChatMessage> messages;
@@ -47,32 +149,17 @@ void add_conversation(SftStream& out, const nlohmann::json& line, const Tokenize
     const std::string at = str_cat(where, ": messages[", i, "]");
     messages.push_back({string_field(m, "role", at), string_field(m, "content", at)});
   }
-  const ChatTemplateOptions options = chat_template_options(tok);
-  const auto render = [&](size_t n, bool generation) {
-    ChatTemplateOptions o = options;
-    o.add_generation_prompt = generation;
-    try {
-      return render_chat_template(tmpl, std::vector<ChatMessage>(messages.begin(), messages.begin() + static_cast<long>(n)), o);
-    } catch (const Error& e) {
-      throw Error(str_cat(where, ": the chat template does not render this conversation (", e.what(), ")"));
-    }
-  };
-  const std::string full = render(messages.size(), false);
-  // The assistant spans [begin, end) in characters of `full`.
-  std::vector<std::pair<size_t, size_t>> spans;
-  for (size_t i = 0; i < messages.size(); ++i) {
-    if (messages[i].role != "assistant") continue;
-    const std::string before = render(i, true), through = render(i + 1, false);
-    LOOM_CHECK(through.compare(0, before.size(), before) == 0 && full.compare(0, through.size(), through) == 0, where,
-               ": the chat template does not render the conversation up to message ", i, " as a prefix of the whole "
-               "(the assistant's tokens cannot be told apart)");
-    spans.emplace_back(before.size(), through.size());
-  }
-  LOOM_CHECK(!spans.empty(), where, ": the conversation has no assistant message (nothing to learn)");
+  ChatTemplateOptions options = chat_template_options(tok);
+  options.source = template_source;  // named first in the template's errors
+  const ChatRenderer render{tmpl, options, where};
+  const std::string full = render(messages, false);
+  std::optional<Spans> spans = windowed_spans(render, messages, full);
+  if (!spans) spans = exact_spans(render, messages, full);
+  LOOM_CHECK(!spans->empty(), where, ": the conversation has no assistant message (nothing to learn)");
   EncodeOptions special;
   special.parse_special_tokens = true;
   size_t at = 0;
-  for (const auto& [begin, end] : spans) {
+  for (const auto& [begin, end] : *spans) {
     append(out, tok.encode(std::string_view(full).substr(at, begin - at), special), 0);
     append(out, tok.encode(std::string_view(full).substr(begin, end - begin), special), 1);
     at = end;
@@ -120,7 +207,7 @@ int64_t for_each_json_line(const std::string& path, const char* what,
 }  // namespace
 
 SftStream read_sft_file(const std::string& path, SftFormat format, const Tokenizer& tokenizer,
-                        const std::string& chat_template) {
+                        const std::string& chat_template, const std::string& template_source) {
   LOOM_CHECK(format != SftFormat::text, "read_sft_file: ", path, " is plain text, not supervised data");
   LOOM_CHECK(format != SftFormat::preference_jsonl, path, ": data.format = preference-jsonl holds preference pairs: "
              "loom train reads them itself with train.objective = dpo (no loom prepare)");
@@ -130,7 +217,7 @@ SftStream read_sft_file(const std::string& path, SftFormat format, const Tokeniz
              "template: the tokenizer folder's tokenizer_config.json has none; give one with --chat-template FILE");
   SftStream out;
   out.examples = for_each_json_line(path, "supervised data", [&](const nlohmann::json& line, const std::string& where) {
-    if (format == SftFormat::chat_jsonl) add_conversation(out, line, tokenizer, chat_template, where);
+    if (format == SftFormat::chat_jsonl) add_conversation(out, line, tokenizer, chat_template, template_source, where);
     else add_completion(out, line, "completion", tokenizer, where);
     append(out, {tokenizer.eot_token()}, 0);
   });

@@ -5,6 +5,10 @@
 //               chat template (data/chat_template.h). Assistant message i counts: the text
 //               between render(messages[:i], add_generation_prompt) and render(messages[:i+1])
 //               (its end-of-turn marker included), as TRL's assistant-only loss takes it.
+//               Found in time linear in the conversation: each message's text is rendered from
+//               a window (the first two messages, the two or three before it, itself) and the
+//               texts must concatenate to exactly the whole rendering; a template for which they
+//               do not is rendered prefix by prefix (quadratic: long conversations are slow).
 //   jsonl       {"prompt": "...", "completion": "..."} per line: the completion (and the
 //               end-of-text token after it) counts.
 // Each piece is tokenized on its own (special tokens written in the text parsed), so a mask
@@ -41,9 +45,9 @@ struct SftStream {
 ChatTemplateOptions chat_template_options(const Tokenizer& tokenizer);
 
 // Reads `path` (chat-jsonl or jsonl) into one token stream with its mask. chat_template: the
-// Jinja source (needed for chat-jsonl).
+// Jinja source (needed for chat-jsonl); template_source: its file, named in the template's errors.
 SftStream read_sft_file(const std::string& path, SftFormat format, const Tokenizer& tokenizer,
-                        const std::string& chat_template);
+                        const std::string& chat_template, const std::string& template_source = "");
 
 // Preference data (train.objective = dpo, train/dpo.h): {"prompt": "...", "chosen": "...",
 // "rejected": "..."} per line, TRL's standard preference format. Each side is one sequence as a

@@ -46,13 +46,19 @@ double number(const json& body, const char* key, double fallback, double lo, dou
   return x;
 }
 
+// The value as the request gave it, for errors: JSON text of a number, the type of anything else.
+std::string given(const json& v) { return v.is_number() ? v.dump() : std::string(v.type_name()); }
+
 int64_t integer(const json& body, const char* key, int64_t fallback, int64_t lo, int64_t hi) {
   const json* v = field(body, key);
   if (v == nullptr) return fallback;
-  if (!v->is_number_integer()) bad(key, str_cat("'", key, "' must be an integer, got ", v->type_name()));
-  const int64_t x = v->get<int64_t>();
-  if (x < lo || x > hi) bad(key, str_cat("'", key, "' must be in [", lo, ", ", hi, "], got ", x));
-  return x;
+  if (!v->is_number_integer()) bad(key, str_cat("'", key, "' must be an integer, got ", given(*v)));
+  // nlohmann keeps 2^63 .. 2^64 - 1 unsigned: get<int64_t> would wrap them to negative numbers.
+  const bool in_range = v->is_number_unsigned() ? hi >= 0 && v->get<uint64_t>() <= static_cast<uint64_t>(hi) &&
+                                                      (lo <= 0 || v->get<uint64_t>() >= static_cast<uint64_t>(lo))
+                                                : v->get<int64_t>() >= lo && v->get<int64_t>() <= hi;
+  if (!in_range) bad(key, str_cat("'", key, "' must be in [", lo, ", ", hi, "], got ", given(*v)));
+  return v->get<int64_t>();
 }
 
 bool boolean(const json& body, const char* key, bool fallback) {
