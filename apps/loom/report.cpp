@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "loom/core/error.h"
+#include "loom/core/file_io.h"
 
 namespace loom::cli {
 
@@ -215,6 +216,8 @@ void add_record(Run& run, const json& rec, const std::string& where) {
   }
 }
 
+constexpr uint64_t kMetricsReadLimit = uint64_t{1} << 30;
+
 Run read_run(const std::string& dir, std::vector<std::string>& warnings) {
   Run run;
   run.dir = dir;
@@ -223,12 +226,11 @@ Run read_run(const std::string& dir, std::vector<std::string>& warnings) {
   if (name.filename().empty()) name = name.parent_path();  // "runs/a/"
   run.name = name.filename().string();
   LOOM_CHECK(fs::is_directory(dir), dir, ": no such run folder");
-  std::ifstream in(run.metrics, std::ios::binary);
-  LOOM_CHECK(in, run.metrics, ": cannot open (is ", dir, " a run folder, runs/NAME?)");
-  std::ostringstream buffer;
-  buffer << in.rdbuf();
-  LOOM_CHECK(!in.bad(), run.metrics, ": read error");
-  const std::string text = buffer.str();
+  LOOM_CHECK(std::ifstream(run.metrics, std::ios::binary).good(), run.metrics, ": cannot open (is ", dir,
+             " a run folder, runs/NAME?)");
+  // Bounded like every input read whole (a metrics.jsonl linked to /dev/zero would never end):
+  // 1 GiB is about three million steps' records.
+  const std::string text = read_text_file(run.metrics, kMetricsReadLimit, "loom report reads at most 1 GiB of metrics");
 
   std::vector<std::string> lines;
   for (size_t begin = 0; begin < text.size();) {
