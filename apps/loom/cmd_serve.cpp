@@ -10,6 +10,8 @@
 #include <ctime>
 #include <filesystem>
 #include <thread>
+#include <tuple>
+#include <utility>
 
 #include "cli.h"
 #include "commands.h"
@@ -45,6 +47,72 @@ const char* kHelp =
     "then 408); at most --max-connections connections are open (default 1024), at most\n"
     "--max-connections-per-client from one address (default 128; then 503 and close).\n"
     "docs/serving.md has the API, the flags and measured figures.\n";
+
+// The connection front's flags (serve/connection_gate.h), refused by name before any loading.
+serve::HttpOptions http_options(const Args& args, int64_t default_threads) {
+  const int64_t port = args.get_int("port", 8080);
+  LOOM_CHECK(port >= 0 && port <= 65535, "--port must be a port number 0..65535 (0: any free port), got ", port);
+  const int64_t threads = args.get_int("threads", default_threads);
+  LOOM_CHECK(threads >= 1 && threads <= 100000, "--threads must be 1..100000, got ", threads);
+  serve::HttpOptions ho;
+  ho.host = args.get("host", "127.0.0.1");
+  ho.port = static_cast<int>(port);
+  ho.threads = static_cast<int>(threads);
+  ho.request_timeout = args.get_double("request-timeout", ho.request_timeout);
+  ho.keepalive_timeout = args.get_double("keepalive-timeout", ho.keepalive_timeout);
+  ho.keepalive_requests = args.get_int("keepalive-requests", ho.keepalive_requests);
+  ho.max_connections = args.get_int("max-connections", ho.max_connections);
+  ho.max_connections_per_client = args.get_int("max-connections-per-client", ho.max_connections_per_client);
+  ho.write_timeout = args.get_double("write-timeout", ho.write_timeout);
+  serve::check_gate_options(ho);
+  return ho;
+}
+
+// The chat template (--chat-template, else the tokenizer folder's, else none: chat answers 400)
+// and its file, which the template's errors name.
+std::pair<std::string, std::string> chat_template_of(const Args& args, const LoomConfig& config) {
+  if (args.has("chat-template")) return {read_text_file(args.get("chat-template")), args.get("chat-template")};
+  const auto file = std::filesystem::path(config.data.tokenizer) / "tokenizer_config.json";
+  if (!std::filesystem::is_regular_file(file)) return {};
+  try {
+    return {load_chat_template(file.string()), file.string()};
+  } catch (const Error&) {
+    return {};  // a tokenizer folder without a template
+  }
+}
+
+// Waits for SIGTERM / SIGINT, then drains: no new requests, the running ones get `drain_timeout`
+// seconds, then every socket is shut down whatever the clients do; a second signal exits at once.
+// Returns the requests cancelled at the deadline.
+int64_t drain_on_signal(serve::HttpServer& http, serve::Scheduler& scheduler, double drain_timeout) {
+  const auto next_signal = [] {
+    unsigned char byte = 0;
+    while (::read(signal_pipe[0], &byte, 1) != 1) {
+    }
+    return static_cast<int>(byte);
+  };
+  const int signal_number = next_signal();
+  std::printf("loom serve: %s: draining (no new requests; %g s for the running ones)\n",
+              signal_number == SIGTERM ? "SIGTERM" : "SIGINT", drain_timeout);
+  std::fflush(stdout);
+  // A second signal while draining exits at once.
+  std::thread second([next_signal] {
+    next_signal();
+    std::fprintf(stderr, "loom serve: second signal: exiting now\n");
+    std::_Exit(1);
+  });
+  second.detach();
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                                              std::chrono::duration<double>(drain_timeout));
+  http.drain();  // no more keep-alive; new requests are still read and answered (503)
+  const int64_t cancelled = scheduler.drain(deadline);
+  // The workers write the last responses of the finished (or, at the deadline, cancelled) jobs;
+  // at the deadline (a moment later if it has passed, for the cancelled jobs' last words) the
+  // remaining sockets are shut down, whatever the clients do.
+  http.stop(std::max(deadline, std::chrono::steady_clock::now() + std::chrono::milliseconds(300)));
+  return cancelled;
+}
+
 }  // namespace
 
 int serve_main(int argc, char** argv) {
@@ -99,21 +167,7 @@ int serve_main(int argc, char** argv) {
   const double drain_timeout = args.get_double("drain-timeout", 30.0);
   LOOM_CHECK(std::isfinite(drain_timeout) && drain_timeout >= 0 && drain_timeout <= 86400,
              "--drain-timeout must be seconds in [0, 86400], got ", drain_timeout);
-  const int64_t port = args.get_int("port", 8080);
-  LOOM_CHECK(port >= 0 && port <= 65535, "--port must be a port number 0..65535 (0: any free port), got ", port);
-  const int64_t threads = args.get_int("threads", max_batch + sc.max_queue + 8);
-  LOOM_CHECK(threads >= 1 && threads <= 100000, "--threads must be 1..100000, got ", threads);
-  serve::HttpOptions ho;
-  ho.host = args.get("host", "127.0.0.1");
-  ho.port = static_cast<int>(port);
-  ho.threads = static_cast<int>(threads);
-  ho.request_timeout = args.get_double("request-timeout", ho.request_timeout);
-  ho.keepalive_timeout = args.get_double("keepalive-timeout", ho.keepalive_timeout);
-  ho.keepalive_requests = args.get_int("keepalive-requests", ho.keepalive_requests);
-  ho.max_connections = args.get_int("max-connections", ho.max_connections);
-  ho.max_connections_per_client = args.get_int("max-connections-per-client", ho.max_connections_per_client);
-  ho.write_timeout = args.get_double("write-timeout", ho.write_timeout);
-  serve::check_gate_options(ho);
+  const serve::HttpOptions ho = http_options(args, max_batch + sc.max_queue + 8);
   const ModelSource source = model_source(args.get("checkpoint"), args.get("adapter", ""));
   const LoomConfig& config = source.config;
   const auto tokenizer = model_tokenizer(config);
@@ -125,21 +179,8 @@ int serve_main(int argc, char** argv) {
   info.created = static_cast<int64_t>(std::time(nullptr));
   info.stop_tokens = {tokenizer->eot_token()};
   if (tokenizer->eos_token() && *tokenizer->eos_token() != tokenizer->eot_token()) info.stop_tokens.push_back(*tokenizer->eos_token());
-  std::string template_file;  // named in the template's errors
-  if (args.has("chat-template")) {
-    template_file = args.get("chat-template");
-    info.chat_template = read_text_file(template_file);
-  } else if (const auto file = std::filesystem::path(config.data.tokenizer) / "tokenizer_config.json";
-             std::filesystem::is_regular_file(file)) {
-    try {
-      info.chat_template = load_chat_template(file.string());
-      template_file = file.string();
-    } catch (const Error&) {
-      info.chat_template.clear();  // a tokenizer folder without a template: chat answers 400
-    }
-  }
   info.chat_options = chat_template_options(*tokenizer);
-  info.chat_options.source = template_file;
+  std::tie(info.chat_template, info.chat_options.source) = chat_template_of(args, config);
 
   EngineConfig ec;
   ec.max_batch = max_batch;
@@ -176,31 +217,7 @@ int serve_main(int argc, char** argv) {
   std::printf("listening on http://%s:%d\n", ho.host.c_str(), bound_port);
   std::fflush(stdout);
 
-  const auto next_signal = [] {
-    unsigned char byte = 0;
-    while (::read(signal_pipe[0], &byte, 1) != 1) {
-    }
-    return static_cast<int>(byte);
-  };
-  const int signal_number = next_signal();
-  std::printf("loom serve: %s: draining (no new requests; %g s for the running ones)\n",
-              signal_number == SIGTERM ? "SIGTERM" : "SIGINT", drain_timeout);
-  std::fflush(stdout);
-  // A second signal while draining exits at once.
-  std::thread second([next_signal] {
-    next_signal();
-    std::fprintf(stderr, "loom serve: second signal: exiting now\n");
-    std::_Exit(1);
-  });
-  second.detach();
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                                                              std::chrono::duration<double>(drain_timeout));
-  http.drain();  // no more keep-alive; new requests are still read and answered (503)
-  const int64_t cancelled = scheduler.drain(deadline);
-  // The workers write the last responses of the finished (or, at the deadline, cancelled) jobs;
-  // at the deadline (a moment later if it has passed, for the cancelled jobs' last words) the
-  // remaining sockets are shut down, whatever the clients do.
-  http.stop(std::max(deadline, std::chrono::steady_clock::now() + std::chrono::milliseconds(300)));
+  const int64_t cancelled = drain_on_signal(http, scheduler, drain_timeout);
   server.join();
   std::printf("loom serve: stopped (%lld requests cancelled at the deadline)\n", static_cast<long long>(cancelled));
   return 0;
