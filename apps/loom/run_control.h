@@ -47,7 +47,7 @@ void install_stop_handlers();
 
 class StopSignals {
  public:
-  StopSignals();   // installs the handlers (if main has not); keeps a request already made
+  StopSignals();   // installs the handlers (again, for `train`: idempotent); keeps a request already made
   ~StopSignals();  // the default actions again
   StopSignals(const StopSignals&) = delete;
   StopSignals& operator=(const StopSignals&) = delete;
