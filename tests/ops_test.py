@@ -493,16 +493,45 @@ class Ops(LoomCase):
             p = sh(*cmd)
             if p.returncode != 0:
                 self.skipTest(f"cannot build the namespaces ({' '.join(cmd)}: {p.stderr.strip()})")
+        self.wait_for_the_bridge()
         agent, hosts = os.path.join(self.tmp, "netns_agent.sh"), os.path.join(self.tmp, "netns_hosts")
-        with open(agent, "w") as f:  # OpenMPI's plm_rsh_agent: "agent [options] HOST COMMAND..."
+        # OpenMPI's plm_rsh_agent: "agent [options] HOST COMMAND...". Each "host" keeps its daemon's
+        # session directory apart (orte_tmpdir_base): both have the same hostname, so they would
+        # otherwise share /tmp/ompi.HOST.UID/jf.N, and one daemon's clean-up removed the other's
+        # directory in a CI run ("A call to mkdir was unable to create the desired directory").
+        with open(agent, "w") as f:
             f.write('#!/bin/sh\nwhile [ "${1#-}" != "$1" ]; do shift; done\nhost=$1; shift\n'
-                    'exec ip netns exec "loomt${host##*.}" sh -c "$*"\n')
+                    f'dir={self.tmp}/orte_${{host##*.}}; mkdir -p "$dir"\n'
+                    'exec ip netns exec "loomt${host##*.}" env OMPI_MCA_orte_tmpdir_base="$dir" sh -c "$*"\n')
         os.chmod(agent, 0o755)
         with open(hosts, "w") as f:
             f.write("10.78.0.1 slots=1\n10.78.0.2 slots=1\n")
         net = "10.78.0.0/24"
         return ["--hostfile", hosts, "--mca", "plm_rsh_agent", agent, "--mca", "oob_tcp_if_include", net,
                 "--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", net, "-x", "OMP_NUM_THREADS"]
+
+    def wait_for_the_bridge(self, seconds: float = 30.0):
+        """Until a TCP connection from each namespace reaches mpirun's address (10.78.0.254): a
+        daemon's first connection back to mpirun failed in one CI run on a busy machine."""
+        import socket
+        server = socket.socket()
+        server.bind(("10.78.0.254", 0))
+        server.listen(8)
+        port = server.getsockname()[1]
+        probe = f"import socket; socket.create_connection(('10.78.0.254', {port}), timeout=1).close()"
+        try:
+            for i in (1, 2):
+                t0 = time.time()
+                while True:
+                    p = subprocess.run(["ip", "netns", "exec", f"loomt{i}", sys.executable, "-c", probe],
+                                       capture_output=True, text=True)
+                    if p.returncode == 0:
+                        break
+                    if time.time() - t0 > seconds:
+                        self.fail(f"namespace loomt{i} cannot reach 10.78.0.254 after {seconds:.0f} s: {p.stderr.strip()}")
+                    time.sleep(0.2)
+        finally:
+            server.close()
 
     def mpirun(self, launch: list[str], name: str, steps: int, extra: str, *args: str, background: bool = False):
         # rtc_hwloc_vmhole=none: the daemons do not share their hwloc topology through a shared-memory
