@@ -209,6 +209,24 @@ TEST_F(NcclComm, AllToAllTransposesChunks) {
   }
 }
 
+// Overlapping views of one buffer race inside NCCL: refused, not only the same start (found by
+// the CUDA simulator's NCCL, which checks every call's buffers).
+TEST_F(NcclComm, AllToAllRefusesOverlappingViews) {
+  const int64_t chunk = 4;
+  Tensor both = dev(chunk * n + 1);
+  upload(both, std::vector<float>(static_cast<size_t>(chunk * n + 1), 1.0f));
+  const Tensor in = both.view(0, {chunk * n}), out = both.view(1, {chunk * n});
+  std::string error;
+  try {
+    nccl->all_to_all(in, out);
+  } catch (const Error& e) {
+    error = e.what();
+  }
+  EXPECT_NE(error.find("all_to_all on rank " + std::to_string(r) + ": in and out must be separate buffers (they overlap)"),
+            std::string::npos)
+      << error;
+}
+
 // Segment q holds 2q + 3 elements, except every third from q = 1, which is empty (rank 1's).
 std::vector<int64_t> uneven_counts(int n) {
   std::vector<int64_t> c;

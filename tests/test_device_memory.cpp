@@ -33,11 +33,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-std::vector<int32_t> cyclic_tokens(int64_t n, int32_t vocab) {
-  std::vector<int32_t> t(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) t[static_cast<size_t>(i)] = static_cast<int32_t>((i * 13 + i / 7) % vocab);
-  return t;
-}
+using test::cyclic_tokens;
 
 TEST(DeviceMemoryTest, HostAccessToDeviceMemoryIsAOneLineError) {
   test::StrictBackend backend;

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 
 #include "loom/checkpoint/safetensors.h"
@@ -49,6 +50,15 @@ class ParityTest : public ::testing::TestWithParam<std::tuple<std::string, std::
  protected:
   void SetUp() override {
     if (std::get<1>(GetParam()) == "strict") backend = std::make_unique<test::StrictBackend>();
+    if (std::get<1>(GetParam()) == "cuda") {  // a GPU, or the simulator (the cuda_sim tests)
+      try {
+        backend = make_backend("cuda");
+      } catch (const Error& e) {
+        const char* require = std::getenv("LOOM_REQUIRE_CUDA");
+        if (require != nullptr && std::string(require) == "1") FAIL() << "LOOM_REQUIRE_CUDA=1 but: " << e.what();
+        GTEST_SKIP() << e.what();
+      }
+    }
     fixture = std::make_unique<SafetensorsFile>(
         SafetensorsFile::read(std::string(LOOM_FIXTURE_DIR) + "/" + std::get<0>(GetParam())));
     config = test::config_from(*fixture);
@@ -128,6 +138,11 @@ INSTANTIATE_TEST_SUITE_P(DeviceMemory, ParityTest,
                                                               "llama_tiny_mla.safetensors",
                                                               "llama_tiny_mla_q.safetensors"),
                                             ::testing::Values("strict")));
+// Through the CUDA backend (MLA is not on it yet: docs/cuda.md).
+INSTANTIATE_TEST_SUITE_P(cuda, ParityTest,
+                         ::testing::Combine(::testing::Values("gpt2_tiny.safetensors", "llama_tiny.safetensors",
+                                                              "llama_tiny_window.safetensors"),
+                                            ::testing::Values("cuda")));
 
 }  // namespace
 }  // namespace loom

@@ -104,6 +104,13 @@ inline std::vector<double> values(Backend& backend, const Tensor& t) {
   return values(h);
 }
 
+// n token ids (i * 13 + i / 7) mod vocab: a fixed, non-trivial sequence for training tests.
+inline std::vector<int32_t> cyclic_tokens(int64_t n, int32_t vocab) {
+  std::vector<int32_t> t(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) t[static_cast<size_t>(i)] = static_cast<int32_t>((i * 13 + i / 7) % vocab);
+  return t;
+}
+
 // max |a - b| / max(max |b|, tiny): the error relative to the reference's scale.
 inline double max_rel_error(const std::vector<double>& a, const std::vector<double>& b) {
   EXPECT_EQ(a.size(), b.size());

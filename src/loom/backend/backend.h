@@ -613,7 +613,12 @@ std::unique_ptr<Backend> make_cpu_backend();
 // visible GPU; otherwise a one-line error says which is missing.
 std::unique_ptr<Backend> make_backend(std::string_view device);
 std::unique_ptr<Backend> make_backend(DeviceType device);
-// True when this build contains the CUDA backend (the toolkit was found at configure time).
+// True when this program was linked with a CUDA backend: the nvcc build's (the toolkit was found
+// at configure time) or the simulator's (-DLOOM_CUDA=SIM, and the cuda_sim tests). The library
+// itself is the same either way; the backend is one of three object sets linked into the program
+// (backend/cuda/cuda_link.cpp with the nvcc or the simulated kernels, or backend/cuda_none.cpp).
 bool cuda_backend_built();
+// The CUDA backend of the program (throws one line when none is linked or no device is visible).
+std::unique_ptr<Backend> make_cuda_backend();
 
 }  // namespace loom

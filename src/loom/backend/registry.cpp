@@ -1,28 +1,13 @@
-// make_backend: the config key `device` ("cpu" | "cuda") to a backend.
+// make_backend: the config key `device` ("cpu" | "cuda") to a backend. The CUDA backend is the
+// one this program was linked with (backend.h: cuda_backend_built).
 #include "loom/backend/backend.h"
 #include "loom/core/error.h"
-#ifdef LOOM_HAVE_CUDA
-#include "loom/backend/cuda/cuda_backend.h"
-#endif
 
 namespace loom {
 
-#ifdef LOOM_HAVE_CUDA
-bool cuda_backend_built() { return true; }
-#else
-bool cuda_backend_built() { return false; }
-#endif
-
 std::unique_ptr<Backend> make_backend(std::string_view device) {
   if (device == "cpu") return make_cpu_backend();
-  if (device == "cuda") {
-#ifdef LOOM_HAVE_CUDA
-    return make_cuda_backend();
-#else
-    throw Error("device = \"cuda\": this build of Loom has no CUDA backend (the CUDA toolkit was not found when "
-                "cmake configured it; see docs/cuda.md)");
-#endif
-  }
+  if (device == "cuda") return make_cuda_backend();
   throw Error(str_cat("device = \"", device, "\": expected \"cpu\" or \"cuda\""));
 }
 

@@ -16,7 +16,8 @@ namespace loom {
 // a 2 MiB page is never refaulted around one written element).
 void release_elements(const Tensor& t, int64_t begin, int64_t end);
 
-// Bytes of t's pages that are resident in memory now (mincore), rounded to whole pages.
+// Bytes of t's pages that are resident in memory now (mincore), rounded to whole pages; all of a
+// device tensor's bytes (device memory is not paged).
 int64_t resident_bytes(const Tensor& t);
 
 }  // namespace loom

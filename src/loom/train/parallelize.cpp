@@ -3,10 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
-#ifdef LOOM_HAVE_CUDA
-#include "loom/backend/cuda/cuda_backend.h"
-#include "loom/comm/nccl_communicator.h"
-#endif
+#include "loom/comm/cuda_device_group.h"
 #include "loom/arch/param_layout.h"
 #include "loom/checkpoint/peft.h"
 #include "loom/checkpoint/weights.h"
@@ -87,14 +84,9 @@ void pipeline_parallel(Build& b) {
 }
 
 void data_parallel(Build& b) {
-#ifdef LOOM_HAVE_CUDA
   // A GPU's gradients go over NCCL, host values (losses, norms) over MPI.
   Communicator& world = b.layout.world();
-  if (b.config.device == DEVICE_CUDA && world.size() > 1) {
-    b.layout.use_device_group(make_routing_communicator(
-        world.split(0, world.rank()), make_nccl_communicator(world, cuda_device(b.backend), cuda_stream(b.backend))));
-  }
-#endif
+  if (b.config.device == DEVICE_CUDA && world.size() > 1) b.layout.use_device_group(make_cuda_device_group(world, b.backend));
   const ParallelConfig& p = b.config.parallel;
   DdpConfig ddp;
   ddp.bucket_bytes = static_cast<int64_t>(p.bucket_mb * (1 << 20));

@@ -82,10 +82,10 @@ bool peak_measured_on_a_busy_machine(double measured_gflops, double datasheet_gf
   return datasheet_gflops > 0.0 && measured_gflops < 0.5 * datasheet_gflops;
 }
 
-double measure_gemm_peak_gflops(Backend& backend, DType dtype) {
-  LOOM_CHECK(dtype == DTYPE_F32 || dtype == DTYPE_BF16, "measure_gemm_peak_gflops: dtype ", dtype_name(dtype),
-             " (expected f32 or bf16)");
-  const int64_t n = 2048;
+namespace {
+
+// Seconds of the best of `reps` n x n x n GEMMs after a warm-up.
+double best_gemm_seconds(Backend& backend, DType dtype, int64_t n, int reps) {
   Allocator& alloc = backend.allocator();
   Tensor a32 = Tensor::empty(alloc, {n, n}, DTYPE_F32, MEM_WORKSPACE);
   Tensor b32 = Tensor::empty(alloc, {n, n}, DTYPE_F32, MEM_WORKSPACE);
@@ -101,14 +101,28 @@ double measure_gemm_peak_gflops(Backend& backend, DType dtype) {
   }
   backend.synchronize();
   double best = 0.0;
-  for (int rep = 0; rep < 10; ++rep) {  // the best of 9 after a warm-up: it is cached, so it may take 0.5 s
+  for (int rep = 0; rep <= reps; ++rep) {
     const auto start = std::chrono::steady_clock::now();
     backend.gemm(a, b, c, GemmSpec{});
     backend.synchronize();  // a device queues the GEMM: time its completion
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    if (rep > 0) best = std::max(best, 2.0 * n * n * n / seconds / 1e9);
+    if (rep > 0) best = best == 0.0 ? seconds : std::min(best, seconds);
   }
   return best;
+}
+
+}  // namespace
+
+double measure_gemm_peak_gflops(Backend& backend, DType dtype) {
+  LOOM_CHECK(dtype == DTYPE_F32 || dtype == DTYPE_BF16, "measure_gemm_peak_gflops: dtype ", dtype_name(dtype),
+             " (expected f32 or bf16)");
+  // 2048^3, the best of 9 after a warm-up (it is cached, so it may take 0.5 s), unless a 256^3
+  // probe says that would take minutes: the CUDA simulator runs GEMMs at a few GFLOP/s, and its
+  // peak (of a simulated device) is measured at 256^3.
+  const double probe = best_gemm_seconds(backend, dtype, 256, 1);
+  const int64_t n = probe * 512.0 > 2.0 ? 256 : 2048;
+  const double seconds = n == 256 ? probe : best_gemm_seconds(backend, dtype, n, 9);
+  return 2.0 * static_cast<double>(n * n * n) / seconds / 1e9;
 }
 
 std::string default_peak_cache_dir() {

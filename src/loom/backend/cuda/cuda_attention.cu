@@ -28,6 +28,7 @@
 #include <cstdint>
 
 #include "loom/backend/cuda/cuda_check.h"
+#include "loom/backend/cuda/cuda_launch.h"
 #include "loom/backend/cuda/cuda_kernels.h"
 #include "loom/core/error.h"
 
@@ -634,7 +635,7 @@ void launch_flash_forward(const T* qkv, T* out, T* lse, const AttnDims& d, T sca
   constexpr int kRows = kFlashThreads / kG;
   const dim3 grid(static_cast<unsigned>((d.T + kRows - 1) / kRows), static_cast<unsigned>(d.H),
                   static_cast<unsigned>(d.B));
-  flash_forward_kernel<T, kHd, kG><<<grid, kFlashThreads, 0, stream>>>(
+  launch<flash_forward_kernel<T, kHd, kG>>(grid, kFlashThreads, 0, stream,
       qkv, out, lse, static_cast<int>(d.T), static_cast<int>(d.H), static_cast<int>(d.KV), static_cast<int>(d.hd),
       static_cast<int>(d.window), scale);
   LOOM_CUDA_CHECK_LAUNCH();
@@ -646,13 +647,11 @@ void launch_flash_backward(const T* dout, const T* qkv, const T* lse, const T* d
   constexpr int kG = bwd_group<T, kHd>();
   constexpr int kRows = kFlashThreads / kG;
   const unsigned tiles = static_cast<unsigned>((d.T + kRows - 1) / kRows);
-  flash_backward_dkdv_kernel<T, kHd, kG>
-      <<<dim3(tiles, static_cast<unsigned>(d.KV), static_cast<unsigned>(d.B)), kFlashThreads, 0, stream>>>(
+  launch<flash_backward_dkdv_kernel<T, kHd, kG>>(dim3(tiles, static_cast<unsigned>(d.KV), static_cast<unsigned>(d.B)), kFlashThreads, 0, stream,
           dout, qkv, lse, dsum, dqkv, static_cast<int>(d.T), static_cast<int>(d.H), static_cast<int>(d.KV),
           static_cast<int>(d.hd), static_cast<int>(d.window), scale);
   LOOM_CUDA_CHECK_LAUNCH();
-  flash_backward_dq_kernel<T, kHd, kG>
-      <<<dim3(tiles, static_cast<unsigned>(d.H), static_cast<unsigned>(d.B)), kFlashThreads, 0, stream>>>(
+  launch<flash_backward_dq_kernel<T, kHd, kG>>(dim3(tiles, static_cast<unsigned>(d.H), static_cast<unsigned>(d.B)), kFlashThreads, 0, stream,
           dout, qkv, lse, dsum, dqkv, static_cast<int>(d.T), static_cast<int>(d.H), static_cast<int>(d.KV),
           static_cast<int>(d.hd), static_cast<int>(d.window), scale);
   LOOM_CUDA_CHECK_LAUNCH();
@@ -703,7 +702,7 @@ void attention_forward(cublasHandle_t cublas, const T* qkv, T* out, T* probs, in
     }
   }
   const int64_t rows = d.B * d.H * d.T;
-  masked_softmax_kernel<T><<<row_blocks(rows), kRowWarps * kWarp, 0, stream>>>(probs, rows, static_cast<int>(d.T),
+  launch<masked_softmax_kernel<T>>(row_blocks(rows), kRowWarps * kWarp, 0, stream, probs, rows, static_cast<int>(d.T),
                                                                                 static_cast<int>(d.window));
   LOOM_CUDA_CHECK_LAUNCH();
   for (int64_t b = 0; b < d.B; ++b) {
@@ -743,7 +742,7 @@ void attention_backward(cublasHandle_t cublas, const T* dout, const T* qkv, cons
                  base + (d.H + d.KV) * d.hd, d.W, d.hd, T(0), ds + r * TT, d.T, d.G * TT, d.KV,
                  "attention_backward: dP = dO V^T");
     }
-    attention_dscores_kernel<T><<<row_blocks(d.H * d.T), kRowWarps * kWarp, 0, stream>>>(
+    launch<attention_dscores_kernel<T>>(row_blocks(d.H * d.T), kRowWarps * kWarp, 0, stream,
         dout, out, pbase, ds, b, static_cast<int>(d.T), static_cast<int>(d.H), static_cast<int>(d.hd), scale);
     LOOM_CUDA_CHECK_LAUNCH();
     for (int64_t r = 0; r < d.G; ++r) {
@@ -797,7 +796,7 @@ void flash_attention_backward(const T* dout, const T* qkv, const T* out, const T
   const T scale = attention_scale<T>(d.hd);
   T* dsum = static_cast<T*>(scratch);  // (B, H, T)
   const int64_t rows = d.B * d.T * d.H;
-  flash_dsum_kernel<T><<<row_blocks(rows), kRowWarps * kWarp, 0, stream>>>(
+  launch<flash_dsum_kernel<T>>(row_blocks(rows), kRowWarps * kWarp, 0, stream,
       dout, out, dsum, rows, static_cast<int>(d.T), static_cast<int>(d.H), static_cast<int>(d.hd));
   LOOM_CUDA_CHECK_LAUNCH();
   if (d.hd <= 16) launch_flash_backward<T, 16>(dout, qkv, lse, dsum, dqkv, d, scale, stream);

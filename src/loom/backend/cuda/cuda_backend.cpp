@@ -17,8 +17,10 @@
 #include <cublas_v2.h>
 
 #include <climits>
-#include <cstdlib>
 #include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <utility>
 #include <vector>
 
 #include "loom/backend/block_cache.h"
@@ -53,6 +55,14 @@ using checks::expect_numel;
 using checks::rows_of;
 
 constexpr const char* kBackend = "CUDA";  // in dtype errors
+
+// The largest power of two, at most 256, that divides the address (cuBLASLt's alignment unit).
+uint32_t pointer_alignment(const void* p) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  uint32_t alignment = 256;
+  while (alignment > 1 && a % alignment != 0) alignment /= 2;
+  return alignment;
+}
 
 template <typename T>
 T* dptr(const Tensor& t) {
@@ -455,8 +465,19 @@ class CudaBackend final : public Backend {
       const size_t ws = static_cast<size_t>(kLtWorkspaceBytes);
       cublasLtMatmulHeuristicResult_t result{};
       int found = 0;
-      const cublasStatus_t hs = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                                                     &ws, sizeof(ws));
+      cublasStatus_t hs = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
+                                                               sizeof(ws));
+      // The pointers' own alignment: the heuristic assumes 256 bytes unless told, and the chosen
+      // algorithm then refuses a view that starts inside a block (found by the CUDA simulator).
+      const std::pair<cublasLtMatmulPreferenceAttributes_t, const void*> operands[] = {
+          {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, b.device_ptr()},
+          {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, a.device_ptr()},
+          {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, c.device_ptr()},
+          {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, c.device_ptr()}};
+      for (const auto& [attribute, pointer] : operands) {
+        const uint32_t alignment = pointer_alignment(pointer);
+        if (hs == CUBLAS_STATUS_SUCCESS) hs = cublasLtMatmulPreferenceSetAttribute(pref, attribute, &alignment, sizeof(alignment));
+      }
       const cublasStatus_t hr =
           hs == CUBLAS_STATUS_SUCCESS ? cublasLtMatmulAlgoGetHeuristic(lt_, desc, la, lb, lc, lc, pref, 1, &result, &found)
                                       : hs;

@@ -47,6 +47,7 @@
 #include <cstdint>
 
 #include "loom/backend/cuda/cuda_check.h"
+#include "loom/backend/cuda/cuda_launch.h"
 #include "loom/backend/scalar_math.h"
 
 namespace loom::cuda {
@@ -273,11 +274,11 @@ void column_sums(F f, int64_t rows, int64_t cols, T* scratch, T* out0, T* out1, 
   const int64_t chunk_rows = chunk_rows_for(rows), n_chunks = chunks_for(rows);
   const dim3 grid(static_cast<unsigned>((cols + kColTile - 1) / kColTile), static_cast<unsigned>(n_chunks));
   const dim3 block(kColTile, kRowLanes);
-  column_partials_kernel<T, NV, F><<<grid, block, 0, stream>>>(f, rows, cols, chunk_rows, scratch);
+  launch<column_partials_kernel<T, NV, F>>(grid, block, 0, stream, f, rows, cols, chunk_rows, scratch);
   LOOM_CUDA_CHECK_LAUNCH();
   T* outs[2] = {out0, out1};
   for (int k = 0; k < NV; ++k) {
-    column_finalize_kernel<T><<<grid_for(cols, kBlock), kBlock, 0, stream>>>(scratch + k * n_chunks * cols, n_chunks,
+    launch<column_finalize_kernel<T>>(grid_for(cols, kBlock), kBlock, 0, stream, scratch + k * n_chunks * cols, n_chunks,
                                                                               cols, outs[k]);
     LOOM_CUDA_CHECK_LAUNCH();
   }
@@ -720,58 +721,58 @@ __global__ void adamw_kernel(T* p, const T* grad, T* m, T* v, int64_t n, T lr, T
 template <typename T>
 void fill(T* x, int64_t n, double value, cudaStream_t stream) {
   if (n <= 0) return;
-  fill_kernel<T><<<grid_for(n, kBlock), kBlock, 0, stream>>>(x, n, static_cast<T>(value));
+  launch<fill_kernel<T>>(grid_for(n, kBlock), kBlock, 0, stream, x, n, static_cast<T>(value));
   LOOM_CUDA_CHECK_LAUNCH();
 }
 
 void cast_f32_to_bf16(const float* src, uint16_t* dst, int64_t n, cudaStream_t stream) {
   if (n <= 0) return;
-  cast_f32_to_bf16_kernel<<<grid_for(n, kBlock), kBlock, 0, stream>>>(src, dst, n);
+  launch<cast_f32_to_bf16_kernel>(grid_for(n, kBlock), kBlock, 0, stream, src, dst, n);
   LOOM_CUDA_CHECK_LAUNCH();
 }
 
 void cast_bf16_to_f32(const uint16_t* src, float* dst, int64_t n, cudaStream_t stream) {
   if (n <= 0) return;
-  cast_bf16_to_f32_kernel<<<grid_for(n, kBlock), kBlock, 0, stream>>>(src, dst, n);
+  launch<cast_bf16_to_f32_kernel>(grid_for(n, kBlock), kBlock, 0, stream, src, dst, n);
   LOOM_CUDA_CHECK_LAUNCH();
 }
 
 void cast_f32_to_f64(const float* src, double* dst, int64_t n, cudaStream_t stream) {
   if (n <= 0) return;
-  cast_f32_to_f64_kernel<<<grid_for(n, kBlock), kBlock, 0, stream>>>(src, dst, n);
+  launch<cast_f32_to_f64_kernel>(grid_for(n, kBlock), kBlock, 0, stream, src, dst, n);
   LOOM_CUDA_CHECK_LAUNCH();
 }
 
 void cast_f64_to_f32(const double* src, float* dst, int64_t n, cudaStream_t stream) {
   if (n <= 0) return;
-  cast_f64_to_f32_kernel<<<grid_for(n, kBlock), kBlock, 0, stream>>>(src, dst, n);
+  launch<cast_f64_to_f32_kernel>(grid_for(n, kBlock), kBlock, 0, stream, src, dst, n);
   LOOM_CUDA_CHECK_LAUNCH();
 }
 
 template <typename T>
 void add(const T* a, const T* b, T* out, int64_t n, cudaStream_t stream) {
   if (n <= 0) return;
-  add_kernel<T><<<grid_for(n, kBlock), kBlock, 0, stream>>>(a, b, out, n);
+  launch<add_kernel<T>>(grid_for(n, kBlock), kBlock, 0, stream, a, b, out, n);
   LOOM_CUDA_CHECK_LAUNCH();
 }
 
 template <typename T>
 void scale(T* x, int64_t n, double factor, cudaStream_t stream) {
   if (n <= 0) return;
-  scale_kernel<T><<<grid_for(n, kBlock), kBlock, 0, stream>>>(x, n, static_cast<T>(factor));
+  launch<scale_kernel<T>>(grid_for(n, kBlock), kBlock, 0, stream, x, n, static_cast<T>(factor));
   LOOM_CUDA_CHECK_LAUNCH();
 }
 
 template <typename T>
 void reduce_partials(const T* x, int64_t n, bool squares, double* partials, cudaStream_t stream) {
-  reduce_partials_kernel<T><<<kReducePartials, kBlock, 0, stream>>>(x, std::max<int64_t>(n, 0), squares, partials);
+  launch<reduce_partials_kernel<T>>(kReducePartials, kBlock, 0, stream, x, std::max<int64_t>(n, 0), squares, partials);
   LOOM_CUDA_CHECK_LAUNCH();
 }
 
 template <typename T>
 void add_bias_rows(T* c, const T* bias, int64_t rows, int64_t cols, cudaStream_t stream) {
   if (rows <= 0 || cols <= 0) return;
-  add_bias_rows_kernel<T><<<grid_for(rows * cols, kBlock), kBlock, 0, stream>>>(c, bias, rows, cols);
+  launch<add_bias_rows_kernel<T>>(grid_for(rows * cols, kBlock), kBlock, 0, stream, c, bias, rows, cols);
   LOOM_CUDA_CHECK_LAUNCH();
 }
 
@@ -791,7 +792,7 @@ void embedding_forward(const int32_t* tokens, const T* table, const T* positions
                        int64_t seq_len, int64_t channels, int64_t vocab, unsigned long long* bad_position,
                        cudaStream_t stream) {
   if (n_tokens <= 0) return;
-  embedding_forward_kernel<T><<<grid_for(n_tokens, kRowsPerBlock), kBlock, 0, stream>>>(
+  launch<embedding_forward_kernel<T>>(grid_for(n_tokens, kRowsPerBlock), kBlock, 0, stream,
       tokens, table, positions, out, n_tokens, seq_len, channels, vocab, bad_position);
   LOOM_CUDA_CHECK_LAUNCH();
 }
@@ -821,7 +822,7 @@ void embedding_backward(const int32_t* tokens, const T* dout, T* dtable, T* dpos
   void* cub_temp = base + 4 * layout.array_bytes;
 
   const uint32_t bad = static_cast<uint32_t>(bad_key(vocab));
-  embedding_keys_kernel<<<grid_for(n_tokens, kBlock), kBlock, 0, stream>>>(tokens, n_tokens, vocab, bad, keys_in,
+  launch<embedding_keys_kernel>(grid_for(n_tokens, kBlock), kBlock, 0, stream, tokens, n_tokens, vocab, bad, keys_in,
                                                                            pos_in, bad_position);
   LOOM_CUDA_CHECK_LAUNCH();
   if (channels <= 0) return;
@@ -834,12 +835,12 @@ void embedding_backward(const int32_t* tokens, const T* dout, T* dtable, T* dpos
 
   const dim3 grid(static_cast<unsigned>((channels + kSlab - 1) / kSlab),
                   static_cast<unsigned>(std::min<int64_t>(n_tokens, kMaxSegmentGroups)));
-  embedding_dtable_kernel<T><<<grid, dim3(kColTile, kRowLanes), 0, stream>>>(keys_out, pos_out, dout, dtable,
+  launch<embedding_dtable_kernel<T>>(grid, dim3(kColTile, kRowLanes), 0, stream, keys_out, pos_out, dout, dtable,
                                                                              n_tokens, channels, bad);
   LOOM_CUDA_CHECK_LAUNCH();
 
   if (dpositions && seq_len > 0) {
-    embedding_dpositions_kernel<T><<<grid_for(seq_len * channels, kBlock), kBlock, 0, stream>>>(
+    launch<embedding_dpositions_kernel<T>>(grid_for(seq_len * channels, kBlock), kBlock, 0, stream,
         dout, dpositions, n_tokens, seq_len, channels);
     LOOM_CUDA_CHECK_LAUNCH();
   }
@@ -849,7 +850,7 @@ template <typename T>
 void layernorm_forward(const T* x, const T* w, const T* b, T* out, T* mean, T* rstd, int64_t rows, int64_t channels,
                        double eps, cudaStream_t stream) {
   if (rows <= 0) return;
-  layernorm_forward_kernel<T><<<grid_for(rows, kRowsPerBlock), kBlock, 0, stream>>>(x, w, b, out, mean, rstd, rows,
+  launch<layernorm_forward_kernel<T>>(grid_for(rows, kRowsPerBlock), kBlock, 0, stream, x, w, b, out, mean, rstd, rows,
                                                                                     channels, static_cast<T>(eps));
   LOOM_CUDA_CHECK_LAUNCH();
 }
@@ -866,7 +867,7 @@ void layernorm_backward(const T* dout, const T* x, const T* w, const T* mean, co
   if (rows <= 0 || channels <= 0) return;
   column_sums<T, 2>(LoadLayerNormGrads<T>{dout, x, mean, rstd, channels}, rows, channels, static_cast<T*>(scratch),
                     dw, db, stream);
-  layernorm_backward_kernel<T><<<grid_for(rows, kRowsPerBlock), kBlock, 0, stream>>>(dout, x, w, mean, rstd, dx, rows,
+  launch<layernorm_backward_kernel<T>>(grid_for(rows, kRowsPerBlock), kBlock, 0, stream, dout, x, w, mean, rstd, dx, rows,
                                                                                      channels);
   LOOM_CUDA_CHECK_LAUNCH();
 }
@@ -875,7 +876,7 @@ template <typename T>
 void rmsnorm_forward(const T* x, const T* w, T* out, T* rstd, int64_t rows, int64_t channels, double eps,
                      cudaStream_t stream) {
   if (rows <= 0) return;
-  rmsnorm_forward_kernel<T><<<grid_for(rows, kRowsPerBlock), kBlock, 0, stream>>>(x, w, out, rstd, rows, channels,
+  launch<rmsnorm_forward_kernel<T>>(grid_for(rows, kRowsPerBlock), kBlock, 0, stream, x, w, out, rstd, rows, channels,
                                                                                   static_cast<T>(eps));
   LOOM_CUDA_CHECK_LAUNCH();
 }
@@ -886,7 +887,7 @@ void rmsnorm_backward(const T* dout, const T* x, const T* w, const T* rstd, T* d
   if (rows <= 0 || channels <= 0) return;
   column_sums<T, 1>(LoadRmsNormGrad<T>{dout, x, rstd, channels}, rows, channels, static_cast<T*>(scratch), dw,
                     nullptr, stream);
-  rmsnorm_backward_kernel<T><<<grid_for(rows, kRowsPerBlock), kBlock, 0, stream>>>(dout, x, w, rstd, dx, rows,
+  launch<rmsnorm_backward_kernel<T>>(grid_for(rows, kRowsPerBlock), kBlock, 0, stream, dout, x, w, rstd, dx, rows,
                                                                                    channels);
   LOOM_CUDA_CHECK_LAUNCH();
 }
@@ -894,28 +895,28 @@ void rmsnorm_backward(const T* dout, const T* x, const T* w, const T* rstd, T* d
 template <typename T>
 void gelu_forward(const T* x, T* out, int64_t n, cudaStream_t stream) {
   if (n <= 0) return;
-  gelu_forward_kernel<T><<<grid_for(n, kBlock), kBlock, 0, stream>>>(x, out, n);
+  launch<gelu_forward_kernel<T>>(grid_for(n, kBlock), kBlock, 0, stream, x, out, n);
   LOOM_CUDA_CHECK_LAUNCH();
 }
 
 template <typename T>
 void gelu_backward(const T* x, const T* dout, T* dx, int64_t n, cudaStream_t stream) {
   if (n <= 0) return;
-  gelu_backward_kernel<T><<<grid_for(n, kBlock), kBlock, 0, stream>>>(x, dout, dx, n);
+  launch<gelu_backward_kernel<T>>(grid_for(n, kBlock), kBlock, 0, stream, x, dout, dx, n);
   LOOM_CUDA_CHECK_LAUNCH();
 }
 
 template <typename T>
 void swiglu_forward(const T* x, T* out, int64_t rows, int64_t hidden, cudaStream_t stream) {
   if (rows <= 0 || hidden <= 0) return;
-  swiglu_forward_kernel<T><<<grid_for(rows * hidden, kBlock), kBlock, 0, stream>>>(x, out, rows, hidden);
+  launch<swiglu_forward_kernel<T>>(grid_for(rows * hidden, kBlock), kBlock, 0, stream, x, out, rows, hidden);
   LOOM_CUDA_CHECK_LAUNCH();
 }
 
 template <typename T>
 void swiglu_backward(const T* x, const T* dout, T* dx, int64_t rows, int64_t hidden, cudaStream_t stream) {
   if (rows <= 0 || hidden <= 0) return;
-  swiglu_backward_kernel<T><<<grid_for(rows * hidden, kBlock), kBlock, 0, stream>>>(x, dout, dx, rows, hidden);
+  launch<swiglu_backward_kernel<T>>(grid_for(rows * hidden, kBlock), kBlock, 0, stream, x, dout, dx, rows, hidden);
   LOOM_CUDA_CHECK_LAUNCH();
 }
 
@@ -924,7 +925,7 @@ void rope_rotate(T* x, int64_t batch, int64_t seq_len, int64_t width, int64_t he
                  int64_t pos_offset, double direction, cudaStream_t stream) {
   const int64_t pairs = batch * seq_len * (head_dim / 2);
   if (pairs <= 0 || n_heads <= 0) return;
-  rope_kernel<T><<<grid_for(pairs, kBlock), kBlock, 0, stream>>>(x, batch, seq_len, width, head_dim, n_heads, rope,
+  launch<rope_kernel<T>>(grid_for(pairs, kBlock), kBlock, 0, stream, x, batch, seq_len, width, head_dim, n_heads, rope,
                                                                   pos_offset, direction);
   LOOM_CUDA_CHECK_LAUNCH();
 }
@@ -933,7 +934,7 @@ template <typename T>
 void cross_entropy_forward(const T* logits, const int32_t* targets, T* losses, T* lse, int64_t rows, int64_t vocab,
                            unsigned long long* bad_row, cudaStream_t stream) {
   if (rows <= 0) return;
-  cross_entropy_forward_kernel<T><<<grid_for(rows, 1), kCeBlock, 0, stream>>>(logits, targets, losses, lse, rows,
+  launch<cross_entropy_forward_kernel<T>>(grid_for(rows, 1), kCeBlock, 0, stream, logits, targets, losses, lse, rows,
                                                                               vocab, bad_row);
   LOOM_CUDA_CHECK_LAUNCH();
 }
@@ -942,7 +943,7 @@ template <typename T>
 void cross_entropy_backward(const T* logits, const int32_t* targets, const T* lse, double dloss, T* dlogits,
                             int64_t rows, int64_t vocab, cudaStream_t stream) {
   if (rows <= 0) return;
-  cross_entropy_backward_kernel<T><<<grid_for(rows, 1), kCeBlock, 0, stream>>>(logits, targets, lse,
+  launch<cross_entropy_backward_kernel<T>>(grid_for(rows, 1), kCeBlock, 0, stream, logits, targets, lse,
                                                                                static_cast<T>(dloss), dlogits, rows,
                                                                                vocab);
   LOOM_CUDA_CHECK_LAUNCH();
@@ -954,7 +955,7 @@ void adamw_step(T* p, const T* grad, T* m, T* v, int64_t n, double lr, double be
   if (n <= 0) return;
   const T lr_t = static_cast<T>(lr);
   const T decay = T(1) - lr_t * static_cast<T>(weight_decay);  // as the CPU kernel, in T
-  adamw_kernel<T><<<grid_for(n, kBlock), kBlock, 0, stream>>>(
+  launch<adamw_kernel<T>>(grid_for(n, kBlock), kBlock, 0, stream,
       p, grad, m, v, n, lr_t, static_cast<T>(beta1), static_cast<T>(beta2), static_cast<T>(eps), decay,
       static_cast<T>(grad_scale), static_cast<T>(bias1), static_cast<T>(bias2));
   LOOM_CUDA_CHECK_LAUNCH();

@@ -1,0 +1,53 @@
+// Shared between the simulator's runtime (runtime.cpp: memory, streams, copies, errors) and its
+// kernel execution (exec.cpp: fibers, barriers, shuffles, the access checks). Not for callers.
+#pragma once
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <string>
+
+namespace loom::sim {
+
+// Device memory: one reserved range of the address space (PROT_NONE for the host), and one
+// shadow byte per device byte for memcheck and initcheck.
+enum Shadow : uint8_t { kUnallocated = 0, kUninitialized = 1, kWritten = 2 };
+struct Arena {
+  uintptr_t base = 0;
+  size_t size = 0;
+  uint8_t* shadow = nullptr;
+};
+extern Arena g_arena;
+inline bool in_arena(uintptr_t a) { return a - g_arena.base < g_arena.size; }
+inline uint8_t* shadow_of(uintptr_t a) { return g_arena.shadow + (a - g_arena.base); }
+
+void ensure_init();
+
+// Device memory is addressable while at least one DeviceAccess lives (a stream's operation, the
+// runtime's own copy); the host's accesses outside are faults (the SIGSEGV handler reports them).
+struct DeviceAccess {
+  DeviceAccess();
+  ~DeviceAccess();
+  DeviceAccess(const DeviceAccess&) = delete;
+  DeviceAccess& operator=(const DeviceAccess&) = delete;
+};
+// > 0 while this thread is inside the runtime or a library touching device memory on purpose.
+extern thread_local int t_runtime_access;
+
+// A check fired: prints "loom-sim: <check>: <report>" to stderr, keeps it for last_report().
+void record_report(const char* check, const std::string& report);
+void set_sticky(cudaError_t error);
+cudaError_t sticky_error();
+void set_last_error(cudaError_t error);
+
+// enqueue() for operations that must run after a sticky error too (event records and waits).
+void enqueue_always(cudaStream_t stream, const char* what, std::function<void()> work);
+
+// The running kernel and thread ("kernel K, block (x,y,z), thread (x,y,z)"), "" outside kernels.
+std::string kernel_position();
+// Runs one enqueued grid (exec.cpp). Returns false (and has reported) when a check fired.
+struct GridLaunch;
+void run_grid(GridLaunch& launch);
+
+}  // namespace loom::sim

@@ -1,0 +1,132 @@
+#!/usr/bin/env python3
+"""`loom train` with device = "cuda" on the CUDA simulator (build/bin/loom-sim; docs/cuda.md "The
+simulator") against the same run on the CPU (build/bin/loom): one process, and data parallelism
+with ZeRO-1 and ZeRO-2 over the simulated NCCL under `mpirun -np 2`. The losses of every step and
+the final weights agree within the fp32 tolerance stated in docs/cuda.md (5e-6 relative to the
+largest value; the GEMMs and the long sums add in another order), and no simulator check fires.
+
+    tests/cuda_sim_train_test.py build/bin/loom build/bin/loom-sim
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import unittest
+
+LOOM = os.path.abspath(sys.argv[1]) if len(sys.argv) > 1 else "build/bin/loom"
+LOOM_SIM = os.path.abspath(sys.argv[2]) if len(sys.argv) > 2 else "build/bin/loom-sim"
+TEXT = "/usr/share/common-licenses/GPL-3"
+TOLERANCE = 5e-6
+TINY = ",".join([
+    "model.n_layer=2", "model.n_head=2", "model.n_kv_head=2", "model.d_model=32", "model.d_ff=64",
+    "model.max_seq_len=32", "train.seq_len=32", "train.batch_size=4", "optim.warmup_steps=2",
+    "optim.lr=3e-3", "optim.min_lr=3e-4", "train.eval_every=0", "train.checkpoint_every=8",
+    "sample.max_new_tokens=4", "train.steps=8", "data.tokenizer=byte",
+])
+MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "OMP_NUM_THREADS": "1",
+           "OMPI_MCA_rmaps_base_oversubscribe": "1"}
+
+
+def tensors(path: str) -> dict[str, list[float]]:
+    """The f32 tensors of a safetensors file (its JSON header, then little-endian data)."""
+    with open(path, "rb") as f:
+        size = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(size))
+        data = f.read()
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__" or info["dtype"] != "F32":
+            continue
+        begin, end = info["data_offsets"]
+        out[name] = list(struct.unpack(f"<{(end - begin) // 4}f", data[begin:end]))
+    return out
+
+
+def max_rel(a: list[float], b: list[float]) -> float:
+    scale = max(max((abs(x) for x in b), default=0.0), 1e-30)
+    return max((abs(x - y) for x, y in zip(a, b)), default=0.0) / scale
+
+
+class CudaSimTrain(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.mkdtemp(prefix="loom_cuda_sim_")
+        cls.data = os.path.join(cls.tmp, "data")
+        subprocess.run([LOOM, "prepare", "--input", TEXT, "--tokenizer", "byte", "--out", cls.data, "--val-fraction",
+                        "0.1"], check=True, capture_output=True)
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.tmp, ignore_errors=True)
+
+    def train(self, binary: str, name: str, device: str, ranks: int, extra: str = "",
+              *args: str) -> subprocess.CompletedProcess:
+        sets = f"{TINY},device={device},data.dir={self.data},run.dir={self.tmp}/runs,run.name={name}"
+        cmd = [binary, "train", "--set", sets + (f",{extra}" if extra else ""), *args]
+        env = dict(os.environ, OMP_NUM_THREADS="2")
+        if ranks > 1:
+            cmd = ["mpirun", "--oversubscribe", "-np", str(ranks), *cmd]
+            env.update(MPI_ENV)
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+        self.assertEqual(p.returncode, 0, f"{' '.join(cmd)}\n{p.stdout}\n{p.stderr}")
+        self.assertNotIn("loom-sim:", p.stderr, "a simulator check fired")
+        return p
+
+    def losses(self, name: str) -> list[float]:
+        with open(os.path.join(self.tmp, "runs", name, "metrics.jsonl")) as f:
+            return [r["loss"] for r in map(json.loads, f) if "loss" in r and "step" in r]
+
+    def weights(self, name: str) -> dict[str, list[float]]:
+        """The step-8 checkpoint's tensors: model.safetensors, or a ZeRO run's shards (rank:name)."""
+        step = os.path.join(self.tmp, "runs", name, "checkpoints", "step_00000008")
+        if os.path.exists(os.path.join(step, "model.safetensors")):
+            return tensors(os.path.join(step, "model.safetensors"))
+        out = {}
+        for f in sorted(os.listdir(step)):
+            if f.startswith("shard_"):
+                out.update({f"{f}:{k}": v for k, v in tensors(os.path.join(step, f)).items()})
+        self.assertTrue(out, f"no model.safetensors or shards in {step}")
+        return out
+
+    def assert_same_run(self, cuda: str, cpu: str):
+        a, b = self.losses(cuda), self.losses(cpu)
+        self.assertEqual(len(a), 8)
+        self.assertLess(max_rel(a, b), TOLERANCE, (a, b))
+        wa, wb = self.weights(cuda), self.weights(cpu)
+        self.assertEqual(sorted(wa), sorted(wb))
+        # The key part of attn.c_attn.bias has a zero gradient in exact arithmetic (softmax does not
+        # see a constant added to every score), so AdamW turns each device's rounding noise into
+        # lr-sized steps of either sign: it is left out (seen: 3e-4 relative; every other tensor
+        # within 5e-6).
+        worst = max(max_rel(wa[k], wb[k]) for k in wa if not k.endswith("attn.c_attn.bias"))
+        self.assertLess(worst, TOLERANCE * 4, "final weights")  # after 8 AdamW steps
+        print(f"{cuda}: losses within {max_rel(a, b):.1e}, weights within {worst:.1e} of the CPU run", flush=True)
+
+    def test_one_process(self):
+        p = self.train(LOOM_SIM, "cuda_1", "cuda", 1)
+        self.assertIn("cuda", p.stdout + p.stderr)
+        self.train(LOOM, "cpu_1", "cpu", 1)
+        self.assert_same_run("cuda_1", "cpu_1")
+
+    def test_data_parallel_with_zero_over_nccl_at_np2(self):
+        for stage in (1, 2):
+            self.train(LOOM_SIM, f"cuda_zero{stage}", "cuda", 2, f"parallel.zero_stage={stage}")
+            self.train(LOOM, f"cpu_zero{stage}", "cpu", 2, f"parallel.zero_stage={stage}")
+            self.assert_same_run(f"cuda_zero{stage}", f"cpu_zero{stage}")
+        # The sharded checkpoint written from device memory resumes on the device: 4 more steps.
+        p = self.train(LOOM_SIM, "cuda_zero1", "cuda", 2, "parallel.zero_stage=1,train.steps=12", "--resume")
+        self.assertIn("(step 8)", p.stdout)
+        self.train(LOOM, "cpu_zero1", "cpu", 2, "parallel.zero_stage=1,train.steps=12", "--resume")
+        a, b = self.losses("cuda_zero1"), self.losses("cpu_zero1")
+        self.assertEqual(len(a), 12)
+        self.assertLess(max_rel(a, b), TOLERANCE, (a, b))
+
+
+if __name__ == "__main__":
+    unittest.main(argv=[sys.argv[0], "-v", *sys.argv[3:]])

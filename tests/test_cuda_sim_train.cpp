@@ -1,0 +1,131 @@
+// Training through the CUDA backend on the simulator (docs/cuda.md "What is verified without a
+// GPU"): the trainer's losses, gradient norms and final weights against the CPU run, within the
+// stated tolerances (the GEMMs and the long sums add in another order); two runs bitwise equal,
+// whatever order the grid's blocks run in (the determinism docs/cuda.md promises); checkpoints
+// written from device memory and loaded back into device memory and into the CPU backend.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "loom/backend/cuda/sim/sim_runtime.h"
+#include "loom/checkpoint/checkpoint.h"
+#include "loom/train/config.h"
+#include "loom/train/trainer.h"
+#include "test_util.h"
+
+namespace loom {
+namespace {
+
+namespace fs = std::filesystem;
+
+using test::cyclic_tokens;
+
+struct Case {
+  const char* preset;
+  const char* compute;
+  const char* param;
+  bool loss_scaling;
+  double tolerance;  // on each loss, gradient norm and weight, relative to the largest of its kind
+};
+
+struct TrainRun {
+  std::vector<double> losses, norms, params;
+};
+
+TrainRun train(Backend& backend, const Case& c) {
+  const ModelConfig config = model_preset(c.preset);
+  Transformer model(backend, config);
+  model.init_weights(5);
+  TrainConfig tc;
+  tc.batch_size = 2, tc.seq_len = 12, tc.steps = 4, tc.grad_accum = 2, tc.schedule.warmup = 1;
+  tc.precision.compute = c.compute;
+  tc.precision.param = c.param;
+  tc.loss_scaling = c.loss_scaling;
+  Trainer trainer(backend, model, tc);
+  RandomWindowSource data(cyclic_tokens(600, static_cast<int32_t>(config.vocab_size)), 11);
+  TrainRun run;
+  for (int s = 0; s < 4; ++s) {
+    const StepStats st = trainer.train_step(data);
+    run.losses.push_back(st.loss);
+    run.norms.push_back(st.grad_norm);
+  }
+  run.params = test::values(backend, model.params());
+  return run;
+}
+
+TEST(CudaSimTraining, TheCudaBackendTrainsAsTheCpuAndIsBitwiseDeterministic) {
+  auto cpu = make_cpu_backend();
+  for (const Case& c : {Case{"gpt2-tiny", "f32", "f32", false, 5e-6}, Case{"llama-tiny", "bf16", "f32", false, 1e-4},
+                        Case{"llama-tiny", "bf16", "bf16", true, 1e-4}}) {
+    const std::string name = std::string(c.preset) + " " + c.compute + "/" + c.param;
+    const TrainRun expected = train(*cpu, c);
+    auto cuda = make_backend("cuda");
+    sim::set_block_order_seed(1);
+    const TrainRun got = train(*cuda, c);
+    sim::set_block_order_seed(7);  // the grids' blocks in another order: the same bits
+    const TrainRun again = train(*cuda, c);
+    sim::set_block_order_seed(1);
+    EXPECT_EQ(got.losses, again.losses) << name;
+    EXPECT_EQ(got.norms, again.norms) << name;
+    EXPECT_TRUE(got.params == again.params) << name << ": the weights differ between block orders";
+    const double losses = test::max_rel_error(got.losses, expected.losses), norms = test::max_rel_error(got.norms, expected.norms),
+                 params = test::max_rel_error(got.params, expected.params);
+    EXPECT_LT(losses, c.tolerance) << name;
+    EXPECT_LT(norms, c.tolerance) << name;
+    EXPECT_LT(params, c.tolerance) << name;
+    RecordProperty(name + " losses", std::to_string(losses));
+    RecordProperty(name + " norms", std::to_string(norms));
+    RecordProperty(name + " params", std::to_string(params));
+    std::printf("%s: max relative difference to the CPU: losses %.2e, grad norms %.2e, weights %.2e\n", name.c_str(),
+                losses, norms, params);
+  }
+}
+
+TEST(CudaSimTraining, CheckpointsFromDeviceMemoryLoadIntoDeviceMemoryAndTheCpu) {
+  const fs::path root = fs::temp_directory_path() / ("loom_cuda_sim_ckpt_" + std::to_string(::getpid()));
+  fs::remove_all(root);
+  auto cuda = make_backend("cuda");
+  auto cpu = make_cpu_backend();
+  const ModelConfig config = model_preset("gpt2-tiny");
+  Transformer model(*cuda, config);
+  model.init_weights(3);
+  TrainConfig tc;
+  tc.batch_size = 2, tc.seq_len = 8, tc.steps = 2;
+  Trainer trainer(*cuda, model, tc);
+  RandomWindowSource data(cyclic_tokens(400, static_cast<int32_t>(config.vocab_size)), 4);
+  trainer.train_step(data);
+  CheckpointOptions options;
+  options.backend = cuda.get();
+  CheckpointManager manager(root.string(), options);
+  CheckpointContents contents;
+  contents.step = 1;
+  contents.model = ModelState{config, model.params()};
+  contents.optimizer = OptimizerState{trainer.optimizer().name(), trainer.optimizer().state()};
+  contents.optimizer_steps = trainer.optimizer().steps_taken();
+  const std::string path = manager.save(contents);
+  const std::vector<double> trained = test::values(*cuda, model.params());
+  for (Backend* b : {cuda.get(), cpu.get()}) {
+    Transformer fresh(*b, config);
+    Trainer fresh_trainer(*b, fresh, tc);
+    CheckpointOptions load_options;
+    load_options.backend = b;
+    CheckpointManager loader(root.string(), load_options);
+    loader.load(path, ModelState{config, fresh.params()},
+                OptimizerState{fresh_trainer.optimizer().name(), fresh_trainer.optimizer().state()});
+    EXPECT_TRUE(test::values(*b, fresh.params()) == trained) << b->name();
+    for (size_t i = 0; i < contents.optimizer.tensors.size(); ++i) {
+      EXPECT_TRUE(test::values(*b, fresh_trainer.optimizer().state()[i].second) ==
+                  test::values(*cuda, contents.optimizer.tensors[i].second))
+          << b->name() << " " << contents.optimizer.tensors[i].first;
+    }
+  }
+  fs::remove_all(root);
+}
+
+}  // namespace
+}  // namespace loom
