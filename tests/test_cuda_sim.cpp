@@ -7,13 +7,18 @@
 // CudaSimChecks left a report: the backend's real kernels trigger no check.
 #include <gtest/gtest.h>
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <cmath>
+#include <cstring>
 #include <string>
 #include <vector>
 
 #include "loom/backend/cuda/cuda_launch.h"
 #include "loom/backend/cuda/sim/sim_runtime.h"
+#include "loom/core/dtype.h"
 
 namespace loom {
 namespace {
@@ -244,6 +249,46 @@ TEST_F(CudaSimDeathTest, AHostReadOfDeviceMemoryIsAFault) {
         (void)v;
       },
       "host-access: host code accessed device memory at 0x[0-9a-f]+: device memory is not addressable from the host");
+}
+
+// __float2half and __float2bfloat16 round as the hardware's cvt.rn: against GCC's _Float16 (IEEE
+// round to nearest even, subnormals and overflow included) and Loom's own bf16 (core/dtype.h)
+// on every 61st float bit pattern (70 million); .rz never rounds up; widening is exact.
+TEST(CudaSimRuntime, HalfAndBfloat16ConversionsRoundAsTheHardware) {
+  int64_t wrong_half = 0, wrong_bf16 = 0, wrong_rz = 0;
+  for (uint64_t i = 0; i < (uint64_t{1} << 32); i += 61) {
+    const uint32_t u = static_cast<uint32_t>(i);
+    float f;
+    std::memcpy(&f, &u, 4);
+    if (std::isnan(f)) {
+      wrong_half += __half_as_ushort(__float2half(f)) != 0x7fff;
+      wrong_bf16 += __bfloat16_as_ushort(__float2bfloat16(f)) != 0x7fff;
+      continue;
+    }
+    const _Float16 reference = static_cast<_Float16>(f);
+    uint16_t bits;
+    std::memcpy(&bits, &reference, 2);
+    wrong_half += __half_as_ushort(__float2half(f)) != bits;
+    wrong_bf16 += __bfloat16_as_ushort(__float2bfloat16(f)) != f32_to_bf16(f).bits;
+    const float rz = __half2float(__float2half_rz(f)), rz16 = __bfloat162float(__float2bfloat16_rz(f));
+    wrong_rz += std::abs(rz) > std::abs(f) || std::abs(rz16) > std::abs(f);
+  }
+  EXPECT_EQ(wrong_half, 0);
+  EXPECT_EQ(wrong_bf16, 0);
+  EXPECT_EQ(wrong_rz, 0);
+  for (uint32_t h = 0; h < 65536; ++h) {  // every half widens exactly
+    _Float16 reference;
+    const uint16_t bits = static_cast<uint16_t>(h);
+    std::memcpy(&reference, &bits, 2);
+    const float a = static_cast<float>(reference), b = __half2float(__ushort_as_half(bits));
+    if (!std::isnan(a)) {
+      ASSERT_EQ(std::memcmp(&a, &b, 4), 0) << h;
+    }
+  }
+  EXPECT_EQ(__half_as_ushort(__float2half(65520.0f)), 0x7c00);   // rounds to infinity
+  EXPECT_EQ(__half_as_ushort(__float2half_rz(65520.0f)), 0x7bff);  // the largest finite
+  EXPECT_EQ(__half_as_ushort(__float2half(2.9802322e-8f)), 0x0000);  // 2^-25: a tie, to even (zero)
+  EXPECT_EQ(__half_as_ushort(__float2half(4.4703484e-8f)), 0x0001);  // 1.5 * 2^-25 rounds up
 }
 
 TEST(CudaSimRuntime, BlocksRunInASeededOrderAndTheDevicePropertiesAreAnH100s) {

@@ -723,17 +723,73 @@ char* worker_view(void* p, size_t bytes) {  // pinned memory as the workers addr
   return pin ? pin->alias + (reinterpret_cast<uintptr_t>(p) - base) : static_cast<char*>(p);
 }
 
+// Host to device: a pageable source is staged now (the caller may reuse it on return); a pinned
+// one is read when the copy runs.
+void copy_to_device(void* dst, const void* src, size_t bytes, Side source, cudaStream_t stream, const char* what) {
+  std::shared_ptr<std::vector<char>> staged;
+  const char* from = nullptr;
+  if (source == Side::kPinned) {
+    from = worker_view(const_cast<void*>(src), bytes);
+  } else {
+    staged = std::make_shared<std::vector<char>>(static_cast<const char*>(src), static_cast<const char*>(src) + bytes);
+  }
+  enqueue(stream, what, [dst, from, staged, bytes] {
+    std::memcpy(dst, staged ? staged->data() : from, bytes);
+    mark_written(dst, bytes);
+  });
+}
+
+// Device to host: into pageable memory the call returns once the copy is done (CUDA's API sync
+// behaviour); into pinned memory an asynchronous copy returns at once, and the host's pages stay
+// PROT_NONE until a synchronization covers it (the stale-read check).
+void copy_to_host(void* dst, const void* src, size_t bytes, Side destination, cudaStream_t stream, bool async,
+                  const char* what) {
+  const bool pending = destination == Side::kPinned && async;
+  char* to = destination == Side::kPinned ? worker_view(dst, bytes) : static_cast<char*>(dst);
+  if (pending) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    uintptr_t base = 0;
+    Pinned* pin = pinned_of(dst, bytes, &base);
+    ++pin->pending;
+    if (!pin->protected_) {
+      mprotect(reinterpret_cast<void*>(base), pin->bytes, PROT_NONE);
+      pin->protected_ = true;
+    }
+  }
+  enqueue(stream, what, [to, src, bytes, pending, dst] {
+    check_initialized(src, bytes, "cudaMemcpy device to host");
+    std::memcpy(to, src, bytes);
+    if (pending) {
+      std::lock_guard<std::mutex> lock(g_mu);
+      if (Pinned* pin = pinned_of(dst, bytes)) --pin->pending;
+    }
+  });
+  if (!pending) {
+    drain(stream);
+    settle_pinned();
+  }
+}
+
+// Device to device: the bytes and their shadow (a copy of never-written memory stays so).
+void copy_on_device(void* dst, const void* src, size_t bytes, cudaStream_t stream, const char* what) {
+  enqueue(stream, what, [dst, src, bytes] {
+    std::memmove(dst, src, bytes);
+    std::memmove(shadow_of(reinterpret_cast<uintptr_t>(dst)), shadow_of(reinterpret_cast<uintptr_t>(src)), bytes);
+  });
+}
+
 cudaError_t copy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind, cudaStream_t stream, bool async) {
   ensure_init();
   if (sticky_error() != cudaSuccess) return sticky_or(cudaSuccess);
   if (bytes == 0) return cudaSuccess;
   if (!dst || !src) return result_of(cudaErrorInvalidValue);
+  const char* what = async ? "cudaMemcpyAsync" : "cudaMemcpy";
   const Side ds = side_of(dst, bytes), ss = side_of(src, bytes);
   const bool dst_device = ds == Side::kDevice, src_device = ss == Side::kDevice;
   if (ds == Side::kInvalid || ss == Side::kInvalid) {
-    record_report("memcheck", std::string(async ? "cudaMemcpyAsync" : "cudaMemcpy") + " of " + std::to_string(bytes) +
-                                  " bytes: the " + (ds == Side::kInvalid ? "destination " + describe_address(dst)
-                                                                         : "source " + describe_address(src)) +
+    record_report("memcheck", std::string(what) + " of " + std::to_string(bytes) + " bytes: the " +
+                                  (ds == Side::kInvalid ? "destination " + describe_address(dst)
+                                                        : "source " + describe_address(src)) +
                                   " and the range leaves it");
     return result_of(cudaErrorInvalidValue);
   }
@@ -743,67 +799,18 @@ cudaError_t copy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind, 
                   (kind == cudaMemcpyDeviceToDevice && src_device && dst_device) ||
                   (kind == cudaMemcpyHostToHost && !src_device && !dst_device);
   if (!ok) {
-    record_report("memcheck", std::string(async ? "cudaMemcpyAsync" : "cudaMemcpy") + ": kind " +
-                                  std::to_string(static_cast<int>(kind)) + " does not match the pointers (" +
-                                  (dst_device ? "device" : "host") + " destination, " +
+    record_report("memcheck", std::string(what) + ": kind " + std::to_string(static_cast<int>(kind)) +
+                                  " does not match the pointers (" + (dst_device ? "device" : "host") + " destination, " +
                                   (src_device ? "device" : "host") + " source)");
     return result_of(cudaErrorInvalidValue);
   }
-  const char* what = async ? "cudaMemcpyAsync" : "cudaMemcpy";
   if (!dst_device && !src_device) {
     std::memmove(dst, src, bytes);
     return cudaSuccess;
   }
-  if (dst_device && !src_device) {
-    // Host to device: a pageable source is staged now (the caller may reuse it on return); a
-    // pinned one is read when the copy runs.
-    std::shared_ptr<std::vector<char>> staged;
-    const char* from = nullptr;
-    if (ss == Side::kPinned) {
-      from = worker_view(const_cast<void*>(src), bytes);
-    } else {
-      staged = std::make_shared<std::vector<char>>(static_cast<const char*>(src), static_cast<const char*>(src) + bytes);
-    }
-    enqueue(stream, what, [dst, from, staged, bytes] {
-      std::memcpy(dst, staged ? staged->data() : from, bytes);
-      mark_written(dst, bytes);
-    });
-  } else if (src_device && !dst_device) {
-    const bool pinned = ds == Side::kPinned;
-    char* to = pinned ? worker_view(dst, bytes) : static_cast<char*>(dst);
-    if (pinned && async) {  // the host must synchronize before it reads: protect its pages until then
-      std::lock_guard<std::mutex> lock(g_mu);
-      uintptr_t base = 0;
-      Pinned* pin = pinned_of(dst, bytes, &base);
-      ++pin->pending;
-      if (!pin->protected_) {
-        mprotect(reinterpret_cast<void*>(base), pin->bytes, PROT_NONE);
-        pin->protected_ = true;
-      }
-    }
-    enqueue(stream, what, [to, src, bytes, pinned, async, dst] {
-      check_initialized(src, bytes, "cudaMemcpy device to host");
-      {
-        // A pageable destination is host memory the worker writes directly (the call waits).
-        std::memcpy(to, src, bytes);
-      }
-      if (pinned && async) {
-        std::lock_guard<std::mutex> lock(g_mu);
-        Pinned* pin = pinned_of(dst, bytes);
-        if (pin) --pin->pending;
-      }
-    });
-    // Device to pageable host memory returns once the copy is done (CUDA's API sync behaviour).
-    if (!pinned || !async) {
-      drain(stream);
-      if (!async || !pinned) settle_pinned();
-    }
-  } else {
-    enqueue(stream, what, [dst, src, bytes] {
-      std::memmove(dst, src, bytes);
-      std::memmove(shadow_of(reinterpret_cast<uintptr_t>(dst)), shadow_of(reinterpret_cast<uintptr_t>(src)), bytes);
-    });
-  }
+  if (dst_device && !src_device) copy_to_device(dst, src, bytes, ss, stream, what);
+  else if (!dst_device) copy_to_host(dst, src, bytes, ds, stream, async, what);
+  else copy_on_device(dst, src, bytes, stream, what);
   if (!async) drain(stream);
   return sticky_or(cudaSuccess);
 }
