@@ -64,6 +64,20 @@ __global__ void half_barrier(float* x) {
   x[threadIdx.x] = 1.0f;
 }
 
+// synccheck: lanes 16-31 leave before the shuffle whose full mask names them.
+template <bool kBroken>
+__global__ void early_exit_shuffle(float* out) {
+  if (kBroken && threadIdx.x >= 16) return;
+  out[threadIdx.x] = __shfl_down_sync(0xffffffffu, static_cast<float>(threadIdx.x), 1);
+}
+
+// memcheck: a float4 load must be 16-byte aligned; the broken one loads at a 4-byte offset.
+template <bool kBroken>
+__global__ void load_float4(const float* in, float* out) {
+  const float4 v = *reinterpret_cast<const float4*>(in + (kBroken ? 1 : 0));
+  out[threadIdx.x] = v.x + v.y + v.z + v.w;
+}
+
 __global__ void copy_kernel(const float* in, float* out, int n) {
   const int i = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
   if (i < n) out[i] = in[i];
@@ -163,6 +177,30 @@ TEST_F(CudaSimChecks, SynccheckFindsADivergentBarrier) {
   EXPECT_EQ(fired(), "synccheck");
   EXPECT_NE(sim::last_report().find("half_barrier<true>"), std::string::npos) << sim::last_report();
   EXPECT_NE(sim::last_report().find("divergent barrier"), std::string::npos) << sim::last_report();
+}
+
+TEST_F(CudaSimChecks, SynccheckFindsAShuffleMaskNamingLanesThatExited) {
+  float* out = device_floats(32);
+  launch<early_exit_shuffle<false>>(1, 32, 0, nullptr, out);
+  EXPECT_EQ(fired(), "") << sim::last_report();
+  launch<early_exit_shuffle<true>>(1, 32, 0, nullptr, out);
+  EXPECT_EQ(fired(), "synccheck");
+  EXPECT_NE(sim::last_report().find("__shfl_down_sync with mask 0xffffffff in warp 0: lane 16 named by the mask has exited"),
+            std::string::npos)
+      << sim::last_report();
+  EXPECT_NE(sim::last_report().find("early_exit_shuffle<true>"), std::string::npos) << sim::last_report();
+}
+
+TEST_F(CudaSimChecks, MemcheckFindsAMisalignedVectorLoad) {
+  const float* in = device_values(std::vector<float>(8, 1.0f));
+  float* out = device_floats(1);
+  launch<load_float4<false>>(1, 1, 0, nullptr, in, out);
+  EXPECT_EQ(fired(), "") << sim::last_report();
+  launch<load_float4<true>>(1, 1, 0, nullptr, in, out);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaErrorMisalignedAddress);
+  EXPECT_EQ(fired(), "memcheck");
+  EXPECT_NE(sim::last_report().find("misaligned read of 16 bytes"), std::string::npos) << sim::last_report();
+  EXPECT_NE(sim::last_report().find("thread (0,0,0) of block (0,0,0)"), std::string::npos) << sim::last_report();
 }
 
 TEST_F(CudaSimChecks, ALaunchOf2048ThreadsPerBlockFailsAsOnAGpu) {

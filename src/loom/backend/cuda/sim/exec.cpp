@@ -315,6 +315,12 @@ inline void aligned_access(void* p, size_t n, bool write) {
   access(p, n, write);
 }
 
+}  // namespace
+
+void vector_access(const void* p, size_t bytes, bool write) { aligned_access(const_cast<void*>(p), bytes, write); }
+
+namespace {
+
 // ---------------------------------------------------------------- the scheduler
 void finish_barrier(Block& b) {
   const int result = b.reduce_acc;

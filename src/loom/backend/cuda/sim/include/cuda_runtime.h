@@ -39,16 +39,51 @@ struct dim3 {
   constexpr dim3(uint3 v) : x(v.x), y(v.y), z(v.z) {}
 };
 
-// Vector types with the alignment CUDA gives them: a load of a float4 is one 16-byte access,
-// which the simulator checks for 16-byte alignment as the hardware does.
-struct __attribute__((aligned(8))) float2 { float x, y; };
-struct __attribute__((aligned(16))) float4 { float x, y, z, w; };
-struct __attribute__((aligned(16))) double2 { double x, y; };
-struct __attribute__((aligned(8))) int2 { int x, y; };
-struct __attribute__((aligned(16))) int4 { int x, y, z, w; };
-inline float2 make_float2(float x, float y) { return float2{x, y}; }
-inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
-inline double2 make_double2(double x, double y) { return double2{x, y}; }
+namespace loom::sim {
+// A vector type's whole load or store (ld.global.v4 on a GPU): checked for its alignment (a GPU
+// faults on a misaligned one) and as an access of its size.
+void vector_access(const void* p, size_t bytes, bool write);
+}  // namespace loom::sim
+
+// Vector types with the alignment CUDA gives them. Copying one from or to memory is one access
+// of its whole size, as the hardware's vector load and store are; the compiler may split the
+// struct's copy into its members, so the copy operations report the whole access themselves.
+#define LOOM_SIM_VECTOR(name, type, align, ...)                                                  \
+  struct __attribute__((aligned(align))) name {                                                   \
+    type __VA_ARGS__;                                                                             \
+    name() = default;                                                                             \
+    name(const name& o) {                                                                         \
+      ::loom::sim::vector_access(&o, sizeof(name), false);                                        \
+      std::memcpy(static_cast<void*>(this), &o, sizeof(name));                                     \
+    }                                                                                             \
+    name& operator=(const name& o) {                                                              \
+      ::loom::sim::vector_access(&o, sizeof(name), false);                                        \
+      ::loom::sim::vector_access(this, sizeof(name), true);                                       \
+      std::memcpy(static_cast<void*>(this), &o, sizeof(name));                                     \
+      return *this;                                                                               \
+    }                                                                                             \
+  };
+LOOM_SIM_VECTOR(float2, float, 8, x, y)
+LOOM_SIM_VECTOR(float4, float, 16, x, y, z, w)
+LOOM_SIM_VECTOR(double2, double, 16, x, y)
+LOOM_SIM_VECTOR(int2, int, 8, x, y)
+LOOM_SIM_VECTOR(int4, int, 16, x, y, z, w)
+#undef LOOM_SIM_VECTOR
+inline float2 make_float2(float x, float y) {
+  float2 v;
+  v.x = x, v.y = y;
+  return v;
+}
+inline float4 make_float4(float x, float y, float z, float w) {
+  float4 v;
+  v.x = x, v.y = y, v.z = z, v.w = w;
+  return v;
+}
+inline double2 make_double2(double x, double y) {
+  double2 v;
+  v.x = x, v.y = y;
+  return v;
+}
 
 // CUDA's min and max of two numbers (math_functions.h), for the types Loom uses.
 inline int min(int a, int b) { return a < b ? a : b; }
