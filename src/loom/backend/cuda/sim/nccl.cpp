@@ -780,25 +780,14 @@ void check_group_races(const std::vector<Op>& ops, const char* call) {
   }
 }
 
-// `call`: the API function that runs them (the operation's own, or ncclGroupEnd).
-ncclResult_t run(std::vector<Op>& ops, const char* call) {
-  if (ops.empty()) return ncclSuccess;
-  if (const ncclResult_t s = check_mpi(call); s != ncclSuccess) return s;
-  for (const Op& op : ops) {
-    if (!is_live(op.comm)) {
-      return warn(ncclInvalidUsage, cat(op.call, " : its communicator was destroyed in the group"));
-    }
-  }
-
-  // Everything enqueued before the calls has run.
+// Everything enqueued before the calls has run; then the inputs are copied out of device memory.
+void read_inputs(std::vector<Op>& ops, const char* call) {
   std::vector<cudaStream_t> streams;
   for (const Op& op : ops) {
     if (std::find(streams.begin(), streams.end(), op.stream) == streams.end()) streams.push_back(op.stream);
   }
   for (cudaStream_t s : streams) loom::sim::drain(s);
   if (ops.size() > 1) check_group_races(ops, call);
-
-  // Inputs, out of device memory.
   loom::sim::with_device_access([&] {
     for (Op& op : ops) {
       const Range r = op.reads();
@@ -807,8 +796,11 @@ ncclResult_t run(std::vector<Op>& ops, const char* call) {
       op.in.assign(r.p, r.p + r.bytes);
     }
   });
+}
 
-  // Round 1: every rank's collectives on each communicator, and each send's count and type.
+// Round 1: every rank's collectives on each communicator, and each send's count and type. An
+// operation that does not match its peers' gets its error (and moves nothing in round 2).
+void agree_with_peers(std::vector<Op>& ops, const char* call) {
   std::vector<CommCheck> checks;
   for (const Op& op : ops) {
     if (is_p2p(op.kind)) continue;
@@ -861,8 +853,11 @@ ncclResult_t run(std::vector<Op>& ops, const char* call) {
     const bool known = h.magic == kHeaderMagic && valid_type(static_cast<ncclDataType_t>(h.type));
     op.incoming = known ? static_cast<size_t>(h.count) * type_size(static_cast<ncclDataType_t>(h.type)) : 0;
   }
+}
 
-  // Round 2: the data.
+// Round 2: the data; then the outputs into device memory, and the first error as the result.
+ncclResult_t move_data(std::vector<Op>& ops) {
+  Messages messages;
   for (Op& op : ops) {
     if (op.error.empty() || op.kind == Kind::Recv) post(op, messages);
   }
@@ -870,8 +865,6 @@ ncclResult_t run(std::vector<Op>& ops, const char* call) {
   for (Op& op : ops) {
     if (op.error.empty()) finish(op);
   }
-
-  // Outputs, into device memory.
   loom::sim::with_device_access([&] {
     for (Op& op : ops) {
       if (!op.error.empty() || !op.write_out) continue;
@@ -879,7 +872,6 @@ ncclResult_t run(std::vector<Op>& ops, const char* call) {
       loom::sim::mark_written(op.recv, op.out.size());
     }
   });
-
   ncclResult_t result = ncclSuccess;
   std::string reported;
   for (const Op& op : ops) {
@@ -888,6 +880,21 @@ ncclResult_t run(std::vector<Op>& ops, const char* call) {
     if (op.error != reported) loom::sim::fail(cudaErrorLaunchFailure, op.error), reported = op.error;
   }
   return result;
+}
+
+// Runs a call's or a group's operations. `call`: the API function that runs them (the
+// operation's own, or ncclGroupEnd).
+ncclResult_t run(std::vector<Op>& ops, const char* call) {
+  if (ops.empty()) return ncclSuccess;
+  if (const ncclResult_t s = check_mpi(call); s != ncclSuccess) return s;
+  for (const Op& op : ops) {
+    if (!is_live(op.comm)) {
+      return warn(ncclInvalidUsage, cat(op.call, " : its communicator was destroyed in the group"));
+    }
+  }
+  read_inputs(ops, call);
+  agree_with_peers(ops, call);
+  return move_data(ops);
 }
 
 // Checks an operation, then runs it, or records it in the open group.
