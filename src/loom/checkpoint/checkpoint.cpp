@@ -688,18 +688,23 @@ void CheckpointManager::write_shard(int64_t step, const ShardContents& shard) co
   const fs::path tmp_dir = fs::path((fs::path(dir_) / checkpoint_dir_name(step)).string() + kTmpSuffix);
   const std::string path = (tmp_dir / shard_file_name(shard.rank, shard.world)).string();
   const int64_t n = shard.end - shard.begin;
-  check_flat_f32(shard.params, n, path, "params");
-  std::vector<std::pair<std::string, Tensor>> tensors{{"params", shard.params}};
+  // A GPU's tensors: read into host copies first, as save() does (a ZeRO checkpoint from device
+  // memory was refused here until the CUDA simulator ran one).
+  HostStaging staging(options_.backend);
+  const Tensor params = staging.twin(shard.params, true);
+  check_flat_f32(params, n, path, "params");
+  std::vector<std::pair<std::string, Tensor>> tensors{{"params", params}};
   std::string flat;
-  for (const auto& [name, t] : shard.flat) {
+  for (const auto& [name, device] : shard.flat) {
     LOOM_CHECK(name != "params" && name.find(',') == std::string::npos, path, ": optimizer tensor name '", name,
                "' is reserved or holds a comma");
+    const Tensor t = staging.twin(device, true);
     check_flat_f32(t, n, path, name.c_str());
     tensors.emplace_back(name, t);
     flat += (flat.empty() ? "" : ",") + name;
   }
   if (shard.rank == 0) {
-    for (const auto& [name, t] : shard.whole) tensors.emplace_back(name, t);
+    for (const auto& [name, t] : shard.whole) tensors.emplace_back(name, staging.twin(t, true));
   }
   write_safetensors(path, tensors,
                     {{"format", "pt"},

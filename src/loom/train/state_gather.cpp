@@ -232,19 +232,11 @@ std::string TrainingState::save_sharded(const nlohmann::json& data_state) {
   shard.rank = world.rank(), shard.world = world.size();
   shard.begin = zero_->range().begin, shard.end = zero_->range().end;
   shard.config = config_.model;
-  // The checkpoint writer reads host memory: a GPU's tensors are copied out first (ZeRO on the
-  // CUDA backend failed here until the CUDA simulator ran it).
-  const auto host = [this](const Tensor& t) {
-    if (t.host_accessible()) return t;
-    Tensor copy = Tensor::empty(snapshot_host_, t.shape(), t.dtype(), MEM_WORKSPACE);
-    backend_.read(t, copy.raw_data());
-    return copy;
-  };
-  shard.params = host(parts_.model->params().view(shard.begin, {shard.end - shard.begin}));
+  shard.params = parts_.model->params().view(shard.begin, {shard.end - shard.begin});
   shard.optimizer = c.optimizer.name;
   shard.optimizer_steps = c.optimizer_steps;
-  for (const auto& [name, t] : flat_state_) shard.flat.emplace_back(name, host(t));
-  if (fp8_.defined()) shard.whole.emplace_back("fp8_amax_history", host(fp8_));
+  shard.flat = flat_state_;
+  if (fp8_.defined()) shard.whole.emplace_back("fp8_amax_history", fp8_);
   const bool lead = world.rank() == 0;
   if (lead) checkpoints_.begin_sharded(c.step);
   world.barrier();

@@ -476,7 +476,8 @@ class CudaBackend final : public Backend {
           {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, c.device_ptr()}};
       for (const auto& [attribute, pointer] : operands) {
         const uint32_t alignment = pointer_alignment(pointer);
-        if (hs == CUBLAS_STATUS_SUCCESS) hs = cublasLtMatmulPreferenceSetAttribute(pref, attribute, &alignment, sizeof(alignment));
+        if (hs != CUBLAS_STATUS_SUCCESS) break;
+        hs = cublasLtMatmulPreferenceSetAttribute(pref, attribute, &alignment, sizeof(alignment));
       }
       const cublasStatus_t hr =
           hs == CUBLAS_STATUS_SUCCESS ? cublasLtMatmulAlgoGetHeuristic(lt_, desc, la, lb, lc, lc, pref, 1, &result, &found)

@@ -57,6 +57,7 @@
 #include <vector>
 
 #include "loom/backend/cuda/sim/sim_runtime.h"
+#include "loom/core/dtype.h"
 
 struct cublasContext {
   cudaStream_t stream = nullptr;
@@ -153,21 +154,10 @@ const char* type_name(cudaDataType type) {
   return "an unknown cudaDataType";
 }
 
-// bf16 is the upper half of a float: widening is exact; narrowing rounds to nearest even.
-float bf16_to_float(uint16_t h) {
-  const uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-uint16_t float_to_bf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  if (std::isnan(f)) return static_cast<uint16_t>((bits >> 16) | 0x40);  // stays a (quiet) NaN
-  bits += 0x7FFF + ((bits >> 16) & 1);
-  return static_cast<uint16_t>(bits >> 16);
-}
+// bf16 is the upper half of a float: widening is exact; narrowing rounds to nearest even
+// (core/dtype.h's conversions).
+float bf16_to_float(uint16_t h) { return loom::bf16_to_f32(loom::bf16{h}); }
+uint16_t float_to_bf16(float f) { return loom::f32_to_bf16(f).bits; }
 
 // TF32 keeps 10 of float's 23 mantissa bits; rounded to nearest, ties away from zero (as PTX's
 // cvt.rna.tf32.f32).
@@ -297,11 +287,11 @@ __attribute__((target_clones("fma", "default"))) double dot(const double* x, con
 // when ld > rows are not read). Stops at the first column that draws a report; false then.
 bool check_matrix_initialized(const Operand& x, const void* base, const std::string& what) {
   const size_t esize = type_size(x.type);
-  const std::string report_before = loom::sim::last_report();
   for (int64_t j = 0; j < x.cols; ++j) {
-    loom::sim::check_initialized(static_cast<const char*>(base) + j * x.ld * static_cast<int64_t>(esize),
-                                 static_cast<size_t>(x.rows) * esize, what.c_str());
-    if (loom::sim::last_report() != report_before) return false;
+    if (!loom::sim::check_initialized(static_cast<const char*>(base) + j * x.ld * static_cast<int64_t>(esize),
+                                      static_cast<size_t>(x.rows) * esize, what.c_str())) {
+      return false;
+    }
   }
   return true;
 }

@@ -129,7 +129,7 @@ struct Block {
   std::vector<SimThread> threads;
   std::vector<WarpState> warps;
   uint32_t epoch = 0;                  // completed __syncthreads
-  int at_barrier = 0, done = 0, reduce_acc = 0, reduce_kind = 0;
+  int at_barrier = 0, done = 0, reduce_acc = 0;  // reduce_acc: set by a barrier's first arrival
   const char* barrier_file = nullptr;
   int barrier_line = 0;
   bool failed = false;                 // a check fired: stop
@@ -207,9 +207,7 @@ void violation(const char* check, const std::string& what, cudaError_t error) {
   Block* b = t_block;
   if (b == nullptr || b->failed) return;
   b->failed = true;
-  const std::string where =
-      "kernel " + b->launch->name + ", " + (t_thread ? thread_name(*b, *t_thread) : "block " + dims(b->idx));
-  record_report(check, what + " (" + where + ")");
+  record_report(check, what + " (" + kernel_position() + ")");
   set_sticky(error);
 }
 
@@ -223,9 +221,10 @@ void yield_to_scheduler() {
 void device_access(uintptr_t a, size_t n, bool write) {
   if (t_thread == nullptr) {  // host code: fatal, as the same access is on a GPU machine
     if (t_runtime_access > 0) return;
-    record_report("host-access", "host code accessed device memory at " + hex_address(a) + ": device memory is not "
-                                 "addressable from the host (copy it with cudaMemcpy); " + std::string(write ? "a write of " : "a read of ") +
-                                     std::to_string(n) + " bytes: " + describe_address(reinterpret_cast<void*>(a)));
+    record_report("host-access", "host code accessed device memory at " + hex_address(a) +
+                                     ": device memory is not addressable from the host (copy it with cudaMemcpy); " +
+                                     (write ? "a write of " : "a read of ") + std::to_string(n) + " bytes: " +
+                                     describe_address(reinterpret_cast<void*>(a)));
     std::abort();
   }
   uint8_t* s = shadow_of(a);
@@ -296,18 +295,20 @@ void shared_access(uintptr_t a, size_t n, bool write) {
   }
 }
 
+// Whether a is in this worker's shared memory (its static TLS block).
+inline bool in_shared(uintptr_t a) { return a - t_shared.lo < t_shared.hi - t_shared.lo; }
+
 inline void access(void* p, size_t n, bool write) {
   const uintptr_t a = reinterpret_cast<uintptr_t>(p);
   if (in_arena(a)) return device_access(a, n, write);
-  if (t_thread != nullptr && a - t_shared.lo < t_shared.hi - t_shared.lo && !t_block->failed) shared_access(a, n, write);
+  if (t_thread != nullptr && in_shared(a) && !t_block->failed) shared_access(a, n, write);
 }
 
 // An access the compiler emits as naturally aligned (a float4 load is one 16-byte access): a GPU
 // faults on a misaligned one (cudaErrorMisalignedAddress).
 inline void aligned_access(void* p, size_t n, bool write) {
   const uintptr_t a = reinterpret_cast<uintptr_t>(p);
-  if ((a & (n - 1)) != 0 && t_thread != nullptr &&
-      (in_arena(a) || a - t_shared.lo < t_shared.hi - t_shared.lo)) {
+  if ((a & (n - 1)) != 0 && t_thread != nullptr && (in_arena(a) || in_shared(a))) {
     return violation("memcheck", std::string("misaligned ") + (write ? "write" : "read") + " of " + std::to_string(n) +
                                      " bytes: " + describe_address(p) + " is not a multiple of " + std::to_string(n),
                      cudaErrorMisalignedAddress);
@@ -323,15 +324,13 @@ namespace {
 
 // ---------------------------------------------------------------- the scheduler
 void finish_barrier(Block& b) {
-  const int result = b.reduce_acc;
   for (SimThread& t : b.threads) {
     if (t.state == State::kBarrier) {
       t.state = State::kReady;
-      t.result = result;
+      t.result = b.reduce_acc;
     }
   }
   b.at_barrier = 0;
-  b.reduce_acc = b.reduce_kind == 2 ? 1 : 0;
   b.barrier_file = nullptr;
   ++b.epoch;
 }
@@ -367,7 +366,7 @@ void report_deadlock(Block& b) {
 void run_block(GridLaunch& launch, Block& b, uint3 idx) {
   b.idx = idx;
   b.epoch = 0;
-  b.at_barrier = b.done = b.reduce_acc = b.reduce_kind = 0;
+  b.at_barrier = b.done = 0;
   b.barrier_file = nullptr;
   for (WarpState& w : b.warps) w = WarpState{};
   ++t_shared.block_serial;
@@ -520,7 +519,6 @@ int block_barrier(int predicate, int reduce, const char* file, int line) {
     }
     b.barrier_file = file;
     b.barrier_line = line;
-    b.reduce_kind = reduce;
     b.reduce_acc = reduce == 2 ? 1 : 0;
   } else if (b.barrier_line != line || std::strcmp(b.barrier_file, file) != 0) {
     violation("synccheck", "threads wait at different __syncthreads: " + std::string(b.barrier_file) + ":" +
@@ -583,22 +581,21 @@ uint64_t warp_exchange(unsigned mask, uint64_t bits, int source, const char* kin
   }
   for (int l = 0; l < kWarp; ++l) {
     if (!(mask & (1u << l))) continue;
+    SimThread& other = b.threads[first + static_cast<size_t>(l)];
     const int src = w.source[l];
     uint64_t value = w.offer[l];
     if (src == -2) {
       value = ballot;
     } else if (src >= 0) {
       if (!(mask & (1u << src))) {  // reported as the reading lane's
-        SimThread* completing = t_thread;
-        t_thread = &b.threads[first + static_cast<size_t>(l)];
+        t_thread = &other;
         violation("synccheck", std::string(kind) + " with mask " + hex(mask) + ": lane " + std::to_string(l) +
                                    " reads lane " + std::to_string(src) + ", which the mask does not include",
                   cudaErrorLaunchFailure);
-        t_thread = completing;
+        t_thread = &t;
       }
       value = w.offer[src];
     }
-    SimThread& other = b.threads[first + static_cast<size_t>(l)];
     other.exchanged = value;
     if (other.state == State::kInWarp) other.state = State::kReady;
   }

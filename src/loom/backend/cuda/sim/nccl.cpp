@@ -96,6 +96,7 @@
 #include <vector>
 
 #include "loom/backend/cuda/sim/sim_runtime.h"
+#include "loom/core/dtype.h"
 
 // The communicator behind ncclComm_t (declared, not defined, by nccl.h).
 struct ncclComm {
@@ -282,31 +283,13 @@ uint32_t f32_bits(float f) {
   std::memcpy(&u, &f, sizeof(u));
   return u;
 }
-float bits_f32(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
 
-// bfloat16: the top 16 bits of a float; rounding to nearest even, NaN kept quiet.
-float bf16_to_float(uint16_t h) { return bits_f32(static_cast<uint32_t>(h) << 16); }
-uint16_t float_to_bf16(float f) {
-  const uint32_t u = f32_bits(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
+// bfloat16 (core/dtype.h's conversions: rounding to nearest even, NaN kept quiet).
+float bf16_to_float(uint16_t h) { return loom::bf16_to_f32(loom::bf16{h}); }
+uint16_t float_to_bf16(float f) { return loom::f32_to_bf16(f).bits; }
 
-// IEEE binary16: 1 sign, 5 exponent (bias 15), 10 fraction bits.
-float half_to_float(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  const uint32_t exponent = (h >> 10) & 0x1fu, fraction = h & 0x3ffu;
-  if (exponent == 0) {  // zero or subnormal: fraction x 2^-24
-    const float magnitude = std::ldexp(static_cast<float>(fraction), -24);
-    return sign != 0 ? -magnitude : magnitude;
-  }
-  if (exponent == 31) return bits_f32(sign | 0x7f800000u | (fraction << 13));  // inf, NaN
-  return bits_f32(sign | ((exponent + 112) << 23) | (fraction << 13));
-}
+// IEEE binary16: 1 sign, 5 exponent (bias 15), 10 fraction bits. Widening is core/dtype.h's
+// f16_to_f32; narrowing rounds to nearest even and keeps a NaN's top fraction bits.
 uint16_t float_to_half(float f) {
   const uint32_t u = f32_bits(f);
   const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
@@ -352,7 +335,7 @@ float id_f32(float v) { return v; }
 double id_f64(double v) { return v; }
 using F32 = FloatCodec<float, float, id_f32, id_f32>;
 using F64 = FloatCodec<double, double, id_f64, id_f64>;
-using F16 = FloatCodec<uint16_t, float, half_to_float, float_to_half>;
+using F16 = FloatCodec<uint16_t, float, loom::f16_to_f32, float_to_half>;
 using BF16 = FloatCodec<uint16_t, float, bf16_to_float, float_to_bf16>;
 
 // dst = the fold of n contributions (contribution q: count elements at src + q * count * size),

@@ -120,17 +120,15 @@ void on_segv(int sig, siginfo_t* info, void* context) {
     signal(SIGSEGV, SIG_DFL);
     return;  // the access faults again, now fatally
   }
-  for (auto& [base, pin] : g_pinned) {
-    if (a >= base && a < base + pin.bytes && pin.protected_) {
-      g_last_check = "stale-read";
-      g_last_report = "host read pinned memory at " + std::to_string(a - base) + " bytes into the buffer at " +
-                      std::to_string(base) + " before the asynchronous copy into it was synchronized "
-                      "(cudaStreamSynchronize / cudaEventSynchronize missing): the value read may be stale";
-      write_stderr(("loom-sim: stale-read: " + g_last_report + "\n").c_str());
-      mprotect(reinterpret_cast<void*>(base), pin.bytes, PROT_READ | PROT_WRITE);
-      pin.protected_ = false;
-      return;
-    }
+  uintptr_t base = 0;
+  if (Pinned* pin = pinned_of(info->si_addr, 1, &base); pin != nullptr && pin->protected_) {
+    // (The faulting thread is in host code, never inside the runtime holding g_mu.)
+    record_report("stale-read", "host read pinned memory at " + std::to_string(a - base) + " bytes into the buffer at " +
+                                    std::to_string(base) + " before the asynchronous copy into it was synchronized "
+                                    "(cudaStreamSynchronize / cudaEventSynchronize missing): the value read may be stale");
+    mprotect(reinterpret_cast<void*>(base), pin->bytes, PROT_READ | PROT_WRITE);
+    pin->protected_ = false;
+    return;
   }
   if (g_previous_segv.sa_flags & SA_SIGINFO) {
     if (g_previous_segv.sa_sigaction) return g_previous_segv.sa_sigaction(sig, info, context);
@@ -280,18 +278,19 @@ void mark_written(const void* p, size_t bytes) {
   std::memset(shadow_of(a), kWritten, bytes);
 }
 
-void check_initialized(const void* p, size_t bytes, const char* what) {
+bool check_initialized(const void* p, size_t bytes, const char* what) {
   const uintptr_t a = reinterpret_cast<uintptr_t>(p);
-  if (bytes == 0 || !in_arena(a)) return;
+  if (bytes == 0 || !in_arena(a)) return true;
   const uint8_t* s = shadow_of(a);
   for (size_t i = 0; i < bytes; ++i) {
     if (s[i] != kWritten) {
       record_report("initcheck", std::string(what) + " reads device memory never written: " +
                                      describe_address(reinterpret_cast<const void*>(a + i)));
       set_sticky(cudaErrorIllegalAddress);
-      return;
+      return false;
     }
   }
+  return true;
 }
 
 // ---------------------------------------------------------------- streams
@@ -307,7 +306,7 @@ struct Task {
 }  // namespace loom::sim
 
 struct CUstream_st {
-  explicit CUstream_st(unsigned f, int n) : flags(f), id(n) { worker = std::thread([this] { run(); }); }
+  explicit CUstream_st(unsigned f) : flags(f) { worker = std::thread([this] { run(); }); }
   void push(loom::sim::Task task) {
     std::lock_guard<std::mutex> lock(mu);
     queue.push_back(std::move(task));
@@ -359,7 +358,6 @@ struct CUstream_st {
   }
 
   unsigned flags;
-  int id;
   std::mutex mu;
   std::condition_variable cv, done_cv;
   std::deque<loom::sim::Task> queue;
@@ -386,10 +384,9 @@ namespace {
 
 std::mutex g_streams_mu;
 std::vector<CUstream_st*> g_streams;  // the blocking ones (for the legacy stream's ordering)
-std::atomic<int> g_stream_ids{1};
 
 CUstream_st* legacy_stream() {
-  static CUstream_st* s = new CUstream_st(cudaStreamDefault, 0);  // lives until exit
+  static CUstream_st* s = new CUstream_st(cudaStreamDefault);  // lives until exit
   return s;
 }
 
@@ -523,16 +520,15 @@ cudaError_t cudaDeviceSynchronize(void) {
 
 cudaError_t cudaDeviceReset(void) {
   (void)cudaDeviceSynchronize();
-  std::lock_guard<std::mutex> lock(g_mu);
-  for (auto& [base, bytes] : g_live) std::memset(shadow_of(base), kUnallocated, bytes);
-  g_live.clear();
-  g_free.clear();
-  g_top = g_arena.base;
-  g_used = 0;
-  g_last_report.clear();
-  g_last_check.clear();
-  g_sticky.store(cudaSuccess);
-  t_last_error = cudaSuccess;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    for (auto& [base, bytes] : g_live) std::memset(shadow_of(base), kUnallocated, bytes);
+    g_live.clear();
+    g_free.clear();
+    g_top = g_arena.base;
+    g_used = 0;
+  }
+  clear_error();
   return cudaSuccess;
 }
 
@@ -852,7 +848,7 @@ cudaError_t cudaStreamCreate(cudaStream_t* stream) { return cudaStreamCreateWith
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned int flags) {
   if (!stream || flags > cudaStreamNonBlocking) return result_of(cudaErrorInvalidValue);
   ensure_init();
-  auto* s = new CUstream_st(flags, g_stream_ids++);
+  auto* s = new CUstream_st(flags);
   if (!(flags & cudaStreamNonBlocking)) {
     std::lock_guard<std::mutex> lock(g_streams_mu);
     g_streams.push_back(s);

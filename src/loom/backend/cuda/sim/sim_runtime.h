@@ -37,9 +37,9 @@ bool is_device_pointer(const void* p);
 // The report fragment "N bytes after the allocation at 0x... of M bytes" for p.
 std::string describe_address(const void* p);
 // initcheck's shadow: bytes written by a library or copy, and a read that must find them written
-// (fails with an initcheck report naming `what` when a byte was never written).
+// (false, with an initcheck report naming `what`, when a byte was never written).
 void mark_written(const void* p, size_t bytes);
-void check_initialized(const void* p, size_t bytes, const char* what);
+bool check_initialized(const void* p, size_t bytes, const char* what);
 
 // Records a failure of a library call running on a stream: the report is printed (one line
 // per fact, "loom-sim: " first) and the device's error becomes sticky.

@@ -5,23 +5,17 @@
 #include <cstdint>
 #include <cstring>
 
+#include "loom/core/dtype.h"
+
 struct __nv_bfloat16 {
   uint16_t __x;
 };
 using nv_bfloat16 = __nv_bfloat16;
 
-inline float __bfloat162float(__nv_bfloat16 h) {
-  const uint32_t u = static_cast<uint32_t>(h.__x) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+// Loom's own bf16 (core/dtype.h) rounds the same way; only the NaN differs (it keeps the payload).
+inline float __bfloat162float(__nv_bfloat16 h) { return loom::bf16_to_f32(loom::bf16{h.__x}); }
 inline __nv_bfloat16 __float2bfloat16_rn(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return __nv_bfloat16{0x7fff};
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return __nv_bfloat16{static_cast<uint16_t>(u >> 16)};
+  return __nv_bfloat16{f != f ? static_cast<uint16_t>(0x7fff) : loom::f32_to_bf16(f).bits};
 }
 inline __nv_bfloat16 __float2bfloat16(float f) { return __float2bfloat16_rn(f); }
 inline __nv_bfloat16 __float2bfloat16_rz(float f) {

@@ -6,29 +6,13 @@
 #include <cstdint>
 #include <cstring>
 
+#include "loom/core/dtype.h"
+
 struct __half {
   uint16_t __x;
 };
 
-inline float __half2float(__half h) {
-  const uint32_t sign = static_cast<uint32_t>(h.__x & 0x8000u) << 16;
-  const uint32_t exponent = (h.__x >> 10) & 0x1fu, mantissa = h.__x & 0x3ffu;
-  uint32_t u;
-  if (exponent == 0x1f) {
-    u = sign | 0x7f800000u | (mantissa << 13);  // inf, NaN
-  } else if (exponent != 0) {
-    u = sign | ((exponent + 112) << 23) | (mantissa << 13);
-  } else if (mantissa == 0) {
-    u = sign;
-  } else {  // subnormal: m * 2^-24, exact in float
-    const float f = static_cast<float>(mantissa) * 5.9604644775390625e-8f;
-    std::memcpy(&u, &f, 4);
-    u |= sign;
-  }
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+inline float __half2float(__half h) { return loom::f16_to_f32(h.__x); }  // exact (core/dtype.h)
 
 namespace loom::sim::detail {
 // float -> binary16: round_up(bits dropped, keep lsb) decides; toward_zero for .rz.
