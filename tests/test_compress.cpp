@@ -442,7 +442,7 @@ TEST(DistillLoss, MatchesTheDoubleKlAndItsFiniteDifferences) {
     Tensor losses = Tensor::empty(a, {N}, DTYPE_F32, MEM_WORKSPACE), grad = Tensor::empty(a, {N, V}, DTYPE_F32, MEM_WORKSPACE);
     backend->write(st, s.data()), backend->write(tt, t.data());
     const float scale = 0.25f;
-    backend->distill_loss(st, tt, static_cast<float>(T), scale, losses, grad);
+    backend->soft_target_loss(st, tt, static_cast<float>(T), scale, losses, grad);
     for (int64_t i = 0; i < N; ++i) {
       std::vector<double> si(s.begin() + i * V, s.begin() + (i + 1) * V), ti(t.begin() + i * V, t.begin() + (i + 1) * V);
       const double want = kd_row(si, ti, T);
@@ -457,7 +457,7 @@ TEST(DistillLoss, MatchesTheDoubleKlAndItsFiniteDifferences) {
       }
     }
     // The teacher itself: zero loss and zero gradient.
-    backend->distill_loss(tt, tt, static_cast<float>(T), 1.0f, losses, grad);
+    backend->soft_target_loss(tt, tt, static_cast<float>(T), 1.0f, losses, grad);
     for (int64_t i = 0; i < N; ++i) EXPECT_NEAR(losses.data<float>()[i], 0.0f, 1e-6f);
     for (int64_t i = 0; i < N * V; ++i) ASSERT_NEAR(grad.data<float>()[i], 0.0f, 1e-7f);
   }

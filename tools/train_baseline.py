@@ -156,7 +156,7 @@ def compare(a_path: str, b_path: str) -> int:
                 differences += 1
                 print(f"{name}: {key} differs")
                 if key == "metrics":
-                    for i, (x, y) in enumerate(zip(a[name][key], b[name][key])):
+                    for i, (x, y) in enumerate(zip(a[name].get(key, []), b[name].get(key, []))):
                         if x != y:
                             print(f"  record {i}: {json.dumps(x)[:300]}\n        vs: {json.dumps(y)[:300]}")
                             break

@@ -236,111 +236,12 @@ void vocab_from_data(LoomConfig& config) {
   config.model.vocab_size = nlohmann::json::parse(in).at("vocab_size").get<int64_t>();
 }
 
-std::string run_dir(const LoomConfig& config) { return (fs::path(config.run.dir) / config.run.name).string(); }
 
-MemoryPlan memory_plan(const LoomConfig& config, int ranks) {
-  MemoryPlan plan;
-  plan.model = config.model;
-  plan.batch = config.train.batch_size, plan.seq_len = config.train.seq_len;
-  plan.recompute = config.train.recompute, plan.recompute_budget_mb = config.train.recompute_budget_mb;
-  plan.optim = config.train.optim, plan.precision = config.train.precision;
-  plan.zero_stage = static_cast<int>(config.parallel.zero_stage);
-  plan.tp = static_cast<int>(config.parallel.tp), plan.sequence_parallel = config.parallel.sequence_parallel;
-  plan.pp = static_cast<int>(config.parallel.pp), plan.schedule = config.parallel.schedule;
-  plan.micro = config.train.grad_accum, plan.virtual_stages = static_cast<int>(config.parallel.virtual_stages);
-  plan.cp = static_cast<int>(config.parallel.cp), plan.ulysses = config.parallel.cp_attention == CpAttention::ulysses;
-  plan.ep = static_cast<int>(config.parallel.ep);
-  plan.offload_activations = config.train.offload_activations;
-  plan.flash_attention = config.train.flash_attention;
-  plan.ranks = ranks;
-  return plan;
-}
 
-std::string resolve_checkpoint(const std::string& path) {
-  LOOM_CHECK(fs::exists(path), path, ": no such checkpoint, run or checkpoints folder");
-  if (fs::exists(fs::path(path) / "manifest.json")) return path;
-  const std::string dir = fs::exists(fs::path(path) / "checkpoints") ? (fs::path(path) / "checkpoints").string() : path;
-  CheckpointManager manager(dir);
-  for (const std::string& step_dir : manager.list()) {
-    const std::string problem = checkpoint_problem(step_dir);
-    if (problem.empty()) return step_dir;
-    std::cerr << "loom: checkpoint " << step_dir << " is corrupt (" << problem << "); trying an older one\n";
-  }
-  throw Error(str_cat(path, ": no valid checkpoint found"));
-}
 
-LoomConfig checkpoint_config(const std::string& step_dir) {
-  const std::string trainer_json = (fs::path(step_dir) / "trainer.json").string();
-  const nlohmann::json json = read_json_file(trainer_json);
-  LoomConfig config;
-  if (json.contains("config_text") && json["config_text"].is_string()) {
-    apply_config_text(config, json["config_text"].get<std::string>(), trainer_json + " (config_text)");
-  }
-  config.model = checkpoint_model_config(step_dir);
-  // A self-contained checkpoint carries its tokenizer: used wherever the step folder now is.
-  if (fs::is_directory(fs::path(step_dir) / "tokenizer")) config.data.tokenizer = (fs::path(step_dir) / "tokenizer").string();
-  return config;
-}
 
-ModelSource model_source(const std::string& path, const std::string& adapter) {
-  ModelSource source;
-  if (is_hf_model_dir(path)) {
-    source.path = path;
-    source.hf = true;
-    source.config.model = hf_model_config(path);
-    source.config.data.tokenizer = fs::absolute(path).string();
-    source.config.run.name = fs::path(path).filename().string();
-  } else {
-    source.path = resolve_checkpoint(path);
-    source.config = checkpoint_config(source.path);
-    source.quantized = is_quantized_model(source.path);
-  }
-  if (!adapter.empty()) {
-    LOOM_CHECK(!source.config.model.lora(), path, " already has LoRA adapters (peft.method = lora): merge them first "
-               "(loom convert --to hf) to apply another");
-    source.adapter = adapter;
-    source.config.model = peft_adapter_config(adapter, source.config.model);
-  }
-  return source;
-}
 
-namespace {
-// Weights that hold inf or NaN evaluate to "loss nan" and sample garbage: refused by name.
-void check_finite_weights(const ModelSource& source, const Tensor& params) {
-  const float* w = params.data<float>();
-  for (const ParamSpec& p : build_param_layout(source.config.model).params) {
-    if (p.offset + p.numel > params.numel()) continue;  // (a quantized model's packed weights are not here)
-    for (int64_t i = 0; i < p.numel; ++i) {
-      LOOM_CHECK(std::isfinite(w[p.offset + i]), source.path, ": weight ", p.name, " holds ", w[p.offset + i],
-                 " at element ", i, " (a diverged or corrupted model); refusing to use non-finite weights");
-    }
-  }
-}
-}  // namespace
 
-void load_weights(const ModelSource& source, const Tensor& params) {
-  if (source.adapter.empty()) {
-    load_weights_from(source.path, ModelState{source.config.model, params});
-    check_finite_weights(source, params);
-    return;
-  }
-  // The base is the layout's first lora_begin elements (the same offsets as without adapters).
-  const ModelConfig& c = source.config.model;
-  load_weights_from(source.path, ModelState{lora_base_config(c), params.view(0, {lora_begin(c, build_param_layout(c))})});
-  load_peft_adapter(source.adapter, ModelState{c, params});
-  check_finite_weights(source, params);
-}
-
-void load_model(const ModelSource& source, Transformer& model) {
-  if (!source.quantized) {
-    load_weights(source, model.params());
-    return;
-  }
-  LOOM_CHECK(source.adapter.empty(), source.path, " is a quantized model: apply --adapter to the checkpoint it was made from");
-  std::map<std::string, IntWeight> weights;
-  read_quantized_model(source.path, ModelState{source.config.model, model.params()}, weights);
-  model.set_int_weights(std::move(weights));
-}
 
 std::vector<std::vector<int32_t>> calibration_sequences(const std::string& path, int64_t tokens, const LoomConfig& config,
                                                         int64_t seq_len, uint64_t max_bytes) {
@@ -410,97 +311,10 @@ std::string save_weights_checkpoint(const std::string& out, const LoomConfig& co
   return CheckpointManager((fs::path(out) / "checkpoints").string()).save(contents);
 }
 
-std::string resolve_weights(const std::string& path) { return is_hf_model_dir(path) ? path : resolve_checkpoint(path); }
 
-std::vector<std::string> default_corpus_documents() {
-  const fs::path dir = "/usr/share/games/fortunes";
-  LOOM_CHECK(fs::is_directory(dir), dir.string(), ": the default corpus is missing; run scripts/setup (Debian package 'fortunes')");
-  std::vector<fs::path> files;
-  for (const auto& entry : fs::directory_iterator(dir)) {
-    if (entry.is_regular_file() && !entry.path().has_extension()) files.push_back(entry.path());
-  }
-  std::sort(files.begin(), files.end());
-  std::vector<std::string> documents;
-  for (const fs::path& file : files) {
-    std::ifstream in(file);
-    std::string line, current;
-    while (std::getline(in, line)) {
-      if (line == "%") {
-        if (!current.empty()) documents.push_back(std::move(current));
-        current.clear();
-      } else {
-        current += line + "\n";
-      }
-    }
-    if (!current.empty()) documents.push_back(std::move(current));
-  }
-  LOOM_CHECK(!documents.empty(), dir.string(), ": no fortune files found");
-  // The files are sorted by topic; shuffle the fortunes (a fixed Philox-keyed Fisher-Yates) so
-  // the validation split, the tail of the stream, samples every topic like the training split.
-  for (size_t i = documents.size() - 1; i > 0; --i) {
-    const PhiloxCounter r = philox4x32_10({static_cast<uint32_t>(i), 0, 0, 0}, {0x464f5254u, 0x554e4553u});
-    std::swap(documents[i], documents[static_cast<size_t>(r[0] % (i + 1))]);
-  }
-  return documents;
-}
 
-std::vector<std::string> text_file_documents(const std::string& path, uint64_t max_bytes) {
-  std::string text = read_text_file(path, max_bytes, "--max-input-mb");
-  LOOM_CHECK(!text.empty(), path, ": input text is empty");
-  return {std::move(text)};
-}
 
-std::unique_ptr<Tokenizer> prepare_tokenizer(const std::string& spec, const std::vector<std::string>& documents,
-                                             const std::string& out_dir) {
-  if (spec.rfind("bpe:", 0) != 0) return load_tokenizer(spec);
-  int64_t vocab = 0;
-  try {
-    vocab = std::stoll(spec.substr(4));
-  } catch (const std::exception&) {
-  }
-  LOOM_CHECK(vocab > 257, "data.tokenizer '", spec, "': expected bpe:N with N > 257 tokens");
-  std::string text;
-  for (const std::string& doc : documents) text += doc;
-  const std::string dir = (fs::path(out_dir) / "tokenizer").string();
-  const BpeTrainResult result = train_bpe(text, vocab, dir);
-  std::printf("trained a byte-level BPE of %lld tokens on the corpus: %s\n", static_cast<long long>(result.vocab_size),
-              dir.c_str());
-  return load_tokenizer(dir);
-}
 
-void prepare_dataset(const std::vector<std::string>& documents, const Tokenizer& tokenizer, const std::string& out_dir,
-                     double val_fraction) {
-  std::vector<int32_t> tokens;
-  int64_t bytes = 0;
-  for (const std::string& doc : documents) {
-    const std::vector<int32_t> ids = tokenizer.encode(doc);
-    tokens.insert(tokens.end(), ids.begin(), ids.end());
-    tokens.push_back(tokenizer.eot_token());
-    bytes += static_cast<int64_t>(doc.size());
-  }
-  write_dataset(out_dir, tokens, static_cast<uint64_t>(tokenizer.vocab_size()), tokenizer.name(), val_fraction,
-                uint64_t{1} << 22);
-  // Unigram entropy of the training split: the loss of the best context-free predictor, the bar
-  // a model must get well under to show it learned anything beyond token frequencies.
-  const size_t n_train = tokens.size() - static_cast<size_t>(std::floor(static_cast<double>(tokens.size()) * val_fraction));
-  std::vector<int64_t> counts(static_cast<size_t>(tokenizer.vocab_size()), 0);
-  for (size_t i = 0; i < n_train; ++i) ++counts[static_cast<size_t>(tokens[i])];
-  double entropy = 0.0;
-  for (int64_t c : counts) {
-    if (c > 0) entropy -= static_cast<double>(c) / n_train * std::log(static_cast<double>(c) / n_train);
-  }
-  nlohmann::json stats = {{"documents", documents.size()},
-                          {"bytes", bytes},
-                          {"tokens", tokens.size()},
-                          {"train_tokens", n_train},
-                          {"val_tokens", tokens.size() - n_train},
-                          {"unigram_entropy_nats", entropy},
-                          {"tokenizer", tokenizer.name()}};
-  write_file_atomic((fs::path(out_dir) / "stats.json").string(), stats.dump(2) + "\n");
-  std::printf("prepared %s: %zu documents, %lld bytes -> %zu tokens (%zu train, %zu val), tokenizer %s, unigram entropy %.3f nats/token\n",
-              out_dir.c_str(), documents.size(), static_cast<long long>(bytes), tokens.size(), n_train, tokens.size() - n_train,
-              tokenizer.name().c_str(), entropy);
-}
 
 std::string printable_utf8(const std::string& bytes) { return valid_utf8(bytes); }
 

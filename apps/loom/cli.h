@@ -14,7 +14,9 @@
 #include "loom/data/tokenizer.h"
 #include "loom/memory/estimate.h"
 #include "loom/model/transformer.h"
+#include "loom/data/prepare.h"
 #include "loom/train/config.h"
+#include "loom/train/model_source.h"
 
 namespace loom::cli {
 
@@ -69,39 +71,8 @@ LoomConfig load_config(const Args& args);
 // the file and the key when it cannot be read).
 void vocab_from_data(LoomConfig& config);
 
-// runs/<name>
-std::string run_dir(const LoomConfig& config);
-
-// The memory estimate's plan (memory/estimate.h) of a config, with `ranks` data-parallel ranks.
-MemoryPlan memory_plan(const LoomConfig& config, int ranks);
-
-// A step folder, a run folder (its checkpoints/ is searched) or a checkpoints folder -> the
-// newest valid step folder, reporting skipped corrupt ones on stderr.
-std::string resolve_checkpoint(const std::string& path);
-
-// The config a checkpoint was trained with (its resolved TOML), with its model config.
-LoomConfig checkpoint_config(const std::string& step_dir);
-
-// What `--checkpoint PATH` names: a Loom checkpoint (a step, run or checkpoints folder: the
-// newest valid step, as resolve_checkpoint) or a Hugging Face model folder (config.json and
-// safetensors, checkpoint/hf_model.h).
-struct ModelSource {
-  std::string path;   // the step folder, or the Hugging Face folder
-  bool hf = false;
-  LoomConfig config;  // the run's; for a Hugging Face folder the defaults with its model, and
-                      // data.tokenizer = the folder (its tokenizer files)
-  std::string adapter;  // a PEFT LoRA adapter folder loaded onto the weights (config.model has its peft.*)
-  bool quantized = false;  // a quantized model folder (loom quantize): load it with load_model
-};
-// `adapter`, when given, is a PEFT LoRA folder (checkpoint/peft.h) applied to the weights.
-ModelSource model_source(const std::string& path, const std::string& adapter = "");
 // The run's tokenizer (data.tokenizer), checked against the model's vocabulary (model.vocab_size).
 std::unique_ptr<Tokenizer> model_tokenizer(const LoomConfig& config);
-// Fills `params` (the model's flat host f32 buffer, source.config.model's layout) from the source.
-void load_weights(const ModelSource& source, const Tensor& params);
-// The source's weights into `model`: load_weights, or for a quantized model folder its f32
-// parameters and its integer weights (Transformer::set_int_weights).
-void load_model(const ModelSource& source, Transformer& model);
 // Calibration data (loom quantize, loom prune): the first `tokens` tokens of the text file at
 // `path` (tokenized with the model's tokenizer) as sequences of seq_len tokens. The file is read
 // and tokenized in pieces only until it has them (data/text_tokens.h), at most max_bytes of it.
@@ -121,25 +92,7 @@ std::string save_weights_checkpoint(const std::string& out, const LoomConfig& co
 // newer steps eval would go on reading. loom merge, prune and convert --to loom call it before
 // loading anything; save_weights_checkpoint calls it too.
 void check_weights_out(const std::string& out);
-// A Hugging Face folder as it is, or a Loom run / checkpoints / step folder -> its newest valid step.
-std::string resolve_weights(const std::string& path);
 
-// The default corpus: every fortune of Debian's `fortunes` package, one document each, in a
-// fixed shuffled order (so the validation tail covers every topic).
-std::vector<std::string> default_corpus_documents();
-// A user's text file: one document, the whole file; more than max_bytes is an error naming the
-// file (reading /dev/zero stops there).
-std::vector<std::string> text_file_documents(const std::string& path, uint64_t max_bytes);
-
-// The tokenizer for `loom prepare`: "gpt2", "byte", a directory, or "bpe:N" — a byte-level
-// BPE of N tokens learned from the documents themselves and saved in <out_dir>/tokenizer.
-std::unique_ptr<Tokenizer> prepare_tokenizer(const std::string& spec, const std::vector<std::string>& documents,
-                                             const std::string& out_dir);
-
-// Prepares a dataset: tokenizes documents (end-of-text between them), writes shards and
-// stats.json (token counts, unigram entropy). Prints a summary line.
-void prepare_dataset(const std::vector<std::string>& documents, const Tokenizer& tokenizer, const std::string& out_dir,
-                     double val_fraction);
 
 // `bytes` with every invalid UTF-8 sequence replaced by U+FFFD, for display: a model may
 // sample byte tokens that do not form characters.

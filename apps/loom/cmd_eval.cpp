@@ -13,6 +13,7 @@
 #include "loom/data/loader.h"
 #include "loom/data/shard.h"
 #include "loom/data/text_tokens.h"
+#include "loom/train/lm_objective.h"
 
 namespace loom::cli {
 

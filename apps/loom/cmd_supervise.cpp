@@ -22,7 +22,7 @@
 #include "commands.h"
 #include "loom/core/error.h"
 #include "loom/core/signals.h"
-#include "run_control.h"
+#include "loom/train/run_control.h"
 
 namespace loom::cli {
 

@@ -13,7 +13,7 @@
 #include "loom/comm/communicator.h"
 #include "loom/core/signals.h"
 #include "loom/core/threads.h"
-#include "run_control.h"
+#include "loom/train/run_control.h"
 
 #ifndef LOOM_VERSION
 #define LOOM_VERSION "unknown"
@@ -67,7 +67,7 @@ int main(int argc, char** argv) {
   // Asynchronous signals were blocked before any library started a thread (below); they reach
   // one signal thread, started once `train` has its handlers (a stop signal sent meanwhile waits).
   // (`serve` starts it itself, once its drain handler is installed.)
-  if (command == "train") loom::cli::install_stop_handlers();
+  if (command == "train") loom::install_stop_handlers();
   if (command != "serve") loom::start_signal_thread();
   if (command == "--version" || command == "version") {
     std::printf("loom %s\n", LOOM_VERSION);

@@ -16,13 +16,14 @@
 #include "loom/core/file_io.h"
 #include "loom/core/pages.h"
 #include "loom/core/threads.h"
-#include "loom/infer/generate.h"
 #include "loom/arch/config.h"
 #include "loom/arch/param_layout.h"
 
 namespace loom::cli {
 
 namespace fs = std::filesystem;
+
+namespace {
 
 void print_progress(const StepReport& r, int64_t total, bool terminal, bool force_line) {
   char line[256];
@@ -32,156 +33,6 @@ void print_progress(const StepReport& r, int64_t total, bool terminal, bool forc
   if (terminal) std::printf("\r%-110s%s", line, force_line ? "\n" : "");
   else if (force_line) std::printf("%s\n", line);
   std::fflush(stdout);
-}
-
-MetricsLog::MetricsLog(const std::string& path, int64_t resume_step) : path_(path) {
-  std::error_code ec;
-  if (std::filesystem::exists(path, ec)) {
-    // Keep every complete line that parses and is not a later step's; a torn last line goes.
-    const std::string text = read_text_file(path, uint64_t{4} << 30, "metrics.jsonl's limit");
-    std::string kept;
-    size_t begin = 0;
-    bool changed = false;
-    while (begin < text.size()) {
-      const size_t end = text.find('\n', begin);
-      if (end == std::string::npos) {  // no newline: a record cut short
-        changed = true;
-        ++dropped_;
-        break;
-      }
-      const std::string line = text.substr(begin, end - begin);
-      begin = end + 1;
-      const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
-      const bool later = resume_step >= 0 && j.is_object() && j.contains("step") && j["step"].is_number() &&
-                         j["step"].get<int64_t>() > resume_step;
-      if (j.is_discarded() || later) {
-        changed = true;
-        ++dropped_;
-        continue;
-      }
-      kept += line + "\n";
-    }
-    if (changed) write_file_atomic(path, kept);
-  }
-  fd_ = ::open(path.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644);
-  LOOM_CHECK(fd_ >= 0, path, ": cannot open for appending: ", std::strerror(errno));
-  size_ = static_cast<int64_t>(::lseek(fd_, 0, SEEK_END));
-}
-
-MetricsLog::~MetricsLog() {
-  if (fd_ >= 0) ::close(fd_);
-}
-
-void MetricsLog::write(const nlohmann::json& record) {
-  const std::string line = record.dump() + "\n";
-  size_t done = 0;
-  while (done < line.size()) {
-    const ssize_t n = ::write(fd_, line.data() + done, line.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) break;
-    done += static_cast<size_t>(n);
-  }
-  if (done == line.size()) {
-    size_ += static_cast<int64_t>(done);
-    return;
-  }
-  const int error = errno;
-  // What part of the line reached the file is cut off again: the file ends with a whole record.
-  const bool cut = ::ftruncate(fd_, size_) == 0;
-  if (lost_++ == 0) {
-    std::fprintf(stderr, "loom train: warning: %s: cannot append a metrics record (%s); %s, later records are tried "
-                 "again and the records lost are counted at the end\n", path_.c_str(), std::strerror(error),
-                 cut ? "the file keeps its complete records" : "cannot cut the partial record off either");
-  }
-}
-
-// Bytes per collective this rank sent and received so far (comm/communicator.h's ring volumes).
-nlohmann::json ledger_json(const ByteLedger& ledger) {
-  nlohmann::json j = nlohmann::json::object();
-  for (int c = 0; c < COLL_COUNT; ++c) {
-    if (ledger.calls[c] == 0) continue;
-    j[collective_name(static_cast<Collective>(c))] = {{"calls", ledger.calls[c]}, {"sent", ledger.sent[c]},
-                                                      {"received", ledger.received[c]}};
-  }
-  return j;
-}
-
-// Each MoE layer's routing over the step (nn/moe.h): the expert load histogram, its max
-// violation (max / mean - 1), the router entropy, dropped assignments and the auxiliary losses.
-nlohmann::json moe_json(const std::vector<MoeLayerStats>& stats) {
-  nlohmann::json j = nlohmann::json::array();
-  for (const MoeLayerStats& s : stats) {
-    j.push_back({{"layer", s.layer}, {"load", s.load}, {"max_violation", s.max_violation}, {"entropy", s.entropy},
-                 {"tokens", s.tokens}, {"dropped", s.dropped}, {"aux", s.aux}, {"seq_aux", s.seq_aux}, {"z", s.z}});
-  }
-  return j;
-}
-
-nlohmann::json memory_json(const MemoryTracker& mem) {
-  nlohmann::json j;
-  for (int c = 0; c < MEM_CATEGORY_COUNT; ++c) {
-    const auto cat = static_cast<MemCategory>(c);
-    j[std::string(mem_category_name(cat))] = {{"current", mem.current(cat)}, {"peak", mem.peak(cat)}};
-  }
-  return j;
-}
-
-
-std::shared_ptr<Tokenizer> objective_tokenizer(LoomConfig& config) {
-  std::shared_ptr<Tokenizer> tokenizer = load_tokenizer(config.data.tokenizer);
-  if (config.model.vocab_size == 0) config.model.vocab_size = tokenizer->vocab_size();
-  LOOM_CHECK(tokenizer->vocab_size() <= config.model.vocab_size, "data.tokenizer ", config.data.tokenizer, " has ",
-             tokenizer->vocab_size(), " tokens, more than model.vocab_size = ", config.model.vocab_size);
-  return tokenizer;
-}
-
-nlohmann::json dpo_json(const DpoObjective::Stats& s) {
-  const double n = std::max<double>(1.0, static_cast<double>(s.pairs));
-  return {{"pairs", s.pairs}, {"loss", s.loss / n}, {"reward_chosen", s.reward_chosen / n},
-          {"reward_rejected", s.reward_rejected / n}, {"margin", (s.reward_chosen - s.reward_rejected) / n},
-          {"accuracy", s.correct / n}};
-}
-
-void print_dpo(const char* what, int64_t step, const DpoObjective::Stats& s) {
-  const nlohmann::json j = dpo_json(s);
-  std::printf("step %lld: %s loss %.4f, rewards chosen %.4f rejected %.4f, margin %.4f, accuracy %.3f (%lld pairs)\n",
-              static_cast<long long>(step), what, j["loss"].get<double>(), j["reward_chosen"].get<double>(),
-              j["reward_rejected"].get<double>(), j["margin"].get<double>(), j["accuracy"].get<double>(),
-              static_cast<long long>(s.pairs));
-}
-
-void set_document_end(const LoomConfig& config, TokenDataset& data) {
-  if (!config.data.document_mask) return;
-  // Documents end at the end-of-text token the dataset's tokenizer appends (loom prepare).
-  const int32_t end = load_tokenizer(config.data.tokenizer)->eot_token();
-  LOOM_CHECK(end >= 0 && end < static_cast<int64_t>(data.vocab_size), "data.document_mask: the tokenizer ",
-             config.data.tokenizer, " has no end-of-text token in the dataset's vocabulary (", data.vocab_size, ")");
-  data.train.document_end = data.val.document_end = end;
-}
-
-TokenDataset open_training_data(LoomConfig& config) {
-  const bool default_data = config.data.input.empty() && config.data.dir == DataConfig{}.dir;
-  if (!fs::exists(config.data.dir) && default_data) {
-    std::printf("preparing the default corpus into %s (first run)\n", config.data.dir.c_str());
-    const std::vector<std::string> documents = default_corpus_documents();
-    prepare_dataset(documents, *prepare_tokenizer(config.data.tokenizer, documents, config.data.dir), config.data.dir,
-                    config.data.val_fraction);
-  }
-  TokenDataset data = open_dataset(config.data.dir);
-  config.data.tokenizer = data.tokenizer;  // the tokenizer the shards were made with (e.g. DIR/tokenizer for bpe:N)
-  if (config.model.vocab_size == 0) config.model.vocab_size = static_cast<int64_t>(data.vocab_size);
-  LOOM_CHECK(config.model.vocab_size == static_cast<int64_t>(data.vocab_size), "model.vocab_size (", config.model.vocab_size,
-             ") differs from the dataset's vocabulary (", data.vocab_size, ", ", config.data.dir,
-             "/meta.json); set model.vocab_size = 0 to follow the data");
-  set_document_end(config, data);
-  // Each split needs one window of seq_len + 1 tokens; a dataset prepared without a held-out
-  // split (or a tiny one) is named here rather than by the loader deep inside the run.
-  for (const TokenSplit* split : {&data.train, &data.val}) {
-    LOOM_CHECK(split->tokens.size() >= static_cast<size_t>(config.train.seq_len) + 1, config.data.dir, ": the ",
-               split->name, " split has ", split->tokens.size(), " tokens, fewer than train.seq_len + 1 = ",
-               config.train.seq_len + 1, split->name == "val" ? "; prepare it again with a larger --val-fraction" : "");
-  }
-  return data;
 }
 
 void print_dry_run(const LoomConfig& config, const std::string& dir, const Trainer& trainer, const MemoryTracker& mem) {
@@ -247,36 +98,18 @@ void print_run_header(const LoomConfig& config, const std::string& dir, const Tr
   }
 }
 
-std::string final_sample(const LoomConfig& config, Backend& backend, Transformer& model) {
-  const auto tokenizer = load_tokenizer(config.data.tokenizer);
-  std::vector<int32_t> prompt = tokenizer->encode(config.sample.prompt);
-  if (prompt.empty()) prompt.push_back(tokenizer->eot_token());
-  GenerateOptions options;
-  options.max_new_tokens = config.sample.max_new_tokens;
-  options.stop_token = tokenizer->eot_token();
-  std::unique_ptr<Backend> host_backend;  // a GPU run samples on the CPU (the KV cache is host code)
-  std::unique_ptr<Transformer> host_model;
-  if (!model.params().host_accessible()) {
-    host_backend = make_cpu_backend();
-    host_model = std::make_unique<Transformer>(*host_backend, config.model);
-    backend.read(model.params(), host_model->params().raw_data());
-  }
-  std::vector<int32_t> sample = generate(host_model ? *host_model : model, prompt, config.sample.sampling, options);
-  if (!sample.empty() && sample.back() == tokenizer->eot_token()) sample.pop_back();
-  const std::string text = printable_utf8(config.sample.prompt + tokenizer->decode(sample));
-  std::printf("\nsample (temperature %.2f, top-k %lld, top-p %.2f):\n%s\n\n", config.sample.sampling.temperature,
-              static_cast<long long>(config.sample.sampling.top_k), config.sample.sampling.top_p, text.c_str());
-  return text;
-}
-
-void print_summary(const LoomConfig& config, const Trainer& trainer, const Transformer& model, const MemoryTracker& mem,
-                   double last_val, const ZeroSharding* zero, int64_t resident_params, int64_t resident_grads) {
-  const char* what = config.loop.objective == TrainObjective::grpo  ? "greedy reward"
-                     : config.loop.objective == TrainObjective::dpo ? "DPO loss"
-                                                                    : "loss";
+void print_summary(const TrainingRun& run) {
+  const LoomConfig& config = run.config();
+  const Trainer& trainer = run.trainer();
+  const Transformer& model = run.model();
+  const MemoryTracker& mem = run.memory();
+  const ZeroSharding* zero = trainer.zero();
+  const int64_t resident_params = run.resident_params(), resident_grads = run.resident_grads();
+  const std::string what = run.validation_name();
+  const double last_val = run.last_validation();
   std::printf("done: %lld steps, final validation %s %.4f; peak memory %s (parameters %s, gradients %s, optimizer %s, "
               "activations %s%s)\n",
-              static_cast<long long>(trainer.step()), what, last_val, format_bytes(mem.peak_total()).c_str(),
+              static_cast<long long>(trainer.step()), what.c_str(), last_val, format_bytes(mem.peak_total()).c_str(),
               format_bytes(mem.peak(MEM_PARAMETERS)).c_str(), format_bytes(mem.peak(MEM_GRADIENTS)).c_str(),
               format_bytes(mem.peak(MEM_OPTIMIZER_STATE)).c_str(), format_bytes(mem.peak(MEM_ACTIVATIONS)).c_str(),
               mem.peak(MEM_OFFLOADED) > 0 ? (", offloaded optimizer state " + format_bytes(mem.peak(MEM_OFFLOADED))).c_str() : "");
@@ -297,6 +130,71 @@ void print_summary(const LoomConfig& config, const Trainer& trainer, const Trans
                 static_cast<long long>(model.layout().total), format_bytes(static_cast<size_t>(resident_params)).c_str(),
                 format_bytes(static_cast<size_t>(resident_grads)).c_str());
   }
+}
+
+}  // namespace
+
+// ---- TrainPrinter ---------------------------------------------------------------------------
+
+TrainPrinter::TrainPrinter(bool quiet, bool verbose) : quiet_(quiet), verbose_(verbose), terminal_(stdout_is_terminal()) {}
+
+TrainPrinter::~TrainPrinter() { restore_stdout(); }
+
+void TrainPrinter::starting(int rank) {
+  if (!quiet_ || rank != 0) return;
+  // --quiet: standard output goes to /dev/null until the final summary (stderr stays).
+  std::fflush(stdout);
+  saved_stdout_ = ::dup(1);
+  const int null = ::open("/dev/null", O_WRONLY);
+  LOOM_CHECK(saved_stdout_ >= 0 && null >= 0 && ::dup2(null, 1) >= 0, "--quiet: cannot redirect standard output");
+  ::close(null);
+}
+
+void TrainPrinter::restore_stdout() {
+  if (saved_stdout_ < 0) return;
+  std::fflush(stdout);
+  ::dup2(saved_stdout_, 1);
+  ::close(saved_stdout_);
+  saved_stdout_ = -1;
+}
+
+// The other ranks print into <run>/logs/rank<N>.log.
+void TrainPrinter::folder_ready(const std::string& dir, int rank) {
+  if (rank == 0) return;
+  const std::string log = (fs::path(dir) / "logs" / ("rank" + std::to_string(rank) + ".log")).string();
+  LOOM_CHECK(std::freopen(log.c_str(), "w", stdout) != nullptr, "rank ", rank, ": cannot write ", log);
+}
+
+void TrainPrinter::line(const std::string& text) { std::printf("%s\n", text.c_str()); }
+
+void TrainPrinter::warning(const std::string& text) { std::fprintf(stderr, "loom train: warning: %s\n", text.c_str()); }
+
+void TrainPrinter::dry_run(const TrainingRun& run) {
+  print_dry_run(run.config(), run.dir(), run.trainer(), run.memory());
+}
+
+void TrainPrinter::started(const TrainingRun& run) {
+  print_run_header(run.config(), run.dir(), run.model(), run.trainer(), run.peak(), run.flops_per_token());
+}
+
+void TrainPrinter::step(const StepReport& r) {
+  print_progress(r, r.total_steps, terminal_, r.logged);
+  if (!verbose_) return;
+  std::printf("  step %lld: grad norm %.4g, %lld tokens in %.3f s, sent %s%s%s\n", static_cast<long long>(r.stats.step + 1),
+              r.stats.grad_norm, static_cast<long long>(r.tokens), r.stats.seconds,
+              format_bytes(static_cast<size_t>(r.bytes_sent)).c_str(), r.sent_by_group.empty() ? "" : " (",
+              r.sent_by_group.empty() ? "" : (r.sent_by_group + ")").c_str());
+}
+
+void TrainPrinter::sample(const TrainingRun& run, const std::string& text) {
+  const SamplingConfig& s = run.config().sample.sampling;
+  std::printf("\nsample (temperature %.2f, top-k %lld, top-p %.2f):\n%s\n\n", s.temperature, static_cast<long long>(s.top_k),
+              s.top_p, text.c_str());
+}
+
+void TrainPrinter::finished(const TrainingRun& run) {
+  restore_stdout();  // --quiet: the summary line is printed
+  print_summary(run);
 }
 
 }  // namespace loom::cli

@@ -170,8 +170,8 @@ void Backend::nf4_dequantize(const Tensor&, const Tensor&, const Tensor&, const 
   unsupported(*this, "nf4_dequantize", "QLoRA's NF4 base weights");
 }
 
-void Backend::distill_loss(const Tensor&, const Tensor&, float, float, const Tensor&, const Tensor&) {
-  unsupported(*this, "distill_loss", "train.objective = distill");
+void Backend::soft_target_loss(const Tensor&, const Tensor&, float, float, const Tensor&, const Tensor&) {
+  unsupported(*this, "soft_target_loss", "a teacher's soft targets");
 }
 
 void Backend::int_linear(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const IntWeightSpec&, const Tensor*,

@@ -568,12 +568,12 @@ class Backend {
   virtual void scale_transpose(const Tensor& src, const Tensor& dst, float scale, bool transpose);
   // y += alpha * x.
   virtual void axpy(const Tensor& y, const Tensor& x, float alpha);
-  // Knowledge distillation (Hinton et al. 2015) per row of logits (N, V) f32 against the
+  // The soft-target loss (Hinton, Vinyals, Dean 2015) per row of logits (N, V) f32 against a
   // teacher's logits (N, V) at temperature T: p_s = softmax(logits / T), p_t = softmax(teacher / T),
   // losses[i] = T^2 KL(p_t || p_s) (f32, N), grad = grad_scale T (p_s - p_t) (overwritten; the
   // gradient of grad_scale losses[i]). Sums in double per row.
-  virtual void distill_loss(const Tensor& logits, const Tensor& teacher, float temperature, float grad_scale,
-                            const Tensor& losses, const Tensor& grad);
+  virtual void soft_target_loss(const Tensor& logits, const Tensor& teacher, float temperature, float grad_scale,
+                                const Tensor& losses, const Tensor& grad);
   // Muon (Jordan et al. 2024): buf = momentum buf + (1 - momentum) g;
   // u = nesterov ? (1 - momentum) g + momentum buf : buf.
   virtual void muon_momentum(const Tensor& grad, const Tensor& buf, const Tensor& u, const OptimHyper& hyper);

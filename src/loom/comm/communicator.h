@@ -66,6 +66,10 @@ class Communicator {
   virtual int rank() const = 0;
   virtual int size() const = 0;
   virtual std::string name() const = 0;  // "local", "mpi"
+  // Ends every process of the job this communicator spans with exit status `code` (the watchdog,
+  // a fatal error: peers blocked in a collective would otherwise wait forever); a communicator
+  // of one process has nothing to end.
+  virtual void abort_job(int code) { (void)code; }
 
   // In place over every rank's x.
   virtual std::unique_ptr<CommWork> all_reduce_async(const Tensor& x, ReduceOp op) = 0;

@@ -158,6 +158,7 @@ class MpiCommunicator final : public Communicator {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   std::string name() const override { return "mpi"; }
+  void abort_job(int code) override { abort_other_ranks(code); }
 
   // A request's handle, traced (train.trace) as `op` of `bytes` from now: its sent bytes are
   // what the ledger booked since sent_before.

@@ -8,8 +8,8 @@
 
 namespace loom {
 
-// A row of a preference batch (train.objective = dpo, train/dpo.h): its pair, its side, the
-// reference model's log-probability of its completion, and the completion's token count.
+// A row of a batch of preference pairs (a sequence-level objective's, train/objective.h): its pair,
+// its side, the reference model's log-probability of its completion, and the completion's token count.
 struct RowInfo {
   int64_t pair = 0;
   bool chosen = true;

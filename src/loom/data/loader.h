@@ -59,8 +59,8 @@ void from_json(const nlohmann::json& json, LoaderState& state);
 // pairs, prompts; next_windows gives their indices) -- its shuffling, epochs and position.
 TokenSplit index_split(int64_t n, const std::string& name);
 
-// A source whose position goes into checkpoints: the token loader, the preference pairs
-// (train/dpo.h, whose order is a token loader's).
+// A source whose position goes into checkpoints: the token loader, and the sources of whole
+// sequences (preference pairs, prompts) whose order is a token loader's over their indices.
 class ResumableSource : public BatchSource {
  public:
   virtual LoaderState state() const = 0;

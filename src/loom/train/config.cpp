@@ -1,5 +1,7 @@
 #include "loom/train/config.h"
 
+#include "loom/train/objective.h"
+
 #include <cmath>
 #include <charconv>
 #include <filesystem>
@@ -71,7 +73,7 @@ std::vector<Binding> bindings(LoomConfig& c) {
       {"train.flash_attention", &c.train.flash_attention, "FlashAttention: keep each row's log-sum-exp instead of the (B,H,T,T) probabilities (not with parallel.cp/pp > 1 or MLA)"},
       {"train.steps", &c.train.steps, "optimizer steps of the run (and the length of the LR schedule)"},
       {"train.seed", &c.loop.seed, "seed of the weight initialisation and the data order"},
-      {"train.objective", enum_ref(&c.loop.objective), "lm (next-token loss) | dpo (preference pairs from data.input, data.format = preference-jsonl; the dpo.* keys) | grpo (rollouts of the prompts of data.input, data.format = prompt-jsonl; the grpo.* keys)"},
+      {"train.objective", &c.loop.objective, objective_names_help().c_str()},
       {"train.init_from", &c.loop.init_from, "start from these weights (a Loom checkpoint or run folder, or a Hugging Face model folder) instead of a random init; fresh optimizer, schedule and data position; the model is the weights'"},
       {"train.eval_every", &c.loop.eval_every, "steps between validation evaluations; 0 = only at the end"},
       {"train.eval_batches", &c.loop.eval_batches, "validation batches per evaluation"},
@@ -400,34 +402,9 @@ void LoomConfig::validate() const {
 }
 
 void LoomConfig::validate_objective() const {
-  if (loop.objective == TrainObjective::dpo) {
-    LOOM_CHECK(data.format == SftFormat::preference_jsonl && !data.input.empty(), "train.objective = dpo reads preference "
-               "pairs: set data.format = preference-jsonl and data.input = FILE (one {\"prompt\", \"chosen\", "
-               "\"rejected\"} per line)");
-    LOOM_CHECK(train.batch_size % 2 == 0, "train.objective = dpo: train.batch_size (", train.batch_size, ") counts rows, "
-               "a chosen and a rejected one per pair: it must be even");
-    LOOM_CHECK(dpo.beta > 0.0, "dpo.beta must be > 0, got ", dpo.beta);
-  } else if (loop.objective == TrainObjective::distill) {
-    LOOM_CHECK(!distill.teacher.empty(), "train.objective = distill needs distill.teacher = PATH (the teacher's checkpoint)");
-    LOOM_CHECK(distill.temperature > 0.0, "distill.temperature must be > 0, got ", distill.temperature);
-    LOOM_CHECK(distill.alpha >= 0.0 && distill.alpha <= 1.0, "distill.alpha must be in [0, 1], got ", distill.alpha);
-    LOOM_CHECK(data.format == SftFormat::text, "train.objective = distill trains on plain text data (data.format = text)");
-  } else if (loop.objective == TrainObjective::grpo) {
-    LOOM_CHECK(data.format == SftFormat::prompt_jsonl && !data.input.empty(), "train.objective = grpo samples from "
-               "prompts: set data.format = prompt-jsonl and data.input = FILE (one {\"prompt\", \"answer\"} per line)");
-    LOOM_CHECK(grpo.group >= 2 && train.batch_size % grpo.group == 0, "train.objective = grpo: train.batch_size (",
-               train.batch_size, ") must be a multiple of grpo.group (", grpo.group, "), itself >= 2");
-    LOOM_CHECK(grpo.max_new_tokens >= 1 && grpo.temperature > 0.0 && grpo.beta >= 0.0 && grpo.epsilon > 0.0,
-               "grpo.max_new_tokens must be >= 1, grpo.temperature and grpo.epsilon > 0, grpo.beta >= 0");
-  }
-  if (loop.objective != TrainObjective::dpo) {
-    LOOM_CHECK(data.format != SftFormat::preference_jsonl, "data.format = preference-jsonl holds preference pairs: "
-               "train them with train.objective = dpo");
-  }
-  if (loop.objective != TrainObjective::grpo) {
-    LOOM_CHECK(data.format != SftFormat::prompt_jsonl, "data.format = prompt-jsonl holds prompts with answers: "
-               "train them with train.objective = grpo");
-  }
+  const ObjectiveRow& row = objective_row(loop.objective);  // (an unknown name: refused naming the known ones)
+  row.check(*this);
+  check_objective_format(*this);
 }
 
 void apply_config_file(LoomConfig& config, const std::string& path) {

@@ -30,13 +30,6 @@ struct DataConfig {
   double val_fraction = 0.05;
 };
 
-// train.objective: what a step minimises.
-enum class TrainObjective : uint8_t { lm, dpo, grpo, distill };
-template <>
-struct EnumNames<TrainObjective> {
-  static constexpr std::array<std::string_view, 4> names{"lm", "dpo", "grpo", "distill"};
-};
-
 struct LoopConfig {
   uint64_t seed = 1337;          // init and data order
   int64_t eval_every = 100;      // steps; 0 = only at the end
@@ -51,11 +44,9 @@ struct LoopConfig {
   // peft.adapter: a PEFT LoRA adapter folder (checkpoint/peft.h) loaded onto the weights; its
   // adapter_config.json sets the peft.* keys.
   std::string peft_adapter;
-  // lm: the mean next-token loss over the counted targets; dpo: preference optimisation over
-  // the pairs of data.input (data.format = preference-jsonl; train/dpo.h, the dpo.* keys); grpo:
-  // rollouts of the prompts of data.input (data.format = prompt-jsonl; train/grpo.h, grpo.*);
-  // distill: next-token loss and a teacher's softened distribution (train/distill.h, distill.*).
-  TrainObjective objective = TrainObjective::lm;
+  // What a step minimises: a row of the objectives' registry (train/objective.h), which names
+  // them; "lm" is the mean next-token loss over the counted targets.
+  std::string objective = "lm";
   // Checkpoints written by a background thread from a host snapshot taken at the step boundary
   // (at most one in flight; each complete and durable before the next begins).
   bool async_checkpoint = false;

@@ -1,6 +1,13 @@
 #include "loom/train/distill.h"
 
+#include <memory>
+
 #include "loom/core/error.h"
+#include "loom/core/str_printf.h"
+#include "loom/train/config.h"
+#include "loom/train/lm_objective.h"
+#include "loom/train/parallelize.h"
+#include "loom/train/model_source.h"
 
 namespace loom {
 
@@ -26,12 +33,54 @@ double DistillObjective::weigh(Backend& backend, ActivationStore& store, const B
   const double alpha = config_.alpha;
   last_ce_ = backend.sum(store.losses) / static_cast<double>(n);
   // The KL term's gradient, alpha / n per position (the backward adds it after the cross-entropy's).
-  backend.distill_loss(store.logits, teacher_store_.logits, static_cast<float>(config_.temperature),
+  backend.soft_target_loss(store.logits, teacher_store_.logits, static_cast<float>(config_.temperature),
                        static_cast<float>(alpha / static_cast<double>(n)), kl_losses_, grad_);
   last_kl_ = backend.sum(kl_losses_) / static_cast<double>(n);
   store.ce_weight = static_cast<float>(1.0 - alpha);
   store.logit_grad = grad_;
   return (1.0 - alpha) * last_ce_ + alpha * last_kl_;
 }
+
+// ---- train.objective = distill --------------------------------------------------------------
+
+namespace {
+
+// The student trains on the language-modelling data; the teacher is loaded at set-up.
+class Distill final : public LmObjective {
+ public:
+  void set_up(ObjectiveContext& ctx) override {
+    const DistillConfig& c = ctx.config.distill;
+    const ModelSource source = model_source(c.teacher);
+    teacher_ = std::make_unique<Transformer>(ctx.backend, source.config.model);
+    load_model(source, *teacher_);
+    LOOM_CHECK(source.config.model.vocab_size == ctx.config.model.vocab_size, "distill.teacher = ", c.teacher, " has ",
+               source.config.model.vocab_size, " tokens, the student ", ctx.config.model.vocab_size,
+               ": the teacher must use the student's tokenizer");
+    loss_ = std::make_unique<DistillObjective>(c, *teacher_);
+    ctx.parts.trainer->set_objective(loss_.get());
+    ctx.sink.line(str_printf("distill: teacher %s (%lld parameters), temperature %g, alpha %g", source.path.c_str(),
+                             static_cast<long long>(teacher_->params().numel()), c.temperature, c.alpha));
+  }
+
+ private:
+  std::unique_ptr<Transformer> teacher_;
+  std::unique_ptr<DistillObjective> loss_;
+};
+
+void check_distill(const LoomConfig& c) {
+  LOOM_CHECK(!c.distill.teacher.empty(), "train.objective = distill needs distill.teacher = PATH (the teacher's checkpoint)");
+  LOOM_CHECK(c.distill.temperature > 0.0, "distill.temperature must be > 0, got ", c.distill.temperature);
+  LOOM_CHECK(c.distill.alpha >= 0.0 && c.distill.alpha <= 1.0, "distill.alpha must be in [0, 1], got ", c.distill.alpha);
+  LOOM_CHECK(c.data.format == SftFormat::text, "train.objective = distill trains on plain text data (data.format = text)");
+}
+
+std::unique_ptr<Objective> make_distill(const LoomConfig&) { return std::make_unique<Distill>(); }
+
+}  // namespace
+
+const ObjectiveRow kDistillObjective = {
+    "distill", "next-token loss and a teacher's softened distribution; the distill.* keys", "text",
+    {.model_parallel = false, .why = "the teacher runs as one process's whole model; use data parallelism"},
+    check_distill, make_distill};
 
 }  // namespace loom

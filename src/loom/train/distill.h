@@ -10,6 +10,7 @@
 #include <string>
 
 #include "loom/model/transformer.h"
+#include "loom/train/objective.h"
 #include "loom/train/trainer.h"
 
 namespace loom {
@@ -40,5 +41,8 @@ class DistillObjective : public RowObjective {
   Tensor kl_losses_, grad_;
   double last_ce_ = 0.0, last_kl_ = 0.0;
 };
+
+// train.objective = distill: its registry row (train/objective.h).
+extern const ObjectiveRow kDistillObjective;
 
 }  // namespace loom

@@ -1,9 +1,15 @@
 #include "loom/train/dpo.h"
 
+#include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <numeric>
 
 #include "loom/core/error.h"
+#include "loom/core/str_printf.h"
+#include "loom/train/config.h"
+#include "loom/train/objective.h"
+#include "loom/train/parallelize.h"
 
 namespace loom {
 
@@ -200,5 +206,101 @@ DpoObjective::Stats DpoObjective::take_stats() {
   stats_ = Stats{};
   return s;
 }
+
+// ---- train.objective = dpo ------------------------------------------------------------------
+
+namespace {
+
+// The means of the stats: TRL's loss, rewards, margin and accuracy.
+nlohmann::json dpo_json(const DpoObjective::Stats& s) {
+  const double n = std::max<double>(1.0, static_cast<double>(s.pairs));
+  return {{"pairs", s.pairs}, {"loss", s.loss / n}, {"reward_chosen", s.reward_chosen / n},
+          {"reward_rejected", s.reward_rejected / n}, {"margin", (s.reward_chosen - s.reward_rejected) / n},
+          {"accuracy", s.correct / n}};
+}
+
+std::string dpo_line(const char* what, int64_t step, const DpoObjective::Stats& s) {
+  const nlohmann::json j = dpo_json(s);
+  return str_printf("step %lld: %s loss %.4f, rewards chosen %.4f rejected %.4f, margin %.4f, accuracy %.3f (%lld pairs)",
+                    static_cast<long long>(step), what, j["loss"].get<double>(), j["reward_chosen"].get<double>(),
+                    j["reward_rejected"].get<double>(), j["margin"].get<double>(), j["accuracy"].get<double>(),
+                    static_cast<long long>(s.pairs));
+}
+
+class Dpo final : public Objective {
+ public:
+  explicit Dpo(const LoomConfig& config) : loss_(config.dpo) {}
+
+  void read_data(LoomConfig& config) override {
+    tokenizer_ = objective_tokenizer(config);
+    pairs_ = read_preference_file(config.data.input, *tokenizer_);
+  }
+
+  TrainingSplits make_splits(const LoomConfig& config, Transformer&) override {
+    const int64_t T = config.train.seq_len;
+    const int32_t pad = tokenizer_->eot_token();
+    std::vector<PreferencePair> val = hold_out(pairs_, config.data.val_fraction, config.data.input, "preference pairs");
+    auto train = std::make_unique<PreferenceBatches>(std::move(pairs_), T, config.loop.seed, LOADER_ORDER_SHUFFLED, pad, "train");
+    auto held = std::make_unique<PreferenceBatches>(std::move(val), T, config.loop.seed, LOADER_ORDER_SEQUENTIAL, pad, "val");
+    train_ = train.get(), val_ = held.get();
+    TrainingSplits s{std::move(train), std::move(held), true};
+    const int64_t per_batch = config.train.batch_size / 2;  // each held-out pair once
+    s.max_val_batches = (val_->pairs() + per_batch - 1) / per_batch;
+    return s;
+  }
+
+  // The reference: the initial weights (before a resume loads later ones).
+  void set_up(ObjectiveContext& ctx) override {
+    const DpoConfig& c = ctx.config.dpo;
+    Trainer& trainer = *ctx.parts.trainer;
+    trainer.set_objective(&loss_);
+    const auto start = std::chrono::steady_clock::now();
+    for (PreferenceBatches* split : {train_, val_}) loss_.compute_reference(trainer, *split, ctx.config.train.batch_size);
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    std::string reference =
+        c.reference_free() ? "no reference model" : str_cat("reference log-probabilities of the initial weights: ", seconds, " s");
+    if (c.reference == DpoReference::live && !c.reference_free()) reference = "reference " + loss_.set_live_reference(*ctx.parts.model);
+    ctx.sink.line(str_printf("dpo (%s, beta %g): %lld training pairs, %lld held out; %s", std::string(enum_name(c.loss)).c_str(),
+                             c.beta, static_cast<long long>(train_->pairs()), static_cast<long long>(val_->pairs()),
+                             reference.c_str()));
+  }
+
+  void after_step(ObjectiveContext& ctx, const StepStats& stats, bool logged) override {
+    const DpoObjective::Stats s = loss_.take_stats();
+    ctx.sink.record({{"step", stats.step + 1}, {"dpo", dpo_json(s)}});
+    if (logged) ctx.sink.line(dpo_line("dpo", stats.step + 1, s));
+  }
+
+  void after_validation(ObjectiveContext& ctx, int64_t step, const Validation&) override {
+    const DpoObjective::Stats held = loss_.take_stats();
+    ctx.sink.record({{"step", step}, {"val_dpo", dpo_json(held)}});
+    ctx.sink.line(dpo_line("validation dpo", step, held));
+  }
+
+  std::string validation_name() const override { return "DPO loss"; }
+
+ private:
+  DpoObjective loss_;
+  std::shared_ptr<Tokenizer> tokenizer_;
+  std::vector<PreferencePair> pairs_;
+  PreferenceBatches *train_ = nullptr, *val_ = nullptr;
+};
+
+void check_dpo(const LoomConfig& c) {
+  LOOM_CHECK(c.data.format == SftFormat::preference_jsonl && !c.data.input.empty(), "train.objective = dpo reads preference "
+             "pairs: set data.format = preference-jsonl and data.input = FILE (one {\"prompt\", \"chosen\", "
+             "\"rejected\"} per line)");
+  LOOM_CHECK(c.train.batch_size % 2 == 0, "train.objective = dpo: train.batch_size (", c.train.batch_size, ") counts rows, "
+             "a chosen and a rejected one per pair: it must be even");
+  LOOM_CHECK(c.dpo.beta > 0.0, "dpo.beta must be > 0, got ", c.dpo.beta);
+}
+
+std::unique_ptr<Objective> make_dpo(const LoomConfig& config) { return std::make_unique<Dpo>(config); }
+
+}  // namespace
+
+const ObjectiveRow kDpoObjective = {
+    "dpo", "preference pairs from data.input: DPO, IPO or SimPO by dpo.loss; the dpo.* keys", "preference-jsonl",
+    {.model_parallel = false, .why = "the rows' weights are applied by the one-process cross-entropy; use data parallelism"}, check_dpo, make_dpo};
 
 }  // namespace loom

@@ -26,6 +26,7 @@
 #include "loom/core/enum_names.h"
 #include "loom/data/loader.h"
 #include "loom/data/sft.h"
+#include "loom/train/objective.h"
 #include "loom/train/trainer.h"
 
 namespace loom {
@@ -126,5 +127,8 @@ class DpoObjective final : public RowObjective {
 
 // Each row's summed log-probability of its counted targets: -(sum of its positions' losses).
 std::vector<double> row_log_probs(Backend& backend, const ActivationStore& store);
+
+// train.objective = dpo: its registry row (train/objective.h).
+extern const ObjectiveRow kDpoObjective;
 
 }  // namespace loom

@@ -15,10 +15,14 @@
 #include <nlohmann/json.hpp>
 
 #include "loom/core/error.h"
+#include "loom/core/str_printf.h"
 #include "loom/core/file_io.h"
 #include "loom/core/signals.h"
 #include "loom/core/targets.h"
 #include "loom/infer/engine.h"
+#include "loom/train/config.h"
+#include "loom/train/objective.h"
+#include "loom/train/parallelize.h"
 
 namespace loom {
 
@@ -257,5 +261,116 @@ double GrpoObjective::take_kl() {
   kl_tokens_ = 0;
   return mean;
 }
+
+// ---- train.objective = grpo -----------------------------------------------------------------
+
+namespace {
+
+// What ends a rollout's completion: the end-of-text token and the end-of-sequence one.
+std::vector<int32_t> stop_tokens(const Tokenizer& tokenizer) {
+  std::vector<int32_t> stop = {tokenizer.eot_token()};
+  if (tokenizer.eos_token() && *tokenizer.eos_token() != tokenizer.eot_token()) stop.push_back(*tokenizer.eos_token());
+  return stop;
+}
+
+class Grpo final : public Objective {
+ public:
+  void read_data(LoomConfig& config) override {
+    tokenizer_ = objective_tokenizer(config);
+    prompts_ = read_prompt_file(config.data.input, *tokenizer_);
+  }
+
+  TrainingSplits make_splits(const LoomConfig& config, Transformer& policy) override {
+    const int64_t T = config.train.seq_len;
+    std::vector<PromptExample> val = hold_out(prompts_, config.data.val_fraction, config.data.input, "prompts");
+    GrpoConfig held_out_config = config.grpo;
+    held_out_config.beta = 0.0;  // the held-out prompts are only decoded greedily: no reference model
+    const std::shared_ptr<Tokenizer> tokenizer = tokenizer_;
+    auto decode = [tokenizer](const std::vector<int32_t>& t) { return tokenizer->decode(t); };
+    const int32_t pad = tokenizer_->eot_token();
+    auto train = std::make_unique<GrpoBatches>(std::move(prompts_), policy, config.grpo, T, config.loop.seed,
+                                               LOADER_ORDER_SHUFFLED, decode, stop_tokens(*tokenizer_), pad, "train");
+    auto held = std::make_unique<GrpoBatches>(std::move(val), policy, held_out_config, T, config.loop.seed,
+                                              LOADER_ORDER_SEQUENTIAL, decode, stop_tokens(*tokenizer_), pad, "val");
+    train_ = train.get(), val_ = held.get();
+    return {std::move(train), std::move(held), true};
+  }
+
+  void set_up(ObjectiveContext& ctx) override {
+    const GrpoConfig& c = ctx.config.grpo;
+    loss_ = std::make_unique<GrpoObjective>(c, *train_);
+    ctx.parts.trainer->set_objective(loss_.get());
+    ctx.sink.line(str_printf("grpo: %lld training prompts, %lld held out; %lld completions per prompt, up to %lld tokens, "
+                             "temperature %g; beta %g, epsilon %g; reward: %s",
+                             static_cast<long long>(train_->prompts()), static_cast<long long>(val_->prompts()),
+                             static_cast<long long>(c.group), static_cast<long long>(c.max_new_tokens), c.temperature, c.beta,
+                             c.epsilon, c.reward_command.empty() ? "exact answer (built in)" : c.reward_command.c_str()));
+  }
+
+  // The curve's start: the initial weights' greedy reward.
+  void at_start(ObjectiveContext& ctx) override {
+    const double start = val_->greedy_reward(0);
+    ctx.sink.record({{"step", 0}, {"val_reward", start}});
+    ctx.sink.line(str_printf("step 0: validation greedy reward %.4f (%lld prompts)", start,
+                             static_cast<long long>(val_->prompts())));
+  }
+
+  // Each step's rollouts; the printed line has the means since the last one.
+  void after_step(ObjectiveContext& ctx, const StepStats& stats, bool logged) override {
+    const GrpoBatches::Stats g = train_->take_stats();
+    window_.completions += g.completions, window_.reward += g.reward, window_.tokens += g.tokens;
+    window_.rollout_seconds += g.rollout_seconds, window_seconds_ += stats.seconds;
+    const double n = std::max<double>(1.0, static_cast<double>(g.completions));
+    const double kl = loss_->take_kl();
+    ctx.sink.record({{"step", stats.step + 1},
+                     {"grpo", {{"reward", g.reward / n}, {"completions", g.completions},
+                               {"mean_length", static_cast<double>(g.tokens) / n}, {"kl", kl},
+                               {"rollout_seconds", g.rollout_seconds}, {"train_seconds", stats.seconds - g.rollout_seconds}}}});
+    if (!logged) return;
+    const double w = std::max<double>(1.0, static_cast<double>(window_.completions));
+    ctx.sink.line(str_printf("step %lld: grpo reward %.3f over the last %lld completions (mean length %.1f), KL %.4f (this "
+                             "step); rollouts %.2f s, training %.2f s", static_cast<long long>(stats.step + 1),
+                             window_.reward / w, static_cast<long long>(window_.completions),
+                             static_cast<double>(window_.tokens) / w, kl, window_.rollout_seconds,
+                             window_seconds_ - window_.rollout_seconds));
+    window_ = GrpoBatches::Stats{};
+    window_seconds_ = 0.0;
+  }
+
+  // The greedy reward on the held-out prompts.
+  Validation validate(ObjectiveContext&) override { return {"val_reward", val_->greedy_reward(0)}; }
+  void after_validation(ObjectiveContext& ctx, int64_t step, const Validation& v) override {
+    ctx.sink.line(str_printf("step %lld: validation greedy reward %.4f (%lld prompts)", static_cast<long long>(step), v.value,
+                             static_cast<long long>(val_->prompts())));
+  }
+  std::string validation_name() const override { return "greedy reward"; }
+
+ private:
+  std::shared_ptr<Tokenizer> tokenizer_;
+  std::vector<PromptExample> prompts_;
+  GrpoBatches *train_ = nullptr, *val_ = nullptr;
+  std::unique_ptr<GrpoObjective> loss_;
+  GrpoBatches::Stats window_;  // the rollouts since the last printed line
+  double window_seconds_ = 0.0;
+};
+
+void check_grpo(const LoomConfig& c) {
+  LOOM_CHECK(c.data.format == SftFormat::prompt_jsonl && !c.data.input.empty(), "train.objective = grpo samples from "
+             "prompts: set data.format = prompt-jsonl and data.input = FILE (one {\"prompt\", \"answer\"} per line)");
+  LOOM_CHECK(c.grpo.group >= 2 && c.train.batch_size % c.grpo.group == 0, "train.objective = grpo: train.batch_size (",
+             c.train.batch_size, ") must be a multiple of grpo.group (", c.grpo.group, "), itself >= 2");
+  LOOM_CHECK(c.grpo.max_new_tokens >= 1 && c.grpo.temperature > 0.0 && c.grpo.beta >= 0.0 && c.grpo.epsilon > 0.0,
+             "grpo.max_new_tokens must be >= 1, grpo.temperature and grpo.epsilon > 0, grpo.beta >= 0");
+}
+
+std::unique_ptr<Objective> make_grpo(const LoomConfig&) { return std::make_unique<Grpo>(); }
+
+}  // namespace
+
+const ObjectiveRow kGrpoObjective = {
+    "grpo", "rollouts of the prompts of data.input with verifiable rewards; the grpo.* keys", "prompt-jsonl",
+    {.model_parallel = false, .data_parallel = false, .moe = false, .quantized_base = false,
+     .why = "the rollouts decode with one process's whole fp32 model"},
+    check_grpo, make_grpo};
 
 }  // namespace loom

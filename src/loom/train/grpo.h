@@ -32,6 +32,7 @@
 #include "loom/data/loader.h"
 #include "loom/data/sft.h"
 #include "loom/model/transformer.h"
+#include "loom/train/objective.h"
 #include "loom/train/trainer.h"
 
 namespace loom {
@@ -124,5 +125,8 @@ class GrpoObjective final : public RowObjective {
   double kl_ = 0;
   int64_t kl_tokens_ = 0;
 };
+
+// train.objective = grpo: its registry row (train/objective.h).
+extern const ObjectiveRow kGrpoObjective;
 
 }  // namespace loom

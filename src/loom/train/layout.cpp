@@ -3,6 +3,8 @@
 #include "loom/core/error.h"
 #include "loom/parallel/zero.h"
 #include "loom/precision/policy.h"
+#include "loom/train/config.h"
+#include "loom/train/objective.h"
 
 namespace loom {
 
@@ -54,6 +56,18 @@ bool low_precision(const LayoutFacts& f) {
   }
   return p.qat != QAT_NONE || p.master_bf16 || p.reduce_bf16;
 }
+// What of the layout the objective's row says it does not run in ("" when it runs in all of it).
+std::string objective_misfit(const LayoutFacts& f) {
+  const ObjectiveLayout& o = objective_row(f.config->loop.objective).layout;
+  if (!o.model_parallel && (f.of(Axis::tp) > 1 || f.of(Axis::pp) > 1 || f.of(Axis::cp) > 1)) {
+    return str_cat("tensor, pipeline or context parallelism (parallel.tp = ", f.of(Axis::tp), ", pp = ", f.of(Axis::pp),
+                   ", cp = ", f.of(Axis::cp), ")");
+  }
+  if (!o.data_parallel && f.data_parallel > 1) return str_cat(f.data_parallel, " data-parallel ranks");
+  if (!o.moe && moe(f)) return str_cat("MoE blocks (model.moe_experts = ", model(f).moe_experts, ")");
+  if (!o.quantized_base && model(f).lora_quantize_base) return "peft.quantize_base (QLoRA)";
+  return "";
+}
 std::string unsupported_on(const LayoutFacts& f, const std::string& what, const char* why) {
   return str_cat(what, " is not supported on the ", f.backend_name, " backend yet (", why, ")");
 }
@@ -72,13 +86,21 @@ const Rule kRules[] = {
        return std::string("data.document_mask with learned positions (gpt2) and parallel.sequence_parallel is not "
                           "supported yet: the positions restart inside the sequence shards");
      }},
-    // Preference optimisation: the rows' weights are applied by the one-process cross-entropy.
-    {Verdict::refuse, [](const LayoutFacts& f) {
-       return f.config->loop.objective == TrainObjective::dpo && (f.of(Axis::tp) > 1 || f.of(Axis::pp) > 1 || f.of(Axis::cp) > 1);
-     },
+    // The objective's layout (its registry row, train/objective.h): what it does not run in yet.
+    {Verdict::refuse, [](const LayoutFacts& f) { return !objective_misfit(f).empty(); },
      [](const LayoutFacts& f) {
-       return str_cat("train.objective = dpo is not supported with tensor, pipeline or context parallelism yet (parallel.tp = ",
-                      f.of(Axis::tp), ", pp = ", f.of(Axis::pp), ", cp = ", f.of(Axis::cp), "); use data parallelism");
+       const ObjectiveRow& row = objective_row(f.config->loop.objective);
+       return str_cat("train.objective = ", row.name, " does not run with ", objective_misfit(f), " yet: ", row.layout.why);
+     }},
+    // DPO's live reference (dpo.reference = live) copies the whole initial weights.
+    {Verdict::refuse, [](const LayoutFacts& f) {
+       const DpoConfig& d = f.config->dpo;
+       return f.config->loop.objective == "dpo" && d.reference == DpoReference::live && !d.reference_free() &&
+              !model(f).lora() && zero(f) >= 3;
+     },
+     [](const LayoutFacts&) {
+       return std::string("dpo.reference = live copies the initial weights, which parallel.zero_stage = 3 has sharded: "
+                          "use zero_stage <= 2, dpo.reference = once or LoRA");
      }},
     // QLoRA: the NF4 base is dequantized by the linear layers of one process's whole model.
     {Verdict::refuse, [](const LayoutFacts& f) { return model(f).lora_quantize_base && !model(f).lora(); },
@@ -92,15 +114,6 @@ const Rule kRules[] = {
      [](const LayoutFacts&) {
        return std::string("peft.quantize_base (QLoRA) is not supported yet with MoE or MLA blocks, parallel.zero_stage >= 1, "
                           "precision.param = bf16 or the fp16/fp8/QAT recipes");
-     }},
-    {Verdict::refuse, [](const LayoutFacts& f) {
-       return f.config->loop.objective == TrainObjective::grpo &&
-              (f.of(Axis::tp) > 1 || f.of(Axis::pp) > 1 || f.of(Axis::cp) > 1 || f.data_parallel > 1 ||
-               model(f).lora_quantize_base || moe(f));
-     },
-     [](const LayoutFacts&) {
-       return std::string("train.objective = grpo runs on one process, without MoE or peft.quantize_base, for now "
-                          "(the rollouts decode with the whole fp32 model)");
      }},
     // Model features against parallelisms and memory policies.
     {Verdict::refuse, [](const LayoutFacts& f) { return model(f).lora_dora && f.of(Axis::tp) > 1; },

@@ -123,37 +123,15 @@ TrainingModel parallelize(Backend& backend, const LoomConfig& config, ParallelLa
   return std::move(b.out);
 }
 
-namespace {
-
-// The last data.val_fraction of `items` (at least one, and one left), moved out of it.
-template <typename Item>
-std::vector<Item> hold_out(std::vector<Item>& items, const LoomConfig& config, const char* what) {
-  const auto n = static_cast<int64_t>(items.size());
-  LOOM_CHECK(n >= 2, config.data.input, ": ", n, " ", what, "; at least 2 are needed (one held out for validation)");
-  const int64_t held =
-      std::clamp<int64_t>(static_cast<int64_t>(std::floor(static_cast<double>(n) * config.data.val_fraction)), 1, n - 1);
-  std::vector<Item> val(std::make_move_iterator(items.end() - held), std::make_move_iterator(items.end()));
-  items.resize(static_cast<size_t>(n - held));
-  return val;
-}
-
-}  // namespace
-
-Allocator& TrainingData::slice_rows(const LoomConfig& config, const ParallelLayout& layout, Allocator& allocator) {
-  // Each data-parallel rank trains on its rows of the global batch the source draws.
-  const Communicator& dp = layout.batch_group();
-  Allocator& staging = allocator.host_accessible() ? allocator : host_;  // batch sources write host memory
-  rank_ = std::make_unique<RankSliceSource>(*train_, staging, dp.rank(), dp.size(), config.train.batch_size,
-                                            config.train.seq_len);
-  return staging;
-}
-
-TrainingData::TrainingData(TokenDataset data, const LoomConfig& config, const ParallelLayout& layout, Allocator& allocator) {
+TrainingData::TrainingData(TrainingSplits splits, const LoomConfig& config, const ParallelLayout& layout,
+                           Allocator& allocator)
+    : train_(std::move(splits.train)), val_(std::move(splits.val)), max_val_batches_(splits.max_val_batches) {
   const int64_t B = config.train.batch_size, T = config.train.seq_len;
-  train_ = std::make_unique<TokenLoader>(std::move(data.train), T, config.loop.seed);
-  val_ = std::make_unique<TokenLoader>(std::move(data.val), T, config.loop.seed, LOADER_ORDER_SEQUENTIAL);
-  Allocator& staging = slice_rows(config, layout, allocator);
+  // Each data-parallel rank trains on its rows of the global batch the source draws.
   Communicator& dp = layout.batch_group();
+  Allocator& staging = allocator.host_accessible() ? allocator : host_;  // batch sources write host memory
+  rank_ = std::make_unique<RankSliceSource>(*train_, staging, dp.rank(), dp.size(), B, T);
+  if (splits.whole_sequences) return;
   if (dp.size() > 1) {
     dp_ = &dp;
     val_rank_ = std::make_unique<RankSliceSource>(*val_, staging, dp.rank(), dp.size(), B, T);
@@ -166,42 +144,9 @@ TrainingData::TrainingData(TokenDataset data, const LoomConfig& config, const Pa
   }
 }
 
-TrainingData::TrainingData(std::vector<PreferencePair> pairs, int32_t pad_token, const LoomConfig& config,
-                           const ParallelLayout& layout, Allocator& allocator) {
-  const int64_t T = config.train.seq_len;
-  std::vector<PreferencePair> val = hold_out(pairs, config, "preference pairs");
-  auto train = std::make_unique<PreferenceBatches>(std::move(pairs), T, config.loop.seed, LOADER_ORDER_SHUFFLED, pad_token, "train");
-  auto held_out = std::make_unique<PreferenceBatches>(std::move(val), T, config.loop.seed, LOADER_ORDER_SEQUENTIAL, pad_token, "val");
-  preference_ = {train.get(), held_out.get()};
-  val_pairs_per_batch_ = config.train.batch_size / 2;
-  train_ = std::move(train);
-  val_ = std::move(held_out);
-  slice_rows(config, layout, allocator);
-}
-
-TrainingData::TrainingData(std::vector<PromptExample> prompts, Transformer& policy,
-                           std::function<std::string(const std::vector<int32_t>&)> decode, std::vector<int32_t> stop,
-                           int32_t pad_token, const LoomConfig& config, const ParallelLayout& layout, Allocator& allocator) {
-  const int64_t T = config.train.seq_len;
-  std::vector<PromptExample> val = hold_out(prompts, config, "prompts");
-  GrpoConfig held_out_config = config.grpo;
-  held_out_config.beta = 0.0;  // the held-out prompts are only decoded greedily: no reference model
-  auto train = std::make_unique<GrpoBatches>(std::move(prompts), policy, config.grpo, T, config.loop.seed,
-                                             LOADER_ORDER_SHUFFLED, decode, stop, pad_token, "train");
-  auto held_out = std::make_unique<GrpoBatches>(std::move(val), policy, held_out_config, T, config.loop.seed,
-                                                LOADER_ORDER_SEQUENTIAL, decode, stop, pad_token, "val");
-  grpo_ = {train.get(), held_out.get()};
-  train_ = std::move(train);
-  val_ = std::move(held_out);
-  slice_rows(config, layout, allocator);
-}
-
 double TrainingData::validation_loss(Trainer& trainer, int64_t batches, Allocator& allocator) {
   val_->rewind();
-  if (!preference_.empty()) {  // each held-out pair once (the last batch wraps around to the first pairs)
-    const int64_t per_batch = val_pairs_per_batch_, pairs = preference_[1]->pairs();
-    batches = std::min(batches, (pairs + per_batch - 1) / per_batch);
-  }
+  if (max_val_batches_ > 0) batches = std::min(batches, max_val_batches_);  // (held-out pairs: each once)
   BatchSource& val = cp_val_ ? static_cast<BatchSource&>(*cp_val_)
                     : val_rank_ ? static_cast<BatchSource&>(*val_rank_)
                                 : *val_;

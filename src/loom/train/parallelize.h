@@ -18,9 +18,8 @@
 #include "loom/model/transformer.h"
 #include "loom/parallel/pipeline.h"
 #include "loom/train/config.h"
-#include "loom/train/dpo.h"
-#include "loom/train/grpo.h"
 #include "loom/train/layout.h"
+#include "loom/train/objective.h"
 #include "loom/train/trainer.h"
 
 namespace loom {
@@ -36,42 +35,26 @@ struct TrainingModel {
 // Runs the five passes. `layout` may gain a device communicator (NCCL) for a GPU's gradients.
 TrainingModel parallelize(Backend& backend, const LoomConfig& config, ParallelLayout& layout);
 
-// The batches each rank trains and validates on: the loader draws every global batch (all
-// ranks draw the same), each data-parallel rank keeps its rows, each context-parallel rank its
-// positions. The sources' staging is in `allocator` when host code can read it, else in host
-// memory (the trainer writes each batch to the device).
+// The batches each rank trains and validates on, from an objective's splits (train/objective.h):
+// the source draws every global batch (all ranks draw the same), each data-parallel rank keeps
+// its rows, each context-parallel rank its positions (token data). The sources' staging is in
+// `allocator` when host code can read it, else in host memory (the trainer writes each batch to
+// the device).
 class TrainingData {
  public:
-  TrainingData(TokenDataset data, const LoomConfig& config, const ParallelLayout& layout, Allocator& allocator);
-  // train.objective = dpo: preference pairs (train/dpo.h), the last data.val_fraction of them
-  // (at least one) held out; documents are padded with `pad_token`.
-  TrainingData(std::vector<PreferencePair> pairs, int32_t pad_token, const LoomConfig& config,
-               const ParallelLayout& layout, Allocator& allocator);
-  // train.objective = grpo: the prompts' rollouts from `policy` (train/grpo.h), the last
-  // data.val_fraction of the prompts (at least one) held out for the greedy reward.
-  TrainingData(std::vector<PromptExample> prompts, Transformer& policy,
-               std::function<std::string(const std::vector<int32_t>&)> decode, std::vector<int32_t> stop,
-               int32_t pad_token, const LoomConfig& config, const ParallelLayout& layout, Allocator& allocator);
+  TrainingData(TrainingSplits splits, const LoomConfig& config, const ParallelLayout& layout, Allocator& allocator);
   BatchSource& train() { return cp_train_ ? static_cast<BatchSource&>(*cp_train_) : *rank_; }
   ResumableSource& loader() { return *train_; }
-  // The preference splits (train, val), for their reference log-probabilities; empty otherwise.
-  std::vector<PreferenceBatches*> preference_splits() const { return preference_; }
-  // The GRPO splits (train, val); empty otherwise.
-  std::vector<GrpoBatches*> grpo_splits() const { return grpo_; }
-  // The validation loss over loop.eval_batches batches from the start of the split (preference
-  // pairs: at most one pass over them); with context parallelism the mean over the cp group
-  // (equal token counts per rank); token data: the global batches' rows split over the
-  // data-parallel ranks and their losses averaged, the same sequences in every layout.
+  // The validation loss over loop.eval_batches batches from the start of the split (at most the
+  // splits' max_val_batches); with context parallelism the mean over the cp group (equal token
+  // counts per rank); token data: the global batches' rows split over the data-parallel ranks
+  // and their losses averaged, the same sequences in every layout.
   double validation_loss(Trainer& trainer, int64_t batches, Allocator& allocator);
 
  private:
   CpuAllocator host_;  // the sources' staging when `allocator` is a device's (declared first: released last)
   std::unique_ptr<ResumableSource> train_, val_;
-  std::vector<PreferenceBatches*> preference_;
-  std::vector<GrpoBatches*> grpo_;
-  // rank_ over train_; returns the allocator the sources stage batches in.
-  Allocator& slice_rows(const LoomConfig& config, const ParallelLayout& layout, Allocator& allocator);
-  int64_t val_pairs_per_batch_ = 0;
+  int64_t max_val_batches_ = 0;
   std::unique_ptr<RankSliceSource> rank_;
   std::unique_ptr<ContextSliceSource> cp_train_, cp_val_;
   Communicator* cp_ = nullptr;

@@ -146,6 +146,7 @@ class Trainer {
   // ZeRO (stages 1-3 over more than one rank): this rank's shard and the gathers of sharded
   // state (nullptr otherwise).
   ZeroSharding* zero() { return zero_.get(); }
+  const ZeroSharding* zero() const { return zero_.get(); }
   // The flat ranges this rank's optimizer updates (before ZeRO's sharding): its pipeline stages
   // (or all), less the experts other expert-parallel ranks compute.
   const RangeSet& domain() const { return domain_; }

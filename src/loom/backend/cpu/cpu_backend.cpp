@@ -626,9 +626,9 @@ class CpuBackend final : public Backend {
                       int64_t first, const Tensor& out) override {
     cpu::nf4_dequantize(codes, absmax_codes, absmax_steps, spec, first, out);
   }
-  void distill_loss(const Tensor& logits, const Tensor& teacher, float temperature, float grad_scale, const Tensor& losses,
-                    const Tensor& grad) override {
-    cpu::distill_loss(logits, teacher, temperature, grad_scale, losses, grad);
+  void soft_target_loss(const Tensor& logits, const Tensor& teacher, float temperature, float grad_scale, const Tensor& losses,
+                        const Tensor& grad) override {
+    cpu::soft_target_loss(logits, teacher, temperature, grad_scale, losses, grad);
   }
   void int_linear(const Tensor& x, const Tensor& codes, const Tensor& scales, const Tensor& zeros,
                   const IntWeightSpec& spec, const Tensor* input_scale, const Tensor& y, float beta, const Tensor* bias) override {

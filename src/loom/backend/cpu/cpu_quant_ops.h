@@ -41,9 +41,9 @@ void dora_backward(const Tensor& grad, const Tensor& merged, const Tensor& magni
                    const Tensor& dmagnitude);
 void nf4_dequantize(const Tensor& codes, const Tensor& absmax_codes, const Tensor& absmax_steps, const Nf4Spec& spec,
                     int64_t first, const Tensor& out);
-// Knowledge distillation's loss and gradient (cpu_distill.cpp).
-void distill_loss(const Tensor& logits, const Tensor& teacher, float temperature, float grad_scale, const Tensor& losses,
-                  const Tensor& grad);
+// The soft-target loss and its gradient (cpu_soft_target.cpp).
+void soft_target_loss(const Tensor& logits, const Tensor& teacher, float temperature, float grad_scale, const Tensor& losses,
+                      const Tensor& grad);
 // Post-training-quantized weights (cpu_int_linear.cpp). On a CPU with AVX512-VNNI the weight-only
 // formats multiply with the input quantized to int8 per row and group (int_linear_quantizes_activations).
 bool int_linear_quantizes_activations();

@@ -1,4 +1,4 @@
-#include "run_control.h"
+#include "loom/train/run_control.h"
 
 #include <fcntl.h>
 #include <sys/file.h>
@@ -18,7 +18,7 @@
 #include "loom/core/error.h"
 #include "loom/core/file_io.h"
 
-namespace loom::cli {
+namespace loom {
 
 namespace fs = std::filesystem;
 
@@ -118,8 +118,8 @@ std::string heartbeat_path(const std::string& run_dir, int rank) {
 
 }  // namespace
 
-Watchdog::Watchdog(double seconds, std::string run_dir, int rank, int world)
-    : seconds_(seconds), run_dir_(std::move(run_dir)), rank_(rank), world_(world), last_ns_(now_ns()) {
+Watchdog::Watchdog(double seconds, std::string run_dir, Communicator& job)
+    : seconds_(seconds), run_dir_(std::move(run_dir)), job_(job), rank_(job.rank()), world_(job.size()), last_ns_(now_ns()) {
   if (seconds_ <= 0.0 || world_ <= 1) return;  // one process has no peer to wait for
   std::error_code ec;
   fs::create_directories(fs::path(run_dir_) / "logs", ec);
@@ -195,7 +195,7 @@ void Watchdog::run() {
     } else {
       std::this_thread::sleep_for(std::chrono::seconds(3));  // the reporting rank ends the job first
     }
-    abort_other_ranks(3);
+    job_.abort_job(3);
     _exit(3);
   }
 }
@@ -251,4 +251,4 @@ int64_t available_memory_bytes() {
   return available;
 }
 
-}  // namespace loom::cli
+}  // namespace loom

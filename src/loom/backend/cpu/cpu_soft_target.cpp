@@ -1,4 +1,4 @@
-// Backend::distill_loss on the CPU (the contract in backend.h): one row per OpenMP iteration,
+// Backend::soft_target_loss on the CPU (the contract in backend.h): one row per OpenMP iteration,
 // its log-sum-exps and sums in double, so a row's result does not depend on the thread count.
 #include <cmath>
 
@@ -7,15 +7,15 @@
 
 namespace loom::cpu {
 
-void distill_loss(const Tensor& logits, const Tensor& teacher, float temperature, float grad_scale, const Tensor& losses,
-                  const Tensor& grad) {
+void soft_target_loss(const Tensor& logits, const Tensor& teacher, float temperature, float grad_scale, const Tensor& losses,
+                      const Tensor& grad) {
   LOOM_CHECK(logits.dtype() == DTYPE_F32 && teacher.dtype() == DTYPE_F32 && grad.dtype() == DTYPE_F32 &&
-             losses.dtype() == DTYPE_F32, "distill_loss: f32 operands expected");
+             losses.dtype() == DTYPE_F32, "soft_target_loss: f32 operands expected");
   LOOM_CHECK(logits.numel() == teacher.numel() && logits.numel() == grad.numel() && logits.numel() > 0,
-             "distill_loss: logits ", logits.describe(), ", teacher ", teacher.describe(), ", grad ", grad.describe());
-  LOOM_CHECK(temperature > 0.0f, "distill_loss: temperature ", temperature, " must be > 0");
+             "soft_target_loss: logits ", logits.describe(), ", teacher ", teacher.describe(), ", grad ", grad.describe());
+  LOOM_CHECK(temperature > 0.0f, "soft_target_loss: temperature ", temperature, " must be > 0");
   const int64_t V = logits.dim(-1), N = logits.numel() / V;
-  LOOM_CHECK(losses.numel() == N, "distill_loss: losses ", losses.describe(), " for ", N, " rows");
+  LOOM_CHECK(losses.numel() == N, "soft_target_loss: losses ", losses.describe(), " for ", N, " rows");
   const float* s = logits.data<float>();
   const float* t = teacher.data<float>();
   float* l = losses.data<float>();

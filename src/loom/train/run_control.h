@@ -10,7 +10,9 @@
 #include <thread>
 #include <vector>
 
-namespace loom::cli {
+#include "loom/comm/communicator.h"
+
+namespace loom {
 
 // `loom train` exits with this code after SIGTERM or SIGINT made it checkpoint and stop (BSD's
 // EX_TEMPFAIL: "try again later"); a supervisor relaunches it with --resume. A second signal
@@ -61,7 +63,7 @@ class StopSignals {
 // silent ones — and aborts the MPI job. Only the lowest-ranked rank still beating prints.
 class Watchdog {
  public:
-  Watchdog(double seconds, std::string run_dir, int rank, int world);
+  Watchdog(double seconds, std::string run_dir, Communicator& job);  // job: the world, which it ends
   ~Watchdog();
   void beat(int64_t step);
 
@@ -77,6 +79,7 @@ class Watchdog {
   Silence listen() const;
   double seconds_;
   std::string run_dir_;
+  Communicator& job_;
   int rank_, world_;
   std::atomic<int64_t> last_ns_;
   std::atomic<int64_t> step_{0};
@@ -92,4 +95,4 @@ std::vector<std::string> config_differences(const std::string& before, const std
 // memory limit when one is set); 0 when unknown.
 int64_t available_memory_bytes();
 
-}  // namespace loom::cli
+}  // namespace loom

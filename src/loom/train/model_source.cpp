@@ -1,0 +1,131 @@
+#include "loom/train/model_source.h"
+
+#include <cmath>
+#include <filesystem>
+#include <iostream>
+#include <map>
+
+#include "loom/arch/param_layout.h"
+#include "loom/checkpoint/checkpoint.h"
+#include "loom/checkpoint/hf_model.h"
+#include "loom/checkpoint/peft.h"
+#include "loom/checkpoint/weights.h"
+#include "loom/core/error.h"
+#include "loom/core/json_file.h"
+#include "loom/nn/lora.h"
+
+namespace loom {
+
+namespace fs = std::filesystem;
+
+std::string run_dir(const LoomConfig& config) { return (fs::path(config.run.dir) / config.run.name).string(); }
+
+MemoryPlan memory_plan(const LoomConfig& config, int ranks) {
+  MemoryPlan plan;
+  plan.model = config.model;
+  plan.batch = config.train.batch_size, plan.seq_len = config.train.seq_len;
+  plan.recompute = config.train.recompute, plan.recompute_budget_mb = config.train.recompute_budget_mb;
+  plan.optim = config.train.optim, plan.precision = config.train.precision;
+  plan.zero_stage = static_cast<int>(config.parallel.zero_stage);
+  plan.tp = static_cast<int>(config.parallel.tp), plan.sequence_parallel = config.parallel.sequence_parallel;
+  plan.pp = static_cast<int>(config.parallel.pp), plan.schedule = config.parallel.schedule;
+  plan.micro = config.train.grad_accum, plan.virtual_stages = static_cast<int>(config.parallel.virtual_stages);
+  plan.cp = static_cast<int>(config.parallel.cp), plan.ulysses = config.parallel.cp_attention == CpAttention::ulysses;
+  plan.ep = static_cast<int>(config.parallel.ep);
+  plan.offload_activations = config.train.offload_activations;
+  plan.flash_attention = config.train.flash_attention;
+  plan.ranks = ranks;
+  return plan;
+}
+
+std::string resolve_checkpoint(const std::string& path) {
+  LOOM_CHECK(fs::exists(path), path, ": no such checkpoint, run or checkpoints folder");
+  if (fs::exists(fs::path(path) / "manifest.json")) return path;
+  const std::string dir = fs::exists(fs::path(path) / "checkpoints") ? (fs::path(path) / "checkpoints").string() : path;
+  CheckpointManager manager(dir);
+  for (const std::string& step_dir : manager.list()) {
+    const std::string problem = checkpoint_problem(step_dir);
+    if (problem.empty()) return step_dir;
+    std::cerr << "loom: checkpoint " << step_dir << " is corrupt (" << problem << "); trying an older one\n";
+  }
+  throw Error(str_cat(path, ": no valid checkpoint found"));
+}
+
+LoomConfig checkpoint_config(const std::string& step_dir) {
+  const std::string trainer_json = (fs::path(step_dir) / "trainer.json").string();
+  const nlohmann::json json = read_json_file(trainer_json);
+  LoomConfig config;
+  if (json.contains("config_text") && json["config_text"].is_string()) {
+    apply_config_text(config, json["config_text"].get<std::string>(), trainer_json + " (config_text)");
+  }
+  config.model = checkpoint_model_config(step_dir);
+  // A self-contained checkpoint carries its tokenizer: used wherever the step folder now is.
+  if (fs::is_directory(fs::path(step_dir) / "tokenizer")) config.data.tokenizer = (fs::path(step_dir) / "tokenizer").string();
+  return config;
+}
+
+ModelSource model_source(const std::string& path, const std::string& adapter) {
+  ModelSource source;
+  if (is_hf_model_dir(path)) {
+    source.path = path;
+    source.hf = true;
+    source.config.model = hf_model_config(path);
+    source.config.data.tokenizer = fs::absolute(path).string();
+    source.config.run.name = fs::path(path).filename().string();
+  } else {
+    source.path = resolve_checkpoint(path);
+    source.config = checkpoint_config(source.path);
+    source.quantized = is_quantized_model(source.path);
+  }
+  if (!adapter.empty()) {
+    LOOM_CHECK(!source.config.model.lora(), path, " already has LoRA adapters (peft.method = lora): merge them first "
+               "(loom convert --to hf) to apply another");
+    source.adapter = adapter;
+    source.config.model = peft_adapter_config(adapter, source.config.model);
+  }
+  return source;
+}
+
+namespace {
+
+// Weights that hold inf or NaN evaluate to "loss nan" and sample garbage: refused by name.
+void check_finite_weights(const ModelSource& source, const Tensor& params) {
+  const float* w = params.data<float>();
+  for (const ParamSpec& p : build_param_layout(source.config.model).params) {
+    if (p.offset + p.numel > params.numel()) continue;  // (a quantized model's packed weights are not here)
+    for (int64_t i = 0; i < p.numel; ++i) {
+      LOOM_CHECK(std::isfinite(w[p.offset + i]), source.path, ": weight ", p.name, " holds ", w[p.offset + i],
+                 " at element ", i, " (a diverged or corrupted model); refusing to use non-finite weights");
+    }
+  }
+}
+
+}  // namespace
+
+void load_weights(const ModelSource& source, const Tensor& params) {
+  if (source.adapter.empty()) {
+    load_weights_from(source.path, ModelState{source.config.model, params});
+    check_finite_weights(source, params);
+    return;
+  }
+  // The base is the layout's first lora_begin elements (the same offsets as without adapters).
+  const ModelConfig& c = source.config.model;
+  load_weights_from(source.path, ModelState{lora_base_config(c), params.view(0, {lora_begin(c, build_param_layout(c))})});
+  load_peft_adapter(source.adapter, ModelState{c, params});
+  check_finite_weights(source, params);
+}
+
+void load_model(const ModelSource& source, Transformer& model) {
+  if (!source.quantized) {
+    load_weights(source, model.params());
+    return;
+  }
+  LOOM_CHECK(source.adapter.empty(), source.path, " is a quantized model: apply --adapter to the checkpoint it was made from");
+  std::map<std::string, IntWeight> weights;
+  read_quantized_model(source.path, ModelState{source.config.model, model.params()}, weights);
+  model.set_int_weights(std::move(weights));
+}
+
+std::string resolve_weights(const std::string& path) { return is_hf_model_dir(path) ? path : resolve_checkpoint(path); }
+
+}  // namespace loom

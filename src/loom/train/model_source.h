@@ -1,0 +1,48 @@
+// Where a model's weights come from: a Loom checkpoint (a step, run or checkpoints folder), a
+// quantized model folder or a Hugging Face model folder, with an optional PEFT adapter; and the
+// run folder and memory plan a config names. Used by every command that reads a model and by the
+// training run (train.init_from, distill.teacher).
+#pragma once
+#include <string>
+
+#include "loom/memory/estimate.h"
+#include "loom/model/transformer.h"
+#include "loom/train/config.h"
+
+namespace loom {
+
+// runs/<name>
+std::string run_dir(const LoomConfig& config);
+
+// The memory estimate's plan (memory/estimate.h) of a config, with `ranks` data-parallel ranks.
+MemoryPlan memory_plan(const LoomConfig& config, int ranks);
+
+// A step folder, a run folder (its checkpoints/ is searched) or a checkpoints folder -> the
+// newest valid step folder, reporting skipped corrupt ones on stderr.
+std::string resolve_checkpoint(const std::string& path);
+
+// The config a checkpoint was trained with (its resolved TOML), with its model config.
+LoomConfig checkpoint_config(const std::string& step_dir);
+
+// What `--checkpoint PATH` names: a Loom checkpoint (a step, run or checkpoints folder: the
+// newest valid step, as resolve_checkpoint) or a Hugging Face model folder (config.json and
+// safetensors, checkpoint/hf_model.h).
+struct ModelSource {
+  std::string path;   // the step folder, or the Hugging Face folder
+  bool hf = false;
+  LoomConfig config;  // the run's; for a Hugging Face folder the defaults with its model, and
+                      // data.tokenizer = the folder (its tokenizer files)
+  std::string adapter;  // a PEFT LoRA adapter folder loaded onto the weights (config.model has its peft.*)
+  bool quantized = false;  // a quantized model folder (loom quantize): load it with load_model
+};
+// `adapter`, when given, is a PEFT LoRA folder (checkpoint/peft.h) applied to the weights.
+ModelSource model_source(const std::string& path, const std::string& adapter = "");
+// Fills `params` (the model's flat host f32 buffer, source.config.model's layout) from the source.
+void load_weights(const ModelSource& source, const Tensor& params);
+// The source's weights into `model`: load_weights, or for a quantized model folder its f32
+// parameters and its integer weights (Transformer::set_int_weights).
+void load_model(const ModelSource& source, Transformer& model);
+// A Hugging Face folder as it is, or a Loom run / checkpoints / step folder -> its newest valid step.
+std::string resolve_weights(const std::string& path);
+
+}  // namespace loom
