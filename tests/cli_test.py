@@ -693,6 +693,37 @@ class Cli(LoomCase):
                 "--overwrite", expect_ok=False)
         self.assert_one_line_error(p, pairs + ":1: the prompt and the chosen completion are", "train.seq_len + 1 = 33")
 
+    def test_orpo_and_kto_train_on_preference_data_through_their_registry_rows(self):
+        pairs = os.path.join(ROOT, "examples", "dpo", "arithmetic_pairs.jsonl")
+        model = TINY.replace("model.max_seq_len=32", "model.max_seq_len=96").replace("train.seq_len=32", "train.seq_len=96")
+        base = (f"{model},train.steps=4,train.batch_size=8,data.tokenizer=byte,data.format=preference-jsonl,"
+                f"data.input={pairs},optim.lr=3e-3,run.dir={self.tmp}/runs")
+        p = run("train", "--set", base + ",train.objective=orpo,run.name=orpo")
+        self.assertIn("orpo (beta 0.1): 152 training pairs, 8 held out; no reference model", p.stdout)
+        self.assertIn("validation orpo loss", p.stdout)
+        with open(os.path.join(self.tmp, "runs", "orpo", "metrics.jsonl")) as f:
+            records = [json.loads(line) for line in f]
+        steps = [r["orpo"] for r in records if "orpo" in r]
+        self.assertEqual([s["pairs"] for s in steps], [4, 4, 4, 4])
+        for s in steps:  # the loss is the chosen NLL plus beta times the odds-ratio term
+            self.assertGreater(s["loss"], s["nll_loss"])
+            self.assertTrue(0.0 <= s["accuracy"] <= 1.0)
+        self.assertEqual(len([r for r in records if "val_orpo" in r]), 1)  # at step 4 (train.eval_every = 4)
+        # KTO: the pairs unpaired (one desirable and one undesirable example each); at the first step
+        # the policy is the reference, so z0 = 0 and every example's loss is 1 - sigmoid(0) = 0.5.
+        p = run("train", "--set", base + ",train.objective=kto,run.name=kto")
+        self.assertIn("kto (beta 0.1, desirable weight 1, undesirable weight 1)", p.stdout)
+        with open(os.path.join(self.tmp, "runs", "kto", "metrics.jsonl")) as f:
+            steps = [r["kto"] for r in map(json.loads, f) if "kto" in r]
+        self.assertEqual(len(steps), 4)
+        self.assertAlmostEqual(steps[0]["loss"], 0.5, places=6)
+        self.assertAlmostEqual(steps[0]["kl"], 0.0, places=6)
+        # Refusals by name: KTO runs on one process, ORPO reads pairs.
+        p = run("train", "--set", base + ",train.objective=orpo,run.name=orpo_bad,data.format=prompt-jsonl", expect_ok=False)
+        self.assert_one_line_error(p, "train.objective = orpo")
+        p = run("train", "--set", base + ",train.objective=kto,run.name=kto_tp,parallel.tp=2", expect_ok=False)
+        self.assert_one_line_error(p, "train.objective = kto does not run with tensor, pipeline or context parallelism")
+
     def test_qlora_trains_over_an_nf4_base_resumes_and_exports(self):
         sets = 'peft.method=lora,peft.rank=4,peft.targets="q,k,v,o,up,down",peft.quantize_base=true,train.checkpoint_every=3'
         p = self.train("qlora", "--set", sets, steps=6)

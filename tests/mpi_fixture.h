@@ -8,6 +8,7 @@
 
 #include "loom/backend/backend.h"
 #include "loom/comm/communicator.h"
+#include "loom/parallel/slice_source.h"
 #include "loom/parallel/tensor_parallel.h"
 #include "loom/core/targets.h"
 #include "loom/train/trainer.h"

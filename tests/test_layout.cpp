@@ -144,6 +144,62 @@ TEST(LayoutTableTest, RefusalsNameTheirKeys) {
   }
 }
 
+// One owner for every refusal: each combination the Trainer, the Transformer, QLoRA's base and the
+// objectives assert (LOOM_REFUSED, core/error.h) is refused by the table first, by its own row
+// (the message is the table's, not the assertion's).
+TEST(LayoutTableTest, EveryCombinationTheComponentsAssertIsTheTablesRefusal) {
+  struct Case {
+    const char* set;
+    int world;
+    const char* needle;
+  };
+  const char* moe = "model.arch=\"llama\",model.moe_experts=4,model.moe_top_k=2,model.moe_d_ff=16";
+  const char* mla = "model.arch=\"llama\",model.mla_kv_rank=16,model.mla_rope_dim=8,model.mla_v_dim=8,model.mla_q_rank=16";
+  const Case cases[] = {
+      // Trainer
+      {"parallel.ep=2,parallel.zero_stage=1,MOE", 2, "with parallel.ep > 1 is not supported"},
+      {"parallel.pp=2,parallel.zero_stage=2", 4, "use zero_stage 0 or 1"},
+      {"parallel.pp=2,optim.name=\"adafactor\"", 2, "needs an element-wise optimizer"},
+      {"parallel.zero_stage=1,optim.name=\"adafactor\"", 2, "element-wise optimizer"},
+      {"parallel.pp=2,train.recompute=\"full\"", 2, "with parallel.pp > 1 is not supported"},
+      {"parallel.pp=2,train.flash_attention=true", 2, "train.flash_attention"},
+      {"optim.name=\"ldadam\"", 2, "data parallelism is not supported with optim.name = ldadam"},
+      {"parallel.compression=\"topk\",parallel.zero_stage=2", 2, "replaces DDP's all-reduce"},
+      {"parallel.zero_stage=3,precision.param=\"bf16\"", 2, "parallel.zero_stage = 3 shards the fp32 parameters"},
+      {"parallel.tp=2,optim.name=\"adafactor\"", 2, "tensor parallelism needs an element-wise optimizer"},
+      {"parallel.tp=2,parallel.sequence_parallel=true,parallel.zero_stage=2", 2, "parallel.sequence_parallel with"},
+      {"precision.loss_scaling=true,optim.name=\"ldadam\"", 1, "precision.loss_scaling is not supported with"},
+      // Transformer
+      {"train.recompute=\"full\",MLA", 1, "with activation checkpointing"},
+      {"train.recompute=\"full\",parallel.cp=2", 2, "train.recompute = full"},
+      {"data.document_mask=true,parallel.tp=2,parallel.sequence_parallel=true", 2, "data.document_mask with learned"},
+      {"data.document_mask=true,parallel.cp=2", 2, "data.document_mask is not supported with context"},
+      {"parallel.tp=2,parallel.sequence_parallel=true,MOE", 2, "parallel.sequence_parallel with an MoE model"},
+      {"parallel.tp=2,parallel.sequence_parallel=true,parallel.cp=2", 4, "with parallel.sequence_parallel is not"},
+      {"parallel.cp=2,MOE", 2, "parallel.cp > 1 with an MoE model"},
+      // QLoRA's base
+      {"peft.quantize_base=true", 1, "peft.quantize_base (QLoRA) needs peft.method = lora"},
+      {"peft.method=\"lora\",peft.quantize_base=true,MOE", 1, "peft.quantize_base (QLoRA) is not supported yet"},
+      // Objectives (their rows' ObjectiveLayout, and DPO's live reference)
+      {"train.objective=\"dpo\",parallel.tp=2", 2, "train.objective = dpo does not run with tensor"},
+      {"train.objective=\"grpo\"", 2, "train.objective = grpo does not run with 2 data-parallel ranks"},
+      {"train.objective=\"distill\",parallel.pp=2", 2, "train.objective = distill does not run with"},
+      {"train.objective=\"kto\"", 2, "train.objective = kto does not run with 2 data-parallel ranks"},
+      {"train.objective=\"dpo\",dpo.reference=\"live\",parallel.zero_stage=3", 2, "dpo.reference = live copies"},
+  };
+  for (const Case& k : cases) {
+    LoomConfig c = tiny();
+    std::string set = k.set;
+    for (const auto& [name, value] : {std::pair<std::string, const char*>{"MOE", moe}, {"MLA", mla}}) {
+      if (const size_t at = set.find(name); at != std::string::npos) set.replace(at, name.size(), value);
+    }
+    apply_overrides(c, set);
+    const std::string msg = error_of([&] { verdict(c, k.world); });
+    EXPECT_NE(msg.find(k.needle), std::string::npos) << set << ": " << msg;
+    EXPECT_EQ(msg.find("refused first by the layout table"), std::string::npos) << set << ": " << msg;
+  }
+}
+
 TEST(LayoutTableTest, BackendCapabilitiesAreRefusedByName) {
   LoomConfig c = tiny();
   EXPECT_TRUE(verdict(c, 2, BackendCapabilities{}).empty());  // DDP with AdamW: every op is the backend's

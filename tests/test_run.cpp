@@ -138,7 +138,7 @@ TEST_F(RunTest, ADryRunTakesNoStep) {
 // an objective's layout are refused before anything is built, naming the key.
 TEST_F(RunTest, TheObjectiveRegistryRefusesByName) {
   std::vector<std::string> names;
-  for (const ObjectiveRow* row : objective_rows()) names.emplace_back(row->name);
+  for (const ObjectiveRow& row : objective_rows()) names.emplace_back(row.name);
   for (const char* name : {"lm", "dpo", "grpo", "distill"}) {
     EXPECT_NE(std::find(names.begin(), names.end(), name), names.end()) << name;
   }

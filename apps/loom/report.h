@@ -1,6 +1,7 @@
 // loom report: a run's (or several runs') metrics.jsonl as hand-written SVG charts and one
-// index.html comparing the runs. Standard library and nlohmann/json only, so the report needs no
-// plotting library and no Python, and it reads the files without linking the training engine.
+// index.html comparing the runs. The records are read through their schema
+// (train/metrics_schema.h: nlohmann/json and core/ only, no engine code), the SVG is drawn by
+// report_chart.h: the report needs no plotting library and no Python.
 #pragma once
 #include <string>
 #include <vector>
@@ -14,7 +15,7 @@ struct ReportResult {
 
 // Reads RUN_DIR/metrics.jsonl of each run and writes into out_dir (created if missing) one SVG
 // per chart that has data (loss, learning rate, gradient norm, tokens/s, MFU, memory, and the
-// reward / DPO accuracy of such runs) and index.html, each through a temporary name and a rename.
+// the series each objective's registry row names: a reward, a preference accuracy) and index.html, each through a temporary name and a rename.
 // A step recorded twice (a resumed run) keeps its last record; a cut-short last line (a run
 // killed mid-write) is skipped with a warning, and so is any other line that is not a record
 // (not JSON, not an object, a field of the wrong type): a warning naming the file and line

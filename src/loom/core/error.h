@@ -27,3 +27,10 @@ std::string str_cat(const Args&... args) {
   do {                                                          \
     if (!(cond)) throw ::loom::Error(::loom::str_cat(__VA_ARGS__)); \
   } while (0)
+
+// LOOM_REFUSED(cond, parts...): a combination the compatibility table (train/layout.cpp, the one
+// owner of such refusals) refuses by name before anything is built, asserted again where it would
+// go wrong. Reaching it means a component was built without the table (a test, a library caller);
+// it throws like LOOM_CHECK, naming the table.
+#define LOOM_REFUSED(cond, ...) \
+  LOOM_CHECK(cond, __VA_ARGS__, " (refused first by the layout table, train/layout.cpp)")

@@ -210,9 +210,11 @@ SftStream read_sft_file(const std::string& path, SftFormat format, const Tokeniz
                         const std::string& chat_template, const std::string& template_source) {
   LOOM_CHECK(format != SftFormat::text, "read_sft_file: ", path, " is plain text, not supervised data");
   LOOM_CHECK(format != SftFormat::preference_jsonl, path, ": data.format = preference-jsonl holds preference pairs: "
-             "loom train reads them itself with train.objective = dpo (no loom prepare)");
+             "loom train reads them itself from data.input (no loom prepare; docs/finetune.md)");
   LOOM_CHECK(format != SftFormat::prompt_jsonl, path, ": data.format = prompt-jsonl holds prompts with answers: "
-             "loom train reads them itself with train.objective = grpo (no loom prepare)");
+             "loom train reads them itself from data.input (no loom prepare; docs/finetune.md)");
+  LOOM_CHECK(format != SftFormat::unpaired_preference_jsonl, path, ": data.format = unpaired-preference-jsonl holds "
+             "labelled completions: loom train reads them itself from data.input (no loom prepare; docs/finetune.md)");
   LOOM_CHECK(format != SftFormat::chat_jsonl || !chat_template.empty(), path, ": data.format = chat-jsonl needs a chat "
              "template: the tokenizer folder's tokenizer_config.json has none; give one with --chat-template FILE");
   SftStream out;
@@ -258,6 +260,29 @@ std::vector<PreferencePair> read_preference_file(const std::string& path, const 
     p.line = where;
   });
   return pairs;
+}
+
+std::vector<UnpairedExample> read_unpaired_preference_file(const std::string& path, const Tokenizer& tokenizer) {
+  std::vector<UnpairedExample> examples;
+  for_each_json_line(path, "unpaired preference data", [&](const nlohmann::json& line, const std::string& where) {
+    UnpairedExample& e = examples.emplace_back();
+    add_completion(e.sequence, line, "completion", tokenizer, where);
+    LOOM_CHECK(line.contains("label") && line.at("label").is_boolean(), where,
+               ": expected a boolean \"label\" (true: the completion is desirable, false: undesirable)");
+    e.desirable = line.at("label").get<bool>();
+    e.line = where;
+  });
+  return examples;
+}
+
+std::vector<UnpairedExample> unpair_preferences(std::vector<PreferencePair> pairs) {
+  std::vector<UnpairedExample> examples;
+  examples.reserve(2 * pairs.size());
+  for (PreferencePair& p : pairs) {
+    examples.push_back({std::move(p.chosen), true, p.line});
+    examples.push_back({std::move(p.rejected), false, std::move(p.line)});
+  }
+  return examples;
 }
 
 }  // namespace loom

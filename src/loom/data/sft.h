@@ -28,10 +28,11 @@
 
 namespace loom {
 
-enum class SftFormat : uint8_t { text, chat_jsonl, jsonl, preference_jsonl, prompt_jsonl };
+enum class SftFormat : uint8_t { text, chat_jsonl, jsonl, preference_jsonl, prompt_jsonl, unpaired_preference_jsonl };
 template <>
 struct EnumNames<SftFormat> {  // data.format
-  static constexpr std::array<std::string_view, 5> names{"text", "chat-jsonl", "jsonl", "preference-jsonl", "prompt-jsonl"};
+  static constexpr std::array<std::string_view, 6> names{"text", "chat-jsonl", "jsonl", "preference-jsonl",
+                                                         "prompt-jsonl", "unpaired-preference-jsonl"};
 };
 
 struct SftStream {
@@ -49,7 +50,7 @@ ChatTemplateOptions chat_template_options(const Tokenizer& tokenizer);
 SftStream read_sft_file(const std::string& path, SftFormat format, const Tokenizer& tokenizer,
                         const std::string& chat_template, const std::string& template_source = "");
 
-// Preference data (train.objective = dpo, train/dpo.h): {"prompt": "...", "chosen": "...",
+// Preference data (the preference objectives' data.format, train/objective.h): {"prompt": "...", "chosen": "...",
 // "rejected": "..."} per line, TRL's standard preference format. Each side is one sequence as a
 // jsonl example is: the prompt (not counting), the completion and the end-of-sequence token
 // (counting); no end-of-text token after it. Errors name the file and line.
@@ -59,13 +60,28 @@ struct PreferencePair {
 };
 std::vector<PreferencePair> read_preference_file(const std::string& path, const Tokenizer& tokenizer);
 
-// One row of a batch of whole sequences (DPO's pairs, GRPO's rollouts): x (T) = seq padded with
+// Unpaired preference data (labelled completions, train/objective.h): {"prompt": "...", "completion":
+// "...", "label": true | false} per line, TRL's unpaired preference format: label true where the
+// completion is desirable. The sequence is a jsonl example's (the prompt not counting, the
+// completion and the end-of-sequence token counting; no end-of-text token after it). Errors name
+// the file and line.
+struct UnpairedExample {
+  SftStream sequence;
+  bool desirable = true;
+  std::string line;  // "path:number", for errors
+};
+std::vector<UnpairedExample> read_unpaired_preference_file(const std::string& path, const Tokenizer& tokenizer);
+// Preference pairs as unpaired examples, as TRL's unpair_preference_dataset makes them: a pair's
+// chosen sequence desirable (label true), its rejected one not; pair i gives examples 2i, 2i + 1.
+std::vector<UnpairedExample> unpair_preferences(std::vector<PreferencePair> pairs);
+
+// One row of a batch of whole sequences (preference pairs, rollouts): x (T) = seq padded with
 // `pad`; y (T) = the next token where it is at index counted_from or later (the completion),
 // kIgnoreTarget elsewhere (the prompt, the padding). seq holds at most T + 1 tokens.
 void write_completion_row(std::span<const int32_t> seq, int64_t counted_from, int64_t T, int32_t pad, int32_t* x,
                           int32_t* y);
 
-// Prompts with a verifiable answer (train.objective = grpo, train/grpo.h): {"prompt": "...",
+// Prompts with a verifiable answer (for rollouts with a reward, train/objective.h): {"prompt": "...",
 // "answer": "..."} per line; the prompt tokenized as a jsonl example's (BOS where the tokenizer's
 // files ask for it). Errors name the file and line.
 struct PromptExample {

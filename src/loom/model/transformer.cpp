@@ -1,17 +1,15 @@
 #include "loom/model/transformer.h"
 
+#include "loom/model/init.h"
+#include "loom/model/recompute_timing.h"
 #include "loom/nn/context_parallel.h"
 #include "loom/nn/lora.h"
 #include "loom/nn/sequence_parallel.h"
 #include "loom/nn/vocab_parallel.h"
 
 #include <algorithm>
-#include <chrono>
-#include <limits>
 
 #include "loom/core/error.h"
-#include "loom/core/pages.h"
-#include "loom/core/philox.h"
 
 namespace loom {
 
@@ -89,34 +87,8 @@ Tensor Transformer::grad(const std::string& name) const {
   return grads_.view(spec.offset, spec.shape);
 }
 
-namespace {
-
-// t (f32, any backend) = Philox normals (seed, stream `stream`, mean 0, `std`): in place when host
-// code may write it, else drawn into host memory and written through the backend.
-void fill_normal(Backend& backend, const Tensor& t, uint64_t seed, uint32_t stream, float std) {
-  if (t.host_accessible()) {
-    philox_fill_normal(t.data<float>(), t.numel(), seed, stream, 0, 0.0f, std);
-    return;
-  }
-  std::vector<float> host(static_cast<size_t>(t.numel()));
-  philox_fill_normal(host.data(), t.numel(), seed, stream, 0, 0.0f, std);
-  backend.write(t, host.data());
-}
-
-}  // namespace
-
 void Transformer::init_weights(uint64_t seed) {
-  for (size_t i = 0; i < layout_.params.size(); ++i) {
-    const ParamSpec& spec = layout_.params[i];
-    const Tensor t = params_.view(spec.offset, spec.shape);
-    switch (spec.init) {
-      case INIT_NORMAL: fill_normal(backend_, t, seed, static_cast<uint32_t>(i), spec.init_std); break;
-      case INIT_ONES: backend_.fill(t, 1.0); break;
-      case INIT_ZEROS: backend_.fill(t, 0.0); break;
-      case INIT_COUNT: break;
-    }
-  }
-  dora_init_magnitudes(backend_, config_, params_);  // DoRA: m = the initialised base rows' norms
+  init_params(backend_, config_, layout_, params_, seed);
 }
 
 void Transformer::zero_grads() {
@@ -153,56 +125,9 @@ void Transformer::set_precision(const PrecisionPolicy& policy) {
 }
 
 void Transformer::quantize_base() {
-  LOOM_CHECK(config_.lora() && quantized_.empty(), "peft.quantize_base (QLoRA) needs peft.method = lora");
-  LOOM_CHECK(backend_.capabilities().nf4 && params_.host_accessible(), "peft.quantize_base (QLoRA) is not supported on "
-             "the ", backend_.name(), " backend yet (it lacks nf4_dequantize in the linear layers)");
-  LOOM_CHECK(!config_.mla() && config_.moe_experts == 0, "peft.quantize_base (QLoRA) with MoE or MLA blocks is not supported yet");
-  LOOM_CHECK(!params16_.defined(), "peft.quantize_base (QLoRA) with precision.param = bf16 is not supported");
+  qlora_.check(backend_, config_, params_, params16_.defined());
   set_precision(policy_);  // the blocks get the workspace their layers dequantize into
-  for (int64_t l = 0; l < config_.n_layer; ++l) {
-    const BlockParams p = block_params_view(config_, layout_, params_, l);
-    const std::array<LinearLayer*, 4> linears = blocks_[static_cast<size_t>(l)].linears();
-    const std::array<Tensor, 4> weights = {p.attention.qkv_w, p.attention.proj_w, p.mlp.fc_w, p.mlp.fc2_w};
-    for (size_t i = 0; i < weights.size(); ++i) {
-      const Tensor& w = weights[i];
-      const Nf4Tensor t = nf4_quantize(std::span<const float>(w.data<float>(), static_cast<size_t>(w.numel())), w.dim(0), w.dim(1));
-      QuantizedWeight q;
-      q.offset = (static_cast<const char*>(w.device_ptr()) - static_cast<const char*>(params_.device_ptr())) /
-                 static_cast<int64_t>(sizeof(float));
-      q.shape = w.shape();
-      q.bytes = t.bytes();
-      q.nf4 = std::make_unique<Nf4Device>(nf4_to_backend(t, backend_, MEM_PARAMETERS));
-      linears[i]->set_base(q.nf4.get());
-      quantized_.push_back(std::move(q));
-    }
-  }
-  materialize_base();
-  release_base();
-}
-
-void Transformer::materialize_base() {
-  for (const QuantizedWeight& q : quantized_) {
-    backend_.nf4_dequantize(q.nf4->codes, q.nf4->absmax_codes, q.nf4->absmax_steps, q.nf4->spec, 0,
-                            params_.view(q.offset, q.shape));
-  }
-}
-
-void Transformer::release_base() {
-  for (const QuantizedWeight& q : quantized_) {
-    release_elements(params_, q.offset, q.offset + shape_numel(q.shape));
-  }
-}
-
-int64_t Transformer::quantized_params() const {
-  int64_t total = 0;
-  for (const QuantizedWeight& q : quantized_) total += shape_numel(q.shape);
-  return total;
-}
-
-int64_t Transformer::quantized_bytes() const {
-  int64_t total = 0;
-  for (const QuantizedWeight& q : quantized_) total += static_cast<int64_t>(q.bytes);
-  return total;
+  qlora_.quantize(backend_, config_, layout_, params_, blocks_);
 }
 
 void Transformer::sync_weight_copy() {
@@ -223,98 +148,24 @@ void Transformer::set_recording(bool on) {
 }
 
 void Transformer::moe_end_step(Communicator* group) {
-  if (config_.moe_experts == 0) {
-    moe_stats_.clear();
-    return;
-  }
-  // Per MoE layer: E loads, then tokens, dropped, micro-batches, aux, seq_aux, z, entropy, dispatched.
-  const int64_t E = config_.moe_experts, per = E + 8;
-  if (!moe_sums_.defined()) {
-    for (int64_t l = 0; l < config_.n_layer; ++l) {
-      if (blocks_[l].is_moe()) moe_layers_.push_back(l);
-    }
-    moe_sums_ = Tensor::empty(backend_.allocator(), {static_cast<int64_t>(moe_layers_.size()) * per}, DTYPE_F64,
-                              MEM_WORKSPACE);
-  }
-  const std::vector<int64_t>& layers = moe_layers_;
-  moe_sums_host_.resize(static_cast<size_t>(moe_sums_.numel()));  // sized once: the first step's
-  double* v = moe_sums_host_.data();
-  for (size_t i = 0; i < layers.size(); ++i) {
-    Block::MoeStats& m = blocks_[layers[i]].moe_stats();
-    double* o = v + static_cast<int64_t>(i) * per;
-    for (int64_t e = 0; e < E; ++e) o[e] = m.load.empty() ? 0.0 : m.load[e];
-    o[E] = static_cast<double>(m.tokens), o[E + 1] = static_cast<double>(m.dropped);
-    o[E + 2] = static_cast<double>(m.micro_batches), o[E + 3] = m.aux, o[E + 4] = m.seq_aux, o[E + 5] = m.z;
-    o[E + 6] = m.entropy, o[E + 7] = static_cast<double>(m.dispatched);
-    m.reset();
-  }
-  if (group != nullptr && group->size() > 1) {  // every rank's tokens
-    backend_.write(moe_sums_, v);
-    group->all_reduce(moe_sums_);
-    backend_.read(moe_sums_, v);
-  }
-  size_t kept = 0;  // the entries of the layers with tokens, reused from the last step (their load's capacity)
-  for (size_t i = 0; i < layers.size(); ++i) {
-    const double* o = v + static_cast<int64_t>(i) * per;
-    if (static_cast<int64_t>(o[E]) <= 0) continue;
-    MoeLayerStats& st = kept < moe_stats_.size() ? moe_stats_[kept] : moe_stats_.emplace_back();
-    ++kept;
-    st.layer = layers[i];
-    st.load.assign(o, o + E);
-    st.tokens = static_cast<int64_t>(o[E]), st.dropped = static_cast<int64_t>(o[E + 1]);
-    const double micro = std::max(1.0, o[E + 2]);
-    st.aux = o[E + 3] / micro, st.seq_aux = o[E + 4] / micro, st.z = o[E + 5] / micro, st.entropy = o[E + 6] / micro;
-    st.max_violation = moe_max_violation(st.load);
-    st.dispatched = static_cast<int64_t>(o[E + 7]);
-    if (config_.moe_bias_gamma > 0.0f) {  // auxiliary-loss-free balancing
-      moe_update_bias(backend_, blocks_[layers[i]].moe_bias(), st.load, config_.moe_bias_gamma, moe_scratch_.bias_host);
-    }
-  }
-  moe_stats_.resize(kept);
+  moe_stats_.end_step(backend_, config_, blocks_, group, moe_scratch_.bias_host);
 }
 
-namespace {
-std::vector<LinearLayer*> delayed_layers(std::vector<LinearLayer*> all) {
-  std::erase_if(all, [](LinearLayer* l) { return l->setup().recipe != RECIPE_FP8_DELAYED; });
-  return all;
+std::vector<DelayedScaling*> Transformer::delayed_scalings() {
+  std::vector<DelayedScaling*> out;  // linear_layers()' order, each layer's x, w, dy
+  for (LinearLayer* l : linear_layers()) {
+    if (l->setup().recipe != RECIPE_FP8_DELAYED) continue;
+    for (DelayedScaling& s : l->scaling()) out.push_back(&s);
+  }
+  return out;
 }
-}  // namespace
 
 const Tensor& Transformer::pack_scaling_state() {
-  const std::vector<LinearLayer*> layers = delayed_layers(linear_layers());
-  if (layers.empty()) return scaling_state_;
-  const int64_t per = policy_.fp8_history + 1;
-  if (!scaling_state_.defined()) {
-    scaling_state_ = Tensor::empty(backend_.allocator(), {static_cast<int64_t>(layers.size()) * 3 * per}, DTYPE_F32,
-                                   MEM_OPTIMIZER_STATE);
-  }
-  // The histories live on the host (the FP8 scales are host scalars); the checkpointed tensor
-  // is backend memory, written through the backend.
-  std::vector<float> host(static_cast<size_t>(scaling_state_.numel()));
-  float* p = host.data();
-  for (LinearLayer* l : layers) {
-    for (const DelayedScaling& s : l->scaling()) {
-      std::copy(s.history().begin(), s.history().end(), p);
-      p[per - 1] = s.amax_used();
-      p += per;
-    }
-  }
-  backend_.write(scaling_state_, host.data());
-  return scaling_state_;
+  return scaling_state_.pack(backend_, delayed_scalings(), policy_.fp8_history);
 }
 
 void Transformer::unpack_scaling_state() {
-  if (!scaling_state_.defined()) return;
-  const int64_t per = policy_.fp8_history + 1;
-  std::vector<float> host(static_cast<size_t>(scaling_state_.numel()));
-  backend_.read(scaling_state_, host.data());
-  const float* p = host.data();
-  for (LinearLayer* l : delayed_layers(linear_layers())) {
-    for (DelayedScaling& s : l->scaling()) {
-      s.restore(std::vector<float>(p, p + per - 1), p[per - 1]);
-      p += per;
-    }
-  }
+  scaling_state_.unpack(backend_, delayed_scalings(), policy_.fp8_history);
 }
 
 std::vector<LinearLayer*> Transformer::linear_layers() {
@@ -326,60 +177,10 @@ std::vector<LinearLayer*> Transformer::linear_layers() {
   return out;
 }
 
-std::vector<Transformer::LinearWeight> Transformer::linear_weights() {
-  LOOM_CHECK(!config_.mla() && config_.moe_experts == 0, "quantized linear weights with MoE or MLA blocks are not supported yet");
-  std::map<int64_t, std::string> names;  // flat offset -> parameter name
-  for (const ParamSpec& spec : layout_.params) names.emplace(spec.offset, spec.name);
-  auto offset_of = [&](const Tensor& w) {
-    return (static_cast<const char*>(w.device_ptr()) - static_cast<const char*>(params_.device_ptr())) /
-           static_cast<int64_t>(sizeof(float));
-  };
-  std::vector<LinearWeight> out;
-  for (int64_t l = 0; l < config_.n_layer; ++l) {
-    const BlockParams p = block_params_view(config_, layout_, params_, l);
-    const std::array<LinearLayer*, 4> linears = blocks_[static_cast<size_t>(l)].linears();
-    const std::array<Tensor, 4> weights = {p.attention.qkv_w, p.attention.proj_w, p.mlp.fc_w, p.mlp.fc2_w};
-    for (size_t i = 0; i < weights.size(); ++i) out.push_back({names.at(offset_of(weights[i])), linears[i], weights[i]});
-  }
-  out.push_back({names.at(offset_of(head_w)), &head_, head_w});
-  return out;
-}
-
 void Transformer::set_int_weights(std::map<std::string, IntWeight> weights) {
-  LOOM_CHECK(backend_.capabilities().int_weights && params_.host_accessible(), "quantized checkpoints are not supported "
-             "on the ", backend_.name(), " backend yet (it lacks int_linear)");
-  LOOM_CHECK(int_weights_.empty(), "set_int_weights: the model already has quantized weights");
+  int_weights_.check(backend_, params_);
   set_precision(policy_);  // the layers get the workspace they dequantize into
-  const Tensor tied = config_.tied_head() ? embed_w : Tensor{};
-  for (const LinearWeight& lw : linear_weights()) {
-    auto it = weights.find(lw.name);
-    if (it == weights.end()) continue;
-    const IntWeightSpec& spec = it->second.spec;
-    LOOM_CHECK(spec.rows == lw.weight.dim(0) && spec.cols == lw.weight.dim(1), lw.name, ": quantized as (", spec.rows,
-               ", ", spec.cols, "), but the model's weight is (", lw.weight.dim(0), ", ", lw.weight.dim(1), ")");
-    int_weights_.push_back(std::make_unique<IntWeightDevice>(int_weight_to_backend(it->second, backend_, MEM_PARAMETERS)));
-    lw.layer->set_int_weight(int_weights_.back().get());
-    if (!(tied.defined() && lw.weight.device_ptr() == tied.device_ptr())) {
-      const int64_t begin = (static_cast<const char*>(lw.weight.device_ptr()) - static_cast<const char*>(params_.device_ptr())) /
-                            static_cast<int64_t>(sizeof(float));
-      release_elements(params_, begin, begin + lw.weight.numel());
-    }
-    weights.erase(it);
-  }
-  LOOM_CHECK(weights.empty(), weights.empty() ? std::string() : weights.begin()->first,
-             ": a quantized tensor that is not a linear layer's weight of this model");
-}
-
-int64_t Transformer::int_weight_params() const {
-  int64_t total = 0;
-  for (const auto& q : int_weights_) total += q->spec.rows * q->spec.cols;
-  return total;
-}
-
-int64_t Transformer::int_weight_bytes() const {
-  int64_t total = 0;
-  for (const auto& q : int_weights_) total += q->bytes;
-  return total;
+  int_weights_.set(backend_, params_, linear_weights(), config_.tied_head() ? embed_w : Tensor{}, std::move(weights));
 }
 
 ActivationStore Transformer::allocate_store(int64_t batch, int64_t seq_len) {
@@ -395,8 +196,8 @@ void Transformer::set_recompute(std::vector<RecomputePolicy> plan, bool offload)
   LOOM_CHECK(scratch_tokens_ == 0, "set_recompute must come before the activation stores are allocated");
   LOOM_CHECK(plan.empty() || static_cast<int64_t>(plan.size()) == config_.n_layer, "recompute plan of ", plan.size(),
              " layers for a model of ", config_.n_layer);
-  LOOM_CHECK(!config_.mla() || std::all_of(plan.begin(), plan.end(), [](RecomputePolicy p) { return p == RECOMPUTE_NONE; }),
-             "model.mla_kv_rank > 0 (MLA) is not supported with activation checkpointing: set train.recompute = none");
+  LOOM_REFUSED(!config_.mla() || std::all_of(plan.begin(), plan.end(), [](RecomputePolicy p) { return p == RECOMPUTE_NONE; }),
+               "model.mla_kv_rank > 0 (MLA) is not supported with activation checkpointing: set train.recompute = none");
   recompute_ = std::move(plan);
   recompute_offload_ = offload;
   for (size_t l = 0; l < blocks_.size(); ++l) blocks_[l].set_recompute(recompute_.empty() ? RECOMPUTE_NONE : recompute_[l]);
@@ -411,39 +212,7 @@ void Transformer::set_flash_attention(bool on) {
 
 std::vector<std::array<double, RECOMPUTE_COUNT>> Transformer::measure_recompute_seconds(int64_t batch, int64_t seq_len,
                                                                                      int repeats) {
-  Allocator& alloc = backend_.allocator();
-  const int64_t C = config_.d_model;
-  // A scratch record (workspace, freed on return) with a deterministic input in the range of a
-  // residual stream; its other fields come from the first forward.
-  const SavedShape shape{.batch = batch, .seq_len = seq_len, .category = MEM_WORKSPACE};
-  BlockSaved kept = allocate_block_saved(alloc, config_, recompute_record_plan(), shape);
-  BlockSaved full = allocate_block_saved(alloc, config_, recompute_record_plan(), shape);
-  const Tensor out = Tensor::empty(alloc, {batch * seq_len * std::max(C, config_.n_head * config_.head_dim())},
-                                   DTYPE_F32, MEM_WORKSPACE);
-  fill_normal(backend_, kept.input, 1, 0, 1.0f);
-  std::vector<std::array<double, RECOMPUTE_COUNT>> seconds(static_cast<size_t>(config_.n_layer));
-  for (int64_t l = 0; l < config_.n_layer; ++l) {
-    Block& b = blocks_[static_cast<size_t>(l)];
-    seconds[l][RECOMPUTE_NONE] = 0.0;
-    if (b.is_moe()) {  // (MoE blocks always keep everything)
-      seconds[l][RECOMPUTE_SELECTIVE] = seconds[l][RECOMPUTE_FULL] = std::numeric_limits<double>::infinity();
-      continue;
-    }
-    b.set_recording(false);
-    b.forward(backend_, kept, out.view(0, kept.input.shape()));
-    for (const RecomputePolicy p : {RECOMPUTE_SELECTIVE, RECOMPUTE_FULL}) {
-      double fastest = std::numeric_limits<double>::infinity();
-      for (int r = 0; r < repeats; ++r) {
-        BlockSaved f = full;
-        const auto start = std::chrono::steady_clock::now();
-        b.recompute(backend_, kept, p, f, out);
-        fastest = std::min(fastest, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-      }
-      seconds[l][p] = fastest;
-    }
-    b.set_recording(true);
-  }
-  return seconds;
+  return loom::measure_recompute_seconds(backend_, config_, blocks_, recompute_record_plan(), batch, seq_len, repeats);
 }
 
 LayerPlan Transformer::recompute_record_plan() const {
@@ -514,8 +283,8 @@ ActivationStore Transformer::allocate_store_for(int64_t batch, int64_t seq_len, 
   }
   const bool any_recompute = recompute && std::any_of(recompute_.begin(), recompute_.end(),
                                                       [](RecomputePolicy p) { return p != RECOMPUTE_NONE; });
-  LOOM_CHECK(!any_recompute || (tp_ == nullptr && cp_.comm == nullptr), "activation checkpointing (train.recompute) "
-             "with tensor or context parallelism is not supported yet");
+  LOOM_REFUSED(!any_recompute || (tp_ == nullptr && cp_.comm == nullptr), "activation checkpointing (train.recompute) "
+               "with tensor or context parallelism is not supported yet");
   if (any_recompute && (!recompute_record_.input.defined() || recompute_record_.input.dim(0) != B ||
                         recompute_record_.input.dim(1) != T)) {
     recompute_record_ = allocate_block_saved(alloc, config_, recompute_record_plan(), {.batch = B, .seq_len = T});
@@ -545,8 +314,8 @@ double Transformer::forward(ActivationStore& s, bool compute_loss) {
 
 void Transformer::for_each_document(const ActivationStore& s, const Tensor& x,
                                     const std::function<void(const Tensor&)>& f) const {
-  LOOM_CHECK(!sp_ && cp_.comm == nullptr, "packed documents (data.document_mask) with learned positions and sequence "
-             "or context parallelism are not supported yet");
+  LOOM_REFUSED(!sp_ && cp_.comm == nullptr, "packed documents (data.document_mask) with learned positions and sequence "
+               "or context parallelism are not supported yet");
   if (s.docs.empty()) {
     f(x);
     return;
@@ -556,8 +325,8 @@ void Transformer::for_each_document(const ActivationStore& s, const Tensor& x,
 }
 
 void Transformer::set_documents(ActivationStore& s, int64_t first, int64_t last) {
-  LOOM_CHECK(s.docs.empty() || cp_.comm == nullptr, "packed documents (data.document_mask) with context parallelism "
-             "(parallel.cp > 1) are not supported yet");
+  LOOM_REFUSED(s.docs.empty() || cp_.comm == nullptr, "packed documents (data.document_mask) with context parallelism "
+               "(parallel.cp > 1) are not supported yet");
   for (int64_t l = first; l < last; ++l) {
     BlockSaved& b = s.blocks[static_cast<size_t>(l)];
     b.attention.docs = s.docs.empty() ? nullptr : &s.docs;
@@ -689,8 +458,8 @@ void Transformer::set_tensor_parallel(Communicator* tp, int64_t vocab_begin, int
              "tensor parallel: vocabulary rows [", vocab_begin, ", +", vocab_valid, ") do not fit this slice's ",
              config_.vocab_size, " rows");
   LOOM_CHECK(scratch_tokens_ == 0, "set_tensor_parallel must come before the activation stores are allocated");
-  LOOM_CHECK(tp == nullptr || !sequence_parallel || config_.moe_experts == 0, "parallel.sequence_parallel with an "
-             "MoE model (model.moe_experts = ", config_.moe_experts, ") is not supported yet");
+  LOOM_REFUSED(tp == nullptr || !sequence_parallel || config_.moe_experts == 0, "parallel.sequence_parallel with an "
+               "MoE model (model.moe_experts = ", config_.moe_experts, ") is not supported yet");
   tp_ = tp;
   vocab_ = {vocab_begin, vocab_valid};
   sp_ = sequence_parallel && tp != nullptr;
@@ -720,9 +489,9 @@ RangeSet Transformer::expert_ranges(bool own) const {
 
 void Transformer::set_context_parallel(Communicator* cp, bool ulysses) {
   LOOM_CHECK(scratch_tokens_ == 0, "set_context_parallel must come before the activation stores are allocated");
-  LOOM_CHECK(cp == nullptr || !sp_, "context parallel with sequence parallel is not supported yet");
-  LOOM_CHECK(cp == nullptr || config_.moe_experts == 0, "parallel.cp > 1 with an MoE model (model.moe_experts = ",
-             config_.moe_experts, ") is not supported yet");
+  LOOM_REFUSED(cp == nullptr || !sp_, "context parallel with sequence parallel is not supported yet");
+  LOOM_REFUSED(cp == nullptr || config_.moe_experts == 0, "parallel.cp > 1 with an MoE model (model.moe_experts = ",
+               config_.moe_experts, ") is not supported yet");
   cp_ = ContextParallel{};
   cp_.comm = cp;
   cp_.ulysses = ulysses;
@@ -822,8 +591,8 @@ void Transformer::backward_stage(ActivationStore& s, int64_t first, int64_t last
     } else {
       backend_.cross_entropy_backward(s.logits, s.targets, s.lse, scale, s.logits);
     }
-    if (s.logit_grad.defined()) {  // distillation's term (already scaled by its weight and 1/(B T))
-      LOOM_CHECK(tp_ == nullptr && s.row_weights.empty() && s.position_weights.empty(), "a logit gradient (distillation) "
+    if (s.logit_grad.defined()) {  // a soft-target term (already scaled by its weight and 1/(B T))
+      LOOM_CHECK(tp_ == nullptr && s.row_weights.empty() && s.position_weights.empty(), "a logit gradient (soft targets) "
                  "with tensor parallelism or per-row weights is not supported");
       backend_.axpy(s.logits, s.logit_grad, loss_weight);
     }

@@ -16,22 +16,13 @@
 #include "loom/arch/config.h"
 #include "loom/arch/param_layout.h"
 #include "loom/core/documents.h"
-#include "loom/precision/int_quant.h"
-#include "loom/precision/nf4.h"
+#include "loom/model/int_weights.h"
+#include "loom/model/moe_stats.h"
+#include "loom/model/qlora_base.h"
+#include "loom/precision/fp8_state.h"
 #include "loom/nn/block.h"
 
 namespace loom {
-
-// One MoE layer's routing over a step (summed over the group moe_end_step was given).
-struct MoeLayerStats {
-  int64_t layer = 0;
-  std::vector<double> load;   // [expert] token assignments (before capacity)
-  int64_t tokens = 0, dropped = 0;
-  int64_t dispatched = 0;     // expert parallel: rows sent to another rank's experts (one way)
-  double max_violation = 0;   // max load / mean load - 1
-  double entropy = 0;         // mean router entropy (nats)
-  double aux = 0, seq_aux = 0, z = 0;  // the auxiliary losses, mean over micro-batches and ranks' sums
-};
 
 // Everything one micro-batch keeps between forward and backward.
 struct ActivationStore {
@@ -50,13 +41,13 @@ struct ActivationStore {
   // gradient of loss_weight * row_weights[b] * (their summed cross-entropy) instead of the mean's;
   // empty: the mean over the B T positions.
   std::vector<float> row_weights;
-  // The same per position (B T), for an objective whose weights vary along a row (GRPO's KL term).
+  // The same per position (B T), for an objective whose weights vary along a row (a per-token KL term).
   std::vector<float> position_weights;
   // peft.dropout: which training pass this is (the masks' Philox counter: the trainer numbers its
   // micro-batches from 1); 0: no dropout (evaluation, decoding, a reference pass).
   uint32_t dropout_pass = 0;
-  bool adapters_off = false;  // LoRA's adapters skipped: the base alone (DPO's live reference, train/dpo.h)
-  // Knowledge distillation (train/distill.h): the cross-entropy's gradient is weighted by
+  bool adapters_off = false;  // LoRA's adapters skipped: the base alone (a live reference model, train/objective.h)
+  // A teacher's soft targets (Backend::soft_target_loss): the cross-entropy's gradient is weighted by
   // ce_weight, and logit_grad (B T, V), when defined, is added to d(logits) after it.
   float ce_weight = 1.0f;
   Tensor logit_grad;
@@ -127,7 +118,7 @@ class Transformer {
   // Context parallel (nn/context_parallel.h): this rank holds seq_len / cp positions of every
   // sequence, two zig-zag chunks; stores are allocated for the whole seq_len and hold this
   // rank's part (store.seq_len is the local length; tokens and targets are the local rows,
-  // ContextSliceSource in train/trainer.h); attention is ring or Ulysses over `cp`. The losses
+  // ContextSliceSource in parallel/slice_source.h); attention is ring or Ulysses over `cp`. The losses
   // and gradients of the group's ranks average to the whole sequence's (equal token counts).
   void set_context_parallel(Communicator* cp, bool ulysses);
   // Activation checkpointing (memory/recompute.h): each block's policy (empty: none), set before
@@ -158,19 +149,17 @@ class Transformer {
   // backward writes no gradient there and zero_grads() leaves it alone, so its gradient pages
   // are never touched; the optimizer skips it. Empty without LoRA.
   RangeSet frozen_ranges() const;
-  // QLoRA (peft.quantize_base, docs/finetune.md): every block's four linear weights (the frozen
-  // base's matrices) stored in NF4 with double-quantized scales (precision/nf4.h), which the
-  // linear layers dequantize on the fly in forward and backward (LinearLayer's base). Their fp32
-  // elements first get the dequantized values -- what training computes with, so checkpoints,
-  // decoding and merging see the same weights -- and then their pages are released
+  // QLoRA (peft.quantize_base, docs/finetune.md; model/qlora_base.h): every block's four linear
+  // weights (the frozen base's matrices) stored in NF4, dequantized on the fly by the linear
+  // layers; their fp32 elements get the dequantized values, then their pages are released
   // (release_base) until materialize_base writes them again (before a checkpoint or decoding).
   // Needs LoRA, the nf4 capability, host-readable parameters, no MoE or MLA.
   void quantize_base();
-  void materialize_base();
-  void release_base();
+  void materialize_base() { qlora_.materialize(); }
+  void release_base() { qlora_.release(); }
   // The quantized weights: their element count and NF4 bytes (nf4_bytes of each).
-  int64_t quantized_params() const;
-  int64_t quantized_bytes() const;
+  int64_t quantized_params() const { return qlora_.params(); }
+  int64_t quantized_bytes() const { return qlora_.bytes(); }
   RangeSet own_expert_ranges() const { return expert_ranges(true); }
   std::vector<std::pair<int64_t, int64_t>> tp_partial_ranges() const;
   Communicator* tensor_parallel() const { return tp_; }
@@ -208,32 +197,31 @@ class Transformer {
   // FP8 delayed scaling state of every layer using it (per layer x, w, dy: the amax history,
   // then the amax in use), packed into one flat f32 tensor for checkpoints; undefined when no
   // layer uses delayed scaling. pack_scaling_state() refreshes the tensor from the layers,
-  // unpack_scaling_state() puts a loaded tensor back into them.
+  // unpack_scaling_state() puts a loaded tensor back into them (precision/fp8_state.h).
   const Tensor& pack_scaling_state();
   void unpack_scaling_state();
   // Mixture of experts, once per step after the update: the routing statistics of the step's
   // forwards summed over `group` (the data-parallel ranks; nullptr: this process), the
-  // auxiliary-loss-free bias update (model.moe_bias_gamma > 0), counters reset.
+  // auxiliary-loss-free bias update (model.moe_bias_gamma > 0), counters reset (model/moe_stats.h).
   void moe_end_step(Communicator* group);
-  const std::vector<MoeLayerStats>& moe_stats() const { return moe_stats_; }
+  const std::vector<MoeLayerStats>& moe_stats() const { return moe_stats_.stats(); }
   // Every linear layer (blocks in order: attn_qkv, attn_out, mlp_in, mlp_out; then the head).
   std::vector<LinearLayer*> linear_layers();
   // The same with each one's weight: its ParamLayout name and its view into params() (the
   // embedding's for a tied head). Dense blocks only (no MoE or MLA).
-  struct LinearWeight {
-    std::string name;
-    LinearLayer* layer = nullptr;
-    Tensor weight;
-  };
-  std::vector<LinearWeight> linear_weights();
+  using LinearWeight = loom::LinearWeight;  // model/int_weights.h
+  std::vector<LinearWeight> linear_weights() {
+    return collect_linear_weights(config_, layout_, params_, blocks_, head_, head_w);
+  }
   // Post-training-quantized weights (loom quantize, precision/int_quant.h), by parameter name:
   // each named linear layer multiplies with its integer weight from now on (forward and
   // decoding; backward refuses), and the fp32 elements' pages are released (not a tied head's:
   // the embedding still looks tokens up). A name that is not a linear weight, or a shape that
-  // differs from the parameter's, is an error naming it.
+  // differs from the parameter's, is an error naming it (model/int_weights.h).
   void set_int_weights(std::map<std::string, IntWeight> weights);
-  int64_t int_weight_params() const;  // elements replaced
-  int64_t int_weight_bytes() const;   // their stored bytes (codes, scales, zeros, input scales)
+  int64_t int_weight_params() const { return int_weights_.params(); }  // elements replaced
+  // Their stored bytes (codes, scales, zeros, input scales).
+  int64_t int_weight_bytes() const { return int_weights_.bytes(); }
 
  private:
   Backend& backend_;
@@ -255,7 +243,8 @@ class Transformer {
   Tensor params16_, head16_;         // bf16 copy of params_ (policy_.param_bf16 only), head's view
   LinearLayer head_;
   LinearWorkspace ws_;               // low-precision operands of every linear layer
-  Tensor scaling_state_;             // see pack_scaling_state()
+  Fp8ScalingState scaling_state_;    // see pack_scaling_state()
+  std::vector<DelayedScaling*> delayed_scalings();  // of the fp8-delayed linear layers, in their order
   ParamUseHooks hooks_;
   Communicator* tp_ = nullptr;
   struct {
@@ -275,21 +264,12 @@ class Transformer {
   int ep_size() const { return ep_ != nullptr ? ep_->size() : 1; }
   RangeSet expert_ranges(bool own) const;
   int64_t moe_scratch_tokens_ = 0;
-  Tensor moe_sums_;                  // (MoE layers x (E + 8)) f64: moe_end_step's reduction
-  std::vector<double> moe_sums_host_;  // its host copy
-  std::vector<MoeLayerStats> moe_stats_;
-  std::vector<int64_t> moe_layers_;  // the MoE blocks' layers (moe_sums_' rows)
+  MoeStepStats moe_stats_;           // moe_end_step's
   int64_t shards() const { return sp_ ? tp_->size() : 1; }
   int64_t frozen_end_ = 0;           // [0, frozen_end_) frozen (LoRA's base)
   bool recording_ = true;            // set_recording's
-  struct QuantizedWeight {
-    int64_t offset = 0;
-    Shape shape;
-    size_t bytes = 0;
-    std::unique_ptr<Nf4Device> nf4;  // stable: the linear layers point at it
-  };
-  std::vector<QuantizedWeight> quantized_;  // QLoRA's base (quantize_base)
-  std::vector<std::unique_ptr<IntWeightDevice>> int_weights_;  // set_int_weights (stable: layers point at them)
+  QloraBase qlora_;                  // QLoRA's base (quantize_base)
+  IntWeights int_weights_;           // set_int_weights
   Tensor sink_w_, sink_b_;           // where frozen norms' gradients go (never read)
   static Tensor sink(const Tensor& grad, const Tensor& sink);
   BlockParams frozen_grads(BlockParams g) const;

@@ -15,6 +15,8 @@
 #include "loom/train/dpo.h"
 #include "loom/train/grpo.h"
 #include "loom/train/distill.h"
+#include "loom/train/kto.h"
+#include "loom/train/orpo.h"
 #include "loom/train/trainer.h"
 
 namespace loom {
@@ -114,6 +116,8 @@ struct LoomConfig {
   DpoConfig dpo;
   GrpoConfig grpo;
   DistillConfig distill;
+  OrpoConfig orpo;
+  KtoConfig kto;
 
   void validate() const;
   // train.objective against data.format and its keys (validate() runs it too; `loom train` runs

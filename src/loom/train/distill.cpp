@@ -67,20 +67,10 @@ class Distill final : public LmObjective {
   std::unique_ptr<DistillObjective> loss_;
 };
 
-void check_distill(const LoomConfig& c) {
-  LOOM_CHECK(!c.distill.teacher.empty(), "train.objective = distill needs distill.teacher = PATH (the teacher's checkpoint)");
-  LOOM_CHECK(c.distill.temperature > 0.0, "distill.temperature must be > 0, got ", c.distill.temperature);
-  LOOM_CHECK(c.distill.alpha >= 0.0 && c.distill.alpha <= 1.0, "distill.alpha must be in [0, 1], got ", c.distill.alpha);
-  LOOM_CHECK(c.data.format == SftFormat::text, "train.objective = distill trains on plain text data (data.format = text)");
-}
 
-std::unique_ptr<Objective> make_distill(const LoomConfig&) { return std::make_unique<Distill>(); }
 
 }  // namespace
 
-const ObjectiveRow kDistillObjective = {
-    "distill", "next-token loss and a teacher's softened distribution; the distill.* keys", "text",
-    {.model_parallel = false, .why = "the teacher runs as one process's whole model; use data parallelism"},
-    check_distill, make_distill};
+std::unique_ptr<Objective> make_distill_objective(const LoomConfig&) { return std::make_unique<Distill>(); }
 
 }  // namespace loom

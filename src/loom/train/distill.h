@@ -42,7 +42,7 @@ class DistillObjective : public RowObjective {
   double last_ce_ = 0.0, last_kl_ = 0.0;
 };
 
-// train.objective = distill: its registry row (train/objective.h).
-extern const ObjectiveRow kDistillObjective;
+// train.objective = distill: the objective its registry row makes (train/objective.cpp).
+std::unique_ptr<Objective> make_distill_objective(const LoomConfig& config);
 
 }  // namespace loom

@@ -207,6 +207,19 @@ DpoObjective::Stats DpoObjective::take_stats() {
   return s;
 }
 
+TrainingSplits preference_splits(std::vector<PreferencePair> pairs, int32_t pad, const LoomConfig& config) {
+  const int64_t T = config.train.seq_len;
+  std::vector<PreferencePair> val = hold_out(pairs, config.data.val_fraction, config.data.input, "preference pairs");
+  TrainingSplits s;
+  s.train = std::make_unique<PreferenceBatches>(std::move(pairs), T, config.loop.seed, LOADER_ORDER_SHUFFLED, pad, "train");
+  auto held = std::make_unique<PreferenceBatches>(std::move(val), T, config.loop.seed, LOADER_ORDER_SEQUENTIAL, pad, "val");
+  const int64_t per_batch = config.train.batch_size / 2;  // each held-out pair once
+  s.max_val_batches = (held->pairs() + per_batch - 1) / per_batch;
+  s.val = std::move(held);
+  s.whole_sequences = true;
+  return s;
+}
+
 // ---- train.objective = dpo ------------------------------------------------------------------
 
 namespace {
@@ -237,15 +250,8 @@ class Dpo final : public Objective {
   }
 
   TrainingSplits make_splits(const LoomConfig& config, Transformer&) override {
-    const int64_t T = config.train.seq_len;
-    const int32_t pad = tokenizer_->eot_token();
-    std::vector<PreferencePair> val = hold_out(pairs_, config.data.val_fraction, config.data.input, "preference pairs");
-    auto train = std::make_unique<PreferenceBatches>(std::move(pairs_), T, config.loop.seed, LOADER_ORDER_SHUFFLED, pad, "train");
-    auto held = std::make_unique<PreferenceBatches>(std::move(val), T, config.loop.seed, LOADER_ORDER_SEQUENTIAL, pad, "val");
-    train_ = train.get(), val_ = held.get();
-    TrainingSplits s{std::move(train), std::move(held), true};
-    const int64_t per_batch = config.train.batch_size / 2;  // each held-out pair once
-    s.max_val_batches = (val_->pairs() + per_batch - 1) / per_batch;
+    TrainingSplits s = preference_splits(std::move(pairs_), tokenizer_->eot_token(), config);
+    train_ = static_cast<PreferenceBatches*>(s.train.get()), val_ = static_cast<PreferenceBatches*>(s.val.get());
     return s;
   }
 
@@ -267,13 +273,13 @@ class Dpo final : public Objective {
 
   void after_step(ObjectiveContext& ctx, const StepStats& stats, bool logged) override {
     const DpoObjective::Stats s = loss_.take_stats();
-    ctx.sink.record({{"step", stats.step + 1}, {"dpo", dpo_json(s)}});
+    ctx.sink.record({stats.step + 1, "dpo", dpo_json(s)});
     if (logged) ctx.sink.line(dpo_line("dpo", stats.step + 1, s));
   }
 
   void after_validation(ObjectiveContext& ctx, int64_t step, const Validation&) override {
     const DpoObjective::Stats held = loss_.take_stats();
-    ctx.sink.record({{"step", step}, {"val_dpo", dpo_json(held)}});
+    ctx.sink.record({step, "val_dpo", dpo_json(held)});
     ctx.sink.line(dpo_line("validation dpo", step, held));
   }
 
@@ -286,21 +292,11 @@ class Dpo final : public Objective {
   PreferenceBatches *train_ = nullptr, *val_ = nullptr;
 };
 
-void check_dpo(const LoomConfig& c) {
-  LOOM_CHECK(c.data.format == SftFormat::preference_jsonl && !c.data.input.empty(), "train.objective = dpo reads preference "
-             "pairs: set data.format = preference-jsonl and data.input = FILE (one {\"prompt\", \"chosen\", "
-             "\"rejected\"} per line)");
-  LOOM_CHECK(c.train.batch_size % 2 == 0, "train.objective = dpo: train.batch_size (", c.train.batch_size, ") counts rows, "
-             "a chosen and a rejected one per pair: it must be even");
-  LOOM_CHECK(c.dpo.beta > 0.0, "dpo.beta must be > 0, got ", c.dpo.beta);
-}
 
-std::unique_ptr<Objective> make_dpo(const LoomConfig& config) { return std::make_unique<Dpo>(config); }
+
 
 }  // namespace
 
-const ObjectiveRow kDpoObjective = {
-    "dpo", "preference pairs from data.input: DPO, IPO or SimPO by dpo.loss; the dpo.* keys", "preference-jsonl",
-    {.model_parallel = false, .why = "the rows' weights are applied by the one-process cross-entropy; use data parallelism"}, check_dpo, make_dpo};
+std::unique_ptr<Objective> make_dpo_objective(const LoomConfig& config) { return std::make_unique<Dpo>(config); }
 
 }  // namespace loom

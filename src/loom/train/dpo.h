@@ -128,7 +128,12 @@ class DpoObjective final : public RowObjective {
 // Each row's summed log-probability of its counted targets: -(sum of its positions' losses).
 std::vector<double> row_log_probs(Backend& backend, const ActivationStore& store);
 
-// train.objective = dpo: its registry row (train/objective.h).
-extern const ObjectiveRow kDpoObjective;
+// Preference pairs as an objective's splits (DPO, ORPO): the last data.val_fraction held out
+// (hold_out), the training pairs shuffled, each held-out pair validated once; rows padded with
+// `pad`. The sources are PreferenceBatches.
+TrainingSplits preference_splits(std::vector<PreferencePair> pairs, int32_t pad, const LoomConfig& config);
+
+// train.objective = dpo: the objective its registry row makes (train/objective.cpp).
+std::unique_ptr<Objective> make_dpo_objective(const LoomConfig& config);
 
 }  // namespace loom

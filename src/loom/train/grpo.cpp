@@ -308,12 +308,7 @@ class Grpo final : public Objective {
   }
 
   // The curve's start: the initial weights' greedy reward.
-  void at_start(ObjectiveContext& ctx) override {
-    const double start = val_->greedy_reward(0);
-    ctx.sink.record({{"step", 0}, {"val_reward", start}});
-    ctx.sink.line(str_printf("step 0: validation greedy reward %.4f (%lld prompts)", start,
-                             static_cast<long long>(val_->prompts())));
-  }
+  std::optional<Validation> at_start(ObjectiveContext& ctx) override { return validate(ctx); }
 
   // Each step's rollouts; the printed line has the means since the last one.
   void after_step(ObjectiveContext& ctx, const StepStats& stats, bool logged) override {
@@ -322,10 +317,10 @@ class Grpo final : public Objective {
     window_.rollout_seconds += g.rollout_seconds, window_seconds_ += stats.seconds;
     const double n = std::max<double>(1.0, static_cast<double>(g.completions));
     const double kl = loss_->take_kl();
-    ctx.sink.record({{"step", stats.step + 1},
-                     {"grpo", {{"reward", g.reward / n}, {"completions", g.completions},
-                               {"mean_length", static_cast<double>(g.tokens) / n}, {"kl", kl},
-                               {"rollout_seconds", g.rollout_seconds}, {"train_seconds", stats.seconds - g.rollout_seconds}}}});
+    ctx.sink.record({stats.step + 1, "grpo",
+                     {{"reward", g.reward / n}, {"completions", g.completions},
+                      {"mean_length", static_cast<double>(g.tokens) / n}, {"kl", kl},
+                      {"rollout_seconds", g.rollout_seconds}, {"train_seconds", stats.seconds - g.rollout_seconds}}});
     if (!logged) return;
     const double w = std::max<double>(1.0, static_cast<double>(window_.completions));
     ctx.sink.line(str_printf("step %lld: grpo reward %.3f over the last %lld completions (mean length %.1f), KL %.4f (this "
@@ -338,7 +333,7 @@ class Grpo final : public Objective {
   }
 
   // The greedy reward on the held-out prompts.
-  Validation validate(ObjectiveContext&) override { return {"val_reward", val_->greedy_reward(0)}; }
+  Validation validate(ObjectiveContext&) override { return {val_->greedy_reward(0), true}; }
   void after_validation(ObjectiveContext& ctx, int64_t step, const Validation& v) override {
     ctx.sink.line(str_printf("step %lld: validation greedy reward %.4f (%lld prompts)", static_cast<long long>(step), v.value,
                              static_cast<long long>(val_->prompts())));
@@ -354,23 +349,11 @@ class Grpo final : public Objective {
   double window_seconds_ = 0.0;
 };
 
-void check_grpo(const LoomConfig& c) {
-  LOOM_CHECK(c.data.format == SftFormat::prompt_jsonl && !c.data.input.empty(), "train.objective = grpo samples from "
-             "prompts: set data.format = prompt-jsonl and data.input = FILE (one {\"prompt\", \"answer\"} per line)");
-  LOOM_CHECK(c.grpo.group >= 2 && c.train.batch_size % c.grpo.group == 0, "train.objective = grpo: train.batch_size (",
-             c.train.batch_size, ") must be a multiple of grpo.group (", c.grpo.group, "), itself >= 2");
-  LOOM_CHECK(c.grpo.max_new_tokens >= 1 && c.grpo.temperature > 0.0 && c.grpo.beta >= 0.0 && c.grpo.epsilon > 0.0,
-             "grpo.max_new_tokens must be >= 1, grpo.temperature and grpo.epsilon > 0, grpo.beta >= 0");
-}
 
-std::unique_ptr<Objective> make_grpo(const LoomConfig&) { return std::make_unique<Grpo>(); }
+
 
 }  // namespace
 
-const ObjectiveRow kGrpoObjective = {
-    "grpo", "rollouts of the prompts of data.input with verifiable rewards; the grpo.* keys", "prompt-jsonl",
-    {.model_parallel = false, .data_parallel = false, .moe = false, .quantized_base = false,
-     .why = "the rollouts decode with one process's whole fp32 model"},
-    check_grpo, make_grpo};
+std::unique_ptr<Objective> make_grpo_objective(const LoomConfig&) { return std::make_unique<Grpo>(); }
 
 }  // namespace loom

@@ -126,7 +126,7 @@ class GrpoObjective final : public RowObjective {
   int64_t kl_tokens_ = 0;
 };
 
-// train.objective = grpo: its registry row (train/objective.h).
-extern const ObjectiveRow kGrpoObjective;
+// train.objective = grpo: the objective its registry row makes (train/objective.cpp).
+std::unique_ptr<Objective> make_grpo_objective(const LoomConfig& config);
 
 }  // namespace loom

@@ -1,10 +1,13 @@
 #include "loom/train/lm_objective.h"
 
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 
 #include "loom/core/error.h"
 #include "loom/data/prepare.h"
+#include "loom/train/parallelize.h"
+#include "loom/core/str_printf.h"
 #include "loom/train/config.h"
 
 namespace loom {
@@ -45,6 +48,27 @@ TokenDataset open_training_data(LoomConfig& config) {
   return data;
 }
 
+// ---- The base's defaults: language modelling's validation -----------------------------------
+
+Validation Objective::validate(ObjectiveContext& ctx) {
+  return {ctx.data.validation_loss(*ctx.parts.trainer, ctx.config.loop.eval_batches, ctx.backend.allocator())};
+}
+
+void Objective::after_validation(ObjectiveContext& ctx, int64_t step, const Validation& v) {
+  ctx.sink.line(str_printf("step %lld: validation loss %.4f (perplexity %.1f)", static_cast<long long>(step), v.value,
+                           std::exp(v.value)));
+}
+
+std::shared_ptr<Tokenizer> objective_tokenizer(LoomConfig& config) {
+  std::shared_ptr<Tokenizer> tokenizer = load_tokenizer(config.data.tokenizer);
+  if (config.model.vocab_size == 0) config.model.vocab_size = tokenizer->vocab_size();
+  LOOM_CHECK(tokenizer->vocab_size() <= config.model.vocab_size, "data.tokenizer ", config.data.tokenizer, " has ",
+             tokenizer->vocab_size(), " tokens, more than model.vocab_size = ", config.model.vocab_size);
+  return tokenizer;
+}
+
+// ---- train.objective = lm ------------------------------------------------------------------
+
 void LmObjective::read_data(LoomConfig& config) { data_ = open_training_data(config); }
 
 TrainingSplits LmObjective::make_splits(const LoomConfig& config, Transformer&) {
@@ -55,15 +79,6 @@ TrainingSplits LmObjective::make_splits(const LoomConfig& config, Transformer&) 
   return s;
 }
 
-namespace {
-
-std::unique_ptr<Objective> make_lm(const LoomConfig&) { return std::make_unique<LmObjective>(); }
-void check_lm(const LoomConfig&) {}  // (data.format: the row's formats)
-
-}  // namespace
-
-const ObjectiveRow kLmObjective = {
-    "lm", "the mean next-token loss; supervised fine-tuning on chat-jsonl / jsonl data with its loss mask",
-    "text|chat-jsonl|jsonl", {}, check_lm, make_lm};
+std::unique_ptr<Objective> make_lm_objective(const LoomConfig&) { return std::make_unique<LmObjective>(); }
 
 }  // namespace loom

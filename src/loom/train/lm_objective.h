@@ -16,7 +16,7 @@ class LmObjective : public Objective {
   TokenDataset data_;
 };
 
-extern const ObjectiveRow kLmObjective;
+std::unique_ptr<Objective> make_lm_objective(const LoomConfig& config);
 
 // data.document_mask: the splits' documents end at the tokenizer's end-of-text token (else nothing).
 void set_document_end(const LoomConfig& config, TokenDataset& data);

@@ -10,11 +10,9 @@
 #include "loom/comm/communicator.h"
 #include "loom/core/memory.h"
 #include "loom/model/transformer.h"
+#include "loom/train/metrics_schema.h"
 
 namespace loom {
-
-// metrics.jsonl's schema version (docs/operations.md "metrics.jsonl"), in each run's first record.
-inline constexpr int kMetricsSchemaVersion = 1;
 
 // metrics.jsonl: one JSON object per line, each written whole with one write(2). A write that
 // fails (a full disk) is cut back off the file, so it stays valid JSON lines, reported once on

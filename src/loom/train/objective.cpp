@@ -1,23 +1,142 @@
 #include "loom/train/objective.h"
 
-#include <cmath>
-#include <cstdio>
-
 #include "loom/core/error.h"
-#include "loom/core/str_printf.h"
 #include "loom/train/config.h"
 #include "loom/train/distill.h"
 #include "loom/train/dpo.h"
 #include "loom/train/grpo.h"
+#include "loom/train/kto.h"
 #include "loom/train/lm_objective.h"
-#include "loom/train/parallelize.h"
+#include "loom/train/orpo.h"
 
 namespace loom {
 
 namespace {
 
-// The registry: one row per train.objective, defined in the objective's own file.
-const ObjectiveRow* const kObjectives[] = {&kLmObjective, &kDpoObjective, &kGrpoObjective, &kDistillObjective};
+void check_lm(const LoomConfig&) {}  // (data.format: the row's formats)
+
+void check_dpo(const LoomConfig& c) {
+  LOOM_CHECK(c.data.format == SftFormat::preference_jsonl && !c.data.input.empty(), "train.objective = dpo reads preference "
+             "pairs: set data.format = preference-jsonl and data.input = FILE (one {\"prompt\", \"chosen\", "
+             "\"rejected\"} per line)");
+  LOOM_CHECK(c.train.batch_size % 2 == 0, "train.objective = dpo: train.batch_size (", c.train.batch_size, ") counts rows, "
+             "a chosen and a rejected one per pair: it must be even");
+  LOOM_CHECK(c.dpo.beta > 0.0, "dpo.beta must be > 0, got ", c.dpo.beta);
+}
+
+void check_grpo(const LoomConfig& c) {
+  LOOM_CHECK(c.data.format == SftFormat::prompt_jsonl && !c.data.input.empty(), "train.objective = grpo samples from "
+             "prompts: set data.format = prompt-jsonl and data.input = FILE (one {\"prompt\", \"answer\"} per line)");
+  LOOM_CHECK(c.grpo.group >= 2 && c.train.batch_size % c.grpo.group == 0, "train.objective = grpo: train.batch_size (",
+             c.train.batch_size, ") must be a multiple of grpo.group (", c.grpo.group, "), itself >= 2");
+  LOOM_CHECK(c.grpo.max_new_tokens >= 1 && c.grpo.temperature > 0.0 && c.grpo.beta >= 0.0 && c.grpo.epsilon > 0.0,
+             "grpo.max_new_tokens must be >= 1, grpo.temperature and grpo.epsilon > 0, grpo.beta >= 0");
+}
+
+void check_distill(const LoomConfig& c) {
+  LOOM_CHECK(!c.distill.teacher.empty(), "train.objective = distill needs distill.teacher = PATH (the teacher's checkpoint)");
+  LOOM_CHECK(c.distill.temperature > 0.0, "distill.temperature must be > 0, got ", c.distill.temperature);
+  LOOM_CHECK(c.distill.alpha >= 0.0 && c.distill.alpha <= 1.0, "distill.alpha must be in [0, 1], got ", c.distill.alpha);
+  LOOM_CHECK(c.data.format == SftFormat::text, "train.objective = distill trains on plain text data (data.format = text)");
+}
+
+void check_orpo(const LoomConfig& c) {
+  LOOM_CHECK(c.data.format == SftFormat::preference_jsonl && !c.data.input.empty(), "train.objective = orpo reads "
+             "preference pairs: set data.format = preference-jsonl and data.input = FILE (one {\"prompt\", \"chosen\", "
+             "\"rejected\"} per line)");
+  LOOM_CHECK(c.train.batch_size % 2 == 0, "train.objective = orpo: train.batch_size (", c.train.batch_size, ") counts "
+             "rows, a chosen and a rejected one per pair: it must be even");
+  LOOM_CHECK(c.orpo.beta >= 0.0, "orpo.beta must be >= 0 (0: the chosen completions' NLL alone), got ", c.orpo.beta);
+}
+
+void check_kto(const LoomConfig& c) {
+  LOOM_CHECK((c.data.format == SftFormat::unpaired_preference_jsonl || c.data.format == SftFormat::preference_jsonl) &&
+                 !c.data.input.empty(),
+             "train.objective = kto reads labelled completions: set data.format = unpaired-preference-jsonl (one "
+             "{\"prompt\", \"completion\", \"label\": true | false} per line) or preference-jsonl (pairs, unpaired) "
+             "and data.input = FILE");
+  LOOM_CHECK(c.train.batch_size % 2 == 0 && c.train.batch_size >= 4, "train.objective = kto: train.batch_size (",
+             c.train.batch_size, ") counts rows, an example and its mismatched sequence (the KL estimate's) per "
+             "example, at least 2 examples: it must be even and >= 4");
+  LOOM_CHECK(c.kto.beta > 0.0, "kto.beta must be > 0, got ", c.kto.beta);
+  LOOM_CHECK(c.kto.desirable_weight >= 0.0 && c.kto.undesirable_weight >= 0.0 &&
+                 c.kto.desirable_weight + c.kto.undesirable_weight > 0.0,
+             "kto.desirable_weight and kto.undesirable_weight must be >= 0 and not both 0, got ",
+             c.kto.desirable_weight, " and ", c.kto.undesirable_weight);
+}
+
+// How often the chosen completion out-scores the rejected one, in percent, in training and held out.
+const std::vector<ObjectiveSeries>& dpo_series() {
+  static const std::vector<ObjectiveSeries> series = {
+      {"dpo", "accuracy", "dpo_accuracy.svg", "Preference accuracy (DPO)", "accuracy (%)", "training accuracy", false,
+       100.0, true},
+      {"val_dpo", "accuracy", "dpo_accuracy.svg", "Preference accuracy (DPO)", "accuracy (%)", "validation accuracy",
+       true, 100.0, true},
+  };
+  return series;
+}
+
+// The rollouts' mean reward and the held-out greedy reward.
+const std::vector<ObjectiveSeries>& grpo_series() {
+  static const std::vector<ObjectiveSeries> series = {
+      {"grpo", "reward", "reward.svg", "Reward (GRPO)", "mean reward", "rollout reward", false, 1.0, false},
+      {"val_reward", "", "reward.svg", "Reward (GRPO)", "mean reward", "validation greedy reward", true, 1.0, false},
+  };
+  return series;
+}
+
+// How often the chosen completion's odds out-score the rejected one's, in percent.
+const std::vector<ObjectiveSeries>& orpo_series() {
+  static const std::vector<ObjectiveSeries> series = {
+      {"orpo", "accuracy", "orpo_accuracy.svg", "Preference accuracy (ORPO)", "accuracy (%)", "training accuracy", false,
+       100.0, true},
+      {"val_orpo", "accuracy", "orpo_accuracy.svg", "Preference accuracy (ORPO)", "accuracy (%)", "validation accuracy",
+       true, 100.0, true},
+  };
+  return series;
+}
+
+// The loss, in training and held out (KTO's rewards are per label and absent from a batch without one).
+const std::vector<ObjectiveSeries>& kto_series() {
+  static const std::vector<ObjectiveSeries> series = {
+      {"kto", "loss", "kto_loss.svg", "KTO loss", "loss", "training loss", false, 1.0, true},
+      {"val_kto", "loss", "kto_loss.svg", "KTO loss", "loss", "validation loss", true, 1.0, true},
+  };
+  return series;
+}
+
+// The registry: one row per train.objective, its implementation in the file named on its line.
+// A row's check is its keys and data against the rest of the config; its layout is read by the
+// compatibility table (layout.cpp); its series are what `loom report` charts from its records.
+const ObjectiveRow kObjectives[] = {
+    {    "lm", "the mean next-token loss; supervised fine-tuning on chat-jsonl / jsonl data with its loss mask",
+    "text|chat-jsonl|jsonl", {}, check_lm, make_lm_objective},
+
+    {    "dpo", "preference pairs from data.input: DPO, IPO or SimPO by dpo.loss; the dpo.* keys", "preference-jsonl",
+    {.model_parallel = false, .why = "the rows' weights are applied by the one-process cross-entropy; use data parallelism"},
+    check_dpo, make_dpo_objective, dpo_series},
+
+    {    "grpo", "rollouts of the prompts of data.input with verifiable rewards; the grpo.* keys", "prompt-jsonl",
+    {.model_parallel = false, .data_parallel = false, .moe = false, .quantized_base = false,
+     .why = "the rollouts decode with one process's whole fp32 model"},
+    check_grpo, make_grpo_objective, grpo_series},
+
+    {    "distill", "next-token loss and a teacher's softened distribution; the distill.* keys", "text",
+    {.model_parallel = false, .why = "the teacher runs as one process's whole model; use data parallelism"},
+    check_distill, make_distill_objective},
+
+    {    "orpo", "preference pairs from data.input: ORPO, the chosen completion's NLL and an odds-ratio term, no reference "
+    "model; the orpo.* keys", "preference-jsonl",
+    {.model_parallel = false, .why = "the rows' weights are applied by the one-process cross-entropy"}, check_orpo,
+    make_orpo_objective, orpo_series},
+
+    {    "kto", "labelled completions (or preference pairs, unpaired) from data.input: KTO against a live reference; the "
+    "kto.* keys", "unpaired-preference-jsonl|preference-jsonl",
+    {.model_parallel = false, .data_parallel = false,
+     .why = "the KL estimate z0 is a mean over the whole batch, and the rows' weights are applied by the one-process "
+            "cross-entropy"},
+    check_kto, make_kto_objective, kto_series},
+};
 
 // What a data.format holds, for the refusal of one the objective does not read.
 std::string_view format_contents(std::string_view format) {
@@ -40,13 +159,13 @@ bool reads(const ObjectiveRow& row, std::string_view format) {
 
 }  // namespace
 
-std::span<const ObjectiveRow* const> objective_rows() { return kObjectives; }
+std::span<const ObjectiveRow> objective_rows() { return kObjectives; }
 
 const ObjectiveRow& objective_row(std::string_view name) {
   std::string known;
-  for (const ObjectiveRow* row : kObjectives) {
-    if (row->name == name) return *row;
-    known += str_cat(known.empty() ? "" : " | ", row->name);
+  for (const ObjectiveRow& row : kObjectives) {
+    if (row.name == name) return row;
+    known += str_cat(known.empty() ? "" : " | ", row.name);
   }
   throw Error(str_cat("train.objective must be one of ", known, ", got '", name, "'"));
 }
@@ -54,7 +173,7 @@ const ObjectiveRow& objective_row(std::string_view name) {
 const std::string& objective_names_help() {
   static const std::string help = [] {
     std::string s;
-    for (const ObjectiveRow* row : kObjectives) s += str_cat(s.empty() ? "" : " | ", row->name, " (", row->meaning, ")");
+    for (const ObjectiveRow& row : kObjectives) s += str_cat(s.empty() ? "" : " | ", row.name, " (", row.meaning, ")");
     return s;
   }();
   return help;
@@ -62,8 +181,8 @@ const std::string& objective_names_help() {
 
 std::string objectives_reading(std::string_view format) {
   std::string names;
-  for (const ObjectiveRow* row : kObjectives) {
-    if (reads(*row, format)) names += str_cat(names.empty() ? "" : ", ", row->name);
+  for (const ObjectiveRow& row : kObjectives) {
+    if (reads(row, format)) names += str_cat(names.empty() ? "" : ", ", row.name);
   }
   return names;
 }
@@ -77,21 +196,15 @@ void check_objective_format(const LoomConfig& config) {
                       row.formats, ")"));
 }
 
-Validation Objective::validate(ObjectiveContext& ctx) {
-  return {"val_loss", ctx.data.validation_loss(*ctx.parts.trainer, ctx.config.loop.eval_batches, ctx.backend.allocator())};
-}
-
-void Objective::after_validation(ObjectiveContext& ctx, int64_t step, const Validation& v) {
-  ctx.sink.line(str_printf("step %lld: validation loss %.4f (perplexity %.1f)", static_cast<long long>(step), v.value,
-                           std::exp(v.value)));
-}
-
-std::shared_ptr<Tokenizer> objective_tokenizer(LoomConfig& config) {
-  std::shared_ptr<Tokenizer> tokenizer = load_tokenizer(config.data.tokenizer);
-  if (config.model.vocab_size == 0) config.model.vocab_size = tokenizer->vocab_size();
-  LOOM_CHECK(tokenizer->vocab_size() <= config.model.vocab_size, "data.tokenizer ", config.data.tokenizer, " has ",
-             tokenizer->vocab_size(), " tokens, more than model.vocab_size = ", config.model.vocab_size);
-  return tokenizer;
+const std::vector<ObjectiveSeries>& objective_series() {
+  static const std::vector<ObjectiveSeries> all = [] {
+    std::vector<ObjectiveSeries> out;
+    for (const ObjectiveRow& row : kObjectives) {
+      if (row.series != nullptr) out.insert(out.end(), row.series().begin(), row.series().end());
+    }
+    return out;
+  }();
+  return all;
 }
 
 }  // namespace loom

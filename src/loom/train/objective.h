@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <iterator>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -31,6 +32,7 @@
 #include "loom/core/error.h"
 #include "loom/data/loader.h"
 #include "loom/data/tokenizer.h"
+#include "loom/train/metrics_schema.h"
 #include "loom/train/trainer.h"
 
 namespace loom {
@@ -43,8 +45,8 @@ class TrainingData;
 class ObjectiveSink {
  public:
   virtual ~ObjectiveSink() = default;
-  virtual void record(const nlohmann::json& record) = 0;  // one metrics.jsonl record
-  virtual void line(const std::string& text) = 0;         // one printed line
+  virtual void record(const ObjectiveRecord& record) = 0;  // {"step", key: {...}} (train/metrics_schema.h)
+  virtual void line(const std::string& text) = 0;          // one printed line
 };
 
 // The training and held-out sources an objective's data makes (TrainingData slices them over the
@@ -68,10 +70,10 @@ struct ObjectiveContext {
   ObjectiveSink& sink;
 };
 
-// The held-out measure: its metrics.jsonl key ("val_loss") and value.
+// The held-out measure: a loss (metrics.jsonl's "val_loss") or a reward ("val_reward").
 struct Validation {
-  std::string key;
   double value = 0.0;
+  bool reward = false;
 };
 
 class Objective {
@@ -86,14 +88,18 @@ class Objective {
   // After the batches exist, before a resume loads later weights: the trainer's RowObjective, a
   // reference, a teacher; its banner lines through ctx.sink.
   virtual void set_up(ObjectiveContext& ctx) { (void)ctx; }
-  // A fresh run's step 0: the curve's start (GRPO: the initial weights' greedy reward).
-  virtual void at_start(ObjectiveContext& ctx) { (void)ctx; }
+  // A fresh run's step 0: the curve's start, recorded and reported as a validation of step 0
+  // (GRPO: the initial weights' greedy reward); none by default.
+  virtual std::optional<Validation> at_start(ObjectiveContext& ctx) {
+    (void)ctx;
+    return std::nullopt;
+  }
   // After each step that updated the weights: its records; its lines when the step is logged.
   virtual void after_step(ObjectiveContext& ctx, const StepStats& stats, bool logged) {
     (void)ctx, (void)stats, (void)logged;
   }
-  // The held-out measure (the run writes {"step", key: value, "memory"}), then its own records
-  // and the validation line.
+  // The held-out measure (the run writes the validation record), then its own records and the
+  // validation line.
   virtual Validation validate(ObjectiveContext& ctx);
   virtual void after_validation(ObjectiveContext& ctx, int64_t step, const Validation& v);
   // "loss": the summary's "final validation <what>".
@@ -119,9 +125,11 @@ struct ObjectiveRow {
   // throws naming the key.
   void (*check)(const LoomConfig& config);
   std::unique_ptr<Objective> (*make)(const LoomConfig& config);
+  // The numbers of its records `loom report` charts (nullptr: none beyond the common ones).
+  const std::vector<ObjectiveSeries>& (*series)() = nullptr;
 };
 
-std::span<const ObjectiveRow* const> objective_rows();
+std::span<const ObjectiveRow> objective_rows();
 // train.objective's row; throws naming the known objectives.
 const ObjectiveRow& objective_row(std::string_view name);
 // "lm (...) | dpo (...) | ...": train.objective's help text, from each row's meaning.
@@ -129,6 +137,8 @@ const std::string& objective_names_help();
 // The objectives whose rows read data.format = `format` ("dpo, orpo"), for refusals that name the
 // way out.
 std::string objectives_reading(std::string_view format);
+// Every row's report series, in registry order (loom report's objective charts).
+const std::vector<ObjectiveSeries>& objective_series();
 // data.format against the objective's row: refused naming the objectives that read it.
 void check_objective_format(const LoomConfig& config);
 

@@ -17,6 +17,7 @@
 #include "loom/data/shard.h"
 #include "loom/model/transformer.h"
 #include "loom/parallel/pipeline.h"
+#include "loom/parallel/slice_source.h"
 #include "loom/train/config.h"
 #include "loom/train/layout.h"
 #include "loom/train/objective.h"

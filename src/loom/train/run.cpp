@@ -55,6 +55,14 @@ std::string final_sample(const LoomConfig& config, Backend& backend, Transformer
   return valid_utf8(config.sample.prompt + tokenizer->decode(sample));
 }
 
+// A held-out measure as its metrics.jsonl record (without the memory).
+ValidationRecord validation_record(int64_t step, const Validation& v) {
+  ValidationRecord r;
+  r.step = step;
+  (v.reward ? r.val_reward : r.val_loss) = v.value;
+  return r;
+}
+
 }  // namespace
 
 void resolve_run_config(LoomConfig& config) {
@@ -72,7 +80,7 @@ void resolve_run_config(LoomConfig& config) {
 class TrainingRun::Sink final : public ObjectiveSink {
  public:
   explicit Sink(TrainingRun& run) : run_(run) {}
-  void record(const nlohmann::json& record) override { run_.metrics_->write(record); }
+  void record(const ObjectiveRecord& record) override { run_.metrics_->write(to_json(record)); }
   void line(const std::string& text) override { run_.observer_.line(text); }
 
  private:
@@ -193,15 +201,21 @@ void TrainingRun::start_reporting() {
                            parts_.pipeline ? "updates (its pipeline stages)" : "holds"));
   }
   const int64_t n_params = param_count(config_.model), state_bytes = trainer.optimizer().state_bytes();
-  metrics_->write({{"schema_version", kMetricsSchemaVersion}, {"event", options_.resume ? "resume" : "start"},
-                   {"start_step", trainer.step()}, {"optimizer", trainer.optimizer().name()}, {"parameters", n_params},
-                   {"optimizer_state_bytes", state_bytes},
-                   {"state_bytes_per_param", static_cast<double>(state_bytes) / static_cast<double>(n_params)},
-                   {"schedule", std::string(enum_name(config_.train.schedule.kind))},
-                   {"precision", parts_.model->precision().describe()}, {"loss_scaling", config_.train.loss_scaling},
-                   {"mfu_peak_dtype", std::string(dtype_name(peak_.dtype))}, {"mfu_peak_gflops", peak_.measured_gflops},
-                   {"datasheet_peak_gflops", peak_.datasheet_gflops}});
-  if (trainer.step() == 0) objective_->at_start(*ctx_);
+  StartRecord start;
+  start.event = options_.resume ? "resume" : "start";
+  start.start_step = trainer.step(), start.optimizer = trainer.optimizer().name(), start.parameters = n_params;
+  start.optimizer_state_bytes = state_bytes;
+  start.state_bytes_per_param = static_cast<double>(state_bytes) / static_cast<double>(n_params);
+  start.schedule = std::string(enum_name(config_.train.schedule.kind));
+  start.precision = parts_.model->precision().describe(), start.loss_scaling = config_.train.loss_scaling;
+  start.mfu_peak_dtype = std::string(dtype_name(peak_.dtype));
+  start.mfu_peak_gflops = peak_.measured_gflops, start.datasheet_peak_gflops = peak_.datasheet_gflops;
+  metrics_->write(to_json(start));
+  if (trainer.step() > 0) return;
+  if (const std::optional<Validation> v = objective_->at_start(*ctx_)) {  // the curve's start
+    metrics_->write(to_json(validation_record(0, *v)));
+    objective_->after_validation(*ctx_, 0, *v);
+  }
 }
 
 int TrainingRun::run() {
@@ -270,9 +284,8 @@ bool TrainingRun::anomaly(const StepStats& stats, const nlohmann::json& position
   }
   observer_.warning(str_cat("step ", stats.step + 1, ": ", what, "; the batch at data position ", batch, " ", action,
                             action.find("rolled back") != std::string::npos ? " (the batches since it are not replayed)" : ""));
-  metrics_->write({{"step", stats.step + 1}, {"anomaly", spike ? "spike" : "nonfinite"}, {"loss", stats.loss},
-                   {"spike_z", stats.spike_z}, {"batch", position}, {"action", action},
-                   {"next_step", parts_.trainer->step() + 1}});
+  metrics_->write(to_json(AnomalyRecord{stats.step + 1, spike ? "spike" : "nonfinite", stats.loss, stats.spike_z, position,
+                                        action, parts_.trainer->step() + 1}));
   return true;
 }
 
@@ -308,14 +321,16 @@ void TrainingRun::record_step(const StepStats& stats, bool logged) {
     r.sent_by_group += str_cat(r.sent_by_group.empty() ? "" : ", ", name, " ",
                                format_bytes(static_cast<size_t>(ledger.total_sent())));
   }
-  metrics_->write({{"step", stats.step + 1}, {"loss", stats.loss}, {"lr", stats.lr}, {"grad_norm", stats.grad_norm},
-                   {"tokens", r.tokens}, {"seconds", stats.seconds}, {"loss_scale", stats.loss_scale},
-                   {"skipped", stats.skipped}, {"tokens_per_s", r.tokens_per_s}, {"mfu", r.mfu},
-                   {"memory_bytes", r.memory_bytes}, {"ranks", comm_->size()}, {"comm_bytes_sent", r.bytes_sent},
-                   {"comm_bytes_received", received}, {"comm", comm_json},
-                   // Measured residency (core/pages.h): under ZeRO-2/3 less than the buffers' size.
-                   {"resident_bytes", {{"parameters", resident_params_}, {"gradients", resident_grads_}}},
-                   {"moe", moe_json(parts_.model->moe_stats())}});
+  StepRecord record;
+  record.step = stats.step + 1, record.loss = stats.loss, record.lr = stats.lr, record.grad_norm = stats.grad_norm;
+  record.tokens = r.tokens, record.seconds = stats.seconds, record.loss_scale = stats.loss_scale;
+  record.skipped = stats.skipped, record.tokens_per_s = r.tokens_per_s, record.mfu = r.mfu;
+  record.memory_bytes = r.memory_bytes, record.ranks = comm_->size();
+  record.comm_bytes_sent = r.bytes_sent, record.comm_bytes_received = received, record.comm = comm_json;
+  // Measured residency (core/pages.h): under ZeRO-2/3 less than the buffers' size.
+  record.resident_bytes = ResidentBytes{resident_params_, resident_grads_};
+  record.moe = moe_json(parts_.model->moe_stats());
+  metrics_->write(to_json(record));
   r.logged = logged;
   observer_.step(r);
   objective_->after_step(*ctx_, stats, logged);
@@ -326,7 +341,9 @@ void TrainingRun::validate(int64_t step) {
   const TraceSpan span(tracer_.get(), "validation", "eval");
   const Validation v = objective_->validate(*ctx_);
   last_val_ = v.value;
-  metrics_->write({{"step", step}, {v.key, v.value}, {"memory", memory_json(memory())}});
+  ValidationRecord record = validation_record(step, v);
+  record.memory = memory_json(memory());
+  metrics_->write(to_json(record));
   objective_->after_validation(*ctx_, step, v);
 }
 

@@ -6,7 +6,6 @@
 
 #include "loom/core/error.h"
 #include "loom/core/pages.h"
-#include "loom/nn/context_parallel.h"
 #include "loom/parallel/tensor_parallel.h"
 
 namespace loom {
@@ -37,18 +36,18 @@ std::vector<OptimParam> rank_params(const std::vector<OptimParam>& all, const Co
   if (!piped && !experts && !sharded && !frozen) return all;
   // ZeRO shards one domain over the data-parallel ranks; under expert parallelism those ranks
   // hold different experts (Megatron shards experts over the expert-data-parallel group instead).
-  LOOM_CHECK(!experts || !sharded, "parallel.zero_stage = ", ddp.zero_stage, " with parallel.ep > 1 is not supported "
-             "yet (the data-parallel ranks hold different experts): use zero_stage 0");
+  LOOM_REFUSED(!experts || !sharded, "parallel.zero_stage = ", ddp.zero_stage, " with parallel.ep > 1 is not supported "
+               "yet (the data-parallel ranks hold different experts): use zero_stage 0");
   if (piped || experts) {
     const char* what = piped ? "parallel.pp > 1" : "parallel.ep > 1";
-    LOOM_CHECK(ddp.zero_stage <= 1, "parallel.zero_stage = ", ddp.zero_stage, " with ", what, ": ZeRO-2/3 "
-               "shard the whole model, this rank updates only its own part; use zero_stage 0 or 1");
-    LOOM_CHECK(elementwise_optimizer(optim.kind), what, " needs an element-wise optimizer (each rank updates its own "
-               "part of the model), got optim.name = ", optimizer);
+    LOOM_REFUSED(ddp.zero_stage <= 1, "parallel.zero_stage = ", ddp.zero_stage, " with ", what, ": ZeRO-2/3 "
+                 "shard the whole model, this rank updates only its own part; use zero_stage 0 or 1");
+    LOOM_REFUSED(elementwise_optimizer(optim.kind), what, " needs an element-wise optimizer (each rank updates its own "
+                 "part of the model), got optim.name = ", optimizer);
   } else if (sharded) {
-    LOOM_CHECK(elementwise_optimizer(optim.kind), "parallel.zero_stage = ", ddp.zero_stage, " shards at element "
-               "boundaries and needs an element-wise optimizer (sgd, momentum, nesterov, adagrad, rmsprop, adam, adamw, "
-               "lion), got optim.name = ", optimizer);
+    LOOM_REFUSED(elementwise_optimizer(optim.kind), "parallel.zero_stage = ", ddp.zero_stage, " shards at element "
+                 "boundaries and needs an element-wise optimizer (sgd, momentum, nesterov, adagrad, rmsprop, adam, adamw, "
+                 "lion), got optim.name = ", optimizer);
   }
   std::vector<OptimParam> mine;
   if (sharded && ddp.zero_stage >= 2) {  // the shard of the whole buffer (ZeroSharding's), less the frozen elements
@@ -131,10 +130,10 @@ Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config, Commu
                                 rank_params(optim_params_, comm, ddp, model, config.optim.resolved(), pipeline),
                                 config.optim)),
       pipeline_(pipeline) {
-  LOOM_CHECK(pipeline_ == nullptr || config_.recompute == "none", "train.recompute = ", config_.recompute,
-             " with parallel.pp > 1 is not supported yet");
-  LOOM_CHECK(pipeline_ == nullptr || !config_.flash_attention,
-             "train.flash_attention with parallel.pp > 1 is not supported yet");
+  LOOM_REFUSED(pipeline_ == nullptr || config_.recompute == "none", "train.recompute = ", config_.recompute,
+               " with parallel.pp > 1 is not supported yet");
+  LOOM_REFUSED(pipeline_ == nullptr || !config_.flash_attention,
+               "train.flash_attention with parallel.pp > 1 is not supported yet");
   LOOM_CHECK(pipeline_ == nullptr || pipeline_->schedule().micro == config_.grad_accum, "the pipeline schedule runs ",
              pipeline_ ? pipeline_->schedule().micro : 0, " micro-batches per step: set train.grad_accum to match (got ",
              config_.grad_accum, ")");
@@ -147,13 +146,13 @@ Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config, Commu
   // weights live in host memory beside the optimizer state; the device keeps the copy.
   if (config_.optim.offload && model_.precision().param_bf16) model_.params().move_to_category(MEM_OFFLOADED);
   if (comm != nullptr && comm->size() > 1) {
-    LOOM_CHECK(!optimizer_->keeps_gradients(), "data parallelism is not supported with optim.name = ", optimizer_->name(),
-               " (its error feedback lives in the gradient buffer, which the all-reduce would average)");
+    LOOM_REFUSED(!optimizer_->keeps_gradients(), "data parallelism is not supported with optim.name = ", optimizer_->name(),
+                 " (its error feedback lives in the gradient buffer, which the all-reduce would average)");
     comm_ = comm;
     const BackendCapabilities caps = backend_.capabilities();
-    LOOM_CHECK((ddp.zero_stage == 0 || caps.zero_sharding) && (ddp.compression == Compression::none || caps.gradient_compression),
-               "parallel.zero_stage > 0 and parallel.compression are not supported on the ", backend_.name(),
-               " backend yet (it lacks their ops): use plain data parallelism");
+    LOOM_REFUSED((ddp.zero_stage == 0 || caps.zero_sharding) && (ddp.compression == Compression::none || caps.gradient_compression),
+                 "parallel.zero_stage > 0 and parallel.compression are not supported on the ", backend_.name(),
+                 " backend yet (it lacks their ops): use plain data parallelism");
     if (ddp.zero_stage <= 1) {  // gradients all-reduced (stage 1 then shards the update)
       // Sequence parallel and LoRA under tp sum some gradients over the tp group after backward:
       // the data-parallel reduction then follows it instead of overlapping backward.
@@ -161,13 +160,13 @@ Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config, Commu
       ddp.frozen_below = model_.frozen_ranges().empty() ? 0 : model_.frozen_ranges().ranges()[0].end;
       ddp_ = std::make_unique<DataParallel>(*comm, backend_, model_.grads(), model_.layout(), ddp);
     } else {
-      LOOM_CHECK(ddp.compression == Compression::none, "parallel.compression = ", enum_name(ddp.compression), " replaces DDP's all-reduce; "
-                 "parallel.zero_stage = ", ddp.zero_stage, " reduce-scatters instead: use zero_stage 0 or 1");
+      LOOM_REFUSED(ddp.compression == Compression::none, "parallel.compression = ", enum_name(ddp.compression), " replaces DDP's all-reduce; "
+                   "parallel.zero_stage = ", ddp.zero_stage, " reduce-scatters instead: use zero_stage 0 or 1");
     }
     if (ddp.zero_stage >= 1) {
-      LOOM_CHECK(ddp.zero_stage < 3 || (!model_.precision().param_bf16 && !model_.precision().master_bf16),
-                 "parallel.zero_stage = 3 shards the fp32 parameters; the bf16 weights of precision.param = bf16 or "
-                 "precision.master = bf16 are not sharded: use f32 for both");
+      LOOM_REFUSED(ddp.zero_stage < 3 || (!model_.precision().param_bf16 && !model_.precision().master_bf16),
+                   "parallel.zero_stage = 3 shards the fp32 parameters; the bf16 weights of precision.param = bf16 or "
+                   "precision.master = bf16 are not sharded: use f32 for both");
       // Stages 2 and 3 shard the whole buffer, a frozen base included (stage 3 its parameters);
       // stage 1 the update domain.
       const int64_t frozen_end = model_.frozen_ranges().empty() ? 0 : model_.frozen_ranges().ranges()[0].end;
@@ -181,16 +180,16 @@ Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config, Commu
     }
   }
   if (Communicator* tp = model_.tensor_parallel(); tp != nullptr && tp->size() > 1) {
-    LOOM_CHECK(!optimizer_->keeps_gradients() && elementwise_optimizer(optimizer_->kind()),
-               "tensor parallelism needs an element-wise optimizer (each rank updates its slice), got optim.name = ",
-               optimizer_->name());
+    LOOM_REFUSED(!optimizer_->keeps_gradients() && elementwise_optimizer(optimizer_->kind()),
+                 "tensor parallelism needs an element-wise optimizer (each rank updates its slice), got optim.name = ",
+                 optimizer_->name());
     tp_ = tp;
     tp_replicated_ = tp_replicated_ranges(model_.config());
     tp_partial_ = model_.tp_partial_ranges();
-    LOOM_CHECK(tp_partial_.empty() || !sharded_grads(), "parallel.sequence_parallel or peft.method = lora with "
-               "parallel.tp > 1 and parallel.zero_stage = ", ddp.zero_stage, " is not supported: the norms' (or the "
-               "adapters') gradients are summed over the tp group after backward, ZeRO-2/3 reduce-scatter them during "
-               "it; use zero_stage 0 or 1");
+    LOOM_REFUSED(tp_partial_.empty() || !sharded_grads(), "parallel.sequence_parallel or peft.method = lora with "
+                 "parallel.tp > 1 and parallel.zero_stage = ", ddp.zero_stage, " is not supported: the norms' (or the "
+                 "adapters') gradients are summed over the tp group after backward, ZeRO-2/3 reduce-scatter them during "
+                 "it; use zero_stage 0 or 1");
   }
   scalar_ = Tensor::zeros(host_, {1}, DTYPE_F64, MEM_WORKSPACE);
   if (store_.tokens.defined() && !store_.tokens.host_accessible()) {  // a GPU's batch is staged on the host
@@ -205,8 +204,8 @@ Trainer::Trainer(Backend& backend, Transformer& model, TrainConfig config, Commu
     backend_.round_bf16(model_.params(), false, RoundingDraw{});
   }
   if (config_.loss_scaling) {
-    LOOM_CHECK(!optimizer_->keeps_gradients(), "precision.loss_scaling is not supported with optim.name = ",
-               optimizer_->name(), " (its error feedback lives in the gradient buffer, which unscaling would rescale)");
+    LOOM_REFUSED(!optimizer_->keeps_gradients(), "precision.loss_scaling is not supported with optim.name = ",
+                 optimizer_->name(), " (its error feedback lives in the gradient buffer, which unscaling would rescale)");
     scaler_ = std::make_unique<DynamicLossScaler>(config_.loss_scaler);
   }
   // The gradient buffer starts at zero; an optimizer that keeps error feedback in it (LDAdam)
@@ -508,51 +507,6 @@ double Trainer::evaluate(BatchSource& data, int64_t batches) {
   // Loss masks: the mean over the positions that count (forward's mean counts the others as 0).
   if (valid != batches * positions) return valid > 0 ? sum * static_cast<double>(positions) / static_cast<double>(valid) : NAN;
   return sum / static_cast<double>(batches);
-}
-
-}  // namespace loom
-
-namespace loom {
-
-RankSliceSource::RankSliceSource(BatchSource& global, Allocator& allocator, int rank, int world, int64_t batch,
-                                 int64_t seq_len)
-    : global_(global), rank_(rank), world_(world) {
-  LOOM_CHECK(world >= 1 && rank >= 0 && rank < world, "rank ", rank, " outside a world of ", world);
-  tokens_ = Tensor::empty(allocator, {batch * world, seq_len}, DTYPE_I32, MEM_WORKSPACE);
-  targets_ = Tensor::empty(allocator, {batch * world, seq_len}, DTYPE_I32, MEM_WORKSPACE);
-}
-
-ContextSliceSource::ContextSliceSource(BatchSource& inner, Allocator& allocator, int rank, int world, int64_t batch,
-                                       int64_t seq_len)
-    : inner_(inner), rank_(rank), world_(world) {
-  check_cp_seq_len(seq_len, world);
-  tokens_ = Tensor::empty(allocator, {batch, seq_len, 1}, DTYPE_I32, MEM_WORKSPACE);
-  targets_ = Tensor::empty(allocator, {batch, seq_len, 1}, DTYPE_I32, MEM_WORKSPACE);
-}
-
-void ContextSliceSource::fill(const Tensor& tokens, const Tensor& targets) {
-  LOOM_CHECK(tokens.numel() * world_ == tokens_.numel(), "ContextSliceSource: local batch ", tokens.describe(),
-             " is not 1/", world_, " of ", tokens_.describe());
-  inner_.fill(tokens_.view(0, {tokens_.dim(0), tokens_.dim(1)}), targets_.view(0, {targets_.dim(0), targets_.dim(1)}));
-  const Shape local{tokens_.dim(0), tokens_.dim(1) / world_, 1};
-  cp_take_local(tokens_, tokens.view(0, local), rank_, world_);
-  cp_take_local(targets_, targets.view(0, local), rank_, world_);
-}
-
-void RankSliceSource::fill(const Tensor& tokens, const Tensor& targets) {
-  LOOM_CHECK(tokens.numel() * (tokens_.numel() / tokens.numel()) == tokens_.numel() && tokens.dim(-1) == tokens_.dim(-1),
-             "RankSliceSource: micro-batch ", tokens.describe(), " does not match ", tokens_.describe());
-  global_.fill(tokens_, targets_);
-  const int64_t n = tokens.numel();
-  std::copy_n(tokens_.data<int32_t>() + rank_ * n, n, tokens.data<int32_t>());
-  std::copy_n(targets_.data<int32_t>() + rank_ * n, n, targets.data<int32_t>());
-}
-
-std::vector<RowInfo> RankSliceSource::rows() const {
-  const std::vector<RowInfo> all = global_.rows();
-  if (all.empty()) return all;
-  const int64_t local = tokens_.dim(0) / world_;
-  return {all.begin() + rank_ * local, all.begin() + (rank_ + 1) * local};
 }
 
 }  // namespace loom
