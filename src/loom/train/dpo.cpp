@@ -149,19 +149,27 @@ double DpoObjective::weigh(Backend& backend, ActivationStore& store, const Batch
 std::string DpoObjective::set_live_reference(Transformer& policy) {
   LOOM_CHECK(config_.reference == DpoReference::live && !config_.reference_free(),
              "set_live_reference: dpo.reference = live with a loss that has a reference");
+  return reference_.set(policy);
+}
+
+void DpoObjective::before_forward(Backend& backend, ActivationStore& store) {
+  if (reference_.active()) live_ = reference_.log_probs(backend, store);
+}
+
+std::string LiveReference::set(Transformer& policy) {
   if (policy.config().lora()) {
     policy_ = &policy;
     return "live: the policy with its LoRA adapters off (the base)";
   }
-  reference_ = std::make_unique<Transformer>(policy.backend(), policy.config());
-  policy.backend().copy(policy.params(), reference_->params());
-  reference_->set_precision(policy.precision());
-  reference_->set_recording(false);
+  copy_ = std::make_unique<Transformer>(policy.backend(), policy.config());
+  policy.backend().copy(policy.params(), copy_->params());
+  copy_->set_precision(policy.precision());
+  copy_->set_recording(false);
   return "live: a frozen copy of the initial weights";
 }
 
-void DpoObjective::before_forward(Backend& backend, ActivationStore& store) {
-  if (policy_ == nullptr && reference_ == nullptr) return;
+std::vector<double> LiveReference::log_probs(Backend& backend, ActivationStore& store) {
+  LOOM_CHECK(active(), "LiveReference: no reference model (set it before the first micro-batch)");
   if (policy_ != nullptr) {  // the same rows through the base: the policy's forward then overwrites the store
     const uint32_t pass = store.dropout_pass;
     store.adapters_off = true, store.dropout_pass = 0;
@@ -170,16 +178,15 @@ void DpoObjective::before_forward(Backend& backend, ActivationStore& store) {
     policy_->forward(store);
     policy_->set_recording(recording);
     store.adapters_off = false, store.dropout_pass = pass;
-    live_ = row_log_probs(backend, store);
-    return;
+    return row_log_probs(backend, store);
   }
-  if (reference_store_ == nullptr || reference_store_->batch != store.batch || reference_store_->seq_len != store.seq_len) {
-    reference_store_ = std::make_unique<ActivationStore>(reference_->allocate_store(store.batch, store.seq_len));
+  if (store_ == nullptr || store_->batch != store.batch || store_->seq_len != store.seq_len) {
+    store_ = std::make_unique<ActivationStore>(copy_->allocate_store(store.batch, store.seq_len));
   }
-  backend.copy(store.tokens, reference_store_->tokens);
-  backend.copy(store.targets, reference_store_->targets);
-  reference_->forward(*reference_store_);  // (its frozen bf16 copy, if any, was made by set_precision)
-  live_ = row_log_probs(backend, *reference_store_);
+  backend.copy(store.tokens, store_->tokens);
+  backend.copy(store.targets, store_->targets);
+  copy_->forward(*store_);  // (its frozen bf16 copy, if any, was made by set_precision)
+  return row_log_probs(backend, *store_);
 }
 
 void DpoObjective::compute_reference(Trainer& trainer, PreferenceBatches& pairs, int64_t rows) const {

@@ -95,6 +95,25 @@ class PreferenceBatches final : public ResumableSource {
   std::vector<RowInfo> rows_;
 };
 
+// A frozen reference beside a policy, run on a micro-batch's rows before the policy's forward:
+// with LoRA the policy itself with its adapters off (no copy), else a copy of the policy's
+// weights as they are when set() is called (the initial ones), in its precision.
+class LiveReference {
+ public:
+  // Returns what the reference is, in words.
+  std::string set(Transformer& policy);
+  bool active() const { return policy_ != nullptr || copy_ != nullptr; }
+  // Each row's summed log-probability of its counted targets under the reference. With LoRA the
+  // reference forward uses `store` itself (the policy's forward then overwrites it); no dropout,
+  // nothing recorded for FP8 scaling.
+  std::vector<double> log_probs(Backend& backend, ActivationStore& store);
+
+ private:
+  Transformer* policy_ = nullptr;       // LoRA: the policy, run with its adapters off
+  std::unique_ptr<Transformer> copy_;   // otherwise: the frozen initial weights
+  std::unique_ptr<ActivationStore> store_;
+};
+
 // The objective of train.objective = dpo (Trainer::set_objective).
 class DpoObjective final : public RowObjective {
  public:
@@ -119,10 +138,8 @@ class DpoObjective final : public RowObjective {
  private:
   DpoConfig config_;
   Stats stats_;
-  Transformer* policy_ = nullptr;          // live, LoRA: the policy, run with its adapters off
-  std::unique_ptr<Transformer> reference_;  // live, full: the frozen initial weights
-  std::unique_ptr<ActivationStore> reference_store_;
-  std::vector<double> live_;                // live: this micro-batch's rows' reference log-probabilities
+  LiveReference reference_;   // dpo.reference = live
+  std::vector<double> live_;  // live: this micro-batch's rows' reference log-probabilities
 };
 
 // Each row's summed log-probability of its counted targets: -(sum of its positions' losses).

@@ -84,39 +84,6 @@ void KtoBatches::fill(const Tensor& tokens, const Tensor& targets) {
   }
 }
 
-std::string LiveReference::set(Transformer& policy) {
-  if (policy.config().lora()) {
-    policy_ = &policy;
-    return "live: the policy with its LoRA adapters off (the base)";
-  }
-  copy_ = std::make_unique<Transformer>(policy.backend(), policy.config());
-  policy.backend().copy(policy.params(), copy_->params());
-  copy_->set_precision(policy.precision());
-  copy_->set_recording(false);
-  return "live: a frozen copy of the initial weights";
-}
-
-std::vector<double> LiveReference::log_probs(Backend& backend, ActivationStore& store) {
-  LOOM_CHECK(active(), "LiveReference: no reference model (set it before the first micro-batch)");
-  if (policy_ != nullptr) {  // the same rows through the base: the policy's forward then overwrites the store
-    const uint32_t pass = store.dropout_pass;
-    store.adapters_off = true, store.dropout_pass = 0;
-    const bool recording = policy_->recording();
-    policy_->set_recording(false);  // (FP8 delayed scaling: the reference pass is not recorded)
-    policy_->forward(store);
-    policy_->set_recording(recording);
-    store.adapters_off = false, store.dropout_pass = pass;
-    return row_log_probs(backend, store);
-  }
-  if (store_ == nullptr || store_->batch != store.batch || store_->seq_len != store.seq_len) {
-    store_ = std::make_unique<ActivationStore>(copy_->allocate_store(store.batch, store.seq_len));
-  }
-  backend.copy(store.tokens, store_->tokens);
-  backend.copy(store.targets, store_->targets);
-  copy_->forward(*store_);  // (its frozen bf16 copy, if any, was made by set_precision)
-  return row_log_probs(backend, *store_);
-}
-
 void KtoRowObjective::before_forward(Backend& backend, ActivationStore& store) {
   reference_logp_ = reference_.log_probs(backend, store);
 }

@@ -46,6 +46,7 @@
 
 #include "loom/data/loader.h"
 #include "loom/data/sft.h"
+#include "loom/train/dpo.h"
 #include "loom/train/objective.h"
 #include "loom/train/trainer.h"
 
@@ -95,25 +96,6 @@ class KtoBatches final : public ResumableSource {
   int32_t pad_;
   TokenLoader order_;  // over the example indices, windows of one
   std::vector<RowInfo> rows_;
-};
-
-// A frozen reference beside a policy, run on a micro-batch's rows before the policy's forward:
-// with LoRA the policy itself with its adapters off (no copy), else a copy of the policy's
-// weights as they are when set() is called (the initial ones), in its precision.
-class LiveReference {
- public:
-  // Returns what the reference is, in words.
-  std::string set(Transformer& policy);
-  bool active() const { return policy_ != nullptr || copy_ != nullptr; }
-  // Each row's summed log-probability of its counted targets under the reference. With LoRA the
-  // reference forward uses `store` itself (the policy's forward then overwrites it); no dropout,
-  // nothing recorded for FP8 scaling.
-  std::vector<double> log_probs(Backend& backend, ActivationStore& store);
-
- private:
-  Transformer* policy_ = nullptr;       // LoRA: the policy, run with its adapters off
-  std::unique_ptr<Transformer> copy_;   // otherwise: the frozen initial weights
-  std::unique_ptr<ActivationStore> store_;
 };
 
 // The objective of train.objective = kto (Trainer::set_objective): the micro-batch's loss above
