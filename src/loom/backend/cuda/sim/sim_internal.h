@@ -1,11 +1,13 @@
-// Shared between the simulator's runtime (runtime.cpp: memory, streams, copies, errors) and its
-// kernel execution (exec.cpp: fibers, barriers, shuffles, the access checks). Not for callers.
+// Shared between the simulator's runtime (runtime.cpp: devices, streams, events, errors;
+// runtime_memory.cpp: memory, copies) and its kernel execution (exec.cpp: fibers, barriers,
+// shuffles; exec_checks.cpp: the access checks). Not for callers.
 #pragma once
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <mutex>
 #include <string>
 
 namespace loom::sim {
@@ -21,6 +23,13 @@ struct Arena {
 extern Arena g_arena;
 inline bool in_arena(uintptr_t a) { return a - g_arena.base < g_arena.size; }
 inline uint8_t* shadow_of(uintptr_t a) { return g_arena.shadow + (a - g_arena.base); }
+
+// What cudaGetDeviceProperties reports as the device's memory; the arena reserves at most this.
+constexpr size_t kDeviceBytes = size_t{80} << 30;  // an H100 SXM's 80 GB
+// Guards the allocations, pinned memory, reports and the device access count.
+extern std::mutex g_mu;
+// Writes all of `text` to stderr with write(2), which the SIGSEGV handler may call.
+void write_stderr(const char* text);
 
 void ensure_init();
 
@@ -40,6 +49,12 @@ void record_report(const char* check, const std::string& report);
 void set_sticky(cudaError_t error);
 cudaError_t sticky_error();
 void set_last_error(cudaError_t error);
+// An API call's result: an error also becomes the thread's last error (cudaGetLastError).
+cudaError_t result_of(cudaError_t error);
+// The sticky error, once there is one, else `otherwise` (through result_of).
+cudaError_t sticky_or(cudaError_t otherwise);
+// A host synchronization: pinned buffers whose asynchronous copies are done become readable.
+void settle_pinned();
 
 // enqueue() for operations that must run after a sticky error too (event records and waits).
 void enqueue_always(cudaStream_t stream, const char* what, std::function<void()> work);

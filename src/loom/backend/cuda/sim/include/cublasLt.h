@@ -1,6 +1,6 @@
 // The CUDA simulator's cublasLt.h (docs/cuda.md "The simulator"): the part of NVIDIA's cuBLASLt API
 // that Loom calls, with the names, types and enum values of CUDA 13's cublasLt.h, implemented on
-// the CPU in sim/cublas.cpp. The descriptors are opaque here (the real header's semi-opaque
+// the CPU in sim/cublas_lt.cpp. The descriptors are opaque here (the real header's semi-opaque
 // structs and their *Init functions are not simulated); the algo and heuristic-result structs have
 // the real layout.
 #pragma once

@@ -1,8 +1,8 @@
 // The CUDA simulator's runtime API (docs/cuda.md "The simulator"): the part of NVIDIA's CUDA
 // Runtime API that Loom calls, with the names, types and enum values of CUDA 13's
-// cuda_runtime_api.h / driver_types.h, implemented on the CPU (sim/runtime.cpp). Only the
-// -DLOOM_CUDA=SIM build and the cuda_sim tests put this folder on the include path; the nvcc
-// build uses the toolkit's headers.
+// cuda_runtime_api.h / driver_types.h, implemented on the CPU (sim/runtime.cpp,
+// sim/runtime_memory.cpp). Only the -DLOOM_CUDA=SIM build and the cuda_sim tests put this folder
+// on the include path; the nvcc build uses the toolkit's headers.
 #pragma once
 #include <cstddef>
 
