@@ -238,21 +238,17 @@ TrainingRun::End TrainingRun::loop() {
     const StepStats stats = trainer.train_step(data_->train());
     if (tracer_) tracer_->complete("step", "step", step_start);
     watchdog_->beat(stats.step);
-    const bool anomalous = stats.anomaly != Anomaly::none && anomaly(stats, position);
-    const int64_t done = trainer.step();
-    const bool eval_now = !anomalous && config_.loop.eval_every > 0 && done % config_.loop.eval_every == 0;
-    const bool last = !anomalous && done == config_.train.steps;
-    if (!anomalous) {
-      record_step(stats, options_.verbose || eval_now || done % config_.loop.log_every == 0 || last);
-      if (eval_now || last) validate(done);
-    }
-    // Every rank stops at the same step: the first to see a signal decides.
-    stop_signal_ = static_cast<int>(world_max(signals_->requested()));
-    const bool signalled = stop_signal_ != 0;
-    if (anomalous) {
-      if (signalled) return End::preempted;
+    if (stats.anomaly != Anomaly::none) {  // no update: reported, not recorded as a step
+      report_anomaly(stats, position);
+      if (agree_on_stop()) return End::preempted;
       continue;
     }
+    const int64_t done = trainer.step();
+    const bool last = done == config_.train.steps;
+    const bool eval_now = config_.loop.eval_every > 0 && done % config_.loop.eval_every == 0;
+    record_step(stats, options_.verbose || eval_now || done % config_.loop.log_every == 0 || last);
+    if (eval_now || last) validate(done);
+    const bool signalled = agree_on_stop();
     const bool stopping = done == options_.stop_at && done < config_.train.steps;  // --stop-at-step
     if ((config_.loop.checkpoint_every > 0 && done % config_.loop.checkpoint_every == 0) || stopping || last) {
       // The last checkpoint and a stopping one are written in the step (the process ends next).
@@ -265,10 +261,15 @@ TrainingRun::End TrainingRun::loop() {
   return End::finished;
 }
 
-// A step whose loss or gradients train.on_anomaly let through without an update: reported and
-// recorded; under rollback the newest valid checkpoint is loaded (the data loader keeps its place).
-// Returns true (the step is not recorded as a step).
-bool TrainingRun::anomaly(const StepStats& stats, const nlohmann::json& position) {
+// Every rank stops at the same step: the first to see a signal decides (one MAX all-reduce).
+bool TrainingRun::agree_on_stop() {
+  stop_signal_ = static_cast<int>(world_max(signals_->requested()));
+  return stop_signal_ != 0;
+}
+
+// A step whose loss or gradients train.on_anomaly let through without an update: a warning and a
+// record; under rollback the newest valid checkpoint is loaded (the data loader keeps its place).
+void TrainingRun::report_anomaly(const StepStats& stats, const nlohmann::json& position) {
   const bool spike = stats.anomaly == Anomaly::spike;
   const std::string what = spike ? str_cat("loss ", stats.loss, " is a spike (z-score ", stats.spike_z, ")")
                            : std::isfinite(stats.loss) ? str_cat("gradient norm ", stats.grad_norm, " is not finite")
@@ -286,7 +287,6 @@ bool TrainingRun::anomaly(const StepStats& stats, const nlohmann::json& position
                             action.find("rolled back") != std::string::npos ? " (the batches since it are not replayed)" : ""));
   metrics_->write(to_json(AnomalyRecord{stats.step + 1, spike ? "spike" : "nonfinite", stats.loss, stats.spike_z, position,
                                         action, parts_.trainer->step() + 1}));
-  return true;
 }
 
 // The step record (metrics.jsonl), the progress line, then the objective's records and lines.

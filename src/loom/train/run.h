@@ -107,7 +107,8 @@ class TrainingRun {
   void resume();
   void start_reporting();
   End loop();
-  bool anomaly(const StepStats& stats, const nlohmann::json& position);
+  void report_anomaly(const StepStats& stats, const nlohmann::json& position);
+  bool agree_on_stop();
   void record_step(const StepStats& stats, bool logged);
   void validate(int64_t step);
   void save_checkpoint(bool async);
