@@ -6,15 +6,19 @@
 //   dpo      preference pairs: DPO, IPO, SimPO                                      dpo.cpp
 //   grpo     rollouts of prompts with verifiable rewards                            grpo.cpp
 //   distill  next-token loss and a teacher's softened distribution                 distill.cpp
+//   orpo     preference pairs: the chosen NLL and an odds-ratio term, no reference    orpo.cpp
+//   kto      labelled completions against a live reference                          kto.cpp
 //
-// An objective owns everything that is its own: its config check (the row's `check`), the layout
-// it runs in (the row's `layout`, which the compatibility table in layout.cpp reads: that table
-// is the only place that refuses a combination), its data (read before the model exists, as
-// model.vocab_size may follow it), its set-up (a reference model, a teacher, a rollout engine),
-// the per-micro-batch loss (a RowObjective given to the trainer), and its per-step and validation
-// metrics with their report keys. The run (train/run.h) calls these hooks and knows nothing else
-// of any objective. A new objective is its file, its registry row, its tests and its docs
-// (docs/architecture.md "Where things go").
+// The rows are one table (kObjectives in objective.cpp); each implementation is its own file
+// behind its factory (make_<name>_objective). An objective owns everything that is its own: its
+// config check (the row's `check`), the layout it runs in (the row's `layout`, which the
+// compatibility table in layout.cpp reads: that table is the only place that refuses a
+// combination), its data (read before the model exists, as model.vocab_size may follow it), its
+// set-up (a reference model, a teacher, a rollout engine), the per-micro-batch loss (a
+// RowObjective given to the trainer), its per-step and validation metrics with their report keys,
+// and the charts `loom report` draws from them (the row's `series`). The run (train/run.h) calls
+// these hooks and knows nothing else of any objective. A new objective is its file, its registry
+// row, its config keys, its tests and its docs (docs/architecture.md "Where things go").
 #pragma once
 #include <algorithm>
 #include <cmath>
