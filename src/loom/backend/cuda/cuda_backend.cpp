@@ -11,7 +11,10 @@
 //   f64: cublasDgemmStridedBatched (reference checks);
 //   shapes cuBLASLt declines (rows not 16-byte aligned): cublasGemmStridedBatchedEx, fp32 accumulation.
 // The bias is added by a row kernel after the GEMM (cuBLASLt's bias epilogue would save one pass).
+//
+// The other ops are in the op files (cuda_backend_internal.h lists them).
 #include "loom/backend/cuda/cuda_backend.h"
+#include "loom/backend/cuda/cuda_backend_internal.h"
 
 #include <cublasLt.h>
 #include <cublas_v2.h>
@@ -29,18 +32,9 @@
 #include "loom/backend/cuda/cuda_kernels.h"
 #include "loom/core/error.h"
 
-#define LOOM_CUBLAS_STATUS(expr)                                                                             \
-  do {                                                                                                      \
-    const cublasStatus_t loom_cublas_status_ = (expr);                                                      \
-    if (loom_cublas_status_ != CUBLAS_STATUS_SUCCESS) {                                                     \
-      throw ::loom::Error(::loom::str_cat("cuBLAS error ", static_cast<int>(loom_cublas_status_), " (",     \
-                                          cublasGetStatusName(loom_cublas_status_), ") in ", #expr, " (",   \
-                                          __FILE__, ":", __LINE__, ")"));                                   \
-    }                                                                                                       \
-  } while (0)
 
 namespace loom {
-namespace {
+namespace cuda_backend_detail {
 
 using checks::check_attention;
 using checks::check_attention_backward;
@@ -54,7 +48,7 @@ using checks::expect_dtype;
 using checks::expect_numel;
 using checks::rows_of;
 
-constexpr const char* kBackend = "CUDA";  // in dtype errors
+namespace {
 
 // The largest power of two, at most 256, that divides the address (cuBLASLt's alignment unit).
 uint32_t pointer_alignment(const void* p) {
@@ -64,512 +58,479 @@ uint32_t pointer_alignment(const void* p) {
   return alignment;
 }
 
-template <typename T>
-T* dptr(const Tensor& t) {
-  return static_cast<T*>(t.device_ptr());
+}  // namespace
+
+CudaAllocator::CudaAllocator(int device, cudaStream_t stream)
+    : stream_(stream),
+      cache_(str_cat("CUDA device ", device),
+             [](size_t bytes) -> void* {
+               void* ptr = nullptr;
+               if (cudaMalloc(&ptr, bytes) != cudaSuccess) {
+                 (void)cudaGetLastError();  // clear the sticky out-of-memory status
+                 return nullptr;
+               }
+               return ptr;
+             },
+             [](void* ptr) { (void)cudaFree(ptr); }) {}
+
+CudaBackend::CudaBackend(int device) : device_(device) {
+  LOOM_CUDA_CHECK(cudaSetDevice(device_));
+  LOOM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  allocator_ = std::make_unique<CudaAllocator>(device_, stream_);
+  LOOM_CUBLAS_STATUS(cublasLtCreate(&lt_));
+  LOOM_CUBLAS_STATUS(cublasCreate(&cublas_));
+  LOOM_CUBLAS_STATUS(cublasSetStream(cublas_, stream_));
+  lt_workspace_ = Tensor::empty(*allocator_, {kLtWorkspaceBytes / 8}, DTYPE_F64, MEM_WORKSPACE);  // bytes
+  LOOM_CUBLAS_STATUS(cublasSetWorkspace(cublas_, lt_workspace_.device_ptr(), kLtWorkspaceBytes));
+  flags_ = Tensor::empty(*allocator_, {1}, DTYPE_F64, MEM_WORKSPACE);  // one unsigned long long
+  partials_ = Tensor::empty(*allocator_, {cuda::kReducePartials}, DTYPE_F64, MEM_WORKSPACE);
 }
 
-// Device memory through the block cache; zeroing runs on the backend's stream.
-class CudaAllocator final : public Allocator {
- public:
-  CudaAllocator(int device, cudaStream_t stream)
-      : stream_(stream),
-        cache_(str_cat("CUDA device ", device),
-               [](size_t bytes) -> void* {
-                 void* ptr = nullptr;
-                 if (cudaMalloc(&ptr, bytes) != cudaSuccess) {
-                   (void)cudaGetLastError();  // clear the sticky out-of-memory status
-                   return nullptr;
-                 }
-                 return ptr;
-               },
-               [](void* ptr) { (void)cudaFree(ptr); }) {}
+CudaBackend::~CudaBackend() {
+  (void)cudaStreamSynchronize(stream_);
+  workspace_ = Tensor();
+  lt_workspace_ = Tensor();
+  flags_ = Tensor();
+  partials_ = Tensor();
+  if (cublas_) (void)cublasDestroy(cublas_);
+  if (lt_) (void)cublasLtDestroy(lt_);
+  allocator_.reset();
+  if (stream_) (void)cudaStreamDestroy(stream_);
+}
 
-  DeviceType device() const override { return DEVICE_CUDA; }
-  void* raw_allocate(size_t bytes) override { return cache_.allocate(bytes); }
-  void raw_release(void* ptr, size_t bytes) override { cache_.release(ptr, bytes); }
-  void raw_zero(void* ptr, size_t bytes) override {
-    if (bytes > 0) LOOM_CUDA_CHECK(cudaMemsetAsync(ptr, 0, bytes, stream_));
+BackendCapabilities CudaBackend::capabilities() const {
+  BackendCapabilities caps;
+  caps.zero_sharding = true;  // ZeRO's shard bookkeeping is fill / scale_inplace views and NCCL's collectives
+  caps.every_optimizer = optim_ops_complete() && optim_factored_ops_complete();
+  caps.model_parallel = parallel_ops_complete();
+  caps.head_norm = head_norm_ops_complete();
+  caps.mixture_of_experts = moe_ops_complete();
+  caps.latent_attention = mla_ops_complete();
+  caps.low_precision = quant_ops_complete();
+  caps.bf16_attention = bf16_attention_ops_complete();
+  caps.gradient_compression = compress_ops_complete();
+  caps.dora = dora_ops_complete();
+  caps.nf4 = nf4_ops_complete();
+  caps.int_weights = int_weight_ops_complete();
+  return caps;
+}
+
+void CudaBackend::write(const Tensor& dst, const void* host) {
+  if (dst.nbytes() == 0) return;
+  LOOM_CUDA_CHECK(cudaMemcpyAsync(dst.device_ptr(), host, dst.nbytes(), cudaMemcpyHostToDevice, stream_));
+  LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the host buffer may be reused on return
+}
+
+void CudaBackend::read(const Tensor& src, void* host) {
+  if (src.nbytes() == 0) return;
+  LOOM_CUDA_CHECK(cudaMemcpyAsync(host, src.device_ptr(), src.nbytes(), cudaMemcpyDeviceToHost, stream_));
+  LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+void CudaBackend::gemm(const Tensor& a, const Tensor& b, const Tensor& c, const GemmSpec& spec, const Tensor* bias) {
+  const checks::GemmDims d = checks::check_gemm(a, b, c, spec, bias);
+  if (d.m == 0 || d.n == 0) return;
+  LOOM_CHECK(d.m <= INT_MAX && d.n <= INT_MAX && d.k <= INT_MAX && spec.batch <= INT_MAX, "gemm: dims (", d.m, ", ",
+             d.n, ", ", d.k, ") exceed cuBLAS's 32-bit sizes");
+  if (a.dtype() == DTYPE_F64) {
+    gemm_f64(a, b, c, spec, d);
+  } else if (a.dtype() == DTYPE_F32 || a.dtype() == DTYPE_BF16) {
+    gemm_lt(a, b, c, spec, d);
+  } else {
+    throw Error(str_cat("gemm: not supported for dtype ", dtype_name(a.dtype()), " on the CUDA backend (f32, bf16, f64)"));
   }
-  size_t reserved_bytes() const { return cache_.reserved_bytes(); }
-
- private:
-  cudaStream_t stream_;
-  BlockCache cache_;
-};
-
-class CudaBackend final : public Backend {
- public:
-  explicit CudaBackend(int device) : device_(device) {
-    LOOM_CUDA_CHECK(cudaSetDevice(device_));
-    LOOM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-    allocator_ = std::make_unique<CudaAllocator>(device_, stream_);
-    LOOM_CUBLAS_STATUS(cublasLtCreate(&lt_));
-    LOOM_CUBLAS_STATUS(cublasCreate(&cublas_));
-    LOOM_CUBLAS_STATUS(cublasSetStream(cublas_, stream_));
-    lt_workspace_ = Tensor::empty(*allocator_, {kLtWorkspaceBytes / 8}, DTYPE_F64, MEM_WORKSPACE);  // bytes
-    LOOM_CUBLAS_STATUS(cublasSetWorkspace(cublas_, lt_workspace_.device_ptr(), kLtWorkspaceBytes));
-    flags_ = Tensor::empty(*allocator_, {1}, DTYPE_F64, MEM_WORKSPACE);  // one unsigned long long
-    partials_ = Tensor::empty(*allocator_, {cuda::kReducePartials}, DTYPE_F64, MEM_WORKSPACE);
-  }
-  ~CudaBackend() override {
-    (void)cudaStreamSynchronize(stream_);
-    workspace_ = Tensor();
-    lt_workspace_ = Tensor();
-    flags_ = Tensor();
-    partials_ = Tensor();
-    if (cublas_) (void)cublasDestroy(cublas_);
-    if (lt_) (void)cublasLtDestroy(lt_);
-    allocator_.reset();
-    if (stream_) (void)cudaStreamDestroy(stream_);
-  }
-
-  std::string_view name() const override { return "cuda"; }
-  // Data parallelism (DDP, and ZeRO-1/2/3, whose shard bookkeeping is fill and scale_inplace
-  // views and NCCL's reduce-scatter / all-gather) with fp32 / bf16 GEMMs, flash attention and
-  // AdamW: the features whose every computation is an op of this backend. The other features'
-  // ops (model parallelism, MoE, MLA, compression, low precision, the other optimizers) have no
-  // CUDA kernels yet: their defaults throw, and the layout refuses them (docs/cuda.md).
-  BackendCapabilities capabilities() const override {
-    BackendCapabilities caps;
-    caps.zero_sharding = true;
-    return caps;
-  }
-  Allocator& allocator() override { return *allocator_; }
-  cudaStream_t stream() const { return stream_; }
-  int device() const { return device_; }
-  size_t reserved_bytes() const { return allocator_->reserved_bytes(); }
-
-  void write(const Tensor& dst, const void* host) override {
-    if (dst.nbytes() == 0) return;
-    LOOM_CUDA_CHECK(cudaMemcpyAsync(dst.device_ptr(), host, dst.nbytes(), cudaMemcpyHostToDevice, stream_));
-    LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the host buffer may be reused on return
-  }
-  void read(const Tensor& src, void* host) override {
-    if (src.nbytes() == 0) return;
-    LOOM_CUDA_CHECK(cudaMemcpyAsync(host, src.device_ptr(), src.nbytes(), cudaMemcpyDeviceToHost, stream_));
-    LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  }
-  void synchronize() override { LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
-
-  void gemm(const Tensor& a, const Tensor& b, const Tensor& c, const GemmSpec& spec, const Tensor* bias) override {
-    const checks::GemmDims d = checks::check_gemm(a, b, c, spec, bias);
-    if (d.m == 0 || d.n == 0) return;
-    LOOM_CHECK(d.m <= INT_MAX && d.n <= INT_MAX && d.k <= INT_MAX && spec.batch <= INT_MAX, "gemm: dims (", d.m, ", ",
-               d.n, ", ", d.k, ") exceed cuBLAS's 32-bit sizes");
-    if (a.dtype() == DTYPE_F64) {
-      gemm_f64(a, b, c, spec, d);
-    } else if (a.dtype() == DTYPE_F32 || a.dtype() == DTYPE_BF16) {
-      gemm_lt(a, b, c, spec, d);
-    } else {
-      throw Error(str_cat("gemm: not supported for dtype ", dtype_name(a.dtype()), " on the CUDA backend (f32, bf16, f64)"));
-    }
-    if (bias) {
-      dispatch_float(c.dtype(), "gemm", kBackend, [&]<typename T>() {
-        cuda::add_bias_rows<T>(dptr<T>(c), dptr<T>(*bias), spec.batch * d.m, d.n, stream_);
-      });
-    }
-  }
-
-  void fill(const Tensor& x, double value) override {
-    dispatch_float(x.dtype(), "fill", kBackend, [&]<typename T>() { cuda::fill<T>(dptr<T>(x), x.numel(), value, stream_); });
-  }
-
-  void copy(const Tensor& src, const Tensor& dst) override {
-    expect_dtype(dst, src.dtype(), "copy", "dst");
-    expect_numel(dst, src.numel(), "copy", "dst");
-    if (src.nbytes() == 0) return;
-    LOOM_CUDA_CHECK(
-        cudaMemcpyAsync(dst.device_ptr(), src.device_ptr(), src.nbytes(), cudaMemcpyDeviceToDevice, stream_));
-  }
-
-  void cast(const Tensor& src, const Tensor& dst) override {
-    expect_numel(dst, src.numel(), "cast", "dst");
-    const int64_t n = src.numel();
-    if (src.dtype() == dst.dtype()) return copy(src, dst);
-    if (src.dtype() == DTYPE_F32 && dst.dtype() == DTYPE_BF16) {
-      cuda::cast_f32_to_bf16(dptr<float>(src), dptr<uint16_t>(dst), n, stream_);
-    } else if (src.dtype() == DTYPE_BF16 && dst.dtype() == DTYPE_F32) {
-      cuda::cast_bf16_to_f32(dptr<uint16_t>(src), dptr<float>(dst), n, stream_);
-    } else if (src.dtype() == DTYPE_F32 && dst.dtype() == DTYPE_F64) {
-      cuda::cast_f32_to_f64(dptr<float>(src), dptr<double>(dst), n, stream_);
-    } else if (src.dtype() == DTYPE_F64 && dst.dtype() == DTYPE_F32) {
-      cuda::cast_f64_to_f32(dptr<double>(src), dptr<float>(dst), n, stream_);
-    } else {
-      throw Error(str_cat("cast: not supported from ", dtype_name(src.dtype()), " to ", dtype_name(dst.dtype())));
-    }
-  }
-
-  void add(const Tensor& a, const Tensor& b, const Tensor& out) override {
-    expect_dtype(b, a.dtype(), "add", "b");
-    expect_dtype(out, a.dtype(), "add", "out");
-    expect_numel(b, a.numel(), "add", "b");
-    expect_numel(out, a.numel(), "add", "out");
-    dispatch_float(a.dtype(), "add", kBackend,
-                   [&]<typename T>() { cuda::add<T>(dptr<T>(a), dptr<T>(b), dptr<T>(out), a.numel(), stream_); });
-  }
-  void add_inplace(const Tensor& acc, const Tensor& x) override { add(acc, x, acc); }
-
-  void scale_inplace(const Tensor& x, double factor) override {
-    dispatch_float(x.dtype(), "scale_inplace", kBackend,
-                   [&]<typename T>() { cuda::scale<T>(dptr<T>(x), x.numel(), factor, stream_); });
-  }
-
-  double sum_squares(const Tensor& x) override { return reduce(x, true, "sum_squares"); }
-  double sum(const Tensor& x) override { return reduce(x, false, "sum"); }
-
-  void bias_backward(const Tensor& dout, const Tensor& dbias) override {
-    expect_dtype(dbias, dout.dtype(), "bias_backward", "dbias");
-    expect_numel(dbias, dout.dim(-1), "bias_backward", "dbias");
-    const int64_t rows = rows_of(dout), cols = dout.dim(-1);
-    dispatch_float(dout.dtype(), "bias_backward", kBackend, [&]<typename T>() {
-      void* scratch = workspace(cuda::column_sums_scratch_bytes(rows, cols, sizeof(T)));
-      cuda::column_sums_accumulate<T>(dptr<T>(dout), rows, cols, dptr<T>(dbias), scratch, stream_);
+  if (bias) {
+    dispatch_float(c.dtype(), "gemm", kBackend, [&]<typename T>() {
+      cuda::add_bias_rows<T>(dptr<T>(c), dptr<T>(*bias), spec.batch * d.m, d.n, stream_);
     });
   }
+}
 
-  void embedding_forward(const Tensor& tokens, const Tensor& table, const Tensor* positions,
-                         const Tensor& out) override {
-    const char* op = "embedding_forward";
-    const auto [n_tokens, seq_len, channels] = check_embedding(op, tokens, table, positions, out);
-    reset_flag();
-    dispatch_float(table.dtype(), op, kBackend, [&]<typename T>() {
-      cuda::embedding_forward<T>(dptr<int32_t>(tokens), dptr<T>(table), positions ? dptr<T>(*positions) : nullptr,
-                                 dptr<T>(out), n_tokens, seq_len, channels, table.dim(0), flag(), stream_);
-    });
-    check_flag(op, "token id", "position", tokens, table.dim(0));
+void CudaBackend::fill(const Tensor& x, double value) {
+  dispatch_float(x.dtype(), "fill", kBackend, [&]<typename T>() { cuda::fill<T>(dptr<T>(x), x.numel(), value, stream_); });
+}
+
+void CudaBackend::copy(const Tensor& src, const Tensor& dst) {
+  expect_dtype(dst, src.dtype(), "copy", "dst");
+  expect_numel(dst, src.numel(), "copy", "dst");
+  if (src.nbytes() == 0) return;
+  LOOM_CUDA_CHECK(
+      cudaMemcpyAsync(dst.device_ptr(), src.device_ptr(), src.nbytes(), cudaMemcpyDeviceToDevice, stream_));
+}
+
+void CudaBackend::cast(const Tensor& src, const Tensor& dst) {
+  expect_numel(dst, src.numel(), "cast", "dst");
+  const int64_t n = src.numel();
+  if (src.dtype() == dst.dtype()) return copy(src, dst);
+  if (src.dtype() == DTYPE_F32 && dst.dtype() == DTYPE_BF16) {
+    cuda::cast_f32_to_bf16(dptr<float>(src), dptr<uint16_t>(dst), n, stream_);
+  } else if (src.dtype() == DTYPE_BF16 && dst.dtype() == DTYPE_F32) {
+    cuda::cast_bf16_to_f32(dptr<uint16_t>(src), dptr<float>(dst), n, stream_);
+  } else if (src.dtype() == DTYPE_F32 && dst.dtype() == DTYPE_F64) {
+    cuda::cast_f32_to_f64(dptr<float>(src), dptr<double>(dst), n, stream_);
+  } else if (src.dtype() == DTYPE_F64 && dst.dtype() == DTYPE_F32) {
+    cuda::cast_f64_to_f32(dptr<double>(src), dptr<float>(dst), n, stream_);
+  } else {
+    throw Error(str_cat("cast: not supported from ", dtype_name(src.dtype()), " to ", dtype_name(dst.dtype())));
   }
+}
 
-  void embedding_backward(const Tensor& tokens, const Tensor& dout, const Tensor& dtable,
-                          const Tensor* dpositions) override {
-    const char* op = "embedding_backward";
-    const auto [n_tokens, seq_len, channels] = check_embedding(op, tokens, dtable, dpositions, dout);
-    reset_flag();
-    dispatch_float(dtable.dtype(), op, kBackend, [&]<typename T>() {
-      void* scratch =
-          workspace(cuda::embedding_backward_scratch_bytes(n_tokens, seq_len, channels, dtable.dim(0), sizeof(T)));
-      cuda::embedding_backward<T>(dptr<int32_t>(tokens), dptr<T>(dout), dptr<T>(dtable),
-                                  dpositions ? dptr<T>(*dpositions) : nullptr, n_tokens, seq_len, channels,
-                                  dtable.dim(0), scratch, flag(), stream_);
-    });
-    check_flag(op, "token id", "position", tokens, dtable.dim(0));
-  }
+void CudaBackend::add(const Tensor& a, const Tensor& b, const Tensor& out) {
+  expect_dtype(b, a.dtype(), "add", "b");
+  expect_dtype(out, a.dtype(), "add", "out");
+  expect_numel(b, a.numel(), "add", "b");
+  expect_numel(out, a.numel(), "add", "out");
+  dispatch_float(a.dtype(), "add", kBackend,
+                 [&]<typename T>() { cuda::add<T>(dptr<T>(a), dptr<T>(b), dptr<T>(out), a.numel(), stream_); });
+}
 
-  void layernorm_forward(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& out,
-                         const Tensor& mean, const Tensor& rstd, float eps) override {
-    const char* op = "layernorm_forward";
-    check_row_op(op, x, {&out}, {&weight, &bias}, {&mean, &rstd});
-    dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() {
-      cuda::layernorm_forward<T>(dptr<T>(x), dptr<T>(weight), dptr<T>(bias), dptr<T>(out), dptr<T>(mean),
-                                 dptr<T>(rstd), rows_of(x), x.dim(-1), eps, stream_);
-    });
-  }
+void CudaBackend::scale_inplace(const Tensor& x, double factor) {
+  dispatch_float(x.dtype(), "scale_inplace", kBackend,
+                 [&]<typename T>() { cuda::scale<T>(dptr<T>(x), x.numel(), factor, stream_); });
+}
 
-  void layernorm_backward(const Tensor& dout, const Tensor& x, const Tensor& weight, const Tensor& mean,
-                          const Tensor& rstd, const Tensor& dx, const Tensor& dweight, const Tensor& dbias) override {
-    const char* op = "layernorm_backward";
-    check_row_op(op, x, {&dout, &dx}, {&weight, &dweight, &dbias}, {&mean, &rstd});
-    dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() {
-      void* scratch = workspace(cuda::norm_backward_scratch_bytes(rows_of(x), x.dim(-1), sizeof(T)));
-      cuda::layernorm_backward<T>(dptr<T>(dout), dptr<T>(x), dptr<T>(weight), dptr<T>(mean), dptr<T>(rstd),
-                                  dptr<T>(dx), dptr<T>(dweight), dptr<T>(dbias), rows_of(x), x.dim(-1), scratch,
-                                  stream_);
-    });
-  }
+void CudaBackend::bias_backward(const Tensor& dout, const Tensor& dbias) {
+  expect_dtype(dbias, dout.dtype(), "bias_backward", "dbias");
+  expect_numel(dbias, dout.dim(-1), "bias_backward", "dbias");
+  const int64_t rows = rows_of(dout), cols = dout.dim(-1);
+  dispatch_float(dout.dtype(), "bias_backward", kBackend, [&]<typename T>() {
+    void* scratch = workspace(cuda::column_sums_scratch_bytes(rows, cols, sizeof(T)));
+    cuda::column_sums_accumulate<T>(dptr<T>(dout), rows, cols, dptr<T>(dbias), scratch, stream_);
+  });
+}
 
-  void rmsnorm_forward(const Tensor& x, const Tensor& weight, const Tensor& out, const Tensor& rstd,
-                       float eps) override {
-    const char* op = "rmsnorm_forward";
-    check_row_op(op, x, {&out}, {&weight}, {&rstd});
-    dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() {
-      cuda::rmsnorm_forward<T>(dptr<T>(x), dptr<T>(weight), dptr<T>(out), dptr<T>(rstd), rows_of(x), x.dim(-1), eps,
-                               stream_);
-    });
-  }
+void CudaBackend::embedding_forward(const Tensor& tokens, const Tensor& table, const Tensor* positions,
+                       const Tensor& out) {
+  const char* op = "embedding_forward";
+  const auto [n_tokens, seq_len, channels] = check_embedding(op, tokens, table, positions, out);
+  reset_flag();
+  dispatch_float(table.dtype(), op, kBackend, [&]<typename T>() {
+    cuda::embedding_forward<T>(dptr<int32_t>(tokens), dptr<T>(table), positions ? dptr<T>(*positions) : nullptr,
+                               dptr<T>(out), n_tokens, seq_len, channels, table.dim(0), flag(), stream_);
+  });
+  check_flag(op, "token id", "position", tokens, table.dim(0));
+}
 
-  void rmsnorm_backward(const Tensor& dout, const Tensor& x, const Tensor& weight, const Tensor& rstd,
-                        const Tensor& dx, const Tensor& dweight) override {
-    const char* op = "rmsnorm_backward";
-    check_row_op(op, x, {&dout, &dx}, {&weight, &dweight}, {&rstd});
-    dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() {
-      void* scratch = workspace(cuda::norm_backward_scratch_bytes(rows_of(x), x.dim(-1), sizeof(T)));
-      cuda::rmsnorm_backward<T>(dptr<T>(dout), dptr<T>(x), dptr<T>(weight), dptr<T>(rstd), dptr<T>(dx),
-                                dptr<T>(dweight), rows_of(x), x.dim(-1), scratch, stream_);
-    });
-  }
+void CudaBackend::embedding_backward(const Tensor& tokens, const Tensor& dout, const Tensor& dtable,
+                        const Tensor* dpositions) {
+  const char* op = "embedding_backward";
+  const auto [n_tokens, seq_len, channels] = check_embedding(op, tokens, dtable, dpositions, dout);
+  reset_flag();
+  dispatch_float(dtable.dtype(), op, kBackend, [&]<typename T>() {
+    void* scratch =
+        workspace(cuda::embedding_backward_scratch_bytes(n_tokens, seq_len, channels, dtable.dim(0), sizeof(T)));
+    cuda::embedding_backward<T>(dptr<int32_t>(tokens), dptr<T>(dout), dptr<T>(dtable),
+                                dpositions ? dptr<T>(*dpositions) : nullptr, n_tokens, seq_len, channels,
+                                dtable.dim(0), scratch, flag(), stream_);
+  });
+  check_flag(op, "token id", "position", tokens, dtable.dim(0));
+}
 
-  void gelu_forward(const Tensor& x, const Tensor& out) override {
-    check_elementwise("gelu_forward", x, {&out});
-    dispatch_float(x.dtype(), "gelu_forward", kBackend,
-                   [&]<typename T>() { cuda::gelu_forward<T>(dptr<T>(x), dptr<T>(out), x.numel(), stream_); });
-  }
+void CudaBackend::layernorm_forward(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& out,
+                       const Tensor& mean, const Tensor& rstd, float eps) {
+  const char* op = "layernorm_forward";
+  check_row_op(op, x, {&out}, {&weight, &bias}, {&mean, &rstd});
+  dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() {
+    cuda::layernorm_forward<T>(dptr<T>(x), dptr<T>(weight), dptr<T>(bias), dptr<T>(out), dptr<T>(mean),
+                               dptr<T>(rstd), rows_of(x), x.dim(-1), eps, stream_);
+  });
+}
 
-  void gelu_backward(const Tensor& x, const Tensor& dout, const Tensor& dx) override {
-    check_elementwise("gelu_backward", x, {&dout, &dx});
-    dispatch_float(x.dtype(), "gelu_backward", kBackend, [&]<typename T>() {
-      cuda::gelu_backward<T>(dptr<T>(x), dptr<T>(dout), dptr<T>(dx), x.numel(), stream_);
-    });
-  }
+void CudaBackend::layernorm_backward(const Tensor& dout, const Tensor& x, const Tensor& weight, const Tensor& mean,
+                        const Tensor& rstd, const Tensor& dx, const Tensor& dweight, const Tensor& dbias) {
+  const char* op = "layernorm_backward";
+  check_row_op(op, x, {&dout, &dx}, {&weight, &dweight, &dbias}, {&mean, &rstd});
+  dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() {
+    void* scratch = workspace(cuda::norm_backward_scratch_bytes(rows_of(x), x.dim(-1), sizeof(T)));
+    cuda::layernorm_backward<T>(dptr<T>(dout), dptr<T>(x), dptr<T>(weight), dptr<T>(mean), dptr<T>(rstd),
+                                dptr<T>(dx), dptr<T>(dweight), dptr<T>(dbias), rows_of(x), x.dim(-1), scratch,
+                                stream_);
+  });
+}
 
-  void swiglu_forward(const Tensor& x, const Tensor& out) override {
-    const char* op = "swiglu_forward";
-    check_swiglu(op, x, out);
-    dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() {
-      cuda::swiglu_forward<T>(dptr<T>(x), dptr<T>(out), rows_of(out), out.dim(-1), stream_);
-    });
-  }
+void CudaBackend::rmsnorm_forward(const Tensor& x, const Tensor& weight, const Tensor& out, const Tensor& rstd,
+                     float eps) {
+  const char* op = "rmsnorm_forward";
+  check_row_op(op, x, {&out}, {&weight}, {&rstd});
+  dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() {
+    cuda::rmsnorm_forward<T>(dptr<T>(x), dptr<T>(weight), dptr<T>(out), dptr<T>(rstd), rows_of(x), x.dim(-1), eps,
+                             stream_);
+  });
+}
 
-  void swiglu_backward(const Tensor& x, const Tensor& dout, const Tensor& dx) override {
-    const char* op = "swiglu_backward";
-    check_swiglu(op, x, dout);
-    check_elementwise(op, x, {&dx});
-    dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() {
-      cuda::swiglu_backward<T>(dptr<T>(x), dptr<T>(dout), dptr<T>(dx), rows_of(dout), dout.dim(-1), stream_);
-    });
-  }
+void CudaBackend::rmsnorm_backward(const Tensor& dout, const Tensor& x, const Tensor& weight, const Tensor& rstd,
+                      const Tensor& dx, const Tensor& dweight) {
+  const char* op = "rmsnorm_backward";
+  check_row_op(op, x, {&dout, &dx}, {&weight, &dweight}, {&rstd});
+  dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() {
+    void* scratch = workspace(cuda::norm_backward_scratch_bytes(rows_of(x), x.dim(-1), sizeof(T)));
+    cuda::rmsnorm_backward<T>(dptr<T>(dout), dptr<T>(x), dptr<T>(weight), dptr<T>(rstd), dptr<T>(dx),
+                              dptr<T>(dweight), rows_of(x), x.dim(-1), scratch, stream_);
+  });
+}
 
-  void rope_forward(const Tensor& x, int64_t head_dim, int64_t n_heads, const RopeSpec& rope_spec,
-                    int64_t pos_offset) override {
-    rope(x, head_dim, n_heads, rope_spec, pos_offset, 1.0, "rope_forward");
-  }
-  void rope_backward(const Tensor& dx, int64_t head_dim, int64_t n_heads, const RopeSpec& rope_spec,
-                     int64_t pos_offset) override {
-    rope(dx, head_dim, n_heads, rope_spec, pos_offset, -1.0, "rope_backward");
-  }
+void CudaBackend::gelu_forward(const Tensor& x, const Tensor& out) {
+  check_elementwise("gelu_forward", x, {&out});
+  dispatch_float(x.dtype(), "gelu_forward", kBackend,
+                 [&]<typename T>() { cuda::gelu_forward<T>(dptr<T>(x), dptr<T>(out), x.numel(), stream_); });
+}
 
-  void attention_forward(const Tensor& qkv, const Tensor& out, const Tensor& probs, int64_t n_head,
-                         int64_t n_kv_head, int64_t window) override {
-    const char* op = "attention_forward";
-    const auto [batch, seq_len, head_dim] = check_attention(op, qkv, out, probs, n_head, n_kv_head, window, false);
-    dispatch_float(qkv.dtype(), op, kBackend, [&]<typename T>() {
-      cuda::attention_forward<T>(cublas_, dptr<T>(qkv), dptr<T>(out), dptr<T>(probs), batch, seq_len, n_head,
-                                 n_kv_head, head_dim, window, stream_);
-    });
-  }
+void CudaBackend::gelu_backward(const Tensor& x, const Tensor& dout, const Tensor& dx) {
+  check_elementwise("gelu_backward", x, {&dout, &dx});
+  dispatch_float(x.dtype(), "gelu_backward", kBackend, [&]<typename T>() {
+    cuda::gelu_backward<T>(dptr<T>(x), dptr<T>(dout), dptr<T>(dx), x.numel(), stream_);
+  });
+}
 
-  void attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out, const Tensor& probs,
-                          const Tensor& dqkv, int64_t n_head, int64_t n_kv_head, int64_t window) override {
-    const char* op = "attention_backward";
-    const auto [batch, seq_len, head_dim] =
-        check_attention_backward(op, dout, qkv, out, probs, dqkv, n_head, n_kv_head, window, false);
-    dispatch_float(qkv.dtype(), op, kBackend, [&]<typename T>() {
-      void* scratch = workspace(cuda::attention_backward_scratch_bytes(batch, seq_len, n_head, head_dim, sizeof(T)));
-      cuda::attention_backward<T>(cublas_, dptr<T>(dout), dptr<T>(qkv), dptr<T>(out), dptr<T>(probs), dptr<T>(dqkv),
-                                  scratch, batch, seq_len, n_head, n_kv_head, head_dim, window, stream_);
-    });
-  }
+void CudaBackend::swiglu_forward(const Tensor& x, const Tensor& out) {
+  const char* op = "swiglu_forward";
+  check_swiglu(op, x, out);
+  dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() {
+    cuda::swiglu_forward<T>(dptr<T>(x), dptr<T>(out), rows_of(out), out.dim(-1), stream_);
+  });
+}
 
-  void flash_attention_forward(const Tensor& qkv, const Tensor& out, const Tensor& lse, int64_t n_head,
-                               int64_t n_kv_head, int64_t window) override {
-    const char* op = "flash_attention_forward";
-    const auto [batch, seq_len, head_dim] = check_attention(op, qkv, out, lse, n_head, n_kv_head, window, true);
-    dispatch_float(qkv.dtype(), op, kBackend, [&]<typename T>() {
-      cuda::flash_attention_forward<T>(dptr<T>(qkv), dptr<T>(out), dptr<T>(lse), batch, seq_len, n_head, n_kv_head,
-                                       head_dim, window, stream_);
-    });
-  }
+void CudaBackend::swiglu_backward(const Tensor& x, const Tensor& dout, const Tensor& dx) {
+  const char* op = "swiglu_backward";
+  check_swiglu(op, x, dout);
+  check_elementwise(op, x, {&dx});
+  dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() {
+    cuda::swiglu_backward<T>(dptr<T>(x), dptr<T>(dout), dptr<T>(dx), rows_of(dout), dout.dim(-1), stream_);
+  });
+}
 
-  void flash_attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out, const Tensor& lse,
-                                const Tensor& dqkv, int64_t n_head, int64_t n_kv_head, int64_t window) override {
-    const char* op = "flash_attention_backward";
-    const auto [batch, seq_len, head_dim] =
-        check_attention_backward(op, dout, qkv, out, lse, dqkv, n_head, n_kv_head, window, true);
-    dispatch_float(qkv.dtype(), op, kBackend, [&]<typename T>() {
-      void* scratch = workspace(
-          cuda::flash_attention_backward_scratch_bytes(batch, seq_len, n_head, n_kv_head, head_dim, sizeof(T)));
-      cuda::flash_attention_backward<T>(dptr<T>(dout), dptr<T>(qkv), dptr<T>(out), dptr<T>(lse), dptr<T>(dqkv),
-                                        scratch, batch, seq_len, n_head, n_kv_head, head_dim, window, stream_);
-    });
-  }
+void CudaBackend::rope_forward(const Tensor& x, int64_t head_dim, int64_t n_heads, const RopeSpec& rope_spec,
+                  int64_t pos_offset) {
+  rope(x, head_dim, n_heads, rope_spec, pos_offset, 1.0, "rope_forward");
+}
 
-  void cross_entropy_forward(const Tensor& logits, const Tensor& targets, const Tensor& losses,
-                             const Tensor& lse) override {
-    const char* op = "cross_entropy_forward";
-    check_cross_entropy(op, logits, targets, lse);
-    expect_dtype(losses, logits.dtype(), op, "losses");
-    expect_numel(losses, rows_of(logits), op, "losses");
-    reset_flag();
-    dispatch_float(logits.dtype(), op, kBackend, [&]<typename T>() {
-      cuda::cross_entropy_forward<T>(dptr<T>(logits), dptr<int32_t>(targets), dptr<T>(losses), dptr<T>(lse),
-                                     rows_of(logits), logits.dim(-1), flag(), stream_);
-    });
-    check_flag(op, "target", "row", targets, logits.dim(-1));
-  }
+void CudaBackend::rope_backward(const Tensor& dx, int64_t head_dim, int64_t n_heads, const RopeSpec& rope_spec,
+                   int64_t pos_offset) {
+  rope(dx, head_dim, n_heads, rope_spec, pos_offset, -1.0, "rope_backward");
+}
 
-  void cross_entropy_backward(const Tensor& logits, const Tensor& targets, const Tensor& lse, float dloss,
-                              const Tensor& dlogits) override {
-    const char* op = "cross_entropy_backward";
-    check_cross_entropy(op, logits, targets, lse);
-    check_elementwise(op, logits, {&dlogits});
-    // The forward on the same targets has validated them.
-    dispatch_float(logits.dtype(), op, kBackend, [&]<typename T>() {
-      cuda::cross_entropy_backward<T>(dptr<T>(logits), dptr<int32_t>(targets), dptr<T>(lse), dloss, dptr<T>(dlogits),
-                                      rows_of(logits), logits.dim(-1), stream_);
-    });
-  }
+void CudaBackend::attention_forward(const Tensor& qkv, const Tensor& out, const Tensor& probs, int64_t n_head,
+                       int64_t n_kv_head, int64_t window) {
+  const char* op = "attention_forward";
+  const auto [batch, seq_len, head_dim] = check_attention(op, qkv, out, probs, n_head, n_kv_head, window, false);
+  dispatch_float(qkv.dtype(), op, kBackend, [&]<typename T>() {
+    cuda::attention_forward<T>(cublas_, dptr<T>(qkv), dptr<T>(out), dptr<T>(probs), batch, seq_len, n_head,
+                               n_kv_head, head_dim, window, stream_);
+  });
+}
 
-  void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
-                  const AdamWHyper& h) override {
-    const char* op = "adamw_step";
-    check_elementwise(op, param, {&grad, &m, &v});
-    LOOM_CHECK(h.step >= 1, op, ": step must be >= 1 (bias correction), got ", h.step);
-    const double bias1 = 1.0 - std::pow(static_cast<double>(h.beta1), static_cast<double>(h.step));
-    const double bias2 = 1.0 - std::pow(static_cast<double>(h.beta2), static_cast<double>(h.step));
-    dispatch_float(param.dtype(), op, kBackend, [&]<typename T>() {
-      cuda::adamw_step<T>(dptr<T>(param), dptr<T>(grad), dptr<T>(m), dptr<T>(v), param.numel(), h.lr, h.beta1,
-                          h.beta2, h.eps, h.weight_decay, h.grad_scale, static_cast<T>(bias1), static_cast<T>(bias2),
-                          stream_);
-    });
-  }
+void CudaBackend::attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out, const Tensor& probs,
+                        const Tensor& dqkv, int64_t n_head, int64_t n_kv_head, int64_t window) {
+  const char* op = "attention_backward";
+  const auto [batch, seq_len, head_dim] =
+      check_attention_backward(op, dout, qkv, out, probs, dqkv, n_head, n_kv_head, window, false);
+  dispatch_float(qkv.dtype(), op, kBackend, [&]<typename T>() {
+    void* scratch = workspace(cuda::attention_backward_scratch_bytes(batch, seq_len, n_head, head_dim, sizeof(T)));
+    cuda::attention_backward<T>(cublas_, dptr<T>(dout), dptr<T>(qkv), dptr<T>(out), dptr<T>(probs), dptr<T>(dqkv),
+                                scratch, batch, seq_len, n_head, n_kv_head, head_dim, window, stream_);
+  });
+}
 
- private:
-  static constexpr int64_t kLtWorkspaceBytes = int64_t{32} << 20;  // cuBLAS(Lt)'s split-K and Hopper kernels
+void CudaBackend::flash_attention_forward(const Tensor& qkv, const Tensor& out, const Tensor& lse, int64_t n_head,
+                             int64_t n_kv_head, int64_t window) {
+  const char* op = "flash_attention_forward";
+  const auto [batch, seq_len, head_dim] = check_attention(op, qkv, out, lse, n_head, n_kv_head, window, true);
+  dispatch_float(qkv.dtype(), op, kBackend, [&]<typename T>() {
+    cuda::flash_attention_forward<T>(dptr<T>(qkv), dptr<T>(out), dptr<T>(lse), batch, seq_len, n_head, n_kv_head,
+                                     head_dim, window, stream_);
+  });
+}
 
-  // cuBLASLt for f32 and bf16 x bf16 -> f32 (see the file comment for the row-major mapping).
-  void gemm_lt(const Tensor& a, const Tensor& b, const Tensor& c, const GemmSpec& spec, const checks::GemmDims& d) {
-    const bool bf16 = a.dtype() == DTYPE_BF16;
-    const cudaDataType_t in_type = bf16 ? CUDA_R_16BF : CUDA_R_32F;
-    cublasLtMatmulDesc_t desc = nullptr;
-    cublasLtMatrixLayout_t la = nullptr, lb = nullptr, lc = nullptr;
-    const auto cleanup = [&] {  // idempotent
-      if (la) cublasLtMatrixLayoutDestroy(la);
-      if (lb) cublasLtMatrixLayoutDestroy(lb);
-      if (lc) cublasLtMatrixLayoutDestroy(lc);
-      if (desc) cublasLtMatmulDescDestroy(desc);
-      la = lb = lc = nullptr;
-      desc = nullptr;
-    };
-    try {
-      LOOM_CUBLAS_STATUS(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-      // cuBLAS's A is our B, its B our A: op flags unchanged.
-      const cublasOperation_t op_first = spec.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
-      const cublasOperation_t op_second = spec.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
-      LOOM_CUBLAS_STATUS(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_first, sizeof(op_first)));
-      LOOM_CUBLAS_STATUS(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_second, sizeof(op_second)));
-      // Column-major views: our row-major (r, c) with ld c is cuBLAS's (c, r) with ld c.
-      LOOM_CUBLAS_STATUS(cublasLtMatrixLayoutCreate(&la, in_type, d.b_cols, d.b_rows, d.b_cols));
-      LOOM_CUBLAS_STATUS(cublasLtMatrixLayoutCreate(&lb, in_type, d.a_cols, d.a_rows, d.a_cols));
-      LOOM_CUBLAS_STATUS(cublasLtMatrixLayoutCreate(&lc, CUDA_R_32F, d.n, d.m, d.n));
-      if (spec.batch > 1) {
-        const int32_t count = static_cast<int32_t>(spec.batch);
-        const int64_t stride_first = d.b_rows * d.b_cols, stride_second = d.a_rows * d.a_cols, stride_c = d.m * d.n;
-        for (auto [layout, stride] : {std::pair{la, stride_first}, std::pair{lb, stride_second}, std::pair{lc, stride_c}}) {
-          LOOM_CUBLAS_STATUS(
-              cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof(count)));
-          LOOM_CUBLAS_STATUS(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
-                                                              &stride, sizeof(stride)));
-        }
+void CudaBackend::flash_attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out, const Tensor& lse,
+                              const Tensor& dqkv, int64_t n_head, int64_t n_kv_head, int64_t window) {
+  const char* op = "flash_attention_backward";
+  const auto [batch, seq_len, head_dim] =
+      check_attention_backward(op, dout, qkv, out, lse, dqkv, n_head, n_kv_head, window, true);
+  dispatch_float(qkv.dtype(), op, kBackend, [&]<typename T>() {
+    void* scratch = workspace(
+        cuda::flash_attention_backward_scratch_bytes(batch, seq_len, n_head, n_kv_head, head_dim, sizeof(T)));
+    cuda::flash_attention_backward<T>(dptr<T>(dout), dptr<T>(qkv), dptr<T>(out), dptr<T>(lse), dptr<T>(dqkv),
+                                      scratch, batch, seq_len, n_head, n_kv_head, head_dim, window, stream_);
+  });
+}
+
+void CudaBackend::cross_entropy_forward(const Tensor& logits, const Tensor& targets, const Tensor& losses,
+                           const Tensor& lse) {
+  const char* op = "cross_entropy_forward";
+  check_cross_entropy(op, logits, targets, lse);
+  expect_dtype(losses, logits.dtype(), op, "losses");
+  expect_numel(losses, rows_of(logits), op, "losses");
+  reset_flag();
+  dispatch_float(logits.dtype(), op, kBackend, [&]<typename T>() {
+    cuda::cross_entropy_forward<T>(dptr<T>(logits), dptr<int32_t>(targets), dptr<T>(losses), dptr<T>(lse),
+                                   rows_of(logits), logits.dim(-1), flag(), stream_);
+  });
+  check_flag(op, "target", "row", targets, logits.dim(-1));
+}
+
+void CudaBackend::cross_entropy_backward(const Tensor& logits, const Tensor& targets, const Tensor& lse, float dloss,
+                            const Tensor& dlogits) {
+  const char* op = "cross_entropy_backward";
+  check_cross_entropy(op, logits, targets, lse);
+  check_elementwise(op, logits, {&dlogits});
+  // The forward on the same targets has validated them.
+  dispatch_float(logits.dtype(), op, kBackend, [&]<typename T>() {
+    cuda::cross_entropy_backward<T>(dptr<T>(logits), dptr<int32_t>(targets), dptr<T>(lse), dloss, dptr<T>(dlogits),
+                                    rows_of(logits), logits.dim(-1), stream_);
+  });
+}
+
+void CudaBackend::adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
+                const AdamWHyper& h) {
+  const char* op = "adamw_step";
+  check_elementwise(op, param, {&grad, &m, &v});
+  LOOM_CHECK(h.step >= 1, op, ": step must be >= 1 (bias correction), got ", h.step);
+  const double bias1 = 1.0 - std::pow(static_cast<double>(h.beta1), static_cast<double>(h.step));
+  const double bias2 = 1.0 - std::pow(static_cast<double>(h.beta2), static_cast<double>(h.step));
+  dispatch_float(param.dtype(), op, kBackend, [&]<typename T>() {
+    cuda::adamw_step<T>(dptr<T>(param), dptr<T>(grad), dptr<T>(m), dptr<T>(v), param.numel(), h.lr, h.beta1,
+                        h.beta2, h.eps, h.weight_decay, h.grad_scale, static_cast<T>(bias1), static_cast<T>(bias2),
+                        stream_);
+  });
+}
+
+void CudaBackend::gemm_lt(const Tensor& a, const Tensor& b, const Tensor& c, const GemmSpec& spec, const checks::GemmDims& d) {
+  const bool bf16 = a.dtype() == DTYPE_BF16;
+  const cudaDataType_t in_type = bf16 ? CUDA_R_16BF : CUDA_R_32F;
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t la = nullptr, lb = nullptr, lc = nullptr;
+  const auto cleanup = [&] {  // idempotent
+    if (la) cublasLtMatrixLayoutDestroy(la);
+    if (lb) cublasLtMatrixLayoutDestroy(lb);
+    if (lc) cublasLtMatrixLayoutDestroy(lc);
+    if (desc) cublasLtMatmulDescDestroy(desc);
+    la = lb = lc = nullptr;
+    desc = nullptr;
+  };
+  try {
+    LOOM_CUBLAS_STATUS(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    // cuBLAS's A is our B, its B our A: op flags unchanged.
+    const cublasOperation_t op_first = spec.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+    const cublasOperation_t op_second = spec.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+    LOOM_CUBLAS_STATUS(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_first, sizeof(op_first)));
+    LOOM_CUBLAS_STATUS(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_second, sizeof(op_second)));
+    // Column-major views: our row-major (r, c) with ld c is cuBLAS's (c, r) with ld c.
+    LOOM_CUBLAS_STATUS(cublasLtMatrixLayoutCreate(&la, in_type, d.b_cols, d.b_rows, d.b_cols));
+    LOOM_CUBLAS_STATUS(cublasLtMatrixLayoutCreate(&lb, in_type, d.a_cols, d.a_rows, d.a_cols));
+    LOOM_CUBLAS_STATUS(cublasLtMatrixLayoutCreate(&lc, CUDA_R_32F, d.n, d.m, d.n));
+    if (spec.batch > 1) {
+      const int32_t count = static_cast<int32_t>(spec.batch);
+      const int64_t stride_first = d.b_rows * d.b_cols, stride_second = d.a_rows * d.a_cols, stride_c = d.m * d.n;
+      for (auto [layout, stride] : {std::pair{la, stride_first}, std::pair{lb, stride_second}, std::pair{lc, stride_c}}) {
+        LOOM_CUBLAS_STATUS(
+            cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof(count)));
+        LOOM_CUBLAS_STATUS(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+                                                            &stride, sizeof(stride)));
       }
-      cublasLtMatmulPreference_t pref = nullptr;
-      LOOM_CUBLAS_STATUS(cublasLtMatmulPreferenceCreate(&pref));
-      const size_t ws = static_cast<size_t>(kLtWorkspaceBytes);
-      cublasLtMatmulHeuristicResult_t result{};
-      int found = 0;
-      cublasStatus_t hs = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
-                                                               sizeof(ws));
-      // The pointers' own alignment: the heuristic assumes 256 bytes unless told, and the chosen
-      // algorithm then refuses a view that starts inside a block (found by the CUDA simulator).
-      const std::pair<cublasLtMatmulPreferenceAttributes_t, const void*> operands[] = {
-          {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, b.device_ptr()},
-          {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, a.device_ptr()},
-          {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, c.device_ptr()},
-          {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, c.device_ptr()}};
-      for (const auto& [attribute, pointer] : operands) {
-        const uint32_t alignment = pointer_alignment(pointer);
-        if (hs != CUBLAS_STATUS_SUCCESS) break;
-        hs = cublasLtMatmulPreferenceSetAttribute(pref, attribute, &alignment, sizeof(alignment));
-      }
-      const cublasStatus_t hr =
-          hs == CUBLAS_STATUS_SUCCESS ? cublasLtMatmulAlgoGetHeuristic(lt_, desc, la, lb, lc, lc, pref, 1, &result, &found)
-                                      : hs;
-      cublasLtMatmulPreferenceDestroy(pref);
-      if (hr != CUBLAS_STATUS_SUCCESS || found == 0) {  // e.g. rows not 16-byte aligned: cuBLAS takes any
-        cleanup();
-        return gemm_ex(a, b, c, spec, d, in_type);
-      }
-      const float alpha = spec.alpha, beta = spec.beta;
-      LOOM_CUBLAS_STATUS(cublasLtMatmul(lt_, desc, &alpha, b.device_ptr(), la, a.device_ptr(), lb, &beta,
-                                        c.device_ptr(), lc, c.device_ptr(), lc, &result.algo,
-                                        lt_workspace_.device_ptr(), ws, stream_));
-    } catch (...) {
+    }
+    cublasLtMatmulPreference_t pref = nullptr;
+    LOOM_CUBLAS_STATUS(cublasLtMatmulPreferenceCreate(&pref));
+    const size_t ws = static_cast<size_t>(kLtWorkspaceBytes);
+    cublasLtMatmulHeuristicResult_t result{};
+    int found = 0;
+    cublasStatus_t hs = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
+                                                             sizeof(ws));
+    // The pointers' own alignment: the heuristic assumes 256 bytes unless told, and the chosen
+    // algorithm then refuses a view that starts inside a block (found by the CUDA simulator).
+    const std::pair<cublasLtMatmulPreferenceAttributes_t, const void*> operands[] = {
+        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, b.device_ptr()},
+        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, a.device_ptr()},
+        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, c.device_ptr()},
+        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, c.device_ptr()}};
+    for (const auto& [attribute, pointer] : operands) {
+      const uint32_t alignment = pointer_alignment(pointer);
+      if (hs != CUBLAS_STATUS_SUCCESS) break;
+      hs = cublasLtMatmulPreferenceSetAttribute(pref, attribute, &alignment, sizeof(alignment));
+    }
+    const cublasStatus_t hr =
+        hs == CUBLAS_STATUS_SUCCESS ? cublasLtMatmulAlgoGetHeuristic(lt_, desc, la, lb, lc, lc, pref, 1, &result, &found)
+                                    : hs;
+    cublasLtMatmulPreferenceDestroy(pref);
+    if (hr != CUBLAS_STATUS_SUCCESS || found == 0) {  // e.g. rows not 16-byte aligned: cuBLAS takes any
       cleanup();
-      throw;
+      return gemm_ex(a, b, c, spec, d, in_type);
     }
-    cleanup();
-  }
-
-  // The same product through cublasGemmStridedBatchedEx (fp32 accumulation, no TF32): for shapes
-  // cuBLASLt's heuristic declines (leading dimensions that are not multiples of 16 bytes).
-  void gemm_ex(const Tensor& a, const Tensor& b, const Tensor& c, const GemmSpec& spec, const checks::GemmDims& d,
-               cudaDataType_t in_type) {
     const float alpha = spec.alpha, beta = spec.beta;
-    LOOM_CUBLAS_STATUS(cublasGemmStridedBatchedEx(
-        cublas_, spec.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, spec.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
-        static_cast<int>(d.n), static_cast<int>(d.m), static_cast<int>(d.k), &alpha, b.device_ptr(), in_type,
-        static_cast<int>(d.b_cols), d.b_rows * d.b_cols, a.device_ptr(), in_type, static_cast<int>(d.a_cols),
-        d.a_rows * d.a_cols, &beta, c.device_ptr(), CUDA_R_32F, static_cast<int>(d.n), d.m * d.n,
-        static_cast<int>(spec.batch), CUBLAS_COMPUTE_32F_PEDANTIC, CUBLAS_GEMM_DEFAULT));
+    LOOM_CUBLAS_STATUS(cublasLtMatmul(lt_, desc, &alpha, b.device_ptr(), la, a.device_ptr(), lb, &beta,
+                                      c.device_ptr(), lc, c.device_ptr(), lc, &result.algo,
+                                      lt_workspace_.device_ptr(), ws, stream_));
+  } catch (...) {
+    cleanup();
+    throw;
   }
+  cleanup();
+}
 
-  void gemm_f64(const Tensor& a, const Tensor& b, const Tensor& c, const GemmSpec& spec, const checks::GemmDims& d) {
-    const double alpha = spec.alpha, beta = spec.beta;
-    LOOM_CUBLAS_STATUS(cublasDgemmStridedBatched(
-        cublas_, spec.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, spec.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
-        static_cast<int>(d.n), static_cast<int>(d.m), static_cast<int>(d.k), &alpha, dptr<double>(b),
-        static_cast<int>(d.b_cols), d.b_rows * d.b_cols, dptr<double>(a), static_cast<int>(d.a_cols),
-        d.a_rows * d.a_cols, &beta, dptr<double>(c), static_cast<int>(d.n), d.m * d.n, static_cast<int>(spec.batch)));
+void CudaBackend::gemm_ex(const Tensor& a, const Tensor& b, const Tensor& c, const GemmSpec& spec, const checks::GemmDims& d,
+             cudaDataType_t in_type) {
+  const float alpha = spec.alpha, beta = spec.beta;
+  LOOM_CUBLAS_STATUS(cublasGemmStridedBatchedEx(
+      cublas_, spec.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, spec.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
+      static_cast<int>(d.n), static_cast<int>(d.m), static_cast<int>(d.k), &alpha, b.device_ptr(), in_type,
+      static_cast<int>(d.b_cols), d.b_rows * d.b_cols, a.device_ptr(), in_type, static_cast<int>(d.a_cols),
+      d.a_rows * d.a_cols, &beta, c.device_ptr(), CUDA_R_32F, static_cast<int>(d.n), d.m * d.n,
+      static_cast<int>(spec.batch), CUBLAS_COMPUTE_32F_PEDANTIC, CUBLAS_GEMM_DEFAULT));
+}
+
+void CudaBackend::gemm_f64(const Tensor& a, const Tensor& b, const Tensor& c, const GemmSpec& spec, const checks::GemmDims& d) {
+  const double alpha = spec.alpha, beta = spec.beta;
+  LOOM_CUBLAS_STATUS(cublasDgemmStridedBatched(
+      cublas_, spec.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, spec.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
+      static_cast<int>(d.n), static_cast<int>(d.m), static_cast<int>(d.k), &alpha, dptr<double>(b),
+      static_cast<int>(d.b_cols), d.b_rows * d.b_cols, dptr<double>(a), static_cast<int>(d.a_cols),
+      d.a_rows * d.a_cols, &beta, dptr<double>(c), static_cast<int>(d.n), d.m * d.n, static_cast<int>(spec.batch)));
+}
+
+double CudaBackend::reduce(const Tensor& x, bool squares, const char* op) {
+  dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() {
+    cuda::reduce_partials<T>(dptr<T>(x), x.numel(), squares, dptr<double>(partials_), stream_);
+  });
+  std::vector<double> host(cuda::kReducePartials);
+  read(partials_, host.data());
+  double total = 0;
+  for (double v : host) total += v;
+  return total;
+}
+
+void CudaBackend::rope(const Tensor& x, int64_t head_dim, int64_t n_heads, const RopeSpec& rope_spec, int64_t pos_offset, double direction,
+          const char* op) {
+  checks::check_rope(op, x, head_dim, n_heads);
+  dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() {
+    cuda::rope_rotate<T>(dptr<T>(x), x.dim(0), x.dim(1), x.dim(2), head_dim, n_heads, rope_spec,
+                         pos_offset, direction, stream_);
+  });
+}
+
+void CudaBackend::reset_flag() { LOOM_CUDA_CHECK(cudaMemsetAsync(flags_.device_ptr(), 0xFF, sizeof(unsigned long long), stream_)); }
+
+void CudaBackend::check_flag(const char* op, const char* what, const char* where, const Tensor& ids, int64_t limit) {
+  unsigned long long bad = 0;
+  read(flags_, &bad);
+  if (bad == ~0ull) return;
+  int32_t id = 0;
+  read(ids.view(static_cast<int64_t>(bad), {1}), &id);
+  throw Error(str_cat(op, ": ", what, " ", id, " at ", where, " ", bad, " outside vocab [0, ", limit, ")"));
+}
+
+void* CudaBackend::workspace(size_t bytes) {
+  const int64_t want = static_cast<int64_t>((bytes + 7) / 8);  // 8-byte words
+  if (!workspace_.defined() || workspace_.numel() < want) {
+    workspace_ = Tensor();
+    workspace_ = Tensor::empty(*allocator_, {std::max<int64_t>(want, 1)}, DTYPE_F64, MEM_WORKSPACE);
   }
+  return workspace_.device_ptr();
+}
 
-  // Fixed-order sum: kReducePartials partials on the device, added here in index order.
-  double reduce(const Tensor& x, bool squares, const char* op) {
-    dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() {
-      cuda::reduce_partials<T>(dptr<T>(x), x.numel(), squares, dptr<double>(partials_), stream_);
-    });
-    std::vector<double> host(cuda::kReducePartials);
-    read(partials_, host.data());
-    double total = 0;
-    for (double v : host) total += v;
-    return total;
-  }
+}  // namespace cuda_backend_detail
 
-  void rope(const Tensor& x, int64_t head_dim, int64_t n_heads, const RopeSpec& rope_spec, int64_t pos_offset, double direction,
-            const char* op) {
-    checks::check_rope(op, x, head_dim, n_heads);
-    dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() {
-      cuda::rope_rotate<T>(dptr<T>(x), x.dim(0), x.dim(1), x.dim(2), head_dim, n_heads, rope_spec,
-                           pos_offset, direction, stream_);
-    });
-  }
+namespace {
 
-  // The lowest bad index a kernel saw (ULLONG_MAX: none).
-  unsigned long long* flag() { return static_cast<unsigned long long*>(flags_.device_ptr()); }
-  void reset_flag() { LOOM_CUDA_CHECK(cudaMemsetAsync(flags_.device_ptr(), 0xFF, sizeof(unsigned long long), stream_)); }
-  void check_flag(const char* op, const char* what, const char* where, const Tensor& ids, int64_t limit) {
-    unsigned long long bad = 0;
-    read(flags_, &bad);
-    if (bad == ~0ull) return;
-    int32_t id = 0;
-    read(ids.view(static_cast<int64_t>(bad), {1}), &id);
-    throw Error(str_cat(op, ": ", what, " ", id, " at ", where, " ", bad, " outside vocab [0, ", limit, ")"));
-  }
-
-  // Scratch of at least `bytes`, kept and grown across calls (steady-state steps allocate nothing).
-  void* workspace(size_t bytes) {
-    const int64_t want = static_cast<int64_t>((bytes + 7) / 8);  // 8-byte words
-    if (!workspace_.defined() || workspace_.numel() < want) {
-      workspace_ = Tensor();
-      workspace_ = Tensor::empty(*allocator_, {std::max<int64_t>(want, 1)}, DTYPE_F64, MEM_WORKSPACE);
-    }
-    return workspace_.device_ptr();
-  }
-
-  int device_ = 0;
-  cudaStream_t stream_ = nullptr;
-  std::unique_ptr<CudaAllocator> allocator_;
-  cublasLtHandle_t lt_ = nullptr;
-  cublasHandle_t cublas_ = nullptr;
-  Tensor lt_workspace_, flags_, partials_, workspace_;
-};
+using cuda_backend_detail::CudaBackend;
 
 CudaBackend& as_cuda(Backend& backend) {
   auto* cuda = dynamic_cast<CudaBackend*>(&backend);
