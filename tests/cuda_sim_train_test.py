@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """`loom train` with device = "cuda" on the CUDA simulator (build/bin/loom-sim; docs/cuda.md "The
-simulator") against the same run on the CPU (build/bin/loom): one process, and data parallelism
-with ZeRO-1 and ZeRO-2 over the simulated NCCL under `mpirun -np 2`. The losses of every step and
-the final weights agree within the fp32 tolerance stated in docs/cuda.md (5e-6 relative to the
-largest value; the GEMMs and the long sums add in another order), and no simulator check fires.
+simulator") against the same run on the CPU (build/bin/loom): one process; data parallelism with
+ZeRO-1 and ZeRO-2 over the simulated NCCL under `mpirun -np 2`; the fine-tuning runs (LoRA, DoRA,
+QLoRA, DPO, GRPO), MoE and MLA models, and tensor and pipeline parallelism at np 2 through the
+layout's own wiring. The losses of every step and the final weights agree within the fp32
+tolerance stated in docs/cuda.md (5e-6 relative to the largest value; the GEMMs and the long sums
+add in another order), and no simulator check fires.
 
     tests/cuda_sim_train_test.py build/bin/loom build/bin/loom-sim
 """
@@ -29,6 +31,15 @@ TINY = ",".join([
     "optim.lr=3e-3", "optim.min_lr=3e-4", "train.eval_every=0", "train.checkpoint_every=8",
     "sample.max_new_tokens=4", "train.steps=8", "data.tokenizer=byte",
 ])
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LLAMA = "model.arch=llama"
+LORA = 'peft.method=lora,peft.rank=4,peft.targets="q,k,v,o,up,down"'
+PAIRS = os.path.join(ROOT, "examples", "dpo", "arithmetic_pairs.jsonl")
+PROMPTS = os.path.join(ROOT, "examples", "grpo", "arithmetic_prompts.jsonl")
+PREF = (f"model.max_seq_len=96,train.seq_len=96,train.batch_size=8,data.format=preference-jsonl,data.input={PAIRS},"
+        "train.objective=dpo")
+GRPO = (f"train.batch_size=8,data.format=prompt-jsonl,data.input={PROMPTS},train.objective=grpo,grpo.group=4,"
+        "grpo.max_new_tokens=4,optim.lr=1e-3")
 MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "OMP_NUM_THREADS": "1",
            "OMPI_MCA_rmaps_base_oversubscribe": "1"}
 
@@ -97,6 +108,7 @@ class CudaSimTrain(unittest.TestCase):
     def assert_same_run(self, cuda: str, cpu: str):
         a, b = self.losses(cuda), self.losses(cpu)
         self.assertEqual(len(a), 8)
+        self.assertTrue(all(x == x for x in a), a)  # no NaN
         self.assertLess(max_rel(a, b), TOLERANCE, (a, b))
         wa, wb = self.weights(cuda), self.weights(cpu)
         self.assertEqual(sorted(wa), sorted(wb))
@@ -126,6 +138,30 @@ class CudaSimTrain(unittest.TestCase):
         a, b = self.losses("cuda_zero1"), self.losses("cpu_zero1")
         self.assertEqual(len(a), 12)
         self.assertLess(max_rel(a, b), TOLERANCE, (a, b))
+
+    def same_on_both(self, name: str, extra: str, ranks: int = 1):
+        self.train(LOOM_SIM, f"cuda_{name}", "cuda", ranks, extra)
+        self.train(LOOM, f"cpu_{name}", "cpu", ranks, extra)
+        self.assert_same_run(f"cuda_{name}", f"cpu_{name}")
+
+    def test_fine_tuning(self):
+        self.same_on_both("lora", f"{LLAMA},{LORA}")
+        self.same_on_both("dora", f"{LLAMA},{LORA},peft.dora=true")
+        self.same_on_both("qlora", f"{LORA},peft.quantize_base=true")
+        self.same_on_both("dpo", PREF)
+        self.same_on_both("grpo", GRPO)
+
+    def test_moe_mla_and_optimizers(self):
+        self.same_on_both("moe", "model.arch=llama,model.moe_experts=4,model.moe_top_k=2,model.moe_d_ff=16,"
+                                 "model.moe_shared=1")
+        self.same_on_both("mla", "model.arch=llama,model.mla_kv_rank=16,model.mla_rope_dim=8,model.mla_v_dim=8,"
+                                 "model.mla_q_rank=16")
+        self.same_on_both("muon", "optim.name=muon")
+
+    def test_model_parallel_over_nccl_at_np2(self):
+        self.same_on_both("tp2", f"{LLAMA},parallel.tp=2,parallel.sequence_parallel=true", 2)
+        self.same_on_both("pp2", "parallel.pp=2,train.grad_accum=4", 2)
+        self.same_on_both("cp2", f"{LLAMA},parallel.cp=2", 2)
 
 
 if __name__ == "__main__":

@@ -25,10 +25,12 @@ struct RunLayout {
   int64_t grad_accum = 1;  // without pp (a pipeline runs kLayoutMicro micro-batches)
   bool moe_losses = false;  // the MoE auxiliary losses and the routing bias update on
   const char* optimizer = "adamw";
+  const char* compression = "none";  // parallel.compression over the data-parallel ranks (Top-K ratio 0.05)
   std::string name() const {
     return str_cat(preset, " dp", dp, " tp", tp, sp ? "+sp" : "", " pp", pp, pp > 1 ? str_cat("(", schedule, ")") : "",
                    " cp", cp, cp > 1 ? (ulysses ? "(ulysses)" : "(ring)") : "", " ep", ep, " zero", zero, " accum",
-                   grad_accum, moe_losses ? " moe-losses " : " ", optimizer);
+                   grad_accum, moe_losses ? " moe-losses " : " ", optimizer,
+                   std::string(compression) == "none" ? "" : str_cat(" compression ", compression));
   }
 };
 
@@ -62,6 +64,7 @@ struct LayoutRun {
     }
     DdpConfig ddp;
     ddp.zero_stage = lay.zero;
+    ddp.compression = parse_enum<Compression>(lay.compression, "compression"), ddp.topk_ratio = 0.05;
     trainer = std::make_unique<Trainer>(*backend, model, tc, reduce->size() > 1 ? reduce.get() : nullptr, ddp, runner.get());
     data = lay.cp > 1 ? static_cast<BatchSource*>(&positions) : &rows.source();
   }

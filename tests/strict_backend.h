@@ -294,6 +294,10 @@ class StrictBackend final : public Backend {
     cpu_->round_bf16(h(x), stochastic, draw);
   }
   void row_norms(const Tensor& x, const Tensor& norms) override { cpu_->row_norms(h(x), h(norms)); }
+  void soft_target_loss(const Tensor& logits, const Tensor& teacher, float temperature, float grad_scale,
+                        const Tensor& losses, const Tensor& grad) override {
+    cpu_->soft_target_loss(h(logits), h(teacher), temperature, grad_scale, h(losses), h(grad));
+  }
   void dora_weight(const Tensor& merged, const Tensor& base, const Tensor& magnitude, const Tensor& norms,
                    const Tensor& out) override {
     cpu_->dora_weight(h(merged), h(base), h(magnitude), h(norms), h(out));

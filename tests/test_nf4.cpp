@@ -356,13 +356,13 @@ TEST_F(Nf4Reference, CodesScalesAndValuesMatchPyTorchBitForBit) {
 
 // Backend::nf4_dequantize on the CPU backend and on the backend under test ("strict": the CPU
 // kernels on memory host code may not read; "cuda" where built, visible and stating
-// low_precision) against nf4_dequantize: whole tensors and row ranges, f32 bitwise and bf16 as
+// nf4) against nf4_dequantize: whole tensors and row ranges, f32 bitwise and bf16 as
 // the f32 values rounded to nearest even.
 class Nf4BackendOp : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
     std::string skip;
-    backend_ = test::op_test_backend(GetParam(), &BackendCapabilities::low_precision, &skip);
+    backend_ = test::op_test_backend(GetParam(), &BackendCapabilities::nf4, &skip);
     if (!backend_) GTEST_SKIP() << skip;
   }
 

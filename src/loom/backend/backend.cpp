@@ -63,6 +63,25 @@ void Backend::attention_backward_bf16(const Tensor&, const Tensor&, const Tensor
                                       int64_t, int64_t) {
   unsupported(*this, "attention_backward_bf16", "precision.attention = bf16");
 }
+namespace {
+// x (f32) rounded to bf16 values, in a new f32 tensor of the backend (workspace memory).
+Tensor bf16_rounded(Backend& backend, const Tensor& x) {
+  const Tensor bf16 = Tensor::empty(backend.allocator(), x.shape(), DTYPE_BF16, MEM_WORKSPACE);
+  backend.cast(x, bf16);
+  Tensor rounded = Tensor::empty(backend.allocator(), x.shape(), DTYPE_F32, MEM_WORKSPACE);
+  backend.cast(bf16, rounded);
+  return rounded;
+}
+}  // namespace
+
+void Backend::flash_attention_forward_bf16(const Tensor& qkv, const Tensor& out, const Tensor& lse, int64_t n_head,
+                                           int64_t n_kv_head) {
+  flash_attention_forward(bf16_rounded(*this, qkv), out, lse, n_head, n_kv_head, 0);
+}
+void Backend::flash_attention_backward_bf16(const Tensor& dout, const Tensor& qkv, const Tensor& out, const Tensor& lse,
+                                            const Tensor& dqkv, int64_t n_head, int64_t n_kv_head) {
+  flash_attention_backward(bf16_rounded(*this, dout), bf16_rounded(*this, qkv), out, lse, dqkv, n_head, n_kv_head, 0);
+}
 void Backend::cross_entropy_loss_and_grad(const Tensor& logits, const Tensor& targets, const Tensor& losses,
                                           const Tensor& lse, float dloss, const Tensor& dlogits) {
   cross_entropy_forward(logits, targets, losses, lse);

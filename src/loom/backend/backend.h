@@ -273,6 +273,16 @@ class Backend {
                                        int64_t n_kv_head, int64_t window) = 0;
   virtual void flash_attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out, const Tensor& lse,
                                         const Tensor& dqkv, int64_t n_head, int64_t n_kv_head, int64_t window) = 0;
+  // The same flash attention (causal, no window) multiplying in bf16 (precision.attention = bf16
+  // with train.flash_attention): every product's operands (Q, K, V, dO, and P, dS where a
+  // backend rounds them) are bf16 (RNE), the softmax and every sum fp32, lse saved as above. The
+  // CUDA backend runs it on tensor cores (mma.sync, cuda_flash_mma.cu) for head_dim 64 and 128.
+  // The default rounds copies of qkv and dout to bf16 (two casts each) and runs the fp32 flash
+  // ops on them; backends agree within bf16's rounding, not bitwise.
+  virtual void flash_attention_forward_bf16(const Tensor& qkv, const Tensor& out, const Tensor& lse, int64_t n_head,
+                                            int64_t n_kv_head);
+  virtual void flash_attention_backward_bf16(const Tensor& dout, const Tensor& qkv, const Tensor& out,
+                                             const Tensor& lse, const Tensor& dqkv, int64_t n_head, int64_t n_kv_head);
 
   // Fused softmax + cross-entropy. logits (N,V), targets (N) i32. losses[n] = lse[n] - logits[n, t_n];
   // lse (N) saved; probabilities are never stored. A target of kIgnoreTarget (a loss mask:

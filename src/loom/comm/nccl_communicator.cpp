@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -105,8 +106,13 @@ class NcclWork final : public CommWork {
   void record(cudaStream_t stream) {
     LOOM_NCCL_CUDA_CHECK(cudaEventRecord(done_, stream), op_, rank_);
     recorded_ = true;
+    issue_ = nullptr;
   }
+  // A deferred send (NcclCommunicator::send_async): `issue` puts it on the stream, with every
+  // send still deferred, when this handle is waited for or dropped first.
+  void defer(std::function<void()> issue) { issue_ = std::move(issue); }
   void wait() override {
+    if (!recorded_ && issue_) issue_();
     if (!recorded_ || waited_) return;
     waited_ = true;
     LOOM_NCCL_CUDA_CHECK(cudaStreamWaitEvent(compute_, done_, 0), op_, rank_);
@@ -114,6 +120,13 @@ class NcclWork final : public CommWork {
   }
   // A dropped handle still completes before its buffers go (as MPI's); errors cannot be thrown here.
   ~NcclWork() override {
+    if (!recorded_ && issue_) {
+      try {
+        issue_();
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "loom: %s on rank %d: issuing a dropped deferred send failed: %s\n", op_, rank_, e.what());
+      }
+    }
     if (recorded_ && !waited_) {
       const cudaError_t ordered = cudaStreamWaitEvent(compute_, done_, 0);
       const cudaError_t synced = cudaEventSynchronize(done_);
@@ -131,6 +144,7 @@ class NcclWork final : public CommWork {
   cudaStream_t compute_;
   cudaEvent_t done_ = nullptr;
   bool recorded_ = false, waited_ = false;
+  std::function<void()> issue_;
 };
 
 class NcclCommunicator final : public Communicator {
@@ -281,15 +295,24 @@ class NcclCommunicator final : public Communicator {
     return exchange("all_to_all_v", in, send_counts, out, recv_counts);
   }
   void send(const Tensor& x, int to, int tag) override { send_async(x, to, tag)->wait(); }
+  // Deferred: the send is issued with this rank's next call on the communicator, in one NCCL
+  // group with it when that is a recv (so two ranks that each send to the other, then receive,
+  // exchange both messages at once: NCCL matches a send only when the peer's receive runs, and
+  // one communicator's operations run in order on its stream), or when its handle is waited for
+  // or dropped. The data must stay unchanged until then, as for any asynchronous send.
   std::unique_ptr<CommWork> send_async(const Tensor& x, int to, int) override {
     LOOM_CHECK(to >= 0 && to < size_ && to != rank_, "send from rank ", rank_, " to rank ", to, ": no such peer");
     check_on_device("send", x);
     const ncclDataType_t t = nccl_type(x.dtype(), "send", rank_);
     book(COLL_SEND_RECV, static_cast<int64_t>(x.nbytes()));
-    return enqueue("send", [&] {
-      if (x.numel() == 0) return;  // the receiver skips its empty message too
-      LOOM_NCCL_CHECK(ncclSend(dev_ptr(x), static_cast<size_t>(x.numel()), t, to, comm_, stream_), "send", rank_);
-    });
+    auto work = std::make_unique<NcclWork>("send", rank_, compute_);
+    if (x.numel() == 0) {  // the receiver skips its empty message too
+      work->record(compute_);
+      return work;
+    }
+    pending_.push_back(PendingSend{dev_ptr(x), static_cast<size_t>(x.numel()), t, to, work.get()});
+    work->defer([this] { issue_pending(); });
+    return work;
   }
   void recv(const Tensor& x, int from, int) override {
     LOOM_CHECK(from >= 0 && from < size_ && from != rank_, "recv on rank ", rank_, " from rank ", from,
@@ -297,10 +320,16 @@ class NcclCommunicator final : public Communicator {
     check_on_device("recv", x);
     const ncclDataType_t t = nccl_type(x.dtype(), "recv", rank_);
     book(COLL_SEND_RECV, static_cast<int64_t>(x.nbytes()), -2);
-    enqueue("recv", [&] {
-      if (x.numel() == 0) return;
-      LOOM_NCCL_CHECK(ncclRecv(dev_ptr(x), static_cast<size_t>(x.numel()), t, from, comm_, stream_), "recv", rank_);
-    })->wait();
+    enqueue(
+        "recv",
+        [&] {
+          with_pending_sends("recv", [&] {
+            return x.numel() == 0 ? ncclSuccess
+                                  : ncclRecv(dev_ptr(x), static_cast<size_t>(x.numel()), t, from, comm_, stream_);
+          });
+        },
+        /*sends_in_body=*/true)
+        ->wait();
   }
   // An all-reduce (max: the word stays 0) of one int every rank must join, then the host waits
   // for it. Not booked, as MPI's barrier is not.
@@ -329,15 +358,38 @@ class NcclCommunicator final : public Communicator {
 
   // Runs `body` (which enqueues NCCL work on stream_) after the work queued so far on the compute
   // stream, and returns the handle of its completion.
+  // The deferred sends go first, in their own group, unless the body issues them itself.
   template <typename Body>
-  std::unique_ptr<NcclWork> enqueue(const char* op, Body&& body) {
+  std::unique_ptr<NcclWork> enqueue(const char* op, Body&& body, bool sends_in_body = false) {
     LOOM_NCCL_CUDA_CHECK(cudaSetDevice(device_), op, rank_);
     auto work = std::make_unique<NcclWork>(op, rank_, compute_);
     LOOM_NCCL_CUDA_CHECK(cudaEventRecord(ready_, compute_), op, rank_);
     LOOM_NCCL_CUDA_CHECK(cudaStreamWaitEvent(stream_, ready_, 0), op, rank_);
+    if (!sends_in_body && !pending_.empty()) with_pending_sends(op, [] { return ncclSuccess; });
     body();
     work->record(stream_);
     return work;
+  }
+
+  // The deferred sends and `calls` (the caller's NCCL calls) in one group on stream_, then each
+  // send's handle recorded.
+  template <typename Calls>
+  void with_pending_sends(const char* op, Calls&& calls) {
+    std::vector<PendingSend> sends;
+    sends.swap(pending_);
+    grouped(op, [&] {
+      for (const PendingSend& s : sends) {
+        const ncclResult_t r = ncclSend(s.data, s.count, s.type, s.to, comm_, stream_);
+        if (r != ncclSuccess) return r;
+      }
+      return calls();
+    });
+    for (const PendingSend& s : sends) s.work->record(stream_);
+  }
+  // The deferred sends alone (a send's handle waited for or dropped first).
+  void issue_pending() {
+    if (pending_.empty()) return;
+    enqueue("send", [] {});
   }
 
   // Issues `calls` (returning the first failed ncclResult_t, else ncclSuccess) inside one
@@ -388,6 +440,8 @@ class NcclCommunicator final : public Communicator {
   // Frees everything this object holds; never throws. `abort`: ncclCommAbort (does not wait for
   // peers or for queued work), else wait for this stream's work and ncclCommDestroy.
   void release(bool abort) noexcept {
+    for (const PendingSend& p : pending_) p.work->defer(nullptr);  // never issued: the communicator goes
+    pending_.clear();
     cudaSetDevice(device_);
     if (!abort && stream_ != nullptr && cudaStreamSynchronize(stream_) != cudaSuccess) abort = true;
     if (comm_ != nullptr) {
@@ -404,8 +458,18 @@ class NcclCommunicator final : public Communicator {
     barrier_word_ = nullptr, ready_ = nullptr, stream_ = nullptr;
   }
 
+  // A send_async not yet issued, and its handle (alive until recorded: it issues the send first).
+  struct PendingSend {
+    const void* data;
+    size_t count;
+    ncclDataType_t type;
+    int to;
+    NcclWork* work;
+  };
+
   ncclComm_t comm_;
   int device_;
+  std::vector<PendingSend> pending_;
   cudaStream_t compute_;             // not owned
   cudaStream_t stream_ = nullptr;    // the collectives' stream (non-blocking)
   cudaEvent_t ready_ = nullptr;      // recorded on compute_ before each collective, waited on by stream_

@@ -21,11 +21,12 @@
 // Differences from MPI a caller must know:
 //  - Tags are ignored: NCCL matches the sends and receives between two ranks in call order.
 //  - recv cannot check the sender's element count; a mismatch is undefined (NCCL may hang).
-//  - send_async enqueues the send at once, but an NCCL send completes only when the peer's
-//    matching receive runs (the first message between two ranks also sets up NCCL's connection,
-//    which can block the host until the peer posts its side), and one communicator's operations
-//    run in order on its stream: two ranks that each send_async to the other before receiving
-//    can deadlock (MPI's Isend does not). Post one side's receive first, or exchange in a group.
+//  - An NCCL send completes only when the peer's matching receive runs, and one communicator's
+//    operations run in order on its stream, so two ranks that each send to the other before
+//    receiving would deadlock (MPI's Isend does not). send_async therefore defers the send: it is
+//    issued with the rank's next call on the communicator, in one NCCL group with it when that
+//    is a recv (a pipeline's "send activations, receive gradients" is one exchange), or when
+//    its handle is waited for or dropped.
 //  - reduce_scatter_v / all_gather_v are one grouped ncclReduce / ncclBroadcast per segment
 //    (the ledger still books the ring volume of communicator.h).
 //  - in and out of all_to_all(_v) must be separate buffers.

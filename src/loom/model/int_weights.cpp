@@ -32,7 +32,7 @@ std::vector<LinearWeight> collect_linear_weights(const ModelConfig& config, cons
 }
 
 void IntWeights::check(const Backend& backend, const Tensor& params) const {
-  LOOM_CHECK(backend.capabilities().int_weights && params.host_accessible(), "quantized checkpoints are not supported "
+  LOOM_CHECK(backend.capabilities().int_weights, "quantized checkpoints are not supported "
              "on the ", backend.name(), " backend yet (it lacks int_linear)");
   LOOM_CHECK(weights_.empty(), "set_int_weights: the model already has quantized weights");
 }
@@ -47,7 +47,8 @@ void IntWeights::set(Backend& backend, const Tensor& params, const std::vector<L
                ", ", spec.cols, "), but the model's weight is (", lw.weight.dim(0), ", ", lw.weight.dim(1), ")");
     weights_.push_back(std::make_unique<IntWeightDevice>(int_weight_to_backend(it->second, backend, MEM_PARAMETERS)));
     lw.layer->set_int_weight(weights_.back().get());
-    if (!(tied.defined() && lw.weight.device_ptr() == tied.device_ptr())) {
+    // The f32 weight's pages go back to the OS (a device's stay the caching allocator's).
+    if (params.host_accessible() && !(tied.defined() && lw.weight.device_ptr() == tied.device_ptr())) {
       const int64_t begin =
           (static_cast<const char*>(lw.weight.device_ptr()) - static_cast<const char*>(params.device_ptr())) /
           static_cast<int64_t>(sizeof(float));

@@ -2,6 +2,7 @@
 
 #include <array>
 #include <span>
+#include <vector>
 
 #include "loom/core/error.h"
 #include "loom/core/pages.h"
@@ -10,7 +11,7 @@ namespace loom {
 
 void QloraBase::check(const Backend& backend, const ModelConfig& config, const Tensor& params, bool bf16_copy) const {
   LOOM_REFUSED(config.lora() && weights_.empty(), "peft.quantize_base (QLoRA) needs peft.method = lora");
-  LOOM_CHECK(backend.capabilities().nf4 && params.host_accessible(), "peft.quantize_base (QLoRA) is not supported on "
+  LOOM_CHECK(backend.capabilities().nf4, "peft.quantize_base (QLoRA) is not supported on "
              "the ", backend.name(), " backend yet (it lacks nf4_dequantize in the linear layers)");
   LOOM_REFUSED(!config.mla() && config.moe_experts == 0,
                "peft.quantize_base (QLoRA) with MoE or MLA blocks is not supported yet");
@@ -27,8 +28,13 @@ void QloraBase::quantize(Backend& backend, const ModelConfig& config, const Para
     const std::array<Tensor, 4> weights = {p.attention.qkv_w, p.attention.proj_w, p.mlp.fc_w, p.mlp.fc2_w};
     for (size_t i = 0; i < weights.size(); ++i) {
       const Tensor& w = weights[i];
-      const Nf4Tensor t =
-          nf4_quantize(std::span<const float>(w.data<float>(), static_cast<size_t>(w.numel())), w.dim(0), w.dim(1));
+      std::vector<float> staged;  // a device's weight is quantized from a host copy (once, at set-up)
+      if (!w.host_accessible()) {
+        staged.resize(static_cast<size_t>(w.numel()));
+        backend.read(w, staged.data());
+      }
+      const float* values = w.host_accessible() ? w.data<float>() : staged.data();
+      const Nf4Tensor t = nf4_quantize(std::span<const float>(values, static_cast<size_t>(w.numel())), w.dim(0), w.dim(1));
       Weight q;
       q.offset = (static_cast<const char*>(w.device_ptr()) - static_cast<const char*>(params.device_ptr())) /
                  static_cast<int64_t>(sizeof(float));
@@ -51,6 +57,7 @@ void QloraBase::materialize() const {
 }
 
 void QloraBase::release() const {
+  if (!params_.host_accessible()) return;  // a device's pages are the caching allocator's
   for (const Weight& q : weights_) {
     release_elements(params_, q.offset, q.offset + shape_numel(q.shape));
   }

@@ -64,6 +64,18 @@ void mha_op_backward(Backend& backend, const LayerPlan& plan, const ModelConfig&
   else backend.attention_backward(dout, qkv, out, probs, dqkv, c.n_head, c.n_kv_head, plan.window);
 }
 
+// Flash attention's ops, with the plan's GEMM precision (bf16: on tensor cores where the backend has them).
+void flash_forward(Backend& backend, const LayerPlan& plan, const Tensor& qkv, const Tensor& out, const Tensor& lse,
+                   int64_t H, int64_t KV) {
+  if (plan.attention_bf16) backend.flash_attention_forward_bf16(qkv, out, lse, H, KV);
+  else backend.flash_attention_forward(qkv, out, lse, H, KV, plan.window);
+}
+void flash_backward(Backend& backend, const LayerPlan& plan, const Tensor& dout, const Tensor& qkv, const Tensor& out,
+                    const Tensor& lse, const Tensor& dqkv, int64_t H, int64_t KV) {
+  if (plan.attention_bf16) backend.flash_attention_backward_bf16(dout, qkv, out, lse, dqkv, H, KV);
+  else backend.flash_attention_backward(dout, qkv, out, lse, dqkv, H, KV, plan.window);
+}
+
 // The probabilities (mha) of s.qkv into `out`, per document when packed.
 void mha_forward(Backend& backend, const LayerPlan& plan, const ModelConfig& c, const AttentionSaved& s,
                  const Tensor& out) {
@@ -88,7 +100,7 @@ void attention_forward(Backend& backend, const LayerPlan& plan, const ModelConfi
     } else {
       for_each_document(*s.docs, s.qkv, s.attn, s.lse, Tensor{}, Tensor{}, H, true,
                         [&](const Tensor& qkv, const Tensor& out, const Tensor& lse, const Tensor&, const Tensor&) {
-                          backend.flash_attention_forward(qkv, out, lse, H, KV, plan.window);
+                          flash_forward(backend, plan, qkv, out, lse, H, KV);
                         });
     }
     return;
@@ -98,7 +110,7 @@ void attention_forward(Backend& backend, const LayerPlan& plan, const ModelConfi
       mha_op_forward(backend, plan, c, s.qkv, s.attn, s.probs);
       return;
     case AttentionKind::flash:
-      backend.flash_attention_forward(s.qkv, s.attn, s.lse, H, KV, plan.window);
+      flash_forward(backend, plan, s.qkv, s.attn, s.lse, H, KV);
       return;
     case AttentionKind::ring:
     case AttentionKind::ulysses: {
@@ -124,7 +136,7 @@ void attention_backward(Backend& backend, const LayerPlan& plan, const ModelConf
     for_each_document(*s.docs, s.qkv, s.attn, flash ? s.lse : s.probs, k.d_attn, k.d_qkv, H, flash,
                       [&](const Tensor& qkv, const Tensor& out, const Tensor& saved, const Tensor& d_out,
                           const Tensor& d_qkv) {
-                        if (flash) backend.flash_attention_backward(d_out, qkv, out, saved, d_qkv, H, KV, plan.window);
+                        if (flash) flash_backward(backend, plan, d_out, qkv, out, saved, d_qkv, H, KV);
                         else mha_op_backward(backend, plan, c, d_out, qkv, out, saved, d_qkv);
                       });
     return;
@@ -134,7 +146,7 @@ void attention_backward(Backend& backend, const LayerPlan& plan, const ModelConf
       mha_op_backward(backend, plan, c, k.d_attn, s.qkv, s.attn, s.probs, k.d_qkv);
       return;
     case AttentionKind::flash:
-      backend.flash_attention_backward(k.d_attn, s.qkv, s.attn, s.lse, k.d_qkv, H, KV, plan.window);
+      flash_backward(backend, plan, k.d_attn, s.qkv, s.attn, s.lse, k.d_qkv, H, KV);
       return;
     case AttentionKind::ring:
     case AttentionKind::ulysses: {

@@ -72,7 +72,8 @@ LayerPlan resolve_layer_plan(const ModelConfig& config, int64_t layer, const Pla
     plan.attention = choices.flash ? AttentionKind::flash : AttentionKind::mha;
   }
   plan.saved_bf16 = saved_bf16(config, layer, plan, choices.activations_bf16);
-  plan.attention_bf16 = choices.attention_bf16 && plan.attention == AttentionKind::mha && plan.window == 0;
+  plan.attention_bf16 = choices.attention_bf16 && (plan.attention == AttentionKind::mha || plan.attention == AttentionKind::flash) &&
+                        plan.window == 0;
   return plan;
 }
 

@@ -55,9 +55,9 @@ struct LayerPlan {
   // attention does (flash and ring attention keep it fp32). The kernels write these fields in fp32
   // into a staging buffer, rounded into the field after (nn/layer.h saved_target / store_saved).
   std::array<bool, 4> saved_bf16{false, false, false, false};
-  // precision.attention = bf16 on the plain attention without a window (Backend::
-  // attention_forward_bf16 / attention_backward_bf16); flash, windowed, context-parallel and MLA
-  // attention keep their fp32 GEMMs.
+  // precision.attention = bf16 on the plain or flash attention without a window (Backend::
+  // attention_forward_bf16 / _backward_bf16, flash_attention_forward_bf16 / _backward_bf16);
+  // windowed, context-parallel and MLA attention keep their fp32 GEMMs.
   bool attention_bf16 = false;
 };
 

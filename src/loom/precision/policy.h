@@ -74,9 +74,9 @@ struct PrecisionConfig {
   std::string activations = "bf16";
   // f32 | bf16: the dtype attention's GEMMs (QK^T, PV and their four backward products) multiply
   // in; bf16 rounds their operands (fp32 accumulation; softmax and the saved probabilities stay
-  // fp32), as autocast's attention does. Only the plain attention without a window has bf16
-  // kernels (nn/plan.h LayerPlan::attention_bf16); flash, windowed and context-parallel attention
-  // stay fp32.
+  // fp32), as autocast's attention does. The plain and the flash attention without a window have
+  // bf16 kernels (nn/plan.h LayerPlan::attention_bf16; flash's run on the CUDA backend's tensor
+  // cores); windowed and context-parallel attention stay fp32.
   std::string attention = "f32";
   Fp8Options fp8;
 

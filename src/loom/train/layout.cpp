@@ -1,5 +1,7 @@
 #include "loom/train/layout.h"
 
+#include "loom/comm/cuda_device_group.h"
+
 #include "loom/core/error.h"
 #include "loom/parallel/zero.h"
 #include "loom/precision/policy.h"
@@ -297,6 +299,18 @@ const Rule kRules[] = {
        return std::string("parallel.zero_stage = 3 shards the fp32 parameters; the bf16 weights of precision.param = bf16 "
                           "or precision.master = bf16 are not sharded: use f32 for both");
      }},
+    // NCCL matches a rank pair's sends and receives in call order, without tags: the interleaved
+    // schedule's messages between two ranks arrive in another order than they were sent (MPI's
+    // tags sort them on the CPU), so a GPU run would hang or mix micro-batches.
+    {Verdict::refuse,
+     [](const LayoutFacts& f) {
+       return f.config->device == DEVICE_CUDA && f.of(Axis::pp) > 1 && par(f).schedule == PipeScheduleKind::interleaved;
+     },
+     [](const LayoutFacts&) {
+       return std::string("parallel.schedule = interleaved is not supported yet with device = \"cuda\" (NCCL receives a "
+                          "rank pair's messages in the order they were sent, and the interleaved stages' arrive in "
+                          "another): use 1f1b, gpipe or zb-h1");
+     }},
     // What the backend runs (Backend::capabilities).
     {Verdict::refuse, [](const LayoutFacts& f) { return !f.backend.model_parallel && model_parallel(f); },
      [](const LayoutFacts& f) {
@@ -401,7 +415,7 @@ std::vector<std::string> check_layout(const LayoutFacts& facts) {
   return notes;
 }
 
-ParallelLayout::ParallelLayout(const LoomConfig& config, Communicator& world, const Backend& backend)
+ParallelLayout::ParallelLayout(const LoomConfig& config, Communicator& world, Backend& backend)
     : world_(world),
       facts_(layout_facts(config, world.size(), backend.capabilities(), std::string(backend.name()))),
       mesh_((check_layout(layout_facts(config, 0, backend.capabilities(), std::string(backend.name()))),  // sizes alone first
@@ -410,27 +424,35 @@ ParallelLayout::ParallelLayout(const LoomConfig& config, Communicator& world, co
                            static_cast<int>(config.parallel.ep)))) {
   notes_ = check_layout(facts_);
   const ParallelConfig& p = config.parallel;
+  // A GPU's groups are split from one communicator over the world that sends device tensors to
+  // NCCL and host values (losses, norms, flags) to MPI (comm/nccl_communicator.h): every axis'
+  // activations, gradients and parameters go over NCCL.
+  Communicator* source = &world;
+  if (config.device == DEVICE_CUDA && world.size() > 1) {
+    device_ = make_cuda_device_group(world, backend);
+    source = device_.get();
+  }
   // One communicator per axis of more than one rank; dp's is the whole data-parallel group.
-  if (p.tp > 1) groups_[static_cast<size_t>(Axis::tp)] = mesh_group(world, mesh_, "tp");
-  if (p.ep > 1) groups_[static_cast<size_t>(Axis::ep)] = mesh_group(world, mesh_, "ep");
-  if (p.pp > 1) groups_[static_cast<size_t>(Axis::pp)] = mesh_group(world, mesh_, "pp");
-  if (p.cp > 1) groups_[static_cast<size_t>(Axis::cp)] = mesh_group(world, mesh_, "cp");
-  batch_ = reduce_ = &world;
+  if (p.tp > 1) groups_[static_cast<size_t>(Axis::tp)] = mesh_group(*source, mesh_, "tp");
+  if (p.ep > 1) groups_[static_cast<size_t>(Axis::ep)] = mesh_group(*source, mesh_, "ep");
+  if (p.pp > 1) groups_[static_cast<size_t>(Axis::pp)] = mesh_group(*source, mesh_, "pp");
+  if (p.cp > 1) groups_[static_cast<size_t>(Axis::cp)] = mesh_group(*source, mesh_, "cp");
+  batch_ = reduce_ = source;
   if (p.tp > 1 || p.cp > 1 || p.pp > 1) {
-    dp_group_ = mesh_group(world, mesh_, data_parallel_dims(mesh_));
+    dp_group_ = mesh_group(*source, mesh_, data_parallel_dims(mesh_));
     batch_ = reduce_ = dp_group_.get();
   }
   if (p.cp > 1) {
     std::vector<std::string> dims = data_parallel_dims(mesh_);
     dims.push_back("cp");
-    reduce_group_ = mesh_group(world, mesh_, dims);
+    reduce_group_ = mesh_group(*source, mesh_, dims);
     reduce_ = reduce_group_.get();
   }
   if (p.pp > 1 || p.ep > 1) {
     std::vector<std::string> dims;
     if (p.pp > 1) dims.push_back("pp");
     if (p.ep > 1) dims.push_back("ep");
-    owners_ = mesh_group(world, mesh_, dims);
+    owners_ = mesh_group(*source, mesh_, dims);
   }
 }
 
@@ -445,11 +467,6 @@ std::vector<std::pair<const char*, Communicator*>> ParallelLayout::communicators
   if (owners_) out.emplace_back("owners", owners_.get());
   if (device_) out.emplace_back("device", device_.get());
   return out;
-}
-
-void ParallelLayout::use_device_group(std::unique_ptr<Communicator> device) {
-  device_ = std::move(device);
-  batch_ = reduce_ = device_.get();
 }
 
 std::string ParallelLayout::describe(int64_t batch_size, int64_t grad_accum, int64_t seq_len) const {

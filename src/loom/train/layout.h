@@ -50,8 +50,9 @@ std::vector<std::string> check_layout(const LayoutFacts& facts);
 // The mesh of a run and one communicator per axis of more than one rank.
 class ParallelLayout {
  public:
-  // Checks the table (throwing before anything is allocated) and splits `world` into the axes.
-  ParallelLayout(const LoomConfig& config, Communicator& world, const Backend& backend);
+  // Checks the table (throwing before anything is allocated) and splits `world` into the axes
+  // (on a CUDA device, a communicator over it that routes device tensors to NCCL).
+  ParallelLayout(const LoomConfig& config, Communicator& world, Backend& backend);
 
   int size(Axis axis) const { return facts_.of(axis); }
   // The axis' communicator; nullptr when the axis has one rank.
@@ -67,10 +68,6 @@ class ParallelLayout {
   // Pipeline and expert parallel ranks update their own parts of the flat buffers; this group
   // (pp x ep) puts the parts together for checkpoints and sampling. nullptr without either.
   Communicator* owners_group() const { return owners_.get(); }
-  // A GPU's data-parallel traffic goes through a device communicator (NCCL) instead: set by
-  // the run when it has one (comm/nccl_communicator.h).
-  void use_device_group(std::unique_ptr<Communicator> device);
-
   // Every communicator of the run, each once, with its name ("world", "tp", "dp", "dp+cp",
   // "owners", "device", ...): the byte ledgers a job's traffic is the sum of, and what a trace
   // is attached to.

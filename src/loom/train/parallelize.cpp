@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cmath>
 
-#include "loom/comm/cuda_device_group.h"
 #include "loom/arch/param_layout.h"
 #include "loom/checkpoint/peft.h"
 #include "loom/checkpoint/weights.h"
@@ -38,9 +37,15 @@ void initialise(Build& b, Transformer& model, const ModelConfig& config) {
     load_weights_from(loop.init_from, config, model.params(), b.backend);
   }
   if (!loop.peft_adapter.empty()) {
-    LOOM_CHECK(model.params().host_accessible(), "peft.adapter loads into host memory: not on the ",
-               b.backend.name(), " backend yet");
-    load_peft_adapter(loop.peft_adapter, ModelState{config, model.params()});
+    if (model.params().host_accessible()) {
+      load_peft_adapter(loop.peft_adapter, ModelState{config, model.params()});
+    } else {  // a device's weights: the adapter is read into a host copy, which is written back
+      CpuAllocator host;
+      const Tensor staged = Tensor::empty(host, model.params().shape(), model.params().dtype(), MEM_PARAMETERS);
+      b.backend.read(model.params(), staged.raw_data());
+      load_peft_adapter(loop.peft_adapter, ModelState{config, staged});
+      b.backend.write(model.params(), staged.raw_data());
+    }
   }
 }
 
@@ -84,9 +89,6 @@ void pipeline_parallel(Build& b) {
 }
 
 void data_parallel(Build& b) {
-  // A GPU's gradients go over NCCL, host values (losses, norms) over MPI.
-  Communicator& world = b.layout.world();
-  if (b.config.device == DEVICE_CUDA && world.size() > 1) b.layout.use_device_group(make_cuda_device_group(world, b.backend));
   const ParallelConfig& p = b.config.parallel;
   DdpConfig ddp;
   ddp.bucket_bytes = static_cast<int64_t>(p.bucket_mb * (1 << 20));

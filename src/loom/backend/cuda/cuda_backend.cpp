@@ -10,7 +10,7 @@
 //   bf16 A, B with f32 C: cuBLASLt, bf16 inputs, fp32 accumulation and output;
 //   f64: cublasDgemmStridedBatched (reference checks);
 //   shapes cuBLASLt declines (rows not 16-byte aligned): cublasGemmStridedBatchedEx, fp32 accumulation.
-// The bias is added by a row kernel after the GEMM (cuBLASLt's bias epilogue would save one pass).
+// The bias goes into cuBLASLt's epilogue (CUBLASLT_EPILOGUE_BIAS), or a row kernel after the other GEMMs.
 //
 // The other ops are in the op files (cuda_backend_internal.h lists them).
 #include "loom/backend/cuda/cuda_backend.h"
@@ -29,6 +29,7 @@
 #include "loom/backend/block_cache.h"
 #include "loom/backend/checks.h"
 #include "loom/backend/cuda/cuda_check.h"
+#include "loom/backend/cuda/cuda_flash_mma.h"
 #include "loom/backend/cuda/cuda_kernels.h"
 #include "loom/core/error.h"
 
@@ -132,14 +133,15 @@ void CudaBackend::gemm(const Tensor& a, const Tensor& b, const Tensor& c, const 
   if (d.m == 0 || d.n == 0) return;
   LOOM_CHECK(d.m <= INT_MAX && d.n <= INT_MAX && d.k <= INT_MAX && spec.batch <= INT_MAX, "gemm: dims (", d.m, ", ",
              d.n, ", ", d.k, ") exceed cuBLAS's 32-bit sizes");
+  bool bias_done = false;  // cuBLASLt's epilogue added it
   if (a.dtype() == DTYPE_F64) {
     gemm_f64(a, b, c, spec, d);
   } else if (a.dtype() == DTYPE_F32 || a.dtype() == DTYPE_BF16) {
-    gemm_lt(a, b, c, spec, d);
+    bias_done = gemm_lt(a, b, c, spec, d, bias);
   } else {
     throw Error(str_cat("gemm: not supported for dtype ", dtype_name(a.dtype()), " on the CUDA backend (f32, bf16, f64)"));
   }
-  if (bias) {
+  if (bias && !bias_done) {
     dispatch_float(c.dtype(), "gemm", kBackend, [&]<typename T>() {
       cuda::add_bias_rows<T>(dptr<T>(c), dptr<T>(*bias), spec.batch * d.m, d.n, stream_);
     });
@@ -354,6 +356,31 @@ void CudaBackend::flash_attention_backward(const Tensor& dout, const Tensor& qkv
   });
 }
 
+void CudaBackend::flash_attention_forward_bf16(const Tensor& qkv, const Tensor& out, const Tensor& lse, int64_t n_head,
+                                               int64_t n_kv_head) {
+  const char* op = "flash_attention_forward_bf16";
+  const auto [batch, seq_len, head_dim] = check_attention(op, qkv, out, lse, n_head, n_kv_head, 0, true);
+  if (qkv.dtype() != DTYPE_F32 || (head_dim != 64 && head_dim != 128)) {
+    return Backend::flash_attention_forward_bf16(qkv, out, lse, n_head, n_kv_head);
+  }
+  cuda::flash_mma_attention_forward(dptr<float>(qkv), dptr<float>(out), dptr<float>(lse), batch, seq_len, n_head,
+                                    n_kv_head, head_dim, 0, stream_);
+}
+
+void CudaBackend::flash_attention_backward_bf16(const Tensor& dout, const Tensor& qkv, const Tensor& out,
+                                                const Tensor& lse, const Tensor& dqkv, int64_t n_head,
+                                                int64_t n_kv_head) {
+  const char* op = "flash_attention_backward_bf16";
+  const auto [batch, seq_len, head_dim] =
+      check_attention_backward(op, dout, qkv, out, lse, dqkv, n_head, n_kv_head, 0, true);
+  if (qkv.dtype() != DTYPE_F32 || (head_dim != 64 && head_dim != 128)) {
+    return Backend::flash_attention_backward_bf16(dout, qkv, out, lse, dqkv, n_head, n_kv_head);
+  }
+  void* scratch = workspace(cuda::flash_mma_attention_backward_scratch_bytes(batch, seq_len, n_head, n_kv_head, head_dim));
+  cuda::flash_mma_attention_backward(dptr<float>(dout), dptr<float>(qkv), dptr<float>(out), dptr<float>(lse),
+                                     dptr<float>(dqkv), scratch, batch, seq_len, n_head, n_kv_head, head_dim, 0, stream_);
+}
+
 void CudaBackend::cross_entropy_forward(const Tensor& logits, const Tensor& targets, const Tensor& losses,
                            const Tensor& lse) {
   const char* op = "cross_entropy_forward";
@@ -394,8 +421,10 @@ void CudaBackend::adamw_step(const Tensor& param, const Tensor& grad, const Tens
   });
 }
 
-void CudaBackend::gemm_lt(const Tensor& a, const Tensor& b, const Tensor& c, const GemmSpec& spec, const checks::GemmDims& d) {
+bool CudaBackend::gemm_lt(const Tensor& a, const Tensor& b, const Tensor& c, const GemmSpec& spec, const checks::GemmDims& d,
+                          const Tensor* bias) {
   const bool bf16 = a.dtype() == DTYPE_BF16;
+  const bool use_bias = bias != nullptr && spec.batch == 1;
   const cudaDataType_t in_type = bf16 ? CUDA_R_16BF : CUDA_R_32F;
   cublasLtMatmulDesc_t desc = nullptr;
   cublasLtMatrixLayout_t la = nullptr, lb = nullptr, lc = nullptr;
@@ -414,6 +443,15 @@ void CudaBackend::gemm_lt(const Tensor& a, const Tensor& b, const Tensor& c, con
     const cublasOperation_t op_second = spec.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
     LOOM_CUBLAS_STATUS(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_first, sizeof(op_first)));
     LOOM_CUBLAS_STATUS(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_second, sizeof(op_second)));
+    // The bias in the GEMM's epilogue (one pass over C saved): cuBLAS's D is our C^T, whose rows
+    // are our columns, so its per-row bias is our bias[n]. One matrix only (a batch would need the
+    // bias's batch stride); the other calls add it with a kernel after the GEMM.
+    if (use_bias) {
+      const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
+      const void* bias_ptr = bias->device_ptr();
+      LOOM_CUBLAS_STATUS(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)));
+      LOOM_CUBLAS_STATUS(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias_ptr, sizeof(bias_ptr)));
+    }
     // Column-major views: our row-major (r, c) with ld c is cuBLAS's (c, r) with ld c.
     LOOM_CUBLAS_STATUS(cublasLtMatrixLayoutCreate(&la, in_type, d.b_cols, d.b_rows, d.b_cols));
     LOOM_CUBLAS_STATUS(cublasLtMatrixLayoutCreate(&lb, in_type, d.a_cols, d.a_rows, d.a_cols));
@@ -453,7 +491,8 @@ void CudaBackend::gemm_lt(const Tensor& a, const Tensor& b, const Tensor& c, con
     cublasLtMatmulPreferenceDestroy(pref);
     if (hr != CUBLAS_STATUS_SUCCESS || found == 0) {  // e.g. rows not 16-byte aligned: cuBLAS takes any
       cleanup();
-      return gemm_ex(a, b, c, spec, d, in_type);
+      gemm_ex(a, b, c, spec, d, in_type);
+      return false;
     }
     const float alpha = spec.alpha, beta = spec.beta;
     LOOM_CUBLAS_STATUS(cublasLtMatmul(lt_, desc, &alpha, b.device_ptr(), la, a.device_ptr(), lb, &beta,
@@ -464,6 +503,7 @@ void CudaBackend::gemm_lt(const Tensor& a, const Tensor& b, const Tensor& c, con
     throw;
   }
   cleanup();
+  return use_bias;
 }
 
 void CudaBackend::gemm_ex(const Tensor& a, const Tensor& b, const Tensor& c, const GemmSpec& spec, const checks::GemmDims& d,

@@ -122,6 +122,11 @@ class CudaBackend final : public Backend {
                                int64_t n_kv_head, int64_t window) override;
   void flash_attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out, const Tensor& lse,
                                 const Tensor& dqkv, int64_t n_head, int64_t n_kv_head, int64_t window) override;
+  // On tensor cores for head_dim 64 and 128 (cuda_flash_mma.cu); otherwise Backend's default.
+  void flash_attention_forward_bf16(const Tensor& qkv, const Tensor& out, const Tensor& lse, int64_t n_head,
+                                    int64_t n_kv_head) override;
+  void flash_attention_backward_bf16(const Tensor& dout, const Tensor& qkv, const Tensor& out, const Tensor& lse,
+                                     const Tensor& dqkv, int64_t n_head, int64_t n_kv_head) override;
   void cross_entropy_forward(const Tensor& logits, const Tensor& targets, const Tensor& losses,
                              const Tensor& lse) override;
   void cross_entropy_backward(const Tensor& logits, const Tensor& targets, const Tensor& lse, float dloss,
@@ -228,7 +233,9 @@ class CudaBackend final : public Backend {
   static constexpr int64_t kLtWorkspaceBytes = int64_t{32} << 20;  // cuBLAS(Lt)'s split-K and Hopper kernels
 
   // cuBLASLt for f32 and bf16 x bf16 -> f32 (see the file comment for the row-major mapping).
-  void gemm_lt(const Tensor& a, const Tensor& b, const Tensor& c, const GemmSpec& spec, const checks::GemmDims& d);
+  // Returns whether the bias went into the GEMM's epilogue (else the caller adds it).
+  bool gemm_lt(const Tensor& a, const Tensor& b, const Tensor& c, const GemmSpec& spec, const checks::GemmDims& d,
+               const Tensor* bias);
 
   // The same product through cublasGemmStridedBatchedEx (fp32 accumulation, no TF32): for shapes
   // cuBLASLt's heuristic declines (leading dimensions that are not multiples of 16 bytes).

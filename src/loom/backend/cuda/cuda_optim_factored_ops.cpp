@@ -1,18 +1,183 @@
-// The CUDA backend's Adafactor, SM3, CAME and LDAdam (cuda_optim_factored.cu).
-// STUB: each op still forwards to Backend's default, which throws one line naming the op.
+// The CUDA backend's Adafactor, SM3, CAME and LDAdam ops (contracts in backend.h; kernels in
+// cuda_optim_factored.cu). Each op validates its operands with the CPU's checks and messages
+// (cpu/cpu_optim_factored.cpp, cpu/cpu_optim_ops.cpp), then enqueues its kernels on the backend's
+// stream, with scratch from workspace(). Nothing synchronizes except leading_eigenvectors:
+//   leading_eigenvectors is a host round trip: s is read to the host, the CPU's own
+//   cpu::leading_eigenvectors (LAPACK dsyevd in double, as the contract states) runs there, and p
+//   is written back. LDAdam calls it once per hidden matrix, at step 1 only (optim/ldadam.cpp),
+//   on s = G G^T of n = min(rows, cols) (768 for GPT-2 124M: 2.4 MB of f32), so the copy and the
+//   synchronization are paid once per run; cuSOLVER is neither linked nor in the simulator.
+// Adafactor, SM3 and CAME: the factored row and column statistics and the RMS run on the device
+// (the RMS scalars stay in device memory, read by the update kernels: no host round trip).
+#include <cmath>
+#include <initializer_list>
+#include <utility>
+
+#include "loom/backend/cpu/cpu_optim_ops.h"
 #include "loom/backend/cuda/cuda_backend_internal.h"
+#include "loom/backend/cuda/cuda_optim_factored.h"
 
 namespace loom::cuda_backend_detail {
 
-bool optim_factored_ops_complete() { return false; }
+using checks::expect_dtype;
+using checks::expect_numel;
+using checks::rows_of;
 
-void CudaBackend::adafactor_step(const Tensor& param, const Tensor& grad, const Tensor& state, const Tensor& m, const Tensor& u, const OptimHyper& hyper) { Backend::adafactor_step(param, grad, state, m, u, hyper); }
-void CudaBackend::sm3_step(const Tensor& param, const Tensor& grad, const Tensor& acc, const OptimHyper& hyper) { Backend::sm3_step(param, grad, acc, hyper); }
-void CudaBackend::came_step(const Tensor& param, const Tensor& grad, const Tensor& state, const Tensor& m, const Tensor& res, const Tensor& u, const OptimHyper& hyper) { Backend::came_step(param, grad, state, m, res, u, hyper); }
-void CudaBackend::leading_eigenvectors(const Tensor& s, const Tensor& p) { Backend::leading_eigenvectors(s, p); }
-void CudaBackend::gram_schmidt(const Tensor& y, const Tensor& fallback, const Tensor& p) { Backend::gram_schmidt(y, fallback, p); }
-void CudaBackend::ldadam_rotate(const Tensor& p, const Tensor& prev, const Tensor& m, const Tensor& v, const Tensor& mt, const Tensor& vt, const OptimHyper& hyper) { Backend::ldadam_rotate(p, prev, m, v, mt, vt, hyper); }
-void CudaBackend::ldadam_adam(const Tensor& m, const Tensor& v, const Tensor& mt, const Tensor& vt, const Tensor& gh, const OptimHyper& hyper) { Backend::ldadam_adam(m, v, mt, vt, gh, hyper); }
-void CudaBackend::ldadam_apply(const Tensor& param, const Tensor& grad, const Tensor& d, const Tensor& e, bool transpose, const OptimHyper& hyper) { Backend::ldadam_apply(param, grad, d, e, transpose, hyper); }
+bool optim_factored_ops_complete() { return true; }
+
+namespace {
+
+using Named = std::initializer_list<std::pair<const char*, const Tensor*>>;
+
+float* fptr(const Tensor& t) { return t.defined() ? dptr<float>(t) : nullptr; }
+
+// A segment's shape: (rows, cols) of grad when factored, else one row of its elements.
+struct Segment {
+  int64_t m, n;
+};
+// As the CPU's check_segment: param, grad (and each defined one of `same`) f32 of one size;
+// state f32 of rows + cols (factored) or of the segment's size (else).
+Segment check_segment(const char* op, const Tensor& param, const Tensor& grad, const Tensor& state, bool factored,
+                      Named same) {
+  expect_dtype(param, DTYPE_F32, op, "param");
+  const int64_t N = param.numel();
+  for (const auto& [what, t] : same) {
+    if (!t->defined()) continue;
+    expect_dtype(*t, DTYPE_F32, op, what);
+    expect_numel(*t, N, op, what);
+  }
+  expect_dtype(grad, DTYPE_F32, op, "grad");
+  expect_numel(grad, N, op, "grad");
+  const Segment s = factored ? Segment{rows_of(grad), grad.dim(-1)} : Segment{1, N};
+  expect_dtype(state, DTYPE_F32, op, "state");
+  expect_numel(state, factored ? s.m + s.n : N, op, "state");
+  return s;
+}
+
+// As the CPU's check_flat: x f32; each defined one of `same` f32 with x's numel.
+int64_t check_flat(const char* op, const Tensor& x, const char* what, Named same) {
+  expect_dtype(x, DTYPE_F32, op, what);
+  for (const auto& [name, t] : same) {
+    if (!t->defined()) continue;
+    expect_dtype(*t, DTYPE_F32, op, name);
+    expect_numel(*t, x.numel(), op, name);
+  }
+  return x.numel();
+}
+
+cuda::FactoredHyper factored_hyper(const OptimHyper& h) {
+  cuda::FactoredHyper f;
+  f.lr = h.lr;
+  f.weight_decay = h.weight_decay;
+  f.grad_scale = h.grad_scale;
+  f.beta1 = h.beta1;
+  f.beta2 = h.beta2;
+  f.beta3 = h.beta3;
+  f.eps = h.eps;
+  f.eps2 = h.eps2;
+  f.clip_threshold = h.clip_threshold;
+  f.scale_parameter = h.scale_parameter;
+  return f;
+}
+
+}  // namespace
+
+void CudaBackend::adafactor_step(const Tensor& param, const Tensor& grad, const Tensor& state, const Tensor& m,
+                                 const Tensor& u, const OptimHyper& hyper) {
+  const auto [rows, cols] = check_segment("adafactor_step", param, grad, state, hyper.factored, {{"m", &m}, {"u", &u}});
+  LOOM_CHECK(u.defined(), "adafactor_step: needs the u operand (scratch of the segment's size)");
+  void* scratch = workspace(cuda::adafactor_scratch_bytes(rows, cols));
+  cuda::adafactor_step(dptr<float>(param), dptr<float>(grad), dptr<float>(state), fptr(m), dptr<float>(u), rows, cols,
+                       hyper.factored, factored_hyper(hyper), scratch, stream());
+}
+
+void CudaBackend::sm3_step(const Tensor& param, const Tensor& grad, const Tensor& acc, const OptimHyper& hyper) {
+  const auto [rows, cols] = check_segment("sm3_step", param, grad, acc, hyper.factored, {});
+  void* scratch = hyper.factored ? workspace(cuda::sm3_scratch_bytes(rows, cols)) : nullptr;
+  cuda::sm3_step(dptr<float>(param), dptr<float>(grad), dptr<float>(acc), rows, cols, hyper.factored,
+                 factored_hyper(hyper), scratch, stream());
+}
+
+void CudaBackend::came_step(const Tensor& param, const Tensor& grad, const Tensor& state, const Tensor& m,
+                            const Tensor& res, const Tensor& u, const OptimHyper& hyper) {
+  const char* op = "came_step";
+  LOOM_CHECK(m.defined() && (res.defined() || !hyper.factored), op, ": needs the m operand, and res when factored");
+  const auto [rows, cols] = check_segment(op, param, grad, state, hyper.factored, {{"m", &m}, {"u", &u}});
+  LOOM_CHECK(u.defined(), op, ": needs the u operand (scratch of the segment's size)");
+  if (hyper.factored) {
+    expect_dtype(res, DTYPE_F32, op, "res");
+    expect_numel(res, rows + cols, op, "res");
+  }
+  void* scratch = workspace(cuda::came_scratch_bytes(rows, cols));
+  cuda::came_step(dptr<float>(param), dptr<float>(grad), dptr<float>(state), dptr<float>(m),
+                  hyper.factored ? dptr<float>(res) : nullptr, dptr<float>(u), rows, cols, hyper.factored,
+                  factored_hyper(hyper), scratch, stream());
+}
+
+void CudaBackend::leading_eigenvectors(const Tensor& s, const Tensor& p) {
+  const char* op = "leading_eigenvectors";
+  expect_dtype(s, DTYPE_F32, op, "s");
+  expect_dtype(p, DTYPE_F32, op, "p");
+  const int64_t n = s.dim(-1), r = p.dim(-1);
+  LOOM_CHECK(rows_of(s) == n && rows_of(p) == n && r <= n, op, ": s ", s.describe(), " must be (n, n) and p ",
+             p.describe(), " (n, r <= n)");
+  // Host round trip (see the file comment): the CPU's own LAPACK call on a host copy of s.
+  CpuAllocator host;
+  {
+    const Tensor hs = Tensor::empty(host, {n, n}, DTYPE_F32, MEM_WORKSPACE);
+    const Tensor hp = Tensor::empty(host, {n, r}, DTYPE_F32, MEM_WORKSPACE);
+    read(s, hs.raw_data());
+    cpu::leading_eigenvectors(hs, hp);
+    write(p, hp.raw_data());
+  }
+}
+
+void CudaBackend::gram_schmidt(const Tensor& y, const Tensor& fallback, const Tensor& p) {
+  const char* op = "gram_schmidt";
+  expect_dtype(y, DTYPE_F32, op, "y");
+  expect_dtype(fallback, DTYPE_F32, op, "fallback");
+  expect_numel(fallback, y.numel(), op, "fallback");
+  expect_dtype(p, DTYPE_F32, op, "p");
+  expect_numel(p, y.numel(), op, "p");
+  const int64_t n = rows_of(y), r = y.dim(-1);
+  void* scratch = workspace(cuda::gram_schmidt_scratch_bytes(n, r));
+  cuda::gram_schmidt(dptr<float>(y), dptr<float>(fallback), dptr<float>(p), n, r, scratch, stream());
+}
+
+void CudaBackend::ldadam_rotate(const Tensor& p, const Tensor& prev, const Tensor& m, const Tensor& v, const Tensor& mt,
+                                const Tensor& vt, const OptimHyper& hyper) {
+  const char* op = "ldadam_rotate";
+  check_flat(op, p, "p", {{"prev", &prev}});
+  check_flat(op, m, "m", {{"v", &v}, {"mt", &mt}, {"vt", &vt}});
+  const int64_t M = rows_of(p), r = p.dim(-1);
+  LOOM_CHECK(r > 0, op, ": p ", p.describe(), " has no columns");
+  const int64_t N = m.numel() / r;
+  LOOM_CHECK(r * N == m.numel(), op, ": m ", m.describe(), " is not (r, N) for p ", p.describe());
+  const double t = static_cast<double>(hyper.step);
+  const double bc1_prev = 1.0 - std::pow(hyper.beta1, t - 1.0), bc2_prev = 1.0 - std::pow(hyper.beta2, t - 1.0);
+  void* scratch = workspace(cuda::ldadam_rotate_scratch_bytes(r));
+  cuda::ldadam_rotate(dptr<float>(p), dptr<float>(prev), dptr<float>(m), dptr<float>(v), dptr<float>(mt),
+                      dptr<float>(vt), M, r, N, hyper.step, bc1_prev, bc2_prev, scratch, stream());
+}
+
+void CudaBackend::ldadam_adam(const Tensor& m, const Tensor& v, const Tensor& mt, const Tensor& vt, const Tensor& gh,
+                              const OptimHyper& hyper) {
+  const int64_t n = check_flat("ldadam_adam", m, "m", {{"v", &v}, {"mt", &mt}, {"vt", &vt}, {"gh", &gh}});
+  const double t = static_cast<double>(hyper.step);
+  const float bc1 = static_cast<float>(1.0 - std::pow(hyper.beta1, t));
+  const float bc2 = static_cast<float>(1.0 - std::pow(hyper.beta2, t));
+  cuda::ldadam_adam(dptr<float>(m), dptr<float>(v), dptr<float>(mt), dptr<float>(vt), dptr<float>(gh), n,
+                    static_cast<float>(hyper.beta1), static_cast<float>(hyper.beta2), bc1, bc2,
+                    static_cast<float>(hyper.eps), stream());
+}
+
+void CudaBackend::ldadam_apply(const Tensor& param, const Tensor& grad, const Tensor& d, const Tensor& e, bool transpose,
+                               const OptimHyper& hyper) {
+  check_flat("ldadam_apply", param, "param", {{"grad", &grad}, {"d", &d}, {"e", &e}});
+  const int64_t rows = rows_of(param), cols = param.dim(-1);
+  const float eta = static_cast<float>(hyper.lr), decay = 1.0f - eta * hyper.weight_decay;
+  cuda::ldadam_apply(dptr<float>(param), dptr<float>(grad), dptr<float>(d), dptr<float>(e), rows, cols, transpose, eta,
+                     decay, stream());
+}
 
 }  // namespace loom::cuda_backend_detail

@@ -400,8 +400,12 @@ void read_inputs(std::vector<Op>& ops, const char* call) {
 }
 
 // Round 1: every rank's collectives on each communicator, and each send's count and type. An
-// operation that does not match its peers' gets its error (and moves nothing in round 2).
-void agree_with_peers(std::vector<Op>& ops, const char* call) {
+// operation that does not match its peers' gets its error (and moves nothing in round 2). A send's
+// data is posted here too, into `data` (waited for in round 2), as a GPU's send progresses while
+// the rest of its group waits: a group that sends to a peer and receives from it must not wait
+// for that peer's own group to reach its second round (a pipeline's "send activations, receive
+// gradients" on one rank and "send gradients, receive activations" on the other).
+void agree_with_peers(std::vector<Op>& ops, const char* call, Messages& data) {
   std::vector<CommCheck> checks;
   for (const Op& op : ops) {
     if (is_p2p(op.kind)) continue;
@@ -423,6 +427,7 @@ void agree_with_peers(std::vector<Op>& ops, const char* call) {
     if (op.kind == Kind::Send) {
       op.header = P2PHeader{kHeaderMagic, op.count, static_cast<int64_t>(op.type)};
       messages.send(reinterpret_cast<const char*>(&op.header), sizeof(P2PHeader), op.root, kTagHeader, op.comm->mpi);
+      post(op, data);
     } else if (op.kind == Kind::Recv) {
       messages.recv(reinterpret_cast<char*>(&op.header), sizeof(P2PHeader), op.root, kTagHeader, op.comm->mpi);
     }
@@ -456,11 +461,11 @@ void agree_with_peers(std::vector<Op>& ops, const char* call) {
   }
 }
 
-// Round 2: the data; then the outputs into device memory, and the first error as the result.
-ncclResult_t move_data(std::vector<Op>& ops) {
-  Messages messages;
+// Round 2: the data (the sends' already posted in round 1); then the outputs into device memory,
+// and the first error as the result.
+ncclResult_t move_data(std::vector<Op>& ops, Messages& messages) {
   for (Op& op : ops) {
-    if (op.error.empty() || op.kind == Kind::Recv) post(op, messages);
+    if (op.kind != Kind::Send && (op.error.empty() || op.kind == Kind::Recv)) post(op, messages);
   }
   messages.wait_all();
   for (Op& op : ops) {
@@ -496,8 +501,9 @@ ncclResult_t run(std::vector<Op>& ops, const char* call) {
     }
   }
   read_inputs(ops, call);
-  agree_with_peers(ops, call);
-  return move_data(ops);
+  Messages data;
+  agree_with_peers(ops, call, data);
+  return move_data(ops, data);
 }
 
 }  // namespace loom::sim::nccl_detail

@@ -1,0 +1,35 @@
+// FlashAttention-2 (Dao 2023) on tensor cores: mma.sync m16n8k16 with bf16 operands and fp32
+// accumulation (cuda_mma.h). Same layout and semantics as flash_attention_forward / _backward
+// of cuda_kernels.h for float, causal, without a sliding window:
+//   qkv (B, T, (H + 2 KV) hd) f32, out (B, T, H hd) f32, lse (B, H, T) f32, dout like out,
+//   dqkv like qkv (overwritten). Query head h reads kv head h / (H / KV).
+// Numerics: Q, K, V (and dO in the backward) are rounded to bf16 (nearest even) when loaded;
+// S = Q K^T accumulates in fp32 and is scaled by 1 / sqrt(hd); the online softmax is fp32; the
+// unnormalized P is rounded to bf16 for P V; O accumulates in fp32 and is divided by l at the
+// end; lse = m + log(l). The backward recomputes P = exp(S - lse) in fp32 and rounds each MMA
+// operand (P, dS, Q, K, V, dO) to bf16, accumulating in fp32; D = rowsum(dO o O) in fp32.
+// Deterministic: no atomics; dK/dV and dQ are two separate passes with fixed summation orders.
+// head_dim must be 64 or 128; window must be 0. Anything else is refused with one line.
+#pragma once
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace loom::cuda {
+
+// causal = false gives full (bidirectional) attention; the tests use it as the broken variant
+// of the causal kernels (a missing mask).
+void flash_mma_attention_forward(const float* qkv, float* out, float* lse, int64_t batch, int64_t seq_len,
+                                 int64_t n_head, int64_t n_kv_head, int64_t head_dim, int64_t window,
+                                 cudaStream_t stream, bool causal = true);
+
+// Scratch of the backward: D (B, H, T) f32.
+size_t flash_mma_attention_backward_scratch_bytes(int64_t batch, int64_t seq_len, int64_t n_head, int64_t n_kv_head,
+                                                  int64_t head_dim);
+void flash_mma_attention_backward(const float* dout, const float* qkv, const float* out, const float* lse,
+                                  float* dqkv, void* scratch, int64_t batch, int64_t seq_len, int64_t n_head,
+                                  int64_t n_kv_head, int64_t head_dim, int64_t window, cudaStream_t stream,
+                                  bool causal = true);
+
+}  // namespace loom::cuda

@@ -1,0 +1,139 @@
+// The warp-wide tensor-core product
+//
+//   mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32  D (16x8 f32) = A (16x16 bf16) B (16x8 bf16) + C
+//
+// for kernels of the CUDA backend, with the fragment index math and bf16 packing it needs.
+//
+// Fragments (PTX ISA 9.2, section 9.7.14.5.8 "Matrix Fragments for mma.m16n8k16 with floating
+// point type": the .f16 / .bf16 multiplicands and the .f32 accumulators; figure 79 is A's).
+// With groupID g = laneid >> 2 and threadID_in_group t = laneid % 4, each lane holds
+//   A: 4 .b32 registers of two bf16 each (the lower-index element in the low 16 bits):
+//        a[0] = A[g    ][2t, 2t+1]     a[1] = A[g + 8][2t, 2t+1]
+//        a[2] = A[g    ][2t+8, 2t+9]   a[3] = A[g + 8][2t+8, 2t+9]
+//      (element ai: row g for i < 2 or 4 <= i < 6, else g + 8; col 2t + (i & 1), + 8 for i >= 4)
+//   B: 2 .b32 registers (B is K x N = 16 x 8, "col": a register pairs two k of one column):
+//        b[0] = B[2t, 2t+1][g]         b[1] = B[2t+8, 2t+9][g]
+//      (element bi: row 2t + (i & 1), + 8 for i >= 2; col g)
+//   C, D: 4 f32 registers:
+//        c[0] = C[g][2t]  c[1] = C[g][2t+1]  c[2] = C[g+8][2t]  c[3] = C[g+8][2t+1]
+//      (element ci: row g for i < 2, else g + 8; col 2t + (i & 1))
+// A useful consequence (FlashAttention-2's register reuse): the C fragments of two adjacent 16x8
+// tiles (columns [16 kk, 16 kk + 8) and [16 kk + 8, 16 kk + 16)), packed to bf16 pairwise, are
+// exactly the A fragment of the 16x16 block of k-step kk: a[0] = pack(c0[0], c0[1]), a[1] =
+// pack(c0[2], c0[3]), a[2] = pack(c1[0], c1[1]), a[3] = pack(c1[2], c1[3]) (acc_to_a below).
+//
+// nvcc build: the inline PTX instruction (sm_80 and later; the backend builds for sm_90).
+// Simulator build (LOOM_CUDA_SIM): a scalar twin. Each lane gathers, with 16 full-mask
+// __shfl_sync (64-bit: two registers per exchange), the A rows g and g + 8 from lanes 4g..4g+3 and
+// the B columns 2t and 2t + 1 from lanes 8t..8t+7, then computes each of its four D elements as
+// d = C; d += float(a_k) float(b_k) for k = 0..15 in order, in fp32. Every bf16 x bf16 product is
+// exact in fp32, so only the 16 additions round. The hardware's adder tree sums in another order
+// (and may keep other intermediate precision): tolerances, not bits, compare a GPU with this
+// twin. All 32 lanes of the warp must call it together (it is warp-collective on both builds).
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace loom::cuda::mma {
+
+// ---------------------------------------------------------------- fragment index math
+__host__ __device__ __forceinline__ int group_id(int lane) { return lane >> 2; }
+__host__ __device__ __forceinline__ int thread_in_group(int lane) { return lane & 3; }
+
+// Element i (0..7) of a lane's A fragment: register i / 2, half i % 2.
+__host__ __device__ __forceinline__ int a_row(int lane, int i) { return group_id(lane) + (((i >> 1) & 1) ? 8 : 0); }
+__host__ __device__ __forceinline__ int a_col(int lane, int i) {
+  return 2 * thread_in_group(lane) + (i & 1) + (i >= 4 ? 8 : 0);
+}
+// Element i (0..3) of a lane's B fragment (B is 16 x 8, k x n).
+__host__ __device__ __forceinline__ int b_row(int lane, int i) {
+  return 2 * thread_in_group(lane) + (i & 1) + (i >= 2 ? 8 : 0);
+}
+__host__ __device__ __forceinline__ int b_col(int lane, int /*i*/) { return group_id(lane); }
+// Element i (0..3) of a lane's C / D fragment (16 x 8).
+__host__ __device__ __forceinline__ int c_row(int lane, int i) { return group_id(lane) + (i >= 2 ? 8 : 0); }
+__host__ __device__ __forceinline__ int c_col(int lane, int i) { return 2 * thread_in_group(lane) + (i & 1); }
+
+// ---------------------------------------------------------------- bf16 packing
+// Two floats to one bf16x2 register, each rounded to nearest even (__float22bfloat162_rn): lo
+// in bits 0-15, hi in bits 16-31.
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+#ifdef LOOM_CUDA_SIM
+  return static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(lo))) |
+         (static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(hi))) << 16);
+#else
+  const __nv_bfloat162 v = __float22bfloat162_rn(make_float2(lo, hi));
+  return *reinterpret_cast<const uint32_t*>(&v);
+#endif
+}
+// The bf16 in the low / high half of a register, widened exactly.
+__device__ __forceinline__ float bf16_lo(uint32_t r) { return __uint_as_float(r << 16); }
+__device__ __forceinline__ float bf16_hi(uint32_t r) { return __uint_as_float(r & 0xffff0000u); }
+// Two bf16 bit patterns (low, high) into one register.
+__host__ __device__ __forceinline__ uint32_t pair_bf16(uint32_t lo_bits, uint32_t hi_bits) {
+  return (lo_bits & 0xffffu) | (hi_bits << 16);
+}
+
+// C fragments of tiles 2 kk and 2 kk + 1 (16 x 8 each) -> the A fragment of k-step kk (above).
+__device__ __forceinline__ void acc_to_a(uint32_t (&a)[4], const float (&c0)[4], const float (&c1)[4]) {
+  a[0] = pack_bf16x2(c0[0], c0[1]);
+  a[1] = pack_bf16x2(c0[2], c0[3]);
+  a[2] = pack_bf16x2(c1[0], c1[1]);
+  a[3] = pack_bf16x2(c1[2], c1[3]);
+}
+
+// ---------------------------------------------------------------- the product
+// d = a b + c (d may alias c).
+__device__ __forceinline__ void mma_m16n8k16_bf16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2],
+                                                  const float (&c)[4]) {
+#ifdef LOOM_CUDA_SIM
+  const int lane = ::loom::sim::lane_id();
+  const int g = group_id(lane), t = thread_in_group(lane);
+  const uint64_t mine_a01 = static_cast<uint64_t>(a[0]) | (static_cast<uint64_t>(a[1]) << 32);
+  const uint64_t mine_a23 = static_cast<uint64_t>(a[2]) | (static_cast<uint64_t>(a[3]) << 32);
+  const uint64_t mine_b = static_cast<uint64_t>(b[0]) | (static_cast<uint64_t>(b[1]) << 32);
+  // arow[r][k]: A[g + 8 r][k]; bcol[n][k]: B[k][2t + n].
+  float arow[2][16], bcol[2][16];
+  for (int s = 0; s < 4; ++s) {  // lane 4g + s holds A[g (+8)][2s, 2s+1] and [2s+8, 2s+9]
+    const uint64_t x01 = __shfl_sync(0xffffffffu, mine_a01, 4 * g + s);
+    const uint64_t x23 = __shfl_sync(0xffffffffu, mine_a23, 4 * g + s);
+    const uint32_t r0 = static_cast<uint32_t>(x01), r1 = static_cast<uint32_t>(x01 >> 32);
+    const uint32_t r2 = static_cast<uint32_t>(x23), r3 = static_cast<uint32_t>(x23 >> 32);
+    arow[0][2 * s] = bf16_lo(r0), arow[0][2 * s + 1] = bf16_hi(r0);
+    arow[1][2 * s] = bf16_lo(r1), arow[1][2 * s + 1] = bf16_hi(r1);
+    arow[0][2 * s + 8] = bf16_lo(r2), arow[0][2 * s + 9] = bf16_hi(r2);
+    arow[1][2 * s + 8] = bf16_lo(r3), arow[1][2 * s + 9] = bf16_hi(r3);
+  }
+  for (int n = 0; n < 2; ++n) {
+    for (int s = 0; s < 4; ++s) {  // lane 4 (2t + n) + s holds B[2s, 2s+1][2t + n] and [2s+8, 2s+9]
+      const uint64_t x = __shfl_sync(0xffffffffu, mine_b, 4 * (2 * t + n) + s);
+      const uint32_t r0 = static_cast<uint32_t>(x), r1 = static_cast<uint32_t>(x >> 32);
+      bcol[n][2 * s] = bf16_lo(r0), bcol[n][2 * s + 1] = bf16_hi(r0);
+      bcol[n][2 * s + 8] = bf16_lo(r1), bcol[n][2 * s + 9] = bf16_hi(r1);
+    }
+  }
+  float out[4];
+  for (int i = 0; i < 4; ++i) {
+    const float* ar = arow[i >> 1];
+    const float* bc = bcol[i & 1];
+    float acc = c[i];
+    for (int k = 0; k < 16; ++k) {
+      const float prod = ar[k] * bc[k];  // exact: 8-bit by 8-bit significands
+      acc += prod;
+    }
+    out[i] = acc;
+  }
+  for (int i = 0; i < 4; ++i) d[i] = out[i];
+#else
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%10, %11, %12, %13};\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]), "f"(c[2]),
+        "f"(c[3]));
+#endif
+}
+
+}  // namespace loom::cuda::mma

@@ -1,0 +1,149 @@
+// Every training feature of the device-memory tests (test_device_memory.cpp, on the strict
+// backend) on the CUDA backend against the CPU backend: each precision recipe, each of the 14
+// optimizers, the MoE and MLA models, and gradient accumulation with q/k norm. Compiled into both
+// the unit tests (the nvcc build's backend: skipped without a GPU unless LOOM_REQUIRE_CUDA=1, run
+// by scripts/gpu_check) and the simulator's tests (ctest cuda_sim), where every simulator check is
+// armed.
+//
+// Tolerances, relative to the largest value of each kind (losses and gradient norms together,
+// final weights), with why they are not bitwise: the GEMMs (cuBLAS's k order vs the CPU's
+// blocks), the long sums (fixed trees vs OpenMP's chunks) and the exp in the softmax round
+// differently in the last bits.
+//  - fp32, bf16 GEMMs, bf16 weight copies: 5e-6 for fp32, 1e-4 with bf16 operands (the
+//    single-process trainer test's bounds: test_cuda_sim_train.cpp).
+//  - Recipes that quantize to a grid coarser than bf16 (fp16, FP8, MXFP4, NVFP4) and bf16 master
+//    weights: 1e-3. A value that lands within the last bits of a rounding boundary of the grid
+//    rounds to the neighbouring code on one device and not the other, which moves it by a whole
+//    step of the grid (2^-3 relative for E4M3, 2^-1 for E2M1); a few such elements among each
+//    GEMM's thousands of products move the losses by about 1e-4.
+//  - Stochastic rounding: the same draws on both devices (Philox by element), so the same bound.
+// The key part of GPT-2's attn.c_attn.bias is left out of the weights: its gradient is zero in
+// exact arithmetic (softmax does not see a constant added to every score), so each device's
+// rounding noise is all there is, and the rules that normalize the update (Adam's, Adagrad's,
+// Lion's sign, SM3's, Adafactor's) turn that noise into steps of the learning rate's size, of
+// either sign (cuda_sim_train_test.py leaves it out for the same reason).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "device_training.h"
+#include "loom/arch/param_layout.h"
+#include "loom/optim/optimizer.h"
+#include "strict_backend.h"
+#include "test_util.h"
+
+namespace loom {
+namespace {
+
+// The CUDA backend where this build and machine have one (else skipped, or failed under
+// LOOM_REQUIRE_CUDA=1), and it states `capability`.
+std::unique_ptr<Backend> cuda_backend(bool BackendCapabilities::*capability) {
+  std::string skip;
+  std::unique_ptr<Backend> backend = test::op_test_backend("cuda", capability, &skip);
+  if (!backend) {
+    const char* require = std::getenv("LOOM_REQUIRE_CUDA");
+    if (require != nullptr && std::string(require) == "1") ADD_FAILURE() << "LOOM_REQUIRE_CUDA=1 but: " << skip;
+  }
+  return backend;
+}
+
+// The flat weights without the key part of every GPT-2 attn.c_attn.bias (its columns [d, 2d)).
+std::vector<double> without_key_bias(const ModelConfig& config, std::vector<double> params) {
+  if (config.arch != ARCH_GPT2) return params;
+  const ParamLayout layout = build_param_layout(config);
+  std::vector<bool> drop(params.size(), false);
+  for (const ParamSpec& p : layout.params) {
+    if (p.name.size() < 16 || p.name.compare(p.name.size() - 16, 16, "attn.c_attn.bias") != 0) continue;
+    for (int64_t i = config.d_model; i < 2 * config.d_model; ++i) drop[static_cast<size_t>(p.offset + i)] = true;
+  }
+  std::vector<double> kept;
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (!drop[i]) kept.push_back(params[i]);
+  }
+  return kept;
+}
+
+double recipe_tolerance(const test::TrainCase& c) {
+  const std::string compute = c.compute, qat = c.qat, master = c.master;
+  if (compute == "f32" && qat == "none" && master == "f32") return 5e-6;
+  if (compute == "bf16" && qat == "none" && master == "f32") return 1e-4;
+  return 1e-3;
+}
+
+void expect_close(const std::vector<double>& got, const std::vector<double>& expected, const std::vector<double>& got_params,
+                  const std::vector<double>& expected_params, double tolerance, const std::string& name) {
+  ASSERT_EQ(got.size(), expected.size()) << name;
+  const double values = test::max_rel_error(got, expected), params = test::max_rel_error(got_params, expected_params);
+  EXPECT_LT(values, tolerance) << name << ": losses and gradient norms";
+  EXPECT_LT(params, tolerance) << name << ": final weights";
+  for (double x : got) EXPECT_TRUE(std::isfinite(x)) << name;
+  std::printf("[ cuda     ] %s: losses/norms within %.2e, weights within %.2e of the CPU (bound %.0e)\n", name.c_str(),
+              values, params, tolerance);
+}
+
+TEST(CudaFeatures, EveryPrecisionRecipeTrainsAsOnTheCpu) {
+  auto cuda = cuda_backend(&BackendCapabilities::low_precision);
+  if (!cuda) GTEST_SKIP() << "no CUDA backend with the low-precision ops";
+  auto cpu = make_cpu_backend();
+  for (const test::TrainCase& c : test::precision_recipes()) {
+    const std::string name = str_cat(c.preset, " compute ", c.compute, " param ", c.param, " master ", c.master,
+                                     c.stochastic ? " stochastic" : "", " qat ", c.qat, " reduce ", c.reduce);
+    std::vector<double> cpu_params, cuda_params;
+    const std::vector<double> expected = test::train(*cpu, c, &cpu_params);
+    const std::vector<double> got = test::train(*cuda, c, &cuda_params);
+    const ModelConfig config = model_preset(c.preset);
+    expect_close(got, expected, without_key_bias(config, cuda_params), without_key_bias(config, cpu_params),
+                 recipe_tolerance(c), name);
+  }
+}
+
+TEST(CudaFeatures, EveryOptimizerTrainsAsOnTheCpu) {
+  auto cuda = cuda_backend(&BackendCapabilities::every_optimizer);
+  if (!cuda) GTEST_SKIP() << "no CUDA backend with every optimizer";
+  auto cpu = make_cpu_backend();
+  ASSERT_EQ(optimizer_names().size(), 14u);
+  for (const std::string& name : optimizer_names()) {
+    std::vector<double> cpu_params, cuda_params;
+    const std::vector<double> expected = test::train_with(*cpu, name, &cpu_params);
+    const std::vector<double> got = test::train_with(*cuda, name, &cuda_params);
+    const ModelConfig config = model_preset("gpt2-tiny");
+    expect_close(got, expected, without_key_bias(config, cuda_params), without_key_bias(config, cpu_params), 5e-6, name);
+  }
+}
+
+TEST(CudaFeatures, MoeAndMlaTrainAsOnTheCpu) {
+  auto cuda = cuda_backend(&BackendCapabilities::mixture_of_experts);
+  if (!cuda) GTEST_SKIP() << "no CUDA backend with the MoE ops";
+  ASSERT_TRUE(cuda->capabilities().latent_attention) << "the MLA ops";
+  auto cpu = make_cpu_backend();
+  for (const ModelConfig& config : test::moe_and_mla_models()) {
+    const test::TrainCase c{config.arch == ARCH_GPT2 ? "gpt2-tiny" : "llama-tiny", "f32", "f32", false, "f32", false,
+                            "none", "f32"};
+    const std::string name = str_cat(c.preset, " moe_experts ", config.moe_experts, " mla_kv_rank ", config.mla_kv_rank);
+    std::vector<double> cpu_params, cuda_params;
+    const std::vector<double> expected = test::train(*cpu, c, &cpu_params, &config);
+    const std::vector<double> got = test::train(*cuda, c, &cuda_params, &config);
+    expect_close(got, expected, without_key_bias(config, cuda_params), without_key_bias(config, cpu_params), 5e-6, name);
+  }
+}
+
+TEST(CudaFeatures, QkNormTrainsAsOnTheCpu) {
+  auto cuda = cuda_backend(&BackendCapabilities::head_norm);
+  if (!cuda) GTEST_SKIP() << "no CUDA backend with the q/k norm ops";
+  auto cpu = make_cpu_backend();
+  ModelConfig config = model_preset("llama-tiny");
+  config.qk_norm = true;
+  const test::TrainCase c{"llama-tiny", "f32", "f32", false, "f32", false, "none", "f32"};
+  std::vector<double> cpu_params, cuda_params;
+  const std::vector<double> expected = test::train(*cpu, c, &cpu_params, &config);
+  const std::vector<double> got = test::train(*cuda, c, &cuda_params, &config);
+  expect_close(got, expected, cuda_params, cpu_params, 5e-6, "llama-tiny qk_norm");
+}
+
+}  // namespace
+}  // namespace loom

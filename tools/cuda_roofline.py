@@ -1,0 +1,178 @@
+#!/usr/bin/env python3
+"""Roofline estimate of a training step of Loom's CUDA backend on one H100 SXM, kernel by kernel:
+the figures `scripts/gpu_check` is to confirm or refute (docs/cuda.md "Expected speed").
+
+    tools/cuda_roofline.py                 # GPT-2 124M (B 16, T 1024) and a Llama-3-8B layer
+    tools/cuda_roofline.py --markdown      # the tables docs/cuda.md shows
+
+Each kernel's time is max(FLOPs / peak, bytes / bandwidth) with the H100 SXM's datasheet figures:
+3.35 TB/s HBM3, 989.4 TFLOP/s dense bf16 (tensor cores), 66.9 TFLOP/s fp32 (CUDA cores), 494.7
+TFLOP/s tf32. Two derating assumptions, stated because a GPU run has not measured them: a
+memory-bound kernel reaches 80% of the bandwidth, a cuBLASLt GEMM 70% of the tensor-core peak
+(d_model 768 GEMMs are small for Hopper's 132 SMs), and a CUDA-core kernel 50% of the fp32 peak.
+Three designs are estimated:
+  built:    what the backend does with precision.compute = bf16: fp32 activations, bf16 copies of
+            the GEMM inputs (a cast kernel each), flash attention on CUDA cores (FlashAttention-2's
+            loop in fp32 FMAs), fp32 logits, AdamW reading and writing fp32 state;
+  built-tc: the same with precision.attention = bf16 (the benchmark's setting): flash attention on
+            tensor cores (cuda_flash_mma.cu: mma.sync m16n8k16, no ldmatrix / cp.async pipelining
+            yet), assumed to reach 150 TFLOP/s, 15% of the dense peak (its author's estimate:
+            100-200);
+  target:   bf16 activations end to end, attention on tensor cores tuned (wgmma, TMA) to 50% of the
+            peak (FlashAttention-3 reports 60-75% forward on H100), the bf16 logits' cross-entropy
+            reading them once.
+MFU counts the model's FLOPs (6 N per token for the weights' GEMMs plus attention's 6 T d per
+token per layer, causal halved as in PaLM's appendix B) against the bf16 peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+HBM = 3.35e12
+BF16 = 989.4e12
+FP32 = 66.9e12
+MEM_EFF, GEMM_EFF, CORE_EFF = 0.80, 0.70, 0.50
+ATTN_EFF = {"built-tc": 150e12 / BF16, "target": 0.50}  # tensor-core attention's share of the peak
+
+
+def peak_of(unit: str) -> float:
+    if unit.startswith("attn-"):
+        return BF16 * ATTN_EFF[unit[5:]]
+    return {"tensor": BF16 * GEMM_EFF, "fp32": FP32 * CORE_EFF, "mem": float("inf")}[unit]
+
+
+@dataclass
+class Kernel:
+    name: str
+    flops: float
+    bytes: float
+    unit: str  # "tensor", "fp32", "mem", or "attn-<design>" (tensor-core attention)
+    count: int = 1  # launches per step
+
+    def seconds(self) -> float:
+        peak = peak_of(self.unit)
+        return self.count * max(self.flops / peak, self.bytes / (HBM * MEM_EFF))
+
+
+@dataclass
+class Model:
+    name: str
+    tokens: int  # B * T per step
+    seq: int
+    d: int
+    heads: int
+    kv_heads: int
+    ff: int  # MLP hidden (SwiGLU: the gate and the up projection each ff wide)
+    layers: int
+    vocab: int
+    swiglu: bool
+    params: float  # total parameters (for the optimizer)
+
+    @property
+    def hd(self) -> int:
+        return self.d // self.heads
+
+
+def layer_kernels(m: Model, design: str) -> list[Kernel]:
+    n, d, ff = m.tokens, m.d, m.ff
+    built = design.startswith("built")
+    act = 4 if built else 2  # bytes per activation element
+    qkv = d + 2 * m.kv_heads * m.hd
+    mlp_in = 2 * ff if m.swiglu else ff
+    ks: list[Kernel] = []
+    # Norms: forward reads x, writes out (+ the built design's bf16 copy of the GEMM input).
+    for which in ("attention norm", "mlp norm"):
+        ks.append(Kernel(f"{which} fwd", 8 * n * d, n * d * 2 * act, "mem"))
+        ks.append(Kernel(f"{which} bwd", 12 * n * d, n * d * 3 * act, "mem"))
+        if built:
+            ks.append(Kernel(f"{which}: bf16 copy of the GEMM input", 0, n * d * 6, "mem"))
+    # GEMMs: forward, and the backward's two (dX and dW).
+    for name, k, out in (("qkv", d, qkv), ("attention out", d, d), ("mlp in", d, mlp_in), ("mlp out", ff, d)):
+        f = 2 * n * k * out
+        io = 2 * (n * k + k * out) + act * n * out
+        ks.append(Kernel(f"{name} GEMM fwd", f, io, "tensor"))
+        ks.append(Kernel(f"{name} GEMM bwd (dX, dW)", 2 * f, 2 * io + 4 * k * out, "tensor"))
+        if built and name != "qkv":
+            ks.append(Kernel(f"{name}: bf16 copies for the backward", 0, (n * k + n * out) * 6, "mem"))
+    # Attention: causal, so half the T x T scores; forward QK^T and PV, backward four products.
+    att = 4 * n * m.seq * d / 2
+    io_flash = act * n * (qkv + 2 * d)
+    if design == "built":
+        ks.append(Kernel("flash attention fwd (CUDA cores)", att, io_flash, "fp32"))
+        ks.append(Kernel("flash attention bwd (CUDA cores)", 2.5 * att, 2 * io_flash, "fp32"))
+    else:  # the mma.sync kernels' backward makes 7 products (dQ in its own pass), FA2's 5
+        bwd = 3.5 if design == "built-tc" else 2.5
+        ks.append(Kernel("flash attention fwd (tensor cores)", att, io_flash, f"attn-{design}"))
+        ks.append(Kernel("flash attention bwd (tensor cores)", bwd * att, 2 * io_flash, f"attn-{design}"))
+    if m.swiglu:  # Llama: RoPE on q and k, in place, forward and backward
+        ks.append(Kernel("RoPE fwd + bwd", 6 * n * qkv, 4 * act * n * (d + m.kv_heads * m.hd), "mem"))
+    act_name = "SwiGLU" if m.swiglu else "GELU"
+    ks.append(Kernel(f"{act_name} fwd", 10 * n * ff, act * n * (mlp_in + ff), "mem"))
+    ks.append(Kernel(f"{act_name} bwd", 20 * n * ff, act * n * (2 * mlp_in + ff), "mem"))
+    ks.append(Kernel("residual adds (fwd + bwd)", 4 * n * d, 4 * 3 * act * n * d, "mem"))
+    return ks
+
+
+def step_kernels(m: Model, design: str) -> list[Kernel]:
+    built = design.startswith("built")
+    act = 4 if built else 2
+    n, d, v = m.tokens, m.d, m.vocab
+    ks: list[Kernel] = []
+    for k in layer_kernels(m, design):
+        k.count = m.layers
+        ks.append(k)
+    ks.append(Kernel("embedding fwd + bwd", 0, 3 * act * n * d, "mem"))
+    head = 2 * n * d * v
+    ks.append(Kernel("head GEMM fwd", head, 2 * (n * d + d * v) + 4 * n * v, "tensor"))
+    ks.append(Kernel("head GEMM bwd (dX, dW)", 2 * head, 2 * (2 * (n * d + d * v) + 4 * n * v), "tensor"))
+    # Cross-entropy: the built design reads the fp32 logits twice (forward, backward in place) and
+    # writes a bf16 copy of the gradient for the GEMMs; the target reads bf16 logits once.
+    ce_bytes = (4 + 4 + 4 + 6) * n * v if built else (2 + 2) * n * v
+    ks.append(Kernel("cross-entropy fwd + bwd", 6 * n * v, ce_bytes, "mem"))
+    ks.append(Kernel("AdamW (p, g, m, v fp32 + the bf16 copy)", 12 * m.params, 30 * m.params, "mem"))
+    ks.append(Kernel("gradient norm", 2 * m.params, 4 * m.params, "mem"))
+    return ks
+
+
+def model_flops(m: Model) -> float:
+    non_embedding = m.params - m.vocab * m.d  # the head GEMM is counted through the tied table
+    per_token = 6 * (non_embedding + m.vocab * m.d) + 6 * m.layers * m.seq * m.d / 2 * 2
+    return per_token * m.tokens
+
+
+GPT2 = Model("GPT-2 124M, B 16, T 1024", 16 * 1024, 1024, 768, 12, 12, 3072, 12, 50257, False, 124.4e6)
+LLAMA_LAYER = Model("Llama-3-8B-shaped layer, B 1, T 8192", 8192, 8192, 4096, 32, 8, 14336, 1, 0, True, 218.1e6)
+
+
+def report(m: Model, design: str, markdown: bool) -> tuple[float, float]:
+    ks = step_kernels(m, design) if m.vocab else layer_kernels(m, design)
+    if not m.vocab:
+        ks.append(Kernel("AdamW (the layer's weights)", 12 * m.params, 30 * m.params, "mem"))
+    total = sum(k.seconds() for k in ks)
+    flops = model_flops(m) if m.vocab else (6 * m.params + 6 * m.seq * m.d) * m.tokens
+    mfu = flops / total / BF16
+    if markdown:
+        print(f"\n{m.name}, {design}: {total * 1e3:.1f} ms, {m.tokens / total:,.0f} tokens/s, MFU {mfu:.0%}\n")
+        print("| kernel | launches | GFLOP each | MB each | bound | ms (all launches) |")
+        print("|---|---|---|---|---|---|")
+        for k in sorted(ks, key=lambda k: -k.seconds()):
+            bound = "compute" if k.flops / peak_of(k.unit) > k.bytes / (HBM * MEM_EFF) else "memory"
+            print(f"| {k.name} | {k.count} | {k.flops / 1e9:.2f} | {k.bytes / 1e6:.1f} | {bound} | {k.seconds() * 1e3:.2f} |")
+    else:
+        print(f"{m.name:40s} {design:7s} {total * 1e3:8.1f} ms  {m.tokens / total:12,.0f} tokens/s  MFU {mfu:5.1%}")
+    return total, mfu
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--markdown", action="store_true")
+    args = ap.parse_args()
+    for m in (GPT2, LLAMA_LAYER):
+        for design in ("built", "built-tc", "target"):
+            report(m, design, args.markdown)
+
+
+if __name__ == "__main__":
+    main()
