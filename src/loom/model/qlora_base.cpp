@@ -57,7 +57,7 @@ void QloraBase::materialize() const {
 }
 
 void QloraBase::release() const {
-  if (!params_.host_accessible()) return;  // a device's pages are the caching allocator's
+  if (weights_.empty() || !params_.host_accessible()) return;  // a device's pages are the caching allocator's
   for (const Weight& q : weights_) {
     release_elements(params_, q.offset, q.offset + shape_numel(q.shape));
   }
