@@ -10,6 +10,7 @@
 #include "loom/backend/cpu/cpu_backend_internal.h"
 #include "loom/backend/cpu/cpu_gemm.h"
 #include "loom/backend/cpu/cpu_kernels.h"
+#include "loom/backend/parallel_checks.h"
 #include "loom/core/error.h"
 
 namespace loom {
@@ -201,9 +202,9 @@ void CpuBackend::rmsnorm_backward(const Tensor& dout, const Tensor& x, const Ten
 void CpuBackend::head_rmsnorm_forward(const Tensor& x, const Tensor& weight, int64_t first, int64_t n, int64_t hd,
                                       float eps, const Tensor& in, const Tensor& rstd) {
   const char* op = "head_rmsnorm_forward";
-  checks::check_head_rows(op, x, weight, first, n, hd, in, rstd);
+  const int64_t rows = checks::check_head_rmsnorm_forward(x, weight, first, n, hd, in, rstd);
   dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() {
-    cpu::head_rmsnorm_forward(x.data<T>(), weight.data<T>(), in.data<T>(), rstd.data<T>(), rows_of(x), x.dim(-1),
+    cpu::head_rmsnorm_forward(x.data<T>(), weight.data<T>(), in.data<T>(), rstd.data<T>(), rows, x.dim(-1),
                               first, n, hd, static_cast<T>(eps));
   });
 }
@@ -211,12 +212,10 @@ void CpuBackend::head_rmsnorm_forward(const Tensor& x, const Tensor& weight, int
 void CpuBackend::head_rmsnorm_backward(const Tensor& dx, const Tensor& in, const Tensor& weight, const Tensor& rstd,
                                        int64_t first, int64_t n, int64_t hd, const Tensor& dweight) {
   const char* op = "head_rmsnorm_backward";
-  checks::check_head_rows(op, dx, weight, first, n, hd, in, rstd);
-  LOOM_CHECK(dweight.shape() == weight.shape() && dweight.dtype() == weight.dtype(), op, ": dweight ",
-             dweight.describe(), " must match weight ", weight.describe());
+  const int64_t rows = checks::check_head_rmsnorm_backward(dx, in, weight, rstd, first, n, hd, dweight);
   dispatch_float(dx.dtype(), op, kBackend, [&]<typename T>() {
-    cpu::head_rmsnorm_backward(dx.data<T>(), in.data<T>(), weight.data<T>(), rstd.data<T>(), dweight.data<T>(),
-                               rows_of(dx), dx.dim(-1), first, n, hd);
+    cpu::head_rmsnorm_backward(dx.data<T>(), in.data<T>(), weight.data<T>(), rstd.data<T>(), dweight.data<T>(), rows,
+                               dx.dim(-1), first, n, hd);
   });
 }
 

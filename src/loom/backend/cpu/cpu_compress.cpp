@@ -8,64 +8,14 @@
 #include <numeric>
 #include <vector>
 
-#include "loom/backend/checks.h"
+#include "loom/backend/compress_checks.h"
 #include "loom/core/error.h"
 #include "loom/core/philox.h"
 
 namespace loom::cpu {
 
-using checks::expect_dtype;
-using checks::expect_numel;
-
-namespace {
-
-void expect_f32(const Tensor& t, const char* op, const char* what) { expect_dtype(t, DTYPE_F32, op, what); }
-
-// Three f32 matrix operands of a low-rank product: a (a_rows, a_cols) and b (b_rows, b_cols).
-struct LowrankDims {
-  int64_t a_rows = 0, a_cols = 0, b_rows = 0, b_cols = 0;
-};
-void expect_i32(const Tensor& t, const char* op, const char* what) { expect_dtype(t, DTYPE_I32, op, what); }
-
-// (rows, cols) of a matrix operand: its first dim and the rest.
-void matrix_dims(const Tensor& t, const char* op, const char* what, int64_t& rows, int64_t& cols) {
-  LOOM_CHECK(t.ndim() >= 1 && t.dim(0) > 0, op, ": ", what, " is ", t.describe(), ", expected a matrix");
-  rows = t.dim(0);
-  cols = t.numel() / rows;
-}
-
-LowrankDims lowrank_operands(const char* op, const Tensor& a, const Tensor& b, const Tensor& out, const char* a_name,
-                             const char* b_name) {
-  expect_f32(a, op, a_name);
-  expect_f32(b, op, b_name);
-  expect_f32(out, op, "out");
-  LowrankDims d;
-  matrix_dims(a, op, a_name, d.a_rows, d.a_cols);
-  matrix_dims(b, op, b_name, d.b_rows, d.b_cols);
-  return d;
-}
-
-// Checks R gathered rows of `per_rank` words each and R scalars; returns the words per rank.
-int64_t gathered_words(const Tensor& words, const Tensor& scalars, const char* op) {
-  expect_i32(words, op, "codes");
-  expect_f32(scalars, op, "scales");
-  const int64_t ranks = scalars.numel();
-  LOOM_CHECK(ranks > 0 && words.numel() % ranks == 0, op, ": ", words.describe(), " is not ", ranks, " equal rows");
-  return words.numel() / ranks;
-}
-
-}  // namespace
-
 void topk_extract(const Tensor& acc, const Tensor& idx, const Tensor& val, const Tensor& scratch) {
-  const char* op = "topk_extract";
-  expect_f32(acc, op, "acc");
-  expect_i32(idx, op, "idx");
-  expect_f32(val, op, "val");
-  expect_i32(scratch, op, "scratch");
-  const int64_t n = acc.numel(), k = idx.numel();
-  expect_numel(val, k, op, "val");
-  LOOM_CHECK(k >= 1 && k <= n, op, ": k = ", k, " must be in [1, ", n, "]");
-  LOOM_CHECK(scratch.numel() >= n, op, ": scratch has ", scratch.numel(), " elements, expected at least ", n);
+  const auto [n, k] = checks::check_topk_extract(acc, idx, val, scratch);
   float* a = acc.data<float>();
   int32_t* order = scratch.data<int32_t>();
   std::iota(order, order + n, 0);
@@ -85,10 +35,7 @@ void topk_extract(const Tensor& acc, const Tensor& idx, const Tensor& val, const
 
 void scatter_add(const Tensor& idx, const Tensor& val, const Tensor& out) {
   const char* op = "scatter_add";
-  expect_i32(idx, op, "idx");
-  expect_f32(val, op, "val");
-  expect_f32(out, op, "out");
-  expect_numel(val, idx.numel(), op, "val");
+  checks::check_scatter_add(idx, val, out);
   const int32_t* pi = idx.data<int32_t>();
   const float* pv = val.data<float>();
   float* o = out.data<float>();
@@ -101,8 +48,7 @@ void scatter_add(const Tensor& idx, const Tensor& val, const Tensor& out) {
 
 void scatter_zero(const Tensor& idx, const Tensor& x) {
   const char* op = "scatter_zero";
-  expect_i32(idx, op, "idx");
-  expect_f32(x, op, "x");
+  checks::check_scatter_zero(idx, x);
   const int32_t* pi = idx.data<int32_t>();
   float* px = x.data<float>();
   for (int64_t j = 0; j < idx.numel(); ++j) {
@@ -112,13 +58,7 @@ void scatter_zero(const Tensor& idx, const Tensor& x) {
 }
 
 void dgc_accumulate(const Tensor& g, const Tensor& u, const Tensor& v, float momentum, double clip) {
-  const char* op = "dgc_accumulate";
-  expect_f32(g, op, "g");
-  expect_f32(u, op, "u");
-  expect_f32(v, op, "v");
-  const int64_t n = g.numel();
-  expect_numel(u, n, op, "u");
-  expect_numel(v, n, op, "v");
+  const int64_t n = checks::check_dgc_accumulate(g, u, v);
   float* pg = g.data<float>();
   float* pu = u.data<float>();
   float* pv = v.data<float>();
@@ -138,13 +78,7 @@ void dgc_accumulate(const Tensor& g, const Tensor& u, const Tensor& v, float mom
 }
 
 void onebit_encode(const Tensor& acc, const Tensor& words, const Tensor& scale) {
-  const char* op = "onebit_encode";
-  expect_f32(acc, op, "acc");
-  expect_i32(words, op, "words");
-  expect_f32(scale, op, "scale");
-  const int64_t n = acc.numel();
-  expect_numel(words, (n + 31) / 32, op, "words");
-  expect_numel(scale, 1, op, "scale");
+  const int64_t n = checks::check_onebit_encode(acc, words, scale);
   float* e = acc.data<float>();
   double l1 = 0.0;
   for (int64_t i = 0; i < n; ++i) l1 += std::fabs(static_cast<double>(e[i]));
@@ -160,10 +94,7 @@ void onebit_encode(const Tensor& acc, const Tensor& words, const Tensor& scale) 
 }
 
 void onebit_decode_add(const Tensor& words, const Tensor& scales, const Tensor& out) {
-  const char* op = "onebit_decode_add";
-  const int64_t w = gathered_words(words, scales, op), n = out.numel();
-  expect_f32(out, op, "out");
-  LOOM_CHECK(w == (n + 31) / 32, op, ": ", w, " words per rank do not hold ", n, " signs");
+  const int64_t w = checks::check_onebit_decode_add(words, scales, out), n = out.numel();
   float* o = out.data<float>();
   for (int64_t r = 0; r < scales.numel(); ++r) {
     const auto* rw = reinterpret_cast<const uint32_t*>(words.data<int32_t>()) + r * w;
@@ -173,14 +104,7 @@ void onebit_decode_add(const Tensor& words, const Tensor& scales, const Tensor& 
 }
 
 void qsgd_encode(const Tensor& g, const Tensor& codes, const Tensor& norm, const QsgdSpec& spec) {
-  const char* op = "qsgd_encode";
-  expect_f32(g, op, "g");
-  expect_i32(codes, op, "codes");
-  expect_f32(norm, op, "norm");
-  const int64_t n = g.numel(), words = (n + 3) / 4;
-  expect_numel(codes, words, op, "codes");
-  expect_numel(norm, 1, op, "norm");
-  LOOM_CHECK(spec.levels >= 1 && spec.levels <= 127, op, ": levels must be in [1, 127], got ", spec.levels);
+  const int64_t n = checks::check_qsgd_encode(g, codes, norm, spec), words = (n + 3) / 4;
   const float* pg = g.data<float>();
   double sq = 0.0;
   for (int64_t i = 0; i < n; ++i) sq += static_cast<double>(pg[i]) * pg[i];
@@ -203,10 +127,7 @@ void qsgd_encode(const Tensor& g, const Tensor& codes, const Tensor& norm, const
 }
 
 void qsgd_decode_add(const Tensor& codes, const Tensor& norms, int levels, const Tensor& out) {
-  const char* op = "qsgd_decode_add";
-  const int64_t w = gathered_words(codes, norms, op), n = out.numel();
-  expect_f32(out, op, "out");
-  LOOM_CHECK(w == (n + 3) / 4, op, ": ", w, " words per rank do not hold ", n, " codes");
+  const int64_t w = checks::check_qsgd_decode_add(codes, norms, out), n = out.numel();
   const float s = static_cast<float>(levels);
   float* o = out.data<float>();
   for (int64_t r = 0; r < norms.numel(); ++r) {
@@ -217,10 +138,7 @@ void qsgd_decode_add(const Tensor& codes, const Tensor& norms, int levels, const
 }
 
 void lowrank_project(const Tensor& m, const Tensor& q, const Tensor& out, bool transpose) {
-  const char* op = "lowrank_project";
-  const auto [rows, cols, q_rows, r] = lowrank_operands(op, m, q, out, "m", "q");
-  LOOM_CHECK(q_rows == (transpose ? rows : cols), op, ": q ", q.describe(), " does not match m ", m.describe());
-  expect_numel(out, (transpose ? cols : rows) * r, op, "out");
+  const auto [rows, cols, r] = checks::check_lowrank_project(m, q, out, transpose);
   const float* pm = m.data<float>();
   const float* pq = q.data<float>();
   float* po = out.data<float>();
@@ -244,10 +162,7 @@ void lowrank_project(const Tensor& m, const Tensor& q, const Tensor& out, bool t
 }
 
 void orthonormalize_columns(const Tensor& p) {
-  const char* op = "orthonormalize_columns";
-  expect_f32(p, op, "p");
-  int64_t rows = 0, r = 0;
-  matrix_dims(p, op, "p", rows, r);
+  const auto [rows, r] = checks::check_orthonormalize_columns(p);
   float* pp = p.data<float>();
   auto at = [r](int64_t i, int64_t j) { return static_cast<size_t>(i * r + j); };
   // The double copy: a per-thread buffer that only grows (no allocation once it holds the largest p).
@@ -270,10 +185,7 @@ void orthonormalize_columns(const Tensor& p) {
 }
 
 void lowrank_expand(const Tensor& p, const Tensor& q, const Tensor& out, float alpha, float beta) {
-  const char* op = "lowrank_expand";
-  const auto [rows, r, cols, q_r] = lowrank_operands(op, p, q, out, "p", "q");
-  LOOM_CHECK(q_r == r, op, ": q ", q.describe(), " and p ", p.describe(), " differ in rank");
-  expect_numel(out, rows * cols, op, "out");
+  const auto [rows, cols, r] = checks::check_lowrank_expand(p, q, out);
   const float* pp = p.data<float>();
   const float* pq = q.data<float>();
   float* po = out.data<float>();

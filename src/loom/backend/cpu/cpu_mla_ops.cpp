@@ -7,42 +7,13 @@
 #include <limits>
 #include <vector>
 
-#include "loom/backend/checks.h"
 #include "loom/backend/cpu/cpu_moe_ops.h"
+#include "loom/backend/moe_checks.h"
 #include "loom/core/error.h"
 
 namespace loom::cpu {
 
-using checks::expect_dtype;
-using checks::expect_numel;
-
 namespace {
-
-// One attention call's dimensions.
-struct Dims {
-  int64_t B, T, H, dn, dr, dv, qk, kvw, window;
-};
-
-void expect_shape(const char* op, const char* what, const Tensor& t, const Shape& shape) {
-  LOOM_CHECK(t.shape() == shape && t.dtype() == DTYPE_F32, op, ": ", what, " is ", t.describe(), ", expected f32",
-             shape_str(shape));
-}
-
-// q (B,T,H qk), kr (B,T,d_r), kv (B,T,H (d_n + d_v)), probs (B,H,T,T), out / dout (B,T,H d_v).
-Dims check_attention(const char* op, const Tensor& q, const Tensor& kr, const Tensor& kv, const Tensor& probs,
-                     const Tensor& out, const MlaDims& m) {
-  LOOM_CHECK(m.n_head >= 1 && m.nope >= 0 && m.rope >= 0 && m.v >= 1 && m.nope + m.rope >= 1 && m.window >= 0 &&
-                 q.ndim() == 3,
-             op, ": bad dimensions (", m.n_head, " heads, d_n ", m.nope, ", d_r ", m.rope, ", d_v ", m.v,
-             ", window ", m.window, ") or q ", q.describe());
-  Dims d{q.dim(0), q.dim(1), m.n_head, m.nope, m.rope, m.v, m.nope + m.rope, m.nope + m.v, m.window};
-  expect_shape(op, "q", q, {d.B, d.T, d.H * d.qk});
-  expect_shape(op, "kr", kr, {d.B, d.T, d.dr});
-  expect_shape(op, "kv", kv, {d.B, d.T, d.H * d.kvw});
-  expect_shape(op, "probs", probs, {d.B, d.H, d.T, d.T});
-  expect_shape(op, "out", out, {d.B, d.T, d.H * d.dv});
-  return d;
-}
 
 // The first key position row i sees: 0, or i - W + 1 with a sliding window of W.
 int64_t first_visible(int64_t i, int64_t window) { return window > 0 ? std::max<int64_t>(0, i - window + 1) : 0; }
@@ -51,11 +22,7 @@ int64_t first_visible(int64_t i, int64_t window) { return window > 0 ? std::max<
 
 void mla_rope(const Tensor& xt, int64_t heads, int64_t stride, int64_t offset, int64_t dr, const RopeSpec& rope,
               int64_t pos_offset, bool inverse) {
-  const char* op = "mla_rope";
-  expect_dtype(xt, DTYPE_F32, op, "x");
-  LOOM_CHECK(xt.ndim() == 3 && dr > 0 && dr % 2 == 0 && heads >= 1 && offset >= 0 && pos_offset >= 0 &&
-                 offset + (heads - 1) * stride + dr <= xt.dim(2),
-             op, ": x ", xt.describe(), " has no ", heads, " slices of width ", dr, " at ", offset, " + h ", stride);
+  checks::check_mla_rope(xt, heads, stride, offset, dr, pos_offset);
   const int64_t T = xt.dim(1), width = xt.dim(2), rows = xt.numel() / width, half = dr / 2;
   const double direction = inverse ? -1.0 : 1.0;
   float* x = xt.data<float>();
@@ -78,7 +45,7 @@ void mla_rope(const Tensor& xt, int64_t heads, int64_t stride, int64_t offset, i
 
 void mla_attention_forward(const Tensor& q_t, const Tensor& kr_t, const Tensor& kv_t, const Tensor& probs_t,
                            const Tensor& out_t, const MlaDims& dims) {
-  const Dims d = check_attention("mla_attention_forward", q_t, kr_t, kv_t, probs_t, out_t, dims);
+  const checks::MlaAttentionDims d = checks::check_mla_attention_forward(q_t, kr_t, kv_t, probs_t, out_t, dims);
   const int64_t T = d.T, W = d.window;
   const float scale = static_cast<float>(dims.score_scale) / std::sqrt(static_cast<float>(d.qk));
   const float* q = q_t.data<float>();
@@ -124,13 +91,8 @@ void mla_attention_forward(const Tensor& q_t, const Tensor& kr_t, const Tensor& 
 void mla_attention_backward(const Tensor& q_t, const Tensor& kr_t, const Tensor& kv_t, const Tensor& probs_t,
                             const Tensor& dout_t, const Tensor& dq_t, const Tensor& dkv_t, const Tensor& dkr_t,
                             const Tensor& dp_row, const MlaDims& dims) {
-  const char* op = "mla_attention_backward";
-  const Dims d = check_attention(op, q_t, kr_t, kv_t, probs_t, dout_t, dims);
-  expect_shape(op, "dq", dq_t, q_t.shape());
-  expect_shape(op, "dkv", dkv_t, kv_t.shape());
-  expect_shape(op, "dkr", dkr_t, kr_t.shape());
-  expect_dtype(dp_row, DTYPE_F32, op, "dp_row");
-  LOOM_CHECK(dp_row.numel() >= d.T, op, ": dp_row ", dp_row.describe(), " holds fewer than T = ", d.T, " floats");
+  const checks::MlaAttentionDims d =
+      checks::check_mla_attention_backward(q_t, kr_t, kv_t, probs_t, dout_t, dq_t, dkv_t, dkr_t, dp_row, dims);
   const int64_t T = d.T, W = d.window;
   // dv_h(j) += p(i,j) do_h(i); dp(i,j) = do_h(i) . v_h(j); ds = p (dp - sum_j p dp);
   // dq(i) = scale sum_j ds(i,j) k(j); dk(j) += scale ds(i,j) q(i), the RoPE key's summed over heads.
@@ -186,19 +148,9 @@ void mla_attention_backward(const Tensor& q_t, const Tensor& kr_t, const Tensor&
 
 void mla_attend_latents(const Tensor& q_t, const Tensor& latents_t, const Tensor& kv_b, const Tensor& out_t,
                         const MlaDims& m) {
-  const char* op = "mla_attend_latents";
-  const int64_t H = m.n_head, dn = m.nope, dr = m.rope, dv = m.v, dc = m.latent, qk = dn + dr, kvw = dn + dv;
-  const int64_t lw = dc + dr;
-  LOOM_CHECK(H >= 1 && dc >= 1 && qk >= 1 && dv >= 1 && latents_t.ndim() == 2 && latents_t.dim(1) == lw &&
-                 latents_t.dim(0) >= 1,
-             op, ": latents ", latents_t.describe(), " for d_c ", dc, " + d_r ", dr, " (at least one position)");
-  expect_dtype(latents_t, DTYPE_F32, op, "latents");
-  expect_dtype(q_t, DTYPE_F32, op, "q");
-  expect_numel(q_t, H * qk, op, "q");
-  expect_shape(op, "kv_b", kv_b, {H * kvw, dc});
-  expect_dtype(out_t, DTYPE_F32, op, "out");
-  expect_numel(out_t, H * dv, op, "out");
-  const int64_t count = latents_t.dim(0);
+  const checks::MlaLatentDims d = checks::check_mla_attend_latents(q_t, latents_t, kv_b, out_t, m);
+  const int64_t H = d.H, dn = d.dn, dr = d.dr, dv = d.dv, dc = d.dc, qk = d.qk, kvw = d.kvw, lw = d.lw;
+  const int64_t count = d.count;
   const float scale = static_cast<float>(m.score_scale) / std::sqrt(static_cast<float>(qk));
   const float* q = q_t.data<float>();
   const float* latents = latents_t.data<float>();

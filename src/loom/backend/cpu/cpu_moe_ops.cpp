@@ -8,60 +8,17 @@
 #include <cstring>
 #include <limits>
 
-#include "loom/backend/checks.h"
 #include "loom/backend/cpu/cpu_moe_ops.h"
+#include "loom/backend/moe_checks.h"
 #include "loom/core/error.h"
 
 namespace loom::cpu {
 
-using checks::expect_dtype;
-using checks::expect_numel;
-using checks::rows_of;
-
 namespace {
-
-void expect_f32(const Tensor& t, const char* op, const char* what) { expect_dtype(t, DTYPE_F32, op, what); }
-void expect_i32(const Tensor& t, const char* op, const char* what) { expect_dtype(t, DTYPE_I32, op, what); }
 
 // At least n elements.
 void expect_room(const Tensor& t, int64_t n, const char* op, const char* what) {
   LOOM_CHECK(t.numel() >= n, op, ": ", what, " is ", t.describe(), ", needs at least ", n, " elements");
-}
-
-// (N, E) router logits and the routing's per-token operands: returns N.
-int64_t check_router(const char* op, const Tensor& logits, const Tensor& scores, const Tensor& expert,
-                     const MoeRouting& r) {
-  LOOM_CHECK(r.experts >= 1 && r.top_k >= 1 && r.top_k <= std::min<int64_t>(r.experts, 64) && r.groups >= 1 &&
-                 r.experts % r.groups == 0 && r.topk_groups >= 1 && r.topk_groups <= r.groups && r.seq_len >= 1,
-             op, ": bad routing (", r.experts, " experts in ", r.groups, " groups, top ", r.top_k, " of the best ",
-             r.topk_groups, " groups, sequences of ", r.seq_len, ")");
-  expect_f32(logits, op, "logits");
-  LOOM_CHECK(logits.dim(-1) == r.experts, op, ": logits ", logits.describe(), " for ", r.experts, " experts");
-  const int64_t N = rows_of(logits);
-  expect_f32(scores, op, "scores");
-  expect_numel(scores, N * r.experts, op, "scores");
-  expect_i32(expert, op, "expert");
-  expect_numel(expert, N * r.top_k, op, "expert");
-  return N;
-}
-
-// counts: moe_assign's (3E + 1) i32.
-void check_counts(const char* op, const Tensor& counts, int64_t E) {
-  expect_i32(counts, op, "counts");
-  expect_numel(counts, 3 * E + 1, op, "counts");
-}
-
-// row (N, k) i32 and, when defined, gates shaped as row (f32); rows and out f32 of one width C.
-void check_combine(const char* op, const Tensor& rows, const Tensor& row, const Tensor& gates, const Tensor& out) {
-  expect_f32(rows, op, "rows");
-  expect_f32(out, op, "out");
-  expect_i32(row, op, "row");
-  LOOM_CHECK(rows.dim(-1) == out.dim(-1) && rows_of(out) == rows_of(row), op, ": rows ", rows.describe(), ", row ",
-             row.describe(), " and out ", out.describe(), " do not match (R, C), (N, k), (N, C)");
-  if (gates.defined()) {
-    expect_f32(gates, op, "gates");
-    expect_numel(gates, row.numel(), op, "gates");
-  }
 }
 
 // fn(t, j, r) for every kept choice (row r >= 0), tokens t under a static schedule, choices j in order.
@@ -81,13 +38,8 @@ void for_kept(const int32_t* row, int64_t N, int64_t K, Fn&& fn) {
 void moe_route(const Tensor& logits, const Tensor& bias, const Tensor& scores, const Tensor& expert_t,
                const Tensor& gates_t, const Tensor& scratch, const MoeRouting& r) {
   const char* op = "moe_route";
-  const int64_t N = check_router(op, logits, scores, expert_t, r);
+  const int64_t N = checks::check_moe_route(logits, bias, scores, expert_t, gates_t, scratch, r);
   const int64_t E = r.experts, K = r.top_k, G = r.groups, per_group = E / G;
-  expect_f32(bias, op, "bias");
-  expect_numel(bias, E, op, "bias");
-  expect_f32(gates_t, op, "gates");
-  expect_numel(gates_t, N * K, op, "gates");
-  expect_f32(scratch, op, "scratch");
   expect_room(scratch, omp_get_max_threads() * (E + 2 * G), op, "scratch");
   const float* u = logits.data<float>();
   float* sc = scores.data<float>();
@@ -155,15 +107,8 @@ void moe_route(const Tensor& logits, const Tensor& bias, const Tensor& scores, c
 void moe_assign(const Tensor& expert_t, int64_t capacity, const Tensor& row_t, const Tensor& token_t,
                 const Tensor& counts) {
   const char* op = "moe_assign";
-  expect_i32(expert_t, op, "expert");
-  expect_i32(row_t, op, "row");
-  expect_i32(token_t, op, "token");
-  expect_i32(counts, op, "counts");
-  LOOM_CHECK(counts.numel() >= 4 && (counts.numel() - 1) % 3 == 0 && row_t.shape() == expert_t.shape() &&
-                 expert_t.ndim() == 2 && capacity >= 0,
-             op, ": expert ", expert_t.describe(), ", row ", row_t.describe(), ", counts ", counts.describe(),
-             ", capacity ", capacity, ": expected (N, k), (N, k), (3E + 1), capacity >= 0");
-  const int64_t E = (counts.numel() - 1) / 3, N = expert_t.dim(0), K = expert_t.dim(1);
+  const checks::MoeAssignDims d = checks::check_moe_assign(expert_t, capacity, row_t, token_t, counts);
+  const int64_t E = d.E, N = d.N, K = d.K;
   const int32_t* expert = expert_t.data<int32_t>();
   int32_t* row = row_t.data<int32_t>();
   int32_t* token = token_t.data<int32_t>();
@@ -196,12 +141,8 @@ void moe_assign(const Tensor& expert_t, int64_t capacity, const Tensor& row_t, c
 
 void moe_dispatch(const Tensor& x, const Tensor& token_t, const Tensor& rows) {
   const char* op = "moe_dispatch";
-  expect_f32(x, op, "x");
-  expect_f32(rows, op, "rows");
-  expect_i32(token_t, op, "token");
-  const int64_t R = rows_of(rows), C = rows.dim(-1), N = rows_of(x);
-  LOOM_CHECK(x.dim(-1) == C, op, ": x ", x.describe(), " and rows ", rows.describe(), " differ in width");
-  expect_numel(token_t, R, op, "token");
+  const checks::MoeDispatchDims d = checks::check_moe_dispatch(x, token_t, rows);
+  const int64_t R = d.R, C = d.C, N = d.N;
   const int32_t* token = token_t.data<int32_t>();
   for (int64_t r = 0; r < R; ++r) {
     LOOM_CHECK(token[r] >= 0 && token[r] < N, op, ": token ", token[r], " outside [0, ", N, ")");
@@ -213,8 +154,8 @@ void moe_dispatch(const Tensor& x, const Tensor& token_t, const Tensor& rows) {
 }
 
 void moe_combine(const Tensor& rows, const Tensor& row_t, const Tensor& gates_t, const Tensor& out) {
-  check_combine("moe_combine", rows, row_t, gates_t, out);
-  const int64_t N = rows_of(out), C = out.dim(-1), K = row_t.dim(-1);
+  const checks::MoeCombineDims d = checks::check_moe_combine(rows, row_t, gates_t, out);
+  const int64_t N = d.N, C = d.C, K = d.K;
   const int32_t* row = row_t.data<int32_t>();
   const float* ye = rows.data<float>();
   float* ys = out.data<float>();
@@ -232,10 +173,8 @@ void moe_combine(const Tensor& rows, const Tensor& row_t, const Tensor& gates_t,
 }
 
 void moe_combine_backward(const Tensor& dout, const Tensor& row_t, const Tensor& gates_t, const Tensor& drows) {
-  const char* op = "moe_combine_backward";
-  LOOM_CHECK(gates_t.defined(), op, ": needs the gates");
-  check_combine(op, drows, row_t, gates_t, dout);
-  const int64_t N = rows_of(dout), C = dout.dim(-1), K = row_t.dim(-1);
+  const checks::MoeCombineDims d = checks::check_moe_combine_backward(dout, row_t, gates_t, drows);
+  const int64_t N = d.N, C = d.C, K = d.K;
   const int32_t* row = row_t.data<int32_t>();
   const float* gates = gates_t.data<float>();
   const float* dys = dout.data<float>();
@@ -249,13 +188,8 @@ void moe_combine_backward(const Tensor& dout, const Tensor& row_t, const Tensor&
 void moe_balance_stats(const Tensor& logits, const Tensor& scores, const Tensor& expert_t, const Tensor& counts,
                        const Tensor& stats, const Tensor& scratch, const MoeRouting& r) {
   const char* op = "moe_balance_stats";
-  const int64_t N = check_router(op, logits, scores, expert_t, r);
+  const int64_t N = checks::check_moe_balance_stats(logits, scores, expert_t, counts, stats, scratch, r);
   const int64_t E = r.experts, K = r.top_k, T = r.seq_len, B = N / T;
-  LOOM_CHECK(N % T == 0, op, ": ", N, " tokens are not sequences of ", T);
-  check_counts(op, counts, E);
-  expect_dtype(stats, DTYPE_F64, op, "stats");
-  expect_numel(stats, 4, op, "stats");
-  expect_dtype(scratch, DTYPE_F64, op, "scratch");
   expect_room(scratch, 3 * E, op, "scratch");
   const float* u = logits.data<float>();
   const float* sc = scores.data<float>();
@@ -308,19 +242,9 @@ void moe_router_backward(const Tensor& logits, const Tensor& scores, const Tenso
                          const Tensor& ye_t, const Tensor& dy, const Tensor& counts, const Tensor& dlogits,
                          const Tensor& scratch, const MoeRouting& r) {
   const char* op = "moe_router_backward";
-  const int64_t N = check_router(op, logits, scores, expert_t, r);
-  const int64_t E = r.experts, K = r.top_k, T = r.seq_len, B = N / T, C = dy.dim(-1);
-  LOOM_CHECK(N % T == 0, op, ": ", N, " tokens are not sequences of ", T);
-  check_counts(op, counts, E);
-  expect_i32(row_t, op, "row");
-  expect_numel(row_t, N * K, op, "row");
-  expect_f32(ye_t, op, "ye");
-  expect_f32(dy, op, "dy");
-  expect_numel(dy, N * C, op, "dy");
-  LOOM_CHECK(ye_t.dim(-1) == C, op, ": ye ", ye_t.describe(), " and dy ", dy.describe(), " differ in width");
-  expect_f32(dlogits, op, "dlogits");
-  expect_numel(dlogits, N * E, op, "dlogits");
-  expect_dtype(scratch, DTYPE_F64, op, "scratch");
+  const checks::MoeRouterBackwardDims dims =
+      checks::check_moe_router_backward(logits, scores, expert_t, row_t, ye_t, dy, counts, dlogits, scratch, r);
+  const int64_t N = dims.N, E = r.experts, K = r.top_k, T = r.seq_len, B = N / T, C = dims.C;
   expect_room(scratch, (1 + B + omp_get_max_threads()) * E, op, "scratch");
   const float* u = logits.data<float>();
   const float* sc = scores.data<float>();

@@ -8,14 +8,11 @@
 #include <cmath>
 #include <vector>
 
-#include "loom/backend/checks.h"
 #include "loom/backend/cpu/cpu_optim_ops.h"
+#include "loom/backend/optim_checks.h"
 #include "loom/core/error.h"
 
 namespace loom::cpu {
-
-using checks::expect_dtype;
-using checks::expect_numel;
 
 namespace {
 
@@ -88,34 +85,11 @@ void precondition(bool matrix, int64_t m, int64_t n, const float* g, float gs, d
   }
 }
 
-// A segment's shape: (rows, cols) of grad when factored, else one row of its elements.
-struct Segment {
-  int64_t m, n;
-};
-// param, grad (and the optional `same`) f32 of one size; state f32 of rows + cols (factored) or
-// of the segment's size (else).
-Segment check_segment(const char* op, const Tensor& param, const Tensor& grad, const Tensor& state, bool factored,
-                      std::initializer_list<std::pair<const char*, const Tensor*>> same) {
-  expect_dtype(param, DTYPE_F32, op, "param");
-  const int64_t N = param.numel();
-  for (const auto& [what, t] : same) {
-    if (!t->defined()) continue;
-    expect_dtype(*t, DTYPE_F32, op, what);
-    expect_numel(*t, N, op, what);
-  }
-  expect_dtype(grad, DTYPE_F32, op, "grad");
-  expect_numel(grad, N, op, "grad");
-  const Segment s = factored ? Segment{checks::rows_of(grad), grad.dim(-1)} : Segment{1, N};
-  expect_dtype(state, DTYPE_F32, op, "state");
-  expect_numel(state, factored ? s.m + s.n : N, op, "state");
-  return s;
-}
-
 }  // namespace
 
 void adafactor_step(const Tensor& param, const Tensor& grad, const Tensor& state, const Tensor& m_, const Tensor& u,
                     const OptimHyper& h) {
-  const auto [m, n] = check_segment("adafactor_step", param, grad, state, h.factored, {{"m", &m_}, {"u", &u}});
+  const auto [m, n] = checks::check_adafactor_step(param, grad, state, m_, u, h.factored);
   const int64_t N = m * n;
   float* p = param.data<float>();
   const float* g = grad.data<float>();
@@ -140,7 +114,7 @@ void adafactor_step(const Tensor& param, const Tensor& grad, const Tensor& state
 }
 
 void sm3_step(const Tensor& param, const Tensor& grad, const Tensor& acc_, const OptimHyper& h) {
-  const auto [m, n] = check_segment("sm3_step", param, grad, acc_, h.factored, {});
+  const auto [m, n] = checks::check_sm3_step(param, grad, acc_, h.factored);
   const float eps = static_cast<float>(h.eps), gs = h.grad_scale;
   const float eta = static_cast<float>(h.lr), decay = 1.0f - eta * h.weight_decay;
   float* acc = acc_.data<float>();
@@ -186,13 +160,7 @@ void sm3_step(const Tensor& param, const Tensor& grad, const Tensor& acc_, const
 
 void came_step(const Tensor& param, const Tensor& grad, const Tensor& state, const Tensor& m_, const Tensor& res_,
                const Tensor& u, const OptimHyper& h) {
-  const char* op = "came_step";
-  LOOM_CHECK(m_.defined() && (res_.defined() || !h.factored), op, ": needs the m operand, and res when factored");
-  const auto [m, n] = check_segment(op, param, grad, state, h.factored, {{"m", &m_}, {"u", &u}});
-  if (h.factored) {
-    expect_dtype(res_, DTYPE_F32, op, "res");
-    expect_numel(res_, m + n, op, "res");
-  }
+  const auto [m, n] = checks::check_came_step(param, grad, state, m_, res_, u, h.factored);
   const int64_t N = m * n;
   const double b3 = h.beta3, eps2 = h.eps2;
   const float b1 = static_cast<float>(h.beta1);

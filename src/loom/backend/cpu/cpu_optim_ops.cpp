@@ -12,6 +12,7 @@
 
 #include "loom/backend/checks.h"
 #include "loom/backend/cpu/cpu_math.h"
+#include "loom/backend/optim_checks.h"
 #include "loom/core/error.h"
 
 extern "C" void dsyevd_(const char* jobz, const char* uplo, const int* n, double* a, const int* lda, double* w, double* work,
@@ -19,34 +20,16 @@ extern "C" void dsyevd_(const char* jobz, const char* uplo, const int* n, double
 
 namespace loom::cpu {
 
-using checks::expect_dtype;
-using checks::expect_numel;
 using checks::rows_of;
 
 namespace {
 
-using Named = std::initializer_list<std::pair<const char*, const Tensor*>>;
-
-// x is f32; each of `same` is f32 with x's numel, or undefined (an optional state operand).
-int64_t check_flat(const char* op, const Tensor& x, const char* what, Named same) {
-  expect_dtype(x, DTYPE_F32, op, what);
-  for (const auto& [name, t] : same) {
-    if (!t->defined()) continue;
-    expect_dtype(*t, DTYPE_F32, op, name);
-    expect_numel(*t, x.numel(), op, name);
-  }
-  return x.numel();
-}
-void expect_f32(const Tensor& t, int64_t n, const char* op, const char* what) {
-  expect_dtype(t, DTYPE_F32, op, what);
-  expect_numel(t, n, op, what);
-}
 float* opt(const Tensor& t) { return t.defined() ? t.data<float>() : nullptr; }
 
 }  // namespace
 
 void sgd_step(const Tensor& param, const Tensor& grad, const Tensor& buf, const OptimHyper& h) {
-  const int64_t n = check_flat("sgd_step", param, "param", {{"grad", &grad}, {"buf", &buf}});
+  const int64_t n = checks::check_sgd_step(param, grad, buf);
   float* p = param.data<float>();
   const float* g = grad.data<float>();
   float* b = opt(buf);
@@ -65,8 +48,7 @@ void sgd_step(const Tensor& param, const Tensor& grad, const Tensor& buf, const 
 }
 
 void adagrad_step(const Tensor& param, const Tensor& grad, const Tensor& sum, const OptimHyper& h) {
-  LOOM_CHECK(sum.defined(), "adagrad_step: needs the sum operand");
-  const int64_t n = check_flat("adagrad_step", param, "param", {{"grad", &grad}, {"sum", &sum}});
+  const int64_t n = checks::check_adagrad_step(param, grad, sum);
   float* p = param.data<float>();
   const float* g = grad.data<float>();
   float* s = sum.data<float>();
@@ -81,9 +63,7 @@ void adagrad_step(const Tensor& param, const Tensor& grad, const Tensor& sum, co
 
 void rmsprop_step(const Tensor& param, const Tensor& grad, const Tensor& square, const Tensor& avg, const Tensor& buf,
                   const OptimHyper& h) {
-  LOOM_CHECK(square.defined(), "rmsprop_step: needs the square operand");
-  const int64_t n =
-      check_flat("rmsprop_step", param, "param", {{"grad", &grad}, {"square", &square}, {"avg", &avg}, {"buf", &buf}});
+  const int64_t n = checks::check_rmsprop_step(param, grad, square, avg, buf);
   const float a = static_cast<float>(h.beta2), eps = static_cast<float>(h.eps), mu = static_cast<float>(h.momentum);
   float* p = param.data<float>();
   const float* g = grad.data<float>();
@@ -113,8 +93,7 @@ void rmsprop_step(const Tensor& param, const Tensor& grad, const Tensor& square,
 
 void adam_step(const Tensor& param, const Tensor& grad, const Tensor& m_, const Tensor& v_, const Tensor& vmax_,
                const OptimHyper& h) {
-  LOOM_CHECK(m_.defined() && v_.defined(), "adam_step: needs the m and v operands");
-  const int64_t n = check_flat("adam_step", param, "param", {{"grad", &grad}, {"m", &m_}, {"v", &v_}, {"vmax", &vmax_}});
+  const int64_t n = checks::check_adam_step(param, grad, m_, v_, vmax_);
   float* p = param.data<float>();
   const float* g = grad.data<float>();
   float* m = m_.data<float>();
@@ -142,8 +121,7 @@ void adam_step(const Tensor& param, const Tensor& grad, const Tensor& m_, const 
 }
 
 void lion_step(const Tensor& param, const Tensor& grad, const Tensor& m_, const OptimHyper& h) {
-  LOOM_CHECK(m_.defined(), "lion_step: needs the m operand");
-  const int64_t n = check_flat("lion_step", param, "param", {{"grad", &grad}, {"m", &m_}});
+  const int64_t n = checks::check_lion_step(param, grad, m_);
   const float b1 = static_cast<float>(h.beta1), b2 = static_cast<float>(h.beta2);
   float* p = param.data<float>();
   const float* g = grad.data<float>();
@@ -160,13 +138,7 @@ void lion_step(const Tensor& param, const Tensor& grad, const Tensor& m_, const 
 }
 
 void adam_mini_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v, const OptimHyper& h) {
-  const char* op = "adam_mini_step";
-  LOOM_CHECK(m.defined() && v.defined(), op, ": needs the m and v operands");
-  const int64_t n = check_flat(op, param, "param", {{"grad", &grad}, {"m", &m}});
-  expect_dtype(v, DTYPE_F32, op, "v");
-  const int64_t nblocks = v.numel(), bn = n / std::max<int64_t>(nblocks, 1);
-  LOOM_CHECK(nblocks > 0 && bn * nblocks == n, op, ": v ", v.describe(), " does not split ", param.describe(),
-             " into whole blocks");
+  const auto [n, nblocks, bn] = checks::check_adam_mini_step(param, grad, m, v);
   const float b1 = static_cast<float>(h.beta1), eps = static_cast<float>(h.eps), gs = h.grad_scale;
   const double b2 = h.beta2;
   const float bias1 = static_cast<float>(1.0 - std::pow(h.beta1, static_cast<double>(h.step)));
@@ -195,9 +167,8 @@ void adam_mini_step(const Tensor& param, const Tensor& grad, const Tensor& m, co
 }
 
 void scale_transpose(const Tensor& src, const Tensor& dst, float scale, bool transpose) {
-  expect_dtype(src, DTYPE_F32, "scale_transpose", "src");
-  expect_f32(dst, src.numel(), "scale_transpose", "dst");
-  const int64_t rows = rows_of(src), cols = src.dim(-1), n = src.numel();
+  const auto [rows, cols] = checks::check_scale_transpose(src, dst);
+  const int64_t n = src.numel();
   const float* s = src.data<float>();
   float* d = dst.data<float>();
   if (transpose) {
@@ -210,7 +181,7 @@ void scale_transpose(const Tensor& src, const Tensor& dst, float scale, bool tra
 }
 
 void axpy(const Tensor& y, const Tensor& x, float alpha) {
-  const int64_t n = check_flat("axpy", y, "y", {{"x", &x}});
+  const int64_t n = checks::check_axpy(y, x);
   float* Y = y.data<float>();
   const float* X = x.data<float>();
 #pragma omp parallel for simd schedule(static)
@@ -218,8 +189,7 @@ void axpy(const Tensor& y, const Tensor& x, float alpha) {
 }
 
 void muon_momentum(const Tensor& grad, const Tensor& buf, const Tensor& u, const OptimHyper& h) {
-  LOOM_CHECK(buf.defined() && u.defined(), "muon_momentum: needs the buf and u operands");
-  const int64_t n = check_flat("muon_momentum", grad, "grad", {{"buf", &buf}, {"u", &u}});
+  const int64_t n = checks::check_muon_momentum(grad, buf, u);
   const float mu = static_cast<float>(h.momentum), gs = h.grad_scale;
   const bool nesterov = h.nesterov;
   const float* g = grad.data<float>();
@@ -234,8 +204,7 @@ void muon_momentum(const Tensor& grad, const Tensor& buf, const Tensor& u, const
 }
 
 void newton_schulz_normalize(const Tensor& u, const Tensor& x) {
-  expect_dtype(u, DTYPE_F32, "newton_schulz_normalize", "u");
-  const int64_t n = u.numel();
+  const int64_t n = checks::check_newton_schulz_normalize(u, x);
   const float* U = u.data<float>();
   double norm = 0.0;
   for (int64_t i = 0; i < n; ++i) norm += static_cast<double>(U[i]) * U[i];
@@ -244,7 +213,7 @@ void newton_schulz_normalize(const Tensor& u, const Tensor& x) {
 }
 
 void decayed_update(const Tensor& param, const Tensor& u, float decay, float step) {
-  const int64_t n = check_flat("decayed_update", param, "param", {{"u", &u}});
+  const int64_t n = checks::check_decayed_update(param, u);
   float* p = param.data<float>();
   const float* U = u.data<float>();
 #pragma omp parallel for simd schedule(static)
@@ -254,12 +223,7 @@ void decayed_update(const Tensor& param, const Tensor& u, float decay, float ste
 // ---------------------------------------------------------------- LDAdam (Robert et al. 2024)
 
 void leading_eigenvectors(const Tensor& s_, const Tensor& p) {
-  const char* op = "leading_eigenvectors";
-  expect_dtype(s_, DTYPE_F32, op, "s");
-  expect_dtype(p, DTYPE_F32, op, "p");
-  const int64_t n = s_.dim(-1), r = p.dim(-1);
-  LOOM_CHECK(rows_of(s_) == n && rows_of(p) == n && r <= n, op, ": s ", s_.describe(), " must be (n, n) and p ",
-             p.describe(), " (n, r <= n)");
+  const auto [n, r] = checks::check_leading_eigenvectors(s_, p);
   std::vector<double> s(s_.data<float>(), s_.data<float>() + n * n);
   float* out = p.data<float>();
   const int N = static_cast<int>(n);
@@ -282,11 +246,7 @@ void leading_eigenvectors(const Tensor& s_, const Tensor& p) {
 }
 
 void gram_schmidt(const Tensor& y_, const Tensor& fallback_, const Tensor& p) {
-  const char* op = "gram_schmidt";
-  expect_dtype(y_, DTYPE_F32, op, "y");
-  expect_f32(fallback_, y_.numel(), op, "fallback");
-  expect_f32(p, y_.numel(), op, "p");
-  const int64_t n = rows_of(y_), r = y_.dim(-1);
+  const auto [n, r] = checks::check_gram_schmidt(y_, fallback_, p);
   const float* y = y_.data<float>();
   const float* fallback = fallback_.data<float>();
   float* out = p.data<float>();
@@ -320,11 +280,7 @@ void gram_schmidt(const Tensor& y_, const Tensor& fallback_, const Tensor& p) {
 
 void ldadam_rotate(const Tensor& p, const Tensor& prev, const Tensor& m_, const Tensor& v_, const Tensor& mt_,
                    const Tensor& vt_, const OptimHyper& h) {
-  const char* op = "ldadam_rotate";
-  check_flat(op, p, "p", {{"prev", &prev}});
-  check_flat(op, m_, "m", {{"v", &v_}, {"mt", &mt_}, {"vt", &vt_}});
-  const int64_t M = rows_of(p), r = p.dim(-1), N = m_.numel() / r;
-  LOOM_CHECK(r * N == m_.numel(), op, ": m ", m_.describe(), " is not (r, N) for p ", p.describe());
+  const auto [M, r, N] = checks::check_ldadam_rotate(p, prev, m_, v_, mt_, vt_);
   const int64_t t = h.step;
   const double b1 = h.beta1, b2 = h.beta2;
   const float* P = p.data<float>();
@@ -371,7 +327,7 @@ void ldadam_rotate(const Tensor& p, const Tensor& prev, const Tensor& m_, const 
 
 void ldadam_adam(const Tensor& m_, const Tensor& v_, const Tensor& mt_, const Tensor& vt_, const Tensor& gh_,
                  const OptimHyper& h) {
-  const int64_t n = check_flat("ldadam_adam", m_, "m", {{"v", &v_}, {"mt", &mt_}, {"vt", &vt_}, {"gh", &gh_}});
+  const int64_t n = checks::check_ldadam_adam(m_, v_, mt_, vt_, gh_);
   const double b1 = h.beta1, b2 = h.beta2;
   const int64_t t = h.step;
   const float fb1 = static_cast<float>(b1), fb2 = static_cast<float>(b2), eps = static_cast<float>(h.eps);
@@ -391,8 +347,7 @@ void ldadam_adam(const Tensor& m_, const Tensor& v_, const Tensor& mt_, const Te
 
 void ldadam_apply(const Tensor& param, const Tensor& grad, const Tensor& d_, const Tensor& e_, bool transpose,
                   const OptimHyper& h) {
-  check_flat("ldadam_apply", param, "param", {{"grad", &grad}, {"d", &d_}, {"e", &e_}});
-  const int64_t rows = rows_of(param), cols = param.dim(-1);
+  const auto [rows, cols] = checks::check_ldadam_apply(param, grad, d_, e_);
   float* p = param.data<float>();
   float* g = grad.data<float>();
   const float* d = d_.data<float>();

@@ -8,66 +8,20 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <initializer_list>
 #include <limits>
-#include <utility>
 
 #include "loom/backend/checks.h"
+#include "loom/backend/parallel_checks.h"
 #include "loom/core/error.h"
 #include "loom/core/targets.h"
 
 namespace loom::cpu {
 
 using checks::dispatch_float;
-using checks::expect_dtype;
-using checks::expect_numel;
 
 namespace {
 
 constexpr const char* kBackend = "CPU";
-
-int64_t rows_of(const Tensor& t) { return t.numel() / t.dim(-1); }
-
-void expect_f32(const Tensor& t, const char* op, const char* what) { expect_dtype(t, DTYPE_F32, op, what); }
-
-using NamedRows = std::initializer_list<std::pair<const char*, const Tensor*>>;
-
-// Each of `rows` is f32 with n elements.
-void expect_rows(const char* op, int64_t n, NamedRows rows) {
-  for (const auto& [what, t] : rows) {
-    expect_f32(*t, op, what);
-    expect_numel(*t, n, op, what);
-  }
-}
-
-// logits (N, Vs) f32 with valid <= Vs, targets (N) i32 when given, and the f32 rows (N) by name: returns N.
-int64_t check_ce_rows(const char* op, const Tensor& logits, const Tensor* targets, int64_t valid, NamedRows rows) {
-  expect_f32(logits, op, "logits");
-  const int64_t n = rows_of(logits), V = logits.dim(-1);
-  LOOM_CHECK(valid <= V, op, ": valid ", valid, " exceeds the ", V, " columns of ", logits.describe());
-  if (targets != nullptr) {
-    expect_dtype(*targets, DTYPE_I32, op, "targets");
-    expect_numel(*targets, n, op, "targets");
-  }
-  expect_rows(op, n, rows);
-  return n;
-}
-
-// (B, T, C) activations: 3 dims, f32.
-void expect_activations(const Tensor& t, const char* op, const char* what) {
-  expect_f32(t, op, what);
-  LOOM_CHECK(t.ndim() == 3, op, ": ", what, " is ", t.describe(), ", expected (B, T, C)");
-}
-
-// Rows first .. first + T - 1 of positions (Tmax, C) against activations (B, T, C).
-void check_position_rows(const char* op, const Tensor& act, const Tensor& positions, int64_t first) {
-  expect_activations(act, op, "activations");
-  expect_f32(positions, op, "positions");
-  LOOM_CHECK(positions.ndim() == 2 && positions.dim(1) == act.dim(2) && first >= 0 &&
-                 first + act.dim(1) <= positions.dim(0),
-             op, ": positions ", positions.describe(), " has no rows ", first, " .. ", first + act.dim(1) - 1,
-             " of width ", act.dim(2));
-}
 
 // The dimensions of one ring attention call on a local shard (the zig-zag layout of
 // nn/context_parallel.h: local query t < C is at global position rank C + t, the others at
@@ -83,26 +37,9 @@ struct RingDims {
   }
 };
 
-// q (B, Tl, H hd) and the per-row stats (B, H, Tl) of a ring op; k, v (B, Tl, KV hd) when given.
-RingDims ring_dims(const char* op, const Tensor& q, int64_t n_head, int64_t n_kv_head, int rank, int world) {
-  LOOM_CHECK(n_head > 0 && n_kv_head > 0 && n_head % n_kv_head == 0, op, ": n_head ", n_head,
-             " must be a positive multiple of n_kv_head ", n_kv_head);
-  LOOM_CHECK(q.ndim() == 3 && q.dim(2) % n_head == 0 && q.dim(1) % 2 == 0, op, ": q is ", q.describe(),
-             ", expected (B, Tl, n_head * head_dim) with n_head ", n_head, " and an even Tl");
-  LOOM_CHECK(world >= 1 && rank >= 0 && rank < world, op, ": rank ", rank, " outside [0, ", world, ")");
-  return {q.dim(0), q.dim(1), n_head, n_kv_head, q.dim(2) / n_head, world, rank};
-}
-
-void expect_like(const char* op, const char* what, const Tensor& t, const Tensor& like, const Shape& shape) {
-  LOOM_CHECK(t.shape() == shape && t.dtype() == like.dtype(), op, ": ", what, " is ", t.describe(), ", expected ",
-             dtype_name(like.dtype()), shape_str(shape));
-}
-
-void expect_block(const char* op, const RingDims& d, const Tensor& q, const Tensor& k, const Tensor& v,
-                  const RingBlock& block) {
-  LOOM_CHECK(block.owner >= 0 && block.owner < d.N, op, ": owner ", block.owner, " outside [0, ", d.N, ")");
-  expect_like(op, "k", k, q, {d.B, d.Tl, d.KW()});
-  expect_like(op, "v", v, q, {d.B, d.Tl, d.KW()});
+// The kernels' RingDims of a ring op's checked dimensions and its rank / world.
+RingDims ring_dims(const checks::RingOpDims& c, int rank, int world) {
+  return {c.B, c.Tl, c.H, c.KV, c.hd, world, rank};
 }
 
 // How many of the C keys at global positions [start, start + C) a query at position pq sees.
@@ -205,13 +142,8 @@ void ring_backward_block(const RingDims& d, int owner, const T* q, const T* dout
 
 void vocab_embedding_forward(const Tensor& tokens, const Tensor& weight, int64_t begin, int64_t valid,
                              const Tensor& out) {
-  const char* op = "vocab_embedding_forward";
-  expect_dtype(tokens, DTYPE_I32, op, "tokens");
-  expect_f32(weight, op, "weight");
-  expect_f32(out, op, "out");
-  const int64_t n = tokens.numel(), C = weight.dim(1);
-  LOOM_CHECK(weight.ndim() == 2 && out.numel() == n * C && valid <= weight.dim(0), "vocab-parallel embedding: out ",
-             out.describe(), " and table ", weight.describe(), " do not fit ", n, " tokens");
+  const checks::VocabTokenDims dims = checks::check_vocab_embedding_forward(tokens, weight, valid, out);
+  const int64_t n = dims.n, C = dims.C;
   const int32_t* tok = tokens.data<int32_t>();
   const float* w = weight.data<float>();
   float* o = out.data<float>();
@@ -225,13 +157,8 @@ void vocab_embedding_forward(const Tensor& tokens, const Tensor& weight, int64_t
 
 void vocab_embedding_backward(const Tensor& tokens, const Tensor& dout, const Tensor& dweight, int64_t begin,
                               int64_t valid) {
-  const char* op = "vocab_embedding_backward";
-  expect_dtype(tokens, DTYPE_I32, op, "tokens");
-  expect_f32(dout, op, "dout");
-  expect_f32(dweight, op, "dweight");
-  const int64_t n = tokens.numel(), C = dweight.dim(1);
-  LOOM_CHECK(dweight.ndim() == 2 && dout.numel() == n * C && valid <= dweight.dim(0), op, ": dout ",
-             dout.describe(), " and dweight ", dweight.describe(), " do not fit ", n, " tokens");
+  const checks::VocabTokenDims dims = checks::check_vocab_embedding_backward(tokens, dout, dweight, valid);
+  const int64_t n = dims.n, C = dims.C;
   const int32_t* tok = tokens.data<int32_t>();
   const float* d = dout.data<float>();
   float* dw = dweight.data<float>();
@@ -244,8 +171,8 @@ void vocab_embedding_backward(const Tensor& tokens, const Tensor& dout, const Te
 }
 
 void add_positions(const Tensor& out, const Tensor& positions, int64_t first) {
-  check_position_rows("add_positions", out, positions, first);
-  const int64_t B = out.dim(0), T = out.dim(1), C = out.dim(2);
+  const checks::Dims3 dims = checks::check_position_rows("add_positions", out, positions, first);
+  const int64_t B = dims.a, T = dims.b, C = dims.c;
   const float* p = positions.data<float>() + first * C;
   float* o = out.data<float>();
 #pragma omp parallel for schedule(static)
@@ -257,8 +184,8 @@ void add_positions(const Tensor& out, const Tensor& positions, int64_t first) {
 }
 
 void positions_backward(const Tensor& dout, const Tensor& dpositions, int64_t first) {
-  check_position_rows("positions_backward", dout, dpositions, first);
-  const int64_t B = dout.dim(0), T = dout.dim(1), C = dout.dim(2);
+  const checks::Dims3 dims = checks::check_position_rows("positions_backward", dout, dpositions, first);
+  const int64_t B = dims.a, T = dims.b, C = dims.c;
   const float* d = dout.data<float>();
   float* dp = dpositions.data<float>() + first * C;
   for (int64_t b = 0; b < B; ++b) {
@@ -272,7 +199,7 @@ void positions_backward(const Tensor& dout, const Tensor& dpositions, int64_t fi
 
 void vocab_ce_partials(const Tensor& logits, const Tensor& targets, int64_t begin, int64_t valid, const Tensor& max,
                        const Tensor& target) {
-  const int64_t n = check_ce_rows("vocab_ce_partials", logits, &targets, valid, {{"max", &max}, {"target", &target}});
+  const int64_t n = checks::check_vocab_ce_partials(logits, targets, valid, max, target);
   const int64_t V = logits.dim(-1);
   const float* x = logits.data<float>();
   const int32_t* tgt = targets.data<int32_t>();
@@ -289,7 +216,7 @@ void vocab_ce_partials(const Tensor& logits, const Tensor& targets, int64_t begi
 }
 
 void vocab_ce_sums(const Tensor& logits, const Tensor& max, int64_t valid, const Tensor& sums) {
-  const int64_t n = check_ce_rows("vocab_ce_sums", logits, nullptr, valid, {{"max", &max}, {"sums", &sums}});
+  const int64_t n = checks::check_vocab_ce_sums(logits, max, valid, sums);
   const int64_t V = logits.dim(-1);
   const float* x = logits.data<float>();
   const float* m = max.data<float>();
@@ -303,10 +230,7 @@ void vocab_ce_sums(const Tensor& logits, const Tensor& max, int64_t valid, const
 }
 
 void vocab_ce_finish(const Tensor& targets, const Tensor& lse, const Tensor& sums, const Tensor& losses) {
-  const int64_t n = lse.numel();
-  expect_rows("vocab_ce_finish", n, {{"lse", &lse}, {"sums", &sums}, {"losses", &losses}});
-  expect_dtype(targets, DTYPE_I32, "vocab_ce_finish", "targets");
-  expect_numel(targets, n, "vocab_ce_finish", "targets");
+  const int64_t n = checks::check_vocab_ce_finish(targets, lse, sums, losses);
   const int32_t* tgt = targets.data<int32_t>();
   float* m = lse.data<float>();
   const float* sum = sums.data<float>();
@@ -319,11 +243,8 @@ void vocab_ce_finish(const Tensor& targets, const Tensor& lse, const Tensor& sum
 
 void vocab_ce_backward(const Tensor& logits, const Tensor& targets, const Tensor& lse, int64_t begin, int64_t valid,
                        float scale, const Tensor& dlogits) {
-  const char* op = "vocab_ce_backward";
-  const int64_t n = check_ce_rows(op, logits, &targets, valid, {{"lse", &lse}});
+  const int64_t n = checks::check_vocab_ce_backward(logits, targets, lse, valid, dlogits);
   const int64_t V = logits.dim(-1);
-  expect_f32(dlogits, op, "dlogits");
-  expect_numel(dlogits, logits.numel(), op, "dlogits");
   const float* x = logits.data<float>();
   const int32_t* tgt = targets.data<int32_t>();
   const float* l = lse.data<float>();
@@ -345,11 +266,7 @@ void vocab_ce_backward(const Tensor& logits, const Tensor& targets, const Tensor
 void ring_attention_merge(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& m,
                           const Tensor& l, const Tensor& scratch, const RingBlock& block) {
   const char* op = "ring_attention_merge";
-  const RingDims d = ring_dims(op, q, block.n_head, block.n_kv_head, block.rank, block.world);
-  expect_block(op, d, q, k, v, block);
-  expect_like(op, "out", out, q, q.shape());
-  expect_like(op, "m", m, q, {d.B, d.H, d.Tl});
-  expect_like(op, "l", l, q, {d.B, d.H, d.Tl});
+  const RingDims d = ring_dims(checks::check_ring_attention_merge(q, k, v, out, m, l, block), block.rank, block.world);
   LOOM_CHECK(scratch.dtype() == q.dtype() && scratch.numel() >= omp_get_max_threads() * d.Tl, op, ": scratch is ",
              scratch.describe(), ", expected ", omp_get_max_threads() * d.Tl, " elements (threads x Tl)");
   dispatch_float(q.dtype(), op, kBackend, [&]<typename T>() {
@@ -360,9 +277,7 @@ void ring_attention_merge(const Tensor& q, const Tensor& k, const Tensor& v, con
 
 void ring_attention_finish(const Tensor& out, const Tensor& lse, const Tensor& l, int64_t n_head) {
   const char* op = "ring_attention_finish";
-  const RingDims d = ring_dims(op, out, n_head, 1, 0, 1);
-  expect_like(op, "lse", lse, out, {d.B, d.H, d.Tl});
-  expect_like(op, "l", l, out, {d.B, d.H, d.Tl});
+  const RingDims d = ring_dims(checks::check_ring_attention_finish(out, lse, l, n_head), 0, 1);
   dispatch_float(out.dtype(), op, kBackend, [&]<typename T>() {
     T* acc = out.data<T>();
     T* m = lse.data<T>();
@@ -384,9 +299,7 @@ void ring_attention_finish(const Tensor& out, const Tensor& lse, const Tensor& l
 
 void attention_row_dot(const Tensor& dout, const Tensor& out, const Tensor& D, int64_t n_head) {
   const char* op = "attention_row_dot";
-  const RingDims d = ring_dims(op, out, n_head, 1, 0, 1);
-  expect_like(op, "dout", dout, out, out.shape());
-  expect_like(op, "D", D, out, {d.B, d.H, d.Tl});
+  const RingDims d = ring_dims(checks::check_attention_row_dot(dout, out, D, n_head), 0, 1);
   dispatch_float(out.dtype(), op, kBackend, [&]<typename T>() {
     const T* po = out.data<T>();
     const T* pdo = dout.data<T>();
@@ -407,14 +320,8 @@ void ring_attention_block_backward(const Tensor& q, const Tensor& dout, const Te
                                    const Tensor& k, const Tensor& v, const Tensor& dq, const Tensor& dk,
                                    const Tensor& dv, const RingBlock& block) {
   const char* op = "ring_attention_block_backward";
-  const RingDims d = ring_dims(op, q, block.n_head, block.n_kv_head, block.rank, block.world);
-  expect_block(op, d, q, k, v, block);
-  expect_like(op, "dout", dout, q, q.shape());
-  expect_like(op, "dq", dq, q, q.shape());
-  expect_like(op, "lse", lse, q, {d.B, d.H, d.Tl});
-  expect_like(op, "D", D, q, {d.B, d.H, d.Tl});
-  expect_like(op, "dk", dk, q, k.shape());
-  expect_like(op, "dv", dv, q, k.shape());
+  const RingDims d = ring_dims(checks::check_ring_attention_block_backward(q, dout, lse, D, k, v, dq, dk, dv, block),
+                               block.rank, block.world);
   dispatch_float(q.dtype(), op, kBackend, [&]<typename T>() {
     ring_backward_block<T>(d, block.owner, q.data<T>(), dout.data<T>(), lse.data<T>(), D.data<T>(), k.data<T>(),
                            v.data<T>(), dq.data<T>(), dk.data<T>(), dv.data<T>());
@@ -423,25 +330,8 @@ void ring_attention_block_backward(const Tensor& q, const Tensor& dout, const Te
 
 // ---- Model-parallel slicing
 
-namespace {
-// The block's extent on one side fits in t: the last row ends within its numel.
-void check_block_side(const char* what, const Tensor& t, int64_t row, int64_t col, int64_t stride,
-                      const BlockCopy& b) {
-  LOOM_CHECK(t.defined(), "copy_block: ", what, " is undefined");
-  LOOM_CHECK(row >= 0 && col >= 0 && col + b.cols <= stride &&
-                 (b.rows == 0 || (row + b.rows - 1) * stride + col + b.cols <= t.numel()),
-             "copy_block: ", b.rows, " x ", b.cols, " block at (", row, ", ", col, ") with row stride ", stride,
-             " is outside ", what, " ", t.describe());
-}
-}  // namespace
-
 void copy_block(const Tensor& src, const Tensor& dst, const BlockCopy& b) {
-  LOOM_CHECK(src.defined() && dst.defined() && src.dtype() == dst.dtype(), "copy_block: src ",
-             src.defined() ? src.describe() : "undefined", " and dst ", dst.defined() ? dst.describe() : "undefined",
-             " must share a dtype");
-  LOOM_CHECK(b.rows >= 0 && b.cols >= 0, "copy_block: negative block ", b.rows, " x ", b.cols);
-  check_block_side("src", src, b.src_row, b.src_col, b.src_stride, b);
-  check_block_side("dst", dst, b.dst_row, b.dst_col, b.dst_stride, b);
+  checks::check_copy_block(src, dst, b);
   if (b.rows == 0 || b.cols == 0) return;
   const int64_t elem = static_cast<int64_t>(dtype_size(src.dtype()));
   const char* s = static_cast<const char*>(src.raw_data()) + (b.src_row * b.src_stride + b.src_col) * elem;

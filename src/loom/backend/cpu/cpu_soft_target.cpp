@@ -3,19 +3,14 @@
 #include <cmath>
 
 #include "loom/backend/cpu/cpu_quant_ops.h"
+#include "loom/backend/optim_checks.h"
 #include "loom/core/error.h"
 
 namespace loom::cpu {
 
 void soft_target_loss(const Tensor& logits, const Tensor& teacher, float temperature, float grad_scale, const Tensor& losses,
                       const Tensor& grad) {
-  LOOM_CHECK(logits.dtype() == DTYPE_F32 && teacher.dtype() == DTYPE_F32 && grad.dtype() == DTYPE_F32 &&
-             losses.dtype() == DTYPE_F32, "soft_target_loss: f32 operands expected");
-  LOOM_CHECK(logits.numel() == teacher.numel() && logits.numel() == grad.numel() && logits.numel() > 0,
-             "soft_target_loss: logits ", logits.describe(), ", teacher ", teacher.describe(), ", grad ", grad.describe());
-  LOOM_CHECK(temperature > 0.0f, "soft_target_loss: temperature ", temperature, " must be > 0");
-  const int64_t V = logits.dim(-1), N = logits.numel() / V;
-  LOOM_CHECK(losses.numel() == N, "soft_target_loss: losses ", losses.describe(), " for ", N, " rows");
+  const auto [N, V] = checks::check_soft_target_loss(logits, teacher, temperature, losses, grad);
   const float* s = logits.data<float>();
   const float* t = teacher.data<float>();
   float* l = losses.data<float>();

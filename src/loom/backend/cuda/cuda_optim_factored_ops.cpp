@@ -1,6 +1,6 @@
 // The CUDA backend's Adafactor, SM3, CAME and LDAdam ops (contracts in backend.h; kernels in
-// cuda_optim_factored.cu). Each op validates its operands with the CPU's checks and messages
-// (cpu/cpu_optim_factored.cpp, cpu/cpu_optim_ops.cpp), then enqueues its kernels on the backend's
+// cuda_optim_factored.cu). Each op validates its operands with the checks it shares with the
+// CPU (optim_checks.h: the same messages), then enqueues its kernels on the backend's
 // stream, with scratch from workspace(). Nothing synchronizes except leading_eigenvectors:
 //   leading_eigenvectors is a host round trip: s is read to the host, the CPU's own
 //   cpu::leading_eigenvectors (LAPACK dsyevd in double, as the contract states) runs there, and p
@@ -16,54 +16,15 @@
 #include "loom/backend/cpu/cpu_optim_ops.h"
 #include "loom/backend/cuda/cuda_backend_internal.h"
 #include "loom/backend/cuda/cuda_optim_factored.h"
+#include "loom/backend/optim_checks.h"
 
 namespace loom::cuda_backend_detail {
-
-using checks::expect_dtype;
-using checks::expect_numel;
-using checks::rows_of;
 
 bool optim_factored_ops_complete() { return true; }
 
 namespace {
 
-using Named = std::initializer_list<std::pair<const char*, const Tensor*>>;
-
 float* fptr(const Tensor& t) { return t.defined() ? dptr<float>(t) : nullptr; }
-
-// A segment's shape: (rows, cols) of grad when factored, else one row of its elements.
-struct Segment {
-  int64_t m, n;
-};
-// As the CPU's check_segment: param, grad (and each defined one of `same`) f32 of one size;
-// state f32 of rows + cols (factored) or of the segment's size (else).
-Segment check_segment(const char* op, const Tensor& param, const Tensor& grad, const Tensor& state, bool factored,
-                      Named same) {
-  expect_dtype(param, DTYPE_F32, op, "param");
-  const int64_t N = param.numel();
-  for (const auto& [what, t] : same) {
-    if (!t->defined()) continue;
-    expect_dtype(*t, DTYPE_F32, op, what);
-    expect_numel(*t, N, op, what);
-  }
-  expect_dtype(grad, DTYPE_F32, op, "grad");
-  expect_numel(grad, N, op, "grad");
-  const Segment s = factored ? Segment{rows_of(grad), grad.dim(-1)} : Segment{1, N};
-  expect_dtype(state, DTYPE_F32, op, "state");
-  expect_numel(state, factored ? s.m + s.n : N, op, "state");
-  return s;
-}
-
-// As the CPU's check_flat: x f32; each defined one of `same` f32 with x's numel.
-int64_t check_flat(const char* op, const Tensor& x, const char* what, Named same) {
-  expect_dtype(x, DTYPE_F32, op, what);
-  for (const auto& [name, t] : same) {
-    if (!t->defined()) continue;
-    expect_dtype(*t, DTYPE_F32, op, name);
-    expect_numel(*t, x.numel(), op, name);
-  }
-  return x.numel();
-}
 
 cuda::FactoredHyper factored_hyper(const OptimHyper& h) {
   cuda::FactoredHyper f;
@@ -84,7 +45,7 @@ cuda::FactoredHyper factored_hyper(const OptimHyper& h) {
 
 void CudaBackend::adafactor_step(const Tensor& param, const Tensor& grad, const Tensor& state, const Tensor& m,
                                  const Tensor& u, const OptimHyper& hyper) {
-  const auto [rows, cols] = check_segment("adafactor_step", param, grad, state, hyper.factored, {{"m", &m}, {"u", &u}});
+  const auto [rows, cols] = checks::check_adafactor_step(param, grad, state, m, u, hyper.factored);
   LOOM_CHECK(u.defined(), "adafactor_step: needs the u operand (scratch of the segment's size)");
   void* scratch = workspace(cuda::adafactor_scratch_bytes(rows, cols));
   cuda::adafactor_step(dptr<float>(param), dptr<float>(grad), dptr<float>(state), fptr(m), dptr<float>(u), rows, cols,
@@ -92,7 +53,7 @@ void CudaBackend::adafactor_step(const Tensor& param, const Tensor& grad, const 
 }
 
 void CudaBackend::sm3_step(const Tensor& param, const Tensor& grad, const Tensor& acc, const OptimHyper& hyper) {
-  const auto [rows, cols] = check_segment("sm3_step", param, grad, acc, hyper.factored, {});
+  const auto [rows, cols] = checks::check_sm3_step(param, grad, acc, hyper.factored);
   void* scratch = hyper.factored ? workspace(cuda::sm3_scratch_bytes(rows, cols)) : nullptr;
   cuda::sm3_step(dptr<float>(param), dptr<float>(grad), dptr<float>(acc), rows, cols, hyper.factored,
                  factored_hyper(hyper), scratch, stream());
@@ -100,14 +61,8 @@ void CudaBackend::sm3_step(const Tensor& param, const Tensor& grad, const Tensor
 
 void CudaBackend::came_step(const Tensor& param, const Tensor& grad, const Tensor& state, const Tensor& m,
                             const Tensor& res, const Tensor& u, const OptimHyper& hyper) {
-  const char* op = "came_step";
-  LOOM_CHECK(m.defined() && (res.defined() || !hyper.factored), op, ": needs the m operand, and res when factored");
-  const auto [rows, cols] = check_segment(op, param, grad, state, hyper.factored, {{"m", &m}, {"u", &u}});
-  LOOM_CHECK(u.defined(), op, ": needs the u operand (scratch of the segment's size)");
-  if (hyper.factored) {
-    expect_dtype(res, DTYPE_F32, op, "res");
-    expect_numel(res, rows + cols, op, "res");
-  }
+  const auto [rows, cols] = checks::check_came_step(param, grad, state, m, res, u, hyper.factored);
+  LOOM_CHECK(u.defined(), "came_step: needs the u operand (scratch of the segment's size)");
   void* scratch = workspace(cuda::came_scratch_bytes(rows, cols));
   cuda::came_step(dptr<float>(param), dptr<float>(grad), dptr<float>(state), dptr<float>(m),
                   hyper.factored ? dptr<float>(res) : nullptr, dptr<float>(u), rows, cols, hyper.factored,
@@ -115,12 +70,7 @@ void CudaBackend::came_step(const Tensor& param, const Tensor& grad, const Tenso
 }
 
 void CudaBackend::leading_eigenvectors(const Tensor& s, const Tensor& p) {
-  const char* op = "leading_eigenvectors";
-  expect_dtype(s, DTYPE_F32, op, "s");
-  expect_dtype(p, DTYPE_F32, op, "p");
-  const int64_t n = s.dim(-1), r = p.dim(-1);
-  LOOM_CHECK(rows_of(s) == n && rows_of(p) == n && r <= n, op, ": s ", s.describe(), " must be (n, n) and p ",
-             p.describe(), " (n, r <= n)");
+  const auto [n, r] = checks::check_leading_eigenvectors(s, p);
   // Host round trip (see the file comment): the CPU's own LAPACK call on a host copy of s.
   CpuAllocator host;
   {
@@ -133,26 +83,15 @@ void CudaBackend::leading_eigenvectors(const Tensor& s, const Tensor& p) {
 }
 
 void CudaBackend::gram_schmidt(const Tensor& y, const Tensor& fallback, const Tensor& p) {
-  const char* op = "gram_schmidt";
-  expect_dtype(y, DTYPE_F32, op, "y");
-  expect_dtype(fallback, DTYPE_F32, op, "fallback");
-  expect_numel(fallback, y.numel(), op, "fallback");
-  expect_dtype(p, DTYPE_F32, op, "p");
-  expect_numel(p, y.numel(), op, "p");
-  const int64_t n = rows_of(y), r = y.dim(-1);
+  const auto [n, r] = checks::check_gram_schmidt(y, fallback, p);
   void* scratch = workspace(cuda::gram_schmidt_scratch_bytes(n, r));
   cuda::gram_schmidt(dptr<float>(y), dptr<float>(fallback), dptr<float>(p), n, r, scratch, stream());
 }
 
 void CudaBackend::ldadam_rotate(const Tensor& p, const Tensor& prev, const Tensor& m, const Tensor& v, const Tensor& mt,
                                 const Tensor& vt, const OptimHyper& hyper) {
-  const char* op = "ldadam_rotate";
-  check_flat(op, p, "p", {{"prev", &prev}});
-  check_flat(op, m, "m", {{"v", &v}, {"mt", &mt}, {"vt", &vt}});
-  const int64_t M = rows_of(p), r = p.dim(-1);
-  LOOM_CHECK(r > 0, op, ": p ", p.describe(), " has no columns");
-  const int64_t N = m.numel() / r;
-  LOOM_CHECK(r * N == m.numel(), op, ": m ", m.describe(), " is not (r, N) for p ", p.describe());
+  const auto [M, r, N] = checks::check_ldadam_rotate(p, prev, m, v, mt, vt);
+  LOOM_CHECK(r > 0, "ldadam_rotate: p ", p.describe(), " has no columns");
   const double t = static_cast<double>(hyper.step);
   const double bc1_prev = 1.0 - std::pow(hyper.beta1, t - 1.0), bc2_prev = 1.0 - std::pow(hyper.beta2, t - 1.0);
   void* scratch = workspace(cuda::ldadam_rotate_scratch_bytes(r));
@@ -162,7 +101,7 @@ void CudaBackend::ldadam_rotate(const Tensor& p, const Tensor& prev, const Tenso
 
 void CudaBackend::ldadam_adam(const Tensor& m, const Tensor& v, const Tensor& mt, const Tensor& vt, const Tensor& gh,
                               const OptimHyper& hyper) {
-  const int64_t n = check_flat("ldadam_adam", m, "m", {{"v", &v}, {"mt", &mt}, {"vt", &vt}, {"gh", &gh}});
+  const int64_t n = checks::check_ldadam_adam(m, v, mt, vt, gh);
   const double t = static_cast<double>(hyper.step);
   const float bc1 = static_cast<float>(1.0 - std::pow(hyper.beta1, t));
   const float bc2 = static_cast<float>(1.0 - std::pow(hyper.beta2, t));
@@ -173,8 +112,7 @@ void CudaBackend::ldadam_adam(const Tensor& m, const Tensor& v, const Tensor& mt
 
 void CudaBackend::ldadam_apply(const Tensor& param, const Tensor& grad, const Tensor& d, const Tensor& e, bool transpose,
                                const OptimHyper& hyper) {
-  check_flat("ldadam_apply", param, "param", {{"grad", &grad}, {"d", &d}, {"e", &e}});
-  const int64_t rows = rows_of(param), cols = param.dim(-1);
+  const auto [rows, cols] = checks::check_ldadam_apply(param, grad, d, e);
   const float eta = static_cast<float>(hyper.lr), decay = 1.0f - eta * hyper.weight_decay;
   cuda::ldadam_apply(dptr<float>(param), dptr<float>(grad), dptr<float>(d), dptr<float>(e), rows, cols, transpose, eta,
                      decay, stream());
