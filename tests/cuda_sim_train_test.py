@@ -59,6 +59,12 @@ def tensors(path: str) -> dict[str, list[float]]:
     return out
 
 
+def l2_rel(a: list[float], b: list[float]) -> float:
+    """||a - b||_2 / ||b||_2."""
+    norm = sum(x * x for x in b) ** 0.5
+    return (sum((x - y) ** 2 for x, y in zip(a, b)) ** 0.5) / max(norm, 1e-30)
+
+
 def max_rel(a: list[float], b: list[float]) -> float:
     scale = max(max((abs(x) for x in b), default=0.0), 1e-30)
     return max((abs(x - y) for x, y in zip(a, b)), default=0.0) / scale
@@ -105,7 +111,7 @@ class CudaSimTrain(unittest.TestCase):
         self.assertTrue(out, f"no model.safetensors or shards in {step}")
         return out
 
-    def assert_same_run(self, cuda: str, cpu: str):
+    def assert_same_run(self, cuda: str, cpu: str, weights_tolerance: float = TOLERANCE * 4):
         a, b = self.losses(cuda), self.losses(cpu)
         self.assertEqual(len(a), 8)
         self.assertTrue(all(x == x for x in a), a)  # no NaN
@@ -116,9 +122,9 @@ class CudaSimTrain(unittest.TestCase):
         # see a constant added to every score), so AdamW turns each device's rounding noise into
         # lr-sized steps of either sign: it is left out (seen: 3e-4 relative; every other tensor
         # within 5e-6).
-        worst = max(max_rel(wa[k], wb[k]) for k in wa if not k.endswith("attn.c_attn.bias"))
-        self.assertLess(worst, TOLERANCE * 4, "final weights")  # after 8 AdamW steps
-        print(f"{cuda}: losses within {max_rel(a, b):.1e}, weights within {worst:.1e} of the CPU run", flush=True)
+        worst, name = max((max_rel(wa[k], wb[k]), k) for k in wa if not k.endswith("attn.c_attn.bias"))
+        self.assertLess(worst, weights_tolerance, f"final weights ({name})")
+        print(f"{cuda}: losses within {max_rel(a, b):.1e}, weights within {worst:.1e} ({name}) of the CPU run", flush=True)
 
     def test_one_process(self):
         p = self.train(LOOM_SIM, "cuda_1", "cuda", 1)
@@ -139,17 +145,52 @@ class CudaSimTrain(unittest.TestCase):
         self.assertEqual(len(a), 12)
         self.assertLess(max_rel(a, b), TOLERANCE, (a, b))
 
+    # The fine-tuning, MoE, MLA, Muon and model-parallel runs: every loss within 5e-6 (measured
+    # <= 1e-8), and each final weight tensor but GPT-2's c_attn bias (see assert_same_run) within
+    # 1e-4 in relative L2 norm (measured up to 2.0e-5, the MLA run's down_proj; 1.1e-5 a lora_B).
+    # Not element by element: AdamW's m / sqrt(v) divides an element's rounding noise by its own
+    # gradient scale, so a weight whose gradient is small (LoRA's B, which starts at 0; an expert
+    # few tokens chose) moves by noise its largest element does not bound (measured up to 2.8e-4
+    # of the largest element after 8 steps).
     def same_on_both(self, name: str, extra: str, ranks: int = 1):
         self.train(LOOM_SIM, f"cuda_{name}", "cuda", ranks, extra)
         self.train(LOOM, f"cpu_{name}", "cpu", ranks, extra)
-        self.assert_same_run(f"cuda_{name}", f"cpu_{name}")
+        a, b = self.losses(f"cuda_{name}"), self.losses(f"cpu_{name}")
+        self.assertEqual(len(a), 8)
+        self.assertLess(max_rel(a, b), TOLERANCE, (a, b))
+        wa, wb = self.weights(f"cuda_{name}"), self.weights(f"cpu_{name}")
+        self.assertEqual(sorted(wa), sorted(wb))
+        worst, tensor = max((l2_rel(wa[k], wb[k]), k) for k in wa if not k.endswith("attn.c_attn.bias"))
+        self.assertLess(worst, 1e-4, f"final weights ({tensor})")
+        print(f"cuda_{name}: losses within {max_rel(a, b):.1e}, weights within {worst:.1e} in L2 ({tensor})",
+              flush=True)
 
     def test_fine_tuning(self):
         self.same_on_both("lora", f"{LLAMA},{LORA}")
         self.same_on_both("dora", f"{LLAMA},{LORA},peft.dora=true")
         self.same_on_both("qlora", f"{LORA},peft.quantize_base=true")
         self.same_on_both("dpo", PREF)
-        self.same_on_both("grpo", GRPO)
+        self.grpo_same_rollouts()
+
+    # GRPO samples its rollouts from the model being trained: the first step's come from the same
+    # initial weights on both devices, so the same completions and the same mean reward; after
+    # that a completion whose token sits at a sampling boundary can flip with the weights' last
+    # bits, and the runs part (measured: losses of order 1e-5 differing 2x by step 8). The
+    # CUDA run's losses must stay finite throughout.
+    def grpo_same_rollouts(self):
+        self.train(LOOM_SIM, "cuda_grpo", "cuda", 1, GRPO)
+        self.train(LOOM, "cpu_grpo", "cpu", 1, GRPO)
+
+        def rewards(name: str) -> list[float]:
+            with open(os.path.join(self.tmp, "runs", name, "metrics.jsonl")) as f:
+                return [r["grpo"]["reward"] for r in map(json.loads, f) if "grpo" in r]
+
+        a, b = rewards("cuda_grpo"), rewards("cpu_grpo")
+        self.assertEqual(len(a), 8)
+        self.assertEqual(a[0], b[0], (a, b))
+        losses = self.losses("cuda_grpo")
+        self.assertTrue(all(x == x and abs(x) < 1e30 for x in losses), losses)
+        print(f"cuda_grpo: step 1's mean reward {a[0]} as on the CPU; rewards {a} vs {b}", flush=True)
 
     def test_moe_mla_and_optimizers(self):
         self.same_on_both("moe", "model.arch=llama,model.moe_experts=4,model.moe_top_k=2,model.moe_d_ff=16,"

@@ -97,7 +97,7 @@ TEST(DeviceMemoryTest, EveryOptimizerTrainsOnDeviceMemoryBitwiseAsOnTheCpu) {
 
 TEST(DeviceMemoryTest, HostOnlyFeaturesAreRefusedWithTheKeyNamed) {
   test::StrictBackend strict;
-  LoomConfig config;  // a backend without the model-parallel ops (as CUDA today) is refused tp
+  LoomConfig config;  // a backend without the model-parallel ops is refused tp
   config.parallel.tp = 2;
   BackendCapabilities caps = strict.capabilities();
   caps.model_parallel = false;

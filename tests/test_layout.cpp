@@ -220,5 +220,25 @@ TEST(LayoutTableTest, BackendCapabilitiesAreRefusedByName) {
   EXPECT_NE(msg.find("parallel.tp = 2"), std::string::npos) << msg;
 }
 
+// With every capability stated, a CUDA device refuses one layout, the interleaved pipeline (NCCL
+// matches a rank pair's messages in call order; the interleaved stages' arrive in another), and
+// every other schedule runs; the CPU runs it.
+TEST(LayoutTableTest, InterleavedPipelineIsRefusedOnCudaOnly) {
+  LoomConfig c = tiny();
+  c.model.n_layer = 4;
+  c.parallel.pp = 2, c.parallel.virtual_stages = 2, c.train.grad_accum = 4;
+  c.parallel.schedule = PipeScheduleKind::interleaved;
+  EXPECT_TRUE(verdict(c, 2).empty());
+  c.device = DEVICE_CUDA;
+  const std::string msg = error_of([&] { verdict(c, 2); });
+  EXPECT_NE(msg.find("parallel.schedule = interleaved"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("device = \"cuda\""), std::string::npos) << msg;
+  c.parallel.virtual_stages = 1;
+  for (const PipeScheduleKind k : {PipeScheduleKind::one_f_one_b, PipeScheduleKind::gpipe, PipeScheduleKind::zb_h1}) {
+    c.parallel.schedule = k;
+    EXPECT_TRUE(verdict(c, 2).empty()) << enum_name(k);
+  }
+}
+
 }  // namespace
 }  // namespace loom
