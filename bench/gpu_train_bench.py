@@ -7,8 +7,9 @@
 What it measures: GPT-2 124M (12 layers, d 768, 12 heads, vocab 50257) trained on random tokens
 with AdamW and global-norm clipping 1.0, batch B x sequence T, N timed steps after W warm-up
 steps, by two programs run one after the other (never concurrently, each in its own process):
-  * Loom: BUILD/bench/train_bench --device cuda --model gpt2-124m --batch B --seq T --compute bf16
-    --flash 1 --steps N --warmup W --peak-tflops P  (bf16 compute, FlashAttention);
+  * Loom: BUILD/bench/train_bench --device cuda --model gpt2-124m --batch B --seq T --compute C
+    --flash 1 --steps N --warmup W --peak-tflops P  (C = bf16+attn-bf16 by default: bf16 GEMMs and
+    FlashAttention on tensor cores);
   * PyTorch at its best: bench/torch_train_bench.py --device cuda with the same B, T, N, W and P
     (bf16 autocast, torch.compile, FlashAttention SDPA only, fused AdamW), run by this python3.
 Both state MFU against the same peak P (default 989.4 TFLOP/s, H100 SXM dense bf16) with the same
@@ -22,7 +23,8 @@ tracker's total peak if it reports one, else the sum of its per-category peaks, 
 Writes both runs' JSON (and any error with the last lines of stderr) to --out (default
 $OUT/gpu_train_bench.json when OUT is set, else ./gpu_train_bench.json).
 
-Acceptance target: Loom's tokens/s >= PyTorch's (ratio >= 1.00) and Loom's MFU >= 45%.
+Acceptance target: Loom's tokens/s >= PyTorch's (ratio >= 1.00) and Loom's MFU >= 45% (issue 44 aims
+at 50%; docs/cuda.md's roofline predicts 28% for the built code).
 
 Exit status: 0 when both programs ran; 1 when either failed (a failed Loom run still lets
 PyTorch run; its stderr's last lines are printed), also when torch.compile failed (its stderr
@@ -117,6 +119,10 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=20, help="timed steps")
     ap.add_argument("--warmup", type=int, default=5, help="untimed warm-up steps (PyTorch: includes torch.compile)")
     ap.add_argument("--peak-tflops", type=float, default=989.4, help="peak TFLOP/s MFU is stated against")
+    ap.add_argument("--compute", default="bf16+attn-bf16",
+                    help="Loom's recipe (train_bench --compute: bf16, fp8-current, ...; +attn-bf16: attention's "
+                         "products in bf16, the tensor-core flash kernels); PyTorch trains bf16 autocast either "
+                         "way, so an fp8 ratio is Loom's FP8 against PyTorch's bf16 (said in the table)")
     ap.add_argument("--python", default=sys.executable, help="python with CUDA torch for the reference")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds allowed to each program")
     ap.add_argument("--out", default=None,
@@ -129,7 +135,7 @@ def main() -> int:
     shape = ["--model", args.model, "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
              "--warmup", str(args.warmup), "--peak-tflops", repr(args.peak_tflops)]
     loom_bin = os.path.abspath(os.path.join(args.build, "bench", "train_bench"))
-    loom_cmd = [loom_bin, "--device", "cuda", "--compute", "bf16", "--flash", "1"] + shape
+    loom_cmd = [loom_bin, "--device", "cuda", "--compute", args.compute, "--flash", "1"] + shape
     torch_cmd = [args.python, os.path.join(HERE, "torch_train_bench.py"), "--device", "cuda", "--compile", "1",
                  "--flash-only", "1"] + shape
     failures = []
@@ -184,7 +190,7 @@ def main() -> int:
     print(f"{args.model}, B={args.batch}, T={args.seq}: {args.steps} timed steps after {args.warmup} warm-up; "
           f"MFU against {args.peak_tflops:g} TFLOP/s")
     print(f"{'':<26}{'tokens/s':>12}{'step ms':>10}{'MFU':>8}{'peak mem GiB':>14}")
-    for label, r, mem in (("Loom (bf16, flash)", loom, loom_mem), (pt_label, pt, pt_mem)):
+    for label, r, mem in ((f"Loom ({args.compute}, flash)", loom, loom_mem), (pt_label + " (bf16)", pt, pt_mem)):
         if r is None:
             print(f"{label:<26}{'FAILED':>12}")
             continue
