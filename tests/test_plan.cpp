@@ -169,15 +169,16 @@ TEST(LayerPlanTest, TheInputsOfBf16LinearsAreSavedInBf16WhereTheRecipeAllows) {
   moe.moe_dense_layers = 1;
   EXPECT_EQ(resolve_layer_plan(moe, 0, bf16).saved_bf16, (Saved{true, true, true, true}));
   EXPECT_EQ(resolve_layer_plan(moe, 1, bf16).saved_bf16, (Saved{true, true, false, false}));
-  PlanChoices attn16 = bf16;  // precision.attention = bf16: the plain attention without a window only
+  PlanChoices attn16 = bf16;  // precision.attention = bf16: the plain and the flash attention without a window
   attn16.attention_bf16 = true;
   EXPECT_TRUE(resolve_layer_plan(gpt2, 0, attn16).attention_bf16);
   EXPECT_FALSE(resolve_layer_plan(gpt2, 0, bf16).attention_bf16);
-  attn16.flash = true;
-  EXPECT_FALSE(resolve_layer_plan(gpt2, 0, attn16).attention_bf16);
-  attn16.flash = false;
+  attn16.flash = true;  // flash_attention_*_bf16 (tensor cores on the CUDA backend)
+  EXPECT_TRUE(resolve_layer_plan(gpt2, 0, attn16).attention_bf16);
   ModelConfig windowed = llama;
   windowed.attn_window = 4;
+  EXPECT_FALSE(resolve_layer_plan(windowed, 0, attn16).attention_bf16);
+  attn16.flash = false;
   EXPECT_FALSE(resolve_layer_plan(windowed, 0, attn16).attention_bf16);
   PlanChoices mla = bf16;  // MLA projects in fp32 from norm1's output
   mla.linears[LINEAR_ATTN_QKV] = RECIPE_F32;
