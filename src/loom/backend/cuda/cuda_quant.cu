@@ -20,7 +20,7 @@
 //   dropout          out = word >= floor(p 2^32) ? x / (1 - p) : 0
 //   Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC'11): element i
 //   uses word i % 4 of philox(counter = (i/4 lo, i/4 hi, stream, draw), key = (seed lo, seed hi)),
-//   core/philox.h's (whose definition is in a .cpp, hence the device copy here).
+//   core/philox.h's, through cuda_philox.h (its device twin).
 //   bf16 attention   qkv, dout rounded to bf16 into head-major copies; S = scale Qb Kb^T (cuBLAS, f32);
 //                    P = causal softmax(S) in f32 (scalar_math's exp, as the CPU), saved, and
 //                    rounded to Pb; O = Pb Vb. Backward: dP = dOb Vb^T; D_i = dO_i . O_i (f32);
@@ -72,6 +72,7 @@
 
 #include "loom/backend/cuda/cuda_check.h"
 #include "loom/backend/cuda/cuda_launch.h"
+#include "loom/backend/cuda/cuda_philox.h"
 #include "loom/backend/scalar_math.h"
 #include "loom/core/error.h"
 
@@ -146,32 +147,11 @@ __device__ __forceinline__ uint16_t bf16_bits(float v) {
 __device__ __forceinline__ QuantGrid e2m1() { return QuantGrid{1, 0, 6.0f, 6.0f}; }
 __device__ __forceinline__ QuantGrid e4m3() { return QuantGrid{3, -6, 448.0f, 448.0f}; }
 
-// ---------------------------------------------------------------- Philox4x32-10
-// Salmon et al. 2011; the same rounds and key schedule as core/philox.cpp.
-struct Words {
-  uint32_t w[4];
-};
-
-__device__ __forceinline__ Words philox(int64_t group, const PhiloxDraw& d) {
+// ---------------------------------------------------------------- Philox4x32-10 (cuda_philox.h)
+// Element i's word: i % 4 of the block at counter (i / 4 lo, i / 4 hi, stream, draw).
+__device__ __forceinline__ Philox4 philox(int64_t group, const PhiloxDraw& d) {
   const uint64_t q = static_cast<uint64_t>(group);
-  uint32_t c0 = static_cast<uint32_t>(q), c1 = static_cast<uint32_t>(q >> 32), c2 = d.stream, c3 = d.draw;
-  uint32_t k0 = d.key0, k1 = d.key1;
-#pragma unroll
-  for (int round = 0; round < 10; ++round) {
-    if (round > 0) {
-      k0 += 0x9E3779B9u;
-      k1 += 0xBB67AE85u;
-    }
-    const uint64_t p0 = static_cast<uint64_t>(0xD2511F53u) * c0;
-    const uint64_t p1 = static_cast<uint64_t>(0xCD9E8D57u) * c2;
-    const uint32_t hi0 = static_cast<uint32_t>(p0 >> 32), lo0 = static_cast<uint32_t>(p0);
-    const uint32_t hi1 = static_cast<uint32_t>(p1 >> 32), lo1 = static_cast<uint32_t>(p1);
-    c0 = hi1 ^ c1 ^ k0;
-    c1 = lo1;
-    c2 = hi0 ^ c3 ^ k1;
-    c3 = lo0;
-  }
-  return Words{{c0, c1, c2, c3}};
+  return philox4x32_10(static_cast<uint32_t>(q), static_cast<uint32_t>(q >> 32), d.stream, d.draw, d.key0, d.key1);
 }
 
 // ---------------------------------------------------------------- groups of four
@@ -366,11 +346,11 @@ __global__ void __launch_bounds__(kBlock) round_bf16_kernel(float* x, int64_t n,
   for (int64_t q = thread_index(); q < (n + 3) / 4; q += thread_count()) {
     Four f = load4(x, 4 * q, n, vec);
     if (stochastic) {
-      const Words r = philox(q, draw);
+      const Philox4 r = philox(q, draw);
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         if (!is_finite(f.v[j])) continue;
-        f.v[j] = __uint_as_float((__float_as_uint(f.v[j]) + (r.w[j] >> 16)) & 0xFFFF0000u);
+        f.v[j] = __uint_as_float((__float_as_uint(f.v[j]) + (r.v[j] >> 16)) & 0xFFFF0000u);
       }
     } else {
 #pragma unroll
@@ -384,9 +364,9 @@ __global__ void __launch_bounds__(kBlock) dropout_kernel(const float* x, float* 
                                                          uint64_t threshold, float keep, PhiloxDraw draw) {
   for (int64_t q = thread_index(); q < (n + 3) / 4; q += thread_count()) {
     Four f = load4(x, 4 * q, n, vec);
-    const Words r = philox(q, draw);
+    const Philox4 r = philox(q, draw);
 #pragma unroll
-    for (int j = 0; j < 4; ++j) f.v[j] = r.w[j] >= threshold ? mul_x86(f.v[j], keep) : 0.0f;
+    for (int j = 0; j < 4; ++j) f.v[j] = r.v[j] >= threshold ? mul_x86(f.v[j], keep) : 0.0f;
     store4(out, 4 * q, n, vec, f);
   }
 }
