@@ -1,6 +1,6 @@
 // Every model-parallel layout of the distributed tests with device = "cuda", over NCCL, under
 // mpirun, on the CUDA simulator (docs/cuda.md): tp + sp, pp under the 1f1b, gpipe and zb-h1
-// schedules (interleaved is refused on CUDA: its messages arrive out of send order), cp ring and Ulysses (with ZeRO-1), ep with MoE, and at 4 ranks each
+// schedules (interleaved is refused on CUDA: it deadlocks over NCCL), cp ring and Ulysses (with ZeRO-1), ep with MoE, and at 4 ranks each
 // beside data parallelism, MoE ep x pp and Llama tp + sp x pp; at 8 ranks dp2 x tp2 x pp2. Each
 // layout trains four steps on the CUDA backend, its groups split from one communicator that sends
 // device tensors to NCCL and host values to MPI (the layout's own wiring: train/layout.cpp), and
@@ -72,8 +72,8 @@ TEST(CudaLayouts, ModelParallelOverNcclMatchesTheCpu) {
   auto world = make_mpi_communicator();
   if (world->size() != 2 && world->size() != 4) GTEST_SKIP() << "runs under np 2 or 4";
   for (const RunLayout& lay : model_parallel_layouts(world->size())) {
-    // The interleaved schedule's messages arrive out of send order, which NCCL cannot match: the
-    // layout refuses it on CUDA (train/layout.cpp; docs/cuda.md).
+    // The interleaved schedule deadlocks over NCCL (its grouped deferred sends): the layout
+    // refuses it on CUDA (train/layout.cpp; docs/cuda.md).
     if (std::string(lay.schedule) == "interleaved" && lay.pp > 1) continue;
     expect_cuda_matches_cpu(*world, lay);
   }

@@ -220,9 +220,9 @@ TEST(LayoutTableTest, BackendCapabilitiesAreRefusedByName) {
   EXPECT_NE(msg.find("parallel.tp = 2"), std::string::npos) << msg;
 }
 
-// With every capability stated, a CUDA device refuses one layout, the interleaved pipeline (NCCL
-// matches a rank pair's messages in call order; the interleaved stages' arrive in another), and
-// every other schedule runs; the CPU runs it.
+// With every capability stated, a CUDA device refuses one layout, the interleaved pipeline (its
+// grouped deferred sends deadlock over NCCL: docs/cuda.md), and every other schedule runs; the
+// CPU runs it.
 TEST(LayoutTableTest, InterleavedPipelineIsRefusedOnCudaOnly) {
   LoomConfig c = tiny();
   c.model.n_layer = 4;
