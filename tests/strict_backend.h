@@ -38,6 +38,7 @@ class StrictBackend final : public Backend {
     caps.model_parallel = true;  // tp / sp / pp / cp / ep: slicing through copy / copy_block, the vocab and ring ops
     caps.dora = true;  // row_norms, dora_weight, dora_backward
     caps.bf16_attention = true;  // attention_*_bf16 below
+    caps.kv_cache = true;  // kv_attention below
     return caps;
   }
   Allocator& allocator() override { return allocator_; }
@@ -294,6 +295,10 @@ class StrictBackend final : public Backend {
     cpu_->round_bf16(h(x), stochastic, draw);
   }
   void row_norms(const Tensor& x, const Tensor& norms) override { cpu_->row_norms(h(x), h(norms)); }
+  void kv_attention(const KvAttendPlan& plan, const Tensor& q, const Tensor& pool, const Tensor& rings,
+                    const Tensor& out) override {
+    cpu_->kv_attention(plan, h(q), h(pool), rings.defined() ? h(rings) : Tensor{}, h(out));
+  }
   void soft_target_loss(const Tensor& logits, const Tensor& teacher, float temperature, float grad_scale,
                         const Tensor& losses, const Tensor& grad) override {
     cpu_->soft_target_loss(h(logits), h(teacher), temperature, grad_scale, h(losses), h(grad));

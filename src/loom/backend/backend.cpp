@@ -193,6 +193,10 @@ void Backend::soft_target_loss(const Tensor&, const Tensor&, float, float, const
   unsupported(*this, "soft_target_loss", "a teacher's soft targets");
 }
 
+void Backend::kv_attention(const KvAttendPlan&, const Tensor&, const Tensor&, const Tensor&, const Tensor&) {
+  unsupported(*this, "kv_attention", "a KV cache in the backend's memory");
+}
+
 void Backend::int_linear(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const IntWeightSpec&, const Tensor*,
                          const Tensor&, float, const Tensor*) {
   unsupported(*this, "int_linear", "quantized checkpoints (loom quantize)");

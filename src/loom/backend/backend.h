@@ -12,6 +12,7 @@
 #include <string>
 #include <string_view>
 
+#include "loom/backend/kv_attention.h"
 #include "loom/backend/rope.h"
 #include "loom/core/tensor.h"
 
@@ -161,8 +162,10 @@ struct BackendCapabilities {
   bool dora = false;                // peft.dora (Backend::row_norms, dora_weight, dora_backward)
   bool int_weights = false;         // quantized checkpoints (Backend::int_linear, int_dequantize)
   bool bf16_attention = false;      // precision.attention = bf16 (Backend::attention_forward_bf16 / _backward_bf16)
+  bool kv_cache = false;            // a KV cache in the backend's memory (Backend::kv_attention)
 };
-inline constexpr BackendCapabilities kEveryCapability{true, true, true, true, true, true, true, true, true, true, true, true};
+inline constexpr BackendCapabilities kEveryCapability{true, true, true, true, true, true, true,
+                                                      true, true, true, true, true, true};
 
 class Backend {
  public:
@@ -584,6 +587,11 @@ class Backend {
   // gradient of grad_scale losses[i]). Sums in double per row.
   virtual void soft_target_loss(const Tensor& logits, const Tensor& teacher, float temperature, float grad_scale,
                                 const Tensor& losses, const Tensor& grad);
+  // Decode attention over a KV cache in this backend's memory (backend/kv_attention.h states the
+  // plan and the formula): q and out (rows, n_head * head_dim) f32, pool u8 (the cache's tiles),
+  // rings f32 (its fp32 windows; undefined when no row reads one). Checked by check_kv_attention.
+  virtual void kv_attention(const KvAttendPlan& plan, const Tensor& q, const Tensor& pool, const Tensor& rings,
+                            const Tensor& out);
   // Muon (Jordan et al. 2024): buf = momentum buf + (1 - momentum) g;
   // u = nesterov ? (1 - momentum) g + momentum buf : buf.
   virtual void muon_momentum(const Tensor& grad, const Tensor& buf, const Tensor& u, const OptimHyper& hyper);

@@ -4,7 +4,7 @@
 #include <cmath>
 
 #include "loom/core/error.h"
-#include "loom/infer/attend_rows.h"
+#include "loom/backend/attend_rows.h"
 
 namespace loom {
 

@@ -82,7 +82,7 @@
 // [first, n), first = window > 0 ? max(0, n - window) : 0,
 //     s_t = (q_h . k_t[g]) / sqrt(head_dim),  p_t = exp(s_t - max s) / sum_t exp(s_t - max s),
 //     out_h = sum_t p_t v_t[g],
-// two passes in fp32 over positions in increasing order (infer/attend_rows.h, which the engine's
+// two passes in fp32 over positions in increasing order (backend/attend_rows.h, which the engine's
 // prompt chunks use too). Both caches run that kernel on rows handed out by the same walker (only
 // the tile lookup differs), so for the same rows they give bitwise equal outputs.
 //

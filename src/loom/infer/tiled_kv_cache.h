@@ -18,7 +18,7 @@
 
 #include "loom/core/error.h"
 #include "loom/core/tensor.h"
-#include "loom/infer/attend_rows.h"
+#include "loom/backend/attend_rows.h"
 #include "loom/infer/kv_cache.h"
 
 namespace loom::kv {

@@ -302,6 +302,12 @@ class CpuBackend final : public Backend {
                         const Tensor& grad) override {
     cpu::soft_target_loss(logits, teacher, temperature, grad_scale, losses, grad);
   }
+  void kv_attention(const KvAttendPlan& plan, const Tensor& q, const Tensor& pool, const Tensor& rings,
+                    const Tensor& out) override {
+    check_kv_attention(plan, q, pool, rings, out);
+    kv_attention_host(plan, q.data<float>(), pool.data<uint8_t>(), rings.defined() ? rings.data<float>() : nullptr,
+                      out.data<float>());
+  }
   void int_linear(const Tensor& x, const Tensor& codes, const Tensor& scales, const Tensor& zeros,
                   const IntWeightSpec& spec, const Tensor* input_scale, const Tensor& y, float beta, const Tensor* bias) override {
     cpu::int_linear(x, codes, scales, zeros, spec, input_scale, y, beta, bias);

@@ -1,5 +1,5 @@
 // Causal attention with grouped KV heads and an optional sliding window on the GPU: the
-// probabilities-saved path (cuBLAS GEMMs + small row kernels) and FlashAttention-2 (Dao 2023,
+// probabilities-saved path (cuBLAS GEMMs, cuda_blas.h, + small row kernels) and FlashAttention-2 (Dao 2023,
 // "FlashAttention-2: Faster Attention with Better Parallelism and Work Partitioning").
 // Semantics are those of backend.h and cpu/cpu_kernels.h (attention_forward[_window],
 // attention_backward[_window]).
@@ -18,15 +18,14 @@
 // reproducible for a fixed toolkit, GPU and handle workspace) or a fixed-order loop in one
 // thread followed by a fixed shuffle tree; the group sums of dK and dV run in the order
 // h = g G, g G + 1, ... (beta = 0 for the first, 1 after), as on the CPU.
-#include <cublas_v2.h>
-#include <cuda_runtime_api.h>
-#include <math_constants.h>
+#include "loom/backend/cuda/cuda_device.h"  // first: the portability layer (docs/accelerators.md)
 
 #include <climits>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 
+#include "loom/backend/cuda/cuda_blas.h"
 #include "loom/backend/cuda/cuda_check.h"
 #include "loom/backend/cuda/cuda_launch.h"
 #include "loom/backend/cuda/cuda_kernels.h"
@@ -34,80 +33,6 @@
 
 namespace loom::cuda {
 namespace {
-
-// ------------------------------------------------------------------------------------ cuBLAS
-void check_cublas(cublasStatus_t status, const char* call, const char* file, int line) {
-  if (status != CUBLAS_STATUS_SUCCESS) {
-    throw ::loom::Error(::loom::str_cat("cuBLAS error ", static_cast<int>(status), " (", cublasGetStatusName(status),
-                                        ") in ", call, " (", file, ":", line, ")"));
-  }
-}
-
-}  // namespace
-}  // namespace loom::cuda
-
-// LOOM_CUBLAS_CHECK(call): throws loom::Error naming the status number, its name and the call.
-#ifndef LOOM_CUBLAS_CHECK
-#define LOOM_CUBLAS_CHECK(expr) ::loom::cuda::check_cublas((expr), #expr, __FILE__, __LINE__)
-#endif
-
-namespace loom::cuda {
-namespace {
-
-// The GEMMs pass alpha/beta as host pointers: make sure the handle reads them so, and put the
-// caller's mode back afterwards (it is the default, so this is normally two cheap host calls).
-class HostPointerMode {
- public:
-  explicit HostPointerMode(cublasHandle_t handle) : handle_(handle) {
-    LOOM_CUBLAS_CHECK(cublasGetPointerMode(handle_, &previous_));
-    if (previous_ != CUBLAS_POINTER_MODE_HOST) {
-      LOOM_CUBLAS_CHECK(cublasSetPointerMode(handle_, CUBLAS_POINTER_MODE_HOST));
-    }
-  }
-  ~HostPointerMode() {
-    if (previous_ != CUBLAS_POINTER_MODE_HOST) (void)cublasSetPointerMode(handle_, previous_);
-  }
-  HostPointerMode(const HostPointerMode&) = delete;
-  HostPointerMode& operator=(const HostPointerMode&) = delete;
-
- private:
-  cublasHandle_t handle_;
-  cublasPointerMode_t previous_ = CUBLAS_POINTER_MODE_HOST;
-};
-
-template <typename T>
-struct CublasType;
-template <>
-struct CublasType<float> {
-  static constexpr cudaDataType_t data = CUDA_R_32F;
-  // True fp32 whatever the handle's math mode: no TF32, no bf16x9 emulation.
-  static constexpr cublasComputeType_t compute = CUBLAS_COMPUTE_32F_PEDANTIC;
-};
-template <>
-struct CublasType<double> {
-  static constexpr cudaDataType_t data = CUDA_R_64F;
-  // True fp64: no fixed-point emulation.
-  static constexpr cublasComputeType_t compute = CUBLAS_COMPUTE_64F_PEDANTIC;
-};
-
-// Row-major strided-batched GEMM, for p in [0, batch):
-//   C_p (m, n) = alpha op(A_p) op(B_p) + beta C_p,  X_p = X + p stride_x, row-major, leading dims ld*.
-// cuBLAS is column-major: a row-major (r, c) matrix with leading dim ld is the column-major (c, r)
-// matrix X^T with the same ld, so C^T (n, m) = op(B)^T op(A)^T is the column-major call
-//   gemm(op_b, op_a, n, m, k, B, ldb, A, lda, C, ldc)
-// (the transpose flags carry over unchanged). beta = 0 does not read C.
-template <typename T>
-void gemm_rm(cublasHandle_t handle, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T alpha,
-             const T* a, int64_t lda, int64_t stride_a, const T* b, int64_t ldb, int64_t stride_b, T beta, T* c,
-             int64_t ldc, int64_t stride_c, int64_t batch_count, const char* what) {
-  const cublasStatus_t status = cublasGemmStridedBatchedEx(
-      handle, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, static_cast<int>(n),
-      static_cast<int>(m), static_cast<int>(k), &alpha, b, CublasType<T>::data, static_cast<int>(ldb),
-      static_cast<long long>(stride_b), a, CublasType<T>::data, static_cast<int>(lda), static_cast<long long>(stride_a),
-      &beta, c, CublasType<T>::data, static_cast<int>(ldc), static_cast<long long>(stride_c),
-      static_cast<int>(batch_count), CublasType<T>::compute, CUBLAS_GEMM_DEFAULT);
-  check_cublas(status, what, __FILE__, __LINE__);
-}
 
 // ------------------------------------------------------------------------------------ shapes
 struct AttnDims {
@@ -142,38 +67,21 @@ AttnDims attention_dims(const char* op, int64_t batch, int64_t seq_len, int64_t 
 }
 
 // ------------------------------------------------------------------------------------ device helpers
-__device__ __forceinline__ float exp_t(float x) { return expf(x); }
-__device__ __forceinline__ double exp_t(double x) { return exp(x); }
-__device__ __forceinline__ float log_t(float x) { return logf(x); }
-__device__ __forceinline__ double log_t(double x) { return log(x); }
+// (exp_of / log_of: expf and logf, exp and log; group_sum<kG> over kG consecutive lanes and
+// warp_sum: cuda_device.h. All 32 lanes of the warp call them.)
 __device__ __forceinline__ float neg_inf(float) { return -CUDART_INF_F; }
 __device__ __forceinline__ double neg_inf(double) { return -CUDART_INF; }
+// a unless b is larger (a NaN in b is not taken; of +0 and -0 the second): this file's max,
+// which differs from cuda_device.h's max_of (std::max's) only on ties and NaNs.
 template <typename T>
 __device__ __forceinline__ T max_t(T a, T b) {
   return a > b ? a : b;
 }
-
-// Sum over the kG consecutive lanes of a group (kG a power of two <= 32); every lane of the
-// group gets the bitwise same result (the xor tree adds the same pairs, commutatively). All 32
-// lanes of the warp must call it.
-template <int kG, typename T>
-__device__ __forceinline__ T group_sum(T v) {
-#pragma unroll
-  for (int off = kG / 2; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-  return v;
-}
 template <typename T>
-__device__ __forceinline__ T warp_sum(T v) {
-  return group_sum<32>(v);
-}
-template <typename T>
-__device__ __forceinline__ T warp_max(T v) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) v = max_t(v, __shfl_xor_sync(0xffffffffu, v, off));
-  return v;
+__device__ __forceinline__ T warp_max_t(T v) {
+  return warp_fold(v, [](T a, T b) { return max_t(a, b); });
 }
 
-constexpr int kWarp = 32;
 constexpr int kRowWarps = 8;  // rows (one warp each) per block of the row kernels
 
 // ------------------------------------------------------------------------------------ probs path kernels
@@ -192,10 +100,10 @@ __global__ void __launch_bounds__(kRowWarps* kWarp)
   T* row = probs + r * seq_len;
   T mx = neg_inf(T(0));
   for (int j = first + lane; j <= i; j += kWarp) mx = max_t(mx, row[j]);
-  mx = warp_max(mx);
+  mx = warp_max_t(mx);
   T sum = 0;
   for (int j = first + lane; j <= i; j += kWarp) {
-    const T e = exp_t(row[j] - mx);
+    const T e = exp_of(row[j] - mx);
     row[j] = e;
     sum += e;
   }
@@ -404,13 +312,13 @@ __global__ void __launch_bounds__(kFlashThreads)
       mx = max_t(mx, s[jj]);
     }
     const T m_use = mx == neg_inf(T(0)) ? T(0) : mx;
-    const T corr = exp_t(m - m_use);  // 0 while m = -inf (l and o are 0 then)
+    const T corr = exp_of(m - m_use);  // 0 while m = -inf (l and o are 0 then)
     l *= corr;
 #pragma unroll
     for (int e = 0; e < kE; ++e) o[e] *= corr;
 #pragma unroll
     for (int jj = 0; jj < kTile; ++jj) {
-      const T p = exp_t(s[jj] - m_use);  // exp(-inf) = 0 for masked keys
+      const T p = exp_of(s[jj] - m_use);  // exp(-inf) = 0 for masked keys
       l += p;
 #pragma unroll
       for (int c = 0; c < kE / kV; ++c) {
@@ -426,7 +334,7 @@ __global__ void __launch_bounds__(kFlashThreads)
   if (active) {  // every active row saw key j = i, so l >= 1
     T* dst = out + (static_cast<int64_t>(b) * seq_len + i) * out_width + static_cast<int64_t>(h) * head_dim;
     store_row<T, kE, kG>(o, dst, T(1) / l, t, head_dim);
-    if (t == 0) lse[(static_cast<int64_t>(b) * n_head + h) * seq_len + i] = m + log_t(l);
+    if (t == 0) lse[(static_cast<int64_t>(b) * n_head + h) * seq_len + i] = m + log_of(l);
   }
 }
 
@@ -527,7 +435,7 @@ __global__ void __launch_bounds__(kFlashThreads, kDkdvMinBlocks)
         dp = group_sum<kG>(dp);
         const int i = i0 + ii;
         const bool ok = active && i < qhi && j <= i && i < row_hi;
-        const T p = ok ? exp_t(s * scale - lses[ii]) : T(0);
+        const T p = ok ? exp_of(s * scale - lses[ii]) : T(0);
         const T ds = ok ? scale * p * (dp - dsums[ii]) : T(0);
 #pragma unroll
         for (int c = 0; c < kE / kV; ++c) {
@@ -610,7 +518,7 @@ __global__ void __launch_bounds__(kFlashThreads)
       dp = group_sum<kG>(dp);
       const int j = j0 + jj;
       const bool ok = active && j < hi && j >= row_lo && j <= i;
-      const T p = ok ? exp_t(s * scale - lse_i) : T(0);
+      const T p = ok ? exp_of(s * scale - lse_i) : T(0);
       const T ds = ok ? scale * p * (dp - dsum_i) : T(0);
 #pragma unroll
       for (int c = 0; c < kE / kV; ++c) {
@@ -689,7 +597,7 @@ void attention_forward(cublasHandle_t cublas, const T* qkv, T* out, T* probs, in
                        int64_t n_head, int64_t n_kv_head, int64_t head_dim, int64_t window, cudaStream_t stream) {
   const AttnDims d = attention_dims("attention_forward", batch, seq_len, n_head, n_kv_head, head_dim, window);
   if (d.empty) return;
-  const HostPointerMode host_mode(cublas);
+  const BlasHostScalars host_scalars(cublas);
   const T scale = attention_scale<T>(d.hd);
   const int64_t TT = d.T * d.T;
   for (int64_t b = 0; b < d.B; ++b) {
@@ -697,7 +605,7 @@ void attention_forward(cublasHandle_t cublas, const T* qkv, T* out, T* probs, in
     for (int64_t r = 0; r < d.G; ++r) {
       // P_h (T, T) = scale Q_h (T, hd; ld W) K_g (T, hd; ld W)^T.
       // Column-major: gemm(T, N, m = T, n = T, k = hd, K_g ld W, Q_h ld W, P_h ld T).
-      gemm_rm<T>(cublas, false, true, d.T, d.T, d.hd, scale, base + r * d.hd, d.W, d.G * d.hd, base + d.H * d.hd, d.W,
+      gemm_rm(cublas, false, true, d.T, d.T, d.hd, scale, base + r * d.hd, d.W, d.G * d.hd, base + d.H * d.hd, d.W,
                  d.hd, T(0), probs + (b * d.H + r) * TT, d.T, d.G * TT, d.KV, "attention_forward: S = scale Q K^T");
     }
   }
@@ -710,7 +618,7 @@ void attention_forward(cublasHandle_t cublas, const T* qkv, T* out, T* probs, in
     for (int64_t r = 0; r < d.G; ++r) {
       // O_h (T, hd; ld OW) = P_h (T, T; ld T) V_g (T, hd; ld W).
       // Column-major: gemm(N, N, m = hd, n = T, k = T, V_g ld W, P_h ld T, O_h ld OW).
-      gemm_rm<T>(cublas, false, false, d.T, d.hd, d.T, T(1), probs + (b * d.H + r) * TT, d.T, d.G * TT,
+      gemm_rm(cublas, false, false, d.T, d.hd, d.T, T(1), probs + (b * d.H + r) * TT, d.T, d.G * TT,
                  base + (d.H + d.KV) * d.hd, d.W, d.hd, T(0), out + b * d.T * d.OW + r * d.hd, d.OW, d.G * d.hd, d.KV,
                  "attention_forward: O = P V");
     }
@@ -726,7 +634,7 @@ void attention_backward(cublasHandle_t cublas, const T* dout, const T* qkv, cons
                         int64_t head_dim, int64_t window, cudaStream_t stream) {
   const AttnDims d = attention_dims("attention_backward", batch, seq_len, n_head, n_kv_head, head_dim, window);
   if (d.empty) return;
-  const HostPointerMode host_mode(cublas);
+  const BlasHostScalars host_scalars(cublas);
   const T scale = attention_scale<T>(d.hd);
   const int64_t TT = d.T * d.T;
   T* ds = static_cast<T*>(scratch);  // (H, T, T)
@@ -738,7 +646,7 @@ void attention_backward(cublasHandle_t cublas, const T* dout, const T* qkv, cons
     for (int64_t r = 0; r < d.G; ++r) {
       // dP_h (T, T; ld T) = dO_h (T, hd; ld OW) V_g (T, hd; ld W)^T.
       // Column-major: gemm(T, N, m = T, n = T, k = hd, V_g ld W, dO_h ld OW, dP_h ld T).
-      gemm_rm<T>(cublas, false, true, d.T, d.T, d.hd, T(1), dobase + r * d.hd, d.OW, d.G * d.hd,
+      gemm_rm(cublas, false, true, d.T, d.T, d.hd, T(1), dobase + r * d.hd, d.OW, d.G * d.hd,
                  base + (d.H + d.KV) * d.hd, d.W, d.hd, T(0), ds + r * TT, d.T, d.G * TT, d.KV,
                  "attention_backward: dP = dO V^T");
     }
@@ -749,15 +657,15 @@ void attention_backward(cublasHandle_t cublas, const T* dout, const T* qkv, cons
       const T beta = r == 0 ? T(0) : T(1);
       // dQ_h (T, hd; ld W) = dS_h (T, T; ld T) K_g (T, hd; ld W).
       // Column-major: gemm(N, N, m = hd, n = T, k = T, K_g ld W, dS_h ld T, dQ_h ld W).
-      gemm_rm<T>(cublas, false, false, d.T, d.hd, d.T, T(1), ds + r * TT, d.T, d.G * TT, base + d.H * d.hd, d.W, d.hd,
+      gemm_rm(cublas, false, false, d.T, d.hd, d.T, T(1), ds + r * TT, d.T, d.G * TT, base + d.H * d.hd, d.W, d.hd,
                  T(0), dbase + r * d.hd, d.W, d.G * d.hd, d.KV, "attention_backward: dQ = dS K");
       // dK_g (T, hd; ld W) (+)= dS_h^T Q_h (T, hd; ld W).
       // Column-major: gemm(N, T, m = hd, n = T, k = T, Q_h ld W, dS_h ld T, dK_g ld W).
-      gemm_rm<T>(cublas, true, false, d.T, d.hd, d.T, T(1), ds + r * TT, d.T, d.G * TT, base + r * d.hd, d.W,
+      gemm_rm(cublas, true, false, d.T, d.hd, d.T, T(1), ds + r * TT, d.T, d.G * TT, base + r * d.hd, d.W,
                  d.G * d.hd, beta, dbase + d.H * d.hd, d.W, d.hd, d.KV, "attention_backward: dK += dS^T Q");
       // dV_g (T, hd; ld W) (+)= P_h^T dO_h (T, hd; ld OW).
       // Column-major: gemm(N, T, m = hd, n = T, k = T, dO_h ld OW, P_h ld T, dV_g ld W).
-      gemm_rm<T>(cublas, true, false, d.T, d.hd, d.T, T(1), pbase + r * TT, d.T, d.G * TT, dobase + r * d.hd, d.OW,
+      gemm_rm(cublas, true, false, d.T, d.hd, d.T, T(1), pbase + r * TT, d.T, d.G * TT, dobase + r * d.hd, d.OW,
                  d.G * d.hd, beta, dbase + (d.H + d.KV) * d.hd, d.W, d.hd, d.KV, "attention_backward: dV += P^T dO");
     }
   }

@@ -113,6 +113,7 @@ BackendCapabilities CudaBackend::capabilities() const {
   caps.dora = dora_ops_complete();
   caps.nf4 = nf4_ops_complete();
   caps.int_weights = int_weight_ops_complete();
+  caps.kv_cache = decode_ops_complete();
   return caps;
 }
 

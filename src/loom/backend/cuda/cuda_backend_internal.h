@@ -50,6 +50,26 @@ bool compress_ops_complete();        // cuda_compress_ops.cpp   gradient_compres
 bool dora_ops_complete();            // cuda_weight_ops.cpp     dora
 bool nf4_ops_complete();             // cuda_weight_ops.cpp     nf4
 bool int_weight_ops_complete();      // cuda_weight_ops.cpp     int_weights
+bool decode_ops_complete();          // cuda_decode_ops.cpp     kv_cache
+
+// Page-locked host memory for an op's small host -> device tables (kv_attention's plan), kept and
+// grown across calls. acquire() first waits for the previous copy out of the buffer (an event, not
+// the stream), so the host never rewrites a buffer an enqueued copy still reads; upload() enqueues
+// the copy on the stream and records the event. Defined in cuda_decode_ops.cpp.
+class PinnedStaging {
+ public:
+  PinnedStaging() = default;
+  ~PinnedStaging();
+  PinnedStaging(const PinnedStaging&) = delete;
+  PinnedStaging& operator=(const PinnedStaging&) = delete;
+  void* acquire(size_t bytes);
+  void upload(void* device, size_t bytes, cudaStream_t stream);
+
+ private:
+  void* host_ = nullptr;
+  size_t capacity_ = 0;
+  cudaEvent_t copied_ = nullptr;
+};
 
 // Device memory through the block cache; zeroing runs on the backend's stream.
 class CudaAllocator final : public Allocator {
@@ -215,6 +235,8 @@ class CudaBackend final : public Backend {
   void nf4_dequantize(const Tensor& codes, const Tensor& absmax_codes, const Tensor& absmax_steps, const Nf4Spec& spec, int64_t first, const Tensor& out) override;
   void int_linear(const Tensor& x, const Tensor& codes, const Tensor& scales, const Tensor& zeros, const IntWeightSpec& spec, const Tensor* input_scale, const Tensor& y, float beta, const Tensor* bias) override;
   void int_dequantize(const Tensor& codes, const Tensor& scales, const Tensor& zeros, const IntWeightSpec& spec, const Tensor* input_scale, const Tensor& out) override;
+  // ---- cuda_decode_ops.cpp: decode attention over a paged, quantized KV cache (cuda_decode.cu)
+  void kv_attention(const KvAttendPlan& plan, const Tensor& q, const Tensor& pool, const Tensor& rings, const Tensor& out) override;
 
   // ---- For the op files: the libraries' handles, scratch, fixed-order sums, the bad-id flag.
   cublasHandle_t cublas() const { return cublas_; }
@@ -253,6 +275,7 @@ class CudaBackend final : public Backend {
   cublasLtHandle_t lt_ = nullptr;
   cublasHandle_t cublas_ = nullptr;
   Tensor lt_workspace_, flags_, partials_, workspace_;
+  PinnedStaging kv_staging_;  // kv_attention's plan table on its way to the workspace
 };
 
 }  // namespace loom::cuda_backend_detail

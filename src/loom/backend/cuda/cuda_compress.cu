@@ -58,12 +58,10 @@
 //                  Block of (32 columns x 8 rows), p and q tiles of 32 ranks in shared memory.
 //
 // Determinism: no floating-point atomics. The only atomics are the integer atomicMin on the
-// backend's "bad index" slot (order-independent) and those inside CUB's radix sort, whose result
-// (a stable sort) is unique.
+// backend's "bad index" slot (order-independent) and those inside the library's radix sort
+// (cuda_sort.h: CUB, or rocPRIM under HIP), whose result (a stable sort) is unique.
+#include "loom/backend/cuda/cuda_device.h"  // first: the portability layer (docs/accelerators.md)
 #include "loom/backend/cuda/cuda_compress.h"
-
-#include <cub/device/device_radix_sort.cuh>
-#include <cuda_runtime.h>
 
 #include <algorithm>
 #include <climits>
@@ -73,6 +71,7 @@
 #include "loom/backend/cuda/cuda_check.h"
 #include "loom/backend/cuda/cuda_launch.h"
 #include "loom/backend/cuda/cuda_philox.h"
+#include "loom/backend/cuda/cuda_sort.h"
 #include "loom/core/error.h"
 
 namespace loom::cuda {
@@ -80,46 +79,11 @@ namespace {
 
 // ---------------------------------------------------------------- launch shapes
 constexpr int kBlock = 256;           // threads per block
-constexpr int64_t kMaxBlocks = 8192;  // grid cap of grid-stride kernels
-constexpr int kWarp = 32;
-constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kSeqChunk = 2048;       // seq_sum: elements per staged chunk
 constexpr int kTile = 32;             // project / expand: tile edge
 
-unsigned grid_for(int64_t items, int64_t per_block) {
-  const int64_t blocks = (items + per_block - 1) / per_block;
-  return static_cast<unsigned>(std::clamp<int64_t>(blocks, 1, kMaxBlocks));
-}
-
-__device__ __forceinline__ int64_t thread_index() {
-  return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-}
-__device__ __forceinline__ int64_t thread_count() { return static_cast<int64_t>(gridDim.x) * blockDim.x; }
-__device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
-
-// ---------------------------------------------------------------- exact arithmetic
-// mul_rn: a product rounded once, never contracted into a following add (g++ contracts under
-// -ffp-contract=fast, hence the register barrier in the simulator build). fma_rn: one rounding.
-#ifdef LOOM_CUDA_SIM
-template <typename T>
-inline T mul_rn(T a, T b) {
-  T p = a * b;
-#if defined(__x86_64__)
-  __asm__("" : "+x"(p));
-#else
-  volatile T barrier = p;
-  p = barrier;
-#endif
-  return p;
-}
-inline float fma_rn(float a, float b, float c) { return std::fma(a, b, c); }
-inline double fma_rn(double a, double b, double c) { return std::fma(a, b, c); }
-#else
-__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
-__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
-__device__ __forceinline__ float fma_rn(float a, float b, float c) { return __fmaf_rn(a, b, c); }
-__device__ __forceinline__ double fma_rn(double a, double b, double c) { return __fma_rn(a, b, c); }
-#endif
+// (kWarp, grid_for, thread_index / thread_count, min64, mul_rn / fma_rn, ballot: cuda_device.h.
+// mul_rn: a product rounded once, never contracted into a following add; fma_rn: one rounding.)
 
 // core/philox.h's philox_uniform: in (0, 1), the top 24 bits.
 __device__ __forceinline__ float philox_uniform(uint32_t bits) {
@@ -252,7 +216,7 @@ __global__ void onebit_encode_kernel(float* e, int64_t n, int64_t words, uint32_
     const bool valid = i < n;
     const float x = valid ? e[i] : 0.0f;
     const bool negative = valid && x < 0.0f;
-    const uint32_t bits = __ballot_sync(kFullMask, negative);
+    const uint32_t bits = ballot(negative);
     if (lane == 0) out_words[q] = bits;
     if (valid) e[i] = x - (negative ? -s : s);
   }
@@ -373,7 +337,6 @@ int key_bits(uint64_t max_key) {
   while (bits < 32 && (uint64_t{1} << bits) <= max_key) ++bits;
   return bits;
 }
-size_t align_up(size_t bytes) { return (bytes + 255) / 256 * 256; }
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 __global__ void scatter_zero_kernel(const int32_t* idx, int64_t m, float* x, int64_t n,
@@ -602,79 +565,64 @@ void launch_seq_sum(const float* x, int64_t n, double clip, float* scalar, int* 
 
 // ---------------------------------------------------------------- launchers
 // Top-K scratch: keys (n uint32), sorted keys (n), sorted indices (n), each 256-aligned, then
-// CUB's temporary storage for the larger of the two sorts. The first sort's input indices are
+// the sort's temporary storage for the larger of the two sorts. The first sort's input indices are
 // the op's own scratch operand (iota).
 size_t topk_scratch_bytes(int64_t n, int64_t k) {
-  size_t sort_n = 0, sort_k = 0;
-  LOOM_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, sort_n, static_cast<const uint32_t*>(nullptr),
-                                                  static_cast<uint32_t*>(nullptr), static_cast<const uint32_t*>(nullptr),
-                                                  static_cast<uint32_t*>(nullptr), static_cast<int>(n), 0, 31));
-  LOOM_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, sort_k, static_cast<const uint32_t*>(nullptr),
-                                                  static_cast<uint32_t*>(nullptr), static_cast<const uint32_t*>(nullptr),
-                                                  static_cast<uint32_t*>(nullptr), static_cast<int>(k), 0,
-                                                  key_bits(static_cast<uint64_t>(n - 1))));
-  return 3 * align_up(static_cast<size_t>(n) * sizeof(uint32_t)) + std::max(sort_n, sort_k);
+  const size_t sort_n = radix_sort_pairs_bytes(n, 31);
+  const size_t sort_k = radix_sort_pairs_bytes(k, key_bits(static_cast<uint64_t>(n - 1)));
+  return 3 * align256(static_cast<size_t>(n) * sizeof(uint32_t)) + std::max(sort_n, sort_k);
 }
 
 void topk_extract(float* acc, int64_t n, int32_t* idx, float* val, int64_t k, uint32_t* iota, void* scratch,
                   cudaStream_t stream) {
   if (n <= 0 || k <= 0) return;
   LOOM_CHECK(n <= INT32_MAX, "topk_extract: ", n, " elements, at most ", INT32_MAX, " supported");
-  const size_t array = align_up(static_cast<size_t>(n) * sizeof(uint32_t));
+  const size_t array = align256(static_cast<size_t>(n) * sizeof(uint32_t));
   char* base = static_cast<char*>(scratch);
   uint32_t* keys = reinterpret_cast<uint32_t*>(base);
   uint32_t* keys_sorted = reinterpret_cast<uint32_t*>(base + array);
   uint32_t* order = reinterpret_cast<uint32_t*>(base + 2 * array);
   void* cub_temp = base + 3 * array;
-  size_t cub_bytes = topk_scratch_bytes(n, k) - 3 * array;
+  const size_t cub_bytes = topk_scratch_bytes(n, k) - 3 * array;
 
   launch<topk_keys_kernel>(grid_for(n, kBlock), kBlock, 0, stream, acc, n, keys, iota);
   LOOM_CUDA_CHECK_LAUNCH();
   // Ascending keys = descending |acc|; stable, so equal magnitudes keep the lower index first.
-  LOOM_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(cub_temp, cub_bytes, static_cast<const uint32_t*>(keys), keys_sorted,
-                                                  static_cast<const uint32_t*>(iota), order, static_cast<int>(n), 0, 31,
-                                                  stream));
+  radix_sort_pairs(cub_temp, cub_bytes, keys, keys_sorted, iota, order, n, 31, stream);
   LOOM_CUDA_CHECK_LAUNCH();
   // The k selected indices in ascending order (keys and values both the indices; the outputs
   // reuse the first sort's key arrays).
-  LOOM_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(cub_temp, cub_bytes, static_cast<const uint32_t*>(order), keys,
-                                                  static_cast<const uint32_t*>(order), keys_sorted, static_cast<int>(k),
-                                                  0, key_bits(static_cast<uint64_t>(n - 1)), stream));
+  radix_sort_pairs(cub_temp, cub_bytes, order, keys, order, keys_sorted, k, key_bits(static_cast<uint64_t>(n - 1)),
+                   stream);
   LOOM_CUDA_CHECK_LAUNCH();
   launch<topk_gather_kernel>(grid_for(k, kBlock), kBlock, 0, stream, keys, k, acc, idx, val);
   LOOM_CUDA_CHECK_LAUNCH();
 }
 
-// Scatter-add scratch: keys and positions, in and out (m uint32 each, 256-aligned), then CUB's
+// Scatter-add scratch: keys and positions, in and out (m uint32 each, 256-aligned), then the sort's
 // temporary storage for m pairs of key_bits(bad_key(n)) bits.
 size_t scatter_add_scratch_bytes(int64_t m, int64_t n) {
   if (m <= 0) return 0;
-  size_t cub_bytes = 0;
-  LOOM_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, cub_bytes, static_cast<const uint32_t*>(nullptr),
-                                                  static_cast<uint32_t*>(nullptr), static_cast<const uint32_t*>(nullptr),
-                                                  static_cast<uint32_t*>(nullptr), static_cast<int>(m), 0,
-                                                  key_bits(bad_key(n))));
-  return 4 * align_up(static_cast<size_t>(m) * sizeof(uint32_t)) + cub_bytes;
+  const size_t cub_bytes = radix_sort_pairs_bytes(m, key_bits(bad_key(n)));
+  return 4 * align256(static_cast<size_t>(m) * sizeof(uint32_t)) + cub_bytes;
 }
 
 void scatter_add(const int32_t* idx, const float* val, int64_t m, float* out, int64_t n, void* scratch,
                  unsigned long long* bad_position, cudaStream_t stream) {
   if (m <= 0) return;
   LOOM_CHECK(m <= INT32_MAX, "scatter_add: ", m, " indices, at most ", INT32_MAX, " supported");
-  const size_t array = align_up(static_cast<size_t>(m) * sizeof(uint32_t));
+  const size_t array = align256(static_cast<size_t>(m) * sizeof(uint32_t));
   char* base = static_cast<char*>(scratch);
   uint32_t* keys_in = reinterpret_cast<uint32_t*>(base);
   uint32_t* keys_out = reinterpret_cast<uint32_t*>(base + array);
   uint32_t* pos_in = reinterpret_cast<uint32_t*>(base + 2 * array);
   uint32_t* pos_out = reinterpret_cast<uint32_t*>(base + 3 * array);
   void* cub_temp = base + 4 * array;
-  size_t cub_bytes = scatter_add_scratch_bytes(m, n) - 4 * array;
+  const size_t cub_bytes = scatter_add_scratch_bytes(m, n) - 4 * array;
   const uint32_t bad = bad_key(n);
   launch<scatter_keys_kernel>(grid_for(m, kBlock), kBlock, 0, stream, idx, m, n, bad, keys_in, pos_in, bad_position);
   LOOM_CUDA_CHECK_LAUNCH();
-  LOOM_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(cub_temp, cub_bytes, static_cast<const uint32_t*>(keys_in), keys_out,
-                                                  static_cast<const uint32_t*>(pos_in), pos_out, static_cast<int>(m), 0,
-                                                  key_bits(bad), stream));
+  radix_sort_pairs(cub_temp, cub_bytes, keys_in, keys_out, pos_in, pos_out, m, key_bits(bad), stream);
   LOOM_CUDA_CHECK_LAUNCH();
   launch<scatter_runs_kernel>(grid_for(m, kBlock), kBlock, 0, stream, keys_out, pos_out, val, m, out, bad);
   LOOM_CUDA_CHECK_LAUNCH();

@@ -27,8 +27,7 @@
 //             128): S = Q K^T, dP = dO V^T, dS = P o (dP - D), dQ += dS K, scaled at the end.
 //   D         D = rowsum(dO o O) in fp32, one warp per (b, t, h) row.
 // Fully masked MMA tiles above the diagonal are skipped (a warp-uniform test).
-#include <cuda_runtime_api.h>
-#include <math_constants.h>
+#include "loom/backend/cuda/cuda_device.h"  // first: the portability layer (docs/accelerators.md)
 
 #include <climits>
 #include <cmath>
@@ -49,7 +48,7 @@ using mma::mma_m16n8k16_bf16;
 using mma::pack_bf16x2;
 using mma::pair_bf16;
 
-constexpr int kWarpSize = 32;
+constexpr int kWarpSize = kWarp;  // cuda_device.h's logical warp
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * kWarpSize;
 constexpr int kWarpRows = 16;                    // rows of one MMA A block
@@ -147,12 +146,12 @@ __device__ __forceinline__ void b_from_cols(uint32_t (&b)[2], const uint32_t (*t
 }
 
 __device__ __forceinline__ float quad_max(float v) {
-  v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
-  return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+  v = fmaxf(v, shfl_xor(v, 1));
+  return fmaxf(v, shfl_xor(v, 2));
 }
 __device__ __forceinline__ float quad_sum(float v) {  // the same bits on the 4 lanes
-  v += __shfl_xor_sync(0xffffffffu, v, 1);
-  return v + __shfl_xor_sync(0xffffffffu, v, 2);
+  v += shfl_xor(v, 1);
+  return v + shfl_xor(v, 2);
 }
 
 // ---------------------------------------------------------------- forward
@@ -290,8 +289,7 @@ __global__ void __launch_bounds__(kDsumWarps* kWarpSize)
   const float* y = out + r * head_dim;
   float acc = 0.0f;
   for (int d = lane; d < head_dim; d += kWarpSize) acc += x[d] * y[d];
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  acc = warp_sum(acc);
   const int64_t bt = r / n_head, h = r % n_head, b = bt / seq_len, i = bt % seq_len;
   if (lane == 0) dsum[(b * n_head + h) * seq_len + i] = acc;
 }

@@ -33,13 +33,11 @@
 // Determinism: no floating-point atomics. Every sum has a fixed shape (fixed partition into
 // threads, fixed shuffle trees, partials combined in index order), so a run is bitwise equal to
 // the previous one on the same GPU. The only atomics are integer atomicMin on the "bad id" slot
-// (order-independent) and the integer atomics inside CUB's radix sort (whose output, a stable
-// sort, is unique).
+// (order-independent) and the integer atomics inside the library's radix sort (CUB, or rocPRIM
+// under HIP: cuda_sort.h; its output, a stable sort, is unique).
 
+#include "loom/backend/cuda/cuda_device.h"  // first: the portability layer (docs/accelerators.md)
 #include "loom/backend/cuda/cuda_kernels.h"
-
-#include <cub/device/device_radix_sort.cuh>
-#include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cfloat>
@@ -48,29 +46,17 @@
 
 #include "loom/backend/cuda/cuda_check.h"
 #include "loom/backend/cuda/cuda_launch.h"
+#include "loom/backend/cuda/cuda_sort.h"
 #include "loom/backend/scalar_math.h"
 
 namespace loom::cuda {
 namespace {
 
 // ---------------------------------------------------------------- launch shapes
-constexpr int kBlock = 256;            // threads per block of the 1-D kernels
-constexpr int64_t kMaxBlocks = 8192;   // grid cap of grid-stride kernels (H100: 132 SMs x 2048 threads)
-constexpr int kWarp = 32;
-constexpr unsigned kFullMask = 0xffffffffu;
+// (kWarp, kMaxBlocks, grid_for, thread_index / thread_count, warp_sum, sqrt_of, log_of: cuda_device.h)
+constexpr int kBlock = 256;                    // threads per block of the 1-D kernels
 constexpr int kRowsPerBlock = kBlock / kWarp;  // warp-per-row kernels: 8 rows per block
 constexpr int kCeBlock = 512;                  // cross entropy: one block of 512 threads per row
-
-// Blocks for `items` work items at `per_block` items per block, at least 1, at most kMaxBlocks.
-unsigned grid_for(int64_t items, int64_t per_block) {
-  const int64_t blocks = (items + per_block - 1) / per_block;
-  return static_cast<unsigned>(std::clamp<int64_t>(blocks, 1, kMaxBlocks));
-}
-
-__device__ __forceinline__ int64_t thread_index() {
-  return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-}
-__device__ __forceinline__ int64_t thread_count() { return static_cast<int64_t>(gridDim.x) * blockDim.x; }
 
 // ---------------------------------------------------------------- scalar math
 // exp, tanh and sigmoid: backend/scalar_math.h's, the CPU kernels' own functions.
@@ -78,25 +64,6 @@ using math::exp_t;
 using math::fast_exp;
 using math::sigmoid_t;
 using math::tanh_t;
-
-template <typename T>
-__device__ __forceinline__ T sqrt_t(T x) {
-  if constexpr (sizeof(T) == 4) return sqrtf(x);
-  else return ::sqrt(x);
-}
-
-template <typename T>
-__device__ __forceinline__ T log_t(T x) {
-  if constexpr (sizeof(T) == 4) return logf(x);
-  else return ::log(x);
-}
-
-// Butterfly sum over the 32 lanes: every lane ends with the same, fixed-order value.
-template <typename T>
-__device__ __forceinline__ T warp_sum(T v) {
-  for (int offset = kWarp / 2; offset > 0; offset >>= 1) v += __shfl_xor_sync(kFullMask, v, offset);
-  return v;
-}
 
 // ---------------------------------------------------------------- elementwise
 // Grid-stride, kBlock threads, grid_for(n, kBlock) blocks.
@@ -310,7 +277,7 @@ __global__ void embedding_forward_kernel(const int32_t* tokens, const T* table, 
   }
 }
 
-// embedding_backward, dtable part. A stable radix sort (CUB) of the pairs (key = token id, or
+// embedding_backward, dtable part. A stable radix sort (cuda_sort.h) of the pairs (key = token id, or
 // bad_key(vocab) for an id outside [0, vocab), value = position) puts the positions of each token id
 // together, in increasing position order. A segment is a run of equal keys; its rows are summed
 // and added to dtable[key] by one block per 128-column slab, so each dtable element has exactly
@@ -415,10 +382,8 @@ int key_bits(int64_t vocab) {
   return bits;
 }
 
-size_t align_up(size_t bytes) { return (bytes + 255) / 256 * 256; }
-
 // Scratch layout of embedding_backward: keys_in, keys_out, positions_in, positions_out (uint32 x N
-// each, 256-byte aligned), then CUB's temporary storage (CUB aligns inside it itself).
+// each, 256-byte aligned), then the sort's temporary storage (the library aligns inside it itself).
 struct SortLayout {
   size_t array_bytes = 0;  // one uint32 array, rounded up to 256
   size_t cub_bytes = 0;
@@ -429,12 +394,8 @@ SortLayout sort_layout(int64_t n_tokens, int64_t vocab) {
   SortLayout layout;
   if (n_tokens <= 0) return layout;
   LOOM_CHECK(n_tokens <= INT32_MAX, "embedding_backward: ", n_tokens, " tokens, at most ", INT32_MAX, " supported");
-  layout.array_bytes = align_up(static_cast<size_t>(n_tokens) * sizeof(uint32_t));
-  LOOM_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, layout.cub_bytes, static_cast<const uint32_t*>(nullptr),
-                                                  static_cast<uint32_t*>(nullptr),
-                                                  static_cast<const uint32_t*>(nullptr),
-                                                  static_cast<uint32_t*>(nullptr), static_cast<int>(n_tokens), 0,
-                                                  key_bits(vocab)));
+  layout.array_bytes = align256(static_cast<size_t>(n_tokens) * sizeof(uint32_t));
+  layout.cub_bytes = radix_sort_pairs_bytes(n_tokens, key_bits(vocab));
   return layout;
 }
 
@@ -453,7 +414,7 @@ __global__ void layernorm_forward_kernel(const T* x, const T* w, const T* b, T* 
     const T m = warp_sum(sum) / static_cast<T>(channels);
     T var = 0;
     for (int64_t c = lane; c < channels; c += kWarp) var += (xr[c] - m) * (xr[c] - m);
-    const T s = T(1) / sqrt_t(warp_sum(var) / static_cast<T>(channels) + eps);
+    const T s = T(1) / sqrt_of(warp_sum(var) / static_cast<T>(channels) + eps);
     T* o = out + r * channels;
     for (int64_t c = lane; c < channels; c += kWarp) o[c] = (xr[c] - m) * s * w[c] + b[c];
     if (lane == 0) {
@@ -495,7 +456,7 @@ __global__ void rmsnorm_forward_kernel(const T* x, const T* w, T* out, T* rstd, 
     const T* xr = x + r * channels;
     T ss = 0;
     for (int64_t c = lane; c < channels; c += kWarp) ss += xr[c] * xr[c];
-    const T s = T(1) / sqrt_t(warp_sum(ss) / static_cast<T>(channels) + eps);
+    const T s = T(1) / sqrt_of(warp_sum(ss) / static_cast<T>(channels) + eps);
     T* o = out + r * channels;
     for (int64_t c = lane; c < channels; c += kWarp) o[c] = xr[c] * s * w[c];
     if (lane == 0) rstd[r] = s;
@@ -646,8 +607,8 @@ __global__ void __launch_bounds__(kCeBlock) cross_entropy_forward_kernel(const T
       }
     }
     for (int offset = kWarp / 2; offset > 0; offset >>= 1) {
-      const T max2 = __shfl_down_sync(kFullMask, max, offset);
-      const T sum2 = __shfl_down_sync(kFullMask, sum, offset);
+      const T max2 = shfl_down(max, offset);
+      const T sum2 = shfl_down(sum, offset);
       lse_combine(max, sum, max2, sum2);
     }
     if (lane == 0) {
@@ -659,12 +620,12 @@ __global__ void __launch_bounds__(kCeBlock) cross_entropy_forward_kernel(const T
       max = lane < kWarps ? warp_max[lane] : lowest;
       sum = lane < kWarps ? warp_sums[lane] : T(0);
       for (int offset = kWarp / 2; offset > 0; offset >>= 1) {
-        const T max2 = __shfl_down_sync(kFullMask, max, offset);
-        const T sum2 = __shfl_down_sync(kFullMask, sum, offset);
+        const T max2 = shfl_down(max, offset);
+        const T sum2 = shfl_down(sum, offset);
         lse_combine(max, sum, max2, sum2);
       }
       if (lane == 0) {
-        const T l = max + log_t(sum);
+        const T l = max + log_of(sum);
         lse[r] = l;
         losses[r] = l - x[target];
       }
@@ -710,7 +671,7 @@ __global__ void adamw_kernel(T* p, const T* grad, T* m, T* v, int64_t n, T lr, T
     v[i] = vi;
     const T mhat = mi / bias1;
     const T vhat = vi / bias2;
-    p[i] = p[i] * decay - lr * mhat / (sqrt_t(vhat) + eps);
+    p[i] = p[i] * decay - lr * mhat / (sqrt_of(vhat) + eps);
   }
 }
 
@@ -798,7 +759,7 @@ void embedding_forward(const int32_t* tokens, const T* table, const T* positions
 }
 
 // 4 uint32 arrays of n_tokens (sort keys and positions, in and out), each rounded up to 256 bytes,
-// plus CUB's radix-sort temporary storage for n_tokens pairs of key_bits(vocab) bits. dpositions
+// plus the radix sort's temporary storage for n_tokens pairs of key_bits(vocab) bits. dpositions
 // needs none. Independent of channels and of the element size.
 size_t embedding_backward_scratch_bytes(int64_t n_tokens, int64_t seq_len, int64_t channels, int64_t vocab,
                                         size_t elem_bytes) {
@@ -827,10 +788,7 @@ void embedding_backward(const int32_t* tokens, const T* dout, T* dtable, T* dpos
   LOOM_CUDA_CHECK_LAUNCH();
   if (channels <= 0) return;
 
-  size_t cub_bytes = layout.cub_bytes;
-  LOOM_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(cub_temp, cub_bytes, static_cast<const uint32_t*>(keys_in), keys_out,
-                                                  static_cast<const uint32_t*>(pos_in), pos_out,
-                                                  static_cast<int>(n_tokens), 0, key_bits(vocab), stream));
+  radix_sort_pairs(cub_temp, layout.cub_bytes, keys_in, keys_out, pos_in, pos_out, n_tokens, key_bits(vocab), stream);
   LOOM_CUDA_CHECK_LAUNCH();
 
   const dim3 grid(static_cast<unsigned>((channels + kSlab - 1) / kSlab),

@@ -8,12 +8,12 @@
 // gradients reduce per-block partials in a fixed order, so two runs are bitwise equal.
 // Launchers that need scratch take `scratch` of at least the matching *_scratch_bytes().
 #pragma once
-#include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
 #include <cstdint>
 
+#include "loom/backend/cuda/cuda_blas.h"  // cublasHandle_t
 #include "loom/backend/rope.h"
 
 namespace loom::cuda {

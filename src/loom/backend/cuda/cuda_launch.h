@@ -5,8 +5,10 @@
 // is kernel<<<grid, block, shared_bytes, stream>>>(args...) in the nvcc build. In the simulator
 // build (-DLOOM_CUDA=SIM, or the cuda_sim tests; docs/cuda.md "The simulator") the same call runs
 // the kernel on the CPU through loom::sim::launch, which checks the launch as a GPU does and names
-// the kernel (with its template arguments) in every report. Either way a failed launch surfaces
-// through cudaGetLastError (LOOM_CUDA_CHECK_LAUNCH).
+// the kernel (with its template arguments) in every report. Under hipcc the same triple-chevron
+// launch is hip-clang's (HIP Programming Guide, "Kernel launch"; <cuda_runtime.h> is then
+// hip/include/'s, which includes cuda_device.h). Either way a failed launch surfaces through
+// cudaGetLastError (LOOM_CUDA_CHECK_LAUNCH).
 #pragma once
 #include <cuda_runtime.h>
 

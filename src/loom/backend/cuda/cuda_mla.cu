@@ -26,15 +26,13 @@
 //
 // Determinism: no atomics. cuBLAS calls are reproducible for a fixed GPU and toolkit; the row
 // kernels' sums are fixed xor butterflies and fixed block trees; loops along j or k run in order.
+#include "loom/backend/cuda/cuda_device.h"  // first: the portability layer (docs/accelerators.md)
 #include "loom/backend/cuda/cuda_mla.h"
-
-#include <cublas_v2.h>
-#include <cuda_runtime.h>
-#include <math_constants.h>
 
 #include <algorithm>
 #include <cstdint>
 
+#include "loom/backend/cuda/cuda_blas.h"
 #include "loom/backend/cuda/cuda_check.h"
 #include "loom/backend/cuda/cuda_launch.h"
 #include "loom/core/error.h"
@@ -42,92 +40,11 @@
 namespace loom::cuda {
 namespace {
 
-constexpr int kWarp = 32;
-constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kBlock = 256;
 constexpr int kRowWarps = kBlock / kWarp;
-constexpr int64_t kMaxBlocks = 8192;
 
-unsigned grid_for(int64_t items, int64_t per_block) {
-  const int64_t blocks = (items + per_block - 1) / per_block;
-  return static_cast<unsigned>(std::clamp<int64_t>(blocks, 1, kMaxBlocks));
-}
-
-__device__ __forceinline__ int64_t thread_index() {
-  return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-}
-__device__ __forceinline__ int64_t thread_count() { return static_cast<int64_t>(gridDim.x) * blockDim.x; }
-
-template <typename T>
-__device__ __forceinline__ T warp_sum(T v) {
-#pragma unroll
-  for (int off = kWarp / 2; off > 0; off >>= 1) v += __shfl_xor_sync(kFullMask, v, off);
-  return v;
-}
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int off = kWarp / 2; off > 0; off >>= 1) {
-    const float o = __shfl_xor_sync(kFullMask, v, off);
-    v = o > v ? o : v;
-  }
-  return v;
-}
-
-// Fixed-tree reductions over the kBlock threads (every thread calls; all get the result).
-template <typename T, typename Op>
-__device__ __forceinline__ T block_reduce(T v, T* shared, Op op) {
-  __syncthreads();  // earlier readers of `shared` are done
-  shared[threadIdx.x] = v;
-  __syncthreads();
-  for (int half = kBlock / 2; half > 0; half >>= 1) {
-    if (static_cast<int>(threadIdx.x) < half) shared[threadIdx.x] = op(shared[threadIdx.x], shared[threadIdx.x + half]);
-    __syncthreads();
-  }
-  return shared[0];
-}
-
-// ------------------------------------------------------------------------------------ cuBLAS
-void check_cublas(cublasStatus_t status, const char* what) {
-  if (status != CUBLAS_STATUS_SUCCESS) {
-    throw ::loom::Error(::loom::str_cat("cuBLAS error ", static_cast<int>(status), " (", cublasGetStatusName(status),
-                                        ") in ", what));
-  }
-}
-
-// alpha / beta are host pointers: make the handle read them so, and restore its mode after.
-class HostPointerMode {
- public:
-  explicit HostPointerMode(cublasHandle_t handle) : handle_(handle) {
-    check_cublas(cublasGetPointerMode(handle_, &previous_), "cublasGetPointerMode");
-    if (previous_ != CUBLAS_POINTER_MODE_HOST) {
-      check_cublas(cublasSetPointerMode(handle_, CUBLAS_POINTER_MODE_HOST), "cublasSetPointerMode");
-    }
-  }
-  ~HostPointerMode() {
-    if (previous_ != CUBLAS_POINTER_MODE_HOST) (void)cublasSetPointerMode(handle_, previous_);
-  }
-  HostPointerMode(const HostPointerMode&) = delete;
-  HostPointerMode& operator=(const HostPointerMode&) = delete;
-
- private:
-  cublasHandle_t handle_;
-  cublasPointerMode_t previous_ = CUBLAS_POINTER_MODE_HOST;
-};
-
-// Row-major strided-batched fp32 GEMM (true fp32: no TF32), for p in [0, batch):
-//   C_p (m, n) = alpha op(A_p) op(B_p) + beta C_p,  X_p = X + p stride_x, leading dims ld*.
-// As column-major: C^T = op(B)^T op(A)^T, i.e. gemm(op_b, op_a, n, m, k, B, A, C).
-void gemm_rm(cublasHandle_t handle, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
-             const float* a, int64_t lda, int64_t stride_a, const float* b, int64_t ldb, int64_t stride_b, float beta,
-             float* c, int64_t ldc, int64_t stride_c, int64_t batch, const char* what) {
-  check_cublas(cublasGemmStridedBatchedEx(handle, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
-                                          static_cast<int>(n), static_cast<int>(m), static_cast<int>(k), &alpha, b,
-                                          CUDA_R_32F, static_cast<int>(ldb), static_cast<long long>(stride_b), a,
-                                          CUDA_R_32F, static_cast<int>(lda), static_cast<long long>(stride_a), &beta, c,
-                                          CUDA_R_32F, static_cast<int>(ldc), static_cast<long long>(stride_c),
-                                          static_cast<int>(batch), CUBLAS_COMPUTE_32F_PEDANTIC, CUBLAS_GEMM_DEFAULT),
-               what);
-}
+// (grid_for, thread_index / thread_count, warp_sum, warp_max, block_fold: cuda_device.h; the
+// GEMMs: cuda_blas.h.)
 
 // ------------------------------------------------------------------------------------ RoPE
 __global__ void mla_rope_kernel(float* x, int64_t rows, int64_t seq_len, int64_t width, int64_t heads, int64_t stride,
@@ -236,14 +153,14 @@ __global__ void __launch_bounds__(kBlock)
     if (lane == 0) sc[j] = s;
     mx = s > mx ? s : mx;
   }
-  mx = block_reduce(mx, fred, [](float a, float b) { return a > b ? a : b; });
+  mx = block_fold<kBlock>(mx, fred, [](float a, float b) { return a > b ? a : b; });
   double sum = 0.0;
   for (int64_t j = threadIdx.x; j < count; j += kBlock) {
     const float e = expf(sc[j] - mx);
     sc[j] = e;
     sum += e;
   }
-  sum = block_reduce(sum, dred, [](double a, double b) { return a + b; });
+  sum = block_fold<kBlock>(sum, dred, [](double a, double b) { return a + b; });
   const float inv = static_cast<float>(1.0 / sum);
   for (int64_t k = threadIdx.x; k < dc; k += kBlock) {  // ctx = sum_j p(j) c'(j), j in order
     float acc = 0.0f;
@@ -274,7 +191,7 @@ void mla_rope(float* x, int64_t rows, int64_t seq_len, int64_t width, int64_t he
 void mla_attention_forward(cublasHandle_t cublas, const float* q, const float* kr, const float* kv, float* probs,
                            float* out, const MlaShape& s, cudaStream_t stream) {
   if (s.B == 0 || s.T == 0) return;
-  const HostPointerMode host_mode(cublas);
+  const BlasHostScalars host_scalars(cublas);
   const int64_t T = s.T, H = s.H, qk = s.dn + s.dr, kvw = s.dn + s.dv, TT = T * T;
   for (int64_t b = 0; b < s.B; ++b) {
     const float* qb = q + b * T * H * qk;
@@ -306,7 +223,7 @@ void mla_attention_backward(cublasHandle_t cublas, const float* q, const float* 
                             const float* probs, const float* dout, float* dq, float* dkv, float* dkr, void* scratch,
                             const MlaShape& s, cudaStream_t stream) {
   if (s.B == 0 || s.T == 0) return;
-  const HostPointerMode host_mode(cublas);
+  const BlasHostScalars host_scalars(cublas);
   const int64_t T = s.T, H = s.H, qk = s.dn + s.dr, kvw = s.dn + s.dv, TT = T * T, HT = H * T;
   float* ds = static_cast<float*>(scratch);  // (T, H, T): row (i, h) at (i H + h) T
   for (int64_t b = 0; b < s.B; ++b) {

@@ -3,12 +3,12 @@
 // nothing synchronized. The op file (cuda_mla_ops.cpp) validates the operands with the CPU's
 // checks; the semantics are backend.h's mla_* and the CPU's (cpu/cpu_mla_ops.cpp). f32 only.
 #pragma once
-#include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
 #include <cstdint>
 
+#include "loom/backend/cuda/cuda_blas.h"  // cublasHandle_t
 #include "loom/backend/rope.h"
 
 namespace loom::cuda {

@@ -23,18 +23,19 @@
 // pack(c0[2], c0[3]), a[2] = pack(c1[0], c1[1]), a[3] = pack(c1[2], c1[3]) (acc_to_a below).
 //
 // nvcc build: the inline PTX instruction (sm_80 and later; the backend builds for sm_90).
-// Simulator build (LOOM_CUDA_SIM): a scalar twin. Each lane gathers, with 16 full-mask
-// __shfl_sync (64-bit: two registers per exchange), the A rows g and g + 8 from lanes 4g..4g+3 and
-// the B columns 2t and 2t + 1 from lanes 8t..8t+7, then computes each of its four D elements as
+// Simulator build (LOOM_CUDA_SIM) and HIP (LOOM_CUDA_HIP, cuda_device.h: correct, not fast; an
+// MFMA path, __builtin_amdgcn_mfma_f32_16x16x16bf16_1k, is the port's next step,
+// docs/accelerators.md): a scalar twin. Each lane gathers, with 16 full-warp shuffles
+// (cuda_device.h's shfl; 64-bit: two registers per exchange), the A rows g and g + 8 from lanes
+// 4g..4g+3 and the B columns 2t and 2t + 1 from lanes 8t..8t+7, then computes each of its four D elements as
 // d = C; d += float(a_k) float(b_k) for k = 0..15 in order, in fp32. Every bf16 x bf16 product is
 // exact in fp32, so only the 16 additions round. The hardware's adder tree sums in another order
 // (and may keep other intermediate precision): tolerances, not bits, compare a GPU with this
 // twin. All 32 lanes of the warp must call it together (it is warp-collective on both builds).
 #pragma once
-#include <cuda_bf16.h>
-#include <cuda_runtime.h>
-
 #include <cstdint>
+
+#include "loom/backend/cuda/cuda_device.h"
 
 namespace loom::cuda::mma {
 
@@ -60,7 +61,7 @@ __host__ __device__ __forceinline__ int c_col(int lane, int i) { return 2 * thre
 // Two floats to one bf16x2 register, each rounded to nearest even (__float22bfloat162_rn): lo
 // in bits 0-15, hi in bits 16-31.
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
-#ifdef LOOM_CUDA_SIM
+#if defined(LOOM_CUDA_SIM) || defined(LOOM_CUDA_HIP)
   return static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(lo))) |
          (static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(hi))) << 16);
 #else
@@ -88,8 +89,12 @@ __device__ __forceinline__ void acc_to_a(uint32_t (&a)[4], const float (&c0)[4],
 // d = a b + c (d may alias c).
 __device__ __forceinline__ void mma_m16n8k16_bf16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2],
                                                   const float (&c)[4]) {
-#ifdef LOOM_CUDA_SIM
+#if defined(LOOM_CUDA_SIM) || defined(LOOM_CUDA_HIP)
+#if defined(LOOM_CUDA_SIM)
   const int lane = ::loom::sim::lane_id();
+#else
+  const int lane = static_cast<int>(__lane_id() & 31u);  // the lane in the logical 32-lane warp
+#endif
   const int g = group_id(lane), t = thread_in_group(lane);
   const uint64_t mine_a01 = static_cast<uint64_t>(a[0]) | (static_cast<uint64_t>(a[1]) << 32);
   const uint64_t mine_a23 = static_cast<uint64_t>(a[2]) | (static_cast<uint64_t>(a[3]) << 32);
@@ -97,8 +102,8 @@ __device__ __forceinline__ void mma_m16n8k16_bf16(float (&d)[4], const uint32_t 
   // arow[r][k]: A[g + 8 r][k]; bcol[n][k]: B[k][2t + n].
   float arow[2][16], bcol[2][16];
   for (int s = 0; s < 4; ++s) {  // lane 4g + s holds A[g (+8)][2s, 2s+1] and [2s+8, 2s+9]
-    const uint64_t x01 = __shfl_sync(0xffffffffu, mine_a01, 4 * g + s);
-    const uint64_t x23 = __shfl_sync(0xffffffffu, mine_a23, 4 * g + s);
+    const uint64_t x01 = ::loom::cuda::shfl(mine_a01, 4 * g + s);
+    const uint64_t x23 = ::loom::cuda::shfl(mine_a23, 4 * g + s);
     const uint32_t r0 = static_cast<uint32_t>(x01), r1 = static_cast<uint32_t>(x01 >> 32);
     const uint32_t r2 = static_cast<uint32_t>(x23), r3 = static_cast<uint32_t>(x23 >> 32);
     arow[0][2 * s] = bf16_lo(r0), arow[0][2 * s + 1] = bf16_hi(r0);
@@ -108,7 +113,7 @@ __device__ __forceinline__ void mma_m16n8k16_bf16(float (&d)[4], const uint32_t 
   }
   for (int n = 0; n < 2; ++n) {
     for (int s = 0; s < 4; ++s) {  // lane 4 (2t + n) + s holds B[2s, 2s+1][2t + n] and [2s+8, 2s+9]
-      const uint64_t x = __shfl_sync(0xffffffffu, mine_b, 4 * (2 * t + n) + s);
+      const uint64_t x = ::loom::cuda::shfl(mine_b, 4 * (2 * t + n) + s);
       const uint32_t r0 = static_cast<uint32_t>(x), r1 = static_cast<uint32_t>(x >> 32);
       bcol[n][2 * s] = bf16_lo(r0), bcol[n][2 * s + 1] = bf16_hi(r0);
       bcol[n][2 * s + 8] = bf16_lo(r1), bcol[n][2 * s + 9] = bf16_hi(r1);

@@ -12,7 +12,7 @@
 //                                       sel and flags in shared memory (global scratch when 2E + 2G > 1024).
 //   assign_keys_kernel (grid-stride)    key[p] = expert of assignment p = j N + t (priority
 //                                       order), value p: 12 B and no FLOPs per assignment.
-//   cub::DeviceRadixSort::SortPairs     stable sort by expert (log2(E + 1) key bits): each
+//   radix_sort_pairs (cuda_sort.h)      stable sort by expert (log2(E + 1) key bits): each
 //                                       expert's assignments stay in priority order.
 //   assign_counts_kernel (1 block)      start[e] = lower_bound(e) in the sorted keys; load, kept =
 //                                       min(load, capacity), offsets = prefix sums (one thread over
@@ -43,11 +43,8 @@
 // Determinism: no floating-point atomics. Warp sums are fixed xor butterflies; block sums fixed
 // trees; sums along tokens (q per chunk and expert, chunk partials) run in token order. The only
 // atomics are integer: atomicMin on the bad-index slot and atomicAdd of whole counts.
+#include "loom/backend/cuda/cuda_device.h"  // first: the portability layer (docs/accelerators.md)
 #include "loom/backend/cuda/cuda_moe.h"
-
-#include <cub/device/device_radix_sort.cuh>
-#include <cuda_runtime.h>
-#include <math_constants.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -55,56 +52,22 @@
 
 #include "loom/backend/cuda/cuda_check.h"
 #include "loom/backend/cuda/cuda_launch.h"
+#include "loom/backend/cuda/cuda_sort.h"
 
 namespace loom::cuda {
 namespace {
 
-constexpr int kWarp = 32;
-constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kBlock = 256;
 constexpr int kWarps = kBlock / kWarp;  // warp-per-token kernels: 8 tokens per block at a time
-constexpr int64_t kMaxBlocks = 8192;
 constexpr int kRouteCap = 1024;      // shared floats per warp for the router's buffer (2E + 2G)
 constexpr int kChunk = 64;           // tokens per block of the balance statistics
 constexpr int kMaxTopK = 64;         // backend.h: top_k <= 64
 
-unsigned grid_for(int64_t items, int64_t per_block) {
-  const int64_t blocks = (items + per_block - 1) / per_block;
-  return static_cast<unsigned>(std::clamp<int64_t>(blocks, 1, kMaxBlocks));
-}
-
-size_t align256(size_t bytes) { return (bytes + 255) / 256 * 256; }
-
-__device__ __forceinline__ int64_t thread_index() {
-  return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-}
-__device__ __forceinline__ int64_t thread_count() { return static_cast<int64_t>(gridDim.x) * blockDim.x; }
-
-template <typename T>
-__device__ __forceinline__ T warp_sum(T v) {
-#pragma unroll
-  for (int off = kWarp / 2; off > 0; off >>= 1) v += __shfl_xor_sync(kFullMask, v, off);
-  return v;
-}
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int off = kWarp / 2; off > 0; off >>= 1) {
-    const float o = __shfl_xor_sync(kFullMask, v, off);
-    v = o > v ? o : v;
-  }
-  return v;
-}
-
+// (grid_for, align256, thread_index / thread_count, warp_sum, warp_max, block_fold, shfl_xor,
+// warp_sync: cuda_device.h.)
 // Fixed-tree sum over the kBlock threads of a block (every thread calls it; all get the sum).
 __device__ __forceinline__ double block_sum(double v, double* shared) {
-  __syncthreads();  // earlier readers of `shared` are done
-  shared[threadIdx.x] = v;
-  __syncthreads();
-  for (int half = kBlock / 2; half > 0; half >>= 1) {
-    if (static_cast<int>(threadIdx.x) < half) shared[threadIdx.x] += shared[threadIdx.x + half];
-    __syncthreads();
-  }
-  return shared[0];
+  return block_fold<kBlock>(v, shared, [](double a, double b) { return a + b; });
 }
 
 // The best candidate of a warp: the largest value, ties to the lower index (idx -1: none). The
@@ -116,8 +79,8 @@ __device__ __forceinline__ void best_of(float& v, int& idx, float ov, int oidx) 
 __device__ __forceinline__ int warp_argmax(float v, int idx) {
 #pragma unroll
   for (int off = kWarp / 2; off > 0; off >>= 1) {
-    const float ov = __shfl_xor_sync(kFullMask, v, off);
-    const int oidx = __shfl_xor_sync(kFullMask, idx, off);
+    const float ov = shfl_xor(v, off);
+    const int oidx = shfl_xor(idx, off);
     best_of(v, idx, ov, oidx);
   }
   return idx;
@@ -171,7 +134,7 @@ __global__ void __launch_bounds__(kBlock)
         out[e] = 0.0f;
       }
     }
-    __syncwarp();
+    warp_sync();
     if (G > 1) {
       for (int g = lane; g < G; g += kWarp) {  // the sum of the group's two best selection scores
         float a = kOut, c = kOut;
@@ -182,7 +145,7 @@ __global__ void __launch_bounds__(kBlock)
         group_score[g] = per_group > 1 ? a + c : a;
         keep[g] = 0.0f;
       }
-      __syncwarp();
+      warp_sync();
       for (int64_t k = 0; k < r.topk_groups; ++k) {  // ties: the lower group
         float v = 0.0f;
         int idx = -1;
@@ -191,12 +154,12 @@ __global__ void __launch_bounds__(kBlock)
         }
         const int best = warp_argmax(v, idx);
         if (best >= 0 && lane == best % kWarp) keep[best] = 1.0f;
-        __syncwarp();
+        warp_sync();
       }
       for (int e = lane; e < E; e += kWarp) {
         if (keep[e / per_group] == 0.0f) out[e] = 1.0f;
       }
-      __syncwarp();
+      warp_sync();
     }
     // Top k of the selection scores, best first (ties: the lower index); gates from the unbiased s.
     double sum_sel = 0.0;
@@ -214,7 +177,7 @@ __global__ void __launch_bounds__(kBlock)
       sum_sel += s;
       if (j == lane) mine0 = s;
       if (j == lane + kWarp) mine1 = s;
-      __syncwarp();
+      warp_sync();
     }
     for (int j = lane; j < K; j += kWarp) {
       const double g = (j < kWarp ? mine0 : mine1) / (r.renorm ? sum_sel : 1.0);
@@ -521,7 +484,7 @@ __global__ void __launch_bounds__(kBlock)
       S += st[e];
       dgs += d * st[e];
     }
-    __syncwarp();
+    warp_sync();
     // The balance losses' coefficient of q_te: Switch's and the sequence's (DeepSeek-V3).
     const auto coeff = [&](int e) {
       const double f = static_cast<double>(load[e]) / static_cast<double>(K * n);
@@ -593,7 +556,7 @@ void moe_route(const float* logits, const float* bias, float* scores, int32_t* e
 }
 
 namespace {
-// moe_assign's scratch: keys and values in and out (A u32 each), start (E + 1 i64), CUB's temp.
+// moe_assign's scratch: keys and values in and out (A u32 each), start (E + 1 i64), the sort's temp.
 struct AssignLayout {
   size_t keys_in, keys_out, values_in, values_out, start, cub, cub_bytes, total;
 };
@@ -611,10 +574,7 @@ AssignLayout assign_layout(int64_t a_count, int64_t experts) {
   l.values_out = l.values_in + ids;
   l.start = l.values_out + ids;
   l.cub = l.start + align256(static_cast<size_t>(experts + 1) * sizeof(int64_t));
-  LOOM_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, l.cub_bytes, static_cast<const uint32_t*>(nullptr),
-                                                  static_cast<uint32_t*>(nullptr), static_cast<const uint32_t*>(nullptr),
-                                                  static_cast<uint32_t*>(nullptr), static_cast<int>(a_count), 0,
-                                                  key_bits(experts)));
+  l.cub_bytes = radix_sort_pairs_bytes(a_count, key_bits(experts));
   l.total = l.cub + align256(l.cub_bytes);
   return l;
 }
@@ -639,14 +599,11 @@ void moe_assign(const int32_t* expert, int64_t tokens, int64_t top_k, int64_t ex
   auto* values_in = reinterpret_cast<uint32_t*>(base + l.values_in);
   auto* values_out = reinterpret_cast<uint32_t*>(base + l.values_out);
   auto* start = reinterpret_cast<int64_t*>(base + l.start);
-  size_t cub_bytes = l.cub_bytes;
   launch<assign_keys_kernel>(grid_for(a_count, kBlock), kBlock, 0, stream, expert, keys_in, values_in, tokens, top_k,
                              experts, bad);
   LOOM_CUDA_CHECK_LAUNCH();
-  LOOM_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(static_cast<void*>(base + l.cub), cub_bytes,
-                                                  static_cast<const uint32_t*>(keys_in), keys_out,
-                                                  static_cast<const uint32_t*>(values_in), values_out,
-                                                  static_cast<int>(a_count), 0, key_bits(experts), stream));
+  radix_sort_pairs(base + l.cub, l.cub_bytes, keys_in, keys_out, values_in, values_out, a_count, key_bits(experts),
+                   stream);
   LOOM_CUDA_CHECK_LAUNCH();
   launch<assign_counts_kernel>(dim3(1), dim3(1024), 0, stream, static_cast<const uint32_t*>(keys_out), a_count,
                                experts, capacity, token_len, start, counts, bad);

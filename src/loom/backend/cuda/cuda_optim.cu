@@ -59,10 +59,8 @@
 // simulator compute the CPU's float operations one for one (nvcc's divisions and sqrtf are IEEE
 // by default; -use_fast_math would break this).
 
+#include "loom/backend/cuda/cuda_device.h"  // first: the portability layer (docs/accelerators.md)
 #include "loom/backend/cuda/cuda_optim.h"
-
-#include <cuda_runtime.h>
-#include <math_constants.h>
 
 #include <algorithm>
 #include <cmath>
@@ -76,21 +74,11 @@ namespace loom::cuda {
 namespace {
 
 // ---------------------------------------------------------------- launch shapes
+// (kMaxBlocks, grid_for, thread_index / thread_count, mul_rn / fma_rn: cuda_device.h)
 constexpr int kBlock = 256;           // threads per block of the 1-D kernels
-constexpr int64_t kMaxBlocks = 8192;  // grid cap of grid-stride kernels (H100: 132 SMs x 2048 threads)
 constexpr int kTile = 4 * kBlock;     // terms per shared tile of ordered_sum
 constexpr int kTransposeTile = 32;    // transpose: 32 x 32 tiles, (32, 8) threads
 constexpr int kTransposeRows = 8;
-
-unsigned grid_for(int64_t items, int64_t per_block) {
-  const int64_t blocks = (items + per_block - 1) / per_block;
-  return static_cast<unsigned>(std::clamp<int64_t>(blocks, 1, kMaxBlocks));
-}
-
-__device__ __forceinline__ int64_t thread_index() {
-  return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-}
-__device__ __forceinline__ int64_t thread_count() { return static_cast<int64_t>(gridDim.x) * blockDim.x; }
 
 // ---------------------------------------------------------------- the elementwise template
 // Op holds the scalars and `__device__ void operator()(float* x) const` updates one element, x[j]
@@ -164,28 +152,9 @@ void run_elementwise(const Op& op, const Operands<N>& ops, int64_t n, cudaStream
 // it fuses the left product, fma(a, b, c * d), and in `x + a * b` fma(a, b, x) (read off
 // cpu_optim_ops.cpp's object code). nvcc contracts by rules of its own, and GCC compiling this file
 // for the simulator would pair the products of the Op structs below differently again. So every
-// product that the CPU rounds is mul() (never fused: __fmul_rn on the GPU; on the simulator an
-// empty asm hides it from GCC's contraction), and every fused one is fma() (one rounding).
-template <typename T>
-__device__ __forceinline__ T mul(T a, T b) {
-#ifdef __CUDA_ARCH__
-  if constexpr (sizeof(T) == 4) return __fmul_rn(a, b);
-  else return __dmul_rn(a, b);
-#else
-  T r = a * b;
-  asm("" : "+x"(r));
-  return r;
-#endif
-}
-template <typename T>
-__device__ __forceinline__ T fma_(T a, T b, T c) {
-#ifdef __CUDA_ARCH__
-  if constexpr (sizeof(T) == 4) return __fmaf_rn(a, b, c);
-  else return __fma_rn(a, b, c);
-#else
-  return std::fma(a, b, c);
-#endif
-}
+// product that the CPU rounds is mul_rn() (never fused: __fmul_rn on the GPU; on the simulator an
+// empty asm hides it from GCC's contraction; on HIP the contraction is off inside it), and every
+// fused one is fma_rn() (one rounding); both are cuda_device.h's.
 
 // ---------------------------------------------------------------- the optimizers' elements
 // Each is the CPU loop's body (cpu/cpu_optim_ops.cpp) on x[] instead of the arrays, with its
@@ -196,12 +165,12 @@ struct SgdOp {  // x: p, grad, buf
   float mu, damp, eta, wd, gs;
   bool nesterov, first, has_buf;
   __device__ void operator()(float* x) const {
-    float d = fma_(x[1], gs, mul(wd, x[0]));  // g gs + wd p
+    float d = fma_rn(x[1], gs, mul_rn(wd, x[0]));  // g gs + wd p
     if (has_buf) {
-      x[2] = first ? d : fma_(mu, x[2], mul(1.0f - damp, d));  // mu b + (1 - damp) d
-      d = nesterov ? fma_(mu, x[2], d) : x[2];                // d + mu b
+      x[2] = first ? d : fma_rn(mu, x[2], mul_rn(1.0f - damp, d));  // mu b + (1 - damp) d
+      d = nesterov ? fma_rn(mu, x[2], d) : x[2];                // d + mu b
     }
-    x[0] = fma_(-eta, d, x[0]);  // p -= eta d
+    x[0] = fma_rn(-eta, d, x[0]);  // p -= eta d
   }
 };
 
@@ -209,9 +178,9 @@ struct AdagradOp {  // x: p, grad, sum
   static constexpr unsigned kWrites = 0b101;
   float eps, clr, wd, gs;
   __device__ void operator()(float* x) const {
-    const float d = fma_(x[1], gs, mul(wd, x[0]));
-    x[2] = fma_(d, d, x[2]);                          // s += d d
-    x[0] = x[0] - mul(clr, d) / (sqrtf(x[2]) + eps);  // p -= clr d / (sqrt(s) + eps)
+    const float d = fma_rn(x[1], gs, mul_rn(wd, x[0]));
+    x[2] = fma_rn(d, d, x[2]);                          // s += d d
+    x[0] = x[0] - mul_rn(clr, d) / (sqrtf(x[2]) + eps);  // p -= clr d / (sqrt(s) + eps)
   }
 };
 
@@ -220,20 +189,20 @@ struct RmspropOp {  // x: p, grad, square, avg, buf
   float a, eps, mu, eta, wd, gs;
   bool has_avg, has_buf;
   __device__ void operator()(float* x) const {
-    const float d = fma_(x[1], gs, mul(wd, x[0]));
-    x[2] = fma_(a, x[2], mul(mul(1.0f - a, d), d));  // a s + (1 - a) d d
+    const float d = fma_rn(x[1], gs, mul_rn(wd, x[0]));
+    x[2] = fma_rn(a, x[2], mul_rn(mul_rn(1.0f - a, d), d));  // a s + (1 - a) d d
     float den;
     if (has_avg) {
-      x[3] = fma_(a, x[3], mul(1.0f - a, d));      // a avg + (1 - a) d
-      den = sqrtf(fma_(-x[3], x[3], x[2])) + eps;  // sqrt(s - avg avg) + eps
+      x[3] = fma_rn(a, x[3], mul_rn(1.0f - a, d));      // a avg + (1 - a) d
+      den = sqrtf(fma_rn(-x[3], x[3], x[2])) + eps;  // sqrt(s - avg avg) + eps
     } else {
       den = sqrtf(x[2]) + eps;
     }
     if (has_buf) {
-      x[4] = fma_(mu, x[4], d / den);  // mu b + d / den
-      x[0] = fma_(-eta, x[4], x[0]);   // p -= eta b
+      x[4] = fma_rn(mu, x[4], d / den);  // mu b + d / den
+      x[0] = fma_rn(-eta, x[4], x[0]);   // p -= eta b
     } else {
-      x[0] = x[0] - mul(eta, d) / den;  // p -= eta d / den
+      x[0] = x[0] - mul_rn(eta, d) / den;  // p -= eta d / den
     }
   }
 };
@@ -243,16 +212,16 @@ struct AdamOp {  // x: p, grad, m, v, vmax
   float step_size, l2, decay, gs, b1, b2, eps, bias2_sqrt;
   bool has_vmax;
   __device__ void operator()(float* x) const {
-    const float d = fma_(x[1], gs, mul(l2, x[0]));   // g gs + l2 p
-    x[2] = fma_(b1, x[2], mul(1.0f - b1, d));        // b1 m + (1 - b1) d
-    x[3] = fma_(b2, x[3], mul(mul(1.0f - b2, d), d));  // b2 v + (1 - b2) d d
+    const float d = fma_rn(x[1], gs, mul_rn(l2, x[0]));   // g gs + l2 p
+    x[2] = fma_rn(b1, x[2], mul_rn(1.0f - b1, d));        // b1 m + (1 - b1) d
+    x[3] = fma_rn(b2, x[3], mul_rn(mul_rn(1.0f - b2, d), d));  // b2 v + (1 - b2) d d
     float denom_v = x[3];
     if (has_vmax) {
       x[4] = x[4] < x[3] ? x[3] : x[4];  // std::max(vmax, v)
       denom_v = x[4];
     }
     // p *= decay; p -= step_size m / (sqrt(v) / bias2_sqrt + eps): p decay is rounded (not fused).
-    x[0] = mul(x[0], decay) - mul(step_size, x[2]) / (sqrtf(denom_v) / bias2_sqrt + eps);
+    x[0] = mul_rn(x[0], decay) - mul_rn(step_size, x[2]) / (sqrtf(denom_v) / bias2_sqrt + eps);
   }
 };
 
@@ -260,11 +229,11 @@ struct LionOp {  // x: p, grad, m
   static constexpr unsigned kWrites = 0b101;
   float b1, b2, eta, decay, gs;
   __device__ void operator()(float* x) const {
-    const float d = mul(x[1], gs);
-    const float c = fma_(b1, x[2], mul(1.0f - b1, d));  // b1 m + (1 - b1) d
+    const float d = mul_rn(x[1], gs);
+    const float c = fma_rn(b1, x[2], mul_rn(1.0f - b1, d));  // b1 m + (1 - b1) d
     const float sign = c > 0.0f ? 1.0f : (c < 0.0f ? -1.0f : 0.0f);
-    x[0] = fma_(x[0], decay, -mul(eta, sign));  // p decay - eta sign
-    x[2] = fma_(b2, x[2], mul(1.0f - b2, d));   // b2 m + (1 - b2) d
+    x[0] = fma_rn(x[0], decay, -mul_rn(eta, sign));  // p decay - eta sign
+    x[2] = fma_rn(b2, x[2], mul_rn(1.0f - b2, d));   // b2 m + (1 - b2) d
   }
 };
 
@@ -273,13 +242,13 @@ struct ScaleOp {  // x: dst, src; the scale from device memory when scale_dev is
   static constexpr unsigned kWrites = 0b01;
   float scale;
   const float* scale_dev;
-  __device__ void operator()(float* x) const { x[0] = mul(x[1], scale_dev != nullptr ? *scale_dev : scale); }
+  __device__ void operator()(float* x) const { x[0] = mul_rn(x[1], scale_dev != nullptr ? *scale_dev : scale); }
 };
 
 struct AxpyOp {  // x: y, x
   static constexpr unsigned kWrites = 0b01;
   float alpha;
-  __device__ void operator()(float* x) const { x[0] = fma_(alpha, x[1], x[0]); }  // y += alpha x
+  __device__ void operator()(float* x) const { x[0] = fma_rn(alpha, x[1], x[0]); }  // y += alpha x
 };
 
 struct MuonMomentumOp {  // x: grad, buf, u
@@ -288,17 +257,17 @@ struct MuonMomentumOp {  // x: grad, buf, u
   float mu, gs;
   bool nesterov;
   __device__ void operator()(float* x) const {
-    const float d = mul(x[0], gs);
-    const float gd = mul(1.0f - mu, d);  // rounded once, used twice (so the CPU fuses mu b in both)
-    x[1] = fma_(mu, x[1], gd);                 // mu b + (1 - mu) d
-    x[2] = nesterov ? fma_(mu, x[1], gd) : x[1];  // (1 - mu) d + mu b
+    const float d = mul_rn(x[0], gs);
+    const float gd = mul_rn(1.0f - mu, d);  // rounded once, used twice (so the CPU fuses mu b in both)
+    x[1] = fma_rn(mu, x[1], gd);                 // mu b + (1 - mu) d
+    x[2] = nesterov ? fma_rn(mu, x[1], gd) : x[1];  // (1 - mu) d + mu b
   }
 };
 
 struct DecayedUpdateOp {  // x: p, u
   static constexpr unsigned kWrites = 0b01;
   float decay, step;
-  __device__ void operator()(float* x) const { x[0] = fma_(x[0], decay, -mul(step, x[1])); }  // p decay - step u
+  __device__ void operator()(float* x) const { x[0] = fma_rn(x[0], decay, -mul_rn(step, x[1])); }  // p decay - step u
 };
 
 // ---------------------------------------------------------------- ordered sums
@@ -342,14 +311,14 @@ struct ScaledSquare {  // (double)(g[i] gs)^2, exact in double
   const float* g;
   float gs;
   __device__ double operator()(int64_t i) const {
-    const double d = static_cast<double>(mul(g[i], gs));
+    const double d = static_cast<double>(mul_rn(g[i], gs));
     return d * d;
   }
 };
 
 // v_b of Adam-mini from its sum of squares (monotone in sq): b2 v + (1 - b2) (sq / bn), in double.
 __device__ __forceinline__ float adam_mini_v(double sq, float v_old, int64_t bn, double b2) {
-  return static_cast<float>(fma_(b2, static_cast<double>(v_old), mul(1.0 - b2, sq / static_cast<double>(bn))));
+  return static_cast<float>(fma_rn(b2, static_cast<double>(v_old), mul_rn(1.0 - b2, sq / static_cast<double>(bn))));
 }
 
 // Adam-mini: block j of the grid-stride loop owns the Adam-mini block [j bn, (j + 1) bn). Its sum
@@ -398,10 +367,10 @@ __global__ void __launch_bounds__(kBlock) adam_mini_kernel(float* p0, const floa
     __syncthreads();
     const float denom = denom_shared;
     for (int64_t i = offset + tid; i < offset + bn; i += kBlock) {
-      const float d = mul(g0[i], gs);
-      const float mi = fma_(b1, m0[i], mul(1.0f - b1, d));          // b1 m + (1 - b1) d
+      const float d = mul_rn(g0[i], gs);
+      const float mi = fma_rn(b1, m0[i], mul_rn(1.0f - b1, d));          // b1 m + (1 - b1) d
       m0[i] = mi;
-      p0[i] = fma_(p0[i], decay, -(mul(eta, mi / bias1) / denom));  // p decay - eta (m / bias1) / denom
+      p0[i] = fma_rn(p0[i], decay, -(mul_rn(eta, mi / bias1) / denom));  // p decay - eta (m / bias1) / denom
     }
     __syncthreads();  // the shared values are rewritten for the next block
   }

@@ -54,9 +54,8 @@
 // sums are latency chains: a row mean costs n dependent double adds, a column mean m, and
 // Gram-Schmidt 2 n per column (r columns), which bounds those kernels' time more than bytes do.
 
+#include "loom/backend/cuda/cuda_device.h"  // first: the portability layer (docs/accelerators.md)
 #include "loom/backend/cuda/cuda_optim_factored.h"
-
-#include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cmath>
@@ -68,21 +67,13 @@
 namespace loom::cuda {
 namespace {
 
+// (kWarp, kMaxBlocks, grid_for, align256, thread_index / thread_count, max_of / min_of,
+// warp_fold: cuda_device.h)
 constexpr int kBlock = 256;
-constexpr int64_t kMaxBlocks = 8192;
 constexpr int64_t kPartialBlocks = 256;  // at most this many RMS partials (one block adds them)
-constexpr int kWarp = 32;
-constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kTile = 32;       // row_ema and the transposed ldadam_apply: 32 x 32 tiles
 constexpr int kTileRows = 8;    // block (32, 8)
 constexpr int kRowsPerBlock = kBlock / kWarp;  // sm3_rows: a warp per row
-
-unsigned grid_for(int64_t items, int64_t per_block, int64_t cap = kMaxBlocks) {
-  const int64_t blocks = (items + per_block - 1) / per_block;
-  return static_cast<unsigned>(std::clamp<int64_t>(blocks, 1, cap));
-}
-
-size_t align256(size_t bytes) { return (bytes + 255) / 256 * 256; }
 
 // Scratch carved in 256-byte aligned pieces, in the order the *_scratch_bytes functions count them.
 struct Carve {
@@ -95,15 +86,8 @@ struct Carve {
   }
 };
 
-__device__ __forceinline__ int64_t thread_index() {
-  return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-}
-__device__ __forceinline__ int64_t thread_count() { return static_cast<int64_t>(gridDim.x) * blockDim.x; }
-
-// std::max / std::min's own selection (a NaN in b is not taken by max, as on the CPU).
-__device__ __forceinline__ double max_d(double a, double b) { return a < b ? b : a; }
-__device__ __forceinline__ float max_f(float a, float b) { return a < b ? b : a; }
-__device__ __forceinline__ float min_f(float a, float b) { return b < a ? b : a; }
+// std::max / std::min's own selection (a NaN in b is not taken by max, as on the CPU):
+// cuda_device.h's max_of / min_of.
 
 // The kBlock threads' values summed by a fixed halving tree; every thread gets the total.
 __device__ double block_sum(double v, double* sums) {
@@ -281,9 +265,9 @@ __global__ void __launch_bounds__(kBlock) adafactor_scalars_kernel(const double*
   const double su = block_sum(t < nu ? pu[t] : 0.0, sums);
   if (t == 0) {
     const double n = static_cast<double>(count);
-    const float lr_eff = static_cast<float>(lr * (scale_parameter ? max_d(eps2, ::sqrt(sp / n)) : 1.0));
+    const float lr_eff = static_cast<float>(lr * (scale_parameter ? max_of(eps2, ::sqrt(sp / n)) : 1.0));
     const double rms_u = ::sqrt(su / n);
-    out[0] = static_cast<float>(lr_eff / max_d(1.0, rms_u / clip));
+    out[0] = static_cast<float>(lr_eff / max_of(1.0, rms_u / clip));
     out[1] = 1.0f - wd * lr_eff;
   }
 }
@@ -309,7 +293,7 @@ __global__ void __launch_bounds__(kBlock) came_scalars_kernel(const double* pu, 
   __shared__ double sums[kBlock];
   const int t = static_cast<int>(threadIdx.x);
   const double su = block_sum(t < nu ? pu[t] : 0.0, sums);
-  if (t == 0) out[0] = static_cast<float>(1.0 / max_d(1.0, ::sqrt(su / static_cast<double>(count)) / clip));
+  if (t == 0) out[0] = static_cast<float>(1.0 / max_of(1.0, ::sqrt(su / static_cast<double>(count)) / clip));
 }
 
 // U *= clip; m = b1 m + (1-b1) U; vector segments (apply) also p = p decay - eta m.
@@ -362,7 +346,7 @@ __global__ void __launch_bounds__(kBlock) sm3_cols_kernel(const float* g, float 
     float mx = 0.0f;
     for (int64_t i = 0; i < m; ++i) {
       const float d = g[i * n + j] * gs;
-      mx = max_f(mx, min_f(mr[i], cj) + d * d);
+      mx = max_of(mx, min_of(mr[i], cj) + d * d);
     }
     cols[j] = mx;
   }
@@ -384,11 +368,11 @@ __global__ void __launch_bounds__(kBlock) sm3_rows_kernel(float* p, const float*
     for (int64_t j = lane; j < n; j += kWarp) {
       const int64_t k = i * n + j;
       const float d = g[k] * gs;
-      const float nu = min_f(ri, mc[j]) + d * d;
-      mx = max_f(mx, nu);
+      const float nu = min_of(ri, mc[j]) + d * d;
+      mx = max_of(mx, nu);
       p[k] = p[k] * decay - eta * sm3_step_of(g[k] * gs, nu, eps);
     }
-    for (int offset = kWarp / 2; offset > 0; offset >>= 1) mx = max_f(mx, __shfl_xor_sync(kFullMask, mx, offset));
+    mx = warp_max(mx);
     if (lane == 0) mr[i] = mx;
   }
 }

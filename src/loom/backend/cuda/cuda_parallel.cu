@@ -48,9 +48,8 @@
 // an XOR butterfly (every lane gets the same bits) or a fixed tree over warps; the column sums
 // of dweight and dpositions have one writer per element and a fixed order. The only atomic is
 // embedding_backward's integer atomicMin on its private "bad id" slot (order-independent).
+#include "loom/backend/cuda/cuda_device.h"  // first: the portability layer (docs/accelerators.md)
 #include "loom/backend/cuda/cuda_parallel.h"
-
-#include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cfloat>
@@ -66,61 +65,17 @@ namespace loom::cuda {
 namespace {
 
 // ---------------------------------------------------------------- launch shapes
+// (kWarp, kMaxBlocks, grid_for, thread_index / thread_count, lane_id, exp_of / log_of / sqrt_of
+// (libm, as the CPU twins), max_of (std::max's choice), warp_sum / warp_max: cuda_device.h)
 constexpr int kBlock = 256;           // threads per block of the 1-D and row kernels
-constexpr int64_t kMaxBlocks = 8192;  // grid cap of grid-stride kernels
-constexpr int kWarp = 32;
-constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kWarpsPerBlock = kBlock / kWarp;                  // warp-per-row kernels: 8 rows per block
 constexpr int kLaneElems = static_cast<int>(kRingMaxHeadDim / kWarp);  // ring rows: elements per lane (8)
 
-unsigned grid_for(int64_t items, int64_t per_block) {
-  const int64_t blocks = (items + per_block - 1) / per_block;
-  return static_cast<unsigned>(std::clamp<int64_t>(blocks, 1, kMaxBlocks));
-}
-
-__device__ __forceinline__ int64_t thread_index() {
-  return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-}
-__device__ __forceinline__ int64_t thread_count() { return static_cast<int64_t>(gridDim.x) * blockDim.x; }
-__device__ __forceinline__ int lane_id() { return static_cast<int>(threadIdx.x) % kWarp; }
 // The first warp-row of this warp and the stride over warp-rows (grid-stride loops of warps).
 __device__ __forceinline__ int64_t warp_row() {
   return static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + static_cast<int>(threadIdx.x) / kWarp;
 }
 __device__ __forceinline__ int64_t warp_rows() { return static_cast<int64_t>(gridDim.x) * kWarpsPerBlock; }
-
-// ---------------------------------------------------------------- scalar math (libm, as the CPU twins)
-template <typename T>
-__device__ __forceinline__ T exp_of(T x) {
-  if constexpr (sizeof(T) == 4) return expf(x);
-  else return ::exp(x);
-}
-template <typename T>
-__device__ __forceinline__ T log_of(T x) {
-  if constexpr (sizeof(T) == 4) return logf(x);
-  else return ::log(x);
-}
-template <typename T>
-__device__ __forceinline__ T sqrt_of(T x) {
-  if constexpr (sizeof(T) == 4) return sqrtf(x);
-  else return ::sqrt(x);
-}
-template <typename T>
-__device__ __forceinline__ T max_of(T a, T b) {  // std::max's choice: a unless a < b
-  return a < b ? b : a;
-}
-
-// XOR butterfly: every lane ends with the same, fixed-order value.
-template <typename T>
-__device__ __forceinline__ T warp_sum(T v) {
-  for (int offset = kWarp / 2; offset > 0; offset >>= 1) v += __shfl_xor_sync(kFullMask, v, offset);
-  return v;
-}
-template <typename T>
-__device__ __forceinline__ T warp_max(T v) {
-  for (int offset = kWarp / 2; offset > 0; offset >>= 1) v = max_of(v, __shfl_xor_sync(kFullMask, v, offset));
-  return v;
-}
 
 // ---------------------------------------------------------------- vocabulary-parallel embedding
 // Warp per token row (grid-stride over rows); lanes stride the row in words of VT (float or float4).

@@ -3,9 +3,9 @@
 // defined in a .cpp and so host-only. One copy for every kernel that draws the CPU's words:
 // stochastic rounding and dropout (cuda_quant.cu), QSGD's levels (cuda_compress.cu).
 #pragma once
-#include <cuda_runtime.h>
-
 #include <cstdint>
+
+#include "loom/backend/cuda/cuda_device.h"
 
 namespace loom::cuda {
 

@@ -60,16 +60,15 @@
 // Determinism: no floating-point atomics; the only atomic is amax's integer max. The attention's
 // sums are each inside one cuBLAS call or a fixed shuffle tree; the group sums of dK and dV run
 // in the order h = g G, g G + 1, ... as on the CPU.
+#include "loom/backend/cuda/cuda_device.h"  // first: the portability layer (docs/accelerators.md)
 #include "loom/backend/cuda/cuda_quant.h"
-
-#include <cublas_v2.h>
-#include <cuda_runtime.h>
 
 #include <algorithm>
 #include <climits>
 #include <cmath>
 #include <cstdint>
 
+#include "loom/backend/cuda/cuda_blas.h"
 #include "loom/backend/cuda/cuda_check.h"
 #include "loom/backend/cuda/cuda_launch.h"
 #include "loom/backend/cuda/cuda_philox.h"
@@ -80,24 +79,13 @@ namespace loom::cuda {
 namespace {
 
 // ---------------------------------------------------------------- launch shapes
+// (kWarp, kMaxBlocks, grid_for, thread_index / thread_count, warp_sum / warp_max, shfl_xor,
+// all_of: cuda_device.h; the GEMMs: cuda_blas.h)
 constexpr int kBlock = 256;
-constexpr int64_t kMaxBlocks = 8192;
 constexpr int64_t kAmaxMaxBlocks = 1024;  // an H100 holds ~1056 resident blocks of 256
-constexpr int kWarp = 32;
 constexpr int kRowWarps = kBlock / kWarp;
-constexpr unsigned kFullMask = 0xffffffffu;
-
-unsigned grid_for(int64_t items, int64_t per_block, int64_t cap = kMaxBlocks) {
-  const int64_t blocks = (items + per_block - 1) / per_block;
-  return static_cast<unsigned>(std::clamp<int64_t>(blocks, 1, cap));
-}
 
 bool aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
-
-__device__ __forceinline__ int64_t thread_index() {
-  return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-}
-__device__ __forceinline__ int64_t thread_count() { return static_cast<int64_t>(gridDim.x) * blockDim.x; }
 
 // ---------------------------------------------------------------- float bits, x86 NaNs
 constexpr uint32_t kDefaultNan = 0x7FC00000u;  // the NAN macro's bits, which the CPU kernels store
@@ -196,7 +184,7 @@ __global__ void __launch_bounds__(kBlock) amax_kernel(const float* x, int64_t n,
     for (int j = 0; j < 4; ++j) m = max(m, __float_as_uint(f.v[j]) & 0x7FFFFFFFu);  // past n: 0
   }
 #pragma unroll
-  for (int off = kWarp / 2; off > 0; off >>= 1) m = max(m, __shfl_xor_sync(kFullMask, m, off));
+  for (int off = kWarp / 2; off > 0; off >>= 1) m = max(m, shfl_xor(m, off));
   if (threadIdx.x % kWarp == 0) warp_max[threadIdx.x / kWarp] = m;
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -293,10 +281,10 @@ __global__ void __launch_bounds__(kBlock)
     const int64_t r = w / nblk, c = (w % nblk) * 32 + lane;
     const bool valid = c < cols;
     const float v = valid ? x[r * cols + c] : 0.0f;
-    const bool finite = __all_sync(kFullMask, is_finite(v));
+    const bool finite = all_of(is_finite(v));
     uint32_t m = __float_as_uint(v) & 0x7FFFFFFFu;
 #pragma unroll
-    for (int off = kWarp / 2; off > 0; off >>= 1) m = max(m, __shfl_xor_sync(kFullMask, m, off));
+    for (int off = kWarp / 2; off > 0; off >>= 1) m = max(m, shfl_xor(m, off));
     if (!valid) continue;
     if (!finite) {
       out[r * cols + c] = __uint_as_float(kDefaultNan);
@@ -329,7 +317,7 @@ __global__ void __launch_bounds__(kBlock)
     const float v = valid ? x[r * cols + c] : 0.0f;
     uint32_t m = __float_as_uint(v) & 0x7FFFFFFFu;
 #pragma unroll
-    for (int off = 8; off > 0; off >>= 1) m = max(m, __shfl_xor_sync(kFullMask, m, off));  // within the half
+    for (int off = 8; off > 0; off >>= 1) m = max(m, shfl_xor(m, off));  // within the half
     if (!valid) continue;
     if (!finite) {
       out[r * cols + c] = __uint_as_float(kDefaultNan);
@@ -400,20 +388,6 @@ __global__ void __launch_bounds__(kBlock)
       }
     }
   }
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int off = kWarp / 2; off > 0; off >>= 1) v += __shfl_xor_sync(kFullMask, v, off);
-  return v;
-}
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int off = kWarp / 2; off > 0; off >>= 1) {
-    const float o = __shfl_xor_sync(kFullMask, v, off);
-    v = o > v ? o : v;
-  }
-  return v;
 }
 
 // In place on probs rows (rows of T; row r is query i = r % T): P[i, j] = exp(S_ij - max) / sum
@@ -496,45 +470,8 @@ __global__ void __launch_bounds__(kBlock)
 }
 
 // ---------------------------------------------------------------- bf16 attention: GEMMs
-void check_cublas(cublasStatus_t status, const char* what) {
-  if (status != CUBLAS_STATUS_SUCCESS) {
-    throw Error(str_cat("cuBLAS error ", static_cast<int>(status), " (", cublasGetStatusName(status), ") in ", what));
-  }
-}
-
-// alpha and beta are host pointers: the handle's mode is set to host for the op, then restored.
-class HostPointers {
- public:
-  explicit HostPointers(cublasHandle_t handle) : handle_(handle) {
-    check_cublas(cublasGetPointerMode(handle_, &previous_), "cublasGetPointerMode");
-    if (previous_ != CUBLAS_POINTER_MODE_HOST) {
-      check_cublas(cublasSetPointerMode(handle_, CUBLAS_POINTER_MODE_HOST), "cublasSetPointerMode");
-    }
-  }
-  ~HostPointers() {
-    if (previous_ != CUBLAS_POINTER_MODE_HOST) (void)cublasSetPointerMode(handle_, previous_);
-  }
-  HostPointers(const HostPointers&) = delete;
-  HostPointers& operator=(const HostPointers&) = delete;
-
- private:
-  cublasHandle_t handle_;
-  cublasPointerMode_t previous_ = CUBLAS_POINTER_MODE_HOST;
-};
-
-// Row-major strided-batched C_p (m, n) = alpha op(A_p) op(B_p) + beta C_p with A, B bf16 and C
-// f32, fp32 accumulation: the column-major call C^T = op(B)^T op(A)^T (as cuda_attention.cu).
-void gemm_bf16(cublasHandle_t handle, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
-               const uint16_t* a, int64_t lda, int64_t stride_a, const uint16_t* b, int64_t ldb, int64_t stride_b,
-               float beta, float* c, int64_t ldc, int64_t stride_c, int64_t batch, const char* what) {
-  check_cublas(cublasGemmStridedBatchedEx(
-                   handle, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
-                   static_cast<int>(n), static_cast<int>(m), static_cast<int>(k), &alpha, b, CUDA_R_16BF,
-                   static_cast<int>(ldb), static_cast<long long>(stride_b), a, CUDA_R_16BF, static_cast<int>(lda),
-                   static_cast<long long>(stride_a), &beta, c, CUDA_R_32F, static_cast<int>(ldc),
-                   static_cast<long long>(stride_c), static_cast<int>(batch), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-               what);
-}
+// cuda_blas.h's gemm_rm_bf16: row-major strided-batched C_p (m, n) = alpha op(A_p) op(B_p) +
+// beta C_p with A, B bf16 and C f32, fp32 accumulation.
 
 // The scratch of one chunk of nb sequences, each region 256-byte aligned: head-major bf16 copies
 // Qb (nb, H, T, hd), Kb and Vb (nb, KV, T, hd), and (T, T) blocks per head: Pb (bf16); backward
@@ -710,7 +647,7 @@ void attention_forward_bf16(cublasHandle_t cublas, const float* qkv, float* out,
   const char* op = "attention_forward_bf16";
   const Bf16Dims d = bf16_dims(op, batch, seq_len, n_head, n_kv_head, head_dim);
   if (d.B == 0 || d.T == 0) return;
-  const HostPointers host_pointers(cublas);
+  const BlasHostScalars host_scalars(cublas);
   const float scale = 1.0f / std::sqrt(static_cast<float>(d.hd));  // as the CPU kernel
   const int64_t TT = d.T * d.T, Thd = d.T * d.hd;
   const int64_t chunk = chunk_batch(d.B, d.T, d.H, d.KV, d.hd, false);
@@ -726,14 +663,14 @@ void attention_forward_bf16(cublasHandle_t cublas, const float* qkv, float* out,
     heads_to_bf16(qkv + b0 * d.T * d.W, nb * d.T, d.T, d.H, d.KV, d.hd, qb, kb, vb, stream);
     for (int64_t r = 0; r < d.G; ++r) {
       // S_h (T, T) = scale Qb_h (T, hd) Kb_g (T, hd)^T, over the chunk's (b, g).
-      gemm_bf16(cublas, false, true, d.T, d.T, d.hd, scale, qb + r * Thd, d.hd, d.G * Thd, kb, d.hd, Thd, 0.0f,
+      gemm_rm_bf16(cublas, false, true, d.T, d.T, d.hd, scale, qb + r * Thd, d.hd, d.G * Thd, kb, d.hd, Thd, 0.0f,
                 p + r * TT, d.T, d.G * TT, nb * d.KV, "attention_forward_bf16: S = scale Q K^T");
     }
     causal_softmax_bf16(p, pb, nb * d.H * d.T, d.T, stream);
     for (int64_t b = 0; b < nb; ++b) {
       for (int64_t r = 0; r < d.G; ++r) {
         // O_h (T, hd; ld OW) = Pb_h (T, T) Vb_g (T, hd), over g.
-        gemm_bf16(cublas, false, false, d.T, d.hd, d.T, 1.0f, pb + (b * d.H + r) * TT, d.T, d.G * TT,
+        gemm_rm_bf16(cublas, false, false, d.T, d.hd, d.T, 1.0f, pb + (b * d.H + r) * TT, d.T, d.G * TT,
                   vb + b * d.KV * Thd, d.hd, Thd, 0.0f, out + (b0 + b) * d.T * d.OW + r * d.hd, d.OW, d.G * d.hd,
                   d.KV, "attention_forward_bf16: O = P V");
       }
@@ -747,7 +684,7 @@ void attention_backward_bf16(cublasHandle_t cublas, const float* dout, const flo
   const char* op = "attention_backward_bf16";
   const Bf16Dims d = bf16_dims(op, batch, seq_len, n_head, n_kv_head, head_dim);
   if (d.B == 0 || d.T == 0) return;
-  const HostPointers host_pointers(cublas);
+  const BlasHostScalars host_scalars(cublas);
   const float scale = 1.0f / std::sqrt(static_cast<float>(d.hd));
   const int64_t TT = d.T * d.T, Thd = d.T * d.hd;
   const int64_t chunk = chunk_batch(d.B, d.T, d.H, d.KV, d.hd, true);
@@ -766,7 +703,7 @@ void attention_backward_bf16(cublasHandle_t cublas, const float* dout, const flo
     heads_to_bf16(dout + b0 * d.T * d.OW, nb * d.T, d.T, d.H, 0, d.hd, dob, nullptr, nullptr, stream);
     for (int64_t r = 0; r < d.G; ++r) {
       // dP_h (T, T) = dOb_h (T, hd) Vb_g (T, hd)^T, over the chunk's (b, g).
-      gemm_bf16(cublas, false, true, d.T, d.T, d.hd, 1.0f, dob + r * Thd, d.hd, d.G * Thd, vb, d.hd, Thd, 0.0f,
+      gemm_rm_bf16(cublas, false, true, d.T, d.T, d.hd, 1.0f, dob + r * Thd, d.hd, d.G * Thd, vb, d.hd, Thd, 0.0f,
                 dp + r * TT, d.T, d.G * TT, nb * d.KV, "attention_backward_bf16: dP = dO V^T");
     }
     const int64_t rows = nb * d.H * d.T;
@@ -781,13 +718,13 @@ void attention_backward_bf16(cublasHandle_t cublas, const float* dout, const flo
         const float beta = r == 0 ? 0.0f : 1.0f;
         const int64_t h0 = b * d.H + r;  // head r of kv head 0 of sequence b; g steps by G
         // dQ_h (T, hd; ld W) = dSb_h (T, T) Kb_g (T, hd).
-        gemm_bf16(cublas, false, false, d.T, d.hd, d.T, 1.0f, dsb + h0 * TT, d.T, d.G * TT, kb + b * d.KV * Thd, d.hd,
+        gemm_rm_bf16(cublas, false, false, d.T, d.hd, d.T, 1.0f, dsb + h0 * TT, d.T, d.G * TT, kb + b * d.KV * Thd, d.hd,
                   Thd, 0.0f, drow + r * d.hd, d.W, d.G * d.hd, d.KV, "attention_backward_bf16: dQ = dS K");
         // dK_g (T, hd; ld W) (+)= dSb_h^T Qb_h.
-        gemm_bf16(cublas, true, false, d.T, d.hd, d.T, 1.0f, dsb + h0 * TT, d.T, d.G * TT, qb + h0 * Thd, d.hd,
+        gemm_rm_bf16(cublas, true, false, d.T, d.hd, d.T, 1.0f, dsb + h0 * TT, d.T, d.G * TT, qb + h0 * Thd, d.hd,
                   d.G * Thd, beta, drow + d.H * d.hd, d.W, d.hd, d.KV, "attention_backward_bf16: dK += dS^T Q");
         // dV_g (T, hd; ld W) (+)= Pb_h^T dOb_h.
-        gemm_bf16(cublas, true, false, d.T, d.hd, d.T, 1.0f, pb + h0 * TT, d.T, d.G * TT, dob + h0 * Thd, d.hd,
+        gemm_rm_bf16(cublas, true, false, d.T, d.hd, d.T, 1.0f, pb + h0 * TT, d.T, d.G * TT, dob + h0 * Thd, d.hd,
                   d.G * Thd, beta, drow + (d.H + d.KV) * d.hd, d.W, d.hd, d.KV, "attention_backward_bf16: dV += P^T dO");
       }
     }

@@ -6,11 +6,12 @@
 // bit for every op but the attention (whose GEMMs sum in cuBLAS's order). Every launcher checks
 // its launches (LOOM_CUDA_CHECK_LAUNCH).
 #pragma once
-#include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
 #include <cstdint>
+
+#include "loom/backend/cuda/cuda_blas.h"  // cublasHandle_t
 
 namespace loom::cuda {
 

@@ -46,13 +46,12 @@
 //                  Prefill (large N) re-reads the codes once per chunk of 8 input rows (from L2
 //                  for weights that fit) and multiplies on the CUDA cores, not tensor cores.
 // Under the simulator every kernel here computes the same bits as on the GPU: fmaf is explicit
-// and the other products are rounded on their own (mul_rn).
+// and the other products are rounded on their own (mul_gpu_rn), but see mul_gpu_rn below.
 //
 // Determinism: no atomics; every sum has a fixed order.
 
+#include "loom/backend/cuda/cuda_device.h"  // first: the portability layer (docs/accelerators.md)
 #include "loom/backend/cuda/cuda_weights.h"
-
-#include <cuda_runtime.h>
 
 #include <cstdint>
 
@@ -62,10 +61,9 @@
 namespace loom::cuda {
 namespace {
 
+// (kWarp, kMaxBlocks, grid_for, thread_index / thread_count, min64, warp_sum, warp_sync:
+// cuda_device.h)
 constexpr int kBlock = 256;           // threads per block of the 1-D kernels
-constexpr int64_t kMaxBlocks = 8192;  // grid cap of grid-stride kernels
-constexpr int kWarp = 32;
-constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kDoraWarps = 4;          // DoRA's row kernels: 4 warps per block,
 constexpr int kDoraRows = 8;           // each owning 8 rows,
 constexpr int kDoraCols = 128;         // walked in tiles of 128 columns (4 per lane)
@@ -73,25 +71,16 @@ constexpr int kLinWarps = 8;           // int_linear: output rows per block (one
 constexpr int kLinTile = kWarp * 8;    // int_linear: columns per staged tile (8 per lane)
 constexpr int64_t kMaxGridY = 65535;
 
-unsigned grid_for(int64_t items, int64_t per_block) {
-  int64_t blocks = (items + per_block - 1) / per_block;
-  if (blocks < 1) blocks = 1;
-  if (blocks > kMaxBlocks) blocks = kMaxBlocks;
-  return static_cast<unsigned>(blocks);
-}
-
-__device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
-__device__ __forceinline__ int64_t thread_index() {
-  return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-}
-__device__ __forceinline__ int64_t thread_count() { return static_cast<int64_t>(gridDim.x) * blockDim.x; }
-
-// a b rounded once, never contracted with a following add (the CPU rounds it separately).
-__device__ __forceinline__ float mul_rn(float a, float b) {
+// a b on a GPU rounded once, never contracted with a following add (cuda_device.h's mul_rn:
+// __fmul_rn, or on HIP the contraction off); on the simulator a plain product, which g++ may
+// contract with the following add or subtract, as this file always had it. Not mul_rn there:
+// with its non-contracting form the simulator's dora_weight differs from the CPU in the last bit
+// (the CPU's GCC contracts g * merged - base), which is what a GPU's __fmul_rn would give too.
+__device__ __forceinline__ float mul_gpu_rn(float a, float b) {
 #ifdef LOOM_CUDA_SIM
   return a * b;
 #else
-  return __fmul_rn(a, b);
+  return mul_rn(a, b);
 #endif
 }
 
@@ -139,7 +128,7 @@ __global__ void row_norms_kernel(const float* x, float* norms, int64_t rows, int
 #pragma unroll
         for (int j = 0; j < kDoraCols / kWarp; ++j) tile[warp][r][lane + kWarp * j] = v[r][j];
       }
-      __syncwarp();
+      warp_sync();
       if (c0 + kDoraCols < cols) dora_load(x, r0, nr, c0 + kDoraCols, cols, lane, v);
       if (lane < nr) {
         const int nc = static_cast<int>(min64(kDoraCols, cols - c0));
@@ -148,7 +137,7 @@ __global__ void row_norms_kernel(const float* x, float* norms, int64_t rows, int
           sum += e * e;
         }
       }
-      __syncwarp();
+      warp_sync();
     }
     if (lane < nr) norms[r0 + lane] = static_cast<float>(::sqrt(sum));
   }
@@ -160,7 +149,7 @@ __global__ void dora_weight_kernel(const float* merged, const float* base, const
     const float g = dora_gain(magnitude[j], norms[j]);
     for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) {
       const int64_t k = j * cols + i;
-      out[k] = mul_rn(g, merged[k]) - (base != nullptr ? base[k] : 0.0f);
+      out[k] = mul_gpu_rn(g, merged[k]) - (base != nullptr ? base[k] : 0.0f);
     }
   }
 }
@@ -192,7 +181,7 @@ __global__ void dora_backward_kernel(float* grad, const float* merged, const flo
           if (r < nr && c < cols) grad[(r0 + r) * cols + c] = vg[r][j] * gains[r];
         }
       }
-      __syncwarp();
+      warp_sync();
       if (c0 + kDoraCols < cols) {
         dora_load(grad, r0, nr, c0 + kDoraCols, cols, lane, vg);
         dora_load(merged, r0, nr, c0 + kDoraCols, cols, lane, vw);
@@ -201,7 +190,7 @@ __global__ void dora_backward_kernel(float* grad, const float* merged, const flo
         const int nc = static_cast<int>(min64(kDoraCols, cols - c0));
         for (int k = 0; k < nc; ++k) dot += static_cast<double>(tg[warp][lane][k]) * static_cast<double>(tw[warp][lane][k]);
       }
-      __syncwarp();
+      warp_sync();
     }
     if (lane < nr) {
       const float n = norms[r0 + lane];
@@ -364,12 +353,6 @@ __global__ void act_scale_kernel(const float* x, const float* input_scale, float
   }
 }
 
-template <typename T>
-__device__ __forceinline__ T warp_sum(T v) {
-  for (int offset = kWarp / 2; offset > 0; offset >>= 1) v += __shfl_xor_sync(kFullMask, v, offset);
-  return v;
-}
-
 // Blocks own 8 output rows (one per warp) x chunks of NR input rows (grid-stride in both).
 // Shared tile: NR rows x 256 columns of the input (f32 bits, or W8A8's int8 codes as ints).
 template <int BITS, int NR, bool INT8>
@@ -427,7 +410,7 @@ __global__ void int_linear_kernel(const float* x, const uint8_t* codes, const fl
           if constexpr (INT8) {
 #pragma unroll
             for (int r = 0; r < NR; ++r) {
-              if (r >= nrows) break;
+              if (r >= nrows) continue;  // not break: a fully unrolled loop has one exit (hip-clang)
               int d = 0;
 #pragma unroll
               for (int j = 0; j < 8; ++j) d += tile[r][l0 + j] * (q[j] - 128);
@@ -439,7 +422,7 @@ __global__ void int_linear_kernel(const float* x, const uint8_t* codes, const fl
             for (int j = 0; j < 8; ++j) w[j] = static_cast<float>(q[j]) - z_cur;  // exact
 #pragma unroll
             for (int r = 0; r < NR; ++r) {
-              if (r >= nrows) break;
+              if (r >= nrows) continue;
               float p = 0.0f;
 #pragma unroll
               for (int j = 0; j < 8; ++j) p = fmaf(__int_as_float(tile[r][l0 + j]), w[j], p);
@@ -456,7 +439,7 @@ __global__ void int_linear_kernel(const float* x, const uint8_t* codes, const fl
         float v;
         if constexpr (INT8) {
           const int d = warp_sum(iacc[r]);
-          v = active && r < nrows ? mul_rn(mul_rn(sx[n0 + r], scales[o]), static_cast<float>(d)) : 0.0f;
+          v = active && r < nrows ? mul_gpu_rn(mul_gpu_rn(sx[n0 + r], scales[o]), static_cast<float>(d)) : 0.0f;
         } else {
           v = warp_sum(facc[r]);
         }
@@ -465,7 +448,7 @@ __global__ void int_linear_kernel(const float* x, const uint8_t* codes, const fl
       if (active && lane < nrows) {
         if (bias != nullptr) out = out + bias[o];
         float* dst = y + (n0 + lane) * rows + o;
-        *dst = beta == 0.0f ? out : mul_rn(beta, *dst) + out;
+        *dst = beta == 0.0f ? out : mul_gpu_rn(beta, *dst) + out;
       }
     }
   }

@@ -1,0 +1,140 @@
+// The CUDA backend's decode attention over a KV cache in device memory (Backend::kv_attention;
+// backend/kv_attention.h states the plan and the formula):
+//   1. check_kv_attention, the check every backend runs (one-line errors naming kv_attention);
+//   2. the plan as the kernels read it: each row's splits (cuda::kv_decode_split picks S, the
+//      positions per split, from the rows' lengths), packed with the rows and the tile offsets into
+//      one table in page-locked host memory (PinnedStaging, reused across calls);
+//   3. one asynchronous host -> device copy of the table to the front of the backend's workspace
+//      (the split kernel's partials follow it there), then the split kernel and, for rows of
+//      several splits, the merge kernel (cuda_decode.cu), all on the backend's stream.
+// Nothing here waits for the device, except that filling the staging buffer first waits for the
+// previous call's copy out of it (an event), which is long done in steady state.
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "loom/backend/cuda/cuda_backend_internal.h"
+#include "loom/backend/cuda/cuda_decode.h"
+#include "loom/backend/kv_attention.h"
+
+namespace loom::cuda_backend_detail {
+
+bool decode_ops_complete() { return true; }
+
+// ---- PinnedStaging (cuda_backend_internal.h)
+
+PinnedStaging::~PinnedStaging() {
+  if (copied_ != nullptr) {
+    (void)cudaEventSynchronize(copied_);
+    (void)cudaEventDestroy(copied_);
+  }
+  if (host_ != nullptr) (void)cudaFreeHost(host_);
+}
+
+void* PinnedStaging::acquire(size_t bytes) {
+  if (copied_ == nullptr) {
+    LOOM_CUDA_CHECK(cudaEventCreateWithFlags(&copied_, cudaEventDisableTiming));
+  } else {
+    LOOM_CUDA_CHECK(cudaEventSynchronize(copied_));  // the previous copy has read the buffer
+  }
+  if (bytes > capacity_) {
+    const size_t grown = std::max({bytes, 2 * capacity_, size_t{4096}});
+    if (host_ != nullptr) LOOM_CUDA_CHECK(cudaFreeHost(host_));
+    host_ = nullptr;
+    capacity_ = 0;
+    LOOM_CUDA_CHECK(cudaMallocHost(&host_, grown));
+    capacity_ = grown;
+  }
+  return host_;
+}
+
+void PinnedStaging::upload(void* device, size_t bytes, cudaStream_t stream) {
+  if (bytes == 0) return;
+  LOOM_CUDA_CHECK(cudaMemcpyAsync(device, host_, bytes, cudaMemcpyHostToDevice, stream));
+  LOOM_CUDA_CHECK(cudaEventRecord(copied_, stream));
+}
+
+namespace {
+
+cuda::KvStreamLayout stream_layout(const KvAttendPlan& plan, int s) {
+  const KvQuantSpec& spec = plan.spec[s];
+  cuda::KvStreamLayout f;
+  f.kind = spec.format == KV_FP32 ? cuda::KV_KIND_F32 : spec.format == KV_BF16 ? cuda::KV_KIND_BF16 : cuda::KV_KIND_INT;
+  f.bits = kv_format_bits(spec.format);
+  f.per_channel = spec.per_channel_integer() ? 1 : 0;
+  f.group = spec.group_size();
+  f.groups = spec.width / spec.group_size();
+  f.row_bytes = kv_row_bytes(spec);
+  f.param_bytes = kv_tile_param_bytes(spec);
+  f.window = plan.window[s];
+  return f;
+}
+
+}  // namespace
+
+void CudaBackend::kv_attention(const KvAttendPlan& plan, const Tensor& q, const Tensor& pool, const Tensor& rings,
+                               const Tensor& out) {
+  const char* op = "kv_attention";
+  check_kv_attention(plan, q, pool, rings, out);
+  const int64_t rows = static_cast<int64_t>(plan.rows.size());
+  LOOM_CHECK(plan.head_dim <= cuda::kKvMaxHeadDim, op, ": head_dim ", plan.head_dim, " exceeds the CUDA kernel's ",
+             cuda::kKvMaxHeadDim);
+  if (rows == 0) return;
+
+  cuda::KvDecodeShape s;
+  s.rows = rows;
+  s.n_head = plan.n_head, s.n_kv_head = plan.n_kv_head, s.head_dim = plan.head_dim;
+  s.width = plan.n_kv_head * plan.head_dim;
+  s.block = plan.block;
+  s.entries = static_cast<int64_t>(plan.tile_offsets.size());
+  s.scale = 1.0f / std::sqrt(static_cast<float>(plan.head_dim));  // as attend_rows
+  for (int st = 0; st < 2; ++st) s.stream[st] = stream_layout(plan, st);
+  const int64_t per_split = cuda::kv_decode_blocks_per_split(s.n_head, s.n_kv_head, s.head_dim);
+  LOOM_CHECK(per_split <= 65535 && s.n_head <= 65535, op, ": ", s.n_head, " query heads over ", s.n_kv_head,
+             " kv heads exceed the CUDA grid");
+  std::vector<int64_t> lengths(static_cast<size_t>(rows));
+  for (int64_t i = 0; i < rows; ++i) lengths[static_cast<size_t>(i)] = plan.rows[static_cast<size_t>(i)].n - plan.rows[static_cast<size_t>(i)].first;
+  s.split = cuda::kv_decode_split(lengths.data(), rows, per_split);
+  for (int64_t len : lengths) {
+    const int64_t splits = (len + s.split - 1) / s.split;
+    s.items += splits;
+    if (splits > 1) ++s.merge_rows;
+  }
+  LOOM_CHECK(s.items <= INT_MAX && rows <= INT_MAX, op, ": ", rows, " rows in ", s.items,
+             " splits exceed the CUDA grid");
+  int64_t last = 0;  // the kernels index positions, tiles and ring rows in 32 bits
+  for (const KvAttendRow& r : plan.rows) last = std::max(last, r.n);
+  LOOM_CHECK(last <= INT_MAX && plan.block <= INT_MAX && plan.window[0] <= INT_MAX && plan.window[1] <= INT_MAX, op,
+             ": positions up to ", last, " in tiles of ", plan.block, " exceed the CUDA kernel's 32-bit positions");
+
+  // The table, packed in pinned memory at the layout's offsets.
+  const cuda::KvDecodeLayout at = cuda::kv_decode_layout(s);
+  char* host = static_cast<char*>(kv_staging_.acquire(at.table_bytes));
+  auto* table_rows = reinterpret_cast<cuda::KvDecodeRow*>(host + at.rows_at);
+  auto* item_row = reinterpret_cast<int32_t*>(host + at.items_at);
+  auto* merge_row = reinterpret_cast<int32_t*>(host + at.merges_at);
+  if (s.entries > 0) {
+    std::memcpy(host + at.offsets_at, plan.tile_offsets.data(), static_cast<size_t>(s.entries) * sizeof(int64_t));
+  }
+  int64_t item = 0, merges = 0;
+  for (int64_t i = 0; i < rows; ++i) {
+    const KvAttendRow& r = plan.rows[static_cast<size_t>(i)];
+    cuda::KvDecodeRow d;
+    d.first = r.first, d.n = r.n, d.tiles = r.tiles;
+    for (int st = 0; st < 2; ++st) d.stored[st] = r.stored[st], d.ring[st] = r.ring[st];
+    d.item0 = item;
+    d.splits = (lengths[static_cast<size_t>(i)] + s.split - 1) / s.split;
+    std::memcpy(static_cast<void*>(table_rows + i), &d, sizeof d);
+    for (int64_t k = 0; k < d.splits; ++k) item_row[item++] = static_cast<int32_t>(i);
+    if (d.splits > 1) merge_row[merges++] = static_cast<int32_t>(i);
+  }
+
+  void* ws = workspace(at.bytes);
+  kv_staging_.upload(ws, at.table_bytes, stream());
+  cuda::kv_attention_decode(s, ws, dptr<float>(q), dptr<uint8_t>(pool), rings.defined() ? dptr<float>(rings) : nullptr,
+                            dptr<float>(out), stream());
+}
+
+}  // namespace loom::cuda_backend_detail

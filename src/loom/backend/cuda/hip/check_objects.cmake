@@ -1,0 +1,61 @@
+# ctest hip_objects (label hip_compile; tests/CMakeLists.txt): every object of loom_hip_kernels
+# exists and holds, for every offload architecture, an AMDGPU code object for that architecture
+# with kernels in it. The HIP objects cannot run here (no AMD GPU); this shows in CI what the
+# build made. Per object: its .hip_fatbin section (a clang offload bundle) is extracted with
+# llvm-objcopy, its bundles listed with clang-offload-bundler, each architecture's code object
+# unbundled and read with llvm-readelf: its target (the amdhsa.target note) and its kernel
+# descriptors (dynamic symbols NAME.kd, one per kernel).
+#   cmake -DOBJECTS="a.o;b.o" -DARCHS="gfx906;..." -DOBJCOPY=... -DBUNDLER=... -DREADELF=...
+#         -DWORK=dir -P check_objects.cmake
+foreach(var OBJECTS ARCHS OBJCOPY BUNDLER READELF WORK)
+  if(NOT DEFINED ${var})
+    message(FATAL_ERROR "check_objects.cmake: -D${var}= is missing")
+  endif()
+endforeach()
+file(MAKE_DIRECTORY ${WORK})
+set(failures 0)
+foreach(object IN LISTS OBJECTS)
+  get_filename_component(name ${object} NAME_WE)
+  if(NOT EXISTS ${object})
+    message(SEND_ERROR "${name}: ${object} is missing (build the target loom_hip_kernels)")
+    math(EXPR failures "${failures} + 1")
+    continue()
+  endif()
+  set(bundle ${WORK}/${name}.hipfb)
+  execute_process(COMMAND ${OBJCOPY} --dump-section .hip_fatbin=${bundle} ${object} ${WORK}/${name}.host.o
+    RESULT_VARIABLE rc ERROR_VARIABLE err)
+  if(NOT rc EQUAL 0)
+    message(SEND_ERROR "${name}: no .hip_fatbin section (${err})")
+    math(EXPR failures "${failures} + 1")
+    continue()
+  endif()
+  execute_process(COMMAND ${BUNDLER} --list --type=o --input=${bundle} OUTPUT_VARIABLE bundles RESULT_VARIABLE rc)
+  set(line "")
+  foreach(arch IN LISTS ARCHS)
+    set(target hipv4-amdgcn-amd-amdhsa--${arch})
+    string(FIND "${bundles}" "${target}\n" at)
+    if(at EQUAL -1)
+      message(SEND_ERROR "${name}: no code object for ${arch} (bundles: ${bundles})")
+      math(EXPR failures "${failures} + 1")
+      continue()
+    endif()
+    set(code ${WORK}/${name}.${arch}.co)
+    execute_process(COMMAND ${BUNDLER} --unbundle --type=o --input=${bundle} --targets=${target} --output=${code}
+      RESULT_VARIABLE rc)
+    execute_process(COMMAND ${READELF} --dyn-syms ${code} OUTPUT_VARIABLE symbols RESULT_VARIABLE rc2)
+    execute_process(COMMAND ${READELF} --notes ${code} OUTPUT_VARIABLE notes RESULT_VARIABLE rc3)
+    string(REGEX MATCHALL "OBJECT[^\n]* [^\n ]+\\.kd\n" kernels "${symbols}")
+    list(LENGTH kernels count)
+    string(FIND "${notes}" "amdhsa.target:   amdgcn-amd-amdhsa--${arch}" right_target)
+    if(NOT rc EQUAL 0 OR NOT rc2 EQUAL 0 OR NOT rc3 EQUAL 0 OR count EQUAL 0 OR right_target EQUAL -1)
+      message(SEND_ERROR "${name}: the ${arch} code object is not an ${arch} object with kernels (${count} kernels)")
+      math(EXPR failures "${failures} + 1")
+      continue()
+    endif()
+    string(APPEND line " ${arch}: ${count}")
+  endforeach()
+  message(STATUS "${name}.o kernels per architecture:${line}")
+endforeach()
+if(failures GREATER 0)
+  message(FATAL_ERROR "${failures} missing or wrong HIP code objects")
+endif()
