@@ -102,11 +102,15 @@ class HostileSignals(LoomCase):
 
     def test_supervise_stops_restarting_after_sigterm(self):
         # Defect 5: supervise restarted /bin/false for 15 minutes through SIGTERMs and a SIGINT.
-        p, out, err = self.supervise("/bin/false", signals=(signal.SIGTERM,))
-        self.assertEqual(p.returncode, 1, err)  # /bin/false's status
-        self.assertIn("not restarting", err)
-        p, out, err = self.supervise("/bin/false", signals=(signal.SIGINT,))
-        self.assertEqual(p.returncode, 1, err)
+        # The signal lands either in a back-off (supervise exits with /bin/false's status, 1) or
+        # while a /bin/false is alive, which then dies of the forwarded signal (128 + signal): on a
+        # loaded machine either happens (CI saw 143). What must hold is no restart after it.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            p, out, err = self.supervise("/bin/false", signals=(sig,))
+            self.assertIn(p.returncode, (1, 128 + sig), err)
+            self.assertIn("not restarting", err)
+            after = err[err.index("received SIG"):]
+            self.assertNotIn("restart ", after.replace("not restarting", ""), err)
 
     def test_supervise_forwards_sigterm_and_exits_with_the_childs_status(self):
         p, out, err = self.supervise("/bin/sleep", "30", signals=(signal.SIGTERM,))
