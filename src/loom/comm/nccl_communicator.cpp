@@ -5,11 +5,13 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <exception>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <string>
 #include <utility>
@@ -295,12 +297,14 @@ class NcclCommunicator final : public Communicator {
     return exchange("all_to_all_v", in, send_counts, out, recv_counts);
   }
   void send(const Tensor& x, int to, int tag) override { send_async(x, to, tag)->wait(); }
-  // Deferred: the send is issued with this rank's next call on the communicator, in one NCCL
-  // group with it when that is a recv (so two ranks that each send to the other, then receive,
-  // exchange both messages at once: NCCL matches a send only when the peer's receive runs, and
-  // one communicator's operations run in order on its stream), or when its handle is waited for
-  // or dropped. The data must stay unchanged until then, as for any asynchronous send.
-  std::unique_ptr<CommWork> send_async(const Tensor& x, int to, int) override {
+  // Deferred: the send is issued with this rank's next call on the communicator that has a tag
+  // at least its own, in one NCCL group with it when that is a recv of the same tag (so two ranks
+  // that each send to the other, then receive, exchange both messages at once: NCCL matches a
+  // send only when the peer's receive runs, and one communicator's operations run in order on
+  // its stream), or when its handle is waited for or dropped. Tags order the exchanges (the
+  // pipeline's rounds, parallel/pipe_messages.h): deferred sends go out in ascending tag, one
+  // group per tag. The data must stay unchanged until then, as for any asynchronous send.
+  std::unique_ptr<CommWork> send_async(const Tensor& x, int to, int tag) override {
     LOOM_CHECK(to >= 0 && to < size_ && to != rank_, "send from rank ", rank_, " to rank ", to, ": no such peer");
     check_on_device("send", x);
     const ncclDataType_t t = nccl_type(x.dtype(), "send", rank_);
@@ -310,11 +314,13 @@ class NcclCommunicator final : public Communicator {
       work->record(compute_);
       return work;
     }
-    pending_.push_back(PendingSend{dev_ptr(x), static_cast<size_t>(x.numel()), t, to, work.get()});
-    work->defer([this] { issue_pending(); });
+    pending_.push_back(PendingSend{dev_ptr(x), static_cast<size_t>(x.numel()), t, to, tag, work.get()});
+    work->defer([this, tag] { issue_pending(tag); });
     return work;
   }
-  void recv(const Tensor& x, int from, int) override {
+  // The deferred sends of lower tags go first, a group per tag; those of this tag go in one group
+  // with the receive; those of higher tags stay deferred.
+  void recv(const Tensor& x, int from, int tag) override {
     LOOM_CHECK(from >= 0 && from < size_ && from != rank_, "recv on rank ", rank_, " from rank ", from,
                ": no such peer");
     check_on_device("recv", x);
@@ -323,7 +329,8 @@ class NcclCommunicator final : public Communicator {
     enqueue(
         "recv",
         [&] {
-          with_pending_sends("recv", [&] {
+          issue_sends_below("recv", tag);
+          with_pending_sends("recv", tag, [&] {
             return x.numel() == 0 ? ncclSuccess
                                   : ncclRecv(dev_ptr(x), static_cast<size_t>(x.numel()), t, from, comm_, stream_);
           });
@@ -358,25 +365,28 @@ class NcclCommunicator final : public Communicator {
 
   // Runs `body` (which enqueues NCCL work on stream_) after the work queued so far on the compute
   // stream, and returns the handle of its completion.
-  // The deferred sends go first, in their own group, unless the body issues them itself.
+  // The deferred sends go first, a group per tag, unless the body issues them itself.
   template <typename Body>
   std::unique_ptr<NcclWork> enqueue(const char* op, Body&& body, bool sends_in_body = false) {
     LOOM_NCCL_CUDA_CHECK(cudaSetDevice(device_), op, rank_);
     auto work = std::make_unique<NcclWork>(op, rank_, compute_);
     LOOM_NCCL_CUDA_CHECK(cudaEventRecord(ready_, compute_), op, rank_);
     LOOM_NCCL_CUDA_CHECK(cudaStreamWaitEvent(stream_, ready_, 0), op, rank_);
-    if (!sends_in_body && !pending_.empty()) with_pending_sends(op, [] { return ncclSuccess; });
+    if (!sends_in_body) issue_sends_below(op, std::numeric_limits<int64_t>::max());
     body();
     work->record(stream_);
     return work;
   }
 
-  // The deferred sends and `calls` (the caller's NCCL calls) in one group on stream_, then each
-  // send's handle recorded.
+  // The deferred sends of `tag` and `calls` (the caller's NCCL calls) in one group on stream_,
+  // then each send's handle recorded.
   template <typename Calls>
-  void with_pending_sends(const char* op, Calls&& calls) {
+  void with_pending_sends(const char* op, int tag, Calls&& calls) {
     std::vector<PendingSend> sends;
-    sends.swap(pending_);
+    const auto of_tag = std::stable_partition(pending_.begin(), pending_.end(),
+                                              [tag](const PendingSend& p) { return p.tag != tag; });
+    sends.assign(of_tag, pending_.end());
+    pending_.erase(of_tag, pending_.end());
     grouped(op, [&] {
       for (const PendingSend& s : sends) {
         const ncclResult_t r = ncclSend(s.data, s.count, s.type, s.to, comm_, stream_);
@@ -386,10 +396,20 @@ class NcclCommunicator final : public Communicator {
     });
     for (const PendingSend& s : sends) s.work->record(stream_);
   }
-  // The deferred sends alone (a send's handle waited for or dropped first).
-  void issue_pending() {
-    if (pending_.empty()) return;
-    enqueue("send", [] {});
+  // The deferred sends of tags below `limit`, in ascending tag, one group per tag.
+  void issue_sends_below(const char* op, int64_t limit) {
+    while (!pending_.empty()) {
+      const int lowest = std::min_element(pending_.begin(), pending_.end(), [](const PendingSend& a, const PendingSend& b) {
+                           return a.tag < b.tag;
+                         })->tag;
+      if (lowest >= limit) return;
+      with_pending_sends(op, lowest, [] { return ncclSuccess; });
+    }
+  }
+  // The deferred sends of tags up to `tag` (a send's handle waited for or dropped first).
+  void issue_pending(int tag) {
+    if (std::none_of(pending_.begin(), pending_.end(), [tag](const PendingSend& p) { return p.tag <= tag; })) return;
+    enqueue("send", [&] { issue_sends_below("send", int64_t{tag} + 1); }, /*sends_in_body=*/true);
   }
 
   // Issues `calls` (returning the first failed ncclResult_t, else ncclSuccess) inside one
@@ -464,6 +484,7 @@ class NcclCommunicator final : public Communicator {
     size_t count;
     ncclDataType_t type;
     int to;
+    int tag;  // its exchange's order (send_async)
     NcclWork* work;
   };
 

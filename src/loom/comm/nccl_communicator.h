@@ -19,14 +19,18 @@
 // bytes per rank.
 //
 // Differences from MPI a caller must know:
-//  - Tags are ignored: NCCL matches the sends and receives between two ranks in call order.
+//  - Tags do not match messages: NCCL matches the sends and receives between two ranks in call
+//    order. A tag orders the deferred sends instead (below).
 //  - recv cannot check the sender's element count; a mismatch is undefined (NCCL may hang).
 //  - An NCCL send completes only when the peer's matching receive runs, and one communicator's
 //    operations run in order on its stream, so two ranks that each send to the other before
 //    receiving would deadlock (MPI's Isend does not). send_async therefore defers the send: it is
-//    issued with the rank's next call on the communicator, in one NCCL group with it when that
-//    is a recv (a pipeline's "send activations, receive gradients" is one exchange), or when
-//    its handle is waited for or dropped.
+//    issued with the rank's next recv of a tag at least its own, in one NCCL group with it when
+//    the tags are equal (a pipeline's "send activations, receive gradients" is one exchange),
+//    before any other call, or when its handle is waited for or dropped. Deferred sends go out
+//    in ascending tag, one group per tag: callers whose sends and receives must pair across
+//    ranks number the exchanges (the pipeline's rounds, parallel/pipe_messages.h); callers with
+//    one tag get every deferred send in one group with the next receive.
 //  - reduce_scatter_v / all_gather_v are one grouped ncclReduce / ncclBroadcast per segment
 //    (the ledger still books the ring volume of communicator.h).
 //  - in and out of all_to_all(_v) must be separate buffers.

@@ -77,6 +77,7 @@ PipelineRunner::PipelineRunner(Transformer& model, Communicator& pp, PipeSchedul
              pp.size(), " ranks");
   const int S = schedule_.model_stages(), rank = pp.rank(), v = schedule_.virtual_chunks, m = schedule_.micro;
   layers_ = pipeline_stage_split(model.config(), S, seq_len);
+  plan_ = std::move(plan_pipe_messages(schedule_)[static_cast<size_t>(rank)]);
   // Each chunk keeps as many activation stores as the schedule ever has micro-batches live on it
   // (from F to B, or to W when the backward is split): GPipe m, 1F1B at most p - rank.
   const std::vector<int> peak = pipe_live_peak(schedule_, rank);
@@ -118,16 +119,11 @@ PipelineRunner::PipelineRunner(Transformer& model, Communicator& pp, PipeSchedul
   loss_ = Tensor::zeros(model.backend().allocator(), {1}, DTYPE_F64, MEM_WORKSPACE);
 }
 
-int PipelineRunner::tag(int direction, int stage, int micro) const {
-  return (direction * schedule_.model_stages() + stage) * schedule_.micro + micro;
-}
-
-int PipelineRunner::acquire(int chunk, int micro) {
-  const std::vector<int>& live = slot_[chunk];  // the first store no live micro-batch holds
-  int slot = 0;
-  while (slot < static_cast<int>(stores_[chunk].size()) && std::find(live.begin(), live.end(), slot) != live.end()) ++slot;
-  LOOM_CHECK(slot < static_cast<int>(stores_[chunk].size()), "pipeline: no free activation store on chunk ", chunk,
-             " for micro-batch ", micro);
+int PipelineRunner::acquire(int chunk, int micro, int slot) {
+  const std::vector<int>& live = slot_[chunk];  // the plan's store: one no live micro-batch holds
+  LOOM_CHECK(slot >= 0 && slot < static_cast<int>(stores_[chunk].size()) &&
+                 std::find(live.begin(), live.end(), slot) == live.end(),
+             "pipeline: activation store ", slot, " on chunk ", chunk, " is not free for micro-batch ", micro);
   if (pending_[chunk][slot]) pending_[chunk][slot]->wait();  // its last output has left
   pending_[chunk][slot].reset();
   slot_[chunk][micro] = slot;
@@ -140,10 +136,10 @@ ActivationStore& PipelineRunner::store_of(int chunk, int micro) {
   return stores_[chunk][slot];
 }
 
-void PipelineRunner::forward(const PipeAction& a) {
+void PipelineRunner::forward(const PipeAction& a, const PipeMessagePlan& plan) {
   const int rank = pp_.rank(), s = schedule_.stage_of(rank, a.chunk);
   const auto [first, last] = layers_[static_cast<size_t>(s)];
-  const int slot = acquire(a.chunk, a.micro);
+  const int slot = acquire(a.chunk, a.micro, plan.slot);
   ActivationStore& store = stores_[a.chunk][slot];
   model_.backend().copy(tokens_[a.micro], store.tokens);
   model_.backend().copy(targets_[a.micro], store.targets);
@@ -155,7 +151,7 @@ void PipelineRunner::forward(const PipeAction& a) {
       model_.backend().copy(store_of(schedule_.chunk_of(s - 1), a.micro).blocks[first].input, store.blocks[first].input);
     } else {
       const double t = now();
-      pp_.recv(store.blocks[first].input, from, tag(0, s, a.micro));
+      pp_.recv(store.blocks[first].input, from, plan.recv_round);
       idle_ += now() - t;
     }
   }
@@ -164,13 +160,13 @@ void PipelineRunner::forward(const PipeAction& a) {
   busy_ += now() - t;
   if (last == model_.config().n_layer) loss_sum_ += loss;
   if (s + 1 < schedule_.model_stages() && schedule_.rank_of(s + 1) != rank) {
-    pending_[a.chunk][slot] = pp_.send_async(store.blocks[last].input, schedule_.rank_of(s + 1), tag(0, s + 1, a.micro));
+    pending_[a.chunk][slot] = pp_.send_async(store.blocks[last].input, schedule_.rank_of(s + 1), plan.send_round);
   }
 }
 
 void PipelineRunner::release(int chunk, int micro) { slot_[chunk][micro] = -1; }
 
-void PipelineRunner::backward(const PipeAction& a) {
+void PipelineRunner::backward(const PipeAction& a, const PipeMessagePlan& plan) {
   const int rank = pp_.rank(), s = schedule_.stage_of(rank, a.chunk);
   const auto [first, last] = layers_[static_cast<size_t>(s)];
   ActivationStore& store = store_of(a.chunk, a.micro);
@@ -188,7 +184,7 @@ void PipelineRunner::backward(const PipeAction& a) {
       model_.backend().copy(grad_out_[schedule_.chunk_of(s + 1)][a.micro], grad);
     } else {
       const double t = now();
-      pp_.recv(grad, from, tag(1, s, a.micro));
+      pp_.recv(grad, from, plan.recv_round);
       idle_ += now() - t;
     }
   }
@@ -198,7 +194,7 @@ void PipelineRunner::backward(const PipeAction& a) {
   if (s > 0) {  // d(input) to the previous stage, from a buffer of its own (grad is reused)
     const Tensor& out = grad_out_[a.chunk][a.micro];
     model_.backend().copy(grad, out);
-    if (schedule_.rank_of(s - 1) != rank) sends_.push_back(pp_.send_async(out, schedule_.rank_of(s - 1), tag(1, s - 1, a.micro)));
+    if (schedule_.rank_of(s - 1) != rank) sends_.push_back(pp_.send_async(out, schedule_.rank_of(s - 1), plan.send_round));
   }
   if (!schedule_.split_backward) release(a.chunk, a.micro);
 }
@@ -223,7 +219,8 @@ double PipelineRunner::evaluate(BatchSource& data, int64_t batches) {
   for (int64_t i = 0; i < batches; ++i) {
     fill_micro(data, 0);
     for (int s = 0; s < S; ++s) {
-      if (schedule_.rank_of(s) == rank) forward(PipeAction{schedule_.chunk_of(s), 0, PIPE_F});
+      // A chain through the stages: stage s receives in round s and sends in round s + 1.
+      if (schedule_.rank_of(s) == rank) forward(PipeAction{schedule_.chunk_of(s), 0, PIPE_F}, PipeMessagePlan{0, s, s + 1});
     }
     for (int s = 0; s < S; ++s) {
       if (schedule_.rank_of(s) == rank) release(schedule_.chunk_of(s), 0);
@@ -245,9 +242,10 @@ double PipelineRunner::run(BatchSource& data, float loss_weight, uint32_t first_
   loss_sum_ = busy_ = idle_ = 0.0;
   valid_ = positions_ = 0;
   for (int i = 0; i < schedule_.micro; ++i) fill_micro(data, i);  // in the one-process order
-  for (const PipeAction& a : schedule_.per_rank[static_cast<size_t>(pp_.rank())]) {
-    if (a.op == PIPE_F) forward(a);
-    else backward(a);
+  const std::vector<PipeAction>& actions = schedule_.per_rank[static_cast<size_t>(pp_.rank())];
+  for (size_t i = 0; i < actions.size(); ++i) {
+    if (actions[i].op == PIPE_F) forward(actions[i], plan_[i]);
+    else backward(actions[i], plan_[i]);
   }
   const double t = now();
   wait_sends();

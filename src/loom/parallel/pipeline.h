@@ -18,6 +18,7 @@
 #include "loom/comm/communicator.h"
 #include "loom/data/batch_source.h"
 #include "loom/model/transformer.h"
+#include "loom/parallel/pipe_messages.h"
 #include "loom/parallel/pipeline_schedule.h"
 
 namespace loom {
@@ -76,10 +77,9 @@ class PipelineRunner {
  private:
   // The sum of `local` over the pipeline ranks, through loss_.
   double reduce_loss(double local);
-  int tag(int direction, int stage, int micro) const;
-  void forward(const PipeAction& a);
-  void backward(const PipeAction& a);
-  int acquire(int chunk, int micro);          // a free store for the micro-batch's F
+  void forward(const PipeAction& a, const PipeMessagePlan& plan);
+  void backward(const PipeAction& a, const PipeMessagePlan& plan);
+  int acquire(int chunk, int micro, int slot);  // the plan's store for the micro-batch's F
   void release(int chunk, int micro);         // after its B (or W)
   ActivationStore& store_of(int chunk, int micro);
   void wait_sends();
@@ -88,6 +88,7 @@ class PipelineRunner {
   Transformer& model_;
   Communicator& pp_;
   PipeSchedule schedule_;
+  std::vector<PipeMessagePlan> plan_;  // [action] of this rank's list: store, message rounds (the tags)
   std::vector<std::pair<int64_t, int64_t>> layers_;  // [model stage] layer range
   std::vector<std::vector<ActivationStore>> stores_;  // [chunk][slot]: the schedule's peak live micro-batches
   std::vector<std::vector<int>> slot_;                // [chunk][micro] its store while live, else -1

@@ -299,18 +299,6 @@ const Rule kRules[] = {
        return std::string("parallel.zero_stage = 3 shards the fp32 parameters; the bf16 weights of precision.param = bf16 "
                           "or precision.master = bf16 are not sharded: use f32 for both");
      }},
-    // Over NCCL a rank's deferred sends go out in one group with its next receive, and a group
-    // completes only when the peer has received all of it: under the interleaved schedule both
-    // ranks end up waiting for the other's group (docs/cuda.md "Capabilities"). MPI buffers sends.
-    {Verdict::refuse,
-     [](const LayoutFacts& f) {
-       return f.config->device == DEVICE_CUDA && f.of(Axis::pp) > 1 && par(f).schedule == PipeScheduleKind::interleaved;
-     },
-     [](const LayoutFacts&) {
-       return std::string("parallel.schedule = interleaved is not supported yet with device = \"cuda\" (its sends and "
-                          "receives deadlock over NCCL until each step's exchanges are paired): use 1f1b, gpipe or "
-                          "zb-h1");
-     }},
     // What the backend runs (Backend::capabilities).
     {Verdict::refuse, [](const LayoutFacts& f) { return !f.backend.model_parallel && model_parallel(f); },
      [](const LayoutFacts& f) {
