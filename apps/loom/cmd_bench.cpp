@@ -62,7 +62,8 @@ int bench_generate(const Args& args) {
     config = load_config(args);
     vocab_from_data(config);
   }
-  auto backend = make_cpu_backend();
+  const std::string device = args.get("device", "");
+  auto backend = source ? inference_backend(*source, device) : make_backend(device.empty() ? std::string(enum_name(config.device)) : device);
   Transformer model(*backend, config.model);
   if (source) {
     load_model(*source, model);
@@ -191,6 +192,7 @@ int bench_generate(const Args& args) {
 int bench_main(int argc, char** argv) {
   const std::vector<Option> options = {
       {"checkpoint", "PATH", "a step folder, a run folder or a checkpoints folder (default: a random model)"},
+      {"device", "cpu|cuda", "the backend (default: the checkpoint's or the config's device)"},
       {"config", "FILE", "a TOML config applied after configs/default.toml"},
       {"set", "KEY=VALUE,...", "config overrides, applied last (comma-separated; repeatable)"},
       {"requests", "N", "requests (default 32)"},

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdint>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -50,13 +51,16 @@ TextEval eval_text(Transformer& model, const std::vector<int32_t>& ids, int64_t 
   for (int64_t first = 0; first < r.windows; first += B) {
     const int64_t n = std::min(B, r.windows - first);
     ActivationStore store = model.allocate_store(n, T - 1);
+    std::vector<int32_t> tokens(static_cast<size_t>(n * (T - 1))), targets(tokens.size());  // staged on the host
     for (int64_t w = 0; w < n; ++w) {
       const int32_t* window = ids.data() + (first + w) * T;
       for (int64_t t = 0; t + 1 < T; ++t) {
-        store.tokens.data<int32_t>()[w * (T - 1) + t] = window[t];
-        store.targets.data<int32_t>()[w * (T - 1) + t] = window[t + 1];
+        tokens[static_cast<size_t>(w * (T - 1) + t)] = window[t];
+        targets[static_cast<size_t>(w * (T - 1) + t)] = window[t + 1];
       }
     }
+    model.backend().write(store.tokens, tokens.data());
+    model.backend().write(store.targets, targets.data());
     sum += model.forward(store) * static_cast<double>(n);  // forward: the mean over its n (T - 1) positions
   }
   r.loss = sum / static_cast<double>(r.windows);
@@ -104,6 +108,7 @@ int eval_text_main(const Args& args, const ModelSource& source, Transformer& mod
 int eval_main(int argc, char** argv) {
   const Args args(argc, argv, "eval", kHelp,
                   {{"checkpoint", "PATH", "a step folder, a run folder or a checkpoints folder (required)"},
+                  {"device", "cpu|cuda", "the backend the model runs on (default: the checkpoint's run config's device; cpu for a Hugging Face folder)"},
                    {"adapter", "DIR", "a PEFT LoRA adapter folder applied to the weights (docs/finetune.md)"},
                    {"data", "DIR", "the dataset (default: the run's data.dir)"},
                    {"split", "val|train", "the split to evaluate (default: val)"},
@@ -118,7 +123,7 @@ int eval_main(int argc, char** argv) {
   const ModelSource source = model_source(args.get("checkpoint"), args.get("adapter", ""));
   const LoomConfig& config = source.config;
   if (args.has("text")) {
-    auto backend = make_cpu_backend();
+    auto backend = inference_backend(source, args.get("device", ""));
     Transformer model(*backend, config.model);
     load_model(source, model);
     return eval_text_main(args, source, model);
@@ -131,7 +136,7 @@ int eval_main(int argc, char** argv) {
   LOOM_CHECK(static_cast<int64_t>(data.vocab_size) == config.model.vocab_size, "dataset vocabulary ", data.vocab_size,
              " differs from the model's ", config.model.vocab_size);
 
-  auto backend = make_cpu_backend();
+  auto backend = inference_backend(source, args.get("device", ""));
   Transformer model(*backend, config.model);
   load_model(source, model);
   ActivationStore store = model.allocate_store(config.train.batch_size, config.train.seq_len);
@@ -144,12 +149,17 @@ int eval_main(int argc, char** argv) {
   double sum = 0.0;
   int64_t counted = 0;  // supervised data: the targets that count (the others are kIgnoreTarget)
   const int64_t positions = store.targets.numel();
+  CpuAllocator host;  // each batch is filled on the host, then written to the model's backend
+  const Tensor tokens = Tensor::empty(host, store.tokens.shape(), DTYPE_I32, MEM_WORKSPACE);
+  const Tensor targets = Tensor::empty(host, store.targets.shape(), DTYPE_I32, MEM_WORKSPACE);
   for (int64_t i = 0; i < batches; ++i) {
-    loader.fill(store.tokens, store.targets);
+    loader.fill(tokens, targets);
     if (loader.document_end() >= 0) {
-      store.docs = document_spans(store.tokens.data<int32_t>(), store.tokens.dim(0), store.tokens.dim(1), loader.document_end());
+      store.docs = document_spans(tokens.data<int32_t>(), tokens.dim(0), tokens.dim(1), loader.document_end());
     }
-    counted += counted_targets(store.targets.data<int32_t>(), positions);
+    counted += counted_targets(targets.data<int32_t>(), positions);
+    backend->write(store.tokens, tokens.data<int32_t>());
+    backend->write(store.targets, targets.data<int32_t>());
     sum += model.forward(store);
   }
   // forward's mean counts a masked position as 0: the mean over the counted ones.

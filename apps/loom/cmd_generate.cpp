@@ -43,6 +43,7 @@ const char* kHelp =
 int generate_main(int argc, char** argv) {
   const Args args(argc, argv, "generate", kHelp,
                   {{"checkpoint", "PATH", "a step folder, a run folder or a checkpoints folder (required)"},
+                  {"device", "cpu|cuda", "the backend the model runs on (default: the checkpoint's run config's device; cpu for a Hugging Face folder)"},
                    {"adapter", "DIR", "a PEFT LoRA adapter folder applied to the weights (docs/finetune.md)"},
                    {"prompt", "TEXT", "the prompt (default: the run's sample.prompt)"},
                    {"prompt-file", "FILE", "read the prompt from a file"},
@@ -74,7 +75,7 @@ int generate_main(int argc, char** argv) {
   sampling.seed = static_cast<uint64_t>(args.get_int("seed", static_cast<int64_t>(sampling.seed)));
 
   const auto tokenizer = model_tokenizer(config);
-  auto backend = make_cpu_backend();
+  auto backend = inference_backend(source, args.get("device", ""));
   Transformer model(*backend, config.model);
   load_model(source, model);
   if (args.has("prompts")) {

@@ -116,14 +116,28 @@ void load_weights(const ModelSource& source, const Tensor& params) {
 }
 
 void load_model(const ModelSource& source, Transformer& model) {
-  if (!source.quantized) {
-    load_weights(source, model.params());
-    return;
-  }
-  LOOM_CHECK(source.adapter.empty(), source.path, " is a quantized model: apply --adapter to the checkpoint it was made from");
+  const Tensor& params = model.params();
+  CpuAllocator host;  // a device's parameters are loaded on the host, then written once
+  const Tensor target = params.host_accessible() ? params : Tensor::empty(host, params.shape(), DTYPE_F32, MEM_WORKSPACE);
   std::map<std::string, IntWeight> weights;
-  read_quantized_model(source.path, ModelState{source.config.model, model.params()}, weights);
-  model.set_int_weights(std::move(weights));
+  if (!source.quantized) {
+    load_weights(source, target);
+  } else {
+    LOOM_CHECK(source.adapter.empty(), source.path, " is a quantized model: apply --adapter to the checkpoint it was made from");
+    read_quantized_model(source.path, ModelState{source.config.model, target}, weights);
+  }
+  if (!params.host_accessible()) model.backend().write(params, target.data<float>());
+  if (source.quantized) model.set_int_weights(std::move(weights));
+}
+
+std::unique_ptr<Backend> inference_backend(const ModelSource& source, const std::string& device) {
+  const std::string name = device.empty() ? std::string(enum_name(source.config.device)) : device;
+  try {
+    return make_backend(name);
+  } catch (const Error& e) {
+    throw Error(str_cat(e.what(), device.empty() ? str_cat(" (", source.path, " was trained with it; --device cpu runs it on the CPU)")
+                                                 : std::string(" (--device)")));
+  }
 }
 
 std::string resolve_weights(const std::string& path) { return is_hf_model_dir(path) ? path : resolve_checkpoint(path); }

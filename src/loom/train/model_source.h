@@ -3,6 +3,7 @@
 // run folder and memory plan a config names. Used by every command that reads a model and by the
 // training run (train.init_from, distill.teacher).
 #pragma once
+#include <memory>
 #include <string>
 
 #include "loom/memory/estimate.h"
@@ -40,8 +41,13 @@ ModelSource model_source(const std::string& path, const std::string& adapter = "
 // Fills `params` (the model's flat host f32 buffer, source.config.model's layout) from the source.
 void load_weights(const ModelSource& source, const Tensor& params);
 // The source's weights into `model`: load_weights, or for a quantized model folder its f32
-// parameters and its integer weights (Transformer::set_int_weights).
+// parameters and its integer weights (Transformer::set_int_weights). On a device (parameters
+// the host cannot read) through a host staging copy and Backend::write.
 void load_model(const ModelSource& source, Transformer& model);
+// The backend eval, generate, bench generate and serve run the model on: `device` ("cpu" |
+// "cuda"), or when empty the source's run config's `device` (a checkpoint trained on a GPU runs
+// there; a Hugging Face folder on the CPU). Errors name --device.
+std::unique_ptr<Backend> inference_backend(const ModelSource& source, const std::string& device);
 // A Hugging Face folder as it is, or a Loom run / checkpoints / step folder -> its newest valid step.
 std::string resolve_weights(const std::string& path);
 

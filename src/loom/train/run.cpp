@@ -35,22 +35,15 @@ void check_memory_fits(const LoomConfig& config, const ParallelLayout& layout, i
              "activations (train.recompute), shard the state (parallel.zero_stage), or set train.memory_check = false");
 }
 
-// config.sample from `model` (on the CPU when the model's memory is a device's): the printable text.
-std::string final_sample(const LoomConfig& config, Backend& backend, Transformer& model) {
+// config.sample from `model`, on its backend (a GPU run samples on the GPU): the printable text.
+std::string final_sample(const LoomConfig& config, Transformer& model) {
   const auto tokenizer = load_tokenizer(config.data.tokenizer);
   std::vector<int32_t> prompt = tokenizer->encode(config.sample.prompt);
   if (prompt.empty()) prompt.push_back(tokenizer->eot_token());
   GenerateOptions options;
   options.max_new_tokens = config.sample.max_new_tokens;
   options.stop_token = tokenizer->eot_token();
-  std::unique_ptr<Backend> host_backend;  // a GPU run samples on the CPU (the KV cache is host code)
-  std::unique_ptr<Transformer> host_model;
-  if (!model.params().host_accessible()) {
-    host_backend = make_cpu_backend();
-    host_model = std::make_unique<Transformer>(*host_backend, config.model);
-    backend.read(model.params(), host_model->params().raw_data());
-  }
-  std::vector<int32_t> sample = generate(host_model ? *host_model : model, prompt, config.sample.sampling, options);
+  std::vector<int32_t> sample = generate(model, prompt, config.sample.sampling, options);
   if (!sample.empty() && sample.back() == tokenizer->eot_token()) sample.pop_back();
   return valid_utf8(config.sample.prompt + tokenizer->decode(sample));
 }
@@ -393,7 +386,7 @@ int TrainingRun::finish(End end) {
                               " could not be written to metrics.jsonl"));
   }
   parts_.model->materialize_base();  // QLoRA: decoding reads the fp32 weights
-  const std::string text = final_sample(config_, *backend_, state_->gather_for_sampling());
+  const std::string text = final_sample(config_, state_->gather_for_sampling());
   observer_.sample(*this, text);
   if (lead_) write_file_atomic((fs::path(dir_) / "samples.txt").string(), text + "\n");
   observer_.finished(*this);
