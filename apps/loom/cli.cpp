@@ -30,6 +30,10 @@
 
 namespace loom::cli {
 
+const Option kDeviceOption = {"device", "cpu|cuda",
+                              "the backend the model runs on (default: the checkpoint's run config's device; cpu for a "
+                              "Hugging Face folder)"};
+
 namespace fs = std::filesystem;
 
 #ifndef LOOM_SOURCE_DIR

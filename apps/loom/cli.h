@@ -29,6 +29,10 @@ struct Option {
   std::string help;   // one line
 };
 
+// --device of the commands that run a model (eval, generate, serve): train/model_source.h
+// inference_backend reads it.
+extern const Option kDeviceOption;
+
 // -h / --help on a subcommand's line: the help text, which main() prints to stdout (exit 0).
 struct HelpRequest {
   std::string text;

@@ -108,7 +108,7 @@ int eval_text_main(const Args& args, const ModelSource& source, Transformer& mod
 int eval_main(int argc, char** argv) {
   const Args args(argc, argv, "eval", kHelp,
                   {{"checkpoint", "PATH", "a step folder, a run folder or a checkpoints folder (required)"},
-                  {"device", "cpu|cuda", "the backend the model runs on (default: the checkpoint's run config's device; cpu for a Hugging Face folder)"},
+                   kDeviceOption,
                    {"adapter", "DIR", "a PEFT LoRA adapter folder applied to the weights (docs/finetune.md)"},
                    {"data", "DIR", "the dataset (default: the run's data.dir)"},
                    {"split", "val|train", "the split to evaluate (default: val)"},

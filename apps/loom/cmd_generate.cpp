@@ -43,7 +43,7 @@ const char* kHelp =
 int generate_main(int argc, char** argv) {
   const Args args(argc, argv, "generate", kHelp,
                   {{"checkpoint", "PATH", "a step folder, a run folder or a checkpoints folder (required)"},
-                  {"device", "cpu|cuda", "the backend the model runs on (default: the checkpoint's run config's device; cpu for a Hugging Face folder)"},
+                   kDeviceOption,
                    {"adapter", "DIR", "a PEFT LoRA adapter folder applied to the weights (docs/finetune.md)"},
                    {"prompt", "TEXT", "the prompt (default: the run's sample.prompt)"},
                    {"prompt-file", "FILE", "read the prompt from a file"},

@@ -138,7 +138,7 @@ int serve_main(int argc, char** argv) {
   start_signal_thread();  // (main leaves it to here: a signal sent while starting finds the handler)
   const Args args(argc, argv, "serve", kHelp,
                   {{"checkpoint", "PATH", "a step folder, a run folder, a checkpoints folder or a Hugging Face folder (required)"},
-                  {"device", "cpu|cuda", "the backend the model runs on (default: the checkpoint's run config's device; cpu for a Hugging Face folder)"},
+                   kDeviceOption,
                    {"adapter", "DIR", "a PEFT LoRA adapter folder applied to the weights"},
                    {"host", "ADDR", "address to listen on (default 127.0.0.1)"},
                    {"port", "N", "port (default 8080; 0: any free port)"},

@@ -5,7 +5,9 @@
 // parallel/pipeline_schedule.h: each rank runs its action list in order; F receives its input
 // from the previous stage (blocking), computes, and sends its output on (non-blocking); B
 // receives d(output) from the next stage, computes (for split schedules the input gradient
-// only), and sends d(input) back; W computes the kept weight gradients. A rank holds every
+// only), and sends d(input) back; W computes the kept weight gradients. Each message's tag is
+// the round parallel/pipe_messages.h plans for it (NCCL pairs sends and receives by those
+// rounds), and the plan picks each F's activation store. A rank holds every
 // parameter in its flat buffers but computes and updates only its stages' (the optimizer gets
 // owned() only). With a tied head (GPT-2) the first and the last stage both hold the embedding,
 // and its two gradient parts are summed over the pipeline group after the step's backward.
