@@ -299,6 +299,12 @@ class StrictBackend final : public Backend {
                     const Tensor& out) override {
     cpu_->kv_attention(plan, h(q), h(pool), rings.defined() ? h(rings) : Tensor{}, h(out));
   }
+  void kv_store(const KvStorePlan& plan, const std::vector<Tensor>& sources, const Tensor& pool, const Tensor& rings,
+                const Tensor& status) override {
+    std::vector<Tensor> from;
+    for (const Tensor& t : sources) from.push_back(h(t));
+    cpu_->kv_store(plan, from, h(pool), rings.defined() ? h(rings) : Tensor{}, h(status));
+  }
   void soft_target_loss(const Tensor& logits, const Tensor& teacher, float temperature, float grad_scale,
                         const Tensor& losses, const Tensor& grad) override {
     cpu_->soft_target_loss(h(logits), h(teacher), temperature, grad_scale, h(losses), h(grad));

@@ -16,6 +16,7 @@
 #include <map>
 #include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "loom/backend/block_cache.h"
@@ -258,18 +259,70 @@ TEST(DeviceMemoryTest, GenerationOnDeviceMemoryIsBitwiseTheCpuRun) {
           EXPECT_EQ(expected.finish[2], "context") << what;  // 8 prompt tokens + 10 > 16 positions
           EXPECT_EQ(expected.tokens[0].size(), 6u) << what;
           EXPECT_EQ(expected.logits.at(4).size(), expected.tokens[4].size() * static_cast<size_t>(config.vocab_size)) << what;
-          // The cache is host memory: none of it in the device allocator; the CPU backend's holds it.
-          EXPECT_EQ(got.kv_bytes_in_backend, 0u) << what;
+          // On the CPU the cache is host memory in the backend's allocator. On device memory it is
+          // the backend's (Backend::kv_store / kv_attention), exactly its reservation: the pool and
+          // max_batch fp32 windows, allocated up front; an MLA latent cache stays host memory.
           EXPECT_EQ(expected.kv_bytes_in_backend, static_cast<size_t>(expected.kv_bytes_reserved)) << what;
           EXPECT_GT(expected.kv_bytes_reserved, 0) << what;
-          EXPECT_EQ(got.kv_bytes_reserved, expected.kv_bytes_reserved) << what;
+          if (config.mla()) {
+            EXPECT_EQ(got.kv_bytes_in_backend, 0u) << what;
+            EXPECT_EQ(got.kv_bytes_reserved, expected.kv_bytes_reserved) << what;
+          } else {
+            EXPECT_EQ(got.kv_bytes_in_backend, static_cast<size_t>(got.kv_bytes_reserved)) << what;
+            EXPECT_EQ(got.kv_bytes_reserved,
+                      expected.kv_bytes_reserved + ec.max_batch * kv_window_bytes(engine_cache_config(config, ec)))
+                << what;
+          }
           ++runs;
         }
       }
     }
   }
   EXPECT_EQ(runs, 3 * 2 * 6 * 3);
-  EXPECT_EQ(strict.allocator().tracker().peak(MEM_KV_CACHE), 0u);
+  EXPECT_GT(strict.allocator().tracker().peak(MEM_KV_CACHE), 0u);
+}
+
+// Automatic prefix caching with the cache in device memory: a prompt sharing cached blocks feeds
+// its rest as a chunk (staged through the host), then decodes in backend memory; tokens and
+// logits are the CPU run's bit for bit, and the second request took the cached blocks.
+TEST(DeviceMemoryTest, PrefixCachingOnDeviceMemoryIsBitwiseTheCpuRun) {
+  const auto run = [](Backend& backend, const ModelConfig& config, const char* kv) {
+    Transformer model(backend, config);
+    model.init_weights(9);
+    EngineConfig ec;
+    ec.max_batch = 2, ec.block_size = 4, ec.prefix_cache = true;
+    apply_kv_preset(ec, kv, config.head_dim());
+    GenerationEngine engine(model, ec);
+    std::vector<float> logits;
+    engine.set_on_logits([&](int64_t, const float* l, int64_t vocab) { logits.insert(logits.end(), l, l + vocab); });
+    std::vector<int32_t> prompt;
+    for (int32_t t = 0; t < 10; ++t) prompt.push_back((t * 7 + 5) % static_cast<int32_t>(config.vocab_size));
+    std::vector<std::vector<int32_t>> tokens;
+    int64_t cached = 0;
+    for (int k = 0; k < 2; ++k) {
+      GenerationRequest r;
+      r.prompt = prompt;
+      if (k == 1) r.prompt.insert(r.prompt.end(), {3, 1, 4});
+      r.max_new_tokens = 4;
+      engine.submit(r);
+      for (const GenerationResult& g : engine.run()) {
+        tokens.push_back(g.tokens);
+        cached += g.cached_tokens;
+      }
+    }
+    return std::make_tuple(tokens, logits, cached);
+  };
+  auto cpu = make_cpu_backend();
+  test::StrictBackend strict;
+  for (const char* kv : {"fp32", "int4"}) {
+    const ModelConfig config = model_preset("llama-tiny");
+    const auto expected = run(*cpu, config, kv);
+    const auto got = run(strict, config, kv);
+    EXPECT_EQ(std::get<0>(got), std::get<0>(expected)) << kv;
+    EXPECT_EQ(std::get<1>(got), std::get<1>(expected)) << kv;
+    EXPECT_EQ(std::get<2>(expected), 8) << kv;  // two full blocks of the 10-token prompt
+    EXPECT_EQ(std::get<2>(got), 8) << kv;
+  }
 }
 
 // The teacher-forced loss through a quantized cache (loom bench generate --ppl) on device memory

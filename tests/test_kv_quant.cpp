@@ -8,6 +8,7 @@
 #include <cstring>
 #include <vector>
 
+#include "loom/backend/kv_quantize.h"
 #include "loom/core/philox.h"
 #include "loom/infer/kv_quant.h"
 #include "loom/precision/formats.h"
@@ -167,6 +168,37 @@ TEST(KvQuantTest, StoredScalesDecodeLikeTheFp16Codec) {
       ASSERT_EQ(std::bit_cast<uint32_t>(p.min), std::bit_cast<uint32_t>(want)) << c;
     }
   }
+}
+
+// backend/kv_quantize.h rounds to fp16 downwards and upwards by truncating the magnitude (host
+// and device code alike). The reference: precision/formats.h's codec rounds to nearest, then one
+// code toward the bound where that overshot (-0 and +0 step to the smallest subnormal of the
+// right sign). Every exponent of fp16's range and beyond, subnormals, the boundaries and signs.
+TEST(KvQuantTest, DirectedFp16RoundingMatchesTheCodec) {
+  const auto next_down = [](uint32_t c) { return c == 0x0000u ? 0x8001u : (c & 0x8000u) ? c + 1 : c - 1; };
+  const auto next_up = [](uint32_t c) { return c == 0x8000u ? 0x0001u : (c & 0x8000u) ? c - 1 : c + 1; };
+  const auto floor_ref = [&](float x) {
+    const uint32_t c = encode(FMT_FP16, x);
+    return decode(FMT_FP16, c) > x ? next_down(c) : c;
+  };
+  const auto ceil_ref = [&](float x) {
+    const uint32_t c = encode(FMT_FP16, x);
+    return decode(FMT_FP16, c) < x ? next_up(c) : c;
+  };
+  std::vector<float> xs = {0.0f, -0.0f, 65504.0f, 65519.0f, 65520.0f, 65536.0f, 1e6f, 1e30f, 0x1p-24f, 0x1p-25f,
+                           0x1p-14f, 0x1.ffcp-15f, 1.0f, 1.0009765625f, 3e-8f, 6e-5f};
+  std::vector<float> u(4000);
+  philox_fill_uniform(u.data(), static_cast<int64_t>(u.size()), 77, 0, 0);
+  for (size_t i = 0; i < u.size(); ++i) xs.push_back(std::ldexp(1.0f + u[i], static_cast<int>(i % 50) - 30));
+  int64_t checked = 0;
+  for (const float m : xs) {
+    for (const float x : {m, -m}) {
+      ASSERT_EQ(kvq::f16_floor(x), floor_ref(x)) << x;
+      ASSERT_EQ(kvq::f16_ceil(x), ceil_ref(x)) << x;
+      ++checked;
+    }
+  }
+  EXPECT_EQ(checked, 2 * 4016);
 }
 
 TEST(KvQuantTest, ValuesBeyondFp16RangeAreRefused) {

@@ -197,6 +197,10 @@ void Backend::kv_attention(const KvAttendPlan&, const Tensor&, const Tensor&, co
   unsupported(*this, "kv_attention", "a KV cache in the backend's memory");
 }
 
+void Backend::kv_store(const KvStorePlan&, const std::vector<Tensor>&, const Tensor&, const Tensor&, const Tensor&) {
+  unsupported(*this, "kv_store", "a KV cache in the backend's memory");
+}
+
 void Backend::int_linear(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const IntWeightSpec&, const Tensor*,
                          const Tensor&, float, const Tensor*) {
   unsupported(*this, "int_linear", "quantized checkpoints (loom quantize)");

@@ -13,6 +13,7 @@
 #include <string_view>
 
 #include "loom/backend/kv_attention.h"
+#include "loom/backend/kv_store.h"
 #include "loom/backend/rope.h"
 #include "loom/core/tensor.h"
 
@@ -592,6 +593,11 @@ class Backend {
   // rings f32 (its fp32 windows; undefined when no row reads one). Checked by check_kv_attention.
   virtual void kv_attention(const KvAttendPlan& plan, const Tensor& q, const Tensor& pool, const Tensor& rings,
                             const Tensor& out);
+  // Stores rows into a KV cache in this backend's memory (backend/kv_store.h states the plan):
+  // sources f32, pool u8, rings f32 (undefined when no job touches them), status i32 (set, never
+  // cleared, when an integer group cannot be stored). Checked by check_kv_store.
+  virtual void kv_store(const KvStorePlan& plan, const std::vector<Tensor>& sources, const Tensor& pool,
+                        const Tensor& rings, const Tensor& status);
   // Muon (Jordan et al. 2024): buf = momentum buf + (1 - momentum) g;
   // u = nesterov ? (1 - momentum) g + momentum buf : buf.
   virtual void muon_momentum(const Tensor& grad, const Tensor& buf, const Tensor& u, const OptimHyper& hyper);

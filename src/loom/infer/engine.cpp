@@ -55,6 +55,21 @@ class GenerationEngine::Rows : public DecodeCache {
     seqs.push_back(seq), chunk.push_back(index), chunk_len.push_back(length);
   }
 
+  // A cache in the backend's memory takes the step's rows where they are, unless a prompt chunk is
+  // among them (its rows attend to each other before they are stored: through the host below).
+  bool in_backend_memory() const override {
+    return cache_.in_backend_memory() && std::all_of(chunk_len.begin(), chunk_len.end(), [](int64_t m) { return m == 1; });
+  }
+  void attend_all(Backend& backend, int64_t layer, const Tensor& qkv, const Tensor& out) override {
+    const int64_t n = qkv.dim(0), H = model_.n_head, hd = model_.head_dim(), KW = model_.n_kv_head * hd;
+    cache_.write_rows(layer, seqs, qkv, 0, H * hd, H * hd + KW);
+    if (!q_.defined() || q_.dim(0) != n) q_ = Tensor::empty(backend.allocator(), {n, H * hd}, DTYPE_F32, MEM_WORKSPACE);
+    BlockCopy q_block;  // kv_attention takes contiguous query rows
+    q_block.rows = n, q_block.cols = H * hd, q_block.src_stride = qkv.dim(1), q_block.dst_stride = H * hd;
+    backend.copy_block(qkv, q_, q_block);
+    cache_.attend_rows(layer, seqs, q_, out, H, model_.n_kv_head, hd, model_.attn_window);
+  }
+
   void attend(int64_t layer, int64_t row, const float* q, const float* k, const float* v, float* out) override {
     const int64_t seq = seqs[static_cast<size_t>(row)];
     if (chunk_len[static_cast<size_t>(row)] > 1) {
@@ -137,6 +152,7 @@ class GenerationEngine::Rows : public DecodeCache {
 
   KvCache& cache_;
   const ModelConfig& model_;
+  Tensor q_;  // attend_all's contiguous query rows
   std::vector<float> buffer_, scores_, sums_;
   std::map<int64_t, Chunk> chunks_;  // [sequence] this step's chunk
 };
@@ -152,16 +168,19 @@ struct GenerationEngine::Active {
 
 namespace {
 
-// The KV cache is host memory: the backend's allocator where the host can read it (the CPU
-// backend: the cache's bytes count in its tracker), else `host`.
-Allocator* cache_allocator(Backend& backend, CpuAllocator& host) {
-  Allocator& alloc = backend.allocator();
-  return alloc.host_accessible() ? &alloc : &host;
-}
-
-std::unique_ptr<KvCache> make_engine_cache(const ModelConfig& model, const EngineConfig& engine, Allocator* alloc) {
+// Where the KV cache lives: host memory on a backend whose memory the host reads (the CPU: the
+// backend's allocator, so the cache's bytes count in its tracker); the backend's memory on one
+// that states kv_cache (a GPU: Backend::kv_store / kv_attention, max_batch sequences alive at
+// once); else host memory of `host` (an MLA latent cache too: Rows::latent reads its rows back).
+std::unique_ptr<KvCache> make_engine_cache(const ModelConfig& model, const EngineConfig& engine, Backend& backend,
+                                           CpuAllocator& host) {
   const KvCacheConfig kv = engine_cache_config(model, engine);
-  return engine.paged ? make_paged_kv_cache(kv, alloc) : make_contiguous_kv_cache(kv, engine.max_batch, alloc);
+  Allocator& alloc = backend.allocator();
+  if (!alloc.host_accessible() && backend.capabilities().kv_cache && !model.mla()) {
+    return make_device_kv_cache(kv, backend, engine.max_batch, engine.paged);
+  }
+  Allocator* on = alloc.host_accessible() ? &alloc : &host;
+  return engine.paged ? make_paged_kv_cache(kv, on) : make_contiguous_kv_cache(kv, engine.max_batch, on);
 }
 
 }  // namespace
@@ -181,7 +200,7 @@ std::string prefix_cache_unsupported(const Transformer& model, const EngineConfi
 }
 
 GenerationEngine::GenerationEngine(Transformer& model, EngineConfig config) : model_(model), config_(config) {
-  cache_ = make_engine_cache(model.config(), config_, cache_allocator(model.backend(), host_allocator_));
+  cache_ = make_engine_cache(model.config(), config_, model.backend(), host_allocator_);
   rows_ = std::make_unique<Rows>(*cache_, model.config());
   if (config_.prefix_cache) {
     const std::string why = prefix_cache_unsupported(model, config_);
@@ -337,10 +356,20 @@ void GenerationEngine::prefill(const std::vector<Active*>& group) {
   model_.forward(s, false);
   model_.set_recording(true);
   std::vector<float> latent(static_cast<size_t>(c.mla() ? kv_cache_width(c) : 0));
-  // Each layer's (P, W) q/k/v rows (after RoPE) on the host: in place where the host can read
+  if (cache_->in_backend_memory()) {  // each layer's (P, W) rows stored from where they are
+    for (int64_t t = 0; t < P; ++t) {
+      for (int64_t l = 0; l < c.n_layer; ++l) {
+        cache_->write_rows(l, {a.seq}, s.blocks[static_cast<size_t>(l)].attention.qkv.view(0, {P, W}), t, H * hd,
+                           H * hd + KW);
+      }
+      cache_->advance(a.seq);
+    }
+    cache_->flush();  // one kv_store for the whole prompt
+  }
+  // Else each layer's (P, W) q/k/v rows (after RoPE) on the host: in place where the host can read
   // the backend's memory, else read in one Backend::read a layer into prefill_qkv_.
   std::vector<const float*> qkv(static_cast<size_t>(c.n_layer), nullptr);
-  if (!c.mla()) {
+  if (!c.mla() && !cache_->in_backend_memory()) {
     const bool in_place = s.blocks.front().attention.qkv.host_accessible();
     if (!in_place) prefill_qkv_.resize(static_cast<size_t>(c.n_layer * P * W));
     for (int64_t l = 0; l < c.n_layer; ++l) {
@@ -354,7 +383,7 @@ void GenerationEngine::prefill(const std::vector<Active*>& group) {
       qkv[static_cast<size_t>(l)] = host;
     }
   }
-  for (int64_t t = 0; t < P; ++t) {
+  for (int64_t t = 0; t < P && !cache_->in_backend_memory(); ++t) {
     for (int64_t l = 0; l < c.n_layer; ++l) {
       const BlockSaved& b = s.blocks[static_cast<size_t>(l)];
       if (c.mla()) {  // the cache row [normed latent | RoPE key] (nn/mla.h)
@@ -491,6 +520,7 @@ bool GenerationEngine::step() {
   const auto now = std::chrono::steady_clock::now();
   logits_.resize(static_cast<size_t>(n * vocab));  // the rows' logits, read once
   model_.backend().read(store->logits.view(0, {n, vocab}), logits_.data());
+  cache_->check_status();  // a row its format could not store fails the step (a cache in backend memory)
   const float* logits = logits_.data();
   for (size_t i = 0; i < active_.size(); ++i) {
     Active& a = *active_[i];
@@ -548,7 +578,7 @@ double teacher_forced_loss(Transformer& model, const std::vector<std::vector<int
   const ModelConfig& c = model.config();
   const int64_t vocab = c.vocab_size;
   CpuAllocator host;
-  auto cache = make_engine_cache(c, engine, cache_allocator(model.backend(), host));
+  auto cache = make_engine_cache(c, engine, model.backend(), host);
   GenerationEngine::Rows rows(*cache, c);
   double sum = 0.0;
   int64_t count = 0;
@@ -569,6 +599,7 @@ double teacher_forced_loss(Transformer& model, const std::vector<std::vector<int
       for (size_t s = first; s < last; ++s) tokens.push_back(sequences[s][static_cast<size_t>(t)]);
       model.forward_rows(store, tokens, std::vector<int64_t>(static_cast<size_t>(n), t), rows);
       model.backend().read(store.logits.view(0, {n, vocab}), all.data());
+      cache->check_status();
       for (int64_t r = 0; r < n; ++r) {
         const float* logits = all.data() + r * vocab;
         double max = logits[0], z = 0.0;

@@ -32,10 +32,14 @@
 // ceil((prompt + 1) / B) with a one-forward prefill (blocks_needed in engine.cpp, exact).
 //
 // Memory: the model's tensors live in its backend's memory and the engine reaches them only
-// through ops and Backend::read / write (the prompt written, each step's q/k/v rows, attention
-// outputs and logits moved once a step), so generation runs on any backend. The KV cache is
-// host memory owned by the engine (the backend's allocator where the host can read it, else its
-// own host allocator): every format's writes and attention run on the host.
+// through ops and Backend::read / write (the prompt written, the logits read once a step), so
+// generation runs on any backend. The KV cache (infer/kv_cache.h "Memory") is host memory on a
+// backend the host reads (the CPU: every format's writes and attention on the host, the rows
+// staged through DecodeCache's host buffers), and the backend's own memory on one that states
+// capabilities().kv_cache (a GPU): a step's rows are stored by one Backend::kv_store and attended
+// by one Backend::kv_attention per layer, a prompt stored by one kv_store, nothing of the cache
+// crossing to the host (a step with a prefix-cache hit's prompt chunk stages its rows through the
+// host; an MLA latent cache stays host memory).
 #pragma once
 #include <chrono>
 #include <cstdint>
@@ -181,8 +185,8 @@ class GenerationEngine {
 
   Transformer& model_;
   EngineConfig config_;
-  // The KV cache is host memory: on a backend whose memory the host cannot read it comes from
-  // here (declared before the cache, which it outlives).
+  // A host KV cache on a backend whose memory the host cannot read (and without kv_cache) comes
+  // from here (declared before the cache, which it outlives).
   CpuAllocator host_allocator_;
   std::unique_ptr<KvCache> cache_;
   std::unique_ptr<Rows> rows_;

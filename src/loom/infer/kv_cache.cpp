@@ -25,12 +25,13 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // One region of max_len positions per sequence slot, laid out [layer][K tiles | V tiles].
 class ContiguousKvCache final : public TiledKvCache {
  public:
-  ContiguousKvCache(const KvCacheConfig& config, int64_t max_sequences, Allocator* allocator)
-      : TiledKvCache(checked(config, max_sequences), allocator),
+  ContiguousKvCache(const KvCacheConfig& config, int64_t max_sequences, Allocator* allocator,
+                    std::unique_ptr<KvBytes> bytes = nullptr)
+      : TiledKvCache(checked(config, max_sequences), allocator, std::move(bytes)),
         max_sequences_(max_sequences),
         stream_bytes_{region_stream_bytes(STREAM_K), region_stream_bytes(STREAM_V)},
-        region_bytes_(config.n_layer * (stream_bytes_[STREAM_K] + stream_bytes_[STREAM_V])),
-        pool_(*this->allocator(), static_cast<size_t>(max_sequences * region_bytes_), MEM_KV_CACHE) {
+        region_bytes_(config.n_layer * (stream_bytes_[STREAM_K] + stream_bytes_[STREAM_V])) {
+    this->bytes().allocate_pool(max_sequences * region_bytes_);
     for (int64_t r = max_sequences - 1; r >= 0; --r) free_.push_back(r);
   }
 
@@ -64,8 +65,8 @@ class ContiguousKvCache final : public TiledKvCache {
   }
 
  protected:
-  uint8_t* tile(const Sequence& s, int64_t k, int64_t layer, int stream) const override {
-    return static_cast<uint8_t*>(pool_.data) + s.region * region_bytes_ +
+  int64_t tile(const Sequence& s, int64_t k, int64_t layer, int stream) const override {
+    return s.region * region_bytes_ +
            layer * (stream_bytes_[STREAM_K] + stream_bytes_[STREAM_V]) + (stream == STREAM_V ? stream_bytes_[STREAM_K] : 0) +
            k * layouts_.stream[stream].tile_bytes;
   }
@@ -78,9 +79,7 @@ class ContiguousKvCache final : public TiledKvCache {
   void on_add(Sequence& s) override { s.region = take_region(); }
   void on_fork(const Sequence& parent, Sequence& child) override {
     child.region = take_region();
-    uint8_t* base = static_cast<uint8_t*>(pool_.data);
-    std::memcpy(base + child.region * region_bytes_, base + parent.region * region_bytes_,
-                static_cast<size_t>(region_bytes_));
+    bytes().copy_pool(parent.region * region_bytes_, child.region * region_bytes_, region_bytes_);
   }
   void on_release(Sequence& s) override {
     free_.push_back(s.region);
@@ -118,7 +117,6 @@ class ContiguousKvCache final : public TiledKvCache {
   const int64_t max_sequences_;
   const int64_t stream_bytes_[STREAM_COUNT];  // [stream] one layer's bytes in a region
   const int64_t region_bytes_;
-  Storage pool_;                // (max_sequences, region_bytes_)
   std::vector<int64_t> free_;   // free regions
 };
 
@@ -166,6 +164,24 @@ int64_t kv_sequence_bytes(const KvCacheConfig& config, int64_t length) {
 std::unique_ptr<KvCache> make_contiguous_kv_cache(const KvCacheConfig& config, int64_t max_sequences,
                                                   Allocator* allocator) {
   return std::make_unique<ContiguousKvCache>(config, max_sequences, allocator);
+}
+
+std::unique_ptr<KvCache> make_device_kv_cache(const KvCacheConfig& config, Backend& backend, int64_t max_sequences,
+                                              bool paged) {
+  config.validate();
+  const Layouts layouts(config);
+  const KvQuantSpec specs[2] = {layouts.stream[STREAM_K].spec, layouts.stream[STREAM_V].spec};
+  auto bytes = make_device_kv_bytes(backend, specs, config.n_layer * layouts.window_floats_per_layer(), max_sequences);
+  if (paged) return kv::make_paged_kv_cache(config, std::move(bytes));
+  return std::make_unique<ContiguousKvCache>(config, max_sequences, nullptr, std::move(bytes));
+}
+
+void KvCache::write_rows(int64_t, const std::vector<int64_t>&, const Tensor&, int64_t, int64_t, int64_t) {
+  throw Error("kv cache: write_rows needs a cache in the backend's memory (make_device_kv_cache)");
+}
+void KvCache::attend_rows(int64_t, const std::vector<int64_t>&, const Tensor&, const Tensor&, int64_t, int64_t, int64_t,
+                          int64_t) {
+  throw Error("kv cache: attend_rows needs a cache in the backend's memory (make_device_kv_cache)");
 }
 
 int64_t KvCache::block_of(int64_t, int64_t) const { throw Error("kv cache: block_of needs a paged cache"); }

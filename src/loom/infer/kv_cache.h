@@ -86,17 +86,34 @@
 // prompt chunks use too). Both caches run that kernel on rows handed out by the same walker (only
 // the tile lookup differs), so for the same rows they give bitwise equal outputs.
 //
+// Memory. A cache's bytes are host memory (make_paged_kv_cache, make_contiguous_kv_cache) or a
+// backend's (make_device_kv_cache: the same bookkeeping, the bytes written by Backend::kv_store and
+// read by Backend::kv_attention, backend/kv_store.h and kv_attention.h). A cache in backend memory
+// takes a step's rows where they are (write_rows: rows of a backend tensor) and attends for a
+// batch of sequences in one op (attend_rows), into a backend tensor; its stores are collected and
+// run at the next attend_rows, flush() or any read, copy, fork or release, so a decoding step costs
+// one kv_store and one kv_attention per layer. write / attend / read with host rows work on it
+// too (rows staged through the host: for tests, MLA latents and prefix-cache chunks). The CPU
+// backend's kv_store and kv_attention run the host cache's arithmetic (backend/kv_quantize.h,
+// backend/attend_rows.h), so both caches store the same bytes and attend bitwise equally there;
+// a GPU's split-KV attention sums in another order (the op tests' f32 tolerance). A bad row
+// (non-finite, or beyond fp16 for an integer format) is refused by write() before anything is
+// stored; rows in backend memory are checked by the kv_store kernels, and check_status() throws
+// once one was seen.
+//
 // A cache is not thread-safe: attend and read use scratch buffers owned by the cache.
 #pragma once
 #include <cstdint>
 #include <memory>
 #include <vector>
 
+#include "loom/core/tensor.h"
 #include "loom/infer/kv_quant.h"
 
 namespace loom {
 
 class Allocator;
+class Backend;
 
 struct KvCacheConfig {
   int64_t n_layer = 0, k_width = 0, v_width = 0;
@@ -179,6 +196,18 @@ class KvCache {
   virtual void drop(int64_t block);
   virtual int64_t refcount(int64_t block) const;
   virtual int64_t add_sequence_with(const std::vector<int64_t>& blocks);
+
+  // A cache in a backend's memory (see Memory); the others throw.
+  virtual bool in_backend_memory() const { return false; }
+  // Row first_row + r of `rows` (a 2-D f32 backend tensor; K at column k_col, V at v_col) ->
+  // position length(seqs[r]) of `layer`, for distinct sequences seqs[r].
+  virtual void write_rows(int64_t layer, const std::vector<int64_t>& seqs, const Tensor& rows, int64_t first_row,
+                          int64_t k_col, int64_t v_col);
+  // attend() for every seqs[r] at once: q and out (seqs.size(), n_head x head_dim) backend tensors.
+  virtual void attend_rows(int64_t layer, const std::vector<int64_t>& seqs, const Tensor& q, const Tensor& out,
+                           int64_t n_head, int64_t n_kv_head, int64_t head_dim, int64_t window);
+  virtual void flush() {}         // runs the pending stores
+  virtual void check_status() {}  // throws if a stored row could not be (see Memory)
 };
 
 // max_sequences regions of max_len positions, allocated up front. allocator: a host allocator
@@ -188,5 +217,12 @@ std::unique_ptr<KvCache> make_contiguous_kv_cache(const KvCacheConfig& config, i
                                                   Allocator* allocator = nullptr);
 // A pool of num_blocks blocks of block_size positions, allocated up front.
 std::unique_ptr<KvCache> make_paged_kv_cache(const KvCacheConfig& config, Allocator* allocator = nullptr);
+
+// Either cache with its bytes in `backend`'s memory (see Memory; the backend states
+// capabilities().kv_cache): its pool, plus max_sequences fp32 windows (sequences alive at once)
+// when the formats keep one, allocated up front from the backend's allocator under MEM_KV_CACHE.
+// paged = false: a contiguous cache of max_sequences regions.
+std::unique_ptr<KvCache> make_device_kv_cache(const KvCacheConfig& config, Backend& backend, int64_t max_sequences,
+                                              bool paged);
 
 }  // namespace loom

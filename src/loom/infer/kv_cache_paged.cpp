@@ -21,11 +21,11 @@ namespace {
 // PagedAttention's block manager: a pool of num_blocks blocks, a free list, reference counts.
 class PagedKvCache final : public TiledKvCache {
  public:
-  PagedKvCache(const KvCacheConfig& config, Allocator* allocator)
-      : TiledKvCache(checked(config), allocator),
+  PagedKvCache(const KvCacheConfig& config, Allocator* allocator, std::unique_ptr<KvBytes> bytes = nullptr)
+      : TiledKvCache(checked(config), allocator, std::move(bytes)),
         block_bytes_(kv_block_bytes(config)),
-        pool_(*this->allocator(), static_cast<size_t>(config.num_blocks * block_bytes_), MEM_KV_CACHE),
         refcount_(static_cast<size_t>(config.num_blocks), 0) {
+    this->bytes().allocate_pool(config.num_blocks * block_bytes_);
     for (int64_t b = config.num_blocks - 1; b >= 0; --b) free_.push_back(b);
   }
 
@@ -65,9 +65,9 @@ class PagedKvCache final : public TiledKvCache {
   }
 
  protected:
-  uint8_t* tile(const Sequence& s, int64_t k, int64_t layer, int stream) const override {
+  int64_t tile(const Sequence& s, int64_t k, int64_t layer, int stream) const override {
     const int64_t block = s.blocks[static_cast<size_t>(k)];
-    return static_cast<uint8_t*>(pool_.data) + block * block_bytes_ + layer * layouts_.tile_pair_bytes() +
+    return block * block_bytes_ + layer * layouts_.tile_pair_bytes() +
            (stream == STREAM_V ? layouts_.stream[STREAM_K].tile_bytes : 0);
   }
 
@@ -80,8 +80,7 @@ class PagedKvCache final : public TiledKvCache {
     int64_t& block = s.blocks[static_cast<size_t>(k)];
     if (refcount_[static_cast<size_t>(block)] == 1) return;
     const int64_t copy = allocate_block();
-    uint8_t* base = static_cast<uint8_t*>(pool_.data);
-    std::memcpy(base + copy * block_bytes_, base + block * block_bytes_, static_cast<size_t>(block_bytes_));
+    bytes().copy_pool(block * block_bytes_, copy * block_bytes_, block_bytes_);
     --refcount_[static_cast<size_t>(block)];
     block = copy;
   }
@@ -169,7 +168,6 @@ class PagedKvCache final : public TiledKvCache {
   }
 
   const int64_t block_bytes_;
-  Storage pool_;                   // (num_blocks, block_bytes_)
   std::vector<int32_t> refcount_;  // [block] sequences referring to it
   std::vector<int64_t> free_;      // free blocks; the back is handed out next
 };
@@ -178,6 +176,10 @@ class PagedKvCache final : public TiledKvCache {
 
 std::unique_ptr<KvCache> make_paged_kv_cache(const KvCacheConfig& config, Allocator* allocator) {
   return std::make_unique<PagedKvCache>(config, allocator);
+}
+
+std::unique_ptr<KvCache> kv::make_paged_kv_cache(const KvCacheConfig& config, std::unique_ptr<KvBytes> bytes) {
+  return std::make_unique<PagedKvCache>(config, nullptr, std::move(bytes));
 }
 
 }  // namespace loom

@@ -5,7 +5,9 @@
 // through that one mapping, so both caches sum in the same order. forget_before (sliding windows;
 // kv_cache.h "Forgetting") records a per-sequence forget point here; the paged cache also returns
 // the blocks of the tiles wholly before it. The storage, KIVI's quantization schedule (Liu et al.
-// 2024), sharing and accounting rules are stated in kv_cache.h.
+// 2024), sharing and accounting rules are stated in kv_cache.h. Every byte is stored, copied and
+// read through a KvBytes (kv_bytes.h): host memory, or a backend's (make_device_kv_cache), where
+// tiles and windows are byte and float offsets rather than pointers.
 #pragma once
 #include <algorithm>
 #include <cmath>
@@ -19,6 +21,7 @@
 #include "loom/core/error.h"
 #include "loom/core/tensor.h"
 #include "loom/backend/attend_rows.h"
+#include "loom/infer/kv_bytes.h"
 #include "loom/infer/kv_cache.h"
 
 namespace loom::kv {
@@ -72,7 +75,10 @@ struct Layouts {
 
 inline bool float_aligned(const uint8_t* p) { return reinterpret_cast<uintptr_t>(p) % alignof(float) == 0; }
 
-inline constexpr int64_t kNoBlock = -1;  // a forgotten tile's entry in a block table
+inline constexpr int64_t kNoBlock = -1;
+
+// The paged cache over the given bytes (kv_cache_paged.cpp; make_device_kv_cache).
+std::unique_ptr<KvCache> make_paged_kv_cache(const KvCacheConfig& config, std::unique_ptr<KvBytes> bytes);  // a forgotten tile's entry in a block table
 
 struct Sequence {
   bool live = false;
@@ -82,7 +88,8 @@ struct Sequence {
   int64_t forgotten = 0;             // positions [0, forgotten) are never read (forget_before)
   int64_t dropped = 0;               // tiles [0, dropped) have no storage (paged: kNoBlock)
   int64_t region = -1;               // region index (contiguous)
-  std::unique_ptr<Storage> window;   // [layer] (K ring (W_K, kw), V ring (W_V, vw)) fp32
+  int64_t ring = -1;                 // float offset of the window in the rings (KvBytes), -1: none:
+                                     // [layer] (K ring (W_K, kw), V ring (W_V, vw)) fp32
 
   bool part_written() const { return std::find(written.begin(), written.end(), 1) != written.end(); }
   int64_t filled() const { return length + (part_written() ? 1 : 0); }
@@ -91,12 +98,11 @@ struct Sequence {
 // Everything except where a sequence's tile k lives (see the file comment).
 class TiledKvCache : public KvCache {
  public:
-  TiledKvCache(const KvCacheConfig& config, Allocator* allocator)
-      : allocator_(allocator ? allocator : &own_allocator_), config_(config), layouts_((config.validate(), config)) {
-    LOOM_CHECK(allocator_->host_accessible(),
-               "kv cache: not supported: storage on a device allocator (this cache reads and writes rows on the host)");
+  // bytes: a device storage (make_device_kv_bytes); null: host memory from `allocator`.
+  TiledKvCache(const KvCacheConfig& config, Allocator* allocator, std::unique_ptr<KvBytes> bytes = nullptr)
+      : allocator_(allocator ? allocator : &own_allocator_), config_(config), layouts_((config.validate(), config)),
+        bytes_(bytes ? std::move(bytes) : host_bytes()) {
     const int64_t widest = std::max(config.k_width, config.v_width);
-    tile_scratch_.resize(static_cast<size_t>(config.block_size * config.k_width));
     rows_scratch_.resize(static_cast<size_t>(config.block_size * widest));
   }
 
@@ -112,7 +118,7 @@ class TiledKvCache : public KvCache {
     Sequence s;
     s.live = true;
     s.written.assign(static_cast<size_t>(config_.n_layer), 0);
-    s.window = allocate_window();
+    s.ring = bytes_->take_ring();
     on_add(s);
     if (!blocks.empty()) {
       adopt(s, blocks);
@@ -133,8 +139,8 @@ class TiledKvCache : public KvCache {
     child.written = parent.written;
     child.forgotten = parent.forgotten;
     child.dropped = parent.dropped;
-    child.window = allocate_window();
-    if (child.window) std::memcpy(child.window->data, parent.window->data, child.window->bytes);
+    child.ring = bytes_->take_ring();
+    if (child.ring >= 0) bytes_->copy_ring(parent.ring, child.ring, window_floats());
     on_fork(parent, child);
     const int64_t id = next_id_++;
     sequences_.emplace(id, std::move(child));
@@ -143,25 +149,77 @@ class TiledKvCache : public KvCache {
 
   void release(int64_t seq) override {
     Sequence& s = live(seq);
+    bytes_->flush();  // no pending store may land in a block after its next owner's
     on_release(s);
+    bytes_->free_ring(s.ring);
     sequences_.erase(seq);  // nothing of a released sequence stays (a server releases millions)
   }
 
   int64_t length(int64_t seq) const override { return live(seq).length; }
 
   void write(int64_t seq, int64_t layer, const float* k, const float* v) override {
-    Sequence& s = live(seq);
+    const Sequence& s = live(seq);
     check_layer(layer);
-    const int64_t p = s.length;
-    LOOM_CHECK(!s.written[static_cast<size_t>(layer)], "kv cache: layer ", layer, " of sequence ", seq,
-               " already wrote position ", p, "; call advance() once every layer has written it");
-    check_row(STREAM_K, k, seq, layer, p);
-    if (layouts_.stream[STREAM_V].present) check_row(STREAM_V, v, seq, layer, p);
-    if (!s.part_written()) reserve_position(s, seq, p);
-    store_row(s, layer, STREAM_K, p, k);
-    if (layouts_.stream[STREAM_V].present) store_row(s, layer, STREAM_V, p, v);
-    s.written[static_cast<size_t>(layer)] = 1;
+    check_row(STREAM_K, k, seq, layer, s.length);
+    if (layouts_.stream[STREAM_V].present) check_row(STREAM_V, v, seq, layer, s.length);
+    write_ref(seq, layer, RowRef::of_host(k), RowRef::of_host(v));
   }
+
+  bool in_backend_memory() const override { return bytes_->backend() != nullptr; }
+
+  void write_rows(int64_t layer, const std::vector<int64_t>& seqs, const Tensor& rows, int64_t first_row,
+                  int64_t k_col, int64_t v_col) override {
+    check_layer(layer);
+    LOOM_CHECK(rows.ndim() == 2 && first_row >= 0 && first_row + static_cast<int64_t>(seqs.size()) <= rows.dim(0) &&
+                   k_col >= 0 && k_col + config_.k_width <= rows.dim(1) &&
+                   (config_.v_width == 0 || (v_col >= 0 && v_col + config_.v_width <= rows.dim(1))),
+               "kv cache: write_rows of ", seqs.size(), " rows from row ", first_row, " of ", rows.describe(),
+               " with K at column ", k_col, " and V at ", v_col, " (rows of k_width ", config_.k_width, ", v_width ",
+               config_.v_width, ")");
+    const int32_t source = bytes_->add_source(rows);
+    const int64_t width = rows.dim(1);
+    for (size_t r = 0; r < seqs.size(); ++r) {
+      const int64_t at = (first_row + static_cast<int64_t>(r)) * width;
+      write_ref(seqs[r], layer, RowRef::of_source(source, at + k_col), RowRef::of_source(source, at + v_col));
+    }
+  }
+
+  void attend_rows(int64_t layer, const std::vector<int64_t>& seqs, const Tensor& q, const Tensor& out,
+                   int64_t n_head, int64_t n_kv_head, int64_t head_dim, int64_t window) override {
+    check_layer(layer);
+    check_heads(n_head, n_kv_head, head_dim, window);
+    KvAttendPlan& p = plan_;
+    p.spec[STREAM_K] = layouts_.stream[STREAM_K].spec, p.spec[STREAM_V] = layouts_.stream[STREAM_V].spec;
+    p.block = config_.block_size;
+    p.window[STREAM_K] = layouts_.stream[STREAM_K].window, p.window[STREAM_V] = layouts_.stream[STREAM_V].window;
+    p.n_head = n_head, p.n_kv_head = n_kv_head, p.head_dim = head_dim;
+    p.rows.clear(), p.tile_offsets.clear();
+    for (const int64_t seq : seqs) {
+      const Sequence& s = live(seq);
+      const int64_t n = visible(s, layer);
+      LOOM_CHECK(n > 0, "kv cache: attend on sequence ", seq, " whose layer ", layer, " holds no position");
+      KvAttendRow row;
+      row.first = window > 0 ? std::max<int64_t>(0, n - window) : 0;
+      row.n = n;
+      check_not_forgotten(s, seq, layer, row.first);
+      row.tiles = static_cast<int64_t>(p.tile_offsets.size());
+      int64_t tiles = 0;
+      for (int st = 0; st < STREAM_COUNT; ++st) {
+        row.stored[st] = layouts_.stream[st].window_start(n);
+        row.ring[st] = layouts_.stream[st].window > 0 ? window_rows(s, layer, st) : -1;
+        tiles = std::max(tiles, (row.stored[st] + config_.block_size - 1) / config_.block_size);
+      }
+      for (int64_t k = 0; k < tiles; ++k) {
+        for (int st = 0; st < STREAM_COUNT; ++st) p.tile_offsets.push_back(k < s.dropped ? -1 : tile(s, k, layer, st));
+      }
+      p.rows.push_back(row);
+    }
+    bytes_->flush();
+    bytes_->backend()->kv_attention(p, q, bytes_->pool(), bytes_->rings(), out);
+  }
+
+  void flush() override { bytes_->flush(); }
+  void check_status() override { bytes_->check_status(); }
 
   void advance(int64_t seq) override {
     Sequence& s = live(seq);
@@ -179,6 +237,7 @@ class TiledKvCache : public KvCache {
                ") beyond its ", s.length, " committed positions");
     if (position <= s.forgotten) return;
     s.forgotten = position;
+    bytes_->flush();  // the blocks it returns may be handed out again
     on_forget(s);
   }
 
@@ -186,19 +245,12 @@ class TiledKvCache : public KvCache {
               int64_t head_dim, int64_t window) override {
     const Sequence& s = live(seq);
     check_layer(layer);
-    LOOM_CHECK(config_.v_width > 0, "kv cache: attend needs V rows (v_width > 0); read() an MLA latent cache instead");
-    LOOM_CHECK(n_head > 0 && n_kv_head > 0 && head_dim > 0 && n_head % n_kv_head == 0, "kv cache: attend with ",
-               n_head, " query heads over ", n_kv_head, " kv heads of ", head_dim,
-               " (expected positive sizes, query heads a multiple of kv heads)");
-    LOOM_CHECK(n_kv_head * head_dim == config_.k_width && n_kv_head * head_dim == config_.v_width, "kv cache: ",
-               n_kv_head, " kv heads of ", head_dim, " do not match k_width ", config_.k_width, " and v_width ",
-               config_.v_width);
-    LOOM_CHECK(window >= 0, "kv cache: attention window must be >= 0 (0 = all positions), got ", window);
+    check_heads(n_head, n_kv_head, head_dim, window);
     const int64_t n = visible(s, layer);
     LOOM_CHECK(n > 0, "kv cache: attend on sequence ", seq, " whose layer ", layer, " holds no position");
     const int64_t first = window > 0 ? std::max<int64_t>(0, n - window) : 0;
     check_not_forgotten(s, seq, layer, first);
-    attend_rows(
+    loom::attend_rows(
         q, out, n_head, n_kv_head, head_dim, first, n,
         [&](auto&& fn) { walk_rows(s, layer, STREAM_K, first, n, n, fn); },
         [&](auto&& fn) { walk_rows(s, layer, STREAM_V, first, n, n, fn); }, scores_, sums_);
@@ -225,8 +277,8 @@ class TiledKvCache : public KvCache {
   const KvCacheConfig& config() const override { return config_; }
 
  protected:
-  // Where tile k of a sequence lives: layer `layer`'s tile of `stream`.
-  virtual uint8_t* tile(const Sequence& s, int64_t k, int64_t layer, int stream) const = 0;
+  // Where tile k of a sequence lives: the pool byte offset of layer `layer`'s tile of `stream`.
+  virtual int64_t tile(const Sequence& s, int64_t k, int64_t layer, int stream) const = 0;
   // Makes position p of a sequence addressable (paged: allocates its block at a tile's start).
   virtual void reserve_position(Sequence& s, int64_t seq, int64_t p) = 0;
   // Called before storing into tile k (paged: copy-on-write of a shared block).
@@ -252,11 +304,7 @@ class TiledKvCache : public KvCache {
     return config_.n_layer * bytes;
   }
 
-  int64_t window_bytes_reserved() const {
-    int64_t bytes = 0;
-    for (const auto& [id, s] : sequences_) bytes += s.window ? static_cast<int64_t>(s.window->bytes) : 0;
-    return bytes;
-  }
+  int64_t window_bytes_reserved() const { return bytes_->ring_bytes_reserved(); }
 
   // Window rows holding positions, over live sequences, in bytes.
   int64_t window_bytes_in_use() const {
@@ -281,7 +329,7 @@ class TiledKvCache : public KvCache {
   }
   Sequence& live(int64_t seq) { return const_cast<Sequence&>(std::as_const(*this).live(seq)); }
 
-  Allocator* allocator() const { return allocator_; }
+  KvBytes& bytes() const { return *bytes_; }
 
  private:
   // First, so that it outlives every Storage allocated from it (pools and windows).
@@ -291,10 +339,41 @@ class TiledKvCache : public KvCache {
  protected:
   const KvCacheConfig config_;
   const Layouts layouts_;
+  std::unique_ptr<KvBytes> bytes_;          // after the allocator it may take from
   std::map<int64_t, Sequence> sequences_;  // the live sequences by id; ids are never reused
   int64_t next_id_ = 0;
 
  private:
+  std::unique_ptr<KvBytes> host_bytes() {
+    LOOM_CHECK(allocator_->host_accessible(), "kv cache: storage on a device allocator needs a cache in the backend's "
+               "memory (make_device_kv_cache)");
+    return make_host_kv_bytes(*allocator_, window_floats());
+  }
+  int64_t window_floats() const { return config_.n_layer * layouts_.window_floats_per_layer(); }
+
+  // Writes position length(seq) of `layer` (KvCache::write, write_rows).
+  void write_ref(int64_t seq, int64_t layer, const RowRef& k, const RowRef& v) {
+    Sequence& s = live(seq);
+    const int64_t p = s.length;
+    LOOM_CHECK(!s.written[static_cast<size_t>(layer)], "kv cache: layer ", layer, " of sequence ", seq,
+               " already wrote position ", p, "; call advance() once every layer has written it");
+    if (!s.part_written()) reserve_position(s, seq, p);
+    store_row(s, layer, STREAM_K, p, k);
+    if (layouts_.stream[STREAM_V].present) store_row(s, layer, STREAM_V, p, v);
+    s.written[static_cast<size_t>(layer)] = 1;
+  }
+
+  void check_heads(int64_t n_head, int64_t n_kv_head, int64_t head_dim, int64_t window) const {
+    LOOM_CHECK(config_.v_width > 0, "kv cache: attend needs V rows (v_width > 0); read() an MLA latent cache instead");
+    LOOM_CHECK(n_head > 0 && n_kv_head > 0 && head_dim > 0 && n_head % n_kv_head == 0, "kv cache: attend with ",
+               n_head, " query heads over ", n_kv_head, " kv heads of ", head_dim,
+               " (expected positive sizes, query heads a multiple of kv heads)");
+    LOOM_CHECK(n_kv_head * head_dim == config_.k_width && n_kv_head * head_dim == config_.v_width, "kv cache: ",
+               n_kv_head, " kv heads of ", head_dim, " do not match k_width ", config_.k_width, " and v_width ",
+               config_.v_width);
+    LOOM_CHECK(window >= 0, "kv cache: attention window must be >= 0 (0 = all positions), got ", window);
+  }
+
   void check_layer(int64_t layer) const {
     LOOM_CHECK(0 <= layer && layer < config_.n_layer, "kv cache: layer ", layer, " is outside [0, ", config_.n_layer,
                ")");
@@ -322,45 +401,40 @@ class TiledKvCache : public KvCache {
                ", which was forgotten (forget_before(", seq, ", ", s.forgotten, ") was called)");
   }
 
-  std::unique_ptr<Storage> allocate_window() {
-    const int64_t floats = config_.n_layer * layouts_.window_floats_per_layer();
-    if (floats == 0) return nullptr;
-    return std::make_unique<Storage>(*allocator_, static_cast<size_t>(floats) * sizeof(float), MEM_KV_CACHE);
-  }
-
-  // Layer `layer`'s ring of `stream`: (W, width) fp32, position t in row t % W.
-  float* window_rows(const Sequence& s, int64_t layer, int stream) const {
-    if (!s.window) return nullptr;
-    float* base = static_cast<float*>(s.window->data) + layer * layouts_.window_floats_per_layer();
-    if (stream == STREAM_V) base += layouts_.stream[STREAM_K].window * layouts_.stream[STREAM_K].width;
-    return base;
+  // Layer `layer`'s ring of `stream`: (W, width) fp32, position t in row t % W; its float offset in
+  // the rings (-1: the sequence has no window).
+  int64_t window_rows(const Sequence& s, int64_t layer, int stream) const {
+    if (s.ring < 0) return -1;
+    int64_t at = s.ring + layer * layouts_.window_floats_per_layer();
+    if (stream == STREAM_V) at += layouts_.stream[STREAM_K].window * layouts_.stream[STREAM_K].width;
+    return at;
   }
 
   // Position p's row x joins layer `layer`: rows leaving the window go to their tiles first (row
   // p itself when it is not to stay in the window), then p enters the window.
-  void store_row(Sequence& s, int64_t layer, int stream, int64_t p, const float* x) {
+  void store_row(Sequence& s, int64_t layer, int stream, int64_t p, const RowRef& x) {
     const StreamLayout& st = layouts_.stream[stream];
     const int64_t B = config_.block_size, W = st.width;
     const int64_t old_start = st.window_start(p), new_start = st.window_start(p + 1);
-    float* ring = window_rows(s, layer, stream);
-    const auto row_at = [&](int64_t t) -> const float* { return t == p ? x : ring + t % st.window * W; };
+    const int64_t ring = window_rows(s, layer, stream);
+    const auto row_at = [&](int64_t t) { return t == p ? x : RowRef::of_ring(ring + t % st.window * W); };
     if (st.spec.per_channel_integer()) {
       // Tile old_start / B ages out whole; a forgotten tile's rows are never stored.
       if (new_start > old_start && old_start / B >= s.dropped) {
         const int64_t k = old_start / B;
-        for (int64_t r = 0; r < B; ++r) {
-          std::memcpy(tile_scratch_.data() + r * W, row_at(k * B + r), static_cast<size_t>(W) * sizeof(float));
-        }
+        tile_rows_.clear();
+        for (int64_t r = 0; r < B; ++r) tile_rows_.push_back(row_at(k * B + r));
         make_tile_writable(s, k);
-        kv_quantize_tile(st.spec, tile_scratch_.data(), B, tile(s, k, layer, stream));
+        bytes_->store_tile(st.spec, stream, tile_rows_.data(), B, tile(s, k, layer, stream));
       }
     } else {
       for (int64_t t = std::max(old_start, s.dropped * B); t < new_start; ++t) {
         make_tile_writable(s, t / B);
-        kv_quantize_tile(st.spec, row_at(t), 1, tile(s, t / B, layer, stream) + t % B * st.row_bytes);
+        const RowRef row = row_at(t);
+        bytes_->store_tile(st.spec, stream, &row, 1, tile(s, t / B, layer, stream) + t % B * st.row_bytes);
       }
     }
-    if (p >= new_start) std::memcpy(ring + p % st.window * W, x, static_cast<size_t>(W) * sizeof(float));
+    if (p >= new_start) bytes_->store_ring(x, W, ring + p % st.window * W);
   }
 
   // Calls fn(t, row) for positions t in [begin, end) in increasing order with layer `layer`'s
@@ -373,7 +447,7 @@ class TiledKvCache : public KvCache {
     int64_t t = begin;
     while (t < stored_end) {
       const int64_t k = t / B, r0 = t % B, r1 = std::min(B, stored_end - k * B);
-      const uint8_t* tp = tile(s, k, layer, stream);
+      const uint8_t* tp = bytes_->pool_view(tile(s, k, layer, stream), st.tile_bytes);
       if (st.spec.format == KV_FP32 && float_aligned(tp)) {
         for (int64_t r = r0; r < r1; ++r) fn(t++, reinterpret_cast<const float*>(tp + r * st.row_bytes));
       } else {
@@ -381,11 +455,13 @@ class TiledKvCache : public KvCache {
         for (int64_t r = r0; r < r1; ++r) fn(t++, rows_scratch_.data() + (r - r0) * W);
       }
     }
-    const float* ring = window_rows(s, layer, stream);
+    if (t == end) return;
+    const float* ring = bytes_->ring_view(window_rows(s, layer, stream), st.window * W);
     for (; t < end; ++t) fn(t, ring + t % st.window * W);
   }
 
-  std::vector<float> tile_scratch_;  // (B, k_width): a per-channel tile being quantized
+  std::vector<RowRef> tile_rows_;    // (B): a per-channel tile's rows being quantized
+  KvAttendPlan plan_;                // attend_rows'
   std::vector<float> rows_scratch_;  // (B, max(k_width, v_width)): dequantized rows
   std::vector<float> scores_;        // (n_head, positions)
   std::vector<float> sums_;          // [n_head] softmax denominators

@@ -305,8 +305,7 @@ void AttentionLayer::forward(Backend& backend, const Tensor& x, AttentionSaved& 
 void AttentionLayer::forward_rows(Backend& backend, const Tensor& x, AttentionSaved& s, const Tensor& mid,
                                   const std::vector<int64_t>& positions, DecodeCache& cache, int64_t layer) const {
   const AttentionParams& p = params_;
-  const int64_t n = x.dim(0), H = config_.n_head, hd = config_.head_dim();
-  const int64_t W = config_.qkv_width(), KW = config_.n_kv_head * hd;
+  const int64_t n = x.dim(0), H = config_.n_head, hd = config_.head_dim(), W = config_.qkv_width();
   norm_forward(backend, config_, x, p.norm_w, p.norm_b, s.norm.out, s.norm.mean, s.norm.rstd);
   if (plan_.attention == AttentionKind::mla) {
     mla_rows(backend, s, positions, cache, layer);
@@ -319,22 +318,33 @@ void AttentionLayer::forward_rows(Backend& backend, const Tensor& x, AttentionSa
         backend.rope_forward(s.qkv.view(r * W, {1, 1, W}), hd, H + config_.n_kv_head, config_.rope(), positions[r]);
       }
     }
-    // The rows' q, k, v to the host in one read; each row's attention through its host cache;
-    // the outputs back in one write (the same arithmetic as on the rows in place).
-    std::vector<float>& qkv = cache.host_qkv;
-    std::vector<float>& attn = cache.host_attn;
-    qkv.resize(static_cast<size_t>(n * W));
-    attn.resize(static_cast<size_t>(n * H * hd));
-    backend.read(s.qkv.view(0, {n, W}), qkv.data());
-    for (int64_t r = 0; r < n; ++r) {
-      const float* row = qkv.data() + r * W;
-      cache.attend(layer, r, row, row + H * hd, row + H * hd + KW, attn.data() + r * H * hd);
+    if (cache.in_backend_memory()) {  // the rows stay in the backend's memory
+      cache.attend_all(backend, layer, s.qkv.view(0, {n, W}), s.attn.view(0, {n, H * hd}));
+    } else {
+      host_rows_attend(backend, s, cache, layer, n);
     }
-    backend.write(s.attn.view(0, {n, H * hd}), attn.data());
   }
   backend.copy(x, mid);
   proj_.forward_plain(backend, s.attn, p.proj_w, p.proj_b, mid, 1.0f, links_.ws);
   lora_forward(backend, s.attn, p.proj_lora, config_.lora_scale(), mid, links_.ws, {}, p.proj_w);
+}
+
+void AttentionLayer::host_rows_attend(Backend& backend, AttentionSaved& s, DecodeCache& cache, int64_t layer,
+                                      int64_t n) const {
+  const int64_t H = config_.n_head, hd = config_.head_dim();
+  const int64_t W = config_.qkv_width(), KW = config_.n_kv_head * hd;
+  // The rows' q, k, v to the host in one read; each row's attention through its host cache; the
+  // outputs back in one write (the same arithmetic as on the rows in place).
+  std::vector<float>& qkv = cache.host_qkv;
+  std::vector<float>& attn = cache.host_attn;
+  qkv.resize(static_cast<size_t>(n * W));
+  attn.resize(static_cast<size_t>(n * H * hd));
+  backend.read(s.qkv.view(0, {n, W}), qkv.data());
+  for (int64_t r = 0; r < n; ++r) {
+    const float* row = qkv.data() + r * W;
+    cache.attend(layer, r, row, row + H * hd, row + H * hd + KW, attn.data() + r * H * hd);
+  }
+  backend.write(s.attn.view(0, {n, H * hd}), attn.data());
 }
 
 void AttentionLayer::mla_rows(Backend& backend, AttentionSaved& s, const std::vector<int64_t>& positions,

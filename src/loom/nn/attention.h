@@ -120,6 +120,8 @@ class AttentionLayer {
   static MlaActivations mla_activations(const AttentionSaved& s);
   // MLA decoding (T = 1): the projections at each row's position, the row's [c' | k_r] stored
   // (cache.latent) and its attention over the visible latents (the window's) into s.attn.
+  // forward_rows' attention of n rows through a host cache: the rows staged through the host.
+  void host_rows_attend(Backend& backend, AttentionSaved& s, DecodeCache& cache, int64_t layer, int64_t n) const;
   void mla_rows(Backend& backend, AttentionSaved& s, const std::vector<int64_t>& positions, DecodeCache& cache,
                 int64_t layer) const;
 };

@@ -13,6 +13,7 @@
 
 #include "loom/arch/config.h"
 #include "loom/backend/backend.h"
+#include "loom/core/error.h"
 #include "loom/comm/communicator.h"
 #include "loom/nn/context_parallel.h"
 #include "loom/nn/linear.h"
@@ -176,6 +177,14 @@ class DecodeCache {
   // its sequence in `layer` and returns every position's latent of the sequence, (*count,
   // k_width), dequantized, valid until the next call (the block applies model.attn_window).
   virtual const float* latent(int64_t layer, int64_t row, const float* latent, int64_t* count) = 0;
+
+  // A cache in the backend's memory (infer/kv_cache.h "Memory") takes a step's rows where they are:
+  // Block::forward_rows (MHA / GQA / MQA) then calls attend_all once a layer instead of attend per
+  // row: qkv (n, qkv_width) the rows' q, k, v after RoPE; out (n, n_head x head_dim) the attention.
+  virtual bool in_backend_memory() const { return false; }
+  virtual void attend_all(Backend& backend, int64_t layer, const Tensor& qkv, const Tensor& out) {
+    throw Error("attend_all needs a KV cache in the backend's memory");
+  }
 
   // Host staging of Block::forward_rows (MHA / GQA / MQA), reused across layers and steps: the
   // step's (n, qkv_width) rows read from the backend in one Backend::read, and the (n, n_head x

@@ -308,6 +308,14 @@ class CpuBackend final : public Backend {
     kv_attention_host(plan, q.data<float>(), pool.data<uint8_t>(), rings.defined() ? rings.data<float>() : nullptr,
                       out.data<float>());
   }
+  void kv_store(const KvStorePlan& plan, const std::vector<Tensor>& sources, const Tensor& pool, const Tensor& rings,
+                const Tensor& status) override {
+    check_kv_store(plan, sources, pool, rings, status);
+    std::vector<const float*> from;
+    for (const Tensor& t : sources) from.push_back(t.data<float>());
+    kv_store_host(plan, from, pool.data<uint8_t>(), rings.defined() ? rings.data<float>() : nullptr,
+                  status.data<int32_t>());
+  }
   void int_linear(const Tensor& x, const Tensor& codes, const Tensor& scales, const Tensor& zeros,
                   const IntWeightSpec& spec, const Tensor* input_scale, const Tensor& y, float beta, const Tensor* bias) override {
     cpu::int_linear(x, codes, scales, zeros, spec, input_scale, y, beta, bias);

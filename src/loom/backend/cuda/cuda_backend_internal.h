@@ -237,6 +237,8 @@ class CudaBackend final : public Backend {
   void int_dequantize(const Tensor& codes, const Tensor& scales, const Tensor& zeros, const IntWeightSpec& spec, const Tensor* input_scale, const Tensor& out) override;
   // ---- cuda_decode_ops.cpp: decode attention over a paged, quantized KV cache (cuda_decode.cu)
   void kv_attention(const KvAttendPlan& plan, const Tensor& q, const Tensor& pool, const Tensor& rings, const Tensor& out) override;
+  void kv_store(const KvStorePlan& plan, const std::vector<Tensor>& sources, const Tensor& pool, const Tensor& rings,
+                const Tensor& status) override;
 
   // ---- For the op files: the libraries' handles, scratch, fixed-order sums, the bad-id flag.
   cublasHandle_t cublas() const { return cublas_; }
@@ -276,6 +278,7 @@ class CudaBackend final : public Backend {
   cublasHandle_t cublas_ = nullptr;
   Tensor lt_workspace_, flags_, partials_, workspace_;
   PinnedStaging kv_staging_;  // kv_attention's plan table on its way to the workspace
+  PinnedStaging kv_store_staging_;  // kv_store's plan table on its way to the workspace
 };
 
 }  // namespace loom::cuda_backend_detail

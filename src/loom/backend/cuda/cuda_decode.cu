@@ -442,3 +442,86 @@ void kv_attention_decode(const KvDecodeShape& s, void* workspace, const float* q
 }
 
 }  // namespace loom::cuda
+
+// ---------------------------------------------------------------------------- kv_store
+// Backend::kv_store (backend/kv_store.h): the tile kernel, a block per tile job, then the ring
+// kernel, a block per ring job. A tile job's threads own disjoint bytes: elements (fp32, bf16),
+// rows (per-token integer: a row's groups and codes, serially) or code bytes (per-channel: the
+// byte's channels' (scale, min) pairs and that byte of each row), so no byte has two writers.
+// Bytes: each job reads its rows once (rows x width x 4) and writes its slots; one pass.
+namespace loom::cuda {
+namespace {
+
+constexpr int kStoreThreads = 128;
+
+__device__ __forceinline__ const float* store_row(const KvStoreSource& r, const float* const* sources,
+                                                  const float* rings) {
+  return (r.source < 0 ? rings : sources[r.source]) + r.offset;
+}
+
+__global__ void kv_store_tile_kernel(const KvStoreShape s, const KvStoreTile* __restrict__ tiles,
+                                     const KvStoreSource* __restrict__ rows, const float* const* sources,
+                                     const float* rings, uint8_t* __restrict__ pool, int32_t* status) {
+  const KvStoreTile job = tiles[blockIdx.x];
+  const kvq::KvStoreFormat f = s.format[job.stream];
+  const KvStoreSource* own = rows + job.first;
+  const auto row = [&](int64_t t) { return store_row(own[t], sources, rings); };
+  uint8_t* out = pool + job.dst;
+  int32_t failed = kvq::KV_FIT_OK;
+  if (f.kind != 2) {
+    for (int64_t i = threadIdx.x; i < job.rows * f.width; i += blockDim.x) kvq::kv_store_element(f, row, i, out);
+  } else if (f.per_channel) {
+    for (int64_t j = threadIdx.x; j < f.code_bytes; j += blockDim.x) {
+      const int32_t r = kvq::kv_quantize_channel_byte(f, row, job.rows, j, out);
+      if (r != kvq::KV_FIT_OK) failed = r;
+    }
+  } else {
+    for (int64_t t = threadIdx.x; t < job.rows; t += blockDim.x) {
+      const int32_t r = kvq::kv_quantize_row_per_token(f, row(t), out + t * f.row_bytes);
+      if (r != kvq::KV_FIT_OK) failed = r;
+    }
+  }
+  if (failed != kvq::KV_FIT_OK) *status = failed;
+}
+
+__global__ void kv_store_ring_kernel(const KvStoreRing* __restrict__ jobs, const float* const* sources,
+                                     float* __restrict__ rings) {
+  const KvStoreRing job = jobs[blockIdx.x];
+  const float* from = store_row(job.row, sources, rings);
+  for (int64_t c = threadIdx.x; c < job.width; c += blockDim.x) rings[job.dst + c] = from[c];
+}
+
+size_t store_align(size_t bytes) { return (bytes + 15) / 16 * 16; }
+
+}  // namespace
+
+KvStoreLayout kv_store_layout(const KvStoreShape& s) {
+  KvStoreLayout at;
+  at.tiles_at = 0;
+  at.rows_at = store_align(at.tiles_at + static_cast<size_t>(s.tiles) * sizeof(KvStoreTile));
+  at.rings_at = store_align(at.rows_at + static_cast<size_t>(s.rows) * sizeof(KvStoreSource));
+  at.sources_at = store_align(at.rings_at + static_cast<size_t>(s.rings) * sizeof(KvStoreRing));
+  at.bytes = at.sources_at + static_cast<size_t>(s.sources) * sizeof(const float*);
+  return at;
+}
+
+void kv_store_rows(const KvStoreShape& s, const void* table, uint8_t* pool, float* rings, int32_t* status,
+                   cudaStream_t stream) {
+  const KvStoreLayout at = kv_store_layout(s);
+  const char* t = static_cast<const char*>(table);
+  const auto* sources = reinterpret_cast<const float* const*>(t + at.sources_at);
+  if (s.tiles > 0) {
+    launch<kv_store_tile_kernel>(dim3(static_cast<unsigned>(s.tiles)), kStoreThreads, 0, stream, s,
+                                 reinterpret_cast<const KvStoreTile*>(t + at.tiles_at),
+                                 reinterpret_cast<const KvStoreSource*>(t + at.rows_at), sources,
+                                 static_cast<const float*>(rings), pool, status);
+    LOOM_CUDA_CHECK_LAUNCH();
+  }
+  if (s.rings > 0) {
+    launch<kv_store_ring_kernel>(dim3(static_cast<unsigned>(s.rings)), kStoreThreads, 0, stream,
+                                 reinterpret_cast<const KvStoreRing*>(t + at.rings_at), sources, rings);
+    LOOM_CUDA_CHECK_LAUNCH();
+  }
+}
+
+}  // namespace loom::cuda

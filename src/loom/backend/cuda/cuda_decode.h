@@ -10,6 +10,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "loom/backend/kv_quantize.h"
+
 namespace loom::cuda {
 
 constexpr int64_t kKvMaxHeadDim = 256;  // a warp holds a head's row in registers: 8 channels per lane
@@ -71,5 +73,40 @@ int64_t kv_decode_split(const int64_t* lengths, int64_t rows, int64_t blocks_per
 // room for the partials (kv_decode_layout(s).bytes in all). head_dim <= kKvMaxHeadDim.
 void kv_attention_decode(const KvDecodeShape& s, void* workspace, const float* q, const uint8_t* pool,
                          const float* rings, float* out, cudaStream_t stream);
+
+}  // namespace loom::cuda
+
+namespace loom::cuda {
+
+// ---- Backend::kv_store's kernels (backend/kv_store.h states the plan; the arithmetic is
+// backend/kv_quantize.h's, shared with the CPU). The op file packs the plan into one table
+// (kv_store_layout) in the workspace:
+//   [tiles x KvStoreTile][rows x KvStoreSource][rings x KvStoreRing][sources x const float*].
+struct KvStoreSource {
+  int64_t source = 0;  // index into the table's source pointers, or -1: the rings
+  int64_t offset = 0;  // float offset
+};
+struct KvStoreTile {
+  int64_t stream = 0, dst = 0, rows = 0, first = 0;
+};
+struct KvStoreRing {
+  KvStoreSource row;
+  int64_t dst = 0, width = 0;
+};
+struct KvStoreShape {
+  int64_t tiles = 0, rows = 0, rings = 0, sources = 0;
+  kvq::KvStoreFormat format[2];
+};
+struct KvStoreLayout {
+  size_t tiles_at = 0, rows_at = 0, rings_at = 0, sources_at = 0, bytes = 0;
+};
+KvStoreLayout kv_store_layout(const KvStoreShape& s);
+
+// Runs the tile jobs (a block each: threads over a fp32 / bf16 job's elements, a per-token
+// job's rows or a per-channel tile's code bytes), then the ring jobs (a block each, threads over
+// the row), on `stream`; `table` is the packed plan in device memory. A group that cannot be
+// stored sets *status.
+void kv_store_rows(const KvStoreShape& s, const void* table, uint8_t* pool, float* rings, int32_t* status,
+                   cudaStream_t stream);
 
 }  // namespace loom::cuda

@@ -138,3 +138,53 @@ void CudaBackend::kv_attention(const KvAttendPlan& plan, const Tensor& q, const 
 }
 
 }  // namespace loom::cuda_backend_detail
+
+// ---- kv_store (backend/kv_store.h): check_kv_store, the plan packed into one table in pinned
+// memory (its own staging buffer, so a step's kv_store and kv_attention never wait on each
+// other's copy), one host -> device copy to the workspace, the tile and ring kernels.
+namespace loom::cuda_backend_detail {
+
+void CudaBackend::kv_store(const KvStorePlan& plan, const std::vector<Tensor>& sources, const Tensor& pool,
+                           const Tensor& rings, const Tensor& status) {
+  check_kv_store(plan, sources, pool, rings, status);
+  if (plan.empty()) return;
+  LOOM_CHECK(plan.tiles.size() <= INT_MAX && plan.rings.size() <= INT_MAX, "kv_store: ", plan.tiles.size(),
+             " tile jobs and ", plan.rings.size(), " ring jobs exceed the CUDA grid");
+  cuda::KvStoreShape s;
+  s.tiles = static_cast<int64_t>(plan.tiles.size());
+  s.rows = static_cast<int64_t>(plan.rows.size());
+  s.rings = static_cast<int64_t>(plan.rings.size());
+  s.sources = static_cast<int64_t>(sources.size());
+  for (int st = 0; st < 2; ++st) {
+    if (plan.spec[st].width > 0) s.format[st] = kv_store_format(plan.spec[st]);
+  }
+  const cuda::KvStoreLayout at = cuda::kv_store_layout(s);
+  char* host = static_cast<char*>(kv_store_staging_.acquire(at.bytes));
+  const auto source_of = [](const KvStoreRow& r) {
+    return cuda::KvStoreSource{r.source == KvStoreRow::kFromRings ? -1 : r.source, r.offset};
+  };
+  for (size_t j = 0; j < plan.tiles.size(); ++j) {
+    const KvTileJob& job = plan.tiles[j];
+    const cuda::KvStoreTile t{job.stream, job.dst, job.rows, job.first};
+    std::memcpy(host + at.tiles_at + j * sizeof t, &t, sizeof t);
+  }
+  for (size_t j = 0; j < plan.rows.size(); ++j) {
+    const cuda::KvStoreSource r = source_of(plan.rows[j]);
+    std::memcpy(host + at.rows_at + j * sizeof r, &r, sizeof r);
+  }
+  for (size_t j = 0; j < plan.rings.size(); ++j) {
+    const KvRingJob& job = plan.rings[j];
+    const cuda::KvStoreRing r{source_of(job.row), job.dst, job.width};
+    std::memcpy(host + at.rings_at + j * sizeof r, &r, sizeof r);
+  }
+  for (size_t j = 0; j < sources.size(); ++j) {
+    const float* p = dptr<float>(sources[j]);
+    std::memcpy(host + at.sources_at + j * sizeof p, &p, sizeof p);
+  }
+  void* ws = workspace(at.bytes);
+  kv_store_staging_.upload(ws, at.bytes, stream());
+  cuda::kv_store_rows(s, ws, dptr<uint8_t>(pool), rings.defined() ? dptr<float>(rings) : nullptr,
+                      dptr<int32_t>(status), stream());
+}
+
+}  // namespace loom::cuda_backend_detail

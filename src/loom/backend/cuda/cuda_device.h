@@ -134,8 +134,8 @@ __host__ __device__ __forceinline__ unsigned short __bfloat16_as_ushort(__nv_bfl
 __host__ __device__ __forceinline__ __nv_bfloat16 __ushort_as_bfloat16(unsigned short x) { return __nv_bfloat16{x}; }
 
 // The scalar math the kernels share with the CPU's (scalar_math.h: exp, tanh, sigmoid; rope.h:
-// RoPE's frequencies) is __host__ __device__ under nvcc, where LOOM_HOST_DEVICE keys on
-// __CUDACC__, which hip-clang does not define. Clang's `#pragma clang force_cuda_host_device`
+// RoPE's frequencies; kv_quantize.h: the KV cache's quantizer) is __host__ __device__ under nvcc,
+// where LOOM_HOST_DEVICE keys on __CUDACC__, which hip-clang does not define. Clang's `#pragma clang force_cuda_host_device`
 // (Clang's CUDA support, as its own <complex> wrapper uses it) makes the functions declared
 // between begin and end both; the headers they include are included above, outside it. So a .cu
 // file includes this header (or, through hip/include/, <cuda_runtime_api.h>) before those two.
@@ -143,6 +143,7 @@ __host__ __device__ __forceinline__ __nv_bfloat16 __ushort_as_bfloat16(unsigned 
 #include "loom/core/targets.h"
 #include "loom/backend/scalar_math.h"
 #include "loom/backend/rope.h"
+#include "loom/backend/kv_quantize.h"
 #pragma clang force_cuda_host_device end
 
 #else  // nvcc, or the simulator's stand-ins (sim/include/)
