@@ -270,6 +270,13 @@ class Serve(unittest.TestCase):
             self.assertTrue(chunk, received)
             received += chunk
         s.close()
+        m = self.cancelled_since(before)
+        # Its blocks are back: only the prefix cache's remain.
+        self.assertEqual(m["loom_kv_blocks_used"], m["loom_prefix_cache_blocks"])
+        self.assertLess(m["loom_generation_tokens_total"] - before["loom_generation_tokens_total"], 250)
+
+    def cancelled_since(self, before: dict) -> dict:
+        """Waits (30 s at most) until one more request was cancelled and none runs; the metrics."""
         deadline = time.time() + 30
         while time.time() < deadline:
             m = self.server.metrics()
@@ -279,8 +286,21 @@ class Serve(unittest.TestCase):
         m = self.server.metrics()
         self.assertEqual(m["loom_requests_cancelled_total"], before["loom_requests_cancelled_total"] + 1)
         self.assertEqual(m["loom_running_requests"], 0)
-        # Its blocks are back: only the prefix cache's remain.
-        self.assertEqual(m["loom_kv_blocks_used"], m["loom_prefix_cache_blocks"])
+        return m
+
+    def test_disconnected_client_of_a_whole_response_is_cancelled(self):
+        # Not streamed: nothing is written before the result (its status is the result's), and
+        # the server still sees the client go and ends the request.
+        before = self.server.metrics()
+        s = socket.create_connection(("127.0.0.1", self.server.port))
+        body = json.dumps({"prompt": "B", "max_tokens": 250, "temperature": 0}).encode()
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        deadline = time.time() + 30
+        while time.time() < deadline and self.server.metrics()["loom_running_requests"] == before["loom_running_requests"]:
+            time.sleep(0.02)  # it runs
+        s.close()
+        m = self.cancelled_since(before)
         self.assertLess(m["loom_generation_tokens_total"] - before["loom_generation_tokens_total"], 250)
 
     def test_bad_requests_are_400s_and_the_server_keeps_serving(self):
@@ -307,6 +327,11 @@ class Serve(unittest.TestCase):
         status, text, _ = self.server.request("GET", "/v1/nothing")
         self.assertEqual(status, 404)
         self.assertIn("no route", json.loads(text)["error"]["message"])
+        # A model this server does not serve: 404 naming the one it does (as OpenAI and vLLM).
+        status, text, _ = self.server.request("POST", "/v1/completions", {"prompt": "a", "model": "gpt-4o"})
+        self.assertEqual(status, 404, text)
+        self.assertEqual(json.loads(text)["error"]["param"], "model")
+        self.assertIn("'m'", json.loads(text)["error"]["message"])
         status, text, _ = self.server.request("GET", "/health")
         self.assertEqual((status, json.loads(text)["status"]), (200, "ok"))
         self.assertEqual(self.server.complete({"prompt": PROMPTS[0], "max_tokens": 40, "temperature": 0})["choices"][0]["text"],
@@ -368,6 +393,21 @@ class Limits(unittest.TestCase):
                     self.assertEqual(json.loads(text)["error"]["type"], "rate_limit_error")
                 else:
                     self.assertEqual(json.loads(text)["choices"][0]["finish_reason"], "length")
+        finally:
+            self.assertEqual(server.stop(), 0)
+
+    def test_a_request_the_kv_pool_cannot_hold_is_a_400_not_a_200(self):
+        # The engine refuses it after the HTTP exchange began (4 blocks of 16 positions < 1 + 100):
+        # the client gets the error's status, and /metrics counts it as that status.
+        server = Server(self.ckpt, "--kv-blocks", "4")
+        try:
+            key = 'loom_requests_total{endpoint="/v1/completions",status="400"}'
+            before = server.metrics().get(key, 0)
+            status, text, _ = server.request("POST", "/v1/completions", {"prompt": "a", "max_tokens": 100})
+            self.assertEqual(status, 400, text)
+            self.assertIn("KV blocks", json.loads(text)["error"]["message"])
+            self.assertEqual(server.metrics().get(key, 0), before + 1)
+            self.assertEqual(server.request("POST", "/v1/completions", {"prompt": "a", "max_tokens": 5})[0], 200)
         finally:
             self.assertEqual(server.stop(), 0)
 

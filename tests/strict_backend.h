@@ -299,6 +299,7 @@ class StrictBackend final : public Backend {
                     const Tensor& out) override {
     cpu_->kv_attention(plan, h(q), h(pool), rings.defined() ? h(rings) : Tensor{}, h(out));
   }
+  void argmax_rows(const Tensor& x, const Tensor& out) override { cpu_->argmax_rows(h(x), h(out)); }
   void kv_store(const KvStorePlan& plan, const std::vector<Tensor>& sources, const Tensor& pool, const Tensor& rings,
                 const Tensor& status) override {
     std::vector<Tensor> from;

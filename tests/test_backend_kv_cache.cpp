@@ -12,7 +12,8 @@
 //   f32 attention tolerance on "cuda" (split-KV sums in another order), the accounting is the
 //   same;
 // - a row an integer format cannot store (NaN, or beyond fp16) is reported by check_status() with
-//   one line, and a kv_store plan outside its tensors is refused naming kv_store.
+//   one line, and a kv_store plan outside its tensors is refused naming kv_store;
+// - argmax_rows, greedy decoding's pick on the backend, is std::max_element's choice (ties).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -274,6 +275,37 @@ TEST_P(BackendKvCacheTest, KvStoreRefusesAPlanOutsideItsTensors) {
     const std::string e = error(p);
     EXPECT_NE(e.find("kv_store"), std::string::npos) << "[" << e << "]";
   }
+}
+
+// Greedy decoding's pick: the first index of each row's largest value, as std::max_element, with
+// ties (the first wins) and rows of one element; a vocabulary of 50,257 (GPT-2's) over 5 rows.
+TEST_P(BackendKvCacheTest, ArgmaxRowsPicksTheFirstLargestValue) {
+  const int64_t n = 5, V = 50257;
+  std::vector<float> x(static_cast<size_t>(n * V));
+  philox_fill_normal(x.data(), n * V, 3, 0, 0, 0.0f, 1.0f);
+  x[static_cast<size_t>(1 * V + 70)] = x[static_cast<size_t>(1 * V + 40000)] = 9.0f;  // a tie: 70 wins
+  for (int64_t v = 0; v < V; ++v) x[static_cast<size_t>(2 * V + v)] = -3.0f;           // all equal: 0
+  x[static_cast<size_t>(3 * V + V - 1)] = 50.0f;                                         // the last one
+  x[static_cast<size_t>(4 * V)] = 50.0f;                                                 // the first one
+  std::vector<int32_t> want(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    want[static_cast<size_t>(i)] = static_cast<int32_t>(std::max_element(x.begin() + i * V, x.begin() + (i + 1) * V) - (x.begin() + i * V));
+  }
+  EXPECT_EQ(want[1], 70);
+  EXPECT_EQ(want[2], 0);
+  const Tensor xt = Tensor::empty(backend_->allocator(), {n, V}, DTYPE_F32, MEM_WORKSPACE);
+  const Tensor out = Tensor::empty(backend_->allocator(), {n}, DTYPE_I32, MEM_WORKSPACE);
+  backend_->write(xt, x.data());
+  backend_->argmax_rows(xt, out);
+  std::vector<int32_t> got(static_cast<size_t>(n));
+  backend_->read(out, got.data());
+  EXPECT_EQ(got, want);
+  const Tensor one = Tensor::empty(backend_->allocator(), {1, 1}, DTYPE_F32, MEM_WORKSPACE);
+  backend_->write(one, x.data());
+  backend_->argmax_rows(one, out.view(0, {1}));
+  backend_->read(out.view(0, {1}), got.data());
+  EXPECT_EQ(got[0], 0);
+  EXPECT_NE(test::error_of([&] { backend_->argmax_rows(xt, out.view(0, {4})); }).find("argmax_rows"), std::string::npos);
 }
 
 INSTANTIATE_TEST_SUITE_P(AllBackends, BackendKvCacheTest, ::testing::Values(std::string("strict"), std::string("cuda")),

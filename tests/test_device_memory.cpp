@@ -282,6 +282,47 @@ TEST(DeviceMemoryTest, GenerationOnDeviceMemoryIsBitwiseTheCpuRun) {
   EXPECT_GT(strict.allocator().tracker().peak(MEM_KV_CACHE), 0u);
 }
 
+// Greedy requests whose logits nobody reads are decoded with the backend's argmax
+// (Backend::argmax_rows: the step reads one int a row instead of its logits) on device memory,
+// with the CPU run's tokens; a sampled request among them, or an on_logits callback, brings the
+// logits back to the host for that step.
+TEST(DeviceMemoryTest, GreedyTokensArePickedOnTheBackendWhenNoOneReadsTheLogits) {
+  const auto run = [](Backend& backend, bool sampled, bool callback) {
+    ModelConfig config = model_preset("llama-tiny");
+    Transformer model(backend, config);
+    model.init_weights(9);
+    EngineConfig ec;
+    ec.max_batch = 3, ec.block_size = 4;
+    GenerationEngine engine(model, ec);
+    if (callback) engine.set_on_logits([](int64_t, const float*, int64_t) {});
+    for (int64_t i = 0; i < 4; ++i) {
+      GenerationRequest r;
+      for (int64_t t = 0; t < 3 + i; ++t) r.prompt.push_back(static_cast<int32_t>((t * 13 + i * 5 + 1) % config.vocab_size));
+      r.max_new_tokens = 6;
+      r.sampling.temperature = sampled && i == 2 ? 0.7f : 0.0f;
+      r.sampling.seed = 5 + static_cast<uint64_t>(i);
+      engine.submit(r);
+    }
+    std::vector<std::vector<int32_t>> tokens;
+    for (const GenerationResult& g : engine.run()) tokens.push_back(g.tokens);
+    return std::make_pair(tokens, engine.stats().backend_picks);
+  };
+  auto cpu = make_cpu_backend();
+  test::StrictBackend strict;
+  for (const bool sampled : {false, true}) {
+    const auto expected = run(*cpu, sampled, false);
+    const auto got = run(strict, sampled, false);
+    EXPECT_EQ(got.first, expected.first) << sampled;
+    EXPECT_EQ(expected.second, 0) << sampled;  // a host cache: the host samples
+    if (!sampled) {
+      EXPECT_EQ(got.second, 4 * 5);  // every token after the prefill's first
+    } else {
+      EXPECT_LT(got.second, 4 * 5);  // not in the steps with the sampled request
+    }
+  }
+  EXPECT_EQ(run(strict, false, true).second, 0);  // logits wanted: read
+}
+
 // Automatic prefix caching with the cache in device memory: a prompt sharing cached blocks feeds
 // its rest as a chunk (staged through the host), then decodes in backend memory; tokens and
 // logits are the CPU run's bit for bit, and the second request took the cached blocks.

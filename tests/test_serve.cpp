@@ -97,6 +97,8 @@ TEST(ServeTest, BadRequestsAre400sNamingTheField) {
   EXPECT_EQ(refusal(R"({"prompt": "a", "presence_penalty": 2.5})"), std::make_pair(400, std::string("presence_penalty")));
   EXPECT_EQ(refusal(R"({"prompt": "a", "logprobs": 6})"), std::make_pair(400, std::string("logprobs")));
   EXPECT_EQ(refusal(R"({"prompt": "a", "echo": true})"), std::make_pair(400, std::string("echo")));
+  EXPECT_EQ(refusal(R"({"prompt": "a", "model": "gpt-4o"})"), std::make_pair(404, std::string("model")));  // not served
+  EXPECT_EQ(refusal(R"({"prompt": "a", "model": "tiny"})"), std::make_pair(0, std::string()));
   // Chat: no template, then a template and bad messages.
   EXPECT_EQ(refusal(R"({"messages": [{"role": "user", "content": "x"}]})", Endpoint::chat), std::make_pair(400, std::string("messages")));
   ModelInfo chat = model_info();

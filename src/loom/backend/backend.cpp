@@ -201,6 +201,8 @@ void Backend::kv_store(const KvStorePlan&, const std::vector<Tensor>&, const Ten
   unsupported(*this, "kv_store", "a KV cache in the backend's memory");
 }
 
+void Backend::argmax_rows(const Tensor&, const Tensor&) { unsupported(*this, "argmax_rows", "greedy decoding on the backend"); }
+
 void Backend::int_linear(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const IntWeightSpec&, const Tensor*,
                          const Tensor&, float, const Tensor*) {
   unsupported(*this, "int_linear", "quantized checkpoints (loom quantize)");

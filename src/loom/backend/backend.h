@@ -598,6 +598,9 @@ class Backend {
   // cleared, when an integer group cannot be stored). Checked by check_kv_store.
   virtual void kv_store(const KvStorePlan& plan, const std::vector<Tensor>& sources, const Tensor& pool,
                         const Tensor& rings, const Tensor& status);
+  // Greedy decoding's pick: out[i] (i32, n) = the first index of the largest value of row i of x
+  // (f32, (n, V)), std::max_element's choice (rows without NaN). Part of capabilities().kv_cache.
+  virtual void argmax_rows(const Tensor& x, const Tensor& out);
   // Muon (Jordan et al. 2024): buf = momentum buf + (1 - momentum) g;
   // u = nesterov ? (1 - momentum) g + momentum buf : buf.
   virtual void muon_momentum(const Tensor& grad, const Tensor& buf, const Tensor& u, const OptimHyper& hyper);

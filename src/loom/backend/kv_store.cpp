@@ -77,6 +77,13 @@ void check_kv_store(const KvStorePlan& plan, const std::vector<Tensor>& sources,
   }
 }
 
+void check_argmax_rows(const Tensor& x, const Tensor& out) {
+  LOOM_CHECK(x.dtype() == DTYPE_F32 && x.ndim() == 2 && x.dim(1) >= 1, "argmax_rows: x must be f32 (rows, V >= 1), got ",
+             x.describe());
+  LOOM_CHECK(out.dtype() == DTYPE_I32 && out.numel() == x.dim(0), "argmax_rows: out must be i32 of ", x.dim(0),
+             " elements, got ", out.describe());
+}
+
 void kv_store_host(const KvStorePlan& plan, const std::vector<const float*>& sources, uint8_t* pool, float* rings,
                    int32_t* status) {
   const kvq::KvStoreFormat formats[2] = {kv_store_format(plan.spec[0]), kv_store_format(plan.spec[1])};

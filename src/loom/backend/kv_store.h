@@ -63,6 +63,9 @@ kvq::KvStoreFormat kv_store_format(const KvQuantSpec& spec);
 void check_kv_store(const KvStorePlan& plan, const std::vector<Tensor>& sources, const Tensor& pool,
                     const Tensor& rings, const Tensor& status);
 
+// argmax_rows' operands: x f32 (n, V) with V >= 1, out i32 (n); throws naming argmax_rows.
+void check_argmax_rows(const Tensor& x, const Tensor& out);
+
 // The reference on host memory (sources[i] a host pointer to its floats).
 void kv_store_host(const KvStorePlan& plan, const std::vector<const float*>& sources, uint8_t* pool, float* rings,
                    int32_t* status);

@@ -407,7 +407,7 @@ void GenerationEngine::prefill(const std::vector<Active*>& group) {
   for (Active* sample : group) {  // the others share the prompt's blocks (paged fork)
     if (sample != &a) sample->seq = cache_->fork(a.seq);
     sample->fed = P;
-    if (on_logits_) on_logits_(sample->id, last, c.vocab_size);
+    if (on_logits_ && sample->request.logits) on_logits_(sample->id, last, c.vocab_size);
     sampled(*sample, sample->sampler.sample(last, c.vocab_size), now);
   }
 }
@@ -518,8 +518,7 @@ bool GenerationEngine::step() {
   stats_.peak_bytes_used = std::max(stats_.peak_bytes_used, cache_->bytes_used());
   stats_.utilisation_sum += cache_->utilisation();
   const auto now = std::chrono::steady_clock::now();
-  logits_.resize(static_cast<size_t>(n * vocab));  // the rows' logits, read once
-  model_.backend().read(store->logits.view(0, {n, vocab}), logits_.data());
+  const bool on_backend = read_step_outputs(store->logits.view(0, {n, vocab}));
   cache_->check_status();  // a row its format could not store fails the step (a cache in backend memory)
   const float* logits = logits_.data();
   for (size_t i = 0; i < active_.size(); ++i) {
@@ -545,13 +544,39 @@ bool GenerationEngine::step() {
       prefix_->insert(a.request.prompt, prompt / config_.block_size, a.seq);
       a.feeds_prompt = false;
     }
-    if (on_logits_) on_logits_(a.id, logits + r * vocab, vocab);
+    if (on_backend) {
+      ++stats_.backend_picks;
+      sampled(a, picks_[static_cast<size_t>(r)], now);
+      continue;
+    }
+    if (on_logits_ && a.request.logits) on_logits_(a.id, logits + r * vocab, vocab);
     sampled(a, a.sampler.sample(logits + r * vocab, vocab), now);
   }
   retire();  // their rows and blocks go to the next step's admissions
   ++stats_.steps;
   stats_.rows += n;
   stats_.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return true;
+}
+
+bool GenerationEngine::read_step_outputs(const Tensor& logits) {
+  Backend& backend = model_.backend();
+  const int64_t n = logits.dim(0);
+  const bool on_backend = cache_->in_backend_memory() && std::all_of(active_.begin(), active_.end(), [&](const auto& a) {
+    return a->sampler.plain_greedy() && !(on_logits_ && a->request.logits);
+  });
+  if (!on_backend) {
+    logits_.resize(static_cast<size_t>(logits.numel()));
+    backend.read(logits, logits_.data());
+    return false;
+  }
+  if (!picks_device_.defined() || picks_device_.numel() < n) {
+    picks_device_ = Tensor::empty(backend.allocator(), {n}, DTYPE_I32, MEM_WORKSPACE);
+  }
+  const Tensor picks = picks_device_.view(0, {n});
+  backend.argmax_rows(logits, picks);
+  picks_.resize(static_cast<size_t>(n));
+  backend.read(picks, picks_.data());
   return true;
 }
 

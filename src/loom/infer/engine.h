@@ -39,7 +39,9 @@
 // capabilities().kv_cache (a GPU): a step's rows are stored by one Backend::kv_store and attended
 // by one Backend::kv_attention per layer, a prompt stored by one kv_store, nothing of the cache
 // crossing to the host (a step with a prefix-cache hit's prompt chunk stages its rows through the
-// host; an MLA latent cache stays host memory).
+// host; an MLA latent cache stays host memory). There, a step whose rows all sample plain greedy
+// with no one reading their logits (GenerationRequest::logits, on_logits) takes the backend's
+// picks (Backend::argmax_rows: 4 bytes a row) instead of reading the (n, vocab) logits.
 #pragma once
 #include <chrono>
 #include <cstdint>
@@ -67,6 +69,10 @@ struct GenerationRequest {
   // forked from it: they share the prompt's KV blocks, each copying a block only when it writes
   // into a shared one (copy-on-write).
   int64_t n = 1;
+  // Whether the engine's on_logits callback is called for this request. Without it (and with
+  // greedy sampling without penalties) a backend holding the KV cache picks the token itself
+  // (Backend::argmax_rows) and the step moves 4 bytes for the row instead of its vocab logits.
+  bool logits = true;
 };
 
 struct GenerationResult {
@@ -126,6 +132,7 @@ struct EngineStats {
   int64_t peak_blocks = 0;            // blocks in use (paged) or regions (contiguous)
   int64_t peak_bytes_used = 0;        // KV bytes holding positions
   double utilisation_sum = 0;         // of the cache, summed over steps (mean = / steps)
+  int64_t backend_picks = 0;          // tokens picked by Backend::argmax_rows (their logits stayed on the device)
 };
 
 class GenerationEngine {
@@ -182,6 +189,10 @@ class GenerationEngine {
   void retire();  // releases the finished requests' sequences and blocks
   // After a new token: finished by a stop token, max_new_tokens or the context.
   void sampled(Active& a, int32_t token, std::chrono::steady_clock::time_point now);
+  // A step's (n, vocab) logits to the host (logits_), or, when every active row samples plain
+  // greedy and no one reads its logits on a backend holding the KV cache, the backend's argmax of
+  // each row (picks_: 4 bytes a row); returns true for the latter.
+  bool read_step_outputs(const Tensor& logits);
 
   Transformer& model_;
   EngineConfig config_;
@@ -203,6 +214,8 @@ class GenerationEngine {
   std::function<void(int64_t, const float*, int64_t)> on_logits_;
   std::function<void(int64_t, GenerationResult&&)> on_finish_;
   std::vector<float> logits_;       // host copy of a step's (n, vocab) logits (or a prefill's last row)
+  std::vector<int32_t> picks_;      // the step's rows' argmax (Backend::argmax_rows), host copy
+  Tensor picks_device_;             // the same in the backend's memory
   std::vector<float> prefill_qkv_;  // host copy of a prefill's (n_layer, P, qkv_width) rows (device memory)
 };
 

@@ -28,6 +28,11 @@ class Sampler {
   // top_k most likely tokens and then to the smallest prefix with probability >= top_p. With a
   // penalty, the logits are first penalised (in a copy) by the counts of the tokens drawn so far.
   int32_t sample(const float* logits, int64_t vocab);
+  // Greedy without penalties: the token is the logits' first argmax and the sampler keeps no
+  // state, so a backend may pick it (Backend::argmax_rows) without the host seeing the logits.
+  bool plain_greedy() const {
+    return config_.temperature == 0.0f && config_.presence_penalty == 0.0f && config_.frequency_penalty == 0.0f;
+  }
 
  private:
   int32_t pick(const float* logits, int64_t vocab);

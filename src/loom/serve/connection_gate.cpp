@@ -132,6 +132,13 @@ bool Exchange::writable() const {
   return r > 0 && (p.revents & (POLLERR | POLLHUP | POLLNVAL)) == 0;
 }
 
+bool Exchange::peer_closed() const {
+  if (stopped_ && stopped_->load()) return true;
+  char byte = 0;
+  const ssize_t r = ::recv(fd_, &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+  return r == 0 || (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+}
+
 // ---------------------------------------------------------------------------------------------
 
 struct ConnectionGate::Connection {

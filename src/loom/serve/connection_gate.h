@@ -91,6 +91,11 @@ class Exchange {
   bool write(const char* data, size_t size);
   // Whether a write could make progress within `write_timeout`.
   bool writable() const;
+  // Whether the client closed the connection (or reset it), seen without writing: a read of the
+  // socket would return end of file or an error now. A client that shuts down only its sending
+  // side after the request counts as gone too (TCP cannot tell the two apart without a write;
+  // uvicorn's disconnect, which vLLM's servers watch, reads it the same way).
+  bool peer_closed() const;
 
  private:
   friend class ConnectionGate;

@@ -42,6 +42,9 @@ class ExchangeStream final : public httplib::Stream {
   size_t offset_ = 0;
 };
 
+// The exchange the calling worker answers (Router::answer), for a handler that watches its client.
+thread_local const Exchange* current_exchange = nullptr;
+
 // httplib's server without its listener and thread pool: the routes, the request parser and the
 // response writer, run by a gate worker on one request (Server::process_request is protected).
 class Router final : public httplib::Server {
@@ -52,7 +55,9 @@ class Router final : public httplib::Server {
   bool answer(Exchange& exchange) {
     ExchangeStream stream(exchange);
     bool closed = false;
+    current_exchange = &exchange;
     const bool written = process_request(stream, exchange.last(), closed, nullptr);
+    current_exchange = nullptr;
     return written && !closed;
   }
 };
@@ -109,11 +114,11 @@ void HttpServer::Impl::generate(const httplib::Request& req, httplib::Response& 
   }
   const std::string id = (endpoint == Endpoint::chat ? "chatcmpl-" : "cmpl-") + std::to_string(next_id++);
   const ParsedRequest& request = job->request();
-  metrics.request(name, 200);
   const auto releaser = [job](bool success) {
     if (!success) job->cancel();
   };
   if (request.stream) {
+    metrics.request(name, 200);  // the event stream's status is written first; a failure is an event
     res.set_header("Cache-Control", "no-cache");
     res.set_chunked_content_provider(
         "text/event-stream",
@@ -174,47 +179,37 @@ void HttpServer::Impl::generate(const httplib::Request& req, httplib::Response& 
         releaser);
     return;
   }
-  res.set_chunked_content_provider(
-      "application/json",
-      [this, job, id, endpoint](size_t, httplib::DataSink& sink) {
-        uint64_t seen = 0;
-        auto last_write = std::chrono::steady_clock::now();
-        while (true) {
-          seen = job->wait(seen, std::chrono::milliseconds(200));
-          const Job::Snapshot s = job->snapshot();
-          if (s.done) {
-            std::string body;
-            if (!s.error.empty()) {
-              body = ApiError(500, s.error, "", "server_error").text();
-            } else {
-              std::vector<ChoiceOutput> choices;
-              int64_t generated = 0;
-              for (const Job::Choice& c : s.choices) {
-                choices.push_back({c.text, c.finish_reason, c.logprobs});
-                generated += static_cast<int64_t>(c.tokens.size());
-              }
-              body = completion_response(id, model, endpoint, choices, s.prompt_tokens, generated,
-                                         job->request().logprobs >= 0, tokenizer)
-                         .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
-            }
-            if (!sink.write(body.data(), body.size())) {
-              job->cancel();
-              return false;
-            }
-            sink.done();
-            return true;
-          }
-          // Every 200 ms: is the client still there? (JSON allows leading whitespace.)
-          if (std::chrono::steady_clock::now() - last_write >= std::chrono::milliseconds(200)) {
-            if (!sink.write(" ", 1)) {
-              job->cancel();
-              return false;
-            }
-            last_write = std::chrono::steady_clock::now();
-          }
-        }
-      },
-      releaser);
+  // Not streamed: nothing is written before the result, so its status is the result's (a failure
+  // is a 4xx / 5xx, not a 200 with an error body); the client is watched without writing.
+  const Exchange* exchange = current_exchange;
+  uint64_t seen = 0;
+  while (true) {
+    seen = job->wait(seen, std::chrono::milliseconds(200));
+    const Job::Snapshot s = job->snapshot();
+    if (s.done) {
+      if (!s.error.empty()) {
+        error(res, ApiError(s.error_status, s.error, "", s.error_status == 400 ? "" : "server_error"), name);
+        return;
+      }
+      std::vector<ChoiceOutput> choices;
+      int64_t generated = 0;
+      for (const Job::Choice& c : s.choices) {
+        choices.push_back({c.text, c.finish_reason, c.logprobs});
+        generated += static_cast<int64_t>(c.tokens.size());
+      }
+      res.set_content(completion_response(id, model, endpoint, choices, s.prompt_tokens, generated,
+                                          job->request().logprobs >= 0, tokenizer)
+                          .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace),
+                      "application/json");
+      metrics.request(name, 200);
+      return;
+    }
+    if (exchange != nullptr && exchange->peer_closed()) {  // the client went away: no answer
+      job->cancel();
+      res.status = 499;  // nginx's "client closed request", for the log; nothing reaches the client
+      return;
+    }
+  }
 }
 
 void HttpServer::Impl::install() {

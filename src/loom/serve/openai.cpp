@@ -118,7 +118,13 @@ ParsedRequest parse_request(Endpoint endpoint, const std::string& text, const To
   if (!body.is_object()) bad("", "the request body must be a JSON object");
   ParsedRequest r;
   r.endpoint = endpoint;
-  if (const json* m = field(body, "model"); m != nullptr && !m->is_string()) bad("model", "'model' must be a string");
+  if (const json* m = field(body, "model"); m != nullptr) {
+    if (!m->is_string()) bad("model", "'model' must be a string");
+    if (m->get<std::string>() != model.id) {  // as OpenAI and vLLM: 404, naming what is served
+      throw ApiError(404, str_cat("The model '", m->get<std::string>(), "' does not exist; this server serves '", model.id,
+                                  "' (GET /v1/models)"), "model", "invalid_request_error");
+    }
+  }
   if (endpoint == Endpoint::completions) {
     const json* p = field(body, "prompt");
     if (p == nullptr) bad("prompt", "'prompt' is required");

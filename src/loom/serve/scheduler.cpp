@@ -14,9 +14,10 @@ uint64_t Job::wait(uint64_t seen, std::chrono::milliseconds timeout) {
   return version_;
 }
 
-void Job::fail(const std::string& error) {
+void Job::fail(const std::string& error, int status) {
   std::lock_guard lock(mutex_);
   error_ = error;
+  error_status_ = status;
   ++version_;
   changed_.notify_all();
 }
@@ -26,6 +27,7 @@ Job::Snapshot Job::snapshot() const {
   Snapshot s;
   s.choices = choices_;
   s.error = error_;
+  s.error_status = error_status_;
   s.prompt_tokens = prompt_tokens_;
   s.done = !error_.empty() || (!choices_.empty() && std::all_of(choices_.begin(), choices_.end(), [](const Job::Choice& c) { return c.done; }));
   return s;
@@ -40,6 +42,7 @@ std::vector<GenerationRequest> engine_requests(const ParsedRequest& p, const Mod
     GenerationRequest r;
     r.prompt = prompt;
     r.sampling = p.sampling;
+    r.logits = p.logprobs >= 0;  // on_logits computes logprobs only
     r.max_new_tokens = p.max_tokens;
     if (!p.ignore_eos) r.stop_tokens = model.stop_tokens;
     r.n = p.n;
@@ -131,8 +134,8 @@ void Scheduler::admit(const std::shared_ptr<Job>& job) {
     int64_t first = 0;
     try {
       first = engine_.submit(std::move(r));
-    } catch (const Error& e) {
-      job->fail(e.what());
+    } catch (const Error& e) {  // the engine cannot admit it (more KV blocks than its pool, ...)
+      job->fail(e.what(), 400);
       return;
     }
     for (int64_t k = 0; k < p.n; ++k) {

@@ -56,6 +56,7 @@ class Job {
     std::vector<Choice> choices;
     bool done = false;
     std::string error;
+    int error_status = 500;  // the HTTP status of `error`: 400 the request cannot run, 500 the server failed
     int64_t prompt_tokens = 0;
   };
   Snapshot snapshot() const;
@@ -65,7 +66,7 @@ class Job {
 
  private:
   friend class Scheduler;
-  void fail(const std::string& error);  // the job ends with `error`; its reader wakes
+  void fail(const std::string& error, int status = 500);  // the job ends with `error`; its reader wakes
   ParsedRequest request_;
   std::chrono::steady_clock::time_point received_;
   mutable std::mutex mutex_;
@@ -74,6 +75,7 @@ class Job {
   std::vector<Choice> choices_;
   int64_t prompt_tokens_ = 0;
   std::string error_;
+  int error_status_ = 500;
   std::atomic<bool> cancelled_{false};
   bool ended_ = false;  // the scheduler cancelled its engine requests (scheduler thread only)
 };

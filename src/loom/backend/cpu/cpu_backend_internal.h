@@ -3,6 +3,7 @@
 // cpu_backend_attention.cpp's; the one-line overrides that forward to the op files
 // (cpu_compress.cpp, cpu_parallel_ops.cpp, ...) are here. Not for callers.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -307,6 +308,14 @@ class CpuBackend final : public Backend {
     check_kv_attention(plan, q, pool, rings, out);
     kv_attention_host(plan, q.data<float>(), pool.data<uint8_t>(), rings.defined() ? rings.data<float>() : nullptr,
                       out.data<float>());
+  }
+  void argmax_rows(const Tensor& x, const Tensor& out) override {
+    check_argmax_rows(x, out);
+    const int64_t n = x.dim(0), V = x.dim(1);
+    const float* p = x.data<float>();
+    int32_t* o = out.data<int32_t>();
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i) o[i] = static_cast<int32_t>(std::max_element(p + i * V, p + (i + 1) * V) - (p + i * V));
   }
   void kv_store(const KvStorePlan& plan, const std::vector<Tensor>& sources, const Tensor& pool, const Tensor& rings,
                 const Tensor& status) override {

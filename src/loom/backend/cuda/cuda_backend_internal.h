@@ -239,6 +239,7 @@ class CudaBackend final : public Backend {
   void kv_attention(const KvAttendPlan& plan, const Tensor& q, const Tensor& pool, const Tensor& rings, const Tensor& out) override;
   void kv_store(const KvStorePlan& plan, const std::vector<Tensor>& sources, const Tensor& pool, const Tensor& rings,
                 const Tensor& status) override;
+  void argmax_rows(const Tensor& x, const Tensor& out) override;
 
   // ---- For the op files: the libraries' handles, scratch, fixed-order sums, the bad-id flag.
   cublasHandle_t cublas() const { return cublas_; }

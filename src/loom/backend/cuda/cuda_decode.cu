@@ -525,3 +525,47 @@ void kv_store_rows(const KvStoreShape& s, const void* table, uint8_t* pool, floa
 }
 
 }  // namespace loom::cuda
+
+// ---------------------------------------------------------------------------- argmax_rows
+// Backend::argmax_rows: a block of 256 threads per row; thread t scans elements t, t + 256, ...
+// keeping the first largest it sees, then a shared-memory tree keeps the larger value and, on a
+// tie, the smaller index: the row's first largest value, as std::max_element. Reads the row once
+// (V x 4 bytes: 0.5 MB for a 128k vocabulary, 0.15 us at 3.35 TB/s), writes 4 bytes.
+namespace loom::cuda {
+namespace {
+
+constexpr int kArgmaxThreads = 256;
+
+__global__ void __launch_bounds__(kArgmaxThreads) argmax_rows_kernel(const float* __restrict__ x, int64_t V,
+                                                                     int32_t* __restrict__ out) {
+  __shared__ float best[kArgmaxThreads];
+  __shared__ int32_t where[kArgmaxThreads];
+  const float* row = x + static_cast<int64_t>(blockIdx.x) * V;
+  float b = -CUDART_INF_F;
+  int32_t w = static_cast<int32_t>(V);  // none yet
+  for (int64_t i = threadIdx.x; i < V; i += blockDim.x) {
+    if (row[i] > b || w == V) b = row[i], w = static_cast<int32_t>(i);
+  }
+  best[threadIdx.x] = b, where[threadIdx.x] = w;
+  __syncthreads();
+  for (int half = kArgmaxThreads / 2; half > 0; half /= 2) {
+    if (static_cast<int>(threadIdx.x) < half) {
+      const float v = best[threadIdx.x + half];
+      const int32_t j = where[threadIdx.x + half];
+      if (j < V && (where[threadIdx.x] == V || v > best[threadIdx.x] || (v == best[threadIdx.x] && j < where[threadIdx.x]))) {
+        best[threadIdx.x] = v, where[threadIdx.x] = j;
+      }
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) out[blockIdx.x] = where[0];
+}
+
+}  // namespace
+
+void argmax_rows(const float* x, int64_t rows, int64_t V, int32_t* out, cudaStream_t stream) {
+  launch<argmax_rows_kernel>(dim3(static_cast<unsigned>(rows)), kArgmaxThreads, 0, stream, x, V, out);
+  LOOM_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace loom::cuda

@@ -109,4 +109,8 @@ KvStoreLayout kv_store_layout(const KvStoreShape& s);
 void kv_store_rows(const KvStoreShape& s, const void* table, uint8_t* pool, float* rings, int32_t* status,
                    cudaStream_t stream);
 
+// Backend::argmax_rows: out[i] = the first index of the largest value of row i of x (rows, V); a
+// block per row.
+void argmax_rows(const float* x, int64_t rows, int64_t V, int32_t* out, cudaStream_t stream);
+
 }  // namespace loom::cuda

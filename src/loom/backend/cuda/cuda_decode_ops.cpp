@@ -144,6 +144,13 @@ void CudaBackend::kv_attention(const KvAttendPlan& plan, const Tensor& q, const 
 // other's copy), one host -> device copy to the workspace, the tile and ring kernels.
 namespace loom::cuda_backend_detail {
 
+void CudaBackend::argmax_rows(const Tensor& x, const Tensor& out) {
+  check_argmax_rows(x, out);
+  LOOM_CHECK(x.dim(0) <= INT_MAX && x.dim(1) <= INT_MAX, "argmax_rows: ", x.describe(), " exceeds the CUDA grid");
+  if (x.dim(0) == 0) return;
+  cuda::argmax_rows(dptr<float>(x), x.dim(0), x.dim(1), dptr<int32_t>(out), stream());
+}
+
 void CudaBackend::kv_store(const KvStorePlan& plan, const std::vector<Tensor>& sources, const Tensor& pool,
                            const Tensor& rings, const Tensor& status) {
   check_kv_store(plan, sources, pool, rings, status);
