@@ -2,10 +2,14 @@
 // distribution and are reproducible from the seed.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
+#include <numeric>
+#include <vector>
 
 #include "loom/core/error.h"
+#include "loom/core/philox.h"
 #include "loom/infer/sampler.h"
 
 namespace loom {
@@ -41,6 +45,54 @@ TEST(SamplerTest, TopKAndTopPRestrictTheSupport) {
 
 TEST(SamplerTest, SameSeedSameDraws) {
   EXPECT_EQ(histogram({0.8f, 3, 0.9f, 11}, 100), histogram({0.8f, 3, 0.9f, 11}, 100));
+}
+
+// The sampler's full sort of the candidates is a radix sort: its draws equal those of the
+// definition (tokens ordered by probability, ties by token id, the nucleus and the draw's
+// target accumulated in double in that order), computed here with std::stable_sort over token
+// ids, on logits with many ties (multiples of 0.25), 3 temperatures x 2 top_p x 40 draws.
+TEST(SamplerTest, DrawsFollowTheDefinitionOrderWithTies) {
+  const int64_t V = 3000;
+  std::vector<float> logits(V);
+  philox_fill_normal(logits.data(), V, 17, 0, 0, 0.0f, 2.0f);
+  for (float& l : logits) l = std::round(l * 4.0f) / 4.0f;
+  int64_t checked = 0;
+  for (const float temperature : {0.5f, 1.0f, 2.0f}) {
+    for (const float top_p : {1.0f, 0.9f}) {
+      const uint64_t seed = 99;
+      Sampler sampler({temperature, 0, top_p, seed});
+      const float max_logit = *std::max_element(logits.begin(), logits.end());
+      std::vector<float> p(V);
+      for (int64_t v = 0; v < V; ++v) p[v] = std::exp((logits[v] - max_logit) / temperature);
+      std::vector<int32_t> order(V);
+      std::iota(order.begin(), order.end(), 0);
+      std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return p[a] > p[b]; });
+      double all = 0.0;
+      for (const int32_t t : order) all += p[t];
+      size_t kept = order.size();
+      if (top_p < 1.0f) {
+        double mass = 0.0;
+        for (kept = 0; kept < order.size() && mass < top_p * all;) mass += p[order[kept++]];
+        all = mass;
+      }
+      for (uint64_t draw = 0; draw < 40; ++draw) {
+        const PhiloxCounter bits = philox4x32_10({static_cast<uint32_t>(draw), 0, 1, 0}, {static_cast<uint32_t>(seed), 0});
+        const double target = static_cast<double>(philox_uniform(bits[0])) * all;
+        double running = 0.0;
+        int32_t want = order[kept - 1];
+        for (size_t i = 0; i < kept; ++i) {
+          running += p[order[i]];
+          if (target < running) {
+            want = order[i];
+            break;
+          }
+        }
+        ASSERT_EQ(sampler.sample(logits.data(), V), want) << temperature << " " << top_p << " draw " << draw;
+        ++checked;
+      }
+    }
+  }
+  EXPECT_EQ(checked, 3 * 2 * 40);
 }
 
 TEST(SamplerTest, InvalidSettingsNameTheKey) {

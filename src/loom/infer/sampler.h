@@ -42,6 +42,7 @@ class Sampler {
   std::vector<int32_t> drawn_;     // the tokens drawn so far (penalties only)
   std::vector<float> penalised_;   // the penalised logits, reused
   std::vector<std::pair<float, int32_t>> candidates_;  // (probability, token), reused
+  std::vector<std::pair<float, int32_t>> sorting_;     // the radix sort's other buffer
 };
 
 }  // namespace loom
