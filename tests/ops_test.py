@@ -438,7 +438,13 @@ class Ops(LoomCase):
         low, rec_low = train("peak_low")
         self.assertEqual(rec_low["mfu_peak_gflops"], 0.001)
         self.assertEqual(low.count(f"is above the cached f32 GEMM peak (0 GFLOP/s in {cache}/gemm_peak.json)"), 1, low)
-        self.assertNotIn("is above the cached", second)  # the real peak: no warning
+        # The measured peak warns only when a step's MFU exceeds it. Whether one does is timing: the
+        # suite's other tests can make the measurement low (the busy check is off here), so assert
+        # the implication, not the absence (once seen: 8 GFLOP/s cached, a step at 651%).
+        step_mfus = [float(m) for m in re.findall(r"\| MFU ([\d.]+)% \|", second)]
+        self.assertTrue(step_mfus, second)
+        if any(m > 100.0 for m in step_mfus):
+            self.assertIn("is above the cached f32 GEMM peak", second)
         # A corrupt cache is a warning and a new measurement, never a failed run.
         with open(os.path.join(cache, "gemm_peak.json"), "w") as f:
             f.write("{not json")

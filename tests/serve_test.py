@@ -55,9 +55,9 @@ def train_model(tmp: str, steps: int) -> str:
 class Server:
     """`loom serve --port 0 ...` in the background; its port read from the line it prints."""
 
-    def __init__(self, checkpoint: str, *extra: str):
+    def __init__(self, checkpoint: str, *extra: str, env: dict | None = None):
         self.proc = subprocess.Popen([LOOM, "serve", "--checkpoint", checkpoint, "--port", "0", *extra], cwd=ROOT,
-                                     env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                     env=env or ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.lines: list[str] = []
         self.port = 0
         ready = threading.Event()
@@ -396,18 +396,31 @@ class Limits(unittest.TestCase):
         finally:
             self.assertEqual(server.stop(), 0)
 
-    def test_a_request_the_kv_pool_cannot_hold_is_a_400_not_a_200(self):
-        # The engine refuses it after the HTTP exchange began (4 blocks of 16 positions < 1 + 100):
-        # the client gets the error's status, and /metrics counts it as that status.
+    def refused_and_counted(self, server: Server, body: dict, status: int, words: str) -> None:
+        """`body` is answered `status` with `words` in its message, counted under that status in
+        /metrics, and the server serves on."""
+        key = f'loom_requests_total{{endpoint="/v1/completions",status="{status}"}}'
+        before = server.metrics().get(key, 0)
+        got, text, _ = server.request("POST", "/v1/completions", body)
+        self.assertEqual(got, status, text)
+        self.assertIn(words, json.loads(text)["error"]["message"])
+        self.assertEqual(server.metrics().get(key, 0), before + 1)
+        self.assertEqual(len(server.complete({"prompt": "a", "max_tokens": 5})["choices"]), 1)
+
+    def test_an_engine_failure_after_acceptance_is_a_500_not_a_200(self):
+        # The engine fails while the request runs (injected at its third step): a non-streamed
+        # client gets the failure's status (the heartbeat used to commit a 200 first).
+        server = Server(self.ckpt, env=dict(ENV, LOOM_SERVE_FAIL_AT_STEP="2"))
+        try:
+            self.refused_and_counted(server, {"prompt": "a", "max_tokens": 20}, 500, "injected engine failure")
+        finally:
+            self.assertEqual(server.stop(), 0)
+
+    def test_a_request_the_kv_pool_cannot_hold_is_a_400(self):
+        # Refused before any work (4 blocks of 16 positions < 1 + 100), naming the blocks.
         server = Server(self.ckpt, "--kv-blocks", "4")
         try:
-            key = 'loom_requests_total{endpoint="/v1/completions",status="400"}'
-            before = server.metrics().get(key, 0)
-            status, text, _ = server.request("POST", "/v1/completions", {"prompt": "a", "max_tokens": 100})
-            self.assertEqual(status, 400, text)
-            self.assertIn("KV blocks", json.loads(text)["error"]["message"])
-            self.assertEqual(server.metrics().get(key, 0), before + 1)
-            self.assertEqual(server.request("POST", "/v1/completions", {"prompt": "a", "max_tokens": 5})[0], 200)
+            self.refused_and_counted(server, {"prompt": "a", "max_tokens": 100}, 400, "KV blocks")
         finally:
             self.assertEqual(server.stop(), 0)
 

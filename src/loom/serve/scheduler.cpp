@@ -1,5 +1,7 @@
 #include "loom/serve/scheduler.h"
 
+#include <cstdlib>
+
 #include <algorithm>
 #include <cmath>
 
@@ -63,6 +65,7 @@ uint64_t splitmix64(uint64_t x) {
 Scheduler::Scheduler(GenerationEngine& engine, const Tokenizer& tokenizer, const ModelInfo& model, Metrics& metrics,
                      SchedulerConfig config)
     : engine_(engine), tokenizer_(tokenizer), model_(model), metrics_(metrics), config_(config) {
+  if (const char* step = std::getenv("LOOM_SERVE_FAIL_AT_STEP")) fail_at_step_ = std::atoll(step);
   engine_.set_on_logits([this](int64_t id, const float* logits, int64_t vocab) { on_logits(id, logits, vocab); });
   engine_.set_on_token([this](int64_t id, int32_t token) { on_token(id, token); });
   engine_.set_on_finish([this](int64_t id, GenerationResult&& r) { on_finish(id, std::move(r)); });
@@ -296,6 +299,7 @@ void Scheduler::loop() {
     }
     if (!jobs_.empty()) {
       try {
+        if (steps_++ == fail_at_step_) throw Error("an injected engine failure (LOOM_SERVE_FAIL_AT_STEP)");
         engine_.step();
       } catch (const Error& e) {  // the engine failed: every running job gets the error
         for (const auto& job : jobs_) {

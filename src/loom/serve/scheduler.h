@@ -137,6 +137,10 @@ class Scheduler {
   std::unordered_map<int64_t, TokenLogprob> pending_logprob_;  // id -> the logits' entry awaiting its token
   const float* pending_logits_ = nullptr;  // those logits (the engine's buffer, valid until its on_token)
   uint64_t next_seed_ = 0x5EED;
+  // Tests inject an engine failure: with LOOM_SERVE_FAIL_AT_STEP=k in the environment the
+  // engine's step k (from 0) throws as a failing engine would (tests/serve_test.py checks the
+  // statuses clients then get); -1, the default, never.
+  int64_t fail_at_step_ = -1, steps_ = 0;
 
   mutable std::mutex gauges_mutex_;
   EngineGauges gauges_;
