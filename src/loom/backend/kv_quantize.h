@@ -201,4 +201,29 @@ LOOM_HOST_DEVICE int32_t kv_quantize_channel_byte(const KvStoreFormat& f, RowFn 
   return KV_FIT_OK;
 }
 
+// `tokens` rows (row(t)) stored as one unit of f's layout at `out` (kv_quantize_tile's bytes):
+// the units of work first, first + step, ... (elements, per-token rows or per-channel code bytes,
+// as above), so a host loop passes (0, 1) and a GPU block (threadIdx.x, blockDim.x). Returns the
+// first failing group's status among the units it stored (KV_FIT_OK when none failed).
+template <typename RowFn>
+LOOM_HOST_DEVICE int32_t store_rows(const KvStoreFormat& f, RowFn row, int64_t tokens, uint8_t* out, int64_t first,
+                                    int64_t step) {
+  int32_t failed = KV_FIT_OK;
+  if (tokens <= 0) return failed;
+  if (f.kind != 2) {
+    for (int64_t i = first; i < tokens * f.width; i += step) kv_store_element(f, row, i, out);
+  } else if (f.per_channel) {
+    for (int64_t j = first; j < f.code_bytes; j += step) {
+      const int32_t s = kv_quantize_channel_byte(f, row, tokens, j, out);
+      failed = failed == KV_FIT_OK ? s : failed;
+    }
+  } else {
+    for (int64_t t = first; t < tokens; t += step) {
+      const int32_t s = kv_quantize_row_per_token(f, row(t), out + t * f.row_bytes);
+      failed = failed == KV_FIT_OK ? s : failed;
+    }
+  }
+  return failed;
+}
+
 }  // namespace loom::kvq

@@ -92,22 +92,9 @@ void kv_store_host(const KvStorePlan& plan, const std::vector<const float*>& sou
   };
   int32_t failed = kvq::KV_FIT_OK;
   for (const KvTileJob& job : plan.tiles) {
-    const kvq::KvStoreFormat& f = formats[job.stream];
     const auto row = [&](int64_t t) { return at(plan.rows[static_cast<size_t>(job.first + t)]); };
-    uint8_t* out = pool + job.dst;
-    if (f.kind != 2) {
-      for (int64_t i = 0; i < job.rows * f.width; ++i) kvq::kv_store_element(f, row, i, out);
-    } else if (f.per_channel) {
-      for (int64_t j = 0; j < f.code_bytes; ++j) {
-        const int32_t s = kvq::kv_quantize_channel_byte(f, row, job.rows, j, out);
-        if (failed == kvq::KV_FIT_OK) failed = s;
-      }
-    } else {
-      for (int64_t t = 0; t < job.rows; ++t) {
-        const int32_t s = kvq::kv_quantize_row_per_token(f, row(t), out + t * f.row_bytes);
-        if (failed == kvq::KV_FIT_OK) failed = s;
-      }
-    }
+    const int32_t s = kvq::store_rows(formats[job.stream], row, job.rows, pool + job.dst, 0, 1);
+    if (failed == kvq::KV_FIT_OK) failed = s;
   }
   for (const KvRingJob& job : plan.rings) {
     std::memcpy(rings + job.dst, at(job.row), static_cast<size_t>(job.width) * sizeof(float));

@@ -347,29 +347,48 @@ void GenerationEngine::prefill(const std::vector<Active*>& group) {
   Active& a = *group.front();
   a.seq = cache_->add_sequence();
   const ModelConfig& c = model_.config();
-  const int64_t P = static_cast<int64_t>(a.request.prompt.size()), H = c.n_head, hd = c.head_dim();
-  const int64_t W = c.qkv_width(), KW = c.n_kv_head * hd;
+  const int64_t P = static_cast<int64_t>(a.request.prompt.size());
   Backend& backend = model_.backend();
   ActivationStore s = model_.allocate_store(1, P);
   backend.write(s.tokens, a.request.prompt.data());  // the prompt, staged on the host
   model_.set_recording(false);  // no MoE routing statistics from generation
   model_.forward(s, false);
   model_.set_recording(true);
-  std::vector<float> latent(static_cast<size_t>(c.mla() ? kv_cache_width(c) : 0));
+  store_prompt(s, a.seq, P);
+  stats_.prompt_tokens += P;
+  if (prefix_) prefix_->insert(a.request.prompt, P / config_.block_size, a.seq);
+  logits_.resize(static_cast<size_t>(c.vocab_size));  // the last position's logits
+  backend.read(s.logits.view((P - 1) * c.vocab_size, {c.vocab_size}), logits_.data());
+  const float* last = logits_.data();
+  const auto now = std::chrono::steady_clock::now();
+  for (Active* sample : group) {  // the others share the prompt's blocks (paged fork)
+    if (sample != &a) sample->seq = cache_->fork(a.seq);
+    sample->fed = P;
+    if (on_logits_ && sample->request.logits) on_logits_(sample->id, last, c.vocab_size);
+    sampled(*sample, sample->sampler.sample(last, c.vocab_size), now);
+  }
+}
+
+void GenerationEngine::store_prompt(const ActivationStore& s, int64_t seq, int64_t P) {
+  const ModelConfig& c = model_.config();
+  const int64_t H = c.n_head, hd = c.head_dim(), W = c.qkv_width(), KW = c.n_kv_head * hd;
   if (cache_->in_backend_memory()) {  // each layer's (P, W) rows stored from where they are
     for (int64_t t = 0; t < P; ++t) {
       for (int64_t l = 0; l < c.n_layer; ++l) {
-        cache_->write_rows(l, {a.seq}, s.blocks[static_cast<size_t>(l)].attention.qkv.view(0, {P, W}), t, H * hd,
+        cache_->write_rows(l, {seq}, s.blocks[static_cast<size_t>(l)].attention.qkv.view(0, {P, W}), t, H * hd,
                            H * hd + KW);
       }
-      cache_->advance(a.seq);
+      cache_->advance(seq);
     }
     cache_->flush();  // one kv_store for the whole prompt
+    return;
   }
-  // Else each layer's (P, W) q/k/v rows (after RoPE) on the host: in place where the host can read
-  // the backend's memory, else read in one Backend::read a layer into prefill_qkv_.
+  // A host cache: each layer's (P, W) q/k/v rows (after RoPE) on the host, in place where the host
+  // can read the backend's memory, else read in one Backend::read a layer into prefill_qkv_.
+  Backend& backend = model_.backend();
+  std::vector<float> latent(static_cast<size_t>(c.mla() ? kv_cache_width(c) : 0));
   std::vector<const float*> qkv(static_cast<size_t>(c.n_layer), nullptr);
-  if (!c.mla() && !cache_->in_backend_memory()) {
+  if (!c.mla()) {
     const bool in_place = s.blocks.front().attention.qkv.host_accessible();
     if (!in_place) prefill_qkv_.resize(static_cast<size_t>(c.n_layer * P * W));
     for (int64_t l = 0; l < c.n_layer; ++l) {
@@ -383,32 +402,20 @@ void GenerationEngine::prefill(const std::vector<Active*>& group) {
       qkv[static_cast<size_t>(l)] = host;
     }
   }
-  for (int64_t t = 0; t < P && !cache_->in_backend_memory(); ++t) {
+  for (int64_t t = 0; t < P; ++t) {
     for (int64_t l = 0; l < c.n_layer; ++l) {
       const BlockSaved& b = s.blocks[static_cast<size_t>(l)];
       if (c.mla()) {  // the cache row [normed latent | RoPE key] (nn/mla.h)
         const int64_t dc = c.mla_kv_rank, dr = c.mla_rope_dim;
         backend.read(b.attention.mla_c_norm.view(t * dc, {dc}), latent.data());
         backend.read(b.attention.mla_kr.view(t * dr, {dr}), latent.data() + dc);
-        cache_->write(a.seq, l, latent.data(), nullptr);
+        cache_->write(seq, l, latent.data(), nullptr);
         continue;
       }
       const float* row = qkv[static_cast<size_t>(l)] + t * W;
-      cache_->write(a.seq, l, row + H * hd, row + H * hd + KW);
+      cache_->write(seq, l, row + H * hd, row + H * hd + KW);
     }
-    cache_->advance(a.seq);
-  }
-  stats_.prompt_tokens += P;
-  if (prefix_) prefix_->insert(a.request.prompt, P / config_.block_size, a.seq);
-  logits_.resize(static_cast<size_t>(c.vocab_size));  // the last position's logits
-  backend.read(s.logits.view((P - 1) * c.vocab_size, {c.vocab_size}), logits_.data());
-  const float* last = logits_.data();
-  const auto now = std::chrono::steady_clock::now();
-  for (Active* sample : group) {  // the others share the prompt's blocks (paged fork)
-    if (sample != &a) sample->seq = cache_->fork(a.seq);
-    sample->fed = P;
-    if (on_logits_ && sample->request.logits) on_logits_(sample->id, last, c.vocab_size);
-    sampled(*sample, sample->sampler.sample(last, c.vocab_size), now);
+    cache_->advance(seq);
   }
 }
 

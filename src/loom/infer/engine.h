@@ -184,6 +184,8 @@ class GenerationEngine {
   bool shares_prompt() const;  // n samples prefill once and fork (paged, whole prefill)
   void admit();
   void prefill(const std::vector<Active*>& group);  // group[0]'s prompt; the others forked from it
+  // A prefill's P positions (the store's saved q/k/v rows, or MLA latents) into sequence seq.
+  void store_prompt(const ActivationStore& s, int64_t seq, int64_t P);
   int64_t group_blocks(const GenerationRequest& request) const;  // the blocks n samples reserve
   void finish(int64_t id, GenerationResult&& result);
   void retire();  // releases the finished requests' sequences and blocks

@@ -168,10 +168,9 @@ std::unique_ptr<KvCache> make_contiguous_kv_cache(const KvCacheConfig& config, i
 
 std::unique_ptr<KvCache> make_device_kv_cache(const KvCacheConfig& config, Backend& backend, int64_t max_sequences,
                                               bool paged) {
-  config.validate();
-  const Layouts layouts(config);
-  const KvQuantSpec specs[2] = {layouts.stream[STREAM_K].spec, layouts.stream[STREAM_V].spec};
-  auto bytes = make_device_kv_bytes(backend, specs, config.n_layer * layouts.window_floats_per_layer(), max_sequences);
+  const KvQuantSpec specs[2] = {config.k_spec(), config.v_spec()};
+  auto bytes = make_device_kv_bytes(backend, specs, kv_window_bytes(config) / static_cast<int64_t>(sizeof(float)),
+                                    max_sequences);
   if (paged) return kv::make_paged_kv_cache(config, std::move(bytes));
   return std::make_unique<ContiguousKvCache>(config, max_sequences, nullptr, std::move(bytes));
 }

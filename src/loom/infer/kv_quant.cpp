@@ -23,17 +23,7 @@ void check_fit(int32_t status) {
 
 void kv_quantize_tile(const KvQuantSpec& spec, const float* x, int64_t tokens, uint8_t* out) {
   const kvq::KvStoreFormat f = kv_store_format(spec);
-  const auto row = [&](int64_t t) { return x + t * f.width; };
-  if (f.kind != 2) {
-    for (int64_t i = 0; i < tokens * f.width; ++i) kvq::kv_store_element(f, row, i, out);
-    return;
-  }
-  if (f.per_channel) {
-    if (tokens == 0) return;
-    for (int64_t j = 0; j < f.code_bytes; ++j) check_fit(kvq::kv_quantize_channel_byte(f, row, tokens, j, out));
-    return;
-  }
-  for (int64_t t = 0; t < tokens; ++t) check_fit(kvq::kv_quantize_row_per_token(f, row(t), out + t * f.row_bytes));
+  check_fit(kvq::store_rows(f, [&](int64_t t) { return x + t * f.width; }, tokens, out, 0, 1));
 }
 
 }  // namespace loom

@@ -15,6 +15,7 @@
 #include <cstring>
 #include <map>
 #include <memory>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -75,10 +76,10 @@ struct Layouts {
 
 inline bool float_aligned(const uint8_t* p) { return reinterpret_cast<uintptr_t>(p) % alignof(float) == 0; }
 
-inline constexpr int64_t kNoBlock = -1;
+inline constexpr int64_t kNoBlock = -1;  // a forgotten tile's entry in a block table
 
 // The paged cache over the given bytes (kv_cache_paged.cpp; make_device_kv_cache).
-std::unique_ptr<KvCache> make_paged_kv_cache(const KvCacheConfig& config, std::unique_ptr<KvBytes> bytes);  // a forgotten tile's entry in a block table
+std::unique_ptr<KvCache> make_paged_kv_cache(const KvCacheConfig& config, std::unique_ptr<KvBytes> bytes);
 
 struct Sequence {
   bool live = false;
@@ -196,12 +197,9 @@ class TiledKvCache : public KvCache {
     p.rows.clear(), p.tile_offsets.clear();
     for (const int64_t seq : seqs) {
       const Sequence& s = live(seq);
-      const int64_t n = visible(s, layer);
-      LOOM_CHECK(n > 0, "kv cache: attend on sequence ", seq, " whose layer ", layer, " holds no position");
       KvAttendRow row;
-      row.first = window > 0 ? std::max<int64_t>(0, n - window) : 0;
-      row.n = n;
-      check_not_forgotten(s, seq, layer, row.first);
+      std::tie(row.first, row.n) = attended(s, seq, layer, window);
+      const int64_t n = row.n;
       row.tiles = static_cast<int64_t>(p.tile_offsets.size());
       int64_t tiles = 0;
       for (int st = 0; st < STREAM_COUNT; ++st) {
@@ -246,10 +244,8 @@ class TiledKvCache : public KvCache {
     const Sequence& s = live(seq);
     check_layer(layer);
     check_heads(n_head, n_kv_head, head_dim, window);
-    const int64_t n = visible(s, layer);
-    LOOM_CHECK(n > 0, "kv cache: attend on sequence ", seq, " whose layer ", layer, " holds no position");
-    const int64_t first = window > 0 ? std::max<int64_t>(0, n - window) : 0;
-    check_not_forgotten(s, seq, layer, first);
+    int64_t first = 0, n = 0;  // named variables: lambdas below capture them
+    std::tie(first, n) = attended(s, seq, layer, window);
     loom::attend_rows(
         q, out, n_head, n_kv_head, head_dim, first, n,
         [&](auto&& fn) { walk_rows(s, layer, STREAM_K, first, n, n, fn); },
@@ -361,6 +357,15 @@ class TiledKvCache : public KvCache {
     store_row(s, layer, STREAM_K, p, k);
     if (layouts_.stream[STREAM_V].present) store_row(s, layer, STREAM_V, p, v);
     s.written[static_cast<size_t>(layer)] = 1;
+  }
+
+  // The positions [first, n) a query of `layer` attends to (window 0: all), none forgotten.
+  std::pair<int64_t, int64_t> attended(const Sequence& s, int64_t seq, int64_t layer, int64_t window) const {
+    const int64_t n = visible(s, layer);
+    LOOM_CHECK(n > 0, "kv cache: attend on sequence ", seq, " whose layer ", layer, " holds no position");
+    const int64_t first = window > 0 ? std::max<int64_t>(0, n - window) : 0;
+    check_not_forgotten(s, seq, layer, first);
+    return {first, n};
   }
 
   void check_heads(int64_t n_head, int64_t n_kv_head, int64_t head_dim, int64_t window) const {

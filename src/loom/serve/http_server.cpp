@@ -114,10 +114,10 @@ void HttpServer::Impl::generate(const httplib::Request& req, httplib::Response& 
   }
   const std::string id = (endpoint == Endpoint::chat ? "chatcmpl-" : "cmpl-") + std::to_string(next_id++);
   const ParsedRequest& request = job->request();
-  const auto releaser = [job](bool success) {
-    if (!success) job->cancel();
-  };
   if (request.stream) {
+    const auto releaser = [job](bool success) {
+      if (!success) job->cancel();
+    };
     metrics.request(name, 200);  // the event stream's status is written first; a failure is an event
     res.set_header("Cache-Control", "no-cache");
     res.set_chunked_content_provider(
@@ -188,7 +188,7 @@ void HttpServer::Impl::generate(const httplib::Request& req, httplib::Response& 
     const Job::Snapshot s = job->snapshot();
     if (s.done) {
       if (!s.error.empty()) {
-        error(res, ApiError(s.error_status, s.error, "", s.error_status == 400 ? "" : "server_error"), name);
+        error(res, ApiError(s.error_status, s.error), name);  // 400 invalid_request_error, 500 server_error
         return;
       }
       std::vector<ChoiceOutput> choices;

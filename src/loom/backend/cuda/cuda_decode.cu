@@ -466,21 +466,7 @@ __global__ void kv_store_tile_kernel(const KvStoreShape s, const KvStoreTile* __
   const kvq::KvStoreFormat f = s.format[job.stream];
   const KvStoreSource* own = rows + job.first;
   const auto row = [&](int64_t t) { return store_row(own[t], sources, rings); };
-  uint8_t* out = pool + job.dst;
-  int32_t failed = kvq::KV_FIT_OK;
-  if (f.kind != 2) {
-    for (int64_t i = threadIdx.x; i < job.rows * f.width; i += blockDim.x) kvq::kv_store_element(f, row, i, out);
-  } else if (f.per_channel) {
-    for (int64_t j = threadIdx.x; j < f.code_bytes; j += blockDim.x) {
-      const int32_t r = kvq::kv_quantize_channel_byte(f, row, job.rows, j, out);
-      if (r != kvq::KV_FIT_OK) failed = r;
-    }
-  } else {
-    for (int64_t t = threadIdx.x; t < job.rows; t += blockDim.x) {
-      const int32_t r = kvq::kv_quantize_row_per_token(f, row(t), out + t * f.row_bytes);
-      if (r != kvq::KV_FIT_OK) failed = r;
-    }
-  }
+  const int32_t failed = kvq::store_rows(f, row, job.rows, pool + job.dst, threadIdx.x, blockDim.x);
   if (failed != kvq::KV_FIT_OK) *status = failed;
 }
 
