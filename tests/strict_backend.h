@@ -52,6 +52,10 @@ class StrictBackend final : public Backend {
   void fill(const Tensor& x, double value) override { cpu_->fill(h(x), value); }
   void copy(const Tensor& src, const Tensor& dst) override { cpu_->copy(h(src), h(dst)); }
   void cast(const Tensor& src, const Tensor& dst) override { cpu_->cast(h(src), h(dst)); }
+  void bf16_weight_linear(const Tensor& x, const Tensor& w, const Tensor& y, float beta, const Tensor* bias) override {
+    const Tensor hb = bias != nullptr ? h(*bias) : Tensor{};
+    cpu_->bf16_weight_linear(h(x), h(w), h(y), beta, bias != nullptr ? &hb : nullptr);
+  }
   void add(const Tensor& a, const Tensor& b, const Tensor& out) override { cpu_->add(h(a), h(b), h(out)); }
   void add_inplace(const Tensor& acc, const Tensor& x) override { cpu_->add_inplace(h(acc), h(x)); }
   void scale_inplace(const Tensor& x, double factor) override { cpu_->scale_inplace(h(x), factor); }

@@ -11,6 +11,11 @@
 //   rows, rows and columns that are not multiples of the kernels' tiles. The CPU backend may
 //   quantize the activations of weight-only formats too (cpu::int_linear_quantizes_activations(),
 //   AVX512-VNNI), so for it the bound of that rounding (s_x / 2 sum |w| per group) is added.
+// - bf16_weight_linear: against y = beta y + x W^T + b in f64 from the exactly widened bf16
+//   weight, within 2e-5 (1 + |y|); 1 to 40 input rows (the CPU's direct and tiled paths, the
+//   CUDA kernel's chunks and its default), columns that are and are not multiples of 8, and the
+//   portable default (Backend::bf16_weight_linear: cast, then gemm) on the CPU; a weight
+//   rounded instead of widened fails the bound.
 // Backends: "strict" (the CPU kernels on memory host code may not read, tests/strict_backend.h;
 // it does not forward int_linear / int_dequantize, so its integer cases run the CPU backend) and
 // "cuda", skipped unless the build has a CUDA backend that states the capability under test.
@@ -20,6 +25,8 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -342,6 +349,117 @@ TEST_P(BackendIntWeightOpsTest, BadOperandsNameTheOp) {
   };
   for (const auto& [op, e] : errors) EXPECT_NE(e.find(op), std::string::npos) << op << ": " << e;
 }
+
+// ---------------------------------------------------------------- bf16 weights used in place
+
+// y = beta y0 + x W^T + b in f64, W the bf16 bits widened.
+std::vector<double> reference_bf16_linear(const std::vector<float>& x, int64_t N, const std::vector<uint16_t>& w, int64_t O,
+                                          int64_t K, const std::vector<float>& b, const std::vector<float>& y0, float beta) {
+  std::vector<double> y(static_cast<size_t>(N * O));
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t o = 0; o < O; ++o) {
+      double acc = 0.0;
+      for (int64_t c = 0; c < K; ++c) {
+        acc += static_cast<double>(x[static_cast<size_t>(n * K + c)]) * bf16_to_f32(bf16{w[static_cast<size_t>(o * K + c)]});
+      }
+      if (!b.empty()) acc += b[static_cast<size_t>(o)];
+      y[static_cast<size_t>(n * O + o)] = acc + static_cast<double>(beta) * y0[static_cast<size_t>(n * O + o)];
+    }
+  }
+  return y;
+}
+
+// The largest |got - want| / (1 + |want|) over every case, running `linear` on backend b.
+double bf16_linear_error(Backend& b, const std::function<void(const Tensor&, const Tensor&, const Tensor&, float,
+                                                              const Tensor*)>& linear, int* checked) {
+  double worst = 0.0;
+  for (const int64_t K : {288, 100}) {
+    const int64_t O = 37;
+    std::vector<uint16_t> w(static_cast<size_t>(O * K));
+    const std::vector<float> wf = normal(O * K, 31 + static_cast<uint64_t>(K), 0.05f);
+    for (size_t i = 0; i < w.size(); ++i) w[i] = f32_to_bf16(wf[i]).bits;
+    const Tensor wt = Tensor::empty(b.allocator(), {O, K}, DTYPE_BF16, MEM_PARAMETERS);
+    b.write(wt, w.data());
+    for (const bool with_bias : {false, true}) {
+      const std::vector<float> bias = with_bias ? normal(O, 7, 0.1f) : std::vector<float>{};
+      const Tensor bt = with_bias ? upload(b, {O}, bias) : Tensor{};
+      for (int64_t N : {1, 2, 3, 5, 9, 16, 17, 40}) {
+        const float beta = (N + (with_bias ? 1 : 0)) % 2 == 0 ? 0.0f : 1.0f;
+        const std::vector<float> x = normal(N * K, 100 + static_cast<uint64_t>(N), 1.0f);
+        const std::vector<float> y0 = normal(N * O, 200 + static_cast<uint64_t>(N), 1.0f);
+        const Tensor xt = upload(b, {N, K}, x), yt = upload(b, {N, O}, y0);
+        linear(xt, wt, yt, beta, with_bias ? &bt : nullptr);
+        const std::vector<float> got = download(b, yt);
+        const std::vector<double> want = reference_bf16_linear(x, N, w, O, K, bias, y0, beta);
+        for (size_t i = 0; i < got.size(); ++i) worst = std::max(worst, std::fabs(got[i] - want[i]) / (1.0 + std::fabs(want[i])));
+        ++*checked;
+      }
+    }
+  }
+  return worst;
+}
+
+class BackendBf16WeightOpsTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    std::string skip;
+    backend_ = GetParam() == "cpu" ? make_cpu_backend() : test::op_test_backend(GetParam(), &BackendCapabilities::int_weights, &skip);
+    if (!backend_) GTEST_SKIP() << skip;
+  }
+  std::unique_ptr<Backend> backend_;
+};
+
+TEST_P(BackendBf16WeightOpsTest, LinearMatchesTheWidenedWeightInF64) {
+  Backend& b = *backend_;
+  int checked = 0;
+  const double error = bf16_linear_error(
+      b, [&](const Tensor& x, const Tensor& w, const Tensor& y, float beta, const Tensor* bias) {
+        b.bf16_weight_linear(x, w, y, beta, bias);
+      }, &checked);
+  EXPECT_EQ(checked, 32);
+  EXPECT_LT(error, 2e-5) << GetParam();
+  std::printf("bf16_weight_linear on %s: worst error %.2e over %d cases\n", GetParam().c_str(), error, checked);
+  if (GetParam() != "cpu") return;
+  // The portable default (cast into an f32 copy, then gemm), which CUDA takes above 16 rows.
+  const double fallback = bf16_linear_error(
+      b, [&](const Tensor& x, const Tensor& w, const Tensor& y, float beta, const Tensor* bias) {
+        b.Backend::bf16_weight_linear(x, w, y, beta, bias);
+      }, &checked);
+  EXPECT_LT(fallback, 2e-5);
+  // A broken variant: the weight rounded to f32 -> bf16 of the f32 products (not widened) misses.
+  const double broken = bf16_linear_error(
+      b, [&](const Tensor& x, const Tensor& w, const Tensor& y, float beta, const Tensor* bias) {
+        const Tensor wide = Tensor::empty(b.allocator(), w.shape(), DTYPE_F32, MEM_WORKSPACE);
+        b.cast(w, wide);
+        const Tensor xb = Tensor::empty(b.allocator(), x.shape(), DTYPE_BF16, MEM_WORKSPACE);
+        b.cast(x, xb);  // x rounded to bf16 as a bf16 GEMM would
+        const Tensor xr = Tensor::empty(b.allocator(), x.shape(), DTYPE_F32, MEM_WORKSPACE);
+        b.cast(xb, xr);
+        GemmSpec spec;
+        spec.trans_b = true, spec.beta = beta;
+        b.gemm(xr, wide, y, spec, bias);
+      }, &checked);
+  EXPECT_GT(broken, 2e-5) << "an input rounded to bf16 should miss the f32 bound";
+}
+
+TEST_P(BackendBf16WeightOpsTest, BadOperandsNameTheOp) {
+  Backend& b = *backend_;
+  Allocator& a = b.allocator();
+  const Tensor w = Tensor::empty(a, {8, 64}, DTYPE_BF16, MEM_WORKSPACE), w32 = Tensor::empty(a, {8, 64}, DTYPE_F32, MEM_WORKSPACE);
+  const Tensor x = Tensor::empty(a, {2, 64}, DTYPE_F32, MEM_WORKSPACE), y = Tensor::empty(a, {2, 8}, DTYPE_F32, MEM_WORKSPACE);
+  const Tensor y_bad = Tensor::empty(a, {2, 9}, DTYPE_F32, MEM_WORKSPACE), x_bad = Tensor::empty(a, {2, 60}, DTYPE_F32, MEM_WORKSPACE);
+  const Tensor bias_bad = Tensor::empty(a, {9}, DTYPE_F32, MEM_WORKSPACE);
+  for (const std::string& e : {test::error_of([&] { b.bf16_weight_linear(x, w32, y, 0.0f, nullptr); }),
+                               test::error_of([&] { b.bf16_weight_linear(x_bad, w, y, 0.0f, nullptr); }),
+                               test::error_of([&] { b.bf16_weight_linear(x, w, y_bad, 0.0f, nullptr); }),
+                               test::error_of([&] { b.bf16_weight_linear(x, w, y, 0.0f, &bias_bad); })}) {
+    EXPECT_NE(e.find("bf16_weight_linear"), std::string::npos) << e;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Bf16Weights, BackendBf16WeightOpsTest,
+                         ::testing::Values(std::string("cpu"), std::string("strict"), std::string("cuda")),
+                         [](const ::testing::TestParamInfo<std::string>& p) { return p.param; });
 
 INSTANTIATE_TEST_SUITE_P(IntWeights, BackendIntWeightOpsTest, ::testing::Values(std::string("strict"), std::string("cuda")),
                          [](const ::testing::TestParamInfo<std::string>& p) { return p.param; });

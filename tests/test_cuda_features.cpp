@@ -33,7 +33,9 @@
 
 #include "device_training.h"
 #include "loom/arch/param_layout.h"
+#include "loom/infer/generate.h"
 #include "loom/optim/optimizer.h"
+#include "loom/train/model_source.h"
 #include "strict_backend.h"
 #include "test_util.h"
 
@@ -143,6 +145,48 @@ TEST(CudaFeatures, QkNormTrainsAsOnTheCpu) {
   const std::vector<double> expected = test::train(*cpu, c, &cpu_params, &config);
   const std::vector<double> got = test::train(*cuda, c, &cuda_params, &config);
   expect_close(got, expected, cuda_params, cpu_params, 5e-6, "llama-tiny qk_norm");
+}
+
+// A bf16 Hugging Face folder's linear weights used in place (train/model_source.h
+// open_inference_model; Backend::bf16_weight_linear's decode kernel for up to 16 rows) on CUDA
+// against the CPU: Llama's bf16 fixture (two shards), the prompt's logits within 1e-5 of the
+// largest and the same 12 greedy tokens (prefill, then decoding from the device KV cache).
+TEST(CudaFeatures, Bf16WeightsInPlaceDecodeAsOnTheCpu) {
+  auto cuda = cuda_backend(&BackendCapabilities::kv_cache);
+  if (!cuda) GTEST_SKIP() << "no CUDA backend with the KV cache ops";
+  const char* fixtures = std::getenv("LOOM_FIXTURE_DIR");
+  if (fixtures == nullptr) GTEST_SKIP() << "LOOM_FIXTURE_DIR is not set (tools/make_hf_fixtures.py's folders)";
+  const ModelSource source = model_source(std::string(fixtures) + "/hf/llama");
+  auto cpu = make_cpu_backend();
+  const std::vector<int32_t> tokens = {3, 17, 41, 5, 88, 2, 60, 9, 31, 77, 12, 50, 8, 66, 1, 29, 44};
+  std::vector<double> logits[2];
+  std::vector<int32_t> greedy[2];
+  Backend* backends[2] = {cpu.get(), cuda.get()};
+  for (int i = 0; i < 2; ++i) {
+    Backend& b = *backends[i];
+    const std::unique_ptr<Transformer> model = open_inference_model(source, b);
+    ASSERT_GT(model->bf16_weight_params(), 0) << b.name();
+    const int64_t T = static_cast<int64_t>(tokens.size()) - 1;
+    ActivationStore store = model->allocate_store(1, T);
+    b.write(store.tokens, tokens.data());
+    b.write(store.targets, tokens.data() + 1);
+    model->forward(store);
+    logits[i] = test::values(b, store.logits);
+    SamplingConfig sampling;
+    sampling.temperature = 0.0f;
+    GenerateOptions options;
+    options.max_new_tokens = 12;
+    greedy[i] = generate(*model, std::vector<int32_t>(tokens.begin(), tokens.begin() + 5), sampling, options);
+  }
+  double scale = 0.0, worst = 0.0;
+  for (size_t k = 0; k < logits[0].size(); ++k) {
+    scale = std::max(scale, std::fabs(logits[0][k]));
+    worst = std::max(worst, std::fabs(logits[0][k] - logits[1][k]));
+  }
+  EXPECT_LT(worst, 1e-5 * scale);
+  EXPECT_EQ(greedy[1], greedy[0]);
+  std::printf("bf16 weights in place on cuda: logits max diff %.2e (largest %.3f), 12 greedy tokens as on the CPU\n", worst,
+              scale);
 }
 
 }  // namespace

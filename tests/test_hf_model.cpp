@@ -21,7 +21,12 @@
 #include "loom/backend/backend.h"
 #include "loom/checkpoint/hf_model.h"
 #include "loom/checkpoint/model_config_json.h"
+#include "loom/checkpoint/safetensors.h"
+#include "loom/core/pages.h"
+#include "loom/infer/generate.h"
 #include "loom/model/transformer.h"
+#include "loom/train/model_source.h"
+#include "strict_backend.h"
 #include "test_util.h"
 
 namespace loom {
@@ -95,6 +100,143 @@ TEST_P(HfImport, ExportAndReimportAreBitwise) {
 INSTANTIATE_TEST_SUITE_P(Families, HfImport,
                          ::testing::Values("gpt2", "gpt2_plain", "llama", "mistral", "qwen2", "llama32", "qwen3", "mixtral",
                                            "qwen3_moe", "deepseek_v2", "deepseek_v3"));
+
+// ---------------------------------------------------------------- bf16 weights used in place
+
+// A fixture folder with every tensor stored as BF16 (rounded), for families whose fixture is f32.
+fs::path bf16_copy(const std::string& name) {
+  const fs::path out = fs::path(::testing::TempDir()) / ("hf_bf16_" + name);
+  fs::remove_all(out);
+  fs::create_directories(out);
+  fs::copy_file(fs::path(fixture(name)) / "config.json", out / "config.json");
+  const SafetensorsFile file = SafetensorsFile::read((fs::path(fixture(name)) / "model.safetensors").string());
+  CpuAllocator host;
+  std::vector<std::pair<std::string, Tensor>> tensors;
+  for (const std::string& t : file.names()) {
+    const Tensor f = Tensor::empty(host, file.shape(t), DTYPE_F32, MEM_WORKSPACE);
+    file.copy_as_f32(t, f);
+    const Tensor b = Tensor::empty(host, file.shape(t), DTYPE_BF16, MEM_WORKSPACE);
+    for (int64_t i = 0; i < f.numel(); ++i) b.data<bf16>()[i] = f32_to_bf16(f.data<float>()[i]);
+    tensors.emplace_back(t, b);
+  }
+  write_safetensors((out / "model.safetensors").string(), tensors, {{"format", "pt"}});
+  return out;
+}
+
+struct InferenceRun {
+  std::vector<double> logits;
+  double loss = 0.0;
+  std::vector<int32_t> greedy;
+  int64_t bf16_params = 0, resident_param_bytes = 0;
+};
+
+InferenceRun run_inference(const std::string& dir, Backend& backend, bool f32_weights) {
+  const ModelSource source = model_source(dir);
+  const std::unique_ptr<Transformer> model = open_inference_model(source, backend, f32_weights);
+  EXPECT_FALSE(model->has_gradients());
+  const nlohmann::json expected = read_json(fs::path(fixture(source.config.model.arch == ARCH_GPT2 ? "gpt2" : "llama")) /
+                                            "expected.json");
+  const std::vector<int32_t> tokens = expected["tokens"].get<std::vector<int32_t>>();
+  InferenceRun run;
+  const int64_t T = static_cast<int64_t>(tokens.size()) - 1;
+  ActivationStore store = model->allocate_store(1, T);
+  backend.write(store.tokens, tokens.data());  // (through the backend: the strict one's memory too)
+  backend.write(store.targets, tokens.data() + 1);
+  run.loss = model->forward(store);
+  run.logits = test::values(backend, store.logits);
+  SamplingConfig greedy;
+  greedy.temperature = 0.0f;
+  GenerateOptions options;
+  options.max_new_tokens = 12;
+  run.greedy = generate(*model, std::vector<int32_t>(tokens.begin(), tokens.begin() + 5), greedy, options);
+  run.bf16_params = model->bf16_weight_params();
+  run.resident_param_bytes = model->params().host_accessible() ? resident_bytes(model->params()) : -1;
+  return run;
+}
+
+double max_abs_diff(const std::vector<double>& a, const std::vector<double>& b) {
+  double worst = 0.0;
+  for (size_t i = 0; i < a.size(); ++i) worst = std::max(worst, std::fabs(a[i] - b[i]));
+  return worst;
+}
+
+// Llama's fixture stores bf16 weights in two shards: its linear weights are used as they are,
+// the f32 buffer's pages there are never written, and the result is the f32 path's (the same
+// weights widened) up to the order of the f32 sums: the same greedy tokens, logits within 1e-5
+// of the largest, PyTorch's logits within the import's 1e-4. GPT-2 (Conv1D weights stored
+// transposed, a tied head that stays f32) likewise from a bf16 copy of its fixture. The strict
+// backend (memory the host may not read) gives the CPU's bits.
+TEST(HfBf16InPlace, GivesTheF32PathsTokensAndHoldsHalfTheBytes) {
+  auto cpu = make_cpu_backend();
+  for (const std::string& dir : {fixture("llama"), bf16_copy("gpt2").string()}) {
+    const ModelSource source = model_source(dir);
+    const ModelConfig& c = source.config.model;
+    const std::vector<std::string> names = bf16_in_place_names(source);
+    ASSERT_EQ(static_cast<int64_t>(names.size()), 4 * c.n_layer + (c.tied_head() ? 0 : 1)) << dir;
+    const InferenceRun in_place = run_inference(dir, *cpu, false), widened = run_inference(dir, *cpu, true);
+    EXPECT_EQ(widened.bf16_params, 0);
+    const ParamLayout layout = build_param_layout(c);
+    int64_t linear = 0;
+    for (const std::string& n : names) linear += layout.find(n).numel;
+    EXPECT_EQ(in_place.bf16_params, linear) << dir;
+    // The widened run holds every f32 page; the in-place run about the rest (norms, embeddings).
+    const int64_t page = 4096, f32_bytes = layout.total * 4, rest = (layout.total - linear) * 4;
+    EXPECT_GE(widened.resident_param_bytes, f32_bytes - page) << dir;
+    EXPECT_LE(in_place.resident_param_bytes, rest + 2 * page * static_cast<int64_t>(layout.params.size())) << dir;
+    EXPECT_LT(in_place.resident_param_bytes, widened.resident_param_bytes) << dir;
+    EXPECT_EQ(in_place.greedy, widened.greedy) << dir;
+    double scale = 0.0;
+    for (double v : widened.logits) scale = std::max(scale, std::fabs(v));
+    EXPECT_LT(max_abs_diff(in_place.logits, widened.logits), 1e-5 * scale) << dir;
+    EXPECT_NEAR(in_place.loss, widened.loss, 1e-6 * std::fabs(widened.loss)) << dir;
+    if (c.arch != ARCH_GPT2) {  // the fixture's PyTorch logits (the bf16 weights, in float64)
+      const nlohmann::json expected = read_json(fs::path(dir) / "expected.json");
+      EXPECT_LT(test::max_rel_error(in_place.logits, expected["logits"].get<std::vector<double>>()), 1e-4);
+    }
+    test::StrictBackend strict;
+    const InferenceRun device = run_inference(dir, strict, false);
+    EXPECT_EQ(device.bf16_params, linear);
+    EXPECT_EQ(device.logits, in_place.logits) << dir;
+    EXPECT_EQ(device.greedy, in_place.greedy) << dir;
+    std::printf("%s: %lld of %lld parameters in bf16; resident f32 parameter bytes %lld in place, %lld widened; "
+                "logits max diff %.2e\n", fs::path(dir).filename().c_str(), static_cast<long long>(linear),
+                static_cast<long long>(layout.total), static_cast<long long>(in_place.resident_param_bytes),
+                static_cast<long long>(widened.resident_param_bytes), max_abs_diff(in_place.logits, widened.logits));
+  }
+  // f16 (Mistral's fixture) and f32 weights are widened: nothing in place.
+  EXPECT_TRUE(bf16_in_place_names(model_source(fixture("mistral"))).empty());
+  EXPECT_TRUE(bf16_in_place_names(model_source(fixture("gpt2"))).empty());
+}
+
+TEST(HfBf16InPlace, AnInferenceModelRefusesBackwardAndANonFiniteWeightIsNamed) {
+  auto cpu = make_cpu_backend();
+  const std::unique_ptr<Transformer> model = open_inference_model(model_source(fixture("llama")), *cpu);
+  ActivationStore store = test::next_token_store(*model, {1, 2, 3, 4});
+  model->forward(store);
+  EXPECT_NE(test::error_of([&] { model->backward(store, 1.0f); }).find("inference"), std::string::npos);
+  EXPECT_EQ(cpu->allocator().tracker().current(MEM_GRADIENTS), 0u);
+  // A NaN in a bf16 weight is refused by name, as in the f32 path.
+  const fs::path broken = fs::path(::testing::TempDir()) / "hf_bf16_nan";
+  fs::remove_all(broken);
+  fs::copy(fixture("llama"), broken, fs::copy_options::recursive);
+  for (const auto& entry : fs::directory_iterator(broken)) {
+    if (entry.path().extension() != ".safetensors") continue;
+    const SafetensorsFile file = SafetensorsFile::read(entry.path().string());
+    if (!file.has("model.layers.0.mlp.down_proj.weight")) continue;
+    CpuAllocator host;
+    std::vector<std::pair<std::string, Tensor>> tensors;
+    for (const std::string& t : file.names()) {
+      Tensor v = Tensor::empty(host, file.shape(t), DTYPE_BF16, MEM_WORKSPACE);
+      file.copy_as_bf16(t, v);
+      if (t == "model.layers.0.mlp.down_proj.weight") v.data<bf16>()[3] = f32_to_bf16(NAN);
+      tensors.emplace_back(t, v);
+    }
+    write_safetensors(entry.path().string(), tensors, {{"format", "pt"}});
+  }
+  const std::string e = test::error_of([&] { open_inference_model(model_source(broken.string()), *cpu); });
+  EXPECT_NE(e.find("mlp"), std::string::npos) << e;
+  EXPECT_NE(e.find("non-finite"), std::string::npos) << e;
+}
 
 // A copy of a fixture folder whose config.json or weights a test then breaks.
 fs::path broken_copy(const std::string& name, const std::string& tag) {

@@ -33,6 +33,9 @@ namespace loom::cli {
 const Option kDeviceOption = {"device", "cpu|cuda",
                               "the backend the model runs on (default: the checkpoint's run config's device; cpu for a "
                               "Hugging Face folder)"};
+const Option kF32WeightsOption = {"f32-weights", "",
+                                  "widen a Hugging Face folder's bf16 linear weights to f32 (default: used in place, "
+                                  "half the memory)"};
 
 namespace fs = std::filesystem;
 

@@ -32,6 +32,7 @@ struct Option {
 // --device of the commands that run a model (eval, generate, serve): train/model_source.h
 // inference_backend reads it.
 extern const Option kDeviceOption;
+extern const Option kF32WeightsOption;  // --f32-weights (train/model_source.h open_inference_model)
 
 // -h / --help on a subcommand's line: the help text, which main() prints to stdout (exit 0).
 struct HelpRequest {

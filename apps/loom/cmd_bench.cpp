@@ -64,12 +64,14 @@ int bench_generate(const Args& args) {
   }
   const std::string device = args.get("device", "");
   auto backend = source ? inference_backend(*source, device) : make_backend(device.empty() ? std::string(enum_name(config.device)) : device);
-  Transformer model(*backend, config.model);
+  std::unique_ptr<Transformer> owned;
   if (source) {
-    load_model(*source, model);
+    owned = open_inference_model(*source, *backend, args.has("f32-weights"));
   } else {
-    model.init_weights(config.loop.seed);
+    owned = std::make_unique<Transformer>(*backend, config.model, ModelUse{.gradients = false});
+    owned->init_weights(config.loop.seed);
   }
+  Transformer& model = *owned;
   const int64_t n = args.get_int("requests", 32), L = args.get_int("prompt-tokens", 32), M = args.get_int("new-tokens", 64);
   LOOM_CHECK(n >= 1 && L >= 1 && M >= 1, "--requests, --prompt-tokens and --new-tokens must be >= 1");
   LOOM_CHECK(L + M <= config.model.max_seq_len, "--prompt-tokens + --new-tokens = ", L + M, " exceeds model.max_seq_len = ",
@@ -107,8 +109,10 @@ int bench_generate(const Args& args) {
   ec.group = args.get_int("kv-group", ec.group), ec.residual = args.get_int("kv-residual", ec.residual);
   const KvCacheConfig cache_config = engine_cache_config(config.model, ec);
 
-  std::printf("%s: %lld parameters; %lld requests of %lld prompt + %lld new tokens (greedy); KV cache %s, %s\n",
+  std::printf("%s: %lld parameters (%lld linear weights in bf16 in place); %lld requests of %lld prompt + %lld new "
+              "tokens (greedy); KV cache %s, %s\n",
               source ? source->path.c_str() : "random init", static_cast<long long>(param_count(config.model)),
+              static_cast<long long>(model.bf16_weight_params()),
               static_cast<long long>(n), static_cast<long long>(L), static_cast<long long>(M), kv.c_str(),
               ec.paged ? str_cat("paged, blocks of ", ec.block_size).c_str() : "contiguous");
   // One at a time: each request alone in an engine of one row.
@@ -193,6 +197,7 @@ int bench_main(int argc, char** argv) {
   const std::vector<Option> options = {
       {"checkpoint", "PATH", "a step folder, a run folder or a checkpoints folder (default: a random model)"},
       {"device", "cpu|cuda", "the backend (default: the checkpoint's or the config's device)"},
+      kF32WeightsOption,
       {"config", "FILE", "a TOML config applied after configs/default.toml"},
       {"set", "KEY=VALUE,...", "config overrides, applied last (comma-separated; repeatable)"},
       {"requests", "N", "requests (default 32)"},

@@ -109,6 +109,7 @@ int eval_main(int argc, char** argv) {
   const Args args(argc, argv, "eval", kHelp,
                   {{"checkpoint", "PATH", "a step folder, a run folder or a checkpoints folder (required)"},
                    kDeviceOption,
+                   kF32WeightsOption,
                    {"adapter", "DIR", "a PEFT LoRA adapter folder applied to the weights (docs/finetune.md)"},
                    {"data", "DIR", "the dataset (default: the run's data.dir)"},
                    {"split", "val|train", "the split to evaluate (default: val)"},
@@ -124,9 +125,8 @@ int eval_main(int argc, char** argv) {
   const LoomConfig& config = source.config;
   if (args.has("text")) {
     auto backend = inference_backend(source, args.get("device", ""));
-    Transformer model(*backend, config.model);
-    load_model(source, model);
-    return eval_text_main(args, source, model);
+    const std::unique_ptr<Transformer> model = open_inference_model(source, *backend, args.has("f32-weights"));
+    return eval_text_main(args, source, *model);
   }
   const std::string& step_dir = source.path;
   TokenDataset data = open_dataset(args.get("data", config.data.dir));
@@ -137,8 +137,8 @@ int eval_main(int argc, char** argv) {
              " differs from the model's ", config.model.vocab_size);
 
   auto backend = inference_backend(source, args.get("device", ""));
-  Transformer model(*backend, config.model);
-  load_model(source, model);
+  const std::unique_ptr<Transformer> owned = open_inference_model(source, *backend, args.has("f32-weights"));
+  Transformer& model = *owned;
   ActivationStore store = model.allocate_store(config.train.batch_size, config.train.seq_len);
   TokenLoader loader(split == "val" ? std::move(data.val) : std::move(data.train), config.train.seq_len, 0,
                      LOADER_ORDER_SEQUENTIAL);

@@ -44,6 +44,7 @@ int generate_main(int argc, char** argv) {
   const Args args(argc, argv, "generate", kHelp,
                   {{"checkpoint", "PATH", "a step folder, a run folder or a checkpoints folder (required)"},
                    kDeviceOption,
+                   kF32WeightsOption,
                    {"adapter", "DIR", "a PEFT LoRA adapter folder applied to the weights (docs/finetune.md)"},
                    {"prompt", "TEXT", "the prompt (default: the run's sample.prompt)"},
                    {"prompt-file", "FILE", "read the prompt from a file"},
@@ -76,8 +77,8 @@ int generate_main(int argc, char** argv) {
 
   const auto tokenizer = model_tokenizer(config);
   auto backend = inference_backend(source, args.get("device", ""));
-  Transformer model(*backend, config.model);
-  load_model(source, model);
+  const std::unique_ptr<Transformer> owned = open_inference_model(source, *backend, args.has("f32-weights"));
+  Transformer& model = *owned;
   if (args.has("prompts")) {
     const std::string path = args.get("prompts");
     std::istringstream in(read_text_file(path, uint64_t{64} << 20, "--prompts' limit"));

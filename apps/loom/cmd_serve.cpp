@@ -139,6 +139,7 @@ int serve_main(int argc, char** argv) {
   const Args args(argc, argv, "serve", kHelp,
                   {{"checkpoint", "PATH", "a step folder, a run folder, a checkpoints folder or a Hugging Face folder (required)"},
                    kDeviceOption,
+                   kF32WeightsOption,
                    {"adapter", "DIR", "a PEFT LoRA adapter folder applied to the weights"},
                    {"host", "ADDR", "address to listen on (default 127.0.0.1)"},
                    {"port", "N", "port (default 8080; 0: any free port)"},
@@ -191,8 +192,8 @@ int serve_main(int argc, char** argv) {
   info.max_n = ec.max_batch;
 
   auto backend = inference_backend(source, args.get("device", ""));
-  Transformer model(*backend, config.model);
-  load_model(source, model);
+  const std::unique_ptr<Transformer> owned = open_inference_model(source, *backend, args.has("f32-weights"));
+  Transformer& model = *owned;
   std::string prefix_note = "off (--no-prefix-cache)";
   if (!args.has("no-prefix-cache")) {
     const std::string why = prefix_cache_unsupported(model, ec);

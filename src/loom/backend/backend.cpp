@@ -1,7 +1,9 @@
 // The defaults of the Backend interface's optional ops: a one-line error naming the op and the
 // backend (the gradient compression, model-parallel, mixture-of-experts and latent-attention ops;
-// a backend that has them says so in its capabilities).
+// a backend that has them says so in its capabilities), and the portable default of
+// bf16_weight_linear (widen, then gemm).
 #include "loom/backend/backend.h"
+#include "loom/backend/checks.h"
 
 #include "loom/core/error.h"
 
@@ -211,6 +213,15 @@ void Backend::int_linear(const Tensor&, const Tensor&, const Tensor&, const Tens
 void Backend::int_dequantize(const Tensor&, const Tensor&, const Tensor&, const IntWeightSpec&, const Tensor*, const Tensor&) {
   unsupported(*this, "int_dequantize", "quantized checkpoints (loom quantize)");
 }
+void Backend::bf16_weight_linear(const Tensor& x, const Tensor& w, const Tensor& y, float beta, const Tensor* bias) {
+  checks::check_bf16_weight_linear(x, w, y, bias);
+  const Tensor wide = Tensor::empty(allocator(), w.shape(), DTYPE_F32, MEM_WORKSPACE);
+  cast(w, wide);
+  GemmSpec spec;
+  spec.trans_b = true, spec.beta = beta;
+  gemm(x.reshape({x.numel() / w.dim(1), w.dim(1)}), wide, y.reshape({y.numel() / w.dim(0), w.dim(0)}), spec, bias);
+}
+
 void Backend::round_bf16(const Tensor&, bool, const RoundingDraw&) { no_low_precision(*this, "round_bf16"); }
 void Backend::row_norms(const Tensor&, const Tensor&) { unsupported(*this, "row_norms", "DoRA, peft.dora"); }
 void Backend::dora_weight(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&) {

@@ -531,6 +531,12 @@ class Backend {
   // W in f32 (rows, cols) into out.
   virtual void int_dequantize(const Tensor& codes, const Tensor& scales, const Tensor& zeros, const IntWeightSpec& spec,
                               const Tensor* input_scale, const Tensor& out);
+  // y (N, rows) = beta y + x (N, cols) @ W^T (+ bias), W bf16 (rows, cols): a bf16 checkpoint's
+  // weight used where it lies (Transformer::set_bf16_weights). Each element of W is widened
+  // exactly and the products and sums are f32, so the result is gemm's with W widened to f32 up
+  // to the order of the sums; decoding (small N) reads 2 bytes a weight instead of 4. x, y and
+  // bias f32. The default widens W into a temporary f32 copy (cast) and runs gemm.
+  virtual void bf16_weight_linear(const Tensor& x, const Tensor& w, const Tensor& y, float beta, const Tensor* bias);
 
   // ---------------------------------------------------------------- optimizer ops
   // The element loops, reductions and small matrix steps of the optimizers (optim/*.cpp; the

@@ -137,4 +137,18 @@ void check_cross_entropy(const char* op, const Tensor& logits, const Tensor& tar
   expect_numel(lse, rows_of(logits), op, "lse");
 }
 
+int64_t check_bf16_weight_linear(const Tensor& x, const Tensor& w, const Tensor& y, const Tensor* bias) {
+  LOOM_CHECK(w.dtype() == DTYPE_BF16 && w.ndim() == 2, "bf16_weight_linear: w must be a bf16 (rows, cols) matrix, got ",
+             w.describe());
+  const int64_t rows = w.dim(0), cols = w.dim(1);
+  LOOM_CHECK(x.dtype() == DTYPE_F32 && cols > 0 && x.numel() % cols == 0, "bf16_weight_linear: x ", x.describe(),
+             " for ", cols, " columns");
+  const int64_t n = x.numel() / cols;
+  LOOM_CHECK(y.dtype() == DTYPE_F32 && y.numel() == n * rows, "bf16_weight_linear: y ", y.describe(), " for (", n, ", ",
+             rows, ")");
+  LOOM_CHECK(bias == nullptr || (bias->dtype() == DTYPE_F32 && bias->numel() == rows), "bf16_weight_linear: bias for ",
+             rows, " rows");
+  return n;
+}
+
 }  // namespace loom::checks

@@ -29,6 +29,8 @@ struct GemmDims {
   int64_t m, n, k, a_rows, a_cols, b_rows, b_cols;
 };
 GemmDims check_gemm(const Tensor& a, const Tensor& b, const Tensor& c, const GemmSpec& spec, const Tensor* bias);
+// Backend::bf16_weight_linear's operands; returns N, the input rows.
+int64_t check_bf16_weight_linear(const Tensor& x, const Tensor& w, const Tensor& y, const Tensor* bias);
 
 // `others` share x's dtype and numel.
 void check_elementwise(const char* op, const Tensor& x, std::initializer_list<const Tensor*> others);

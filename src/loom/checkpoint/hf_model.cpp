@@ -191,11 +191,18 @@ Shape piece_shape(const Piece& piece, const ParamSpec& spec, bool transpose) {
   return transpose ? Shape{spec.shape[1], piece.rows} : Shape{piece.rows, spec.shape[1]};
 }
 
-// Copies `piece` (f32 after widening) into rows [row, row + piece.rows) of dst (rows x cols),
-// transposing a GPT-2 Conv1D weight.
+// in (rows, cols) -> out (cols, rows).
+template <typename T>
+void transpose_elements(const T* in, T* out, int64_t rows, int64_t cols) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) out[c * rows + r] = in[r * cols + c];
+}
+
+// Copies `piece` into rows [row, row + piece.rows) of dst (rows x cols), transposing a GPT-2
+// Conv1D weight: f32 after widening, or into a bf16 dst as stored (BF16 entries only).
 void copy_piece(const HfTensors& files, const Piece& piece, const ParamSpec& spec, const Tensor& dst, int64_t row,
                 std::set<std::string>& used) {
-  const bool transpose = is_gpt2_conv1d_weight(spec.name);
+  const bool transpose = is_gpt2_conv1d_weight(spec.name), wide = dst.dtype() == DTYPE_F32;
   const int64_t cols = spec.shape.size() == 2 ? spec.shape[1] : 1;
   std::string stored;
   const SafetensorsFile* file = files.find(piece.name, &stored);
@@ -203,13 +210,13 @@ void copy_piece(const HfTensors& files, const Piece& piece, const ParamSpec& spe
   const Shape want = piece_shape(piece, spec, transpose);
   LOOM_CHECK(file->shape(stored) == want, file->path(), ": tensor '", stored, "' has shape ",
              shape_str(file->shape(stored)), ", expected ", shape_str(want));
+  const Tensor rows = dst.view(row * cols, {piece.rows, cols});
   CpuAllocator host;
-  const Tensor tmp = Tensor::empty(host, want, DTYPE_F32, MEM_WORKSPACE);
-  file->copy_as_f32(stored, tmp);
-  float* out = dst.data<float>() + row * cols;
-  const float* in = tmp.data<float>();
-  if (transpose) transpose_into(in, out, cols, piece.rows);  // (in, out) -> Loom's (out, in)
-  else std::memcpy(out, in, static_cast<size_t>(piece.rows * cols) * sizeof(float));
+  const Tensor from = transpose ? Tensor::empty(host, want, dst.dtype(), MEM_WORKSPACE) : rows;
+  if (wide) file->copy_as_f32(stored, from);
+  else file->copy_as_bf16(stored, from);
+  if (transpose && wide) transpose_elements(from.data<float>(), rows.data<float>(), cols, piece.rows);  // (in, out) -> (out, in)
+  else if (transpose) transpose_elements(from.data<bf16>(), rows.data<bf16>(), cols, piece.rows);
   used.insert(stored);
 }
 
@@ -323,7 +330,25 @@ ModelConfig hf_model_config(const std::string& dir) {
   return hf.model;
 }
 
-void load_hf_weights(const std::string& dir, const ModelState& model) {
+void load_hf_weights(const std::string& dir, const ModelState& model) { load_hf_weights(dir, model, {}); }
+
+bool hf_stored_as_bf16(const std::string& dir, const ModelConfig& config, const std::vector<std::string>& names) {
+  const HfFamily family = read_hf_config((fs::path(dir) / kConfigFile).string()).family;
+  const HfTensors files{fs::path(dir)};
+  const ParamLayout layout = build_param_layout(config);
+  for (const std::string& name : names) {
+    const std::vector<Piece> pieces = pieces_of(config, family, layout.find(name));
+    if (pieces.empty()) return false;
+    for (const Piece& piece : pieces) {
+      std::string stored;
+      const SafetensorsFile* file = files.find(piece.name, &stored);
+      if (file == nullptr || file->stored_dtype(stored) != "BF16") return false;
+    }
+  }
+  return true;
+}
+
+void load_hf_weights(const std::string& dir, const ModelState& model, const std::map<std::string, Tensor>& bf16) {
   const ModelConfig& c = model.config;
   const HfFamily family = read_hf_config((fs::path(dir) / kConfigFile).string()).family;
   const HfTensors files{fs::path(dir)};
@@ -333,6 +358,17 @@ void load_hf_weights(const std::string& dir, const ModelState& model) {
              " floats for a model of ", layout.total);
   std::set<std::string> used;
   for (const ParamSpec& spec : layout.params) {
+    if (auto it = bf16.find(spec.name); it != bf16.end()) {
+      LOOM_CHECK(!deepseek(family) && it->second.dtype() == DTYPE_BF16 && it->second.shape() == spec.shape, spec.name,
+                 ": a bf16 destination must be bf16", shape_str(spec.shape), " (not DeepSeek's permuted rows), got ",
+                 it->second.describe());
+      int64_t row = 0;
+      for (const Piece& piece : pieces_of(c, family, spec)) {
+        copy_piece(files, piece, spec, it->second, row, used);
+        row += piece.rows;
+      }
+      continue;
+    }
     const Tensor dst = model.params.view(spec.offset, spec.shape);
     const std::vector<Piece> pieces = pieces_of(c, family, spec);
     if (pieces.empty()) std::memset(dst.data<float>(), 0, static_cast<size_t>(dst.numel()) * sizeof(float));

@@ -27,7 +27,9 @@
 // a tied Llama head, ...), is refused naming config.json and the key; a missing, unexpected or
 // misshapen tensor names the file and the tensor.
 #pragma once
+#include <map>
 #include <string>
+#include <vector>
 
 #include "loom/arch/config.h"
 #include "loom/checkpoint/checkpoint.h"
@@ -43,6 +45,12 @@ ModelConfig hf_model_config(const std::string& dir);
 // Fills model.params (host, f32, build_param_layout(model.config) order) from the folder's
 // safetensors; every parameter must be found and every tensor used (or a known buffer).
 void load_hf_weights(const std::string& dir, const ModelState& model);
+// The same with the parameters named in `bf16` copied as they are stored (BF16) into those host
+// bf16 tensors of the parameter's shape instead of model.params, whose elements there are left
+// unwritten (weights used in place: train/model_source.h open_inference_model).
+void load_hf_weights(const std::string& dir, const ModelState& model, const std::map<std::string, Tensor>& bf16);
+// Whether every tensor the folder holds for each named parameter is stored as BF16.
+bool hf_stored_as_bf16(const std::string& dir, const ModelConfig& config, const std::vector<std::string>& names);
 
 // Writes config.json and model.safetensors of `model` into `dir` (created; the files are
 // written to temporary names, synced and renamed, so an interrupted export leaves no partial file).

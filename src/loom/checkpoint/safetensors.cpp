@@ -241,6 +241,24 @@ void SafetensorsFile::copy_as_f32(const std::string& name, const Tensor& dst) co
   } else {
     throw Error(str_cat(path_, ": tensor '", name, "' is stored as ", e.stored, "; expected F32, F16 or BF16 weights"));
   }
+  drop_pages(e);
+}
+
+void SafetensorsFile::copy_as_bf16(const std::string& name, const Tensor& dst) const {
+  const Entry& e = entry(name);
+  const int64_t n = shape_numel(e.shape);
+  LOOM_CHECK(e.stored == "BF16", path_, ": tensor '", name, "' is stored as ", e.stored, ", expected BF16 to use it in place");
+  LOOM_CHECK(dst.dtype() == DTYPE_BF16 && dst.numel() == n && dst.device() == DEVICE_CPU, path_, ": tensor '", name,
+             "' is ", e.stored, shape_str(e.shape), ", destination is ", dst.describe(), " (expected bf16 host memory)");
+  std::memcpy(dst.raw_data(), bytes(e), static_cast<size_t>(n) * 2);
+  drop_pages(e);
+}
+
+void SafetensorsFile::drop_pages(const Entry& e) const {
+  const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const auto lo = reinterpret_cast<uintptr_t>(bytes(e)), hi = lo + (e.end - e.begin);
+  const uintptr_t first = (lo + page - 1) / page * page, last = hi / page * page;
+  if (first < last) ::madvise(reinterpret_cast<void*>(first), last - first, MADV_DONTNEED);  // advisory
 }
 
 void write_safetensors(const std::string& path, const std::vector<std::pair<std::string, Tensor>>& tensors,

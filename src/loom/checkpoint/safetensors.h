@@ -51,6 +51,11 @@ class SafetensorsFile {
   // Copies an F32, F16 or BF16 entry into the f32 host tensor dst of the same element count,
   // widening exactly; any other stored dtype is an error naming the tensor.
   void copy_as_f32(const std::string& name, const Tensor& dst) const;
+  // Copies a BF16 entry as it is into the bf16 host tensor dst of the same element count (a
+  // weight used in place, train/model_source.h open_inference_model); any other stored dtype is
+  // an error naming the tensor. copy_as_f32 and copy_as_bf16 then drop the entry's pages from
+  // this process (they stay in the page cache), so loading a model holds one copy of it.
+  void copy_as_bf16(const std::string& name, const Tensor& dst) const;
 
  private:
   struct Entry {
@@ -62,6 +67,7 @@ class SafetensorsFile {
   struct Mapping;
   const Entry& entry(const std::string& name) const;
   const char* bytes(const Entry& e) const;
+  void drop_pages(const Entry& e) const;  // madvise(MADV_DONTNEED) of the whole pages inside it
   // The entry's bytes after checking that dst has its dtype and element count.
   const char* whole_source(const std::string& name, const Tensor& dst) const;
 

@@ -55,16 +55,32 @@ void* CpuAllocator::raw_allocate(size_t bytes) {
 }
 
 void CpuAllocator::raw_release(void* ptr, size_t) { std::free(ptr); }
+
+void* CpuAllocator::raw_allocate_lazy(size_t bytes) {
+  void* ptr = ::mmap(nullptr, bytes == 0 ? 1 : bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                     -1, 0);
+  if (ptr == MAP_FAILED) throw Error(str_cat("out of host address space reserving ", format_bytes(bytes)));
+  ::madvise(ptr, bytes == 0 ? 1 : bytes, MADV_NOHUGEPAGE);  // sparse writes: one 4 KiB page each, not 2 MiB
+  return ptr;
+}
+
+void CpuAllocator::raw_release_lazy(void* ptr, size_t bytes) { ::munmap(ptr, bytes == 0 ? 1 : bytes); }
 void CpuAllocator::raw_zero(void* ptr, size_t bytes) { std::memset(ptr, 0, bytes); }
 
-Storage::Storage(Allocator& owner, size_t size, MemCategory cat)
-    : allocator(&owner), host_accessible(owner.host_accessible()), data(owner.raw_allocate(size)), bytes(size), category(cat) {
+Storage::Storage(Allocator& owner, size_t size, MemCategory cat, bool lazy_pages)
+    : allocator(&owner),
+      host_accessible(owner.host_accessible()),
+      data(lazy_pages ? owner.raw_allocate_lazy(size) : owner.raw_allocate(size)),
+      bytes(size),
+      category(cat),
+      lazy(lazy_pages) {
   allocator->tracker().on_allocate(category, bytes);
 }
 
 Storage::~Storage() {
   allocator->tracker().on_release(category, bytes);
-  allocator->raw_release(data, bytes);
+  if (lazy) allocator->raw_release_lazy(data, bytes);
+  else allocator->raw_release(data, bytes);
 }
 
 void Tensor::move_to_category(MemCategory category) const {
@@ -86,6 +102,15 @@ Tensor Tensor::empty(Allocator& allocator, Shape shape, DType dtype, MemCategory
 Tensor Tensor::zeros(Allocator& allocator, Shape shape, DType dtype, MemCategory category) {
   Tensor t = empty(allocator, std::move(shape), dtype, category);
   t.zero_();
+  return t;
+}
+
+Tensor Tensor::zeros_lazy(Allocator& allocator, Shape shape, DType dtype, MemCategory category) {
+  for (int64_t d : shape) LOOM_CHECK(d >= 0, "tensor shape ", shape_str(shape), " has a negative dim");
+  Tensor t;
+  t.shape_ = std::move(shape);
+  t.dtype_ = dtype;
+  t.storage_ = std::make_shared<Storage>(allocator, t.nbytes(), category, true);
   return t;
 }
 

@@ -68,6 +68,17 @@ class Allocator {
   virtual void* raw_allocate(size_t bytes) = 0;
   virtual void raw_release(void* ptr, size_t bytes) = 0;
   virtual void raw_zero(void* ptr, size_t bytes) = 0;
+  // Zeroed memory whose pages cost memory only once written, released by raw_release_lazy: on
+  // the host an anonymous mapping without swap reservation (MAP_NORESERVE), whose untouched
+  // pages read as zeros and hold nothing; elsewhere raw_allocate + raw_zero. For a buffer most
+  // of which is never written: an inference model's f32 parameters whose linear weights are
+  // used in bf16 where a checkpoint holds them (Tensor::zeros_lazy).
+  virtual void* raw_allocate_lazy(size_t bytes) {
+    void* ptr = raw_allocate(bytes);
+    raw_zero(ptr, bytes);
+    return ptr;
+  }
+  virtual void raw_release_lazy(void* ptr, size_t bytes) { raw_release(ptr, bytes); }
   // Whether host code may dereference this allocator's memory (Tensor::data). A GPU's is not.
   virtual bool host_accessible() const { return device() == DEVICE_CPU; }
   MemoryTracker& tracker() { return tracker_; }
@@ -84,10 +95,12 @@ class CpuAllocator final : public Allocator {
   void* raw_allocate(size_t bytes) override;
   void raw_release(void* ptr, size_t bytes) override;
   void raw_zero(void* ptr, size_t bytes) override;
+  void* raw_allocate_lazy(size_t bytes) override;
+  void raw_release_lazy(void* ptr, size_t bytes) override;
 };
 
 struct Storage {
-  Storage(Allocator& allocator, size_t bytes, MemCategory category);
+  Storage(Allocator& allocator, size_t bytes, MemCategory category, bool lazy = false);
   ~Storage();
   Storage(const Storage&) = delete;
   Storage& operator=(const Storage&) = delete;
@@ -97,6 +110,7 @@ struct Storage {
   void* data;
   size_t bytes;
   MemCategory category;
+  bool lazy;  // from raw_allocate_lazy
 };
 
 template <typename T>
@@ -112,6 +126,9 @@ class Tensor {
   Tensor() = default;
   static Tensor empty(Allocator& allocator, Shape shape, DType dtype, MemCategory category);
   static Tensor zeros(Allocator& allocator, Shape shape, DType dtype, MemCategory category);
+  // Zeros whose host pages hold memory only once written (Allocator::raw_allocate_lazy). The
+  // tracker counts the whole size; resident_bytes (core/pages.h) measures what is held.
+  static Tensor zeros_lazy(Allocator& allocator, Shape shape, DType dtype, MemCategory category);
 
   bool defined() const { return storage_ != nullptr; }
   DType dtype() const { return dtype_; }

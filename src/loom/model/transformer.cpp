@@ -13,7 +13,7 @@
 
 namespace loom {
 
-Transformer::Transformer(Backend& backend, const ModelConfig& config)
+Transformer::Transformer(Backend& backend, const ModelConfig& config, ModelUse use)
     : backend_(backend), config_(config), layout_(build_param_layout(config)), ws_(backend.allocator()) {
   Allocator& alloc = backend_.allocator();
   // MLA's and the mixture of experts' element loops are Backend ops (capabilities()).
@@ -26,8 +26,9 @@ Transformer::Transformer(Backend& backend, const ModelConfig& config)
              " backend (capabilities().head_norm is false)");
   LOOM_CHECK(!config_.lora_dora || caps.dora, "peft.dora is not supported on the ", backend_.name(),
              " backend yet (capabilities().dora is false: it lacks row_norms, dora_weight and dora_backward)");
-  params_ = Tensor::zeros(alloc, {layout_.total}, DTYPE_F32, MEM_PARAMETERS);
-  grads_ = Tensor::zeros(alloc, {layout_.total}, DTYPE_F32, MEM_GRADIENTS);
+  params_ = use.lazy_params ? Tensor::zeros_lazy(alloc, {layout_.total}, DTYPE_F32, MEM_PARAMETERS)
+                            : Tensor::zeros(alloc, {layout_.total}, DTYPE_F32, MEM_PARAMETERS);
+  if (use.gradients) grads_ = Tensor::zeros(alloc, {layout_.total}, DTYPE_F32, MEM_GRADIENTS);
   frozen_end_ = config_.lora() ? lora_begin(config_, layout_) : 0;
   if (frozen_end_ > 0) {  // the norm ops always compute their weights' gradients: frozen ones land here
     const int64_t width = std::max(config_.d_model, config_.head_dim());
@@ -36,7 +37,7 @@ Transformer::Transformer(Backend& backend, const ModelConfig& config)
   }
   for (int64_t l = 0; l < config_.n_layer; ++l) {
     blocks_.emplace_back(config_, l, block_params_view(config_, layout_, params_, l),
-                         frozen_grads(block_params_view(config_, layout_, grads_, l)));
+                         use.gradients ? frozen_grads(block_params_view(config_, layout_, grads_, l)) : BlockParams{});
     blocks_.back().set_moe_scratch(&moe_scratch_);
   }
   units_ = layout_units(config_, layout_);
@@ -83,6 +84,7 @@ Tensor Transformer::param(const std::string& name) const {
 }
 
 Tensor Transformer::grad(const std::string& name) const {
+  if (!grads_.defined()) return Tensor{};  // an inference model
   const ParamSpec& spec = layout_.find(name);
   return grads_.view(spec.offset, spec.shape);
 }
@@ -92,6 +94,7 @@ void Transformer::init_weights(uint64_t seed) {
 }
 
 void Transformer::zero_grads() {
+  if (!grads_.defined()) return;
   // A frozen range's gradients are never written (and their pages may be released).
   backend_.fill(grads_.view(frozen_end_, {layout_.total - frozen_end_}), 0.0);
 }
@@ -181,6 +184,31 @@ void Transformer::set_int_weights(std::map<std::string, IntWeight> weights) {
   int_weights_.check(backend_, params_);
   set_precision(policy_);  // the layers get the workspace they dequantize into
   int_weights_.set(backend_, params_, linear_weights(), config_.tied_head() ? embed_w : Tensor{}, std::move(weights));
+}
+
+void Transformer::set_bf16_weights(std::map<std::string, Tensor> weights) {
+  LOOM_CHECK(bf16_weights_.empty(), "set_bf16_weights: the model already has bf16 weights");
+  for (const LinearWeight& lw : linear_weights()) {
+    auto it = weights.find(lw.name);
+    if (it == weights.end()) continue;
+    const Tensor& w = it->second;
+    LOOM_CHECK(!(config_.tied_head() && lw.weight.device_ptr() == embed_w.device_ptr()), lw.name,
+               ": the head is tied to the token embedding, which stays f32 (it looks tokens up)");
+    LOOM_CHECK(w.dtype() == DTYPE_BF16 && w.shape() == lw.weight.shape() && w.device() == params_.device(), lw.name,
+               ": a bf16 weight must be bf16", shape_str(lw.weight.shape()), " on the model's backend, got ",
+               w.describe());
+    lw.layer->set_bf16_weight(w);
+    bf16_weights_.insert(*it);
+    weights.erase(it);
+  }
+  LOOM_CHECK(weights.empty(), weights.empty() ? std::string() : weights.begin()->first,
+             ": a bf16 tensor that is not a linear layer's weight of this model");
+}
+
+int64_t Transformer::bf16_weight_params() const {
+  int64_t total = 0;
+  for (const auto& [name, w] : bf16_weights_) total += w.numel();
+  return total;
 }
 
 ActivationStore Transformer::allocate_store(int64_t batch, int64_t seq_len) {
@@ -541,6 +569,8 @@ void Transformer::backward(ActivationStore& s, float loss_weight, const std::fun
 
 void Transformer::backward_stage(ActivationStore& s, int64_t first, int64_t last, float loss_weight, BackwardPart part,
                                  const std::function<void(int64_t)>& ready) {
+  LOOM_CHECK(grads_.defined(), "backward of a model loaded for inference (no gradient buffers; ModelUse in "
+             "model/transformer.h)");
   const int64_t B = s.batch, T = s.seq_len;
   const Tensor d_res = stage_grad(B, T);
   BlockScratch k = scratch_;

@@ -70,9 +70,20 @@ struct ParamUseHooks {
   std::function<void(int unit, bool backward)> use, done;
 };
 
+// What a Transformer is built for. Training (the default) allocates the gradients beside the
+// parameters. An inference model (eval, generate, bench generate, serve: train/model_source.h
+// open_inference_model) has none: backward and grad() refuse. lazy_params: the parameter
+// buffer's pages hold memory only once written (Tensor::zeros_lazy), for a model whose linear
+// weights are used in bf16 where the checkpoint holds them (set_bf16_weights) and whose f32
+// elements are never written.
+struct ModelUse {
+  bool gradients = true;
+  bool lazy_params = false;
+};
+
 class Transformer {
  public:
-  Transformer(Backend& backend, const ModelConfig& config);
+  Transformer(Backend& backend, const ModelConfig& config, ModelUse use = {});
   Transformer(const Transformer&) = delete;
   Transformer& operator=(const Transformer&) = delete;
 
@@ -80,7 +91,8 @@ class Transformer {
   Backend& backend() const { return backend_; }
   const ParamLayout& layout() const { return layout_; }
   const Tensor& params() const { return params_; }  // (P) flat, MEM_PARAMETERS
-  const Tensor& grads() const { return grads_; }    // (P) flat, MEM_GRADIENTS
+  const Tensor& grads() const { return grads_; }    // (P) flat, MEM_GRADIENTS; undefined for inference
+  bool has_gradients() const { return grads_.defined(); }
   Tensor param(const std::string& name) const;      // view into params()
   Tensor grad(const std::string& name) const;       // view into grads()
 
@@ -219,6 +231,15 @@ class Transformer {
   // the embedding still looks tokens up). A name that is not a linear weight, or a shape that
   // differs from the parameter's, is an error naming it (model/int_weights.h).
   void set_int_weights(std::map<std::string, IntWeight> weights);
+  // bf16 linear weights used where they lie (a bf16 checkpoint's, loaded by
+  // train/model_source.h open_inference_model), by parameter name: each named linear layer
+  // multiplies with its tensor through Backend::bf16_weight_linear from now on (forward and
+  // decoding; backward refuses). The tensors are (rows, cols) bf16 on this model's backend; the
+  // f32 elements are left as they are (never written, on a lazy_params model). A name that is
+  // not a linear weight of this model (a tied head's embedding included), or a shape that
+  // differs from the parameter's, is an error naming it.
+  void set_bf16_weights(std::map<std::string, Tensor> weights);
+  int64_t bf16_weight_params() const;  // elements multiplied in bf16
   int64_t int_weight_params() const { return int_weights_.params(); }  // elements replaced
   // Their stored bytes (codes, scales, zeros, input scales).
   int64_t int_weight_bytes() const { return int_weights_.bytes(); }
@@ -270,6 +291,7 @@ class Transformer {
   bool recording_ = true;            // set_recording's
   QloraBase qlora_;                  // QLoRA's base (quantize_base)
   IntWeights int_weights_;           // set_int_weights
+  std::map<std::string, Tensor> bf16_weights_;  // set_bf16_weights: the layers read them
   Tensor sink_w_, sink_b_;           // where frozen norms' gradients go (never read)
   static Tensor sink(const Tensor& grad, const Tensor& sink);
   BlockParams frozen_grads(BlockParams g) const;

@@ -149,6 +149,10 @@ float LinearLayer::fp8_scale(Backend& backend, int which, MiniFormat f, const Te
 
 void LinearLayer::forward_plain(Backend& backend, const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& y,
                                 float beta, LinearWorkspace* ws) const {
+  if (bf16_weight_.defined()) {
+    backend.bf16_weight_linear(x, bf16_weight_, y, beta, b.defined() ? &b : nullptr);
+    return;
+  }
   if (int_weight_ == nullptr) {
     linear_forward(backend, x, w, b, y, beta);
     return;
@@ -167,7 +171,7 @@ void LinearLayer::forward_plain(Backend& backend, const Tensor& x, const Tensor&
 
 void LinearLayer::forward(Backend& backend, const Tensor& x, const Tensor& w, const Tensor& w16, const Tensor& b,
                           const Tensor& y, float beta, LinearWorkspace* ws) {
-  if (int_weight_ != nullptr) {
+  if (int_weight_ != nullptr || bf16_weight_.defined()) {
     forward_plain(backend, x, w, b, y, beta, ws);
     return;
   }
@@ -221,6 +225,8 @@ void LinearLayer::backward(Backend& backend, const Tensor& x, const Tensor& w, c
                            const Tensor& dx, const Tensor& dw, const Tensor& db, LinearWorkspace* ws) {
   LOOM_CHECK(int_weight_ == nullptr, "a quantized checkpoint (loom quantize) cannot be trained: its weights are "
              "integer codes; fine-tune the checkpoint it was made from");
+  LOOM_CHECK(!bf16_weight_.defined(), "a model loaded for inference with its bf16 weights in place cannot be trained "
+             "(train.init_from loads it in f32)");
   check_input(x);
   LOOM_CHECK(dy.dtype() == DTYPE_F32 || (dy.dtype() == DTYPE_BF16 && setup_.recipe == RECIPE_BF16 && !db.defined()),
              "linear layer (", recipe_name(setup_.recipe), "): an output gradient in ", dtype_name(dy.dtype()),

@@ -71,7 +71,12 @@ class LinearLayer {
   static constexpr int64_t kIntDirectRows = 16;
   void set_int_weight(const IntWeightDevice* q) { int_weight_ = q; }
   const IntWeightDevice* int_weight() const { return int_weight_; }
-  // Decoding's product: the quantized weight when set, else linear_forward's fp32 GEMM.
+  // A bf16 weight (rows, cols) used where it lies instead of w (a bf16 checkpoint's,
+  // Transformer::set_bf16_weights): forward and decoding multiply with it through
+  // Backend::bf16_weight_linear (each element widened exactly, f32 products); backward refuses.
+  void set_bf16_weight(const Tensor& w) { bf16_weight_ = w; }
+  const Tensor& stored_bf16_weight() const { return bf16_weight_; }
+  // Decoding's product: the quantized or bf16 weight when set, else linear_forward's fp32 GEMM.
   void forward_plain(Backend& backend, const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& y, float beta,
                      LinearWorkspace* ws) const;
 
@@ -109,6 +114,7 @@ class LinearLayer {
   LinearSetup setup_;
   const Nf4Device* base_ = nullptr;
   const IntWeightDevice* int_weight_ = nullptr;
+  Tensor bf16_weight_;  // set_bf16_weight
   std::array<DelayedScaling, 3> scaling_;
   bool recording_ = true;
 };

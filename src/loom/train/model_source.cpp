@@ -89,9 +89,20 @@ ModelSource model_source(const std::string& path, const std::string& adapter) {
 namespace {
 
 // Weights that hold inf or NaN evaluate to "loss nan" and sample garbage: refused by name.
-void check_finite_weights(const ModelSource& source, const Tensor& params) {
+// `in_bf16`: parameters held in those tensors instead of params.
+void check_finite_weights(const ModelSource& source, const Tensor& params,
+                          const std::map<std::string, Tensor>& in_bf16 = {}) {
   const float* w = params.data<float>();
+  for (const auto& [name, t] : in_bf16) {
+    const auto* bits = static_cast<const uint16_t*>(t.raw_data());
+    for (int64_t i = 0; i < t.numel(); ++i) {
+      LOOM_CHECK((bits[i] & 0x7f80u) != 0x7f80u, source.path, ": weight ", name, " holds ",
+                 bf16_to_f32(bf16{bits[i]}), " at element ", i,
+                 " (a diverged or corrupted model); refusing to use non-finite weights");
+    }
+  }
   for (const ParamSpec& p : build_param_layout(source.config.model).params) {
+    if (in_bf16.count(p.name)) continue;
     if (p.offset + p.numel > params.numel()) continue;  // (a quantized model's packed weights are not here)
     for (int64_t i = 0; i < p.numel; ++i) {
       LOOM_CHECK(std::isfinite(w[p.offset + i]), source.path, ": weight ", p.name, " holds ", w[p.offset + i],
@@ -128,6 +139,49 @@ void load_model(const ModelSource& source, Transformer& model) {
   }
   if (!params.host_accessible()) model.backend().write(params, target.data<float>());
   if (source.quantized) model.set_int_weights(std::move(weights));
+}
+
+std::vector<std::string> bf16_in_place_names(const ModelSource& source) {
+  const ModelConfig& c = source.config.model;
+  if (!source.hf || !source.adapter.empty() || source.quantized || c.moe_experts > 0 || c.mla() || c.lora()) return {};
+  std::vector<std::string> names;
+  for (const ParamSpec& p : build_param_layout(c).params) {
+    if (p.role == ROLE_HIDDEN || p.role == ROLE_HEAD) names.push_back(p.name);
+  }
+  if (names.empty() || !hf_stored_as_bf16(source.path, c, names)) return {};
+  return names;
+}
+
+std::unique_ptr<Transformer> open_inference_model(const ModelSource& source, Backend& backend, bool f32_weights) {
+  const ModelConfig& c = source.config.model;
+  const std::vector<std::string> names = f32_weights ? std::vector<std::string>{} : bf16_in_place_names(source);
+  auto model = std::make_unique<Transformer>(backend, c, ModelUse{.gradients = false, .lazy_params = !names.empty()});
+  if (names.empty()) {
+    load_model(source, *model);
+    return model;
+  }
+  const Tensor& params = model->params();
+  const bool on_host = params.host_accessible();
+  CpuAllocator host;  // a device's weights are read on the host, then written once
+  const Tensor target = on_host ? params : Tensor::zeros_lazy(host, params.shape(), DTYPE_F32, MEM_WORKSPACE);
+  std::map<std::string, Tensor> weights;
+  for (const std::string& name : names) {
+    const Shape& shape = model->layout().find(name).shape;
+    weights[name] = on_host ? Tensor::empty(backend.allocator(), shape, DTYPE_BF16, MEM_PARAMETERS)
+                            : Tensor::empty(host, shape, DTYPE_BF16, MEM_WORKSPACE);
+  }
+  load_hf_weights(source.path, ModelState{c, target}, weights);
+  check_finite_weights(source, target, weights);
+  if (!on_host) {
+    backend.write(params, target.data<float>());
+    for (auto& [name, w] : weights) {
+      const Tensor device = Tensor::empty(backend.allocator(), w.shape(), DTYPE_BF16, MEM_PARAMETERS);
+      backend.write(device, w.raw_data());
+      w = device;
+    }
+  }
+  model->set_bf16_weights(std::move(weights));
+  return model;
 }
 
 std::unique_ptr<Backend> inference_backend(const ModelSource& source, const std::string& device) {

@@ -333,6 +333,9 @@ class CpuBackend final : public Backend {
                       const Tensor* input_scale, const Tensor& out) override {
     cpu::int_dequantize(codes, scales, zeros, spec, input_scale, out);
   }
+  void bf16_weight_linear(const Tensor& x, const Tensor& w, const Tensor& y, float beta, const Tensor* bias) override {
+    cpu::bf16_weight_linear(x, w, y, beta, bias);
+  }
   void dropout(const Tensor& x, const Tensor& out, float p, const RoundingDraw& draw) override {
     cpu::dropout(x, out, p, draw);
   }

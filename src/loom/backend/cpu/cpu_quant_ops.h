@@ -51,5 +51,7 @@ void int_linear(const Tensor& x, const Tensor& codes, const Tensor& scales, cons
                 const Tensor* input_scale, const Tensor& y, float beta, const Tensor* bias);
 void int_dequantize(const Tensor& codes, const Tensor& scales, const Tensor& zeros, const IntWeightSpec& spec,
                     const Tensor* input_scale, const Tensor& out);
+// bf16 weights used where they lie (cpu_bf16_linear.cpp): Backend::bf16_weight_linear.
+void bf16_weight_linear(const Tensor& x, const Tensor& w, const Tensor& y, float beta, const Tensor* bias);
 
 }  // namespace loom::cpu

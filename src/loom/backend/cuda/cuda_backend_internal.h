@@ -234,6 +234,7 @@ class CudaBackend final : public Backend {
   void dora_backward(const Tensor& grad, const Tensor& merged, const Tensor& magnitude, const Tensor& norms, const Tensor& dmagnitude) override;
   void nf4_dequantize(const Tensor& codes, const Tensor& absmax_codes, const Tensor& absmax_steps, const Nf4Spec& spec, int64_t first, const Tensor& out) override;
   void int_linear(const Tensor& x, const Tensor& codes, const Tensor& scales, const Tensor& zeros, const IntWeightSpec& spec, const Tensor* input_scale, const Tensor& y, float beta, const Tensor* bias) override;
+  void bf16_weight_linear(const Tensor& x, const Tensor& w, const Tensor& y, float beta, const Tensor* bias) override;
   void int_dequantize(const Tensor& codes, const Tensor& scales, const Tensor& zeros, const IntWeightSpec& spec, const Tensor* input_scale, const Tensor& out) override;
   // ---- cuda_decode_ops.cpp: decode attention over a paged, quantized KV cache (cuda_decode.cu)
   void kv_attention(const KvAttendPlan& plan, const Tensor& q, const Tensor& pool, const Tensor& rings, const Tensor& out) override;

@@ -9,6 +9,8 @@
 // - int_linear: a tiled decode GEMM that dequantizes the codes in registers and accumulates in
 //   f32 (weight-only) or quantizes each input row to int8 and sums exactly in int32 (W8A8, whose
 //   per-row scales go to workspace()).
+// - bf16_weight_linear: up to 16 input rows (decoding) a warp-per-row kernel reading the bf16
+//   weight once; more rows the default (the weight widened by cast, then cuBLASLt's f32 GEMM).
 // No op reads a host value or synchronizes.
 #include "loom/backend/cuda/cuda_backend_internal.h"
 #include "loom/backend/cuda/cuda_weights.h"
@@ -22,6 +24,7 @@ bool int_weight_ops_complete() { return true; }
 namespace {
 
 using checks::expect_dtype;
+constexpr int64_t kBf16DirectRows = 16;  // bf16_weight_linear's own kernel up to here
 using checks::expect_numel;
 
 // DoRA's operands: a (rows, cols) f32 matrix and per-row f32 vectors (cpu_quant_ops.cpp's dora_rows).
@@ -116,6 +119,16 @@ void CudaBackend::int_linear(const Tensor& x, const Tensor& codes, const Tensor&
   cuda::int_linear(dptr<float>(x), dptr<uint8_t>(codes), dptr<float>(scales), dptr<uint8_t>(zeros), spec.bits,
                    spec.group, O, K, spec.act_int8, input_scale != nullptr ? dptr<float>(*input_scale) : nullptr,
                    dptr<float>(y), N, beta, bias != nullptr ? dptr<float>(*bias) : nullptr, scratch, stream());
+}
+
+void CudaBackend::bf16_weight_linear(const Tensor& x, const Tensor& w, const Tensor& y, float beta, const Tensor* bias) {
+  const int64_t n = checks::check_bf16_weight_linear(x, w, y, bias);
+  if (n > kBf16DirectRows) {
+    Backend::bf16_weight_linear(x, w, y, beta, bias);
+    return;
+  }
+  cuda::bf16_weight_linear(dptr<float>(x), static_cast<const uint16_t*>(w.device_ptr()), w.dim(0), w.dim(1),
+                           dptr<float>(y), n, beta, bias != nullptr ? dptr<float>(*bias) : nullptr, stream());
 }
 
 void CudaBackend::int_dequantize(const Tensor& codes, const Tensor& scales, const Tensor& zeros,

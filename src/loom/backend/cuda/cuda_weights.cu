@@ -45,6 +45,13 @@
 //                  Decode (N <= 8) reads the weight once: the bound is rows cols b/8 bytes.
 //                  Prefill (large N) re-reads the codes once per chunk of 8 input rows (from L2
 //                  for weights that fit) and multiplies on the CUDA cores, not tensor cores.
+//   bf16_weight_linear  y_no = beta y_no + sum_c x_nc w_oc (+ bias_o), w bf16 widened exactly
+//                  (a shift), f32 fma. Per call: rows cols 2 B of weights (once per chunk of up
+//                  to 16 input rows), n cols 4 B of x (from L1 / L2), 2 n rows cols F. A warp per
+//                  output row (8 per block), each lane 8 columns per 16-byte load; the lanes'
+//                  sums meet in the fixed shuffle tree. For decoding (N <= 16: the op's CUDA
+//                  path; more rows take the default's widening and cuBLASLt's GEMM): bound by
+//                  the weight's bytes, half of an f32 weight's.
 // Under the simulator every kernel here computes the same bits as on the GPU: fmaf is explicit
 // and the other products are rounded on their own (mul_gpu_rn), but see mul_gpu_rn below.
 //
@@ -454,6 +461,80 @@ __global__ void int_linear_kernel(const float* x, const uint8_t* codes, const fl
   }
 }
 
+// 8 bf16 (16 bytes: two to a word, the lower column in the low half) widened to f32.
+__device__ __forceinline__ void widen_bf16x8(int4 v, float out[8]) {
+  const uint32_t words[4] = {static_cast<uint32_t>(v.x), static_cast<uint32_t>(v.y), static_cast<uint32_t>(v.z),
+                             static_cast<uint32_t>(v.w)};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    out[2 * k] = __uint_as_float(words[k] << 16);
+    out[2 * k + 1] = __uint_as_float(words[k] & 0xFFFF0000u);
+  }
+}
+
+// vec: cols a multiple of 8 and w 16-byte aligned, so each lane loads 8 columns at once.
+template <int NR>
+__global__ void bf16_weight_linear_kernel(const float* x, const uint16_t* w, int64_t rows, int64_t cols, float* y,
+                                          int64_t n, float beta, const float* bias, bool vec) {
+  const int warp = static_cast<int>(threadIdx.x) / kWarp, lane = static_cast<int>(threadIdx.x) % kWarp;
+  for (int64_t ob = blockIdx.x; ob * kLinWarps < rows; ob += gridDim.x) {
+    const int64_t o = ob * kLinWarps + warp;
+    const bool active = o < rows;
+    for (int64_t n0 = static_cast<int64_t>(blockIdx.y) * NR; n0 < n; n0 += static_cast<int64_t>(gridDim.y) * NR) {
+      const int nrows = static_cast<int>(min64(NR, n - n0));
+      const float* xs = x + n0 * cols;
+      float acc[NR];
+#pragma unroll
+      for (int r = 0; r < NR; ++r) acc[r] = 0.0f;
+      if (active && vec) {
+        const uint16_t* row = w + o * cols;
+        for (int64_t c = static_cast<int64_t>(lane) * 8; c < cols; c += kWarp * 8) {
+          float wv[8];
+          widen_bf16x8(*reinterpret_cast<const int4*>(row + c), wv);
+#pragma unroll
+          for (int r = 0; r < NR; ++r) {
+            if (r >= nrows) continue;  // not break: a fully unrolled loop has one exit (hip-clang)
+#pragma unroll
+            for (int j = 0; j < 8; ++j) acc[r] = fmaf(xs[r * cols + c + j], wv[j], acc[r]);
+          }
+        }
+      } else if (active) {
+        const uint16_t* row = w + o * cols;
+        for (int64_t c = lane; c < cols; c += kWarp) {
+          const float wv = __uint_as_float(static_cast<uint32_t>(row[c]) << 16);
+#pragma unroll
+          for (int r = 0; r < NR; ++r) {
+            if (r >= nrows) continue;
+            acc[r] = fmaf(xs[r * cols + c], wv, acc[r]);
+          }
+        }
+      }
+      // Every lane of every warp takes part in the shuffles; lane r stores input row n0 + r.
+      float out = 0.0f;
+#pragma unroll
+      for (int r = 0; r < NR; ++r) {
+        const float v = warp_sum(acc[r]);
+        if (lane == r) out = v;
+      }
+      if (active && lane < nrows) {
+        if (bias != nullptr) out = out + bias[o];
+        float* dst = y + (n0 + lane) * rows + o;
+        *dst = beta == 0.0f ? out : mul_gpu_rn(beta, *dst) + out;
+      }
+    }
+  }
+}
+
+template <int NR>
+void launch_bf16_weight_linear(const float* x, const uint16_t* w, int64_t rows, int64_t cols, float* y, int64_t n,
+                               float beta, const float* bias, bool vec, cudaStream_t stream) {
+  const int64_t chunks = (n + NR - 1) / NR;
+  const dim3 grid(grid_for(rows, kLinWarps), static_cast<unsigned>(chunks < kMaxGridY ? chunks : kMaxGridY));
+  launch<bf16_weight_linear_kernel<NR>>(grid, dim3(kLinWarps * kWarp), 0, stream, x, w, rows, cols, y, n, beta, bias,
+                                        vec);
+  LOOM_CUDA_CHECK_LAUNCH();
+}
+
 template <int BITS, int NR, bool INT8>
 void launch_int_linear(const float* x, const uint8_t* codes, const float* scales, const uint8_t* zeros, int64_t group,
                        int64_t rows, int64_t cols, const float* input_scale, const float* sx, float* y, int64_t n,
@@ -549,6 +630,17 @@ void int_linear(const float* x, const uint8_t* codes, const float* scales, const
   if (bits == 8) int_linear_rows<8, false>(n, x, codes, scales, zeros, group, rows, cols, input_scale, nullptr, y, beta, bias, aligned, stream);
   else if (bits == 4) int_linear_rows<4, false>(n, x, codes, scales, zeros, group, rows, cols, input_scale, nullptr, y, beta, bias, aligned, stream);
   else int_linear_rows<3, false>(n, x, codes, scales, zeros, group, rows, cols, input_scale, nullptr, y, beta, bias, aligned, stream);
+}
+
+void bf16_weight_linear(const float* x, const uint16_t* w, int64_t rows, int64_t cols, float* y, int64_t n, float beta,
+                        const float* bias, cudaStream_t stream) {
+  if (n == 0 || rows == 0) return;
+  const bool vec = cols % 8 == 0 && aligned_to(w, 16);
+  if (n == 1) launch_bf16_weight_linear<1>(x, w, rows, cols, y, n, beta, bias, vec, stream);
+  else if (n == 2) launch_bf16_weight_linear<2>(x, w, rows, cols, y, n, beta, bias, vec, stream);
+  else if (n <= 4) launch_bf16_weight_linear<4>(x, w, rows, cols, y, n, beta, bias, vec, stream);
+  else if (n <= 8) launch_bf16_weight_linear<8>(x, w, rows, cols, y, n, beta, bias, vec, stream);
+  else launch_bf16_weight_linear<16>(x, w, rows, cols, y, n, beta, bias, vec, stream);
 }
 
 }  // namespace loom::cuda

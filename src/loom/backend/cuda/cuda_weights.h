@@ -42,4 +42,10 @@ void int_linear(const float* x, const uint8_t* codes, const float* scales, const
                 int64_t group, int64_t rows, int64_t cols, bool act_int8, const float* input_scale, float* y,
                 int64_t n, float beta, const float* bias, void* scratch, cudaStream_t stream);
 
+// ---------------------------------------------------------------- bf16 weights used in place
+// y (n, rows) = beta y + x (n, cols) @ W^T (+ bias), W bf16 (rows, cols) widened exactly, f32
+// products and sums in a fixed order. For decoding's few rows (the weight is read once per 16).
+void bf16_weight_linear(const float* x, const uint16_t* w, int64_t rows, int64_t cols, float* y, int64_t n, float beta,
+                        const float* bias, cudaStream_t stream);
+
 }  // namespace loom::cuda

@@ -1,0 +1,147 @@
+#!/usr/bin/python3
+"""Big models on a small machine: a Llama-shaped Hugging Face folder of random bf16 weights, and
+what Loom's inference paths cost on it (docs/memory.md "Inference in the checkpoint's dtype").
+
+    /usr/bin/python3 bench/big_model_bench.py --loom build/bin/loom --out /tmp/big --shape 1b
+
+Shapes (Llama 3's vocabulary of 128,256 tokens, untied head, GQA with 8 KV heads):
+    8b     Llama-3-8B: 32 layers, d 4096, SwiGLU 14336 (8.0B parameters, 16 GB of bf16; not in CI)
+    1b     Llama-3.2-1B's layers with an untied head (1.5B parameters, 3.0 GB)
+    small  4 layers, d 256 (a quick check of the script)
+
+The folder is written once (reused when its config.json matches). Then, for the linear weights
+used in place (bf16, the default) and widened to f32 (--f32-weights): `loom bench generate` (one
+stream, greedy, 16 prompt + 16 new tokens, 2 requests) under /usr/bin/time, printing peak RSS,
+prefill and decode tokens/s, and the ratio of the two paths. A path whose f32 weights would not
+fit in the machine's available memory is skipped with the bytes it needs. llama.cpp on the same
+weights (GGUF bf16) is not run yet: `loom convert --to gguf` reads the model in f32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+from make_hf_fixtures import write_safetensors  # noqa: E402
+
+SHAPES = {
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128256),
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128256),
+    "small": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=32000),
+}
+
+
+def config_of(shape: str) -> dict:
+    s = SHAPES[shape]
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+            "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+            "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False, "bos_token_id": 1,
+            "eos_token_id": 2, "torch_dtype": "bfloat16", "transformers_version": "4.44.0", **s}
+
+
+def write_folder(path: str, cfg: dict) -> int:
+    """Writes config.json and one safetensors shard per layer (plus one for the ends); returns the bytes."""
+    config_path = os.path.join(path, "config.json")
+    if os.path.exists(config_path) and json.load(open(config_path)) == cfg:
+        return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
+    os.makedirs(path, exist_ok=True)
+    gen = torch.Generator().manual_seed(7)
+    d, f, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    hd = d // cfg["num_attention_heads"]
+    kv = cfg["num_key_value_heads"] * hd
+
+    def rand(*shape):
+        return (torch.randn(*shape, generator=gen) * 0.02).to(torch.bfloat16)
+
+    shards = layers + 1
+    weight_map, total = {}, 0
+    for s in range(shards):
+        file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        if s < layers:
+            p = f"model.layers.{s}."
+            t = {p + "input_layernorm.weight": torch.ones(d, dtype=torch.bfloat16),
+                 p + "post_attention_layernorm.weight": torch.ones(d, dtype=torch.bfloat16),
+                 p + "self_attn.q_proj.weight": rand(d, d), p + "self_attn.k_proj.weight": rand(kv, d),
+                 p + "self_attn.v_proj.weight": rand(kv, d), p + "self_attn.o_proj.weight": rand(d, d),
+                 p + "mlp.gate_proj.weight": rand(f, d), p + "mlp.up_proj.weight": rand(f, d),
+                 p + "mlp.down_proj.weight": rand(d, f)}
+        else:
+            t = {"model.embed_tokens.weight": rand(cfg["vocab_size"], d),
+                 "model.norm.weight": torch.ones(d, dtype=torch.bfloat16),
+                 "lm_head.weight": rand(cfg["vocab_size"], d)}
+        write_safetensors(os.path.join(path, file), t)
+        total += os.path.getsize(os.path.join(path, file))
+        weight_map.update({n: file for n in t})
+        del t
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as fh:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh, indent=2)
+    with open(config_path, "w") as fh:  # last: a folder with its config.json is complete
+        json.dump(cfg, fh, indent=2)
+    return total
+
+
+def available_bytes() -> int:
+    with open("/proc/meminfo") as fh:
+        for line in fh:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def run_generate(loom: str, folder: str, f32: bool) -> dict:
+    cmd = ["/usr/bin/time", "-f", "peak_rss_kib %M", loom, "bench", "generate", "--checkpoint", folder, "--requests", "2",
+           "--prompt-tokens", "16", "--new-tokens", "16", "--max-batch", "1"] + (["--f32-weights"] if f32 else [])
+    p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    if p.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{p.stdout}\n{p.stderr}")
+    m = re.search(r"prefill\s+([\d.]+) prompt tokens/s.*decode\s+([\d.]+) tokens/s", p.stdout)
+    rss = re.search(r"peak_rss_kib (\d+)", p.stderr)
+    return {"prefill": float(m.group(1)), "decode": float(m.group(2)), "peak_rss": int(rss.group(1)) * 1024}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--loom", default=os.path.join(ROOT, "build", "bin", "loom"))
+    ap.add_argument("--out", required=True, help="where the folder is written (reused)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="1b")
+    args = ap.parse_args()
+    cfg = config_of(args.shape)
+    folder = os.path.join(args.out, f"llama_{args.shape}_bf16")
+    file_bytes = write_folder(folder, cfg)
+    params = file_bytes // 2
+    print(f"{folder}: {params / 1e9:.2f}B parameters, {file_bytes / 2**30:.2f} GiB of bf16 safetensors")
+    rows = []
+    for label, f32 in (("bf16 in place", False), ("f32 (--f32-weights)", True)):
+        need = params * 4 if f32 else file_bytes
+        if need > 0.9 * available_bytes():
+            rows.append((label, None, f"skipped: its weights need {need / 2**30:.1f} GiB, "
+                                      f"{available_bytes() / 2**30:.1f} GiB available"))
+            continue
+        rows.append((label, run_generate(args.loom, folder, f32), ""))
+    print("\n| linear weights | peak RSS (GiB) | RSS / file | prefill tok/s | decode tok/s |")
+    print("|---|---|---|---|---|")
+    for label, r, note in rows:
+        if r is None:
+            print(f"| {label} | {note} | | | |")
+        else:
+            print(f"| {label} | {r['peak_rss'] / 2**30:.2f} | {r['peak_rss'] / file_bytes:.2f} | {r['prefill']:.1f} | "
+                  f"{r['decode']:.1f} |")
+    if rows[0][1] and rows[1][1]:
+        a, b = rows[0][1], rows[1][1]
+        print(f"\nbf16 in place / f32: peak RSS {a['peak_rss'] / b['peak_rss']:.2f}x, decode {a['decode'] / b['decode']:.2f}x, "
+              f"prefill {a['prefill'] / b['prefill']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+// The CPU kernel of Backend::bf16_weight_linear (the contract in backend.h): y = beta y +
+// x W^T (+ bias) with W bf16 as a checkpoint stores it. A bf16 value is the upper half of an
+// f32, so widening is a 16-bit shift (exact); products and sums are f32.
+// - Up to kDirectRows input rows (decoding): memory-bound, so each weight row is read once,
+//   widened in registers (AVX2: 8 at a time) and multiplied with up to 4 input rows at a time
+//   (the row stays in L1 for the next 4), two accumulators per input row. Each output's sum has
+//   a fixed order, so results do not depend on the thread count. OpenMP splits the output rows.
+// - More rows (prefill, evaluation): compute-bound, so tiles of kTileRows weight rows are
+//   widened into an f32 buffer and multiplied by the f32 GEMM (cpu_gemm.h) into y's columns;
+//   the widened copy is one tile (4 MiB at 4096 columns), never the whole weight.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "loom/backend/checks.h"
+#include "loom/backend/cpu/cpu_gemm.h"
+#include "loom/backend/cpu/cpu_quant_ops.h"
+#include "loom/core/error.h"
+
+namespace loom::cpu {
+namespace {
+
+constexpr int64_t kDirectRows = 16;
+constexpr int64_t kTileRows = 256;
+
+inline float hsum(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+// 8 bf16 values -> 8 f32 (exact).
+inline __m256 widen8(const uint16_t* p) {
+  const __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+}
+
+inline float widen1(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// sums[r] = sum_c x[r, c] w[c] for NR input rows (K apart).
+template <int NR>
+void dot_rows(const float* x, int64_t K, const uint16_t* w, float* sums) {
+  __m256 a0[NR], a1[NR];
+  for (int r = 0; r < NR; ++r) a0[r] = _mm256_setzero_ps(), a1[r] = _mm256_setzero_ps();
+  int64_t c = 0;
+  for (; c + 16 <= K; c += 16) {
+    const __m256 w0 = widen8(w + c), w1 = widen8(w + c + 8);
+    for (int r = 0; r < NR; ++r) {
+      a0[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + c), w0, a0[r]);
+      a1[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + c + 8), w1, a1[r]);
+    }
+  }
+  for (; c + 8 <= K; c += 8) {
+    const __m256 w0 = widen8(w + c);
+    for (int r = 0; r < NR; ++r) a0[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + c), w0, a0[r]);
+  }
+  for (int r = 0; r < NR; ++r) {
+    float s = hsum(_mm256_add_ps(a0[r], a1[r]));
+    for (int64_t k = c; k < K; ++k) s += x[r * K + k] * widen1(w[k]);
+    sums[r] = s;
+  }
+}
+
+void direct(const float* x, const uint16_t* w, float* y, int64_t N, int64_t O, int64_t K, float beta, const float* bias) {
+#pragma omp parallel for schedule(static)
+  for (int64_t o = 0; o < O; ++o) {
+    const uint16_t* row = w + o * K;
+    for (int64_t n0 = 0; n0 < N; n0 += 4) {
+      float sums[4];
+      const int64_t nr = std::min<int64_t>(4, N - n0);
+      const float* xr = x + n0 * K;
+      if (nr == 4) dot_rows<4>(xr, K, row, sums);
+      else if (nr == 3) dot_rows<3>(xr, K, row, sums);
+      else if (nr == 2) dot_rows<2>(xr, K, row, sums);
+      else dot_rows<1>(xr, K, row, sums);
+      for (int64_t r = 0; r < nr; ++r) {
+        const float out = bias != nullptr ? sums[r] + bias[o] : sums[r];
+        float& dst = y[(n0 + r) * O + o];
+        dst = beta == 0.0f ? out : beta * dst + out;
+      }
+    }
+  }
+}
+
+void tiled(const float* x, const uint16_t* w, float* y, int64_t N, int64_t O, int64_t K, float beta, const float* bias) {
+  std::vector<float> tile(static_cast<size_t>(std::min(kTileRows, O) * K));
+  for (int64_t o0 = 0; o0 < O; o0 += kTileRows) {
+    const int64_t rows = std::min(kTileRows, O - o0);
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      const uint16_t* src = w + (o0 + r) * K;
+      float* dst = tile.data() + r * K;
+      int64_t c = 0;
+      for (; c + 8 <= K; c += 8) _mm256_storeu_ps(dst + c, widen8(src + c));
+      for (; c < K; ++c) dst[c] = widen1(src[c]);
+    }
+    gemm_f32(false, true, N, rows, K, 1.0f, x, K, tile.data(), K, beta, y + o0, O);
+  }
+  if (bias == nullptr) return;
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t o = 0; o < O; ++o) y[n * O + o] += bias[o];
+  }
+}
+
+}  // namespace
+
+void bf16_weight_linear(const Tensor& x, const Tensor& w, const Tensor& y, float beta, const Tensor* bias) {
+  const int64_t N = checks::check_bf16_weight_linear(x, w, y, bias);
+  const int64_t O = w.dim(0), K = w.dim(1);
+  if (N == 0 || O == 0) return;
+  const float* b = bias != nullptr ? bias->data<float>() : nullptr;
+  const uint16_t* wp = static_cast<const uint16_t*>(w.raw_data());
+  if (N <= kDirectRows) direct(x.data<float>(), wp, y.data<float>(), N, O, K, beta, b);
+  else tiled(x.data<float>(), wp, y.data<float>(), N, O, K, beta, b);
+}
+
+}  // namespace loom::cpu
