@@ -10,7 +10,9 @@ a 2-layer model of the same kind, for a CPU smoke run), greedy, P prompt tokens 
     --new-tokens M --max-batch 16 --kv K. Its "single stream" line gives batch 1's prefill
     (prompt / time to first token) and decode (tokens after the first per second) over 16
     requests one at a time; its "continuous batching" line gives the 16 requests together.
-    Loom decodes with its fp32 weights (docs/cuda.md "Decoding a Llama-3-8B-shaped model").
+    Twice: with fp32 weights, and with --bf16-weights (the weights rounded to bf16 and used in
+    place, as a bf16 Hugging Face folder's are: Backend::bf16_weight_linear reads 2 bytes a
+    weight; docs/cuda.md "Decoding a Llama-3-8B-shaped model").
   * PyTorch: the same shape written here (RMSNorm, RoPE, GQA with SDPA, SwiGLU; a static KV
     cache of P + M positions, attention masked to the filled ones so every step has one shape),
     bf16 weights, the decode step under torch.compile(mode="reduce-overhead": CUDA graphs,
@@ -41,13 +43,13 @@ def shape(args) -> dict:
     return dict(n_layer=32, d_model=4096, n_head=32, n_kv_head=8, d_ff=14336, vocab=128256, theta=500000.0, eps=1e-5)
 
 
-def run_loom(args, s: dict) -> dict:
+def run_loom(args, s: dict, bf16: bool) -> dict:
     sets = ",".join([f"model.n_layer={s['n_layer']}", f"model.d_model={s['d_model']}", f"model.n_head={s['n_head']}",
                      f"model.n_kv_head={s['n_kv_head']}", f"model.d_ff={s['d_ff']}", f"model.vocab_size={s['vocab']}",
                      f"model.max_seq_len={max(256, args.prompt + args.new)}"])
     cmd = [os.path.join(args.build, "bin", "loom"), "bench", "generate", "--config", args.config, "--set", sets,
            "--device", args.device, "--requests", "16", "--prompt-tokens", str(args.prompt), "--new-tokens",
-           str(args.new), "--max-batch", "16", "--kv", args.kv]
+           str(args.new), "--max-batch", "16", "--kv", args.kv] + (["--bf16-weights"] if bf16 else [])
     print("loom:", " ".join(cmd), flush=True)
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     if p.returncode != 0:
@@ -171,21 +173,24 @@ def main() -> int:
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gpu_decode_bench.json"))
     args = ap.parse_args()
     s = shape(args)
-    loom = run_loom(args, s)
+    loom32 = run_loom(args, s, False)
+    loom = run_loom(args, s, True)
     torch_r = run_torch(args, s)
     print(f"\nLlama-3-8B-shaped{' (tiny)' if args.tiny else ''}, {args.prompt} prompt + {args.new} new tokens, "
           f"device {args.device}, Loom's KV cache {args.kv}, greedy")
-    print(f"{'tokens/s':28} {'Loom':>10} {'PyTorch':>10} {'ratio':>7}")
+    print(f"{'tokens/s':28} {'Loom f32':>10} {'Loom bf16':>10} {'PyTorch':>10} {'bf16 / PyTorch':>15}")
     for key, label in (("prefill_b1", "prefill, batch 1"), ("decode_b1", "decode, batch 1"), ("decode_b16", "decode, batch 16")):
-        a, b = loom.get(key), torch_r.get(key)
-        ratio = f"{a / b:7.2f}" if a and b else "      -"
-        print(f"{label:28} {a if a else float('nan'):10.1f} {b if b else float('nan'):10.1f} {ratio}")
-    for name, r in (("loom", loom), ("pytorch", torch_r)):
+        f, a, b = loom32.get(key), loom.get(key), torch_r.get(key)
+        ratio = f"{a / b:15.2f}" if a and b else "              -"
+        nan = float("nan")
+        print(f"{label:28} {f if f else nan:10.1f} {a if a else nan:10.1f} {b if b else nan:10.1f} {ratio}")
+    for name, r in (("loom f32", loom32), ("loom bf16", loom), ("pytorch", torch_r)):
         if "error" in r:
             print(f"{name} failed:", *r["error"], sep="\n  ")
     with open(args.out, "w") as f:
-        json.dump({"shape": s, "loom": loom, "pytorch": torch_r, "args": vars(args)}, f, indent=1)
-    return 1 if "error" in loom or "error" in torch_r else 0
+        json.dump({"shape": s, "loom_f32": loom32, "loom_bf16": loom, "pytorch": torch_r, "args": vars(args)}, f,
+                  indent=1)
+    return 1 if "error" in loom32 or "error" in loom or "error" in torch_r else 0
 
 
 if __name__ == "__main__":

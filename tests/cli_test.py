@@ -499,6 +499,14 @@ class Cli(LoomCase):
         self.assertIn("every request the same tokens: yes", b.stdout)
         self.assertRegex(b.stdout, r"ratio [0-9.]+x")
         self.assertRegex(b.stdout, r"int8 +[0-9.]+ +[0-9.]+")
+        # A random model's weights in bf16, used in place as a bf16 folder's are; refused with a
+        # checkpoint (its own dtype decides).
+        r = run("bench", "generate", "--bf16-weights", "--requests", "2", "--prompt-tokens", "4", "--new-tokens", "6",
+                "--set", f"{TINY},data.dir={self.data},data.tokenizer=byte")
+        self.assertRegex(r.stdout, r"\([1-9][0-9]* linear weights in bf16 in place\)")
+        self.assertIn("every request the same tokens: yes", r.stdout)
+        self.assert_one_line_error(run("bench", "generate", "--checkpoint", ckpt, "--bf16-weights", expect_ok=False),
+                                   "--bf16-weights")
 
     def test_eval_reports_loss_and_perplexity(self):
         self.train("ev")

@@ -210,6 +210,29 @@ TEST_P(BackendOpsTest, EmbeddingForwardBackwardWithAndWithoutPositions) {
       }
     }
   }
+  // A bf16 table (a checkpoint's embedding used in place, embedding_forward only): each row
+  // widened exactly into f32 (plus f32 positions), bitwise the CPU's; the widened values against
+  // the table's own f32 by hand.
+  for (bool with_positions : {false, true}) {
+    Operands x;
+    x.tensors["tokens"] = ids({2, 17}, 37, 1);
+    x.tensors["table"] = rnd({37, 20}, DTYPE_BF16, 2);
+    x.tensors["out"] = nans({2, 17, 20}, DTYPE_F32);
+    if (with_positions) x.tensors["positions"] = rnd({20, 20}, DTYPE_F32, 5);
+    check(str_cat("embedding bf16 table", with_positions ? " with positions" : ""), x,
+          [with_positions](Backend& be, Operands& o) {
+            be.embedding_forward(o["tokens"], o["table"], with_positions ? &o["positions"] : nullptr, o["out"]);
+          },
+          {{"out", Tol{0.0, true}}}, true);
+    const int32_t token = x.tensors["tokens"].data<int32_t>()[5];
+    const float want = bf16_to_f32(x.tensors["table"].data<bf16>()[token * 20 + 3]) +
+                       (with_positions ? x.tensors["positions"].data<float>()[5 * 20 + 3] : 0.0f);
+    const auto cpu = make_cpu_backend();
+    Tensor out = nans({2, 17, 20}, DTYPE_F32);
+    cpu->embedding_forward(x.tensors["tokens"], x.tensors["table"], with_positions ? &x.tensors["positions"] : nullptr,
+                          out);
+    EXPECT_EQ(out.data<float>()[5 * 20 + 3], want);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(AllBackends, BackendOpsTest, ::testing::Values(std::string("strict"), std::string("cuda")),

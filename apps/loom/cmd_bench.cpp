@@ -65,11 +65,14 @@ int bench_generate(const Args& args) {
   const std::string device = args.get("device", "");
   auto backend = source ? inference_backend(*source, device) : make_backend(device.empty() ? std::string(enum_name(config.device)) : device);
   std::unique_ptr<Transformer> owned;
+  LOOM_CHECK(!(source && args.has("bf16-weights")), "--bf16-weights is for a random model: a checkpoint's own dtype "
+             "decides (a bf16 Hugging Face folder is used in place; --f32-weights widens it)");
   if (source) {
     owned = open_inference_model(*source, *backend, args.has("f32-weights"));
   } else {
     owned = std::make_unique<Transformer>(*backend, config.model, ModelUse{.gradients = false});
     owned->init_weights(config.loop.seed);
+    if (args.has("bf16-weights")) use_bf16_weights(*owned);
   }
   Transformer& model = *owned;
   const int64_t n = args.get_int("requests", 32), L = args.get_int("prompt-tokens", 32), M = args.get_int("new-tokens", 64);
@@ -198,6 +201,7 @@ int bench_main(int argc, char** argv) {
       {"checkpoint", "PATH", "a step folder, a run folder or a checkpoints folder (default: a random model)"},
       {"device", "cpu|cuda", "the backend (default: the checkpoint's or the config's device)"},
       kF32WeightsOption,
+      {"bf16-weights", "", "a random model's weights rounded to bf16 and used in place, as a bf16 folder's are"},
       {"config", "FILE", "a TOML config applied after configs/default.toml"},
       {"set", "KEY=VALUE,...", "config overrides, applied last (comma-separated; repeatable)"},
       {"requests", "N", "requests (default 32)"},

@@ -208,6 +208,7 @@ class Backend {
   virtual void bias_backward(const Tensor& dout, const Tensor& dbias) = 0;     // dbias (N) += column sums of dout (.., N)
 
   // out[b,t] = table[tokens[b,t]] (+ positions[t]). tokens (B,T) i32, table (V,C), positions (Tmax,C) or null.
+  // A bf16 table (a checkpoint's embedding used in place) is widened exactly into f32 out and positions.
   virtual void embedding_forward(const Tensor& tokens, const Tensor& table, const Tensor* positions,
                                  const Tensor& out) = 0;
   virtual void embedding_backward(const Tensor& tokens, const Tensor& dout, const Tensor& dtable,

@@ -66,10 +66,12 @@ Dims3 check_embedding(const char* op, const Tensor& tokens, const Tensor& table,
   LOOM_CHECK(tokens.ndim() == 2, op, ": tokens must be (B, T), got ", tokens.describe());
   LOOM_CHECK(table.ndim() == 2, op, ": table must be (V, C), got ", table.describe());
   const int64_t seq_len = tokens.dim(1), channels = table.dim(1);
-  expect_dtype(activations, table.dtype(), op, "activations");
+  // A bf16 table is embedding_forward's only (the backward writes an f32 or f64 table).
+  const DType wide = table.dtype() == DTYPE_BF16 ? DTYPE_F32 : table.dtype();
+  expect_dtype(activations, wide, op, "activations");
   expect_numel(activations, tokens.numel() * channels, op, "activations (B, T, C)");
   if (positions) {
-    expect_dtype(*positions, table.dtype(), op, "positions");
+    expect_dtype(*positions, wide, op, "positions");
     LOOM_CHECK(positions->ndim() == 2 && positions->dim(1) == channels && positions->dim(0) >= seq_len, op,
                ": positions must be (Tmax >= ", seq_len, ", ", channels, "), got ", positions->describe());
   }

@@ -220,19 +220,25 @@ void copy_piece(const HfTensors& files, const Piece& piece, const ParamSpec& spe
   used.insert(stored);
 }
 
-// A tied head is the token embedding: an lm_head.weight in the folder must be that same matrix.
+// A tied head is the token embedding: an lm_head.weight in the folder must be that same matrix
+// (wte: the loaded embedding, f32 or as stored in bf16).
 void check_tied_head(const HfTensors& files, const Tensor& wte, std::set<std::string>& used) {
   std::string stored;
   const SafetensorsFile* file = files.find("lm_head.weight", &stored);
   if (file == nullptr) return;
   LOOM_CHECK(file->shape(stored) == wte.shape(), file->path(), ": tensor 'lm_head.weight' has shape ",
              shape_str(file->shape(stored)), ", expected ", shape_str(wte.shape()));
-  CpuAllocator host;
-  const Tensor head = Tensor::empty(host, wte.shape(), DTYPE_F32, MEM_WORKSPACE);
-  file->copy_as_f32(stored, head);
-  LOOM_CHECK(std::memcmp(head.data<float>(), wte.data<float>(), static_cast<size_t>(wte.numel()) * sizeof(float)) == 0,
-             file->path(), ": 'lm_head.weight' differs from the token embedding, but the model ties its head to it "
-             "(tie_word_embeddings)");
+  const bool wide = wte.dtype() == DTYPE_F32;
+  bool same = wide || file->stored_dtype(stored) == "BF16";
+  if (same) {
+    CpuAllocator host;
+    const Tensor head = Tensor::empty(host, wte.shape(), wte.dtype(), MEM_WORKSPACE);
+    if (wide) file->copy_as_f32(stored, head);
+    else file->copy_as_bf16(stored, head);
+    same = std::memcmp(head.raw_data(), wte.raw_data(), wte.nbytes()) == 0;
+  }
+  LOOM_CHECK(same, file->path(), ": 'lm_head.weight' differs from the token embedding, but the model ties its head to "
+             "it (tie_word_embeddings)");
   used.insert(stored);
 }
 
@@ -381,7 +387,9 @@ void load_hf_weights(const std::string& dir, const ModelState& model, const std:
   }
   if (c.tied_head()) {
     const ParamSpec& embedding = layout.find(embedding_param_name(c));
-    check_tied_head(files, model.params.view(embedding.offset, embedding.shape), used);
+    const auto in_place = bf16.find(embedding.name);
+    check_tied_head(files, in_place != bf16.end() ? in_place->second : model.params.view(embedding.offset, embedding.shape),
+                    used);
   }
   for (const std::string& name : files.names()) {
     LOOM_CHECK(used.count(name) || is_buffer(name) || is_extra_layer(name, c, family), files.describe(), ": tensor '",

@@ -8,6 +8,7 @@
 #include "loom/nn/vocab_parallel.h"
 
 #include <algorithm>
+#include <set>
 
 #include "loom/core/error.h"
 
@@ -188,21 +189,31 @@ void Transformer::set_int_weights(std::map<std::string, IntWeight> weights) {
 
 void Transformer::set_bf16_weights(std::map<std::string, Tensor> weights) {
   LOOM_CHECK(bf16_weights_.empty(), "set_bf16_weights: the model already has bf16 weights");
+  auto check = [&](const std::string& name, const Tensor& w, const Shape& shape) {
+    LOOM_CHECK(w.dtype() == DTYPE_BF16 && w.shape() == shape && w.device() == params_.device(), name,
+               ": a bf16 weight must be bf16", shape_str(shape), " on the model's backend, got ", w.describe());
+  };
+  std::set<std::string> used;
+  // The token embedding is looked up in bf16 (Backend::embedding_forward widens its rows); a
+  // tied head, which linear_weights() names after it, multiplies with the same tensor.
+  const std::string embedding = embedding_param_name(config_);
+  if (auto it = weights.find(embedding); it != weights.end()) {
+    check(embedding, it->second, embed_w.shape());
+    embed_w = it->second;
+    used.insert(embedding);
+  }
   for (const LinearWeight& lw : linear_weights()) {
     auto it = weights.find(lw.name);
     if (it == weights.end()) continue;
-    const Tensor& w = it->second;
-    LOOM_CHECK(!(config_.tied_head() && lw.weight.device_ptr() == embed_w.device_ptr()), lw.name,
-               ": the head is tied to the token embedding, which stays f32 (it looks tokens up)");
-    LOOM_CHECK(w.dtype() == DTYPE_BF16 && w.shape() == lw.weight.shape() && w.device() == params_.device(), lw.name,
-               ": a bf16 weight must be bf16", shape_str(lw.weight.shape()), " on the model's backend, got ",
-               w.describe());
-    lw.layer->set_bf16_weight(w);
-    bf16_weights_.insert(*it);
-    weights.erase(it);
+    check(lw.name, it->second, lw.weight.shape());
+    lw.layer->set_bf16_weight(it->second);
+    used.insert(lw.name);
   }
-  LOOM_CHECK(weights.empty(), weights.empty() ? std::string() : weights.begin()->first,
-             ": a bf16 tensor that is not a linear layer's weight of this model");
+  for (const auto& [name, w] : weights) {
+    LOOM_CHECK(used.count(name), name, ": a bf16 tensor that is not the token embedding or a linear layer's weight of "
+               "this model");
+  }
+  bf16_weights_ = std::move(weights);
 }
 
 int64_t Transformer::bf16_weight_params() const {

@@ -231,12 +231,12 @@ class Transformer {
   // the embedding still looks tokens up). A name that is not a linear weight, or a shape that
   // differs from the parameter's, is an error naming it (model/int_weights.h).
   void set_int_weights(std::map<std::string, IntWeight> weights);
-  // bf16 linear weights used where they lie (a bf16 checkpoint's, loaded by
-  // train/model_source.h open_inference_model), by parameter name: each named linear layer
-  // multiplies with its tensor through Backend::bf16_weight_linear from now on (forward and
-  // decoding; backward refuses). The tensors are (rows, cols) bf16 on this model's backend; the
-  // f32 elements are left as they are (never written, on a lazy_params model). A name that is
-  // not a linear weight of this model (a tied head's embedding included), or a shape that
+  // bf16 weights used where they lie (a bf16 checkpoint's, loaded by train/model_source.h
+  // open_inference_model), by parameter name: each named linear layer multiplies with its tensor
+  // through Backend::bf16_weight_linear from now on (forward and decoding; backward refuses), and
+  // the token embedding, when named, is looked up in bf16 (a tied head multiplies with it). The
+  // tensors are bf16 of the parameter's shape on this model's backend; the f32 elements are left
+  // as they are (never written, on a lazy_params model). A name that is neither, or a shape that
   // differs from the parameter's, is an error naming it.
   void set_bf16_weights(std::map<std::string, Tensor> weights);
   int64_t bf16_weight_params() const;  // elements multiplied in bf16

@@ -141,15 +141,39 @@ void load_model(const ModelSource& source, Transformer& model) {
   if (source.quantized) model.set_int_weights(std::move(weights));
 }
 
-std::vector<std::string> bf16_in_place_names(const ModelSource& source) {
-  const ModelConfig& c = source.config.model;
-  if (!source.hf || !source.adapter.empty() || source.quantized || c.moe_experts > 0 || c.mla() || c.lora()) return {};
+namespace {
+
+// The weights a dense model without adapters can use in bf16: the blocks' linear weights, the
+// head and the token embedding (empty for MoE, MLA or LoRA).
+std::vector<std::string> bf16_weight_names(const ModelConfig& c) {
+  if (c.moe_experts > 0 || c.mla() || c.lora()) return {};
   std::vector<std::string> names;
   for (const ParamSpec& p : build_param_layout(c).params) {
-    if (p.role == ROLE_HIDDEN || p.role == ROLE_HEAD) names.push_back(p.name);
+    if (p.role == ROLE_HIDDEN || p.role == ROLE_HEAD || p.name == embedding_param_name(c)) names.push_back(p.name);
   }
-  if (names.empty() || !hf_stored_as_bf16(source.path, c, names)) return {};
   return names;
+}
+
+}  // namespace
+
+std::vector<std::string> bf16_in_place_names(const ModelSource& source) {
+  if (!source.hf || !source.adapter.empty() || source.quantized) return {};
+  std::vector<std::string> names = bf16_weight_names(source.config.model);
+  if (names.empty() || !hf_stored_as_bf16(source.path, source.config.model, names)) return {};
+  return names;
+}
+
+void use_bf16_weights(Transformer& model) {
+  const std::vector<std::string> names = bf16_weight_names(model.config());
+  LOOM_CHECK(!names.empty(), "bf16 weights in place need a dense model without adapters (no MoE, MLA or LoRA)");
+  Backend& backend = model.backend();
+  std::map<std::string, Tensor> weights;
+  for (const std::string& name : names) {
+    const Tensor f32 = model.param(name);
+    weights[name] = Tensor::empty(backend.allocator(), f32.shape(), DTYPE_BF16, MEM_PARAMETERS);
+    backend.cast(f32, weights[name]);  // round to nearest even
+  }
+  model.set_bf16_weights(std::move(weights));
 }
 
 std::unique_ptr<Transformer> open_inference_model(const ModelSource& source, Backend& backend, bool f32_weights) {

@@ -46,15 +46,19 @@ void load_weights(const ModelSource& source, const Tensor& params);
 // the host cannot read) through a host staging copy and Backend::write.
 void load_model(const ModelSource& source, Transformer& model);
 // The model eval, generate, bench generate and serve run: an inference Transformer (no gradient
-// buffers, ModelUse) on `backend` with the source's weights. The linear weights of a Hugging
-// Face folder that stores them in BF16 (every block's four and an untied head; dense models
-// without adapters) are used in place: copied as they are into bf16 tensors the layers multiply
-// with (Transformer::set_bf16_weights, Backend::bf16_weight_linear), their f32 elements never
-// written (lazy parameter pages), so the weights' resident bytes are about the file's.
+// buffers, ModelUse) on `backend` with the source's weights. The weights of a Hugging Face
+// folder that stores them in BF16 (every block's four linear weights, the head and the token
+// embedding; dense models without adapters) are used in place: copied as they are into bf16
+// tensors the layers multiply with and the embedding looks up (Transformer::set_bf16_weights,
+// Backend::bf16_weight_linear), their f32 elements never written (lazy parameter pages), so
+// the weights' resident bytes are about the file's.
 // f32_weights (--f32-weights) widens everything to f32 as load_model does.
 std::unique_ptr<Transformer> open_inference_model(const ModelSource& source, Backend& backend, bool f32_weights = false);
 // The parameters open_inference_model would use in bf16 (empty: none).
 std::vector<std::string> bf16_in_place_names(const ModelSource& source);
+// The same weights of `model` (random or loaded in f32) rounded to bf16 (nearest even) and used
+// in place as a bf16 checkpoint's are (`bench generate --bf16-weights`); the f32 elements stay.
+void use_bf16_weights(Transformer& model);
 // The backend eval, generate, bench generate and serve run the model on: `device` ("cpu" |
 // "cuda"), or when empty the source's run config's `device` (a checkpoint trained on a GPU runs
 // there; a Hugging Face folder on the CPU). Errors name --device.

@@ -141,6 +141,12 @@ void CpuBackend::embedding_forward(const Tensor& tokens, const Tensor& table, co
   const char* op = "embedding_forward";
   const auto [n_tokens, seq_len, channels] = check_embedding(op, tokens, table, positions, out);
   check_token_range(op, tokens, table.dim(0));
+  if (table.dtype() == DTYPE_BF16) {
+    cpu::embedding_forward_bf16(tokens.data<int32_t>(), static_cast<const uint16_t*>(table.raw_data()),
+                                positions ? positions->data<float>() : nullptr, out.data<float>(), n_tokens, seq_len,
+                                channels);
+    return;
+  }
   dispatch_float(table.dtype(), op, kBackend, [&]<typename T>() {
     cpu::embedding_forward(tokens.data<int32_t>(), table.data<T>(), positions ? positions->data<T>() : nullptr,
                            out.data<T>(), n_tokens, seq_len, channels);

@@ -6,6 +6,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -48,6 +49,21 @@ void embedding_forward(const int32_t* tokens, const T* table, const T* positions
       for (int64_t c = 0; c < channels; ++c) o[c] = row[c] + pos[c];
     } else {
       std::copy(row, row + channels, o);
+    }
+  }
+}
+
+// The same from a bf16 table (raw bits), each element widened exactly into f32.
+inline void embedding_forward_bf16(const int32_t* tokens, const uint16_t* table, const float* positions, float* out,
+                                   int64_t n_tokens, int64_t seq_len, int64_t channels) {
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < n_tokens; ++n) {
+    const uint16_t* row = table + static_cast<int64_t>(tokens[n]) * channels;
+    const float* pos = positions ? positions + (n % seq_len) * channels : nullptr;
+    float* o = out + n * channels;
+    for (int64_t c = 0; c < channels; ++c) {
+      const float v = std::bit_cast<float>(static_cast<uint32_t>(row[c]) << 16);
+      o[c] = pos ? v + pos[c] : v;
     }
   }
 }

@@ -207,6 +207,13 @@ void CudaBackend::embedding_forward(const Tensor& tokens, const Tensor& table, c
   const char* op = "embedding_forward";
   const auto [n_tokens, seq_len, channels] = check_embedding(op, tokens, table, positions, out);
   reset_flag();
+  if (table.dtype() == DTYPE_BF16) {
+    cuda::embedding_forward_bf16(dptr<int32_t>(tokens), static_cast<const uint16_t*>(table.device_ptr()),
+                                 positions ? dptr<float>(*positions) : nullptr, dptr<float>(out), n_tokens, seq_len,
+                                 channels, table.dim(0), flag(), stream_);
+    check_flag(op, "token id", "position", tokens, table.dim(0));
+    return;
+  }
   dispatch_float(table.dtype(), op, kBackend, [&]<typename T>() {
     cuda::embedding_forward<T>(dptr<int32_t>(tokens), dptr<T>(table), positions ? dptr<T>(*positions) : nullptr,
                                dptr<T>(out), n_tokens, seq_len, channels, table.dim(0), flag(), stream_);

@@ -253,8 +253,13 @@ void column_sums(F f, int64_t rows, int64_t cols, T* scratch, T* out0, T* out1, 
 
 // ---------------------------------------------------------------- embedding
 // One warp per token row, 8 rows per block, grid-stride over rows; lanes stride the channels.
-template <typename T>
-__global__ void embedding_forward_kernel(const int32_t* tokens, const T* table, const T* positions, T* out,
+// S: the table's element, T or bf16 bits (uint16_t) widened exactly into f32.
+__device__ __forceinline__ float table_value(float v) { return v; }
+__device__ __forceinline__ double table_value(double v) { return v; }
+__device__ __forceinline__ float table_value(uint16_t v) { return __uint_as_float(static_cast<uint32_t>(v) << 16); }
+
+template <typename T, typename S = T>
+__global__ void embedding_forward_kernel(const int32_t* tokens, const S* table, const T* positions, T* out,
                                          int64_t n_tokens, int64_t seq_len, int64_t channels, int64_t vocab,
                                          unsigned long long* bad_position) {
   const int lane = static_cast<int>(threadIdx.x) % kWarp, warp = static_cast<int>(threadIdx.x) / kWarp;
@@ -267,12 +272,12 @@ __global__ void embedding_forward_kernel(const int32_t* tokens, const T* table, 
       for (int64_t c = lane; c < channels; c += kWarp) o[c] = T(0);
       continue;
     }
-    const T* row = table + static_cast<int64_t>(token) * channels;
+    const S* row = table + static_cast<int64_t>(token) * channels;
     if (positions) {
       const T* pos = positions + (n % seq_len) * channels;
-      for (int64_t c = lane; c < channels; c += kWarp) o[c] = row[c] + pos[c];
+      for (int64_t c = lane; c < channels; c += kWarp) o[c] = table_value(row[c]) + pos[c];
     } else {
-      for (int64_t c = lane; c < channels; c += kWarp) o[c] = row[c];
+      for (int64_t c = lane; c < channels; c += kWarp) o[c] = table_value(row[c]);
     }
   }
 }
@@ -754,6 +759,15 @@ void embedding_forward(const int32_t* tokens, const T* table, const T* positions
                        cudaStream_t stream) {
   if (n_tokens <= 0) return;
   launch<embedding_forward_kernel<T>>(grid_for(n_tokens, kRowsPerBlock), kBlock, 0, stream,
+      tokens, table, positions, out, n_tokens, seq_len, channels, vocab, bad_position);
+  LOOM_CUDA_CHECK_LAUNCH();
+}
+
+void embedding_forward_bf16(const int32_t* tokens, const uint16_t* table, const float* positions, float* out,
+                            int64_t n_tokens, int64_t seq_len, int64_t channels, int64_t vocab,
+                            unsigned long long* bad_position, cudaStream_t stream) {
+  if (n_tokens <= 0) return;
+  launch<embedding_forward_kernel<float, uint16_t>>(grid_for(n_tokens, kRowsPerBlock), kBlock, 0, stream,
       tokens, table, positions, out, n_tokens, seq_len, channels, vocab, bad_position);
   LOOM_CUDA_CHECK_LAUNCH();
 }

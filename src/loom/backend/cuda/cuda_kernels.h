@@ -54,6 +54,10 @@ template <typename T>
 void embedding_forward(const int32_t* tokens, const T* table, const T* positions, T* out, int64_t n_tokens,
                        int64_t seq_len, int64_t channels, int64_t vocab, unsigned long long* bad_position,
                        cudaStream_t stream);
+// The same from a bf16 table (raw bits), widened exactly into f32.
+void embedding_forward_bf16(const int32_t* tokens, const uint16_t* table, const float* positions, float* out,
+                            int64_t n_tokens, int64_t seq_len, int64_t channels, int64_t vocab,
+                            unsigned long long* bad_position, cudaStream_t stream);
 // dtable[tokens[i]] += dout[i]; dpositions[i % seq_len] += dout[i] (when not null). Deterministic.
 size_t embedding_backward_scratch_bytes(int64_t n_tokens, int64_t seq_len, int64_t channels, int64_t vocab,
                                         size_t elem_bytes);
