@@ -110,6 +110,34 @@ TEST(EngineTest, RowDecodingMatchesTheFullForward) {
   }
 }
 
+// A prompt's store (the engine's prefill) holds the last position's logits alone: V floats
+// instead of T V, equal to the whole forward's last row within f32 rounding (the head multiplies
+// one row); a loss over it is refused.
+TEST(EngineTest, PromptStoreKeepsOnlyTheLastLogits) {
+  for (const std::string preset : {"gpt2-tiny", "llama-tiny"}) {
+    const ModelConfig config = model_preset(preset);
+    auto backend = make_cpu_backend();
+    Transformer model(*backend, config, ModelUse{.gradients = false});
+    model.init_weights(3);
+    const int64_t T = 11, V = config.vocab_size;
+    const std::vector<int32_t> tokens = prompt_of(T, 5, V);
+    ActivationStore full = model.allocate_store(1, T), prompt = model.allocate_prompt_store(T);
+    std::copy(tokens.begin(), tokens.end(), full.tokens.data<int32_t>());
+    std::copy(tokens.begin(), tokens.end(), prompt.tokens.data<int32_t>());
+    model.forward(full, false);
+    model.forward(prompt, false);
+    ASSERT_EQ(prompt.logits.numel(), V) << preset;
+    double scale = 0.0, worst = 0.0;
+    for (int64_t v = 0; v < V; ++v) {
+      const double want = full.logits.data<float>()[(T - 1) * V + v];
+      scale = std::max(scale, std::fabs(want));
+      worst = std::max(worst, std::fabs(prompt.logits.data<float>()[v] - want));
+    }
+    EXPECT_LE(worst, 1e-6 * scale) << preset;
+    EXPECT_NE(test::error_of([&] { model.forward(prompt, true); }).find("last-position logits"), std::string::npos);
+  }
+}
+
 TEST(EngineTest, ContinuousBatchingGivesEachRequestItsTokensAlone) {
   for (const char* preset : {"gpt2-tiny", "llama-tiny", "moe-tiny", "mla-tiny"}) {
     const ModelConfig config = model_preset(preset);

@@ -349,7 +349,7 @@ void GenerationEngine::prefill(const std::vector<Active*>& group) {
   const ModelConfig& c = model_.config();
   const int64_t P = static_cast<int64_t>(a.request.prompt.size());
   Backend& backend = model_.backend();
-  ActivationStore s = model_.allocate_store(1, P);
+  ActivationStore s = model_.allocate_prompt_store(P);  // logits of the last position only
   backend.write(s.tokens, a.request.prompt.data());  // the prompt, staged on the host
   model_.set_recording(false);  // no MoE routing statistics from generation
   model_.forward(s, false);
@@ -358,7 +358,7 @@ void GenerationEngine::prefill(const std::vector<Active*>& group) {
   stats_.prompt_tokens += P;
   if (prefix_) prefix_->insert(a.request.prompt, P / config_.block_size, a.seq);
   logits_.resize(static_cast<size_t>(c.vocab_size));  // the last position's logits
-  backend.read(s.logits.view((P - 1) * c.vocab_size, {c.vocab_size}), logits_.data());
+  backend.read(s.logits.view(0, {c.vocab_size}), logits_.data());
   const float* last = logits_.data();
   const auto now = std::chrono::steady_clock::now();
   for (Active* sample : group) {  // the others share the prompt's blocks (paged fork)

@@ -226,6 +226,10 @@ ActivationStore Transformer::allocate_store(int64_t batch, int64_t seq_len) {
   return allocate_stage_store(batch, seq_len, 0, config_.n_layer, false);
 }
 
+ActivationStore Transformer::allocate_prompt_store(int64_t seq_len) {
+  return allocate_store_for(1, seq_len, 0, config_.n_layer, false, cp_.comm != nullptr, true, false, true);
+}
+
 ActivationStore Transformer::allocate_stage_store(int64_t batch, int64_t seq_len, int64_t first, int64_t last,
                                                   bool split_backward) {
   return allocate_store_for(batch, seq_len, first, last, split_backward, cp_.comm != nullptr);
@@ -261,7 +265,8 @@ LayerPlan Transformer::recompute_record_plan() const {
 }
 
 ActivationStore Transformer::allocate_store_for(int64_t batch, int64_t seq_len, int64_t first, int64_t last,
-                                                bool split_backward, bool context_parallel, bool recompute, bool rows) {
+                                                bool split_backward, bool context_parallel, bool recompute, bool rows,
+                                                bool last_logits) {
   LOOM_CHECK(batch > 0, "batch size must be > 0, got ", batch);
   LOOM_CHECK(seq_len > 0 && seq_len <= config_.max_seq_len, "sequence length ", seq_len,
              " must be in [1, model.max_seq_len = ", config_.max_seq_len, "]");
@@ -316,7 +321,8 @@ ActivationStore Transformer::allocate_store_for(int64_t batch, int64_t seq_len, 
     if (sp_) s.final_norm_shard = act({B, Ts, C});
     if (!config_.rmsnorm()) s.final_mean = act({B, Ts});
     s.final_rstd = act({B, Ts});
-    s.logits = act({B, T, config_.vocab_size});
+    s.last_logits = last_logits;
+    s.logits = act({B, last_logits ? 1 : T, config_.vocab_size});
     s.losses = act({B, T});
     s.lse = act({B, T});
   }
@@ -435,6 +441,14 @@ double Transformer::forward_stage(ActivationStore& s, int64_t first, int64_t las
     sequence_all_gather(backend_, *tp_, s.final_norm_shard, s.final_norm, seq_.staging);
   } else {
     norm_forward(backend_, config_, s.final_input, final_w, final_b, s.final_norm, s.final_mean, s.final_rstd);
+  }
+  if (s.last_logits) {  // a prompt's last position alone (allocate_prompt_store)
+    LOOM_CHECK(!compute_loss && s.batch == 1 && !sp_ && tp_ == nullptr && cp_.comm == nullptr,
+               "a store of last-position logits is one sequence's prompt, without a loss or tensor parallelism");
+    const int64_t T = s.final_norm.dim(1), C = s.final_norm.dim(2);
+    head_.forward(backend_, s.final_norm.view((T - 1) * C, {1, 1, C}), head_w, head16_, Tensor{}, s.logits, 0.0f, &ws_);
+    done(0);
+    return 0.0;
   }
   head_.forward(backend_, s.final_norm, head_w, head16_, Tensor{}, s.logits, 0.0f, &ws_);  // (B*T, C) @ (V, C)^T
   done(0);

@@ -59,6 +59,7 @@ struct ActivationStore {
   float fused_loss_weight = 0.0f;
   Tensor dlogits;
   float dlogits_weight = 0.0f;  // the loss weight dlogits was computed with
+  bool last_logits = false;     // logits (B, 1, V) of each sequence's last position only (no loss)
 };
 
 
@@ -102,6 +103,11 @@ class Transformer {
 
   // Allocates a micro-batch's activations (and, if needed, the shared backward scratch).
   ActivationStore allocate_store(int64_t batch, int64_t seq_len);
+  // A prompt's store for generation (infer/engine.h prefill): one sequence of seq_len tokens
+  // whose forward (compute_loss false) leaves only the last position's logits, store.logits
+  // (1, 1, V): the head multiplies one row, and the store holds V logits instead of seq_len V
+  // (5.1 GB for a 10,000-token prompt at Llama 3's vocabulary).
+  ActivationStore allocate_prompt_store(int64_t seq_len);
   // Runs the model on store.tokens. With compute_loss, also the loss against store.targets;
   // returns the mean loss (0 otherwise).
   double forward(ActivationStore& store, bool compute_loss = true);
@@ -299,7 +305,8 @@ class Transformer {
   LayerPlan recompute_record_plan() const;
   // rows: a store of decoding's one-position rows (forward_rows reads its records in fp32).
   ActivationStore allocate_store_for(int64_t batch, int64_t seq_len, int64_t first, int64_t last, bool split_backward,
-                                     bool context_parallel, bool recompute = true, bool rows = false);
+                                     bool context_parallel, bool recompute = true, bool rows = false,
+                                     bool last_logits = false);
   // Context parallel: f(rows (1, chunk, C) of one sequence, their first global position) for
   // each of x's (B, T/cp, C) two chunks of every sequence.
   void for_each_chunk(const Tensor& x, const std::function<void(const Tensor&, int64_t)>& f) const;

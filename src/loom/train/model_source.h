@@ -52,6 +52,8 @@ void load_model(const ModelSource& source, Transformer& model);
 // tensors the layers multiply with and the embedding looks up (Transformer::set_bf16_weights,
 // Backend::bf16_weight_linear), their f32 elements never written (lazy parameter pages), so
 // the weights' resident bytes are about the file's.
+// Its attention is the flash kernels' (O(T) records; not MLA's), and a prompt's forward keeps
+// only the last position's logits (Transformer::allocate_prompt_store, the engine's prefill).
 // f32_weights (--f32-weights) widens everything to f32 as load_model does.
 std::unique_ptr<Transformer> open_inference_model(const ModelSource& source, Backend& backend, bool f32_weights = false);
 // The parameters open_inference_model would use in bf16 (empty: none).
