@@ -135,6 +135,27 @@ TEST(EngineTest, PromptStoreKeepsOnlyTheLastLogits) {
     }
     EXPECT_LE(worst, 1e-6 * scale) << preset;
     EXPECT_NE(test::error_of([&] { model.forward(prompt, true); }).find("last-position logits"), std::string::npos);
+    // The inference store's layers share one record (each its own input and qkv): the same bits
+    // as a training model's store, in a fraction of its activation bytes.
+    auto train_backend = make_cpu_backend();
+    Transformer trained(*train_backend, config);
+    trained.init_weights(3);
+    ActivationStore whole = trained.allocate_store(1, T);
+    std::copy(tokens.begin(), tokens.end(), whole.tokens.data<int32_t>());
+    trained.forward(whole, false);
+    EXPECT_EQ(std::memcmp(whole.logits.data<float>(), full.logits.data<float>(), full.logits.nbytes()), 0) << preset;
+    for (int64_t l = 0; l < config.n_layer; ++l) {
+      const Tensor& a = whole.blocks[static_cast<size_t>(l)].attention.qkv, &b = full.blocks[static_cast<size_t>(l)].attention.qkv;
+      EXPECT_EQ(std::memcmp(a.data<float>(), b.data<float>(), a.nbytes()), 0) << preset << " layer " << l;
+    }
+    auto fresh = make_cpu_backend();
+    Transformer inference(*fresh, config, ModelUse{.gradients = false});
+    const ActivationStore alone = inference.allocate_store(1, T);
+    const size_t shared = fresh->allocator().tracker().current(MEM_ACTIVATIONS);
+    const size_t kept = train_backend->allocator().tracker().current(MEM_ACTIVATIONS);
+    EXPECT_LT(shared, kept) << preset;
+    std::printf("%s (%lld layers): activation bytes of an inference store %zu, a training store %zu\n", preset.c_str(),
+                static_cast<long long>(config.n_layer), shared, kept);
   }
 }
 

@@ -67,10 +67,9 @@ TextEval eval_text(Transformer& model, const std::vector<int32_t>& ids, int64_t 
   return r;
 }
 
-int eval_text_main(const Args& args, const ModelSource& source, Transformer& model) {
+int eval_text_main(const Args& args, const ModelSource& source, const Tokenizer& tokenizer, Transformer& model) {
   const LoomConfig& config = source.config;
   const std::string path = args.get("text");
-  const auto tokenizer = model_tokenizer(config);
   const int64_t T = args.get_int("seq-len", std::min(config.train.seq_len, config.model.max_seq_len));
   LOOM_CHECK(T >= 2 && T - 1 <= config.model.max_seq_len, "--seq-len must be in [2, model.max_seq_len + 1 = ",
              config.model.max_seq_len + 1, "], got ", T);
@@ -90,7 +89,7 @@ int eval_text_main(const Args& args, const ModelSource& source, Transformer& mod
   options.what = "eval --text";
   options.limit = "--max-input-mb";
   options.encode.add_special_tokens = true;
-  const TextTokens text = read_text_tokens(path, *tokenizer, options);
+  const TextTokens text = read_text_tokens(path, tokenizer, options);
   const TextEval r = eval_text(model, text.ids, T, B, path);
   if (args.has("json")) {
     const nlohmann::json j = {{"loss", r.loss}, {"perplexity", std::exp(r.loss)}, {"tokens", r.tokens},
@@ -124,9 +123,10 @@ int eval_main(int argc, char** argv) {
   const ModelSource source = model_source(args.get("checkpoint"), args.get("adapter", ""));
   const LoomConfig& config = source.config;
   if (args.has("text")) {
+    const auto tokenizer = model_tokenizer(config);  // refused before the weights are read
     auto backend = inference_backend(source, args.get("device", ""));
     const std::unique_ptr<Transformer> model = open_inference_model(source, *backend, args.has("f32-weights"));
-    return eval_text_main(args, source, *model);
+    return eval_text_main(args, source, *tokenizer, *model);
   }
   const std::string& step_dir = source.path;
   TokenDataset data = open_dataset(args.get("data", config.data.dir));

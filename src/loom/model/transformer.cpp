@@ -301,7 +301,20 @@ ActivationStore Transformer::allocate_store_for(int64_t batch, int64_t seq_len, 
   s.targets = act({B, T}, DTYPE_I32);
   const int64_t Ts = T / shards();  // the residual stream's positions on this rank
   s.blocks.resize(static_cast<size_t>(config_.n_layer));
+  // An inference model's store (no gradients: no backward reads the records) shares one layer's
+  // record among the layers, each keeping its own input (two alternating buffers) and qkv (the
+  // engine stores it in the KV cache after the forward): a forward holds one layer's activations.
+  const bool share = !grads_.defined() && !rows && !split_backward && first == 0 && !config_.mla() &&
+                     config_.moe_experts == 0 && recompute_.empty();
   for (int64_t l = first; l < last; ++l) {
+    if (share && l > 0 && blocks_[static_cast<size_t>(l)].plan().attention == blocks_.front().plan().attention &&
+        blocks_[static_cast<size_t>(l)].plan().mlp == blocks_.front().plan().mlp) {
+      BlockSaved b = s.blocks.front();
+      b.input = l >= 2 ? s.blocks[static_cast<size_t>(l - 2)].input : act(b.input.shape(), b.input.dtype());
+      if (b.attention.qkv.defined()) b.attention.qkv = act(b.attention.qkv.shape(), b.attention.qkv.dtype());
+      s.blocks[static_cast<size_t>(l)] = b;
+      continue;
+    }
     const RecomputePolicy keep = recompute && !recompute_.empty() ? recompute_[l] : RECOMPUTE_NONE;
     const MemCategory where = keep != RECOMPUTE_NONE && recompute_offload_ ? MEM_OFFLOADED : MEM_ACTIVATIONS;
     LayerPlan plan = blocks_[static_cast<size_t>(l)].plan();
