@@ -142,9 +142,8 @@ void CpuBackend::embedding_forward(const Tensor& tokens, const Tensor& table, co
   const auto [n_tokens, seq_len, channels] = check_embedding(op, tokens, table, positions, out);
   check_token_range(op, tokens, table.dim(0));
   if (table.dtype() == DTYPE_BF16) {
-    cpu::embedding_forward_bf16(tokens.data<int32_t>(), static_cast<const uint16_t*>(table.raw_data()),
-                                positions ? positions->data<float>() : nullptr, out.data<float>(), n_tokens, seq_len,
-                                channels);
+    cpu::embedding_forward(tokens.data<int32_t>(), table.data<bf16>(), positions ? positions->data<float>() : nullptr,
+                           out.data<float>(), n_tokens, seq_len, channels);
     return;
   }
   dispatch_float(table.dtype(), op, kBackend, [&]<typename T>() {

@@ -11,12 +11,13 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <cstring>
 #include <vector>
 
 #include "loom/backend/checks.h"
+#include "loom/backend/cpu/cpu_avx2.h"
 #include "loom/backend/cpu/cpu_gemm.h"
 #include "loom/backend/cpu/cpu_quant_ops.h"
+#include "loom/core/dtype.h"
 #include "loom/core/error.h"
 
 namespace loom::cpu {
@@ -25,23 +26,10 @@ namespace {
 constexpr int64_t kDirectRows = 16;
 constexpr int64_t kTileRows = 256;
 
-inline float hsum(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
-}
-
 // 8 bf16 values -> 8 f32 (exact).
 inline __m256 widen8(const uint16_t* p) {
   const __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
-}
-
-inline float widen1(uint16_t b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
 }
 
 // sums[r] = sum_c x[r, c] w[c] for NR input rows (K apart).
@@ -63,7 +51,7 @@ void dot_rows(const float* x, int64_t K, const uint16_t* w, float* sums) {
   }
   for (int r = 0; r < NR; ++r) {
     float s = hsum(_mm256_add_ps(a0[r], a1[r]));
-    for (int64_t k = c; k < K; ++k) s += x[r * K + k] * widen1(w[k]);
+    for (int64_t k = c; k < K; ++k) s += x[r * K + k] * bf16_to_f32(bf16{w[k]});
     sums[r] = s;
   }
 }
@@ -99,7 +87,7 @@ void tiled(const float* x, const uint16_t* w, float* y, int64_t N, int64_t O, in
       float* dst = tile.data() + r * K;
       int64_t c = 0;
       for (; c + 8 <= K; c += 8) _mm256_storeu_ps(dst + c, widen8(src + c));
-      for (; c < K; ++c) dst[c] = widen1(src[c]);
+      for (; c < K; ++c) dst[c] = bf16_to_f32(bf16{src[c]});
     }
     gemm_f32(false, true, N, rows, K, 1.0f, x, K, tile.data(), K, beta, y + o0, O);
   }

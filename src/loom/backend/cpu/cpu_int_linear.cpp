@@ -23,6 +23,7 @@
 #include <cstring>
 #include <vector>
 
+#include "loom/backend/cpu/cpu_avx2.h"
 #include "loom/backend/cpu/cpu_quant_ops.h"
 #include "loom/core/error.h"
 
@@ -32,12 +33,6 @@ namespace {
 constexpr int kRowBlock = 4;  // input rows multiplied with one decoded chunk of codes
 
 int64_t row_bytes(int bits, int64_t cols) { return bits == 8 ? cols : (bits == 4 ? cols / 2 : cols / 8 * 3); }
-
-inline float hsum(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
-}
 
 inline __m256 u8_to_f32(__m128i bytes8) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes8)); }
 

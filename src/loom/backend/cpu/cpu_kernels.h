@@ -6,7 +6,6 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -35,35 +34,25 @@ void column_sums_accumulate(const T* x, int64_t rows, int64_t cols, T* acc) {
   }
 }
 
-// out[n, c] = table[tokens[n], c] (+ positions[n % T, c]).
-template <typename T>
-void embedding_forward(const int32_t* tokens, const T* table, const T* positions, T* out, int64_t n_tokens,
+// out[n, c] = table[tokens[n], c] (+ positions[n % T, c]). S: the table's element, T or bf16 (a
+// checkpoint's embedding used in place, widened exactly into f32).
+template <typename T, typename S = T>
+void embedding_forward(const int32_t* tokens, const S* table, const T* positions, T* out, int64_t n_tokens,
                        int64_t seq_len, int64_t channels) {
+  const auto value = [](S v) -> T {
+    if constexpr (std::is_same_v<S, bf16>) return bf16_to_f32(v);
+    else return v;
+  };
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < n_tokens; ++n) {
-    const T* row = table + static_cast<int64_t>(tokens[n]) * channels;
+    const S* row = table + static_cast<int64_t>(tokens[n]) * channels;
     const T* pos = positions ? positions + (n % seq_len) * channels : nullptr;
     T* o = out + n * channels;
     if (pos) {
 #pragma omp simd
-      for (int64_t c = 0; c < channels; ++c) o[c] = row[c] + pos[c];
+      for (int64_t c = 0; c < channels; ++c) o[c] = value(row[c]) + pos[c];
     } else {
-      std::copy(row, row + channels, o);
-    }
-  }
-}
-
-// The same from a bf16 table (raw bits), each element widened exactly into f32.
-inline void embedding_forward_bf16(const int32_t* tokens, const uint16_t* table, const float* positions, float* out,
-                                   int64_t n_tokens, int64_t seq_len, int64_t channels) {
-#pragma omp parallel for schedule(static)
-  for (int64_t n = 0; n < n_tokens; ++n) {
-    const uint16_t* row = table + static_cast<int64_t>(tokens[n]) * channels;
-    const float* pos = positions ? positions + (n % seq_len) * channels : nullptr;
-    float* o = out + n * channels;
-    for (int64_t c = 0; c < channels; ++c) {
-      const float v = std::bit_cast<float>(static_cast<uint32_t>(row[c]) << 16);
-      o[c] = pos ? v + pos[c] : v;
+      std::transform(row, row + channels, o, value);
     }
   }
 }
