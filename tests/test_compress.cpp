@@ -25,6 +25,7 @@
 #include "loom/infer/engine.h"
 #include "kv_test_util.h"
 #include "loom/model/transformer.h"
+#include "loom/precision/formats.h"
 #include "loom/precision/gptq.h"
 #include "loom/precision/int_quant.h"
 #include "test_util.h"
@@ -74,6 +75,63 @@ TEST(IntQuant, RtnIsWithinHalfAStepAndCodesFitTheWidth) {
   EXPECT_NE(error_of([&] { (void)int_weight_spec(5, 64, rows, cols, false, "layer"); }).find("--bits 5"), std::string::npos);
   EXPECT_NE(error_of([&] { (void)int_weight_spec(4, 48, rows, cols, false, "layer"); }).find("--group 48"), std::string::npos);
   EXPECT_NE(error_of([&] { (void)int_weight_spec(4, 0, rows, cols, true, "layer"); }).find("W8A8 needs --bits 8"), std::string::npos);
+}
+
+// Compact storage (--scales f16, --symmetric): every scale is an f16 value, rounded up, and the
+// codes are chosen with it (within half a step of the stored scale: nothing clipped), symmetric groups share z = 2^(b-1)
+// with s = 2 max|x| / (2^b - 1) (AutoGPTQ's sym=True), and a file holds 2-byte scales and no
+// zero points. A scale beyond f16 is refused by name. GPTQ stores the same way.
+TEST(IntQuant, CompactStorageRoundsScalesToF16AndSharesTheZeroPoint) {
+  const int64_t rows = 8, cols = 256;
+  const std::vector<float> w = normal(rows * cols, 5, 0.1f);
+  for (int bits : {8, 4, 3}) {
+    for (const IntStorage storage : {IntStorage{.f16_scales = true}, IntStorage{.symmetric = true},
+                                     IntStorage{.f16_scales = true, .symmetric = true}}) {
+      const IntWeight q = rtn_quantize(w, int_weight_spec(bits, 32, rows, cols, false, "test"), storage);
+      EXPECT_EQ(q.storage, storage);
+      const std::vector<float> d = int_dequantize(q);
+      for (int64_t i = 0; i < rows * cols; ++i) {
+        const size_t g = static_cast<size_t>(i / 32);
+        const float s = q.scales[g];
+        if (storage.f16_scales) {
+          ASSERT_EQ(decode(FMT_FP16, encode(FMT_FP16, s, false)), s) << i;
+        }
+        if (storage.symmetric) {
+          ASSERT_EQ(q.zeros[g], 1 << (bits - 1)) << i;
+        }
+        // Symmetric: the largest magnitude may clamp at the top code, one step from it.
+        const float bound = storage.symmetric ? 1.0f * s : 0.5f * s;
+        ASSERT_LE(std::fabs(d[static_cast<size_t>(i)] - w[static_cast<size_t>(i)]), bound * (1 + 1e-5f)) << bits << " bits, " << i;
+      }
+      if (storage.symmetric) {  // s = 2 amax / (2^b - 1) of the first group
+        float amax = 0.0f;
+        for (int64_t c = 0; c < 32; ++c) amax = std::max(amax, std::fabs(w[static_cast<size_t>(c)]));
+        const float want = static_cast<float>(2.0 * amax / ((1 << bits) - 1));
+        EXPECT_GE(q.scales[0], want);
+        EXPECT_NEAR(q.scales[0], want, storage.f16_scales ? 1e-3f * want : 1e-7f * want);
+      }
+      const int64_t groups = rows * cols / 32;
+      EXPECT_EQ(q.stored_bytes(), rows * cols * bits / 8 + groups * (storage.f16_scales ? 2 : 4) + (storage.symmetric ? 0 : groups));
+    }
+  }
+  // ggml's Q4_0 size: 4 bits and an f16 scale per 32 weights, 18 bytes a block.
+  const IntWeight q40 = rtn_quantize(w, int_weight_spec(4, 32, rows, cols, false, "test"), {.f16_scales = true, .symmetric = true});
+  EXPECT_EQ(q40.stored_bytes(), rows * cols / 32 * 18);
+  // GPTQ with the same storage: f16 scales, shared zero points.
+  std::vector<double> h(static_cast<size_t>(cols * cols), 0.0);
+  for (int64_t i = 0; i < cols; ++i) h[static_cast<size_t>(i * cols + i)] = 1.0 + static_cast<double>(i % 7);
+  GptqOptions o;
+  o.storage = {.f16_scales = true, .symmetric = true};
+  const IntWeight g = gptq_quantize(w, h, int_weight_spec(4, 32, rows, cols, false, "test"), o);
+  for (size_t i = 0; i < g.scales.size(); ++i) {
+    ASSERT_EQ(decode(FMT_FP16, encode(FMT_FP16, g.scales[i], false)), g.scales[i]);
+    ASSERT_EQ(g.zeros[i], 8);
+  }
+  // Beyond f16's 65504: refused, naming the weight.
+  const std::vector<float> huge(static_cast<size_t>(32), 1e6f);
+  const IntWeight big = rtn_quantize(huge, int_weight_spec(4, 32, 1, 32, false, "test"), {.f16_scales = true});
+  EXPECT_NE(error_of([&] { check_stored_scales(big, "h.0.mlp.c_fc.weight"); }).find("h.0.mlp.c_fc.weight"), std::string::npos);
+  EXPECT_NE(error_of([&] { check_stored_scales(big, "x"); }).find("--scales f32"), std::string::npos);
 }
 
 struct OpCase {
@@ -349,6 +407,59 @@ TEST(QuantizedModel, ForwardAndDecodingEqualTheDequantizedWeightsInF32) {
       EXPECT_NE(error_of([&] { q.backward(sq, 1.0f); }).find("cannot be trained"), std::string::npos);
     }
   }
+}
+
+// Sequential calibration (compress/calibration.h) carries the hidden states from block to block:
+// with the weights unchanged, block 1's statistics are those of the whole model's forward (its
+// records of block 1's linear inputs), and the head's come from the final norm's output.
+TEST(SequentialCalibration, BlockStatisticsEqualTheWholeForwards) {
+  auto backend = make_cpu_backend();
+  const ModelConfig c = tiny_config(ARCH_LLAMA);
+  Transformer model(*backend, c);
+  model.init_weights(3);
+  const int64_t T = 8;
+  std::vector<std::vector<int32_t>> sequences;
+  for (int s = 0; s < 3; ++s) {
+    std::vector<int32_t> seq(static_cast<size_t>(T));
+    for (int64_t t = 0; t < T; ++t) seq[static_cast<size_t>(t)] = static_cast<int32_t>((s * 13 + t * 5) % c.vocab_size);
+    sequences.push_back(seq);
+  }
+  SequentialCalibration calibration(model, sequences, true);
+  (void)calibration.stats(0);
+  calibration.advance(0);
+  const std::map<std::string, InputStats> block1 = calibration.stats(1);
+  for (int64_t l = 1; l < c.n_layer; ++l) {
+    if (l > 1) (void)calibration.stats(l);
+    calibration.advance(l);
+  }
+  const std::map<std::string, InputStats> head = calibration.stats(c.n_layer);
+  // The whole forward of the three sequences at once.
+  ActivationStore store = model.allocate_store(3, T);
+  std::vector<int32_t> tokens;
+  for (const auto& s : sequences) tokens.insert(tokens.end(), s.begin(), s.end());
+  backend->write(store.tokens, tokens.data());
+  backend->write(store.targets, tokens.data());
+  model.forward(store, false);
+  const BlockSaved& b = store.blocks[1];
+  const std::vector<Transformer::LinearWeight> weights = layer_linear_weights(model, 1);
+  const Tensor inputs[] = {b.attention.norm.out, b.attention.attn, b.mlp.norm.out, b.mlp.act};
+  auto check = [&](const InputStats& st, const Tensor& x, const std::string& name) {
+    const int64_t K = static_cast<int64_t>(st.abs_sum.size()), rows = x.numel() / K;
+    ASSERT_EQ(st.rows, rows) << name;
+    const std::vector<double> v = test::values(*backend, x);
+    for (int64_t i = 0; i < K; ++i) {
+      double sum = 0.0;
+      for (int64_t r = 0; r < rows; ++r) sum += std::fabs(v[static_cast<size_t>(r * K + i)]);
+      ASSERT_NEAR(st.abs_sum[static_cast<size_t>(i)], sum, 1e-9 * std::max(1.0, sum)) << name << " " << i;
+      double h = 0.0;
+      for (int64_t r = 0; r < rows; ++r) h += v[static_cast<size_t>(r * K + i)] * v[static_cast<size_t>(r * K + (K - 1 - i))];
+      ASSERT_NEAR(st.hessian[static_cast<size_t>(i * K + (K - 1 - i))], h, 1e-4 * std::max(1.0, std::fabs(h))) << name << " " << i;
+    }
+  };
+  for (size_t i = 0; i < weights.size(); ++i) check(block1.at(weights[i].name), inputs[i], weights[i].name);
+  check(head.at(layer_linear_weights(model, c.n_layer)[0].name), store.final_norm, "head");
+  // Out of order: refused.
+  EXPECT_NE(error_of([&] { (void)calibration.stats(0); }).find("calibration"), std::string::npos);
 }
 
 TEST(QuantizedModel, FolderRoundTripsAndRejectsDamage) {

@@ -26,6 +26,7 @@
 #include "loom/infer/generate.h"
 #include "loom/model/transformer.h"
 #include "loom/train/model_source.h"
+#include "loom/train/quantize_run.h"
 #include "strict_backend.h"
 #include "test_util.h"
 
@@ -104,12 +105,9 @@ INSTANTIATE_TEST_SUITE_P(Families, HfImport,
 // ---------------------------------------------------------------- bf16 weights used in place
 
 // A fixture folder with every tensor stored as BF16 (rounded), for families whose fixture is f32.
-fs::path bf16_copy(const std::string& name) {
-  const fs::path out = fs::path(::testing::TempDir()) / ("hf_bf16_" + name);
-  fs::remove_all(out);
-  fs::create_directories(out);
-  fs::copy_file(fs::path(fixture(name)) / "config.json", out / "config.json");
-  const SafetensorsFile file = SafetensorsFile::read((fs::path(fixture(name)) / "model.safetensors").string());
+// The folder's model.safetensors rewritten with every tensor rounded to bf16.
+void to_bf16(const fs::path& from, const fs::path& out) {
+  const SafetensorsFile file = SafetensorsFile::read((from / "model.safetensors").string());
   CpuAllocator host;
   std::vector<std::pair<std::string, Tensor>> tensors;
   for (const std::string& t : file.names()) {
@@ -120,6 +118,14 @@ fs::path bf16_copy(const std::string& name) {
     tensors.emplace_back(t, b);
   }
   write_safetensors((out / "model.safetensors").string(), tensors, {{"format", "pt"}});
+}
+
+fs::path bf16_copy(const std::string& name) {
+  const fs::path out = fs::path(::testing::TempDir()) / ("hf_bf16_" + name);
+  fs::remove_all(out);
+  fs::create_directories(out);
+  fs::copy_file(fs::path(fixture(name)) / "config.json", out / "config.json");
+  to_bf16(fixture(name), out);
   return out;
 }
 
@@ -348,6 +354,123 @@ TEST(HfExportErrors, ModelsWithoutATransformersFamilyAreRefused) {
     EXPECT_NE(msg.find("export to a Hugging Face folder"), std::string::npos) << msg;
     EXPECT_NE(msg.find(c.expected), std::string::npos) << msg;
     EXPECT_FALSE(fs::exists(out / "model.safetensors"));
+  }
+}
+
+// A Llama-shaped bf16 Hugging Face folder of random weights whose every linear layer quantizes
+// (input widths multiples of 32): the fixture's config with intermediate_size 64.
+fs::path quantizable_bf16_folder(bool tied) {
+  ModelConfig c = hf_model_config(fixture("llama"));
+  c.d_ff = 64;
+  c.tie_embeddings = tied;
+  auto cpu = make_cpu_backend();
+  Transformer model(*cpu, c);
+  model.init_weights(11);
+  const fs::path f32 = fs::path(::testing::TempDir()) / (tied ? "hf_quant_src_f32_tied" : "hf_quant_src_f32");
+  const fs::path out = fs::path(::testing::TempDir()) / (tied ? "hf_quant_src_tied" : "hf_quant_src");
+  fs::remove_all(f32), fs::remove_all(out);
+  save_hf_model(f32.string(), ModelState{c, model.params()});
+  fs::create_directories(out);
+  fs::copy_file(f32 / "config.json", out / "config.json");
+  to_bf16(f32, out);
+  return out;
+}
+
+// Streaming quantization (train/quantize_run.h) reads a bf16 folder block by block into lazy
+// pages and writes each weight as it is made; its codes, scales and zeros are bitwise those of
+// quantize_model on the whole model loaded in f32 (every method, tied and untied heads), its
+// token embedding stays BF16 with the source's bits, and the folder it writes decodes as the
+// in-memory model does. A broken variant (a weight written otherwise than planned) is refused.
+TEST(HfStreamingQuantize, EqualsTheWholeModelsQuantizationAndKeepsTheEmbeddingInBf16) {
+  struct Case {
+    QuantMethod method;
+    int bits;
+    IntStorage storage;
+  };
+  const Case cases[] = {{QuantMethod::gptq, 4, {}},
+                        {QuantMethod::rtn, 4, {.f16_scales = true, .symmetric = true}},
+                        {QuantMethod::awq, 4, {.f16_scales = true}},
+                        {QuantMethod::smoothquant, 8, {}},
+                        {QuantMethod::gptq, 3, {.symmetric = true}}};
+  for (const bool tied : {false, true}) {
+    const fs::path dir = quantizable_bf16_folder(tied);
+    const ModelSource source = model_source(dir.string());
+    const ModelConfig& c = source.config.model;
+    std::vector<std::vector<int32_t>> sequences;
+    for (int s = 0; s < 6; ++s) {  // two batches, the second short
+      std::vector<int32_t> seq(16);
+      for (int t = 0; t < 16; ++t) seq[static_cast<size_t>(t)] = (s * 37 + t * 11 + t * t) % static_cast<int>(c.vocab_size);
+      sequences.push_back(seq);
+    }
+    for (const Case& k : cases) {
+      QuantizeOptions o;
+      o.method = k.method, o.bits = k.bits, o.group = 32, o.storage = k.storage, o.calib_seq_len = 16;
+      if (k.method == QuantMethod::smoothquant) o.group = 0;
+      const std::string what = str_cat(quant_method_name(k.method), " ", k.bits, tied ? " tied" : "");
+      const fs::path out = fs::path(::testing::TempDir()) / "hf_quant_out";
+      const QuantizeRunResult r = quantize_to_folder(source, o, sequences, out.string(), {});
+      EXPECT_EQ(r.total_params, build_param_layout(c).total) << what;
+      auto cpu = make_cpu_backend();
+      Transformer whole(*cpu, c);
+      load_weights(source, whole.params());
+      const std::map<std::string, IntWeight> expected = quantize_model(whole, sequences, o, {});
+      Transformer back(*cpu, c);
+      std::map<std::string, IntWeight> read;
+      CpuAllocator host;
+      const Tensor embedding = Tensor::empty(host, back.param(embedding_param_name(c)).shape(), DTYPE_BF16, MEM_WORKSPACE);
+      const nlohmann::json meta = read_quantized_model(out.string(), ModelState{c, back.params()}, read,
+                                                       {{embedding_param_name(c), embedding}});
+      EXPECT_EQ(meta.at("scales").get<std::string>(), k.storage.f16_scales ? "f16" : "f32") << what;
+      ASSERT_EQ(read.size(), expected.size()) << what;
+      int64_t stored = 0;
+      for (const auto& [name, q] : expected) {
+        const IntWeight& b = read.at(name);
+        EXPECT_EQ(b.codes, q.codes) << what << " " << name;
+        EXPECT_EQ(b.scales, q.scales) << what << " " << name;
+        EXPECT_EQ(b.zeros, q.zeros) << what << " " << name;
+        EXPECT_EQ(b.input_scale, q.input_scale) << what << " " << name;
+        stored += q.stored_bytes();
+        if (k.storage.symmetric) {
+          for (uint8_t z : b.zeros) ASSERT_EQ(z, 1 << (k.bits - 1)) << what;
+        }
+      }
+      EXPECT_EQ(r.stored_bytes, stored) << what;
+      // The embedding: BF16 in the file, the source's bits.
+      EXPECT_EQ(quantized_model_bf16_params(out.string()), std::vector<std::string>{embedding_param_name(c)}) << what;
+      HfWeightReader reader(dir.string(), c);
+      const Tensor original = Tensor::empty(host, embedding.shape(), DTYPE_BF16, MEM_WORKSPACE);
+      reader.read(embedding_param_name(c), original);
+      EXPECT_EQ(std::memcmp(original.raw_data(), embedding.raw_data(), embedding.nbytes()), 0) << what;
+      // The folder decodes as the in-memory quantized model (embedding widened exactly): the same logits.
+      Transformer ref(*cpu, c);
+      load_weights(source, ref.params());
+      ref.set_flash_attention(true);  // as an inference model's
+      ref.set_int_weights(std::map<std::string, IntWeight>(expected));
+      const std::unique_ptr<Transformer> served = open_inference_model(model_source(out.string()), *cpu);
+      EXPECT_EQ(served->bf16_weight_params(), embedding.numel()) << what;
+      ActivationStore a = test::next_token_store(ref, {3, 1, 4, 1, 5, 9}), b = test::next_token_store(*served, {3, 1, 4, 1, 5, 9});
+      ref.forward(a);
+      served->forward(b);
+      EXPECT_EQ(test::values(*cpu, a.logits), test::values(*cpu, b.logits)) << what;
+    }
+    // A writer refuses a weight quantized otherwise than planned, and an uncommitted folder is removed.
+    {
+      QuantizedModelPlan plan;
+      plan.model = c;
+      const std::string name = "model.layers.0.mlp.down_proj.weight";
+      plan.quantized[name] = {int_weight_spec(4, 32, c.d_model, c.d_ff, false, name), false};
+      const fs::path out = fs::path(::testing::TempDir()) / "hf_quant_refused";
+      fs::remove_all(out);
+      {
+        QuantizedModelWriter writer(out.string(), plan);
+        const std::vector<float> w(static_cast<size_t>(c.d_model * c.d_ff), 0.25f);
+        const IntWeight other = rtn_quantize(w, int_weight_spec(8, 32, c.d_model, c.d_ff, false, name));
+        EXPECT_NE(test::error_of([&] { writer.write_weight(name, other); }).find("otherwise than planned"), std::string::npos);
+        EXPECT_NE(test::error_of([&] { writer.commit("", {}); }).find("never written"), std::string::npos);
+      }
+      EXPECT_FALSE(fs::exists(out.string() + ".tmp"));
+      EXPECT_FALSE(fs::exists(out));
+    }
   }
 }
 

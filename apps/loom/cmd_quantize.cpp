@@ -7,6 +7,7 @@
 #include "cli.h"
 #include "commands.h"
 #include "loom/compress/quantize_model.h"
+#include "loom/train/quantize_run.h"
 #include "loom/core/error.h"
 #include "loom/data/tokenizer_files.h"
 
@@ -16,11 +17,13 @@ namespace {
 const char* kHelp =
     "usage: loom quantize --checkpoint PATH --method rtn|gptq|awq|smoothquant|w8a8 --out DIR\n"
     "                     [--bits 8|4|3] [--group G] [--calib FILE] [--calib-tokens N] [--act-order]\n"
-    "                     [--damp D] [--alpha A] [--no-head]\n"
+    "                     [--damp D] [--alpha A] [--no-head] [--scales f32|f16] [--symmetric]\n"
     "\n"
     "Quantizes every block's linear weights and the output layer of PATH (a Loom checkpoint or a\n"
     "Hugging Face folder) and writes a quantized model folder DIR that eval, generate and serve load:\n"
-    "packed integer codes with per-group scales and zero points (docs/compression.md).\n"
+    "packed integer codes with per-group scales and zero points (docs/compression.md). A Hugging\n"
+    "Face folder is streamed: one block's weights in memory at a time (the planned peak is printed\n"
+    "first), its token embedding kept in its dtype (BF16 stays BF16).\n"
     "  rtn          round to nearest per group of G input columns (default G = 128; 0: per row)\n"
     "  gptq         GPTQ from calibration activations (lazy batches of 128, --damp 0.01, --act-order)\n"
     "  awq          AWQ: an activation-aware per-channel scale searched on calibration activations\n"
@@ -44,7 +47,9 @@ int quantize_main(int argc, char** argv) {
                    {"act-order", "", "gptq: columns in order of decreasing activation energy"},
                    {"damp", "D", "gptq: dampening, a fraction of the Hessian's mean diagonal (default 0.01)"},
                    {"alpha", "A", "smoothquant: migration strength in [0, 1] (default 0.5)"},
-                   {"no-head", "", "keep the output layer in f32"}});
+                   {"no-head", "", "keep the output layer in f32 (or the source's bf16)"},
+                   {"scales", "f32|f16", "the groups' scale format (default f32; f16 as ggml's blocks)"},
+                   {"symmetric", "", "symmetric groups: no zero points stored (AutoGPTQ's sym=True)"}});
   LOOM_CHECK(args.has("checkpoint"), "loom quantize needs --checkpoint PATH");
   LOOM_CHECK(args.has("method"), "loom quantize needs --method rtn|gptq|awq|smoothquant|w8a8");
   LOOM_CHECK(args.has("out"), "loom quantize needs --out DIR");
@@ -69,54 +74,36 @@ int quantize_main(int argc, char** argv) {
   LOOM_CHECK(!quant_method_calibrates(o.method) || args.has("calib"), "--method ", args.get("method"),
              " needs calibration text: --calib FILE");
 
+  const std::string scales = args.get("scales", "f32");
+  LOOM_CHECK(scales == "f32" || scales == "f16", "--scales '", scales, "' is not a scale format: expected f32 or f16");
+  o.storage.f16_scales = scales == "f16";
+  o.storage.symmetric = args.has("symmetric");
+
   const ModelSource source = model_source(args.get("checkpoint"));
-  LOOM_CHECK(!source.quantized, source.path, " is already quantized: quantize the checkpoint it was made from");
   const LoomConfig& config = source.config;
-  LOOM_CHECK(!config.model.lora(), source.path, " has LoRA adapters: merge them first (loom convert --to hf)");
-  auto backend = make_cpu_backend();
-  Transformer model(*backend, config.model);
-  load_weights(source, model.params());
-  CpuAllocator host;
-  const Tensor original = Tensor::empty(host, model.params().shape(), DTYPE_F32, MEM_WORKSPACE);
-  backend->copy(model.params(), original);  // quantize_model writes dequantized block weights into the model
   o.calib_seq_len = std::min<int64_t>(256, config.model.max_seq_len);
   const std::vector<std::vector<int32_t>> sequences =
       quant_method_calibrates(o.method) ? calibration_sequences(args.get("calib"), args.get_int("calib-tokens", 8192), config, o.calib_seq_len)
-                                                 : std::vector<std::vector<int32_t>>{};
-  const auto start = std::chrono::steady_clock::now();
+                                        : std::vector<std::vector<int32_t>>{};
+  const QuantizeMemory m = quantize_memory_estimate(source, o, static_cast<int64_t>(sequences.size()));
+  std::printf("planned peak host memory %.2f GiB: f32 weights %.2f GiB (%s), quantization work %.2f, statistics %.2f, "
+              "calibration hidden states %.2f\n",
+              static_cast<double>(m.total()) / (1 << 30), static_cast<double>(m.weights) / (1 << 30),
+              m.streamed ? "streamed: one block, the embedding or the head at once" : "the whole checkpoint",
+              static_cast<double>(m.work) / (1 << 30), static_cast<double>(m.statistics) / (1 << 30),
+              static_cast<double>(m.hidden) / (1 << 30));
+  std::fflush(stdout);
   const bool verbose = stdout_is_terminal();
-  std::map<std::string, IntWeight> weights = quantize_model(model, sequences, o, [&](const std::string& line) {
+  const QuantizeRunResult r = quantize_to_folder(source, o, sequences, args.get("out"), [&](const std::string& line) {
     if (verbose) std::printf("  %s\n", line.c_str());
   });
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-
-  int64_t quantized = 0, stored = 0;
-  for (const auto& [name, q] : weights) quantized += q.spec.rows * q.spec.cols, stored += q.bytes();
-  const int64_t total = model.params().numel();
-  QuantizedModelContents contents;
-  contents.model = ModelState{config.model, original};
-  contents.weights = std::move(weights);
-  if (config.model.tied_head() && o.head) contents.also_f32.insert(model.linear_weights().back().name);
-  contents.quantization = {{"method", quant_method_name(o.method)},
-                           {"bits", o.bits},
-                           {"group", o.group},
-                           {"activations", w8a8 ? "int8" : "f32"},
-                           {"act_order", o.gptq.act_order},
-                           {"damp", o.gptq.damp},
-                           {"alpha", o.alpha},
-                           {"calib_tokens", static_cast<int64_t>(sequences.size()) * o.calib_seq_len},
-                           {"source", source.path}};
-  contents.config_text = config_to_toml(config);
-  contents.attached = tokenizer_attachments(config.data.tokenizer);
-  write_quantized_model(args.get("out"), contents);
-  int64_t rest = (total - quantized) * 4;
-  for (const std::string& name : contents.also_f32) rest += shape_numel(model.layout().find(name).shape) * 4;
   std::printf("wrote %s: %s %d-bit%s, %lld of %lld parameters quantized (%.1f MiB of codes, scales and zeros; "
-              "%.1f MiB in f32 before), %.1f MiB of f32 parameters kept; %.1f s\n",
+              "%.1f MiB in f32 before), %.1f MiB of plain parameters kept; model.safetensors %.1f MiB; %.1f s\n",
               args.get("out").c_str(), quant_method_name(o.method), o.bits,
-              o.group == 0 || w8a8 ? " per row" : str_cat(" groups of ", o.group).c_str(), static_cast<long long>(quantized),
-              static_cast<long long>(total), static_cast<double>(stored) / (1 << 20),
-              static_cast<double>(quantized) * 4 / (1 << 20), static_cast<double>(rest) / (1 << 20), seconds);
+              o.group == 0 || w8a8 ? " per row" : str_cat(" groups of ", o.group).c_str(),
+              static_cast<long long>(r.quantized_params), static_cast<long long>(r.total_params),
+              static_cast<double>(r.stored_bytes) / (1 << 20), static_cast<double>(r.quantized_params) * 4 / (1 << 20),
+              static_cast<double>(r.plain_bytes) / (1 << 20), static_cast<double>(r.file_bytes) / (1 << 20), r.seconds);
   return 0;
 }
 

@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
@@ -163,14 +164,57 @@ std::string checkpoint_dir_name(int64_t step);
 
 // A quantized model folder (loom quantize --out, docs/compression.md): a step folder without
 // optimizer state whose manifest has "kind": "quantized",
-//   model.safetensors  every parameter that is not quantized (F32, Loom's (out, in) layout), and
-//                      each quantized weight NAME as NAME.qweight, .scales, .zeros and the optional
-//                      .input_scale (precision/int_quant.h); metadata "quantization": the method,
-//                      bits, group and activation format as JSON, besides arch and model_config
+//   model.safetensors  every parameter that is not quantized (F32, Loom's (out, in) layout; a
+//                      bf16 source's token embedding as BF16), and each quantized weight NAME as
+//                      NAME.qweight, .scales (F32 or F16), .zeros (absent for symmetric groups)
+//                      and the optional .input_scale (precision/int_quant.h); metadata
+//                      "quantization": the method, bits, group, scales, symmetric and activation
+//                      format as JSON, besides arch and model_config
 //   trainer.json       the source's config text; extra.quantization
 //   tokenizer/...      the attached tokenizer files
 // written into <dir>.tmp and renamed into place (an existing folder is replaced only if it is a
 // quantized model itself).
+//
+// The folder's layout, fixed before any tensor is made (QuantizedModelWriter writes it tensor by
+// tensor as streaming quantization makes them).
+struct QuantizedModelPlan {
+  struct Weight {
+    IntWeightSpec spec;
+    bool input_scale = false;
+  };
+  ModelConfig model;
+  std::map<std::string, Weight> quantized;     // by parameter name
+  IntStorage storage;                          // f16 scales, symmetric groups
+  std::map<std::string, DType> plain_dtype;    // a plain parameter's dtype: F32 unless named (BF16)
+  std::set<std::string> also_plain;            // quantized parameters also written plain (a tied head's embedding)
+  nlohmann::json quantization;                 // {"method", "bits", "group", "activations", ...}
+};
+
+class QuantizedModelWriter {
+ public:
+  // Creates <dir>.tmp and model.safetensors' header; an existing `dir` must be a quantized model
+  // (it is replaced at commit).
+  QuantizedModelWriter(std::string dir, QuantizedModelPlan plan);
+  ~QuantizedModelWriter();  // not committed: <dir>.tmp removed
+  QuantizedModelWriter(const QuantizedModelWriter&) = delete;
+  QuantizedModelWriter& operator=(const QuantizedModelWriter&) = delete;
+  // The plain parameters write_plain expects, in layout order.
+  std::vector<std::string> plain_params() const;
+  // A plain parameter: a host tensor of its shape in the planned dtype.
+  void write_plain(const std::string& name, const Tensor& host);
+  // A quantized weight, as planned (spec, storage, input scale).
+  void write_weight(const std::string& name, const IntWeight& q);
+  // Checks every tensor was written, writes trainer.json (config_text, extra.quantization) and
+  // the attachments, and commits the folder.
+  void commit(const std::string& config_text, const std::vector<std::pair<std::string, std::string>>& attached);
+  uint64_t model_file_bytes() const;
+
+ private:
+  struct State;
+  std::unique_ptr<State> s_;
+};
+
+// A whole quantized model in memory, written at once (through QuantizedModelWriter).
 struct QuantizedModelContents {
   ModelState model;  // every parameter; the quantized ones' elements are not written
   std::map<std::string, IntWeight> weights;
@@ -184,7 +228,13 @@ struct QuantizedModelContents {
 void write_quantized_model(const std::string& dir, const QuantizedModelContents& contents);
 bool is_quantized_model(const std::string& path);
 // Checks the manifest and every tensor, then fills model.params' f32 parameters (every one the
-// file holds in f32: the unquantized ones and a tied head's embedding) and `weights`; returns the quantization metadata. Errors name the file and the tensor.
-nlohmann::json read_quantized_model(const std::string& dir, const ModelState& model, std::map<std::string, IntWeight>& weights);
+// file holds plain, BF16 ones widened) and `weights` (F16 scales widened, a symmetric format's
+// zero points filled in); the plain parameters named in `bf16` that the file holds as BF16 go
+// into those host bf16 tensors instead (used in place, train/model_source.h). Returns the
+// quantization metadata. Errors name the file and the tensor.
+nlohmann::json read_quantized_model(const std::string& dir, const ModelState& model, std::map<std::string, IntWeight>& weights,
+                                    const std::map<std::string, Tensor>& bf16 = {});
+// The parameters the folder stores plain as BF16.
+std::vector<std::string> quantized_model_bf16_params(const std::string& dir);
 
 }  // namespace loom

@@ -339,61 +339,81 @@ ModelConfig hf_model_config(const std::string& dir) {
 void load_hf_weights(const std::string& dir, const ModelState& model) { load_hf_weights(dir, model, {}); }
 
 bool hf_stored_as_bf16(const std::string& dir, const ModelConfig& config, const std::vector<std::string>& names) {
-  const HfFamily family = read_hf_config((fs::path(dir) / kConfigFile).string()).family;
-  const HfTensors files{fs::path(dir)};
-  const ParamLayout layout = build_param_layout(config);
+  const HfWeightReader reader(dir, config);
   for (const std::string& name : names) {
-    const std::vector<Piece> pieces = pieces_of(config, family, layout.find(name));
-    if (pieces.empty()) return false;
-    for (const Piece& piece : pieces) {
-      std::string stored;
-      const SafetensorsFile* file = files.find(piece.name, &stored);
-      if (file == nullptr || file->stored_dtype(stored) != "BF16") return false;
-    }
+    if (!reader.stored_as_bf16(name)) return false;
   }
   return true;
 }
 
+struct HfWeightReader::State {
+  fs::path dir;
+  ModelConfig config;
+  HfFamily family;
+  HfTensors files;
+  ParamLayout layout;
+};
+
+HfWeightReader::HfWeightReader(const std::string& dir, const ModelConfig& c)
+    : s_(std::make_unique<State>(State{fs::path(dir), c, read_hf_config((fs::path(dir) / kConfigFile).string()).family,
+                                       HfTensors{fs::path(dir)}, build_param_layout(c)})) {
+  check_hf_tensors(s_->dir, HfConfig{s_->family, c}, s_->files);
+  // Every tensor of the folder is a parameter's (or a known buffer), before anything is read.
+  std::set<std::string> used;
+  for (const ParamSpec& spec : s_->layout.params) {
+    for (const Piece& piece : pieces_of(c, s_->family, spec)) {
+      std::string stored;
+      if (s_->files.find(piece.name, &stored) != nullptr) used.insert(stored);
+    }
+  }
+  std::string head;
+  if (c.tied_head() && s_->files.find("lm_head.weight", &head) != nullptr) used.insert(head);  // compared in read()
+  for (const std::string& name : s_->files.names()) {
+    LOOM_CHECK(used.count(name) || is_buffer(name) || is_extra_layer(name, c, s_->family), s_->files.describe(),
+               ": tensor '", name, "' is not a parameter of a ", arch_name(c.arch), " model with this config.json");
+  }
+}
+
+HfWeightReader::~HfWeightReader() = default;
+
+bool HfWeightReader::stored_as_bf16(const std::string& name) const {
+  const std::vector<Piece> pieces = pieces_of(s_->config, s_->family, s_->layout.find(name));
+  if (pieces.empty()) return false;
+  for (const Piece& piece : pieces) {
+    std::string stored;
+    const SafetensorsFile* file = s_->files.find(piece.name, &stored);
+    if (file == nullptr || file->stored_dtype(stored) != "BF16") return false;
+  }
+  return true;
+}
+
+void HfWeightReader::read(const std::string& name, const Tensor& dst) const {
+  const ModelConfig& c = s_->config;
+  const ParamSpec& spec = s_->layout.find(name);
+  const bool wide = dst.dtype() == DTYPE_F32;
+  LOOM_CHECK(dst.device() == DEVICE_CPU && dst.shape() == spec.shape && (wide || dst.dtype() == DTYPE_BF16), name,
+             ": read into a host f32 or bf16 tensor of shape ", shape_str(spec.shape), ", got ", dst.describe());
+  LOOM_CHECK(wide || !deepseek(s_->family), name, ": DeepSeek's permuted RoPE rows are read in f32 only");
+  const std::vector<Piece> pieces = pieces_of(c, s_->family, spec);
+  if (pieces.empty()) std::memset(dst.raw_data(), 0, dst.nbytes());  // (DeepSeek-V2's absent routing bias)
+  std::set<std::string> used;
+  int64_t row = 0;
+  for (const Piece& piece : pieces) {
+    copy_piece(s_->files, piece, spec, dst, row, used);
+    row += piece.rows;
+  }
+  if (deepseek(s_->family)) permute_deepseek_rope_rows(c, deepseek_rope_starts(c, spec.name), dst, true);
+  if (c.tied_head() && name == embedding_param_name(c)) check_tied_head(s_->files, dst, used);
+}
+
 void load_hf_weights(const std::string& dir, const ModelState& model, const std::map<std::string, Tensor>& bf16) {
-  const ModelConfig& c = model.config;
-  const HfFamily family = read_hf_config((fs::path(dir) / kConfigFile).string()).family;
-  const HfTensors files{fs::path(dir)};
-  check_hf_tensors(fs::path(dir), HfConfig{family, c}, files);
-  const ParamLayout layout = build_param_layout(c);
+  const HfWeightReader reader(dir, model.config);
+  const ParamLayout layout = build_param_layout(model.config);
   LOOM_CHECK(model.params.numel() == layout.total, "load_hf_weights: a parameter buffer of ", model.params.numel(),
              " floats for a model of ", layout.total);
-  std::set<std::string> used;
   for (const ParamSpec& spec : layout.params) {
-    if (auto it = bf16.find(spec.name); it != bf16.end()) {
-      LOOM_CHECK(!deepseek(family) && it->second.dtype() == DTYPE_BF16 && it->second.shape() == spec.shape, spec.name,
-                 ": a bf16 destination must be bf16", shape_str(spec.shape), " (not DeepSeek's permuted rows), got ",
-                 it->second.describe());
-      int64_t row = 0;
-      for (const Piece& piece : pieces_of(c, family, spec)) {
-        copy_piece(files, piece, spec, it->second, row, used);
-        row += piece.rows;
-      }
-      continue;
-    }
-    const Tensor dst = model.params.view(spec.offset, spec.shape);
-    const std::vector<Piece> pieces = pieces_of(c, family, spec);
-    if (pieces.empty()) std::memset(dst.data<float>(), 0, static_cast<size_t>(dst.numel()) * sizeof(float));
-    int64_t row = 0;
-    for (const Piece& piece : pieces) {
-      copy_piece(files, piece, spec, dst, row, used);
-      row += piece.rows;
-    }
-    if (deepseek(family)) permute_deepseek_rope_rows(c, deepseek_rope_starts(c, spec.name), dst, true);
-  }
-  if (c.tied_head()) {
-    const ParamSpec& embedding = layout.find(embedding_param_name(c));
-    const auto in_place = bf16.find(embedding.name);
-    check_tied_head(files, in_place != bf16.end() ? in_place->second : model.params.view(embedding.offset, embedding.shape),
-                    used);
-  }
-  for (const std::string& name : files.names()) {
-    LOOM_CHECK(used.count(name) || is_buffer(name) || is_extra_layer(name, c, family), files.describe(), ": tensor '",
-               name, "' is not a parameter of a ", arch_name(c.arch), " model with this config.json");
+    const auto it = bf16.find(spec.name);
+    reader.read(spec.name, it != bf16.end() ? it->second : model.params.view(spec.offset, spec.shape));
   }
 }
 

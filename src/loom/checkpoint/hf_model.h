@@ -28,6 +28,7 @@
 // misshapen tensor names the file and the tensor.
 #pragma once
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -51,6 +52,25 @@ void load_hf_weights(const std::string& dir, const ModelState& model);
 void load_hf_weights(const std::string& dir, const ModelState& model, const std::map<std::string, Tensor>& bf16);
 // Whether every tensor the folder holds for each named parameter is stored as BF16.
 bool hf_stored_as_bf16(const std::string& dir, const ModelConfig& config, const std::vector<std::string>& names);
+
+// A folder's parameters read one at a time (streaming quantization holds one block at once;
+// load_hf_weights reads them all). The constructor checks the config against the tensors and
+// that every tensor of the folder belongs to a parameter (or is a known buffer), before anything
+// is read; read() copies one parameter into a host tensor of its shape: f32 (widened exactly),
+// or bf16 as stored (BF16 tensors only), dropping the pages of the file it read. A tied model's
+// lm_head.weight, if the folder has one, is compared with the embedding when that is read.
+class HfWeightReader {
+ public:
+  HfWeightReader(const std::string& dir, const ModelConfig& config);
+  ~HfWeightReader();
+  void read(const std::string& name, const Tensor& dst) const;
+  // Whether every tensor of the parameter is stored as BF16.
+  bool stored_as_bf16(const std::string& name) const;
+
+ private:
+  struct State;
+  std::unique_ptr<State> s_;
+};
 
 // Writes config.json and model.safetensors of `model` into `dir` (created; the files are
 // written to temporary names, synced and renamed, so an interrupted export leaves no partial file).

@@ -281,3 +281,66 @@ void write_safetensors(const std::string& path, const std::vector<std::pair<std:
 }
 
 }  // namespace loom
+
+namespace loom {
+
+namespace {
+
+void pwrite_all(int fd, const void* data, size_t n, uint64_t at, const std::string& path, const std::string& what) {
+  const char* p = static_cast<const char*>(data);
+  while (n > 0) {
+    const ssize_t w = ::pwrite(fd, p, n, static_cast<off_t>(at));
+    LOOM_CHECK(w > 0 || errno == EINTR, path, ": writing ", what, " failed (", std::strerror(errno), ")");
+    if (w > 0) p += w, n -= static_cast<size_t>(w), at += static_cast<uint64_t>(w);
+  }
+}
+
+}  // namespace
+
+SafetensorsWriter::SafetensorsWriter(std::string path, const std::vector<Entry>& entries,
+                                     const std::map<std::string, std::string>& metadata)
+    : path_(std::move(path)) {
+  nlohmann::json header = nlohmann::json::object();
+  if (!metadata.empty()) header["__metadata__"] = metadata;
+  uint64_t offset = 0;
+  for (const Entry& e : entries) {
+    LOOM_CHECK(!slots_.count(e.name), path_, ": tensor '", e.name, "' declared twice");
+    uint64_t bytes = stored_size(e.dtype, path_, e.name);
+    for (int64_t d : e.shape) bytes *= static_cast<uint64_t>(d);
+    header[e.name] = {{"dtype", e.dtype}, {"shape", e.shape}, {"data_offsets", {offset, offset + bytes}}};
+    slots_[e.name] = Slot{offset, bytes, false};
+    offset += bytes;
+  }
+  std::string text = header.dump();
+  text.append((8 - text.size() % 8) % 8, ' ');  // data starts 8-byte aligned
+  const uint64_t header_bytes = text.size();
+  for (auto& [name, slot] : slots_) slot.offset += 8 + header_bytes;
+  file_bytes_ = 8 + header_bytes + offset;
+  fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  LOOM_CHECK(fd_ >= 0, path_, ": cannot create (", std::strerror(errno), ")");
+  pwrite_all(fd_, &header_bytes, 8, 0, path_, "the header");
+  pwrite_all(fd_, text.data(), text.size(), 8, path_, "the header");
+}
+
+SafetensorsWriter::~SafetensorsWriter() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void SafetensorsWriter::write(const std::string& name, const void* data, size_t bytes) {
+  auto it = slots_.find(name);
+  LOOM_CHECK(it != slots_.end(), path_, ": tensor '", name, "' was not declared");
+  Slot& slot = it->second;
+  LOOM_CHECK(!slot.written, path_, ": tensor '", name, "' written twice");
+  LOOM_CHECK(bytes == slot.bytes, path_, ": tensor '", name, "' is ", slot.bytes, " bytes, got ", bytes);
+  pwrite_all(fd_, data, bytes, slot.offset, path_, str_cat("tensor '", name, "'"));
+  slot.written = true;
+}
+
+void SafetensorsWriter::close() {
+  for (const auto& [name, slot] : slots_) LOOM_CHECK(slot.written, path_, ": tensor '", name, "' was never written");
+  LOOM_CHECK(::fsync(fd_) == 0, path_, ": fsync failed (", std::strerror(errno), ")");
+  LOOM_CHECK(::close(fd_) == 0, path_, ": close failed (", std::strerror(errno), ")");
+  fd_ = -1;
+}
+
+}  // namespace loom

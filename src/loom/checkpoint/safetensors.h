@@ -78,6 +78,40 @@ class SafetensorsFile {
   size_t data_offset_ = 0;              // 8 + N
 };
 
+// A safetensors file written entry by entry (a quantized model made block by block, holding
+// only the tensor being written): every entry (name, the format's dtype name, shape) is declared
+// up front, so the header and each entry's offset are fixed before any data; write() puts one
+// entry's bytes at its offset; close() checks every entry was written once and fsyncs. The
+// file is written where it will stay (the caller's folder is temporary and committed whole);
+// an unclosed writer leaves an incomplete file that no reader accepts (its data is short).
+class SafetensorsWriter {
+ public:
+  struct Entry {
+    std::string name;
+    std::string dtype;  // "F32", "F16", "BF16", "U8", ...
+    Shape shape;
+  };
+  SafetensorsWriter(std::string path, const std::vector<Entry>& entries, const std::map<std::string, std::string>& metadata);
+  ~SafetensorsWriter();
+  SafetensorsWriter(const SafetensorsWriter&) = delete;
+  SafetensorsWriter& operator=(const SafetensorsWriter&) = delete;
+  bool has(const std::string& name) const { return slots_.count(name) != 0; }
+  // The entry's bytes (exactly its size; once).
+  void write(const std::string& name, const void* data, size_t bytes);
+  void close();
+  uint64_t file_bytes() const { return file_bytes_; }
+
+ private:
+  struct Slot {
+    uint64_t offset = 0, bytes = 0;
+    bool written = false;
+  };
+  std::string path_;
+  int fd_ = -1;
+  std::map<std::string, Slot> slots_;
+  uint64_t file_bytes_ = 0;
+};
+
 // Writes host tensors atomically: a temporary file in the same folder, fsync, rename.
 void write_safetensors(const std::string& path, const std::vector<std::pair<std::string, Tensor>>& tensors,
                        const std::map<std::string, std::string>& metadata);

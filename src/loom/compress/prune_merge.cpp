@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdio>
 #include <numeric>
+#include <optional>
 
 #include "loom/compress/quantize_model.h"
 #include "loom/core/error.h"
@@ -71,9 +72,12 @@ std::pair<int64_t, int64_t> prune_model(Transformer& model, const std::vector<st
              o.method == PruneMethod::wanda ? "wanda" : "sparsegpt", " needs calibration text (--calib FILE)");
   Backend& backend = model.backend();
   int64_t zeroed = 0, total = 0;
-  for (int64_t layer = 0; layer < model.config().n_layer; ++layer) {
+  std::optional<SequentialCalibration> calibration;
+  if (o.method != PruneMethod::magnitude) calibration.emplace(model, sequences, o.method == PruneMethod::sparsegpt);
+  const int64_t L = model.config().n_layer;
+  for (int64_t layer = 0; layer < L; ++layer) {
     std::map<std::string, InputStats> stats;
-    if (o.method != PruneMethod::magnitude) stats = calibration_stats(model, sequences, layer, o.method == PruneMethod::sparsegpt);
+    if (calibration) stats = calibration->stats(layer);
     for (const Transformer::LinearWeight& lw : layer_linear_weights(model, layer)) {
       const int64_t rows = lw.weight.dim(0), cols = lw.weight.dim(1);
       LOOM_CHECK(o.m == 0 || cols % o.m == 0, lw.name, ": ", cols, " input columns, not a multiple of the pattern's ", o.m);
@@ -100,6 +104,7 @@ std::pair<int64_t, int64_t> prune_model(Transformer& model, const std::vector<st
         progress(line);
       }
     }
+    if (calibration && layer + 1 < L) calibration->advance(layer);  // the next block's inputs, after this one's pruning
   }
   return {zeroed, total};
 }

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdio>
 #include <limits>
+#include <optional>
 
 #include "loom/core/error.h"
 
@@ -74,7 +75,7 @@ std::vector<float> scale_columns(const std::vector<float>& w, int64_t cols, cons
 }
 
 IntWeight awq_quantize(Backend& backend, const std::vector<float>& w, const InputStats& st, const IntWeightSpec& spec,
-                       int grid, double& best_ratio) {
+                       int grid, const IntStorage& storage, double& best_ratio) {
   const int64_t K = spec.cols, S = static_cast<int64_t>(st.sample.size()) / K;
   LOOM_CHECK(S > 0, "awq: no calibration rows");
   const Tensor x = host_tensor(backend, st.sample, {S, K});
@@ -95,8 +96,8 @@ IntWeight awq_quantize(Backend& backend, const std::vector<float>& w, const Inpu
     const float norm = std::sqrt(hi * lo);
     std::vector<float> inv(static_cast<size_t>(K));
     for (int64_t j = 0; j < K; ++j) s[static_cast<size_t>(j)] /= norm, inv[static_cast<size_t>(j)] = 1.0f / s[static_cast<size_t>(j)];
-    IntWeight q = rtn_quantize(scale_columns(w, K, s), spec);
-    if (k > 0) q.input_scale = inv;  // ratio 0: s = 1, plain RTN
+    IntWeight q = rtn_quantize(scale_columns(w, K, s), spec, storage);
+    q.input_scale = inv;  // ratio 0: s = 1, plain RTN (kept, so every AWQ weight has one)
     const double err = mean_square_diff(product(backend, x, effective_weight(q), spec.rows, K), reference);
     if (err < best) best = err, best_q = std::move(q), best_ratio = ratio;
   }
@@ -121,13 +122,20 @@ IntWeight smooth_quantize(const std::vector<float>& w, const InputStats& st, con
   return q;
 }
 
-}  // namespace
-
-std::vector<Transformer::LinearWeight> layer_linear_weights(Transformer& model, int64_t layer) {
-  std::vector<Transformer::LinearWeight> all = model.linear_weights();
-  if (layer == model.config().n_layer) return {all.back()};
-  return {all.begin() + layer * 4, all.begin() + layer * 4 + 4};
+// Rows appended to a weight quantized in row chunks (codes, scales and zeros are row-major).
+void append_rows(IntWeight& q, IntWeight&& part) {
+  if (q.codes.empty()) {
+    q = std::move(part);
+    return;
+  }
+  q.codes.insert(q.codes.end(), part.codes.begin(), part.codes.end());
+  q.scales.insert(q.scales.end(), part.scales.begin(), part.scales.end());
+  q.zeros.insert(q.zeros.end(), part.zeros.begin(), part.zeros.end());
 }
+
+constexpr int64_t kRowChunk = 4096;  // rows a row-wise method quantizes at once
+
+}  // namespace
 
 std::vector<float> effective_weight(const IntWeight& q) {
   std::vector<float> w = int_dequantize(q);
@@ -137,117 +145,107 @@ std::vector<float> effective_weight(const IntWeight& q) {
   return w;
 }
 
-std::map<std::string, InputStats> calibration_stats(Transformer& model, const std::vector<std::vector<int32_t>>& sequences,
-                                                    int64_t layer, bool hessian) {
-  LOOM_CHECK(!sequences.empty(), "calibration: no sequences");
-  Backend& backend = model.backend();
-  const int64_t L = model.config().n_layer, T = static_cast<int64_t>(sequences[0].size());
-  const std::vector<Transformer::LinearWeight> weights = layer_linear_weights(model, layer);
-  std::map<std::string, InputStats> stats;
-  for (const Transformer::LinearWeight& lw : weights) {
-    const int64_t K = lw.weight.dim(1);
-    InputStats& st = stats[lw.name];
-    st.abs_sum.assign(static_cast<size_t>(K), 0.0);
-    st.abs_max.assign(static_cast<size_t>(K), 0.0);
-    st.sq_sum.assign(static_cast<size_t>(K), 0.0);
-    if (hessian) st.hessian.assign(static_cast<size_t>(K * K), 0.0);
+std::vector<std::vector<std::string>> quantize_load_units(const Transformer& model) {
+  const int64_t L = model.config().n_layer;
+  const std::vector<RangeSet>& units = model.param_units();
+  std::vector<std::vector<std::string>> out(static_cast<size_t>(L + 3));
+  for (const ParamSpec& p : model.layout().params) {
+    const RangeSet own = RangeSet::span(p.offset, p.offset + p.numel);
+    size_t unit = 0;
+    while (unit < units.size() && own.intersect(units[unit]).empty()) ++unit;
+    LOOM_CHECK(unit < units.size(), p.name, ": in no unit of the layout");
+    if (unit > 0) out[unit].push_back(p.name);
+    else if (p.role == ROLE_EMBEDDING) out[0].push_back(p.name);
+    else if (p.role == ROLE_HEAD) out[static_cast<size_t>(L + 2)].push_back(p.name);
+    else out[static_cast<size_t>(L + 1)].push_back(p.name);
   }
-  constexpr int64_t kBatch = 4;
-  const int64_t batches = (static_cast<int64_t>(sequences.size()) + kBatch - 1) / kBatch;
-  const int64_t per_batch_sample = std::max<int64_t>(1, InputStats::kSampleRows / batches);
-  ActivationStore store;
-  for (int64_t b = 0; b < batches; ++b) {
-    const int64_t first = b * kBatch, n = std::min<int64_t>(kBatch, static_cast<int64_t>(sequences.size()) - first);
-    if (store.batch != n) store = model.allocate_store(n, T);  // once, and again for a shorter last batch
-    std::vector<int32_t> tokens(static_cast<size_t>(n * T));
-    for (int64_t i = 0; i < n; ++i) {
-      LOOM_CHECK(static_cast<int64_t>(sequences[static_cast<size_t>(first + i)].size()) == T, "calibration: sequences of unequal length");
-      std::copy(sequences[static_cast<size_t>(first + i)].begin(), sequences[static_cast<size_t>(first + i)].end(), tokens.begin() + i * T);
-    }
-    backend.write(store.tokens, tokens.data());
-    backend.write(store.targets, tokens.data());  // unused (no loss), but valid ids
-    model.forward_stage(store, 0, layer < L ? layer + 1 : L, false);
-    std::vector<Tensor> inputs;
-    if (layer < L) {
-      const BlockSaved& s = store.blocks[static_cast<size_t>(layer)];
-      inputs = {s.attention.norm.out, s.attention.attn, s.mlp.norm.out, s.mlp.act};
-    } else {
-      inputs = {store.final_norm};
-    }
-    for (size_t i = 0; i < weights.size(); ++i) {
-      const int64_t K = weights[i].weight.dim(1), rows = n * T;
-      const Tensor x = inputs[i].view(0, {rows, K});
-      InputStats& st = stats[weights[i].name];
-      if (hessian) {  // this batch's x^T x by the f32 GEMM, summed over batches in double (AutoGPTQ sums in f32)
-        Tensor h = Tensor::empty(backend.allocator(), {K, K}, DTYPE_F32, MEM_WORKSPACE);
-        GemmSpec spec;
-        spec.trans_a = true;
-        backend.gemm(x, x, h, spec);
-        const std::vector<float> part = read_host(backend, h);
-        for (size_t e = 0; e < part.size(); ++e) st.hessian[e] += part[e];
-      }
-      const std::vector<float> host = read_host(backend, x);
-      for (int64_t r = 0; r < rows; ++r) {
-        const float* row = host.data() + r * K;
-        for (int64_t j = 0; j < K; ++j) {
-          const double v = row[j];
-          st.abs_sum[static_cast<size_t>(j)] += std::fabs(v);
-          st.abs_max[static_cast<size_t>(j)] = std::max(st.abs_max[static_cast<size_t>(j)], std::fabs(v));
-          st.sq_sum[static_cast<size_t>(j)] += v * v;
-        }
-      }
-      const int64_t take = std::min(per_batch_sample, rows), stride = rows / take;
-      for (int64_t k = 0; k < take && static_cast<int64_t>(st.sample.size()) < InputStats::kSampleRows * K; ++k) {
-        st.sample.insert(st.sample.end(), host.begin() + k * stride * K, host.begin() + (k * stride + 1) * K);
-      }
-      st.rows += rows;
-    }
-  }
-  return stats;
+  return out;
 }
 
 std::map<std::string, IntWeight> quantize_model(Transformer& model, const std::vector<std::vector<int32_t>>& sequences,
                                                 const QuantizeOptions& o,
-                                                const std::function<void(const std::string&)>& progress) {
+                                                const std::function<void(const std::string&)>& progress,
+                                                const QuantizeStream& stream) {
   Backend& backend = model.backend();
   const int64_t L = model.config().n_layer;
   const bool act_int8 = o.method == QuantMethod::smoothquant || o.method == QuantMethod::w8a8;
-  LOOM_CHECK(!quant_method_calibrates(o.method) || !sequences.empty(), "--method ", quant_method_name(o.method),
+  const bool calibrates = quant_method_calibrates(o.method);
+  LOOM_CHECK(!calibrates || !sequences.empty(), "--method ", quant_method_name(o.method),
              " needs calibration text (--calib FILE)");
+  LOOM_CHECK(!act_int8 || o.storage == IntStorage{}, "--method ", quant_method_name(o.method),
+             " stores int8 weights with f32 per-row scales: drop --scales f16 and --symmetric");
   // Every layer's shape against bits and group before any work.
   for (const Transformer::LinearWeight& lw : model.linear_weights()) {
     (void)int_weight_spec(o.bits, o.group, lw.weight.dim(0), lw.weight.dim(1), act_int8, lw.name);
   }
+  const std::vector<std::vector<std::string>> units = quantize_load_units(model);
+  const size_t final_norm = static_cast<size_t>(L + 1), head = model.config().tied_head() ? 0 : static_cast<size_t>(L + 2);
+  auto load = [&](size_t unit) {
+    if (stream.load && !units[unit].empty()) stream.load(units[unit]);
+  };
+  auto release = [&](size_t unit) {
+    if (stream.release && !units[unit].empty()) stream.release(units[unit]);
+  };
+  std::optional<SequentialCalibration> calibration;
+  if (calibrates) {
+    calibration.emplace(model, sequences, o.method == QuantMethod::gptq);
+    load(0);  // block 0's forward starts with the embedding
+  }
+  GptqOptions gptq = o.gptq;
+  gptq.storage = o.storage;
   std::map<std::string, IntWeight> out;
   for (int64_t layer = 0; layer <= L; ++layer) {
     if (layer == L && !o.head) break;
+    const bool last_block = layer == L - 1;
+    load(layer < L ? static_cast<size_t>(layer + 1) : head);
+    if (calibrates && last_block) load(final_norm);  // the last block's forward ends with the final norm
     std::map<std::string, InputStats> stats;
-    if (quant_method_calibrates(o.method)) stats = calibration_stats(model, sequences, layer, o.method == QuantMethod::gptq);
+    if (calibrates) stats = calibration->stats(layer);
     for (const Transformer::LinearWeight& lw : layer_linear_weights(model, layer)) {
       const int64_t rows = lw.weight.dim(0), cols = lw.weight.dim(1);
       const IntWeightSpec spec = int_weight_spec(o.bits, o.group, rows, cols, act_int8, lw.name);
-      const std::vector<float> w = read_host(backend, lw.weight);
-      IntWeight q;
       std::string note;
-      switch (o.method) {
-        case QuantMethod::rtn:
-        case QuantMethod::w8a8: q = rtn_quantize(w, spec); break;
-        case QuantMethod::gptq: q = gptq_quantize(w, stats.at(lw.name).hessian, spec, o.gptq); break;
-        case QuantMethod::awq: {
-          double ratio = 0.0;
-          q = awq_quantize(backend, w, stats.at(lw.name), spec, o.awq_grid, ratio);
-          note = str_cat(", ratio ", ratio);
-          break;
+      double num = 0.0, den = 0.0;  // |deq - w|^2, |w|^2
+      IntWeight q;
+      std::optional<GptqFactor> factor;
+      if (o.method == QuantMethod::gptq) {
+        factor = gptq_factor(stats.at(lw.name).hessian, cols, gptq);
+        std::vector<double>().swap(stats.at(lw.name).hessian);  // U replaces it
+      }
+      // Row-wise methods (rtn, w8a8, gptq) run on chunks of rows, so a large weight (a 128k
+      // head) never has its whole f32, dequantized and double copies at once; AWQ and
+      // SmoothQuant choose per-column scales from the whole weight.
+      const bool row_wise = o.method == QuantMethod::rtn || o.method == QuantMethod::w8a8 || o.method == QuantMethod::gptq;
+      const int64_t chunk = row_wise ? kRowChunk : rows;
+      for (int64_t r0 = 0; r0 < rows; r0 += chunk) {
+        const int64_t n = std::min(chunk, rows - r0);
+        const Tensor view = lw.weight.view(r0 * cols, {n, cols});
+        const std::vector<float> w = read_host(backend, view);
+        IntWeightSpec part = spec;
+        part.rows = n;
+        IntWeight p;
+        switch (o.method) {
+          case QuantMethod::rtn:
+          case QuantMethod::w8a8: p = rtn_quantize(w, part, o.storage); break;
+          case QuantMethod::gptq: p = gptq_quantize_rows(w, *factor, part, gptq); break;
+          case QuantMethod::awq: {
+            double ratio = 0.0;
+            p = awq_quantize(backend, w, stats.at(lw.name), part, o.awq_grid, o.storage, ratio);
+            note = str_cat(", ratio ", ratio);
+            break;
+          }
+          case QuantMethod::smoothquant: p = smooth_quantize(w, stats.at(lw.name), part, o.alpha); break;
         }
-        case QuantMethod::smoothquant: q = smooth_quantize(w, stats.at(lw.name), spec, o.alpha); break;
+        check_stored_scales(p, lw.name);
+        const std::vector<float> deq = effective_weight(p);
+        for (size_t i = 0; i < w.size(); ++i) {
+          num += (static_cast<double>(deq[i]) - w[i]) * (static_cast<double>(deq[i]) - w[i]);
+          den += static_cast<double>(w[i]) * w[i];
+        }
+        if (layer < L) backend.write(view, deq.data());  // sequential: later layers calibrate on these
+        append_rows(q, std::move(p));
       }
-      const std::vector<float> deq = effective_weight(q);
-      double num = 0.0, den = 0.0;
-      for (size_t i = 0; i < w.size(); ++i) {
-        num += (static_cast<double>(deq[i]) - w[i]) * (static_cast<double>(deq[i]) - w[i]);
-        den += static_cast<double>(w[i]) * w[i];
-      }
-      if (layer < L) backend.write(lw.weight, deq.data());  // sequential: later layers calibrate on these
+      q.spec = spec;
       if (progress) {
         char line[256];
         std::snprintf(line, sizeof line, "%s (%lld x %lld): relative weight error %.4g%s", lw.name.c_str(),
@@ -255,8 +253,17 @@ std::map<std::string, IntWeight> quantize_model(Transformer& model, const std::v
                       note.c_str());
         progress(line);
       }
-      out.emplace(lw.name, std::move(q));
+      if (stream.emit) stream.emit(lw.name, std::move(q));
+      else out.emplace(lw.name, std::move(q));
     }
+    if (layer == L) {
+      release(head);
+      break;
+    }
+    if (calibrates && (!last_block || o.head)) calibration->advance(layer);  // the next block's inputs (the head's)
+    if (calibrates && layer == 0) release(0);
+    if (calibrates && last_block) release(final_norm);
+    release(static_cast<size_t>(layer + 1));
   }
   return out;
 }

@@ -10,9 +10,12 @@
 //                max|W_:,j|^(1 - alpha), W diag(s) in per-channel symmetric int8, the input
 //                scaled by 1 / s and quantized per token at run time;
 //   w8a8         the same without smoothing (s = 1): the naive W8A8 baseline.
-// Calibration is sequential over blocks (as AutoGPTQ and AutoAWQ): block l's inputs come from
-// the model whose blocks before l are already quantized (their dequantized weights written into
-// the fp32 parameters), so each layer corrects the error of those before it.
+// Calibration is sequential over blocks (as AutoGPTQ and AutoAWQ; compress/calibration.h):
+// block l's inputs come from the model whose blocks before l are already quantized (their
+// dequantized weights written into the fp32 parameters), so each layer corrects the error of
+// those before it. Streaming (QuantizeStream): only the block being quantized, the embedding
+// while block 0 runs and the head at the end need their f32 weights in memory, and each result
+// leaves as soon as it is made.
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -20,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "loom/compress/calibration.h"
 #include "loom/model/transformer.h"
 #include "loom/precision/gptq.h"
 #include "loom/precision/int_quant.h"
@@ -40,32 +44,29 @@ struct QuantizeOptions {
   int awq_grid = 20;
   bool head = true;      // quantize the output layer too
   int64_t calib_seq_len = 256;
+  IntStorage storage;    // f16 scales, symmetric groups (weight-only methods)
 };
 
-// Per linear layer: the calibration inputs' statistics.
-struct InputStats {
-  int64_t rows = 0;
-  std::vector<double> hessian;  // (K, K) sum x x^T (GPTQ, SparseGPT)
-  std::vector<double> abs_sum, abs_max, sq_sum;  // (K): sum |x|, max |x|, sum x^2 (AWQ, SmoothQuant, Wanda)
-  std::vector<float> sample;    // up to kSampleRows rows of x (AWQ's search)
-  static constexpr int64_t kSampleRows = 512;
+// Where quantize_model reads the weights and where each result goes (streaming quantization).
+// load(names) fills those f32 parameters of the model before they are first read, release(names)
+// follows their last read (empty: the model holds every weight). emit(name, weight) takes each
+// quantized weight as soon as it is made (a folder writer; empty: quantize_model returns them).
+struct QuantizeStream {
+  std::function<void(const std::vector<std::string>&)> load, release;
+  std::function<void(const std::string&, IntWeight)> emit;
 };
 
-// Block `layer`'s four linear weights in linear_weights() order, or (layer = n_layer) the head.
-std::vector<Transformer::LinearWeight> layer_linear_weights(Transformer& model, int64_t layer);
-
-// The statistics of block `layer`'s four linear inputs (or, with layer = n_layer, the head's)
-// over the calibration sequences (each calib_seq_len tokens), by the weight's parameter name.
-// `hessian`: accumulate sum x x^T (each batch's by Backend::gemm in f32, summed in double).
-std::map<std::string, InputStats> calibration_stats(Transformer& model, const std::vector<std::vector<int32_t>>& sequences,
-                                                    int64_t layer, bool hessian);
+// The parameter names of what a sequential pass loads together: [0] the embeddings, [l + 1]
+// block l, [n_layer + 1] the final norm, [n_layer + 2] the untied head (empty when tied).
+std::vector<std::vector<std::string>> quantize_load_units(const Transformer& model);
 
 // Quantizes the model's linear weights; on return the model's fp32 parameters hold the
 // dequantized block weights (the head's are left as they were: a tied head is the embedding).
 // `progress` gets one line per layer.
 std::map<std::string, IntWeight> quantize_model(Transformer& model, const std::vector<std::vector<int32_t>>& sequences,
                                                 const QuantizeOptions& options,
-                                                const std::function<void(const std::string&)>& progress);
+                                                const std::function<void(const std::string&)>& progress,
+                                                const QuantizeStream& stream = {});
 
 // w (rows, cols) with the input scale folded back: dequantize(q) diag(input_scale).
 std::vector<float> effective_weight(const IntWeight& q);

@@ -230,6 +230,10 @@ ActivationStore Transformer::allocate_prompt_store(int64_t seq_len) {
   return allocate_store_for(1, seq_len, 0, config_.n_layer, false, cp_.comm != nullptr, true, false, true);
 }
 
+ActivationStore Transformer::allocate_block_store(int64_t batch, int64_t seq_len, int64_t layer) {
+  return allocate_store_for(batch, seq_len, layer, layer + 1, false, cp_.comm != nullptr, true, false, false, false);
+}
+
 ActivationStore Transformer::allocate_stage_store(int64_t batch, int64_t seq_len, int64_t first, int64_t last,
                                                   bool split_backward) {
   return allocate_store_for(batch, seq_len, first, last, split_backward, cp_.comm != nullptr);
@@ -266,7 +270,7 @@ LayerPlan Transformer::recompute_record_plan() const {
 
 ActivationStore Transformer::allocate_store_for(int64_t batch, int64_t seq_len, int64_t first, int64_t last,
                                                 bool split_backward, bool context_parallel, bool recompute, bool rows,
-                                                bool last_logits) {
+                                                bool last_logits, bool head) {
   LOOM_CHECK(batch > 0, "batch size must be > 0, got ", batch);
   LOOM_CHECK(seq_len > 0 && seq_len <= config_.max_seq_len, "sequence length ", seq_len,
              " must be in [1, model.max_seq_len = ", config_.max_seq_len, "]");
@@ -335,7 +339,7 @@ ActivationStore Transformer::allocate_store_for(int64_t batch, int64_t seq_len, 
     if (!config_.rmsnorm()) s.final_mean = act({B, Ts});
     s.final_rstd = act({B, Ts});
     s.last_logits = last_logits;
-    s.logits = act({B, last_logits ? 1 : T, config_.vocab_size});
+    if (head) s.logits = act({B, last_logits ? 1 : T, config_.vocab_size});
     s.losses = act({B, T});
     s.lse = act({B, T});
   }
@@ -454,6 +458,11 @@ double Transformer::forward_stage(ActivationStore& s, int64_t first, int64_t las
     sequence_all_gather(backend_, *tp_, s.final_norm_shard, s.final_norm, seq_.staging);
   } else {
     norm_forward(backend_, config_, s.final_input, final_w, final_b, s.final_norm, s.final_mean, s.final_rstd);
+  }
+  if (!s.logits.defined()) {  // a calibration store of the last block (allocate_block_store)
+    LOOM_CHECK(!compute_loss, "a store without logits (allocate_block_store) cannot compute a loss");
+    done(0);
+    return 0.0;
   }
   if (s.last_logits) {  // a prompt's last position alone (allocate_prompt_store)
     LOOM_CHECK(!compute_loss && s.batch == 1 && !sp_ && tp_ == nullptr && cp_.comm == nullptr,

@@ -108,6 +108,11 @@ class Transformer {
   // (1, 1, V): the head multiplies one row, and the store holds V logits instead of seq_len V
   // (5.1 GB for a 10,000-token prompt at Llama 3's vocabulary).
   ActivationStore allocate_prompt_store(int64_t seq_len);
+  // Block `layer` alone, for sequential calibration (compress/calibration.h): a stage store of
+  // [layer, layer + 1) (forward_stage(store, layer, layer + 1, false); the input in
+  // store.blocks[layer].input, or tokens for layer 0), whose forward of the last block stops
+  // after the final norm (store.final_norm): no head, no logits.
+  ActivationStore allocate_block_store(int64_t batch, int64_t seq_len, int64_t layer);
   // Runs the model on store.tokens. With compute_loss, also the loss against store.targets;
   // returns the mean loss (0 otherwise).
   double forward(ActivationStore& store, bool compute_loss = true);
@@ -306,7 +311,7 @@ class Transformer {
   // rows: a store of decoding's one-position rows (forward_rows reads its records in fp32).
   ActivationStore allocate_store_for(int64_t batch, int64_t seq_len, int64_t first, int64_t last, bool split_backward,
                                      bool context_parallel, bool recompute = true, bool rows = false,
-                                     bool last_logits = false);
+                                     bool last_logits = false, bool head = true);
   // Context parallel: f(rows (1, chunk, C) of one sequence, their first global position) for
   // each of x's (B, T/cp, C) two chunks of every sequence.
   void for_each_chunk(const Tensor& x, const std::function<void(const Tensor&, int64_t)>& f) const;

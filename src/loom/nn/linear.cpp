@@ -149,7 +149,8 @@ float LinearLayer::fp8_scale(Backend& backend, int which, MiniFormat f, const Te
 
 void LinearLayer::forward_plain(Backend& backend, const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& y,
                                 float beta, LinearWorkspace* ws) const {
-  if (bf16_weight_.defined()) {
+  // An integer weight wins over a bf16 one: a quantized tied head whose embedding is looked up in bf16.
+  if (int_weight_ == nullptr && bf16_weight_.defined()) {
     backend.bf16_weight_linear(x, bf16_weight_, y, beta, b.defined() ? &b : nullptr);
     return;
   }

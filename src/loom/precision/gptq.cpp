@@ -17,9 +17,10 @@ namespace {
 
 // The format's group parameters for values x (double), as int_group_params: the scale rounded
 // to f32 (what is stored), the zero point from it.
-GroupParams group_params(const double* x, int64_t n, int64_t stride, int bits) {
+GroupParams group_params(const double* x, int64_t n, int64_t stride, int bits, const IntStorage& storage) {
   double lo = 0.0, hi = 0.0;
   for (int64_t i = 0; i < n; ++i) lo = std::min(lo, x[i * stride]), hi = std::max(hi, x[i * stride]);
+  if (!(storage == IntStorage{})) return int_stored_params(lo, hi, bits, storage);
   GroupParams p;
   if (hi == lo) return p;
   const double top = static_cast<double>((1 << bits) - 1);
@@ -91,32 +92,47 @@ std::vector<double> gptq_inverse_factor(std::vector<double> h, int64_t k, double
   return u;
 }
 
-IntWeight gptq_quantize(std::span<const float> w_in, std::span<const double> h_in, const IntWeightSpec& spec,
-                        const GptqOptions& options) {
-  const int64_t R = spec.rows, K = spec.cols, G = spec.group;
-  LOOM_CHECK(static_cast<int64_t>(w_in.size()) == R * K && static_cast<int64_t>(h_in.size()) == K * K, "gptq: a weight of ",
-             w_in.size(), " and a Hessian of ", h_in.size(), " values for (", R, ", ", K, ")");
-  LOOM_CHECK(!spec.act_int8, "gptq: W8A8 is SmoothQuant's format; GPTQ stores weight-only codes");
+GptqFactor gptq_factor(std::span<const double> h_in, int64_t K, const GptqOptions& options) {
+  LOOM_CHECK(static_cast<int64_t>(h_in.size()) == K * K, "gptq: a Hessian of ", h_in.size(), " values for ", K, " columns");
+  GptqFactor f;
+  f.cols = K;
   // Column order: natural, or by decreasing Hessian diagonal (act_order).
-  std::vector<int64_t> perm(static_cast<size_t>(K));
-  std::iota(perm.begin(), perm.end(), 0);
+  f.perm.resize(static_cast<size_t>(K));
+  std::iota(f.perm.begin(), f.perm.end(), 0);
   if (options.act_order) {
-    std::stable_sort(perm.begin(), perm.end(), [&](int64_t a, int64_t b) {
+    std::stable_sort(f.perm.begin(), f.perm.end(), [&](int64_t a, int64_t b) {
       return h_in[static_cast<size_t>(a * K + a)] > h_in[static_cast<size_t>(b * K + b)];
     });
   }
   std::vector<double> h(static_cast<size_t>(K * K));
-  std::vector<double> w(static_cast<size_t>(R * K));  // permuted columns
   for (int64_t i = 0; i < K; ++i) {
-    for (int64_t j = 0; j < K; ++j) h[static_cast<size_t>(i * K + j)] = h_in[static_cast<size_t>(perm[i] * K + perm[j])];
+    for (int64_t j = 0; j < K; ++j) h[static_cast<size_t>(i * K + j)] = h_in[static_cast<size_t>(f.perm[i] * K + f.perm[j])];
   }
+  f.u = gptq_inverse_factor(std::move(h), K, options.damp, f.dead);
+  return f;
+}
+
+IntWeight gptq_quantize(std::span<const float> w, std::span<const double> h, const IntWeightSpec& spec,
+                        const GptqOptions& options) {
+  LOOM_CHECK(static_cast<int64_t>(h.size()) == spec.cols * spec.cols, "gptq: a weight of ", w.size(),
+             " and a Hessian of ", h.size(), " values for (", spec.rows, ", ", spec.cols, ")");
+  return gptq_quantize_rows(w, gptq_factor(h, spec.cols, options), spec, options);
+}
+
+IntWeight gptq_quantize_rows(std::span<const float> w_in, const GptqFactor& f, const IntWeightSpec& spec,
+                             const GptqOptions& options) {
+  const int64_t R = spec.rows, K = spec.cols, G = spec.group;
+  LOOM_CHECK(static_cast<int64_t>(w_in.size()) == R * K && f.cols == K, "gptq: a weight of ", w_in.size(),
+             " values and a factor of ", f.cols, " columns for (", R, ", ", K, ")");
+  LOOM_CHECK(!spec.act_int8, "gptq: W8A8 is SmoothQuant's format; GPTQ stores weight-only codes");
+  const std::vector<int64_t>& perm = f.perm;
+  const std::vector<double>& u = f.u;
+  std::vector<double> w(static_cast<size_t>(R * K));  // permuted columns
   for (int64_t r = 0; r < R; ++r) {
     for (int64_t i = 0; i < K; ++i) w[static_cast<size_t>(r * K + i)] = w_in[static_cast<size_t>(r * K + perm[i])];
   }
-  std::vector<bool> dead;
-  const std::vector<double> u = gptq_inverse_factor(std::move(h), K, options.damp, dead);
   for (int64_t i = 0; i < K; ++i) {
-    if (!dead[static_cast<size_t>(i)]) continue;
+    if (!f.dead[static_cast<size_t>(i)]) continue;
     for (int64_t r = 0; r < R; ++r) w[static_cast<size_t>(r * K + i)] = 0.0;
   }
   const int64_t groups = K / G;
@@ -125,7 +141,7 @@ IntWeight gptq_quantize(std::span<const float> w_in, std::span<const double> h_i
     std::vector<double> natural(static_cast<size_t>(K));
     for (int64_t r = 0; r < R; ++r) {
       for (int64_t i = 0; i < K; ++i) natural[static_cast<size_t>(perm[i])] = w[static_cast<size_t>(r * K + i)];
-      for (int64_t g = 0; g < groups; ++g) params[static_cast<size_t>(r * groups + g)] = group_params(natural.data() + g * G, G, 1, spec.bits);
+      for (int64_t g = 0; g < groups; ++g) params[static_cast<size_t>(r * groups + g)] = group_params(natural.data() + g * G, G, 1, spec.bits, options.storage);
     }
   }
   std::vector<uint8_t> codes(static_cast<size_t>(R * K));  // natural column order
@@ -140,7 +156,7 @@ IntWeight gptq_quantize(std::span<const float> w_in, std::span<const double> h_i
         const int64_t col = perm[static_cast<size_t>(i)];
         const int64_t g = col / G;
         GroupParams& p = params[static_cast<size_t>(r * groups + g)];
-        if (!options.act_order && i % G == 0) p = group_params(row + i, G, 1, spec.bits);
+        if (!options.act_order && i % G == 0) p = group_params(row + i, G, 1, spec.bits, options.storage);
         const uint8_t q = quantize(row[i], p, spec.bits);
         codes[static_cast<size_t>(r * K + col)] = q;
         err[static_cast<size_t>(r * B + (i - i1))] = replace_column(row, i, i2, dequantize(q, p), u, K);
@@ -150,6 +166,7 @@ IntWeight gptq_quantize(std::span<const float> w_in, std::span<const double> h_i
   }
   IntWeight out;
   out.spec = spec;
+  out.storage = options.storage;
   const int64_t rb = int_row_bytes(spec.bits, K);
   out.codes.resize(static_cast<size_t>(R * rb));
   out.scales.resize(static_cast<size_t>(R * groups));

@@ -28,11 +28,26 @@ struct GptqOptions {
   double damp = 0.01;     // percdamp: the fraction of mean(diag H) added to the diagonal
   int64_t block = 128;    // lazy batch size
   bool act_order = false;
+  IntStorage storage;     // how the groups' scales and zero points are stored (int_quant.h)
 };
 
 // w: (spec.rows, spec.cols) row-major; h: (cols, cols) row-major, sum of x x^T (symmetric).
 IntWeight gptq_quantize(std::span<const float> w, std::span<const double> h, const IntWeightSpec& spec,
                         const GptqOptions& options = {});
+
+// Steps 1-3, shared by every row of a layer (rows are independent in steps 4): the column order,
+// the dead columns and U. A large weight is quantized in row chunks with one factor
+// (gptq_quantize_rows on each), the same codes as gptq_quantize on the whole.
+struct GptqFactor {
+  int64_t cols = 0;
+  std::vector<int64_t> perm;  // processing order -> column
+  std::vector<bool> dead;     // by position in that order
+  std::vector<double> u;      // (cols, cols) row-major upper, in that order
+};
+GptqFactor gptq_factor(std::span<const double> h, int64_t cols, const GptqOptions& options);
+// Step 4 on w (spec.rows rows of the layer, row-major) with the layer's factor.
+IntWeight gptq_quantize_rows(std::span<const float> w, const GptqFactor& factor, const IntWeightSpec& spec,
+                             const GptqOptions& options);
 
 // SparseGPT: zeroes a fraction `sparsity` of w's weights (per block of `block` columns the
 // smallest w_ij^2 / U_jj^2 of each row, or with n_of_m = {n, m} the n smallest of every m

@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "loom/core/error.h"
+#include "loom/precision/formats.h"
 
 namespace loom {
 
@@ -22,6 +23,11 @@ int64_t int_row_bytes(int bits, int64_t cols) {
 int64_t IntWeight::bytes() const {
   return static_cast<int64_t>(codes.size() + scales.size() * sizeof(float) + zeros.size() +
                               input_scale.size() * sizeof(float));
+}
+
+int64_t IntWeight::stored_bytes() const {
+  return static_cast<int64_t>(codes.size() + scales.size() * (storage.f16_scales ? 2 : sizeof(float)) +
+                              (storage.symmetric ? 0 : zeros.size()) + input_scale.size() * sizeof(float));
 }
 
 IntWeightSpec int_weight_spec(int bits, int64_t group, int64_t rows, int64_t cols, bool act_int8, const std::string& what) {
@@ -88,11 +94,39 @@ GroupParams int_group_params(std::span<const float> x, int bits, bool symmetric)
   return p;
 }
 
-IntWeight rtn_quantize(std::span<const float> w, const IntWeightSpec& spec) {
+GroupParams int_stored_params(double lo, double hi, int bits, const IntStorage& storage) {
+  const double top = static_cast<double>((1 << bits) - 1);
+  GroupParams p;
+  if (storage.symmetric) {
+    const double amax = std::max(-lo, hi);
+    p.zero = static_cast<uint8_t>(1 << (bits - 1));
+    if (amax > 0.0) p.scale = static_cast<float>(2.0 * amax / top);
+  } else if (hi != lo) {
+    p.scale = static_cast<float>((hi - lo) / top);
+  }
+  if (storage.f16_scales) {
+    // Up to the next f16 value (nearest, then one step up if that fell below): the group's range
+    // still fits in 2^b - 1 steps, so no value is clipped by the rounding.
+    uint32_t code = encode(FMT_FP16, p.scale, /*saturate=*/false);
+    if (decode(FMT_FP16, code) < p.scale) ++code;
+    const float rounded = decode(FMT_FP16, code);
+    if (!std::isfinite(rounded)) return GroupParams{rounded, 0};  // check_stored_scales refuses it
+    p.scale = rounded > 0.0f ? rounded : std::ldexp(1.0f, -24);  // below f16's smallest: its smallest subnormal
+  }
+  if (!storage.symmetric && hi != lo) {
+    p.zero = static_cast<uint8_t>(std::clamp(std::nearbyint(-lo / static_cast<double>(p.scale)), 0.0, top));
+  }
+  return p;
+}
+
+IntWeight rtn_quantize(std::span<const float> w, const IntWeightSpec& spec, const IntStorage& storage) {
+  LOOM_CHECK(!spec.act_int8 || storage == IntStorage{}, "rtn_quantize: W8A8 weights keep f32 per-row scales");
+  const bool compact = !(storage == IntStorage{});
   LOOM_CHECK(static_cast<int64_t>(w.size()) == spec.rows * spec.cols, "rtn_quantize: ", w.size(), " values for (",
              spec.rows, ", ", spec.cols, ")");
   IntWeight q;
   q.spec = spec;
+  q.storage = storage;
   const int64_t groups = spec.cols / spec.group, rb = int_row_bytes(spec.bits, spec.cols);
   q.codes.resize(static_cast<size_t>(spec.rows * rb));
   q.scales.resize(static_cast<size_t>(spec.rows * groups));
@@ -102,7 +136,14 @@ IntWeight rtn_quantize(std::span<const float> w, const IntWeightSpec& spec) {
     std::vector<uint8_t> codes(static_cast<size_t>(spec.cols));
     for (int64_t g = 0; g < groups; ++g) {
       const std::span<const float> x = w.subspan(static_cast<size_t>(r * spec.cols + g * spec.group), static_cast<size_t>(spec.group));
-      const GroupParams p = int_group_params(x, spec.bits, spec.act_int8);
+      GroupParams p;
+      if (compact) {
+        float lo = 0.0f, hi = 0.0f;
+        for (float v : x) lo = std::min(lo, v), hi = std::max(hi, v);
+        p = int_stored_params(lo, hi, spec.bits, storage);
+      } else {
+        p = int_group_params(x, spec.bits, spec.act_int8);
+      }
       q.scales[static_cast<size_t>(r * groups + g)] = p.scale;
       q.zeros[static_cast<size_t>(r * groups + g)] = p.zero;
       for (int64_t c = 0; c < spec.group; ++c) {
@@ -114,6 +155,12 @@ IntWeight rtn_quantize(std::span<const float> w, const IntWeightSpec& spec) {
     int_pack_row(codes.data(), spec.bits, spec.cols, q.codes.data() + r * rb);
   }
   return q;
+}
+
+void check_stored_scales(const IntWeight& q, const std::string& what) {
+  for (float s : q.scales) {
+    LOOM_CHECK(std::isfinite(s), what, ": a group's scale is beyond f16's range (65504); quantize with --scales f32");
+  }
 }
 
 std::vector<float> int_dequantize(const IntWeight& q) {

@@ -15,8 +15,8 @@
 //
 // A checkpoint stores one quantized weight W (rows, cols) of parameter NAME as
 //   NAME.qweight  U8 (rows, row_bytes)     the packed codes
-//   NAME.scales   F32 (rows, cols / G)
-//   NAME.zeros    U8 (rows, cols / G)
+//   NAME.scales   F32 or F16 (rows, cols / G)  (IntStorage::f16_scales)
+//   NAME.zeros    U8 (rows, cols / G), absent for symmetric groups (IntStorage::symmetric)
 //   NAME.input_scale F32 (cols), optional: the input is multiplied by it column-wise first
 //                 (AWQ's and SmoothQuant's 1 / s; the weight was quantized as W diag(s))
 // with the file's metadata naming the method, bits, group and activation format.
@@ -32,14 +32,30 @@ namespace loom {
 
 int64_t int_row_bytes(int bits, int64_t cols);
 
+// How the group parameters are stored (loom quantize --scales, --symmetric). The defaults are
+// AutoGPTQ's: f32 scales and a u8 zero point per group (min-max). Compact, as ggml's blocks:
+//   f16_scales  each scale rounded up to an f16 value before the group's codes are chosen, so
+//               the codes are those of the stored scale and the group's range still fits (no
+//               value clipped by the rounding; an Error beyond f16's range);
+//   symmetric   AutoGPTQ's sym=True: s = 2 max|x| / (2^b - 1) and z = 2^(b - 1) for every group,
+//               so no zero point is stored.
+// In memory the kernels read f32 scales and u8 zeros either way.
+struct IntStorage {
+  bool f16_scales = false;
+  bool symmetric = false;
+  bool operator==(const IntStorage&) const = default;
+};
+
 // One quantized weight on the host.
 struct IntWeight {
   IntWeightSpec spec;
+  IntStorage storage;
   std::vector<uint8_t> codes;       // rows x row_bytes
   std::vector<float> scales;        // rows x cols / group
   std::vector<uint8_t> zeros;       // rows x cols / group
   std::vector<float> input_scale;   // cols, or empty
-  int64_t bytes() const;            // stored bytes: codes, scales, zeros, input scale
+  int64_t bytes() const;            // bytes in memory: codes, f32 scales, zeros, input scale
+  int64_t stored_bytes() const;     // bytes in a file: scales of storage's width, zeros unless symmetric
 };
 
 // Checks bits (8, 4, 3) and group (a multiple of 32 dividing cols; 0 = one group per row);
@@ -60,6 +76,12 @@ struct GroupParams {
   uint8_t zero = 0;
 };
 GroupParams int_group_params(std::span<const float> x, int bits, bool symmetric);
+// A weight-only group's parameters stored as `storage` says, from the group's min(x, 0) = lo and
+// max(x, 0) = hi (computed in double; the scale rounded to f32, then up to f16 if asked; a scale
+// beyond f16 comes back infinite, for check_stored_scales).
+GroupParams int_stored_params(double lo, double hi, int bits, const IntStorage& storage);
+// An Error naming `what` when a scale is not finite (beyond f16's range).
+void check_stored_scales(const IntWeight& q, const std::string& what);
 // clamp(round(x / s) + z, 0, 2^b - 1) (round half to even).
 inline uint8_t int_quantize_value(float x, const GroupParams& p, int bits) {
   const float q = __builtin_nearbyintf(x / p.scale) + static_cast<float>(p.zero);
@@ -70,8 +92,8 @@ inline float int_dequantize_value(uint8_t q, const GroupParams& p) {
   return p.scale * (static_cast<float>(q) - static_cast<float>(p.zero));
 }
 
-// Round-to-nearest of a row-major (rows, cols) weight with spec's groups.
-IntWeight rtn_quantize(std::span<const float> w, const IntWeightSpec& spec);
+// Round-to-nearest of a row-major (rows, cols) weight with spec's groups, stored as `storage`.
+IntWeight rtn_quantize(std::span<const float> w, const IntWeightSpec& spec, const IntStorage& storage = {});
 // The weight back in f32 (rows x cols), without the input scale: what the kernels multiply with.
 std::vector<float> int_dequantize(const IntWeight& q);
 

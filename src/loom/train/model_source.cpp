@@ -4,6 +4,7 @@
 #include <filesystem>
 #include <iostream>
 #include <map>
+#include <set>
 
 #include "loom/arch/param_layout.h"
 #include "loom/checkpoint/checkpoint.h"
@@ -89,9 +90,11 @@ ModelSource model_source(const std::string& path, const std::string& adapter) {
 namespace {
 
 // Weights that hold inf or NaN evaluate to "loss nan" and sample garbage: refused by name.
-// `in_bf16`: parameters held in those tensors instead of params.
+// `in_bf16`: parameters held in those tensors instead of params; `skip`: parameters whose f32
+// elements are not used (a quantized model's integer weights: their scales are checked finite
+// when written).
 void check_finite_weights(const ModelSource& source, const Tensor& params,
-                          const std::map<std::string, Tensor>& in_bf16 = {}) {
+                          const std::map<std::string, Tensor>& in_bf16 = {}, const std::set<std::string>& skip = {}) {
   const float* w = params.data<float>();
   for (const auto& [name, t] : in_bf16) {
     const auto* bits = static_cast<const uint16_t*>(t.raw_data());
@@ -102,8 +105,7 @@ void check_finite_weights(const ModelSource& source, const Tensor& params,
     }
   }
   for (const ParamSpec& p : build_param_layout(source.config.model).params) {
-    if (in_bf16.count(p.name)) continue;
-    if (p.offset + p.numel > params.numel()) continue;  // (a quantized model's packed weights are not here)
+    if (in_bf16.count(p.name) || skip.count(p.name)) continue;
     for (int64_t i = 0; i < p.numel; ++i) {
       LOOM_CHECK(std::isfinite(w[p.offset + i]), source.path, ": weight ", p.name, " holds ", w[p.offset + i],
                  " at element ", i, " (a diverged or corrupted model); refusing to use non-finite weights");
@@ -178,13 +180,16 @@ void use_bf16_weights(Transformer& model) {
 
 std::unique_ptr<Transformer> open_inference_model(const ModelSource& source, Backend& backend, bool f32_weights) {
   const ModelConfig& c = source.config.model;
-  const std::vector<std::string> names = f32_weights ? std::vector<std::string>{} : bf16_in_place_names(source);
-  auto model = std::make_unique<Transformer>(backend, c, ModelUse{.gradients = false, .lazy_params = !names.empty()});
+  std::vector<std::string> names;  // used in bf16 where they lie
+  if (!f32_weights) names = source.quantized ? quantized_model_bf16_params(source.path) : bf16_in_place_names(source);
+  // Lazy parameter pages: elements that are never written (bf16 weights, integer weights) hold nothing.
+  const bool lazy = !names.empty() || source.quantized;
+  auto model = std::make_unique<Transformer>(backend, c, ModelUse{.gradients = false, .lazy_params = lazy});
   // Prompts and evaluation windows keep O(T) attention records (lse), not T x T probabilities per
   // head and layer: 2.1 GB for a 1,024-token prompt on a 16-layer, 32-head model. (MLA has no
   // flash kernel; it keeps its own.)
   if (!c.mla()) model->set_flash_attention(true);
-  if (names.empty()) {
+  if (!lazy) {
     load_model(source, *model);
     return model;
   }
@@ -198,8 +203,17 @@ std::unique_ptr<Transformer> open_inference_model(const ModelSource& source, Bac
     weights[name] = on_host ? Tensor::empty(backend.allocator(), shape, DTYPE_BF16, MEM_PARAMETERS)
                             : Tensor::empty(host, shape, DTYPE_BF16, MEM_WORKSPACE);
   }
-  load_hf_weights(source.path, ModelState{c, target}, weights);
-  check_finite_weights(source, target, weights);
+  std::map<std::string, IntWeight> ints;
+  std::set<std::string> quantized;
+  if (source.quantized) {
+    LOOM_CHECK(source.adapter.empty(), source.path, " is a quantized model: apply --adapter to the checkpoint it was made from");
+    read_quantized_model(source.path, ModelState{c, target}, ints, weights);
+    for (const auto& [name, q] : ints) quantized.insert(name);
+  } else {
+    load_hf_weights(source.path, ModelState{c, target}, weights);
+  }
+  if (c.tied_head()) quantized.erase(embedding_param_name(c));  // a tied head's embedding is looked up: checked
+  check_finite_weights(source, target, weights, quantized);
   if (!on_host) {
     backend.write(params, target.data<float>());
     for (auto& [name, w] : weights) {
@@ -208,7 +222,9 @@ std::unique_ptr<Transformer> open_inference_model(const ModelSource& source, Bac
       w = device;
     }
   }
-  model->set_bf16_weights(std::move(weights));
+  // Integer weights first: a tied head quantized while its embedding is looked up in bf16.
+  if (!ints.empty()) model->set_int_weights(std::move(ints));
+  if (!weights.empty()) model->set_bf16_weights(std::move(weights));
   return model;
 }
 
