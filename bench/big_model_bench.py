@@ -6,15 +6,22 @@ what Loom's inference paths cost on it (docs/memory.md "Inference in the checkpo
 
 Shapes (Llama 3's vocabulary of 128,256 tokens, untied head, GQA with 8 KV heads):
     8b     Llama-3-8B: 32 layers, d 4096, SwiGLU 14336 (8.0B parameters, 16 GB of bf16; not in CI)
+    8b4    Llama-3-8B's widths with 4 layers (1.9B parameters): a streamed quantization's peak equals
+           the 8B's (one block at a time), its time is about an eighth of the blocks' share
     1b     Llama-3.2-1B's layers with an untied head (1.5B parameters, 3.0 GB)
     small  4 layers, d 256 (a quick check of the script)
+    ci     12 layers, d 256, 4,096 tokens (tests/cli_test.py's memory assertions)
 
 The folder is written once (reused when its config.json matches). Then, for the linear weights
 used in place (bf16, the default) and widened to f32 (--f32-weights): `loom bench generate` (one
 stream, greedy, 16 prompt + 16 new tokens, 2 requests) under /usr/bin/time, printing peak RSS,
 prefill and decode tokens/s, and the ratio of the two paths. A path whose f32 weights would not
-fit in the machine's available memory is skipped with the bytes it needs. llama.cpp on the same
-weights (GGUF bf16) is not run yet: `loom convert --to gguf` reads the model in f32.
+fit in the machine's available memory is skipped with the bytes it needs. The folder has a
+byte-level tokenizer.json (no merges; its vocabulary padded to the model's) for calibration text.
+
+--quantize rtn|gptq|awq also runs `loom quantize` on the folder (streamed block by block: its
+printed plan, measured peak RSS, time and file size) and `bench generate` on its output.
+llama.cpp on the same weights (GGUF) is not run yet: `loom convert --to gguf` reads the model in f32.
 """
 
 from __future__ import annotations
@@ -35,10 +42,17 @@ from make_hf_fixtures import write_safetensors  # noqa: E402
 SHAPES = {
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                num_key_value_heads=8, vocab_size=128256),
+    # Llama-3-8B's widths with 4 of its 32 layers: the same peak as the whole model for a streamed
+    # quantization (one block at a time) in an eighth of the time
+    "8b4": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=4, num_attention_heads=32,
+                num_key_value_heads=8, vocab_size=128256),
     "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                num_key_value_heads=8, vocab_size=128256),
-    "small": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
+    "small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=32000),
+    # tests/cli_test.py: deep against its vocabulary, so one block is a small part of the model
+    "ci": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=12, num_attention_heads=4,
+               num_key_value_heads=2, vocab_size=4096),
 }
 
 
@@ -86,9 +100,49 @@ def write_folder(path: str, cfg: dict) -> int:
         del t
     with open(os.path.join(path, "model.safetensors.index.json"), "w") as fh:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh, indent=2)
+    write_tokenizer(path, cfg["vocab_size"])
     with open(config_path, "w") as fh:  # last: a folder with its config.json is complete
         json.dump(cfg, fh, indent=2)
     return total
+
+
+def byte_alphabet() -> list[str]:
+    """GPT-2's byte-to-unicode map (byte-level BPE's alphabet), byte order."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) + \
+        list(range(ord("\xae"), ord("\xff") + 1))
+    out, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return [out[b] for b in range(256)]
+
+
+def write_tokenizer(path: str, vocab_size: int) -> None:
+    """A byte-level BPE tokenizer.json without merges (every byte its own token) whose vocabulary
+    is padded to the model's with unreachable two- and three-character entries and ends with
+    <|end_of_text|>, so the random
+    folder has a tokenizer (calibration text for gptq/awq, eval --text, generate)."""
+    alphabet = byte_alphabet()
+    vocab = {c: i for i, c in enumerate(alphabet)}
+    for a in alphabet:
+        for b in alphabet:
+            for c in [""] + alphabet:
+                if len(vocab) >= vocab_size - 1:
+                    break
+                vocab.setdefault(a + b + c, len(vocab))
+    eos = {"id": vocab_size - 1, "content": "<|end_of_text|>", "single_word": False, "lstrip": False, "rstrip": False,
+           "normalized": False, "special": True}
+    tok = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [eos], "normalizer": None,
+           "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
+           "post_processor": None,
+           "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+           "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                     "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "vocab": vocab, "merges": []}}
+    with open(os.path.join(path, "tokenizer.json"), "w") as fh:
+        json.dump(tok, fh)
 
 
 def available_bytes() -> int:
@@ -110,17 +164,58 @@ def run_generate(loom: str, folder: str, f32: bool) -> dict:
     return {"prefill": float(m.group(1)), "decode": float(m.group(2)), "peak_rss": int(rss.group(1)) * 1024}
 
 
+def run_quantize(loom: str, folder: str, out: str, method: str, calib: str, calib_tokens: int, extra: list[str]) -> dict:
+    cmd = ["/usr/bin/time", "-f", "peak_rss_kib %M", loom, "quantize", "--checkpoint", folder, "--out", out,
+           "--method", method, "--bits", "4"] + extra
+    if method in ("gptq", "awq"):
+        cmd += ["--calib", calib, "--calib-tokens", str(calib_tokens)]
+    p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    if p.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{p.stdout}\n{p.stderr}")
+    planned = re.search(r"planned peak host memory ([\d.]+) GiB", p.stdout)
+    seconds = re.search(r"; ([\d.]+) s\n", p.stdout)
+    rss = re.search(r"peak_rss_kib (\d+)", p.stderr)
+    size = os.path.getsize(os.path.join(out, "model.safetensors"))
+    return {"planned": float(planned.group(1)) * 2**30, "seconds": float(seconds.group(1)),
+            "peak_rss": int(rss.group(1)) * 1024, "file": size}
+
+
+def baseline_rss(loom: str) -> int:
+    """The process's own resident bytes (the binary and its libraries) before any model."""
+    p = subprocess.run(["/usr/bin/time", "-f", "peak_rss_kib %M", loom, "quantize", "--help"], capture_output=True, text=True)
+    return int(re.search(r"peak_rss_kib (\d+)", p.stderr).group(1)) * 1024
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--loom", default=os.path.join(ROOT, "build", "bin", "loom"))
     ap.add_argument("--out", required=True, help="where the folder is written (reused)")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="1b")
+    ap.add_argument("--quantize", default="", help="also quantize the folder: rtn | gptq | awq (4 bits, group 128)")
+    ap.add_argument("--calib", default=os.path.join(ROOT, "README.md"), help="calibration text (gptq, awq)")
+    ap.add_argument("--calib-tokens", type=int, default=2048)
+    ap.add_argument("--compact", action="store_true", help="--scales f16 --symmetric --group 32 (Q4_0's bytes)")
+    ap.add_argument("--skip-generate", action="store_true", help="only the quantize run and its folder's decode")
     args = ap.parse_args()
     cfg = config_of(args.shape)
     folder = os.path.join(args.out, f"llama_{args.shape}_bf16")
     file_bytes = write_folder(folder, cfg)
     params = file_bytes // 2
     print(f"{folder}: {params / 1e9:.2f}B parameters, {file_bytes / 2**30:.2f} GiB of bf16 safetensors")
+    if args.quantize:
+        qdir = folder + f"_{args.quantize}" + ("_compact" if args.compact else "")
+        extra = ["--scales", "f16", "--symmetric", "--group", "32"] if args.compact else ["--group", "128"]
+        q = run_quantize(args.loom, folder, qdir, args.quantize, args.calib, args.calib_tokens, extra)
+        base = baseline_rss(args.loom)
+        g = run_generate(args.loom, qdir, False)
+        print(f"\nquantize --method {args.quantize} --bits 4 {' '.join(extra)} (calibration {args.calib_tokens} tokens): "
+              f"{q['seconds']:.0f} s, peak RSS {q['peak_rss'] / 2**30:.2f} GiB ({(q['peak_rss'] - base) / 2**30:.2f} above "
+              f"the process's own {base / 2**20:.0f} MiB; planned {q['planned'] / 2**30:.2f}), "
+              f"model.safetensors {q['file'] / 2**30:.2f} GiB ({q['file'] / file_bytes:.2f} of the bf16 file)")
+        print(f"its folder, bench generate: peak RSS {g['peak_rss'] / 2**30:.2f} GiB, prefill {g['prefill']:.1f}, "
+              f"decode {g['decode']:.1f} tokens/s")
+    if args.skip_generate:
+        return
     rows = []
     for label, f32 in (("bf16 in place", False), ("f32 (--f32-weights)", True)):
         need = params * 4 if f32 else file_bytes

@@ -871,6 +871,30 @@ class Cli(LoomCase):
             self.assert_one_line_error(p, needle)
             self.assertFalse(os.path.exists(q("bad")))
 
+    def test_quantize_streams_a_bf16_folder_in_bounded_memory(self):
+        """issue 46: loom quantize reads a Hugging Face folder block by block. On a 12-layer bf16
+        folder (bench/big_model_bench.py's "ci" shape), above the process's own memory: rtn holds
+        under a quarter of the f32 model (every weight resident, as before streaming: the
+        broken variant), gptq stays within the plan it prints (+10%); the int4 folder (f16
+        scales, symmetric, bf16 embedding) is smaller than the bf16 file, and bench generate on
+        it holds no more than its bytes plus the KV cache's reservation."""
+        sys.path.insert(0, os.path.join(ROOT, "bench"))
+        import big_model_bench as bench  # noqa: E402
+        folder = os.path.join(self.tmp, "llama_ci_bf16")
+        file_bytes = bench.write_folder(folder, bench.config_of("ci"))
+        f32_bytes = 2 * file_bytes
+        base = bench.baseline_rss(LOOM)
+        r = bench.run_quantize(LOOM, folder, os.path.join(self.tmp, "ci_rtn"), "rtn", TEXT, 0, ["--group", "32"])
+        self.assertLess(r["peak_rss"] - base, f32_bytes / 4, (r, base, f32_bytes))
+        q = bench.run_quantize(LOOM, folder, os.path.join(self.tmp, "ci_gptq"), "gptq", TEXT, 2048,
+                               ["--scales", "f16", "--symmetric", "--group", "32"])
+        self.assertLess(q["peak_rss"] - base, 1.1 * q["planned"], (q, base))
+        # int4 in 18-byte blocks for the linear weights, the bf16 embedding, the f32 norms
+        self.assertLess(q["file"], 0.6 * file_bytes, (q, file_bytes))
+        g = bench.run_generate(LOOM, os.path.join(self.tmp, "ci_gptq"), False)
+        self.assertLess(g["peak_rss"] - base, q["file"] + (40 << 20), (g, base, q))
+        self.assertGreater(g["decode"], 0.0)
+
     def test_prune_and_merge(self):
         self.train("cp", steps=12)
         self.train("cp2", "--set", "train.seed=7", steps=12)

@@ -14,6 +14,7 @@
 #include "loom/core/pages.h"
 #include "loom/data/batch_source.h"
 #include "loom/memory/estimate.h"
+#include "loom/train/quantize_run.h"
 #include "loom/train/trainer.h"
 
 namespace loom::cli {
@@ -34,13 +35,32 @@ const char* kHelp =
     "estimated for the rank that holds the most: its tensor slice, its pipeline stages' layers and\n"
     "live micro-batches, its 1/cp of each sequence, its experts (--measure: data parallel only).\n"
     "--methods prints the model states of fine-tuning this model by each method: full, LoRA with the\n"
-    "peft.* keys' rank and targets, and QLoRA's formula (docs/finetune.md).\n";
+    "peft.* keys' rank and targets, and QLoRA's formula (docs/finetune.md).\n"
+    "--quantize METHOD --checkpoint PATH [--bits B] [--group G] [--calib-tokens N] prints the peak host\n"
+    "memory `loom quantize` plans for that model (a Hugging Face folder is streamed block by block;\n"
+    "docs/compression.md) instead of a training run's.\n";
 
 std::string gb(double bytes) {
   char buf[32];
   std::snprintf(buf, sizeof(buf), "%.1f GB", bytes / 1e9);
   return buf;
 }
+// loom memory --quantize: loom quantize's plan for the model, before anything is read.
+int quantize_memory(const Args& args) {
+  LOOM_CHECK(args.has("checkpoint"), "loom memory --quantize needs --checkpoint PATH (the model to quantize)");
+  QuantizeOptions o;
+  o.method = parse_quant_method(args.get("quantize"));
+  const bool w8a8 = o.method == QuantMethod::smoothquant || o.method == QuantMethod::w8a8;
+  o.bits = static_cast<int>(args.get_int("bits", w8a8 ? 8 : 4));
+  o.group = args.get_int("group", 128);
+  const ModelSource source = model_source(args.get("checkpoint"));
+  o.calib_seq_len = std::min<int64_t>(256, source.config.model.max_seq_len);
+  const int64_t sequences = quant_method_calibrates(o.method) ? args.get_int("calib-tokens", 8192) / o.calib_seq_len : 0;
+  std::printf("loom quantize --method %s --bits %d on %s: %s\n", quant_method_name(o.method), o.bits, source.path.c_str(),
+              describe(quantize_memory_estimate(source, o, sequences)).c_str());
+  return 0;
+}
+
 }  // namespace
 
 int memory_main(int argc, char** argv) {
@@ -50,7 +70,13 @@ int memory_main(int argc, char** argv) {
                    {"ranks", "N", "data-parallel ranks (default: the mpirun world, else 1)"},
                    {"params", "P", "the parameter count of the ZeRO table (default: the model's), e.g. 7.5e9"},
                    {"measure", "", "also run one training step and print the measured bytes beside the estimate"},
-                   {"methods", "", "also print full fine-tuning vs LoRA vs QLoRA model-state bytes for this model"}});
+                   {"methods", "", "also print full fine-tuning vs LoRA vs QLoRA model-state bytes for this model"},
+                   {"quantize", "METHOD", "the peak of loom quantize --method METHOD on --checkpoint instead"},
+                   {"checkpoint", "PATH", "the model --quantize reads (a Hugging Face folder or Loom checkpoint)"},
+                   {"bits", "B", "--quantize: bits per weight (default 4; W8A8 methods 8)"},
+                   {"group", "G", "--quantize: input columns per scale (default 128)"},
+                   {"calib-tokens", "N", "--quantize: calibration tokens of gptq, awq, smoothquant (default 8192)"}});
+  if (args.has("quantize")) return quantize_memory(args);
   LoomConfig config = load_config(args);
   const bool model_parallel = config.parallel.tp > 1 || config.parallel.pp > 1 || config.parallel.cp > 1 ||
                               config.parallel.ep > 1;

@@ -1,7 +1,6 @@
 // loom quantize: post-training quantization of a checkpoint into a quantized model folder
 // (compress/quantize_model.h; the format in checkpoint/checkpoint.h and precision/int_quant.h;
 // docs/compression.md).
-#include <chrono>
 #include <cstdio>
 
 #include "cli.h"
@@ -9,7 +8,6 @@
 #include "loom/compress/quantize_model.h"
 #include "loom/train/quantize_run.h"
 #include "loom/core/error.h"
-#include "loom/data/tokenizer_files.h"
 
 namespace loom::cli {
 
@@ -86,12 +84,7 @@ int quantize_main(int argc, char** argv) {
       quant_method_calibrates(o.method) ? calibration_sequences(args.get("calib"), args.get_int("calib-tokens", 8192), config, o.calib_seq_len)
                                         : std::vector<std::vector<int32_t>>{};
   const QuantizeMemory m = quantize_memory_estimate(source, o, static_cast<int64_t>(sequences.size()));
-  std::printf("planned peak host memory %.2f GiB: f32 weights %.2f GiB (%s), quantization work %.2f, statistics %.2f, "
-              "calibration hidden states %.2f\n",
-              static_cast<double>(m.total()) / (1 << 30), static_cast<double>(m.weights) / (1 << 30),
-              m.streamed ? "streamed: one block, the embedding or the head at once" : "the whole checkpoint",
-              static_cast<double>(m.work) / (1 << 30), static_cast<double>(m.statistics) / (1 << 30),
-              static_cast<double>(m.hidden) / (1 << 30));
+  std::printf("%s\n", describe(m).c_str());
   std::fflush(stdout);
   const bool verbose = stdout_is_terminal();
   const QuantizeRunResult r = quantize_to_folder(source, o, sequences, args.get("out"), [&](const std::string& line) {

@@ -1,6 +1,7 @@
 // GPTQ and SparseGPT on host arrays (gptq.h states the algorithm). tools/gptq_reference.py is
 // an independent PyTorch implementation of the same steps; tests/test_compress.cpp compares the
-// two. The Cholesky factorizations and the inverse are LAPACK's (dpotrf, dpotri).
+// two. The Cholesky factorizations and the inverse are LAPACK's (dpotrf, dpotri), GPTQ's lazy batch
+// update BLAS's dgemm.
 #include "loom/precision/gptq.h"
 
 #include <algorithm>
@@ -11,6 +12,9 @@
 
 extern "C" void dpotrf_(const char* uplo, const int* n, double* a, const int* lda, int* info, size_t uplo_len);
 extern "C" void dpotri_(const char* uplo, const int* n, double* a, const int* lda, int* info, size_t uplo_len);
+extern "C" void dgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k, const double* alpha,
+                       const double* a, const int* lda, const double* b, const int* ldb, const double* beta, double* c,
+                       const int* ldc, size_t transa_len, size_t transb_len);
 
 namespace loom {
 namespace {
@@ -161,7 +165,15 @@ IntWeight gptq_quantize_rows(std::span<const float> w_in, const GptqFactor& f, c
         codes[static_cast<size_t>(r * K + col)] = q;
         err[static_cast<size_t>(r * B + (i - i1))] = replace_column(row, i, i2, dequantize(q, p), u, K);
       }
-      lazy_batch_update(row, err.data() + r * B, i1, i2, u, K);
+    }
+    // The lazy batch update of every row at once, as AutoGPTQ's W[:, i2:] -= Err1 Hinv[i1:i2, i2:]:
+    // one BLAS dgemm (row-major W, Err, U seen column-major as their transposes), which reads U's
+    // block once for all rows instead of once per row (the per-row loop was bound by that traffic).
+    if (i2 < K) {
+      const int m = static_cast<int>(K - i2), n = static_cast<int>(R), k = static_cast<int>(i2 - i1);
+      const int lda = static_cast<int>(K), ldb = static_cast<int>(B), ldc = static_cast<int>(K);
+      const double alpha = -1.0, beta = 1.0;
+      dgemm_("N", "N", &m, &n, &k, &alpha, u.data() + i1 * K + i2, &lda, err.data(), &ldb, &beta, w.data() + i2, &ldc, 1, 1);
     }
   }
   IntWeight out;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 
 #include "loom/arch/param_layout.h"
 #include "loom/checkpoint/checkpoint.h"
@@ -86,6 +87,16 @@ QuantizeMemory quantize_memory_estimate(const ModelSource& source, const Quantiz
     m.hidden = 2 * tokens * C * 4 + 2 * store * 4;
   }
   return m;
+}
+
+std::string describe(const QuantizeMemory& m) {
+  const auto gib = [](int64_t b) { return static_cast<double>(b) / (1 << 30); };
+  char line[400];
+  std::snprintf(line, sizeof line, "planned peak host memory %.3f GiB: f32 weights %.3f GiB (%s), quantization work %.3f, "
+                "statistics %.3f, calibration hidden states %.3f (beyond the process's own)", gib(m.total()), gib(m.weights),
+                m.streamed ? "streamed: one block, the embedding or the head at once" : "the whole checkpoint", gib(m.work),
+                gib(m.statistics), gib(m.hidden));
+  return line;
 }
 
 QuantizeRunResult quantize_to_folder(const ModelSource& source, const QuantizeOptions& o,

@@ -29,6 +29,8 @@ struct QuantizeMemory {
   bool streamed = false;    // false: a Loom checkpoint, loaded whole
 };
 QuantizeMemory quantize_memory_estimate(const ModelSource& source, const QuantizeOptions& options, int64_t calib_sequences);
+// "planned peak host memory X GiB: ..." (one line; loom quantize and loom memory --quantize print it).
+std::string describe(const QuantizeMemory& m);
 
 struct QuantizeRunResult {
   int64_t quantized_params = 0, total_params = 0;
