@@ -875,7 +875,7 @@ class Cli(LoomCase):
         """issue 46: loom quantize reads a Hugging Face folder block by block. On a 12-layer bf16
         folder (bench/big_model_bench.py's "ci" shape), above the process's own memory: rtn holds
         under a quarter of the f32 model (every weight resident, as before streaming: the
-        broken variant), gptq stays within the plan it prints (+10%); the int4 folder (f16
+        broken variant), gptq stays within the plan it prints (+10%, + the runtime's buffers); the int4 folder (f16
         scales, symmetric, bf16 embedding) is smaller than the bf16 file, and bench generate on
         it holds no more than its bytes plus the KV cache's reservation."""
         sys.path.insert(0, os.path.join(ROOT, "bench"))
@@ -888,7 +888,8 @@ class Cli(LoomCase):
         self.assertLess(r["peak_rss"] - base, f32_bytes / 4, (r, base, f32_bytes))
         q = bench.run_quantize(LOOM, folder, os.path.join(self.tmp, "ci_gptq"), "gptq", TEXT, 2048,
                                ["--scales", "f16", "--symmetric", "--group", "32"])
-        self.assertLess(q["peak_rss"] - base, 1.1 * q["planned"], (q, base))
+        # (+ 48 MiB the plan does not model: OpenBLAS's and oneDNN's buffers, the threads' stacks)
+        self.assertLess(q["peak_rss"] - base, 1.1 * q["planned"] + (48 << 20), (q, base))
         # int4 in 18-byte blocks for the linear weights, the bf16 embedding, the f32 norms
         self.assertLess(q["file"], 0.6 * file_bytes, (q, file_bytes))
         g = bench.run_generate(LOOM, os.path.join(self.tmp, "ci_gptq"), False)

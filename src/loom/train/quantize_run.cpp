@@ -47,53 +47,74 @@ QuantizeMemory quantize_memory_estimate(const ModelSource& source, const Quantiz
   const std::vector<RangeSet> units = layout_units(c, layout);
   const bool calibrates = quant_method_calibrates(o.method), gptq = o.method == QuantMethod::gptq;
   const bool row_wise = !calibrates || gptq;
-  int64_t block = 0, embedding = 0, head = 0;
-  for (size_t u = 1; u < units.size(); ++u) block = std::max(block, units[u].size() * 4);
+  const int64_t L = c.n_layer, C = c.d_model, T = o.calib_seq_len;
+  int64_t embedding = 0, head = 0;
   for (const ParamSpec& p : layout.params) {
     if (p.role == ROLE_EMBEDDING) embedding += p.numel * 4;
     if (p.role == ROLE_HEAD) head += p.numel * 4;
   }
   if (c.tied_head()) head = embedding;
-  QuantizeMemory m;
-  m.streamed = source.hf;
-  if (!m.streamed) m.weights = layout.total * 4;
-  else m.weights = std::max(block + (calibrates ? embedding : 0), o.head ? head : 0);
-  // The largest weight's work: its f32 rows, their dequantized copy, codes (one per element
-  // before packing) and, for GPTQ, the rows in double and the layer's factor U (K x K double,
-  // with the Hessian's copy while it is factored); row-wise methods take 4096 rows at a time.
-  const int64_t C = c.d_model;
-  const std::string head_name = c.tied_head() ? embedding_param_name(c) : "lm_head.weight";
-  for (const ParamSpec& p : layout.params) {
-    const bool quantized = p.role == ROLE_HIDDEN || (o.head && p.name == head_name);
-    if (p.shape.size() != 2 || !quantized) continue;
-    const int64_t R = p.shape[0], K = p.shape[1], rows = row_wise ? std::min<int64_t>(R, 4096) : R;
-    int64_t work = rows * K * (4 + 4 + 1) + R * K / 2;  // + the packed codes gathered so far
-    if (gptq) work += rows * K * 8 + 2 * K * K * 8;
-    if (o.method == QuantMethod::awq) work += 3 * R * K * 4 + 2 * InputStats::kSampleRows * R * 4;
-    m.work = std::max(m.work, work);
-  }
+  // The calibration hidden states (two copies while a block advances) and one batch's block
+  // store: its input, norms, qkv, attention output and probabilities, the MLP's hidden
+  // activations (the backward scratch allocated with it is never written: no pages).
+  int64_t hidden = 0;
   if (calibrates) {
-    // One block's statistics: per linear input K, three K-vectors in double, a 512-row sample,
-    // and for GPTQ the Hessian in double plus one batch's in f32 (device and host copies).
-    const int64_t inputs[] = {C, c.n_head * c.head_dim(), C, c.d_ff};
-    int64_t stats = 0;
-    for (int64_t K : inputs) stats += K * 3 * 8 + InputStats::kSampleRows * K * 4 + (gptq ? K * K * 8 : 0);
-    if (gptq) stats += 2 * c.d_ff * c.d_ff * 4;
-    m.statistics = std::max(stats, C * 3 * 8 + InputStats::kSampleRows * C * 4 + (gptq ? C * C * 8 : 0));
-    const int64_t T = o.calib_seq_len, tokens = calib_sequences * T, batch = std::min<int64_t>(4, calib_sequences) * T;
-    // Hidden states (two copies), and one batch's block store: its input, norms, qkv, attention
-    // probabilities and outputs, the MLP's hidden activations, and the backward scratch sized with it.
-    const int64_t store = batch * (8 * C + 3 * c.qkv_width() + 4 * c.d_ff) + std::min<int64_t>(4, calib_sequences) * c.n_head * T * T;
-    m.hidden = 2 * tokens * C * 4 + 2 * store * 4;
+    const int64_t batch = std::min<int64_t>(4, calib_sequences), rows = batch * T;
+    const int64_t store = rows * (5 * C + c.qkv_width() + 3 * c.d_ff) + batch * c.n_head * T * T;
+    hidden = 2 * calib_sequences * T * C * 4 + store * 4;
   }
-  return m;
+  // Quantizing one weight: the f32 rows it reads (4,096 at a time for row-wise methods), their
+  // dequantized copy and codes, the packed codes and scales gathered so far; GPTQ first computes
+  // its factor U from a damped copy of the Hessian (two K x K doubles besides the Hessian), then
+  // holds U (the Hessian freed) with the rows in double.
+  auto rows_work = [&](int64_t R, int64_t K) {
+    const int64_t rows = row_wise ? std::min<int64_t>(R, 4096) : R;
+    int64_t w = rows * K * (4 + 4 + 1) + R * K * o.bits / 8 + R * (K / std::max<int64_t>(o.group, 32)) * 5;
+    if (gptq) w += rows * K * 8 + K * K * 8;
+    if (o.method == QuantMethod::awq) w += 3 * R * K * 4 + 2 * InputStats::kSampleRows * R * 4;
+    return w;
+  };
+  // A linear input's statistics: three K-vectors in double, a 512-row sample, GPTQ's Hessian.
+  auto stats = [&](int64_t K) { return K * 3 * 8 + InputStats::kSampleRows * K * 4 + (gptq ? K * K * 8 : 0); };
+  QuantizeMemory peak;
+  peak.streamed = source.hf;
+  auto consider = [&](int64_t weights, int64_t w, int64_t st) {
+    QuantizeMemory m{peak.streamed ? weights : layout.total * 4, w, st, hidden, peak.streamed};
+    if (m.total() > peak.total()) peak = m;
+  };
+  for (int64_t l = 0; l < L; ++l) {
+    std::vector<std::pair<int64_t, int64_t>> linear;  // (rows, cols) in linear_weights() order
+    for (const ParamSpec& p : layout.params) {
+      if (p.role == ROLE_HIDDEN && p.shape.size() == 2 && !units[static_cast<size_t>(l + 1)].intersect(RangeSet::span(p.offset, p.offset + p.numel)).empty()) {
+        linear.emplace_back(p.shape[0], p.shape[1]);
+      }
+    }
+    const int64_t resident = units[static_cast<size_t>(l + 1)].size() * 4 + (calibrates && l == 0 ? embedding : 0);
+    if (calibrates) {  // measuring the block: every input's statistics, one batch's x^T x in f32 (device and host)
+      int64_t all = 0, widest = 0;
+      for (const auto& [R, K] : linear) all += stats(K), widest = std::max(widest, K);
+      consider(resident, 0, all + (gptq ? 2 * widest * widest * 4 : 0));
+    }
+    for (size_t i = 0; i < linear.size(); ++i) {  // quantizing weight i: the statistics not yet consumed
+      const auto [R, K] = linear[i];
+      int64_t left = 0;
+      for (size_t j = i; j < linear.size() && calibrates; ++j) left += stats(linear[j].second);
+      if (gptq) consider(resident, 2 * K * K * 8, left);                      // its factor
+      consider(resident, rows_work(R, K), gptq ? left - K * K * 8 : left);    // its rows
+    }
+  }
+  if (o.head) {
+    if (gptq) consider(head, 2 * C * C * 8, stats(C));
+    consider(head, rows_work(c.vocab_size, C), calibrates ? stats(C) - (gptq ? C * C * 8 : 0) : 0);
+  }
+  return peak;
 }
 
 std::string describe(const QuantizeMemory& m) {
   const auto gib = [](int64_t b) { return static_cast<double>(b) / (1 << 30); };
   char line[400];
   std::snprintf(line, sizeof line, "planned peak host memory %.3f GiB: f32 weights %.3f GiB (%s), quantization work %.3f, "
-                "statistics %.3f, calibration hidden states %.3f (beyond the process's own)", gib(m.total()), gib(m.weights),
+                "statistics %.3f, calibration hidden states and store %.3f (beyond the process's own)", gib(m.total()), gib(m.weights),
                 m.streamed ? "streamed: one block, the embedding or the head at once" : "the whole checkpoint", gib(m.work),
                 gib(m.statistics), gib(m.hidden));
   return line;

@@ -19,11 +19,12 @@
 
 namespace loom {
 
-// The host bytes a quantize run holds at its peak, by part (the largest phase's).
+// The host bytes a quantize run holds at its peak, by part: those of its largest phase (measuring
+// a block's inputs, quantizing one of its weights, quantizing the head).
 struct QuantizeMemory {
-  int64_t weights = 0;      // f32 weights resident at once (one block; block 0 + the embedding; the head)
-  int64_t work = 0;         // the largest weight's quantization work (its f32 copies, GPTQ's double copies, codes)
-  int64_t statistics = 0;   // one block's calibration statistics (Hessians in double)
+  int64_t weights = 0;      // f32 weights resident (one block; block 0 + the embedding; the head)
+  int64_t work = 0;         // the weight's quantization work (its f32 copies, GPTQ's double copies, codes)
+  int64_t statistics = 0;   // calibration statistics held (GPTQ's Hessians in double)
   int64_t hidden = 0;       // the calibration sequences' hidden states (two copies) and one batch's block store
   int64_t total() const { return weights + work + statistics + hidden; }
   bool streamed = false;    // false: a Loom checkpoint, loaded whole
