@@ -865,7 +865,9 @@ class Cli(LoomCase):
                (["--method", "smoothquant", "--bits", "4", "--calib", TEXT], "--bits 4"),
                (["--method", "gptq", "--bits", "4", "--group", "32"], "--calib FILE"),
                (["--method", "gptq", "--group", "32", "--calib", text, "--calib-tokens", "100000"], text),
-               (["--method", "fancy"], "--method 'fancy'")]
+               (["--method", "fancy"], "--method 'fancy'"),
+               (["--method", "rtn", "--group", "32", "--scales", "f8"], "--scales 'f8'"),
+               (["--method", "w8a8", "--symmetric"], "drop --scales and --symmetric")]
         for extra, needle in bad:
             p = run("quantize", "--checkpoint", ckpt, "--out", q("bad"), *extra, expect_ok=False)
             self.assert_one_line_error(p, needle)

@@ -76,6 +76,8 @@ int quantize_main(int argc, char** argv) {
   LOOM_CHECK(scales == "f32" || scales == "f16", "--scales '", scales, "' is not a scale format: expected f32 or f16");
   o.storage.f16_scales = scales == "f16";
   o.storage.symmetric = args.has("symmetric");
+  LOOM_CHECK(!w8a8 || !(args.has("scales") || args.has("symmetric")), "--method ", args.get("method"),
+             " stores int8 weights with f32 per-row scales: drop --scales and --symmetric");
 
   const ModelSource source = model_source(args.get("checkpoint"));
   const LoomConfig& config = source.config;

@@ -206,6 +206,7 @@ void SafetensorsFile::copy_into(const std::string& name, const Tensor& dst) cons
   const char* src = whole_source(name, dst);
   LOOM_CHECK(dst.device() == DEVICE_CPU, path_, ": tensor '", name, "' must be copied into host memory");
   std::memcpy(dst.raw_data(), src, dst.nbytes());
+  drop_pages(entry(name));
 }
 
 void SafetensorsFile::copy_into(const std::string& name, const Tensor& dst, Backend& backend) const {
@@ -229,19 +230,27 @@ void SafetensorsFile::copy_as_f32(const std::string& name, const Tensor& dst) co
              e.stored, shape_str(e.shape), ", destination is ", dst.describe(), " (expected f32 host memory)");
   const char* src = bytes(e);
   float* out = dst.data<float>();
-  if (e.stored == "F32") {
-    std::memcpy(out, src, static_cast<size_t>(n) * 4);
-  } else if (e.stored == "F16" || e.stored == "BF16") {
-    const bool half = e.stored == "F16";
-    for (int64_t i = 0; i < n; ++i) {
-      uint16_t bits = 0;
-      std::memcpy(&bits, src + 2 * i, 2);  // the mapping gives no alignment guarantee beyond the header's
-      out[i] = half ? f16_to_f32(bits) : bf16_to_f32(bf16{bits});
+  LOOM_CHECK(e.stored == "F32" || e.stored == "F16" || e.stored == "BF16", path_, ": tensor '", name, "' is stored as ",
+             e.stored, "; expected F32, F16 or BF16 weights");
+  const size_t size = e.stored == "F32" ? 4 : 2;
+  const bool half = e.stored == "F16";
+  // In chunks, each one's whole pages of the mapping dropped once converted: a 1 GB tensor never
+  // has all of its mapped pages resident beside its f32 copy.
+  constexpr int64_t kChunk = int64_t{16} << 20;  // elements
+  for (int64_t first = 0; first < n; first += kChunk) {
+    const int64_t count = std::min(kChunk, n - first);
+    const char* from = src + static_cast<size_t>(first) * size;
+    if (size == 4) {
+      std::memcpy(out + first, from, static_cast<size_t>(count) * 4);
+    } else {
+      for (int64_t i = 0; i < count; ++i) {
+        uint16_t bits = 0;
+        std::memcpy(&bits, from + 2 * i, 2);  // the mapping gives no alignment guarantee beyond the header's
+        out[first + i] = half ? f16_to_f32(bits) : bf16_to_f32(bf16{bits});
+      }
     }
-  } else {
-    throw Error(str_cat(path_, ": tensor '", name, "' is stored as ", e.stored, "; expected F32, F16 or BF16 weights"));
+    drop_bytes(from, static_cast<size_t>(count) * size);
   }
-  drop_pages(e);
 }
 
 void SafetensorsFile::copy_as_bf16(const std::string& name, const Tensor& dst) const {
@@ -250,13 +259,20 @@ void SafetensorsFile::copy_as_bf16(const std::string& name, const Tensor& dst) c
   LOOM_CHECK(e.stored == "BF16", path_, ": tensor '", name, "' is stored as ", e.stored, ", expected BF16 to use it in place");
   LOOM_CHECK(dst.dtype() == DTYPE_BF16 && dst.numel() == n && dst.device() == DEVICE_CPU, path_, ": tensor '", name,
              "' is ", e.stored, shape_str(e.shape), ", destination is ", dst.describe(), " (expected bf16 host memory)");
-  std::memcpy(dst.raw_data(), bytes(e), static_cast<size_t>(n) * 2);
-  drop_pages(e);
+  constexpr size_t kChunk = size_t{32} << 20;  // bytes, each chunk's pages dropped once copied
+  const size_t total = static_cast<size_t>(n) * 2;
+  for (size_t first = 0; first < total; first += kChunk) {
+    const size_t count = std::min(kChunk, total - first);
+    std::memcpy(static_cast<char*>(dst.raw_data()) + first, bytes(e) + first, count);
+    drop_bytes(bytes(e) + first, count);
+  }
 }
 
-void SafetensorsFile::drop_pages(const Entry& e) const {
+void SafetensorsFile::drop_pages(const Entry& e) const { drop_bytes(bytes(e), e.end - e.begin); }
+
+void SafetensorsFile::drop_bytes(const char* p, size_t n) const {
   const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
-  const auto lo = reinterpret_cast<uintptr_t>(bytes(e)), hi = lo + (e.end - e.begin);
+  const auto lo = reinterpret_cast<uintptr_t>(p), hi = lo + n;
   const uintptr_t first = (lo + page - 1) / page * page, last = hi / page * page;
   if (first < last) ::madvise(reinterpret_cast<void*>(first), last - first, MADV_DONTNEED);  // advisory
 }

@@ -53,8 +53,9 @@ class SafetensorsFile {
   void copy_as_f32(const std::string& name, const Tensor& dst) const;
   // Copies a BF16 entry as it is into the bf16 host tensor dst of the same element count (a
   // weight used in place, train/model_source.h open_inference_model); any other stored dtype is
-  // an error naming the tensor. copy_as_f32 and copy_as_bf16 then drop the entry's pages from
-  // this process (they stay in the page cache), so loading a model holds one copy of it.
+  // an error naming the tensor. copy_as_f32 and copy_as_bf16 drop the entry's pages from this
+  // process as they go (in chunks; they stay in the page cache), as copy_into into host memory
+  // does after its copy, so loading a model holds one copy of it.
   void copy_as_bf16(const std::string& name, const Tensor& dst) const;
 
  private:
@@ -68,6 +69,7 @@ class SafetensorsFile {
   const Entry& entry(const std::string& name) const;
   const char* bytes(const Entry& e) const;
   void drop_pages(const Entry& e) const;  // madvise(MADV_DONTNEED) of the whole pages inside it
+  void drop_bytes(const char* p, size_t n) const;  // the same for bytes [p, p + n) of the mapping
   // The entry's bytes after checking that dst has its dtype and element count.
   const char* whole_source(const std::string& name, const Tensor& dst) const;
 
