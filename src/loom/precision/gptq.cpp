@@ -51,13 +51,17 @@ double replace_column(double* row, int64_t i, int64_t i2, double value, const st
   return e;
 }
 
-// After a block [i1, i2): the later columns W[r, i2:] -= err_r U[i1:i2, i2:].
-void lazy_batch_update(double* row, const double* err, int64_t i1, int64_t i2, const std::vector<double>& u, int64_t k) {
-  for (int64_t i = i1; i < i2; ++i) {
-    const double e = err[i - i1];
-    const double* ui = u.data() + i * k;
-    for (int64_t j = i2; j < k; ++j) row[j] -= e * ui[j];
-  }
+// After a block [i1, i2), every row's later columns at once, as AutoGPTQ's
+// W[:, i2:] -= Err1 Hinv[i1:i2, i2:]: one BLAS dgemm (row-major W (R, K), err (R, B) and U seen
+// column-major as their transposes), which reads U's block once for all rows instead of once per
+// row (the per-row loop was bound by that traffic).
+void lazy_batch_update(std::vector<double>& w, const std::vector<double>& err, int64_t R, int64_t B, int64_t i1,
+                       int64_t i2, const std::vector<double>& u, int64_t K) {
+  if (i2 >= K) return;
+  const int m = static_cast<int>(K - i2), n = static_cast<int>(R), k = static_cast<int>(i2 - i1);
+  const int lda = static_cast<int>(K), ldb = static_cast<int>(B), ldc = static_cast<int>(K);
+  const double alpha = -1.0, beta = 1.0;
+  dgemm_("N", "N", &m, &n, &k, &alpha, u.data() + i1 * K + i2, &lda, err.data(), &ldb, &beta, w.data() + i2, &ldc, 1, 1);
 }
 
 }  // namespace
@@ -166,15 +170,7 @@ IntWeight gptq_quantize_rows(std::span<const float> w_in, const GptqFactor& f, c
         err[static_cast<size_t>(r * B + (i - i1))] = replace_column(row, i, i2, dequantize(q, p), u, K);
       }
     }
-    // The lazy batch update of every row at once, as AutoGPTQ's W[:, i2:] -= Err1 Hinv[i1:i2, i2:]:
-    // one BLAS dgemm (row-major W, Err, U seen column-major as their transposes), which reads U's
-    // block once for all rows instead of once per row (the per-row loop was bound by that traffic).
-    if (i2 < K) {
-      const int m = static_cast<int>(K - i2), n = static_cast<int>(R), k = static_cast<int>(i2 - i1);
-      const int lda = static_cast<int>(K), ldb = static_cast<int>(B), ldc = static_cast<int>(K);
-      const double alpha = -1.0, beta = 1.0;
-      dgemm_("N", "N", &m, &n, &k, &alpha, u.data() + i1 * K + i2, &lda, err.data(), &ldb, &beta, w.data() + i2, &ldc, 1, 1);
-    }
+    lazy_batch_update(w, err, R, B, i1, i2, u, K);
   }
   IntWeight out;
   out.spec = spec;
@@ -233,8 +229,8 @@ std::vector<float> sparsegpt_prune(std::span<const float> w_in, std::span<const 
         err[static_cast<size_t>(r * B + (i - i1))] = replace_column(row, i, i2, q, u, K);
         row[i] = q;
       }
-      lazy_batch_update(row, err.data() + r * B, i1, i2, u, K);
     }
+    lazy_batch_update(w, err, R, B, i1, i2, u, K);
   }
   return std::vector<float>(w.begin(), w.end());
 }
