@@ -38,6 +38,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 from make_hf_fixtures import write_safetensors  # noqa: E402
+from compression_bench import bytes_to_unicode  # noqa: E402  (GPT-2's byte alphabet)
 
 SHAPES = {
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -106,26 +107,13 @@ def write_folder(path: str, cfg: dict) -> int:
     return total
 
 
-def byte_alphabet() -> list[str]:
-    """GPT-2's byte-to-unicode map (byte-level BPE's alphabet), byte order."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) + \
-        list(range(ord("\xae"), ord("\xff") + 1))
-    out, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            out[b] = chr(b)
-        else:
-            out[b] = chr(256 + extra)
-            extra += 1
-    return [out[b] for b in range(256)]
-
-
 def write_tokenizer(path: str, vocab_size: int) -> None:
     """A byte-level BPE tokenizer.json without merges (every byte its own token) whose vocabulary
     is padded to the model's with unreachable two- and three-character entries and ends with
     <|end_of_text|>, so the random
     folder has a tokenizer (calibration text for gptq/awq, eval --text, generate)."""
-    alphabet = byte_alphabet()
+    byte_char = bytes_to_unicode()
+    alphabet = [byte_char[b] for b in range(256)]
     vocab = {c: i for i, c in enumerate(alphabet)}
     for a in alphabet:
         for b in alphabet:

@@ -188,6 +188,10 @@ struct QuantizedModelPlan {
   std::map<std::string, DType> plain_dtype;    // a plain parameter's dtype: F32 unless named (BF16)
   std::set<std::string> also_plain;            // quantized parameters also written plain (a tied head's embedding)
   nlohmann::json quantization;                 // {"method", "bits", "group", "activations", ...}
+  DType plain_type(const std::string& name) const {
+    const auto it = plain_dtype.find(name);
+    return it == plain_dtype.end() ? DTYPE_F32 : it->second;
+  }
 };
 
 class QuantizedModelWriter {

@@ -44,8 +44,7 @@ QuantizedModelWriter::QuantizedModelWriter(std::string dir, QuantizedModelPlan p
   for (const ParamSpec& spec : s_->layout.params) {
     const auto q = plan.quantized.find(spec.name);
     if (q == plan.quantized.end() || plan.also_plain.count(spec.name)) {
-      const auto d = plan.plain_dtype.find(spec.name);
-      const DType dtype = d == plan.plain_dtype.end() ? DTYPE_F32 : d->second;
+      const DType dtype = plan.plain_type(spec.name);
       LOOM_CHECK(dtype == DTYPE_F32 || dtype == DTYPE_BF16, spec.name, ": a plain parameter is stored in f32 or bf16");
       entries.push_back({spec.name, dtype == DTYPE_F32 ? "F32" : "BF16", spec.shape});
     }
@@ -92,8 +91,7 @@ std::vector<std::string> QuantizedModelWriter::plain_params() const {
 
 void QuantizedModelWriter::write_plain(const std::string& name, const Tensor& host) {
   const ParamSpec& spec = s_->layout.find(name);
-  const auto d = s_->plan.plain_dtype.find(name);
-  const DType dtype = d == s_->plan.plain_dtype.end() ? DTYPE_F32 : d->second;
+  const DType dtype = s_->plan.plain_type(name);
   LOOM_CHECK(host.device() == DEVICE_CPU && host.dtype() == dtype && host.shape() == spec.shape, name,
              ": written as a host ", dtype_name(dtype), shape_str(spec.shape), " tensor, got ", host.describe());
   s_->file->write(name, host.raw_data(), host.nbytes());

@@ -277,18 +277,41 @@ void SafetensorsFile::drop_bytes(const char* p, size_t n) const {
   if (first < last) ::madvise(reinterpret_cast<void*>(first), last - first, MADV_DONTNEED);  // advisory
 }
 
-void write_safetensors(const std::string& path, const std::vector<std::pair<std::string, Tensor>>& tensors,
-                       const std::map<std::string, std::string>& metadata) {
+namespace {
+
+// The header of `entries` laid out back to back in their order, padded so the data starts
+// 8-byte aligned; sizes[i] = entry i's bytes (write_safetensors and SafetensorsWriter).
+std::string layout_header(const std::vector<SafetensorsWriter::Entry>& entries,
+                          const std::map<std::string, std::string>& metadata, const std::string& path,
+                          std::vector<uint64_t>& sizes) {
   nlohmann::json header = nlohmann::json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
-  size_t offset = 0;
-  for (const auto& [name, t] : tensors) {
-    LOOM_CHECK(t.device() == DEVICE_CPU, path, ": tensor '", name, "' must be in host memory to be written");
-    header[name] = {{"dtype", safetensors_dtype(t.dtype())}, {"shape", t.shape()}, {"data_offsets", {offset, offset + t.nbytes()}}};
-    offset += t.nbytes();
+  uint64_t offset = 0;
+  sizes.clear();
+  for (const SafetensorsWriter::Entry& e : entries) {
+    LOOM_CHECK(!header.contains(e.name), path, ": tensor '", e.name, "' declared twice");
+    uint64_t bytes = stored_size(e.dtype, path, e.name);
+    for (int64_t d : e.shape) bytes *= static_cast<uint64_t>(d);
+    header[e.name] = {{"dtype", e.dtype}, {"shape", e.shape}, {"data_offsets", {offset, offset + bytes}}};
+    sizes.push_back(bytes);
+    offset += bytes;
   }
   std::string text = header.dump();
-  text.append((8 - text.size() % 8) % 8, ' ');  // data starts 8-byte aligned
+  text.append((8 - text.size() % 8) % 8, ' ');
+  return text;
+}
+
+}  // namespace
+
+void write_safetensors(const std::string& path, const std::vector<std::pair<std::string, Tensor>>& tensors,
+                       const std::map<std::string, std::string>& metadata) {
+  std::vector<SafetensorsWriter::Entry> entries;
+  for (const auto& [name, t] : tensors) {
+    LOOM_CHECK(t.device() == DEVICE_CPU, path, ": tensor '", name, "' must be in host memory to be written");
+    entries.push_back({name, safetensors_dtype(t.dtype()), t.shape()});
+  }
+  std::vector<uint64_t> sizes;
+  const std::string text = layout_header(entries, metadata, path, sizes);
   const uint64_t header_bytes = text.size();
 
   std::vector<ByteRange> parts{{&header_bytes, 8}, {text.data(), text.size()}};
@@ -316,22 +339,15 @@ void pwrite_all(int fd, const void* data, size_t n, uint64_t at, const std::stri
 SafetensorsWriter::SafetensorsWriter(std::string path, const std::vector<Entry>& entries,
                                      const std::map<std::string, std::string>& metadata)
     : path_(std::move(path)) {
-  nlohmann::json header = nlohmann::json::object();
-  if (!metadata.empty()) header["__metadata__"] = metadata;
-  uint64_t offset = 0;
-  for (const Entry& e : entries) {
-    LOOM_CHECK(!slots_.count(e.name), path_, ": tensor '", e.name, "' declared twice");
-    uint64_t bytes = stored_size(e.dtype, path_, e.name);
-    for (int64_t d : e.shape) bytes *= static_cast<uint64_t>(d);
-    header[e.name] = {{"dtype", e.dtype}, {"shape", e.shape}, {"data_offsets", {offset, offset + bytes}}};
-    slots_[e.name] = Slot{offset, bytes, false};
-    offset += bytes;
-  }
-  std::string text = header.dump();
-  text.append((8 - text.size() % 8) % 8, ' ');  // data starts 8-byte aligned
+  std::vector<uint64_t> sizes;
+  const std::string text = layout_header(entries, metadata, path_, sizes);
   const uint64_t header_bytes = text.size();
-  for (auto& [name, slot] : slots_) slot.offset += 8 + header_bytes;
-  file_bytes_ = 8 + header_bytes + offset;
+  uint64_t offset = 8 + header_bytes;
+  for (size_t i = 0; i < entries.size(); ++i) {
+    slots_[entries[i].name] = Slot{offset, sizes[i], false};
+    offset += sizes[i];
+  }
+  file_bytes_ = offset;
   fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   LOOM_CHECK(fd_ >= 0, path_, ": cannot create (", std::strerror(errno), ")");
   pwrite_all(fd_, &header_bytes, 8, 0, path_, "the header");

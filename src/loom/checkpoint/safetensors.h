@@ -97,7 +97,6 @@ class SafetensorsWriter {
   ~SafetensorsWriter();
   SafetensorsWriter(const SafetensorsWriter&) = delete;
   SafetensorsWriter& operator=(const SafetensorsWriter&) = delete;
-  bool has(const std::string& name) const { return slots_.count(name) != 0; }
   // The entry's bytes (exactly its size; once).
   void write(const std::string& name, const void* data, size_t bytes);
   void close();

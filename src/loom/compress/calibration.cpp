@@ -7,8 +7,6 @@
 
 namespace loom {
 
-namespace {
-
 constexpr int64_t kBatch = 4;  // calibration sequences per forward
 
 std::vector<float> read_host(Backend& backend, const Tensor& t) {
@@ -16,8 +14,6 @@ std::vector<float> read_host(Backend& backend, const Tensor& t) {
   backend.read(t, v.data());
   return v;
 }
-
-}  // namespace
 
 std::vector<Transformer::LinearWeight> layer_linear_weights(Transformer& model, int64_t layer) {
   std::vector<Transformer::LinearWeight> all = model.linear_weights();

@@ -24,6 +24,9 @@ struct InputStats {
   static constexpr int64_t kSampleRows = 512;
 };
 
+// t's elements on the host (any backend), as f32.
+std::vector<float> read_host(Backend& backend, const Tensor& t);
+
 // Block `layer`'s four linear weights in linear_weights() order, or (layer = n_layer) the head.
 std::vector<Transformer::LinearWeight> layer_linear_weights(Transformer& model, int64_t layer);
 

@@ -36,12 +36,6 @@ bool quant_method_calibrates(QuantMethod m) {
 
 namespace {
 
-std::vector<float> read_host(Backend& backend, const Tensor& t) {
-  std::vector<float> v(static_cast<size_t>(t.numel()));
-  backend.read(t, v.data());
-  return v;
-}
-
 Tensor host_tensor(Backend& backend, const std::vector<float>& v, const Shape& shape) {
   Tensor t = Tensor::empty(backend.allocator(), shape, DTYPE_F32, MEM_WORKSPACE);
   backend.write(t, v.data());
@@ -145,11 +139,11 @@ std::vector<float> effective_weight(const IntWeight& q) {
   return w;
 }
 
-std::vector<std::vector<std::string>> quantize_load_units(const Transformer& model) {
-  const int64_t L = model.config().n_layer;
-  const std::vector<RangeSet>& units = model.param_units();
+std::vector<std::vector<std::string>> quantize_load_units(const ModelConfig& config, const ParamLayout& layout) {
+  const int64_t L = config.n_layer;
+  const std::vector<RangeSet> units = layout_units(config, layout);
   std::vector<std::vector<std::string>> out(static_cast<size_t>(L + 3));
-  for (const ParamSpec& p : model.layout().params) {
+  for (const ParamSpec& p : layout.params) {
     const RangeSet own = RangeSet::span(p.offset, p.offset + p.numel);
     size_t unit = 0;
     while (unit < units.size() && own.intersect(units[unit]).empty()) ++unit;
@@ -178,7 +172,7 @@ std::map<std::string, IntWeight> quantize_model(Transformer& model, const std::v
   for (const Transformer::LinearWeight& lw : model.linear_weights()) {
     (void)int_weight_spec(o.bits, o.group, lw.weight.dim(0), lw.weight.dim(1), act_int8, lw.name);
   }
-  const std::vector<std::vector<std::string>> units = quantize_load_units(model);
+  const std::vector<std::vector<std::string>> units = quantize_load_units(model.config(), model.layout());
   const size_t final_norm = static_cast<size_t>(L + 1), head = model.config().tied_head() ? 0 : static_cast<size_t>(L + 2);
   auto load = [&](size_t unit) {
     if (stream.load && !units[unit].empty()) stream.load(units[unit]);

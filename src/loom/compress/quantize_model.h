@@ -58,7 +58,7 @@ struct QuantizeStream {
 
 // The parameter names of what a sequential pass loads together: [0] the embeddings, [l + 1]
 // block l, [n_layer + 1] the final norm, [n_layer + 2] the untied head (empty when tied).
-std::vector<std::vector<std::string>> quantize_load_units(const Transformer& model);
+std::vector<std::vector<std::string>> quantize_load_units(const ModelConfig& config, const ParamLayout& layout);
 
 // Quantizes the model's linear weights; on return the model's fp32 parameters hold the
 // dequantized block weights (the head's are left as they were: a tied head is the embedding).

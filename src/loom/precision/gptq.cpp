@@ -19,18 +19,12 @@ extern "C" void dgemm_(const char* transa, const char* transb, const int* m, con
 namespace loom {
 namespace {
 
-// The format's group parameters for values x (double), as int_group_params: the scale rounded
-// to f32 (what is stored), the zero point from it.
+// The format's group parameters for values x (double): int_stored_params of their range (the
+// scale computed in double and rounded to what is stored, the zero point from it).
 GroupParams group_params(const double* x, int64_t n, int64_t stride, int bits, const IntStorage& storage) {
   double lo = 0.0, hi = 0.0;
   for (int64_t i = 0; i < n; ++i) lo = std::min(lo, x[i * stride]), hi = std::max(hi, x[i * stride]);
-  if (!(storage == IntStorage{})) return int_stored_params(lo, hi, bits, storage);
-  GroupParams p;
-  if (hi == lo) return p;
-  const double top = static_cast<double>((1 << bits) - 1);
-  p.scale = static_cast<float>((hi - lo) / top);
-  p.zero = static_cast<uint8_t>(std::clamp(std::nearbyint(-lo / static_cast<double>(p.scale)), 0.0, top));
-  return p;
+  return int_stored_params(lo, hi, bits, storage);
 }
 
 uint8_t quantize(double x, const GroupParams& p, int bits) {

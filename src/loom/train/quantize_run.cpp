@@ -44,7 +44,6 @@ QuantizeMemory quantize_memory_estimate(const ModelSource& source, const Quantiz
   check_source(source);
   const ModelConfig& c = source.config.model;
   const ParamLayout layout = build_param_layout(c);
-  const std::vector<RangeSet> units = layout_units(c, layout);
   const bool calibrates = quant_method_calibrates(o.method), gptq = o.method == QuantMethod::gptq;
   const bool row_wise = !calibrates || gptq;
   const int64_t L = c.n_layer, C = c.d_model, T = o.calib_seq_len;
@@ -82,14 +81,15 @@ QuantizeMemory quantize_memory_estimate(const ModelSource& source, const Quantiz
     QuantizeMemory m{peak.streamed ? weights : layout.total * 4, w, st, hidden, peak.streamed};
     if (m.total() > peak.total()) peak = m;
   };
+  const std::vector<std::vector<std::string>> units = quantize_load_units(c, layout);
   for (int64_t l = 0; l < L; ++l) {
     std::vector<std::pair<int64_t, int64_t>> linear;  // (rows, cols) in linear_weights() order
-    for (const ParamSpec& p : layout.params) {
-      if (p.role == ROLE_HIDDEN && p.shape.size() == 2 && !units[static_cast<size_t>(l + 1)].intersect(RangeSet::span(p.offset, p.offset + p.numel)).empty()) {
-        linear.emplace_back(p.shape[0], p.shape[1]);
-      }
+    int64_t resident = calibrates && l == 0 ? embedding : 0;
+    for (const std::string& name : units[static_cast<size_t>(l + 1)]) {
+      const ParamSpec& p = layout.find(name);
+      resident += p.numel * 4;
+      if (p.role == ROLE_HIDDEN && p.shape.size() == 2) linear.emplace_back(p.shape[0], p.shape[1]);
     }
-    const int64_t resident = units[static_cast<size_t>(l + 1)].size() * 4 + (calibrates && l == 0 ? embedding : 0);
     if (calibrates) {  // measuring the block: every input's statistics, one batch's x^T x in f32 (device and host)
       int64_t all = 0, widest = 0;
       for (const auto& [R, K] : linear) all += stats(K), widest = std::max(widest, K);
@@ -163,10 +163,9 @@ QuantizeRunResult quantize_to_folder(const ModelSource& source, const QuantizeOp
   CpuAllocator host;
   for (const std::string& name : writer.plain_params()) {
     const ParamSpec& spec = layout.find(name);
-    const auto d = plan.plain_dtype.find(name);
     Tensor t;
     if (stream) {
-      t = Tensor::empty(host, spec.shape, d == plan.plain_dtype.end() ? DTYPE_F32 : d->second, MEM_WORKSPACE);
+      t = Tensor::empty(host, spec.shape, plan.plain_type(name), MEM_WORKSPACE);
       reader->read(name, t);
     } else {
       t = model.params().view(spec.offset, spec.shape);
