@@ -51,7 +51,11 @@ def run_loom(args, s: dict, bf16: bool) -> dict:
            "--device", args.device, "--requests", "16", "--prompt-tokens", str(args.prompt), "--new-tokens",
            str(args.new), "--max-batch", "16", "--kv", args.kv] + (["--bf16-weights"] if bf16 else [])
     print("loom:", " ".join(cmd), flush=True)
+    start = time.time()
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    print(f"loom: exit {p.returncode} after {time.time() - start:.1f} s", flush=True)
+    for line in (p.stdout.splitlines() + p.stderr.splitlines()[-5:]):
+        print("  " + line, flush=True)
     if p.returncode != 0:
         return {"error": (p.stderr or p.stdout).strip().splitlines()[-5:]}
     out = p.stdout

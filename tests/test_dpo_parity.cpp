@@ -38,7 +38,7 @@ class DpoParity : public ::testing::TestWithParam<std::tuple<std::string, std::s
 
 TEST_P(DpoParity, LossAndEveryGradientMatchPyTorch) {
   const auto& [file, variant] = GetParam();
-  const SafetensorsFile f = SafetensorsFile::read(std::string(LOOM_FIXTURE_DIR) + "/dpo/" + file);
+  const SafetensorsFile f = SafetensorsFile::read(test::fixture_dir() + "/dpo/" + file);
   auto backend = make_cpu_backend();
   CpuAllocator host;
   const auto values = [&](const std::string& name) { return test::values(f.tensor(name, host, MEM_WORKSPACE)); };

@@ -35,7 +35,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-std::string fixture(const std::string& name) { return std::string(LOOM_FIXTURE_DIR) + "/hf/" + name; }
+std::string fixture(const std::string& name) { return test::fixture_dir() + "/hf/" + name; }
 
 nlohmann::json read_json(const fs::path& path) {
   std::ifstream in(path);

@@ -33,7 +33,7 @@ TEST_P(LoraParity, LogitsLossAndAdapterGradientsMatchPyTorch) {
   // DoRA's two computations: the adapters' correction, and (with the layers' workspace, no
   // dropout) the layers on the merged weight g V (nn/lora.h lora_layer_weight).
   for (const bool workspace : {false, true}) {
-  const fs::path dir = fs::path(LOOM_FIXTURE_DIR) / "lora" / GetParam();
+  const fs::path dir = fs::path(test::fixture_dir()) / "lora" / GetParam();
   const std::string base_dir = (dir / "base").string(), adapter_dir = (dir / "adapter").string();
   const ModelConfig base = hf_model_config(base_dir);
   const ModelConfig config = peft_adapter_config(adapter_dir, base);

@@ -37,7 +37,7 @@ class MoeParityTest : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(MoeParityTest, LogitsLossesDropsAndEveryGradientMatchPyTorch) {
   auto backend = make_cpu_backend();
-  const SafetensorsFile f = SafetensorsFile::read(std::string(LOOM_FIXTURE_DIR) + "/" + GetParam());
+  const SafetensorsFile f = SafetensorsFile::read(test::fixture_dir() + "/" + GetParam());
   const ModelConfig config = moe_config_from(f);
   Transformer model(*backend, config);
   for (const ParamSpec& p : model.layout().params) f.copy_into(p.name, model.param(p.name));

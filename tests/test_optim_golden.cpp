@@ -17,6 +17,7 @@
 #include "loom/checkpoint/safetensors.h"
 #include "loom/optim/optimizer.h"
 #include "loom/train/config.h"
+#include "test_util.h"
 
 namespace loom {
 namespace {
@@ -24,7 +25,7 @@ namespace {
 class OptimGolden : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    file = new SafetensorsFile(SafetensorsFile::read(std::string(LOOM_FIXTURE_DIR) + "/optim_golden.safetensors"));
+    file = new SafetensorsFile(SafetensorsFile::read(test::fixture_dir() + "/optim_golden.safetensors"));
     spec = new nlohmann::json(nlohmann::json::parse(file->metadata_value("spec")));
   }
   static void TearDownTestSuite() {

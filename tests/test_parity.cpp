@@ -60,7 +60,7 @@ class ParityTest : public ::testing::TestWithParam<std::tuple<std::string, std::
       }
     }
     fixture = std::make_unique<SafetensorsFile>(
-        SafetensorsFile::read(std::string(LOOM_FIXTURE_DIR) + "/" + std::get<0>(GetParam())));
+        SafetensorsFile::read(test::fixture_dir() + "/" + std::get<0>(GetParam())));
     config = test::config_from(*fixture);
     model = std::make_unique<Transformer>(*backend, config);
     for (const ParamSpec& p : model->layout().params) fixture->copy_into(p.name, model->param(p.name), *backend);

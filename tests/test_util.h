@@ -35,6 +35,16 @@ inline std::string error_of(const std::function<void()>& f) {
 }
 
 
+#ifdef LOOM_FIXTURE_DIR
+// The folder of ctest's fixtures for the programs built with their path (LOOM_FIXTURE_DIR, the
+// build's): $LOOM_FIXTURE_DIR when set, so that programs moved to another machine
+// (scripts/gpu_pack) read the fixtures carried beside them.
+inline std::string fixture_dir() {
+  const char* dir = std::getenv("LOOM_FIXTURE_DIR");
+  return dir != nullptr && *dir != 0 ? std::string(dir) : std::string(LOOM_FIXTURE_DIR);
+}
+#endif
+
 // A fixture a tools/ script writes (python3 tools/<script> --out DIR writes DIR/<file>):
 // $LOOM_FIXTURE_DIR/<file> when ctest's setup test wrote it, else the script run here into a
 // fresh temporary folder, returned in `temp` for the caller to remove. Empty when the script failed.

@@ -65,6 +65,7 @@ int bench_generate(const Args& args) {
   const std::string device = args.get("device", "");
   auto backend = source ? inference_backend(*source, device) : make_backend(device.empty() ? std::string(enum_name(config.device)) : device);
   std::unique_ptr<Transformer> owned;
+  const auto setup_start = std::chrono::steady_clock::now();
   LOOM_CHECK(!(source && args.has("bf16-weights")), "--bf16-weights is for a random model: a checkpoint's own dtype "
              "decides (a bf16 Hugging Face folder is used in place; --f32-weights widens it)");
   if (source) {
@@ -75,6 +76,7 @@ int bench_generate(const Args& args) {
     if (args.has("bf16-weights")) use_bf16_weights(*owned);
   }
   Transformer& model = *owned;
+  const double setup_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - setup_start).count();
   const int64_t n = args.get_int("requests", 32), L = args.get_int("prompt-tokens", 32), M = args.get_int("new-tokens", 64);
   LOOM_CHECK(n >= 1 && L >= 1 && M >= 1, "--requests, --prompt-tokens and --new-tokens must be >= 1");
   LOOM_CHECK(L + M <= config.model.max_seq_len, "--prompt-tokens + --new-tokens = ", L + M, " exceeds model.max_seq_len = ",
@@ -113,11 +115,11 @@ int bench_generate(const Args& args) {
   const KvCacheConfig cache_config = engine_cache_config(config.model, ec);
 
   std::printf("%s: %lld parameters (%lld linear weights in bf16 in place); %lld requests of %lld prompt + %lld new "
-              "tokens (greedy); KV cache %s, %s\n",
+              "tokens (greedy); KV cache %s, %s; model set up in %.1f s\n",
               source ? source->path.c_str() : "random init", static_cast<long long>(param_count(config.model)),
               static_cast<long long>(model.bf16_weight_params()),
               static_cast<long long>(n), static_cast<long long>(L), static_cast<long long>(M), kv.c_str(),
-              ec.paged ? str_cat("paged, blocks of ", ec.block_size).c_str() : "contiguous");
+              ec.paged ? str_cat("paged, blocks of ", ec.block_size).c_str() : "contiguous", setup_s);
   // One at a time: each request alone in an engine of one row.
   EngineConfig single = ec;
   single.max_batch = 1;

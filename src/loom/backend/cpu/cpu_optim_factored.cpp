@@ -4,6 +4,8 @@
 // loops are optim/factored.cpp's own, moved here unchanged (same arithmetic, order and OpenMP
 // schedules): row and column sums run in double in an order independent of the thread count;
 // the RMS of the parameters and of the update use OpenMP's reduction, as they always did.
+// Compiled without floating-point contraction (-ffp-contract=off, CMakeLists.txt), as their CUDA
+// twins are (cuda_optim_factored.cu): every product rounded on its own, the GPU's bits the CPU's.
 #include <algorithm>
 #include <cmath>
 #include <vector>

@@ -6,6 +6,11 @@
 // thread adds the terms sequentially in that order. The RMS sums (whose CPU order is OpenMP's
 // reduction, which depends on the thread count) are a fixed tree here: per-block partials, added
 // by one block in a fixed order. No floating-point atomics: every run gives the same bits.
+// No contraction either: this file is compiled with nvcc's -fmad=false (g++'s and hipcc's
+// -ffp-contract=off), its CPU twins with -ffp-contract=off (CMakeLists.txt), so every product is
+// rounded on its own on both sides. (Compiled with contraction, as when only the simulator had run
+// it, an H200 differed from the CPU in the last bits of Adafactor, SM3, CAME and LDAdam's Adam,
+// 2026-12-04: nvcc and GCC fuse different products of b m + (1 - b) v.)
 //
 // Per element of an m x n segment (N = m n); bytes of device memory moved, FLOPs, launch shape.
 // kBlock = 256 threads; "flat": grid-stride, grid min(ceil(N / 256), 256) when it writes RMS

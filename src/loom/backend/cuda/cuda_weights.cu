@@ -80,9 +80,9 @@ constexpr int64_t kMaxGridY = 65535;
 
 // a b on a GPU rounded once, never contracted with a following add (cuda_device.h's mul_rn:
 // __fmul_rn, or on HIP the contraction off); on the simulator a plain product, which g++ may
-// contract with the following add or subtract, as this file always had it. Not mul_rn there:
-// with its non-contracting form the simulator's dora_weight differs from the CPU in the last bit
-// (the CPU's GCC contracts g * merged - base), which is what a GPU's __fmul_rn would give too.
+// contract with the following add or subtract, as this file always had it. (dora_weight is
+// not one of them: the CPU's GCC contracts g * merged - base, so every build spells that fma out;
+// with __fmul_rn an H200 differed from the CPU in the last bit, 2026-12-04.)
 __device__ __forceinline__ float mul_gpu_rn(float a, float b) {
 #ifdef LOOM_CUDA_SIM
   return a * b;
@@ -156,7 +156,7 @@ __global__ void dora_weight_kernel(const float* merged, const float* base, const
     const float g = dora_gain(magnitude[j], norms[j]);
     for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) {
       const int64_t k = j * cols + i;
-      out[k] = mul_gpu_rn(g, merged[k]) - (base != nullptr ? base[k] : 0.0f);
+      out[k] = fma_rn(g, merged[k], -(base != nullptr ? base[k] : 0.0f));  // the CPU's contraction
     }
   }
 }
@@ -472,7 +472,10 @@ __device__ __forceinline__ void widen_bf16x8(int4 v, float out[8]) {
   }
 }
 
-// vec: cols a multiple of 8 and w 16-byte aligned, so each lane loads 8 columns at once.
+// vec: cols a multiple of 8, w and x 16-byte aligned, so each lane loads 8 columns at once (of
+// the weight, 16 bytes; of each input row, two float4), kBf16Loads weight loads in flight: one at
+// a time, the decode kernel read an H200's memory at 20-45% of its bandwidth (2026-12-04, ncu).
+constexpr int kBf16Loads = 4;
 template <int NR>
 __global__ void bf16_weight_linear_kernel(const float* x, const uint16_t* w, int64_t rows, int64_t cols, float* y,
                                           int64_t n, float beta, const float* bias, bool vec) {
@@ -488,16 +491,31 @@ __global__ void bf16_weight_linear_kernel(const float* x, const uint16_t* w, int
       for (int r = 0; r < NR; ++r) acc[r] = 0.0f;
       if (active && vec) {
         const uint16_t* row = w + o * cols;
-        for (int64_t c = static_cast<int64_t>(lane) * 8; c < cols; c += kWarp * 8) {
+        // Each lane's 8 columns c..c+7 of every input row, in column order (the same bits
+        // whatever the loads in flight).
+        auto add = [&](int64_t c, int4 packed) {
           float wv[8];
-          widen_bf16x8(*reinterpret_cast<const int4*>(row + c), wv);
+          widen_bf16x8(packed, wv);
 #pragma unroll
           for (int r = 0; r < NR; ++r) {
             if (r >= nrows) continue;  // not break: a fully unrolled loop has one exit (hip-clang)
+            const float4 x0 = *reinterpret_cast<const float4*>(xs + r * cols + c);
+            const float4 x1 = *reinterpret_cast<const float4*>(xs + r * cols + c + 4);
+            const float xv[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
 #pragma unroll
-            for (int j = 0; j < 8; ++j) acc[r] = fmaf(xs[r * cols + c + j], wv[j], acc[r]);
+            for (int j = 0; j < 8; ++j) acc[r] = fmaf(xv[j], wv[j], acc[r]);
           }
+        };
+        constexpr int64_t kStep = kWarp * 8;
+        int64_t c = static_cast<int64_t>(lane) * 8;
+        for (; c + (kBf16Loads - 1) * kStep < cols; c += kBf16Loads * kStep) {
+          int4 packed[kBf16Loads];  // the weight's loads in flight together
+#pragma unroll
+          for (int u = 0; u < kBf16Loads; ++u) packed[u] = *reinterpret_cast<const int4*>(row + c + u * kStep);
+#pragma unroll
+          for (int u = 0; u < kBf16Loads; ++u) add(c + u * kStep, packed[u]);
         }
+        for (; c < cols; c += kStep) add(c, *reinterpret_cast<const int4*>(row + c));
       } else if (active) {
         const uint16_t* row = w + o * cols;
         for (int64_t c = lane; c < cols; c += kWarp) {
@@ -635,7 +653,7 @@ void int_linear(const float* x, const uint8_t* codes, const float* scales, const
 void bf16_weight_linear(const float* x, const uint16_t* w, int64_t rows, int64_t cols, float* y, int64_t n, float beta,
                         const float* bias, cudaStream_t stream) {
   if (n == 0 || rows == 0) return;
-  const bool vec = cols % 8 == 0 && aligned_to(w, 16);
+  const bool vec = cols % 8 == 0 && aligned_to(w, 16) && aligned_to(x, 16);
   if (n == 1) launch_bf16_weight_linear<1>(x, w, rows, cols, y, n, beta, bias, vec, stream);
   else if (n == 2) launch_bf16_weight_linear<2>(x, w, rows, cols, y, n, beta, bias, vec, stream);
   else if (n <= 4) launch_bf16_weight_linear<4>(x, w, rows, cols, y, n, beta, bias, vec, stream);
