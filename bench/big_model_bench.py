@@ -21,6 +21,9 @@ byte-level tokenizer.json (no merges; its vocabulary padded to the model's) for 
 
 --quantize rtn|gptq|awq also runs `loom quantize` on the folder (streamed block by block: its
 printed plan, measured peak RSS, time and file size) and `bench generate` on its output.
+--qlora STEPS also trains QLoRA from the folder (`loom train`, peft.quantize_base: the block
+matrices quantized to NF4 while reading, rank 16, full recompute, --qlora-seq tokens a step,
+the default corpus in byte tokens): time and peak RSS, the final checkpoint included.
 llama.cpp on the same weights (GGUF) is not run yet: `loom convert --to gguf` reads the model in f32.
 """
 
@@ -32,6 +35,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import torch
 
@@ -168,6 +172,23 @@ def run_quantize(loom: str, folder: str, out: str, method: str, calib: str, cali
             "peak_rss": int(rss.group(1)) * 1024, "file": size}
 
 
+def run_qlora(loom: str, folder: str, out: str, steps: int, seq: int) -> dict:
+    """A QLoRA run from the folder: `steps` steps of one sequence of `seq` bytes (byte tokens, the
+    default corpus), LoRA rank 16 on every block matrix, full recompute; no checkpoint but the final one."""
+    sets = (f"train.init_from={folder},peft.method=lora,peft.rank=16,peft.alpha=32,"
+            f"peft.targets=\"q,k,v,o,gate,up,down\",peft.quantize_base=true,train.steps={steps},train.batch_size=1,"
+            f"train.seq_len={seq},train.eval_every=0,train.recompute=full,data.tokenizer=byte,data.dir={out}/data,"
+            f"run.dir={out}/runs,run.name=qlora")
+    cmd = ["/usr/bin/time", "-f", "peak_rss_kib %M", loom, "train", "--set", sets]
+    start = time.time()
+    p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    if p.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{p.stdout}\n{p.stderr}")
+    rss = re.search(r"peak_rss_kib (\d+)", p.stderr)
+    head = re.search(r"QLoRA: .*", p.stdout)
+    return {"seconds": time.time() - start, "peak_rss": int(rss.group(1)) * 1024, "report": head.group(0) if head else ""}
+
+
 def baseline_rss(loom: str) -> int:
     """The process's own resident bytes (the binary and its libraries) before any model."""
     p = subprocess.run(["/usr/bin/time", "-f", "peak_rss_kib %M", loom, "quantize", "--help"], capture_output=True, text=True)
@@ -184,6 +205,8 @@ def main() -> None:
     ap.add_argument("--calib-tokens", type=int, default=2048)
     ap.add_argument("--compact", action="store_true", help="--scales f16 --symmetric --group 32 (Q4_0's bytes)")
     ap.add_argument("--skip-generate", action="store_true", help="only the quantize run and its folder's decode")
+    ap.add_argument("--qlora", type=int, default=0, metavar="STEPS", help="also a QLoRA run of STEPS steps from the folder")
+    ap.add_argument("--qlora-seq", type=int, default=512)
     args = ap.parse_args()
     cfg = config_of(args.shape)
     folder = os.path.join(args.out, f"llama_{args.shape}_bf16")
@@ -202,6 +225,10 @@ def main() -> None:
               f"model.safetensors {q['file'] / 2**30:.2f} GiB ({q['file'] / file_bytes:.2f} of the bf16 file)")
         print(f"its folder, bench generate: peak RSS {g['peak_rss'] / 2**30:.2f} GiB, prefill {g['prefill']:.1f}, "
               f"decode {g['decode']:.1f} tokens/s")
+    if args.qlora:
+        r = run_qlora(args.loom, folder, os.path.join(args.out, "qlora"), args.qlora, args.qlora_seq)
+        print(f"\nQLoRA, {args.qlora} steps of {args.qlora_seq} tokens (rank 16, full recompute, the final checkpoint "
+              f"included): {r['seconds']:.0f} s, peak RSS {r['peak_rss'] / 2**30:.2f} GiB\n  {r['report']}")
     if args.skip_generate:
         return
     rows = []

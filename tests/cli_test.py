@@ -752,6 +752,27 @@ class Cli(LoomCase):
         p = self.train("qlora_bad", "--set", "peft.quantize_base=true", expect_ok=False, steps=2)
         self.assert_one_line_error(p, "peft.quantize_base (QLoRA) needs peft.method = lora")
 
+    def test_qlora_from_a_folder_quantizes_while_loading(self):
+        # A Hugging Face folder's block matrices go to NF4 one at a time, never into the fp32
+        # parameters (Transformer::load_quantized_base); a Loom checkpoint of the same weights takes
+        # the load-then-quantize path. Same NF4 base, same adapters' start: the same losses, bit
+        # for bit. A run stopped and resumed continues the straight run's curve.
+        self.train("qsrc", "--set", "model.arch=llama", steps=4)
+        src, hf = os.path.join(self.tmp, "runs", "qsrc"), os.path.join(self.tmp, "qsrc_hf")
+        run("convert", "--to", "hf", "--checkpoint", src, "--out", hf)
+        sets = 'peft.method=lora,peft.rank=4,peft.targets="q,k,v,o,gate,up,down",peft.quantize_base=true,optim.lr=0.01'
+        a = self.train("q_ckpt", "--set", f"{sets},train.init_from={src}", steps=5)
+        b = self.train("q_hf", "--set", f"{sets},train.init_from={hf},train.checkpoint_every=3", steps=5)
+        self.assertNotIn("never held", a.stdout)
+        self.assertIn("never held: quantized one matrix at a time while reading the folder", b.stdout)
+        self.assertEqual(self.losses("q_ckpt"), self.losses("q_hf"))
+        self.assertEqual(len(self.losses("q_hf")), 5)
+        self.train("q_hf_resumed", "--set", f"{sets},train.init_from={hf},train.checkpoint_every=3", "--stop-at-step", "3",
+                   steps=5)
+        self.train("q_hf_resumed", "--set", f"{sets},train.init_from={hf},train.checkpoint_every=3", "--resume", steps=5)
+        self.assert_same_curve("q_hf", "q_hf_resumed", 5)
+        run("eval", "--checkpoint", os.path.join(self.tmp, "runs", "q_hf"), "--data", self.data)
+
     def test_grpo_rolls_out_rewards_and_refuses_bad_input(self):
         prompts = os.path.join(ROOT, "examples", "grpo", "arithmetic_prompts.jsonl")
         sets = (f"{TINY},train.steps=3,train.batch_size=8,data.tokenizer=byte,data.format=prompt-jsonl,"

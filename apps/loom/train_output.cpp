@@ -82,9 +82,10 @@ void print_run_header(const LoomConfig& config, const std::string& dir, const Tr
   if (config.model.lora_quantize_base) {  // QLoRA (docs/finetune.md)
     const int64_t n = model.quantized_params(), bytes = model.quantized_bytes();
     std::printf("QLoRA: the base's %lld block-matrix parameters in NF4 with double-quantized scales: %s = %.4f bits per "
-                "parameter (fp32: %s); parameters resident now %s\n",
+                "parameter (fp32: %s%s); parameters resident now %s\n",
                 static_cast<long long>(n), format_bytes(static_cast<size_t>(bytes)).c_str(),
                 8.0 * static_cast<double>(bytes) / static_cast<double>(n), format_bytes(static_cast<size_t>(4 * n)).c_str(),
+                model.base_streamed() ? ", never held: quantized one matrix at a time while reading the folder" : "",
                 format_bytes(static_cast<size_t>(resident_bytes(model.params()))).c_str());
   }
   if (config.train.recompute != "none") {  // activation checkpointing (memory/recompute.h)

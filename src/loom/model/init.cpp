@@ -18,9 +18,10 @@ void fill_normal(Backend& backend, const Tensor& t, uint64_t seed, uint32_t stre
 }
 
 void init_params(Backend& backend, const ModelConfig& config, const ParamLayout& layout, const Tensor& params,
-                 uint64_t seed) {
+                 uint64_t seed, int64_t from) {
   for (size_t i = 0; i < layout.params.size(); ++i) {
     const ParamSpec& spec = layout.params[i];
+    if (spec.offset < from) continue;  // read from weights by the caller
     const Tensor t = params.view(spec.offset, spec.shape);
     switch (spec.init) {
       case INIT_NORMAL: fill_normal(backend, t, seed, static_cast<uint32_t>(i), spec.init_std); break;
@@ -29,7 +30,7 @@ void init_params(Backend& backend, const ModelConfig& config, const ParamLayout&
       case INIT_COUNT: break;
     }
   }
-  dora_init_magnitudes(backend, config, params);  // DoRA: m = the initialised base rows' norms
+  if (from == 0) dora_init_magnitudes(backend, config, params);  // DoRA: m = the initialised base rows' norms
 }
 
 }  // namespace loom

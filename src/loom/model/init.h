@@ -14,8 +14,10 @@ namespace loom {
 void fill_normal(Backend& backend, const Tensor& t, uint64_t seed, uint32_t stream, float std);
 
 // Each parameter of `layout` in params by its init kind: Normal(0, init_std) matrices (Philox
-// stream = parameter index), ones for norm weights, zero biases; then DoRA's magnitudes.
+// stream = parameter index), ones for norm weights, zero biases; then DoRA's magnitudes. With
+// `from` > 0 only the parameters at or after that offset (the same values; no magnitudes): LoRA's
+// adapters, whose base the caller reads from weights.
 void init_params(Backend& backend, const ModelConfig& config, const ParamLayout& layout, const Tensor& params,
-                 uint64_t seed);
+                 uint64_t seed, int64_t from = 0);
 
 }  // namespace loom

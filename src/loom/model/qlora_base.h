@@ -7,7 +7,10 @@
 // (before a checkpoint or decoding).
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <span>
+#include <string>
 #include <vector>
 
 #include "loom/arch/config.h"
@@ -24,6 +27,12 @@ namespace loom {
 // materialize, release and the counts walk.
 class QloraBase {
  public:
+  // Reads the parameter `name` (the model's layout's) into `dst`, a host f32 tensor of its shape.
+  using WeightRead = std::function<void(const std::string& name, const Tensor& dst)>;
+  // The parameters quantize and load quantize, in their order: each block's qkv, proj, fc, fc2.
+  static std::vector<const ParamSpec*> weight_specs(const ModelConfig& config, const ParamLayout& layout,
+                                                   const Tensor& params);
+
   // Refuses what QLoRA does not support, before the model prepares its blocks' workspace: no
   // LoRA or already quantized, a backend without nf4 or host-readable parameters, MoE or MLA
   // blocks, a bf16 copy of the weights (bf16_copy: precision.param = bf16).
@@ -32,12 +41,19 @@ class QloraBase {
   // points the block's layers at their NF4 copies, then materialize() and release().
   void quantize(Backend& backend, const ModelConfig& config, const ParamLayout& layout, const Tensor& params,
                 std::vector<Block>& blocks);
+  // The same from weights read one at a time into a host buffer of one weight (`read`), leaving
+  // their elements of params untouched (no materialize, no release): the fp32 base never exists.
+  void load(Backend& backend, const ModelConfig& config, const ParamLayout& layout, const Tensor& params,
+            std::vector<Block>& blocks, const WeightRead& read);
   void materialize() const;  // the dequantized values into the weights' fp32 elements
   void release() const;      // their pages back to the OS
   int64_t params() const;    // the quantized weights' element count
   int64_t bytes() const;     // their NF4 bytes (nf4_bytes of each)
+  bool streamed() const { return streamed_; }  // built by load
 
  private:
+  void add(Backend& backend, const Tensor& params, const Tensor& weight, std::span<const float> values,
+           LinearLayer& linear);
   struct Weight {
     int64_t offset = 0;
     Shape shape;
@@ -47,6 +63,7 @@ class QloraBase {
   Backend* backend_ = nullptr;
   Tensor params_;  // the model's flat parameters (set by quantize)
   std::vector<Weight> weights_;
+  bool streamed_ = false;
 };
 
 }  // namespace loom

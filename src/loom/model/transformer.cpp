@@ -29,7 +29,10 @@ Transformer::Transformer(Backend& backend, const ModelConfig& config, ModelUse u
              " backend yet (capabilities().dora is false: it lacks row_norms, dora_weight and dora_backward)");
   params_ = use.lazy_params ? Tensor::zeros_lazy(alloc, {layout_.total}, DTYPE_F32, MEM_PARAMETERS)
                             : Tensor::zeros(alloc, {layout_.total}, DTYPE_F32, MEM_PARAMETERS);
-  if (use.gradients) grads_ = Tensor::zeros(alloc, {layout_.total}, DTYPE_F32, MEM_GRADIENTS);
+  if (use.gradients) {  // lazy with lazy parameters: a frozen range's gradients are never written
+    grads_ = use.lazy_params ? Tensor::zeros_lazy(alloc, {layout_.total}, DTYPE_F32, MEM_GRADIENTS)
+                             : Tensor::zeros(alloc, {layout_.total}, DTYPE_F32, MEM_GRADIENTS);
+  }
   frozen_end_ = config_.lora() ? lora_begin(config_, layout_) : 0;
   if (frozen_end_ > 0) {  // the norm ops always compute their weights' gradients: frozen ones land here
     const int64_t width = std::max(config_.d_model, config_.head_dim());
@@ -90,8 +93,8 @@ Tensor Transformer::grad(const std::string& name) const {
   return grads_.view(spec.offset, spec.shape);
 }
 
-void Transformer::init_weights(uint64_t seed) {
-  init_params(backend_, config_, layout_, params_, seed);
+void Transformer::init_weights(uint64_t seed, int64_t from) {
+  init_params(backend_, config_, layout_, params_, seed, from);
 }
 
 void Transformer::zero_grads() {
@@ -132,6 +135,12 @@ void Transformer::quantize_base() {
   qlora_.check(backend_, config_, params_, params16_.defined());
   set_precision(policy_);  // the blocks get the workspace their layers dequantize into
   qlora_.quantize(backend_, config_, layout_, params_, blocks_);
+}
+
+void Transformer::load_quantized_base(const QloraBase::WeightRead& read) {
+  qlora_.check(backend_, config_, params_, params16_.defined());
+  set_precision(policy_);
+  qlora_.load(backend_, config_, layout_, params_, blocks_, read);
 }
 
 void Transformer::sync_weight_copy() {

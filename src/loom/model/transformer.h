@@ -98,7 +98,8 @@ class Transformer {
   Tensor grad(const std::string& name) const;       // view into grads()
 
   // Normal(0, std) matrices (Philox stream = parameter index), ones for norm weights, zero biases.
-  void init_weights(uint64_t seed);
+  // From `from` on only (the rest is read from weights: LoRA's base), with the same values.
+  void init_weights(uint64_t seed, int64_t from = 0);
   void zero_grads();
 
   // Allocates a micro-batch's activations (and, if needed, the shared backward scratch).
@@ -178,11 +179,16 @@ class Transformer {
   // (release_base) until materialize_base writes them again (before a checkpoint or decoding).
   // Needs LoRA, the nf4 capability, host-readable parameters, no MoE or MLA.
   void quantize_base();
+  // The same, each weight read by `read` (from the weights the run starts from) and quantized in
+  // turn, never in the fp32 parameters (which stay untouched, so with ModelUse::lazy_params they
+  // hold no memory until materialize_base): a big model's base is never held in fp32.
+  void load_quantized_base(const QloraBase::WeightRead& read);
   void materialize_base() { qlora_.materialize(); }
   void release_base() { qlora_.release(); }
   // The quantized weights: their element count and NF4 bytes (nf4_bytes of each).
   int64_t quantized_params() const { return qlora_.params(); }
   int64_t quantized_bytes() const { return qlora_.bytes(); }
+  bool base_streamed() const { return qlora_.streamed(); }  // by load_quantized_base
   RangeSet own_expert_ranges() const { return expert_ranges(true); }
   std::vector<std::pair<int64_t, int64_t>> tp_partial_ranges() const;
   Communicator* tensor_parallel() const { return tp_; }

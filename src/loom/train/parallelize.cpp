@@ -2,8 +2,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
+#include <set>
 
 #include "loom/arch/param_layout.h"
+#include "loom/checkpoint/hf_model.h"
 #include "loom/checkpoint/peft.h"
 #include "loom/checkpoint/weights.h"
 #include "loom/core/error.h"
@@ -19,7 +22,40 @@ struct Build {
   const LoomConfig& config;
   ParallelLayout& layout;
   TrainingModel out;
+  // QLoRA from a Hugging Face folder: the reader of its base, which data_parallel's
+  // load_quantized_base quantizes one block matrix at a time (streamed_qlora).
+  std::shared_ptr<const HfWeightReader> base_reader;
 };
+
+// QLoRA whose base is a Hugging Face folder, one process per model replica (no tp): the block
+// matrices go from the folder to NF4 one at a time and never into the fp32 parameters, which are
+// lazy (their untouched pages hold no memory), so a model whose fp32 base exceeds the machine
+// trains. Other bases (a Loom checkpoint, a folder under tp) are loaded whole and quantized
+// after (Transformer::quantize_base).
+bool streamed_qlora(const Build& b) {
+  const LoopConfig& loop = b.config.loop;
+  return b.config.model.lora_quantize_base && !loop.init_from.empty() && is_hf_model_dir(loop.init_from) &&
+         b.layout.group(Axis::tp) == nullptr;
+}
+
+// The base (the first `base` elements) from the folder, except the block matrices QLoRA quantizes
+// (QloraBase::weight_specs), which stay untouched.
+void load_unquantized_base(Build& b, Transformer& model, const HfWeightReader& reader, int64_t base) {
+  std::set<const ParamSpec*> quantized;
+  for (const ParamSpec* spec : QloraBase::weight_specs(model.config(), model.layout(), model.params())) quantized.insert(spec);
+  CpuAllocator host;
+  for (const ParamSpec& spec : model.layout().params) {
+    if (spec.offset >= base || quantized.count(&spec) != 0) continue;
+    const Tensor dst = model.params().view(spec.offset, spec.shape);
+    if (dst.host_accessible()) {
+      reader.read(spec.name, dst);
+    } else {
+      const Tensor staged = Tensor::empty(host, spec.shape, DTYPE_F32, MEM_WORKSPACE);
+      reader.read(spec.name, staged);
+      b.backend.write(dst, staged.data<float>());
+    }
+  }
+}
 
 // The weights a run starts from: train.init_from's, or the seeded random initialisation.
 // LoRA on weights without adapters: the adapters start initialised (B = 0, so the model starts
@@ -28,9 +64,14 @@ void initialise(Build& b, Transformer& model, const ModelConfig& config) {
   const LoopConfig& loop = b.config.loop;
   if (loop.init_from.empty()) {
     model.init_weights(loop.seed);
-  } else if (config.lora() && !weights_model_config(loop.init_from).lora()) {
-    model.init_weights(loop.seed);
+  } else if (streamed_qlora(b) && !weights_model_config(loop.init_from).lora()) {
     const int64_t base = lora_begin(config, model.layout());
+    model.init_weights(loop.seed, base);  // the adapters; the base is the folder's
+    b.base_reader = std::make_shared<const HfWeightReader>(loop.init_from, lora_base_config(config));
+    load_unquantized_base(b, model, *b.base_reader, base);
+  } else if (config.lora() && !weights_model_config(loop.init_from).lora()) {
+    const int64_t base = lora_begin(config, model.layout());
+    model.init_weights(loop.seed, base);
     load_weights_from(loop.init_from, lora_base_config(config), model.params().view(0, {base}), b.backend);
     dora_init_magnitudes(b.backend, config, model.params());  // DoRA: m = the loaded base rows' norms
   } else {
@@ -53,7 +94,7 @@ void tensor_parallel(Build& b) {
   const ModelConfig& global = b.config.model;
   Communicator* tp = b.layout.group(Axis::tp);
   b.out.local_config = tp != nullptr ? tp_local_config(global, tp->size()) : global;
-  b.out.model = std::make_unique<Transformer>(b.backend, b.out.local_config);
+  b.out.model = std::make_unique<Transformer>(b.backend, b.out.local_config, ModelUse{.lazy_params = streamed_qlora(b)});
   if (tp == nullptr) {
     initialise(b, *b.out.model, global);
     return;
@@ -104,7 +145,12 @@ void data_parallel(Build& b) {
   ddp.compression_warmup = p.compression_warmup;
   b.out.trainer = std::make_unique<Trainer>(b.backend, *b.out.model, b.config.train, &b.layout.reduce_group(), ddp,
                                             b.out.pipeline.get());
-  if (b.config.model.lora_quantize_base) b.out.model->quantize_base();  // QLoRA: after the weights are final
+  if (b.base_reader) {  // QLoRA from a folder: its block matrices read and quantized one at a time
+    const std::shared_ptr<const HfWeightReader> reader = std::move(b.base_reader);
+    b.out.model->load_quantized_base([&](const std::string& name, const Tensor& dst) { reader->read(name, dst); });
+  } else if (b.config.model.lora_quantize_base) {
+    b.out.model->quantize_base();  // QLoRA: after the weights are final
+  }
 }
 
 // The order of the passes: each may rely on every one above it.
@@ -120,7 +166,7 @@ constexpr Pass kPasses[] = {
 }  // namespace
 
 TrainingModel parallelize(Backend& backend, const LoomConfig& config, ParallelLayout& layout) {
-  Build b{backend, config, layout, {}};
+  Build b{backend, config, layout, {}, nullptr};
   for (const Pass& pass : kPasses) pass.apply(b);
   return std::move(b.out);
 }
