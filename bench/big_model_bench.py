@@ -177,8 +177,12 @@ def run_qlora(loom: str, folder: str, out: str, steps: int, seq: int) -> dict:
     default corpus), LoRA rank 16 on every block matrix, full recompute; no checkpoint but the final one."""
     sets = (f"train.init_from={folder},peft.method=lora,peft.rank=16,peft.alpha=32,"
             f"peft.targets=\"q,k,v,o,gate,up,down\",peft.quantize_base=true,train.steps={steps},train.batch_size=1,"
-            f"train.seq_len={seq},train.eval_every=0,train.recompute=full,data.tokenizer=byte,data.dir={out}/data,"
+            f"train.seq_len={seq},train.eval_every=0,train.recompute=full,sample.max_new_tokens=0,data.tokenizer={folder},"
+            f"data.dir={out}/data,"
             f"run.dir={out}/runs,run.name=qlora")
+    if not os.path.exists(os.path.join(out, "data", "meta.json")):
+        subprocess.run([loom, "prepare", "--tokenizer", folder, "--out", os.path.join(out, "data")], check=True,
+                       capture_output=True)
     cmd = ["/usr/bin/time", "-f", "peak_rss_kib %M", loom, "train", "--set", sets]
     start = time.time()
     p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"})

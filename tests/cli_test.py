@@ -767,6 +767,16 @@ class Cli(LoomCase):
         self.assertIn("never held: quantized one matrix at a time while reading the folder", b.stdout)
         self.assertEqual(self.losses("q_ckpt"), self.losses("q_hf"))
         self.assertEqual(len(self.losses("q_hf")), 5)
+        # Each checkpoint holds the dequantized base, written one matrix at a time (ModelState::pages):
+        # the same file from both paths, and the base's block matrices are not all zeros.
+        final = [os.path.join(self.tmp, "runs", n, "checkpoints", "step_00000005", "model.safetensors") for n in ("q_ckpt", "q_hf")]
+        with open(final[0], "rb") as f0, open(final[1], "rb") as f1:
+            a_bytes, b_bytes = f0.read(), f1.read()
+        self.assertEqual(a_bytes, b_bytes)
+        header = json.loads(a_bytes[8:8 + int.from_bytes(a_bytes[:8], "little")])
+        begin, end = header["model.layers.0.mlp.down_proj.weight"]["data_offsets"]
+        data = a_bytes[8 + int.from_bytes(a_bytes[:8], "little"):][begin:end]
+        self.assertGreater(sum(1 for i in range(0, len(data), 4) if data[i:i + 4] != b"\0\0\0\0"), len(data) // 8)
         self.train("q_hf_resumed", "--set", f"{sets},train.init_from={hf},train.checkpoint_every=3", "--stop-at-step", "3",
                    steps=5)
         self.train("q_hf_resumed", "--set", f"{sets},train.init_from={hf},train.checkpoint_every=3", "--resume", steps=5)

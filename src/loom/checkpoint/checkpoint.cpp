@@ -58,7 +58,42 @@ Shape file_shape(const ParamSpec& spec, bool hf_layout) {
 
 // ---- writing ----
 
+std::map<std::string, std::string> model_file_metadata(const ModelState& model, bool hf_layout) {
+  // "format": "pt" is what transformers' from_pretrained requires of a safetensors file.
+  return {{"format", "pt"},
+          {"arch", std::string(arch_name(model.config.arch))},
+          {"model_config", model_config_json(model.config).dump()},
+          {"hf_layout", hf_layout ? "true" : "false"}};
+}
+
+// With ParamPages: one parameter at a time, each paged in (fill) before it is written and out
+// (drop) after, so the file can be larger than the memory the values would take at once.
+void write_model_file_paged(const std::string& path, const ModelState& model, const ParamLayout& layout, bool hf_layout) {
+  std::vector<SafetensorsWriter::Entry> entries;
+  for (const ParamSpec& spec : layout.params) entries.push_back({spec.name, "F32", file_shape(spec, hf_layout)});
+  SafetensorsWriter writer(path, entries, model_file_metadata(model, hf_layout));
+  CpuAllocator transposed_alloc;
+  for (const ParamSpec& spec : layout.params) {
+    const int64_t count = shape_numel(spec.shape);
+    const bool paged = model.pages.covers(spec.offset);
+    if (paged) model.pages.fill(spec.offset, count);
+    Tensor view = model.params.view(spec.offset, spec.shape);
+    if (file_transposes(spec, hf_layout)) {
+      const Tensor t = Tensor::empty(transposed_alloc, file_shape(spec, hf_layout), DTYPE_F32, MEM_WORKSPACE);
+      transpose_into(view.data<float>(), t.data<float>(), spec.shape[0], spec.shape[1]);
+      view = t;
+    }
+    writer.write(spec.name, view.data<float>(), static_cast<size_t>(count) * sizeof(float));
+    if (paged) model.pages.drop(spec.offset, count);
+  }
+  writer.close();
+}
+
 void write_model_file(const std::string& path, const ModelState& model, const ParamLayout& layout, bool hf_layout) {
+  if (model.pages) {
+    write_model_file_paged(path, model, layout, hf_layout);
+    return;
+  }
   CpuAllocator transposed_alloc;  // the (in, out) copies of Conv1D weights, freed when written
   std::vector<std::pair<std::string, Tensor>> tensors;
   tensors.reserve(layout.params.size());
@@ -71,12 +106,7 @@ void write_model_file(const std::string& path, const ModelState& model, const Pa
     }
     tensors.emplace_back(spec.name, view);
   }
-  // "format": "pt" is what transformers' from_pretrained requires of a safetensors file.
-  write_safetensors(path, tensors,
-                    {{"format", "pt"},
-                     {"arch", std::string(arch_name(model.config.arch))},
-                     {"model_config", model_config_json(model.config).dump()},
-                     {"hf_layout", hf_layout ? "true" : "false"}});
+  write_safetensors(path, tensors, model_file_metadata(model, hf_layout));
 }
 
 void write_optimizer_file(const std::string& path, const CheckpointContents& c) {
@@ -118,6 +148,7 @@ void check_model_file(const SafetensorsFile& file, const std::string& path, cons
 void copy_model_file(const SafetensorsFile& file, const ModelState& model, const ParamLayout& layout, bool hf_layout) {
   CpuAllocator transposed_alloc;
   for (const ParamSpec& spec : layout.params) {
+    if (model.pages && model.pages.covers(spec.offset)) continue;  // the model holds it already
     const Tensor dst = model.params.view(spec.offset, spec.shape);
     if (!file_transposes(spec, hf_layout)) {
       file.copy_into(spec.name, dst);

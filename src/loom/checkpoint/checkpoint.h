@@ -36,10 +36,22 @@
 
 namespace loom {
 
+// Parameters whose values live elsewhere and enter the flat buffer one parameter at a time
+// (QLoRA's base read while loading: its block matrices exist only in NF4, model/qlora_base.h).
+// covers(offset): whether the parameter starting there is one of them; fill writes its values
+// into the buffer before a save reads them, drop returns their memory after. A load skips them
+// (the model holds them already). Empty: the buffer holds every value.
+struct ParamPages {
+  std::function<bool(int64_t offset)> covers;
+  std::function<void(int64_t offset, int64_t count)> fill, drop;
+  explicit operator bool() const { return static_cast<bool>(covers); }
+};
+
 // The model's live parameters. Save reads them; load copies into them (no reallocation).
 struct ModelState {
   ModelConfig config;  // its ParamLayout (build_param_layout) says where each parameter lives
   Tensor params;       // (P) f32, host: the flat parameter buffer
+  ParamPages pages = {};  // values entering params one parameter at a time (host params only)
 };
 
 // The optimizer's state, live: its name and named f32 tensors (Optimizer::state(); plain SGD

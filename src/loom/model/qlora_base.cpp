@@ -102,18 +102,33 @@ void QloraBase::load(Backend& backend, const ModelConfig& config, const ParamLay
   }
 }
 
-void QloraBase::materialize() const {
+const QloraBase::Weight* QloraBase::find(int64_t offset) const {
   for (const Weight& q : weights_) {
-    backend_->nf4_dequantize(q.nf4->codes, q.nf4->absmax_codes, q.nf4->absmax_steps, q.nf4->spec, 0,
-                             params_.view(q.offset, q.shape));
+    if (q.offset == offset) return &q;
   }
+  return nullptr;
+}
+
+void QloraBase::materialize() const {
+  for (const Weight& q : weights_) materialize(q.offset);
 }
 
 void QloraBase::release() const {
-  if (weights_.empty() || !params_.host_accessible()) return;  // a device's pages are the caching allocator's
-  for (const Weight& q : weights_) {
-    release_elements(params_, q.offset, q.offset + shape_numel(q.shape));
-  }
+  for (const Weight& q : weights_) release(q.offset);
+}
+
+void QloraBase::materialize(int64_t offset) const {
+  const Weight* q = find(offset);
+  LOOM_CHECK(q != nullptr, "QLoRA: no quantized weight starts at element ", offset);
+  backend_->nf4_dequantize(q->nf4->codes, q->nf4->absmax_codes, q->nf4->absmax_steps, q->nf4->spec, 0,
+                           params_.view(q->offset, q->shape));
+}
+
+void QloraBase::release(int64_t offset) const {
+  if (!params_.host_accessible()) return;  // a device's pages are the caching allocator's
+  const Weight* q = find(offset);
+  LOOM_CHECK(q != nullptr, "QLoRA: no quantized weight starts at element ", offset);
+  release_elements(params_, q->offset, q->offset + shape_numel(q->shape));
 }
 
 int64_t QloraBase::params() const {

@@ -47,6 +47,11 @@ class QloraBase {
             std::vector<Block>& blocks, const WeightRead& read);
   void materialize() const;  // the dequantized values into the weights' fp32 elements
   void release() const;      // their pages back to the OS
+  // One quantized weight at a time, by the offset where it starts in params (a checkpoint's
+  // writer: ParamPages): whether one starts there; its values in, its pages out.
+  bool covers(int64_t offset) const { return find(offset) != nullptr; }
+  void materialize(int64_t offset) const;
+  void release(int64_t offset) const;
   int64_t params() const;    // the quantized weights' element count
   int64_t bytes() const;     // their NF4 bytes (nf4_bytes of each)
   bool streamed() const { return streamed_; }  // built by load
@@ -62,6 +67,7 @@ class QloraBase {
   };
   Backend* backend_ = nullptr;
   Tensor params_;  // the model's flat parameters (set by quantize)
+  const Weight* find(int64_t offset) const;
   std::vector<Weight> weights_;
   bool streamed_ = false;
 };

@@ -184,6 +184,7 @@ class Transformer {
   // hold no memory until materialize_base): a big model's base is never held in fp32.
   void load_quantized_base(const QloraBase::WeightRead& read);
   void materialize_base() { qlora_.materialize(); }
+  const QloraBase& quantized_base() const { return qlora_; }  // one weight at a time: covers, materialize, release
   void release_base() { qlora_.release(); }
   // The quantized weights: their element count and NF4 bytes (nf4_bytes of each).
   int64_t quantized_params() const { return qlora_.params(); }

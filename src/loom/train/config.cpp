@@ -195,7 +195,7 @@ std::vector<Binding> bindings(LoomConfig& c) {
       {"run.dir", &c.run.dir, "parent folder of the run folders"},
       {"run.name", &c.run.name, "the run's folder: <run.dir>/<run.name>"},
       {"sample.prompt", &c.sample.prompt, "prompt of the sample printed after training (and loom generate's default)"},
-      {"sample.max_new_tokens", &c.sample.max_new_tokens, "tokens sampled after training (and loom generate's default)"},
+      {"sample.max_new_tokens", &c.sample.max_new_tokens, "tokens sampled after training, 0 = none (and loom generate's default)"},
       {"sample.temperature", &c.sample.sampling.temperature, "sampling temperature; 0 = greedy"},
       {"sample.top_k", &c.sample.sampling.top_k, "sample among the k most likely tokens; 0 = no limit"},
       {"sample.top_p", &c.sample.sampling.top_p, "nucleus sampling: the smallest set of tokens with probability >= p; 1 = no limit"},

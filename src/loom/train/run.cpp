@@ -37,6 +37,7 @@ void check_memory_fits(const LoomConfig& config, const ParallelLayout& layout, i
 
 // config.sample from `model`, on its backend (a GPU run samples on the GPU): the printable text.
 std::string final_sample(const LoomConfig& config, Transformer& model) {
+  if (config.sample.max_new_tokens == 0) return valid_utf8(config.sample.prompt);  // no sample (and no decoding)
   const auto tokenizer = load_tokenizer(config.data.tokenizer);
   std::vector<int32_t> prompt = tokenizer->encode(config.sample.prompt);
   if (prompt.empty()) prompt.push_back(tokenizer->eot_token());
@@ -342,7 +343,8 @@ void TrainingRun::validate(int64_t step) {
 
 void TrainingRun::save_checkpoint(bool async) {
   Transformer& model = *parts_.model;
-  model.materialize_base();  // QLoRA: the checkpoint holds the dequantized base
+  const bool whole_base = !state_->pages_base();  // else the save pages it in one matrix at a time
+  if (whole_base) model.materialize_base();  // QLoRA: the checkpoint holds the dequantized base
   const TraceSpan span(tracer_.get(), async ? "checkpoint snapshot" : "checkpoint", "checkpoint");
   try {
     last_saved_ = state_->save(data_->loader().state(), async);
@@ -352,7 +354,7 @@ void TrainingRun::save_checkpoint(bool async) {
     observer_.warning(str_cat("step ", parts_.trainer->step(), ": checkpoint not saved: ", e.what(),
                               "; training goes on (train.stop_on_save_error = false), the previous checkpoint stays valid"));
   }
-  model.release_base();
+  if (whole_base) model.release_base();
 }
 
 // A save in flight (async) reports its error at the next save or here.
@@ -385,7 +387,7 @@ int TrainingRun::finish(End end) {
     observer_.warning(str_cat(metrics_->lost(), " metrics record", metrics_->lost() == 1 ? "" : "s",
                               " could not be written to metrics.jsonl"));
   }
-  parts_.model->materialize_base();  // QLoRA: decoding reads the fp32 weights
+  if (config_.sample.max_new_tokens > 0) parts_.model->materialize_base();  // QLoRA: decoding reads the fp32 weights
   const std::string text = final_sample(config_, state_->gather_for_sampling());
   observer_.sample(*this, text);
   if (lead_) write_file_atomic((fs::path(dir_) / "samples.txt").string(), text + "\n");

@@ -58,6 +58,14 @@ TrainingState::TrainingState(Backend& backend, const LoomConfig& config, const P
     counted_ = base.intersect(mine);
   }
   model_state_ = ModelState{config.model, parts_.whole ? parts_.whole->params() : model.params()};
+  const QloraBase& base = model.quantized_base();
+  if (base.params() > 0 && model.params().host_accessible() && !parts_.whole) {
+    // QLoRA: a save dequantizes one block matrix at a time into the buffer and releases it after
+    // writing; a load skips them (the NF4 base is the initial weights', quantized again).
+    model_state_.pages = ParamPages{[&base](int64_t offset) { return base.covers(offset); },
+                                    [&base](int64_t offset, int64_t) { base.materialize(offset); },
+                                    [&base](int64_t offset, int64_t) { base.release(offset); }};
+  }
   optimizer_state_ = OptimizerState{trainer.optimizer().name(), trainer.optimizer().state()};
   Allocator& allocator = backend_.allocator();
   if (zero_ != nullptr) {
@@ -187,7 +195,7 @@ std::string TrainingState::save(const nlohmann::json& data_state, bool async) {
   }
   const bool lead = layout_.world().rank() == 0;
   std::string path = "(written by rank 0)";  // dp ranks hold identical state
-  if (lead && async) {
+  if (lead && async && !model_state_.pages) {  // (QLoRA's paged base: a snapshot would hold it whole)
     CheckpointContents c = contents();
     // The snapshot: host copies of every tensor the checkpoint reads, allocated by the first save.
     std::vector<Tensor*> live = {&c.model.params};

@@ -37,6 +37,9 @@ class TrainingState {
   std::string save(const nlohmann::json& data_state, bool async = false);
   // Waits for the save in flight, if any: rethrows its error; returns its path ("" if none).
   std::string wait_for_save();
+  // Whether a save pages the model's QLoRA base in one matrix at a time (ModelState::pages), so
+  // the caller need not materialize it (and a save is synchronous).
+  bool pages_base() const { return static_cast<bool>(model_state_.pages); }
   ~TrainingState();
   // train.trace: an async save's write is an event on the writer's thread (tid 1). Not owned.
   void set_tracer(Tracer* tracer) { tracer_ = tracer; }
