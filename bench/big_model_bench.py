@@ -183,7 +183,7 @@ def run_qlora(loom: str, folder: str, out: str, steps: int, seq: int) -> dict:
     if not os.path.exists(os.path.join(out, "data", "meta.json")):
         subprocess.run([loom, "prepare", "--tokenizer", folder, "--out", os.path.join(out, "data")], check=True,
                        capture_output=True)
-    cmd = ["/usr/bin/time", "-f", "peak_rss_kib %M", loom, "train", "--set", sets]
+    cmd = ["/usr/bin/time", "-f", "peak_rss_kib %M", loom, "train", "--overwrite", "--set", sets]
     start = time.time()
     p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
     if p.returncode != 0:

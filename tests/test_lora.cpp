@@ -397,6 +397,22 @@ TEST(LoraMemory, EstimateAndMethodsTable) {
   EXPECT_EQ(e.bytes[MEM_PARAMETERS], 4 * layout.total);
   EXPECT_EQ(e.bytes[MEM_GRADIENTS], 4 * A);
   EXPECT_EQ(e.bytes[MEM_OPTIMIZER_STATE], 8 * A);
+  // QLoRA: the block matrices' fp32 bytes become their NF4 bytes (the fp32 elements are released,
+  // or never written when the base is read from a folder); gradients and state unchanged.
+  MemoryPlan q = plan;
+  q.model.lora_quantize_base = true;
+  int64_t matrix_floats = 0, matrix_nf4 = 0;
+  for (const ParamSpec& spec : layout.params) {
+    if (spec.offset < lora_begin(plan.model, layout) && spec.role == ROLE_HIDDEN && spec.shape.size() == 2) {
+      matrix_floats += spec.numel, matrix_nf4 += static_cast<int64_t>(nf4_bytes(spec.numel));
+    }
+  }
+  // llama-tiny, per layer: qkv (48 + 2 x 2 x 8) x 48, o 48 x 48, gate/up 2 x 80 x 48, down 48 x 80.
+  EXPECT_EQ(matrix_floats, 2 * (80 * 48 + 48 * 48 + 160 * 48 + 48 * 80));
+  const MemoryEstimate eq = estimate_memory(q);
+  EXPECT_EQ(eq.bytes[MEM_PARAMETERS], 4 * layout.total - 4 * matrix_floats + matrix_nf4);
+  EXPECT_EQ(eq.bytes[MEM_GRADIENTS], 4 * A);
+  EXPECT_EQ(eq.bytes[MEM_OPTIMIZER_STATE], 8 * A);
 
   ModelConfig llama8b = model_preset("llama-tiny");
   llama8b.vocab_size = 128256, llama8b.d_model = 4096, llama8b.n_layer = 32, llama8b.n_head = 32;

@@ -155,6 +155,12 @@ MemoryEstimate estimate_rank(const MemoryPlan& plan, const ModelConfig& c, const
     fp32 = 4 * (plan.zero_stage == 3 ? shard_range(layout.total, 0, Z).shard : layout.total);
   }
   e.bytes[MEM_PARAMETERS] = fp32 + (param_bf16(plan.precision) ? 2 * H : 0);
+  if (c.lora_quantize_base) {  // QLoRA: the base's block matrices in NF4, their fp32 elements released or never written
+    for (const ParamSpec& spec : layout.params) {
+      if (spec.offset >= frozen_end || spec.role != ROLE_HIDDEN || spec.shape.size() != 2) continue;
+      e.bytes[MEM_PARAMETERS] += static_cast<int64_t>(nf4_bytes(spec.numel)) - 4 * spec.numel;
+    }
+  }
   if (plan.optim.offload && param_bf16(plan.precision)) {  // the fp32 master weights in host memory
     e.bytes[MEM_PARAMETERS] -= fp32;
     e.bytes[MEM_OFFLOADED] += fp32;
