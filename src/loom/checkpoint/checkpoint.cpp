@@ -66,25 +66,29 @@ std::map<std::string, std::string> model_file_metadata(const ModelState& model, 
           {"hf_layout", hf_layout ? "true" : "false"}};
 }
 
+// A parameter as the file stores it: its view of params, or (a GPT-2 Conv1D weight in Hugging Face
+// layout) an (in, out) copy in `alloc`.
+Tensor file_tensor(const ModelState& model, const ParamSpec& spec, bool hf_layout, Allocator& alloc) {
+  const Tensor view = model.params.view(spec.offset, spec.shape);
+  if (!file_transposes(spec, hf_layout)) return view;
+  Tensor t = Tensor::empty(alloc, file_shape(spec, hf_layout), DTYPE_F32, MEM_WORKSPACE);
+  transpose_into(view.data<float>(), t.data<float>(), spec.shape[0], spec.shape[1]);
+  return t;
+}
+
 // With ParamPages: one parameter at a time, each paged in (fill) before it is written and out
 // (drop) after, so the file can be larger than the memory the values would take at once.
 void write_model_file_paged(const std::string& path, const ModelState& model, const ParamLayout& layout, bool hf_layout) {
   std::vector<SafetensorsWriter::Entry> entries;
   for (const ParamSpec& spec : layout.params) entries.push_back({spec.name, "F32", file_shape(spec, hf_layout)});
   SafetensorsWriter writer(path, entries, model_file_metadata(model, hf_layout));
-  CpuAllocator transposed_alloc;
+  CpuAllocator transposed_alloc;  // a Conv1D weight's (in, out) copy, freed once written
   for (const ParamSpec& spec : layout.params) {
-    const int64_t count = shape_numel(spec.shape);
     const bool paged = model.pages.covers(spec.offset);
-    if (paged) model.pages.fill(spec.offset, count);
-    Tensor view = model.params.view(spec.offset, spec.shape);
-    if (file_transposes(spec, hf_layout)) {
-      const Tensor t = Tensor::empty(transposed_alloc, file_shape(spec, hf_layout), DTYPE_F32, MEM_WORKSPACE);
-      transpose_into(view.data<float>(), t.data<float>(), spec.shape[0], spec.shape[1]);
-      view = t;
-    }
-    writer.write(spec.name, view.data<float>(), static_cast<size_t>(count) * sizeof(float));
-    if (paged) model.pages.drop(spec.offset, count);
+    if (paged) model.pages.fill(spec.offset);
+    const Tensor t = file_tensor(model, spec, hf_layout, transposed_alloc);
+    writer.write(spec.name, t.data<float>(), t.nbytes());
+    if (paged) model.pages.drop(spec.offset);
   }
   writer.close();
 }
@@ -97,15 +101,7 @@ void write_model_file(const std::string& path, const ModelState& model, const Pa
   CpuAllocator transposed_alloc;  // the (in, out) copies of Conv1D weights, freed when written
   std::vector<std::pair<std::string, Tensor>> tensors;
   tensors.reserve(layout.params.size());
-  for (const ParamSpec& spec : layout.params) {
-    Tensor view = model.params.view(spec.offset, spec.shape);
-    if (file_transposes(spec, hf_layout)) {
-      Tensor t = Tensor::empty(transposed_alloc, file_shape(spec, hf_layout), DTYPE_F32, MEM_WORKSPACE);
-      transpose_into(view.data<float>(), t.data<float>(), spec.shape[0], spec.shape[1]);
-      view = t;
-    }
-    tensors.emplace_back(spec.name, view);
-  }
+  for (const ParamSpec& spec : layout.params) tensors.emplace_back(spec.name, file_tensor(model, spec, hf_layout, transposed_alloc));
   write_safetensors(path, tensors, model_file_metadata(model, hf_layout));
 }
 

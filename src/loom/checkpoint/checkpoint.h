@@ -38,12 +38,13 @@ namespace loom {
 
 // Parameters whose values live elsewhere and enter the flat buffer one parameter at a time
 // (QLoRA's base read while loading: its block matrices exist only in NF4, model/qlora_base.h).
-// covers(offset): whether the parameter starting there is one of them; fill writes its values
-// into the buffer before a save reads them, drop returns their memory after. A load skips them
-// (the model holds them already). Empty: the buffer holds every value.
+// Each is a whole parameter, named by the offset where it starts: covers(offset) says whether it
+// is one of them, fill(offset) writes its values into the buffer before a save reads them,
+// drop(offset) returns their memory after. A load skips them (the model holds them already).
+// Empty: the buffer holds every value.
 struct ParamPages {
   std::function<bool(int64_t offset)> covers;
-  std::function<void(int64_t offset, int64_t count)> fill, drop;
+  std::function<void(int64_t offset)> fill, drop;
   explicit operator bool() const { return static_cast<bool>(covers); }
 };
 

@@ -120,6 +120,10 @@ int64_t rank_activation_bytes(const MemoryPlan& plan, const ModelConfig& c, cons
   return bytes;
 }
 
+// A block matrix of the base, which QLoRA holds in NF4 (model/qlora_base.h: each block's qkv,
+// proj, fc, fc2; the 2-D hidden-role parameters of a dense block).
+bool qlora_matrix(const ParamSpec& spec) { return spec.role == ROLE_HIDDEN && spec.shape.size() == 2; }
+
 MemoryEstimate estimate_rank(const MemoryPlan& plan, const ModelConfig& c, const ParamLayout& layout, const Stages& st,
                              int pp_rank) {
   MemoryEstimate e;
@@ -157,7 +161,7 @@ MemoryEstimate estimate_rank(const MemoryPlan& plan, const ModelConfig& c, const
   e.bytes[MEM_PARAMETERS] = fp32 + (param_bf16(plan.precision) ? 2 * H : 0);
   if (c.lora_quantize_base) {  // QLoRA: the base's block matrices in NF4, their fp32 elements released or never written
     for (const ParamSpec& spec : layout.params) {
-      if (spec.offset >= frozen_end || spec.role != ROLE_HIDDEN || spec.shape.size() != 2) continue;
+      if (spec.offset >= frozen_end || !qlora_matrix(spec)) continue;
       e.bytes[MEM_PARAMETERS] += static_cast<int64_t>(nf4_bytes(spec.numel)) - 4 * spec.numel;
     }
   }
@@ -242,7 +246,7 @@ std::vector<FinetuneMemory> finetune_memory(const ModelConfig& model, const Opti
   // QLoRA: each block matrix (ROLE_HIDDEN, 2-D) in NF4, everything else of the base in bf16.
   int64_t nf4 = 0, rest = 0;
   for (const ParamSpec& spec : full_layout.params) {
-    if (spec.role == ROLE_HIDDEN && spec.shape.size() == 2) nf4 += static_cast<int64_t>(nf4_bytes(spec.numel));
+    if (qlora_matrix(spec)) nf4 += static_cast<int64_t>(nf4_bytes(spec.numel));
     else rest += spec.numel;
   }
   rows.push_back({"qlora", A, nf4 + 2 * rest + 4 * A, 4 * A, adapter_state, 4 * A});

@@ -109,27 +109,33 @@ const QloraBase::Weight* QloraBase::find(int64_t offset) const {
   return nullptr;
 }
 
+void QloraBase::materialize(const Weight& q) const {
+  backend_->nf4_dequantize(q.nf4->codes, q.nf4->absmax_codes, q.nf4->absmax_steps, q.nf4->spec, 0,
+                           params_.view(q.offset, q.shape));
+}
+
+void QloraBase::release(const Weight& q) const {
+  if (!params_.host_accessible()) return;  // a device's pages are the caching allocator's
+  release_elements(params_, q.offset, q.offset + shape_numel(q.shape));
+}
+
 void QloraBase::materialize() const {
-  for (const Weight& q : weights_) materialize(q.offset);
+  for (const Weight& q : weights_) materialize(q);
 }
 
 void QloraBase::release() const {
-  for (const Weight& q : weights_) release(q.offset);
+  for (const Weight& q : weights_) release(q);
 }
 
-void QloraBase::materialize(int64_t offset) const {
+const QloraBase::Weight& QloraBase::at(int64_t offset) const {
   const Weight* q = find(offset);
   LOOM_CHECK(q != nullptr, "QLoRA: no quantized weight starts at element ", offset);
-  backend_->nf4_dequantize(q->nf4->codes, q->nf4->absmax_codes, q->nf4->absmax_steps, q->nf4->spec, 0,
-                           params_.view(q->offset, q->shape));
+  return *q;
 }
 
-void QloraBase::release(int64_t offset) const {
-  if (!params_.host_accessible()) return;  // a device's pages are the caching allocator's
-  const Weight* q = find(offset);
-  LOOM_CHECK(q != nullptr, "QLoRA: no quantized weight starts at element ", offset);
-  release_elements(params_, q->offset, q->offset + shape_numel(q->shape));
-}
+void QloraBase::materialize(int64_t offset) const { materialize(at(offset)); }
+
+void QloraBase::release(int64_t offset) const { release(at(offset)); }
 
 int64_t QloraBase::params() const {
   int64_t total = 0;

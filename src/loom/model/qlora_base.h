@@ -68,6 +68,9 @@ class QloraBase {
   Backend* backend_ = nullptr;
   Tensor params_;  // the model's flat parameters (set by quantize)
   const Weight* find(int64_t offset) const;
+  const Weight& at(int64_t offset) const;  // find, or an error naming the offset
+  void materialize(const Weight& q) const;
+  void release(const Weight& q) const;
   std::vector<Weight> weights_;
   bool streamed_ = false;
 };

@@ -63,8 +63,8 @@ TrainingState::TrainingState(Backend& backend, const LoomConfig& config, const P
     // QLoRA: a save dequantizes one block matrix at a time into the buffer and releases it after
     // writing; a load skips them (the NF4 base is the initial weights', quantized again).
     model_state_.pages = ParamPages{[&base](int64_t offset) { return base.covers(offset); },
-                                    [&base](int64_t offset, int64_t) { base.materialize(offset); },
-                                    [&base](int64_t offset, int64_t) { base.release(offset); }};
+                                    [&base](int64_t offset) { base.materialize(offset); },
+                                    [&base](int64_t offset) { base.release(offset); }};
   }
   optimizer_state_ = OptimizerState{trainer.optimizer().name(), trainer.optimizer().state()};
   Allocator& allocator = backend_.allocator();
