@@ -24,7 +24,20 @@ printed plan, measured peak RSS, time and file size) and `bench generate` on its
 --qlora STEPS also trains QLoRA from the folder (`loom train`, peft.quantize_base: the block
 matrices quantized to NF4 while reading, rank 16, full recompute, --qlora-seq tokens a step,
 the default corpus in byte tokens): time and peak RSS, the final checkpoint included.
-llama.cpp on the same weights (GGUF) is not run yet: `loom convert --to gguf` reads the model in f32.
+--llama-cpp compares decode speed with llama.cpp (node-llama-cpp's prebuilt CPU build through
+tools/llama_speed.mjs) on the same weights. The folder is exported to GGUF (`loom convert --to gguf
+--type T` for T in GGUF_TYPES: bf16, q8_0, q4_0; f16 where convert does not know bf16 yet) under
+/usr/bin/time -v, printing each export's peak RSS and time (streamed: far below the model's size),
+and Loom's same-bits models are made with `loom quantize --method rtn --group 32 --scales f16
+--symmetric` (--bits 8 and 4: ggml's q8_0 and q4_0 are symmetric groups of 32 with f16 scales).
+Existing GGUF files and quantized folders are reused. Then --rounds rounds, each running every
+pair (Loom's bf16 folder in place / the bf16 GGUF, int8 / q8_0, int4 / q4_0) at every --threads
+count, the two engines one after the other (their order swapped every round): Loom's single-stream
+decode tokens/s and peak RSS from `bench generate` (16 prompt + --new-tokens tokens,
+OMP_NUM_THREADS), llama.cpp's from the same 16 prompt token ids, greedy, one run. Printed: a table
+of the medians per thread count and the best Loom / best llama.cpp ratio, with the CPU's model
+name and whether it has AVX-512; every round's figures go to OUT/llama_cpp_results.json.
+--skip-generate skips the bf16 / f32 table only (--quantize, --qlora and --llama-cpp still run).
 """
 
 from __future__ import annotations
@@ -33,6 +46,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -42,7 +56,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 from make_hf_fixtures import write_safetensors  # noqa: E402
-from compression_bench import bytes_to_unicode  # noqa: E402  (GPT-2's byte alphabet)
+from compression_bench import bytes_to_unicode, shard_tokens  # noqa: E402  (GPT-2's byte alphabet)
 
 SHAPES = {
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -137,6 +151,9 @@ def write_tokenizer(path: str, vocab_size: int) -> None:
         json.dump(tok, fh)
 
 
+PROMPT_TOKENS = 16  # bench generate's prompt here, and llama.cpp's in --llama-cpp
+
+
 def available_bytes() -> int:
     with open("/proc/meminfo") as fh:
         for line in fh:
@@ -145,10 +162,11 @@ def available_bytes() -> int:
     return 0
 
 
-def run_generate(loom: str, folder: str, f32: bool) -> dict:
+def run_generate(loom: str, folder: str, f32: bool, threads: int = 2, new_tokens: int = 16) -> dict:
     cmd = ["/usr/bin/time", "-f", "peak_rss_kib %M", loom, "bench", "generate", "--checkpoint", folder, "--requests", "2",
-           "--prompt-tokens", "16", "--new-tokens", "16", "--max-batch", "1"] + (["--f32-weights"] if f32 else [])
-    p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
+           "--prompt-tokens", str(PROMPT_TOKENS), "--new-tokens", str(new_tokens), "--max-batch", "1"] + \
+        (["--f32-weights"] if f32 else [])
+    p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
     if p.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{p.stdout}\n{p.stderr}")
     m = re.search(r"prefill\s+([\d.]+) prompt tokens/s.*decode\s+([\d.]+) tokens/s", p.stdout)
@@ -156,9 +174,10 @@ def run_generate(loom: str, folder: str, f32: bool) -> dict:
     return {"prefill": float(m.group(1)), "decode": float(m.group(2)), "peak_rss": int(rss.group(1)) * 1024}
 
 
-def run_quantize(loom: str, folder: str, out: str, method: str, calib: str, calib_tokens: int, extra: list[str]) -> dict:
+def run_quantize(loom: str, folder: str, out: str, method: str, calib: str, calib_tokens: int, extra: list[str],
+                 bits: int = 4) -> dict:
     cmd = ["/usr/bin/time", "-f", "peak_rss_kib %M", loom, "quantize", "--checkpoint", folder, "--out", out,
-           "--method", method, "--bits", "4"] + extra
+           "--method", method, "--bits", str(bits)] + extra
     if method in ("gptq", "awq"):
         cmd += ["--calib", calib, "--calib-tokens", str(calib_tokens)]
     p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
@@ -193,6 +212,187 @@ def run_qlora(loom: str, folder: str, out: str, steps: int, seq: int) -> dict:
     return {"seconds": time.time() - start, "peak_rss": int(rss.group(1)) * 1024, "report": head.group(0) if head else ""}
 
 
+# --llama-cpp: llama.cpp's GGUF types, each against Loom's model of the same bits (the bf16 folder
+# itself, or `loom quantize --method rtn --bits B` + COMPACT: ggml's symmetric blocks of 32, f16 scales).
+GGUF_TYPES = ["bf16", "q8_0", "q4_0"]
+LOOM_OF_GGUF = {"bf16": ("bf16 in place", 0), "q8_0": ("rtn int8", 8), "q4_0": ("rtn int4", 4)}
+COMPACT = ["--group", "32", "--scales", "f16", "--symmetric"]
+
+
+def time_v(cmd: list[str], env: dict | None = None) -> tuple[subprocess.CompletedProcess, int, float]:
+    """Runs cmd under /usr/bin/time -v: the process, its peak RSS in bytes and its wall seconds."""
+    start = time.time()
+    p = subprocess.run(["/usr/bin/time", "-v"] + cmd, capture_output=True, text=True, env=env)
+    seconds = time.time() - start
+    rss = re.search(r"Maximum resident set size \(kbytes\): (\d+)", p.stderr)
+    return p, int(rss.group(1)) * 1024 if rss else 0, seconds
+
+
+def fmt_bytes(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def folder_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
+
+
+def export_gguf(loom: str, folder: str, out_dir: str, gguf_type: str) -> dict:
+    """`loom convert --to gguf --type gguf_type` of the folder into out_dir/model_TYPE.gguf, reused when
+    it exists; bf16 falls back to f16 while convert does not know it. Returns what was written and measured."""
+    os.makedirs(out_dir, exist_ok=True)
+    tried = [gguf_type] + (["f16"] if gguf_type == "bf16" else [])
+    for i, t in enumerate(tried):
+        out = os.path.join(out_dir, f"model_{t}.gguf")
+        if os.path.exists(out) and os.path.getsize(out) > 0:
+            return {"asked": gguf_type, "type": t, "file": out, "bytes": os.path.getsize(out), "reused": True}
+        cmd = [loom, "convert", "--to", "gguf", "--checkpoint", folder, "--out", out, "--type", t, "--tokenizer", folder]
+        p, rss, seconds = time_v(cmd)
+        if p.returncode == 0:
+            return {"asked": gguf_type, "type": t, "file": out, "bytes": os.path.getsize(out), "reused": False,
+                    "peak_rss": rss, "seconds": seconds}
+        said = (p.stdout + p.stderr).lower()
+        if i + 1 < len(tried) and t in said:  # convert does not accept this --type yet: the next one
+            print(f"  convert --type {t} refused ({p.stderr.strip().splitlines()[0] if p.stderr.strip() else p.returncode}); "
+                  f"{tried[i + 1]} instead")
+            continue
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{p.stdout}\n{p.stderr}")
+    raise AssertionError("unreachable")
+
+
+def prompt_ids(vocab_size: int, length: int) -> tuple[list[int], str]:
+    """The first prompt `loom bench generate` uses (apps/loom/cmd_bench.cpp, window(0, L)): the first L
+    validation tokens of data.dir (data/fortunes, relative to the working directory) when its vocabulary
+    is the model's, else token t = t * 2654435761 mod the vocabulary."""
+    data = "data/fortunes"
+    try:
+        meta = json.load(open(os.path.join(data, "meta.json")))
+        if meta.get("vocab_size") == vocab_size:
+            text = []
+            for shard in meta["splits"]["val"]["shards"]:
+                text += shard_tokens(os.path.join(data, shard["file"]))
+                if len(text) >= length:
+                    return text[:length], f"{data}'s first {length} validation tokens"
+    except (OSError, KeyError, ValueError, AssertionError):
+        pass
+    return [(t * 2654435761) % vocab_size for t in range(length)], f"t * 2654435761 mod {vocab_size}"
+
+
+def run_llama_speed(gguf: str, prompt: list[int], new_tokens: int, threads: int, work: str) -> dict:
+    spec = os.path.join(work, "llama_spec.json")
+    with open(spec, "w") as f:
+        json.dump({"files": [gguf], "prompt": prompt, "new": new_tokens, "runs": 1, "threads": threads}, f)
+    cmd = ["node", os.path.join(ROOT, "tools", "llama_speed.mjs"), spec]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{p.stdout}\n{p.stderr}")
+    r = json.loads(p.stdout.strip().splitlines()[-1])[0]
+    return {"prefill": r["prompt_tokens_per_s"], "decode": r["decode_tokens_per_s"]}
+
+
+def cpu_info() -> tuple[str, list[str]]:
+    name, flags = "unknown", []
+    with open("/proc/cpuinfo") as fh:
+        for line in fh:
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and name == "unknown":
+                name = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = value.split()
+    return name, sorted(f for f in flags if f.startswith("avx512"))
+
+
+def llama_cpp_compare(args, folder: str, cfg: dict, file_bytes: int) -> None:
+    threads = [int(t) for t in args.threads.split(",") if t.strip()]
+    work = os.path.join(args.out, "gguf")
+    base = baseline_rss(args.loom)
+    print(f"\nGGUF export of {folder} (loom convert --to gguf, /usr/bin/time -v; the process's own RSS before any "
+          f"model {fmt_bytes(base)}):")
+    exports = {}
+    for t in GGUF_TYPES:
+        e = exports[t] = export_gguf(args.loom, folder, work, t)
+        if e["reused"]:
+            print(f"  {e['type']}: {e['file']} exists ({fmt_bytes(e['bytes'])}), reused")
+        else:
+            print(f"  {e['type']}: {fmt_bytes(e['bytes'])} in {e['seconds']:.1f} s, peak RSS {fmt_bytes(e['peak_rss'])} "
+                  f"({e['peak_rss'] / file_bytes:.2f} of the {fmt_bytes(file_bytes)} bf16 safetensors; "
+                  f"{fmt_bytes(e['peak_rss'] - base)} above the process's own)")
+    models = {}
+    for t in GGUF_TYPES:
+        label, bits = LOOM_OF_GGUF[t]
+        if bits == 0:
+            models[t] = folder
+            continue
+        qdir = folder + ("_rtn_compact" if bits == 4 else f"_rtn{bits}_compact")  # _rtn_compact: --quantize rtn --compact
+        models[t] = qdir
+        if os.path.exists(os.path.join(qdir, "model.safetensors")):
+            print(f"loom quantize {label}: {qdir} exists, reused")
+            continue
+        q = run_quantize(args.loom, folder, qdir, "rtn", args.calib, args.calib_tokens, COMPACT, bits=bits)
+        print(f"loom quantize --method rtn --bits {bits} {' '.join(COMPACT)}: {q['seconds']:.0f} s, peak RSS "
+              f"{fmt_bytes(q['peak_rss'])}, model.safetensors {fmt_bytes(q['file'])}")
+    prompt, origin = prompt_ids(cfg["vocab_size"], PROMPT_TOKENS)
+    print(f"prompt: {PROMPT_TOKENS} tokens ({origin}), {args.new_tokens} new, greedy; threads {threads}; "
+          f"{args.rounds} rounds")
+    avail = 0.9 * available_bytes()
+    raw = []
+    for rnd in range(args.rounds):
+        for t in GGUF_TYPES:
+            gguf, loom_dir = exports[t]["file"], models[t]
+            for n in threads:
+                engines = ["loom", "llama.cpp"] if rnd % 2 == 0 else ["llama.cpp", "loom"]
+                for engine in engines:
+                    rec = {"round": rnd, "format": t, "engine": engine, "threads": n}
+                    size = folder_bytes(loom_dir) if engine == "loom" else os.path.getsize(gguf)
+                    if size > avail:
+                        rec["skipped"] = f"{fmt_bytes(size)} of weights, {fmt_bytes(avail / 0.9)} available"
+                    elif engine == "loom":
+                        rec.update(model=loom_dir, **run_generate(args.loom, loom_dir, False, threads=n,
+                                                                  new_tokens=args.new_tokens))
+                    else:
+                        rec.update(model=gguf, **run_llama_speed(gguf, prompt, args.new_tokens, n, work))
+                    raw.append(rec)
+                    print(f"  round {rnd + 1} {t:5s} {engine:9s} {n} threads: " +
+                          (rec["skipped"] if "skipped" in rec else
+                           f"decode {rec['decode']:.1f} tok/s, prefill {rec['prefill']:.1f} tok/s" +
+                           (f", peak RSS {fmt_bytes(rec['peak_rss'])}" if engine == "loom" else "")), flush=True)
+
+    def median(fmt, engine, n, key="decode"):
+        xs = [r[key] for r in raw if r["format"] == fmt and r["engine"] == engine and r["threads"] == n and key in r]
+        return statistics.median(xs) if xs else None
+
+    cpu, avx512 = cpu_info()
+    print(f"\nCPU: {cpu}; AVX-512: {'yes (' + ' '.join(avx512) + ')' if avx512 else 'no'}; {os.cpu_count()} logical CPUs")
+    print(f"decode tokens/s, median of {args.rounds} rounds ({PROMPT_TOKENS} prompt + {args.new_tokens} new tokens, one "
+          f"stream, greedy); Loom's peak RSS the median over its runs\n")
+    head = ["format (Loom / llama.cpp)"] + [f"Loom {n}t" for n in threads] + [f"llama.cpp {n}t" for n in threads] + \
+        ["best Loom / best llama.cpp", "Loom peak RSS"]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    summary = []
+    for t in GGUF_TYPES:
+        label = f"{LOOM_OF_GGUF[t][0]} / {exports[t]['type']}"
+        loom_m = [median(t, "loom", n) for n in threads]
+        llama_m = [median(t, "llama.cpp", n) for n in threads]
+        rss = [r["peak_rss"] for r in raw if r["format"] == t and r["engine"] == "loom" and "peak_rss" in r]
+        best_loom = max((x for x in loom_m if x is not None), default=None)
+        best_llama = max((x for x in llama_m if x is not None), default=None)
+        ratio = best_loom / best_llama if best_loom and best_llama else None
+        cell = lambda x: f"{x:.1f}" if x is not None else "skipped"  # noqa: E731
+        print(f"| {label} | " + " | ".join(cell(x) for x in loom_m + llama_m) + " | " +
+              (f"{ratio:.2f}x" if ratio is not None else "-") + " | " +
+              (fmt_bytes(statistics.median(rss)) if rss else "-") + " |")
+        summary.append({"format": t, "gguf_type": exports[t]["type"], "loom_model": models[t],
+                        "loom_decode_median": dict(zip(map(str, threads), loom_m)),
+                        "llama_cpp_decode_median": dict(zip(map(str, threads), llama_m)),
+                        "best_loom_over_best_llama_cpp": ratio})
+    out = os.path.join(args.out, "llama_cpp_results.json")
+    with open(out, "w") as fh:
+        json.dump({"folder": folder, "shape": args.shape, "cpu": cpu, "avx512": avx512, "threads": threads,
+                   "rounds": args.rounds, "prompt_tokens": PROMPT_TOKENS, "prompt": prompt, "new_tokens": args.new_tokens,
+                   "exports": exports, "summary": summary, "raw": raw}, fh, indent=2)
+    print(f"\nevery round's figures: {out}")
+
+
 def baseline_rss(loom: str) -> int:
     """The process's own resident bytes (the binary and its libraries) before any model."""
     p = subprocess.run(["/usr/bin/time", "-f", "peak_rss_kib %M", loom, "quantize", "--help"], capture_output=True, text=True)
@@ -208,9 +408,15 @@ def main() -> None:
     ap.add_argument("--calib", default=os.path.join(ROOT, "README.md"), help="calibration text (gptq, awq)")
     ap.add_argument("--calib-tokens", type=int, default=2048)
     ap.add_argument("--compact", action="store_true", help="--scales f16 --symmetric --group 32 (Q4_0's bytes)")
-    ap.add_argument("--skip-generate", action="store_true", help="only the quantize run and its folder's decode")
+    ap.add_argument("--skip-generate", action="store_true",
+                    help="skip the bf16 / f32 bench generate table (--quantize, --qlora and --llama-cpp still run)")
     ap.add_argument("--qlora", type=int, default=0, metavar="STEPS", help="also a QLoRA run of STEPS steps from the folder")
     ap.add_argument("--qlora-seq", type=int, default=512)
+    ap.add_argument("--llama-cpp", action="store_true",
+                    help="compare decode speed with llama.cpp on GGUF exports (bf16, q8_0, q4_0) of the folder")
+    ap.add_argument("--threads", default="1,2", help="--llama-cpp: comma-separated thread counts (default 1,2)")
+    ap.add_argument("--rounds", type=int, default=3, help="--llama-cpp: rounds of every run (default 3; medians printed)")
+    ap.add_argument("--new-tokens", type=int, default=32, help="--llama-cpp: new tokens per request (default 32)")
     args = ap.parse_args()
     cfg = config_of(args.shape)
     folder = os.path.join(args.out, f"llama_{args.shape}_bf16")
@@ -233,6 +439,8 @@ def main() -> None:
         r = run_qlora(args.loom, folder, os.path.join(args.out, "qlora"), args.qlora, args.qlora_seq)
         print(f"\nQLoRA, {args.qlora} steps of {args.qlora_seq} tokens (rank 16, full recompute, the final checkpoint "
               f"included): {r['seconds']:.0f} s, peak RSS {r['peak_rss'] / 2**30:.2f} GiB\n  {r['report']}")
+    if args.llama_cpp:
+        llama_cpp_compare(args, folder, cfg, file_bytes)
     if args.skip_generate:
         return
     rows = []

@@ -782,6 +782,27 @@ class Cli(LoomCase):
         self.train("q_hf_resumed", "--set", f"{sets},train.init_from={hf},train.checkpoint_every=3", "--resume", steps=5)
         self.assert_same_curve("q_hf", "q_hf_resumed", 5)
         run("eval", "--checkpoint", os.path.join(self.tmp, "runs", "q_hf"), "--data", self.data)
+        # Merged export, one weight at a time (train/model_export.h): W_NF4 + s B A as Hugging Face
+        # bf16 and f32 folders; the f32 one evaluates as the adapted run does (fp32 sums differ).
+        text = os.path.join(self.tmp, "q_eval.txt")
+        with open(text, "w") as f:
+            f.write("The quick brown fox jumps over the lazy dog. " * 6)
+
+        def loss(path: str) -> float:
+            return json.loads(run("eval", "--checkpoint", path, "--text", text, "--seq-len", "32", "--json").stdout)["loss"]
+        q_run = os.path.join(self.tmp, "runs", "q_hf")
+        for t in ("f32", "bf16"):
+            out = os.path.join(self.tmp, f"q_merged_{t}")
+            p = run("convert", "--to", "hf", "--type", t, "--checkpoint", q_run, "--out", out, "--tokenizer", "byte")
+            self.assertIn("merged the LoRA adapters", p.stdout)
+            self.assertIn(f"model.safetensors, {t},", p.stdout)
+            run("convert", "--to", "loom", "--checkpoint", out, "--out", out + "_loom", "--tokenizer", "byte")
+        tuned = loss(q_run)
+        self.assertLess(abs(loss(os.path.join(self.tmp, "q_merged_f32_loom")) - tuned), 1e-5 * tuned)
+        self.assertLess(abs(loss(os.path.join(self.tmp, "q_merged_bf16_loom")) - tuned), 1e-2 * tuned)
+        self.assertNotEqual(loss(hf), tuned)  # the adapters (and NF4) changed the model
+        run("convert", "--to", "peft", "--checkpoint", q_run, "--out", os.path.join(self.tmp, "q_peft"))
+        self.assertTrue(os.path.exists(os.path.join(self.tmp, "q_peft", "adapter_model.safetensors")))
 
     def test_grpo_rolls_out_rewards_and_refuses_bad_input(self):
         prompts = os.path.join(ROOT, "examples", "grpo", "arithmetic_prompts.jsonl")
@@ -928,6 +949,36 @@ class Cli(LoomCase):
         g = bench.run_generate(LOOM, os.path.join(self.tmp, "ci_gptq"), False)
         self.assertLess(g["peak_rss"] - base, q["file"] + (40 << 20), (g, base, q))
         self.assertGreater(g["decode"], 0.0)
+
+    def test_export_streams_a_bf16_folder_in_bounded_memory(self):
+        """issue 46: loom convert --to gguf|hf reads a Hugging Face folder one tensor at a time
+        (checkpoint/param_reader.h). On the 12-layer bf16 "ci" folder (46 MB in f32), above the
+        process's own memory, each export holds less than the bf16 file (measured: 14 MB, its
+        largest tensor in f32 and encoded, and the tokenizer; reading the model whole, as before,
+        held 60 MB: the broken variant); a bf16 folder written back as bf16 keeps every value (its
+        GGUF is the source's, byte for byte)."""
+        sys.path.insert(0, os.path.join(ROOT, "bench"))
+        import big_model_bench as bench  # noqa: E402
+        folder = os.path.join(self.tmp, "llama_ci_bf16")
+        f32_bytes = 2 * bench.write_folder(folder, bench.config_of("ci"))
+        base = bench.baseline_rss(LOOM)
+
+        def peak(*args: str) -> int:
+            p = subprocess.run(["/usr/bin/time", "-f", "peak_rss_kib %M", LOOM, "convert", *args], capture_output=True,
+                               text=True)
+            self.assertEqual(p.returncode, 0, p.stderr)
+            return int(re.search(r"peak_rss_kib (\d+)", p.stderr).group(1)) * 1024
+        for t in ("bf16", "q4_0"):
+            rss = peak("--to", "gguf", "--type", t, "--name", "ci", "--checkpoint", folder, "--out",
+                       os.path.join(self.tmp, f"ci_{t}.gguf"))
+            self.assertLess(rss - base, f32_bytes / 2, (t, rss, base, f32_bytes))
+        back = os.path.join(self.tmp, "ci_back")
+        rss = peak("--to", "hf", "--type", "bf16", "--checkpoint", folder, "--out", back)
+        self.assertLess(rss - base, f32_bytes / 2, (rss, base, f32_bytes))
+        shutil.copy(os.path.join(folder, "tokenizer.json"), back)
+        peak("--to", "gguf", "--type", "bf16", "--name", "ci", "--checkpoint", back, "--out", os.path.join(self.tmp, "ci_back.gguf"))
+        with open(os.path.join(self.tmp, "ci_bf16.gguf"), "rb") as a, open(os.path.join(self.tmp, "ci_back.gguf"), "rb") as b:
+            self.assertEqual(a.read(), b.read())
 
     def test_prune_and_merge(self):
         self.train("cp", steps=12)

@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """`loom convert --to gguf` checked by llama.cpp itself (node-llama-cpp's prebuilt llama.cpp,
 tools/gguf_check.mjs): a tiny GPT-2 and a tiny Llama (GQA) trained a few steps on a learned
-512-token BPE are exported as f32, f16, q8_0 and q4_0, and llama.cpp must tokenize the prompts and
+512-token BPE are exported as f32, f16, bf16, q8_0 and q4_0, and llama.cpp must tokenize the prompts and
 a text as Loom does, continue the prompts greedily with Loom's tokens (f32, f16), give Loom's
 next-token log-probabilities (f32 within 1e-3, f16 within 2e-2) and Loom's mean loss on the text;
 the quantized files' loss change is printed and only bounded. Two more tiny Llamas are trained
@@ -38,7 +38,7 @@ SETS = ",".join([
     "optim.min_lr=3e-4", "train.eval_every=0", "train.checkpoint_every=40", "sample.max_new_tokens=4",
 ])
 ARCHS = {"gpt2": "model.arch=gpt2,model.n_kv_head=2", "llama": "model.arch=llama,model.n_kv_head=1"}
-TYPES = ("f32", "f16", "q8_0", "q4_0")
+TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 # Questions as examples/sft/chatml.jinja renders them for the assistant's reply.
 CHAT_PROMPTS = [f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n"
                 for q in ("What is 12 plus 7?", "Compute 30 - 4.", "6 * 7 = ?", "What is 21 times 3?")]
@@ -259,7 +259,7 @@ class Gguf(unittest.TestCase):
     def test_quantized_loss_change_is_bounded(self):
         for name, r in self.results.items():
             base = r["f32"]["mean_nll"]
-            for t, bound in (("f16", 0.01), ("q8_0", 0.05), ("q4_0", 0.5)):
+            for t, bound in (("f16", 0.01), ("bf16", 0.02), ("q8_0", 0.05), ("q4_0", 0.5)):
                 if t not in r["types"]:
                     continue
                 change = r[t]["mean_nll"] - base

@@ -11,6 +11,7 @@
 #include "loom/checkpoint/hf_model.h"
 #include "loom/checkpoint/peft.h"
 #include "loom/nn/lora.h"
+#include "loom/train/model_export.h"
 #include "loom/core/error.h"
 #include "loom/core/file_io.h"
 #include "loom/data/bpe.h"
@@ -23,15 +24,16 @@ namespace fs = std::filesystem;
 namespace {
 const char* kHelp =
     "usage: loom convert --to gguf|hf|loom|peft --checkpoint PATH --out OUT [--adapter DIR]\n"
-    "                    [--type f32|f16|q8_0|q4_0] [--name NAME] [--tokenizer KIND_OR_DIR]\n"
+    "                    [--type f32|f16|bf16|q8_0|q4_0] [--name NAME] [--tokenizer KIND_OR_DIR]\n"
     "\n"
     "PATH is a Loom checkpoint (a step folder, a run folder or a checkpoints folder: the newest\n"
     "valid checkpoint) or a Hugging Face model folder (config.json and model.safetensors or a\n"
     "sharded index).\n"
     "--to gguf: one GGUF v3 file OUT for llama.cpp (GPT-2 and Llama models) holding the weights, the\n"
     "architecture metadata and the tokenizer; --type chooses the matrices' type (norms and biases\n"
-    "stay f32): f32 (default), f16, q8_0 or q4_0 (ggml's 32-element blocks). docs/gguf.md.\n"
-    "--to hf: a Hugging Face model folder OUT (config.json, model.safetensors, f32) with the\n"
+    "stay f32): f32 (default), f16, bf16, q8_0 or q4_0 (ggml's 32-element blocks). docs/gguf.md.\n"
+    "--to hf: a Hugging Face model folder OUT (config.json, model.safetensors; --type f32 (default)\n"
+    "or bf16) with the\n"
     "tokenizer's files copied in (Loom's byte tokenizer written as a tokenizer.json). --to loom: a Loom\n"
     "checkpoint OUT/checkpoints/step_00000000 (weights, no optimizer state, the tokenizer's files\n"
     "inside; none from a Hugging Face folder without them: give --tokenizer) that eval, generate,\n"
@@ -40,7 +42,9 @@ const char* kHelp =
     "how each maps.\n"
     "LoRA (docs/finetune.md): --adapter DIR applies a PEFT adapter folder to PATH's weights. A model\n"
     "with adapters is merged (W + s B A) for --to gguf and --to hf, kept as it is by --to loom, and\n"
-    "--to peft writes its adapters alone in PEFT's layout (adapter_config.json, adapter_model.safetensors).\n";
+    "--to peft writes its adapters alone in PEFT's layout (adapter_config.json, adapter_model.safetensors).\n"
+    "--to gguf, hf and peft read PATH one tensor at a time (merging adapters into each weight as it is\n"
+    "read): the peak memory is one weight in f32 and the adapters, not the model.\n";
 
 // The tokenizer's files, copied into `out` (a named kind such as "byte" has none).
 void copy_tokenizer_files(const std::string& tokenizer, const fs::path& out) {
@@ -80,7 +84,7 @@ void write_byte_tokenizer(const fs::path& out, int64_t max_seq_len) {
   write_file_atomic((out / "tokenizer_config.json").string(), config.dump(2) + "\n");
 }
 
-int to_gguf(const Args& args, const ModelSource& source, const Tensor& params) {
+int to_gguf(const Args& args, const ModelSource& source, ParamReader& params) {
   const LoomConfig& config = source.config;
   const auto type = parse_enum<GgufExportType>(args.get("type", "f32"), "--type");
   LOOM_CHECK(args.has("tokenizer") || !config.data.tokenizer.empty(), source.path, " records no tokenizer, which a GGUF "
@@ -94,8 +98,7 @@ int to_gguf(const Args& args, const ModelSource& source, const Tensor& params) {
                 tokenizer->name().c_str(), vocab.placeholders.size(), ids.c_str(), vocab.placeholders.size() > 8 ? ", ..." : "");
   }
   const GgufExportSummary s =
-      export_gguf(config.model, {params.data<float>(), static_cast<size_t>(params.numel())}, vocab, type,
-                  args.get("name", config.run.name), args.get("out"));
+      export_gguf(params, vocab, type, args.get("name", config.run.name), args.get("out"));
   std::printf("wrote %s: %s, %lld tensors (%lld matrices %s, the rest f32), %lld tokens, %.2f MB\n",
               args.get("out").c_str(), s.architecture.c_str(), static_cast<long long>(s.tensors),
               static_cast<long long>(s.converted), std::string(enum_name(type)).c_str(),
@@ -103,9 +106,11 @@ int to_gguf(const Args& args, const ModelSource& source, const Tensor& params) {
   return 0;
 }
 
-int to_hf(const Args& args, const ModelSource& source, const Tensor& params) {
+int to_hf(const Args& args, const ModelSource& source, ParamReader& params) {
   const fs::path out = args.get("out");
-  save_hf_model(out.string(), ModelState{source.config.model, params});
+  const std::string type = args.get("type", "f32");
+  LOOM_CHECK(type == "f32" || type == "bf16", "--to hf: --type must be f32 or bf16, got '", type, "'");
+  save_hf_model(out.string(), params, type == "bf16" ? DTYPE_BF16 : DTYPE_F32);
   const std::string tokenizer = args.get("tokenizer", source.config.data.tokenizer);
   if (tokenizer == "byte") {
     write_byte_tokenizer(out, source.config.model.max_seq_len);
@@ -118,9 +123,9 @@ int to_hf(const Args& args, const ModelSource& source, const Tensor& params) {
   } else {
     copy_tokenizer_files(tokenizer, out);
   }
-  std::printf("wrote %s: a Hugging Face %s folder (config.json, model.safetensors, %lld parameters)\n",
-              out.string().c_str(), hf_config_json(source.config.model)["model_type"].get<std::string>().c_str(),
-              static_cast<long long>(params.numel()));
+  std::printf("wrote %s: a Hugging Face %s folder (config.json, model.safetensors, %s, %lld parameters)\n",
+              out.string().c_str(), hf_config_json(params.config())["model_type"].get<std::string>().c_str(),
+              type.c_str(), static_cast<long long>(build_param_layout(params.config()).total));
   return 0;
 }
 
@@ -139,7 +144,7 @@ int convert_main(int argc, char** argv) {
                   {{"to", "FORMAT", "the output format: gguf | hf | loom (required)"},
                    {"checkpoint", "PATH", "a Loom checkpoint or run folder, or a Hugging Face model folder (required)"},
                    {"out", "OUT", "the file (gguf) or folder (hf, loom) to write (required)"},
-                   {"type", "TYPE", "--to gguf: f32 | f16 | q8_0 | q4_0 for the matrices (default f32)"},
+                   {"type", "TYPE", "--to gguf: f32 | f16 | bf16 | q8_0 | q4_0 for the matrices; --to hf: f32 | bf16 (default f32)"},
                    {"name", "NAME", "--to gguf: general.name (default: the run's run.name)"},
                    {"tokenizer", "KIND_OR_DIR", "the tokenizer to embed or copy (default: the model's)"},
                    {"adapter", "DIR", "a PEFT LoRA adapter folder applied to the weights first"}});
@@ -151,30 +156,31 @@ int convert_main(int argc, char** argv) {
   LOOM_CHECK(args.has("out"), "loom convert needs --out ", to == "gguf" ? "FILE" : "DIR");
   if (to == "loom") check_weights_out(args.get("out"));
   ModelSource source = model_source(args.get("checkpoint"), args.get("adapter", ""));
-  auto backend = make_cpu_backend();
-  Transformer model(*backend, source.config.model);
-  load_weights(source, model.params());
   const ModelConfig& c = source.config.model;
   if (to == "peft") {
     LOOM_CHECK(c.lora(), args.get("checkpoint"), " has no LoRA adapters to write (peft.method = none)");
-    save_peft_adapter(args.get("out"), ModelState{c, model.params()});
+    CpuAllocator host;
+    save_peft_adapter(args.get("out"), ModelState{c, read_adapters(source, host)});
     std::printf("wrote %s: a PEFT LoRA adapter (rank %lld, alpha %g, targets %s)\n", args.get("out").c_str(),
                 static_cast<long long>(c.lora_rank), static_cast<double>(c.lora_alpha), c.lora_targets.c_str());
     return 0;
   }
-  if (to == "loom" || !c.lora()) {
-    if (to == "gguf") return to_gguf(args, source, model.params());
-    if (to == "hf") return to_hf(args, source, model.params());
+  if (to == "loom") {
+    auto backend = make_cpu_backend();
+    Transformer model(*backend, c);
+    load_weights(source, model.params());
     return to_loom(args, source, model.params());
   }
-  // A merged model: the base with W + s B A, the adapters gone.
-  const ParamLayout layout = build_param_layout(c);
-  const Tensor merged = Tensor::empty(backend->allocator(), {lora_begin(c, layout)}, DTYPE_F32, MEM_PARAMETERS);
-  lora_merge(*backend, c, model.params(), merged);
-  std::printf("merged the LoRA adapters (rank %lld, scale %g, targets %s) into the base weights\n",
-              static_cast<long long>(c.lora_rank), static_cast<double>(c.lora_scale()), c.lora_targets.c_str());
-  source.config.model = lora_base_config(c);
-  return to == "gguf" ? to_gguf(args, source, merged) : to_hf(args, source, merged);
+  const std::unique_ptr<ParamReader> params = open_export_reader(source);
+  const ModelConfig adapted = c;
+  source.config.model = params->config();  // without the adapters, if any: they are merged as each weight is read
+  const int rc = to == "gguf" ? to_gguf(args, source, *params) : to_hf(args, source, *params);
+  if (adapted.lora()) {
+    std::printf("merged the LoRA adapters (rank %lld, scale %g, targets %s) into the base weights, one weight at a "
+                "time as it was read\n", static_cast<long long>(adapted.lora_rank),
+                static_cast<double>(adapted.lora_scale()), adapted.lora_targets.c_str());
+  }
+  return rc;
 }
 
 }  // namespace loom::cli

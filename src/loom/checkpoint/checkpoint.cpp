@@ -221,6 +221,42 @@ LoadedCheckpoint load_verified(const std::string& dir, const ModelState& model, 
 
 }  // namespace
 
+namespace {
+
+class CheckpointParamReader final : public BufferedParamReader {
+ public:
+  CheckpointParamReader(const std::string& dir, const ModelConfig& config)
+      : BufferedParamReader(config, (fs::path(dir) / kModelFile).string()), path_((fs::path(dir) / kModelFile).string()),
+        file_(SafetensorsFile::read(path_)), hf_layout_(metadata_flag(file_, path_, "hf_layout")) {
+    check_model_file(file_, path_, config, layout(), hf_layout_);
+  }
+
+ private:
+  void fill(const ParamSpec& spec, const Tensor& dst) override {
+    if (!file_transposes(spec, hf_layout_)) {
+      file_.copy_into(spec.name, dst);
+      return;
+    }
+    CpuAllocator host;
+    const Tensor stored = file_.tensor(spec.name, host, MEM_WORKSPACE);  // (in, out)
+    transpose_into(stored.data<float>(), dst.data<float>(), spec.shape[1], spec.shape[0]);
+  }
+  std::string path_;
+  SafetensorsFile file_;
+  bool hf_layout_;
+};
+
+}  // namespace
+
+std::unique_ptr<ParamReader> ckpt::checkpoint_param_reader(const std::string& dir, const ModelConfig& config) {
+  const std::string problem = checkpoint_problem(dir);
+  LOOM_CHECK(problem.empty(), "checkpoint ", dir, " is corrupt (", problem, ")");
+  LOOM_CHECK(!is_quantized_model(dir), dir, " is a quantized model (loom quantize): it loads for eval, generate and "
+             "serve, not as fp32 weights");
+  if (manifest_shards(dir) > 0) return nullptr;
+  return std::make_unique<CheckpointParamReader>(dir, config);
+}
+
 std::string checkpoint_dir_name(int64_t step) {
   std::ostringstream out;
   out << kStepPrefix << std::setw(8) << std::setfill('0') << step;

@@ -11,6 +11,7 @@
 
 #include "loom/backend/backend.h"
 #include "loom/checkpoint/checkpoint.h"
+#include "loom/checkpoint/param_reader.h"
 #include "loom/core/error.h"
 #include "loom/core/tensor.h"
 
@@ -46,6 +47,10 @@ LoadedCheckpoint read_trainer_file(const std::string& dir);
 // checks every shard before it overwrites the caller's tensors (checkpoint_shards.cpp).
 LoadedCheckpoint load_sharded(const std::string& dir, int64_t n_shards, const ModelState& model,
                               const OptimizerState& optimizer);
+
+// An unsharded checkpoint's parameters one at a time (param_reader.h open_param_reader; its
+// manifest and model file checked first); null for a sharded one.
+std::unique_ptr<ParamReader> checkpoint_param_reader(const std::string& dir, const ModelConfig& config);
 
 // Host copies of a run's tensors that host code cannot read: `twin` gives the tensor itself when
 // it is host-accessible, else a host tensor of its shape (filled from it when `read`).

@@ -3,8 +3,10 @@
 #include <algorithm>
 #include <cstring>
 #include <filesystem>
+#include <memory>
 #include <span>
 
+#include "loom/core/dtype.h"
 #include "loom/core/error.h"
 #include "loom/core/file_io.h"
 #include "loom/precision/formats.h"
@@ -165,6 +167,7 @@ const char* ggml_type_name(GgmlType type) {
     case GgmlType::F16: return "F16";
     case GgmlType::Q4_0: return "Q4_0";
     case GgmlType::Q8_0: return "Q8_0";
+    case GgmlType::BF16: return "BF16";
   }
   return "?";
 }
@@ -172,7 +175,8 @@ const char* ggml_type_name(GgmlType type) {
 uint64_t ggml_tensor_bytes(GgmlType type, uint64_t elements) {
   switch (type) {
     case GgmlType::F32: return 4 * elements;
-    case GgmlType::F16: return 2 * elements;
+    case GgmlType::F16:
+    case GgmlType::BF16: return 2 * elements;
     case GgmlType::Q4_0: return ggml_blocks_size(GgmlBlock::Q4_0, static_cast<int64_t>(elements));
     case GgmlType::Q8_0: return ggml_blocks_size(GgmlBlock::Q8_0, static_cast<int64_t>(elements));
   }
@@ -202,15 +206,23 @@ void GgufWriter::put(const std::string& key, GgufValue value) {
 }
 
 void GgufWriter::add_tensor(const std::string& name, std::vector<uint64_t> ne, GgmlType type, std::vector<uint8_t> data) {
+  auto held = std::make_shared<std::vector<uint8_t>>(std::move(data));
+  uint64_t elements = 1;
+  for (uint64_t d : ne) elements *= d;
+  LOOM_CHECK(held->size() == ggml_tensor_bytes(type, elements), "GGUF tensor ", name, ": ", held->size(),
+             " bytes for ", elements, " ", ggml_type_name(type), " elements");
+  add_tensor(name, std::move(ne), type, [held] { return std::move(*held); });
+}
+
+void GgufWriter::add_tensor(const std::string& name, std::vector<uint64_t> ne, GgmlType type, GgufTensorBytes make) {
   LOOM_CHECK(!ne.empty() && ne.size() <= kMaxDims, "GGUF tensor ", name, ": ", ne.size(), " dimensions (1 to 4)");
   uint64_t elements = 1;
   for (uint64_t d : ne) elements *= d;
-  LOOM_CHECK(data.size() == ggml_tensor_bytes(type, elements), "GGUF tensor ", name, ": ", data.size(),
-             " bytes for ", elements, " ", ggml_type_name(type), " elements");
   for (const GgufTensorInfo& t : infos_) LOOM_CHECK(t.name != name, "GGUF tensor ", name, " added twice");
+  const uint64_t bytes = ggml_tensor_bytes(type, elements);
   infos_.push_back({name, std::move(ne), type, data_size_});
-  data_size_ = align_up(data_size_ + data.size(), alignment_);
-  data_.push_back(std::move(data));
+  data_size_ = align_up(data_size_ + bytes, alignment_);
+  data_.push_back(std::move(make));
 }
 
 void GgufWriter::write(const std::string& path) const {
@@ -233,13 +245,20 @@ void GgufWriter::write(const std::string& path) const {
   }
   head.resize(align_up(head.size(), alignment_), '\0');
   const std::string zeros(alignment_, '\0');
-  std::vector<ByteRange> parts{{head.data(), head.size()}};
-  for (const std::vector<uint8_t>& d : data_) {
-    parts.push_back({d.data(), d.size()});
+  AtomicFile file(path);
+  file.write(head.data(), head.size());
+  for (size_t k = 0; k < infos_.size(); ++k) {
+    const GgufTensorInfo& t = infos_[k];
+    uint64_t elements = 1;
+    for (uint64_t d : t.ne) elements *= d;
+    const std::vector<uint8_t> d = data_[k]();
+    LOOM_CHECK(d.size() == ggml_tensor_bytes(t.type, elements), "GGUF tensor ", t.name, ": ", d.size(), " bytes for ",
+               elements, " ", ggml_type_name(t.type), " elements");
+    file.write(d.data(), d.size());
     const size_t pad = align_up(d.size(), alignment_) - d.size();
-    if (pad > 0) parts.push_back({zeros.data(), pad});
+    if (pad > 0) file.write(zeros.data(), pad);
   }
-  write_file_atomic(path, parts);
+  file.commit();
 }
 
 GgufFile GgufFile::read(const std::string& path) {
@@ -272,8 +291,8 @@ GgufFile GgufFile::read(const std::string& path) {
     LOOM_CHECK(dims >= 1 && dims <= kMaxDims, path, ": tensor ", t.name, " has ", dims, " dimensions");
     for (uint32_t d = 0; d < dims; ++d) t.ne.push_back(c.raw<uint64_t>(t.name.c_str()));
     const auto type = c.raw<uint32_t>(t.name.c_str());
-    LOOM_CHECK(type == 0 || type == 1 || type == 2 || type == 8, path, ": tensor ", t.name, " has ggml type ", type,
-               " (Loom reads F32, F16, Q4_0, Q8_0)");
+    LOOM_CHECK(type == 0 || type == 1 || type == 2 || type == 8 || type == 30, path, ": tensor ", t.name,
+               " has ggml type ", type, " (Loom reads F32, F16, BF16, Q4_0, Q8_0)");
     t.type = static_cast<GgmlType>(type);
     t.offset = c.raw<uint64_t>(t.name.c_str());
     LOOM_CHECK(t.offset % f.alignment == 0, path, ": tensor ", t.name, " offset ", t.offset, " is not aligned");
@@ -345,6 +364,11 @@ std::vector<float> GgufFile::tensor_f32(const std::string& name) const {
     case GgmlType::F32: std::memcpy(out.data(), raw.data(), raw.size()); break;
     case GgmlType::F16:
       for (uint64_t k = 0; k < elements; ++k) out[k] = decode(FMT_FP16, raw[2 * k] | (raw[2 * k + 1] << 8));
+      break;
+    case GgmlType::BF16:
+      for (uint64_t k = 0; k < elements; ++k) {
+        out[k] = bf16_to_f32(bf16{static_cast<uint16_t>(raw[2 * k] | (raw[2 * k + 1] << 8))});
+      }
       break;
     case GgmlType::Q8_0: ggml_dequantize(GgmlBlock::Q8_0, raw, out); break;
     case GgmlType::Q4_0: ggml_dequantize(GgmlBlock::Q4_0, raw, out); break;

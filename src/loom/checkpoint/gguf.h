@@ -14,9 +14,10 @@
 //   data         each tensor's bytes at its offset, zero-padded to the alignment
 // Value types: 0 u8, 1 i8, 2 u16, 3 i16, 4 u32, 5 i32, 6 f32, 7 bool (one byte 0/1), 8 string,
 // 9 array, 10 u64, 11 i64, 12 f64. ggml tensor types (ggml.h enum ggml_type): 0 F32, 1 F16,
-// 2 Q4_0, 8 Q8_0 (precision/ggml_blocks.h: 32-element blocks, so ne[0] % 32 == 0).
+// 2 Q4_0, 8 Q8_0 (precision/ggml_blocks.h: 32-element blocks, so ne[0] % 32 == 0), 30 BF16.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -27,9 +28,9 @@ enum class GgufValueType : uint32_t {
   U64 = 10, I64 = 11, F64 = 12,
 };
 
-enum class GgmlType : uint32_t { F32 = 0, F16 = 1, Q4_0 = 2, Q8_0 = 8 };
+enum class GgmlType : uint32_t { F32 = 0, F16 = 1, Q4_0 = 2, Q8_0 = 8, BF16 = 30 };
 
-const char* ggml_type_name(GgmlType type);  // "F32", "F16", "Q4_0", "Q8_0"
+const char* ggml_type_name(GgmlType type);  // "F32", "F16", "Q4_0", "Q8_0", "BF16"
 // Bytes of a tensor of `elements` elements of `type` (blocks for the quantized types).
 uint64_t ggml_tensor_bytes(GgmlType type, uint64_t elements);
 
@@ -61,8 +62,14 @@ struct GgufTensorInfo {
   uint64_t offset = 0;       // into the data section
 };
 
+// A tensor's bytes made when the file is written (ggml_tensor_bytes of its type and shape).
+using GgufTensorBytes = std::function<std::vector<uint8_t>()>;
+
 // Collects metadata and tensors in order, then writes the file atomically (a temporary file in
-// the same folder, fsync, rename, fsync of the folder: core/file_io.h).
+// the same folder, fsync, rename, fsync of the folder: core/file_io.h). Every tensor's size is
+// known from its type and shape, so the header (with each tensor's offset) is written first and
+// the data after it, one tensor at a time: a tensor given as a GgufTensorBytes is made only
+// then, so a model bigger than memory is written holding one tensor's bytes.
 class GgufWriter {
  public:
   // Writes `general.alignment` = alignment first (a power of two).
@@ -70,6 +77,8 @@ class GgufWriter {
   void put(const std::string& key, GgufValue value);  // a key given twice is an Error
   // `data` holds ggml_tensor_bytes(type, product of ne) bytes.
   void add_tensor(const std::string& name, std::vector<uint64_t> ne, GgmlType type, std::vector<uint8_t> data);
+  // The same with the bytes made by `make` while write() runs (called once, in order).
+  void add_tensor(const std::string& name, std::vector<uint64_t> ne, GgmlType type, GgufTensorBytes make);
   void write(const std::string& path) const;
   uint64_t data_bytes() const { return data_size_; }  // the data section, padding included
 
@@ -77,7 +86,7 @@ class GgufWriter {
   uint32_t alignment_;
   std::vector<std::pair<std::string, GgufValue>> kvs_;
   std::vector<GgufTensorInfo> infos_;
-  std::vector<std::vector<uint8_t>> data_;
+  std::vector<GgufTensorBytes> data_;
   uint64_t data_size_ = 0;
 };
 
@@ -99,7 +108,7 @@ class GgufFile {
   const GgufTensorInfo& tensor(const std::string& name) const;  // an Error naming the tensor
   // The tensor's bytes (ggml_tensor_bytes of its type and shape).
   std::vector<uint8_t> tensor_data(const std::string& name) const;
-  // The tensor widened to f32 (F32, F16, Q8_0, Q4_0).
+  // The tensor widened to f32 (F32, F16, BF16, Q8_0, Q4_0).
   std::vector<float> tensor_f32(const std::string& name) const;
 
  private:

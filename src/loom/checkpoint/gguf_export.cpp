@@ -3,9 +3,11 @@
 #include <algorithm>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 
 #include "loom/arch/param_layout.h"
 #include "loom/checkpoint/gguf.h"
+#include "loom/core/dtype.h"
 #include "loom/core/error.h"
 #include "loom/precision/formats.h"
 #include "loom/precision/ggml_blocks.h"
@@ -19,6 +21,7 @@ uint32_t file_type(GgufExportType type) {
   switch (type) {
     case GgufExportType::F32: return 0;   // LLAMA_FTYPE_ALL_F32
     case GgufExportType::F16: return 1;   // LLAMA_FTYPE_MOSTLY_F16
+    case GgufExportType::BF16: return 32; // LLAMA_FTYPE_MOSTLY_BF16
     case GgufExportType::Q8_0: return 7;  // LLAMA_FTYPE_MOSTLY_Q8_0
     case GgufExportType::Q4_0: return 2;  // LLAMA_FTYPE_MOSTLY_Q4_0
   }
@@ -29,37 +32,80 @@ GgmlType matrix_type(GgufExportType type) {
   switch (type) {
     case GgufExportType::F32: return GgmlType::F32;
     case GgufExportType::F16: return GgmlType::F16;
+    case GgufExportType::BF16: return GgmlType::BF16;
     case GgufExportType::Q8_0: return GgmlType::Q8_0;
     case GgufExportType::Q4_0: return GgmlType::Q4_0;
   }
   return GgmlType::F32;
 }
 
-// Encodes tensors in the file's types and adds them to the writer.
+GgmlType matrix_type_for(GgufExportType type, int64_t cols) {
+  const GgmlType t = matrix_type(type);
+  return (t == GgmlType::Q8_0 || t == GgmlType::Q4_0) && cols % kGgmlBlockElements != 0 ? GgmlType::F32 : t;
+}
+
+// One tensor's f32 values when the file is written: a parameter (or a part of one) as the reader
+// holds it, or a copy in GGUF's row order.
+struct Values {
+  std::span<const float> span;
+  std::vector<float> owned;  // span points into it when it is used (a moved vector keeps its buffer)
+  static Values of(std::span<const float> s) { return {s, {}}; }
+  static Values own(std::vector<float> v) {
+    Values x{{}, std::move(v)};
+    x.span = x.owned;
+    return x;
+  }
+};
+using MakeValues = std::function<Values()>;
+
+// `x` in the file's type `t`, its rows encoded in parallel (ggml's blocks are independent).
+std::vector<uint8_t> encode_tensor(GgmlType t, std::span<const float> x, int64_t cols) {
+  std::vector<uint8_t> bytes(ggml_tensor_bytes(t, x.size()));
+  const int64_t n = static_cast<int64_t>(x.size());
+  switch (t) {
+    case GgmlType::F32: std::memcpy(bytes.data(), x.data(), bytes.size()); break;
+    case GgmlType::F16:
+    case GgmlType::BF16:
+#pragma omp parallel for schedule(static)
+      for (int64_t k = 0; k < n; ++k) {
+        const auto bits = t == GgmlType::F16 ? static_cast<uint16_t>(encode(FMT_FP16, x[k], /*saturate=*/false))
+                                             : f32_to_bf16(x[k]).bits;
+        bytes[2 * k] = static_cast<uint8_t>(bits & 0xFF), bytes[2 * k + 1] = static_cast<uint8_t>(bits >> 8);
+      }
+      break;
+    case GgmlType::Q8_0:
+    case GgmlType::Q4_0: {
+      const GgmlBlock block = t == GgmlType::Q8_0 ? GgmlBlock::Q8_0 : GgmlBlock::Q4_0;
+      const int64_t rows = n / cols, row_bytes = static_cast<int64_t>(ggml_tensor_bytes(t, static_cast<uint64_t>(cols)));
+#pragma omp parallel for schedule(static)
+      for (int64_t r = 0; r < rows; ++r) {
+        ggml_quantize(block, x.subspan(static_cast<size_t>(r * cols), static_cast<size_t>(cols)),
+                      std::span<uint8_t>(bytes).subspan(static_cast<size_t>(r * row_bytes), static_cast<size_t>(row_bytes)));
+      }
+      break;
+    }
+  }
+  return bytes;
+}
+
+// Declares tensors in the file's types; each one's values are read and encoded when the writer
+// reaches it, so one tensor is held at a time.
 class TensorSink {
  public:
   TensorSink(GgufWriter& writer, GgufExportType type) : writer_(writer), type_(type) {}
 
-  // A (rows, cols) row-major matrix, or a vector when rows == 0.
-  void add(const std::string& name, std::span<const float> x, int64_t rows, int64_t cols) {
+  // A (rows, cols) row-major matrix, or a vector of `cols` elements when rows == 0.
+  void add(const std::string& name, int64_t rows, int64_t cols, MakeValues make) {
     const bool matrix = rows > 0;
-    GgmlType t = matrix ? matrix_type(type_) : GgmlType::F32;
-    if ((t == GgmlType::Q8_0 || t == GgmlType::Q4_0) && cols % kGgmlBlockElements != 0) t = GgmlType::F32;
-    std::vector<uint8_t> bytes(ggml_tensor_bytes(t, x.size()));
-    switch (t) {
-      case GgmlType::F32: std::memcpy(bytes.data(), x.data(), bytes.size()); break;
-      case GgmlType::F16:
-        for (size_t k = 0; k < x.size(); ++k) {
-          const auto bits = static_cast<uint16_t>(encode(FMT_FP16, x[k], /*saturate=*/false));
-          bytes[2 * k] = static_cast<uint8_t>(bits & 0xFF), bytes[2 * k + 1] = static_cast<uint8_t>(bits >> 8);
-        }
-        break;
-      case GgmlType::Q8_0: ggml_quantize(GgmlBlock::Q8_0, x, bytes); break;
-      case GgmlType::Q4_0: ggml_quantize(GgmlBlock::Q4_0, x, bytes); break;
-    }
-    std::vector<uint64_t> ne{static_cast<uint64_t>(matrix ? cols : static_cast<int64_t>(x.size()))};
+    const GgmlType t = matrix ? matrix_type_for(type_, cols) : GgmlType::F32;
+    std::vector<uint64_t> ne{static_cast<uint64_t>(cols)};
     if (matrix) ne.push_back(static_cast<uint64_t>(rows));
-    writer_.add_tensor(name, std::move(ne), t, std::move(bytes));
+    const uint64_t elements = static_cast<uint64_t>(matrix ? rows * cols : cols);
+    writer_.add_tensor(name, std::move(ne), t, [t, cols, elements, name, make = std::move(make)] {
+      const Values v = make();
+      LOOM_CHECK(v.span.size() == elements, "GGUF tensor ", name, ": ", v.span.size(), " values for ", elements);
+      return encode_tensor(t, v.span, cols);
+    });
     ++tensors_;
     if (matrix && t == matrix_type(type_)) ++converted_;
   }
@@ -72,31 +118,35 @@ class TensorSink {
   int64_t tensors_ = 0, converted_ = 0;
 };
 
-// A parameter of the flat buffer by its Loom name.
+// The reader's parameters by Loom name, with their shapes.
 class Params {
  public:
-  Params(const ModelConfig& config, std::span<const float> flat) : layout_(build_param_layout(config)), flat_(flat) {
-    LOOM_CHECK(static_cast<int64_t>(flat.size()) == layout_.total, "export_gguf: ", flat.size(),
-               " parameters for a model of ", layout_.total);
-  }
-  std::span<const float> operator()(const std::string& name) const {
-    const ParamSpec& p = layout_.find(name);
-    return flat_.subspan(static_cast<size_t>(p.offset), static_cast<size_t>(p.numel));
-  }
+  explicit Params(ParamReader& reader) : reader_(reader), layout_(build_param_layout(reader.config())) {}
+  ParamReader& reader() const { return reader_; }
   const Shape& shape(const std::string& name) const { return layout_.find(name).shape; }
+  int64_t numel(const std::string& name) const { return layout_.find(name).numel; }
+  MakeValues whole(const std::string& name) const {
+    return [&r = reader_, name] { return Values::of(r.read(name)); };
+  }
+  // Elements [first, first + count) of the parameter.
+  MakeValues part(const std::string& name, int64_t first, int64_t count) const {
+    return [&r = reader_, name, first, count] {
+      return Values::of(r.read(name).subspan(static_cast<size_t>(first), static_cast<size_t>(count)));
+    };
+  }
 
  private:
+  ParamReader& reader_;
   ParamLayout layout_;
-  std::span<const float> flat_;
 };
 
 void add_matrix(TensorSink& sink, const Params& params, const std::string& loom, const std::string& gguf) {
   const Shape& s = params.shape(loom);
-  sink.add(gguf, params(loom), s[0], s[1]);
+  sink.add(gguf, s[0], s[1], params.whole(loom));
 }
 
 void add_vector(TensorSink& sink, const Params& params, const std::string& loom, const std::string& gguf) {
-  sink.add(gguf, params(loom), 0, 0);
+  sink.add(gguf, 0, params.numel(loom), params.whole(loom));
 }
 
 void add_gpt2_tensors(const ModelConfig& c, const Params& params, TensorSink& sink) {
@@ -148,15 +198,20 @@ void add_llama_tensors(const ModelConfig& c, const Params& params, TensorSink& s
   for (int64_t i = 0; i < c.n_layer; ++i) {
     const std::string p = "model.layers." + std::to_string(i) + ".", b = "blk." + std::to_string(i) + ".";
     add_vector(sink, params, p + "input_layernorm.weight", b + "attn_norm.weight");
-    const std::span<const float> qkv = params(p + "self_attn.qkv_proj.weight");
-    sink.add(b + "attn_q.weight", head_rows(qkv, C, 0, H, hd, permute), H * hd, C);
-    sink.add(b + "attn_k.weight", head_rows(qkv, C, H * hd, KV, hd, permute), KV * hd, C);
-    sink.add(b + "attn_v.weight", head_rows(qkv, C, (H + KV) * hd, KV, hd, false), KV * hd, C);
+    const std::string qkv = p + "self_attn.qkv_proj.weight";
+    const auto heads = [&params, qkv, C, hd](int64_t first, int64_t count, bool rope) -> MakeValues {
+      return [&r = params.reader(), qkv, C, hd, first, count, rope] {
+        return Values::own(head_rows(r.read(qkv), C, first, count, hd, rope));
+      };
+    };
+    sink.add(b + "attn_q.weight", H * hd, C, heads(0, H, permute));
+    sink.add(b + "attn_k.weight", KV * hd, C, heads(H * hd, KV, permute));
+    sink.add(b + "attn_v.weight", KV * hd, C, heads((H + KV) * hd, KV, false));
     if (c.qkv_bias) {  // Qwen2's biases, split as the weight's rows
-      const std::span<const float> bias = params(p + "self_attn.qkv_proj.bias");
-      sink.add(b + "attn_q.bias", bias.first(static_cast<size_t>(H * hd)), 0, 0);
-      sink.add(b + "attn_k.bias", bias.subspan(static_cast<size_t>(H * hd), static_cast<size_t>(KV * hd)), 0, 0);
-      sink.add(b + "attn_v.bias", bias.subspan(static_cast<size_t>((H + KV) * hd)), 0, 0);
+      const std::string bias = p + "self_attn.qkv_proj.bias";
+      sink.add(b + "attn_q.bias", 0, H * hd, params.part(bias, 0, H * hd));
+      sink.add(b + "attn_k.bias", 0, KV * hd, params.part(bias, H * hd, KV * hd));
+      sink.add(b + "attn_v.bias", 0, KV * hd, params.part(bias, (H + KV) * hd, KV * hd));
     }
     if (c.qk_norm) {  // Qwen3's per-head norms (head_dim each)
       add_vector(sink, params, p + "self_attn.q_norm.weight", b + "attn_q_norm.weight");
@@ -164,9 +219,9 @@ void add_llama_tensors(const ModelConfig& c, const Params& params, TensorSink& s
     }
     add_matrix(sink, params, p + "self_attn.o_proj.weight", b + "attn_output.weight");
     add_vector(sink, params, p + "post_attention_layernorm.weight", b + "ffn_norm.weight");
-    const std::span<const float> gate_up = params(p + "mlp.gate_up_proj.weight");
-    sink.add(b + "ffn_gate.weight", gate_up.first(static_cast<size_t>(F * C)), F, C);
-    sink.add(b + "ffn_up.weight", gate_up.subspan(static_cast<size_t>(F * C)), F, C);
+    const std::string gate_up = p + "mlp.gate_up_proj.weight";
+    sink.add(b + "ffn_gate.weight", F, C, params.part(gate_up, 0, F * C));
+    sink.add(b + "ffn_up.weight", F, C, params.part(gate_up, F * C, F * C));
     add_matrix(sink, params, p + "mlp.down_proj.weight", b + "ffn_down.weight");
   }
   add_vector(sink, params, "model.norm.weight", "output_norm.weight");
@@ -182,7 +237,7 @@ void add_llama_tensors(const ModelConfig& c, const Params& params, TensorSink& s
     for (int64_t j = 0; j < hd / 2; ++j) {
       factors[static_cast<size_t>(j)] = static_cast<float>(rope_inv_freq(plain, j, hd) / rope_inv_freq(c.rope(), j, hd));
     }
-    sink.add("rope_freqs.weight", factors, 0, 0);
+    sink.add("rope_freqs.weight", 0, hd / 2, [factors] { return Values::own(factors); });
   }
 }
 
@@ -231,8 +286,9 @@ void put_arch(GgufWriter& w, const ModelConfig& c) {
 
 }  // namespace
 
-GgufExportSummary export_gguf(const ModelConfig& config, std::span<const float> params, const GgufVocabulary& vocab,
-                              GgufExportType type, const std::string& name, const std::string& path) {
+GgufExportSummary export_gguf(ParamReader& params, const GgufVocabulary& vocab, GgufExportType type,
+                              const std::string& name, const std::string& path) {
+  const ModelConfig& config = params.config();
   check_exportable(config, vocab);
   GgufWriter writer;
   put_arch(writer, config);
@@ -240,12 +296,18 @@ GgufExportSummary export_gguf(const ModelConfig& config, std::span<const float> 
   writer.put("general.file_type", GgufValue::u32(file_type(type)));
   writer.put("general.quantization_version", GgufValue::u32(2));  // GGML_QNT_VERSION
   put_gguf_tokenizer(writer, vocab);
-  const Params named(config, params);
+  const Params named(params);
   TensorSink sink(writer, type);
   if (config.arch == ARCH_GPT2) add_gpt2_tensors(config, named, sink);
   else add_llama_tensors(config, named, sink);
   writer.write(path);
   return {gguf_arch(config), sink.tensors(), sink.converted(), static_cast<uint64_t>(std::filesystem::file_size(path))};
+}
+
+GgufExportSummary export_gguf(const ModelConfig& config, std::span<const float> params, const GgufVocabulary& vocab,
+                              GgufExportType type, const std::string& name, const std::string& path) {
+  const auto reader = flat_param_reader(config, params);
+  return export_gguf(*reader, vocab, type, name, path);
 }
 
 }  // namespace loom

@@ -25,16 +25,17 @@
 
 #include "loom/arch/config.h"
 #include "loom/checkpoint/gguf_vocab.h"  // GgufVocabulary, gguf_vocabulary: the tokenizer inside the file
+#include "loom/checkpoint/param_reader.h"
 #include "loom/core/enum_names.h"
 
 namespace loom {
 
 // The tensor type of the file's matrices (1-D tensors, norms and biases, stay f32, as
 // convert_hf_to_gguf.py keeps them; so does a matrix whose rows are not a multiple of 32 wide).
-enum class GgufExportType : uint8_t { F32, F16, Q8_0, Q4_0 };
+enum class GgufExportType : uint8_t { F32, F16, BF16, Q8_0, Q4_0 };
 template <>
 struct EnumNames<GgufExportType> {
-  static constexpr std::array<std::string_view, 4> names{"f32", "f16", "q8_0", "q4_0"};
+  static constexpr std::array<std::string_view, 5> names{"f32", "f16", "bf16", "q8_0", "q4_0"};
 };
 
 struct GgufExportSummary {
@@ -44,7 +45,11 @@ struct GgufExportSummary {
   uint64_t bytes = 0;     // file size
 };
 
-// Writes `params` (the flat f32 buffer of `config`, ParamLayout order) as `path`, atomically.
+// Writes the parameters of `params` (its config's, read one tensor at a time while the file is
+// written: the peak is one parameter in f32 and its encoded bytes) as `path`, atomically.
+GgufExportSummary export_gguf(ParamReader& params, const GgufVocabulary& vocab, GgufExportType type,
+                              const std::string& name, const std::string& path);
+// The same from `params`, the flat f32 buffer of `config` (ParamLayout order).
 GgufExportSummary export_gguf(const ModelConfig& config, std::span<const float> params, const GgufVocabulary& vocab,
                               GgufExportType type, const std::string& name, const std::string& path);
 

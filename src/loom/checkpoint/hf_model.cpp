@@ -1,5 +1,7 @@
 #include "loom/checkpoint/hf_model.h"
 
+#include <unistd.h>
+
 #include <cstring>
 #include <filesystem>
 #include <functional>
@@ -15,6 +17,7 @@
 #include "loom/arch/param_layout.h"
 #include "loom/checkpoint/hf_config.h"
 #include "loom/checkpoint/safetensors.h"
+#include "loom/core/dtype.h"
 #include "loom/core/error.h"
 #include "loom/core/file_io.h"
 #include "loom/core/json_file.h"
@@ -417,39 +420,72 @@ void load_hf_weights(const std::string& dir, const ModelState& model, const std:
   }
 }
 
-void save_hf_model(const std::string& dir, const ModelState& model) {
-  const ModelConfig& c = model.config;
+void save_hf_model(const std::string& dir, ParamReader& params, DType dtype) {
+  const ModelConfig& c = params.config();
   LOOM_CHECK(!c.lora(), dir, ": a model with LoRA adapters is written merged (nn/lora.h lora_merge) or its adapters "
              "alone (checkpoint/peft.h)");
+  LOOM_CHECK(dtype == DTYPE_F32 || dtype == DTYPE_BF16, dir, ": a Hugging Face folder is written in f32 or bf16, not ",
+             dtype_name(dtype));
   const HfFamily family = hf_family_of(c);
   const ParamLayout layout = build_param_layout(c);
-  CpuAllocator host;
-  std::vector<std::pair<std::string, Tensor>> tensors;
+  std::vector<SafetensorsWriter::Entry> entries;
   for (const ParamSpec& spec : layout.params) {
-    Tensor src = model.params.view(spec.offset, spec.shape);
-    const std::vector<int64_t> rope_starts = deepseek(family) ? deepseek_rope_starts(c, spec.name) : std::vector<int64_t>{};
-    if (!rope_starts.empty()) {  // a host copy in the folder's RoPE row order
-      Tensor copy = Tensor::empty(host, spec.shape, DTYPE_F32, MEM_WORKSPACE);
-      std::memcpy(copy.data<float>(), src.data<float>(), static_cast<size_t>(src.numel()) * sizeof(float));
-      permute_deepseek_rope_rows(c, rope_starts, copy, false);
-      src = copy;
-    }
-    const int64_t cols = spec.shape.size() == 2 ? spec.shape[1] : 1;
-    const bool transpose = is_gpt2_conv1d_weight(spec.name);
-    int64_t row = 0;
     for (const Piece& piece : pieces_of(c, family, spec)) {
-      Tensor t = Tensor::empty(host, piece_shape(piece, spec, transpose), DTYPE_F32, MEM_WORKSPACE);
-      const float* in = src.data<float>() + row * cols;
-      float* out = t.data<float>();
-      if (transpose) transpose_into(in, out, piece.rows, cols);  // Loom's (out, in) -> (in, out)
-      else std::memcpy(out, in, static_cast<size_t>(piece.rows * cols) * sizeof(float));
-      tensors.emplace_back(piece.name, std::move(t));
-      row += piece.rows;
+      entries.push_back({piece.name, dtype == DTYPE_BF16 ? "BF16" : "F32",
+                         piece_shape(piece, spec, is_gpt2_conv1d_weight(spec.name))});
     }
   }
   fs::create_directories(dir);
-  write_safetensors((fs::path(dir) / kWeightsFile).string(), tensors, {{"format", "pt"}});
+  const std::string path = (fs::path(dir) / kWeightsFile).string();
+  const std::string tmp = str_cat(path, ".", ::getpid(), ".tmp");
+  try {
+    SafetensorsWriter writer(tmp, entries, {{"format", "pt"}});
+    CpuAllocator host;
+    for (const ParamSpec& spec : layout.params) {
+      const float* values = params.read(spec.name).data();
+      const std::vector<int64_t> rope_starts = deepseek(family) ? deepseek_rope_starts(c, spec.name) : std::vector<int64_t>{};
+      Tensor copy;
+      if (!rope_starts.empty()) {  // a host copy in the folder's RoPE row order
+        copy = Tensor::empty(host, spec.shape, DTYPE_F32, MEM_WORKSPACE);
+        std::memcpy(copy.data<float>(), values, static_cast<size_t>(spec.numel) * sizeof(float));
+        permute_deepseek_rope_rows(c, rope_starts, copy, false);
+        values = copy.data<float>();
+      }
+      const int64_t cols = spec.shape.size() == 2 ? spec.shape[1] : 1;
+      const bool transpose = is_gpt2_conv1d_weight(spec.name);
+      int64_t row = 0;
+      for (const Piece& piece : pieces_of(c, family, spec)) {
+        const float* in = values + row * cols;
+        const auto n = static_cast<size_t>(piece.rows * cols);
+        std::vector<float> transposed;
+        if (transpose) {  // Loom's (out, in) -> (in, out)
+          transposed.resize(n);
+          transpose_into(in, transposed.data(), piece.rows, cols);
+          in = transposed.data();
+        }
+        if (dtype == DTYPE_F32) {
+          writer.write(piece.name, in, n * sizeof(float));
+        } else {
+          std::vector<bf16> narrow(n);
+          for (size_t k = 0; k < n; ++k) narrow[k] = f32_to_bf16(in[k]);
+          writer.write(piece.name, narrow.data(), n * sizeof(bf16));
+        }
+        row += piece.rows;
+      }
+    }
+    writer.close();
+  } catch (...) {
+    std::error_code ec;
+    fs::remove(tmp, ec);
+    throw;
+  }
+  rename_into_place(tmp, path);
   write_file_atomic((fs::path(dir) / kConfigFile).string(), hf_config_json(c).dump(2) + "\n");
+}
+
+void save_hf_model(const std::string& dir, const ModelState& model) {
+  const auto reader = flat_param_reader(model.config, {model.params.data<float>(), static_cast<size_t>(model.params.numel())});
+  save_hf_model(dir, *reader, DTYPE_F32);
 }
 
 }  // namespace loom

@@ -34,6 +34,7 @@
 
 #include "loom/arch/config.h"
 #include "loom/checkpoint/checkpoint.h"
+#include "loom/checkpoint/param_reader.h"
 
 namespace loom {
 
@@ -75,5 +76,8 @@ class HfWeightReader {
 // Writes config.json and model.safetensors of `model` into `dir` (created; the files are
 // written to temporary names, synced and renamed, so an interrupted export leaves no partial file).
 void save_hf_model(const std::string& dir, const ModelState& model);
+// The same from `params` read one parameter at a time (the peak is one parameter, not the
+// model), in f32 or bf16 (rounded to nearest even).
+void save_hf_model(const std::string& dir, ParamReader& params, DType dtype);
 
 }  // namespace loom

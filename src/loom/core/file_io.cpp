@@ -54,6 +54,33 @@ std::string write_temp_synced(const std::string& path, std::span<const ByteRange
   return tmp;
 }
 
+AtomicFile::AtomicFile(std::string path) : path_(std::move(path)), tmp_(str_cat(path_, ".", ::getpid(), ".tmp")) {
+  fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  LOOM_CHECK(fd_ >= 0, tmp_, ": cannot create: ", std::strerror(errno));
+}
+
+AtomicFile::~AtomicFile() {
+  if (fd_ < 0) return;
+  ::close(fd_);
+  ::unlink(tmp_.c_str());
+}
+
+void AtomicFile::write(const void* data, size_t bytes) {
+  LOOM_CHECK(fd_ >= 0, path_, ": written after it was committed");
+  write_all(fd_, data, bytes, tmp_);
+  bytes_ += bytes;
+}
+
+void AtomicFile::commit() {
+  LOOM_CHECK(fd_ >= 0, path_, ": committed twice");
+  LOOM_CHECK(::fsync(fd_) == 0, tmp_, ": fsync failed: ", std::strerror(errno));
+  ::close(fd_);
+  fd_ = -1;
+  rename_into_place(tmp_, path_);
+  const std::string dir = std::filesystem::path(path_).parent_path().string();
+  fsync_directory(dir.empty() ? "." : dir);
+}
+
 void rename_into_place(const std::string& tmp, const std::string& path) {
   if (std::rename(tmp.c_str(), path.c_str()) != 0) {
     const int err = errno;

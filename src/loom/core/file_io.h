@@ -28,6 +28,26 @@ void rename_into_place(const std::string& tmp, const std::string& path);
 // A rename or a new entry is durable only once its folder is fsynced.
 void fsync_directory(const std::string& dir);
 
+// A file written piece by piece with the same guarantee (a file too big to hold, such as an
+// exported model, written one tensor at a time): write() appends to <path>.<pid>.tmp, commit()
+// fsyncs it, renames it into place and fsyncs the folder; destroyed uncommitted (an error on the
+// way), the temporary file is removed and nothing is left at `path`.
+class AtomicFile {
+ public:
+  explicit AtomicFile(std::string path);
+  ~AtomicFile();
+  AtomicFile(const AtomicFile&) = delete;
+  AtomicFile& operator=(const AtomicFile&) = delete;
+  void write(const void* data, size_t bytes);
+  void commit();
+  uint64_t bytes() const { return bytes_; }  // written so far
+
+ private:
+  std::string path_, tmp_;
+  int fd_ = -1;
+  uint64_t bytes_ = 0;
+};
+
 // write_temp_synced + rename_into_place + fsync of the parent folder.
 void write_file_atomic(const std::string& path, std::span<const ByteRange> parts);
 void write_file_atomic(const std::string& path, std::string_view bytes);

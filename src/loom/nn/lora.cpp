@@ -1,5 +1,8 @@
 #include "loom/nn/lora.h"
 
+#include <algorithm>
+#include <functional>
+
 #include "loom/arch/param_layout.h"
 #include "loom/core/error.h"
 
@@ -173,6 +176,35 @@ ModelConfig lora_base_config(const ModelConfig& config) {
   return base;
 }
 
+void lora_merge_weight(Backend& backend, const ModelConfig& config, const std::string& weight,
+                       const std::function<Tensor(const std::string&)>& adapter, const Tensor& w) {
+  const float scale = config.lora_scale();
+  for (int64_t l = 0; l < config.n_layer; ++l) {
+    for (const LoraSite& site : lora_sites(config, l)) {
+      if (site.weight != weight) continue;
+      LOOM_CHECK(w.numel() >= (site.out_begin + site.out_count) * site.in, "lora_merge_weight: ", weight, " is ",
+                 w.describe(), ", its adapter covers rows to ", site.out_begin + site.out_count, " of ", site.in);
+      const Tensor rows = w.view(site.out_begin * site.in, {site.out_count, site.in});
+      backend.gemm(adapter(site.module + ".lora_B.weight"), adapter(site.module + ".lora_A.weight"), rows,
+                   spec(false, false, scale, 1.0f));
+      if (!config.lora_dora) continue;
+      const Tensor norms = Tensor::empty(backend.allocator(), {site.out_count}, DTYPE_F32, MEM_WORKSPACE);
+      backend.row_norms(rows, norms);  // rows = g (W + s B A), g = m / ||W + s B A||
+      backend.dora_weight(rows, Tensor{}, adapter(site.module + ".lora_magnitude_vector"), norms, rows);
+    }
+  }
+}
+
+std::vector<std::string> lora_merged_weights(const ModelConfig& config) {
+  std::vector<std::string> names;
+  for (int64_t l = 0; l < config.n_layer; ++l) {
+    for (const LoraSite& site : lora_sites(config, l)) {
+      if (std::find(names.begin(), names.end(), site.weight) == names.end()) names.push_back(site.weight);
+    }
+  }
+  return names;
+}
+
 void lora_merge(Backend& backend, const ModelConfig& config, const Tensor& params, const Tensor& merged) {
   const ParamLayout layout = build_param_layout(config);
   const int64_t base = lora_begin(config, layout);
@@ -180,20 +212,13 @@ void lora_merge(Backend& backend, const ModelConfig& config, const Tensor& param
              params.describe(), " -> ", merged.describe(), " for a model of ", layout.total, " parameters (",
              base, " without adapters)");
   backend.copy(params.view(0, {base}), merged.view(0, {base}));
-  const float scale = config.lora_scale();
-  for (int64_t l = 0; l < config.n_layer; ++l) {
-    for (const LoraSite& site : lora_sites(config, l)) {
-      const ParamSpec& a = layout.find(site.module + ".lora_A.weight");
-      const ParamSpec& b = layout.find(site.module + ".lora_B.weight");
-      const ParamSpec& w = layout.find(site.weight);  // a base parameter: the same offset in `merged`
-      const Tensor rows = merged.view(w.offset + site.out_begin * site.in, {site.out_count, site.in});
-      backend.gemm(params.view(b.offset, b.shape), params.view(a.offset, a.shape), rows, spec(false, false, scale, 1.0f));
-      if (!config.lora_dora) continue;
-      const ParamSpec& m = layout.find(site.module + ".lora_magnitude_vector");  // rows = g (W + s B A)
-      const Tensor norms = Tensor::empty(backend.allocator(), {site.out_count}, DTYPE_F32, MEM_WORKSPACE);
-      backend.row_norms(rows, norms);
-      backend.dora_weight(rows, Tensor{}, params.view(m.offset, m.shape), norms, rows);
-    }
+  const auto adapter = [&](const std::string& name) {
+    const ParamSpec& p = layout.find(name);
+    return params.view(p.offset, p.shape);
+  };
+  for (const std::string& weight : lora_merged_weights(config)) {
+    const ParamSpec& w = layout.find(weight);  // a base parameter: the same offset in `merged`
+    lora_merge_weight(backend, config, weight, adapter, merged.view(w.offset, w.shape));
   }
 }
 

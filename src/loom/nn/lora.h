@@ -6,6 +6,8 @@
 // output column (arch/param_layout.h lora_sites).
 #pragma once
 #include <cstdint>
+#include <functional>
+#include <string>
 #include <vector>
 
 #include "loom/arch/config.h"
@@ -87,6 +89,13 @@ struct LoraTerm {
 // W[out_begin : out_begin + out_count] += s B A (DoRA: then row j scaled by m_j / its norm). `params` itself is not changed: the unmerged
 // model is the base, bit for bit.
 void lora_merge(Backend& backend, const ModelConfig& config, const Tensor& params, const Tensor& merged);
+// The same for one base weight: `w` (its shape, holding W) gets the merge of every adapter on
+// it, `adapter` giving an adapter parameter (lora_A, lora_B, the magnitude) by its layout name.
+// What an export merging one weight at a time uses (train/model_export.h).
+void lora_merge_weight(Backend& backend, const ModelConfig& config, const std::string& weight,
+                       const std::function<Tensor(const std::string&)>& adapter, const Tensor& w);
+// The base weights that carry adapters (each once), in layer order.
+std::vector<std::string> lora_merged_weights(const ModelConfig& config);
 // DoRA's initial magnitudes: each adapter's m = the norms of the base rows it covers (so the
 // adapted model starts as the base), from the base weights of `params` (the whole layout).
 void dora_init_magnitudes(Backend& backend, const ModelConfig& config, const Tensor& params);
