@@ -411,6 +411,8 @@ TEST(LoraMemory, EstimateAndMethodsTable) {
   EXPECT_EQ(matrix_floats, 2 * (80 * 48 + 48 * 48 + 160 * 48 + 48 * 80));
   const MemoryEstimate eq = estimate_memory(q);
   EXPECT_EQ(eq.bytes[MEM_PARAMETERS], 4 * layout.total - 4 * matrix_floats + matrix_nf4);
+  EXPECT_EQ(eq.bytes[MEM_WORKSPACE], 4 * 160 * 48);  // the NF4 weight dequantized per call: gate/up, the largest
+  EXPECT_EQ(e.bytes[MEM_WORKSPACE], 0);
   EXPECT_EQ(eq.bytes[MEM_GRADIENTS], 4 * A);
   EXPECT_EQ(eq.bytes[MEM_OPTIMIZER_STATE], 8 * A);
 

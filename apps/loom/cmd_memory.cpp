@@ -15,6 +15,7 @@
 #include "loom/data/batch_source.h"
 #include "loom/memory/estimate.h"
 #include "loom/train/quantize_run.h"
+#include "loom/train/run.h"
 #include "loom/train/trainer.h"
 
 namespace loom::cli {
@@ -83,6 +84,7 @@ int memory_main(int argc, char** argv) {
   LOOM_CHECK(!args.has("measure") || !model_parallel, "loom memory --measure runs data-parallel layouts only "
              "(parallel.tp, pp, cp and ep are estimated, not measured: got ", config.parallel.tp, ", ",
              config.parallel.pp, ", ", config.parallel.cp, ", ", config.parallel.ep, ")");
+  resolve_run_config(config);  // train.init_from: the model is the weights' (with the run's peft.*), as loom train
   vocab_from_data(config);
   const bool mpi = launched_by_mpirun();
   std::unique_ptr<Communicator> comm = mpi ? make_mpi_communicator() : make_local_communicator();
@@ -138,8 +140,9 @@ int memory_main(int argc, char** argv) {
                 plan.pp > 1 ? str_cat(", pipeline rank ", est.pp_rank, " (the largest)").c_str() : "");
   }
   std::printf("  %-16s %14s%s\n", "per rank", "estimated", args.has("measure") ? "       measured  measured/est" : "");
-  for (const MemCategory c : {MEM_PARAMETERS, MEM_GRADIENTS, MEM_OPTIMIZER_STATE, MEM_ACTIVATIONS, MEM_OFFLOADED}) {
-    if (c == MEM_OFFLOADED && est.bytes[c] == 0) continue;
+  for (const MemCategory c : {MEM_PARAMETERS, MEM_GRADIENTS, MEM_OPTIMIZER_STATE, MEM_ACTIVATIONS, MEM_WORKSPACE,
+                              MEM_OFFLOADED}) {
+    if ((c == MEM_OFFLOADED || c == MEM_WORKSPACE) && est.bytes[c] == 0) continue;
     std::printf("  %-16s %14s", std::string(mem_category_name(c)).c_str(),
                 format_bytes(static_cast<size_t>(est.bytes[c])).c_str());
     if (args.has("measure")) {
@@ -148,8 +151,9 @@ int memory_main(int argc, char** argv) {
     }
     std::printf("\n");
   }
-  std::printf("  %-16s %14s  (workspace and communication buffers not estimated)\n", "total",
-              format_bytes(static_cast<size_t>(est.total())).c_str());
+  std::printf("  %-16s %14s  (%s not estimated)\n", "total", format_bytes(static_cast<size_t>(est.total())).c_str(),
+              est.bytes[MEM_WORKSPACE] > 0 ? "other workspace and communication buffers"
+                                            : "workspace and communication buffers");
   const double P = args.has("params") ? args.get_double("params", 0.0) : static_cast<double>(est.parameters);
   const auto [w, g, K] = zero_bytes_per_param(plan);
   const auto z = zero_model_state_bytes(P, plan.ranks, w, g, K);

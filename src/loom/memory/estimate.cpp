@@ -160,10 +160,15 @@ MemoryEstimate estimate_rank(const MemoryPlan& plan, const ModelConfig& c, const
   }
   e.bytes[MEM_PARAMETERS] = fp32 + (param_bf16(plan.precision) ? 2 * H : 0);
   if (c.lora_quantize_base) {  // QLoRA: the base's block matrices in NF4, their fp32 elements released or never written
+    int64_t largest = 0;
     for (const ParamSpec& spec : layout.params) {
       if (spec.offset >= frozen_end || !qlora_matrix(spec)) continue;
       e.bytes[MEM_PARAMETERS] += static_cast<int64_t>(nf4_bytes(spec.numel)) - 4 * spec.numel;
+      largest = std::max(largest, spec.numel);
     }
+    // Each layer dequantizes its NF4 weight for the call into one shared f32 scratch
+    // (LinearWorkspace slot Q, nn/linear.h): the largest block matrix (a tensor slice's).
+    e.bytes[MEM_WORKSPACE] += 4 * largest / plan.tp;
   }
   if (plan.optim.offload && param_bf16(plan.precision)) {  // the fp32 master weights in host memory
     e.bytes[MEM_PARAMETERS] -= fp32;
