@@ -162,11 +162,14 @@ def available_bytes() -> int:
     return 0
 
 
-def run_generate(loom: str, folder: str, f32: bool, threads: int = 2, new_tokens: int = 16) -> dict:
+def run_generate(loom: str, folder: str, f32: bool, threads: int = 2, new_tokens: int = 16, wait: str = "") -> dict:
     cmd = ["/usr/bin/time", "-f", "peak_rss_kib %M", loom, "bench", "generate", "--checkpoint", folder, "--requests", "2",
            "--prompt-tokens", str(PROMPT_TOKENS), "--new-tokens", str(new_tokens), "--max-batch", "1"] + \
         (["--f32-weights"] if f32 else [])
-    p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    if wait:  # OpenMP's wait policy (Loom's default: PASSIVE, docs/performance.md)
+        env["OMP_WAIT_POLICY"] = wait.upper()
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if p.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{p.stdout}\n{p.stderr}")
     m = re.search(r"prefill\s+([\d.]+) prompt tokens/s.*decode\s+([\d.]+) tokens/s", p.stdout)
@@ -334,27 +337,29 @@ def llama_cpp_compare(args, folder: str, cfg: dict, file_bytes: int) -> None:
     print(f"prompt: {PROMPT_TOKENS} tokens ({origin}), {args.new_tokens} new, greedy; threads {threads}; "
           f"{args.rounds} rounds")
     avail = 0.9 * available_bytes()
+    waits = [w.strip() for w in args.loom_wait.split(",") if w.strip()]
+    looms = {("loom" if w == "passive" else f"loom {w}"): w for w in waits}
     raw = []
     for rnd in range(args.rounds):
         for t in GGUF_TYPES:
             gguf, loom_dir = exports[t]["file"], models[t]
             for n in threads:
-                engines = ["loom", "llama.cpp"] if rnd % 2 == 0 else ["llama.cpp", "loom"]
-                for engine in engines:
+                engines = list(looms) + ["llama.cpp"]
+                for engine in (engines if rnd % 2 == 0 else engines[::-1]):
                     rec = {"round": rnd, "format": t, "engine": engine, "threads": n}
-                    size = folder_bytes(loom_dir) if engine == "loom" else os.path.getsize(gguf)
+                    size = folder_bytes(loom_dir) if engine in looms else os.path.getsize(gguf)
                     if size > avail:
                         rec["skipped"] = f"{fmt_bytes(size)} of weights, {fmt_bytes(avail / 0.9)} available"
-                    elif engine == "loom":
+                    elif engine in looms:
                         rec.update(model=loom_dir, **run_generate(args.loom, loom_dir, False, threads=n,
-                                                                  new_tokens=args.new_tokens))
+                                                                  new_tokens=args.new_tokens, wait=looms[engine]))
                     else:
                         rec.update(model=gguf, **run_llama_speed(gguf, prompt, args.new_tokens, n, work))
                     raw.append(rec)
-                    print(f"  round {rnd + 1} {t:5s} {engine:9s} {n} threads: " +
+                    print(f"  round {rnd + 1} {t:5s} {engine:11s} {n} threads: " +
                           (rec["skipped"] if "skipped" in rec else
                            f"decode {rec['decode']:.1f} tok/s, prefill {rec['prefill']:.1f} tok/s" +
-                           (f", peak RSS {fmt_bytes(rec['peak_rss'])}" if engine == "loom" else "")), flush=True)
+                           (f", peak RSS {fmt_bytes(rec['peak_rss'])}" if engine in looms else "")), flush=True)
 
     def median(fmt, engine, n, key="decode"):
         xs = [r[key] for r in raw if r["format"] == fmt and r["engine"] == engine and r["threads"] == n and key in r]
@@ -364,16 +369,16 @@ def llama_cpp_compare(args, folder: str, cfg: dict, file_bytes: int) -> None:
     print(f"\nCPU: {cpu}; AVX-512: {'yes (' + ' '.join(avx512) + ')' if avx512 else 'no'}; {os.cpu_count()} logical CPUs")
     print(f"decode tokens/s, median of {args.rounds} rounds ({PROMPT_TOKENS} prompt + {args.new_tokens} new tokens, one "
           f"stream, greedy); Loom's peak RSS the median over its runs\n")
-    head = ["format (Loom / llama.cpp)"] + [f"Loom {n}t" for n in threads] + [f"llama.cpp {n}t" for n in threads] + \
-        ["best Loom / best llama.cpp", "Loom peak RSS"]
+    head = ["format (Loom, its OpenMP wait / llama.cpp)"] + [f"Loom {n}t" for n in threads] + \
+        [f"llama.cpp {n}t" for n in threads] + ["best Loom / best llama.cpp", "Loom peak RSS"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     summary = []
-    for t in GGUF_TYPES:
-        label = f"{LOOM_OF_GGUF[t][0]} / {exports[t]['type']}"
-        loom_m = [median(t, "loom", n) for n in threads]
+    for t, engine in [(t, e) for t in GGUF_TYPES for e in looms]:
+        label = f"{LOOM_OF_GGUF[t][0]} ({looms[engine]}) / {exports[t]['type']}"
+        loom_m = [median(t, engine, n) for n in threads]
         llama_m = [median(t, "llama.cpp", n) for n in threads]
-        rss = [r["peak_rss"] for r in raw if r["format"] == t and r["engine"] == "loom" and "peak_rss" in r]
+        rss = [r["peak_rss"] for r in raw if r["format"] == t and r["engine"] == engine and "peak_rss" in r]
         best_loom = max((x for x in loom_m if x is not None), default=None)
         best_llama = max((x for x in llama_m if x is not None), default=None)
         ratio = best_loom / best_llama if best_loom and best_llama else None
@@ -381,7 +386,7 @@ def llama_cpp_compare(args, folder: str, cfg: dict, file_bytes: int) -> None:
         print(f"| {label} | " + " | ".join(cell(x) for x in loom_m + llama_m) + " | " +
               (f"{ratio:.2f}x" if ratio is not None else "-") + " | " +
               (fmt_bytes(statistics.median(rss)) if rss else "-") + " |")
-        summary.append({"format": t, "gguf_type": exports[t]["type"], "loom_model": models[t],
+        summary.append({"format": t, "gguf_type": exports[t]["type"], "loom_model": models[t], "loom_wait": looms[engine],
                         "loom_decode_median": dict(zip(map(str, threads), loom_m)),
                         "llama_cpp_decode_median": dict(zip(map(str, threads), llama_m)),
                         "best_loom_over_best_llama_cpp": ratio})
@@ -414,6 +419,9 @@ def main() -> None:
     ap.add_argument("--qlora-seq", type=int, default=512)
     ap.add_argument("--llama-cpp", action="store_true",
                     help="compare decode speed with llama.cpp on GGUF exports (bf16, q8_0, q4_0) of the folder")
+    ap.add_argument("--loom-wait", default="passive",
+                    help="--llama-cpp: OMP_WAIT_POLICY values for Loom's runs, each its own row (default passive, "
+                         "Loom's own; llama.cpp's threads spin)")
     ap.add_argument("--threads", default="1,2", help="--llama-cpp: comma-separated thread counts (default 1,2)")
     ap.add_argument("--rounds", type=int, default=3, help="--llama-cpp: rounds of every run (default 3; medians printed)")
     ap.add_argument("--new-tokens", type=int, default=32, help="--llama-cpp: new tokens per request (default 32)")

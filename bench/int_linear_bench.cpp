@@ -6,7 +6,11 @@
 // memory (a model is larger than the caches), so each call takes the next of enough copies of
 // the weight to fill 256 MiB (f32) and the time is per call.
 //
-// Usage: int_linear_bench [--seconds S]   (default 0.2 s per case)
+// --shapes llama8b: Llama-3-8B's block (qkv 4096->6144, o, gate/up 4096->28672, down 14336->4096)
+// instead, --group G the weights' group (default 128), --rows N only that row count; bf16 rows
+// (Backend::bf16_weight_linear, a bf16 checkpoint's weights used in place) are printed too.
+//
+// Usage: int_linear_bench [--seconds S] [--shapes gpt2|llama8b] [--group G] [--rows N]   (default 0.2 s per case)
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -16,6 +20,7 @@
 #include <vector>
 
 #include "loom/backend/backend.h"
+#include "loom/core/dtype.h"
 #include "loom/core/philox.h"
 #include "loom/precision/int_quant.h"
 
@@ -40,8 +45,13 @@ double best_seconds(double budget, const std::function<void()>& f) {
 
 int main(int argc, char** argv) {
   double budget = 0.2;
+  std::string shape_set = "gpt2";
+  int64_t group = 128, only_rows = 0;
   for (int i = 1; i + 1 < argc; ++i) {
     if (std::string(argv[i]) == "--seconds") budget = std::stod(argv[i + 1]);
+    if (std::string(argv[i]) == "--shapes") shape_set = argv[i + 1];
+    if (std::string(argv[i]) == "--group") group = std::stoll(argv[i + 1]);
+    if (std::string(argv[i]) == "--rows") only_rows = std::stoll(argv[i + 1]);
   }
   auto backend = make_cpu_backend();
   Allocator& a = backend->allocator();
@@ -49,8 +59,12 @@ int main(int argc, char** argv) {
     const char* name;
     int64_t out, in;
   };
-  const Shape2 shapes[] = {{"qkv 768->2304", 2304, 768}, {"proj 768->768", 768, 768}, {"fc 768->3072", 3072, 768},
-                           {"fc2 3072->768", 768, 3072}, {"head 768->4096", 4096, 768}};
+  const std::vector<Shape2> shapes =
+      shape_set == "llama8b"
+          ? std::vector<Shape2>{{"qkv 4096->6144", 6144, 4096}, {"o 4096->4096", 4096, 4096},
+                                {"gate_up 4096->28672", 28672, 4096}, {"down 14336->4096", 4096, 14336}}
+          : std::vector<Shape2>{{"qkv 768->2304", 2304, 768}, {"proj 768->768", 768, 768}, {"fc 768->3072", 3072, 768},
+                                {"fc2 3072->768", 768, 3072}, {"head 768->4096", 4096, 768}};
   struct Format {
     const char* name;
     int bits;
@@ -67,7 +81,15 @@ int main(int argc, char** argv) {
       wts.push_back(Tensor::empty(a, {sh.out, sh.in}, DTYPE_F32, MEM_PARAMETERS));
       backend->write(wts.back(), w.data());
     }
+    std::vector<Tensor> w16s;  // the same weights rounded to bf16
+    std::vector<uint16_t> w16(w.size());
+    for (size_t i = 0; i < w.size(); ++i) w16[i] = f32_to_bf16(w[i]).bits;
+    for (int64_t k = 0; k < copies; ++k) {
+      w16s.push_back(Tensor::empty(a, {sh.out, sh.in}, DTYPE_BF16, MEM_PARAMETERS));
+      backend->write(w16s.back(), w16.data());
+    }
     for (int64_t n : {1, 4, 16}) {
+      if (only_rows > 0 && n != only_rows) continue;
       Tensor x = Tensor::empty(a, {n, sh.in}, DTYPE_F32, MEM_WORKSPACE), y = Tensor::empty(a, {n, sh.out}, DTYPE_F32, MEM_WORKSPACE);
       std::vector<float> xv(static_cast<size_t>(n * sh.in));
       philox_fill_normal(xv.data(), n * sh.in, 2, 0, 0, 0.0f, 1.0f);
@@ -79,8 +101,13 @@ int main(int argc, char** argv) {
       }) / static_cast<double>(copies);
       std::printf("%-16s %4lld %-6s %10.1f %10.1f %8s\n", sh.name, static_cast<long long>(n), "f32", f32 * 1e6,
                   static_cast<double>(sh.out * sh.in * 4) / f32 / 1e9, "1.00x");
+      const double b16 = best_seconds(budget, [&] {
+        for (const Tensor& wt : w16s) backend->bf16_weight_linear(x, wt, y, 0.0f, nullptr);
+      }) / static_cast<double>(copies);
+      std::printf("%-16s %4lld %-6s %10.1f %10.1f %7.2fx\n", sh.name, static_cast<long long>(n), "bf16", b16 * 1e6,
+                  static_cast<double>(sh.out * sh.in * 2) / b16 / 1e9, f32 / b16);
       for (const Format& f : formats) {
-        const IntWeight q = rtn_quantize(w, int_weight_spec(f.bits, f.act_int8 ? 0 : 128, sh.out, sh.in, f.act_int8, sh.name));
+        const IntWeight q = rtn_quantize(w, int_weight_spec(f.bits, f.act_int8 ? 0 : group, sh.out, sh.in, f.act_int8, sh.name));
         std::vector<IntWeightDevice> ds;
         for (int64_t k = 0; k < copies; ++k) ds.push_back(int_weight_to_backend(q, *backend, MEM_PARAMETERS));
         const IntWeightDevice& d = ds[0];

@@ -275,53 +275,60 @@ class BackendIntWeightOpsTest : public ::testing::TestWithParam<std::string> {
 
 TEST_P(BackendIntWeightOpsTest, LinearMatchesDequantizeThenF64AndDequantizeIsBitwise) {
   Backend& b = *backend_;
-  // 37 output rows (not a multiple of 8), 288 columns (a full and a partial tile of 256).
-  const int64_t O = 37, K = 288;
+  // 37 output rows (not a multiple of 8), 288 columns (a full and a partial tile of 256), and
+  // 384 (3 blocks of 128: the CPU's 4-bit block kernel with groups of 32, 128 and the whole row).
+  const int64_t O = 37;
   const IntCase cases[] = {{8, 96, false, false, false, 0.0f}, {4, 96, false, true, true, 1.0f}, {4, 32, false, false, true, 0.0f},
                            {3, 96, false, true, false, 1.0f},  {3, 0, false, false, false, 0.0f}, {8, 0, true, false, true, 0.0f},
-                           {8, 0, true, true, false, 1.0f}};
-  int checked = 0;
-  for (const IntCase& c : cases) {
-    const std::string what = std::to_string(c.bits) + " bits, group " + std::to_string(c.group) + (c.act_int8 ? " W8A8" : "");
-    const IntWeightSpec spec = int_weight_spec(c.bits, c.group, O, K, c.act_int8, "op");
-    IntWeight q = rtn_quantize(normal(O * K, 11 + static_cast<uint64_t>(c.bits), 0.05f), spec);
-    std::vector<float> s;
-    if (c.input_scale) {
-      s = normal(K, 5, 0.3f);
-      for (float& v : s) v = std::exp(v);
-      q.input_scale = s;
-    }
-    const IntWeightDevice d = int_weight_to_backend(q, b, MEM_PARAMETERS);
-    const std::vector<float> bias = c.bias ? normal(O, 7, 0.1f) : std::vector<float>{};
-    Tensor bt;
-    if (c.bias) bt = upload(b, {O}, bias);
-    const bool quantized_input = c.act_int8 || (cpu_ && cpu::int_linear_quantizes_activations());
-    for (int64_t N : {1, 2, 3, 5, 17}) {
-      const std::vector<float> x = normal(N * K, 100 + static_cast<uint64_t>(N), 1.0f), y0 = normal(N * O, 200 + static_cast<uint64_t>(N), 1.0f);
-      const Tensor xt = upload(b, {N, K}, x), yt = upload(b, {N, O}, y0);
-      b.int_linear(xt, d.codes, d.scales, d.zeros, spec, c.input_scale ? &d.input_scale : nullptr, yt, c.beta, c.bias ? &bt : nullptr);
-      const std::vector<float> got = download(b, yt);
-      std::vector<double> bound, unused;
-      const std::vector<double> want = reference_linear(x, N, q, s, bias, y0, c.beta, quantized_input, unused);
-      const std::vector<double> exact = reference_linear(x, N, q, s, bias, y0, c.beta, false, bound);
-      for (int64_t i = 0; i < N * O; ++i) {
-        const double tol = 2e-5 * (1.0 + std::fabs(want[static_cast<size_t>(i)]));
-        ASSERT_NEAR(got[static_cast<size_t>(i)], want[static_cast<size_t>(i)], tol) << what << ", N " << N << ", element " << i;
-        const double slack = quantized_input ? bound[static_cast<size_t>(i)] : 0.0;
-        ASSERT_NEAR(got[static_cast<size_t>(i)], exact[static_cast<size_t>(i)], slack + tol) << what << ", N " << N << ", element " << i;
+                           {8, 0, true, true, false, 1.0f},    {4, 128, false, true, false, 1.0f}, {4, 0, false, false, true, 0.0f}};
+  int checked = 0, expected = 0;
+  for (const int64_t K : {int64_t{288}, int64_t{384}}) {
+    for (const IntCase& c : cases) {
+      if (c.group > 0 && K % c.group != 0) continue;
+      expected += 5;
+      const std::string what = std::to_string(c.bits) + " bits, group " + std::to_string(c.group) + (c.act_int8 ? " W8A8" : "") +
+                               ", " + std::to_string(K) + " columns";
+      const IntWeightSpec spec = int_weight_spec(c.bits, c.group, O, K, c.act_int8, "op");
+      IntWeight q = rtn_quantize(normal(O * K, 11 + static_cast<uint64_t>(c.bits), 0.05f), spec);
+      std::vector<float> s;
+      if (c.input_scale) {
+        s = normal(K, 5, 0.3f);
+        for (float& v : s) v = std::exp(v);
+        q.input_scale = s;
       }
-      ++checked;
+      const IntWeightDevice d = int_weight_to_backend(q, b, MEM_PARAMETERS);
+      const std::vector<float> bias = c.bias ? normal(O, 7, 0.1f) : std::vector<float>{};
+      Tensor bt;
+      if (c.bias) bt = upload(b, {O}, bias);
+      const bool quantized_input = c.act_int8 || (cpu_ && cpu::int_linear_quantizes_activations());
+      for (int64_t N : {1, 2, 3, 5, 17}) {
+        const std::vector<float> x = normal(N * K, 100 + static_cast<uint64_t>(N), 1.0f), y0 = normal(N * O, 200 + static_cast<uint64_t>(N), 1.0f);
+        const Tensor xt = upload(b, {N, K}, x), yt = upload(b, {N, O}, y0);
+        b.int_linear(xt, d.codes, d.scales, d.zeros, spec, c.input_scale ? &d.input_scale : nullptr, yt, c.beta, c.bias ? &bt : nullptr);
+        const std::vector<float> got = download(b, yt);
+        std::vector<double> bound, unused;
+        const std::vector<double> want = reference_linear(x, N, q, s, bias, y0, c.beta, quantized_input, unused);
+        const std::vector<double> exact = reference_linear(x, N, q, s, bias, y0, c.beta, false, bound);
+        for (int64_t i = 0; i < N * O; ++i) {
+          const double tol = 2e-5 * (1.0 + std::fabs(want[static_cast<size_t>(i)]));
+          ASSERT_NEAR(got[static_cast<size_t>(i)], want[static_cast<size_t>(i)], tol) << what << ", N " << N << ", element " << i;
+          const double slack = quantized_input ? bound[static_cast<size_t>(i)] : 0.0;
+          ASSERT_NEAR(got[static_cast<size_t>(i)], exact[static_cast<size_t>(i)], slack + tol) << what << ", N " << N << ", element " << i;
+        }
+        ++checked;
+      }
+      // int_dequantize: the host's dequantization times the input scale, bit for bit.
+      const Tensor w = upload(b, {O, K}, std::vector<float>(static_cast<size_t>(O * K), NAN));
+      b.int_dequantize(d.codes, d.scales, d.zeros, spec, c.input_scale ? &d.input_scale : nullptr, w);
+      std::vector<float> host = int_dequantize(q);
+      if (c.input_scale) {
+        for (int64_t i = 0; i < O * K; ++i) host[static_cast<size_t>(i)] *= s[static_cast<size_t>(i % K)];
+      }
+      expect_bitwise(download(b, w), host, what + " int_dequantize");
     }
-    // int_dequantize: the host's dequantization times the input scale, bit for bit.
-    const Tensor w = upload(b, {O, K}, std::vector<float>(static_cast<size_t>(O * K), NAN));
-    b.int_dequantize(d.codes, d.scales, d.zeros, spec, c.input_scale ? &d.input_scale : nullptr, w);
-    std::vector<float> host = int_dequantize(q);
-    if (c.input_scale) {
-      for (int64_t i = 0; i < O * K; ++i) host[static_cast<size_t>(i)] *= s[static_cast<size_t>(i % K)];
-    }
-    expect_bitwise(download(b, w), host, what + " int_dequantize");
   }
-  EXPECT_EQ(checked, 35);
+  EXPECT_EQ(checked, expected);
+  EXPECT_EQ(expected, 5 * (8 + 9));  // 288 columns: every case but group 128; 384: every case
 }
 
 TEST_P(BackendIntWeightOpsTest, BadOperandsNameTheOp) {
@@ -373,7 +380,8 @@ std::vector<double> reference_bf16_linear(const std::vector<float>& x, int64_t N
 double bf16_linear_error(Backend& b, const std::function<void(const Tensor&, const Tensor&, const Tensor&, float,
                                                               const Tensor*)>& linear, int* checked) {
   double worst = 0.0;
-  for (const int64_t K : {288, 100}) {
+  // 6,150 columns: the CPU's decoding kernel for wide rows (4 weight rows a pass, a tail of 6).
+  for (const int64_t K : {288, 100, 6150}) {
     const int64_t O = 37;
     std::vector<uint16_t> w(static_cast<size_t>(O * K));
     const std::vector<float> wf = normal(O * K, 31 + static_cast<uint64_t>(K), 0.05f);
@@ -384,6 +392,7 @@ double bf16_linear_error(Backend& b, const std::function<void(const Tensor&, con
       const std::vector<float> bias = with_bias ? normal(O, 7, 0.1f) : std::vector<float>{};
       const Tensor bt = with_bias ? upload(b, {O}, bias) : Tensor{};
       for (int64_t N : {1, 2, 3, 5, 9, 16, 17, 40}) {
+        if (K > 1000 && N > 2) continue;
         const float beta = (N + (with_bias ? 1 : 0)) % 2 == 0 ? 0.0f : 1.0f;
         const std::vector<float> x = normal(N * K, 100 + static_cast<uint64_t>(N), 1.0f);
         const std::vector<float> y0 = normal(N * O, 200 + static_cast<uint64_t>(N), 1.0f);
@@ -416,7 +425,7 @@ TEST_P(BackendBf16WeightOpsTest, LinearMatchesTheWidenedWeightInF64) {
       b, [&](const Tensor& x, const Tensor& w, const Tensor& y, float beta, const Tensor* bias) {
         b.bf16_weight_linear(x, w, y, beta, bias);
       }, &checked);
-  EXPECT_EQ(checked, 32);
+  EXPECT_EQ(checked, 36);
   EXPECT_LT(error, 2e-5) << GetParam();
   std::printf("bf16_weight_linear on %s: worst error %.2e over %d cases\n", GetParam().c_str(), error, checked);
   if (GetParam() != "cpu") return;

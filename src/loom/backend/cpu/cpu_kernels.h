@@ -19,6 +19,12 @@
 namespace loom::cpu {
 
 constexpr int64_t kColumnBlock = 64;  // columns per task in column-parallel reductions
+// The forward kernels a decoding step runs on one row (norms, RoPE, activations) run on the
+// calling thread below this many elements: a parallel region wakes every thread, which with
+// passive waits (core/threads.h) cost about 77 us a region on a 2-core VM, and a Llama-3-8B
+// decoding step ran about 1,000 of them (futex calls counted by perf), more than the work of a
+// 4,096-element norm. Serial or split, each element's result is the same.
+constexpr int64_t kParallelMinElements = int64_t{1} << 15;
 
 // acc[c] (C) += sum over rows r of x[r, c]; parallel over column blocks, rows summed in order.
 template <typename T>
@@ -82,7 +88,7 @@ void embedding_backward(const int32_t* tokens, const T* dout, T* dtable, T* dpos
 template <typename T>
 void layernorm_forward(const T* x, const T* w, const T* b, T* out, T* mean, T* rstd, int64_t rows,
                        int64_t channels, T eps) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (rows * channels >= kParallelMinElements)
   for (int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * channels;
     T sum = 0;
@@ -142,7 +148,7 @@ void layernorm_backward(const T* dout, const T* x, const T* w, const T* mean, co
 // out = x * rstd * w, rstd = 1 / sqrt(mean(x^2) + eps).
 template <typename T>
 void rmsnorm_forward(const T* x, const T* w, T* out, T* rstd, int64_t rows, int64_t channels, T eps) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (rows * channels >= kParallelMinElements)
   for (int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * channels;
     T ss = 0;
@@ -194,7 +200,7 @@ void rmsnorm_backward(const T* dout, const T* x, const T* w, const T* rstd, T* d
 template <typename T>
 void head_rmsnorm_forward(T* x, const T* w, T* in, T* rstd, int64_t tokens, int64_t width, int64_t first, int64_t n,
                           int64_t hd, T eps) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (tokens * n * hd >= kParallelMinElements)
   for (int64_t r = 0; r < tokens * n; ++r) {
     T* xr = x + (r / n) * width + (first + r % n) * hd;
     T* ir = in + r * hd;
@@ -233,7 +239,7 @@ constexpr double kGeluCubic = 0.044715;
 // y = 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3).
 template <typename T>
 void gelu_forward(const T* x, T* out, int64_t n) {
-#pragma omp parallel for simd schedule(static)
+#pragma omp parallel for simd schedule(static) if (n >= kParallelMinElements)
   for (int64_t i = 0; i < n; ++i) {
     const T v = x[i];
     const T u = T(kGeluScale) * (v + T(kGeluCubic) * v * v * v);
@@ -257,7 +263,7 @@ void gelu_backward(const T* x, const T* dout, T* dx, int64_t n) {
 // x (N, 2F) = [gate | up]; out = silu(gate) * up, silu(g) = g * sigmoid(g).
 template <typename T>
 void swiglu_forward(const T* x, T* out, int64_t rows, int64_t hidden) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (rows * hidden >= kParallelMinElements)
   for (int64_t r = 0; r < rows; ++r) {
     const T* gate = x + r * 2 * hidden;
     const T* up = gate + hidden;
@@ -292,7 +298,7 @@ template <typename T>
 void rope_rotate(T* x, int64_t batch, int64_t seq_len, int64_t width, int64_t head_dim, int64_t n_heads,
                  const RopeSpec& rope, int64_t pos_offset, double direction) {
   const int64_t half = head_dim / 2;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (batch * seq_len * n_heads * head_dim >= kParallelMinElements)
   for (int64_t t = 0; t < seq_len; ++t) {
     for (int64_t j = 0; j < half; ++j) {
       const double angle =
