@@ -48,7 +48,7 @@ LoadedCheckpoint read_trainer_file(const std::string& dir);
 LoadedCheckpoint load_sharded(const std::string& dir, int64_t n_shards, const ModelState& model,
                               const OptimizerState& optimizer);
 
-// An unsharded checkpoint's parameters one at a time (param_reader.h open_param_reader; its
+// An unsharded checkpoint's parameters one at a time (weights.h open_param_reader; its
 // manifest and model file checked first); null for a sharded one.
 std::unique_ptr<ParamReader> checkpoint_param_reader(const std::string& dir, const ModelConfig& config);
 

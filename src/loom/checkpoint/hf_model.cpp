@@ -420,6 +420,23 @@ void load_hf_weights(const std::string& dir, const ModelState& model, const std:
   }
 }
 
+namespace {
+
+class HfParamReader final : public BufferedParamReader {
+ public:
+  HfParamReader(const std::string& dir, const ModelConfig& config) : BufferedParamReader(config, dir), reader_(dir, config) {}
+
+ private:
+  void fill(const ParamSpec& spec, const Tensor& dst) override { reader_.read(spec.name, dst); }
+  HfWeightReader reader_;
+};
+
+}  // namespace
+
+std::unique_ptr<ParamReader> hf_param_reader(const std::string& dir, const ModelConfig& config) {
+  return std::make_unique<HfParamReader>(dir, config);
+}
+
 void save_hf_model(const std::string& dir, ParamReader& params, DType dtype) {
   const ModelConfig& c = params.config();
   LOOM_CHECK(!c.lora(), dir, ": a model with LoRA adapters is written merged (nn/lora.h lora_merge) or its adapters "

@@ -73,6 +73,10 @@ class HfWeightReader {
   std::unique_ptr<State> s_;
 };
 
+// The folder's parameters one at a time as f32 for an export (param_reader.h; HfWeightReader's
+// checks first).
+std::unique_ptr<ParamReader> hf_param_reader(const std::string& dir, const ModelConfig& config);
+
 // Writes config.json and model.safetensors of `model` into `dir` (created; the files are
 // written to temporary names, synced and renamed, so an interrupted export leaves no partial file).
 void save_hf_model(const std::string& dir, const ModelState& model);

@@ -2,8 +2,6 @@
 
 #include <cmath>
 
-#include "loom/checkpoint/checkpoint_internal.h"
-#include "loom/checkpoint/hf_model.h"
 #include "loom/core/error.h"
 #include "loom/core/memory.h"
 
@@ -28,15 +26,6 @@ class FlatParamReader final : public ParamReader {
   ModelConfig config_;
   ParamLayout layout_;
   std::span<const float> params_;
-};
-
-class HfParamReader final : public BufferedParamReader {
- public:
-  HfParamReader(const std::string& dir, const ModelConfig& config) : BufferedParamReader(config, dir), reader_(dir, config) {}
-
- private:
-  void fill(const ParamSpec& spec, const Tensor& dst) override { reader_.read(spec.name, dst); }
-  HfWeightReader reader_;
 };
 
 }  // namespace
@@ -69,11 +58,6 @@ void check_finite_param(const std::string& path, const std::string& name, std::s
 
 std::unique_ptr<ParamReader> flat_param_reader(const ModelConfig& config, std::span<const float> params) {
   return std::make_unique<FlatParamReader>(config, params);
-}
-
-std::unique_ptr<ParamReader> open_param_reader(const std::string& path, const ModelConfig& config) {
-  if (is_hf_model_dir(path)) return std::make_unique<HfParamReader>(path, config);
-  return ckpt::checkpoint_param_reader(path, config);
 }
 
 }  // namespace loom

@@ -49,10 +49,8 @@ class BufferedParamReader : public ParamReader {
 
 // `params`: the flat f32 buffer of `config`'s layout (not copied: it must outlive the reader).
 std::unique_ptr<ParamReader> flat_param_reader(const ModelConfig& config, std::span<const float> params);
-// A Hugging Face model folder or a Loom checkpoint step folder (resolved: train/model_source.h)
-// holding `config`'s parameters, read one at a time; null for a sharded checkpoint (one file per
-// rank: read it whole).
-std::unique_ptr<ParamReader> open_param_reader(const std::string& path, const ModelConfig& config);
+// Readers of files: hf_param_reader (hf_model.h), open_param_reader (weights.h: a Hugging Face
+// folder or a Loom checkpoint).
 
 // A non-finite element of a parameter read from `path`: an Error naming both.
 void check_finite_param(const std::string& path, const std::string& name, std::span<const float> values);

@@ -1,5 +1,6 @@
 #include "loom/checkpoint/weights.h"
 
+#include "loom/checkpoint/checkpoint_internal.h"
 #include "loom/checkpoint/hf_model.h"
 #include "loom/core/error.h"
 
@@ -23,6 +24,11 @@ void load_weights_from(const std::string& path, const ModelConfig& config, const
   const Tensor staging = Tensor::empty(host, params.shape(), DTYPE_F32, MEM_WORKSPACE);
   load_weights_from(path, ModelState{config, staging});
   backend.write(params, staging.data<float>());
+}
+
+std::unique_ptr<ParamReader> open_param_reader(const std::string& path, const ModelConfig& config) {
+  if (is_hf_model_dir(path)) return hf_param_reader(path, config);
+  return ckpt::checkpoint_param_reader(path, config);
 }
 
 }  // namespace loom

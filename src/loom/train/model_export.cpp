@@ -7,6 +7,7 @@
 #include "loom/arch/param_layout.h"
 #include "loom/backend/backend.h"
 #include "loom/checkpoint/peft.h"
+#include "loom/checkpoint/weights.h"
 #include "loom/core/error.h"
 #include "loom/core/memory.h"
 #include "loom/nn/lora.h"
