@@ -802,6 +802,12 @@ class Cli(LoomCase):
         self.assertLess(abs(loss(os.path.join(self.tmp, "q_merged_bf16_loom")) - tuned), 1e-2 * tuned)
         self.assertNotEqual(loss(hf), tuned)  # the adapters (and NF4) changed the model
         run("convert", "--to", "peft", "--checkpoint", q_run, "--out", os.path.join(self.tmp, "q_peft"))
+        p = run("convert", "--to", "peft", "--type", "bf16", "--checkpoint", q_run, "--out", os.path.join(self.tmp, "q_x"),
+                expect_ok=False)
+        self.assert_one_line_error(p, "--type sets the weights' type of --to gguf and --to hf")
+        p = run("convert", "--to", "hf", "--type", "q4_0", "--checkpoint", q_run, "--out", os.path.join(self.tmp, "q_x"),
+                expect_ok=False)
+        self.assert_one_line_error(p, "--to hf: --type must be f32 or bf16, got 'q4_0'")
         self.assertTrue(os.path.exists(os.path.join(self.tmp, "q_peft", "adapter_model.safetensors")))
 
     def test_grpo_rolls_out_rewards_and_refuses_bad_input(self):

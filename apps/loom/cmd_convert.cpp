@@ -154,6 +154,8 @@ int convert_main(int argc, char** argv) {
              to, "'");
   LOOM_CHECK(args.has("checkpoint"), "loom convert needs --checkpoint PATH");
   LOOM_CHECK(args.has("out"), "loom convert needs --out ", to == "gguf" ? "FILE" : "DIR");
+  LOOM_CHECK(!args.has("type") || to == "gguf" || to == "hf", "--type sets the weights' type of --to gguf and --to hf; "
+             "--to ", to, " writes them as the source holds them (drop --type)");
   if (to == "loom") check_weights_out(args.get("out"));
   ModelSource source = model_source(args.get("checkpoint"), args.get("adapter", ""));
   const ModelConfig& c = source.config.model;
