@@ -226,9 +226,9 @@ namespace {
 class CheckpointParamReader final : public BufferedParamReader {
  public:
   CheckpointParamReader(const std::string& dir, const ModelConfig& config)
-      : BufferedParamReader(config, (fs::path(dir) / kModelFile).string()), path_((fs::path(dir) / kModelFile).string()),
-        file_(SafetensorsFile::read(path_)), hf_layout_(metadata_flag(file_, path_, "hf_layout")) {
-    check_model_file(file_, path_, config, layout(), hf_layout_);
+      : BufferedParamReader(config, (fs::path(dir) / kModelFile).string()), file_(SafetensorsFile::read(path())),
+        hf_layout_(metadata_flag(file_, path(), "hf_layout")) {
+    check_model_file(file_, path(), config, layout(), hf_layout_);
   }
 
  private:
@@ -241,7 +241,6 @@ class CheckpointParamReader final : public BufferedParamReader {
     const Tensor stored = file_.tensor(spec.name, host, MEM_WORKSPACE);  // (in, out)
     transpose_into(stored.data<float>(), dst.data<float>(), spec.shape[1], spec.shape[0]);
   }
-  std::string path_;
   SafetensorsFile file_;
   bool hf_layout_;
 };

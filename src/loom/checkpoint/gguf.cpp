@@ -159,6 +159,13 @@ GgufValue array_of(GgufValueType element, const std::vector<T>& v, Make make) {
   return g;
 }
 
+// The element count of a ggml shape (checked against the file's size where it is read).
+uint64_t ne_elements(const std::vector<uint64_t>& ne) {
+  uint64_t elements = 1;
+  for (uint64_t d : ne) elements *= d;
+  return elements;
+}
+
 }  // namespace
 
 const char* ggml_type_name(GgmlType type) {
@@ -207,8 +214,7 @@ void GgufWriter::put(const std::string& key, GgufValue value) {
 
 void GgufWriter::add_tensor(const std::string& name, std::vector<uint64_t> ne, GgmlType type, std::vector<uint8_t> data) {
   auto held = std::make_shared<std::vector<uint8_t>>(std::move(data));
-  uint64_t elements = 1;
-  for (uint64_t d : ne) elements *= d;
+  const uint64_t elements = ne_elements(ne);
   LOOM_CHECK(held->size() == ggml_tensor_bytes(type, elements), "GGUF tensor ", name, ": ", held->size(),
              " bytes for ", elements, " ", ggml_type_name(type), " elements");
   add_tensor(name, std::move(ne), type, [held] { return std::move(*held); });
@@ -216,8 +222,7 @@ void GgufWriter::add_tensor(const std::string& name, std::vector<uint64_t> ne, G
 
 void GgufWriter::add_tensor(const std::string& name, std::vector<uint64_t> ne, GgmlType type, GgufTensorBytes make) {
   LOOM_CHECK(!ne.empty() && ne.size() <= kMaxDims, "GGUF tensor ", name, ": ", ne.size(), " dimensions (1 to 4)");
-  uint64_t elements = 1;
-  for (uint64_t d : ne) elements *= d;
+  const uint64_t elements = ne_elements(ne);
   for (const GgufTensorInfo& t : infos_) LOOM_CHECK(t.name != name, "GGUF tensor ", name, " added twice");
   const uint64_t bytes = ggml_tensor_bytes(type, elements);
   infos_.push_back({name, std::move(ne), type, data_size_});
@@ -249,8 +254,7 @@ void GgufWriter::write(const std::string& path) const {
   file.write(head.data(), head.size());
   for (size_t k = 0; k < infos_.size(); ++k) {
     const GgufTensorInfo& t = infos_[k];
-    uint64_t elements = 1;
-    for (uint64_t d : t.ne) elements *= d;
+    const uint64_t elements = ne_elements(t.ne);
     const std::vector<uint8_t> d = data_[k]();
     LOOM_CHECK(d.size() == ggml_tensor_bytes(t.type, elements), "GGUF tensor ", t.name, ": ", d.size(), " bytes for ",
                elements, " ", ggml_type_name(t.type), " elements");
@@ -348,8 +352,7 @@ const GgufTensorInfo& GgufFile::tensor(const std::string& name) const {
 
 std::vector<uint8_t> GgufFile::tensor_data(const std::string& name) const {
   const GgufTensorInfo& t = tensor(name);
-  uint64_t elements = 1;
-  for (uint64_t d : t.ne) elements *= d;
+  const uint64_t elements = ne_elements(t.ne);
   const char* begin = bytes_.data() + data_offset + t.offset;
   return {begin, begin + ggml_tensor_bytes(t.type, elements)};
 }
@@ -357,8 +360,7 @@ std::vector<uint8_t> GgufFile::tensor_data(const std::string& name) const {
 std::vector<float> GgufFile::tensor_f32(const std::string& name) const {
   const GgufTensorInfo& t = tensor(name);
   const std::vector<uint8_t> raw = tensor_data(name);
-  uint64_t elements = 1;
-  for (uint64_t d : t.ne) elements *= d;
+  const uint64_t elements = ne_elements(t.ne);
   std::vector<float> out(elements);
   switch (t.type) {
     case GgmlType::F32: std::memcpy(out.data(), raw.data(), raw.size()); break;

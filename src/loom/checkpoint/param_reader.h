@@ -38,6 +38,7 @@ class BufferedParamReader : public ParamReader {
  protected:
   virtual void fill(const ParamSpec& spec, const Tensor& dst) = 0;
   const ParamLayout& layout() const { return layout_; }
+  const std::string& path() const { return path_; }
 
  private:
   ModelConfig config_;

@@ -68,7 +68,6 @@ AtomicFile::~AtomicFile() {
 void AtomicFile::write(const void* data, size_t bytes) {
   LOOM_CHECK(fd_ >= 0, path_, ": written after it was committed");
   write_all(fd_, data, bytes, tmp_);
-  bytes_ += bytes;
 }
 
 void AtomicFile::commit() {
@@ -96,9 +95,9 @@ void fsync_directory(const std::string& dir) {
 }
 
 void write_file_atomic(const std::string& path, std::span<const ByteRange> parts) {
-  rename_into_place(write_temp_synced(path, parts), path);
-  const std::string dir = std::filesystem::path(path).parent_path().string();
-  fsync_directory(dir.empty() ? "." : dir);
+  AtomicFile file(path);
+  for (const ByteRange& part : parts) file.write(part.data, part.size);
+  file.commit();
 }
 
 void write_file_atomic(const std::string& path, std::string_view bytes) {

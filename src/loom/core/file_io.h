@@ -40,15 +40,14 @@ class AtomicFile {
   AtomicFile& operator=(const AtomicFile&) = delete;
   void write(const void* data, size_t bytes);
   void commit();
-  uint64_t bytes() const { return bytes_; }  // written so far
 
  private:
   std::string path_, tmp_;
   int fd_ = -1;
-  uint64_t bytes_ = 0;
 };
 
-// write_temp_synced + rename_into_place + fsync of the parent folder.
+// An AtomicFile of the ranges: the same as write_temp_synced + rename_into_place + fsync of the
+// parent folder.
 void write_file_atomic(const std::string& path, std::span<const ByteRange> parts);
 void write_file_atomic(const std::string& path, std::string_view bytes);
 

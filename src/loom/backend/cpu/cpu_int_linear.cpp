@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "loom/backend/cpu/cpu_avx2.h"
+#include "loom/backend/cpu/cpu_math.h"
 #include "loom/backend/cpu/cpu_quant_ops.h"
 #include "loom/core/error.h"
 
@@ -31,9 +32,6 @@ namespace loom::cpu {
 namespace {
 
 constexpr int kRowBlock = 4;  // input rows multiplied with one decoded chunk of codes
-// Inputs smaller than this are quantized on the calling thread (one decoding row: a parallel
-// region's wake-up costs more than the work; cpu_kernels.h kParallelMinElements).
-constexpr int64_t kParallelMinElements = int64_t{1} << 15;
 
 int64_t row_bytes(int bits, int64_t cols) { return bits == 8 ? cols : (bits == 4 ? cols / 2 : cols / 8 * 3); }
 
@@ -161,10 +159,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,bmi2"))) void weight
   __m256 t0[NR], t1[NR], t2[NR], t3[NR];
   for (int r = 0; r < NR; ++r) t0[r] = t1[r] = t2[r] = t3[r] = _mm256_setzero_ps();
   int64_t g = 0;
-  const int64_t group_bytes = group * BITS / 8, ahead = 1024;  // codes prefetched 1 KiB ahead (measured best)
   for (; g + 4 <= groups; g += 4) {
-    _mm_prefetch(reinterpret_cast<const char*>(row + g * group_bytes + ahead), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(scales + g + ahead / group_bytes), _MM_HINT_T0);
     vnni_group<BITS, NR>(xq, K, n0, row, scales, xs, group, groups, g, t0);
     vnni_group<BITS, NR>(xq, K, n0, row, scales, xs, group, groups, g + 1, t1);
     vnni_group<BITS, NR>(xq, K, n0, row, scales, xs, group, groups, g + 2, t2);
@@ -201,16 +196,12 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,bmi2"))) void int4_v
   for (int64_t b = 0; b < K; b += 128) {
     const __m512i v = _mm512_loadu_si512(row + b / 2);
     const __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+    const int64_t g = b / group;  // the block's first group (groups of 32: its 4 groups from here)
     for (int r = 0; r < NR; ++r) {
       const int8_t* xb = xp + (n0 + r) * K + b;
       const float* xsr = xs + (n0 + r) * groups;
-      __m128 f4;
-      if (group == 32) {
-        f4 = _mm_mul_ps(_mm_loadu_ps(scales + b / 32), _mm_loadu_ps(xsr + b / 32));
-      } else {
-        const int64_t g = b / group;
-        f4 = _mm_set1_ps(scales[g] * xsr[g]);
-      }
+      const __m128 f4 = group == 32 ? _mm_mul_ps(_mm_loadu_ps(scales + g), _mm_loadu_ps(xsr + g))
+                                    : _mm_set1_ps(scales[g] * xsr[g]);
       __m512i acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xb));
       acc = _mm512_dpbusd_epi32(acc, hi, _mm512_loadu_si512(xb + 64));
       const __m512 f = _mm512_permutexvar_ps(spread, _mm512_zextps128_ps512(f4));

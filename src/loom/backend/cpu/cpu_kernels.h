@@ -19,12 +19,6 @@
 namespace loom::cpu {
 
 constexpr int64_t kColumnBlock = 64;  // columns per task in column-parallel reductions
-// The forward kernels a decoding step runs on one row (norms, RoPE, activations) run on the
-// calling thread below this many elements: a parallel region wakes every thread, which with
-// passive waits (core/threads.h) cost about 77 us a region on a 2-core VM, and a Llama-3-8B
-// decoding step ran about 1,000 of them (futex calls counted by perf), more than the work of a
-// 4,096-element norm. Serial or split, each element's result is the same.
-constexpr int64_t kParallelMinElements = int64_t{1} << 15;
 
 // acc[c] (C) += sum over rows r of x[r, c]; parallel over column blocks, rows summed in order.
 template <typename T>

@@ -18,6 +18,13 @@ using math::tanh_t;
 // does. Arrays of at most one chunk run on the calling thread (no parallel region). The values
 // do not depend on which thread runs a chunk.
 constexpr int64_t kStreamChunk = 1 << 16;
+// The forward kernels a decoding step runs on one row (norms, RoPE, activations, the input's
+// int8 quantization) run on the calling thread below this many elements: a parallel region
+// wakes every thread, which with passive waits (core/threads.h) cost about 77 us a region on a
+// 2-core VM, and a Llama-3-8B decoding step ran about 1,000 of them (futex calls counted by
+// perf), more than the work of a 4,096-element norm. Serial or split, each element's result is
+// the same.
+constexpr int64_t kParallelMinElements = int64_t{1} << 15;
 
 // max(x[0..n)) (-inf for n = 0), vectorized: GCC keeps `m = std::max(m, x[i])` scalar even under
 // `omp simd reduction(max)` (a loop-carried vmaxss, measured at 62% of the cross-entropy
