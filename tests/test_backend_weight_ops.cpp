@@ -331,6 +331,66 @@ TEST_P(BackendIntWeightOpsTest, LinearMatchesDequantizeThenF64AndDequantizeIsBit
   EXPECT_EQ(expected, 5 * (8 + 9));  // 288 columns: every case but group 128; 384: every case
 }
 
+// Compact group parameters (f16 scales, no zeros tensor for symmetric groups), as a backend with
+// compact_int_weights keeps a compact checkpoint's weights: the same outputs, bit for bit, as
+// the same weight widened to f32 scales and u8 zeros, in 2 bytes a group instead of 5; a zero
+// point other than 2^(b - 1) in a weight stored as symmetric is refused at upload.
+TEST_P(BackendIntWeightOpsTest, CompactGroupParametersGiveTheWidenedWeightsNumbersBitwise) {
+  Backend& b = *backend_;
+  if (!b.capabilities().compact_int_weights) GTEST_SKIP() << GetParam() << ": no compact_int_weights";
+  const int64_t O = 37;
+  const IntStorage compact{.f16_scales = true, .symmetric = true};
+  const IntCase cases[] = {{8, 96, false, false, false, 0.0f}, {4, 32, false, true, true, 1.0f}, {4, 128, false, false, false, 0.0f},
+                           {3, 96, false, false, true, 0.0f},  {8, 32, false, false, true, 1.0f}, {4, 0, false, false, false, 1.0f}};
+  int checked = 0;
+  for (const int64_t K : {int64_t{288}, int64_t{384}}) {
+    for (const IntCase& c : cases) {
+      if (c.group > 0 && K % c.group != 0) continue;
+      const std::string what = std::to_string(c.bits) + " bits, group " + std::to_string(c.group) + (c.act_int8 ? " W8A8" : "") +
+                               ", " + std::to_string(K) + " columns";
+      const IntWeightSpec spec = int_weight_spec(c.bits, c.group, O, K, c.act_int8, "op");
+      IntWeight q = rtn_quantize(normal(O * K, 21 + static_cast<uint64_t>(c.bits), 0.05f), spec, compact);
+      if (c.input_scale) {
+        q.input_scale = normal(K, 5, 0.3f);
+        for (float& v : q.input_scale) v = std::exp(v);
+      }
+      const IntWeightDevice small = int_weight_to_backend(q, b, MEM_PARAMETERS);
+      const IntWeightDevice wide = int_weight_to_backend(q, b, MEM_PARAMETERS, /*compact=*/false);
+      ASSERT_EQ(small.scales.dtype(), DTYPE_F16) << what;
+      ASSERT_FALSE(small.zeros.defined()) << what;
+      EXPECT_EQ(small.bytes, q.stored_bytes()) << what;
+      EXPECT_EQ(wide.bytes, q.bytes()) << what;
+      EXPECT_EQ(wide.bytes - small.bytes, O * (K / spec.group) * 3) << what;
+      const Tensor* in_small = c.input_scale ? &small.input_scale : nullptr;
+      const Tensor* in_wide = c.input_scale ? &wide.input_scale : nullptr;
+      const Tensor bt = c.bias ? upload(b, {O}, normal(O, 7, 0.1f)) : Tensor{};
+      for (int64_t N : {1, 2, 5, 17}) {
+        const std::vector<float> x = normal(N * K, 100 + static_cast<uint64_t>(N), 1.0f), y0 = normal(N * O, 200 + static_cast<uint64_t>(N), 1.0f);
+        const Tensor xt = upload(b, {N, K}, x), ys = upload(b, {N, O}, y0), yw = upload(b, {N, O}, y0);
+        b.int_linear(xt, small.codes, small.scales, small.zeros, spec, in_small, ys, c.beta, c.bias ? &bt : nullptr);
+        b.int_linear(xt, wide.codes, wide.scales, wide.zeros, spec, in_wide, yw, c.beta, c.bias ? &bt : nullptr);
+        expect_bitwise(download(b, ys), download(b, yw), what + ", N " + std::to_string(N));
+        ++checked;
+      }
+      const Tensor ws = upload(b, {O, K}, std::vector<float>(static_cast<size_t>(O * K), NAN));
+      const Tensor ww = upload(b, {O, K}, std::vector<float>(static_cast<size_t>(O * K), NAN));
+      b.int_dequantize(small.codes, small.scales, small.zeros, spec, in_small, ws);
+      b.int_dequantize(wide.codes, wide.scales, wide.zeros, spec, in_wide, ww);
+      expect_bitwise(download(b, ws), download(b, ww), what + " int_dequantize");
+    }
+  }
+  EXPECT_EQ(checked, 4 * (5 + 6));  // 288 columns: every case but group 128
+  // A symmetric weight whose zero points are not 2^(b - 1), an f16-scaled one whose scale is not an f16 value.
+  const IntWeightSpec spec = int_weight_spec(4, 32, 8, 64, false, "op");
+  IntWeight bad = rtn_quantize(normal(8 * 64, 1, 0.1f), spec, compact);
+  bad.zeros[3] = 7;
+  EXPECT_NE(test::error_of([&] { int_weight_to_backend(bad, b, MEM_PARAMETERS); }).find("zero point 7"), std::string::npos);
+  bad = rtn_quantize(normal(8 * 64, 1, 0.1f), spec, compact);
+  bad.scales[2] = 0.1f;  // not an f16 value
+  EXPECT_NE(test::error_of([&] { int_weight_to_backend(bad, b, MEM_PARAMETERS); }).find("not an f16 value"), std::string::npos);
+  EXPECT_NO_THROW(int_weight_to_backend(bad, b, MEM_PARAMETERS, /*compact=*/false));  // widened: any f32 scale
+}
+
 TEST_P(BackendIntWeightOpsTest, BadOperandsNameTheOp) {
   Backend& b = *backend_;
   Allocator& a = b.allocator();

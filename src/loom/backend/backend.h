@@ -118,7 +118,8 @@ inline float nf4_block_absmax(int8_t q, float step, float mean) {
 
 // A post-training-quantized weight (rows = out, cols = in) as Backend::int_linear reads it
 // (precision/int_quant.h states the packing): b-bit codes per group of `group` columns with an
-// f32 scale and a u8 zero point, w = s (q - z). act_int8 (SmoothQuant's W8A8, bits 8, one group
+// f32 scale and a u8 zero point, w = s (q - z). A backend with compact_int_weights also takes
+// f16 scales, and an undefined zeros tensor meaning z = 2^(b - 1) for every group (symmetric). act_int8 (SmoothQuant's W8A8, bits 8, one group
 // per row, z = 128): the input is quantized per row to symmetric int8 and the products summed
 // in int32.
 struct IntWeightSpec {
@@ -164,9 +165,13 @@ struct BackendCapabilities {
   bool int_weights = false;         // quantized checkpoints (Backend::int_linear, int_dequantize)
   bool bf16_attention = false;      // precision.attention = bf16 (Backend::attention_forward_bf16 / _backward_bf16)
   bool kv_cache = false;            // a KV cache in the backend's memory (Backend::kv_attention)
+  // int_linear / int_dequantize also take compact group parameters: f16 scales, and no zeros
+  // tensor for symmetric groups (int_weight_to_backend uploads a checkpoint's compact storage as
+  // it is; otherwise it widens to f32 scales and u8 zeros).
+  bool compact_int_weights = false;
 };
 inline constexpr BackendCapabilities kEveryCapability{true, true, true, true, true, true, true,
-                                                      true, true, true, true, true, true};
+                                                      true, true, true, true, true, true, true};
 
 class Backend {
  public:
@@ -522,7 +527,8 @@ class Backend {
   virtual void nf4_dequantize(const Tensor& codes, const Tensor& absmax_codes, const Tensor& absmax_steps,
                               const Nf4Spec& spec, int64_t first, const Tensor& out);
   // y (N, rows) = beta y + x (N, cols) @ W^T (+ bias), W the quantized weight of `spec` (codes u8
-  // (rows, row_bytes), scales f32 and zeros u8 (rows, cols / group)). Weight-only formats: the
+  // (rows, row_bytes), scales f32 and zeros u8 (rows, cols / group); with compact_int_weights
+  // scales may be f16 and zeros undefined, IntWeightSpec). Weight-only formats: the
   // codes are dequantized in registers and multiplied in f32 (the result equals
   // int_dequantize-then-gemm up to the order of the f32 sums). act_int8: each input row is
   // quantized to q_x = round(x / s_x), s_x = max |x| / 127, and y = s_x s_w sum q_x (q_w - 128)

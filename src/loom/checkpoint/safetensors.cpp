@@ -26,9 +26,10 @@ const char* safetensors_dtype(DType dtype) {
     case DTYPE_F64: return "F64";
     case DTYPE_I32: return "I32";
     case DTYPE_U8: return "U8";
+    case DTYPE_F16:  // read widened (read_as_f32), never loaded or written as it is
     case DTYPE_COUNT: break;
   }
-  throw Error("safetensors: unsupported dtype");
+  return nullptr;
 }
 
 // The dtypes the format names with whole-byte elements, and their sizes.
@@ -50,7 +51,8 @@ size_t stored_size(const std::string& dtype, const std::string& path, const std:
 
 std::optional<DType> loom_dtype(const std::string& stored) {
   for (int d = 0; d < DTYPE_COUNT; ++d) {
-    if (stored == safetensors_dtype(static_cast<DType>(d))) return static_cast<DType>(d);
+    const char* name = safetensors_dtype(static_cast<DType>(d));
+    if (name != nullptr && stored == name) return static_cast<DType>(d);
   }
   return std::nullopt;
 }
@@ -308,7 +310,9 @@ void write_safetensors(const std::string& path, const std::vector<std::pair<std:
   std::vector<SafetensorsWriter::Entry> entries;
   for (const auto& [name, t] : tensors) {
     LOOM_CHECK(t.device() == DEVICE_CPU, path, ": tensor '", name, "' must be in host memory to be written");
-    entries.push_back({name, safetensors_dtype(t.dtype()), t.shape()});
+    const char* dtype = safetensors_dtype(t.dtype());
+    LOOM_CHECK(dtype != nullptr, path, ": tensor '", name, "' is ", dtype_name(t.dtype()), ", which Loom does not write");
+    entries.push_back({name, dtype, t.shape()});
   }
   std::vector<uint64_t> sizes;
   const std::string text = layout_header(entries, metadata, path, sizes);

@@ -57,6 +57,7 @@ MPI_Datatype mpi_type(DType d, const char* op) {
     case DTYPE_I32: return MPI_INT;
     case DTYPE_U8: return MPI_UINT8_T;
     case DTYPE_BF16: return MPI_UINT16_T;  // moved, never reduced (see reduce_type)
+    case DTYPE_F16: break;                 // never communicated
     case DTYPE_COUNT: break;
   }
   throw Error(str_cat(op, ": unsupported dtype ", static_cast<int>(d)));

@@ -61,6 +61,7 @@ ncclDataType_t nccl_type(DType d, const char* op, int rank) {
     case DTYPE_F64: return ncclFloat64;
     case DTYPE_I32: return ncclInt32;
     case DTYPE_U8: return ncclUint8;
+    case DTYPE_F16: break;  // never communicated
     case DTYPE_COUNT: break;
   }
   throw Error(str_cat(op, " on rank ", rank, ": unsupported dtype ", static_cast<int>(d)));

@@ -14,6 +14,7 @@ enum DType : uint8_t {
   DTYPE_F64,  // reference checks (finite differences) only
   DTYPE_I32,  // token ids
   DTYPE_U8,   // packed codes (QLoRA's NF4 weights and their 8-bit scales, precision/nf4.h)
+  DTYPE_F16,  // IEEE binary16: integer weights' compact group scales only (precision/int_quant.h)
   DTYPE_COUNT
 };
 

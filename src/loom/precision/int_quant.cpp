@@ -177,28 +177,49 @@ std::vector<float> int_dequantize(const IntWeight& q) {
   return w;
 }
 
-IntWeightDevice int_weight_to_backend(const IntWeight& q, Backend& backend, MemCategory category) {
+IntWeightDevice int_weight_to_backend(const IntWeight& q, Backend& backend, MemCategory category,
+                                      std::optional<bool> compact) {
   const IntWeightSpec& s = q.spec;
   LOOM_CHECK(static_cast<int64_t>(q.codes.size()) == s.rows * int_row_bytes(s.bits, s.cols) &&
              static_cast<int64_t>(q.scales.size()) == s.rows * (s.cols / s.group) && q.zeros.size() == q.scales.size(),
              "int_weight_to_backend: the codes, scales and zeros do not match (", s.rows, ", ", s.cols, ") at ", s.bits,
              " bits, group ", s.group);
+  const bool small = compact.value_or(backend.capabilities().compact_int_weights);
+  const bool f16 = small && q.storage.f16_scales, no_zeros = small && q.storage.symmetric;
   IntWeightDevice d;
   d.spec = s;
   Allocator& a = backend.allocator();
   d.codes = Tensor::empty(a, {s.rows, int_row_bytes(s.bits, s.cols)}, DTYPE_U8, category);
-  d.scales = Tensor::empty(a, {s.rows, s.cols / s.group}, DTYPE_F32, category);
-  d.zeros = Tensor::empty(a, {s.rows, s.cols / s.group}, DTYPE_U8, category);
   backend.write(d.codes, q.codes.data());
-  backend.write(d.scales, q.scales.data());
-  backend.write(d.zeros, q.zeros.data());
+  d.scales = Tensor::empty(a, {s.rows, s.cols / s.group}, f16 ? DTYPE_F16 : DTYPE_F32, category);
+  if (f16) {
+    std::vector<uint16_t> half(q.scales.size());
+    for (size_t i = 0; i < half.size(); ++i) {
+      half[i] = static_cast<uint16_t>(encode(FMT_FP16, q.scales[i], /*saturate=*/false));
+      LOOM_CHECK(decode(FMT_FP16, half[i]) == q.scales[i], "int_weight_to_backend: scale ", q.scales[i],
+                 " of an f16-scaled weight is not an f16 value");
+    }
+    backend.write(d.scales, half.data());
+  } else {
+    backend.write(d.scales, q.scales.data());
+  }
+  if (no_zeros) {
+    const uint8_t z = static_cast<uint8_t>(1 << (s.bits - 1));
+    for (uint8_t v : q.zeros) {
+      LOOM_CHECK(v == z, "int_weight_to_backend: zero point ", int{v}, " in a symmetric weight, expected ", int{z});
+    }
+  } else {
+    d.zeros = Tensor::empty(a, {s.rows, s.cols / s.group}, DTYPE_U8, category);
+    backend.write(d.zeros, q.zeros.data());
+  }
   if (!q.input_scale.empty()) {
     LOOM_CHECK(static_cast<int64_t>(q.input_scale.size()) == s.cols, "int_weight_to_backend: input scale of ",
                q.input_scale.size(), " values for ", s.cols, " columns");
     d.input_scale = Tensor::empty(a, {s.cols}, DTYPE_F32, category);
     backend.write(d.input_scale, q.input_scale.data());
   }
-  d.bytes = q.bytes();
+  d.bytes = d.codes.nbytes() + d.scales.nbytes() + (d.zeros.defined() ? d.zeros.nbytes() : 0) +
+            (d.input_scale.defined() ? d.input_scale.nbytes() : 0);
   return d;
 }
 

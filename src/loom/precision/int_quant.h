@@ -22,6 +22,7 @@
 // with the file's metadata naming the method, bits, group and activation format.
 #pragma once
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -39,7 +40,8 @@ int64_t int_row_bytes(int bits, int64_t cols);
 //               value clipped by the rounding; an Error beyond f16's range);
 //   symmetric   AutoGPTQ's sym=True: s = 2 max|x| / (2^b - 1) and z = 2^(b - 1) for every group,
 //               so no zero point is stored.
-// In memory the kernels read f32 scales and u8 zeros either way.
+// In memory a backend with compact_int_weights keeps them so (int_weight_to_backend); others
+// read f32 scales and u8 zeros either way.
 struct IntStorage {
   bool f16_scales = false;
   bool symmetric = false;
@@ -100,9 +102,13 @@ std::vector<float> int_dequantize(const IntWeight& q);
 // A weight on a backend, as Backend::int_linear reads it.
 struct IntWeightDevice {
   IntWeightSpec spec;
-  Tensor codes, scales, zeros, input_scale;  // input_scale undefined when absent
+  Tensor codes, scales, zeros, input_scale;  // input_scale undefined when absent; zeros when symmetric and compact
   int64_t bytes = 0;
 };
-IntWeightDevice int_weight_to_backend(const IntWeight& q, Backend& backend, MemCategory category);
+// `compact` (default: the backend's compact_int_weights): f16 scales when q.storage has them, no
+// zeros when its groups are symmetric, so the weight takes q.stored_bytes() as in its file;
+// otherwise f32 scales and u8 zeros (q.bytes()). An Error when q's values contradict its storage.
+IntWeightDevice int_weight_to_backend(const IntWeight& q, Backend& backend, MemCategory category,
+                                      std::optional<bool> compact = std::nullopt);
 
 }  // namespace loom

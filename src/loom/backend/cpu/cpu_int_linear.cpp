@@ -16,6 +16,13 @@
 //   operands in [-127, 127], so the int16 pair sums cannot saturate: 2 127^2 < 2^15), then
 //   _mm256_madd_epi16 to int32: exact.
 // OpenMP splits the output rows (static schedule).
+//
+// Group parameters are f32 scales and u8 zero points, or compact as the checkpoint stores them
+// (BackendCapabilities::compact_int_weights): f16 scales, widened one row at a time into the
+// thread's buffer before the row's kernel runs (F16C), and no zeros for symmetric weights, whose
+// zero point is 2^(b - 1) in every group. Both give the same numbers bit for bit; the compact
+// ones read 2 bytes a group instead of 5 (8B at 4 bits, groups of 32: 18 bytes per 32 codes
+// instead of 21).
 #include <immintrin.h>
 
 #include <algorithm>
@@ -60,6 +67,32 @@ inline void chunk_codes(const uint8_t* row, int64_t c, __m128i& lo, __m128i& hi)
   }
 }
 
+// A row's zero points: u8 per group, or one value for every group (p == nullptr).
+struct ZeroPoints {
+  const uint8_t* p;
+  float z;
+};
+
+// A weight's group parameters as the kernels read them, one output row at a time.
+struct GroupRows {
+  const float* f32 = nullptr;      // f32 scales (rows, groups), or
+  const uint16_t* f16 = nullptr;   // f16 scales
+  const uint8_t* zeros = nullptr;  // u8 zero points (rows, groups), or none: every group's is `zero`
+  float zero = 0.0f;
+  int64_t groups = 0;
+
+  // Row o's scales in f32: the tensor's own, or the f16 row widened into buf (groups floats).
+  const float* scales(int64_t o, float* buf) const {
+    if (f32 != nullptr) return f32 + o * groups;
+    const uint16_t* h = f16 + o * groups;
+    int64_t g = 0;
+    for (; g + 8 <= groups; g += 8) _mm256_storeu_ps(buf + g, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + g))));
+    for (; g < groups; ++g) buf[g] = _cvtsh_ss(h[g]);
+    return buf;
+  }
+  ZeroPoints zero_points(int64_t o) const { return {zeros != nullptr ? zeros + o * groups : nullptr, zero}; }
+};
+
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const int32_t* p) { return _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 
@@ -67,15 +100,18 @@ inline __m256 load8(const int32_t* p) { return _mm256_cvtepi32_ps(_mm256_loadu_s
 // with f_g = s_g t_{r,g} (t: the input's per-group scale, or none) and q the input's group sums
 // (rows `groups` apart); 8 groups at a time, so no sum waits on the previous group's.
 template <int NR, class T>
-void zero_terms(int64_t groups, const float* scales, const uint8_t* zeros, const float* in_scales, const T* sums,
+void zero_terms(int64_t groups, const float* scales, ZeroPoints zeros, const float* in_scales, const T* sums,
                 int64_t n0, float* out) {
+  const __m256 zconst = _mm256_set1_ps(zeros.z);
   for (int r = 0; r < NR; ++r) {
     const T* q = sums + (n0 + r) * groups;
     const float* t = in_scales != nullptr ? in_scales + (n0 + r) * groups : nullptr;
     __m256 acc = _mm256_setzero_ps();
     int64_t g = 0;
     for (; g + 8 <= groups; g += 8) {
-      const __m256 z = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(zeros + g))));
+      const __m256 z = zeros.p == nullptr
+                           ? zconst
+                           : _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(zeros.p + g))));
       __m256 f = _mm256_loadu_ps(scales + g);
       if (t != nullptr) f = _mm256_mul_ps(f, _mm256_loadu_ps(t + g));
       acc = _mm256_fmadd_ps(_mm256_mul_ps(f, z), load8(q + g), acc);
@@ -83,7 +119,8 @@ void zero_terms(int64_t groups, const float* scales, const uint8_t* zeros, const
     float sum = hsum(acc);
     for (; g < groups; ++g) {
       const float f = t != nullptr ? scales[g] * t[g] : scales[g];
-      sum += f * static_cast<float>(zeros[g]) * static_cast<float>(q[g]);
+      const float z = zeros.p == nullptr ? zeros.z : static_cast<float>(zeros.p[g]);
+      sum = std::fma(f * z, static_cast<float>(q[g]), sum);  // explicit: the same rounding in every inlined copy
     }
     out[r] = sum;
   }
@@ -93,7 +130,7 @@ void zero_terms(int64_t groups, const float* scales, const uint8_t* zeros, const
 // AVX2: 4 vectors of 8 per chunk of 32 columns, each with its own accumulator (an FMA's result is
 // ready 4 cycles after it issues: chained, the 4 products of a chunk took 16 cycles a row).
 template <int BITS, int NR>
-void weight_only_avx2(const float* x, int64_t K, int64_t n0, const uint8_t* row, const float* scales, const uint8_t* zeros,
+void weight_only_avx2(const float* x, int64_t K, int64_t n0, const uint8_t* row, const float* scales, ZeroPoints zeros,
                       int64_t group, const float* xsums, float* out) {
   const int64_t groups = K / group;
   __m256 total[NR];
@@ -153,7 +190,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,bmi2"), always_inlin
 
 template <int BITS, int NR>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,bmi2"))) void weight_only_vnni(
-    const int8_t* xq, int64_t K, int64_t n0, const uint8_t* row, const float* scales, const uint8_t* zeros, int64_t group,
+    const int8_t* xq, int64_t K, int64_t n0, const uint8_t* row, const float* scales, ZeroPoints zeros, int64_t group,
     const float* xs, const int32_t* xqsum, float* out) {
   const int64_t groups = K / group;
   __m256 t0[NR], t1[NR], t2[NR], t3[NR];
@@ -186,7 +223,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,bmi2"))) void weight
 #pragma GCC diagnostic ignored "-Wuninitialized"
 template <int NR>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,bmi2"))) void int4_vnni_blocks(
-    const int8_t* xp, int64_t K, int64_t n0, const uint8_t* row, const float* scales, const uint8_t* zeros,
+    const int8_t* xp, int64_t K, int64_t n0, const uint8_t* row, const float* scales, ZeroPoints zeros,
     int64_t group, const float* xs, const int32_t* xqsum, float* out) {
   const int64_t groups = K / group;
   const __m512i mask = _mm512_set1_epi8(0x0F);
@@ -227,7 +264,7 @@ inline int64_t int4_input_order(int64_t c) {
   return b + (i < 16 ? 16 * j + i : 64 + 16 * j + (i - 16));
 }
 
-using VnniKernel = void (*)(const int8_t*, int64_t, int64_t, const uint8_t*, const float*, const uint8_t*, int64_t,
+using VnniKernel = void (*)(const int8_t*, int64_t, int64_t, const uint8_t*, const float*, ZeroPoints, int64_t,
                             const float*, const int32_t*, float*);
 
 template <int BITS>
@@ -249,7 +286,7 @@ VnniKernel int4_block_kernel(int nr) {
   }
 }
 
-using RowKernel = void (*)(const float*, int64_t, int64_t, const uint8_t*, const float*, const uint8_t*, int64_t,
+using RowKernel = void (*)(const float*, int64_t, int64_t, const uint8_t*, const float*, ZeroPoints, int64_t,
                            const float*, float*);
 
 template <int BITS>
@@ -288,10 +325,34 @@ void check_operands(const Tensor& x, const Tensor& codes, const Tensor& scales, 
              "int_linear: group ", s.group, " and ", s.cols, " columns do not fit the packed format");
   LOOM_CHECK(codes.dtype() == DTYPE_U8 && codes.numel() == s.rows * row_bytes(s.bits, s.cols), "int_linear: codes ",
              codes.describe(), " for (", s.rows, ", ", s.cols, ") at ", s.bits, " bits");
-  LOOM_CHECK(scales.dtype() == DTYPE_F32 && zeros.dtype() == DTYPE_U8 && scales.numel() == s.rows * (s.cols / s.group) &&
-             zeros.numel() == scales.numel(), "int_linear: scales ", scales.describe(), " / zeros ", zeros.describe());
+  LOOM_CHECK((scales.dtype() == DTYPE_F32 || scales.dtype() == DTYPE_F16) && scales.numel() == s.rows * (s.cols / s.group) &&
+                 (!zeros.defined() || (zeros.dtype() == DTYPE_U8 && zeros.numel() == scales.numel())),
+             "int_linear: scales ", scales.describe(), " / zeros ", zeros.defined() ? zeros.describe() : "(none)",
+             " for (", s.rows, ", ", s.cols / s.group, ") groups");
   LOOM_CHECK(!x.defined() || (x.dtype() == DTYPE_F32 && x.numel() % s.cols == 0), "int_linear: x ", x.describe(),
              " for ", s.cols, " columns");
+}
+
+// fn(o, row o's f32 scales) for every output row o, the rows split over the threads (static),
+// each thread with its own buffer for widened f16 scales.
+template <class Fn>
+void each_output_row(int64_t rows, const GroupRows& params, Fn&& fn) {
+#pragma omp parallel
+  {
+    std::vector<float> row_scales(static_cast<size_t>(params.groups));
+#pragma omp for schedule(static)
+    for (int64_t o = 0; o < rows; ++o) fn(o, params.scales(o, row_scales.data()));
+  }
+}
+
+GroupRows group_rows(const Tensor& scales, const Tensor& zeros, const IntWeightSpec& s) {
+  GroupRows p;
+  if (scales.dtype() == DTYPE_F32) p.f32 = scales.data<float>();
+  else p.f16 = static_cast<const uint16_t*>(scales.raw_data());
+  if (zeros.defined()) p.zeros = zeros.data<uint8_t>();
+  p.zero = static_cast<float>(1 << (s.bits - 1));
+  p.groups = s.cols / s.group;
+  return p;
 }
 
 }  // namespace
@@ -323,8 +384,7 @@ void int_linear(const Tensor& x, const Tensor& codes, const Tensor& scales, cons
   float* yp = y.data<float>();
   const float* bp = bias != nullptr ? bias->data<float>() : nullptr;
   const uint8_t* cp = codes.data<uint8_t>();
-  const float* sp = scales.data<float>();
-  const uint8_t* zp = zeros.data<uint8_t>();
+  const GroupRows params = group_rows(scales, zeros, s);
   auto store = [&](int64_t n, int64_t o, float v) {
     if (bp != nullptr) v += bp[o];
     float& dst = yp[n * O + o];
@@ -354,24 +414,24 @@ void int_linear(const Tensor& x, const Tensor& codes, const Tensor& scales, cons
     if (!int_linear_quantizes_activations()) {  // W8A8 without VNNI: maddubs on |x| and sign(x) (q_w - 128)
 #pragma omp parallel for schedule(static)
       for (int64_t o = 0; o < O; ++o) {
+        const float scale = params.f32 != nullptr ? params.f32[o] : _cvtsh_ss(params.f16[o]);  // one group per row
         for (int64_t n = 0; n < N; ++n) {
           const int32_t d = dot_s8(qx.data() + n * K, cp + o * rb, K);
-          store(n, o, sx[static_cast<size_t>(n)] * sp[o] * static_cast<float>(d));
+          store(n, o, sx[static_cast<size_t>(n)] * scale * static_cast<float>(d));
         }
       }
       return;
     }
-#pragma omp parallel for schedule(static)
-    for (int64_t o = 0; o < O; ++o) {
+    each_output_row(O, params, [&](int64_t o, const float* so) {
       for (int64_t n0 = 0; n0 < N; n0 += kRowBlock) {
         const int nr = static_cast<int>(std::min<int64_t>(kRowBlock, N - n0));
         float out[kRowBlock];
         const VnniKernel k = blocks ? int4_block_kernel(nr)
                              : s.bits == 8 ? vnni_kernel<8>(nr) : (s.bits == 4 ? vnni_kernel<4>(nr) : vnni_kernel<3>(nr));
-        k(qx.data(), K, n0, cp + o * rb, sp + o * groups, zp + o * groups, s.group, sx.data(), qsum.data(), out);
+        k(qx.data(), K, n0, cp + o * rb, so, params.zero_points(o), s.group, sx.data(), qsum.data(), out);
         for (int r = 0; r < nr; ++r) store(n0 + r, o, out[r]);
       }
-    }
+    });
     return;
   }
   std::vector<float> xsums(static_cast<size_t>(N * groups));  // each row's group sums (the zero points' term)
@@ -382,15 +442,14 @@ void int_linear(const Tensor& x, const Tensor& codes, const Tensor& scales, cons
       xsums[static_cast<size_t>(n * groups + g)] = t;
     }
   }
-#pragma omp parallel for schedule(static)
-  for (int64_t o = 0; o < O; ++o) {
+  each_output_row(O, params, [&](int64_t o, const float* so) {
     for (int64_t n0 = 0; n0 < N; n0 += kRowBlock) {
       const int nr = static_cast<int>(std::min<int64_t>(kRowBlock, N - n0));
       float out[kRowBlock];
-      weight_only_kernel(s.bits, nr)(xp, K, n0, cp + o * rb, sp + o * groups, zp + o * groups, s.group, xsums.data(), out);
+      weight_only_kernel(s.bits, nr)(xp, K, n0, cp + o * rb, so, params.zero_points(o), s.group, xsums.data(), out);
       for (int r = 0; r < nr; ++r) store(n0 + r, o, out[r]);
     }
-  }
+  });
 }
 
 void int_dequantize(const Tensor& codes, const Tensor& scales, const Tensor& zeros, const IntWeightSpec& s,
@@ -398,19 +457,18 @@ void int_dequantize(const Tensor& codes, const Tensor& scales, const Tensor& zer
   check_operands(Tensor{}, codes, scales, zeros, s);
   LOOM_CHECK(out.dtype() == DTYPE_F32 && out.numel() == s.rows * s.cols, "int_dequantize: out ", out.describe(), " for (",
              s.rows, ", ", s.cols, ")");
-  const int64_t K = s.cols, groups = K / s.group, rb = row_bytes(s.bits, K);
+  const int64_t K = s.cols, rb = row_bytes(s.bits, K);
   const uint8_t* cp = codes.data<uint8_t>();
-  const float* sp = scales.data<float>();
-  const uint8_t* zp = zeros.data<uint8_t>();
+  const GroupRows params = group_rows(scales, zeros, s);
   float* op = out.data<float>();
   LOOM_CHECK(input_scale == nullptr || (input_scale->dtype() == DTYPE_F32 && input_scale->numel() == K),
              "int_dequantize: input scale for ", K, " columns");
   const float* in = input_scale != nullptr ? input_scale->data<float>() : nullptr;
-#pragma omp parallel for schedule(static)
-  for (int64_t o = 0; o < s.rows; ++o) {
+  each_output_row(s.rows, params, [&](int64_t o, const float* so) {
+    const ZeroPoints zo = params.zero_points(o);
     for (int64_t c = 0; c < K; c += 32) {
-      const int64_t g = o * groups + c / s.group;
-      const __m256 sv = _mm256_set1_ps(sp[g]), zv = _mm256_set1_ps(static_cast<float>(zp[g]));
+      const int64_t g = c / s.group;
+      const __m256 sv = _mm256_set1_ps(so[g]), zv = _mm256_set1_ps(zo.p != nullptr ? static_cast<float>(zo.p[g]) : zo.z);
       __m128i lo, hi;
       if (s.bits == 8) chunk_codes<8>(cp + o * rb, c, lo, hi);
       else if (s.bits == 4) chunk_codes<4>(cp + o * rb, c, lo, hi);
@@ -421,7 +479,7 @@ void int_dequantize(const Tensor& codes, const Tensor& scales, const Tensor& zer
     if (in != nullptr) {  // W diag(input_scale): the same product as scaling the input
       for (int64_t c = 0; c < K; ++c) op[o * K + c] *= in[c];
     }
-  }
+  });
 }
 
 }  // namespace loom::cpu
