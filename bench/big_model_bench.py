@@ -306,12 +306,15 @@ def cpu_info() -> tuple[str, list[str]]:
 
 def llama_cpp_compare(args, folder: str, cfg: dict, file_bytes: int) -> None:
     threads = [int(t) for t in args.threads.split(",") if t.strip()]
+    types = [t for t in GGUF_TYPES if t in args.formats.split(",")]
+    if not types:
+        raise SystemExit(f"--formats {args.formats!r}: expected some of {','.join(GGUF_TYPES)}")
     work = os.path.join(args.out, "gguf")
     base = baseline_rss(args.loom)
     print(f"\nGGUF export of {folder} (loom convert --to gguf, /usr/bin/time -v; the process's own RSS before any "
           f"model {fmt_bytes(base)}):")
     exports = {}
-    for t in GGUF_TYPES:
+    for t in types:
         e = exports[t] = export_gguf(args.loom, folder, work, t)
         if e["reused"]:
             print(f"  {e['type']}: {e['file']} exists ({fmt_bytes(e['bytes'])}), reused")
@@ -320,7 +323,7 @@ def llama_cpp_compare(args, folder: str, cfg: dict, file_bytes: int) -> None:
                   f"({e['peak_rss'] / file_bytes:.2f} of the {fmt_bytes(file_bytes)} bf16 safetensors; "
                   f"{fmt_bytes(e['peak_rss'] - base)} above the process's own)")
     models = {}
-    for t in GGUF_TYPES:
+    for t in types:
         label, bits = LOOM_OF_GGUF[t]
         if bits == 0:
             models[t] = folder
@@ -341,7 +344,7 @@ def llama_cpp_compare(args, folder: str, cfg: dict, file_bytes: int) -> None:
     looms = {("loom" if w == "passive" else f"loom {w}"): w for w in waits}
     raw = []
     for rnd in range(args.rounds):
-        for t in GGUF_TYPES:
+        for t in types:
             gguf, loom_dir = exports[t]["file"], models[t]
             for n in threads:
                 engines = list(looms) + ["llama.cpp"]
@@ -374,7 +377,7 @@ def llama_cpp_compare(args, folder: str, cfg: dict, file_bytes: int) -> None:
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     summary = []
-    for t, engine in [(t, e) for t in GGUF_TYPES for e in looms]:
+    for t, engine in [(t, e) for t in types for e in looms]:
         label = f"{LOOM_OF_GGUF[t][0]} ({looms[engine]}) / {exports[t]['type']}"
         loom_m = [median(t, engine, n) for n in threads]
         llama_m = [median(t, "llama.cpp", n) for n in threads]
@@ -422,6 +425,8 @@ def main() -> None:
     ap.add_argument("--loom-wait", default="passive",
                     help="--llama-cpp: OMP_WAIT_POLICY values for Loom's runs, each its own row (default passive, "
                          "Loom's own; llama.cpp's threads spin)")
+    ap.add_argument("--formats", default=",".join(GGUF_TYPES),
+                    help="--llama-cpp: comma-separated GGUF types to compare (default bf16,q8_0,q4_0)")
     ap.add_argument("--threads", default="1,2", help="--llama-cpp: comma-separated thread counts (default 1,2)")
     ap.add_argument("--rounds", type=int, default=3, help="--llama-cpp: rounds of every run (default 3; medians printed)")
     ap.add_argument("--new-tokens", type=int, default=32, help="--llama-cpp: new tokens per request (default 32)")

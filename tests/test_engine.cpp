@@ -113,6 +113,67 @@ TEST(EngineTest, RowDecodingMatchesTheFullForward) {
 // A prompt's store (the engine's prefill) holds the last position's logits alone: V floats
 // instead of T V, equal to the whole forward's last row within f32 rounding (the head multiplies
 // one row); a loss over it is refused.
+// Chunked prefill (EngineConfig::prefill_chunk): prompts of 45 and 20 tokens fed 8 rows a step,
+// beside a short request's decoding rows, give the first token's logits of the whole-prompt
+// forward within 1e-5 (its rows' attention: flash attention against the cache's kernel) and the
+// same greedy tokens, for MHA, GQA and a sliding window (3 < the chunk); a prompt of up to 8
+// tokens still runs in one forward. The activations a long prompt's steps hold do not grow with
+// the prompt (24 and 56 tokens: the same peak), where the whole-prompt forward's do.
+TEST(EngineTest, ChunkedPrefillMatchesTheWholeForwardInBoundedMemory) {
+  for (const std::string preset : {"gpt2-tiny", "llama-tiny", "llama-tiny+window"}) {
+    ModelConfig config = model_preset(preset.substr(0, preset.find('+')));
+    config.max_seq_len = 64;
+    if (preset.find("+window") != std::string::npos) config.attn_window = 3;
+    auto backend = make_cpu_backend();
+    Transformer model(*backend, config, ModelUse{.gradients = false});
+    model.init_weights(9);
+    const int64_t V = config.vocab_size;
+    std::vector<GenerationRequest> reqs(3);
+    reqs[0].prompt = prompt_of(45, 1, V), reqs[0].max_new_tokens = 6;
+    reqs[1].prompt = prompt_of(3, 2, V), reqs[1].max_new_tokens = 12;
+    reqs[2].prompt = prompt_of(20, 3, V), reqs[2].max_new_tokens = 5;
+    for (GenerationRequest& r : reqs) r.sampling.temperature = 0.0f;
+    auto run = [&](int64_t chunk, std::map<int64_t, std::vector<float>>& first_logits) {
+      EngineConfig ec;
+      ec.max_batch = 3, ec.block_size = 4, ec.prefill_chunk = chunk;
+      GenerationEngine engine(model, ec);
+      engine.set_on_logits([&](int64_t id, const float* logits, int64_t vocab) {
+        if (!first_logits.contains(id)) first_logits[id].assign(logits, logits + vocab);
+      });
+      for (const GenerationRequest& r : reqs) engine.submit(r);
+      std::vector<GenerationResult> out = engine.run();
+      EXPECT_EQ(engine.stats().prompt_tokens, 45 + 3 + 20) << preset;
+      return out;
+    };
+    std::map<int64_t, std::vector<float>> whole_logits, chunk_logits;
+    const std::vector<GenerationResult> whole = run(0, whole_logits), chunked = run(8, chunk_logits);
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      EXPECT_EQ(chunked[i].tokens, whole[i].tokens) << preset << " request " << i;
+      const std::vector<float>& a = whole_logits.at(static_cast<int64_t>(i));
+      const std::vector<float>& b = chunk_logits.at(static_cast<int64_t>(i));
+      ASSERT_EQ(a.size(), b.size());
+      for (int64_t v = 0; v < V; ++v) ASSERT_NEAR(b[static_cast<size_t>(v)], a[static_cast<size_t>(v)], 1e-5) << preset << " request " << i;
+    }
+    // Peak activation bytes of one request of P prompt tokens, from a fresh engine.
+    auto peak = [&](int64_t P, int64_t chunk) {
+      MemoryTracker& mem = backend->allocator().tracker();
+      GenerationRequest r;
+      r.prompt = prompt_of(P, 4, V), r.max_new_tokens = 2;
+      EngineConfig ec;
+      ec.max_batch = 2, ec.block_size = 4, ec.prefill_chunk = chunk;
+      mem.reset_peaks();
+      const size_t before = mem.current(MEM_ACTIVATIONS);
+      GenerationEngine engine(model, ec);
+      engine.submit(r);
+      engine.run();
+      return mem.peak(MEM_ACTIVATIONS) - before;
+    };
+    EXPECT_EQ(peak(24, 8), peak(56, 8)) << preset;
+    EXPECT_GT(peak(56, 0), peak(24, 0)) << preset;
+    EXPECT_LT(peak(56, 8), peak(56, 0)) << preset;
+  }
+}
+
 TEST(EngineTest, PromptStoreKeepsOnlyTheLastLogits) {
   for (const std::string preset : {"gpt2-tiny", "llama-tiny"}) {
     const ModelConfig config = model_preset(preset);

@@ -108,6 +108,7 @@ int bench_generate(const Args& args) {
   EngineConfig ec;
   ec.max_batch = args.get_int("max-batch", 16);
   ec.block_size = args.get_int("kv-block", 16);
+  ec.prefill_chunk = args.get_int("prefill-chunk", ec.prefill_chunk);
   ec.paged = !args.has("contiguous");
   const std::string kv = args.get("kv", "fp32");
   apply_kv_preset(ec, kv, config.model.head_dim());
@@ -210,6 +211,7 @@ int bench_main(int argc, char** argv) {
       {"prompt-tokens", "L", "tokens per prompt (default 32)"},
       {"new-tokens", "M", "tokens generated per request (default 64)"},
       {"max-batch", "B", "rows of continuous batching (default 16)"},
+      {"prefill-chunk", "N", "prompts longer than N tokens are fed N a step beside the decoding rows (default 512; 0: each prompt in one forward)"},
       {"kv", "FORMAT", "KV cache format fp32 | bf16 | int8 | int4 | kivi4 | kivi2 (default fp32)"},
       {"kv-block", "K", "positions per paged KV cache block (default 16)"},
       {"kv-group", "G", "channels per (scale, min) of the per-token formats (default: the preset's)"},

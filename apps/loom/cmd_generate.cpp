@@ -57,6 +57,7 @@ int generate_main(int argc, char** argv) {
                    {"prompts", "FILE", "one prompt per non-empty line, generated together by the engine"},
                    {"out", "FILE", "--prompts: write the JSON lines here (atomically) instead of stdout"},
                    {"max-batch", "B", "--prompts: rows of continuous batching (default 8)"},
+                   {"prefill-chunk", "N", "--prompts: prompts longer than N tokens are fed N a step beside the decoding rows (default 512; 0: each prompt in one forward)"},
                    {"kv", "FORMAT", "--prompts: KV cache format fp32 | bf16 | int8 | int4 | kivi4 | kivi2 (default fp32)"},
                    {"kv-block", "N", "--prompts: positions per paged KV cache block (default 16)"},
                    {"kv-group", "G", "--prompts: channels per (scale, min) of the per-token formats (default: the preset's)"},
@@ -91,6 +92,7 @@ int generate_main(int argc, char** argv) {
     EngineConfig ec;
     ec.max_batch = args.get_int("max-batch", 8);
     ec.block_size = args.get_int("kv-block", 16);
+    ec.prefill_chunk = args.get_int("prefill-chunk", ec.prefill_chunk);
     ec.paged = !args.has("contiguous");
     apply_kv_preset(ec, args.get("kv", "fp32"), config.model.head_dim());
     ec.group = args.get_int("kv-group", ec.group), ec.residual = args.get_int("kv-residual", ec.residual);

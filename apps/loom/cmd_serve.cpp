@@ -148,6 +148,7 @@ int serve_main(int argc, char** argv) {
                    {"kv-blocks", "N", "blocks in the KV pool (default: max-batch full-length sequences)"},
                    {"max-batch", "N", "rows of continuous batching (default 16); also the largest n"},
                    {"max-queue", "N", "requests waiting for a row before 429 (default 64)"},
+                   {"prefill-chunk", "N", "prompts longer than N tokens are fed N a step beside the decoding rows (default 512; 0: each prompt in one forward)"},
                    {"no-prefix-cache", "", "turn automatic prefix caching off"},
                    {"chat-template", "FILE", "a Jinja chat template (default: the tokenizer folder's)"},
                    {"model-name", "NAME", "the model id in /v1/models and responses (default: the checkpoint folder's name)"},
@@ -188,6 +189,7 @@ int serve_main(int argc, char** argv) {
   ec.max_batch = max_batch;
   ec.block_size = args.get_int("kv-block", 16);
   ec.num_blocks = args.get_int("kv-blocks", 0);
+  ec.prefill_chunk = args.get_int("prefill-chunk", ec.prefill_chunk);
   apply_kv_preset(ec, args.get("kv", "fp32"), config.model.head_dim());
   info.max_n = ec.max_batch;
 

@@ -13,6 +13,7 @@ void EngineConfig::validate() const {
   LOOM_CHECK(block_size >= 1, "generate.kv_block_size must be >= 1, got ", block_size);
   LOOM_CHECK(num_blocks >= 0, "generate.kv_blocks must be >= 0 (0: enough for max_batch full sequences), got ", num_blocks);
   LOOM_CHECK(residual >= 0, "generate.kv_residual must be >= 0, got ", residual);
+  LOOM_CHECK(prefill_chunk >= 0, "--prefill-chunk must be >= 0 (0: every prompt in one forward), got ", prefill_chunk);
 }
 
 KvCacheConfig engine_cache_config(const ModelConfig& model, const EngineConfig& engine) {
@@ -73,19 +74,43 @@ class GenerationEngine::Rows : public DecodeCache {
   void attend(int64_t layer, int64_t row, const float* q, const float* k, const float* v, float* out) override {
     const int64_t seq = seqs[static_cast<size_t>(row)];
     if (chunk_len[static_cast<size_t>(row)] > 1) {
-      const int64_t count = append(layer, row, k, v);
-      const Chunk& c = chunks_.at(seq);
-      attend_chunk(q, c.k[static_cast<size_t>(layer)].data(), c.v[static_cast<size_t>(layer)].data(), count, out);
+      attend_chunk(seq, q, append(layer, row, k, v), out, scores_, sums_);
       return;
     }
     cache_.write(seq, layer, k, v);
     cache_.attend(seq, layer, q, out, model_.n_head, model_.n_kv_head, model_.head_dim(), model_.attn_window);
   }
+  // A chunk's rows are appended first, in order, then attended side by side (each reads the rows
+  // before it, all in place by then; the same kernel on the same rows as attend()); the other
+  // rows one after the other through the cache.
+  void attend_host_rows(int64_t layer, int64_t n, const float* qkv, int64_t width, int64_t k_col, int64_t v_col,
+                        float* out, int64_t out_width) override {
+    std::vector<int64_t> counts(static_cast<size_t>(n), 0);
+    for (int64_t r = 0; r < n; ++r) {
+      if (chunk_len[static_cast<size_t>(r)] > 1) counts[static_cast<size_t>(r)] = append(layer, r, qkv + r * width + k_col, qkv + r * width + v_col);
+    }
+    if (!chunks_.empty()) {
+#pragma omp parallel
+      {
+        std::vector<float> scores, sums;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t r = 0; r < n; ++r) {
+          if (counts[static_cast<size_t>(r)] == 0) continue;
+          attend_chunk(seqs[static_cast<size_t>(r)], qkv + r * width, counts[static_cast<size_t>(r)], out + r * out_width, scores, sums);
+        }
+      }
+    }
+    for (int64_t r = 0; r < n; ++r) {
+      if (chunk_len[static_cast<size_t>(r)] > 1) continue;
+      const float* row = qkv + r * width;
+      attend(layer, r, row, row + k_col, row + v_col, out + r * out_width);
+    }
+  }
   const float* latent(int64_t layer, int64_t row, const float* latent, int64_t* count) override {
     const int64_t seq = seqs[static_cast<size_t>(row)];
     if (chunk_len[static_cast<size_t>(row)] > 1) {
       *count = append(layer, row, latent, nullptr);
-      return chunks_.at(seq).k[static_cast<size_t>(layer)].data();
+      return chunks_.at(seq).k.data();
     }
     cache_.write(seq, layer, latent, nullptr);
     *count = cache_.length(seq) + 1;  // with the row just written
@@ -100,9 +125,9 @@ class GenerationEngine::Rows : public DecodeCache {
     for (auto& [seq, chunk_rows] : chunks_) {
       for (int64_t j = 0; j < chunk_rows.rows; ++j) {
         for (int64_t l = 0; l < c.n_layer; ++l) {
-          const auto at = static_cast<size_t>(chunk_rows.prefix + j);
-          cache_.write(seq, l, chunk_rows.k[static_cast<size_t>(l)].data() + at * static_cast<size_t>(c.k_width),
-                       c.v_width > 0 ? chunk_rows.v[static_cast<size_t>(l)].data() + at * static_cast<size_t>(c.v_width) : nullptr);
+          const auto at = static_cast<size_t>(j);
+          cache_.write(seq, l, chunk_rows.new_k[static_cast<size_t>(l)].data() + at * static_cast<size_t>(c.k_width),
+                       c.v_width > 0 ? chunk_rows.new_v[static_cast<size_t>(l)].data() + at * static_cast<size_t>(c.v_width) : nullptr);
         }
         cache_.advance(seq);
       }
@@ -111,35 +136,44 @@ class GenerationEngine::Rows : public DecodeCache {
   }
 
  private:
+  // A prompt chunk of one sequence in this step. Its attention reads the sequence's cached rows
+  // and the chunk's own up to each row: those of the layer running are gathered here (the cached
+  // ones read from the cache, dequantized, on the chunk's first row of each layer), one layer at a
+  // time, so a chunk holds one layer's visible rows in fp32 plus its own rows of every layer.
   struct Chunk {
     int64_t prefix = 0, rows = 0;
-    std::vector<std::vector<float>> k, v;  // [layer] (prefix + rows so far, width)
+    std::vector<float> k, v;                       // the current layer's (prefix + rows so far, width)
+    std::vector<std::vector<float>> new_k, new_v;  // [layer] the chunk's own rows (rows, width), for commit
   };
 
-  // Row `row` of a chunk: the sequence's cached rows of `layer` on its first row, then this
-  // row's; returns the rows now visible.
+  // Row `row` of a chunk into the gathered rows of `layer` (the sequence's cached rows first, on
+  // the chunk's first row) and the chunk's own; returns the rows now visible.
   int64_t append(int64_t layer, int64_t row, const float* k, const float* v) {
     const int64_t seq = seqs[static_cast<size_t>(row)];
     const KvCacheConfig& c = cache_.config();
     Chunk& ch = chunks_[seq];
-    if (ch.k.empty()) {
+    if (ch.new_k.empty()) {
       ch.prefix = cache_.length(seq);
-      ch.k.resize(static_cast<size_t>(c.n_layer)), ch.v.resize(static_cast<size_t>(c.n_layer));
+      ch.new_k.resize(static_cast<size_t>(c.n_layer)), ch.new_v.resize(static_cast<size_t>(c.n_layer));
     }
-    std::vector<float>& ks = ch.k[static_cast<size_t>(layer)];
-    std::vector<float>& vs = ch.v[static_cast<size_t>(layer)];
     if (chunk[static_cast<size_t>(row)] == 0) {
-      ks.resize(static_cast<size_t>(ch.prefix * c.k_width)), vs.resize(static_cast<size_t>(ch.prefix * c.v_width));
-      if (ch.prefix > 0) cache_.read(seq, layer, 0, ch.prefix, ks.data(), c.v_width > 0 ? vs.data() : nullptr);
+      ch.k.resize(static_cast<size_t>(ch.prefix * c.k_width)), ch.v.resize(static_cast<size_t>(ch.prefix * c.v_width));
+      if (ch.prefix > 0) cache_.read(seq, layer, 0, ch.prefix, ch.k.data(), c.v_width > 0 ? ch.v.data() : nullptr);
     }
-    ks.insert(ks.end(), k, k + c.k_width);
-    if (c.v_width > 0) vs.insert(vs.end(), v, v + c.v_width);
+    ch.k.insert(ch.k.end(), k, k + c.k_width);
+    ch.new_k[static_cast<size_t>(layer)].insert(ch.new_k[static_cast<size_t>(layer)].end(), k, k + c.k_width);
+    if (c.v_width > 0) {
+      ch.v.insert(ch.v.end(), v, v + c.v_width);
+      ch.new_v[static_cast<size_t>(layer)].insert(ch.new_v[static_cast<size_t>(layer)].end(), v, v + c.v_width);
+    }
     ch.rows = std::max(ch.rows, chunk[static_cast<size_t>(row)] + 1);
     return ch.prefix + chunk[static_cast<size_t>(row)] + 1;
   }
 
-  // KvCache::attend's kernel (attend_rows.h) over the gathered rows [first, count).
-  void attend_chunk(const float* q, const float* k, const float* v, int64_t count, float* out) {
+  // KvCache::attend's kernel (attend_rows.h) over seq's gathered rows [first, count).
+  void attend_chunk(int64_t seq, const float* q, int64_t count, float* out, std::vector<float>& scores,
+                    std::vector<float>& sums) const {
+    const Chunk& c = chunks_.at(seq);
     const int64_t G = model_.n_kv_head, hd = model_.head_dim();
     const int64_t first = model_.attn_window > 0 ? std::max<int64_t>(0, count - model_.attn_window) : 0;
     const auto rows = [&](const float* base) {
@@ -147,7 +181,7 @@ class GenerationEngine::Rows : public DecodeCache {
         for (int64_t t = first; t < count; ++t) fn(t, base + t * G * hd);
       };
     };
-    attend_rows(q, out, model_.n_head, G, hd, first, count, rows(k), rows(v), scores_, sums_);
+    attend_rows(q, out, model_.n_head, G, hd, first, count, rows(c.k.data()), rows(c.v.data()), scores, sums);
   }
 
   KvCache& cache_;
@@ -281,9 +315,15 @@ bool GenerationEngine::whole_prefill() const {
 
 bool GenerationEngine::shares_prompt() const { return config_.paged && whole_prefill(); }
 
+bool GenerationEngine::feeds_in_chunks(const GenerationRequest& r) const {
+  return config_.prefill_chunk > 0 && static_cast<int64_t>(r.prompt.size()) > config_.prefill_chunk && whole_prefill();
+}
+
+int64_t GenerationEngine::chunk_rows() const { return config_.prefill_chunk > 0 ? config_.prefill_chunk : kMaxChunk; }
+
 int64_t GenerationEngine::group_blocks(const GenerationRequest& r) const {
   const int64_t one = blocks_needed(r);
-  if (r.n == 1 || !shares_prompt() || forgets()) return r.n * one;
+  if (r.n == 1 || !shares_prompt() || forgets() || feeds_in_chunks(r)) return r.n * one;
   // The prompt's full blocks are shared and never written again; each sample may own the rest.
   const int64_t shared = static_cast<int64_t>(r.prompt.size()) / config_.block_size;
   return shared + r.n * (one - shared);
@@ -333,7 +373,9 @@ void GenerationEngine::admit() {
         continue;
       }
     }
-    if (shares_prompt()) {
+    if (feeds_in_chunks(request)) {  // a long prompt: chunks through the rows, one a step (each sample its own)
+      for (Active* a : group) a->seq = cache_->add_sequence(), a->feeds_prompt = true;
+    } else if (shares_prompt()) {
       prefill(group);
     } else if (whole_prefill()) {  // a contiguous cache would copy the prompt on fork: prefill each
       for (Active* a : group) prefill({a});
@@ -493,8 +535,8 @@ bool GenerationEngine::step() {
   rows_->clear();
   for (const auto& a : active_) {
     const int64_t prompt = static_cast<int64_t>(a->request.prompt.size());
-    if (a->feeds_prompt && a->fed < prompt) {  // a prefix-cache hit's rest of the prompt: one chunk
-      const int64_t m = std::min(prompt - a->fed, kMaxChunk);
+    if (a->feeds_prompt && a->fed < prompt) {  // a long prompt, or a prefix-cache hit's rest: one chunk
+      const int64_t m = std::min(prompt - a->fed, chunk_rows());
       for (int64_t j = 0; j < m; ++j) {
         tokens.push_back(a->request.prompt[static_cast<size_t>(a->fed + j)]);
         positions.push_back(a->fed + j);
@@ -507,8 +549,9 @@ bool GenerationEngine::step() {
     }
     last_row.push_back(static_cast<int64_t>(tokens.size()) - 1);
   }
-  const int64_t n = static_cast<int64_t>(tokens.size());
-  // Stores of up to max_batch rows are kept; a step with a prompt chunk gets one for the step.
+  const int64_t n = static_cast<int64_t>(tokens.size()), k = static_cast<int64_t>(last_row.size());
+  // Stores of up to max_batch rows are kept; a step with a prompt chunk gets one for the step,
+  // with logits for its active requests' last rows only (Transformer::forward_rows' logit_rows).
   ActivationStore chunk_store;
   ActivationStore* store = nullptr;
   if (n <= config_.max_batch) {
@@ -516,16 +559,16 @@ bool GenerationEngine::step() {
     if (it == stores_.end()) it = stores_.emplace(n, model_.allocate_rows(n)).first;
     store = &it->second;
   } else {
-    chunk_store = model_.allocate_rows(n);
+    chunk_store = model_.allocate_rows(n, k);
     store = &chunk_store;
   }
-  model_.forward_rows(*store, tokens, positions, *rows_);
+  model_.forward_rows(*store, tokens, positions, *rows_, &last_row);
   rows_->commit();
   stats_.peak_blocks = std::max(stats_.peak_blocks, cache_->blocks_in_use());
   stats_.peak_bytes_used = std::max(stats_.peak_bytes_used, cache_->bytes_used());
   stats_.utilisation_sum += cache_->utilisation();
   const auto now = std::chrono::steady_clock::now();
-  const bool on_backend = read_step_outputs(store->logits.view(0, {n, vocab}));
+  const bool on_backend = read_step_outputs(store->logits.view(0, {k, vocab}));
   cache_->check_status();  // a row its format could not store fails the step (a cache in backend memory)
   const float* logits = logits_.data();
   for (size_t i = 0; i < active_.size(); ++i) {
@@ -548,16 +591,18 @@ bool GenerationEngine::step() {
     }
     if (a.fed < prompt) continue;
     if (a.fed == prompt && a.feeds_prompt) {
-      prefix_->insert(a.request.prompt, prompt / config_.block_size, a.seq);
+      if (prefix_) prefix_->insert(a.request.prompt, prompt / config_.block_size, a.seq);
       a.feeds_prompt = false;
     }
+    // Its logits are row i of the step's (k, vocab): one row per active request.
+    const int64_t row = static_cast<int64_t>(i);
     if (on_backend) {
       ++stats_.backend_picks;
-      sampled(a, picks_[static_cast<size_t>(r)], now);
+      sampled(a, picks_[static_cast<size_t>(row)], now);
       continue;
     }
-    if (on_logits_ && a.request.logits) on_logits_(a.id, logits + r * vocab, vocab);
-    sampled(a, a.sampler.sample(logits + r * vocab, vocab), now);
+    if (on_logits_ && a.request.logits) on_logits_(a.id, logits + row * vocab, vocab);
+    sampled(a, a.sampler.sample(logits + row * vocab, vocab), now);
   }
   retire();  // their rows and blocks go to the next step's admissions
   ++stats_.steps;

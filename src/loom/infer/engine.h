@@ -17,6 +17,16 @@
 // decoding. With EngineConfig::chunked_prefill the prompt is instead fed one token per step as a
 // decoding row (chunks of one): no (P, P) attention store, but P steps to the first token.
 //
+// Chunked prefill (EngineConfig::prefill_chunk = C, default 512; vLLM's chunked prefill,
+// llama.cpp's n_batch): a prompt longer than C tokens is fed C rows a step through the rows,
+// beside the other requests' decoding rows, as a prefix-cache hit's rest is: each chunk row
+// attends to the sequence's cached positions and the chunk's rows up to itself (one layer's
+// visible rows gathered in fp32 at a time, the chunk's rows attended side by side), the chunk is
+// stored in the cache after the step, and only each request's last row of the step gets logits.
+// A step then holds C rows of activations, k <= max_batch rows of logits and one layer's keys
+// and values of the longest prompt in fp32, whatever the prompt's length; the whole-prompt
+// forward holds every position's activations and attention scores.
+//
 // Automatic prefix caching (EngineConfig::prefix_cache, infer/prefix_cache.h): a prompt's full
 // blocks stay cached after its request; a later request (n = 1) whose prompt starts with cached
 // blocks takes them and feeds only the rest of its prompt (at least its last token, for the first
@@ -95,6 +105,11 @@ struct EngineConfig {
   int64_t group = 0;                  // per-token integer formats: channels per (scale, min)
   int64_t residual = 0;               // KIVI: newest positions kept fp32
   bool chunked_prefill = false;       // prompts one token per step instead of one forward
+  // Prompts longer than this many tokens are fed through the rows in chunks of this many, one
+  // chunk a step beside the other requests' decoding rows, instead of one forward over the whole
+  // prompt, so a step's activations, logits and attention scratch are bounded by the chunk, not
+  // the prompt (see "Chunked prefill" above). 0: every prompt in one forward.
+  int64_t prefill_chunk = 512;
   // Automatic prefix caching: needs a paged cache without an fp32 window (fp32, bf16, int8 or
   // int4 with no residual), no sliding window and whole-prompt prefill; prefix_cache_supported.
   bool prefix_cache = false;
@@ -182,6 +197,8 @@ class GenerationEngine {
   bool forgets() const;
   bool whole_prefill() const;  // prompts in one forward (else through the rows)
   bool shares_prompt() const;  // n samples prefill once and fork (paged, whole prefill)
+  bool feeds_in_chunks(const GenerationRequest& r) const;  // a prompt beyond prefill_chunk
+  int64_t chunk_rows() const;  // prompt rows of one request in one step
   void admit();
   void prefill(const std::vector<Active*>& group);  // group[0]'s prompt; the others forked from it
   // A prefill's P positions (the store's saved q/k/v rows, or MLA latents) into sequence seq.

@@ -279,7 +279,7 @@ LayerPlan Transformer::recompute_record_plan() const {
 
 ActivationStore Transformer::allocate_store_for(int64_t batch, int64_t seq_len, int64_t first, int64_t last,
                                                 bool split_backward, bool context_parallel, bool recompute, bool rows,
-                                                bool last_logits, bool head) {
+                                                bool last_logits, bool head, int64_t logit_rows) {
   LOOM_CHECK(batch > 0, "batch size must be > 0, got ", batch);
   LOOM_CHECK(seq_len > 0 && seq_len <= config_.max_seq_len, "sequence length ", seq_len,
              " must be in [1, model.max_seq_len = ", config_.max_seq_len, "]");
@@ -317,7 +317,8 @@ ActivationStore Transformer::allocate_store_for(int64_t batch, int64_t seq_len, 
   // An inference model's store (no gradients: no backward reads the records) shares one layer's
   // record among the layers, each keeping its own input (two alternating buffers) and qkv (the
   // engine stores it in the KV cache after the forward): a forward holds one layer's activations.
-  const bool share = !grads_.defined() && !rows && !split_backward && first == 0 && !config_.mla() &&
+  // Decoding's rows too: a step of a prompt chunk's rows holds one layer's records of the chunk.
+  const bool share = !grads_.defined() && !split_backward && first == 0 && !config_.mla() &&
                      config_.moe_experts == 0 && recompute_.empty();
   for (int64_t l = first; l < last; ++l) {
     if (share && l > 0 && blocks_[static_cast<size_t>(l)].plan().attention == blocks_.front().plan().attention &&
@@ -348,7 +349,7 @@ ActivationStore Transformer::allocate_store_for(int64_t batch, int64_t seq_len, 
     if (!config_.rmsnorm()) s.final_mean = act({B, Ts});
     s.final_rstd = act({B, Ts});
     s.last_logits = last_logits;
-    if (head) s.logits = act({B, last_logits ? 1 : T, config_.vocab_size});
+    if (head) s.logits = act({logit_rows > 0 ? std::min(logit_rows, B) : B, last_logits ? 1 : T, config_.vocab_size});
     s.losses = act({B, T});
     s.lse = act({B, T});
   }
@@ -506,12 +507,14 @@ Tensor Transformer::stage_grad(int64_t batch, int64_t seq_len) const {
   return d_residual_.view(0, {batch, seq_len / shards(), config_.d_model});
 }
 
-ActivationStore Transformer::allocate_rows(int64_t n) {
-  return allocate_store_for(n, 1, 0, config_.n_layer, false, false, false, true);  // never context parallel, no recompute
+ActivationStore Transformer::allocate_rows(int64_t n, int64_t logit_rows) {
+  LOOM_CHECK(logit_rows >= 0, "allocate_rows: ", logit_rows, " logit rows");
+  // never context parallel, no recompute
+  return allocate_store_for(n, 1, 0, config_.n_layer, false, false, false, true, false, true, logit_rows);
 }
 
 void Transformer::forward_rows(ActivationStore& s, const std::vector<int32_t>& tokens, const std::vector<int64_t>& positions,
-                               DecodeCache& cache) {
+                               DecodeCache& cache, const std::vector<int64_t>* logit_rows) {
   LOOM_CHECK(tp_ == nullptr, "decoding a tensor-parallel slice is not supported: gather the model first");
   const int64_t n = s.batch, C = config_.d_model;
   LOOM_CHECK(s.seq_len == 1 && static_cast<int64_t>(tokens.size()) == n && static_cast<int64_t>(positions.size()) == n,
@@ -534,7 +537,23 @@ void Transformer::forward_rows(ActivationStore& s, const std::vector<int32_t>& t
     blocks_[l].forward_rows(backend_, s.blocks[l], out, positions, cache, static_cast<int64_t>(l));
   }
   norm_forward(backend_, config_, s.final_input, final_w, final_b, s.final_norm, s.final_mean, s.final_rstd);
-  head_.forward_plain(backend_, s.final_norm, head_w, Tensor{}, s.logits, 0.0f, &ws_);
+  if (logit_rows == nullptr) {
+    LOOM_CHECK(s.logits.dim(0) == n, "forward_rows: a store with logits for ", s.logits.dim(0), " of its ", n,
+               " rows needs the rows named");
+    head_.forward_plain(backend_, s.final_norm, head_w, Tensor{}, s.logits, 0.0f, &ws_);
+    return;
+  }
+  // The named rows' normed states moved to the front (row r >= i to row i, in order), then the head on those.
+  const int64_t k = static_cast<int64_t>(logit_rows->size()), V = config_.vocab_size;
+  LOOM_CHECK(k >= 1 && k <= s.logits.dim(0), "forward_rows: ", k, " logit rows for a store with logits for ",
+             s.logits.dim(0));
+  for (int64_t i = 0; i < k; ++i) {
+    const int64_t r = (*logit_rows)[static_cast<size_t>(i)];
+    LOOM_CHECK(r < n && (i == 0 ? r >= 0 : r > (*logit_rows)[static_cast<size_t>(i - 1)]), "forward_rows: logit rows must "
+               "increase within [0, ", n, "), got ", r, " at ", i);
+    if (r != i) backend_.copy(s.final_norm.view(r * C, {1, 1, C}), s.final_norm.view(i * C, {1, 1, C}));
+  }
+  head_.forward_plain(backend_, s.final_norm.view(0, {k, 1, C}), head_w, Tensor{}, s.logits.view(0, {k, 1, V}), 0.0f, &ws_);
 }
 
 void Transformer::set_tensor_parallel(Communicator* tp, int64_t vocab_begin, int64_t vocab_valid, bool sequence_parallel) {

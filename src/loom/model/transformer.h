@@ -120,10 +120,13 @@ class Transformer {
   // Decoding n independent sequences (infer/engine.h keeps their KV caches): allocate_rows(n)
   // is an n-row, one-position store; forward_rows feeds tokens[r] at positions[r] through every
   // layer, `cache` storing each row's keys and values and doing its attention
-  // (Block::forward_rows), and leaves the next-token logits in store.logits (n, 1, V).
-  ActivationStore allocate_rows(int64_t n);
+  // (Block::forward_rows), and leaves the next-token logits in store.logits (n, 1, V). With
+  // logit_rows (increasing rows of [0, n)) only those rows' logits are computed, into rows 0, 1,
+  // ... of store.logits, which allocate_rows(n, k) sizes for k rows (a prompt chunk's rows need
+  // none but its last: the head's (rows, vocab) product and memory are the step's rows that sample).
+  ActivationStore allocate_rows(int64_t n, int64_t logit_rows = 0);
   void forward_rows(ActivationStore& store, const std::vector<int32_t>& tokens, const std::vector<int64_t>& positions,
-                    DecodeCache& cache);
+                    DecodeCache& cache, const std::vector<int64_t>* logit_rows = nullptr);
   // Accumulates into grads() the gradient of loss_weight * (mean loss of the last forward).
   // `ready`, if given, is told as backward proceeds that every gradient at flat offset >= its
   // argument is final (after the head and final norm, after each block, then 0): data
@@ -316,9 +319,10 @@ class Transformer {
   // The plan of the full records recomputation fills: a dense block's (MLA's sizes with MLA).
   LayerPlan recompute_record_plan() const;
   // rows: a store of decoding's one-position rows (forward_rows reads its records in fp32).
+  // logit_rows > 0: logits for that many rows (allocate_rows) instead of every one.
   ActivationStore allocate_store_for(int64_t batch, int64_t seq_len, int64_t first, int64_t last, bool split_backward,
                                      bool context_parallel, bool recompute = true, bool rows = false,
-                                     bool last_logits = false, bool head = true);
+                                     bool last_logits = false, bool head = true, int64_t logit_rows = 0);
   // Context parallel: f(rows (1, chunk, C) of one sequence, their first global position) for
   // each of x's (B, T/cp, C) two chunks of every sequence.
   void for_each_chunk(const Tensor& x, const std::function<void(const Tensor&, int64_t)>& f) const;

@@ -340,10 +340,7 @@ void AttentionLayer::host_rows_attend(Backend& backend, AttentionSaved& s, Decod
   qkv.resize(static_cast<size_t>(n * W));
   attn.resize(static_cast<size_t>(n * H * hd));
   backend.read(s.qkv.view(0, {n, W}), qkv.data());
-  for (int64_t r = 0; r < n; ++r) {
-    const float* row = qkv.data() + r * W;
-    cache.attend(layer, r, row, row + H * hd, row + H * hd + KW, attn.data() + r * H * hd);
-  }
+  cache.attend_host_rows(layer, n, qkv.data(), W, H * hd, H * hd + KW, attn.data(), H * hd);
   backend.write(s.attn.view(0, {n, H * hd}), attn.data());
 }
 

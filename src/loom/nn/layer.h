@@ -177,6 +177,16 @@ class DecodeCache {
   // its sequence in `layer` and returns every position's latent of the sequence, (*count,
   // k_width), dequantized, valid until the next call (the block applies model.attn_window).
   virtual const float* latent(int64_t layer, int64_t row, const float* latent, int64_t* count) = 0;
+  // attend() for rows 0 .. n - 1 of a step, in order: host rows qkv (n, width) holding each row's
+  // q at column 0, k at k_col and v at v_col; out (n, out_width). A cache may run rows that do
+  // not depend on each other side by side (the engine: a prompt chunk's rows).
+  virtual void attend_host_rows(int64_t layer, int64_t n, const float* qkv, int64_t width, int64_t k_col, int64_t v_col,
+                                float* out, int64_t out_width) {
+    for (int64_t r = 0; r < n; ++r) {
+      const float* row = qkv + r * width;
+      attend(layer, r, row, row + k_col, row + v_col, out + r * out_width);
+    }
+  }
 
   // A cache in the backend's memory (infer/kv_cache.h "Memory") takes a step's rows where they are:
   // Block::forward_rows (MHA / GQA / MQA) then calls attend_all once a layer instead of attend per
