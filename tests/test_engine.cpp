@@ -113,6 +113,52 @@ TEST(EngineTest, RowDecodingMatchesTheFullForward) {
 // A prompt's store (the engine's prefill) holds the last position's logits alone: V floats
 // instead of T V, equal to the whole forward's last row within f32 rounding (the head multiplies
 // one row); a loss over it is refused.
+// The paged pool's budget (EngineConfig::kv_memory, --kv-memory): max_batch full-length
+// sequences when they fit, else the blocks the budget holds; a budget below one block is refused
+// naming it; --kv-blocks is taken as given. A request the capped pool cannot hold is refused at
+// submit with the numbers (serve's 400). parse_bytes reads the option's sizes.
+TEST(EngineTest, KvPoolFitsTheMemoryBudget) {
+  ModelConfig config = model_preset("llama-tiny");
+  config.max_seq_len = 64;
+  EngineConfig ec;
+  ec.max_batch = 4, ec.block_size = 4;
+  const int64_t block = kv_block_bytes(engine_cache_config(config, [&] { EngineConfig e = ec; e.num_blocks = 1; return e; }()));
+  EXPECT_EQ(block, 2 * 2 * 4 * 16 * 4);  // K and V, 2 layers, 4 positions, 2 kv heads x 8 channels, fp32
+  ec.kv_memory = 1 << 30;
+  EXPECT_EQ(engine_cache_config(config, ec).num_blocks, 4 * 16);  // all full-length sequences fit
+  ec.kv_memory = 10 * block + block / 2;
+  EXPECT_EQ(engine_cache_config(config, ec).num_blocks, 10);
+  ec.kv_memory = block - 1;
+  const std::string e = test::error_of([&] { engine_cache_config(config, ec); });
+  EXPECT_NE(e.find("--kv-memory"), std::string::npos) << e;
+  EXPECT_NE(e.find("holds no block"), std::string::npos) << e;
+  ec.num_blocks = 7;
+  EXPECT_EQ(engine_cache_config(config, ec).num_blocks, 7);
+  ec.num_blocks = 0, ec.kv_memory = 0;
+  EXPECT_GE(engine_cache_config(config, ec).num_blocks, 1);  // 90% of what this machine has: at least a block
+  // A request beyond the capped pool: refused before any work, naming the blocks.
+  auto backend = make_cpu_backend();
+  Transformer model(*backend, config, ModelUse{.gradients = false});
+  model.init_weights(1);
+  ec.kv_memory = 10 * block;
+  GenerationEngine engine(model, ec);
+  GenerationRequest r;
+  r.prompt = prompt_of(30, 1, config.vocab_size), r.max_new_tokens = 20;  // 50 positions: 13 blocks
+  const std::string refused = test::error_of([&] { engine.submit(r); });
+  EXPECT_NE(refused.find("needs 13 KV blocks"), std::string::npos) << refused;
+  r.max_new_tokens = 8;  // 38 positions: 10 blocks
+  EXPECT_NO_THROW(engine.submit(r));
+  EXPECT_EQ(engine.run().front().tokens.size(), 8u);
+
+  EXPECT_EQ(parse_bytes("4096", "x"), 4096);
+  EXPECT_EQ(parse_bytes("8GiB", "x"), int64_t{8} << 30);
+  EXPECT_EQ(parse_bytes("512M", "x"), int64_t{512} << 20);
+  EXPECT_EQ(parse_bytes("1.5KB", "x"), 1536);
+  for (const char* bad : {"", "G", "8X", "-1G", "0", "8 GiB", "8GiBs"}) {
+    EXPECT_NE(test::error_of([&] { parse_bytes(bad, "--kv-memory"); }).find("--kv-memory: '"), std::string::npos) << bad;
+  }
+}
+
 // Chunked prefill (EngineConfig::prefill_chunk): prompts of 45 and 20 tokens fed 8 rows a step,
 // beside a short request's decoding rows, give the first token's logits of the whole-prompt
 // forward within 1e-5 (its rows' attention: flash attention against the cache's kernel) and the

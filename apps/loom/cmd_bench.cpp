@@ -109,6 +109,7 @@ int bench_generate(const Args& args) {
   ec.max_batch = args.get_int("max-batch", 16);
   ec.block_size = args.get_int("kv-block", 16);
   ec.prefill_chunk = args.get_int("prefill-chunk", ec.prefill_chunk);
+  if (args.has("kv-memory")) ec.kv_memory = parse_bytes(args.get("kv-memory"), "--kv-memory");
   ec.paged = !args.has("contiguous");
   const std::string kv = args.get("kv", "fp32");
   apply_kv_preset(ec, kv, config.model.head_dim());
@@ -214,6 +215,7 @@ int bench_main(int argc, char** argv) {
       {"prefill-chunk", "N", "prompts longer than N tokens are fed N a step beside the decoding rows (default 512; 0: each prompt in one forward)"},
       {"kv", "FORMAT", "KV cache format fp32 | bf16 | int8 | int4 | kivi4 | kivi2 (default fp32)"},
       {"kv-block", "K", "positions per paged KV cache block (default 16)"},
+      {"kv-memory", "BYTES", "the KV pool's budget, e.g. 8GiB (default: 90% of the available memory after loading; --kv-blocks overrides)"},
       {"kv-group", "G", "channels per (scale, min) of the per-token formats (default: the preset's)"},
       {"kv-residual", "R", "newest positions kept fp32 (default: the preset's)"},
       {"contiguous", "", "one max_seq_len KV region per row instead of paged blocks"},

@@ -60,6 +60,7 @@ int generate_main(int argc, char** argv) {
                    {"prefill-chunk", "N", "--prompts: prompts longer than N tokens are fed N a step beside the decoding rows (default 512; 0: each prompt in one forward)"},
                    {"kv", "FORMAT", "--prompts: KV cache format fp32 | bf16 | int8 | int4 | kivi4 | kivi2 (default fp32)"},
                    {"kv-block", "N", "--prompts: positions per paged KV cache block (default 16)"},
+                   {"kv-memory", "BYTES", "--prompts: the KV pool's budget, e.g. 8GiB (default: 90% of the available memory after loading; --kv-blocks overrides)"},
                    {"kv-group", "G", "--prompts: channels per (scale, min) of the per-token formats (default: the preset's)"},
                    {"kv-residual", "R", "--prompts: newest positions kept fp32 (default: the preset's)"},
                    {"contiguous", "", "--prompts: one max_seq_len KV region per row instead of paged blocks"}});
@@ -93,6 +94,7 @@ int generate_main(int argc, char** argv) {
     ec.max_batch = args.get_int("max-batch", 8);
     ec.block_size = args.get_int("kv-block", 16);
     ec.prefill_chunk = args.get_int("prefill-chunk", ec.prefill_chunk);
+    if (args.has("kv-memory")) ec.kv_memory = parse_bytes(args.get("kv-memory"), "--kv-memory");
     ec.paged = !args.has("contiguous");
     apply_kv_preset(ec, args.get("kv", "fp32"), config.model.head_dim());
     ec.group = args.get_int("kv-group", ec.group), ec.residual = args.get_int("kv-residual", ec.residual);

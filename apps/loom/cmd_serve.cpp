@@ -145,7 +145,8 @@ int serve_main(int argc, char** argv) {
                    {"port", "N", "port (default 8080; 0: any free port)"},
                    {"kv", "FORMAT", "KV cache format fp32 | bf16 | int8 | int4 | kivi4 | kivi2 (default fp32)"},
                    {"kv-block", "N", "positions per KV block (default 16)"},
-                   {"kv-blocks", "N", "blocks in the KV pool (default: max-batch full-length sequences)"},
+                   {"kv-blocks", "N", "blocks in the KV pool (default: max-batch full-length sequences, within --kv-memory)"},
+                   {"kv-memory", "BYTES", "the KV pool's budget, e.g. 8GiB (default: 90% of the available memory after loading; --kv-blocks overrides)"},
                    {"max-batch", "N", "rows of continuous batching (default 16); also the largest n"},
                    {"max-queue", "N", "requests waiting for a row before 429 (default 64)"},
                    {"prefill-chunk", "N", "prompts longer than N tokens are fed N a step beside the decoding rows (default 512; 0: each prompt in one forward)"},
@@ -190,6 +191,7 @@ int serve_main(int argc, char** argv) {
   ec.block_size = args.get_int("kv-block", 16);
   ec.num_blocks = args.get_int("kv-blocks", 0);
   ec.prefill_chunk = args.get_int("prefill-chunk", ec.prefill_chunk);
+  if (args.has("kv-memory")) ec.kv_memory = parse_bytes(args.get("kv-memory"), "--kv-memory");
   apply_kv_preset(ec, args.get("kv", "fp32"), config.model.head_dim());
   info.max_n = ec.max_batch;
 
@@ -211,11 +213,12 @@ int serve_main(int argc, char** argv) {
   const int bound_port = http.bind();
   scheduler.start();
   std::thread server([&] { http.serve(); });
-  std::printf("loom serve: model %s (%lld parameters, context %lld), KV cache %s paged in %lld blocks of %lld, "
+  std::printf("loom serve: model %s (%lld parameters, context %lld), KV cache %s paged in %lld blocks of %lld (%s), "
               "max batch %lld, max queue %lld, prefix cache %s, chat template %s, connections %lld (%lld per client)\n",
               info.id.c_str(), static_cast<long long>(param_count(config.model)), static_cast<long long>(info.context),
               args.get("kv", "fp32").c_str(), static_cast<long long>(engine.cache().config().num_blocks),
-              static_cast<long long>(ec.block_size), static_cast<long long>(ec.max_batch),
+              static_cast<long long>(ec.block_size), format_bytes(static_cast<size_t>(engine.cache().bytes_reserved())).c_str(),
+              static_cast<long long>(ec.max_batch),
               static_cast<long long>(sc.max_queue), prefix_note.c_str(), info.chat_template.empty() ? "none" : "yes",
               static_cast<long long>(http.max_connections()), static_cast<long long>(ho.max_connections_per_client));
   std::printf("listening on http://%s:%d\n", ho.host.c_str(), bound_port);

@@ -24,6 +24,13 @@ enum MemCategory : uint8_t {
 
 std::string_view mem_category_name(MemCategory category);  // "parameters", ...
 
+// The machine's available memory in bytes (/proc/meminfo MemAvailable, capped by a cgroup
+// memory limit when one is set); 0 when unknown.
+int64_t available_memory_bytes();
+// The file pages this process maps that are resident, in bytes (/proc/self/status RssFile: a
+// model's memory-mapped weights, which MemAvailable counts as reclaimable cache); 0 when unknown.
+int64_t resident_file_bytes();
+
 class MemoryTracker {
  public:
   void on_allocate(MemCategory category, size_t bytes);
@@ -51,5 +58,8 @@ class MemoryTracker {
 };
 
 std::string format_bytes(size_t bytes);  // "12.3 MiB"
+// "8GiB", "8G", "512MiB", "1.5GiB", "4096": bytes (K, M, G, T are powers of 1024, with or without
+// "iB" or "B"); an Error naming `what` for anything else, or a value below 1 byte.
+int64_t parse_bytes(const std::string& text, const std::string& what);
 
 }  // namespace loom

@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "loom/core/error.h"
+#include "loom/core/memory.h"
 #include "loom/backend/attend_rows.h"
 
 namespace loom {
@@ -35,7 +36,21 @@ KvCacheConfig engine_cache_config(const ModelConfig& model, const EngineConfig& 
   // Per-token groups of head_dim channels may not divide an MLA row (d_c + d_r): one group a row.
   if (c.group > 0 && c.k_width % c.group != 0) c.group = 0;
   c.validate();
+  if (engine.num_blocks == 0 && engine.paged) {  // the budget caps the default pool
+    LOOM_CHECK(engine.kv_memory >= 0, "--kv-memory must be >= 0, got ", engine.kv_memory);
+    const int64_t budget = engine.kv_memory > 0 ? engine.kv_memory : default_kv_memory();
+    const int64_t block = kv_block_bytes(c), fits = budget / block;
+    LOOM_CHECK(budget == 0 || fits >= 1, "the KV cache budget of ", format_bytes(static_cast<size_t>(budget)),
+               engine.kv_memory > 0 ? " (--kv-memory)" : " (90% of the available memory)", " holds no block of ",
+               format_bytes(static_cast<size_t>(block)), " (", engine.block_size, " positions)");
+    if (budget > 0) c.num_blocks = std::min(c.num_blocks, fits);
+  }
   return c;
+}
+
+int64_t default_kv_memory() {
+  const int64_t free = available_memory_bytes() - resident_file_bytes();
+  return free > 0 ? free / 10 * 9 : 0;
 }
 
 // The step's rows as the model's DecodeCache: row r is sequence seqs[r] of the KV cache. A

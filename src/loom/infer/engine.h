@@ -99,7 +99,13 @@ struct EngineConfig {
   int64_t max_batch = 16;             // rows per step
   bool paged = true;                  // paged KV cache, else contiguous (one max_seq_len region per row)
   int64_t block_size = 16;
-  int64_t num_blocks = 0;             // paged pool; 0: max_batch x ceil(max_seq_len / block_size)
+  int64_t num_blocks = 0;             // paged pool; 0: see kv_memory
+  // With num_blocks 0 the paged pool holds max_batch full-length sequences, ceil(max_seq_len /
+  // block_size) blocks each, but at most the blocks kv_memory bytes hold (--kv-memory); 0: 90% of
+  // the memory available when the engine starts less the file pages the process maps (a model's
+  // mapped weights, which the machine counts as reclaimable), default_kv_memory(). A Llama-3-8B
+  // shape at 8,192 positions and 16 rows would otherwise reserve 32 GiB of fp32 cache.
+  int64_t kv_memory = 0;
   KvFormat k_format = KV_FP32, v_format = KV_FP32;
   KvAxis k_axis = KV_PER_TOKEN, v_axis = KV_PER_TOKEN;
   int64_t group = 0;                  // per-token integer formats: channels per (scale, min)
@@ -120,8 +126,12 @@ struct EngineConfig {
   void validate() const;  // throws naming the key (generate.max_batch, ...)
 };
 
-// The KV cache configuration of `model` under `engine`: k_width = v_width = n_kv_head x head_dim.
+// The KV cache configuration of `model` under `engine`: k_width = v_width = n_kv_head x head_dim,
+// the paged pool sized as EngineConfig::kv_memory says (an Error naming --kv-memory when the
+// budget holds no block).
 KvCacheConfig engine_cache_config(const ModelConfig& model, const EngineConfig& engine);
+// 90% of (available memory - this process's resident file pages), 0 when unknown.
+int64_t default_kv_memory();
 
 // Named cache formats (--kv): fp32; bf16; int8 and int4 (keys and values per token, one
 // (scale, min) per head: group = head_dim); kivi4 and kivi2 (KIVI, Liu et al. 2024: keys per

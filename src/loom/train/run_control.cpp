@@ -231,24 +231,4 @@ std::vector<std::string> config_differences(const std::string& before, const std
   return out;
 }
 
-int64_t available_memory_bytes() {
-  std::ifstream meminfo("/proc/meminfo");
-  std::string key;
-  int64_t kib = 0, available = 0;
-  std::string unit;
-  while (meminfo >> key >> kib) {
-    std::getline(meminfo, unit);
-    if (key == "MemAvailable:") available = kib * 1024;
-  }
-  // A cgroup v2 limit (a container's) below the machine's memory is the real bound.
-  std::ifstream max_file("/sys/fs/cgroup/memory.max"), current_file("/sys/fs/cgroup/memory.current");
-  std::string max_text;
-  int64_t current = 0;
-  if (max_file >> max_text && max_text != "max" && current_file >> current) {
-    const int64_t limit = std::stoll(max_text);
-    if (available == 0 || limit - current < available) available = std::max<int64_t>(0, limit - current);
-  }
-  return available;
-}
-
 }  // namespace loom

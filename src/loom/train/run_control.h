@@ -10,6 +10,7 @@
 #include <thread>
 #include <vector>
 
+#include "loom/core/memory.h"  // available_memory_bytes
 #include "loom/comm/communicator.h"
 
 namespace loom {
@@ -90,9 +91,5 @@ class Watchdog {
 // The keys whose values differ between two resolved config texts (config_to_toml's), each
 // "key: old -> new", in file order.
 std::vector<std::string> config_differences(const std::string& before, const std::string& after);
-
-// The machine's available memory in bytes (/proc/meminfo MemAvailable, capped by a cgroup
-// memory limit when one is set); 0 when unknown.
-int64_t available_memory_bytes();
 
 }  // namespace loom
