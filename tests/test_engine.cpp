@@ -159,8 +159,8 @@ TEST(EngineTest, KvPoolFitsTheMemoryBudget) {
   }
 }
 
-// Chunked prefill (EngineConfig::prefill_chunk): prompts of 45 and 20 tokens fed 8 rows a step,
-// beside a short request's decoding rows, give the first token's logits of the whole-prompt
+// Chunked prefill (EngineConfig::prefill_chunk): prompts of 45 and 20 tokens fed 8 rows a step
+// between them (the second waits for the first's chunks), beside a short request's decoding rows, give the first token's logits of the whole-prompt
 // forward within 1e-5 (its rows' attention: flash attention against the cache's kernel) and the
 // same greedy tokens, for MHA, GQA and a sliding window (3 < the chunk); a prompt of up to 8
 // tokens still runs in one forward. The activations a long prompt's steps hold do not grow with
@@ -187,6 +187,12 @@ TEST(EngineTest, ChunkedPrefillMatchesTheWholeForwardInBoundedMemory) {
         if (!first_logits.contains(id)) first_logits[id].assign(logits, logits + vocab);
       });
       for (const GenerationRequest& r : reqs) engine.submit(r);
+      // The two long prompts share one chunk's rows a step (8), beside at most 3 decoding rows.
+      int64_t rows = 0, most = 0;
+      while (engine.step()) most = std::max(most, engine.stats().rows - rows), rows = engine.stats().rows;
+      if (chunk > 0) {
+        EXPECT_LE(most, chunk + 3) << preset;
+      }
       std::vector<GenerationResult> out = engine.run();
       EXPECT_EQ(engine.stats().prompt_tokens, 45 + 3 + 20) << preset;
       return out;

@@ -546,12 +546,22 @@ bool GenerationEngine::step() {
   const int64_t vocab = model_.config().vocab_size;
   std::vector<int32_t> tokens;
   std::vector<int64_t> positions;
-  std::vector<int64_t> last_row;  // [active] its row whose logits it samples from
+  std::vector<int64_t> last_row;    // [active] its last row this step (-1: none, its chunk waits)
+  std::vector<int64_t> logit_rows;  // the rows whose logits the step computes, in order
   rows_->clear();
+  // The prompt chunks of a step share one chunk's rows (chunk_rows()), in admission order, so
+  // a step's work beside the decoding rows is bounded however many long prompts arrive at once:
+  // the decoding requests' inter-token latency grows by one chunk's forward at most.
+  int64_t budget = chunk_rows();
   for (const auto& a : active_) {
     const int64_t prompt = static_cast<int64_t>(a->request.prompt.size());
     if (a->feeds_prompt && a->fed < prompt) {  // a long prompt, or a prefix-cache hit's rest: one chunk
-      const int64_t m = std::min(prompt - a->fed, chunk_rows());
+      const int64_t m = std::min(prompt - a->fed, budget);
+      budget -= m;
+      if (m == 0) {
+        last_row.push_back(-1);
+        continue;
+      }
       for (int64_t j = 0; j < m; ++j) {
         tokens.push_back(a->request.prompt[static_cast<size_t>(a->fed + j)]);
         positions.push_back(a->fed + j);
@@ -563,8 +573,9 @@ bool GenerationEngine::step() {
       rows_->add(a->seq);
     }
     last_row.push_back(static_cast<int64_t>(tokens.size()) - 1);
+    logit_rows.push_back(last_row.back());
   }
-  const int64_t n = static_cast<int64_t>(tokens.size()), k = static_cast<int64_t>(last_row.size());
+  const int64_t n = static_cast<int64_t>(tokens.size()), k = static_cast<int64_t>(logit_rows.size());
   // Stores of up to max_batch rows are kept; a step with a prompt chunk gets one for the step,
   // with logits for its active requests' last rows only (Transformer::forward_rows' logit_rows).
   ActivationStore chunk_store;
@@ -577,7 +588,7 @@ bool GenerationEngine::step() {
     chunk_store = model_.allocate_rows(n, k);
     store = &chunk_store;
   }
-  model_.forward_rows(*store, tokens, positions, *rows_, &last_row);
+  model_.forward_rows(*store, tokens, positions, *rows_, &logit_rows);
   rows_->commit();
   stats_.peak_blocks = std::max(stats_.peak_blocks, cache_->blocks_in_use());
   stats_.peak_bytes_used = std::max(stats_.peak_bytes_used, cache_->bytes_used());
@@ -586,9 +597,12 @@ bool GenerationEngine::step() {
   const bool on_backend = read_step_outputs(store->logits.view(0, {k, vocab}));
   cache_->check_status();  // a row its format could not store fails the step (a cache in backend memory)
   const float* logits = logits_.data();
+  int64_t row = -1;  // the request's row of the step's (k, vocab) logits
   for (size_t i = 0; i < active_.size(); ++i) {
     Active& a = *active_[i];
     const int64_t r = last_row[i];
+    if (r < 0) continue;  // its chunk waits for the next step
+    ++row;
     const int64_t prompt = static_cast<int64_t>(a.request.prompt.size());
     const int64_t fed = rows_->chunk_len[static_cast<size_t>(r)];  // positions this step fed (committed by the chunk)
     if (fed > 1) {
@@ -609,8 +623,6 @@ bool GenerationEngine::step() {
       if (prefix_) prefix_->insert(a.request.prompt, prompt / config_.block_size, a.seq);
       a.feeds_prompt = false;
     }
-    // Its logits are row i of the step's (k, vocab): one row per active request.
-    const int64_t row = static_cast<int64_t>(i);
     if (on_backend) {
       ++stats_.backend_picks;
       sampled(a, picks_[static_cast<size_t>(row)], now);

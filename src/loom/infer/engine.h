@@ -19,7 +19,9 @@
 //
 // Chunked prefill (EngineConfig::prefill_chunk = C, default 512; vLLM's chunked prefill,
 // llama.cpp's n_batch): a prompt longer than C tokens is fed C rows a step through the rows,
-// beside the other requests' decoding rows, as a prefix-cache hit's rest is: each chunk row
+// beside the other requests' decoding rows, as a prefix-cache hit's rest is (the prompts being
+// fed share C rows a step, in admission order: a step is at most one chunk plus the decoding
+// rows, which therefore wait one chunk's forward at most): each chunk row
 // attends to the sequence's cached positions and the chunk's rows up to itself (one layer's
 // visible rows gathered in fp32 at a time, the chunk's rows attended side by side), the chunk is
 // stored in the cache after the step, and only each request's last row of the step gets logits.
