@@ -113,6 +113,56 @@ TEST(EngineTest, RowDecodingMatchesTheFullForward) {
 // A prompt's store (the engine's prefill) holds the last position's logits alone: V floats
 // instead of T V, equal to the whole forward's last row within f32 rounding (the head multiplies
 // one row); a loss over it is refused.
+// Speculative decoding by prompt lookup (EngineConfig::speculate): every request's tokens equal
+// those without it (greedy ones verified in chunks of drafts, a sampled one decoding as before),
+// for MHA, GQA, MoE and a sliding window, while drafts are kept (prompts that repeat a pattern)
+// and the run takes fewer steps; the proposer takes the latest earlier occurrence of the longest
+// recurring suffix; a quantized cache is refused.
+TEST(EngineTest, SpeculativeDecodingKeepsEveryRequestsTokens) {
+  EXPECT_EQ(propose_ngram_drafts({1, 2, 3, 4, 1, 2}, 3, 3), (std::vector<int32_t>{3, 4, 1}));
+  EXPECT_EQ(propose_ngram_drafts({1, 2, 9, 1, 2, 7, 1, 2}, 3, 4), (std::vector<int32_t>{7, 1, 2}));
+  EXPECT_EQ(propose_ngram_drafts({4, 5, 6, 5, 6}, 3, 1), (std::vector<int32_t>{5}));  // [5, 6] recurs
+  EXPECT_TRUE(propose_ngram_drafts({1, 2, 3}, 3, 4).empty());
+  EXPECT_TRUE(propose_ngram_drafts({7}, 3, 4).empty());
+  int64_t kept = 0;
+  for (const std::string preset : {"gpt2-tiny", "llama-tiny", "moe-tiny", "llama-tiny+window"}) {
+    ModelConfig config = model_preset(preset.substr(0, preset.find('+')));
+    config.max_seq_len = 64;
+    if (preset.find("+window") != std::string::npos) config.attn_window = 3;
+    auto backend = make_cpu_backend();
+    Transformer model(*backend, config, ModelUse{.gradients = false});
+    model.init_weights(4);
+    const int64_t V = config.vocab_size;
+    std::vector<GenerationRequest> reqs(4);
+    for (int64_t i = 0; i < 4; ++i) {
+      const std::vector<int32_t> motif = prompt_of(3 + i, 10 + i, V);
+      for (int rep = 0; rep < 4; ++rep) reqs[i].prompt.insert(reqs[i].prompt.end(), motif.begin(), motif.end());
+      reqs[i].max_new_tokens = i == 3 ? 6 : 24 + i;
+      reqs[i].sampling.temperature = i == 3 ? 0.9f : 0.0f;  // the last one sampled: no drafts
+      reqs[i].sampling.seed = 7 + static_cast<uint64_t>(i);
+    }
+    EngineConfig plain;
+    plain.max_batch = 4, plain.block_size = 4;
+    EngineConfig spec = plain;
+    spec.speculate = 4;
+    GenerationEngine a(model, plain), b(model, spec);
+    for (const GenerationRequest& r : reqs) a.submit(r), b.submit(r);
+    const std::vector<GenerationResult> want = a.run(), got = b.run();
+    for (size_t i = 0; i < reqs.size(); ++i) EXPECT_EQ(got[i].tokens, want[i].tokens) << preset << " request " << i;
+    EXPECT_GT(b.stats().drafted, 0) << preset;
+    EXPECT_LE(b.stats().accepted, b.stats().drafted) << preset;
+    if (b.stats().accepted > 0) {
+      EXPECT_LT(b.stats().steps, a.stats().steps) << preset;
+    }
+    kept += b.stats().accepted;
+  }
+  EXPECT_GT(kept, 0);
+  EngineConfig quantized;
+  apply_kv_preset(quantized, "int8", 8);
+  quantized.speculate = 2;
+  EXPECT_NE(test::error_of([&] { quantized.validate(); }).find("--speculate needs an fp32 KV cache"), std::string::npos);
+}
+
 // The paged pool's budget (EngineConfig::kv_memory, --kv-memory): max_batch full-length
 // sequences when they fit, else the blocks the budget holds; a budget below one block is refused
 // naming it; --kv-blocks is taken as given. A request the capped pool cannot hold is refused at

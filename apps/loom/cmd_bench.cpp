@@ -109,6 +109,7 @@ int bench_generate(const Args& args) {
   ec.max_batch = args.get_int("max-batch", 16);
   ec.block_size = args.get_int("kv-block", 16);
   ec.prefill_chunk = args.get_int("prefill-chunk", ec.prefill_chunk);
+  ec.speculate = args.get_int("speculate", 0);
   if (args.has("kv-memory")) ec.kv_memory = parse_bytes(args.get("kv-memory"), "--kv-memory");
   ec.paged = !args.has("contiguous");
   const std::string kv = args.get("kv", "fp32");
@@ -169,6 +170,11 @@ int bench_generate(const Args& args) {
               alone_s / batched_s, static_cast<long long>(st.steps),
               static_cast<double>(st.rows) / std::max<int64_t>(st.steps, 1), static_cast<long long>(ec.max_batch),
               same == n ? "yes" : "NO", static_cast<long long>(same), static_cast<long long>(n));
+  if (ec.speculate > 0) {
+    std::printf("speculative decoding (prompt lookup, up to %lld drafts): %lld drafted, %lld accepted (%.1f%%) in the "
+                "batched run\n", static_cast<long long>(ec.speculate), static_cast<long long>(st.drafted),
+                static_cast<long long>(st.accepted), st.drafted > 0 ? 100.0 * static_cast<double>(st.accepted) / static_cast<double>(st.drafted) : 0.0);
+  }
   std::printf("KV cache: %.1f bytes per token by formula (%lld layers), peak %s in use of %s reserved, %lld blocks at the "
               "peak, mean utilisation %.3f\n", kv_bytes_per_token(cache_config), static_cast<long long>(cache_config.n_layer),
               format_bytes(static_cast<size_t>(st.peak_bytes_used)).c_str(),
@@ -212,6 +218,7 @@ int bench_main(int argc, char** argv) {
       {"prompt-tokens", "L", "tokens per prompt (default 32)"},
       {"new-tokens", "M", "tokens generated per request (default 64)"},
       {"max-batch", "B", "rows of continuous batching (default 16)"},
+      {"speculate", "K", "greedy requests propose up to K tokens by prompt lookup, verified in one forward (default 0: off; needs --kv fp32)"},
       {"prefill-chunk", "N", "prompts longer than N tokens are fed N a step beside the decoding rows (default 512; 0: each prompt in one forward)"},
       {"kv", "FORMAT", "KV cache format fp32 | bf16 | int8 | int4 | kivi4 | kivi2 (default fp32)"},
       {"kv-block", "K", "positions per paged KV cache block (default 16)"},

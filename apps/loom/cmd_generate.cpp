@@ -57,6 +57,7 @@ int generate_main(int argc, char** argv) {
                    {"prompts", "FILE", "one prompt per non-empty line, generated together by the engine"},
                    {"out", "FILE", "--prompts: write the JSON lines here (atomically) instead of stdout"},
                    {"max-batch", "B", "--prompts: rows of continuous batching (default 8)"},
+                   {"speculate", "K", "--prompts: greedy requests propose up to K tokens by prompt lookup, verified in one forward (default 0: off; needs --kv fp32)"},
                    {"prefill-chunk", "N", "--prompts: prompts longer than N tokens are fed N a step beside the decoding rows (default 512; 0: each prompt in one forward)"},
                    {"kv", "FORMAT", "--prompts: KV cache format fp32 | bf16 | int8 | int4 | kivi4 | kivi2 (default fp32)"},
                    {"kv-block", "N", "--prompts: positions per paged KV cache block (default 16)"},
@@ -94,6 +95,7 @@ int generate_main(int argc, char** argv) {
     ec.max_batch = args.get_int("max-batch", 8);
     ec.block_size = args.get_int("kv-block", 16);
     ec.prefill_chunk = args.get_int("prefill-chunk", ec.prefill_chunk);
+    ec.speculate = args.get_int("speculate", 0);
     if (args.has("kv-memory")) ec.kv_memory = parse_bytes(args.get("kv-memory"), "--kv-memory");
     ec.paged = !args.has("contiguous");
     apply_kv_preset(ec, args.get("kv", "fp32"), config.model.head_dim());

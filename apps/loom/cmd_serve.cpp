@@ -149,6 +149,7 @@ int serve_main(int argc, char** argv) {
                    {"kv-memory", "BYTES", "the KV pool's budget, e.g. 8GiB (default: 90% of the available memory after loading; --kv-blocks overrides)"},
                    {"max-batch", "N", "rows of continuous batching (default 16); also the largest n"},
                    {"max-queue", "N", "requests waiting for a row before 429 (default 64)"},
+                   {"speculate", "K", "greedy requests propose up to K tokens by prompt lookup, verified in one forward (default 0: off; needs --kv fp32)"},
                    {"prefill-chunk", "N", "prompts longer than N tokens are fed N a step beside the decoding rows (default 512; 0: each prompt in one forward)"},
                    {"no-prefix-cache", "", "turn automatic prefix caching off"},
                    {"chat-template", "FILE", "a Jinja chat template (default: the tokenizer folder's)"},
@@ -191,6 +192,7 @@ int serve_main(int argc, char** argv) {
   ec.block_size = args.get_int("kv-block", 16);
   ec.num_blocks = args.get_int("kv-blocks", 0);
   ec.prefill_chunk = args.get_int("prefill-chunk", ec.prefill_chunk);
+  ec.speculate = args.get_int("speculate", 0);
   if (args.has("kv-memory")) ec.kv_memory = parse_bytes(args.get("kv-memory"), "--kv-memory");
   apply_kv_preset(ec, args.get("kv", "fp32"), config.model.head_dim());
   info.max_n = ec.max_batch;

@@ -15,6 +15,9 @@ void EngineConfig::validate() const {
   LOOM_CHECK(num_blocks >= 0, "generate.kv_blocks must be >= 0 (0: enough for max_batch full sequences), got ", num_blocks);
   LOOM_CHECK(residual >= 0, "generate.kv_residual must be >= 0, got ", residual);
   LOOM_CHECK(prefill_chunk >= 0, "--prefill-chunk must be >= 0 (0: every prompt in one forward), got ", prefill_chunk);
+  LOOM_CHECK(speculate >= 0 && ngram >= 1, "--speculate must be >= 0 and --ngram >= 1, got ", speculate, " and ", ngram);
+  LOOM_CHECK(speculate == 0 || (k_format == KV_FP32 && v_format == KV_FP32 && residual == 0),
+             "--speculate needs an fp32 KV cache (--kv fp32): the draft rows attend to each other before they are stored");
 }
 
 KvCacheConfig engine_cache_config(const ModelConfig& model, const EngineConfig& engine) {
@@ -65,8 +68,11 @@ class GenerationEngine::Rows : public DecodeCache {
 
   void clear() {
     seqs.clear(), chunk.clear(), chunk_len.clear();
-    chunks_.clear();
+    chunks_.clear(), keep_.clear();
   }
+  // commit() stores only the first `rows` rows of seq's chunk (speculative decoding: the rows of
+  // the accepted drafts).
+  void keep(int64_t seq, int64_t rows) { keep_[seq] = rows; }
   void add(int64_t seq, int64_t index = 0, int64_t length = 1) {
     seqs.push_back(seq), chunk.push_back(index), chunk_len.push_back(length);
   }
@@ -138,7 +144,9 @@ class GenerationEngine::Rows : public DecodeCache {
   void commit() {
     const KvCacheConfig& c = cache_.config();
     for (auto& [seq, chunk_rows] : chunks_) {
-      for (int64_t j = 0; j < chunk_rows.rows; ++j) {
+      const auto kept = keep_.find(seq);
+      const int64_t rows = kept == keep_.end() ? chunk_rows.rows : std::min(chunk_rows.rows, kept->second);
+      for (int64_t j = 0; j < rows; ++j) {
         for (int64_t l = 0; l < c.n_layer; ++l) {
           const auto at = static_cast<size_t>(j);
           cache_.write(seq, l, chunk_rows.new_k[static_cast<size_t>(l)].data() + at * static_cast<size_t>(c.k_width),
@@ -157,7 +165,8 @@ class GenerationEngine::Rows : public DecodeCache {
   // time, so a chunk holds one layer's visible rows in fp32 plus its own rows of every layer.
   struct Chunk {
     int64_t prefix = 0, rows = 0;
-    std::vector<float> k, v;                       // the current layer's (prefix + rows so far, width)
+    int64_t first = 0;  // the first position gathered: a sliding window's rows before it are never read (nor kept)
+    std::vector<float> k, v;                       // the current layer's (prefix - first + rows so far, width)
     std::vector<std::vector<float>> new_k, new_v;  // [layer] the chunk's own rows (rows, width), for commit
   };
 
@@ -169,11 +178,15 @@ class GenerationEngine::Rows : public DecodeCache {
     Chunk& ch = chunks_[seq];
     if (ch.new_k.empty()) {
       ch.prefix = cache_.length(seq);
+      // Row 0 of the chunk attends to [prefix + 1 - W, prefix] under a window W, the others to later rows.
+      // (MLA's latent rows are handed out from position 0: all of them.)
+      ch.first = model_.attn_window > 0 && c.v_width > 0 ? std::max<int64_t>(0, ch.prefix + 1 - model_.attn_window) : 0;
       ch.new_k.resize(static_cast<size_t>(c.n_layer)), ch.new_v.resize(static_cast<size_t>(c.n_layer));
     }
     if (chunk[static_cast<size_t>(row)] == 0) {
-      ch.k.resize(static_cast<size_t>(ch.prefix * c.k_width)), ch.v.resize(static_cast<size_t>(ch.prefix * c.v_width));
-      if (ch.prefix > 0) cache_.read(seq, layer, 0, ch.prefix, ch.k.data(), c.v_width > 0 ? ch.v.data() : nullptr);
+      const int64_t cached = ch.prefix - ch.first;
+      ch.k.resize(static_cast<size_t>(cached * c.k_width)), ch.v.resize(static_cast<size_t>(cached * c.v_width));
+      if (cached > 0) cache_.read(seq, layer, ch.first, ch.prefix, ch.k.data(), c.v_width > 0 ? ch.v.data() : nullptr);
     }
     ch.k.insert(ch.k.end(), k, k + c.k_width);
     ch.new_k[static_cast<size_t>(layer)].insert(ch.new_k[static_cast<size_t>(layer)].end(), k, k + c.k_width);
@@ -191,11 +204,12 @@ class GenerationEngine::Rows : public DecodeCache {
     const Chunk& c = chunks_.at(seq);
     const int64_t G = model_.n_kv_head, hd = model_.head_dim();
     const int64_t first = model_.attn_window > 0 ? std::max<int64_t>(0, count - model_.attn_window) : 0;
-    const auto rows = [&](const float* base) {
-      return [=](auto&& fn) {
-        for (int64_t t = first; t < count; ++t) fn(t, base + t * G * hd);
+    const auto rows = [&](const float* base) {  // base holds positions c.first, c.first + 1, ...
+      return [=, from = c.first](auto&& fn) {
+        for (int64_t t = first; t < count; ++t) fn(t, base + (t - from) * G * hd);
       };
     };
+    LOOM_CHECK(first >= c.first, "engine: a chunk row attends to position ", first, " before the gathered ", c.first);
     attend_rows(q, out, model_.n_head, G, hd, first, count, rows(c.k.data()), rows(c.v.data()), scores, sums);
   }
 
@@ -204,11 +218,13 @@ class GenerationEngine::Rows : public DecodeCache {
   Tensor q_;  // attend_all's contiguous query rows
   std::vector<float> buffer_, scores_, sums_;
   std::map<int64_t, Chunk> chunks_;  // [sequence] this step's chunk
+  std::map<int64_t, int64_t> keep_;  // [sequence] rows of its chunk commit() stores
 };
 
 struct GenerationEngine::Active {
   int64_t id = 0, seq = 0, fed = 0, blocks = 0;
   bool feeds_prompt = false;  // the rest of a prefix-cached prompt goes through the rows
+  std::vector<int32_t> drafts;  // this step's speculative tokens, verified after its last token
   GenerationRequest request;
   Sampler sampler;
   GenerationResult result;
@@ -548,6 +564,8 @@ bool GenerationEngine::step() {
   std::vector<int64_t> positions;
   std::vector<int64_t> last_row;    // [active] its last row this step (-1: none, its chunk waits)
   std::vector<int64_t> logit_rows;  // the rows whose logits the step computes, in order
+  std::vector<int64_t> first_logit;  // [active] its first row of the step's logits (-1: none)
+  bool speculating = false;
   rows_->clear();
   // The prompt chunks of a step share one chunk's rows (chunk_rows()), in admission order, so
   // a step's work beside the decoding rows is bounded however many long prompts arrive at once:
@@ -559,7 +577,7 @@ bool GenerationEngine::step() {
       const int64_t m = std::min(prompt - a->fed, budget);
       budget -= m;
       if (m == 0) {
-        last_row.push_back(-1);
+        last_row.push_back(-1), first_logit.push_back(-1);
         continue;
       }
       for (int64_t j = 0; j < m; ++j) {
@@ -568,10 +586,27 @@ bool GenerationEngine::step() {
         rows_->add(a->seq, j, m);
       }
     } else {
-      tokens.push_back(a->fed < prompt ? a->request.prompt[static_cast<size_t>(a->fed)] : a->result.tokens.back());
+      const bool decoding = a->fed >= prompt;
+      tokens.push_back(decoding ? a->result.tokens.back() : a->request.prompt[static_cast<size_t>(a->fed)]);
       positions.push_back(a->fed);
-      rows_->add(a->seq);
+      a->drafts.clear();
+      if (decoding && config_.speculate > 0 && a->sampler.plain_greedy()) a->drafts = drafts_for(*a);
+      // With drafts: the last token and the drafts as one chunk, every row's logits read.
+      const int64_t m = 1 + static_cast<int64_t>(a->drafts.size());
+      rows_->add(a->seq, 0, m);
+      for (int64_t j = 1; j < m; ++j) {
+        tokens.push_back(a->drafts[static_cast<size_t>(j - 1)]);
+        positions.push_back(a->fed + j);
+        rows_->add(a->seq, j, m);
+      }
+      first_logit.push_back(static_cast<int64_t>(logit_rows.size()));
+      for (int64_t j = 0; j + 1 < m; ++j) logit_rows.push_back(static_cast<int64_t>(tokens.size()) - m + j);
+      speculating = speculating || m > 1;
+      last_row.push_back(static_cast<int64_t>(tokens.size()) - 1);
+      logit_rows.push_back(last_row.back());
+      continue;
     }
+    first_logit.push_back(static_cast<int64_t>(logit_rows.size()));
     last_row.push_back(static_cast<int64_t>(tokens.size()) - 1);
     logit_rows.push_back(last_row.back());
   }
@@ -589,20 +624,43 @@ bool GenerationEngine::step() {
     store = &chunk_store;
   }
   model_.forward_rows(*store, tokens, positions, *rows_, &logit_rows);
+  const auto now = std::chrono::steady_clock::now();
+  const bool on_backend = read_step_outputs(store->logits.view(0, {k, vocab}), speculating);
+  const float* logits = logits_.data();
+  // Speculative requests: the model's picks at the last token's row and each draft's, up to the
+  // first draft it would not have picked; the cache keeps the rows of the drafts it agreed with.
+  std::vector<std::vector<int32_t>> picked(active_.size());
+  for (size_t i = 0; i < active_.size(); ++i) {
+    Active& a = *active_[i];
+    if (a.drafts.empty() || last_row[i] < 0) continue;
+    const int64_t m = 1 + static_cast<int64_t>(a.drafts.size());
+    for (int64_t j = 0; j < m; ++j) {
+      picked[i].push_back(a.sampler.sample(logits + (first_logit[i] + j) * vocab, vocab));
+      if (j + 1 == m || picked[i].back() != a.drafts[static_cast<size_t>(j)]) break;
+    }
+    rows_->keep(a.seq, static_cast<int64_t>(picked[i].size()));
+    stats_.drafted += m - 1;
+    stats_.accepted += static_cast<int64_t>(picked[i].size()) - 1;
+  }
   rows_->commit();
   stats_.peak_blocks = std::max(stats_.peak_blocks, cache_->blocks_in_use());
   stats_.peak_bytes_used = std::max(stats_.peak_bytes_used, cache_->bytes_used());
   stats_.utilisation_sum += cache_->utilisation();
-  const auto now = std::chrono::steady_clock::now();
-  const bool on_backend = read_step_outputs(store->logits.view(0, {k, vocab}));
   cache_->check_status();  // a row its format could not store fails the step (a cache in backend memory)
-  const float* logits = logits_.data();
-  int64_t row = -1;  // the request's row of the step's (k, vocab) logits
   for (size_t i = 0; i < active_.size(); ++i) {
     Active& a = *active_[i];
     const int64_t r = last_row[i];
     if (r < 0) continue;  // its chunk waits for the next step
-    ++row;
+    const int64_t row = first_logit[i];  // its row of the step's (k, vocab) logits
+    if (!a.drafts.empty()) {  // the last token and the accepted drafts are in the cache
+      for (size_t j = 0; j < picked[i].size() && a.result.finish.empty(); ++j) {
+        ++a.fed;
+        if (on_logits_ && a.request.logits) on_logits_(a.id, logits + (row + static_cast<int64_t>(j)) * vocab, vocab);
+        sampled(a, picked[i][j], now);
+      }
+      if (forgets()) cache_->forget_before(a.seq, cache_->length(a.seq) - model_.config().attn_window + 1);
+      continue;
+    }
     const int64_t prompt = static_cast<int64_t>(a.request.prompt.size());
     const int64_t fed = rows_->chunk_len[static_cast<size_t>(r)];  // positions this step fed (committed by the chunk)
     if (fed > 1) {
@@ -638,10 +696,10 @@ bool GenerationEngine::step() {
   return true;
 }
 
-bool GenerationEngine::read_step_outputs(const Tensor& logits) {
+bool GenerationEngine::read_step_outputs(const Tensor& logits, bool host) {
   Backend& backend = model_.backend();
   const int64_t n = logits.dim(0);
-  const bool on_backend = cache_->in_backend_memory() && std::all_of(active_.begin(), active_.end(), [&](const auto& a) {
+  const bool on_backend = !host && cache_->in_backend_memory() && std::all_of(active_.begin(), active_.end(), [&](const auto& a) {
     return a->sampler.plain_greedy() && !(on_logits_ && a->request.logits);
   });
   if (!on_backend) {
@@ -657,6 +715,30 @@ bool GenerationEngine::read_step_outputs(const Tensor& logits) {
   picks_.resize(static_cast<size_t>(n));
   backend.read(picks, picks_.data());
   return true;
+}
+
+std::vector<int32_t> GenerationEngine::drafts_for(const Active& a) const {
+  const int64_t generated = static_cast<int64_t>(a.result.tokens.size());
+  // Every draft kept yields one more token: at most max_new_tokens in all, and positions below the context.
+  const int64_t room = std::min({config_.speculate, a.request.max_new_tokens - generated - 1,
+                                 model_.config().max_seq_len - 1 - a.fed});
+  if (room <= 0) return {};
+  std::vector<int32_t> context = a.request.prompt;
+  context.insert(context.end(), a.result.tokens.begin(), a.result.tokens.end());
+  return propose_ngram_drafts(context, config_.ngram, room);
+}
+
+std::vector<int32_t> propose_ngram_drafts(const std::vector<int32_t>& context, int64_t max_n, int64_t k) {
+  const int64_t L = static_cast<int64_t>(context.size());
+  for (int64_t n = std::min(max_n, L - 1); n >= 1; --n) {
+    const auto tail = context.end() - n;
+    for (int64_t s = L - n - 1; s >= 0; --s) {  // the latest earlier occurrence
+      if (!std::equal(tail, context.end(), context.begin() + s)) continue;
+      const int64_t from = s + n, to = std::min(L, from + k);
+      return {context.begin() + from, context.begin() + to};
+    }
+  }
+  return {};
 }
 
 void apply_kv_preset(EngineConfig& e, const std::string& name, int64_t head_dim) {

@@ -118,6 +118,15 @@ struct EngineConfig {
   // prompt, so a step's activations, logits and attention scratch are bounded by the chunk, not
   // the prompt (see "Chunked prefill" above). 0: every prompt in one forward.
   int64_t prefill_chunk = 512;
+  // Speculative decoding by prompt lookup (Saxena 2023, vLLM's n-gram speculator): a greedy
+  // request's step proposes up to `speculate` tokens, those that followed the latest earlier
+  // occurrence of its context's last n tokens (n = ngram down to 1), and the model verifies them
+  // in the same step as a chunk of rows; the drafts the model would have picked are kept, with
+  // its own pick after them (Leviathan et al. 2023 with a one-hot draft: the greedy output is the
+  // model's own). Needs an fp32 KV cache (the drafts' rows attend to each other before they are
+  // stored; a quantized row would be attended as stored one step later). 0: off.
+  int64_t speculate = 0;
+  int64_t ngram = 3;
   // Automatic prefix caching: needs a paged cache without an fp32 window (fp32, bf16, int8 or
   // int4 with no residual), no sliding window and whole-prompt prefill; prefix_cache_supported.
   bool prefix_cache = false;
@@ -160,7 +169,12 @@ struct EngineStats {
   int64_t peak_bytes_used = 0;        // KV bytes holding positions
   double utilisation_sum = 0;         // of the cache, summed over steps (mean = / steps)
   int64_t backend_picks = 0;          // tokens picked by Backend::argmax_rows (their logits stayed on the device)
+  int64_t drafted = 0, accepted = 0;  // speculative decoding: draft tokens verified, and kept
 };
+
+// Prompt lookup: up to k tokens that followed the latest earlier occurrence of the last n tokens
+// of context, for the largest n <= max_n whose last n tokens occur earlier; empty when none do.
+std::vector<int32_t> propose_ngram_drafts(const std::vector<int32_t>& context, int64_t max_n, int64_t k);
 
 class GenerationEngine {
  public:
@@ -223,7 +237,8 @@ class GenerationEngine {
   // A step's (n, vocab) logits to the host (logits_), or, when every active row samples plain
   // greedy and no one reads its logits on a backend holding the KV cache, the backend's argmax of
   // each row (picks_: 4 bytes a row); returns true for the latter.
-  bool read_step_outputs(const Tensor& logits);
+  bool read_step_outputs(const Tensor& logits, bool host = false);  // host: always the logits
+  std::vector<int32_t> drafts_for(const Active& a) const;  // this step's speculative tokens (speculate)
 
   Transformer& model_;
   EngineConfig config_;

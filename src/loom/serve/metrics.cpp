@@ -115,6 +115,10 @@ std::string Metrics::render(const EngineGauges& e) const {
   out << "loom_engine_steps_total " << e.steps << "\n";
   metric("loom_engine_step_rows_total", "counter", "Rows run, summed over steps (mean batch = rows / steps).");
   out << "loom_engine_step_rows_total " << e.step_rows << "\n";
+  metric("loom_spec_draft_tokens_total", "counter", "Speculative draft tokens verified (--speculate).");
+  out << "loom_spec_draft_tokens_total " << e.drafted << "\n";
+  metric("loom_spec_accepted_tokens_total", "counter", "Speculative draft tokens the model agreed with and kept.");
+  out << "loom_spec_accepted_tokens_total " << e.accepted << "\n";
   metric("loom_time_to_first_token_seconds", "histogram", "Request received to its first token.");
   out << ttft_.render("loom_time_to_first_token_seconds");
   metric("loom_inter_token_latency_seconds", "histogram", "Time between consecutive tokens of a sample.");

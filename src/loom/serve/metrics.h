@@ -35,6 +35,7 @@ struct EngineGauges {
   int64_t kv_blocks_used = 0, kv_blocks_free = 0, kv_blocks_cached = 0;
   int64_t prefix_query_tokens = 0, prefix_hit_tokens = 0;
   int64_t steps = 0, step_rows = 0;
+  int64_t drafted = 0, accepted = 0;  // speculative decoding (EngineStats)
 };
 
 class Metrics {
