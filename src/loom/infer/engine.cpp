@@ -549,6 +549,75 @@ void GenerationEngine::cancel(int64_t first, int64_t count) {
   }
 }
 
+// The rows of a step: every active request's next position (a prompt chunk, or its last token
+// and its drafts), in the order of active_.
+struct GenerationEngine::StepPlan {
+  std::vector<int32_t> tokens;
+  std::vector<int64_t> positions;
+  std::vector<int64_t> last_row;     // [active] its last row this step (-1: none, its chunk waits)
+  std::vector<int64_t> first_logit;  // [active] its first row of the step's logits (-1: none)
+  std::vector<int64_t> logit_rows;   // the rows whose logits the step computes, in order
+  bool speculating = false;
+};
+
+GenerationEngine::StepPlan GenerationEngine::plan_step() {
+  StepPlan p;
+  rows_->clear();
+  // The prompt chunks of a step share one chunk's rows (chunk_rows()), in admission order, so
+  // a step's work beside the decoding rows is bounded however many long prompts arrive at once:
+  // the decoding requests' inter-token latency grows by one chunk's forward at most.
+  int64_t budget = chunk_rows();
+  for (const auto& a : active_) {
+    const int64_t prompt = static_cast<int64_t>(a->request.prompt.size());
+    int64_t m = 1, logits_from = 0;  // the request's rows this step; its first row with logits
+    if (a->feeds_prompt && a->fed < prompt) {  // a long prompt, or a prefix-cache hit's rest: one chunk
+      m = std::min(prompt - a->fed, budget);
+      budget -= m;
+      if (m == 0) {
+        p.last_row.push_back(-1), p.first_logit.push_back(-1);
+        continue;
+      }
+      for (int64_t j = 0; j < m; ++j) p.tokens.push_back(a->request.prompt[static_cast<size_t>(a->fed + j)]);
+      logits_from = m - 1;
+    } else {
+      const bool decoding = a->fed >= prompt;
+      p.tokens.push_back(decoding ? a->result.tokens.back() : a->request.prompt[static_cast<size_t>(a->fed)]);
+      a->drafts.clear();
+      if (decoding && config_.speculate > 0 && a->sampler.plain_greedy()) a->drafts = drafts_for(*a);
+      // With drafts: the last token and the drafts as one chunk, every row's logits read.
+      p.tokens.insert(p.tokens.end(), a->drafts.begin(), a->drafts.end());
+      m += static_cast<int64_t>(a->drafts.size());
+      p.speculating = p.speculating || m > 1;
+    }
+    const int64_t first = static_cast<int64_t>(p.tokens.size()) - m;
+    for (int64_t j = 0; j < m; ++j) p.positions.push_back(a->fed + j), rows_->add(a->seq, j, m);
+    p.first_logit.push_back(static_cast<int64_t>(p.logit_rows.size()));
+    for (int64_t j = logits_from; j < m; ++j) p.logit_rows.push_back(first + j);
+    p.last_row.push_back(first + m - 1);
+  }
+  return p;
+}
+
+std::vector<std::vector<int32_t>> GenerationEngine::verify_drafts(const StepPlan& p, const float* logits) {
+  // The model's picks at the last token's row and each draft's, up to the first draft it would
+  // not have picked; the cache keeps the rows of the drafts it agreed with.
+  const int64_t vocab = model_.config().vocab_size;
+  std::vector<std::vector<int32_t>> picked(active_.size());
+  for (size_t i = 0; i < active_.size(); ++i) {
+    Active& a = *active_[i];
+    if (a.drafts.empty() || p.last_row[i] < 0) continue;
+    const int64_t m = 1 + static_cast<int64_t>(a.drafts.size());
+    for (int64_t j = 0; j < m; ++j) {
+      picked[i].push_back(a.sampler.sample(logits + (p.first_logit[i] + j) * vocab, vocab));
+      if (j + 1 == m || picked[i].back() != a.drafts[static_cast<size_t>(j)]) break;
+    }
+    rows_->keep(a.seq, static_cast<int64_t>(picked[i].size()));
+    stats_.drafted += m - 1;
+    stats_.accepted += static_cast<int64_t>(picked[i].size()) - 1;
+  }
+  return picked;
+}
+
 bool GenerationEngine::step() {
   const auto start = std::chrono::steady_clock::now();
   retire();  // cancelled requests free their rows and blocks for this step's admissions
@@ -560,57 +629,8 @@ bool GenerationEngine::step() {
     return more;
   }
   const int64_t vocab = model_.config().vocab_size;
-  std::vector<int32_t> tokens;
-  std::vector<int64_t> positions;
-  std::vector<int64_t> last_row;    // [active] its last row this step (-1: none, its chunk waits)
-  std::vector<int64_t> logit_rows;  // the rows whose logits the step computes, in order
-  std::vector<int64_t> first_logit;  // [active] its first row of the step's logits (-1: none)
-  bool speculating = false;
-  rows_->clear();
-  // The prompt chunks of a step share one chunk's rows (chunk_rows()), in admission order, so
-  // a step's work beside the decoding rows is bounded however many long prompts arrive at once:
-  // the decoding requests' inter-token latency grows by one chunk's forward at most.
-  int64_t budget = chunk_rows();
-  for (const auto& a : active_) {
-    const int64_t prompt = static_cast<int64_t>(a->request.prompt.size());
-    if (a->feeds_prompt && a->fed < prompt) {  // a long prompt, or a prefix-cache hit's rest: one chunk
-      const int64_t m = std::min(prompt - a->fed, budget);
-      budget -= m;
-      if (m == 0) {
-        last_row.push_back(-1), first_logit.push_back(-1);
-        continue;
-      }
-      for (int64_t j = 0; j < m; ++j) {
-        tokens.push_back(a->request.prompt[static_cast<size_t>(a->fed + j)]);
-        positions.push_back(a->fed + j);
-        rows_->add(a->seq, j, m);
-      }
-    } else {
-      const bool decoding = a->fed >= prompt;
-      tokens.push_back(decoding ? a->result.tokens.back() : a->request.prompt[static_cast<size_t>(a->fed)]);
-      positions.push_back(a->fed);
-      a->drafts.clear();
-      if (decoding && config_.speculate > 0 && a->sampler.plain_greedy()) a->drafts = drafts_for(*a);
-      // With drafts: the last token and the drafts as one chunk, every row's logits read.
-      const int64_t m = 1 + static_cast<int64_t>(a->drafts.size());
-      rows_->add(a->seq, 0, m);
-      for (int64_t j = 1; j < m; ++j) {
-        tokens.push_back(a->drafts[static_cast<size_t>(j - 1)]);
-        positions.push_back(a->fed + j);
-        rows_->add(a->seq, j, m);
-      }
-      first_logit.push_back(static_cast<int64_t>(logit_rows.size()));
-      for (int64_t j = 0; j + 1 < m; ++j) logit_rows.push_back(static_cast<int64_t>(tokens.size()) - m + j);
-      speculating = speculating || m > 1;
-      last_row.push_back(static_cast<int64_t>(tokens.size()) - 1);
-      logit_rows.push_back(last_row.back());
-      continue;
-    }
-    first_logit.push_back(static_cast<int64_t>(logit_rows.size()));
-    last_row.push_back(static_cast<int64_t>(tokens.size()) - 1);
-    logit_rows.push_back(last_row.back());
-  }
-  const int64_t n = static_cast<int64_t>(tokens.size()), k = static_cast<int64_t>(logit_rows.size());
+  const StepPlan p = plan_step();
+  const int64_t n = static_cast<int64_t>(p.tokens.size()), k = static_cast<int64_t>(p.logit_rows.size());
   // Stores of up to max_batch rows are kept; a step with a prompt chunk gets one for the step,
   // with logits for its active requests' last rows only (Transformer::forward_rows' logit_rows).
   ActivationStore chunk_store;
@@ -623,25 +643,11 @@ bool GenerationEngine::step() {
     chunk_store = model_.allocate_rows(n, k);
     store = &chunk_store;
   }
-  model_.forward_rows(*store, tokens, positions, *rows_, &logit_rows);
+  model_.forward_rows(*store, p.tokens, p.positions, *rows_, &p.logit_rows);
   const auto now = std::chrono::steady_clock::now();
-  const bool on_backend = read_step_outputs(store->logits.view(0, {k, vocab}), speculating);
+  const bool on_backend = read_step_outputs(store->logits.view(0, {k, vocab}), p.speculating);
   const float* logits = logits_.data();
-  // Speculative requests: the model's picks at the last token's row and each draft's, up to the
-  // first draft it would not have picked; the cache keeps the rows of the drafts it agreed with.
-  std::vector<std::vector<int32_t>> picked(active_.size());
-  for (size_t i = 0; i < active_.size(); ++i) {
-    Active& a = *active_[i];
-    if (a.drafts.empty() || last_row[i] < 0) continue;
-    const int64_t m = 1 + static_cast<int64_t>(a.drafts.size());
-    for (int64_t j = 0; j < m; ++j) {
-      picked[i].push_back(a.sampler.sample(logits + (first_logit[i] + j) * vocab, vocab));
-      if (j + 1 == m || picked[i].back() != a.drafts[static_cast<size_t>(j)]) break;
-    }
-    rows_->keep(a.seq, static_cast<int64_t>(picked[i].size()));
-    stats_.drafted += m - 1;
-    stats_.accepted += static_cast<int64_t>(picked[i].size()) - 1;
-  }
+  const std::vector<std::vector<int32_t>> picked = verify_drafts(p, logits);
   rows_->commit();
   stats_.peak_blocks = std::max(stats_.peak_blocks, cache_->blocks_in_use());
   stats_.peak_bytes_used = std::max(stats_.peak_bytes_used, cache_->bytes_used());
@@ -649,9 +655,9 @@ bool GenerationEngine::step() {
   cache_->check_status();  // a row its format could not store fails the step (a cache in backend memory)
   for (size_t i = 0; i < active_.size(); ++i) {
     Active& a = *active_[i];
-    const int64_t r = last_row[i];
+    const int64_t r = p.last_row[i];
     if (r < 0) continue;  // its chunk waits for the next step
-    const int64_t row = first_logit[i];  // its row of the step's (k, vocab) logits
+    const int64_t row = p.first_logit[i];  // its row of the step's (k, vocab) logits
     if (!a.drafts.empty()) {  // the last token and the accepted drafts are in the cache
       for (size_t j = 0; j < picked[i].size() && a.result.finish.empty(); ++j) {
         ++a.fed;

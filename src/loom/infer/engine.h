@@ -238,6 +238,10 @@ class GenerationEngine {
   // greedy and no one reads its logits on a backend holding the KV cache, the backend's argmax of
   // each row (picks_: 4 bytes a row); returns true for the latter.
   bool read_step_outputs(const Tensor& logits, bool host = false);  // host: always the logits
+  struct StepPlan;
+  StepPlan plan_step();  // the step's rows (and rows_'s sequences), each request's drafts proposed
+  // Speculative requests' picks ([active]: the accepted drafts, then the model's own), their kept rows set in rows_.
+  std::vector<std::vector<int32_t>> verify_drafts(const StepPlan& plan, const float* logits);
   std::vector<int32_t> drafts_for(const Active& a) const;  // this step's speculative tokens (speculate)
 
   Transformer& model_;
