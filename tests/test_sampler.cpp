@@ -43,6 +43,30 @@ TEST(SamplerTest, TopKAndTopPRestrictTheSupport) {
   EXPECT_EQ(nucleus.count(0) + nucleus.count(1), 0u);
 }
 
+// Speculative verification of a one-hot draft (Sampler::verify, Leviathan et al. 2023): whatever
+// the draft, the token returned is distributed as sample()'s: the softmax; with top-2, a draft
+// outside the support is never kept and the result follows the top-2 distribution; the draft
+// comes back exactly when kept (p(draft) of the draws). Greedy: the argmax. A rule that kept
+// every draft, or drew the rejection from the full distribution, fails the bounds.
+TEST(SamplerTest, VerifyingADraftKeepsTheDistribution) {
+  const double softmax[] = {0.1, 0.2, 0.4, 0.3};
+  for (int32_t draft = 0; draft < 4; ++draft) {
+    Sampler sampler({1.0f, 0, 1.0f, 11 + static_cast<uint64_t>(draft)});
+    std::map<int32_t, int> counts;
+    const int draws = 40000;
+    for (int i = 0; i < draws; ++i) ++counts[sampler.verify(kLogits.data(), 4, draft)];
+    for (int v = 0; v < 4; ++v) EXPECT_NEAR(counts[v] / double(draws), softmax[v], 0.01) << "draft " << draft << ", token " << v;
+  }
+  Sampler top2({1.0f, 2, 1.0f, 5});
+  std::map<int32_t, int> counts;
+  for (int i = 0; i < 10000; ++i) ++counts[top2.verify(kLogits.data(), 4, 1)];  // token 1 is outside the top 2
+  EXPECT_EQ(counts[0] + counts[1], 0);
+  EXPECT_NEAR(counts[2] / 10000.0, 0.4 / 0.7, 0.02);
+  Sampler greedy({0.0f, 0, 1.0f, 1});
+  EXPECT_EQ(greedy.verify(kLogits.data(), 4, 2), 2);
+  EXPECT_EQ(greedy.verify(kLogits.data(), 4, 3), 2);
+}
+
 TEST(SamplerTest, SameSeedSameDraws) {
   EXPECT_EQ(histogram({0.8f, 3, 0.9f, 11}, 100), histogram({0.8f, 3, 0.9f, 11}, 100));
 }

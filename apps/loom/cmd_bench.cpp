@@ -218,7 +218,7 @@ int bench_main(int argc, char** argv) {
       {"prompt-tokens", "L", "tokens per prompt (default 32)"},
       {"new-tokens", "M", "tokens generated per request (default 64)"},
       {"max-batch", "B", "rows of continuous batching (default 16)"},
-      {"speculate", "K", "greedy requests propose up to K tokens by prompt lookup, verified in one forward (default 0: off; needs --kv fp32)"},
+      {"speculate", "K", "requests propose up to K tokens by prompt lookup, verified in one forward: the same greedy tokens, sampled ones distributed the same (default 0: off; needs --kv fp32)"},
       {"prefill-chunk", "N", "prompts longer than N tokens are fed N a step beside the decoding rows (default 512; 0: each prompt in one forward)"},
       {"kv", "FORMAT", "KV cache format fp32 | bf16 | int8 | int4 | kivi4 | kivi2 (default fp32)"},
       {"kv-block", "K", "positions per paged KV cache block (default 16)"},

@@ -57,7 +57,7 @@ int generate_main(int argc, char** argv) {
                    {"prompts", "FILE", "one prompt per non-empty line, generated together by the engine"},
                    {"out", "FILE", "--prompts: write the JSON lines here (atomically) instead of stdout"},
                    {"max-batch", "B", "--prompts: rows of continuous batching (default 8)"},
-                   {"speculate", "K", "--prompts: greedy requests propose up to K tokens by prompt lookup, verified in one forward (default 0: off; needs --kv fp32)"},
+                   {"speculate", "K", "--prompts: requests propose up to K tokens by prompt lookup, verified in one forward: the same greedy tokens, sampled ones distributed the same (default 0: off; needs --kv fp32)"},
                    {"prefill-chunk", "N", "--prompts: prompts longer than N tokens are fed N a step beside the decoding rows (default 512; 0: each prompt in one forward)"},
                    {"kv", "FORMAT", "--prompts: KV cache format fp32 | bf16 | int8 | int4 | kivi4 | kivi2 (default fp32)"},
                    {"kv-block", "N", "--prompts: positions per paged KV cache block (default 16)"},

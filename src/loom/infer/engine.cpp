@@ -583,7 +583,7 @@ GenerationEngine::StepPlan GenerationEngine::plan_step() {
       const bool decoding = a->fed >= prompt;
       p.tokens.push_back(decoding ? a->result.tokens.back() : a->request.prompt[static_cast<size_t>(a->fed)]);
       a->drafts.clear();
-      if (decoding && config_.speculate > 0 && a->sampler.plain_greedy()) a->drafts = drafts_for(*a);
+      if (decoding && config_.speculate > 0) a->drafts = drafts_for(*a);
       // With drafts: the last token and the drafts as one chunk, every row's logits read.
       p.tokens.insert(p.tokens.end(), a->drafts.begin(), a->drafts.end());
       m += static_cast<int64_t>(a->drafts.size());
@@ -607,8 +607,9 @@ std::vector<std::vector<int32_t>> GenerationEngine::verify_drafts(const StepPlan
     Active& a = *active_[i];
     if (a.drafts.empty() || p.last_row[i] < 0) continue;
     const int64_t m = 1 + static_cast<int64_t>(a.drafts.size());
-    for (int64_t j = 0; j < m; ++j) {
-      picked[i].push_back(a.sampler.sample(logits + (p.first_logit[i] + j) * vocab, vocab));
+    for (int64_t j = 0; j < m; ++j) {  // Sampler::verify: the kept drafts and the one after are drawn as sample() would
+      const float* row = logits + (p.first_logit[i] + j) * vocab;
+      picked[i].push_back(j + 1 < m ? a.sampler.verify(row, vocab, a.drafts[static_cast<size_t>(j)]) : a.sampler.sample(row, vocab));
       if (j + 1 == m || picked[i].back() != a.drafts[static_cast<size_t>(j)]) break;
     }
     rows_->keep(a.seq, static_cast<int64_t>(picked[i].size()));

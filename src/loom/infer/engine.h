@@ -118,12 +118,13 @@ struct EngineConfig {
   // prompt, so a step's activations, logits and attention scratch are bounded by the chunk, not
   // the prompt (see "Chunked prefill" above). 0: every prompt in one forward.
   int64_t prefill_chunk = 512;
-  // Speculative decoding by prompt lookup (Saxena 2023, vLLM's n-gram speculator): a greedy
-  // request's step proposes up to `speculate` tokens, those that followed the latest earlier
-  // occurrence of its context's last n tokens (n = ngram down to 1), and the model verifies them
-  // in the same step as a chunk of rows; the drafts the model would have picked are kept, with
-  // its own pick after them (Leviathan et al. 2023 with a one-hot draft: the greedy output is the
-  // model's own). Needs an fp32 KV cache (the drafts' rows attend to each other before they are
+  // Speculative decoding by prompt lookup (Saxena 2023, vLLM's n-gram speculator): a request's
+  // step proposes up to `speculate` tokens, those that followed the latest earlier occurrence of
+  // its context's last n tokens (n = ngram down to 1), and the model verifies them in the same
+  // step as a chunk of rows (Leviathan et al. 2023 with a one-hot draft, Sampler::verify): a
+  // greedy request keeps the drafts the model would have picked and its own pick after them, so
+  // its output is the model's; a sampled one keeps each draft with its probability and draws
+  // the next token from the rest, so its output is distributed as without speculation. Needs an fp32 KV cache (the drafts' rows attend to each other before they are
   // stored; a quantized row would be attended as stored one step later). 0: off.
   int64_t speculate = 0;
   int64_t ngram = 3;

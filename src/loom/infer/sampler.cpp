@@ -56,6 +56,26 @@ bool by_probability(const std::pair<float, int32_t>& a, const std::pair<float, i
 
 int32_t Sampler::sample(const float* logits, int64_t vocab) {
   if (config_.presence_penalty == 0.0f && config_.frequency_penalty == 0.0f) return pick(logits, vocab);
+  const int32_t token = pick(penalised(logits, vocab), vocab);
+  drawn_.push_back(token);
+  return token;
+}
+
+int32_t Sampler::verify(const float* logits, int64_t vocab, int32_t draft) {
+  const bool penalties = config_.presence_penalty != 0.0f || config_.frequency_penalty != 0.0f;
+  const int32_t token = pick(penalties ? penalised(logits, vocab) : logits, vocab, draft);
+  if (penalties) drawn_.push_back(token);
+  return token;
+}
+
+double Sampler::uniform() {
+  const PhiloxCounter bits = philox4x32_10({static_cast<uint32_t>(draws_), static_cast<uint32_t>(draws_ >> 32), 1, 0},
+                                           {static_cast<uint32_t>(config_.seed), static_cast<uint32_t>(config_.seed >> 32)});
+  ++draws_;
+  return static_cast<double>(philox_uniform(bits[0]));
+}
+
+const float* Sampler::penalised(const float* logits, int64_t vocab) {
   penalised_.assign(logits, logits + vocab);
   std::vector<int32_t> sorted = drawn_;
   std::sort(sorted.begin(), sorted.end());
@@ -65,12 +85,12 @@ int32_t Sampler::sample(const float* logits, int64_t vocab) {
     penalised_[static_cast<size_t>(sorted[i])] -= config_.presence_penalty + config_.frequency_penalty * static_cast<float>(j - i);
     i = j;
   }
-  const int32_t token = pick(penalised_.data(), vocab);
-  drawn_.push_back(token);
-  return token;
+  return penalised_.data();
 }
 
-int32_t Sampler::pick(const float* logits, int64_t vocab) {
+// draft >= 0 (verify): the draft is kept with probability p(draft); otherwise the draw is over
+// the other candidates, renormalised.
+int32_t Sampler::pick(const float* logits, int64_t vocab, int32_t draft) {
   if (config_.temperature == 0.0f) return static_cast<int32_t>(std::max_element(logits, logits + vocab) - logits);
   const float max_logit = *std::max_element(logits, logits + vocab);
   candidates_.resize(static_cast<size_t>(vocab));
@@ -93,16 +113,22 @@ int32_t Sampler::pick(const float* logits, int64_t vocab) {
     keep = std::max<size_t>(nucleus, 1);
     total = mass;
   }
-  const PhiloxCounter bits = philox4x32_10({static_cast<uint32_t>(draws_), static_cast<uint32_t>(draws_ >> 32), 1, 0},
-                                           {static_cast<uint32_t>(config_.seed), static_cast<uint32_t>(config_.seed >> 32)});
-  ++draws_;
-  const double target = static_cast<double>(philox_uniform(bits[0])) * total;
-  double cumulative = 0.0;
-  for (size_t i = 0; i < keep; ++i) {
-    cumulative += candidates_[i].first;
-    if (target < cumulative) return candidates_[i].second;
+  double excluded = 0.0;  // the draft's weight among the candidates kept
+  if (draft >= 0) {
+    for (size_t i = 0; i < keep; ++i) excluded += candidates_[i].second == draft ? candidates_[i].first : 0.0;
+    if (uniform() * total < excluded) return draft;
+    if (excluded >= total) return draft;  // the draft is the only candidate
   }
-  return candidates_[keep - 1].second;
+  const double target = uniform() * (total - excluded);
+  double cumulative = 0.0;
+  int32_t last = -1;
+  for (size_t i = 0; i < keep; ++i) {
+    if (candidates_[i].second == draft) continue;
+    cumulative += candidates_[i].first;
+    last = candidates_[i].second;
+    if (target < cumulative) return last;
+  }
+  return last;
 }
 
 }  // namespace loom

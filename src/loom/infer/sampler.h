@@ -28,6 +28,12 @@ class Sampler {
   // top_k most likely tokens and then to the smallest prefix with probability >= top_p. With a
   // penalty, the logits are first penalised (in a copy) by the counts of the tokens drawn so far.
   int32_t sample(const float* logits, int64_t vocab);
+  // Speculative decoding's verification of a draft token proposed with certainty (prompt lookup:
+  // q = one-hot at `draft`), Leviathan et al. 2023: with p the distribution sample() draws from,
+  // the draft is kept with probability p(draft); otherwise a token is drawn from p without the
+  // draft, renormalised. The result is distributed as sample()'s (it returns the draft when kept,
+  // another token when not). Greedy: the argmax, kept when it is the draft.
+  int32_t verify(const float* logits, int64_t vocab, int32_t draft);
   // Greedy without penalties: the token is the logits' first argmax and the sampler keeps no
   // state, so a backend may pick it (Backend::argmax_rows) without the host seeing the logits.
   bool plain_greedy() const {
@@ -35,7 +41,9 @@ class Sampler {
   }
 
  private:
-  int32_t pick(const float* logits, int64_t vocab);
+  int32_t pick(const float* logits, int64_t vocab, int32_t draft = -1);
+  const float* penalised(const float* logits, int64_t vocab);  // logits, or their penalised copy
+  double uniform();  // the next Philox draw in [0, 1)
 
   SamplingConfig config_;
   uint64_t draws_ = 0;
