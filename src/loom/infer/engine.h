@@ -11,8 +11,8 @@
 // the same dot products in the same order, its attention reads only its sequence), so a request
 // gets the same tokens in any batch as alone: tests/test_engine.cpp holds it.
 //
-// Prefill: an admitted request's whole prompt runs in one forward (Transformer::forward over its
-// P positions: GEMMs of P rows), its keys and values (each block's saved qkv, after RoPE) go into
+// Prefill: an admitted request's whole prompt of up to prefill_chunk tokens runs in one forward
+// (Transformer::forward over its P positions: GEMMs of P rows; a longer one: "Chunked prefill"), its keys and values (each block's saved qkv, after RoPE) go into
 // the cache, and its first token is sampled from the last position's logits, before the step's
 // decoding. With EngineConfig::chunked_prefill the prompt is instead fed one token per step as a
 // decoding row (chunks of one): no (P, P) attention store, but P steps to the first token.
@@ -124,8 +124,9 @@ struct EngineConfig {
   // step as a chunk of rows (Leviathan et al. 2023 with a one-hot draft, Sampler::verify): a
   // greedy request keeps the drafts the model would have picked and its own pick after them, so
   // its output is the model's; a sampled one keeps each draft with its probability and draws
-  // the next token from the rest, so its output is distributed as without speculation. Needs an fp32 KV cache (the drafts' rows attend to each other before they are
-  // stored; a quantized row would be attended as stored one step later). 0: off.
+  // the next token from the rest, so its output is distributed as without speculation. Needs an
+  // fp32 KV cache (the drafts' rows attend to each other before they are stored; a quantized row
+  // would be attended as stored one step later). 0: off.
   int64_t speculate = 0;
   int64_t ngram = 3;
   // Automatic prefix caching: needs a paged cache without an fp32 window (fp32, bf16, int8 or
