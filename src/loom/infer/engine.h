@@ -12,9 +12,9 @@
 // gets the same tokens in any batch as alone: tests/test_engine.cpp holds it.
 //
 // Prefill: an admitted request's whole prompt of up to prefill_chunk tokens runs in one forward
-// (Transformer::forward over its P positions: GEMMs of P rows; a longer one: "Chunked prefill"), its keys and values (each block's saved qkv, after RoPE) go into
-// the cache, and its first token is sampled from the last position's logits, before the step's
-// decoding. With EngineConfig::chunked_prefill the prompt is instead fed one token per step as a
+// (Transformer::forward over its P positions: GEMMs of P rows; a longer one: "Chunked prefill"),
+// its keys and values (each block's saved qkv, after RoPE) go into the cache, and its first
+// token is sampled from the last position's logits, before the step's decoding. With EngineConfig::chunked_prefill the prompt is instead fed one token per step as a
 // decoding row (chunks of one): no (P, P) attention store, but P steps to the first token.
 //
 // Chunked prefill (EngineConfig::prefill_chunk = C, default 512; vLLM's chunked prefill,
