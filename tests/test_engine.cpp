@@ -113,6 +113,14 @@ TEST(EngineTest, RowDecodingMatchesTheFullForward) {
 // A prompt's store (the engine's prefill) holds the last position's logits alone: V floats
 // instead of T V, equal to the whole forward's last row within f32 rounding (the head multiplies
 // one row); a loss over it is refused.
+// A tiny preset with a 64-position context; "+window": a sliding window of 3 positions.
+ModelConfig long_context_preset(const std::string& preset) {
+  ModelConfig config = model_preset(preset.substr(0, preset.find('+')));
+  config.max_seq_len = 64;
+  if (preset.find("+window") != std::string::npos) config.attn_window = 3;
+  return config;
+}
+
 // Speculative decoding by prompt lookup (EngineConfig::speculate): the greedy requests' tokens
 // equal those without it (verified in chunks of drafts; a sampled one keeps its length),
 // for MHA, GQA, MoE and a sliding window, while drafts are kept (prompts that repeat a pattern)
@@ -126,9 +134,7 @@ TEST(EngineTest, SpeculativeDecodingKeepsTheGreedyTokens) {
   EXPECT_TRUE(propose_ngram_drafts({7}, 3, 4).empty());
   int64_t kept = 0;
   for (const std::string preset : {"gpt2-tiny", "llama-tiny", "moe-tiny", "llama-tiny+window"}) {
-    ModelConfig config = model_preset(preset.substr(0, preset.find('+')));
-    config.max_seq_len = 64;
-    if (preset.find("+window") != std::string::npos) config.attn_window = 3;
+    const ModelConfig config = long_context_preset(preset);
     auto backend = make_cpu_backend();
     Transformer model(*backend, config, ModelUse{.gradients = false});
     model.init_weights(4);
@@ -220,9 +226,7 @@ TEST(EngineTest, KvPoolFitsTheMemoryBudget) {
 // the prompt (24 and 56 tokens: the same peak), where the whole-prompt forward's do.
 TEST(EngineTest, ChunkedPrefillMatchesTheWholeForwardInBoundedMemory) {
   for (const std::string preset : {"gpt2-tiny", "llama-tiny", "llama-tiny+window"}) {
-    ModelConfig config = model_preset(preset.substr(0, preset.find('+')));
-    config.max_seq_len = 64;
-    if (preset.find("+window") != std::string::npos) config.attn_window = 3;
+    const ModelConfig config = long_context_preset(preset);
     auto backend = make_cpu_backend();
     Transformer model(*backend, config, ModelUse{.gradients = false});
     model.init_weights(9);

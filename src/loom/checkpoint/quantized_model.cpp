@@ -10,7 +10,6 @@
 #include "loom/checkpoint/model_config_json.h"
 #include "loom/checkpoint/safetensors.h"
 #include "loom/core/json_file.h"
-#include "loom/precision/formats.h"
 
 namespace loom {
 
@@ -110,11 +109,7 @@ void QuantizedModelWriter::write_weight(const std::string& name, const IntWeight
              name, ": codes, scales or zeros of the wrong size");
   s_->file->write(name + ".qweight", q.codes.data(), q.codes.size());
   if (s_->plan.storage.f16_scales) {
-    std::vector<uint16_t> half(q.scales.size());
-    for (size_t i = 0; i < half.size(); ++i) {
-      half[i] = static_cast<uint16_t>(encode(FMT_FP16, q.scales[i], /*saturate=*/false));
-      LOOM_CHECK(decode(FMT_FP16, half[i]) == q.scales[i], name, ": scale ", q.scales[i], " is not an f16 value");
-    }
+    const std::vector<uint16_t> half = int_f16_scales(q, name);
     s_->file->write(name + ".scales", half.data(), half.size() * sizeof(uint16_t));
   } else {
     s_->file->write(name + ".scales", q.scales.data(), q.scales.size() * sizeof(float));

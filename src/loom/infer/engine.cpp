@@ -346,6 +346,14 @@ bool GenerationEngine::whole_prefill() const {
 
 bool GenerationEngine::shares_prompt() const { return config_.paged && whole_prefill(); }
 
+// Sliding window W: the next position n = length attends to [n + 1 - W, n] (KvCache::attend's
+// first = max(0, visible - W), visible = n + 1), so older positions are never read again and the
+// paged cache returns their blocks (vLLM's sliding-window block release; Mistral 7B's rolling
+// buffer): a sequence then holds at most ceil((W + B - 1) / B) blocks.
+void GenerationEngine::forget_out_of_window(const Active& a) {
+  if (forgets()) cache_->forget_before(a.seq, cache_->length(a.seq) - model_.config().attn_window + 1);
+}
+
 bool GenerationEngine::feeds_in_chunks(const GenerationRequest& r) const {
   return config_.prefill_chunk > 0 && static_cast<int64_t>(r.prompt.size()) > config_.prefill_chunk && whole_prefill();
 }
@@ -665,7 +673,7 @@ bool GenerationEngine::step() {
         if (on_logits_ && a.request.logits) on_logits_(a.id, logits + (row + static_cast<int64_t>(j)) * vocab, vocab);
         sampled(a, picked[i][j], now);
       }
-      if (forgets()) cache_->forget_before(a.seq, cache_->length(a.seq) - model_.config().attn_window + 1);
+      forget_out_of_window(a);
       continue;
     }
     const int64_t prompt = static_cast<int64_t>(a.request.prompt.size());
@@ -676,11 +684,7 @@ bool GenerationEngine::step() {
     } else {
       cache_->advance(a.seq);
       ++a.fed;
-      // Sliding window W: the next position n = length attends to [n + 1 - W, n] (KvCache::attend's
-      // first = max(0, visible - W), visible = n + 1), so older positions are never read again and
-      // the paged cache returns their blocks (vLLM's sliding-window block release; Mistral 7B's
-      // rolling buffer): a sequence then holds at most ceil((W + B - 1) / B) blocks.
-      if (forgets()) cache_->forget_before(a.seq, cache_->length(a.seq) - model_.config().attn_window + 1);
+      forget_out_of_window(a);
       if (a.fed <= prompt) ++stats_.prompt_tokens;
     }
     if (a.fed < prompt) continue;

@@ -223,6 +223,7 @@ class GenerationEngine {
 
   int64_t blocks_needed(const GenerationRequest& request) const;
   bool forgets() const;
+  void forget_out_of_window(const Active& a);  // after a's newest positions were committed
   bool whole_prefill() const;  // prompts in one forward (else through the rows)
   bool shares_prompt() const;  // n samples prefill once and fork (paged, whole prefill)
   bool feeds_in_chunks(const GenerationRequest& r) const;  // a prompt beyond prefill_chunk

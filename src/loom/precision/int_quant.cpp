@@ -163,6 +163,15 @@ void check_stored_scales(const IntWeight& q, const std::string& what) {
   }
 }
 
+std::vector<uint16_t> int_f16_scales(const IntWeight& q, const std::string& what) {
+  std::vector<uint16_t> half(q.scales.size());
+  for (size_t i = 0; i < half.size(); ++i) {
+    half[i] = static_cast<uint16_t>(encode(FMT_FP16, q.scales[i], /*saturate=*/false));
+    LOOM_CHECK(decode(FMT_FP16, half[i]) == q.scales[i], what, ": scale ", q.scales[i], " is not an f16 value");
+  }
+  return half;
+}
+
 std::vector<float> int_dequantize(const IntWeight& q) {
   const IntWeightSpec& s = q.spec;
   const int64_t groups = s.cols / s.group, rb = int_row_bytes(s.bits, s.cols);
@@ -193,13 +202,7 @@ IntWeightDevice int_weight_to_backend(const IntWeight& q, Backend& backend, MemC
   backend.write(d.codes, q.codes.data());
   d.scales = Tensor::empty(a, {s.rows, s.cols / s.group}, f16 ? DTYPE_F16 : DTYPE_F32, category);
   if (f16) {
-    std::vector<uint16_t> half(q.scales.size());
-    for (size_t i = 0; i < half.size(); ++i) {
-      half[i] = static_cast<uint16_t>(encode(FMT_FP16, q.scales[i], /*saturate=*/false));
-      LOOM_CHECK(decode(FMT_FP16, half[i]) == q.scales[i], "int_weight_to_backend: scale ", q.scales[i],
-                 " of an f16-scaled weight is not an f16 value");
-    }
-    backend.write(d.scales, half.data());
+    backend.write(d.scales, int_f16_scales(q, "int_weight_to_backend: an f16-scaled weight").data());
   } else {
     backend.write(d.scales, q.scales.data());
   }

@@ -84,6 +84,9 @@ GroupParams int_group_params(std::span<const float> x, int bits, bool symmetric)
 GroupParams int_stored_params(double lo, double hi, int bits, const IntStorage& storage);
 // An Error naming `what` when a scale is not finite (beyond f16's range).
 void check_stored_scales(const IntWeight& q, const std::string& what);
+// q's scales as f16 bits (a compact checkpoint's NAME.scales, a backend's compact scales); an
+// Error naming `what` when one is not exactly an f16 value.
+std::vector<uint16_t> int_f16_scales(const IntWeight& q, const std::string& what);
 // clamp(round(x / s) + z, 0, 2^b - 1) (round half to even).
 inline uint8_t int_quantize_value(float x, const GroupParams& p, int bits) {
   const float q = __builtin_nearbyintf(x / p.scale) + static_cast<float>(p.zero);
