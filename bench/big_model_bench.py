@@ -24,6 +24,8 @@ printed plan, measured peak RSS, time and file size) and `bench generate` on its
 --qlora STEPS also trains QLoRA from the folder (`loom train`, peft.quantize_base: the block
 matrices quantized to NF4 while reading, rank 16, full recompute, --qlora-seq tokens a step,
 the default corpus in byte tokens): time and peak RSS, the final checkpoint included.
+--lora-base bf16 makes that run LoRA over the base kept in bf16 only (precision.param = bf16: read
+into the layers' bf16 copy one matrix at a time), without a checkpoint (train.save_checkpoints=false).
 --llama-cpp compares decode speed with llama.cpp (node-llama-cpp's prebuilt CPU build through
 tools/llama_speed.mjs) on the same weights. The folder is exported to GGUF (`loom convert --to gguf
 --type T` for T in GGUF_TYPES: bf16, q8_0, q4_0; f16 where convert does not know bf16 yet) under
@@ -194,12 +196,16 @@ def run_quantize(loom: str, folder: str, out: str, method: str, calib: str, cali
             "peak_rss": int(rss.group(1)) * 1024, "file": size}
 
 
-def run_qlora(loom: str, folder: str, out: str, steps: int, seq: int) -> dict:
+def run_qlora(loom: str, folder: str, out: str, steps: int, seq: int, base: str = "nf4") -> dict:
     """A QLoRA run from the folder: `steps` steps of one sequence of `seq` bytes (byte tokens, the
-    default corpus), LoRA rank 16 on every block matrix, full recompute; no checkpoint but the final one."""
+    default corpus), LoRA rank 16 on every block matrix, full recompute; no checkpoint but the final one.
+    base = "bf16": LoRA over the base kept in bf16 only (precision.param = bf16), without a
+    checkpoint (train.save_checkpoints = false: an 8B LoRA checkpoint holds the base in fp32, 32 GB)."""
+    kind = "peft.quantize_base=true" if base == "nf4" else "precision.param=bf16,train.save_checkpoints=false"
     sets = (f"train.init_from={folder},peft.method=lora,peft.rank=16,peft.alpha=32,"
-            f"peft.targets=\"q,k,v,o,gate,up,down\",peft.quantize_base=true,train.steps={steps},train.batch_size=1,"
-            f"train.seq_len={seq},train.eval_every=0,train.recompute=full,sample.max_new_tokens=0,data.tokenizer={folder},"
+            f"peft.targets=\"q,k,v,o,gate,up,down\",{kind},train.steps={steps},train.batch_size=1,"
+            f"train.seq_len={seq},train.eval_every=0,train.eval_batches=1,train.recompute=full,sample.max_new_tokens=0,"
+            f"data.tokenizer={folder},"
             f"data.dir={out}/data,"
             f"run.dir={out}/runs,run.name=qlora")
     if not os.path.exists(os.path.join(out, "data", "meta.json")):
@@ -211,7 +217,7 @@ def run_qlora(loom: str, folder: str, out: str, steps: int, seq: int) -> dict:
     if p.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{p.stdout}\n{p.stderr}")
     rss = re.search(r"peak_rss_kib (\d+)", p.stderr)
-    head = re.search(r"QLoRA: .*", p.stdout)
+    head = re.search(r"QLoRA: .*" if base == "nf4" else r"LoRA base in bf16 only: .*", p.stdout)
     return {"seconds": time.time() - start, "peak_rss": int(rss.group(1)) * 1024, "report": head.group(0) if head else ""}
 
 
@@ -420,6 +426,8 @@ def main() -> None:
                     help="skip the bf16 / f32 bench generate table (--quantize, --qlora and --llama-cpp still run)")
     ap.add_argument("--qlora", type=int, default=0, metavar="STEPS", help="also a QLoRA run of STEPS steps from the folder")
     ap.add_argument("--qlora-seq", type=int, default=512)
+    ap.add_argument("--lora-base", choices=["nf4", "bf16"], default="nf4",
+                    help="--qlora's base: NF4 (QLoRA) or bf16 only (LoRA with precision.param = bf16)")
     ap.add_argument("--llama-cpp", action="store_true",
                     help="compare decode speed with llama.cpp on GGUF exports (bf16, q8_0, q4_0) of the folder")
     ap.add_argument("--loom-wait", default="passive",
@@ -449,8 +457,8 @@ def main() -> None:
         print(f"its folder, bench generate: peak RSS {g['peak_rss'] / 2**30:.2f} GiB, prefill {g['prefill']:.1f}, "
               f"decode {g['decode']:.1f} tokens/s")
     if args.qlora:
-        r = run_qlora(args.loom, folder, os.path.join(args.out, "qlora"), args.qlora, args.qlora_seq)
-        print(f"\nQLoRA, {args.qlora} steps of {args.qlora_seq} tokens (rank 16, full recompute, the final checkpoint "
+        r = run_qlora(args.loom, folder, os.path.join(args.out, "qlora"), args.qlora, args.qlora_seq, args.lora_base)
+        print(f"\n{'QLoRA' if args.lora_base == 'nf4' else 'LoRA over the bf16 base'}, {args.qlora} steps of {args.qlora_seq} tokens (rank 16, full recompute, the final checkpoint "
               f"included): {r['seconds']:.0f} s, peak RSS {r['peak_rss'] / 2**30:.2f} GiB\n  {r['report']}")
     if args.llama_cpp:
         llama_cpp_compare(args, folder, cfg, file_bytes)

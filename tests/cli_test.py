@@ -376,6 +376,19 @@ class Cli(LoomCase):
         self.assertEqual([r[0] for r in rows], ["parameters", "gradients", "optimizer_state", "activations"], p.stdout)
         for r in rows:
             self.assertLess(abs(float(r[5]) - 1.0), 0.10, r)
+        # LoRA with precision.param = bf16: the frozen block matrices and head in bf16 only, and the
+        # f32 scratch their widened copies share, estimated and measured alike.
+        # (256 wide: each matrix spans many pages, so released pages are the estimate's bytes; the
+        # measured workspace also holds what the estimate leaves out.)
+        lora = (f'{sets},model.d_model=256,model.n_head=4,model.n_kv_head=4,model.d_ff=1024,peft.method=lora,'
+                'peft.rank=4,peft.targets="q,k,v,o,gate,up,down",model.arch=llama')
+        p = run("memory", "--set", lora + ",precision.param=bf16", "--measure")
+        rows = {line.split()[0]: line.split() for line in p.stdout.splitlines() if line.startswith("  ") and len(line.split()) == 6}
+        self.assertLess(abs(float(rows["parameters"][5]) - 1.0), 0.02, p.stdout)
+        self.assertGreater(float(rows["workspace"][5]), 1.0, p.stdout)
+        units = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+        f32 = re.search(r"parameters +([0-9.]+) (\w+)", run("memory", "--set", lora + ",precision.param=f32").stdout)
+        self.assertLess(float(rows["parameters"][1]) * units[rows["parameters"][2]], float(f32.group(1)) * units[f32.group(2)])
         # Model-parallel layouts are estimated (the largest pipeline rank), not measured.
         p = run("memory", "--config", os.path.join(ROOT, "configs", "llama3_70b.toml"), "--set",
                 "parallel.tp=8,parallel.pp=4,parallel.sequence_parallel=true,train.grad_accum=8", "--ranks", "4")
@@ -751,6 +764,50 @@ class Cli(LoomCase):
             os.path.join(self.tmp, "qlora_hf"))
         p = self.train("qlora_bad", "--set", "peft.quantize_base=true", expect_ok=False, steps=2)
         self.assert_one_line_error(p, "peft.quantize_base (QLoRA) needs peft.method = lora")
+
+    def test_save_checkpoints_false_writes_none(self):
+        # train.save_checkpoints=false (a benchmark's run, HF Trainer's save_strategy "no"): neither
+        # the periodic, the stopping nor the last checkpoint; rollback, which needs one, is refused.
+        p = self.train("nosave", "--set", "train.save_checkpoints=false,train.checkpoint_every=1", "--stop-at-step", "2",
+                       steps=3)
+        self.assertIn("stopped after step 2 (--stop-at-step); checkpoint (not saved)", p.stdout)
+        ckpt = os.path.join(self.tmp, "runs", "nosave", "checkpoints")
+        self.assertEqual(os.listdir(ckpt) if os.path.isdir(ckpt) else [], [])
+        self.train("nosave", "--set", "train.save_checkpoints=false", "--overwrite", steps=2)
+        self.assertEqual(os.listdir(ckpt) if os.path.isdir(ckpt) else [], [])
+        self.assertEqual(len(self.losses("nosave")), 2)
+        p = self.train("nosave_bad", "--set", "train.save_checkpoints=false,train.on_anomaly=rollback,train.checkpoint_every=1",
+                       expect_ok=False, steps=2)
+        self.assert_one_line_error(p, "train.save_checkpoints = true")
+
+    def test_lora_over_a_bf16_folder_keeps_its_base_in_bf16_only(self):
+        # LoRA with precision.param = bf16 from a bf16 Hugging Face folder: the block matrices and
+        # the untied head are read one at a time into the bf16 copy the layers read, never into
+        # fp32 (model/frozen_base.h load_bf16). The folder's values are exact in bf16, so the run
+        # keeping an fp32 base (precision.param = f32) computes the same: equal losses and equal
+        # checkpoints (the bf16 base written through its fp32 elements one matrix at a time).
+        self.train("bsrc", "--set", "model.arch=llama", steps=3)
+        hf = os.path.join(self.tmp, "bsrc_hf")
+        run("convert", "--to", "hf", "--type", "bf16", "--checkpoint", os.path.join(self.tmp, "runs", "bsrc"), "--out", hf)
+        sets = f'peft.method=lora,peft.rank=4,peft.targets="q,k,v,o,gate,up,down",optim.lr=0.01,train.init_from={hf}'
+        a = self.train("b_f32", "--set", f"{sets},precision.param=f32,train.checkpoint_every=2", steps=4)
+        b = self.train("b_bf16", "--set", f"{sets},precision.param=bf16,train.checkpoint_every=2", steps=4)
+        self.assertNotIn("LoRA base in bf16 only", a.stdout)
+        m = re.search(r"LoRA base in bf16 only: (\d+) frozen block-matrix and head parameters .* never held: read one "
+                      r"matrix at a time from the folder", b.stdout)
+        self.assertIsNotNone(m, b.stdout)
+        self.assertEqual(int(m.group(1)), 2 * (32 * 96 + 32 * 32 + 3 * 64 * 32) + 257 * 32)  # TINY llama; head: 257 byte-level tokens
+        self.assertEqual(self.losses("b_f32"), self.losses("b_bf16"))
+        final = [os.path.join(self.tmp, "runs", n, "checkpoints", "step_00000004", "model.safetensors")
+                 for n in ("b_f32", "b_bf16")]
+        with open(final[0], "rb") as f0, open(final[1], "rb") as f1:
+            self.assertEqual(f0.read(), f1.read())
+        # Stopped and resumed: the straight run's curve.
+        self.train("b_bf16_resumed", "--set", f"{sets},precision.param=bf16,train.checkpoint_every=2", "--stop-at-step", "2",
+                   steps=4)
+        self.train("b_bf16_resumed", "--set", f"{sets},precision.param=bf16,train.checkpoint_every=2", "--resume", steps=4)
+        self.assert_same_curve("b_bf16", "b_bf16_resumed", 4)
+        run("eval", "--checkpoint", os.path.join(self.tmp, "runs", "b_bf16"), "--data", self.data)
 
     def test_qlora_from_a_folder_quantizes_while_loading(self):
         # A Hugging Face folder's block matrices go to NF4 one at a time, never into the fp32

@@ -106,6 +106,11 @@ int memory_main(int argc, char** argv) {
     DdpConfig ddp;
     ddp.zero_stage = config.parallel.zero_stage;
     Trainer trainer(*backend, model, config.train, comm->size() > 1 ? comm.get() : nullptr, ddp);
+    // LoRA's compact frozen base, as a run makes it (train/parallelize.cpp).
+    if (config.model.lora_quantize_base) model.quantize_base();
+    else if (plan.compact_base && FrozenBase::keeps_bf16(config.model, model.precision().param_bf16, plan.zero_stage)) {
+      model.keep_base_bf16();
+    }
     std::vector<int32_t> tokens(static_cast<size_t>(64 * config.train.seq_len));
     for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int32_t>((i * 2654435761u) % config.model.vocab_size);
     RandomWindowSource data(std::move(tokens), config.loop.seed);

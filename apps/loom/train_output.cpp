@@ -88,6 +88,16 @@ void print_run_header(const LoomConfig& config, const std::string& dir, const Tr
                 model.base_streamed() ? ", never held: quantized one matrix at a time while reading the folder" : "",
                 format_bytes(static_cast<size_t>(resident_bytes(model.params()))).c_str());
   }
+  if (model.frozen_base().bf16()) {  // LoRA's base in bf16 only (model/frozen_base.h)
+    const FrozenBase& base = model.frozen_base();
+    std::printf("LoRA base in bf16 only: %lld frozen block-matrix%s parameters are kept as the bf16 copy the layers "
+                "read, %s (their fp32, %s, %s); parameters resident now %s\n",
+                static_cast<long long>(base.params()), config.model.tied_head() ? "" : " and head",
+                format_bytes(static_cast<size_t>(base.bytes())).c_str(),
+                format_bytes(static_cast<size_t>(4 * base.params())).c_str(),
+                base.streamed() ? "never held: read one matrix at a time from the folder" : "released",
+                format_bytes(static_cast<size_t>(resident_bytes(model.params()))).c_str());
+  }
   if (config.train.recompute != "none") {  // activation checkpointing (memory/recompute.h)
     const Trainer::RecomputeReport& rc = trainer.recompute();
     std::string plan;

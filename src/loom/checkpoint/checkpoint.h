@@ -37,7 +37,7 @@
 namespace loom {
 
 // Parameters whose values live elsewhere and enter the flat buffer one parameter at a time
-// (QLoRA's base read while loading: its block matrices exist only in NF4, model/qlora_base.h).
+// (QLoRA's base read while loading: its block matrices exist only in NF4, model/frozen_base.h).
 // Each is a whole parameter, named by the offset where it starts: covers(offset) says whether it
 // is one of them, fill(offset) writes its values into the buffer before a save reads them,
 // drop(offset) returns their memory after. A load skips them (the model holds them already).

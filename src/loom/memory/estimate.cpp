@@ -4,6 +4,7 @@
 
 #include "loom/core/error.h"
 #include "loom/memory/recompute.h"
+#include "loom/model/frozen_base.h"
 #include "loom/arch/param_layout.h"
 #include "loom/nn/moe.h"
 #include "loom/parallel/pipeline.h"
@@ -120,7 +121,7 @@ int64_t rank_activation_bytes(const MemoryPlan& plan, const ModelConfig& c, cons
   return bytes;
 }
 
-// A block matrix of the base, which QLoRA holds in NF4 (model/qlora_base.h: each block's qkv,
+// A block matrix of the base, which QLoRA holds in NF4 (model/frozen_base.h: each block's qkv,
 // proj, fc, fc2; the 2-D hidden-role parameters of a dense block).
 bool qlora_matrix(const ParamSpec& spec) { return spec.role == ROLE_HIDDEN && spec.shape.size() == 2; }
 
@@ -167,8 +168,31 @@ MemoryEstimate estimate_rank(const MemoryPlan& plan, const ModelConfig& c, const
       largest = std::max(largest, spec.numel);
     }
     // Each layer dequantizes its NF4 weight for the call into one shared f32 scratch
-    // (LinearWorkspace slot Q, nn/linear.h): the largest block matrix (a tensor slice's).
-    e.bytes[MEM_WORKSPACE] += 4 * largest / plan.tp;
+    // (LinearWorkspace slot Q, nn/linear.h): the largest block matrix (the layout is the rank's
+    // tensor slice already).
+    e.bytes[MEM_WORKSPACE] += 4 * largest;
+  } else if (param_bf16(plan.precision)) {
+    // A layer whose recipe is not bf16 widens its bf16 weight copy for the call into the same
+    // scratch (LinearLayer::effective_weight): the largest such weight.
+    const PrecisionPolicy policy = resolve_policy(plan.precision);
+    bool blocks = false;
+    for (int k = 0; k < LINEAR_HEAD; ++k) blocks = blocks || policy.recipe[static_cast<size_t>(k)] != RECIPE_BF16;
+    const std::string head = head_param_name(c);
+    int64_t largest = 0;
+    for (const ParamSpec& spec : layout.params) {
+      const bool widened = (blocks && qlora_matrix(spec)) || (policy.recipe[LINEAR_HEAD] != RECIPE_BF16 && spec.name == head);
+      if (widened) largest = std::max(largest, spec.numel);
+    }
+    e.bytes[MEM_WORKSPACE] += 4 * largest;
+  }
+  if (plan.compact_base && FrozenBase::keeps_bf16(c, param_bf16(plan.precision), plan.zero_stage)) {
+    // LoRA's base in bf16 only: the block matrices' and an untied head's fp32 elements released
+    // or never written (FrozenBase::weight_specs; the bf16 copy is counted above).
+    const std::string head = c.tied_head() ? "" : head_param_name(c);
+    for (const ParamSpec& spec : layout.params) {
+      if (spec.offset >= frozen_end || !(qlora_matrix(spec) || spec.name == head)) continue;
+      e.bytes[MEM_PARAMETERS] -= 4 * held.intersect(RangeSet::span(spec.offset, spec.offset + spec.numel)).size();
+    }
   }
   if (plan.optim.offload && param_bf16(plan.precision)) {  // the fp32 master weights in host memory
     e.bytes[MEM_PARAMETERS] -= fp32;

@@ -65,6 +65,9 @@ struct MemoryPlan {
   // flash: with selective recomputation lse is kept too); false: the probabilities.
   bool flash_attention = false;
   bool offload_activations = false;  // train.offload_activations: checkpointed blocks' kept fields offloaded
+  // The run may keep LoRA's frozen base in bf16 only (model/frozen_base.h keeps_bf16 decides the
+  // rest): its objective allows it (ObjectiveLayout::compact_base) and the parameters are host memory.
+  bool compact_base = true;
 };
 
 // w, g and K of accounting 1 for a run's precision and optimizer: w = 2 with precision.param =

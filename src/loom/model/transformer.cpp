@@ -116,9 +116,15 @@ void Transformer::set_precision(const PrecisionPolicy& policy) {
   }
   LOOM_CHECK(!policy.attention_bf16 || backend_.capabilities().bf16_attention, "precision.attention = bf16 is not "
              "supported on the ", backend_.name(), " backend yet (it lacks attention_forward_bf16): set it to f32");
+  // A base kept in bf16 only lives in the bf16 copy, which stays (and stays needed).
+  LOOM_CHECK(!base_.bf16() || policy.param_bf16, "precision.param = f32 for a model whose frozen base is kept in bf16 "
+             "only (keep_base_bf16)");
   policy_ = policy;
-  params16_ = head16_ = Tensor{};
-  if (policy_.param_bf16) params16_ = Tensor::empty(backend_.allocator(), {layout_.total}, DTYPE_BF16, MEM_PARAMETERS);
+  if (!base_.bf16()) {
+    params16_ = Tensor{};
+    if (policy_.param_bf16) params16_ = Tensor::empty(backend_.allocator(), {layout_.total}, DTYPE_BF16, MEM_PARAMETERS);
+  }
+  head16_ = Tensor{};
   for (int64_t l = 0; l < config_.n_layer; ++l) {
     blocks_[static_cast<size_t>(l)].set_precision(
         policy_, params16_.defined() ? block_params_view(config_, layout_, params16_, l) : BlockParams{}, &ws_);
@@ -132,19 +138,34 @@ void Transformer::set_precision(const PrecisionPolicy& policy) {
 }
 
 void Transformer::quantize_base() {
-  qlora_.check(backend_, config_, params_, params16_.defined());
+  base_.check(backend_, config_, params_, params16_.defined());
   set_precision(policy_);  // the blocks get the workspace their layers dequantize into
-  qlora_.quantize(backend_, config_, layout_, params_, blocks_);
+  base_.quantize(backend_, config_, layout_, params_, blocks_);
 }
 
-void Transformer::load_quantized_base(const QloraBase::WeightRead& read) {
-  qlora_.check(backend_, config_, params_, params16_.defined());
+void Transformer::load_quantized_base(const FrozenBase::WeightRead& read) {
+  base_.check(backend_, config_, params_, params16_.defined());
   set_precision(policy_);
-  qlora_.load(backend_, config_, layout_, params_, blocks_, read);
+  base_.load(backend_, config_, layout_, params_, blocks_, read);
+}
+
+void Transformer::keep_base_bf16() {
+  base_.keep_bf16(backend_, config_, layout_, params_, params16_);
+}
+
+void Transformer::load_bf16_base(const FrozenBase::WeightRead& read) {
+  base_.load_bf16(backend_, config_, layout_, params_, params16_, read);
 }
 
 void Transformer::sync_weight_copy() {
-  if (params16_.defined()) backend_.cast(params_, params16_);
+  if (!params16_.defined()) return;
+  if (!base_.bf16()) {
+    backend_.cast(params_, params16_);
+    return;
+  }
+  for (const Range& r : RangeSet::span(0, layout_.total).subtract(base_.ranges())) {  // the kept base is the copy
+    backend_.cast(params_.view(r.begin, {r.end - r.begin}), params16_.view(r.begin, {r.end - r.begin}));
+  }
 }
 
 void Transformer::end_step() {  // every linear layer in linear_layers()'s order, without building the list

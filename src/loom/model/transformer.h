@@ -18,7 +18,7 @@
 #include "loom/core/documents.h"
 #include "loom/model/int_weights.h"
 #include "loom/model/moe_stats.h"
-#include "loom/model/qlora_base.h"
+#include "loom/model/frozen_base.h"
 #include "loom/precision/fp8_state.h"
 #include "loom/nn/block.h"
 
@@ -92,6 +92,7 @@ class Transformer {
   Backend& backend() const { return backend_; }
   const ParamLayout& layout() const { return layout_; }
   const Tensor& params() const { return params_; }  // (P) flat, MEM_PARAMETERS
+  const Tensor& params_bf16() const { return params16_; }  // their bf16 copy (precision.param = bf16), or undefined
   const Tensor& grads() const { return grads_; }    // (P) flat, MEM_GRADIENTS; undefined for inference
   bool has_gradients() const { return grads_.defined(); }
   Tensor param(const std::string& name) const;      // view into params()
@@ -176,7 +177,7 @@ class Transformer {
   // backward writes no gradient there and zero_grads() leaves it alone, so its gradient pages
   // are never touched; the optimizer skips it. Empty without LoRA.
   RangeSet frozen_ranges() const;
-  // QLoRA (peft.quantize_base, docs/finetune.md; model/qlora_base.h): every block's four linear
+  // QLoRA (peft.quantize_base, docs/finetune.md; model/frozen_base.h): every block's four linear
   // weights (the frozen base's matrices) stored in NF4, dequantized on the fly by the linear
   // layers; their fp32 elements get the dequantized values, then their pages are released
   // (release_base) until materialize_base writes them again (before a checkpoint or decoding).
@@ -185,14 +186,20 @@ class Transformer {
   // The same, each weight read by `read` (from the weights the run starts from) and quantized in
   // turn, never in the fp32 parameters (which stay untouched, so with ModelUse::lazy_params they
   // hold no memory until materialize_base): a big model's base is never held in fp32.
-  void load_quantized_base(const QloraBase::WeightRead& read);
-  void materialize_base() { qlora_.materialize(); }
-  const QloraBase& quantized_base() const { return qlora_; }  // one weight at a time: covers, materialize, release
-  void release_base() { qlora_.release(); }
-  // The quantized weights: their element count and NF4 bytes (nf4_bytes of each).
-  int64_t quantized_params() const { return qlora_.params(); }
-  int64_t quantized_bytes() const { return qlora_.bytes(); }
-  bool base_streamed() const { return qlora_.streamed(); }  // by load_quantized_base
+  void load_quantized_base(const FrozenBase::WeightRead& read);
+  // LoRA with precision.param = bf16 (FrozenBase::keeps_bf16): the block matrices and an untied
+  // head are kept only in the bf16 copy the layers read (nothing computed changes), their fp32
+  // pages released as QLoRA's are; sync_weight_copy leaves them alone. load_bf16_base: each read
+  // by `read` straight into the copy, the fp32 elements never written. After set_precision.
+  void keep_base_bf16();
+  void load_bf16_base(const FrozenBase::WeightRead& read);
+  void materialize_base() { base_.materialize(); }
+  const FrozenBase& frozen_base() const { return base_; }  // one weight at a time: covers, materialize, release
+  void release_base() { base_.release(); }
+  // The NF4 weights: their element count and bytes (nf4_bytes of each); 0 without QLoRA.
+  int64_t quantized_params() const { return base_.bf16() ? 0 : base_.params(); }
+  int64_t quantized_bytes() const { return base_.bf16() ? 0 : base_.bytes(); }
+  bool base_streamed() const { return base_.streamed(); }  // by load_quantized_base or load_bf16_base
   RangeSet own_expert_ranges() const { return expert_ranges(true); }
   std::vector<std::pair<int64_t, int64_t>> tp_partial_ranges() const;
   Communicator* tensor_parallel() const { return tp_; }
@@ -310,7 +317,7 @@ class Transformer {
   int64_t shards() const { return sp_ ? tp_->size() : 1; }
   int64_t frozen_end_ = 0;           // [0, frozen_end_) frozen (LoRA's base)
   bool recording_ = true;            // set_recording's
-  QloraBase qlora_;                  // QLoRA's base (quantize_base)
+  FrozenBase base_;                  // LoRA's compact frozen base (quantize_base, keep_base_bf16)
   IntWeights int_weights_;           // set_int_weights
   std::map<std::string, Tensor> bf16_weights_;  // set_bf16_weights: the layers read them
   Tensor sink_w_, sink_b_;           // where frozen norms' gradients go (never read)

@@ -78,6 +78,7 @@ std::vector<Binding> bindings(LoomConfig& c) {
       {"train.eval_every", &c.loop.eval_every, "steps between validation evaluations; 0 = only at the end"},
       {"train.eval_batches", &c.loop.eval_batches, "validation batches per evaluation"},
       {"train.checkpoint_every", &c.loop.checkpoint_every, "steps between checkpoints; 0 = only at the end"},
+      {"train.save_checkpoints", &c.loop.save_checkpoints, "false: write no checkpoint at all, not even the last (a stopped or preempted run cannot resume)"},
       {"train.keep_checkpoints", &c.loop.keep_checkpoints, "newest checkpoints kept in the run folder (older ones are deleted)"},
       {"train.log_every", &c.loop.log_every, "steps between progress lines when stdout is not a terminal"},
       {"train.async_checkpoint", &c.loop.async_checkpoint, "write checkpoints from a host snapshot in a background thread while training continues (one in flight)"},
@@ -395,8 +396,9 @@ void LoomConfig::validate() const {
              "train.eval_every and train.checkpoint_every must be >= 0, train.log_every and train.eval_batches >= 1");
   LOOM_CHECK(loop.keep_checkpoints >= 1, "train.keep_checkpoints must be >= 1, got ", loop.keep_checkpoints);
   LOOM_CHECK(loop.watchdog_seconds >= 0.0, "train.watchdog_seconds must be >= 0 (0 = off), got ", loop.watchdog_seconds);
-  LOOM_CHECK(train.anomaly.policy != AnomalyPolicy::rollback || loop.checkpoint_every > 0, "train.on_anomaly = rollback "
-             "goes back to the last checkpoint: set train.checkpoint_every > 0");
+  LOOM_CHECK(train.anomaly.policy != AnomalyPolicy::rollback || (loop.checkpoint_every > 0 && loop.save_checkpoints),
+             "train.on_anomaly = rollback goes back to the last checkpoint: set train.checkpoint_every > 0 and "
+             "train.save_checkpoints = true");
   LOOM_CHECK(data.val_fraction > 0.0 && data.val_fraction < 1.0, "data.val_fraction must be in (0, 1), got ",
              data.val_fraction);
   LOOM_CHECK(sample.max_new_tokens >= 0, "sample.max_new_tokens must be >= 0, got ", sample.max_new_tokens);

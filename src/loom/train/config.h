@@ -37,6 +37,9 @@ struct LoopConfig {
   int64_t eval_every = 100;      // steps; 0 = only at the end
   int64_t eval_batches = 8;
   int64_t checkpoint_every = 0;  // steps; 0 = only at the end
+  // false: no checkpoint at all (benchmarks, throwaway runs: HF Trainer's save_strategy = "no");
+  // a stopped or preempted run then ends without one and cannot resume.
+  bool save_checkpoints = true;
   int64_t keep_checkpoints = 3;
   int64_t log_every = 10;        // progress lines when stdout is not a terminal
   // train.init_from: start from these weights (a Loom checkpoint or a Hugging Face model folder,

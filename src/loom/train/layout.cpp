@@ -67,7 +67,7 @@ std::string objective_misfit(const LayoutFacts& f) {
   }
   if (!o.data_parallel && f.data_parallel > 1) return str_cat(f.data_parallel, " data-parallel ranks");
   if (!o.moe && moe(f)) return str_cat("MoE blocks (model.moe_experts = ", model(f).moe_experts, ")");
-  if (!o.quantized_base && model(f).lora_quantize_base) return "peft.quantize_base (QLoRA)";
+  if (!o.compact_base && model(f).lora_quantize_base) return "peft.quantize_base (QLoRA)";
   return "";
 }
 std::string unsupported_on(const LayoutFacts& f, const std::string& what, const char* why) {

@@ -14,6 +14,7 @@
 #include "loom/core/error.h"
 #include "loom/core/json_file.h"
 #include "loom/nn/lora.h"
+#include "loom/train/objective.h"
 
 namespace loom {
 
@@ -36,6 +37,7 @@ MemoryPlan memory_plan(const LoomConfig& config, int ranks) {
   plan.offload_activations = config.train.offload_activations;
   plan.flash_attention = config.train.flash_attention;
   plan.ranks = ranks;
+  plan.compact_base = objective_row(config.loop.objective).layout.compact_base && config.device == DEVICE_CPU;
   return plan;
 }
 

@@ -117,7 +117,7 @@ const ObjectiveRow kObjectives[] = {
     check_dpo, make_dpo_objective, dpo_series},
 
     {    "grpo", "rollouts of the prompts of data.input with verifiable rewards; the grpo.* keys", "prompt-jsonl",
-    {.model_parallel = false, .data_parallel = false, .moe = false, .quantized_base = false,
+    {.model_parallel = false, .data_parallel = false, .moe = false, .compact_base = false,
      .why = "the rollouts decode with one process's whole fp32 model"},
     check_grpo, make_grpo_objective, grpo_series},
 

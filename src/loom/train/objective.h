@@ -115,7 +115,9 @@ struct ObjectiveLayout {
   bool model_parallel = true;  // tensor, pipeline and context parallelism
   bool data_parallel = true;   // more than one data-parallel rank
   bool moe = true;             // MoE blocks
-  bool quantized_base = true;  // peft.quantize_base (QLoRA)
+  // A frozen base not in fp32: peft.quantize_base (QLoRA, refused where false) and LoRA's base kept
+  // in bf16 only (model/frozen_base.h; not used where false: the base stays in fp32).
+  bool compact_base = true;
   std::string_view why;        // the reason given when one of the above is refused
 };
 

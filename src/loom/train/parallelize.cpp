@@ -22,30 +22,42 @@ struct Build {
   const LoomConfig& config;
   ParallelLayout& layout;
   TrainingModel out;
-  // QLoRA from a Hugging Face folder: the reader of its base, which data_parallel's
-  // load_quantized_base quantizes one block matrix at a time (streamed_qlora).
+  // A compact base (QLoRA, or LoRA's base in bf16 only) from a Hugging Face folder: the reader of
+  // its base, whose block matrices data_parallel's load_quantized_base or load_bf16_base reads one
+  // at a time (streamed_base).
   std::shared_ptr<const HfWeightReader> base_reader;
 };
 
-// QLoRA whose base is a Hugging Face folder, one process per model replica (no tp): the block
-// matrices go from the folder to NF4 one at a time and never into the fp32 parameters, which are
-// lazy (their untouched pages hold no memory), so a model whose fp32 base exceeds the machine
-// trains. Other bases (a Loom checkpoint, a folder under tp) are loaded whole and quantized
-// after (Transformer::quantize_base).
-bool streamed_qlora(const Build& b) {
-  const LoopConfig& loop = b.config.loop;
-  return b.config.model.lora_quantize_base && !loop.init_from.empty() && is_hf_model_dir(loop.init_from) &&
-         b.layout.group(Axis::tp) == nullptr;
+// LoRA whose frozen base is kept in bf16 only (model/frozen_base.h keeps_bf16), where the
+// objective does not decode with the fp32 weights while training and the parameters are host
+// memory.
+bool bf16_base(const Build& b) {
+  return FrozenBase::keeps_bf16(b.config.model, resolve_policy(b.config.train.precision).param_bf16,
+                                b.config.parallel.zero_stage) &&
+         objective_row(b.config.loop.objective).layout.compact_base && b.backend.allocator().host_accessible();
 }
 
-// The base (the first `base` elements) from the folder, except the block matrices QLoRA quantizes
-// (QloraBase::weight_specs), which stay untouched.
+// A compact base (QLoRA, or bf16_base) whose weights are a Hugging Face folder, one process per
+// model replica (no tp): the block matrices go from the folder to NF4 or bf16 one at a time and
+// never into the fp32 parameters, which are lazy (their untouched pages hold no memory), so a
+// model whose fp32 base exceeds the machine trains. Other bases (a Loom checkpoint, a folder
+// under tp) are loaded whole and made compact after (Transformer::quantize_base, keep_base_bf16).
+bool streamed_base(const Build& b) {
+  const LoopConfig& loop = b.config.loop;
+  return (b.config.model.lora_quantize_base || bf16_base(b)) && !loop.init_from.empty() &&
+         is_hf_model_dir(loop.init_from) && b.layout.group(Axis::tp) == nullptr;
+}
+
+// The base (the first `base` elements) from the folder, except the block matrices (and an untied
+// head, in bf16) made compact (FrozenBase::weight_specs), which stay untouched.
 void load_unquantized_base(Build& b, Transformer& model, const HfWeightReader& reader, int64_t base) {
-  std::set<const ParamSpec*> quantized;
-  for (const ParamSpec* spec : QloraBase::weight_specs(model.config(), model.layout(), model.params())) quantized.insert(spec);
+  std::set<const ParamSpec*> compact;
+  for (const ParamSpec* spec : FrozenBase::weight_specs(model.config(), model.layout(), model.params(), bf16_base(b))) {
+    compact.insert(spec);
+  }
   CpuAllocator host;
   for (const ParamSpec& spec : model.layout().params) {
-    if (spec.offset >= base || quantized.count(&spec) != 0) continue;
+    if (spec.offset >= base || compact.count(&spec) != 0) continue;
     const Tensor dst = model.params().view(spec.offset, spec.shape);
     if (dst.host_accessible()) {
       reader.read(spec.name, dst);
@@ -64,7 +76,7 @@ void initialise(Build& b, Transformer& model, const ModelConfig& config) {
   const LoopConfig& loop = b.config.loop;
   if (loop.init_from.empty()) {
     model.init_weights(loop.seed);
-  } else if (streamed_qlora(b) && !weights_model_config(loop.init_from).lora()) {
+  } else if (streamed_base(b) && !weights_model_config(loop.init_from).lora()) {
     const int64_t base = lora_begin(config, model.layout());
     model.init_weights(loop.seed, base);  // the adapters; the base is the folder's
     b.base_reader = std::make_shared<const HfWeightReader>(loop.init_from, lora_base_config(config));
@@ -94,7 +106,7 @@ void tensor_parallel(Build& b) {
   const ModelConfig& global = b.config.model;
   Communicator* tp = b.layout.group(Axis::tp);
   b.out.local_config = tp != nullptr ? tp_local_config(global, tp->size()) : global;
-  b.out.model = std::make_unique<Transformer>(b.backend, b.out.local_config, ModelUse{.lazy_params = streamed_qlora(b)});
+  b.out.model = std::make_unique<Transformer>(b.backend, b.out.local_config, ModelUse{.lazy_params = streamed_base(b)});
   if (tp == nullptr) {
     initialise(b, *b.out.model, global);
     return;
@@ -145,11 +157,16 @@ void data_parallel(Build& b) {
   ddp.compression_warmup = p.compression_warmup;
   b.out.trainer = std::make_unique<Trainer>(b.backend, *b.out.model, b.config.train, &b.layout.reduce_group(), ddp,
                                             b.out.pipeline.get());
-  if (b.base_reader) {  // QLoRA from a folder: its block matrices read and quantized one at a time
+  const bool qlora = b.config.model.lora_quantize_base;
+  if (b.base_reader) {  // from a folder: its block matrices read one at a time, into NF4 or bf16
     const std::shared_ptr<const HfWeightReader> reader = std::move(b.base_reader);
-    b.out.model->load_quantized_base([&](const std::string& name, const Tensor& dst) { reader->read(name, dst); });
-  } else if (b.config.model.lora_quantize_base) {
-    b.out.model->quantize_base();  // QLoRA: after the weights are final
+    const FrozenBase::WeightRead read = [&](const std::string& name, const Tensor& dst) { reader->read(name, dst); };
+    if (qlora) b.out.model->load_quantized_base(read);
+    else b.out.model->load_bf16_base(read);
+  } else if (qlora) {
+    b.out.model->quantize_base();  // after the weights are final
+  } else if (bf16_base(b)) {
+    b.out.model->keep_base_bf16();  // the trainer has made the bf16 copy
   }
 }
 

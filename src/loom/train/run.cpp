@@ -244,7 +244,8 @@ TrainingRun::End TrainingRun::loop() {
     if (eval_now || last) validate(done);
     const bool signalled = agree_on_stop();
     const bool stopping = done == options_.stop_at && done < config_.train.steps;  // --stop-at-step
-    if ((config_.loop.checkpoint_every > 0 && done % config_.loop.checkpoint_every == 0) || stopping || last) {
+    const bool due = (config_.loop.checkpoint_every > 0 && done % config_.loop.checkpoint_every == 0) || stopping || last;
+    if (due && config_.loop.save_checkpoints) {
       // The last checkpoint and a stopping one are written in the step (the process ends next).
       save_checkpoint(config_.loop.async_checkpoint && !stopping && !signalled && !last);
       watchdog_->beat(stats.step);
@@ -373,7 +374,7 @@ void TrainingRun::finish_save() {
 int TrainingRun::finish(End end) {
   const int64_t step = parts_.trainer->step();
   finish_save();
-  if (end == End::preempted && last_saved_step_ != step) save_checkpoint(false);
+  if (end == End::preempted && last_saved_step_ != step && config_.loop.save_checkpoints) save_checkpoint(false);
   const std::string saved = last_saved_step_ == step ? last_saved_ : "(not saved)";
   if (end == End::preempted) {
     observer_.line(str_cat("stopped by ", StopSignals::name(stop_signal_), " after step ", step, "; checkpoint ", saved,

@@ -58,7 +58,7 @@ TrainingState::TrainingState(Backend& backend, const LoomConfig& config, const P
     counted_ = base.intersect(mine);
   }
   model_state_ = ModelState{config.model, parts_.whole ? parts_.whole->params() : model.params()};
-  const QloraBase& base = model.quantized_base();
+  const FrozenBase& base = model.frozen_base();
   if (base.params() > 0 && model.params().host_accessible() && !parts_.whole) {
     // QLoRA: a save dequantizes one block matrix at a time into the buffer and releases it after
     // writing; a load skips them (the NF4 base is the initial weights', quantized again).
