@@ -913,6 +913,17 @@ class Cli(LoomCase):
         batched = json.loads(run("eval", "--checkpoint", ckpt, "--text", text, "--seq-len", "32", "--batch", "3",
                                  "--json").stdout)
         self.assertAlmostEqual(batched["loss"], one["loss"], delta=1e-6 * one["loss"])
+        # Windows longer than --chunk + 1 tokens are fed --chunk positions a forward through a KV
+        # cache (infer/score.h): the whole forward's loss within 1e-5.
+        self.assertFalse(one["chunked"])
+        for chunk in ("1", "7"):
+            chunked = json.loads(run("eval", "--checkpoint", ckpt, "--text", text, "--seq-len", "32", "--chunk", chunk,
+                                     "--json").stdout)
+            self.assertTrue(chunked["chunked"])
+            self.assertAlmostEqual(chunked["loss"], one["loss"], delta=1e-5 * one["loss"])
+        self.assertIn("fed 7 positions a forward", run("eval", "--checkpoint", ckpt, "--text", text, "--seq-len", "32",
+                                                       "--chunk", "7").stdout)
+        self.assert_one_line_error(run("eval", "--checkpoint", ckpt, "--text", text, "--chunk", "0", expect_ok=False), "--chunk")
         human = run("eval", "--checkpoint", ckpt, "--text", text, "--seq-len", "32").stdout
         self.assertRegex(human, r"loss \d+\.\d{9}, perplexity")
         p = run("eval", "--checkpoint", ckpt, "--text", text, "--seq-len", "100000", expect_ok=False)

@@ -11,6 +11,7 @@
 
 #include "loom/core/error.h"
 #include "loom/infer/engine.h"
+#include "loom/infer/score.h"
 #include "kv_test_util.h"
 #include "test_util.h"
 
@@ -751,6 +752,72 @@ TEST(EngineTest, PresenceAndFrequencyPenaltiesLowerDrawnTokens) {
   EXPECT_EQ(drawn, (std::vector<int32_t>{0, 0, 1, 0}));
   greedy.frequency_penalty = 2.5f;
   EXPECT_NE(test::error_of([&] { Sampler bad(greedy); }).find("frequency_penalty"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace loom
+
+namespace loom {
+namespace {
+
+// The whole forward's mean next-token loss of `tokens` (one window, T - 1 positions).
+double whole_forward_loss(Transformer& model, const std::vector<int32_t>& tokens) {
+  const int64_t T = static_cast<int64_t>(tokens.size());
+  ActivationStore store = model.allocate_store(1, T - 1);
+  model.backend().write(store.tokens, tokens.data());
+  model.backend().write(store.targets, tokens.data() + 1);
+  return model.forward(store);
+}
+
+// Scoring in chunks (infer/score.h, `loom eval --text` over windows longer than a chunk): the mean
+// next-token loss of a sequence fed C positions a forward through a one-sequence KV cache is the
+// whole forward's within 1e-5 (the attention sums in another order) for GPT-2's learned positions,
+// Llama's GQA and a sliding window, chunks of 1, 5 and the whole; scoring each chunk as a sequence
+// of its own (no cached prefix) is far from it, so the prefix is read; the activation peak does not
+// grow with the sequence; MLA is refused by name.
+TEST(ScoreTest, ChunkedScoringMatchesTheWholeForwardInBoundedMemory) {
+  for (const std::string preset : {"gpt2-tiny", "llama-tiny", "llama-tiny+window"}) {
+    const ModelConfig config = long_context_preset(preset);
+    auto backend = make_cpu_backend();
+    Transformer model(*backend, config, ModelUse{.gradients = false});
+    model.init_weights(4);
+    const int64_t T = 41;
+    const std::vector<int32_t> tokens = prompt_of(T, 5, config.vocab_size);
+    const double want = whole_forward_loss(model, tokens);
+    double worst = 0.0;
+    for (int64_t chunk : {1, 5, 64}) {
+      const SequenceLoss got = score_tokens(model, tokens, chunk);
+      EXPECT_EQ(got.count, T - 1);
+      worst = std::max(worst, std::abs(got.sum / static_cast<double>(got.count) - want));
+    }
+    EXPECT_LT(worst, 1e-5 * std::max(1.0, std::abs(want))) << preset;
+    double alone = 0.0;  // each chunk of 8 positions scored without its prefix
+    for (int64_t first = 0; first < T - 1; first += 8) {
+      const std::vector<int32_t> piece(tokens.begin() + first, tokens.begin() + std::min(first + 9, T));
+      alone += score_tokens(model, piece, 8).sum;
+    }
+    EXPECT_GT(std::abs(alone / static_cast<double>(T - 1) - want), 100.0 * worst) << preset;
+    std::printf("%s: whole %.9f, chunked within %.2e, without the prefix %.2e away\n", preset.c_str(), want, worst,
+                std::abs(alone / static_cast<double>(T - 1) - want));
+  }
+  // The activations a chunk holds, whatever the sequence's length.
+  std::vector<size_t> peaks;
+  for (int64_t T : {24, 56}) {
+    auto backend = make_cpu_backend();
+    Transformer model(*backend, long_context_preset("llama-tiny"), ModelUse{.gradients = false});
+    model.init_weights(4);
+    score_tokens(model, prompt_of(T, 3, model.config().vocab_size), 8);
+    peaks.push_back(backend->allocator().tracker().peak(MEM_ACTIVATIONS));
+  }
+  EXPECT_EQ(peaks[0], peaks[1]);
+  const ModelConfig tiny = model_preset("llama-tiny");
+  EXPECT_EQ(score_bytes(tiny, 56, 8).kv, 2 * tiny.n_layer * 55 * tiny.n_kv_head * tiny.head_dim() * 4);
+  EXPECT_EQ(score_bytes(tiny, 56, 8).logits, 8 * tiny.vocab_size * 4);
+  EXPECT_FALSE(can_score_in_chunks(model_preset("mla-tiny")));
+  auto backend = make_cpu_backend();
+  Transformer mla(*backend, model_preset("mla-tiny"), ModelUse{.gradients = false});
+  EXPECT_NE(test::error_of([&] { score_tokens(mla, prompt_of(9, 1, mla.config().vocab_size), 4); }).find("MLA"),
+            std::string::npos);
 }
 
 }  // namespace

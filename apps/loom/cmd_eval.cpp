@@ -11,6 +11,7 @@
 #include "train_output.h"
 #include "commands.h"
 #include "loom/core/error.h"
+#include "loom/infer/score.h"
 #include "loom/data/loader.h"
 #include "loom/data/shard.h"
 #include "loom/data/text_tokens.h"
@@ -21,8 +22,8 @@ namespace loom::cli {
 namespace {
 const char* kHelp =
     "usage: loom eval --checkpoint PATH [--data DIR] [--split val|train] [--batches N]\n"
-    "       loom eval --checkpoint PATH --text FILE [--seq-len T] [--batch B] [--windows N] [--max-input-mb N]\n"
-    "                 [--json]\n"
+    "       loom eval --checkpoint PATH --text FILE [--seq-len T] [--batch B] [--chunk N] [--windows N]\n"
+    "                 [--max-input-mb N] [--json]\n"
     "\n"
     "PATH is a step folder, a run folder or a checkpoints folder (the newest valid checkpoint is\n"
     "used), or a Hugging Face model folder. Without --text: evaluates N batches (default: all of\n"
@@ -31,41 +32,12 @@ const char* kHelp =
     "the model's tokenizer, cut into consecutive windows of T tokens (default: the run's\n"
     "train.seq_len, at most model.max_seq_len; the last partial window dropped), and the loss is\n"
     "the mean next-token loss over every predicted position (T - 1 per window), run B windows at a\n"
-    "time. --json prints one JSON object with loss, perplexity, tokens and windows. --windows N\n"
+    "time. A window longer than --chunk + 1 tokens (default 512) is fed --chunk positions a forward\n"
+    "through a KV cache, with logits for those positions only (infer/score.h): memory bounded by\n"
+    "the cache and one chunk, whatever T (llama.cpp's n_batch). --json prints one JSON object with\n"
+    "loss, perplexity, tokens, windows and whether they were chunked. --windows N\n"
     "evaluates only the first N windows, reading the text only as far as they need; a text larger\n"
     "than --max-input-mb (default 256 MiB) is refused, before it is read where its size is known.\n";
-
-struct TextEval {
-  double loss = 0.0;
-  int64_t tokens = 0, windows = 0, window = 0;
-};
-
-// Mean next-token loss over consecutive windows of `T` tokens of `ids`, B windows per forward.
-TextEval eval_text(Transformer& model, const std::vector<int32_t>& ids, int64_t T, int64_t B, const std::string& path) {
-  TextEval r;
-  r.tokens = static_cast<int64_t>(ids.size());
-  r.window = T;
-  r.windows = r.tokens / T;
-  LOOM_CHECK(r.windows >= 1, "eval --text ", path, ": ", r.tokens, " tokens make no window of --seq-len ", T);
-  double sum = 0.0;
-  for (int64_t first = 0; first < r.windows; first += B) {
-    const int64_t n = std::min(B, r.windows - first);
-    ActivationStore store = model.allocate_store(n, T - 1);
-    std::vector<int32_t> tokens(static_cast<size_t>(n * (T - 1))), targets(tokens.size());  // staged on the host
-    for (int64_t w = 0; w < n; ++w) {
-      const int32_t* window = ids.data() + (first + w) * T;
-      for (int64_t t = 0; t + 1 < T; ++t) {
-        tokens[static_cast<size_t>(w * (T - 1) + t)] = window[t];
-        targets[static_cast<size_t>(w * (T - 1) + t)] = window[t + 1];
-      }
-    }
-    model.backend().write(store.tokens, tokens.data());
-    model.backend().write(store.targets, targets.data());
-    sum += model.forward(store) * static_cast<double>(n);  // forward: the mean over its n (T - 1) positions
-  }
-  r.loss = sum / static_cast<double>(r.windows);
-  return r;
-}
 
 int eval_text_main(const Args& args, const ModelSource& source, const Tokenizer& tokenizer, Transformer& model) {
   const LoomConfig& config = source.config;
@@ -90,15 +62,26 @@ int eval_text_main(const Args& args, const ModelSource& source, const Tokenizer&
   options.limit = "--max-input-mb";
   options.encode.add_special_tokens = true;
   const TextTokens text = read_text_tokens(path, tokenizer, options);
-  const TextEval r = eval_text(model, text.ids, T, B, path);
+  const int64_t chunk = args.get_int("chunk", 512);
+  LOOM_CHECK(chunk >= 1, "--chunk must be >= 1, got ", chunk);
+  const WindowsLoss r = score_windows(model, text.ids, T, B, chunk, "eval --text " + path);
   if (args.has("json")) {
     const nlohmann::json j = {{"loss", r.loss}, {"perplexity", std::exp(r.loss)}, {"tokens", r.tokens},
-                              {"windows", r.windows}, {"seq_len", r.window}, {"text", path}, {"checkpoint", source.path}};
+                              {"windows", r.windows}, {"seq_len", r.window}, {"chunked", r.chunked},
+                              {"text", path}, {"checkpoint", source.path}};
     std::printf("%s\n", j.dump().c_str());
   } else {
-    std::printf("%s on %s: loss %.9f, perplexity %.6f (%lld tokens, %lld windows of %lld)\n", source.path.c_str(),
+    std::printf("%s on %s: loss %.9f, perplexity %.6f (%lld tokens, %lld windows of %lld%s)\n", source.path.c_str(),
                 path.c_str(), r.loss, std::exp(r.loss), static_cast<long long>(r.tokens),
-                static_cast<long long>(r.windows), static_cast<long long>(r.window));
+                static_cast<long long>(r.windows), static_cast<long long>(r.window),
+                r.chunked ? str_cat(", fed ", chunk, " positions a forward").c_str() : "");
+    if (r.chunked) {  // what a window held beside the weights (infer/score.h)
+      const ScoreBytes b = score_bytes(model.config(), T, chunk);
+      std::printf("memory: KV cache %s (fp32), a chunk's activations %s (measured peak), its logits on the host %s, "
+                  "attention scores %s\n", format_bytes(static_cast<size_t>(b.kv)).c_str(),
+                  format_bytes(model.backend().allocator().tracker().peak(MEM_ACTIVATIONS)).c_str(),
+                  format_bytes(static_cast<size_t>(b.logits)).c_str(), format_bytes(static_cast<size_t>(b.scores)).c_str());
+    }
   }
   return 0;
 }
@@ -116,6 +99,8 @@ int eval_main(int argc, char** argv) {
                    {"text", "FILE", "perplexity on a text file instead of a dataset split"},
                    {"seq-len", "T", "--text: tokens per window (default: the run's train.seq_len)"},
                    {"batch", "B", "--text: windows per forward (default 1)"},
+                   {"chunk", "N", "--text: windows longer than N + 1 tokens are fed N positions a forward through a KV "
+                                  "cache, logits per chunk (default 512)"},
                    {"windows", "N", "--text: evaluate only the first N windows (the text is read only that far)"},
                    {"max-input-mb", "N", "--text: refuse a text larger than N MiB (default 256)"},
                    {"json", "", "--text: print one JSON object"}});

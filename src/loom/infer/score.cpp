@@ -1,0 +1,189 @@
+#include "loom/infer/score.h"
+
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <vector>
+
+#include "loom/backend/backend.h"
+#include "loom/core/error.h"
+
+namespace loom {
+
+namespace {
+
+// One sequence's keys and values, every layer, in fp32 at their positions, each kv head's rows
+// contiguous; the rows of a forward_rows call are positions first .. first + n - 1 of it. A
+// chunk's attention is two GEMMs per kv head on the host's CPU backend (FlashAttention's
+// arithmetic without its tiling: the scores of the chunk's rows over the visible positions,
+// masked causally and by the window, softmaxed in fp32, then times V), whichever backend runs the
+// model: forward_rows stages the rows through the host.
+class SequenceCache final : public DecodeCache {
+ public:
+  SequenceCache(const ModelConfig& c, int64_t capacity, int64_t chunk)
+      : c_(c), hd_(c.head_dim()), group_(c.n_head / c.n_kv_head), capacity_(capacity), cpu_(make_cpu_backend()) {
+    Allocator& a = cpu_->allocator();
+    k_ = Tensor::empty(a, {c.n_layer, c.n_kv_head, capacity, hd_}, DTYPE_F32, MEM_KV_CACHE);
+    v_ = Tensor::empty(a, {c.n_layer, c.n_kv_head, capacity, hd_}, DTYPE_F32, MEM_KV_CACHE);
+    const int64_t rows = group_ * std::min(chunk, capacity);
+    q_ = Tensor::empty(a, {rows * hd_}, DTYPE_F32, MEM_WORKSPACE);
+    o_ = Tensor::empty(a, {rows * hd_}, DTYPE_F32, MEM_WORKSPACE);
+    s_ = Tensor::empty(a, {rows * capacity}, DTYPE_F32, MEM_WORKSPACE);
+  }
+  void set_first(int64_t first) { first_ = first; }
+
+  void attend(int64_t layer, int64_t row, const float* q, const float* k, const float* v, float* out) override {
+    store(layer, row, k, v);
+    attend_chunk(layer, first_ + row, 1, q, 0, out, 0);
+  }
+  const float* latent(int64_t, int64_t, const float*, int64_t*) override {
+    throw Error("scoring in chunks: MLA blocks are not supported (their latent cache is the generation engine's)");
+  }
+  void attend_host_rows(int64_t layer, int64_t n, const float* qkv, int64_t width, int64_t k_col, int64_t v_col,
+                        float* out, int64_t out_width) override {
+    for (int64_t r = 0; r < n; ++r) store(layer, r, qkv + r * width + k_col, qkv + r * width + v_col);
+    attend_chunk(layer, first_, n, qkv, width, out, out_width);
+  }
+
+ private:
+  float* kv_row(const Tensor& t, int64_t layer, int64_t g, int64_t p) const {
+    return t.data<float>() + ((layer * c_.n_kv_head + g) * capacity_ + p) * hd_;
+  }
+  void store(int64_t layer, int64_t row, const float* k, const float* v) {
+    const int64_t p = first_ + row;
+    LOOM_CHECK(p < capacity_, "scoring in chunks: position ", p, " beyond the cache's ", capacity_);
+    for (int64_t g = 0; g < c_.n_kv_head; ++g) {
+      std::copy(k + g * hd_, k + (g + 1) * hd_, kv_row(k_, layer, g, p));
+      std::copy(v + g * hd_, v + (g + 1) * hd_, kv_row(v_, layer, g, p));
+    }
+  }
+  // Rows r < n (queries at q + r * q_stride, heads side by side; outputs likewise) at positions
+  // first + r, over the positions [lo, first + n) some row sees.
+  void attend_chunk(int64_t layer, int64_t first, int64_t n, const float* q, int64_t q_stride, float* out,
+                    int64_t out_stride) {
+    const int64_t W = c_.attn_window, end = first + n, lo = W > 0 ? std::max<int64_t>(0, first + 1 - W) : 0;
+    const int64_t P = end - lo, M = group_ * n;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(hd_));
+    const Tensor qg = q_.view(0, {M, hd_}), s = s_.view(0, {M, P}), o = o_.view(0, {M, hd_});
+    GemmSpec scores;
+    scores.trans_b = true, scores.alpha = scale;
+    for (int64_t g = 0; g < c_.n_kv_head; ++g) {
+      for (int64_t j = 0; j < group_; ++j) {  // head g * group + j's queries, row j * n + r
+        for (int64_t r = 0; r < n; ++r) {
+          const float* src = q + r * q_stride + (g * group_ + j) * hd_;
+          std::copy(src, src + hd_, qg.data<float>() + (j * n + r) * hd_);
+        }
+      }
+      const int64_t kv = ((layer * c_.n_kv_head + g) * capacity_ + lo) * hd_;
+      cpu_->gemm(qg, k_.view(kv, {P, hd_}), s, scores);
+      float* S = s.data<float>();
+#pragma omp parallel for schedule(static)
+      for (int64_t i = 0; i < M; ++i) {  // row i: query position first + i % n sees [from, to]
+        const int64_t p = first + i % n, from = (W > 0 ? std::max<int64_t>(0, p + 1 - W) : 0) - lo, to = p - lo;
+        float* row = S + i * P;
+        float m = row[from];
+        for (int64_t t = from + 1; t <= to; ++t) m = std::max(m, row[t]);
+        float sum = 0.0f;
+        for (int64_t t = from; t <= to; ++t) sum += (row[t] = std::exp(row[t] - m));
+        const float inv = 1.0f / sum;
+        for (int64_t t = 0; t < P; ++t) row[t] = t >= from && t <= to ? row[t] * inv : 0.0f;
+      }
+      cpu_->gemm(s, v_.view(kv, {P, hd_}), o, GemmSpec{});
+      for (int64_t j = 0; j < group_; ++j) {
+        for (int64_t r = 0; r < n; ++r) {
+          const float* src = o.data<float>() + (j * n + r) * hd_;
+          std::copy(src, src + hd_, out + r * out_stride + (g * group_ + j) * hd_);
+        }
+      }
+    }
+  }
+
+  const ModelConfig& c_;
+  int64_t hd_, group_, capacity_, first_ = 0;
+  std::unique_ptr<Backend> cpu_;
+  Tensor k_, v_;      // (layers, n_kv_head, capacity, head_dim)
+  Tensor q_, s_, o_;  // a kv head's query rows, their scores over the visible positions, their outputs
+};
+
+}  // namespace
+
+bool can_score_in_chunks(const ModelConfig& config) { return !config.mla(); }
+
+SequenceLoss score_tokens(Transformer& model, std::span<const int32_t> tokens, int64_t chunk) {
+  const ModelConfig& c = model.config();
+  const int64_t T = static_cast<int64_t>(tokens.size()), V = c.vocab_size;
+  LOOM_CHECK(can_score_in_chunks(c), "scoring in chunks: MLA blocks are not supported");
+  LOOM_CHECK(chunk >= 1, "scoring in chunks: the chunk must be >= 1 positions, got ", chunk);
+  LOOM_CHECK(T >= 2 && T - 1 <= c.max_seq_len, "scoring in chunks: ", T, " tokens, expected 2 .. model.max_seq_len + 1 = ",
+             c.max_seq_len + 1);
+  const int64_t rows = std::min(chunk, T - 1);
+  SequenceCache cache(c, T - 1, rows);
+  ActivationStore store = model.allocate_rows(rows);
+  std::vector<float> logits(static_cast<size_t>(rows * V));
+  SequenceLoss loss;
+  for (int64_t first = 0; first < T - 1; first += rows) {  // positions first .. first + n - 1 score tokens first + 1 ..
+    const int64_t n = std::min(rows, T - 1 - first);
+    if (n < rows) store = model.allocate_rows(n);  // the last, shorter chunk
+    std::vector<int32_t> ids(tokens.begin() + first, tokens.begin() + first + n);
+    std::vector<int64_t> positions(static_cast<size_t>(n));
+    for (int64_t r = 0; r < n; ++r) positions[static_cast<size_t>(r)] = first + r;
+    cache.set_first(first);
+    model.forward_rows(store, ids, positions, cache);
+    model.backend().read(store.logits, logits.data());
+    for (int64_t r = 0; r < n; ++r) {  // -log softmax at the next token, in double
+      const float* row = logits.data() + r * V;
+      const double m = *std::max_element(row, row + V);
+      double z = 0.0;
+      for (int64_t i = 0; i < V; ++i) z += std::exp(static_cast<double>(row[i]) - m);
+      const int32_t target = tokens[static_cast<size_t>(first + r + 1)];
+      LOOM_CHECK(target >= 0 && target < V, "scoring in chunks: token ", target, " outside the vocabulary of ", V);
+      loss.sum += m + std::log(z) - static_cast<double>(row[target]);
+    }
+    loss.count += n;
+  }
+  return loss;
+}
+
+WindowsLoss score_windows(Transformer& model, const std::vector<int32_t>& ids, int64_t T, int64_t B, int64_t chunk,
+                          const std::string& what) {
+  WindowsLoss r;
+  r.tokens = static_cast<int64_t>(ids.size());
+  r.window = T;
+  r.windows = r.tokens / T;
+  LOOM_CHECK(r.windows >= 1, what, ": ", r.tokens, " tokens make no window of --seq-len ", T);
+  r.chunked = T - 1 > chunk && can_score_in_chunks(model.config());
+  double sum = 0.0;
+  for (int64_t first = 0; first < r.windows; first += r.chunked ? 1 : B) {
+    if (r.chunked) {
+      const SequenceLoss l = score_tokens(model, std::span<const int32_t>(ids.data() + first * T, static_cast<size_t>(T)), chunk);
+      sum += l.sum / static_cast<double>(l.count);
+      continue;
+    }
+    const int64_t n = std::min(B, r.windows - first);
+    ActivationStore store = model.allocate_store(n, T - 1);
+    std::vector<int32_t> tokens(static_cast<size_t>(n * (T - 1))), targets(tokens.size());  // staged on the host
+    for (int64_t w = 0; w < n; ++w) {
+      const int32_t* window = ids.data() + (first + w) * T;
+      for (int64_t t = 0; t + 1 < T; ++t) {
+        tokens[static_cast<size_t>(w * (T - 1) + t)] = window[t];
+        targets[static_cast<size_t>(w * (T - 1) + t)] = window[t + 1];
+      }
+    }
+    model.backend().write(store.tokens, tokens.data());
+    model.backend().write(store.targets, targets.data());
+    sum += model.forward(store) * static_cast<double>(n);  // forward: the mean over its n (T - 1) positions
+  }
+  r.loss = sum / static_cast<double>(r.windows);
+  return r;
+}
+
+ScoreBytes score_bytes(const ModelConfig& c, int64_t tokens, int64_t chunk) {
+  const int64_t positions = std::max<int64_t>(1, tokens - 1), rows = std::min(chunk, positions);
+  ScoreBytes b;
+  b.kv = 2 * c.n_layer * positions * c.n_kv_head * c.head_dim() * 4;
+  b.logits = rows * c.vocab_size * 4;             // the host copy (the store holds its own)
+  b.scores = (c.n_head / c.n_kv_head) * rows * positions * 4;  // one kv head's rows' scores
+  return b;
+}
+
+}  // namespace loom
