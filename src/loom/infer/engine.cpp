@@ -6,6 +6,7 @@
 #include "loom/core/error.h"
 #include "loom/core/memory.h"
 #include "loom/backend/attend_rows.h"
+#include "loom/infer/chunk_attention.h"
 
 namespace loom {
 
@@ -63,18 +64,19 @@ int64_t default_kv_memory() {
 // the prefix read once per layer; commit() then stores the chunk's rows in the cache in order.
 class GenerationEngine::Rows : public DecodeCache {
  public:
-  Rows(KvCache& cache, const ModelConfig& model) : cache_(cache), model_(model) {}
+  Rows(KvCache& cache, const ModelConfig& model) : cache_(cache), model_(model), prompt_attention_(model) {}
   std::vector<int64_t> seqs, chunk, chunk_len;  // [row]
+  std::vector<bool> prompt;                     // [row] of a prompt's chunk (not speculation's drafts)
 
   void clear() {
-    seqs.clear(), chunk.clear(), chunk_len.clear();
+    seqs.clear(), chunk.clear(), chunk_len.clear(), prompt.clear();
     chunks_.clear(), keep_.clear();
   }
   // commit() stores only the first `rows` rows of seq's chunk (speculative decoding: the rows of
   // the accepted drafts).
   void keep(int64_t seq, int64_t rows) { keep_[seq] = rows; }
-  void add(int64_t seq, int64_t index = 0, int64_t length = 1) {
-    seqs.push_back(seq), chunk.push_back(index), chunk_len.push_back(length);
+  void add(int64_t seq, int64_t index = 0, int64_t length = 1, bool of_prompt = false) {
+    seqs.push_back(seq), chunk.push_back(index), chunk_len.push_back(length), prompt.push_back(of_prompt);
   }
 
   // A cache in the backend's memory takes the step's rows where they are, unless a prompt chunk is
@@ -109,6 +111,19 @@ class GenerationEngine::Rows : public DecodeCache {
     std::vector<int64_t> counts(static_cast<size_t>(n), 0);
     for (int64_t r = 0; r < n; ++r) {
       if (chunk_len[static_cast<size_t>(r)] > 1) counts[static_cast<size_t>(r)] = append(layer, r, qkv + r * width + k_col, qkv + r * width + v_col);
+    }
+    // A prompt's chunk (its rows consecutive, from its row 0): two GEMMs per kv head over the
+    // gathered rows (chunk_attention.h); speculation's drafts keep the decoding kernel below, so
+    // a verified row computes bitwise what decoding it alone would.
+    for (int64_t r = 0; r < n; ++r) {
+      const auto i = static_cast<size_t>(r);
+      if (chunk_len[i] <= 1 || !prompt[i] || chunk[i] != 0) continue;
+      const Chunk& ch = chunks_.at(seqs[i]);
+      const int64_t m = chunk_len[i];
+      prompt_attention_.set_interleaved(ch.k.data(), ch.v.data(), ch.prefix + m - ch.first);
+      prompt_attention_.run(ch.prefix, m, ch.first, prompt_attention_.keys_by_head(), prompt_attention_.values_by_head(),
+                            qkv + r * width, width, out + r * out_width, out_width);
+      for (int64_t j = 0; j < m; ++j) counts[static_cast<size_t>(r + j)] = 0;  // attended
     }
     if (!chunks_.empty()) {
 #pragma omp parallel
@@ -219,6 +234,7 @@ class GenerationEngine::Rows : public DecodeCache {
   std::vector<float> buffer_, scores_, sums_;
   std::map<int64_t, Chunk> chunks_;  // [sequence] this step's chunk
   std::map<int64_t, int64_t> keep_;  // [sequence] rows of its chunk commit() stores
+  ChunkAttention prompt_attention_;  // a prompt chunk's attention (its scratch reused across steps)
 };
 
 struct GenerationEngine::Active {
@@ -598,7 +614,8 @@ GenerationEngine::StepPlan GenerationEngine::plan_step() {
       p.speculating = p.speculating || m > 1;
     }
     const int64_t first = static_cast<int64_t>(p.tokens.size()) - m;
-    for (int64_t j = 0; j < m; ++j) p.positions.push_back(a->fed + j), rows_->add(a->seq, j, m);
+    const bool of_prompt = a->feeds_prompt && a->fed < prompt;
+    for (int64_t j = 0; j < m; ++j) p.positions.push_back(a->fed + j), rows_->add(a->seq, j, m, of_prompt);
     p.first_logit.push_back(static_cast<int64_t>(p.logit_rows.size()));
     for (int64_t j = logits_from; j < m; ++j) p.logit_rows.push_back(first + j);
     p.last_row.push_back(first + m - 1);

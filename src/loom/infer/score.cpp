@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "loom/backend/backend.h"
+#include "loom/infer/chunk_attention.h"
 #include "loom/core/error.h"
 
 namespace loom {
@@ -13,22 +14,16 @@ namespace loom {
 namespace {
 
 // One sequence's keys and values, every layer, in fp32 at their positions, each kv head's rows
-// contiguous; the rows of a forward_rows call are positions first .. first + n - 1 of it. A
-// chunk's attention is two GEMMs per kv head on the host's CPU backend (FlashAttention's
-// arithmetic without its tiling: the scores of the chunk's rows over the visible positions,
-// masked causally and by the window, softmaxed in fp32, then times V), whichever backend runs the
-// model: forward_rows stages the rows through the host.
+// contiguous; the rows of a forward_rows call are positions first .. first + n - 1 of it,
+// attended by ChunkAttention (two GEMMs per kv head on the host's CPU backend, whichever backend
+// runs the model: forward_rows stages the rows through the host).
 class SequenceCache final : public DecodeCache {
  public:
-  SequenceCache(const ModelConfig& c, int64_t capacity, int64_t chunk)
-      : c_(c), hd_(c.head_dim()), group_(c.n_head / c.n_kv_head), capacity_(capacity), cpu_(make_cpu_backend()) {
-    Allocator& a = cpu_->allocator();
+  SequenceCache(const ModelConfig& c, int64_t capacity)
+      : c_(c), hd_(c.head_dim()), capacity_(capacity), attention_(c) {
+    Allocator& a = attention_.backend().allocator();
     k_ = Tensor::empty(a, {c.n_layer, c.n_kv_head, capacity, hd_}, DTYPE_F32, MEM_KV_CACHE);
     v_ = Tensor::empty(a, {c.n_layer, c.n_kv_head, capacity, hd_}, DTYPE_F32, MEM_KV_CACHE);
-    const int64_t rows = group_ * std::min(chunk, capacity);
-    q_ = Tensor::empty(a, {rows * hd_}, DTYPE_F32, MEM_WORKSPACE);
-    o_ = Tensor::empty(a, {rows * hd_}, DTYPE_F32, MEM_WORKSPACE);
-    s_ = Tensor::empty(a, {rows * capacity}, DTYPE_F32, MEM_WORKSPACE);
   }
   void set_first(int64_t first) { first_ = first; }
 
@@ -46,63 +41,28 @@ class SequenceCache final : public DecodeCache {
   }
 
  private:
-  float* kv_row(const Tensor& t, int64_t layer, int64_t g, int64_t p) const {
-    return t.data<float>() + ((layer * c_.n_kv_head + g) * capacity_ + p) * hd_;
-  }
   void store(int64_t layer, int64_t row, const float* k, const float* v) {
     const int64_t p = first_ + row;
     LOOM_CHECK(p < capacity_, "scoring in chunks: position ", p, " beyond the cache's ", capacity_);
     for (int64_t g = 0; g < c_.n_kv_head; ++g) {
-      std::copy(k + g * hd_, k + (g + 1) * hd_, kv_row(k_, layer, g, p));
-      std::copy(v + g * hd_, v + (g + 1) * hd_, kv_row(v_, layer, g, p));
+      const int64_t at = ((layer * c_.n_kv_head + g) * capacity_ + p) * hd_;
+      std::copy(k + g * hd_, k + (g + 1) * hd_, k_.data<float>() + at);
+      std::copy(v + g * hd_, v + (g + 1) * hd_, v_.data<float>() + at);
     }
   }
-  // Rows r < n (queries at q + r * q_stride, heads side by side; outputs likewise) at positions
-  // first + r, over the positions [lo, first + n) some row sees.
   void attend_chunk(int64_t layer, int64_t first, int64_t n, const float* q, int64_t q_stride, float* out,
                     int64_t out_stride) {
-    const int64_t W = c_.attn_window, end = first + n, lo = W > 0 ? std::max<int64_t>(0, first + 1 - W) : 0;
-    const int64_t P = end - lo, M = group_ * n;
-    const float scale = 1.0f / std::sqrt(static_cast<float>(hd_));
-    const Tensor qg = q_.view(0, {M, hd_}), s = s_.view(0, {M, P}), o = o_.view(0, {M, hd_});
-    GemmSpec scores;
-    scores.trans_b = true, scores.alpha = scale;
-    for (int64_t g = 0; g < c_.n_kv_head; ++g) {
-      for (int64_t j = 0; j < group_; ++j) {  // head g * group + j's queries, row j * n + r
-        for (int64_t r = 0; r < n; ++r) {
-          const float* src = q + r * q_stride + (g * group_ + j) * hd_;
-          std::copy(src, src + hd_, qg.data<float>() + (j * n + r) * hd_);
-        }
-      }
-      const int64_t kv = ((layer * c_.n_kv_head + g) * capacity_ + lo) * hd_;
-      cpu_->gemm(qg, k_.view(kv, {P, hd_}), s, scores);
-      float* S = s.data<float>();
-#pragma omp parallel for schedule(static)
-      for (int64_t i = 0; i < M; ++i) {  // row i: query position first + i % n sees [from, to]
-        const int64_t p = first + i % n, from = (W > 0 ? std::max<int64_t>(0, p + 1 - W) : 0) - lo, to = p - lo;
-        float* row = S + i * P;
-        float m = row[from];
-        for (int64_t t = from + 1; t <= to; ++t) m = std::max(m, row[t]);
-        float sum = 0.0f;
-        for (int64_t t = from; t <= to; ++t) sum += (row[t] = std::exp(row[t] - m));
-        const float inv = 1.0f / sum;
-        for (int64_t t = 0; t < P; ++t) row[t] = t >= from && t <= to ? row[t] * inv : 0.0f;
-      }
-      cpu_->gemm(s, v_.view(kv, {P, hd_}), o, GemmSpec{});
-      for (int64_t j = 0; j < group_; ++j) {
-        for (int64_t r = 0; r < n; ++r) {
-          const float* src = o.data<float>() + (j * n + r) * hd_;
-          std::copy(src, src + hd_, out + r * out_stride + (g * group_ + j) * hd_);
-        }
-      }
-    }
+    const int64_t W = c_.attn_window, lo = W > 0 ? std::max<int64_t>(0, first + 1 - W) : 0, P = first + n - lo;
+    const auto rows = [&](const Tensor& t) {
+      return [&, P, lo](int64_t g) { return t.view(((layer * c_.n_kv_head + g) * capacity_ + lo) * hd_, {P, hd_}); };
+    };
+    attention_.run(first, n, lo, rows(k_), rows(v_), q, q_stride, out, out_stride);
   }
 
   const ModelConfig& c_;
-  int64_t hd_, group_, capacity_, first_ = 0;
-  std::unique_ptr<Backend> cpu_;
-  Tensor k_, v_;      // (layers, n_kv_head, capacity, head_dim)
-  Tensor q_, s_, o_;  // a kv head's query rows, their scores over the visible positions, their outputs
+  int64_t hd_, capacity_, first_ = 0;
+  ChunkAttention attention_;
+  Tensor k_, v_;  // (layers, n_kv_head, capacity, head_dim)
 };
 
 }  // namespace
@@ -117,7 +77,7 @@ SequenceLoss score_tokens(Transformer& model, std::span<const int32_t> tokens, i
   LOOM_CHECK(T >= 2 && T - 1 <= c.max_seq_len, "scoring in chunks: ", T, " tokens, expected 2 .. model.max_seq_len + 1 = ",
              c.max_seq_len + 1);
   const int64_t rows = std::min(chunk, T - 1);
-  SequenceCache cache(c, T - 1, rows);
+  SequenceCache cache(c, T - 1);
   ActivationStore store = model.allocate_rows(rows);
   std::vector<float> logits(static_cast<size_t>(rows * V));
   SequenceLoss loss;
