@@ -521,6 +521,40 @@ class Cli(LoomCase):
         self.assert_one_line_error(run("bench", "generate", "--checkpoint", ckpt, "--bf16-weights", expect_ok=False),
                                    "--bf16-weights")
 
+    def test_generate_with_a_draft_model(self):
+        """--draft: a smaller model of the same tokenizer proposes tokens the model verifies: greedy
+        texts equal the model's alone (generate --prompts), bench generate reports the drafts kept
+        and the draft's time; a draft with a shorter context and --draft-p-min out of range are
+        refused naming them."""
+        self.train("target", steps=12)
+        self.train("draft", "--set", "model.n_layer=1", steps=12)
+        self.train("short", "--set", "model.n_layer=1,model.max_seq_len=16,train.seq_len=16", steps=4)
+        target, draft = os.path.join(self.tmp, "runs", "target"), os.path.join(self.tmp, "runs", "draft")
+        prompts = os.path.join(self.tmp, "draft_prompts.txt")
+        with open(prompts, "w") as f:
+            f.write("The \nA fortune\nIt is\nWhy\n")
+        texts = []
+        for extra in ((), ("--draft", draft), ("--draft", draft, "--speculate", "2"), ("--draft", target)):
+            out = os.path.join(self.tmp, "draft.jsonl")
+            run("generate", "--checkpoint", target, "--prompts", prompts, "--greedy", "--tokens", "12", "--out", out,
+                "--max-batch", "2", *extra)
+            with open(out) as f:
+                texts.append([json.loads(line)["text"] for line in f])
+        for t in texts[1:]:
+            self.assertEqual(t, texts[0])
+        b = run("bench", "generate", "--checkpoint", target, "--draft", target, "--requests", "2", "--prompt-tokens", "4",
+                "--new-tokens", "8", "--max-batch", "1")
+        m = re.search(r"draft model .*up to 4 drafts\): (\d+) drafted, (\d+) accepted .* s of its [0-9.]+ s in the draft", b.stdout)
+        self.assertIsNotNone(m, b.stdout)
+        self.assertGreater(int(m.group(1)), 0)
+        self.assertGreaterEqual(int(m.group(2)), int(m.group(1)) * 9 // 10)  # its own weights: nearly every draft kept
+        self.assertIn("every request the same tokens: yes", b.stdout)
+        self.assert_one_line_error(run("generate", "--checkpoint", target, "--prompts", prompts, "--draft",
+                                       os.path.join(self.tmp, "runs", "short"), expect_ok=False), "draft model's context", "16")
+        self.assert_one_line_error(run("bench", "generate", "--checkpoint", target, "--draft", draft, "--draft-p-min", "2",
+                                       "--prompt-tokens", "4", "--new-tokens", "8",
+                                       expect_ok=False), "--draft-p-min")
+
     def test_eval_reports_loss_and_perplexity(self):
         self.train("ev")
         p = run("eval", "--checkpoint", os.path.join(self.tmp, "runs", "ev"))

@@ -237,6 +237,31 @@ class Serve(unittest.TestCase):
         for i in range(32):
             self.assertEqual(results[i], self.greedy[i % len(PROMPTS)], f"client {i}")
 
+    def test_a_draft_model_keeps_the_greedy_texts(self):
+        """--draft (the served model as its own draft: nearly every draft kept): the greedy texts of
+        loom generate alone, streamed or not; /metrics counts the drafts, the rate and the draft's time."""
+        server = Server(self.ckpt, "--max-batch", "4", "--draft", self.ckpt, "--speculate", "3")
+        try:
+            for i, (prompt, text) in enumerate(zip(PROMPTS, self.greedy)):
+                body = {"prompt": prompt, "max_tokens": 40, "temperature": 0}
+                if i % 2:
+                    status, raw, _ = server.request("POST", "/v1/completions", {**body, "stream": True})
+                    self.assertEqual(status, 200, raw)
+                    events = [line[6:] for line in raw.split("\n") if line.startswith("data: ")]
+                    got = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+                else:
+                    got = server.complete(body)["choices"][0]["text"]
+                self.assertEqual(got, text, prompt)
+            m = server.metrics()
+            self.assertGreater(m["loom_spec_draft_tokens_total"], 0)
+            self.assertGreaterEqual(m["loom_spec_acceptance_rate"], 0.9)
+            self.assertAlmostEqual(m["loom_spec_acceptance_rate"],
+                                   m["loom_spec_accepted_tokens_total"] / m["loom_spec_draft_tokens_total"], places=5)
+            self.assertGreater(m["loom_spec_draft_seconds_total"], 0)
+            self.assertLess(m["loom_spec_draft_seconds_total"], m["loom_engine_seconds_total"])
+        finally:
+            self.assertEqual(server.stop(), 0)
+
     def test_prefix_cache_reuses_blocks_and_keeps_the_tokens(self):
         shared = "This License applies to any program or other work which contains a notice placed by the copyright holder"
         before = self.server.metrics()

@@ -173,6 +173,66 @@ TEST(EngineTest, SpeculativeDecodingKeepsTheGreedyTokens) {
   EXPECT_NE(test::error_of([&] { quantized.validate(); }).find("--speculate needs an fp32 KV cache"), std::string::npos);
 }
 
+// Speculative decoding with a draft model (GenerationEngine's draft, infer/draft_model.h): the
+// greedy requests' tokens equal the target's alone, with a draft of the target's own weights
+// (nearly every draft kept, fewer steps) and with a smaller random one (few kept), for MHA, GQA,
+// MoE and a sliding window, prompts longer than a prefill chunk among them (the draft catches
+// up in chunks); a sampled request keeps its length. A draft of another vocabulary or a shorter
+// context, and a draft without --speculate, are refused by name.
+TEST(EngineTest, DraftModelKeepsTheGreedyTokens) {
+  for (const std::string preset : {"gpt2-tiny", "llama-tiny", "moe-tiny", "llama-tiny+window"}) {
+    const ModelConfig config = long_context_preset(preset);
+    auto backend = make_cpu_backend();
+    Transformer model(*backend, config, ModelUse{.gradients = false}), same(*backend, config, ModelUse{.gradients = false});
+    model.init_weights(4), same.init_weights(4);
+    ModelConfig small_config = config;
+    small_config.n_layer = 1;
+    Transformer small(*backend, small_config, ModelUse{.gradients = false});
+    small.init_weights(9);
+    const int64_t V = config.vocab_size;
+    std::vector<GenerationRequest> reqs(4);
+    for (int64_t i = 0; i < 4; ++i) {
+      reqs[i].prompt = prompt_of(3 + i, i == 1 ? 21 : 5 + i, V);  // request 1's prompt is fed in chunks of 8
+      reqs[i].max_new_tokens = i == 3 ? 6 : 20 + i;
+      reqs[i].sampling.temperature = i == 3 ? 0.9f : 0.0f;
+      reqs[i].sampling.seed = 7 + static_cast<uint64_t>(i);
+    }
+    EngineConfig plain;
+    plain.max_batch = 4, plain.block_size = 4, plain.prefill_chunk = 8;
+    EngineConfig spec = plain;
+    spec.speculate = 3;
+    GenerationEngine a(model, plain), b(model, spec, &same), c(model, spec, &small);
+    for (const GenerationRequest& r : reqs) a.submit(r), b.submit(r), c.submit(r);
+    const std::vector<GenerationResult> want = a.run(), own = b.run(), other = c.run();
+    for (size_t i = 0; i < 3; ++i) {
+      EXPECT_EQ(own[i].tokens, want[i].tokens) << preset << " request " << i;
+      EXPECT_EQ(other[i].tokens, want[i].tokens) << preset << " request " << i;
+    }
+    EXPECT_EQ(own[3].tokens.size(), want[3].tokens.size()) << preset;
+    EXPECT_EQ(other[3].tokens.size(), want[3].tokens.size()) << preset;
+    EXPECT_GT(b.stats().drafted, 20) << preset;
+    EXPECT_GE(b.stats().accepted, b.stats().drafted * 9 / 10) << preset;  // its own weights: its picks
+    EXPECT_LT(b.stats().steps, a.stats().steps * 2 / 3) << preset;
+    EXPECT_LT(c.stats().accepted, b.stats().accepted) << preset;
+    EXPECT_GT(b.stats().draft_seconds, 0.0) << preset;
+  }
+  auto backend = make_cpu_backend();
+  const ModelConfig config = long_context_preset("llama-tiny");
+  Transformer model(*backend, config, ModelUse{.gradients = false});
+  ModelConfig other = config;
+  other.vocab_size = config.vocab_size + 1;
+  Transformer wrong_vocab(*backend, other, ModelUse{.gradients = false});
+  other = config;
+  other.max_seq_len = config.max_seq_len / 2;
+  Transformer short_context(*backend, other, ModelUse{.gradients = false});
+  EngineConfig spec;
+  spec.speculate = 2;
+  EXPECT_NE(test::error_of([&] { GenerationEngine e(model, spec, &wrong_vocab); }).find("draft model's vocabulary"), std::string::npos);
+  EXPECT_NE(test::error_of([&] { GenerationEngine e(model, spec, &short_context); }).find("draft model's context"), std::string::npos);
+  spec.speculate = 0;
+  EXPECT_NE(test::error_of([&] { GenerationEngine e(model, spec, &model); }).find("needs --speculate"), std::string::npos);
+}
+
 // The paged pool's budget (EngineConfig::kv_memory, --kv-memory): max_batch full-length
 // sequences when they fit, else the blocks the budget holds; a budget below one block is refused
 // naming it; --kv-blocks is taken as given. A request the capped pool cannot hold is refused at

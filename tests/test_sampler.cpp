@@ -67,6 +67,70 @@ TEST(SamplerTest, VerifyingADraftKeepsTheDistribution) {
   EXPECT_EQ(greedy.verify(kLogits.data(), 4, 3), 2);
 }
 
+// A draft model's proposal and its verification (Sampler::propose, verify with q; Leviathan et
+// al. 2023, Algorithm 1): propose() draws from and writes the distribution sample() draws from
+// (here with top-3); a draft drawn from a proposal q unlike p, verified against q, comes out
+// distributed as p (the softmax), for two different q and also with top-2 on the target's side
+// (a q putting mass outside p's support), and is kept with probability sum min(p, q), more than
+// the one-hot rule's sum p q (which keeps the distribution too, at a lower acceptance). The
+// broken variant, keeping with min(1, p / q) but redrawing a rejection from p instead of the
+// residual max(0, p - q), is measurably skewed toward q.
+TEST(SamplerTest, VerifyingADraftModelsProposalKeepsTheDistribution) {
+  Sampler drafter({1.0f, 3, 1.0f, 21});
+  std::vector<float> q(4, -1.0f);
+  std::map<int32_t, int> proposed;
+  for (int i = 0; i < 20000; ++i) ++proposed[drafter.propose(kLogits.data(), 4, q.data())];
+  const double top3[] = {0.0, 0.2 / 0.9, 0.4 / 0.9, 0.3 / 0.9};
+  for (int v = 0; v < 4; ++v) EXPECT_NEAR(q[v], top3[v], 1e-6) << v;
+  EXPECT_EQ(proposed.count(0), 0u);
+  EXPECT_NEAR(proposed[2] / 20000.0, 0.4 / 0.9, 0.015);
+  const double softmax[] = {0.1, 0.2, 0.4, 0.3};
+  const std::vector<std::vector<float>> proposals = {{0.7f, 0.1f, 0.1f, 0.1f}, {0.0f, 0.05f, 0.9f, 0.05f}};
+  enum Rule { kResidual, kOneHot, kBroken };
+  const int draws = 40000;
+  const auto run = [&](const std::vector<float>& qd, SamplingConfig target, Rule rule, std::vector<double>& freq) {
+    Sampler sampler(target);
+    std::vector<double> cumulative(4);
+    std::partial_sum(qd.begin(), qd.end(), cumulative.begin());
+    freq.assign(4, 0.0);
+    double kept = 0.0;
+    for (int i = 0; i < draws; ++i) {
+      const auto uniform = [&](uint32_t stream) {
+        return philox_uniform(philox4x32_10({static_cast<uint32_t>(i), 0, stream, 0}, {3, 4})[0]);
+      };
+      const double u = uniform(9) * cumulative.back();
+      const auto draft = static_cast<int32_t>(std::upper_bound(cumulative.begin(), cumulative.end(), u) - cumulative.begin());
+      int32_t token = 0;
+      if (rule == kResidual) token = sampler.verify(kLogits.data(), 4, draft, qd.data());
+      if (rule == kOneHot) token = sampler.verify(kLogits.data(), 4, draft);
+      if (rule == kBroken) token = uniform(10) * qd[draft] < softmax[draft] ? draft : sampler.sample(kLogits.data(), 4);
+      freq[static_cast<size_t>(token)] += 1.0 / draws;
+      kept += token == draft ? 1.0 / draws : 0.0;
+    }
+    return kept;
+  };
+  std::vector<double> freq;
+  for (const auto& qd : proposals) {
+    double overlap = 0.0, product = 0.0;
+    for (int v = 0; v < 4; ++v) overlap += std::min<double>(softmax[v], qd[v]), product += softmax[v] * qd[v];
+    const double kept = run(qd, {1.0f, 0, 1.0f, 13}, kResidual, freq);
+    for (int v = 0; v < 4; ++v) EXPECT_NEAR(freq[v], softmax[v], 0.01) << "q[0] " << qd[0] << ", token " << v;  // > 4 sigma
+    EXPECT_NEAR(kept, overlap, 0.01) << "q[0] " << qd[0];
+    EXPECT_NEAR(run(qd, {1.0f, 0, 1.0f, 13}, kOneHot, freq), product, 0.01) << "q[0] " << qd[0];
+    for (int v = 0; v < 4; ++v) EXPECT_NEAR(freq[v], softmax[v], 0.01) << "one-hot, token " << v;
+    run(qd, {1.0f, 0, 1.0f, 13}, kBroken, freq);
+    double off = 0.0;
+    for (int v = 0; v < 4; ++v) off = std::max(off, std::fabs(freq[v] - softmax[v]));
+    EXPECT_GT(off, 0.05) << "q[0] " << qd[0];
+    run(qd, {1.0f, 2, 1.0f, 17}, kResidual, freq);  // the target keeps tokens 2 and 3
+    EXPECT_EQ(freq[0] + freq[1], 0.0);
+    EXPECT_NEAR(freq[2], 0.4 / 0.7, 0.012) << "q[0] " << qd[0];
+  }
+  Sampler greedy({0.0f, 0, 1.0f, 1});
+  EXPECT_EQ(greedy.propose(kLogits.data(), 4, q.data()), 2);
+  EXPECT_EQ(greedy.verify(kLogits.data(), 4, 3, proposals[0].data()), 2);
+}
+
 TEST(SamplerTest, SameSeedSameDraws) {
   EXPECT_EQ(histogram({0.8f, 3, 0.9f, 11}, 100), histogram({0.8f, 3, 0.9f, 11}, 100));
 }

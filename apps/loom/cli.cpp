@@ -37,6 +37,24 @@ const Option kF32WeightsOption = {"f32-weights", "",
                                   "widen a Hugging Face folder's bf16 linear weights to f32 (default: used in place, "
                                   "half the memory)"};
 
+const Option kDraftOption = {"draft", "PATH",
+                             "a smaller model with the same tokenizer (checkpoint or Hugging Face folder) proposes --speculate "
+                             "tokens (default 4 with it) that the model verifies in one forward: the same greedy tokens, sampled "
+                             "ones distributed the same (needs --kv fp32)"};
+
+const Option kDraftPMinOption = {"draft-p-min", "P",
+                                 "--draft: a request stops drafting once the draft gave its pick a probability below P "
+                                 "(default 0: always K drafts; llama.cpp stops below 0.75 or 0.9, by version)"};
+
+std::unique_ptr<Transformer> open_draft(const Args& args, Backend& backend, EngineConfig& engine) {
+  if (!args.has("draft")) return nullptr;
+  if (engine.speculate == 0 && !args.has("speculate")) engine.speculate = 4;
+  engine.draft_p_min = args.get_double("draft-p-min", engine.draft_p_min);
+  engine.validate();
+  const ModelSource source = model_source(args.get("draft"), "");
+  return open_inference_model(source, backend, args.has("f32-weights"));
+}
+
 namespace fs = std::filesystem;
 
 #ifndef LOOM_SOURCE_DIR

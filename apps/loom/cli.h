@@ -16,6 +16,7 @@
 #include "loom/model/transformer.h"
 #include "loom/data/prepare.h"
 #include "loom/train/config.h"
+#include "loom/infer/engine.h"
 #include "loom/train/model_source.h"
 
 namespace loom::cli {
@@ -33,6 +34,8 @@ struct Option {
 // inference_backend reads it.
 extern const Option kDeviceOption;
 extern const Option kF32WeightsOption;  // --f32-weights (train/model_source.h open_inference_model)
+extern const Option kDraftOption;       // --draft (open_draft)
+extern const Option kDraftPMinOption;   // --draft-p-min (open_draft)
 
 // -h / --help on a subcommand's line: the help text, which main() prints to stdout (exit 0).
 struct HelpRequest {
@@ -57,6 +60,10 @@ class Args {
  private:
   std::map<std::string, std::vector<std::string>> values_;
 };
+
+// --draft PATH: the draft model of speculative decoding (infer/draft_model.h), opened as the
+// target is (its own dtype, on `backend`); --speculate defaults to 4 with one. nullptr without.
+std::unique_ptr<Transformer> open_draft(const Args& args, Backend& backend, EngineConfig& engine);
 
 // Commands with positional arguments (merge's PATHs, report's RUN_DIRs): the positional ones of
 // argv are returned, the rest go into `rest` for Args. An argument starting with '-' is an option;

@@ -116,6 +116,7 @@ int bench_generate(const Args& args) {
   apply_kv_preset(ec, kv, config.model.head_dim());
   ec.group = args.get_int("kv-group", ec.group), ec.residual = args.get_int("kv-residual", ec.residual);
   const KvCacheConfig cache_config = engine_cache_config(config.model, ec);
+  const std::unique_ptr<Transformer> draft = open_draft(args, *backend, ec);
 
   std::printf("%s: %lld parameters (%lld linear weights in bf16 in place); %lld requests of %lld prompt + %lld new "
               "tokens (greedy); KV cache %s, %s; model set up in %.1f s\n",
@@ -130,7 +131,7 @@ int bench_generate(const Args& args) {
   std::vector<double> alone_ttft;
   const auto t0 = std::chrono::steady_clock::now();
   {
-    GenerationEngine engine(model, single);
+    GenerationEngine engine(model, single, draft.get());
     for (const GenerationRequest& r : requests) {
       engine.submit(r);
       const GenerationResult g = engine.run().back();
@@ -141,7 +142,7 @@ int bench_generate(const Args& args) {
   const double alone_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   // All at once, continuous batching.
   const auto t1 = std::chrono::steady_clock::now();
-  GenerationEngine engine(model, ec);
+  GenerationEngine engine(model, ec, draft.get());
   for (const GenerationRequest& r : requests) engine.submit(r);
   const std::vector<GenerationResult> together = engine.run();
   const double batched_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
@@ -171,9 +172,13 @@ int bench_generate(const Args& args) {
               static_cast<double>(st.rows) / std::max<int64_t>(st.steps, 1), static_cast<long long>(ec.max_batch),
               same == n ? "yes" : "NO", static_cast<long long>(same), static_cast<long long>(n));
   if (ec.speculate > 0) {
-    std::printf("speculative decoding (prompt lookup, up to %lld drafts): %lld drafted, %lld accepted (%.1f%%) in the "
-                "batched run\n", static_cast<long long>(ec.speculate), static_cast<long long>(st.drafted),
-                static_cast<long long>(st.accepted), st.drafted > 0 ? 100.0 * static_cast<double>(st.accepted) / static_cast<double>(st.drafted) : 0.0);
+    std::printf("speculative decoding (%s, up to %lld drafts): %lld drafted, %lld accepted (%.1f%%) in the batched run, "
+                "%.2f s of its %.2f s in the draft model\n",
+                draft ? str_cat("draft model ", args.get("draft"), ", ", param_count(draft->config()), " parameters").c_str()
+                      : "prompt lookup",
+                static_cast<long long>(ec.speculate), static_cast<long long>(st.drafted),
+                static_cast<long long>(st.accepted), st.drafted > 0 ? 100.0 * static_cast<double>(st.accepted) / static_cast<double>(st.drafted) : 0.0,
+                st.draft_seconds, st.seconds);
   }
   std::printf("KV cache: %.1f bytes per token by formula (%lld layers), peak %s in use of %s reserved, %lld blocks at the "
               "peak, mean utilisation %.3f\n", kv_bytes_per_token(cache_config), static_cast<long long>(cache_config.n_layer),
@@ -218,6 +223,8 @@ int bench_main(int argc, char** argv) {
       {"prompt-tokens", "L", "tokens per prompt (default 32)"},
       {"new-tokens", "M", "tokens generated per request (default 64)"},
       {"max-batch", "B", "rows of continuous batching (default 16)"},
+      kDraftOption,
+      kDraftPMinOption,
       {"speculate", "K", "requests propose up to K tokens by prompt lookup, verified in one forward: the same greedy tokens, sampled ones distributed the same (default 0: off; needs --kv fp32)"},
       {"prefill-chunk", "N", "prompts longer than N tokens are fed N a step beside the decoding rows (default 512; 0: each prompt in one forward)"},
       {"kv", "FORMAT", "KV cache format fp32 | bf16 | int8 | int4 | kivi4 | kivi2 (default fp32)"},

@@ -57,6 +57,8 @@ int generate_main(int argc, char** argv) {
                    {"prompts", "FILE", "one prompt per non-empty line, generated together by the engine"},
                    {"out", "FILE", "--prompts: write the JSON lines here (atomically) instead of stdout"},
                    {"max-batch", "B", "--prompts: rows of continuous batching (default 8)"},
+                   {"draft", "PATH", "--prompts: " + kDraftOption.help},
+                   {"draft-p-min", "P", "--prompts: " + kDraftPMinOption.help},
                    {"speculate", "K", "--prompts: requests propose up to K tokens by prompt lookup, verified in one forward: the same greedy tokens, sampled ones distributed the same (default 0: off; needs --kv fp32)"},
                    {"prefill-chunk", "N", "--prompts: prompts longer than N tokens are fed N a step beside the decoding rows (default 512; 0: each prompt in one forward)"},
                    {"kv", "FORMAT", "--prompts: KV cache format fp32 | bf16 | int8 | int4 | kivi4 | kivi2 (default fp32)"},
@@ -100,7 +102,8 @@ int generate_main(int argc, char** argv) {
     ec.paged = !args.has("contiguous");
     apply_kv_preset(ec, args.get("kv", "fp32"), config.model.head_dim());
     ec.group = args.get_int("kv-group", ec.group), ec.residual = args.get_int("kv-residual", ec.residual);
-    GenerationEngine engine(model, ec);
+    const std::unique_ptr<Transformer> draft = open_draft(args, *backend, ec);
+    GenerationEngine engine(model, ec, draft.get());
     const int64_t max_new = args.get_int("tokens", config.sample.max_new_tokens);
     for (size_t i = 0; i < prompts.size(); ++i) {
       GenerationRequest r;

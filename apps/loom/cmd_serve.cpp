@@ -149,6 +149,8 @@ int serve_main(int argc, char** argv) {
                    {"kv-memory", "BYTES", "the KV pool's budget, e.g. 8GiB (default: 90% of the available memory after loading; --kv-blocks overrides)"},
                    {"max-batch", "N", "rows of continuous batching (default 16); also the largest n"},
                    {"max-queue", "N", "requests waiting for a row before 429 (default 64)"},
+                   kDraftOption,
+                   kDraftPMinOption,
                    {"speculate", "K", "requests propose up to K tokens by prompt lookup, verified in one forward: the same greedy tokens, sampled ones distributed the same (default 0: off; needs --kv fp32)"},
                    {"prefill-chunk", "N", "prompts longer than N tokens are fed N a step beside the decoding rows (default 512; 0: each prompt in one forward)"},
                    {"no-prefix-cache", "", "turn automatic prefix caching off"},
@@ -206,7 +208,8 @@ int serve_main(int argc, char** argv) {
     ec.prefix_cache = why.empty();
     prefix_note = why.empty() ? "on" : "off: " + why;
   }
-  GenerationEngine engine(model, ec);
+  const std::unique_ptr<Transformer> draft = open_draft(args, *backend, ec);
+  GenerationEngine engine(model, ec, draft.get());
 
 
   serve::Metrics metrics;

@@ -5,8 +5,8 @@
 
 #include "loom/core/error.h"
 #include "loom/core/memory.h"
-#include "loom/backend/attend_rows.h"
-#include "loom/infer/chunk_attention.h"
+#include "loom/infer/draft_model.h"
+#include "loom/infer/step_rows.h"
 
 namespace loom {
 
@@ -16,6 +16,7 @@ void EngineConfig::validate() const {
   LOOM_CHECK(num_blocks >= 0, "generate.kv_blocks must be >= 0 (0: enough for max_batch full sequences), got ", num_blocks);
   LOOM_CHECK(residual >= 0, "generate.kv_residual must be >= 0, got ", residual);
   LOOM_CHECK(prefill_chunk >= 0, "--prefill-chunk must be >= 0 (0: every prompt in one forward), got ", prefill_chunk);
+  LOOM_CHECK(draft_p_min >= 0.0 && draft_p_min <= 1.0, "--draft-p-min must be in [0, 1], got ", draft_p_min);
   LOOM_CHECK(speculate >= 0 && ngram >= 1, "--speculate must be >= 0 and --ngram >= 1, got ", speculate, " and ", ngram);
   LOOM_CHECK(speculate == 0 || (k_format == KV_FP32 && v_format == KV_FP32 && residual == 0),
              "--speculate needs an fp32 KV cache (--kv fp32): the draft rows attend to each other before they are stored");
@@ -25,7 +26,7 @@ KvCacheConfig engine_cache_config(const ModelConfig& model, const EngineConfig& 
   engine.validate();
   KvCacheConfig c;
   c.n_layer = model.n_layer;
-  if (model.mla()) {  // MLA: one [normed latent | RoPE key] row per position, read back by Rows::latent
+  if (model.mla()) {  // MLA: one [normed latent | RoPE key] row per position, read back by StepRows::latent
     c.k_width = kv_cache_width(model), c.v_width = 0;
   } else {
     c.k_width = c.v_width = model.n_kv_head * model.head_dim();
@@ -57,190 +58,12 @@ int64_t default_kv_memory() {
   return free > 0 ? free / 10 * 9 : 0;
 }
 
-// The step's rows as the model's DecodeCache: row r is sequence seqs[r] of the KV cache. A
-// sequence normally has one row, its next position. A prompt's rest after a prefix-cache hit is
-// a chunk of consecutive rows of one sequence (chunk[r] = 0, 1, ... of chunk_len[r] rows): each
-// attends to the sequence's cached positions and the chunk's rows up to itself, computed here on
-// the prefix read once per layer; commit() then stores the chunk's rows in the cache in order.
-class GenerationEngine::Rows : public DecodeCache {
- public:
-  Rows(KvCache& cache, const ModelConfig& model) : cache_(cache), model_(model), prompt_attention_(model) {}
-  std::vector<int64_t> seqs, chunk, chunk_len;  // [row]
-  std::vector<bool> prompt;                     // [row] of a prompt's chunk (not speculation's drafts)
-
-  void clear() {
-    seqs.clear(), chunk.clear(), chunk_len.clear(), prompt.clear();
-    chunks_.clear(), keep_.clear();
-  }
-  // commit() stores only the first `rows` rows of seq's chunk (speculative decoding: the rows of
-  // the accepted drafts).
-  void keep(int64_t seq, int64_t rows) { keep_[seq] = rows; }
-  void add(int64_t seq, int64_t index = 0, int64_t length = 1, bool of_prompt = false) {
-    seqs.push_back(seq), chunk.push_back(index), chunk_len.push_back(length), prompt.push_back(of_prompt);
-  }
-
-  // A cache in the backend's memory takes the step's rows where they are, unless a prompt chunk is
-  // among them (its rows attend to each other before they are stored: through the host below).
-  bool in_backend_memory() const override {
-    return cache_.in_backend_memory() && std::all_of(chunk_len.begin(), chunk_len.end(), [](int64_t m) { return m == 1; });
-  }
-  void attend_all(Backend& backend, int64_t layer, const Tensor& qkv, const Tensor& out) override {
-    const int64_t n = qkv.dim(0), H = model_.n_head, hd = model_.head_dim(), KW = model_.n_kv_head * hd;
-    cache_.write_rows(layer, seqs, qkv, 0, H * hd, H * hd + KW);
-    if (!q_.defined() || q_.dim(0) != n) q_ = Tensor::empty(backend.allocator(), {n, H * hd}, DTYPE_F32, MEM_WORKSPACE);
-    BlockCopy q_block;  // kv_attention takes contiguous query rows
-    q_block.rows = n, q_block.cols = H * hd, q_block.src_stride = qkv.dim(1), q_block.dst_stride = H * hd;
-    backend.copy_block(qkv, q_, q_block);
-    cache_.attend_rows(layer, seqs, q_, out, H, model_.n_kv_head, hd, model_.attn_window);
-  }
-
-  void attend(int64_t layer, int64_t row, const float* q, const float* k, const float* v, float* out) override {
-    const int64_t seq = seqs[static_cast<size_t>(row)];
-    if (chunk_len[static_cast<size_t>(row)] > 1) {
-      attend_chunk(seq, q, append(layer, row, k, v), out, scores_, sums_);
-      return;
-    }
-    cache_.write(seq, layer, k, v);
-    cache_.attend(seq, layer, q, out, model_.n_head, model_.n_kv_head, model_.head_dim(), model_.attn_window);
-  }
-  // A chunk's rows are appended first, in order, then attended side by side (each reads the rows
-  // before it, all in place by then; the same kernel on the same rows as attend()); the other
-  // rows one after the other through the cache.
-  void attend_host_rows(int64_t layer, int64_t n, const float* qkv, int64_t width, int64_t k_col, int64_t v_col,
-                        float* out, int64_t out_width) override {
-    std::vector<int64_t> counts(static_cast<size_t>(n), 0);
-    for (int64_t r = 0; r < n; ++r) {
-      if (chunk_len[static_cast<size_t>(r)] > 1) counts[static_cast<size_t>(r)] = append(layer, r, qkv + r * width + k_col, qkv + r * width + v_col);
-    }
-    // A prompt's chunk (its rows consecutive, from its row 0): two GEMMs per kv head over the
-    // gathered rows (chunk_attention.h); speculation's drafts keep the decoding kernel below, so
-    // a verified row computes bitwise what decoding it alone would.
-    for (int64_t r = 0; r < n; ++r) {
-      const auto i = static_cast<size_t>(r);
-      if (chunk_len[i] <= 1 || !prompt[i] || chunk[i] != 0) continue;
-      const Chunk& ch = chunks_.at(seqs[i]);
-      const int64_t m = chunk_len[i];
-      prompt_attention_.set_interleaved(ch.k.data(), ch.v.data(), ch.prefix + m - ch.first);
-      prompt_attention_.run(ch.prefix, m, ch.first, prompt_attention_.keys_by_head(), prompt_attention_.values_by_head(),
-                            qkv + r * width, width, out + r * out_width, out_width);
-      for (int64_t j = 0; j < m; ++j) counts[static_cast<size_t>(r + j)] = 0;  // attended
-    }
-    if (!chunks_.empty()) {
-#pragma omp parallel
-      {
-        std::vector<float> scores, sums;
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t r = 0; r < n; ++r) {
-          if (counts[static_cast<size_t>(r)] == 0) continue;
-          attend_chunk(seqs[static_cast<size_t>(r)], qkv + r * width, counts[static_cast<size_t>(r)], out + r * out_width, scores, sums);
-        }
-      }
-    }
-    for (int64_t r = 0; r < n; ++r) {
-      if (chunk_len[static_cast<size_t>(r)] > 1) continue;
-      const float* row = qkv + r * width;
-      attend(layer, r, row, row + k_col, row + v_col, out + r * out_width);
-    }
-  }
-  const float* latent(int64_t layer, int64_t row, const float* latent, int64_t* count) override {
-    const int64_t seq = seqs[static_cast<size_t>(row)];
-    if (chunk_len[static_cast<size_t>(row)] > 1) {
-      *count = append(layer, row, latent, nullptr);
-      return chunks_.at(seq).k.data();
-    }
-    cache_.write(seq, layer, latent, nullptr);
-    *count = cache_.length(seq) + 1;  // with the row just written
-    buffer_.resize(static_cast<size_t>(*count * cache_.config().k_width));
-    cache_.read(seq, layer, 0, *count, buffer_.data(), nullptr);
-    return buffer_.data();
-  }
-
-  // Stores every chunk's rows (all layers) as its sequence's next positions.
-  void commit() {
-    const KvCacheConfig& c = cache_.config();
-    for (auto& [seq, chunk_rows] : chunks_) {
-      const auto kept = keep_.find(seq);
-      const int64_t rows = kept == keep_.end() ? chunk_rows.rows : std::min(chunk_rows.rows, kept->second);
-      for (int64_t j = 0; j < rows; ++j) {
-        for (int64_t l = 0; l < c.n_layer; ++l) {
-          const auto at = static_cast<size_t>(j);
-          cache_.write(seq, l, chunk_rows.new_k[static_cast<size_t>(l)].data() + at * static_cast<size_t>(c.k_width),
-                       c.v_width > 0 ? chunk_rows.new_v[static_cast<size_t>(l)].data() + at * static_cast<size_t>(c.v_width) : nullptr);
-        }
-        cache_.advance(seq);
-      }
-    }
-    chunks_.clear();
-  }
-
- private:
-  // A prompt chunk of one sequence in this step. Its attention reads the sequence's cached rows
-  // and the chunk's own up to each row: those of the layer running are gathered here (the cached
-  // ones read from the cache, dequantized, on the chunk's first row of each layer), one layer at a
-  // time, so a chunk holds one layer's visible rows in fp32 plus its own rows of every layer.
-  struct Chunk {
-    int64_t prefix = 0, rows = 0;
-    int64_t first = 0;  // the first position gathered: a sliding window's rows before it are never read (nor kept)
-    std::vector<float> k, v;                       // the current layer's (prefix - first + rows so far, width)
-    std::vector<std::vector<float>> new_k, new_v;  // [layer] the chunk's own rows (rows, width), for commit
-  };
-
-  // Row `row` of a chunk into the gathered rows of `layer` (the sequence's cached rows first, on
-  // the chunk's first row) and the chunk's own; returns the rows now visible.
-  int64_t append(int64_t layer, int64_t row, const float* k, const float* v) {
-    const int64_t seq = seqs[static_cast<size_t>(row)];
-    const KvCacheConfig& c = cache_.config();
-    Chunk& ch = chunks_[seq];
-    if (ch.new_k.empty()) {
-      ch.prefix = cache_.length(seq);
-      // Row 0 of the chunk attends to [prefix + 1 - W, prefix] under a window W, the others to later rows.
-      // (MLA's latent rows are handed out from position 0: all of them.)
-      ch.first = model_.attn_window > 0 && c.v_width > 0 ? std::max<int64_t>(0, ch.prefix + 1 - model_.attn_window) : 0;
-      ch.new_k.resize(static_cast<size_t>(c.n_layer)), ch.new_v.resize(static_cast<size_t>(c.n_layer));
-    }
-    if (chunk[static_cast<size_t>(row)] == 0) {
-      const int64_t cached = ch.prefix - ch.first;
-      ch.k.resize(static_cast<size_t>(cached * c.k_width)), ch.v.resize(static_cast<size_t>(cached * c.v_width));
-      if (cached > 0) cache_.read(seq, layer, ch.first, ch.prefix, ch.k.data(), c.v_width > 0 ? ch.v.data() : nullptr);
-    }
-    ch.k.insert(ch.k.end(), k, k + c.k_width);
-    ch.new_k[static_cast<size_t>(layer)].insert(ch.new_k[static_cast<size_t>(layer)].end(), k, k + c.k_width);
-    if (c.v_width > 0) {
-      ch.v.insert(ch.v.end(), v, v + c.v_width);
-      ch.new_v[static_cast<size_t>(layer)].insert(ch.new_v[static_cast<size_t>(layer)].end(), v, v + c.v_width);
-    }
-    ch.rows = std::max(ch.rows, chunk[static_cast<size_t>(row)] + 1);
-    return ch.prefix + chunk[static_cast<size_t>(row)] + 1;
-  }
-
-  // KvCache::attend's kernel (attend_rows.h) over seq's gathered rows [first, count).
-  void attend_chunk(int64_t seq, const float* q, int64_t count, float* out, std::vector<float>& scores,
-                    std::vector<float>& sums) const {
-    const Chunk& c = chunks_.at(seq);
-    const int64_t G = model_.n_kv_head, hd = model_.head_dim();
-    const int64_t first = model_.attn_window > 0 ? std::max<int64_t>(0, count - model_.attn_window) : 0;
-    const auto rows = [&](const float* base) {  // base holds positions c.first, c.first + 1, ...
-      return [=, from = c.first](auto&& fn) {
-        for (int64_t t = first; t < count; ++t) fn(t, base + (t - from) * G * hd);
-      };
-    };
-    LOOM_CHECK(first >= c.first, "engine: a chunk row attends to position ", first, " before the gathered ", c.first);
-    attend_rows(q, out, model_.n_head, G, hd, first, count, rows(c.k.data()), rows(c.v.data()), scores, sums);
-  }
-
-  KvCache& cache_;
-  const ModelConfig& model_;
-  Tensor q_;  // attend_all's contiguous query rows
-  std::vector<float> buffer_, scores_, sums_;
-  std::map<int64_t, Chunk> chunks_;  // [sequence] this step's chunk
-  std::map<int64_t, int64_t> keep_;  // [sequence] rows of its chunk commit() stores
-  ChunkAttention prompt_attention_;  // a prompt chunk's attention (its scratch reused across steps)
-};
 
 struct GenerationEngine::Active {
   int64_t id = 0, seq = 0, fed = 0, blocks = 0;
   bool feeds_prompt = false;  // the rest of a prefix-cached prompt goes through the rows
   std::vector<int32_t> drafts;  // this step's speculative tokens, verified after its last token
+  std::vector<float> draft_q;   // a draft model's (drafts, vocab) proposal distributions (sampled requests)
   GenerationRequest request;
   Sampler sampler;
   GenerationResult result;
@@ -252,7 +75,7 @@ namespace {
 // Where the KV cache lives: host memory on a backend whose memory the host reads (the CPU: the
 // backend's allocator, so the cache's bytes count in its tracker); the backend's memory on one
 // that states kv_cache (a GPU: Backend::kv_store / kv_attention, max_batch sequences alive at
-// once); else host memory of `host` (an MLA latent cache too: Rows::latent reads its rows back).
+// once); else host memory of `host` (an MLA latent cache too: StepRows::latent reads its rows back).
 std::unique_ptr<KvCache> make_engine_cache(const ModelConfig& model, const EngineConfig& engine, Backend& backend,
                                            CpuAllocator& host) {
   const KvCacheConfig kv = engine_cache_config(model, engine);
@@ -280,9 +103,22 @@ std::string prefix_cache_unsupported(const Transformer& model, const EngineConfi
   return "";
 }
 
-GenerationEngine::GenerationEngine(Transformer& model, EngineConfig config) : model_(model), config_(config) {
+GenerationEngine::GenerationEngine(Transformer& model, EngineConfig config, Transformer* draft)
+    : model_(model), config_(config) {
+  LOOM_CHECK(draft == nullptr || config_.speculate > 0, "a draft model needs --speculate K > 0 (the drafts it proposes a step)");
+  if (draft != nullptr && config_.kv_memory == 0 && config_.num_blocks == 0) {
+    // The default budget shared by the two caches in proportion to their fp32 bytes per position.
+    const auto per_position = [](const ModelConfig& m) { return static_cast<double>(m.n_layer * m.n_kv_head * m.head_dim()); };
+    const double target = per_position(model.config()), other = per_position(draft->config());
+    config_.kv_memory = static_cast<int64_t>(static_cast<double>(default_kv_memory()) * target / (target + other));
+  }
   cache_ = make_engine_cache(model.config(), config_, model.backend(), host_allocator_);
-  rows_ = std::make_unique<Rows>(*cache_, model.config());
+  rows_ = std::make_unique<StepRows>(*cache_, model.config());
+  if (draft != nullptr) {
+    const KvCacheConfig& kv = cache_->config();
+    draft_ = std::make_unique<DraftModel>(*draft, model.config(), kv.num_blocks * kv.block_size, config_.block_size,
+                                          config_.max_batch, chunk_rows(), config_.draft_p_min);
+  }
   if (config_.prefix_cache) {
     const std::string why = prefix_cache_unsupported(model, config_);
     LOOM_CHECK(why.empty(), "automatic prefix caching is not supported here: ", why);
@@ -293,7 +129,7 @@ GenerationEngine::GenerationEngine(Transformer& model, EngineConfig config) : mo
 GenerationEngine::~GenerationEngine() = default;
 
 bool GenerationEngine::forgets() const {
-  // Rows::latent (MLA) reads every position, so only an attend cache may forget.
+  // StepRows::latent (MLA) reads every position, so only an attend cache may forget.
   return model_.config().attn_window > 0 && !config_.keep_all_blocks && cache_->config().v_width > 0;
 }
 
@@ -537,6 +373,7 @@ void GenerationEngine::retire() {
       continue;
     }
     cache_->release(a.seq);
+    if (draft_) draft_->release(a.id);
     reserved_blocks_ -= a.blocks;
     finish(a.id, std::move(a.result));
     active_.erase(active_.begin() + static_cast<std::ptrdiff_t>(i));
@@ -591,6 +428,7 @@ GenerationEngine::StepPlan GenerationEngine::plan_step() {
   // a step's work beside the decoding rows is bounded however many long prompts arrive at once:
   // the decoding requests' inter-token latency grows by one chunk's forward at most.
   int64_t budget = chunk_rows();
+  propose_drafts();
   for (const auto& a : active_) {
     const int64_t prompt = static_cast<int64_t>(a->request.prompt.size());
     int64_t m = 1, logits_from = 0;  // the request's rows this step; its first row with logits
@@ -606,8 +444,6 @@ GenerationEngine::StepPlan GenerationEngine::plan_step() {
     } else {
       const bool decoding = a->fed >= prompt;
       p.tokens.push_back(decoding ? a->result.tokens.back() : a->request.prompt[static_cast<size_t>(a->fed)]);
-      a->drafts.clear();
-      if (decoding && config_.speculate > 0) a->drafts = drafts_for(*a);
       // With drafts: the last token and the drafts as one chunk, every row's logits read.
       p.tokens.insert(p.tokens.end(), a->drafts.begin(), a->drafts.end());
       m += static_cast<int64_t>(a->drafts.size());
@@ -634,7 +470,8 @@ std::vector<std::vector<int32_t>> GenerationEngine::verify_drafts(const StepPlan
     const int64_t m = 1 + static_cast<int64_t>(a.drafts.size());
     for (int64_t j = 0; j < m; ++j) {  // Sampler::verify: the kept drafts and the one after are drawn as sample() would
       const float* row = logits + (p.first_logit[i] + j) * vocab;
-      picked[i].push_back(j + 1 < m ? a.sampler.verify(row, vocab, a.drafts[static_cast<size_t>(j)]) : a.sampler.sample(row, vocab));
+      const float* q = a.draft_q.empty() ? nullptr : a.draft_q.data() + j * vocab;  // a draft model's proposal
+      picked[i].push_back(j + 1 < m ? a.sampler.verify(row, vocab, a.drafts[static_cast<size_t>(j)], q) : a.sampler.sample(row, vocab));
       if (j + 1 == m || picked[i].back() != a.drafts[static_cast<size_t>(j)]) break;
     }
     rows_->keep(a.seq, static_cast<int64_t>(picked[i].size()));
@@ -745,15 +582,43 @@ bool GenerationEngine::read_step_outputs(const Tensor& logits, bool host) {
   return true;
 }
 
-std::vector<int32_t> GenerationEngine::drafts_for(const Active& a) const {
+int64_t GenerationEngine::draft_room(const Active& a) const {
   const int64_t generated = static_cast<int64_t>(a.result.tokens.size());
   // Every draft kept yields one more token: at most max_new_tokens in all, and positions below the context.
-  const int64_t room = std::min({config_.speculate, a.request.max_new_tokens - generated - 1,
-                                 model_.config().max_seq_len - 1 - a.fed});
+  return std::max<int64_t>(0, std::min({config_.speculate, a.request.max_new_tokens - generated - 1,
+                                        model_.config().max_seq_len - 1 - a.fed}));
+}
+
+std::vector<int32_t> GenerationEngine::drafts_for(const Active& a) const {
+  const int64_t room = draft_room(a);
   if (room <= 0) return {};
   std::vector<int32_t> context = a.request.prompt;
   context.insert(context.end(), a.result.tokens.begin(), a.result.tokens.end());
   return propose_ngram_drafts(context, config_.ngram, room);
+}
+
+void GenerationEngine::propose_drafts() {
+  std::vector<DraftRequest> asks;
+  std::vector<Active*> asking;
+  for (const auto& a : active_) {
+    a->drafts.clear(), a->draft_q.clear();
+    const bool decoding = a->fed >= static_cast<int64_t>(a->request.prompt.size()) && !a->result.tokens.empty();
+    if (!decoding || config_.speculate == 0) continue;
+    if (!draft_) {
+      a->drafts = drafts_for(*a);
+      continue;
+    }
+    const int64_t room = draft_room(*a);
+    if (room == 0) continue;
+    DraftRequest r;
+    r.id = a->id, r.prompt = &a->request.prompt, r.generated = &a->result.tokens, r.sampling = &a->request.sampling, r.k = room;
+    asks.push_back(std::move(r));
+    asking.push_back(a.get());
+  }
+  if (asks.empty()) return;
+  draft_->propose(asks);
+  for (size_t i = 0; i < asks.size(); ++i) asking[i]->drafts = std::move(asks[i].drafts), asking[i]->draft_q = std::move(asks[i].q);
+  stats_.draft_seconds = draft_->seconds();
 }
 
 std::vector<int32_t> propose_ngram_drafts(const std::vector<int32_t>& context, int64_t max_n, int64_t k) {
@@ -793,7 +658,7 @@ double teacher_forced_loss(Transformer& model, const std::vector<std::vector<int
   const int64_t vocab = c.vocab_size;
   CpuAllocator host;
   auto cache = make_engine_cache(c, engine, model.backend(), host);
-  GenerationEngine::Rows rows(*cache, c);
+  StepRows rows(*cache, c);
   double sum = 0.0;
   int64_t count = 0;
   for (size_t first = 0; first < sequences.size(); first += static_cast<size_t>(engine.max_batch)) {

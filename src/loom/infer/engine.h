@@ -71,6 +71,9 @@
 
 namespace loom {
 
+class DraftModel;
+class StepRows;
+
 struct GenerationRequest {
   std::vector<int32_t> prompt;        // at least one token
   SamplingConfig sampling;            // its seed makes the request reproducible
@@ -126,9 +129,14 @@ struct EngineConfig {
   // its output is the model's; a sampled one keeps each draft with its probability and draws
   // the next token from the rest, so its output is distributed as without speculation. Needs an
   // fp32 KV cache (the drafts' rows attend to each other before they are stored; a quantized row
-  // would be attended as stored one step later). 0: off.
+  // would be attended as stored one step later). 0: off. With a draft model (the engine's
+  // constructor, infer/draft_model.h) the drafts are the draft model's instead, verified the same
+  // way against its proposal distributions.
   int64_t speculate = 0;
   int64_t ngram = 3;
+  // A draft model stops a request's drafts once it gave its own pick a probability below this
+  // (--draft-p-min; llama.cpp's option of the same name): a likely rejection is not worth a forward.
+  double draft_p_min = 0.0;
   // Automatic prefix caching: needs a paged cache without an fp32 window (fp32, bf16, int8 or
   // int4 with no residual), no sliding window and whole-prompt prefill; prefix_cache_supported.
   bool prefix_cache = false;
@@ -172,6 +180,7 @@ struct EngineStats {
   double utilisation_sum = 0;         // of the cache, summed over steps (mean = / steps)
   int64_t backend_picks = 0;          // tokens picked by Backend::argmax_rows (their logits stayed on the device)
   int64_t drafted = 0, accepted = 0;  // speculative decoding: draft tokens verified, and kept
+  double draft_seconds = 0;           // of seconds, spent in the draft model's proposals
 };
 
 // Prompt lookup: up to k tokens that followed the latest earlier occurrence of the last n tokens
@@ -182,7 +191,10 @@ class GenerationEngine {
  public:
   static constexpr int64_t kMaxChunk = 256;  // prompt rows of one request in one step (prefix-cache hits)
 
-  GenerationEngine(Transformer& model, EngineConfig config);
+  // With `draft` (a smaller model of the same vocabulary; needs config.speculate > 0) the drafts of
+  // speculative decoding are the draft model's; its KV cache then shares the default budget
+  // (kv_memory 0) with the target's in proportion to their bytes per position.
+  GenerationEngine(Transformer& model, EngineConfig config, Transformer* draft = nullptr);
   ~GenerationEngine();
 
   // Returns its id (0, 1, ...; with n samples the first of n consecutive ids), in submission order.
@@ -216,8 +228,6 @@ class GenerationEngine {
   const KvCache& cache() const { return *cache_; }
   int64_t active() const { return static_cast<int64_t>(active_.size()); }
 
-  class Rows;  // the rows of a step as the model's DecodeCache (engine.cpp; teacher_forced_loss uses it too)
-
  private:
   struct Active;
 
@@ -245,7 +255,9 @@ class GenerationEngine {
   StepPlan plan_step();  // the step's rows (and rows_'s sequences), each request's drafts proposed
   // Speculative requests' picks ([active]: the accepted drafts, then the model's own), their kept rows set in rows_.
   std::vector<std::vector<int32_t>> verify_drafts(const StepPlan& plan, const float* logits);
-  std::vector<int32_t> drafts_for(const Active& a) const;  // this step's speculative tokens (speculate)
+  std::vector<int32_t> drafts_for(const Active& a) const;  // this step's speculative tokens (prompt lookup)
+  int64_t draft_room(const Active& a) const;  // drafts a may propose this step (max_new_tokens, context)
+  void propose_drafts();  // every decoding request's drafts (prompt lookup or the draft model) into Active::drafts
 
   Transformer& model_;
   EngineConfig config_;
@@ -253,8 +265,9 @@ class GenerationEngine {
   // from here (declared before the cache, which it outlives).
   CpuAllocator host_allocator_;
   std::unique_ptr<KvCache> cache_;
-  std::unique_ptr<Rows> rows_;
+  std::unique_ptr<StepRows> rows_;  // the step's rows (infer/step_rows.h)
   std::unique_ptr<PrefixCache> prefix_;       // EngineConfig::prefix_cache
+  std::unique_ptr<DraftModel> draft_;         // speculative decoding's draft model, if any
   std::map<int64_t, ActivationStore> stores_;  // [rows] one-position stores
   std::deque<std::pair<int64_t, GenerationRequest>> waiting_;
   std::vector<std::unique_ptr<Active>> active_;

@@ -88,10 +88,7 @@ const float* Sampler::penalised(const float* logits, int64_t vocab) {
   return penalised_.data();
 }
 
-// draft >= 0 (verify): the draft is kept with probability p(draft); otherwise the draw is over
-// the other candidates, renormalised.
-int32_t Sampler::pick(const float* logits, int64_t vocab, int32_t draft) {
-  if (config_.temperature == 0.0f) return static_cast<int32_t>(std::max_element(logits, logits + vocab) - logits);
+std::pair<size_t, double> Sampler::candidates(const float* logits, int64_t vocab) {
   const float max_logit = *std::max_element(logits, logits + vocab);
   candidates_.resize(static_cast<size_t>(vocab));
   for (int64_t v = 0; v < vocab; ++v) {
@@ -113,6 +110,24 @@ int32_t Sampler::pick(const float* logits, int64_t vocab, int32_t draft) {
     keep = std::max<size_t>(nucleus, 1);
     total = mass;
   }
+  return {keep, total};
+}
+
+int32_t Sampler::draw(size_t keep, double total) {
+  const double target = uniform() * total;
+  double cumulative = 0.0;
+  for (size_t i = 0; i < keep; ++i) {
+    cumulative += candidates_[i].first;
+    if (target < cumulative) return candidates_[i].second;
+  }
+  return candidates_[keep - 1].second;
+}
+
+// draft >= 0 (verify): the draft is kept with probability p(draft); otherwise the draw is over
+// the other candidates, renormalised.
+int32_t Sampler::pick(const float* logits, int64_t vocab, int32_t draft) {
+  if (config_.temperature == 0.0f) return static_cast<int32_t>(std::max_element(logits, logits + vocab) - logits);
+  const auto [keep, total] = candidates(logits, vocab);
   double excluded = 0.0;  // the draft's weight among the candidates kept
   if (draft >= 0) {
     for (size_t i = 0; i < keep; ++i) excluded += candidates_[i].second == draft ? candidates_[i].first : 0.0;
@@ -129,6 +144,40 @@ int32_t Sampler::pick(const float* logits, int64_t vocab, int32_t draft) {
     if (target < cumulative) return last;
   }
   return last;
+}
+
+int32_t Sampler::propose(const float* logits, int64_t vocab, float* q) {
+  if (config_.temperature == 0.0f) return static_cast<int32_t>(std::max_element(logits, logits + vocab) - logits);
+  const auto [keep, total] = candidates(logits, vocab);
+  std::fill(q, q + vocab, 0.0f);
+  for (size_t i = 0; i < keep; ++i) q[candidates_[i].second] = static_cast<float>(candidates_[i].first / total);
+  return draw(keep, total);
+}
+
+int32_t Sampler::verify(const float* logits, int64_t vocab, int32_t draft, const float* q) {
+  if (q == nullptr) return verify(logits, vocab, draft);
+  const bool penalties = config_.presence_penalty != 0.0f || config_.frequency_penalty != 0.0f;
+  const float* z = penalties ? penalised(logits, vocab) : logits;
+  int32_t token = 0;
+  if (config_.temperature == 0.0f) {
+    token = static_cast<int32_t>(std::max_element(z, z + vocab) - z);
+  } else {
+    const auto [keep, total] = candidates(z, vocab);
+    double p_draft = 0.0;
+    for (size_t i = 0; i < keep; ++i) p_draft += candidates_[i].second == draft ? candidates_[i].first / total : 0.0;
+    if (uniform() * static_cast<double>(q[draft]) < p_draft) {
+      token = draft;
+    } else {  // rejected: the residual max(0, p - q) over the kept candidates (q > p elsewhere weighs nothing)
+      double residual = 0.0;
+      for (size_t i = 0; i < keep; ++i) {
+        candidates_[i].first = static_cast<float>(std::max(0.0, candidates_[i].first / total - static_cast<double>(q[candidates_[i].second])));
+        residual += candidates_[i].first;
+      }
+      token = residual > 0.0 ? draw(keep, residual) : draft;  // p == q to rounding: the draft was p's draw
+    }
+  }
+  if (penalties) drawn_.push_back(token);
+  return token;
 }
 
 }  // namespace loom

@@ -2,6 +2,7 @@
 // (Holtzman et al. 2020), after OpenAI's presence and frequency penalties. Draws come from
 // Philox(seed, draw index), so a seeded generation is reproducible on any machine.
 #pragma once
+#include <cstddef>
 #include <cstdint>
 #include <utility>
 #include <vector>
@@ -34,6 +35,15 @@ class Sampler {
   // draft, renormalised. The result is distributed as sample()'s (it returns the draft when kept,
   // another token when not). Greedy: the argmax, kept when it is the draft.
   int32_t verify(const float* logits, int64_t vocab, int32_t draft);
+  // The same for a draft drawn from a distribution q (vocab values; a draft model's, see
+  // propose), Leviathan et al. 2023, Algorithm 1: the draft is kept with probability
+  // min(1, p(draft) / q(draft)); otherwise a token is drawn from max(0, p - q), renormalised.
+  // The result is distributed as sample()'s whatever q is. Greedy: the argmax.
+  int32_t verify(const float* logits, int64_t vocab, int32_t draft, const float* q);
+  // A draft model's proposal: a token drawn as sample() would draw it (penalties aside), and the
+  // distribution it was drawn from written to q (vocab values, 0 outside the candidates kept by
+  // top_k / top_p). Greedy: the argmax, q left as it is (verify does not read it).
+  int32_t propose(const float* logits, int64_t vocab, float* q);
   // Greedy without penalties: the token is the logits' first argmax and the sampler keeps no
   // state, so a backend may pick it (Backend::argmax_rows) without the host seeing the logits.
   bool plain_greedy() const {
@@ -42,6 +52,10 @@ class Sampler {
 
  private:
   int32_t pick(const float* logits, int64_t vocab, int32_t draft = -1);
+  // candidates_ sorted by probability (unnormalised), the first `keep` of them kept by top_k and
+  // top_p; returns (keep, their total).
+  std::pair<std::size_t, double> candidates(const float* logits, int64_t vocab);
+  int32_t draw(std::size_t keep, double total);  // one of the kept candidates by its weight
   const float* penalised(const float* logits, int64_t vocab);  // logits, or their penalised copy
   double uniform();  // the next Philox draw in [0, 1)
 

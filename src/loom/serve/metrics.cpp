@@ -119,6 +119,12 @@ std::string Metrics::render(const EngineGauges& e) const {
   out << "loom_spec_draft_tokens_total " << e.drafted << "\n";
   metric("loom_spec_accepted_tokens_total", "counter", "Speculative draft tokens the model agreed with and kept.");
   out << "loom_spec_accepted_tokens_total " << e.accepted << "\n";
+  metric("loom_spec_acceptance_rate", "gauge", "Accepted / draft tokens since the start (0 without drafts).");
+  out << "loom_spec_acceptance_rate " << (e.drafted > 0 ? static_cast<double>(e.accepted) / static_cast<double>(e.drafted) : 0.0) << "\n";
+  metric("loom_engine_seconds_total", "counter", "Seconds spent in engine steps.");
+  out << "loom_engine_seconds_total " << e.step_seconds << "\n";
+  metric("loom_spec_draft_seconds_total", "counter", "Seconds of the engine steps spent in the draft model (--draft).");
+  out << "loom_spec_draft_seconds_total " << e.draft_seconds << "\n";
   metric("loom_time_to_first_token_seconds", "histogram", "Request received to its first token.");
   out << ttft_.render("loom_time_to_first_token_seconds");
   metric("loom_inter_token_latency_seconds", "histogram", "Time between consecutive tokens of a sample.");

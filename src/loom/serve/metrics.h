@@ -36,6 +36,7 @@ struct EngineGauges {
   int64_t prefix_query_tokens = 0, prefix_hit_tokens = 0;
   int64_t steps = 0, step_rows = 0;
   int64_t drafted = 0, accepted = 0;  // speculative decoding (EngineStats)
+  double step_seconds = 0, draft_seconds = 0;  // in engine steps, and of them in the draft model
 };
 
 class Metrics {

@@ -265,6 +265,7 @@ void Scheduler::update_gauges() {
   g.steps = engine_.stats().steps;
   g.step_rows = engine_.stats().rows;
   g.drafted = engine_.stats().drafted, g.accepted = engine_.stats().accepted;
+  g.step_seconds = engine_.stats().seconds, g.draft_seconds = engine_.stats().draft_seconds;
   std::lock_guard lock(gauges_mutex_);
   gauges_ = g;
 }
