@@ -14,10 +14,16 @@
    prebuilt llama.cpp (tools/llama_speed.mjs, 2 threads) on the same prompt token ids: prompt
    tokens/s (P / time to first token) and decode tokens/s ((N - 1) / (t_last - t_first)), best of
    3, and Loom / llama.cpp for the format Loom serves (f32 weights).
+4. A long prompt among streaming decodes (--long-prompt P, default 8192; --long-chunk C, the
+   server's --prefill-chunk, default 8; --only-long runs this part alone): 8 greedy decodes
+   stream while one P-token prompt is prefilled in chunks beside them; every gap between a
+   decode's consecutive events inside the prefill's window, p50 / p99, against the same decodes
+   without the prompt, three rounds alternating which runs first, and the median ratio of p99s.
 Prints tables and writes every figure to --out (JSON).
 
 usage: bench/serve_bench.py [--loom build/bin/loom] [--checkpoint PATH] [--levels 1,4,16,64]
                             [--soak 600] [--out bench_serve.json] [--skip-llama]
+                            [--long-prompt 8192] [--long-chunk 8] [--only-long]
 """
 
 from __future__ import annotations
@@ -76,7 +82,7 @@ class Server:
                                                               "stream_options": {"include_usage": True}}),
                   headers={"Content-Type": "application/json"})
         r = c.getresponse()
-        out = {"status": r.status, "first": None, "last": None, "tokens": 0, "done": False}
+        out = {"status": r.status, "first": None, "last": None, "tokens": 0, "done": False, "times": []}
         if r.status != 200:
             r.read()
             c.close()
@@ -98,6 +104,7 @@ class Server:
             elif chunk["choices"] and chunk["choices"][0].get("text"):
                 out["first"] = out["first"] if out["first"] is not None else now
                 out["last"] = now
+                out["times"].append(start + now)  # absolute (perf_counter), to place each gap in time
         c.close()
         return out
 
@@ -188,6 +195,78 @@ def single_stream(server: Server, prompt_ids: list[int], new: int, runs: int = 3
     return best
 
 
+def long_prompt_interference(binary: str, tmp: str, prompt_tokens: int, chunk: int, decoders: int = 8,
+                             rounds: int = 3) -> dict:
+    """One long prompt arriving among `decoders` streaming decodes (issue: chunked prefill in the
+    scheduler). A Llama-shaped model (8 layers, d 512, GQA 8/2, context 16,384; random weights:
+    latency only) served with --prefill-chunk `chunk`; the decodes run greedy, each long enough
+    to outlast the prompt's prefill. Inter-token latency here is each gap between consecutive
+    streamed events of a decode (not a request's mean), p50 / p99 over every decode's gaps: alone
+    (no long prompt) and while the long prompt is being prefilled (its submission to its first
+    token). Rounds alternate the two; the ratio of the p99s is taken per round."""
+    shape = ("model.arch=llama,model.n_layer=8,model.n_head=8,model.n_kv_head=2,model.d_model=512,model.d_ff=1536,"
+             "model.max_seq_len=16384,train.steps=1,train.batch_size=1,train.seq_len=64,train.eval_every=0,"
+             "train.checkpoint_every=0")
+    loom(binary, "train", "--set", f"{shape},run.dir={tmp}/runs,run.name=long")
+    checkpoint = os.path.join(tmp, "runs", "long")
+    vocab = json.load(open(os.path.join(ROOT, "data", "fortunes", "meta.json")))["vocab_size"]
+    rng = random.Random(1)
+    long_prompt = [rng.randrange(vocab) for _ in range(prompt_tokens)]
+    server = Server(binary, checkpoint, "--max-batch", str(decoders + 1), "--prefill-chunk", str(chunk), "--no-prefix-cache")
+    steps = prompt_tokens // chunk + 1
+    new = steps + 96  # the decodes outlast the prefill (one chunk a step) by 96 tokens
+
+    def run(with_long: bool) -> dict:
+        results: list[dict] = [{} for _ in range(decoders)]
+        started = threading.Barrier(decoders + 1)
+        long: dict = {}
+
+        def decode(k: int):
+            started.wait()
+            results[k] = server.stream({"prompt": [rng.randrange(vocab) for _ in range(16)], "max_tokens": new,
+                                        "temperature": 0, "ignore_eos": True})
+
+        threads = [threading.Thread(target=decode, args=(k,)) for k in range(decoders)]
+        for t in threads:
+            t.start()
+        started.wait()
+        time.sleep(1.0)  # every decode admitted and streaming
+        window = [time.perf_counter(), None]
+        if with_long:
+            r = server.stream({"prompt": long_prompt, "max_tokens": 1, "ignore_eos": True})
+            long.update(r)
+            window[1] = window[0] + r["first"]
+        for t in threads:
+            t.join()
+        if window[1] is None:  # alone: the same length of window, from the same moment
+            window[1] = window[0] + 20.0
+        gaps = []
+        for r in results:
+            assert r["status"] == 200 and r["done"], r
+            ts = r["times"]
+            gaps += [b - a for a, b in zip(ts, ts[1:]) if window[0] <= b <= window[1]]
+        return {"gaps": len(gaps), "itl_p50_s": percentile(gaps, 0.5), "itl_p99_s": percentile(gaps, 0.99),
+                "long_ttft_s": long.get("first")}
+
+    server.stream({"prompt": [1, 2, 3], "max_tokens": 4})  # warm-up
+    out = {"prompt_tokens": prompt_tokens, "chunk": chunk, "decoders": decoders, "decode_tokens": new, "rounds": []}
+    for i in range(rounds):
+        pair = {}
+        for with_long in ((False, True) if i % 2 == 0 else (True, False)):
+            pair["with" if with_long else "alone"] = run(with_long)
+        pair["ratio_p99"] = pair["with"]["itl_p99_s"] / pair["alone"]["itl_p99_s"]
+        out["rounds"].append(pair)
+        a, w = pair["alone"], pair["with"]
+        print(f"round {i + 1}: decodes alone ITL p50 {a['itl_p50_s'] * 1e3:.1f} ms, p99 {a['itl_p99_s'] * 1e3:.1f} ms "
+              f"({a['gaps']} gaps); with the {prompt_tokens}-token prompt p50 {w['itl_p50_s'] * 1e3:.1f} ms, p99 "
+              f"{w['itl_p99_s'] * 1e3:.1f} ms ({w['gaps']} gaps; its first token after {w['long_ttft_s']:.1f} s): "
+              f"p99 ratio {pair['ratio_p99']:.2f}x", flush=True)
+    server.stop()
+    out["median_ratio_p99"] = statistics.median(r["ratio_p99"] for r in out["rounds"])
+    print(f"median p99 ratio {out['median_ratio_p99']:.2f}x (--prefill-chunk {chunk})")
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--loom", default=os.path.join(ROOT, "build", "bin", "loom"))
@@ -196,11 +275,24 @@ def main():
     ap.add_argument("--new", type=int, default=64, help="tokens per request")
     ap.add_argument("--soak", type=float, default=600)
     ap.add_argument("--skip-llama", action="store_true")
+    ap.add_argument("--long-prompt", type=int, default=8192,
+                    help="tokens of the prompt arriving among 8 streaming decodes (0: skip that part)")
+    ap.add_argument("--long-chunk", type=int, default=8, help="--prefill-chunk of that server")
+    ap.add_argument("--only-long", action="store_true", help="run the long-prompt part alone")
     ap.add_argument("--out", default="bench_serve.json")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="loom_serve_bench_")
     report: dict = {}
     try:
+        if args.long_prompt > 0:
+            if not os.path.exists(os.path.join(ROOT, "data", "fortunes", "meta.json")):
+                loom(args.loom, "prepare")
+            print(f"long prompt among streaming decodes: {args.long_prompt} tokens, --prefill-chunk {args.long_chunk}")
+            report["long_prompt"] = long_prompt_interference(args.loom, tmp, args.long_prompt, args.long_chunk)
+        if args.only_long:
+            with open(args.out, "w") as f:
+                json.dump(report, f, indent=1)
+            return
         checkpoint = args.checkpoint
         if checkpoint is None:
             if not os.path.exists(os.path.join(ROOT, "data", "fortunes", "meta.json")):

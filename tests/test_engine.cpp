@@ -6,10 +6,12 @@
 #include <cmath>
 #include <cstring>
 #include <map>
+#include <random>
 #include <set>
 #include <string>
 
 #include "loom/core/error.h"
+#include "loom/infer/chunk_attention.h"
 #include "loom/infer/engine.h"
 #include "loom/infer/score.h"
 #include "kv_test_util.h"
@@ -341,6 +343,14 @@ TEST(EngineTest, ChunkedPrefillMatchesTheWholeForwardInBoundedMemory) {
     EXPECT_EQ(peak(24, 8), peak(56, 8)) << preset;
     EXPECT_GT(peak(56, 0), peak(24, 0)) << preset;
     EXPECT_LT(peak(56, 8), peak(56, 0)) << preset;
+    // The workspace the engine states covers what a chunked prompt's steps allocate, and is 0
+    // (unbounded) for whole-prompt prefill.
+    EngineConfig ec;
+    ec.max_batch = 2, ec.block_size = 4, ec.prefill_chunk = 8;
+    const int64_t stated = GenerationEngine(model, ec).workspace_bytes();
+    EXPECT_GE(stated, static_cast<int64_t>(peak(56, 8))) << preset;
+    ec.prefill_chunk = 0;
+    EXPECT_EQ(GenerationEngine(model, ec).workspace_bytes(), 0) << preset;
   }
 }
 
@@ -827,6 +837,86 @@ double whole_forward_loss(Transformer& model, const std::vector<int32_t>& tokens
   model.backend().write(store.tokens, tokens.data());
   model.backend().write(store.targets, tokens.data() + 1);
   return model.forward(store);
+}
+
+// ChunkAttention against a naive softmax in double: 37 rows at the end of 1,300 positions (three key
+// tiles of 512), GQA 4/2, with and without a 700-position window, the keys and values handed out
+// interleaved as a KV cache does (interleaved()) and per kv head (a KvTile of views). Within 1e-5
+// (fp32 sums in another order); attending to the last tile alone is far from it, so every tile's
+// running max and sum are carried.
+TEST(ChunkAttentionTest, KeyTilesMatchANaiveSoftmax) {
+  loom::ModelConfig c;
+  c.d_model = 32, c.n_head = 4, c.n_kv_head = 2;
+  const int64_t hd = c.head_dim(), G = c.n_kv_head, first = 1263, n = 37, P = first + n;
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> q(static_cast<size_t>(n * c.n_head * hd)), k(static_cast<size_t>(P * G * hd)), v(k.size());
+  for (auto* x : {&q, &k, &v}) {
+    for (float& e : *x) e = 2.0f * normal(rng);
+  }
+  for (const int64_t W : {int64_t{0}, int64_t{700}}) {
+    c.attn_window = W;
+    const int64_t lo = W > 0 ? first + 1 - W : 0;
+    std::vector<double> want(q.size());
+    for (int64_t r = 0; r < n; ++r) {
+      for (int64_t h = 0; h < c.n_head; ++h) {
+        const int64_t p = first + r, from = W > 0 ? std::max<int64_t>(0, p + 1 - W) : 0, g = h / (c.n_head / G);
+        std::vector<double> w;
+        double top = -1e300, total = 0.0;
+        for (int64_t t = from; t <= p; ++t) {
+          double dot = 0.0;
+          for (int64_t d = 0; d < hd; ++d) dot += double(q[(r * c.n_head + h) * hd + d]) * k[(t * G + g) * hd + d];
+          w.push_back(dot / std::sqrt(double(hd))), top = std::max(top, w.back());
+        }
+        for (double& x : w) total += (x = std::exp(x - top));
+        for (int64_t t = from; t <= p; ++t) {
+          for (int64_t d = 0; d < hd; ++d) want[(r * c.n_head + h) * hd + d] += w[t - from] / total * v[(t * G + g) * hd + d];
+        }
+      }
+    }
+    loom::ChunkAttention attention(c);
+    std::vector<float> got(q.size()), per_head(q.size());
+    attention.run(first, n, lo, attention.interleaved([&](int64_t begin, int64_t end, float* kk, float* vv) {
+      std::copy(k.begin() + (lo + begin) * G * hd, k.begin() + (lo + end) * G * hd, kk);
+      std::copy(v.begin() + (lo + begin) * G * hd, v.begin() + (lo + end) * G * hd, vv);
+    }), q.data(), c.n_head * hd, got.data(), c.n_head * hd);
+    // Per kv head contiguous rows (as infer/score.h keeps them), views straight into them.
+    loom::Allocator& a = attention.backend().allocator();
+    loom::Tensor kh = loom::Tensor::empty(a, {G, P, hd}, loom::DTYPE_F32, loom::MEM_WORKSPACE), vh = loom::Tensor::empty(a, {G, P, hd}, loom::DTYPE_F32, loom::MEM_WORKSPACE);
+    for (int64_t t = 0; t < P; ++t) {
+      for (int64_t g = 0; g < G; ++g) {
+        std::copy_n(k.begin() + (t * G + g) * hd, hd, kh.data<float>() + (g * P + t) * hd);
+        std::copy_n(v.begin() + (t * G + g) * hd, hd, vh.data<float>() + (g * P + t) * hd);
+      }
+    }
+    attention.run(first, n, lo, [&](int64_t g, int64_t begin, int64_t end) {
+      return std::pair{kh.view((g * P + lo + begin) * hd, {end - begin, hd}), vh.view((g * P + lo + begin) * hd, {end - begin, hd})};
+    }, q.data(), c.n_head * hd, per_head.data(), c.n_head * hd);
+    // The last tile alone (no window: its rows would see the earlier positions): a variant that
+    // drops the earlier tiles' running max and sum.
+    std::vector<float> last(q.size());
+    if (W == 0) {
+    const int64_t tail = (P - lo - 1) / loom::ChunkAttention::kTile * loom::ChunkAttention::kTile;
+    attention.run(first, n, lo + tail, [&](int64_t g, int64_t begin, int64_t end) {
+      return std::pair{kh.view((g * P + lo + tail + begin) * hd, {end - begin, hd}), vh.view((g * P + lo + tail + begin) * hd, {end - begin, hd})};
+    }, q.data(), c.n_head * hd, last.data(), c.n_head * hd);
+    }
+    double err = 0.0, err_heads = 0.0, err_last = 0.0;
+    for (size_t i = 0; i < want.size(); ++i) {
+      err = std::max(err, std::abs(got[i] - want[i])), err_heads = std::max(err_heads, std::abs(per_head[i] - want[i]));
+      err_last = std::max(err_last, std::abs(last[i] - want[i]));
+    }
+    std::printf("window %lld: %lld positions in %lld tiles, interleaved within %.2e, per head %.2e", static_cast<long long>(W),
+                static_cast<long long>(P - lo),
+                static_cast<long long>((P - lo + loom::ChunkAttention::kTile - 1) / loom::ChunkAttention::kTile), err, err_heads);
+    if (W == 0) std::printf(", the last tile alone %.2e away", err_last);
+    std::printf("\n");
+    EXPECT_LT(err, 1e-5);
+    EXPECT_LT(err_heads, 1e-5);
+    if (W == 0) {
+      EXPECT_GT(err_last, 1e-2);
+    }
+  }
 }
 
 // Scoring in chunks (infer/score.h, `loom eval --text` over windows longer than a chunk): the mean

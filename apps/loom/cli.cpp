@@ -55,6 +55,11 @@ std::unique_ptr<Transformer> open_draft(const Args& args, Backend& backend, Engi
   return open_inference_model(source, backend, args.has("f32-weights"));
 }
 
+std::string workspace_note(const GenerationEngine& engine) {
+  const int64_t bytes = engine.workspace_bytes();
+  return bytes > 0 ? format_bytes(static_cast<size_t>(bytes)) : "grows with the prompt (--prefill-chunk 0)";
+}
+
 namespace fs = std::filesystem;
 
 #ifndef LOOM_SOURCE_DIR

@@ -64,6 +64,8 @@ class Args {
 // --draft PATH: the draft model of speculative decoding (infer/draft_model.h), opened as the
 // target is (its own dtype, on `backend`); --speculate defaults to 4 with one. nullptr without.
 std::unique_ptr<Transformer> open_draft(const Args& args, Backend& backend, EngineConfig& engine);
+// The engine's step workspace (GenerationEngine::workspace_bytes) for a banner.
+std::string workspace_note(const GenerationEngine& engine);
 
 // Commands with positional arguments (merge's PATHs, report's RUN_DIRs): the positional ones of
 // argv are returned, the rest go into `rest` for Args. An argument starting with '-' is an option;

@@ -219,11 +219,12 @@ int serve_main(int argc, char** argv) {
   scheduler.start();
   std::thread server([&] { http.serve(); });
   std::printf("loom serve: model %s (%lld parameters, context %lld), KV cache %s paged in %lld blocks of %lld (%s), "
-              "max batch %lld, max queue %lld, prefix cache %s, chat template %s, connections %lld (%lld per client)\n",
+              "step workspace %s, max batch %lld, max queue %lld, prefix cache %s, chat template %s, connections %lld "
+              "(%lld per client)\n",
               info.id.c_str(), static_cast<long long>(param_count(config.model)), static_cast<long long>(info.context),
               args.get("kv", "fp32").c_str(), static_cast<long long>(engine.cache().config().num_blocks),
               static_cast<long long>(ec.block_size), format_bytes(static_cast<size_t>(engine.cache().bytes_reserved())).c_str(),
-              static_cast<long long>(ec.max_batch),
+              workspace_note(engine).c_str(), static_cast<long long>(ec.max_batch),
               static_cast<long long>(sc.max_queue), prefix_note.c_str(), info.chat_template.empty() ? "none" : "yes",
               static_cast<long long>(http.max_connections()), static_cast<long long>(ho.max_connections_per_client));
   std::printf("listening on http://%s:%d\n", ho.host.c_str(), bound_port);

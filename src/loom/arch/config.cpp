@@ -236,4 +236,13 @@ double train_flops_per_token(const ModelConfig& config, int64_t seq_len) {
          12.0 * static_cast<double>(config.n_layer * config.d_model * span);
 }
 
+
+double forward_flops_per_position(const ModelConfig& config, int64_t keys) {
+  const int64_t span = config.attn_window > 0 ? std::min(keys, config.attn_window) : keys;
+  const double attention = config.mla() ? 2.0 * static_cast<double>(config.n_head * (config.mla_qk() + config.mla_v()))
+                                        : 4.0 * static_cast<double>(config.d_model);
+  return 2.0 * static_cast<double>(matmul_param_count(config)) +
+         attention * static_cast<double>(config.n_layer * span);
+}
+
 }  // namespace loom

@@ -354,5 +354,9 @@ int64_t matmul_param_count(const ModelConfig& config);
 // values (non-causal count, as PaLM states MFU), over min(T, model.attn_window) keys with a window.
 // MLA: 6 L T H (d_n + d_r + d_v) (a head's query/key and value widths).
 double train_flops_per_token(const ModelConfig& config, int64_t seq_len);
+// Forward FLOPs of one position attending to `keys` positions (itself included): 2N for the weight
+// matmuls + 4 L C keys for its scores and values (MLA: 2 L H (qk + v) keys), keys capped by
+// model.attn_window. The engine's prompt chunks are sized by it (infer/engine.h).
+double forward_flops_per_position(const ModelConfig& config, int64_t keys);
 
 }  // namespace loom

@@ -5,6 +5,7 @@
 
 #include "loom/core/error.h"
 #include "loom/core/memory.h"
+#include "loom/infer/chunk_attention.h"
 #include "loom/infer/draft_model.h"
 #include "loom/infer/step_rows.h"
 
@@ -124,9 +125,28 @@ GenerationEngine::GenerationEngine(Transformer& model, EngineConfig config, Tran
     LOOM_CHECK(why.empty(), "automatic prefix caching is not supported here: ", why);
     prefix_ = std::make_unique<PrefixCache>(*cache_);
   }
+  workspace_bytes_ = measure_workspace();
 }
 
 GenerationEngine::~GenerationEngine() = default;
+
+int64_t GenerationEngine::measure_workspace() {
+  if (config_.prefill_chunk <= 0) return 0;
+  const MemoryTracker& tracker = model_.backend().allocator().tracker();
+  const auto bytes_of = [&](auto&& allocate) {  // allocated and freed: no page of it is touched
+    const size_t before = tracker.current_total();
+    const ActivationStore store = allocate();
+    return static_cast<int64_t>(tracker.current_total() - before);
+  };
+  const ModelConfig& c = model_.config();
+  const KvCacheConfig& kv = cache_->config();
+  const int64_t C = chunk_rows(), decoding = config_.max_batch * (1 + config_.speculate);
+  int64_t bytes = bytes_of([&] { return model_.allocate_rows(decoding + C, config_.max_batch); }) +
+                  bytes_of([&] { return model_.allocate_prompt_store(std::min(C, c.max_seq_len)); });
+  for (int64_t n = 1; n <= config_.max_batch; ++n) bytes += bytes_of([&] { return model_.allocate_rows(n); });
+  return bytes + 4 * (config_.max_batch * c.vocab_size + C * c.n_layer * (kv.k_width + kv.v_width)) +
+         ChunkAttention::workspace_bytes(c, C);
+}
 
 bool GenerationEngine::forgets() const {
   // StepRows::latent (MLA) reads every position, so only an attend cache may forget.
@@ -424,17 +444,25 @@ struct GenerationEngine::StepPlan {
 GenerationEngine::StepPlan GenerationEngine::plan_step() {
   StepPlan p;
   rows_->clear();
-  // The prompt chunks of a step share one chunk's rows (chunk_rows()), in admission order, so
-  // a step's work beside the decoding rows is bounded however many long prompts arrive at once:
-  // the decoding requests' inter-token latency grows by one chunk's forward at most.
-  int64_t budget = chunk_rows();
+  // The prompt chunks of a step share one chunk's work, in admission order: the FLOPs of a
+  // prompt's first chunk_rows() rows (forward_flops_per_position), so a step's work beside the decoding rows is
+  // bounded however many long prompts arrive at once and however long their prefixes grow (a
+  // row deep in a long prompt attends to all before it: fewer rows a step there). The decoding
+  // requests' inter-token latency grows by that much work at most.
+  double budget = 0.0;
+  for (int64_t j = 1; j <= chunk_rows(); ++j) budget += forward_flops_per_position(model_.config(), j);
+  bool prompt_rows = false;  // the step's first prompt row goes whatever it costs (progress)
   propose_drafts();
   for (const auto& a : active_) {
     const int64_t prompt = static_cast<int64_t>(a->request.prompt.size());
     int64_t m = 1, logits_from = 0;  // the request's rows this step; its first row with logits
     if (a->feeds_prompt && a->fed < prompt) {  // a long prompt, or a prefix-cache hit's rest: one chunk
-      m = std::min(prompt - a->fed, budget);
-      budget -= m;
+      m = 0;
+      for (; a->fed + m < prompt && m < chunk_rows(); ++m) {
+        const double cost = forward_flops_per_position(model_.config(), a->fed + m + 1);
+        if (cost > budget && prompt_rows) break;
+        budget -= cost, prompt_rows = true;
+      }
       if (m == 0) {
         p.last_row.push_back(-1), p.first_logit.push_back(-1);
         continue;
@@ -494,17 +522,21 @@ bool GenerationEngine::step() {
   const int64_t vocab = model_.config().vocab_size;
   const StepPlan p = plan_step();
   const int64_t n = static_cast<int64_t>(p.tokens.size()), k = static_cast<int64_t>(p.logit_rows.size());
-  // Stores of up to max_batch rows are kept; a step with a prompt chunk gets one for the step,
-  // with logits for its active requests' last rows only (Transformer::forward_rows' logit_rows).
-  ActivationStore chunk_store;
+  // Stores of up to max_batch rows are kept; a step with a prompt chunk gets one with logits for
+  // its active requests' last rows only (Transformer::forward_rows' logit_rows), kept while the
+  // steps' shape repeats and freed by the first step without one.
   ActivationStore* store = nullptr;
   if (n <= config_.max_batch) {
+    chunk_store_ = ActivationStore{}, chunk_shape_ = {0, 0};  // no prompt chunk: not held beside decoding
     auto it = stores_.find(n);
     if (it == stores_.end()) it = stores_.emplace(n, model_.allocate_rows(n)).first;
     store = &it->second;
   } else {
-    chunk_store = model_.allocate_rows(n, k);
-    store = &chunk_store;
+    if (chunk_shape_ != std::pair{n, k}) {
+      chunk_store_ = ActivationStore{};  // freed before its successor is allocated
+      chunk_store_ = model_.allocate_rows(n, k), chunk_shape_ = {n, k};
+    }
+    store = &chunk_store_;
   }
   model_.forward_rows(*store, p.tokens, p.positions, *rows_, &p.logit_rows);
   const auto now = std::chrono::steady_clock::now();

@@ -18,16 +18,19 @@
 // decoding row (chunks of one): no (P, P) attention store, but P steps to the first token.
 //
 // Chunked prefill (EngineConfig::prefill_chunk = C, default 512; vLLM's chunked prefill,
-// llama.cpp's n_batch): a prompt longer than C tokens is fed C rows a step through the rows,
-// beside the other requests' decoding rows, as a prefix-cache hit's rest is (the prompts being
-// fed share C rows a step, in admission order: a step is at most one chunk plus the decoding
-// rows, which therefore wait one chunk's forward at most): each chunk row
-// attends to the sequence's cached positions and the chunk's rows up to itself (one layer's
-// visible rows gathered in fp32 at a time, the chunk's rows attended side by side), the chunk is
+// llama.cpp's n_batch): a prompt longer than C tokens is fed through the rows in chunks, beside
+// the other requests' decoding rows, as a prefix-cache hit's rest is. The prompts being fed share
+// one budget a step, in admission order: the forward FLOPs of a prompt's first C rows
+// (forward_flops_per_position: 2N for the weights plus the attention over the row's prefix), so a
+// row deep in a long prompt, which attends to all before it, costs more of it and a step takes
+// fewer of them (at least one). A step is therefore at most one chunk's work plus the decoding
+// rows, which wait that long at most however long the prompt grows. Each chunk row attends to the
+// sequence's cached positions and the chunk's rows up to itself (ChunkAttention: key tiles read
+// from the cache one at a time, two GEMMs per kv head and tile, an online softmax), the chunk is
 // stored in the cache after the step, and only each request's last row of the step gets logits.
-// A step then holds C rows of activations, k <= max_batch rows of logits and one layer's keys
-// and values of the longest prompt in fp32, whatever the prompt's length; the whole-prompt
-// forward holds every position's activations and attention scores.
+// A step then holds C rows of activations, k <= max_batch rows of logits and the attention's
+// scratch (the chunk's queries and outputs, one key tile), whatever the prompt's length; the
+// whole-prompt forward holds every position's activations and attention scores.
 //
 // Automatic prefix caching (EngineConfig::prefix_cache, infer/prefix_cache.h): a prompt's full
 // blocks stay cached after its request; a later request (n = 1) whose prompt starts with cached
@@ -227,6 +230,14 @@ class GenerationEngine {
   int64_t waiting() const { return static_cast<int64_t>(waiting_.size()); }
   const KvCache& cache() const { return *cache_; }
   int64_t active() const { return static_cast<int64_t>(active_.size()); }
+  // The bytes a step may hold beside the weights and the KV pool, whatever the prompts' lengths
+  // (prefill_chunk > 0; 0 when every prompt runs in one forward, which grows with the prompt):
+  // the model's stores of up to max_batch decoding rows (one per row count, kept), a step's store
+  // of a prompt chunk beside max_batch x (1 + speculate) decoding rows, a whole prompt's store of
+  // prefill_chunk positions (as allocated: their bytes in the backend's tracker, measured at
+  // construction), the host's logits of max_batch rows, the chunk's own keys and values before
+  // they are stored, and ChunkAttention's scratch. `loom serve` and `loom memory --serve` state it.
+  int64_t workspace_bytes() const { return workspace_bytes_; }
 
  private:
   struct Active;
@@ -238,6 +249,7 @@ class GenerationEngine {
   bool shares_prompt() const;  // n samples prefill once and fork (paged, whole prefill)
   bool feeds_in_chunks(const GenerationRequest& r) const;  // a prompt beyond prefill_chunk
   int64_t chunk_rows() const;  // prompt rows of one request in one step
+  int64_t measure_workspace();  // workspace_bytes(), by allocating (untouched) and freeing the stores
   void admit();
   void prefill(const std::vector<Active*>& group);  // group[0]'s prompt; the others forked from it
   // A prefill's P positions (the store's saved q/k/v rows, or MLA latents) into sequence seq.
@@ -269,6 +281,11 @@ class GenerationEngine {
   std::unique_ptr<PrefixCache> prefix_;       // EngineConfig::prefix_cache
   std::unique_ptr<DraftModel> draft_;         // speculative decoding's draft model, if any
   std::map<int64_t, ActivationStore> stores_;  // [rows] one-position stores
+  // The last step's store with a prompt chunk, kept while its (rows, logit rows) repeat (they do
+  // for many steps deep in a long prompt, where the budget takes the same rows a step).
+  std::pair<int64_t, int64_t> chunk_shape_{0, 0};
+  ActivationStore chunk_store_;
+  int64_t workspace_bytes_ = 0;
   std::deque<std::pair<int64_t, GenerationRequest>> waiting_;
   std::vector<std::unique_ptr<Active>> active_;
   int64_t next_id_ = 0;

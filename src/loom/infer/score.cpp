@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "loom/backend/backend.h"
@@ -15,7 +16,7 @@ namespace {
 
 // One sequence's keys and values, every layer, in fp32 at their positions, each kv head's rows
 // contiguous; the rows of a forward_rows call are positions first .. first + n - 1 of it,
-// attended by ChunkAttention (two GEMMs per kv head on the host's CPU backend, whichever backend
+// attended by ChunkAttention (two GEMMs per kv head and key tile on the host's CPU backend, whichever backend
 // runs the model: forward_rows stages the rows through the host).
 class SequenceCache final : public DecodeCache {
  public:
@@ -52,11 +53,12 @@ class SequenceCache final : public DecodeCache {
   }
   void attend_chunk(int64_t layer, int64_t first, int64_t n, const float* q, int64_t q_stride, float* out,
                     int64_t out_stride) {
-    const int64_t W = c_.attn_window, lo = W > 0 ? std::max<int64_t>(0, first + 1 - W) : 0, P = first + n - lo;
-    const auto rows = [&](const Tensor& t) {
-      return [&, P, lo](int64_t g) { return t.view(((layer * c_.n_kv_head + g) * capacity_ + lo) * hd_, {P, hd_}); };
+    const int64_t W = c_.attn_window, lo = W > 0 ? std::max<int64_t>(0, first + 1 - W) : 0;
+    const auto tile = [&, lo](int64_t g, int64_t begin, int64_t end) {
+      const int64_t at = ((layer * c_.n_kv_head + g) * capacity_ + lo + begin) * hd_;
+      return std::pair{k_.view(at, {end - begin, hd_}), v_.view(at, {end - begin, hd_})};
     };
-    attention_.run(first, n, lo, rows(k_), rows(v_), q, q_stride, out, out_stride);
+    attention_.run(first, n, lo, tile, q, q_stride, out, out_stride);
   }
 
   const ModelConfig& c_;
@@ -142,7 +144,7 @@ ScoreBytes score_bytes(const ModelConfig& c, int64_t tokens, int64_t chunk) {
   ScoreBytes b;
   b.kv = 2 * c.n_layer * positions * c.n_kv_head * c.head_dim() * 4;
   b.logits = rows * c.vocab_size * 4;             // the host copy (the store holds its own)
-  b.scores = (c.n_head / c.n_kv_head) * rows * positions * 4;  // one kv head's rows' scores
+  b.scores = ChunkAttention::workspace_bytes(c, rows);  // a tile's scores, the chunk's queries and outputs
   return b;
 }
 

@@ -3,11 +3,12 @@
 // Transformer::forward_rows (as the generation engine prefills a long prompt, infer/engine.h
 // "Chunked prefill"), each chunk's rows attending to the sequence's earlier positions through a
 // one-sequence fp32 KV cache and to the chunk's rows up to themselves (a sliding window's visible
-// positions only): per kv head two GEMMs, the scores of the chunk's queries over the visible keys
-// (masked, softmaxed in fp32) and their product with the values. Logits are computed for one
-// chunk's rows at a time. Memory: the cache (2 x layers x T x n_kv_head x head_dim floats), one
-// kv head's scores (heads per kv head x chunk x T floats) and one chunk's rows of activations and
-// logits, whatever T is; the whole-sequence forward holds every position's activations and T x
+// positions only): per kv head and tile of keys two GEMMs, the scores of the chunk's queries over
+// the tile's keys (masked, an online softmax in fp32) and their product with the values
+// (infer/chunk_attention.h). Logits are computed for one chunk's rows at a time. Memory: the
+// cache (2 x layers x T x n_kv_head x head_dim floats), the attention's scratch (the chunk's
+// queries and outputs, one tile's scores) and one chunk's rows of activations and logits,
+// whatever T is; the whole-sequence forward holds every position's activations and T x
 // vocab logits. llama.cpp's perplexity tool feeds n_batch tokens a decode the same way.
 #pragma once
 #include <cstdint>
@@ -47,7 +48,7 @@ WindowsLoss score_windows(Transformer& model, const std::vector<int32_t>& ids, i
 
 // The bytes score_tokens holds beside the weights and the model's store of `chunk` rows (its
 // activations, ActivationStore's allocation, in the backend's tracker) for a sequence of
-// `tokens`: its KV cache, the host copy of a chunk's logits and one kv head's attention scores.
+// `tokens`: its KV cache, the host copy of a chunk's logits and the attention's scratch.
 struct ScoreBytes {
   int64_t kv = 0, logits = 0, scores = 0;
   int64_t total() const { return kv + logits + scores; }

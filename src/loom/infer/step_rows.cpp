@@ -39,20 +39,32 @@ void StepRows::attend(int64_t layer, int64_t row, const float* q, const float* k
 void StepRows::attend_host_rows(int64_t layer, int64_t n, const float* qkv, int64_t width, int64_t k_col, int64_t v_col,
                                 float* out, int64_t out_width) {
   std::vector<int64_t> counts(static_cast<size_t>(n), 0);
+  const auto of_prompt_chunk = [&](size_t i) { return gathered[i] && chunk_len[i] > 1 && prompt[i]; };
   for (int64_t r = 0; r < n; ++r) {
-    if (gathered[static_cast<size_t>(r)]) counts[static_cast<size_t>(r)] = append(layer, r, qkv + r * width + k_col, qkv + r * width + v_col);
+    const auto i = static_cast<size_t>(r);
+    if (gathered[i]) counts[i] = append(layer, r, qkv + r * width + k_col, qkv + r * width + v_col, !of_prompt_chunk(i));
   }
-  // A prompt's chunk (its rows consecutive, from its row 0): two GEMMs per kv head over the
-  // gathered rows (chunk_attention.h); speculation's drafts keep the decoding kernel below, so
+  // A prompt's chunk (its rows consecutive, from its row 0): two GEMMs per kv head and key tile,
+  // reading the cache's rows a tile at a time (chunk_attention.h); speculation's drafts keep the decoding kernel below, so
   // a verified row computes bitwise what decoding it alone would.
   for (int64_t r = 0; r < n; ++r) {
     const auto i = static_cast<size_t>(r);
-    if (!gathered[i] || chunk_len[i] <= 1 || !prompt[i] || chunk[i] != 0) continue;
+    if (!of_prompt_chunk(i) || chunk[i] != 0) continue;
     const Chunk& ch = chunks_.at(seqs[i]);
-    const int64_t m = chunk_len[i];
-    prompt_attention_.set_interleaved(ch.k.data(), ch.v.data(), ch.prefix + m - ch.first);
-    prompt_attention_.run(ch.prefix, m, ch.first, prompt_attention_.keys_by_head(), prompt_attention_.values_by_head(),
-                          qkv + r * width, width, out + r * out_width, out_width);
+    const int64_t m = chunk_len[i], kw = cache_.config().k_width;
+    const std::vector<float>&own_k = ch.new_k[static_cast<size_t>(layer)], &own_v = ch.new_v[static_cast<size_t>(layer)];
+    // Positions [first, prefix) from the cache, then the chunk's own rows, a tile at a time.
+    const auto read = [&](int64_t begin, int64_t end, float* k, float* v) {
+      const int64_t cached = std::min(end, ch.prefix - ch.first);
+      if (begin < cached) cache_.read(seqs[i], layer, ch.first + begin, ch.first + cached, k, v);
+      for (int64_t t = std::max(begin, cached); t < end; ++t) {
+        const int64_t j = t - (ch.prefix - ch.first);
+        std::copy(own_k.begin() + j * kw, own_k.begin() + (j + 1) * kw, k + (t - begin) * kw);
+        std::copy(own_v.begin() + j * kw, own_v.begin() + (j + 1) * kw, v + (t - begin) * kw);
+      }
+    };
+    prompt_attention_.run(ch.prefix, m, ch.first, prompt_attention_.interleaved(read), qkv + r * width, width,
+                          out + r * out_width, out_width);
     for (int64_t j = 0; j < m; ++j) counts[static_cast<size_t>(r + j)] = 0;  // attended
   }
   if (!chunks_.empty()) {
@@ -103,7 +115,7 @@ void StepRows::commit() {
   chunks_.clear();
 }
 
-int64_t StepRows::append(int64_t layer, int64_t row, const float* k, const float* v) {
+int64_t StepRows::append(int64_t layer, int64_t row, const float* k, const float* v, bool gather) {
   const int64_t seq = seqs[static_cast<size_t>(row)];
   const KvCacheConfig& c = cache_.config();
   Chunk& ch = chunks_[seq];
@@ -114,15 +126,15 @@ int64_t StepRows::append(int64_t layer, int64_t row, const float* k, const float
     ch.first = model_.attn_window > 0 && c.v_width > 0 ? std::max<int64_t>(0, ch.prefix + 1 - model_.attn_window) : 0;
     ch.new_k.resize(static_cast<size_t>(c.n_layer)), ch.new_v.resize(static_cast<size_t>(c.n_layer));
   }
-  if (chunk[static_cast<size_t>(row)] == 0) {
+  if (gather && chunk[static_cast<size_t>(row)] == 0) {
     const int64_t cached = ch.prefix - ch.first;
     ch.k.resize(static_cast<size_t>(cached * c.k_width)), ch.v.resize(static_cast<size_t>(cached * c.v_width));
     if (cached > 0) cache_.read(seq, layer, ch.first, ch.prefix, ch.k.data(), c.v_width > 0 ? ch.v.data() : nullptr);
   }
-  ch.k.insert(ch.k.end(), k, k + c.k_width);
+  if (gather) ch.k.insert(ch.k.end(), k, k + c.k_width);
   ch.new_k[static_cast<size_t>(layer)].insert(ch.new_k[static_cast<size_t>(layer)].end(), k, k + c.k_width);
   if (c.v_width > 0) {
-    ch.v.insert(ch.v.end(), v, v + c.v_width);
+    if (gather) ch.v.insert(ch.v.end(), v, v + c.v_width);
     ch.new_v[static_cast<size_t>(layer)].insert(ch.new_v[static_cast<size_t>(layer)].end(), v, v + c.v_width);
   }
   ch.rows = std::max(ch.rows, chunk[static_cast<size_t>(row)] + 1);

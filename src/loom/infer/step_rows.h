@@ -63,8 +63,10 @@ class StepRows : public DecodeCache {
   };
 
   // Row `row` of a chunk into the gathered rows of `layer` (the sequence's cached rows first, on
-  // the chunk's first row) and the chunk's own; returns the rows now visible.
-  int64_t append(int64_t layer, int64_t row, const float* k, const float* v);
+  // the chunk's first row) and the chunk's own; returns the rows now visible. gather = false (a
+  // prompt's chunk, attended by ChunkAttention, which reads the cached rows itself): the chunk's
+  // own rows only.
+  int64_t append(int64_t layer, int64_t row, const float* k, const float* v, bool gather = true);
   // KvCache::attend's kernel (attend_rows.h) over seq's gathered rows [first, count).
   void attend_chunk(int64_t seq, const float* q, int64_t count, float* out, std::vector<float>& scores,
                     std::vector<float>& sums) const;
