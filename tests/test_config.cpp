@@ -9,7 +9,11 @@
 #include <map>
 #include <sstream>
 
+#include <nlohmann/json.hpp>
+#include <unistd.h>
+
 #include "loom/core/error.h"
+#include "loom/checkpoint/hf_config.h"
 #include "loom/train/config.h"
 #include "test_util.h"
 
@@ -183,3 +187,39 @@ TEST(ConfigTest, DocsConfigMdIsTheRenderedSchema) {
 
 }  // namespace
 }  // namespace loom
+
+// Real Hub config.json files (tests/fixtures/hub_configs/, as the Hub serves them) load with
+// every key either mapped or ignored for a stated reason (docs/models.md). SmolLM2-135M-Instruct
+// carries nanotron's is_llama_config, rope_interleaved = false and a transformers.js_config
+// block: it loads as a llama of 30 layers, d 576, GQA 9/3, tied head, theta 1e5; the same file
+// with rope_interleaved = true is refused naming the key (pairs (2i, 2i + 1) would rotate other
+// dimensions), and an unknown key still is.
+TEST(HubConfigTest, SmolLM2sRealConfigLoadsAndItsMathChangingKeysAreRefused) {
+  namespace fs = std::filesystem;
+  const char* source = std::getenv("LOOM_SOURCE_DIR");
+  const fs::path real = (source && *source ? fs::path(source) : fs::current_path()) / "tests" / "fixtures" /
+                        "hub_configs" / "SmolLM2-135M-Instruct.json";
+  const loom::HfConfig c = loom::read_hf_config(real.string());
+  EXPECT_EQ(c.family, loom::HfFamily::llama);
+  EXPECT_EQ(c.model.n_layer, 30);
+  EXPECT_EQ(c.model.d_model, 576);
+  EXPECT_EQ(c.model.n_head, 9);
+  EXPECT_EQ(c.model.n_kv_head, 3);
+  EXPECT_EQ(c.model.d_ff, 1536);
+  EXPECT_EQ(c.model.vocab_size, 49152);
+  EXPECT_EQ(c.model.max_seq_len, 8192);
+  EXPECT_TRUE(c.model.tie_embeddings);
+  EXPECT_FLOAT_EQ(c.model.rope_theta, 100000.0f);
+  std::ifstream in(real);
+  const nlohmann::json original = nlohmann::json::parse(in);
+  const fs::path broken = fs::temp_directory_path() / ("loom_hub_config_" + std::to_string(::getpid()) + ".json");
+  for (const auto& [key, value] : std::map<std::string, nlohmann::json>{{"rope_interleaved", true}, {"frobnicate", 3}}) {
+    nlohmann::json j = original;
+    j[key] = value;
+    std::ofstream(broken) << j.dump(2);
+    const std::string msg = loom::test::error_of([&] { loom::read_hf_config(broken.string()); });
+    EXPECT_NE(msg.find(key), std::string::npos) << msg;
+    EXPECT_NE(msg.find(broken.string()), std::string::npos) << msg;
+  }
+  fs::remove(broken);
+}

@@ -101,7 +101,10 @@ void ignore_common(ConfigReader& r) {
   r.ignore({"architectures", "model_type", "transformers_version", "torch_dtype", "dtype", "use_cache",
             "bos_token_id", "eos_token_id", "pad_token_id", "_name_or_path", "initializer_range", "tokenizer_class",
             "task_specific_params", "output_attentions", "output_hidden_states", "return_dict", "is_decoder",
-            "max_length", "do_sample", "temperature", "top_p", "top_k", "use_return_dict", "auto_map"});
+            "max_length", "do_sample", "temperature", "top_p", "top_k", "use_return_dict", "auto_map",
+            // nanotron's marker of the config class it wrote (SmolLM, SmolLM2), and transformers.js's
+            // runtime options for its ONNX files (their dtypes, its own KV cache's dtype)
+            "is_llama_config", "transformers.js_config"});
 }
 
 // The required integer keys of each family and the model fields they set (read on import,
@@ -265,6 +268,10 @@ void read_llama_common(ConfigReader& r, ModelConfig& c, bool deepseek = false) {
   r.require("attention_bias", false, false, "an output-projection bias (o_proj) is not implemented for llama");
   r.require("mlp_bias", false, false, "MLP biases are not implemented for llama yet");
   r.require("pretraining_tp", 1, 1, "tensor-parallel slicing of the MLP at pretraining changes its arithmetic");
+  if (!deepseek) {  // nanotron's key (SmolLM2 writes false): pairs (2i, 2i + 1) rotate other dimensions
+    r.require("rope_interleaved", false, false, "RoPE on interleaved pairs (2i, 2i + 1) is not transformers' "
+              "rotate-half (i, i + d/2) that the weights of a llama folder are laid out for");
+  }
   read_rope_scaling(r, c, deepseek);
   r.ignore({"attention_dropout"});
 }
