@@ -76,6 +76,32 @@ TEST(HfLoad, SmallFileEncodesThroughEveryStep) {
   EXPECT_EQ(tok->token_text(259), "Ġw");
 }
 
+// Forms real files use (issue: real Hub files as they are): DeepSeek-V3's special tokens are in
+// model.vocab (outside the byte-level alphabet, so no byte sequence reaches them) and in
+// added_tokens with the same id; its normalizer is an empty Sequence. Both load and encode as
+// the added token and no normalizer; a Sequence of NFC composes as NFC does.
+TEST(HfLoad, AddedTokensAlsoInTheVocabAndNormalizerSequencesLoad) {
+  TempDir dir("hf_forms");
+  const std::string bos = "<｜begin▁of▁sentence｜>";
+  json file = small_tokenizer();
+  file["model"]["vocab"][bos] = 263;
+  file["added_tokens"].push_back({{"id", 263}, {"content", bos}, {"special", true}});
+  file["normalizer"] = {{"type", "Sequence"}, {"normalizers", json::array()}};
+  ASSERT_EQ(load_error(dir, file.dump()), "");
+  const EncodeOptions special{.add_special_tokens = false, .parse_special_tokens = true};
+  const std::string decomposed = "cafe\xcc\x81", composed = "caf\xc3\xa9";
+  {
+    const std::unique_ptr<Tokenizer> tok = load_tokenizer(dir.str());
+    EXPECT_EQ(tok->encode(bos + "hello", special), (std::vector<int32_t>{263, 258, 'o'}));
+    EXPECT_EQ(tok->decode(std::vector<int32_t>{263}), bos);
+    EXPECT_NE(tok->encode(decomposed, special), tok->encode(composed, special));  // no normalizer
+  }
+  file["normalizer"]["normalizers"].push_back({{"type", "NFC"}});
+  ASSERT_EQ(load_error(dir, file.dump()), "");
+  const std::unique_ptr<Tokenizer> tok = load_tokenizer(dir.str());
+  EXPECT_EQ(tok->encode(decomposed, special), tok->encode(composed, special));
+}
+
 TEST(HfLoad, RefusalsNameTheFileAndTheKey) {
   TempDir dir("hf_refuse");
   const auto expect_refusal = [&](const std::function<void(json&)>& change, const std::string& key) {
@@ -100,6 +126,14 @@ TEST(HfLoad, RefusalsNameTheFileAndTheKey) {
                  "pre_tokenizer.pretokenizers[0].pattern");
   expect_refusal([](json& f) { f["pre_tokenizer"]["pretokenizers"].erase(1); }, "pre_tokenizer.pretokenizers");
   expect_refusal([](json& f) { f["normalizer"] = {{"type", "NFKC"}}; }, "normalizer.type");
+  expect_refusal([](json& f) { f["normalizer"] = {{"type", "Sequence"}, {"normalizers", json::array({{{"type", "NFKC"}}})}}; },
+                 "normalizer.normalizers[0].type");
+  // A vocabulary token no byte sequence reaches must be an added token of its id and content.
+  expect_refusal([](json& f) { f["model"]["vocab"]["<｜x｜>"] = 263; }, "model.vocab");
+  expect_refusal([](json& f) {
+    f["model"]["vocab"]["<｜x｜>"] = 263;
+    f["added_tokens"].push_back({{"id", 263}, {"content", "<y>"}, {"special", true}});
+  }, "added_tokens[3].id");
   expect_refusal([](json& f) { f["added_tokens"][0]["lstrip"] = true; }, "added_tokens[0].lstrip");
   expect_refusal([](json& f) { f["added_tokens"][1].erase("content"); }, "added_tokens[1].content");
   expect_refusal([](json& f) { f["post_processor"] = {{"type", "BertProcessing"}}; }, "post_processor.type");

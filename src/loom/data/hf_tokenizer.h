@@ -20,6 +20,7 @@
 // space: the pieces of invalid UTF-8 are byte tokens like any other (the reference libraries take
 // only valid Unicode text). fuzz/fuzz_tokenizer_json.cpp checks it on every file it loads.
 #pragma once
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -89,6 +90,7 @@ class HfTokenizer final : public TokenizerWithSpecials {
   std::vector<BpeMerge> load_merges(const JsonFile& file, const nlohmann::json& model,
                                     const std::unordered_map<std::string, int32_t>& vocab) const;
   void load_added_tokens(const JsonFile& file, const nlohmann::json& root);
+  void check_outside_alphabet(const JsonFile& file) const;  // after load_added_tokens
   void load_post_processor(const JsonFile& file, const nlohmann::json& processor, const std::string& where);
   void load_decoder(const JsonFile& file, const nlohmann::json& root);
   void load_config(const std::string& config_path);
@@ -106,6 +108,10 @@ class HfTokenizer final : public TokenizerWithSpecials {
   std::vector<std::string> token_bytes_;  // [id] -> raw bytes (an added token: its content); "" = no such id
   std::vector<std::string> token_texts_;  // [id] -> as the vocabulary writes it
   std::vector<bool> defined_;             // [id] -> the file gives this id
+  // model.vocab entries with a character outside the byte-level alphabet ([id] -> text): no byte
+  // sequence reaches them, so each must be an added token of the same id and content
+  // (DeepSeek-V3's special tokens are in both), checked once the added tokens are read.
+  std::map<int64_t, std::string> outside_alphabet_;
   std::unordered_map<std::string, int32_t> model_ids_;  // [raw bytes] -> id of model.vocab (ignore_merges)
   std::array<int32_t, 256> byte_token_{};
   std::unique_ptr<BpeModel> model_;

@@ -38,6 +38,7 @@ HfTokenizer::HfTokenizer(const std::string& path) : name_(path) {
     if (!root.is_object()) file.fail("", "expected a JSON object");
     load_model(file, root);
     load_added_tokens(file, root);
+    check_outside_alphabet(file);
     load_normalizer(file, root);
     load_pre_tokenizer(file, root);
     if (const json* processor = file.find(root, "", "post_processor")) load_post_processor(file, *processor, "post_processor");
@@ -81,8 +82,11 @@ void HfTokenizer::load_model(const JsonFile& file, const json& root) {
   for (const auto& [text, value] : vocab.items()) {
     if (!value.is_number_integer()) file.fail("model.vocab", "id of \"" + text + "\" is not an integer");
     std::optional<std::string> bytes = gpt2_token_to_bytes(text);
-    if (!bytes) file.fail("model.vocab", "token \"" + text + "\" has a character outside the byte-level alphabet");
     const int64_t id = value.get<int64_t>();
+    if (!bytes) {  // unreachable by BPE: an added token's entry, or refused after the added tokens
+      if (!outside_alphabet_.emplace(id, text).second) file.fail("model.vocab", str_cat("id ", id, " is given to two tokens"));
+      continue;
+    }
     if (id >= 0 && id < static_cast<int64_t>(defined_.size()) && defined_[static_cast<size_t>(id)])
       file.fail("model.vocab", str_cat("id ", id, " is given to two tokens"));
     set_token(file, "model.vocab", id, *bytes, text);
@@ -148,18 +152,43 @@ void HfTokenizer::load_added_tokens(const JsonFile& file, const json& root) {
       file.fail(where + ".id", str_cat("id ", n, " is the vocabulary's \"", token_texts_[static_cast<size_t>(n)],
                                        "\", not \"", content, "\""));
     }
+    if (const auto it = outside_alphabet_.find(id.get<int64_t>()); it != outside_alphabet_.end()) {
+      if (it->second != content) {
+        file.fail(where + ".id", str_cat("id ", it->first, " is the vocabulary's \"", it->second, "\", not \"", content, "\""));
+      }
+      outside_alphabet_.erase(it);  // the vocabulary's entry is this added token
+    }
     set_token(file, where + ".id", id.get<int64_t>(), content, content);
     added_tokens_.push_back({content, static_cast<int32_t>(id.get<int64_t>()), file.flag(token, where, "special", false)});
   }
   splitter_ = std::make_unique<AddedTokenSplitter>(added_tokens_);
 }
 
+void HfTokenizer::check_outside_alphabet(const JsonFile& file) const {
+  if (outside_alphabet_.empty()) return;
+  const auto& [id, text] = *outside_alphabet_.begin();
+  file.fail("model.vocab", str_cat("token \"", text, "\" (id ", id, ") has a character outside the byte-level alphabet "
+                                   "and is not an added token"));
+}
+
 void HfTokenizer::load_normalizer(const JsonFile& file, const json& root) {
   const json* normalizer = file.find(root, "", "normalizer");
   if (normalizer == nullptr) return;
   const std::string type = type_of(file, *normalizer, "normalizer");
-  if (type == "NFC") nfc_ = true;
-  else file.fail("normalizer.type", "\"" + type + "\" is not supported (null or NFC)");
+  if (type == "NFC") {
+    nfc_ = true;
+  } else if (type == "Sequence") {  // each step in turn: none (DeepSeek-V3's) is no normalizer
+    const json& steps = file.at(*normalizer, "normalizer", "normalizers");
+    if (!steps.is_array()) file.fail("normalizer.normalizers", "expected an array");
+    for (size_t i = 0; i < steps.size(); ++i) {
+      const std::string where = str_cat("normalizer.normalizers[", i, "]");
+      const std::string step = type_of(file, steps[i], where);
+      if (step != "NFC") file.fail(where + ".type", "\"" + step + "\" is not supported (NFC)");
+      nfc_ = true;
+    }
+  } else {
+    file.fail("normalizer.type", "\"" + type + "\" is not supported (null, NFC or a Sequence of them)");
+  }
 }
 
 void HfTokenizer::load_byte_level(const JsonFile& file, const json& step, const std::string& where) {
