@@ -521,6 +521,39 @@ class Cli(LoomCase):
         self.assert_one_line_error(run("bench", "generate", "--checkpoint", ckpt, "--bf16-weights", expect_ok=False),
                                    "--bf16-weights")
 
+    def test_memory_serve_states_the_pool_and_the_step_workspace(self):
+        """loom memory --serve: the KV pool and step workspace `loom serve` states for the same flags;
+        the workspace grows with --prefill-chunk and is unbounded without chunks (0); the model's
+        measured resident bytes are at least its fp32 parameters."""
+        self.train("mem_serve", steps=2)
+        ckpt = os.path.join(self.tmp, "runs", "mem_serve")
+
+        def stated(*flags):
+            out = run("memory", "--serve", "--checkpoint", ckpt, "--max-batch", "2", "--kv-blocks", "40", *flags).stdout
+            m = re.search(r"measured resident\) ([0-9.]+ \w+)\n  KV pool \(reserved\) ([0-9.]+ \w+)\n"
+                          r"  step workspace ([^\n]+)\n  total ([^\n]+)", out)
+            self.assertIsNotNone(m, out)
+            return m.groups()
+
+        loaded, kv, small, _ = stated("--prefill-chunk", "8")
+        _, kv2, large, total = stated("--prefill-chunk", "64")
+        self.assertEqual(kv, kv2)
+        to_bytes = lambda t: float(t.split()[0]) * {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}[t.split()[1]]
+        self.assertGreater(to_bytes(large), to_bytes(small))
+        self.assertGreater(to_bytes(total), to_bytes(loaded) + to_bytes(kv))
+        self.assertIn("unbounded", stated("--prefill-chunk", "0")[3])
+        # loom serve's banner states the same pool and workspace for the same flags
+        proc = subprocess.Popen([LOOM, "serve", "--checkpoint", ckpt, "--port", "0", "--max-batch", "2", "--kv-blocks",
+                                 "40", "--prefill-chunk", "64"], cwd=self.tmp, stdout=subprocess.PIPE, text=True)
+        try:
+            banner = proc.stdout.readline()
+        finally:
+            proc.terminate()
+            proc.wait()
+            proc.stdout.close()
+        self.assertIn(f"blocks of 16 ({kv})", banner)
+        self.assertIn(f"step workspace {large}", banner)
+
     def test_generate_with_a_draft_model(self):
         """--draft: a smaller model of the same tokenizer proposes tokens the model verifies: greedy
         texts equal the model's alone (generate --prompts), bench generate reports the drafts kept

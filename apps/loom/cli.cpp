@@ -55,6 +55,19 @@ std::unique_ptr<Transformer> open_draft(const Args& args, Backend& backend, Engi
   return open_inference_model(source, backend, args.has("f32-weights"));
 }
 
+EngineConfig serving_engine_config(const Args& args, int64_t head_dim) {
+  EngineConfig ec;
+  ec.max_batch = args.get_int("max-batch", 16);
+  LOOM_CHECK(ec.max_batch >= 1, "--max-batch must be >= 1, got ", ec.max_batch);
+  ec.block_size = args.get_int("kv-block", 16);
+  ec.num_blocks = args.get_int("kv-blocks", 0);
+  ec.prefill_chunk = args.get_int("prefill-chunk", ec.prefill_chunk);
+  ec.speculate = args.get_int("speculate", 0);
+  if (args.has("kv-memory")) ec.kv_memory = parse_bytes(args.get("kv-memory"), "--kv-memory");
+  apply_kv_preset(ec, args.get("kv", "fp32"), head_dim);
+  return ec;
+}
+
 std::string workspace_note(const GenerationEngine& engine) {
   const int64_t bytes = engine.workspace_bytes();
   return bytes > 0 ? format_bytes(static_cast<size_t>(bytes)) : "grows with the prompt (--prefill-chunk 0)";

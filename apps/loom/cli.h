@@ -64,6 +64,9 @@ class Args {
 // --draft PATH: the draft model of speculative decoding (infer/draft_model.h), opened as the
 // target is (its own dtype, on `backend`); --speculate defaults to 4 with one. nullptr without.
 std::unique_ptr<Transformer> open_draft(const Args& args, Backend& backend, EngineConfig& engine);
+// loom serve's engine from its flags (--max-batch, --kv-block, --kv-blocks, --prefill-chunk,
+// --speculate, --kv-memory, --kv), as loom memory --serve reads them too.
+EngineConfig serving_engine_config(const Args& args, int64_t head_dim);
 // The engine's step workspace (GenerationEngine::workspace_bytes) for a banner.
 std::string workspace_note(const GenerationEngine& engine);
 

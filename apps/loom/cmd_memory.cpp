@@ -5,6 +5,8 @@
 #include <fstream>
 #include <string>
 
+#include <unistd.h>
+
 #include <nlohmann/json.hpp>
 
 #include "cli.h"
@@ -39,7 +41,10 @@ const char* kHelp =
     "peft.* keys' rank and targets, and QLoRA's formula (docs/finetune.md).\n"
     "--quantize METHOD --checkpoint PATH [--bits B] [--group G] [--calib-tokens N] prints the peak host\n"
     "memory `loom quantize` plans for that model (a Hugging Face folder is streamed block by block;\n"
-    "docs/compression.md) instead of a training run's.\n";
+    "docs/compression.md) instead of a training run's.\n"
+    "--serve --checkpoint PATH [--max-batch N] [--prefill-chunk N] [--kv-memory B | --kv-blocks N] prints what\n"
+    "`loom serve` with those flags holds before its first request: the model loaded (measured), the KV pool\n"
+    "and the step workspace, which bound a request's peak whatever its prompt's length (docs/serving.md).\n";
 
 std::string gb(double bytes) {
   char buf[32];
@@ -62,6 +67,38 @@ int quantize_memory(const Args& args) {
   return 0;
 }
 
+// The process's resident bytes now (/proc/self/statm), 0 where unreadable.
+int64_t process_rss() {
+  std::ifstream statm("/proc/self/statm");
+  int64_t pages = 0, resident = 0;
+  return statm >> pages >> resident ? resident * static_cast<int64_t>(::sysconf(_SC_PAGESIZE)) : 0;
+}
+
+// loom memory --serve: what `loom serve` with these flags holds before its first request: the
+// model loaded as it loads it (measured: the process's resident bytes), the KV pool it reserves
+// and the step workspace of its engine (GenerationEngine::workspace_bytes). A request's peak
+// stays within their sum whatever its prompt's length (--prefill-chunk > 0).
+int serve_memory(const Args& args) {
+  LOOM_CHECK(args.has("checkpoint"), "loom memory --serve needs --checkpoint PATH (the model loom serve would serve)");
+  const ModelSource source = model_source(args.get("checkpoint"));
+  const EngineConfig ec = serving_engine_config(args, source.config.model.head_dim());
+  auto backend = inference_backend(source, args.get("device", ""));
+  const std::unique_ptr<Transformer> model = open_inference_model(source, *backend);
+  const int64_t loaded = process_rss();
+  const GenerationEngine engine(*model, ec);
+  const int64_t kv = engine.cache().bytes_reserved(), workspace = engine.workspace_bytes();
+  std::printf("loom serve --checkpoint %s (max batch %lld, --prefill-chunk %lld, %lld KV blocks of %lld):\n"
+              "  model loaded, with the process (measured resident) %s\n  KV pool (reserved) %s\n"
+              "  step workspace %s\n  total %s\n",
+              source.path.c_str(), static_cast<long long>(ec.max_batch), static_cast<long long>(ec.prefill_chunk),
+              static_cast<long long>(engine.cache().config().num_blocks), static_cast<long long>(ec.block_size),
+              format_bytes(static_cast<size_t>(loaded)).c_str(), format_bytes(static_cast<size_t>(kv)).c_str(),
+              workspace_note(engine).c_str(),
+              workspace > 0 ? format_bytes(static_cast<size_t>(loaded + kv + workspace)).c_str()
+                            : "unbounded: whole prompts grow the workspace (--prefill-chunk 0)");
+  return 0;
+}
+
 }  // namespace
 
 int memory_main(int argc, char** argv) {
@@ -76,8 +113,18 @@ int memory_main(int argc, char** argv) {
                    {"checkpoint", "PATH", "the model --quantize reads (a Hugging Face folder or Loom checkpoint)"},
                    {"bits", "B", "--quantize: bits per weight (default 4; W8A8 methods 8)"},
                    {"group", "G", "--quantize: input columns per scale (default 128)"},
-                   {"calib-tokens", "N", "--quantize: calibration tokens of gptq, awq, smoothquant (default 8192)"}});
+                   {"calib-tokens", "N", "--quantize: calibration tokens of gptq, awq, smoothquant (default 8192)"},
+                   {"serve", "", "what loom serve holds for --checkpoint before its first request instead"},
+                   {"max-batch", "N", "--serve: rows of continuous batching (default 16)"},
+                   {"prefill-chunk", "N", "--serve: prompt tokens a step beside the decoding rows (default 512)"},
+                   {"kv-memory", "BYTES", "--serve: the KV pool's budget (default: 90% of the available memory)"},
+                   {"kv-blocks", "N", "--serve: blocks in the KV pool"},
+                   {"kv-block", "N", "--serve: positions a block (default 16)"},
+                   {"kv", "FORMAT", "--serve: the KV cache's format (default fp32)"},
+                   {"speculate", "K", "--serve: tokens a request proposes a step"},
+                   {"device", "cpu|cuda", "--serve: where the model runs (default: the checkpoint's)"}});
   if (args.has("quantize")) return quantize_memory(args);
+  if (args.has("serve")) return serve_memory(args);
   LoomConfig config = load_config(args);
   const bool model_parallel = config.parallel.tp > 1 || config.parallel.pp > 1 || config.parallel.cp > 1 ||
                               config.parallel.ep > 1;

@@ -189,14 +189,7 @@ int serve_main(int argc, char** argv) {
   info.chat_options = chat_template_options(*tokenizer);
   std::tie(info.chat_template, info.chat_options.source) = chat_template_of(args, config);
 
-  EngineConfig ec;
-  ec.max_batch = max_batch;
-  ec.block_size = args.get_int("kv-block", 16);
-  ec.num_blocks = args.get_int("kv-blocks", 0);
-  ec.prefill_chunk = args.get_int("prefill-chunk", ec.prefill_chunk);
-  ec.speculate = args.get_int("speculate", 0);
-  if (args.has("kv-memory")) ec.kv_memory = parse_bytes(args.get("kv-memory"), "--kv-memory");
-  apply_kv_preset(ec, args.get("kv", "fp32"), config.model.head_dim());
+  EngineConfig ec = serving_engine_config(args, config.model.head_dim());
   info.max_n = ec.max_batch;
 
   auto backend = inference_backend(source, args.get("device", ""));
