@@ -83,12 +83,13 @@ void HfTokenizer::load_model(const JsonFile& file, const json& root) {
     if (!value.is_number_integer()) file.fail("model.vocab", "id of \"" + text + "\" is not an integer");
     std::optional<std::string> bytes = gpt2_token_to_bytes(text);
     const int64_t id = value.get<int64_t>();
+    if ((id >= 0 && id < static_cast<int64_t>(defined_.size()) && defined_[static_cast<size_t>(id)]) ||
+        outside_alphabet_.count(id) != 0)
+      file.fail("model.vocab", str_cat("id ", id, " is given to two tokens"));
     if (!bytes) {  // unreachable by BPE: an added token's entry, or refused after the added tokens
-      if (!outside_alphabet_.emplace(id, text).second) file.fail("model.vocab", str_cat("id ", id, " is given to two tokens"));
+      outside_alphabet_.emplace(id, text);
       continue;
     }
-    if (id >= 0 && id < static_cast<int64_t>(defined_.size()) && defined_[static_cast<size_t>(id)])
-      file.fail("model.vocab", str_cat("id ", id, " is given to two tokens"));
     set_token(file, "model.vocab", id, *bytes, text);
     model_ids_.emplace(std::move(*bytes), static_cast<int32_t>(id));
     ids.emplace(text, static_cast<int32_t>(id));

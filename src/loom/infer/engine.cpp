@@ -126,6 +126,7 @@ GenerationEngine::GenerationEngine(Transformer& model, EngineConfig config, Tran
     prefix_ = std::make_unique<PrefixCache>(*cache_);
   }
   workspace_bytes_ = measure_workspace();
+  for (int64_t j = 1; j <= chunk_rows(); ++j) prompt_budget_ += forward_flops_per_position(model.config(), j);
 }
 
 GenerationEngine::~GenerationEngine() = default;
@@ -445,12 +446,11 @@ GenerationEngine::StepPlan GenerationEngine::plan_step() {
   StepPlan p;
   rows_->clear();
   // The prompt chunks of a step share one chunk's work, in admission order: the FLOPs of a
-  // prompt's first chunk_rows() rows (forward_flops_per_position), so a step's work beside the decoding rows is
+  // prompt's first chunk_rows() rows (prompt_budget_), so a step's work beside the decoding rows is
   // bounded however many long prompts arrive at once and however long their prefixes grow (a
   // row deep in a long prompt attends to all before it: fewer rows a step there). The decoding
   // requests' inter-token latency grows by that much work at most.
-  double budget = 0.0;
-  for (int64_t j = 1; j <= chunk_rows(); ++j) budget += forward_flops_per_position(model_.config(), j);
+  double budget = prompt_budget_;
   bool prompt_rows = false;  // the step's first prompt row goes whatever it costs (progress)
   propose_drafts();
   for (const auto& a : active_) {

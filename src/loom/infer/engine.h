@@ -286,6 +286,7 @@ class GenerationEngine {
   std::pair<int64_t, int64_t> chunk_shape_{0, 0};
   ActivationStore chunk_store_;
   int64_t workspace_bytes_ = 0;
+  double prompt_budget_ = 0.0;  // a step's prompt FLOPs: a prompt's first chunk_rows() rows (plan_step)
   std::deque<std::pair<int64_t, GenerationRequest>> waiting_;
   std::vector<std::unique_ptr<Active>> active_;
   int64_t next_id_ = 0;
