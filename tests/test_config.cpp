@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <map>
 #include <sstream>
@@ -222,4 +223,66 @@ TEST(HubConfigTest, SmolLM2sRealConfigLoadsAndItsMathChangingKeysAreRefused) {
     EXPECT_NE(msg.find(broken.string()), std::string::npos) << msg;
   }
   fs::remove(broken);
+}
+
+// The other real config.json files of issue 48's list, each loaded with the family and shape its
+// model card states, or refused for the math-changing reason its family's modeling code has
+// (tests/fixtures/hub_configs/README.md says where each file comes from).
+TEST(HubConfigTest, TheFamiliesRealConfigsLoadOrAreRefusedForAStatedReason) {
+  namespace fs = std::filesystem;
+  using loom::HfFamily;
+  const char* source = std::getenv("LOOM_SOURCE_DIR");
+  const fs::path dir = (source && *source ? fs::path(source) : fs::current_path()) / "tests" / "fixtures" / "hub_configs";
+  struct Loads {
+    const char* file;
+    HfFamily family;
+    int64_t n_layer, d_model, n_head, n_kv_head, head_dim, vocab;
+    bool tied;
+    std::function<void(const loom::ModelConfig&)> more;
+  };
+  const Loads loads[] = {
+      {"SmolLM3-3B.json", HfFamily::smollm3, 36, 2048, 16, 4, 128, 128256, true,  // tied by SmolLM3Config's default
+       [](const loom::ModelConfig& c) {
+         EXPECT_EQ(c.nope_interval, 4);
+         EXPECT_TRUE(c.rope_layer(0) && c.rope_layer(2) && !c.rope_layer(3) && !c.rope_layer(35));
+         EXPECT_FLOAT_EQ(c.rope_theta, 5e6f);
+       }},
+      {"Llama-3.2-1B.json", HfFamily::llama, 16, 2048, 32, 8, 64, 128256, true,
+       [](const loom::ModelConfig& c) {
+         EXPECT_EQ(c.rope_scaling, loom::ROPE_SCALING_LLAMA3);
+         EXPECT_FLOAT_EQ(c.rope_factor, 32.0f);
+         EXPECT_EQ(c.rope_original_context, 8192);
+       }},
+      {"Qwen2.5-0.5B.json", HfFamily::qwen2, 24, 896, 14, 2, 64, 151936, true,
+       [](const loom::ModelConfig& c) { EXPECT_TRUE(c.qkv_bias); EXPECT_EQ(c.attn_window, 0); }},
+      {"Qwen3-0.6B.json", HfFamily::qwen3, 28, 1024, 16, 8, 128, 151936, true,
+       [](const loom::ModelConfig& c) { EXPECT_TRUE(c.qk_norm); EXPECT_EQ(c.head_size, 128); }},
+      {"Phi-3-mini-4k-instruct.json", HfFamily::phi3, 32, 3072, 32, 32, 96, 32064, false,
+       [](const loom::ModelConfig& c) { EXPECT_EQ(c.attn_window, 2047); EXPECT_EQ(c.max_seq_len, 4096); }},
+  };
+  for (const Loads& l : loads) {
+    SCOPED_TRACE(l.file);
+    const loom::HfConfig c = loom::read_hf_config((dir / l.file).string());
+    EXPECT_EQ(c.family, l.family);
+    EXPECT_EQ(c.model.n_layer, l.n_layer);
+    EXPECT_EQ(c.model.d_model, l.d_model);
+    EXPECT_EQ(c.model.n_head, l.n_head);
+    EXPECT_EQ(c.model.n_kv_head, l.n_kv_head);
+    EXPECT_EQ(c.model.head_dim(), l.head_dim);
+    EXPECT_EQ(c.model.vocab_size, l.vocab);
+    EXPECT_EQ(c.model.tie_embeddings, l.tied);
+    l.more(c.model);
+  }
+  const std::pair<const char*, const char*> refused[] = {
+      {"gemma-3-1b-it.json", "model_type 'gemma3_text' is not supported yet: Gemma 3 needs (1 + w) RMSNorms"},
+      {"OLMo-2-0425-1B.json", "model_type 'olmo2' is not supported yet: OLMo 2 normalises the attention and MLP outputs"},
+      {"Phi-3-mini-128k-instruct.json", "rope_scaling.rope_type = 'longrope' is not supported (linear, llama3, yarn): "
+                                        "LongRoPE's per-pair factors switch"},
+  };
+  for (const auto& [file, why] : refused) {
+    const std::string path = (dir / file).string();
+    const std::string msg = loom::test::error_of([&] { loom::read_hf_config(path); });
+    EXPECT_NE(msg.find(path), std::string::npos) << msg;
+    EXPECT_NE(msg.find(why), std::string::npos) << msg;
+  }
 }

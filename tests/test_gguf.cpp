@@ -386,6 +386,13 @@ TEST(GgufExport, QuantizedTypesKeepVectorsF32AndRefuseWhatLlamaCppCannotRun) {
               export_gguf(biased, pb, gguf_vocabulary(ByteTokenizer()), GgufExportType::F32, "x", temp_path("b.gguf"));
             }).find("model.qkv_bias / qk_norm with model.rope_scaling = llama3"),
             std::string::npos);
+  ModelConfig nope = tiny(ARCH_LLAMA);  // SmolLM3's NoPE layers: llama.cpp's llama would rotate them
+  nope.nope_interval = 2;
+  const std::vector<float> pn(static_cast<size_t>(build_param_layout(nope).total));
+  EXPECT_NE(test::error_of([&] {
+              export_gguf(nope, pn, gguf_vocabulary(ByteTokenizer()), GgufExportType::F32, "x", temp_path("n.gguf"));
+            }).find("model.nope_interval = 2"),
+            std::string::npos);
   ModelConfig small = tiny(ARCH_GPT2);
   small.vocab_size = 300;
   const std::vector<float> p2(static_cast<size_t>(build_param_layout(small).total));

@@ -100,7 +100,7 @@ TEST_P(HfImport, ExportAndReimportAreBitwise) {
 
 INSTANTIATE_TEST_SUITE_P(Families, HfImport,
                          ::testing::Values("gpt2", "gpt2_plain", "llama", "mistral", "qwen2", "llama32", "qwen3", "mixtral",
-                                           "qwen3_moe", "deepseek_v2", "deepseek_v3"));
+                                           "qwen3_moe", "deepseek_v2", "deepseek_v3", "smollm3", "phi3"));
 
 // ---------------------------------------------------------------- bf16 weights used in place
 
@@ -286,6 +286,15 @@ TEST(HfImportErrors, UnknownOrUnsupportedConfigKeysAreRefusedByName) {
       {"deepseek_v3", [](nlohmann::json& j) { j["moe_layer_freq"] = 2; }, "moe_layer_freq"},
       {"mixtral", [](nlohmann::json& j) { j["router_jitter_noise"] = 0.1; }, "router_jitter_noise"},
       {"qwen3_moe", [](nlohmann::json& j) { j["mlp_only_layers"] = {0}; }, "mlp_only_layers"},
+      // SmolLM3's NoPE list must be every no_rope_layer_interval-th layer, of num_hidden_layers entries
+      {"smollm3", [](nlohmann::json& j) { j["no_rope_layers"] = {1, 1, 0, 1}; }, "no_rope_layers = [1,1,0,1] is not supported"},
+      {"smollm3", [](nlohmann::json& j) { j["no_rope_layers"] = {1, 0}; }, "no_rope_layers must be a list of at least"},
+      {"smollm3", [](nlohmann::json& j) { j["use_sliding_window"] = true; }, "use_sliding_window"},
+      {"phi3", [](nlohmann::json& j) { j["partial_rotary_factor"] = 0.75; }, "partial_rotary_factor"},
+      {"phi3", [](nlohmann::json& j) { j["rope_scaling"] = {{"type", "longrope"}, {"short_factor", {1.0}}, {"long_factor", {1.0}}}; },
+       "'longrope' is not supported (linear, llama3, yarn): LongRoPE's per-pair factors switch"},
+      {"qwen2", [](nlohmann::json& j) { j["use_mrope"] = true; }, "use_mrope"},
+      {"llama", [](nlohmann::json& j) { j["model_type"] = "olmo2"; }, "model_type 'olmo2' is not supported yet: OLMo 2 normalises"},
   };
   int i = 0;
   for (const Case& c : cases) {

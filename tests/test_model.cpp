@@ -120,5 +120,44 @@ TEST(TransformerTest, QkNormAndLlama3RopeGradientsMatchFiniteDifferences) {
   for (const bool flash : {false, true}) expect_fd_gradients(config, flash, flash ? "qk_norm flash" : "qk_norm");
 }
 
+// SmolLM3's NoPE layers (model.nope_interval = 2: layer 1 of llama-tiny without RoPE): every
+// gradient against finite differences, and the layer's output truly unrotated: the same model
+// with RoPE everywhere gives other logits.
+TEST(TransformerTest, NopeLayersGradientsMatchFiniteDifferencesAndSkipRope) {
+  ModelConfig config = model_preset("llama-tiny");
+  config.nope_interval = 2;
+  ASSERT_TRUE(config.rope_layer(0));
+  ASSERT_FALSE(config.rope_layer(1));
+  for (const bool flash : {false, true}) expect_fd_gradients(config, flash, flash ? "nope flash" : "nope");
+  config.init_std = 0.3;  // scores far from uniform, so that positions matter
+  auto backend = make_cpu_backend();
+  Transformer nope(*backend, config);
+  nope.init_weights(5);
+  ModelConfig all = config;
+  all.nope_interval = 0;
+  Transformer rotated(*backend, all);
+  rotated.init_weights(5);
+  const std::vector<int32_t> tokens = {3, 1, 4, 1, 5, 9, 2, 6};
+  ActivationStore a = test::next_token_store(nope, tokens), b = test::next_token_store(rotated, tokens);
+  nope.forward(a);
+  rotated.forward(b);
+  const std::vector<double> la = test::values(*backend, a.logits), lb = test::values(*backend, b.logits);
+  const int64_t V = config.vocab_size;
+  double first = 0.0, later = 0.0, scale = 0.0;  // position 0 rotates by angle 0 in both: equal there
+  for (size_t i = 0; i < la.size(); ++i) {
+    (static_cast<int64_t>(i) < V ? first : later) = std::max(static_cast<int64_t>(i) < V ? first : later, std::abs(la[i] - lb[i]));
+    scale = std::max(scale, std::abs(la[i]));
+  }
+  EXPECT_LT(first, 1e-6 * scale);
+  EXPECT_GT(later, 1e-2 * scale) << later << " of " << scale;
+  EXPECT_THROW(
+      {
+        ModelConfig gpt = model_preset("gpt2-tiny");
+        gpt.nope_interval = 2;
+        gpt.validate();
+      },
+      Error);
+}
+
 }  // namespace
 }  // namespace loom

@@ -19,6 +19,8 @@ weights with each family's formulas as transformers writes them:
   qwen3    Qwen3ForCausalLM: llama's formulas plus RMSNorm of each q and k head before RoPE
   mixtral  MixtralForCausalLM: every MLP a softmax top-2 of 4 experts (block_sparse_moe, w1/w3/w2)
   qwen3_moe  Qwen3MoeForCausalLM: qwen3 attention, softmax top-2 experts renormalised
+  smollm3  SmolLM3ForCausalLM: llama's formulas without RoPE on every no_rope_layer_interval-th layer
+  phi3     Phi3ForCausalLM: llama's formulas with a sliding window, q/k/v and gate/up stored fused
   deepseek_v2 / deepseek_v3  DeepseekV2/V3ForCausalLM (bf16): MLA with DeepSeek's interleaved RoPE
            pairs, a dense first layer, MoE with a shared expert (V2: softmax greedy, scaled; V3:
            compressed queries, sigmoid group-limited routing with the correction bias,
@@ -265,13 +267,15 @@ def llama_logits(cfg: dict, w: dict[str, torch.Tensor], tokens: torch.Tensor) ->
             q, k = rms(q, p + "self_attn.q_norm.weight"), rms(k, p + "self_attn.k_norm.weight")
         q, k = q.transpose(0, 1), k.transpose(0, 1)
         v = proj("v_proj").reshape(T, KV, d).transpose(0, 1)
-        q, k = rope(q, cfg), rope(k, cfg)
+        if cfg.get("no_rope_layers", [1] * (layer + 1))[layer]:  # SmolLM3: 0 = a NoPE layer
+            q, k = rope(q, cfg), rope(k, cfg)
         k, v = k.repeat_interleave(H // KV, dim=0), v.repeat_interleave(H // KV, dim=0)
         y = causal_attention(q, k, v, window).transpose(0, 1).reshape(T, H * d)
         x = x + y @ g[p + "self_attn.o_proj.weight"].T
         h = rms(x, p + "post_attention_layernorm.weight")
         x = x + (moe(cfg, g, p, h) if cfg["model_type"] in ("mixtral", "qwen3_moe") else swiglu(g, p + "mlp.", h))
-    head = g["model.embed_tokens.weight"] if cfg.get("tie_word_embeddings") else g["lm_head.weight"]
+    tied = cfg.get("tie_word_embeddings", cfg["model_type"] == "smollm3")  # SmolLM3Config's default: tied
+    head = g["model.embed_tokens.weight"] if tied else g["lm_head.weight"]
     return rms(x, "model.norm.weight") @ head.T
 
 
@@ -297,8 +301,8 @@ def gpt2_case(gen: torch.Generator) -> tuple[dict, dict[str, torch.Tensor]]:
 
 
 def llama_case(gen: torch.Generator, mistral: bool, qwen2: bool = False,
-               head_dim: int = 0) -> tuple[dict, dict[str, torch.Tensor]]:
-    C, F, L, V, H, KV = 32, 48, 2, 96, 4, 2
+               head_dim: int = 0, layers: int = 2) -> tuple[dict, dict[str, torch.Tensor]]:
+    C, F, L, V, H, KV = 32, 48, layers, 96, 4, 2
     d = head_dim or C // H
     cfg = {"architectures": ["MistralForCausalLM" if mistral else "LlamaForCausalLM"],
            "model_type": "mistral" if mistral else "llama", "vocab_size": V, "hidden_size": C,
@@ -489,6 +493,34 @@ def main() -> None:
         cfg, w = deepseek_case(gen, v3)
         stored = {k: v.to(torch.bfloat16) for k, v in w.items()}
         write_case(out, name, cfg, stored, {k: v.float() for k, v in stored.items()}, llama_logits, tokens)
+    # SmolLM3: llama with RoPE skipped on every no_rope_layer_interval-th layer (here 2 of 4 layers:
+    # 1 and 3), a tied head (by the config class's default), and the keys its real config.json carries (pretraining_tp 2, the
+    # sliding-window keys off, layer_types), in bf16.
+    cfg, w = llama_case(gen, False, layers=4)
+    del w["lm_head.weight"]
+    cfg.pop("tie_word_embeddings")  # absent, as in SmolLM3-3B's file: SmolLM3Config ties by default
+    cfg.update({"architectures": ["SmolLM3ForCausalLM"], "model_type": "smollm3",
+                "pretraining_tp": 2, "rope_theta": 5000000.0, "no_rope_layer_interval": 2,
+                "no_rope_layers": [1, 0, 1, 0], "use_sliding_window": False, "sliding_window": None,
+                "max_window_layers": 4, "layer_types": ["full_attention"] * 4})
+    cfg.pop("head_dim")
+    stored = {k: v.to(torch.bfloat16) for k, v in w.items()}
+    write_case(out, "smollm3", cfg, stored, {k: v.float() for k, v in stored.items()}, llama_logits, tokens)
+    # Phi-3 (mini-4k's keys): llama's formulas with a sliding window (transformers masks j <= i - W),
+    # q/k/v stored fused as self_attn.qkv_proj (rows q, k, v) and gate/up as mlp.gate_up_proj (the
+    # first half gates, as Phi3MLP chunks it).
+    cfg, w = llama_case(gen, False)
+    for key in ("mlp_bias", "pretraining_tp", "head_dim"):
+        cfg.pop(key)
+    cfg.update({"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "sliding_window": 5, "embd_pdrop": 0.0,
+                "resid_pdrop": 0.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0,
+                "_name_or_path": "Phi-3-mini-4k-instruct", "pad_token_id": 32000})
+    stored = dict(w)
+    for layer in range(cfg["num_hidden_layers"]):
+        a, m = f"model.layers.{layer}.self_attn.", f"model.layers.{layer}.mlp."
+        stored[a + "qkv_proj.weight"] = torch.cat([stored.pop(a + n + "_proj.weight") for n in ("q", "k", "v")])
+        stored[m + "gate_up_proj.weight"] = torch.cat([stored.pop(m + n + "_proj.weight") for n in ("gate", "up")])
+    write_case(out, "phi3", cfg, stored, w, llama_logits, tokens)
 
 
 if __name__ == "__main__":

@@ -70,6 +70,10 @@ struct ModelConfig {
   // Qwen2.5), and the output head tied to the token embedding (Llama 3.2 1B / 3B, Qwen2 0.5B).
   bool qkv_bias = false;
   bool tie_embeddings = false;
+  // NoPE layers (SmolLM3; Kazemnejad et al. 2023, "The Impact of Positional Encoding on Length
+  // Generalization in Transformers"): N > 0 skips RoPE on every N-th block (layers N-1, 2N-1, ...),
+  // whose queries and keys carry no position; 0: RoPE on every block. Llama only, not with MLA.
+  int64_t nope_interval = 0;
   // Qwen3: each query and key head RMS-normed over its head_dim (weights q_norm, k_norm of
   // head_dim, shared by the heads) after the projection and before RoPE.
   bool qk_norm = false;
@@ -133,6 +137,10 @@ struct ModelConfig {
   int64_t attn_width() const { return n_head * (mla() ? mla_v() : head_dim()); }
   bool has_bias() const { return arch == ARCH_GPT2; }
   bool learned_positions() const { return arch == ARCH_GPT2; }
+  // Whether block `layer` rotates its queries and keys (model.nope_interval skips every N-th).
+  bool rope_layer(int64_t layer) const {
+    return !learned_positions() && !(nope_interval > 0 && (layer + 1) % nope_interval == 0);
+  }
   // The RoPE the rope ops apply (theta and the scaling above).
   RopeSpec rope() const {
     return {rope_theta,     rope_scaling,   rope_factor,           rope_low_freq_factor, rope_high_freq_factor,
@@ -242,6 +250,9 @@ void visit_model_fields(Config& c, Visit&& visit) {
   visit(ModelField{"tie_embeddings", ModelField::IF_SET, "tie_embeddings",
                     "llama: the output head is the token embedding (Llama 3.2 1B/3B, Qwen2 0.5B); gpt2 always ties"},
         c.tie_embeddings);
+  visit(ModelField{"nope_interval", ModelField::IF_SET, "nope_interval",
+                    "llama: N > 0 = every N-th block (layers N-1, 2N-1, ...) has no RoPE (SmolLM3's NoPE layers); 0 = RoPE on every block"},
+        c.nope_interval);
   visit(ModelField{"qk_norm", ModelField::IF_SET, "qk_norm",
                     "llama: RMSNorm of each query and key head before RoPE (Qwen3; not with MLA or parallel.tp > 1)"},
         c.qk_norm);

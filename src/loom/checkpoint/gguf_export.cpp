@@ -248,6 +248,8 @@ void check_exportable(const ModelConfig& c, const GgufVocabulary& vocab) {
   LOOM_CHECK(c.attn_window == 0, "model.attn_window = ", c.attn_window,
              ": GGUF export does not support sliding-window attention (llama.cpp's gpt2/llama attend to every position)");
   LOOM_CHECK(!(c.qk_norm && c.qkv_bias), "model.qk_norm with model.qkv_bias: no llama.cpp architecture has both");
+  LOOM_CHECK(c.nope_interval == 0, "model.nope_interval = ", c.nope_interval, ": GGUF export does not write NoPE layers "
+             "yet (llama.cpp's llama rotates every layer)");
   LOOM_CHECK(c.rope_scaling == ROPE_SCALING_NONE || c.rope_scaling == ROPE_SCALING_LINEAR ||
                  c.rope_scaling == ROPE_SCALING_LLAMA3,
              "model.rope_scaling = ", enum_name(c.rope_scaling),

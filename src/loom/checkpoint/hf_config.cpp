@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <limits>
+#include <map>
 #include <optional>
 #include <set>
 #include <type_traits>
@@ -227,7 +228,11 @@ void read_rope_scaling(ConfigReader& r, ModelConfig& c, bool deepseek = false) {
     LOOM_CHECK(!s.contains("truncate") || s["truncate"] == true, path, ": rope_scaling.truncate = ",
                s["truncate"].dump(), " is not supported (the ramp's ends are rounded, as YaRN does)");
   } else {
-    throw Error(str_cat(path, ": rope_scaling.rope_type = '", type, "' is not supported (linear, llama3, yarn)"));
+    const char* why = type == "longrope" || type == "su"
+                          ? ": LongRoPE's per-pair factors switch from short to long with the sequence's length at run time"
+                      : type == "dynamic" ? ": dynamic NTK's base grows with the sequence's length at run time"
+                                          : "";
+    throw Error(str_cat(path, ": rope_scaling.rope_type = '", type, "' is not supported (linear, llama3, yarn)", why));
   }
   for (const auto& [key, value] : s.items()) {
     LOOM_CHECK(known.count(key) != 0, path, ": unknown key 'rope_scaling.", key, "' (", value.dump(), ") for rope_type ",
@@ -255,19 +260,23 @@ json rope_scaling_json(const ModelConfig& c) {
 
 // The keys the Llama-derived families share (llama, mistral, qwen2/3, mixtral, qwen3_moe and
 // DeepSeek's non-attention keys).
-void read_llama_common(ConfigReader& r, ModelConfig& c, bool deepseek = false) {
+// tie_default: tie_word_embeddings when absent (the family's configuration class's default).
+void read_llama_common(ConfigReader& r, ModelConfig& c, bool deepseek = false, bool tie_default = false) {
   c.arch = ARCH_LLAMA;
   read_int_keys(r, kLlamaKeys, c);
   c.n_kv_head = r.get<int64_t>("num_key_value_heads", c.n_head);
   c.norm_eps = r.get<float>("rms_norm_eps", 1e-6f);
   c.rope_theta = r.get<float>("rope_theta", 10000.0f);
   c.init_std = r.get<float>("initializer_range", 0.02f);
-  c.tie_embeddings = r.get<bool>("tie_word_embeddings", false);
+  c.tie_embeddings = r.get<bool>("tie_word_embeddings", tie_default);
   LOOM_CHECK(c.n_head > 0, r.path(), ": num_attention_heads must be > 0");
   r.require("hidden_act", "silu", "silu", "Loom's SwiGLU gates with SiLU");
   r.require("attention_bias", false, false, "an output-projection bias (o_proj) is not implemented for llama");
   r.require("mlp_bias", false, false, "MLP biases are not implemented for llama yet");
-  r.require("pretraining_tp", 1, 1, "tensor-parallel slicing of the MLP at pretraining changes its arithmetic");
+  // pretraining_tp > 1 (SmolLM3 writes 2): transformers' Llama once split the projections into
+  // that many slices and summed their products, the same linear maps in another order; today's
+  // modeling code reads it nowhere.
+  r.ignore({"pretraining_tp"});
   if (!deepseek) {  // nanotron's key (SmolLM2 writes false): pairs (2i, 2i + 1) rotate other dimensions
     r.require("rope_interleaved", false, false, "RoPE on interleaved pairs (2i, 2i + 1) is not transformers' "
               "rotate-half (i, i + d/2) that the weights of a llama folder are laid out for");
@@ -281,6 +290,32 @@ void read_head_dim(ConfigReader& r, ModelConfig& c) {
   if (head_dim != c.d_model / c.n_head || c.d_model % c.n_head != 0) c.head_size = head_dim;
 }
 
+// SmolLM3's NoPE layers: no_rope_layers[i] = 0 where layer i skips RoPE, which Loom keeps as
+// every no_rope_layer_interval-th layer (model.nope_interval); a list of another pattern is
+// refused. transformers derives the list from the interval (default 4) when it is absent.
+void read_nope_layers(ConfigReader& r, ModelConfig& c) {
+  const int64_t interval = r.get<int64_t>("no_rope_layer_interval", 4);
+  LOOM_CHECK(interval >= 0, r.path(), ": no_rope_layer_interval must be >= 0, got ", interval);
+  c.nope_interval = interval;
+  if (!r.has("no_rope_layers")) {
+    r.ignore({"no_rope_layers"});
+    return;
+  }
+  const json list = r.get<json>("no_rope_layers");
+  LOOM_CHECK(list.is_array() && static_cast<int64_t>(list.size()) >= c.n_layer, r.path(),
+             ": no_rope_layers must be a list of at least num_hidden_layers = ", c.n_layer,
+             " entries (1: RoPE, 0: none)");
+  bool every = true;  // all ones: RoPE on every layer whatever the interval (entries past the layers unused)
+  for (int64_t i = 0; i < c.n_layer; ++i) every = every && list[static_cast<size_t>(i)] == 1;
+  if (every) c.nope_interval = 0;
+  for (int64_t i = 0; i < c.n_layer; ++i) {
+    const json& v = list[static_cast<size_t>(i)];
+    LOOM_CHECK(v == (c.rope_layer(i) ? 1 : 0), r.path(), ": no_rope_layers = ", list.dump(), " is not supported (Loom "
+               "skips RoPE on every no_rope_layer_interval-th layer, layers ", interval - 1, ", ", 2 * interval - 1,
+               ", ...; entry ", i, " is ", v.dump(), ")");
+  }
+}
+
 // Mixtral, Qwen3-MoE: every layer routes each token to num_experts_per_tok of E experts by the
 // softmax of the router's logits (no shared experts, no groups); training-only keys ignored.
 void read_softmax_moe(ConfigReader& r, ModelConfig& c, const char* experts_key) {
@@ -291,7 +326,7 @@ void read_softmax_moe(ConfigReader& r, ModelConfig& c, const char* experts_key) 
 
 ModelConfig llama_family_config(ConfigReader& r, HfFamily family) {
   ModelConfig c;
-  read_llama_common(r, c);
+  read_llama_common(r, c, false, family == HfFamily::smollm3);  // SmolLM3Config ties by default (SmolLM3-3B omits the key)
   read_head_dim(r, c);
   switch (family) {
     case HfFamily::mistral:
@@ -304,6 +339,19 @@ ModelConfig llama_family_config(ConfigReader& r, HfFamily family) {
       c.qkv_bias = family == HfFamily::qwen2;
       c.qk_norm = family != HfFamily::qwen2;
       r.require("use_sliding_window", false, false, "Qwen's per-layer sliding window is not implemented");
+      r.require("use_mrope", false, false, "Qwen2-VL's multimodal RoPE sections are not implemented");
+      r.ignore({"sliding_window", "max_window_layers", "layer_types"});
+      break;
+    case HfFamily::phi3:
+      // Phi-3's window (transformers masks keys j <= i - sliding_window, as Loom's attn_window);
+      // the dropouts are training's; original_max_position_embeddings is LongRoPE's (refused above).
+      c.attn_window = r.get<int64_t>("sliding_window", 0);
+      r.require("partial_rotary_factor", 1.0, 1.0, "RoPE on a fraction of each head (Phi-4-mini) is not implemented");
+      r.ignore({"embd_pdrop", "resid_pdrop", "original_max_position_embeddings"});
+      break;
+    case HfFamily::smollm3:
+      read_nope_layers(r, c);
+      r.require("use_sliding_window", false, false, "SmolLM3's sliding window is not implemented");
       r.ignore({"sliding_window", "max_window_layers", "layer_types"});
       break;
     default: break;
@@ -373,8 +421,29 @@ ModelConfig deepseek_config(ConfigReader& r, HfFamily family) {
 const char* family_class(HfFamily f) {
   constexpr const char* kNames[] = {"GPT2LMHeadModel",    "LlamaForCausalLM",    "MistralForCausalLM",
                                     "Qwen2ForCausalLM",   "Qwen3ForCausalLM",    "MixtralForCausalLM",
-                                    "Qwen3MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"};
+                                    "Qwen3MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
+                                    "SmolLM3ForCausalLM",  "Phi3ForCausalLM"};
   return kNames[static_cast<int>(f)];
+}
+
+// Families whose real config.json Loom knows but whose arithmetic it does not implement yet: what
+// each would need (nullptr: not one of them).
+const char* unimplemented_family(const std::string& type) {
+  static const std::map<std::string, const char*> kWhy = {
+      {"gemma3_text", "Gemma 3 needs (1 + w) RMSNorms before and after attention and MLP, GeGLU (gelu_pytorch_tanh), "
+                      "an embedding scaled by sqrt(hidden_size), and sliding and global layers with their own RoPE bases"},
+      {"gemma3", "Gemma 3's multimodal folder: its text model is gemma3_text (see that family)"},
+      {"gemma2", "Gemma 2 needs (1 + w) RMSNorms before and after attention and MLP, GeGLU, logit soft-capping and "
+                 "alternating sliding layers"},
+      {"olmo2", "OLMo 2 normalises the attention and MLP outputs (post-norms, no pre-norms) and its q/k norms span all "
+                "heads at once"},
+      {"gpt_oss", "GPT-OSS needs attention sinks, alternating sliding windows, MoE with clamped SwiGLU and biases, and "
+                  "MXFP4 expert weights"},
+      {"qwen3_next", "Qwen3-Next needs gated DeltaNet linear-attention layers, gated attention and shared-expert gates"},
+      {"qwen2_moe", "Qwen2-MoE scales its shared expert by a sigmoid gate (shared_expert_gate), which Loom's MoE has not"},
+  };
+  const auto it = kWhy.find(type);
+  return it == kWhy.end() ? nullptr : it->second;
 }
 
 }  // namespace
@@ -384,6 +453,8 @@ HfConfig read_hf_config(const std::string& path) {
   HfConfig out;
   const std::string type = r.get<std::string>("model_type");
   const std::optional<HfFamily> family = enum_from_name<HfFamily>(type);
+  const char* missing = unimplemented_family(type);
+  LOOM_CHECK(missing == nullptr, path, ": model_type '", type, "' is not supported yet: ", missing);
   LOOM_CHECK(family.has_value(), path, ": model_type '", type, "' is not supported yet (", enum_choices<HfFamily>(), ")");
   out.family = *family;
   ignore_common(r);
@@ -417,6 +488,11 @@ HfFamily hf_family_of(const ModelConfig& c) {
     LOOM_CHECK(!moe || c.moe_sigmoid || !c.moe_renorm || c.moe_route_scale == 1.0f, where,
                "DeepSeek-V2 does not scale renormalised gates (model.moe_route_scale must be 1)");
     return moe && c.moe_sigmoid ? HfFamily::deepseek_v3 : HfFamily::deepseek_v2;
+  }
+  if (c.nope_interval > 0) {
+    LOOM_CHECK(!moe && !c.qkv_bias && !c.qk_norm && c.attn_window == 0, where, "NoPE layers (model.nope_interval, "
+               "SmolLM3) with MoE, q/k/v biases, q/k norms or a sliding window are no transformers family");
+    return HfFamily::smollm3;
   }
   if (moe) {
     LOOM_CHECK(c.moe_shared == 0 && c.moe_dense_layers == 0 && !c.moe_sigmoid && c.moe_groups == 1 &&
@@ -467,6 +543,12 @@ json hf_config_json(const ModelConfig& c) {
       j.update({{"num_experts", c.moe_experts}, {"num_experts_per_tok", c.moe_top_k}, {"moe_intermediate_size", c.expert_ff()},
                 {"norm_topk_prob", c.moe_renorm}});
       break;
+    case HfFamily::smollm3: {
+      json list = json::array();
+      for (int64_t i = 0; i < c.n_layer; ++i) list.push_back(c.rope_layer(i) ? 1 : 0);
+      j.update({{"no_rope_layer_interval", c.nope_interval}, {"no_rope_layers", list}, {"use_sliding_window", false}});
+      break;
+    }
     case HfFamily::deepseek_v2:
     case HfFamily::deepseek_v3:
       write_int_keys(j, kDeepseekMlaKeys, c);

@@ -5,6 +5,9 @@
 //                 tie_word_embeddings)
 //   mistral       MistralConfig (sliding_window)
 //   qwen2, qwen3  Qwen2Config (q/k/v biases), Qwen3Config (q/k norm)
+//   smollm3       SmolLM3Config: llama with RoPE skipped on every no_rope_layer_interval-th layer
+//   phi3          Phi3Config (Phi-3 / Phi-3.5 / Phi-4 mini shapes): llama with q/k/v and gate/up stored
+//                 fused (Loom's own layout) and a sliding window; LongRoPE refused
 //   mixtral       MixtralConfig: every layer a softmax top-k MoE, gates renormalised
 //   qwen3_moe     Qwen3MoeConfig: qwen3 attention, MoE with norm_topk_prob
 //   deepseek_v2   DeepseekV2Config: MLA (kv_lora_rank, q_lora_rank, qk_nope/rope, v_head_dim),
@@ -24,12 +27,13 @@
 
 namespace loom {
 
-enum class HfFamily { gpt2, llama, mistral, qwen2, qwen3, mixtral, qwen3_moe, deepseek_v2, deepseek_v3 };
+enum class HfFamily { gpt2, llama, mistral, qwen2, qwen3, mixtral, qwen3_moe, deepseek_v2, deepseek_v3, smollm3, phi3 };
 
 template <>
 struct EnumNames<HfFamily> {  // config.json's model_type
-  static constexpr std::array<std::string_view, 9> names{"gpt2",  "llama",   "mistral",   "qwen2",      "qwen3",
-                                                         "mixtral", "qwen3_moe", "deepseek_v2", "deepseek_v3"};
+  static constexpr std::array<std::string_view, 11> names{"gpt2",      "llama",       "mistral",     "qwen2",
+                                                          "qwen3",     "mixtral",     "qwen3_moe",   "deepseek_v2",
+                                                          "deepseek_v3", "smollm3",   "phi3"};
 };
 
 // The family and model config of a config.json (path: for errors).

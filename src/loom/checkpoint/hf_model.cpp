@@ -44,7 +44,7 @@ bool ends_with(const std::string& n, const std::string& s) {
 }
 
 // The transformers tensors of a Loom parameter. Loom fuses q/k/v (rows q, k, v) and each SwiGLU
-// MLP's gate/up (rows gate, up); Mixtral names its MoE "block_sparse_moe" with experts' w1 (gate),
+// MLP's gate/up (rows gate, up), as Phi-3 stores them (its gate_up_proj's first half gates); Mixtral names its MoE "block_sparse_moe" with experts' w1 (gate),
 // w3 (up), w2 (down). Only DeepSeek-V3 stores the routing bias (elsewhere it has no pieces and
 // stays zero).
 std::vector<Piece> pieces_of(const ModelConfig& c, HfFamily family, const ParamSpec& spec) {
@@ -55,6 +55,8 @@ std::vector<Piece> pieces_of(const ModelConfig& c, HfFamily family, const ParamS
   const int64_t rows = spec.shape.empty() ? 1 : spec.shape[0];
   if (c.arch != ARCH_LLAMA) return {{n, rows}};
   const int64_t q = c.n_head * c.head_dim(), kv = c.n_kv_head * c.head_dim();
+  // Phi-3 stores qkv_proj and gate_up_proj fused, rows as Loom's: every tensor under its own name.
+  if (family == HfFamily::phi3) return {{n, rows}};
   if (ends_with(n, ".self_attn.qkv_proj.weight")) {
     return {{stem + ".q_proj.weight", q}, {stem + ".k_proj.weight", kv}, {stem + ".v_proj.weight", kv}};
   }

@@ -288,7 +288,7 @@ void AttentionLayer::forward(Backend& backend, const Tensor& x, AttentionSaved& 
     const Tensor input = links_.whole(backend, s.norm.out, T);  // (sequence parallel: gathered)
     adapted_linear_forward(backend, qkv_, input, p.qkv_w, q.qkv_w, p.qkv_b, s.qkv, qkv_lora(s), links_.ws);
     qk_norm_forward(backend, s.qkv, s);
-    if (!config_.learned_positions()) rope(backend, s.qkv, false, s.docs);
+    if (plan_.rope) rope(backend, s.qkv, false, s.docs);
     if (s.attn.dtype() == DTYPE_F32) {
       attention_forward(backend, plan_, config_, links_.cp, s);
     } else {  // kept in bf16 (LayerPlan::saved_bf16): computed in fp32, then rounded into s.attn
@@ -313,7 +313,7 @@ void AttentionLayer::forward_rows(Backend& backend, const Tensor& x, AttentionSa
     qkv_.forward_plain(backend, s.norm.out, p.qkv_w, p.qkv_b, s.qkv, 0.0f, links_.ws);
     lora_forward(backend, s.norm.out, p.qkv_lora, config_.lora_scale(), s.qkv, links_.ws, {}, p.qkv_w);
     qk_norm_forward(backend, s.qkv.view(0, {n, W}), s);
-    if (!config_.learned_positions()) {
+    if (plan_.rope) {
       for (int64_t r = 0; r < n; ++r) {
         backend.rope_forward(s.qkv.view(r * W, {1, 1, W}), hd, H + config_.n_kv_head, config_.rope(), positions[r]);
       }
@@ -398,7 +398,7 @@ void AttentionLayer::backward(Backend& backend, const Tensor& x, const Attention
       widened.attn = saved_f32(backend, s.attn, links_.ws);
       attention_backward(backend, plan_, config_, links_.cp, widened, k);
     }
-    if (!config_.learned_positions()) rope(backend, k.d_qkv, true, s.docs);
+    if (plan_.rope) rope(backend, k.d_qkv, true, s.docs);
     qk_norm_backward(backend, k.d_qkv, s);
     pass.keep(k.d_qkv, s.dy_qkv);
     const Tensor input = whole(s.norm.out);

@@ -46,6 +46,7 @@ std::array<bool, 4> saved_bf16(const ModelConfig& config, int64_t layer, const L
 LayerPlan resolve_layer_plan(const ModelConfig& config, int64_t layer, const PlanChoices& choices) {
   LayerPlan plan;
   plan.window = config.attn_window;
+  plan.rope = config.rope_layer(layer);
   plan.tensor_parallel = choices.tensor_parallel;
   plan.sequence_parallel = choices.tensor_parallel && choices.sequence_parallel;
   plan.recompute = choices.recompute;

@@ -37,6 +37,7 @@ struct LayerPlan {
   AttentionKind attention = AttentionKind::mha;
   MlpKind mlp = MlpKind::dense;
   int64_t window = 0;              // model.attn_window: keys older than the window are masked
+  bool rope = true;                // queries and keys rotated (false: gpt2's learned positions, NoPE layers)
   bool tensor_parallel = false;    // heads and MLP width sliced over the tp group
   bool sequence_parallel = false;  // the residual stream on sequence shards (with tensor_parallel)
   RecomputePolicy recompute = RECOMPUTE_NONE;
