@@ -306,6 +306,31 @@ TEST(HfImportErrors, UnknownOrUnsupportedConfigKeysAreRefusedByName) {
   }
 }
 
+// transformers 5 writes rope_theta and rope_scaling as one rope_parameters object: the same
+// folder in that form gives the same model config (llama32: llama3 scaling; qwen3: yarn; llama:
+// rope_type default), and both forms at once are refused.
+TEST(HfImport, Transformers5RopeParametersGiveTheSameConfig) {
+  int i = 0;
+  for (const char* name : {"llama32", "qwen3", "llama"}) {
+    const ModelConfig want = hf_model_config(fixture(name));
+    const fs::path dir = broken_copy(name, "rope_parameters" + std::to_string(i++));
+    edit_config(dir, [](nlohmann::json& j) {
+      nlohmann::json p = j["rope_scaling"].is_null() ? nlohmann::json{{"rope_type", "default"}} : j["rope_scaling"];
+      p["rope_theta"] = j["rope_theta"];
+      j.erase("rope_scaling"), j.erase("rope_theta");
+      j["rope_parameters"] = p;
+    });
+    EXPECT_EQ(model_config_json(hf_model_config(dir.string())).dump(), model_config_json(want).dump()) << name;
+    edit_config(dir, [](nlohmann::json& j) { j["rope_scaling"] = j["rope_parameters"]; });
+    EXPECT_NE(test::error_of([&] { hf_model_config(dir.string()); }).find("rope_parameters and rope_scaling are both set"),
+              std::string::npos);
+  }
+  const fs::path dir = broken_copy("llama", "rope_parameters_dynamic");
+  edit_config(dir, [](nlohmann::json& j) { j["rope_parameters"] = {{"rope_type", "dynamic"}, {"factor", 2.0}}; });
+  const std::string msg = test::error_of([&] { hf_model_config(dir.string()); });
+  EXPECT_NE(msg.find("rope_parameters.rope_type = 'dynamic' is not supported"), std::string::npos) << msg;
+}
+
 TEST(HfImportErrors, MissingExtraOrMisshapenTensorsAreRefusedByName) {
   auto backend = make_cpu_backend();
   // A config that does not match the weights: every tensor's shape is checked, when the config

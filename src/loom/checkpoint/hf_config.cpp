@@ -169,26 +169,61 @@ double yarn_mscale(double scale, double m) { return scale <= 1.0 ? 1.0 : 0.1 * m
 // mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are set, else
 // mscale(factor, 1), as transformers computes it; DeepSeek (mla) also multiplies the scores by
 // mscale(factor, mscale_all_dim)^2, as its attention does.
+//
+// transformers 5 writes both as one object, rope_parameters: {"rope_theta", "rope_type"
+// ("default": no scaling), and the scaling's keys}; read_rope_parameters takes it to the same fields.
+void read_scaling_object(const std::string& path, const char* where, json s, ModelConfig& c, bool deepseek);
+
 void read_rope_scaling(ConfigReader& r, ModelConfig& c, bool deepseek = false) {
+  if (r.has("rope_parameters")) {
+    const std::string& path = r.path();
+    LOOM_CHECK(!r.has("rope_scaling"), path, ": rope_parameters and rope_scaling are both set: give one");
+    json p = r.get<json>("rope_parameters");
+    LOOM_CHECK(p.is_object() && p.contains("rope_type") && p["rope_type"].is_string(), path,
+               ": rope_parameters must be an object with a rope_type (per-layer-type rope_parameters are not supported), "
+               "got ", p.dump());
+    if (p.contains("rope_theta")) {
+      LOOM_CHECK(!r.has("rope_theta") || r.get<json>("rope_theta") == p["rope_theta"], path,
+                 ": rope_theta and rope_parameters.rope_theta differ: give one");
+      LOOM_CHECK(p["rope_theta"].is_number() && p["rope_theta"].get<double>() > 0.0, path,
+                 ": rope_parameters.rope_theta must be a positive number, got ", p["rope_theta"].dump());
+      c.rope_theta = p["rope_theta"].get<float>();
+      p.erase("rope_theta");
+    }
+    if (p["rope_type"] == "default") {
+      for (const auto& [key, value] : p.items()) {
+        LOOM_CHECK(key == "rope_type", path, ": unknown key 'rope_parameters.", key, "' (", value.dump(),
+                   ") for rope_type default");
+      }
+    } else {
+      read_scaling_object(path, "rope_parameters", std::move(p), c, deepseek);
+    }
+    r.ignore({"rope_scaling"});
+    return;
+  }
+  r.ignore({"rope_parameters"});
   if (!r.has("rope_scaling")) {
     r.ignore({"rope_scaling"});
     return;
   }
-  const std::string& path = r.path();
-  const json s = r.get<json>("rope_scaling");
-  LOOM_CHECK(s.is_object(), path, ": rope_scaling must be an object or null, got ", s.dump());
+  read_scaling_object(r.path(), "rope_scaling", r.get<json>("rope_scaling"), c, deepseek);
+}
+
+// One rope_scaling object (`where`: its key, for errors).
+void read_scaling_object(const std::string& path, const char* where, json s, ModelConfig& c, bool deepseek) {
+  LOOM_CHECK(s.is_object(), path, ": ", where, " must be an object or null, got ", s.dump());
   const std::string type_key = s.contains("rope_type") ? "rope_type" : "type";
-  LOOM_CHECK(s.contains(type_key) && s[type_key].is_string(), path, ": rope_scaling.rope_type is missing");
+  LOOM_CHECK(s.contains(type_key) && s[type_key].is_string(), path, ": ", where, ".rope_type is missing");
   const std::string type = s[type_key].get<std::string>();
   std::set<std::string> known = {"rope_type", "type"};
   auto number = [&](const char* key) {
     known.insert(key);
-    LOOM_CHECK(s.contains(key) && s[key].is_number(), path, ": rope_scaling.", key, " is missing or not a number");
+    LOOM_CHECK(s.contains(key) && s[key].is_number(), path, ": ", where, ".", key, " is missing or not a number");
     return s[key].get<double>();
   };
   // An integer of rope_scaling (a position count).
   auto integer = [&](const char* key, double value) {
-    LOOM_CHECK(std::floor(value) == value && std::fabs(value) < 0x1p62, path, ": rope_scaling.", key,
+    LOOM_CHECK(std::floor(value) == value && std::fabs(value) < 0x1p62, path, ": ", where, ".", key,
                " must be an integer, got ", value);
     return static_cast<int64_t>(value);
   };
@@ -206,7 +241,7 @@ void read_rope_scaling(ConfigReader& r, ModelConfig& c, bool deepseek = false) {
     auto optional = [&](const char* key, double fallback) {
       known.insert(key);
       if (!s.contains(key) || s[key].is_null()) return fallback;
-      LOOM_CHECK(s[key].is_number(), path, ": rope_scaling.", key, " is not a number");
+      LOOM_CHECK(s[key].is_number(), path, ": ", where, ".", key, " is not a number");
       return s[key].get<double>();
     };
     const double factor = number("factor");
@@ -225,17 +260,17 @@ void read_rope_scaling(ConfigReader& r, ModelConfig& c, bool deepseek = false) {
       c.mla_score_scale = static_cast<float>(m * m);
     }
     known.insert("truncate");
-    LOOM_CHECK(!s.contains("truncate") || s["truncate"] == true, path, ": rope_scaling.truncate = ",
+    LOOM_CHECK(!s.contains("truncate") || s["truncate"] == true, path, ": ", where, ".truncate = ",
                s["truncate"].dump(), " is not supported (the ramp's ends are rounded, as YaRN does)");
   } else {
     const char* why = type == "longrope" || type == "su"
                           ? ": LongRoPE's per-pair factors switch from short to long with the sequence's length at run time"
                       : type == "dynamic" ? ": dynamic NTK's base grows with the sequence's length at run time"
                                           : "";
-    throw Error(str_cat(path, ": rope_scaling.rope_type = '", type, "' is not supported (linear, llama3, yarn)", why));
+    throw Error(str_cat(path, ": ", where, ".rope_type = '", type, "' is not supported (linear, llama3, yarn)", why));
   }
   for (const auto& [key, value] : s.items()) {
-    LOOM_CHECK(known.count(key) != 0, path, ": unknown key 'rope_scaling.", key, "' (", value.dump(), ") for rope_type ",
+    LOOM_CHECK(known.count(key) != 0, path, ": unknown key '", where, ".", key, "' (", value.dump(), ") for rope_type ",
                type);
   }
 }
