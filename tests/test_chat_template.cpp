@@ -11,6 +11,7 @@
 
 #include "loom/core/error.h"
 #include "loom/data/chat_template.h"
+#include "test_util.h"
 #include "tokenizer_test_util.h"
 
 namespace loom {
@@ -115,6 +116,18 @@ const std::vector<TemplateFile> kTemplates = {
     {"ai21_jamba_large_1_6", "<|startoftext|>", "<|endoftext|>"},
     // With tools it prints today's date (strftime_now, no date_string): no tools case.
     {"lfm2_5_vl_450m", "<|startoftext|>", "<|im_end|>", ojson::object(), false},
+    // DeepSeek-V3's real template (the automap's deepseek-v3:671b), TRL's training templates as
+    // TRL ships them (huggingface/trl trl/chat_templates/, with {% generation %} blocks) and the
+    // real Qwen3 / DeepSeek templates with generation blocks placed as TRL places them
+    // (tests/test_loss_mask.cpp's TRL masks): the tags change nothing in the text.
+    {"deepseek_v3", "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"},
+    {"trl_llama3_training", "<|begin_of_text|>", "<|eot_id|>"},
+    {"trl_qwen3_training", "", "<|im_end|>"},
+    {"trl_deepseekv3", "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"},
+    {"trl_deepseekv3_training", "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"},
+    {"qwen3_0_6b_generation", "", "<|im_end|>"},
+    {"deepseek_r1_generation", "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"},
+    {"deepseek_v3_generation", "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"},
 };
 
 std::string fixture(const std::string& name) {
@@ -357,6 +370,72 @@ TEST(ChatTemplate, ErrorsNameThePosition) {
   }
 }
 
+// {% generation %} ... {% endgeneration %} (transformers' marker of the assistant's text, TRL's
+// training templates): the text is the one rendered without asking for the ranges (the tags
+// removed with the whitespace their '-' takes, as @huggingface/jinja removes them: the real
+// templates above agree with it), and each block's output is a range, as transformers'
+// AssistantTracker records it (the length rendered before the block, plus the block's output).
+TEST(ChatTemplate, GenerationBlocksGiveTheRangesTheyRender) {
+  const auto ranges_of = [](const std::string& tmpl, const ojson& vars = ojson::object()) {
+    std::vector<TextRange> ranges;
+    const std::string text = render_jinja(tmpl, vars, "", &ranges);
+    EXPECT_EQ(text, render_jinja(tmpl, vars)) << tmpl;
+    std::vector<std::string> parts;
+    for (const TextRange& r : ranges) parts.push_back(text.substr(r.begin, r.end - r.begin));
+    return std::pair{text, parts};
+  };
+  using Parts = std::vector<std::string>;
+  EXPECT_EQ(ranges_of("a{% generation %}b{% endgeneration %}c"), std::pair(std::string("abc"), Parts{"b"}));
+  // Whitespace: a tag without '-' keeps the whitespace on its sides; '-' drops that side's.
+  EXPECT_EQ(ranges_of("x {% generation %} y {% endgeneration %} z"), std::pair(std::string("x  y  z"), Parts{" y "}));
+  EXPECT_EQ(ranges_of("x {%- generation -%} y {%- endgeneration %} z"), std::pair(std::string("xy z"), Parts{"y"}));
+  // Other tags' whitespace control sees through the tags, as if they were not there.
+  EXPECT_EQ(ranges_of("{{ 'a' }}  {% generation %}  {{- 'b' }}{% endgeneration %}"), std::pair(std::string("ab"), Parts{"b"}));
+  EXPECT_EQ(ranges_of("{{ 'a' -}}  {% generation %}  b{% endgeneration %}"), std::pair(std::string("ab"), Parts{"b"}));
+  EXPECT_EQ(ranges_of("{% if true -%}\n {% generation %} \n{%- endif %}c{% endgeneration %}"),
+            std::pair(std::string("c"), Parts{"c"}));
+  // Nested blocks give a range each (outer first); blocks in loops and macros, empty blocks.
+  EXPECT_EQ(ranges_of("{% generation %}a{% generation %}b{% endgeneration %}{% endgeneration %}"),
+            std::pair(std::string("ab"), Parts({"ab", "b"})));
+  EXPECT_EQ(ranges_of("{% for m in messages %}<{{ m.role }}>{% if m.role == 'assistant' %}{% generation %}{{ m.content }}.{% endgeneration %}"
+                      "{% else %}{{ m.content }}{% endif %}{% endfor %}",
+                      {{"messages", {{{"role", "user"}, {"content", "q"}}, {{"role", "assistant"}, {"content", "a"}},
+                                     {{"role", "user"}, {"content", "r"}}, {{"role", "assistant"}, {"content", "b"}}}}}),
+            std::pair(std::string("<user>q<assistant>a.<user>r<assistant>b."), Parts({"a.", "b."})));
+  EXPECT_EQ(ranges_of("{% macro m(x) %}{% generation %}{{ x }}{% endgeneration %}{% endmacro %}1{{ m('2') }}3"),
+            std::pair(std::string("123"), Parts{"2"}));
+  EXPECT_EQ(ranges_of("a{% generation %}{% endgeneration %}b"), std::pair(std::string("ab"), Parts{""}));
+  // No tags: no ranges.
+  EXPECT_FALSE(has_generation_blocks("{{ x }}"));
+  EXPECT_TRUE(has_generation_blocks("{%- generation %}"));
+  EXPECT_EQ(ranges_of("plain"), std::pair(std::string("plain"), Parts{}));
+  // A real template with the tags (LFM2.5): each assistant reply with its end-of-turn marker.
+  const std::string lfm = load_chat_template(fixture("lfm2_5_vl_450m"));
+  std::vector<TextRange> ranges;
+  ChatTemplateOptions options;
+  options.bos_token = "<|startoftext|>";
+  const std::string text = render_chat_template(lfm, {{"user", "Hi"}, {"assistant", "Hello!"}, {"user", "Bye"}, {"assistant", "Ciao."}},
+                                                options, &ranges);
+  EXPECT_EQ(text, "<|startoftext|><|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello!<|im_end|>\n"
+                  "<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\nCiao.<|im_end|>\n");
+  EXPECT_EQ(ranges, std::vector<TextRange>({{67, 84}, {137, 153}}));  // 15 + 30 + 22 = 67; 84 + 53 = 137
+  EXPECT_EQ(text.substr(67, 17), "Hello!<|im_end|>\n");
+  EXPECT_EQ(text.substr(137, 16), "Ciao.<|im_end|>\n");
+  // Asked for, ranges that cannot be told are an Error; not asked for, the text renders as before.
+  const auto error = [](const std::string& tmpl, const ojson& vars = ojson::object()) {
+    std::vector<TextRange> r;
+    return test::error_of([&] { render_jinja(tmpl, vars, "t.jinja", &r); });
+  };
+  EXPECT_NE(error("{% set x %}{% generation %}ab{% endgeneration %}{% endset %}{{ x|length }}").find("t.jinja: chat template: a "
+                  "{% generation %} block's output is not written out as it is"), std::string::npos);
+  EXPECT_EQ(render_jinja("{% set x %}{% generation %}ab{% endgeneration %}{% endset %}{{ x|length }}", ojson::object()), "2");
+  EXPECT_NE(error("{% generation %}a").find("without its {% endgeneration %}"), std::string::npos);
+  EXPECT_NE(error("a{% endgeneration %}").find("without its {% generation %}"), std::string::npos);
+  EXPECT_EQ(render_jinja("{% generation %}a", ojson::object()), "a");
+  EXPECT_NE(error("{{ x }}{% generation %}{% endgeneration %}", {{"x", std::string("\xff")}}).find("0xFE or 0xFF"),
+            std::string::npos);
+}
+
 // Hostile templates (issue 41): recursion, endless loops and growing strings or lists stop at a
 // stated limit, quickly and within bounded memory, with a one-line Error naming the template's
 // file (ChatTemplateOptions::source) and the limit.
@@ -466,7 +545,8 @@ TEST(ChatTemplateFuzz, MutatedTemplatesNeverCrash) {
       }
     }
     try {
-      render_jinja(t, vars);
+      std::vector<TextRange> ranges;  // every other one with the generation blocks' ranges
+      render_jinja(t, vars, "", i % 2 == 0 ? &ranges : nullptr);
       ++rendered;
     } catch (const Error& e) {
       ++failed;

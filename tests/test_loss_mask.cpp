@@ -7,7 +7,10 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <optional>
+#include <span>
 
 #include <filesystem>
 #include <fstream>
@@ -163,6 +166,19 @@ std::string write_lines(const std::string& name, const std::string& text) {
   return path;
 }
 
+// The counted tokens' text, one string per run of counted tokens.
+std::vector<std::string> counted_runs(const SftStream& s, const Tokenizer& tok) {
+  std::vector<std::string> runs;
+  for (size_t i = 0; i < s.tokens.size(); ++i) {
+    if (!s.mask[i]) continue;
+    size_t j = i;
+    while (j < s.tokens.size() && s.mask[j]) ++j;
+    runs.push_back(tok.decode(std::span<const int32_t>(s.tokens).subspan(i, j - i)));
+    i = j;
+  }
+  return runs;
+}
+
 std::string counted_text(const SftStream& s, const Tokenizer& tok) {
   std::vector<int32_t> ids;
   for (size_t i = 0; i < s.tokens.size(); ++i) {
@@ -294,14 +310,235 @@ TEST(SftData, ChatSpansFromWindowsAreTheSpansOfEveryPrefix) {
     }
   }
   // A think block on the last message only (Qwen3's loop.last): no prefix is a prefix of the
-  // whole, from windows or not.
+  // whole, from windows or not, and each reply is located in the whole rendering instead
+  // (SftData.MultiTurnMasksEqualTrlsOnTheRealTemplates): as the whole rendering writes it, the
+  // think block on the last one only.
   const std::string think =
       "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' and loop.last %}<think></think>"
       "{% endif %}{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
   const std::string path = write_lines("loom_sft_windows.jsonl", conversations[5].dump() + "\n");
-  EXPECT_NE(test::error_of([&] { read_sft_file(path, SftFormat::chat_jsonl, *tok, think); })
-                .find("does not render the conversation up to message"),
-            std::string::npos);
+  EXPECT_EQ(counted_runs(read_sft_file(path, SftFormat::chat_jsonl, *tok, think), *tok),
+            std::vector<std::string>({"answer 50\n<|im_end|>\n", "<tool_call>f()</tool_call><|im_end|>\n",
+                                      "<think></think>answer 51\n<|im_end|>\n"}));
+}
+
+// A tokenizer for the mask tests: each special string one token (parsed where EncodeOptions
+// asks), other text a token per byte or (pairs) per two bytes (a byte alone before a special
+// token or at the end), so that tokens straddle the spans' edges. lossy: decode drops a leading
+// space of what it decodes (as SentencePiece drops its dummy prefix), so tokens decoded one at a
+// time do not give the text back.
+class ToyTokenizer final : public Tokenizer {
+ public:
+  ToyTokenizer(std::vector<std::string> specials, const std::string& bos, const std::string& eos, bool pairs,
+               bool lossy = false)
+      : specials_(std::move(specials)), pairs_(pairs), lossy_(lossy) {
+    specials_.push_back("<|endoftext|>");
+    for (size_t k = 0; k < specials_.size(); ++k) {
+      if (specials_[k] == bos && !bos.empty()) bos_ = static_cast<int32_t>(256 + k);
+      if (specials_[k] == eos && !eos.empty()) eos_ = static_cast<int32_t>(256 + k);
+    }
+  }
+  using Tokenizer::encode;
+  std::vector<int32_t> encode(std::string_view text, const EncodeOptions& options) const override {
+    std::vector<int32_t> ids;
+    const auto special_at = [&](size_t i) -> int32_t {
+      if (!options.parse_special_tokens) return -1;
+      for (size_t k = 0; k < specials_.size(); ++k)
+        if (text.substr(i, specials_[k].size()) == specials_[k]) return static_cast<int32_t>(k);
+      return -1;
+    };
+    for (size_t i = 0; i < text.size();) {
+      if (const int32_t k = special_at(i); k >= 0) {
+        ids.push_back(256 + k);
+        i += specials_[static_cast<size_t>(k)].size();
+      } else if (pairs_ && i + 1 < text.size() && special_at(i + 1) < 0) {
+        ids.push_back(1024 + static_cast<unsigned char>(text[i]) * 256 + static_cast<unsigned char>(text[i + 1]));
+        i += 2;
+      } else {
+        ids.push_back(static_cast<unsigned char>(text[i++]));
+      }
+    }
+    return ids;
+  }
+  std::string decode(std::span<const int32_t> tokens) const override {
+    std::string out;
+    for (const int32_t id : tokens) {
+      if (id < 256) out.push_back(static_cast<char>(id));
+      else if (id < 1024) out += specials_.at(static_cast<size_t>(id - 256));
+      else out += {static_cast<char>((id - 1024) / 256), static_cast<char>((id - 1024) % 256)};
+    }
+    if (lossy_ && !out.empty() && out[0] == ' ') out.erase(0, 1);
+    return out;
+  }
+  int64_t vocab_size() const override { return 1024 + 65536; }
+  int32_t eot_token() const override { return static_cast<int32_t>(256 + specials_.size() - 1); }
+  std::optional<int32_t> bos_token() const override { return bos_; }
+  std::optional<int32_t> eos_token() const override { return eos_; }
+  std::string token_text(int32_t id) const override { return decode(std::vector<int32_t>{id}); }
+  std::string name() const override { return "toy"; }
+
+ private:
+  std::vector<std::string> specials_;
+  bool pairs_, lossy_;
+  std::optional<int32_t> bos_, eos_;
+};
+
+std::string chat_fixture(const std::string& name) {
+  const char* source = std::getenv("LOOM_SOURCE_DIR");
+  return ((source && *source ? std::filesystem::path(source) : std::filesystem::current_path()) / "tests" / "fixtures" /
+          "chat_templates" / (name + ".json"))
+      .string();
+}
+
+// Multi-turn SFT masks on the real chat templates, against TRL's (SFTConfig(assistant_only_loss=True):
+// transformers' apply_chat_template(return_assistant_tokens_mask=True) renders the conversation
+// once and marks the tokens from char_to_token(start) to char_to_token(end - 1) of each
+// {% generation %} block's output). TRL cannot run here, so its rule is applied by Loom's own
+// generation-block path (ChatTemplate.GenerationBlocksGiveTheRangesTheyRender checks the ranges) to
+// copies of each real template with the blocks placed where TRL's training templates place them
+// (huggingface/trl trl/chat_templates/*_training.jinja): llama3 = TRL's llama3_training.jinja as
+// TRL ships it; Qwen3 and DeepSeek R1 / V3 = the real template with the assistant's output wrapped
+// as qwen3_training.jinja / deepseekv3_training.jinja wrap it (the *_generation fixtures; their
+// text is the original's, asserted here and against @huggingface/jinja in test_chat_template.cpp).
+// Loom's masks come from the original templates, which have no blocks: each reply located by the
+// definition or in the whole rendering (docs/finetune.md). Equal to TRL's token for token, but for
+// one stated difference: TRL's DeepSeek templates put the generation prompt <｜Assistant｜> inside
+// the block, and Loom leaves it out (it is the prompt add_generation_prompt writes at inference,
+// not generated; TRL's own Llama 3, Qwen3 and Gemma templates leave their prompt cue out too), so
+// TRL's mask is Loom's plus that one token before each reply. The expected replies are written out
+// by hand from the renderings.
+TEST(SftData, MultiTurnMasksEqualTrlsOnTheRealTemplates) {
+  const std::vector<std::string> specials = {"<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+                                             "<|im_start|>", "<|im_end|>", "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>",
+                                             "<｜User｜>", "<｜Assistant｜>"};
+  using Runs = std::vector<std::string>;
+  // A: a reply with reasoning, then one without; B: the reverse; C: a system message in the middle.
+  const nlohmann::json A = {{{"role", "system"}, {"content", "You are terse."}}, {{"role", "user"}, {"content", "What is 2+2?"}},
+                            {{"role", "assistant"}, {"content", "<think>\nAdd them.\n</think>\n\n4"}},
+                            {{"role", "user"}, {"content", "And times 3?"}}, {{"role", "assistant"}, {"content", "12"}}};
+  const nlohmann::json B = {{{"role", "system"}, {"content", "You are terse."}}, {{"role", "user"}, {"content", "What is 2+2?"}},
+                            {{"role", "assistant"}, {"content", "4"}}, {{"role", "user"}, {"content", "And times 3?"}},
+                            {{"role", "assistant"}, {"content", "<think>\nReason.\n</think>\n\n12"}}};
+  const nlohmann::json C = {{{"role", "user"}, {"content", "a"}}, {{"role", "assistant"}, {"content", "b"}},
+                            {{"role", "system"}, {"content", "Now in French."}}, {{"role", "user"}, {"content", "c"}},
+                            {{"role", "assistant"}, {"content", "d"}}};
+  const std::string eos = "<｜end▁of▁sentence｜>";
+  struct Case {
+    std::string original, trl;
+    bool prompt_in_trl;     // TRL's block holds the generation prompt <｜Assistant｜>
+    Runs a, b, c;           // Loom's replies on A, B, C
+  };
+  const std::vector<Case> cases = {
+      {"llama3_instruct", "trl_llama3_training", false,
+       {"<think>\nAdd them.\n</think>\n\n4<|eot_id|>", "12<|eot_id|>"},
+       {"4<|eot_id|>", "<think>\nReason.\n</think>\n\n12<|eot_id|>"},
+       {"b<|eot_id|>", "d<|eot_id|>"}},
+      // The reasoning of a reply before the last user message is not in the whole rendering; the
+      // last reply gets a think block, empty when it has no reasoning.
+      {"qwen3_0_6b", "qwen3_0_6b_generation", false,
+       {"4<|im_end|>\n", "<think>\n\n</think>\n\n12<|im_end|>\n"},
+       {"4<|im_end|>\n", "<think>\nReason.\n</think>\n\n12<|im_end|>\n"},
+       {"b<|im_end|>\n", "<think>\n\n</think>\n\nd<|im_end|>\n"}},
+      // R1 keeps what follows </think>; every system message goes first.
+      {"deepseek_r1", "deepseek_r1_generation", true,
+       {"\n\n4" + eos, "12" + eos}, {"4" + eos, "\n\n12" + eos}, {"b" + eos, "d" + eos}},
+      {"deepseek_v3", "deepseek_v3_generation", true,
+       {"<think>\nAdd them.\n</think>\n\n4" + eos, "12" + eos}, {"4" + eos, "<think>\nReason.\n</think>\n\n12" + eos},
+       {"b" + eos, "d" + eos}},
+      // TRL's own DeepSeek-V3 pair: its generation prompt is <｜Assistant｜><think>\n, which no reply
+      // starts with, so every reply is located.
+      {"trl_deepseekv3", "trl_deepseekv3_training", true,
+       {"\n\n4" + eos, "12" + eos}, {"4" + eos, "\n\n12" + eos}, {"b" + eos, "d" + eos}},
+  };
+  for (const Case& c : cases) {
+    const nlohmann::json file = nlohmann::json::parse(std::ifstream(chat_fixture(c.original)));
+    const std::string original = load_chat_template(chat_fixture(c.original)), trl = load_chat_template(chat_fixture(c.trl));
+    for (const bool pairs : {false, true}) {
+      const ToyTokenizer tok(specials, file["bos_token"], file["eos_token"], pairs);
+      const int32_t prompt_token = tok.encode("<｜Assistant｜>", {.parse_special_tokens = true}).at(0);
+      for (const auto& [messages, expected] : {std::pair{A, c.a}, std::pair{B, c.b}, std::pair{C, c.c}}) {
+        const std::string path = write_lines("loom_sft_trl.jsonl", nlohmann::json{{"messages", messages}}.dump() + "\n");
+        const SftStream loom = read_sft_file(path, SftFormat::chat_jsonl, tok, original);
+        const SftStream want = read_sft_file(path, SftFormat::chat_jsonl, tok, trl);
+        const std::string label = c.original + (pairs ? " (pairs) " : " ") + messages.dump();
+        ASSERT_EQ(loom.tokens, want.tokens) << label;  // the same rendering
+        if (!pairs) {
+          EXPECT_EQ(counted_runs(loom, tok), expected) << label;
+        }
+        for (size_t t = 0; t < loom.tokens.size(); ++t) {
+          const bool prompt = c.prompt_in_trl && loom.tokens[t] == prompt_token && t + 1 < loom.mask.size() && loom.mask[t + 1];
+          EXPECT_EQ(want.mask[t], loom.mask[t] || prompt ? 1 : 0) << label << " token " << t;
+        }
+        if (!pairs && c.prompt_in_trl) {
+          Runs with_prompt;
+          for (const std::string& r : expected) with_prompt.push_back("<｜Assistant｜>" + r);
+          EXPECT_EQ(counted_runs(want, tok), with_prompt) << label;
+        }
+      }
+    }
+  }
+  // TRL's own Qwen3 training template also changes the text: it always writes the think block
+  // (prefix-preserving for GRPO), so an earlier reply keeps its reasoning. Loom given that template
+  // (--chat-template) trains on TRL's rendering and TRL's mask.
+  const ToyTokenizer tok(specials, "", "<|im_end|>", false);
+  const std::string path = write_lines("loom_sft_trl.jsonl", nlohmann::json{{"messages", A}}.dump() + "\n");
+  EXPECT_EQ(counted_runs(read_sft_file(path, SftFormat::chat_jsonl, tok, load_chat_template(chat_fixture("trl_qwen3_training"))), tok),
+            Runs({"<think>\nAdd them.\n</think>\n\n4<|im_end|>\n", "<think>\n\n</think>\n\n12<|im_end|>\n"}));
+}
+
+// The broken alternative: on Qwen3 the definition's span of the first reply, render(messages[:2],
+// add_generation_prompt) to render(messages[:3]), is the reply with its reasoning, which the whole
+// rendering does not hold: taken as offsets into the whole rendering it would count the next
+// user message and miss TRL's mask (Loom refused such conversations before).
+TEST(SftData, PerPrefixSpansWouldMissQwen3sMask) {
+  const std::string tmpl = load_chat_template(chat_fixture("qwen3_0_6b"));
+  const std::vector<ChatMessage> messages = {{"system", "You are terse."}, {"user", "What is 2+2?"},
+                                             {"assistant", "<think>\nAdd them.\n</think>\n\n4"},
+                                             {"user", "And times 3?"}, {"assistant", "12"}};
+  ChatTemplateOptions options;
+  const std::string full = render_chat_template(tmpl, messages, options);
+  options.add_generation_prompt = true;
+  const std::string prompt = render_chat_template(tmpl, {messages.begin(), messages.begin() + 3 - 1}, options);
+  options.add_generation_prompt = false;
+  const std::string through = render_chat_template(tmpl, {messages.begin(), messages.begin() + 3}, options);
+  EXPECT_EQ(through.substr(prompt.size()), "<think>\nAdd them.\n</think>\n\n4<|im_end|>\n");
+  EXPECT_NE(full.compare(0, through.size(), through), 0);
+  const std::string by_prefix = full.substr(prompt.size(), through.size() - prompt.size());
+  EXPECT_EQ(by_prefix, "4<|im_end|>\n<|im_start|>user\nAnd times 3");  // 40 bytes, as the reply with its reasoning
+  const ToyTokenizer tok({"<|im_start|>", "<|im_end|>"}, "", "<|im_end|>", false);
+  const std::string path = write_lines("loom_sft_trl.jsonl",
+      nlohmann::json{{"messages", {{{"role", "system"}, {"content", messages[0].content}}, {{"role", "user"}, {"content", messages[1].content}},
+                                   {{"role", "assistant"}, {"content", messages[2].content}}, {{"role", "user"}, {"content", messages[3].content}},
+                                   {{"role", "assistant"}, {"content", messages[4].content}}}}}.dump() + "\n");
+  const std::vector<std::string> trl = counted_runs(
+      read_sft_file(path, SftFormat::chat_jsonl, tok, load_chat_template(chat_fixture("qwen3_0_6b_generation"))), tok);
+  EXPECT_EQ(trl.at(0), "4<|im_end|>\n");
+  EXPECT_NE(trl.at(0), by_prefix);
+}
+
+// A token straddling a span's edge counts (transformers' char_to_token rule), the whole rendering
+// tokenized once; a tokenizer whose tokens do not decode to the text one at a time has each piece
+// tokenized on its own instead. "user: hey\nassistant: yo\n" in two-byte tokens: ..., "t:", " y",
+// "o\n": the reply "yo\n" (from byte 21) starts inside " y" (bytes 20-21).
+TEST(SftData, TokensStraddlingASpanEdgeCount) {
+  const std::string located =
+      "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}";
+  const std::string blocks =
+      "{% for m in messages %}{{ m.role }}: {% if m.role == 'assistant' %}{% generation %}{{ m.content }}\n{% endgeneration %}"
+      "{% else %}{{ m.content }}\n{% endif %}{% endfor %}";
+  const std::string path = write_lines("loom_sft_straddle.jsonl",
+      "{\"messages\": [{\"role\": \"user\", \"content\": \"hey\"}, {\"role\": \"assistant\", \"content\": \"yo\"}]}\n");
+  const ToyTokenizer pairs({}, "", "", true);
+  for (const std::string& tmpl : {located, blocks}) {
+    const SftStream s = read_sft_file(path, SftFormat::chat_jsonl, pairs, tmpl);
+    EXPECT_EQ(s.tokens.size(), 13u);  // 12 pairs and the end-of-text token
+    EXPECT_EQ(counted_runs(s, pairs), std::vector<std::string>{" yo\n"});
+    EXPECT_EQ(s.counted, 2);
+  }
+  const ToyTokenizer lossy({}, "", "", true, true);
+  const SftStream s = read_sft_file(path, SftFormat::chat_jsonl, lossy, located);
+  EXPECT_EQ(counted_runs(s, lossy), std::vector<std::string>{"yo\n"});
+  EXPECT_EQ(s.counted, 2);  // "yo", "\n"
 }
 
 TEST(SftData, BadLinesNameTheFileAndLine) {
@@ -320,6 +557,20 @@ TEST(SftData, BadLinesNameTheFileAndLine) {
             std::string::npos);
   EXPECT_NE(error(ok, SftFormat::chat_jsonl, "").find("needs a chat template"), std::string::npos);
   EXPECT_NE(error("{\"prompt\": \"a\"}\n", SftFormat::jsonl).find("loom_sft_bad.jsonl:1: expected a string \"completion\""),
+            std::string::npos);
+  // A reply the whole rendering does not hold (this template writes an assistant message only
+  // when it is the last): refused, naming the line and the message.
+  const std::string lost =
+      "{% for m in messages %}{% if m.role != 'assistant' or loop.last %}{{ m.role }}: {{ m.content }}\n{% endif %}{% endfor %}"
+      "{% if add_generation_prompt %}assistant: {% endif %}";
+  const std::string two = "{\"messages\": [{\"role\": \"user\", \"content\": \"q\"}, {\"role\": \"assistant\", \"content\": \"a\"}, "
+                          "{\"role\": \"user\", \"content\": \"r\"}, {\"role\": \"assistant\", \"content\": \"b\"}]}\n";
+  EXPECT_NE(error(ok + two, SftFormat::chat_jsonl, lost).find("loom_sft_bad.jsonl:2: messages[1] (assistant): its text cannot "
+                                                               "be found in the chat template's rendering"),
+            std::string::npos);
+  // A template with generation blocks that mark nothing of the conversation.
+  EXPECT_NE(error(ok, SftFormat::chat_jsonl, "{{ messages[0].content }}{% if false %}{% generation %}{% endgeneration %}{% endif %}")
+                .find("loom_sft_bad.jsonl:1: the chat template's {% generation %} blocks mark no text"),
             std::string::npos);
 }
 

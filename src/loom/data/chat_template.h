@@ -34,14 +34,35 @@ struct ChatTemplateOptions {
   std::string source;
 };
 
+// Bytes [begin, end) of a rendering.
+struct TextRange {
+  size_t begin = 0, end = 0;
+  bool operator==(const TextRange&) const = default;
+};
+
 // Renders `tmpl` with messages = [{"role": ..., "content": ...}], bos_token, eos_token,
-// add_generation_prompt and the `extra` variables.
+// add_generation_prompt and the `extra` variables. With `generation`: also the ranges of the text
+// rendered inside {% generation %} ... {% endgeneration %} blocks, in order of their beginning
+// (see render_jinja).
 std::string render_chat_template(const std::string& tmpl, const std::vector<ChatMessage>& messages,
-                                 const ChatTemplateOptions& options);
+                                 const ChatTemplateOptions& options, std::vector<TextRange>* generation = nullptr);
 
 // Renders `tmpl` with `variables`, a JSON object (numbers with an integral value are integers,
 // as in JavaScript). `source`: the template's file, named first in errors ("" for none).
-std::string render_jinja(const std::string& tmpl, const nlohmann::ordered_json& variables, const std::string& source = "");
+// {% generation %} and {% endgeneration %} render their body unchanged (the tags are removed with
+// the whitespace around them, as @huggingface/jinja removes them). With `generation`, the ranges
+// of the text each block rendered are returned as well, transformers' semantics
+// (apply_chat_template's return_assistant_tokens_mask: each block's output, in characters of the
+// whole rendering; here in bytes of the same text): nested blocks give a range each, and a block
+// whose output the template does not write out as it is (captured by {% set %}, filtered,
+// measured) or unbalanced tags are an Error, as is a rendering that holds the bytes 0xFE or 0xFF
+// (the marks of the blocks; never in UTF-8 text). Costs a second rendering when the template has
+// such tags; without `generation` nothing changes.
+std::string render_jinja(const std::string& tmpl, const nlohmann::ordered_json& variables, const std::string& source = "",
+                         std::vector<TextRange>* generation = nullptr);
+
+// Whether `tmpl` holds {% generation %} / {% endgeneration %} tags (TRL's training templates do).
+bool has_generation_blocks(const std::string& tmpl);
 
 // The chat template of a tokenizer_config.json: `chat_template` as a string, or as a list of
 // {"name", "template"} objects, of which the one named `name` ("default" unless given).

@@ -104,7 +104,16 @@ struct Token {
 [[noreturn]] void fail_at(const std::string& source, size_t pos, const std::string& what);
 
 // The tokens of `source` after HF's preprocessing (trim_blocks, lstrip_blocks, - markers).
-std::vector<Token> tokenize(const std::string& source);
+// {% generation %} / {% endgeneration %} tags (transformers' markers of the assistant's text) are
+// removed as the reference removes them; with `generation_marks`, each leaves a mark byte
+// (kGenerationBegin / kGenerationEnd) in the text where it stood, which the rendering then
+// carries to the output (whitespace control sees through the marks).
+std::vector<Token> tokenize(const std::string& source, bool generation_marks = false);
+// How many {% generation %} and {% endgeneration %} tags `source` holds.
+size_t count_generation_tags(const std::string& source);
+// Bytes that UTF-8 text never holds.
+inline constexpr char kGenerationBegin = '\xFF', kGenerationEnd = '\xFE';
+inline bool is_generation_mark(char c) { return c == kGenerationBegin || c == kGenerationEnd; }
 
 enum class Node {
   Program, Text, If, For, Break, Continue, Set, Comment, Macro, CallBlock, FilterBlock,

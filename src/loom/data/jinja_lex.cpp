@@ -54,8 +54,10 @@ Source preprocess(const std::string& in) {
 
 // {% generation %} and {% endgeneration %} (transformers' markers of the assistant's tokens) are
 // removed with the whitespace around them; a '-' in the tag keeps that side's whitespace out, as
-// the reference's regex /(\s*){%(-?)\s*(?:end)?generation\s*(-?)%}(\s*)/g does.
-Source drop_generation_tags(const Source& in) {
+// the reference's regex /(\s*){%(-?)\s*(?:end)?generation\s*(-?)%}(\s*)/g does. With `marks`,
+// each tag leaves its mark (kGenerationBegin / kGenerationEnd) where it stood, in the text between
+// the whitespace kept on either side; `found` counts the tags.
+Source drop_generation_tags(const Source& in, bool marks, size_t* found = nullptr) {
   const std::string& s = in.text;
   Source out;
   size_t copied = 0;  // s[0, copied) is in `out` or dropped
@@ -70,7 +72,8 @@ Source drop_generation_tags(const Source& in) {
     size_t j = i + 2;
     const bool strip_before = j < s.size() && s[j] == '-';
     j = skip_space(j + (strip_before ? 1 : 0));
-    if (s.compare(j, 13, "endgeneration") == 0) j += 3;
+    const bool end_tag = s.compare(j, 13, "endgeneration") == 0;
+    if (end_tag) j += 3;
     if (s.compare(j, 10, "generation") != 0) {
       i += 2;
       continue;
@@ -91,6 +94,8 @@ Source drop_generation_tags(const Source& in) {
     const size_t after = skip_space(j);
     copy(copied, before);
     if (!strip_before) copy(before, i);
+    if (marks) out.push(end_tag ? kGenerationEnd : kGenerationBegin, i);
+    if (found != nullptr) ++*found;
     if (!strip_after) copy(j, after);
     copied = i = after;
   }
@@ -104,11 +109,18 @@ struct Lexer {
   std::vector<Token> tokens;
   size_t pos = 0;
   int curly_depth = 0;
+  // Whether the text holds generation marks (drop_generation_tags): whitespace handling then sees
+  // through a mark, as the reference, which has no marks, does. Without, bytes 0xFE and 0xFF in a
+  // template are text as any other.
+  bool marks = false;
+  // Marks that skip_space passed over: the next text begins with them.
+  std::string pending_marks;
 
   [[noreturn]] void fail(const std::string& what) const {
     fail_at(original, pos < src.origin.size() ? src.origin[pos] : original.size(), what);
   }
-  size_t here() const { return pos < src.origin.size() ? src.origin[pos] : original.size(); }
+  size_t here() const { return here_of(pos); }
+  size_t here_of(size_t i) const { return i < src.origin.size() ? src.origin[i] : original.size(); }
   void push(Tok type, std::string value, size_t at) { tokens.push_back({type, std::move(value), at}); }
   bool at(std::string_view s) const { return src.text.compare(pos, s.size(), s) == 0; }
   char ch(size_t i) const { return i < src.text.size() ? src.text[i] : '\0'; }
@@ -132,6 +144,10 @@ struct Lexer {
   void strip_trailing_text();
   void skip_space() {
     while (pos < src.text.size()) {
+      if (marks && is_generation_mark(src.text[pos])) {
+        pending_marks.push_back(src.text[pos++]);
+        continue;
+      }
       const size_t n = js_space_at(src.text, pos);
       if (n == 0) break;
       pos += n;
@@ -179,10 +195,26 @@ void Lexer::escape(std::string& out) {
 }
 
 // "{%-", "{{-", "{#-": the text before loses its trailing whitespace (and goes if nothing is left).
+// Generation marks among that whitespace stay, in order, at the end of what is left.
 void Lexer::strip_trailing_text() {
   if (tokens.empty() || tokens.back().type != Tok::Text) return;
   std::string& t = tokens.back().value;
-  t = js_trim(t, false, true);
+  if (!marks || t.find_first_of(std::string{kGenerationBegin, kGenerationEnd}) == std::string::npos) {
+    t = js_trim(t, false, true);
+  } else {
+    std::string kept;
+    size_t end = t.size();
+    while (end > 0) {
+      if (is_generation_mark(t[end - 1])) {
+        kept.insert(kept.begin(), t[--end]);
+      } else if (const size_t n = js_space_before(t, end)) {
+        end -= n;
+      } else {
+        break;
+      }
+    }
+    t = t.substr(0, end) + kept;
+  }
   if (t.empty()) tokens.pop_back();
 }
 
@@ -194,8 +226,9 @@ bool Lexer::text() {
   const size_t start = pos;
   while (pos < src.text.size() && !(src.text[pos] == '{' && (ch(pos + 1) == '%' || ch(pos + 1) == '{' || ch(pos + 1) == '#')))
     ++pos;
-  if (pos == start) return false;
-  push(Tok::Text, src.text.substr(start, pos - start), src.origin[start]);
+  if (pos == start && pending_marks.empty()) return false;
+  push(Tok::Text, pending_marks + src.text.substr(start, pos - start), here_of(start));
+  pending_marks.clear();
   return true;
 }
 
@@ -316,10 +349,17 @@ void Lexer::run() {
 
 }  // namespace
 
-std::vector<Token> tokenize(const std::string& source) {
-  Lexer lexer{source, drop_generation_tags(preprocess(source)), {}};
+std::vector<Token> tokenize(const std::string& source, bool generation_marks) {
+  Lexer lexer{source, drop_generation_tags(preprocess(source), generation_marks), {}, 0, 0, generation_marks, {}};
   lexer.run();
+  if (!lexer.pending_marks.empty()) lexer.push(Tok::Text, std::move(lexer.pending_marks), source.size());
   return std::move(lexer.tokens);
+}
+
+size_t count_generation_tags(const std::string& source) {
+  size_t found = 0;
+  drop_generation_tags(preprocess(source), false, &found);
+  return found;
 }
 
 }  // namespace loom::jinja

@@ -1,8 +1,10 @@
 #include "loom/data/sft.h"
 
+#include <algorithm>
 #include <fstream>
 #include <functional>
 #include <optional>
+#include <string_view>
 
 #include <nlohmann/json.hpp>
 
@@ -46,11 +48,12 @@ struct ChatRenderer {
   ChatTemplateOptions options;
   const std::string& where;
 
-  std::string operator()(const std::vector<ChatMessage>& list, bool generation) const {
+  std::string operator()(const std::vector<ChatMessage>& list, bool generation,
+                         std::vector<TextRange>* ranges = nullptr) const {
     ChatTemplateOptions o = options;
     o.add_generation_prompt = generation;
     try {
-      return render_chat_template(tmpl, list, o);
+      return render_chat_template(tmpl, list, o, ranges);
     } catch (const Error& e) {
       throw Error(str_cat(where, ": the chat template does not render this conversation (", e.what(), ")"));
     }
@@ -72,10 +75,80 @@ std::pair<size_t, size_t> exact_span(const ChatRenderer& render, const std::vect
   return {before.size(), through.size()};
 }
 
-Spans exact_spans(const ChatRenderer& render, const std::vector<ChatMessage>& messages, const std::string& full) {
+size_t common_prefix(std::string_view a, std::string_view b) {
+  const size_t n = std::min(a.size(), b.size());
+  size_t k = 0;
+  while (k < n && a[k] == b[k]) ++k;
+  return k;
+}
+
+// Assistant message i's span in `full` when the definition's renderings are not prefixes of it
+// (Qwen3 renders a reasoning block on the last assistant message only and drops earlier turns'
+// reasoning; DeepSeek's generation prompt may hold more than the turn rendered; Llama 3.1 and
+// DeepSeek move system messages). With P = render(messages[:i], add_generation_prompt),
+// T = render(messages[:i+1]) and R = render(messages[:i]):
+//   - the turn's text is T past R (where T parts from R), and the assistant's part of it starts
+//     where T parts from P (the generation prompt before it, not counting: P's text is given at
+//     inference, not generated). A second T with the content replaced by "\x01" guards that start
+//     against a content whose first characters equal the prompt's next ones. The turn's text
+//     before that is the header h, after it the body b (the content and the end-of-turn marker);
+//   - in `full`, the body starts at the same place as in T when `full` agrees with T up to there
+//     (and that is past the previous assistant's span); else just after the first occurrence of
+//     h past the previous span (if h is empty: the body is searched for whole);
+//   - the span is the longest end of b that `full` has there: all of b where the whole rendering
+//     writes the turn as T does, less what the whole rendering leaves out of its start (Qwen3:
+//     the reasoning block of a turn before the last user message).
+// Nothing found (no h, no end of b there) is an Error naming the line and message.
+std::pair<size_t, size_t> located_span(const ChatRenderer& render, const std::vector<ChatMessage>& messages, size_t i,
+                                       const std::string& full, const std::string& prompt, const std::string& through,
+                                       size_t from) {
+  const std::string before = render.prefix(messages, i, false);
+  const size_t turn = common_prefix(before, through);
+  size_t start = common_prefix(prompt, through);
+  std::vector<ChatMessage> probe(messages.begin(), messages.begin() + static_cast<std::ptrdiff_t>(i + 1));
+  probe.back().content = "\x01";
+  try {
+    start = std::min(start, common_prefix(prompt, render(probe, false)));
+  } catch (const Error&) {
+    // (a template that refuses the probe: the prompt's common part stands)
+  }
+  start = std::max(start, turn);
+  const std::string_view header = std::string_view(through).substr(turn, start - turn);
+  const std::string_view body = std::string_view(through).substr(start);
+  size_t at = std::string::npos;
+  if (start >= from && full.compare(0, start, through, 0, start) == 0) {
+    at = start;
+  } else if (!header.empty()) {
+    const size_t q = full.find(header, from);
+    if (q != std::string::npos) at = q + header.size();
+  } else {
+    const size_t q = body.empty() ? std::string::npos : full.find(body, from);
+    if (q != std::string::npos) return {q, q + body.size()};
+  }
+  if (at != std::string::npos) {
+    for (size_t length = body.size(); length > 0; --length) {
+      if (full.compare(at, length, body, body.size() - length, length) == 0) return {at, at + length};
+    }
+  }
+  throw Error(str_cat(render.where, ": messages[", i, "] (assistant): its text cannot be found in the chat template's "
+                      "rendering of the conversation (neither as render(messages[:", i, "], add_generation_prompt) to "
+                      "render(messages[:", i + 1, "]) nor after the previous reply; docs/finetune.md)"));
+}
+
+// Every assistant message's span, in order: the definition (exact_span) where its renderings are
+// prefixes of `full` past the previous span, else located in `full` (located_span).
+Spans message_spans(const ChatRenderer& render, const std::vector<ChatMessage>& messages, const std::string& full) {
   Spans spans;
   for (size_t i = 0; i < messages.size(); ++i) {
-    if (messages[i].role == "assistant") spans.push_back(exact_span(render, messages, i, full));
+    if (messages[i].role != "assistant") continue;
+    const size_t from = spans.empty() ? 0 : spans.back().second;
+    const std::string prompt = render.prefix(messages, i, true), through = render.prefix(messages, i + 1, false);
+    if (through.compare(0, prompt.size(), prompt) == 0 && full.compare(0, through.size(), through) == 0 &&
+        prompt.size() >= from) {
+      spans.emplace_back(prompt.size(), through.size());
+    } else {
+      spans.push_back(located_span(render, messages, i, full, prompt, through, from));
+    }
   }
   return spans;
 }
@@ -138,7 +211,56 @@ std::optional<Spans> windowed_spans(const ChatRenderer& render, const std::vecto
   return spans;
 }
 
-// One conversation: the rendered text cut at each assistant message's span.
+// `text` tokenized whole (special tokens written in it parsed, nothing added: the template writes
+// BOS itself), as transformers' apply_chat_template tokenizes the rendering; a token counts when
+// it holds a byte of a span: for each span, the tokens from the one holding its first character
+// to the one holding its last (transformers' return_assistant_tokens_mask: char_to_token(start) to
+// char_to_token(end - 1)), so a token straddling a span's edge counts. Each token's bytes come
+// from decoding it alone; a tokenizer whose tokens do not decode to `text` piece by piece (a
+// SentencePiece one with its dummy prefix) has each piece between span edges tokenized on its own
+// instead, so that an edge is a token edge.
+void append_marked(SftStream& out, const std::string& text, const Spans& spans, const Tokenizer& tok) {
+  EncodeOptions special;
+  special.parse_special_tokens = true;
+  const std::vector<int32_t> ids = tok.encode(text, special);
+  std::vector<size_t> starts;  // [token]: its first byte in `text`
+  starts.reserve(ids.size());
+  size_t at = 0;
+  for (const int32_t id : ids) {
+    const std::string piece = tok.decode(std::span<const int32_t>(&id, 1));
+    if (text.compare(at, piece.size(), piece) != 0) break;
+    starts.push_back(at);
+    at += piece.size();
+  }
+  if (starts.size() != ids.size() || at != text.size()) {
+    at = 0;
+    for (const auto& [begin, end] : spans) {
+      if (begin < at) continue;  // (overlapping generation blocks: the outer one is taken)
+      append(out, tok.encode(std::string_view(text).substr(at, begin - at), special), 0);
+      append(out, tok.encode(std::string_view(text).substr(begin, end - begin), special), 1);
+      at = end;
+    }
+    append(out, tok.encode(std::string_view(text).substr(at), special), 0);
+    return;
+  }
+  std::vector<uint8_t> mask(ids.size(), 0);
+  const auto token_at = [&](size_t byte) {  // the token holding `byte`
+    return static_cast<size_t>(std::upper_bound(starts.begin(), starts.end(), byte) - starts.begin()) - 1;
+  };
+  for (const auto& [begin, end] : spans) {
+    if (end <= begin || ids.empty()) continue;
+    size_t last = end - 1;  // the first byte of the span's last character (transformers counts characters)
+    while (last > begin && (static_cast<unsigned char>(text[last]) & 0xC0) == 0x80) --last;
+    for (size_t t = token_at(begin), e = token_at(last); t <= e; ++t) mask[t] = 1;
+  }
+  out.tokens.insert(out.tokens.end(), ids.begin(), ids.end());
+  out.mask.insert(out.mask.end(), mask.begin(), mask.end());
+  out.counted += std::count(mask.begin(), mask.end(), uint8_t{1});
+}
+
+// One conversation: the rendered text, its tokens counting where they hold an assistant span:
+// the chat template's {% generation %} blocks where it has them (TRL's assistant_only_loss), else
+// each assistant message's span by the definition or located (message_spans).
 void add_conversation(SftStream& out, const nlohmann::json& line, const Tokenizer& tok, const std::string& tmpl,
                       const std::string& template_source, const std::string& where) {
   LOOM_CHECK(line.is_object() && line.contains("messages") && line.at("messages").is_array(), where,
@@ -149,22 +271,27 @@ void add_conversation(SftStream& out, const nlohmann::json& line, const Tokenize
     const std::string at = str_cat(where, ": messages[", i, "]");
     messages.push_back({string_field(m, "role", at), string_field(m, "content", at)});
   }
+  LOOM_CHECK(std::any_of(messages.begin(), messages.end(), [](const ChatMessage& m) { return m.role == "assistant"; }),
+             where, ": the conversation has no assistant message (nothing to learn)");
   ChatTemplateOptions options = chat_template_options(tok);
   options.source = template_source;  // named first in the template's errors
   const ChatRenderer render{tmpl, options, where};
-  const std::string full = render(messages, false);
-  std::optional<Spans> spans = windowed_spans(render, messages, full);
-  if (!spans) spans = exact_spans(render, messages, full);
-  LOOM_CHECK(!spans->empty(), where, ": the conversation has no assistant message (nothing to learn)");
-  EncodeOptions special;
-  special.parse_special_tokens = true;
-  size_t at = 0;
-  for (const auto& [begin, end] : *spans) {
-    append(out, tok.encode(std::string_view(full).substr(at, begin - at), special), 0);
-    append(out, tok.encode(std::string_view(full).substr(begin, end - begin), special), 1);
-    at = end;
+  Spans spans;
+  std::string full;
+  if (has_generation_blocks(tmpl)) {
+    std::vector<TextRange> ranges;
+    full = render(messages, false, &ranges);
+    for (const TextRange& r : ranges) {
+      if (r.end > r.begin) spans.emplace_back(r.begin, r.end);
+    }
+    LOOM_CHECK(!spans.empty(), where, ": the chat template's {% generation %} blocks mark no text of this conversation "
+               "(nothing to learn)");
+  } else {
+    full = render(messages, false);
+    std::optional<Spans> windowed = windowed_spans(render, messages, full);
+    spans = windowed ? std::move(*windowed) : message_spans(render, messages, full);
   }
-  append(out, tok.encode(std::string_view(full).substr(at), special), 0);
+  append_marked(out, full, spans, tok);
 }
 
 // The prompt (BOS first where the tokenizer's files ask for it) not counting, then the

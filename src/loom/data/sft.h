@@ -1,21 +1,27 @@
 // Supervised fine-tuning data (docs/finetune.md): examples tokenized with a loss mask, 1 where
 // the token is a target that counts (the assistant's replies, a completion), 0 elsewhere.
 //   chat-jsonl  one conversation per line, OpenAI's shape: {"messages": [{"role": "system" |
-//               "user" | "assistant" | ..., "content": "..."}, ...]}, rendered with the model's
-//               chat template (data/chat_template.h). Assistant message i counts: the text
-//               between render(messages[:i], add_generation_prompt) and render(messages[:i+1])
-//               (its end-of-turn marker included), as TRL's assistant-only loss takes it.
-//               Found in time linear in the conversation: each message's text is rendered from
-//               a window (the first two messages, the two or three before it, itself) and the
-//               texts must concatenate to exactly the whole rendering; a template for which they
-//               do not is rendered prefix by prefix (quadratic: long conversations are slow).
+//               "user" | "assistant" | ..., "content": "..."}, ...]}, rendered once with the
+//               model's chat template (data/chat_template.h); the tokens of the assistant's spans
+//               of that rendering count, as TRL's assistant_only_loss counts them:
+//               - a template with {% generation %} blocks: exactly the text they render (TRL's rule);
+//               - else each assistant message i by the definition where it holds, the text
+//                 between render(messages[:i], add_generation_prompt) and render(messages[:i+1])
+//                 (its end-of-turn marker included, the generation prompt not), each a prefix of
+//                 the next and of the whole; where it does not (Qwen3 drops earlier reasoning),
+//                 the reply located in the whole rendering (sft.cpp, located_span).
+//               The definition's spans are found in time linear in the conversation where the
+//               template allows (each message's text rendered from a window: the first two
+//               messages, the two or three before it, itself; the texts must concatenate to
+//               exactly the whole), else prefix by prefix (quadratic: long conversations are slow).
+//               The rendering is tokenized whole; a token counts when it holds a byte of a span
+//               (transformers' char_to_token rule: a token straddling a span's edge counts).
 //   jsonl       {"prompt": "...", "completion": "..."} per line: the completion (and the
-//               end-of-text token after it) counts.
-// Each piece is tokenized on its own (special tokens written in the text parsed), so a mask
-// boundary is a token boundary; examples follow one another in the stream, each followed by the
-// end-of-text token (mask 0). Bad input is one line naming the file and line: malformed JSON, a
-// missing or mistyped key, a conversation without an assistant message, a template that does
-// not render (or does not render conversations as prefixes of each other).
+//               end-of-text token after it) counts; each piece tokenized on its own.
+// Examples follow one another in the stream, each followed by the end-of-text token (mask 0). Bad
+// input is one line naming the file and line: malformed JSON, a missing or mistyped key, a
+// conversation without an assistant message, a template that does not render, an assistant
+// message whose text cannot be found in the rendering (naming messages[i]).
 #pragma once
 #include <cstdint>
 #include <span>
