@@ -116,7 +116,10 @@ TEST(HfLoad, RefusalsNameTheFileAndTheKey) {
   expect_refusal([](json& f) { f["model"].erase("merges"); }, "model.merges");
   expect_refusal([](json& f) { f["model"]["merges"][0] = "h x"; }, "model.merges[0]");
   expect_refusal([](json& f) { f["model"]["merges"][1] = "l l l"; }, "model.merges[1]");
-  expect_refusal([](json& f) { f["model"]["byte_fallback"] = true; }, "model.byte_fallback");
+  expect_refusal([](json& f) {  // SentencePiece-style (no ByteLevel step): the <0xNN> tokens must be there
+    f["pre_tokenizer"] = nullptr, f["decoder"] = nullptr, f["model"]["byte_fallback"] = true;
+  }, "model.byte_fallback");
+  expect_refusal([](json& f) { f["pre_tokenizer"] = nullptr, f["decoder"] = nullptr; }, "model.unk_token");
   expect_refusal([](json& f) { f["model"]["vocab"]["Ā"] = "x"; }, "model.vocab");
   expect_refusal([](json& f) { f["model"]["vocab"].erase("a"); }, "model.vocab");
   expect_refusal([](json& f) { f["pre_tokenizer"] = {{"type", "Whitespace"}}; }, "pre_tokenizer.type");

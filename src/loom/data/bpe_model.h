@@ -1,10 +1,16 @@
-// The merge step of byte-level BPE, shared by GPT-2's files (bpe.h) and Hugging Face's
-// tokenizer.json (hf_tokenizer.h): a pre-token starts as one token per byte and the adjacent
-// pair of lowest rank is merged, every occurrence left to right, until no adjacent pair has a
-// rank (Sennrich et al. 2016; GPT-2's encoder.py bpe(); the BPE model of Hugging Face tokenizers).
+// The merge step of BPE, shared by GPT-2's files (bpe.h) and Hugging Face's tokenizer.json
+// (hf_tokenizer.h): a pre-token starts as its symbols and the adjacent pair of lowest rank is
+// merged, every occurrence left to right, until no adjacent pair has a rank (Sennrich et al.
+// 2016; GPT-2's encoder.py bpe(); the BPE model of Hugging Face tokenizers, models/bpe).
+// The symbols are either one token per byte (byte-level BPE: GPT-2, Llama 3, Qwen2) or, for
+// SentencePiece-style BPE shipped as tokenizer.json (Llama 2, Mistral, Gemma), one token per
+// character: a character outside the vocabulary becomes the tokens <0xNN> of its UTF-8 bytes
+// when the model has byte_fallback, else the unknown token (runs of them one token with
+// fuse_unk), as tokenizers' BPE::merge_word does before merging.
 #pragma once
 #include <array>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <string_view>
@@ -19,11 +25,23 @@ struct BpeMerge {
   int32_t merged;  // id of the token they make
 };
 
+// How a SentencePiece-style BPE starts a piece: one symbol per UTF-8 character (an ill-formed
+// byte is a character of its own).
+struct BpeCharacters {
+  std::unordered_map<std::string, int32_t> ids;  // [one character's UTF-8] -> id, for those in the vocab
+  bool byte_fallback = false;                    // a character not in `ids`: its bytes' <0xNN> tokens
+  std::array<int32_t, 256> byte_tokens{};        // [byte] -> id of "<0xNN>" (byte_fallback)
+  int32_t unk = -1;                              // else this token (-1: none; the loader refuses that)
+  bool fuse_unk = false;                         // adjacent unknown characters make one unk
+};
+
 class BpeModel {
  public:
   // byte_token[b]: the id of the one-byte token of byte b. merges: best (rank 0) first; a pair
   // listed twice keeps its last rank, as in encoder.py's dict and tokenizers' merge map.
   BpeModel(const std::array<int32_t, 256>& byte_token, const std::vector<BpeMerge>& merges);
+  // SentencePiece-style: a piece starts as its characters (see BpeCharacters).
+  BpeModel(BpeCharacters characters, const std::vector<BpeMerge>& merges);
 
   // Appends the tokens of one pre-token (raw bytes) to `out`, from the cache or by merging in
   // `scratch`. Thread-safe.
@@ -47,8 +65,11 @@ class BpeModel {
 
   const MergeRule* find_merge(int32_t left, int32_t right) const;
   void merge_piece(std::string_view piece, std::vector<int32_t>& tokens) const;
+  void character_symbols(std::string_view piece, std::vector<int32_t>& tokens) const;
+  void merge_by_queue(std::vector<int32_t>& tokens) const;
 
   std::array<int32_t, 256> byte_token_{};           // [byte] -> id of the one-byte token
+  std::unique_ptr<BpeCharacters> characters_;       // SentencePiece-style symbols, else null (bytes)
   std::unordered_map<uint64_t, MergeRule> merges_;  // [(left id << 32) | right id]
 
   // BPE result per distinct piece of at most kCacheMaxPieceBytes, shared by all calls and

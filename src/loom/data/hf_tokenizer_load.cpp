@@ -1,11 +1,14 @@
 // Reading tokenizer.json (hf_tokenizer.h): one function per key of Hugging Face tokenizers'
 // serialized Tokenizer (normalizer, pre_tokenizer, model, added_tokens, post_processor,
 // decoder), and tokenizer_config.json. Every refusal names the file and the key.
+#include <algorithm>
+#include <cstdio>
 #include <filesystem>
 
 #include "loom/core/error.h"
 #include "loom/data/bpe.h"
 #include "loom/data/hf_tokenizer.h"
+#include "loom/data/unicode.h"
 
 namespace loom {
 namespace {
@@ -36,13 +39,33 @@ HfTokenizer::HfTokenizer(const std::string& path) : name_(path) {
   const json root = read_json_file(path);
   try {
     if (!root.is_object()) file.fail("", "expected a JSON object");
+    characters_ = !pre_tokenizer_is_byte_level(file, root);
     load_model(file, root);
     load_added_tokens(file, root);
     check_outside_alphabet(file);
     load_normalizer(file, root);
     load_pre_tokenizer(file, root);
+    // Added tokens: those marked normalized (with a normalizer) are found in the normalized text
+    // by their normalized content, the others in the raw text (tokenizers' AddedVocabulary).
+    std::vector<AddedToken> raw, normalized;
+    for (size_t i = 0; i < added_tokens_.size(); ++i) {
+      if (!added_normalized_[i] || normalizers_.empty()) {
+        raw.push_back(added_tokens_[i]);
+        continue;
+      }
+      AddedToken token = added_tokens_[i];
+      token.content = normalize(token.content);
+      normalized.push_back(std::move(token));
+    }
+    if (!raw.empty()) splitter_ = std::make_unique<AddedTokenSplitter>(std::move(raw));
+    if (!normalized.empty()) normalized_splitter_ = std::make_unique<AddedTokenSplitter>(std::move(normalized));
     if (const json* processor = file.find(root, "", "post_processor")) load_post_processor(file, *processor, "post_processor");
     load_decoder(file, root);
+    if (!characters_) {
+      lossless_ = normalizers_.empty() && std::none_of(steps_.begin(), steps_.end(), [](const Step& s) { return s.add_prefix_space; });
+    } else {
+      lossless_ = sentencepiece_round_trip(file.at(root, "", "model"));
+    }
     load_config((std::filesystem::path(path).parent_path() / "tokenizer_config.json").string());
   } catch (const json::exception& e) {  // a value of an unexpected type that no check caught
     throw Error(str_cat(path, ": ", e.what()));
@@ -65,15 +88,12 @@ void HfTokenizer::set_token(const JsonFile& file, const std::string& key, int64_
 void HfTokenizer::load_model(const JsonFile& file, const json& root) {
   const json& model = file.at(root, "", "model");
   const std::string type = type_of(file, model, "model");
-  if (type != "BPE") file.fail("model.type", "\"" + type + "\" is not supported (only a byte-level \"BPE\" model)");
-  if (file.flag(model, "model", "byte_fallback", false))
-    file.fail("model.byte_fallback", "true is not supported (a byte-level BPE has every byte; SentencePiece-style "
-                                     "BPE: use the tokenizer.model file)");
+  if (type != "BPE") file.fail("model.type", "\"" + type + "\" is not supported (only a \"BPE\" model)");
   if (const json* dropout = file.find(model, "model", "dropout"); dropout && !(dropout->is_number() && *dropout == 0))
     file.fail("model.dropout", "BPE dropout is not supported (null expected)");
   for (const char* key : {"continuing_subword_prefix", "end_of_word_suffix"})
     if (const json* v = file.find(model, "model", key); v && !(v->is_string() && v->get<std::string>().empty()))
-      file.fail(key_path("model", key), "not supported by a byte-level BPE (null expected)");
+      file.fail(key_path("model", key), "is not supported (null expected)");
   ignore_merges_ = file.flag(model, "model", "ignore_merges", false);
 
   const json& vocab = file.at(model, "model", "vocab");
@@ -81,7 +101,8 @@ void HfTokenizer::load_model(const JsonFile& file, const json& root) {
   std::unordered_map<std::string, int32_t> ids;  // [token text] -> id
   for (const auto& [text, value] : vocab.items()) {
     if (!value.is_number_integer()) file.fail("model.vocab", "id of \"" + text + "\" is not an integer");
-    std::optional<std::string> bytes = gpt2_token_to_bytes(text);
+    // Byte-level: the token's bytes in GPT-2's alphabet; SentencePiece-style: its text as it is.
+    std::optional<std::string> bytes = characters_ ? std::optional<std::string>(text) : gpt2_token_to_bytes(text);
     const int64_t id = value.get<int64_t>();
     if ((id >= 0 && id < static_cast<int64_t>(defined_.size()) && defined_[static_cast<size_t>(id)]) ||
         outside_alphabet_.count(id) != 0)
@@ -94,12 +115,47 @@ void HfTokenizer::load_model(const JsonFile& file, const json& root) {
     model_ids_.emplace(std::move(*bytes), static_cast<int32_t>(id));
     ids.emplace(text, static_cast<int32_t>(id));
   }
+  if (characters_) {
+    BpeCharacters characters;
+    load_characters(file, model, characters);
+    model_ = std::make_unique<BpeModel>(std::move(characters), load_merges(file, model, ids));
+    return;
+  }
+  // Byte-level: every byte has its token, so byte_fallback and unk_token never apply.
   for (int b = 0; b < 256; ++b) {
     const auto it = model_ids_.find(std::string(1, static_cast<char>(b)));
     if (it == model_ids_.end()) file.fail("model.vocab", str_cat("the one-byte token of byte ", b, " is missing"));
     byte_token_[static_cast<size_t>(b)] = it->second;
   }
   model_ = std::make_unique<BpeModel>(byte_token_, load_merges(file, model, ids));
+}
+
+// SentencePiece-style symbols: the one-character tokens, the <0xNN> tokens of byte_fallback (all
+// 256, as tokenizers writes "<0x{:02X}>"), the unknown token and fuse_unk.
+void HfTokenizer::load_characters(const JsonFile& file, const json& model, BpeCharacters& characters) const {
+  for (const auto& [text, id] : model_ids_)
+    if (!text.empty() && scan_code_point(text, 0).bytes == text.size()) characters.ids.emplace(text, id);
+  characters.byte_fallback = file.flag(model, "model", "byte_fallback", false);
+  characters.fuse_unk = file.flag(model, "model", "fuse_unk", false);
+  if (characters.byte_fallback) {
+    for (int b = 0; b < 256; ++b) {
+      char name[8];
+      std::snprintf(name, sizeof(name), "<0x%02X>", b);
+      const auto it = model_ids_.find(name);
+      if (it == model_ids_.end())
+        file.fail("model.byte_fallback", str_cat("true, but the byte token \"", name, "\" is not in model.vocab"));
+      characters.byte_tokens[static_cast<size_t>(b)] = it->second;
+    }
+  }
+  if (const json* unk = file.find(model, "model", "unk_token")) {
+    if (!unk->is_string()) file.fail("model.unk_token", "expected a string or null");
+    const auto it = model_ids_.find(unk->get<std::string>());
+    if (it == model_ids_.end()) file.fail("model.unk_token", "\"" + unk->get<std::string>() + "\" is not in model.vocab");
+    characters.unk = it->second;
+  } else if (!characters.byte_fallback) {
+    // tokenizers drops such a character without a trace: refused rather than lost.
+    file.fail("model.unk_token", "null with byte_fallback false: a character outside the vocabulary would be dropped");
+  }
 }
 
 std::vector<BpeMerge> HfTokenizer::load_merges(const JsonFile& file, const json& model,
@@ -115,7 +171,14 @@ std::vector<BpeMerge> HfTokenizer::load_merges(const JsonFile& file, const json&
     if (merge.is_string()) {  // "left right"
       const std::string line = merge.get<std::string>();
       const size_t space = line.find(' ');
-      if (space == std::string::npos || line.find(' ', space + 1) != std::string::npos)
+      // A line of the older form for a token holding a space (Llama 2's vocabulary has " " and
+      // "  "): the JavaScript port reads the fields before the second space, which here include
+      // an empty one ("   " is "" + ""): no symbol is empty, so the merge never applies; skipped.
+      const size_t second = space == std::string::npos ? space : line.find(' ', space + 1);
+      if (characters_ && second != std::string::npos &&
+          (space == 0 || second == space + 1))
+        continue;
+      if (space == std::string::npos || second != std::string::npos)
         file.fail(key, "expected \"left right\", got \"" + line + "\"");
       left = line.substr(0, space);
       right = line.substr(space + 1);
@@ -160,9 +223,10 @@ void HfTokenizer::load_added_tokens(const JsonFile& file, const json& root) {
       outside_alphabet_.erase(it);  // the vocabulary's entry is this added token
     }
     set_token(file, where + ".id", id.get<int64_t>(), content, content);
-    added_tokens_.push_back({content, static_cast<int32_t>(id.get<int64_t>()), file.flag(token, where, "special", false)});
+    const bool special = file.flag(token, where, "special", false);
+    added_tokens_.push_back({content, static_cast<int32_t>(id.get<int64_t>()), special});
+    added_normalized_.push_back(file.flag(token, where, "normalized", !special));  // both references' default
   }
-  splitter_ = std::make_unique<AddedTokenSplitter>(added_tokens_);
 }
 
 void HfTokenizer::check_outside_alphabet(const JsonFile& file) const {
@@ -175,26 +239,37 @@ void HfTokenizer::check_outside_alphabet(const JsonFile& file) const {
 void HfTokenizer::load_normalizer(const JsonFile& file, const json& root) {
   const json* normalizer = file.find(root, "", "normalizer");
   if (normalizer == nullptr) return;
-  const std::string type = type_of(file, *normalizer, "normalizer");
+  if (type_of(file, *normalizer, "normalizer") != "Sequence") return load_normalizer_step(file, *normalizer, "normalizer");
+  // Each step in turn; none (DeepSeek-V3's) is no normalizer.
+  const json& steps = file.at(*normalizer, "normalizer", "normalizers");
+  if (!steps.is_array()) file.fail("normalizer.normalizers", "expected an array");
+  for (size_t i = 0; i < steps.size(); ++i) load_normalizer_step(file, steps[i], str_cat("normalizer.normalizers[", i, "]"));
+}
+
+// NFC; Prepend (tokenizers' normalizers/prepend.rs: to a non-empty text); Replace of a String
+// pattern (normalizers/replace.rs: every occurrence, left to right).
+void HfTokenizer::load_normalizer_step(const JsonFile& file, const json& step, const std::string& where) {
+  const std::string type = type_of(file, step, where);
   if (type == "NFC") {
     nfc_ = true;
-  } else if (type == "Sequence") {  // each step in turn: none (DeepSeek-V3's) is no normalizer
-    const json& steps = file.at(*normalizer, "normalizer", "normalizers");
-    if (!steps.is_array()) file.fail("normalizer.normalizers", "expected an array");
-    for (size_t i = 0; i < steps.size(); ++i) {
-      const std::string where = str_cat("normalizer.normalizers[", i, "]");
-      const std::string step = type_of(file, steps[i], where);
-      if (step != "NFC") file.fail(where + ".type", "\"" + step + "\" is not supported (NFC)");
-      nfc_ = true;
-    }
+    normalizers_.push_back({Normalize::Kind::nfc, "", ""});
+  } else if (type == "Prepend") {
+    normalizers_.push_back({Normalize::Kind::prepend, "", file.string_at(step, where, "prepend")});
+  } else if (type == "Replace") {
+    const json& pattern = file.at(step, where, "pattern");
+    if (!file.find(pattern, where + ".pattern", "String"))
+      file.fail(where + ".pattern", "only {\"String\": ...} is supported (a Regex pattern is not)");
+    std::string from = file.string_at(pattern, where + ".pattern", "String");
+    if (from.empty()) file.fail(where + ".pattern.String", "an empty pattern is not supported");
+    normalizers_.push_back({Normalize::Kind::replace, std::move(from), file.string_at(step, where, "content")});
   } else {
-    file.fail("normalizer.type", "\"" + type + "\" is not supported (null, NFC or a Sequence of them)");
+    file.fail(where + ".type", "\"" + type + "\" is not supported (NFC, Prepend, Replace or a Sequence of them)");
   }
 }
 
 void HfTokenizer::load_byte_level(const JsonFile& file, const json& step, const std::string& where) {
   Step byte_level;
-  byte_level.byte_level = true;
+  byte_level.kind = Step::Kind::byte_level;
   byte_level.key = where;
   byte_level.add_prefix_space = file.flag(step, where, "add_prefix_space", false);
   if (file.flag(step, where, "use_regex", true))
@@ -202,12 +277,80 @@ void HfTokenizer::load_byte_level(const JsonFile& file, const json& step, const 
   steps_.push_back(std::move(byte_level));
 }
 
+// Split (pre_tokenizers/split.rs): Isolated (every match a piece of its own) or MergedWithPrevious
+// (each match ends the piece before it).
+void HfTokenizer::load_split(const JsonFile& file, const json& step, const std::string& where) {
+  Step split;
+  split.key = where;
+  const std::string behavior = file.string_at(step, where, "behavior");
+  if (behavior == "MergedWithPrevious") split.merged_with_previous = true;
+  else if (behavior != "Isolated") file.fail(where + ".behavior", "\"" + behavior + "\" is not supported (Isolated or MergedWithPrevious)");
+  if (file.flag(step, where, "invert", false)) file.fail(where + ".invert", "true is not supported");
+  const json& pattern = file.at(step, where, "pattern");
+  std::string regex;
+  if (file.find(pattern, where + ".pattern", "Regex")) regex = file.string_at(pattern, where + ".pattern", "Regex");
+  else regex = literal_pattern(file.string_at(pattern, where + ".pattern", "String"));
+  split.split = std::make_unique<Regex>(regex, file.path + ": key " + where + ".pattern");
+  steps_.push_back(std::move(split));
+}
+
+// Metaspace (pre_tokenizers/metaspace.rs): every space becomes `replacement`; prepend_scheme
+// "always" puts one before each piece that does not start with it, "first" only before the
+// piece at the start of the text, "never" nowhere (the older add_prefix_space: true is
+// "always", false "never"; prepend_scheme wins where both are given and agree); split (default
+// true) then cuts before each replacement.
+void HfTokenizer::load_metaspace(const JsonFile& file, const json& step, const std::string& where) {
+  Step meta;
+  meta.kind = Step::Kind::metaspace;
+  meta.key = where;
+  meta.replacement = file.find(step, where, "replacement") ? file.string_at(step, where, "replacement") : "\u2581";
+  if (meta.replacement.empty() || scan_code_point(meta.replacement, 0).bytes != meta.replacement.size())
+    file.fail(where + ".replacement", "expected one character");
+  if (file.find(step, where, "prepend_scheme") != nullptr) {
+    const std::string name = file.string_at(step, where, "prepend_scheme");
+    if (name == "always") meta.prepend = Step::Prepend::always;
+    else if (name == "first") meta.prepend = Step::Prepend::first;
+    else if (name == "never") meta.prepend = Step::Prepend::never;
+    else file.fail(where + ".prepend_scheme", "\"" + name + "\" is not one of always, first, never");
+    if (file.find(step, where, "add_prefix_space") && !file.flag(step, where, "add_prefix_space", true) &&
+        meta.prepend != Step::Prepend::never)
+      file.fail(where + ".add_prefix_space", "false contradicts prepend_scheme \"" + name + "\"");
+  } else {
+    meta.prepend = file.flag(step, where, "add_prefix_space", true) ? Step::Prepend::always : Step::Prepend::never;
+  }
+  meta.metaspace_split = file.flag(step, where, "split", true);
+  steps_.push_back(std::move(meta));
+}
+
+// Byte-level BPE has a ByteLevel pre-tokenizer step or decoder; a file with neither is
+// SentencePiece-style (its vocabulary is text, not GPT-2's byte alphabet).
+bool HfTokenizer::pre_tokenizer_is_byte_level(const JsonFile& file, const json& root) const {
+  if (const json* decoder = file.find(root, "", "decoder");
+      decoder != nullptr && decoder->is_object() && decoder->contains("type") && (*decoder)["type"] == "ByteLevel")
+    return true;
+  const json* pre = file.find(root, "", "pre_tokenizer");
+  if (pre == nullptr || !pre->is_object() || !pre->contains("type")) return false;
+  if ((*pre)["type"] == "ByteLevel") return true;
+  const json* steps = pre->contains("pretokenizers") ? &(*pre)["pretokenizers"] : nullptr;
+  if ((*pre)["type"] != "Sequence" || steps == nullptr || !steps->is_array()) return false;
+  for (const json& step : *steps)
+    if (step.is_object() && step.contains("type") && step["type"] == "ByteLevel") return true;
+  return false;
+}
+
 void HfTokenizer::load_pre_tokenizer(const JsonFile& file, const json& root) {
-  const json& pre = file.at(root, "", "pre_tokenizer");
-  const std::string type = type_of(file, pre, "pre_tokenizer");
-  if (type == "ByteLevel") return load_byte_level(file, pre, "pre_tokenizer");
-  if (type != "Sequence") file.fail("pre_tokenizer.type", "\"" + type + "\" is not supported (ByteLevel or Sequence)");
-  const json& steps = file.at(pre, "pre_tokenizer", "pretokenizers");
+  const json* pre = file.find(root, "", "pre_tokenizer");
+  if (pre == nullptr) {
+    if (!characters_) file.fail("pre_tokenizer", "missing");
+    return;  // SentencePiece-style with a normalizer that writes the spaces (Llama 2, Phi-3)
+  }
+  const std::string type = type_of(file, *pre, "pre_tokenizer");
+  if (type == "ByteLevel") return load_byte_level(file, *pre, "pre_tokenizer");
+  if (characters_ && type == "Metaspace") return load_metaspace(file, *pre, "pre_tokenizer");
+  if (characters_ && type == "Split") return load_split(file, *pre, "pre_tokenizer");
+  if (type != "Sequence")
+    file.fail("pre_tokenizer.type", "\"" + type + "\" is not supported (ByteLevel, Metaspace, Split or Sequence)");
+  const json& steps = file.at(*pre, "pre_tokenizer", "pretokenizers");
   if (!steps.is_array() || steps.empty()) file.fail("pre_tokenizer.pretokenizers", "expected a non-empty array");
   for (size_t i = 0; i < steps.size(); ++i) {
     const std::string where = str_cat("pre_tokenizer.pretokenizers[", i, "]");
@@ -217,17 +360,15 @@ void HfTokenizer::load_pre_tokenizer(const JsonFile& file, const json& root) {
       load_byte_level(file, steps[i], where);
       return;
     }
-    if (step_type != "Split") file.fail(where + ".type", "\"" + step_type + "\" is not supported (Split or ByteLevel)");
-    const std::string behavior = file.string_at(steps[i], where, "behavior");
-    if (behavior != "Isolated") file.fail(where + ".behavior", "\"" + behavior + "\" is not supported (Isolated)");
-    if (file.flag(steps[i], where, "invert", false)) file.fail(where + ".invert", "true is not supported");
-    const json& pattern = file.at(steps[i], where, "pattern");
-    std::string regex;
-    if (file.find(pattern, where + ".pattern", "Regex")) regex = file.string_at(pattern, where + ".pattern", "Regex");
-    else regex = literal_pattern(file.string_at(pattern, where + ".pattern", "String"));
-    steps_.push_back({std::make_unique<Regex>(regex, file.path + ": key " + where + ".pattern"), false, false, where});
+    if (characters_ && step_type == "Metaspace") {
+      load_metaspace(file, steps[i], where);
+      continue;
+    }
+    if (step_type != "Split")
+      file.fail(where + ".type", "\"" + step_type + "\" is not supported (Split, ByteLevel or Metaspace)");
+    load_split(file, steps[i], where);
   }
-  file.fail("pre_tokenizer.pretokenizers", "the last step must be ByteLevel (it maps bytes for the model)");
+  if (!characters_) file.fail("pre_tokenizer.pretokenizers", "the last step must be ByteLevel (it maps bytes for the model)");
 }
 
 void HfTokenizer::load_post_processor(const JsonFile& file, const json& processor, const std::string& where) {
@@ -267,7 +408,95 @@ void HfTokenizer::load_decoder(const JsonFile& file, const json& root) {
   const json* decoder = file.find(root, "", "decoder");
   if (decoder == nullptr) return;
   const std::string type = type_of(file, *decoder, "decoder");
-  if (type != "ByteLevel") file.fail("decoder.type", "\"" + type + "\" is not supported (ByteLevel)");
+  if (!characters_) {
+    if (type != "ByteLevel") file.fail("decoder.type", "\"" + type + "\" is not supported (ByteLevel)");
+    return;
+  }
+  has_decoder_ = true;
+  if (type != "Sequence") return load_decoder_step(file, *decoder, "decoder");
+  const json& steps = file.at(*decoder, "decoder", "decoders");
+  if (!steps.is_array()) file.fail("decoder.decoders", "expected an array");
+  for (size_t i = 0; i < steps.size(); ++i) load_decoder_step(file, steps[i], str_cat("decoder.decoders[", i, "]"));
+}
+
+// The decoders of tokenizers' decoders/ (each maps the list of token strings): Replace (a String
+// pattern in each token), ByteFallback (runs of <0xNN> tokens become their bytes), Fuse (one
+// string), Strip (up to start / stop copies of a character off each token's ends), Metaspace
+// (the replacement becomes a space; the first token's leading one goes unless prepend_scheme is
+// "never").
+void HfTokenizer::load_decoder_step(const JsonFile& file, const json& step, const std::string& where) {
+  const std::string type = type_of(file, step, where);
+  Decode d{Decode::Kind::fuse, "", "", 0, 0, true};
+  if (type == "Replace") {
+    d.kind = Decode::Kind::replace;
+    const json& pattern = file.at(step, where, "pattern");
+    if (!file.find(pattern, where + ".pattern", "String"))
+      file.fail(where + ".pattern", "only {\"String\": ...} is supported (a Regex pattern is not)");
+    d.pattern = file.string_at(pattern, where + ".pattern", "String");
+    if (d.pattern.empty()) file.fail(where + ".pattern.String", "an empty pattern is not supported");
+    d.content = file.string_at(step, where, "content");
+  } else if (type == "ByteFallback") {
+    d.kind = Decode::Kind::byte_fallback;
+  } else if (type == "Fuse") {
+    d.kind = Decode::Kind::fuse;
+  } else if (type == "Strip") {
+    d.kind = Decode::Kind::strip;
+    d.content = file.string_at(step, where, "content");
+    if (d.content.empty() || scan_code_point(d.content, 0).bytes != d.content.size())
+      file.fail(where + ".content", "expected one character");
+    for (const char* key : {"start", "stop"}) {
+      const json* n = file.find(step, where, key);
+      if (n != nullptr && (!n->is_number_integer() || n->get<int64_t>() < 0 || n->get<int64_t>() > 1000000))
+        file.fail(key_path(where, key), "expected a count");
+      (std::string(key) == "start" ? d.start : d.stop) = n ? n->get<int64_t>() : 0;
+    }
+  } else if (type == "Metaspace") {
+    d.kind = Decode::Kind::metaspace;
+    d.pattern = file.find(step, where, "replacement") ? file.string_at(step, where, "replacement") : "\u2581";
+    if (d.pattern.empty()) file.fail(where + ".replacement", "expected one character");
+    if (file.find(step, where, "prepend_scheme")) d.prepend = file.string_at(step, where, "prepend_scheme") != "never";
+    else d.prepend = file.flag(step, where, "add_prefix_space", true);
+  } else {
+    file.fail(where + ".type", "\"" + type + "\" is not supported (Replace, ByteFallback, Fuse, Strip, Metaspace or a "
+                               "Sequence of them)");
+  }
+  decoders_.push_back(std::move(d));
+}
+
+// Whether decode undoes encode (hf_tokenizer.h) for a SentencePiece-style file: the two forms
+// whose decoder inverts the normalizer, with byte_fallback (no character is lost to unk):
+//   Llama 2 / Phi-3: normalizer Prepend(R) + Replace(" " -> R), no pre-tokenizer, decoder
+//     Replace(R -> " "), ByteFallback, Fuse, Strip(" ", 1, 0); no non-special added tokens (each
+//     stretch between added tokens gets its own R);
+//   Gemma: normalizer Replace(" " -> R), no pre-tokenizer or a Split on " " (a no-op once the
+//     spaces are gone), decoder Replace(R -> " "), ByteFallback, Fuse;
+// and R one token of the vocabulary, no added token spelled as a byte token, and no merge making
+// a byte token (which would decode to its byte). An added token holding R or a space (Gemma 3's
+// "▁▁") decodes, through Replace, to the spaces it stands for.
+bool HfTokenizer::sentencepiece_round_trip(const json& model) const {
+  if (!model.value("byte_fallback", false) || normalizers_.empty()) return false;
+  const bool prepend = normalizers_.size() == 2;
+  if (normalizers_.size() > 2 || (prepend && normalizers_[0].kind != Normalize::Kind::prepend)) return false;
+  const Normalize& replace = normalizers_.back();
+  const std::string& r = replace.content;
+  if (replace.kind != Normalize::Kind::replace || replace.pattern != " " || r.empty() || (prepend && normalizers_[0].content != r))
+    return false;
+  if (scan_code_point(r, 0).bytes != r.size() || model_ids_.count(r) == 0) return false;
+  for (const Step& step : steps_)
+    if (prepend || step.kind != Step::Kind::split || step.split->pattern() != literal_pattern(" ")) return false;
+  const size_t n = prepend ? 4 : 3;
+  if (decoders_.size() != n || decoders_[0].kind != Decode::Kind::replace || decoders_[0].pattern != r ||
+      decoders_[0].content != " " || decoders_[1].kind != Decode::Kind::byte_fallback || decoders_[2].kind != Decode::Kind::fuse)
+    return false;
+  if (prepend && (decoders_[3].kind != Decode::Kind::strip || decoders_[3].content != " " || decoders_[3].start != 1 ||
+                  decoders_[3].stop != 0))
+    return false;
+  const auto byte_token = [](const std::string& t) { return t.size() == 6 && t.starts_with("<0x") && t[5] == '>'; };
+  for (const AddedToken& t : added_tokens_)
+    if ((prepend && !t.special) || byte_token(t.content)) return false;
+  for (const BpeMerge& m : model_->merges())
+    if (byte_token(token_texts_[static_cast<size_t>(m.merged)])) return false;
+  return true;
 }
 
 std::optional<int32_t> HfTokenizer::added_token_id(const std::string& content) const {

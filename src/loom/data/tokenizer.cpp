@@ -57,8 +57,8 @@ std::unique_ptr<Tokenizer> load_tokenizer(const std::string& kind_or_dir) {
   LOOM_CHECK(fs::is_directory(path), "tokenizer \"", kind_or_dir,
              "\": expected \"byte\", \"gpt2\", a tokenizer.json or tokenizer.model file, or a directory holding "
              "tokenizer.json, tokenizer.model, vocab.json + merges.txt or encoder.json + vocab.bpe");
-  // Both files: the SentencePiece model, which Llama 2 / Mistral / Gemma directories carry beside
-  // a SentencePiece-style tokenizer.json (byte_fallback, Metaspace) that HfTokenizer refuses.
+  // Both files: the SentencePiece model (SentencePiece's own definition), which Llama 2 / Mistral /
+  // Gemma directories carry beside a SentencePiece-style tokenizer.json (byte_fallback, Metaspace).
   for (const char* file : {"tokenizer.model", "tokenizer.json"})
     if (fs::is_regular_file(path / file)) return load_tokenizer_file(path / file);
   if (fs::is_regular_file(path / "vocab.json") || fs::is_regular_file(path / "merges.txt"))

