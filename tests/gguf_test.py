@@ -117,6 +117,11 @@ class Gguf(unittest.TestCase):
         cls.results["qwen3 qk norm"] = cls.check(
             "qwen3 qk norm", cls.data, cls.tokenizer, ARCHS["llama"] + ",model.qk_norm=true",
             PROMPTS, HF_TYPES)
+        # SmolLM3's shape: RoPE skipped on every 4th layer (4 layers: the last unrotated), written as
+        # llama.cpp's smollm3 (its n_no_rope_layer_step is 4), with the tied head SmolLM3 has.
+        cls.results["smollm3 nope, tied"] = cls.check(
+            "smollm3 nope, tied", cls.data, cls.tokenizer,
+            ARCHS["llama"] + ",model.n_layer=4,model.nope_interval=4,model.tie_embeddings=true", PROMPTS, HF_TYPES)
         for name, tokenizer in (("hf llama, tokenizer.json", cls.llama3_style_tokenizer()),
                                 ("hf llama, tokenizer.model", cls.sentencepiece_tokenizer())):
             data = os.path.join(cls.tmp, "data_" + os.path.basename(tokenizer))

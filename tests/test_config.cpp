@@ -257,6 +257,12 @@ TEST(HubConfigTest, TheFamiliesRealConfigsLoadOrAreRefusedForAStatedReason) {
        [](const loom::ModelConfig& c) { EXPECT_TRUE(c.qkv_bias); EXPECT_EQ(c.attn_window, 0); }},
       {"Qwen3-0.6B.json", HfFamily::qwen3, 28, 1024, 16, 8, 128, 151936, true,
        [](const loom::ModelConfig& c) { EXPECT_TRUE(c.qk_norm); EXPECT_EQ(c.head_size, 128); }},
+      {"OLMo-2-0425-1B.json", HfFamily::olmo2, 16, 2048, 16, 16, 128, 100352, false,
+       [](const loom::ModelConfig& c) {
+         EXPECT_TRUE(c.post_norm && c.qk_norm && c.qk_norm_whole);
+         EXPECT_EQ(c.q_norm_width(), 2048);
+         EXPECT_FLOAT_EQ(c.rope_theta, 500000.0f);
+       }},
       {"Phi-3-mini-4k-instruct.json", HfFamily::phi3, 32, 3072, 32, 32, 96, 32064, false,
        [](const loom::ModelConfig& c) { EXPECT_EQ(c.attn_window, 2047); EXPECT_EQ(c.max_seq_len, 4096); }},
   };
@@ -275,7 +281,6 @@ TEST(HubConfigTest, TheFamiliesRealConfigsLoadOrAreRefusedForAStatedReason) {
   }
   const std::pair<const char*, const char*> refused[] = {
       {"gemma-3-1b-it.json", "model_type 'gemma3_text' is not supported yet: Gemma 3 needs (1 + w) RMSNorms"},
-      {"OLMo-2-0425-1B.json", "model_type 'olmo2' is not supported yet: OLMo 2 normalises the attention and MLP outputs"},
       {"Phi-3-mini-128k-instruct.json", "rope_scaling.rope_type = 'longrope' is not supported (linear, llama3, yarn): "
                                         "LongRoPE's per-pair factors switch"},
   };

@@ -60,10 +60,11 @@ std::vector<int32_t> alone(Transformer& model, const GenerationRequest& r, bool 
 
 // Also with a sliding window (model.attn_window = 3 < T = 11): each row attends to its last 3
 // positions, as row t of the windowed forward does; and with Qwen3's q/k norm plus Llama 3.1's
-// RoPE scaling (each row normed and rotated at its own position); and with SmolLM3's NoPE layers.
+// RoPE scaling (each row normed and rotated at its own position); and with SmolLM3's NoPE layers
+// and OLMo 2's post-norms.
 TEST(EngineTest, RowDecodingMatchesTheFullForward) {
   for (const std::string preset : {"gpt2-tiny", "llama-tiny", "moe-tiny", "gpt2-tiny+window", "llama-tiny+window",
-                                   "llama-tiny+qknorm", "llama-tiny+nope"}) {
+                                   "llama-tiny+qknorm", "llama-tiny+nope", "llama-tiny+olmo2"}) {
     const bool windowed = preset.find("+window") != std::string::npos;
     ModelConfig config = model_preset(preset.substr(0, preset.find('+')));
     if (windowed) config.attn_window = 3;
@@ -74,6 +75,9 @@ TEST(EngineTest, RowDecodingMatchesTheFullForward) {
       config.rope_original_context = 8;
     }
     if (preset.find("+nope") != std::string::npos) config.nope_interval = 2;  // SmolLM3's NoPE: layer 1 unrotated
+    if (preset.find("+olmo2") != std::string::npos) {  // OLMo 2: output norms, whole-width q/k norms
+      config.post_norm = config.qk_norm = config.qk_norm_whole = true;
+    }
     auto backend = make_cpu_backend();
     Transformer model(*backend, config);
     model.init_weights(3);

@@ -387,11 +387,11 @@ TEST(GgufExport, QuantizedTypesKeepVectorsF32AndRefuseWhatLlamaCppCannotRun) {
             }).find("model.qkv_bias / qk_norm with model.rope_scaling = llama3"),
             std::string::npos);
   ModelConfig nope = tiny(ARCH_LLAMA);  // SmolLM3's NoPE layers: llama.cpp's llama would rotate them
-  nope.nope_interval = 2;
+  nope.nope_interval = 2;  // (4 is written as llama.cpp's smollm3, tests/gguf_test.py)
   const std::vector<float> pn(static_cast<size_t>(build_param_layout(nope).total));
   EXPECT_NE(test::error_of([&] {
               export_gguf(nope, pn, gguf_vocabulary(ByteTokenizer()), GgufExportType::F32, "x", temp_path("n.gguf"));
-            }).find("model.nope_interval = 2"),
+            }).find("model.nope_interval = 2: llama.cpp's smollm3 skips RoPE on every 4th layer only"),
             std::string::npos);
   ModelConfig small = tiny(ARCH_GPT2);
   small.vocab_size = 300;

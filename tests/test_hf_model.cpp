@@ -100,7 +100,7 @@ TEST_P(HfImport, ExportAndReimportAreBitwise) {
 
 INSTANTIATE_TEST_SUITE_P(Families, HfImport,
                          ::testing::Values("gpt2", "gpt2_plain", "llama", "mistral", "qwen2", "llama32", "qwen3", "mixtral",
-                                           "qwen3_moe", "deepseek_v2", "deepseek_v3", "smollm3", "phi3"));
+                                           "qwen3_moe", "deepseek_v2", "deepseek_v3", "smollm3", "phi3", "olmo2"));
 
 // ---------------------------------------------------------------- bf16 weights used in place
 
@@ -294,7 +294,7 @@ TEST(HfImportErrors, UnknownOrUnsupportedConfigKeysAreRefusedByName) {
       {"phi3", [](nlohmann::json& j) { j["rope_scaling"] = {{"type", "longrope"}, {"short_factor", {1.0}}, {"long_factor", {1.0}}}; },
        "'longrope' is not supported (linear, llama3, yarn): LongRoPE's per-pair factors switch"},
       {"qwen2", [](nlohmann::json& j) { j["use_mrope"] = true; }, "use_mrope"},
-      {"llama", [](nlohmann::json& j) { j["model_type"] = "olmo2"; }, "model_type 'olmo2' is not supported yet: OLMo 2 normalises"},
+      {"llama", [](nlohmann::json& j) { j["model_type"] = "gemma3_text"; }, "model_type 'gemma3_text' is not supported yet: Gemma 3 needs"},
   };
   int i = 0;
   for (const Case& c : cases) {

@@ -8,6 +8,7 @@
 #include "loom/arch/config.h"
 #include "loom/arch/param_layout.h"
 #include "loom/model/transformer.h"
+#include "loom/nn/plan.h"
 #include "test_util.h"
 
 namespace loom {
@@ -118,6 +119,28 @@ TEST(TransformerTest, QkNormAndLlama3RopeGradientsMatchFiniteDifferences) {
   EXPECT_EQ(model.param("model.layers.0.self_attn.q_norm.weight").numel(), config.head_dim());
   EXPECT_EQ(model.param("model.layers.0.self_attn.k_norm.weight").numel(), config.head_dim());
   for (const bool flash : {false, true}) expect_fd_gradients(config, flash, flash ? "qk_norm flash" : "qk_norm");
+}
+
+// OLMo 2's blocks: the attention's and the MLP's outputs normed before the residual add (no
+// input norms), q/k norms over all heads at once (weights of H hd and KV hd): every gradient
+// against finite differences, with and without flash attention; the plan refuses what it does not
+// run yet (tensor parallelism, recompute) by the key.
+TEST(TransformerTest, PostNormsAndWholeQkNormsGradientsMatchFiniteDifferences) {
+  ModelConfig config = model_preset("llama-tiny");
+  config.post_norm = config.qk_norm = config.qk_norm_whole = true;
+  auto backend = make_cpu_backend();
+  Transformer model(*backend, config);
+  EXPECT_EQ(model.param("model.layers.0.self_attn.q_norm.weight").numel(), config.n_head * config.head_dim());
+  EXPECT_EQ(model.param("model.layers.0.self_attn.k_norm.weight").numel(), config.n_kv_head * config.head_dim());
+  EXPECT_NO_THROW(model.param("model.layers.0.post_feedforward_layernorm.weight"));
+  EXPECT_THROW(model.param("model.layers.0.input_layernorm.weight"), Error);
+  for (const bool flash : {false, true}) expect_fd_gradients(config, flash, flash ? "olmo2 flash" : "olmo2");
+  ModelConfig moe = model_preset("moe-tiny");
+  moe.post_norm = true;
+  EXPECT_THROW(moe.validate(), Error);
+  PlanChoices tp;
+  tp.tensor_parallel = true;
+  EXPECT_NE(test::error_of([&] { resolve_layer_plan(config, 0, tp); }).find("model.post_norm"), std::string::npos);
 }
 
 // SmolLM3's NoPE layers (model.nope_interval = 2: layer 1 of llama-tiny without RoPE): every

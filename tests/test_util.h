@@ -173,13 +173,13 @@ inline double weighted_sum(const Tensor& out, const Tensor& weights) {
   return s;
 }
 
-// Central differences of loss() (h = 1e-2 on the model's fp32 parameters) against the gradients
+// Central differences of loss() (step h, 1e-2 unless given, on the model's fp32 parameters) against the gradients
 // g (flat, the model's layout), at 3 elements of every trained parameter (those at flat offset
 // >= from: LoRA's adapters follow the frozen base): each within 2e-3 max(1, |fd|) + 1e-4.
 // Returns the worst |analytic - fd| / max(1, |fd|).
 template <typename Model>
 double expect_gradients_match_fd(Model& model, const float* g, const std::function<double()>& loss,
-                                 const std::string& what, int64_t from = 0) {
+                                 const std::string& what, int64_t from = 0, float h = 1e-2f) {
   float* p = model.params().template data<float>();
   double worst = 0.0;
   for (const auto& spec : model.layout().params) {
@@ -187,7 +187,6 @@ double expect_gradients_match_fd(Model& model, const float* g, const std::functi
     for (int64_t k = 0; k < 3; ++k) {
       const int64_t i = spec.offset + (k * 7919) % spec.numel;
       const float saved = p[i];
-      const float h = 1e-2f;
       p[i] = saved + h;
       const double up = loss();
       p[i] = saved - h;
@@ -204,9 +203,10 @@ double expect_gradients_match_fd(Model& model, const float* g, const std::functi
 
 // The same for the model's own loss on `store` and the gradients its backward left in model.grads().
 template <typename Model, typename Store>
-double expect_model_gradients_match_fd(Model& model, Store& store, const std::string& what, int64_t from = 0) {
+double expect_model_gradients_match_fd(Model& model, Store& store, const std::string& what, int64_t from = 0,
+                                       float h = 1e-2f) {
   return expect_gradients_match_fd(model, model.grads().template data<float>(), [&] { return model.forward(store); },
-                                   what, from);
+                                   what, from, h);
 }
 
 }  // namespace loom::test

@@ -21,6 +21,8 @@ weights with each family's formulas as transformers writes them:
   qwen3_moe  Qwen3MoeForCausalLM: qwen3 attention, softmax top-2 experts renormalised
   smollm3  SmolLM3ForCausalLM: llama's formulas without RoPE on every no_rope_layer_interval-th layer
   phi3     Phi3ForCausalLM: llama's formulas with a sliding window, q/k/v and gate/up stored fused
+  olmo2    Olmo2ForCausalLM: RMSNorm of the attention and MLP outputs before the residual add (no
+           input norms), q/k RMSNorm over all heads at once, in bf16
   deepseek_v2 / deepseek_v3  DeepseekV2/V3ForCausalLM (bf16): MLA with DeepSeek's interleaved RoPE
            pairs, a dense first layer, MoE with a shared expert (V2: softmax greedy, scaled; V3:
            compressed queries, sigmoid group-limited routing with the correction bias,
@@ -252,9 +254,10 @@ def llama_logits(cfg: dict, w: dict[str, torch.Tensor], tokens: torch.Tensor) ->
     d, eps, window = cfg.get("head_dim", C // H), cfg["rms_norm_eps"], cfg.get("sliding_window") or 0
     rms = lambda x, p: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * g[p]
     x = g["model.embed_tokens.weight"][tokens]
+    olmo2 = cfg["model_type"] == "olmo2"  # post-norms on the sub-layers' outputs, q/k norms over all heads
     for layer in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{layer}."
-        h = rms(x, p + "input_layernorm.weight")
+        h = x if olmo2 else rms(x, p + "input_layernorm.weight")
         if "kv_lora_rank" in cfg:
             x = x + mla(cfg, g, p, h, rms)
             h = rms(x, p + "post_attention_layernorm.weight")
@@ -263,7 +266,10 @@ def llama_logits(cfg: dict, w: dict[str, torch.Tensor], tokens: torch.Tensor) ->
         proj = lambda name: h @ g[p + f"self_attn.{name}.weight"].T + g.get(p + f"self_attn.{name}.bias", 0.0)
         q = proj("q_proj").reshape(T, H, d)
         k = proj("k_proj").reshape(T, KV, d)
-        if p + "self_attn.q_norm.weight" in g:  # Qwen3: RMSNorm over each head before RoPE
+        if olmo2:  # Olmo2Attention: q_norm(q_proj(h)) over H d, k_norm over KV d, then the heads
+            q = rms(proj("q_proj"), p + "self_attn.q_norm.weight").reshape(T, H, d)
+            k = rms(proj("k_proj"), p + "self_attn.k_norm.weight").reshape(T, KV, d)
+        elif p + "self_attn.q_norm.weight" in g:  # Qwen3: RMSNorm over each head before RoPE
             q, k = rms(q, p + "self_attn.q_norm.weight"), rms(k, p + "self_attn.k_norm.weight")
         q, k = q.transpose(0, 1), k.transpose(0, 1)
         v = proj("v_proj").reshape(T, KV, d).transpose(0, 1)
@@ -271,7 +277,12 @@ def llama_logits(cfg: dict, w: dict[str, torch.Tensor], tokens: torch.Tensor) ->
             q, k = rope(q, cfg), rope(k, cfg)
         k, v = k.repeat_interleave(H // KV, dim=0), v.repeat_interleave(H // KV, dim=0)
         y = causal_attention(q, k, v, window).transpose(0, 1).reshape(T, H * d)
-        x = x + y @ g[p + "self_attn.o_proj.weight"].T
+        y = y @ g[p + "self_attn.o_proj.weight"].T
+        if olmo2:  # Olmo2DecoderLayer: x + norm(attn(x)), then h + norm(mlp(h))
+            x = x + rms(y, p + "post_attention_layernorm.weight")
+            x = x + rms(swiglu(g, p + "mlp.", x), p + "post_feedforward_layernorm.weight")
+            continue
+        x = x + y
         h = rms(x, p + "post_attention_layernorm.weight")
         x = x + (moe(cfg, g, p, h) if cfg["model_type"] in ("mixtral", "qwen3_moe") else swiglu(g, p + "mlp.", h))
     tied = cfg.get("tie_word_embeddings", cfg["model_type"] == "smollm3")  # SmolLM3Config's default: tied
@@ -521,6 +532,23 @@ def main() -> None:
         stored[a + "qkv_proj.weight"] = torch.cat([stored.pop(a + n + "_proj.weight") for n in ("q", "k", "v")])
         stored[m + "gate_up_proj.weight"] = torch.cat([stored.pop(m + n + "_proj.weight") for n in ("gate", "up")])
     write_case(out, "phi3", cfg, stored, w, llama_logits, tokens)
+    # OLMo 2 (OLMo-2-0425-1B's keys): no input norms; post_attention_layernorm and
+    # post_feedforward_layernorm on the sub-layers' outputs; q_norm over all query heads (H d) and
+    # k_norm over all key heads (KV d); untied head; in bf16.
+    cfg, w = llama_case(gen, False)
+    for key in ("mlp_bias", "pretraining_tp", "head_dim"):
+        cfg.pop(key)
+    cfg.update({"architectures": ["Olmo2ForCausalLM"], "model_type": "olmo2", "rope_theta": 500000,
+                "pad_token_id": 100277, "eos_token_id": 100257, "bos_token_id": None})
+    C, H, KV, d = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], 8
+    for layer in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        w[p + "post_feedforward_layernorm.weight"] = w.pop(p + "post_attention_layernorm.weight")
+        w[p + "post_attention_layernorm.weight"] = w.pop(p + "input_layernorm.weight")
+        w[p + "self_attn.q_norm.weight"] = 1 + torch.randn(H * d, generator=gen) * 0.3
+        w[p + "self_attn.k_norm.weight"] = 1 + torch.randn(KV * d, generator=gen) * 0.3
+    stored = {k: v.to(torch.bfloat16) for k, v in w.items()}
+    write_case(out, "olmo2", cfg, stored, {k: v.float() for k, v in stored.items()}, llama_logits, tokens)
 
 
 if __name__ == "__main__":

@@ -47,6 +47,9 @@ void ModelConfig::validate() const {
   LOOM_CHECK(norm_eps > 0.0f, "model.norm_eps must be > 0, got ", norm_eps);
   LOOM_CHECK(rope_theta > 0.0f, "model.rope_theta must be > 0, got ", rope_theta);
   LOOM_CHECK(!qk_norm || (arch == ARCH_LLAMA && mla_kv_rank == 0), "model.qk_norm needs arch = llama without MLA");
+  LOOM_CHECK(!qk_norm_whole || qk_norm, "model.qk_norm_whole needs model.qk_norm");
+  LOOM_CHECK(!post_norm || (arch == ARCH_LLAMA && mla_kv_rank == 0 && moe_experts == 0),
+             "model.post_norm (OLMo 2's output norms) needs arch = llama without MLA or MoE");
   LOOM_CHECK(nope_interval >= 0, "model.nope_interval must be >= 0 (0: RoPE on every block), got ", nope_interval);
   LOOM_CHECK(nope_interval == 0 || (arch == ARCH_LLAMA && mla_kv_rank == 0),
              "model.nope_interval (NoPE layers) needs arch = llama without MLA");

@@ -77,6 +77,13 @@ struct ModelConfig {
   // Qwen3: each query and key head RMS-normed over its head_dim (weights q_norm, k_norm of
   // head_dim, shared by the heads) after the projection and before RoPE.
   bool qk_norm = false;
+  // OLMo 2: with qk_norm, one RMSNorm over all the query heads (weight of H hd) and one over all
+  // the key heads (KV hd) instead of one per head.
+  bool qk_norm_whole = false;
+  // OLMo 2 (OLMo et al. 2024, "2 OLMo 2 Furious", §3.1): each block normalises its attention's and
+  // its MLP's outputs before the residual add, h = x + norm(attn(x)), out = h + norm(mlp(h)),
+  // in place of the pre-norms of their inputs. Llama only, without MLA or MoE.
+  bool post_norm = false;
   // Multi-head Latent Attention (DeepSeek-AI 2024, DeepSeek-V2 §2.1; nn/mla.h), Llama only.
   // mla_kv_rank = d_c > 0: keys and values come from a d_c-wide compressed latent (RMS-normed)
   // plus one decoupled RoPE key of mla_rope_dim = d_r shared by the heads; per head queries and
@@ -128,6 +135,9 @@ struct ModelConfig {
   bool lora_dora = false;
 
   int64_t head_dim() const { return head_size > 0 ? head_size : d_model / n_head; }
+  // The q/k norms' widths (qk_norm): a head's, or all the query / key heads' (qk_norm_whole).
+  int64_t q_norm_width() const { return qk_norm_whole ? n_head * head_dim() : head_dim(); }
+  int64_t k_norm_width() const { return qk_norm_whole ? n_kv_head * head_dim() : head_dim(); }
   int64_t qkv_width() const { return (n_head + 2 * n_kv_head) * head_dim(); }
   bool mla() const { return mla_kv_rank > 0; }
   int64_t mla_nope() const { return mla_nope_dim > 0 ? mla_nope_dim : head_dim(); }  // d_n
@@ -256,6 +266,12 @@ void visit_model_fields(Config& c, Visit&& visit) {
   visit(ModelField{"qk_norm", ModelField::IF_SET, "qk_norm",
                     "llama: RMSNorm of each query and key head before RoPE (Qwen3; not with MLA or parallel.tp > 1)"},
         c.qk_norm);
+  visit(ModelField{"qk_norm_whole", ModelField::IF_SET, "qk_norm_whole",
+                    "llama with qk_norm: one norm over all query heads and one over all key heads (OLMo 2), not one per head"},
+        c.qk_norm_whole);
+  visit(ModelField{"post_norm", ModelField::IF_SET, "post_norm",
+                    "llama: the blocks normalise the attention and MLP outputs before the residual add (OLMo 2), not their inputs"},
+        c.post_norm);
   visit(ModelField{"mla_kv_rank", ModelField::MLA, "kv_rank",
                     "Multi-head Latent Attention (llama only): width d_c of the compressed KV latent; 0 = standard MHA / GQA"},
         c.mla_kv_rank);

@@ -141,7 +141,8 @@ void add_llama(const ModelConfig& c, LayoutBuilder& b) {
   b.matrix("model.embed_tokens.weight", {V, C}, std, ROLE_EMBEDDING);
   for (int64_t i = 0; i < c.n_layer; ++i) {
     const std::string p = "model.layers." + std::to_string(i) + ".";
-    b.norm_weight(p + "input_layernorm.weight", C);
+    // Post-norms (OLMo 2) take the transformers names of the norms they are.
+    b.norm_weight(p + (c.post_norm ? "post_attention_layernorm.weight" : "input_layernorm.weight"), C);
     if (c.mla()) {
       add_mla(c, b, p, std, residual_std);
     } else {
@@ -149,12 +150,12 @@ void add_llama(const ModelConfig& c, LayoutBuilder& b) {
                {{c.n_head * hd, hd}, {kv, hd}, {kv, 1}});
       if (c.qkv_bias) b.bias(p + "self_attn.qkv_proj.bias", c.qkv_width());
       if (c.qk_norm) {
-        b.norm_weight(p + "self_attn.q_norm.weight", hd);
-        b.norm_weight(p + "self_attn.k_norm.weight", hd);
+        b.norm_weight(p + "self_attn.q_norm.weight", c.q_norm_width());
+        b.norm_weight(p + "self_attn.k_norm.weight", c.k_norm_width());
       }
       b.matrix(p + "self_attn.o_proj.weight", {C, c.n_head * c.head_dim()}, residual_std);
     }
-    b.norm_weight(p + "post_attention_layernorm.weight", C);
+    b.norm_weight(p + (c.post_norm ? "post_feedforward_layernorm.weight" : "post_attention_layernorm.weight"), C);
     if (c.moe_layer(i)) {
       add_moe(c, b, p, std, residual_std);
       continue;

@@ -182,17 +182,19 @@ std::vector<float> head_rows(std::span<const float> w, int64_t C, int64_t first,
 }
 
 // llama.cpp's architecture for a Llama-family model: "qwen2" with q/k/v biases (Qwen2 / 2.5),
-// "qwen3" with q/k norms, else "llama".
+// "qwen3" with q/k norms, "smollm3" with NoPE layers (llama.cpp skips RoPE on every 4th layer,
+// n_no_rope_layer_step, with no key for it), else "llama".
 std::string gguf_arch(const ModelConfig& c) {
   if (c.arch == ARCH_LLAMA && c.qkv_bias) return "qwen2";
   if (c.arch == ARCH_LLAMA && c.qk_norm) return "qwen3";
+  if (c.arch == ARCH_LLAMA && c.nope_interval > 0) return "smollm3";
   return std::string(arch_name(c.arch));
 }
 
 void add_llama_tensors(const ModelConfig& c, const Params& params, TensorSink& sink) {
   const int64_t C = c.d_model, F = c.d_ff, hd = c.head_dim(), H = c.n_head, KV = c.n_kv_head;
-  // llama.cpp's llama turns adjacent pairs (rope type NORM: q and k rows permuted below); its
-  // qwen2 and qwen3 turn the halves (NEOX), as Loom does: rows as they are.
+  // llama.cpp's llama and smollm3 turn adjacent pairs (rope type NORM: q and k rows permuted
+  // below); its qwen2 and qwen3 turn the halves (NEOX), as Loom does: rows as they are.
   const bool permute = !c.qkv_bias && !c.qk_norm;
   add_matrix(sink, params, "model.embed_tokens.weight", "token_embd.weight");
   for (int64_t i = 0; i < c.n_layer; ++i) {
@@ -248,8 +250,11 @@ void check_exportable(const ModelConfig& c, const GgufVocabulary& vocab) {
   LOOM_CHECK(c.attn_window == 0, "model.attn_window = ", c.attn_window,
              ": GGUF export does not support sliding-window attention (llama.cpp's gpt2/llama attend to every position)");
   LOOM_CHECK(!(c.qk_norm && c.qkv_bias), "model.qk_norm with model.qkv_bias: no llama.cpp architecture has both");
-  LOOM_CHECK(c.nope_interval == 0, "model.nope_interval = ", c.nope_interval, ": GGUF export does not write NoPE layers "
-             "yet (llama.cpp's llama rotates every layer)");
+  LOOM_CHECK(!c.post_norm && !c.qk_norm_whole, "model.post_norm / qk_norm_whole (OLMo 2): GGUF export does not write "
+             "llama.cpp's olmo2 yet");
+  LOOM_CHECK(c.nope_interval == 0 || (c.nope_interval == 4 && !c.qkv_bias && !c.qk_norm), "model.nope_interval = ",
+             c.nope_interval, ": llama.cpp's smollm3 skips RoPE on every 4th layer only (n_no_rope_layer_step = 4, "
+             "without q/k/v biases or q/k norms)");
   LOOM_CHECK(c.rope_scaling == ROPE_SCALING_NONE || c.rope_scaling == ROPE_SCALING_LINEAR ||
                  c.rope_scaling == ROPE_SCALING_LLAMA3,
              "model.rope_scaling = ", enum_name(c.rope_scaling),

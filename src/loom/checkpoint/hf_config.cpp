@@ -384,6 +384,9 @@ ModelConfig llama_family_config(ConfigReader& r, HfFamily family) {
       r.require("partial_rotary_factor", 1.0, 1.0, "RoPE on a fraction of each head (Phi-4-mini) is not implemented");
       r.ignore({"embd_pdrop", "resid_pdrop", "original_max_position_embeddings"});
       break;
+    case HfFamily::olmo2:  // Olmo2DecoderLayer: x + norm(attn(x)), h + norm(mlp(h)); q_norm over H hd, k_norm KV hd
+      c.qk_norm = c.qk_norm_whole = c.post_norm = true;
+      break;
     case HfFamily::smollm3:
       read_nope_layers(r, c);
       r.require("use_sliding_window", false, false, "SmolLM3's sliding window is not implemented");
@@ -457,7 +460,7 @@ const char* family_class(HfFamily f) {
   constexpr const char* kNames[] = {"GPT2LMHeadModel",    "LlamaForCausalLM",    "MistralForCausalLM",
                                     "Qwen2ForCausalLM",   "Qwen3ForCausalLM",    "MixtralForCausalLM",
                                     "Qwen3MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
-                                    "SmolLM3ForCausalLM",  "Phi3ForCausalLM"};
+                                    "SmolLM3ForCausalLM",  "Phi3ForCausalLM",       "Olmo2ForCausalLM"};
   return kNames[static_cast<int>(f)];
 }
 
@@ -470,8 +473,6 @@ const char* unimplemented_family(const std::string& type) {
       {"gemma3", "Gemma 3's multimodal folder: its text model is gemma3_text (see that family)"},
       {"gemma2", "Gemma 2 needs (1 + w) RMSNorms before and after attention and MLP, GeGLU, logit soft-capping and "
                  "alternating sliding layers"},
-      {"olmo2", "OLMo 2 normalises the attention and MLP outputs (post-norms, no pre-norms) and its q/k norms span all "
-                "heads at once"},
       {"gpt_oss", "GPT-OSS needs attention sinks, alternating sliding windows, MoE with clamped SwiGLU and biases, and "
                   "MXFP4 expert weights"},
       {"qwen3_next", "Qwen3-Next needs gated DeltaNet linear-attention layers, gated attention and shared-expert gates"},
@@ -523,6 +524,13 @@ HfFamily hf_family_of(const ModelConfig& c) {
     LOOM_CHECK(!moe || c.moe_sigmoid || !c.moe_renorm || c.moe_route_scale == 1.0f, where,
                "DeepSeek-V2 does not scale renormalised gates (model.moe_route_scale must be 1)");
     return moe && c.moe_sigmoid ? HfFamily::deepseek_v3 : HfFamily::deepseek_v2;
+  }
+  if (c.post_norm || c.qk_norm_whole) {
+    LOOM_CHECK(c.post_norm && c.qk_norm && c.qk_norm_whole && !moe && !c.qkv_bias && c.attn_window == 0 &&
+                   c.nope_interval == 0,
+               where, "post-norms and whole-width q/k norms map to OLMo 2, which has both and no MoE, q/k/v biases, "
+               "window or NoPE layers");
+    return HfFamily::olmo2;
   }
   if (c.nope_interval > 0) {
     LOOM_CHECK(!moe && !c.qkv_bias && !c.qk_norm && c.attn_window == 0, where, "NoPE layers (model.nope_interval, "

@@ -8,6 +8,8 @@
 //   smollm3       SmolLM3Config: llama with RoPE skipped on every no_rope_layer_interval-th layer
 //   phi3          Phi3Config (Phi-3 / Phi-3.5 / Phi-4 mini shapes): llama with q/k/v and gate/up stored
 //                 fused (Loom's own layout) and a sliding window; LongRoPE refused
+//   olmo2         Olmo2Config: llama with post-norms on the attention and MLP outputs and q/k
+//                 norms over all heads at once
 //   mixtral       MixtralConfig: every layer a softmax top-k MoE, gates renormalised
 //   qwen3_moe     Qwen3MoeConfig: qwen3 attention, MoE with norm_topk_prob
 //   deepseek_v2   DeepseekV2Config: MLA (kv_lora_rank, q_lora_rank, qk_nope/rope, v_head_dim),
@@ -27,13 +29,13 @@
 
 namespace loom {
 
-enum class HfFamily { gpt2, llama, mistral, qwen2, qwen3, mixtral, qwen3_moe, deepseek_v2, deepseek_v3, smollm3, phi3 };
+enum class HfFamily { gpt2, llama, mistral, qwen2, qwen3, mixtral, qwen3_moe, deepseek_v2, deepseek_v3, smollm3, phi3, olmo2 };
 
 template <>
 struct EnumNames<HfFamily> {  // config.json's model_type
-  static constexpr std::array<std::string_view, 11> names{"gpt2",      "llama",       "mistral",     "qwen2",
+  static constexpr std::array<std::string_view, 12> names{"gpt2",      "llama",       "mistral",     "qwen2",
                                                           "qwen3",     "mixtral",     "qwen3_moe",   "deepseek_v2",
-                                                          "deepseek_v3", "smollm3",   "phi3"};
+                                                          "deepseek_v3", "smollm3",   "phi3",        "olmo2"};
 };
 
 // The family and model config of a config.json (path: for errors).

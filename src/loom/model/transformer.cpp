@@ -35,7 +35,7 @@ Transformer::Transformer(Backend& backend, const ModelConfig& config, ModelUse u
   }
   frozen_end_ = config_.lora() ? lora_begin(config_, layout_) : 0;
   if (frozen_end_ > 0) {  // the norm ops always compute their weights' gradients: frozen ones land here
-    const int64_t width = std::max(config_.d_model, config_.head_dim());
+    const int64_t width = std::max(config_.d_model, config_.q_norm_width());
     sink_w_ = Tensor::zeros(alloc, {width}, DTYPE_F32, MEM_WORKSPACE);
     sink_b_ = Tensor::zeros(alloc, {width}, DTYPE_F32, MEM_WORKSPACE);
   }

@@ -46,6 +46,17 @@ void for_each_document(const DocumentSpans& docs, const Tensor& qkv, const Tenso
   }
 }
 
+// The q/k norms as head_rmsnorm's heads: H heads of hd and KV of hd after them (Qwen3), or one of
+// H hd and one of KV hd (model.qk_norm_whole, OLMo 2: the keys' "head" H / KV of KV hd starts at H hd).
+struct QkNormHeads {
+  int64_t q, q_width, k_first, k, k_width;
+};
+QkNormHeads qk_norm_heads(const ModelConfig& c) {
+  const int64_t H = c.n_head, KV = c.n_kv_head;
+  if (c.qk_norm_whole) return {1, c.q_norm_width(), H / KV, 1, c.k_norm_width()};
+  return {H, c.head_dim(), H, KV, c.head_dim()};
+}
+
 void check_documents(const LayerPlan& plan) {
   LOOM_CHECK(plan.attention == AttentionKind::mha || plan.attention == AttentionKind::flash, "packed documents "
              "(data.document_mask) with ", plan.attention == AttentionKind::mla ? "MLA" : "context-parallel",
@@ -179,9 +190,9 @@ void attention_saved_fields(const ModelConfig& config, const LayerPlan& plan, co
   const auto qk_norm_fields = [&] {
     if (!config.qk_norm) return;
     field(s.q_in, {B, T, H * config.head_dim()}, DTYPE_F32);
-    field(s.q_rstd, {B, T, H}, DTYPE_F32);
+    field(s.q_rstd, {B, T, config.qk_norm_whole ? 1 : H}, DTYPE_F32);
     field(s.k_in, {B, T, config.n_kv_head * config.head_dim()}, DTYPE_F32);
-    field(s.k_rstd, {B, T, config.n_kv_head}, DTYPE_F32);
+    field(s.k_rstd, {B, T, config.qk_norm_whole ? 1 : config.n_kv_head}, DTYPE_F32);
   };
   if (shape.keep == RECOMPUTE_SELECTIVE) {  // the GEMM outputs (sizes only for MLA: its blocks do not recompute)
     if (!mla) field(s.qkv, {B, T, config.qkv_width()}, DTYPE_F32);
@@ -193,6 +204,7 @@ void attention_saved_fields(const ModelConfig& config, const LayerPlan& plan, co
   field(s.norm.out, {B, Ts, C}, saved_dtype(plan, LINEAR_ATTN_QKV));
   if (!config.rmsnorm()) field(s.norm.mean, {B, Ts}, DTYPE_F32);
   field(s.norm.rstd, {B, Ts}, DTYPE_F32);
+  if (config.post_norm) field(s.post_in, {B, T, C}, DTYPE_F32);
   if (mla) {
     const int64_t dq = config.mla_q_rank, dc = config.mla_kv_rank;
     if (dq > 0) {
@@ -262,30 +274,31 @@ void AttentionLayer::rope(Backend& backend, const Tensor& qkv, bool backward, co
 
 void AttentionLayer::qk_norm_forward(Backend& backend, const Tensor& qkv, const AttentionSaved& s) const {
   if (!config_.qk_norm) return;
-  const int64_t H = config_.n_head, KV = config_.n_kv_head, hd = config_.head_dim();
+  const QkNormHeads n = qk_norm_heads(config_);
   const int64_t rows = qkv.numel() / qkv.dim(-1);
-  backend.head_rmsnorm_forward(qkv, params_.q_norm, 0, H, hd, config_.norm_eps, s.q_in.view(0, {rows * H * hd}),
-                               s.q_rstd.view(0, {rows * H}));
-  backend.head_rmsnorm_forward(qkv, params_.k_norm, H, KV, hd, config_.norm_eps, s.k_in.view(0, {rows * KV * hd}),
-                               s.k_rstd.view(0, {rows * KV}));
+  backend.head_rmsnorm_forward(qkv, params_.q_norm, 0, n.q, n.q_width, config_.norm_eps,
+                               s.q_in.view(0, {rows * n.q * n.q_width}), s.q_rstd.view(0, {rows * n.q}));
+  backend.head_rmsnorm_forward(qkv, params_.k_norm, n.k_first, n.k, n.k_width, config_.norm_eps,
+                               s.k_in.view(0, {rows * n.k * n.k_width}), s.k_rstd.view(0, {rows * n.k}));
 }
 
 void AttentionLayer::qk_norm_backward(Backend& backend, const Tensor& d_qkv, const AttentionSaved& s) const {
   if (!config_.qk_norm) return;
-  const int64_t H = config_.n_head, KV = config_.n_kv_head, hd = config_.head_dim();
-  backend.head_rmsnorm_backward(d_qkv, s.q_in, params_.q_norm, s.q_rstd, 0, H, hd, grads_.q_norm);
-  backend.head_rmsnorm_backward(d_qkv, s.k_in, params_.k_norm, s.k_rstd, H, KV, hd, grads_.k_norm);
+  const QkNormHeads n = qk_norm_heads(config_);
+  backend.head_rmsnorm_backward(d_qkv, s.q_in, params_.q_norm, s.q_rstd, 0, n.q, n.q_width, grads_.q_norm);
+  backend.head_rmsnorm_backward(d_qkv, s.k_in, params_.k_norm, s.k_rstd, n.k_first, n.k, n.k_width, grads_.k_norm);
 }
 
 void AttentionLayer::forward(Backend& backend, const Tensor& x, AttentionSaved& s, const Tensor& mid) {
   const AttentionParams& p = params_;
   const AttentionParams& q = params16_;
   const int64_t T = s.attn.dim(1);
-  norm_forward_saved(backend, config_, links_.ws, x, p.norm_w, p.norm_b, s.norm);
+  const bool post = config_.post_norm;  // OLMo 2: the input as it is, the output normed (below)
+  if (!post) norm_forward_saved(backend, config_, links_.ws, x, p.norm_w, p.norm_b, s.norm);
   if (plan_.attention == AttentionKind::mla) {  // multi-head latent attention (nn/mla.h): a whole layer only
     mla_forward(backend, config_, p.mla, s.norm.out, mla_activations(s));
   } else {
-    const Tensor input = links_.whole(backend, s.norm.out, T);  // (sequence parallel: gathered)
+    const Tensor input = post ? x : links_.whole(backend, s.norm.out, T);  // (sequence parallel: gathered)
     adapted_linear_forward(backend, qkv_, input, p.qkv_w, q.qkv_w, p.qkv_b, s.qkv, qkv_lora(s), links_.ws);
     qk_norm_forward(backend, s.qkv, s);
     if (plan_.rope) rope(backend, s.qkv, false, s.docs);
@@ -298,6 +311,11 @@ void AttentionLayer::forward(Backend& backend, const Tensor& x, AttentionSaved& 
       store_saved(backend, staged.attn, s.attn);
     }
   }
+  if (post) {  // mid = x + norm(proj(attn)) (a whole layer: no tp)
+    adapted_linear_forward(backend, proj_, s.attn, p.proj_w, q.proj_w, p.proj_b, s.post_in, proj_lora(s), links_.ws);
+    post_norm_residual(backend, config_, links_.ws, s.post_in, p.norm_w, p.norm_b, s.norm, x, mid);
+    return;
+  }
   // mid = x + proj(attn); g: the heads' partial projections summed over tp.
   residual_linear_forward(backend, links_, proj_, s.attn, p.proj_w, q.proj_w, p.proj_b, x, mid, proj_lora(s));
 }
@@ -306,12 +324,14 @@ void AttentionLayer::forward_rows(Backend& backend, const Tensor& x, AttentionSa
                                   const std::vector<int64_t>& positions, DecodeCache& cache, int64_t layer) const {
   const AttentionParams& p = params_;
   const int64_t n = x.dim(0), H = config_.n_head, hd = config_.head_dim(), W = config_.qkv_width();
-  norm_forward(backend, config_, x, p.norm_w, p.norm_b, s.norm.out, s.norm.mean, s.norm.rstd);
+  const bool post = config_.post_norm;
+  if (!post) norm_forward(backend, config_, x, p.norm_w, p.norm_b, s.norm.out, s.norm.mean, s.norm.rstd);
   if (plan_.attention == AttentionKind::mla) {
     mla_rows(backend, s, positions, cache, layer);
   } else {
-    qkv_.forward_plain(backend, s.norm.out, p.qkv_w, p.qkv_b, s.qkv, 0.0f, links_.ws);
-    lora_forward(backend, s.norm.out, p.qkv_lora, config_.lora_scale(), s.qkv, links_.ws, {}, p.qkv_w);
+    const Tensor& input = post ? x : s.norm.out;
+    qkv_.forward_plain(backend, input, p.qkv_w, p.qkv_b, s.qkv, 0.0f, links_.ws);
+    lora_forward(backend, input, p.qkv_lora, config_.lora_scale(), s.qkv, links_.ws, {}, p.qkv_w);
     qk_norm_forward(backend, s.qkv.view(0, {n, W}), s);
     if (plan_.rope) {
       for (int64_t r = 0; r < n; ++r) {
@@ -323,6 +343,13 @@ void AttentionLayer::forward_rows(Backend& backend, const Tensor& x, AttentionSa
     } else {
       host_rows_attend(backend, s, cache, layer, n);
     }
+  }
+  if (post) {  // mid = x + norm(proj(attn)), the projection into the norm's (unused) output buffer
+    const Tensor y = s.norm.out.view(0, x.shape());
+    proj_.forward_plain(backend, s.attn, p.proj_w, p.proj_b, y, 0.0f, links_.ws);
+    lora_forward(backend, s.attn, p.proj_lora, config_.lora_scale(), y, links_.ws, {}, p.proj_w);
+    post_norm_residual(backend, config_, links_.ws, y, p.norm_w, p.norm_b, s.norm, x, mid, true);
+    return;
   }
   backend.copy(x, mid);
   proj_.forward_plain(backend, s.attn, p.proj_w, p.proj_b, mid, 1.0f, links_.ws);
@@ -374,17 +401,19 @@ void AttentionLayer::backward(Backend& backend, const Tensor& x, const Attention
   // Sequence parallel: gradients arrive on the shard and are gathered before the row-parallel
   // layer's backward (g's backward); the norm's output is gathered again for the weight gradient.
   const auto whole = [&](const Tensor& shard) { return links_.whole(backend, shard, T); };
-  const bool mla = plan_.attention == AttentionKind::mla;
+  const bool mla = plan_.attention == AttentionKind::mla, post = config_.post_norm;
   const InputPass pass = input_pass(backend, part, s.dy_proj);
   // LoRA's adapters (zero-bubble schedules' split backward): their small gradients are computed
   // with the input gradient, in the input pass; the weight pass is the frozen base's, which has none.
   if (part == BACKWARD_WEIGHT) {  // the weight gradients from the kept output gradients
     proj_.backward(backend, s.attn, p.proj_w, q.proj_w, s.dy_proj, Tensor{}, g.proj_w, Tensor{}, links_.ws);
     // An MLA layer's projections' weight gradients were computed in the input pass.
-    if (!mla) qkv_.backward(backend, whole(s.norm.out), p.qkv_w, q.qkv_w, s.dy_qkv, Tensor{}, g.qkv_w, Tensor{}, links_.ws);
+    if (!mla) qkv_.backward(backend, post ? x : whole(s.norm.out), p.qkv_w, q.qkv_w, s.dy_qkv, Tensor{}, g.qkv_w, Tensor{}, links_.ws);
     return;
   }
-  const Tensor dy_mid = whole(d_residual);
+  // Post-norm: d(projection output) through the norm from d(mid) (a whole layer: no tp).
+  if (post) norm_backward(backend, config_, d_residual, s.post_in, p.norm_w, s.norm.mean, s.norm.rstd, k.d_tmp, g.norm_w, g.norm_b);
+  const Tensor dy_mid = post ? k.d_tmp.view(0, d_residual.shape()) : whole(d_residual);
   pass.keep(dy_mid, s.dy_proj);
   adapted_linear_backward(backend, proj_, s.attn, p.proj_w, q.proj_w, dy_mid, k.d_attn, pass.dw(g.proj_w), g.proj_b,
                           proj_lora(s), g.proj_lora, links_.ws);
@@ -401,9 +430,13 @@ void AttentionLayer::backward(Backend& backend, const Tensor& x, const Attention
     if (plan_.rope) rope(backend, k.d_qkv, true, s.docs);
     qk_norm_backward(backend, k.d_qkv, s);
     pass.keep(k.d_qkv, s.dy_qkv);
-    const Tensor input = whole(s.norm.out);
+    const Tensor input = post ? x : whole(s.norm.out);
     adapted_linear_backward(backend, qkv_, input, p.qkv_w, q.qkv_w, k.d_qkv, k.d_norm, pass.dw(g.qkv_w), g.qkv_b,
                             qkv_lora(s), g.qkv_lora, links_.ws);
+  }
+  if (post) {  // d(x) = d(mid) + the attention's d(x)
+    backend.add_inplace(d_residual, k.d_norm.view(0, d_residual.shape()));
+    return;
   }
   // f: the heads' partial d(norm1 output), then through norm1 into d(x).
   norm_residual_backward(backend, config_, links_, k, true, d_residual, x, p.norm_w, s.norm, g.norm_w, g.norm_b);

@@ -32,10 +32,12 @@ struct AttentionParams {
 
 // What the attention sub-layer keeps for its backward, for one micro-batch.
 struct AttentionSaved {
-  NormSaved norm;  // norm1 of the block input (the residual stream's positions)
+  NormSaved norm;  // norm1 of the block input (the residual stream's positions); post-norm: of post_in
+  Tensor post_in;  // model.post_norm: the output projection's output (B,T,C), the norm's input
   Tensor qkv;      // (B,T,(H+2KV)hd), after RoPE; not for MLA
-  // model.qk_norm: the query and key heads before their norm, and the norms' rstd.
-  Tensor q_in, q_rstd, k_in, k_rstd;  // (B,T,H hd), (B,T,H), (B,T,KV hd), (B,T,KV)
+  // model.qk_norm: the query and key heads before their norm, and the norms' rstd (one per row
+  // with model.qk_norm_whole).
+  Tensor q_in, q_rstd, k_in, k_rstd;  // (B,T,H hd), (B,T,H | 1), (B,T,KV hd), (B,T,KV | 1)
   // MLA (nn/mla.h) in place of qkv: the query latent and its norm (d_q > 0), the queries after
   // RoPE, the KV latent and its norm, the decoupled RoPE key, the per-head [k_n | v].
   Tensor mla_qa, mla_qa_norm, mla_qa_rstd;  // (B,T,d_q), (B,T,d_q), (B,T)

@@ -33,7 +33,7 @@ BlockParams block_params_view(const ModelConfig& config, const ParamLayout& layo
     }
   } else {
     const std::string pre = "model.layers." + std::to_string(layer) + ".";
-    p.norm_w = v(pre + "input_layernorm.weight");
+    p.norm_w = v(pre + (config.post_norm ? "post_attention_layernorm.weight" : "input_layernorm.weight"));
     if (config.mla()) {
       const std::string a = pre + "self_attn.";
       if (config.mla_q_rank > 0) {
@@ -50,7 +50,7 @@ BlockParams block_params_view(const ModelConfig& config, const ParamLayout& layo
       if (config.qk_norm) p.q_norm = v(pre + "self_attn.q_norm.weight"), p.k_norm = v(pre + "self_attn.k_norm.weight");
     }
     p.proj_w = v(pre + "self_attn.o_proj.weight");
-    m.norm_w = v(pre + "post_attention_layernorm.weight");
+    m.norm_w = v(pre + (config.post_norm ? "post_feedforward_layernorm.weight" : "post_attention_layernorm.weight"));
     if (config.moe_layer(layer)) {
       m.moe = moe_params_view(config, layout, flat, layer);
     } else {

@@ -18,6 +18,7 @@ void mlp_saved_fields(const ModelConfig& config, const LayerPlan& plan, const Sa
   if (!config.rmsnorm()) field(s.norm.mean, {B, Ts}, DTYPE_F32);
   field(s.norm.rstd, {B, Ts}, DTYPE_F32);
   if (!dense) return;
+  if (config.post_norm) field(s.post_in, {B, T, C}, DTYPE_F32);
   field(s.fc, {B, T, config.mlp_in_width()}, DTYPE_F32);
   field(s.act, {B, T, config.d_ff}, saved_dtype(plan, LINEAR_MLP_OUT));
   if (shape.split_backward) {
@@ -42,15 +43,21 @@ void MlpLayer::activation(Backend& backend, const MlpSaved& s) const {
 void MlpLayer::forward(Backend& backend, const Tensor& mid, MlpSaved& s, const Tensor& out) {
   const MlpParams& p = params_;
   const MlpParams& q = params16_;
-  norm_forward_saved(backend, config_, links_.ws, mid, p.norm_w, p.norm_b, s.norm);
+  const bool post = config_.post_norm;  // OLMo 2: mid as it is, the output normed (below)
+  if (!post) norm_forward_saved(backend, config_, links_.ws, mid, p.norm_w, p.norm_b, s.norm);
   if (is_moe()) {
     forward_moe(backend, mid, s, out);
     return;
   }
   const int64_t T = s.fc.dim(1);
-  const Tensor input = links_.whole(backend, s.norm.out, T);  // (sequence parallel: gathered)
+  const Tensor input = post ? mid : links_.whole(backend, s.norm.out, T);  // (sequence parallel: gathered)
   adapted_linear_forward(backend, fc_, input, p.fc_w, q.fc_w, p.fc_b, s.fc, fc_lora(s), links_.ws);
   activation(backend, s);
+  if (post) {  // out = mid + norm(fc2(act)) (a whole layer: no tp)
+    adapted_linear_forward(backend, fc2_, s.act, p.fc2_w, q.fc2_w, p.fc2_b, s.post_in, fc2_lora(s), links_.ws);
+    post_norm_residual(backend, config_, links_.ws, s.post_in, p.norm_w, p.norm_b, s.norm, mid, out);
+    return;
+  }
   // out = mid + fc2(act); g: the hidden slices' partial outputs (and LoRA's terms) summed over tp.
   residual_linear_forward(backend, links_, fc2_, s.act, p.fc2_w, q.fc2_w, p.fc2_b, mid, out, fc2_lora(s));
 }
@@ -75,16 +82,25 @@ void MlpLayer::forward_moe(Backend& backend, const Tensor& mid, MlpSaved& s, con
 
 void MlpLayer::forward_rows(Backend& backend, const Tensor& mid, MlpSaved& s, const Tensor& out) const {
   const MlpParams& p = params_;
-  norm_forward(backend, config_, mid, p.norm_w, p.norm_b, s.norm.out, s.norm.mean, s.norm.rstd);
+  const bool post = config_.post_norm;
+  if (!post) norm_forward(backend, config_, mid, p.norm_w, p.norm_b, s.norm.out, s.norm.mean, s.norm.rstd);
   if (is_moe()) {  // one position per sequence: n tokens routed (statistics are not recorded)
     const int64_t n = mid.dim(0), C = config_.d_model;
     backend.copy(mid, out);
     moe_forward(backend, config_, p.moe, s.norm.out.view(0, {n, C}), s.moe, *moe_scratch_, out.view(0, {n, C}), 1);
     return;
   }
-  fc_.forward_plain(backend, s.norm.out, p.fc_w, p.fc_b, s.fc, 0.0f, links_.ws);
-  lora_forward(backend, s.norm.out, p.fc_lora, config_.lora_scale(), s.fc, links_.ws, {}, p.fc_w);
+  const Tensor& input = post ? mid : s.norm.out;
+  fc_.forward_plain(backend, input, p.fc_w, p.fc_b, s.fc, 0.0f, links_.ws);
+  lora_forward(backend, input, p.fc_lora, config_.lora_scale(), s.fc, links_.ws, {}, p.fc_w);
   activation(backend, s);
+  if (post) {  // out = mid + norm(fc2(act))
+    const Tensor y = s.norm.out.view(0, mid.shape());
+    fc2_.forward_plain(backend, s.act, p.fc2_w, p.fc2_b, y, 0.0f, links_.ws);
+    lora_forward(backend, s.act, p.fc2_lora, config_.lora_scale(), y, links_.ws, {}, p.fc2_w);
+    post_norm_residual(backend, config_, links_.ws, y, p.norm_w, p.norm_b, s.norm, mid, out, true);
+    return;
+  }
   backend.copy(mid, out);
   fc2_.forward_plain(backend, s.act, p.fc2_w, p.fc2_b, out, 1.0f, links_.ws);
   lora_forward(backend, s.act, p.fc2_lora, config_.lora_scale(), out, links_.ws, {}, p.fc2_w);
@@ -113,19 +129,27 @@ void MlpLayer::backward(Backend& backend, const Tensor& mid, const MlpSaved& s, 
   // with the input gradient, in the input pass; the weight pass is the frozen base's, which has none.
   if (part == BACKWARD_WEIGHT) {  // the weight gradients from the kept output gradients
     fc2_.backward(backend, s.act, p.fc2_w, q.fc2_w, s.dy_fc2, Tensor{}, g.fc2_w, Tensor{}, links_.ws);
-    fc_.backward(backend, whole(s.norm.out), p.fc_w, q.fc_w, s.dy_fc, Tensor{}, g.fc_w, Tensor{}, links_.ws);
+    fc_.backward(backend, config_.post_norm ? mid : whole(s.norm.out), p.fc_w, q.fc_w, s.dy_fc, Tensor{}, g.fc_w,
+                 Tensor{}, links_.ws);
     return;
   }
-  const Tensor dy_out = whole(d_residual);
+  // Post-norm: d(fc2 output) through the norm from d(out) (a whole layer: no tp).
+  const bool post = config_.post_norm;
+  if (post) norm_backward(backend, config_, d_residual, s.post_in, p.norm_w, s.norm.mean, s.norm.rstd, k.d_tmp, g.norm_w, g.norm_b);
+  const Tensor dy_out = post ? k.d_tmp.view(0, d_residual.shape()) : whole(d_residual);
   pass.keep(dy_out, s.dy_fc2);
   adapted_linear_backward(backend, fc2_, s.act, p.fc2_w, q.fc2_w, dy_out, k.d_act, pass.dw(g.fc2_w), g.fc2_b,
                           fc2_lora(s), g.fc2_lora, links_.ws);
   if (config_.swiglu()) backend.swiglu_backward(s.fc, k.d_act, k.d_fc);
   else backend.gelu_backward(s.fc, k.d_act, k.d_fc);
   pass.keep(k.d_fc, s.dy_fc);
-  const Tensor input = whole(s.norm.out);
+  const Tensor input = post ? mid : whole(s.norm.out);
   adapted_linear_backward(backend, fc_, input, p.fc_w, q.fc_w, k.d_fc, k.d_norm, pass.dw(g.fc_w), g.fc_b, fc_lora(s),
                           g.fc_lora, links_.ws);
+  if (post) {  // d(mid) = d(out) + the MLP's d(mid)
+    backend.add_inplace(d_residual, k.d_norm.view(0, d_residual.shape()));
+    return;
+  }
   // f: the hidden slices' partial d(norm2 output), then through norm2 into d(mid).
   norm_residual_backward(backend, config_, links_, k, true, d_residual, mid, p.norm_w, s.norm, g.norm_w, g.norm_b);
 }

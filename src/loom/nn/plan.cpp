@@ -38,6 +38,7 @@ std::array<bool, 4> saved_bf16(const ModelConfig& config, int64_t layer, const L
   if (plan.attention == AttentionKind::mla) on[LINEAR_ATTN_QKV] = false;
   if (plan.attention != AttentionKind::mha) on[LINEAR_ATTN_OUT] = false;
   if (plan.mlp != MlpKind::dense) on[LINEAR_MLP_IN] = on[LINEAR_MLP_OUT] = false;
+  if (config.post_norm) on[LINEAR_ATTN_QKV] = on[LINEAR_MLP_IN] = false;  // they read the residual stream, not a norm's output
   return on;
 }
 
@@ -53,6 +54,11 @@ LayerPlan resolve_layer_plan(const ModelConfig& config, int64_t layer, const Pla
   plan.mlp = config.moe_layer(layer) ? MlpKind::moe : MlpKind::dense;
   plan.linears = choices.linears;
   plan.qat = choices.qat;
+  // OLMo 2's post-norms: the sub-layers' outputs are normalised before the residual add; the
+  // layer runs whole on one rank, keeping its whole record (nn/attention.h, nn/mlp.h).
+  LOOM_CHECK(!config.post_norm || (!choices.tensor_parallel && choices.recompute == RECOMPUTE_NONE),
+             "model.post_norm (OLMo 2's output norms) is not supported with tensor or sequence parallelism or "
+             "activation recompute yet");
   if (config.mla()) {
     // MLA's projections (nn/mla.h) compute in fp32; its output projection follows precision.attn_out.
     LOOM_CHECK(choices.linears[LINEAR_ATTN_QKV] == RECIPE_F32 && choices.qat == QAT_NONE,
