@@ -137,7 +137,7 @@ TEST(HfLoad, RefusalsNameTheFileAndTheKey) {
     f["model"]["vocab"]["<｜x｜>"] = 263;
     f["added_tokens"].push_back({{"id", 263}, {"content", "<y>"}, {"special", true}});
   }, "added_tokens[3].id");
-  expect_refusal([](json& f) { f["added_tokens"][0]["lstrip"] = true; }, "added_tokens[0].lstrip");
+  expect_refusal([](json& f) { f["added_tokens"][0]["lstrip"] = 1; }, "added_tokens[0].lstrip");
   expect_refusal([](json& f) { f["added_tokens"][1].erase("content"); }, "added_tokens[1].content");
   expect_refusal([](json& f) { f["post_processor"] = {{"type", "BertProcessing"}}; }, "post_processor.type");
   expect_refusal([](json& f) { f["decoder"] = {{"type", "WordPiece"}}; }, "decoder.type");

@@ -26,11 +26,27 @@
 //                past Gemma's, in place of Gemma's 262,144 tokens
 //   OUT/llama2_no_byte_fallback/  a broken variant: byte_fallback false (characters outside
 //                the vocabulary become <unk>), which must not give the real file's ids
+//   OUT/phi3/    Phi-3-mini's real tokenizer.json, rebuilt byte for byte (as JSON.stringify writes
+//                it; the SHA-256 is checked) from the Llama 2 file and tests/fixtures/tokenizers/
+//                phi3/parts.json: Phi-3's added tokens (rstrip: true on its chat tokens),
+//                normalizer, pre-tokenizer, post-processor, decoder and model flags verbatim, the
+//                4 tokens Phi-3 spells with U+00A0 where Llama 2's file has U+0020, and Phi-3's
+//                last merges (the same merges as Llama 2's, in another order); its real
+//                tokenizer_config.json beside it
+//   OUT/phi3_no_rstrip/  a broken variant: every rstrip false, which must not give Phi-3's ids
 //
 //   node tools/make_tokenizer_fixtures.js OUT
+//
+// Two more modes write the kept fixtures from real files that the repository does not hold:
+//   node tools/make_tokenizer_fixtures.js --phi3-parts PHI3_TOKENIZER_JSON OUT_PARTS_JSON
+//   node tools/make_tokenizer_fixtures.js --trim-deepseek DEEPSEEK_DIR OUT_DIR N
+//        DeepSeek-V3's tokenizer.json trimmed: every key verbatim but model.vocab, which keeps the
+//        ids below N, and model.merges, which keeps the merges whose two parts and result are
+//        all kept (in their order); tokenizer_config.json copied as it is
 'use strict';
 const fs = require('fs');
 const path = require('path');
+const crypto = require('crypto');
 
 const npm = path.join(path.dirname(__dirname), '.deps', 'npm', 'node_modules');
 const LLAMA3_REGEX = "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
@@ -169,8 +185,110 @@ function sentencepiece(out) {
   write(path.join(out, 'gemma3'), 'tokenizer_config.json', gemmaRest);
 }
 
+// Phi-3: the rebuilt real file and a broken variant.
+const FIXTURES = path.join(path.dirname(__dirname), 'tests', 'fixtures', 'tokenizers');
+const sha256 = (text) => crypto.createHash('sha256').update(text, 'utf-8').digest('hex');
+
+// Llama 2's merge lines as [left, right]: the cut whose two sides and their join are tokens (a
+// line may hold more than one space: "▁  " is "▁" + " " of the older form).
+function llama2MergePairs(llama) {
+  const vocab = llama.model.vocab;
+  return llama.model.merges.map((line) => {
+    const cuts = [];
+    for (let i = line.indexOf(' '); i >= 0; i = line.indexOf(' ', i + 1)) {
+      const [a, b] = [line.slice(0, i), line.slice(i + 1)];
+      if (Object.hasOwn(vocab, a) && Object.hasOwn(vocab, b) && Object.hasOwn(vocab, a + b)) cuts.push([a, b]);
+    }
+    if (cuts.length !== 1) throw new Error(`Llama 2 merge ${JSON.stringify(line)}: ${cuts.length} readings`);
+    return cuts[0];
+  });
+}
+
+function phi3FromParts(llama, parts) {
+  const respell = (t) => (Object.hasOwn(parts.vocab_respelled, t) ? parts.vocab_respelled[t] : t);
+  const vocab = {};
+  for (const [token, id] of Object.entries(llama.model.vocab)) vocab[respell(token)] = id;
+  const merges = llama2MergePairs(llama).map(([a, b]) => `${respell(a)} ${respell(b)}`);
+  merges.splice(parts.merges_from, merges.length - parts.merges_from, ...parts.merges_tail);
+  return {
+    version: parts.version, truncation: parts.truncation, padding: parts.padding, added_tokens: parts.added_tokens,
+    normalizer: parts.normalizer, pre_tokenizer: parts.pre_tokenizer, post_processor: parts.post_processor,
+    decoder: parts.decoder, model: { ...parts.model, vocab, merges },
+  };
+}
+
+function phi3(out) {
+  const read = (...p) => fs.readFileSync(path.join(FIXTURES, ...p), 'utf-8');
+  const parts = JSON.parse(read('phi3', 'parts.json'));
+  const text = JSON.stringify(phi3FromParts(JSON.parse(read('llama2', 'tokenizer.json')), parts));
+  if (sha256(text) !== parts.sha256) throw new Error('phi3: the rebuilt tokenizer.json is not Phi-3\'s (SHA-256 differs)');
+  const config = read('phi3', 'tokenizer_config.json');
+  fs.mkdirSync(path.join(out, 'phi3'), { recursive: true });
+  fs.writeFileSync(path.join(out, 'phi3', 'tokenizer.json'), text);
+  fs.writeFileSync(path.join(out, 'phi3', 'tokenizer_config.json'), config);
+  const broken = JSON.parse(text);
+  broken.added_tokens = broken.added_tokens.map((t) => ({ ...t, rstrip: false }));
+  write(path.join(out, 'phi3_no_rstrip'), 'tokenizer.json', broken);
+  fs.writeFileSync(path.join(out, 'phi3_no_rstrip', 'tokenizer_config.json'), config);
+}
+
+// --phi3-parts: what Phi-3's real file holds beyond the Llama 2 file, checked to rebuild it.
+function phi3Parts(phi3File, outFile) {
+  const real = JSON.parse(fs.readFileSync(phi3File, 'utf-8'));
+  const llama = JSON.parse(fs.readFileSync(path.join(FIXTURES, 'llama2', 'tokenizer.json'), 'utf-8'));
+  const llamaTokens = Object.keys(llama.model.vocab), realTokens = Object.keys(real.model.vocab);
+  if (llamaTokens.length !== realTokens.length) throw new Error('the vocabularies differ in size');
+  const vocab_respelled = {};
+  llamaTokens.forEach((t, i) => {
+    if (llama.model.vocab[t] !== real.model.vocab[realTokens[i]]) throw new Error(`id of ${t} differs`);
+    if (t !== realTokens[i]) vocab_respelled[t] = realTokens[i];
+  });
+  const respell = (t) => (Object.hasOwn(vocab_respelled, t) ? vocab_respelled[t] : t);
+  const pairs = llama2MergePairs(llama).map(([a, b]) => `${respell(a)} ${respell(b)}`);
+  if (pairs.length !== real.model.merges.length || new Set(pairs).size !== new Set([...pairs, ...real.model.merges]).size)
+    throw new Error('the merges are not the same set');
+  let merges_from = 0;
+  while (merges_from < pairs.length && pairs[merges_from] === real.model.merges[merges_from]) ++merges_from;
+  const { vocab: _v, merges: _m, ...model } = real.model;
+  const parts = {
+    about: 'Phi-3-mini tokenizer.json less what the Llama 2 file holds (tools/make_tokenizer_fixtures.js; SOURCE)',
+    sha256: sha256(JSON.stringify(real)), version: real.version, truncation: real.truncation, padding: real.padding,
+    added_tokens: real.added_tokens, normalizer: real.normalizer, pre_tokenizer: real.pre_tokenizer,
+    post_processor: real.post_processor, decoder: real.decoder, model, vocab_respelled, merges_from,
+    merges_tail: real.model.merges.slice(merges_from),
+  };
+  if (JSON.stringify(phi3FromParts(llama, parts)) !== JSON.stringify(real)) throw new Error('the parts do not rebuild the file');
+  fs.writeFileSync(outFile, JSON.stringify(parts, null, 1) + '\n');
+}
+
+// --trim-deepseek: see the header.
+function trimDeepseek(dir, outDir, n) {
+  const real = JSON.parse(fs.readFileSync(path.join(dir, 'tokenizer.json'), 'utf-8'));
+  const vocab = {};
+  for (const [token, id] of Object.entries(real.model.vocab)) if (id < n) vocab[token] = id;
+  const kept = (t) => Object.hasOwn(vocab, t);
+  const merges = real.model.merges.filter((m) => {
+    const [a, b] = Array.isArray(m) ? m : m.split(' ');
+    return kept(a) && kept(b) && kept(a + b);
+  });
+  const trimmed = { ...real, model: { ...real.model, vocab, merges } };
+  fs.mkdirSync(outDir, { recursive: true });
+  fs.writeFileSync(path.join(outDir, 'tokenizer.json'), JSON.stringify(trimmed) + '\n');
+  fs.copyFileSync(path.join(dir, 'tokenizer_config.json'), path.join(outDir, 'tokenizer_config.json'));
+  process.stdout.write(`kept ${Object.keys(vocab).length} of ${Object.keys(real.model.vocab).length} tokens, ` +
+                       `${merges.length} of ${real.model.merges.length} merges\n`);
+}
+
+if (process.argv[2] === '--phi3-parts' && process.argv.length === 5) {
+  phi3Parts(process.argv[3], process.argv[4]);
+  process.exit(0);
+}
+if (process.argv[2] === '--trim-deepseek' && process.argv.length === 6) {
+  trimDeepseek(process.argv[3], process.argv[4], Number(process.argv[5]));
+  process.exit(0);
+}
 if (process.argv.length !== 3) {
-  process.stderr.write('usage: node tools/make_tokenizer_fixtures.js OUT\n');
+  process.stderr.write('usage: node tools/make_tokenizer_fixtures.js OUT (or --phi3-parts / --trim-deepseek, see the header)\n');
   process.exit(2);
 }
 const out = process.argv[2];
@@ -179,3 +297,4 @@ const llama = llama3Vocabulary();
 llama3(out, llama);
 qwen2(out, llama);
 sentencepiece(out);
+phi3(out);

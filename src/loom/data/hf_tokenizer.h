@@ -18,10 +18,12 @@
 //   model          BPE: vocab {token: id}, merges ["a b", ...] or [["a", "b"], ...],
 //                  ignore_merges (a pre-token that is itself in the vocab is one token),
 //                  byte_fallback, unk_token, fuse_unk; no dropout, no subword prefix/suffix
-//   added_tokens   [{id, content, special, normalized}]: found in the text before the normalizer
-//                  (normalized false, or no normalizer), or in each normalized stretch, matched
-//                  by their normalized content (normalized true), leftmost then longest first;
-//                  lstrip/rstrip/single_word are refused
+//   added_tokens   [{id, content, special, normalized, lstrip, rstrip, single_word}]: found in
+//                  the text before the normalizer (normalized false, or no normalizer), or in each
+//                  normalized stretch, matched by their normalized content (normalized true),
+//                  leftmost then longest first; lstrip / rstrip: the match takes in the whitespace
+//                  on its left / right (Phi-3's chat tokens), single_word: only where no word
+//                  character touches it (AddedTokenSplitter, special_tokens.h)
 //   post_processor null, ByteLevel, TemplateProcessing (BOS/EOS around $A) or a Sequence of them
 //   decoder        ByteLevel (or null) for byte-level BPE; SentencePiece-style: Replace, ByteFallback,
 //                  Fuse, Strip, Metaspace, or a Sequence of them
@@ -29,9 +31,10 @@
 // add_bos_token / add_eos_token (when given) replace what the post_processor adds.
 // Anything else is refused with a loom::Error naming the file and the key.
 //
-// Lossless for every byte string when the normalizer is null and no ByteLevel step adds a prefix
-// space: the pieces of invalid UTF-8 are byte tokens like any other (the reference libraries take
-// only valid Unicode text). SentencePiece-style files whose decoder undoes the normalizer (Llama
+// Lossless for every byte string when the normalizer is null, no ByteLevel step adds a prefix
+// space and no added token that is not special strips whitespace (lstrip / rstrip): the pieces
+// of invalid UTF-8 are byte tokens like any other (the reference libraries take only valid
+// Unicode text). SentencePiece-style files whose decoder undoes the normalizer (Llama
 // 2's Prepend + Replace with Replace + ByteFallback + Fuse + Strip; Gemma's Replace) round-trip
 // every text without "▁" and without added tokens written in it (parse_special_tokens off); an
 // ill-formed byte is a <0xNN> token and decodes to that byte (the references: U+FFFD).

@@ -66,6 +66,10 @@ HfTokenizer::HfTokenizer(const std::string& path) : name_(path) {
     } else {
       lossless_ = sentencepiece_round_trip(file.at(root, "", "model"));
     }
+    // A token matched in plain text (not special) that strips whitespace loses it.
+    if (std::any_of(added_tokens_.begin(), added_tokens_.end(),
+                    [](const AddedToken& t) { return !t.special && (t.lstrip || t.rstrip); }))
+      lossless_ = false;
     load_config((std::filesystem::path(path).parent_path() / "tokenizer_config.json").string());
   } catch (const json::exception& e) {  // a value of an unexpected type that no check caught
     throw Error(str_cat(path, ": ", e.what()));
@@ -208,8 +212,6 @@ void HfTokenizer::load_added_tokens(const JsonFile& file, const json& root) {
     const json& id = file.at(token, where, "id");
     if (!id.is_number_integer()) file.fail(where + ".id", "expected an integer");
     const std::string content = file.string_at(token, where, "content");
-    for (const char* key : {"lstrip", "rstrip", "single_word"})
-      if (file.flag(token, where, key, false)) file.fail(key_path(where, key), "true is not supported");
     // An added token may repeat a vocabulary entry (GPT-2's <|endoftext|>), not take another's id.
     if (const int64_t n = id.get<int64_t>(); n >= 0 && static_cast<size_t>(n) < defined_.size() &&
                                              defined_[static_cast<size_t>(n)] && token_bytes_[static_cast<size_t>(n)] != content) {
@@ -224,7 +226,8 @@ void HfTokenizer::load_added_tokens(const JsonFile& file, const json& root) {
     }
     set_token(file, where + ".id", id.get<int64_t>(), content, content);
     const bool special = file.flag(token, where, "special", false);
-    added_tokens_.push_back({content, static_cast<int32_t>(id.get<int64_t>()), special});
+    added_tokens_.push_back({content, static_cast<int32_t>(id.get<int64_t>()), special, file.flag(token, where, "lstrip", false),
+                             file.flag(token, where, "rstrip", false), file.flag(token, where, "single_word", false)});
     added_normalized_.push_back(file.flag(token, where, "normalized", !special));  // both references' default
   }
 }

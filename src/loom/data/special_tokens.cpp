@@ -6,6 +6,9 @@
 #include <fstream>
 #include <sstream>
 
+#include <unicode/uchar.h>
+#include <unicode/utf8.h>
+
 #include "loom/core/error.h"
 
 namespace loom {
@@ -57,19 +60,87 @@ const AddedToken* AddedTokenSplitter::match_at(std::string_view text, size_t pos
   return nullptr;
 }
 
+namespace {
+
+// Rust's regex \s (Unicode White_Space), which tokenizers' lstrip / rstrip take in; ill-formed
+// bytes are not whitespace.
+bool is_whitespace(UChar32 c) { return c >= 0 && u_isUWhiteSpace(c); }
+
+// Rust's regex \w (Unicode's word characters, UTS #18): Alphabetic, marks, decimal digits,
+// connector punctuation and Join_Control.
+bool is_word(UChar32 c) {
+  if (c < 0) return false;
+  const int8_t type = u_charType(c);
+  return u_hasBinaryProperty(c, UCHAR_ALPHABETIC) || u_hasBinaryProperty(c, UCHAR_JOIN_CONTROL) ||
+         type == U_NON_SPACING_MARK || type == U_ENCLOSING_MARK || type == U_COMBINING_SPACING_MARK ||
+         type == U_DECIMAL_DIGIT_NUMBER || type == U_CONNECTOR_PUNCTUATION;
+}
+
+// The code point before byte `end` (end > 0), or a negative value for an ill-formed byte.
+UChar32 code_point_before(std::string_view text, size_t end) {
+  int32_t i = static_cast<int32_t>(end);
+  UChar32 c = 0;
+  U8_PREV(text.data(), 0, i, c);
+  return c;
+}
+
+UChar32 code_point_at(std::string_view text, size_t pos) {
+  int32_t i = static_cast<int32_t>(pos);
+  UChar32 c = 0;
+  U8_NEXT(text.data(), i, static_cast<int32_t>(text.size()), c);
+  return c;
+}
+
+// Where the whitespace that ends text[0, end) begins (tokenizers' space_leftmost_at_end).
+size_t whitespace_begin(std::string_view text, size_t end) {
+  while (end > 0) {
+    int32_t i = static_cast<int32_t>(end);
+    UChar32 c = 0;
+    U8_PREV(text.data(), 0, i, c);
+    if (!is_whitespace(c)) break;
+    end = static_cast<size_t>(i);
+  }
+  return end;
+}
+
+// Where the whitespace that starts text[pos, ...) ends (tokenizers' space_rightmost_at_start).
+size_t whitespace_end(std::string_view text, size_t pos) {
+  while (pos < text.size()) {
+    int32_t i = static_cast<int32_t>(pos);
+    UChar32 c = 0;
+    U8_NEXT(text.data(), i, static_cast<int32_t>(text.size()), c);
+    if (!is_whitespace(c)) break;
+    pos = static_cast<size_t>(i);
+  }
+  return pos;
+}
+
+}  // namespace
+
+// AddedVocabulary::find_matches of tokenizers: for each match, in the order found, a single_word
+// token touching a word character is skipped; lstrip moves its start back over whitespace, but not
+// before the end of the previous match; rstrip moves its end past whitespace. The text between
+// the previous match's end and this start, when not empty, is a segment of its own.
 std::vector<TextSegment> AddedTokenSplitter::split(std::string_view text, bool with_special) const {
   std::vector<TextSegment> segments;
-  size_t plain_start = 0;
+  size_t plain_start = 0;  // the end of the previous match (tokenizers' start_offset)
   for (size_t pos = 0; pos < text.size() && !tokens_.empty();) {
     const AddedToken* token = match_at(text, pos, with_special);
     if (token == nullptr) {
       ++pos;
       continue;
     }
-    if (pos > plain_start) segments.push_back({text.substr(plain_start, pos - plain_start), -1});
-    segments.push_back({text.substr(pos, token->content.size()), token->id});
-    pos += token->content.size();
-    plain_start = pos;
+    size_t start = pos, stop = pos + token->content.size();
+    pos = stop;  // the search goes on after the match as found, whatever is stripped
+    if (token->single_word && ((start > 0 && is_word(code_point_before(text, start))) ||
+                               (stop < text.size() && is_word(code_point_at(text, stop)))))
+      continue;
+    if (token->lstrip) start = std::max(whitespace_begin(text, start), plain_start);
+    if (token->rstrip) stop = whitespace_end(text, stop);
+    start = std::min(start, stop);  // an lstrip held back by a previous rstrip past this match
+    if (start > plain_start) segments.push_back({text.substr(plain_start, start - plain_start), -1});
+    segments.push_back({text.substr(start, stop - start), token->id});
+    plain_start = stop;
   }
   if (plain_start < text.size()) segments.push_back({text.substr(plain_start), -1});
   return segments;

@@ -33,10 +33,17 @@ struct JsonFile {
 std::string key_path(const std::string& where, const std::string& key);
 
 // An added token: its text and id; special ones are matched only when the caller parses them.
+// The flags of Hugging Face tokenizers' AddedToken (tokenizer/added_vocabulary.rs): lstrip / rstrip
+// make a match take in the whitespace on its left / right (its regexes \s*$ and ^\s*: Unicode
+// White_Space), which the text around it then lacks; single_word keeps a match only where no word
+// character (\w: Alphabetic, marks, Nd, Pc, Join_Control) touches it on either side.
 struct AddedToken {
   std::string content;
   int32_t id = 0;
   bool special = false;
+  bool lstrip = false;
+  bool rstrip = false;
+  bool single_word = false;
 };
 
 // A stretch of text, or one added token (token >= 0) found in it.
@@ -45,8 +52,11 @@ struct TextSegment {
   int32_t token = -1;
 };
 
-// Splits text at added tokens as Hugging Face tokenizers does: leftmost match first, and at one
-// position the longest token. Special tokens are matched only with `with_special`.
+// Splits text at added tokens as Hugging Face tokenizers does (AddedVocabulary::find_matches):
+// leftmost match first, and at one position the longest token; the search goes on after each
+// match as found (a single_word match refused there included), the stripped whitespace aside.
+// Special tokens are matched only with `with_special`. A token's segment holds what its match
+// took in (the token and the whitespace it stripped).
 class AddedTokenSplitter {
  public:
   explicit AddedTokenSplitter(std::vector<AddedToken> tokens);
