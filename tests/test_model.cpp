@@ -143,6 +143,34 @@ TEST(TransformerTest, PostNormsAndWholeQkNormsGradientsMatchFiniteDifferences) {
   EXPECT_NE(test::error_of([&] { resolve_layer_plan(config, 0, tp); }).find("model.post_norm"), std::string::npos);
 }
 
+// A zero-bubble pipeline's split backward (input pass, then weight pass) of OLMo 2's blocks gives
+// the whole backward's gradients: the weight pass reads the blocks' inputs where the pre-norm
+// blocks read their norms' outputs.
+TEST(TransformerTest, PostNormSplitBackwardGivesTheWholeBackwardsGradients) {
+  auto backend = make_cpu_backend();
+  ModelConfig config = model_preset("llama-tiny");
+  config.post_norm = config.qk_norm = config.qk_norm_whole = true;
+  Transformer model(*backend, config);
+  model.init_weights(2);
+  ActivationStore store = model.allocate_stage_store(2, 7, 0, config.n_layer, true);
+  Tensor tok = test::random_tokens(backend->allocator(), {2, 8}, static_cast<int32_t>(config.vocab_size), 3);
+  for (int64_t b = 0; b < 2; ++b) {
+    for (int64_t t = 0; t < 7; ++t) {
+      store.tokens.data<int32_t>()[b * 7 + t] = tok.data<int32_t>()[b * 8 + t];
+      store.targets.data<int32_t>()[b * 7 + t] = tok.data<int32_t>()[b * 8 + t + 1];
+    }
+  }
+  model.zero_grads();
+  model.forward_stage(store, 0, config.n_layer);
+  model.backward_stage(store, 0, config.n_layer, 1.0f, BACKWARD_ALL);
+  const std::vector<double> whole = test::values(model.grads());
+  model.zero_grads();
+  model.forward_stage(store, 0, config.n_layer);
+  model.backward_stage(store, 0, config.n_layer, 1.0f, BACKWARD_INPUT);
+  model.backward_stage(store, 0, config.n_layer, 1.0f, BACKWARD_WEIGHT);
+  EXPECT_LT(test::max_rel_error(test::values(model.grads()), whole), 1e-6);
+}
+
 // SmolLM3's NoPE layers (model.nope_interval = 2: layer 1 of llama-tiny without RoPE): every
 // gradient against finite differences, and the layer's output truly unrotated: the same model
 // with RoPE everywhere gives other logits.
