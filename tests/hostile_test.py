@@ -31,6 +31,19 @@ from hostile_misc import *  # noqa: E402,F401,F403
 from hostile_server import *  # noqa: E402,F401,F403
 
 
+def caught_signals(pid: int) -> int:
+    """SigCgt of /proc/PID/status once PID runs loom: the signals it has installed handlers for
+    (loom supervise's forwarding handlers), 0 before its exec or its main()."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if not f.read().startswith(LOOM.encode()):
+                return 0
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    except (OSError, StopIteration):
+        return 0
+
+
 def blocked_signals(pid: int) -> int:
     """SigBlk of /proc/PID/status once PID runs loom (not Python's child before its exec, which
     blocks signals too): non-zero once loom's main() has blocked its signals."""
@@ -93,6 +106,12 @@ class HostileSignals(LoomCase):
     def supervise(self, *command: str, signals: tuple = (), after: float = 0.5) -> tuple[subprocess.Popen, str, str]:
         p = subprocess.Popen([LOOM, "supervise", "--restarts", "1000", "--backoff", "0.05", "--", *command], cwd=ROOT,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        # Signals are sent once supervise forwards them (its SIGTERM handler installed), not after a
+        # fixed time: loading the binary's libraries alone (cuBLASLt's initialisers) took 0.5 s on
+        # a loaded machine, and a SIGTERM before main() kills it with the default action.
+        t0 = time.time()
+        while not caught_signals(p.pid) & (1 << (signal.SIGTERM - 1)) and p.poll() is None and time.time() - t0 < 60:
+            time.sleep(0.001)
         time.sleep(after)
         for s in signals:
             p.send_signal(s)
