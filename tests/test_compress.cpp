@@ -412,9 +412,14 @@ TEST(QuantizedModel, ForwardAndDecodingEqualTheDequantizedWeightsInF32) {
 // Sequential calibration (compress/calibration.h) carries the hidden states from block to block:
 // with the weights unchanged, block 1's statistics are those of the whole model's forward (its
 // records of block 1's linear inputs), and the head's come from the final norm's output.
+// With OLMo 2's post-norms the q/k/v and gate/up projections read the residual stream (the block
+// input and mid), not a norm's output.
 TEST(SequentialCalibration, BlockStatisticsEqualTheWholeForwards) {
+ for (const bool post : {false, true}) {
+  SCOPED_TRACE(post ? "post_norm" : "pre-norm");
   auto backend = make_cpu_backend();
-  const ModelConfig c = tiny_config(ARCH_LLAMA);
+  ModelConfig c = tiny_config(ARCH_LLAMA);
+  c.post_norm = post;
   Transformer model(*backend, c);
   model.init_weights(3);
   const int64_t T = 8;
@@ -442,7 +447,8 @@ TEST(SequentialCalibration, BlockStatisticsEqualTheWholeForwards) {
   model.forward(store, false);
   const BlockSaved& b = store.blocks[1];
   const std::vector<Transformer::LinearWeight> weights = layer_linear_weights(model, 1);
-  const Tensor inputs[] = {b.attention.norm.out, b.attention.attn, b.mlp.norm.out, b.mlp.act};
+  const Tensor inputs[] = {post ? b.input : b.attention.norm.out, b.attention.attn, post ? b.mid : b.mlp.norm.out,
+                           b.mlp.act};
   auto check = [&](const InputStats& st, const Tensor& x, const std::string& name) {
     const int64_t K = static_cast<int64_t>(st.abs_sum.size()), rows = x.numel() / K;
     ASSERT_EQ(st.rows, rows) << name;
@@ -460,6 +466,7 @@ TEST(SequentialCalibration, BlockStatisticsEqualTheWholeForwards) {
   check(head.at(layer_linear_weights(model, c.n_layer)[0].name), store.final_norm, "head");
   // Out of order: refused.
   EXPECT_NE(error_of([&] { (void)calibration.stats(0); }).find("calibration"), std::string::npos);
+ }
 }
 
 TEST(QuantizedModel, FolderRoundTripsAndRejectsDamage) {

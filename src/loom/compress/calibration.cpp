@@ -108,8 +108,8 @@ std::map<std::string, InputStats> SequentialCalibration::stats(int64_t layer) {
   for (int64_t b = 0; b < batches_; ++b) {
     ActivationStore& s = run(layer, b);
     const BlockSaved& saved = s.blocks[static_cast<size_t>(layer)];
-    accumulate(stats, weights, {saved.attention.norm.out, saved.attention.attn, saved.mlp.norm.out, saved.mlp.act},
-               s.batch * seq_len_, batches_);
+    const std::array<Tensor, 4> inputs = block_linear_inputs(model_.config(), saved);
+    accumulate(stats, weights, {inputs.begin(), inputs.end()}, s.batch * seq_len_, batches_);
   }
   return stats;
 }

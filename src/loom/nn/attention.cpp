@@ -201,10 +201,11 @@ void attention_saved_fields(const ModelConfig& config, const LayerPlan& plan, co
     if (flash) field(s.lse, {B, H, T}, DTYPE_F32);  // the attention is not recomputed
     return;
   }
-  field(s.norm.out, {B, Ts, C}, saved_dtype(plan, LINEAR_ATTN_QKV));
+  // Post-norm: the norm's input (the projection's output) instead of its output, which goes
+  // straight into the residual stream.
+  field(config.post_norm ? s.post_in : s.norm.out, {B, Ts, C}, config.post_norm ? DTYPE_F32 : saved_dtype(plan, LINEAR_ATTN_QKV));
   if (!config.rmsnorm()) field(s.norm.mean, {B, Ts}, DTYPE_F32);
   field(s.norm.rstd, {B, Ts}, DTYPE_F32);
-  if (config.post_norm) field(s.post_in, {B, T, C}, DTYPE_F32);
   if (mla) {
     const int64_t dq = config.mla_q_rank, dc = config.mla_kv_rank;
     if (dq > 0) {
@@ -313,7 +314,7 @@ void AttentionLayer::forward(Backend& backend, const Tensor& x, AttentionSaved& 
   }
   if (post) {  // mid = x + norm(proj(attn)) (a whole layer: no tp)
     adapted_linear_forward(backend, proj_, s.attn, p.proj_w, q.proj_w, p.proj_b, s.post_in, proj_lora(s), links_.ws);
-    post_norm_residual(backend, config_, links_.ws, s.post_in, p.norm_w, p.norm_b, s.norm, x, mid);
+    post_norm_residual(backend, config_, s.post_in, p.norm_w, p.norm_b, s.norm, x, mid);
     return;
   }
   // mid = x + proj(attn); g: the heads' partial projections summed over tp.
@@ -344,11 +345,11 @@ void AttentionLayer::forward_rows(Backend& backend, const Tensor& x, AttentionSa
       host_rows_attend(backend, s, cache, layer, n);
     }
   }
-  if (post) {  // mid = x + norm(proj(attn)), the projection into the norm's (unused) output buffer
-    const Tensor y = s.norm.out.view(0, x.shape());
+  if (post) {  // mid = x + norm(proj(attn))
+    const Tensor y = s.post_in.view(0, x.shape());
     proj_.forward_plain(backend, s.attn, p.proj_w, p.proj_b, y, 0.0f, links_.ws);
     lora_forward(backend, s.attn, p.proj_lora, config_.lora_scale(), y, links_.ws, {}, p.proj_w);
-    post_norm_residual(backend, config_, links_.ws, y, p.norm_w, p.norm_b, s.norm, x, mid, true);
+    post_norm_residual(backend, config_, y, p.norm_w, p.norm_b, s.norm, x, mid);
     return;
   }
   backend.copy(x, mid);

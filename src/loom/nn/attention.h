@@ -32,7 +32,7 @@ struct AttentionParams {
 
 // What the attention sub-layer keeps for its backward, for one micro-batch.
 struct AttentionSaved {
-  NormSaved norm;  // norm1 of the block input (the residual stream's positions); post-norm: of post_in
+  NormSaved norm;  // norm1 of the block input (the residual stream's positions); post-norm: its statistics only
   Tensor post_in;  // model.post_norm: the output projection's output (B,T,C), the norm's input
   Tensor qkv;      // (B,T,(H+2KV)hd), after RoPE; not for MLA
   // model.qk_norm: the query and key heads before their norm, and the norms' rstd (one per row

@@ -115,6 +115,12 @@ int64_t block_saved_bytes(const ModelConfig& config, const LayerPlan& plan, cons
   return bytes + (has_moe_record(plan, shape) ? moe_saved_bytes(config, shape.batch * shape.seq_len, shape.ep) : 0);
 }
 
+std::array<Tensor, 4> block_linear_inputs(const ModelConfig& config, const BlockSaved& saved) {
+  const bool post = config.post_norm;
+  return {post ? saved.input : saved.attention.norm.out, saved.attention.attn, post ? saved.mid : saved.mlp.norm.out,
+          saved.mlp.act};
+}
+
 Block::Block(const ModelConfig& config, int64_t layer, BlockParams params, BlockParams grads)
     : config_(config),
       layer_(layer),

@@ -120,19 +120,10 @@ InputPass input_pass(Backend& backend, BackwardPart part, const Tensor& kept) {
   return {backend, part == BACKWARD_INPUT};
 }
 
-void post_norm_residual(Backend& backend, const ModelConfig& config, LinearWorkspace* ws, const Tensor& y,
-                        const Tensor& weight, const Tensor& bias, const NormSaved& norm, const Tensor& residual,
-                        const Tensor& out, bool rows) {
-  if (rows) {
-    const Tensor normed = Tensor::empty(backend.allocator(), y.shape(), DTYPE_F32, MEM_WORKSPACE);
-    norm_forward(backend, config, y, weight, bias, normed, norm.mean, norm.rstd);
-    backend.copy(residual, out);
-    backend.add_inplace(out, normed);
-    return;
-  }
-  norm_forward_saved(backend, config, ws, y, weight, bias, norm);
-  backend.copy(residual, out);
-  backend.add_inplace(out, norm.out);
+void post_norm_residual(Backend& backend, const ModelConfig& config, const Tensor& y, const Tensor& weight,
+                        const Tensor& bias, const NormSaved& norm, const Tensor& residual, const Tensor& out) {
+  norm_forward(backend, config, y, weight, bias, out, norm.mean, norm.rstd);
+  backend.add_inplace(out, residual);
 }
 
 void norm_residual_backward(Backend& backend, const ModelConfig& config, const LayerLinks& links, BlockScratch& k,

@@ -163,12 +163,11 @@ void norm_residual_backward(Backend& backend, const ModelConfig& config, const L
                             bool partial, const Tensor& d_residual, const Tensor& x, const Tensor& weight,
                             const NormSaved& norm, const Tensor& dweight, const Tensor& dbias);
 
-// A sub-layer's post-norm (model.post_norm, OLMo 2): out = residual + norm(y), the norm's output
-// and statistics in `norm` (its input y kept by the caller for the backward); with `rows`
-// (decoding) its output goes to a fresh workspace instead, norm.out holding y.
-void post_norm_residual(Backend& backend, const ModelConfig& config, LinearWorkspace* ws, const Tensor& y,
-                        const Tensor& weight, const Tensor& bias, const NormSaved& norm, const Tensor& residual,
-                        const Tensor& out, bool rows = false);
+// A sub-layer's post-norm (model.post_norm, OLMo 2): out = norm(y) + residual, the norm's
+// statistics in `norm` (its input y kept by the caller for the backward). out must not alias
+// residual.
+void post_norm_residual(Backend& backend, const ModelConfig& config, const Tensor& y, const Tensor& weight,
+                        const Tensor& bias, const NormSaved& norm, const Tensor& residual, const Tensor& out);
 
 // The KV caches of the sequences a decoding step runs (Block::forward_rows), kept by the caller
 // (infer/engine.h), one row per sequence.

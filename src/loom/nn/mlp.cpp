@@ -14,11 +14,11 @@ void mlp_saved_fields(const ModelConfig& config, const LayerPlan& plan, const Sa
     field(s.fc, {B, T, config.mlp_in_width()}, DTYPE_F32);
     return;
   }
-  field(s.norm.out, {B, Ts, C}, saved_dtype(plan, LINEAR_MLP_IN));
+  // Post-norm (dense only): the norm's input (fc2's output) instead of its output.
+  field(config.post_norm ? s.post_in : s.norm.out, {B, Ts, C}, config.post_norm ? DTYPE_F32 : saved_dtype(plan, LINEAR_MLP_IN));
   if (!config.rmsnorm()) field(s.norm.mean, {B, Ts}, DTYPE_F32);
   field(s.norm.rstd, {B, Ts}, DTYPE_F32);
   if (!dense) return;
-  if (config.post_norm) field(s.post_in, {B, T, C}, DTYPE_F32);
   field(s.fc, {B, T, config.mlp_in_width()}, DTYPE_F32);
   field(s.act, {B, T, config.d_ff}, saved_dtype(plan, LINEAR_MLP_OUT));
   if (shape.split_backward) {
@@ -55,7 +55,7 @@ void MlpLayer::forward(Backend& backend, const Tensor& mid, MlpSaved& s, const T
   activation(backend, s);
   if (post) {  // out = mid + norm(fc2(act)) (a whole layer: no tp)
     adapted_linear_forward(backend, fc2_, s.act, p.fc2_w, q.fc2_w, p.fc2_b, s.post_in, fc2_lora(s), links_.ws);
-    post_norm_residual(backend, config_, links_.ws, s.post_in, p.norm_w, p.norm_b, s.norm, mid, out);
+    post_norm_residual(backend, config_, s.post_in, p.norm_w, p.norm_b, s.norm, mid, out);
     return;
   }
   // out = mid + fc2(act); g: the hidden slices' partial outputs (and LoRA's terms) summed over tp.
@@ -95,10 +95,10 @@ void MlpLayer::forward_rows(Backend& backend, const Tensor& mid, MlpSaved& s, co
   lora_forward(backend, input, p.fc_lora, config_.lora_scale(), s.fc, links_.ws, {}, p.fc_w);
   activation(backend, s);
   if (post) {  // out = mid + norm(fc2(act))
-    const Tensor y = s.norm.out.view(0, mid.shape());
+    const Tensor y = s.post_in.view(0, mid.shape());
     fc2_.forward_plain(backend, s.act, p.fc2_w, p.fc2_b, y, 0.0f, links_.ws);
     lora_forward(backend, s.act, p.fc2_lora, config_.lora_scale(), y, links_.ws, {}, p.fc2_w);
-    post_norm_residual(backend, config_, links_.ws, y, p.norm_w, p.norm_b, s.norm, mid, out, true);
+    post_norm_residual(backend, config_, y, p.norm_w, p.norm_b, s.norm, mid, out);
     return;
   }
   backend.copy(mid, out);

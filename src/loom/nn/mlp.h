@@ -27,7 +27,7 @@ struct MlpParams {
 
 // What the MLP sub-layer keeps for its backward, for one micro-batch.
 struct MlpSaved {
-  NormSaved norm;  // norm2 of mid (the residual stream's positions); post-norm: of post_in
+  NormSaved norm;  // norm2 of mid (the residual stream's positions); post-norm: its statistics only
   Tensor post_in;  // model.post_norm: fc2's output (B,T,C), the norm's input
   Tensor fc;       // (B,T,F or 2F) pre-activation: dense
   Tensor act;      // (B,T,F): dense
