@@ -31,30 +31,27 @@ from hostile_misc import *  # noqa: E402,F401,F403
 from hostile_server import *  # noqa: E402,F401,F403
 
 
-def caught_signals(pid: int) -> int:
-    """SigCgt of /proc/PID/status once PID runs loom: the signals it has installed handlers for
-    (loom supervise's forwarding handlers), 0 before its exec or its main()."""
+def loom_signal_mask(pid: int, field: str) -> int:
+    """A signal mask of /proc/PID/status (field SigBlk: blocked, SigCgt: with a handler) once PID
+    runs loom; 0 before (Python's child blocks signals too before its exec) or if PID is gone."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             if not f.read().startswith(LOOM.encode()):
                 return 0
         with open(f"/proc/{pid}/status") as f:
-            return next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+            return next(int(line.split()[1], 16) for line in f if line.startswith(field + ":"))
     except (OSError, StopIteration):
         return 0
+
+
+def caught_signals(pid: int) -> int:
+    """The signals loom has installed handlers for (loom supervise's forwarding handlers)."""
+    return loom_signal_mask(pid, "SigCgt")
 
 
 def blocked_signals(pid: int) -> int:
-    """SigBlk of /proc/PID/status once PID runs loom (not Python's child before its exec, which
-    blocks signals too): non-zero once loom's main() has blocked its signals."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if not f.read().startswith(LOOM.encode()):
-                return 0
-        with open(f"/proc/{pid}/status") as f:
-            return next(int(line.split()[1], 16) for line in f if line.startswith("SigBlk:"))
-    except (OSError, StopIteration):
-        return 0
+    """Non-zero once loom's main() has blocked its signals."""
+    return loom_signal_mask(pid, "SigBlk")
 
 
 class HostileSignals(LoomCase):
