@@ -122,6 +122,14 @@ class Gguf(unittest.TestCase):
         cls.results["smollm3 nope, tied"] = cls.check(
             "smollm3 nope, tied", cls.data, cls.tokenizer,
             ARCHS["llama"] + ",model.n_layer=4,model.nope_interval=4,model.tie_embeddings=true", PROMPTS, HF_TYPES)
+        # Gemma 3's shape: pre and post norms, per-head q/k norms, GeGLU, the embedding times
+        # sqrt(64) = 8, a tied head, layers 0-4 within a window of 8 (RoPE base 10000) and layer 5
+        # global, written as llama.cpp's gemma3 (its pattern of 6 and local base are fixed there).
+        cls.results["gemma3 sandwich, swa"] = cls.check(
+            "gemma3 sandwich, swa", cls.data, cls.tokenizer,
+            ARCHS["llama"] + ",model.n_layer=6,model.sandwich_norm=true,model.qk_norm=true,"
+            "model.gate_activation=gelu_tanh,model.embed_scale=8,model.tie_embeddings=true,model.attn_window=8,"
+            "model.window_pattern=6,model.rope_local_theta=10000", PROMPTS, HF_TYPES)
         for name, tokenizer in (("hf llama, tokenizer.json", cls.llama3_style_tokenizer()),
                                 ("hf llama, tokenizer.model", cls.sentencepiece_tokenizer())):
             data = os.path.join(cls.tmp, "data_" + os.path.basename(tokenizer))

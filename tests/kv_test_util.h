@@ -23,7 +23,7 @@ struct CacheRows : DecodeCache {
   void attend(int64_t layer, int64_t row, const float* q, const float* k, const float* v, float* out) override {
     const int64_t seq = seqs[static_cast<size_t>(row)];
     cache->write(seq, layer, k, v);
-    cache->attend(seq, layer, q, out, config->n_head, config->n_kv_head, config->head_dim(), config->attn_window);
+    cache->attend(seq, layer, q, out, config->n_head, config->n_kv_head, config->head_dim(), config->layer_window(layer));
   }
   const float* latent(int64_t, int64_t, const float*, int64_t*) override { return nullptr; }
 };

@@ -92,9 +92,9 @@ class StrictBackend final : public Backend {
   void gelu_backward(const Tensor& x, const Tensor& dout, const Tensor& dx) override {
     cpu_->gelu_backward(h(x), h(dout), h(dx));
   }
-  void swiglu_forward(const Tensor& x, const Tensor& out) override { cpu_->swiglu_forward(h(x), h(out)); }
-  void swiglu_backward(const Tensor& x, const Tensor& dout, const Tensor& dx) override {
-    cpu_->swiglu_backward(h(x), h(dout), h(dx));
+  void glu_forward(const Tensor& x, const Tensor& out, GateActivation act) override { cpu_->glu_forward(h(x), h(out), act); }
+  void glu_backward(const Tensor& x, const Tensor& dout, const Tensor& dx, GateActivation act) override {
+    cpu_->glu_backward(h(x), h(dout), h(dx), act);
   }
   void head_rmsnorm_forward(const Tensor& x, const Tensor& weight, int64_t first, int64_t n, int64_t hd, float eps,
                             const Tensor& in, const Tensor& rstd) override {
@@ -103,6 +103,18 @@ class StrictBackend final : public Backend {
   void head_rmsnorm_backward(const Tensor& dx, const Tensor& in, const Tensor& weight, const Tensor& rstd, int64_t first,
                              int64_t n, int64_t hd, const Tensor& dweight) override {
     cpu_->head_rmsnorm_backward(h(dx), h(in), h(weight), h(rstd), first, n, hd, h(dweight));
+  }
+  void delta_rule_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
+                          const Tensor& initial_state, const Tensor& out, const Tensor& final_state,
+                          DeltaRuleForm form, int64_t chunk) override {
+    cpu_->delta_rule_forward(h(q), h(k), h(v), h(g), h(beta), h(initial_state), h(out), h(final_state), form, chunk);
+  }
+  void delta_rule_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
+                           const Tensor& initial_state, const Tensor& dout, const Tensor& dfinal_state,
+                           const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dg, const Tensor& dbeta,
+                           const Tensor& dinitial_state, DeltaRuleForm form, int64_t chunk) override {
+    cpu_->delta_rule_backward(h(q), h(k), h(v), h(g), h(beta), h(initial_state), h(dout), h(dfinal_state), h(dq),
+                              h(dk), h(dv), h(dg), h(dbeta), h(dinitial_state), form, chunk);
   }
   void rope_forward(const Tensor& x, int64_t head_dim, int64_t n_heads, const RopeSpec& rope,
                     int64_t pos_offset) override {

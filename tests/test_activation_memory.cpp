@@ -36,7 +36,7 @@ int64_t ceil_div(int64_t x, int64_t y) { return (x + y - 1) / y; }
 int64_t loom_layer_bytes(const ModelConfig& g, int64_t t, int64_t b, int64_t s) {
   const int64_t h = g.d_model, a = g.n_head, kv = g.n_kv_head, hd = g.head_dim(), F = g.d_ff;
   const int64_t stats = g.rmsnorm() ? 2 : 4;  // per token, both norms together
-  const int64_t m = g.swiglu() ? 2 : 1;
+  const int64_t m = g.gated_mlp() ? 2 : 1;
   const int64_t replicated = 4 * s * b * h + stats * s * b;
   const int64_t sliced = s * b * (a + 2 * kv) * hd + a * s * s * b + s * b * a * hd + m * s * b * F + s * b * F;
   EXPECT_EQ(sliced % t, 0);
@@ -72,7 +72,7 @@ struct Difference {
 
 Difference difference(const ModelConfig& g, int64_t t, int64_t b, int64_t s) {
   const int64_t h = g.d_model, a = g.n_head, kv = g.n_kv_head, hd = g.head_dim(), F = g.d_ff;
-  const int64_t m = g.swiglu() ? 2 : 1;
+  const int64_t m = g.gated_mlp() ? 2 : 1;
   Difference d;
   d.norm_stats = kF32 * (g.rmsnorm() ? 2 : 4) * s * b;
   d.dropout_output = -kF32 * a * s * s * b / t;
@@ -215,7 +215,7 @@ TEST(ActivationMemoryTest, ContextParallelKeepsOneCpthPlusTheLogSumExp) {
       EXPECT_EQ(layer, expected) << preset << " cp=" << cp;
       const double reference = 64.0 * static_cast<double>(s * b * h) / static_cast<double>(cp);
       const double ratio = static_cast<double>(layer) / reference;
-      if (!g.swiglu()) {
+      if (!g.gated_mlp()) {
         EXPECT_NEAR(ratio, 1.0 + (16.0 + 4.0 * a) / (64.0 * h), 1e-12) << preset;
       }
       std::printf("%s cp=%lld: %lld bytes per layer, Korthikanti per-position part / cp (fp32, no dropout) %.0f, "

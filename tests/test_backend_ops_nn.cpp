@@ -79,18 +79,20 @@ TEST_P(BackendOpsTest, GeluForwardBackward) {
   }
 }
 
-TEST_P(BackendOpsTest, SwiGluForwardBackward) {
+TEST_P(BackendOpsTest, GluForwardBackward) {
   for (DType dtype : kFloatTypes) {
-    for (auto [N, F] : {std::pair<int64_t, int64_t>{17, 37}, {2048, 1024}}) {
+    for (auto [N, F, act] : {std::tuple<int64_t, int64_t, GateActivation>{17, 37, GateActivation::silu},
+                             {2048, 1024, GateActivation::silu}, {17, 37, GateActivation::gelu_tanh},
+                             {2048, 1024, GateActivation::gelu_tanh}}) {
       Operands x;
       x.tensors["x"] = rnd({N, 2 * F}, dtype, 1, 6.0);
       x.tensors["dout"] = rnd({N, F}, dtype, 2);
       x.tensors["out"] = nans({N, F}, dtype);
       x.tensors["dx"] = nans({N, 2 * F}, dtype);
-      check(str_cat("swiglu ", dt(dtype), " (", N, ", ", F, ")"), x,
-            [](Backend& be, Operands& o) {
-              be.swiglu_forward(o["x"], o["out"]);
-              be.swiglu_backward(o["x"], o["dout"], o["dx"]);
+      check(str_cat("glu ", enum_name(act), " ", dt(dtype), " (", N, ", ", F, ")"), x,
+            [act](Backend& be, Operands& o) {
+              be.glu_forward(o["x"], o["out"], act);
+              be.glu_backward(o["x"], o["dout"], o["dx"], act);
             },
             {{"out", elementwise_tol(dtype)}, {"dx", elementwise_tol(dtype)}});
     }
@@ -107,9 +109,14 @@ TEST_P(BackendOpsTest, RopeForwardBackwardWithPosOffset) {
     RopeSpec theta;
   };
   const RopeSpec llama31{500000.0, ROPE_SCALING_LLAMA3, 8.0, 1.0, 4.0, 8192.0};
+  // LongRoPE over an original context of 40: the span [5, 22) takes the short factors, [30, 63) the long.
+  RopeSpec longrope{10000.0, ROPE_SCALING_LONGROPE, 1.0, 1.0, 4.0, 40.0};
+  longrope.amplitude = 1.19;
+  for (int j = 0; j < 32; ++j) longrope.short_factor[j] = 1.0f + 0.05f * j, longrope.long_factor[j] = 1.0f + 0.9f * j;
   for (DType dtype : kFloatTypes) {
     for (const Case& c : {Case{2, 17, 3, 1, 8, 5, {10000.0}}, Case{4, 256, 4, 4, 64, 1000, {500000.0}},
-                          Case{2, 33, 2, 1, 64, 7000, llama31}}) {
+                          Case{2, 33, 2, 1, 64, 7000, llama31}, Case{2, 17, 2, 1, 64, 5, longrope},
+                          Case{2, 33, 2, 1, 64, 30, longrope}}) {
       const int64_t W = (c.H + 2 * c.KV) * c.hd, rotated = c.H + c.KV;
       Operands x;
       x.tensors["x"] = rnd({c.B, c.T, W}, dtype, 1);

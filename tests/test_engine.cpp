@@ -60,11 +60,11 @@ std::vector<int32_t> alone(Transformer& model, const GenerationRequest& r, bool 
 
 // Also with a sliding window (model.attn_window = 3 < T = 11): each row attends to its last 3
 // positions, as row t of the windowed forward does; and with Qwen3's q/k norm plus Llama 3.1's
-// RoPE scaling (each row normed and rotated at its own position); and with SmolLM3's NoPE layers
-// and OLMo 2's post-norms.
+// RoPE scaling (each row normed and rotated at its own position); and with SmolLM3's NoPE layers,
+// OLMo 2's post-norms and Gemma 3's blocks (a windowed and a global layer, each with its RoPE).
 TEST(EngineTest, RowDecodingMatchesTheFullForward) {
   for (const std::string preset : {"gpt2-tiny", "llama-tiny", "moe-tiny", "gpt2-tiny+window", "llama-tiny+window",
-                                   "llama-tiny+qknorm", "llama-tiny+nope", "llama-tiny+olmo2"}) {
+                                   "llama-tiny+qknorm", "llama-tiny+nope", "llama-tiny+olmo2", "gemma-tiny"}) {
     const bool windowed = preset.find("+window") != std::string::npos;
     ModelConfig config = model_preset(preset.substr(0, preset.find('+')));
     if (windowed) config.attn_window = 3;
@@ -121,7 +121,8 @@ TEST(EngineTest, RowDecodingMatchesTheFullForward) {
 // A prompt's store (the engine's prefill) holds the last position's logits alone: V floats
 // instead of T V, equal to the whole forward's last row within f32 rounding (the head multiplies
 // one row); a loss over it is refused.
-// A tiny preset with a 64-position context; "+window": a sliding window of 3 positions.
+// A tiny preset with a 64-position context; "+window": a sliding window of 3 positions
+// (gemma-tiny: its windowed layer 0 and global layer 1).
 ModelConfig long_context_preset(const std::string& preset) {
   ModelConfig config = model_preset(preset.substr(0, preset.find('+')));
   config.max_seq_len = 64;
@@ -187,7 +188,7 @@ TEST(EngineTest, SpeculativeDecodingKeepsTheGreedyTokens) {
 // up in chunks); a sampled request keeps its length. A draft of another vocabulary or a shorter
 // context, and a draft without --speculate, are refused by name.
 TEST(EngineTest, DraftModelKeepsTheGreedyTokens) {
-  for (const std::string preset : {"gpt2-tiny", "llama-tiny", "moe-tiny", "llama-tiny+window"}) {
+  for (const std::string preset : {"gpt2-tiny", "llama-tiny", "moe-tiny", "llama-tiny+window", "gemma-tiny"}) {
     const ModelConfig config = long_context_preset(preset);
     auto backend = make_cpu_backend();
     Transformer model(*backend, config, ModelUse{.gradients = false}), same(*backend, config, ModelUse{.gradients = false});
@@ -293,7 +294,7 @@ TEST(EngineTest, KvPoolFitsTheMemoryBudget) {
 // tokens still runs in one forward. The activations a long prompt's steps hold do not grow with
 // the prompt (24 and 56 tokens: the same peak), where the whole-prompt forward's do.
 TEST(EngineTest, ChunkedPrefillMatchesTheWholeForwardInBoundedMemory) {
-  for (const std::string preset : {"gpt2-tiny", "llama-tiny", "llama-tiny+window"}) {
+  for (const std::string preset : {"gpt2-tiny", "llama-tiny", "llama-tiny+window", "gemma-tiny"}) {
     const ModelConfig config = long_context_preset(preset);
     auto backend = make_cpu_backend();
     Transformer model(*backend, config, ModelUse{.gradients = false});
@@ -881,7 +882,7 @@ TEST(ChunkAttentionTest, KeyTilesMatchANaiveSoftmax) {
     }
     loom::ChunkAttention attention(c);
     std::vector<float> got(q.size()), per_head(q.size());
-    attention.run(first, n, lo, attention.interleaved([&](int64_t begin, int64_t end, float* kk, float* vv) {
+    attention.run(first, n, lo, W, attention.interleaved([&](int64_t begin, int64_t end, float* kk, float* vv) {
       std::copy(k.begin() + (lo + begin) * G * hd, k.begin() + (lo + end) * G * hd, kk);
       std::copy(v.begin() + (lo + begin) * G * hd, v.begin() + (lo + end) * G * hd, vv);
     }), q.data(), c.n_head * hd, got.data(), c.n_head * hd);
@@ -894,7 +895,7 @@ TEST(ChunkAttentionTest, KeyTilesMatchANaiveSoftmax) {
         std::copy_n(v.begin() + (t * G + g) * hd, hd, vh.data<float>() + (g * P + t) * hd);
       }
     }
-    attention.run(first, n, lo, [&](int64_t g, int64_t begin, int64_t end) {
+    attention.run(first, n, lo, W, [&](int64_t g, int64_t begin, int64_t end) {
       return std::pair{kh.view((g * P + lo + begin) * hd, {end - begin, hd}), vh.view((g * P + lo + begin) * hd, {end - begin, hd})};
     }, q.data(), c.n_head * hd, per_head.data(), c.n_head * hd);
     // The last tile alone (no window: its rows would see the earlier positions): a variant that
@@ -902,7 +903,7 @@ TEST(ChunkAttentionTest, KeyTilesMatchANaiveSoftmax) {
     std::vector<float> last(q.size());
     if (W == 0) {
     const int64_t tail = (P - lo - 1) / loom::ChunkAttention::kTile * loom::ChunkAttention::kTile;
-    attention.run(first, n, lo + tail, [&](int64_t g, int64_t begin, int64_t end) {
+    attention.run(first, n, lo + tail, W, [&](int64_t g, int64_t begin, int64_t end) {
       return std::pair{kh.view((g * P + lo + tail + begin) * hd, {end - begin, hd}), vh.view((g * P + lo + tail + begin) * hd, {end - begin, hd})};
     }, q.data(), c.n_head * hd, last.data(), c.n_head * hd);
     }
@@ -931,7 +932,7 @@ TEST(ChunkAttentionTest, KeyTilesMatchANaiveSoftmax) {
 // of its own (no cached prefix) is far from it, so the prefix is read; the activation peak does not
 // grow with the sequence; MLA is refused by name.
 TEST(ScoreTest, ChunkedScoringMatchesTheWholeForwardInBoundedMemory) {
-  for (const std::string preset : {"gpt2-tiny", "llama-tiny", "llama-tiny+window"}) {
+  for (const std::string preset : {"gpt2-tiny", "llama-tiny", "llama-tiny+window", "gemma-tiny"}) {
     const ModelConfig config = long_context_preset(preset);
     auto backend = make_cpu_backend();
     Transformer model(*backend, config, ModelUse{.gradients = false});

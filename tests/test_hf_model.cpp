@@ -100,7 +100,8 @@ TEST_P(HfImport, ExportAndReimportAreBitwise) {
 
 INSTANTIATE_TEST_SUITE_P(Families, HfImport,
                          ::testing::Values("gpt2", "gpt2_plain", "llama", "mistral", "qwen2", "llama32", "qwen3", "mixtral",
-                                           "qwen3_moe", "deepseek_v2", "deepseek_v3", "smollm3", "phi3", "olmo2"));
+                                           "qwen3_moe", "deepseek_v2", "deepseek_v3", "smollm3", "phi3", "olmo2",
+                                           "gemma3", "phi3_longrope"));
 
 // ---------------------------------------------------------------- bf16 weights used in place
 
@@ -292,9 +293,17 @@ TEST(HfImportErrors, UnknownOrUnsupportedConfigKeysAreRefusedByName) {
       {"smollm3", [](nlohmann::json& j) { j["use_sliding_window"] = true; }, "use_sliding_window"},
       {"phi3", [](nlohmann::json& j) { j["partial_rotary_factor"] = 0.75; }, "partial_rotary_factor"},
       {"phi3", [](nlohmann::json& j) { j["rope_scaling"] = {{"type", "longrope"}, {"short_factor", {1.0}}, {"long_factor", {1.0}}}; },
-       "'longrope' is not supported (linear, llama3, yarn): LongRoPE's per-pair factors switch"},
+       "model.rope_short_factors has 1 factors, expected head_dim / 2 = 4"},
+      {"phi3_longrope", [](nlohmann::json& j) { j["rope_scaling"]["long_factor"][2] = -1.0; }, "long_factor has -1.0, expected positive"},
       {"qwen2", [](nlohmann::json& j) { j["use_mrope"] = true; }, "use_mrope"},
-      {"llama", [](nlohmann::json& j) { j["model_type"] = "gemma3_text"; }, "model_type 'gemma3_text' is not supported yet: Gemma 3 needs"},
+      {"llama", [](nlohmann::json& j) { j["model_type"] = "gemma2"; }, "model_type 'gemma2' is not supported yet: Gemma 2 needs"},
+      // Gemma 3: 27B's query_pre_attn_scalar, Gemma 2's soft-capping, layer types of another pattern
+      {"gemma3", [](nlohmann::json& j) { j["query_pre_attn_scalar"] = 168; }, "query_pre_attn_scalar = 168 is not supported"},
+      {"gemma3", [](nlohmann::json& j) { j["final_logit_softcapping"] = 30.0; }, "final_logit_softcapping = 30.0 is not supported"},
+      {"gemma3", [](nlohmann::json& j) { j["hidden_activation"] = "silu"; }, "hidden_activation"},
+      {"gemma3", [](nlohmann::json& j) {
+         j["layer_types"] = {"sliding_attention", "full_attention", "full_attention", "sliding_attention"};
+       }, "layer_types = [\"sliding_attention\",\"full_attention\",\"full_attention\",\"sliding_attention\"] is not supported"},
   };
   int i = 0;
   for (const Case& c : cases) {

@@ -166,7 +166,7 @@ ModelConfig family_preset(const std::string& name) {
 }
 
 TEST(LoraModel, AdapterGradientsMatchFiniteDifferencesAndTheBaseGetsNone) {
-  for (const char* preset : {"gpt2-tiny", "llama-tiny", "llama-tiny+olmo2", "llama-tiny+nope"}) {
+  for (const char* preset : {"gpt2-tiny", "llama-tiny", "llama-tiny+olmo2", "llama-tiny+nope", "gemma-tiny"}) {
     auto backend = make_cpu_backend();
     const ModelConfig base = family_preset(preset);
     const ModelConfig c = lora_of(base, base.arch == ARCH_GPT2 ? "q,k,v,o,up,down" : "q,v,o,gate,down", 2, 4.0f);
@@ -271,7 +271,7 @@ void expect_decoding_matches_full(Backend& backend, Transformer& model, const st
 }
 
 TEST(LoraModel, DecodingRowsMatchTheFullForward) {
-  for (const char* preset : {"gpt2-tiny", "llama-tiny", "llama-tiny+olmo2", "llama-tiny+nope"}) {
+  for (const char* preset : {"gpt2-tiny", "llama-tiny", "llama-tiny+olmo2", "llama-tiny+nope", "gemma-tiny"}) {
     auto backend = make_cpu_backend();
     const ModelConfig base = family_preset(preset);
     Transformer model(*backend, lora_of(base, every_target(base)));

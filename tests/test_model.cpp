@@ -143,6 +143,41 @@ TEST(TransformerTest, PostNormsAndWholeQkNormsGradientsMatchFiniteDifferences) {
   EXPECT_NE(test::error_of([&] { resolve_layer_plan(config, 0, tp); }).find("model.post_norm"), std::string::npos);
 }
 
+// Gemma 3's blocks (the gemma-tiny preset): pre and post norms around attention and MLP, per-head
+// q/k norms, GeGLU, the embedding times sqrt(d), a windowed layer with its own RoPE base and a
+// global one with linear scaling, a tied head: every gradient against finite differences, with
+// and without flash attention. Each feature matters: dropping one changes the loss.
+TEST(TransformerTest, Gemma3BlocksGradientsMatchFiniteDifferences) {
+  const ModelConfig config = model_preset("gemma-tiny");
+  auto backend = make_cpu_backend();
+  Transformer model(*backend, config);
+  for (const char* name : {"input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                           "post_feedforward_layernorm"}) {
+    EXPECT_EQ(model.param(str_cat("model.layers.1.", name, ".weight")).numel(), config.d_model) << name;
+  }
+  for (const bool flash : {false, true}) expect_fd_gradients(config, flash, flash ? "gemma3 flash" : "gemma3");
+  const auto loss_of = [&](const ModelConfig& c) {
+    Transformer m(*backend, c);
+    m.init_weights(4);
+    Tensor tok = test::random_tokens(backend->allocator(), {1, 9}, static_cast<int32_t>(c.vocab_size), 3);
+    ActivationStore store = test::next_token_store(m, std::vector<int32_t>(tok.data<int32_t>(), tok.data<int32_t>() + 9));
+    return m.forward(store);
+  };
+  const double gemma = loss_of(config);
+  for (int variant = 0; variant < 5; ++variant) {
+    ModelConfig other = config;
+    if (variant == 0) other.gate_activation = GateActivation::silu;
+    if (variant == 1) other.embed_scale = 0.0f;
+    if (variant == 2) other.rope_local_theta = 0.0f;
+    if (variant == 3) other.window_pattern = 0, other.rope_local_theta = 0.0f;
+    if (variant == 4) other.attn_window = 0, other.window_pattern = 0, other.rope_local_theta = 0.0f;
+    EXPECT_GT(std::abs(loss_of(other) - gemma), 1e-6) << "variant " << variant;
+  }
+  PlanChoices tp;
+  tp.tensor_parallel = true;
+  EXPECT_NE(test::error_of([&] { resolve_layer_plan(config, 0, tp); }).find("model.sandwich_norm"), std::string::npos);
+}
+
 // A zero-bubble pipeline's split backward (input pass, then weight pass) of OLMo 2's blocks gives
 // the whole backward's gradients: the weight pass reads the blocks' inputs where the pre-norm
 // blocks read their norms' outputs.

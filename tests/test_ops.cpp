@@ -292,30 +292,38 @@ TEST_F(OpsTest, GeluBackwardF32MatchesF64) {
   EXPECT_LT(max_rel_error(values(dx), values(dx64)), 2e-6);
 }
 
-TEST_F(OpsTest, SwiGluForwardMatchesNaive) {
+// SwiGLU: silu(g) u; GeGLU (Gemma's gelu_pytorch_tanh): 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) u.
+TEST_F(OpsTest, GluForwardMatchesNaive) {
   const int64_t N = 5, F = 19;
-  Tensor x = f32({N, 2 * F}, 1, 6.0), out = empty({N, F}, DTYPE_F32);
-  backend->swiglu_forward(x, out);
-  const auto xv = values(x);
-  std::vector<double> expected(N * F);
-  for (int64_t r = 0; r < N; ++r) {
-    for (int64_t j = 0; j < F; ++j) {
-      const double g = xv[r * 2 * F + j], u = xv[r * 2 * F + F + j];
-      expected[r * F + j] = g / (1 + std::exp(-g)) * u;
+  for (GateActivation act : {GateActivation::silu, GateActivation::gelu_tanh}) {
+    Tensor x = f32({N, 2 * F}, 1, 6.0), out = empty({N, F}, DTYPE_F32);
+    backend->glu_forward(x, out, act);
+    const auto xv = values(x);
+    std::vector<double> expected(N * F);
+    for (int64_t r = 0; r < N; ++r) {
+      for (int64_t j = 0; j < F; ++j) {
+        const double g = xv[r * 2 * F + j], u = xv[r * 2 * F + F + j];
+        const double a = act == GateActivation::silu
+                             ? g / (1 + std::exp(-g))
+                             : 0.5 * g * (1 + std::tanh(std::sqrt(2 / M_PI) * (g + 0.044715 * g * g * g)));
+        expected[r * F + j] = a * u;
+      }
     }
+    EXPECT_LT(max_rel_error(values(out), expected), 2e-6) << enum_name(act);
   }
-  EXPECT_LT(max_rel_error(values(out), expected), 2e-6);
 }
 
-TEST_F(OpsTest, SwiGluBackwardMatchesFiniteDifferences) {
+TEST_F(OpsTest, GluBackwardMatchesFiniteDifferences) {
   const int64_t N = 5, F = 7;
-  Tensor x = f64({N, 2 * F}, 1, 4.0), dout = f64({N, F}, 2), out = empty({N, F}), dx = empty({N, 2 * F});
-  backend->swiglu_backward(x, dout, dx);
-  auto loss = [&] {
-    backend->swiglu_forward(x, out);
-    return weighted_sum(out, dout);
-  };
-  expect_gradient_matches(x, values(dx), loss, kFdTol, "dx");
+  for (GateActivation act : {GateActivation::silu, GateActivation::gelu_tanh}) {
+    Tensor x = f64({N, 2 * F}, 1, 4.0), dout = f64({N, F}, 2), out = empty({N, F}), dx = empty({N, 2 * F});
+    backend->glu_backward(x, dout, dx, act);
+    auto loss = [&] {
+      backend->glu_forward(x, out, act);
+      return weighted_sum(out, dout);
+    };
+    expect_gradient_matches(x, values(dx), loss, kFdTol, "dx");
+  }
 }
 
 // ---------------------------------------------------------------- RoPE
@@ -348,6 +356,36 @@ TEST_F(OpsTest, RopeForwardRotatesHalvesByPositionAngles) {
 // Llama 3.1's rescaled frequencies, written as its reference does (torch.where over the three
 // bands), linear scaling and YaRN (the ramp between the rounded correction dimensions, cos and
 // sin times the attention factor), against the op at positions past the original context.
+// LongRoPE (Phi-3 128k): pair j's frequency divided by short_factor[j] while the rotated span ends
+// within the original context (8), by long_factor[j] once it reaches past it, cos and sin times
+// the amplitude: a span [3, 8) takes the short factors, [3, 9) the long ones, and the one-row spans
+// decoding rotates choose by their own position.
+TEST_F(OpsTest, RopeLongRopePicksShortOrLongFactorsBySpan) {
+  const int64_t hd = 6, heads = 1;
+  RopeSpec r{10000.0, ROPE_SCALING_LONGROPE};
+  r.original_context = 8.0, r.amplitude = 1.25;
+  const float short_f[3] = {1.0f, 1.5f, 2.0f}, long_f[3] = {1.0f, 4.0f, 16.0f};
+  std::copy(short_f, short_f + 3, r.short_factor);
+  std::copy(long_f, long_f + 3, r.long_factor);
+  for (const int64_t T : {int64_t{5}, int64_t{6}, int64_t{1}}) {
+    const int64_t offset = T == 1 ? 8 : 3;  // a decoding row at position 8: past the context, long
+    const bool use_long = offset + T > 8;
+    Tensor x = f64({1, T, hd}, 7);
+    const auto before = values(x);
+    backend->rope_forward(x, hd, heads, r, offset);
+    const auto after = values(x);
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t j = 0; j < hd / 2; ++j) {
+        const double f = (use_long ? long_f : short_f)[j];
+        const double angle = (offset + t) * std::pow(10000.0, -2.0 * j / hd) / f;
+        const int64_t i0 = t * hd + j, i1 = i0 + hd / 2;
+        EXPECT_NEAR(after[i0], 1.25 * (before[i0] * std::cos(angle) - before[i1] * std::sin(angle)), 1e-12) << T;
+        EXPECT_NEAR(after[i1], 1.25 * (before[i1] * std::cos(angle) + before[i0] * std::sin(angle)), 1e-12) << T;
+      }
+    }
+  }
+}
+
 TEST_F(OpsTest, RopeScalingLlama3LinearAndYarnMatchTheirFormulas) {
   const int64_t T = 3, hd = 16, pos = 200;
   const double theta = 10000.0, factor = 8.0, low = 1.0, high = 4.0, context = 64.0;

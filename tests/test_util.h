@@ -132,14 +132,16 @@ inline double max_rel_error(const std::vector<double>& a, const std::vector<doub
   return err / std::max(scale, 1e-30);
 }
 
-// Central differences of loss() w.r.t. every element of x (f64), compared with `analytic`:
-// |numeric - analytic| <= tol * max(1, |analytic|). Step 1e-6 gives ~1e-9 error for smooth ops.
-inline void expect_gradient_matches(const Tensor& x, const std::vector<double>& analytic,
-                                    const std::function<double()>& loss, double tol, const char* what) {
-  ASSERT_EQ(x.dtype(), DTYPE_F64);
-  ASSERT_EQ(static_cast<int64_t>(analytic.size()), x.numel());
+// Central differences of loss() w.r.t. every element of x (f64) against `analytic`: the worst
+// |numeric - analytic| / max(1, |analytic|) over the elements, and where it is (`worst_at`).
+// Step 1e-6 gives ~1e-9 error for smooth ops.
+inline double fd_worst_ratio(const Tensor& x, const std::vector<double>& analytic, const std::function<double()>& loss,
+                             std::string* worst_at = nullptr) {
+  LOOM_CHECK(x.dtype() == DTYPE_F64 && static_cast<int64_t>(analytic.size()) == x.numel(),
+             "fd_worst_ratio: an f64 tensor and one analytic value per element");
   double* p = x.data<double>();
   const double h = 1e-6;
+  double worst = 0.0;
   for (int64_t i = 0; i < x.numel(); ++i) {
     const double saved = p[i];
     p[i] = saved + h;
@@ -148,9 +150,23 @@ inline void expect_gradient_matches(const Tensor& x, const std::vector<double>& 
     const double down = loss();
     p[i] = saved;
     const double numeric = (up - down) / (2 * h);
-    ASSERT_LE(std::abs(numeric - analytic[i]), tol * std::max(1.0, std::abs(analytic[i])))
-        << what << " element " << i << ": numeric " << numeric << " analytic " << analytic[i];
+    const double ratio = std::abs(numeric - analytic[i]) / std::max(1.0, std::abs(analytic[i]));
+    if (ratio > worst && worst_at != nullptr) {
+      *worst_at = "element " + std::to_string(i) + ": numeric " + std::to_string(numeric) + " analytic " +
+                  std::to_string(analytic[i]);
+    }
+    worst = std::max(worst, ratio);
   }
+  return worst;
+}
+
+// fd_worst_ratio within tol: |numeric - analytic| <= tol * max(1, |analytic|) for every element.
+inline void expect_gradient_matches(const Tensor& x, const std::vector<double>& analytic,
+                                    const std::function<double()>& loss, double tol, const char* what) {
+  ASSERT_EQ(x.dtype(), DTYPE_F64);
+  ASSERT_EQ(static_cast<int64_t>(analytic.size()), x.numel());
+  std::string at;
+  ASSERT_LE(fd_worst_ratio(x, analytic, loss, &at), tol) << what << " " << at;
 }
 
 // A one-sequence store of model for `tokens`: inputs tokens[0, n-1), targets tokens[1, n).

@@ -23,6 +23,10 @@ weights with each family's formulas as transformers writes them:
   phi3     Phi3ForCausalLM: llama's formulas with a sliding window, q/k/v and gate/up stored fused
   olmo2    Olmo2ForCausalLM: RMSNorm of the attention and MLP outputs before the residual add (no
            input norms), q/k RMSNorm over all heads at once, in bf16
+  gemma3   Gemma3ForCausalLM: (1 + w) RMSNorms before and after attention and MLP, per-head q/k
+           norms, GeGLU (gelu_pytorch_tanh), the embedding times sqrt(hidden_size), sliding and
+           global layers (sliding_window_pattern) with their own RoPE (local base, unscaled; global
+           base with linear scaling), MQA, wide heads, a tied head, in bf16
   deepseek_v2 / deepseek_v3  DeepseekV2/V3ForCausalLM (bf16): MLA with DeepSeek's interleaved RoPE
            pairs, a dense first layer, MoE with a shared expert (V2: softmax greedy, scaled; V3:
            compressed queries, sigmoid group-limited routing with the correction bias,
@@ -113,15 +117,21 @@ def gpt2_logits(cfg: dict, w: dict[str, torch.Tensor], tokens: torch.Tensor) -> 
     return ln(x, "ln_f") @ g["wte.weight"].T
 
 
-def rope_inv_freq(cfg: dict, d: int) -> torch.Tensor:
+def rope_inv_freq(cfg: dict, d: int, seq_len: int = 0) -> torch.Tensor:
     """theta^(-2i/d), rescaled as config.json's rope_scaling says: "linear" divides by factor;
     "llama3" (Llama 3.1) keeps wavelengths 2 pi / f below L / high_freq_factor, divides those above
-    L / low_freq_factor by factor and blends the ones between (L: original_max_position_embeddings)."""
+    L / low_freq_factor by factor and blends the ones between (L: original_max_position_embeddings);
+    "longrope" (Phi-3 128k) divides pair i by long_factor[i] when the sequence is longer than
+    original_max_position_embeddings, else by short_factor[i] (transformers' _compute_longrope_parameters)."""
     inv_freq = 1.0 / (cfg["rope_theta"] ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
     s = cfg.get("rope_scaling")
     if not s:
         return inv_freq
     kind = s.get("rope_type", s.get("type"))
+    if kind == "longrope":
+        original = cfg.get("original_max_position_embeddings", cfg["max_position_embeddings"])
+        factors = s["long_factor"] if seq_len > original else s["short_factor"]
+        return inv_freq / torch.tensor(factors, dtype=torch.float64)
     if kind == "linear":
         return inv_freq / s["factor"]
     if kind == "yarn":  # transformers' _compute_yarn_parameters (truncate = True)
@@ -151,6 +161,12 @@ def rope_amplitude(cfg: dict) -> float:
     """YaRN's factor on cos and sin: attention_factor, else mscale(f, mscale) / mscale(f, mscale_all_dim)
     when both are set, else mscale(f) (transformers; DeepSeek's code gives the same for its configs)."""
     s = cfg.get("rope_scaling")
+    if s and s.get("rope_type", s.get("type")) == "longrope":  # sqrt(1 + ln f / ln L), f = max / original
+        if s.get("attention_factor") is not None:
+            return s["attention_factor"]
+        original = cfg.get("original_max_position_embeddings", cfg["max_position_embeddings"])
+        f = cfg["max_position_embeddings"] / original
+        return 1.0 if f <= 1 else math.sqrt(1 + math.log(f) / math.log(original))
     if not s or s.get("rope_type", s.get("type")) != "yarn":
         return 1.0
     if s.get("attention_factor") is not None:
@@ -163,7 +179,7 @@ def rope_amplitude(cfg: dict) -> float:
 def rope(x: torch.Tensor, cfg: dict) -> torch.Tensor:
     """Rotate-half RoPE on (H, T, d): angle[t, i] = t inv_freq[i], duplicated over both halves."""
     T, d = x.shape[1], x.shape[2]
-    inv_freq = rope_inv_freq(cfg, d)
+    inv_freq = rope_inv_freq(cfg, d, T)
     angle = torch.arange(T, dtype=torch.float64).unsqueeze(1) * inv_freq.unsqueeze(0)
     angle = torch.cat([angle, angle], dim=-1)
     rotated = torch.cat([-x[..., d // 2:], x[..., : d // 2]], dim=-1)
@@ -288,6 +304,65 @@ def llama_logits(cfg: dict, w: dict[str, torch.Tensor], tokens: torch.Tensor) ->
     tied = cfg.get("tie_word_embeddings", cfg["model_type"] == "smollm3")  # SmolLM3Config's default: tied
     head = g["model.embed_tokens.weight"] if tied else g["lm_head.weight"]
     return rms(x, "model.norm.weight") @ head.T
+
+
+def gemma3_logits(cfg: dict, w: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
+    """Gemma3ForCausalLM (transformers' modeling_gemma3 / modular_gemma3): Gemma3RMSNorm scales by
+    (1 + w); the embedding is multiplied by sqrt(hidden_size) (a float32 scalar); layer i is a
+    sliding layer unless (i + 1) % sliding_window_pattern == 0, sliding layers rotating with
+    rope_local_base_freq and no scaling, full ones with rope_theta and rope_scaling; scores scale
+    by query_pre_attn_scalar^-1/2; out = x + post_norm(attn(input_norm(x))), then
+    + post_ff_norm(mlp(pre_ff_norm(.))); the MLP is gelu_tanh(gate) * up."""
+    g = {k: v.double() for k, v in w.items()}
+    C, H, KV, T = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], tokens.numel()
+    d, eps, W, N = cfg["head_dim"], cfg["rms_norm_eps"], cfg["sliding_window"], cfg["sliding_window_pattern"]
+    rms = lambda x, p: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + g[p])
+    local_cfg = dict(cfg, rope_theta=cfg["rope_local_base_freq"], rope_scaling=None)
+    scale = math.sqrt(d) / math.sqrt(cfg["query_pre_attn_scalar"])  # causal_attention divides by sqrt(d)
+    x = g["model.embed_tokens.weight"][tokens] * float(torch.tensor(C ** 0.5, dtype=torch.float32))
+    for layer in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        sliding = (layer + 1) % N != 0
+        h = rms(x, p + "input_layernorm.weight")
+        proj = lambda name: h @ g[p + f"self_attn.{name}.weight"].T
+        q = rms(proj("q_proj").reshape(T, H, d), p + "self_attn.q_norm.weight").transpose(0, 1)
+        k = rms(proj("k_proj").reshape(T, KV, d), p + "self_attn.k_norm.weight").transpose(0, 1)
+        v = proj("v_proj").reshape(T, KV, d).transpose(0, 1)
+        q, k = rope(q, local_cfg if sliding else cfg), rope(k, local_cfg if sliding else cfg)
+        k, v = k.repeat_interleave(H // KV, dim=0), v.repeat_interleave(H // KV, dim=0)
+        y = causal_attention(q, k, v, W if sliding else 0, scale).transpose(0, 1).reshape(T, H * d)
+        x = x + rms(y @ g[p + "self_attn.o_proj.weight"].T, p + "post_attention_layernorm.weight")
+        h = rms(x, p + "pre_feedforward_layernorm.weight")
+        gate, up = h @ g[p + "mlp.gate_proj.weight"].T, h @ g[p + "mlp.up_proj.weight"].T
+        m = (gelu_new(gate) * up) @ g[p + "mlp.down_proj.weight"].T
+        x = x + rms(m, p + "post_feedforward_layernorm.weight")
+    return rms(x, "model.norm.weight") @ g["model.embed_tokens.weight"].T
+
+
+def gemma3_case(gen: torch.Generator) -> tuple[dict, dict[str, torch.Tensor]]:
+    """gemma-3-1b-it's keys (MQA, head_dim != hidden / heads) in small: 4 layers, every 2nd global."""
+    C, F, L, V, H, KV, d = 32, 48, 4, 96, 4, 1, 16
+    cfg = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "attention_bias": False,
+           "attention_dropout": 0.0, "attn_logit_softcapping": None, "bos_token_id": 2, "cache_implementation": "hybrid",
+           "eos_token_id": [1, 106], "final_logit_softcapping": None, "head_dim": d,
+           "hidden_activation": "gelu_pytorch_tanh", "hidden_size": C, "initializer_range": 0.02,
+           "intermediate_size": F, "max_position_embeddings": 64, "num_attention_heads": H, "num_hidden_layers": L,
+           "num_key_value_heads": KV, "pad_token_id": 0, "query_pre_attn_scalar": d, "rms_norm_eps": 1e-6,
+           "rope_local_base_freq": 10000.0, "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+           "rope_theta": 1000000.0, "sliding_window": 5, "sliding_window_pattern": 2, "torch_dtype": "bfloat16",
+           "transformers_version": "4.52.4", "use_cache": True, "vocab_size": V}
+    r = lambda *shape, s=0.2: torch.randn(*shape, generator=gen) * s
+    w = {"model.embed_tokens.weight": r(V, C), "model.norm.weight": r(C, s=0.1)}
+    for layer in range(L):
+        p = f"model.layers.{layer}."
+        w.update({p + "input_layernorm.weight": r(C, s=0.1), p + "self_attn.q_proj.weight": r(H * d, C),
+                  p + "self_attn.k_proj.weight": r(KV * d, C), p + "self_attn.v_proj.weight": r(KV * d, C),
+                  p + "self_attn.q_norm.weight": r(d, s=0.3), p + "self_attn.k_norm.weight": r(d, s=0.3),
+                  p + "self_attn.o_proj.weight": r(C, H * d), p + "post_attention_layernorm.weight": r(C, s=0.1),
+                  p + "pre_feedforward_layernorm.weight": r(C, s=0.1), p + "mlp.gate_proj.weight": r(F, C),
+                  p + "mlp.up_proj.weight": r(F, C), p + "mlp.down_proj.weight": r(C, F),
+                  p + "post_feedforward_layernorm.weight": r(C, s=0.1)})
+    return cfg, w
 
 
 def gpt2_case(gen: torch.Generator) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -532,6 +607,12 @@ def main() -> None:
         stored[a + "qkv_proj.weight"] = torch.cat([stored.pop(a + n + "_proj.weight") for n in ("q", "k", "v")])
         stored[m + "gate_up_proj.weight"] = torch.cat([stored.pop(m + n + "_proj.weight") for n in ("gate", "up")])
     write_case(out, "phi3", cfg, stored, w, llama_logits, tokens)
+    # Phi-3-mini-128k's LongRoPE in small: per-pair short and long factors (4 pairs of the 8-wide
+    # heads), an original context of 8 < the 17 positions, so the long factors apply, and the
+    # attention factor sqrt(1 + ln(64 / 8) / ln 8) from max / original.
+    cfg = dict(cfg, _name_or_path="Phi-3-mini-128k-instruct", original_max_position_embeddings=8,
+               rope_scaling={"long_factor": [1.0, 1.5, 4.0, 9.5], "short_factor": [1.0, 1.05, 1.2, 1.6], "type": "longrope"})
+    write_case(out, "phi3_longrope", cfg, stored, w, llama_logits, tokens)
     # OLMo 2 (OLMo-2-0425-1B's keys): no input norms; post_attention_layernorm and
     # post_feedforward_layernorm on the sub-layers' outputs; q_norm over all query heads (H d) and
     # k_norm over all key heads (KV d); untied head; in bf16.
@@ -549,6 +630,9 @@ def main() -> None:
         w[p + "self_attn.k_norm.weight"] = 1 + torch.randn(KV * d, generator=gen) * 0.3
     stored = {k: v.to(torch.bfloat16) for k, v in w.items()}
     write_case(out, "olmo2", cfg, stored, {k: v.float() for k, v in stored.items()}, llama_logits, tokens)
+    cfg, w = gemma3_case(gen)
+    stored = {k: v.to(torch.bfloat16) for k, v in w.items()}
+    write_case(out, "gemma3", cfg, stored, {k: v.float() for k, v in stored.items()}, gemma3_logits, tokens)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,10 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstdlib>
 #include <optional>
+#include <string>
+#include <vector>
 #include <utility>
 
 #include "loom/core/error.h"
@@ -14,6 +17,22 @@ namespace loom {
 namespace {
 constexpr std::string_view kArchNames[] = {"gpt2", "llama"};
 static_assert(sizeof(kArchNames) / sizeof(kArchNames[0]) == ARCH_COUNT);
+// longrope's comma-separated factors (model.rope_short_factors / rope_long_factors), each > 0.
+std::vector<float> parse_factors(const std::string& text, const char* key) {
+  std::vector<float> out;
+  size_t begin = 0;
+  while (begin < text.size()) {
+    const size_t end = std::min(text.find(',', begin), text.size());
+    const std::string item = text.substr(begin, end - begin);
+    char* stop = nullptr;
+    const float v = std::strtof(item.c_str(), &stop);
+    LOOM_CHECK(!item.empty() && stop != nullptr && *stop == '\0' && std::isfinite(v) && v > 0.0f, key, ": '", item,
+               "' is not a positive number (expected head_dim / 2 comma-separated factors)");
+    out.push_back(v);
+    begin = end + 1;
+  }
+  return out;
+}
 }  // namespace
 
 std::string_view arch_name(Arch arch) { return kArchNames[arch]; }
@@ -50,6 +69,16 @@ void ModelConfig::validate() const {
   LOOM_CHECK(!qk_norm_whole || qk_norm, "model.qk_norm_whole needs model.qk_norm");
   LOOM_CHECK(!post_norm || (arch == ARCH_LLAMA && mla_kv_rank == 0 && moe_experts == 0),
              "model.post_norm (OLMo 2's output norms) needs arch = llama without MLA or MoE");
+  LOOM_CHECK(!sandwich_norm || (arch == ARCH_LLAMA && mla_kv_rank == 0 && moe_experts == 0 && !post_norm),
+             "model.sandwich_norm (Gemma's pre and post norms) needs arch = llama without MLA, MoE or model.post_norm");
+  LOOM_CHECK(gate_activation == GateActivation::silu || arch == ARCH_LLAMA,
+             "model.gate_activation needs arch = llama (gpt2's MLP is not gated)");
+  LOOM_CHECK(embed_scale >= 0.0f && std::isfinite(embed_scale) && (embed_scale == 0.0f || arch == ARCH_LLAMA),
+             "model.embed_scale must be >= 0 (0: none) and needs arch = llama, got ", embed_scale);
+  LOOM_CHECK(window_pattern >= 0 && (window_pattern == 0 || (attn_window > 0 && mla_kv_rank == 0)),
+             "model.window_pattern must be >= 0 and needs model.attn_window > 0 without MLA, got ", window_pattern);
+  LOOM_CHECK(rope_local_theta >= 0.0f && (rope_local_theta == 0.0f || (window_pattern > 0 && arch == ARCH_LLAMA)),
+             "model.rope_local_theta must be >= 0 and needs model.window_pattern > 0 (llama), got ", rope_local_theta);
   LOOM_CHECK(nope_interval >= 0, "model.nope_interval must be >= 0 (0: RoPE on every block), got ", nope_interval);
   LOOM_CHECK(nope_interval == 0 || (arch == ARCH_LLAMA && mla_kv_rank == 0),
              "model.nope_interval (NoPE layers) needs arch = llama without MLA");
@@ -60,6 +89,20 @@ void ModelConfig::validate() const {
                   rope_attention_factor > 0.0f),
              "model.rope_scaling = yarn needs rope_original_context > 0, rope_beta_fast (", rope_beta_fast,
              ") > rope_beta_slow (", rope_beta_slow, ") > 0 and rope_attention_factor > 0");
+  if (rope_scaling == ROPE_SCALING_LONGROPE) {
+    const int64_t pairs = head_dim() / 2;
+    for (const auto& [text, key] : {std::pair{&rope_short_factors, "model.rope_short_factors"},
+                                    std::pair{&rope_long_factors, "model.rope_long_factors"}}) {
+      const size_t n = parse_factors(*text, key).size();
+      LOOM_CHECK(static_cast<int64_t>(n) == pairs && pairs <= RopeSpec::kMaxPairs, key, " has ", n,
+                 " factors, expected head_dim / 2 = ", pairs, " (at most ", RopeSpec::kMaxPairs, ")");
+    }
+    LOOM_CHECK(rope_original_context > 0 && rope_attention_factor > 0.0f && !mla(), "model.rope_scaling = longrope "
+               "needs rope_original_context > 0 and rope_attention_factor > 0, without MLA");
+  } else {
+    LOOM_CHECK(rope_short_factors.empty() && rope_long_factors.empty(), "model.rope_short_factors / rope_long_factors "
+               "need model.rope_scaling = longrope");
+  }
   LOOM_CHECK(mla_score_scale > 0.0f, "model.mla_score_scale must be > 0, got ", mla_score_scale);
   LOOM_CHECK(rope_scaling != ROPE_SCALING_LLAMA3 ||
                  (rope_low_freq_factor > 0.0f && rope_high_freq_factor > rope_low_freq_factor && rope_original_context > 0),
@@ -161,8 +204,17 @@ ModelConfig model_preset(std::string_view name) {
     c.n_kv_head = c.n_head, c.mla_kv_rank = 16, c.mla_rope_dim = 4, c.mla_nope_dim = 8, c.mla_v_dim = 8;
     return c;
   }
+  if (name == "gemma-tiny") {  // llama-tiny as Gemma 3: sandwich and q/k norms, GeGLU, scaled tied embedding,
+    c = model_preset("llama-tiny");  // layer 0 within a window of 3 (local RoPE base 100), layer 1 global (linear x2)
+    c.sandwich_norm = c.qk_norm = c.tie_embeddings = true;
+    c.gate_activation = GateActivation::gelu_tanh;
+    c.embed_scale = std::sqrt(static_cast<float>(c.d_model));
+    c.attn_window = 3, c.window_pattern = 2, c.rope_local_theta = 100.0f;
+    c.rope_scaling = ROPE_SCALING_LINEAR, c.rope_factor = 2.0f;
+    return c;
+  }
   throw Error(str_cat("unknown model preset '", name, "', expected one of: gpt2-tiny, gpt2-default, gpt2-small, gpt2-124m, "
-                      "llama-tiny, moe-tiny, mla-tiny"));
+                      "llama-tiny, moe-tiny, mla-tiny, gemma-tiny"));
 }
 
 ModelConfig with_peft_of(ModelConfig base, const ModelConfig& from) {
@@ -175,6 +227,19 @@ ModelConfig with_peft_of(ModelConfig base, const ModelConfig& from) {
   base.lora_dropout = from.lora_dropout;
   base.lora_dora = from.lora_dora;
   return base;
+}
+
+
+RopeSpec ModelConfig::rope() const {
+  RopeSpec r{rope_theta,     rope_scaling,   rope_factor,           rope_low_freq_factor, rope_high_freq_factor,
+             static_cast<double>(rope_original_context), rope_beta_fast, rope_beta_slow, rope_attention_factor};
+  if (rope_scaling == ROPE_SCALING_LONGROPE) {
+    const std::vector<float> s = parse_factors(rope_short_factors, "model.rope_short_factors");
+    const std::vector<float> l = parse_factors(rope_long_factors, "model.rope_long_factors");
+    std::copy(s.begin(), s.begin() + std::min<size_t>(s.size(), RopeSpec::kMaxPairs), r.short_factor);
+    std::copy(l.begin(), l.begin() + std::min<size_t>(l.size(), RopeSpec::kMaxPairs), r.long_factor);
+  }
+  return r;
 }
 
 float ModelConfig::lora_scale() const {

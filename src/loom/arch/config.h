@@ -6,7 +6,9 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <type_traits>
 
+#include "loom/backend/activation.h"
 #include "loom/backend/rope.h"
 #include "loom/core/enum_names.h"
 
@@ -58,6 +60,9 @@ struct ModelConfig {
   float rope_beta_fast = 32.0f;
   float rope_beta_slow = 1.0f;
   float rope_attention_factor = 1.0f;
+  // longrope (Phi-3 128k): the pairs' short and long factors, head_dim / 2 comma-separated numbers
+  // each; the long ones apply to a span reaching past rope_original_context.
+  std::string rope_short_factors, rope_long_factors;
   float init_std = 0.02f;
   // Attention head width; 0: d_model / n_head. A tensor-parallel rank's slice of a model keeps
   // the whole model's head width with n_head / tp heads (parallel/tensor_parallel.h).
@@ -66,6 +71,12 @@ struct ModelConfig {
   // 0: full causal attention; W > 0: position i attends to positions j with i - W < j <= i,
   // in training and in decoding (docs/inference.md).
   int64_t attn_window = 0;
+  // Interleaved local and global attention (Gemma 3): with attn_window, N > 0 makes every N-th
+  // block (layers N-1, 2N-1, ...) attend globally and the others within the window; 0: every block
+  // windowed. The windowed blocks rotate with base rope_local_theta (> 0; Gemma 3's
+  // rope_local_base_freq) and no scaling, the global ones with rope_theta and rope_scaling.
+  int64_t window_pattern = 0;
+  float rope_local_theta = 0.0f;
   // Llama-family variants (gpt2 always has both): biases on the q/k/v projections (Qwen2 /
   // Qwen2.5), and the output head tied to the token embedding (Llama 3.2 1B / 3B, Qwen2 0.5B).
   bool qkv_bias = false;
@@ -84,6 +95,13 @@ struct ModelConfig {
   // its MLP's outputs before the residual add, h = x + norm(attn(x)), out = h + norm(mlp(h)),
   // in place of the pre-norms of their inputs. Llama only, without MLA or MoE.
   bool post_norm = false;
+  // Gemma 2 / 3 ("sandwich" norms): each sub-layer's input and output normed, h = x +
+  // norm_post(attn(norm_pre(x))), out = h + norm_post(mlp(norm_pre(h))). Llama only, without MLA or MoE.
+  bool sandwich_norm = false;
+  // The gated MLP's activation (backend/activation.h): silu (SwiGLU) or gelu_tanh (GeGLU, Gemma).
+  GateActivation gate_activation = GateActivation::silu;
+  // The token embeddings' rows are multiplied by this (Gemma: sqrt(d_model)); 0: none. Llama only.
+  float embed_scale = 0.0f;
   // Multi-head Latent Attention (DeepSeek-AI 2024, DeepSeek-V2 §2.1; nn/mla.h), Llama only.
   // mla_kv_rank = d_c > 0: keys and values come from a d_c-wide compressed latent (RMS-normed)
   // plus one decoupled RoPE key of mla_rope_dim = d_r shared by the heads; per head queries and
@@ -151,21 +169,36 @@ struct ModelConfig {
   bool rope_layer(int64_t layer) const {
     return !learned_positions() && !(nope_interval > 0 && (layer + 1) % nope_interval == 0);
   }
-  // The RoPE the rope ops apply (theta and the scaling above).
-  RopeSpec rope() const {
-    return {rope_theta,     rope_scaling,   rope_factor,           rope_low_freq_factor, rope_high_freq_factor,
-            static_cast<double>(rope_original_context), rope_beta_fast, rope_beta_slow, rope_attention_factor};
+  // Block `layer`'s sliding window (model.attn_window, window_pattern's global blocks: 0).
+  int64_t layer_window(int64_t layer) const {
+    return window_pattern > 0 && (layer + 1) % window_pattern == 0 ? 0 : attn_window;
   }
+  // Whether every block attends within attn_window (a decoder may then forget older positions).
+  bool windowed_everywhere() const { return attn_window > 0 && (window_pattern == 0 || window_pattern > n_layer); }
+  // The RoPE the rope ops apply (theta and the scaling above; longrope's lists parsed).
+  RopeSpec rope() const;
+  // Block `layer`'s RoPE: window_pattern's windowed blocks rotate with rope_local_theta, unscaled.
+  RopeSpec rope(int64_t layer) const {
+    if (window_pattern == 0 || rope_local_theta <= 0.0f || layer_window(layer) == 0) return rope();
+    RopeSpec local;
+    local.theta = rope_local_theta;
+    return local;
+  }
+  // Which norms a block's sub-layers apply: their inputs' (pre, all but model.post_norm) and their
+  // outputs' (post: model.post_norm or model.sandwich_norm).
+  bool pre_norms() const { return !post_norm; }
+  bool post_norms() const { return post_norm || sandwich_norm; }
   bool tied_head() const { return arch == ARCH_GPT2 || tie_embeddings; }
   bool rmsnorm() const { return arch == ARCH_LLAMA; }
-  bool swiglu() const { return arch == ARCH_LLAMA; }
-  // Width of the MLP's first GEMM output: F (GELU) or 2F ([gate | up], SwiGLU).
-  int64_t mlp_in_width() const { return swiglu() ? 2 * d_ff : d_ff; }
+  // Whether the MLP is gated (llama: [gate | up], act(gate) * up with gate_activation) or plain GELU (gpt2).
+  bool gated_mlp() const { return arch == ARCH_LLAMA; }
+  // Width of the MLP's first GEMM output: F (GELU) or 2F ([gate | up], gated).
+  int64_t mlp_in_width() const { return gated_mlp() ? 2 * d_ff : d_ff; }
   // Mixture of experts: whether block `layer` is an MoE block, an expert's width and its first
   // GEMM's output width.
   bool moe_layer(int64_t layer) const { return moe_experts > 0 && layer >= moe_dense_layers; }
   int64_t expert_ff() const { return moe_d_ff > 0 ? moe_d_ff : d_ff; }
-  int64_t expert_in_width() const { return swiglu() ? 2 * expert_ff() : expert_ff(); }
+  int64_t expert_in_width() const { return gated_mlp() ? 2 * expert_ff() : expert_ff(); }
 
   bool lora() const { return peft_method == PeftMethod::lora; }
   float lora_scale() const;             // s above
@@ -173,6 +206,12 @@ struct ModelConfig {
 
   void validate() const;  // throws naming the offending key (e.g. "model.n_head")
 };
+
+// Whether a forward over `positions` positions rotates with LongRoPE's long factors (backend/rope.h
+// rope_span): such a sequence must run in one forward, not in chunks of rows.
+inline bool crosses_longrope_context(const ModelConfig& c, int64_t positions) {
+  return c.rope_scaling == ROPE_SCALING_LONGROPE && positions > c.rope_original_context;
+}
 
 // The model config's schema, written once. Each field: its key in a config file's [model]
 // table, where a checkpoint's model_config JSON keeps it (at the top level always, at the top
@@ -186,12 +225,17 @@ struct ModelField {
   const char* json;     // its name there
   const char* meaning;  // one line for --help and docs/config.md
 };
+// The enums of the schema, read and written by their EnumNames.
+template <class T>
+inline constexpr bool kModelEnum = std::is_same_v<T, RopeScaling> || std::is_same_v<T, PeftMethod> ||
+                                   std::is_same_v<T, GateActivation>;
 // A field's key in a config file: model.<key>, or peft.<key> for the PEFT group.
 inline std::string model_field_key(const ModelField& f) {
   return std::string(f.place == ModelField::PEFT ? "peft." : "model.") + f.key;
 }
 // visit(field, value) for every field of `c` in schema order (`value` an int64_t, float, bool,
-// std::string, Arch, RopeScaling or PeftMethod lvalue, const when c is).
+// std::string, Arch or a model enum (kModelEnum: RopeScaling, PeftMethod, GateActivation) lvalue,
+// const when c is).
 template <class Config, class Visit>
 void visit_model_fields(Config& c, Visit&& visit) {
   visit(ModelField{"arch", ModelField::ALWAYS, "arch",
@@ -248,12 +292,24 @@ void visit_model_fields(Config& c, Visit&& visit) {
   visit(ModelField{"rope_attention_factor", ModelField::ROPE, "attention_factor",
                     "yarn RoPE scaling: cos and sin are multiplied by it (YaRN's attention factor)"},
         c.rope_attention_factor);
+  visit(ModelField{"rope_short_factors", ModelField::IF_SET, "rope_short_factors",
+                    "longrope RoPE scaling: head_dim / 2 comma-separated factors dividing the pairs' frequencies within rope_original_context"},
+        c.rope_short_factors);
+  visit(ModelField{"rope_long_factors", ModelField::IF_SET, "rope_long_factors",
+                    "longrope RoPE scaling: the factors of a span reaching past rope_original_context (LongRoPE's long list)"},
+        c.rope_long_factors);
   visit(ModelField{"init_std", ModelField::ALWAYS, "init_std",
                     "standard deviation of the normal weight initialisation"},
         c.init_std);
   visit(ModelField{"attn_window", ModelField::IF_SET, "attn_window",
                     "sliding-window attention: 0 = full causal; W > 0 = position i attends to i-W < j <= i (not with parallel.cp > 1)"},
         c.attn_window);
+  visit(ModelField{"window_pattern", ModelField::IF_SET, "window_pattern",
+                    "with attn_window: N > 0 = every N-th block (layers N-1, 2N-1, ...) attends globally, the others within the window (Gemma 3: 6); 0 = every block windowed"},
+        c.window_pattern);
+  visit(ModelField{"rope_local_theta", ModelField::IF_SET, "rope_local_theta",
+                    "with window_pattern: RoPE base of the windowed blocks, unscaled (Gemma 3's rope_local_base_freq); 0 = rope_theta and rope_scaling"},
+        c.rope_local_theta);
   visit(ModelField{"qkv_bias", ModelField::IF_SET, "qkv_bias",
                     "llama: biases on the q/k/v projections (Qwen2); gpt2 always has biases"},
         c.qkv_bias);
@@ -272,6 +328,15 @@ void visit_model_fields(Config& c, Visit&& visit) {
   visit(ModelField{"post_norm", ModelField::IF_SET, "post_norm",
                     "llama: the blocks normalise the attention and MLP outputs before the residual add (OLMo 2), not their inputs"},
         c.post_norm);
+  visit(ModelField{"sandwich_norm", ModelField::IF_SET, "sandwich_norm",
+                    "llama: the blocks normalise both the inputs and the outputs of attention and MLP (Gemma 2/3's pre and post norms)"},
+        c.sandwich_norm);
+  visit(ModelField{"gate_activation", ModelField::IF_SET, "gate_activation",
+                    "llama's gated MLP: silu (SwiGLU) | gelu_tanh (GeGLU, Gemma's gelu_pytorch_tanh)"},
+        c.gate_activation);
+  visit(ModelField{"embed_scale", ModelField::IF_SET, "embed_scale",
+                    "llama: the token embeddings are multiplied by this (Gemma: sqrt(d_model)); 0 = none"},
+        c.embed_scale);
   visit(ModelField{"mla_kv_rank", ModelField::MLA, "kv_rank",
                     "Multi-head Latent Attention (llama only): width d_c of the compressed KV latent; 0 = standard MHA / GQA"},
         c.mla_kv_rank);

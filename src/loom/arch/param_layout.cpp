@@ -61,7 +61,7 @@ class LayoutBuilder {
 // experts have no biases.
 void add_moe(const ModelConfig& c, LayoutBuilder& b, const std::string& p, float std, float residual_std) {
   const int64_t C = c.d_model, F = c.expert_ff(), S = c.moe_shared * F;
-  const bool llama = c.swiglu();
+  const bool llama = c.gated_mlp();
   b.matrix(p + (llama ? "mlp.gate.weight" : "mlp.router.weight"), {c.moe_experts, C}, std);
   b.buffer(p + (llama ? "mlp.gate.e_score_correction_bias" : "mlp.router.bias_correction"), c.moe_experts);
   for (int64_t e = 0; e < c.moe_experts; ++e) {
@@ -141,8 +141,9 @@ void add_llama(const ModelConfig& c, LayoutBuilder& b) {
   b.matrix("model.embed_tokens.weight", {V, C}, std, ROLE_EMBEDDING);
   for (int64_t i = 0; i < c.n_layer; ++i) {
     const std::string p = "model.layers." + std::to_string(i) + ".";
-    // Post-norms (OLMo 2) take the transformers names of the norms they are.
-    b.norm_weight(p + (c.post_norm ? "post_attention_layernorm.weight" : "input_layernorm.weight"), C);
+    // Each norm takes the transformers name of the norm it is (Llama's "post_attention_layernorm"
+    // is the MLP's input norm; OLMo 2's and Gemma's the attention output's).
+    if (c.pre_norms()) b.norm_weight(p + "input_layernorm.weight", C);
     if (c.mla()) {
       add_mla(c, b, p, std, residual_std);
     } else {
@@ -155,13 +156,15 @@ void add_llama(const ModelConfig& c, LayoutBuilder& b) {
       }
       b.matrix(p + "self_attn.o_proj.weight", {C, c.n_head * c.head_dim()}, residual_std);
     }
-    b.norm_weight(p + (c.post_norm ? "post_feedforward_layernorm.weight" : "post_attention_layernorm.weight"), C);
+    if (c.post_norms()) b.norm_weight(p + "post_attention_layernorm.weight", C);
+    if (c.pre_norms()) b.norm_weight(p + (c.sandwich_norm ? "pre_feedforward_layernorm.weight" : "post_attention_layernorm.weight"), C);
     if (c.moe_layer(i)) {
       add_moe(c, b, p, std, residual_std);
       continue;
     }
     b.matrix(p + "mlp.gate_up_proj.weight", {2 * F, C}, std, ROLE_HIDDEN, {{F, 1}, {F, 1}});
     b.matrix(p + "mlp.down_proj.weight", {C, F}, residual_std);
+    if (c.post_norms()) b.norm_weight(p + "post_feedforward_layernorm.weight", C);
   }
   b.norm_weight("model.norm.weight", C);
   if (!c.tie_embeddings) b.matrix("lm_head.weight", {V, C}, std, ROLE_HEAD);

@@ -159,6 +159,15 @@ void Backend::head_rmsnorm_backward(const Tensor&, const Tensor&, const Tensor&,
                                     const Tensor&) {
   unsupported(*this, "head_rmsnorm_backward", "model.qk_norm");
 }
+void Backend::delta_rule_forward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                 const Tensor&, const Tensor&, const Tensor&, DeltaRuleForm, int64_t) {
+  unsupported(*this, "delta_rule_forward", "the gated delta rule, linear attention");
+}
+void Backend::delta_rule_backward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                  const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                  const Tensor&, const Tensor&, const Tensor&, const Tensor&, DeltaRuleForm, int64_t) {
+  unsupported(*this, "delta_rule_backward", "the gated delta rule, linear attention");
+}
 void Backend::mla_rope(const Tensor&, int64_t, int64_t, int64_t, int64_t, const RopeSpec&, int64_t, bool) {
   no_mla(*this, "mla_rope");
 }

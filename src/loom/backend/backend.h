@@ -14,6 +14,7 @@
 
 #include "loom/backend/kv_attention.h"
 #include "loom/backend/kv_store.h"
+#include "loom/backend/activation.h"
 #include "loom/backend/rope.h"
 #include "loom/core/tensor.h"
 
@@ -81,6 +82,12 @@ struct MlaDims {
   int64_t n_head = 1, nope = 0, rope = 0, v = 0, latent = 0, window = 0;
   double score_scale = 1.0;
 };
+
+// The gated delta rule's two forms (Backend::delta_rule_forward): token by token, or in chunks
+// of `chunk` positions through the WY representation. kDeltaRuleChunk is the usual chunk (FLA's,
+// transformers').
+enum class DeltaRuleForm { recurrent, chunked };
+inline constexpr int64_t kDeltaRuleChunk = 64;
 
 // Low precision: a binary floating-point format's grid of values, as data (precision/formats.h
 // builds it from the format's table: IEEE fp16, OCP FP8 E4M3 / E5M2, FP4 E2M1). Its values are
@@ -243,9 +250,58 @@ class Backend {
   // GELU, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
   virtual void gelu_forward(const Tensor& x, const Tensor& out) = 0;
   virtual void gelu_backward(const Tensor& x, const Tensor& dout, const Tensor& dx) = 0;
-  // SwiGLU (Shazeer 2020): x (N, 2F) = [gate | up]; out (N, F) = silu(gate) * up.
-  virtual void swiglu_forward(const Tensor& x, const Tensor& out) = 0;
-  virtual void swiglu_backward(const Tensor& x, const Tensor& dout, const Tensor& dx) = 0;
+  // Gated MLP activation (backend/activation.h; Shazeer 2020): x (N, 2F) = [gate | up]; out (N, F)
+  // = act(gate) * up: SwiGLU (silu) or GeGLU (gelu_tanh).
+  virtual void glu_forward(const Tensor& x, const Tensor& out, GateActivation act) = 0;
+  virtual void glu_backward(const Tensor& x, const Tensor& dout, const Tensor& dx, GateActivation act) = 0;
+
+  // ---- The gated delta rule (Gated DeltaNet: Yang, Kautz & Hatamizadeh 2024, "Gated Delta
+  // Networks: Improving Mamba2 with Delta Rule", arXiv 2412.06464), the linear attention of
+  // Qwen3-Next's linear-attention layers. Per batch row b and head h, a state S (d_k x d_v)
+  // starts at initial_state (zeros when undefined) and for t = 0 .. T-1:
+  //   S_t = exp(g_t) S_{t-1} + k_t (beta_t (v_t - (exp(g_t) S_{t-1})^T k_t))^T,   o_t = S_t^T q_t
+  // (transformers' torch_recurrent_gated_delta_rule, qwen3_next; FLA's fused_recurrent). g_t is
+  // a log-decay (<= 0; not checked: g > 0 computes, but exp(G_i - G_j) may overflow), beta_t the
+  // write strength in (0, 1). q and k arrive already L2-normalised and q already scaled by
+  // 1/sqrt(d_k): the normalisation, the scale and Qwen3-Next's repetition of q/k heads to the
+  // v heads are the caller's, outside the op.
+  // Layout (row-major, all one dtype, f32 or f64): q, k (B, T, H, d_k); v (B, T, H, d_v); g, beta
+  // (B, T, H); out (B, T, H, d_v); initial_state, final_state (B, H, d_k, d_v). initial_state
+  // undefined: zeros; final_state undefined: not written (a training pass without context
+  // parallelism or a cache needs no state). A rank of a context-parallel split, or a decoding
+  // step, starts from the previous piece's final_state and gets exactly the whole run's numbers.
+  // Forms (they agree to rounding: fp32 within 1e-5 in tests/test_delta_rule.cpp):
+  //  - recurrent: the recurrence above, O(T d_k d_v) per head, one state in memory (decoding).
+  //  - chunked: positions in chunks of `chunk` (>= 1; the last may be shorter). With G the
+  //    chunk's cumulative sum of g (G_i = g_1 + .. + g_i), gamma_i = exp(G_i), Gamma_ij =
+  //    exp(G_i - G_j) (j <= i), S0 the state before the chunk, the chunk's deltas
+  //    delta_i = beta_i (v_i - (exp(g_i) S_{i-1})^T k_i) solve (I + A) Delta = diag(beta) V -
+  //    diag(beta gamma) K S0 with A_ij = beta_i Gamma_ij k_i.k_j (j < i, strictly lower): the UT
+  //    transform T = (I + A)^-1 (forward substitution) gives the WY representation
+  //    W = T diag(beta gamma) K, U = T diag(beta) V, Delta = U - W S0 (the paper's chunkwise
+  //    algorithm; W and U do not depend on S0); then O = diag(gamma) Q S0 + ((Q K^T) .* Gamma, lower) Delta and
+  //    S_L = gamma_L S0 + K^T diag(Gamma_Lj) Delta. O(T (C (d_k + d_v) + d_k d_v)) per head.
+  // The backward takes d(out) (dout) and d(final state) (dfinal_state; undefined: zeros) and
+  // overwrites dq, dk, dv, dg, dbeta and, when defined, dinitial_state (d of the initial state,
+  // the previous context-parallel rank's dfinal_state). Strategy: a forward sweep keeps the state
+  // at the start of every chunk of `chunk` positions (checkpoints), then the chunks run in reverse,
+  // each recomputing its inside from its checkpoint and turning d(state at its end) into d(state
+  // at its start): the chunked form differentiates the WY equations above (dR = T^T dDelta,
+  // dA = -dR Delta^T, ...), the recurrent form runs the reverse-time recurrence token by token
+  // over the chunk's recomputed states (`chunk` is then only the checkpoint interval). Chosen
+  // because storing every S_t is O(T d_k d_v) per head, and recomputing from the very start per
+  // step is O(T^2): the checkpoints cost ceil(T / chunk) d_k d_v per head in flight, the
+  // recurrent form's recomputed states (chunk + 1) d_k d_v, about one extra forward of work.
+  // Memory: the CPU backend's workspace, per thread (one (b, h) head per thread at a time), never
+  // all heads at once. The defaults throw (the CUDA backend has no kernels yet).
+  virtual void delta_rule_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                                  const Tensor& beta, const Tensor& initial_state, const Tensor& out,
+                                  const Tensor& final_state, DeltaRuleForm form, int64_t chunk);
+  virtual void delta_rule_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                                   const Tensor& beta, const Tensor& initial_state, const Tensor& dout,
+                                   const Tensor& dfinal_state, const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                                   const Tensor& dg, const Tensor& dbeta, const Tensor& dinitial_state,
+                                   DeltaRuleForm form, int64_t chunk);
 
   // RoPE (Su et al. 2021), rotate-half convention, in place on the first n_heads * head_dim
   // columns of x (B,T,W): pairs (j, j + hd/2) rotate by angle (pos_offset + t) * inv_freq(j)

@@ -153,4 +153,73 @@ int64_t check_bf16_weight_linear(const Tensor& x, const Tensor& w, const Tensor&
   return n;
 }
 
+// ---- The gated delta rule
+
+namespace {
+// t is defined with dtype like's and shape `shape`, else "op: what is f32(..), expected f32(..) legend".
+void expect_delta_operand(const char* op, const char* what, const Tensor& t, const Tensor& like, const Shape& shape,
+                          const char* legend) {
+  LOOM_CHECK(t.defined(), op, ": ", what, " is undefined, expected ", dtype_name(like.dtype()), shape_str(shape), " ",
+             legend);
+  LOOM_CHECK(t.dtype() == like.dtype() && t.shape() == shape, op, ": ", what, " is ", t.describe(), ", expected ",
+             dtype_name(like.dtype()), shape_str(shape), " ", legend);
+}
+
+// The inputs both directions read: q, k, v, g, beta and the initial state where defined.
+DeltaRuleDims check_delta_inputs(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                                 const Tensor& beta, const Tensor& initial_state, int64_t chunk) {
+  LOOM_CHECK(q.defined() && q.ndim() == 4, op, ": q is ", q.defined() ? q.describe() : "undefined",
+             ", expected 4 dimensions (B, T, H, d_k)");
+  DeltaRuleDims d{q.dim(0), q.dim(1), q.dim(2), q.dim(3), 0};
+  LOOM_CHECK(v.defined() && v.ndim() == 4 && v.dim(0) == d.B && v.dim(1) == d.T && v.dim(2) == d.H &&
+                 v.dtype() == q.dtype(),
+             op, ": v is ", v.defined() ? v.describe() : "undefined", ", expected ", dtype_name(q.dtype()), "(", d.B,
+             ", ", d.T, ", ", d.H, ", d_v) (B, T, H, d_v)");
+  d.dv = v.dim(3);
+  LOOM_CHECK(d.dk > 0 && d.dv > 0, op, ": d_k ", d.dk, " and d_v ", d.dv, " must be positive");
+  LOOM_CHECK(chunk >= 1, op, ": chunk ", chunk, " must be >= 1");
+  expect_delta_operand(op, "k", k, q, q.shape(), "(B, T, H, d_k)");
+  expect_delta_operand(op, "g", g, q, {d.B, d.T, d.H}, "(B, T, H)");
+  expect_delta_operand(op, "beta", beta, q, {d.B, d.T, d.H}, "(B, T, H)");
+  if (initial_state.defined()) {
+    expect_delta_operand(op, "initial_state", initial_state, q, {d.B, d.H, d.dk, d.dv}, "(B, H, d_k, d_v)");
+  }
+  return d;
+}
+}  // namespace
+
+DeltaRuleDims check_delta_rule(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
+                               const Tensor& initial_state, const Tensor& out, const Tensor& final_state,
+                               int64_t chunk) {
+  const char* op = "delta_rule_forward";
+  const DeltaRuleDims d = check_delta_inputs(op, q, k, v, g, beta, initial_state, chunk);
+  expect_delta_operand(op, "out", out, q, v.shape(), "(B, T, H, d_v)");
+  if (final_state.defined()) {
+    expect_delta_operand(op, "final_state", final_state, q, {d.B, d.H, d.dk, d.dv}, "(B, H, d_k, d_v)");
+  }
+  return d;
+}
+
+DeltaRuleDims check_delta_rule_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                                        const Tensor& beta, const Tensor& initial_state, const Tensor& dout,
+                                        const Tensor& dfinal_state, const Tensor& dq, const Tensor& dk,
+                                        const Tensor& dv, const Tensor& dg, const Tensor& dbeta,
+                                        const Tensor& dinitial_state, int64_t chunk) {
+  const char* op = "delta_rule_backward";
+  const DeltaRuleDims d = check_delta_inputs(op, q, k, v, g, beta, initial_state, chunk);
+  expect_delta_operand(op, "dout", dout, q, v.shape(), "(B, T, H, d_v)");
+  if (dfinal_state.defined()) {
+    expect_delta_operand(op, "dfinal_state", dfinal_state, q, {d.B, d.H, d.dk, d.dv}, "(B, H, d_k, d_v)");
+  }
+  expect_delta_operand(op, "dq", dq, q, q.shape(), "(B, T, H, d_k)");
+  expect_delta_operand(op, "dk", dk, q, q.shape(), "(B, T, H, d_k)");
+  expect_delta_operand(op, "dv", dv, q, v.shape(), "(B, T, H, d_v)");
+  expect_delta_operand(op, "dg", dg, q, g.shape(), "(B, T, H)");
+  expect_delta_operand(op, "dbeta", dbeta, q, g.shape(), "(B, T, H)");
+  if (dinitial_state.defined()) {
+    expect_delta_operand(op, "dinitial_state", dinitial_state, q, {d.B, d.H, d.dk, d.dv}, "(B, H, d_k, d_v)");
+  }
+  return d;
+}
+
 }  // namespace loom::checks

@@ -64,4 +64,21 @@ Dims3 check_attention_backward(const char* op, const Tensor& dout, const Tensor&
 // logits (N, V), targets (N) i32, lse (N); the target values are checked by the backend.
 void check_cross_entropy(const char* op, const Tensor& logits, const Tensor& targets, const Tensor& lse);
 
+// The gated delta rule (Backend::delta_rule_forward): q, k (B, T, H, d_k), v and out (B, T, H,
+// d_v), g and beta (B, T, H), initial_state and final_state (B, H, d_k, d_v) where defined, all
+// of q's dtype; chunk >= 1. The dtype itself is the backend's (dispatch_float).
+struct DeltaRuleDims {
+  int64_t B, T, H, dk, dv;
+};
+DeltaRuleDims check_delta_rule(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
+                               const Tensor& initial_state, const Tensor& out, const Tensor& final_state,
+                               int64_t chunk);
+// The backward's: the forward's with dout as out and dfinal_state as final_state, then dq, dk,
+// dv, dg, dbeta shaped as q, k, v, g, beta and dinitial_state (where defined) as a state.
+DeltaRuleDims check_delta_rule_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                                        const Tensor& beta, const Tensor& initial_state, const Tensor& dout,
+                                        const Tensor& dfinal_state, const Tensor& dq, const Tensor& dk,
+                                        const Tensor& dv, const Tensor& dg, const Tensor& dbeta,
+                                        const Tensor& dinitial_state, int64_t chunk);
+
 }  // namespace loom::checks

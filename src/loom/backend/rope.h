@@ -11,7 +11,11 @@
 //   yarn    (Peng et al. 2023, YaRN): with the original context L and
 //           c(n) = d ln(L / (2 pi n)) / (2 ln theta), pairs below floor(c(beta_fast)) keep their
 //           frequency, pairs above ceil(c(beta_slow)) are divided by factor, a linear ramp in j
-//           between; cos and sin are multiplied by `amplitude` (YaRN's attention factor).
+//           between; cos and sin are multiplied by `amplitude` (YaRN's attention factor);
+//   longrope (Ding et al. 2024, LongRoPE; Phi-3's 128k models): pair j's frequency divided by
+//           short_factor[j], or by long_factor[j] when the rotated span reaches past the original
+//           context L (rope_span: transformers' choice by the sequence's length, made per
+//           forward); cos and sin times `amplitude` (sqrt(1 + ln(s) / ln L) for s = context / L).
 // Host and device code share rope_inv_freq, so both backends compute the same angles (double).
 #pragma once
 #include <math.h>
@@ -25,11 +29,13 @@
 
 namespace loom {
 
-enum RopeScaling : uint8_t { ROPE_SCALING_NONE, ROPE_SCALING_LINEAR, ROPE_SCALING_LLAMA3, ROPE_SCALING_YARN };
+enum RopeScaling : uint8_t {
+  ROPE_SCALING_NONE, ROPE_SCALING_LINEAR, ROPE_SCALING_LLAMA3, ROPE_SCALING_YARN, ROPE_SCALING_LONGROPE
+};
 
 template <>
 struct EnumNames<RopeScaling> {  // model.rope_scaling
-  static constexpr std::array<std::string_view, 4> names{"none", "linear", "llama3", "yarn"};
+  static constexpr std::array<std::string_view, 5> names{"none", "linear", "llama3", "yarn", "longrope"};
 };
 
 // The RoPE of a model, as the rope ops take it (plain values, passed to CUDA kernels by value).
@@ -41,13 +47,26 @@ struct RopeSpec {
   double high_freq_factor = 4.0;    // llama3
   double original_context = 8192.0;  // llama3, yarn: the context the model was pre-trained with
   double beta_fast = 32.0, beta_slow = 1.0;  // yarn: the ramp's ends, in rotations over the context
-  double amplitude = 1.0;           // cos and sin are multiplied by it (yarn's attention factor)
+  double amplitude = 1.0;           // cos and sin are multiplied by it (yarn's, longrope's attention factor)
+  // longrope: the pairs' short and long factors (head_dim / 2 of each), and which one this span uses.
+  static constexpr int kMaxPairs = 128;
+  float short_factor[kMaxPairs] = {};
+  float long_factor[kMaxPairs] = {};
+  bool long_span = false;
 };
+
+// The RoPE a span of positions [.., end) rotates with: LongRoPE's long factors when the span
+// reaches past the original context (every other scaling as it is).
+inline RopeSpec rope_span(RopeSpec r, int64_t end) {
+  r.long_span = r.scaling == ROPE_SCALING_LONGROPE && static_cast<double>(end) > r.original_context;
+  return r;
+}
 
 // Inverse frequency of pair j (0 <= j < dim / 2) of a dim-wide rotation.
 LOOM_HOST_DEVICE double rope_inv_freq(const RopeSpec& r, int64_t j, int64_t dim) {
   const double base = ::pow(r.theta, -2.0 * static_cast<double>(j) / static_cast<double>(dim));
   if (r.scaling == ROPE_SCALING_LINEAR) return base / r.factor;
+  if (r.scaling == ROPE_SCALING_LONGROPE) return base / static_cast<double>(r.long_span ? r.long_factor[j] : r.short_factor[j]);
   if (r.scaling == ROPE_SCALING_YARN) {
     const double log_theta = 2.0 * ::log(r.theta), two_pi = 2.0 * 3.14159265358979323846;
     double low = ::floor(static_cast<double>(dim) * ::log(r.original_context / (r.beta_fast * two_pi)) / log_theta);

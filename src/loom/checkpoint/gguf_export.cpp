@@ -1,6 +1,7 @@
 #include "loom/checkpoint/gguf_export.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <functional>
@@ -181,10 +182,12 @@ std::vector<float> head_rows(std::span<const float> w, int64_t C, int64_t first,
   return out;
 }
 
-// llama.cpp's architecture for a Llama-family model: "qwen2" with q/k/v biases (Qwen2 / 2.5),
+// llama.cpp's architecture for a Llama-family model: "gemma3" with sandwich norms (Gemma 3),
+// "qwen2" with q/k/v biases (Qwen2 / 2.5),
 // "qwen3" with q/k norms, "smollm3" with NoPE layers (llama.cpp skips RoPE on every 4th layer,
 // n_no_rope_layer_step, with no key for it), else "llama".
 std::string gguf_arch(const ModelConfig& c) {
+  if (c.arch == ARCH_LLAMA && c.sandwich_norm) return "gemma3";
   if (c.arch == ARCH_LLAMA && c.qkv_bias) return "qwen2";
   if (c.arch == ARCH_LLAMA && c.qk_norm) return "qwen3";
   if (c.arch == ARCH_LLAMA && c.nope_interval > 0) return "smollm3";
@@ -199,7 +202,9 @@ void add_llama_tensors(const ModelConfig& c, const Params& params, TensorSink& s
   add_matrix(sink, params, "model.embed_tokens.weight", "token_embd.weight");
   for (int64_t i = 0; i < c.n_layer; ++i) {
     const std::string p = "model.layers." + std::to_string(i) + ".", b = "blk." + std::to_string(i) + ".";
-    add_vector(sink, params, p + "input_layernorm.weight", b + "attn_norm.weight");
+    // Gemma 3's norm names; llama.cpp's gemma3 scales by the weight as stored, Loom's 1 + w
+    // (convert_hf_to_gguf.py adds the 1 to the folder's w).
+    if (c.pre_norms()) add_vector(sink, params, p + "input_layernorm.weight", b + "attn_norm.weight");
     const std::string qkv = p + "self_attn.qkv_proj.weight";
     const auto heads = [&params, qkv, C, hd](int64_t first, int64_t count, bool rope) -> MakeValues {
       return [&r = params.reader(), qkv, C, hd, first, count, rope] {
@@ -220,7 +225,13 @@ void add_llama_tensors(const ModelConfig& c, const Params& params, TensorSink& s
       add_vector(sink, params, p + "self_attn.k_norm.weight", b + "attn_k_norm.weight");
     }
     add_matrix(sink, params, p + "self_attn.o_proj.weight", b + "attn_output.weight");
-    add_vector(sink, params, p + "post_attention_layernorm.weight", b + "ffn_norm.weight");
+    if (c.sandwich_norm) {
+      add_vector(sink, params, p + "post_attention_layernorm.weight", b + "post_attention_norm.weight");
+      add_vector(sink, params, p + "pre_feedforward_layernorm.weight", b + "ffn_norm.weight");
+      add_vector(sink, params, p + "post_feedforward_layernorm.weight", b + "post_ffw_norm.weight");
+    } else {
+      add_vector(sink, params, p + "post_attention_layernorm.weight", b + "ffn_norm.weight");
+    }
     const std::string gate_up = p + "mlp.gate_up_proj.weight";
     sink.add(b + "ffn_gate.weight", F, C, params.part(gate_up, 0, F * C));
     sink.add(b + "ffn_up.weight", F, C, params.part(gate_up, F * C, F * C));
@@ -247,8 +258,20 @@ void check_exportable(const ModelConfig& c, const GgufVocabulary& vocab) {
   LOOM_CHECK(!c.lora(), "peft.method = lora: GGUF export writes merged weights (loom convert merges the adapters first)");
   LOOM_CHECK(c.moe_experts == 0, "model.moe_experts = ", c.moe_experts, ": GGUF export supports dense models only");
   LOOM_CHECK(!c.mla(), "model.mla_kv_rank = ", c.mla_kv_rank, ": GGUF export does not support MLA models");
-  LOOM_CHECK(c.attn_window == 0, "model.attn_window = ", c.attn_window,
-             ": GGUF export does not support sliding-window attention (llama.cpp's gpt2/llama attend to every position)");
+  if (c.sandwich_norm) {  // llama.cpp's gemma3 (llama-model.cpp: set_swa_pattern(6), rope_freq_base_train_swa 10000)
+    LOOM_CHECK(c.qk_norm && !c.qk_norm_whole && c.gate_activation == GateActivation::gelu_tanh &&
+                   c.embed_scale == std::sqrt(static_cast<float>(c.d_model)) && c.tie_embeddings && !c.qkv_bias &&
+                   c.nope_interval == 0 && c.attn_window > 0 && c.window_pattern == 6 && c.rope_local_theta == 10000.0f &&
+                   c.rope_scaling == ROPE_SCALING_NONE,
+               "model.sandwich_norm: GGUF export writes Gemma 3 as llama.cpp's gemma3, which has per-head q/k norms, "
+               "GeGLU, embed_scale = sqrt(d_model), a tied head, attn_window > 0 with window_pattern = 6 and "
+               "rope_local_theta = 10000 (fixed in llama.cpp), and no RoPE scaling here");
+  } else {
+    LOOM_CHECK(c.attn_window == 0, "model.attn_window = ", c.attn_window,
+               ": GGUF export does not support sliding-window attention (llama.cpp's gpt2/llama attend to every position)");
+    LOOM_CHECK(c.gate_activation == GateActivation::silu && c.embed_scale == 0.0f,
+               "model.gate_activation / embed_scale: GGUF export writes them only as llama.cpp's gemma3 (with sandwich norms)");
+  }
   LOOM_CHECK(!(c.qk_norm && c.qkv_bias), "model.qk_norm with model.qkv_bias: no llama.cpp architecture has both");
   LOOM_CHECK(!c.post_norm && !c.qk_norm_whole, "model.post_norm / qk_norm_whole (OLMo 2): GGUF export does not write "
              "llama.cpp's olmo2 yet");
@@ -258,7 +281,7 @@ void check_exportable(const ModelConfig& c, const GgufVocabulary& vocab) {
   LOOM_CHECK(c.rope_scaling == ROPE_SCALING_NONE || c.rope_scaling == ROPE_SCALING_LINEAR ||
                  c.rope_scaling == ROPE_SCALING_LLAMA3,
              "model.rope_scaling = ", enum_name(c.rope_scaling),
-             ": GGUF export writes linear and llama3 scaling (rope_freqs), not yarn yet");
+             ": GGUF export writes linear and llama3 scaling (rope_freqs), not yarn or longrope yet");
   LOOM_CHECK(!(c.qkv_bias || c.qk_norm) || c.rope_scaling == ROPE_SCALING_NONE, "model.qkv_bias / qk_norm with "
              "model.rope_scaling = ", enum_name(c.rope_scaling), ": GGUF export writes Qwen2 / Qwen3 as llama.cpp's "
              "qwen2 / qwen3, without RoPE scaling");
@@ -289,6 +312,7 @@ void put_arch(GgufWriter& w, const ModelConfig& c) {
     w.put(a + ".attention.key_length", GgufValue::u32(static_cast<uint32_t>(c.head_dim())));
     w.put(a + ".attention.value_length", GgufValue::u32(static_cast<uint32_t>(c.head_dim())));
   }
+  if (c.attn_window > 0) w.put(a + ".attention.sliding_window", GgufValue::u32(static_cast<uint32_t>(c.attn_window)));
 }
 
 }  // namespace

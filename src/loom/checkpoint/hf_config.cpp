@@ -262,12 +262,37 @@ void read_scaling_object(const std::string& path, const char* where, json s, Mod
     known.insert("truncate");
     LOOM_CHECK(!s.contains("truncate") || s["truncate"] == true, path, ": ", where, ".truncate = ",
                s["truncate"].dump(), " is not supported (the ramp's ends are rounded, as YaRN does)");
+  } else if (type == "longrope" || type == "su") {
+    // LongRoPE (Phi-3 128k): per-pair short and long factors; the original context and the attention
+    // factor are the family's (read_longrope_context below) unless the object gives them.
+    c.rope_scaling = ROPE_SCALING_LONGROPE;
+    const auto list = [&](const char* key) {
+      known.insert(key);
+      LOOM_CHECK(s.contains(key) && s[key].is_array(), path, ": ", where, ".", key, " must be a list of numbers");
+      std::string out;
+      for (const json& v : s[key]) {
+        LOOM_CHECK(v.is_number() && v.get<double>() > 0.0, path, ": ", where, ".", key, " has ", v.dump(),
+                   ", expected positive numbers");
+        if (!out.empty()) out.push_back(',');
+        out.append(nlohmann::json(shortest_decimal(v.get<float>())).dump());
+      }
+      return out;
+    };
+    c.rope_short_factors = list("short_factor");
+    c.rope_long_factors = list("long_factor");
+    known.insert("factor");  // transformers derives the factor from the contexts when the config has both
+    if (s.contains("original_max_position_embeddings")) {
+      c.rope_original_context = integer("original_max_position_embeddings", number("original_max_position_embeddings"));
+    }
+    if (s.contains("attention_factor") && !s["attention_factor"].is_null()) {
+      c.rope_attention_factor = static_cast<float>(number("attention_factor"));
+    } else {
+      known.insert("attention_factor");
+      c.rope_attention_factor = 0.0f;  // derived by read_longrope_context
+    }
   } else {
-    const char* why = type == "longrope" || type == "su"
-                          ? ": LongRoPE's per-pair factors switch from short to long with the sequence's length at run time"
-                      : type == "dynamic" ? ": dynamic NTK's base grows with the sequence's length at run time"
-                                          : "";
-    throw Error(str_cat(path, ": ", where, ".rope_type = '", type, "' is not supported (linear, llama3, yarn)", why));
+    const char* why = type == "dynamic" ? ": dynamic NTK's base grows with the sequence's length at run time" : "";
+    throw Error(str_cat(path, ": ", where, ".rope_type = '", type, "' is not supported (linear, llama3, yarn, longrope)", why));
   }
   for (const auto& [key, value] : s.items()) {
     LOOM_CHECK(known.count(key) != 0, path, ": unknown key '", where, ".", key, "' (", value.dump(), ") for rope_type ",
@@ -275,8 +300,37 @@ void read_scaling_object(const std::string& path, const char* where, json s, Mod
   }
 }
 
+// LongRoPE's original context (config.json's original_max_position_embeddings, else
+// max_position_embeddings) and attention factor sqrt(1 + ln(s) / ln(L)), s = max / original
+// (1 for s <= 1), as transformers' _compute_longrope_parameters derives them.
+void read_longrope_context(ConfigReader& r, ModelConfig& c) {
+  if (c.rope_scaling != ROPE_SCALING_LONGROPE) return;
+  c.rope_original_context = r.get<int64_t>("original_max_position_embeddings", c.max_seq_len);
+  LOOM_CHECK(c.rope_original_context > 0, r.path(), ": original_max_position_embeddings must be > 0");
+  if (c.rope_attention_factor == 0.0f) {
+    const double s = static_cast<double>(c.max_seq_len) / static_cast<double>(c.rope_original_context);
+    c.rope_attention_factor = static_cast<float>(
+        s <= 1.0 ? 1.0 : std::sqrt(1.0 + std::log(s) / std::log(static_cast<double>(c.rope_original_context))));
+  }
+}
+
+json factor_list(const std::string& text) {
+  json out = json::array();
+  size_t begin = 0;
+  while (begin < text.size()) {
+    const size_t end = std::min(text.find(',', begin), text.size());
+    out.push_back(shortest_decimal(std::strtof(text.substr(begin, end - begin).c_str(), nullptr)));
+    begin = end + 1;
+  }
+  return out;
+}
+
 json rope_scaling_json(const ModelConfig& c) {
   const auto d = shortest_decimal;
+  if (c.rope_scaling == ROPE_SCALING_LONGROPE) {  // Phi3Config takes these three keys only
+    return {{"type", "longrope"}, {"short_factor", factor_list(c.rope_short_factors)},
+            {"long_factor", factor_list(c.rope_long_factors)}};
+  }
   if (c.rope_scaling == ROPE_SCALING_LINEAR) return {{"rope_type", "linear"}, {"factor", d(c.rope_factor)}};
   if (c.rope_scaling == ROPE_SCALING_YARN) {
     return {{"rope_type", "yarn"},
@@ -351,6 +405,51 @@ void read_nope_layers(ConfigReader& r, ModelConfig& c) {
   }
 }
 
+// Gemma 3's local and global layers: layer_types (transformers >= 4.53) or sliding_window_pattern N
+// (layers N-1, 2N-1, ... global; Gemma3TextConfig's default 6), kept as model.window_pattern; a
+// layer_types list of another pattern is refused.
+void read_gemma_layers(ConfigReader& r, ModelConfig& c) {
+  c.attn_window = r.get<int64_t>("sliding_window", 4096);
+  LOOM_CHECK(c.attn_window > 0, r.path(), ": sliding_window must be > 0, got ", c.attn_window);
+  c.window_pattern = r.get<int64_t>("sliding_window_pattern", 6);
+  LOOM_CHECK(c.window_pattern > 0, r.path(), ": sliding_window_pattern must be > 0, got ", c.window_pattern);
+  if (r.has("layer_types")) {
+    const json list = r.get<json>("layer_types");
+    LOOM_CHECK(list.is_array() && static_cast<int64_t>(list.size()) == c.n_layer, r.path(),
+               ": layer_types must list num_hidden_layers = ", c.n_layer, " entries");
+    int64_t first_full = 0;
+    while (first_full < c.n_layer && list[static_cast<size_t>(first_full)] == "sliding_attention") ++first_full;
+    c.window_pattern = first_full < c.n_layer ? first_full + 1 : c.n_layer + 1;  // none global: past the last layer
+    for (int64_t i = 0; i < c.n_layer; ++i) {
+      const json& v = list[static_cast<size_t>(i)];
+      LOOM_CHECK(v == (c.layer_window(i) > 0 ? "sliding_attention" : "full_attention"), r.path(), ": layer_types = ",
+                 list.dump(), " is not supported (Loom makes every N-th layer global, layers N-1, 2N-1, ...; entry ",
+                 i, " is ", v.dump(), ")");
+    }
+  }
+  c.rope_local_theta = r.get<float>("rope_local_base_freq", 10000.0f);
+}
+
+// Gemma 3 (Gemma3ForCausalLM, model_type gemma3_text): pre and post norms around attention and
+// MLP, q/k norms per head, (1 + w) RMSNorms (the folder's w, Loom's 1 + w: hf_model.cpp), GeGLU,
+// the embedding times sqrt(hidden_size), local and global layers with their own RoPE, a tied head.
+void read_gemma3(ConfigReader& r, ModelConfig& c) {
+  c.sandwich_norm = c.qk_norm = true;
+  c.gate_activation = GateActivation::gelu_tanh;
+  c.embed_scale = std::sqrt(static_cast<float>(c.d_model));  // Gemma3TextScaledWordEmbedding, in fp32
+  r.require("hidden_activation", "gelu_pytorch_tanh", "gelu_pytorch_tanh", "Gemma's gate is GELU's tanh approximation");
+  // Scores scale by query_pre_attn_scalar^-1/2; Loom's attention scales by head_dim^-1/2 (Gemma 3
+  // 1B, 4B, 12B: 256 = head_dim; 27B: 168 of 128 is refused).
+  const double scalar = r.get<double>("query_pre_attn_scalar", 256.0);
+  LOOM_CHECK(scalar == static_cast<double>(c.head_dim()), r.path(), ": query_pre_attn_scalar = ", scalar,
+             " is not supported (Loom scales attention scores by head_dim^-1/2; head_dim = ", c.head_dim(), ")");
+  r.require("final_logit_softcapping", nullptr, nullptr, "logit soft-capping (Gemma 2) is not implemented");
+  r.require("attn_logit_softcapping", nullptr, nullptr, "attention soft-capping (Gemma 2) is not implemented");
+  read_gemma_layers(r, c);
+  // transformers' choice of KV cache class for generate(); no effect on the arithmetic.
+  r.ignore({"cache_implementation"});
+}
+
 // Mixtral, Qwen3-MoE: every layer routes each token to num_experts_per_tok of E experts by the
 // softmax of the router's logits (no shared experts, no groups); training-only keys ignored.
 void read_softmax_moe(ConfigReader& r, ModelConfig& c, const char* experts_key) {
@@ -361,7 +460,8 @@ void read_softmax_moe(ConfigReader& r, ModelConfig& c, const char* experts_key) 
 
 ModelConfig llama_family_config(ConfigReader& r, HfFamily family) {
   ModelConfig c;
-  read_llama_common(r, c, false, family == HfFamily::smollm3);  // SmolLM3Config ties by default (SmolLM3-3B omits the key)
+  // SmolLM3Config and Gemma3TextConfig tie by default (SmolLM3-3B omits the key)
+  read_llama_common(r, c, false, family == HfFamily::smollm3 || family == HfFamily::gemma3_text);
   read_head_dim(r, c);
   switch (family) {
     case HfFamily::mistral:
@@ -382,11 +482,13 @@ ModelConfig llama_family_config(ConfigReader& r, HfFamily family) {
       // the dropouts are training's; original_max_position_embeddings is LongRoPE's (refused above).
       c.attn_window = r.get<int64_t>("sliding_window", 0);
       r.require("partial_rotary_factor", 1.0, 1.0, "RoPE on a fraction of each head (Phi-4-mini) is not implemented");
+      read_longrope_context(r, c);
       r.ignore({"embd_pdrop", "resid_pdrop", "original_max_position_embeddings"});
       break;
     case HfFamily::olmo2:  // Olmo2DecoderLayer: x + norm(attn(x)), h + norm(mlp(h)); q_norm over H hd, k_norm KV hd
       c.qk_norm = c.qk_norm_whole = c.post_norm = true;
       break;
+    case HfFamily::gemma3_text: read_gemma3(r, c); break;
     case HfFamily::smollm3:
       read_nope_layers(r, c);
       r.require("use_sliding_window", false, false, "SmolLM3's sliding window is not implemented");
@@ -460,7 +562,8 @@ const char* family_class(HfFamily f) {
   constexpr const char* kNames[] = {"GPT2LMHeadModel",    "LlamaForCausalLM",    "MistralForCausalLM",
                                     "Qwen2ForCausalLM",   "Qwen3ForCausalLM",    "MixtralForCausalLM",
                                     "Qwen3MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
-                                    "SmolLM3ForCausalLM",  "Phi3ForCausalLM",       "Olmo2ForCausalLM"};
+                                    "SmolLM3ForCausalLM",  "Phi3ForCausalLM",       "Olmo2ForCausalLM",
+                                    "Gemma3ForCausalLM"};
   return kNames[static_cast<int>(f)];
 }
 
@@ -468,9 +571,8 @@ const char* family_class(HfFamily f) {
 // each would need (nullptr: not one of them).
 const char* unimplemented_family(const std::string& type) {
   static const std::map<std::string, const char*> kWhy = {
-      {"gemma3_text", "Gemma 3 needs (1 + w) RMSNorms before and after attention and MLP, GeGLU (gelu_pytorch_tanh), "
-                      "an embedding scaled by sqrt(hidden_size), and sliding and global layers with their own RoPE bases"},
-      {"gemma3", "Gemma 3's multimodal folder: its text model is gemma3_text (see that family)"},
+      {"gemma3", "Gemma 3's multimodal folder (vision tower and text_config): export its text model as gemma3_text "
+                 "(Gemma3ForCausalLM)"},
       {"gemma2", "Gemma 2 needs (1 + w) RMSNorms before and after attention and MLP, GeGLU, logit soft-capping and "
                  "alternating sliding layers"},
       {"gpt_oss", "GPT-OSS needs attention sinks, alternating sliding windows, MoE with clamped SwiGLU and biases, and "
@@ -525,12 +627,33 @@ HfFamily hf_family_of(const ModelConfig& c) {
                "DeepSeek-V2 does not scale renormalised gates (model.moe_route_scale must be 1)");
     return moe && c.moe_sigmoid ? HfFamily::deepseek_v3 : HfFamily::deepseek_v2;
   }
+  if (c.sandwich_norm || c.gate_activation != GateActivation::silu || c.embed_scale > 0.0f || c.window_pattern > 0) {
+    const bool global_rope = c.rope_scaling == ROPE_SCALING_NONE || c.rope_scaling == ROPE_SCALING_LINEAR;
+    LOOM_CHECK(c.sandwich_norm && c.qk_norm && !c.qk_norm_whole && c.gate_activation == GateActivation::gelu_tanh &&
+                   c.embed_scale == std::sqrt(static_cast<float>(c.d_model)) && c.tie_embeddings && !moe &&
+                   !c.qkv_bias && c.nope_interval == 0 && c.attn_window > 0 && c.window_pattern > 0 &&
+                   c.rope_local_theta > 0.0f && global_rope,
+               where, "sandwich norms, GeGLU, a scaled embedding and interleaved windows map to Gemma 3, which has all "
+               "of them with per-head q/k norms, embed_scale = sqrt(d_model), rope_local_theta, a tied head and no "
+               "MoE, q/k/v biases or NoPE layers");
+    return HfFamily::gemma3_text;
+  }
   if (c.post_norm || c.qk_norm_whole) {
     LOOM_CHECK(c.post_norm && c.qk_norm && c.qk_norm_whole && !moe && !c.qkv_bias && c.attn_window == 0 &&
                    c.nope_interval == 0,
                where, "post-norms and whole-width q/k norms map to OLMo 2, which has both and no MoE, q/k/v biases, "
                "window or NoPE layers");
     return HfFamily::olmo2;
+  }
+  if (c.rope_scaling == ROPE_SCALING_LONGROPE) {
+    const double s = static_cast<double>(c.max_seq_len) / static_cast<double>(c.rope_original_context);
+    const double derived = s <= 1.0 ? 1.0 : std::sqrt(1.0 + std::log(s) / std::log(static_cast<double>(c.rope_original_context)));
+    LOOM_CHECK(!moe && !c.qkv_bias && !c.qk_norm && c.nope_interval == 0 &&
+                   c.rope_attention_factor == static_cast<float>(derived),
+               where, "LongRoPE maps to Phi-3, which has no MoE, q/k/v biases, q/k norms or NoPE layers and derives "
+               "the attention factor from max_seq_len / rope_original_context (", derived, ", model has ",
+               c.rope_attention_factor, ")");
+    return HfFamily::phi3;
   }
   if (c.nope_interval > 0) {
     LOOM_CHECK(!moe && !c.qkv_bias && !c.qk_norm && c.attn_window == 0, where, "NoPE layers (model.nope_interval, "
@@ -566,8 +689,9 @@ json hf_config_json(const ModelConfig& c) {
     return j;
   }
   j.update({{"num_key_value_heads", c.n_kv_head}, {"rms_norm_eps", shortest_decimal(c.norm_eps)},
-            {"rope_theta", shortest_decimal(c.rope_theta)}, {"hidden_act", "silu"},
-            {"initializer_range", shortest_decimal(c.init_std)}, {"tie_word_embeddings", c.tie_embeddings}});
+            {"rope_theta", shortest_decimal(c.rope_theta)}, {"initializer_range", shortest_decimal(c.init_std)},
+            {"tie_word_embeddings", c.tie_embeddings}});
+  if (f != HfFamily::gemma3_text) j["hidden_act"] = "silu";
   write_int_keys(j, kLlamaKeys, c);
   if (c.rope_scaling != ROPE_SCALING_NONE) j["rope_scaling"] = rope_scaling_json(c);
   if (c.mla() && c.mla_score_scale != 1.0f) {  // DeepSeek's YaRN: the score scale as mscale_all_dim
@@ -586,6 +710,18 @@ json hf_config_json(const ModelConfig& c) {
       j.update({{"num_experts", c.moe_experts}, {"num_experts_per_tok", c.moe_top_k}, {"moe_intermediate_size", c.expert_ff()},
                 {"norm_topk_prob", c.moe_renorm}});
       break;
+    case HfFamily::phi3:
+      j["original_max_position_embeddings"] = c.rope_original_context;
+      break;
+    case HfFamily::gemma3_text: {
+      json types = json::array();
+      for (int64_t i = 0; i < c.n_layer; ++i) types.push_back(c.layer_window(i) > 0 ? "sliding_attention" : "full_attention");
+      j.update({{"hidden_activation", "gelu_pytorch_tanh"}, {"query_pre_attn_scalar", c.head_dim()},
+                {"sliding_window_pattern", c.window_pattern}, {"layer_types", types},
+                {"rope_local_base_freq", shortest_decimal(c.rope_local_theta)}, {"final_logit_softcapping", nullptr},
+                {"attn_logit_softcapping", nullptr}, {"attention_bias", false}});
+      break;
+    }
     case HfFamily::smollm3: {
       json list = json::array();
       for (int64_t i = 0; i < c.n_layer; ++i) list.push_back(c.rope_layer(i) ? 1 : 0);

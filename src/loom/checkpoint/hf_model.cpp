@@ -113,6 +113,13 @@ void permute_deepseek_rope_rows(const ModelConfig& c, const std::vector<int64_t>
 
 bool deepseek(HfFamily f) { return f == HfFamily::deepseek_v2 || f == HfFamily::deepseek_v3; }
 
+// Gemma's RMSNorms scale by (1 + w) (Gemma3RMSNorm: output * (1.0 + weight)): the folder keeps w,
+// Loom's norms the factor 1 + w (as llama.cpp's GGUF does), added on import and taken off on export.
+// (1 + w) - 1 is exact for factors in [0.5, 2] (Sterbenz), so a folder Loom wrote re-imports bitwise.
+bool unit_offset_norm(HfFamily f, const std::string& name) {
+  return f == HfFamily::gemma3_text && ends_with(name, "norm.weight");
+}
+
 // The folder's tensors by name, from model.safetensors or the shards its index names.
 class HfTensors {
  public:
@@ -408,6 +415,10 @@ void HfWeightReader::read(const std::string& name, const Tensor& dst) const {
     row += piece.rows;
   }
   if (deepseek(s_->family)) permute_deepseek_rope_rows(c, deepseek_rope_starts(c, spec.name), dst, true);
+  if (unit_offset_norm(s_->family, name)) {
+    LOOM_CHECK(wide, name, ": Gemma's (1 + w) norm weights are read in f32 only");
+    for (int64_t i = 0; i < dst.numel(); ++i) dst.data<float>()[i] += 1.0f;
+  }
   if (c.tied_head() && name == embedding_param_name(c)) check_tied_head(s_->files, dst, used);
 }
 
@@ -468,6 +479,10 @@ void save_hf_model(const std::string& dir, ParamReader& params, DType dtype) {
         copy = Tensor::empty(host, spec.shape, DTYPE_F32, MEM_WORKSPACE);
         std::memcpy(copy.data<float>(), values, static_cast<size_t>(spec.numel) * sizeof(float));
         permute_deepseek_rope_rows(c, rope_starts, copy, false);
+        values = copy.data<float>();
+      } else if (unit_offset_norm(family, spec.name)) {  // Gemma: the folder's w of Loom's 1 + w
+        copy = Tensor::empty(host, spec.shape, DTYPE_F32, MEM_WORKSPACE);
+        for (int64_t i = 0; i < spec.numel; ++i) copy.data<float>()[i] = values[i] - 1.0f;
         values = copy.data<float>();
       }
       const int64_t cols = spec.shape.size() == 2 ? spec.shape[1] : 1;

@@ -14,7 +14,7 @@ namespace {
 template <class T>
 nlohmann::json to_json_value(const T& v) {
   if constexpr (std::is_same_v<T, Arch>) return std::string(arch_name(v));
-  else if constexpr (std::is_same_v<T, RopeScaling> || std::is_same_v<T, PeftMethod>) return std::string(enum_name(v));
+  else if constexpr (kModelEnum<T>) return std::string(enum_name(v));
   else if constexpr (std::is_same_v<T, float>) return shortest_decimal(v);
   else return v;
 }
@@ -24,6 +24,7 @@ void from_json_value(const nlohmann::json& j, T& v, const char* key) {
   if constexpr (std::is_same_v<T, Arch>) v = arch_from_name(j.get<std::string>());
   else if constexpr (std::is_same_v<T, RopeScaling>) v = parse_enum<RopeScaling>(j.get<std::string>(), "rope_scaling.type");
   else if constexpr (std::is_same_v<T, PeftMethod>) v = parse_enum<PeftMethod>(j.get<std::string>(), "peft.method");
+  else if constexpr (kModelEnum<T>) v = parse_enum<T>(j.get<std::string>(), key);
   else if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) {
     // nlohmann casts a float such as 1e300 to the integer, undefined beyond its range.
     LOOM_CHECK(j.is_number_integer(), key, " is ", j.dump(), ", expected an integer");
@@ -68,6 +69,10 @@ nlohmann::json model_config_json(const ModelConfig& c) {
       case ModelField::IF_SET:  // full-attention checkpoints keep their bytes
         if constexpr (std::is_arithmetic_v<std::decay_t<decltype(value)>>) {
           if (value != 0) j[f.json] = to_json_value(value);
+        } else if constexpr (std::is_same_v<std::decay_t<decltype(value)>, std::string>) {
+          if (!value.empty()) j[f.json] = value;
+        } else if constexpr (kModelEnum<std::decay_t<decltype(value)>>) {
+          if (value != std::decay_t<decltype(value)>{}) j[f.json] = to_json_value(value);  // the first name is the default
         }
         break;
       case ModelField::ROPE: if (c.rope_scaling != ROPE_SCALING_NONE) j["rope_scaling"][f.json] = to_json_value(value); break;

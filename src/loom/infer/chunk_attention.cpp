@@ -24,9 +24,9 @@ int64_t ChunkAttention::workspace_bytes(const ModelConfig& c, int64_t rows) {
               + 2 * c.n_head * rows);       // running max and sum
 }
 
-void ChunkAttention::run(int64_t first, int64_t n, int64_t lo, const KvTile& tile, const float* q, int64_t q_stride,
-                         float* out, int64_t out_stride) {
-  const int64_t W = c_.attn_window, P = first + n - lo, M = group_ * n, G = c_.n_kv_head;
+void ChunkAttention::run(int64_t first, int64_t n, int64_t lo, int64_t window, const KvTile& tile, const float* q,
+                         int64_t q_stride, float* out, int64_t out_stride) {
+  const int64_t W = window, P = first + n - lo, M = group_ * n, G = c_.n_kv_head;
   LOOM_CHECK(n >= 1 && lo >= 0 && lo <= first && (W <= 0 || lo <= std::max<int64_t>(0, first + 1 - W)),
              "chunk attention: rows ", first, " .. ", first + n - 1, " over positions from ", lo);
   // Query head h = g * group + j, row r: row (g * group + j) * n + r of q_ and o_, so kv head g's

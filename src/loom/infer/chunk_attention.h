@@ -3,7 +3,7 @@
 // on a CPU backend, FlashAttention's tiling (Dao et al. 2022, Algorithm 1, key tiles in the outer
 // loop): per tile of kTile positions and per kv head two GEMMs, the scores of the chunk's queries
 // (the kv head's query heads stacked) over the tile's keys scaled by 1/sqrt(head_dim), masked
-// causally and by the sliding window (model.attn_window), folded into each row's running maximum
+// causally and by the layer's sliding window (ModelConfig::layer_window), folded into each row's running maximum
 // and sum in fp32 (the online softmax, Milakov & Gimelshein 2018), then their product with the
 // tile's values accumulated into the rescaled outputs. Memory: the chunk's queries and outputs and
 // one tile's scores, keys and values, whatever the number of positions; each position's keys and
@@ -37,9 +37,9 @@ class ChunkAttention {
   using KvTile = std::function<std::pair<Tensor, Tensor>(int64_t g, int64_t begin, int64_t end)>;
   // Rows r < n, at positions first + r: queries at q + r * q_stride (the heads side by side),
   // outputs likewise at out + r * out_stride, over positions [lo, first + n), lo the first
-  // position row 0 sees (0, or first + 1 - W under a window W).
-  void run(int64_t first, int64_t n, int64_t lo, const KvTile& tile, const float* q, int64_t q_stride, float* out,
-           int64_t out_stride);
+  // position row 0 sees (0, or first + 1 - W under the layer's window W = `window`; 0: none).
+  void run(int64_t first, int64_t n, int64_t lo, int64_t window, const KvTile& tile, const float* q, int64_t q_stride,
+           float* out, int64_t out_stride);
   // A KvTile over interleaved rows (n_kv_head x head_dim a position), as a KV cache hands them
   // out: read(begin, end, k, v) writes positions [lo + begin, lo + end) into k and v, once per
   // tile; each kv head's rows are then copied out of the tile (it stays in cache).

@@ -97,7 +97,7 @@ std::string prefix_cache_unsupported(const Transformer& model, const EngineConfi
       !std::all_of(plan.begin(), plan.end(), [](RecomputePolicy p) { return p == RECOMPUTE_NONE; })) {
     return "it needs whole-prompt prefill (no chunked prefill, context parallelism or recompute plan)";
   }
-  if (model.config().attn_window > 0) return "a sliding window (model.attn_window) forgets the prompt's blocks";
+  if (model.config().windowed_everywhere()) return "a sliding window (model.attn_window) forgets the prompt's blocks";
   if (kv_window_bytes(engine_cache_config(model.config(), engine)) > 0) {
     return "its KV format keeps an fp32 window of recent rows outside the blocks (use fp32, bf16, int8 or int4 with no residual)";
   }
@@ -151,7 +151,8 @@ int64_t GenerationEngine::measure_workspace() {
 
 bool GenerationEngine::forgets() const {
   // StepRows::latent (MLA) reads every position, so only an attend cache may forget.
-  return model_.config().attn_window > 0 && !config_.keep_all_blocks && cache_->config().v_width > 0;
+  // Global blocks among windowed ones (model.window_pattern) read every position: nothing is forgotten.
+  return model_.config().windowed_everywhere() && !config_.keep_all_blocks && cache_->config().v_width > 0;
 }
 
 int64_t GenerationEngine::blocks_needed(const GenerationRequest& r) const {
@@ -228,7 +229,11 @@ void GenerationEngine::forget_out_of_window(const Active& a) {
 }
 
 bool GenerationEngine::feeds_in_chunks(const GenerationRequest& r) const {
-  return config_.prefill_chunk > 0 && static_cast<int64_t>(r.prompt.size()) > config_.prefill_chunk && whole_prefill();
+  // A LongRoPE prompt past the original context is prefilled whole: one forward rotates all its
+  // positions with the long factors (as transformers' prefill), chunks would not.
+  const auto P = static_cast<int64_t>(r.prompt.size());
+  return config_.prefill_chunk > 0 && P > config_.prefill_chunk && whole_prefill() &&
+         !crosses_longrope_context(model_.config(), P);
 }
 
 int64_t GenerationEngine::chunk_rows() const { return config_.prefill_chunk > 0 ? config_.prefill_chunk : kMaxChunk; }

@@ -53,12 +53,12 @@ class SequenceCache final : public DecodeCache {
   }
   void attend_chunk(int64_t layer, int64_t first, int64_t n, const float* q, int64_t q_stride, float* out,
                     int64_t out_stride) {
-    const int64_t W = c_.attn_window, lo = W > 0 ? std::max<int64_t>(0, first + 1 - W) : 0;
+    const int64_t W = c_.layer_window(layer), lo = W > 0 ? std::max<int64_t>(0, first + 1 - W) : 0;
     const auto tile = [&, lo](int64_t g, int64_t begin, int64_t end) {
       const int64_t at = ((layer * c_.n_kv_head + g) * capacity_ + lo + begin) * hd_;
       return std::pair{k_.view(at, {end - begin, hd_}), v_.view(at, {end - begin, hd_})};
     };
-    attention_.run(first, n, lo, tile, q, q_stride, out, out_stride);
+    attention_.run(first, n, lo, W, tile, q, q_stride, out, out_stride);
   }
 
   const ModelConfig& c_;
@@ -78,6 +78,10 @@ SequenceLoss score_tokens(Transformer& model, std::span<const int32_t> tokens, i
   LOOM_CHECK(chunk >= 1, "scoring in chunks: the chunk must be >= 1 positions, got ", chunk);
   LOOM_CHECK(T >= 2 && T - 1 <= c.max_seq_len, "scoring in chunks: ", T, " tokens, expected 2 .. model.max_seq_len + 1 = ",
              c.max_seq_len + 1);
+  // LongRoPE rotates a forward reaching past the original context with its long factors at every
+  // position; rows fed in chunks would rotate the earlier ones with the short factors.
+  LOOM_CHECK(!crosses_longrope_context(c, T - 1), "scoring in chunks: model.rope_scaling = longrope over ", T - 1,
+             " positions, past rope_original_context = ", c.rope_original_context, ": score the window whole");
   const int64_t rows = std::min(chunk, T - 1);
   SequenceCache cache(c, T - 1);
   ActivationStore store = model.allocate_rows(rows);
@@ -113,7 +117,7 @@ WindowsLoss score_windows(Transformer& model, const std::vector<int32_t>& ids, i
   r.window = T;
   r.windows = r.tokens / T;
   LOOM_CHECK(r.windows >= 1, what, ": ", r.tokens, " tokens make no window of --seq-len ", T);
-  r.chunked = T - 1 > chunk && can_score_in_chunks(model.config());
+  r.chunked = T - 1 > chunk && can_score_in_chunks(model.config()) && !crosses_longrope_context(model.config(), T - 1);
   double sum = 0.0;
   for (int64_t first = 0; first < r.windows; first += r.chunked ? 1 : B) {
     if (r.chunked) {

@@ -23,17 +23,17 @@ void StepRows::attend_all(Backend& backend, int64_t layer, const Tensor& qkv, co
   BlockCopy q_block;  // kv_attention takes contiguous query rows
   q_block.rows = n, q_block.cols = H * hd, q_block.src_stride = qkv.dim(1), q_block.dst_stride = H * hd;
   backend.copy_block(qkv, q_, q_block);
-  cache_.attend_rows(layer, seqs, q_, out, H, model_.n_kv_head, hd, model_.attn_window);
+  cache_.attend_rows(layer, seqs, q_, out, H, model_.n_kv_head, hd, model_.layer_window(layer));
 }
 
 void StepRows::attend(int64_t layer, int64_t row, const float* q, const float* k, const float* v, float* out) {
   const int64_t seq = seqs[static_cast<size_t>(row)];
   if (gathered[static_cast<size_t>(row)]) {
-    attend_chunk(seq, q, append(layer, row, k, v), out, scores_, sums_);
+    attend_chunk(seq, q, append(layer, row, k, v), model_.layer_window(layer), out, scores_, sums_);
     return;
   }
   cache_.write(seq, layer, k, v);
-  cache_.attend(seq, layer, q, out, model_.n_head, model_.n_kv_head, model_.head_dim(), model_.attn_window);
+  cache_.attend(seq, layer, q, out, model_.n_head, model_.n_kv_head, model_.head_dim(), model_.layer_window(layer));
 }
 
 void StepRows::attend_host_rows(int64_t layer, int64_t n, const float* qkv, int64_t width, int64_t k_col, int64_t v_col,
@@ -63,7 +63,7 @@ void StepRows::attend_host_rows(int64_t layer, int64_t n, const float* qkv, int6
         std::copy(own_v.begin() + j * kw, own_v.begin() + (j + 1) * kw, v + (t - begin) * kw);
       }
     };
-    prompt_attention_.run(ch.prefix, m, ch.first, prompt_attention_.interleaved(read), qkv + r * width, width,
+    prompt_attention_.run(ch.prefix, m, ch.first, model_.layer_window(layer), prompt_attention_.interleaved(read), qkv + r * width, width,
                           out + r * out_width, out_width);
     for (int64_t j = 0; j < m; ++j) counts[static_cast<size_t>(r + j)] = 0;  // attended
   }
@@ -74,7 +74,8 @@ void StepRows::attend_host_rows(int64_t layer, int64_t n, const float* qkv, int6
 #pragma omp for schedule(dynamic, 1)
       for (int64_t r = 0; r < n; ++r) {
         if (counts[static_cast<size_t>(r)] == 0) continue;
-        attend_chunk(seqs[static_cast<size_t>(r)], qkv + r * width, counts[static_cast<size_t>(r)], out + r * out_width, scores, sums);
+        attend_chunk(seqs[static_cast<size_t>(r)], qkv + r * width, counts[static_cast<size_t>(r)], model_.layer_window(layer),
+                     out + r * out_width, scores, sums);
       }
     }
   }
@@ -121,9 +122,10 @@ int64_t StepRows::append(int64_t layer, int64_t row, const float* k, const float
   Chunk& ch = chunks_[seq];
   if (ch.new_k.empty()) {
     ch.prefix = cache_.length(seq);
-    // Row 0 of the chunk attends to [prefix + 1 - W, prefix] under a window W, the others to later rows.
-    // (MLA's latent rows are handed out from position 0: all of them.)
-    ch.first = model_.attn_window > 0 && c.v_width > 0 ? std::max<int64_t>(0, ch.prefix + 1 - model_.attn_window) : 0;
+    // Row 0 of the chunk attends to [prefix + 1 - W, prefix] under a window W on every layer, the
+    // others to later rows. (MLA's latent rows are handed out from position 0: all of them; with
+    // global layers among windowed ones (model.window_pattern) every layer gathers from 0.)
+    ch.first = model_.windowed_everywhere() && c.v_width > 0 ? std::max<int64_t>(0, ch.prefix + 1 - model_.attn_window) : 0;
     ch.new_k.resize(static_cast<size_t>(c.n_layer)), ch.new_v.resize(static_cast<size_t>(c.n_layer));
   }
   if (gather && chunk[static_cast<size_t>(row)] == 0) {
@@ -141,11 +143,11 @@ int64_t StepRows::append(int64_t layer, int64_t row, const float* k, const float
   return ch.prefix + chunk[static_cast<size_t>(row)] + 1;
 }
 
-void StepRows::attend_chunk(int64_t seq, const float* q, int64_t count, float* out, std::vector<float>& scores,
-                            std::vector<float>& sums) const {
+void StepRows::attend_chunk(int64_t seq, const float* q, int64_t count, int64_t window, float* out,
+                            std::vector<float>& scores, std::vector<float>& sums) const {
   const Chunk& c = chunks_.at(seq);
   const int64_t G = model_.n_kv_head, hd = model_.head_dim();
-  const int64_t first = model_.attn_window > 0 ? std::max<int64_t>(0, count - model_.attn_window) : 0;
+  const int64_t first = window > 0 ? std::max<int64_t>(0, count - window) : 0;
   const auto rows = [&](const float* base) {  // base holds positions c.first, c.first + 1, ...
     return [=, from = c.first](auto&& fn) {
       for (int64_t t = first; t < count; ++t) fn(t, base + (t - from) * G * hd);

@@ -67,8 +67,9 @@ class StepRows : public DecodeCache {
   // prompt's chunk, attended by ChunkAttention, which reads the cached rows itself): the chunk's
   // own rows only.
   int64_t append(int64_t layer, int64_t row, const float* k, const float* v, bool gather = true);
-  // KvCache::attend's kernel (attend_rows.h) over seq's gathered rows [first, count).
-  void attend_chunk(int64_t seq, const float* q, int64_t count, float* out, std::vector<float>& scores,
+  // KvCache::attend's kernel (attend_rows.h) over seq's gathered rows [first, count), the
+  // newest `window` of them under a window (the layer's; 0: all).
+  void attend_chunk(int64_t seq, const float* q, int64_t count, int64_t window, float* out, std::vector<float>& scores,
                     std::vector<float>& sums) const;
 
   KvCache& cache_;

@@ -73,7 +73,7 @@ BlockParams Transformer::frozen_grads(BlockParams g) const {
   AttentionParams& a = g.attention;
   MlpParams& m = g.mlp;
   for (Tensor* t : {&a.qkv_w, &a.qkv_b, &a.proj_w, &a.proj_b, &m.fc_w, &m.fc_b, &m.fc2_w, &m.fc2_b}) *t = Tensor{};
-  for (Tensor* t : {&a.norm_w, &a.q_norm, &a.k_norm, &m.norm_w}) *t = sink(*t, sink_w_);
+  for (Tensor* t : {&a.norm_w, &a.post_norm_w, &a.q_norm, &a.k_norm, &m.norm_w, &m.post_norm_w}) *t = sink(*t, sink_w_);
   for (Tensor* t : {&a.norm_b, &m.norm_b}) *t = sink(*t, sink_b_);
   return g;
 }
@@ -471,6 +471,7 @@ double Transformer::forward_stage(ActivationStore& s, int64_t first, int64_t las
     } else {
       backend_.embedding_forward(s.tokens, embed_w, pos_w.defined() ? &pos_w : nullptr, x0);
     }
+    if (config_.embed_scale > 0.0f) backend_.scale_inplace(x0, config_.embed_scale);  // Gemma: sqrt(d_model) (llama: no positions)
   }
   for (int64_t l = first; l < last; ++l) {
     const Tensor& out = l + 1 < L ? s.blocks[l + 1].input : s.final_input;
@@ -553,6 +554,7 @@ void Transformer::forward_rows(ActivationStore& s, const std::vector<int32_t>& t
   } else {
     backend_.embedding_forward(s.tokens, embed_w, nullptr, s.blocks[0].input);
   }
+  if (config_.embed_scale > 0.0f) backend_.scale_inplace(s.blocks[0].input, config_.embed_scale);
   for (size_t l = 0; l < blocks_.size(); ++l) {
     const Tensor& out = l + 1 < blocks_.size() ? s.blocks[l + 1].input : s.final_input;
     blocks_[l].forward_rows(backend_, s.blocks[l], out, positions, cache, static_cast<int64_t>(l));
@@ -776,7 +778,10 @@ void Transformer::backward_stage(ActivationStore& s, int64_t first, int64_t last
       backend_.embedding_backward(s.tokens, d_res, d_embed_w, d_pos_w.defined() ? &d_pos_w : nullptr);
     }
   };
-  if (d_embed_w.defined()) embedding_backward();  // frozen embeddings (LoRA): none
+  if (d_embed_w.defined()) {  // frozen embeddings (LoRA): none
+    if (config_.embed_scale > 0.0f) backend_.scale_inplace(d_res, config_.embed_scale);  // d(rows) = scale d(x0)
+    embedding_backward();
+  }
   done(0);
   if (ready) ready(0);
 }

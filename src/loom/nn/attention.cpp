@@ -201,11 +201,17 @@ void attention_saved_fields(const ModelConfig& config, const LayerPlan& plan, co
     if (flash) field(s.lse, {B, H, T}, DTYPE_F32);  // the attention is not recomputed
     return;
   }
-  // Post-norm: the norm's input (the projection's output) instead of its output, which goes
-  // straight into the residual stream.
-  field(config.post_norm ? s.post_in : s.norm.out, {B, Ts, C}, config.post_norm ? DTYPE_F32 : saved_dtype(plan, LINEAR_ATTN_QKV));
-  if (!config.rmsnorm()) field(s.norm.mean, {B, Ts}, DTYPE_F32);
-  field(s.norm.rstd, {B, Ts}, DTYPE_F32);
+  if (config.pre_norms()) {
+    field(s.norm.out, {B, Ts, C}, saved_dtype(plan, LINEAR_ATTN_QKV));
+    if (!config.rmsnorm()) field(s.norm.mean, {B, Ts}, DTYPE_F32);
+    field(s.norm.rstd, {B, Ts}, DTYPE_F32);
+  }
+  // The output's norm: its input (the projection's output), not its output, which goes straight
+  // into the residual stream.
+  if (config.post_norms()) {
+    field(s.post_in, {B, Ts, C}, DTYPE_F32);
+    field(s.post.rstd, {B, Ts}, DTYPE_F32);
+  }
   if (mla) {
     const int64_t dq = config.mla_q_rank, dc = config.mla_kv_rank;
     if (dq > 0) {
@@ -252,14 +258,14 @@ void AttentionLayer::rope(Backend& backend, const Tensor& qkv, bool backward, co
     const int64_t T = qkv.dim(1), W = qkv.dim(2);
     for (const DocumentSpan& d : *docs) {
       const Tensor x = qkv.view((d.row * T + d.begin) * W, {1, d.length, W});
-      if (backward) backend.rope_backward(x, hd, heads, config_.rope(), 0);
-      else backend.rope_forward(x, hd, heads, config_.rope(), 0);
+      if (backward) backend.rope_backward(x, hd, heads, plan_.rope_spec, 0);
+      else backend.rope_forward(x, hd, heads, plan_.rope_spec, 0);
     }
     return;
   }
   if (cp == nullptr) {
-    if (backward) backend.rope_backward(qkv, hd, heads, config_.rope(), 0);
-    else backend.rope_forward(qkv, hd, heads, config_.rope(), 0);
+    if (backward) backend.rope_backward(qkv, hd, heads, plan_.rope_spec, 0);
+    else backend.rope_forward(qkv, hd, heads, plan_.rope_spec, 0);
     return;
   }
   // This rank's positions are two chunks of the sequence (zig-zag): each rotated at its start.
@@ -267,8 +273,8 @@ void AttentionLayer::rope(Backend& backend, const Tensor& qkv, bool backward, co
   const Tensor tmp = cp->chunk.view(0, {B, chunk, W});
   for (int c = 0; c < 2; ++c) {
     for (int64_t b = 0; b < B; ++b) backend.copy(qkv.view((b * Tl + c * chunk) * W, {chunk, W}), tmp.view(b * chunk * W, {chunk, W}));
-    if (backward) backend.rope_backward(tmp, hd, heads, config_.rope(), cp->chunk_starts[static_cast<size_t>(c)]);
-    else backend.rope_forward(tmp, hd, heads, config_.rope(), cp->chunk_starts[static_cast<size_t>(c)]);
+    if (backward) backend.rope_backward(tmp, hd, heads, plan_.rope_spec, cp->chunk_starts[static_cast<size_t>(c)]);
+    else backend.rope_forward(tmp, hd, heads, plan_.rope_spec, cp->chunk_starts[static_cast<size_t>(c)]);
     for (int64_t b = 0; b < B; ++b) backend.copy(tmp.view(b * chunk * W, {chunk, W}), qkv.view((b * Tl + c * chunk) * W, {chunk, W}));
   }
 }
@@ -294,12 +300,13 @@ void AttentionLayer::forward(Backend& backend, const Tensor& x, AttentionSaved& 
   const AttentionParams& p = params_;
   const AttentionParams& q = params16_;
   const int64_t T = s.attn.dim(1);
-  const bool post = config_.post_norm;  // OLMo 2: the input as it is, the output normed (below)
-  if (!post) norm_forward_saved(backend, config_, links_.ws, x, p.norm_w, p.norm_b, s.norm);
+  // OLMo 2: the input as it is, the output normed; Gemma: both normed (below).
+  const bool pre = config_.pre_norms(), post = config_.post_norms();
+  if (pre) norm_forward_saved(backend, config_, links_.ws, x, p.norm_w, p.norm_b, s.norm);
   if (plan_.attention == AttentionKind::mla) {  // multi-head latent attention (nn/mla.h): a whole layer only
     mla_forward(backend, config_, p.mla, s.norm.out, mla_activations(s));
   } else {
-    const Tensor input = post ? x : links_.whole(backend, s.norm.out, T);  // (sequence parallel: gathered)
+    const Tensor input = pre ? links_.whole(backend, s.norm.out, T) : x;  // (sequence parallel: gathered)
     adapted_linear_forward(backend, qkv_, input, p.qkv_w, q.qkv_w, p.qkv_b, s.qkv, qkv_lora(s), links_.ws);
     qk_norm_forward(backend, s.qkv, s);
     if (plan_.rope) rope(backend, s.qkv, false, s.docs);
@@ -314,7 +321,7 @@ void AttentionLayer::forward(Backend& backend, const Tensor& x, AttentionSaved& 
   }
   if (post) {  // mid = x + norm(proj(attn)) (a whole layer: no tp)
     adapted_linear_forward(backend, proj_, s.attn, p.proj_w, q.proj_w, p.proj_b, s.post_in, proj_lora(s), links_.ws);
-    post_norm_residual(backend, config_, s.post_in, p.norm_w, p.norm_b, s.norm, x, mid);
+    post_norm_residual(backend, config_, s.post_in, p.post_norm_w, Tensor{}, s.post, x, mid);
     return;
   }
   // mid = x + proj(attn); g: the heads' partial projections summed over tp.
@@ -325,18 +332,18 @@ void AttentionLayer::forward_rows(Backend& backend, const Tensor& x, AttentionSa
                                   const std::vector<int64_t>& positions, DecodeCache& cache, int64_t layer) const {
   const AttentionParams& p = params_;
   const int64_t n = x.dim(0), H = config_.n_head, hd = config_.head_dim(), W = config_.qkv_width();
-  const bool post = config_.post_norm;
-  if (!post) norm_forward(backend, config_, x, p.norm_w, p.norm_b, s.norm.out, s.norm.mean, s.norm.rstd);
+  const bool pre = config_.pre_norms(), post = config_.post_norms();
+  if (pre) norm_forward(backend, config_, x, p.norm_w, p.norm_b, s.norm.out, s.norm.mean, s.norm.rstd);
   if (plan_.attention == AttentionKind::mla) {
     mla_rows(backend, s, positions, cache, layer);
   } else {
-    const Tensor& input = post ? x : s.norm.out;
+    const Tensor& input = pre ? s.norm.out : x;
     qkv_.forward_plain(backend, input, p.qkv_w, p.qkv_b, s.qkv, 0.0f, links_.ws);
     lora_forward(backend, input, p.qkv_lora, config_.lora_scale(), s.qkv, links_.ws, {}, p.qkv_w);
     qk_norm_forward(backend, s.qkv.view(0, {n, W}), s);
     if (plan_.rope) {
       for (int64_t r = 0; r < n; ++r) {
-        backend.rope_forward(s.qkv.view(r * W, {1, 1, W}), hd, H + config_.n_kv_head, config_.rope(), positions[r]);
+        backend.rope_forward(s.qkv.view(r * W, {1, 1, W}), hd, H + config_.n_kv_head, plan_.rope_spec, positions[r]);
       }
     }
     if (cache.in_backend_memory()) {  // the rows stay in the backend's memory
@@ -349,7 +356,7 @@ void AttentionLayer::forward_rows(Backend& backend, const Tensor& x, AttentionSa
     const Tensor y = s.post_in.view(0, x.shape());
     proj_.forward_plain(backend, s.attn, p.proj_w, p.proj_b, y, 0.0f, links_.ws);
     lora_forward(backend, s.attn, p.proj_lora, config_.lora_scale(), y, links_.ws, {}, p.proj_w);
-    post_norm_residual(backend, config_, y, p.norm_w, p.norm_b, s.norm, x, mid);
+    post_norm_residual(backend, config_, y, p.post_norm_w, Tensor{}, s.post, x, mid);
     return;
   }
   backend.copy(x, mid);
@@ -402,18 +409,18 @@ void AttentionLayer::backward(Backend& backend, const Tensor& x, const Attention
   // Sequence parallel: gradients arrive on the shard and are gathered before the row-parallel
   // layer's backward (g's backward); the norm's output is gathered again for the weight gradient.
   const auto whole = [&](const Tensor& shard) { return links_.whole(backend, shard, T); };
-  const bool mla = plan_.attention == AttentionKind::mla, post = config_.post_norm;
+  const bool mla = plan_.attention == AttentionKind::mla, pre = config_.pre_norms(), post = config_.post_norms();
   const InputPass pass = input_pass(backend, part, s.dy_proj);
   // LoRA's adapters (zero-bubble schedules' split backward): their small gradients are computed
   // with the input gradient, in the input pass; the weight pass is the frozen base's, which has none.
   if (part == BACKWARD_WEIGHT) {  // the weight gradients from the kept output gradients
     proj_.backward(backend, s.attn, p.proj_w, q.proj_w, s.dy_proj, Tensor{}, g.proj_w, Tensor{}, links_.ws);
     // An MLA layer's projections' weight gradients were computed in the input pass.
-    if (!mla) qkv_.backward(backend, post ? x : whole(s.norm.out), p.qkv_w, q.qkv_w, s.dy_qkv, Tensor{}, g.qkv_w, Tensor{}, links_.ws);
+    if (!mla) qkv_.backward(backend, pre ? whole(s.norm.out) : x, p.qkv_w, q.qkv_w, s.dy_qkv, Tensor{}, g.qkv_w, Tensor{}, links_.ws);
     return;
   }
-  // Post-norm: d(projection output) through the norm from d(mid) (a whole layer: no tp).
-  if (post) norm_backward(backend, config_, d_residual, s.post_in, p.norm_w, s.norm.mean, s.norm.rstd, k.d_tmp, g.norm_w, g.norm_b);
+  // Output norm: d(projection output) through it from d(mid) (a whole layer: no tp).
+  if (post) norm_backward(backend, config_, d_residual, s.post_in, p.post_norm_w, Tensor{}, s.post.rstd, k.d_tmp, g.post_norm_w, Tensor{});
   const Tensor dy_mid = post ? k.d_tmp.view(0, d_residual.shape()) : whole(d_residual);
   pass.keep(dy_mid, s.dy_proj);
   adapted_linear_backward(backend, proj_, s.attn, p.proj_w, q.proj_w, dy_mid, k.d_attn, pass.dw(g.proj_w), g.proj_b,
@@ -431,11 +438,11 @@ void AttentionLayer::backward(Backend& backend, const Tensor& x, const Attention
     if (plan_.rope) rope(backend, k.d_qkv, true, s.docs);
     qk_norm_backward(backend, k.d_qkv, s);
     pass.keep(k.d_qkv, s.dy_qkv);
-    const Tensor input = post ? x : whole(s.norm.out);
+    const Tensor input = pre ? whole(s.norm.out) : x;
     adapted_linear_backward(backend, qkv_, input, p.qkv_w, q.qkv_w, k.d_qkv, k.d_norm, pass.dw(g.qkv_w), g.qkv_b,
                             qkv_lora(s), g.qkv_lora, links_.ws);
   }
-  if (post) {  // d(x) = d(mid) + the attention's d(x)
+  if (!pre) {  // d(x) = d(mid) + the attention's d(x)
     backend.add_inplace(d_residual, k.d_norm.view(0, d_residual.shape()));
     return;
   }

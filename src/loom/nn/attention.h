@@ -22,7 +22,8 @@ namespace loom {
 // The attention sub-layer's parameters (or gradients) as views into a flat buffer. Biases are
 // undefined tensors for bias-free architectures; an MLA layer has mla's projections in place of qkv.
 struct AttentionParams {
-  Tensor norm_w, norm_b;  // (C)
+  Tensor norm_w, norm_b;  // (C): the input's norm (not with model.post_norm)
+  Tensor post_norm_w;     // (C): the output's norm (model.post_norm, model.sandwich_norm; RMSNorm)
   Tensor qkv_w, qkv_b;    // ((H + 2 KV) hd, C), ((H + 2 KV) hd)
   Tensor q_norm, k_norm;  // (hd) each: model.qk_norm
   MlaParams mla;          // MLA: queries, latent, decoupled RoPE key and up-projections
@@ -32,8 +33,11 @@ struct AttentionParams {
 
 // What the attention sub-layer keeps for its backward, for one micro-batch.
 struct AttentionSaved {
-  NormSaved norm;  // norm1 of the block input (the residual stream's positions); post-norm: its statistics only
-  Tensor post_in;  // model.post_norm: the output projection's output (B,T,C), the norm's input
+  NormSaved norm;  // norm1 of the block input (the residual stream's positions); not with model.post_norm
+  // The output's norm (ModelConfig::post_norms): its input, the output projection's output
+  // (B,T,C), and its statistics (its output goes straight into the residual stream).
+  Tensor post_in;
+  NormSaved post;
   Tensor qkv;      // (B,T,(H+2KV)hd), after RoPE; not for MLA
   // model.qk_norm: the query and key heads before their norm, and the norms' rstd (one per row
   // with model.qk_norm_whole).

@@ -33,7 +33,8 @@ BlockParams block_params_view(const ModelConfig& config, const ParamLayout& layo
     }
   } else {
     const std::string pre = "model.layers." + std::to_string(layer) + ".";
-    p.norm_w = v(pre + (config.post_norm ? "post_attention_layernorm.weight" : "input_layernorm.weight"));
+    if (config.pre_norms()) p.norm_w = v(pre + "input_layernorm.weight");
+    if (config.post_norms()) p.post_norm_w = v(pre + "post_attention_layernorm.weight");
     if (config.mla()) {
       const std::string a = pre + "self_attn.";
       if (config.mla_q_rank > 0) {
@@ -50,7 +51,10 @@ BlockParams block_params_view(const ModelConfig& config, const ParamLayout& layo
       if (config.qk_norm) p.q_norm = v(pre + "self_attn.q_norm.weight"), p.k_norm = v(pre + "self_attn.k_norm.weight");
     }
     p.proj_w = v(pre + "self_attn.o_proj.weight");
-    m.norm_w = v(pre + (config.post_norm ? "post_feedforward_layernorm.weight" : "post_attention_layernorm.weight"));
+    if (config.pre_norms()) {
+      m.norm_w = v(pre + (config.sandwich_norm ? "pre_feedforward_layernorm.weight" : "post_attention_layernorm.weight"));
+    }
+    if (config.post_norms()) m.post_norm_w = v(pre + "post_feedforward_layernorm.weight");
     if (config.moe_layer(layer)) {
       m.moe = moe_params_view(config, layout, flat, layer);
     } else {
@@ -116,8 +120,8 @@ int64_t block_saved_bytes(const ModelConfig& config, const LayerPlan& plan, cons
 }
 
 std::array<Tensor, 4> block_linear_inputs(const ModelConfig& config, const BlockSaved& saved) {
-  const bool post = config.post_norm;
-  return {post ? saved.input : saved.attention.norm.out, saved.attention.attn, post ? saved.mid : saved.mlp.norm.out,
+  const bool pre = config.pre_norms();
+  return {pre ? saved.attention.norm.out : saved.input, saved.attention.attn, pre ? saved.mlp.norm.out : saved.mid,
           saved.mlp.act};
 }
 

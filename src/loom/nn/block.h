@@ -40,8 +40,8 @@ struct BlockSaved {
 };
 
 // The inputs of the block's four linear layers in a forward's record, in LinearKind order
-// (attn_qkv, attn_out, mlp_in, mlp_out): the norms' outputs, or with model.post_norm (OLMo 2) the
-// residual stream the projections read (the block input, mid). Calibration reads them.
+// (attn_qkv, attn_out, mlp_in, mlp_out): the input norms' outputs, or with model.post_norm (OLMo 2)
+// the residual stream the projections read (the block input, mid). Calibration reads them.
 std::array<Tensor, 4> block_linear_inputs(const ModelConfig& config, const BlockSaved& saved);
 
 // A whole record for a block that keeps only `policy`'s fields: kept's tensors where it has them

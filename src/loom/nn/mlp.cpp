@@ -14,10 +14,16 @@ void mlp_saved_fields(const ModelConfig& config, const LayerPlan& plan, const Sa
     field(s.fc, {B, T, config.mlp_in_width()}, DTYPE_F32);
     return;
   }
-  // Post-norm (dense only): the norm's input (fc2's output) instead of its output.
-  field(config.post_norm ? s.post_in : s.norm.out, {B, Ts, C}, config.post_norm ? DTYPE_F32 : saved_dtype(plan, LINEAR_MLP_IN));
-  if (!config.rmsnorm()) field(s.norm.mean, {B, Ts}, DTYPE_F32);
-  field(s.norm.rstd, {B, Ts}, DTYPE_F32);
+  if (config.pre_norms()) {
+    field(s.norm.out, {B, Ts, C}, saved_dtype(plan, LINEAR_MLP_IN));
+    if (!config.rmsnorm()) field(s.norm.mean, {B, Ts}, DTYPE_F32);
+    field(s.norm.rstd, {B, Ts}, DTYPE_F32);
+  }
+  // The output's norm (dense only): its input (fc2's output), not its output.
+  if (config.post_norms()) {
+    field(s.post_in, {B, Ts, C}, DTYPE_F32);
+    field(s.post.rstd, {B, Ts}, DTYPE_F32);
+  }
   if (!dense) return;
   field(s.fc, {B, T, config.mlp_in_width()}, DTYPE_F32);
   field(s.act, {B, T, config.d_ff}, saved_dtype(plan, LINEAR_MLP_OUT));
@@ -35,7 +41,7 @@ void MlpLayer::set_precision(const PrecisionPolicy& policy, MlpParams params16) 
 
 void MlpLayer::activation(Backend& backend, const MlpSaved& s) const {
   const Tensor act = saved_target(s.act, links_.ws);  // (kept in bf16: computed in fp32, then rounded)
-  if (config_.swiglu()) backend.swiglu_forward(s.fc, act);
+  if (config_.gated_mlp()) backend.glu_forward(s.fc, act, config_.gate_activation);
   else backend.gelu_forward(s.fc, act);
   store_saved(backend, act, s.act);
 }
@@ -43,19 +49,20 @@ void MlpLayer::activation(Backend& backend, const MlpSaved& s) const {
 void MlpLayer::forward(Backend& backend, const Tensor& mid, MlpSaved& s, const Tensor& out) {
   const MlpParams& p = params_;
   const MlpParams& q = params16_;
-  const bool post = config_.post_norm;  // OLMo 2: mid as it is, the output normed (below)
-  if (!post) norm_forward_saved(backend, config_, links_.ws, mid, p.norm_w, p.norm_b, s.norm);
+  // OLMo 2: mid as it is, the output normed; Gemma: both normed (below).
+  const bool pre = config_.pre_norms(), post = config_.post_norms();
+  if (pre) norm_forward_saved(backend, config_, links_.ws, mid, p.norm_w, p.norm_b, s.norm);
   if (is_moe()) {
     forward_moe(backend, mid, s, out);
     return;
   }
   const int64_t T = s.fc.dim(1);
-  const Tensor input = post ? mid : links_.whole(backend, s.norm.out, T);  // (sequence parallel: gathered)
+  const Tensor input = pre ? links_.whole(backend, s.norm.out, T) : mid;  // (sequence parallel: gathered)
   adapted_linear_forward(backend, fc_, input, p.fc_w, q.fc_w, p.fc_b, s.fc, fc_lora(s), links_.ws);
   activation(backend, s);
   if (post) {  // out = mid + norm(fc2(act)) (a whole layer: no tp)
     adapted_linear_forward(backend, fc2_, s.act, p.fc2_w, q.fc2_w, p.fc2_b, s.post_in, fc2_lora(s), links_.ws);
-    post_norm_residual(backend, config_, s.post_in, p.norm_w, p.norm_b, s.norm, mid, out);
+    post_norm_residual(backend, config_, s.post_in, p.post_norm_w, Tensor{}, s.post, mid, out);
     return;
   }
   // out = mid + fc2(act); g: the hidden slices' partial outputs (and LoRA's terms) summed over tp.
@@ -82,15 +89,15 @@ void MlpLayer::forward_moe(Backend& backend, const Tensor& mid, MlpSaved& s, con
 
 void MlpLayer::forward_rows(Backend& backend, const Tensor& mid, MlpSaved& s, const Tensor& out) const {
   const MlpParams& p = params_;
-  const bool post = config_.post_norm;
-  if (!post) norm_forward(backend, config_, mid, p.norm_w, p.norm_b, s.norm.out, s.norm.mean, s.norm.rstd);
+  const bool pre = config_.pre_norms(), post = config_.post_norms();
+  if (pre) norm_forward(backend, config_, mid, p.norm_w, p.norm_b, s.norm.out, s.norm.mean, s.norm.rstd);
   if (is_moe()) {  // one position per sequence: n tokens routed (statistics are not recorded)
     const int64_t n = mid.dim(0), C = config_.d_model;
     backend.copy(mid, out);
     moe_forward(backend, config_, p.moe, s.norm.out.view(0, {n, C}), s.moe, *moe_scratch_, out.view(0, {n, C}), 1);
     return;
   }
-  const Tensor& input = post ? mid : s.norm.out;
+  const Tensor& input = pre ? s.norm.out : mid;
   fc_.forward_plain(backend, input, p.fc_w, p.fc_b, s.fc, 0.0f, links_.ws);
   lora_forward(backend, input, p.fc_lora, config_.lora_scale(), s.fc, links_.ws, {}, p.fc_w);
   activation(backend, s);
@@ -98,7 +105,7 @@ void MlpLayer::forward_rows(Backend& backend, const Tensor& mid, MlpSaved& s, co
     const Tensor y = s.post_in.view(0, mid.shape());
     fc2_.forward_plain(backend, s.act, p.fc2_w, p.fc2_b, y, 0.0f, links_.ws);
     lora_forward(backend, s.act, p.fc2_lora, config_.lora_scale(), y, links_.ws, {}, p.fc2_w);
-    post_norm_residual(backend, config_, y, p.norm_w, p.norm_b, s.norm, mid, out);
+    post_norm_residual(backend, config_, y, p.post_norm_w, Tensor{}, s.post, mid, out);
     return;
   }
   backend.copy(mid, out);
@@ -129,24 +136,24 @@ void MlpLayer::backward(Backend& backend, const Tensor& mid, const MlpSaved& s, 
   // with the input gradient, in the input pass; the weight pass is the frozen base's, which has none.
   if (part == BACKWARD_WEIGHT) {  // the weight gradients from the kept output gradients
     fc2_.backward(backend, s.act, p.fc2_w, q.fc2_w, s.dy_fc2, Tensor{}, g.fc2_w, Tensor{}, links_.ws);
-    fc_.backward(backend, config_.post_norm ? mid : whole(s.norm.out), p.fc_w, q.fc_w, s.dy_fc, Tensor{}, g.fc_w,
+    fc_.backward(backend, config_.pre_norms() ? whole(s.norm.out) : mid, p.fc_w, q.fc_w, s.dy_fc, Tensor{}, g.fc_w,
                  Tensor{}, links_.ws);
     return;
   }
-  // Post-norm: d(fc2 output) through the norm from d(out) (a whole layer: no tp).
-  const bool post = config_.post_norm;
-  if (post) norm_backward(backend, config_, d_residual, s.post_in, p.norm_w, s.norm.mean, s.norm.rstd, k.d_tmp, g.norm_w, g.norm_b);
+  // Output norm: d(fc2 output) through it from d(out) (a whole layer: no tp).
+  const bool pre = config_.pre_norms(), post = config_.post_norms();
+  if (post) norm_backward(backend, config_, d_residual, s.post_in, p.post_norm_w, Tensor{}, s.post.rstd, k.d_tmp, g.post_norm_w, Tensor{});
   const Tensor dy_out = post ? k.d_tmp.view(0, d_residual.shape()) : whole(d_residual);
   pass.keep(dy_out, s.dy_fc2);
   adapted_linear_backward(backend, fc2_, s.act, p.fc2_w, q.fc2_w, dy_out, k.d_act, pass.dw(g.fc2_w), g.fc2_b,
                           fc2_lora(s), g.fc2_lora, links_.ws);
-  if (config_.swiglu()) backend.swiglu_backward(s.fc, k.d_act, k.d_fc);
+  if (config_.gated_mlp()) backend.glu_backward(s.fc, k.d_act, k.d_fc, config_.gate_activation);
   else backend.gelu_backward(s.fc, k.d_act, k.d_fc);
   pass.keep(k.d_fc, s.dy_fc);
-  const Tensor input = post ? mid : whole(s.norm.out);
+  const Tensor input = pre ? whole(s.norm.out) : mid;
   adapted_linear_backward(backend, fc_, input, p.fc_w, q.fc_w, k.d_fc, k.d_norm, pass.dw(g.fc_w), g.fc_b, fc_lora(s),
                           g.fc_lora, links_.ws);
-  if (post) {  // d(mid) = d(out) + the MLP's d(mid)
+  if (!pre) {  // d(mid) = d(out) + the MLP's d(mid)
     backend.add_inplace(d_residual, k.d_norm.view(0, d_residual.shape()));
     return;
   }

@@ -18,7 +18,8 @@ namespace loom {
 // The MLP sub-layer's parameters (or gradients) as views into a flat buffer: the dense MLP's fc
 // and fc2, or (an MoE layer) moe's router and experts. Biases are undefined without them.
 struct MlpParams {
-  Tensor norm_w, norm_b;  // (C)
+  Tensor norm_w, norm_b;  // (C): the input's norm (not with model.post_norm)
+  Tensor post_norm_w;     // (C): the output's norm (model.post_norm, model.sandwich_norm; RMSNorm)
   Tensor fc_w, fc_b;      // (F or 2F, C), (F or 2F)
   Tensor fc2_w, fc2_b;    // (C, F), (C)
   MoeParams moe;
@@ -27,8 +28,9 @@ struct MlpParams {
 
 // What the MLP sub-layer keeps for its backward, for one micro-batch.
 struct MlpSaved {
-  NormSaved norm;  // norm2 of mid (the residual stream's positions); post-norm: its statistics only
-  Tensor post_in;  // model.post_norm: fc2's output (B,T,C), the norm's input
+  NormSaved norm;  // norm2 of mid (the residual stream's positions); not with model.post_norm
+  Tensor post_in;  // the output's norm (ModelConfig::post_norms): its input, fc2's output (B,T,C)
+  NormSaved post;  //   and its statistics
   Tensor fc;       // (B,T,F or 2F) pre-activation: dense
   Tensor act;      // (B,T,F): dense
   // Only for a split backward (zero-bubble pipelines), dense: fc2's and fc's output gradients

@@ -17,13 +17,13 @@ Tensor view_of(const ParamLayout& layout, const Tensor& flat, const std::string&
   return flat.view(spec.offset, spec.shape);
 }
 
-// Expert activation over rows: GELU on (n, F) or SwiGLU on (n, 2F) -> (n, F).
+// Expert activation over rows: GELU on (n, F) or the gated activation on (n, 2F) -> (n, F).
 void activation_forward(Backend& backend, const ModelConfig& c, const Tensor& h, const Tensor& act) {
-  if (c.swiglu()) backend.swiglu_forward(h, act);
+  if (c.gated_mlp()) backend.glu_forward(h, act, c.gate_activation);
   else backend.gelu_forward(h, act);
 }
 void activation_backward(Backend& backend, const ModelConfig& c, const Tensor& h, const Tensor& dact, const Tensor& dh) {
-  if (c.swiglu()) backend.swiglu_backward(h, dact, dh);
+  if (c.gated_mlp()) backend.glu_backward(h, dact, dh, c.gate_activation);
   else backend.gelu_backward(h, dact, dh);
 }
 }  // namespace
@@ -31,7 +31,7 @@ void activation_backward(Backend& backend, const ModelConfig& c, const Tensor& h
 MoeParams moe_params_view(const ModelConfig& c, const ParamLayout& layout, const Tensor& flat, int64_t layer) {
   MoeParams p;
   if (!c.moe_layer(layer)) return p;
-  const bool llama = c.swiglu();
+  const bool llama = c.gated_mlp();
   const std::string pre = (llama ? "model.layers." : "h.") + std::to_string(layer) + ".";
   auto v = [&](const std::string& name) { return view_of(layout, flat, pre + name); };
   p.router_w = v(llama ? "mlp.gate.weight" : "mlp.router.weight");
@@ -65,7 +65,7 @@ namespace {
 // The shared experts' first GEMM output width and hidden width.
 std::pair<int64_t, int64_t> shared_widths(const ModelConfig& c) {
   const int64_t S = c.moe_shared * c.expert_ff();
-  return {c.swiglu() ? 2 * S : S, S};
+  return {c.gated_mlp() ? 2 * S : S, S};
 }
 }  // namespace
 

@@ -38,7 +38,7 @@ std::array<bool, 4> saved_bf16(const ModelConfig& config, int64_t layer, const L
   if (plan.attention == AttentionKind::mla) on[LINEAR_ATTN_QKV] = false;
   if (plan.attention != AttentionKind::mha) on[LINEAR_ATTN_OUT] = false;
   if (plan.mlp != MlpKind::dense) on[LINEAR_MLP_IN] = on[LINEAR_MLP_OUT] = false;
-  if (config.post_norm) on[LINEAR_ATTN_QKV] = on[LINEAR_MLP_IN] = false;  // they read the residual stream, not a norm's output
+  if (!config.pre_norms()) on[LINEAR_ATTN_QKV] = on[LINEAR_MLP_IN] = false;  // they read the residual stream, not a norm's output
   return on;
 }
 
@@ -46,19 +46,20 @@ std::array<bool, 4> saved_bf16(const ModelConfig& config, int64_t layer, const L
 
 LayerPlan resolve_layer_plan(const ModelConfig& config, int64_t layer, const PlanChoices& choices) {
   LayerPlan plan;
-  plan.window = config.attn_window;
+  plan.window = config.layer_window(layer);
   plan.rope = config.rope_layer(layer);
+  plan.rope_spec = config.rope(layer);
   plan.tensor_parallel = choices.tensor_parallel;
   plan.sequence_parallel = choices.tensor_parallel && choices.sequence_parallel;
   plan.recompute = choices.recompute;
   plan.mlp = config.moe_layer(layer) ? MlpKind::moe : MlpKind::dense;
   plan.linears = choices.linears;
   plan.qat = choices.qat;
-  // OLMo 2's post-norms: the sub-layers' outputs are normalised before the residual add; the
-  // layer runs whole on one rank, keeping its whole record (nn/attention.h, nn/mlp.h).
-  LOOM_CHECK(!config.post_norm || (!choices.tensor_parallel && choices.recompute == RECOMPUTE_NONE),
-             "model.post_norm (OLMo 2's output norms) is not supported with tensor or sequence parallelism or "
-             "activation recompute yet");
+  // Output norms (OLMo 2, Gemma): the sub-layers' outputs are normalised before the residual add;
+  // the layer runs whole on one rank, keeping its whole record (nn/attention.h, nn/mlp.h).
+  LOOM_CHECK(!config.post_norms() || (!choices.tensor_parallel && choices.recompute == RECOMPUTE_NONE),
+             config.post_norm ? "model.post_norm (OLMo 2's output norms)" : "model.sandwich_norm (Gemma's output norms)",
+             " is not supported with tensor or sequence parallelism or activation recompute yet");
   if (config.mla()) {
     // MLA's projections (nn/mla.h) compute in fp32; its output projection follows precision.attn_out.
     LOOM_CHECK(choices.linears[LINEAR_ATTN_QKV] == RECIPE_F32 && choices.qat == QAT_NONE,

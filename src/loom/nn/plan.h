@@ -36,8 +36,9 @@ enum class MlpKind : uint8_t { dense, moe };
 struct LayerPlan {
   AttentionKind attention = AttentionKind::mha;
   MlpKind mlp = MlpKind::dense;
-  int64_t window = 0;              // model.attn_window: keys older than the window are masked
+  int64_t window = 0;              // model.attn_window: keys older than the window are masked (window_pattern: 0 on global blocks)
   bool rope = true;                // queries and keys rotated (false: gpt2's learned positions, NoPE layers)
+  RopeSpec rope_spec;              // their RoPE (ModelConfig::rope(layer): Gemma's local blocks their own base)
   bool tensor_parallel = false;    // heads and MLP width sliced over the tp group
   bool sequence_parallel = false;  // the residual stream on sequence shards (with tensor_parallel)
   RecomputePolicy recompute = RECOMPUTE_NONE;

@@ -125,7 +125,7 @@ void tp_copy(Backend& backend, const ModelConfig& gc, const Tensor& global, cons
     for (const auto& [gt, lt] : {std::pair{g.mlp.fc_w, l.mlp.fc_w}, std::pair{g.mlp.fc_b, l.mlp.fc_b}}) {
       if (!gt.defined()) continue;
       copy_rows(backend, gt, rank * Fl, lt, 0, Fl, to_local);
-      if (gc.swiglu()) copy_rows(backend, gt, F + rank * Fl, lt, Fl, Fl, to_local);  // the up half of [gate | up]
+      if (gc.gated_mlp()) copy_rows(backend, gt, F + rank * Fl, lt, Fl, Fl, to_local);  // the up half of [gate | up]
     }
     if (g.mlp.fc2_w.defined()) copy_columns(backend, g.mlp.fc2_w, rank * Fl, l.mlp.fc2_w, !to_local);
     // LoRA's adapters, sliced as their layers (the rows of the fused qkv and gate/up as above).
@@ -133,7 +133,7 @@ void tp_copy(Backend& backend, const ModelConfig& gc, const Tensor& global, cons
                                             {(H + rank * KVl) * hd, Hl * hd, KVl * hd},
                                             {(H + KV + rank * KVl) * hd, (Hl + KVl) * hd, KVl * hd}};
     std::vector<RowPiece> fc_rows = {{rank * Fl, 0, Fl}};
-    if (gc.swiglu()) fc_rows.push_back({F + rank * Fl, Fl, Fl});
+    if (gc.gated_mlp()) fc_rows.push_back({F + rank * Fl, Fl, Fl});
     copy_adapters(backend, g.attention.qkv_lora, l.attention.qkv_lora, qkv_rows, 0, true, to_local, replicated, tp);
     copy_adapters(backend, g.attention.proj_lora, l.attention.proj_lora, {}, rank * Hl * hd, false, to_local, replicated, tp);
     copy_adapters(backend, g.mlp.fc_lora, l.mlp.fc_lora, fc_rows, 0, true, to_local, replicated, tp);

@@ -54,7 +54,7 @@ std::vector<Binding> bindings(LoomConfig& c) {
   std::vector<Binding> out = {{"device", enum_ref(&c.device), "the backend: cpu | cuda (a CUDA build and a visible GPU)"}};
   visit_model_fields(c.model, [&](const ModelField& f, auto& value) {
     using T = std::decay_t<decltype(value)>;
-    if constexpr (std::is_same_v<T, RopeScaling> || std::is_same_v<T, PeftMethod>) {
+    if constexpr (kModelEnum<T>) {
       out.push_back({model_field_key(f), enum_ref(&value), f.meaning});
     } else {
       out.push_back({model_field_key(f), &value, f.meaning});

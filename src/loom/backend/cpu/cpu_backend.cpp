@@ -237,20 +237,26 @@ void CpuBackend::gelu_backward(const Tensor& x, const Tensor& dout, const Tensor
   });
 }
 
-void CpuBackend::swiglu_forward(const Tensor& x, const Tensor& out) {
-  const char* op = "swiglu_forward";
+void CpuBackend::glu_forward(const Tensor& x, const Tensor& out, GateActivation act) {
+  const char* op = "glu_forward";
   check_swiglu(op, x, out);
   dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() {
-    cpu::swiglu_forward(x.data<T>(), out.data<T>(), rows_of(out), out.dim(-1));
+    if (act == GateActivation::silu)
+      cpu::glu_forward<T, GateActivation::silu>(x.data<T>(), out.data<T>(), rows_of(out), out.dim(-1));
+    else cpu::glu_forward<T, GateActivation::gelu_tanh>(x.data<T>(), out.data<T>(), rows_of(out), out.dim(-1));
   });
 }
 
-void CpuBackend::swiglu_backward(const Tensor& x, const Tensor& dout, const Tensor& dx) {
-  const char* op = "swiglu_backward";
+void CpuBackend::glu_backward(const Tensor& x, const Tensor& dout, const Tensor& dx, GateActivation act) {
+  const char* op = "glu_backward";
   check_swiglu(op, x, dout);
   check_elementwise(op, x, {&dx});
   dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() {
-    cpu::swiglu_backward(x.data<T>(), dout.data<T>(), dx.data<T>(), rows_of(dout), dout.dim(-1));
+    if (act == GateActivation::silu)
+      cpu::glu_backward<T, GateActivation::silu>(x.data<T>(), dout.data<T>(), dx.data<T>(), rows_of(dout), dout.dim(-1));
+    else
+      cpu::glu_backward<T, GateActivation::gelu_tanh>(x.data<T>(), dout.data<T>(), dx.data<T>(), rows_of(dout),
+                                                      dout.dim(-1));
   });
 }
 
@@ -369,8 +375,8 @@ void CpuBackend::rope(const Tensor& x, int64_t head_dim, int64_t n_heads, const 
                       int64_t pos_offset, double direction, const char* op) {
   checks::check_rope(op, x, head_dim, n_heads);
   dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() {
-    cpu::rope_rotate(x.data<T>(), x.dim(0), x.dim(1), x.dim(2), head_dim, n_heads, rope_spec,
-                     pos_offset, direction);
+    cpu::rope_rotate(x.data<T>(), x.dim(0), x.dim(1), x.dim(2), head_dim, n_heads,
+                     rope_span(rope_spec, pos_offset + x.dim(1)), pos_offset, direction);
   });
 }
 

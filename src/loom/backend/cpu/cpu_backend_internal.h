@@ -74,8 +74,16 @@ class CpuBackend final : public Backend {
                              int64_t first, int64_t n, int64_t hd, const Tensor& dweight) override;
   void gelu_forward(const Tensor& x, const Tensor& out) override;
   void gelu_backward(const Tensor& x, const Tensor& dout, const Tensor& dx) override;
-  void swiglu_forward(const Tensor& x, const Tensor& out) override;
-  void swiglu_backward(const Tensor& x, const Tensor& dout, const Tensor& dx) override;
+  void glu_forward(const Tensor& x, const Tensor& out, GateActivation act) override;
+  void glu_backward(const Tensor& x, const Tensor& dout, const Tensor& dx, GateActivation act) override;
+  // The gated delta rule: cpu_delta_rule.cpp.
+  void delta_rule_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
+                          const Tensor& initial_state, const Tensor& out, const Tensor& final_state,
+                          DeltaRuleForm form, int64_t chunk) override;
+  void delta_rule_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
+                           const Tensor& initial_state, const Tensor& dout, const Tensor& dfinal_state,
+                           const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dg, const Tensor& dbeta,
+                           const Tensor& dinitial_state, DeltaRuleForm form, int64_t chunk) override;
   void rope_forward(const Tensor& x, int64_t head_dim, int64_t n_heads, const RopeSpec& rope_spec,
                     int64_t pos_offset) override;
   void rope_backward(const Tensor& dx, int64_t head_dim, int64_t n_heads, const RopeSpec& rope_spec,

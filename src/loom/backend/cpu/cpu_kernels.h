@@ -13,6 +13,7 @@
 
 #include "loom/backend/cpu/cpu_gemm.h"
 #include "loom/backend/cpu/cpu_math.h"
+#include "loom/backend/activation.h"
 #include "loom/backend/rope.h"
 #include "loom/core/dtype.h"
 
@@ -254,22 +255,41 @@ void gelu_backward(const T* x, const T* dout, T* dx, int64_t n) {
   }
 }
 
-// x (N, 2F) = [gate | up]; out = silu(gate) * up, silu(g) = g * sigmoid(g).
+// The gate activation act(g) and its derivative (backend/activation.h).
 template <typename T>
-void swiglu_forward(const T* x, T* out, int64_t rows, int64_t hidden) {
+inline T gate_act(GateActivation act, T g) {
+  if (act == GateActivation::silu) return g * sigmoid_t<T>(g);
+  const T u = T(kGeluScale) * (g + T(kGeluCubic) * g * g * g);
+  return T(0.5) * g * (T(1) + tanh_t<T>(u));
+}
+template <typename T>
+inline T gate_act_grad(GateActivation act, T g) {
+  if (act == GateActivation::silu) {
+    const T sg = sigmoid_t<T>(g);
+    return sg * (T(1) + g * (T(1) - sg));
+  }
+  const T u = T(kGeluScale) * (g + T(kGeluCubic) * g * g * g);
+  const T t = tanh_t<T>(u);
+  const T du = T(kGeluScale) * (T(1) + T(3 * kGeluCubic) * g * g);
+  return T(0.5) * (T(1) + t) + T(0.5) * g * (T(1) - t * t) * du;
+}
+
+// x (N, 2F) = [gate | up]; out = act(gate) * up (silu: SwiGLU, gelu_tanh: GeGLU).
+template <typename T, GateActivation act>
+void glu_forward(const T* x, T* out, int64_t rows, int64_t hidden) {
 #pragma omp parallel for schedule(static) if (rows * hidden >= kParallelMinElements)
   for (int64_t r = 0; r < rows; ++r) {
     const T* gate = x + r * 2 * hidden;
     const T* up = gate + hidden;
     T* o = out + r * hidden;
 #pragma omp simd
-    for (int64_t j = 0; j < hidden; ++j) o[j] = gate[j] * sigmoid_t<T>(gate[j]) * up[j];
+    for (int64_t j = 0; j < hidden; ++j) o[j] = gate_act<T>(act, gate[j]) * up[j];
   }
 }
 
-// dgate = dout * up * sigmoid(g) (1 + g (1 - sigmoid(g))); dup = dout * silu(g).
-template <typename T>
-void swiglu_backward(const T* x, const T* dout, T* dx, int64_t rows, int64_t hidden) {
+// dgate = dout * up * act'(g); dup = dout * act(g).
+template <typename T, GateActivation act>
+void glu_backward(const T* x, const T* dout, T* dx, int64_t rows, int64_t hidden) {
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < rows; ++r) {
     const T* gate = x + r * 2 * hidden;
@@ -279,9 +299,8 @@ void swiglu_backward(const T* x, const T* dout, T* dx, int64_t rows, int64_t hid
     T* dup = dgate + hidden;
 #pragma omp simd
     for (int64_t j = 0; j < hidden; ++j) {
-      const T sg = sigmoid_t<T>(gate[j]);
-      dgate[j] = g[j] * up[j] * sg * (T(1) + gate[j] * (T(1) - sg));
-      dup[j] = g[j] * gate[j] * sg;
+      dgate[j] = g[j] * up[j] * gate_act_grad<T>(act, gate[j]);
+      dup[j] = g[j] * gate_act<T>(act, gate[j]);
     }
   }
 }

@@ -292,20 +292,20 @@ void CudaBackend::gelu_backward(const Tensor& x, const Tensor& dout, const Tenso
   });
 }
 
-void CudaBackend::swiglu_forward(const Tensor& x, const Tensor& out) {
-  const char* op = "swiglu_forward";
+void CudaBackend::glu_forward(const Tensor& x, const Tensor& out, GateActivation act) {
+  const char* op = "glu_forward";
   check_swiglu(op, x, out);
   dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() {
-    cuda::swiglu_forward<T>(dptr<T>(x), dptr<T>(out), rows_of(out), out.dim(-1), stream_);
+    cuda::glu_forward<T>(dptr<T>(x), dptr<T>(out), rows_of(out), out.dim(-1), act, stream_);
   });
 }
 
-void CudaBackend::swiglu_backward(const Tensor& x, const Tensor& dout, const Tensor& dx) {
-  const char* op = "swiglu_backward";
+void CudaBackend::glu_backward(const Tensor& x, const Tensor& dout, const Tensor& dx, GateActivation act) {
+  const char* op = "glu_backward";
   check_swiglu(op, x, dout);
   check_elementwise(op, x, {&dx});
   dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() {
-    cuda::swiglu_backward<T>(dptr<T>(x), dptr<T>(dout), dptr<T>(dx), rows_of(dout), dout.dim(-1), stream_);
+    cuda::glu_backward<T>(dptr<T>(x), dptr<T>(dout), dptr<T>(dx), rows_of(dout), dout.dim(-1), act, stream_);
   });
 }
 
@@ -549,8 +549,8 @@ void CudaBackend::rope(const Tensor& x, int64_t head_dim, int64_t n_heads, const
           const char* op) {
   checks::check_rope(op, x, head_dim, n_heads);
   dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() {
-    cuda::rope_rotate<T>(dptr<T>(x), x.dim(0), x.dim(1), x.dim(2), head_dim, n_heads, rope_spec,
-                         pos_offset, direction, stream_);
+    cuda::rope_rotate<T>(dptr<T>(x), x.dim(0), x.dim(1), x.dim(2), head_dim, n_heads,
+                         rope_span(rope_spec, pos_offset + x.dim(1)), pos_offset, direction, stream_);
   });
 }
 

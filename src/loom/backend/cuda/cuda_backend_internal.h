@@ -128,8 +128,8 @@ class CudaBackend final : public Backend {
                         const Tensor& dx, const Tensor& dweight) override;
   void gelu_forward(const Tensor& x, const Tensor& out) override;
   void gelu_backward(const Tensor& x, const Tensor& dout, const Tensor& dx) override;
-  void swiglu_forward(const Tensor& x, const Tensor& out) override;
-  void swiglu_backward(const Tensor& x, const Tensor& dout, const Tensor& dx) override;
+  void glu_forward(const Tensor& x, const Tensor& out, GateActivation act) override;
+  void glu_backward(const Tensor& x, const Tensor& dout, const Tensor& dx, GateActivation act) override;
   void rope_forward(const Tensor& x, int64_t head_dim, int64_t n_heads, const RopeSpec& rope_spec,
                     int64_t pos_offset) override;
   void rope_backward(const Tensor& dx, int64_t head_dim, int64_t n_heads, const RopeSpec& rope_spec,

@@ -19,8 +19,8 @@
 //   rmsnorm bwd     xhat = x s; g = dout w; dx = s (g - xhat mean(g xhat)); dw += sum_rows dout xhat
 //   gelu fwd        y = 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3)
 //   gelu bwd        dx = dout (0.5 (1 + tanh u) + 0.5 x (1 - tanh^2 u) sqrt(2/pi) (1 + 3 0.044715 x^2))
-//   swiglu fwd      out = silu(gate) up, silu(g) = g sigmoid(g)
-//   swiglu bwd      dgate = dout up sigmoid(g) (1 + g (1 - sigmoid(g))); dup = dout silu(g)
+//   glu fwd         out = act(gate) up: silu(g) = g sigmoid(g) (SwiGLU) or gelu_tanh(g) (GeGLU)
+//   glu bwd         dgate = dout up act'(g) (silu' = sigmoid(g) (1 + g (1 - sigmoid(g)))); dup = dout act(g)
 //   rope            (a, c) = (v[j], v[j + hd/2]) -> (a cos - c sin, c cos + a sin),
 //                   angle = direction (pos_offset + t) theta^(-2j/hd), computed in double
 //   cross entropy   lse = max + log(sum exp(x - max)); loss = lse - x[target]
@@ -547,29 +547,47 @@ __global__ void gelu_backward_kernel(const T* x, const T* dout, T* dx, int64_t n
   }
 }
 
+// The gate activation and its derivative (silu: SwiGLU, gelu_tanh: GeGLU), as the CPU's.
+template <typename T>
+__device__ T gate_act(GateActivation act, T g) {
+  if (act == GateActivation::silu) return g * sigmoid_t<T>(g);
+  const T u = T(kGeluScale) * (g + T(kGeluCubic) * g * g * g);
+  return T(0.5) * g * (T(1) + tanh_t<T>(u));
+}
+template <typename T>
+__device__ T gate_act_grad(GateActivation act, T g) {
+  if (act == GateActivation::silu) {
+    const T sg = sigmoid_t<T>(g);
+    return sg * (T(1) + g * (T(1) - sg));
+  }
+  const T u = T(kGeluScale) * (g + T(kGeluCubic) * g * g * g);
+  const T t = tanh_t<T>(u);
+  const T du = T(kGeluScale) * (T(1) + T(3 * kGeluCubic) * g * g);
+  return T(0.5) * (T(1) + t) + T(0.5) * g * (T(1) - t * t) * du;
+}
+
 // Grid-stride over rows * hidden outputs.
 template <typename T>
-__global__ void swiglu_forward_kernel(const T* x, T* out, int64_t rows, int64_t hidden) {
+__global__ void glu_forward_kernel(const T* x, T* out, int64_t rows, int64_t hidden, GateActivation act) {
   const int64_t n = rows * hidden;
   for (int64_t i = thread_index(); i < n; i += thread_count()) {
     const int64_t r = i / hidden, j = i % hidden;
     const T gate = x[r * 2 * hidden + j];
     const T up = x[r * 2 * hidden + hidden + j];
-    out[i] = gate * sigmoid_t<T>(gate) * up;
+    out[i] = gate_act<T>(act, gate) * up;
   }
 }
 
 template <typename T>
-__global__ void swiglu_backward_kernel(const T* x, const T* dout, T* dx, int64_t rows, int64_t hidden) {
+__global__ void glu_backward_kernel(const T* x, const T* dout, T* dx, int64_t rows, int64_t hidden, GateActivation act) {
   const int64_t n = rows * hidden;
   for (int64_t i = thread_index(); i < n; i += thread_count()) {
     const int64_t r = i / hidden, j = i % hidden;
     const T gate = x[r * 2 * hidden + j];
     const T up = x[r * 2 * hidden + hidden + j];
     const T g = dout[i];
-    const T sg = sigmoid_t<T>(gate);
-    dx[r * 2 * hidden + j] = g * up * sg * (T(1) + gate * (T(1) - sg));
-    dx[r * 2 * hidden + hidden + j] = g * gate * sg;
+    dx[r * 2 * hidden + j] = g * up * gate_act_grad<T>(act, gate);
+    dx[r * 2 * hidden + hidden + j] = g * gate_act<T>(act, gate);
   }
 }
 
@@ -919,16 +937,17 @@ void gelu_backward(const T* x, const T* dout, T* dx, int64_t n, cudaStream_t str
 }
 
 template <typename T>
-void swiglu_forward(const T* x, T* out, int64_t rows, int64_t hidden, cudaStream_t stream) {
+void glu_forward(const T* x, T* out, int64_t rows, int64_t hidden, GateActivation act, cudaStream_t stream) {
   if (rows <= 0 || hidden <= 0) return;
-  launch<swiglu_forward_kernel<T>>(grid_for(rows * hidden, kBlock), kBlock, 0, stream, x, out, rows, hidden);
+  launch<glu_forward_kernel<T>>(grid_for(rows * hidden, kBlock), kBlock, 0, stream, x, out, rows, hidden, act);
   LOOM_CUDA_CHECK_LAUNCH();
 }
 
 template <typename T>
-void swiglu_backward(const T* x, const T* dout, T* dx, int64_t rows, int64_t hidden, cudaStream_t stream) {
+void glu_backward(const T* x, const T* dout, T* dx, int64_t rows, int64_t hidden, GateActivation act,
+                  cudaStream_t stream) {
   if (rows <= 0 || hidden <= 0) return;
-  launch<swiglu_backward_kernel<T>>(grid_for(rows * hidden, kBlock), kBlock, 0, stream, x, dout, dx, rows, hidden);
+  launch<glu_backward_kernel<T>>(grid_for(rows * hidden, kBlock), kBlock, 0, stream, x, dout, dx, rows, hidden, act);
   LOOM_CUDA_CHECK_LAUNCH();
 }
 
@@ -1000,8 +1019,8 @@ void adamw_step(T* p, const T* grad, T* m, T* v, int64_t n, double lr, double be
                                     cudaStream_t);                                                                   \
   template void gelu_forward<T>(const T*, T*, int64_t, cudaStream_t);                                                \
   template void gelu_backward<T>(const T*, const T*, T*, int64_t, cudaStream_t);                                     \
-  template void swiglu_forward<T>(const T*, T*, int64_t, int64_t, cudaStream_t);                                     \
-  template void swiglu_backward<T>(const T*, const T*, T*, int64_t, int64_t, cudaStream_t);                          \
+  template void glu_forward<T>(const T*, T*, int64_t, int64_t, GateActivation, cudaStream_t);                       \
+  template void glu_backward<T>(const T*, const T*, T*, int64_t, int64_t, GateActivation, cudaStream_t);            \
   template void rope_rotate<T>(T*, int64_t, int64_t, int64_t, int64_t, int64_t, const RopeSpec&, int64_t, double, \
                                cudaStream_t);                                                                        \
   template void cross_entropy_forward<T>(const T*, const int32_t*, T*, T*, int64_t, int64_t, unsigned long long*,    \

@@ -14,6 +14,7 @@
 #include <cstdint>
 
 #include "loom/backend/cuda/cuda_blas.h"  // cublasHandle_t
+#include "loom/backend/activation.h"
 #include "loom/backend/rope.h"
 
 namespace loom::cuda {
@@ -87,11 +88,12 @@ template <typename T>
 void gelu_forward(const T* x, T* out, int64_t n, cudaStream_t stream);
 template <typename T>
 void gelu_backward(const T* x, const T* dout, T* dx, int64_t n, cudaStream_t stream);
-// x (rows, 2F) = [gate | up]; out (rows, F).
+// x (rows, 2F) = [gate | up]; out (rows, F) = act(gate) * up.
 template <typename T>
-void swiglu_forward(const T* x, T* out, int64_t rows, int64_t hidden, cudaStream_t stream);
+void glu_forward(const T* x, T* out, int64_t rows, int64_t hidden, GateActivation act, cudaStream_t stream);
 template <typename T>
-void swiglu_backward(const T* x, const T* dout, T* dx, int64_t rows, int64_t hidden, cudaStream_t stream);
+void glu_backward(const T* x, const T* dout, T* dx, int64_t rows, int64_t hidden, GateActivation act,
+                  cudaStream_t stream);
 // In place on x (batch, seq_len, width), the first n_heads * head_dim columns; direction +1
 // forward, -1 backward (the inverse rotation). Angles computed in double as on the CPU.
 template <typename T>

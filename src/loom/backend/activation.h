@@ -1,0 +1,21 @@
+// The gate activations of gated MLPs (Shazeer 2020, "GLU Variants Improve Transformer"):
+// x = [gate | up], out = act(gate) * up, with act
+//   silu       g sigmoid(g)                                   SwiGLU (Llama, Qwen, Mistral, ...)
+//   gelu_tanh  0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))  GeGLU (Gemma's gelu_pytorch_tanh)
+#pragma once
+#include <array>
+#include <cstdint>
+#include <string_view>
+
+#include "loom/core/enum_names.h"
+
+namespace loom {
+
+enum class GateActivation : uint8_t { silu, gelu_tanh };
+
+template <>
+struct EnumNames<GateActivation> {  // model.gate_activation
+  static constexpr std::array<std::string_view, 2> names{"silu", "gelu_tanh"};
+};
+
+}  // namespace loom
