@@ -8,6 +8,7 @@
 
 #include <functional>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -358,6 +359,68 @@ TEST(GgufExport, Qwen3IsWrittenAsLlamaCppsQwen3WithItsNorms) {
   EXPECT_EQ(e.file.tensor_f32("blk.1.attn_q.weight"), std::vector<float>(w.begin(), w.begin() + q * C));
   EXPECT_EQ(e.file.tensor_f32("blk.1.attn_q_norm.weight"), param(e, "model.layers.1.self_attn.q_norm.weight"));
   EXPECT_EQ(e.file.tensor_f32("blk.1.attn_k_norm.weight"), param(e, "model.layers.1.self_attn.k_norm.weight"));
+}
+
+// OLMo 2 (output norms, q/k norms over all heads) as llama.cpp's olmo2: no attn_norm / ffn_norm,
+// the output norms as post_attention_norm / post_ffw_norm, the whole-width q/k norms; Gemma 3 as
+// gemma3: all four norms (Loom's 1 + w as they are), its window, unpermuted (NEOX) rows. A Gemma
+// shape llama.cpp would run otherwise (a window pattern other than its fixed 6) is refused.
+TEST(GgufExport, Olmo2AndGemma3AreWrittenAsLlamaCppsOlmo2AndGemma3) {
+  const Exported o = export_tiny(ARCH_LLAMA, GgufExportType::F32, [](ModelConfig& c) {
+    c.post_norm = c.qk_norm = c.qk_norm_whole = true;
+  });
+  EXPECT_EQ(o.file.get("general.architecture").s, "olmo2");
+  const auto has_tensor = [](const GgufFile& f, const std::string& name) {
+    return std::any_of(f.tensors.begin(), f.tensors.end(), [&](const GgufTensorInfo& t) { return t.name == name; });
+  };
+  EXPECT_FALSE(has_tensor(o.file, "blk.0.attn_norm.weight"));
+  EXPECT_FALSE(has_tensor(o.file, "blk.0.ffn_norm.weight"));
+  EXPECT_EQ(o.file.tensor_f32("blk.0.post_attention_norm.weight"), param(o, "model.layers.0.post_attention_layernorm.weight"));
+  EXPECT_EQ(o.file.tensor_f32("blk.1.post_ffw_norm.weight"), param(o, "model.layers.1.post_feedforward_layernorm.weight"));
+  EXPECT_EQ(o.file.tensor_f32("blk.0.attn_q_norm.weight").size(), static_cast<size_t>(o.config.n_head * o.config.head_dim()));
+  const auto gemma = [](ModelConfig& c) {
+    c.n_layer = 6, c.sandwich_norm = c.qk_norm = c.tie_embeddings = true;
+    c.gate_activation = GateActivation::gelu_tanh;
+    c.embed_scale = std::sqrt(static_cast<float>(c.d_model));
+    c.attn_window = 4, c.window_pattern = 6, c.rope_local_theta = 10000.0f;
+  };
+  const Exported g = export_tiny(ARCH_LLAMA, GgufExportType::F32, gemma);
+  EXPECT_EQ(g.file.get("general.architecture").s, "gemma3");
+  EXPECT_EQ(g.file.get("gemma3.attention.sliding_window").i, 4);
+  EXPECT_EQ(g.file.tensor_f32("blk.2.attn_norm.weight"), param(g, "model.layers.2.input_layernorm.weight"));
+  EXPECT_EQ(g.file.tensor_f32("blk.2.ffn_norm.weight"), param(g, "model.layers.2.pre_feedforward_layernorm.weight"));
+  EXPECT_EQ(g.file.tensor_f32("blk.2.post_attention_norm.weight"), param(g, "model.layers.2.post_attention_layernorm.weight"));
+  EXPECT_EQ(g.file.tensor_f32("blk.2.post_ffw_norm.weight"), param(g, "model.layers.2.post_feedforward_layernorm.weight"));
+  EXPECT_FALSE(has_tensor(g.file, "output.weight"));  // tied: llama.cpp reads token_embd
+  const int64_t q = g.config.n_head * g.config.head_dim(), C = g.config.d_model;
+  const std::vector<float> w = param(g, "model.layers.0.self_attn.qkv_proj.weight");
+  EXPECT_EQ(g.file.tensor_f32("blk.0.attn_q.weight"), std::vector<float>(w.begin(), w.begin() + q * C));
+  ModelConfig other = tiny(ARCH_LLAMA);
+  gemma(other);
+  other.window_pattern = 2;
+  const std::vector<float> p(static_cast<size_t>(build_param_layout(other).total));
+  EXPECT_NE(test::error_of([&] {
+              export_gguf(other, p, gguf_vocabulary(ByteTokenizer()), GgufExportType::F32, "x", temp_path("g.gguf"));
+            }).find("window_pattern = 6"),
+            std::string::npos);
+}
+
+// Phi-3-128k's LongRoPE as llama.cpp's phi3: fused attn_qkv and ffn_up (Loom's rows as they are:
+// q, k, v; gate then up), the factors as rope_factors_short / _long, the attention factor and the
+// original context as keys.
+TEST(GgufExport, LongRopeIsWrittenAsLlamaCppsPhi3) {
+  const Exported e = export_tiny(ARCH_LLAMA, GgufExportType::F32, [](ModelConfig& c) {
+    c.rope_scaling = ROPE_SCALING_LONGROPE;  // head_dim 8: 4 pairs
+    c.rope_original_context = 8, c.rope_attention_factor = 1.25f;
+    c.rope_short_factors = "1,1.5,2,2.5", c.rope_long_factors = "1,4,16,64";
+  });
+  EXPECT_EQ(e.file.get("general.architecture").s, "phi3");
+  EXPECT_EQ(e.file.tensor_f32("blk.0.attn_qkv.weight"), param(e, "model.layers.0.self_attn.qkv_proj.weight"));
+  EXPECT_EQ(e.file.tensor_f32("blk.1.ffn_up.weight"), param(e, "model.layers.1.mlp.gate_up_proj.weight"));
+  EXPECT_EQ(e.file.tensor_f32("rope_factors_short.weight"), (std::vector<float>{1.0f, 1.5f, 2.0f, 2.5f}));
+  EXPECT_EQ(e.file.tensor_f32("rope_factors_long.weight"), (std::vector<float>{1.0f, 4.0f, 16.0f, 64.0f}));
+  EXPECT_FLOAT_EQ(e.file.get("phi3.rope.scaling.attn_factor").f, 1.25f);
+  EXPECT_EQ(e.file.get("phi3.rope.scaling.original_context_length").i, 8);
 }
 
 TEST(GgufExport, QuantizedTypesKeepVectorsF32AndRefuseWhatLlamaCppCannotRun) {

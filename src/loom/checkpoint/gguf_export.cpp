@@ -183,11 +183,15 @@ std::vector<float> head_rows(std::span<const float> w, int64_t C, int64_t first,
 }
 
 // llama.cpp's architecture for a Llama-family model: "gemma3" with sandwich norms (Gemma 3),
+// "olmo2" with output norms alone (OLMo 2; NEOX RoPE, q/k norms over all heads), "phi3" with
+// LongRoPE (fused attn_qkv and ffn_up, the factors as rope_factors_short / _long),
 // "qwen2" with q/k/v biases (Qwen2 / 2.5),
 // "qwen3" with q/k norms, "smollm3" with NoPE layers (llama.cpp skips RoPE on every 4th layer,
 // n_no_rope_layer_step, with no key for it), else "llama".
 std::string gguf_arch(const ModelConfig& c) {
   if (c.arch == ARCH_LLAMA && c.sandwich_norm) return "gemma3";
+  if (c.arch == ARCH_LLAMA && c.post_norm) return "olmo2";
+  if (c.arch == ARCH_LLAMA && c.rope_scaling == ROPE_SCALING_LONGROPE) return "phi3";
   if (c.arch == ARCH_LLAMA && c.qkv_bias) return "qwen2";
   if (c.arch == ARCH_LLAMA && c.qk_norm) return "qwen3";
   if (c.arch == ARCH_LLAMA && c.nope_interval > 0) return "smollm3";
@@ -198,7 +202,8 @@ void add_llama_tensors(const ModelConfig& c, const Params& params, TensorSink& s
   const int64_t C = c.d_model, F = c.d_ff, hd = c.head_dim(), H = c.n_head, KV = c.n_kv_head;
   // llama.cpp's llama and smollm3 turn adjacent pairs (rope type NORM: q and k rows permuted
   // below); its qwen2 and qwen3 turn the halves (NEOX), as Loom does: rows as they are.
-  const bool permute = !c.qkv_bias && !c.qk_norm;
+  const bool phi3 = c.rope_scaling == ROPE_SCALING_LONGROPE;  // NEOX, fused q/k/v and gate/up as Loom's rows
+  const bool permute = !c.qkv_bias && !c.qk_norm && !phi3;
   add_matrix(sink, params, "model.embed_tokens.weight", "token_embd.weight");
   for (int64_t i = 0; i < c.n_layer; ++i) {
     const std::string p = "model.layers." + std::to_string(i) + ".", b = "blk." + std::to_string(i) + ".";
@@ -211,35 +216,49 @@ void add_llama_tensors(const ModelConfig& c, const Params& params, TensorSink& s
         return Values::own(head_rows(r.read(qkv), C, first, count, hd, rope));
       };
     };
-    sink.add(b + "attn_q.weight", H * hd, C, heads(0, H, permute));
-    sink.add(b + "attn_k.weight", KV * hd, C, heads(H * hd, KV, permute));
-    sink.add(b + "attn_v.weight", KV * hd, C, heads((H + KV) * hd, KV, false));
+    if (phi3) {
+      add_matrix(sink, params, qkv, b + "attn_qkv.weight");
+    } else {
+      sink.add(b + "attn_q.weight", H * hd, C, heads(0, H, permute));
+      sink.add(b + "attn_k.weight", KV * hd, C, heads(H * hd, KV, permute));
+      sink.add(b + "attn_v.weight", KV * hd, C, heads((H + KV) * hd, KV, false));
+    }
     if (c.qkv_bias) {  // Qwen2's biases, split as the weight's rows
       const std::string bias = p + "self_attn.qkv_proj.bias";
       sink.add(b + "attn_q.bias", 0, H * hd, params.part(bias, 0, H * hd));
       sink.add(b + "attn_k.bias", 0, KV * hd, params.part(bias, H * hd, KV * hd));
       sink.add(b + "attn_v.bias", 0, KV * hd, params.part(bias, (H + KV) * hd, KV * hd));
     }
-    if (c.qk_norm) {  // Qwen3's per-head norms (head_dim each)
+    if (c.qk_norm) {  // Qwen3's and Gemma 3's per-head norms (head_dim each), OLMo 2's over all heads
       add_vector(sink, params, p + "self_attn.q_norm.weight", b + "attn_q_norm.weight");
       add_vector(sink, params, p + "self_attn.k_norm.weight", b + "attn_k_norm.weight");
     }
     add_matrix(sink, params, p + "self_attn.o_proj.weight", b + "attn_output.weight");
-    if (c.sandwich_norm) {
-      add_vector(sink, params, p + "post_attention_layernorm.weight", b + "post_attention_norm.weight");
-      add_vector(sink, params, p + "pre_feedforward_layernorm.weight", b + "ffn_norm.weight");
-      add_vector(sink, params, p + "post_feedforward_layernorm.weight", b + "post_ffw_norm.weight");
-    } else {
-      add_vector(sink, params, p + "post_attention_layernorm.weight", b + "ffn_norm.weight");
+    // The output norms (OLMo 2, Gemma 3) are llama.cpp's post_attention_norm / post_ffw_norm.
+    if (c.post_norms()) add_vector(sink, params, p + "post_attention_layernorm.weight", b + "post_attention_norm.weight");
+    if (c.pre_norms()) {
+      const char* norm = c.sandwich_norm ? "pre_feedforward_layernorm.weight" : "post_attention_layernorm.weight";
+      add_vector(sink, params, p + norm, b + "ffn_norm.weight");
     }
+    if (c.post_norms()) add_vector(sink, params, p + "post_feedforward_layernorm.weight", b + "post_ffw_norm.weight");
     const std::string gate_up = p + "mlp.gate_up_proj.weight";
-    sink.add(b + "ffn_gate.weight", F, C, params.part(gate_up, 0, F * C));
-    sink.add(b + "ffn_up.weight", F, C, params.part(gate_up, F * C, F * C));
+    if (phi3) {  // llama.cpp's phi3: one ffn_up of 2F rows, the first F gating (as Phi3MLP chunks it)
+      add_matrix(sink, params, gate_up, b + "ffn_up.weight");
+    } else {
+      sink.add(b + "ffn_gate.weight", F, C, params.part(gate_up, 0, F * C));
+      sink.add(b + "ffn_up.weight", F, C, params.part(gate_up, F * C, F * C));
+    }
     add_matrix(sink, params, p + "mlp.down_proj.weight", b + "ffn_down.weight");
   }
   add_vector(sink, params, "model.norm.weight", "output_norm.weight");
   // A tied head has no output.weight: llama.cpp's llama then uses token_embd.
   if (!c.tie_embeddings) add_matrix(sink, params, "lm_head.weight", "output.weight");
+  if (phi3) {  // LongRoPE's per-pair factors, dividing the frequencies as Loom's do (backend/rope.h)
+    const RopeSpec r = c.rope();
+    const std::vector<float> shorts(r.short_factor, r.short_factor + hd / 2), longs(r.long_factor, r.long_factor + hd / 2);
+    sink.add("rope_factors_short.weight", 0, hd / 2, [shorts] { return Values::own(shorts); });
+    sink.add("rope_factors_long.weight", 0, hd / 2, [longs] { return Values::own(longs); });
+  }
   // Linear and llama3 RoPE scaling as llama.cpp's rope_freqs (convert_hf_to_gguf.py writes it for
   // Llama 3.1): pair j's angle is pos theta^(-2j/hd) / rope_freqs[j], so the factor is the
   // unscaled frequency over Loom's (backend/rope.h).
@@ -273,15 +292,21 @@ void check_exportable(const ModelConfig& c, const GgufVocabulary& vocab) {
                "model.gate_activation / embed_scale: GGUF export writes them only as llama.cpp's gemma3 (with sandwich norms)");
   }
   LOOM_CHECK(!(c.qk_norm && c.qkv_bias), "model.qk_norm with model.qkv_bias: no llama.cpp architecture has both");
-  LOOM_CHECK(!c.post_norm && !c.qk_norm_whole, "model.post_norm / qk_norm_whole (OLMo 2): GGUF export does not write "
-             "llama.cpp's olmo2 yet");
+  LOOM_CHECK(c.post_norm == c.qk_norm_whole && (!c.post_norm || (c.qk_norm && !c.qkv_bias && c.nope_interval == 0 &&
+                                                                  c.rope_scaling == ROPE_SCALING_NONE)),
+             "model.post_norm / qk_norm_whole: GGUF export writes them as llama.cpp's olmo2, which has both, q/k norms "
+             "over all heads and no q/k/v biases, NoPE layers or RoPE scaling");
   LOOM_CHECK(c.nope_interval == 0 || (c.nope_interval == 4 && !c.qkv_bias && !c.qk_norm), "model.nope_interval = ",
              c.nope_interval, ": llama.cpp's smollm3 skips RoPE on every 4th layer only (n_no_rope_layer_step = 4, "
              "without q/k/v biases or q/k norms)");
+  LOOM_CHECK(c.rope_scaling != ROPE_SCALING_LONGROPE || (!c.qkv_bias && !c.qk_norm && c.nope_interval == 0 &&
+                                                          !c.sandwich_norm && !c.post_norm),
+             "model.rope_scaling = longrope: GGUF export writes it as llama.cpp's phi3, without q/k/v biases, q/k norms, "
+             "NoPE layers or output norms");
   LOOM_CHECK(c.rope_scaling == ROPE_SCALING_NONE || c.rope_scaling == ROPE_SCALING_LINEAR ||
-                 c.rope_scaling == ROPE_SCALING_LLAMA3,
+                 c.rope_scaling == ROPE_SCALING_LLAMA3 || c.rope_scaling == ROPE_SCALING_LONGROPE,
              "model.rope_scaling = ", enum_name(c.rope_scaling),
-             ": GGUF export writes linear and llama3 scaling (rope_freqs), not yarn or longrope yet");
+             ": GGUF export writes linear and llama3 scaling (rope_freqs) and longrope (phi3), not yarn yet");
   LOOM_CHECK(!(c.qkv_bias || c.qk_norm) || c.rope_scaling == ROPE_SCALING_NONE, "model.qkv_bias / qk_norm with "
              "model.rope_scaling = ", enum_name(c.rope_scaling), ": GGUF export writes Qwen2 / Qwen3 as llama.cpp's "
              "qwen2 / qwen3, without RoPE scaling");
@@ -313,6 +338,10 @@ void put_arch(GgufWriter& w, const ModelConfig& c) {
     w.put(a + ".attention.value_length", GgufValue::u32(static_cast<uint32_t>(c.head_dim())));
   }
   if (c.attn_window > 0) w.put(a + ".attention.sliding_window", GgufValue::u32(static_cast<uint32_t>(c.attn_window)));
+  if (c.rope_scaling == ROPE_SCALING_LONGROPE) {  // llama.cpp picks the long factors for contexts past this
+    w.put(a + ".rope.scaling.attn_factor", GgufValue::f32(c.rope_attention_factor));
+    w.put(a + ".rope.scaling.original_context_length", GgufValue::u32(static_cast<uint32_t>(c.rope_original_context)));
+  }
 }
 
 }  // namespace
