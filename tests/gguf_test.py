@@ -127,16 +127,6 @@ class Gguf(unittest.TestCase):
         cls.results["olmo2 post-norms"] = cls.check(
             "olmo2 post-norms", cls.data, cls.tokenizer,
             ARCHS["llama"] + ",model.post_norm=true,model.qk_norm=true,model.qk_norm_whole=true", PROMPTS, HF_TYPES)
-        # Phi-3-128k's LongRoPE (16 pairs' short and long factors, attention factor 1.19), written as
-        # llama.cpp's phi3 with fused attn_qkv / ffn_up and rope_factors_short / _long. The original
-        # context is the checked context (64), so both sides rotate with the short factors: llama.cpp
-        # picks by its context length, Loom by each forward's span (docs/models.md).
-        factors = lambda step: ",".join(f"{1 + step * j:g}" for j in range(16))
-        cls.results["phi3 longrope"] = cls.check(
-            "phi3 longrope", cls.data, cls.tokenizer,
-            ARCHS["llama"] + f',model.rope_scaling=longrope,model.rope_original_context={CONTEXT},'
-            f'model.rope_attention_factor=1.19,model.rope_short_factors="{factors(0.05)}",'
-            f'model.rope_long_factors="{factors(0.9)}"', PROMPTS, HF_TYPES)
         # Gemma 3's shape: pre and post norms, per-head q/k norms, GeGLU, the embedding times
         # sqrt(64) = 8, a tied head, layers 0-4 within a window of 8 (RoPE base 10000) and layer 5
         # global, written as llama.cpp's gemma3 (its pattern of 6 and local base are fixed there).
