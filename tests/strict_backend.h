@@ -116,6 +116,23 @@ class StrictBackend final : public Backend {
     cpu_->delta_rule_backward(h(q), h(k), h(v), h(g), h(beta), h(initial_state), h(dout), h(dfinal_state), h(dq),
                               h(dk), h(dv), h(dg), h(dbeta), h(dinitial_state), form, chunk);
   }
+  void causal_conv1d_silu_forward(const Tensor& x, const Tensor& weight, const Tensor& initial, const Tensor& y,
+                                  const Tensor& final_state) override {
+    cpu_->causal_conv1d_silu_forward(h(x), h(weight), h(initial), h(y), h(final_state));
+  }
+  void causal_conv1d_silu_backward(const Tensor& x, const Tensor& weight, const Tensor& initial, const Tensor& dy,
+                                   const Tensor& dx, const Tensor& dweight, const Tensor& dinitial) override {
+    cpu_->causal_conv1d_silu_backward(h(x), h(weight), h(initial), h(dy), h(dx), h(dweight), h(dinitial));
+  }
+  void delta_gates_forward(const Tensor& ba, const Tensor& a_log, const Tensor& dt_bias, const Tensor& g,
+                           const Tensor& beta) override {
+    cpu_->delta_gates_forward(h(ba), h(a_log), h(dt_bias), h(g), h(beta));
+  }
+  void delta_gates_backward(const Tensor& ba, const Tensor& a_log, const Tensor& dt_bias, const Tensor& dg,
+                            const Tensor& dbeta, const Tensor& dba, const Tensor& da_log,
+                            const Tensor& ddt_bias) override {
+    cpu_->delta_gates_backward(h(ba), h(a_log), h(dt_bias), h(dg), h(dbeta), h(dba), h(da_log), h(ddt_bias));
+  }
   void rope_forward(const Tensor& x, int64_t head_dim, int64_t n_heads, const RopeSpec& rope,
                     int64_t pos_offset) override {
     cpu_->rope_forward(h(x), head_dim, n_heads, rope, pos_offset);

@@ -13,7 +13,13 @@
 //   4. a sequence split in two, the second half starting from the first half's final state and
 //      its d(initial state) fed to the first half's backward as d(final state) (what context
 //      parallelism does), against the whole run, forward and backward (f32, 1e-5);
-//   5. bad operands: a one-line error naming the tensor and the expected shape.
+//   5. bad operands: a one-line error naming the tensor and the expected shape;
+//   6. grouped heads (q, k with Hk heads, v and the rest with Hv = r Hk; value head h reads key
+//      head h / r): the op on grouped q/k against the same op on q/k repeat_interleave'd to Hv
+//      heads (transformers' qwen3_next): out, final state, dv, dg, dbeta, d(initial state)
+//      bitwise equal (the same arithmetic per value head), dq and dk the sums of the repeated
+//      copies' gradients (f64 within 1e-12, f32 within 1e-6 relative), both forms, r = 2 and 3;
+//      and the grouped backward against f64 central differences (1e-7).
 // A broken kernel fails them (each variant below was built and run against these tests):
 //  - exp(g_t) dropped from the recurrent step (S never decays): ChunkedMatchesRecurrentForward
 //    (out differs by 0.22, final state by 1.0), MatchesPyTorchFloat64 (recurrent out 1.5
@@ -25,6 +31,19 @@
 //    and the backward and split tests;
 //  - one backward term dropped (dgamma_L += <dS_L, S0>): BackwardMatchesFiniteDifferences (dg),
 //    MatchesPyTorchFloat64 (dg 7e-2), ChunkedBackwardMatchesRecurrent, SplitSequenceMatchesWhole.
+// Grouped heads, the variants these tests are written to catch (the second was built and run:
+// GroupedHeadsMatchRepeatedKeys failed dq and dk in all 32 of its configurations, and
+// GroupedBackwardMatchesFiniteDifferences failed):
+//  - a value head reading key head h % Hk (tiled, as torch's repeat / expand would) instead of
+//    h / r (interleaved): GroupedHeadsMatchRepeatedKeys's out and final state (and every
+//    gradient), GroupedBackwardMatchesFiniteDifferences; the Hk == Hv tests do not see it;
+//  - dq / dk overwritten by every value head of a group (accumulate ignored, so only the last
+//    copy's gradient survives) or never written by the first: GroupedHeadsMatchRepeatedKeys's
+//    dq / dk and GroupedBackwardMatchesFiniteDifferences (q, k); the 1e30 fill of run_backward
+//    shows a row no head wrote;
+//  - the backward parallelised over value heads with the accumulation kept (two threads adding
+//    to one dq row): a race, seen as GroupedHeadsMatchRepeatedKeys's dq / dk differing when the
+//    two threads interleave (not deterministic: the kernel avoids it by construction).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -196,6 +215,42 @@ double fd_check(const Tensor& x, const std::vector<double>& analytic, const std:
   const double worst = test::fd_worst_ratio(x, analytic, loss, &at);
   EXPECT_LE(worst, tol) << what << " " << at;
   return worst;
+}
+
+// Grouped heads: q and k (B, T, Hk, d) repeated to Hk r heads as transformers'
+// repeat_interleave(r, dim=2) does (head h of the result = head h / r).
+Tensor repeat_heads(const Tensor& x, int64_t r) {
+  const int64_t B = x.dim(0), T = x.dim(1), Hk = x.dim(2), w = x.dim(3);
+  const std::vector<double> in = values(x);
+  std::vector<double> out(static_cast<size_t>(B * T * Hk * r * w));
+  for (int64_t bt = 0; bt < B * T; ++bt) {
+    for (int64_t h = 0; h < Hk * r; ++h) {
+      for (int64_t i = 0; i < w; ++i) out[((bt * Hk * r + h) * w + i)] = in[((bt * Hk + h / r) * w + i)];
+    }
+  }
+  return tensor_of({B, T, Hk * r, w}, x.dtype(), out);
+}
+
+// The gradient of the grouped tensor from the repeated one's: the r copies of each head summed
+// (in copy order).
+std::vector<double> sum_repeated(const Tensor& x, int64_t r) {
+  const int64_t B = x.dim(0), T = x.dim(1), H = x.dim(2), w = x.dim(3), Hk = H / r;
+  const std::vector<double> in = values(x);
+  std::vector<double> out(static_cast<size_t>(B * T * Hk * w), 0.0);
+  for (int64_t bt = 0; bt < B * T; ++bt) {
+    for (int64_t h = 0; h < H; ++h) {
+      for (int64_t i = 0; i < w; ++i) out[((bt * Hk + h / r) * w + i)] += in[((bt * H + h) * w + i)];
+    }
+  }
+  return out;
+}
+
+// Inputs with Hv = d.H value heads and q, k of Hk heads (Hk divides d.H).
+Inputs make_grouped_inputs(const Dims& d, int64_t Hk, DType dtype, uint64_t seed) {
+  Inputs in = make_inputs(d, dtype, seed);
+  const Inputs keys = make_inputs(Dims{d.B, d.T, Hk, d.dk, d.dv}, dtype, seed + 100);
+  in.q = keys.q, in.k = keys.k;
+  return in;
 }
 
 // ---- 1. chunked == recurrent, forward
@@ -407,13 +462,13 @@ TEST(DeltaRule, BadShapesAreOneLineErrors) {
   };
   const Tensor k7 = Tensor::empty(host(), {1, 5, 2, 7}, DTYPE_F32, MEM_WORKSPACE);
   EXPECT_EQ(forward_error(k7, in.beta, in.s0, 4),
-            "delta_rule_forward: k is f32(1, 5, 2, 7), expected f32(1, 5, 2, 8) (B, T, H, d_k)");
+            "delta_rule_forward: k is f32(1, 5, 2, 7), expected f32(1, 5, 2, 8) (B, T, Hk, d_k)");
   const Tensor s0 = Tensor::empty(host(), {1, 2, 3, 8}, DTYPE_F32, MEM_WORKSPACE);  // d_v and d_k swapped
   EXPECT_EQ(forward_error(in.k, in.beta, s0, 4),
-            "delta_rule_forward: initial_state is f32(1, 2, 3, 8), expected f32(1, 2, 8, 3) (B, H, d_k, d_v)");
+            "delta_rule_forward: initial_state is f32(1, 2, 3, 8), expected f32(1, 2, 8, 3) (B, Hv, d_k, d_v)");
   const Tensor beta64 = Tensor::empty(host(), {1, 5, 2}, DTYPE_F64, MEM_WORKSPACE);
   EXPECT_EQ(forward_error(in.k, beta64, in.s0, 4),
-            "delta_rule_forward: beta is f64(1, 5, 2), expected f32(1, 5, 2) (B, T, H)");
+            "delta_rule_forward: beta is f64(1, 5, 2), expected f32(1, 5, 2) (B, T, Hv)");
   EXPECT_EQ(forward_error(in.k, in.beta, in.s0, 0), "delta_rule_forward: chunk 0 must be >= 1");
   EXPECT_THROW(
       be->delta_rule_forward(in.q, k7, in.v, in.g, in.beta, in.s0, ok.out, ok.final_state, DeltaRuleForm::recurrent, 4),
@@ -425,7 +480,31 @@ TEST(DeltaRule, BadShapesAreOneLineErrors) {
     be->delta_rule_backward(in.q, in.k, in.v, in.g, in.beta, in.s0, ok.out, ok.final_state, gr.dq, gr.dk, gr.dv, dg,
                             gr.dbeta, gr.ds0, DeltaRuleForm::chunked, 4);
   });
-  EXPECT_EQ(e, "delta_rule_backward: dg is f32(1, 4, 2), expected f32(1, 5, 2) (B, T, H)");
+  EXPECT_EQ(e, "delta_rule_backward: dg is f32(1, 4, 2), expected f32(1, 5, 2) (B, T, Hv)");
+  // Grouped heads: v's heads must be a multiple of q's; with Hv = 4 over Hk = 2 the states have
+  // Hv heads and dq keeps q's shape.
+  const Tensor v3 = Tensor::empty(host(), {1, 5, 3, 3}, DTYPE_F32, MEM_WORKSPACE);
+  EXPECT_EQ(error_of([&] {
+              be->delta_rule_forward(in.q, in.k, v3, in.g, in.beta, Tensor(), ok.out, Tensor(), DeltaRuleForm::chunked,
+                                     4);
+            }),
+            "delta_rule_forward: v is f32(1, 5, 3, 3), expected f32(1, 5, Hv, d_v) (B, T, Hv, d_v) with Hv a "
+            "multiple of q's 2 heads");
+  const Inputs grouped = make_grouped_inputs(Dims{1, 5, 4, 8, 3}, 2, DTYPE_F32, 52);
+  const Forward gok = run_forward(*be, grouped, true, DeltaRuleForm::recurrent, 4);
+  EXPECT_EQ(error_of([&] {
+              be->delta_rule_forward(grouped.q, grouped.k, grouped.v, grouped.g, grouped.beta, in.s0, gok.out,
+                                     gok.final_state, DeltaRuleForm::recurrent, 4);
+            }),
+            "delta_rule_forward: initial_state is f32(1, 2, 8, 3), expected f32(1, 4, 8, 3) (B, Hv, d_k, d_v)");
+  const Tensor dq_wide = Tensor::empty(host(), {1, 5, 4, 8}, DTYPE_F32, MEM_WORKSPACE);  // Hv heads, not Hk
+  const Grads gg = run_backward(*be, grouped, true, gok.out, gok.final_state, DeltaRuleForm::recurrent, 4);
+  EXPECT_EQ(error_of([&] {
+              be->delta_rule_backward(grouped.q, grouped.k, grouped.v, grouped.g, grouped.beta, grouped.s0, gok.out,
+                                      gok.final_state, dq_wide, gg.dk, gg.dv, gg.dg, gg.dbeta, gg.ds0,
+                                      DeltaRuleForm::recurrent, 4);
+            }),
+            "delta_rule_backward: dq is f32(1, 5, 4, 8), expected f32(1, 5, 2, 8) (B, T, Hk, d_k)");
   // bf16 operands: the dtype dispatch's error.
   const Tensor q16 = Tensor::empty(host(), in.q.shape(), DTYPE_BF16, MEM_WORKSPACE);
   const Tensor k16 = Tensor::empty(host(), in.q.shape(), DTYPE_BF16, MEM_WORKSPACE);
@@ -436,6 +515,80 @@ TEST(DeltaRule, BadShapesAreOneLineErrors) {
               be->delta_rule_forward(q16, k16, v16, g16, g16, Tensor(), o16, Tensor(), DeltaRuleForm::chunked, 4);
             }),
             "delta_rule_forward: not supported for dtype bf16 on the CPU backend (f32, f64)");
+}
+
+// ---- 6. grouped heads: equal to the op on repeat_interleave'd q / k
+
+TEST(DeltaRule, GroupedHeadsMatchRepeatedKeys) {
+  auto be = make_cpu_backend();
+  struct Case {
+    Dims d;  // d.H: the value heads
+    int64_t Hk;
+  };
+  double worst_qk[2] = {0, 0};  // f64, f32
+  for (DType dtype : {DTYPE_F64, DTYPE_F32}) {
+    const double tol = dtype == DTYPE_F64 ? 1e-12 : 1e-6;
+    const int di = dtype == DTYPE_F64 ? 0 : 1;
+    for (const Case& cs : {Case{Dims{2, 37, 4, 16, 12}, 2}, Case{Dims{1, 23, 3, 8, 5}, 1}}) {
+      const int64_t r = cs.d.H / cs.Hk;
+      const Inputs grouped = make_grouped_inputs(cs.d, cs.Hk, dtype, 71);
+      Inputs repeated = grouped;
+      repeated.q = repeat_heads(grouped.q, r), repeated.k = repeat_heads(grouped.k, r);
+      const Tensor dout = random_like(Tensor::empty(host(), grouped.v.shape(), dtype, MEM_WORKSPACE), 72);
+      const Tensor dfinal = random_like(grouped.s0, 73);
+      for (DeltaRuleForm form : {DeltaRuleForm::recurrent, DeltaRuleForm::chunked}) {
+        for (int64_t chunk : {int64_t{5}, kDeltaRuleChunk}) {
+          for (bool with_initial : {false, true}) {
+            const std::string what = str_cat(dtype_name(dtype), " Hk ", cs.Hk, " Hv ", cs.d.H, " ", form_name(form),
+                                             " chunk ", chunk, " initial ", with_initial, " ");
+            const Forward fg = run_forward(*be, grouped, with_initial, form, chunk);
+            const Forward fr = run_forward(*be, repeated, with_initial, form, chunk);
+            EXPECT_EQ(values(fg.out), values(fr.out)) << what << "out";
+            EXPECT_EQ(values(fg.final_state), values(fr.final_state)) << what << "final state";
+            const Grads gg = run_backward(*be, grouped, with_initial, dout, dfinal, form, chunk);
+            const Grads gr = run_backward(*be, repeated, with_initial, dout, dfinal, form, chunk);
+            EXPECT_EQ(values(gg.dv), values(gr.dv)) << what << "dv";
+            EXPECT_EQ(values(gg.dg), values(gr.dg)) << what << "dg";
+            EXPECT_EQ(values(gg.dbeta), values(gr.dbeta)) << what << "dbeta";
+            EXPECT_EQ(values(gg.ds0), values(gr.ds0)) << what << "dinitial_state";
+            const double eq = max_rel_error(values(gg.dq), sum_repeated(gr.dq, r));
+            const double ek = max_rel_error(values(gg.dk), sum_repeated(gr.dk, r));
+            EXPECT_LT(eq, tol) << what << "dq";
+            EXPECT_LT(ek, tol) << what << "dk";
+            worst_qk[di] = std::max({worst_qk[di], eq, ek});
+          }
+        }
+      }
+    }
+  }
+  std::printf("[delta_rule] grouped vs repeated q/k: out, state, dv, dg, dbeta, dstate equal; dq/dk vs summed "
+              "copies %.2e (f64), %.2e (f32) (max rel)\n",
+              worst_qk[0], worst_qk[1]);
+}
+
+TEST(DeltaRule, GroupedBackwardMatchesFiniteDifferences) {
+  auto be = make_cpu_backend();
+  const Dims d{1, 6, 4, 3, 2};  // Hv = 4 value heads over Hk = 2 key heads
+  const Inputs in = make_grouped_inputs(d, 2, DTYPE_F64, 81);
+  const Tensor dout = random_like(Tensor::empty(host(), {d.B, d.T, d.H, d.dv}, DTYPE_F64, MEM_WORKSPACE), 82);
+  const Tensor dfinal = random_like(in.s0, 83);
+  double worst = 0;
+  for (DeltaRuleForm form : {DeltaRuleForm::recurrent, DeltaRuleForm::chunked}) {
+    const int64_t chunk = 4;
+    const std::string what = str_cat("grouped ", form_name(form), " d");
+    const Grads gr = run_backward(*be, in, true, dout, dfinal, form, chunk);
+    const auto loss = [&] {
+      const Forward f = run_forward(*be, in, true, form, chunk);
+      return weighted_sum(f.out, dout) + weighted_sum(f.final_state, dfinal);
+    };
+    const std::vector<std::pair<const Tensor*, const Tensor*>> pairs{
+        {&in.q, &gr.dq}, {&in.k, &gr.dk}, {&in.v, &gr.dv}, {&in.g, &gr.dg}, {&in.beta, &gr.dbeta}, {&in.s0, &gr.ds0}};
+    const char* names[] = {"q", "k", "v", "g", "beta", "initial_state"};
+    for (size_t i = 0; i < pairs.size(); ++i) {
+      worst = std::max(worst, fd_check(*pairs[i].first, values(*pairs[i].second), loss, 1e-7, what + names[i]));
+    }
+  }
+  std::printf("[delta_rule] f64 grouped (Hk 2, Hv 4) backward vs central differences: %.2e\n", worst);
 }
 
 // ---- The strict backend (tests/strict_backend.h) forwards both ops to the CPU kernels.

@@ -168,6 +168,20 @@ void Backend::delta_rule_backward(const Tensor&, const Tensor&, const Tensor&, c
                                   const Tensor&, const Tensor&, const Tensor&, const Tensor&, DeltaRuleForm, int64_t) {
   unsupported(*this, "delta_rule_backward", "the gated delta rule, linear attention");
 }
+void Backend::causal_conv1d_silu_forward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&) {
+  unsupported(*this, "causal_conv1d_silu_forward", "the gated delta rule, linear attention");
+}
+void Backend::causal_conv1d_silu_backward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                          const Tensor&, const Tensor&) {
+  unsupported(*this, "causal_conv1d_silu_backward", "the gated delta rule, linear attention");
+}
+void Backend::delta_gates_forward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&) {
+  unsupported(*this, "delta_gates_forward", "the gated delta rule, linear attention");
+}
+void Backend::delta_gates_backward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                   const Tensor&, const Tensor&, const Tensor&) {
+  unsupported(*this, "delta_gates_backward", "the gated delta rule, linear attention");
+}
 void Backend::mla_rope(const Tensor&, int64_t, int64_t, int64_t, int64_t, const RopeSpec&, int64_t, bool) {
   no_mla(*this, "mla_rope");
 }

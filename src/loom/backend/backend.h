@@ -263,13 +263,18 @@ class Backend {
   // (transformers' torch_recurrent_gated_delta_rule, qwen3_next; FLA's fused_recurrent). g_t is
   // a log-decay (<= 0; not checked: g > 0 computes, but exp(G_i - G_j) may overflow), beta_t the
   // write strength in (0, 1). q and k arrive already L2-normalised and q already scaled by
-  // 1/sqrt(d_k): the normalisation, the scale and Qwen3-Next's repetition of q/k heads to the
-  // v heads are the caller's, outside the op.
-  // Layout (row-major, all one dtype, f32 or f64): q, k (B, T, H, d_k); v (B, T, H, d_v); g, beta
-  // (B, T, H); out (B, T, H, d_v); initial_state, final_state (B, H, d_k, d_v). initial_state
-  // undefined: zeros; final_state undefined: not written (a training pass without context
-  // parallelism or a cache needs no state). A rank of a context-parallel split, or a decoding
-  // step, starts from the previous piece's final_state and gets exactly the whole run's numbers.
+  // 1/sqrt(d_k): the normalisation and the scale are the caller's, outside the op.
+  // Grouped heads: q and k have Hk heads, v, g, beta, out and the states Hv (a multiple of Hk);
+  // value head h reads q/k head h / (Hv / Hk), as transformers' qwen3_next repeats q and k
+  // (repeat_interleave(num_v_heads // num_k_heads, dim=2)) but without materialising the copies.
+  // The backward's dq, dk sum over the Hv / Hk value heads sharing a key head (in value-head
+  // order, on one thread: deterministic). Hk == Hv is the plain one-to-one case.
+  // Layout (row-major, all one dtype, f32 or f64): q, k (B, T, Hk, d_k); v (B, T, Hv, d_v);
+  // g, beta (B, T, Hv); out (B, T, Hv, d_v); initial_state, final_state (B, Hv, d_k, d_v).
+  // initial_state undefined: zeros; final_state undefined: not written (a training pass without
+  // context parallelism or a cache needs no state). A rank of a context-parallel split, or a
+  // decoding step, starts from the previous piece's final_state and gets exactly the whole run's
+  // numbers.
   // Forms (they agree to rounding: fp32 within 1e-5 in tests/test_delta_rule.cpp):
   //  - recurrent: the recurrence above, O(T d_k d_v) per head, one state in memory (decoding).
   //  - chunked: positions in chunks of `chunk` (>= 1; the last may be shorter). With G the
@@ -292,8 +297,9 @@ class Backend {
   // because storing every S_t is O(T d_k d_v) per head, and recomputing from the very start per
   // step is O(T^2): the checkpoints cost ceil(T / chunk) d_k d_v per head in flight, the
   // recurrent form's recomputed states (chunk + 1) d_k d_v, about one extra forward of work.
-  // Memory: the CPU backend's workspace, per thread (one (b, h) head per thread at a time), never
-  // all heads at once. The defaults throw (the CUDA backend has no kernels yet).
+  // Memory: the CPU backend's workspace, per thread (one (b, h) head per thread at a time; the
+  // backward runs a key head's Hv / Hk value heads one after another on its thread), never all
+  // heads at once. The defaults throw (the CUDA backend has no kernels yet).
   virtual void delta_rule_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                                   const Tensor& beta, const Tensor& initial_state, const Tensor& out,
                                   const Tensor& final_state, DeltaRuleForm form, int64_t chunk);
@@ -302,6 +308,26 @@ class Backend {
                                    const Tensor& dfinal_state, const Tensor& dq, const Tensor& dk, const Tensor& dv,
                                    const Tensor& dg, const Tensor& dbeta, const Tensor& dinitial_state,
                                    DeltaRuleForm form, int64_t chunk);
+  // Causal depthwise convolution with SiLU (Qwen3NextGatedDeltaNet's conv1d + F.silu): x (B, T, C),
+  // weight (C, K); y[b, t, c] = silu(sum_i weight[c, i] x'[b, t - K + 1 + i, c]) where x' is x
+  // preceded by initial (B, K-1, C) (the K-1 inputs before position 0: a decoding or
+  // context-parallel continuation; zeros when undefined); the last tap multiplies the current
+  // input. final (B, K-1, C), when defined, gets the last K-1 rows of x' (the next call's initial).
+  // The backward recomputes the pre-activation, overwrites dx (and dinitial when defined) and
+  // accumulates dweight.
+  virtual void causal_conv1d_silu_forward(const Tensor& x, const Tensor& weight, const Tensor& initial, const Tensor& y,
+                                          const Tensor& final_state);
+  virtual void causal_conv1d_silu_backward(const Tensor& x, const Tensor& weight, const Tensor& initial,
+                                           const Tensor& dy, const Tensor& dx, const Tensor& dweight,
+                                           const Tensor& dinitial);
+  // The gated delta rule's gates (Qwen3NextGatedDeltaNet): ba (N, 2H) = [b | a] per row, a_log and
+  // dt_bias (H); beta = sigmoid(b), g = -exp(a_log) softplus(a + dt_bias) (softplus(x) = x above
+  // 20, as torch's), each (N, H). The backward overwrites dba and accumulates da_log, ddt_bias.
+  virtual void delta_gates_forward(const Tensor& ba, const Tensor& a_log, const Tensor& dt_bias, const Tensor& g,
+                                   const Tensor& beta);
+  virtual void delta_gates_backward(const Tensor& ba, const Tensor& a_log, const Tensor& dt_bias, const Tensor& dg,
+                                    const Tensor& dbeta, const Tensor& dba, const Tensor& da_log,
+                                    const Tensor& ddt_bias);
 
   // RoPE (Su et al. 2021), rotate-half convention, in place on the first n_heads * head_dim
   // columns of x (B,T,W): pairs (j, j + hd/2) rotate by angle (pos_offset + t) * inv_freq(j)

@@ -165,24 +165,26 @@ void expect_delta_operand(const char* op, const char* what, const Tensor& t, con
              dtype_name(like.dtype()), shape_str(shape), " ", legend);
 }
 
-// The inputs both directions read: q, k, v, g, beta and the initial state where defined.
+// The inputs both directions read: q, k, v, g, beta and the initial state where defined. q and k
+// have Hk heads, v (and so g, beta, the states) Hv, a multiple of Hk.
 DeltaRuleDims check_delta_inputs(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                                  const Tensor& beta, const Tensor& initial_state, int64_t chunk) {
-  LOOM_CHECK(q.defined() && q.ndim() == 4, op, ": q is ", q.defined() ? q.describe() : "undefined",
-             ", expected 4 dimensions (B, T, H, d_k)");
-  DeltaRuleDims d{q.dim(0), q.dim(1), q.dim(2), q.dim(3), 0};
-  LOOM_CHECK(v.defined() && v.ndim() == 4 && v.dim(0) == d.B && v.dim(1) == d.T && v.dim(2) == d.H &&
-                 v.dtype() == q.dtype(),
+  LOOM_CHECK(q.defined() && q.ndim() == 4 && q.dim(2) > 0, op, ": q is ", q.defined() ? q.describe() : "undefined",
+             ", expected 4 dimensions (B, T, Hk, d_k), Hk >= 1");
+  DeltaRuleDims d{q.dim(0), q.dim(1), 0, q.dim(3), 0, q.dim(2)};
+  LOOM_CHECK(v.defined() && v.ndim() == 4 && v.dim(0) == d.B && v.dim(1) == d.T && v.dim(2) > 0 &&
+                 v.dim(2) % d.Hk == 0 && v.dtype() == q.dtype(),
              op, ": v is ", v.defined() ? v.describe() : "undefined", ", expected ", dtype_name(q.dtype()), "(", d.B,
-             ", ", d.T, ", ", d.H, ", d_v) (B, T, H, d_v)");
+             ", ", d.T, ", Hv, d_v) (B, T, Hv, d_v) with Hv a multiple of q's ", d.Hk, " heads");
+  d.H = v.dim(2);
   d.dv = v.dim(3);
   LOOM_CHECK(d.dk > 0 && d.dv > 0, op, ": d_k ", d.dk, " and d_v ", d.dv, " must be positive");
   LOOM_CHECK(chunk >= 1, op, ": chunk ", chunk, " must be >= 1");
-  expect_delta_operand(op, "k", k, q, q.shape(), "(B, T, H, d_k)");
-  expect_delta_operand(op, "g", g, q, {d.B, d.T, d.H}, "(B, T, H)");
-  expect_delta_operand(op, "beta", beta, q, {d.B, d.T, d.H}, "(B, T, H)");
+  expect_delta_operand(op, "k", k, q, q.shape(), "(B, T, Hk, d_k)");
+  expect_delta_operand(op, "g", g, q, {d.B, d.T, d.H}, "(B, T, Hv)");
+  expect_delta_operand(op, "beta", beta, q, {d.B, d.T, d.H}, "(B, T, Hv)");
   if (initial_state.defined()) {
-    expect_delta_operand(op, "initial_state", initial_state, q, {d.B, d.H, d.dk, d.dv}, "(B, H, d_k, d_v)");
+    expect_delta_operand(op, "initial_state", initial_state, q, {d.B, d.H, d.dk, d.dv}, "(B, Hv, d_k, d_v)");
   }
   return d;
 }
@@ -193,9 +195,9 @@ DeltaRuleDims check_delta_rule(const Tensor& q, const Tensor& k, const Tensor& v
                                int64_t chunk) {
   const char* op = "delta_rule_forward";
   const DeltaRuleDims d = check_delta_inputs(op, q, k, v, g, beta, initial_state, chunk);
-  expect_delta_operand(op, "out", out, q, v.shape(), "(B, T, H, d_v)");
+  expect_delta_operand(op, "out", out, q, v.shape(), "(B, T, Hv, d_v)");
   if (final_state.defined()) {
-    expect_delta_operand(op, "final_state", final_state, q, {d.B, d.H, d.dk, d.dv}, "(B, H, d_k, d_v)");
+    expect_delta_operand(op, "final_state", final_state, q, {d.B, d.H, d.dk, d.dv}, "(B, Hv, d_k, d_v)");
   }
   return d;
 }
@@ -207,19 +209,68 @@ DeltaRuleDims check_delta_rule_backward(const Tensor& q, const Tensor& k, const 
                                         const Tensor& dinitial_state, int64_t chunk) {
   const char* op = "delta_rule_backward";
   const DeltaRuleDims d = check_delta_inputs(op, q, k, v, g, beta, initial_state, chunk);
-  expect_delta_operand(op, "dout", dout, q, v.shape(), "(B, T, H, d_v)");
+  expect_delta_operand(op, "dout", dout, q, v.shape(), "(B, T, Hv, d_v)");
   if (dfinal_state.defined()) {
-    expect_delta_operand(op, "dfinal_state", dfinal_state, q, {d.B, d.H, d.dk, d.dv}, "(B, H, d_k, d_v)");
+    expect_delta_operand(op, "dfinal_state", dfinal_state, q, {d.B, d.H, d.dk, d.dv}, "(B, Hv, d_k, d_v)");
   }
-  expect_delta_operand(op, "dq", dq, q, q.shape(), "(B, T, H, d_k)");
-  expect_delta_operand(op, "dk", dk, q, q.shape(), "(B, T, H, d_k)");
-  expect_delta_operand(op, "dv", dv, q, v.shape(), "(B, T, H, d_v)");
-  expect_delta_operand(op, "dg", dg, q, g.shape(), "(B, T, H)");
-  expect_delta_operand(op, "dbeta", dbeta, q, g.shape(), "(B, T, H)");
+  expect_delta_operand(op, "dq", dq, q, q.shape(), "(B, T, Hk, d_k)");
+  expect_delta_operand(op, "dk", dk, q, q.shape(), "(B, T, Hk, d_k)");
+  expect_delta_operand(op, "dv", dv, q, v.shape(), "(B, T, Hv, d_v)");
+  expect_delta_operand(op, "dg", dg, q, g.shape(), "(B, T, Hv)");
+  expect_delta_operand(op, "dbeta", dbeta, q, g.shape(), "(B, T, Hv)");
   if (dinitial_state.defined()) {
-    expect_delta_operand(op, "dinitial_state", dinitial_state, q, {d.B, d.H, d.dk, d.dv}, "(B, H, d_k, d_v)");
+    expect_delta_operand(op, "dinitial_state", dinitial_state, q, {d.B, d.H, d.dk, d.dv}, "(B, Hv, d_k, d_v)");
   }
   return d;
+}
+
+
+// ---- Qwen3-Next's linear-attention helpers: the causal depthwise convolution and the gates
+
+ConvDims check_causal_conv1d(const char* op, const Tensor& x, const Tensor& weight, const Tensor& initial,
+                             const Tensor& y, const char* y_name, const Tensor& final_state) {
+  LOOM_CHECK(x.defined() && x.ndim() == 3, op, ": x is ", x.defined() ? x.describe() : "undefined",
+             ", expected 3 dimensions (B, T, C)");
+  ConvDims d{x.dim(0), x.dim(1), x.dim(2), 0};
+  LOOM_CHECK(weight.defined() && weight.ndim() == 2 && weight.dim(0) == d.C && weight.dim(1) >= 1 &&
+                 weight.dtype() == x.dtype(),
+             op, ": weight is ", weight.defined() ? weight.describe() : "undefined", ", expected ",
+             dtype_name(x.dtype()), "(", d.C, ", K) (C, K), K >= 1");
+  d.K = weight.dim(1);
+  if (initial.defined()) expect_delta_operand(op, "initial", initial, x, {d.B, d.K - 1, d.C}, "(B, K-1, C)");
+  expect_delta_operand(op, y_name, y, x, x.shape(), "(B, T, C)");
+  if (final_state.defined()) expect_delta_operand(op, "final", final_state, x, {d.B, d.K - 1, d.C}, "(B, K-1, C)");
+  return d;
+}
+
+void check_causal_conv1d_grads(const char* op, const ConvDims& d, const Tensor& x, const Tensor& dx,
+                               const Tensor& dweight, const Tensor& dinitial) {
+  expect_delta_operand(op, "dx", dx, x, x.shape(), "(B, T, C)");
+  expect_delta_operand(op, "dweight", dweight, x, {d.C, d.K}, "(C, K)");
+  if (dinitial.defined()) expect_delta_operand(op, "dinitial", dinitial, x, {d.B, d.K - 1, d.C}, "(B, K-1, C)");
+}
+
+GateDims check_delta_gates(const char* op, const Tensor& ba, const Tensor& a_log, const Tensor& dt_bias,
+                           const Tensor& g, const char* g_name, const Tensor& beta, const char* beta_name) {
+  LOOM_CHECK(a_log.defined() && a_log.ndim() == 1 && a_log.dim(0) >= 1, op, ": a_log is ",
+             a_log.defined() ? a_log.describe() : "undefined", ", expected 1 dimension (H), H >= 1");
+  const int64_t H = a_log.dim(0);
+  LOOM_CHECK(ba.defined() && ba.ndim() >= 1 && ba.dim(-1) == 2 * H && ba.dtype() == a_log.dtype(), op, ": ba is ",
+             ba.defined() ? ba.describe() : "undefined", ", expected ", dtype_name(a_log.dtype()), "(N, ", 2 * H,
+             ") (N, 2H) = [b | a] for a_log's ", H, " heads");
+  expect_delta_operand(op, "dt_bias", dt_bias, ba, a_log.shape(), "(H)");
+  Shape rows = ba.shape();
+  rows[rows.size() - 1] = H;
+  expect_delta_operand(op, g_name, g, ba, rows, "(N, H)");
+  expect_delta_operand(op, beta_name, beta, ba, rows, "(N, H)");
+  return {rows_of(ba), H};
+}
+
+void check_delta_gates_grads(const char* op, const Tensor& ba, const Tensor& a_log, const Tensor& dba,
+                             const Tensor& da_log, const Tensor& ddt_bias) {
+  expect_delta_operand(op, "dba", dba, ba, ba.shape(), "(N, 2H)");
+  expect_delta_operand(op, "da_log", da_log, ba, a_log.shape(), "(H)");
+  expect_delta_operand(op, "ddt_bias", ddt_bias, ba, a_log.shape(), "(H)");
 }
 
 }  // namespace loom::checks

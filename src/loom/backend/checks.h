@@ -64,11 +64,13 @@ Dims3 check_attention_backward(const char* op, const Tensor& dout, const Tensor&
 // logits (N, V), targets (N) i32, lse (N); the target values are checked by the backend.
 void check_cross_entropy(const char* op, const Tensor& logits, const Tensor& targets, const Tensor& lse);
 
-// The gated delta rule (Backend::delta_rule_forward): q, k (B, T, H, d_k), v and out (B, T, H,
-// d_v), g and beta (B, T, H), initial_state and final_state (B, H, d_k, d_v) where defined, all
-// of q's dtype; chunk >= 1. The dtype itself is the backend's (dispatch_float).
+// The gated delta rule (Backend::delta_rule_forward): q, k (B, T, Hk, d_k), v and out (B, T, Hv,
+// d_v) with Hv a multiple of Hk, g and beta (B, T, Hv), initial_state and final_state (B, Hv, d_k,
+// d_v) where defined, all of q's dtype; chunk >= 1. The dtype itself is the backend's
+// (dispatch_float).
 struct DeltaRuleDims {
-  int64_t B, T, H, dk, dv;
+  int64_t B, T, H, dk, dv;  // H: the value heads (Hv; v, g, beta, out, the states)
+  int64_t Hk;               // the query / key heads; value head h reads key head h / (H / Hk)
 };
 DeltaRuleDims check_delta_rule(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
                                const Tensor& initial_state, const Tensor& out, const Tensor& final_state,
@@ -80,5 +82,26 @@ DeltaRuleDims check_delta_rule_backward(const Tensor& q, const Tensor& k, const 
                                         const Tensor& dfinal_state, const Tensor& dq, const Tensor& dk,
                                         const Tensor& dv, const Tensor& dg, const Tensor& dbeta,
                                         const Tensor& dinitial_state, int64_t chunk);
+
+// Backend::causal_conv1d_silu_*: x (B, T, C), weight (C, K >= 1), initial / final (B, K-1, C)
+// where defined, y (B, T, C), all of x's dtype. The backward passes dy as y, and checks dx as x,
+// dweight as weight and dinitial (where defined) as initial with check_causal_conv1d_grads.
+struct ConvDims {
+  int64_t B, T, C, K;
+};
+ConvDims check_causal_conv1d(const char* op, const Tensor& x, const Tensor& weight, const Tensor& initial,
+                             const Tensor& y, const char* y_name, const Tensor& final_state);
+void check_causal_conv1d_grads(const char* op, const ConvDims& d, const Tensor& x, const Tensor& dx,
+                               const Tensor& dweight, const Tensor& dinitial);
+// Backend::delta_gates_*: ba (..., 2H), a_log and dt_bias (H), g and beta (..., H) (ba's leading
+// dimensions), all of ba's dtype. Returns {N = ba's rows, H}. The backward passes dg, dbeta as g,
+// beta, and checks dba as ba, da_log, ddt_bias as a_log with check_delta_gates_grads.
+struct GateDims {
+  int64_t N, H;
+};
+GateDims check_delta_gates(const char* op, const Tensor& ba, const Tensor& a_log, const Tensor& dt_bias,
+                           const Tensor& g, const char* g_name, const Tensor& beta, const char* beta_name);
+void check_delta_gates_grads(const char* op, const Tensor& ba, const Tensor& a_log, const Tensor& dba,
+                             const Tensor& da_log, const Tensor& ddt_bias);
 
 }  // namespace loom::checks

@@ -84,6 +84,17 @@ class CpuBackend final : public Backend {
                            const Tensor& initial_state, const Tensor& dout, const Tensor& dfinal_state,
                            const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dg, const Tensor& dbeta,
                            const Tensor& dinitial_state, DeltaRuleForm form, int64_t chunk) override;
+  // Qwen3-Next's causal depthwise convolution + SiLU and the delta rule's gates:
+  // cpu_linear_attention_ops.cpp.
+  void causal_conv1d_silu_forward(const Tensor& x, const Tensor& weight, const Tensor& initial, const Tensor& y,
+                                  const Tensor& final_state) override;
+  void causal_conv1d_silu_backward(const Tensor& x, const Tensor& weight, const Tensor& initial, const Tensor& dy,
+                                   const Tensor& dx, const Tensor& dweight, const Tensor& dinitial) override;
+  void delta_gates_forward(const Tensor& ba, const Tensor& a_log, const Tensor& dt_bias, const Tensor& g,
+                           const Tensor& beta) override;
+  void delta_gates_backward(const Tensor& ba, const Tensor& a_log, const Tensor& dt_bias, const Tensor& dg,
+                            const Tensor& dbeta, const Tensor& dba, const Tensor& da_log,
+                            const Tensor& ddt_bias) override;
   void rope_forward(const Tensor& x, int64_t head_dim, int64_t n_heads, const RopeSpec& rope_spec,
                     int64_t pos_offset) override;
   void rope_backward(const Tensor& dx, int64_t head_dim, int64_t n_heads, const RopeSpec& rope_spec,

@@ -10,6 +10,12 @@
 // thread uses carved from the backend's workspace: the head's state, the chunk's gathered rows
 // and small (chunk x chunk) matrices, and in the backward the per-chunk checkpoints. Sums run in
 // the operands' dtype (f32 or f64).
+// Grouped heads (Hv value heads over Hk <= Hv query/key heads, value head h reading key head
+// h / (Hv / Hk)): the forward runs the B Hv value heads independently, reading the shared q/k
+// rows in place; the backward runs one (b, key head) per thread, its Hv / Hk value heads one
+// after another, the first writing the shared dq/dk rows and the others adding to them, so no
+// two threads ever write the same row and the sums have a fixed order. With Hk == Hv that is
+// exactly the one-to-one loop (same items, same arithmetic).
 // Speed (plain loops, no GEMMs; f32, B 1, T 2048, H 4, d_k = d_v = 128, chunk 64, 2 threads of a
 // shared 2-core machine): forward recurrent 20 ms, chunked 33 ms; backward about 100 ms either.
 // On a CPU the chunked form buys nothing over the recurrent one without GEMMs; it is here as the
@@ -53,28 +59,33 @@ F dot(const F* a, const F* b, int64_t n) {
   return s;
 }
 
-// One (b, h) head's operands: row t of q / k at q + t * ks, of v / out at v + t * vs, of g / beta
-// at g + t * gs (ks = H d_k, vs = H d_v, gs = H in the (B, T, H, ...) layout).
+// One (b, h) value head's operands: row t of q / k (its key head's) at q + t * ks, of v / out at
+// v + t * vs, of g / beta at g + t * gs (ks = Hk d_k, vs = Hv d_v, gs = Hv in the (B, T, heads,
+// ...) layout).
 template <typename F>
 struct Head {
   const F *q, *k, *v, *g, *beta;
   F* out;  // forward only
   int64_t ks, vs, gs, len, dk, dv;
 };
-// The same head's gradients (backward): dout read, the others written.
+// The same head's gradients (backward): dout read, the others written (dq / dk rows at the
+// Head's ks stride). accumulate: add to dq / dk instead of overwriting them (every value head of
+// a group but its first, which overwrites).
 template <typename F>
 struct HeadGrad {
   const F* dout;
   F *dq, *dk, *dv, *dg, *dbeta;
+  bool accumulate = false;
 };
 
 template <typename F>
 Head<F> head_of(const checks::DeltaRuleDims& d, int64_t bh, const F* q, const F* k, const F* v, const F* g,
                 const F* beta, F* out) {
   const int64_t b = bh / d.H, h = bh % d.H;
-  const int64_t row = b * d.T * d.H + h;  // (b, t = 0, h)
-  return Head<F>{q + row * d.dk, k + row * d.dk, v + row * d.dv, g + row, beta + row,
-                 out == nullptr ? nullptr : out + row * d.dv, d.H * d.dk, d.H * d.dv, d.H, d.T, d.dk, d.dv};
+  const int64_t row = b * d.T * d.H + h;                      // (b, t = 0, h) of v, g, beta, out
+  const int64_t krow = b * d.T * d.Hk + h / (d.H / d.Hk);  // (b, t = 0, key head) of q, k
+  return Head<F>{q + krow * d.dk, k + krow * d.dk, v + row * d.dv, g + row, beta + row,
+                 out == nullptr ? nullptr : out + row * d.dv, d.Hk * d.dk, d.H * d.dv, d.H, d.T, d.dk, d.dv};
 }
 
 // ---------------------------------------------------------------- recurrent form
@@ -148,7 +159,8 @@ void recurrent_chunk_backward(const Head<F>& hd, const HeadGrad<F>& gd, int64_t 
         ds[c] += qr * dout[c];
         u[c] += kr * sp[c];
       }
-      dq[r] = dot(cur + r * dv, dout, dv);
+      if (gd.accumulate) dq[r] += dot(cur + r * dv, dout, dv);
+      else dq[r] = dot(cur + r * dv, dout, dv);
     }
     // u becomes v - u (the recall error); delta = beta (v - u).
     for (int64_t c = 0; c < dv; ++c) u[c] = v[c] - a * u[c];
@@ -158,7 +170,8 @@ void recurrent_chunk_backward(const Head<F>& hd, const HeadGrad<F>& gd, int64_t 
       const F* ds = dS + r * dv;
       const F kr = k[r];
       for (int64_t c = 0; c < dv; ++c) ddelta[c] += ds[c] * kr;
-      dk_t[r] = beta * dot(ds, u, dv);
+      if (gd.accumulate) dk_t[r] += beta * dot(ds, u, dv);
+      else dk_t[r] = beta * dot(ds, u, dv);
     }
     gd.dbeta[t * hd.gs] = dot(ddelta, u, dv);
     for (int64_t c = 0; c < dv; ++c) {
@@ -431,8 +444,17 @@ void chunk_backward(const Head<F>& hd, const HeadGrad<F>& gd, int64_t t0, int64_
     acc += dG;
     gd.dg[(t0 + i) * hd.gs] = acc;
     gd.dbeta[(t0 + i) * hd.gs] = c.db[i];
-    std::memcpy(gd.dq + (t0 + i) * hd.ks, c.dQ + i * dk, sizeof(F) * dk);
-    std::memcpy(gd.dk + (t0 + i) * hd.ks, c.dK + i * dk, sizeof(F) * dk);
+    F* dq = gd.dq + (t0 + i) * hd.ks;
+    F* dkr = gd.dk + (t0 + i) * hd.ks;
+    if (gd.accumulate) {
+      for (int64_t r = 0; r < dk; ++r) {
+        dq[r] += c.dQ[i * dk + r];
+        dkr[r] += c.dK[i * dk + r];
+      }
+    } else {
+      std::memcpy(dq, c.dQ + i * dk, sizeof(F) * dk);
+      std::memcpy(dkr, c.dK + i * dk, sizeof(F) * dk);
+    }
   }
   std::memcpy(dS, dSn, sizeof(F) * n);
 }
@@ -463,17 +485,18 @@ struct Operands {
   F *dq, *dk, *dv, *dg, *dbeta, *dinitial;
 };
 
-// Runs fn(scratch, head index) for every head in parallel, each thread with its own slice of ws.
+// Runs fn(scratch, item) for item in [0, items) in parallel, each thread with its own slice of ws
+// (the forward's items are the B Hv value heads, the backward's the B Hk key heads).
 template <typename F, typename Fn>
 void for_each_head(const checks::DeltaRuleDims& d, DeltaRuleForm form, int64_t cap, int64_t chunks, bool backward,
-                   F* ws, int64_t per_thread, Fn&& fn) {
+                   F* ws, int64_t per_thread, int64_t items, Fn&& fn) {
 #pragma omp parallel
   {
     Arena<F> arena{ws + static_cast<int64_t>(omp_get_thread_num()) * per_thread};
     Scratch<F> s{};
     s.bind(arena, d, form, cap, chunks, backward);
 #pragma omp for schedule(dynamic)
-    for (int64_t bh = 0; bh < d.B * d.H; ++bh) fn(s, bh);
+    for (int64_t item = 0; item < items; ++item) fn(s, item);
   }
 }
 
@@ -481,7 +504,7 @@ template <typename F>
 void delta_rule_forward_kernel(const checks::DeltaRuleDims& d, const Operands<F>& x, DeltaRuleForm form, int64_t cap,
                                F* ws, int64_t per_thread) {
   const int64_t n = d.dk * d.dv;
-  for_each_head<F>(d, form, cap, 0, false, ws, per_thread, [&](Scratch<F>& s, int64_t bh) {
+  for_each_head<F>(d, form, cap, 0, false, ws, per_thread, d.B * d.H, [&](Scratch<F>& s, int64_t bh) {
     const Head<F> hd = head_of(d, bh, x.q, x.k, x.v, x.g, x.beta, x.out);
     if (x.initial != nullptr) std::memcpy(s.S, x.initial + bh * n, sizeof(F) * n);
     else std::fill(s.S, s.S + n, F(0));
@@ -503,38 +526,46 @@ template <typename F>
 void delta_rule_backward_kernel(const checks::DeltaRuleDims& d, const Operands<F>& x, DeltaRuleForm form, int64_t cap,
                                 int64_t chunks, F* ws, int64_t per_thread) {
   const int64_t n = d.dk * d.dv;
-  for_each_head<F>(d, form, cap, chunks, true, ws, per_thread, [&](Scratch<F>& s, int64_t bh) {
-    const Head<F> hd = head_of(d, bh, x.q, x.k, x.v, x.g, x.beta, static_cast<F*>(nullptr));
-    const int64_t row = (bh / d.H) * d.T * d.H + bh % d.H;
-    const HeadGrad<F> gd{x.dout + row * d.dv, x.dq + row * d.dk, x.dk + row * d.dk, x.dv + row * d.dv,
-                         x.dg + row,          x.dbeta + row};
-    // The forward sweep: ck[c] = the state before chunk c.
-    if (x.initial != nullptr) std::memcpy(s.S, x.initial + bh * n, sizeof(F) * n);
-    else std::fill(s.S, s.S + n, F(0));
-    for (int64_t c = 0; c < chunks; ++c) {
-      const int64_t t0 = c * cap, L = std::min(cap, d.T - t0);
-      std::memcpy(s.ck + c * n, s.S, sizeof(F) * n);
-      if (c + 1 == chunks) break;  // the last chunk's end state is not needed
-      if (form == DeltaRuleForm::recurrent) {
-        for (int64_t t = t0; t < t0 + L; ++t) recurrent_step(hd, t, s.S, s.u, static_cast<F*>(nullptr));
-      } else {
-        chunk_prepare(hd, t0, L, s.S, s.chunk);
-        chunk_advance(hd, L, s.S, s.chunk);
+  const int64_t group = d.H / d.Hk;  // value heads per key head
+  // One (b, key head) per item: its value heads bh = b Hv + kh group + m, m = 0 .. group - 1, in
+  // order on this thread; the first overwrites the shared dq / dk rows, the others add to them.
+  for_each_head<F>(d, form, cap, chunks, true, ws, per_thread, d.B * d.Hk, [&](Scratch<F>& s, int64_t bk) {
+    const int64_t b = bk / d.Hk, kh = bk % d.Hk;
+    for (int64_t m = 0; m < group; ++m) {
+      const int64_t bh = b * d.H + kh * group + m;
+      const Head<F> hd = head_of(d, bh, x.q, x.k, x.v, x.g, x.beta, static_cast<F*>(nullptr));
+      const int64_t row = b * d.T * d.H + bh % d.H;  // (b, t = 0, value head)
+      const int64_t krow = b * d.T * d.Hk + kh;      // (b, t = 0, key head)
+      const HeadGrad<F> gd{x.dout + row * d.dv, x.dq + krow * d.dk, x.dk + krow * d.dk, x.dv + row * d.dv,
+                           x.dg + row,          x.dbeta + row,      m > 0};
+      // The forward sweep: ck[c] = the state before chunk c.
+      if (x.initial != nullptr) std::memcpy(s.S, x.initial + bh * n, sizeof(F) * n);
+      else std::fill(s.S, s.S + n, F(0));
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t t0 = c * cap, L = std::min(cap, d.T - t0);
+        std::memcpy(s.ck + c * n, s.S, sizeof(F) * n);
+        if (c + 1 == chunks) break;  // the last chunk's end state is not needed
+        if (form == DeltaRuleForm::recurrent) {
+          for (int64_t t = t0; t < t0 + L; ++t) recurrent_step(hd, t, s.S, s.u, static_cast<F*>(nullptr));
+        } else {
+          chunk_prepare(hd, t0, L, s.S, s.chunk);
+          chunk_advance(hd, L, s.S, s.chunk);
+        }
       }
-    }
-    // The chunks in reverse, d(state) flowing from the end to the start.
-    if (x.dfinal != nullptr) std::memcpy(s.dS, x.dfinal + bh * n, sizeof(F) * n);
-    else std::fill(s.dS, s.dS + n, F(0));
-    for (int64_t c = chunks - 1; c >= 0; --c) {
-      const int64_t t0 = c * cap, L = std::min(cap, d.T - t0);
-      if (form == DeltaRuleForm::recurrent) {
-        std::memcpy(s.states, s.ck + c * n, sizeof(F) * n);
-        recurrent_chunk_backward(hd, gd, t0, L, s.states, s.dS, s.u, s.ddelta);
-      } else {
-        chunk_backward(hd, gd, t0, L, s.ck + c * n, s.dS, s.dSn, s.chunk);
+      // The chunks in reverse, d(state) flowing from the end to the start.
+      if (x.dfinal != nullptr) std::memcpy(s.dS, x.dfinal + bh * n, sizeof(F) * n);
+      else std::fill(s.dS, s.dS + n, F(0));
+      for (int64_t c = chunks - 1; c >= 0; --c) {
+        const int64_t t0 = c * cap, L = std::min(cap, d.T - t0);
+        if (form == DeltaRuleForm::recurrent) {
+          std::memcpy(s.states, s.ck + c * n, sizeof(F) * n);
+          recurrent_chunk_backward(hd, gd, t0, L, s.states, s.dS, s.u, s.ddelta);
+        } else {
+          chunk_backward(hd, gd, t0, L, s.ck + c * n, s.dS, s.dSn, s.chunk);
+        }
       }
+      if (x.dinitial != nullptr) std::memcpy(x.dinitial + bh * n, s.dS, sizeof(F) * n);
     }
-    if (x.dinitial != nullptr) std::memcpy(x.dinitial + bh * n, s.dS, sizeof(F) * n);
   });
 }
 
