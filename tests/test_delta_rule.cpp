@@ -253,6 +253,25 @@ Inputs make_grouped_inputs(const Dims& d, int64_t Hk, DType dtype, uint64_t seed
   return in;
 }
 
+// fd_check of every input (q, k, v, g, beta, the initial state) of loss = sum dout o out + sum
+// dfinal o final state against the op's backward (tolerance 1e-7); returns the worst ratio.
+double fd_check_all(Backend& be, const Inputs& in, const Tensor& dout, const Tensor& dfinal, DeltaRuleForm form,
+                    int64_t chunk, const std::string& what) {
+  const Grads gr = run_backward(be, in, true, dout, dfinal, form, chunk);
+  const auto loss = [&] {
+    const Forward f = run_forward(be, in, true, form, chunk);
+    return weighted_sum(f.out, dout) + weighted_sum(f.final_state, dfinal);
+  };
+  const std::vector<std::pair<const Tensor*, const Tensor*>> pairs{
+      {&in.q, &gr.dq}, {&in.k, &gr.dk}, {&in.v, &gr.dv}, {&in.g, &gr.dg}, {&in.beta, &gr.dbeta}, {&in.s0, &gr.ds0}};
+  const char* names[] = {"q", "k", "v", "g", "beta", "initial_state"};
+  double worst = 0;
+  for (size_t i = 0; i < pairs.size(); ++i) {
+    worst = std::max(worst, fd_check(*pairs[i].first, values(*pairs[i].second), loss, 1e-7, what + names[i]));
+  }
+  return worst;
+}
+
 // ---- 1. chunked == recurrent, forward
 
 TEST(DeltaRule, ChunkedMatchesRecurrentForward) {
@@ -338,18 +357,8 @@ TEST(DeltaRule, BackwardMatchesFiniteDifferences) {
   double worst = 0;
   for (const Run& run : {Run{DeltaRuleForm::recurrent, 3}, Run{DeltaRuleForm::chunked, 3},
                          Run{DeltaRuleForm::chunked, 1}, Run{DeltaRuleForm::chunked, kDeltaRuleChunk}}) {
-    const std::string what = str_cat(form_name(run.form), " chunk ", run.chunk, " d");
-    const Grads gr = run_backward(*be, in, true, dout, dfinal, run.form, run.chunk);
-    const auto loss = [&] {
-      const Forward f = run_forward(*be, in, true, run.form, run.chunk);
-      return weighted_sum(f.out, dout) + weighted_sum(f.final_state, dfinal);
-    };
-    const std::vector<std::pair<const Tensor*, const Tensor*>> pairs{
-        {&in.q, &gr.dq}, {&in.k, &gr.dk}, {&in.v, &gr.dv}, {&in.g, &gr.dg}, {&in.beta, &gr.dbeta}, {&in.s0, &gr.ds0}};
-    const char* names[] = {"q", "k", "v", "g", "beta", "initial_state"};
-    for (size_t i = 0; i < pairs.size(); ++i) {
-      worst = std::max(worst, fd_check(*pairs[i].first, values(*pairs[i].second), loss, 1e-7, what + names[i]));
-    }
+    worst = std::max(worst, fd_check_all(*be, in, dout, dfinal, run.form, run.chunk,
+                                         str_cat(form_name(run.form), " chunk ", run.chunk, " d")));
   }
   std::printf("[delta_rule] f64 backward vs central differences: %.2e (max |fd - analytic| / max(1, |analytic|))\n",
               worst);
@@ -575,18 +584,7 @@ TEST(DeltaRule, GroupedBackwardMatchesFiniteDifferences) {
   double worst = 0;
   for (DeltaRuleForm form : {DeltaRuleForm::recurrent, DeltaRuleForm::chunked}) {
     const int64_t chunk = 4;
-    const std::string what = str_cat("grouped ", form_name(form), " d");
-    const Grads gr = run_backward(*be, in, true, dout, dfinal, form, chunk);
-    const auto loss = [&] {
-      const Forward f = run_forward(*be, in, true, form, chunk);
-      return weighted_sum(f.out, dout) + weighted_sum(f.final_state, dfinal);
-    };
-    const std::vector<std::pair<const Tensor*, const Tensor*>> pairs{
-        {&in.q, &gr.dq}, {&in.k, &gr.dk}, {&in.v, &gr.dv}, {&in.g, &gr.dg}, {&in.beta, &gr.dbeta}, {&in.s0, &gr.ds0}};
-    const char* names[] = {"q", "k", "v", "g", "beta", "initial_state"};
-    for (size_t i = 0; i < pairs.size(); ++i) {
-      worst = std::max(worst, fd_check(*pairs[i].first, values(*pairs[i].second), loss, 1e-7, what + names[i]));
-    }
+    worst = std::max(worst, fd_check_all(*be, in, dout, dfinal, form, chunk, str_cat("grouped ", form_name(form), " d")));
   }
   std::printf("[delta_rule] f64 grouped (Hk 2, Hv 4) backward vs central differences: %.2e\n", worst);
 }

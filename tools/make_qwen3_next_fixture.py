@@ -86,27 +86,13 @@ import argparse
 import json
 import math
 import os
-import struct
 
 import torch
 import torch.nn.functional as F
 
+from make_hf_fixtures import write_safetensors  # (tools/: the script's own folder is on sys.path)
+
 CHUNK = 64  # transformers' torch_chunk_gated_delta_rule default
-
-
-def write_safetensors(path: str, tensors: dict[str, torch.Tensor]) -> None:
-    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
-    chunks, offset = [], 0
-    for name, t in tensors.items():
-        assert t.dtype == torch.float32
-        data = t.contiguous().view(torch.int32).numpy().tobytes()
-        header[name] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [offset, offset + len(data)]}
-        chunks.append(data)
-        offset += len(data)
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(text)) + text + b"".join(chunks))
 
 
 # --- the formulas -------------------------------------------------------------------------

@@ -314,22 +314,19 @@ void read_longrope_context(ConfigReader& r, ModelConfig& c) {
   }
 }
 
-json factor_list(const std::string& text) {
+// LongRoPE's factors as config.json lists, read from the model's RopeSpec (ModelConfig::rope parses them).
+json factor_list(const float* factors, int64_t pairs) {
   json out = json::array();
-  size_t begin = 0;
-  while (begin < text.size()) {
-    const size_t end = std::min(text.find(',', begin), text.size());
-    out.push_back(shortest_decimal(std::strtof(text.substr(begin, end - begin).c_str(), nullptr)));
-    begin = end + 1;
-  }
+  for (int64_t j = 0; j < pairs; ++j) out.push_back(shortest_decimal(factors[j]));
   return out;
 }
 
 json rope_scaling_json(const ModelConfig& c) {
   const auto d = shortest_decimal;
   if (c.rope_scaling == ROPE_SCALING_LONGROPE) {  // Phi3Config takes these three keys only
-    return {{"type", "longrope"}, {"short_factor", factor_list(c.rope_short_factors)},
-            {"long_factor", factor_list(c.rope_long_factors)}};
+    const RopeSpec r = c.rope();
+    return {{"type", "longrope"}, {"short_factor", factor_list(r.short_factor, c.head_dim() / 2)},
+            {"long_factor", factor_list(r.long_factor, c.head_dim() / 2)}};
   }
   if (c.rope_scaling == ROPE_SCALING_LINEAR) return {{"rope_type", "linear"}, {"factor", d(c.rope_factor)}};
   if (c.rope_scaling == ROPE_SCALING_YARN) {
