@@ -83,7 +83,7 @@ TEST_P(BackendOpsTest, GluForwardBackward) {
   for (DType dtype : kFloatTypes) {
     for (auto [N, F, act] : {std::tuple<int64_t, int64_t, GateActivation>{17, 37, GateActivation::silu},
                              {2048, 1024, GateActivation::silu}, {17, 37, GateActivation::gelu_tanh},
-                             {2048, 1024, GateActivation::gelu_tanh}}) {
+                             {2048, 1024, GateActivation::gelu_tanh}, {17, 37, GateActivation::sigmoid}}) {
       Operands x;
       x.tensors["x"] = rnd({N, 2 * F}, dtype, 1, 6.0);
       x.tensors["dout"] = rnd({N, F}, dtype, 2);
@@ -113,10 +113,12 @@ TEST_P(BackendOpsTest, RopeForwardBackwardWithPosOffset) {
   RopeSpec longrope{10000.0, ROPE_SCALING_LONGROPE, 1.0, 1.0, 4.0, 40.0};
   longrope.amplitude = 1.19;
   for (int j = 0; j < 32; ++j) longrope.short_factor[j] = 1.0f + 0.05f * j, longrope.long_factor[j] = 1.0f + 0.9f * j;
+  RopeSpec partial{10000.0};  // Qwen3-Next: a quarter of each head rotates
+  partial.rotary_dim = 16;
   for (DType dtype : kFloatTypes) {
     for (const Case& c : {Case{2, 17, 3, 1, 8, 5, {10000.0}}, Case{4, 256, 4, 4, 64, 1000, {500000.0}},
                           Case{2, 33, 2, 1, 64, 7000, llama31}, Case{2, 17, 2, 1, 64, 5, longrope},
-                          Case{2, 33, 2, 1, 64, 30, longrope}}) {
+                          Case{2, 33, 2, 1, 64, 30, longrope}, Case{2, 17, 4, 2, 64, 9, partial}}) {
       const int64_t W = (c.H + 2 * c.KV) * c.hd, rotated = c.H + c.KV;
       Operands x;
       x.tensors["x"] = rnd({c.B, c.T, W}, dtype, 1);

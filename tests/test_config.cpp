@@ -292,6 +292,23 @@ TEST(HubConfigTest, TheFamiliesRealConfigsLoadOrAreRefusedForAStatedReason) {
          EXPECT_FLOAT_EQ(c.rope(5).theta, 1e6);
          EXPECT_EQ(c.max_seq_len, 32768);
        }},
+      {"Qwen3-Next-80B-A3B-Instruct.json", HfFamily::qwen3_next, 48, 2048, 16, 2, 256, 151936, false,
+       [](const loom::ModelConfig& c) {  // 36 gated DeltaNet blocks and 12 gated attention blocks (3, 7, ..., 47)
+         EXPECT_EQ(c.linear_interval, 4);
+         EXPECT_EQ(c.linear_layer_count(), 36);
+         EXPECT_TRUE(c.linear_layer(0) && !c.linear_layer(3) && !c.linear_layer(47));
+         EXPECT_EQ(c.linear_key_heads, 16);
+         EXPECT_EQ(c.linear_value_heads, 32);
+         EXPECT_EQ(c.linear_key_dim, 128);
+         EXPECT_EQ(c.linear_value_dim, 128);
+         EXPECT_EQ(c.rotary_dim(), 64);  // 0.25 x 256
+         EXPECT_TRUE(c.attn_output_gate && c.qk_norm && c.moe_shared_gate);
+         EXPECT_EQ(c.moe_experts, 512);
+         EXPECT_EQ(c.moe_top_k, 10);
+         EXPECT_EQ(c.moe_shared, 1);
+         // Per sequence: 36 blocks x (3 x 8192 conv + 32 x 128 x 128 state) floats = 27 MiB, whatever its length.
+         EXPECT_EQ(c.linear_state_floats(), 3 * 8192 + 32 * 128 * 128);
+       }},
   };
   for (const Loads& l : loads) {
     SCOPED_TRACE(l.file);
@@ -306,10 +323,4 @@ TEST(HubConfigTest, TheFamiliesRealConfigsLoadOrAreRefusedForAStatedReason) {
     EXPECT_EQ(c.model.tie_embeddings, l.tied);
     l.more(c.model);
   }
-  // Qwen3-Next is known and refused for what its arithmetic needs (gated DeltaNet layers).
-  const std::string path = (dir / "Qwen3-Next-80B-A3B-Instruct.json").string();
-  const std::string msg = loom::test::error_of([&] { loom::read_hf_config(path); });
-  EXPECT_NE(msg.find(path), std::string::npos) << msg;
-  EXPECT_NE(msg.find("model_type 'qwen3_next' is not supported yet: Qwen3-Next needs gated DeltaNet"), std::string::npos)
-      << msg;
 }

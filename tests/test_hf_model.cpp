@@ -101,7 +101,7 @@ TEST_P(HfImport, ExportAndReimportAreBitwise) {
 INSTANTIATE_TEST_SUITE_P(Families, HfImport,
                          ::testing::Values("gpt2", "gpt2_plain", "llama", "mistral", "qwen2", "llama32", "qwen3", "mixtral",
                                            "qwen3_moe", "deepseek_v2", "deepseek_v3", "smollm3", "phi3", "olmo2",
-                                           "gemma3", "phi3_longrope"));
+                                           "gemma3", "phi3_longrope", "qwen3_next"));
 
 // ---------------------------------------------------------------- bf16 weights used in place
 

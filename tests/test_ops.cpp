@@ -292,10 +292,11 @@ TEST_F(OpsTest, GeluBackwardF32MatchesF64) {
   EXPECT_LT(max_rel_error(values(dx), values(dx64)), 2e-6);
 }
 
-// SwiGLU: silu(g) u; GeGLU (Gemma's gelu_pytorch_tanh): 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) u.
+// SwiGLU: silu(g) u; GeGLU (Gemma's gelu_pytorch_tanh): 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) u;
+// sigmoid (Qwen3-Next's gates): sigmoid(g) u.
 TEST_F(OpsTest, GluForwardMatchesNaive) {
   const int64_t N = 5, F = 19;
-  for (GateActivation act : {GateActivation::silu, GateActivation::gelu_tanh}) {
+  for (GateActivation act : {GateActivation::silu, GateActivation::gelu_tanh, GateActivation::sigmoid}) {
     Tensor x = f32({N, 2 * F}, 1, 6.0), out = empty({N, F}, DTYPE_F32);
     backend->glu_forward(x, out, act);
     const auto xv = values(x);
@@ -303,9 +304,9 @@ TEST_F(OpsTest, GluForwardMatchesNaive) {
     for (int64_t r = 0; r < N; ++r) {
       for (int64_t j = 0; j < F; ++j) {
         const double g = xv[r * 2 * F + j], u = xv[r * 2 * F + F + j];
-        const double a = act == GateActivation::silu
-                             ? g / (1 + std::exp(-g))
-                             : 0.5 * g * (1 + std::tanh(std::sqrt(2 / M_PI) * (g + 0.044715 * g * g * g)));
+        const double a = act == GateActivation::silu      ? g / (1 + std::exp(-g))
+                         : act == GateActivation::sigmoid ? 1 / (1 + std::exp(-g))
+                                                          : 0.5 * g * (1 + std::tanh(std::sqrt(2 / M_PI) * (g + 0.044715 * g * g * g)));
         expected[r * F + j] = a * u;
       }
     }
@@ -315,7 +316,7 @@ TEST_F(OpsTest, GluForwardMatchesNaive) {
 
 TEST_F(OpsTest, GluBackwardMatchesFiniteDifferences) {
   const int64_t N = 5, F = 7;
-  for (GateActivation act : {GateActivation::silu, GateActivation::gelu_tanh}) {
+  for (GateActivation act : {GateActivation::silu, GateActivation::gelu_tanh, GateActivation::sigmoid}) {
     Tensor x = f64({N, 2 * F}, 1, 4.0), dout = f64({N, F}, 2), out = empty({N, F}), dx = empty({N, 2 * F});
     backend->glu_backward(x, dout, dx, act);
     auto loss = [&] {
@@ -348,6 +349,33 @@ TEST_F(OpsTest, RopeForwardRotatesHalvesByPositionAngles) {
           EXPECT_NEAR(after[i0], e0, 1e-14);
           EXPECT_NEAR(after[i1], e1, 1e-14);
         }
+      }
+    }
+  }
+}
+
+// Partial rotary (Qwen3-Next's partial_rotary_factor): the first rotary_dim = 4 of each head's 10
+// dims rotate as pairs (j, j + 2) with d = 4 in the frequencies; the other 6 pass unchanged.
+TEST_F(OpsTest, RopePartialRotatesTheFirstRotaryDimsOnly) {
+  const int64_t T = 4, hd = 10, heads = 2, rd = 4, W = 3 * hd;
+  Tensor x = f64({1, T, W}, 7);
+  const auto before = values(x);
+  RopeSpec spec{10000.0};
+  spec.rotary_dim = rd;
+  backend->rope_forward(x, hd, heads, spec, 2);
+  const auto after = values(x);
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t h = 0; h < 3; ++h) {
+      for (int64_t i = 0; i < hd; ++i) {
+        const int64_t at = t * W + h * hd + i;
+        double e = before[at];
+        if (h < heads && i < rd) {
+          const int64_t j = i % (rd / 2), other = i < rd / 2 ? at + rd / 2 : at - rd / 2;
+          const double angle = (2 + t) * std::pow(10000.0, -2.0 * j / rd);
+          e = i < rd / 2 ? before[at] * std::cos(angle) - before[other] * std::sin(angle)
+                         : before[at] * std::cos(angle) + before[other] * std::sin(angle);
+        }
+        EXPECT_NEAR(after[at], e, 1e-14) << "t " << t << " head " << h << " dim " << i;
       }
     }
   }

@@ -137,7 +137,7 @@ def rope_partial(x: torch.Tensor, cfg: dict) -> torch.Tensor:
     r = int(d * cfg.get("partial_rotary_factor", 0.25))
     inv_freq = 1.0 / (cfg["rope_theta"] ** (torch.arange(0, r, 2, dtype=torch.float64) / r))
     angle = torch.arange(T, dtype=torch.float64).unsqueeze(1) * inv_freq.unsqueeze(0)
-    angle = torch.cat([angle, angle], dim=-1).unsqueeze(1)  # (T, 1, r)
+    angle = torch.cat([angle, angle], dim=-1).unsqueeze(1).to(x.dtype)  # (T, 1, r)
     x_rot, x_pass = x[..., :r], x[..., r:]
     rotated = torch.cat([-x_rot[..., r // 2:], x_rot[..., : r // 2]], dim=-1)
     return torch.cat([x_rot * angle.cos() + rotated * angle.sin(), x_pass], dim=-1)
@@ -216,7 +216,7 @@ def causal_depthwise_conv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     out = sum(w[:, 0, j] * xp[j:j + T] for j in range(K))
     # The same as transformers' torch fallback: F.conv1d(groups=ch, padding=K-1)[..., :T].
     ref = F.conv1d(x.T.unsqueeze(0), w, padding=K - 1, groups=x.shape[1])[0, :, :T].T
-    assert torch.allclose(out, ref, rtol=0, atol=1e-13)
+    assert x.dtype != torch.float64 or torch.allclose(out, ref, rtol=0, atol=1e-13)
     return out
 
 
@@ -241,7 +241,7 @@ def gated_delta_net(cfg: dict, g: dict, p: str, h: torch.Tensor, diffs: list[flo
     q, k = q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1)
     q, k = l2norm(q) * dk ** -0.5, l2norm(k)
     o, s_rec = delta_rule_recurrent(q, k, v, decay, beta)
-    for chunk in (CHUNK, 4, 5):  # the fixture's one chunk, and several chunks with a carried state
+    for chunk in (CHUNK, 4, 5) if o.dtype == torch.float64 else ():  # the fixture's one chunk, and several chunks with a carried state
         o_c, s_c = delta_rule_chunked(q, k, v, decay, beta, chunk)
         diff = max((o - o_c).abs().max().item(), (s_rec - s_c).abs().max().item())
         assert diff < 1e-10, f"{p}: chunked (C={chunk}) and recurrent gated delta rules differ by {diff}"
@@ -265,9 +265,10 @@ def sparse_moe(cfg: dict, g: dict, p: str, h: torch.Tensor) -> torch.Tensor:
     return out + shared
 
 
-def qwen3_next_forward(cfg: dict, w: dict[str, torch.Tensor], tokens: torch.Tensor):
-    """Returns (logits (T, V), [hidden state after each layer (T, C)], [(chunk, diff)])."""
-    g = {k: v.double() for k, v in w.items()}
+def qwen3_next_forward(cfg: dict, w: dict[str, torch.Tensor], tokens: torch.Tensor, g: dict | None = None):
+    """Returns (logits (T, V), [hidden state after each layer (T, C)], [(chunk, diff)]); g: the
+    float64 weights to use (leaves whose gradients the caller wants), else w widened."""
+    g = g if g is not None else {k: v.double() for k, v in w.items()}
     eps = cfg["rms_norm_eps"]
     x = g["model.embed_tokens.weight"][tokens]
     hidden, diffs = [], []
@@ -341,6 +342,66 @@ def qwen3_next_case(gen: torch.Generator) -> tuple[dict, dict[str, torch.Tensor]
     return cfg, w
 
 
+def loom_gradients(cfg: dict, grads: dict[str, torch.Tensor]) -> dict[str, list[float]]:
+    """The loss's gradients in Loom's parameter layout (arch/param_layout.cpp), written here from
+    the folder layouts of the module docstring, independently of Loom's import code: q/k/v fused
+    (the queries from q_proj's per-head [query | gate], the gates in gate_proj), in_proj_qkvz as
+    [q | k | v | z] and in_proj_ba as [b | a] from their key-head groups, conv1d.weight (ch, K),
+    each expert's gate_up_proj = [gate | up], the shared expert's likewise under shared_experts.
+    A (1 + w) norm's gradient w.r.t. w is the gradient w.r.t. Loom's factor 1 + w."""
+    H, KV, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    nk, nv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    dk, dv, r = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"], nv // nk
+    out: dict[str, torch.Tensor] = {}
+    for name, grad in grads.items():
+        if name.endswith("self_attn.q_proj.weight"):
+            qg = grad.view(H, 2 * d, -1)
+            a = name[: -len("q_proj.weight")]
+            out[a + "qkv_proj.weight"] = torch.cat([qg[:, :d].reshape(H * d, -1), grads[a + "k_proj.weight"],
+                                                    grads[a + "v_proj.weight"]])
+            out[a + "gate_proj.weight"] = qg[:, d:].reshape(H * d, -1)
+        elif name.endswith(("self_attn.k_proj.weight", "self_attn.v_proj.weight")):
+            continue
+        elif name.endswith("in_proj_qkvz.weight"):
+            x = grad.view(nk, 2 * dk + 2 * r * dv, -1)
+            out[name] = torch.cat([x[:, :dk].reshape(-1, x.shape[-1]), x[:, dk:2 * dk].reshape(-1, x.shape[-1]),
+                                   x[:, 2 * dk:2 * dk + r * dv].reshape(-1, x.shape[-1]),
+                                   x[:, 2 * dk + r * dv:].reshape(-1, x.shape[-1])])
+        elif name.endswith("in_proj_ba.weight"):
+            x = grad.view(nk, 2 * r, -1)
+            out[name] = torch.cat([x[:, :r].reshape(-1, x.shape[-1]), x[:, r:].reshape(-1, x.shape[-1])])
+        elif name.endswith("conv1d.weight"):
+            out[name] = grad[:, 0, :]
+        elif ".shared_expert." in name:
+            base = name[: name.index(".shared_expert.")] + ".shared_experts."
+            if name.endswith("gate_proj.weight"):
+                out[base + "gate_up_proj.weight"] = torch.cat([grad, grads[name.replace("gate_proj", "up_proj")]])
+            elif name.endswith("down_proj.weight"):
+                out[base + "down_proj.weight"] = grad
+        elif name.endswith("mlp.gate_proj.weight") or (".experts." in name and name.endswith("gate_proj.weight")):
+            out[name.replace("gate_proj", "gate_up_proj")] = torch.cat([grad, grads[name.replace("gate_proj", "up_proj")]])
+        elif name.endswith("up_proj.weight"):
+            continue
+        else:
+            out[name] = grad
+    return {k: v.flatten().tolist() for k, v in out.items()}
+
+
+def float32_errors(cfg: dict, w: dict[str, torch.Tensor], tokens: torch.Tensor, grads64: dict[str, list[float]],
+                   logits64: torch.Tensor) -> dict:
+    """The same model run by PyTorch in float32 (the recurrent delta rule), against the float64
+    reference: its logits' and each gradient's max |diff| / max |reference|, the floor an fp32
+    implementation of this (deliberately long-memory) fixture reaches; Loom's own fp32 errors
+    are judged against it."""
+    leaves = {k: v.float().requires_grad_(True) for k, v in w.items()}
+    logits, _, _ = qwen3_next_forward(cfg, w, tokens, leaves)
+    F.cross_entropy(logits[:-1], tokens[1:]).backward()
+    g32 = loom_gradients(cfg, {k: v.grad.double() for k, v in leaves.items()})
+    rel = lambda a, b: (a - b).abs().max().item() / b.abs().max().item()
+    return {"logits": rel(logits[:-1].detach().double().flatten(), logits64[:-1].flatten()),
+            "grads": {k: rel(torch.tensor(g32[k]), torch.tensor(v)) for k, v in grads64.items()}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -354,15 +415,23 @@ def main() -> None:
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
     write_safetensors(os.path.join(path, "model.safetensors"), w)
-    logits, hidden, diffs = qwen3_next_forward(cfg, w, tokens)
-    loss = F.cross_entropy(logits[:-1], tokens[1:]).item()
+    leaves = {k: v.double().requires_grad_(True) for k, v in w.items()}
+    logits, hidden, diffs = qwen3_next_forward(cfg, w, tokens, leaves)
+    loss_t = F.cross_entropy(logits[:-1], tokens[1:])
+    loss_t.backward()
+    grads = loom_gradients(cfg, {k: v.grad for k, v in leaves.items()})
+    logits, hidden = logits.detach(), [x.detach() for x in hidden]
+    loss = loss_t.item()
+    f32 = float32_errors(cfg, w, tokens, grads, logits)
     max_diff = max(dd for _, dd in diffs)
     with open(os.path.join(path, "expected.json"), "w") as f:
         json.dump({"tokens": tokens.tolist(), "loss": loss, "logits": logits[:-1].flatten().tolist(),
                    "layer_types": layer_types(cfg),
                    "hidden_states": [x.flatten().tolist() for x in hidden],
-                   "delta_rule_chunk": CHUNK,
+                   "delta_rule_chunk": CHUNK, "grads": grads, "float32_errors": f32,
                    "delta_rule_chunked_vs_recurrent_max_abs_diff": max_diff}, f)
+    print(f"{path}: PyTorch float32 vs float64: logits {f32['logits']:.2e}, worst gradient "
+          f"{max(f32['grads'].values()):.2e}")
     print(f"{path}: loss {loss:.6f}; chunked vs recurrent gated delta rule max |diff| "
           + ", ".join(f"C={c}: {dd:.3e}" for c, dd in diffs))
 

@@ -87,14 +87,20 @@ int serve_memory(const Args& args) {
   const int64_t loaded = process_rss();
   const GenerationEngine engine(*model, ec);
   const int64_t kv = engine.cache().bytes_reserved(), workspace = engine.workspace_bytes();
+  const int64_t state = engine.recurrent_state_bytes_max();  // hybrid models' linear-attention blocks
+  const std::string state_line =
+      state > 0 ? str_cat("  linear-attention state (", ec.max_batch, " sequences x ",
+                          format_bytes(static_cast<size_t>(recurrent_state_bytes(model->config()))), ", host) ",
+                          format_bytes(static_cast<size_t>(state)), "\n")
+                : "";
   std::printf("loom serve --checkpoint %s (max batch %lld, --prefill-chunk %lld, %lld KV blocks of %lld):\n"
-              "  model loaded, with the process (measured resident) %s\n  KV pool (reserved) %s\n"
+              "  model loaded, with the process (measured resident) %s\n  KV pool (reserved) %s\n%s"
               "  step workspace %s\n  total %s\n",
               source.path.c_str(), static_cast<long long>(ec.max_batch), static_cast<long long>(ec.prefill_chunk),
               static_cast<long long>(engine.cache().config().num_blocks), static_cast<long long>(ec.block_size),
               format_bytes(static_cast<size_t>(loaded)).c_str(), format_bytes(static_cast<size_t>(kv)).c_str(),
-              workspace_note(engine).c_str(),
-              workspace > 0 ? format_bytes(static_cast<size_t>(loaded + kv + workspace)).c_str()
+              state_line.c_str(), workspace_note(engine).c_str(),
+              workspace > 0 ? format_bytes(static_cast<size_t>(loaded + kv + state + workspace)).c_str()
                             : "unbounded: whole prompts grow the workspace (--prefill-chunk 0)");
   return 0;
 }

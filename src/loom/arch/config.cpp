@@ -79,6 +79,24 @@ void ModelConfig::validate() const {
              "model.window_pattern must be >= 0 and needs model.attn_window > 0 without MLA, got ", window_pattern);
   LOOM_CHECK(rope_local_theta >= 0.0f && (rope_local_theta == 0.0f || (window_pattern > 0 && arch == ARCH_LLAMA)),
              "model.rope_local_theta must be >= 0 and needs model.window_pattern > 0 (llama), got ", rope_local_theta);
+  LOOM_CHECK(rope_fraction > 0.0f && rope_fraction <= 1.0f && (rope_fraction == 1.0f || (arch == ARCH_LLAMA && !mla())),
+             "model.rope_fraction must be in (0, 1] (below 1: llama without MLA), got ", rope_fraction);
+  LOOM_CHECK(rotary_dim() % 2 == 0 && (rope_fraction == 1.0f || rotary_dim() >= 2),
+             "model.rope_fraction x head_dim (", rotary_dim(), ") must be an even number of dims >= 2");
+  LOOM_CHECK(!attn_output_gate || (arch == ARCH_LLAMA && !mla()), "model.attn_output_gate needs arch = llama without MLA");
+  LOOM_CHECK(linear_interval >= 0, "model.linear_interval must be >= 0 (0: no linear-attention blocks), got ", linear_interval);
+  if (linear_interval > 0) {
+    LOOM_CHECK(arch == ARCH_LLAMA && !mla() && pre_norms() && !post_norms(),
+               "model.linear_interval (gated DeltaNet blocks) needs arch = llama with pre-norms, without MLA or "
+               "post / sandwich norms");
+    LOOM_CHECK(linear_key_heads >= 1 && linear_value_heads >= 1 && linear_value_heads % linear_key_heads == 0 &&
+                   linear_key_dim >= 1 && linear_value_dim >= 1 && linear_conv_taps >= 1,
+               "model.linear_interval: linear_key_heads (", linear_key_heads, ") and linear_value_heads (",
+               linear_value_heads, ", a multiple of the key heads), linear_key_dim (", linear_key_dim,
+               "), linear_value_dim (", linear_value_dim, ") and linear_conv_taps (", linear_conv_taps, ") must be >= 1");
+  }
+  LOOM_CHECK(!moe_shared_gate || (moe_experts > 0 && moe_shared > 0 && arch == ARCH_LLAMA),
+             "model.moe_shared_gate needs llama MoE blocks with shared experts (moe_experts, moe_shared > 0)");
   LOOM_CHECK(nope_interval >= 0, "model.nope_interval must be >= 0 (0: RoPE on every block), got ", nope_interval);
   LOOM_CHECK(nope_interval == 0 || (arch == ARCH_LLAMA && mla_kv_rank == 0),
              "model.nope_interval (NoPE layers) needs arch = llama without MLA");
@@ -239,6 +257,7 @@ RopeSpec ModelConfig::rope() const {
     std::copy(s.begin(), s.begin() + std::min<size_t>(s.size(), RopeSpec::kMaxPairs), r.short_factor);
     std::copy(l.begin(), l.begin() + std::min<size_t>(l.size(), RopeSpec::kMaxPairs), r.long_factor);
   }
+  r.rotary_dim = rotary_dim();
   return r;
 }
 
@@ -272,10 +291,16 @@ int64_t kv_cache_width(const ModelConfig& config) {
 }
 
 namespace {
-// One block's attention weights that take part in matmuls.
-int64_t attention_matmul_params(const ModelConfig& config) {
+// One block's attention weights that take part in matmuls (a gated DeltaNet block's projections).
+int64_t attention_matmul_params(const ModelConfig& config, int64_t layer) {
   const int64_t c = config.d_model, H = config.n_head;
-  if (!config.mla()) return config.qkv_width() * c + c * H * config.head_dim();
+  if (config.linear_layer(layer)) {
+    const int64_t Dq = config.linear_key_heads * config.linear_key_dim;
+    const int64_t Dv = config.linear_value_heads * config.linear_value_dim;
+    return (2 * Dq + 2 * Dv + 2 * config.linear_value_heads) * c + c * Dv;
+  }
+  const int64_t gate = config.attn_output_gate ? H * config.head_dim() * c : 0;
+  if (!config.mla()) return config.qkv_width() * c + c * H * config.head_dim() + gate;
   const int64_t q = H * config.mla_qk(), dc = config.mla_kv_rank, dq = config.mla_q_rank;
   const int64_t queries = dq > 0 ? dq * c + q * dq : q * c;
   return queries + (dc + config.mla_rope_dim) * c + H * (config.mla_nope() + config.mla_v()) * dc +
@@ -285,12 +310,11 @@ int64_t attention_matmul_params(const ModelConfig& config) {
 
 int64_t matmul_param_count(const ModelConfig& config) {
   const int64_t c = config.d_model;
-  const int64_t attention = attention_matmul_params(config);
   const int64_t dense = config.mlp_in_width() * c + c * config.d_ff;
   const int64_t expert = config.expert_in_width() * c + c * config.expert_ff();
   int64_t total = config.vocab_size * c;
   for (int64_t l = 0; l < config.n_layer; ++l) {
-    total += attention + (config.moe_layer(l) ? config.moe_experts * c + (config.moe_top_k + config.moe_shared) * expert
+    total += attention_matmul_params(config, l) + (config.moe_layer(l) ? config.moe_experts * c + (config.moe_top_k + config.moe_shared) * expert
                                               : dense);
   }
   return total;
@@ -303,8 +327,14 @@ double train_flops_per_token(const ModelConfig& config, int64_t seq_len) {
     return 6.0 * static_cast<double>(matmul_param_count(config)) +
            6.0 * static_cast<double>(config.n_layer * span * config.n_head * (config.mla_qk() + config.mla_v()));
   }
+  // Gated DeltaNet blocks: no scores over keys; per token and value head three d_k x d_v
+  // matrix-vector products of the state (S^T k, k delta^T, S^T q), 2 FLOPs each, times 3 for
+  // training (the conv's K taps per channel are left out: under 1% at Qwen3-Next's widths).
+  const int64_t linear = config.linear_layer_count();
+  const double state = static_cast<double>(config.linear_value_heads * config.linear_key_dim * config.linear_value_dim);
   return 6.0 * static_cast<double>(matmul_param_count(config)) +
-         12.0 * static_cast<double>(config.n_layer * config.d_model * span);
+         12.0 * static_cast<double>((config.n_layer - linear) * config.d_model * span) +
+         18.0 * static_cast<double>(linear) * state;
 }
 
 
@@ -312,8 +342,10 @@ double forward_flops_per_position(const ModelConfig& config, int64_t keys) {
   const int64_t span = config.attn_window > 0 ? std::min(keys, config.attn_window) : keys;
   const double attention = config.mla() ? 2.0 * static_cast<double>(config.n_head * (config.mla_qk() + config.mla_v()))
                                         : 4.0 * static_cast<double>(config.d_model);
+  const int64_t linear = config.linear_layer_count();  // their state's products, as train_flops_per_token
   return 2.0 * static_cast<double>(matmul_param_count(config)) +
-         attention * static_cast<double>(config.n_layer * span);
+         attention * static_cast<double>((config.n_layer - linear) * span) +
+         6.0 * static_cast<double>(linear * config.linear_value_heads * config.linear_key_dim * config.linear_value_dim);
 }
 
 }  // namespace loom

@@ -102,6 +102,24 @@ struct ModelConfig {
   GateActivation gate_activation = GateActivation::silu;
   // The token embeddings' rows are multiplied by this (Gemma: sqrt(d_model)); 0: none. Llama only.
   float embed_scale = 0.0f;
+  // Partial rotary embedding (Qwen3-Next's partial_rotary_factor: 0.25): only the first
+  // rope_fraction x head_dim dims of each query and key head rotate (backend/rope.h rotary_dim).
+  float rope_fraction = 1.0f;
+  // Gated attention output (Qwen3-Next; Qiu et al. 2025, "Gated Attention for Large Language
+  // Models"): a projection of the block's normed input (H hd rows, self_attn.gate_proj) gates each
+  // head's attention output elementwise by its sigmoid before o_proj. Llama only.
+  bool attn_output_gate = false;
+  // Linear attention (Qwen3-Next's hybrid layout; nn/linear_attention.h): N > 0 makes every N-th
+  // block (layers N-1, 2N-1, ...) a full-attention block and the others gated DeltaNet blocks of
+  // linear_key_heads key heads of linear_key_dim, linear_value_heads value heads of
+  // linear_value_dim (a multiple of the key heads) and a causal conv of linear_conv_taps taps;
+  // 0: every block full attention.
+  int64_t linear_interval = 0;
+  int64_t linear_key_heads = 0;
+  int64_t linear_value_heads = 0;
+  int64_t linear_key_dim = 0;
+  int64_t linear_value_dim = 0;
+  int64_t linear_conv_taps = 4;
   // Multi-head Latent Attention (DeepSeek-AI 2024, DeepSeek-V2 §2.1; nn/mla.h), Llama only.
   // mla_kv_rank = d_c > 0: keys and values come from a d_c-wide compressed latent (RMS-normed)
   // plus one decoupled RoPE key of mla_rope_dim = d_r shared by the heads; per head queries and
@@ -133,6 +151,7 @@ struct ModelConfig {
   float moe_seq_aux_alpha = 0.0f;   // DeepSeek-V3 sequence-wise balance loss (1e-4)
   float moe_z_alpha = 0.0f;         // router z-loss (ST-MoE: 1e-3)
   float moe_bias_gamma = 0.0f;      // auxiliary-loss-free balancing bias speed (DeepSeek-V3: 1e-3)
+  bool moe_shared_gate = false;     // the shared experts' output times sigmoid(x . w) (Qwen2-MoE / Qwen3-Next's shared_expert_gate)
 
   // LoRA (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models"): each targeted
   // linear layer y = W x becomes y = W x + s B A x with A (r, in), B (out, r), r = lora_rank and
@@ -163,6 +182,20 @@ struct ModelConfig {
   int64_t mla_qk() const { return mla_nope() + mla_rope_dim; }                      // d_n + d_r
   // Width of the attention output (the input of the output projection): H d_v for MLA, H hd else.
   int64_t attn_width() const { return n_head * (mla() ? mla_v() : head_dim()); }
+  // Whether block `layer` is a gated DeltaNet (linear-attention) block (model.linear_interval).
+  bool linear_layer(int64_t layer) const { return linear_interval > 0 && (layer + 1) % linear_interval != 0; }
+  // Floats of one sequence's recurrent state in a linear-attention block: the conv's last K-1
+  // inputs of its 2 H_k d_k + H_v d_v channels and the delta rule's H_v d_k d_v.
+  int64_t linear_state_floats() const {
+    return (linear_conv_taps - 1) * (2 * linear_key_heads * linear_key_dim + linear_value_heads * linear_value_dim) +
+           linear_value_heads * linear_key_dim * linear_value_dim;
+  }
+  // Blocks of each kind: full attention (KV cache rows) and linear attention (recurrent state).
+  int64_t linear_layer_count() const {
+    int64_t n = 0;
+    for (int64_t l = 0; l < n_layer; ++l) n += linear_layer(l) ? 1 : 0;
+    return n;
+  }
   bool has_bias() const { return arch == ARCH_GPT2; }
   bool learned_positions() const { return arch == ARCH_GPT2; }
   // Whether block `layer` rotates its queries and keys (model.nope_interval skips every N-th).
@@ -182,7 +215,13 @@ struct ModelConfig {
     if (window_pattern == 0 || rope_local_theta <= 0.0f || layer_window(layer) == 0) return rope();
     RopeSpec local;
     local.theta = rope_local_theta;
+    local.rotary_dim = rotary_dim();
     return local;
+  }
+  // The rotating dims of a head (model.rope_fraction: int(head_dim x fraction), as transformers);
+  // 0: all of them.
+  int64_t rotary_dim() const {
+    return rope_fraction < 1.0f ? static_cast<int64_t>(static_cast<double>(head_dim()) * rope_fraction) : 0;
   }
   // Which norms a block's sub-layers apply: their inputs' (pre, all but model.post_norm) and their
   // outputs' (post: model.post_norm or model.sandwich_norm).
@@ -332,11 +371,35 @@ void visit_model_fields(Config& c, Visit&& visit) {
                     "llama: the blocks normalise both the inputs and the outputs of attention and MLP (Gemma 2/3's pre and post norms)"},
         c.sandwich_norm);
   visit(ModelField{"gate_activation", ModelField::IF_SET, "gate_activation",
-                    "llama's gated MLP: silu (SwiGLU) | gelu_tanh (GeGLU, Gemma's gelu_pytorch_tanh)"},
+                    "llama's gated MLP: silu (SwiGLU) | gelu_tanh (GeGLU, Gemma's gelu_pytorch_tanh) | sigmoid (GLU)"},
         c.gate_activation);
   visit(ModelField{"embed_scale", ModelField::IF_SET, "embed_scale",
                     "llama: the token embeddings are multiplied by this (Gemma: sqrt(d_model)); 0 = none"},
         c.embed_scale);
+  visit(ModelField{"rope_fraction", ModelField::IF_SET, "rope_fraction",
+                    "llama: the fraction of each head's dims that RoPE rotates (Qwen3-Next's partial_rotary_factor: 0.25); 1 = all"},
+        c.rope_fraction);
+  visit(ModelField{"attn_output_gate", ModelField::IF_SET, "attn_output_gate",
+                    "llama: each head's attention output times sigmoid of its own projection of the normed input (Qwen3-Next's gated attention)"},
+        c.attn_output_gate);
+  visit(ModelField{"linear_interval", ModelField::IF_SET, "linear_interval",
+                    "llama: N > 0 = every N-th block (layers N-1, 2N-1, ...) full attention, the others gated DeltaNet linear attention (Qwen3-Next: 4); 0 = none"},
+        c.linear_interval);
+  visit(ModelField{"linear_key_heads", ModelField::IF_SET, "linear_key_heads",
+                    "gated DeltaNet: query/key heads"},
+        c.linear_key_heads);
+  visit(ModelField{"linear_value_heads", ModelField::IF_SET, "linear_value_heads",
+                    "gated DeltaNet: value heads (a multiple of linear_key_heads)"},
+        c.linear_value_heads);
+  visit(ModelField{"linear_key_dim", ModelField::IF_SET, "linear_key_dim",
+                    "gated DeltaNet: width of a query/key head"},
+        c.linear_key_dim);
+  visit(ModelField{"linear_value_dim", ModelField::IF_SET, "linear_value_dim",
+                    "gated DeltaNet: width of a value head"},
+        c.linear_value_dim);
+  visit(ModelField{"linear_conv_taps", ModelField::IF_SET, "linear_conv_taps",
+                    "gated DeltaNet: taps of the causal depthwise convolution over [q | k | v]"},
+        c.linear_conv_taps);
   visit(ModelField{"mla_kv_rank", ModelField::MLA, "kv_rank",
                     "Multi-head Latent Attention (llama only): width d_c of the compressed KV latent; 0 = standard MHA / GQA"},
         c.mla_kv_rank);
@@ -400,6 +463,9 @@ void visit_model_fields(Config& c, Visit&& visit) {
   visit(ModelField{"moe_bias_gamma", ModelField::MOE, "bias_gamma",
                     "MoE: auxiliary-loss-free balancing bias update speed (DeepSeek-V3: 1e-3; 0 = off)"},
         c.moe_bias_gamma);
+  visit(ModelField{"moe_shared_gate", ModelField::IF_SET, "moe_shared_gate",
+                    "MoE: the shared experts' output is multiplied by sigmoid of a learned projection of the token (Qwen3-Next)"},
+        c.moe_shared_gate);
   visit(ModelField{"method", ModelField::PEFT, "method",
                     "parameter-efficient fine-tuning: none | lora (adapters on peft.targets, every other weight frozen)"},
         c.peft_method);

@@ -78,6 +78,7 @@ void add_moe(const ModelConfig& c, LayoutBuilder& b, const std::string& p, float
   if (llama) {
     b.matrix(p + "mlp.shared_experts.gate_up_proj.weight", {2 * S, C}, std, ROLE_HIDDEN, {{S, 1}, {S, 1}});
     b.matrix(p + "mlp.shared_experts.down_proj.weight", {C, S}, residual_std);
+    if (c.moe_shared_gate) b.matrix(p + "mlp.shared_expert_gate.weight", {1, C}, std);
   } else {
     b.matrix(p + "mlp.shared_experts.c_fc.weight", {S, C}, std);
     b.matrix(p + "mlp.shared_experts.c_proj.weight", {C, S}, residual_std);
@@ -134,6 +135,23 @@ void add_mla(const ModelConfig& c, LayoutBuilder& b, const std::string& p, float
   b.matrix(p + "self_attn.o_proj.weight", {C, c.attn_width()}, residual_std);
 }
 
+// A gated DeltaNet block's token mixer (nn/linear_attention.h) under transformers' Qwen3-Next
+// names, its projections' rows in Loom's order ([q | k | v | z] and [b | a], the Hub's key-head
+// groups permuted on import): A_log starts at 0 (A = 1), dt_bias at 1 (transformers' init) and
+// the gated norm's weight at 1.
+void add_linear_attention(const ModelConfig& c, LayoutBuilder& b, const std::string& p, float std, float residual_std) {
+  const int64_t C = c.d_model, Hv = c.linear_value_heads, Dq = c.linear_key_heads * c.linear_key_dim;
+  const int64_t Dv = Hv * c.linear_value_dim;
+  const std::string a = p + "linear_attn.";
+  b.matrix(a + "in_proj_qkvz.weight", {2 * Dq + 2 * Dv, C}, std);
+  b.matrix(a + "in_proj_ba.weight", {2 * Hv, C}, std);
+  b.matrix(a + "conv1d.weight", {2 * Dq + Dv, c.linear_conv_taps}, std);
+  b.bias(a + "A_log", Hv);
+  b.norm_weight(a + "dt_bias", Hv);
+  b.norm_weight(a + "norm.weight", c.linear_value_dim);
+  b.matrix(a + "out_proj.weight", {C, Dv}, residual_std);
+}
+
 void add_llama(const ModelConfig& c, LayoutBuilder& b) {
   const int64_t C = c.d_model, F = c.d_ff, V = c.vocab_size;
   const float std = c.init_std, residual_std = c.init_std / std::sqrt(2.0f * static_cast<float>(c.n_layer));
@@ -144,7 +162,9 @@ void add_llama(const ModelConfig& c, LayoutBuilder& b) {
     // Each norm takes the transformers name of the norm it is (Llama's "post_attention_layernorm"
     // is the MLP's input norm; OLMo 2's and Gemma's the attention output's).
     if (c.pre_norms()) b.norm_weight(p + "input_layernorm.weight", C);
-    if (c.mla()) {
+    if (c.linear_layer(i)) {
+      add_linear_attention(c, b, p, std, residual_std);
+    } else if (c.mla()) {
       add_mla(c, b, p, std, residual_std);
     } else {
       b.matrix(p + "self_attn.qkv_proj.weight", {c.qkv_width(), C}, std, ROLE_HIDDEN,
@@ -154,6 +174,7 @@ void add_llama(const ModelConfig& c, LayoutBuilder& b) {
         b.norm_weight(p + "self_attn.q_norm.weight", c.q_norm_width());
         b.norm_weight(p + "self_attn.k_norm.weight", c.k_norm_width());
       }
+      if (c.attn_output_gate) b.matrix(p + "self_attn.gate_proj.weight", {c.n_head * hd, C}, std, ROLE_HIDDEN, {{c.n_head * hd, hd}});
       b.matrix(p + "self_attn.o_proj.weight", {C, c.n_head * c.head_dim()}, residual_std);
     }
     if (c.post_norms()) b.norm_weight(p + "post_attention_layernorm.weight", C);
@@ -214,10 +235,11 @@ std::vector<LoraSite> lora_sites(const ModelConfig& c, int64_t layer) {
   const std::string qkv = p + "self_attn.qkv_proj.weight", gate_up = p + "mlp.gate_up_proj.weight";
   const auto add = [&](LoraLinear linear, const std::string& module, const std::string& weight, int64_t in,
                        int64_t begin, int64_t out) { sites.push_back({linear, p + module, weight, in, begin, out}); };
-  if (on(LORA_Q)) add(LORA_ON_QKV, "self_attn.q_proj", qkv, C, 0, q);
-  if (on(LORA_K)) add(LORA_ON_QKV, "self_attn.k_proj", qkv, C, q, kv);
-  if (on(LORA_V)) add(LORA_ON_QKV, "self_attn.v_proj", qkv, C, q + kv, kv);
-  if (on(LORA_O)) add(LORA_ON_PROJ, "self_attn.o_proj", p + "self_attn.o_proj.weight", q, 0, C);
+  const bool attn = !c.linear_layer(layer);  // a gated DeltaNet block has no q/k/v/o (PEFT's names match none)
+  if (attn && on(LORA_Q)) add(LORA_ON_QKV, "self_attn.q_proj", qkv, C, 0, q);
+  if (attn && on(LORA_K)) add(LORA_ON_QKV, "self_attn.k_proj", qkv, C, q, kv);
+  if (attn && on(LORA_V)) add(LORA_ON_QKV, "self_attn.v_proj", qkv, C, q + kv, kv);
+  if (attn && on(LORA_O)) add(LORA_ON_PROJ, "self_attn.o_proj", p + "self_attn.o_proj.weight", q, 0, C);
   if (mlp && on(LORA_GATE)) add(LORA_ON_FC, "mlp.gate_proj", gate_up, C, 0, F);
   if (mlp && on(LORA_UP)) add(LORA_ON_FC, "mlp.up_proj", gate_up, C, F, F);
   if (mlp && on(LORA_DOWN)) add(LORA_ON_FC2, "mlp.down_proj", p + "mlp.down_proj.weight", F, 0, C);

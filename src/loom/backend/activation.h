@@ -2,6 +2,8 @@
 // x = [gate | up], out = act(gate) * up, with act
 //   silu       g sigmoid(g)                                   SwiGLU (Llama, Qwen, Mistral, ...)
 //   gelu_tanh  0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))  GeGLU (Gemma's gelu_pytorch_tanh)
+//   sigmoid    sigmoid(g)                                      a plain gate (Qwen3-Next's gated
+//                                                              attention output and shared expert)
 #pragma once
 #include <array>
 #include <cstdint>
@@ -11,11 +13,11 @@
 
 namespace loom {
 
-enum class GateActivation : uint8_t { silu, gelu_tanh };
+enum class GateActivation : uint8_t { silu, gelu_tanh, sigmoid };
 
 template <>
 struct EnumNames<GateActivation> {  // model.gate_activation
-  static constexpr std::array<std::string_view, 2> names{"silu", "gelu_tanh"};
+  static constexpr std::array<std::string_view, 3> names{"silu", "gelu_tanh", "sigmoid"};
 };
 
 }  // namespace loom

@@ -1,4 +1,5 @@
-// RoPE's frequencies (Su et al. 2021, RoFormer): pair j of a d-wide rotation turns by
+// RoPE's frequencies (Su et al. 2021, RoFormer): pair j of a d-wide rotation (d: the head's dim,
+// or its first RopeSpec::rotary_dim dims) turns by
 // position x inv_freq(j), inv_freq(j) = theta^(-2j/d), optionally rescaled for contexts longer
 // than the model was trained on:
 //   linear  (Chen et al. 2023, position interpolation): inv_freq / factor;
@@ -53,7 +54,16 @@ struct RopeSpec {
   float short_factor[kMaxPairs] = {};
   float long_factor[kMaxPairs] = {};
   bool long_span = false;
+  // Partial rotary embedding (GPT-NeoX's rotary_pct; Qwen3-Next's partial_rotary_factor): only a
+  // head's first rotary_dim dims rotate, as pairs (j, j + rotary_dim / 2) with rotary_dim as the
+  // frequencies' d; the rest pass through. 0: the whole head.
+  int64_t rotary_dim = 0;
 };
+
+// The dims of a head_dim-wide head that rotate (RopeSpec::rotary_dim, 0: all).
+LOOM_HOST_DEVICE int64_t rope_rotary_dim(const RopeSpec& r, int64_t head_dim) {
+  return r.rotary_dim > 0 && r.rotary_dim < head_dim ? r.rotary_dim : head_dim;
+}
 
 // The RoPE a span of positions [.., end) rotates with: LongRoPE's long factors when the span
 // reaches past the original context (every other scaling as it is).

@@ -447,6 +447,54 @@ void read_gemma3(ConfigReader& r, ModelConfig& c) {
   r.ignore({"cache_implementation"});
 }
 
+// Qwen3-Next (Qwen3NextForCausalLM, model_type qwen3_next): gated DeltaNet blocks with every
+// full_attention_interval-th block a gated full attention (q/k norms, RoPE on partial_rotary_factor
+// of each head, head_dim 256 by default), zero-centred (1 + w) RMSNorms (hf_model.cpp), MoE with a
+// sigmoid-gated shared expert. transformers' Qwen3NextConfig defaults where a key is absent.
+void read_qwen3_next(ConfigReader& r, ModelConfig& c) {
+  if (!r.has("head_dim")) c.head_size = 256;
+  c.qk_norm = c.attn_output_gate = true;
+  c.rope_fraction = r.get<float>("partial_rotary_factor", 0.25f);
+  c.linear_interval = r.get<int64_t>("full_attention_interval", 4);
+  LOOM_CHECK(c.linear_interval > 0, r.path(), ": full_attention_interval must be > 0, got ", c.linear_interval);
+  c.linear_key_heads = r.get<int64_t>("linear_num_key_heads", 16);
+  c.linear_value_heads = r.get<int64_t>("linear_num_value_heads", 32);
+  c.linear_key_dim = r.get<int64_t>("linear_key_head_dim", 128);
+  c.linear_value_dim = r.get<int64_t>("linear_value_head_dim", 128);
+  c.linear_conv_taps = r.get<int64_t>("linear_conv_kernel_dim", 4);
+  if (r.has("layer_types")) {
+    const json list = r.get<json>("layer_types");
+    LOOM_CHECK(list.is_array() && static_cast<int64_t>(list.size()) == c.n_layer, r.path(),
+               ": layer_types must list num_hidden_layers = ", c.n_layer, " entries");
+    for (int64_t i = 0; i < c.n_layer; ++i) {
+      const json& v = list[static_cast<size_t>(i)];
+      LOOM_CHECK(v == (c.linear_layer(i) ? "linear_attention" : "full_attention"), r.path(), ": layer_types = ",
+                 list.dump(), " is not supported (Loom makes every full_attention_interval-th layer full attention, "
+                 "layers N-1, 2N-1, ...; entry ", i, " is ", v.dump(), ")");
+    }
+  }
+  r.require("use_sliding_window", false, false, "Qwen3-Next's sliding window is not implemented");
+  r.ignore({"sliding_window", "max_window_layers"});
+  c.moe_experts = r.get<int64_t>("num_experts", 512);
+  if (c.moe_experts == 0) {
+    r.ignore({"num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
+              "shared_expert_intermediate_size", "output_router_logits", "router_aux_loss_coef"});
+    return;
+  }
+  c.moe_top_k = r.get<int64_t>("num_experts_per_tok", 10);
+  c.moe_d_ff = r.get<int64_t>("moe_intermediate_size", 512);
+  c.moe_renorm = r.get<bool>("norm_topk_prob", true) && c.moe_top_k > 1;
+  r.require("decoder_sparse_step", 1, 1, "every layer is an MoE layer in Loom's mapping");
+  r.require("mlp_only_layers", json::array(), json::array(), "dense layers among MoE layers are not mapped");
+  const int64_t shared = r.get<int64_t>("shared_expert_intermediate_size", 512);
+  LOOM_CHECK(shared > 0 && c.moe_d_ff > 0 && shared % c.moe_d_ff == 0, r.path(), ": shared_expert_intermediate_size = ",
+             shared, " must be a positive multiple of moe_intermediate_size = ", c.moe_d_ff,
+             " (Loom's shared experts are moe_shared experts of that width)");
+  c.moe_shared = shared / c.moe_d_ff;
+  c.moe_shared_gate = true;
+  r.ignore({"output_router_logits", "router_aux_loss_coef"});  // training: set model.moe_aux_alpha to train with it
+}
+
 // Mixtral, Qwen3-MoE: every layer routes each token to num_experts_per_tok of E experts by the
 // softmax of the router's logits (no shared experts, no groups); training-only keys ignored.
 void read_softmax_moe(ConfigReader& r, ModelConfig& c, const char* experts_key) {
@@ -486,6 +534,7 @@ ModelConfig llama_family_config(ConfigReader& r, HfFamily family) {
       c.qk_norm = c.qk_norm_whole = c.post_norm = true;
       break;
     case HfFamily::gemma3_text: read_gemma3(r, c); break;
+    case HfFamily::qwen3_next: read_qwen3_next(r, c); break;
     case HfFamily::smollm3:
       read_nope_layers(r, c);
       r.require("use_sliding_window", false, false, "SmolLM3's sliding window is not implemented");
@@ -560,7 +609,7 @@ const char* family_class(HfFamily f) {
                                     "Qwen2ForCausalLM",   "Qwen3ForCausalLM",    "MixtralForCausalLM",
                                     "Qwen3MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
                                     "SmolLM3ForCausalLM",  "Phi3ForCausalLM",       "Olmo2ForCausalLM",
-                                    "Gemma3ForCausalLM"};
+                                    "Gemma3ForCausalLM",  "Qwen3NextForCausalLM"};
   return kNames[static_cast<int>(f)];
 }
 
@@ -574,7 +623,6 @@ const char* unimplemented_family(const std::string& type) {
                  "alternating sliding layers"},
       {"gpt_oss", "GPT-OSS needs attention sinks, alternating sliding windows, MoE with clamped SwiGLU and biases, and "
                   "MXFP4 expert weights"},
-      {"qwen3_next", "Qwen3-Next needs gated DeltaNet linear-attention layers, gated attention and shared-expert gates"},
       {"qwen2_moe", "Qwen2-MoE scales its shared expert by a sigmoid gate (shared_expert_gate), which Loom's MoE has not"},
   };
   const auto it = kWhy.find(type);
@@ -623,6 +671,16 @@ HfFamily hf_family_of(const ModelConfig& c) {
     LOOM_CHECK(!moe || c.moe_sigmoid || !c.moe_renorm || c.moe_route_scale == 1.0f, where,
                "DeepSeek-V2 does not scale renormalised gates (model.moe_route_scale must be 1)");
     return moe && c.moe_sigmoid ? HfFamily::deepseek_v3 : HfFamily::deepseek_v2;
+  }
+  if (c.linear_interval > 0 || c.attn_output_gate || c.moe_shared_gate || c.rope_fraction != 1.0f) {
+    LOOM_CHECK(c.linear_interval > 0 && c.attn_output_gate && c.qk_norm && !c.qk_norm_whole && !c.qkv_bias &&
+                   c.attn_window == 0 && c.nope_interval == 0 && !c.tie_embeddings && c.gate_activation == GateActivation::silu &&
+                   c.embed_scale == 0.0f && (!moe || (c.moe_shared > 0 && c.moe_shared_gate && c.moe_dense_layers == 0 &&
+                                                      !c.moe_sigmoid && c.moe_groups == 1 && c.moe_route_scale == 1.0f)),
+               where, "linear attention, gated attention, a shared-expert gate or partial RoPE map to Qwen3-Next, which "
+               "has linear-attention blocks, gated attention with per-head q/k norms, an untied head and (with MoE) "
+               "softmax routing on every layer with gated shared experts");
+    return HfFamily::qwen3_next;
   }
   if (c.sandwich_norm || c.gate_activation != GateActivation::silu || c.embed_scale > 0.0f || c.window_pattern > 0) {
     const bool global_rope = c.rope_scaling == ROPE_SCALING_NONE || c.rope_scaling == ROPE_SCALING_LINEAR;
@@ -717,6 +775,21 @@ json hf_config_json(const ModelConfig& c) {
                 {"sliding_window_pattern", c.window_pattern}, {"layer_types", types},
                 {"rope_local_base_freq", shortest_decimal(c.rope_local_theta)}, {"final_logit_softcapping", nullptr},
                 {"attn_logit_softcapping", nullptr}, {"attention_bias", false}});
+      break;
+    }
+    case HfFamily::qwen3_next: {
+      json types = json::array();
+      for (int64_t i = 0; i < c.n_layer; ++i) types.push_back(c.linear_layer(i) ? "linear_attention" : "full_attention");
+      j.update({{"full_attention_interval", c.linear_interval}, {"layer_types", types},
+                {"linear_num_key_heads", c.linear_key_heads}, {"linear_num_value_heads", c.linear_value_heads},
+                {"linear_key_head_dim", c.linear_key_dim}, {"linear_value_head_dim", c.linear_value_dim},
+                {"linear_conv_kernel_dim", c.linear_conv_taps}, {"partial_rotary_factor", shortest_decimal(c.rope_fraction)},
+                {"use_sliding_window", false}, {"num_experts", c.moe_experts}, {"decoder_sparse_step", 1},
+                {"mlp_only_layers", json::array()}});
+      if (c.moe_experts > 0) {
+        j.update({{"num_experts_per_tok", c.moe_top_k}, {"moe_intermediate_size", c.expert_ff()},
+                  {"shared_expert_intermediate_size", c.moe_shared * c.expert_ff()}, {"norm_topk_prob", c.moe_renorm}});
+      }
       break;
     }
     case HfFamily::smollm3: {

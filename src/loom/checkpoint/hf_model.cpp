@@ -35,12 +35,63 @@ constexpr const char* kIndexFile = "model.safetensors.index.json";
 
 // Where a Loom parameter's rows come from: tensors of the folder, stacked along rows.
 struct Piece {
+  Piece(std::string n, int64_t r, std::vector<std::pair<int64_t, int64_t>> rs = {}, Shape sh = {})
+      : name(std::move(n)), rows(r), runs(std::move(rs)), shape(std::move(sh)) {}
   std::string name;  // transformers' name (without a "transformer." prefix)
   int64_t rows = 0;  // rows of the Loom parameter it fills
+  // A piece of rows gathered from the folder's tensor (Qwen3-Next's interleaved heads and groups):
+  // its rows are the runs (first folder row, count) in order, of a folder tensor of `shape`; empty:
+  // the whole tensor, of the rows' shape.
+  std::vector<std::pair<int64_t, int64_t>> runs;
+  Shape shape;
 };
+
 
 bool ends_with(const std::string& n, const std::string& s) {
   return n.size() >= s.size() && n.compare(n.size() - s.size(), s.size(), s) == 0;
+}
+
+// Qwen3-Next's folder layouts (transformers' Qwen3NextAttention / Qwen3NextGatedDeltaNet): q_proj
+// holds per head [query d | gate d] (Loom: the queries in qkv_proj, the gates in gate_proj);
+// in_proj_qkvz per key head g [q d_k | k d_k | v r d_v | z r d_v] and in_proj_ba [b r | a r]
+// (r = value heads per key head; Loom: [q | k | v | z] and [b | a]); conv1d.weight (C, 1, K).
+std::vector<Piece> qwen3_next_pieces(const ModelConfig& c, const std::string& n, const std::string& stem, int64_t rows,
+                                     const ParamSpec& spec) {
+  const auto strided = [](int64_t groups, int64_t stride, int64_t offset, int64_t count) {
+    std::vector<std::pair<int64_t, int64_t>> runs;
+    for (int64_t g = 0; g < groups; ++g) runs.push_back({g * stride + offset, count});
+    return runs;
+  };
+  const int64_t H = c.n_head, d = c.head_dim(), kv = c.n_kv_head * d, C = c.d_model;
+  const Shape q_shape{2 * H * d, C};
+  if (ends_with(n, ".self_attn.qkv_proj.weight")) {
+    return {{stem + ".q_proj.weight", H * d, strided(H, 2 * d, 0, d), q_shape}, {stem + ".k_proj.weight", kv},
+            {stem + ".v_proj.weight", kv}};
+  }
+  if (ends_with(n, ".self_attn.gate_proj.weight")) return {{stem + ".q_proj.weight", H * d, strided(H, 2 * d, d, d), q_shape}};
+  const int64_t nk = c.linear_key_heads, r = c.linear_value_heads / nk, dk = c.linear_key_dim, dv = c.linear_value_dim;
+  if (ends_with(n, ".linear_attn.in_proj_qkvz.weight")) {
+    const int64_t G = 2 * dk + 2 * r * dv;
+    std::vector<std::pair<int64_t, int64_t>> runs;
+    for (const auto& [offset, count] : {std::pair{0 * dk, dk}, {dk, dk}, {2 * dk, r * dv}, {2 * dk + r * dv, r * dv}}) {
+      const auto part = strided(nk, G, offset, count);
+      runs.insert(runs.end(), part.begin(), part.end());
+    }
+    return {{n, rows, runs, Shape{nk * G, C}}};
+  }
+  if (ends_with(n, ".linear_attn.in_proj_ba.weight")) {
+    std::vector<std::pair<int64_t, int64_t>> runs = strided(nk, 2 * r, 0, r), a = strided(nk, 2 * r, r, r);
+    runs.insert(runs.end(), a.begin(), a.end());
+    return {{n, rows, runs, Shape{2 * nk * r, C}}};
+  }
+  if (ends_with(n, ".linear_attn.conv1d.weight")) return {{n, rows, {{0, rows}}, Shape{rows, 1, spec.shape[1]}}};
+  const size_t shared = n.find(".mlp.shared_experts.");
+  if (shared != std::string::npos) {
+    const std::string base = n.substr(0, shared) + ".mlp.shared_expert.";
+    if (ends_with(n, ".gate_up_proj.weight")) return {{base + "gate_proj.weight", rows / 2}, {base + "up_proj.weight", rows / 2}};
+    return {{base + "down_proj.weight", rows}};
+  }
+  return {};
 }
 
 // The transformers tensors of a Loom parameter. Loom fuses q/k/v (rows q, k, v) and each SwiGLU
@@ -57,6 +108,9 @@ std::vector<Piece> pieces_of(const ModelConfig& c, HfFamily family, const ParamS
   const int64_t q = c.n_head * c.head_dim(), kv = c.n_kv_head * c.head_dim();
   // Phi-3 stores qkv_proj and gate_up_proj fused, rows as Loom's: every tensor under its own name.
   if (family == HfFamily::phi3) return {{n, rows}};
+  if (family == HfFamily::qwen3_next) {
+    if (std::vector<Piece> p = qwen3_next_pieces(c, n, stem, rows, spec); !p.empty()) return p;
+  }
   if (ends_with(n, ".self_attn.qkv_proj.weight")) {
     return {{stem + ".q_proj.weight", q}, {stem + ".k_proj.weight", kv}, {stem + ".v_proj.weight", kv}};
   }
@@ -116,7 +170,10 @@ bool deepseek(HfFamily f) { return f == HfFamily::deepseek_v2 || f == HfFamily::
 // Gemma's RMSNorms scale by (1 + w) (Gemma3RMSNorm: output * (1.0 + weight)): the folder keeps w,
 // Loom's norms the factor 1 + w (as llama.cpp's GGUF does), added on import and taken off on export.
 // (1 + w) - 1 is exact for factors in [0.5, 2] (Sterbenz), so a folder Loom wrote re-imports bitwise.
+// Qwen3-Next's Qwen3NextRMSNorm is zero-centred the same way; its gated norm (linear_attn.norm,
+// Qwen3NextRMSNormGated) scales by w.
 bool unit_offset_norm(HfFamily f, const std::string& name) {
+  if (f == HfFamily::qwen3_next) return ends_with(name, "norm.weight") && !ends_with(name, ".linear_attn.norm.weight");
   return f == HfFamily::gemma3_text && ends_with(name, "norm.weight");
 }
 
@@ -199,6 +256,7 @@ bool is_extra_layer(const std::string& name, const ModelConfig& c, HfFamily fami
 // The shape a piece has in the folder: its rows of a parameter of `cols` columns (a vector:
 // its rows alone), transposed for a GPT-2 Conv1D weight.
 Shape piece_shape(const Piece& piece, const ParamSpec& spec, bool transpose) {
+  if (!piece.shape.empty()) return piece.shape;
   if (spec.shape.size() == 1) return {piece.rows};
   return transpose ? Shape{spec.shape[1], piece.rows} : Shape{piece.rows, spec.shape[1]};
 }
@@ -224,9 +282,16 @@ void copy_piece(const HfTensors& files, const Piece& piece, const ParamSpec& spe
              shape_str(file->shape(stored)), ", expected ", shape_str(want));
   const Tensor rows = dst.view(row * cols, {piece.rows, cols});
   CpuAllocator host;
-  const Tensor from = transpose ? Tensor::empty(host, want, dst.dtype(), MEM_WORKSPACE) : rows;
+  const Tensor from = transpose || !piece.runs.empty() ? Tensor::empty(host, want, dst.dtype(), MEM_WORKSPACE) : rows;
   if (wide) file->copy_as_f32(stored, from);
   else file->copy_as_bf16(stored, from);
+  int64_t at = 0;
+  for (const auto& [first, count] : piece.runs) {  // the gathered rows, in order
+    const size_t row_bytes = static_cast<size_t>(cols) * dtype_size(dst.dtype());
+    std::memcpy(static_cast<char*>(rows.raw_data()) + at * row_bytes, static_cast<const char*>(from.raw_data()) + first * row_bytes,
+                static_cast<size_t>(count) * row_bytes);
+    at += count;
+  }
   if (transpose && wide) transpose_elements(from.data<float>(), rows.data<float>(), cols, piece.rows);  // (in, out) -> (out, in)
   else if (transpose) transpose_elements(from.data<bf16>(), rows.data<bf16>(), cols, piece.rows);
   used.insert(stored);
@@ -459,12 +524,20 @@ void save_hf_model(const std::string& dir, ParamReader& params, DType dtype) {
   const HfFamily family = hf_family_of(c);
   const ParamLayout layout = build_param_layout(c);
   std::vector<SafetensorsWriter::Entry> entries;
+  std::set<std::string> declared;  // a folder tensor gathered from several pieces is one entry
   for (const ParamSpec& spec : layout.params) {
     for (const Piece& piece : pieces_of(c, family, spec)) {
+      if (!declared.insert(piece.name).second) continue;
       entries.push_back({piece.name, dtype == DTYPE_BF16 ? "BF16" : "F32",
                          piece_shape(piece, spec, is_gpt2_conv1d_weight(spec.name))});
     }
   }
+  // Gathered folder tensors (Piece::runs), filled row by row from their pieces and written whole.
+  struct Pending {
+    std::vector<float> values;
+    int64_t filled = 0;
+  };
+  std::map<std::string, Pending> pending;
   fs::create_directories(dir);
   const std::string path = (fs::path(dir) / kWeightsFile).string();
   const std::string tmp = str_cat(path, ".", ::getpid(), ".tmp");
@@ -490,7 +563,23 @@ void save_hf_model(const std::string& dir, ParamReader& params, DType dtype) {
       int64_t row = 0;
       for (const Piece& piece : pieces_of(c, family, spec)) {
         const float* in = values + row * cols;
-        const auto n = static_cast<size_t>(piece.rows * cols);
+        auto n = static_cast<size_t>(piece.rows * cols);
+        if (!piece.runs.empty()) {  // into the folder tensor's rows; written once all of them are
+          Pending& p = pending[piece.name];
+          p.values.resize(static_cast<size_t>(shape_numel(piece.shape)));
+          int64_t at = 0;
+          for (const auto& [first, count] : piece.runs) {
+            std::memcpy(p.values.data() + first * cols, in + at * cols, static_cast<size_t>(count * cols) * sizeof(float));
+            at += count;
+          }
+          row += piece.rows;
+          p.filled += piece.rows * cols;
+          if (p.filled < static_cast<int64_t>(p.values.size())) continue;
+          in = p.values.data();
+          n = p.values.size();
+        } else {
+          row += piece.rows;
+        }
         std::vector<float> transposed;
         if (transpose) {  // Loom's (out, in) -> (in, out)
           transposed.resize(n);
@@ -504,7 +593,7 @@ void save_hf_model(const std::string& dir, ParamReader& params, DType dtype) {
           for (size_t k = 0; k < n; ++k) narrow[k] = f32_to_bf16(in[k]);
           writer.write(piece.name, narrow.data(), n * sizeof(bf16));
         }
-        row += piece.rows;
+        pending.erase(piece.name);
       }
     }
     writer.close();

@@ -26,7 +26,11 @@ void EngineConfig::validate() const {
 KvCacheConfig engine_cache_config(const ModelConfig& model, const EngineConfig& engine) {
   engine.validate();
   KvCacheConfig c;
-  c.n_layer = model.n_layer;
+  // A hybrid model's linear-attention blocks keep a recurrent state instead (infer/recurrent_state.h).
+  c.n_layer = model.n_layer - model.linear_layer_count();
+  LOOM_CHECK(c.n_layer > 0, "decoding a model whose blocks are all linear attention (model.linear_interval = ",
+             model.linear_interval, " > model.n_layer = ", model.n_layer, ") is not supported: the KV cache needs an "
+             "attention block");
   if (model.mla()) {  // MLA: one [normed latent | RoPE key] row per position, read back by StepRows::latent
     c.k_width = kv_cache_width(model), c.v_width = 0;
   } else {
@@ -93,6 +97,7 @@ std::unique_ptr<KvCache> make_engine_cache(const ModelConfig& model, const Engin
 std::string prefix_cache_unsupported(const Transformer& model, const EngineConfig& engine) {
   const auto& plan = model.recompute_plan();
   if (!engine.paged) return "it needs a paged KV cache";
+  if (model.config().linear_interval > 0) return "linear-attention blocks (model.linear_interval) keep a recurrent state, not cacheable blocks";
   if (engine.chunked_prefill || model.context_parallel() != nullptr ||
       !std::all_of(plan.begin(), plan.end(), [](RecomputePolicy p) { return p == RECOMPUTE_NONE; })) {
     return "it needs whole-prompt prefill (no chunked prefill, context parallelism or recompute plan)";
@@ -115,6 +120,12 @@ GenerationEngine::GenerationEngine(Transformer& model, EngineConfig config, Tran
   }
   cache_ = make_engine_cache(model.config(), config_, model.backend(), host_allocator_);
   rows_ = std::make_unique<StepRows>(*cache_, model.config());
+  if (model.config().linear_interval > 0) {
+    LOOM_CHECK(config_.speculate == 0, "--speculate with linear-attention blocks (model.linear_interval) is not "
+               "supported: their recurrent state has no rollback for rejected drafts");
+    states_ = std::make_unique<RecurrentStates>(model.config());
+    rows_->set_recurrent_states(states_.get());
+  }
   if (draft != nullptr) {
     const KvCacheConfig& kv = cache_->config();
     draft_ = std::make_unique<DraftModel>(*draft, model.config(), kv.num_blocks * kv.block_size, config_.block_size,
@@ -213,8 +224,9 @@ void GenerationEngine::check(const GenerationRequest& request) const {
 bool GenerationEngine::whole_prefill() const {
   // A context-parallel model's forward spans its cp group, and a model with a checkpointing plan
   // does not keep its blocks' keys and values: their prompts go through the rows.
+  // Linear-attention blocks take their recurrent state from the rows too.
   const auto& plan = model_.recompute_plan();
-  return !config_.chunked_prefill && model_.context_parallel() == nullptr &&
+  return !config_.chunked_prefill && model_.context_parallel() == nullptr && model_.config().linear_interval == 0 &&
          std::all_of(plan.begin(), plan.end(), [](RecomputePolicy p) { return p == RECOMPUTE_NONE; });
 }
 
@@ -322,6 +334,7 @@ void GenerationEngine::prefill(const std::vector<Active*>& group) {
   const auto now = std::chrono::steady_clock::now();
   for (Active* sample : group) {  // the others share the prompt's blocks (paged fork)
     if (sample != &a) sample->seq = cache_->fork(a.seq);
+    if (sample != &a && states_) states_->fork(a.seq, sample->seq);
     sample->fed = P;
     if (on_logits_ && sample->request.logits) on_logits_(sample->id, last, c.vocab_size);
     sampled(*sample, sample->sampler.sample(last, c.vocab_size), now);
@@ -399,6 +412,7 @@ void GenerationEngine::retire() {
       continue;
     }
     cache_->release(a.seq);
+    if (states_) states_->release(a.seq);
     if (draft_) draft_->release(a.id);
     reserved_blocks_ -= a.blocks;
     finish(a.id, std::move(a.result));

@@ -69,6 +69,7 @@
 
 #include "loom/infer/kv_cache.h"
 #include "loom/infer/prefix_cache.h"
+#include "loom/infer/recurrent_state.h"
 #include "loom/infer/sampler.h"
 #include "loom/model/transformer.h"
 
@@ -229,6 +230,9 @@ class GenerationEngine {
   const PrefixCache* prefix_cache() const { return prefix_.get(); }
   int64_t waiting() const { return static_cast<int64_t>(waiting_.size()); }
   const KvCache& cache() const { return *cache_; }
+  // A hybrid model's linear-attention state at a full batch (max_batch sequences, each
+  // recurrent_state_bytes: fixed, whatever their lengths), held in host memory beside the KV cache.
+  int64_t recurrent_state_bytes_max() const { return config_.max_batch * recurrent_state_bytes(model_.config()); }
   int64_t active() const { return static_cast<int64_t>(active_.size()); }
   // The bytes a step may hold beside the weights and the KV pool, whatever the prompts' lengths
   // (prefill_chunk > 0; 0 when every prompt runs in one forward, which grows with the prompt):
@@ -278,6 +282,7 @@ class GenerationEngine {
   CpuAllocator host_allocator_;
   std::unique_ptr<KvCache> cache_;
   std::unique_ptr<StepRows> rows_;  // the step's rows (infer/step_rows.h)
+  std::unique_ptr<RecurrentStates> states_;  // linear-attention blocks' per-sequence state (hybrid models)
   std::unique_ptr<PrefixCache> prefix_;       // EngineConfig::prefix_cache
   std::unique_ptr<DraftModel> draft_;         // speculative decoding's draft model, if any
   std::map<int64_t, ActivationStore> stores_;  // [rows] one-position stores

@@ -32,6 +32,13 @@ class SequenceCache final : public DecodeCache {
     store(layer, row, k, v);
     attend_chunk(layer, first_ + row, 1, q, 0, out, 0);
   }
+  // One sequence: a linear-attention block's state carried from chunk to chunk (zeros at first).
+  float* linear_state(int64_t layer, int64_t) override {
+    if (linear_.empty()) linear_.resize(static_cast<size_t>(c_.n_layer));
+    std::vector<float>& s = linear_[static_cast<size_t>(layer)];
+    if (s.empty()) s.assign(static_cast<size_t>(c_.linear_state_floats()), 0.0f);
+    return s.data();
+  }
   const float* latent(int64_t, int64_t, const float*, int64_t*) override {
     throw Error("scoring in chunks: MLA blocks are not supported (their latent cache is the generation engine's)");
   }
@@ -42,6 +49,7 @@ class SequenceCache final : public DecodeCache {
   }
 
  private:
+  std::vector<std::vector<float>> linear_;  // [layer] a linear-attention block's recurrent state
   void store(int64_t layer, int64_t row, const float* k, const float* v) {
     const int64_t p = first_ + row;
     LOOM_CHECK(p < capacity_, "scoring in chunks: position ", p, " beyond the cache's ", capacity_);

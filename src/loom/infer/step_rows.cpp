@@ -16,28 +16,31 @@ bool StepRows::in_backend_memory() const {
   return cache_.in_backend_memory() && std::none_of(gathered.begin(), gathered.end(), [](bool g) { return g; });
 }
 
-void StepRows::attend_all(Backend& backend, int64_t layer, const Tensor& qkv, const Tensor& out) {
+void StepRows::attend_all(Backend& backend, int64_t model_layer, const Tensor& qkv, const Tensor& out) {
+  const int64_t layer = kv_layer(model_layer), window = model_.layer_window(model_layer);
   const int64_t n = qkv.dim(0), H = model_.n_head, hd = model_.head_dim(), KW = model_.n_kv_head * hd;
   cache_.write_rows(layer, seqs, qkv, 0, H * hd, H * hd + KW);
   if (!q_.defined() || q_.dim(0) != n) q_ = Tensor::empty(backend.allocator(), {n, H * hd}, DTYPE_F32, MEM_WORKSPACE);
   BlockCopy q_block;  // kv_attention takes contiguous query rows
   q_block.rows = n, q_block.cols = H * hd, q_block.src_stride = qkv.dim(1), q_block.dst_stride = H * hd;
   backend.copy_block(qkv, q_, q_block);
-  cache_.attend_rows(layer, seqs, q_, out, H, model_.n_kv_head, hd, model_.layer_window(layer));
+  cache_.attend_rows(layer, seqs, q_, out, H, model_.n_kv_head, hd, window);
 }
 
-void StepRows::attend(int64_t layer, int64_t row, const float* q, const float* k, const float* v, float* out) {
+void StepRows::attend(int64_t model_layer, int64_t row, const float* q, const float* k, const float* v, float* out) {
+  const int64_t layer = kv_layer(model_layer), window = model_.layer_window(model_layer);
   const int64_t seq = seqs[static_cast<size_t>(row)];
   if (gathered[static_cast<size_t>(row)]) {
-    attend_chunk(seq, q, append(layer, row, k, v), model_.layer_window(layer), out, scores_, sums_);
+    attend_chunk(seq, q, append(layer, row, k, v), window, out, scores_, sums_);
     return;
   }
   cache_.write(seq, layer, k, v);
-  cache_.attend(seq, layer, q, out, model_.n_head, model_.n_kv_head, model_.head_dim(), model_.layer_window(layer));
+  cache_.attend(seq, layer, q, out, model_.n_head, model_.n_kv_head, model_.head_dim(), window);
 }
 
-void StepRows::attend_host_rows(int64_t layer, int64_t n, const float* qkv, int64_t width, int64_t k_col, int64_t v_col,
-                                float* out, int64_t out_width) {
+void StepRows::attend_host_rows(int64_t model_layer, int64_t n, const float* qkv, int64_t width, int64_t k_col,
+                                int64_t v_col, float* out, int64_t out_width) {
+  const int64_t layer = kv_layer(model_layer), window = model_.layer_window(model_layer);
   std::vector<int64_t> counts(static_cast<size_t>(n), 0);
   const auto of_prompt_chunk = [&](size_t i) { return gathered[i] && chunk_len[i] > 1 && prompt[i]; };
   for (int64_t r = 0; r < n; ++r) {
@@ -63,7 +66,7 @@ void StepRows::attend_host_rows(int64_t layer, int64_t n, const float* qkv, int6
         std::copy(own_v.begin() + j * kw, own_v.begin() + (j + 1) * kw, v + (t - begin) * kw);
       }
     };
-    prompt_attention_.run(ch.prefix, m, ch.first, model_.layer_window(layer), prompt_attention_.interleaved(read), qkv + r * width, width,
+    prompt_attention_.run(ch.prefix, m, ch.first, window, prompt_attention_.interleaved(read), qkv + r * width, width,
                           out + r * out_width, out_width);
     for (int64_t j = 0; j < m; ++j) counts[static_cast<size_t>(r + j)] = 0;  // attended
   }
@@ -74,7 +77,7 @@ void StepRows::attend_host_rows(int64_t layer, int64_t n, const float* qkv, int6
 #pragma omp for schedule(dynamic, 1)
       for (int64_t r = 0; r < n; ++r) {
         if (counts[static_cast<size_t>(r)] == 0) continue;
-        attend_chunk(seqs[static_cast<size_t>(r)], qkv + r * width, counts[static_cast<size_t>(r)], model_.layer_window(layer),
+        attend_chunk(seqs[static_cast<size_t>(r)], qkv + r * width, counts[static_cast<size_t>(r)], window,
                      out + r * out_width, scores, sums);
       }
     }
@@ -82,11 +85,20 @@ void StepRows::attend_host_rows(int64_t layer, int64_t n, const float* qkv, int6
   for (int64_t r = 0; r < n; ++r) {
     if (gathered[static_cast<size_t>(r)]) continue;
     const float* row = qkv + r * width;
-    attend(layer, r, row, row + k_col, row + v_col, out + r * out_width);
+    attend(model_layer, r, row, row + k_col, row + v_col, out + r * out_width);
   }
 }
 
-const float* StepRows::latent(int64_t layer, int64_t row, const float* latent, int64_t* count) {
+float* StepRows::linear_state(int64_t layer, int64_t row) {
+  LOOM_CHECK(states_ != nullptr, "layer ", layer, " is a linear-attention block: these rows keep no recurrent state");
+  // Speculation's drafts would advance the state past rows the cache may not keep.
+  LOOM_CHECK(prompt[static_cast<size_t>(row)] || chunk_len[static_cast<size_t>(row)] == 1,
+             "speculative decoding with linear-attention blocks is not supported (their state has no rollback)");
+  return states_->state(seqs[static_cast<size_t>(row)], layer);
+}
+
+const float* StepRows::latent(int64_t model_layer, int64_t row, const float* latent, int64_t* count) {
+  const int64_t layer = kv_layer(model_layer);
   const int64_t seq = seqs[static_cast<size_t>(row)];
   if (gathered[static_cast<size_t>(row)]) {
     *count = append(layer, row, latent, nullptr);

@@ -14,13 +14,20 @@
 
 #include "loom/infer/chunk_attention.h"
 #include "loom/infer/kv_cache.h"
+#include "loom/infer/recurrent_state.h"
 #include "loom/model/transformer.h"
 
 namespace loom {
 
 class StepRows : public DecodeCache {
  public:
-  StepRows(KvCache& cache, const ModelConfig& model) : cache_(cache), model_(model), prompt_attention_(model) {}
+  StepRows(KvCache& cache, const ModelConfig& model) : cache_(cache), model_(model), prompt_attention_(model) {
+    for (int64_t l = 0, k = 0; l < model.n_layer; ++l) kv_layer_.push_back(model.linear_layer(l) ? -1 : k++);
+  }
+  // The linear-attention blocks' per-sequence state (infer/recurrent_state.h): needed for a
+  // hybrid model (model.linear_interval), whose KV cache holds its attention blocks only.
+  void set_recurrent_states(RecurrentStates* states) { states_ = states; }
+  float* linear_state(int64_t layer, int64_t row) override;
   std::vector<int64_t> seqs, chunk, chunk_len;  // [row]
   std::vector<bool> prompt;                     // [row] of a prompt's chunk (not speculation's drafts)
   std::vector<bool> gathered;                   // [row] attended as a chunk's row, stored by commit()
@@ -72,8 +79,13 @@ class StepRows : public DecodeCache {
   void attend_chunk(int64_t seq, const float* q, int64_t count, int64_t window, float* out, std::vector<float>& scores,
                     std::vector<float>& sums) const;
 
+  // Block `layer`'s layer in the KV cache: its index among the attention blocks.
+  int64_t kv_layer(int64_t layer) const { return kv_layer_[static_cast<size_t>(layer)]; }
+
   KvCache& cache_;
   const ModelConfig& model_;
+  std::vector<int64_t> kv_layer_;  // [model layer] cache layer, -1 for a linear-attention block
+  RecurrentStates* states_ = nullptr;
   Tensor q_;  // attend_all's contiguous query rows
   std::vector<float> buffer_, scores_, sums_;
   std::map<int64_t, Chunk> chunks_;  // [sequence] this step's chunk

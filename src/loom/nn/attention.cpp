@@ -133,9 +133,10 @@ void attention_forward(Backend& backend, const LayerPlan& plan, const ModelConfi
       return;
     }
     case AttentionKind::mla:
+    case AttentionKind::linear:
       break;
   }
-  throw Error("attention_forward: MLA runs its own module (nn/mla.h)");
+  throw Error("attention_forward: MLA and linear attention run their own modules (nn/mla.h, nn/linear_attention.h)");
 }
 
 void attention_backward(Backend& backend, const LayerPlan& plan, const ModelConfig& c, ContextParallel* cp,
@@ -175,9 +176,10 @@ void attention_backward(Backend& backend, const LayerPlan& plan, const ModelConf
       return;
     }
     case AttentionKind::mla:
+    case AttentionKind::linear:
       break;
   }
-  throw Error("attention_backward: MLA runs its own module (nn/mla.h)");
+  throw Error("attention_backward: MLA and linear attention run their own modules (nn/mla.h, nn/linear_attention.h)");
 }
 
 
@@ -233,6 +235,10 @@ void attention_saved_fields(const ModelConfig& config, const LayerPlan& plan, co
   if (plan.attention == AttentionKind::mha || mla) field(s.probs, {B, H, T, T}, DTYPE_F32);
   else field(s.lse, {B, H, T}, DTYPE_F32);
   field(s.attn, {B, T, config.attn_width()}, saved_dtype(plan, LINEAR_ATTN_OUT));
+  if (plan.output_gate) {
+    field(s.gate_attn, {B, T, 2 * config.attn_width()}, DTYPE_F32);
+    field(s.gated, {B, T, config.attn_width()}, DTYPE_F32);
+  }
   if (shape.split_backward) {
     field(s.dy_proj, {B, T, C}, DTYPE_F32);
     if (!mla) field(s.dy_qkv, {B, T, config.qkv_width()}, DTYPE_F32);
@@ -318,14 +324,39 @@ void AttentionLayer::forward(Backend& backend, const Tensor& x, AttentionSaved& 
       attention_forward(backend, plan_, config_, links_.cp, staged);
       store_saved(backend, staged.attn, s.attn);
     }
+    if (plan_.output_gate) output_gate_forward(backend, input, s);
   }
+  const Tensor& attn = proj_input(s);
   if (post) {  // mid = x + norm(proj(attn)) (a whole layer: no tp)
-    adapted_linear_forward(backend, proj_, s.attn, p.proj_w, q.proj_w, p.proj_b, s.post_in, proj_lora(s), links_.ws);
+    adapted_linear_forward(backend, proj_, attn, p.proj_w, q.proj_w, p.proj_b, s.post_in, proj_lora(s), links_.ws);
     post_norm_residual(backend, config_, s.post_in, p.post_norm_w, Tensor{}, s.post, x, mid);
     return;
   }
   // mid = x + proj(attn); g: the heads' partial projections summed over tp.
-  residual_linear_forward(backend, links_, proj_, s.attn, p.proj_w, q.proj_w, p.proj_b, x, mid, proj_lora(s));
+  residual_linear_forward(backend, links_, proj_, attn, p.proj_w, q.proj_w, p.proj_b, x, mid, proj_lora(s));
+}
+
+void AttentionLayer::output_gate_forward(Backend& backend, const Tensor& input, const AttentionSaved& s) const {
+  const int64_t A = config_.attn_width(), N = s.attn.numel() / A;
+  const Tensor gate = Tensor::empty(backend.allocator(), {N, A}, DTYPE_F32, MEM_WORKSPACE);
+  linear_forward(backend, input.view(0, {N, input.dim(-1)}), params_.gate_w, Tensor{}, gate);
+  const Tensor ga = s.gate_attn.view(0, {N, 2 * A});
+  copy_columns(backend, ga, 0, gate, true);
+  copy_columns(backend, ga, A, s.attn.view(0, {N, A}), true);
+  backend.glu_forward(ga, s.gated.view(0, {N, A}), GateActivation::sigmoid);
+}
+
+void AttentionLayer::output_gate_backward(Backend& backend, const Tensor& input, const AttentionSaved& s,
+                                          const Tensor& d_gated, const Tensor& d_attn, const Tensor& d_input) const {
+  const int64_t A = config_.attn_width(), N = s.attn.numel() / A, C = input.dim(-1);
+  Allocator& a = backend.allocator();
+  const Tensor d_ga = Tensor::empty(a, {N, 2 * A}, DTYPE_F32, MEM_WORKSPACE);
+  const Tensor d_gate = Tensor::empty(a, {N, A}, DTYPE_F32, MEM_WORKSPACE);
+  backend.glu_backward(s.gate_attn.view(0, {N, 2 * A}), d_gated.view(0, {N, A}), d_ga, GateActivation::sigmoid);
+  copy_columns(backend, d_ga, 0, d_gate, false);
+  copy_columns(backend, d_ga, A, d_attn.view(0, {N, A}), false);
+  linear_backward(backend, input.view(0, {N, C}), params_.gate_w, d_gate, d_input.view(0, {N, C}), grads_.gate_w,
+                  Tensor{});
 }
 
 void AttentionLayer::forward_rows(Backend& backend, const Tensor& x, AttentionSaved& s, const Tensor& mid,
@@ -351,17 +382,19 @@ void AttentionLayer::forward_rows(Backend& backend, const Tensor& x, AttentionSa
     } else {
       host_rows_attend(backend, s, cache, layer, n);
     }
+    if (plan_.output_gate) output_gate_forward(backend, input, s);
   }
+  const Tensor& attn = proj_input(s);
   if (post) {  // mid = x + norm(proj(attn))
     const Tensor y = s.post_in.view(0, x.shape());
-    proj_.forward_plain(backend, s.attn, p.proj_w, p.proj_b, y, 0.0f, links_.ws);
-    lora_forward(backend, s.attn, p.proj_lora, config_.lora_scale(), y, links_.ws, {}, p.proj_w);
+    proj_.forward_plain(backend, attn, p.proj_w, p.proj_b, y, 0.0f, links_.ws);
+    lora_forward(backend, attn, p.proj_lora, config_.lora_scale(), y, links_.ws, {}, p.proj_w);
     post_norm_residual(backend, config_, y, p.post_norm_w, Tensor{}, s.post, x, mid);
     return;
   }
   backend.copy(x, mid);
-  proj_.forward_plain(backend, s.attn, p.proj_w, p.proj_b, mid, 1.0f, links_.ws);
-  lora_forward(backend, s.attn, p.proj_lora, config_.lora_scale(), mid, links_.ws, {}, p.proj_w);
+  proj_.forward_plain(backend, attn, p.proj_w, p.proj_b, mid, 1.0f, links_.ws);
+  lora_forward(backend, attn, p.proj_lora, config_.lora_scale(), mid, links_.ws, {}, p.proj_w);
 }
 
 void AttentionLayer::host_rows_attend(Backend& backend, AttentionSaved& s, DecodeCache& cache, int64_t layer,
@@ -413,8 +446,9 @@ void AttentionLayer::backward(Backend& backend, const Tensor& x, const Attention
   const InputPass pass = input_pass(backend, part, s.dy_proj);
   // LoRA's adapters (zero-bubble schedules' split backward): their small gradients are computed
   // with the input gradient, in the input pass; the weight pass is the frozen base's, which has none.
+  const Tensor& attn = proj_input(s);
   if (part == BACKWARD_WEIGHT) {  // the weight gradients from the kept output gradients
-    proj_.backward(backend, s.attn, p.proj_w, q.proj_w, s.dy_proj, Tensor{}, g.proj_w, Tensor{}, links_.ws);
+    proj_.backward(backend, attn, p.proj_w, q.proj_w, s.dy_proj, Tensor{}, g.proj_w, Tensor{}, links_.ws);
     // An MLA layer's projections' weight gradients were computed in the input pass.
     if (!mla) qkv_.backward(backend, pre ? whole(s.norm.out) : x, p.qkv_w, q.qkv_w, s.dy_qkv, Tensor{}, g.qkv_w, Tensor{}, links_.ws);
     return;
@@ -423,8 +457,17 @@ void AttentionLayer::backward(Backend& backend, const Tensor& x, const Attention
   if (post) norm_backward(backend, config_, d_residual, s.post_in, p.post_norm_w, Tensor{}, s.post.rstd, k.d_tmp, g.post_norm_w, Tensor{});
   const Tensor dy_mid = post ? k.d_tmp.view(0, d_residual.shape()) : whole(d_residual);
   pass.keep(dy_mid, s.dy_proj);
-  adapted_linear_backward(backend, proj_, s.attn, p.proj_w, q.proj_w, dy_mid, k.d_attn, pass.dw(g.proj_w), g.proj_b,
+  // Gated attention: d(gated) first, then d(attn) and the gate projection's d(input) from it.
+  Tensor d_gate_input;
+  const Tensor d_proj_in = plan_.output_gate ? Tensor::empty(backend.allocator(), k.d_attn.shape(), DTYPE_F32, MEM_WORKSPACE)
+                                             : k.d_attn;
+  adapted_linear_backward(backend, proj_, attn, p.proj_w, q.proj_w, dy_mid, d_proj_in, pass.dw(g.proj_w), g.proj_b,
                           proj_lora(s), g.proj_lora, links_.ws);
+  if (plan_.output_gate) {
+    d_gate_input = Tensor::empty(backend.allocator(), s.norm.out.defined() ? s.norm.out.shape() : x.shape(), DTYPE_F32,
+                                 MEM_WORKSPACE);
+    output_gate_backward(backend, pre ? s.norm.out : x, s, d_proj_in, k.d_attn, d_gate_input);
+  }
   if (mla) {  // d(norm1 output) and MLA's weight gradients (also in a split input pass)
     mla_backward(backend, config_, p.mla, g.mla, s.norm.out, mla_activations(s), k.d_attn, k.d_norm, k.d_qkv);
   } else {
@@ -441,6 +484,7 @@ void AttentionLayer::backward(Backend& backend, const Tensor& x, const Attention
     const Tensor input = pre ? whole(s.norm.out) : x;
     adapted_linear_backward(backend, qkv_, input, p.qkv_w, q.qkv_w, k.d_qkv, k.d_norm, pass.dw(g.qkv_w), g.qkv_b,
                             qkv_lora(s), g.qkv_lora, links_.ws);
+    if (d_gate_input.defined()) backend.add_inplace(k.d_norm.view(0, d_gate_input.shape()), d_gate_input);
   }
   if (!pre) {  // d(x) = d(mid) + the attention's d(x)
     backend.add_inplace(d_residual, k.d_norm.view(0, d_residual.shape()));

@@ -27,6 +27,7 @@ struct AttentionParams {
   Tensor qkv_w, qkv_b;    // ((H + 2 KV) hd, C), ((H + 2 KV) hd)
   Tensor q_norm, k_norm;  // (hd) each: model.qk_norm
   MlaParams mla;          // MLA: queries, latent, decoupled RoPE key and up-projections
+  Tensor gate_w;          // (H hd, C): model.attn_output_gate's projection
   Tensor proj_w, proj_b;  // (C, H hd), (C); MLA: (C, H d_v)
   LoraAdapters qkv_lora, proj_lora;  // model.lora(): the adapters of q/k/v and o (nn/lora.h)
 };
@@ -55,6 +56,10 @@ struct AttentionSaved {
   Tensor lse;
   UlyssesSaved ulysses;
   Tensor attn;  // (B,T,H hd); MLA: (B,T,H d_v)
+  // model.attn_output_gate: [gate | attn] per row (the gate projection's output beside the
+  // attention's), and sigmoid(gate) * attn, o_proj's input.
+  Tensor gate_attn;  // (B,T,2 H hd)
+  Tensor gated;      // (B,T,H hd)
   // Only for a backward split into input and weight gradients (zero-bubble pipelines): the
   // output gradients of the two linear layers, kept from the input pass for the weight pass
   // (MLA: its projections' weight gradients are computed in the input pass, nothing kept).
@@ -102,6 +107,8 @@ class AttentionLayer {
   // the kept qkv (flash keeps lse: nothing to rerun); out_scratch takes the attention output.
   void recompute_selective(Backend& backend, const Tensor& x, AttentionSaved& s, const Tensor& out_scratch) const;
 
+  // o_proj's input: the gated attention output with model.attn_output_gate, else the attention's.
+  static const Tensor& proj_input(const AttentionSaved& s) { return s.gated.defined() ? s.gated : s.attn; }
   LinearLayer* qkv() { return &qkv_; }
   LinearLayer* proj() { return &proj_; }
 
@@ -123,6 +130,11 @@ class AttentionLayer {
   // on d_qkv after RoPE's.
   void qk_norm_forward(Backend& backend, const Tensor& qkv, const AttentionSaved& s) const;
   void qk_norm_backward(Backend& backend, const Tensor& d_qkv, const AttentionSaved& s) const;
+  // model.attn_output_gate: s.gated = sigmoid(input W_gate^T) * s.attn; and its backward from
+  // d(gated) (d_gated) into k.d_attn and the gate's share of d(input) added to d_input.
+  void output_gate_forward(Backend& backend, const Tensor& input, const AttentionSaved& s) const;
+  void output_gate_backward(Backend& backend, const Tensor& input, const AttentionSaved& s, const Tensor& d_gated,
+                            const Tensor& d_attn, const Tensor& d_input) const;
   static MlaActivations mla_activations(const AttentionSaved& s);
   // MLA decoding (T = 1): the projections at each row's position, the row's [c' | k_r] stored
   // (cache.latent) and its attention over the visible latents (the window's) into s.attn.

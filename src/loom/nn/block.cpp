@@ -35,7 +35,14 @@ BlockParams block_params_view(const ModelConfig& config, const ParamLayout& layo
     const std::string pre = "model.layers." + std::to_string(layer) + ".";
     if (config.pre_norms()) p.norm_w = v(pre + "input_layernorm.weight");
     if (config.post_norms()) p.post_norm_w = v(pre + "post_attention_layernorm.weight");
-    if (config.mla()) {
+    if (config.linear_layer(layer)) {
+      const std::string a = pre + "linear_attn.";
+      GatedDeltaNetParams& l = b.linear;
+      l.norm_w = p.norm_w;
+      l.qkvz_w = v(a + "in_proj_qkvz.weight"), l.ba_w = v(a + "in_proj_ba.weight");
+      l.conv_w = v(a + "conv1d.weight"), l.a_log = v(a + "A_log"), l.dt_bias = v(a + "dt_bias");
+      l.gate_norm_w = v(a + "norm.weight"), l.out_w = v(a + "out_proj.weight");
+    } else if (config.mla()) {
       const std::string a = pre + "self_attn.";
       if (config.mla_q_rank > 0) {
         p.mla.q_a_w = v(a + "q_a_proj.weight"), p.mla.q_a_norm = v(a + "q_a_layernorm.weight");
@@ -49,8 +56,9 @@ BlockParams block_params_view(const ModelConfig& config, const ParamLayout& layo
       p.qkv_w = v(pre + "self_attn.qkv_proj.weight");
       if (config.qkv_bias) p.qkv_b = v(pre + "self_attn.qkv_proj.bias");
       if (config.qk_norm) p.q_norm = v(pre + "self_attn.q_norm.weight"), p.k_norm = v(pre + "self_attn.k_norm.weight");
+      if (config.attn_output_gate) p.gate_w = v(pre + "self_attn.gate_proj.weight");
     }
-    p.proj_w = v(pre + "self_attn.o_proj.weight");
+    if (!config.linear_layer(layer)) p.proj_w = v(pre + "self_attn.o_proj.weight");
     if (config.pre_norms()) {
       m.norm_w = v(pre + (config.sandwich_norm ? "pre_feedforward_layernorm.weight" : "post_attention_layernorm.weight"));
     }
@@ -88,7 +96,11 @@ void block_saved_fields(const ModelConfig& config, const LayerPlan& plan, const 
              "pipeline, sequence or context parallelism or MoE blocks is not supported yet");
   const int64_t B = shape.batch, Ts = shape.seq_len / shape.seq_shards, C = config.d_model;
   field(s.input, {B, Ts, C}, DTYPE_F32);
-  attention_saved_fields(config, plan, shape, s.attention, field);
+  if (plan.attention == AttentionKind::linear) {
+    gated_delta_net_saved_fields(gated_delta_net_shape(config), B, Ts, C, s.linear, field);
+  } else {
+    attention_saved_fields(config, plan, shape, s.attention, field);
+  }
   if (shape.keep != RECOMPUTE_FULL) field(s.mid, {B, Ts, C}, DTYPE_F32);
   mlp_saved_fields(config, plan, shape, s.mlp, field);
 }
@@ -121,8 +133,11 @@ int64_t block_saved_bytes(const ModelConfig& config, const LayerPlan& plan, cons
 
 std::array<Tensor, 4> block_linear_inputs(const ModelConfig& config, const BlockSaved& saved) {
   const bool pre = config.pre_norms();
-  return {pre ? saved.attention.norm.out : saved.input, saved.attention.attn, pre ? saved.mlp.norm.out : saved.mid,
-          saved.mlp.act};
+  if (saved.linear.act.defined()) {  // a gated DeltaNet block: its projections' inputs (not of the attention kinds)
+    return {saved.linear.norm.out, saved.linear.act, pre ? saved.mlp.norm.out : saved.mid, saved.mlp.act};
+  }
+  return {pre ? saved.attention.norm.out : saved.input, AttentionLayer::proj_input(saved.attention),
+          pre ? saved.mlp.norm.out : saved.mid, saved.mlp.act};
 }
 
 Block::Block(const ModelConfig& config, int64_t layer, BlockParams params, BlockParams grads)
@@ -130,6 +145,10 @@ Block::Block(const ModelConfig& config, int64_t layer, BlockParams params, Block
       layer_(layer),
       attention_(config, std::move(params.attention), std::move(grads.attention)),
       mlp_(config, std::move(params.mlp), std::move(grads.mlp)) {
+  if (config.linear_layer(layer)) {
+    linear_ = std::make_shared<const GatedDeltaNet>(config, gated_delta_net_shape(config), std::move(params.linear),
+                                                    std::move(grads.linear));
+  }
   replan(choices_);
 }
 
@@ -203,8 +222,10 @@ BlockSaved with_kept(const BlockSaved& shared, const BlockSaved& kept, Recompute
 
 void Block::recompute(Backend& backend, const BlockSaved& kept, RecomputePolicy policy, BlockSaved& full,
                       const Tensor& out_scratch) {
-  LOOM_CHECK(policy != RECOMPUTE_NONE && !is_moe() && !config_.mla() && links_.tp == nullptr && links_.cp == nullptr,
-             "block recompute: a policy that recomputes, on a block without MoE, MLA or model parallelism");
+  LOOM_CHECK(policy != RECOMPUTE_NONE && !is_moe() && !config_.mla() && !linear_ && links_.tp == nullptr &&
+                 links_.cp == nullptr,
+             "block recompute: a policy that recomputes, on a block without MoE, MLA, linear attention or model "
+             "parallelism");
   const int64_t B = kept.input.dim(0), T = kept.input.dim(1), C = config_.d_model;
   BlockSaved& r = full;
   r = with_kept(full, kept, policy);
@@ -222,7 +243,8 @@ void Block::recompute(Backend& backend, const BlockSaved& kept, RecomputePolicy 
 }
 
 void Block::forward(Backend& backend, BlockSaved& s, const Tensor& out) {
-  attention_.forward(backend, s.input, s.attention, s.mid);
+  if (linear_) linear_->forward(backend, s.input, s.linear, s.mid);
+  else attention_.forward(backend, s.input, s.attention, s.mid);
   mlp_.forward(backend, s.mid, s.mlp, out);
 }
 
@@ -231,7 +253,8 @@ void Block::forward_rows(Backend& backend, BlockSaved& s, const Tensor& out, con
   LOOM_CHECK(links_.tp == nullptr, "decoding a tensor-parallel block slice is not supported");
   LOOM_CHECK(static_cast<int64_t>(positions.size()) == s.input.dim(0), "forward_rows: ", positions.size(),
              " positions for ", s.input.dim(0), " rows");
-  attention_.forward_rows(backend, s.input, s.attention, s.mid, positions, cache, layer);
+  if (linear_) linear_->forward_rows(backend, s.input, s.mid, cache, layer);
+  else attention_.forward_rows(backend, s.input, s.attention, s.mid, positions, cache, layer);
   mlp_.forward_rows(backend, s.mid, s.mlp, out);
 }
 
@@ -239,6 +262,12 @@ void Block::backward(Backend& backend, const BlockSaved& s, const Tensor& d_resi
                      BackwardPart part) {
   // d_residual: d(out) -> d(mid) through the MLP sub-layer and its residual path, then -> d(input).
   mlp_.backward(backend, s.mid, s.mlp, d_residual, k, part);
+  if (linear_) {
+    LOOM_CHECK(part == BACKWARD_ALL, "a gated DeltaNet block's backward is not split into input and weight passes "
+               "(zero-bubble pipeline schedules) yet");
+    linear_->backward(backend, s.input, s.linear, d_residual);
+    return;
+  }
   attention_.backward(backend, s.input, s.attention, d_residual, k, part);
 }
 

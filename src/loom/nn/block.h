@@ -7,6 +7,7 @@
 #pragma once
 #include <array>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "loom/arch/config.h"
@@ -16,6 +17,7 @@
 #include "loom/nn/attention.h"
 #include "loom/nn/layer.h"
 #include "loom/nn/linear.h"
+#include "loom/nn/linear_attention.h"
 #include "loom/nn/mlp.h"
 #include "loom/nn/plan.h"
 
@@ -24,7 +26,8 @@ namespace loom {
 // One block's parameters (or their gradients) as views into a flat buffer, by sub-layer.
 // Derived once from the layout, so forward and backward use the same offsets.
 struct BlockParams {
-  AttentionParams attention;
+  AttentionParams attention;  // not of a linear-attention block
+  GatedDeltaNetParams linear;  // a linear-attention block's token mixer (model.linear_interval)
   MlpParams mlp;
 };
 
@@ -35,6 +38,7 @@ BlockParams block_params_view(const ModelConfig& config, const ParamLayout& layo
 struct BlockSaved {
   Tensor input;  // (B,Ts,C) residual stream entering the block
   AttentionSaved attention;
+  GatedDeltaNetSaved linear;  // a linear-attention block's, in place of attention's
   Tensor mid;    // (B,Ts,C) residual after attention
   MlpSaved mlp;
 };
@@ -129,6 +133,7 @@ class Block {
   LayerPlan plan_;
   LayerLinks links_;     // the layout's groups and buffers, given to both sub-layers
   AttentionLayer attention_;
+  std::shared_ptr<const GatedDeltaNet> linear_;  // a linear-attention block's mixer (attention_ unused)
   MlpLayer mlp_;
   void replan(const PlanChoices& choices);
   void relink(const LayerLinks& links);

@@ -202,6 +202,14 @@ class DecodeCache {
     throw Error("attend_all needs a KV cache in the backend's memory");
   }
 
+  // Linear-attention blocks (nn/linear_attention.h): row r's sequence's recurrent state in
+  // `layer`, model.linear_state_floats() host floats [conv (K-1, channels) | delta (H_v, d_k, d_v)],
+  // zeros at the sequence's start; the block reads it and writes the state after the row in
+  // place. Rows of one sequence come in position order.
+  virtual float* linear_state(int64_t layer, int64_t row) {
+    throw Error(str_cat("layer ", layer, " is a linear-attention layer: this decoder keeps no recurrent state"));
+  }
+
   // Host staging of Block::forward_rows (MHA / GQA / MQA), reused across layers and steps: the
   // step's (n, qkv_width) rows read from the backend in one Backend::read, and the (n, n_head x
   // head_dim) attention outputs written back in one Backend::write, so the caches run on host

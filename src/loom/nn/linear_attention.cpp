@@ -1,6 +1,8 @@
 #include "loom/nn/linear_attention.h"
 
+#include <algorithm>
 #include <cmath>
+#include <utility>
 #include <vector>
 
 #include "loom/core/error.h"
@@ -27,20 +29,30 @@ void copy_cols(Backend& backend, const Tensor& src, int64_t src_width, int64_t s
 
 }  // namespace
 
+GatedDeltaNetShape gated_delta_net_shape(const ModelConfig& c) {
+  return {c.linear_key_heads, c.linear_value_heads, c.linear_key_dim, c.linear_value_dim, c.linear_conv_taps};
+}
+
+void gated_delta_net_saved_fields(const GatedDeltaNetShape& sh, int64_t B, int64_t T, int64_t C, GatedDeltaNetSaved& s,
+                                  const SavedFieldFn& f, DType dt) {
+  const int64_t N = B * T, Hk = sh.key_heads, Hv = sh.value_heads, dk = sh.key_dim, dv = sh.value_dim;
+  f(s.norm.out, {B, T, C}, dt), f(s.norm.rstd, {B, T}, dt);
+  f(s.qkvz, {N, sh.qkvz_width()}, dt), f(s.ba, {N, 2 * Hv}, dt);
+  f(s.mixed, {B, T, sh.conv_width()}, dt);
+  f(s.q, {B, T, Hk, dk}, dt), f(s.k, {B, T, Hk, dk}, dt), f(s.v, {B, T, Hv, dv}, dt);
+  f(s.q_in, {N * Hk * dk}, dt), f(s.q_rstd, {N * Hk}, dt), f(s.k_in, {N * Hk * dk}, dt), f(s.k_rstd, {N * Hk}, dt);
+  f(s.g, {B, T, Hv}, dt), f(s.beta, {B, T, Hv}, dt);
+  f(s.gated, {N * Hv, 2 * dv}, dt);
+  f(s.gate_in, {N * Hv * dv}, dt), f(s.gate_rstd, {N * Hv}, dt);
+  f(s.act, {N, sh.v_width()}, dt);
+}
+
 GatedDeltaNetSaved allocate_gated_delta_net_saved(Allocator& allocator, const GatedDeltaNetShape& sh, int64_t B,
                                                   int64_t T, int64_t C, DType dtype) {
-  const auto f = [&](Shape dims) { return Tensor::empty(allocator, std::move(dims), dtype, MEM_ACTIVATIONS); };
-  const int64_t N = B * T, Hk = sh.key_heads, Hv = sh.value_heads, dk = sh.key_dim, dv = sh.value_dim;
   GatedDeltaNetSaved s;
-  s.norm.out = f({B, T, C}), s.norm.rstd = f({B, T});
-  s.qkvz = f({N, sh.qkvz_width()}), s.ba = f({N, 2 * Hv});
-  s.mixed = f({B, T, sh.conv_width()});
-  s.q = f({B, T, Hk, dk}), s.k = f({B, T, Hk, dk}), s.v = f({B, T, Hv, dv});
-  s.q_in = f({N * Hk * dk}), s.q_rstd = f({N * Hk}), s.k_in = f({N * Hk * dk}), s.k_rstd = f({N * Hk});
-  s.g = f({B, T, Hv}), s.beta = f({B, T, Hv});
-  s.gated = f({N * Hv, 2 * dv});
-  s.gate_in = f({N * Hv * dv}), s.gate_rstd = f({N * Hv});
-  s.act = f({N, sh.v_width()});
+  gated_delta_net_saved_fields(sh, B, T, C, s, [&](Tensor& field, Shape dims, DType dt) {
+    field = Tensor::empty(allocator, std::move(dims), dt, MEM_ACTIVATIONS);
+  }, dtype);
   return s;
 }
 
@@ -153,6 +165,53 @@ void GatedDeltaNet::backward(Backend& be, const Tensor& x, const GatedDeltaNetSa
   const Tensor dx = scratch({B, T, C});
   norm_backward(be, config_, d_h.view(0, {B, T, C}), x, p.norm_w, Tensor{}, s.norm.rstd, dx, g.norm_w, Tensor{});
   be.add_inplace(d_residual, dx);
+}
+
+void GatedDeltaNet::forward_rows(Backend& be, const Tensor& x, const Tensor& out, DecodeCache& cache,
+                                 int64_t layer) const {
+  const GatedDeltaNetShape& sh = shape_;
+  const int64_t n = x.dim(0), C = x.dim(2), taps = sh.conv_taps - 1, Dc = sh.conv_width();
+  const int64_t conv_floats = taps * Dc, delta_floats = sh.value_heads * sh.key_dim * sh.value_dim;
+  std::vector<float*> states(static_cast<size_t>(n));
+  for (int64_t r = 0; r < n; ++r) states[static_cast<size_t>(r)] = cache.linear_state(layer, r);
+  // Runs of consecutive rows sharing a state (one sequence's chunk): each a span of its own;
+  // when every run is one row, the rows are one batch of independent sequences.
+  std::vector<std::pair<int64_t, int64_t>> runs;  // (first row, rows)
+  for (int64_t r = 0; r < n; ++r) {
+    if (!runs.empty() && states[static_cast<size_t>(runs.back().first)] == states[static_cast<size_t>(r)]) {
+      ++runs.back().second;
+    } else {
+      runs.push_back({r, 1});
+    }
+  }
+  const bool batch = static_cast<int64_t>(runs.size()) == n;
+  if (batch) runs = {{0, n}};
+  Allocator& a = be.allocator();
+  std::vector<float> host;
+  for (const auto& [first, rows] : runs) {
+    const int64_t B = batch ? rows : 1, T = batch ? 1 : rows;
+    const auto ws = [&](Shape dims) { return Tensor::empty(a, std::move(dims), DTYPE_F32, MEM_WORKSPACE); };
+    LinearAttentionState in{ws({B, taps, Dc}), ws({B, sh.value_heads, sh.key_dim, sh.value_dim})};
+    LinearAttentionState next{ws({B, taps, Dc}), ws({B, sh.value_heads, sh.key_dim, sh.value_dim})};
+    host.resize(static_cast<size_t>(B * (conv_floats + delta_floats)));
+    for (int64_t b = 0; b < B; ++b) {  // [conv | delta] per sequence -> the two batched tensors
+      const float* st = states[static_cast<size_t>(first + b)];
+      std::copy(st, st + conv_floats, host.data() + b * conv_floats);
+      std::copy(st + conv_floats, st + conv_floats + delta_floats, host.data() + B * conv_floats + b * delta_floats);
+    }
+    be.write(in.conv, host.data());
+    be.write(in.delta, host.data() + B * conv_floats);
+    GatedDeltaNetSaved s = allocate_gated_delta_net_saved(a, sh, B, T, C);
+    forward(be, x.view(first * C, {B, T, C}), s, out.view(first * C, {B, T, C}), in, next);
+    be.read(next.conv, host.data());
+    be.read(next.delta, host.data() + B * conv_floats);
+    for (int64_t b = 0; b < B; ++b) {
+      float* st = states[static_cast<size_t>(first + b)];
+      std::copy(host.data() + b * conv_floats, host.data() + (b + 1) * conv_floats, st);
+      std::copy(host.data() + B * conv_floats + b * delta_floats, host.data() + B * conv_floats + (b + 1) * delta_floats,
+                st + conv_floats);
+    }
+  }
 }
 
 }  // namespace loom

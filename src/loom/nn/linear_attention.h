@@ -62,6 +62,13 @@ struct LinearAttentionState {
   Tensor conv, delta;
 };
 
+// The shape of model.linear_* (ModelConfig).
+GatedDeltaNetShape gated_delta_net_shape(const ModelConfig& config);
+
+// Each field of the record for (batch, seq_len) rows, in allocation order (the block's record
+// and memory/estimate.h walk the same list).
+void gated_delta_net_saved_fields(const GatedDeltaNetShape& shape, int64_t batch, int64_t seq_len, int64_t d_model,
+                                  GatedDeltaNetSaved& s, const SavedFieldFn& field, DType dtype = DTYPE_F32);
 GatedDeltaNetSaved allocate_gated_delta_net_saved(Allocator& allocator, const GatedDeltaNetShape& shape, int64_t batch,
                                                   int64_t seq_len, int64_t d_model, DType dtype = DTYPE_F32);
 
@@ -78,6 +85,10 @@ class GatedDeltaNet {
   void backward(Backend& backend, const Tensor& x, const GatedDeltaNetSaved& s, const Tensor& d_residual,
                 const LinearAttentionState& in = {}, const LinearAttentionState& d_out_state = {},
                 const LinearAttentionState& d_in = {}) const;
+  // Decoding: x, out (n, 1, C), row r a position of its sequence, whose state is cache.linear_state
+  // (layer, r) (host floats, updated in place). Consecutive rows of one sequence (a prompt's chunk)
+  // run as one span; one row per sequence runs as one batch.
+  void forward_rows(Backend& backend, const Tensor& x, const Tensor& out, DecodeCache& cache, int64_t layer) const;
 
  private:
   // The l2 norms' constant weights: 1 / d_k for q (its 1/sqrt(d_k) scale folded in), 1/sqrt(d_k) for k.

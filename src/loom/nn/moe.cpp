@@ -44,6 +44,7 @@ MoeParams moe_params_view(const ModelConfig& c, const ParamLayout& layout, const
   if (c.moe_shared > 0) {
     p.shared_fc_w = v(llama ? "mlp.shared_experts.gate_up_proj.weight" : "mlp.shared_experts.c_fc.weight");
     p.shared_fc2_w = v(llama ? "mlp.shared_experts.down_proj.weight" : "mlp.shared_experts.c_proj.weight");
+    if (c.moe_shared_gate) p.shared_gate_w = v("mlp.shared_expert_gate.weight");
   }
   return p;
 }
@@ -90,8 +91,55 @@ std::vector<MoeField> moe_saved_fields(const ModelConfig& c, int64_t N, int ep) 
     const auto [in, hidden] = shared_widths(c);
     f.push_back({&MoeSaved::shared_fc, {N, in}, DTYPE_F32});
     f.push_back({&MoeSaved::shared_act, {N, hidden}, DTYPE_F32});
+    if (c.moe_shared_gate) f.push_back({&MoeSaved::shared_gate, {N, 2 * C}, DTYPE_F32});
   }
   return f;
+}
+
+// model.moe_shared_gate: l = x w^T (N, 1) broadcast over the C columns by a GEMM with ones (C, 1),
+// so that the glu op computes sigmoid(l) * shared on the rows [l ... l | shared].
+Tensor shared_gate_logits(Backend& backend, const MoeParams& p, const Tensor& x, Tensor* broadcast) {
+  Allocator& a = backend.allocator();
+  const int64_t N = x.dim(0), C = x.dim(1);
+  const Tensor logit = Tensor::empty(a, {N, 1}, DTYPE_F32, MEM_WORKSPACE);
+  linear_forward(backend, x, p.shared_gate_w, Tensor{}, logit);
+  if (broadcast != nullptr) {
+    const Tensor ones = Tensor::empty(a, {C, 1}, DTYPE_F32, MEM_WORKSPACE);
+    backend.fill(ones, 1.0);
+    *broadcast = Tensor::empty(a, {N, C}, DTYPE_F32, MEM_WORKSPACE);
+    linear_forward(backend, logit, ones, Tensor{}, *broadcast);
+  }
+  return logit;
+}
+
+// y += sigmoid(x w^T) * shared (shared: the shared experts' output, (N, C)); keeps [l | shared] in ga.
+void shared_gate_forward(Backend& backend, const MoeParams& p, const Tensor& x, const Tensor& shared, const Tensor& ga,
+                         const Tensor& y) {
+  Tensor broadcast;
+  shared_gate_logits(backend, p, x, &broadcast);
+  copy_columns(backend, ga, 0, broadcast, true);
+  copy_columns(backend, ga, x.dim(1), shared, true);
+  const Tensor gated = Tensor::empty(backend.allocator(), shared.shape(), DTYPE_F32, MEM_WORKSPACE);
+  backend.glu_forward(ga, gated, GateActivation::sigmoid);
+  backend.add_inplace(y, gated);
+}
+
+// From dy: d(shared) (N, C) written, the gate's weight gradient accumulated, its d(x) added to dx.
+void shared_gate_backward(Backend& backend, const MoeParams& p, const MoeParams& g, const Tensor& x, const Tensor& ga,
+                          const Tensor& dy, const Tensor& d_shared, const Tensor& dx) {
+  Allocator& a = backend.allocator();
+  const int64_t N = x.dim(0), C = x.dim(1);
+  const auto ws = [&](Shape dims) { return Tensor::empty(a, std::move(dims), DTYPE_F32, MEM_WORKSPACE); };
+  const Tensor d_ga = ws({N, 2 * C}), d_broadcast = ws({N, C}), d_logit = ws({N, 1}), ones = ws({C, 1}), sink = ws({C, 1});
+  const Tensor dxg = ws({N, C});
+  backend.glu_backward(ga, dy, d_ga, GateActivation::sigmoid);
+  copy_columns(backend, d_ga, C, d_shared, false);
+  copy_columns(backend, d_ga, 0, d_broadcast, false);
+  backend.fill(ones, 1.0);
+  backend.fill(sink, 0.0);
+  linear_backward(backend, shared_gate_logits(backend, p, x, nullptr), ones, d_broadcast, d_logit, sink, Tensor{});
+  linear_backward(backend, x, p.shared_gate_w, d_logit, dxg, g.shared_gate_w, Tensor{});
+  backend.add_inplace(dx, dxg);
 }
 }  // namespace
 
@@ -324,7 +372,13 @@ void moe_forward(Backend& backend, const ModelConfig& c, const MoeParams& p, con
     linear_forward(backend, x, p.shared_fc_w, Tensor{}, s.shared_fc.view(0, {N, s.shared_fc.dim(1)}));
     const Tensor sa = s.shared_act.view(0, {N, s.shared_act.dim(1)});
     activation_forward(backend, c, s.shared_fc.view(0, {N, s.shared_fc.dim(1)}), sa);
-    linear_forward(backend, sa, p.shared_fc2_w, Tensor{}, y, 1.0f);
+    if (c.moe_shared_gate) {
+      const Tensor shared = Tensor::empty(backend.allocator(), {N, C}, DTYPE_F32, MEM_WORKSPACE);
+      linear_forward(backend, sa, p.shared_fc2_w, Tensor{}, shared);
+      shared_gate_forward(backend, p, x, shared, s.shared_gate.view(0, {N, 2 * C}), y);
+    } else {
+      linear_forward(backend, sa, p.shared_fc2_w, Tensor{}, y, 1.0f);
+    }
   }
   // The losses' values and the router entropy (q = s / sum s).
   backend.moe_balance_stats(logits, scores, expert, s.counts, k.stats, k.sums, routing);
@@ -348,7 +402,12 @@ void moe_backward(Backend& backend, const ModelConfig& c, const MoeParams& p, co
   if (c.moe_shared > 0) {
     const int64_t Sin = s.shared_fc.dim(1), S = s.shared_act.dim(1);
     const Tensor dact = k.shared_dact.view(0, {N, S}), dfc = k.shared_dfc.view(0, {N, Sin}), dxs = k.dx.view(0, {N, C});
-    linear_backward(backend, s.shared_act.view(0, {N, S}), p.shared_fc2_w, dy, dact, g.shared_fc2_w, Tensor{});
+    Tensor d_shared = dy;
+    if (c.moe_shared_gate) {
+      d_shared = Tensor::empty(backend.allocator(), {N, C}, DTYPE_F32, MEM_WORKSPACE);
+      shared_gate_backward(backend, p, g, x, s.shared_gate.view(0, {N, 2 * C}), dy, d_shared, dx);
+    }
+    linear_backward(backend, s.shared_act.view(0, {N, S}), p.shared_fc2_w, d_shared, dact, g.shared_fc2_w, Tensor{});
     activation_backward(backend, c, s.shared_fc.view(0, {N, Sin}), dact, dfc);
     linear_backward(backend, x, p.shared_fc_w, dfc, dxs, g.shared_fc_w, Tensor{});
     backend.add_inplace(dx, dxs);

@@ -47,6 +47,7 @@ struct MoeParams {
   std::vector<Tensor> fc_w;      // [e] (F or 2F, C)
   std::vector<Tensor> fc2_w;     // [e] (C, F)
   Tensor shared_fc_w, shared_fc2_w;  // (S or 2S, C), (C, S); undefined without shared experts
+  Tensor shared_gate_w;              // (1, C): model.moe_shared_gate
   bool defined() const { return router_w.defined(); }
 };
 
@@ -68,6 +69,7 @@ struct MoeSaved {
   Tensor xp;                  // expert parallel: (P R, C) the received rows, by local expert then source rank
   std::vector<int64_t> recv_rows;  // expert parallel: [source x E/P + local expert] rows received
   Tensor shared_fc, shared_act;  // (N, S or 2S), (N, S)
+  Tensor shared_gate;            // model.moe_shared_gate: (N, 2C) [x . w broadcast over C | the shared experts' output]
   std::vector<int64_t> offsets;  // (E + 1): expert e's rows are [offsets[e], offsets[e + 1])
   std::vector<int64_t> load;     // (E): assignments per expert (before capacity)
   int64_t tokens = 0, dropped = 0;

@@ -10,7 +10,7 @@
 namespace loom {
 
 const char* attention_kind_name(AttentionKind kind) {
-  static constexpr const char* kNames[] = {"mha", "flash", "ring", "ulysses", "mla"};
+  static constexpr const char* kNames[] = {"mha", "flash", "ring", "ulysses", "mla", "linear"};
   return kNames[static_cast<int>(kind)];
 }
 
@@ -36,7 +36,8 @@ std::array<bool, 4> saved_bf16(const ModelConfig& config, int64_t layer, const L
   }
   if (plan.sequence_parallel) on[LINEAR_ATTN_QKV] = on[LINEAR_MLP_IN] = false;
   if (plan.attention == AttentionKind::mla) on[LINEAR_ATTN_QKV] = false;
-  if (plan.attention != AttentionKind::mha) on[LINEAR_ATTN_OUT] = false;
+  if (plan.attention != AttentionKind::mha || plan.output_gate) on[LINEAR_ATTN_OUT] = false;
+  if (plan.attention == AttentionKind::linear || plan.output_gate) on[LINEAR_ATTN_QKV] = false;  // read in fp32 by their own projections
   if (plan.mlp != MlpKind::dense) on[LINEAR_MLP_IN] = on[LINEAR_MLP_OUT] = false;
   if (!config.pre_norms()) on[LINEAR_ATTN_QKV] = on[LINEAR_MLP_IN] = false;  // they read the residual stream, not a norm's output
   return on;
@@ -60,7 +61,23 @@ LayerPlan resolve_layer_plan(const ModelConfig& config, int64_t layer, const Pla
   LOOM_CHECK(!config.post_norms() || (!choices.tensor_parallel && choices.recompute == RECOMPUTE_NONE),
              config.post_norm ? "model.post_norm (OLMo 2's output norms)" : "model.sandwich_norm (Gemma's output norms)",
              " is not supported with tensor or sequence parallelism or activation recompute yet");
-  if (config.mla()) {
+  plan.output_gate = config.attn_output_gate;
+  LOOM_CHECK(!config.attn_output_gate || (!choices.tensor_parallel && choices.recompute == RECOMPUTE_NONE),
+             "model.attn_output_gate (gated attention) is not supported with tensor or sequence parallelism or "
+             "activation recompute yet");
+  if (config.linear_layer(layer)) {
+    // A gated DeltaNet block (nn/linear_attention.h): its own projections in fp32, on one rank.
+    LOOM_CHECK(choices.context == PlanChoices::NONE && !choices.tensor_parallel && choices.recompute == RECOMPUTE_NONE,
+               "model.linear_interval (gated DeltaNet blocks) is not supported with tensor, sequence or context "
+               "parallelism or activation recompute yet");
+    LOOM_CHECK(choices.linears[LINEAR_ATTN_QKV] == RECIPE_F32 && choices.linears[LINEAR_ATTN_OUT] == RECIPE_F32 &&
+                   choices.qat == QAT_NONE,
+               "model.linear_interval: the gated DeltaNet blocks compute their projections in fp32: set "
+               "precision.attn_qkv and precision.attn_out = f32 (got ", recipe_name(choices.linears[LINEAR_ATTN_QKV]),
+               ", ", recipe_name(choices.linears[LINEAR_ATTN_OUT]), ") and precision.qat = none");
+    plan.attention = AttentionKind::linear;
+    plan.rope = false, plan.window = 0, plan.output_gate = false;
+  } else if (config.mla()) {
     // MLA's projections (nn/mla.h) compute in fp32; its output projection follows precision.attn_out.
     LOOM_CHECK(choices.linears[LINEAR_ATTN_QKV] == RECIPE_F32 && choices.qat == QAT_NONE,
                "model.mla_kv_rank > 0 (MLA) computes its projections in fp32: set precision.attn_qkv = f32 (got ",

@@ -9,6 +9,8 @@
 //   ring     context parallel: K/V blocks passed around the cp ring, online softmax (nn/context_parallel.h)
 //   ulysses  context parallel: all-to-all from sequence shards to head shards and back
 //   mla      multi-head latent attention (nn/mla.h), with its own projections
+//   linear   a gated DeltaNet block's token mixer (nn/linear_attention.h; model.linear_interval):
+//            linear attention with a recurrent state, its own projections, conv and gates
 // A sliding window (model.attn_window) is a mask of mha and flash, not a kind of its own: the
 // same kernels skip the masked keys. MLP kinds: dense (GELU / SwiGLU), moe (nn/moe.h).
 #pragma once
@@ -30,7 +32,7 @@ namespace loom {
 //   full: input only.
 enum RecomputePolicy : uint8_t { RECOMPUTE_NONE, RECOMPUTE_SELECTIVE, RECOMPUTE_FULL, RECOMPUTE_COUNT };
 
-enum class AttentionKind : uint8_t { mha, flash, ring, ulysses, mla };
+enum class AttentionKind : uint8_t { mha, flash, ring, ulysses, mla, linear };
 enum class MlpKind : uint8_t { dense, moe };
 
 struct LayerPlan {
@@ -61,6 +63,8 @@ struct LayerPlan {
   // attention_forward_bf16 / _backward_bf16, flash_attention_forward_bf16 / _backward_bf16);
   // windowed, context-parallel and MLA attention keep their fp32 GEMMs.
   bool attention_bf16 = false;
+  // model.attn_output_gate: the heads' outputs gated by sigmoid(x W_gate) before o_proj.
+  bool output_gate = false;
 };
 
 const char* attention_kind_name(AttentionKind kind);

@@ -259,6 +259,7 @@ void gelu_backward(const T* x, const T* dout, T* dx, int64_t n) {
 template <typename T>
 inline T gate_act(GateActivation act, T g) {
   if (act == GateActivation::silu) return g * sigmoid_t<T>(g);
+  if (act == GateActivation::sigmoid) return sigmoid_t<T>(g);
   const T u = T(kGeluScale) * (g + T(kGeluCubic) * g * g * g);
   return T(0.5) * g * (T(1) + tanh_t<T>(u));
 }
@@ -267,6 +268,10 @@ inline T gate_act_grad(GateActivation act, T g) {
   if (act == GateActivation::silu) {
     const T sg = sigmoid_t<T>(g);
     return sg * (T(1) + g * (T(1) - sg));
+  }
+  if (act == GateActivation::sigmoid) {
+    const T sg = sigmoid_t<T>(g);
+    return sg * (T(1) - sg);
   }
   const T u = T(kGeluScale) * (g + T(kGeluCubic) * g * g * g);
   const T t = tanh_t<T>(u);
@@ -305,17 +310,18 @@ void glu_backward(const T* x, const T* dout, T* dx, int64_t rows, int64_t hidden
   }
 }
 
-// Rotates pairs (j, j + hd/2) of the first n_heads heads of every row by angle
-// direction * (pos_offset + t) * theta^(-2j/hd). direction -1 is the inverse (the backward).
+// Rotates pairs (j, j + d/2) of the first n_heads heads of every row by angle
+// direction * (pos_offset + t) * theta^(-2j/d), d = rope_rotary_dim (the head's first d dims; hd
+// unless partial). direction -1 is the inverse (the backward).
 template <typename T>
 void rope_rotate(T* x, int64_t batch, int64_t seq_len, int64_t width, int64_t head_dim, int64_t n_heads,
                  const RopeSpec& rope, int64_t pos_offset, double direction) {
-  const int64_t half = head_dim / 2;
+  const int64_t rotary = rope_rotary_dim(rope, head_dim), half = rotary / 2;
 #pragma omp parallel for schedule(static) if (batch * seq_len * n_heads * head_dim >= kParallelMinElements)
   for (int64_t t = 0; t < seq_len; ++t) {
     for (int64_t j = 0; j < half; ++j) {
       const double angle =
-          direction * static_cast<double>(pos_offset + t) * rope_inv_freq(rope, j, head_dim);
+          direction * static_cast<double>(pos_offset + t) * rope_inv_freq(rope, j, rotary);
       const T cs = static_cast<T>(std::cos(angle) * rope.amplitude), sn = static_cast<T>(std::sin(angle) * rope.amplitude);
       for (int64_t b = 0; b < batch; ++b) {
         T* row = x + (b * seq_len + t) * width;

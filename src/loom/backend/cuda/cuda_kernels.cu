@@ -547,10 +547,11 @@ __global__ void gelu_backward_kernel(const T* x, const T* dout, T* dx, int64_t n
   }
 }
 
-// The gate activation and its derivative (silu: SwiGLU, gelu_tanh: GeGLU), as the CPU's.
+// The gate activation and its derivative (silu: SwiGLU, gelu_tanh: GeGLU, sigmoid: a plain gate), as the CPU's.
 template <typename T>
 __device__ T gate_act(GateActivation act, T g) {
   if (act == GateActivation::silu) return g * sigmoid_t<T>(g);
+  if (act == GateActivation::sigmoid) return sigmoid_t<T>(g);
   const T u = T(kGeluScale) * (g + T(kGeluCubic) * g * g * g);
   return T(0.5) * g * (T(1) + tanh_t<T>(u));
 }
@@ -559,6 +560,10 @@ __device__ T gate_act_grad(GateActivation act, T g) {
   if (act == GateActivation::silu) {
     const T sg = sigmoid_t<T>(g);
     return sg * (T(1) + g * (T(1) - sg));
+  }
+  if (act == GateActivation::sigmoid) {
+    const T sg = sigmoid_t<T>(g);
+    return sg * (T(1) - sg);
   }
   const T u = T(kGeluScale) * (g + T(kGeluCubic) * g * g * g);
   const T t = tanh_t<T>(u);
@@ -598,11 +603,12 @@ __global__ void glu_backward_kernel(const T* x, const T* dout, T* dx, int64_t ro
 template <typename T>
 __global__ void rope_kernel(T* x, int64_t batch, int64_t seq_len, int64_t width, int64_t head_dim, int64_t n_heads,
                             int64_t heads_per_group, RopeSpec rope, int64_t pos_offset, double direction) {
-  const int64_t half = head_dim / 2, groups = (n_heads + heads_per_group - 1) / heads_per_group;
+  const int64_t rotary = rope_rotary_dim(rope, head_dim), half = rotary / 2;
+  const int64_t groups = (n_heads + heads_per_group - 1) / heads_per_group;
   const int64_t n = batch * seq_len * half * groups;
   for (int64_t i = thread_index(); i < n; i += thread_count()) {
     const int64_t j = i % half, group = (i / half) % groups, bt = i / (half * groups), t = bt % seq_len;
-    const double angle = direction * static_cast<double>(pos_offset + t) * rope_inv_freq(rope, j, head_dim);
+    const double angle = direction * static_cast<double>(pos_offset + t) * rope_inv_freq(rope, j, rotary);
     const T cs = static_cast<T>(::cos(angle) * rope.amplitude), sn = static_cast<T>(::sin(angle) * rope.amplitude);
     T* row = x + bt * width;
     const int64_t h1 = min64(n_heads, (group + 1) * heads_per_group);
