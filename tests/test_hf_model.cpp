@@ -101,7 +101,7 @@ TEST_P(HfImport, ExportAndReimportAreBitwise) {
 INSTANTIATE_TEST_SUITE_P(Families, HfImport,
                          ::testing::Values("gpt2", "gpt2_plain", "llama", "mistral", "qwen2", "llama32", "qwen3", "mixtral",
                                            "qwen3_moe", "deepseek_v2", "deepseek_v3", "smollm3", "phi3", "olmo2",
-                                           "gemma3", "phi3_longrope", "qwen3_next"));
+                                           "gemma3", "phi3_longrope", "qwen3_next", "gpt_oss", "gpt_oss_mxfp4"));
 
 // ---------------------------------------------------------------- bf16 weights used in place
 
@@ -270,8 +270,14 @@ TEST(HfImportErrors, UnknownOrUnsupportedConfigKeysAreRefusedByName) {
        "rope_scaling.low_freq_factor is missing"},
       {"llama", [](nlohmann::json& j) { j["rope_scaling"] = {{"rope_type", "dynamic"}, {"factor", 4.0}}; },
        "rope_scaling.rope_type = 'dynamic' is not supported"},
-      {"llama", [](nlohmann::json& j) { j["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0}, {"truncate", false}}; },
-       "rope_scaling.truncate = false is not supported"},
+      {"llama", [](nlohmann::json& j) { j["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0}, {"truncate", "no"}}; },
+       "rope_scaling.truncate must be true or false"},
+      // GPT-OSS: another swiglu_limit, layer types of another pattern, another quantization
+      {"gpt_oss", [](nlohmann::json& j) { j["swiglu_limit"] = 10.0; }, "swiglu_limit"},
+      {"gpt_oss", [](nlohmann::json& j) { j["layer_types"] = {"full_attention", "sliding_attention"}; },
+       "layer_types = [\"full_attention\",\"sliding_attention\"] is not supported"},
+      {"gpt_oss_mxfp4", [](nlohmann::json& j) { j["quantization_config"]["quant_method"] = "gptq"; },
+       "quantization_config"},
       {"llama", [](nlohmann::json& j) { j["rope_scaling"] = {{"type", "linear"}, {"factor", 2.0}, {"beta", 1}}; },
        "unknown key 'rope_scaling.beta'"},
       {"llama", [](nlohmann::json& j) { j["attention_bias"] = true; }, "attention_bias"},

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "loom/backend/backend.h"
+#include "loom/comm/communicator.h"
 #include "loom/nn/linear_attention.h"
 #include "test_util.h"
 
@@ -45,8 +46,13 @@ struct Fixture {
   Tensor zeros(Shape dims) { return Tensor::zeros(be->allocator(), std::move(dims), DTYPE_F64, MEM_WORKSPACE); }
 };
 
-TEST(GatedDeltaNet, GradientsMatchFiniteDifferences) {
+// Also for a span shorter than the conv's K-1 = 3 taps (T = 2), whose final conv state holds rows
+// of the initial one.
+class GatedDeltaNetSpans : public ::testing::TestWithParam<int64_t> {};
+
+TEST_P(GatedDeltaNetSpans, GradientsMatchFiniteDifferences) {
   Fixture f;
+  f.T = GetParam();
   const GatedDeltaNetShape& s = f.shape;
   Allocator& a = f.be->allocator();
   const Tensor x = test::random_tensor(a, {f.B, f.T, f.C}, DTYPE_F64, 3, 0.8);
@@ -56,19 +62,21 @@ TEST(GatedDeltaNet, GradientsMatchFiniteDifferences) {
   const LinearAttentionState out_state{f.zeros({f.B, s.conv_taps - 1, s.conv_width()}),
                                        f.zeros({f.B, s.value_heads, s.key_dim, s.value_dim})};
   const Tensor dw_state = test::random_tensor(a, {f.B, s.value_heads, s.key_dim, s.value_dim}, DTYPE_F64, 7);
+  const Tensor dw_conv = test::random_tensor(a, {f.B, s.conv_taps - 1, s.conv_width()}, DTYPE_F64, 8);
   GatedDeltaNetSaved saved = allocate_gated_delta_net_saved(a, s, f.B, f.T, f.C, DTYPE_F64);
   const Tensor out = f.zeros({f.B, f.T, f.C});
-  // loss = sum w o out + sum dw_state o final delta state (the state's gradient enters too)
+  // loss = sum w o out + sum dw o final state (the final conv and delta states' gradients enter too)
   const auto loss = [&] {
     f.layer().forward(*f.be, x, saved, out, in, out_state);
-    return test::weighted_sum(out, w) + test::weighted_sum(out_state.delta, dw_state);
+    return test::weighted_sum(out, w) + test::weighted_sum(out_state.delta, dw_state) +
+           test::weighted_sum(out_state.conv, dw_conv);
   };
   loss();
   const Tensor d = f.zeros({f.B, f.T, f.C});
   f.be->copy(w, d);
   const LinearAttentionState d_in{f.zeros({f.B, s.conv_taps - 1, s.conv_width()}),
                                   f.zeros({f.B, s.value_heads, s.key_dim, s.value_dim})};
-  f.layer().backward(*f.be, x, saved, d, in, LinearAttentionState{Tensor{}, dw_state}, d_in);
+  f.layer().backward(*f.be, x, saved, d, in, LinearAttentionState{dw_conv, dw_state}, d_in);
   const double tol = 1e-6;
   test::expect_gradient_matches(x, test::values(d), loss, tol, "x");
   const std::vector<const char*> names = {"norm_w", "qkvz_w", "ba_w", "conv_w", "a_log", "dt_bias", "gate_norm_w", "out_w"};
@@ -77,6 +85,8 @@ TEST(GatedDeltaNet, GradientsMatchFiniteDifferences) {
   test::expect_gradient_matches(in.conv, test::values(d_in.conv), loss, tol, "initial conv state");
   test::expect_gradient_matches(in.delta, test::values(d_in.delta), loss, tol, "initial delta state");
 }
+
+INSTANTIATE_TEST_SUITE_P(Lengths, GatedDeltaNetSpans, ::testing::Values(7, 2));
 
 TEST(GatedDeltaNet, TwoSpansFromTheCarriedStateEqualTheWhole) {
   Fixture f;
@@ -110,6 +120,46 @@ TEST(GatedDeltaNet, TwoSpansFromTheCarriedStateEqualTheWhole) {
   f.layer().forward(*f.be, xs, saved, out);
   const std::vector<double> tail(pieces.begin() + split * f.C, pieces.end());
   EXPECT_GT(test::max_rel_error(test::values(out), tail), 1e-3);
+}
+
+// The context-parallel path on a cp group of one rank: its two chunks run as spans, the state
+// relayed from the first to the second, d(state) back: the same output, input gradient and
+// parameter gradients as the whole sequence at once.
+TEST(GatedDeltaNet, ContextParallelSpansOfOneRankEqualTheWhole) {
+  Fixture f;
+  const GatedDeltaNetShape& s = f.shape;
+  Allocator& a = f.be->allocator();
+  const int64_t B = 2, T = 10;
+  const Tensor x = test::random_tensor(a, {B, T, f.C}, DTYPE_F64, 3, 0.8);
+  const Tensor w = test::random_tensor(a, {B, T, f.C}, DTYPE_F64, 4);
+  std::vector<std::vector<double>> outs, dxs, grads;
+  auto comm = make_local_communicator();
+  ContextParallel cp;
+  cp.comm = comm.get();
+  for (const bool spans : {false, true}) {
+    for (Tensor* g : f.grads()) g->zero_();
+    GatedDeltaNet layer = f.layer();
+    if (spans) layer.set_context_parallel(&cp);
+    GatedDeltaNetSaved saved;
+    gated_delta_net_saved_fields(s, B, T, f.C, saved, [&](Tensor& field, Shape dims, DType dt) {
+      field = Tensor::zeros(a, std::move(dims), dt, MEM_ACTIVATIONS);
+    }, DTYPE_F64, spans);
+    const Tensor out = f.zeros({B, T, f.C}), d = f.zeros({B, T, f.C});
+    layer.forward(*f.be, x, saved, out);
+    f.be->copy(w, d);
+    layer.backward(*f.be, x, saved, d);
+    outs.push_back(test::values(out));
+    dxs.push_back(test::values(d));
+    std::vector<double> all;
+    for (Tensor* g : f.grads()) {
+      const std::vector<double> v = test::values(*g);
+      all.insert(all.end(), v.begin(), v.end());
+    }
+    grads.push_back(all);
+  }
+  EXPECT_LT(test::max_rel_error(outs[1], outs[0]), 1e-12);
+  EXPECT_LT(test::max_rel_error(dxs[1], dxs[0]), 1e-12);
+  EXPECT_LT(test::max_rel_error(grads[1], grads[0]), 1e-12);
 }
 
 }  // namespace

@@ -327,6 +327,90 @@ TEST_F(OpsTest, GluBackwardMatchesFiniteDifferences) {
   }
 }
 
+// GPT-OSS's clamped SwiGLU against its formula (transformers' GptOssExperts), values on both sides
+// of the clamps at +-7, and its backward by finite differences away from the clamps' kinks.
+TEST_F(OpsTest, GluSwigluOaiClampsAndMatchesItsFormula) {
+  const int64_t N = 6, F = 11;
+  Tensor x = f64({N, 2 * F}, 5, 12.0), out = empty({N, F});
+  backend->glu_forward(x, out, GateActivation::swiglu_oai);
+  const auto xv = values(x);
+  std::vector<double> expected(N * F);
+  int clamped = 0;
+  for (int64_t r = 0; r < N; ++r) {
+    for (int64_t j = 0; j < F; ++j) {
+      const double g = std::min(xv[r * 2 * F + j], 7.0), u = std::clamp(xv[r * 2 * F + F + j], -7.0, 7.0);
+      clamped += (xv[r * 2 * F + j] > 7.0) + (std::abs(xv[r * 2 * F + F + j]) > 7.0);
+      expected[r * F + j] = g / (1 + std::exp(-1.702 * g)) * (u + 1);
+    }
+  }
+  EXPECT_GT(clamped, 10);  // both clamps exercised
+  EXPECT_LT(max_rel_error(values(out), expected), 1e-14);
+  Tensor y = f64({N, 2 * F}, 6, 4.0), dout = f64({N, F}, 7), o2 = empty({N, F}), dx = empty({N, 2 * F});
+  for (int64_t i = 0; i < y.numel(); ++i) {  // keep every value a finite-difference step from the kinks
+    double& v = y.data<double>()[i];
+    if (std::abs(std::abs(v) - 7.0) < 1e-3) v += 0.01;
+  }
+  backend->glu_backward(y, dout, dx, GateActivation::swiglu_oai);
+  auto loss = [&] {
+    backend->glu_forward(y, o2, GateActivation::swiglu_oai);
+    return weighted_sum(o2, dout);
+  };
+  expect_gradient_matches(y, values(dx), loss, kFdTol, "dx");
+}
+
+// Attention sinks (GPT-OSS): flash attention's output scaled by sigmoid(lse - s_h) equals the
+// softmax with the sink logit in its denominator, written naively; and the backward (the sink op
+// turning dO into dO', then flash's backward given the true O) gives d(qkv) and d(sinks) by finite
+// differences, with and without a window.
+TEST_F(OpsTest, AttentionSinksMatchTheSinkColumnSoftmaxAndFiniteDifferences) {
+  const int64_t B = 2, T = 6, H = 4, KV = 2, hd = 4, W = (H + 2 * KV) * hd;
+  for (const int64_t window : {int64_t{0}, int64_t{3}}) {
+    Tensor qkv = f64({B, T, W}, 21, 0.8), sinks = f64({H}, 22, 1.5), w = f64({B, T, H * hd}, 23);
+    Tensor out = empty({B, T, H * hd}), lse = empty({B, H, T});
+    auto forward = [&] {
+      backend->flash_attention_forward(qkv, out, lse, H, KV, window);
+      backend->attention_sink_forward(out, lse, sinks, H);
+    };
+    forward();
+    const auto q = values(qkv), o = values(out), s = values(sinks);
+    double worst = 0;
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t g = h / (H / KV);
+        for (int64_t i = 0; i < T; ++i) {
+          std::vector<double> x;
+          double m = s[h];
+          for (int64_t j = 0; j <= i; ++j) {
+            const bool visible = window == 0 || j > i - window;
+            double d = 0;
+            for (int64_t e = 0; e < hd; ++e) d += q[(b * T + i) * W + h * hd + e] * q[(b * T + j) * W + (H + g) * hd + e];
+            x.push_back(visible ? d / std::sqrt(static_cast<double>(hd)) : -INFINITY);
+            if (visible) m = std::max(m, x.back());
+          }
+          double z = std::exp(s[h] - m);
+          for (double v : x) z += std::exp(v - m);
+          for (int64_t e = 0; e < hd; ++e) {
+            double acc = 0;
+            for (int64_t j = 0; j <= i; ++j) acc += std::exp(x[j] - m) / z * q[(b * T + j) * W + (H + KV + g) * hd + e];
+            worst = std::max(worst, std::abs(acc - o[(b * T + i) * H * hd + h * hd + e]));
+          }
+        }
+      }
+    }
+    EXPECT_LT(worst, 1e-13) << "window " << window;
+    Tensor dout = empty({B, T, H * hd}), dqkv = empty({B, T, W}), dsinks = Tensor::zeros(alloc, {H}, DTYPE_F64, MEM_WORKSPACE);
+    backend->copy(w, dout);
+    backend->attention_sink_backward(dout, out, lse, sinks, dsinks, H);
+    backend->flash_attention_backward(dout, qkv, out, lse, dqkv, H, KV, window);
+    auto loss = [&] {
+      forward();
+      return weighted_sum(out, w);
+    };
+    expect_gradient_matches(qkv, values(dqkv), loss, kFdTol, "dqkv");
+    expect_gradient_matches(sinks, values(dsinks), loss, kFdTol, "dsinks");
+  }
+}
+
 // ---------------------------------------------------------------- RoPE
 
 TEST_F(OpsTest, RopeForwardRotatesHalvesByPositionAngles) {
@@ -379,6 +463,27 @@ TEST_F(OpsTest, RopePartialRotatesTheFirstRotaryDimsOnly) {
       }
     }
   }
+}
+
+// YaRN without truncation (GPT-OSS's truncate = false): the ramp's ends are not rounded, so a pair
+// between them takes a fractional blend — different from the truncated ramp's.
+TEST_F(OpsTest, RopeYarnWithoutTruncationKeepsTheRampsFractionalEnds) {
+  RopeSpec r{150000.0, ROPE_SCALING_YARN, 32.0, 1.0, 4.0, 4096.0, 32.0, 1.0, 1.0};
+  const int64_t d = 64;
+  const double two_pi = 2 * M_PI, log_theta = 2 * std::log(150000.0);
+  const double low = std::max(0.0, d * std::log(4096.0 / (32.0 * two_pi)) / log_theta);
+  const double high = std::min(d - 1.0, d * std::log(4096.0 / (1.0 * two_pi)) / log_theta);
+  r.yarn_truncate = false;
+  int differ = 0;
+  for (int64_t j = 0; j < d / 2; ++j) {
+    const double base = std::pow(150000.0, -2.0 * j / d);
+    const double ramp = std::clamp((j - low) / (high - low), 0.0, 1.0);
+    EXPECT_NEAR(rope_inv_freq(r, j, d), base / 32.0 * ramp + base * (1 - ramp), 1e-15 * base) << j;
+    RopeSpec t = r;
+    t.yarn_truncate = true;
+    differ += rope_inv_freq(t, j, d) != rope_inv_freq(r, j, d);
+  }
+  EXPECT_GT(differ, 0);
 }
 
 // Llama 3.1's rescaled frequencies, written as its reference does (torch.where over the three

@@ -47,7 +47,8 @@ import struct
 
 import torch
 
-_DTYPES = {torch.float32: ("F32", torch.int32), torch.float16: ("F16", torch.int16), torch.bfloat16: ("BF16", torch.int16)}
+_DTYPES = {torch.float32: ("F32", torch.int32), torch.float16: ("F16", torch.int16), torch.bfloat16: ("BF16", torch.int16),
+           torch.uint8: ("U8", torch.uint8)}
 
 
 def write_safetensors(path: str, tensors: dict[str, torch.Tensor]) -> None:

@@ -95,6 +95,10 @@ void ModelConfig::validate() const {
                linear_value_heads, ", a multiple of the key heads), linear_key_dim (", linear_key_dim,
                "), linear_value_dim (", linear_value_dim, ") and linear_conv_taps (", linear_conv_taps, ") must be >= 1");
   }
+  LOOM_CHECK(!(attn_sinks || attn_out_bias) || (arch == ARCH_LLAMA && !mla()),
+             "model.attn_sinks and model.attn_out_bias need arch = llama without MLA");
+  LOOM_CHECK(!(moe_router_bias || moe_expert_bias) || (moe_experts > 0 && arch == ARCH_LLAMA),
+             "model.moe_router_bias and model.moe_expert_bias need llama MoE blocks (model.moe_experts > 0)");
   LOOM_CHECK(!moe_shared_gate || (moe_experts > 0 && moe_shared > 0 && arch == ARCH_LLAMA),
              "model.moe_shared_gate needs llama MoE blocks with shared experts (moe_experts, moe_shared > 0)");
   LOOM_CHECK(nope_interval >= 0, "model.nope_interval must be >= 0 (0: RoPE on every block), got ", nope_interval);
@@ -231,8 +235,16 @@ ModelConfig model_preset(std::string_view name) {
     c.rope_scaling = ROPE_SCALING_LINEAR, c.rope_factor = 2.0f;
     return c;
   }
+  if (name == "qwen3-next-tiny") {  // llama-tiny as Qwen3-Next: layer 0 gated DeltaNet (2 key, 4 value heads of 8),
+    c = model_preset("llama-tiny");   // layer 1 gated attention (q/k norms, RoPE on half of each head); MoE with a gated shared expert
+    c.linear_interval = 2, c.linear_key_heads = 2, c.linear_value_heads = 4, c.linear_key_dim = 8, c.linear_value_dim = 8;
+    c.attn_output_gate = c.qk_norm = true;
+    c.rope_fraction = 0.5f;
+    c.moe_experts = 4, c.moe_top_k = 2, c.moe_d_ff = 32, c.moe_shared = 1, c.moe_shared_gate = true;
+    return c;
+  }
   throw Error(str_cat("unknown model preset '", name, "', expected one of: gpt2-tiny, gpt2-default, gpt2-small, gpt2-124m, "
-                      "llama-tiny, moe-tiny, mla-tiny, gemma-tiny"));
+                      "llama-tiny, moe-tiny, mla-tiny, gemma-tiny, qwen3-next-tiny"));
 }
 
 ModelConfig with_peft_of(ModelConfig base, const ModelConfig& from) {
@@ -258,6 +270,7 @@ RopeSpec ModelConfig::rope() const {
     std::copy(l.begin(), l.begin() + std::min<size_t>(l.size(), RopeSpec::kMaxPairs), r.long_factor);
   }
   r.rotary_dim = rotary_dim();
+  r.yarn_truncate = rope_yarn_truncate;
   return r;
 }
 

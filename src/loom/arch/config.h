@@ -60,6 +60,7 @@ struct ModelConfig {
   float rope_beta_fast = 32.0f;
   float rope_beta_slow = 1.0f;
   float rope_attention_factor = 1.0f;
+  bool rope_yarn_truncate = true;  // yarn: round the ramp's ends (transformers' truncate; GPT-OSS: false)
   // longrope (Phi-3 128k): the pairs' short and long factors, head_dim / 2 comma-separated numbers
   // each; the long ones apply to a span reaching past rope_original_context.
   std::string rope_short_factors, rope_long_factors;
@@ -109,6 +110,12 @@ struct ModelConfig {
   // Models"): a projection of the block's normed input (H hd rows, self_attn.gate_proj) gates each
   // head's attention output elementwise by its sigmoid before o_proj. Llama only.
   bool attn_output_gate = false;
+  // GPT-OSS: attention sinks (a learned per-head logit in each softmax's denominator; Backend::
+  // attention_sink_*), a bias on the output projection, and MoE routers and experts with biases.
+  bool attn_sinks = false;
+  bool attn_out_bias = false;
+  bool moe_router_bias = false;
+  bool moe_expert_bias = false;
   // Linear attention (Qwen3-Next's hybrid layout; nn/linear_attention.h): N > 0 makes every N-th
   // block (layers N-1, 2N-1, ...) a full-attention block and the others gated DeltaNet blocks of
   // linear_key_heads key heads of linear_key_dim, linear_value_heads value heads of
@@ -331,6 +338,9 @@ void visit_model_fields(Config& c, Visit&& visit) {
   visit(ModelField{"rope_attention_factor", ModelField::ROPE, "attention_factor",
                     "yarn RoPE scaling: cos and sin are multiplied by it (YaRN's attention factor)"},
         c.rope_attention_factor);
+  visit(ModelField{"rope_yarn_truncate", ModelField::IF_SET, "rope_yarn_truncate",
+                    "yarn RoPE scaling: round the ramp's ends to whole pairs (transformers' truncate; GPT-OSS: false)"},
+        c.rope_yarn_truncate);
   visit(ModelField{"rope_short_factors", ModelField::IF_SET, "rope_short_factors",
                     "longrope RoPE scaling: head_dim / 2 comma-separated factors dividing the pairs' frequencies within rope_original_context"},
         c.rope_short_factors);
@@ -359,10 +369,10 @@ void visit_model_fields(Config& c, Visit&& visit) {
                     "llama: N > 0 = every N-th block (layers N-1, 2N-1, ...) has no RoPE (SmolLM3's NoPE layers); 0 = RoPE on every block"},
         c.nope_interval);
   visit(ModelField{"qk_norm", ModelField::IF_SET, "qk_norm",
-                    "llama: RMSNorm of each query and key head before RoPE (Qwen3; not with MLA or parallel.tp > 1)"},
+                    "llama: RMSNorm of each query and key head before RoPE (Qwen3; not with MLA)"},
         c.qk_norm);
   visit(ModelField{"qk_norm_whole", ModelField::IF_SET, "qk_norm_whole",
-                    "llama with qk_norm: one norm over all query heads and one over all key heads (OLMo 2), not one per head"},
+                    "llama with qk_norm: one norm over all query heads and one over all key heads (OLMo 2), not one per head (not with parallel.tp > 1)"},
         c.qk_norm_whole);
   visit(ModelField{"post_norm", ModelField::IF_SET, "post_norm",
                     "llama: the blocks normalise the attention and MLP outputs before the residual add (OLMo 2), not their inputs"},
@@ -371,7 +381,7 @@ void visit_model_fields(Config& c, Visit&& visit) {
                     "llama: the blocks normalise both the inputs and the outputs of attention and MLP (Gemma 2/3's pre and post norms)"},
         c.sandwich_norm);
   visit(ModelField{"gate_activation", ModelField::IF_SET, "gate_activation",
-                    "llama's gated MLP: silu (SwiGLU) | gelu_tanh (GeGLU, Gemma's gelu_pytorch_tanh) | sigmoid (GLU)"},
+                    "llama's gated MLP: silu (SwiGLU) | gelu_tanh (GeGLU, Gemma's gelu_pytorch_tanh) | sigmoid (GLU) | swiglu_oai (GPT-OSS's clamped SwiGLU)"},
         c.gate_activation);
   visit(ModelField{"embed_scale", ModelField::IF_SET, "embed_scale",
                     "llama: the token embeddings are multiplied by this (Gemma: sqrt(d_model)); 0 = none"},
@@ -382,8 +392,20 @@ void visit_model_fields(Config& c, Visit&& visit) {
   visit(ModelField{"attn_output_gate", ModelField::IF_SET, "attn_output_gate",
                     "llama: each head's attention output times sigmoid of its own projection of the normed input (Qwen3-Next's gated attention)"},
         c.attn_output_gate);
+  visit(ModelField{"attn_sinks", ModelField::IF_SET, "attn_sinks",
+                    "llama: a learned logit per head joins each attention softmax's denominator (GPT-OSS's sinks; runs flash attention)"},
+        c.attn_sinks);
+  visit(ModelField{"attn_out_bias", ModelField::IF_SET, "attn_out_bias",
+                    "llama: a bias on the attention output projection (GPT-OSS; with qkv_bias: attention_bias)"},
+        c.attn_out_bias);
+  visit(ModelField{"moe_router_bias", ModelField::IF_SET, "moe_router_bias",
+                    "MoE: a trained bias on the router's logits (GPT-OSS)"},
+        c.moe_router_bias);
+  visit(ModelField{"moe_expert_bias", ModelField::IF_SET, "moe_expert_bias",
+                    "MoE: biases on each expert's two projections (GPT-OSS)"},
+        c.moe_expert_bias);
   visit(ModelField{"linear_interval", ModelField::IF_SET, "linear_interval",
-                    "llama: N > 0 = every N-th block (layers N-1, 2N-1, ...) full attention, the others gated DeltaNet linear attention (Qwen3-Next: 4); 0 = none"},
+                    "llama: N > 0 = every N-th block (layers N-1, 2N-1, ...) full attention, the others gated DeltaNet linear attention (Qwen3-Next: 4; split by heads with parallel.tp, its state relayed along parallel.cp); 0 = none"},
         c.linear_interval);
   visit(ModelField{"linear_key_heads", ModelField::IF_SET, "linear_key_heads",
                     "gated DeltaNet: query/key heads"},
@@ -496,7 +518,7 @@ void visit_model_fields(Config& c, Visit&& visit) {
 ModelConfig with_peft_of(ModelConfig base, const ModelConfig& from);
 
 // Named presets: "gpt2-tiny", "gpt2-small" (6L, d=384), "gpt2-124m", "llama-tiny", "moe-tiny",
-// "mla-tiny".
+// "mla-tiny", "gemma-tiny", "qwen3-next-tiny".
 ModelConfig model_preset(std::string_view name);
 
 int64_t param_count(const ModelConfig& config);

@@ -63,12 +63,15 @@ void add_moe(const ModelConfig& c, LayoutBuilder& b, const std::string& p, float
   const int64_t C = c.d_model, F = c.expert_ff(), S = c.moe_shared * F;
   const bool llama = c.gated_mlp();
   b.matrix(p + (llama ? "mlp.gate.weight" : "mlp.router.weight"), {c.moe_experts, C}, std);
+  if (c.moe_router_bias) b.bias(p + "mlp.gate.bias", c.moe_experts);
   b.buffer(p + (llama ? "mlp.gate.e_score_correction_bias" : "mlp.router.bias_correction"), c.moe_experts);
   for (int64_t e = 0; e < c.moe_experts; ++e) {
     const std::string x = p + "mlp.experts." + std::to_string(e) + ".";
     if (llama) {
       b.matrix(x + "gate_up_proj.weight", {2 * F, C}, std, ROLE_HIDDEN, {{F, 1}, {F, 1}});
+      if (c.moe_expert_bias) b.bias(x + "gate_up_proj.bias", 2 * F);
       b.matrix(x + "down_proj.weight", {C, F}, residual_std);
+      if (c.moe_expert_bias) b.bias(x + "down_proj.bias", C);
     } else {
       b.matrix(x + "c_fc.weight", {F, C}, std);
       b.matrix(x + "c_proj.weight", {C, F}, residual_std);
@@ -175,7 +178,9 @@ void add_llama(const ModelConfig& c, LayoutBuilder& b) {
         b.norm_weight(p + "self_attn.k_norm.weight", c.k_norm_width());
       }
       if (c.attn_output_gate) b.matrix(p + "self_attn.gate_proj.weight", {c.n_head * hd, C}, std, ROLE_HIDDEN, {{c.n_head * hd, hd}});
+      if (c.attn_sinks) b.bias(p + "self_attn.sinks", c.n_head);
       b.matrix(p + "self_attn.o_proj.weight", {C, c.n_head * c.head_dim()}, residual_std);
+      if (c.attn_out_bias) b.bias(p + "self_attn.o_proj.bias", C);
     }
     if (c.post_norms()) b.norm_weight(p + "post_attention_layernorm.weight", C);
     if (c.pre_norms()) b.norm_weight(p + (c.sandwich_norm ? "pre_feedforward_layernorm.weight" : "post_attention_layernorm.weight"), C);

@@ -4,6 +4,9 @@
 //   gelu_tanh  0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))  GeGLU (Gemma's gelu_pytorch_tanh)
 //   sigmoid    sigmoid(g)                                      a plain gate (Qwen3-Next's gated
 //                                                              attention output and shared expert)
+//   swiglu_oai GPT-OSS's clamped SwiGLU: with g' = min(g, 7) and u' = clamp(u, -7, 7),
+//              out = g' sigmoid(1.702 g') (u' + 1)              (transformers' GptOssExperts:
+//                                                              alpha 1.702, swiglu_limit 7)
 #pragma once
 #include <array>
 #include <cstdint>
@@ -13,11 +16,14 @@
 
 namespace loom {
 
-enum class GateActivation : uint8_t { silu, gelu_tanh, sigmoid };
+enum class GateActivation : uint8_t { silu, gelu_tanh, sigmoid, swiglu_oai };
+
+// swiglu_oai's constants (GPT-OSS's released config: swiglu_limit 7.0; alpha fixed in its code).
+inline constexpr double kSwigluOaiAlpha = 1.702, kSwigluOaiLimit = 7.0;
 
 template <>
 struct EnumNames<GateActivation> {  // model.gate_activation
-  static constexpr std::array<std::string_view, 3> names{"silu", "gelu_tanh", "sigmoid"};
+  static constexpr std::array<std::string_view, 4> names{"silu", "gelu_tanh", "sigmoid", "swiglu_oai"};
 };
 
 }  // namespace loom

@@ -182,6 +182,12 @@ void Backend::delta_gates_backward(const Tensor&, const Tensor&, const Tensor&, 
                                    const Tensor&, const Tensor&, const Tensor&) {
   unsupported(*this, "delta_gates_backward", "the gated delta rule, linear attention");
 }
+void Backend::attention_sink_forward(const Tensor&, const Tensor&, const Tensor&, int64_t) {
+  unsupported(*this, "attention_sink_forward", "attention sinks (GPT-OSS)");
+}
+void Backend::attention_sink_backward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t) {
+  unsupported(*this, "attention_sink_backward", "attention sinks (GPT-OSS)");
+}
 void Backend::mla_rope(const Tensor&, int64_t, int64_t, int64_t, int64_t, const RopeSpec&, int64_t, bool) {
   no_mla(*this, "mla_rope");
 }

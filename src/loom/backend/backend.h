@@ -329,6 +329,21 @@ class Backend {
                                     const Tensor& dbeta, const Tensor& dba, const Tensor& da_log,
                                     const Tensor& ddt_bias);
 
+  // ---- Attention sinks (GPT-OSS; Xiao et al. 2023, "Efficient Streaming Language Models with
+  // Attention Sinks", as a learned per-head logit): head h's sink s_h joins every row's softmax
+  // denominator with no value, p_ij = exp(x_ij) / (sum_j exp(x_ij) + exp(s_h)). Given a plain
+  // attention's output O' and its rows' log-sum-exp lse (flash attention's), that is
+  // O = g O' with g = sigmoid(lse - s_h). Layout: out (B, T, H hd) in place, lse (B, H, T),
+  // sinks (H), one dtype (f32 or f64).
+  // The backward takes the true output O and d(O) and turns dout into d(O') = g dO in place,
+  // which the plain attention's backward, given O (not O'), turns into the exact gradients:
+  // its D = rowsum(dO' o O) = g^2 dO.O' = dO'.O' - g (1 - g) dO.O' is D' less d(lse) (the
+  // sink's share of the softmax); and adds d(s_h) = -sum over rows (1 - g) dO.O to dsinks.
+  // The defaults throw (the CUDA backend has no kernels yet).
+  virtual void attention_sink_forward(const Tensor& out, const Tensor& lse, const Tensor& sinks, int64_t n_head);
+  virtual void attention_sink_backward(const Tensor& dout, const Tensor& out, const Tensor& lse, const Tensor& sinks,
+                                       const Tensor& dsinks, int64_t n_head);
+
   // RoPE (Su et al. 2021), rotate-half convention, in place on the first n_heads * head_dim
   // columns of x (B,T,W): pairs (j, j + hd/2) rotate by angle (pos_offset + t) * inv_freq(j)
   // (backend/rope.h: theta^(-2j/hd), rescaled by rope.scaling), computed in double; cos and sin

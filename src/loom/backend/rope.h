@@ -12,7 +12,8 @@
 //   yarn    (Peng et al. 2023, YaRN): with the original context L and
 //           c(n) = d ln(L / (2 pi n)) / (2 ln theta), pairs below floor(c(beta_fast)) keep their
 //           frequency, pairs above ceil(c(beta_slow)) are divided by factor, a linear ramp in j
-//           between; cos and sin are multiplied by `amplitude` (YaRN's attention factor);
+//           between (unrounded ends with yarn_truncate = false: GPT-OSS); cos and sin are
+//           multiplied by `amplitude` (YaRN's attention factor);
 //   longrope (Ding et al. 2024, LongRoPE; Phi-3's 128k models): pair j's frequency divided by
 //           short_factor[j], or by long_factor[j] when the rotated span reaches past the original
 //           context L (rope_span: transformers' choice by the sequence's length, made per
@@ -49,6 +50,7 @@ struct RopeSpec {
   double original_context = 8192.0;  // llama3, yarn: the context the model was pre-trained with
   double beta_fast = 32.0, beta_slow = 1.0;  // yarn: the ramp's ends, in rotations over the context
   double amplitude = 1.0;           // cos and sin are multiplied by it (yarn's, longrope's attention factor)
+  bool yarn_truncate = true;        // yarn: the ramp's ends rounded (floor, ceil); GPT-OSS's truncate = false keeps them
   // longrope: the pairs' short and long factors (head_dim / 2 of each), and which one this span uses.
   static constexpr int kMaxPairs = 128;
   float short_factor[kMaxPairs] = {};
@@ -79,8 +81,9 @@ LOOM_HOST_DEVICE double rope_inv_freq(const RopeSpec& r, int64_t j, int64_t dim)
   if (r.scaling == ROPE_SCALING_LONGROPE) return base / static_cast<double>(r.long_span ? r.long_factor[j] : r.short_factor[j]);
   if (r.scaling == ROPE_SCALING_YARN) {
     const double log_theta = 2.0 * ::log(r.theta), two_pi = 2.0 * 3.14159265358979323846;
-    double low = ::floor(static_cast<double>(dim) * ::log(r.original_context / (r.beta_fast * two_pi)) / log_theta);
-    double high = ::ceil(static_cast<double>(dim) * ::log(r.original_context / (r.beta_slow * two_pi)) / log_theta);
+    double low = static_cast<double>(dim) * ::log(r.original_context / (r.beta_fast * two_pi)) / log_theta;
+    double high = static_cast<double>(dim) * ::log(r.original_context / (r.beta_slow * two_pi)) / log_theta;
+    if (r.yarn_truncate) low = ::floor(low), high = ::ceil(high);
     low = low < 0.0 ? 0.0 : low;
     high = high > static_cast<double>(dim - 1) ? static_cast<double>(dim - 1) : high;
     if (low == high) high += 0.001;

@@ -277,6 +277,9 @@ void check_exportable(const ModelConfig& c, const GgufVocabulary& vocab) {
   LOOM_CHECK(!c.lora(), "peft.method = lora: GGUF export writes merged weights (loom convert merges the adapters first)");
   LOOM_CHECK(c.moe_experts == 0, "model.moe_experts = ", c.moe_experts, ": GGUF export supports dense models only");
   LOOM_CHECK(!c.mla(), "model.mla_kv_rank = ", c.mla_kv_rank, ": GGUF export does not support MLA models");
+  LOOM_CHECK(c.linear_interval == 0 && !c.attn_output_gate && c.rope_fraction == 1.0f && !c.moe_shared_gate,
+             "model.linear_interval / attn_output_gate / rope_fraction (Qwen3-Next's linear attention, gated attention, "
+             "partial RoPE): GGUF export does not support them yet");
   if (c.sandwich_norm) {  // llama.cpp's gemma3 (llama-model.cpp: set_swa_pattern(6), rope_freq_base_train_swa 10000)
     LOOM_CHECK(c.qk_norm && !c.qk_norm_whole && c.gate_activation == GateActivation::gelu_tanh &&
                    c.embed_scale == std::sqrt(static_cast<float>(c.d_model)) && c.tie_embeddings && !c.qkv_bias &&

@@ -259,9 +259,10 @@ void read_scaling_object(const std::string& path, const char* where, json s, Mod
       const double m = yarn_mscale(factor, mscale_all_dim);
       c.mla_score_scale = static_cast<float>(m * m);
     }
-    known.insert("truncate");
-    LOOM_CHECK(!s.contains("truncate") || s["truncate"] == true, path, ": ", where, ".truncate = ",
-               s["truncate"].dump(), " is not supported (the ramp's ends are rounded, as YaRN does)");
+    known.insert("truncate");  // false (GPT-OSS): the ramp's ends are not rounded
+    LOOM_CHECK(!s.contains("truncate") || s["truncate"].is_boolean(), path, ": ", where, ".truncate must be true or "
+               "false, got ", s["truncate"].dump());
+    c.rope_yarn_truncate = !s.contains("truncate") || s["truncate"].get<bool>();
   } else if (type == "longrope" || type == "su") {
     // LongRoPE (Phi-3 128k): per-pair short and long factors; the original context and the attention
     // factor are the family's (read_longrope_context below) unless the object gives them.
@@ -335,7 +336,8 @@ json rope_scaling_json(const ModelConfig& c) {
             {"original_max_position_embeddings", c.rope_original_context},
             {"beta_fast", d(c.rope_beta_fast)},
             {"beta_slow", d(c.rope_beta_slow)},
-            {"attention_factor", d(c.rope_attention_factor)}};
+            {"attention_factor", d(c.rope_attention_factor)},
+            {"truncate", c.rope_yarn_truncate}};
   }
   return {{"rope_type", "llama3"},
           {"factor", d(c.rope_factor)},
@@ -347,7 +349,8 @@ json rope_scaling_json(const ModelConfig& c) {
 // The keys the Llama-derived families share (llama, mistral, qwen2/3, mixtral, qwen3_moe and
 // DeepSeek's non-attention keys).
 // tie_default: tie_word_embeddings when absent (the family's configuration class's default).
-void read_llama_common(ConfigReader& r, ModelConfig& c, bool deepseek = false, bool tie_default = false) {
+void read_llama_common(ConfigReader& r, ModelConfig& c, bool deepseek = false, bool tie_default = false,
+                       bool attention_bias = false) {
   c.arch = ARCH_LLAMA;
   read_int_keys(r, kLlamaKeys, c);
   c.n_kv_head = r.get<int64_t>("num_key_value_heads", c.n_head);
@@ -357,7 +360,9 @@ void read_llama_common(ConfigReader& r, ModelConfig& c, bool deepseek = false, b
   c.tie_embeddings = r.get<bool>("tie_word_embeddings", tie_default);
   LOOM_CHECK(c.n_head > 0, r.path(), ": num_attention_heads must be > 0");
   r.require("hidden_act", "silu", "silu", "Loom's SwiGLU gates with SiLU");
-  r.require("attention_bias", false, false, "an output-projection bias (o_proj) is not implemented for llama");
+  if (!attention_bias) {  // (GPT-OSS reads it: model.qkv_bias and attn_out_bias)
+    r.require("attention_bias", false, false, "an output-projection bias (o_proj) is not implemented for llama");
+  }
   r.require("mlp_bias", false, false, "MLP biases are not implemented for llama yet");
   // pretraining_tp > 1 (SmolLM3 writes 2): transformers' Llama once split the projections into
   // that many slices and summed their products, the same linear maps in another order; today's
@@ -402,6 +407,25 @@ void read_nope_layers(ConfigReader& r, ModelConfig& c) {
   }
 }
 
+// layer_types of sliding and full attention layers, kept as model.window_pattern N (layers N-1,
+// 2N-1, ... full): N is one past the first full layer (past the last layer when none is), and a
+// list of another pattern is refused naming its entry. Absent: the family's pattern stays.
+void read_window_layer_types(ConfigReader& r, ModelConfig& c) {
+  if (!r.has("layer_types")) return;
+  const json list = r.get<json>("layer_types");
+  LOOM_CHECK(list.is_array() && static_cast<int64_t>(list.size()) == c.n_layer, r.path(),
+             ": layer_types must list num_hidden_layers = ", c.n_layer, " entries");
+  int64_t first_full = 0;
+  while (first_full < c.n_layer && list[static_cast<size_t>(first_full)] == "sliding_attention") ++first_full;
+  c.window_pattern = first_full < c.n_layer ? first_full + 1 : c.n_layer + 1;  // none global: past the last layer
+  for (int64_t i = 0; i < c.n_layer; ++i) {
+    const json& v = list[static_cast<size_t>(i)];
+    LOOM_CHECK(v == (c.layer_window(i) > 0 ? "sliding_attention" : "full_attention"), r.path(), ": layer_types = ",
+               list.dump(), " is not supported (Loom makes every N-th layer global, layers N-1, 2N-1, ...; entry ",
+               i, " is ", v.dump(), ")");
+  }
+}
+
 // Gemma 3's local and global layers: layer_types (transformers >= 4.53) or sliding_window_pattern N
 // (layers N-1, 2N-1, ... global; Gemma3TextConfig's default 6), kept as model.window_pattern; a
 // layer_types list of another pattern is refused.
@@ -410,20 +434,7 @@ void read_gemma_layers(ConfigReader& r, ModelConfig& c) {
   LOOM_CHECK(c.attn_window > 0, r.path(), ": sliding_window must be > 0, got ", c.attn_window);
   c.window_pattern = r.get<int64_t>("sliding_window_pattern", 6);
   LOOM_CHECK(c.window_pattern > 0, r.path(), ": sliding_window_pattern must be > 0, got ", c.window_pattern);
-  if (r.has("layer_types")) {
-    const json list = r.get<json>("layer_types");
-    LOOM_CHECK(list.is_array() && static_cast<int64_t>(list.size()) == c.n_layer, r.path(),
-               ": layer_types must list num_hidden_layers = ", c.n_layer, " entries");
-    int64_t first_full = 0;
-    while (first_full < c.n_layer && list[static_cast<size_t>(first_full)] == "sliding_attention") ++first_full;
-    c.window_pattern = first_full < c.n_layer ? first_full + 1 : c.n_layer + 1;  // none global: past the last layer
-    for (int64_t i = 0; i < c.n_layer; ++i) {
-      const json& v = list[static_cast<size_t>(i)];
-      LOOM_CHECK(v == (c.layer_window(i) > 0 ? "sliding_attention" : "full_attention"), r.path(), ": layer_types = ",
-                 list.dump(), " is not supported (Loom makes every N-th layer global, layers N-1, 2N-1, ...; entry ",
-                 i, " is ", v.dump(), ")");
-    }
-  }
+  read_window_layer_types(r, c);
   c.rope_local_theta = r.get<float>("rope_local_base_freq", 10000.0f);
 }
 
@@ -495,6 +506,39 @@ void read_qwen3_next(ConfigReader& r, ModelConfig& c) {
   r.ignore({"output_router_logits", "router_aux_loss_coef"});  // training: set model.moe_aux_alpha to train with it
 }
 
+// GPT-OSS (GptOssForCausalLM, model_type gpt_oss): attention with biases on q/k/v/o and a sink
+// logit per head, layer_types alternating sliding and full attention (every N-th full: model.
+// window_pattern; transformers' default when absent alternates from a sliding layer 0), MoE on
+// every layer with a router bias, softmax over the top k logits (= Loom's renormalised softmax),
+// experts with biases and the clamped SwiGLU (swiglu_limit must be 7), YaRN with truncate = false.
+// The release's experts are MXFP4 (quantization_config.quant_method = mxfp4): dequantized on load
+// (hf_model.cpp). transformers' GptOssConfig defaults where a key is absent.
+void read_gpt_oss(ConfigReader& r, ModelConfig& c) {
+  c.qkv_bias = c.attn_out_bias = r.get<bool>("attention_bias", true);
+  c.attn_sinks = true;
+  c.gate_activation = GateActivation::swiglu_oai;
+  r.require("swiglu_limit", 7.0, 7.0, "the clamped SwiGLU's limit is fixed at 7 (GPT-OSS's released value)");
+  c.moe_experts = r.get<int64_t>("num_local_experts", 128);
+  c.moe_top_k = r.get<int64_t>("num_experts_per_tok", 4);
+  LOOM_CHECK(!r.has("experts_per_token") || r.get<int64_t>("experts_per_token") == c.moe_top_k, r.path(),
+             ": experts_per_token (", r.get<int64_t>("experts_per_token", 0), ") differs from num_experts_per_tok (",
+             c.moe_top_k, ")");
+  c.moe_d_ff = c.d_ff;
+  c.moe_renorm = c.moe_top_k > 1;  // softmax over the top k logits
+  c.moe_router_bias = c.moe_expert_bias = true;
+  c.attn_window = r.get<int64_t>("sliding_window", 128);
+  LOOM_CHECK(c.attn_window > 0, r.path(), ": sliding_window must be > 0, got ", c.attn_window);
+  c.window_pattern = 2;
+  read_window_layer_types(r, c);
+  if (r.has("quantization_config")) {
+    const json q = r.get<json>("quantization_config");
+    LOOM_CHECK(q.is_object() && q.value("quant_method", "") == "mxfp4", r.path(), ": quantization_config ",
+               q.dump(), " is not supported (the release's mxfp4 experts are)");
+  }
+  // The context the model was pre-trained with (YaRN's original_max_position_embeddings says it too).
+  r.ignore({"initial_context_length", "output_router_logits", "router_aux_loss_coef"});
+}
+
 // Mixtral, Qwen3-MoE: every layer routes each token to num_experts_per_tok of E experts by the
 // softmax of the router's logits (no shared experts, no groups); training-only keys ignored.
 void read_softmax_moe(ConfigReader& r, ModelConfig& c, const char* experts_key) {
@@ -506,7 +550,8 @@ void read_softmax_moe(ConfigReader& r, ModelConfig& c, const char* experts_key) 
 ModelConfig llama_family_config(ConfigReader& r, HfFamily family) {
   ModelConfig c;
   // SmolLM3Config and Gemma3TextConfig tie by default (SmolLM3-3B omits the key)
-  read_llama_common(r, c, false, family == HfFamily::smollm3 || family == HfFamily::gemma3_text);
+  read_llama_common(r, c, false, family == HfFamily::smollm3 || family == HfFamily::gemma3_text,
+                    family == HfFamily::gpt_oss);
   read_head_dim(r, c);
   switch (family) {
     case HfFamily::mistral:
@@ -535,6 +580,7 @@ ModelConfig llama_family_config(ConfigReader& r, HfFamily family) {
       break;
     case HfFamily::gemma3_text: read_gemma3(r, c); break;
     case HfFamily::qwen3_next: read_qwen3_next(r, c); break;
+    case HfFamily::gpt_oss: read_gpt_oss(r, c); break;
     case HfFamily::smollm3:
       read_nope_layers(r, c);
       r.require("use_sliding_window", false, false, "SmolLM3's sliding window is not implemented");
@@ -609,7 +655,7 @@ const char* family_class(HfFamily f) {
                                     "Qwen2ForCausalLM",   "Qwen3ForCausalLM",    "MixtralForCausalLM",
                                     "Qwen3MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
                                     "SmolLM3ForCausalLM",  "Phi3ForCausalLM",       "Olmo2ForCausalLM",
-                                    "Gemma3ForCausalLM",  "Qwen3NextForCausalLM"};
+                                    "Gemma3ForCausalLM",  "Qwen3NextForCausalLM",  "GptOssForCausalLM"};
   return kNames[static_cast<int>(f)];
 }
 
@@ -621,8 +667,6 @@ const char* unimplemented_family(const std::string& type) {
                  "(Gemma3ForCausalLM)"},
       {"gemma2", "Gemma 2 needs (1 + w) RMSNorms before and after attention and MLP, GeGLU, logit soft-capping and "
                  "alternating sliding layers"},
-      {"gpt_oss", "GPT-OSS needs attention sinks, alternating sliding windows, MoE with clamped SwiGLU and biases, and "
-                  "MXFP4 expert weights"},
       {"qwen2_moe", "Qwen2-MoE scales its shared expert by a sigmoid gate (shared_expert_gate), which Loom's MoE has not"},
   };
   const auto it = kWhy.find(type);
@@ -671,6 +715,19 @@ HfFamily hf_family_of(const ModelConfig& c) {
     LOOM_CHECK(!moe || c.moe_sigmoid || !c.moe_renorm || c.moe_route_scale == 1.0f, where,
                "DeepSeek-V2 does not scale renormalised gates (model.moe_route_scale must be 1)");
     return moe && c.moe_sigmoid ? HfFamily::deepseek_v3 : HfFamily::deepseek_v2;
+  }
+  if (c.attn_sinks || c.attn_out_bias || c.moe_router_bias || c.moe_expert_bias ||
+      c.gate_activation == GateActivation::swiglu_oai) {
+    LOOM_CHECK(c.attn_sinks && c.gate_activation == GateActivation::swiglu_oai && moe && c.moe_router_bias &&
+                   c.moe_expert_bias && c.qkv_bias == c.attn_out_bias && !c.qk_norm && c.moe_shared == 0 &&
+                   c.moe_dense_layers == 0 && !c.moe_sigmoid && c.moe_groups == 1 && c.moe_route_scale == 1.0f &&
+                   c.moe_renorm == (c.moe_top_k > 1) && c.expert_ff() == c.d_ff && c.attn_window > 0 &&
+                   c.window_pattern > 0 && c.rope_local_theta == 0.0f && c.linear_interval == 0 && !c.tie_embeddings &&
+                   c.nope_interval == 0 && c.rope_fraction == 1.0f,
+               where, "attention sinks, the clamped SwiGLU and biased routers and experts map to GPT-OSS, which has "
+               "all of them with q/k/v/o biases alike, softmax top-k MoE on every layer (no shared experts) of "
+               "width d_ff, interleaved windows with one RoPE, an untied head and no q/k norms");
+    return HfFamily::gpt_oss;
   }
   if (c.linear_interval > 0 || c.attn_output_gate || c.moe_shared_gate || c.rope_fraction != 1.0f) {
     LOOM_CHECK(c.linear_interval > 0 && c.attn_output_gate && c.qk_norm && !c.qk_norm_whole && !c.qkv_bias &&
@@ -790,6 +847,14 @@ json hf_config_json(const ModelConfig& c) {
         j.update({{"num_experts_per_tok", c.moe_top_k}, {"moe_intermediate_size", c.expert_ff()},
                   {"shared_expert_intermediate_size", c.moe_shared * c.expert_ff()}, {"norm_topk_prob", c.moe_renorm}});
       }
+      break;
+    }
+    case HfFamily::gpt_oss: {
+      json types = json::array();
+      for (int64_t i = 0; i < c.n_layer; ++i) types.push_back(c.layer_window(i) > 0 ? "sliding_attention" : "full_attention");
+      j.update({{"attention_bias", c.qkv_bias}, {"layer_types", types}, {"num_local_experts", c.moe_experts},
+                {"num_experts_per_tok", c.moe_top_k}, {"experts_per_token", c.moe_top_k}, {"swiglu_limit", 7.0},
+                {"initial_context_length", c.rope_scaling == ROPE_SCALING_YARN ? c.rope_original_context : c.max_seq_len}});
       break;
     }
     case HfFamily::smollm3: {

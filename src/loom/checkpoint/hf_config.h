@@ -31,14 +31,15 @@ namespace loom {
 
 enum class HfFamily {
   gpt2, llama, mistral, qwen2, qwen3, mixtral, qwen3_moe, deepseek_v2, deepseek_v3, smollm3, phi3, olmo2, gemma3_text,
-  qwen3_next
+  qwen3_next, gpt_oss
 };
 
 template <>
 struct EnumNames<HfFamily> {  // config.json's model_type
-  static constexpr std::array<std::string_view, 14> names{"gpt2",        "llama",   "mistral", "qwen2",      "qwen3",
+  static constexpr std::array<std::string_view, 15> names{"gpt2",        "llama",   "mistral", "qwen2",      "qwen3",
                                                           "mixtral",     "qwen3_moe", "deepseek_v2", "deepseek_v3",
-                                                          "smollm3",     "phi3",    "olmo2",   "gemma3_text", "qwen3_next"};
+                                                          "smollm3",     "phi3",    "olmo2",   "gemma3_text", "qwen3_next",
+                                                          "gpt_oss"};
 };
 
 // The family and model config of a config.json (path: for errors).

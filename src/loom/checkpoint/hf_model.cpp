@@ -8,6 +8,7 @@
 #include <fstream>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <vector>
@@ -16,6 +17,7 @@
 
 #include "loom/arch/param_layout.h"
 #include "loom/checkpoint/hf_config.h"
+#include "loom/checkpoint/hf_gpt_oss.h"
 #include "loom/checkpoint/safetensors.h"
 #include "loom/core/dtype.h"
 #include "loom/core/error.h"
@@ -44,6 +46,8 @@ struct Piece {
   // the whole tensor, of the rows' shape.
   std::vector<std::pair<int64_t, int64_t>> runs;
   Shape shape;
+  // GPT-OSS: one expert's part of a fused (or MXFP4) folder tensor (checkpoint/hf_gpt_oss.h).
+  std::optional<GptOssExpertRef> expert;
 };
 
 
@@ -110,6 +114,15 @@ std::vector<Piece> pieces_of(const ModelConfig& c, HfFamily family, const ParamS
   if (family == HfFamily::phi3) return {{n, rows}};
   if (family == HfFamily::qwen3_next) {
     if (std::vector<Piece> p = qwen3_next_pieces(c, n, stem, rows, spec); !p.empty()) return p;
+  }
+  if (family == HfFamily::gpt_oss) {  // the router is mlp.router; the experts fused (hf_gpt_oss.h)
+    if (const std::optional<GptOssExpertRef> ref = gpt_oss_expert_ref(n)) {
+      Piece p(ref->folder, rows, {}, gpt_oss_folder_shape(c, ref->part));
+      p.expert = ref;
+      return {p};
+    }
+    if (ends_with(n, ".mlp.gate.weight")) return {{stem + ".router.weight", rows}};
+    if (ends_with(n, ".mlp.gate.bias")) return {{stem + ".router.bias", rows}};
   }
   if (ends_with(n, ".self_attn.qkv_proj.weight")) {
     return {{stem + ".q_proj.weight", q}, {stem + ".k_proj.weight", kv}, {stem + ".v_proj.weight", kv}};
@@ -353,6 +366,10 @@ const char* experts_key(HfFamily f) {
   return f == HfFamily::mixtral ? "num_local_experts" : f == HfFamily::qwen3_moe ? "num_experts" : "n_routed_experts";
 }
 
+FolderLookup lookup_in(const HfTensors& files) {
+  return [&files](const std::string& name, std::string* stored) { return files.find(name, stored); };
+}
+
 // The folder's tensors against its config.json, before a model of that size is allocated: the
 // layers and experts it says against those the files hold (a config's 10^9 layers over 2 layers'
 // tensors is refused here, naming the first missing tensor, instead of allocating for them),
@@ -362,7 +379,14 @@ void check_hf_tensors(const fs::path& dir, const HfConfig& hf, const HfTensors& 
   const std::string config_path = (dir / kConfigFile).string();
   const std::vector<std::string> names = files.names();
   const int64_t layers = indices_held(names, [&](const std::string& n) { return layer_index(n, c); });
-  const int64_t experts = c.moe_experts > 0 ? indices_held(names, expert_index) : 0;
+  // GPT-OSS fuses its experts (hf_gpt_oss.h): their count is the router's rows.
+  const auto fused_experts = [&]() -> int64_t {
+    std::string stored;
+    const SafetensorsFile* f = files.find("model.layers.0.mlp.router.weight", &stored);
+    return f != nullptr && f->shape(stored).size() == 2 ? f->shape(stored)[0] : 0;
+  };
+  const int64_t experts = c.moe_experts == 0 ? 0 : hf.family == HfFamily::gpt_oss ? fused_experts()
+                                                                                   : indices_held(names, expert_index);
   // A config no larger than the files: the parameters are walked over it, in layout order.
   ModelConfig bounded = c;
   bounded.n_layer = std::min(c.n_layer, layers + 1);
@@ -378,6 +402,11 @@ void check_hf_tensors(const fs::path& dir, const HfConfig& hf, const HfTensors& 
       const bool transpose = is_gpt2_conv1d_weight(spec.name);
       for (const Piece& piece : pieces_of(c, hf.family, spec)) {
         std::string stored;
+        if (piece.expert) {  // a fused GPT-OSS tensor (or its MXFP4 blocks and scales): shapes checked on read
+          LOOM_CHECK(!gpt_oss_stored_names(lookup_in(files), *piece.expert).empty(), "tensor '", piece.name,
+                     "' is missing from the safetensors files in ", dir.string());
+          continue;
+        }
         const SafetensorsFile* file = files.find(piece.name, &stored);
         if (counts) {
           if (file != nullptr) continue;
@@ -440,7 +469,11 @@ HfWeightReader::HfWeightReader(const std::string& dir, const ModelConfig& c)
   for (const ParamSpec& spec : s_->layout.params) {
     for (const Piece& piece : pieces_of(c, s_->family, spec)) {
       std::string stored;
-      if (s_->files.find(piece.name, &stored) != nullptr) used.insert(stored);
+      if (piece.expert) {
+        for (const std::string& name : gpt_oss_stored_names(lookup_in(s_->files), *piece.expert)) used.insert(name);
+      } else if (s_->files.find(piece.name, &stored) != nullptr) {
+        used.insert(stored);
+      }
     }
   }
   std::string head;
@@ -455,7 +488,7 @@ HfWeightReader::~HfWeightReader() = default;
 
 bool HfWeightReader::stored_as_bf16(const std::string& name) const {
   const std::vector<Piece> pieces = pieces_of(s_->config, s_->family, s_->layout.find(name));
-  if (pieces.empty()) return false;
+  if (pieces.empty() || pieces.front().expert) return false;  // (GPT-OSS's experts are read in f32)
   for (const Piece& piece : pieces) {
     std::string stored;
     const SafetensorsFile* file = s_->files.find(piece.name, &stored);
@@ -476,7 +509,12 @@ void HfWeightReader::read(const std::string& name, const Tensor& dst) const {
   std::set<std::string> used;
   int64_t row = 0;
   for (const Piece& piece : pieces) {
-    copy_piece(s_->files, piece, spec, dst, row, used);
+    if (piece.expert) {
+      LOOM_CHECK(wide, name, ": GPT-OSS's fused experts are read in f32 only");
+      read_gpt_oss_expert(lookup_in(s_->files), c, *piece.expert, dst.data<float>(), used);
+    } else {
+      copy_piece(s_->files, piece, spec, dst, row, used);
+    }
     row += piece.rows;
   }
   if (deepseek(s_->family)) permute_deepseek_rope_rows(c, deepseek_rope_starts(c, spec.name), dst, true);
@@ -564,7 +602,16 @@ void save_hf_model(const std::string& dir, ParamReader& params, DType dtype) {
       for (const Piece& piece : pieces_of(c, family, spec)) {
         const float* in = values + row * cols;
         auto n = static_cast<size_t>(piece.rows * cols);
-        if (!piece.runs.empty()) {  // into the folder tensor's rows; written once all of them are
+        if (piece.expert) {  // GPT-OSS: into its place in the fused tensor; written once every expert's is
+          Pending& p = pending[piece.name];
+          p.values.resize(static_cast<size_t>(shape_numel(piece.shape)));
+          write_gpt_oss_expert(c, *piece.expert, in, p.values.data());
+          row += piece.rows;
+          p.filled += static_cast<int64_t>(n);
+          if (p.filled < static_cast<int64_t>(p.values.size())) continue;
+          in = p.values.data();
+          n = p.values.size();
+        } else if (!piece.runs.empty()) {  // into the folder tensor's rows; written once all of them are
           Pending& p = pending[piece.name];
           p.values.resize(static_cast<size_t>(shape_numel(piece.shape)));
           int64_t at = 0;

@@ -73,7 +73,7 @@ BlockParams Transformer::frozen_grads(BlockParams g) const {
   AttentionParams& a = g.attention;
   MlpParams& m = g.mlp;
   for (Tensor* t : {&a.qkv_w, &a.qkv_b, &a.proj_w, &a.proj_b, &m.fc_w, &m.fc_b, &m.fc2_w, &m.fc2_b}) *t = Tensor{};
-  for (Tensor* t : {&a.norm_w, &a.post_norm_w, &a.q_norm, &a.k_norm, &m.norm_w, &m.post_norm_w}) *t = sink(*t, sink_w_);
+  for (Tensor* t : {&a.norm_w, &a.post_norm_w, &a.q_norm, &a.k_norm, &a.sinks, &m.norm_w, &m.post_norm_w}) *t = sink(*t, sink_w_);
   for (Tensor* t : {&a.norm_b, &m.norm_b}) *t = sink(*t, sink_b_);
   return g;
 }
@@ -647,6 +647,9 @@ std::vector<std::pair<int64_t, int64_t>> Transformer::tp_partial_ranges() const 
     if (sp_) {
       for (const Tensor& t : {g.attention.norm_w, g.attention.norm_b, g.mlp.norm_w, g.mlp.norm_b}) add(t);
     }
+    // Weights shared by the heads the ranks split (per-head q/k norms, the gated DeltaNet's gated
+    // norm): each rank's heads give part of their gradient.
+    for (const Tensor& t : {g.attention.q_norm, g.attention.k_norm, g.linear.gate_norm_w}) add(t);
     // LoRA: each rank's output slice (q/k/v, gate/up) or input slice (o, down) gives part of the
     // gradient of the adapter matrix all ranks hold.
     for (const LoraAdapter& a : g.attention.qkv_lora) add(a.a);

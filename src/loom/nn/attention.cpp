@@ -61,6 +61,8 @@ void check_documents(const LayerPlan& plan) {
   LOOM_CHECK(plan.attention == AttentionKind::mha || plan.attention == AttentionKind::flash, "packed documents "
              "(data.document_mask) with ", plan.attention == AttentionKind::mla ? "MLA" : "context-parallel",
              " attention are not supported yet");
+  LOOM_CHECK(!plan.sinks, "packed documents (data.document_mask) with attention sinks (model.attn_sinks) are not "
+             "supported yet");
 }
 
 // The plain attention's ops, with the plan's GEMM precision (LayerPlan::attention_bf16: no window).
@@ -318,10 +320,12 @@ void AttentionLayer::forward(Backend& backend, const Tensor& x, AttentionSaved& 
     if (plan_.rope) rope(backend, s.qkv, false, s.docs);
     if (s.attn.dtype() == DTYPE_F32) {
       attention_forward(backend, plan_, config_, links_.cp, s);
+      if (plan_.sinks) backend.attention_sink_forward(s.attn, s.lse, p.sinks, config_.n_head);
     } else {  // kept in bf16 (LayerPlan::saved_bf16): computed in fp32, then rounded into s.attn
       AttentionSaved staged = s;
       staged.attn = saved_target(s.attn, links_.ws);
       attention_forward(backend, plan_, config_, links_.cp, staged);
+      if (plan_.sinks) backend.attention_sink_forward(staged.attn, s.lse, p.sinks, config_.n_head);
       store_saved(backend, staged.attn, s.attn);
     }
     if (plan_.output_gate) output_gate_forward(backend, input, s);
@@ -361,6 +365,8 @@ void AttentionLayer::output_gate_backward(Backend& backend, const Tensor& input,
 
 void AttentionLayer::forward_rows(Backend& backend, const Tensor& x, AttentionSaved& s, const Tensor& mid,
                                   const std::vector<int64_t>& positions, DecodeCache& cache, int64_t layer) const {
+  LOOM_CHECK(!plan_.sinks, "decoding with attention sinks (model.attn_sinks, GPT-OSS) is not supported yet: the KV "
+             "cache's attention kernels take no sink logits");
   const AttentionParams& p = params_;
   const int64_t n = x.dim(0), H = config_.n_head, hd = config_.head_dim(), W = config_.qkv_width();
   const bool pre = config_.pre_norms(), post = config_.post_norms();
@@ -472,10 +478,13 @@ void AttentionLayer::backward(Backend& backend, const Tensor& x, const Attention
     mla_backward(backend, config_, p.mla, g.mla, s.norm.out, mla_activations(s), k.d_attn, k.d_norm, k.d_qkv);
   } else {
     if (s.attn.dtype() == DTYPE_F32) {
+      // Sinks: d(O') = g dO, and the plain backward given O (Backend::attention_sink_backward).
+      if (plan_.sinks) backend.attention_sink_backward(k.d_attn, s.attn, s.lse, p.sinks, g.sinks, config_.n_head);
       attention_backward(backend, plan_, config_, links_.cp, s, k);
     } else {  // O kept in bf16: the kernel reads it widened (D = rowsum(dO o O) of the bf16 O, as autocast's)
       AttentionSaved widened = s;
       widened.attn = saved_f32(backend, s.attn, links_.ws);
+      if (plan_.sinks) backend.attention_sink_backward(k.d_attn, widened.attn, s.lse, p.sinks, g.sinks, config_.n_head);
       attention_backward(backend, plan_, config_, links_.cp, widened, k);
     }
     if (plan_.rope) rope(backend, k.d_qkv, true, s.docs);

@@ -28,6 +28,7 @@ struct AttentionParams {
   Tensor q_norm, k_norm;  // (hd) each: model.qk_norm
   MlaParams mla;          // MLA: queries, latent, decoupled RoPE key and up-projections
   Tensor gate_w;          // (H hd, C): model.attn_output_gate's projection
+  Tensor sinks;           // (H): model.attn_sinks' per-head logits
   Tensor proj_w, proj_b;  // (C, H hd), (C); MLA: (C, H d_v)
   LoraAdapters qkv_lora, proj_lora;  // model.lora(): the adapters of q/k/v and o (nn/lora.h)
 };

@@ -57,8 +57,10 @@ BlockParams block_params_view(const ModelConfig& config, const ParamLayout& layo
       if (config.qkv_bias) p.qkv_b = v(pre + "self_attn.qkv_proj.bias");
       if (config.qk_norm) p.q_norm = v(pre + "self_attn.q_norm.weight"), p.k_norm = v(pre + "self_attn.k_norm.weight");
       if (config.attn_output_gate) p.gate_w = v(pre + "self_attn.gate_proj.weight");
+      if (config.attn_sinks) p.sinks = v(pre + "self_attn.sinks");
     }
     if (!config.linear_layer(layer)) p.proj_w = v(pre + "self_attn.o_proj.weight");
+    if (config.attn_out_bias && !config.linear_layer(layer)) p.proj_b = v(pre + "self_attn.o_proj.bias");
     if (config.pre_norms()) {
       m.norm_w = v(pre + (config.sandwich_norm ? "pre_feedforward_layernorm.weight" : "post_attention_layernorm.weight"));
     }
@@ -97,7 +99,8 @@ void block_saved_fields(const ModelConfig& config, const LayerPlan& plan, const 
   const int64_t B = shape.batch, Ts = shape.seq_len / shape.seq_shards, C = config.d_model;
   field(s.input, {B, Ts, C}, DTYPE_F32);
   if (plan.attention == AttentionKind::linear) {
-    gated_delta_net_saved_fields(gated_delta_net_shape(config), B, Ts, C, s.linear, field);
+    gated_delta_net_saved_fields(gated_delta_net_shape(config), B, Ts, C, s.linear, field, DTYPE_F32,
+                                 plan.context_parallel);
   } else {
     attention_saved_fields(config, plan, shape, s.attention, field);
   }
@@ -146,7 +149,7 @@ Block::Block(const ModelConfig& config, int64_t layer, BlockParams params, Block
       attention_(config, std::move(params.attention), std::move(grads.attention)),
       mlp_(config, std::move(params.mlp), std::move(grads.mlp)) {
   if (config.linear_layer(layer)) {
-    linear_ = std::make_shared<const GatedDeltaNet>(config, gated_delta_net_shape(config), std::move(params.linear),
+    linear_ = std::make_shared<GatedDeltaNet>(config, gated_delta_net_shape(config), std::move(params.linear),
                                                     std::move(grads.linear));
   }
   replan(choices_);
@@ -173,6 +176,7 @@ void Block::set_tensor_parallel(Communicator* tp, SequenceScratch* sequence) {
   LayerLinks links = links_;
   links.tp = tp, links.seq = sequence;
   relink(links);
+  if (linear_) linear_->set_tensor_parallel(tp);
 }
 
 void Block::set_precision(const PrecisionPolicy& policy, BlockParams params16, LinearWorkspace* workspace) {
@@ -193,6 +197,7 @@ void Block::set_context_parallel(ContextParallel* cp) {
   LayerLinks links = links_;
   links.cp = cp;
   relink(links);
+  if (linear_) linear_->set_context_parallel(cp);
 }
 
 void Block::set_flash_attention(bool on) {

@@ -133,7 +133,7 @@ class Block {
   LayerPlan plan_;
   LayerLinks links_;     // the layout's groups and buffers, given to both sub-layers
   AttentionLayer attention_;
-  std::shared_ptr<const GatedDeltaNet> linear_;  // a linear-attention block's mixer (attention_ unused)
+  std::shared_ptr<GatedDeltaNet> linear_;  // a linear-attention block's mixer (attention_ unused)
   MlpLayer mlp_;
   void replan(const PlanChoices& choices);
   void relink(const LayerLinks& links);

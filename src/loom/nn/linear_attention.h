@@ -54,6 +54,9 @@ struct GatedDeltaNetSaved {
   Tensor gated;              // (N H_v, 2 d_v): [z | rmsnorm(o) w] per value head
   Tensor gate_in, gate_rstd;  // the gated norm's input (o) and statistics
   Tensor act;                // (N, D_v): y, the output projection's input
+  // Context parallel only: the state entering each of this rank's two chunks, per sequence
+  // (2, B, K-1, 2 D_q + D_v) and (2, B, H_v, d_k, d_v), for the backward.
+  Tensor span_conv, span_delta;
 };
 
 // The state carried between spans of a sequence: the conv's last K-1 inputs (B, K-1, 2 D_q + D_v)
@@ -67,8 +70,10 @@ GatedDeltaNetShape gated_delta_net_shape(const ModelConfig& config);
 
 // Each field of the record for (batch, seq_len) rows, in allocation order (the block's record
 // and memory/estimate.h walk the same list).
+// context_parallel: also the spans' entering states.
 void gated_delta_net_saved_fields(const GatedDeltaNetShape& shape, int64_t batch, int64_t seq_len, int64_t d_model,
-                                  GatedDeltaNetSaved& s, const SavedFieldFn& field, DType dtype = DTYPE_F32);
+                                  GatedDeltaNetSaved& s, const SavedFieldFn& field, DType dtype = DTYPE_F32,
+                                  bool context_parallel = false);
 GatedDeltaNetSaved allocate_gated_delta_net_saved(Allocator& allocator, const GatedDeltaNetShape& shape, int64_t batch,
                                                   int64_t seq_len, int64_t d_model, DType dtype = DTYPE_F32);
 
@@ -89,6 +94,18 @@ class GatedDeltaNet {
   // (layer, r) (host floats, updated in place). Consecutive rows of one sequence (a prompt's chunk)
   // run as one span; one row per sequence runs as one batch.
   void forward_rows(Backend& backend, const Tensor& x, const Tensor& out, DecodeCache& cache, int64_t layer) const;
+  // Tensor parallel (parallel/tensor_parallel.h): this is one rank's slice of the heads; the
+  // output projection's partial sums are all-reduced over `tp` in forward, d(normed input) in
+  // backward. nullptr: the whole mixer.
+  void set_tensor_parallel(Communicator* tp) { tp_ = tp; }
+  // Context parallel (nn/context_parallel.h's zig-zag layout: rank r holds chunks r and 2N-1-r of
+  // the sequence): forward and backward run the 2N chunks in sequence order, each on its owner,
+  // the state (conv inputs and delta state, per sequence of the batch) sent to the next chunk's
+  // owner, and in the backward d(state) back the other way. Exact, and serial: the ranks take
+  // turns (a prefix scan of the chunks' state maps would overlap them; not done yet). nullptr:
+  // the whole sequence on this rank.
+  void set_context_parallel(ContextParallel* cp) { cp_ = cp; }
+  ContextParallel* context_parallel() const { return cp_; }
 
  private:
   // The l2 norms' constant weights: 1 / d_k for q (its 1/sqrt(d_k) scale folded in), 1/sqrt(d_k) for k.
@@ -97,6 +114,10 @@ class GatedDeltaNet {
   ModelConfig config_;
   GatedDeltaNetShape shape_;
   GatedDeltaNetParams params_, grads_;
+  Communicator* tp_ = nullptr;
+  ContextParallel* cp_ = nullptr;
+  void forward_cp(Backend& backend, const Tensor& x, GatedDeltaNetSaved& s, const Tensor& out) const;
+  void backward_cp(Backend& backend, const Tensor& x, const GatedDeltaNetSaved& s, const Tensor& d_residual) const;
 };
 
 }  // namespace loom

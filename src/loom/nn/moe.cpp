@@ -35,11 +35,13 @@ MoeParams moe_params_view(const ModelConfig& c, const ParamLayout& layout, const
   const std::string pre = (llama ? "model.layers." : "h.") + std::to_string(layer) + ".";
   auto v = [&](const std::string& name) { return view_of(layout, flat, pre + name); };
   p.router_w = v(llama ? "mlp.gate.weight" : "mlp.router.weight");
+  if (c.moe_router_bias) p.router_b = v("mlp.gate.bias");
   p.bias = v(llama ? "mlp.gate.e_score_correction_bias" : "mlp.router.bias_correction");
   for (int64_t e = 0; e < c.moe_experts; ++e) {
     const std::string x = "mlp.experts." + std::to_string(e) + ".";
     p.fc_w.push_back(v(x + (llama ? "gate_up_proj.weight" : "c_fc.weight")));
     p.fc2_w.push_back(v(x + (llama ? "down_proj.weight" : "c_proj.weight")));
+    if (c.moe_expert_bias) p.fc_b.push_back(v(x + "gate_up_proj.bias")), p.fc2_b.push_back(v(x + "down_proj.bias"));
   }
   if (c.moe_shared > 0) {
     p.shared_fc_w = v(llama ? "mlp.shared_experts.gate_up_proj.weight" : "mlp.shared_experts.c_fc.weight");
@@ -199,6 +201,11 @@ T* at_least(std::vector<T>& v, int64_t n) {
 
 // Experts [first, first + offsets.size() - 1) on rows x (grouped by expert: expert first + i's
 // rows [offsets[i], offsets[i + 1])): h = x W1^T, act, y = act W2^T.
+// Expert e's bias (model.moe_expert_bias), or none.
+Tensor expert_bias(const std::vector<Tensor>& biases, int64_t e) {
+  return biases.empty() ? Tensor{} : biases[static_cast<size_t>(e)];
+}
+
 void experts_forward(Backend& backend, const ModelConfig& c, const MoeParams& p, int64_t first,
                      const std::vector<int64_t>& offsets, const Tensor& x, const Tensor& h, const Tensor& act,
                      const Tensor& y) {
@@ -207,9 +214,9 @@ void experts_forward(Backend& backend, const ModelConfig& c, const MoeParams& p,
     const int64_t o = offsets[i], n = offsets[i + 1] - o, e = first + static_cast<int64_t>(i);
     if (n == 0) continue;
     const Tensor hv = h.view(o * Fin, {n, Fin}), av = act.view(o * F, {n, F});
-    linear_forward(backend, x.view(o * C, {n, C}), p.fc_w[e], Tensor{}, hv);
+    linear_forward(backend, x.view(o * C, {n, C}), p.fc_w[e], expert_bias(p.fc_b, e), hv);
     activation_forward(backend, c, hv, av);
-    linear_forward(backend, av, p.fc2_w[e], Tensor{}, y.view(o * C, {n, C}));
+    linear_forward(backend, av, p.fc2_w[e], expert_bias(p.fc2_b, e), y.view(o * C, {n, C}));
   }
 }
 
@@ -222,9 +229,9 @@ void experts_backward(Backend& backend, const ModelConfig& c, const MoeParams& p
     const int64_t o = offsets[i], n = offsets[i + 1] - o, e = first + static_cast<int64_t>(i);
     if (n == 0) continue;
     const Tensor dact = k.dact.view(o * F, {n, F}), dh = k.dh.view(o * Fin, {n, Fin}), dv = d.view(o * C, {n, C});
-    linear_backward(backend, act.view(o * F, {n, F}), p.fc2_w[e], dv, dact, g.fc2_w[e], Tensor{});
+    linear_backward(backend, act.view(o * F, {n, F}), p.fc2_w[e], dv, dact, g.fc2_w[e], expert_bias(g.fc2_b, e));
     activation_backward(backend, c, h.view(o * Fin, {n, Fin}), dact, dh);
-    linear_backward(backend, x.view(o * C, {n, C}), p.fc_w[e], dh, dv, g.fc_w[e], Tensor{});
+    linear_backward(backend, x.view(o * C, {n, C}), p.fc_w[e], dh, dv, g.fc_w[e], expert_bias(g.fc_b, e));
   }
 }
 
@@ -353,7 +360,7 @@ void moe_forward(Backend& backend, const ModelConfig& c, const MoeParams& p, con
   const Tensor logits = s.logits.view(0, {N, E}), scores = s.scores.view(0, {N, E});
   const Tensor expert = s.expert.view(0, {N, K}), gates = s.gates.view(0, {N, K}), row = s.row.view(0, {N, K});
   const MoeRouting routing = routing_of(c, seq_len);
-  linear_forward(backend, x, p.router_w, Tensor{}, logits);
+  linear_forward(backend, x, p.router_w, p.router_b, logits);
   backend.moe_route(logits, p.bias, scores, expert, gates, k.route, routing);
   // Loads, capacity and the expert rows: priority order is (choice j, token t).
   backend.moe_assign(expert, moe_capacity(c, N), row, s.token, s.counts);
@@ -398,7 +405,7 @@ void moe_backward(Backend& backend, const ModelConfig& c, const MoeParams& p, co
   backend.moe_router_backward(s.logits.view(0, {N, E}), s.scores.view(0, {N, E}), expert, row, s.ye, dy, s.counts,
                               k.ds.view(0, {N, E}), k.sums, routing_of(c, seq_len, loss_weight));
   // Router: dx = du Wr (overwrites dx), dWr += du^T x.
-  linear_backward(backend, x, p.router_w, k.ds.view(0, {N, E}), dx, g.router_w, Tensor{});
+  linear_backward(backend, x, p.router_w, k.ds.view(0, {N, E}), dx, g.router_w, g.router_b);
   if (c.moe_shared > 0) {
     const int64_t Sin = s.shared_fc.dim(1), S = s.shared_act.dim(1);
     const Tensor dact = k.shared_dact.view(0, {N, S}), dfc = k.shared_dfc.view(0, {N, Sin}), dxs = k.dx.view(0, {N, C});

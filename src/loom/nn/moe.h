@@ -43,9 +43,11 @@ namespace loom {
 // One MoE block's parameters (or gradients) as views into a flat buffer.
 struct MoeParams {
   Tensor router_w;               // (E, C)
+  Tensor router_b;               // (E): model.moe_router_bias, added to the logits (trained)
   Tensor bias;                   // (E) routing bias (ROLE_BUFFER: not trained)
   std::vector<Tensor> fc_w;      // [e] (F or 2F, C)
   std::vector<Tensor> fc2_w;     // [e] (C, F)
+  std::vector<Tensor> fc_b, fc2_b;  // [e] (F or 2F), (C): model.moe_expert_bias; empty without
   Tensor shared_fc_w, shared_fc2_w;  // (S or 2S, C), (C, S); undefined without shared experts
   Tensor shared_gate_w;              // (1, C): model.moe_shared_gate
   bool defined() const { return router_w.defined(); }

@@ -62,14 +62,16 @@ LayerPlan resolve_layer_plan(const ModelConfig& config, int64_t layer, const Pla
              config.post_norm ? "model.post_norm (OLMo 2's output norms)" : "model.sandwich_norm (Gemma's output norms)",
              " is not supported with tensor or sequence parallelism or activation recompute yet");
   plan.output_gate = config.attn_output_gate;
-  LOOM_CHECK(!config.attn_output_gate || (!choices.tensor_parallel && choices.recompute == RECOMPUTE_NONE),
-             "model.attn_output_gate (gated attention) is not supported with tensor or sequence parallelism or "
-             "activation recompute yet");
+  LOOM_CHECK(!config.attn_output_gate || (!choices.sequence_parallel && choices.recompute == RECOMPUTE_NONE),
+             "model.attn_output_gate (gated attention) is not supported with sequence parallelism or activation "
+             "recompute yet");
   if (config.linear_layer(layer)) {
-    // A gated DeltaNet block (nn/linear_attention.h): its own projections in fp32, on one rank.
-    LOOM_CHECK(choices.context == PlanChoices::NONE && !choices.tensor_parallel && choices.recompute == RECOMPUTE_NONE,
-               "model.linear_interval (gated DeltaNet blocks) is not supported with tensor, sequence or context "
-               "parallelism or activation recompute yet");
+    // A gated DeltaNet block (nn/linear_attention.h): its own projections in fp32, split by heads
+    // under tensor parallelism (parallel/tensor_parallel.h).
+    LOOM_CHECK(!choices.sequence_parallel && choices.recompute == RECOMPUTE_NONE,
+               "model.linear_interval (gated DeltaNet blocks) is not supported with sequence parallelism or "
+               "activation recompute yet");
+    plan.context_parallel = choices.context != PlanChoices::NONE;
     LOOM_CHECK(choices.linears[LINEAR_ATTN_QKV] == RECIPE_F32 && choices.linears[LINEAR_ATTN_OUT] == RECIPE_F32 &&
                    choices.qat == QAT_NONE,
                "model.linear_interval: the gated DeltaNet blocks compute their projections in fp32: set "
@@ -88,13 +90,17 @@ LayerPlan resolve_layer_plan(const ModelConfig& config, int64_t layer, const Pla
                "supported with tensor, sequence or context parallelism");
     plan.attention = AttentionKind::mla;
   } else if (choices.context != PlanChoices::NONE) {
+    LOOM_CHECK(!config.attn_sinks, "model.attn_sinks (GPT-OSS's attention sinks) is not supported with context "
+               "parallelism (parallel.cp > 1) yet");
     LOOM_CHECK(!choices.flash, "train.flash_attention is not supported with context parallelism (parallel.cp > 1 runs "
                "ring or Ulysses attention)");
     LOOM_CHECK(config.attn_window == 0, "model.attn_window (sliding-window attention) is not supported with context "
                "parallelism (parallel.cp > 1)");
     plan.attention = choices.context == PlanChoices::RING ? AttentionKind::ring : AttentionKind::ulysses;
   } else {
-    plan.attention = choices.flash ? AttentionKind::flash : AttentionKind::mha;
+    // Attention sinks need each row's log-sum-exp: flash attention keeps it.
+    plan.attention = choices.flash || config.attn_sinks ? AttentionKind::flash : AttentionKind::mha;
+    plan.sinks = config.attn_sinks;
   }
   plan.saved_bf16 = saved_bf16(config, layer, plan, choices.activations_bf16);
   plan.attention_bf16 = choices.attention_bf16 && (plan.attention == AttentionKind::mha || plan.attention == AttentionKind::flash) &&

@@ -65,6 +65,12 @@ struct LayerPlan {
   bool attention_bf16 = false;
   // model.attn_output_gate: the heads' outputs gated by sigmoid(x W_gate) before o_proj.
   bool output_gate = false;
+  // model.attn_sinks (GPT-OSS): flash attention's output scaled by sigmoid(lse - sink) per head
+  // (Backend::attention_sink_*).
+  bool sinks = false;
+  // A linear-attention block under context parallelism: its recurrent state relayed from rank to
+  // rank in sequence order, each of this rank's two chunks a span of its own (nn/linear_attention.h).
+  bool context_parallel = false;
 };
 
 const char* attention_kind_name(AttentionKind kind);

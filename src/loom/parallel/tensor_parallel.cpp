@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <string>
+#include <tuple>
 
 #include "loom/core/error.h"
 #include "loom/nn/block.h"
@@ -63,17 +64,47 @@ void copy_adapters(Backend& backend, const LoraAdapters& g, const LoraAdapters& 
   }
 }
 
+// A gated DeltaNet block (nn/linear_attention.h) split by heads: rank r holds key heads
+// [r Hk/tp, ...) and the value heads that read them, [r Hv/tp, ...): their rows of [q | k | v | z],
+// of [b | a] and of the conv's [q | k | v] channels, their A_log and dt_bias, and those columns of
+// the output projection (row-parallel); the gated norm's per-head weight is replicated.
+void copy_linear_attention(Backend& backend, const ModelConfig& gc, const ModelConfig& lc, const GatedDeltaNetParams& g,
+                           const GatedDeltaNetParams& l, int rank, bool to_local, bool replicated) {
+  const int64_t Dq = gc.linear_key_heads * gc.linear_key_dim, Dv = gc.linear_value_heads * gc.linear_value_dim;
+  const int64_t Dql = lc.linear_key_heads * lc.linear_key_dim, Dvl = lc.linear_value_heads * lc.linear_value_dim;
+  const int64_t Hv = gc.linear_value_heads, Hvl = lc.linear_value_heads;
+  for (const auto& [gt, lt, with_z] : {std::tuple{g.qkvz_w, l.qkvz_w, true}, std::tuple{g.conv_w, l.conv_w, false}}) {
+    copy_rows(backend, gt, rank * Dql, lt, 0, Dql, to_local);                    // q
+    copy_rows(backend, gt, Dq + rank * Dql, lt, Dql, Dql, to_local);             // k
+    copy_rows(backend, gt, 2 * Dq + rank * Dvl, lt, 2 * Dql, Dvl, to_local);     // v
+    if (with_z) copy_rows(backend, gt, 2 * Dq + Dv + rank * Dvl, lt, 2 * Dql + Dvl, Dvl, to_local);  // z
+  }
+  copy_rows(backend, g.ba_w, rank * Hvl, l.ba_w, 0, Hvl, to_local);        // b
+  copy_rows(backend, g.ba_w, Hv + rank * Hvl, l.ba_w, Hvl, Hvl, to_local);  // a
+  copy_rows(backend, g.a_log, rank * Hvl, l.a_log, 0, Hvl, to_local);
+  copy_rows(backend, g.dt_bias, rank * Hvl, l.dt_bias, 0, Hvl, to_local);
+  copy_columns(backend, g.out_w, rank * Dvl, l.out_w, !to_local);
+  if (replicated) copy_whole(backend, g.gate_norm_w, l.gate_norm_w, to_local);
+}
+
 }  // namespace
 
 ModelConfig tp_local_config(const ModelConfig& global, int tp) {
   LOOM_CHECK(tp >= 1, "parallel.tp must be >= 1, got ", tp);
   LOOM_CHECK(tp == 1 || !global.mla(), "model.mla_kv_rank > 0 (MLA) is not supported with tensor parallelism "
              "(parallel.tp = ", tp, ")");
+  LOOM_CHECK(tp == 1 || !global.qk_norm_whole, "model.qk_norm_whole (q/k norms over all heads) is not supported with "
+             "tensor parallelism (parallel.tp = ", tp, ")");
   LOOM_CHECK(global.n_head % tp == 0 && global.n_kv_head % tp == 0, "parallel.tp = ", tp, " must divide model.n_head (",
              global.n_head, ") and model.n_kv_head (", global.n_kv_head, "): attention is split by heads");
   LOOM_CHECK(global.d_ff % tp == 0, "parallel.tp = ", tp, " must divide model.d_ff (", global.d_ff, ")");
+  LOOM_CHECK(global.linear_interval == 0 || (global.linear_key_heads % tp == 0 && global.linear_value_heads % tp == 0),
+             "parallel.tp = ", tp, " must divide model.linear_key_heads (", global.linear_key_heads,
+             ") and model.linear_value_heads (", global.linear_value_heads, "): gated DeltaNet is split by heads");
   ModelConfig local = global;
   local.head_size = global.head_dim();
+  local.linear_key_heads = global.linear_key_heads / tp;
+  local.linear_value_heads = global.linear_value_heads / tp;
   local.n_head = global.n_head / tp;
   local.n_kv_head = global.n_kv_head / tp;
   local.d_ff = global.d_ff / tp;
@@ -121,7 +152,10 @@ void tp_copy(Backend& backend, const ModelConfig& gc, const Tensor& global, cons
       copy_rows(backend, gt, (H + rank * KVl) * hd, lt, Hl * hd, KVl * hd, to_local);                    // key heads
       copy_rows(backend, gt, (H + KV + rank * KVl) * hd, lt, (Hl + KVl) * hd, KVl * hd, to_local);       // value heads
     }
-    copy_columns(backend, g.attention.proj_w, rank * Hl * hd, l.attention.proj_w, !to_local);
+    if (g.attention.gate_w.defined()) copy_rows(backend, g.attention.gate_w, rank * Hl * hd, l.attention.gate_w, 0, Hl * hd, to_local);
+    if (g.attention.sinks.defined()) copy_rows(backend, g.attention.sinks, rank * Hl, l.attention.sinks, 0, Hl, to_local);
+    if (g.attention.proj_w.defined()) copy_columns(backend, g.attention.proj_w, rank * Hl * hd, l.attention.proj_w, !to_local);
+    if (g.linear.qkvz_w.defined()) copy_linear_attention(backend, gc, lc, g.linear, l.linear, rank, to_local, replicated);
     for (const auto& [gt, lt] : {std::pair{g.mlp.fc_w, l.mlp.fc_w}, std::pair{g.mlp.fc_b, l.mlp.fc_b}}) {
       if (!gt.defined()) continue;
       copy_rows(backend, gt, rank * Fl, lt, 0, Fl, to_local);
@@ -141,18 +175,26 @@ void tp_copy(Backend& backend, const ModelConfig& gc, const Tensor& global, cons
     if (replicated && g.mlp.moe.defined()) {  // an MoE block's router and experts are replicated
       for (const auto& [gt, lt] : {std::pair{g.mlp.moe.router_w, l.mlp.moe.router_w}, std::pair{g.mlp.moe.bias, l.mlp.moe.bias},
                                    std::pair{g.mlp.moe.shared_fc_w, l.mlp.moe.shared_fc_w},
-                                   std::pair{g.mlp.moe.shared_fc2_w, l.mlp.moe.shared_fc2_w}}) {
+                                   std::pair{g.mlp.moe.shared_fc2_w, l.mlp.moe.shared_fc2_w},
+                                   std::pair{g.mlp.moe.shared_gate_w, l.mlp.moe.shared_gate_w},
+                                   std::pair{g.mlp.moe.router_b, l.mlp.moe.router_b}}) {
         copy_whole(backend, gt, lt, to_local);
       }
       for (size_t e = 0; e < g.mlp.moe.fc_w.size(); ++e) {
         copy_whole(backend, g.mlp.moe.fc_w[e], l.mlp.moe.fc_w[e], to_local);
         copy_whole(backend, g.mlp.moe.fc2_w[e], l.mlp.moe.fc2_w[e], to_local);
       }
+      for (size_t e = 0; e < g.mlp.moe.fc_b.size(); ++e) {
+        copy_whole(backend, g.mlp.moe.fc_b[e], l.mlp.moe.fc_b[e], to_local);
+        copy_whole(backend, g.mlp.moe.fc2_b[e], l.mlp.moe.fc2_b[e], to_local);
+      }
     }
     if (replicated) {
       for (const auto& [gt, lt] : {std::pair{g.attention.norm_w, l.attention.norm_w}, std::pair{g.attention.norm_b, l.attention.norm_b},
                                    std::pair{g.mlp.norm_w, l.mlp.norm_w}, std::pair{g.mlp.norm_b, l.mlp.norm_b},
-                                   std::pair{g.attention.proj_b, l.attention.proj_b}, std::pair{g.mlp.fc2_b, l.mlp.fc2_b}}) {
+                                   std::pair{g.attention.proj_b, l.attention.proj_b}, std::pair{g.mlp.fc2_b, l.mlp.fc2_b},
+                                   std::pair{g.attention.q_norm, l.attention.q_norm},
+                                   std::pair{g.attention.k_norm, l.attention.k_norm}}) {
         copy_whole(backend, gt, lt, to_local);
       }
     }
@@ -173,7 +215,10 @@ std::vector<std::pair<int64_t, int64_t>> tp_replicated_ranges(const ModelConfig&
                         (ends("attn.c_attn.weight") || ends("attn.c_attn.bias") || ends("attn.c_proj.weight") ||
                          ends("mlp.c_fc.weight") || ends("mlp.c_fc.bias") || ends("mlp.c_proj.weight") ||
                          ends("self_attn.qkv_proj.weight") || ends("self_attn.qkv_proj.bias") ||
-                         ends("self_attn.o_proj.weight") ||
+                         ends("self_attn.o_proj.weight") || ends("self_attn.gate_proj.weight") || ends("self_attn.sinks") ||
+                         ends("linear_attn.in_proj_qkvz.weight") || ends("linear_attn.in_proj_ba.weight") ||
+                         ends("linear_attn.conv1d.weight") || ends("linear_attn.A_log") || ends("linear_attn.dt_bias") ||
+                         ends("linear_attn.out_proj.weight") ||
                          ends("mlp.gate_up_proj.weight") || ends("mlp.down_proj.weight"));
     // LoRA: B of a column-parallel layer (its output rows) and A of a row-parallel one (its input columns).
     const bool column = ends("q_proj.lora_B.weight") || ends("k_proj.lora_B.weight") || ends("v_proj.lora_B.weight") ||

@@ -164,10 +164,10 @@ const Rule kRules[] = {
        return str_cat("train.flash_attention is not supported with pipeline parallelism (parallel.pp = ", f.of(Axis::pp),
                       ") yet; set train.flash_attention = false or parallel.pp = 1");
      }},
-    {Verdict::refuse, [](const LayoutFacts& f) { return model(f).qk_norm && f.of(Axis::tp) > 1; },
+    {Verdict::refuse, [](const LayoutFacts& f) { return model(f).qk_norm_whole && f.of(Axis::tp) > 1; },
      [](const LayoutFacts& f) {
-       return str_cat("model.qk_norm with parallel.tp = ", f.of(Axis::tp), " is not supported yet (each rank's heads give "
-                      "partial q_norm / k_norm gradients that would need a sum over tp); use parallel.tp = 1");
+       return str_cat("model.qk_norm_whole (OLMo 2's q/k norms over all heads) with parallel.tp = ", f.of(Axis::tp),
+                      " is not supported yet (the norm spans the heads the ranks split); use parallel.tp = 1");
      }},
     {Verdict::refuse, [](const LayoutFacts& f) { return !f.backend.head_norm && model(f).qk_norm; },
      [](const LayoutFacts& f) {

@@ -245,6 +245,8 @@ void CpuBackend::glu_forward(const Tensor& x, const Tensor& out, GateActivation 
       cpu::glu_forward<T, GateActivation::silu>(x.data<T>(), out.data<T>(), rows_of(out), out.dim(-1));
     else if (act == GateActivation::sigmoid)
       cpu::glu_forward<T, GateActivation::sigmoid>(x.data<T>(), out.data<T>(), rows_of(out), out.dim(-1));
+    else if (act == GateActivation::swiglu_oai)
+      cpu::glu_forward<T, GateActivation::swiglu_oai>(x.data<T>(), out.data<T>(), rows_of(out), out.dim(-1));
     else cpu::glu_forward<T, GateActivation::gelu_tanh>(x.data<T>(), out.data<T>(), rows_of(out), out.dim(-1));
   });
 }
@@ -258,6 +260,9 @@ void CpuBackend::glu_backward(const Tensor& x, const Tensor& dout, const Tensor&
       cpu::glu_backward<T, GateActivation::silu>(x.data<T>(), dout.data<T>(), dx.data<T>(), rows_of(dout), dout.dim(-1));
     else if (act == GateActivation::sigmoid)
       cpu::glu_backward<T, GateActivation::sigmoid>(x.data<T>(), dout.data<T>(), dx.data<T>(), rows_of(dout), dout.dim(-1));
+    else if (act == GateActivation::swiglu_oai)
+      cpu::glu_backward<T, GateActivation::swiglu_oai>(x.data<T>(), dout.data<T>(), dx.data<T>(), rows_of(dout),
+                                                       dout.dim(-1));
     else
       cpu::glu_backward<T, GateActivation::gelu_tanh>(x.data<T>(), dout.data<T>(), dx.data<T>(), rows_of(dout),
                                                       dout.dim(-1));

@@ -95,6 +95,10 @@ class CpuBackend final : public Backend {
   void delta_gates_backward(const Tensor& ba, const Tensor& a_log, const Tensor& dt_bias, const Tensor& dg,
                             const Tensor& dbeta, const Tensor& dba, const Tensor& da_log,
                             const Tensor& ddt_bias) override;
+  // Attention sinks: cpu_attention_sinks.cpp.
+  void attention_sink_forward(const Tensor& out, const Tensor& lse, const Tensor& sinks, int64_t n_head) override;
+  void attention_sink_backward(const Tensor& dout, const Tensor& out, const Tensor& lse, const Tensor& sinks,
+                               const Tensor& dsinks, int64_t n_head) override;
   void rope_forward(const Tensor& x, int64_t head_dim, int64_t n_heads, const RopeSpec& rope_spec,
                     int64_t pos_offset) override;
   void rope_backward(const Tensor& dx, int64_t head_dim, int64_t n_heads, const RopeSpec& rope_spec,

@@ -260,6 +260,10 @@ template <typename T>
 inline T gate_act(GateActivation act, T g) {
   if (act == GateActivation::silu) return g * sigmoid_t<T>(g);
   if (act == GateActivation::sigmoid) return sigmoid_t<T>(g);
+  if (act == GateActivation::swiglu_oai) {
+    const T c = g < T(kSwigluOaiLimit) ? g : T(kSwigluOaiLimit);
+    return c * sigmoid_t<T>(T(kSwigluOaiAlpha) * c);
+  }
   const T u = T(kGeluScale) * (g + T(kGeluCubic) * g * g * g);
   return T(0.5) * g * (T(1) + tanh_t<T>(u));
 }
@@ -273,13 +277,30 @@ inline T gate_act_grad(GateActivation act, T g) {
     const T sg = sigmoid_t<T>(g);
     return sg * (T(1) - sg);
   }
+  if (act == GateActivation::swiglu_oai) {  // the clamp passes the gradient up to the limit (torch's clamp)
+    if (g > T(kSwigluOaiLimit)) return T(0);
+    const T sg = sigmoid_t<T>(T(kSwigluOaiAlpha) * g);
+    return sg * (T(1) + T(kSwigluOaiAlpha) * g * (T(1) - sg));
+  }
   const T u = T(kGeluScale) * (g + T(kGeluCubic) * g * g * g);
   const T t = tanh_t<T>(u);
   const T du = T(kGeluScale) * (T(1) + T(3 * kGeluCubic) * g * g);
   return T(0.5) * (T(1) + t) + T(0.5) * g * (T(1) - t * t) * du;
 }
+// The gated MLP's up operand: u itself, or swiglu_oai's clamp(u, -7, 7) + 1; and its derivative.
+template <typename T>
+inline T glu_up(GateActivation act, T u) {
+  if (act != GateActivation::swiglu_oai) return u;
+  const T l = T(kSwigluOaiLimit);
+  return (u < -l ? -l : (u > l ? l : u)) + T(1);
+}
+template <typename T>
+inline T glu_up_grad(GateActivation act, T u) {
+  if (act != GateActivation::swiglu_oai) return T(1);
+  return u >= -T(kSwigluOaiLimit) && u <= T(kSwigluOaiLimit) ? T(1) : T(0);
+}
 
-// x (N, 2F) = [gate | up]; out = act(gate) * up (silu: SwiGLU, gelu_tanh: GeGLU).
+// x (N, 2F) = [gate | up]; out = act(gate) * up (silu: SwiGLU, gelu_tanh: GeGLU; swiglu_oai: its up clamped, + 1).
 template <typename T, GateActivation act>
 void glu_forward(const T* x, T* out, int64_t rows, int64_t hidden) {
 #pragma omp parallel for schedule(static) if (rows * hidden >= kParallelMinElements)
@@ -288,7 +309,7 @@ void glu_forward(const T* x, T* out, int64_t rows, int64_t hidden) {
     const T* up = gate + hidden;
     T* o = out + r * hidden;
 #pragma omp simd
-    for (int64_t j = 0; j < hidden; ++j) o[j] = gate_act<T>(act, gate[j]) * up[j];
+    for (int64_t j = 0; j < hidden; ++j) o[j] = gate_act<T>(act, gate[j]) * glu_up<T>(act, up[j]);
   }
 }
 
@@ -304,8 +325,8 @@ void glu_backward(const T* x, const T* dout, T* dx, int64_t rows, int64_t hidden
     T* dup = dgate + hidden;
 #pragma omp simd
     for (int64_t j = 0; j < hidden; ++j) {
-      dgate[j] = g[j] * up[j] * gate_act_grad<T>(act, gate[j]);
-      dup[j] = g[j] * gate_act<T>(act, gate[j]);
+      dgate[j] = g[j] * glu_up<T>(act, up[j]) * gate_act_grad<T>(act, gate[j]);
+      dup[j] = g[j] * gate_act<T>(act, gate[j]) * glu_up_grad<T>(act, up[j]);
     }
   }
 }

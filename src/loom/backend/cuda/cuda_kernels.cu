@@ -552,6 +552,10 @@ template <typename T>
 __device__ T gate_act(GateActivation act, T g) {
   if (act == GateActivation::silu) return g * sigmoid_t<T>(g);
   if (act == GateActivation::sigmoid) return sigmoid_t<T>(g);
+  if (act == GateActivation::swiglu_oai) {
+    const T c = g < T(kSwigluOaiLimit) ? g : T(kSwigluOaiLimit);
+    return c * sigmoid_t<T>(T(kSwigluOaiAlpha) * c);
+  }
   const T u = T(kGeluScale) * (g + T(kGeluCubic) * g * g * g);
   return T(0.5) * g * (T(1) + tanh_t<T>(u));
 }
@@ -565,10 +569,28 @@ __device__ T gate_act_grad(GateActivation act, T g) {
     const T sg = sigmoid_t<T>(g);
     return sg * (T(1) - sg);
   }
+  if (act == GateActivation::swiglu_oai) {
+    if (g > T(kSwigluOaiLimit)) return T(0);
+    const T sg = sigmoid_t<T>(T(kSwigluOaiAlpha) * g);
+    return sg * (T(1) + T(kSwigluOaiAlpha) * g * (T(1) - sg));
+  }
   const T u = T(kGeluScale) * (g + T(kGeluCubic) * g * g * g);
   const T t = tanh_t<T>(u);
   const T du = T(kGeluScale) * (T(1) + T(3 * kGeluCubic) * g * g);
   return T(0.5) * (T(1) + t) + T(0.5) * g * (T(1) - t * t) * du;
+}
+
+// The up operand and its derivative (swiglu_oai: clamp(u, -7, 7) + 1), as the CPU's.
+template <typename T>
+__device__ T glu_up(GateActivation act, T u) {
+  if (act != GateActivation::swiglu_oai) return u;
+  const T l = T(kSwigluOaiLimit);
+  return (u < -l ? -l : (u > l ? l : u)) + T(1);
+}
+template <typename T>
+__device__ T glu_up_grad(GateActivation act, T u) {
+  if (act != GateActivation::swiglu_oai) return T(1);
+  return u >= -T(kSwigluOaiLimit) && u <= T(kSwigluOaiLimit) ? T(1) : T(0);
 }
 
 // Grid-stride over rows * hidden outputs.
@@ -579,7 +601,7 @@ __global__ void glu_forward_kernel(const T* x, T* out, int64_t rows, int64_t hid
     const int64_t r = i / hidden, j = i % hidden;
     const T gate = x[r * 2 * hidden + j];
     const T up = x[r * 2 * hidden + hidden + j];
-    out[i] = gate_act<T>(act, gate) * up;
+    out[i] = gate_act<T>(act, gate) * glu_up<T>(act, up);
   }
 }
 
@@ -591,8 +613,8 @@ __global__ void glu_backward_kernel(const T* x, const T* dout, T* dx, int64_t ro
     const T gate = x[r * 2 * hidden + j];
     const T up = x[r * 2 * hidden + hidden + j];
     const T g = dout[i];
-    dx[r * 2 * hidden + j] = g * up * gate_act_grad<T>(act, gate);
-    dx[r * 2 * hidden + hidden + j] = g * gate_act<T>(act, gate);
+    dx[r * 2 * hidden + j] = g * glu_up<T>(act, up) * gate_act_grad<T>(act, gate);
+    dx[r * 2 * hidden + hidden + j] = g * gate_act<T>(act, gate) * glu_up_grad<T>(act, up);
   }
 }
 
