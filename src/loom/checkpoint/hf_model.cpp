@@ -602,30 +602,25 @@ void save_hf_model(const std::string& dir, ParamReader& params, DType dtype) {
       for (const Piece& piece : pieces_of(c, family, spec)) {
         const float* in = values + row * cols;
         auto n = static_cast<size_t>(piece.rows * cols);
-        if (piece.expert) {  // GPT-OSS: into its place in the fused tensor; written once every expert's is
+        row += piece.rows;
+        // Gathered into a folder tensor (Qwen3-Next's row runs, GPT-OSS's fused experts): written
+        // once every piece of it is in.
+        if (piece.expert || !piece.runs.empty()) {
           Pending& p = pending[piece.name];
           p.values.resize(static_cast<size_t>(shape_numel(piece.shape)));
-          write_gpt_oss_expert(c, *piece.expert, in, p.values.data());
-          row += piece.rows;
+          if (piece.expert) {
+            write_gpt_oss_expert(c, *piece.expert, in, p.values.data());
+          } else {
+            int64_t at = 0;
+            for (const auto& [first, count] : piece.runs) {
+              std::memcpy(p.values.data() + first * cols, in + at * cols, static_cast<size_t>(count * cols) * sizeof(float));
+              at += count;
+            }
+          }
           p.filled += static_cast<int64_t>(n);
           if (p.filled < static_cast<int64_t>(p.values.size())) continue;
           in = p.values.data();
           n = p.values.size();
-        } else if (!piece.runs.empty()) {  // into the folder tensor's rows; written once all of them are
-          Pending& p = pending[piece.name];
-          p.values.resize(static_cast<size_t>(shape_numel(piece.shape)));
-          int64_t at = 0;
-          for (const auto& [first, count] : piece.runs) {
-            std::memcpy(p.values.data() + first * cols, in + at * cols, static_cast<size_t>(count * cols) * sizeof(float));
-            at += count;
-          }
-          row += piece.rows;
-          p.filled += piece.rows * cols;
-          if (p.filled < static_cast<int64_t>(p.values.size())) continue;
-          in = p.values.data();
-          n = p.values.size();
-        } else {
-          row += piece.rows;
         }
         std::vector<float> transposed;
         if (transpose) {  // Loom's (out, in) -> (in, out)

@@ -470,9 +470,9 @@ void AttentionLayer::backward(Backend& backend, const Tensor& x, const Attention
   adapted_linear_backward(backend, proj_, attn, p.proj_w, q.proj_w, dy_mid, d_proj_in, pass.dw(g.proj_w), g.proj_b,
                           proj_lora(s), g.proj_lora, links_.ws);
   if (plan_.output_gate) {
-    d_gate_input = Tensor::empty(backend.allocator(), s.norm.out.defined() ? s.norm.out.shape() : x.shape(), DTYPE_F32,
-                                 MEM_WORKSPACE);
-    output_gate_backward(backend, pre ? s.norm.out : x, s, d_proj_in, k.d_attn, d_gate_input);
+    const Tensor& gate_in = pre ? s.norm.out : x;  // the gate projection's input
+    d_gate_input = Tensor::empty(backend.allocator(), gate_in.shape(), DTYPE_F32, MEM_WORKSPACE);
+    output_gate_backward(backend, gate_in, s, d_proj_in, k.d_attn, d_gate_input);
   }
   if (mla) {  // d(norm1 output) and MLA's weight gradients (also in a split input pass)
     mla_backward(backend, config_, p.mla, g.mla, s.norm.out, mla_activations(s), k.d_attn, k.d_norm, k.d_qkv);

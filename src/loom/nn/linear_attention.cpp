@@ -292,6 +292,12 @@ GatedDeltaNetSaved span_rows(const GatedDeltaNetSaved& s, int64_t B, int64_t T, 
 int owner_of(int64_t c, int world) { return static_cast<int>(c < world ? c : 2 * world - 1 - c); }
 int64_t local_chunk(int64_t c, int world) { return c < world ? 0 : 1; }
 
+// A workspace tensor of one span's states, (B, ...), from the record's two (2, B, ...).
+Tensor one_span(Backend& be, const Tensor& spans) {
+  const Shape& d = spans.shape();
+  return Tensor::empty(be.allocator(), Shape(d.begin() + 1, d.end()), spans.dtype(), MEM_WORKSPACE);
+}
+
 // Sequence b's state of batched (B, K-1, D_c) and (B, H_v, d_k, d_v) ones.
 LinearAttentionState state_of(const Tensor& conv, const Tensor& delta, int64_t b) {
   const int64_t cn = conv.numel() / conv.dim(0), dn = delta.numel() / delta.dim(0);
@@ -307,11 +313,7 @@ void GatedDeltaNet::forward_cp(Backend& be, const Tensor& x, GatedDeltaNetSaved&
   LOOM_CHECK(s.norm.rstd.numel() == B * Tl && Tl % 2 == 0, "gated DeltaNet under context parallelism: a record of ",
              s.norm.rstd.numel(), " positions for ", B, " x ", Tl, " (two chunks a rank)");
   const int64_t conv = s.span_conv.numel() / (2 * B), delta = s.span_delta.numel() / (2 * B);
-  const auto ws = [&](const Tensor& like) {  // one of the two spans' (B, ...)
-    const Shape& d = like.shape();
-    return Tensor::empty(be.allocator(), Shape(d.begin() + 1, d.end()), like.dtype(), MEM_WORKSPACE);
-  };
-  const Tensor next_conv = ws(s.span_conv), next_delta = ws(s.span_delta);  // (B, ...): the state a chunk leaves
+  const Tensor next_conv = one_span(be, s.span_conv), next_delta = one_span(be, s.span_delta);  // (B, ...): the state a chunk leaves
   for (int64_t c = 0; c < 2 * world; ++c) {
     if (owner_of(c, world) != rank) continue;
     const int64_t k = local_chunk(c, world);
@@ -340,13 +342,9 @@ void GatedDeltaNet::backward_cp(Backend& be, const Tensor& x, const GatedDeltaNe
   Communicator& comm = *cp_->comm;
   const int world = comm.size(), rank = comm.rank();
   const int64_t B = x.dim(0), Tl = x.dim(1), C = x.dim(2), L = Tl / 2;
-  const auto ws = [&](const Tensor& like) {  // one of the two spans' (B, ...)
-    const Shape& d = like.shape();
-    return Tensor::empty(be.allocator(), Shape(d.begin() + 1, d.end()), like.dtype(), MEM_WORKSPACE);
-  };
   // d(the state a chunk leaves), and d(the state it enters with), per sequence.
-  const Tensor d_out_conv = ws(s.span_conv), d_out_delta = ws(s.span_delta);
-  const Tensor d_in_conv = ws(s.span_conv), d_in_delta = ws(s.span_delta);
+  const Tensor d_out_conv = one_span(be, s.span_conv), d_out_delta = one_span(be, s.span_delta);
+  const Tensor d_in_conv = one_span(be, s.span_conv), d_in_delta = one_span(be, s.span_delta);
   for (int64_t c = 2 * world - 1; c >= 0; --c) {
     if (owner_of(c, world) != rank) continue;
     const int64_t k = local_chunk(c, world);
