@@ -157,6 +157,13 @@ class StrictBackend final : public Backend {
                                 const Tensor& dqkv, int64_t n_head, int64_t n_kv_head, int64_t window) override {
     cpu_->flash_attention_backward(h(dout), h(qkv), h(out), h(lse), h(dqkv), n_head, n_kv_head, window);
   }
+  void attention_sink_forward(const Tensor& out, const Tensor& lse, const Tensor& sinks, int64_t n_head) override {
+    cpu_->attention_sink_forward(h(out), h(lse), h(sinks), n_head);
+  }
+  void attention_sink_backward(const Tensor& dout, const Tensor& out, const Tensor& lse, const Tensor& sinks,
+                               const Tensor& dsinks, int64_t n_head) override {
+    cpu_->attention_sink_backward(h(dout), h(out), h(lse), h(sinks), h(dsinks), n_head);
+  }
   void cross_entropy_forward(const Tensor& logits, const Tensor& targets, const Tensor& losses,
                              const Tensor& lse) override {
     cpu_->cross_entropy_forward(h(logits), h(targets), h(losses), h(lse));

@@ -11,7 +11,8 @@
 // Each case is a batch of query rows as a paged cache hands them to the op: tiles in a shuffled
 // pool (block tables), sequences of different lengths (1 to 300 positions), sliding windows
 // (first > 0, the forgotten tiles' entries -1), the newest positions in the fp32 ring
-// (residual), GQA (4 query heads per kv head) and MQA.
+// (residual), GQA (4 query heads per kv head) and MQA, and attention sinks (GPT-OSS: a logit per
+// query head in the normalizer) on rows of one split and of several.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -162,8 +163,9 @@ std::vector<double> reference(const Case& c) {
         for (int64_t d = 0; d < hd; ++d) dot += static_cast<double>(q[d]) * k[static_cast<size_t>(g * hd + d)];
         s.push_back(dot / std::sqrt(static_cast<double>(hd)));
       }
-      const double m = *std::max_element(s.begin(), s.end());
-      double z = 0;
+      const double sink = p.sinks.empty() ? -INFINITY : p.sinks[static_cast<size_t>(hh)];
+      const double m = std::max(*std::max_element(s.begin(), s.end()), sink);
+      double z = std::exp(sink - m);  // 0 without a sink
       for (double& x : s) z += (x = std::exp(x - m));
       for (int64_t d = 0; d < hd; ++d) {
         double o = 0;
@@ -215,21 +217,33 @@ struct Batch {
   int64_t block;
   std::vector<int64_t> lengths;
   int64_t window;
+  bool sinks = false;  // the plan carries sink logits (normal, scaled by 2: some above the scores)
 };
 const Batch kBatches[] = {
     {{8, 2, 64}, 16, {1, 15, 16, 17, 40}, 0},
     {{4, 4, 128}, 16, {300, 33}, 0},
     {{6, 1, 24}, 8, {1, 9, 70}, 20},
+    {{8, 2, 64}, 16, {1, 17, 300}, 0, true},
+    {{6, 1, 24}, 8, {1, 9, 70}, 20, true},
 };
+
+Case make_batch(const Format& f, const Batch& b, uint64_t seed) {
+  Case c = make_case(f, b.heads, b.block, b.lengths, b.window, seed);
+  if (b.sinks) {
+    c.plan.sinks = normal(b.heads.n_head, seed * 13 + 3);
+    for (float& x : c.plan.sinks) x *= 2.0f;
+  }
+  return c;
+}
 
 TEST(KvAttentionTest, CpuMatchesTheDoubleReferenceInEveryFormat) {
   std::unique_ptr<Backend> cpu = make_cpu_backend();
   uint64_t seed = 1;
   for (const Format& f : kFormats) {
     for (const Batch& b : kBatches) {
-      const Case c = make_case(f, b.heads, b.block, b.lengths, b.window, seed++);
+      const Case c = make_batch(f, b, seed++);
       const double err = rel_error(run(*cpu, c), reference(c));
-      EXPECT_LT(err, kRefTol) << f.name << ", head_dim " << b.heads.head_dim << ", window " << b.window;
+      EXPECT_LT(err, kRefTol) << f.name << ", head_dim " << b.heads.head_dim << ", window " << b.window << (b.sinks ? ", sinks" : "");
     }
   }
 }
@@ -258,11 +272,11 @@ TEST_P(BackendKvOpsTest, KvAttentionMatchesTheCpuInEveryFormat) {
   double worst = 0;
   for (const Format& f : kFormats) {
     for (const Batch& b : kBatches) {
-      const Case c = make_case(f, b.heads, b.block, b.lengths, b.window, seed++);
+      const Case c = make_batch(f, b, seed++);
       const std::vector<float> want = run(*cpu_, c), got = run(*backend_, c);
       const double err = rel_error(got, widen(want));
       worst = std::max(worst, err);
-      EXPECT_LT(err, kCpuTol) << f.name << ", head_dim " << b.heads.head_dim << ", window " << b.window;
+      EXPECT_LT(err, kCpuTol) << f.name << ", head_dim " << b.heads.head_dim << ", window " << b.window << (b.sinks ? ", sinks" : "");
       EXPECT_TRUE(run(*backend_, c) == got) << f.name << ": two runs from the same inputs differ";
     }
   }
@@ -284,6 +298,7 @@ TEST_P(BackendKvOpsTest, KvAttentionRefusesAPlanOutsideItsTensors) {
            [](Case& c) { c.plan.rows[0].first = c.plan.rows[0].n; },                       // no visible position
            [](Case& c) { c.plan.n_kv_head = 3; },                                           // heads that do not divide
            [](Case& c) { c.extra_q_rows = 1; },                                             // q has another row count
+           [](Case& c) { c.plan.sinks.assign(3, 0.0f); },                                   // sinks for 3 of 8 heads
        }) {
     const std::string e = error(spoil);
     EXPECT_NE(e.find("kv_attention"), std::string::npos) << "[" << e << "]";

@@ -198,6 +198,36 @@ TEST_P(BackendOpsTest, FlashAttentionForwardBackward) {
   }
 }
 
+// GPT-OSS's attention sinks on flash attention's output: the forward scales each row by
+// sigmoid(lse - s_h); the backward turns dout into d(O') and adds d(s_h) into dsinks (which start
+// at 1: accumulated, not overwritten), then flash's own backward. The T = 17 cases (MHA, GQA,
+// MQA; full and windowed), sinks spread so that some rows are dominated by the sink and some by
+// the keys.
+TEST_P(BackendOpsTest, AttentionSinksForwardBackward) {
+  for (DType dtype : kFloatTypes) {
+    for (const AttentionCase& c : attention_cases()) {
+      if (c.T != 17) continue;
+      Operands x;
+      x.tensors["qkv"] = rnd({c.B, c.T, c.width()}, dtype, 1, 2.0);
+      x.tensors["sinks"] = rnd({c.H}, dtype, 3, 3.0);
+      x.tensors["dout"] = rnd({c.B, c.T, c.H * c.hd}, dtype, 2);
+      x.tensors["out"] = nans({c.B, c.T, c.H * c.hd}, dtype);
+      x.tensors["lse"] = nans({c.B, c.H, c.T}, dtype);
+      x.tensors["dqkv"] = nans({c.B, c.T, c.width()}, dtype);
+      x.tensors["dsinks"] = rnd({c.H}, dtype, 4, 0.0, 1.0);
+      const Tol tol = reduction_tol(dtype);
+      check(str_cat("attention sinks ", dt(dtype), " ", c.name()), x,
+            [c](Backend& be, Operands& o) {
+              be.flash_attention_forward(o["qkv"], o["out"], o["lse"], c.H, c.KV, c.window);
+              be.attention_sink_forward(o["out"], o["lse"], o["sinks"], c.H);
+              be.attention_sink_backward(o["dout"], o["out"], o["lse"], o["sinks"], o["dsinks"], c.H);
+              be.flash_attention_backward(o["dout"], o["qkv"], o["out"], o["lse"], o["dqkv"], c.H, c.KV, c.window);
+            },
+            {{"out", tol}, {"dout", tol}, {"dsinks", tol}, {"dqkv", tol}}, true);
+    }
+  }
+}
+
 // ---------------------------------------------------------------- cross-entropy
 
 // Forward; backward into a separate dlogits; backward in place (dlogits aliasing logits). One

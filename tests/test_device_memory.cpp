@@ -238,10 +238,12 @@ TEST(DeviceMemoryTest, GenerationOnDeviceMemoryIsBitwiseTheCpuRun) {
   int64_t runs = 0;
   auto cpu = make_cpu_backend();
   test::StrictBackend strict;
-  for (const char* preset : {"gpt2-tiny", "llama-tiny", "mla-tiny"}) {  // Llama: GQA; MLA: the latent cache
+  // Llama: GQA; MLA: the latent cache; GPT-OSS: attention sinks in kv_attention, MoE decoding.
+  for (const char* preset : {"gpt2-tiny", "llama-tiny", "mla-tiny", "gpt-oss-tiny"}) {
     for (const int64_t window : {0, 3}) {
       ModelConfig config = model_preset(preset);
       config.attn_window = window;
+      if (window == 0) config.window_pattern = 0;  // GPT-OSS's alternation needs a window
       for (const char* kv : {"fp32", "bf16", "int8", "int4", "kivi4", "kivi2"}) {
         for (const Mode& mode : {Mode{"paged", true, false}, Mode{"contiguous", false, false},
                                  Mode{"paged chunked", true, true}}) {
@@ -278,7 +280,7 @@ TEST(DeviceMemoryTest, GenerationOnDeviceMemoryIsBitwiseTheCpuRun) {
       }
     }
   }
-  EXPECT_EQ(runs, 3 * 2 * 6 * 3);
+  EXPECT_EQ(runs, 4 * 2 * 6 * 3);
   EXPECT_GT(strict.allocator().tracker().peak(MEM_KV_CACHE), 0u);
 }
 

@@ -3,21 +3,29 @@
 // PyTorch reference, written from transformers' modeling_gpt_oss.py: the loss and the logits
 // (HfImport checks those for both folders) and every parameter's gradient, mapped into Loom's
 // layout by the script independently of Loom's import code; and the release's MXFP4 experts,
-// dequantized on import, giving the reference computed from the dequantized weights.
+// dequantized on import, giving the reference computed from the dequantized weights. Then
+// decoding: the sinks in every KV-cache attention (a position or a chunk at a time, the engine's
+// prompt chunks and decoding rows) against the whole forward.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
+#include "loom/arch/param_layout.h"
 #include "loom/backend/backend.h"
 #include "loom/checkpoint/hf_model.h"
+#include "loom/infer/engine.h"
+#include "loom/infer/generate.h"
+#include "loom/infer/score.h"
 #include "loom/model/transformer.h"
 #include "test_util.h"
 
@@ -31,6 +39,24 @@ nlohmann::json expected_of(const std::string& dir) {
   std::stringstream text;
   text << in.rdbuf();
   return nlohmann::json::parse(text.str());
+}
+
+// A fixture folder's model with its weights, and the reference's expected.json.
+struct Folder {
+  ModelConfig config;
+  std::unique_ptr<Backend> backend;
+  std::unique_ptr<Transformer> model;
+  nlohmann::json expected;
+};
+Folder load_folder(const std::string& name) {
+  const std::string dir = test::fixture_dir() + "/hf/" + name;
+  Folder f;
+  f.config = hf_model_config(dir);
+  f.backend = make_cpu_backend();
+  f.model = std::make_unique<Transformer>(*f.backend, f.config);
+  load_hf_weights(dir, ModelState{f.config, f.model->params()});
+  f.expected = expected_of(dir);
+  return f;
 }
 
 class GptOss : public ::testing::TestWithParam<const char*> {};
@@ -48,12 +74,10 @@ TEST_P(GptOss, ConfigMapsTheReleasesKeys) {
 }
 
 TEST_P(GptOss, EveryGradientMatchesPyTorch) {
-  const std::string dir = test::fixture_dir() + "/hf/" + GetParam();
-  const ModelConfig config = hf_model_config(dir);
-  auto backend = make_cpu_backend();
-  Transformer model(*backend, config);
-  load_hf_weights(dir, ModelState{config, model.params()});
-  const nlohmann::json expected = expected_of(dir);
+  Folder f = load_folder(GetParam());
+  Transformer& model = *f.model;
+  Backend* backend = f.backend.get();
+  const nlohmann::json& expected = f.expected;
   ActivationStore store = test::next_token_store(model, expected["tokens"].get<std::vector<int32_t>>());
   model.zero_grads();
   const double loss = model.forward(store);
@@ -75,6 +99,64 @@ TEST_P(GptOss, EveryGradientMatchesPyTorch) {
   EXPECT_EQ(checked, static_cast<int>(expected["grads"].size()));
   std::printf("%s: loss %.9f (PyTorch %.9f), %d gradients, worst rel error %.2e (%s)\n", GetParam(), loss, want,
               checked, worst, worst_name.c_str());
+}
+
+// Decoding with sinks: score_tokens runs the model a chunk of positions at a time through
+// forward_rows (ChunkAttention over the cached rows; layer 0 within its window of 5), and the
+// engine decodes a prompt through its chunks then a token a step (attend_rows.h over the KV
+// cache, fp32 and bf16); the losses are the whole forward's, and the greedy tokens its
+// argmax. Dropping the sinks from the cache's attention moves the loss far (the check can fail).
+TEST_P(GptOss, DecodingWithSinksMatchesTheWholeForward) {
+  Folder f = load_folder(GetParam());
+  Transformer& model = *f.model;
+  Backend* backend = f.backend.get();
+  const ModelConfig& config = f.config;
+  const nlohmann::json& expected = f.expected;
+  const std::vector<int32_t> tokens = expected["tokens"].get<std::vector<int32_t>>();
+  const double want = expected["loss"].get<double>();
+  for (const int64_t chunk : {1, 3, 16}) {
+    const SequenceLoss s = score_tokens(model, tokens, chunk);
+    const double mean = s.sum / static_cast<double>(s.count);
+    EXPECT_LT(std::abs(mean - want) / want, 1e-5) << "chunk " << chunk << ": " << mean << " vs " << want;
+    std::printf("%s: chunks of %2lld: mean loss %.9f (PyTorch %.9f)\n", GetParam(), static_cast<long long>(chunk),
+                mean, want);
+  }
+  // The engine, teacher-forced a position a step through its KV cache (attend_rows.h), in fp32
+  // and in bf16 (a cache's rounding: a looser bound, stated).
+  for (const char* kv : {"fp32", "bf16"}) {
+    EngineConfig ec;
+    ec.max_batch = 1, ec.block_size = 4;
+    apply_kv_preset(ec, kv, config.head_dim());
+    const double loss = teacher_forced_loss(model, {tokens}, ec);
+    EXPECT_LT(std::abs(loss - want) / want, std::string(kv) == "fp32" ? 1e-5 : 1e-2) << kv << ": " << loss;
+    std::printf("%s: engine, %s cache: loss %.9f\n", GetParam(), kv, loss);
+  }
+  // Greedy tokens: a prompt of 7 (one chunk of rows: ChunkAttention), then a token a step.
+  const std::vector<int32_t> prompt(tokens.begin(), tokens.begin() + 7);
+  SamplingConfig greedy;
+  greedy.temperature = 0.0f;
+  GenerateOptions options;
+  options.max_new_tokens = 5;
+  std::vector<int32_t> seq = prompt;
+  for (const int32_t token : generate(model, prompt, greedy, options)) {
+    ActivationStore store = model.allocate_store(1, static_cast<int64_t>(seq.size()));
+    std::copy(seq.begin(), seq.end(), store.tokens.data<int32_t>());
+    model.forward(store, false);
+    const std::vector<double> logits = test::values(*backend, store.logits);
+    const int64_t V = config.vocab_size, last = static_cast<int64_t>(seq.size()) - 1;
+    const auto row = logits.begin() + last * V;
+    EXPECT_EQ(token, static_cast<int32_t>(std::max_element(row, row + V) - row)) << "after " << seq.size() << " tokens";
+    seq.push_back(token);
+  }
+  // The sinks matter here: with logits of -1e4 (exp underflows to 0: the attention normalized
+  // over the positions alone, as a kernel that dropped them would) the loss is far from the reference.
+  for (const ParamSpec& spec : model.layout().params) {
+    if (spec.name.find("self_attn.sinks") == std::string::npos) continue;
+    const std::vector<float> none(static_cast<size_t>(spec.numel), -1e4f);
+    backend->write(model.params().view(spec.offset, spec.shape), none.data());
+  }
+  const SequenceLoss off = score_tokens(model, tokens, 1);
+  EXPECT_GT(std::abs(off.sum / static_cast<double>(off.count) - want) / want, 1e-3);
 }
 
 INSTANTIATE_TEST_SUITE_P(Folders, GptOss, ::testing::Values("gpt_oss", "gpt_oss_mxfp4"));

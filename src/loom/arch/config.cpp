@@ -243,8 +243,16 @@ ModelConfig model_preset(std::string_view name) {
     c.moe_experts = 4, c.moe_top_k = 2, c.moe_d_ff = 32, c.moe_shared = 1, c.moe_shared_gate = true;
     return c;
   }
+  if (name == "gpt-oss-tiny") {  // llama-tiny as GPT-OSS: attention sinks, q/k/v and o_proj biases, layer 0 within a
+    c = model_preset("llama-tiny");  // window of 3, layer 1 global; MoE (4 experts, top 2) with biases and the clamped SwiGLU
+    c.attn_sinks = c.qkv_bias = c.attn_out_bias = true;
+    c.attn_window = 3, c.window_pattern = 2;
+    c.gate_activation = GateActivation::swiglu_oai;
+    c.moe_experts = 4, c.moe_top_k = 2, c.moe_d_ff = 32, c.moe_router_bias = c.moe_expert_bias = true;
+    return c;
+  }
   throw Error(str_cat("unknown model preset '", name, "', expected one of: gpt2-tiny, gpt2-default, gpt2-small, gpt2-124m, "
-                      "llama-tiny, moe-tiny, mla-tiny, gemma-tiny, qwen3-next-tiny"));
+                      "llama-tiny, moe-tiny, mla-tiny, gemma-tiny, qwen3-next-tiny, gpt-oss-tiny"));
 }
 
 ModelConfig with_peft_of(ModelConfig base, const ModelConfig& from) {

@@ -518,7 +518,7 @@ void visit_model_fields(Config& c, Visit&& visit) {
 ModelConfig with_peft_of(ModelConfig base, const ModelConfig& from);
 
 // Named presets: "gpt2-tiny", "gpt2-small" (6L, d=384), "gpt2-124m", "llama-tiny", "moe-tiny",
-// "mla-tiny", "gemma-tiny", "qwen3-next-tiny".
+// "mla-tiny", "gemma-tiny", "qwen3-next-tiny", "gpt-oss-tiny".
 ModelConfig model_preset(std::string_view name);
 
 int64_t param_count(const ModelConfig& config);

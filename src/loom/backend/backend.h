@@ -339,7 +339,7 @@ class Backend {
   // which the plain attention's backward, given O (not O'), turns into the exact gradients:
   // its D = rowsum(dO' o O) = g^2 dO.O' = dO'.O' - g (1 - g) dO.O' is D' less d(lse) (the
   // sink's share of the softmax); and adds d(s_h) = -sum over rows (1 - g) dO.O to dsinks.
-  // The defaults throw (the CUDA backend has no kernels yet).
+  // The defaults throw (a backend without the kernels).
   virtual void attention_sink_forward(const Tensor& out, const Tensor& lse, const Tensor& sinks, int64_t n_head);
   virtual void attention_sink_backward(const Tensor& dout, const Tensor& out, const Tensor& lse, const Tensor& sinks,
                                        const Tensor& dsinks, int64_t n_head);

@@ -103,6 +103,24 @@ void check_rope(const char* op, const Tensor& x, int64_t head_dim, int64_t n_hea
              " (even) must fit in width ", x.dim(2));
 }
 
+Dims3 check_attention_sinks(const char* op, const Tensor& out, const Tensor& lse, const Tensor& sinks, int64_t n_head,
+                            const Tensor* dout, const Tensor* dsinks) {
+  LOOM_CHECK(out.ndim() == 3 && n_head > 0 && out.dim(2) % n_head == 0, op, ": out must be (B, T, H hd) with H = ",
+             n_head, ", got ", out.describe());
+  const int64_t B = out.dim(0), T = out.dim(1), H = n_head;
+  LOOM_CHECK(lse.numel() == B * H * T && sinks.numel() == H && lse.dtype() == out.dtype() &&
+                 sinks.dtype() == out.dtype(),
+             op, ": lse must be (B, H, T) = (", B, ", ", H, ", ", T, ") and sinks (H) of out's dtype, got ",
+             lse.describe(), " and ", sinks.describe());
+  if (dout != nullptr) {
+    LOOM_CHECK(dout->shape() == out.shape() && dout->dtype() == out.dtype() && dsinks != nullptr &&
+                   dsinks->numel() == H && dsinks->dtype() == out.dtype(),
+               op, ": dout must match out ", out.describe(), " and dsinks be (H) = (", H, "), got ", dout->describe(),
+               " and ", dsinks != nullptr ? dsinks->describe() : std::string("none"));
+  }
+  return {B, T, out.dim(2) / n_head};
+}
+
 Dims3 check_attention(const char* op, const Tensor& qkv, const Tensor& out, const Tensor& saved, int64_t n_head,
                       int64_t n_kv_head, int64_t window, bool flash) {
   LOOM_CHECK(n_head > 0 && n_kv_head > 0 && n_head % n_kv_head == 0, op, ": n_head ", n_head,

@@ -61,6 +61,11 @@ Dims3 check_attention(const char* op, const Tensor& qkv, const Tensor& out, cons
 Dims3 check_attention_backward(const char* op, const Tensor& dout, const Tensor& qkv, const Tensor& out,
                                const Tensor& saved, const Tensor& dqkv, int64_t n_head, int64_t n_kv_head,
                                int64_t window, bool flash);
+// Attention sinks (Backend::attention_sink_forward / _backward): out (B, T, H hd), lse (B, H, T),
+// sinks (H), one dtype; with `dout` (out's shape) and `dsinks` (H) for the backward where given.
+// Returns {B, T, hd}.
+Dims3 check_attention_sinks(const char* op, const Tensor& out, const Tensor& lse, const Tensor& sinks, int64_t n_head,
+                            const Tensor* dout = nullptr, const Tensor* dsinks = nullptr);
 // logits (N, V), targets (N) i32, lse (N); the target values are checked by the backend.
 void check_cross_entropy(const char* op, const Tensor& logits, const Tensor& targets, const Tensor& lse);
 

@@ -38,6 +38,8 @@ void check_kv_attention(const KvAttendPlan& plan, const Tensor& q, const Tensor&
   LOOM_CHECK(H > 0 && G > 0 && hd > 0 && H % G == 0, "kv_attention: ", H, " query heads over ", G, " kv heads of ", hd,
              " (expected positive sizes, query heads a multiple of kv heads)");
   LOOM_CHECK(plan.block > 0, "kv_attention: block must be > 0, got ", plan.block);
+  LOOM_CHECK(plan.sinks.empty() || static_cast<int64_t>(plan.sinks.size()) == H, "kv_attention: ", plan.sinks.size(),
+             " sink logits for ", H, " query heads (expected one per head, or none)");
   for (int s = 0; s < 2; ++s) {
     plan.spec[s].validate();
     LOOM_CHECK(plan.spec[s].width == G * hd, "kv_attention: ", kStream[s], " rows of ", plan.spec[s].width,
@@ -76,6 +78,7 @@ void check_kv_attention(const KvAttendPlan& plan, const Tensor& q, const Tensor&
 void kv_attention_host(const KvAttendPlan& plan, const float* q, const uint8_t* pool, const float* rings, float* out) {
   const int64_t H = plan.n_head, hd = plan.head_dim, B = plan.block;
   std::vector<float> scores, sums, scratch(static_cast<size_t>(B * plan.spec[0].width));
+  const float* sinks = plan.sinks.empty() ? nullptr : plan.sinks.data();
   for (size_t i = 0; i < plan.rows.size(); ++i) {
     const KvAttendRow& r = plan.rows[i];
     // Positions t in [first, n) in increasing order, each row dequantized tile by tile as the
@@ -95,7 +98,7 @@ void kv_attention_host(const KvAttendPlan& plan, const float* q, const uint8_t* 
       };
     };
     const int64_t row = static_cast<int64_t>(i) * H * hd;
-    attend_rows(q + row, out + row, H, plan.n_kv_head, hd, r.first, r.n, walk(0), walk(1), scores, sums);
+    attend_rows(q + row, out + row, H, plan.n_kv_head, hd, r.first, r.n, walk(0), walk(1), scores, sums, sinks);
   }
 }
 

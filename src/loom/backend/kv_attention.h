@@ -10,7 +10,9 @@
 //     offset ring[s] + (t % window[s]) * width[s] (the cache's fp32 window, kv_cache.h).
 // For query head h (kv head g = h / (n_head / n_kv_head)) over the visible positions [first, n):
 //     s_t = (q_h . k_t[g]) / sqrt(head_dim),  p_t = exp(s_t - max s) / sum_t exp(s_t - max s),
-//     out_h = sum_t p_t v_t[g].
+//     out_h = sum_t p_t v_t[g];
+// with attention sinks (plan.sinks, GPT-OSS: a logit s_h per query head whose value is zero) the
+// normalizer takes exp(s_h - m) more (backend/attend_rows.h).
 // The CPU backend runs backend/attend_rows.h over the dequantized rows, in the order and with the
 // arithmetic of the host cache's attend, so its output is bitwise the host cache's. A GPU splits
 // the positions over thread blocks (split-KV, "flash decoding") and merges the partial softmaxes,
@@ -38,6 +40,7 @@ struct KvAttendPlan {
   int64_t n_head = 0, n_kv_head = 0, head_dim = 0;
   std::vector<KvAttendRow> rows;
   std::vector<int64_t> tile_offsets;  // byte offsets into the pool; (K, V) pairs per tile
+  std::vector<float> sinks;           // (n_head) attention-sink logits of the layer, or empty: none
 
   int64_t tile_bytes(int stream) const { return kv_tile_bytes(spec[stream], block); }
   // The largest number of positions a row attends to.

@@ -25,7 +25,7 @@ int64_t ChunkAttention::workspace_bytes(const ModelConfig& c, int64_t rows) {
 }
 
 void ChunkAttention::run(int64_t first, int64_t n, int64_t lo, int64_t window, const KvTile& tile, const float* q,
-                         int64_t q_stride, float* out, int64_t out_stride) {
+                         int64_t q_stride, float* out, int64_t out_stride, const float* sinks) {
   const int64_t W = window, P = first + n - lo, M = group_ * n, G = c_.n_kv_head;
   LOOM_CHECK(n >= 1 && lo >= 0 && lo <= first && (W <= 0 || lo <= std::max<int64_t>(0, first + 1 - W)),
              "chunk attention: rows ", first, " .. ", first + n - 1, " over positions from ", lo);
@@ -39,6 +39,12 @@ void ChunkAttention::run(int64_t first, int64_t n, int64_t lo, int64_t window, c
   std::fill(O, O + G * M * hd_, 0.0f);
   max_.assign(static_cast<size_t>(G * M), -std::numeric_limits<float>::infinity());
   sum_.assign(static_cast<size_t>(G * M), 0.0f);
+  if (sinks != nullptr) {  // head h's rows start from its sink: max s_h, sum exp(s_h - s_h) = 1
+    for (int64_t h = 0; h < c_.n_head; ++h) {
+      std::fill_n(max_.begin() + h * n, n, sinks[h]);
+      std::fill_n(sum_.begin() + h * n, n, 1.0f);
+    }
+  }
   GemmSpec scores, accumulate;
   scores.trans_b = true, scores.alpha = 1.0f / std::sqrt(static_cast<float>(hd_));
   accumulate.beta = 1.0f;
@@ -64,7 +70,7 @@ void ChunkAttention::run(int64_t first, int64_t n, int64_t lo, int64_t window, c
         }
         float m = mx[i];
         for (int64_t t = from; t <= to; ++t) m = std::max(m, row[t - begin]);
-        const float rescale = std::exp(mx[i] - m);  // 0 on the row's first visible tile
+        const float rescale = std::exp(mx[i] - m);  // 0 on the row's first visible tile (without a sink)
         float sum = 0.0f;
         for (int64_t t = 0; t < T; ++t) {
           const int64_t at = begin + t;

@@ -38,8 +38,10 @@ class ChunkAttention {
   // Rows r < n, at positions first + r: queries at q + r * q_stride (the heads side by side),
   // outputs likewise at out + r * out_stride, over positions [lo, first + n), lo the first
   // position row 0 sees (0, or first + 1 - W under the layer's window W = `window`; 0: none).
+  // sinks: (n_head) attention-sink logits, each a position of zero value every row sees (the
+  // running max and sum start at (s_h, 1) instead of (-inf, 0)), or null.
   void run(int64_t first, int64_t n, int64_t lo, int64_t window, const KvTile& tile, const float* q, int64_t q_stride,
-           float* out, int64_t out_stride);
+           float* out, int64_t out_stride, const float* sinks = nullptr);
   // A KvTile over interleaved rows (n_kv_head x head_dim a position), as a KV cache hands them
   // out: read(begin, end, k, v) writes positions [lo + begin, lo + end) into k and v, once per
   // tile; each kv head's rows are then copied out of the tile (it stays in cache).

@@ -162,8 +162,9 @@ class KvCache {
   virtual void forget_before(int64_t seq, int64_t position) = 0;
 
   // q: (n_head, head_dim), out: (n_head, head_dim); needs k_width == v_width == n_kv_head * head_dim.
+  // sinks: the layer's (n_head) attention-sink logits (GPT-OSS; backend/attend_rows.h), or null.
   virtual void attend(int64_t seq, int64_t layer, const float* q, float* out, int64_t n_head, int64_t n_kv_head,
-                      int64_t head_dim, int64_t window = 0) = 0;
+                      int64_t head_dim, int64_t window = 0, const float* sinks = nullptr) = 0;
   // Rows [begin, end) of the visible positions, dequantized: k_out (end - begin, k_width) and,
   // when v_width > 0, v_out (end - begin, v_width).
   virtual void read(int64_t seq, int64_t layer, int64_t begin, int64_t end, float* k_out, float* v_out) = 0;
@@ -205,7 +206,8 @@ class KvCache {
                           int64_t k_col, int64_t v_col);
   // attend() for every seqs[r] at once: q and out (seqs.size(), n_head x head_dim) backend tensors.
   virtual void attend_rows(int64_t layer, const std::vector<int64_t>& seqs, const Tensor& q, const Tensor& out,
-                           int64_t n_head, int64_t n_kv_head, int64_t head_dim, int64_t window);
+                           int64_t n_head, int64_t n_kv_head, int64_t head_dim, int64_t window,
+                           const float* sinks = nullptr);
   virtual void flush() {}         // runs the pending stores
   virtual void check_status() {}  // throws if a stored row could not be (see Memory)
 };

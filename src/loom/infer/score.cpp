@@ -66,7 +66,7 @@ class SequenceCache final : public DecodeCache {
       const int64_t at = ((layer * c_.n_kv_head + g) * capacity_ + lo + begin) * hd_;
       return std::pair{k_.view(at, {end - begin, hd_}), v_.view(at, {end - begin, hd_})};
     };
-    attention_.run(first, n, lo, W, tile, q, q_stride, out, out_stride);
+    attention_.run(first, n, lo, W, tile, q, q_stride, out, out_stride, layer_sinks());
   }
 
   const ModelConfig& c_;

@@ -24,7 +24,7 @@ void StepRows::attend_all(Backend& backend, int64_t model_layer, const Tensor& q
   BlockCopy q_block;  // kv_attention takes contiguous query rows
   q_block.rows = n, q_block.cols = H * hd, q_block.src_stride = qkv.dim(1), q_block.dst_stride = H * hd;
   backend.copy_block(qkv, q_, q_block);
-  cache_.attend_rows(layer, seqs, q_, out, H, model_.n_kv_head, hd, window);
+  cache_.attend_rows(layer, seqs, q_, out, H, model_.n_kv_head, hd, window, layer_sinks());
 }
 
 void StepRows::attend(int64_t model_layer, int64_t row, const float* q, const float* k, const float* v, float* out) {
@@ -35,7 +35,7 @@ void StepRows::attend(int64_t model_layer, int64_t row, const float* q, const fl
     return;
   }
   cache_.write(seq, layer, k, v);
-  cache_.attend(seq, layer, q, out, model_.n_head, model_.n_kv_head, model_.head_dim(), window);
+  cache_.attend(seq, layer, q, out, model_.n_head, model_.n_kv_head, model_.head_dim(), window, layer_sinks());
 }
 
 void StepRows::attend_host_rows(int64_t model_layer, int64_t n, const float* qkv, int64_t width, int64_t k_col,
@@ -67,7 +67,7 @@ void StepRows::attend_host_rows(int64_t model_layer, int64_t n, const float* qkv
       }
     };
     prompt_attention_.run(ch.prefix, m, ch.first, window, prompt_attention_.interleaved(read), qkv + r * width, width,
-                          out + r * out_width, out_width);
+                          out + r * out_width, out_width, layer_sinks());
     for (int64_t j = 0; j < m; ++j) counts[static_cast<size_t>(r + j)] = 0;  // attended
   }
   if (!chunks_.empty()) {
@@ -166,7 +166,8 @@ void StepRows::attend_chunk(int64_t seq, const float* q, int64_t count, int64_t 
     };
   };
   LOOM_CHECK(first >= c.first, "engine: a chunk row attends to position ", first, " before the gathered ", c.first);
-  attend_rows(q, out, model_.n_head, G, hd, first, count, rows(c.k.data()), rows(c.v.data()), scores, sums);
+  attend_rows(q, out, model_.n_head, G, hd, first, count, rows(c.k.data()), rows(c.v.data()), scores, sums,
+              layer_sinks());
 }
 
 }  // namespace loom

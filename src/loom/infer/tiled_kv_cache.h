@@ -186,7 +186,8 @@ class TiledKvCache : public KvCache {
   }
 
   void attend_rows(int64_t layer, const std::vector<int64_t>& seqs, const Tensor& q, const Tensor& out,
-                   int64_t n_head, int64_t n_kv_head, int64_t head_dim, int64_t window) override {
+                   int64_t n_head, int64_t n_kv_head, int64_t head_dim, int64_t window,
+                   const float* sinks = nullptr) override {
     check_layer(layer);
     check_heads(n_head, n_kv_head, head_dim, window);
     KvAttendPlan& p = plan_;
@@ -195,6 +196,8 @@ class TiledKvCache : public KvCache {
     p.window[STREAM_K] = layouts_.stream[STREAM_K].window, p.window[STREAM_V] = layouts_.stream[STREAM_V].window;
     p.n_head = n_head, p.n_kv_head = n_kv_head, p.head_dim = head_dim;
     p.rows.clear(), p.tile_offsets.clear();
+    if (sinks != nullptr) p.sinks.assign(sinks, sinks + n_head);
+    else p.sinks.clear();
     for (const int64_t seq : seqs) {
       const Sequence& s = live(seq);
       KvAttendRow row;
@@ -240,7 +243,7 @@ class TiledKvCache : public KvCache {
   }
 
   void attend(int64_t seq, int64_t layer, const float* q, float* out, int64_t n_head, int64_t n_kv_head,
-              int64_t head_dim, int64_t window) override {
+              int64_t head_dim, int64_t window, const float* sinks = nullptr) override {
     const Sequence& s = live(seq);
     check_layer(layer);
     check_heads(n_head, n_kv_head, head_dim, window);
@@ -249,7 +252,7 @@ class TiledKvCache : public KvCache {
     loom::attend_rows(
         q, out, n_head, n_kv_head, head_dim, first, n,
         [&](auto&& fn) { walk_rows(s, layer, STREAM_K, first, n, n, fn); },
-        [&](auto&& fn) { walk_rows(s, layer, STREAM_V, first, n, n, fn); }, scores_, sums_);
+        [&](auto&& fn) { walk_rows(s, layer, STREAM_V, first, n, n, fn); }, scores_, sums_, sinks);
   }
 
   void read(int64_t seq, int64_t layer, int64_t begin, int64_t end, float* k_out, float* v_out) override {

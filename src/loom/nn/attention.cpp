@@ -365,10 +365,10 @@ void AttentionLayer::output_gate_backward(Backend& backend, const Tensor& input,
 
 void AttentionLayer::forward_rows(Backend& backend, const Tensor& x, AttentionSaved& s, const Tensor& mid,
                                   const std::vector<int64_t>& positions, DecodeCache& cache, int64_t layer) const {
-  LOOM_CHECK(!plan_.sinks, "decoding with attention sinks (model.attn_sinks, GPT-OSS) is not supported yet: the KV "
-             "cache's attention kernels take no sink logits");
   const AttentionParams& p = params_;
   const int64_t n = x.dim(0), H = config_.n_head, hd = config_.head_dim(), W = config_.qkv_width();
+  cache.sinks.resize(plan_.sinks ? static_cast<size_t>(H) : 0);  // the caches' attends read them
+  if (plan_.sinks) backend.read(p.sinks, cache.sinks.data());
   const bool pre = config_.pre_norms(), post = config_.post_norms();
   if (pre) norm_forward(backend, config_, x, p.norm_w, p.norm_b, s.norm.out, s.norm.mean, s.norm.rstd);
   if (plan_.attention == AttentionKind::mla) {

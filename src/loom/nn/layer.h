@@ -215,6 +215,12 @@ class DecodeCache {
   // head_dim) attention outputs written back in one Backend::write, so the caches run on host
   // rows whatever memory the backend's tensors live in.
   std::vector<float> host_qkv, host_attn;
+
+  // The attending layer's attention-sink logits (model.attn_sinks, GPT-OSS), n_head floats read to
+  // the host by Block::forward_rows before it attends; empty for a layer without sinks. Every
+  // attend above takes them into its softmax's normalizer (backend/attend_rows.h).
+  std::vector<float> sinks;
+  const float* layer_sinks() const { return sinks.empty() ? nullptr : sinks.data(); }
 };
 
 }  // namespace loom

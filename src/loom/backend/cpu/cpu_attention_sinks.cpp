@@ -18,17 +18,7 @@ namespace {
 struct SinkDims {
   int64_t B = 0, T = 0, H = 0, hd = 0;
 };
-
-SinkDims check_sinks(const char* op, const Tensor& out, const Tensor& lse, const Tensor& sinks, int64_t n_head) {
-  LOOM_CHECK(out.ndim() == 3 && n_head > 0 && out.dim(2) % n_head == 0, op, ": out must be (B, T, H hd) with H = ",
-             n_head, ", got ", out.describe());
-  const SinkDims d{out.dim(0), out.dim(1), n_head, out.dim(2) / n_head};
-  LOOM_CHECK(lse.numel() == d.B * d.H * d.T && sinks.numel() == d.H && lse.dtype() == out.dtype() &&
-                 sinks.dtype() == out.dtype(),
-             op, ": lse must be (B, H, T) = (", d.B, ", ", d.H, ", ", d.T, ") and sinks (H) of out's dtype, got ",
-             lse.describe(), " and ", sinks.describe());
-  return d;
-}
+SinkDims dims_of(const checks::Dims3& d, int64_t n_head) { return {d.a, d.b, n_head, d.c}; }
 
 template <typename F>
 F sink_gate(F lse, F sink) {
@@ -39,7 +29,7 @@ F sink_gate(F lse, F sink) {
 
 void CpuBackend::attention_sink_forward(const Tensor& out, const Tensor& lse, const Tensor& sinks, int64_t n_head) {
   const char* op = "attention_sink_forward";
-  const SinkDims d = check_sinks(op, out, lse, sinks, n_head);
+  const SinkDims d = dims_of(checks::check_attention_sinks(op, out, lse, sinks, n_head), n_head);
   dispatch_float(out.dtype(), op, kBackend, [&]<typename F>() {
     F* o = out.data<F>();
     const F* l = lse.data<F>();
@@ -59,11 +49,7 @@ void CpuBackend::attention_sink_forward(const Tensor& out, const Tensor& lse, co
 void CpuBackend::attention_sink_backward(const Tensor& dout, const Tensor& out, const Tensor& lse, const Tensor& sinks,
                                          const Tensor& dsinks, int64_t n_head) {
   const char* op = "attention_sink_backward";
-  const SinkDims d = check_sinks(op, out, lse, sinks, n_head);
-  LOOM_CHECK(dout.shape() == out.shape() && dout.dtype() == out.dtype() && dsinks.numel() == d.H &&
-                 dsinks.dtype() == out.dtype(),
-             op, ": dout must match out ", out.describe(), " and dsinks be (H) = (", d.H, "), got ", dout.describe(),
-             " and ", dsinks.describe());
+  const SinkDims d = dims_of(checks::check_attention_sinks(op, out, lse, sinks, n_head, &dout, &dsinks), n_head);
   dispatch_float(out.dtype(), op, kBackend, [&]<typename F>() {
     F* dO = dout.data<F>();
     const F* O = out.data<F>();

@@ -574,7 +574,105 @@ T attention_scale(int64_t head_dim) {
 
 unsigned row_blocks(int64_t rows) { return static_cast<unsigned>((rows + kRowWarps - 1) / kRowWarps); }
 
+// ------------------------------------------------------------------------------------ attention sinks
+// backend.h attention_sink_forward / _backward: g = sigmoid(lse - s_h) = 1 / (1 + e^(s_h - lse))
+// per (b, t, h) row, as the CPU computes it. Forward: the row times g. Backward: the row's share of
+// d(s_h), -(1 - g) dO.O, into partial[r], then dO times g; the per-head sum runs in sink_sum_kernel
+// over the rows in a fixed order (no atomics: the same bytes every run).
+template <typename T>
+__device__ __forceinline__ T sink_gate(T lse, T sink) {
+  return T(1) / (T(1) + exp_of(sink - lse));
+}
+
+// Row r's g: rows = B T H, row r = (b T + t) H + h; lse (B, H, T).
+template <typename T>
+__device__ __forceinline__ T sink_row_gate(const T* lse, const T* sinks, int64_t r, int seq_len, int n_head) {
+  const int64_t bt = r / n_head, h = r % n_head, b = bt / seq_len, t = bt % seq_len;
+  return sink_gate(lse[(b * n_head + h) * seq_len + t], sinks[h]);
+}
+
+// One warp per (b, t, h) row of out.
+template <typename T>
+__global__ void __launch_bounds__(kRowWarps* kWarp)
+    sink_forward_kernel(T* __restrict__ out, const T* __restrict__ lse, const T* __restrict__ sinks, int64_t rows,
+                        int seq_len, int n_head, int head_dim) {
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / kWarp;
+  if (r >= rows) return;  // warp-uniform
+  const int lane = threadIdx.x % kWarp;
+  const T g = sink_row_gate(lse, sinks, r, seq_len, n_head);
+  T* x = out + r * head_dim;
+  for (int d = lane; d < head_dim; d += kWarp) x[d] *= g;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kRowWarps* kWarp)
+    sink_backward_kernel(T* __restrict__ dout, const T* __restrict__ out, const T* __restrict__ lse,
+                         const T* __restrict__ sinks, T* __restrict__ partial, int64_t rows, int seq_len, int n_head,
+                         int head_dim) {
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / kWarp;
+  if (r >= rows) return;  // warp-uniform
+  const int lane = threadIdx.x % kWarp;
+  const T g = sink_row_gate(lse, sinks, r, seq_len, n_head);
+  T* x = dout + r * head_dim;
+  const T* y = out + r * head_dim;
+  T acc = 0;
+  for (int d = lane; d < head_dim; d += kWarp) acc += x[d] * y[d];
+  acc = warp_sum(acc);  // every lane holds the sum
+  if (lane == 0) partial[r] = -(T(1) - g) * acc;
+  for (int d = lane; d < head_dim; d += kWarp) x[d] *= g;
+}
+
+constexpr int kSinkSumThreads = 256;
+
+// A block per head h: thread i sums partial rows i, i + 256, ... of head h in order, then a fixed
+// halving tree; dsinks[h] += the total.
+template <typename T>
+__global__ void __launch_bounds__(kSinkSumThreads)
+    sink_sum_kernel(const T* __restrict__ partial, T* __restrict__ dsinks, int64_t bt_rows, int n_head) {
+  __shared__ T part[kSinkSumThreads];
+  const int h = static_cast<int>(blockIdx.x), i = static_cast<int>(threadIdx.x);
+  T acc = 0;
+  for (int64_t bt = i; bt < bt_rows; bt += kSinkSumThreads) acc += partial[bt * n_head + h];
+  part[i] = acc;
+  __syncthreads();
+  for (int s = kSinkSumThreads / 2; s > 0; s >>= 1) {
+    if (i < s) part[i] += part[i + s];
+    __syncthreads();
+  }
+  if (i == 0) dsinks[h] += part[0];
+}
+
 }  // namespace
+
+size_t attention_sink_backward_scratch_bytes(int64_t batch, int64_t seq_len, int64_t n_head, size_t elem_bytes) {
+  return static_cast<size_t>(batch * seq_len * n_head) * elem_bytes;
+}
+
+template <typename T>
+void attention_sink_forward(T* out, const T* lse, const T* sinks, int64_t batch, int64_t seq_len, int64_t n_head,
+                            int64_t head_dim, cudaStream_t stream) {
+  const int64_t rows = batch * seq_len * n_head;
+  if (rows == 0) return;
+  LOOM_CHECK(seq_len <= INT_MAX && n_head <= INT_MAX && head_dim <= INT_MAX, "attention_sink_forward: sizes exceed 32 bits");
+  launch<sink_forward_kernel<T>>(row_blocks(rows), kRowWarps * kWarp, 0, stream, out, lse, sinks, rows,
+                                 static_cast<int>(seq_len), static_cast<int>(n_head), static_cast<int>(head_dim));
+  LOOM_CUDA_CHECK_LAUNCH();
+}
+
+template <typename T>
+void attention_sink_backward(T* dout, const T* out, const T* lse, const T* sinks, T* dsinks, void* scratch,
+                             int64_t batch, int64_t seq_len, int64_t n_head, int64_t head_dim, cudaStream_t stream) {
+  const int64_t rows = batch * seq_len * n_head;
+  if (rows == 0) return;
+  LOOM_CHECK(seq_len <= INT_MAX && n_head <= INT_MAX && head_dim <= INT_MAX, "attention_sink_backward: sizes exceed 32 bits");
+  T* partial = static_cast<T*>(scratch);  // (B T, H)
+  launch<sink_backward_kernel<T>>(row_blocks(rows), kRowWarps * kWarp, 0, stream, dout, out, lse, sinks, partial, rows,
+                                  static_cast<int>(seq_len), static_cast<int>(n_head), static_cast<int>(head_dim));
+  LOOM_CUDA_CHECK_LAUNCH();
+  launch<sink_sum_kernel<T>>(dim3(static_cast<unsigned>(n_head)), kSinkSumThreads, 0, stream, partial, dsinks,
+                             batch * seq_len, static_cast<int>(n_head));
+  LOOM_CUDA_CHECK_LAUNCH();
+}
 
 // ------------------------------------------------------------------------------------ probabilities-saved path
 // GEMM scheme: for each batch element b and group member r in [0, G), one strided-batched call
@@ -723,7 +821,10 @@ void flash_attention_backward(const T* dout, const T* qkv, const T* out, const T
   template void flash_attention_forward<T>(const T*, T*, T*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,    \
                                            cudaStream_t);                                                              \
   template void flash_attention_backward<T>(const T*, const T*, const T*, const T*, T*, void*, int64_t, int64_t,      \
-                                            int64_t, int64_t, int64_t, int64_t, cudaStream_t);
+                                            int64_t, int64_t, int64_t, int64_t, cudaStream_t);                          \
+  template void attention_sink_forward<T>(T*, const T*, const T*, int64_t, int64_t, int64_t, int64_t, cudaStream_t);  \
+  template void attention_sink_backward<T>(T*, const T*, const T*, const T*, T*, void*, int64_t, int64_t, int64_t,    \
+                                           int64_t, cudaStream_t);
 LOOM_ATTENTION_INSTANTIATE(float)
 LOOM_ATTENTION_INSTANTIATE(double)
 #undef LOOM_ATTENTION_INSTANTIATE

@@ -39,6 +39,7 @@ namespace cuda_backend_detail {
 
 using checks::check_attention;
 using checks::check_attention_backward;
+using checks::check_attention_sinks;
 using checks::check_cross_entropy;
 using checks::check_elementwise;
 using checks::check_embedding;
@@ -361,6 +362,26 @@ void CudaBackend::flash_attention_backward(const Tensor& dout, const Tensor& qkv
         cuda::flash_attention_backward_scratch_bytes(batch, seq_len, n_head, n_kv_head, head_dim, sizeof(T)));
     cuda::flash_attention_backward<T>(dptr<T>(dout), dptr<T>(qkv), dptr<T>(out), dptr<T>(lse), dptr<T>(dqkv),
                                       scratch, batch, seq_len, n_head, n_kv_head, head_dim, window, stream_);
+  });
+}
+
+void CudaBackend::attention_sink_forward(const Tensor& out, const Tensor& lse, const Tensor& sinks, int64_t n_head) {
+  const char* op = "attention_sink_forward";
+  const auto [batch, seq_len, head_dim] = check_attention_sinks(op, out, lse, sinks, n_head);
+  dispatch_float(out.dtype(), op, kBackend, [&]<typename T>() {
+    cuda::attention_sink_forward<T>(dptr<T>(out), dptr<T>(lse), dptr<T>(sinks), batch, seq_len, n_head, head_dim,
+                                    stream_);
+  });
+}
+
+void CudaBackend::attention_sink_backward(const Tensor& dout, const Tensor& out, const Tensor& lse, const Tensor& sinks,
+                                          const Tensor& dsinks, int64_t n_head) {
+  const char* op = "attention_sink_backward";
+  const auto [batch, seq_len, head_dim] = check_attention_sinks(op, out, lse, sinks, n_head, &dout, &dsinks);
+  dispatch_float(out.dtype(), op, kBackend, [&]<typename T>() {
+    void* scratch = workspace(cuda::attention_sink_backward_scratch_bytes(batch, seq_len, n_head, sizeof(T)));
+    cuda::attention_sink_backward<T>(dptr<T>(dout), dptr<T>(out), dptr<T>(lse), dptr<T>(sinks), dptr<T>(dsinks),
+                                     scratch, batch, seq_len, n_head, head_dim, stream_);
   });
 }
 

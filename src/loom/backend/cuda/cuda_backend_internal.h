@@ -142,6 +142,9 @@ class CudaBackend final : public Backend {
                                int64_t n_kv_head, int64_t window) override;
   void flash_attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out, const Tensor& lse,
                                 const Tensor& dqkv, int64_t n_head, int64_t n_kv_head, int64_t window) override;
+  void attention_sink_forward(const Tensor& out, const Tensor& lse, const Tensor& sinks, int64_t n_head) override;
+  void attention_sink_backward(const Tensor& dout, const Tensor& out, const Tensor& lse, const Tensor& sinks,
+                               const Tensor& dsinks, int64_t n_head) override;
   // On tensor cores for head_dim 64 and 128 (cuda_flash_mma.cu); otherwise Backend's default.
   void flash_attention_forward_bf16(const Tensor& qkv, const Tensor& out, const Tensor& lse, int64_t n_head,
                                     int64_t n_kv_head) override;

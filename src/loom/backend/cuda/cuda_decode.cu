@@ -32,8 +32,9 @@
 //                                            bits), online softmax in f32 (m, l rescaled when the
 //                                            max grows), acc += p v. The 4 warps' (m, l, acc) are
 //                                            merged through shared memory in warp order; a row of
-//                                            one item writes out = acc / l, else (m, l, acc) go to
-//                                            the workspace per (item, head).
+//                                            one item writes out = acc / l (with_sink first when
+//                                            the plan has sinks), else (m, l, acc) go to the
+//                                            workspace per (item, head).
 //                                            Device bytes per position and kv head: the K and V
 //                                            slices once (hd x 4 / 2 / bits/8, + 4 B per (scale,
 //                                            min) pair of the slice, per-channel pairs once per
@@ -43,7 +44,9 @@
 //   kv_merge_kernel                          Block per (row of several items, query head), a thread
 //     grid (merge rows, n_head),             per channel: M = max_i m_i, out = sum_i acc_i
 //     32..256 threads                        exp(m_i - M) / sum_i l_i exp(m_i - M), i = 0, 1, ...
-//                                            in order. Reads splits x (hd + 2) x 4 B, writes hd x 4 B.
+//                                            in order, the head's sink (if any) taken in last as a
+//                                            position of zero value (with_sink). Reads splits x
+//                                            (hd + 2) x 4 B, writes hd x 4 B.
 //
 // Determinism: no atomics; every sum has a fixed order (the lane's channels, the butterfly, the
 // positions in each warp's turn, the warps 0..3, the splits in order), and the split size depends
@@ -194,13 +197,22 @@ __device__ __forceinline__ void load_channels(const KvStreamLayout& f, const Sou
   }
 }
 
+// An attention sink s (GPT-OSS: a logit of zero value) into a head's merged (M, L): M' = max(M, s),
+// L' = L e^(M - M') + e^(s - M'); returns e^(M - M'), the factor on the head's accumulator.
+__device__ __forceinline__ float with_sink(float s, float& M, float& L) {
+  const float top = s > M ? s : M, a = exp_of(M - top);
+  L = L * a + exp_of(s - top);
+  M = top;
+  return a;
+}
+
 // ---------------------------------------------------------------------------- the split kernel
 template <int kMaxHd, int kHeads>
 __global__ void __launch_bounds__(kThreads)
     kv_split_kernel(const KvDecodeShape s, const KvDecodeRow* __restrict__ rows, const int64_t* __restrict__ offsets,
                     const int32_t* __restrict__ item_row, const float* __restrict__ q, const uint8_t* __restrict__ pool,
-                    const float* __restrict__ rings, float* __restrict__ out, float* __restrict__ part_m,
-                    float* __restrict__ part_l, float* __restrict__ part_acc) {
+                    const float* __restrict__ rings, const float* __restrict__ sinks, float* __restrict__ out,
+                    float* __restrict__ part_m, float* __restrict__ part_l, float* __restrict__ part_acc) {
   constexpr int kPer = kMaxHd / kWarp;             // channels per lane
   constexpr int kUnroll = kPer >= 8 ? 2 : 4;       // positions a warp loads before it computes
   __shared__ float w_acc[kWarps][kHeads][kMaxHd];  // the warps' states, merged at the end
@@ -329,6 +341,7 @@ __global__ void __launch_bounds__(kThreads)
     }
     const int64_t h = h0 + p;
     if (r.splits == 1) {
+      if (sinks != nullptr) A *= with_sink(sinks[h], M, L);
       out[(row_index * H + h) * hd + d] = A / L;
     } else {
       const int64_t slot = item * H + h;
@@ -345,7 +358,7 @@ __global__ void __launch_bounds__(kThreads)
 __global__ void kv_merge_kernel(const KvDecodeShape s, const KvDecodeRow* __restrict__ rows,
                                 const int32_t* __restrict__ merge_row, const float* __restrict__ part_m,
                                 const float* __restrict__ part_l, const float* __restrict__ part_acc,
-                                float* __restrict__ out) {
+                                const float* __restrict__ sinks, float* __restrict__ out) {
   const int64_t row_index = merge_row[blockIdx.x];
   const KvDecodeRow r = rows[row_index];
   const int64_t H = s.n_head, hd = s.head_dim, h = blockIdx.y;
@@ -359,14 +372,24 @@ __global__ void kv_merge_kernel(const KvDecodeShape s, const KvDecodeRow* __rest
     const int64_t slot = (r.item0 + i) * H + h;
     L += part_l[slot] * exp_of(part_m[slot] - M);
   }
+  float sink_factor = 1.0f;  // the accumulators below stay relative to M: the sink moves only L
+  if (sinks != nullptr) {
+    float top = M;
+    sink_factor = with_sink(sinks[h], top, L);
+  }
   for (int64_t d = threadIdx.x; d < hd; d += blockDim.x) {
     float o = 0.0f;
     for (int64_t i = 0; i < r.splits; ++i) {
       const int64_t slot = (r.item0 + i) * H + h;
       o += part_acc[slot * hd + d] * exp_of(part_m[slot] - M);
     }
-    out[(row_index * H + h) * hd + d] = o / L;
+    out[(row_index * H + h) * hd + d] = o * sink_factor / L;
   }
+}
+
+// The table's sink logits, or null when the plan has none.
+const float* sinks_of(const KvDecodeShape& s, const KvDecodeLayout& at, const char* ws) {
+  return s.sinks ? reinterpret_cast<const float*>(ws + at.sinks_at) : nullptr;
 }
 
 template <int kMaxHd, int kHeads>
@@ -377,7 +400,7 @@ void launch_split(const KvDecodeShape& s, const KvDecodeLayout& at, char* ws, co
   launch<kv_split_kernel<kMaxHd, kHeads>>(
       grid, kThreads, 0, stream, s, reinterpret_cast<const KvDecodeRow*>(ws + at.rows_at),
       reinterpret_cast<const int64_t*>(ws + at.offsets_at), reinterpret_cast<const int32_t*>(ws + at.items_at), q,
-      pool, rings, out, reinterpret_cast<float*>(ws + at.m_at), reinterpret_cast<float*>(ws + at.l_at),
+      pool, rings, sinks_of(s, at, ws), out, reinterpret_cast<float*>(ws + at.m_at), reinterpret_cast<float*>(ws + at.l_at),
       reinterpret_cast<float*>(ws + at.acc_at));
   LOOM_CUDA_CHECK_LAUNCH();
 }
@@ -391,7 +414,8 @@ KvDecodeLayout kv_decode_layout(const KvDecodeShape& s) {
   at.offsets_at = align_up(at.rows_at + static_cast<size_t>(s.rows) * sizeof(KvDecodeRow), 8);
   at.items_at = align_up(at.offsets_at + static_cast<size_t>(s.entries) * sizeof(int64_t), 8);
   at.merges_at = align_up(at.items_at + static_cast<size_t>(s.items) * sizeof(int32_t), 4);
-  at.table_bytes = at.merges_at + static_cast<size_t>(s.merge_rows) * sizeof(int32_t);
+  at.sinks_at = align_up(at.merges_at + static_cast<size_t>(s.merge_rows) * sizeof(int32_t), 4);
+  at.table_bytes = at.sinks_at + static_cast<size_t>(s.sinks ? s.n_head : 0) * sizeof(float);
   at.m_at = align_up(at.table_bytes, 256);
   at.l_at = align_up(at.m_at + slots * sizeof(float), 16);
   at.acc_at = align_up(at.l_at + slots * sizeof(float), 16);
@@ -437,7 +461,7 @@ void kv_attention_decode(const KvDecodeShape& s, void* workspace, const float* q
                           reinterpret_cast<const KvDecodeRow*>(ws + at.rows_at),
                           reinterpret_cast<const int32_t*>(ws + at.merges_at),
                           reinterpret_cast<const float*>(ws + at.m_at), reinterpret_cast<const float*>(ws + at.l_at),
-                          reinterpret_cast<const float*>(ws + at.acc_at), out);
+                          reinterpret_cast<const float*>(ws + at.acc_at), sinks_of(s, at, ws), out);
   LOOM_CUDA_CHECK_LAUNCH();
 }
 

@@ -48,15 +48,16 @@ struct KvDecodeShape {
   int64_t items = 0;                         // (row, split) pairs: sum over rows of splits
   int64_t merge_rows = 0;                    // rows with more than one split
   float scale = 1.0f;                        // 1 / sqrt(head_dim), in f32 as the CPU
+  int64_t sinks = 0;                         // 1: the table ends with n_head attention-sink logits
   KvStreamLayout stream[2];
 };
 
 // Byte offsets in the workspace. The table (one host -> device copy of table_bytes):
 //   [rows x KvDecodeRow][entries x int64 tile offset][items x int32 row of the item]
-//   [merge_rows x int32 row], then the partials of the split kernel, per (item, query head):
+//   [merge_rows x int32 row][n_head x f32 sink logit, when s.sinks], then the partials of the split kernel, per (item, query head):
 //   running max m, sum l (f32) and the unnormalized output acc (head_dim f32).
 struct KvDecodeLayout {
-  size_t rows_at = 0, offsets_at = 0, items_at = 0, merges_at = 0, table_bytes = 0;
+  size_t rows_at = 0, offsets_at = 0, items_at = 0, merges_at = 0, sinks_at = 0, table_bytes = 0;
   size_t m_at = 0, l_at = 0, acc_at = 0, bytes = 0;
 };
 KvDecodeLayout kv_decode_layout(const KvDecodeShape& s);

@@ -144,4 +144,16 @@ void flash_attention_backward(const T* dout, const T* qkv, const T* out, const T
                               int64_t batch, int64_t seq_len, int64_t n_head, int64_t n_kv_head, int64_t head_dim,
                               int64_t window, cudaStream_t stream);
 
+// Attention sinks (backend.h attention_sink_forward / _backward) on flash attention's out (B, T,
+// H hd) and lse (B, H, T): the forward scales each row by g = sigmoid(lse - s_h); the backward
+// turns dout into g dout and adds -sum over rows (1 - g) dO.O to dsinks (H), the rows' partials
+// in `scratch` (attention_sink_backward_scratch_bytes) summed per head in a fixed order.
+size_t attention_sink_backward_scratch_bytes(int64_t batch, int64_t seq_len, int64_t n_head, size_t elem_bytes);
+template <typename T>
+void attention_sink_forward(T* out, const T* lse, const T* sinks, int64_t batch, int64_t seq_len, int64_t n_head,
+                            int64_t head_dim, cudaStream_t stream);
+template <typename T>
+void attention_sink_backward(T* dout, const T* out, const T* lse, const T* sinks, T* dsinks, void* scratch,
+                             int64_t batch, int64_t seq_len, int64_t n_head, int64_t head_dim, cudaStream_t stream);
+
 }  // namespace loom::cuda
