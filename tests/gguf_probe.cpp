@@ -4,9 +4,12 @@
 // JSON array of strings. Prints one JSON object: per prompt its token ids (plain: special tokens
 // are text), its ids with special tokens parsed (tokens_special), Loom's greedy continuation of
 // TOKENS tokens (infer/generate.h, temperature 0, stopping at end of text) and the
-// log-probabilities of the next token after the prompt; for the text, its first
+// log-probabilities of the next token after the prompt, each continuation token's margin over
+// the runner-up (continuation_margins); for the text, its first
 // min(max_seq_len + 1, n) tokens and the mean next-token loss over them from position 0.
+#include <algorithm>
 #include <cmath>
+#include <functional>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
@@ -72,8 +75,20 @@ int main(int argc, char** argv) {
       options.max_new_tokens = std::stoll(argv[3]);
       options.stop_token = tokenizer->eot_token();
       const std::vector<int32_t> continuation = loom::generate(model, ids, greedy, options);
+      // Each continuation token's margin: its log-probability less the runner-up's (a near-tie,
+      // where llama.cpp's rounding may pick the other, has a margin within the test's tolerance).
+      std::vector<int32_t> fed = ids;
+      fed.insert(fed.end(), continuation.begin(), continuation.end());
+      fed.resize(std::min(fed.size(), static_cast<size_t>(config.max_seq_len)));
+      const auto fed_lp = log_probs(model, fed);
+      std::vector<double> margins;
+      for (size_t k = 0; k < continuation.size() && ids.size() - 1 + k < fed_lp.size(); ++k) {
+        std::vector<double> row = fed_lp[ids.size() - 1 + k];
+        std::partial_sort(row.begin(), row.begin() + 2, row.end(), std::greater<>());
+        margins.push_back(row[0] - row[1]);
+      }
       out["prompts"].push_back({{"prompt", line}, {"tokens", ids}, {"tokens_special", special}, {"continuation", continuation},
-                                {"next_logprobs", log_probs(model, ids).back()}});
+                                {"continuation_margins", margins}, {"next_logprobs", log_probs(model, ids).back()}});
     }
     std::vector<int32_t> text = tokenizer->encode(read_all(argv[5]));
     text.resize(std::min<size_t>(text.size(), static_cast<size_t>(config.max_seq_len) + 1));

@@ -247,6 +247,10 @@ Exported export_tiny(Arch arch, GgufExportType type, const std::function<void(Mo
   return e;
 }
 
+bool has_tensor(const GgufFile& f, const std::string& name) {
+  return std::any_of(f.tensors.begin(), f.tensors.end(), [&](const GgufTensorInfo& t) { return t.name == name; });
+}
+
 std::vector<float> param(const Exported& e, const std::string& name) {
   const ParamLayout layout = build_param_layout(e.config);  // (find's reference lives as long as the layout)
   const ParamSpec& p = layout.find(name);
@@ -282,7 +286,7 @@ TEST(GgufExport, Gpt2KeysNamesShapesAndTokenizer) {
   EXPECT_EQ(f.tensor_f32("blk.1.attn_qkv.weight"), param(e, "h.1.attn.c_attn.weight"));  // (out, in) as Loom
   EXPECT_EQ(f.tensor_f32("blk.0.attn_output.bias"), param(e, "h.0.attn.c_proj.bias"));
   EXPECT_EQ(f.tensor_f32("output_norm.bias"), param(e, "ln_f.bias"));
-  EXPECT_FALSE(f.has("output.weight"));
+  EXPECT_FALSE(has_tensor(f, "output.weight"));
 }
 
 // Loom's rotate-half RoPE on the Loom rows equals llama.cpp's adjacent-pair RoPE (rope type NORM:
@@ -423,6 +427,149 @@ TEST(GgufExport, LongRopeIsWrittenAsLlamaCppsPhi3) {
   EXPECT_EQ(e.file.get("phi3.rope.scaling.original_context_length").i, 8);
 }
 
+// MoE as llama.cpp's stacked experts: the router (f32), ffn_gate_exps / ffn_up_exps (E, F, C) from
+// the first and last F rows of each expert's gate_up_proj, ffn_down_exps (E, C, F), the expert
+// counts and widths as keys; without q/k norms as llama (Mixtral), with them as qwen3moe.
+TEST(GgufExport, MoeIsWrittenAsLlamaCppsStackedExperts) {
+  for (const bool qk_norm : {false, true}) {
+    const Exported e = export_tiny(ARCH_LLAMA, GgufExportType::F16, [qk_norm](ModelConfig& c) {
+      c.moe_experts = 3, c.moe_top_k = 2, c.moe_d_ff = 32, c.qk_norm = qk_norm;
+    });
+    const std::string a = qk_norm ? "qwen3moe" : "llama";
+    EXPECT_EQ(e.file.get("general.architecture").s, a);
+    EXPECT_EQ(e.file.get(a + ".expert_count").i, 3);
+    EXPECT_EQ(e.file.get(a + ".expert_used_count").i, 2);
+    EXPECT_EQ(e.file.get(a + ".expert_feed_forward_length").i, 32);
+    EXPECT_EQ(e.file.get(a + ".feed_forward_length").i, 32);
+    const int64_t C = 32, F = 32;
+    EXPECT_EQ(e.file.tensor("blk.1.ffn_gate_inp.weight").type, GgmlType::F32);
+    EXPECT_EQ(e.file.tensor_f32("blk.1.ffn_gate_inp.weight"), param(e, "model.layers.1.mlp.gate.weight"));
+    EXPECT_EQ(e.file.tensor("blk.1.ffn_gate_exps.weight").ne, (std::vector<uint64_t>{32, 32, 3}));
+    EXPECT_EQ(e.file.tensor("blk.1.ffn_down_exps.weight").ne, (std::vector<uint64_t>{32, 32, 3}));
+    EXPECT_EQ(e.file.tensor("blk.1.ffn_up_exps.weight").type, GgmlType::F16);
+    const std::vector<float> gate = e.file.tensor_f32("blk.1.ffn_gate_exps.weight"),
+                             up = e.file.tensor_f32("blk.1.ffn_up_exps.weight"),
+                             down = e.file.tensor_f32("blk.1.ffn_down_exps.weight");
+    for (int64_t x = 0; x < 3; ++x) {
+      const std::string ex = "model.layers.1.mlp.experts." + std::to_string(x) + ".";
+      const std::vector<float> gu = param(e, ex + "gate_up_proj.weight"), d = param(e, ex + "down_proj.weight");
+      for (int64_t i = 0; i < F * C; ++i) {
+        const auto at = static_cast<size_t>(x * F * C + i);
+        EXPECT_NEAR(gate[at], gu[static_cast<size_t>(i)], 1e-3) << a << " expert " << x << " gate " << i;
+        EXPECT_NEAR(up[at], gu[static_cast<size_t>(F * C + i)], 1e-3) << a << " expert " << x << " up " << i;
+        EXPECT_NEAR(down[at], d[static_cast<size_t>(i)], 1e-3) << a << " expert " << x << " down " << i;
+      }
+    }
+    EXPECT_FALSE(has_tensor(e.file, "blk.0.ffn_gate.weight"));
+  }
+}
+
+// GPT-OSS as llama.cpp's gpt-oss: the sinks (f32), o_proj's bias, the MLP's input norm named
+// post_attention_norm, the router's bias and the experts' biases stacked (E, F) / (E, C) in f32
+// whatever the file's type, the window and head sizes as keys, an untied head.
+TEST(GgufExport, GptOssIsWrittenAsLlamaCppsGptOss) {
+  const Exported e = export_tiny(ARCH_LLAMA, GgufExportType::Q8_0, [](ModelConfig& c) {
+    c.attn_sinks = c.qkv_bias = c.attn_out_bias = true;
+    c.gate_activation = GateActivation::swiglu_oai;
+    c.moe_experts = 2, c.moe_top_k = 2, c.moe_router_bias = c.moe_expert_bias = true;
+    c.attn_window = 4, c.window_pattern = 2;
+  });
+  const GgufFile& f = e.file;
+  EXPECT_EQ(f.get("general.architecture").s, "gpt-oss");
+  EXPECT_EQ(f.get("gpt-oss.attention.sliding_window").i, 4);
+  EXPECT_EQ(f.get("gpt-oss.attention.key_length").i, 8);
+  EXPECT_EQ(f.get("gpt-oss.expert_feed_forward_length").i, 64);
+  EXPECT_EQ(f.tensor_f32("blk.0.attn_sinks.weight"), param(e, "model.layers.0.self_attn.sinks"));
+  EXPECT_EQ(f.tensor_f32("blk.0.attn_output.bias"), param(e, "model.layers.0.self_attn.o_proj.bias"));
+  EXPECT_EQ(f.tensor_f32("blk.0.post_attention_norm.weight"), param(e, "model.layers.0.post_attention_layernorm.weight"));
+  EXPECT_FALSE(has_tensor(f, "blk.0.ffn_norm.weight"));
+  EXPECT_EQ(f.tensor_f32("blk.1.ffn_gate_inp.bias"), param(e, "model.layers.1.mlp.gate.bias"));
+  EXPECT_EQ(f.tensor("blk.1.ffn_gate_exps.weight").type, GgmlType::Q8_0);
+  EXPECT_EQ(f.tensor("blk.1.ffn_up_exps.bias").type, GgmlType::F32);
+  EXPECT_EQ(f.tensor("blk.1.ffn_up_exps.bias").ne, (std::vector<uint64_t>{64, 2}));
+  EXPECT_EQ(f.tensor("blk.1.ffn_down_exps.bias").ne, (std::vector<uint64_t>{32, 2}));
+  std::vector<float> up, down;
+  for (int64_t x = 0; x < 2; ++x) {
+    const std::string ex = "model.layers.1.mlp.experts." + std::to_string(x) + ".";
+    const std::vector<float> gu = param(e, ex + "gate_up_proj.bias"), d = param(e, ex + "down_proj.bias");
+    up.insert(up.end(), gu.begin() + 64, gu.end());
+    down.insert(down.end(), d.begin(), d.end());
+  }
+  EXPECT_EQ(f.tensor_f32("blk.1.ffn_up_exps.bias"), up);
+  EXPECT_EQ(f.tensor_f32("blk.1.ffn_down_exps.bias"), down);
+  EXPECT_TRUE(has_tensor(f, "output.weight"));
+  // What llama.cpp's gpt-oss would run otherwise is refused by name: a tied head, the release's
+  // untruncated YaRN.
+  for (const auto& edit : std::vector<std::function<void(ModelConfig&)>>{
+           [](ModelConfig& c) { c.tie_embeddings = true; },
+           [](ModelConfig& c) { c.rope_scaling = ROPE_SCALING_YARN, c.rope_factor = 4, c.rope_yarn_truncate = false; }}) {
+    ModelConfig c = e.config;
+    edit(c);
+    const std::vector<float> p(static_cast<size_t>(build_param_layout(c).total));
+    EXPECT_NE(test::error_of([&] {
+                export_gguf(c, p, gguf_vocabulary(ByteTokenizer()), GgufExportType::F32, "x", temp_path("o.gguf"));
+              }).find("llama.cpp's gpt-oss"),
+              std::string::npos);
+  }
+}
+
+// Qwen3-Next as llama.cpp's qwen3next: a DeltaNet layer's attn_qkv / attn_gate from Loom's
+// [q | k | v | z] rows, ssm_ba regrouped per key head as the Hub's [b r | a r], ssm_a = -exp(A_log),
+// the conv in f32; a gated-attention layer's attn_q with each head's query rows then its gate
+// rows; the shared expert and its gate; the ssm keys and the partial RoPE's dims.
+TEST(GgufExport, Qwen3NextIsWrittenAsLlamaCppsQwen3Next) {
+  const Exported e = export_tiny(ARCH_LLAMA, GgufExportType::F32, [](ModelConfig& c) {
+    c.linear_interval = 2, c.linear_key_heads = 2, c.linear_value_heads = 4, c.linear_key_dim = 8, c.linear_value_dim = 8;
+    c.attn_output_gate = c.qk_norm = true;
+    c.rope_fraction = 0.5f;
+    c.moe_experts = 2, c.moe_top_k = 1, c.moe_d_ff = 16, c.moe_shared = 1, c.moe_shared_gate = true;
+  });
+  const GgufFile& f = e.file;
+  const int64_t C = 32, hd = 8, H = 4;
+  EXPECT_EQ(f.get("general.architecture").s, "qwen3next");
+  EXPECT_EQ(f.get("qwen3next.full_attention_interval").i, 2);
+  EXPECT_EQ(f.get("qwen3next.ssm.state_size").i, 8);
+  EXPECT_EQ(f.get("qwen3next.ssm.group_count").i, 2);
+  EXPECT_EQ(f.get("qwen3next.ssm.time_step_rank").i, 4);
+  EXPECT_EQ(f.get("qwen3next.ssm.inner_size").i, 32);
+  EXPECT_EQ(f.get("qwen3next.ssm.conv_kernel").i, 4);
+  EXPECT_EQ(f.get("qwen3next.rope.dimension_count").i, 4);
+  EXPECT_EQ(f.get("qwen3next.expert_shared_feed_forward_length").i, 16);
+  const std::vector<float> qkvz = param(e, "model.layers.0.linear_attn.in_proj_qkvz.weight");
+  EXPECT_EQ(f.tensor_f32("blk.0.attn_qkv.weight"), std::vector<float>(qkvz.begin(), qkvz.begin() + 64 * C));
+  EXPECT_EQ(f.tensor_f32("blk.0.attn_gate.weight"), std::vector<float>(qkvz.begin() + 64 * C, qkvz.end()));
+  const std::vector<float> ba = param(e, "model.layers.0.linear_attn.in_proj_ba.weight"), got = f.tensor_f32("blk.0.ssm_ba.weight");
+  // Key head 1 (r = 2 value heads each): [b2 b3 | a2 a3] at rows 4..7; Loom's [b0..b3 | a0..a3].
+  for (const auto& [to, from] : {std::pair{4, 2}, {5, 3}, {6, 6}, {7, 7}, {0, 0}, {2, 4}}) {
+    EXPECT_EQ(std::vector<float>(got.begin() + to * C, got.begin() + (to + 1) * C),
+              std::vector<float>(ba.begin() + from * C, ba.begin() + (from + 1) * C)) << "row " << to;
+  }
+  const std::vector<float> a_log = param(e, "model.layers.0.linear_attn.A_log"), a = f.tensor_f32("blk.0.ssm_a");
+  for (size_t i = 0; i < a_log.size(); ++i) EXPECT_FLOAT_EQ(a[i], -std::exp(a_log[i]));
+  EXPECT_EQ(f.tensor("blk.0.ssm_conv1d.weight").ne, (std::vector<uint64_t>{4, 64}));
+  EXPECT_EQ(f.tensor_f32("blk.0.ssm_norm.weight"), param(e, "model.layers.0.linear_attn.norm.weight"));
+  const std::vector<float> q = param(e, "model.layers.1.self_attn.qkv_proj.weight"),
+                           gate = param(e, "model.layers.1.self_attn.gate_proj.weight"),
+                           attn_q = f.tensor_f32("blk.1.attn_q.weight");
+  ASSERT_EQ(attn_q.size(), static_cast<size_t>(2 * H * hd * C));
+  for (int64_t h = 0; h < H; ++h) {  // head h: rows [2h hd, 2h hd + hd) its queries, then its gates
+    EXPECT_TRUE(std::equal(q.begin() + h * hd * C, q.begin() + (h + 1) * hd * C, attn_q.begin() + 2 * h * hd * C));
+    EXPECT_TRUE(std::equal(gate.begin() + h * hd * C, gate.begin() + (h + 1) * hd * C, attn_q.begin() + (2 * h + 1) * hd * C));
+  }
+  EXPECT_EQ(f.tensor_f32("blk.1.ffn_gate_inp_shexp.weight"), param(e, "model.layers.1.mlp.shared_expert_gate.weight"));
+  EXPECT_EQ(f.tensor("blk.1.ffn_up_shexp.weight").ne, (std::vector<uint64_t>{32, 16}));
+  EXPECT_EQ(f.tensor("blk.1.ffn_down_shexp.weight").ne, (std::vector<uint64_t>{16, 32}));
+  EXPECT_FALSE(has_tensor(f, "blk.0.attn_q.weight"));
+  // llama.cpp's state is square: another value head size is refused by name.
+  ModelConfig c = e.config;
+  c.linear_value_dim = 16;
+  const std::vector<float> p(static_cast<size_t>(build_param_layout(c).total));
+  EXPECT_NE(test::error_of([&] {
+              export_gguf(c, p, gguf_vocabulary(ByteTokenizer()), GgufExportType::F32, "x", temp_path("n.gguf"));
+            }).find("linear_value_dim = linear_key_dim"),
+            std::string::npos);
+}
+
 TEST(GgufExport, QuantizedTypesKeepVectorsF32AndRefuseWhatLlamaCppCannotRun) {
   const Exported q4 = export_tiny(ARCH_LLAMA, GgufExportType::Q4_0);
   EXPECT_EQ(q4.file.get("general.file_type").i, 2);
@@ -434,13 +581,14 @@ TEST(GgufExport, QuantizedTypesKeepVectorsF32AndRefuseWhatLlamaCppCannotRun) {
   const std::vector<float> w = param(f16, "h.0.mlp.c_fc.weight"), back = f16.file.tensor_f32("blk.0.ffn_up.weight");
   for (size_t i = 0; i < w.size(); ++i) EXPECT_NEAR(back[i], w[i], std::max(std::fabs(w[i]) / 1024.0f, 0x1p-25f));  // fp16 subnormals: 2^-24 apart
 
-  ModelConfig moe = tiny(ARCH_LLAMA);
-  moe.moe_experts = 2;
+  ModelConfig moe = tiny(ARCH_LLAMA);  // shared experts: llama.cpp's llama and qwen3moe have none
+  moe.moe_experts = 2, moe.moe_shared = 1;
   const std::vector<float> p(static_cast<size_t>(build_param_layout(moe).total));
   const std::string err = test::error_of([&] {
     export_gguf(moe, p, gguf_vocabulary(ByteTokenizer()), GgufExportType::F32, "x", temp_path("moe.gguf"));
   });
-  EXPECT_NE(err.find("model.moe_experts"), std::string::npos) << err;
+  EXPECT_NE(err.find("model.moe_experts = 2: GGUF export writes MoE as llama.cpp's stacked experts"), std::string::npos)
+      << err;
   ModelConfig biased = tiny(ARCH_LLAMA);
   biased.qkv_bias = true;
   biased.rope_scaling = ROPE_SCALING_LLAMA3;
