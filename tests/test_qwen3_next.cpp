@@ -163,20 +163,7 @@ TEST(Qwen3Next, LoraAdaptsTheAttentionBlocksAndTrains) {
   ActivationStore store = test::next_token_store(model, tokens);
   const double loss = model.forward(store);
   EXPECT_LT(std::abs(loss - expected["loss"].get<double>()) / loss, 1e-5);  // B = 0: the base model
-  std::vector<double> losses{loss};
-  const int64_t n = model.params().numel() - begin;
-  for (int step = 0; step < 3; ++step) {
-    model.zero_grads();
-    model.forward(store);
-    model.backward(store, 1.0f);
-    const std::vector<double> g = test::values(*backend, model.grads().view(begin, {n}));
-    double norm = 0;
-    for (double v : g) norm += v * v;
-    ASSERT_GT(norm, 0.0) << "step " << step;
-    float* p = model.params().data<float>() + begin;
-    for (int64_t i = 0; i < n; ++i) p[i] -= static_cast<float>(0.5 * g[static_cast<size_t>(i)]);
-    losses.push_back(model.forward(store));
-  }
+  const std::vector<double> losses = test::descend_from(model, *backend, store, begin, 3, 0.5);
   for (size_t i = 1; i < losses.size(); ++i) EXPECT_LT(losses[i], losses[i - 1]) << "step " << i;
   std::printf("qwen3_next LoRA (q,k,v,o on the attention blocks, 8 adapters): loss %.6f -> %.6f in 3 steps\n",
               losses.front(), losses.back());

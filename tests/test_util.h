@@ -181,6 +181,28 @@ auto next_token_store(Model& model, const std::vector<int32_t>& tokens) {
   return store;
 }
 
+// `steps` plain gradient steps of size lr on the model's parameters from flat offset `begin` on
+// (LoRA's adapters), on host memory; returns the loss before and after each step, and fails the
+// test if a step finds no gradient there.
+template <typename Model, typename Store>
+std::vector<double> descend_from(Model& model, Backend& backend, Store& store, int64_t begin, int steps, double lr) {
+  std::vector<double> losses{model.forward(store)};
+  const int64_t n = model.params().numel() - begin;
+  for (int step = 0; step < steps; ++step) {
+    model.zero_grads();
+    model.forward(store);
+    model.backward(store, 1.0f);
+    const std::vector<double> g = values(backend, model.grads().view(begin, {n}));
+    double norm = 0;
+    for (double v : g) norm += v * v;
+    EXPECT_GT(norm, 0.0) << "step " << step << ": no gradient on the parameters from " << begin;
+    float* p = model.params().template data<float>() + begin;
+    for (int64_t i = 0; i < n; ++i) p[i] -= static_cast<float>(lr * g[static_cast<size_t>(i)]);
+    losses.push_back(model.forward(store));
+  }
+  return losses;
+}
+
 // sum_i out_i * weights_i, the scalar whose gradient w.r.t. out is `weights`.
 inline double weighted_sum(const Tensor& out, const Tensor& weights) {
   const std::vector<double> o = values(out), w = values(weights);
