@@ -23,6 +23,7 @@
 #include "loom/infer/generate.h"
 #include "loom/infer/score.h"
 #include "loom/model/transformer.h"
+#include "hf_lora_fixture.h"
 #include "test_util.h"
 
 namespace loom {
@@ -137,16 +138,10 @@ TEST(Qwen3Next, DecodingCarriesTheStateAndMatchesTheWholeForward) {
 // gradients and a few plain gradient steps on them lower the loss.
 TEST(Qwen3Next, LoraAdaptsTheAttentionBlocksAndTrains) {
   const std::string dir = test::fixture_dir() + "/hf/qwen3_next";
-  const ModelConfig base = hf_model_config(dir);
-  ModelConfig config = base;
-  config.peft_method = PeftMethod::lora;
-  config.lora_rank = 4;
-  config.lora_targets = "q,k,v,o";
-  auto backend = make_cpu_backend();
-  Transformer model(*backend, config);
-  const int64_t begin = lora_begin(config, model.layout());
-  model.init_weights(7, begin);  // the adapters: A random, B zero
-  load_hf_weights(dir, ModelState{base, model.params().view(0, {begin})});
+  test::HfLora f = test::hf_lora(dir, "q,k,v,o", 4);
+  Transformer& model = *f.model;
+  Backend* backend = f.backend.get();
+  const int64_t begin = f.begin;
   int sites = 0;
   for (const ParamSpec& spec : model.layout().params) {
     if (spec.offset < begin || spec.name.find(".lora_A.") == std::string::npos) continue;
