@@ -136,6 +136,19 @@ class Gguf(unittest.TestCase):
             ARCHS["llama"] + ",model.n_layer=6,model.sandwich_norm=true,model.qk_norm=true,"
             "model.gate_activation=gelu_tanh,model.embed_scale=8,model.tie_embeddings=true,model.attn_window=8,"
             "model.window_pattern=6,model.rope_local_theta=10000", PROMPTS, HF_TYPES)
+        # Phi-3's LongRoPE shape: fused attn_qkv and ffn_up, the short and long factors (16 pairs) as
+        # rope_factors_short / _long, written as llama.cpp's phi3. The run's name must not hold
+        # "phi3": llama.cpp then sets attributes on Phi-3's own tokens (</s>, <|endoftext|>), which a
+        # Loom BPE lacks ("_Map_base::at"). An original context of 4096 keeps both sides on the short
+        # factors (llama.cpp picks by its context, Loom by a forward's span). Attention factor 1: at
+        # 1.19 (Phi-3-mini-128k's) the prompts' log-probabilities part by 1.3e-3 in f32 while the text's
+        # mean loss agrees to 9e-7 (measured 2026-12-06; float32 rounding of the larger scores).
+        sf = ",".join(str(1.0 + 0.25 * j) for j in range(16))
+        lf = ",".join(str(1.0 + 2.0 * j) for j in range(16))
+        cls.results["longrope fused"] = cls.check(
+            "longrope fused", cls.data, cls.tokenizer,
+            ARCHS["llama"] + ",model.rope_scaling=longrope,model.rope_original_context=4096,model.rope_attention_factor=1,"
+            f'model.rope_short_factors="{sf}",model.rope_long_factors="{lf}"', PROMPTS, HF_TYPES)
         # MoE as llama.cpp's stacked experts (ffn_gate_inp, ffn_{gate,up,down}_exps): Mixtral's shape
         # (4 experts, top 2, softmax renormalised over them) as its llama; with q/k norms as qwen3moe.
         moe = ",model.moe_experts=4,model.moe_top_k=2,model.moe_d_ff=64"
