@@ -604,6 +604,13 @@ TEST(GgufExport, QuantizedTypesKeepVectorsF32AndRefuseWhatLlamaCppCannotRun) {
               export_gguf(nope, pn, gguf_vocabulary(ByteTokenizer()), GgufExportType::F32, "x", temp_path("n.gguf"));
             }).find("model.nope_interval = 2: llama.cpp's smollm3 skips RoPE on every 4th layer only"),
             std::string::npos);
+  // A name llama.cpp takes for Phi-3's, on a tokenizer without Phi-3's tokens: it would not load.
+  const ModelConfig plain = tiny(ARCH_LLAMA);
+  const std::vector<float> pp(static_cast<size_t>(build_param_layout(plain).total));
+  EXPECT_NE(test::error_of([&] {
+              export_gguf(plain, pp, gguf_vocabulary(ByteTokenizer()), GgufExportType::F32, "My-Phi3-tune", temp_path("p.gguf"));
+            }).find("--name 'My-Phi3-tune': llama.cpp takes a model so named for Phi-3"),
+            std::string::npos);
   ModelConfig small = tiny(ARCH_GPT2);
   small.vocab_size = 300;
   const std::vector<float> p2(static_cast<size_t>(build_param_layout(small).total));

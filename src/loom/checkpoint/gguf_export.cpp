@@ -1,6 +1,7 @@
 #include "loom/checkpoint/gguf_export.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -522,6 +523,20 @@ void check_exportable(const ModelConfig& c, const GgufVocabulary& vocab) {
              " tokens but model.vocab_size = ", c.vocab_size);
 }
 
+// llama.cpp (llama-vocab.cpp) takes a model whose general.name holds "phi3" or "phi-3" for Phi-3
+// and sets attributes on Phi-3's own tokens, failing to load the file ("_Map_base::at") when one
+// is missing: refused here, naming --name, before anything is written.
+void check_name(const std::string& name, const GgufVocabulary& vocab) {
+  std::string lower = name;
+  std::transform(lower.begin(), lower.end(), lower.begin(), [](unsigned char ch) { return std::tolower(ch); });
+  if (lower.find("phi3") == std::string::npos && lower.find("phi-3") == std::string::npos) return;
+  for (const char* token : {"</s>", "<unk>", "<s>", "<|endoftext|>"}) {
+    LOOM_CHECK(std::find(vocab.tokens.begin(), vocab.tokens.end(), token) != vocab.tokens.end(), "--name '", name,
+               "': llama.cpp takes a model so named for Phi-3 and looks up its token ", token,
+               ", which this tokenizer lacks (the file would not load); choose a name without \"phi3\"");
+  }
+}
+
 void put_arch(GgufWriter& w, const ModelConfig& c) {
   const std::string a = gguf_arch(c);
   w.put("general.architecture", GgufValue::string(a));
@@ -578,6 +593,7 @@ GgufExportSummary export_gguf(ParamReader& params, const GgufVocabulary& vocab, 
                               const std::string& name, const std::string& path) {
   const ModelConfig& config = params.config();
   check_exportable(config, vocab);
+  check_name(name, vocab);
   GgufWriter writer;
   put_arch(writer, config);
   writer.put("general.name", GgufValue::string(name));
