@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "loom/backend/cpu/cpu_gemm.h"
+#include "loom/backend/gemm_panels.h"
 
 namespace {
 
@@ -240,3 +241,76 @@ TEST(CpuGemm, SlicedProductMatchesDoubleReference) {
 }
 
 }  // namespace
+
+// ---------------------------------------------------------------- gemm_panels.h's plan
+
+namespace {
+
+using loom::GemmPanelLimits;
+using loom::GemmPanels;
+using loom::GemmPanelShape;
+using loom::plan_gemm_panels;
+
+// GPT-2 124M's head at B 16, T 1024: N = 16384 rows, d = 768, V = 50257; bf16 inputs, f32 logits.
+constexpr int64_t kRows = 16384, kWidth = 768, kVocab = 50257;
+
+}  // namespace
+
+TEST(GemmPanels, PaddedRowsAreTheSmallest16ByteMultiples) {
+  EXPECT_TRUE(loom::row_aligned(8, 2));
+  EXPECT_FALSE(loom::row_aligned(50257, 2));
+  EXPECT_EQ(loom::padded_row(50257, 2), 50264);
+  EXPECT_EQ(loom::padded_row(50257, 4), 50260);
+  EXPECT_EQ(loom::padded_row(768, 4), 768);
+  EXPECT_EQ(loom::padded_row(1, 8), 2);
+}
+
+TEST(GemmPanels, TheHeadsThreeGemmsAreStagedAlongTheirMisalignedRows) {
+  const GemmPanelLimits limits;  // 128 MiB panels
+  // Forward: logits (N, V) = x (N, d) W^T, W (V, d): C's rows are odd -> panels of C's rows.
+  const GemmPanels fwd = plan_gemm_panels({kRows, kVocab, kWidth, false, true, 1, 2, 4}, limits);
+  EXPECT_EQ(fwd.dim, GemmPanels::M);
+  EXPECT_FALSE(fwd.stage_a);
+  EXPECT_TRUE(fwd.stage_c);
+  EXPECT_EQ(fwd.ldc_padded, 50260);
+  EXPECT_EQ(fwd.rows % GemmPanels::kPanelQuantum, 0);
+  EXPECT_LE(fwd.c_scratch_bytes, limits.panel_bytes);
+  EXPECT_EQ(fwd.count, (kRows + fwd.rows - 1) / fwd.rows);
+  EXPECT_EQ(fwd.rows, 640);  // 128 MiB / (50260 x 4 bytes) = 667 rows, down to a multiple of 64
+  // dx (N, d) = dlogits (N, V) W (V, d): A's rows -> panels of A's (and C's) rows, A copied.
+  const GemmPanels dx = plan_gemm_panels({kRows, kWidth, kVocab, false, false, 1, 2, 4}, limits);
+  EXPECT_EQ(dx.dim, GemmPanels::M);
+  EXPECT_TRUE(dx.stage_a);
+  EXPECT_FALSE(dx.stage_c);
+  EXPECT_EQ(dx.lda_padded, 50264);
+  EXPECT_EQ(dx.ldc_padded, kWidth);
+  // dW (V, d) = dlogits^T (V, N) x (N, d): A stored (N, V) -> panels along the reduction.
+  const GemmPanels dw = plan_gemm_panels({kVocab, kWidth, kRows, true, false, 1, 2, 4}, limits);
+  EXPECT_EQ(dw.dim, GemmPanels::K);
+  EXPECT_TRUE(dw.stage_a);
+  EXPECT_FALSE(dw.stage_c);
+  EXPECT_EQ(dw.rows, 1280);  // 128 MiB / (50264 x 2 bytes)
+  EXPECT_EQ(dw.count, 13);
+}
+
+TEST(GemmPanels, AlignedSmallBatchedOrUnstageableGemmsRunAsTheyAre) {
+  const GemmPanelLimits limits;
+  // Every row a 16-byte multiple.
+  EXPECT_EQ(plan_gemm_panels({kRows, 3072, kWidth, false, true, 1, 2, 4}, limits).dim, GemmPanels::NONE);
+  // Decoding's head: one row, too few FLOPs for the copies to pay.
+  EXPECT_EQ(plan_gemm_panels({1, kVocab, kWidth, false, true, 1, 2, 4}, limits).dim, GemmPanels::NONE);
+  // A batch (attention's strided GEMMs) is not cut.
+  EXPECT_EQ(plan_gemm_panels({kRows, kVocab, kWidth, false, true, 2, 2, 4}, limits).dim, GemmPanels::NONE);
+  // B's rows odd (a head with an odd width): not staged.
+  EXPECT_EQ(plan_gemm_panels({kRows, 4096, 769, false, true, 1, 2, 4}, limits).dim, GemmPanels::NONE);
+  // A (k, m) odd while C is odd too: the panels would cut two dimensions.
+  EXPECT_EQ(plan_gemm_panels({kVocab, kVocab, kRows, true, false, 1, 2, 4}, limits).dim, GemmPanels::NONE);
+  // Few FLOPs per staged byte: k = 8 against C's 4-byte rows.
+  EXPECT_EQ(plan_gemm_panels({kRows, kVocab, 8, false, true, 1, 2, 4}, GemmPanelLimits{.min_flops = 0}).dim,
+            GemmPanels::NONE);
+  // A panel is at least kPanelQuantum rows even when the limit is smaller.
+  const GemmPanels tiny = plan_gemm_panels({kRows, kVocab, kWidth, false, true, 1, 2, 4},
+                                           GemmPanelLimits{.panel_bytes = 1, .min_flops = 0});
+  EXPECT_EQ(tiny.rows, GemmPanels::kPanelQuantum);
+  EXPECT_EQ(tiny.count, kRows / GemmPanels::kPanelQuantum);
+}

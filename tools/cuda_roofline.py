@@ -127,6 +127,9 @@ def step_kernels(m: Model, design: str) -> list[Kernel]:
     head = 2 * n * d * v
     ks.append(Kernel("head GEMM fwd", head, 2 * (n * d + d * v) + 4 * n * v, "tensor"))
     ks.append(Kernel("head GEMM bwd (dX, dW)", 2 * head, 2 * (2 * (n * d + d * v) + 4 * n * v), "tensor"))
+    if built and v % 8:  # odd rows (backend/gemm_panels.h): the f32 logits copied out of padded
+        # panels, the bf16 d(logits) copied into them for dX and again for dW, each read + written
+        ks.append(Kernel("head: odd rows staged through padded panels", 0, 2 * (4 + 2 + 2) * n * v, "mem"))
     # Cross-entropy: the built design reads the fp32 logits twice (forward, backward in place) and
     # writes a bf16 copy of the gradient for the GEMMs; the target reads bf16 logits once.
     ce_bytes = (4 + 4 + 4 + 6) * n * v if built else (2 + 2) * n * v

@@ -17,5 +17,7 @@ cudaStream_t cuda_stream(Backend& backend);
 int cuda_device(Backend& backend);
 // Bytes the backend's caching allocator holds from the device (tensors plus cached blocks).
 size_t cuda_reserved_bytes(Backend& backend);
+// GEMMs the backend has run in staged panels (backend/gemm_panels.h: rows not 16-byte multiples).
+int64_t cuda_panel_gemms(Backend& backend);
 
 }  // namespace loom

@@ -16,6 +16,7 @@
 #include "loom/backend/block_cache.h"
 #include "loom/backend/checks.h"
 #include "loom/backend/cuda/cuda_check.h"
+#include "loom/backend/gemm_panels.h"
 #include "loom/core/error.h"
 
 #define LOOM_CUBLAS_STATUS(expr)                                                                             \
@@ -101,6 +102,8 @@ class CudaBackend final : public Backend {
   cudaStream_t stream() const { return stream_; }
   int device() const { return device_; }
   size_t reserved_bytes() const { return allocator_->reserved_bytes(); }
+  // GEMMs run in staged panels so far (gemm_panels.h), for tests and the benchmark's report.
+  int64_t panel_gemms() const { return panel_gemms_; }
   void write(const Tensor& dst, const void* host) override;
   void read(const Tensor& src, void* host) override;
   void synchronize() override { LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
@@ -261,15 +264,30 @@ class CudaBackend final : public Backend {
  private:
   static constexpr int64_t kLtWorkspaceBytes = int64_t{32} << 20;  // cuBLAS(Lt)'s split-K and Hopper kernels
 
-  // cuBLASLt for f32 and bf16 x bf16 -> f32 (see the file comment for the row-major mapping).
-  // Returns whether the bias went into the GEMM's epilogue (else the caller adds it).
-  bool gemm_lt(const Tensor& a, const Tensor& b, const Tensor& c, const GemmSpec& spec, const checks::GemmDims& d,
-               const Tensor* bias);
-
+  // One f32 or bf16 x bf16 -> f32 GEMM on raw operands, row-major as Backend::gemm (A (m, k), or
+  // (k, m) stored when trans_a; B (k, n), or (n, k) when trans_b; C (m, n)) with explicit leading
+  // dimensions in elements, so a panel may be a view or a padded copy.
+  struct GemmCall {
+    const void* a = nullptr;
+    const void* b = nullptr;
+    void* c = nullptr;
+    int64_t m = 0, n = 0, k = 0;
+    int64_t lda = 0, ldb = 0, ldc = 0;
+    int64_t batch = 1, stride_a = 0, stride_b = 0, stride_c = 0;
+    bool trans_a = false, trans_b = false;
+    float alpha = 1.0f, beta = 0.0f;
+    cudaDataType_t in_type = CUDA_R_32F;
+  };
+  static GemmCall gemm_call(const Tensor& a, const Tensor& b, const Tensor& c, const GemmSpec& spec,
+                            const checks::GemmDims& d);
+  // cuBLASLt (see the file comment for the row-major mapping). Returns whether the bias went into
+  // the GEMM's epilogue (else the caller adds it).
+  bool gemm_lt(const GemmCall& g, const void* bias);
   // The same product through cublasGemmStridedBatchedEx (fp32 accumulation, no TF32): for shapes
   // cuBLASLt's heuristic declines (leading dimensions that are not multiples of 16 bytes).
-  void gemm_ex(const Tensor& a, const Tensor& b, const Tensor& c, const GemmSpec& spec, const checks::GemmDims& d,
-               cudaDataType_t in_type);
+  void gemm_ex(const GemmCall& g);
+  // A large GEMM with misaligned rows, in panels staged through padded rows (gemm_panels.h).
+  void gemm_panels(const GemmCall& g, const GemmPanels& p);
   void gemm_f64(const Tensor& a, const Tensor& b, const Tensor& c, const GemmSpec& spec, const checks::GemmDims& d);
 
   void rope(const Tensor& x, int64_t head_dim, int64_t n_heads, const RopeSpec& rope_spec, int64_t pos_offset, double direction,
@@ -282,6 +300,9 @@ class CudaBackend final : public Backend {
   cublasLtHandle_t lt_ = nullptr;
   cublasHandle_t cublas_ = nullptr;
   Tensor lt_workspace_, flags_, partials_, workspace_;
+  // LOOM_CUDA_GEMM_PANEL_BYTES / LOOM_CUDA_GEMM_PANEL_MIN_FLOPS override the defaults (read once).
+  GemmPanelLimits panel_limits_;
+  int64_t panel_gemms_ = 0;
   PinnedStaging kv_staging_;  // kv_attention's plan table on its way to the workspace
   PinnedStaging kv_store_staging_;  // kv_store's plan table on its way to the workspace
 };
