@@ -337,7 +337,9 @@ class StrictBackend final : public Backend {
   void row_norms(const Tensor& x, const Tensor& norms) override { cpu_->row_norms(h(x), h(norms)); }
   void kv_attention(const KvAttendPlan& plan, const Tensor& q, const Tensor& pool, const Tensor& rings,
                     const Tensor& out) override {
-    cpu_->kv_attention(plan, h(q), h(pool), rings.defined() ? h(rings) : Tensor{}, h(out));
+    KvAttendPlan host_plan = plan;
+    if (plan.sinks.defined()) host_plan.sinks = h(plan.sinks);
+    cpu_->kv_attention(host_plan, h(q), h(pool), rings.defined() ? h(rings) : Tensor{}, h(out));
   }
   void argmax_rows(const Tensor& x, const Tensor& out) override { cpu_->argmax_rows(h(x), h(out)); }
   void kv_store(const KvStorePlan& plan, const std::vector<Tensor>& sources, const Tensor& pool, const Tensor& rings,

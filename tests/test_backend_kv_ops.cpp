@@ -65,6 +65,7 @@ struct Case {
   std::vector<uint8_t> pool;
   std::vector<float> rings, q;
   int64_t extra_q_rows = 0;  // q gets this many rows beyond the plan's (a refusal case)
+  std::vector<float> sinks;  // the plan's sink logits, written to a backend tensor by run() (empty: none)
   std::vector<std::vector<std::vector<float>>> values[2];  // [stream][row][position] the row as the op reads it
 };
 
@@ -163,7 +164,7 @@ std::vector<double> reference(const Case& c) {
         for (int64_t d = 0; d < hd; ++d) dot += static_cast<double>(q[d]) * k[static_cast<size_t>(g * hd + d)];
         s.push_back(dot / std::sqrt(static_cast<double>(hd)));
       }
-      const double sink = p.sinks.empty() ? -INFINITY : p.sinks[static_cast<size_t>(hh)];
+      const double sink = c.sinks.empty() ? -INFINITY : c.sinks[static_cast<size_t>(hh)];
       const double m = std::max(*std::max_element(s.begin(), s.end()), sink);
       double z = std::exp(sink - m);  // 0 without a sink
       for (double& x : s) z += (x = std::exp(x - m));
@@ -195,7 +196,12 @@ std::vector<float> run(Backend& backend, const Case& c) {
   }
   const std::vector<float> nan(static_cast<size_t>(rows * width), std::nanf(""));
   backend.write(out, nan.data());
-  backend.kv_attention(c.plan, q, pool, rings, out);
+  KvAttendPlan plan = c.plan;
+  if (!c.sinks.empty()) {  // in the backend's memory, as the layer's parameter is
+    plan.sinks = Tensor::empty(a, {static_cast<int64_t>(c.sinks.size())}, DTYPE_F32, MEM_WORKSPACE);
+    backend.write(plan.sinks, c.sinks.data());
+  }
+  backend.kv_attention(plan, q, pool, rings, out);
   std::vector<float> got(static_cast<size_t>(rows * width));
   backend.read(out, got.data());
   return got;
@@ -230,8 +236,8 @@ const Batch kBatches[] = {
 Case make_batch(const Format& f, const Batch& b, uint64_t seed) {
   Case c = make_case(f, b.heads, b.block, b.lengths, b.window, seed);
   if (b.sinks) {
-    c.plan.sinks = normal(b.heads.n_head, seed * 13 + 3);
-    for (float& x : c.plan.sinks) x *= 2.0f;
+    c.sinks = normal(b.heads.n_head, seed * 13 + 3);
+    for (float& x : c.sinks) x *= 2.0f;
   }
   return c;
 }
@@ -298,7 +304,7 @@ TEST_P(BackendKvOpsTest, KvAttentionRefusesAPlanOutsideItsTensors) {
            [](Case& c) { c.plan.rows[0].first = c.plan.rows[0].n; },                       // no visible position
            [](Case& c) { c.plan.n_kv_head = 3; },                                           // heads that do not divide
            [](Case& c) { c.extra_q_rows = 1; },                                             // q has another row count
-           [](Case& c) { c.plan.sinks.assign(3, 0.0f); },                                   // sinks for 3 of 8 heads
+           [](Case& c) { c.sinks.assign(3, 0.0f); },                                        // sinks for 3 of 8 heads
        }) {
     const std::string e = error(spoil);
     EXPECT_NE(e.find("kv_attention"), std::string::npos) << "[" << e << "]";

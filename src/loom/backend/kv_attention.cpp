@@ -38,8 +38,10 @@ void check_kv_attention(const KvAttendPlan& plan, const Tensor& q, const Tensor&
   LOOM_CHECK(H > 0 && G > 0 && hd > 0 && H % G == 0, "kv_attention: ", H, " query heads over ", G, " kv heads of ", hd,
              " (expected positive sizes, query heads a multiple of kv heads)");
   LOOM_CHECK(plan.block > 0, "kv_attention: block must be > 0, got ", plan.block);
-  LOOM_CHECK(plan.sinks.empty() || static_cast<int64_t>(plan.sinks.size()) == H, "kv_attention: ", plan.sinks.size(),
-             " sink logits for ", H, " query heads (expected one per head, or none)");
+  LOOM_CHECK(!plan.sinks.defined() || (plan.sinks.dtype() == DTYPE_F32 && plan.sinks.numel() == H),
+             "kv_attention: ", plan.sinks.defined() ? plan.sinks.numel() : 0, " sink logits (",
+             plan.sinks.defined() ? dtype_name(plan.sinks.dtype()) : "none", ") for ", H,
+             " query heads (expected one f32 per head, or none)");
   for (int s = 0; s < 2; ++s) {
     plan.spec[s].validate();
     LOOM_CHECK(plan.spec[s].width == G * hd, "kv_attention: ", kStream[s], " rows of ", plan.spec[s].width,
@@ -75,10 +77,10 @@ void check_kv_attention(const KvAttendPlan& plan, const Tensor& q, const Tensor&
   }
 }
 
-void kv_attention_host(const KvAttendPlan& plan, const float* q, const uint8_t* pool, const float* rings, float* out) {
+void kv_attention_host(const KvAttendPlan& plan, const float* q, const uint8_t* pool, const float* rings,
+                       const float* sinks, float* out) {
   const int64_t H = plan.n_head, hd = plan.head_dim, B = plan.block;
   std::vector<float> scores, sums, scratch(static_cast<size_t>(B * plan.spec[0].width));
-  const float* sinks = plan.sinks.empty() ? nullptr : plan.sinks.data();
   for (size_t i = 0; i < plan.rows.size(); ++i) {
     const KvAttendRow& r = plan.rows[i];
     // Positions t in [first, n) in increasing order, each row dequantized tile by tile as the

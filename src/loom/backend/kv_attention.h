@@ -40,7 +40,9 @@ struct KvAttendPlan {
   int64_t n_head = 0, n_kv_head = 0, head_dim = 0;
   std::vector<KvAttendRow> rows;
   std::vector<int64_t> tile_offsets;  // byte offsets into the pool; (K, V) pairs per tile
-  std::vector<float> sinks;           // (n_head) attention-sink logits of the layer, or empty: none
+  // (n_head) f32 attention-sink logits of the layer, in the backend's memory (the layer's parameter
+  // itself: no copy to the host inside a decoding step), or undefined: none.
+  Tensor sinks;
 
   int64_t tile_bytes(int stream) const { return kv_tile_bytes(spec[stream], block); }
   // The largest number of positions a row attends to.
@@ -53,7 +55,9 @@ struct KvAttendPlan {
 void check_kv_attention(const KvAttendPlan& plan, const Tensor& q, const Tensor& pool, const Tensor& rings,
                         const Tensor& out);
 
-// The reference on host memory: q and out (rows, n_head * head_dim) fp32, pool bytes, rings fp32.
-void kv_attention_host(const KvAttendPlan& plan, const float* q, const uint8_t* pool, const float* rings, float* out);
+// The reference on host memory: q and out (rows, n_head * head_dim) fp32, pool bytes, rings fp32,
+// sinks the plan's (n_head) sink logits or null.
+void kv_attention_host(const KvAttendPlan& plan, const float* q, const uint8_t* pool, const float* rings,
+                       const float* sinks, float* out);
 
 }  // namespace loom

@@ -179,7 +179,7 @@ void KvCache::write_rows(int64_t, const std::vector<int64_t>&, const Tensor&, in
   throw Error("kv cache: write_rows needs a cache in the backend's memory (make_device_kv_cache)");
 }
 void KvCache::attend_rows(int64_t, const std::vector<int64_t>&, const Tensor&, const Tensor&, int64_t, int64_t, int64_t,
-                          int64_t, const float*) {
+                          int64_t, const Tensor&) {
   throw Error("kv cache: attend_rows needs a cache in the backend's memory (make_device_kv_cache)");
 }
 

@@ -204,10 +204,11 @@ class KvCache {
   // position length(seqs[r]) of `layer`, for distinct sequences seqs[r].
   virtual void write_rows(int64_t layer, const std::vector<int64_t>& seqs, const Tensor& rows, int64_t first_row,
                           int64_t k_col, int64_t v_col);
-  // attend() for every seqs[r] at once: q and out (seqs.size(), n_head x head_dim) backend tensors.
+  // attend() for every seqs[r] at once: q and out (seqs.size(), n_head x head_dim) backend tensors;
+  // sinks the layer's (n_head) f32 sink logits, a backend tensor too (undefined: none).
   virtual void attend_rows(int64_t layer, const std::vector<int64_t>& seqs, const Tensor& q, const Tensor& out,
                            int64_t n_head, int64_t n_kv_head, int64_t head_dim, int64_t window,
-                           const float* sinks = nullptr);
+                           const Tensor& sinks = Tensor{});
   virtual void flush() {}         // runs the pending stores
   virtual void check_status() {}  // throws if a stored row could not be (see Memory)
 };

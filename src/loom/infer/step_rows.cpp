@@ -24,7 +24,7 @@ void StepRows::attend_all(Backend& backend, int64_t model_layer, const Tensor& q
   BlockCopy q_block;  // kv_attention takes contiguous query rows
   q_block.rows = n, q_block.cols = H * hd, q_block.src_stride = qkv.dim(1), q_block.dst_stride = H * hd;
   backend.copy_block(qkv, q_, q_block);
-  cache_.attend_rows(layer, seqs, q_, out, H, model_.n_kv_head, hd, window, layer_sinks());
+  cache_.attend_rows(layer, seqs, q_, out, H, model_.n_kv_head, hd, window, sink_logits);
 }
 
 void StepRows::attend(int64_t model_layer, int64_t row, const float* q, const float* k, const float* v, float* out) {

@@ -187,7 +187,7 @@ class TiledKvCache : public KvCache {
 
   void attend_rows(int64_t layer, const std::vector<int64_t>& seqs, const Tensor& q, const Tensor& out,
                    int64_t n_head, int64_t n_kv_head, int64_t head_dim, int64_t window,
-                   const float* sinks = nullptr) override {
+                   const Tensor& sinks = Tensor{}) override {
     check_layer(layer);
     check_heads(n_head, n_kv_head, head_dim, window);
     KvAttendPlan& p = plan_;
@@ -196,8 +196,7 @@ class TiledKvCache : public KvCache {
     p.window[STREAM_K] = layouts_.stream[STREAM_K].window, p.window[STREAM_V] = layouts_.stream[STREAM_V].window;
     p.n_head = n_head, p.n_kv_head = n_kv_head, p.head_dim = head_dim;
     p.rows.clear(), p.tile_offsets.clear();
-    if (sinks != nullptr) p.sinks.assign(sinks, sinks + n_head);
-    else p.sinks.clear();
+    p.sinks = sinks;
     for (const int64_t seq : seqs) {
       const Sequence& s = live(seq);
       KvAttendRow row;

@@ -367,8 +367,12 @@ void AttentionLayer::forward_rows(Backend& backend, const Tensor& x, AttentionSa
                                   const std::vector<int64_t>& positions, DecodeCache& cache, int64_t layer) const {
   const AttentionParams& p = params_;
   const int64_t n = x.dim(0), H = config_.n_head, hd = config_.head_dim(), W = config_.qkv_width();
-  cache.sinks.resize(plan_.sinks ? static_cast<size_t>(H) : 0);  // the caches' attends read them
-  if (plan_.sinks) backend.read(p.sinks, cache.sinks.data());
+  // The sinks where the attends read them: the parameter for a cache in the backend's memory,
+  // host floats for the others (nn/layer.h DecodeCache).
+  const bool rows_in_backend = plan_.attention != AttentionKind::mla && cache.in_backend_memory();
+  cache.sink_logits = plan_.sinks ? p.sinks : Tensor{};
+  cache.sinks.resize(plan_.sinks && !rows_in_backend ? static_cast<size_t>(H) : 0);
+  if (!cache.sinks.empty()) backend.read(p.sinks, cache.sinks.data());
   const bool pre = config_.pre_norms(), post = config_.post_norms();
   if (pre) norm_forward(backend, config_, x, p.norm_w, p.norm_b, s.norm.out, s.norm.mean, s.norm.rstd);
   if (plan_.attention == AttentionKind::mla) {
@@ -383,7 +387,7 @@ void AttentionLayer::forward_rows(Backend& backend, const Tensor& x, AttentionSa
         backend.rope_forward(s.qkv.view(r * W, {1, 1, W}), hd, H + config_.n_kv_head, plan_.rope_spec, positions[r]);
       }
     }
-    if (cache.in_backend_memory()) {  // the rows stay in the backend's memory
+    if (rows_in_backend) {  // the rows stay in the backend's memory
       cache.attend_all(backend, layer, s.qkv.view(0, {n, W}), s.attn.view(0, {n, H * hd}));
     } else {
       host_rows_attend(backend, s, cache, layer, n);

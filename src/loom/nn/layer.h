@@ -216,9 +216,12 @@ class DecodeCache {
   // rows whatever memory the backend's tensors live in.
   std::vector<float> host_qkv, host_attn;
 
-  // The attending layer's attention-sink logits (model.attn_sinks, GPT-OSS), n_head floats read to
-  // the host by Block::forward_rows before it attends; empty for a layer without sinks. Every
-  // attend above takes them into its softmax's normalizer (backend/attend_rows.h).
+  // The attending layer's attention-sink logits (model.attn_sinks, GPT-OSS), set by
+  // AttentionLayer::forward_rows before it attends, for a layer without sinks undefined / empty:
+  // the parameter itself for attend_all (the backend reads it where it is: no copy to the host
+  // inside a step), and n_head floats read to the host for the host attends above. Every attend
+  // takes them into its softmax's normalizer (backend/attend_rows.h).
+  Tensor sink_logits;
   std::vector<float> sinks;
   const float* layer_sinks() const { return sinks.empty() ? nullptr : sinks.data(); }
 };

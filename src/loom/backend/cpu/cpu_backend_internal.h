@@ -330,7 +330,7 @@ class CpuBackend final : public Backend {
                     const Tensor& out) override {
     check_kv_attention(plan, q, pool, rings, out);
     kv_attention_host(plan, q.data<float>(), pool.data<uint8_t>(), rings.defined() ? rings.data<float>() : nullptr,
-                      out.data<float>());
+                      plan.sinks.defined() ? plan.sinks.data<float>() : nullptr, out.data<float>());
   }
   void argmax_rows(const Tensor& x, const Tensor& out) override {
     check_argmax_rows(x, out);

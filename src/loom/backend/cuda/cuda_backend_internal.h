@@ -102,7 +102,7 @@ class CudaBackend final : public Backend {
   cudaStream_t stream() const { return stream_; }
   int device() const { return device_; }
   size_t reserved_bytes() const { return allocator_->reserved_bytes(); }
-  // GEMMs run in staged panels so far (gemm_panels.h), for tests and the benchmark's report.
+  // GEMMs run in staged panels so far (gemm_panels.h), for the tests.
   int64_t panel_gemms() const { return panel_gemms_; }
   void write(const Tensor& dst, const void* host) override;
   void read(const Tensor& src, void* host) override;

@@ -90,7 +90,7 @@ void CudaBackend::kv_attention(const KvAttendPlan& plan, const Tensor& q, const 
   s.block = plan.block;
   s.entries = static_cast<int64_t>(plan.tile_offsets.size());
   s.scale = 1.0f / std::sqrt(static_cast<float>(plan.head_dim));  // as attend_rows
-  s.sinks = plan.sinks.empty() ? 0 : 1;
+  s.sinks = plan.sinks.defined() ? 1 : 0;
   for (int st = 0; st < 2; ++st) s.stream[st] = stream_layout(plan, st);
   const int64_t per_split = cuda::kv_decode_blocks_per_split(s.n_head, s.n_kv_head, s.head_dim);
   LOOM_CHECK(per_split <= 65535 && s.n_head <= 65535, op, ": ", s.n_head, " query heads over ", s.n_kv_head,
@@ -116,7 +116,8 @@ void CudaBackend::kv_attention(const KvAttendPlan& plan, const Tensor& q, const 
   auto* table_rows = reinterpret_cast<cuda::KvDecodeRow*>(host + at.rows_at);
   auto* item_row = reinterpret_cast<int32_t*>(host + at.items_at);
   auto* merge_row = reinterpret_cast<int32_t*>(host + at.merges_at);
-  if (s.sinks) std::memcpy(host + at.sinks_at, plan.sinks.data(), plan.sinks.size() * sizeof(float));
+  // The sink logits stay on the device: copied into the table's slot after the upload (below).
+  if (s.sinks) std::memset(host + at.sinks_at, 0, static_cast<size_t>(plan.n_head) * sizeof(float));
   if (s.entries > 0) {
     std::memcpy(host + at.offsets_at, plan.tile_offsets.data(), static_cast<size_t>(s.entries) * sizeof(int64_t));
   }
@@ -135,6 +136,11 @@ void CudaBackend::kv_attention(const KvAttendPlan& plan, const Tensor& q, const 
 
   void* ws = workspace(at.bytes);
   kv_staging_.upload(ws, at.table_bytes, stream());
+  if (s.sinks) {  // device to device, in stream order: no host synchronisation for GPT-OSS's sinks
+    LOOM_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(ws) + at.sinks_at, plan.sinks.device_ptr(),
+                                    static_cast<size_t>(plan.n_head) * sizeof(float), cudaMemcpyDeviceToDevice,
+                                    stream()));
+  }
   cuda::kv_attention_decode(s, ws, dptr<float>(q), dptr<uint8_t>(pool), rings.defined() ? dptr<float>(rings) : nullptr,
                             dptr<float>(out), stream());
 }
