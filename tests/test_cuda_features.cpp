@@ -1,6 +1,7 @@
 // Every training feature of the device-memory tests (test_device_memory.cpp, on the strict
 // backend) on the CUDA backend against the CPU backend: each precision recipe, each of the 14
-// optimizers, the MoE and MLA models, and gradient accumulation with q/k norm. Compiled into both
+// optimizers, the MoE and MLA models, Qwen3-Next and GPT-OSS, and gradient accumulation with q/k
+// norm. Compiled into both
 // the unit tests (the nvcc build's backend: skipped without a GPU unless LOOM_REQUIRE_CUDA=1, run
 // by scripts/gpu_check) and the simulator's tests (ctest cuda_sim), where every simulator check is
 // armed.
@@ -131,6 +132,39 @@ TEST(CudaFeatures, MoeAndMlaTrainAsOnTheCpu) {
     const std::vector<double> expected = test::train(*cpu, c, &cpu_params, &config);
     const std::vector<double> got = test::train(*cuda, c, &cuda_params, &config);
     expect_close(got, expected, without_key_bias(config, cuda_params), without_key_bias(config, cpu_params), 5e-6, name);
+  }
+}
+
+// The 2025 families with ops of their own: Qwen3-Next (gated DeltaNet layers: the gated delta
+// rule, the causal conv1d + SiLU, the gates; gated attention, partial RoPE, a gated shared
+// expert) and GPT-OSS (attention sinks, clamped SwiGLU, biased MoE, alternating windows), trained
+// on CUDA against the CPU. The delta rule runs its recurrent form on CUDA and the chunked one on
+// the CPU here (the layer's choice): another summation order, the fp32 bound.
+TEST(CudaFeatures, Qwen3NextAndGptOssTrainAsOnTheCpu) {
+  auto cuda = cuda_backend(&BackendCapabilities::mixture_of_experts);
+  if (!cuda) GTEST_SKIP() << "no CUDA backend with the MoE ops";
+  auto cpu = make_cpu_backend();
+  for (const char* preset : {"qwen3-next-tiny", "gpt-oss-tiny"}) {
+    const test::TrainCase c{preset, "f32", "f32", false, "f32", false, "none", "f32"};
+    std::vector<double> cpu_params, cuda_params;
+    const std::vector<double> expected = test::train(*cpu, c, &cpu_params);
+    const std::vector<double> got = test::train(*cuda, c, &cuda_params);
+    expect_close(got, expected, cuda_params, cpu_params, 5e-6, preset);
+    // Decoding: 10 greedy tokens from the same random weights (the recurrent state and the
+    // conv's window carried from step to step; GPT-OSS's sinks in the device KV cache).
+    std::vector<int32_t> greedy[2];
+    Backend* backends[2] = {cpu.get(), cuda.get()};
+    for (int i = 0; i < 2; ++i) {
+      Transformer model(*backends[i], model_preset(preset));
+      model.init_weights(7);
+      SamplingConfig sampling;
+      sampling.temperature = 0.0f;
+      GenerateOptions options;
+      options.max_new_tokens = 10;
+      greedy[i] = generate(model, {3, 17, 41, 5, 88, 2}, sampling, options);
+    }
+    EXPECT_GE(greedy[0].size(), 10u) << preset;
+    EXPECT_EQ(greedy[1], greedy[0]) << preset << ": greedy tokens";
   }
 }
 

@@ -299,7 +299,8 @@ class Backend {
   // recurrent form's recomputed states (chunk + 1) d_k d_v, about one extra forward of work.
   // Memory: the CPU backend's workspace, per thread (one (b, h) head per thread at a time; the
   // backward runs a key head's Hv / Hk value heads one after another on its thread), never all
-  // heads at once. The defaults throw (the CUDA backend has no kernels yet).
+  // heads at once. The CUDA backend runs the recurrent form whichever is asked
+  // (cuda_linear_attention.cu); the defaults throw.
   virtual void delta_rule_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                                   const Tensor& beta, const Tensor& initial_state, const Tensor& out,
                                   const Tensor& final_state, DeltaRuleForm form, int64_t chunk);

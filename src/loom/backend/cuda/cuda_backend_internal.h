@@ -206,6 +206,13 @@ class CudaBackend final : public Backend {
   void moe_combine_backward(const Tensor& dout, const Tensor& row, const Tensor& gates, const Tensor& drows) override;
   void moe_balance_stats(const Tensor& logits, const Tensor& scores, const Tensor& expert, const Tensor& counts, const Tensor& stats, const Tensor& scratch, const MoeRouting& routing) override;
   void moe_router_backward(const Tensor& logits, const Tensor& scores, const Tensor& expert, const Tensor& row, const Tensor& ye, const Tensor& dy, const Tensor& counts, const Tensor& dlogits, const Tensor& scratch, const MoeRouting& routing) override;
+  // ---- cuda_linear_attention_ops.cpp: Qwen3-Next's gated delta rule, conv and gates (cuda_linear_attention.cu)
+  void delta_rule_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta, const Tensor& initial_state, const Tensor& out, const Tensor& final_state, DeltaRuleForm form, int64_t chunk) override;
+  void delta_rule_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta, const Tensor& initial_state, const Tensor& dout, const Tensor& dfinal_state, const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dg, const Tensor& dbeta, const Tensor& dinitial_state, DeltaRuleForm form, int64_t chunk) override;
+  void causal_conv1d_silu_forward(const Tensor& x, const Tensor& weight, const Tensor& initial, const Tensor& y, const Tensor& final_state) override;
+  void causal_conv1d_silu_backward(const Tensor& x, const Tensor& weight, const Tensor& initial, const Tensor& dy, const Tensor& dx, const Tensor& dweight, const Tensor& dinitial) override;
+  void delta_gates_forward(const Tensor& ba, const Tensor& a_log, const Tensor& dt_bias, const Tensor& g, const Tensor& beta) override;
+  void delta_gates_backward(const Tensor& ba, const Tensor& a_log, const Tensor& dt_bias, const Tensor& dg, const Tensor& dbeta, const Tensor& dba, const Tensor& da_log, const Tensor& ddt_bias) override;
   // ---- cuda_mla_ops.cpp: multi-head latent attention (cuda_mla.cu)
   void mla_rope(const Tensor& x, int64_t heads, int64_t stride, int64_t offset, int64_t rope_dim, const RopeSpec& rope, int64_t pos_offset, bool inverse) override;
   void mla_attention_forward(const Tensor& q, const Tensor& kr, const Tensor& kv, const Tensor& probs, const Tensor& out, const MlaDims& dims) override;

@@ -309,7 +309,7 @@ __device__ __forceinline__ T warp_max(T v) {
   return warp_fold(v, [](T a, T b) { return max_of(a, b); });
 }
 
-// The device's libm (the CPU twins call libm too): expf / exp, logf / log, sqrtf / sqrt.
+// The device's libm (the CPU twins call libm too): expf / exp, logf / log, log1pf / log1p, sqrtf / sqrt.
 // scalar_math.h's exp_t / tanh_t / sigmoid_t are another function (the CPU kernels' own exp).
 template <typename T>
 __device__ __forceinline__ T exp_of(T x) {
@@ -320,6 +320,11 @@ template <typename T>
 __device__ __forceinline__ T log_of(T x) {
   if constexpr (sizeof(T) == 4) return logf(x);
   else return ::log(x);
+}
+template <typename T>
+__device__ __forceinline__ T log1p_of(T x) {
+  if constexpr (sizeof(T) == 4) return log1pf(x);
+  else return ::log1p(x);
 }
 template <typename T>
 __device__ __forceinline__ T sqrt_of(T x) {
