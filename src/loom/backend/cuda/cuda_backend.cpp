@@ -70,6 +70,10 @@ CudaAllocator::CudaAllocator(int device, cudaStream_t stream)
              [](void* ptr) { (void)cudaFree(ptr); }) {}
 
 CudaBackend::CudaBackend(int device) : device_(device) {
+  // The knobs first: a malformed value throws before any handle exists.
+  panel_limits_.panel_bytes = env_count("LOOM_CUDA_GEMM_PANEL_BYTES", panel_limits_.panel_bytes);
+  panel_limits_.min_flops =
+      static_cast<double>(env_count("LOOM_CUDA_GEMM_PANEL_MIN_FLOPS", static_cast<size_t>(panel_limits_.min_flops)));
   LOOM_CUDA_CHECK(cudaSetDevice(device_));
   LOOM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   allocator_ = std::make_unique<CudaAllocator>(device_, stream_);
@@ -80,9 +84,6 @@ CudaBackend::CudaBackend(int device) : device_(device) {
   LOOM_CUBLAS_STATUS(cublasSetWorkspace(cublas_, lt_workspace_.device_ptr(), kLtWorkspaceBytes));
   flags_ = Tensor::empty(*allocator_, {1}, DTYPE_F64, MEM_WORKSPACE);  // one unsigned long long
   partials_ = Tensor::empty(*allocator_, {cuda::kReducePartials}, DTYPE_F64, MEM_WORKSPACE);
-  panel_limits_.panel_bytes = env_count("LOOM_CUDA_GEMM_PANEL_BYTES", panel_limits_.panel_bytes);
-  panel_limits_.min_flops =
-      static_cast<double>(env_count("LOOM_CUDA_GEMM_PANEL_MIN_FLOPS", static_cast<size_t>(panel_limits_.min_flops)));
 }
 
 CudaBackend::~CudaBackend() {
