@@ -37,6 +37,11 @@ template <typename T>
 T* dptr(const Tensor& t) {
   return static_cast<T*>(t.device_ptr());
 }
+// dptr of an optional operand: null where the tensor is undefined.
+template <typename T>
+T* dptr_or_null(const Tensor& t) {
+  return t.defined() ? dptr<T>(t) : nullptr;
+}
 
 // Whether an op file implements every op of its capability (each defined in its file).
 bool optim_ops_complete();           // cuda_optim_ops.cpp      } every_optimizer

@@ -141,7 +141,7 @@ void CudaBackend::kv_attention(const KvAttendPlan& plan, const Tensor& q, const 
                                     static_cast<size_t>(plan.n_head) * sizeof(float), cudaMemcpyDeviceToDevice,
                                     stream()));
   }
-  cuda::kv_attention_decode(s, ws, dptr<float>(q), dptr<uint8_t>(pool), rings.defined() ? dptr<float>(rings) : nullptr,
+  cuda::kv_attention_decode(s, ws, dptr<float>(q), dptr<uint8_t>(pool), dptr_or_null<float>(rings),
                             dptr<float>(out), stream());
 }
 
@@ -198,7 +198,7 @@ void CudaBackend::kv_store(const KvStorePlan& plan, const std::vector<Tensor>& s
   }
   void* ws = workspace(at.bytes);
   kv_store_staging_.upload(ws, at.bytes, stream());
-  cuda::kv_store_rows(s, ws, dptr<uint8_t>(pool), rings.defined() ? dptr<float>(rings) : nullptr,
+  cuda::kv_store_rows(s, ws, dptr<uint8_t>(pool), dptr_or_null<float>(rings),
                       dptr<int32_t>(status), stream());
 }
 

@@ -30,6 +30,9 @@ using checks::dispatch_float;
 
 namespace {
 
+// Bytes of an A or B element of a GEMM call (C is f32).
+int64_t in_bytes(cudaDataType_t in_type) { return in_type == CUDA_R_16BF ? 2 : 4; }
+
 // The largest power of two, at most 256, that divides the address (cuBLASLt's alignment unit).
 uint32_t pointer_alignment(const void* p) {
   const uintptr_t a = reinterpret_cast<uintptr_t>(p);
@@ -52,7 +55,7 @@ void CudaBackend::gemm(const Tensor& a, const Tensor& b, const Tensor& c, const 
     const GemmCall call = gemm_call(a, b, c, spec, d);
     const GemmPanels panels = plan_gemm_panels(
         {.m = d.m, .n = d.n, .k = d.k, .trans_a = spec.trans_a, .trans_b = spec.trans_b, .batch = spec.batch,
-         .in_bytes = a.dtype() == DTYPE_BF16 ? size_t{2} : size_t{4}, .out_bytes = 4},
+         .in_bytes = static_cast<size_t>(in_bytes(call.in_type)), .out_bytes = 4},
         panel_limits_);
     if (panels.dim == GemmPanels::NONE) {
       bias_done = gemm_lt(call, bias ? bias->device_ptr() : nullptr);
@@ -187,7 +190,7 @@ void CudaBackend::gemm_ex(const GemmCall& g) {
 // accumulate: the first with the caller's beta, the rest with beta 1. The bias is left to the
 // caller's row kernel (a panel the heuristic declined would otherwise have had none).
 void CudaBackend::gemm_panels(const GemmCall& g, const GemmPanels& p) {
-  const size_t in = g.in_type == CUDA_R_16BF ? 2 : 4, out = 4;
+  const int64_t in = in_bytes(g.in_type), out = 4;
   auto* scratch = static_cast<char*>(workspace(p.a_scratch_bytes + p.c_scratch_bytes));
   char* a_panel = scratch;
   char* c_panel = scratch + p.a_scratch_bytes;
@@ -211,24 +214,21 @@ void CudaBackend::gemm_panels(const GemmCall& g, const GemmPanels& p) {
     }
     if (p.stage_a) {
       const int64_t a_cols = g.trans_a ? g.m : g.k;
-      cuda::copy_block(panel.a, a_panel, rows, a_cols * static_cast<int64_t>(in), g.lda * static_cast<int64_t>(in),
-                       p.lda_padded * static_cast<int64_t>(in), stream_);
+      cuda::copy_block(panel.a, a_panel, rows, a_cols * in, g.lda * in, p.lda_padded * in, stream_);
       panel.a = a_panel;
       panel.lda = p.lda_padded;
     }
     void* c_rows = panel.c;
     if (p.stage_c) {
       if (g.beta != 0.0f) {
-        cuda::copy_block(c_rows, c_panel, rows, g.n * static_cast<int64_t>(out), g.ldc * static_cast<int64_t>(out),
-                         p.ldc_padded * static_cast<int64_t>(out), stream_);
+        cuda::copy_block(c_rows, c_panel, rows, g.n * out, g.ldc * out, p.ldc_padded * out, stream_);
       }
       panel.c = c_panel;
       panel.ldc = p.ldc_padded;
     }
     gemm_lt(panel, nullptr);
     if (p.stage_c) {
-      cuda::copy_block(c_panel, c_rows, rows, g.n * static_cast<int64_t>(out), p.ldc_padded * static_cast<int64_t>(out),
-                       g.ldc * static_cast<int64_t>(out), stream_);
+      cuda::copy_block(c_panel, c_rows, rows, g.n * out, p.ldc_padded * out, g.ldc * out, stream_);
     }
   }
   ++panel_gemms_;

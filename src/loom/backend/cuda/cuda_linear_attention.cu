@@ -101,6 +101,24 @@ __device__ void load_rows(T* dst, const T* src, int64_t n) {
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
 }
 
+// The head's operands (one block's) and position t's step on S: a barrier (the last step's
+// readers of sq / sk, and any element-wise copy of S before this call, are done), q_t and k_t
+// into shared memory, a barrier, then recurrent_step (o_t written when out is not null).
+template <typename T>
+struct HeadInputs {
+  const T *q, *k, *v, *g, *beta;
+};
+template <typename T>
+__device__ void step_at(T* S, T* sq, T* sk, const HeadInputs<T>& in, const HeadRows& r, int64_t t, T* out,
+                        const DeltaRuleShape& s) {
+  __syncthreads();
+  load_rows(sq, in.q + r.qk(s, t), s.dk);
+  load_rows(sk, in.k + r.qk(s, t), s.dk);
+  __syncthreads();
+  recurrent_step(S, sq, sk, in.v + r.vo(s, t), exp_of(in.g[r.gb(s, t)]), in.beta[r.gb(s, t)],
+                 out == nullptr ? nullptr : out + r.vo(s, t), s);
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kHeadThreads)
     delta_forward_kernel(const T* q, const T* k, const T* v, const T* g, const T* beta, const T* initial, T* out,
@@ -111,24 +129,20 @@ __global__ void __launch_bounds__(kHeadThreads)
   T* S = states + blockIdx.x * n;
   const T* S0 = initial == nullptr ? nullptr : initial + blockIdx.x * n;
   for (int64_t e = threadIdx.x; e < n; e += blockDim.x) S[e] = S0 == nullptr ? T(0) : S0[e];
-  for (int64_t t = 0; t < s.T; ++t) {
-    __syncthreads();  // the last step's readers of sq / sk are done
-    load_rows(sq, q + r.qk(s, t), s.dk);
-    load_rows(sk, k + r.qk(s, t), s.dk);
-    __syncthreads();
-    const T a = exp_of(g[r.gb(s, t)]);
-    recurrent_step(S, sq, sk, v + r.vo(s, t), a, beta[r.gb(s, t)], out + r.vo(s, t), s);
-  }
+  const HeadInputs<T> in{q, k, v, g, beta};
+  for (int64_t t = 0; t < s.T; ++t) step_at(S, sq, sk, in, r, t, out, s);
 }
 
 // The backward's scratch, per head: checkpoints (ceil(T / chunk) states), the chunk's states
 // (chunk + 1), dS; then dq / dk per value head (B, T, Hv, dk) each.
 struct BackwardScratch {
-  int64_t chunks, per_head;  // elements
+  int64_t cap;       // positions between checkpoints: min(chunk, max(T, 1)), as the CPU's
+  int64_t chunks;    // checkpoints
+  int64_t per_head;  // elements
   __host__ __device__ static BackwardScratch of(const DeltaRuleShape& s) {
     const int64_t cap = s.chunk < s.T ? s.chunk : (s.T > 0 ? s.T : 1);
     const int64_t chunks = (s.T + cap - 1) / cap;
-    return BackwardScratch{chunks, (chunks + cap + 2) * s.dk * s.dv};
+    return BackwardScratch{cap, chunks, (chunks + cap + 2) * s.dk * s.dv};
   }
 };
 
@@ -140,14 +154,15 @@ __global__ void __launch_bounds__(kHeadThreads)
   __shared__ T sq[kMaxDim], sk[kMaxDim], sdo[kMaxDim], svmu[kMaxDim], sdu[kMaxDim], red[kHeadThreads];
   const HeadRows r = head_rows(s);
   const int64_t n = s.dk * s.dv, dvn = s.dv, dkn = s.dk;
-  const int64_t cap = s.chunk < s.T ? s.chunk : (s.T > 0 ? s.T : 1);
   const BackwardScratch layout = BackwardScratch::of(s);
+  const int64_t cap = layout.cap;
   T* ckpt = scratch + blockIdx.x * layout.per_head;
   T* states = ckpt + layout.chunks * n;  // (cap + 1) states
   T* dS = states + (cap + 1) * n;
   const int64_t head = blockIdx.x * n;
 
   // Forward sweep: S at the start of every chunk.
+  const HeadInputs<T> in{q, k, v, g, beta};
   T* S = states;
   for (int64_t e = threadIdx.x; e < n; e += blockDim.x) S[e] = initial == nullptr ? T(0) : initial[head + e];
   for (int64_t t = 0; t < s.T; ++t) {
@@ -156,11 +171,7 @@ __global__ void __launch_bounds__(kHeadThreads)
       T* c = ckpt + (t / cap) * n;
       for (int64_t e = threadIdx.x; e < n; e += blockDim.x) c[e] = S[e];
     }
-    __syncthreads();
-    load_rows(sq, q + r.qk(s, t), dkn);
-    load_rows(sk, k + r.qk(s, t), dkn);
-    __syncthreads();
-    recurrent_step(S, sq, sk, v + r.vo(s, t), exp_of(g[r.gb(s, t)]), beta[r.gb(s, t)], static_cast<T*>(nullptr), s);
+    step_at(S, sq, sk, in, r, t, static_cast<T*>(nullptr), s);
   }
   for (int64_t e = threadIdx.x; e < n; e += blockDim.x) dS[e] = dfinal == nullptr ? T(0) : dfinal[head + e];
 
@@ -174,12 +185,7 @@ __global__ void __launch_bounds__(kHeadThreads)
       T* next = states + (i + 1) * n;
       __syncthreads();
       for (int64_t e = threadIdx.x; e < n; e += blockDim.x) next[e] = states[i * n + e];
-      __syncthreads();
-      load_rows(sq, q + r.qk(s, t0 + i), dkn);
-      load_rows(sk, k + r.qk(s, t0 + i), dkn);
-      __syncthreads();
-      recurrent_step(next, sq, sk, v + r.vo(s, t0 + i), exp_of(g[r.gb(s, t0 + i)]), beta[r.gb(s, t0 + i)],
-                     static_cast<T*>(nullptr), s);
+      step_at(next, sq, sk, in, r, t0 + i, static_cast<T*>(nullptr), s);
     }
     for (int64_t i = len - 1; i >= 0; --i) {
       const int64_t t = t0 + i;

@@ -22,15 +22,6 @@ cuda::DeltaRuleShape delta_shape(const char* op, const checks::DeltaRuleDims& d,
   return cuda::DeltaRuleShape{.B = d.B, .T = d.T, .Hv = d.H, .Hk = d.Hk, .dk = d.dk, .dv = d.dv, .chunk = chunk};
 }
 
-template <typename F>
-const F* ptr_or_null(const Tensor& t) {
-  return t.defined() ? static_cast<const F*>(t.device_ptr()) : nullptr;
-}
-template <typename F>
-F* mutable_or_null(const Tensor& t) {
-  return t.defined() ? static_cast<F*>(t.device_ptr()) : nullptr;
-}
-
 }  // namespace
 
 void CudaBackend::delta_rule_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
@@ -42,7 +33,7 @@ void CudaBackend::delta_rule_forward(const Tensor& q, const Tensor& k, const Ten
   dispatch_float(q.dtype(), op, kBackend, [&]<typename F>() {
     void* scratch = final_state.defined() ? nullptr : workspace(cuda::delta_rule_forward_scratch_bytes(s, sizeof(F)));
     cuda::delta_rule_forward<F>(dptr<F>(q), dptr<F>(k), dptr<F>(v), dptr<F>(g), dptr<F>(beta),
-                                ptr_or_null<F>(initial_state), dptr<F>(out), mutable_or_null<F>(final_state), scratch,
+                                dptr_or_null<F>(initial_state), dptr<F>(out), dptr_or_null<F>(final_state), scratch,
                                 s, stream_);
   });
 }
@@ -59,9 +50,9 @@ void CudaBackend::delta_rule_backward(const Tensor& q, const Tensor& k, const Te
   dispatch_float(q.dtype(), op, kBackend, [&]<typename F>() {
     void* scratch = workspace(cuda::delta_rule_backward_scratch_bytes(s, sizeof(F)));
     cuda::delta_rule_backward<F>(dptr<F>(q), dptr<F>(k), dptr<F>(v), dptr<F>(g), dptr<F>(beta),
-                                 ptr_or_null<F>(initial_state), dptr<F>(dout), ptr_or_null<F>(dfinal_state),
+                                 dptr_or_null<F>(initial_state), dptr<F>(dout), dptr_or_null<F>(dfinal_state),
                                  dptr<F>(dq), dptr<F>(dk), dptr<F>(dv), dptr<F>(dg), dptr<F>(dbeta),
-                                 mutable_or_null<F>(dinitial_state), scratch, s, stream_);
+                                 dptr_or_null<F>(dinitial_state), scratch, s, stream_);
   });
 }
 
@@ -70,8 +61,8 @@ void CudaBackend::causal_conv1d_silu_forward(const Tensor& x, const Tensor& weig
   const char* op = "causal_conv1d_silu_forward";
   const checks::ConvDims d = checks::check_causal_conv1d(op, x, weight, initial, y, "y", final_state);
   dispatch_float(x.dtype(), op, kBackend, [&]<typename F>() {
-    cuda::causal_conv1d_silu_forward<F>(dptr<F>(x), dptr<F>(weight), ptr_or_null<F>(initial), dptr<F>(y),
-                                        mutable_or_null<F>(final_state), d.B, d.T, d.C, d.K, stream_);
+    cuda::causal_conv1d_silu_forward<F>(dptr<F>(x), dptr<F>(weight), dptr_or_null<F>(initial), dptr<F>(y),
+                                        dptr_or_null<F>(final_state), d.B, d.T, d.C, d.K, stream_);
   });
 }
 
@@ -83,8 +74,8 @@ void CudaBackend::causal_conv1d_silu_backward(const Tensor& x, const Tensor& wei
   checks::check_causal_conv1d_grads(op, d, x, dx, dweight, dinitial);
   dispatch_float(x.dtype(), op, kBackend, [&]<typename F>() {
     void* scratch = workspace(cuda::causal_conv1d_silu_backward_scratch_bytes(d.B, d.T, d.C, sizeof(F)));
-    cuda::causal_conv1d_silu_backward<F>(dptr<F>(x), dptr<F>(weight), ptr_or_null<F>(initial), dptr<F>(dy),
-                                         dptr<F>(dx), dptr<F>(dweight), mutable_or_null<F>(dinitial), scratch, d.B,
+    cuda::causal_conv1d_silu_backward<F>(dptr<F>(x), dptr<F>(weight), dptr_or_null<F>(initial), dptr<F>(dy),
+                                         dptr<F>(dx), dptr<F>(dweight), dptr_or_null<F>(dinitial), scratch, d.B,
                                          d.T, d.C, d.K, stream_);
   });
 }

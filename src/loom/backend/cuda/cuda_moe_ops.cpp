@@ -99,7 +99,7 @@ void CudaBackend::moe_dispatch(const Tensor& x, const Tensor& token, const Tenso
 void CudaBackend::moe_combine(const Tensor& rows, const Tensor& row, const Tensor& gates, const Tensor& out) {
   const checks::MoeCombineDims d = checks::check_moe_combine(rows, row, gates, out);
   const int64_t N = d.N, C = d.C, K = d.K;
-  cuda::moe_combine(dptr<float>(rows), dptr<int32_t>(row), gates.defined() ? dptr<float>(gates) : nullptr,
+  cuda::moe_combine(dptr<float>(rows), dptr<int32_t>(row), dptr_or_null<float>(gates),
                     dptr<float>(out), N, K, checks::rows_of(rows), C, stream());
 }
 

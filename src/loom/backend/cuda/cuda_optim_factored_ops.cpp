@@ -24,8 +24,6 @@ bool optim_factored_ops_complete() { return true; }
 
 namespace {
 
-float* fptr(const Tensor& t) { return t.defined() ? dptr<float>(t) : nullptr; }
-
 cuda::FactoredHyper factored_hyper(const OptimHyper& h) {
   cuda::FactoredHyper f;
   f.lr = h.lr;
@@ -48,7 +46,7 @@ void CudaBackend::adafactor_step(const Tensor& param, const Tensor& grad, const 
   const auto [rows, cols] = checks::check_adafactor_step(param, grad, state, m, u, hyper.factored);
   LOOM_CHECK(u.defined(), "adafactor_step: needs the u operand (scratch of the segment's size)");
   void* scratch = workspace(cuda::adafactor_scratch_bytes(rows, cols));
-  cuda::adafactor_step(dptr<float>(param), dptr<float>(grad), dptr<float>(state), fptr(m), dptr<float>(u), rows, cols,
+  cuda::adafactor_step(dptr<float>(param), dptr<float>(grad), dptr<float>(state), dptr_or_null<float>(m), dptr<float>(u), rows, cols,
                        hyper.factored, factored_hyper(hyper), scratch, stream());
 }
 

@@ -24,14 +24,13 @@ namespace {
 using checks::rows_of;
 
 float* f32(const Tensor& t) { return dptr<float>(t); }
-float* opt(const Tensor& t) { return t.defined() ? dptr<float>(t) : nullptr; }
 
 }  // namespace
 
 void CudaBackend::sgd_step(const Tensor& param, const Tensor& grad, const Tensor& buf, const OptimHyper& h) {
   const int64_t n = checks::check_sgd_step(param, grad, buf);
   const float mu = static_cast<float>(h.momentum), damp = static_cast<float>(h.dampening);
-  cuda::sgd_step(f32(param), f32(grad), opt(buf), n, static_cast<float>(h.lr), h.weight_decay, h.grad_scale, mu, damp,
+  cuda::sgd_step(f32(param), f32(grad), dptr_or_null<float>(buf), n, static_cast<float>(h.lr), h.weight_decay, h.grad_scale, mu, damp,
                  h.nesterov, h.step == 1, stream());
 }
 
@@ -44,7 +43,7 @@ void CudaBackend::adagrad_step(const Tensor& param, const Tensor& grad, const Te
 void CudaBackend::rmsprop_step(const Tensor& param, const Tensor& grad, const Tensor& square, const Tensor& avg,
                                const Tensor& buf, const OptimHyper& h) {
   const int64_t n = checks::check_rmsprop_step(param, grad, square, avg, buf);
-  cuda::rmsprop_step(f32(param), f32(grad), f32(square), opt(avg), opt(buf), n, static_cast<float>(h.lr),
+  cuda::rmsprop_step(f32(param), f32(grad), f32(square), dptr_or_null<float>(avg), dptr_or_null<float>(buf), n, static_cast<float>(h.lr),
                      h.weight_decay, h.grad_scale, static_cast<float>(h.beta2), static_cast<float>(h.eps),
                      static_cast<float>(h.momentum), stream());
 }
@@ -57,7 +56,7 @@ void CudaBackend::adam_step(const Tensor& param, const Tensor& grad, const Tenso
   const float bias2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(h.beta2, static_cast<double>(h.step))));
   const float step_size = eta / bias1;
   const float l2 = h.decoupled ? 0.0f : h.weight_decay, decay = h.decoupled ? 1.0f - eta * h.weight_decay : 1.0f;
-  cuda::adam_step(f32(param), f32(grad), f32(m), f32(v), opt(vmax), n, step_size, l2, decay, h.grad_scale,
+  cuda::adam_step(f32(param), f32(grad), f32(m), f32(v), dptr_or_null<float>(vmax), n, step_size, l2, decay, h.grad_scale,
                   static_cast<float>(h.beta1), static_cast<float>(h.beta2), static_cast<float>(h.eps), bias2_sqrt,
                   stream());
 }

@@ -74,7 +74,7 @@ void CudaBackend::dora_weight(const Tensor& merged, const Tensor& base, const Te
     expect_dtype(base, DTYPE_F32, "dora_weight", "base");
     expect_numel(base, merged.numel(), "dora_weight", "base");
   }
-  cuda::dora_weight(dptr<float>(merged), base.defined() ? dptr<float>(base) : nullptr, dptr<float>(magnitude),
+  cuda::dora_weight(dptr<float>(merged), dptr_or_null<float>(base), dptr<float>(magnitude),
                     dptr<float>(norms), dptr<float>(out), rows, cols, stream());
 }
 
