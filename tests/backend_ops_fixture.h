@@ -114,6 +114,31 @@ inline std::vector<uint8_t> bytes_of(Backend& backend, const Tensor& t) {
   return bytes;
 }
 
+// A tensor's bytes (bytes_of) as doubles: f32, f64, or bf16 widened exactly.
+inline std::vector<double> values_of(const std::vector<uint8_t>& bytes, DType dtype) {
+  const size_t width = dtype_size(dtype), n = bytes.size() / width;
+  std::vector<double> v(n);
+  for (size_t i = 0; i < n; ++i) {
+    const uint8_t* p = bytes.data() + i * width;
+    if (dtype == DTYPE_F64) {
+      double x;
+      std::memcpy(&x, p, sizeof(x));
+      v[i] = x;
+    } else if (dtype == DTYPE_F32) {
+      float x;
+      std::memcpy(&x, p, sizeof(x));
+      v[i] = x;
+    } else if (dtype == DTYPE_BF16) {
+      bf16 x;
+      std::memcpy(&x.bits, p, sizeof(x.bits));
+      v[i] = bf16_to_f32(x);
+    } else {
+      ADD_FAILURE() << "values_of: " << dtype_name(dtype) << " is not a float type";
+    }
+  }
+  return v;
+}
+
 // test::max_rel_error, max |x - ref| / max |ref|, that also says where: the element with the
 // largest error. A non-finite x where the reference is finite is an infinite error (std::max would
 // drop a NaN); the reference itself must be finite.
@@ -300,7 +325,7 @@ class BackendOpsTest : public ::testing::TestWithParam<std::string> {
       }
       return 0.0;
     }
-    const Mismatch m = rel_error(test::values(*backend_, x), test::values(r));
+    const Mismatch m = rel_error(values_of(bytes_of(*backend_, x), x.dtype()), values_of(bytes_of(*cpu_, r), r.dtype()));
     EXPECT_LE(m.error, o.tol.rel) << what << ": " << o.name << " max rel error, at element " << m.index << ": "
                                   << std::setprecision(9) << m.got << ", the CPU's " << m.want;
     return m.error;

@@ -311,6 +311,52 @@ TEST_P(BackendBf16AttentionTest, FlashForwardAndBackwardMatchTheCpu) {
   }
 }
 
+// O kept in bf16 (precision.activations = bf16 with flash attention in bf16): on each backend the
+// bf16 out holds the bits of its f32 out rounded by cast(), lse is the same, and the backward's
+// dqkv is bitwise the one computed from the f32 O widened from those bf16 bits (D = rowsum(dO o O)
+// of the bf16 O). A backward given the unrounded O instead gives other bits: the test can tell.
+TEST_P(BackendBf16AttentionTest, FlashWithABf16OutputIsTheF32OutputRounded) {
+  for (const AttentionCase& c : {AttentionCase{2, 70, 4, 2, 64}, AttentionCase{1, 40, 2, 1, 128},
+                                 AttentionCase{2, 17, 4, 2, 8}}) {
+    Backend& b = *backend_;
+    const int64_t n_out = c.B * c.T * c.H * c.hd;
+    const Tensor q = upload(b, {c.B, c.T, c.width()}, uniform(c.B * c.T * c.width(), 301, 1.0));
+    const Tensor d = upload(b, {c.B, c.T, c.H * c.hd}, uniform(n_out, 302, 1.0));
+    const Tensor out = upload(b, {c.B, c.T, c.H * c.hd}, {}), lse = upload(b, {c.B, c.H, c.T}, {});
+    const Tensor out16 = Tensor::empty(b.allocator(), out.shape(), DTYPE_BF16, MEM_WORKSPACE);
+    const Tensor rounded = Tensor::empty(b.allocator(), out.shape(), DTYPE_BF16, MEM_WORKSPACE);
+    const Tensor lse16 = upload(b, {c.B, c.H, c.T}, {});
+    b.flash_attention_forward_bf16(q, out, lse, c.H, c.KV);
+    b.flash_attention_forward_bf16(q, out16, lse16, c.H, c.KV);
+    b.cast(out, rounded);
+    std::vector<uint16_t> got16(static_cast<size_t>(n_out)), want16(static_cast<size_t>(n_out));
+    b.read(out16, got16.data());
+    b.read(rounded, want16.data());
+    EXPECT_TRUE(got16 == want16) << c.name() << ": the bf16 O is not the f32 O rounded on " << GetParam();
+    EXPECT_TRUE(bits_of(download(b, lse16)) == bits_of(download(b, lse))) << c.name() << ": lse on " << GetParam();
+
+    const Tensor widened = upload(b, out.shape(), {});
+    b.cast(out16, widened);
+    const Tensor dq16 = upload(b, {c.B, c.T, c.width()}, {}), dq_wide = upload(b, {c.B, c.T, c.width()}, {});
+    const Tensor dq32 = upload(b, {c.B, c.T, c.width()}, {});
+    b.flash_attention_backward_bf16(d, q, out16, lse, dq16, c.H, c.KV);
+    b.flash_attention_backward_bf16(d, q, widened, lse, dq_wide, c.H, c.KV);
+    b.flash_attention_backward_bf16(d, q, out, lse, dq32, c.H, c.KV);
+    EXPECT_TRUE(bits_of(download(b, dq16)) == bits_of(download(b, dq_wide)))
+        << c.name() << ": dqkv from the bf16 O is not the one from its widened values on " << GetParam();
+    EXPECT_FALSE(bits_of(download(b, dq16)) == bits_of(download(b, dq32)))
+        << c.name() << ": dqkv does not depend on O's rounding (D read from the unrounded O?) on " << GetParam();
+  }
+  // A bf16 out for an f64 qkv is refused naming the op.
+  Allocator& a = backend_->allocator();
+  const Tensor qkv64 = Tensor::zeros(a, {1, 4, 24}, DTYPE_F64, MEM_WORKSPACE);
+  const Tensor o16 = Tensor::zeros(a, {1, 4, 8}, DTYPE_BF16, MEM_WORKSPACE);
+  const Tensor lse64 = Tensor::zeros(a, {1, 1, 4}, DTYPE_F64, MEM_WORKSPACE);
+  EXPECT_NE(test::error_of([&] { backend_->flash_attention_forward_bf16(qkv64, o16, lse64, 1, 1); })
+                .find("flash_attention_forward_bf16: out"),
+            std::string::npos);
+}
+
 // Operands of the wrong dtype or shape fail naming the op.
 TEST_P(BackendBf16AttentionTest, BadOperandsAreOneLineErrorsNamingTheOp) {
   Allocator& a = backend_->allocator();

@@ -99,6 +99,66 @@ TEST_P(BackendOpsTest, GluForwardBackward) {
   }
 }
 
+// ---------------------------------------------------------------- bf16 outputs
+
+// The forward norms and activations with a bf16 out (precision.activations = bf16 writes the saved
+// fields so): on each backend the same bits as its f32 op followed by cast(), and within one bf16
+// step (2^-8 of the output's scale: a 1-ulp f32 difference may round the other way) of the CPU.
+TEST_P(BackendOpsTest, Bf16OutputsAreTheRoundedF32Outputs) {
+  constexpr Tol kOneBf16Step{1.0 / 256};
+  struct Case {
+    std::string name;
+    Shape in, out;
+    std::function<void(Backend&, Operands&, const Tensor& out)> run;
+  };
+  const int64_t N = 33, C = 2053, F = 1024;
+  const std::vector<Case> cases = {
+      {"layernorm", {N, C}, {N, C},
+       [](Backend& be, Operands& o, const Tensor& out) {
+         be.layernorm_forward(o["x"], o["w"], o["b"], out, o["mean"], o["rstd"], 1e-5f);
+       }},
+      {"rmsnorm", {N, C}, {N, C},
+       [](Backend& be, Operands& o, const Tensor& out) { be.rmsnorm_forward(o["x"], o["w"], out, o["rstd"], 1e-5f); }},
+      {"gelu", {N, C}, {N, C}, [](Backend& be, Operands& o, const Tensor& out) { be.gelu_forward(o["x"], out); }},
+      {"gelu, 2^20 + 3 elements", {(int64_t{1} << 20) + 3}, {(int64_t{1} << 20) + 3},
+       [](Backend& be, Operands& o, const Tensor& out) { be.gelu_forward(o["x"], out); }},
+      {"swiglu", {N, 2 * F}, {N, F},
+       [](Backend& be, Operands& o, const Tensor& out) { be.glu_forward(o["x"], out, GateActivation::silu); }},
+      {"swiglu_oai", {N, 2 * F}, {N, F},
+       [](Backend& be, Operands& o, const Tensor& out) { be.glu_forward(o["x"], out, GateActivation::swiglu_oai); }},
+  };
+  for (const Case& c : cases) {
+    Operands x;
+    x.tensors["x"] = rnd(c.in, DTYPE_F32, 1, 6.0, 1.0);
+    x.tensors["w"] = rnd({c.in.back()}, DTYPE_F32, 2);
+    x.tensors["b"] = rnd({c.in.back()}, DTYPE_F32, 3);
+    x.tensors["mean"] = nans({x.tensors["x"].numel() / c.in.back()}, DTYPE_F32);
+    x.tensors["rstd"] = nans({x.tensors["x"].numel() / c.in.back()}, DTYPE_F32);
+    x.tensors["out"] = nans(c.out, DTYPE_F32);
+    x.tensors["out16"] = nans(c.out, DTYPE_BF16);
+    x.tensors["rounded"] = nans(c.out, DTYPE_BF16);
+    const std::string what = str_cat(c.name, " with a bf16 out");
+    check(what, x,
+          [&c, &what](Backend& be, Operands& o) {
+            c.run(be, o, o["out16"]);
+            c.run(be, o, o["out"]);
+            be.cast(o["out"], o["rounded"]);
+            EXPECT_TRUE(bytes_of(be, o["out16"]) == bytes_of(be, o["rounded"]))
+                << what << " on " << be.name() << ": not the bits of the f32 output rounded by cast()";
+          },
+          {{"out16", kOneBf16Step}, {"out", elementwise_tol(DTYPE_F32)}}, true);
+  }
+  // A bf16 out of an f64 op is refused, naming the op and the operand.
+  Operands bad;
+  bad.tensors["x"] = rnd({4, 8}, DTYPE_F64, 1);
+  bad.tensors["out"] = nans({4, 8}, DTYPE_BF16);
+  const Operands b = copy_to_backend(bad);
+  EXPECT_NE(error_of([&] { backend_->gelu_forward(b["x"], b["out"]); }).find("gelu_forward: out"), std::string::npos);
+  EXPECT_NE(error_of([&] { backend_->rmsnorm_forward(b["x"], b["x"].view(0, {8}), b["out"], b["x"].view(0, {4}), 1e-5f); })
+                .find("rmsnorm_forward: out"),
+            std::string::npos);
+}
+
 // ---------------------------------------------------------------- RoPE
 
 // q and k heads rotated, v heads untouched (the layout attention reads); pos_offset as in

@@ -156,6 +156,12 @@ TEST(LayerPlanTest, TheInputsOfBf16LinearsAreSavedInBf16WhereTheRecipeAllows) {
   PlanChoices flash = bf16;  // flash attention's backward reads O in fp32
   flash.flash = true;
   EXPECT_EQ(resolve_layer_plan(llama, 0, flash).saved_bf16, (Saved{true, false, true, true}));
+  PlanChoices flash16 = flash;  // the bf16 flash kernels write O in bf16 and read it so (not with sinks)
+  flash16.attention_bf16 = true;
+  EXPECT_EQ(resolve_layer_plan(llama, 0, flash16).saved_bf16, (Saved{true, true, true, true}));
+  ModelConfig sinks = llama;
+  sinks.attn_sinks = true;
+  EXPECT_EQ(resolve_layer_plan(sinks, 0, flash16).saved_bf16, (Saved{true, false, true, true}));
   PlanChoices ring = bf16;
   ring.context = PlanChoices::RING;
   EXPECT_EQ(resolve_layer_plan(llama, 0, ring).saved_bf16, (Saved{true, false, true, true}));

@@ -313,14 +313,15 @@ struct SavedRun {
   int64_t activations = 0;
 };
 
-SavedRun run_saved(const char* preset, const char* activations, bool flash, const char* recompute) {
+SavedRun run_saved(const char* preset, const char* activations, bool flash, const char* recompute,
+                   const char* attention = "f32") {
   const ModelConfig config = model_preset(preset);
   auto backend = make_cpu_backend();
   Transformer model(*backend, config);
   model.init_weights(1);
   TrainConfig tc;
   tc.batch_size = 4, tc.seq_len = 16, tc.schedule.warmup = 2, tc.schedule.max_lr = 1e-2;
-  tc.precision.compute = "bf16", tc.precision.activations = activations;
+  tc.precision.compute = "bf16", tc.precision.activations = activations, tc.precision.attention = attention;
   tc.flash_attention = flash, tc.recompute = recompute;
   Trainer trainer(*backend, model, tc);
   RandomWindowSource data(repeating_tokens(3000, 97), 3);
@@ -334,18 +335,24 @@ SavedRun run_saved(const char* preset, const char* activations, bool flash, cons
   return r;
 }
 
+// With flash attention in fp32 O stays fp32 (bitwise the f32-saved run); the plain attention, and
+// flash attention in bf16 (precision.attention = bf16: its kernels write O in bf16 and read it for
+// D), keep O in bf16, which moves the gradients by bf16's rounding of D only.
 TEST(TrainerTest, Bf16SavedActivationsTrainAsTheFp32SavedOnes) {
   for (const char* preset : {"gpt2-tiny", "llama-tiny"}) {
-    for (const bool flash : {true, false}) {
-      const SavedRun f32 = run_saved(preset, "f32", flash, "none"), bf16 = run_saved(preset, "bf16", flash, "none");
+    for (const char* attention : {"flash", "plain", "flash-bf16"}) {
+      const bool flash = std::string(attention) != "plain", o16 = std::string(attention) == "flash-bf16";
+      const char* attn_dtype = o16 ? "bf16" : "f32";
+      const SavedRun f32 = run_saved(preset, "f32", flash, "none", attn_dtype);
+      const SavedRun bf16 = run_saved(preset, "bf16", flash, "none", attn_dtype);
       EXPECT_EQ(bf16.loss[0], f32.loss[0]) << preset;
       EXPECT_LT(bf16.activations, f32.activations) << preset;
       const double grad = test::max_rel_error(bf16.grads, f32.grads);
       double tail = 0;
       for (size_t s = 0; s < f32.loss.size(); ++s) tail = std::max(tail, std::abs(bf16.loss[s] - f32.loss[s]) / f32.loss[s]);
-      std::printf("%-10s flash %d: activations %lld -> %lld bytes, first gradients rel %.1e, losses rel %.1e\n", preset,
-                  flash, static_cast<long long>(f32.activations), static_cast<long long>(bf16.activations), grad, tail);
-      if (flash) {
+      std::printf("%-10s %-10s: activations %lld -> %lld bytes, first gradients rel %.1e, losses rel %.1e\n", preset,
+                  attention, static_cast<long long>(f32.activations), static_cast<long long>(bf16.activations), grad, tail);
+      if (flash && !o16) {
         EXPECT_EQ(bf16.loss, f32.loss) << preset;
         EXPECT_EQ(bf16.grads, f32.grads) << preset;
         continue;
@@ -355,7 +362,7 @@ TEST(TrainerTest, Bf16SavedActivationsTrainAsTheFp32SavedOnes) {
       EXPECT_GT(grad, 0.0) << preset;  // O really was saved in bf16
       EXPECT_LT(tail, 2e-3) << preset;
       for (const char* recompute : {"selective", "full"}) {
-        const SavedRun again = run_saved(preset, "bf16", false, recompute);
+        const SavedRun again = run_saved(preset, "bf16", flash, recompute, attn_dtype);
         EXPECT_EQ(again.grads, bf16.grads) << preset << " " << recompute;
         EXPECT_EQ(again.loss, bf16.loss) << preset << " " << recompute;
       }

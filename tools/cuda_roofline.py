@@ -11,13 +11,16 @@ TFLOP/s tf32. Two derating assumptions, stated because a GPU run has not measure
 memory-bound kernel reaches 80% of the bandwidth, a cuBLASLt GEMM 70% of the tensor-core peak
 (d_model 768 GEMMs are small for Hopper's 132 SMs), and a CUDA-core kernel 50% of the fp32 peak.
 Three designs are estimated:
-  built:    what the backend does with precision.compute = bf16: fp32 activations, bf16 copies of
-            the GEMM inputs (a cast kernel each), flash attention on CUDA cores (FlashAttention-2's
-            loop in fp32 FMAs), fp32 logits, AdamW reading and writing fp32 state;
+  built:    what the backend does with precision.compute = bf16 (precision.activations = bf16, the
+            default): the residual stream, GEMM outputs and gradients in fp32; the GEMMs' saved
+            inputs (the norms' outputs, the MLP activation) written in bf16 by the kernels that
+            produce them; a bf16 copy (a cast kernel) of each GEMM's output gradient, and of the
+            attention output (fp32 here) for its projection; flash attention on CUDA cores
+            (FlashAttention-2's loop in fp32 FMAs), fp32 logits, AdamW reading and writing fp32 state;
   built-tc: the same with precision.attention = bf16 (the benchmark's setting): flash attention on
             tensor cores (cuda_flash_mma.cu: mma.sync m16n8k16, no ldmatrix / cp.async pipelining
             yet), assumed to reach 150 TFLOP/s, 15% of the dense peak (its author's estimate:
-            100-200);
+            100-200), which writes the attention output in bf16 itself (no copy);
   target:   bf16 activations end to end, attention on tensor cores tuned (wgmma, TMA) to 50% of the
             peak (FlashAttention-3 reports 60-75% forward on H100), the bf16 logits' cross-entropy
             reading them once.
@@ -82,23 +85,24 @@ def layer_kernels(m: Model, design: str) -> list[Kernel]:
     qkv = d + 2 * m.kv_heads * m.hd
     mlp_in = 2 * ff if m.swiglu else ff
     ks: list[Kernel] = []
-    # Norms: forward reads x, writes out (+ the built design's bf16 copy of the GEMM input).
+    # Norms: forward reads x, writes out in bf16 (the GEMM's saved input, every design).
     for which in ("attention norm", "mlp norm"):
-        ks.append(Kernel(f"{which} fwd", 8 * n * d, n * d * 2 * act, "mem"))
+        ks.append(Kernel(f"{which} fwd", 8 * n * d, n * d * (act + 2), "mem"))
         ks.append(Kernel(f"{which} bwd", 12 * n * d, n * d * 3 * act, "mem"))
-        if built:
-            ks.append(Kernel(f"{which}: bf16 copy of the GEMM input", 0, n * d * 6, "mem"))
     # GEMMs: forward, and the backward's two (dX and dW).
     for name, k, out in (("qkv", d, qkv), ("attention out", d, d), ("mlp in", d, mlp_in), ("mlp out", ff, d)):
         f = 2 * n * k * out
         io = 2 * (n * k + k * out) + act * n * out
         ks.append(Kernel(f"{name} GEMM fwd", f, io, "tensor"))
         ks.append(Kernel(f"{name} GEMM bwd (dX, dW)", 2 * f, 2 * io + 4 * k * out, "tensor"))
-        if built and name != "qkv":
-            ks.append(Kernel(f"{name}: bf16 copies for the backward", 0, (n * k + n * out) * 6, "mem"))
+        if built:  # the fp32 d(output) read, its bf16 copy written, for dX and dW
+            ks.append(Kernel(f"{name}: bf16 copy of d(output)", 0, n * out * 6, "mem"))
+        if design == "built" and name == "attention out":  # an fp32 O, copied for the forward and for dW
+            ks.append(Kernel(f"{name}: bf16 copies of the attention output", 0, 2 * n * k * 6, "mem"))
     # Attention: causal, so half the T x T scores; forward QK^T and PV, backward four products.
     att = 4 * n * m.seq * d / 2
-    io_flash = act * n * (qkv + 2 * d)
+    o_bytes = act if design == "built" else 2  # O in bf16 from the tensor-core kernels
+    io_flash = act * n * (qkv + d) + o_bytes * n * d
     if design == "built":
         ks.append(Kernel("flash attention fwd (CUDA cores)", att, io_flash, "fp32"))
         ks.append(Kernel("flash attention bwd (CUDA cores)", 2.5 * att, 2 * io_flash, "fp32"))
@@ -109,7 +113,7 @@ def layer_kernels(m: Model, design: str) -> list[Kernel]:
     if m.swiglu:  # Llama: RoPE on q and k, in place, forward and backward
         ks.append(Kernel("RoPE fwd + bwd", 6 * n * qkv, 4 * act * n * (d + m.kv_heads * m.hd), "mem"))
     act_name = "SwiGLU" if m.swiglu else "GELU"
-    ks.append(Kernel(f"{act_name} fwd", 10 * n * ff, act * n * (mlp_in + ff), "mem"))
+    ks.append(Kernel(f"{act_name} fwd", 10 * n * ff, act * n * mlp_in + 2 * n * ff, "mem"))  # out in bf16
     ks.append(Kernel(f"{act_name} bwd", 20 * n * ff, act * n * (2 * mlp_in + ff), "mem"))
     ks.append(Kernel("residual adds (fwd + bwd)", 4 * n * d, 4 * 3 * act * n * d, "mem"))
     return ks

@@ -78,11 +78,25 @@ Tensor bf16_rounded(Backend& backend, const Tensor& x) {
 
 void Backend::flash_attention_forward_bf16(const Tensor& qkv, const Tensor& out, const Tensor& lse, int64_t n_head,
                                            int64_t n_kv_head) {
-  flash_attention_forward(bf16_rounded(*this, qkv), out, lse, n_head, n_kv_head, 0);
+  checks::check_attention("flash_attention_forward_bf16", qkv, out, lse, n_head, n_kv_head, 0, true, true);
+  if (out.dtype() == qkv.dtype()) {
+    flash_attention_forward(bf16_rounded(*this, qkv), out, lse, n_head, n_kv_head, 0);
+    return;
+  }
+  const Tensor wide = Tensor::empty(allocator(), out.shape(), qkv.dtype(), MEM_WORKSPACE);  // O kept in bf16
+  flash_attention_forward(bf16_rounded(*this, qkv), wide, lse, n_head, n_kv_head, 0);
+  cast(wide, out);
 }
 void Backend::flash_attention_backward_bf16(const Tensor& dout, const Tensor& qkv, const Tensor& out, const Tensor& lse,
                                             const Tensor& dqkv, int64_t n_head, int64_t n_kv_head) {
-  flash_attention_backward(bf16_rounded(*this, dout), bf16_rounded(*this, qkv), out, lse, dqkv, n_head, n_kv_head, 0);
+  checks::check_attention_backward("flash_attention_backward_bf16", dout, qkv, out, lse, dqkv, n_head, n_kv_head, 0,
+                                   true, true);
+  Tensor o = out;
+  if (out.dtype() != qkv.dtype()) {  // O kept in bf16: D from its widened values
+    o = Tensor::empty(allocator(), out.shape(), qkv.dtype(), MEM_WORKSPACE);
+    cast(out, o);
+  }
+  flash_attention_backward(bf16_rounded(*this, dout), bf16_rounded(*this, qkv), o, lse, dqkv, n_head, n_kv_head, 0);
 }
 void Backend::cross_entropy_loss_and_grad(const Tensor& logits, const Tensor& targets, const Tensor& losses,
                                           const Tensor& lse, float dloss, const Tensor& dlogits) {

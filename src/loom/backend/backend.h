@@ -226,6 +226,9 @@ class Backend {
   virtual void embedding_backward(const Tensor& tokens, const Tensor& dout, const Tensor& dtable,
                                   const Tensor* dpositions) = 0;
 
+  // The forward norms' and activations' `out` (layernorm, rmsnorm, gelu, glu) has x's dtype, or is
+  // bf16 for an f32 x: the output computed in f32 and rounded to nearest even in the same kernel,
+  // the bits cast() would give (precision.activations = bf16 writes the saved fields so).
   // LayerNorm over the last dim C: out = (x - mean) * rstd * weight + bias; saves mean, rstd (N).
   virtual void layernorm_forward(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& out,
                                  const Tensor& mean, const Tensor& rstd, float eps) = 0;
@@ -386,7 +389,9 @@ class Backend {
   // backend rounds them) are bf16 (RNE), the softmax and every sum fp32, lse saved as above. The
   // CUDA backend runs it on tensor cores (mma.sync, cuda_flash_mma.cu) for head_dim 64 and 128.
   // The default rounds copies of qkv and dout to bf16 (two casts each) and runs the fp32 flash
-  // ops on them; backends agree within bf16's rounding, not bitwise.
+  // ops on them; backends agree within bf16's rounding, not bitwise. out may be bf16 for an f32
+  // qkv (precision.activations = bf16 keeps O so for the output projection): O rounded to nearest
+  // even as it is written, and the backward's D = rowsum(dO o O) from that bf16 O.
   virtual void flash_attention_forward_bf16(const Tensor& qkv, const Tensor& out, const Tensor& lse, int64_t n_head,
                                             int64_t n_kv_head);
   virtual void flash_attention_backward_bf16(const Tensor& dout, const Tensor& qkv, const Tensor& out,

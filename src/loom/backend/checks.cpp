@@ -47,6 +47,14 @@ void check_elementwise(const char* op, const Tensor& x, std::initializer_list<co
   }
 }
 
+bool check_output(const char* op, const Tensor& x, const Tensor& out, int64_t numel) {
+  const bool bf16 = out.dtype() == DTYPE_BF16 && x.dtype() == DTYPE_F32;
+  LOOM_CHECK(out.dtype() == x.dtype() || bf16, op, ": out ", out.describe(), " must have x's dtype (",
+             dtype_name(x.dtype()), "), or be bf16 for an f32 x");
+  expect_numel(out, numel, op, "out");
+  return bf16;
+}
+
 void check_row_op(const char* op, const Tensor& x, std::initializer_list<const Tensor*> same,
                   std::initializer_list<const Tensor*> per_channel, std::initializer_list<const Tensor*> per_row) {
   check_elementwise(op, x, same);
@@ -78,10 +86,21 @@ Dims3 check_embedding(const char* op, const Tensor& tokens, const Tensor& table,
   return {tokens.numel(), seq_len, channels};
 }
 
-void check_swiglu(const char* op, const Tensor& x, const Tensor& out) {
-  expect_dtype(out, x.dtype(), op, "out");
+namespace {
+void check_glu_shapes(const char* op, const Tensor& x, const Tensor& out) {
   LOOM_CHECK(x.dim(-1) == 2 * out.dim(-1) && rows_of(x) == rows_of(out), op, ": x must be (N, 2F) for out (N, F); x ",
              x.describe(), ", out ", out.describe());
+}
+}  // namespace
+
+void check_swiglu(const char* op, const Tensor& x, const Tensor& out) {
+  expect_dtype(out, x.dtype(), op, "out");
+  check_glu_shapes(op, x, out);
+}
+
+bool check_glu_forward(const char* op, const Tensor& x, const Tensor& out) {
+  check_glu_shapes(op, x, out);
+  return check_output(op, x, out, out.numel());
 }
 
 void check_head_rows(const char* op, const Tensor& x, const Tensor& weight, int64_t first, int64_t n, int64_t hd,
@@ -122,14 +141,14 @@ Dims3 check_attention_sinks(const char* op, const Tensor& out, const Tensor& lse
 }
 
 Dims3 check_attention(const char* op, const Tensor& qkv, const Tensor& out, const Tensor& saved, int64_t n_head,
-                      int64_t n_kv_head, int64_t window, bool flash) {
+                      int64_t n_kv_head, int64_t window, bool flash, bool bf16_out) {
   LOOM_CHECK(n_head > 0 && n_kv_head > 0 && n_head % n_kv_head == 0, op, ": n_head ", n_head,
              " must be a multiple of n_kv_head ", n_kv_head);
   LOOM_CHECK(qkv.ndim() == 3 && qkv.dim(2) % (n_head + 2 * n_kv_head) == 0, op,
              ": qkv must be (B, T, (H + 2 KV) hd), got ", qkv.describe());
   LOOM_CHECK(window >= 0, op, ": window must be >= 0, got ", window);
   const int64_t batch = qkv.dim(0), seq_len = qkv.dim(1), head_dim = qkv.dim(2) / (n_head + 2 * n_kv_head);
-  expect_dtype(out, qkv.dtype(), op, "out");
+  if (!bf16_out || out.dtype() != DTYPE_BF16 || qkv.dtype() != DTYPE_F32) expect_dtype(out, qkv.dtype(), op, "out");
   expect_numel(out, batch * seq_len * n_head * head_dim, op, "out (B, T, H hd)");
   if (flash) {
     expect_dtype(saved, qkv.dtype(), op, "lse");
@@ -143,9 +162,10 @@ Dims3 check_attention(const char* op, const Tensor& qkv, const Tensor& out, cons
 
 Dims3 check_attention_backward(const char* op, const Tensor& dout, const Tensor& qkv, const Tensor& out,
                                const Tensor& saved, const Tensor& dqkv, int64_t n_head, int64_t n_kv_head,
-                               int64_t window, bool flash) {
-  const Dims3 dims = check_attention(op, qkv, out, saved, n_head, n_kv_head, window, flash);
-  check_elementwise(op, out, {&dout});
+                               int64_t window, bool flash, bool bf16_out) {
+  const Dims3 dims = check_attention(op, qkv, out, saved, n_head, n_kv_head, window, flash, bf16_out);
+  expect_dtype(dout, qkv.dtype(), op, "dout");
+  expect_numel(dout, out.numel(), op, "dout");
   check_elementwise(op, qkv, {&dqkv});
   return dims;
 }

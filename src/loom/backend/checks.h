@@ -34,6 +34,9 @@ int64_t check_bf16_weight_linear(const Tensor& x, const Tensor& w, const Tensor&
 
 // `others` share x's dtype and numel.
 void check_elementwise(const char* op, const Tensor& x, std::initializer_list<const Tensor*> others);
+// A forward op's output `out` of numel elements: x's dtype, or bf16 when x is f32 (the op rounds
+// its output to nearest even: precision.activations = bf16's saved fields). Returns whether bf16.
+bool check_output(const char* op, const Tensor& x, const Tensor& out, int64_t numel);
 // x (N, C); `same` are (N, C); `per_channel` are (C); `per_row` are (N).
 void check_row_op(const char* op, const Tensor& x, std::initializer_list<const Tensor*> same,
                   std::initializer_list<const Tensor*> per_channel, std::initializer_list<const Tensor*> per_row);
@@ -45,8 +48,10 @@ struct Dims3 {
 // returns {B*T, T, C}.
 Dims3 check_embedding(const char* op, const Tensor& tokens, const Tensor& table, const Tensor* positions,
                       const Tensor& activations);
-// x (N, 2F), out (N, F).
+// x (N, 2F), out (N, F) in x's dtype.
 void check_swiglu(const char* op, const Tensor& x, const Tensor& out);
+// glu_forward's: the same shapes, out in x's dtype or bf16 (check_output); returns whether bf16.
+bool check_glu_forward(const char* op, const Tensor& x, const Tensor& out);
 // x (B, T, W) with n_heads heads of an even head_dim in its first columns.
 void check_rope(const char* op, const Tensor& x, int64_t head_dim, int64_t n_heads);
 // head_rmsnorm_*: x (..., W) holds heads [first, first + n) of hd; in (..., n hd) and rstd
@@ -54,13 +59,14 @@ void check_rope(const char* op, const Tensor& x, int64_t head_dim, int64_t n_hea
 void check_head_rows(const char* op, const Tensor& x, const Tensor& weight, int64_t first, int64_t n, int64_t hd,
                      const Tensor& in, const Tensor& rstd);
 // qkv (B, T, (H + 2KV) hd), out (B, T, H hd), and `saved`: probs (B, H, T, T) when flash is
-// false, lse (B, H, T) when true; window >= 0. Returns {B, T, hd}.
+// false, lse (B, H, T) when true; window >= 0. out has qkv's dtype, or is bf16 for an f32 qkv
+// where bf16_out (flash_attention_*_bf16: O kept in bf16). Returns {B, T, hd}.
 Dims3 check_attention(const char* op, const Tensor& qkv, const Tensor& out, const Tensor& saved, int64_t n_head,
-                      int64_t n_kv_head, int64_t window, bool flash);
-// The backward's operands: check_attention's, plus dout shaped as out and dqkv as qkv.
+                      int64_t n_kv_head, int64_t window, bool flash, bool bf16_out = false);
+// The backward's operands: check_attention's, plus dout shaped as out (in qkv's dtype) and dqkv as qkv.
 Dims3 check_attention_backward(const char* op, const Tensor& dout, const Tensor& qkv, const Tensor& out,
                                const Tensor& saved, const Tensor& dqkv, int64_t n_head, int64_t n_kv_head,
-                               int64_t window, bool flash);
+                               int64_t window, bool flash, bool bf16_out = false);
 // Attention sinks (Backend::attention_sink_forward / _backward): out (B, T, H hd), lse (B, H, T),
 // sinks (H), one dtype; with `dout` (out's shape) and `dsinks` (H) for the backward where given.
 // Returns {B, T, hd}.

@@ -310,7 +310,7 @@ void AttentionLayer::forward(Backend& backend, const Tensor& x, AttentionSaved& 
   const int64_t T = s.attn.dim(1);
   // OLMo 2: the input as it is, the output normed; Gemma: both normed (below).
   const bool pre = config_.pre_norms(), post = config_.post_norms();
-  if (pre) norm_forward_saved(backend, config_, links_.ws, x, p.norm_w, p.norm_b, s.norm);
+  if (pre) norm_forward_saved(backend, config_, x, p.norm_w, p.norm_b, s.norm);
   if (plan_.attention == AttentionKind::mla) {  // multi-head latent attention (nn/mla.h): a whole layer only
     mla_forward(backend, config_, p.mla, s.norm.out, mla_activations(s));
   } else {
@@ -318,10 +318,12 @@ void AttentionLayer::forward(Backend& backend, const Tensor& x, AttentionSaved& 
     adapted_linear_forward(backend, qkv_, input, p.qkv_w, q.qkv_w, p.qkv_b, s.qkv, qkv_lora(s), links_.ws);
     qk_norm_forward(backend, s.qkv, s);
     if (plan_.rope) rope(backend, s.qkv, false, s.docs);
-    if (s.attn.dtype() == DTYPE_F32) {
+    // O kept in bf16 (LayerPlan::saved_bf16): the bf16 flash kernels write it rounded; the plain
+    // attention computes it in fp32, then rounded into s.attn.
+    if (s.attn.dtype() == DTYPE_F32 || plan_.attention == AttentionKind::flash) {
       attention_forward(backend, plan_, config_, links_.cp, s);
       if (plan_.sinks) backend.attention_sink_forward(s.attn, s.lse, p.sinks, config_.n_head);
-    } else {  // kept in bf16 (LayerPlan::saved_bf16): computed in fp32, then rounded into s.attn
+    } else {
       AttentionSaved staged = s;
       staged.attn = saved_target(s.attn, links_.ws);
       attention_forward(backend, plan_, config_, links_.cp, staged);
@@ -481,7 +483,7 @@ void AttentionLayer::backward(Backend& backend, const Tensor& x, const Attention
   if (mla) {  // d(norm1 output) and MLA's weight gradients (also in a split input pass)
     mla_backward(backend, config_, p.mla, g.mla, s.norm.out, mla_activations(s), k.d_attn, k.d_norm, k.d_qkv);
   } else {
-    if (s.attn.dtype() == DTYPE_F32) {
+    if (s.attn.dtype() == DTYPE_F32 || plan_.attention == AttentionKind::flash) {  // (flash: the bf16 kernels read a bf16 O)
       // Sinks: d(O') = g dO, and the plain backward given O (Backend::attention_sink_backward).
       if (plan_.sinks) backend.attention_sink_backward(k.d_attn, s.attn, s.lse, p.sinks, g.sinks, config_.n_head);
       attention_backward(backend, plan_, config_, links_.cp, s, k);
@@ -509,7 +511,7 @@ void AttentionLayer::backward(Backend& backend, const Tensor& x, const Attention
 
 void AttentionLayer::recompute_selective(Backend& backend, const Tensor& x, AttentionSaved& s,
                                          const Tensor& out_scratch) const {
-  norm_forward_saved(backend, config_, links_.ws, x, params_.norm_w, params_.norm_b, s.norm);
+  norm_forward_saved(backend, config_, x, params_.norm_w, params_.norm_b, s.norm);
   if (plan_.attention != AttentionKind::flash) mha_forward(backend, plan_, config_, s, out_scratch.view(0, s.attn.shape()));
 }
 

@@ -50,12 +50,11 @@ Tensor saved_f32(Backend& backend, const Tensor& field, LinearWorkspace* ws) {
   return wide;
 }
 
-void norm_forward_saved(Backend& backend, const ModelConfig& config, LinearWorkspace* ws, const Tensor& x,
-                        const Tensor& weight, const Tensor& bias, const NormSaved& norm) {
-  const Tensor out = saved_target(norm.out, ws);
-  norm_forward(backend, config, x, weight, bias, out, norm.mean, norm.rstd);
-  store_saved(backend, out, norm.out);
+void norm_forward_saved(Backend& backend, const ModelConfig& config, const Tensor& x, const Tensor& weight,
+                        const Tensor& bias, const NormSaved& norm) {
+  norm_forward(backend, config, x, weight, bias, norm.out, norm.mean, norm.rstd);
 }
+
 
 namespace {
 const LoraAdapters kNoAdapters;

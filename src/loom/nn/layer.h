@@ -78,17 +78,19 @@ inline DType saved_dtype(const LayerPlan& plan, LinearKind kind) {
   return plan.saved_bf16[static_cast<size_t>(kind)] ? DTYPE_BF16 : DTYPE_F32;
 }
 
-// A saved field in bf16 is computed in fp32 and rounded into it: saved_target gives the fp32
-// tensor a kernel writes (the field itself when it is fp32, else the workspace's staging slot S
-// viewed to its shape), store_saved rounds that into the field (nothing when it is the field).
+// A saved field in bf16 is written rounded by the op that produces it where the op takes a bf16
+// output (the norms and activations: Backend::layernorm_forward ... glu_forward); otherwise (the
+// plain attention's output) it is computed in fp32 and rounded into it: saved_target gives the
+// fp32 tensor the kernel writes (the field itself when it is fp32, else the workspace's staging
+// slot S viewed to its shape), store_saved rounds that into the field (nothing when it is the field).
 // saved_f32 gives a field to an fp32 reader: itself, or widened into the staging slot. The slot
 // holds one field at a time, between a kernel and the next store_saved (or until the reader is done).
 Tensor saved_target(const Tensor& field, LinearWorkspace* ws);
 void store_saved(Backend& backend, const Tensor& target, const Tensor& field);
 Tensor saved_f32(Backend& backend, const Tensor& field, LinearWorkspace* ws);
-// norm_forward into a record's NormSaved, whose out may be kept in bf16.
-void norm_forward_saved(Backend& backend, const ModelConfig& config, LinearWorkspace* ws, const Tensor& x,
-                        const Tensor& weight, const Tensor& bias, const NormSaved& norm);
+// norm_forward into a record's NormSaved, whose out may be kept in bf16 (the kernel rounds it).
+void norm_forward_saved(Backend& backend, const ModelConfig& config, const Tensor& x, const Tensor& weight,
+                        const Tensor& bias, const NormSaved& norm);
 
 // Whole-sequence (B,T,C) buffers a sequence-parallel block gathers into (shared by the blocks).
 struct SequenceScratch {

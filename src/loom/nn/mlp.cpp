@@ -40,10 +40,9 @@ void MlpLayer::set_precision(const PrecisionPolicy& policy, MlpParams params16) 
 }
 
 void MlpLayer::activation(Backend& backend, const MlpSaved& s) const {
-  const Tensor act = saved_target(s.act, links_.ws);  // (kept in bf16: computed in fp32, then rounded)
-  if (config_.gated_mlp()) backend.glu_forward(s.fc, act, config_.gate_activation);
-  else backend.gelu_forward(s.fc, act);
-  store_saved(backend, act, s.act);
+  // Into s.act's dtype: kept in bf16 (LayerPlan::saved_bf16), the kernel rounds what it writes.
+  if (config_.gated_mlp()) backend.glu_forward(s.fc, s.act, config_.gate_activation);
+  else backend.gelu_forward(s.fc, s.act);
 }
 
 void MlpLayer::forward(Backend& backend, const Tensor& mid, MlpSaved& s, const Tensor& out) {
@@ -51,7 +50,7 @@ void MlpLayer::forward(Backend& backend, const Tensor& mid, MlpSaved& s, const T
   const MlpParams& q = params16_;
   // OLMo 2: mid as it is, the output normed; Gemma: both normed (below).
   const bool pre = config_.pre_norms(), post = config_.post_norms();
-  if (pre) norm_forward_saved(backend, config_, links_.ws, mid, p.norm_w, p.norm_b, s.norm);
+  if (pre) norm_forward_saved(backend, config_, mid, p.norm_w, p.norm_b, s.norm);
   if (is_moe()) {
     forward_moe(backend, mid, s, out);
     return;
@@ -162,7 +161,7 @@ void MlpLayer::backward(Backend& backend, const Tensor& mid, const MlpSaved& s, 
 }
 
 void MlpLayer::recompute_selective(Backend& backend, const Tensor& mid, MlpSaved& s) const {
-  norm_forward_saved(backend, config_, links_.ws, mid, params_.norm_w, params_.norm_b, s.norm);
+  norm_forward_saved(backend, config_, mid, params_.norm_w, params_.norm_b, s.norm);
   activation(backend, s);
 }
 

@@ -36,7 +36,9 @@ std::array<bool, 4> saved_bf16(const ModelConfig& config, int64_t layer, const L
   }
   if (plan.sequence_parallel) on[LINEAR_ATTN_QKV] = on[LINEAR_MLP_IN] = false;
   if (plan.attention == AttentionKind::mla) on[LINEAR_ATTN_QKV] = false;
-  if (plan.attention != AttentionKind::mha || plan.output_gate) on[LINEAR_ATTN_OUT] = false;
+  // O in bf16: the plain attention's (staged), or the bf16 flash kernels' own (they write it rounded).
+  const bool flash_o16 = plan.attention == AttentionKind::flash && plan.attention_bf16 && !plan.sinks;
+  if ((plan.attention != AttentionKind::mha && !flash_o16) || plan.output_gate) on[LINEAR_ATTN_OUT] = false;
   if (plan.attention == AttentionKind::linear || plan.output_gate) on[LINEAR_ATTN_QKV] = false;  // read in fp32 by their own projections
   if (plan.mlp != MlpKind::dense) on[LINEAR_MLP_IN] = on[LINEAR_MLP_OUT] = false;
   if (!config.pre_norms()) on[LINEAR_ATTN_QKV] = on[LINEAR_MLP_IN] = false;  // they read the residual stream, not a norm's output
@@ -102,9 +104,9 @@ LayerPlan resolve_layer_plan(const ModelConfig& config, int64_t layer, const Pla
     plan.attention = choices.flash || config.attn_sinks ? AttentionKind::flash : AttentionKind::mha;
     plan.sinks = config.attn_sinks;
   }
-  plan.saved_bf16 = saved_bf16(config, layer, plan, choices.activations_bf16);
   plan.attention_bf16 = choices.attention_bf16 && (plan.attention == AttentionKind::mha || plan.attention == AttentionKind::flash) &&
                         plan.window == 0;
+  plan.saved_bf16 = saved_bf16(config, layer, plan, choices.activations_bf16);
   return plan;
 }
 

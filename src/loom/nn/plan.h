@@ -55,9 +55,11 @@ struct LayerPlan {
   // and again for the weight gradient, so the bf16 copy is what the layer reads in both. Not with
   // LoRA adapters on the layer (they read x in fp32), sequence parallelism (the norms' outputs are
   // gathered in fp32), MLA or MoE (their own projections read the norm's output); the attention
-  // output only for mha, whose backward then reads O in bf16 for D = rowsum(dO o O), as autocast's
-  // attention does (flash and ring attention keep it fp32). The kernels write these fields in fp32
-  // into a staging buffer, rounded into the field after (nn/layer.h saved_target / store_saved).
+  // output for mha, and for flash with attention_bf16 (no sinks), whose backward then reads O in
+  // bf16 for D = rowsum(dO o O), as autocast's attention does (ring attention, and flash in fp32,
+  // keep it fp32). The norms, activations and the bf16 flash kernels write these fields rounded
+  // themselves; the plain attention writes fp32 into a staging buffer, rounded into the field
+  // after (nn/layer.h saved_target / store_saved).
   std::array<bool, 4> saved_bf16{false, false, false, false};
   // precision.attention = bf16 on the plain or flash attention without a window (Backend::
   // attention_forward_bf16 / _backward_bf16, flash_attention_forward_bf16 / _backward_bf16);

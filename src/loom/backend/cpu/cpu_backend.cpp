@@ -167,7 +167,12 @@ void CpuBackend::layernorm_forward(const Tensor& x, const Tensor& weight, const 
                                    const Tensor& mean, const Tensor& rstd, float eps) {
   const char* op = "layernorm_forward";
   const int64_t rows = rows_of(x), channels = x.dim(-1);
-  check_row_op(op, x, {&out}, {&weight, &bias}, {&mean, &rstd});
+  check_row_op(op, x, {}, {&weight, &bias}, {&mean, &rstd});
+  if (check_output(op, x, out, x.numel())) {
+    cpu::layernorm_forward(x.data<float>(), weight.data<float>(), bias.data<float>(), bf16_bits(out),
+                           mean.data<float>(), rstd.data<float>(), rows, channels, eps);
+    return;
+  }
   dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() {
     cpu::layernorm_forward(x.data<T>(), weight.data<T>(), bias.data<T>(), out.data<T>(), mean.data<T>(),
                            rstd.data<T>(), rows, channels, static_cast<T>(eps));
@@ -187,7 +192,12 @@ void CpuBackend::layernorm_backward(const Tensor& dout, const Tensor& x, const T
 void CpuBackend::rmsnorm_forward(const Tensor& x, const Tensor& weight, const Tensor& out, const Tensor& rstd,
                                  float eps) {
   const char* op = "rmsnorm_forward";
-  check_row_op(op, x, {&out}, {&weight}, {&rstd});
+  check_row_op(op, x, {}, {&weight}, {&rstd});
+  if (check_output(op, x, out, x.numel())) {
+    cpu::rmsnorm_forward(x.data<float>(), weight.data<float>(), bf16_bits(out), rstd.data<float>(), rows_of(x),
+                         x.dim(-1), eps);
+    return;
+  }
   dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() {
     cpu::rmsnorm_forward(x.data<T>(), weight.data<T>(), out.data<T>(), rstd.data<T>(), rows_of(x), x.dim(-1),
                          static_cast<T>(eps));
@@ -225,7 +235,10 @@ void CpuBackend::head_rmsnorm_backward(const Tensor& dx, const Tensor& in, const
 }
 
 void CpuBackend::gelu_forward(const Tensor& x, const Tensor& out) {
-  check_elementwise("gelu_forward", x, {&out});
+  if (check_output("gelu_forward", x, out, x.numel())) {
+    cpu::gelu_forward(x.data<float>(), bf16_bits(out), x.numel());
+    return;
+  }
   dispatch_float(x.dtype(), "gelu_forward", kBackend,
                  [&]<typename T>() { cpu::gelu_forward(x.data<T>(), out.data<T>(), x.numel()); });
 }
@@ -239,16 +252,20 @@ void CpuBackend::gelu_backward(const Tensor& x, const Tensor& dout, const Tensor
 
 void CpuBackend::glu_forward(const Tensor& x, const Tensor& out, GateActivation act) {
   const char* op = "glu_forward";
-  check_swiglu(op, x, out);
-  dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() {
-    if (act == GateActivation::silu)
-      cpu::glu_forward<T, GateActivation::silu>(x.data<T>(), out.data<T>(), rows_of(out), out.dim(-1));
-    else if (act == GateActivation::sigmoid)
-      cpu::glu_forward<T, GateActivation::sigmoid>(x.data<T>(), out.data<T>(), rows_of(out), out.dim(-1));
-    else if (act == GateActivation::swiglu_oai)
-      cpu::glu_forward<T, GateActivation::swiglu_oai>(x.data<T>(), out.data<T>(), rows_of(out), out.dim(-1));
-    else cpu::glu_forward<T, GateActivation::gelu_tanh>(x.data<T>(), out.data<T>(), rows_of(out), out.dim(-1));
-  });
+  const bool bf16_out = check_glu_forward(op, x, out);
+  // The activation as a template argument (its branch out of the loop), into out's dtype.
+  const auto run = [&]<typename T, typename O>(O* o) {
+    const int64_t rows = rows_of(out), hidden = out.dim(-1);
+    if (act == GateActivation::silu) cpu::glu_forward<T, GateActivation::silu>(x.data<T>(), o, rows, hidden);
+    else if (act == GateActivation::sigmoid) cpu::glu_forward<T, GateActivation::sigmoid>(x.data<T>(), o, rows, hidden);
+    else if (act == GateActivation::swiglu_oai) cpu::glu_forward<T, GateActivation::swiglu_oai>(x.data<T>(), o, rows, hidden);
+    else cpu::glu_forward<T, GateActivation::gelu_tanh>(x.data<T>(), o, rows, hidden);
+  };
+  if (bf16_out) {
+    run.operator()<float>(bf16_bits(out));
+    return;
+  }
+  dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() { run.operator()<T>(out.data<T>()); });
 }
 
 void CpuBackend::glu_backward(const Tensor& x, const Tensor& dout, const Tensor& dx, GateActivation act) {

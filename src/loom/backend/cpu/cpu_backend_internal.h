@@ -25,6 +25,8 @@ using checks::check_attention_backward;
 using checks::check_cross_entropy;
 using checks::check_elementwise;
 using checks::check_embedding;
+using checks::check_glu_forward;
+using checks::check_output;
 using checks::check_row_op;
 using checks::check_swiglu;
 using checks::dispatch_float;
@@ -33,6 +35,9 @@ using checks::expect_numel;
 using checks::rows_of;
 
 constexpr const char* kBackend = "CPU";  // in dtype errors
+
+// A bf16 tensor's elements as the bits the kernels write (cpu_math.h round_to_bf16_bits).
+inline uint16_t* bf16_bits(const Tensor& t) { return reinterpret_cast<uint16_t*>(t.data<bf16>()); }
 
 class CpuBackend final : public Backend {
  public:

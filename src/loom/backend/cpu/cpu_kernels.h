@@ -21,6 +21,25 @@ namespace loom::cpu {
 
 constexpr int64_t kColumnBlock = 64;  // columns per task in column-parallel reductions
 
+// A forward op's output O: T itself, or bf16 bits (O = uint16_t with T = float; precision.activations
+// = bf16's saved fields). A bf16 output is computed in T into the calling thread's scratch row and
+// rounded into out after (round_to_bf16_bits: the bits Backend::cast gives), in cache.
+template <typename T, typename O>
+T* output_row(O* out, int64_t n) {
+  if constexpr (std::is_same_v<T, O>) {
+    return out;
+  } else {
+    static_assert(std::is_same_v<T, float> && std::is_same_v<O, uint16_t>, "a bf16 output of an f32 op only");
+    thread_local std::vector<float> row;
+    if (static_cast<int64_t>(row.size()) < n) row.resize(static_cast<size_t>(n));
+    return row.data();
+  }
+}
+template <typename T, typename O>
+void store_output_row(const T* row, O* out, int64_t n) {
+  if constexpr (!std::is_same_v<T, O>) round_to_bf16_bits(row, out, n);
+}
+
 // acc[c] (C) += sum over rows r of x[r, c]; parallel over column blocks, rows summed in order.
 template <typename T>
 void column_sums_accumulate(const T* x, int64_t rows, int64_t cols, T* acc) {
@@ -80,8 +99,8 @@ void embedding_backward(const int32_t* tokens, const T* dout, T* dtable, T* dpos
 }
 
 // out = (x - mean) * rstd * w + b, mean and rstd over the row (biased variance).
-template <typename T>
-void layernorm_forward(const T* x, const T* w, const T* b, T* out, T* mean, T* rstd, int64_t rows,
+template <typename T, typename O = T>
+void layernorm_forward(const T* x, const T* w, const T* b, O* out, T* mean, T* rstd, int64_t rows,
                        int64_t channels, T eps) {
 #pragma omp parallel for schedule(static) if (rows * channels >= kParallelMinElements)
   for (int64_t r = 0; r < rows; ++r) {
@@ -94,9 +113,10 @@ void layernorm_forward(const T* x, const T* w, const T* b, T* out, T* mean, T* r
 #pragma omp simd reduction(+ : var)
     for (int64_t c = 0; c < channels; ++c) var += (xr[c] - m) * (xr[c] - m);
     const T s = T(1) / std::sqrt(var / static_cast<T>(channels) + eps);
-    T* o = out + r * channels;
+    T* o = output_row<T>(out + r * channels, channels);
 #pragma omp simd
     for (int64_t c = 0; c < channels; ++c) o[c] = (xr[c] - m) * s * w[c] + b[c];
+    store_output_row(o, out + r * channels, channels);
     mean[r] = m;
     rstd[r] = s;
   }
@@ -141,8 +161,8 @@ void layernorm_backward(const T* dout, const T* x, const T* w, const T* mean, co
 }
 
 // out = x * rstd * w, rstd = 1 / sqrt(mean(x^2) + eps).
-template <typename T>
-void rmsnorm_forward(const T* x, const T* w, T* out, T* rstd, int64_t rows, int64_t channels, T eps) {
+template <typename T, typename O = T>
+void rmsnorm_forward(const T* x, const T* w, O* out, T* rstd, int64_t rows, int64_t channels, T eps) {
 #pragma omp parallel for schedule(static) if (rows * channels >= kParallelMinElements)
   for (int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * channels;
@@ -150,9 +170,10 @@ void rmsnorm_forward(const T* x, const T* w, T* out, T* rstd, int64_t rows, int6
 #pragma omp simd reduction(+ : ss)
     for (int64_t c = 0; c < channels; ++c) ss += xr[c] * xr[c];
     const T s = T(1) / std::sqrt(ss / static_cast<T>(channels) + eps);
-    T* o = out + r * channels;
+    T* o = output_row<T>(out + r * channels, channels);
 #pragma omp simd
     for (int64_t c = 0; c < channels; ++c) o[c] = xr[c] * s * w[c];
+    store_output_row(o, out + r * channels, channels);
     rstd[r] = s;
   }
 }
@@ -233,12 +254,25 @@ constexpr double kGeluCubic = 0.044715;
 
 // y = 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3).
 template <typename T>
-void gelu_forward(const T* x, T* out, int64_t n) {
+inline T gelu_of(T v) {
+  const T u = T(kGeluScale) * (v + T(kGeluCubic) * v * v * v);
+  return T(0.5) * v * (T(1) + tanh_t<T>(u));
+}
+template <typename T, typename O = T>
+void gelu_forward(const T* x, O* out, int64_t n) {
+  if constexpr (std::is_same_v<T, O>) {
 #pragma omp parallel for simd schedule(static) if (n >= kParallelMinElements)
-  for (int64_t i = 0; i < n; ++i) {
-    const T v = x[i];
-    const T u = T(kGeluScale) * (v + T(kGeluCubic) * v * v * v);
-    out[i] = T(0.5) * v * (T(1) + tanh_t<T>(u));
+    for (int64_t i = 0; i < n; ++i) out[i] = gelu_of(x[i]);
+  } else {  // bf16 out: blocks computed in T and rounded (output_row)
+    constexpr int64_t kBlock = 4096;
+#pragma omp parallel for schedule(static) if (n >= kParallelMinElements)
+    for (int64_t b0 = 0; b0 < n; b0 += kBlock) {
+      const int64_t m = std::min(kBlock, n - b0);
+      T* o = output_row<T>(out + b0, m);
+#pragma omp simd
+      for (int64_t i = 0; i < m; ++i) o[i] = gelu_of(x[b0 + i]);
+      store_output_row(o, out + b0, m);
+    }
   }
 }
 
@@ -301,15 +335,16 @@ inline T glu_up_grad(GateActivation act, T u) {
 }
 
 // x (N, 2F) = [gate | up]; out = act(gate) * up (silu: SwiGLU, gelu_tanh: GeGLU; swiglu_oai: its up clamped, + 1).
-template <typename T, GateActivation act>
-void glu_forward(const T* x, T* out, int64_t rows, int64_t hidden) {
+template <typename T, GateActivation act, typename O = T>
+void glu_forward(const T* x, O* out, int64_t rows, int64_t hidden) {
 #pragma omp parallel for schedule(static) if (rows * hidden >= kParallelMinElements)
   for (int64_t r = 0; r < rows; ++r) {
     const T* gate = x + r * 2 * hidden;
     const T* up = gate + hidden;
-    T* o = out + r * hidden;
+    T* o = output_row<T>(out + r * hidden, hidden);
 #pragma omp simd
     for (int64_t j = 0; j < hidden; ++j) o[j] = gate_act<T>(act, gate[j]) * glu_up<T>(act, up[j]);
+    store_output_row(o, out + r * hidden, hidden);
   }
 }
 

@@ -34,6 +34,8 @@ using checks::check_attention_sinks;
 using checks::check_cross_entropy;
 using checks::check_elementwise;
 using checks::check_embedding;
+using checks::check_glu_forward;
+using checks::check_output;
 using checks::check_row_op;
 using checks::check_swiglu;
 using checks::dispatch_float;
@@ -218,9 +220,14 @@ void CudaBackend::embedding_backward(const Tensor& tokens, const Tensor& dout, c
 void CudaBackend::layernorm_forward(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& out,
                        const Tensor& mean, const Tensor& rstd, float eps) {
   const char* op = "layernorm_forward";
-  check_row_op(op, x, {&out}, {&weight, &bias}, {&mean, &rstd});
+  check_row_op(op, x, {}, {&weight, &bias}, {&mean, &rstd});
+  if (check_output(op, x, out, x.numel())) {  // a bf16 out: rounded as cast rounds
+    cuda::layernorm_forward(dptr<float>(x), dptr<float>(weight), dptr<float>(bias), dptr<uint16_t>(out),
+                            dptr<float>(mean), dptr<float>(rstd), rows_of(x), x.dim(-1), eps, stream_);
+    return;
+  }
   dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() {
-    cuda::layernorm_forward<T>(dptr<T>(x), dptr<T>(weight), dptr<T>(bias), dptr<T>(out), dptr<T>(mean),
+    cuda::layernorm_forward(dptr<T>(x), dptr<T>(weight), dptr<T>(bias), dptr<T>(out), dptr<T>(mean),
                                dptr<T>(rstd), rows_of(x), x.dim(-1), eps, stream_);
   });
 }
@@ -240,9 +247,14 @@ void CudaBackend::layernorm_backward(const Tensor& dout, const Tensor& x, const 
 void CudaBackend::rmsnorm_forward(const Tensor& x, const Tensor& weight, const Tensor& out, const Tensor& rstd,
                      float eps) {
   const char* op = "rmsnorm_forward";
-  check_row_op(op, x, {&out}, {&weight}, {&rstd});
+  check_row_op(op, x, {}, {&weight}, {&rstd});
+  if (check_output(op, x, out, x.numel())) {
+    cuda::rmsnorm_forward(dptr<float>(x), dptr<float>(weight), dptr<uint16_t>(out), dptr<float>(rstd), rows_of(x),
+                          x.dim(-1), eps, stream_);
+    return;
+  }
   dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() {
-    cuda::rmsnorm_forward<T>(dptr<T>(x), dptr<T>(weight), dptr<T>(out), dptr<T>(rstd), rows_of(x), x.dim(-1), eps,
+    cuda::rmsnorm_forward(dptr<T>(x), dptr<T>(weight), dptr<T>(out), dptr<T>(rstd), rows_of(x), x.dim(-1), eps,
                              stream_);
   });
 }
@@ -259,9 +271,12 @@ void CudaBackend::rmsnorm_backward(const Tensor& dout, const Tensor& x, const Te
 }
 
 void CudaBackend::gelu_forward(const Tensor& x, const Tensor& out) {
-  check_elementwise("gelu_forward", x, {&out});
+  if (check_output("gelu_forward", x, out, x.numel())) {
+    cuda::gelu_forward(dptr<float>(x), dptr<uint16_t>(out), x.numel(), stream_);
+    return;
+  }
   dispatch_float(x.dtype(), "gelu_forward", kBackend,
-                 [&]<typename T>() { cuda::gelu_forward<T>(dptr<T>(x), dptr<T>(out), x.numel(), stream_); });
+                 [&]<typename T>() { cuda::gelu_forward(dptr<T>(x), dptr<T>(out), x.numel(), stream_); });
 }
 
 void CudaBackend::gelu_backward(const Tensor& x, const Tensor& dout, const Tensor& dx) {
@@ -273,9 +288,12 @@ void CudaBackend::gelu_backward(const Tensor& x, const Tensor& dout, const Tenso
 
 void CudaBackend::glu_forward(const Tensor& x, const Tensor& out, GateActivation act) {
   const char* op = "glu_forward";
-  check_swiglu(op, x, out);
+  if (check_glu_forward(op, x, out)) {
+    cuda::glu_forward(dptr<float>(x), dptr<uint16_t>(out), rows_of(out), out.dim(-1), act, stream_);
+    return;
+  }
   dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() {
-    cuda::glu_forward<T>(dptr<T>(x), dptr<T>(out), rows_of(out), out.dim(-1), act, stream_);
+    cuda::glu_forward(dptr<T>(x), dptr<T>(out), rows_of(out), out.dim(-1), act, stream_);
   });
 }
 
@@ -366,9 +384,14 @@ void CudaBackend::attention_sink_backward(const Tensor& dout, const Tensor& out,
 void CudaBackend::flash_attention_forward_bf16(const Tensor& qkv, const Tensor& out, const Tensor& lse, int64_t n_head,
                                                int64_t n_kv_head) {
   const char* op = "flash_attention_forward_bf16";
-  const auto [batch, seq_len, head_dim] = check_attention(op, qkv, out, lse, n_head, n_kv_head, 0, true);
+  const auto [batch, seq_len, head_dim] = check_attention(op, qkv, out, lse, n_head, n_kv_head, 0, true, true);
   if (qkv.dtype() != DTYPE_F32 || (head_dim != 64 && head_dim != 128)) {
     return Backend::flash_attention_forward_bf16(qkv, out, lse, n_head, n_kv_head);
+  }
+  if (out.dtype() == DTYPE_BF16) {  // O kept in bf16 (precision.activations = bf16): rounded as stored
+    cuda::flash_mma_attention_forward_bf16_out(dptr<float>(qkv), dptr<uint16_t>(out), dptr<float>(lse), batch, seq_len,
+                                               n_head, n_kv_head, head_dim, 0, stream_);
+    return;
   }
   cuda::flash_mma_attention_forward(dptr<float>(qkv), dptr<float>(out), dptr<float>(lse), batch, seq_len, n_head,
                                     n_kv_head, head_dim, 0, stream_);
@@ -379,11 +402,17 @@ void CudaBackend::flash_attention_backward_bf16(const Tensor& dout, const Tensor
                                                 int64_t n_kv_head) {
   const char* op = "flash_attention_backward_bf16";
   const auto [batch, seq_len, head_dim] =
-      check_attention_backward(op, dout, qkv, out, lse, dqkv, n_head, n_kv_head, 0, true);
+      check_attention_backward(op, dout, qkv, out, lse, dqkv, n_head, n_kv_head, 0, true, true);
   if (qkv.dtype() != DTYPE_F32 || (head_dim != 64 && head_dim != 128)) {
     return Backend::flash_attention_backward_bf16(dout, qkv, out, lse, dqkv, n_head, n_kv_head);
   }
   void* scratch = workspace(cuda::flash_mma_attention_backward_scratch_bytes(batch, seq_len, n_head, n_kv_head, head_dim));
+  if (out.dtype() == DTYPE_BF16) {
+    cuda::flash_mma_attention_backward_bf16_out(dptr<float>(dout), dptr<float>(qkv), dptr<uint16_t>(out),
+                                                dptr<float>(lse), dptr<float>(dqkv), scratch, batch, seq_len, n_head,
+                                                n_kv_head, head_dim, 0, stream_);
+    return;
+  }
   cuda::flash_mma_attention_backward(dptr<float>(dout), dptr<float>(qkv), dptr<float>(out), dptr<float>(lse),
                                      dptr<float>(dqkv), scratch, batch, seq_len, n_head, n_kv_head, head_dim, 0, stream_);
 }

@@ -154,10 +154,25 @@ __device__ __forceinline__ float quad_sum(float v) {  // the same bits on the 4 
   return v + shfl_xor(v, 2);
 }
 
+// O's element: f32, or bf16 bits rounded to nearest even (the bits of the backend's cast:
+// precision.activations = bf16 keeps O in bf16 for the output projection, which reads it so).
+__device__ __forceinline__ void store_o(float* p, float v) { *p = v; }
+__device__ __forceinline__ void store_o(uint16_t* p, float v) {
+  uint32_t u = __float_as_uint(v);
+  if ((u & 0x7fffffffu) > 0x7f800000u) {
+    *p = static_cast<uint16_t>((u >> 16) | 0x0040u);
+  } else {
+    u += 0x7fffu + ((u >> 16) & 1u);
+    *p = static_cast<uint16_t>(u >> 16);
+  }
+}
+__device__ __forceinline__ float load_o(const float* p) { return *p; }
+__device__ __forceinline__ float load_o(const uint16_t* p) { return __uint_as_float(static_cast<uint32_t>(*p) << 16); }
+
 // ---------------------------------------------------------------- forward
-template <int kHd, bool kCausal>
+template <int kHd, bool kCausal, typename O>
 __global__ void __launch_bounds__(kThreads)
-    flash_mma_forward_kernel(const float* __restrict__ qkv, float* __restrict__ out, float* __restrict__ lse,
+    flash_mma_forward_kernel(const float* __restrict__ qkv, O* __restrict__ out, float* __restrict__ lse,
                              int seq_len, int n_head, int n_kv_head, float scale) {
   constexpr int kW = words<kHd>();
   constexpr int kBc = 64;        // keys per tile
@@ -265,11 +280,11 @@ __global__ void __launch_bounds__(kThreads)
     const int row = r0 + g + 8 * r;
     if (row < seq_len) {  // every causal row saw key 0, so lsum >= 1
       const float inv = 1.0f / lsum;
-      float* dst = out + (static_cast<int64_t>(b) * seq_len + row) * out_width + static_cast<int64_t>(h) * kHd;
+      O* dst = out + (static_cast<int64_t>(b) * seq_len + row) * out_width + static_cast<int64_t>(h) * kHd;
 #pragma unroll
       for (int dt = 0; dt < kDt; ++dt) {
-        dst[dt * 8 + 2 * t] = o[dt][2 * r] * inv;
-        dst[dt * 8 + 2 * t + 1] = o[dt][2 * r + 1] * inv;
+        store_o(dst + dt * 8 + 2 * t, o[dt][2 * r] * inv);
+        store_o(dst + dt * 8 + 2 * t + 1, o[dt][2 * r + 1] * inv);
       }
       if (t == 0) lse[(static_cast<int64_t>(b) * n_head + h) * seq_len + row] = m[r] + logf(lsum);
     }
@@ -279,16 +294,17 @@ __global__ void __launch_bounds__(kThreads)
 // ---------------------------------------------------------------- backward
 // D[b, h, i] = dO[b, i, h] . O[b, i, h] in fp32; one warp per (b, i, h) row, lane-strided then a
 // fixed shuffle tree.
+template <typename O>
 __global__ void __launch_bounds__(kDsumWarps* kWarpSize)
-    flash_mma_dsum_kernel(const float* __restrict__ dout, const float* __restrict__ out, float* __restrict__ dsum,
+    flash_mma_dsum_kernel(const float* __restrict__ dout, const O* __restrict__ out, float* __restrict__ dsum,
                           int64_t rows, int seq_len, int n_head, int head_dim) {
   const int64_t r = static_cast<int64_t>(blockIdx.x) * kDsumWarps + threadIdx.x / kWarpSize;
   if (r >= rows) return;  // warp-uniform
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
   const float* x = dout + r * head_dim;
-  const float* y = out + r * head_dim;
+  const O* y = out + r * head_dim;
   float acc = 0.0f;
-  for (int d = lane; d < head_dim; d += kWarpSize) acc += x[d] * y[d];
+  for (int d = lane; d < head_dim; d += kWarpSize) acc += x[d] * load_o(y + d);
   acc = warp_sum(acc);
   const int64_t bt = r / n_head, h = r % n_head, b = bt / seq_len, i = bt % seq_len;
   if (lane == 0) dsum[(b * n_head + h) * seq_len + i] = acc;
@@ -566,11 +582,11 @@ Dims check_dims(const char* op, int64_t batch, int64_t seq_len, int64_t n_head, 
 
 float attention_scale(int hd) { return 1.0f / std::sqrt(static_cast<float>(hd)); }
 
-template <int kHd, bool kCausal>
-void forward_hd(const float* qkv, float* out, float* lse, int64_t batch, const Dims& d, cudaStream_t stream) {
+template <int kHd, bool kCausal, typename O>
+void forward_hd(const float* qkv, O* out, float* lse, int64_t batch, const Dims& d, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>((d.T + kBlockRows - 1) / kBlockRows), static_cast<unsigned>(d.H),
                   static_cast<unsigned>(batch));
-  launch<flash_mma_forward_kernel<kHd, kCausal>>(grid, kThreads, 0, stream, qkv, out, lse, d.T, d.H, d.KV,
+  launch<flash_mma_forward_kernel<kHd, kCausal, O>>(grid, kThreads, 0, stream, qkv, out, lse, d.T, d.H, d.KV,
                                                  attention_scale(kHd));
   LOOM_CUDA_CHECK_LAUNCH();
 }
@@ -588,20 +604,54 @@ void backward_hd(const float* dout, const float* qkv, const float* dsum, const f
   LOOM_CUDA_CHECK_LAUNCH();
 }
 
+template <typename O>
+void forward_o(const float* qkv, O* out, float* lse, int64_t batch, int64_t seq_len, int64_t n_head, int64_t n_kv_head,
+               int64_t head_dim, int64_t window, cudaStream_t stream, bool causal, const char* op) {
+  const Dims d = check_dims(op, batch, seq_len, n_head, n_kv_head, head_dim, window);
+  if (d.empty) return;
+  if (d.hd == 64) {
+    if (causal) forward_hd<64, true, O>(qkv, out, lse, batch, d, stream);
+    else forward_hd<64, false, O>(qkv, out, lse, batch, d, stream);
+  } else {
+    if (causal) forward_hd<128, true, O>(qkv, out, lse, batch, d, stream);
+    else forward_hd<128, false, O>(qkv, out, lse, batch, d, stream);
+  }
+}
+
+template <typename O>
+void backward_o(const float* dout, const float* qkv, const O* out, const float* lse, float* dqkv, void* scratch,
+                int64_t batch, int64_t seq_len, int64_t n_head, int64_t n_kv_head, int64_t head_dim, int64_t window,
+                cudaStream_t stream, bool causal, const char* op) {
+  const Dims d = check_dims(op, batch, seq_len, n_head, n_kv_head, head_dim, window);
+  if (d.empty) return;
+  float* dsum = static_cast<float*>(scratch);  // (B, H, T)
+  const int64_t rows = batch * seq_len * n_head;
+  launch<flash_mma_dsum_kernel<O>>(static_cast<unsigned>((rows + kDsumWarps - 1) / kDsumWarps),
+                                   kDsumWarps * kWarpSize, 0, stream, dout, out, dsum, rows, d.T, d.H, d.hd);
+  LOOM_CUDA_CHECK_LAUNCH();
+  if (d.hd == 64) {
+    if (causal) backward_hd<64, true>(dout, qkv, dsum, lse, dqkv, batch, d, stream);
+    else backward_hd<64, false>(dout, qkv, dsum, lse, dqkv, batch, d, stream);
+  } else {
+    if (causal) backward_hd<128, true>(dout, qkv, dsum, lse, dqkv, batch, d, stream);
+    else backward_hd<128, false>(dout, qkv, dsum, lse, dqkv, batch, d, stream);
+  }
+}
+
 }  // namespace
 
 void flash_mma_attention_forward(const float* qkv, float* out, float* lse, int64_t batch, int64_t seq_len,
                                  int64_t n_head, int64_t n_kv_head, int64_t head_dim, int64_t window,
                                  cudaStream_t stream, bool causal) {
-  const Dims d = check_dims("flash_mma_attention_forward", batch, seq_len, n_head, n_kv_head, head_dim, window);
-  if (d.empty) return;
-  if (d.hd == 64) {
-    if (causal) forward_hd<64, true>(qkv, out, lse, batch, d, stream);
-    else forward_hd<64, false>(qkv, out, lse, batch, d, stream);
-  } else {
-    if (causal) forward_hd<128, true>(qkv, out, lse, batch, d, stream);
-    else forward_hd<128, false>(qkv, out, lse, batch, d, stream);
-  }
+  forward_o(qkv, out, lse, batch, seq_len, n_head, n_kv_head, head_dim, window, stream, causal,
+            "flash_mma_attention_forward");
+}
+
+void flash_mma_attention_forward_bf16_out(const float* qkv, uint16_t* out, float* lse, int64_t batch, int64_t seq_len,
+                                          int64_t n_head, int64_t n_kv_head, int64_t head_dim, int64_t window,
+                                          cudaStream_t stream) {
+  forward_o(qkv, out, lse, batch, seq_len, n_head, n_kv_head, head_dim, window, stream, true,
+            "flash_mma_attention_forward_bf16_out");
 }
 
 size_t flash_mma_attention_backward_scratch_bytes(int64_t batch, int64_t seq_len, int64_t n_head,
@@ -613,20 +663,15 @@ void flash_mma_attention_backward(const float* dout, const float* qkv, const flo
                                   float* dqkv, void* scratch, int64_t batch, int64_t seq_len, int64_t n_head,
                                   int64_t n_kv_head, int64_t head_dim, int64_t window, cudaStream_t stream,
                                   bool causal) {
-  const Dims d = check_dims("flash_mma_attention_backward", batch, seq_len, n_head, n_kv_head, head_dim, window);
-  if (d.empty) return;
-  float* dsum = static_cast<float*>(scratch);  // (B, H, T)
-  const int64_t rows = batch * seq_len * n_head;
-  launch<flash_mma_dsum_kernel>(static_cast<unsigned>((rows + kDsumWarps - 1) / kDsumWarps), kDsumWarps * kWarpSize,
-                                0, stream, dout, out, dsum, rows, d.T, d.H, d.hd);
-  LOOM_CUDA_CHECK_LAUNCH();
-  if (d.hd == 64) {
-    if (causal) backward_hd<64, true>(dout, qkv, dsum, lse, dqkv, batch, d, stream);
-    else backward_hd<64, false>(dout, qkv, dsum, lse, dqkv, batch, d, stream);
-  } else {
-    if (causal) backward_hd<128, true>(dout, qkv, dsum, lse, dqkv, batch, d, stream);
-    else backward_hd<128, false>(dout, qkv, dsum, lse, dqkv, batch, d, stream);
-  }
+  backward_o(dout, qkv, out, lse, dqkv, scratch, batch, seq_len, n_head, n_kv_head, head_dim, window, stream, causal,
+             "flash_mma_attention_backward");
+}
+
+void flash_mma_attention_backward_bf16_out(const float* dout, const float* qkv, const uint16_t* out, const float* lse,
+                                           float* dqkv, void* scratch, int64_t batch, int64_t seq_len, int64_t n_head,
+                                           int64_t n_kv_head, int64_t head_dim, int64_t window, cudaStream_t stream) {
+  backward_o(dout, qkv, out, lse, dqkv, scratch, batch, seq_len, n_head, n_kv_head, head_dim, window, stream, true,
+             "flash_mma_attention_backward_bf16_out");
 }
 
 }  // namespace loom::cuda

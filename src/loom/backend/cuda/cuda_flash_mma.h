@@ -24,6 +24,12 @@ void flash_mma_attention_forward(const float* qkv, float* out, float* lse, int64
                                  int64_t n_head, int64_t n_kv_head, int64_t head_dim, int64_t window,
                                  cudaStream_t stream, bool causal = true);
 
+// The same with O in bf16 (out, and the backward's out, as bf16 bits): O rounded to nearest even as
+// it is stored, D = rowsum(dO o O) of the bf16 O (as autocast's attention computes it from its
+// bf16 output). Causal.
+void flash_mma_attention_forward_bf16_out(const float* qkv, uint16_t* out, float* lse, int64_t batch, int64_t seq_len,
+                                          int64_t n_head, int64_t n_kv_head, int64_t head_dim, int64_t window,
+                                          cudaStream_t stream);
 // Scratch of the backward: D (B, H, T) f32.
 size_t flash_mma_attention_backward_scratch_bytes(int64_t batch, int64_t seq_len, int64_t n_head, int64_t n_kv_head,
                                                   int64_t head_dim);
@@ -31,5 +37,8 @@ void flash_mma_attention_backward(const float* dout, const float* qkv, const flo
                                   float* dqkv, void* scratch, int64_t batch, int64_t seq_len, int64_t n_head,
                                   int64_t n_kv_head, int64_t head_dim, int64_t window, cudaStream_t stream,
                                   bool causal = true);
+void flash_mma_attention_backward_bf16_out(const float* dout, const float* qkv, const uint16_t* out, const float* lse,
+                                           float* dqkv, void* scratch, int64_t batch, int64_t seq_len, int64_t n_head,
+                                           int64_t n_kv_head, int64_t head_dim, int64_t window, cudaStream_t stream);
 
 }  // namespace loom::cuda

@@ -79,17 +79,24 @@ __global__ void fill_kernel(T* x, int64_t n, T value) {
 
 // f32 -> bf16 of core/dtype.h: NaN keeps its top bits with the quiet bit set; else add
 // 0x7fff + (lsb of the kept half) and truncate, which rounds to nearest, ties to even.
-__global__ void cast_f32_to_bf16_kernel(const float* src, uint16_t* dst, int64_t n) {
-  for (int64_t i = thread_index(); i < n; i += thread_count()) {
-    uint32_t u = __float_as_uint(src[i]);
-    if ((u & 0x7fffffffu) > 0x7f800000u) {
-      dst[i] = static_cast<uint16_t>((u >> 16) | 0x0040u);
-    } else {
-      u += 0x7fffu + ((u >> 16) & 1u);
-      dst[i] = static_cast<uint16_t>(u >> 16);
-    }
-  }
+__device__ __forceinline__ uint16_t bf16_bits_of(float v) {
+  uint32_t u = __float_as_uint(v);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x0040u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
 }
+
+__global__ void cast_f32_to_bf16_kernel(const float* src, uint16_t* dst, int64_t n) {
+  for (int64_t i = thread_index(); i < n; i += thread_count()) dst[i] = bf16_bits_of(src[i]);
+}
+
+// An op's output element: as computed (O = T), or rounded to bf16 bits as the cast above (O =
+// uint16_t with T = float: precision.activations = bf16, the producer writing the saved field).
+template <typename T>
+__device__ __forceinline__ void store_out(T* p, T v) {
+  *p = v;
+}
+__device__ __forceinline__ void store_out(uint16_t* p, float v) { *p = bf16_bits_of(v); }
 
 __global__ void cast_bf16_to_f32_kernel(const uint16_t* src, float* dst, int64_t n) {
   for (int64_t i = thread_index(); i < n; i += thread_count()) {
@@ -422,8 +429,8 @@ __device__ __forceinline__ void lane_loads(const T* x, int64_t c, T (&v)[kLaneLo
   for (int u = 0; u < kLaneLoads; ++u) v[u] = x[c + u * kWarp];
 }
 
-template <typename T>
-__global__ void layernorm_forward_kernel(const T* x, const T* w, const T* b, T* out, T* mean, T* rstd, int64_t rows,
+template <typename T, typename O>
+__global__ void layernorm_forward_kernel(const T* x, const T* w, const T* b, O* out, T* mean, T* rstd, int64_t rows,
                                          int64_t channels, T eps) {
   const int lane = static_cast<int>(threadIdx.x) % kWarp, warp = static_cast<int>(threadIdx.x) / kWarp;
   for (int64_t r = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + warp; r < rows;
@@ -448,9 +455,9 @@ __global__ void layernorm_forward_kernel(const T* x, const T* w, const T* b, T* 
     }
     for (; c < channels; c += kWarp) var += (xr[c] - m) * (xr[c] - m);
     const T s = T(1) / sqrt_of(warp_sum(var) / static_cast<T>(channels) + eps);
-    T* o = out + r * channels;
+    O* o = out + r * channels;
 #pragma unroll 8
-    for (int64_t k = lane; k < channels; k += kWarp) o[k] = (xr[k] - m) * s * w[k] + b[k];
+    for (int64_t k = lane; k < channels; k += kWarp) store_out(o + k, (xr[k] - m) * s * w[k] + b[k]);
     if (lane == 0) {
       mean[r] = m;
       rstd[r] = s;
@@ -481,8 +488,8 @@ __global__ void layernorm_backward_kernel(const T* dout, const T* x, const T* w,
   }
 }
 
-template <typename T>
-__global__ void rmsnorm_forward_kernel(const T* x, const T* w, T* out, T* rstd, int64_t rows, int64_t channels,
+template <typename T, typename O>
+__global__ void rmsnorm_forward_kernel(const T* x, const T* w, O* out, T* rstd, int64_t rows, int64_t channels,
                                        T eps) {
   const int lane = static_cast<int>(threadIdx.x) % kWarp, warp = static_cast<int>(threadIdx.x) / kWarp;
   for (int64_t r = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + warp; r < rows;
@@ -498,9 +505,9 @@ __global__ void rmsnorm_forward_kernel(const T* x, const T* w, T* out, T* rstd, 
     }
     for (; c < channels; c += kWarp) ss += xr[c] * xr[c];
     const T s = T(1) / sqrt_of(warp_sum(ss) / static_cast<T>(channels) + eps);
-    T* o = out + r * channels;
+    O* o = out + r * channels;
 #pragma unroll 8
-    for (int64_t k = lane; k < channels; k += kWarp) o[k] = xr[k] * s * w[k];
+    for (int64_t k = lane; k < channels; k += kWarp) store_out(o + k, xr[k] * s * w[k]);
     if (lane == 0) rstd[r] = s;
   }
 }
@@ -527,12 +534,12 @@ constexpr double kGeluScale = 0.7978845608028654;  // sqrt(2/pi)
 constexpr double kGeluCubic = 0.044715;
 
 // Grid-stride, kBlock threads.
-template <typename T>
-__global__ void gelu_forward_kernel(const T* x, T* out, int64_t n) {
+template <typename T, typename O>
+__global__ void gelu_forward_kernel(const T* x, O* out, int64_t n) {
   for (int64_t i = thread_index(); i < n; i += thread_count()) {
     const T v = x[i];
     const T u = T(kGeluScale) * (v + T(kGeluCubic) * v * v * v);
-    out[i] = T(0.5) * v * (T(1) + tanh_t<T>(u));
+    store_out(out + i, T(0.5) * v * (T(1) + tanh_t<T>(u)));
   }
 }
 
@@ -594,14 +601,14 @@ __device__ T glu_up_grad(GateActivation act, T u) {
 }
 
 // Grid-stride over rows * hidden outputs.
-template <typename T>
-__global__ void glu_forward_kernel(const T* x, T* out, int64_t rows, int64_t hidden, GateActivation act) {
+template <typename T, typename O>
+__global__ void glu_forward_kernel(const T* x, O* out, int64_t rows, int64_t hidden, GateActivation act) {
   const int64_t n = rows * hidden;
   for (int64_t i = thread_index(); i < n; i += thread_count()) {
     const int64_t r = i / hidden, j = i % hidden;
     const T gate = x[r * 2 * hidden + j];
     const T up = x[r * 2 * hidden + hidden + j];
-    out[i] = gate_act<T>(act, gate) * glu_up<T>(act, up);
+    store_out(out + i, gate_act<T>(act, gate) * glu_up<T>(act, up));
   }
 }
 
@@ -904,11 +911,11 @@ void embedding_backward(const int32_t* tokens, const T* dout, T* dtable, T* dpos
   }
 }
 
-template <typename T>
-void layernorm_forward(const T* x, const T* w, const T* b, T* out, T* mean, T* rstd, int64_t rows, int64_t channels,
+template <typename T, typename O>
+void layernorm_forward(const T* x, const T* w, const T* b, O* out, T* mean, T* rstd, int64_t rows, int64_t channels,
                        double eps, cudaStream_t stream) {
   if (rows <= 0) return;
-  launch<layernorm_forward_kernel<T>>(grid_for(rows, kRowsPerBlock), kBlock, 0, stream, x, w, b, out, mean, rstd, rows,
+  launch<layernorm_forward_kernel<T, O>>(grid_for(rows, kRowsPerBlock), kBlock, 0, stream, x, w, b, out, mean, rstd, rows,
                                                                                     channels, static_cast<T>(eps));
   LOOM_CUDA_CHECK_LAUNCH();
 }
@@ -930,11 +937,11 @@ void layernorm_backward(const T* dout, const T* x, const T* w, const T* mean, co
   LOOM_CUDA_CHECK_LAUNCH();
 }
 
-template <typename T>
-void rmsnorm_forward(const T* x, const T* w, T* out, T* rstd, int64_t rows, int64_t channels, double eps,
+template <typename T, typename O>
+void rmsnorm_forward(const T* x, const T* w, O* out, T* rstd, int64_t rows, int64_t channels, double eps,
                      cudaStream_t stream) {
   if (rows <= 0) return;
-  launch<rmsnorm_forward_kernel<T>>(grid_for(rows, kRowsPerBlock), kBlock, 0, stream, x, w, out, rstd, rows, channels,
+  launch<rmsnorm_forward_kernel<T, O>>(grid_for(rows, kRowsPerBlock), kBlock, 0, stream, x, w, out, rstd, rows, channels,
                                                                                   static_cast<T>(eps));
   LOOM_CUDA_CHECK_LAUNCH();
 }
@@ -950,10 +957,10 @@ void rmsnorm_backward(const T* dout, const T* x, const T* w, const T* rstd, T* d
   LOOM_CUDA_CHECK_LAUNCH();
 }
 
-template <typename T>
-void gelu_forward(const T* x, T* out, int64_t n, cudaStream_t stream) {
+template <typename T, typename O>
+void gelu_forward(const T* x, O* out, int64_t n, cudaStream_t stream) {
   if (n <= 0) return;
-  launch<gelu_forward_kernel<T>>(grid_for(n, kBlock), kBlock, 0, stream, x, out, n);
+  launch<gelu_forward_kernel<T, O>>(grid_for(n, kBlock), kBlock, 0, stream, x, out, n);
   LOOM_CUDA_CHECK_LAUNCH();
 }
 
@@ -964,10 +971,10 @@ void gelu_backward(const T* x, const T* dout, T* dx, int64_t n, cudaStream_t str
   LOOM_CUDA_CHECK_LAUNCH();
 }
 
-template <typename T>
-void glu_forward(const T* x, T* out, int64_t rows, int64_t hidden, GateActivation act, cudaStream_t stream) {
+template <typename T, typename O>
+void glu_forward(const T* x, O* out, int64_t rows, int64_t hidden, GateActivation act, cudaStream_t stream) {
   if (rows <= 0 || hidden <= 0) return;
-  launch<glu_forward_kernel<T>>(grid_for(rows * hidden, kBlock), kBlock, 0, stream, x, out, rows, hidden, act);
+  launch<glu_forward_kernel<T, O>>(grid_for(rows * hidden, kBlock), kBlock, 0, stream, x, out, rows, hidden, act);
   LOOM_CUDA_CHECK_LAUNCH();
 }
 
@@ -1038,16 +1045,16 @@ void adamw_step(T* p, const T* grad, T* m, T* v, int64_t n, double lr, double be
                                      unsigned long long*, cudaStream_t);                                             \
   template void embedding_backward<T>(const int32_t*, const T*, T*, T*, int64_t, int64_t, int64_t, int64_t, void*,   \
                                       unsigned long long*, cudaStream_t);                                            \
-  template void layernorm_forward<T>(const T*, const T*, const T*, T*, T*, T*, int64_t, int64_t, double,             \
-                                     cudaStream_t);                                                                  \
+  template void layernorm_forward<T, T>(const T*, const T*, const T*, T*, T*, T*, int64_t, int64_t, double,          \
+                                        cudaStream_t);                                                               \
   template void layernorm_backward<T>(const T*, const T*, const T*, const T*, const T*, T*, T*, T*, int64_t,         \
                                       int64_t, void*, cudaStream_t);                                                 \
-  template void rmsnorm_forward<T>(const T*, const T*, T*, T*, int64_t, int64_t, double, cudaStream_t);              \
+  template void rmsnorm_forward<T, T>(const T*, const T*, T*, T*, int64_t, int64_t, double, cudaStream_t);           \
   template void rmsnorm_backward<T>(const T*, const T*, const T*, const T*, T*, T*, int64_t, int64_t, void*,         \
                                     cudaStream_t);                                                                   \
-  template void gelu_forward<T>(const T*, T*, int64_t, cudaStream_t);                                                \
+  template void gelu_forward<T, T>(const T*, T*, int64_t, cudaStream_t);                                             \
   template void gelu_backward<T>(const T*, const T*, T*, int64_t, cudaStream_t);                                     \
-  template void glu_forward<T>(const T*, T*, int64_t, int64_t, GateActivation, cudaStream_t);                       \
+  template void glu_forward<T, T>(const T*, T*, int64_t, int64_t, GateActivation, cudaStream_t);                    \
   template void glu_backward<T>(const T*, const T*, T*, int64_t, int64_t, GateActivation, cudaStream_t);            \
   template void rope_rotate<T>(T*, int64_t, int64_t, int64_t, int64_t, int64_t, const RopeSpec&, int64_t, double, \
                                cudaStream_t);                                                                        \
@@ -1060,6 +1067,14 @@ void adamw_step(T* p, const T* grad, T* m, T* v, int64_t n, double lr, double be
 
 LOOM_CUDA_KERNELS_INSTANTIATE(float)
 LOOM_CUDA_KERNELS_INSTANTIATE(double)
+
+// The forward ops' bf16 outputs (precision.activations = bf16: the saved fields written rounded).
+template void layernorm_forward<float, uint16_t>(const float*, const float*, const float*, uint16_t*, float*, float*,
+                                                 int64_t, int64_t, double, cudaStream_t);
+template void rmsnorm_forward<float, uint16_t>(const float*, const float*, uint16_t*, float*, int64_t, int64_t, double,
+                                               cudaStream_t);
+template void gelu_forward<float, uint16_t>(const float*, uint16_t*, int64_t, cudaStream_t);
+template void glu_forward<float, uint16_t>(const float*, uint16_t*, int64_t, int64_t, GateActivation, cudaStream_t);
 
 #undef LOOM_CUDA_KERNELS_INSTANTIATE
 

@@ -68,29 +68,31 @@ void embedding_backward(const int32_t* tokens, const T* dout, T* dtable, T* dpos
                         unsigned long long* bad_position, cudaStream_t stream);
 
 // ---------------------------------------------------------------- norms (rows, C)
-template <typename T>
-void layernorm_forward(const T* x, const T* w, const T* b, T* out, T* mean, T* rstd, int64_t rows, int64_t channels,
+// The forward ops' out is T, or bf16 bits (O = uint16_t, T = float): the output rounded to nearest
+// even as cast_f32_to_bf16 rounds it, so the same bits as the f32 op followed by the cast.
+template <typename T, typename O>
+void layernorm_forward(const T* x, const T* w, const T* b, O* out, T* mean, T* rstd, int64_t rows, int64_t channels,
                        double eps, cudaStream_t stream);
 size_t norm_backward_scratch_bytes(int64_t rows, int64_t channels, size_t elem_bytes);
 // dx overwritten; dw, db accumulated (+=).
 template <typename T>
 void layernorm_backward(const T* dout, const T* x, const T* w, const T* mean, const T* rstd, T* dx, T* dw, T* db,
                         int64_t rows, int64_t channels, void* scratch, cudaStream_t stream);
-template <typename T>
-void rmsnorm_forward(const T* x, const T* w, T* out, T* rstd, int64_t rows, int64_t channels, double eps,
+template <typename T, typename O>
+void rmsnorm_forward(const T* x, const T* w, O* out, T* rstd, int64_t rows, int64_t channels, double eps,
                      cudaStream_t stream);
 template <typename T>
 void rmsnorm_backward(const T* dout, const T* x, const T* w, const T* rstd, T* dx, T* dw, int64_t rows,
                       int64_t channels, void* scratch, cudaStream_t stream);
 
 // ---------------------------------------------------------------- activations
-template <typename T>
-void gelu_forward(const T* x, T* out, int64_t n, cudaStream_t stream);
+template <typename T, typename O>
+void gelu_forward(const T* x, O* out, int64_t n, cudaStream_t stream);
 template <typename T>
 void gelu_backward(const T* x, const T* dout, T* dx, int64_t n, cudaStream_t stream);
 // x (rows, 2F) = [gate | up]; out (rows, F) = act(gate) * up.
-template <typename T>
-void glu_forward(const T* x, T* out, int64_t rows, int64_t hidden, GateActivation act, cudaStream_t stream);
+template <typename T, typename O>
+void glu_forward(const T* x, O* out, int64_t rows, int64_t hidden, GateActivation act, cudaStream_t stream);
 template <typename T>
 void glu_backward(const T* x, const T* dout, T* dx, int64_t rows, int64_t hidden, GateActivation act,
                   cudaStream_t stream);
