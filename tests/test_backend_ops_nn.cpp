@@ -126,12 +126,20 @@ TEST_P(BackendOpsTest, Bf16OutputsAreTheRoundedF32Outputs) {
        [](Backend& be, Operands& o, const Tensor& out) { be.glu_forward(o["x"], out, GateActivation::silu); }},
       {"swiglu_oai", {N, 2 * F}, {N, F},
        [](Backend& be, Operands& o, const Tensor& out) { be.glu_forward(o["x"], out, GateActivation::swiglu_oai); }},
+      // The activations' backward dx (LayerPlan::mlp_in_dy_bf16), dout from the "g" operand.
+      {"gelu backward", {N, C}, {N, C},
+       [](Backend& be, Operands& o, const Tensor& dx) { be.gelu_backward(o["x"], o["g"], dx); }},
+      {"swiglu backward", {N, 2 * F}, {N, 2 * F},
+       [N, F](Backend& be, Operands& o, const Tensor& dx) {
+         be.glu_backward(o["x"], o["g"].view(0, {N, F}), dx, GateActivation::silu);
+       }},
   };
   for (const Case& c : cases) {
     Operands x;
     x.tensors["x"] = rnd(c.in, DTYPE_F32, 1, 6.0, 1.0);
     x.tensors["w"] = rnd({c.in.back()}, DTYPE_F32, 2);
     x.tensors["b"] = rnd({c.in.back()}, DTYPE_F32, 3);
+    x.tensors["g"] = rnd(c.in, DTYPE_F32, 4);
     x.tensors["mean"] = nans({x.tensors["x"].numel() / c.in.back()}, DTYPE_F32);
     x.tensors["rstd"] = nans({x.tensors["x"].numel() / c.in.back()}, DTYPE_F32);
     x.tensors["out"] = nans(c.out, DTYPE_F32);
@@ -148,6 +156,22 @@ TEST_P(BackendOpsTest, Bf16OutputsAreTheRoundedF32Outputs) {
           },
           {{"out16", kOneBf16Step}, {"out", elementwise_tol(DTYPE_F32)}}, true);
   }
+  // bias_backward of a bf16 dout into an f32 dbias: bitwise the sums of its widened values on each
+  // backend, within the f32 tolerance of the CPU.
+  Operands bias;
+  bias.tensors["dout32"] = rnd({N, C}, DTYPE_F32, 5, 3.0);
+  bias.tensors["dout16"] = nans({N, C}, DTYPE_BF16);
+  bias.tensors["db16"] = rnd({C}, DTYPE_F32, 6);
+  bias.tensors["db32"] = rnd({C}, DTYPE_F32, 6);
+  check("bias_backward of a bf16 dout", bias,
+        [](Backend& be, Operands& o) {
+          be.cast(o["dout32"], o["dout16"]);
+          be.cast(o["dout16"], o["dout32"]);  // the bf16 values, widened
+          be.bias_backward(o["dout16"], o["db16"]);
+          be.bias_backward(o["dout32"], o["db32"]);
+          EXPECT_TRUE(bytes_of(be, o["db16"]) == bytes_of(be, o["db32"])) << "bias_backward of a bf16 dout on " << be.name();
+        },
+        {{"db16", elementwise_tol(DTYPE_F32)}}, true);
   // A bf16 out of an f64 op is refused, naming the op and the operand.
   Operands bad;
   bad.tensors["x"] = rnd({4, 8}, DTYPE_F64, 1);

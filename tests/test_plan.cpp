@@ -186,6 +186,19 @@ TEST(LayerPlanTest, TheInputsOfBf16LinearsAreSavedInBf16WhereTheRecipeAllows) {
   EXPECT_FALSE(resolve_layer_plan(windowed, 0, attn16).attention_bf16);
   attn16.flash = false;
   EXPECT_FALSE(resolve_layer_plan(windowed, 0, attn16).attention_bf16);
+  // fc's output gradient in bf16: its recipe bf16, a dense MLP, no adapter on it.
+  EXPECT_TRUE(resolve_layer_plan(gpt2, 0, bf16).mlp_in_dy_bf16);
+  EXPECT_FALSE(resolve_layer_plan(gpt2, 0, off).mlp_in_dy_bf16);
+  EXPECT_FALSE(resolve_layer_plan(gpt2, 0, {}).mlp_in_dy_bf16);
+  EXPECT_TRUE(resolve_layer_plan(lora, 0, bf16).mlp_in_dy_bf16);  // adapters on q, v, down only
+  ModelConfig lora_up = llama;
+  lora_up.peft_method = PeftMethod::lora, lora_up.lora_targets = "up";
+  EXPECT_FALSE(resolve_layer_plan(lora_up, 0, bf16).mlp_in_dy_bf16);
+  EXPECT_FALSE(resolve_layer_plan(moe, 1, bf16).mlp_in_dy_bf16);
+  EXPECT_TRUE(resolve_layer_plan(gpt2, 0, mixed).mlp_in_dy_bf16);  // mlp_out's recipe does not matter
+  PlanChoices fc8 = bf16;
+  fc8.linears[LINEAR_MLP_IN] = RECIPE_FP8_CURRENT;
+  EXPECT_FALSE(resolve_layer_plan(gpt2, 0, fc8).mlp_in_dy_bf16);
   PlanChoices mla = bf16;  // MLA projects in fp32 from norm1's output
   mla.linears[LINEAR_ATTN_QKV] = RECIPE_F32;
   EXPECT_EQ(resolve_layer_plan(model_preset("mla-tiny"), 0, mla).saved_bf16, (Saved{false, false, true, true}));

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <string>
 
+#include "loom/arch/param_layout.h"
 #include "loom/core/error.h"
 #include "loom/train/throughput.h"
 #include "loom/train/trainer.h"
@@ -335,9 +336,12 @@ SavedRun run_saved(const char* preset, const char* activations, bool flash, cons
   return r;
 }
 
-// With flash attention in fp32 O stays fp32 (bitwise the f32-saved run); the plain attention, and
-// flash attention in bf16 (precision.attention = bf16: its kernels write O in bf16 and read it for
-// D), keep O in bf16, which moves the gradients by bf16's rounding of D only.
+// With flash attention in fp32 O stays fp32: the saved inputs are the f32-saved run's bf16 copies
+// bit for bit, and the one other difference is the fc bias's gradient, which sums d(fc output) in
+// bf16 (LayerPlan::mlp_in_dy_bf16, as autocast's): llama-tiny (no biases) is bitwise the f32-saved
+// run, gpt2-tiny in every gradient but its c_fc biases. The plain attention, and flash attention
+// in bf16 (precision.attention = bf16: its kernels write O in bf16 and read it for D), keep O in
+// bf16, which moves the gradients by bf16's rounding of D.
 TEST(TrainerTest, Bf16SavedActivationsTrainAsTheFp32SavedOnes) {
   for (const char* preset : {"gpt2-tiny", "llama-tiny"}) {
     for (const char* attention : {"flash", "plain", "flash-bf16"}) {
@@ -353,8 +357,28 @@ TEST(TrainerTest, Bf16SavedActivationsTrainAsTheFp32SavedOnes) {
       std::printf("%-10s %-10s: activations %lld -> %lld bytes, first gradients rel %.1e, losses rel %.1e\n", preset,
                   attention, static_cast<long long>(f32.activations), static_cast<long long>(bf16.activations), grad, tail);
       if (flash && !o16) {
-        EXPECT_EQ(bf16.loss, f32.loss) << preset;
-        EXPECT_EQ(bf16.grads, f32.grads) << preset;
+        const ParamLayout layout = build_param_layout(model_preset(preset));
+        double bias_scale = 0.0, bias_err = 0.0;
+        int64_t other_diffs = 0, fc_biases = 0;
+        for (const ParamSpec& p : layout.params) {
+          const bool fc_bias = p.name.ends_with("mlp.c_fc.bias");
+          fc_biases += fc_bias;
+          for (int64_t i = p.offset; i < p.offset + p.numel; ++i) {
+            const double a = bf16.grads[static_cast<size_t>(i)], b = f32.grads[static_cast<size_t>(i)];
+            if (!fc_bias) other_diffs += a != b;
+            if (fc_bias) bias_scale = std::max(bias_scale, std::abs(b)), bias_err = std::max(bias_err, std::abs(a - b));
+          }
+        }
+        EXPECT_EQ(other_diffs, 0) << preset;
+        std::printf("%-10s fc bias gradients from the bf16 d(fc): rel %.1e (%lld biases)\n", preset,
+                    bias_err / std::max(bias_scale, 1e-30), static_cast<long long>(fc_biases));
+        if (fc_biases == 0) {
+          EXPECT_EQ(bf16.loss, f32.loss) << preset;
+        } else {  // a sum of bf16-rounded terms: within a few bf16 steps of the fp32 one, and not equal
+          EXPECT_GT(bias_err, 0.0) << preset;
+          EXPECT_LT(bias_err, 1e-2 * bias_scale) << preset;
+          EXPECT_LT(tail, 1e-3) << preset;
+        }
         continue;
       }
       // measured: gradients 3.1e-5 (gpt2-tiny), 2.5e-4 (llama-tiny); losses 2.9e-4, 6.2e-4

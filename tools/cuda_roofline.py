@@ -13,8 +13,9 @@ memory-bound kernel reaches 80% of the bandwidth, a cuBLASLt GEMM 70% of the ten
 Three designs are estimated:
   built:    what the backend does with precision.compute = bf16 (precision.activations = bf16, the
             default): the residual stream, GEMM outputs and gradients in fp32; the GEMMs' saved
-            inputs (the norms' outputs, the MLP activation) written in bf16 by the kernels that
-            produce them; a bf16 copy (a cast kernel) of each GEMM's output gradient, and of the
+            inputs (the norms' outputs, the MLP activation) and the MLP's first GEMM's output
+            gradient written in bf16 by the kernels that produce them; a bf16 copy (a cast kernel)
+            of the other GEMMs' output gradients, and of the
             attention output (fp32 here) for its projection; flash attention on CUDA cores
             (FlashAttention-2's loop in fp32 FMAs), fp32 logits, AdamW reading and writing fp32 state;
   built-tc: the same with precision.attention = bf16 (the benchmark's setting): flash attention on
@@ -95,7 +96,7 @@ def layer_kernels(m: Model, design: str) -> list[Kernel]:
         io = 2 * (n * k + k * out) + act * n * out
         ks.append(Kernel(f"{name} GEMM fwd", f, io, "tensor"))
         ks.append(Kernel(f"{name} GEMM bwd (dX, dW)", 2 * f, 2 * io + 4 * k * out, "tensor"))
-        if built:  # the fp32 d(output) read, its bf16 copy written, for dX and dW
+        if built and name != "mlp in":  # the fp32 d(output) read, its bf16 copy written, for dX and dW
             ks.append(Kernel(f"{name}: bf16 copy of d(output)", 0, n * out * 6, "mem"))
         if design == "built" and name == "attention out":  # an fp32 O, copied for the forward and for dW
             ks.append(Kernel(f"{name}: bf16 copies of the attention output", 0, 2 * n * k * 6, "mem"))
@@ -114,7 +115,8 @@ def layer_kernels(m: Model, design: str) -> list[Kernel]:
         ks.append(Kernel("RoPE fwd + bwd", 6 * n * qkv, 4 * act * n * (d + m.kv_heads * m.hd), "mem"))
     act_name = "SwiGLU" if m.swiglu else "GELU"
     ks.append(Kernel(f"{act_name} fwd", 10 * n * ff, act * n * mlp_in + 2 * n * ff, "mem"))  # out in bf16
-    ks.append(Kernel(f"{act_name} bwd", 20 * n * ff, act * n * (2 * mlp_in + ff), "mem"))
+    # (its d(input), mlp in's output gradient, written in bf16)
+    ks.append(Kernel(f"{act_name} bwd", 20 * n * ff, act * n * (mlp_in + ff) + 2 * n * mlp_in, "mem"))
     ks.append(Kernel("residual adds (fwd + bwd)", 4 * n * d, 4 * 3 * act * n * d, "mem"))
     return ks
 

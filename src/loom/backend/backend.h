@@ -217,7 +217,8 @@ class Backend {
   virtual void scale_inplace(const Tensor& x, double factor) = 0;              // x *= factor
   virtual double sum_squares(const Tensor& x) = 0;                             // sum x^2, in double
   virtual double sum(const Tensor& x) = 0;                                     // sum x, in double
-  virtual void bias_backward(const Tensor& dout, const Tensor& dbias) = 0;     // dbias (N) += column sums of dout (.., N)
+  // dbias (N) += column sums of dout (.., N); dout may be bf16 with an f32 dbias (widened, summed in f32).
+  virtual void bias_backward(const Tensor& dout, const Tensor& dbias) = 0;
 
   // out[b,t] = table[tokens[b,t]] (+ positions[t]). tokens (B,T) i32, table (V,C), positions (Tmax,C) or null.
   // A bf16 table (a checkpoint's embedding used in place) is widened exactly into f32 out and positions.
@@ -226,9 +227,10 @@ class Backend {
   virtual void embedding_backward(const Tensor& tokens, const Tensor& dout, const Tensor& dtable,
                                   const Tensor* dpositions) = 0;
 
-  // The forward norms' and activations' `out` (layernorm, rmsnorm, gelu, glu) has x's dtype, or is
-  // bf16 for an f32 x: the output computed in f32 and rounded to nearest even in the same kernel,
-  // the bits cast() would give (precision.activations = bf16 writes the saved fields so).
+  // The forward norms' and activations' `out` (layernorm, rmsnorm, gelu, glu), and the activations'
+  // backward dx, has x's dtype, or is bf16 for an f32 x: the output computed in f32 and rounded to
+  // nearest even in the same kernel, the bits cast() would give (precision.activations = bf16
+  // writes the saved fields so, and the MLP's first GEMM's output gradient: LayerPlan::mlp_in_dy_bf16).
   // LayerNorm over the last dim C: out = (x - mean) * rstd * weight + bias; saves mean, rstd (N).
   virtual void layernorm_forward(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& out,
                                  const Tensor& mean, const Tensor& rstd, float eps) = 0;

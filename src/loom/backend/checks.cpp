@@ -55,6 +55,13 @@ bool check_output(const char* op, const Tensor& x, const Tensor& out, int64_t nu
   return bf16;
 }
 
+bool check_bias_backward(const Tensor& dout, const Tensor& dbias) {
+  const bool bf16 = dout.dtype() == DTYPE_BF16 && dbias.dtype() == DTYPE_F32;
+  if (!bf16) expect_dtype(dbias, dout.dtype(), "bias_backward", "dbias");
+  expect_numel(dbias, dout.dim(-1), "bias_backward", "dbias");
+  return bf16;
+}
+
 void check_row_op(const char* op, const Tensor& x, std::initializer_list<const Tensor*> same,
                   std::initializer_list<const Tensor*> per_channel, std::initializer_list<const Tensor*> per_row) {
   check_elementwise(op, x, same);

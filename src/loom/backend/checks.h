@@ -37,6 +37,9 @@ void check_elementwise(const char* op, const Tensor& x, std::initializer_list<co
 // A forward op's output `out` of numel elements: x's dtype, or bf16 when x is f32 (the op rounds
 // its output to nearest even: precision.activations = bf16's saved fields). Returns whether bf16.
 bool check_output(const char* op, const Tensor& x, const Tensor& out, int64_t numel);
+// bias_backward's dout (.., N) and dbias (N): one float dtype, or a bf16 dout with an f32 dbias
+// (a gradient the op before wrote in bf16). Returns whether dout is bf16.
+bool check_bias_backward(const Tensor& dout, const Tensor& dbias);
 // x (N, C); `same` are (N, C); `per_channel` are (C); `per_row` are (N).
 void check_row_op(const char* op, const Tensor& x, std::initializer_list<const Tensor*> same,
                   std::initializer_list<const Tensor*> per_channel, std::initializer_list<const Tensor*> per_row);

@@ -229,10 +229,10 @@ void LinearLayer::backward(Backend& backend, const Tensor& x, const Tensor& w, c
   LOOM_CHECK(!bf16_weight_.defined(), "a model loaded for inference with its bf16 weights in place cannot be trained "
              "(train.init_from loads it in f32)");
   check_input(x);
-  LOOM_CHECK(dy.dtype() == DTYPE_F32 || (dy.dtype() == DTYPE_BF16 && setup_.recipe == RECIPE_BF16 && !db.defined()),
+  LOOM_CHECK(dy.dtype() == DTYPE_F32 || (dy.dtype() == DTYPE_BF16 && setup_.recipe == RECIPE_BF16),
              "linear layer (", recipe_name(setup_.recipe), "): an output gradient in ", dtype_name(dy.dtype()),
-             " (only the bf16 recipe without a bias reads a bf16 one)");
-  if (db.defined()) backend.bias_backward(dy, db);  // an fp32 reduction in every recipe
+             " (only the bf16 recipe reads a bf16 one)");
+  if (db.defined()) backend.bias_backward(dy, db);  // an fp32 reduction in every recipe (of a bf16 dy's values)
   const GemmSpec dgrad = spec_of(false, false, 0.0f), wgrad = spec_of(true, false, 1.0f);
   if (setup_.recipe == RECIPE_F32 && setup_.qat == QAT_NONE && !w16.defined() && base_ == nullptr) {
     if (dx.defined()) backend.gemm(dy, w, dx, dgrad);  // either half alone: zero-bubble's B and W

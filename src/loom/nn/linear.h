@@ -32,8 +32,10 @@ class LinearWorkspace {
   // D: LoRA's dropped-out input; E, F, G: DoRA's merged rows, their correction and their norms;
   // H: a DoRA layer's whole merged weight (nn/lora.h lora_layer_weight); S: the fp32 staging of
   // a saved activation kept in bf16 (nn/layer.h saved_target); L: the logits' gradient in bf16,
-  // from the loss to the head's backward (Transformer, ActivationStore::fused_loss_weight).
-  enum Slot { A, B, C, W, Q, D, E, F, G, H, S, L, SLOT_COUNT };
+  // from the loss to the head's backward (Transformer, ActivationStore::fused_loss_weight); Y: the
+  // MLP's first layer's output gradient in bf16, from the activation's backward to that layer's
+  // (MlpLayer::backward, LayerPlan::mlp_in_dy_bf16).
+  enum Slot { A, B, C, W, Q, D, E, F, G, H, S, L, Y, SLOT_COUNT };
   explicit LinearWorkspace(Allocator& allocator) : allocator_(allocator) {}
   // A view of `shape` into slot's f32 (or bf16) buffer, growing it when too small.
   Tensor f32(Slot slot, const Shape& shape);
@@ -88,7 +90,8 @@ class LinearLayer {
                float beta, LinearWorkspace* ws);
   // dx = dy @ w; dw += dy^T @ x; db += colsum(dy). With the f32 recipe dx or dw may be left
   // undefined to compute the other half alone (the input / weight split of zero-bubble schedules).
-  // dy may be bf16 with the bf16 recipe and no bias (the loss's gradient for the head).
+  // dy may be bf16 with the bf16 recipe (the loss's gradient for the head, the MLP activation's
+  // backward for fc: LayerPlan::mlp_in_dy_bf16); db then sums its bf16 values, as autocast does.
   void backward(Backend& backend, const Tensor& x, const Tensor& w, const Tensor& w16, const Tensor& dy,
                 const Tensor& dx, const Tensor& dw, const Tensor& db, LinearWorkspace* ws);
 

@@ -146,11 +146,14 @@ void MlpLayer::backward(Backend& backend, const Tensor& mid, const MlpSaved& s, 
   pass.keep(dy_out, s.dy_fc2);
   adapted_linear_backward(backend, fc2_, s.act, p.fc2_w, q.fc2_w, dy_out, k.d_act, pass.dw(g.fc2_w), g.fc2_b,
                           fc2_lora(s), g.fc2_lora, links_.ws);
-  if (config_.gated_mlp()) backend.glu_backward(s.fc, k.d_act, k.d_fc, config_.gate_activation);
-  else backend.gelu_backward(s.fc, k.d_act, k.d_fc);
-  pass.keep(k.d_fc, s.dy_fc);
+  // d(fc output): in bf16 where the plan says (fc's GEMMs read it as it is), else fp32.
+  const bool dy16 = plan_.mlp_in_dy_bf16 && part == BACKWARD_ALL && links_.ws != nullptr;
+  const Tensor d_fc = dy16 ? links_.ws->bf16(LinearWorkspace::Y, k.d_fc.shape()) : k.d_fc;
+  if (config_.gated_mlp()) backend.glu_backward(s.fc, k.d_act, d_fc, config_.gate_activation);
+  else backend.gelu_backward(s.fc, k.d_act, d_fc);
+  pass.keep(d_fc, s.dy_fc);
   const Tensor input = pre ? whole(s.norm.out) : mid;
-  adapted_linear_backward(backend, fc_, input, p.fc_w, q.fc_w, k.d_fc, k.d_norm, pass.dw(g.fc_w), g.fc_b, fc_lora(s),
+  adapted_linear_backward(backend, fc_, input, p.fc_w, q.fc_w, d_fc, k.d_norm, pass.dw(g.fc_w), g.fc_b, fc_lora(s),
                           g.fc_lora, links_.ws);
   if (!pre) {  // d(mid) = d(out) + the MLP's d(mid)
     backend.add_inplace(d_residual, k.d_norm.view(0, d_residual.shape()));

@@ -45,6 +45,15 @@ std::array<bool, 4> saved_bf16(const ModelConfig& config, int64_t layer, const L
   return on;
 }
 
+// LayerPlan::mlp_in_dy_bf16's rule.
+bool mlp_in_dy_bf16(const ModelConfig& config, int64_t layer, const LayerPlan& plan, bool wanted) {
+  if (!wanted || plan.mlp != MlpKind::dense || plan.linears[LINEAR_MLP_IN] != RECIPE_BF16) return false;
+  for (const LoraSite& site : lora_sites(config, layer)) {
+    if (site.linear == LORA_ON_FC) return false;
+  }
+  return true;
+}
+
 }  // namespace
 
 LayerPlan resolve_layer_plan(const ModelConfig& config, int64_t layer, const PlanChoices& choices) {
@@ -107,6 +116,7 @@ LayerPlan resolve_layer_plan(const ModelConfig& config, int64_t layer, const Pla
   plan.attention_bf16 = choices.attention_bf16 && (plan.attention == AttentionKind::mha || plan.attention == AttentionKind::flash) &&
                         plan.window == 0;
   plan.saved_bf16 = saved_bf16(config, layer, plan, choices.activations_bf16);
+  plan.mlp_in_dy_bf16 = mlp_in_dy_bf16(config, layer, plan, choices.activations_bf16);
   return plan;
 }
 

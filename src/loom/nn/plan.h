@@ -61,6 +61,11 @@ struct LayerPlan {
   // themselves; the plain attention writes fp32 into a staging buffer, rounded into the field
   // after (nn/layer.h saved_target / store_saved).
   std::array<bool, 4> saved_bf16{false, false, false, false};
+  // The MLP activation's backward writes the first MLP layer's output gradient in bf16, which that
+  // layer's bf16 GEMMs read as it is (and its bias gradient sums, as autocast's): with
+  // precision.activations = bf16 where mlp_in's recipe is bf16, the MLP dense and no LoRA adapter
+  // on it (which reads the gradient in fp32). Not in a split backward (zero-bubble keeps it fp32).
+  bool mlp_in_dy_bf16 = false;
   // precision.attention = bf16 on the plain or flash attention without a window (Backend::
   // attention_forward_bf16 / _backward_bf16, flash_attention_forward_bf16 / _backward_bf16);
   // windowed, context-parallel and MLA attention keep their fp32 GEMMs.

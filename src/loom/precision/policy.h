@@ -70,7 +70,8 @@ struct PrecisionConfig {
   std::string qat = "none";    // none | mxfp4 | nvfp4
   // bf16 | f32: the dtype of the saved activations a bf16 linear layer reads (its input, which
   // the bf16 recipe rounds to bf16 in the forward and again for the weight gradient, so the bf16
-  // copy loses nothing there; nn/plan.h LayerPlan::saved_bf16 says which); f32 keeps them fp32.
+  // copy loses nothing there; nn/plan.h LayerPlan::saved_bf16 says which), and the MLP's first
+  // layer's output gradient (LayerPlan::mlp_in_dy_bf16); f32 keeps them fp32.
   std::string activations = "bf16";
   // f32 | bf16: the dtype attention's GEMMs (QK^T, PV and their four backward products) multiply
   // in; bf16 rounds their operands (fp32 accumulation; softmax and the saved probabilities stay

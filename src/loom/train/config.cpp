@@ -137,7 +137,7 @@ std::vector<Binding> bindings(LoomConfig& c) {
       {"precision.reduce", &c.train.precision.reduce, "dtype gradients are reduced in (across micro-batches and ranks): f32 | bf16"},
       {"precision.master", &c.train.precision.master, "master weights: f32 | bf16 (no fp32 master: weights rounded to bf16 after each update)"},
       {"precision.stochastic_rounding", &c.train.precision.stochastic_rounding, "precision.master = bf16: round stochastically instead of to nearest"},
-      {"precision.activations", &c.train.precision.activations, "dtype of the saved activations bf16 linear layers read (their inputs, exact in bf16; the attention output's backward then reads it in bf16): bf16 | f32"},
+      {"precision.activations", &c.train.precision.activations, "dtype of the saved activations bf16 linear layers read (their inputs, exact in bf16; the attention output's backward then reads it in bf16) and of the MLP's first layer's output gradient: bf16 | f32"},
       {"precision.attention", &c.train.precision.attention, "dtype attention's GEMMs (QK^T, PV and their backward) multiply in: f32 | bf16 (operands rounded, fp32 accumulation; the plain and the flash attention without a window: flash's on the CUDA backend's tensor cores)"},
       {"precision.qat", &c.train.precision.qat, "quantization-aware training of the block linears' weights: none | mxfp4 | nvfp4"},
       {"precision.fp8_margin", &c.train.precision.fp8.margin, "fp8 recipes: scale so the amax lands 2^margin below the format's max"},

@@ -129,8 +129,10 @@ double CpuBackend::sum(const Tensor& x) {
 }
 
 void CpuBackend::bias_backward(const Tensor& dout, const Tensor& dbias) {
-  expect_dtype(dbias, dout.dtype(), "bias_backward", "dbias");
-  expect_numel(dbias, dout.dim(-1), "bias_backward", "dbias");
+  if (checks::check_bias_backward(dout, dbias)) {  // a bf16 dout, widened, into an f32 dbias
+    cpu::column_sums_accumulate(bf16_bits(dout), rows_of(dout), dout.dim(-1), dbias.data<float>());
+    return;
+  }
   dispatch_float(dout.dtype(), "bias_backward", kBackend, [&]<typename T>() {
     cpu::column_sums_accumulate(dout.data<T>(), rows_of(dout), dout.dim(-1), dbias.data<T>());
   });
@@ -244,7 +246,11 @@ void CpuBackend::gelu_forward(const Tensor& x, const Tensor& out) {
 }
 
 void CpuBackend::gelu_backward(const Tensor& x, const Tensor& dout, const Tensor& dx) {
-  check_elementwise("gelu_backward", x, {&dout, &dx});
+  check_elementwise("gelu_backward", x, {&dout});
+  if (check_output("gelu_backward", x, dx, x.numel())) {
+    cpu::gelu_backward(x.data<float>(), dout.data<float>(), bf16_bits(dx), x.numel());
+    return;
+  }
   dispatch_float(x.dtype(), "gelu_backward", kBackend, [&]<typename T>() {
     cpu::gelu_backward(x.data<T>(), dout.data<T>(), dx.data<T>(), x.numel());
   });
@@ -271,19 +277,20 @@ void CpuBackend::glu_forward(const Tensor& x, const Tensor& out, GateActivation 
 void CpuBackend::glu_backward(const Tensor& x, const Tensor& dout, const Tensor& dx, GateActivation act) {
   const char* op = "glu_backward";
   check_swiglu(op, x, dout);
-  check_elementwise(op, x, {&dx});
-  dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() {
-    if (act == GateActivation::silu)
-      cpu::glu_backward<T, GateActivation::silu>(x.data<T>(), dout.data<T>(), dx.data<T>(), rows_of(dout), dout.dim(-1));
-    else if (act == GateActivation::sigmoid)
-      cpu::glu_backward<T, GateActivation::sigmoid>(x.data<T>(), dout.data<T>(), dx.data<T>(), rows_of(dout), dout.dim(-1));
-    else if (act == GateActivation::swiglu_oai)
-      cpu::glu_backward<T, GateActivation::swiglu_oai>(x.data<T>(), dout.data<T>(), dx.data<T>(), rows_of(dout),
-                                                       dout.dim(-1));
-    else
-      cpu::glu_backward<T, GateActivation::gelu_tanh>(x.data<T>(), dout.data<T>(), dx.data<T>(), rows_of(dout),
-                                                      dout.dim(-1));
-  });
+  const bool bf16_dx = check_output(op, x, dx, x.numel());
+  const auto run = [&]<typename T, typename O>(O* d) {  // the activation as a template argument
+    const int64_t rows = rows_of(dout), hidden = dout.dim(-1);
+    const T *xs = x.data<T>(), *g = dout.data<T>();
+    if (act == GateActivation::silu) cpu::glu_backward<T, GateActivation::silu>(xs, g, d, rows, hidden);
+    else if (act == GateActivation::sigmoid) cpu::glu_backward<T, GateActivation::sigmoid>(xs, g, d, rows, hidden);
+    else if (act == GateActivation::swiglu_oai) cpu::glu_backward<T, GateActivation::swiglu_oai>(xs, g, d, rows, hidden);
+    else cpu::glu_backward<T, GateActivation::gelu_tanh>(xs, g, d, rows, hidden);
+  };
+  if (bf16_dx) {
+    run.operator()<float>(bf16_bits(dx));
+    return;
+  }
+  dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() { run.operator()<T>(dx.data<T>()); });
 }
 
 void CpuBackend::rope_forward(const Tensor& x, int64_t head_dim, int64_t n_heads, const RopeSpec& rope_spec,

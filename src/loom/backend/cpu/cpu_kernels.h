@@ -40,16 +40,20 @@ void store_output_row(const T* row, O* out, int64_t n) {
   if constexpr (!std::is_same_v<T, O>) round_to_bf16_bits(row, out, n);
 }
 
-// acc[c] (C) += sum over rows r of x[r, c]; parallel over column blocks, rows summed in order.
-template <typename T>
-void column_sums_accumulate(const T* x, int64_t rows, int64_t cols, T* acc) {
+// acc[c] (C) += sum over rows r of x[r, c]; parallel over column blocks, rows summed in order. x
+// may be bf16 bits (S = uint16_t, T = float: each element widened exactly, summed in f32).
+template <typename T, typename S>
+void column_sums_accumulate(const S* x, int64_t rows, int64_t cols, T* acc) {
 #pragma omp parallel for schedule(static)
   for (int64_t c0 = 0; c0 < cols; c0 += kColumnBlock) {
     const int64_t c1 = std::min(cols, c0 + kColumnBlock);
     for (int64_t r = 0; r < rows; ++r) {
-      const T* row = x + r * cols;
+      const S* row = x + r * cols;
 #pragma omp simd
-      for (int64_t c = c0; c < c1; ++c) acc[c] += row[c];
+      for (int64_t c = c0; c < c1; ++c) {
+        if constexpr (std::is_same_v<S, uint16_t>) acc[c] += bf16_to_f32(bf16{row[c]});
+        else acc[c] += row[c];
+      }
     }
   }
 }
@@ -278,14 +282,27 @@ void gelu_forward(const T* x, O* out, int64_t n) {
 
 // dy/dx = 0.5 (1 + tanh u) + 0.5 x (1 - tanh^2 u) sqrt(2/pi) (1 + 3 * 0.044715 x^2).
 template <typename T>
-void gelu_backward(const T* x, const T* dout, T* dx, int64_t n) {
+inline T gelu_grad_of(T v, T g) {
+  const T u = T(kGeluScale) * (v + T(kGeluCubic) * v * v * v);
+  const T t = tanh_t<T>(u);
+  const T du = T(kGeluScale) * (T(1) + T(3 * kGeluCubic) * v * v);
+  return g * (T(0.5) * (T(1) + t) + T(0.5) * v * (T(1) - t * t) * du);
+}
+template <typename T, typename O = T>
+void gelu_backward(const T* x, const T* dout, O* dx, int64_t n) {
+  if constexpr (std::is_same_v<T, O>) {
 #pragma omp parallel for simd schedule(static)
-  for (int64_t i = 0; i < n; ++i) {
-    const T v = x[i];
-    const T u = T(kGeluScale) * (v + T(kGeluCubic) * v * v * v);
-    const T t = tanh_t<T>(u);
-    const T du = T(kGeluScale) * (T(1) + T(3 * kGeluCubic) * v * v);
-    dx[i] = dout[i] * (T(0.5) * (T(1) + t) + T(0.5) * v * (T(1) - t * t) * du);
+    for (int64_t i = 0; i < n; ++i) dx[i] = gelu_grad_of(x[i], dout[i]);
+  } else {  // bf16 dx: blocks computed in T and rounded (output_row)
+    constexpr int64_t kBlock = 4096;
+#pragma omp parallel for schedule(static)
+    for (int64_t b0 = 0; b0 < n; b0 += kBlock) {
+      const int64_t m = std::min(kBlock, n - b0);
+      T* d = output_row<T>(dx + b0, m);
+#pragma omp simd
+      for (int64_t i = 0; i < m; ++i) d[i] = gelu_grad_of(x[b0 + i], dout[b0 + i]);
+      store_output_row(d, dx + b0, m);
+    }
   }
 }
 
@@ -349,20 +366,21 @@ void glu_forward(const T* x, O* out, int64_t rows, int64_t hidden) {
 }
 
 // dgate = dout * up * act'(g); dup = dout * act(g).
-template <typename T, GateActivation act>
-void glu_backward(const T* x, const T* dout, T* dx, int64_t rows, int64_t hidden) {
+template <typename T, GateActivation act, typename O = T>
+void glu_backward(const T* x, const T* dout, O* dx, int64_t rows, int64_t hidden) {
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < rows; ++r) {
     const T* gate = x + r * 2 * hidden;
     const T* up = gate + hidden;
     const T* g = dout + r * hidden;
-    T* dgate = dx + r * 2 * hidden;
+    T* dgate = output_row<T>(dx + r * 2 * hidden, 2 * hidden);
     T* dup = dgate + hidden;
 #pragma omp simd
     for (int64_t j = 0; j < hidden; ++j) {
       dgate[j] = g[j] * glu_up<T>(act, up[j]) * gate_act_grad<T>(act, gate[j]);
       dup[j] = g[j] * gate_act<T>(act, gate[j]) * glu_up_grad<T>(act, up[j]);
     }
+    store_output_row(dgate, dx + r * 2 * hidden, 2 * hidden);
   }
 }
 

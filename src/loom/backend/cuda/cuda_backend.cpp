@@ -31,6 +31,7 @@ namespace cuda_backend_detail {
 using checks::check_attention;
 using checks::check_attention_backward;
 using checks::check_attention_sinks;
+using checks::check_bias_backward;
 using checks::check_cross_entropy;
 using checks::check_elementwise;
 using checks::check_embedding;
@@ -174,9 +175,12 @@ void CudaBackend::scale_inplace(const Tensor& x, double factor) {
 }
 
 void CudaBackend::bias_backward(const Tensor& dout, const Tensor& dbias) {
-  expect_dtype(dbias, dout.dtype(), "bias_backward", "dbias");
-  expect_numel(dbias, dout.dim(-1), "bias_backward", "dbias");
   const int64_t rows = rows_of(dout), cols = dout.dim(-1);
+  if (check_bias_backward(dout, dbias)) {  // a bf16 dout, summed widened into an f32 dbias
+    void* scratch = workspace(cuda::column_sums_scratch_bytes(rows, cols, sizeof(float)));
+    cuda::column_sums_accumulate_bf16(dptr<uint16_t>(dout), rows, cols, dptr<float>(dbias), scratch, stream_);
+    return;
+  }
   dispatch_float(dout.dtype(), "bias_backward", kBackend, [&]<typename T>() {
     void* scratch = workspace(cuda::column_sums_scratch_bytes(rows, cols, sizeof(T)));
     cuda::column_sums_accumulate<T>(dptr<T>(dout), rows, cols, dptr<T>(dbias), scratch, stream_);
@@ -280,9 +284,13 @@ void CudaBackend::gelu_forward(const Tensor& x, const Tensor& out) {
 }
 
 void CudaBackend::gelu_backward(const Tensor& x, const Tensor& dout, const Tensor& dx) {
-  check_elementwise("gelu_backward", x, {&dout, &dx});
+  check_elementwise("gelu_backward", x, {&dout});
+  if (check_output("gelu_backward", x, dx, x.numel())) {
+    cuda::gelu_backward(dptr<float>(x), dptr<float>(dout), dptr<uint16_t>(dx), x.numel(), stream_);
+    return;
+  }
   dispatch_float(x.dtype(), "gelu_backward", kBackend, [&]<typename T>() {
-    cuda::gelu_backward<T>(dptr<T>(x), dptr<T>(dout), dptr<T>(dx), x.numel(), stream_);
+    cuda::gelu_backward(dptr<T>(x), dptr<T>(dout), dptr<T>(dx), x.numel(), stream_);
   });
 }
 
@@ -300,9 +308,12 @@ void CudaBackend::glu_forward(const Tensor& x, const Tensor& out, GateActivation
 void CudaBackend::glu_backward(const Tensor& x, const Tensor& dout, const Tensor& dx, GateActivation act) {
   const char* op = "glu_backward";
   check_swiglu(op, x, dout);
-  check_elementwise(op, x, {&dx});
+  if (check_output(op, x, dx, x.numel())) {
+    cuda::glu_backward(dptr<float>(x), dptr<float>(dout), dptr<uint16_t>(dx), rows_of(dout), dout.dim(-1), act, stream_);
+    return;
+  }
   dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() {
-    cuda::glu_backward<T>(dptr<T>(x), dptr<T>(dout), dptr<T>(dx), rows_of(dout), dout.dim(-1), act, stream_);
+    cuda::glu_backward(dptr<T>(x), dptr<T>(dout), dptr<T>(dx), rows_of(dout), dout.dim(-1), act, stream_);
   });
 }
 

@@ -176,6 +176,14 @@ struct LoadRows {  // f(r, j) = x[r, j]
   __device__ void operator()(int64_t r, int64_t j, T* v) const { v[0] = x[r * cols + j]; }
 };
 
+struct LoadBf16Rows {  // f(r, j) = x[r, j] widened (bf16 bits)
+  const uint16_t* x;
+  int64_t cols;
+  __device__ void operator()(int64_t r, int64_t j, float* v) const {
+    v[0] = __uint_as_float(static_cast<uint32_t>(x[r * cols + j]) << 16);
+  }
+};
+
 template <typename T>
 struct LoadLayerNormGrads {  // f0 = dout (x - mean) rstd (dw), f1 = dout (db)
   const T* dout;
@@ -543,14 +551,14 @@ __global__ void gelu_forward_kernel(const T* x, O* out, int64_t n) {
   }
 }
 
-template <typename T>
-__global__ void gelu_backward_kernel(const T* x, const T* dout, T* dx, int64_t n) {
+template <typename T, typename O>
+__global__ void gelu_backward_kernel(const T* x, const T* dout, O* dx, int64_t n) {
   for (int64_t i = thread_index(); i < n; i += thread_count()) {
     const T v = x[i];
     const T u = T(kGeluScale) * (v + T(kGeluCubic) * v * v * v);
     const T t = tanh_t<T>(u);
     const T du = T(kGeluScale) * (T(1) + T(3 * kGeluCubic) * v * v);
-    dx[i] = dout[i] * (T(0.5) * (T(1) + t) + T(0.5) * v * (T(1) - t * t) * du);
+    store_out(dx + i, dout[i] * (T(0.5) * (T(1) + t) + T(0.5) * v * (T(1) - t * t) * du));
   }
 }
 
@@ -612,16 +620,16 @@ __global__ void glu_forward_kernel(const T* x, O* out, int64_t rows, int64_t hid
   }
 }
 
-template <typename T>
-__global__ void glu_backward_kernel(const T* x, const T* dout, T* dx, int64_t rows, int64_t hidden, GateActivation act) {
+template <typename T, typename O>
+__global__ void glu_backward_kernel(const T* x, const T* dout, O* dx, int64_t rows, int64_t hidden, GateActivation act) {
   const int64_t n = rows * hidden;
   for (int64_t i = thread_index(); i < n; i += thread_count()) {
     const int64_t r = i / hidden, j = i % hidden;
     const T gate = x[r * 2 * hidden + j];
     const T up = x[r * 2 * hidden + hidden + j];
     const T g = dout[i];
-    dx[r * 2 * hidden + j] = g * glu_up<T>(act, up) * gate_act_grad<T>(act, gate);
-    dx[r * 2 * hidden + hidden + j] = g * gate_act<T>(act, gate) * glu_up_grad<T>(act, up);
+    store_out(dx + r * 2 * hidden + j, g * glu_up<T>(act, up) * gate_act_grad<T>(act, gate));
+    store_out(dx + r * 2 * hidden + hidden + j, g * gate_act<T>(act, gate) * glu_up_grad<T>(act, up));
   }
 }
 
@@ -846,6 +854,11 @@ void column_sums_accumulate(const T* x, int64_t rows, int64_t cols, T* acc, void
   column_sums<T, 1>(LoadRows<T>{x, cols}, rows, cols, static_cast<T*>(scratch), acc, nullptr, stream);
 }
 
+void column_sums_accumulate_bf16(const uint16_t* x, int64_t rows, int64_t cols, float* acc, void* scratch,
+                                 cudaStream_t stream) {
+  column_sums<float, 1>(LoadBf16Rows{x, cols}, rows, cols, static_cast<float*>(scratch), acc, nullptr, stream);
+}
+
 template <typename T>
 void embedding_forward(const int32_t* tokens, const T* table, const T* positions, T* out, int64_t n_tokens,
                        int64_t seq_len, int64_t channels, int64_t vocab, unsigned long long* bad_position,
@@ -964,10 +977,10 @@ void gelu_forward(const T* x, O* out, int64_t n, cudaStream_t stream) {
   LOOM_CUDA_CHECK_LAUNCH();
 }
 
-template <typename T>
-void gelu_backward(const T* x, const T* dout, T* dx, int64_t n, cudaStream_t stream) {
+template <typename T, typename O>
+void gelu_backward(const T* x, const T* dout, O* dx, int64_t n, cudaStream_t stream) {
   if (n <= 0) return;
-  launch<gelu_backward_kernel<T>>(grid_for(n, kBlock), kBlock, 0, stream, x, dout, dx, n);
+  launch<gelu_backward_kernel<T, O>>(grid_for(n, kBlock), kBlock, 0, stream, x, dout, dx, n);
   LOOM_CUDA_CHECK_LAUNCH();
 }
 
@@ -978,11 +991,11 @@ void glu_forward(const T* x, O* out, int64_t rows, int64_t hidden, GateActivatio
   LOOM_CUDA_CHECK_LAUNCH();
 }
 
-template <typename T>
-void glu_backward(const T* x, const T* dout, T* dx, int64_t rows, int64_t hidden, GateActivation act,
+template <typename T, typename O>
+void glu_backward(const T* x, const T* dout, O* dx, int64_t rows, int64_t hidden, GateActivation act,
                   cudaStream_t stream) {
   if (rows <= 0 || hidden <= 0) return;
-  launch<glu_backward_kernel<T>>(grid_for(rows * hidden, kBlock), kBlock, 0, stream, x, dout, dx, rows, hidden, act);
+  launch<glu_backward_kernel<T, O>>(grid_for(rows * hidden, kBlock), kBlock, 0, stream, x, dout, dx, rows, hidden, act);
   LOOM_CUDA_CHECK_LAUNCH();
 }
 
@@ -1053,9 +1066,9 @@ void adamw_step(T* p, const T* grad, T* m, T* v, int64_t n, double lr, double be
   template void rmsnorm_backward<T>(const T*, const T*, const T*, const T*, T*, T*, int64_t, int64_t, void*,         \
                                     cudaStream_t);                                                                   \
   template void gelu_forward<T, T>(const T*, T*, int64_t, cudaStream_t);                                             \
-  template void gelu_backward<T>(const T*, const T*, T*, int64_t, cudaStream_t);                                     \
+  template void gelu_backward<T, T>(const T*, const T*, T*, int64_t, cudaStream_t);                                  \
   template void glu_forward<T, T>(const T*, T*, int64_t, int64_t, GateActivation, cudaStream_t);                    \
-  template void glu_backward<T>(const T*, const T*, T*, int64_t, int64_t, GateActivation, cudaStream_t);            \
+  template void glu_backward<T, T>(const T*, const T*, T*, int64_t, int64_t, GateActivation, cudaStream_t);         \
   template void rope_rotate<T>(T*, int64_t, int64_t, int64_t, int64_t, int64_t, const RopeSpec&, int64_t, double, \
                                cudaStream_t);                                                                        \
   template void cross_entropy_forward<T>(const T*, const int32_t*, T*, T*, int64_t, int64_t, unsigned long long*,    \
@@ -1075,6 +1088,10 @@ template void rmsnorm_forward<float, uint16_t>(const float*, const float*, uint1
                                                cudaStream_t);
 template void gelu_forward<float, uint16_t>(const float*, uint16_t*, int64_t, cudaStream_t);
 template void glu_forward<float, uint16_t>(const float*, uint16_t*, int64_t, int64_t, GateActivation, cudaStream_t);
+// ... and the activations' input gradients in bf16 (the MLP's first GEMM reads them so).
+template void gelu_backward<float, uint16_t>(const float*, const float*, uint16_t*, int64_t, cudaStream_t);
+template void glu_backward<float, uint16_t>(const float*, const float*, uint16_t*, int64_t, int64_t, GateActivation,
+                                            cudaStream_t);
 
 #undef LOOM_CUDA_KERNELS_INSTANTIATE
 

@@ -46,6 +46,9 @@ void add_bias_rows(T* c, const T* bias, int64_t rows, int64_t cols, cudaStream_t
 size_t column_sums_scratch_bytes(int64_t rows, int64_t cols, size_t elem_bytes);
 template <typename T>
 void column_sums_accumulate(const T* x, int64_t rows, int64_t cols, T* acc, void* scratch, cudaStream_t stream);
+// The same over bf16 x (bits), widened exactly, summed in f32 in the same order; the same scratch.
+void column_sums_accumulate_bf16(const uint16_t* x, int64_t rows, int64_t cols, float* acc, void* scratch,
+                                 cudaStream_t stream);
 
 // ---------------------------------------------------------------- embedding
 // Ids outside [0, vocab) are not read or written: the launcher records the lowest such position
@@ -88,13 +91,14 @@ void rmsnorm_backward(const T* dout, const T* x, const T* w, const T* rstd, T* d
 // ---------------------------------------------------------------- activations
 template <typename T, typename O>
 void gelu_forward(const T* x, O* out, int64_t n, cudaStream_t stream);
-template <typename T>
-void gelu_backward(const T* x, const T* dout, T* dx, int64_t n, cudaStream_t stream);
-// x (rows, 2F) = [gate | up]; out (rows, F) = act(gate) * up.
+template <typename T, typename O>
+void gelu_backward(const T* x, const T* dout, O* dx, int64_t n, cudaStream_t stream);
+// x (rows, 2F) = [gate | up]; out (rows, F) = act(gate) * up. The backwards' dx may be bf16 bits
+// (O = uint16_t, T = float), rounded as the forwards' out.
 template <typename T, typename O>
 void glu_forward(const T* x, O* out, int64_t rows, int64_t hidden, GateActivation act, cudaStream_t stream);
-template <typename T>
-void glu_backward(const T* x, const T* dout, T* dx, int64_t rows, int64_t hidden, GateActivation act,
+template <typename T, typename O>
+void glu_backward(const T* x, const T* dout, O* dx, int64_t rows, int64_t hidden, GateActivation act,
                   cudaStream_t stream);
 // In place on x (batch, seq_len, width), the first n_heads * head_dim columns; direction +1
 // forward, -1 backward (the inverse rotation). Angles computed in double as on the CPU.
