@@ -86,6 +86,46 @@ TEST(CudaSimTraining, TheCudaBackendTrainsAsTheCpuAndIsBitwiseDeterministic) {
   }
 }
 
+// No host synchronisation inside a step's forward and backward but the loss's read (docs/cuda.md
+// "Expected speed"): the id checks of the embedding (forward and backward) and the cross-entropy
+// are read with the next host read, in its wait (CudaBackend::claim_flag / check_pending); each
+// waited for the stream on its own before (3 waits in the forward, 1 in the backward). A bad
+// target is still the op's one-line error, from the loss's read; the backend stays usable.
+TEST(CudaSimTraining, AStepWaitsForTheDeviceOnlyToReadItsLoss) {
+  auto backend = make_backend("cuda");
+  const ModelConfig config = model_preset("gpt2-tiny");
+  Transformer model(*backend, config);
+  model.init_weights(5);
+  PrecisionConfig pc;
+  pc.compute = "bf16";
+  model.set_precision(resolve_policy(pc));
+  ActivationStore store = model.allocate_store(2, 12);
+  const std::vector<int32_t> tokens = cyclic_tokens(25, static_cast<int32_t>(config.vocab_size));
+  std::vector<int32_t> targets(tokens.begin() + 1, tokens.end());
+  backend->write(store.tokens, tokens.data());
+  backend->write(store.targets, targets.data());
+  model.zero_grads();
+  const uint64_t w0 = sim::host_waits();
+  const double loss = model.forward(store);
+  const uint64_t w1 = sim::host_waits();
+  model.backward(store, 1.0f);
+  const uint64_t w2 = sim::host_waits();
+  EXPECT_TRUE(std::isfinite(loss));
+  EXPECT_EQ(w1 - w0, 1u) << "the forward waited " << w1 - w0 << " times";
+  EXPECT_EQ(w2 - w1, 0u) << "the backward waited " << w2 - w1 << " times";
+  backend->synchronize();  // (the embedding backward's check, read here)
+
+  const int32_t bad = static_cast<int32_t>(config.vocab_size) + 3, good = targets[5];
+  targets[5] = bad;
+  backend->write(store.targets, targets.data());
+  const std::string message = test::error_of([&] { model.forward(store); });
+  EXPECT_NE(message.find(str_cat("cross_entropy_forward: target ", bad, " at row 5 outside vocab")), std::string::npos)
+      << message;
+  targets[5] = good;
+  backend->write(store.targets, targets.data());
+  EXPECT_DOUBLE_EQ(model.forward(store), loss);
+}
+
 TEST(CudaSimTraining, CheckpointsFromDeviceMemoryLoadIntoDeviceMemoryAndTheCpu) {
   const fs::path root = fs::temp_directory_path() / ("loom_cuda_sim_ckpt_" + std::to_string(::getpid()));
   fs::remove_all(root);

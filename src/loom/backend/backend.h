@@ -220,6 +220,10 @@ class Backend {
   // dbias (N) += column sums of dout (.., N); dout may be bf16 with an f32 dbias (widened, summed in f32).
   virtual void bias_backward(const Tensor& dout, const Tensor& dbias) = 0;
 
+  // A token id or target outside [0, V) is a one-line Error naming the op, the id and its position
+  // (embedding_*, cross_entropy_forward). The CPU throws from the op; a device backend from its
+  // next host synchronisation (read, write, synchronize, an op that returns a host value), so the
+  // check costs no wait inside a step. The kernels skip a bad id's row meanwhile.
   // out[b,t] = table[tokens[b,t]] (+ positions[t]). tokens (B,T) i32, table (V,C), positions (Tmax,C) or null.
   // A bf16 table (a checkpoint's embedding used in place) is widened exactly into f32 out and positions.
   virtual void embedding_forward(const Tensor& tokens, const Tensor& table, const Tensor* positions,

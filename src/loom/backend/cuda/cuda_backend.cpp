@@ -1,8 +1,9 @@
 // The CUDA implementation of the op interface: validates with the checks every backend shares
 // (backend/checks.h), then enqueues kernels (cuda_kernels.cu, cuda_attention.cu) and cuBLASLt /
 // cuBLAS GEMMs on one stream. Nothing synchronizes but the ops that return a host value (sum,
-// sum_squares), read/write, and the id checks of embedding and cross-entropy (one small copy
-// each, so a bad token id is a one-line error, never a silent wrong answer).
+// sum_squares), read/write and synchronize; the id checks of embedding and cross-entropy are
+// read there, all in one small copy (so a bad token id is a one-line error, never a silent wrong
+// answer, without a wait inside the step: claim_flag / check_pending).
 //
 // GEMMs are in cuda_gemm.cpp, the other ops in the op files (cuda_backend_internal.h lists them).
 #include "loom/backend/cuda/cuda_backend.h"
@@ -85,12 +86,13 @@ CudaBackend::CudaBackend(int device) : device_(device) {
   LOOM_CUBLAS_STATUS(cublasSetStream(cublas_, stream_));
   lt_workspace_ = Tensor::empty(*allocator_, {kLtWorkspaceBytes / 8}, DTYPE_F64, MEM_WORKSPACE);  // bytes
   LOOM_CUBLAS_STATUS(cublasSetWorkspace(cublas_, lt_workspace_.device_ptr(), kLtWorkspaceBytes));
-  flags_ = Tensor::empty(*allocator_, {1}, DTYPE_F64, MEM_WORKSPACE);  // one unsigned long long
+  flags_ = Tensor::empty(*allocator_, {kFlagSlots}, DTYPE_F64, MEM_WORKSPACE);  // unsigned long longs
   partials_ = Tensor::empty(*allocator_, {cuda::kReducePartials}, DTYPE_F64, MEM_WORKSPACE);
 }
 
 CudaBackend::~CudaBackend() {
   (void)cudaStreamSynchronize(stream_);
+  pending_.clear();  // a check nobody synchronized for is dropped with the backend
   workspace_ = Tensor();
   lt_workspace_ = Tensor();
   flags_ = Tensor();
@@ -120,15 +122,27 @@ BackendCapabilities CudaBackend::capabilities() const {
 }
 
 void CudaBackend::write(const Tensor& dst, const void* host) {
+  check_pending();  // before new ids may overwrite the ones a pending check names
   if (dst.nbytes() == 0) return;
   LOOM_CUDA_CHECK(cudaMemcpyAsync(dst.device_ptr(), host, dst.nbytes(), cudaMemcpyHostToDevice, stream_));
   LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the host buffer may be reused on return
 }
 
 void CudaBackend::read(const Tensor& src, void* host) {
-  if (src.nbytes() == 0) return;
-  LOOM_CUDA_CHECK(cudaMemcpyAsync(host, src.device_ptr(), src.nbytes(), cudaMemcpyDeviceToHost, stream_));
+  unsigned long long bad[kFlagSlots];
+  const bool checks = enqueue_pending_flags(bad);  // read in this same wait
+  if (src.nbytes() > 0) {
+    LOOM_CUDA_CHECK(cudaMemcpyAsync(host, src.device_ptr(), src.nbytes(), cudaMemcpyDeviceToHost, stream_));
+  }
+  if (src.nbytes() > 0 || checks) LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  if (checks) throw_pending(bad);
+}
+
+void CudaBackend::synchronize() {
+  unsigned long long bad[kFlagSlots];
+  const bool checks = enqueue_pending_flags(bad);
   LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  if (checks) throw_pending(bad);
 }
 
 void CudaBackend::fill(const Tensor& x, double value) {
@@ -191,34 +205,33 @@ void CudaBackend::embedding_forward(const Tensor& tokens, const Tensor& table, c
                        const Tensor& out) {
   const char* op = "embedding_forward";
   const auto [n_tokens, seq_len, channels] = check_embedding(op, tokens, table, positions, out);
-  reset_flag();
+  unsigned long long* bad = claim_flag();
   if (table.dtype() == DTYPE_BF16) {
     cuda::embedding_forward_bf16(dptr<int32_t>(tokens), static_cast<const uint16_t*>(table.device_ptr()),
                                  positions ? dptr<float>(*positions) : nullptr, dptr<float>(out), n_tokens, seq_len,
-                                 channels, table.dim(0), flag(), stream_);
-    check_flag(op, "token id", "position", tokens, table.dim(0));
-    return;
+                                 channels, table.dim(0), bad, stream_);
+  } else {
+    dispatch_float(table.dtype(), op, kBackend, [&]<typename T>() {
+      cuda::embedding_forward<T>(dptr<int32_t>(tokens), dptr<T>(table), positions ? dptr<T>(*positions) : nullptr,
+                                 dptr<T>(out), n_tokens, seq_len, channels, table.dim(0), bad, stream_);
+    });
   }
-  dispatch_float(table.dtype(), op, kBackend, [&]<typename T>() {
-    cuda::embedding_forward<T>(dptr<int32_t>(tokens), dptr<T>(table), positions ? dptr<T>(*positions) : nullptr,
-                               dptr<T>(out), n_tokens, seq_len, channels, table.dim(0), flag(), stream_);
-  });
-  check_flag(op, "token id", "position", tokens, table.dim(0));
+  defer_check(op, "token id", "position", tokens, table.dim(0));
 }
 
 void CudaBackend::embedding_backward(const Tensor& tokens, const Tensor& dout, const Tensor& dtable,
                         const Tensor* dpositions) {
   const char* op = "embedding_backward";
   const auto [n_tokens, seq_len, channels] = check_embedding(op, tokens, dtable, dpositions, dout);
-  reset_flag();
+  unsigned long long* bad = claim_flag();
   dispatch_float(dtable.dtype(), op, kBackend, [&]<typename T>() {
     void* scratch =
         workspace(cuda::embedding_backward_scratch_bytes(n_tokens, seq_len, channels, dtable.dim(0), sizeof(T)));
     cuda::embedding_backward<T>(dptr<int32_t>(tokens), dptr<T>(dout), dptr<T>(dtable),
                                 dpositions ? dptr<T>(*dpositions) : nullptr, n_tokens, seq_len, channels,
-                                dtable.dim(0), scratch, flag(), stream_);
+                                dtable.dim(0), scratch, bad, stream_);
   });
-  check_flag(op, "token id", "position", tokens, dtable.dim(0));
+  defer_check(op, "token id", "position", tokens, dtable.dim(0));
 }
 
 void CudaBackend::layernorm_forward(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& out,
@@ -434,12 +447,12 @@ void CudaBackend::cross_entropy_forward(const Tensor& logits, const Tensor& targ
   check_cross_entropy(op, logits, targets, lse);
   expect_dtype(losses, logits.dtype(), op, "losses");
   expect_numel(losses, rows_of(logits), op, "losses");
-  reset_flag();
+  unsigned long long* bad = claim_flag();
   dispatch_float(logits.dtype(), op, kBackend, [&]<typename T>() {
     cuda::cross_entropy_forward<T>(dptr<T>(logits), dptr<int32_t>(targets), dptr<T>(losses), dptr<T>(lse),
-                                   rows_of(logits), logits.dim(-1), flag(), stream_);
+                                   rows_of(logits), logits.dim(-1), bad, stream_);
   });
-  check_flag(op, "target", "row", targets, logits.dim(-1));
+  defer_check(op, "target", "row", targets, logits.dim(-1));
 }
 
 void CudaBackend::cross_entropy_backward(const Tensor& logits, const Tensor& targets, const Tensor& lse, float dloss,
@@ -490,13 +503,41 @@ void CudaBackend::rope(const Tensor& x, int64_t head_dim, int64_t n_heads, const
 
 void CudaBackend::reset_flag() { LOOM_CUDA_CHECK(cudaMemsetAsync(flags_.device_ptr(), 0xFF, sizeof(unsigned long long), stream_)); }
 
-void CudaBackend::check_flag(const char* op, const char* what, const char* where, const Tensor& ids, int64_t limit) {
-  unsigned long long bad = 0;
-  read(flags_, &bad);
-  if (bad == ~0ull) return;
-  int32_t id = 0;
-  read(ids.view(static_cast<int64_t>(bad), {1}), &id);
-  throw Error(str_cat(op, ": ", what, " ", id, " at ", where, " ", bad, " outside vocab [0, ", limit, ")"));
+unsigned long long* CudaBackend::claim_flag() {
+  if (pending_.size() + 1 >= static_cast<size_t>(kFlagSlots)) check_pending();  // out of slots: read them now
+  unsigned long long* slot = flag() + pending_.size() + 1;
+  LOOM_CUDA_CHECK(cudaMemsetAsync(slot, 0xFF, sizeof(unsigned long long), stream_));
+  return slot;
+}
+
+void CudaBackend::defer_check(const char* op, const char* what, const char* where, const Tensor& ids, int64_t limit) {
+  pending_.push_back({op, what, where, ids, limit, static_cast<int>(pending_.size()) + 1});
+}
+
+bool CudaBackend::enqueue_pending_flags(unsigned long long* bad) {
+  if (pending_.empty()) return false;
+  LOOM_CUDA_CHECK(cudaMemcpyAsync(bad, flag() + 1, pending_.size() * sizeof(unsigned long long),  // slots 1 .. size
+                                  cudaMemcpyDeviceToHost, stream_));
+  return true;
+}
+
+void CudaBackend::check_pending() {
+  unsigned long long bad[kFlagSlots];
+  if (!enqueue_pending_flags(bad)) return;
+  LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  throw_pending(bad);
+}
+
+void CudaBackend::throw_pending(const unsigned long long* bad) {
+  const std::vector<PendingCheck> checks = std::move(pending_);
+  pending_.clear();  // read once: a throw below leaves none pending
+  for (const PendingCheck& c : checks) {  // the first op that saw a bad id
+    const unsigned long long at = bad[c.slot - 1];
+    if (at == ~0ull) continue;
+    int32_t id = 0;
+    read(c.ids.view(static_cast<int64_t>(at), {1}), &id);
+    throw Error(str_cat(c.op, ": ", c.what, " ", id, " at ", c.where, " ", at, " outside vocab [0, ", c.limit, ")"));
+  }
 }
 
 void* CudaBackend::workspace(size_t bytes) {

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <memory>
 #include <string_view>
+#include <vector>
 
 #include "loom/backend/backend.h"
 #include "loom/backend/block_cache.h"
@@ -111,7 +112,7 @@ class CudaBackend final : public Backend {
   int64_t panel_gemms() const { return panel_gemms_; }
   void write(const Tensor& dst, const void* host) override;
   void read(const Tensor& src, void* host) override;
-  void synchronize() override { LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+  void synchronize() override;
   void gemm(const Tensor& a, const Tensor& b, const Tensor& c, const GemmSpec& spec, const Tensor* bias) override;
   void fill(const Tensor& x, double value) override;
   void copy(const Tensor& src, const Tensor& dst) override;
@@ -268,10 +269,22 @@ class CudaBackend final : public Backend {
   void* workspace(size_t bytes);
   // Fixed-order sum: kReducePartials partials on the device, added here in index order.
   double reduce(const Tensor& x, bool squares, const char* op);
-  // The lowest bad index a kernel saw (ULLONG_MAX: none): reset before the kernel, checked after.
+  // The bad-index flags: kFlagSlots words, each the lowest bad index a kernel saw (ULLONG_MAX:
+  // none). Slot 0 is for the ops that check on the spot (flag(): reset before the kernel, read
+  // after, which waits for the stream). An id check (embedding, cross-entropy) claims another
+  // slot instead (claim_flag) and defers its check (defer_check): the pending checks are read
+  // together, in one copy, at the next host synchronisation (read, write, synchronize, and the
+  // ops that return a host value, which read) or when the slots run out, and the first bad one
+  // throws the op's one-line error there. So an id check costs no wait inside a step (the
+  // kernels skip a bad id's row, so nothing after them reads out of bounds meanwhile).
   unsigned long long* flag() { return static_cast<unsigned long long*>(flags_.device_ptr()); }
   void reset_flag();
-  void check_flag(const char* op, const char* what, const char* where, const Tensor& ids, int64_t limit);
+  unsigned long long* claim_flag();
+  // The check of the op just enqueued with the slot the last claim_flag gave: "op: what ID at
+  // where POS outside vocab [0, limit)" where ids[POS] = ID. ids must stay unchanged until it is
+  // read (write() checks first).
+  void defer_check(const char* op, const char* what, const char* where, const Tensor& ids, int64_t limit);
+  void check_pending();  // reads the pending checks now (a wait), and throws the first bad one
 
  private:
   static constexpr int64_t kLtWorkspaceBytes = int64_t{32} << 20;  // cuBLAS(Lt)'s split-K and Hopper kernels
@@ -312,6 +325,18 @@ class CudaBackend final : public Backend {
   cublasLtHandle_t lt_ = nullptr;
   cublasHandle_t cublas_ = nullptr;
   Tensor lt_workspace_, flags_, partials_, workspace_;
+  static constexpr int kFlagSlots = 8;  // flags_: slot 0 on the spot, the others deferred
+  struct PendingCheck {
+    const char *op, *what, *where;
+    Tensor ids;
+    int64_t limit;
+    int slot;
+  };
+  std::vector<PendingCheck> pending_;  // in enqueue order, on slots 1 .. size
+  // The pending checks' flags (slots 1 .. size) copied into bad[0 .. size) on the stream (false: none);
+  // after the caller's wait, throw_pending(bad) clears them and throws the first bad one.
+  bool enqueue_pending_flags(unsigned long long* bad);
+  void throw_pending(const unsigned long long* bad);
   // LOOM_CUDA_GEMM_PANEL_BYTES / LOOM_CUDA_GEMM_PANEL_MIN_FLOPS override the defaults (read once).
   GemmPanelLimits panel_limits_;
   int64_t panel_gemms_ = 0;

@@ -228,10 +228,15 @@ void enqueue_always(cudaStream_t stream, const char* what, std::function<void()>
   enqueue_ordered(stream, Task{std::move(work), what, true});
 }
 
+std::atomic<uint64_t> g_host_waits{0};
+
 void drain(cudaStream_t stream) {
   CUstream_st* s = stream_of(stream);
   s->wait_for(s->position());
 }
+
+void count_host_wait() { g_host_waits.fetch_add(1, std::memory_order_relaxed); }
+uint64_t host_waits() { return g_host_waits.load(std::memory_order_relaxed); }
 
 void with_device_access(const std::function<void()>& work) {
   ensure_init();
@@ -291,6 +296,7 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device) {
 
 cudaError_t cudaDeviceSynchronize(void) {
   ensure_init();
+  count_host_wait();
   std::vector<CUstream_st*> all;
   {
     std::lock_guard<std::mutex> lock(g_streams_mu);
@@ -384,6 +390,7 @@ cudaError_t cudaStreamDestroy(cudaStream_t stream) {
 }
 cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
   ensure_init();
+  count_host_wait();
   drain(stream);
   settle_pinned();
   return sticky_or(cudaSuccess);
@@ -426,6 +433,7 @@ cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
 }
 cudaError_t cudaEventSynchronize(cudaEvent_t event) {
   if (!event) return result_of(cudaErrorInvalidResourceHandle);
+  count_host_wait();
   EventState& e = *event->state;
   std::unique_lock<std::mutex> lock(e.mu);
   const uint64_t target = e.recorded;

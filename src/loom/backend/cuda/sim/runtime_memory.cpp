@@ -346,7 +346,10 @@ cudaError_t copy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind, 
   if (dst_device && !src_device) copy_to_device(dst, src, bytes, ss, stream, what);
   else if (!dst_device) copy_to_host(dst, src, bytes, ds, stream, async, what);
   else copy_on_device(dst, src, bytes, stream, what);
-  if (!async) drain(stream);
+  if (!async) {
+    count_host_wait();
+    drain(stream);
+  }
   return sticky_or(cudaSuccess);
 }
 
@@ -363,7 +366,10 @@ cudaError_t set(void* ptr, int value, size_t bytes, cudaStream_t stream, bool as
     std::memset(ptr, value, bytes);
     mark_written(ptr, bytes);
   });
-  if (!async) drain(stream);
+  if (!async) {
+    count_host_wait();
+    drain(stream);
+  }
   return sticky_or(cudaSuccess);
 }
 

@@ -25,6 +25,11 @@ void enqueue(cudaStream_t stream, const char* what, std::function<void()> work);
 // Waits until `stream` has run everything enqueued so far (cudaStreamSynchronize without
 // the sticky-error return).
 void drain(cudaStream_t stream);
+// How many times host code has waited for the device so far (cudaStreamSynchronize,
+// cudaDeviceSynchronize, cudaEventSynchronize, a synchronous cudaMemcpy or cudaMemset), over
+// all threads: a test counts the waits inside a training step with it.
+uint64_t host_waits();
+void count_host_wait();  // (the runtime's own)
 // Runs `work` on the calling thread with device memory addressable (the runtime's own access,
 // e.g. NCCL's MPI transfers after drain()).
 void with_device_access(const std::function<void()>& work);
