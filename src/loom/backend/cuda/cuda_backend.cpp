@@ -501,45 +501,6 @@ void CudaBackend::rope(const Tensor& x, int64_t head_dim, int64_t n_heads, const
   });
 }
 
-void CudaBackend::reset_flag() { LOOM_CUDA_CHECK(cudaMemsetAsync(flags_.device_ptr(), 0xFF, sizeof(unsigned long long), stream_)); }
-
-unsigned long long* CudaBackend::claim_flag() {
-  if (pending_.size() + 1 >= static_cast<size_t>(kFlagSlots)) check_pending();  // out of slots: read them now
-  unsigned long long* slot = flag() + pending_.size() + 1;
-  LOOM_CUDA_CHECK(cudaMemsetAsync(slot, 0xFF, sizeof(unsigned long long), stream_));
-  return slot;
-}
-
-void CudaBackend::defer_check(const char* op, const char* what, const char* where, const Tensor& ids, int64_t limit) {
-  pending_.push_back({op, what, where, ids, limit, static_cast<int>(pending_.size()) + 1});
-}
-
-bool CudaBackend::enqueue_pending_flags(unsigned long long* bad) {
-  if (pending_.empty()) return false;
-  LOOM_CUDA_CHECK(cudaMemcpyAsync(bad, flag() + 1, pending_.size() * sizeof(unsigned long long),  // slots 1 .. size
-                                  cudaMemcpyDeviceToHost, stream_));
-  return true;
-}
-
-void CudaBackend::check_pending() {
-  unsigned long long bad[kFlagSlots];
-  if (!enqueue_pending_flags(bad)) return;
-  LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  throw_pending(bad);
-}
-
-void CudaBackend::throw_pending(const unsigned long long* bad) {
-  const std::vector<PendingCheck> checks = std::move(pending_);
-  pending_.clear();  // read once: a throw below leaves none pending
-  for (const PendingCheck& c : checks) {  // the first op that saw a bad id
-    const unsigned long long at = bad[c.slot - 1];
-    if (at == ~0ull) continue;
-    int32_t id = 0;
-    read(c.ids.view(static_cast<int64_t>(at), {1}), &id);
-    throw Error(str_cat(c.op, ": ", c.what, " ", id, " at ", c.where, " ", at, " outside vocab [0, ", c.limit, ")"));
-  }
-}
-
 void* CudaBackend::workspace(size_t bytes) {
   const int64_t want = static_cast<int64_t>((bytes + 7) / 8);  // 8-byte words
   if (!workspace_.defined() || workspace_.numel() < want) {

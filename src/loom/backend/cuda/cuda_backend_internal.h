@@ -1,6 +1,6 @@
 // The CUDA backend's class (make_cuda_backend in backend.h), shared by the files that define its
 // ops: cuda_backend.cpp (memory, the core ops of a transformer and AdamW), cuda_gemm.cpp (the
-// GEMMs) and one op file per family (cuda_*_ops.cpp, each with its kernels in a .cu file and
+// GEMMs), cuda_id_checks.cpp (the bad-id flags and their deferred checks) and one op file per family (cuda_*_ops.cpp, each with its kernels in a .cu file and
 // their launchers in a .h), as the CPU backend's cpu_backend_internal.h. Every op validates with the checks every backend
 // shares (backend/checks.h), then enqueues its kernels on the backend's one stream. Not for callers.
 #pragma once
