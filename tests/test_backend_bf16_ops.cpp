@@ -315,6 +315,7 @@ TEST_P(BackendBf16AttentionTest, FlashForwardAndBackwardMatchTheCpu) {
 // bf16 out holds the bits of its f32 out rounded by cast(), lse is the same, and the backward's
 // dqkv is bitwise the one computed from the f32 O widened from those bf16 bits (D = rowsum(dO o O)
 // of the bf16 O). A backward given the unrounded O instead gives other bits: the test can tell.
+// A bf16 dqkv is the f32 one rounded, with either O.
 TEST_P(BackendBf16AttentionTest, FlashWithABf16OutputIsTheF32OutputRounded) {
   for (const AttentionCase& c : {AttentionCase{2, 70, 4, 2, 64}, AttentionCase{1, 40, 2, 1, 128},
                                  AttentionCase{2, 17, 4, 2, 8}}) {
@@ -346,6 +347,20 @@ TEST_P(BackendBf16AttentionTest, FlashWithABf16OutputIsTheF32OutputRounded) {
         << c.name() << ": dqkv from the bf16 O is not the one from its widened values on " << GetParam();
     EXPECT_FALSE(bits_of(download(b, dq16)) == bits_of(download(b, dq32)))
         << c.name() << ": dqkv does not depend on O's rounding (D read from the unrounded O?) on " << GetParam();
+    // dqkv wanted in bf16 (LayerPlan::qkv_dy_bf16), with O in bf16 and in f32: the f32 dqkv rounded.
+    for (const Tensor& o : {out16, out}) {
+      const Tensor g16 = Tensor::empty(b.allocator(), {c.B, c.T, c.width()}, DTYPE_BF16, MEM_WORKSPACE);
+      const Tensor g_rounded = Tensor::empty(b.allocator(), {c.B, c.T, c.width()}, DTYPE_BF16, MEM_WORKSPACE);
+      const Tensor g32 = upload(b, {c.B, c.T, c.width()}, {});
+      b.flash_attention_backward_bf16(d, q, o, lse, g16, c.H, c.KV);
+      b.flash_attention_backward_bf16(d, q, o, lse, g32, c.H, c.KV);
+      b.cast(g32, g_rounded);
+      std::vector<uint16_t> got(static_cast<size_t>(g16.numel())), want(static_cast<size_t>(g16.numel()));
+      b.read(g16, got.data());
+      b.read(g_rounded, want.data());
+      EXPECT_TRUE(got == want) << c.name() << ": a bf16 dqkv is not the f32 one rounded (O in "
+                               << dtype_name(o.dtype()) << ") on " << GetParam();
+    }
   }
   // A bf16 out for an f64 qkv is refused naming the op.
   Allocator& a = backend_->allocator();

@@ -250,7 +250,7 @@ TEST_F(FlashAttentionTest, FullAttentionAtTrainingShapeIsBitwiseIndependentOfThe
   EXPECT_EQ(values(one.dqkv), values(many.dqkv));
 }
 
-// Bad operands fail with check_attention's (or check_attention_backward's, check_elementwise's) one-line message.
+// Bad operands fail with check_attention's (or check_attention_backward's) one-line message.
 TEST_F(FlashAttentionTest, RejectsBadShapesWithTheChecksMessage) {
   const int64_t B = 2, T = 5, H = 4, KV = 2, hd = 8, W = (H + 2 * KV) * hd;
   const DType f32 = DTYPE_F32;
@@ -288,7 +288,8 @@ TEST_F(FlashAttentionTest, RejectsBadShapesWithTheChecksMessage) {
                   "flash_attention_backward: dout");
   Tensor dqkv64 = empty({B, T, W}, DTYPE_F64);
   expect_rejected([&] { backend->flash_attention_backward(dout, qkv, out, lse, dqkv64, H, KV, 0); },
-                  [&] { checks::check_elementwise(bwd, qkv, {&dqkv64}); }, "expected dtype f32");
+                  [&] { checks::check_attention_backward(bwd, dout, qkv, out, lse, dqkv64, H, KV, 0, true); },
+                  "flash_attention_backward: dqkv");
 }
 
 // ---------------------------------------------------------------- the model with flash attention

@@ -196,6 +196,17 @@ TEST(LayerPlanTest, TheInputsOfBf16LinearsAreSavedInBf16WhereTheRecipeAllows) {
   EXPECT_FALSE(resolve_layer_plan(lora_up, 0, bf16).mlp_in_dy_bf16);
   EXPECT_FALSE(resolve_layer_plan(moe, 1, bf16).mlp_in_dy_bf16);
   EXPECT_TRUE(resolve_layer_plan(gpt2, 0, mixed).mlp_in_dy_bf16);  // mlp_out's recipe does not matter
+  // qkv's output gradient in bf16: flash attention in bf16 with nothing between it and qkv (GPT-2).
+  PlanChoices gflash16 = bf16;
+  gflash16.flash = gflash16.attention_bf16 = true;
+  EXPECT_TRUE(resolve_layer_plan(gpt2, 0, gflash16).qkv_dy_bf16);
+  EXPECT_FALSE(resolve_layer_plan(llama, 0, gflash16).qkv_dy_bf16);  // RoPE's backward rewrites d(qkv)
+  EXPECT_FALSE(resolve_layer_plan(gpt2, 0, bf16).qkv_dy_bf16);       // the plain attention
+  PlanChoices gflash32 = gflash16;
+  gflash32.attention_bf16 = false;
+  EXPECT_FALSE(resolve_layer_plan(gpt2, 0, gflash32).qkv_dy_bf16);
+  gflash16.activations_bf16 = false;
+  EXPECT_FALSE(resolve_layer_plan(gpt2, 0, gflash16).qkv_dy_bf16);
   PlanChoices fc8 = bf16;
   fc8.linears[LINEAR_MLP_IN] = RECIPE_FP8_CURRENT;
   EXPECT_FALSE(resolve_layer_plan(gpt2, 0, fc8).mlp_in_dy_bf16);

@@ -21,7 +21,8 @@ Three designs are estimated:
   built-tc: the same with precision.attention = bf16 (the benchmark's setting): flash attention on
             tensor cores (cuda_flash_mma.cu: mma.sync m16n8k16, no ldmatrix / cp.async pipelining
             yet), assumed to reach 150 TFLOP/s, 15% of the dense peak (its author's estimate:
-            100-200), which writes the attention output in bf16 itself (no copy);
+            100-200), which writes the attention output in bf16 itself (no copy), and d(qkv) in
+            bf16 where no RoPE sits before the QKV projection (GPT-2);
   target:   bf16 activations end to end, attention on tensor cores tuned (wgmma, TMA) to 50% of the
             peak (FlashAttention-3 reports 60-75% forward on H100), the bf16 logits' cross-entropy
             reading them once.
@@ -96,7 +97,10 @@ def layer_kernels(m: Model, design: str) -> list[Kernel]:
         io = 2 * (n * k + k * out) + act * n * out
         ks.append(Kernel(f"{name} GEMM fwd", f, io, "tensor"))
         ks.append(Kernel(f"{name} GEMM bwd (dX, dW)", 2 * f, 2 * io + 4 * k * out, "tensor"))
-        if built and name != "mlp in":  # the fp32 d(output) read, its bf16 copy written, for dX and dW
+        # (mlp in's comes from the activation's backward in bf16; qkv's from the tensor-core flash
+        # backward where no RoPE sits between them: GPT-2 under built-tc)
+        bf16_dy = name == "mlp in" or (name == "qkv" and design == "built-tc" and not m.swiglu)
+        if built and not bf16_dy:  # the fp32 d(output) read, its bf16 copy written, for dX and dW
             ks.append(Kernel(f"{name}: bf16 copy of d(output)", 0, n * out * 6, "mem"))
         if design == "built" and name == "attention out":  # an fp32 O, copied for the forward and for dW
             ks.append(Kernel(f"{name}: bf16 copies of the attention output", 0, 2 * n * k * 6, "mem"))
@@ -110,7 +114,7 @@ def layer_kernels(m: Model, design: str) -> list[Kernel]:
     else:  # the mma.sync kernels' backward makes 7 products (dQ in its own pass), FA2's 5
         bwd = 3.5 if design == "built-tc" else 2.5
         ks.append(Kernel("flash attention fwd (tensor cores)", att, io_flash, f"attn-{design}"))
-        ks.append(Kernel("flash attention bwd (tensor cores)", bwd * att, 2 * io_flash, f"attn-{design}"))
+        ks.append(Kernel("flash attention bwd (tensor cores)", bwd * att, 2 * io_flash, f"attn-{design}"))  # (dqkv at act bytes: an upper bound)
     if m.swiglu:  # Llama: RoPE on q and k, in place, forward and backward
         ks.append(Kernel("RoPE fwd + bwd", 6 * n * qkv, 4 * act * n * (d + m.kv_heads * m.hd), "mem"))
     act_name = "SwiGLU" if m.swiglu else "GELU"

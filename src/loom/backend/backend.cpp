@@ -91,12 +91,14 @@ void Backend::flash_attention_backward_bf16(const Tensor& dout, const Tensor& qk
                                             const Tensor& dqkv, int64_t n_head, int64_t n_kv_head) {
   checks::check_attention_backward("flash_attention_backward_bf16", dout, qkv, out, lse, dqkv, n_head, n_kv_head, 0,
                                    true, true);
-  Tensor o = out;
+  Tensor o = out, g = dqkv;
   if (out.dtype() != qkv.dtype()) {  // O kept in bf16: D from its widened values
     o = Tensor::empty(allocator(), out.shape(), qkv.dtype(), MEM_WORKSPACE);
     cast(out, o);
   }
-  flash_attention_backward(bf16_rounded(*this, dout), bf16_rounded(*this, qkv), o, lse, dqkv, n_head, n_kv_head, 0);
+  if (dqkv.dtype() != qkv.dtype()) g = Tensor::empty(allocator(), dqkv.shape(), qkv.dtype(), MEM_WORKSPACE);
+  flash_attention_backward(bf16_rounded(*this, dout), bf16_rounded(*this, qkv), o, lse, g, n_head, n_kv_head, 0);
+  if (g.dtype() != dqkv.dtype()) cast(g, dqkv);  // dqkv wanted in bf16: rounded
 }
 void Backend::cross_entropy_loss_and_grad(const Tensor& logits, const Tensor& targets, const Tensor& losses,
                                           const Tensor& lse, float dloss, const Tensor& dlogits) {

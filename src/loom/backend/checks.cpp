@@ -173,7 +173,8 @@ Dims3 check_attention_backward(const char* op, const Tensor& dout, const Tensor&
   const Dims3 dims = check_attention(op, qkv, out, saved, n_head, n_kv_head, window, flash, bf16_out);
   expect_dtype(dout, qkv.dtype(), op, "dout");
   expect_numel(dout, out.numel(), op, "dout");
-  check_elementwise(op, qkv, {&dqkv});
+  if (!bf16_out || dqkv.dtype() != DTYPE_BF16 || qkv.dtype() != DTYPE_F32) expect_dtype(dqkv, qkv.dtype(), op, "dqkv");
+  expect_numel(dqkv, qkv.numel(), op, "dqkv");
   return dims;
 }
 

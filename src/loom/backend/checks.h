@@ -66,7 +66,8 @@ void check_head_rows(const char* op, const Tensor& x, const Tensor& weight, int6
 // where bf16_out (flash_attention_*_bf16: O kept in bf16). Returns {B, T, hd}.
 Dims3 check_attention(const char* op, const Tensor& qkv, const Tensor& out, const Tensor& saved, int64_t n_head,
                       int64_t n_kv_head, int64_t window, bool flash, bool bf16_out = false);
-// The backward's operands: check_attention's, plus dout shaped as out (in qkv's dtype) and dqkv as qkv.
+// The backward's operands: check_attention's, plus dout shaped as out (in qkv's dtype) and dqkv as
+// qkv (in qkv's dtype, or bf16 for an f32 qkv where bf16_out: its gradient rounded as stored).
 Dims3 check_attention_backward(const char* op, const Tensor& dout, const Tensor& qkv, const Tensor& out,
                                const Tensor& saved, const Tensor& dqkv, int64_t n_head, int64_t n_kv_head,
                                int64_t window, bool flash, bool bf16_out = false);

@@ -483,21 +483,26 @@ void AttentionLayer::backward(Backend& backend, const Tensor& x, const Attention
   if (mla) {  // d(norm1 output) and MLA's weight gradients (also in a split input pass)
     mla_backward(backend, config_, p.mla, g.mla, s.norm.out, mla_activations(s), k.d_attn, k.d_norm, k.d_qkv);
   } else {
+    // d(qkv) in bf16 where the plan says (the qkv layer's GEMMs read it as it is), else fp32.
+    const bool dy16 = plan_.qkv_dy_bf16 && part == BACKWARD_ALL && links_.ws != nullptr;
+    BlockScratch k16 = k;
+    if (dy16) k16.d_qkv = links_.ws->bf16(LinearWorkspace::Y, k.d_qkv.shape());
+    const Tensor d_qkv = k16.d_qkv;
     if (s.attn.dtype() == DTYPE_F32 || plan_.attention == AttentionKind::flash) {  // (flash: the bf16 kernels read a bf16 O)
       // Sinks: d(O') = g dO, and the plain backward given O (Backend::attention_sink_backward).
       if (plan_.sinks) backend.attention_sink_backward(k.d_attn, s.attn, s.lse, p.sinks, g.sinks, config_.n_head);
-      attention_backward(backend, plan_, config_, links_.cp, s, k);
+      attention_backward(backend, plan_, config_, links_.cp, s, k16);
     } else {  // O kept in bf16: the kernel reads it widened (D = rowsum(dO o O) of the bf16 O, as autocast's)
       AttentionSaved widened = s;
       widened.attn = saved_f32(backend, s.attn, links_.ws);
       if (plan_.sinks) backend.attention_sink_backward(k.d_attn, widened.attn, s.lse, p.sinks, g.sinks, config_.n_head);
-      attention_backward(backend, plan_, config_, links_.cp, widened, k);
+      attention_backward(backend, plan_, config_, links_.cp, widened, k16);
     }
-    if (plan_.rope) rope(backend, k.d_qkv, true, s.docs);
-    qk_norm_backward(backend, k.d_qkv, s);
-    pass.keep(k.d_qkv, s.dy_qkv);
+    if (plan_.rope) rope(backend, d_qkv, true, s.docs);
+    qk_norm_backward(backend, d_qkv, s);
+    pass.keep(d_qkv, s.dy_qkv);
     const Tensor input = pre ? whole(s.norm.out) : x;
-    adapted_linear_backward(backend, qkv_, input, p.qkv_w, q.qkv_w, k.d_qkv, k.d_norm, pass.dw(g.qkv_w), g.qkv_b,
+    adapted_linear_backward(backend, qkv_, input, p.qkv_w, q.qkv_w, d_qkv, k.d_norm, pass.dw(g.qkv_w), g.qkv_b,
                             qkv_lora(s), g.qkv_lora, links_.ws);
     if (d_gate_input.defined()) backend.add_inplace(k.d_norm.view(0, d_gate_input.shape()), d_gate_input);
   }

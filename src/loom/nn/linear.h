@@ -32,9 +32,10 @@ class LinearWorkspace {
   // D: LoRA's dropped-out input; E, F, G: DoRA's merged rows, their correction and their norms;
   // H: a DoRA layer's whole merged weight (nn/lora.h lora_layer_weight); S: the fp32 staging of
   // a saved activation kept in bf16 (nn/layer.h saved_target); L: the logits' gradient in bf16,
-  // from the loss to the head's backward (Transformer, ActivationStore::fused_loss_weight); Y: the
-  // MLP's first layer's output gradient in bf16, from the activation's backward to that layer's
-  // (MlpLayer::backward, LayerPlan::mlp_in_dy_bf16).
+  // from the loss to the head's backward (Transformer, ActivationStore::fused_loss_weight); Y: an
+  // output gradient in bf16 from the op before to its layer's backward: the MLP's first layer's
+  // from the activation (LayerPlan::mlp_in_dy_bf16), the QKV projection's from the flash attention
+  // (qkv_dy_bf16), one after the other.
   enum Slot { A, B, C, W, Q, D, E, F, G, H, S, L, Y, SLOT_COUNT };
   explicit LinearWorkspace(Allocator& allocator) : allocator_(allocator) {}
   // A view of `shape` into slot's f32 (or bf16) buffer, growing it when too small.

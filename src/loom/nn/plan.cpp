@@ -54,6 +54,18 @@ bool mlp_in_dy_bf16(const ModelConfig& config, int64_t layer, const LayerPlan& p
   return true;
 }
 
+// LayerPlan::qkv_dy_bf16's rule.
+bool qkv_dy_bf16(const ModelConfig& config, int64_t layer, const LayerPlan& plan, bool wanted) {
+  if (!wanted || plan.attention != AttentionKind::flash || !plan.attention_bf16 || plan.rope || config.qk_norm ||
+      plan.sinks || plan.output_gate || plan.linears[LINEAR_ATTN_QKV] != RECIPE_BF16) {
+    return false;
+  }
+  for (const LoraSite& site : lora_sites(config, layer)) {
+    if (site.linear == LORA_ON_QKV) return false;
+  }
+  return true;
+}
+
 }  // namespace
 
 LayerPlan resolve_layer_plan(const ModelConfig& config, int64_t layer, const PlanChoices& choices) {
@@ -117,6 +129,7 @@ LayerPlan resolve_layer_plan(const ModelConfig& config, int64_t layer, const Pla
                         plan.window == 0;
   plan.saved_bf16 = saved_bf16(config, layer, plan, choices.activations_bf16);
   plan.mlp_in_dy_bf16 = mlp_in_dy_bf16(config, layer, plan, choices.activations_bf16);
+  plan.qkv_dy_bf16 = qkv_dy_bf16(config, layer, plan, choices.activations_bf16);
   return plan;
 }
 

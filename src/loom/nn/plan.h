@@ -66,6 +66,11 @@ struct LayerPlan {
   // precision.activations = bf16 where mlp_in's recipe is bf16, the MLP dense and no LoRA adapter
   // on it (which reads the gradient in fp32). Not in a split backward (zero-bubble keeps it fp32).
   bool mlp_in_dy_bf16 = false;
+  // The same for the QKV projection: the bf16 flash attention's backward writes d(qkv) in bf16
+  // (flash with attention_bf16, activations bf16, attn_qkv's recipe bf16, no LoRA on it), where
+  // nothing rewrites d(qkv) between them: no RoPE (GPT-2's learned positions, NoPE layers), q/k
+  // norms, sinks or output gate. Not in a split backward.
+  bool qkv_dy_bf16 = false;
   // precision.attention = bf16 on the plain or flash attention without a window (Backend::
   // attention_forward_bf16 / _backward_bf16, flash_attention_forward_bf16 / _backward_bf16);
   // windowed, context-parallel and MLA attention keep their fp32 GEMMs.

@@ -431,10 +431,15 @@ void CudaBackend::flash_attention_backward_bf16(const Tensor& dout, const Tensor
     return Backend::flash_attention_backward_bf16(dout, qkv, out, lse, dqkv, n_head, n_kv_head);
   }
   void* scratch = workspace(cuda::flash_mma_attention_backward_scratch_bytes(batch, seq_len, n_head, n_kv_head, head_dim));
-  if (out.dtype() == DTYPE_BF16) {
-    cuda::flash_mma_attention_backward_bf16_out(dptr<float>(dout), dptr<float>(qkv), dptr<uint16_t>(out),
-                                                dptr<float>(lse), dptr<float>(dqkv), scratch, batch, seq_len, n_head,
-                                                n_kv_head, head_dim, 0, stream_);
+  const bool o16 = out.dtype() == DTYPE_BF16, g16 = dqkv.dtype() == DTYPE_BF16;  // O kept, dqkv wanted, in bf16
+  if (o16 || g16) {
+    const auto run = [&](const auto* o, auto* g) {
+      cuda::flash_mma_attention_backward_as(dptr<float>(dout), dptr<float>(qkv), o, dptr<float>(lse), g, scratch, batch,
+                                            seq_len, n_head, n_kv_head, head_dim, 0, stream_);
+    };
+    if (o16 && g16) run(dptr<uint16_t>(out), dptr<uint16_t>(dqkv));
+    else if (o16) run(dptr<uint16_t>(out), dptr<float>(dqkv));
+    else run(dptr<float>(out), dptr<uint16_t>(dqkv));
     return;
   }
   cuda::flash_mma_attention_backward(dptr<float>(dout), dptr<float>(qkv), dptr<float>(out), dptr<float>(lse),

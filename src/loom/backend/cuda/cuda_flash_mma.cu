@@ -310,10 +310,10 @@ __global__ void __launch_bounds__(kDsumWarps* kWarpSize)
   if (lane == 0) dsum[(b * n_head + h) * seq_len + i] = acc;
 }
 
-template <int kHd, bool kCausal>
+template <int kHd, bool kCausal, typename G>
 __global__ void __launch_bounds__(kThreads, 1)
     flash_mma_dkdv_kernel(const float* __restrict__ dout, const float* __restrict__ qkv,
-                          const float* __restrict__ lse, const float* __restrict__ dsum, float* __restrict__ dqkv,
+                          const float* __restrict__ lse, const float* __restrict__ dsum, G* __restrict__ dqkv,
                           int seq_len, int n_head, int n_kv_head, float scale) {
   constexpr int kW = words<kHd>();
   constexpr int kBq = dkdv_rows<kHd>();  // queries per tile
@@ -436,23 +436,23 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int r = 0; r < 2; ++r) {
     const int key = k0 + g + 8 * r;
     if (key < seq_len) {
-      float* dst = dqkv + (static_cast<int64_t>(b) * seq_len + key) * width;
+      G* dst = dqkv + (static_cast<int64_t>(b) * seq_len + key) * width;
 #pragma unroll
       for (int dt = 0; dt < kDt; ++dt) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          dst[kcol + dt * 8 + 2 * t + e] = dk[dt][2 * r + e] * scale;
-          dst[vcol + dt * 8 + 2 * t + e] = dv[dt][2 * r + e];
+          store_o(dst + kcol + dt * 8 + 2 * t + e, dk[dt][2 * r + e] * scale);
+          store_o(dst + vcol + dt * 8 + 2 * t + e, dv[dt][2 * r + e]);
         }
       }
     }
   }
 }
 
-template <int kHd, bool kCausal>
+template <int kHd, bool kCausal, typename G>
 __global__ void __launch_bounds__(kThreads, 1)
     flash_mma_dq_kernel(const float* __restrict__ dout, const float* __restrict__ qkv, const float* __restrict__ lse,
-                        const float* __restrict__ dsum, float* __restrict__ dqkv, int seq_len, int n_head,
+                        const float* __restrict__ dsum, G* __restrict__ dqkv, int seq_len, int n_head,
                         int n_kv_head, float scale) {
   constexpr int kW = words<kHd>();
   constexpr int kBc = stream_rows<kHd>();  // keys per tile
@@ -547,11 +547,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int r = 0; r < 2; ++r) {
     const int row = r0 + g + 8 * r;
     if (row < seq_len) {
-      float* dst = dqkv + (static_cast<int64_t>(b) * seq_len + row) * width + static_cast<int64_t>(h) * kHd;
+      G* dst = dqkv + (static_cast<int64_t>(b) * seq_len + row) * width + static_cast<int64_t>(h) * kHd;
 #pragma unroll
       for (int dt = 0; dt < kDt; ++dt) {
-        dst[dt * 8 + 2 * t] = dq[dt][2 * r] * scale;
-        dst[dt * 8 + 2 * t + 1] = dq[dt][2 * r + 1] * scale;
+        store_o(dst + dt * 8 + 2 * t, dq[dt][2 * r] * scale);
+        store_o(dst + dt * 8 + 2 * t + 1, dq[dt][2 * r + 1] * scale);
       }
     }
   }
@@ -591,15 +591,15 @@ void forward_hd(const float* qkv, O* out, float* lse, int64_t batch, const Dims&
   LOOM_CUDA_CHECK_LAUNCH();
 }
 
-template <int kHd, bool kCausal>
-void backward_hd(const float* dout, const float* qkv, const float* dsum, const float* lse, float* dqkv, int64_t batch,
+template <int kHd, bool kCausal, typename G>
+void backward_hd(const float* dout, const float* qkv, const float* dsum, const float* lse, G* dqkv, int64_t batch,
                  const Dims& d, cudaStream_t stream) {
   const unsigned tiles = static_cast<unsigned>((d.T + kBlockRows - 1) / kBlockRows);
   const float scale = attention_scale(kHd);
-  launch<flash_mma_dkdv_kernel<kHd, kCausal>>(dim3(tiles, static_cast<unsigned>(d.KV), static_cast<unsigned>(batch)),
+  launch<flash_mma_dkdv_kernel<kHd, kCausal, G>>(dim3(tiles, static_cast<unsigned>(d.KV), static_cast<unsigned>(batch)),
                                               kThreads, 0, stream, dout, qkv, lse, dsum, dqkv, d.T, d.H, d.KV, scale);
   LOOM_CUDA_CHECK_LAUNCH();
-  launch<flash_mma_dq_kernel<kHd, kCausal>>(dim3(tiles, static_cast<unsigned>(d.H), static_cast<unsigned>(batch)),
+  launch<flash_mma_dq_kernel<kHd, kCausal, G>>(dim3(tiles, static_cast<unsigned>(d.H), static_cast<unsigned>(batch)),
                                             kThreads, 0, stream, dout, qkv, lse, dsum, dqkv, d.T, d.H, d.KV, scale);
   LOOM_CUDA_CHECK_LAUNCH();
 }
@@ -618,8 +618,8 @@ void forward_o(const float* qkv, O* out, float* lse, int64_t batch, int64_t seq_
   }
 }
 
-template <typename O>
-void backward_o(const float* dout, const float* qkv, const O* out, const float* lse, float* dqkv, void* scratch,
+template <typename O, typename G>
+void backward_o(const float* dout, const float* qkv, const O* out, const float* lse, G* dqkv, void* scratch,
                 int64_t batch, int64_t seq_len, int64_t n_head, int64_t n_kv_head, int64_t head_dim, int64_t window,
                 cudaStream_t stream, bool causal, const char* op) {
   const Dims d = check_dims(op, batch, seq_len, n_head, n_kv_head, head_dim, window);
@@ -630,11 +630,11 @@ void backward_o(const float* dout, const float* qkv, const O* out, const float* 
                                    kDsumWarps * kWarpSize, 0, stream, dout, out, dsum, rows, d.T, d.H, d.hd);
   LOOM_CUDA_CHECK_LAUNCH();
   if (d.hd == 64) {
-    if (causal) backward_hd<64, true>(dout, qkv, dsum, lse, dqkv, batch, d, stream);
-    else backward_hd<64, false>(dout, qkv, dsum, lse, dqkv, batch, d, stream);
+    if (causal) backward_hd<64, true, G>(dout, qkv, dsum, lse, dqkv, batch, d, stream);
+    else backward_hd<64, false, G>(dout, qkv, dsum, lse, dqkv, batch, d, stream);
   } else {
-    if (causal) backward_hd<128, true>(dout, qkv, dsum, lse, dqkv, batch, d, stream);
-    else backward_hd<128, false>(dout, qkv, dsum, lse, dqkv, batch, d, stream);
+    if (causal) backward_hd<128, true, G>(dout, qkv, dsum, lse, dqkv, batch, d, stream);
+    else backward_hd<128, false, G>(dout, qkv, dsum, lse, dqkv, batch, d, stream);
   }
 }
 
@@ -667,11 +667,20 @@ void flash_mma_attention_backward(const float* dout, const float* qkv, const flo
              "flash_mma_attention_backward");
 }
 
-void flash_mma_attention_backward_bf16_out(const float* dout, const float* qkv, const uint16_t* out, const float* lse,
-                                           float* dqkv, void* scratch, int64_t batch, int64_t seq_len, int64_t n_head,
-                                           int64_t n_kv_head, int64_t head_dim, int64_t window, cudaStream_t stream) {
+template <typename O, typename G>
+void flash_mma_attention_backward_as(const float* dout, const float* qkv, const O* out, const float* lse, G* dqkv,
+                                     void* scratch, int64_t batch, int64_t seq_len, int64_t n_head, int64_t n_kv_head,
+                                     int64_t head_dim, int64_t window, cudaStream_t stream) {
   backward_o(dout, qkv, out, lse, dqkv, scratch, batch, seq_len, n_head, n_kv_head, head_dim, window, stream, true,
-             "flash_mma_attention_backward_bf16_out");
+             "flash_mma_attention_backward");
 }
+#define LOOM_FLASH_MMA_BACKWARD_AS(O, G)                                                                           \
+  template void flash_mma_attention_backward_as<O, G>(const float*, const float*, const O*, const float*, G*, void*, \
+                                                      int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,          \
+                                                      cudaStream_t);
+LOOM_FLASH_MMA_BACKWARD_AS(uint16_t, float)
+LOOM_FLASH_MMA_BACKWARD_AS(float, uint16_t)
+LOOM_FLASH_MMA_BACKWARD_AS(uint16_t, uint16_t)
+#undef LOOM_FLASH_MMA_BACKWARD_AS
 
 }  // namespace loom::cuda

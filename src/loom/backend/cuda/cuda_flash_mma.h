@@ -37,8 +37,12 @@ void flash_mma_attention_backward(const float* dout, const float* qkv, const flo
                                   float* dqkv, void* scratch, int64_t batch, int64_t seq_len, int64_t n_head,
                                   int64_t n_kv_head, int64_t head_dim, int64_t window, cudaStream_t stream,
                                   bool causal = true);
-void flash_mma_attention_backward_bf16_out(const float* dout, const float* qkv, const uint16_t* out, const float* lse,
-                                           float* dqkv, void* scratch, int64_t batch, int64_t seq_len, int64_t n_head,
-                                           int64_t n_kv_head, int64_t head_dim, int64_t window, cudaStream_t stream);
+// The backward with O, dqkv or both in bf16 (bits; O = uint16_t: D from the bf16 O; G = uint16_t:
+// dQ, dK, dV rounded to nearest even as they are stored, for a bf16 GEMM that reads them as they
+// are). Causal. Instantiated for (uint16_t, float), (float, uint16_t), (uint16_t, uint16_t).
+template <typename O, typename G>
+void flash_mma_attention_backward_as(const float* dout, const float* qkv, const O* out, const float* lse, G* dqkv,
+                                     void* scratch, int64_t batch, int64_t seq_len, int64_t n_head, int64_t n_kv_head,
+                                     int64_t head_dim, int64_t window, cudaStream_t stream);
 
 }  // namespace loom::cuda
