@@ -180,6 +180,18 @@ __device__ __forceinline__ int64_t thread_count() { return static_cast<int64_t>(
 // The lane in the logical warp (1-D blocks, or blocks whose x extent is a multiple of 32).
 __device__ __forceinline__ int lane_id() { return static_cast<int>(threadIdx.x) % kWarp; }
 
+// ---------------------------------------------------------------- bf16 bits
+// f32 -> bf16 bits as core/dtype.h's f32_to_bf16 (the CPU's, and Backend::cast's): a NaN keeps its
+// top bits with the quiet bit set; else add 0x7fff + (the kept half's lsb) and truncate, which
+// rounds to nearest, ties to even. bf16_value widens the bits back, exactly.
+__device__ __forceinline__ uint16_t bf16_bits(float v) {
+  uint32_t u = __float_as_uint(v);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x0040u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+__device__ __forceinline__ float bf16_value(uint16_t bits) { return __uint_as_float(static_cast<uint32_t>(bits) << 16); }
+
 // ---------------------------------------------------------------- exchanges in the logical warp
 // Every lane of the logical warp must call each of these together (CUDA's full mask).
 #if defined(LOOM_CUDA_HIP)

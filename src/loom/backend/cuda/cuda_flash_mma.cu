@@ -157,17 +157,9 @@ __device__ __forceinline__ float quad_sum(float v) {  // the same bits on the 4 
 // O's element: f32, or bf16 bits rounded to nearest even (the bits of the backend's cast:
 // precision.activations = bf16 keeps O in bf16 for the output projection, which reads it so).
 __device__ __forceinline__ void store_o(float* p, float v) { *p = v; }
-__device__ __forceinline__ void store_o(uint16_t* p, float v) {
-  uint32_t u = __float_as_uint(v);
-  if ((u & 0x7fffffffu) > 0x7f800000u) {
-    *p = static_cast<uint16_t>((u >> 16) | 0x0040u);
-  } else {
-    u += 0x7fffu + ((u >> 16) & 1u);
-    *p = static_cast<uint16_t>(u >> 16);
-  }
-}
+__device__ __forceinline__ void store_o(uint16_t* p, float v) { *p = bf16_bits(v); }
 __device__ __forceinline__ float load_o(const float* p) { return *p; }
-__device__ __forceinline__ float load_o(const uint16_t* p) { return __uint_as_float(static_cast<uint32_t>(*p) << 16); }
+__device__ __forceinline__ float load_o(const uint16_t* p) { return bf16_value(*p); }
 
 // ---------------------------------------------------------------- forward
 template <int kHd, bool kCausal, typename O>

@@ -77,17 +77,9 @@ __global__ void fill_kernel(T* x, int64_t n, T value) {
   for (int64_t i = thread_index(); i < n; i += thread_count()) x[i] = value;
 }
 
-// f32 -> bf16 of core/dtype.h: NaN keeps its top bits with the quiet bit set; else add
-// 0x7fff + (lsb of the kept half) and truncate, which rounds to nearest, ties to even.
-__device__ __forceinline__ uint16_t bf16_bits_of(float v) {
-  uint32_t u = __float_as_uint(v);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x0040u);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-
+// f32 -> bf16 of core/dtype.h (cuda_device.h bf16_bits).
 __global__ void cast_f32_to_bf16_kernel(const float* src, uint16_t* dst, int64_t n) {
-  for (int64_t i = thread_index(); i < n; i += thread_count()) dst[i] = bf16_bits_of(src[i]);
+  for (int64_t i = thread_index(); i < n; i += thread_count()) dst[i] = bf16_bits(src[i]);
 }
 
 // An op's output element: as computed (O = T), or rounded to bf16 bits as the cast above (O =
@@ -96,11 +88,11 @@ template <typename T>
 __device__ __forceinline__ void store_out(T* p, T v) {
   *p = v;
 }
-__device__ __forceinline__ void store_out(uint16_t* p, float v) { *p = bf16_bits_of(v); }
+__device__ __forceinline__ void store_out(uint16_t* p, float v) { *p = bf16_bits(v); }
 
 __global__ void cast_bf16_to_f32_kernel(const uint16_t* src, float* dst, int64_t n) {
   for (int64_t i = thread_index(); i < n; i += thread_count()) {
-    dst[i] = __uint_as_float(static_cast<uint32_t>(src[i]) << 16);
+    dst[i] = bf16_value(src[i]);
   }
 }
 
@@ -180,7 +172,7 @@ struct LoadBf16Rows {  // f(r, j) = x[r, j] widened (bf16 bits)
   const uint16_t* x;
   int64_t cols;
   __device__ void operator()(int64_t r, int64_t j, float* v) const {
-    v[0] = __uint_as_float(static_cast<uint32_t>(x[r * cols + j]) << 16);
+    v[0] = bf16_value(x[r * cols + j]);
   }
 };
 

@@ -122,13 +122,6 @@ __device__ __forceinline__ float round_grid(float v, const QuantGrid& g) {
   return __uint_as_float(__float_as_uint(r) | (bits & 0x80000000u));
 }
 
-// f32 -> bf16 bits, core/dtype.h's f32_to_bf16: NaN quieted, else round to nearest even.
-__device__ __forceinline__ uint16_t bf16_bits(float v) {
-  uint32_t u = __float_as_uint(v);
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x0040u);
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
 
 // The grids of the block formats' element (E2M1) and scale (E4M3) types, as the CPU's.
 // (Functions: a namespace-scope constant is not visible in device code.)

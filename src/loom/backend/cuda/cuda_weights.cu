@@ -93,13 +93,8 @@ __device__ __forceinline__ float mul_gpu_rn(float a, float b) {
 
 __device__ __forceinline__ float dora_gain(float magnitude, float norm) { return norm > 0.0f ? magnitude / norm : 0.0f; }
 
-// f32 -> bf16 bits of core/dtype.h (round to nearest even; NaN stays a quiet NaN).
-__device__ __forceinline__ uint32_t bf16_bits(float v) {
-  uint32_t u = __float_as_uint(v);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x0040u;
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return u >> 16;
-}
+// bf16 bits (cuda_device.h bf16_bits) widened to a 32-bit word, for packing pairs.
+__device__ __forceinline__ uint32_t bf16_word(float v) { return bf16_bits(v); }
 
 // ---------------------------------------------------------------- DoRA
 // A warp owns kDoraRows rows and walks their columns in tiles of kDoraCols: each lane loads
@@ -236,10 +231,10 @@ __global__ void nf4_dequantize_kernel(const uint8_t* codes, const uint8_t* absma
     if (full && vec) {
       if constexpr (BF16) {
         int4 w;
-        w.x = static_cast<int>(bf16_bits(v[0]) | (bf16_bits(v[1]) << 16));
-        w.y = static_cast<int>(bf16_bits(v[2]) | (bf16_bits(v[3]) << 16));
-        w.z = static_cast<int>(bf16_bits(v[4]) | (bf16_bits(v[5]) << 16));
-        w.w = static_cast<int>(bf16_bits(v[6]) | (bf16_bits(v[7]) << 16));
+        w.x = static_cast<int>(bf16_word(v[0]) | (bf16_word(v[1]) << 16));
+        w.y = static_cast<int>(bf16_word(v[2]) | (bf16_word(v[3]) << 16));
+        w.z = static_cast<int>(bf16_word(v[4]) | (bf16_word(v[5]) << 16));
+        w.w = static_cast<int>(bf16_word(v[6]) | (bf16_word(v[7]) << 16));
         *reinterpret_cast<int4*>(static_cast<uint16_t*>(out) + (e0 - first)) = w;
       } else {
         float* o = static_cast<float*>(out) + (e0 - first);
@@ -252,7 +247,7 @@ __global__ void nf4_dequantize_kernel(const uint8_t* codes, const uint8_t* absma
     for (int j = 0; j < 8; ++j) {
       const int64_t e = e0 + j;
       if (e < first || e >= end) continue;
-      if constexpr (BF16) static_cast<uint16_t*>(out)[e - first] = static_cast<uint16_t>(bf16_bits(v[j]));
+      if constexpr (BF16) static_cast<uint16_t*>(out)[e - first] = bf16_bits(v[j]);
       else static_cast<float*>(out)[e - first] = v[j];
     }
   }
