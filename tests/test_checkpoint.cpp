@@ -489,15 +489,20 @@ TEST(HfImport, CountsBeyondTheTensorsAreRefusedNamingTheMissingTensor) {
   ModelConfig mixtral = model_preset("llama-tiny");
   mixtral.moe_experts = 4, mixtral.moe_top_k = 2, mixtral.moe_renorm = true;
   const Case cases[] = {
-      {"llama", model_preset("llama-tiny"), [](nlohmann::json& j) { j["num_hidden_layers"] = 1e9; },
+      {"llama", model_preset("llama-tiny"), [](nlohmann::json& j) { j["num_hidden_layers"] = 4000; },
        "tensor 'model.layers.2.input_layernorm.weight' is missing from the safetensors files in DIR, which hold 2 layers; "
-       "DIR/config.json says num_hidden_layers 1000000000"},
-      {"gpt2", model_preset("gpt2-tiny"), [](nlohmann::json& j) { j["n_layer"] = 100000; },
+       "DIR/config.json says num_hidden_layers 4000"},
+      {"gpt2", model_preset("gpt2-tiny"), [](nlohmann::json& j) { j["n_layer"] = 4096; },
        "tensor 'h.2.ln_1.weight' is missing from the safetensors files in DIR, which hold 2 layers; DIR/config.json says "
-       "n_layer 100000"},
-      {"mixtral", mixtral, [](nlohmann::json& j) { j["num_local_experts"] = 1000000; },
+       "n_layer 4096"},
+      {"mixtral", mixtral, [](nlohmann::json& j) { j["num_local_experts"] = 4096; },
        "tensor 'model.layers.0.block_sparse_moe.experts.4.w1.weight' is missing from the safetensors files in DIR, which "
-       "hold 4 experts per layer; DIR/config.json says num_local_experts 1000000"},
+       "hold 4 experts per layer; DIR/config.json says num_local_experts 4096"},
+      // Past the counts any model is described with, the config itself is refused (ModelConfig::validate).
+      {"llama-1e9", model_preset("llama-tiny"), [](nlohmann::json& j) { j["num_hidden_layers"] = 1e9; },
+       "DIR/config.json: model.n_layer must be <= 4096, got 1000000000"},
+      {"mixtral-1e6", mixtral, [](nlohmann::json& j) { j["num_local_experts"] = 1000000; },
+       "DIR/config.json: model.moe_experts must be <= 4096, got 1000000"},
       {"width", model_preset("llama-tiny"), [](nlohmann::json& j) { j["intermediate_size"] = 100000; },
        "tensor 'model.layers.0.mlp.gate_proj.weight' has shape (80, 48), expected (100000, 48) (from DIR/config.json)"},
   };

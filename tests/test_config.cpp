@@ -100,6 +100,22 @@ TEST(ConfigTest, ValidationCatchesInconsistentValues) {
   EXPECT_NE(error_of([&] { c.validate(); }).find("train.seq_len"), std::string::npos);
 }
 
+// The block and expert counts are bounded, so a config read from a file cannot ask for the
+// parameter layout of 10^8 blocks (the checkpoint fuzzer's out-of-memory input): refused by key.
+TEST(ConfigTest, BlockAndExpertCountsAreBounded) {
+  ModelConfig c = model_preset("llama-tiny");
+  c.n_layer = 4096;
+  c.validate();
+  c.n_layer = 4097;
+  EXPECT_EQ(error_of([&] { c.validate(); }), "model.n_layer must be <= 4096, got 4097");
+  c.n_layer = 32, c.moe_experts = 4096, c.moe_top_k = 8;
+  c.validate();  // 32 x 4096 = 2^17 expert blocks
+  c.n_layer = 33;
+  EXPECT_EQ(error_of([&] { c.validate(); }), "model.n_layer x model.moe_experts must be <= 131072, got 33 x 4096");
+  c.n_layer = 2, c.moe_experts = 4097;
+  EXPECT_EQ(error_of([&] { c.validate(); }), "model.moe_experts must be <= 4096, got 4097");
+}
+
 TEST(ConfigTest, AttentionWindowIsSetAndValidated) {
   LoomConfig c;
   apply_overrides(c, "model.attn_window=3");

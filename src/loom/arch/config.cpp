@@ -33,6 +33,9 @@ std::vector<float> parse_factors(const std::string& text, const char* key) {
   }
   return out;
 }
+
+constexpr int64_t kMaxLayers = 4096, kMaxExperts = 4096, kMaxExpertBlocks = int64_t{1} << 17;
+
 }  // namespace
 
 std::string_view arch_name(Arch arch) { return kArchNames[arch]; }
@@ -54,6 +57,15 @@ void ModelConfig::validate() const {
   positive(d_model, "model.d_model");
   positive(d_ff, "model.d_ff");
   LOOM_CHECK(vocab_size <= INT32_MAX, "model.vocab_size must fit in int32, got ", vocab_size);
+  // The parameter layout names every tensor of every block (and of every expert), so the block and
+  // expert counts bound what describing a model costs before any weight is read: a config from a
+  // file (a checkpoint's metadata, a config.json) is refused here rather than asking for gigabytes
+  // of names. The bounds are far above published models (126 blocks, 384 experts, 61 x 384 expert
+  // blocks for Kimi K2).
+  LOOM_CHECK(n_layer <= kMaxLayers, "model.n_layer must be <= ", kMaxLayers, ", got ", n_layer);
+  LOOM_CHECK(moe_experts <= kMaxExperts, "model.moe_experts must be <= ", kMaxExperts, ", got ", moe_experts);
+  LOOM_CHECK(n_layer * moe_experts <= kMaxExpertBlocks, "model.n_layer x model.moe_experts must be <= ", kMaxExpertBlocks,
+             ", got ", n_layer, " x ", moe_experts);
   LOOM_CHECK(head_size > 0 || d_model % n_head == 0, "model.d_model (", d_model, ") must be a multiple of model.n_head (",
              n_head, ")");
   LOOM_CHECK(head_size >= 0, "model head_size must be >= 0, got ", head_size);

@@ -38,9 +38,13 @@ std::vector<ShardFile> read_shards(const std::string& dir, int64_t shards, const
     const std::string path = (fs::path(dir) / shard_file_name(static_cast<int>(r), static_cast<int>(shards))).string();
     ShardFile s{path, SafetensorsFile::read(path)};
     const std::string saved_config = s.file.metadata_value("model_config");
-    const ParamLayout saved = build_param_layout(model_config_from_json(saved_config, path));
-    bool same = saved.total == layout.total && saved.params.size() == layout.params.size() &&
+    // The block and expert counts first: the saved layout is built only for a config that could
+    // match, so a file saying 4096 blocks costs no list of their names.
+    const ModelConfig saved_model = model_config_from_json(saved_config, path);
+    bool same = saved_model.n_layer == config.n_layer && saved_model.moe_experts == config.moe_experts &&
                 s.file.metadata_value("arch") == arch_name(config.arch);
+    const ParamLayout saved = same ? build_param_layout(saved_model) : ParamLayout{};
+    same = same && saved.total == layout.total && saved.params.size() == layout.params.size();
     for (size_t i = 0; same && i < saved.params.size(); ++i) {
       same = saved.params[i].name == layout.params[i].name && saved.params[i].shape == layout.params[i].shape;
     }
