@@ -44,10 +44,17 @@ int64_t row_bytes(int bits, int64_t cols) { return bits == 8 ? cols : (bits == 4
 
 inline __m256 u8_to_f32(__m128i bytes8) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes8)); }
 
+// Each row's codes are fetched this many bytes ahead of the loads (_mm_prefetch never faults, past
+// the row it fetches the next one's): the hardware prefetcher alone stops at page boundaries.
+// Measured on a Llama-3.2-1B-shaped int4 model (group 32, f16 scales), 2-core AMD EPYC with
+// AVX512-VNNI, decode tokens/s: 1 thread 36-39 -> 41-43 (2 KiB: 38-40), 2 threads 42-43 -> 48.
+constexpr int64_t kCodePrefetch = 4096;
+
 // The 32 codes of columns [c, c + 32) as two vectors of 16 bytes (columns c .. c + 15 and
 // c + 16 .. c + 31). 3 bits: BMI2's pdep spreads each 24-bit group of 8 codes into 8 bytes.
 template <int BITS>
 inline void chunk_codes(const uint8_t* row, int64_t c, __m128i& lo, __m128i& hi) {
+  _mm_prefetch(reinterpret_cast<const char*>(row + c * BITS / 8 + kCodePrefetch), _MM_HINT_T0);
   if constexpr (BITS == 8) {
     lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c));
     hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c + 16));
@@ -231,6 +238,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,bmi2"))) void int4_v
   __m512 t0[NR], t1[NR];
   for (int r = 0; r < NR; ++r) t0[r] = t1[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < K; b += 128) {
+    _mm_prefetch(reinterpret_cast<const char*>(row + b / 2 + kCodePrefetch), _MM_HINT_T0);
     const __m512i v = _mm512_loadu_si512(row + b / 2);
     const __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
     const int64_t g = b / group;  // the block's first group (groups of 32: its 4 groups from here)
