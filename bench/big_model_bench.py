@@ -315,7 +315,7 @@ def llama_cpp_compare(args, folder: str, cfg: dict, file_bytes: int) -> None:
     types = [t for t in GGUF_TYPES if t in args.formats.split(",")]
     if not types:
         raise SystemExit(f"--formats {args.formats!r}: expected some of {','.join(GGUF_TYPES)}")
-    work = os.path.join(args.out, "gguf")
+    work = os.path.join(args.out, f"gguf_{args.shape}")  # exports are reused: one folder per shape
     base = baseline_rss(args.loom)
     print(f"\nGGUF export of {folder} (loom convert --to gguf, /usr/bin/time -v; the process's own RSS before any "
           f"model {fmt_bytes(base)}):")
