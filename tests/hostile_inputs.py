@@ -187,14 +187,18 @@ class Hostile(unittest.TestCase):
 
     def test_hf_layer_count_beyond_the_tensors_is_refused_naming_the_missing_tensor(self):
         def edit(c):
-            c["num_hidden_layers"] = 1e9
+            c["num_hidden_layers"] = 4000
         hf = self.hf_folder("hf_layers", edit)
-        # The old code allocated 18.7 GB for the layers' parameters and ran on.
+        # The old code allocated for the layers' parameters and ran on (18.7 GB at 10^9 layers).
         line = self.assert_refused(run("eval", "--checkpoint", hf, "--text", TEXT),
                                    "model.layers.2.", "is missing from the safetensors files in " + hf,
-                                   "which hold 2 layers", "num_hidden_layers 1000000000")
+                                   "which hold 2 layers", "num_hidden_layers 4000")
         self.assertIn("config.json", line)
-        self.assert_refused(run("generate", "--checkpoint", hf, "--prompt", "The "), "num_hidden_layers 1000000000")
+        self.assert_refused(run("generate", "--checkpoint", hf, "--prompt", "The "), "num_hidden_layers 4000")
+        # Past the block count any model is described with, the config itself is refused by key.
+        huge = self.hf_folder("hf_layers_1e9", lambda c: c.update(num_hidden_layers=1e9))
+        self.assert_refused(run("eval", "--checkpoint", huge, "--text", TEXT), huge + "/config.json",
+                            "model.n_layer must be <= 4096, got 1000000000")
 
     def test_hf_fractional_integer_key_is_refused_naming_the_key(self):
         def edit(c):

@@ -10,11 +10,11 @@
 //   thread count. OpenMP splits the output rows.
 //   Measured (2-core AMD EPYC, AVX-512 machine running the AVX2 kernel; GB/s of weights read,
 //   one row, 2 threads): 4096 x 6144 30 -> 50, 14336 x 4096 20 -> 45; one thread 18 -> 36 and
-//   10 -> 34. Half of that is the widening (the shuffle, vpmovzxwd, one per 8 weights, and its
-//   extra micro-ops left fewer loads in flight), half the software prefetch: each row's stream
-//   is fetched kPrefetch weights (8 KiB) ahead, past the hardware prefetcher's page boundaries
-//   (it also hides the L2 latency of a 14,336-column input that no longer fits L1, for which
-//   the kernel used to run 4 weight rows a pass over x).
+//   10 -> 34. The widening gives 18 -> 28 and 10 -> 14 (the shuffle, vpmovzxwd, one per 8
+//   weights, and its extra micro-ops left fewer loads in flight), the software prefetch the
+//   rest: each row's stream is fetched kPrefetch weights (8 KiB) ahead, past the hardware
+//   prefetcher's page boundaries, which also hides the L2 latency of a 14,336-column input that
+//   no longer fits L1 (for which the kernel used to run 4 weight rows a pass over x).
 // - More rows (prefill, evaluation): compute-bound, so tiles of kTileRows weight rows are
 //   widened into an f32 buffer and multiplied by the f32 GEMM (cpu_gemm.h) into y's columns;
 //   the widened copy is one tile (4 MiB at 4096 columns), never the whole weight.
