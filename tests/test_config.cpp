@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 #include <unistd.h>
 
+#include "loom/arch/param_layout.h"
 #include "loom/core/error.h"
 #include "loom/checkpoint/hf_config.h"
 #include "loom/train/config.h"
@@ -114,6 +115,20 @@ TEST(ConfigTest, BlockAndExpertCountsAreBounded) {
   EXPECT_EQ(error_of([&] { c.validate(); }), "model.n_layer x model.moe_experts must be <= 131072, got 33 x 4096");
   c.n_layer = 2, c.moe_experts = 4097;
   EXPECT_EQ(error_of([&] { c.validate(); }), "model.moe_experts must be <= 4096, got 4097");
+}
+
+// Widths whose parameters have more elements than an int64 holds (a checkpoint's model_config
+// with d_model 2^34, found by the checkpoint fuzzer as a signed overflow) are refused, not wrapped.
+TEST(ConfigTest, ParameterCountsBeyondInt64AreRefused) {
+  EXPECT_EQ(error_of([] { shape_numel(Shape{int64_t{1} << 40, int64_t{1} << 30}); }),
+            "shape (1099511627776, 1073741824) has more elements than an int64 holds");
+  EXPECT_EQ(shape_numel(Shape{int64_t{1} << 40, int64_t{1} << 22}), int64_t{1} << 62);
+  ModelConfig c = model_preset("gpt2-tiny");
+  c.d_model = int64_t{1} << 34, c.n_head = 1, c.n_kv_head = 1;
+  EXPECT_NE(error_of([&] { build_param_layout(c); }).find("has more elements than an int64 holds"), std::string::npos);
+  c.d_model = int64_t{1} << 30, c.d_ff = 4, c.vocab_size = 4;  // each tensor fits, the sum over blocks does not
+  c.n_layer = 4096;
+  EXPECT_NE(error_of([&] { build_param_layout(c); }).find("number more than an int64 holds"), std::string::npos);
 }
 
 TEST(ConfigTest, AttentionWindowIsSetAndValidated) {

@@ -49,7 +49,8 @@ class LayoutBuilder {
     spec.segments = std::move(segments);
     spec.init = init;
     spec.init_std = std;
-    layout_.total += spec.numel;
+    LOOM_CHECK(!__builtin_add_overflow(layout_.total, spec.numel, &layout_.total), "the model's parameters (at ",
+               spec.name, ") number more than an int64 holds");
     layout_.params.push_back(std::move(spec));
   }
   ParamLayout& layout_;

@@ -43,7 +43,12 @@ std::vector<ShardFile> read_shards(const std::string& dir, int64_t shards, const
     const ModelConfig saved_model = model_config_from_json(saved_config, path);
     bool same = saved_model.n_layer == config.n_layer && saved_model.moe_experts == config.moe_experts &&
                 s.file.metadata_value("arch") == arch_name(config.arch);
-    const ParamLayout saved = same ? build_param_layout(saved_model) : ParamLayout{};
+    ParamLayout saved;
+    try {
+      if (same) saved = build_param_layout(saved_model);
+    } catch (const Error& e) {
+      throw Error(str_cat(path, ": metadata 'model_config' describes no model (", e.what(), ")"));
+    }
     same = same && saved.total == layout.total && saved.params.size() == layout.params.size();
     for (size_t i = 0; same && i < saved.params.size(); ++i) {
       same = saved.params[i].name == layout.params[i].name && saved.params[i].shape == layout.params[i].shape;

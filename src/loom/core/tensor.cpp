@@ -25,7 +25,12 @@ bool Shape::operator==(const Shape& other) const {
 
 int64_t shape_numel(const Shape& shape) {
   int64_t n = 1;
-  for (int64_t d : shape) n *= d;
+  for (int64_t d : shape) {
+    // A shape from a file (a config's widths, a tensor header) may not fit: refused, not wrapped.
+    if (__builtin_mul_overflow(n, d, &n)) {
+      throw Error(str_cat("shape ", shape_str(shape), " has more elements than an int64 holds"));
+    }
+  }
   return n;
 }
 
