@@ -17,6 +17,7 @@
 #include "loom/backend/backend.h"
 #include "loom/checkpoint/checkpoint.h"
 #include "loom/checkpoint/hf_model.h"
+#include "loom/checkpoint/param_reader.h"
 #include "loom/checkpoint/safetensors.h"
 #include "loom/core/error.h"
 #include "loom/model/transformer.h"
@@ -201,6 +202,28 @@ TEST(CheckpointTest, Gpt2WithoutHfLayoutKeepsLoomShapes) {
   TrainedModel restored(config, 2, 0);
   manager.load(path, restored.model_state(), restored.optimizer_state());
   expect_same_state(saved, restored);
+}
+
+// check_finite_param names the first non-finite element, f32 or bf16, wherever it falls among
+// the blocks it scans (the first, a later one, the last element); finite values pass.
+TEST(CheckpointTest, NonFiniteParameterIsNamedAtItsFirstElement) {
+  for (const size_t n : {size_t{1}, size_t{4095}, size_t{4096}, size_t{10001}}) {
+    std::vector<float> f(n, 0.5f);
+    std::vector<bf16> b(n, f32_to_bf16(0.5f));
+    check_finite_param("p", "w", f);
+    check_finite_param("p", "w", b);
+    for (const size_t at : {size_t{0}, n / 2, n - 1}) {
+      std::fill(f.begin(), f.end(), 0.5f);
+      std::fill(b.begin(), b.end(), f32_to_bf16(0.5f));
+      f[at] = NAN, b[at] = f32_to_bf16(INFINITY);
+      if (at + 1 < n) f[n - 1] = NAN, b[n - 1] = f32_to_bf16(NAN);  // a later one is not the one named
+      const std::string want = " at element " + std::to_string(at) + " (a diverged or corrupted model)";
+      EXPECT_NE(test::error_of([&] { check_finite_param("p", "w", f); }).find("p: weight w holds nan" + want),
+                std::string::npos) << n << " " << at;
+      EXPECT_NE(test::error_of([&] { check_finite_param("p", "w", b); }).find("p: weight w holds inf" + want),
+                std::string::npos) << n << " " << at;
+    }
+  }
 }
 
 TEST(CheckpointTest, ModelConfigIsReadBackFromTheCheckpoint) {

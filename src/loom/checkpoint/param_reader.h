@@ -53,7 +53,8 @@ std::unique_ptr<ParamReader> flat_param_reader(const ModelConfig& config, std::s
 // Readers of files: hf_param_reader (hf_model.h), open_param_reader (weights.h: a Hugging Face
 // folder or a Loom checkpoint).
 
-// A non-finite element of a parameter read from `path`: an Error naming both.
+// A non-finite element of a parameter read from `path`: an Error naming both (its first one).
 void check_finite_param(const std::string& path, const std::string& name, std::span<const float> values);
+void check_finite_param(const std::string& path, const std::string& name, std::span<const bf16> values);
 
 }  // namespace loom

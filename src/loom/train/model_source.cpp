@@ -1,7 +1,5 @@
 #include "loom/train/model_source.h"
 
-#include <algorithm>
-#include <cmath>
 #include <filesystem>
 #include <iostream>
 #include <map>
@@ -10,6 +8,7 @@
 #include "loom/arch/param_layout.h"
 #include "loom/checkpoint/checkpoint.h"
 #include "loom/checkpoint/hf_model.h"
+#include "loom/checkpoint/param_reader.h"
 #include "loom/checkpoint/peft.h"
 #include "loom/checkpoint/weights.h"
 #include "loom/core/error.h"
@@ -98,35 +97,13 @@ namespace {
 // when written).
 void check_finite_weights(const ModelSource& source, const Tensor& params,
                           const std::map<std::string, Tensor>& in_bf16 = {}, const std::set<std::string>& skip = {}) {
-  // Blocks of elements are tested without a branch (the loop vectorizes) and a block with a
-  // non-finite value is searched for its first: an 8B model's 16 GB in one pass at memory speed.
-  constexpr int64_t kBlock = 4096;
-  const auto each_bad = [&](int64_t n, const auto& bad, const auto& refuse) {
-    for (int64_t i0 = 0; i0 < n; i0 += kBlock) {
-      const int64_t i1 = std::min(n, i0 + kBlock);
-      bool any = false;
-      for (int64_t i = i0; i < i1; ++i) any |= bad(i);
-      if (!any) continue;
-      for (int64_t i = i0; i < i1; ++i) {
-        if (bad(i)) refuse(i);
-      }
-    }
-  };
-  const float* w = params.data<float>();
   for (const auto& [name, t] : in_bf16) {
-    const auto* bits = static_cast<const uint16_t*>(t.raw_data());
-    each_bad(t.numel(), [&](int64_t i) { return (bits[i] & 0x7f80u) == 0x7f80u; }, [&](int64_t i) {
-      throw Error(str_cat(source.path, ": weight ", name, " holds ", bf16_to_f32(bf16{bits[i]}), " at element ", i,
-                          " (a diverged or corrupted model); refusing to use non-finite weights"));
-    });
+    check_finite_param(source.path, name, {t.data<bf16>(), static_cast<size_t>(t.numel())});
   }
+  const float* w = params.data<float>();
   for (const ParamSpec& p : build_param_layout(source.config.model).params) {
     if (in_bf16.count(p.name) || skip.count(p.name)) continue;
-    const float* v = w + p.offset;
-    each_bad(p.numel, [&](int64_t i) { return !std::isfinite(v[i]); }, [&](int64_t i) {
-      throw Error(str_cat(source.path, ": weight ", p.name, " holds ", v[i], " at element ", i,
-                          " (a diverged or corrupted model); refusing to use non-finite weights"));
-    });
+    check_finite_param(source.path, p.name, {w + p.offset, static_cast<size_t>(p.numel)});
   }
 }
 
