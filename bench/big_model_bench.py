@@ -40,11 +40,14 @@ OMP_NUM_THREADS), llama.cpp's from the same 16 prompt token ids, greedy, one run
 of the medians per thread count and the best Loom / best llama.cpp ratio, with the CPU's model
 name and whether it has AVX-512; every round's figures go to OUT/llama_cpp_results.json.
 --skip-generate skips the bf16 / f32 table only (--quantize, --qlora and --llama-cpp still run).
+--busy-core C runs every --llama-cpp run beside a busy process (a shell loop pinned to core C,
+started before and killed after each run, as bench/contention_bench.py does for training).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -169,7 +172,9 @@ def run_generate(loom: str, folder: str, f32: bool, threads: int = 2, new_tokens
            "--prompt-tokens", str(PROMPT_TOKENS), "--new-tokens", str(new_tokens), "--max-batch", "1"] + \
         (["--f32-weights"] if f32 else [])
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    if wait:  # OpenMP's wait policy (Loom's default: PASSIVE, docs/performance.md)
+    if wait == "nospin":  # passive OpenMP waits, and the decoding team sleeps at once (core/threads.h)
+        env.update(OMP_WAIT_POLICY="PASSIVE", LOOM_SPIN_US="0")
+    elif wait:  # OpenMP's wait policy (Loom's default: PASSIVE, docs/performance.md)
         env["OMP_WAIT_POLICY"] = wait.upper()
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if p.returncode != 0:
@@ -286,6 +291,18 @@ def prompt_ids(vocab_size: int, length: int) -> tuple[list[int], str]:
     return [(t * 2654435761) % vocab_size for t in range(length)], f"t * 2654435761 mod {vocab_size}"
 
 
+@contextlib.contextmanager
+def busy_core(core: int | None):
+    """A shell loop spinning on one core for the duration (nothing when core is None)."""
+    busy = None if core is None else subprocess.Popen(["taskset", "-c", str(core), "sh", "-c", "while :; do :; done"])
+    try:
+        yield
+    finally:
+        if busy is not None:
+            busy.kill()
+            busy.wait()
+
+
 def run_llama_speed(gguf: str, prompt: list[int], new_tokens: int, threads: int, work: str) -> dict:
     spec = os.path.join(work, "llama_spec.json")
     with open(spec, "w") as f:
@@ -344,7 +361,7 @@ def llama_cpp_compare(args, folder: str, cfg: dict, file_bytes: int) -> None:
               f"{fmt_bytes(q['peak_rss'])}, model.safetensors {fmt_bytes(q['file'])}")
     prompt, origin = prompt_ids(cfg["vocab_size"], PROMPT_TOKENS)
     print(f"prompt: {PROMPT_TOKENS} tokens ({origin}), {args.new_tokens} new, greedy; threads {threads}; "
-          f"{args.rounds} rounds")
+          f"{args.rounds} rounds" + (f"; beside a busy loop on core {args.busy_core}" if args.busy_core is not None else ""))
     avail = 0.9 * available_bytes()
     waits = [w.strip() for w in args.loom_wait.split(",") if w.strip()]
     looms = {("loom" if w == "passive" else f"loom {w}"): w for w in waits}
@@ -360,10 +377,12 @@ def llama_cpp_compare(args, folder: str, cfg: dict, file_bytes: int) -> None:
                     if size > avail:
                         rec["skipped"] = f"{fmt_bytes(size)} of weights, {fmt_bytes(avail / 0.9)} available"
                     elif engine in looms:
-                        rec.update(model=loom_dir, **run_generate(args.loom, loom_dir, False, threads=n,
-                                                                  new_tokens=args.new_tokens, wait=looms[engine]))
+                        with busy_core(args.busy_core):
+                            rec.update(model=loom_dir, **run_generate(args.loom, loom_dir, False, threads=n,
+                                                                      new_tokens=args.new_tokens, wait=looms[engine]))
                     else:
-                        rec.update(model=gguf, **run_llama_speed(gguf, prompt, args.new_tokens, n, work))
+                        with busy_core(args.busy_core):
+                            rec.update(model=gguf, **run_llama_speed(gguf, prompt, args.new_tokens, n, work))
                     raw.append(rec)
                     print(f"  round {rnd + 1} {t:5s} {engine:11s} {n} threads: " +
                           (rec["skipped"] if "skipped" in rec else
@@ -402,7 +421,7 @@ def llama_cpp_compare(args, folder: str, cfg: dict, file_bytes: int) -> None:
     out = os.path.join(args.out, "llama_cpp_results.json")
     with open(out, "w") as fh:
         json.dump({"folder": folder, "shape": args.shape, "cpu": cpu, "avx512": avx512, "threads": threads,
-                   "rounds": args.rounds, "prompt_tokens": PROMPT_TOKENS, "prompt": prompt, "new_tokens": args.new_tokens,
+                   "rounds": args.rounds, "busy_core": args.busy_core, "prompt_tokens": PROMPT_TOKENS, "prompt": prompt, "new_tokens": args.new_tokens,
                    "exports": exports, "summary": summary, "raw": raw}, fh, indent=2)
     print(f"\nevery round's figures: {out}")
 
@@ -432,7 +451,10 @@ def main() -> None:
                     help="compare decode speed with llama.cpp on GGUF exports (bf16, q8_0, q4_0) of the folder")
     ap.add_argument("--loom-wait", default="passive",
                     help="--llama-cpp: OMP_WAIT_POLICY values for Loom's runs, each its own row (default passive, "
-                         "Loom's own; llama.cpp's threads spin)")
+                         "Loom's own; llama.cpp's threads spin), or nospin: passive with LOOM_SPIN_US=0 (the decoding "
+                         "team sleeps at once, as every wait did before it)")
+    ap.add_argument("--busy-core", type=int, default=None,
+                    help="--llama-cpp: run every engine beside a shell loop spinning on this core")
     ap.add_argument("--formats", default=",".join(GGUF_TYPES),
                     help="--llama-cpp: comma-separated GGUF types to compare (default bf16,q8_0,q4_0)")
     ap.add_argument("--threads", default="1,2", help="--llama-cpp: comma-separated thread counts (default 1,2)")

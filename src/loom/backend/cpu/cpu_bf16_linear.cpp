@@ -7,7 +7,7 @@
 //   f32 by a 16-bit left shift and the odd columns' by masking the low half, so the input rows
 //   are first copied with each 16-column chunk split into its even and odd columns
 //   (split_even_odd). Each output's sum has a fixed order, so results do not depend on the
-//   thread count. OpenMP splits the output rows.
+//   thread count. The short-region team (core/threads.h) splits the output rows.
 //   Measured (2-core AMD EPYC, AVX-512 machine running the AVX2 kernel; GB/s of weights read,
 //   one row, 2 threads): 4096 x 6144 30 -> 50, 14336 x 4096 20 -> 45; one thread 18 -> 36 and
 //   10 -> 34. The widening gives 18 -> 28 and 10 -> 14 (the shuffle, vpmovzxwd, one per 8
@@ -29,6 +29,7 @@
 #include "loom/backend/cpu/cpu_quant_ops.h"
 #include "loom/core/dtype.h"
 #include "loom/core/error.h"
+#include "loom/core/threads.h"
 
 namespace loom::cpu {
 namespace {
@@ -108,20 +109,21 @@ void direct(const float* x, const uint16_t* w, float* y, int64_t N, int64_t O, i
     float& dst = y[n * O + o];
     dst = beta == 0.0f ? out : beta * dst + out;
   };
-#pragma omp parallel for schedule(static)
-  for (int64_t o = 0; o < O; ++o) {
-    const uint16_t* row = w + o * K;
-    for (int64_t n0 = 0; n0 < N; n0 += 4) {
-      float sums[4];
-      const int64_t nr = std::min<int64_t>(4, N - n0);
-      const float* xr = xs + n0 * K;
-      if (nr == 4) dot_rows<4, 1>(xr, K, row, sums);
-      else if (nr == 3) dot_rows<3, 1>(xr, K, row, sums);
-      else if (nr == 2) dot_rows<2, 2>(xr, K, row, sums);
-      else dot_rows<1, 2>(xr, K, row, sums);
-      for (int64_t r = 0; r < nr; ++r) store(n0 + r, o, sums[r]);
+  short_region(O, [&](int64_t begin, int64_t end) {
+    for (int64_t o = begin; o < end; ++o) {
+      const uint16_t* row = w + o * K;
+      for (int64_t n0 = 0; n0 < N; n0 += 4) {
+        float sums[4];
+        const int64_t nr = std::min<int64_t>(4, N - n0);
+        const float* xr = xs + n0 * K;
+        if (nr == 4) dot_rows<4, 1>(xr, K, row, sums);
+        else if (nr == 3) dot_rows<3, 1>(xr, K, row, sums);
+        else if (nr == 2) dot_rows<2, 2>(xr, K, row, sums);
+        else dot_rows<1, 2>(xr, K, row, sums);
+        for (int64_t r = 0; r < nr; ++r) store(n0 + r, o, sums[r]);
+      }
     }
-  }
+  });
 }
 
 void tiled(const float* x, const uint16_t* w, float* y, int64_t N, int64_t O, int64_t K, float beta, const float* bias) {

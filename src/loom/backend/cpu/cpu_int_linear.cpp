@@ -34,11 +34,13 @@
 #include "loom/backend/cpu/cpu_math.h"
 #include "loom/backend/cpu/cpu_quant_ops.h"
 #include "loom/core/error.h"
+#include "loom/core/threads.h"
 
 namespace loom::cpu {
 namespace {
 
 constexpr int kRowBlock = 4;  // input rows multiplied with one decoded chunk of codes
+constexpr int64_t kShortRegionRows = 16;  // input rows up to which a call is a short region (decoding)
 
 int64_t row_bytes(int bits, int64_t cols) { return bits == 8 ? cols : (bits == 4 ? cols / 2 : cols / 8 * 3); }
 
@@ -342,9 +344,18 @@ void check_operands(const Tensor& x, const Tensor& codes, const Tensor& scales, 
 }
 
 // fn(o, row o's f32 scales) for every output row o, the rows split over the threads (static),
-// each thread with its own buffer for widened f16 scales.
+// each thread with its own buffer for widened f16 scales. A decoding step's few input rows make
+// a short region: those run on the short-region team (core/threads.h).
 template <class Fn>
-void each_output_row(int64_t rows, const GroupRows& params, Fn&& fn) {
+void each_output_row(int64_t rows, const GroupRows& params, bool short_region_rows, Fn&& fn) {
+  const auto part = [&](int64_t begin, int64_t end) {
+    std::vector<float> row_scales(static_cast<size_t>(params.groups));
+    for (int64_t o = begin; o < end; ++o) fn(o, params.scales(o, row_scales.data()));
+  };
+  if (short_region_rows) {
+    short_region(rows, part);
+    return;
+  }
 #pragma omp parallel
   {
     std::vector<float> row_scales(static_cast<size_t>(params.groups));
@@ -430,7 +441,7 @@ void int_linear(const Tensor& x, const Tensor& codes, const Tensor& scales, cons
       }
       return;
     }
-    each_output_row(O, params, [&](int64_t o, const float* so) {
+    each_output_row(O, params, N <= kShortRegionRows, [&](int64_t o, const float* so) {
       for (int64_t n0 = 0; n0 < N; n0 += kRowBlock) {
         const int nr = static_cast<int>(std::min<int64_t>(kRowBlock, N - n0));
         float out[kRowBlock];
@@ -450,7 +461,7 @@ void int_linear(const Tensor& x, const Tensor& codes, const Tensor& scales, cons
       xsums[static_cast<size_t>(n * groups + g)] = t;
     }
   }
-  each_output_row(O, params, [&](int64_t o, const float* so) {
+  each_output_row(O, params, N <= kShortRegionRows, [&](int64_t o, const float* so) {
     for (int64_t n0 = 0; n0 < N; n0 += kRowBlock) {
       const int nr = static_cast<int>(std::min<int64_t>(kRowBlock, N - n0));
       float out[kRowBlock];
@@ -472,7 +483,7 @@ void int_dequantize(const Tensor& codes, const Tensor& scales, const Tensor& zer
   LOOM_CHECK(input_scale == nullptr || (input_scale->dtype() == DTYPE_F32 && input_scale->numel() == K),
              "int_dequantize: input scale for ", K, " columns");
   const float* in = input_scale != nullptr ? input_scale->data<float>() : nullptr;
-  each_output_row(s.rows, params, [&](int64_t o, const float* so) {
+  each_output_row(s.rows, params, false, [&](int64_t o, const float* so) {
     const ZeroPoints zo = params.zero_points(o);
     for (int64_t c = 0; c < K; c += 32) {
       const int64_t g = c / s.group;
