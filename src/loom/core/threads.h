@@ -27,6 +27,8 @@
 // Beside another busy process spinning is what costs (the 1.5B model beside a loop on one core:
 // 6.5 tokens/s spinning, 14.7 sleeping at once), so while more threads are runnable on the machine
 // than the process has CPUs (/proc/loadavg, sampled every 10 ms) the team's waits sleep at once.
+// (In a container whose /proc/loadavg is the host's, a busy host keeps the team from spinning: it
+// then waits as OpenMP's passive threads do.)
 // Only under passive OpenMP waits: where OpenMP's threads spin, its regions wake no one and a
 // second set of threads would take the cores the spinning ones hold, so the regions are OpenMP's.
 #pragma once
