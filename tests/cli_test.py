@@ -520,11 +520,15 @@ class Cli(LoomCase):
         self.assertIn("every request the same tokens: yes", r.stdout)
         self.assert_one_line_error(run("bench", "generate", "--checkpoint", ckpt, "--bf16-weights", expect_ok=False),
                                    "--bf16-weights")
-        # The decoding team's spin window (core/threads.h): a bad value is one line naming the variable.
-        self.assert_one_line_error(run("bench", "generate", "--bf16-weights", "--requests", "1", "--prompt-tokens", "4",
-                                       "--new-tokens", "2", "--set", f"{TINY},data.dir={self.data},data.tokenizer=byte",
-                                       expect_ok=False, env=dict(os.environ, OMP_NUM_THREADS="2", LOOM_SPIN_US="1ms")),
-                                   "LOOM_SPIN_US", "'1ms'")
+        # The decoding team's spin window (core/threads.h): a bad value is one line naming the
+        # variable, before any work (here before the model is built; train would not start).
+        bad_spin = dict(os.environ, OMP_NUM_THREADS="2", LOOM_SPIN_US="1ms")
+        p = run("bench", "generate", "--bf16-weights", "--requests", "1", "--prompt-tokens", "4", "--new-tokens", "2",
+                "--set", f"{TINY},data.dir={self.data},data.tokenizer=byte", expect_ok=False, env=bad_spin)
+        self.assert_one_line_error(p, "LOOM_SPIN_US", "'1ms'")
+        self.assertNotIn("random init", p.stdout)
+        self.assert_one_line_error(run("train", "--set", f"{TINY},data.dir={self.data}", expect_ok=False, env=bad_spin),
+                                   "LOOM_SPIN_US")
 
     def test_memory_serve_states_the_pool_and_the_step_workspace(self):
         """loom memory --serve: the KV pool and step workspace `loom serve` states for the same flags;

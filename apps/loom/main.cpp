@@ -61,9 +61,9 @@ int main(int argc, char** argv) {
   // The commands that compute on several threads start with passive OpenMP waits unless the user
   // chose a policy (core/threads.h); that re-executes the program (~0.5 s here), which the
   // others are spared.
-  for (const char* heavy : {"train", "eval", "generate", "serve", "bench", "quantize", "prune"}) {
-    if (command == heavy) loom::use_passive_omp_waits(argv);
-  }
+  bool computes = false;
+  for (const char* heavy : {"train", "eval", "generate", "serve", "bench", "quantize", "prune"}) computes |= command == heavy;
+  if (computes) loom::use_passive_omp_waits(argv);
   // Asynchronous signals were blocked before any library started a thread (below); they reach
   // one signal thread, started once `train` has its handlers (a stop signal sent meanwhile waits).
   // (`serve` starts it itself, once its drain handler is installed.)
@@ -74,6 +74,7 @@ int main(int argc, char** argv) {
     return 0;
   }
   try {
+    if (computes) loom::short_region_spin_micros();  // a bad LOOM_SPIN_US is refused before any work
     if (command == "prepare") return loom::cli::prepare_main(argc - 2, argv + 2);
     if (command == "train") return loom::cli::train_main(argc - 2, argv + 2);
     if (command == "eval") return loom::cli::eval_main(argc - 2, argv + 2);

@@ -270,6 +270,8 @@ void run_short_region(int64_t count, RangeFn fn, void* ctx) {
   g_team->run(count, fn, ctx);
 }
 
+int64_t short_region_spin_micros() { return spin_micros(); }
+
 int64_t short_region_threads_started() { return g_threads_started.load(); }
 
 }  // namespace loom

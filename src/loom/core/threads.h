@@ -64,6 +64,10 @@ void short_region(int64_t count, Body&& body) {
                    const_cast<void*>(static_cast<const void*>(&body)));
 }
 
+// LOOM_SPIN_US (kDefaultSpinMicros when unset); throws naming it when it is not a whole number of
+// microseconds from 0 to 10^7. The programs check it before they start work.
+int64_t short_region_spin_micros();
+
 // How many times this process started a team's worker thread (for tests).
 int64_t short_region_threads_started();
 
