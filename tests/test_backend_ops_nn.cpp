@@ -3,6 +3,10 @@
 // the tolerances: backend_ops_fixture.h; instantiated for every backend in test_backend_ops.cpp.
 #include "backend_ops_fixture.h"
 
+#include <algorithm>
+
+#include "loom/core/targets.h"
+
 namespace loom::backend_ops_test {
 
 // ---------------------------------------------------------------- norms
@@ -342,6 +346,53 @@ TEST_P(BackendOpsTest, CrossEntropyForwardBackwardAndInPlace) {
   }
 }
 
+// The loss and d(logits) in one call (a training step's loss pass): against the CPU as the two
+// ops above, and on the backend under test bitwise its own forward, backward and cast (Backend's
+// default, called by name). d(logits) in place (f32, f64) or rounded to bf16 (f32 logits: the bf16
+// head's operand), whose tolerance against the CPU is one bf16 rounding (2^-8 of the largest
+// element) since another summation order may move a value across a rounding boundary. A masked row
+// (kIgnoreTarget) has loss 0 and a zero gradient.
+TEST_P(BackendOpsTest, CrossEntropyLossAndGradIsTheTwoOpsInOneCall) {
+  struct Case {
+    DType dtype, grad;
+  };
+  for (const Case c : {Case{DTYPE_F32, DTYPE_F32}, Case{DTYPE_F64, DTYPE_F64}, Case{DTYPE_F32, DTYPE_BF16}}) {
+    for (auto [N, V] : {std::pair<int64_t, int64_t>{17, 101}, {64, 50257}}) {
+      const bool in_place = c.grad == c.dtype;
+      Operands x;
+      x.tensors["logits"] = rnd({N, V}, c.dtype, 1, 5.0);
+      Tensor targets = ids({N}, static_cast<int32_t>(V), 2);
+      targets.data<int32_t>()[3] = kIgnoreTarget;
+      x.tensors["targets"] = targets;
+      x.tensors["losses"] = nans({N}, c.dtype);
+      x.tensors["lse"] = nans({N}, c.dtype);
+      x.tensors["dlogits"] = nans({N, V}, c.grad);
+      const std::string what = str_cat("cross_entropy_loss_and_grad ", dt(c.dtype), " -> ", dt(c.grad), " N ", N, " V ", V);
+      const Op fused = [in_place](Backend& be, Operands& o) {
+        be.cross_entropy_loss_and_grad(o["logits"], o["targets"], o["losses"], o["lse"], 0.37f,
+                                       in_place ? o["logits"] : o["dlogits"]);
+      };
+      const Tol tol = reduction_tol(c.dtype);
+      const std::string grad = in_place ? "logits" : "dlogits";
+      // (lse is compared through the losses, lse - x[target]: a masked row's lse is not defined)
+      check(what, x, fused, {{"losses", tol}, {grad, in_place ? tol : Tol{1.0 / 256}}});
+
+      Operands got = copy_to_backend(x), want = copy_to_backend(x);
+      fused(*backend_, got);
+      backend_->Backend::cross_entropy_loss_and_grad(want["logits"], want["targets"], want["losses"], want["lse"],
+                                                     0.37f, in_place ? want["logits"] : want["dlogits"]);
+      for (const std::string& name : {std::string("losses"), std::string("lse"), grad}) {
+        EXPECT_TRUE(bytes_of(*backend_, got[name]) == bytes_of(*backend_, want[name]))
+            << what << ": " << name << " is not bitwise the separate ops' on " << GetParam();
+      }
+      const std::vector<double> losses = values_of(bytes_of(*backend_, got["losses"]), c.dtype);
+      const std::vector<double> g = values_of(bytes_of(*backend_, got[grad]), c.grad);
+      EXPECT_EQ(losses[3], 0.0) << what;
+      EXPECT_TRUE(std::all_of(g.begin() + 3 * V, g.begin() + 4 * V, [](double v) { return v == 0.0; })) << what;
+    }
+  }
+}
+
 // ---------------------------------------------------------------- AdamW
 
 // Three steps (bias correction 1..3) from m = v = 0 with weight decay and grad_scale, a new
@@ -421,6 +472,12 @@ TEST_P(BackendOpsTest, BadTargetThrowsNamingTheOp) {
       EXPECT_NE(message.find("cross_entropy_forward"), std::string::npos)
           << be->name() << " target " << bad << ": \"" << message << "\"";
       EXPECT_NE(message.find("outside vocab"), std::string::npos) << be->name() << ": \"" << message << "\"";
+      const std::string fused = error_of([&] {
+        be->cross_entropy_loss_and_grad(o["logits"], o["targets"], o["losses"], o["lse"], 1.0f, o["logits"]);
+        be->synchronize();
+      });
+      EXPECT_NE(fused.find("cross_entropy_loss_and_grad: target " + std::to_string(bad)), std::string::npos)
+          << be->name() << " target " << bad << ": \"" << fused << "\"";
     }
   }
   Operands x;

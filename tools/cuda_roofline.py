@@ -140,9 +140,10 @@ def step_kernels(m: Model, design: str) -> list[Kernel]:
     if built and v % 8:  # odd rows (backend/gemm_panels.h): the f32 logits copied out of padded
         # panels, the bf16 d(logits) copied into them for dX and again for dW, each read + written
         ks.append(Kernel("head: odd rows staged through padded panels", 0, 2 * (4 + 2 + 2) * n * v, "mem"))
-    # Cross-entropy: the built design reads the fp32 logits twice (forward, backward in place) and
-    # writes a bf16 copy of the gradient for the GEMMs; the target reads bf16 logits once.
-    ce_bytes = (4 + 4 + 4 + 6) * n * v if built else (2 + 2) * n * v
+    # Cross-entropy: the built design's fused kernel (cuda_loss.cu) reads the fp32 logits once from
+    # memory (its second read of a row, for the gradient, from L2) and writes the bf16 gradient for
+    # the GEMMs; the target reads bf16 logits once and writes the gradient in place.
+    ce_bytes = (4 + 2) * n * v if built else (2 + 2) * n * v
     ks.append(Kernel("cross-entropy fwd + bwd", 6 * n * v, ce_bytes, "mem"))
     ks.append(Kernel("AdamW (p, g, m, v fp32 + the bf16 copy)", 12 * m.params, 30 * m.params, "mem"))
     ks.append(Kernel("gradient norm", 2 * m.params, 4 * m.params, "mem"))

@@ -405,7 +405,8 @@ class Backend {
 
   // Fused softmax + cross-entropy. logits (N,V), targets (N) i32. losses[n] = lse[n] - logits[n, t_n];
   // lse (N) saved; probabilities are never stored. A target of kIgnoreTarget (a loss mask:
-  // prompt tokens in supervised fine-tuning) gives loss 0 and a zero gradient row.
+  // prompt tokens in supervised fine-tuning) gives loss 0 and a zero gradient row (its lse is
+  // not read: the CPU computes it, the CUDA kernels write 0 without reading the row).
   virtual void cross_entropy_forward(const Tensor& logits, const Tensor& targets, const Tensor& losses,
                                      const Tensor& lse) = 0;
   // dlogits = dloss * (softmax(logits) - onehot(targets)); dlogits may alias logits.

@@ -1,5 +1,5 @@
 // The CUDA implementation of the op interface: validates with the checks every backend shares
-// (backend/checks.h), then enqueues kernels (cuda_kernels.cu, cuda_attention.cu) and cuBLASLt /
+// (backend/checks.h), then enqueues kernels (cuda_kernels.cu, cuda_loss.cu, cuda_attention.cu) and cuBLASLt /
 // cuBLAS GEMMs on one stream. Nothing synchronizes but the ops that return a host value (sum,
 // sum_squares), read/write and synchronize; the id checks of embedding and cross-entropy are
 // read there, all in one small copy (so a bad token id is a one-line error, never a silent wrong
@@ -23,6 +23,7 @@
 #include "loom/backend/cuda/cuda_check.h"
 #include "loom/backend/cuda/cuda_flash_mma.h"
 #include "loom/backend/cuda/cuda_kernels.h"
+#include "loom/backend/cuda/cuda_loss.h"
 #include "loom/core/error.h"
 
 
@@ -470,6 +471,31 @@ void CudaBackend::cross_entropy_backward(const Tensor& logits, const Tensor& tar
     cuda::cross_entropy_backward<T>(dptr<T>(logits), dptr<int32_t>(targets), dptr<T>(lse), dloss, dptr<T>(dlogits),
                                     rows_of(logits), logits.dim(-1), stream_);
   });
+}
+
+void CudaBackend::cross_entropy_loss_and_grad(const Tensor& logits, const Tensor& targets, const Tensor& losses,
+                                              const Tensor& lse, float dloss, const Tensor& dlogits) {
+  const char* op = "cross_entropy_loss_and_grad";
+  check_cross_entropy(op, logits, targets, lse);
+  expect_dtype(losses, logits.dtype(), op, "losses");
+  expect_numel(losses, rows_of(logits), op, "losses");
+  expect_numel(dlogits, logits.numel(), op, "dlogits");
+  const bool to_bf16 = dlogits.dtype() == DTYPE_BF16 && logits.dtype() == DTYPE_F32;
+  LOOM_CHECK(to_bf16 || (dlogits.device_ptr() == logits.device_ptr() && dlogits.dtype() == logits.dtype()), op,
+             ": dlogits is the logits (in place) or bf16, got ", dlogits.describe(), " for logits ", logits.describe());
+  unsigned long long* bad = claim_flag();
+  if (to_bf16) {
+    cuda::cross_entropy_loss_and_grad<float, uint16_t>(dptr<float>(logits), dptr<int32_t>(targets),
+                                                       dptr<float>(losses), dptr<float>(lse), dloss,
+                                                       dptr<uint16_t>(dlogits), rows_of(logits), logits.dim(-1), bad,
+                                                       stream_);
+  } else {
+    dispatch_float(logits.dtype(), op, kBackend, [&]<typename T>() {
+      cuda::cross_entropy_loss_and_grad<T, T>(dptr<T>(logits), dptr<int32_t>(targets), dptr<T>(losses), dptr<T>(lse),
+                                              dloss, dptr<T>(logits), rows_of(logits), logits.dim(-1), bad, stream_);
+    });
+  }
+  defer_check(op, "target", "row", targets, logits.dim(-1));
 }
 
 void CudaBackend::adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,

@@ -163,6 +163,9 @@ class CudaBackend final : public Backend {
                              const Tensor& lse) override;
   void cross_entropy_backward(const Tensor& logits, const Tensor& targets, const Tensor& lse, float dloss,
                               const Tensor& dlogits) override;
+  // One kernel reading the logits once (cuda_loss.cu), bitwise the two ops and the cast.
+  void cross_entropy_loss_and_grad(const Tensor& logits, const Tensor& targets, const Tensor& losses,
+                                   const Tensor& lse, float dloss, const Tensor& dlogits) override;
   void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
                   const AdamWHyper& h) override;
 

@@ -36,8 +36,9 @@
 // CUDA's *_sync masks: every call in Loom is full-warp (0xffffffff) with every lane of the
 // logical warp present, so the HIP forms need no mask. The helpers below are the only shuffles,
 // votes and warp barriers of the kernels; an audit of each use (all call sites, by file):
-//   cuda_kernels.cu      warp_sum (norms, a warp per row); the cross-entropy's shfl_down tree of
-//                        (max, sum) states, per warp and then over the 16 warps' states in warp 0.
+//   cuda_kernels.cu      warp_sum (norms, a warp per row).
+//   cuda_loss.cu         the cross-entropy's shfl_down tree of (max, sum) states, per warp and then
+//                        over the 16 warps' states in warp 0.
 //   cuda_attention.cu    warp_sum / warp_fold (probs-path softmax, dscores, D), group_sum<kG>
 //                        (kG = 1..32 consecutive lanes own one flash row: xor offsets < kG stay
 //                        inside the group, hence inside the logical warp).

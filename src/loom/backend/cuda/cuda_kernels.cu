@@ -1,4 +1,5 @@
-// CUDA kernels of the backend (all of cuda_kernels.h but attention, which is cuda_attention.cu).
+// CUDA kernels of the backend (all of cuda_kernels.h but attention, which is cuda_attention.cu;
+// the cross-entropy is cuda_loss.cu).
 // Every kernel computes exactly the formula of its CPU twin in cpu/cpu_kernels.h, in T (float for
 // training, double for reference checks), with the same operation order where it is a formula
 // (the order of a long sum differs: it is a fixed tree here, see "Determinism").
@@ -23,8 +24,6 @@
 //   glu bwd         dgate = dout up act'(g) (silu' = sigmoid(g) (1 + g (1 - sigmoid(g)))); dup = dout act(g)
 //   rope            (a, c) = (v[j], v[j + hd/2]) -> (a cos - c sin, c cos + a sin),
 //                   angle = direction (pos_offset + t) theta^(-2j/hd), computed in double
-//   cross entropy   lse = max + log(sum exp(x - max)); loss = lse - x[target]
-//                   dx = dloss (exp(x - lse) - [v == target])
 //   adamw           g = grad grad_scale; m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2;
 //                   p = p (1 - lr wd) - lr (m / bias1) / (sqrt(v / bias2) + eps)
 // exp, tanh and sigmoid are backend/scalar_math.h's, the CPU kernels' own functions (a Cody-Waite
@@ -40,7 +39,6 @@
 #include "loom/backend/cuda/cuda_kernels.h"
 
 #include <algorithm>
-#include <cfloat>
 #include <climits>
 #include <cstdint>
 
@@ -61,7 +59,6 @@ constexpr int kRowsPerBlock = kBlock / kWarp;  // warp-per-row kernels: 8 rows p
 // turn: at 4,096 channels (128 dependent round trips) rmsnorm took 61 us a row on an H200
 // (2026-12-04, ncu), 4 ms of a Llama-3-8B decode step's 14.
 constexpr int kLaneLoads = 16;
-constexpr int kCeBlock = 512;                  // cross entropy: one block of 512 threads per row
 
 // ---------------------------------------------------------------- scalar math
 // exp, tanh and sigmoid: backend/scalar_math.h's, the CPU kernels' own functions.
@@ -650,112 +647,6 @@ __global__ void rope_kernel(T* x, int64_t batch, int64_t seq_len, int64_t width,
   }
 }
 
-// ---------------------------------------------------------------- cross entropy
-// Online log-sum-exp state (Milakov & Gimelshein 2018): sum = sum_i exp(x_i - max).
-// Combining two states: the larger max wins, the other sum is rescaled by exp(max2 - max).
-// A state with sum 0 (no element yet) contributes nothing; the combine is commutative bitwise.
-template <typename T>
-__device__ __forceinline__ void lse_combine(T& max, T& sum, T max2, T sum2) {
-  if (max2 > max) {
-    const T m = max, s = sum;
-    max = max2;
-    sum = sum2;
-    max2 = m;
-    sum2 = s;
-  }
-  if (sum2 != T(0)) sum += sum2 * exp_t<T>(max2 - max);
-}
-
-// One block of kCeBlock threads per row (grid-stride over rows): each thread folds its strided
-// elements into an online (max, sum) state, then a fixed shuffle tree per warp and a fixed tree
-// over the warps' states. The start max is the lowest finite T, so -inf logits add exp(-inf) as
-// on the CPU and never form inf - inf. Probabilities are not stored.
-template <typename T>
-__global__ void __launch_bounds__(kCeBlock) cross_entropy_forward_kernel(const T* logits, const int32_t* targets,
-                                                                         T* losses, T* lse, int64_t rows,
-                                                                         int64_t vocab,
-                                                                         unsigned long long* bad_row) {
-  constexpr int kWarps = kCeBlock / kWarp;
-  __shared__ T warp_max[kWarps], warp_sums[kWarps];
-  const int lane = static_cast<int>(threadIdx.x) % kWarp, warp = static_cast<int>(threadIdx.x) / kWarp;
-  const T lowest = sizeof(T) == 4 ? T(-FLT_MAX) : T(-DBL_MAX);  // lowest finite T
-  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-    const int32_t target = targets[r];
-    if (target == kIgnoreTarget) {  // a masked position (block-uniform): loss 0
-      if (threadIdx.x == 0) losses[r] = lse[r] = T(0);
-      continue;
-    }
-    if (target < 0 || target >= vocab) {  // block-uniform: the row is skipped
-      if (threadIdx.x == 0) {
-        atomicMin(bad_row, static_cast<unsigned long long>(r));
-        losses[r] = T(0);
-        lse[r] = T(0);
-      }
-      continue;
-    }
-    const T* x = logits + r * vocab;
-    T max = lowest, sum = T(0);
-    for (int64_t v = threadIdx.x; v < vocab; v += kCeBlock) {
-      const T xv = x[v];
-      if (xv > max) {
-        sum = sum * exp_t<T>(max - xv) + T(1);
-        max = xv;
-      } else {
-        sum += exp_t<T>(xv - max);
-      }
-    }
-    for (int offset = kWarp / 2; offset > 0; offset >>= 1) {
-      const T max2 = shfl_down(max, offset);
-      const T sum2 = shfl_down(sum, offset);
-      lse_combine(max, sum, max2, sum2);
-    }
-    if (lane == 0) {
-      warp_max[warp] = max;
-      warp_sums[warp] = sum;
-    }
-    __syncthreads();
-    if (warp == 0) {
-      max = lane < kWarps ? warp_max[lane] : lowest;
-      sum = lane < kWarps ? warp_sums[lane] : T(0);
-      for (int offset = kWarp / 2; offset > 0; offset >>= 1) {
-        const T max2 = shfl_down(max, offset);
-        const T sum2 = shfl_down(sum, offset);
-        lse_combine(max, sum, max2, sum2);
-      }
-      if (lane == 0) {
-        const T l = max + log_of(sum);
-        lse[r] = l;
-        losses[r] = l - x[target];
-      }
-    }
-    __syncthreads();  // warp_max / warp_sums are rewritten by the next row
-  }
-}
-
-// One block of kCeBlock threads per row, grid-stride over rows; each element is read and written
-// by one thread, so dlogits may alias logits. A row with a bad target is written 0.
-template <typename T>
-__global__ void __launch_bounds__(kCeBlock) cross_entropy_backward_kernel(const T* logits, const int32_t* targets,
-                                                                          const T* lse, T dloss, T* dlogits,
-                                                                          int64_t rows, int64_t vocab) {
-  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-    const int32_t target = targets[r];
-    const T* x = logits + r * vocab;
-    T* d = dlogits + r * vocab;
-    if (target < 0 || target >= vocab) {
-      for (int64_t v = threadIdx.x; v < vocab; v += kCeBlock) d[v] = T(0);
-      continue;
-    }
-    const T l = lse[r];
-#pragma unroll 1
-    for (int64_t v = threadIdx.x; v < vocab; v += kCeBlock) {
-      T value = dloss * exp_t<T>(x[v] - l);
-      if (v == target) value -= dloss;
-      d[v] = value;
-    }
-  }
-}
-
 // ---------------------------------------------------------------- optimizer
 // Grid-stride; decay = 1 - lr * weight_decay and the other constants are computed in T on the host.
 template <typename T>
@@ -1008,25 +899,6 @@ void rope_rotate(T* x, int64_t batch, int64_t seq_len, int64_t width, int64_t he
 }
 
 template <typename T>
-void cross_entropy_forward(const T* logits, const int32_t* targets, T* losses, T* lse, int64_t rows, int64_t vocab,
-                           unsigned long long* bad_row, cudaStream_t stream) {
-  if (rows <= 0) return;
-  launch<cross_entropy_forward_kernel<T>>(grid_for(rows, 1), kCeBlock, 0, stream, logits, targets, losses, lse, rows,
-                                                                              vocab, bad_row);
-  LOOM_CUDA_CHECK_LAUNCH();
-}
-
-template <typename T>
-void cross_entropy_backward(const T* logits, const int32_t* targets, const T* lse, double dloss, T* dlogits,
-                            int64_t rows, int64_t vocab, cudaStream_t stream) {
-  if (rows <= 0) return;
-  launch<cross_entropy_backward_kernel<T>>(grid_for(rows, 1), kCeBlock, 0, stream, logits, targets, lse,
-                                                                               static_cast<T>(dloss), dlogits, rows,
-                                                                               vocab);
-  LOOM_CUDA_CHECK_LAUNCH();
-}
-
-template <typename T>
 void adamw_step(T* p, const T* grad, T* m, T* v, int64_t n, double lr, double beta1, double beta2, double eps,
                 double weight_decay, double grad_scale, double bias1, double bias2, cudaStream_t stream) {
   if (n <= 0) return;
@@ -1063,10 +935,6 @@ void adamw_step(T* p, const T* grad, T* m, T* v, int64_t n, double lr, double be
   template void glu_backward<T, T>(const T*, const T*, T*, int64_t, int64_t, GateActivation, cudaStream_t);         \
   template void rope_rotate<T>(T*, int64_t, int64_t, int64_t, int64_t, int64_t, const RopeSpec&, int64_t, double, \
                                cudaStream_t);                                                                        \
-  template void cross_entropy_forward<T>(const T*, const int32_t*, T*, T*, int64_t, int64_t, unsigned long long*,    \
-                                         cudaStream_t);                                                              \
-  template void cross_entropy_backward<T>(const T*, const int32_t*, const T*, double, T*, int64_t, int64_t,          \
-                                          cudaStream_t);                                                             \
   template void adamw_step<T>(T*, const T*, T*, T*, int64_t, double, double, double, double, double, double, double, \
                               double, cudaStream_t);
 

@@ -106,16 +106,6 @@ template <typename T>
 void rope_rotate(T* x, int64_t batch, int64_t seq_len, int64_t width, int64_t head_dim, int64_t n_heads, const RopeSpec& rope,
                  int64_t pos_offset, double direction, cudaStream_t stream);
 
-// ---------------------------------------------------------------- loss
-// Targets outside [0, vocab) are recorded like embedding ids (lowest row) and their row skipped.
-template <typename T>
-void cross_entropy_forward(const T* logits, const int32_t* targets, T* losses, T* lse, int64_t rows, int64_t vocab,
-                           unsigned long long* bad_row, cudaStream_t stream);
-// dlogits may alias logits.
-template <typename T>
-void cross_entropy_backward(const T* logits, const int32_t* targets, const T* lse, double dloss, T* dlogits,
-                            int64_t rows, int64_t vocab, cudaStream_t stream);
-
 // ---------------------------------------------------------------- optimizer
 // AdamW with the CPU kernel's exact formula; bias1 = 1 - beta1^t, bias2 = 1 - beta2^t.
 template <typename T>

@@ -1,0 +1,250 @@
+// The cross-entropy kernels (cuda_loss.h): the formula of the CPU's (cpu/cpu_kernels.h),
+//   lse = max + log(sum exp(x - max)); loss = lse - x[target]; dx = dloss (exp(x - lse) - [v == target])
+// in T (float, or double for reference checks), with exp from backend/scalar_math.h.
+//
+// One block of kCeBlock threads per row, grid-stride over rows. The log-sum-exp is an online
+// (max, sum) state (Milakov & Gimelshein 2018) that thread t folds over v = t, t + kCeBlock, ...
+// in that order, then a fixed shuffle tree per warp and a fixed tree over the warps' states: the
+// same bits on every run. Each thread keeps kCeLoads loads in flight and folds them in the order
+// of the plain loop (one load at a time left 2 KB in flight per block, far below what the memory
+// needs to stream; Little's law at 3.35 TB/s and ~0.7 us is ~17 KB per multiprocessor).
+//
+// The fused kernel (the training step's loss and d(logits)) reads a row for its log-sum-exp and
+// again for the gradient right after: with the rows in flight held under kCeRowBytesInFlight (the
+// grid's cap) the second read comes from L2 (50 MB on an H100), so the logits cross the memory
+// bus once, against three times (forward, backward in place, the cast to bf16) for the separate
+// ops, plus the bf16 gradient written once.
+
+#include "loom/backend/cuda/cuda_device.h"  // first: the portability layer (docs/accelerators.md)
+#include "loom/backend/cuda/cuda_loss.h"
+
+#include <algorithm>
+#include <cfloat>
+#include <cstdint>
+
+#include "loom/backend/cuda/cuda_check.h"
+#include "loom/backend/cuda/cuda_launch.h"
+#include "loom/backend/scalar_math.h"
+#include "loom/core/targets.h"
+
+namespace loom::cuda {
+namespace {
+
+using math::exp_t;
+
+constexpr int kCeBlock = 512;  // threads per row
+constexpr int kCeWarps = kCeBlock / kWarp;
+constexpr int kCeLoads = 8;    // loads in flight per thread
+// The fused kernel's grid: at most this many bytes of rows in flight (so the gradient's second
+// read of a row finds it in L2), but at least kCeMinBlocks rows (an H100's 132 multiprocessors).
+constexpr int64_t kCeRowBytesInFlight = int64_t{32} << 20;
+constexpr int64_t kCeMinBlocks = 132;
+
+// Combining two states: the larger max wins, the other sum is rescaled by exp(max2 - max). A state
+// with sum 0 (no element yet) contributes nothing; the combine is commutative bitwise.
+template <typename T>
+__device__ __forceinline__ void lse_combine(T& max, T& sum, T max2, T sum2) {
+  if (max2 > max) {
+    const T m = max, s = sum;
+    max = max2;
+    sum = sum2;
+    max2 = m;
+    sum2 = s;
+  }
+  if (sum2 != T(0)) sum += sum2 * exp_t<T>(max2 - max);
+}
+
+template <typename T>
+__device__ __forceinline__ void lse_fold(T& max, T& sum, T xv) {
+  if (xv > max) {
+    sum = sum * exp_t<T>(max - xv) + T(1);
+    max = xv;
+  } else {
+    sum += exp_t<T>(xv - max);
+  }
+}
+
+// fn(v, x[v]) for this thread's v = t, t + kCeBlock, ... in that order, with kCeLoads loads in
+// flight (each batch loaded before fn sees it: fn may overwrite the elements it is given).
+template <typename T, typename Fn>
+__device__ __forceinline__ void for_row(const T* x, int64_t vocab, Fn&& fn) {
+  int64_t v = threadIdx.x;
+  for (; v + (kCeLoads - 1) * kCeBlock < vocab; v += kCeLoads * kCeBlock) {
+    T xs[kCeLoads];
+#pragma unroll
+    for (int i = 0; i < kCeLoads; ++i) xs[i] = x[v + i * kCeBlock];
+#pragma unroll
+    for (int i = 0; i < kCeLoads; ++i) fn(v + i * kCeBlock, xs[i]);
+  }
+  for (; v < vocab; v += kCeBlock) fn(v, x[v]);
+}
+
+// The block's log-sum-exp of row x, valid in thread 0. The start max is the lowest finite T, so
+// -inf logits add exp(-inf) as on the CPU and never form inf - inf. Every thread of the block
+// calls it; the shared states may be rewritten only after a barrier.
+template <typename T>
+__device__ T row_lse(const T* x, int64_t vocab, T* warp_max, T* warp_sums) {
+  const int lane = static_cast<int>(threadIdx.x) % kWarp, warp = static_cast<int>(threadIdx.x) / kWarp;
+  const T lowest = sizeof(T) == 4 ? T(-FLT_MAX) : T(-DBL_MAX);
+  T max = lowest, sum = T(0);
+  for_row(x, vocab, [&](int64_t, T xv) { lse_fold(max, sum, xv); });
+  for (int offset = kWarp / 2; offset > 0; offset >>= 1) {
+    const T max2 = shfl_down(max, offset);
+    const T sum2 = shfl_down(sum, offset);
+    lse_combine(max, sum, max2, sum2);
+  }
+  if (lane == 0) {
+    warp_max[warp] = max;
+    warp_sums[warp] = sum;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    max = lane < kCeWarps ? warp_max[lane] : lowest;
+    sum = lane < kCeWarps ? warp_sums[lane] : T(0);
+    for (int offset = kWarp / 2; offset > 0; offset >>= 1) {
+      const T max2 = shfl_down(max, offset);
+      const T sum2 = shfl_down(sum, offset);
+      lse_combine(max, sum, max2, sum2);
+    }
+  }
+  return max + log_of(sum);
+}
+
+// One gradient element, the one expression both the backward and the fused kernel evaluate.
+template <typename T>
+__device__ __forceinline__ T ce_grad(T x, T l, T dloss, bool target) {
+  T value = dloss * exp_t<T>(x - l);
+  if (target) value -= dloss;
+  return value;
+}
+template <typename D, typename T>
+__device__ __forceinline__ D grad_out(T v) {
+  if constexpr (sizeof(D) == 2) return bf16_bits(v);  // D = uint16_t: rounded as the cast
+  else return v;
+}
+
+// d = the gradient of row x (each element read and written by one thread: d may alias x), or
+// zeros for a row without a loss.
+template <typename T, typename D>
+__device__ void row_grad(const T* x, D* d, int64_t vocab, T l, T dloss, int32_t target) {
+  for_row(x, vocab, [&](int64_t v, T xv) { d[v] = grad_out<D>(ce_grad(xv, l, dloss, v == target)); });
+}
+template <typename D>
+__device__ void row_zeros(D* d, int64_t vocab) {
+  for (int64_t v = threadIdx.x; v < vocab; v += kCeBlock) d[v] = D(0);
+}
+
+// A masked row (kIgnoreTarget: loss 0) or a bad target (recorded, the row skipped): block-uniform.
+template <typename T>
+__device__ bool row_without_loss(int32_t target, int64_t r, int64_t vocab, T* losses, T* lse,
+                                 unsigned long long* bad_row) {
+  if (target != kIgnoreTarget && target >= 0 && target < vocab) return false;
+  if (threadIdx.x == 0) {
+    if (target != kIgnoreTarget) atomicMin(bad_row, static_cast<unsigned long long>(r));
+    losses[r] = lse[r] = T(0);
+  }
+  return true;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kCeBlock) cross_entropy_forward_kernel(const T* logits, const int32_t* targets,
+                                                                         T* losses, T* lse, int64_t rows,
+                                                                         int64_t vocab,
+                                                                         unsigned long long* bad_row) {
+  __shared__ T warp_max[kCeWarps], warp_sums[kCeWarps];
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    if (row_without_loss(targets[r], r, vocab, losses, lse, bad_row)) continue;
+    const T* x = logits + r * vocab;
+    const T l = row_lse(x, vocab, warp_max, warp_sums);
+    if (threadIdx.x == 0) {
+      lse[r] = l;
+      losses[r] = l - x[targets[r]];
+    }
+    __syncthreads();  // warp_max / warp_sums are rewritten by the next row
+  }
+}
+
+// A row with a bad target is written 0.
+template <typename T>
+__global__ void __launch_bounds__(kCeBlock) cross_entropy_backward_kernel(const T* logits, const int32_t* targets,
+                                                                          const T* lse, T dloss, T* dlogits,
+                                                                          int64_t rows, int64_t vocab) {
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const int32_t target = targets[r];
+    if (target < 0 || target >= vocab) row_zeros(dlogits + r * vocab, vocab);
+    else row_grad(logits + r * vocab, dlogits + r * vocab, vocab, lse[r], dloss, target);
+  }
+}
+
+template <typename T, typename D>
+__global__ void __launch_bounds__(kCeBlock)
+    cross_entropy_loss_and_grad_kernel(const T* logits, const int32_t* targets, T* losses, T* lse, T dloss,
+                                       D* dlogits, int64_t rows, int64_t vocab, unsigned long long* bad_row) {
+  __shared__ T warp_max[kCeWarps], warp_sums[kCeWarps], row_l[1];
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const int32_t target = targets[r];
+    D* d = dlogits + r * vocab;
+    if (row_without_loss(target, r, vocab, losses, lse, bad_row)) {
+      row_zeros(d, vocab);
+      continue;
+    }
+    const T* x = logits + r * vocab;
+    const T l = row_lse(x, vocab, warp_max, warp_sums);
+    if (threadIdx.x == 0) {
+      lse[r] = l;
+      losses[r] = l - x[target];  // read before any thread overwrites the row in place
+      row_l[0] = l;
+    }
+    __syncthreads();
+    row_grad(x, d, vocab, row_l[0], dloss, target);
+    __syncthreads();  // row_l, warp_max and warp_sums are rewritten by the next row
+  }
+}
+
+}  // namespace
+
+template <typename T>
+void cross_entropy_forward(const T* logits, const int32_t* targets, T* losses, T* lse, int64_t rows, int64_t vocab,
+                           unsigned long long* bad_row, cudaStream_t stream) {
+  if (rows <= 0) return;
+  launch<cross_entropy_forward_kernel<T>>(grid_for(rows, 1), kCeBlock, 0, stream, logits, targets, losses, lse, rows,
+                                          vocab, bad_row);
+  LOOM_CUDA_CHECK_LAUNCH();
+}
+
+template <typename T>
+void cross_entropy_backward(const T* logits, const int32_t* targets, const T* lse, double dloss, T* dlogits,
+                            int64_t rows, int64_t vocab, cudaStream_t stream) {
+  if (rows <= 0) return;
+  launch<cross_entropy_backward_kernel<T>>(grid_for(rows, 1), kCeBlock, 0, stream, logits, targets, lse,
+                                           static_cast<T>(dloss), dlogits, rows, vocab);
+  LOOM_CUDA_CHECK_LAUNCH();
+}
+
+template <typename T, typename D>
+void cross_entropy_loss_and_grad(const T* logits, const int32_t* targets, T* losses, T* lse, double dloss,
+                                 D* dlogits, int64_t rows, int64_t vocab, unsigned long long* bad_row,
+                                 cudaStream_t stream) {
+  if (rows <= 0) return;
+  const int64_t row_bytes = std::max<int64_t>(vocab, 1) * static_cast<int64_t>(sizeof(T));
+  const int64_t cap = std::max(kCeMinBlocks, kCeRowBytesInFlight / row_bytes);
+  launch<cross_entropy_loss_and_grad_kernel<T, D>>(grid_for(rows, 1, cap), kCeBlock, 0, stream, logits, targets,
+                                                   losses, lse, static_cast<T>(dloss), dlogits, rows, vocab, bad_row);
+  LOOM_CUDA_CHECK_LAUNCH();
+}
+
+#define LOOM_CUDA_LOSS_INSTANTIATE(T)                                                                                 \
+  template void cross_entropy_forward<T>(const T*, const int32_t*, T*, T*, int64_t, int64_t, unsigned long long*,    \
+                                         cudaStream_t);                                                              \
+  template void cross_entropy_backward<T>(const T*, const int32_t*, const T*, double, T*, int64_t, int64_t,          \
+                                          cudaStream_t);                                                             \
+  template void cross_entropy_loss_and_grad<T, T>(const T*, const int32_t*, T*, T*, double, T*, int64_t, int64_t,    \
+                                                  unsigned long long*, cudaStream_t);
+
+LOOM_CUDA_LOSS_INSTANTIATE(float)
+LOOM_CUDA_LOSS_INSTANTIATE(double)
+template void cross_entropy_loss_and_grad<float, uint16_t>(const float*, const int32_t*, float*, float*, double,
+                                                           uint16_t*, int64_t, int64_t, unsigned long long*,
+                                                           cudaStream_t);
+
+}  // namespace loom::cuda
