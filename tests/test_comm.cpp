@@ -2,6 +2,9 @@
 // calls but no bytes (nothing leaves the process).
 #include <gtest/gtest.h>
 
+#include <cstdlib>
+#include <string>
+
 #include "loom/backend/backend.h"
 #include "loom/comm/communicator.h"
 #include "loom/comm/device_mesh.h"
@@ -15,6 +18,19 @@ namespace loom {
 namespace {
 
 // 8 ranks as pp=2 x dp=2 x tp=2: tp groups are neighbours, pp stages 4 ranks apart.
+// A launcher's rank variables are read strictly: OpenMPI's world size "4x" is a one-line error
+// naming the variable, where a lenient parse would have read 4 (or atoi's 0 for "x4").
+TEST(DetectLaunch, AMalformedRankVariableIsAOneLineError) {
+  if (std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr) GTEST_SKIP() << "running under mpirun";
+  setenv("OMPI_COMM_WORLD_SIZE", "4x", 1);
+  const std::string message = test::error_of([] { (void)detect_launch(); });
+  unsetenv("OMPI_COMM_WORLD_SIZE");
+  EXPECT_NE(message.find("environment variable OMPI_COMM_WORLD_SIZE='4x': expected a whole number from 0 to"),
+            std::string::npos)
+      << message;
+  EXPECT_EQ(detect_launch().launcher, "none");
+}
+
 TEST(DeviceMesh, CoordinatesAndGroups) {
   const DeviceMesh mesh(8, {{"pp", 2}, {"dp", 0}, {"tp", 2}});
   EXPECT_EQ(mesh.size("dp"), 2);  // 0: the ranks left

@@ -2,10 +2,14 @@
 #include <gtest/gtest.h>
 
 #include <bit>
+#include <cstdlib>
 #include <cmath>
 #include <limits>
+#include <string>
+#include <utility>
 
 #include "loom/core/dtype.h"
+#include "loom/core/env.h"
 #include "loom/core/error.h"
 #include "loom/core/memory.h"
 #include "loom/core/philox.h"
@@ -39,6 +43,34 @@ TEST(BF16, OverflowInfinityAndNaN) {
 }
 
 // Known-answer vectors of Random123's Philox4x32-10 (Salmon et al. 2011, SC'11).
+// One strict parser for integer settings: unset or empty gives the fallback; a unit, a fraction,
+// a sign below the range, a value out of the range or past int64 is one line naming the
+// variable, its text and the range.
+TEST(EnvInteger, ParsesWholeNumbersInRangeAndRefusesTheRest) {
+  const char* name = "LOOM_TEST_ENV_INTEGER";
+  unsetenv(name);
+  EXPECT_EQ(env_integer(name, 7, 0, 100), 7);
+  setenv(name, "", 1);
+  EXPECT_EQ(env_integer(name, 7, 0, 100), 7);
+  for (const auto& [text, value] : {std::pair{"0", 0}, {"100", 100}, {"42", 42}}) {
+    setenv(name, text, 1);
+    EXPECT_EQ(env_integer(name, 7, 0, 100), value) << text;
+  }
+  setenv(name, "-5", 1);
+  EXPECT_EQ(env_integer(name, 0, -10, 10), -5);
+  for (const char* text : {"1ms", "1.5", "-1", "101", "x", "99999999999999999999", "12 "}) {
+    setenv(name, text, 1);
+    try {
+      (void)env_integer(name, 7, 0, 100);
+      ADD_FAILURE() << "accepted '" << text << "'";
+    } catch (const Error& e) {
+      EXPECT_EQ(std::string(e.what()), std::string("environment variable LOOM_TEST_ENV_INTEGER='") + text +
+                                           "': expected a whole number from 0 to 100");
+    }
+  }
+  unsetenv(name);
+}
+
 TEST(Philox, KnownAnswerVectors) {
   EXPECT_EQ(philox4x32_10({0, 0, 0, 0}, {0, 0}), (PhiloxCounter{0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8}));
   EXPECT_EQ(philox4x32_10({0xffffffff, 0xffffffff, 0xffffffff, 0xffffffff}, {0xffffffff, 0xffffffff}),

@@ -6,6 +6,7 @@
 #include <mutex>
 #include <new>
 
+#include "loom/core/env.h"
 #include "loom/core/error.h"
 
 namespace loom {
@@ -226,13 +227,8 @@ class LocalCommunicator final : public Communicator {
 std::unique_ptr<Communicator> make_local_communicator() { return std::make_unique<LocalCommunicator>(); }
 
 namespace {
-int env_int(const char* name, int fallback) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') return fallback;
-  char* end = nullptr;
-  const long n = std::strtol(v, &end, 10);
-  LOOM_CHECK(*end == '\0' && n >= 0 && n < (1 << 24), "environment variable ", name, "='", v, "' is not a rank count or index");
-  return static_cast<int>(n);
+int env_int(const char* name, int fallback) {  // a rank count or index
+  return static_cast<int>(env_integer(name, fallback, 0, kMaxLaunchRanks - 1));
 }
 }  // namespace
 

@@ -11,7 +11,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cerrno>
 #include <chrono>
 #include <climits>
 #include <cstdint>
@@ -21,6 +20,7 @@
 #include <thread>
 #include <vector>
 
+#include "loom/core/env.h"
 #include "loom/core/error.h"
 #include "loom/core/signals.h"
 
@@ -47,17 +47,8 @@ namespace {
 
 constexpr int64_t kMaxSpinMicros = 10'000'000;
 
-int64_t spin_micros() {
-  static const int64_t micros = [] {
-    const char* text = std::getenv("LOOM_SPIN_US");
-    if (text == nullptr) return kDefaultSpinMicros;
-    char* end = nullptr;
-    errno = 0;
-    const long long v = std::strtoll(text, &end, 10);
-    LOOM_CHECK(errno == 0 && end != text && *end == '\0' && v >= 0 && v <= kMaxSpinMicros,
-               "LOOM_SPIN_US must be a whole number of microseconds from 0 to ", kMaxSpinMicros, ", got '", text, "'");
-    return static_cast<int64_t>(v);
-  }();
+int64_t spin_micros() {  // microseconds
+  static const int64_t micros = env_integer("LOOM_SPIN_US", kDefaultSpinMicros, 0, kMaxSpinMicros);
   return micros;
 }
 

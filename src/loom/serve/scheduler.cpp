@@ -4,7 +4,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
+#include "loom/core/env.h"
 #include "loom/core/error.h"
 #include "loom/core/utf8.h"
 
@@ -65,7 +67,7 @@ uint64_t splitmix64(uint64_t x) {
 Scheduler::Scheduler(GenerationEngine& engine, const Tokenizer& tokenizer, const ModelInfo& model, Metrics& metrics,
                      SchedulerConfig config)
     : engine_(engine), tokenizer_(tokenizer), model_(model), metrics_(metrics), config_(config) {
-  if (const char* step = std::getenv("LOOM_SERVE_FAIL_AT_STEP")) fail_at_step_ = std::atoll(step);
+  fail_at_step_ = env_integer("LOOM_SERVE_FAIL_AT_STEP", -1, 0, std::numeric_limits<int64_t>::max());
   engine_.set_on_logits([this](int64_t id, const float* logits, int64_t vocab) { on_logits(id, logits, vocab); });
   engine_.set_on_token([this](int64_t id, int32_t token) { on_token(id, token); });
   engine_.set_on_finish([this](int64_t id, GenerationResult&& r) { on_finish(id, std::move(r)); });

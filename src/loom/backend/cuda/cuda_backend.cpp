@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <limits>
 #include <utility>
 #include <vector>
 
@@ -24,6 +25,7 @@
 #include "loom/backend/cuda/cuda_flash_mma.h"
 #include "loom/backend/cuda/cuda_kernels.h"
 #include "loom/backend/cuda/cuda_loss.h"
+#include "loom/core/env.h"
 #include "loom/core/error.h"
 
 
@@ -46,21 +48,6 @@ using checks::expect_dtype;
 using checks::expect_numel;
 using checks::rows_of;
 
-namespace {
-
-// A non-negative integer from the environment, or `fallback` when the variable is unset.
-size_t env_count(const char* name, size_t fallback) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') return fallback;
-  char* end = nullptr;
-  const unsigned long long value = std::strtoull(v, &end, 10);
-  LOOM_CHECK(*end == '\0' && v[0] != '-', "environment variable ", name, "=\"", v,
-             "\": expected a non-negative integer");
-  return static_cast<size_t>(value);
-}
-
-}  // namespace
-
 CudaAllocator::CudaAllocator(int device, cudaStream_t stream)
     : stream_(stream),
       cache_(str_cat("CUDA device ", device),
@@ -76,9 +63,11 @@ CudaAllocator::CudaAllocator(int device, cudaStream_t stream)
 
 CudaBackend::CudaBackend(int device) : device_(device) {
   // The knobs first: a malformed value throws before any handle exists.
-  panel_limits_.panel_bytes = env_count("LOOM_CUDA_GEMM_PANEL_BYTES", panel_limits_.panel_bytes);
-  panel_limits_.min_flops =
-      static_cast<double>(env_count("LOOM_CUDA_GEMM_PANEL_MIN_FLOPS", static_cast<size_t>(panel_limits_.min_flops)));
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+  panel_limits_.panel_bytes = static_cast<size_t>(
+      env_integer("LOOM_CUDA_GEMM_PANEL_BYTES", static_cast<int64_t>(panel_limits_.panel_bytes), 0, kMax));
+  panel_limits_.min_flops = static_cast<double>(
+      env_integer("LOOM_CUDA_GEMM_PANEL_MIN_FLOPS", static_cast<int64_t>(panel_limits_.min_flops), 0, kMax));
   LOOM_CUDA_CHECK(cudaSetDevice(device_));
   LOOM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   allocator_ = std::make_unique<CudaAllocator>(device_, stream_);
@@ -565,7 +554,7 @@ std::unique_ptr<Backend> make_cuda_backend() {
   LOOM_CUDA_CHECK(cudaGetDevice(&device));
   for (const char* var : {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"}) {
     if (const char* v = std::getenv(var); v != nullptr && *v != '\0') {
-      device = std::atoi(v) % count;
+      device = static_cast<int>(env_integer(var, 0, 0, kMaxLaunchRanks - 1) % count);
       break;
     }
   }
