@@ -462,7 +462,8 @@ __global__ void layernorm_forward_kernel(const T* x, const T* w, const T* b, O* 
   }
 }
 
-// dx only (dw, db: column_sums). Same shape as the forward.
+// dx only (dw, db: column_sums). Same shape as the forward, kLaneLoads of each operand in flight
+// for the sums (one at a time left each lane waiting on every load: the forward's measured fault).
 template <typename T>
 __global__ void layernorm_backward_kernel(const T* dout, const T* x, const T* w, const T* mean, const T* rstd, T* dx,
                                           int64_t rows, int64_t channels) {
@@ -473,15 +474,25 @@ __global__ void layernorm_backward_kernel(const T* dout, const T* x, const T* w,
     const T* gr = dout + r * channels;
     const T m = mean[r], s = rstd[r];
     T sum_g = 0, sum_gx = 0;
-    for (int64_t c = lane; c < channels; c += kWarp) {
-      const T g = gr[c] * w[c];
+    const auto add = [&](T gc, T wc, T xc) {
+      const T g = gc * wc;
       sum_g += g;
-      sum_gx += g * (xr[c] - m) * s;
+      sum_gx += g * (xc - m) * s;
+    };
+    int64_t c = lane;
+    for (; c + (kLaneLoads - 1) * kWarp < channels; c += kLaneLoads * kWarp) {  // the loads in flight, then the adds
+      T gv[kLaneLoads], wv[kLaneLoads], xv[kLaneLoads];
+      lane_loads(gr, c, gv);
+      lane_loads(w, c, wv);
+      lane_loads(xr, c, xv);
+#pragma unroll
+      for (int u = 0; u < kLaneLoads; ++u) add(gv[u], wv[u], xv[u]);
     }
+    for (; c < channels; c += kWarp) add(gr[c], w[c], xr[c]);
     const T mean_g = warp_sum(sum_g) / static_cast<T>(channels);
     const T mean_gx = warp_sum(sum_gx) / static_cast<T>(channels);
     T* d = dx + r * channels;
-    for (int64_t c = lane; c < channels; c += kWarp) d[c] = s * (gr[c] * w[c] - mean_g - (xr[c] - m) * s * mean_gx);
+    for (c = lane; c < channels; c += kWarp) d[c] = s * (gr[c] * w[c] - mean_g - (xr[c] - m) * s * mean_gx);
   }
 }
 
@@ -519,10 +530,19 @@ __global__ void rmsnorm_backward_kernel(const T* dout, const T* x, const T* w, c
     const T* gr = dout + r * channels;
     const T s = rstd[r];
     T sum_gx = 0;
-    for (int64_t c = lane; c < channels; c += kWarp) sum_gx += gr[c] * w[c] * xr[c] * s;
+    int64_t c = lane;
+    for (; c + (kLaneLoads - 1) * kWarp < channels; c += kLaneLoads * kWarp) {  // the loads in flight, then the adds
+      T gv[kLaneLoads], wv[kLaneLoads], xv[kLaneLoads];
+      lane_loads(gr, c, gv);
+      lane_loads(w, c, wv);
+      lane_loads(xr, c, xv);
+#pragma unroll
+      for (int u = 0; u < kLaneLoads; ++u) sum_gx += gv[u] * wv[u] * xv[u] * s;
+    }
+    for (; c < channels; c += kWarp) sum_gx += gr[c] * w[c] * xr[c] * s;
     const T mean_gx = warp_sum(sum_gx) / static_cast<T>(channels);
     T* d = dx + r * channels;
-    for (int64_t c = lane; c < channels; c += kWarp) d[c] = s * (gr[c] * w[c] - xr[c] * s * mean_gx);
+    for (c = lane; c < channels; c += kWarp) d[c] = s * (gr[c] * w[c] - xr[c] * s * mean_gx);
   }
 }
 
