@@ -3,9 +3,10 @@
 simulator") against the same run on the CPU (build/bin/loom): one process; data parallelism with
 ZeRO-1 and ZeRO-2 over the simulated NCCL under `mpirun -np 2`; the fine-tuning runs (LoRA, DoRA,
 QLoRA, DPO, GRPO), MoE and MLA models, and tensor and pipeline parallelism at np 2 through the
-layout's own wiring. The losses of every step and the final weights agree within the fp32
-tolerance stated in docs/cuda.md (5e-6 relative to the largest value; the GEMMs and the long sums
-add in another order), and no simulator check fires. Inference with `--device cuda`: `generate`
+layout's own wiring. The losses of every step agree within the fp32 tolerance stated in
+docs/cuda.md (5e-6 relative to the largest value; the GEMMs and the long sums add in another
+order), each final weight tensor in relative L2 norm (2e-5 for the plain runs, 1e-4 for the
+others: assert_same_run, same_on_both), and no simulator check fires. Inference with `--device cuda`: `generate`
 (one prompt, and a batch through the engine with an int8 and a KIVI cache), `eval` (a split and
 --text) and `serve` (an OpenAI completion over HTTP) of a CPU-trained GPT-2 and Llama (GQA) give
 the CPU's greedy tokens and losses within 5e-6.
@@ -124,11 +125,16 @@ class CudaSimTrain(unittest.TestCase):
         self.assertEqual(sorted(wa), sorted(wb))
         # The key part of attn.c_attn.bias has a zero gradient in exact arithmetic (softmax does not
         # see a constant added to every score), so AdamW turns each device's rounding noise into
-        # lr-sized steps of either sign: it is left out (seen: 3e-4 relative; every other tensor
-        # within 5e-6).
-        worst, name = max((max_rel(wa[k], wb[k]), k) for k in wa if not k.endswith("attn.c_attn.bias"))
+        # lr-sized steps of either sign: it is left out (seen: 3e-4 relative). Each other tensor in
+        # relative L2 norm, as same_on_both below and for its reason: an element whose gradient was
+        # of AdamW's eps at an early step moves by noise the tensor's largest element does not
+        # bound. Measured when the loss pass began keeping GPT-2's logits by columns (another order
+        # of the head's sums): one element of h.1.mlp.c_fc.weight 9.5e-5 of the largest, the other
+        # 2,047 within 3.1e-6, its Adam moments within 4e-7 of the CPU's; the tensor 6.9e-6 in L2.
+        worst, name = max((l2_rel(wa[k], wb[k]), k) for k in wa if not k.endswith("attn.c_attn.bias"))
         self.assertLess(worst, weights_tolerance, f"final weights ({name})")
-        print(f"{cuda}: losses within {max_rel(a, b):.1e}, weights within {worst:.1e} ({name}) of the CPU run", flush=True)
+        print(f"{cuda}: losses within {max_rel(a, b):.1e}, weights within {worst:.1e} in L2 ({name}) of the CPU run",
+              flush=True)
 
     def test_one_process(self):
         p = self.train(LOOM_SIM, "cuda_1", "cuda", 1)

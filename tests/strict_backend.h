@@ -180,6 +180,15 @@ class StrictBackend final : public Backend {
                                    float dloss, const Tensor& dlogits) override {
     cpu_->cross_entropy_loss_and_grad(h(logits), h(targets), h(losses), h(lse), dloss, h(dlogits));
   }
+  void cross_entropy_loss_and_grad_columns(const Tensor& logits, const Tensor& targets, const Tensor& losses,
+                                           const Tensor& lse, float dloss, const Tensor& dlogits) override {
+    ++columns_calls;
+    cpu_->cross_entropy_loss_and_grad_columns(h(logits), h(targets), h(losses), h(lse), dloss, h(dlogits));
+  }
+  // Logits kept by columns where a test asks (columns_logits): the model's column path on the CPU kernels.
+  bool logits_by_columns(int64_t, int64_t) const override { return columns_logits; }
+  bool columns_logits = false;
+  int64_t columns_calls = 0;
   void cross_entropy_backward(const Tensor& logits, const Tensor& targets, const Tensor& lse, float dloss,
                               const Tensor& dlogits) override {
     cpu_->cross_entropy_backward(h(logits), h(targets), h(lse), dloss, h(dlogits));

@@ -4,6 +4,7 @@
 #include "backend_ops_fixture.h"
 
 #include <algorithm>
+#include <cstring>
 
 #include "loom/core/targets.h"
 
@@ -346,49 +347,85 @@ TEST_P(BackendOpsTest, CrossEntropyForwardBackwardAndInPlace) {
   }
 }
 
-// The loss and d(logits) in one call (a training step's loss pass): against the CPU as the two
-// ops above, and on the backend under test bitwise its own forward, backward and cast (Backend's
-// default, called by name). d(logits) in place (f32, f64) or rounded to bf16 (f32 logits: the bf16
-// head's operand), whose tolerance against the CPU is one bf16 rounding (2^-8 of the largest
-// element) since another summation order may move a value across a rounding boundary. A masked row
-// (kIgnoreTarget) has loss 0 and a zero gradient.
-TEST_P(BackendOpsTest, CrossEntropyLossAndGradIsTheTwoOpsInOneCall) {
+// The loss and d(logits) in one call (a training step's loss pass), with the logits by rows
+// (N, V) and by columns (V, N; Backend::logits_by_columns): against the CPU as the two ops above,
+// d(logits) in place (f32, f64) or rounded to bf16 (f32 logits: the bf16 head's operand), whose
+// tolerance against the CPU is one bf16 rounding (2^-8 of the largest element) since another
+// summation order may move a value across a rounding boundary. By rows, on the backend under test
+// the result is bitwise its own forward, backward and cast (Backend's default, called by name); by
+// columns, the CPU's is bitwise its rows result transposed. A masked row (kIgnoreTarget) has loss 0
+// and a zero gradient; N = 17 and 40 leave a device's last block of 32 columns part empty.
+TEST_P(BackendOpsTest, CrossEntropyLossAndGradByRowsAndByColumns) {
   struct Case {
     DType dtype, grad;
   };
-  for (const Case c : {Case{DTYPE_F32, DTYPE_F32}, Case{DTYPE_F64, DTYPE_F64}, Case{DTYPE_F32, DTYPE_BF16}}) {
-    for (auto [N, V] : {std::pair<int64_t, int64_t>{17, 101}, {64, 50257}}) {
-      const bool in_place = c.grad == c.dtype;
-      Operands x;
-      x.tensors["logits"] = rnd({N, V}, c.dtype, 1, 5.0);
-      Tensor targets = ids({N}, static_cast<int32_t>(V), 2);
-      targets.data<int32_t>()[3] = kIgnoreTarget;
-      x.tensors["targets"] = targets;
-      x.tensors["losses"] = nans({N}, c.dtype);
-      x.tensors["lse"] = nans({N}, c.dtype);
-      x.tensors["dlogits"] = nans({N, V}, c.grad);
-      const std::string what = str_cat("cross_entropy_loss_and_grad ", dt(c.dtype), " -> ", dt(c.grad), " N ", N, " V ", V);
-      const Op fused = [in_place](Backend& be, Operands& o) {
-        be.cross_entropy_loss_and_grad(o["logits"], o["targets"], o["losses"], o["lse"], 0.37f,
-                                       in_place ? o["logits"] : o["dlogits"]);
-      };
-      const Tol tol = reduction_tol(c.dtype);
-      const std::string grad = in_place ? "logits" : "dlogits";
-      // (lse is compared through the losses, lse - x[target]: a masked row's lse is not defined)
-      check(what, x, fused, {{"losses", tol}, {grad, in_place ? tol : Tol{1.0 / 256}}});
+  for (const bool by_columns : {false, true}) {
+    for (const Case c : {Case{DTYPE_F32, DTYPE_F32}, Case{DTYPE_F64, DTYPE_F64}, Case{DTYPE_F32, DTYPE_BF16}}) {
+      for (auto [N, V] : {std::pair<int64_t, int64_t>{17, 101}, {by_columns ? 40 : 64, 50257}}) {
+        const bool in_place = c.grad == c.dtype;
+        const size_t width = dtype_size(c.dtype), gw = dtype_size(c.grad);
+        const Tensor rows = rnd({N, V}, c.dtype, 1, 5.0);
+        Tensor logits = rows;
+        if (by_columns) {
+          logits = empty({V, N}, c.dtype);
+          for (int64_t n = 0; n < N; ++n) {
+            for (int64_t v = 0; v < V; ++v) {
+              std::memcpy(static_cast<char*>(logits.raw_data()) + (v * N + n) * width,
+                          static_cast<const char*>(rows.raw_data()) + (n * V + v) * width, width);
+            }
+          }
+        }
+        Tensor targets = ids({N}, static_cast<int32_t>(V), 2);
+        targets.data<int32_t>()[3] = kIgnoreTarget;
+        Operands x;
+        x.tensors["logits"] = logits;
+        x.tensors["targets"] = targets;
+        x.tensors["losses"] = nans({N}, c.dtype);
+        x.tensors["lse"] = nans({N}, c.dtype);
+        x.tensors["dlogits"] = nans(logits.shape(), c.grad);
+        const std::string what = str_cat("cross_entropy_loss_and_grad", by_columns ? "_columns " : " ", dt(c.dtype),
+                                         " -> ", dt(c.grad), " N ", N, " V ", V);
+        const Op fused = [in_place, by_columns](Backend& be, Operands& o) {
+          const Tensor& d = in_place ? o["logits"] : o["dlogits"];
+          if (by_columns) be.cross_entropy_loss_and_grad_columns(o["logits"], o["targets"], o["losses"], o["lse"], 0.37f, d);
+          else be.cross_entropy_loss_and_grad(o["logits"], o["targets"], o["losses"], o["lse"], 0.37f, d);
+        };
+        const Tol tol = reduction_tol(c.dtype);
+        const std::string grad = in_place ? "logits" : "dlogits";
+        // (lse is compared through the losses, lse - x[target]: a masked row's lse is not defined)
+        check(what, x, fused, {{"losses", tol}, {grad, in_place ? tol : Tol{1.0 / 256}}});
 
-      Operands got = copy_to_backend(x), want = copy_to_backend(x);
-      fused(*backend_, got);
-      backend_->Backend::cross_entropy_loss_and_grad(want["logits"], want["targets"], want["losses"], want["lse"],
-                                                     0.37f, in_place ? want["logits"] : want["dlogits"]);
-      for (const std::string& name : {std::string("losses"), std::string("lse"), grad}) {
-        EXPECT_TRUE(bytes_of(*backend_, got[name]) == bytes_of(*backend_, want[name]))
-            << what << ": " << name << " is not bitwise the separate ops' on " << GetParam();
+        // The reference of the layout: the separate ops on this backend, or the CPU's rows.
+        Backend& be = by_columns ? *cpu_ : *backend_;
+        Operands got = by_columns ? copy_to_host(x) : copy_to_backend(x), want = got;
+        if (by_columns) {
+          want.tensors["logits"] = rows;
+          want.tensors["dlogits"] = nans({N, V}, c.grad);
+          want = copy_to_host(want);
+        } else {
+          want = copy_to_backend(x);
+        }
+        fused(be, got);
+        be.Backend::cross_entropy_loss_and_grad(want["logits"], want["targets"], want["losses"], want["lse"], 0.37f,
+                                                in_place ? want["logits"] : want["dlogits"]);
+        for (const char* name : {"losses", "lse"}) {
+          EXPECT_TRUE(bytes_of(be, got[name]) == bytes_of(be, want[name])) << what << ": " << name << " on " << be.name();
+        }
+        const std::vector<uint8_t> g = bytes_of(be, got[grad]), w = bytes_of(be, want[grad]);
+        int64_t mismatches = 0;
+        for (int64_t n = 0; n < N; ++n) {
+          for (int64_t v = 0; v < V; ++v) {
+            const int64_t at = by_columns ? v * N + n : n * V + v;
+            mismatches += std::memcmp(g.data() + at * gw, w.data() + (n * V + v) * gw, gw) != 0;
+          }
+        }
+        EXPECT_EQ(mismatches, 0) << what << ": the gradient is not bitwise its reference on " << be.name();
+        const std::vector<double> losses = values_of(bytes_of(be, got["losses"]), c.dtype), gv = values_of(g, c.grad);
+        EXPECT_EQ(losses[3], 0.0) << what;
+        int64_t nonzero = 0;
+        for (int64_t v = 0; v < V; ++v) nonzero += gv[static_cast<size_t>(by_columns ? v * N + 3 : 3 * V + v)] != 0.0;
+        EXPECT_EQ(nonzero, 0) << what << ": the masked row's gradient";
       }
-      const std::vector<double> losses = values_of(bytes_of(*backend_, got["losses"]), c.dtype);
-      const std::vector<double> g = values_of(bytes_of(*backend_, got[grad]), c.grad);
-      EXPECT_EQ(losses[3], 0.0) << what;
-      EXPECT_TRUE(std::all_of(g.begin() + 3 * V, g.begin() + 4 * V, [](double v) { return v == 0.0; })) << what;
     }
   }
 }
@@ -461,6 +498,7 @@ TEST_P(BackendOpsTest, BadTargetThrowsNamingTheOp) {
     targets.data<int32_t>()[N - 1] = bad;
     x.tensors["targets"] = targets;
     x.tensors["logits"] = rnd({N, V}, DTYPE_F32, 2);
+    x.tensors["columns"] = rnd({V, N}, DTYPE_F32, 3);
     x.tensors["losses"] = nans({N}, DTYPE_F32);
     x.tensors["lse"] = nans({N}, DTYPE_F32);
     for (Backend* be : {cpu_.get(), backend_.get()}) {
@@ -478,6 +516,12 @@ TEST_P(BackendOpsTest, BadTargetThrowsNamingTheOp) {
       });
       EXPECT_NE(fused.find("cross_entropy_loss_and_grad: target " + std::to_string(bad)), std::string::npos)
           << be->name() << " target " << bad << ": \"" << fused << "\"";
+      const std::string columns = error_of([&] {
+        be->cross_entropy_loss_and_grad_columns(o["columns"], o["targets"], o["losses"], o["lse"], 1.0f, o["columns"]);
+        be->synchronize();
+      });
+      EXPECT_NE(columns.find("cross_entropy_loss_and_grad_columns: target " + std::to_string(bad)), std::string::npos)
+          << be->name() << " target " << bad << ": \"" << columns << "\"";
     }
   }
   Operands x;

@@ -74,6 +74,35 @@ TEST(DeviceMemoryTest, TrainingOnDeviceMemoryIsBitwiseTheCpuRun) {
   }
 }
 
+// A loss pass with its logits kept by columns (Backend::logits_by_columns, as the CUDA backend
+// keeps GPT-2's odd vocabulary): the head's GEMMs transposed (W x^T, and dX, dW from d(logits)^T)
+// and the loss by columns, bitwise the rows' on the CPU kernels. Every recipe trains as the CPU's
+// rows run within the GEMMs' other summation order (at these sizes the same bits); where the head
+// computes plainly (f32 or bf16, whatever the blocks' recipe) the run takes the path (counted).
+TEST(DeviceMemoryTest, TrainingWithLogitsByColumnsMatchesTheRowsRun) {
+  int engaged = 0;
+  for (const TrainCase& c : test::precision_recipes()) {
+    auto cpu = make_cpu_backend();
+    test::StrictBackend strict;
+    strict.columns_logits = true;
+    std::vector<double> cpu_params, strict_params;
+    const std::vector<double> expected = train(*cpu, c, &cpu_params);
+    const std::vector<double> got = train(strict, c, &strict_params);
+    const std::string name = std::string(c.preset) + " compute " + c.compute + " param " + c.param + " qat " + c.qat;
+    const bool plain = std::string(c.qat) == "none" &&
+                       (std::string(c.compute) == "bf16" || (std::string(c.compute) == "f32" && std::string(c.param) == "f32"));
+    if (plain) {
+      EXPECT_EQ(strict.columns_calls, 8) << name;  // 4 steps of 2 micro-batches
+    }
+    EXPECT_TRUE(strict.columns_calls == 0 || strict.columns_calls == 8) << name << ": " << strict.columns_calls;
+    engaged += strict.columns_calls > 0;
+    const double tol = std::string(c.compute) == "f32" ? 1e-5 : 1e-4;
+    EXPECT_LT(test::max_rel_error(got, expected), tol) << name;
+    EXPECT_LT(test::max_rel_error(strict_params, cpu_params), tol) << name;
+  }
+  EXPECT_GE(engaged, 3);
+}
+
 // Every optimizer's update runs through backend ops: each of the 14 trains gpt2-tiny on device
 // memory bit for bit as on the CPU (the losses, the gradient norms and every final weight).
 TEST(DeviceMemoryTest, EveryOptimizerTrainsOnDeviceMemoryBitwiseAsOnTheCpu) {

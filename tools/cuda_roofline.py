@@ -137,14 +137,21 @@ def step_kernels(m: Model, design: str) -> list[Kernel]:
     head = 2 * n * d * v
     ks.append(Kernel("head GEMM fwd", head, 2 * (n * d + d * v) + 4 * n * v, "tensor"))
     ks.append(Kernel("head GEMM bwd (dX, dW)", 2 * head, 2 * (2 * (n * d + d * v) + 4 * n * v), "tensor"))
-    if built and v % 8:  # odd rows (backend/gemm_panels.h): the f32 logits copied out of padded
-        # panels, the bf16 d(logits) copied into them for dX and again for dW, each read + written
+    # Odd vocabulary rows (GPT-2's 50,257): with the positions' rows aligned the loss pass keeps its
+    # logits by columns (Backend::logits_by_columns: (V, rows) = W x^T, every head GEMM on aligned
+    # rows) and the cross-entropy reads each column twice from memory (a block's columns span all V
+    # rows: no L2 reuse); else the head's GEMMs stage their odd rows through padded panels
+    # (backend/gemm_panels.h: the f32 logits copied out, the bf16 d(logits) copied in for dX and
+    # again for dW, each read + written).
+    by_columns = built and v % 8 != 0 and n % 8 == 0
+    if built and v % 8 and not by_columns:
         ks.append(Kernel("head: odd rows staged through padded panels", 0, 2 * (4 + 2 + 2) * n * v, "mem"))
     # Cross-entropy: the built design's fused kernel (cuda_loss.cu) reads the fp32 logits once from
-    # memory (its second read of a row, for the gradient, from L2) and writes the bf16 gradient for
-    # the GEMMs; the target reads bf16 logits once and writes the gradient in place.
-    ce_bytes = (4 + 2) * n * v if built else (2 + 2) * n * v
-    ks.append(Kernel("cross-entropy fwd + bwd", 6 * n * v, ce_bytes, "mem"))
+    # memory (by rows, its second read of a row, for the gradient, from L2; by columns, twice) and
+    # writes the bf16 gradient for the GEMMs; the target reads bf16 logits once and writes the
+    # gradient in place.
+    ce_bytes = ((4 + 4 + 2) if by_columns else (4 + 2)) * n * v if built else (2 + 2) * n * v
+    ks.append(Kernel("cross-entropy fwd + bwd" + (" (logits by columns)" if by_columns else ""), 6 * n * v, ce_bytes, "mem"))
     ks.append(Kernel("AdamW (p, g, m, v fp32 + the bf16 copy)", 12 * m.params, 30 * m.params, "mem"))
     ks.append(Kernel("gradient norm", 2 * m.params, 4 * m.params, "mem"))
     return ks

@@ -107,6 +107,10 @@ void Backend::cross_entropy_loss_and_grad(const Tensor& logits, const Tensor& ta
   cross_entropy_backward(logits, targets, lse, dloss, round ? logits : dlogits);
   if (round) cast(logits, dlogits);
 }
+void Backend::cross_entropy_loss_and_grad_columns(const Tensor&, const Tensor&, const Tensor&, const Tensor&, float,
+                                                  const Tensor&) {
+  LOOM_CHECK(false, "cross_entropy_loss_and_grad_columns is not implemented on the ", name(), " backend");
+}
 void Backend::vocab_ce_partials(const Tensor&, const Tensor&, int64_t, int64_t, const Tensor&, const Tensor&) {
   no_model_parallel(*this, "vocab_ce_partials");
 }

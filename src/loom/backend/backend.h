@@ -419,6 +419,17 @@ class Backend {
   // and the cast; a backend may fuse them (the CPU's: one row at a time, while it is in cache).
   virtual void cross_entropy_loss_and_grad(const Tensor& logits, const Tensor& targets, const Tensor& losses,
                                            const Tensor& lse, float dloss, const Tensor& dlogits);
+  // Whether a training step's loss pass over `rows` positions of a `vocab`-wide head should keep
+  // its logits by columns, (V, rows) = W x^T, rather than by rows: a device whose GEMMs want rows
+  // of 16 bytes says so where the vocabulary's rows are not and the positions' are (the head's
+  // three GEMMs then read and write only aligned rows). Default: false.
+  virtual bool logits_by_columns(int64_t rows, int64_t vocab) const { return false; }
+  // cross_entropy_loss_and_grad of logits kept by columns: logits (V, N), targets / losses / lse
+  // (N), dlogits (V, N): the logits in place or bf16. Each column's values are those of the row
+  // op on the transposed logits (the CPU's bitwise: it runs the same row functions; a device within
+  // the row op's tolerance: another summation order).
+  virtual void cross_entropy_loss_and_grad_columns(const Tensor& logits, const Tensor& targets, const Tensor& losses,
+                                                   const Tensor& lse, float dloss, const Tensor& dlogits);
 
   // AdamW (Loshchilov & Hutter 2019) on a flat range, g = grad_scale * grad: p -= lr*wd*p; m = b1 m + (1-b1) g;
   // v = b2 v + (1-b2) g^2; p -= lr * (m/(1-b1^t)) / (sqrt(v/(1-b2^t)) + eps).

@@ -1,5 +1,7 @@
 #include "loom/backend/checks.h"
 
+#include <utility>
+
 #include "loom/core/error.h"
 
 namespace loom::checks {
@@ -183,6 +185,24 @@ void check_cross_entropy(const char* op, const Tensor& logits, const Tensor& tar
   expect_numel(targets, rows_of(logits), op, "targets");
   expect_dtype(lse, logits.dtype(), op, "lse");
   expect_numel(lse, rows_of(logits), op, "lse");
+}
+
+bool check_loss_and_grad(const char* op, const Tensor& logits, const Tensor& targets, const Tensor& losses,
+                         const Tensor& lse, const Tensor& dlogits, bool by_columns) {
+  LOOM_CHECK(!by_columns || logits.ndim() == 2, op, ": logits by columns are a (vocab, rows) matrix, got ",
+             logits.describe());
+  const int64_t rows = by_columns ? logits.dim(1) : rows_of(logits);
+  expect_dtype(targets, DTYPE_I32, op, "targets");
+  expect_numel(targets, rows, op, "targets");
+  for (const auto& [t, what] : {std::pair{&losses, "losses"}, std::pair{&lse, "lse"}}) {
+    expect_dtype(*t, logits.dtype(), op, what);
+    expect_numel(*t, rows, op, what);
+  }
+  expect_numel(dlogits, logits.numel(), op, "dlogits");
+  const bool to_bf16 = dlogits.dtype() == DTYPE_BF16 && logits.dtype() == DTYPE_F32;
+  LOOM_CHECK(to_bf16 || (dlogits.device_ptr() == logits.device_ptr() && dlogits.dtype() == logits.dtype()), op,
+             ": dlogits is the logits (in place) or bf16, got ", dlogits.describe(), " for logits ", logits.describe());
+  return to_bf16;
 }
 
 int64_t check_bf16_weight_linear(const Tensor& x, const Tensor& w, const Tensor& y, const Tensor* bias) {

@@ -78,6 +78,12 @@ Dims3 check_attention_sinks(const char* op, const Tensor& out, const Tensor& lse
                             const Tensor* dout = nullptr, const Tensor* dsinks = nullptr);
 // logits (N, V), targets (N) i32, lse (N); the target values are checked by the backend.
 void check_cross_entropy(const char* op, const Tensor& logits, const Tensor& targets, const Tensor& lse);
+// The loss and its gradient in one op (Backend::cross_entropy_loss_and_grad, _columns): logits
+// (N, V), or (V, N) `by_columns`; targets (N) i32; losses and lse (N) of the logits' dtype; dlogits
+// the logits themselves (in place) or a bf16 tensor of their shape for f32 logits. Returns
+// whether dlogits is that bf16 tensor.
+bool check_loss_and_grad(const char* op, const Tensor& logits, const Tensor& targets, const Tensor& losses,
+                         const Tensor& lse, const Tensor& dlogits, bool by_columns);
 
 // The gated delta rule (Backend::delta_rule_forward): q, k (B, T, Hk, d_k), v and out (B, T, Hv,
 // d_v) with Hv a multiple of Hk, g and beta (B, T, Hv), initial_state and final_state (B, Hv, d_k,

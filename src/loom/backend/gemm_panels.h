@@ -10,6 +10,9 @@
 // are padded to 16 bytes (and C's copied back), so every panel's GEMM has aligned operands.
 // Copying costs two passes over the staged bytes (about 4 ms a GPT-2 step on an H100 against
 // about 24 saved); it pays when the GEMM does many FLOPs per staged byte, hence the thresholds.
+// A training step's loss pass avoids them altogether where the positions' rows are aligned: it
+// keeps the logits by columns (Backend::logits_by_columns); the panels serve the other odd-row
+// GEMMs (evaluation's head, a step of odd positions).
 //
 // This header only plans (plain arithmetic, unit-tested on any machine); the CUDA backend runs
 // the plan. Row-major throughout, as Backend::gemm: A is (m, k), or (k, m) stored when trans_a;

@@ -491,6 +491,13 @@ double Transformer::forward_stage(ActivationStore& s, int64_t first, int64_t las
   } else {
     norm_forward(backend_, config_, s.final_input, final_w, final_b, s.final_norm, s.final_mean, s.final_rstd);
   }
+  return head_and_loss(s, compute_loss);
+}
+
+// The head over the final norm's output and, when asked, the loss: the last stage's end of a
+// forward. Releases unit 0 (the head's parameters) once the head has read them.
+double Transformer::head_and_loss(ActivationStore& s, bool compute_loss) {
+  const auto done = [this](int unit) { if (hooks_.done) hooks_.done(unit, false); };
   if (!s.logits.defined()) {  // a calibration store of the last block (allocate_block_store)
     LOOM_CHECK(!compute_loss, "a store without logits (allocate_block_store) cannot compute a loss");
     done(0);
@@ -504,15 +511,29 @@ double Transformer::forward_stage(ActivationStore& s, int64_t first, int64_t las
     done(0);
     return 0.0;
   }
+  const float fused = s.fused_loss_weight;
+  s.fused_loss_weight = 0.0f, s.dlogits = Tensor{}, s.dlogits_by_columns = false;
+  const bool fuse = compute_loss && tp_ == nullptr && fused != 0.0f && s.row_weights.empty() &&
+                    s.position_weights.empty() && !s.logit_grad.defined();
+  const int64_t N = s.batch * s.seq_len, V = config_.vocab_size;
+  if (fuse && s.logits.numel() == N * V && head_.computes_plainly(head16_) && backend_.logits_by_columns(N, V)) {
+    // The loss and d(logits) by columns, (V, B*T) = W final_norm^T: the head's GEMMs on aligned rows.
+    const Tensor logits = s.logits.view(0, {V, N});
+    head_.forward_columns(backend_, s.final_norm, head_w, head16_, logits, &ws_);
+    done(0);
+    s.dlogits = head_.setup().recipe == RECIPE_BF16 ? ws_.bf16(LinearWorkspace::L, {V, N}) : logits;
+    s.dlogits_weight = fused, s.dlogits_by_columns = true;
+    const float scale = fused * s.ce_weight / static_cast<float>(N);
+    backend_.cross_entropy_loss_and_grad_columns(logits, s.targets, s.losses, s.lse, scale, s.dlogits);
+    return backend_.sum(s.losses) / static_cast<double>(N);
+  }
   head_.forward(backend_, s.final_norm, head_w, head16_, Tensor{}, s.logits, 0.0f, &ws_);  // (B*T, C) @ (V, C)^T
   done(0);
-  const float fused = s.fused_loss_weight;
-  s.fused_loss_weight = 0.0f, s.dlogits = Tensor{};
   if (!compute_loss) return 0.0;
   if (tp_ != nullptr) {
     vocab_parallel_cross_entropy_forward(backend_, *tp_, s.logits, s.targets, vocab_.begin, vocab_.valid, s.losses,
                                          s.lse, ce_sums_.view(0, {s.batch * s.seq_len}));
-  } else if (fused != 0.0f && s.row_weights.empty() && s.position_weights.empty() && !s.logit_grad.defined()) {
+  } else if (fuse) {
     // The loss and d(logits) together (the row in cache once), bf16 straight into the head's operand.
     const float scale = fused * s.ce_weight / static_cast<float>(s.batch * s.seq_len);
     s.dlogits = head_.setup().recipe == RECIPE_BF16 ? ws_.bf16(LinearWorkspace::L, s.logits.shape()) : s.logits;
@@ -728,8 +749,9 @@ void Transformer::backward_stage(ActivationStore& s, int64_t first, int64_t last
       backend_.axpy(s.logits, s.logit_grad, loss_weight);
     }
     // d_norm = d_logits @ W (B*T, C); dW += d_logits^T @ final_norm (V, C)
-    head_.backward(backend_, s.final_norm, head_w, head16_, dlogits, k.d_norm, d_head_w, Tensor{}, &ws_);
-    s.dlogits = Tensor{};
+    if (s.dlogits_by_columns) head_.backward_columns(backend_, s.final_norm, head_w, head16_, dlogits, k.d_norm, d_head_w, &ws_);
+    else head_.backward(backend_, s.final_norm, head_w, head16_, dlogits, k.d_norm, d_head_w, Tensor{}, &ws_);
+    s.dlogits = Tensor{}, s.dlogits_by_columns = false;
     Tensor dn = k.d_norm;
     if (sp_) {  // reduced onto the shard
       dn = k.d_tmp.view(0, d_res.shape());

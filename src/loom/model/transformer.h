@@ -56,9 +56,12 @@ struct ActivationStore {
   // dlogits: the logits in place, or the workspace's bf16 slot L for a bf16 head) and backward
   // starts from it. Consumed by the forward (0 after it); not with tensor parallelism (the
   // vocabulary-parallel loss), row / position weights or a logit gradient.
+  // Where the backend keeps a loss pass's logits by columns (Backend::logits_by_columns), logits
+  // and dlogits are (V, B T) for it: dlogits_by_columns says so.
   float fused_loss_weight = 0.0f;
   Tensor dlogits;
   float dlogits_weight = 0.0f;  // the loss weight dlogits was computed with
+  bool dlogits_by_columns = false;
   bool last_logits = false;     // logits (B, 1, V) of each sequence's last position only (no loss)
 };
 
@@ -294,6 +297,7 @@ class Transformer {
   LinearWorkspace ws_;               // low-precision operands of every linear layer
   Fp8ScalingState scaling_state_;    // see pack_scaling_state()
   std::vector<DelayedScaling*> delayed_scalings();  // of the fp8-delayed linear layers, in their order
+  double head_and_loss(ActivationStore& s, bool compute_loss);  // forward_stage's end on the last stage
   ParamUseHooks hooks_;
   Communicator* tp_ = nullptr;
   struct {

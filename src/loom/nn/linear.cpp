@@ -222,6 +222,45 @@ void LinearLayer::forward(Backend& backend, const Tensor& x, const Tensor& w, co
   LOOM_CHECK(false, "linear layer: unknown recipe ", static_cast<int>(setup_.recipe));
 }
 
+bool LinearLayer::computes_plainly(const Tensor& w16) const {
+  return int_weight_ == nullptr && !bf16_weight_.defined() && base_ == nullptr && setup_.qat == QAT_NONE &&
+         (setup_.recipe == RECIPE_BF16 || (setup_.recipe == RECIPE_F32 && !w16.defined()));
+}
+
+void LinearLayer::forward_columns(Backend& backend, const Tensor& x, const Tensor& w, const Tensor& w16,
+                                  const Tensor& yt, LinearWorkspace* ws) {
+  LOOM_CHECK(computes_plainly(w16), "linear layer (", recipe_name(setup_.recipe), "): outputs by columns need the f32 "
+             "or bf16 recipe without QAT, an NF4 base or a quantized weight");
+  check_input(x);
+  const GemmSpec spec = spec_of(false, true, 0.0f);  // (out, in) @ (in, N)
+  if (setup_.recipe == RECIPE_F32) {
+    backend.gemm(w, x, yt, spec);
+    return;
+  }
+  LOOM_CHECK(ws != nullptr, "linear layer (", recipe_name(setup_.recipe), "): no workspace");
+  backend.gemm(bf16_weight(backend, w, w16, *ws), bf16_input(backend, x, *ws, LinearWorkspace::A), yt, spec);
+}
+
+void LinearLayer::backward_columns(Backend& backend, const Tensor& x, const Tensor& w, const Tensor& w16,
+                                   const Tensor& dyt, const Tensor& dx, const Tensor& dw, LinearWorkspace* ws) {
+  LOOM_CHECK(computes_plainly(w16), "linear layer (", recipe_name(setup_.recipe), "): outputs by columns need the f32 "
+             "or bf16 recipe without QAT, an NF4 base or a quantized weight");
+  check_input(x);
+  LOOM_CHECK(dyt.dtype() == DTYPE_F32 || (dyt.dtype() == DTYPE_BF16 && setup_.recipe == RECIPE_BF16), "linear layer (",
+             recipe_name(setup_.recipe), "): an output gradient in ", dtype_name(dyt.dtype()),
+             " (only the bf16 recipe reads a bf16 one)");
+  const GemmSpec dgrad = spec_of(true, false, 0.0f), wgrad = spec_of(false, false, 1.0f);  // (N, out) @ (out, in); (out, N) @ (N, in)
+  if (setup_.recipe == RECIPE_F32) {
+    backend.gemm(dyt, w, dx, dgrad);
+    if (dw.defined()) backend.gemm(dyt, x, dw, wgrad);
+    return;
+  }
+  LOOM_CHECK(ws != nullptr, "linear layer (", recipe_name(setup_.recipe), "): no workspace");
+  const Tensor dyb = bf16_input(backend, dyt, *ws, LinearWorkspace::A);
+  backend.gemm(dyb, bf16_weight(backend, w, w16, *ws), dx, dgrad);
+  if (dw.defined()) backend.gemm(dyb, bf16_input(backend, x, *ws, LinearWorkspace::B), dw, wgrad);
+}
+
 void LinearLayer::backward(Backend& backend, const Tensor& x, const Tensor& w, const Tensor& w16, const Tensor& dy,
                            const Tensor& dx, const Tensor& dw, const Tensor& db, LinearWorkspace* ws) {
   LOOM_CHECK(int_weight_ == nullptr, "a quantized checkpoint (loom quantize) cannot be trained: its weights are "

@@ -96,6 +96,16 @@ class LinearLayer {
   void backward(Backend& backend, const Tensor& x, const Tensor& w, const Tensor& w16, const Tensor& dy,
                 const Tensor& dx, const Tensor& dw, const Tensor& db, LinearWorkspace* ws);
 
+  // A loss pass's head with its logits kept by columns (Backend::logits_by_columns): yt (out, N)
+  // = w x^T, and from dyt (out, N): dx = dyt^T w, dw += dyt x (dw may be undefined: a frozen
+  // weight). Only where the layer computes plainly: the f32 recipe on w itself, or the bf16
+  // recipe, without QAT, an NF4 base or a quantized / bf16-in-place weight.
+  bool computes_plainly(const Tensor& w16) const;
+  void forward_columns(Backend& backend, const Tensor& x, const Tensor& w, const Tensor& w16, const Tensor& yt,
+                       LinearWorkspace* ws);
+  void backward_columns(Backend& backend, const Tensor& x, const Tensor& w, const Tensor& w16, const Tensor& dyt,
+                        const Tensor& dx, const Tensor& dw, LinearWorkspace* ws);
+
   // Delayed scaling: the amaxes recorded since the last call become history (once per step).
   void end_step();
   // Evaluation passes leave the amax history alone.

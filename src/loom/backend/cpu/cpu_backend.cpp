@@ -307,7 +307,7 @@ void CpuBackend::cross_entropy_forward(const Tensor& logits, const Tensor& targe
                                        const Tensor& lse) {
   const char* op = "cross_entropy_forward";
   check_cross_entropy(op, logits, targets, lse);
-  check_target_range(op, logits, targets);
+  check_target_range(op, logits.dim(-1), targets);
   expect_dtype(losses, logits.dtype(), op, "losses");
   expect_numel(losses, rows_of(logits), op, "losses");
   dispatch_float(logits.dtype(), op, kBackend, [&]<typename T>() {
@@ -320,7 +320,7 @@ void CpuBackend::cross_entropy_backward(const Tensor& logits, const Tensor& targ
                                         const Tensor& dlogits) {
   const char* op = "cross_entropy_backward";
   check_cross_entropy(op, logits, targets, lse);
-  check_target_range(op, logits, targets);
+  check_target_range(op, logits.dim(-1), targets);
   check_elementwise(op, logits, {&dlogits});
   dispatch_float(logits.dtype(), op, kBackend, [&]<typename T>() {
     cpu::cross_entropy_backward(logits.data<T>(), targets.data<int32_t>(), lse.data<T>(), static_cast<T>(dloss),
@@ -331,21 +331,33 @@ void CpuBackend::cross_entropy_backward(const Tensor& logits, const Tensor& targ
 void CpuBackend::cross_entropy_loss_and_grad(const Tensor& logits, const Tensor& targets, const Tensor& losses,
                                              const Tensor& lse, float dloss, const Tensor& dlogits) {
   const char* op = "cross_entropy_loss_and_grad";
-  check_cross_entropy(op, logits, targets, lse);
-  check_target_range(op, logits, targets);
-  expect_dtype(losses, logits.dtype(), op, "losses");
-  expect_numel(losses, rows_of(logits), op, "losses");
-  expect_numel(dlogits, logits.numel(), op, "dlogits");
-  if (dlogits.dtype() == DTYPE_BF16 && logits.dtype() == DTYPE_F32) {
+  const bool to_bf16 = check_loss_and_grad(op, logits, targets, losses, lse, dlogits, false);
+  check_target_range(op, logits.dim(-1), targets);
+  if (to_bf16) {
     cpu::cross_entropy_loss_and_grad(logits.data<float>(), targets.data<int32_t>(), losses.data<float>(),
                                      lse.data<float>(), dloss, dlogits.data<bf16>(), rows_of(logits), logits.dim(-1));
     return;
   }
-  LOOM_CHECK(dlogits.raw_data() == logits.raw_data() && dlogits.dtype() == logits.dtype(), op,
-             ": dlogits is the logits (in place) or bf16, got ", dlogits.describe(), " for logits ", logits.describe());
   dispatch_float(logits.dtype(), op, kBackend, [&]<typename T>() {
     cpu::cross_entropy_loss_and_grad(logits.data<T>(), targets.data<int32_t>(), losses.data<T>(), lse.data<T>(),
                                      static_cast<T>(dloss), logits.data<T>(), rows_of(logits), logits.dim(-1));
+  });
+}
+
+void CpuBackend::cross_entropy_loss_and_grad_columns(const Tensor& logits, const Tensor& targets, const Tensor& losses,
+                                                     const Tensor& lse, float dloss, const Tensor& dlogits) {
+  const char* op = "cross_entropy_loss_and_grad_columns";
+  const bool to_bf16 = check_loss_and_grad(op, logits, targets, losses, lse, dlogits, true);
+  check_target_range(op, logits.dim(0), targets);
+  const int64_t rows = logits.dim(1), vocab = logits.dim(0);
+  if (to_bf16) {
+    cpu::cross_entropy_loss_and_grad_columns(logits.data<float>(), targets.data<int32_t>(), losses.data<float>(),
+                                             lse.data<float>(), dloss, dlogits.data<bf16>(), rows, vocab);
+    return;
+  }
+  dispatch_float(logits.dtype(), op, kBackend, [&]<typename T>() {
+    cpu::cross_entropy_loss_and_grad_columns(logits.data<T>(), targets.data<int32_t>(), losses.data<T>(),
+                                             lse.data<T>(), static_cast<T>(dloss), logits.data<T>(), rows, vocab);
   });
 }
 
@@ -413,9 +425,8 @@ void CpuBackend::rope(const Tensor& x, int64_t head_dim, int64_t n_heads, const 
   });
 }
 
-void CpuBackend::check_target_range(const char* op, const Tensor& logits, const Tensor& targets) {
+void CpuBackend::check_target_range(const char* op, int64_t vocab, const Tensor& targets) {
   const int32_t* t = targets.data<int32_t>();
-  const int64_t vocab = logits.dim(-1);
   for (int64_t i = 0; i < targets.numel(); ++i) {
     LOOM_CHECK((t[i] >= 0 && t[i] < vocab) || t[i] == kIgnoreTarget, op, ": target ", t[i], " at row ", i,
                " outside vocab [0, ", vocab, ") and not kIgnoreTarget (", kIgnoreTarget, ")");

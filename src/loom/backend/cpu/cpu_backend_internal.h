@@ -23,6 +23,7 @@ namespace loom::cpu_backend_detail {
 using checks::check_attention;
 using checks::check_attention_backward;
 using checks::check_cross_entropy;
+using checks::check_loss_and_grad;
 using checks::check_elementwise;
 using checks::check_embedding;
 using checks::check_glu_forward;
@@ -130,6 +131,8 @@ class CpuBackend final : public Backend {
                               const Tensor& dlogits) override;
   void cross_entropy_loss_and_grad(const Tensor& logits, const Tensor& targets, const Tensor& losses, const Tensor& lse,
                                    float dloss, const Tensor& dlogits) override;
+  void cross_entropy_loss_and_grad_columns(const Tensor& logits, const Tensor& targets, const Tensor& losses,
+                                           const Tensor& lse, float dloss, const Tensor& dlogits) override;
 
   // Gradient compression: cpu_compress.cpp.
   void topk_extract(const Tensor& acc, const Tensor& idx, const Tensor& val, const Tensor& scratch) override {
@@ -388,7 +391,7 @@ class CpuBackend final : public Backend {
   static void check_token_range(const char* op, const Tensor& tokens, int64_t vocab);
   void rope(const Tensor& x, int64_t head_dim, int64_t n_heads, const RopeSpec& rope_spec, int64_t pos_offset,
             double direction, const char* op);
-  static void check_target_range(const char* op, const Tensor& logits, const Tensor& targets);
+  static void check_target_range(const char* op, int64_t vocab, const Tensor& targets);
   Tensor workspace(int64_t count, DType dtype);
   CpuAllocator allocator_;
   Tensor workspace_;  // see workspace()

@@ -781,6 +781,26 @@ void cross_entropy_loss_and_grad(T* logits, const int32_t* targets, T* losses, T
   }
 }
 
+// The same on logits kept by columns (vocab, rows): each column gathered into a per-thread row,
+// the same row functions (so every value is bitwise the row op's on the transposed logits), the
+// gradient scattered back in place or rounded to bf16 bits as cast() rounds.
+template <typename T, typename D>
+void cross_entropy_loss_and_grad_columns(T* logits, const int32_t* targets, T* losses, T* lse, T dloss, D* dx,
+                                         int64_t rows, int64_t vocab) {
+  std::vector<T> scratch(static_cast<size_t>(omp_get_max_threads() * vocab));
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    T* x = scratch.data() + static_cast<int64_t>(omp_get_thread_num()) * vocab;
+    for (int64_t v = 0; v < vocab; ++v) x[v] = logits[v * rows + r];
+    cross_entropy_row_loss(x, targets[r], vocab, lse + r, losses + r);
+    cross_entropy_row_grad(x, targets[r], lse[r], dloss, x, vocab);
+    for (int64_t v = 0; v < vocab; ++v) {
+      if constexpr (std::is_same_v<T, D>) dx[v * rows + r] = x[v];
+      else round_to_bf16_bits(x + v, reinterpret_cast<uint16_t*>(dx + v * rows + r), 1);
+    }
+  }
+}
+
 // AdamW with g = grad_scale * grad; bias1 = 1 - beta1^t, bias2 = 1 - beta2^t. One pass over
 // p, g, m, v (memory-bound: 28 bytes per fp32 parameter).
 template <typename T>

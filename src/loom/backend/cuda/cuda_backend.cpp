@@ -465,13 +465,7 @@ void CudaBackend::cross_entropy_backward(const Tensor& logits, const Tensor& tar
 void CudaBackend::cross_entropy_loss_and_grad(const Tensor& logits, const Tensor& targets, const Tensor& losses,
                                               const Tensor& lse, float dloss, const Tensor& dlogits) {
   const char* op = "cross_entropy_loss_and_grad";
-  check_cross_entropy(op, logits, targets, lse);
-  expect_dtype(losses, logits.dtype(), op, "losses");
-  expect_numel(losses, rows_of(logits), op, "losses");
-  expect_numel(dlogits, logits.numel(), op, "dlogits");
-  const bool to_bf16 = dlogits.dtype() == DTYPE_BF16 && logits.dtype() == DTYPE_F32;
-  LOOM_CHECK(to_bf16 || (dlogits.device_ptr() == logits.device_ptr() && dlogits.dtype() == logits.dtype()), op,
-             ": dlogits is the logits (in place) or bf16, got ", dlogits.describe(), " for logits ", logits.describe());
+  const bool to_bf16 = checks::check_loss_and_grad(op, logits, targets, losses, lse, dlogits, false);
   unsigned long long* bad = claim_flag();
   if (to_bf16) {
     cuda::cross_entropy_loss_and_grad<float, uint16_t>(dptr<float>(logits), dptr<int32_t>(targets),
@@ -485,6 +479,30 @@ void CudaBackend::cross_entropy_loss_and_grad(const Tensor& logits, const Tensor
     });
   }
   defer_check(op, "target", "row", targets, logits.dim(-1));
+}
+
+bool CudaBackend::logits_by_columns(int64_t rows, int64_t vocab) const {
+  return !row_aligned(vocab, 2) && row_aligned(rows, 2);
+}
+
+void CudaBackend::cross_entropy_loss_and_grad_columns(const Tensor& logits, const Tensor& targets,
+                                                      const Tensor& losses, const Tensor& lse, float dloss,
+                                                      const Tensor& dlogits) {
+  const char* op = "cross_entropy_loss_and_grad_columns";
+  const bool to_bf16 = checks::check_loss_and_grad(op, logits, targets, losses, lse, dlogits, true);
+  const int64_t cols = logits.dim(1), vocab = logits.dim(0);
+  unsigned long long* bad = claim_flag();
+  if (to_bf16) {
+    cuda::cross_entropy_loss_and_grad_columns<float, uint16_t>(dptr<float>(logits), dptr<int32_t>(targets),
+                                                               dptr<float>(losses), dptr<float>(lse), dloss,
+                                                               dptr<uint16_t>(dlogits), cols, vocab, bad, stream_);
+  } else {
+    dispatch_float(logits.dtype(), op, kBackend, [&]<typename T>() {
+      cuda::cross_entropy_loss_and_grad_columns<T, T>(dptr<T>(logits), dptr<int32_t>(targets), dptr<T>(losses),
+                                                      dptr<T>(lse), dloss, dptr<T>(logits), cols, vocab, bad, stream_);
+    });
+  }
+  defer_check(op, "target", "row", targets, vocab);
 }
 
 void CudaBackend::adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,

@@ -166,6 +166,11 @@ class CudaBackend final : public Backend {
   // One kernel reading the logits once (cuda_loss.cu), bitwise the two ops and the cast.
   void cross_entropy_loss_and_grad(const Tensor& logits, const Tensor& targets, const Tensor& losses,
                                    const Tensor& lse, float dloss, const Tensor& dlogits) override;
+  // By columns where the vocabulary's rows are not 16-byte multiples in bf16 and the positions'
+  // are: the head's GEMMs then run on aligned operands, without staged panels (gemm_panels.h).
+  bool logits_by_columns(int64_t rows, int64_t vocab) const override;
+  void cross_entropy_loss_and_grad_columns(const Tensor& logits, const Tensor& targets, const Tensor& losses,
+                                           const Tensor& lse, float dloss, const Tensor& dlogits) override;
   void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
                   const AdamWHyper& h) override;
 

@@ -13,7 +13,8 @@
 // again for the gradient right after: with the rows in flight held under kCeRowBytesInFlight (the
 // grid's cap) the second read comes from L2 (50 MB on an H100), so the logits cross the memory
 // bus once, against three times (forward, backward in place, the cast to bf16) for the separate
-// ops, plus the bf16 gradient written once.
+// ops, plus the bf16 gradient written once. The columns kernel (further down) does the same for
+// logits kept by columns (V, N), a training step's layout where the vocabulary's rows are odd.
 
 #include "loom/backend/cuda/cuda_device.h"  // first: the portability layer (docs/accelerators.md)
 #include "loom/backend/cuda/cuda_loss.h"
@@ -64,19 +65,25 @@ __device__ __forceinline__ void lse_fold(T& max, T& sum, T xv) {
   }
 }
 
-// fn(v, x[v]) for this thread's v = t, t + kCeBlock, ... in that order, with kCeLoads loads in
-// flight (each batch loaded before fn sees it: fn may overwrite the elements it is given).
+// fn(v, x[v * stride]) for v = first, first + step, ... below vocab in that order, with kCeLoads
+// loads in flight (each batch loaded before fn sees it: fn may overwrite the elements it is given).
 template <typename T, typename Fn>
-__device__ __forceinline__ void for_row(const T* x, int64_t vocab, Fn&& fn) {
-  int64_t v = threadIdx.x;
-  for (; v + (kCeLoads - 1) * kCeBlock < vocab; v += kCeLoads * kCeBlock) {
+__device__ __forceinline__ void for_strided(const T* x, int64_t stride, int64_t first, int64_t step, int64_t vocab,
+                                            Fn&& fn) {
+  int64_t v = first;
+  for (; v + (kCeLoads - 1) * step < vocab; v += kCeLoads * step) {
     T xs[kCeLoads];
 #pragma unroll
-    for (int i = 0; i < kCeLoads; ++i) xs[i] = x[v + i * kCeBlock];
+    for (int i = 0; i < kCeLoads; ++i) xs[i] = x[(v + i * step) * stride];
 #pragma unroll
-    for (int i = 0; i < kCeLoads; ++i) fn(v + i * kCeBlock, xs[i]);
+    for (int i = 0; i < kCeLoads; ++i) fn(v + i * step, xs[i]);
   }
-  for (; v < vocab; v += kCeBlock) fn(v, x[v]);
+  for (; v < vocab; v += step) fn(v, x[v * stride]);
+}
+// A row's elements: this thread's v = t, t + kCeBlock, ...
+template <typename T, typename Fn>
+__device__ __forceinline__ void for_row(const T* x, int64_t vocab, Fn&& fn) {
+  for_strided(x, 1, threadIdx.x, kCeBlock, vocab, static_cast<Fn&&>(fn));
 }
 
 // The block's log-sum-exp of row x, valid in thread 0. The start max is the lowest finite T, so
@@ -201,7 +208,73 @@ __global__ void __launch_bounds__(kCeBlock)
   }
 }
 
+// Logits kept by columns (vocab, cols): a block owns kColLanes consecutive columns (a warp's
+// lanes, so each load of a warp is one 128-byte row segment) and splits their rows over its
+// kColWarps warps (warp w: rows w, w + kColWarps, ...). Each thread folds its column's rows; warp 0
+// combines the warps' states in warp order, writes loss and lse; then every thread writes the
+// gradient of its rows. A column's masked or bad target (per lane here) is not read: loss 0 and a
+// zero gradient column, a bad one recorded. The rows are read twice from memory (a block's columns
+// span all V rows: no L2 reuse), so this kernel moves 10 bytes an f32 logit (4 + 4 + 2) where the
+// row kernel moves 6; it pays where it spares the head's GEMMs their staged panels (16).
+constexpr int kColLanes = kWarp;
+constexpr int kColWarps = 16;
+
+template <typename T, typename D>
+__global__ void __launch_bounds__(kColLanes * kColWarps)
+    cross_entropy_columns_kernel(const T* logits, const int32_t* targets, T* losses, T* lse, T dloss, D* dlogits,
+                                 int64_t cols, int64_t vocab, unsigned long long* bad_col) {
+  __shared__ T part_max[kColWarps][kColLanes], part_sum[kColWarps][kColLanes], col_l[kColLanes];
+  const int lane = static_cast<int>(threadIdx.x) % kWarp, warp = static_cast<int>(threadIdx.x) / kWarp;
+  const T lowest = sizeof(T) == 4 ? T(-FLT_MAX) : T(-DBL_MAX);
+  for (int64_t c0 = static_cast<int64_t>(blockIdx.x) * kColLanes; c0 < cols;
+       c0 += static_cast<int64_t>(gridDim.x) * kColLanes) {
+    const int64_t n = c0 + lane;
+    const int32_t target = n < cols ? targets[n] : kIgnoreTarget;
+    const bool live = n < cols && target >= 0 && target < vocab;
+    T max = lowest, sum = T(0);
+    if (live) for_strided(logits + n, cols, warp, kColWarps, vocab, [&](int64_t, T xv) { lse_fold(max, sum, xv); });
+    part_max[warp][lane] = max;
+    part_sum[warp][lane] = sum;
+    __syncthreads();
+    if (warp == 0) {
+      max = part_max[0][lane];
+      sum = part_sum[0][lane];
+      for (int w = 1; w < kColWarps; ++w) lse_combine(max, sum, part_max[w][lane], part_sum[w][lane]);
+      const T l = max + log_of(sum);
+      col_l[lane] = l;
+      if (live) {
+        lse[n] = l;
+        losses[n] = l - logits[target * cols + n];  // read before any thread overwrites the column in place
+      } else if (n < cols) {
+        if (target != kIgnoreTarget) atomicMin(bad_col, static_cast<unsigned long long>(n));
+        losses[n] = lse[n] = T(0);
+      }
+    }
+    __syncthreads();
+    if (live) {
+      const T l = col_l[lane];
+      D* d = dlogits + n;
+      for_strided(logits + n, cols, warp, kColWarps, vocab,
+                  [&](int64_t v, T xv) { d[v * cols] = grad_out<D>(ce_grad(xv, l, dloss, v == target)); });
+    } else if (n < cols) {
+      for (int64_t v = warp; v < vocab; v += kColWarps) dlogits[v * cols + n] = D(0);
+    }
+    __syncthreads();  // part_max, part_sum and col_l are rewritten by the next columns
+  }
+}
+
 }  // namespace
+
+template <typename T, typename D>
+void cross_entropy_loss_and_grad_columns(const T* logits, const int32_t* targets, T* losses, T* lse, double dloss,
+                                         D* dlogits, int64_t cols, int64_t vocab, unsigned long long* bad_col,
+                                         cudaStream_t stream) {
+  if (cols <= 0) return;
+  launch<cross_entropy_columns_kernel<T, D>>(grid_for(cols, kColLanes), kColLanes * kColWarps, 0, stream, logits,
+                                             targets, losses, lse, static_cast<T>(dloss), dlogits, cols, vocab,
+                                             bad_col);
+  LOOM_CUDA_CHECK_LAUNCH();
+}
 
 template <typename T>
 void cross_entropy_forward(const T* logits, const int32_t* targets, T* losses, T* lse, int64_t rows, int64_t vocab,
@@ -239,12 +312,17 @@ void cross_entropy_loss_and_grad(const T* logits, const int32_t* targets, T* los
   template void cross_entropy_backward<T>(const T*, const int32_t*, const T*, double, T*, int64_t, int64_t,          \
                                           cudaStream_t);                                                             \
   template void cross_entropy_loss_and_grad<T, T>(const T*, const int32_t*, T*, T*, double, T*, int64_t, int64_t,    \
-                                                  unsigned long long*, cudaStream_t);
+                                                  unsigned long long*, cudaStream_t);                                \
+  template void cross_entropy_loss_and_grad_columns<T, T>(const T*, const int32_t*, T*, T*, double, T*, int64_t,     \
+                                                          int64_t, unsigned long long*, cudaStream_t);
 
 LOOM_CUDA_LOSS_INSTANTIATE(float)
 LOOM_CUDA_LOSS_INSTANTIATE(double)
 template void cross_entropy_loss_and_grad<float, uint16_t>(const float*, const int32_t*, float*, float*, double,
                                                            uint16_t*, int64_t, int64_t, unsigned long long*,
                                                            cudaStream_t);
+template void cross_entropy_loss_and_grad_columns<float, uint16_t>(const float*, const int32_t*, float*, float*, double,
+                                                                   uint16_t*, int64_t, int64_t, unsigned long long*,
+                                                                   cudaStream_t);
 
 }  // namespace loom::cuda

@@ -24,4 +24,11 @@ void cross_entropy_loss_and_grad(const T* logits, const int32_t* targets, T* los
                                  D* dlogits, int64_t rows, int64_t vocab, unsigned long long* bad_row,
                                  cudaStream_t stream);
 
+// The same on logits kept by columns (vocab, cols) (Backend::cross_entropy_loss_and_grad_columns):
+// within the row kernel's tolerance (another summation order), deterministic.
+template <typename T, typename D>
+void cross_entropy_loss_and_grad_columns(const T* logits, const int32_t* targets, T* losses, T* lse, double dloss,
+                                         D* dlogits, int64_t cols, int64_t vocab, unsigned long long* bad_col,
+                                         cudaStream_t stream);
+
 }  // namespace loom::cuda
