@@ -426,6 +426,23 @@ __device__ __forceinline__ void lane_loads(const T* x, int64_t c, T (&v)[kLaneLo
   for (int u = 0; u < kLaneLoads; ++u) v[u] = x[c + u * kWarp];
 }
 
+// A norm backward's row sums: add(dout[c], w[c], x[c]) for this lane's c = lane, lane + 32, ... in
+// that order, the three operands of kLaneLoads channels loaded before they are added (one load at
+// a time left each lane waiting on every load: the forward's measured fault).
+template <typename T, typename Add>
+__device__ __forceinline__ void lane_backward_sums(const T* g, const T* w, const T* x, int64_t channels, Add&& add) {
+  int64_t c = lane_id();
+  for (; c + (kLaneLoads - 1) * kWarp < channels; c += kLaneLoads * kWarp) {
+    T gv[kLaneLoads], wv[kLaneLoads], xv[kLaneLoads];
+    lane_loads(g, c, gv);
+    lane_loads(w, c, wv);
+    lane_loads(x, c, xv);
+#pragma unroll
+    for (int u = 0; u < kLaneLoads; ++u) add(gv[u], wv[u], xv[u]);
+  }
+  for (; c < channels; c += kWarp) add(g[c], w[c], x[c]);
+}
+
 template <typename T, typename O>
 __global__ void layernorm_forward_kernel(const T* x, const T* w, const T* b, O* out, T* mean, T* rstd, int64_t rows,
                                          int64_t channels, T eps) {
@@ -462,8 +479,7 @@ __global__ void layernorm_forward_kernel(const T* x, const T* w, const T* b, O* 
   }
 }
 
-// dx only (dw, db: column_sums). Same shape as the forward, kLaneLoads of each operand in flight
-// for the sums (one at a time left each lane waiting on every load: the forward's measured fault).
+// dx only (dw, db: column_sums). Same shape as the forward; the sums through lane_backward_sums.
 template <typename T>
 __global__ void layernorm_backward_kernel(const T* dout, const T* x, const T* w, const T* mean, const T* rstd, T* dx,
                                           int64_t rows, int64_t channels) {
@@ -474,25 +490,15 @@ __global__ void layernorm_backward_kernel(const T* dout, const T* x, const T* w,
     const T* gr = dout + r * channels;
     const T m = mean[r], s = rstd[r];
     T sum_g = 0, sum_gx = 0;
-    const auto add = [&](T gc, T wc, T xc) {
+    lane_backward_sums(gr, w, xr, channels, [&](T gc, T wc, T xc) {
       const T g = gc * wc;
       sum_g += g;
       sum_gx += g * (xc - m) * s;
-    };
-    int64_t c = lane;
-    for (; c + (kLaneLoads - 1) * kWarp < channels; c += kLaneLoads * kWarp) {  // the loads in flight, then the adds
-      T gv[kLaneLoads], wv[kLaneLoads], xv[kLaneLoads];
-      lane_loads(gr, c, gv);
-      lane_loads(w, c, wv);
-      lane_loads(xr, c, xv);
-#pragma unroll
-      for (int u = 0; u < kLaneLoads; ++u) add(gv[u], wv[u], xv[u]);
-    }
-    for (; c < channels; c += kWarp) add(gr[c], w[c], xr[c]);
+    });
     const T mean_g = warp_sum(sum_g) / static_cast<T>(channels);
     const T mean_gx = warp_sum(sum_gx) / static_cast<T>(channels);
     T* d = dx + r * channels;
-    for (c = lane; c < channels; c += kWarp) d[c] = s * (gr[c] * w[c] - mean_g - (xr[c] - m) * s * mean_gx);
+    for (int64_t c = lane; c < channels; c += kWarp) d[c] = s * (gr[c] * w[c] - mean_g - (xr[c] - m) * s * mean_gx);
   }
 }
 
@@ -530,19 +536,10 @@ __global__ void rmsnorm_backward_kernel(const T* dout, const T* x, const T* w, c
     const T* gr = dout + r * channels;
     const T s = rstd[r];
     T sum_gx = 0;
-    int64_t c = lane;
-    for (; c + (kLaneLoads - 1) * kWarp < channels; c += kLaneLoads * kWarp) {  // the loads in flight, then the adds
-      T gv[kLaneLoads], wv[kLaneLoads], xv[kLaneLoads];
-      lane_loads(gr, c, gv);
-      lane_loads(w, c, wv);
-      lane_loads(xr, c, xv);
-#pragma unroll
-      for (int u = 0; u < kLaneLoads; ++u) sum_gx += gv[u] * wv[u] * xv[u] * s;
-    }
-    for (; c < channels; c += kWarp) sum_gx += gr[c] * w[c] * xr[c] * s;
+    lane_backward_sums(gr, w, xr, channels, [&](T gc, T wc, T xc) { sum_gx += gc * wc * xc * s; });
     const T mean_gx = warp_sum(sum_gx) / static_cast<T>(channels);
     T* d = dx + r * channels;
-    for (c = lane; c < channels; c += kWarp) d[c] = s * (gr[c] * w[c] - xr[c] * s * mean_gx);
+    for (int64_t c = lane; c < channels; c += kWarp) d[c] = s * (gr[c] * w[c] - xr[c] * s * mean_gx);
   }
 }
 
