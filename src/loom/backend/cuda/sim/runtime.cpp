@@ -16,6 +16,7 @@
 #include <cstring>
 #include <deque>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -24,6 +25,7 @@
 
 #include "loom/backend/cuda/sim/sim_internal.h"
 #include "loom/backend/cuda/sim/sim_runtime.h"
+#include "loom/core/env.h"
 
 struct CUstream_st;
 struct CUevent_st;
@@ -78,10 +80,8 @@ void fail(cudaError_t error, const std::string& report) {
 
 namespace {
 std::atomic<uint64_t>& seed_slot() {
-  static std::atomic<uint64_t> seed{[] {
-    const char* s = std::getenv("LOOM_SIM_SEED");
-    return s ? std::strtoull(s, nullptr, 10) : uint64_t{1};
-  }()};
+  static std::atomic<uint64_t> seed{static_cast<uint64_t>(
+      env_integer("LOOM_SIM_SEED", 1, 0, std::numeric_limits<int64_t>::max()))};
   return seed;
 }
 }  // namespace
