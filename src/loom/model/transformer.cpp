@@ -516,33 +516,29 @@ double Transformer::head_and_loss(ActivationStore& s, bool compute_loss) {
   const bool fuse = compute_loss && tp_ == nullptr && fused != 0.0f && s.row_weights.empty() &&
                     s.position_weights.empty() && !s.logit_grad.defined();
   const int64_t N = s.batch * s.seq_len, V = config_.vocab_size;
-  if (fuse && s.logits.numel() == N * V && head_.computes_plainly(head16_) && backend_.logits_by_columns(N, V)) {
-    // The loss and d(logits) by columns, (V, B*T) = W final_norm^T: the head's GEMMs on aligned rows.
-    const Tensor logits = s.logits.view(0, {V, N});
-    head_.forward_columns(backend_, s.final_norm, head_w, head16_, logits, &ws_);
-    done(0);
-    s.dlogits = head_.setup().recipe == RECIPE_BF16 ? ws_.bf16(LinearWorkspace::L, {V, N}) : logits;
-    s.dlogits_weight = fused, s.dlogits_by_columns = true;
-    const float scale = fused * s.ce_weight / static_cast<float>(N);
-    backend_.cross_entropy_loss_and_grad_columns(logits, s.targets, s.losses, s.lse, scale, s.dlogits);
-    return backend_.sum(s.losses) / static_cast<double>(N);
-  }
-  head_.forward(backend_, s.final_norm, head_w, head16_, Tensor{}, s.logits, 0.0f, &ws_);  // (B*T, C) @ (V, C)^T
+  // Where the backend asks, the fused loss keeps the logits by columns, (V, B*T) = W final_norm^T:
+  // the head's GEMMs on aligned rows.
+  const bool by_columns = fuse && s.logits.numel() == N * V && head_.computes_plainly(head16_) &&
+                          backend_.logits_by_columns(N, V);
+  const Tensor logits = by_columns ? s.logits.view(0, {V, N}) : s.logits;
+  if (by_columns) head_.forward_columns(backend_, s.final_norm, head_w, head16_, logits, &ws_);
+  else head_.forward(backend_, s.final_norm, head_w, head16_, Tensor{}, logits, 0.0f, &ws_);  // (B*T, C) @ (V, C)^T
   done(0);
   if (!compute_loss) return 0.0;
   if (tp_ != nullptr) {
-    vocab_parallel_cross_entropy_forward(backend_, *tp_, s.logits, s.targets, vocab_.begin, vocab_.valid, s.losses,
-                                         s.lse, ce_sums_.view(0, {s.batch * s.seq_len}));
+    vocab_parallel_cross_entropy_forward(backend_, *tp_, logits, s.targets, vocab_.begin, vocab_.valid, s.losses,
+                                         s.lse, ce_sums_.view(0, {N}));
   } else if (fuse) {
     // The loss and d(logits) together (the row in cache once), bf16 straight into the head's operand.
-    const float scale = fused * s.ce_weight / static_cast<float>(s.batch * s.seq_len);
-    s.dlogits = head_.setup().recipe == RECIPE_BF16 ? ws_.bf16(LinearWorkspace::L, s.logits.shape()) : s.logits;
-    s.dlogits_weight = fused;
-    backend_.cross_entropy_loss_and_grad(s.logits, s.targets, s.losses, s.lse, scale, s.dlogits);
+    const float scale = fused * s.ce_weight / static_cast<float>(N);
+    s.dlogits = head_.setup().recipe == RECIPE_BF16 ? ws_.bf16(LinearWorkspace::L, logits.shape()) : logits;
+    s.dlogits_weight = fused, s.dlogits_by_columns = by_columns;
+    if (by_columns) backend_.cross_entropy_loss_and_grad_columns(logits, s.targets, s.losses, s.lse, scale, s.dlogits);
+    else backend_.cross_entropy_loss_and_grad(logits, s.targets, s.losses, s.lse, scale, s.dlogits);
   } else {
-    backend_.cross_entropy_forward(s.logits, s.targets, s.losses, s.lse);
+    backend_.cross_entropy_forward(logits, s.targets, s.losses, s.lse);
   }
-  return backend_.sum(s.losses) / static_cast<double>(s.batch * s.seq_len);
+  return backend_.sum(s.losses) / static_cast<double>(N);
 }
 
 Tensor Transformer::stage_grad(int64_t batch, int64_t seq_len) const {

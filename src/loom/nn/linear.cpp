@@ -227,10 +227,14 @@ bool LinearLayer::computes_plainly(const Tensor& w16) const {
          (setup_.recipe == RECIPE_BF16 || (setup_.recipe == RECIPE_F32 && !w16.defined()));
 }
 
-void LinearLayer::forward_columns(Backend& backend, const Tensor& x, const Tensor& w, const Tensor& w16,
-                                  const Tensor& yt, LinearWorkspace* ws) {
+void LinearLayer::require_plain(const Tensor& w16) const {
   LOOM_CHECK(computes_plainly(w16), "linear layer (", recipe_name(setup_.recipe), "): outputs by columns need the f32 "
              "or bf16 recipe without QAT, an NF4 base or a quantized weight");
+}
+
+void LinearLayer::forward_columns(Backend& backend, const Tensor& x, const Tensor& w, const Tensor& w16,
+                                  const Tensor& yt, LinearWorkspace* ws) {
+  require_plain(w16);
   check_input(x);
   const GemmSpec spec = spec_of(false, true, 0.0f);  // (out, in) @ (in, N)
   if (setup_.recipe == RECIPE_F32) {
@@ -243,8 +247,7 @@ void LinearLayer::forward_columns(Backend& backend, const Tensor& x, const Tenso
 
 void LinearLayer::backward_columns(Backend& backend, const Tensor& x, const Tensor& w, const Tensor& w16,
                                    const Tensor& dyt, const Tensor& dx, const Tensor& dw, LinearWorkspace* ws) {
-  LOOM_CHECK(computes_plainly(w16), "linear layer (", recipe_name(setup_.recipe), "): outputs by columns need the f32 "
-             "or bf16 recipe without QAT, an NF4 base or a quantized weight");
+  require_plain(w16);
   check_input(x);
   LOOM_CHECK(dyt.dtype() == DTYPE_F32 || (dyt.dtype() == DTYPE_BF16 && setup_.recipe == RECIPE_BF16), "linear layer (",
              recipe_name(setup_.recipe), "): an output gradient in ", dtype_name(dyt.dtype()),

@@ -122,6 +122,7 @@ class LinearLayer {
   Tensor bf16_weight(Backend& backend, const Tensor& w, const Tensor& w16, LinearWorkspace& ws) const;
   // x is fp32, or bf16 for the bf16 recipe (a saved input, nn/plan.h LayerPlan::saved_bf16).
   void check_input(const Tensor& x) const;
+  void require_plain(const Tensor& w16) const;  // computes_plainly, or a one-line error
   // x's FP8 scale for this call (records its amax under delayed scaling).
   float fp8_scale(Backend& backend, int which, MiniFormat f, const Tensor& x, bool record);
 

@@ -330,35 +330,26 @@ void CpuBackend::cross_entropy_backward(const Tensor& logits, const Tensor& targ
 
 void CpuBackend::cross_entropy_loss_and_grad(const Tensor& logits, const Tensor& targets, const Tensor& losses,
                                              const Tensor& lse, float dloss, const Tensor& dlogits) {
-  const char* op = "cross_entropy_loss_and_grad";
-  const bool to_bf16 = check_loss_and_grad(op, logits, targets, losses, lse, dlogits, false);
-  check_target_range(op, logits.dim(-1), targets);
-  if (to_bf16) {
-    cpu::cross_entropy_loss_and_grad(logits.data<float>(), targets.data<int32_t>(), losses.data<float>(),
-                                     lse.data<float>(), dloss, dlogits.data<bf16>(), rows_of(logits), logits.dim(-1));
-    return;
-  }
-  dispatch_float(logits.dtype(), op, kBackend, [&]<typename T>() {
-    cpu::cross_entropy_loss_and_grad(logits.data<T>(), targets.data<int32_t>(), losses.data<T>(), lse.data<T>(),
-                                     static_cast<T>(dloss), logits.data<T>(), rows_of(logits), logits.dim(-1));
-  });
+  loss_and_grad("cross_entropy_loss_and_grad", false, logits, targets, losses, lse, dloss, dlogits);
 }
 
 void CpuBackend::cross_entropy_loss_and_grad_columns(const Tensor& logits, const Tensor& targets, const Tensor& losses,
                                                      const Tensor& lse, float dloss, const Tensor& dlogits) {
-  const char* op = "cross_entropy_loss_and_grad_columns";
-  const bool to_bf16 = check_loss_and_grad(op, logits, targets, losses, lse, dlogits, true);
-  check_target_range(op, logits.dim(0), targets);
-  const int64_t rows = logits.dim(1), vocab = logits.dim(0);
-  if (to_bf16) {
-    cpu::cross_entropy_loss_and_grad_columns(logits.data<float>(), targets.data<int32_t>(), losses.data<float>(),
-                                             lse.data<float>(), dloss, dlogits.data<bf16>(), rows, vocab);
-    return;
-  }
-  dispatch_float(logits.dtype(), op, kBackend, [&]<typename T>() {
-    cpu::cross_entropy_loss_and_grad_columns(logits.data<T>(), targets.data<int32_t>(), losses.data<T>(),
-                                             lse.data<T>(), static_cast<T>(dloss), logits.data<T>(), rows, vocab);
-  });
+  loss_and_grad("cross_entropy_loss_and_grad_columns", true, logits, targets, losses, lse, dloss, dlogits);
+}
+
+void CpuBackend::loss_and_grad(const char* op, bool by_columns, const Tensor& logits, const Tensor& targets,
+                               const Tensor& losses, const Tensor& lse, float dloss, const Tensor& dlogits) {
+  const bool to_bf16 = check_loss_and_grad(op, logits, targets, losses, lse, dlogits, by_columns);
+  const int64_t rows = targets.numel(), vocab = by_columns ? logits.dim(0) : logits.dim(-1);
+  check_target_range(op, vocab, targets);
+  const auto run = [&]<typename T, typename D>(D* d) {
+    (by_columns ? cpu::cross_entropy_loss_and_grad_columns<T, D> : cpu::cross_entropy_loss_and_grad<T, D>)(
+        logits.data<T>(), targets.data<int32_t>(), losses.data<T>(), lse.data<T>(), static_cast<T>(dloss), d, rows,
+        vocab);
+  };
+  if (to_bf16) run.template operator()<float>(dlogits.data<bf16>());
+  else dispatch_float(logits.dtype(), op, kBackend, [&]<typename T>() { run.template operator()<T>(logits.data<T>()); });
 }
 
 void CpuBackend::adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,

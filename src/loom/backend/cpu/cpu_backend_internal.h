@@ -133,6 +133,9 @@ class CpuBackend final : public Backend {
                                    float dloss, const Tensor& dlogits) override;
   void cross_entropy_loss_and_grad_columns(const Tensor& logits, const Tensor& targets, const Tensor& losses,
                                            const Tensor& lse, float dloss, const Tensor& dlogits) override;
+  // Either of the two: the shared checks, the targets' range, the layout's kernel.
+  void loss_and_grad(const char* op, bool by_columns, const Tensor& logits, const Tensor& targets,
+                     const Tensor& losses, const Tensor& lse, float dloss, const Tensor& dlogits);
 
   // Gradient compression: cpu_compress.cpp.
   void topk_extract(const Tensor& acc, const Tensor& idx, const Tensor& val, const Tensor& scratch) override {

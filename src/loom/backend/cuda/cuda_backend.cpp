@@ -464,21 +464,7 @@ void CudaBackend::cross_entropy_backward(const Tensor& logits, const Tensor& tar
 
 void CudaBackend::cross_entropy_loss_and_grad(const Tensor& logits, const Tensor& targets, const Tensor& losses,
                                               const Tensor& lse, float dloss, const Tensor& dlogits) {
-  const char* op = "cross_entropy_loss_and_grad";
-  const bool to_bf16 = checks::check_loss_and_grad(op, logits, targets, losses, lse, dlogits, false);
-  unsigned long long* bad = claim_flag();
-  if (to_bf16) {
-    cuda::cross_entropy_loss_and_grad<float, uint16_t>(dptr<float>(logits), dptr<int32_t>(targets),
-                                                       dptr<float>(losses), dptr<float>(lse), dloss,
-                                                       dptr<uint16_t>(dlogits), rows_of(logits), logits.dim(-1), bad,
-                                                       stream_);
-  } else {
-    dispatch_float(logits.dtype(), op, kBackend, [&]<typename T>() {
-      cuda::cross_entropy_loss_and_grad<T, T>(dptr<T>(logits), dptr<int32_t>(targets), dptr<T>(losses), dptr<T>(lse),
-                                              dloss, dptr<T>(logits), rows_of(logits), logits.dim(-1), bad, stream_);
-    });
-  }
-  defer_check(op, "target", "row", targets, logits.dim(-1));
+  loss_and_grad("cross_entropy_loss_and_grad", false, logits, targets, losses, lse, dloss, dlogits);
 }
 
 bool CudaBackend::logits_by_columns(int64_t rows, int64_t vocab) const {
@@ -488,20 +474,20 @@ bool CudaBackend::logits_by_columns(int64_t rows, int64_t vocab) const {
 void CudaBackend::cross_entropy_loss_and_grad_columns(const Tensor& logits, const Tensor& targets,
                                                       const Tensor& losses, const Tensor& lse, float dloss,
                                                       const Tensor& dlogits) {
-  const char* op = "cross_entropy_loss_and_grad_columns";
-  const bool to_bf16 = checks::check_loss_and_grad(op, logits, targets, losses, lse, dlogits, true);
-  const int64_t cols = logits.dim(1), vocab = logits.dim(0);
+  loss_and_grad("cross_entropy_loss_and_grad_columns", true, logits, targets, losses, lse, dloss, dlogits);
+}
+
+void CudaBackend::loss_and_grad(const char* op, bool by_columns, const Tensor& logits, const Tensor& targets,
+                                const Tensor& losses, const Tensor& lse, float dloss, const Tensor& dlogits) {
+  const bool to_bf16 = checks::check_loss_and_grad(op, logits, targets, losses, lse, dlogits, by_columns);
+  const int64_t rows = targets.numel(), vocab = by_columns ? logits.dim(0) : logits.dim(-1);
   unsigned long long* bad = claim_flag();
-  if (to_bf16) {
-    cuda::cross_entropy_loss_and_grad_columns<float, uint16_t>(dptr<float>(logits), dptr<int32_t>(targets),
-                                                               dptr<float>(losses), dptr<float>(lse), dloss,
-                                                               dptr<uint16_t>(dlogits), cols, vocab, bad, stream_);
-  } else {
-    dispatch_float(logits.dtype(), op, kBackend, [&]<typename T>() {
-      cuda::cross_entropy_loss_and_grad_columns<T, T>(dptr<T>(logits), dptr<int32_t>(targets), dptr<T>(losses),
-                                                      dptr<T>(lse), dloss, dptr<T>(logits), cols, vocab, bad, stream_);
-    });
-  }
+  const auto run = [&]<typename T, typename D>(D* d) {
+    (by_columns ? cuda::cross_entropy_loss_and_grad_columns<T, D> : cuda::cross_entropy_loss_and_grad<T, D>)(
+        dptr<T>(logits), dptr<int32_t>(targets), dptr<T>(losses), dptr<T>(lse), dloss, d, rows, vocab, bad, stream_);
+  };
+  if (to_bf16) run.template operator()<float>(dptr<uint16_t>(dlogits));
+  else dispatch_float(logits.dtype(), op, kBackend, [&]<typename T>() { run.template operator()<T>(dptr<T>(logits)); });
   defer_check(op, "target", "row", targets, vocab);
 }
 

@@ -171,6 +171,9 @@ class CudaBackend final : public Backend {
   bool logits_by_columns(int64_t rows, int64_t vocab) const override;
   void cross_entropy_loss_and_grad_columns(const Tensor& logits, const Tensor& targets, const Tensor& losses,
                                            const Tensor& lse, float dloss, const Tensor& dlogits) override;
+  // Either of the two: the shared checks, the layout's kernel, the deferred target check.
+  void loss_and_grad(const char* op, bool by_columns, const Tensor& logits, const Tensor& targets,
+                     const Tensor& losses, const Tensor& lse, float dloss, const Tensor& dlogits);
   void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
                   const AdamWHyper& h) override;
 

@@ -41,6 +41,13 @@ constexpr int kCeLoads = 8;    // loads in flight per thread
 constexpr int64_t kCeRowBytesInFlight = int64_t{32} << 20;
 constexpr int64_t kCeMinBlocks = 132;
 
+// The start of a max: the lowest finite T, so -inf logits add exp(-inf) as on the CPU and never
+// form inf - inf.
+template <typename T>
+__device__ __forceinline__ T lowest_finite() {
+  return sizeof(T) == 4 ? T(-FLT_MAX) : T(-DBL_MAX);
+}
+
 // Combining two states: the larger max wins, the other sum is rescaled by exp(max2 - max). A state
 // with sum 0 (no element yet) contributes nothing; the combine is commutative bitwise.
 template <typename T>
@@ -86,33 +93,33 @@ __device__ __forceinline__ void for_row(const T* x, int64_t vocab, Fn&& fn) {
   for_strided(x, 1, threadIdx.x, kCeBlock, vocab, static_cast<Fn&&>(fn));
 }
 
-// The block's log-sum-exp of row x, valid in thread 0. The start max is the lowest finite T, so
-// -inf logits add exp(-inf) as on the CPU and never form inf - inf. Every thread of the block
-// calls it; the shared states may be rewritten only after a barrier.
+// The warp's states combined into lane 0's by a fixed shuffle tree.
 template <typename T>
-__device__ T row_lse(const T* x, int64_t vocab, T* warp_max, T* warp_sums) {
-  const int lane = static_cast<int>(threadIdx.x) % kWarp, warp = static_cast<int>(threadIdx.x) / kWarp;
-  const T lowest = sizeof(T) == 4 ? T(-FLT_MAX) : T(-DBL_MAX);
-  T max = lowest, sum = T(0);
-  for_row(x, vocab, [&](int64_t, T xv) { lse_fold(max, sum, xv); });
+__device__ __forceinline__ void warp_lse_combine(T& max, T& sum) {
   for (int offset = kWarp / 2; offset > 0; offset >>= 1) {
     const T max2 = shfl_down(max, offset);
     const T sum2 = shfl_down(sum, offset);
     lse_combine(max, sum, max2, sum2);
   }
+}
+
+// The block's log-sum-exp of row x, valid in thread 0. Every thread of the block calls it; the
+// shared states may be rewritten only after a barrier.
+template <typename T>
+__device__ T row_lse(const T* x, int64_t vocab, T* warp_max, T* warp_sums) {
+  const int lane = static_cast<int>(threadIdx.x) % kWarp, warp = static_cast<int>(threadIdx.x) / kWarp;
+  T max = lowest_finite<T>(), sum = T(0);
+  for_row(x, vocab, [&](int64_t, T xv) { lse_fold(max, sum, xv); });
+  warp_lse_combine(max, sum);
   if (lane == 0) {
     warp_max[warp] = max;
     warp_sums[warp] = sum;
   }
   __syncthreads();
   if (warp == 0) {
-    max = lane < kCeWarps ? warp_max[lane] : lowest;
+    max = lane < kCeWarps ? warp_max[lane] : lowest_finite<T>();
     sum = lane < kCeWarps ? warp_sums[lane] : T(0);
-    for (int offset = kWarp / 2; offset > 0; offset >>= 1) {
-      const T max2 = shfl_down(max, offset);
-      const T sum2 = shfl_down(sum, offset);
-      lse_combine(max, sum, max2, sum2);
-    }
+    warp_lse_combine(max, sum);
   }
   return max + log_of(sum);
 }
@@ -225,13 +232,12 @@ __global__ void __launch_bounds__(kColLanes * kColWarps)
                                  int64_t cols, int64_t vocab, unsigned long long* bad_col) {
   __shared__ T part_max[kColWarps][kColLanes], part_sum[kColWarps][kColLanes], col_l[kColLanes];
   const int lane = static_cast<int>(threadIdx.x) % kWarp, warp = static_cast<int>(threadIdx.x) / kWarp;
-  const T lowest = sizeof(T) == 4 ? T(-FLT_MAX) : T(-DBL_MAX);
   for (int64_t c0 = static_cast<int64_t>(blockIdx.x) * kColLanes; c0 < cols;
        c0 += static_cast<int64_t>(gridDim.x) * kColLanes) {
     const int64_t n = c0 + lane;
     const int32_t target = n < cols ? targets[n] : kIgnoreTarget;
     const bool live = n < cols && target >= 0 && target < vocab;
-    T max = lowest, sum = T(0);
+    T max = lowest_finite<T>(), sum = T(0);
     if (live) for_strided(logits + n, cols, warp, kColWarps, vocab, [&](int64_t, T xv) { lse_fold(max, sum, xv); });
     part_max[warp][lane] = max;
     part_sum[warp][lane] = sum;
