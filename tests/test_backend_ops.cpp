@@ -49,6 +49,63 @@ TEST_P(BackendOpsTest, GemmF32AllTransposesBatchedBiasAlphaBeta) { gemm_cases(DT
 TEST_P(BackendOpsTest, GemmBf16InputsAccumulateInF32) { gemm_cases(DTYPE_BF16, DTYPE_F32, {kBf16GemmTol}); }
 TEST_P(BackendOpsTest, GemmF64) { gemm_cases(DTYPE_F64, DTYPE_F64, {kF64Tol}); }
 
+// A bf16 C (an autocast-style linear output, beta 0): the same backend's fp32 product plus the
+// bias rounded to bf16, rounded as cast() rounds. Bitwise on the CPU kernels (the same product);
+// within one bf16 step on a device, whose cuBLASLt may sum a bf16 D in another order; against the
+// CPU within one bf16 rounding. Shapes: each transpose with a bias, a batch with and without one
+// (a device stages a batch with a bias), rows that are not 16-byte multiples (cuBLASLt declines
+// them: staged), and a linear layer's forward.
+TEST_P(BackendOpsTest, GemmBf16OutputIsTheRoundedF32Product) {
+  std::vector<GemmCase> cases;
+  for (bool ta : {false, true}) {
+    for (bool tb : {false, true}) cases.push_back({GemmSpec{ta, tb, 1.0f, 0.0f, 1}, 24, 40, 37, true});
+  }
+  cases.push_back({GemmSpec{false, true, 0.5f, 0.0f, 3}, 16, 24, 32, false});
+  cases.push_back({GemmSpec{false, true, 1.0f, 0.0f, 2}, 16, 24, 32, true});
+  cases.push_back({GemmSpec{false, true, 1.0f, 0.0f, 1}, 17, 101, 64, true});
+  cases.push_back({GemmSpec{false, true, 1.0f, 0.0f, 1}, 512, 768, 768, true});
+  for (const GemmCase& g : cases) {
+    const int64_t b = g.spec.batch;
+    const std::string what = gemm_name(DTYPE_BF16, g) + " -> bf16";
+    Operands x;
+    x.tensors["a"] = rnd(g.spec.trans_a ? Shape{b, g.k, g.m} : Shape{b, g.m, g.k}, DTYPE_BF16, 1);
+    x.tensors["b"] = rnd(g.spec.trans_b ? Shape{b, g.n, g.k} : Shape{b, g.k, g.n}, DTYPE_BF16, 2);
+    x.tensors["c"] = nans({b, g.m, g.n}, DTYPE_BF16);
+    x.tensors["f"] = nans({b, g.m, g.n}, DTYPE_F32);
+    x.tensors["bias"] = rnd({g.n}, DTYPE_F32, 4);
+    const Op op = [g](Backend& be, Operands& o) {
+      be.gemm(o["a"], o["b"], o["c"], g.spec, g.bias ? &o["bias"] : nullptr);
+      be.gemm(o["a"], o["b"], o["f"], g.spec);
+    };
+    check(what, x, op, {{"c", Tol{1.0 / 256}}, {"f", {kBf16GemmTol}}});
+    Operands got = copy_to_backend(x);
+    op(*backend_, got);
+    const std::vector<uint8_t> cb = bytes_of(*backend_, got["c"]);
+    const std::vector<double> f = values_of(bytes_of(*backend_, got["f"]), DTYPE_F32);
+    const float* bias = x["bias"].data<float>();
+    int64_t differ = 0, far = 0;
+    for (size_t i = 0; i < f.size(); ++i) {
+      const float sum = static_cast<float>(f[i]) + (g.bias ? bf16_to_f32(f32_to_bf16(bias[i % g.n])) : 0.0f);
+      uint16_t bits;
+      std::memcpy(&bits, cb.data() + 2 * i, 2);
+      const int want = f32_to_bf16(sum).bits;
+      differ += bits != want;
+      far += std::abs(static_cast<int>(bits) - want) > 1;
+    }
+    if (GetParam() == "strict") {
+      EXPECT_EQ(differ, 0) << what << ": not bitwise the rounded f32 product";
+    }
+    EXPECT_EQ(far, 0) << what << ": more than one bf16 step from the rounded f32 product on " << GetParam();
+  }
+  // A bf16 C is written, not accumulated.
+  Operands x;
+  x.tensors["a"] = rnd({4, 8}, DTYPE_BF16, 1);
+  x.tensors["b"] = rnd({8, 8}, DTYPE_BF16, 2);
+  x.tensors["c"] = rnd({4, 8}, DTYPE_BF16, 3);
+  Operands o = copy_to_backend(x);
+  EXPECT_THROW(backend_->gemm(o["a"], o["b"], o["c"], GemmSpec{false, false, 1.0f, 1.0f, 1}), Error);
+}
+
 // ---------------------------------------------------------------- elementwise, casts, reductions
 
 

@@ -106,6 +106,59 @@ TEST_P(BackendOpsTest, GluForwardBackward) {
 
 // ---------------------------------------------------------------- bf16 outputs
 
+// The activations of a bf16 x (a bf16 GEMM output: LayerPlan::fc_bf16), into an f32 and a bf16
+// out: on each backend the same bits as the op on x widened by cast() (each element widened
+// exactly, the same arithmetic), and within the f32 tolerance (one bf16 step for a bf16 out) of the
+// CPU. GELU, SwiGLU and GeGLU, forward and backward (dout f32).
+TEST_P(BackendOpsTest, ActivationsOfABf16InputAreTheOpsOnItWidened) {
+  const int64_t N = 33, C = 2053, F = 1024;
+  struct Case {
+    std::string name;
+    Shape in, out;
+    std::function<void(Backend&, const Tensor& x, const Tensor& g, const Tensor& out)> run;
+  };
+  const std::vector<Case> cases = {
+      {"gelu", {N, C}, {N, C}, [](Backend& be, const Tensor& x, const Tensor&, const Tensor& out) { be.gelu_forward(x, out); }},
+      {"gelu backward", {N, C}, {N, C},
+       [](Backend& be, const Tensor& x, const Tensor& g, const Tensor& dx) { be.gelu_backward(x, g, dx); }},
+      {"swiglu", {N, 2 * F}, {N, F},
+       [](Backend& be, const Tensor& x, const Tensor&, const Tensor& out) { be.glu_forward(x, out, GateActivation::silu); }},
+      {"geglu", {N, 2 * F}, {N, F},
+       [](Backend& be, const Tensor& x, const Tensor&, const Tensor& out) { be.glu_forward(x, out, GateActivation::gelu_tanh); }},
+      {"swiglu backward", {N, 2 * F}, {N, 2 * F},
+       [N, F](Backend& be, const Tensor& x, const Tensor& g, const Tensor& dx) {
+         be.glu_backward(x, g.view(0, {N, F}), dx, GateActivation::silu);
+       }},
+  };
+  for (const Case& c : cases) {
+    for (const DType out_dtype : {DTYPE_F32, DTYPE_BF16}) {
+      Operands x;
+      x.tensors["x16"] = rnd(c.in, DTYPE_BF16, 1, 6.0, 1.0);
+      x.tensors["wide"] = nans(c.in, DTYPE_F32);
+      x.tensors["g"] = rnd(c.in, DTYPE_F32, 4);
+      x.tensors["out"] = nans(c.out, out_dtype);
+      x.tensors["want"] = nans(c.out, out_dtype);
+      const std::string what = str_cat(c.name, " of a bf16 x into ", dt(out_dtype));
+      check(what, x,
+            [&c, &what](Backend& be, Operands& o) {
+              c.run(be, o["x16"], o["g"], o["out"]);
+              be.cast(o["x16"], o["wide"]);
+              c.run(be, o["wide"], o["g"], o["want"]);
+              EXPECT_TRUE(bytes_of(be, o["out"]) == bytes_of(be, o["want"]))
+                  << what << " on " << be.name() << ": not the bits of the op on the widened x";
+            },
+            {{"out", out_dtype == DTYPE_BF16 ? Tol{1.0 / 256} : elementwise_tol(DTYPE_F32)}}, true);
+    }
+  }
+  // A bf16 x's dout is f32.
+  Operands bad;
+  bad.tensors["x"] = rnd({4, 8}, DTYPE_BF16, 1);
+  bad.tensors["g"] = rnd({4, 8}, DTYPE_BF16, 2);
+  bad.tensors["dx"] = nans({4, 8}, DTYPE_F32);
+  Operands o = copy_to_backend(bad);
+  EXPECT_THROW(backend_->gelu_backward(o["x"], o["g"], o["dx"]), Error);
+}
+
 // The forward norms and activations with a bf16 out (precision.activations = bf16 writes the saved
 // fields so): on each backend the same bits as its f32 op followed by cast(), and within one bf16
 // step (2^-8 of the output's scale: a 1-ulp f32 difference may round the other way) of the CPU.
@@ -425,6 +478,42 @@ TEST_P(BackendOpsTest, CrossEntropyLossAndGradByRowsAndByColumns) {
         int64_t nonzero = 0;
         for (int64_t v = 0; v < V; ++v) nonzero += gv[static_cast<size_t>(by_columns ? v * N + 3 : 3 * V + v)] != 0.0;
         EXPECT_EQ(nonzero, 0) << what << ": the masked row's gradient";
+      }
+    }
+  }
+}
+
+// Logits in bf16 (a bf16 head's output under precision.activations = bf16), by rows and by
+// columns: f32 losses and lse, the bf16 gradient written over the logits. On each backend bitwise
+// the same backend's f32 op on the logits widened (with a bf16 d(logits)); against the CPU at the
+// f32 op's tolerances (the gradient within one bf16 rounding).
+TEST_P(BackendOpsTest, CrossEntropyOnBf16LogitsIsTheOpOnThemWidened) {
+  for (const bool by_columns : {false, true}) {
+    for (auto [N, V] : {std::pair<int64_t, int64_t>{17, 101}, {by_columns ? 40 : 64, 50257}}) {
+      const Shape shape = by_columns ? Shape{V, N} : Shape{N, V};
+      Operands x;
+      x.tensors["logits"] = rnd(shape, DTYPE_BF16, 1, 5.0);
+      x.tensors["wide"] = nans(shape, DTYPE_F32);
+      Tensor targets = ids({N}, static_cast<int32_t>(V), 2);
+      targets.data<int32_t>()[3] = kIgnoreTarget;
+      x.tensors["targets"] = targets;
+      for (const char* name : {"losses", "lse", "wide_losses", "wide_lse"}) x.tensors[name] = nans({N}, DTYPE_F32);
+      x.tensors["wide_grad"] = nans(shape, DTYPE_BF16);
+      const std::string what = str_cat("cross_entropy_loss_and_grad", by_columns ? "_columns" : "", " bf16 logits N ",
+                                       N, " V ", V);
+      const Op op = [by_columns](Backend& be, Operands& o) {
+        be.cast(o["logits"], o["wide"]);
+        const auto fused = by_columns ? &Backend::cross_entropy_loss_and_grad_columns
+                                      : &Backend::cross_entropy_loss_and_grad;
+        (be.*fused)(o["wide"], o["targets"], o["wide_losses"], o["wide_lse"], 0.37f, o["wide_grad"]);
+        (be.*fused)(o["logits"], o["targets"], o["losses"], o["lse"], 0.37f, o["logits"]);
+      };
+      check(what, x, op, {{"losses", {kF32ReductionTol}}, {"logits", Tol{1.0 / 256}}});
+      Operands got = copy_to_backend(x);
+      op(*backend_, got);
+      for (auto [mine, wide] : {std::pair{"losses", "wide_losses"}, {"logits", "wide_grad"}}) {
+        EXPECT_TRUE(bytes_of(*backend_, got[mine]) == bytes_of(*backend_, got[wide]))
+            << what << ": " << mine << " is not bitwise the widened op's on " << GetParam();
       }
     }
   }

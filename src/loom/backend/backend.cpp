@@ -102,6 +102,8 @@ void Backend::flash_attention_backward_bf16(const Tensor& dout, const Tensor& qk
 }
 void Backend::cross_entropy_loss_and_grad(const Tensor& logits, const Tensor& targets, const Tensor& losses,
                                           const Tensor& lse, float dloss, const Tensor& dlogits) {
+  LOOM_CHECK(logits.dtype() != DTYPE_BF16, "cross_entropy_loss_and_grad: bf16 logits are not supported on the ",
+             name(), " backend");
   cross_entropy_forward(logits, targets, losses, lse);
   const bool round = dlogits.dtype() != logits.dtype();
   cross_entropy_backward(logits, targets, lse, dloss, round ? logits : dlogits);

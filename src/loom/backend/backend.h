@@ -204,7 +204,9 @@ class Backend {
 
   // C[b] = alpha * op(A[b]) @ op(B[b]) + beta * C[b] (+ bias[n] added to every row of C).
   // A, B and C share a dtype (f32, f64), or A and B are bf16 and C (and bias) f32: bf16
-  // products accumulated in fp32.
+  // products accumulated in fp32. Or A, B and C bf16 (beta 0; the bias f32): the fp32 sum plus
+  // the bias rounded to bf16 (autocast's linear casts its bias; cuBLASLt's bias epilogue reads it
+  // in D's type), rounded to bf16 as cast() rounds: a GEMM writing an autocast-style bf16 output.
   // A matrix's cols are its tensor's last dim; rows = numel / (batch * cols).
   virtual void gemm(const Tensor& a, const Tensor& b, const Tensor& c, const GemmSpec& spec,
                     const Tensor* bias = nullptr) = 0;
@@ -415,8 +417,11 @@ class Backend {
   // Both in one call, for a training pass whose loss weight is known at the loss: losses and lse
   // as cross_entropy_forward, dlogits as cross_entropy_backward with dloss, bitwise. dlogits is
   // the logits themselves (in place), or a bf16 tensor of their shape: the fp32 gradient rounded
-  // as cast() rounds it (the logits may then be overwritten or not). The default runs the two ops
-  // and the cast; a backend may fuse them (the CPU's: one row at a time, while it is in cache).
+  // as cast() rounds it (the logits may then be overwritten or not). Or the logits are bf16 (a
+  // bf16 head's output, precision.activations = bf16) with f32 losses and lse, and dlogits is the
+  // logits: bitwise the op on the logits widened to f32 with a bf16 dlogits. The default runs the
+  // two ops and the cast (f32 or f64 logits); a backend may fuse them (the CPU's: one row at a
+  // time, while it is in cache).
   virtual void cross_entropy_loss_and_grad(const Tensor& logits, const Tensor& targets, const Tensor& losses,
                                            const Tensor& lse, float dloss, const Tensor& dlogits);
   // Whether a training step's loss pass over `rows` positions of a `vocab`-wide head should keep

@@ -19,9 +19,12 @@ int64_t rows_of(const Tensor& t) { return t.ndim() == 0 || t.dim(-1) == 0 ? 0 : 
 
 GemmDims check_gemm(const Tensor& a, const Tensor& b, const Tensor& c, const GemmSpec& spec, const Tensor* bias) {
   const char* op = "gemm";
-  const bool bf16_in = a.dtype() == DTYPE_BF16;  // bf16 A and B, fp32 C (and bias)
+  const bool bf16_in = a.dtype() == DTYPE_BF16;  // bf16 A and B, fp32 C (and bias), or bf16 C
   expect_dtype(b, a.dtype(), op, "B");
-  expect_dtype(c, bf16_in ? DTYPE_F32 : a.dtype(), op, "C");
+  const bool bf16_out = bf16_in && c.dtype() == DTYPE_BF16;
+  if (!bf16_out) expect_dtype(c, bf16_in ? DTYPE_F32 : a.dtype(), op, "C");
+  LOOM_CHECK(!bf16_out || spec.beta == 0.0f, op, ": a bf16 C is written, not accumulated (beta ", spec.beta,
+             ", expected 0)");
   const int64_t batch = spec.batch;
   LOOM_CHECK(batch >= 1 && a.numel() % batch == 0 && b.numel() % batch == 0 && c.numel() % batch == 0, op,
              ": batch ", batch, " does not divide A ", a.describe(), ", B ", b.describe(), ", C ", c.describe());
@@ -36,7 +39,7 @@ GemmDims check_gemm(const Tensor& a, const Tensor& b, const Tensor& c, const Gem
              ", ", d.k, ") @ op(B) (", op_b_rows, ", ", op_b_cols, ") -> C (", d.m, ", ", d.n, "); A ", a.describe(),
              " B ", b.describe(), " C ", c.describe());
   if (bias) {
-    expect_dtype(*bias, c.dtype(), op, "bias");
+    expect_dtype(*bias, bf16_in ? DTYPE_F32 : c.dtype(), op, "bias");
     expect_numel(*bias, d.n, op, "bias");
   }
   return d;
@@ -95,16 +98,28 @@ Dims3 check_embedding(const char* op, const Tensor& tokens, const Tensor& table,
   return {tokens.numel(), seq_len, channels};
 }
 
-namespace {
 void check_glu_shapes(const char* op, const Tensor& x, const Tensor& out) {
   LOOM_CHECK(x.dim(-1) == 2 * out.dim(-1) && rows_of(x) == rows_of(out), op, ": x must be (N, 2F) for out (N, F); x ",
              x.describe(), ", out ", out.describe());
 }
-}  // namespace
 
 void check_swiglu(const char* op, const Tensor& x, const Tensor& out) {
   expect_dtype(out, x.dtype(), op, "out");
   check_glu_shapes(op, x, out);
+}
+
+ActivationIo check_activation(const char* op, const Tensor& x, const Tensor& out, int64_t numel, const Tensor* dout,
+                              int64_t dout_numel) {
+  const bool x16 = x.dtype() == DTYPE_BF16;
+  if (dout) {
+    expect_dtype(*dout, x16 ? DTYPE_F32 : x.dtype(), op, "dout");
+    expect_numel(*dout, dout_numel, op, "dout");
+  }
+  if (!x16) return {false, check_output(op, x, out, numel)};
+  LOOM_CHECK(out.dtype() == DTYPE_F32 || out.dtype() == DTYPE_BF16, op, ": out ", out.describe(),
+             " must be f32 or bf16 for a bf16 x");
+  expect_numel(out, numel, op, "out");
+  return {true, out.dtype() == DTYPE_BF16};
 }
 
 bool check_glu_forward(const char* op, const Tensor& x, const Tensor& out) {
@@ -187,22 +202,23 @@ void check_cross_entropy(const char* op, const Tensor& logits, const Tensor& tar
   expect_numel(lse, rows_of(logits), op, "lse");
 }
 
-bool check_loss_and_grad(const char* op, const Tensor& logits, const Tensor& targets, const Tensor& losses,
-                         const Tensor& lse, const Tensor& dlogits, bool by_columns) {
+LossGradOut check_loss_and_grad(const char* op, const Tensor& logits, const Tensor& targets, const Tensor& losses,
+                                const Tensor& lse, const Tensor& dlogits, bool by_columns) {
   LOOM_CHECK(!by_columns || logits.ndim() == 2, op, ": logits by columns are a (vocab, rows) matrix, got ",
              logits.describe());
   const int64_t rows = by_columns ? logits.dim(1) : rows_of(logits);
   expect_dtype(targets, DTYPE_I32, op, "targets");
   expect_numel(targets, rows, op, "targets");
   for (const auto& [t, what] : {std::pair{&losses, "losses"}, std::pair{&lse, "lse"}}) {
-    expect_dtype(*t, logits.dtype(), op, what);
+    expect_dtype(*t, logits.dtype() == DTYPE_BF16 ? DTYPE_F32 : logits.dtype(), op, what);
     expect_numel(*t, rows, op, what);
   }
   expect_numel(dlogits, logits.numel(), op, "dlogits");
   const bool to_bf16 = dlogits.dtype() == DTYPE_BF16 && logits.dtype() == DTYPE_F32;
   LOOM_CHECK(to_bf16 || (dlogits.device_ptr() == logits.device_ptr() && dlogits.dtype() == logits.dtype()), op,
              ": dlogits is the logits (in place) or bf16, got ", dlogits.describe(), " for logits ", logits.describe());
-  return to_bf16;
+  if (to_bf16) return LossGradOut::to_bf16;
+  return logits.dtype() == DTYPE_BF16 ? LossGradOut::bf16_in_place : LossGradOut::in_place;
 }
 
 int64_t check_bf16_weight_linear(const Tensor& x, const Tensor& w, const Tensor& y, const Tensor* bias) {

@@ -51,10 +51,21 @@ struct Dims3 {
 // returns {B*T, T, C}.
 Dims3 check_embedding(const char* op, const Tensor& tokens, const Tensor& table, const Tensor* positions,
                       const Tensor& activations);
+// x (N, 2F), out (N, F): the shapes only.
+void check_glu_shapes(const char* op, const Tensor& x, const Tensor& out);
 // x (N, 2F), out (N, F) in x's dtype.
 void check_swiglu(const char* op, const Tensor& x, const Tensor& out);
 // glu_forward's: the same shapes, out in x's dtype or bf16 (check_output); returns whether bf16.
 bool check_glu_forward(const char* op, const Tensor& x, const Tensor& out);
+// An activation's (gelu_*, glu_*) x, out (numel elements) and, for a backward, dout (dout_numel):
+// one float dtype, or f32 and bf16 mixed: x bf16 (a bf16 GEMM output, widened exactly; dout then
+// f32), out bf16 (rounded to nearest even). Shapes are the caller's to check.
+struct ActivationIo {
+  bool x_bf16 = false, out_bf16 = false;
+  bool mixed() const { return x_bf16 || out_bf16; }
+};
+ActivationIo check_activation(const char* op, const Tensor& x, const Tensor& out, int64_t numel,
+                              const Tensor* dout = nullptr, int64_t dout_numel = 0);
 // x (B, T, W) with n_heads heads of an even head_dim in its first columns.
 void check_rope(const char* op, const Tensor& x, int64_t head_dim, int64_t n_heads);
 // head_rmsnorm_*: x (..., W) holds heads [first, first + n) of hd; in (..., n hd) and rstd
@@ -79,11 +90,12 @@ Dims3 check_attention_sinks(const char* op, const Tensor& out, const Tensor& lse
 // logits (N, V), targets (N) i32, lse (N); the target values are checked by the backend.
 void check_cross_entropy(const char* op, const Tensor& logits, const Tensor& targets, const Tensor& lse);
 // The loss and its gradient in one op (Backend::cross_entropy_loss_and_grad, _columns): logits
-// (N, V), or (V, N) `by_columns`; targets (N) i32; losses and lse (N) of the logits' dtype; dlogits
-// the logits themselves (in place) or a bf16 tensor of their shape for f32 logits. Returns
-// whether dlogits is that bf16 tensor.
-bool check_loss_and_grad(const char* op, const Tensor& logits, const Tensor& targets, const Tensor& losses,
-                         const Tensor& lse, const Tensor& dlogits, bool by_columns);
+// (N, V), or (V, N) `by_columns`; targets (N) i32; losses and lse (N) of the logits' dtype (f32 for
+// bf16 logits); dlogits the logits themselves (in place) or a bf16 tensor of their shape for f32
+// logits. Returns how the gradient is written.
+enum class LossGradOut { in_place, to_bf16, bf16_in_place };
+LossGradOut check_loss_and_grad(const char* op, const Tensor& logits, const Tensor& targets, const Tensor& losses,
+                                const Tensor& lse, const Tensor& dlogits, bool by_columns);
 
 // The gated delta rule (Backend::delta_rule_forward): q, k (B, T, Hk, d_k), v and out (B, T, Hv,
 // d_v) with Hv a multiple of Hk, g and beta (B, T, Hv), initial_state and final_state (B, Hv, d_k,

@@ -4,6 +4,7 @@
 // cpu_backend_internal.h's; its attention ops are cpu_backend_attention.cpp's.
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "loom/backend/backend.h"
 #include "loom/backend/checks.h"
@@ -21,6 +22,10 @@ void CpuBackend::gemm(const Tensor& a, const Tensor& b, const Tensor& c, const G
   const bool bf16_in = a.dtype() == DTYPE_BF16;
   const int64_t batch = spec.batch, m = d.m, n = d.n, k = d.k;
   const int64_t a_rows = d.a_rows, a_cols = d.a_cols, b_rows = d.b_rows, b_cols = d.b_cols;
+  if (bf16_in && c.dtype() == DTYPE_BF16) {
+    gemm_bf16_out(a, b, c, spec, d, bias);
+    return;
+  }
   if (bf16_in) {
     const uint16_t* pa = static_cast<const uint16_t*>(a.raw_data());
     const uint16_t* pb = static_cast<const uint16_t*>(b.raw_data());
@@ -48,6 +53,39 @@ void CpuBackend::gemm(const Tensor& a, const Tensor& b, const Tensor& c, const G
     }
     if (bias) add_bias_rows(pc, bias->data<T>(), batch * m, n);
   });
+}
+
+// A bf16 C: panels of rows multiplied into an fp32 buffer (at most kPanelFloats), the bias
+// rounded to bf16 added in fp32, each element rounded as cast() rounds.
+void CpuBackend::gemm_bf16_out(const Tensor& a, const Tensor& b, const Tensor& c, const GemmSpec& spec,
+                               const checks::GemmDims& d, const Tensor* bias) {
+  constexpr int64_t kPanelFloats = int64_t{1} << 22;  // 16 MB
+  const int64_t m = d.m, n = d.n, k = d.k;
+  const auto* pa = static_cast<const uint16_t*>(a.raw_data());
+  const auto* pb = static_cast<const uint16_t*>(b.raw_data());
+  auto* pc = static_cast<uint16_t*>(c.raw_data());
+  std::vector<float> bias16;
+  if (bias) {
+    std::vector<uint16_t> bits(static_cast<size_t>(n));
+    cpu::round_to_bf16_bits(bias->data<float>(), bits.data(), n);
+    bias16.resize(static_cast<size_t>(n));
+    for (int64_t j = 0; j < n; ++j) bias16[j] = bf16_to_f32(bf16{bits[j]});
+  }
+  const int64_t panel = std::clamp<int64_t>(kPanelFloats / std::max<int64_t>(n, 1), 1, std::max<int64_t>(m, 1));
+  std::vector<float> acc(static_cast<size_t>(panel * n));
+  for (int64_t i = 0; i < spec.batch; ++i) {
+    const uint16_t* ai = pa + i * d.a_rows * d.a_cols;
+    const uint16_t* bi = pb + i * d.b_rows * d.b_cols;
+    for (int64_t first = 0; first < m; first += panel) {
+      const int64_t rows = std::min(panel, m - first);
+      // op(A)'s rows [first, first + rows): a row panel of A (m, k), a column block of A stored (k, m).
+      const uint16_t* a_panel = spec.trans_a ? ai + first : ai + first * d.a_cols;
+      cpu::gemm_bf16(spec.trans_a, spec.trans_b, rows, n, k, spec.alpha, a_panel, d.a_cols, bi, d.b_cols, 0.0f,
+                     acc.data(), n);
+      if (bias) add_bias_rows(acc.data(), bias16.data(), rows, n);
+      cpu::round_to_bf16_bits(acc.data(), pc + (i * m + first) * n, rows * n);
+    }
+  }
 }
 
 void CpuBackend::fill(const Tensor& x, double value) {
@@ -236,61 +274,78 @@ void CpuBackend::head_rmsnorm_backward(const Tensor& dx, const Tensor& in, const
   });
 }
 
+namespace {
+// fn(x's elements, out's elements) for an activation whose x or out is bf16 (checks::ActivationIo):
+// bf16 bits or floats each.
+template <typename Fn>
+void with_mixed_io(const Tensor& x, const Tensor& out, checks::ActivationIo io, Fn&& fn) {
+  const auto* x16 = static_cast<const uint16_t*>(x.raw_data());
+  auto* o16 = static_cast<uint16_t*>(out.raw_data());
+  if (io.x_bf16 && io.out_bf16) fn(x16, o16);
+  else if (io.x_bf16) fn(x16, out.data<float>());
+  else fn(static_cast<const float*>(x.data<float>()), o16);
+}
+}  // namespace
+
 void CpuBackend::gelu_forward(const Tensor& x, const Tensor& out) {
-  if (check_output("gelu_forward", x, out, x.numel())) {
-    cpu::gelu_forward(x.data<float>(), bf16_bits(out), x.numel());
+  const checks::ActivationIo io = checks::check_activation("gelu_forward", x, out, x.numel());
+  if (io.mixed()) {
+    with_mixed_io(x, out, io, [&](const auto* xs, auto* o) { cpu::gelu_forward<float>(xs, o, x.numel()); });
     return;
   }
   dispatch_float(x.dtype(), "gelu_forward", kBackend,
-                 [&]<typename T>() { cpu::gelu_forward(x.data<T>(), out.data<T>(), x.numel()); });
+                 [&]<typename T>() { cpu::gelu_forward<T>(x.data<T>(), out.data<T>(), x.numel()); });
 }
 
 void CpuBackend::gelu_backward(const Tensor& x, const Tensor& dout, const Tensor& dx) {
-  check_elementwise("gelu_backward", x, {&dout});
-  if (check_output("gelu_backward", x, dx, x.numel())) {
-    cpu::gelu_backward(x.data<float>(), dout.data<float>(), bf16_bits(dx), x.numel());
+  const checks::ActivationIo io = checks::check_activation("gelu_backward", x, dx, x.numel(), &dout, x.numel());
+  if (io.mixed()) {
+    with_mixed_io(x, dx, io, [&](const auto* xs, auto* d) {
+      cpu::gelu_backward<float>(xs, dout.data<float>(), d, x.numel());
+    });
     return;
   }
   dispatch_float(x.dtype(), "gelu_backward", kBackend, [&]<typename T>() {
-    cpu::gelu_backward(x.data<T>(), dout.data<T>(), dx.data<T>(), x.numel());
+    cpu::gelu_backward<T>(x.data<T>(), dout.data<T>(), dx.data<T>(), x.numel());
   });
 }
 
 void CpuBackend::glu_forward(const Tensor& x, const Tensor& out, GateActivation act) {
   const char* op = "glu_forward";
-  const bool bf16_out = check_glu_forward(op, x, out);
+  checks::check_glu_shapes(op, x, out);
+  const checks::ActivationIo io = checks::check_activation(op, x, out, out.numel());
   // The activation as a template argument (its branch out of the loop), into out's dtype.
-  const auto run = [&]<typename T, typename O>(O* o) {
+  const auto run = [&]<typename T>(const auto* xs, auto* o) {
     const int64_t rows = rows_of(out), hidden = out.dim(-1);
-    if (act == GateActivation::silu) cpu::glu_forward<T, GateActivation::silu>(x.data<T>(), o, rows, hidden);
-    else if (act == GateActivation::sigmoid) cpu::glu_forward<T, GateActivation::sigmoid>(x.data<T>(), o, rows, hidden);
-    else if (act == GateActivation::swiglu_oai) cpu::glu_forward<T, GateActivation::swiglu_oai>(x.data<T>(), o, rows, hidden);
-    else cpu::glu_forward<T, GateActivation::gelu_tanh>(x.data<T>(), o, rows, hidden);
+    if (act == GateActivation::silu) cpu::glu_forward<T, GateActivation::silu>(xs, o, rows, hidden);
+    else if (act == GateActivation::sigmoid) cpu::glu_forward<T, GateActivation::sigmoid>(xs, o, rows, hidden);
+    else if (act == GateActivation::swiglu_oai) cpu::glu_forward<T, GateActivation::swiglu_oai>(xs, o, rows, hidden);
+    else cpu::glu_forward<T, GateActivation::gelu_tanh>(xs, o, rows, hidden);
   };
-  if (bf16_out) {
-    run.operator()<float>(bf16_bits(out));
+  if (io.mixed()) {
+    with_mixed_io(x, out, io, [&](const auto* xs, auto* o) { run.template operator()<float>(xs, o); });
     return;
   }
-  dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() { run.operator()<T>(out.data<T>()); });
+  dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() { run.template operator()<T>(x.data<T>(), out.data<T>()); });
 }
 
 void CpuBackend::glu_backward(const Tensor& x, const Tensor& dout, const Tensor& dx, GateActivation act) {
   const char* op = "glu_backward";
-  check_swiglu(op, x, dout);
-  const bool bf16_dx = check_output(op, x, dx, x.numel());
-  const auto run = [&]<typename T, typename O>(O* d) {  // the activation as a template argument
+  checks::check_glu_shapes(op, x, dout);
+  const checks::ActivationIo io = checks::check_activation(op, x, dx, x.numel(), &dout, x.numel() / 2);
+  const auto run = [&]<typename T>(const auto* xs, auto* d) {  // the activation as a template argument
     const int64_t rows = rows_of(dout), hidden = dout.dim(-1);
-    const T *xs = x.data<T>(), *g = dout.data<T>();
+    const T* g = dout.data<T>();
     if (act == GateActivation::silu) cpu::glu_backward<T, GateActivation::silu>(xs, g, d, rows, hidden);
     else if (act == GateActivation::sigmoid) cpu::glu_backward<T, GateActivation::sigmoid>(xs, g, d, rows, hidden);
     else if (act == GateActivation::swiglu_oai) cpu::glu_backward<T, GateActivation::swiglu_oai>(xs, g, d, rows, hidden);
     else cpu::glu_backward<T, GateActivation::gelu_tanh>(xs, g, d, rows, hidden);
   };
-  if (bf16_dx) {
-    run.operator()<float>(bf16_bits(dx));
+  if (io.mixed()) {
+    with_mixed_io(x, dx, io, [&](const auto* xs, auto* d) { run.template operator()<float>(xs, d); });
     return;
   }
-  dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() { run.operator()<T>(dx.data<T>()); });
+  dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() { run.template operator()<T>(x.data<T>(), dx.data<T>()); });
 }
 
 void CpuBackend::rope_forward(const Tensor& x, int64_t head_dim, int64_t n_heads, const RopeSpec& rope_spec,
@@ -340,9 +395,15 @@ void CpuBackend::cross_entropy_loss_and_grad_columns(const Tensor& logits, const
 
 void CpuBackend::loss_and_grad(const char* op, bool by_columns, const Tensor& logits, const Tensor& targets,
                                const Tensor& losses, const Tensor& lse, float dloss, const Tensor& dlogits) {
-  const bool to_bf16 = check_loss_and_grad(op, logits, targets, losses, lse, dlogits, by_columns);
+  const checks::LossGradOut out = check_loss_and_grad(op, logits, targets, losses, lse, dlogits, by_columns);
   const int64_t rows = targets.numel(), vocab = by_columns ? logits.dim(0) : logits.dim(-1);
   check_target_range(op, vocab, targets);
+  if (out == checks::LossGradOut::bf16_in_place) {
+    cpu::cross_entropy_loss_and_grad_bf16(static_cast<uint16_t*>(logits.raw_data()), targets.data<int32_t>(),
+                                          losses.data<float>(), lse.data<float>(), dloss, rows, vocab, by_columns);
+    return;
+  }
+  const bool to_bf16 = out == checks::LossGradOut::to_bf16;
   const auto run = [&]<typename T, typename D>(D* d) {
     (by_columns ? cpu::cross_entropy_loss_and_grad_columns<T, D> : cpu::cross_entropy_loss_and_grad<T, D>)(
         logits.data<T>(), targets.data<int32_t>(), losses.data<T>(), lse.data<T>(), static_cast<T>(dloss), d, rows,

@@ -389,6 +389,8 @@ class CpuBackend final : public Backend {
  private:
   template <typename T>
   static void add_bias_rows(T* c, const T* bias, int64_t rows, int64_t cols);
+  void gemm_bf16_out(const Tensor& a, const Tensor& b, const Tensor& c, const GemmSpec& spec,
+                     const checks::GemmDims& d, const Tensor* bias);
   template <typename F>
   double reduce_fixed_order(const Tensor& x, const char* op, F f);
   static void check_token_range(const char* op, const Tensor& tokens, int64_t vocab);

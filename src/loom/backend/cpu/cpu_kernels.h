@@ -35,6 +35,20 @@ T* output_row(O* out, int64_t n) {
     return row.data();
   }
 }
+// An op's input S: T itself, or bf16 bits (S = uint16_t with T = float: a bf16 GEMM output,
+// LayerPlan::fc_bf16) widened exactly into the calling thread's input row.
+template <typename T, typename S>
+const T* input_row(const S* x, int64_t n) {
+  if constexpr (std::is_same_v<T, S>) {
+    return x;
+  } else {
+    static_assert(std::is_same_v<T, float> && std::is_same_v<S, uint16_t>, "a bf16 input of an f32 op only");
+    thread_local std::vector<float> row;
+    if (static_cast<int64_t>(row.size()) < n) row.resize(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) row[static_cast<size_t>(i)] = bf16_to_f32(bf16{x[i]});
+    return row.data();
+  }
+}
 template <typename T, typename O>
 void store_output_row(const T* row, O* out, int64_t n) {
   if constexpr (!std::is_same_v<T, O>) round_to_bf16_bits(row, out, n);
@@ -262,19 +276,20 @@ inline T gelu_of(T v) {
   const T u = T(kGeluScale) * (v + T(kGeluCubic) * v * v * v);
   return T(0.5) * v * (T(1) + tanh_t<T>(u));
 }
-template <typename T, typename O = T>
-void gelu_forward(const T* x, O* out, int64_t n) {
-  if constexpr (std::is_same_v<T, O>) {
+template <typename T, typename O = T, typename S = T>
+void gelu_forward(const S* x, O* out, int64_t n) {
+  if constexpr (std::is_same_v<T, O> && std::is_same_v<T, S>) {
 #pragma omp parallel for simd schedule(static) if (n >= kParallelMinElements)
     for (int64_t i = 0; i < n; ++i) out[i] = gelu_of(x[i]);
-  } else {  // bf16 out: blocks computed in T and rounded (output_row)
+  } else {  // a bf16 x or out: blocks widened (input_row), computed in T and rounded (output_row)
     constexpr int64_t kBlock = 4096;
 #pragma omp parallel for schedule(static) if (n >= kParallelMinElements)
     for (int64_t b0 = 0; b0 < n; b0 += kBlock) {
       const int64_t m = std::min(kBlock, n - b0);
+      const T* xr = input_row<T>(x + b0, m);
       T* o = output_row<T>(out + b0, m);
 #pragma omp simd
-      for (int64_t i = 0; i < m; ++i) o[i] = gelu_of(x[b0 + i]);
+      for (int64_t i = 0; i < m; ++i) o[i] = gelu_of(xr[i]);
       store_output_row(o, out + b0, m);
     }
   }
@@ -288,19 +303,20 @@ inline T gelu_grad_of(T v, T g) {
   const T du = T(kGeluScale) * (T(1) + T(3 * kGeluCubic) * v * v);
   return g * (T(0.5) * (T(1) + t) + T(0.5) * v * (T(1) - t * t) * du);
 }
-template <typename T, typename O = T>
-void gelu_backward(const T* x, const T* dout, O* dx, int64_t n) {
-  if constexpr (std::is_same_v<T, O>) {
+template <typename T, typename O = T, typename S = T>
+void gelu_backward(const S* x, const T* dout, O* dx, int64_t n) {
+  if constexpr (std::is_same_v<T, O> && std::is_same_v<T, S>) {
 #pragma omp parallel for simd schedule(static)
     for (int64_t i = 0; i < n; ++i) dx[i] = gelu_grad_of(x[i], dout[i]);
-  } else {  // bf16 dx: blocks computed in T and rounded (output_row)
+  } else {  // a bf16 x or dx: blocks widened (input_row), computed in T and rounded (output_row)
     constexpr int64_t kBlock = 4096;
 #pragma omp parallel for schedule(static)
     for (int64_t b0 = 0; b0 < n; b0 += kBlock) {
       const int64_t m = std::min(kBlock, n - b0);
+      const T* xr = input_row<T>(x + b0, m);
       T* d = output_row<T>(dx + b0, m);
 #pragma omp simd
-      for (int64_t i = 0; i < m; ++i) d[i] = gelu_grad_of(x[b0 + i], dout[b0 + i]);
+      for (int64_t i = 0; i < m; ++i) d[i] = gelu_grad_of(xr[i], dout[b0 + i]);
       store_output_row(d, dx + b0, m);
     }
   }
@@ -352,11 +368,11 @@ inline T glu_up_grad(GateActivation act, T u) {
 }
 
 // x (N, 2F) = [gate | up]; out = act(gate) * up (silu: SwiGLU, gelu_tanh: GeGLU; swiglu_oai: its up clamped, + 1).
-template <typename T, GateActivation act, typename O = T>
-void glu_forward(const T* x, O* out, int64_t rows, int64_t hidden) {
+template <typename T, GateActivation act, typename O = T, typename S = T>
+void glu_forward(const S* x, O* out, int64_t rows, int64_t hidden) {
 #pragma omp parallel for schedule(static) if (rows * hidden >= kParallelMinElements)
   for (int64_t r = 0; r < rows; ++r) {
-    const T* gate = x + r * 2 * hidden;
+    const T* gate = input_row<T>(x + r * 2 * hidden, 2 * hidden);
     const T* up = gate + hidden;
     T* o = output_row<T>(out + r * hidden, hidden);
 #pragma omp simd
@@ -366,11 +382,11 @@ void glu_forward(const T* x, O* out, int64_t rows, int64_t hidden) {
 }
 
 // dgate = dout * up * act'(g); dup = dout * act(g).
-template <typename T, GateActivation act, typename O = T>
-void glu_backward(const T* x, const T* dout, O* dx, int64_t rows, int64_t hidden) {
+template <typename T, GateActivation act, typename O = T, typename S = T>
+void glu_backward(const S* x, const T* dout, O* dx, int64_t rows, int64_t hidden) {
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < rows; ++r) {
-    const T* gate = x + r * 2 * hidden;
+    const T* gate = input_row<T>(x + r * 2 * hidden, 2 * hidden);
     const T* up = gate + hidden;
     const T* g = dout + r * hidden;
     T* dgate = output_row<T>(dx + r * 2 * hidden, 2 * hidden);
@@ -798,6 +814,28 @@ void cross_entropy_loss_and_grad_columns(T* logits, const int32_t* targets, T* l
       if constexpr (std::is_same_v<T, D>) dx[v * rows + r] = x[v];
       else round_to_bf16_bits(x + v, reinterpret_cast<uint16_t*>(dx + v * rows + r), 1);
     }
+  }
+}
+
+// The same on bf16 logits (a bf16 head's output), by rows (N, V) or by columns (V, N): each row
+// widened exactly into a per-thread fp32 row, the same row functions, the gradient rounded back in
+// place as cast() rounds: bitwise the f32 op on the widened logits with a bf16 dx.
+inline void cross_entropy_loss_and_grad_bf16(uint16_t* logits, const int32_t* targets, float* losses, float* lse,
+                                             float dloss, int64_t rows, int64_t vocab, bool by_columns) {
+  std::vector<float> scratch(static_cast<size_t>(omp_get_max_threads() * vocab));
+  const int64_t row_step = by_columns ? 1 : vocab, v_step = by_columns ? rows : 1;
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    float* x = scratch.data() + static_cast<int64_t>(omp_get_thread_num()) * vocab;
+    uint16_t* row = logits + r * row_step;
+    for (int64_t v = 0; v < vocab; ++v) x[v] = bf16_to_f32(bf16{row[v * v_step]});
+    cross_entropy_row_loss(x, targets[r], vocab, lse + r, losses + r);
+    cross_entropy_row_grad(x, targets[r], lse[r], dloss, x, vocab);
+    if (!by_columns) {
+      round_to_bf16_bits(x, row, vocab);
+      continue;
+    }
+    for (int64_t v = 0; v < vocab; ++v) round_to_bf16_bits(x + v, row + v * v_step, 1);
   }
 }
 

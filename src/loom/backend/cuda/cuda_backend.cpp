@@ -277,46 +277,67 @@ void CudaBackend::rmsnorm_backward(const Tensor& dout, const Tensor& x, const Te
   });
 }
 
+namespace {
+// fn(x's elements, out's elements) for an activation whose x or out is bf16 (checks::ActivationIo):
+// bf16 bits or floats each.
+template <typename Fn>
+void with_mixed_io(const Tensor& x, const Tensor& out, checks::ActivationIo io, Fn&& fn) {
+  if (io.x_bf16 && io.out_bf16) fn(dptr<uint16_t>(x), dptr<uint16_t>(out));
+  else if (io.x_bf16) fn(dptr<uint16_t>(x), dptr<float>(out));
+  else fn(dptr<float>(x), dptr<uint16_t>(out));
+}
+}  // namespace
+
 void CudaBackend::gelu_forward(const Tensor& x, const Tensor& out) {
-  if (check_output("gelu_forward", x, out, x.numel())) {
-    cuda::gelu_forward(dptr<float>(x), dptr<uint16_t>(out), x.numel(), stream_);
+  const checks::ActivationIo io = checks::check_activation("gelu_forward", x, out, x.numel());
+  if (io.mixed()) {
+    with_mixed_io(x, out, io, [&](const auto* xs, auto* o) { cuda::gelu_forward<float>(xs, o, x.numel(), stream_); });
     return;
   }
   dispatch_float(x.dtype(), "gelu_forward", kBackend,
-                 [&]<typename T>() { cuda::gelu_forward(dptr<T>(x), dptr<T>(out), x.numel(), stream_); });
+                 [&]<typename T>() { cuda::gelu_forward<T>(dptr<T>(x), dptr<T>(out), x.numel(), stream_); });
 }
 
 void CudaBackend::gelu_backward(const Tensor& x, const Tensor& dout, const Tensor& dx) {
-  check_elementwise("gelu_backward", x, {&dout});
-  if (check_output("gelu_backward", x, dx, x.numel())) {
-    cuda::gelu_backward(dptr<float>(x), dptr<float>(dout), dptr<uint16_t>(dx), x.numel(), stream_);
+  const checks::ActivationIo io = checks::check_activation("gelu_backward", x, dx, x.numel(), &dout, x.numel());
+  if (io.mixed()) {
+    with_mixed_io(x, dx, io, [&](const auto* xs, auto* d) {
+      cuda::gelu_backward<float>(xs, dptr<float>(dout), d, x.numel(), stream_);
+    });
     return;
   }
   dispatch_float(x.dtype(), "gelu_backward", kBackend, [&]<typename T>() {
-    cuda::gelu_backward(dptr<T>(x), dptr<T>(dout), dptr<T>(dx), x.numel(), stream_);
+    cuda::gelu_backward<T>(dptr<T>(x), dptr<T>(dout), dptr<T>(dx), x.numel(), stream_);
   });
 }
 
 void CudaBackend::glu_forward(const Tensor& x, const Tensor& out, GateActivation act) {
   const char* op = "glu_forward";
-  if (check_glu_forward(op, x, out)) {
-    cuda::glu_forward(dptr<float>(x), dptr<uint16_t>(out), rows_of(out), out.dim(-1), act, stream_);
+  checks::check_glu_shapes(op, x, out);
+  const checks::ActivationIo io = checks::check_activation(op, x, out, out.numel());
+  if (io.mixed()) {
+    with_mixed_io(x, out, io, [&](const auto* xs, auto* o) {
+      cuda::glu_forward<float>(xs, o, rows_of(out), out.dim(-1), act, stream_);
+    });
     return;
   }
   dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() {
-    cuda::glu_forward(dptr<T>(x), dptr<T>(out), rows_of(out), out.dim(-1), act, stream_);
+    cuda::glu_forward<T>(dptr<T>(x), dptr<T>(out), rows_of(out), out.dim(-1), act, stream_);
   });
 }
 
 void CudaBackend::glu_backward(const Tensor& x, const Tensor& dout, const Tensor& dx, GateActivation act) {
   const char* op = "glu_backward";
-  check_swiglu(op, x, dout);
-  if (check_output(op, x, dx, x.numel())) {
-    cuda::glu_backward(dptr<float>(x), dptr<float>(dout), dptr<uint16_t>(dx), rows_of(dout), dout.dim(-1), act, stream_);
+  checks::check_glu_shapes(op, x, dout);
+  const checks::ActivationIo io = checks::check_activation(op, x, dx, x.numel(), &dout, x.numel() / 2);
+  if (io.mixed()) {
+    with_mixed_io(x, dx, io, [&](const auto* xs, auto* d) {
+      cuda::glu_backward<float>(xs, dptr<float>(dout), d, rows_of(dout), dout.dim(-1), act, stream_);
+    });
     return;
   }
   dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() {
-    cuda::glu_backward(dptr<T>(x), dptr<T>(dout), dptr<T>(dx), rows_of(dout), dout.dim(-1), act, stream_);
+    cuda::glu_backward<T>(dptr<T>(x), dptr<T>(dout), dptr<T>(dx), rows_of(dout), dout.dim(-1), act, stream_);
   });
 }
 
@@ -479,15 +500,20 @@ void CudaBackend::cross_entropy_loss_and_grad_columns(const Tensor& logits, cons
 
 void CudaBackend::loss_and_grad(const char* op, bool by_columns, const Tensor& logits, const Tensor& targets,
                                 const Tensor& losses, const Tensor& lse, float dloss, const Tensor& dlogits) {
-  const bool to_bf16 = checks::check_loss_and_grad(op, logits, targets, losses, lse, dlogits, by_columns);
+  const checks::LossGradOut out = checks::check_loss_and_grad(op, logits, targets, losses, lse, dlogits, by_columns);
   const int64_t rows = targets.numel(), vocab = by_columns ? logits.dim(0) : logits.dim(-1);
   unsigned long long* bad = claim_flag();
-  const auto run = [&]<typename T, typename D>(D* d) {
-    (by_columns ? cuda::cross_entropy_loss_and_grad_columns<T, D> : cuda::cross_entropy_loss_and_grad<T, D>)(
-        dptr<T>(logits), dptr<int32_t>(targets), dptr<T>(losses), dptr<T>(lse), dloss, d, rows, vocab, bad, stream_);
+  const auto run = [&]<typename T, typename L, typename D>(D* d) {
+    (by_columns ? cuda::cross_entropy_loss_and_grad_columns<T, L, D> : cuda::cross_entropy_loss_and_grad<T, L, D>)(
+        dptr<L>(logits), dptr<int32_t>(targets), dptr<T>(losses), dptr<T>(lse), dloss, d, rows, vocab, bad, stream_);
   };
-  if (to_bf16) run.template operator()<float>(dptr<uint16_t>(dlogits));
-  else dispatch_float(logits.dtype(), op, kBackend, [&]<typename T>() { run.template operator()<T>(dptr<T>(logits)); });
+  if (out == checks::LossGradOut::to_bf16) {
+    run.template operator()<float, float>(dptr<uint16_t>(dlogits));
+  } else if (out == checks::LossGradOut::bf16_in_place) {
+    run.template operator()<float, uint16_t>(dptr<uint16_t>(logits));
+  } else {
+    dispatch_float(logits.dtype(), op, kBackend, [&]<typename T>() { run.template operator()<T, T>(dptr<T>(logits)); });
+  }
   defer_check(op, "target", "row", targets, vocab);
 }
 

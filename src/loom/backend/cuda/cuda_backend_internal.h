@@ -313,12 +313,18 @@ class CudaBackend final : public Backend {
     bool trans_a = false, trans_b = false;
     float alpha = 1.0f, beta = 0.0f;
     cudaDataType_t in_type = CUDA_R_32F;
+    cudaDataType_t out_type = CUDA_R_32F;  // or CUDA_R_16BF: bf16 A and B, beta 0
   };
   static GemmCall gemm_call(const Tensor& a, const Tensor& b, const Tensor& c, const GemmSpec& spec,
                             const checks::GemmDims& d);
-  // cuBLASLt (see the file comment for the row-major mapping). Returns whether the bias went into
-  // the GEMM's epilogue (else the caller adds it).
-  bool gemm_lt(const GemmCall& g, const void* bias);
+  // cuBLASLt (see the file comment for the row-major mapping). Returns whether the bias (of C's
+  // type) went into the GEMM's epilogue (else the caller adds it). Where the heuristic declines the
+  // shapes: cublasGemmStridedBatchedEx, or (ex_fallback false) nothing, and `declined` is set.
+  bool gemm_lt(const GemmCall& g, const void* bias, bool ex_fallback = true, bool* declined = nullptr);
+  // A bf16 C (Backend::gemm's autocast-style output): cuBLASLt writes it, the bias rounded to bf16
+  // in its epilogue; shapes it declines or that need panels take the fp32 product in row chunks
+  // through the workspace, then round_rows_bf16.
+  void gemm_bf16_out(const GemmCall& g, const Tensor* bias);
   // The same product through cublasGemmStridedBatchedEx (fp32 accumulation, no TF32): for shapes
   // cuBLASLt's heuristic declines (leading dimensions that are not multiples of 16 bytes).
   void gemm_ex(const GemmCall& g);

@@ -3,6 +3,9 @@
 // transposes unchanged:
 //   f32: cuBLASLt, CUBLAS_COMPUTE_32F (true fp32, no TF32: the op tests compare at 1e-5);
 //   bf16 A, B with f32 C: cuBLASLt, bf16 inputs, fp32 accumulation and output;
+//   bf16 A, B and C (an autocast-style output): cuBLASLt rounds the fp32 sum, its bias epilogue
+//     reading a bf16 copy of the bias (cuBLASLt's bias has D's type); shapes it declines, and
+//     those that would need panels, run as fp32 row chunks in the workspace, rounded after;
 //   f64: cublasDgemmStridedBatched (reference checks);
 //   large GEMMs with rows that are not 16-byte multiples (GPT-2's 50,257-wide logits): in panels
 //     staged through padded rows (gemm_panels.h), so cuBLASLt's tensor-core kernels take them;
@@ -53,6 +56,10 @@ void CudaBackend::gemm(const Tensor& a, const Tensor& b, const Tensor& c, const 
     gemm_f64(a, b, c, spec, d);
   } else if (a.dtype() == DTYPE_F32 || a.dtype() == DTYPE_BF16) {
     const GemmCall call = gemm_call(a, b, c, spec, d);
+    if (call.out_type == CUDA_R_16BF) {
+      gemm_bf16_out(call, bias);
+      return;
+    }
     const GemmPanels panels = plan_gemm_panels(
         {.m = d.m, .n = d.n, .k = d.k, .trans_a = spec.trans_a, .trans_b = spec.trans_b, .batch = spec.batch,
          .in_bytes = static_cast<size_t>(in_bytes(call.in_type)), .out_bytes = 4},
@@ -91,10 +98,52 @@ CudaBackend::GemmCall CudaBackend::gemm_call(const Tensor& a, const Tensor& b, c
                   .trans_b = spec.trans_b,
                   .alpha = spec.alpha,
                   .beta = spec.beta,
-                  .in_type = a.dtype() == DTYPE_BF16 ? CUDA_R_16BF : CUDA_R_32F};
+                  .in_type = a.dtype() == DTYPE_BF16 ? CUDA_R_16BF : CUDA_R_32F,
+                  .out_type = c.dtype() == DTYPE_BF16 ? CUDA_R_16BF : CUDA_R_32F};
 }
 
-bool CudaBackend::gemm_lt(const GemmCall& g, const void* bias) {
+void CudaBackend::gemm_bf16_out(const GemmCall& g, const Tensor* bias) {
+  constexpr int64_t kChunkBytes = int64_t{64} << 20;  // the staged path's fp32 rows at a time
+  constexpr int64_t kAlign = 256;
+  const int64_t bias_bytes = bias ? (g.n * 2 + kAlign - 1) / kAlign * kAlign : 0;
+  const GemmPanels panels = plan_gemm_panels(
+      {.m = g.m, .n = g.n, .k = g.k, .trans_a = g.trans_a, .trans_b = g.trans_b, .batch = g.batch,
+       .in_bytes = 2, .out_bytes = 2},
+      panel_limits_);
+  const int64_t chunk_rows = std::clamp<int64_t>(kChunkBytes / (g.n * 4), 1, g.m);
+  // cuBLASLt's epilogue takes one bias vector: a batch with a bias is staged.
+  const bool direct = panels.dim == GemmPanels::NONE && (bias == nullptr || g.batch == 1);
+  auto* scratch = static_cast<char*>(workspace(static_cast<size_t>(bias_bytes + (direct ? 0 : chunk_rows * g.n * 4))));
+  auto* bias16 = bias ? reinterpret_cast<uint16_t*>(scratch) : nullptr;
+  if (bias) cuda::cast_f32_to_bf16(dptr<float>(*bias), bias16, g.n, stream_);
+  bool declined = !direct;
+  if (direct) {
+    gemm_lt(g, bias16, false, &declined);
+    if (!declined) return;
+    // A larger workspace replaces the buffer: the bias's copy is made again in the new one.
+    scratch = static_cast<char*>(workspace(static_cast<size_t>(bias_bytes + chunk_rows * g.n * 4)));
+    bias16 = bias ? reinterpret_cast<uint16_t*>(scratch) : nullptr;
+    if (bias) cuda::cast_f32_to_bf16(dptr<float>(*bias), bias16, g.n, stream_);
+  }
+  // Staged: per matrix of the batch and chunk of rows, the fp32 product into the workspace.
+  auto* acc = reinterpret_cast<float*>(scratch + bias_bytes);
+  const int64_t in = 2;
+  for (int64_t i = 0; i < g.batch; ++i) {
+    for (int64_t first = 0; first < g.m; first += chunk_rows) {
+      GemmCall chunk = g;
+      chunk.batch = 1, chunk.m = std::min(chunk_rows, g.m - first), chunk.beta = 0.0f, chunk.out_type = CUDA_R_32F;
+      const auto* a = static_cast<const char*>(g.a) + i * g.stride_a * in;
+      chunk.a = g.trans_a ? a + first * in : a + first * g.lda * in;  // op(A)'s rows [first, first + m)
+      chunk.b = static_cast<const char*>(g.b) + i * g.stride_b * in;
+      chunk.c = acc, chunk.ldc = g.n;
+      gemm_lt(chunk, nullptr);
+      auto* c = static_cast<uint16_t*>(g.c) + i * g.stride_c + first * g.ldc;
+      cuda::round_rows_bf16(acc, bias16, c, chunk.m, g.n, stream_);
+    }
+  }
+}
+
+bool CudaBackend::gemm_lt(const GemmCall& g, const void* bias, bool ex_fallback, bool* declined) {
   const bool use_bias = bias != nullptr && g.batch == 1;
   // Stored row-major shapes: A (m, k) or (k, m) when transposed, B (k, n) or (n, k).
   const int64_t a_rows = g.trans_a ? g.k : g.m, a_cols = g.trans_a ? g.m : g.k;
@@ -127,7 +176,7 @@ bool CudaBackend::gemm_lt(const GemmCall& g, const void* bias) {
     // Column-major views: our row-major (r, c) with leading dim ld is cuBLAS's (c, r) with ld.
     LOOM_CUBLAS_STATUS(cublasLtMatrixLayoutCreate(&la, g.in_type, b_cols, b_rows, g.ldb));
     LOOM_CUBLAS_STATUS(cublasLtMatrixLayoutCreate(&lb, g.in_type, a_cols, a_rows, g.lda));
-    LOOM_CUBLAS_STATUS(cublasLtMatrixLayoutCreate(&lc, CUDA_R_32F, g.n, g.m, g.ldc));
+    LOOM_CUBLAS_STATUS(cublasLtMatrixLayoutCreate(&lc, g.out_type, g.n, g.m, g.ldc));
     if (g.batch > 1) {
       const int32_t count = static_cast<int32_t>(g.batch);
       for (auto [layout, stride] : {std::pair{la, g.stride_b}, std::pair{lb, g.stride_a}, std::pair{lc, g.stride_c}}) {
@@ -162,7 +211,8 @@ bool CudaBackend::gemm_lt(const GemmCall& g, const void* bias) {
     cublasLtMatmulPreferenceDestroy(pref);
     if (hr != CUBLAS_STATUS_SUCCESS || found == 0) {  // e.g. rows not 16-byte aligned: cuBLAS takes any
       cleanup();
-      gemm_ex(g);
+      if (declined) *declined = true;
+      if (ex_fallback) gemm_ex(g);
       return false;
     }
     const float alpha = g.alpha, beta = g.beta;
@@ -181,7 +231,7 @@ void CudaBackend::gemm_ex(const GemmCall& g) {
   LOOM_CUBLAS_STATUS(cublasGemmStridedBatchedEx(
       cublas_, g.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, g.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, static_cast<int>(g.n),
       static_cast<int>(g.m), static_cast<int>(g.k), &alpha, g.b, g.in_type, static_cast<int>(g.ldb), g.stride_b, g.a,
-      g.in_type, static_cast<int>(g.lda), g.stride_a, &beta, g.c, CUDA_R_32F, static_cast<int>(g.ldc), g.stride_c,
+      g.in_type, static_cast<int>(g.lda), g.stride_a, &beta, g.c, g.out_type, static_cast<int>(g.ldc), g.stride_c,
       static_cast<int>(g.batch), CUBLAS_COMPUTE_32F_PEDANTIC, CUBLAS_GEMM_DEFAULT));
 }
 

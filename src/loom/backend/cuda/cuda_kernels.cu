@@ -87,6 +87,13 @@ __device__ __forceinline__ void store_out(T* p, T v) {
 }
 __device__ __forceinline__ void store_out(uint16_t* p, float v) { *p = bf16_bits(v); }
 
+// An op's input element as T: stored as T, or bf16 bits (S = uint16_t, T = float) widened exactly.
+template <typename T, typename S>
+__device__ __forceinline__ T load_in(S v) {
+  if constexpr (sizeof(S) == 2) return bf16_value(v);
+  else return v;
+}
+
 __global__ void cast_bf16_to_f32_kernel(const uint16_t* src, float* dst, int64_t n) {
   for (int64_t i = thread_index(); i < n; i += thread_count()) {
     dst[i] = bf16_value(src[i]);
@@ -138,6 +145,14 @@ template <typename T>
 __global__ void add_bias_rows_kernel(T* c, const T* bias, int64_t rows, int64_t cols) {
   const int64_t n = rows * cols;
   for (int64_t i = thread_index(); i < n; i += thread_count()) c[i] += bias[i % cols];
+}
+
+__global__ void round_rows_bf16_kernel(const float* acc, const uint16_t* bias16, uint16_t* out, int64_t rows,
+                                       int64_t cols) {
+  const int64_t n = rows * cols;
+  for (int64_t i = thread_index(); i < n; i += thread_count()) {
+    out[i] = bf16_bits(bias16 ? acc[i] + bf16_value(bias16[i % cols]) : acc[i]);
+  }
 }
 
 // ---------------------------------------------------------------- deterministic column sums
@@ -548,19 +563,19 @@ constexpr double kGeluScale = 0.7978845608028654;  // sqrt(2/pi)
 constexpr double kGeluCubic = 0.044715;
 
 // Grid-stride, kBlock threads.
-template <typename T, typename O>
-__global__ void gelu_forward_kernel(const T* x, O* out, int64_t n) {
+template <typename T, typename O, typename S>
+__global__ void gelu_forward_kernel(const S* x, O* out, int64_t n) {
   for (int64_t i = thread_index(); i < n; i += thread_count()) {
-    const T v = x[i];
+    const T v = load_in<T>(x[i]);
     const T u = T(kGeluScale) * (v + T(kGeluCubic) * v * v * v);
     store_out(out + i, T(0.5) * v * (T(1) + tanh_t<T>(u)));
   }
 }
 
-template <typename T, typename O>
-__global__ void gelu_backward_kernel(const T* x, const T* dout, O* dx, int64_t n) {
+template <typename T, typename O, typename S>
+__global__ void gelu_backward_kernel(const S* x, const T* dout, O* dx, int64_t n) {
   for (int64_t i = thread_index(); i < n; i += thread_count()) {
-    const T v = x[i];
+    const T v = load_in<T>(x[i]);
     const T u = T(kGeluScale) * (v + T(kGeluCubic) * v * v * v);
     const T t = tanh_t<T>(u);
     const T du = T(kGeluScale) * (T(1) + T(3 * kGeluCubic) * v * v);
@@ -615,24 +630,24 @@ __device__ T glu_up_grad(GateActivation act, T u) {
 }
 
 // Grid-stride over rows * hidden outputs.
-template <typename T, typename O>
-__global__ void glu_forward_kernel(const T* x, O* out, int64_t rows, int64_t hidden, GateActivation act) {
+template <typename T, typename O, typename S>
+__global__ void glu_forward_kernel(const S* x, O* out, int64_t rows, int64_t hidden, GateActivation act) {
   const int64_t n = rows * hidden;
   for (int64_t i = thread_index(); i < n; i += thread_count()) {
     const int64_t r = i / hidden, j = i % hidden;
-    const T gate = x[r * 2 * hidden + j];
-    const T up = x[r * 2 * hidden + hidden + j];
+    const T gate = load_in<T>(x[r * 2 * hidden + j]);
+    const T up = load_in<T>(x[r * 2 * hidden + hidden + j]);
     store_out(out + i, gate_act<T>(act, gate) * glu_up<T>(act, up));
   }
 }
 
-template <typename T, typename O>
-__global__ void glu_backward_kernel(const T* x, const T* dout, O* dx, int64_t rows, int64_t hidden, GateActivation act) {
+template <typename T, typename O, typename S>
+__global__ void glu_backward_kernel(const S* x, const T* dout, O* dx, int64_t rows, int64_t hidden, GateActivation act) {
   const int64_t n = rows * hidden;
   for (int64_t i = thread_index(); i < n; i += thread_count()) {
     const int64_t r = i / hidden, j = i % hidden;
-    const T gate = x[r * 2 * hidden + j];
-    const T up = x[r * 2 * hidden + hidden + j];
+    const T gate = load_in<T>(x[r * 2 * hidden + j]);
+    const T up = load_in<T>(x[r * 2 * hidden + hidden + j]);
     const T g = dout[i];
     store_out(dx + r * 2 * hidden + j, g * glu_up<T>(act, up) * gate_act_grad<T>(act, gate));
     store_out(dx + r * 2 * hidden + hidden + j, g * gate_act<T>(act, gate) * glu_up_grad<T>(act, up));
@@ -695,6 +710,13 @@ void fill(T* x, int64_t n, double value, cudaStream_t stream) {
 void cast_f32_to_bf16(const float* src, uint16_t* dst, int64_t n, cudaStream_t stream) {
   if (n <= 0) return;
   launch<cast_f32_to_bf16_kernel>(grid_for(n, kBlock), kBlock, 0, stream, src, dst, n);
+  LOOM_CUDA_CHECK_LAUNCH();
+}
+
+void round_rows_bf16(const float* acc, const uint16_t* bias16, uint16_t* out, int64_t rows, int64_t cols,
+                     cudaStream_t stream) {
+  if (rows <= 0 || cols <= 0) return;
+  launch<round_rows_bf16_kernel>(grid_for(rows * cols, kBlock), kBlock, 0, stream, acc, bias16, out, rows, cols);
   LOOM_CUDA_CHECK_LAUNCH();
 }
 
@@ -870,32 +892,32 @@ void rmsnorm_backward(const T* dout, const T* x, const T* w, const T* rstd, T* d
   LOOM_CUDA_CHECK_LAUNCH();
 }
 
-template <typename T, typename O>
-void gelu_forward(const T* x, O* out, int64_t n, cudaStream_t stream) {
+template <typename T, typename O, typename S>
+void gelu_forward(const S* x, O* out, int64_t n, cudaStream_t stream) {
   if (n <= 0) return;
-  launch<gelu_forward_kernel<T, O>>(grid_for(n, kBlock), kBlock, 0, stream, x, out, n);
+  launch<gelu_forward_kernel<T, O, S>>(grid_for(n, kBlock), kBlock, 0, stream, x, out, n);
   LOOM_CUDA_CHECK_LAUNCH();
 }
 
-template <typename T, typename O>
-void gelu_backward(const T* x, const T* dout, O* dx, int64_t n, cudaStream_t stream) {
+template <typename T, typename O, typename S>
+void gelu_backward(const S* x, const T* dout, O* dx, int64_t n, cudaStream_t stream) {
   if (n <= 0) return;
-  launch<gelu_backward_kernel<T, O>>(grid_for(n, kBlock), kBlock, 0, stream, x, dout, dx, n);
+  launch<gelu_backward_kernel<T, O, S>>(grid_for(n, kBlock), kBlock, 0, stream, x, dout, dx, n);
   LOOM_CUDA_CHECK_LAUNCH();
 }
 
-template <typename T, typename O>
-void glu_forward(const T* x, O* out, int64_t rows, int64_t hidden, GateActivation act, cudaStream_t stream) {
+template <typename T, typename O, typename S>
+void glu_forward(const S* x, O* out, int64_t rows, int64_t hidden, GateActivation act, cudaStream_t stream) {
   if (rows <= 0 || hidden <= 0) return;
-  launch<glu_forward_kernel<T, O>>(grid_for(rows * hidden, kBlock), kBlock, 0, stream, x, out, rows, hidden, act);
+  launch<glu_forward_kernel<T, O, S>>(grid_for(rows * hidden, kBlock), kBlock, 0, stream, x, out, rows, hidden, act);
   LOOM_CUDA_CHECK_LAUNCH();
 }
 
-template <typename T, typename O>
-void glu_backward(const T* x, const T* dout, O* dx, int64_t rows, int64_t hidden, GateActivation act,
+template <typename T, typename O, typename S>
+void glu_backward(const S* x, const T* dout, O* dx, int64_t rows, int64_t hidden, GateActivation act,
                   cudaStream_t stream) {
   if (rows <= 0 || hidden <= 0) return;
-  launch<glu_backward_kernel<T, O>>(grid_for(rows * hidden, kBlock), kBlock, 0, stream, x, dout, dx, rows, hidden, act);
+  launch<glu_backward_kernel<T, O, S>>(grid_for(rows * hidden, kBlock), kBlock, 0, stream, x, dout, dx, rows, hidden, act);
   LOOM_CUDA_CHECK_LAUNCH();
 }
 
@@ -971,5 +993,18 @@ template void glu_backward<float, uint16_t>(const float*, const float*, uint16_t
                                             cudaStream_t);
 
 #undef LOOM_CUDA_KERNELS_INSTANTIATE
+
+// A bf16 x (a bf16 GEMM output, LayerPlan::fc_bf16), into f32 or bf16.
+template void gelu_forward<float, uint16_t, uint16_t>(const uint16_t*, uint16_t*, int64_t, cudaStream_t);
+template void gelu_forward<float, float, uint16_t>(const uint16_t*, float*, int64_t, cudaStream_t);
+template void gelu_backward<float, uint16_t, uint16_t>(const uint16_t*, const float*, uint16_t*, int64_t, cudaStream_t);
+template void gelu_backward<float, float, uint16_t>(const uint16_t*, const float*, float*, int64_t, cudaStream_t);
+template void glu_forward<float, uint16_t, uint16_t>(const uint16_t*, uint16_t*, int64_t, int64_t, GateActivation,
+                                                     cudaStream_t);
+template void glu_forward<float, float, uint16_t>(const uint16_t*, float*, int64_t, int64_t, GateActivation, cudaStream_t);
+template void glu_backward<float, uint16_t, uint16_t>(const uint16_t*, const float*, uint16_t*, int64_t, int64_t,
+                                                      GateActivation, cudaStream_t);
+template void glu_backward<float, float, uint16_t>(const uint16_t*, const float*, float*, int64_t, int64_t,
+                                                   GateActivation, cudaStream_t);
 
 }  // namespace loom::cuda

@@ -42,6 +42,10 @@ void reduce_partials(const T* x, int64_t n, bool squares, double* partials, cuda
 // c (rows, cols) += bias (cols) on every row.
 template <typename T>
 void add_bias_rows(T* c, const T* bias, int64_t rows, int64_t cols, cudaStream_t stream);
+// out (rows, cols) = acc + bias16 (widened; may be null) on every row, rounded to bf16 bits as
+// cast_f32_to_bf16: a bf16 GEMM output from its fp32 product (Backend::gemm with a bf16 C).
+void round_rows_bf16(const float* acc, const uint16_t* bias16, uint16_t* out, int64_t rows, int64_t cols,
+                     cudaStream_t stream);
 // acc (cols) += column sums of x (rows, cols), deterministic.
 size_t column_sums_scratch_bytes(int64_t rows, int64_t cols, size_t elem_bytes);
 template <typename T>
@@ -89,16 +93,17 @@ void rmsnorm_backward(const T* dout, const T* x, const T* w, const T* rstd, T* d
                       int64_t channels, void* scratch, cudaStream_t stream);
 
 // ---------------------------------------------------------------- activations
-template <typename T, typename O>
-void gelu_forward(const T* x, O* out, int64_t n, cudaStream_t stream);
-template <typename T, typename O>
-void gelu_backward(const T* x, const T* dout, O* dx, int64_t n, cudaStream_t stream);
+// x may be bf16 bits (S = uint16_t, T = float: a bf16 GEMM output), each element widened exactly.
+template <typename T, typename O, typename S = T>
+void gelu_forward(const S* x, O* out, int64_t n, cudaStream_t stream);
+template <typename T, typename O, typename S = T>
+void gelu_backward(const S* x, const T* dout, O* dx, int64_t n, cudaStream_t stream);
 // x (rows, 2F) = [gate | up]; out (rows, F) = act(gate) * up. The backwards' dx may be bf16 bits
-// (O = uint16_t, T = float), rounded as the forwards' out.
-template <typename T, typename O>
-void glu_forward(const T* x, O* out, int64_t rows, int64_t hidden, GateActivation act, cudaStream_t stream);
-template <typename T, typename O>
-void glu_backward(const T* x, const T* dout, O* dx, int64_t rows, int64_t hidden, GateActivation act,
+// (O = uint16_t, T = float), rounded as the forwards' out; x bf16 bits as above.
+template <typename T, typename O, typename S = T>
+void glu_forward(const S* x, O* out, int64_t rows, int64_t hidden, GateActivation act, cudaStream_t stream);
+template <typename T, typename O, typename S = T>
+void glu_backward(const S* x, const T* dout, O* dx, int64_t rows, int64_t hidden, GateActivation act,
                   cudaStream_t stream);
 // In place on x (batch, seq_len, width), the first n_heads * head_dim columns; direction +1
 // forward, -1 backward (the inverse rotation). Angles computed in double as on the CPU.

@@ -72,25 +72,32 @@ __device__ __forceinline__ void lse_fold(T& max, T& sum, T xv) {
   }
 }
 
+// A logit as T: stored as T, or bf16 bits (L = uint16_t, a bf16 head's output) widened exactly.
+template <typename T, typename L>
+__device__ __forceinline__ T logit(L x) {
+  if constexpr (sizeof(L) == 2) return bf16_value(x);
+  else return x;
+}
+
 // fn(v, x[v * stride]) for v = first, first + step, ... below vocab in that order, with kCeLoads
 // loads in flight (each batch loaded before fn sees it: fn may overwrite the elements it is given).
-template <typename T, typename Fn>
-__device__ __forceinline__ void for_strided(const T* x, int64_t stride, int64_t first, int64_t step, int64_t vocab,
+template <typename T, typename L, typename Fn>
+__device__ __forceinline__ void for_strided(const L* x, int64_t stride, int64_t first, int64_t step, int64_t vocab,
                                             Fn&& fn) {
   int64_t v = first;
   for (; v + (kCeLoads - 1) * step < vocab; v += kCeLoads * step) {
-    T xs[kCeLoads];
+    L xs[kCeLoads];
 #pragma unroll
     for (int i = 0; i < kCeLoads; ++i) xs[i] = x[(v + i * step) * stride];
 #pragma unroll
-    for (int i = 0; i < kCeLoads; ++i) fn(v + i * step, xs[i]);
+    for (int i = 0; i < kCeLoads; ++i) fn(v + i * step, logit<T>(xs[i]));
   }
-  for (; v < vocab; v += step) fn(v, x[v * stride]);
+  for (; v < vocab; v += step) fn(v, logit<T>(x[v * stride]));
 }
 // A row's elements: this thread's v = t, t + kCeBlock, ...
-template <typename T, typename Fn>
-__device__ __forceinline__ void for_row(const T* x, int64_t vocab, Fn&& fn) {
-  for_strided(x, 1, threadIdx.x, kCeBlock, vocab, static_cast<Fn&&>(fn));
+template <typename T, typename L, typename Fn>
+__device__ __forceinline__ void for_row(const L* x, int64_t vocab, Fn&& fn) {
+  for_strided<T>(x, 1, threadIdx.x, kCeBlock, vocab, static_cast<Fn&&>(fn));
 }
 
 // The warp's states combined into lane 0's by a fixed shuffle tree.
@@ -105,11 +112,11 @@ __device__ __forceinline__ void warp_lse_combine(T& max, T& sum) {
 
 // The block's log-sum-exp of row x, valid in thread 0. Every thread of the block calls it; the
 // shared states may be rewritten only after a barrier.
-template <typename T>
-__device__ T row_lse(const T* x, int64_t vocab, T* warp_max, T* warp_sums) {
+template <typename T, typename L>
+__device__ T row_lse(const L* x, int64_t vocab, T* warp_max, T* warp_sums) {
   const int lane = static_cast<int>(threadIdx.x) % kWarp, warp = static_cast<int>(threadIdx.x) / kWarp;
   T max = lowest_finite<T>(), sum = T(0);
-  for_row(x, vocab, [&](int64_t, T xv) { lse_fold(max, sum, xv); });
+  for_row<T>(x, vocab, [&](int64_t, T xv) { lse_fold(max, sum, xv); });
   warp_lse_combine(max, sum);
   if (lane == 0) {
     warp_max[warp] = max;
@@ -139,9 +146,9 @@ __device__ __forceinline__ D grad_out(T v) {
 
 // d = the gradient of row x (each element read and written by one thread: d may alias x), or
 // zeros for a row without a loss.
-template <typename T, typename D>
-__device__ void row_grad(const T* x, D* d, int64_t vocab, T l, T dloss, int32_t target) {
-  for_row(x, vocab, [&](int64_t v, T xv) { d[v] = grad_out<D>(ce_grad(xv, l, dloss, v == target)); });
+template <typename T, typename L, typename D>
+__device__ void row_grad(const L* x, D* d, int64_t vocab, T l, T dloss, int32_t target) {
+  for_row<T>(x, vocab, [&](int64_t v, T xv) { d[v] = grad_out<D>(ce_grad(xv, l, dloss, v == target)); });
 }
 template <typename D>
 __device__ void row_zeros(D* d, int64_t vocab) {
@@ -190,9 +197,9 @@ __global__ void __launch_bounds__(kCeBlock) cross_entropy_backward_kernel(const 
   }
 }
 
-template <typename T, typename D>
+template <typename T, typename L, typename D>
 __global__ void __launch_bounds__(kCeBlock)
-    cross_entropy_loss_and_grad_kernel(const T* logits, const int32_t* targets, T* losses, T* lse, T dloss,
+    cross_entropy_loss_and_grad_kernel(const L* logits, const int32_t* targets, T* losses, T* lse, T dloss,
                                        D* dlogits, int64_t rows, int64_t vocab, unsigned long long* bad_row) {
   __shared__ T warp_max[kCeWarps], warp_sums[kCeWarps], row_l[1];
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
@@ -202,11 +209,11 @@ __global__ void __launch_bounds__(kCeBlock)
       row_zeros(d, vocab);
       continue;
     }
-    const T* x = logits + r * vocab;
+    const L* x = logits + r * vocab;
     const T l = row_lse(x, vocab, warp_max, warp_sums);
     if (threadIdx.x == 0) {
       lse[r] = l;
-      losses[r] = l - x[target];  // read before any thread overwrites the row in place
+      losses[r] = l - logit<T>(x[target]);  // read before any thread overwrites the row in place
       row_l[0] = l;
     }
     __syncthreads();
@@ -226,9 +233,9 @@ __global__ void __launch_bounds__(kCeBlock)
 constexpr int kColLanes = kWarp;
 constexpr int kColWarps = 16;
 
-template <typename T, typename D>
+template <typename T, typename L, typename D>
 __global__ void __launch_bounds__(kColLanes * kColWarps)
-    cross_entropy_columns_kernel(const T* logits, const int32_t* targets, T* losses, T* lse, T dloss, D* dlogits,
+    cross_entropy_columns_kernel(const L* logits, const int32_t* targets, T* losses, T* lse, T dloss, D* dlogits,
                                  int64_t cols, int64_t vocab, unsigned long long* bad_col) {
   __shared__ T part_max[kColWarps][kColLanes], part_sum[kColWarps][kColLanes], col_l[kColLanes];
   const int lane = static_cast<int>(threadIdx.x) % kWarp, warp = static_cast<int>(threadIdx.x) / kWarp;
@@ -238,7 +245,7 @@ __global__ void __launch_bounds__(kColLanes * kColWarps)
     const int32_t target = n < cols ? targets[n] : kIgnoreTarget;
     const bool live = n < cols && target >= 0 && target < vocab;
     T max = lowest_finite<T>(), sum = T(0);
-    if (live) for_strided(logits + n, cols, warp, kColWarps, vocab, [&](int64_t, T xv) { lse_fold(max, sum, xv); });
+    if (live) for_strided<T>(logits + n, cols, warp, kColWarps, vocab, [&](int64_t, T xv) { lse_fold(max, sum, xv); });
     part_max[warp][lane] = max;
     part_sum[warp][lane] = sum;
     __syncthreads();
@@ -250,7 +257,7 @@ __global__ void __launch_bounds__(kColLanes * kColWarps)
       col_l[lane] = l;
       if (live) {
         lse[n] = l;
-        losses[n] = l - logits[target * cols + n];  // read before any thread overwrites the column in place
+        losses[n] = l - logit<T>(logits[target * cols + n]);  // read before any thread overwrites the column in place
       } else if (n < cols) {
         if (target != kIgnoreTarget) atomicMin(bad_col, static_cast<unsigned long long>(n));
         losses[n] = lse[n] = T(0);
@@ -260,8 +267,8 @@ __global__ void __launch_bounds__(kColLanes * kColWarps)
     if (live) {
       const T l = col_l[lane];
       D* d = dlogits + n;
-      for_strided(logits + n, cols, warp, kColWarps, vocab,
-                  [&](int64_t v, T xv) { d[v * cols] = grad_out<D>(ce_grad(xv, l, dloss, v == target)); });
+      for_strided<T>(logits + n, cols, warp, kColWarps, vocab,
+                     [&](int64_t v, T xv) { d[v * cols] = grad_out<D>(ce_grad(xv, l, dloss, v == target)); });
     } else if (n < cols) {
       for (int64_t v = warp; v < vocab; v += kColWarps) dlogits[v * cols + n] = D(0);
     }
@@ -271,12 +278,12 @@ __global__ void __launch_bounds__(kColLanes * kColWarps)
 
 }  // namespace
 
-template <typename T, typename D>
-void cross_entropy_loss_and_grad_columns(const T* logits, const int32_t* targets, T* losses, T* lse, double dloss,
+template <typename T, typename L, typename D>
+void cross_entropy_loss_and_grad_columns(const L* logits, const int32_t* targets, T* losses, T* lse, double dloss,
                                          D* dlogits, int64_t cols, int64_t vocab, unsigned long long* bad_col,
                                          cudaStream_t stream) {
   if (cols <= 0) return;
-  launch<cross_entropy_columns_kernel<T, D>>(grid_for(cols, kColLanes), kColLanes * kColWarps, 0, stream, logits,
+  launch<cross_entropy_columns_kernel<T, L, D>>(grid_for(cols, kColLanes), kColLanes * kColWarps, 0, stream, logits,
                                              targets, losses, lse, static_cast<T>(dloss), dlogits, cols, vocab,
                                              bad_col);
   LOOM_CUDA_CHECK_LAUNCH();
@@ -300,14 +307,14 @@ void cross_entropy_backward(const T* logits, const int32_t* targets, const T* ls
   LOOM_CUDA_CHECK_LAUNCH();
 }
 
-template <typename T, typename D>
-void cross_entropy_loss_and_grad(const T* logits, const int32_t* targets, T* losses, T* lse, double dloss,
+template <typename T, typename L, typename D>
+void cross_entropy_loss_and_grad(const L* logits, const int32_t* targets, T* losses, T* lse, double dloss,
                                  D* dlogits, int64_t rows, int64_t vocab, unsigned long long* bad_row,
                                  cudaStream_t stream) {
   if (rows <= 0) return;
-  const int64_t row_bytes = std::max<int64_t>(vocab, 1) * static_cast<int64_t>(sizeof(T));
+  const int64_t row_bytes = std::max<int64_t>(vocab, 1) * static_cast<int64_t>(sizeof(L));
   const int64_t cap = std::max(kCeMinBlocks, kCeRowBytesInFlight / row_bytes);
-  launch<cross_entropy_loss_and_grad_kernel<T, D>>(grid_for(rows, 1, cap), kCeBlock, 0, stream, logits, targets,
+  launch<cross_entropy_loss_and_grad_kernel<T, L, D>>(grid_for(rows, 1, cap), kCeBlock, 0, stream, logits, targets,
                                                    losses, lse, static_cast<T>(dloss), dlogits, rows, vocab, bad_row);
   LOOM_CUDA_CHECK_LAUNCH();
 }
@@ -316,19 +323,19 @@ void cross_entropy_loss_and_grad(const T* logits, const int32_t* targets, T* los
   template void cross_entropy_forward<T>(const T*, const int32_t*, T*, T*, int64_t, int64_t, unsigned long long*,    \
                                          cudaStream_t);                                                              \
   template void cross_entropy_backward<T>(const T*, const int32_t*, const T*, double, T*, int64_t, int64_t,          \
-                                          cudaStream_t);                                                             \
-  template void cross_entropy_loss_and_grad<T, T>(const T*, const int32_t*, T*, T*, double, T*, int64_t, int64_t,    \
-                                                  unsigned long long*, cudaStream_t);                                \
-  template void cross_entropy_loss_and_grad_columns<T, T>(const T*, const int32_t*, T*, T*, double, T*, int64_t,     \
-                                                          int64_t, unsigned long long*, cudaStream_t);
+                                          cudaStream_t);
+
+#define LOOM_CUDA_FUSED_LOSS_INSTANTIATE(T, L, D)                                                                     \
+  template void cross_entropy_loss_and_grad<T, L, D>(const L*, const int32_t*, T*, T*, double, D*, int64_t, int64_t, \
+                                                     unsigned long long*, cudaStream_t);                             \
+  template void cross_entropy_loss_and_grad_columns<T, L, D>(const L*, const int32_t*, T*, T*, double, D*, int64_t,  \
+                                                             int64_t, unsigned long long*, cudaStream_t);
 
 LOOM_CUDA_LOSS_INSTANTIATE(float)
 LOOM_CUDA_LOSS_INSTANTIATE(double)
-template void cross_entropy_loss_and_grad<float, uint16_t>(const float*, const int32_t*, float*, float*, double,
-                                                           uint16_t*, int64_t, int64_t, unsigned long long*,
-                                                           cudaStream_t);
-template void cross_entropy_loss_and_grad_columns<float, uint16_t>(const float*, const int32_t*, float*, float*, double,
-                                                                   uint16_t*, int64_t, int64_t, unsigned long long*,
-                                                                   cudaStream_t);
+LOOM_CUDA_FUSED_LOSS_INSTANTIATE(float, float, float)
+LOOM_CUDA_FUSED_LOSS_INSTANTIATE(double, double, double)
+LOOM_CUDA_FUSED_LOSS_INSTANTIATE(float, float, uint16_t)     // f32 logits, the gradient rounded to bf16
+LOOM_CUDA_FUSED_LOSS_INSTANTIATE(float, uint16_t, uint16_t)  // bf16 logits, the bf16 gradient in place
 
 }  // namespace loom::cuda
