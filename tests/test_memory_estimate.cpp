@@ -124,7 +124,8 @@ TEST(MemoryEstimateTest, FlashAttentionActivationsAreExactlyTheEstimate) {
 // exactly the estimate, for GPT-2 and Llama under every checkpointing policy, with and without
 // FlashAttention; without recomputation the saving against f32-saved activations is exactly
 // L x 2 B T (C + attn_width + C + F) bytes (norm1's output, O, norm2's output and the activation
-// at 2 bytes instead of 4), and with FlashAttention O stays fp32.
+// at 2 bytes instead of 4), and with FlashAttention O stays fp32; precision.outputs = f32 adds
+// L x 2 B T W (fc's output, W = F or 2F wide, kept fp32).
 TEST(MemoryEstimateTest, Bf16SavedActivationsAreExactlyTheEstimate) {
   for (const char* preset : {"gpt2-tiny", "llama-tiny"}) {
     const ModelConfig config = model_preset(preset);
@@ -151,6 +152,9 @@ TEST(MemoryEstimateTest, Bf16SavedActivationsAreExactlyTheEstimate) {
         const int64_t halved = C + (flash ? 0 : config.attn_width()) + C + config.d_ff;
         if (std::string(policy) == "none") {
           EXPECT_EQ(f32_estimate - estimate, config.n_layer * 2 * B * T * halved) << preset;
+          plan.precision.outputs = "f32";
+          EXPECT_EQ(estimate_memory(plan).bytes[MEM_ACTIVATIONS] - f32_estimate,
+                    config.n_layer * 2 * B * T * config.mlp_in_width()) << preset;
         }
         EXPECT_LT(estimate, f32_estimate) << preset << " " << policy << " " << flash;
         std::printf("%-10s flash %d recompute %-9s: activations bf16-saved %lld (estimate %lld), f32-saved %lld\n", preset,

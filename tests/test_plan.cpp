@@ -210,6 +210,18 @@ TEST(LayerPlanTest, TheInputsOfBf16LinearsAreSavedInBf16WhereTheRecipeAllows) {
   PlanChoices fc8 = bf16;
   fc8.linears[LINEAR_MLP_IN] = RECIPE_FP8_CURRENT;
   EXPECT_FALSE(resolve_layer_plan(gpt2, 0, fc8).mlp_in_dy_bf16);
+  // precision.outputs = bf16: fc's output in bf16, by the same rule as its gradient, its own choice.
+  EXPECT_TRUE(resolve_layer_plan(gpt2, 0, bf16).fc_bf16);
+  EXPECT_TRUE(resolve_layer_plan(llama, 0, off).fc_bf16);
+  EXPECT_FALSE(resolve_layer_plan(gpt2, 0, fc8).fc_bf16);
+  EXPECT_TRUE(resolve_layer_plan(lora, 0, bf16).fc_bf16);  // an adapter on down_proj only: fc's output is plain
+  ModelConfig lora_fc = llama;
+  lora_fc.peft_method = PeftMethod::lora, lora_fc.lora_targets = "gate,up";
+  EXPECT_FALSE(resolve_layer_plan(lora_fc, 0, bf16).fc_bf16);
+  EXPECT_FALSE(resolve_layer_plan(moe, 1, bf16).fc_bf16);
+  PlanChoices outputs32 = bf16;
+  outputs32.outputs_bf16 = false;
+  EXPECT_FALSE(resolve_layer_plan(gpt2, 0, outputs32).fc_bf16);
   PlanChoices mla = bf16;  // MLA projects in fp32 from norm1's output
   mla.linears[LINEAR_ATTN_QKV] = RECIPE_F32;
   EXPECT_EQ(resolve_layer_plan(model_preset("mla-tiny"), 0, mla).saved_bf16, (Saved{false, false, true, true}));
@@ -233,7 +245,7 @@ TEST(LayerPlanTest, TheInputsOfBf16LinearsAreSavedInBf16WhereTheRecipeAllows) {
         EXPECT_EQ(s.attention.attn.dtype(), DTYPE_BF16);
         EXPECT_EQ(s.mlp.norm.out.dtype(), DTYPE_BF16);
         EXPECT_EQ(s.mlp.act.dtype(), DTYPE_BF16);
-        EXPECT_EQ(s.mlp.fc.dtype(), DTYPE_F32);  // GELU / SwiGLU's backward reads it in fp32
+        EXPECT_EQ(s.mlp.fc.dtype(), DTYPE_BF16);  // precision.outputs = bf16 (LayerPlan::fc_bf16)
         EXPECT_EQ(s.attention.qkv.dtype(), DTYPE_F32);
         EXPECT_EQ(s.attention.probs.dtype(), DTYPE_F32);
         EXPECT_EQ(s.mid.dtype(), DTYPE_F32);

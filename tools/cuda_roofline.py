@@ -11,21 +11,24 @@ TFLOP/s tf32. Two derating assumptions, stated because a GPU run has not measure
 memory-bound kernel reaches 80% of the bandwidth, a cuBLASLt GEMM 70% of the tensor-core peak
 (d_model 768 GEMMs are small for Hopper's 132 SMs), and a CUDA-core kernel 50% of the fp32 peak.
 Three designs are estimated:
-  built:    what the backend does with precision.compute = bf16 (precision.activations = bf16, the
-            default): the residual stream, GEMM outputs and gradients in fp32; the GEMMs' saved
+  built:    what the backend does with precision.compute = bf16 (precision.activations and
+            precision.outputs = bf16, the defaults): the residual stream, the GEMM outputs but fc's
+            and the logits, and the gradients in fp32; fc's output in bf16; the GEMMs' saved
             inputs (the norms' outputs, the MLP activation) and the MLP's first GEMM's output
             gradient written in bf16 by the kernels that produce them; a bf16 copy (a cast kernel)
             of the other GEMMs' output gradients, and of the
             attention output (fp32 here) for its projection; flash attention on CUDA cores
-            (FlashAttention-2's loop in fp32 FMAs), fp32 logits, AdamW reading and writing fp32 state;
+            (FlashAttention-2's loop in fp32 FMAs), bf16 logits (precision.logits = bf16, the default:
+            the head's GEMM writes them rounded, the loss writes d(logits) over them), AdamW reading
+            and writing fp32 state;
   built-tc: the same with precision.attention = bf16 (the benchmark's setting): flash attention on
             tensor cores (cuda_flash_mma.cu: mma.sync m16n8k16, no ldmatrix / cp.async pipelining
             yet), assumed to reach 150 TFLOP/s, 15% of the dense peak (its author's estimate:
             100-200), which writes the attention output in bf16 itself (no copy), and d(qkv) in
             bf16 where no RoPE sits before the QKV projection (GPT-2);
   target:   bf16 activations end to end, attention on tensor cores tuned (wgmma, TMA) to 50% of the
-            peak (FlashAttention-3 reports 60-75% forward on H100), the bf16 logits' cross-entropy
-            reading them once.
+            peak (FlashAttention-3 reports 60-75% forward on H100), the cross-entropy reading the
+            bf16 logits once.
 MFU counts the model's FLOPs (6 N per token for the weights' GEMMs plus attention's 6 T d per
 token per layer, causal halved as in PaLM's appendix B) against the bf16 peak.
 """
@@ -94,7 +97,8 @@ def layer_kernels(m: Model, design: str) -> list[Kernel]:
     # GEMMs: forward, and the backward's two (dX and dW).
     for name, k, out in (("qkv", d, qkv), ("attention out", d, d), ("mlp in", d, mlp_in), ("mlp out", ff, d)):
         f = 2 * n * k * out
-        io = 2 * (n * k + k * out) + act * n * out
+        # (mlp in writes its output in bf16: precision.outputs = bf16, LayerPlan::fc_bf16)
+        io = 2 * (n * k + k * out) + (2 if name == "mlp in" else act) * n * out
         ks.append(Kernel(f"{name} GEMM fwd", f, io, "tensor"))
         ks.append(Kernel(f"{name} GEMM bwd (dX, dW)", 2 * f, 2 * io + 4 * k * out, "tensor"))
         # (mlp in's comes from the activation's backward in bf16; qkv's from the tensor-core flash
@@ -118,9 +122,10 @@ def layer_kernels(m: Model, design: str) -> list[Kernel]:
     if m.swiglu:  # Llama: RoPE on q and k, in place, forward and backward
         ks.append(Kernel("RoPE fwd + bwd", 6 * n * qkv, 4 * act * n * (d + m.kv_heads * m.hd), "mem"))
     act_name = "SwiGLU" if m.swiglu else "GELU"
-    ks.append(Kernel(f"{act_name} fwd", 10 * n * ff, act * n * mlp_in + 2 * n * ff, "mem"))  # out in bf16
-    # (its d(input), mlp in's output gradient, written in bf16)
-    ks.append(Kernel(f"{act_name} bwd", 20 * n * ff, act * n * (mlp_in + ff) + 2 * n * mlp_in, "mem"))
+    # The activation reads fc's bf16 output and writes its own in bf16; its backward reads fc's output
+    # again and d(act) (fp32 in the built designs) and writes d(fc output) in bf16.
+    ks.append(Kernel(f"{act_name} fwd", 10 * n * ff, 2 * n * mlp_in + 2 * n * ff, "mem"))
+    ks.append(Kernel(f"{act_name} bwd", 20 * n * ff, 2 * n * mlp_in + act * n * ff + 2 * n * mlp_in, "mem"))
     ks.append(Kernel("residual adds (fwd + bwd)", 4 * n * d, 4 * 3 * act * n * d, "mem"))
     return ks
 
@@ -135,8 +140,10 @@ def step_kernels(m: Model, design: str) -> list[Kernel]:
         ks.append(k)
     ks.append(Kernel("embedding fwd + bwd", 0, 3 * act * n * d, "mem"))
     head = 2 * n * d * v
-    ks.append(Kernel("head GEMM fwd", head, 2 * (n * d + d * v) + 4 * n * v, "tensor"))
-    ks.append(Kernel("head GEMM bwd (dX, dW)", 2 * head, 2 * (2 * (n * d + d * v) + 4 * n * v), "tensor"))
+    # The logits and their gradient in bf16 (precision.logits = bf16): written by the head's GEMM,
+    # read by the loss, d(logits) written over them and read by the two backward GEMMs.
+    ks.append(Kernel("head GEMM fwd", head, 2 * (n * d + d * v) + 2 * n * v, "tensor"))
+    ks.append(Kernel("head GEMM bwd (dX, dW)", 2 * head, 2 * (2 * (n * d + d * v) + 2 * n * v), "tensor"))
     # Odd vocabulary rows (GPT-2's 50,257): with the positions' rows aligned the loss pass keeps its
     # logits by columns (Backend::logits_by_columns: (V, rows) = W x^T, every head GEMM on aligned
     # rows) and the cross-entropy reads each column twice from memory (a block's columns span all V
@@ -146,11 +153,10 @@ def step_kernels(m: Model, design: str) -> list[Kernel]:
     by_columns = built and v % 8 != 0 and n % 8 == 0
     if built and v % 8 and not by_columns:
         ks.append(Kernel("head: odd rows staged through padded panels", 0, 2 * (4 + 2 + 2) * n * v, "mem"))
-    # Cross-entropy: the built design's fused kernel (cuda_loss.cu) reads the fp32 logits once from
-    # memory (by rows, its second read of a row, for the gradient, from L2; by columns, twice) and
-    # writes the bf16 gradient for the GEMMs; the target reads bf16 logits once and writes the
-    # gradient in place.
-    ce_bytes = ((4 + 4 + 2) if by_columns else (4 + 2)) * n * v if built else (2 + 2) * n * v
+    # Cross-entropy: the fused kernel (cuda_loss.cu) reads the bf16 logits once from memory (by
+    # rows, its second read of a row, for the gradient, from L2; by columns, twice) and writes the
+    # bf16 gradient over them for the GEMMs.
+    ce_bytes = ((2 + 2 + 2) if by_columns else (2 + 2)) * n * v
     ks.append(Kernel("cross-entropy fwd + bwd" + (" (logits by columns)" if by_columns else ""), 6 * n * v, ce_bytes, "mem"))
     ks.append(Kernel("AdamW (p, g, m, v fp32 + the bf16 copy)", 12 * m.params, 30 * m.params, "mem"))
     ks.append(Kernel("gradient norm", 2 * m.params, 4 * m.params, "mem"))

@@ -356,7 +356,7 @@ ActivationStore Transformer::allocate_store_for(int64_t batch, int64_t seq_len, 
     if (!context_parallel && (plan.attention == AttentionKind::ring || plan.attention == AttentionKind::ulysses)) {
       plan.attention = AttentionKind::mha;  // a store of whole sequences (decoding) on a cp model
     }
-    if (rows) plan.saved_bf16 = {};  // decoding's fp32 records
+    if (rows) plan.saved_bf16 = {}, plan.fc_bf16 = false;  // decoding's fp32 records
     s.blocks[l] = allocate_block_saved(alloc, config_, plan,
                                        {.batch = B, .seq_len = T, .seq_shards = shards(), .split_backward = split_backward,
                                         .keep = keep, .ep = ep_size(), .category = where});
@@ -520,7 +520,12 @@ double Transformer::head_and_loss(ActivationStore& s, bool compute_loss) {
   // the head's GEMMs on aligned rows.
   const bool by_columns = fuse && s.logits.numel() == N * V && head_.computes_plainly(head16_) &&
                           backend_.logits_by_columns(N, V);
-  const Tensor logits = by_columns ? s.logits.view(0, {V, N}) : s.logits;
+  // A bf16 head under precision.outputs = bf16 writes the fused loss's logits in bf16, as autocast's
+  // linear returns them; the loss reads them widened and writes d(logits) over them.
+  const bool logits16 = fuse && s.logits.numel() == N * V && policy_.outputs_bf16 &&
+                        head_.setup().recipe == RECIPE_BF16 && head_.computes_plainly(head16_);
+  const Shape shape = by_columns ? Shape{V, N} : s.logits.shape();
+  const Tensor logits = logits16 ? ws_.bf16(LinearWorkspace::L, shape) : s.logits.view(0, shape);
   if (by_columns) head_.forward_columns(backend_, s.final_norm, head_w, head16_, logits, &ws_);
   else head_.forward(backend_, s.final_norm, head_w, head16_, Tensor{}, logits, 0.0f, &ws_);  // (B*T, C) @ (V, C)^T
   done(0);
@@ -531,7 +536,8 @@ double Transformer::head_and_loss(ActivationStore& s, bool compute_loss) {
   } else if (fuse) {
     // The loss and d(logits) together (the row in cache once), bf16 straight into the head's operand.
     const float scale = fused * s.ce_weight / static_cast<float>(N);
-    s.dlogits = head_.setup().recipe == RECIPE_BF16 ? ws_.bf16(LinearWorkspace::L, logits.shape()) : logits;
+    const bool to_bf16 = !logits16 && head_.setup().recipe == RECIPE_BF16;
+    s.dlogits = to_bf16 ? ws_.bf16(LinearWorkspace::L, logits.shape()) : logits;
     s.dlogits_weight = fused, s.dlogits_by_columns = by_columns;
     if (by_columns) backend_.cross_entropy_loss_and_grad_columns(logits, s.targets, s.losses, s.lse, scale, s.dlogits);
     else backend_.cross_entropy_loss_and_grad(logits, s.targets, s.losses, s.lse, scale, s.dlogits);

@@ -172,6 +172,17 @@ void LinearLayer::forward_plain(Backend& backend, const Tensor& x, const Tensor&
 
 void LinearLayer::forward(Backend& backend, const Tensor& x, const Tensor& w, const Tensor& w16, const Tensor& b,
                           const Tensor& y, float beta, LinearWorkspace* ws) {
+  // A bf16 y (an autocast-style output, LayerPlan::fc_bf16): the bf16 recipe's GEMM writes it
+  // rounded; any other way of computing this layer writes fp32 into the staging slot, rounded after.
+  const bool plain_bf16 = setup_.recipe == RECIPE_BF16 && int_weight_ == nullptr && !bf16_weight_.defined();
+  if (y.dtype() == DTYPE_BF16 && !plain_bf16) {
+    LOOM_CHECK(ws != nullptr && beta == 0.0f, "linear layer (", recipe_name(setup_.recipe), "): a bf16 output "
+               "needs a workspace and is written, not accumulated");
+    const Tensor t = ws->f32(LinearWorkspace::S, y.shape());
+    forward(backend, x, w, w16, b, t, 0.0f, ws);
+    backend.cast(t, y);
+    return;
+  }
   if (int_weight_ != nullptr || bf16_weight_.defined()) {
     forward_plain(backend, x, w, b, y, beta, ws);
     return;

@@ -10,8 +10,9 @@ void mlp_saved_fields(const ModelConfig& config, const LayerPlan& plan, const Sa
   const int64_t Ts = T / shape.seq_shards;  // the residual stream's positions on this rank
   const bool dense = plan.mlp == MlpKind::dense;
   if (shape.keep == RECOMPUTE_FULL) return;
+  const DType fc_dtype = plan.fc_bf16 ? DTYPE_BF16 : DTYPE_F32;
   if (shape.keep == RECOMPUTE_SELECTIVE) {
-    field(s.fc, {B, T, config.mlp_in_width()}, DTYPE_F32);
+    field(s.fc, {B, T, config.mlp_in_width()}, fc_dtype);
     return;
   }
   if (config.pre_norms()) {
@@ -25,7 +26,7 @@ void mlp_saved_fields(const ModelConfig& config, const LayerPlan& plan, const Sa
     field(s.post.rstd, {B, Ts}, DTYPE_F32);
   }
   if (!dense) return;
-  field(s.fc, {B, T, config.mlp_in_width()}, DTYPE_F32);
+  field(s.fc, {B, T, config.mlp_in_width()}, fc_dtype);
   field(s.act, {B, T, config.d_ff}, saved_dtype(plan, LINEAR_MLP_OUT));
   if (shape.split_backward) {
     field(s.dy_fc2, {B, T, C}, DTYPE_F32);
@@ -40,7 +41,8 @@ void MlpLayer::set_precision(const PrecisionPolicy& policy, MlpParams params16) 
 }
 
 void MlpLayer::activation(Backend& backend, const MlpSaved& s) const {
-  // Into s.act's dtype: kept in bf16 (LayerPlan::saved_bf16), the kernel rounds what it writes.
+  // From s.fc's dtype (bf16: LayerPlan::fc_bf16, widened) into s.act's (kept in bf16:
+  // LayerPlan::saved_bf16, the kernel rounds what it writes).
   if (config_.gated_mlp()) backend.glu_forward(s.fc, s.act, config_.gate_activation);
   else backend.gelu_forward(s.fc, s.act);
 }

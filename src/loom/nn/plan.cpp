@@ -20,6 +20,7 @@ void choose_precision(PlanChoices& choices, const PrecisionPolicy& policy) {
   for (size_t k = 0; k < choices.linears.size(); ++k) choices.linears[k] = policy.recipe[k];
   choices.qat = policy.qat;
   choices.activations_bf16 = policy.activations_bf16;
+  choices.outputs_bf16 = policy.outputs_bf16;
   choices.attention_bf16 = policy.attention_bf16;
 }
 
@@ -129,6 +130,7 @@ LayerPlan resolve_layer_plan(const ModelConfig& config, int64_t layer, const Pla
                         plan.window == 0;
   plan.saved_bf16 = saved_bf16(config, layer, plan, choices.activations_bf16);
   plan.mlp_in_dy_bf16 = mlp_in_dy_bf16(config, layer, plan, choices.activations_bf16);
+  plan.fc_bf16 = mlp_in_dy_bf16(config, layer, plan, choices.outputs_bf16);  // the same rule, its own choice
   plan.qkv_dy_bf16 = qkv_dy_bf16(config, layer, plan, choices.activations_bf16);
   return plan;
 }

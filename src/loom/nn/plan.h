@@ -66,6 +66,11 @@ struct LayerPlan {
   // precision.activations = bf16 where mlp_in's recipe is bf16, the MLP dense and no LoRA adapter
   // on it (which reads the gradient in fp32). Not in a split backward (zero-bubble keeps it fp32).
   bool mlp_in_dy_bf16 = false;
+  // The MLP's first layer writes its output (fc: the activation's input, kept for its backward)
+  // in bf16, as autocast's linear returns it, and the activation reads it widened: with
+  // precision.outputs = bf16 where mlp_in's recipe is bf16, the MLP dense and no LoRA adapter on it
+  // (which adds its term to an fp32 output). Decoding's records keep it fp32.
+  bool fc_bf16 = false;
   // The same for the QKV projection: the bf16 flash attention's backward writes d(qkv) in bf16
   // (flash with attention_bf16, activations bf16, attn_qkv's recipe bf16, no LoRA on it), where
   // nothing rewrites d(qkv) between them: no RoPE (GPT-2's learned positions, NoPE layers), q/k
@@ -97,6 +102,7 @@ struct PlanChoices {
   std::array<LinearRecipe, 4> linears{RECIPE_F32, RECIPE_F32, RECIPE_F32, RECIPE_F32};  // the precision policy's
   QatFormat qat = QAT_NONE;
   bool activations_bf16 = false;  // precision.activations = bf16
+  bool outputs_bf16 = false;      // precision.outputs = bf16
   bool attention_bf16 = false;    // precision.attention = bf16
 };
 

@@ -48,6 +48,7 @@ void PrecisionConfig::validate() const {
   check_choice(qat, {"none", "mxfp4", "nvfp4"}, "precision.qat");
   check_choice(activations, {"bf16", "f32"}, "precision.activations");
   check_choice(attention, {"f32", "bf16"}, "precision.attention");
+  check_choice(outputs, {"bf16", "f32"}, "precision.outputs");
   check_choice(fp8.amax_compute, {"max", "most_recent"}, "precision.fp8_amax_compute");
   if (!fp8.backward.empty()) check_choice(fp8.backward, {"e5m2", "e4m3"}, "precision.fp8_backward");
   LOOM_CHECK(fp8.margin >= 0 && fp8.margin <= 64, "precision.fp8_margin must be in [0, 64], got ", fp8.margin);
@@ -67,6 +68,7 @@ std::string PrecisionPolicy::describe() const {
     << " master=" << (master_bf16 ? (stochastic_rounding ? "bf16(stochastic)" : "bf16") : "f32");
   if (!activations_bf16 && any(RECIPE_BF16)) s << " activations=f32";
   if (attention_bf16) s << " attention=bf16";
+  if (!outputs_bf16 && any(RECIPE_BF16)) s << " outputs=f32";
   if (qat != QAT_NONE) s << " qat=" << (qat == QAT_MXFP4 ? "mxfp4" : "nvfp4");
   return s.str();
 }
@@ -89,6 +91,7 @@ PrecisionPolicy resolve_policy(const PrecisionConfig& c) {
   p.stochastic_rounding = c.stochastic_rounding;
   p.activations_bf16 = c.activations == "bf16";
   p.attention_bf16 = c.attention == "bf16";
+  p.outputs_bf16 = c.outputs == "bf16";
   p.qat = c.qat == "mxfp4" ? QAT_MXFP4 : c.qat == "nvfp4" ? QAT_NVFP4 : QAT_NONE;
   p.fp8_margin = c.fp8.margin;
   p.fp8_history = c.fp8.amax_history;

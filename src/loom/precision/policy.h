@@ -79,6 +79,12 @@ struct PrecisionConfig {
   // bf16 kernels (nn/plan.h LayerPlan::attention_bf16; flash's run on the CUDA backend's tensor
   // cores); windowed and context-parallel attention stay fp32.
   std::string attention = "f32";
+  // bf16 | f32: the dtype of the GEMM outputs autocast returns in bf16 that Loom keeps so: a
+  // training loss's logits under a bf16 head (the fused loss reads them widened and writes d(logits)
+  // over them: Transformer::head_and_loss) and the MLP's first layer's output under a bf16 mlp_in
+  // (the activation reads it widened: nn/plan.h LayerPlan::fc_bf16); written rounded to nearest
+  // even. f32 keeps them fp32.
+  std::string outputs = "bf16";
   Fp8Options fp8;
 
   void validate() const;  // throws naming the precision.* key
@@ -93,6 +99,7 @@ struct PrecisionPolicy {
   bool stochastic_rounding = false;
   bool activations_bf16 = true;  // precision.activations = bf16 (only bf16 linears' inputs are affected)
   bool attention_bf16 = false;   // precision.attention = bf16
+  bool outputs_bf16 = true;      // precision.outputs = bf16 (the logits of a bf16 head's fused loss, a bf16 fc's output)
   QatFormat qat = QAT_NONE;
   int64_t fp8_margin = 0, fp8_history = 1024;
   bool fp8_most_recent = false;

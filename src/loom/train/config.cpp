@@ -139,6 +139,7 @@ std::vector<Binding> bindings(LoomConfig& c) {
       {"precision.stochastic_rounding", &c.train.precision.stochastic_rounding, "precision.master = bf16: round stochastically instead of to nearest"},
       {"precision.activations", &c.train.precision.activations, "dtype of the saved activations bf16 linear layers read (their inputs, exact in bf16; the attention output's backward then reads it in bf16) and of the MLP's first layer's output gradient: bf16 | f32"},
       {"precision.attention", &c.train.precision.attention, "dtype attention's GEMMs (QK^T, PV and their backward) multiply in: f32 | bf16 (operands rounded, fp32 accumulation; the plain and the flash attention without a window: flash's on the CUDA backend's tensor cores)"},
+      {"precision.outputs", &c.train.precision.outputs, "dtype of the GEMM outputs autocast returns in bf16 that Loom keeps so (the training loss's logits under a bf16 head, the MLP's first layer's output under a bf16 mlp_in): bf16 (written rounded, read widened) | f32"},
       {"precision.qat", &c.train.precision.qat, "quantization-aware training of the block linears' weights: none | mxfp4 | nvfp4"},
       {"precision.fp8_margin", &c.train.precision.fp8.margin, "fp8 recipes: scale so the amax lands 2^margin below the format's max"},
       {"precision.fp8_amax_history", &c.train.precision.fp8.amax_history, "fp8-delayed: steps of amax history"},
