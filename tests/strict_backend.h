@@ -46,8 +46,10 @@ class StrictBackend final : public Backend {
   void read(const Tensor& src, void* host) override { std::memcpy(host, src.device_ptr(), src.nbytes()); }
 
   void gemm(const Tensor& a, const Tensor& b, const Tensor& c, const GemmSpec& spec, const Tensor* bias) override {
-    const Tensor hb = bias ? h(*bias) : Tensor();
-    cpu_->gemm(h(a), h(b), h(c), spec, bias ? &hb : nullptr);
+    const Tensor hb = bias ? h(*bias) : Tensor(), hc = spec.c_in ? h(*spec.c_in) : Tensor();
+    GemmSpec host = spec;
+    if (spec.c_in) host.c_in = &hc;
+    cpu_->gemm(h(a), h(b), h(c), host, bias ? &hb : nullptr);
   }
   void fill(const Tensor& x, double value) override { cpu_->fill(h(x), value); }
   void copy(const Tensor& src, const Tensor& dst) override { cpu_->copy(h(src), h(dst)); }
@@ -77,16 +79,17 @@ class StrictBackend final : public Backend {
     cpu_->layernorm_forward(h(x), h(weight), h(bias), h(out), h(mean), h(rstd), eps);
   }
   void layernorm_backward(const Tensor& dout, const Tensor& x, const Tensor& weight, const Tensor& mean,
-                          const Tensor& rstd, const Tensor& dx, const Tensor& dweight, const Tensor& dbias) override {
-    cpu_->layernorm_backward(h(dout), h(x), h(weight), h(mean), h(rstd), h(dx), h(dweight), h(dbias));
+                          const Tensor& rstd, const Tensor& dx, const Tensor& dweight, const Tensor& dbias,
+                          bool accumulate = false) override {
+    cpu_->layernorm_backward(h(dout), h(x), h(weight), h(mean), h(rstd), h(dx), h(dweight), h(dbias), accumulate);
   }
   void rmsnorm_forward(const Tensor& x, const Tensor& weight, const Tensor& out, const Tensor& rstd,
                        float eps) override {
     cpu_->rmsnorm_forward(h(x), h(weight), h(out), h(rstd), eps);
   }
   void rmsnorm_backward(const Tensor& dout, const Tensor& x, const Tensor& weight, const Tensor& rstd,
-                        const Tensor& dx, const Tensor& dweight) override {
-    cpu_->rmsnorm_backward(h(dout), h(x), h(weight), h(rstd), h(dx), h(dweight));
+                        const Tensor& dx, const Tensor& dweight, bool accumulate = false) override {
+    cpu_->rmsnorm_backward(h(dout), h(x), h(weight), h(rstd), h(dx), h(dweight), accumulate);
   }
   void gelu_forward(const Tensor& x, const Tensor& out) override { cpu_->gelu_forward(h(x), h(out)); }
   void gelu_backward(const Tensor& x, const Tensor& dout, const Tensor& dx) override {

@@ -49,6 +49,42 @@ TEST_P(BackendOpsTest, GemmF32AllTransposesBatchedBiasAlphaBeta) { gemm_cases(DT
 TEST_P(BackendOpsTest, GemmBf16InputsAccumulateInF32) { gemm_cases(DTYPE_BF16, DTYPE_F32, {kBf16GemmTol}); }
 TEST_P(BackendOpsTest, GemmF64) { gemm_cases(DTYPE_F64, DTYPE_F64, {kF64Tol}); }
 
+// GemmSpec::c_in: C = alpha op(A) op(B) + beta c_in (+ bias), C only written (a residual stream
+// added by the output projection without a copy). On every backend within the GEMM's tolerance of
+// the CPU; on the strict backend bitwise copy(c_in, C) then the GEMM; c_in itself left as it was.
+// f32 (a linear layer's shape, and a batch with alpha and beta), bf16 inputs into f32, f64; odd
+// rows (cuBLASLt declines them: the C is copied first).
+TEST_P(BackendOpsTest, GemmReadsBetasCFromCIn) {
+  for (const DType in : {DTYPE_F32, DTYPE_BF16, DTYPE_F64}) {
+    const DType out = in == DTYPE_BF16 ? DTYPE_F32 : in;
+    for (const GemmCase& g : {GemmCase{GemmSpec{false, true, 1.0f, 1.0f, 1}, 64, 96, 128, true},
+                              GemmCase{GemmSpec{true, false, 0.5f, 0.25f, 2}, 24, 40, 37, true},
+                              GemmCase{GemmSpec{false, true, 1.0f, 1.0f, 1}, 17, 101, 64, false}}) {
+      const int64_t b = g.spec.batch;
+      const std::string what = gemm_name(in, g) + " with c_in";
+      Operands x;
+      x.tensors["a"] = rnd(g.spec.trans_a ? Shape{b, g.k, g.m} : Shape{b, g.m, g.k}, in, 1);
+      x.tensors["b"] = rnd(g.spec.trans_b ? Shape{b, g.n, g.k} : Shape{b, g.k, g.n}, in, 2);
+      x.tensors["c"] = nans({b, g.m, g.n}, out);
+      x.tensors["c_in"] = rnd({b, g.m, g.n}, out, 3);
+      x.tensors["want"] = rnd({b, g.m, g.n}, out, 3);  // c_in's values
+      x.tensors["bias"] = rnd({g.n}, out, 4);
+      const Op op = [g](Backend& be, Operands& o) {
+        GemmSpec spec = g.spec;
+        spec.c_in = &o["c_in"];
+        be.gemm(o["a"], o["b"], o["c"], spec, g.bias ? &o["bias"] : nullptr);
+        be.gemm(o["a"], o["b"], o["want"], g.spec, g.bias ? &o["bias"] : nullptr);
+      };
+      const Tol tol = in == DTYPE_F64 ? Tol{kF64Tol} : Tol{kF32ReductionTol};
+      check(what, x, op, {{"c", tol}, {"c_in", kBitwise}});
+      if (GetParam() != "strict") continue;
+      Operands got = copy_to_backend(x);
+      op(*backend_, got);
+      EXPECT_TRUE(bytes_of(*backend_, got["c"]) == bytes_of(*backend_, got["want"])) << what;
+    }
+  }
+}
+
 // A bf16 C (an autocast-style linear output, beta 0): the same backend's fp32 product plus the
 // bias rounded to bf16, rounded as cast() rounds. Bitwise on the CPU kernels (the same product);
 // within one bf16 step on a device, whose cuBLASLt may sum a bf16 D in another order; against the

@@ -64,6 +64,50 @@ TEST_P(BackendOpsTest, RmsNormForwardBackward) {
   }
 }
 
+// The norms' backward with accumulate (the residual stream's gradient: dx += the input
+// gradient): on each backend bitwise the same op into a scratch followed by add_inplace, and
+// within the f32 tolerance of the CPU.
+TEST_P(BackendOpsTest, NormBackwardsAccumulateIntoDxAsASeparateAdd) {
+  for (DType dtype : kFloatTypes) {
+    for (auto [N, C] : kNormShapes) {
+      for (const bool rms : {false, true}) {
+        Operands x;
+        x.tensors["x"] = rnd({N, C}, dtype, 1, 3.0, 2.0);
+        x.tensors["weight"] = rnd({C}, dtype, 2);
+        x.tensors["bias"] = rnd({C}, dtype, 3);
+        x.tensors["dout"] = rnd({N, C}, dtype, 4);
+        x.tensors["out"] = nans({N, C}, dtype);
+        x.tensors["mean"] = nans({N}, dtype);
+        x.tensors["rstd"] = nans({N}, dtype);
+        x.tensors["acc"] = rnd({N, C}, dtype, 7, 2.0);
+        x.tensors["want"] = rnd({N, C}, dtype, 7, 2.0);  // acc's values
+        x.tensors["scratch"] = nans({N, C}, dtype);
+        for (const char* name : {"dweight", "dbias", "dweight2", "dbias2"}) x.tensors[name] = rnd({C}, dtype, 5);
+        const std::string what = str_cat(rms ? "rmsnorm" : "layernorm", " backward accumulating ", dt(dtype), " (",
+                                         N, ", ", C, ")");
+        const Op op = [rms](Backend& be, Operands& o) {
+          const auto backward = [&](const Tensor& dx, const char* dw, const char* db, bool accumulate) {
+            if (rms) be.rmsnorm_backward(o["dout"], o["x"], o["weight"], o["rstd"], dx, o[dw], accumulate);
+            else be.layernorm_backward(o["dout"], o["x"], o["weight"], o["mean"], o["rstd"], dx, o[dw], o[db], accumulate);
+          };
+          if (rms) be.rmsnorm_forward(o["x"], o["weight"], o["out"], o["rstd"], 1e-5f);
+          else be.layernorm_forward(o["x"], o["weight"], o["bias"], o["out"], o["mean"], o["rstd"], 1e-5f);
+          backward(o["acc"], "dweight", "dbias", true);
+          backward(o["scratch"], "dweight2", "dbias2", false);
+          be.add_inplace(o["want"], o["scratch"]);
+        };
+        const Tol tol = elementwise_tol(dtype);
+        check(what, x, op, {{"acc", tol}, {"dweight", tol}}, true);
+        Operands got = copy_to_backend(x);
+        op(*backend_, got);
+        EXPECT_TRUE(bytes_of(*backend_, got["acc"]) == bytes_of(*backend_, got["want"]))
+            << what << ": not bitwise the op then add_inplace on " << GetParam();
+        EXPECT_TRUE(bytes_of(*backend_, got["dweight"]) == bytes_of(*backend_, got["dweight2"])) << what;
+      }
+    }
+  }
+}
+
 // ---------------------------------------------------------------- activations
 
 TEST_P(BackendOpsTest, GeluForwardBackward) {

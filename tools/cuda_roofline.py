@@ -93,13 +93,16 @@ def layer_kernels(m: Model, design: str) -> list[Kernel]:
     # Norms: forward reads x, writes out in bf16 (the GEMM's saved input, every design).
     for which in ("attention norm", "mlp norm"):
         ks.append(Kernel(f"{which} fwd", 8 * n * d, n * d * (act + 2), "mem"))
-        ks.append(Kernel(f"{which} bwd", 12 * n * d, n * d * 3 * act, "mem"))
+        # (reads dout and x, adds its dx into the residual stream's gradient: read + write)
+        ks.append(Kernel(f"{which} bwd (+= d(residual))", 12 * n * d, n * d * 4 * act, "mem"))
     # GEMMs: forward, and the backward's two (dX and dW).
     for name, k, out in (("qkv", d, qkv), ("attention out", d, d), ("mlp in", d, mlp_in), ("mlp out", ff, d)):
         f = 2 * n * k * out
         # (mlp in writes its output in bf16: precision.outputs = bf16, LayerPlan::fc_bf16)
         io = 2 * (n * k + k * out) + (2 if name == "mlp in" else act) * n * out
-        ks.append(Kernel(f"{name} GEMM fwd", f, io, "tensor"))
+        # The output projections add onto the residual stream: cuBLASLt reads it as C (GemmSpec::c_in)
+        residual = act * n * out if name in ("attention out", "mlp out") else 0
+        ks.append(Kernel(f"{name} GEMM fwd" + (" (+ the residual)" if residual else ""), f, io + residual, "tensor"))
         ks.append(Kernel(f"{name} GEMM bwd (dX, dW)", 2 * f, 2 * io + 4 * k * out, "tensor"))
         # (mlp in's comes from the activation's backward in bf16; qkv's from the tensor-core flash
         # backward where no RoPE sits between them: GPT-2 under built-tc)
@@ -126,7 +129,7 @@ def layer_kernels(m: Model, design: str) -> list[Kernel]:
     # again and d(act) (fp32 in the built designs) and writes d(fc output) in bf16.
     ks.append(Kernel(f"{act_name} fwd", 10 * n * ff, 2 * n * mlp_in + 2 * n * ff, "mem"))
     ks.append(Kernel(f"{act_name} bwd", 20 * n * ff, 2 * n * mlp_in + act * n * ff + 2 * n * mlp_in, "mem"))
-    ks.append(Kernel("residual adds (fwd + bwd)", 4 * n * d, 4 * 3 * act * n * d, "mem"))
+    # (the residual adds: the forward's in the output GEMMs, the backward's in the norms' backward)
     return ks
 
 

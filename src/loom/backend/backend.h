@@ -26,6 +26,10 @@ struct GemmSpec {
   float alpha = 1.0f;
   float beta = 0.0f;   // 1.0 accumulates into C
   int64_t batch = 1;   // operands hold `batch` matrices back to back
+  // With beta != 0, the C that beta scales is read from here, and C is only written: C = alpha AB
+  // + beta c_in (+ bias), c_in of C's shape and dtype (a residual stream added by the output
+  // GEMM without a copy: cuBLASLt's separate C and D). Bitwise copy(c_in, C) then the GEMM.
+  const Tensor* c_in = nullptr;
 };
 
 struct AdamWHyper {
@@ -240,14 +244,17 @@ class Backend {
   // LayerNorm over the last dim C: out = (x - mean) * rstd * weight + bias; saves mean, rstd (N).
   virtual void layernorm_forward(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& out,
                                  const Tensor& mean, const Tensor& rstd, float eps) = 0;
+  // The backwards overwrite dx, or with accumulate add the input gradient into it (dx += ..., the
+  // residual stream's gradient: bitwise the op into a scratch then add_inplace); dweight and dbias
+  // accumulate.
   virtual void layernorm_backward(const Tensor& dout, const Tensor& x, const Tensor& weight, const Tensor& mean,
                                   const Tensor& rstd, const Tensor& dx, const Tensor& dweight,
-                                  const Tensor& dbias) = 0;
+                                  const Tensor& dbias, bool accumulate = false) = 0;
   // RMSNorm (Zhang & Sennrich 2019): out = x * rstd * weight, rstd = 1/sqrt(mean(x^2) + eps).
   virtual void rmsnorm_forward(const Tensor& x, const Tensor& weight, const Tensor& out, const Tensor& rstd,
                                float eps) = 0;
   virtual void rmsnorm_backward(const Tensor& dout, const Tensor& x, const Tensor& weight, const Tensor& rstd,
-                                const Tensor& dx, const Tensor& dweight) = 0;
+                                const Tensor& dx, const Tensor& dweight, bool accumulate = false) = 0;
 
   // Per-head RMSNorm (Qwen3's q_norm / k_norm) in place on heads [first, first + n) of x
   // (B,T,W), each hd wide: in (B,T,n hd) = the heads before, rstd (B,T,n), head = head * rstd

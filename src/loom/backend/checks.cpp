@@ -38,6 +38,10 @@ GemmDims check_gemm(const Tensor& a, const Tensor& b, const Tensor& c, const Gem
   LOOM_CHECK(op_a_rows == d.m && op_b_rows == d.k && op_b_cols == d.n, op, ": shapes do not chain: op(A) (", op_a_rows,
              ", ", d.k, ") @ op(B) (", op_b_rows, ", ", op_b_cols, ") -> C (", d.m, ", ", d.n, "); A ", a.describe(),
              " B ", b.describe(), " C ", c.describe());
+  if (spec.c_in) {
+    expect_dtype(*spec.c_in, c.dtype(), op, "c_in");
+    expect_numel(*spec.c_in, c.numel(), op, "c_in");
+  }
   if (bias) {
     expect_dtype(*bias, bf16_in ? DTYPE_F32 : c.dtype(), op, "bias");
     expect_numel(*bias, d.n, op, "bias");

@@ -15,9 +15,9 @@ void norm_forward(Backend& backend, const ModelConfig& config, const Tensor& x, 
 
 void norm_backward(Backend& backend, const ModelConfig& config, const Tensor& dout, const Tensor& x,
                    const Tensor& weight, const Tensor& mean, const Tensor& rstd, const Tensor& dx,
-                   const Tensor& dweight, const Tensor& dbias) {
-  if (config.rmsnorm()) backend.rmsnorm_backward(dout, x, weight, rstd, dx, dweight);
-  else backend.layernorm_backward(dout, x, weight, mean, rstd, dx, dweight, dbias);
+                   const Tensor& dweight, const Tensor& dbias, bool accumulate) {
+  if (config.rmsnorm()) backend.rmsnorm_backward(dout, x, weight, rstd, dx, dweight, accumulate);
+  else backend.layernorm_backward(dout, x, weight, mean, rstd, dx, dweight, dbias, accumulate);
 }
 
 Tensor LayerLinks::whole(Backend& backend, const Tensor& shard, int64_t seq_len) const {
@@ -84,8 +84,7 @@ void residual_linear_forward(Backend& backend, const LayerLinks& links, LinearLa
   const LoraAdapters& adapters = adapters_of(lora);
   const LoraWeight lw = lora_layer_weight(backend, w, w16, adapters, lora.scale, lora.dropout, links.ws);
   if (links.tp == nullptr) {
-    backend.copy(residual, out);
-    layer.forward(backend, x, lw.w, w16, b, out, 1.0f, links.ws);  // out = residual + layer(x)
+    layer.forward_residual(backend, x, lw.w, w16, b, residual, out, links.ws);  // out = residual + layer(x)
     lora_forward(backend, x, adapters, lora.scale, out, links.ws, lora.dropout, w, lw.dora_merged);
     return;
   }
@@ -129,14 +128,13 @@ void norm_residual_backward(Backend& backend, const ModelConfig& config, const L
                             bool partial, const Tensor& d_residual, const Tensor& x, const Tensor& weight,
                             const NormSaved& norm, const Tensor& dweight, const Tensor& dbias) {
   // Sequence parallel: the partial gradient (whole sequence, k.d_norm) is reduced onto the
-  // shard in d_tmp, and the norm's input gradient goes to d_norm; else the reverse.
+  // shard in d_tmp. The norm's input gradient is added into d_residual by the norm's backward
+  // itself (accumulate: one pass over the residual stream's gradient, no separate add).
   const bool sp = links.seq != nullptr;
   const Tensor dn = sp ? k.d_tmp.view(0, d_residual.shape()) : k.d_norm;
-  const Tensor dx = sp ? k.d_norm.view(0, d_residual.shape()) : k.d_tmp;
   if (partial && sp) sequence_reduce_scatter(backend, *links.tp, k.d_norm, dn, links.seq->staging);
   else if (partial && links.tp != nullptr) links.tp->all_reduce(k.d_norm);
-  norm_backward(backend, config, dn, x, weight, norm.mean, norm.rstd, dx, dweight, dbias);
-  backend.add_inplace(d_residual, dx);
+  norm_backward(backend, config, dn, x, weight, norm.mean, norm.rstd, d_residual, dweight, dbias, true);
 }
 
 }  // namespace loom

@@ -32,7 +32,7 @@ void norm_forward(Backend& backend, const ModelConfig& config, const Tensor& x, 
                   const Tensor& bias, const Tensor& out, const Tensor& mean, const Tensor& rstd);
 void norm_backward(Backend& backend, const ModelConfig& config, const Tensor& dout, const Tensor& x,
                    const Tensor& weight, const Tensor& mean, const Tensor& rstd, const Tensor& dx,
-                   const Tensor& dweight, const Tensor& dbias);
+                   const Tensor& dweight, const Tensor& dbias, bool accumulate = false);
 
 // Which part of a backward to run: all of it, the input gradient (and the norms' and biases'
 // gradients) keeping the linear layers' output gradients, or the linear layers' weight

@@ -243,6 +243,25 @@ void LinearLayer::require_plain(const Tensor& w16) const {
              "or bf16 recipe without QAT, an NF4 base or a quantized weight");
 }
 
+void LinearLayer::forward_residual(Backend& backend, const Tensor& x, const Tensor& w, const Tensor& w16,
+                                   const Tensor& b, const Tensor& residual, const Tensor& y, LinearWorkspace* ws) {
+  if (!computes_plainly(w16) || (setup_.recipe == RECIPE_BF16 && ws == nullptr)) {
+    backend.copy(residual, y);
+    forward(backend, x, w, w16, b, y, 1.0f, ws);
+    return;
+  }
+  check_input(x);
+  GemmSpec spec = spec_of(false, true, 1.0f);
+  spec.c_in = &residual;
+  const Tensor* bias = b.defined() ? &b : nullptr;
+  if (setup_.recipe == RECIPE_F32) {
+    backend.gemm(x, w, y, spec, bias);
+    return;
+  }
+  const Tensor wb = bf16_weight(backend, w, w16, *ws);  // (forward's order: the weight, then the input)
+  backend.gemm(bf16_input(backend, x, *ws, LinearWorkspace::A), wb, y, spec, bias);
+}
+
 void LinearLayer::forward_columns(Backend& backend, const Tensor& x, const Tensor& w, const Tensor& w16,
                                   const Tensor& yt, LinearWorkspace* ws) {
   require_plain(w16);

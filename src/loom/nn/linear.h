@@ -106,6 +106,12 @@ class LinearLayer {
   void backward_columns(Backend& backend, const Tensor& x, const Tensor& w, const Tensor& w16, const Tensor& dyt,
                         const Tensor& dx, const Tensor& dw, LinearWorkspace* ws);
 
+  // y = residual + this layer's output (a block's output projection onto the residual stream):
+  // where the layer computes plainly its GEMM reads the residual as its C (GemmSpec::c_in: no
+  // copy of the stream); otherwise the residual is copied into y and forward() accumulates.
+  void forward_residual(Backend& backend, const Tensor& x, const Tensor& w, const Tensor& w16, const Tensor& b,
+                        const Tensor& residual, const Tensor& y, LinearWorkspace* ws);
+
   // Delayed scaling: the amaxes recorded since the last call become history (once per step).
   void end_step();
   // Evaluation passes leave the amax history alone.

@@ -19,6 +19,13 @@ namespace cpu_backend_detail {
 
 void CpuBackend::gemm(const Tensor& a, const Tensor& b, const Tensor& c, const GemmSpec& spec, const Tensor* bias) {
   const checks::GemmDims d = checks::check_gemm(a, b, c, spec, bias);
+  if (spec.c_in) {  // C read from c_in: a copy, then the GEMM on C
+    if (spec.beta != 0.0f) copy(*spec.c_in, c);
+    GemmSpec on_c = spec;
+    on_c.c_in = nullptr;
+    gemm(a, b, c, on_c, bias);
+    return;
+  }
   const bool bf16_in = a.dtype() == DTYPE_BF16;
   const int64_t batch = spec.batch, m = d.m, n = d.n, k = d.k;
   const int64_t a_rows = d.a_rows, a_cols = d.a_cols, b_rows = d.b_rows, b_cols = d.b_cols;
@@ -220,12 +227,13 @@ void CpuBackend::layernorm_forward(const Tensor& x, const Tensor& weight, const 
 }
 
 void CpuBackend::layernorm_backward(const Tensor& dout, const Tensor& x, const Tensor& weight, const Tensor& mean,
-                                    const Tensor& rstd, const Tensor& dx, const Tensor& dweight, const Tensor& dbias) {
+                                    const Tensor& rstd, const Tensor& dx, const Tensor& dweight, const Tensor& dbias,
+                                    bool accumulate) {
   const char* op = "layernorm_backward";
   check_row_op(op, x, {&dout, &dx}, {&weight, &dweight, &dbias}, {&mean, &rstd});
   dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() {
     cpu::layernorm_backward(dout.data<T>(), x.data<T>(), weight.data<T>(), mean.data<T>(), rstd.data<T>(),
-                            dx.data<T>(), dweight.data<T>(), dbias.data<T>(), rows_of(x), x.dim(-1));
+                            dx.data<T>(), dweight.data<T>(), dbias.data<T>(), rows_of(x), x.dim(-1), accumulate);
   });
 }
 
@@ -245,12 +253,12 @@ void CpuBackend::rmsnorm_forward(const Tensor& x, const Tensor& weight, const Te
 }
 
 void CpuBackend::rmsnorm_backward(const Tensor& dout, const Tensor& x, const Tensor& weight, const Tensor& rstd,
-                                  const Tensor& dx, const Tensor& dweight) {
+                                  const Tensor& dx, const Tensor& dweight, bool accumulate) {
   const char* op = "rmsnorm_backward";
   check_row_op(op, x, {&dout, &dx}, {&weight, &dweight}, {&rstd});
   dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() {
     cpu::rmsnorm_backward(dout.data<T>(), x.data<T>(), weight.data<T>(), rstd.data<T>(), dx.data<T>(),
-                          dweight.data<T>(), rows_of(x), x.dim(-1));
+                          dweight.data<T>(), rows_of(x), x.dim(-1), accumulate);
   });
 }
 

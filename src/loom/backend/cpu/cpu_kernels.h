@@ -35,6 +35,21 @@ T* output_row(O* out, int64_t n) {
     return row.data();
   }
 }
+// A per-thread row of n Ts (in cache): where a value must be rounded and stored before it is used
+// (the norms' accumulating backward adds it to dx as a separate add would, not contracted into an FMA).
+template <typename T>
+T* scratch_row(int64_t n) {
+  thread_local std::vector<T> row;
+  if (static_cast<int64_t>(row.size()) < n) row.resize(static_cast<size_t>(n));
+  return row.data();
+}
+// Adds row t into d (d += t), as add_inplace adds.
+template <typename T>
+void add_row(T* d, const T* t, int64_t n) {
+#pragma omp simd
+  for (int64_t c = 0; c < n; ++c) d[c] += t[c];
+}
+
 // An op's input S: T itself, or bf16 bits (S = uint16_t with T = float: a bf16 GEMM output,
 // LayerPlan::fc_bf16) widened exactly into the calling thread's input row.
 template <typename T, typename S>
@@ -141,10 +156,11 @@ void layernorm_forward(const T* x, const T* w, const T* b, O* out, T* mean, T* r
 }
 
 // xhat = (x - mean) * rstd; g = dout * w;
-// dx = rstd * (g - mean(g) - xhat * mean(g * xhat)); dw += sum_rows dout * xhat; db += sum_rows dout.
+// dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) (or dx += that: accumulate); dw += sum_rows
+// dout * xhat; db += sum_rows dout.
 template <typename T>
 void layernorm_backward(const T* dout, const T* x, const T* w, const T* mean, const T* rstd, T* dx, T* dw,
-                        T* db, int64_t rows, int64_t channels) {
+                        T* db, int64_t rows, int64_t channels, bool accumulate = false) {
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * channels;
@@ -158,9 +174,10 @@ void layernorm_backward(const T* dout, const T* x, const T* w, const T* mean, co
       sum_gx += g * (xr[c] - m) * s;
     }
     const T mean_g = sum_g / static_cast<T>(channels), mean_gx = sum_gx / static_cast<T>(channels);
-    T* d = dx + r * channels;
+    T* d = accumulate ? scratch_row<T>(channels) : dx + r * channels;
 #pragma omp simd
     for (int64_t c = 0; c < channels; ++c) d[c] = s * (gr[c] * w[c] - mean_g - (xr[c] - m) * s * mean_gx);
+    if (accumulate) add_row(dx + r * channels, d, channels);
   }
 #pragma omp parallel for schedule(static)
   for (int64_t c0 = 0; c0 < channels; c0 += kColumnBlock) {
@@ -196,25 +213,27 @@ void rmsnorm_forward(const T* x, const T* w, O* out, T* rstd, int64_t rows, int6
   }
 }
 
-// One row of the RMSNorm backward: xhat = x * s; d = s * (g w - xhat * mean(g w xhat)). d may
-// be g (in place: each g[c] is read before d[c] is written).
+// One row of the RMSNorm backward: xhat = x * s; d = s * (g w - xhat * mean(g w xhat)), or d +=
+// that (accumulate). d may be g (in place: each g[c] is read before d[c] is written).
 template <typename T>
-inline void rmsnorm_row_dx(const T* g, const T* x, const T* w, T s, T* d, int64_t channels) {
+inline void rmsnorm_row_dx(const T* g, const T* x, const T* w, T s, T* d, int64_t channels, bool accumulate = false) {
   T sum_gx = 0;
 #pragma omp simd reduction(+ : sum_gx)
   for (int64_t c = 0; c < channels; ++c) sum_gx += g[c] * w[c] * x[c] * s;
   const T mean_gx = sum_gx / static_cast<T>(channels);
+  T* t = accumulate ? scratch_row<T>(channels) : d;
 #pragma omp simd
-  for (int64_t c = 0; c < channels; ++c) d[c] = s * (g[c] * w[c] - x[c] * s * mean_gx);
+  for (int64_t c = 0; c < channels; ++c) t[c] = s * (g[c] * w[c] - x[c] * s * mean_gx);
+  if (accumulate) add_row(d, t, channels);
 }
 
 // xhat = x * rstd; g = dout * w; dx = rstd * (g - xhat * mean(g * xhat)); dw += sum_rows dout * xhat.
 template <typename T>
 void rmsnorm_backward(const T* dout, const T* x, const T* w, const T* rstd, T* dx, T* dw, int64_t rows,
-                      int64_t channels) {
+                      int64_t channels, bool accumulate = false) {
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < rows; ++r) {
-    rmsnorm_row_dx(dout + r * channels, x + r * channels, w, rstd[r], dx + r * channels, channels);
+    rmsnorm_row_dx(dout + r * channels, x + r * channels, w, rstd[r], dx + r * channels, channels, accumulate);
   }
 #pragma omp parallel for schedule(static)
   for (int64_t c0 = 0; c0 < channels; c0 += kColumnBlock) {

@@ -240,14 +240,15 @@ void CudaBackend::layernorm_forward(const Tensor& x, const Tensor& weight, const
 }
 
 void CudaBackend::layernorm_backward(const Tensor& dout, const Tensor& x, const Tensor& weight, const Tensor& mean,
-                        const Tensor& rstd, const Tensor& dx, const Tensor& dweight, const Tensor& dbias) {
+                        const Tensor& rstd, const Tensor& dx, const Tensor& dweight, const Tensor& dbias,
+                        bool accumulate) {
   const char* op = "layernorm_backward";
   check_row_op(op, x, {&dout, &dx}, {&weight, &dweight, &dbias}, {&mean, &rstd});
   dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() {
     void* scratch = workspace(cuda::norm_backward_scratch_bytes(rows_of(x), x.dim(-1), sizeof(T)));
     cuda::layernorm_backward<T>(dptr<T>(dout), dptr<T>(x), dptr<T>(weight), dptr<T>(mean), dptr<T>(rstd),
                                 dptr<T>(dx), dptr<T>(dweight), dptr<T>(dbias), rows_of(x), x.dim(-1), scratch,
-                                stream_);
+                                accumulate, stream_);
   });
 }
 
@@ -267,13 +268,13 @@ void CudaBackend::rmsnorm_forward(const Tensor& x, const Tensor& weight, const T
 }
 
 void CudaBackend::rmsnorm_backward(const Tensor& dout, const Tensor& x, const Tensor& weight, const Tensor& rstd,
-                      const Tensor& dx, const Tensor& dweight) {
+                      const Tensor& dx, const Tensor& dweight, bool accumulate) {
   const char* op = "rmsnorm_backward";
   check_row_op(op, x, {&dout, &dx}, {&weight, &dweight}, {&rstd});
   dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() {
     void* scratch = workspace(cuda::norm_backward_scratch_bytes(rows_of(x), x.dim(-1), sizeof(T)));
     cuda::rmsnorm_backward<T>(dptr<T>(dout), dptr<T>(x), dptr<T>(weight), dptr<T>(rstd), dptr<T>(dx),
-                              dptr<T>(dweight), rows_of(x), x.dim(-1), scratch, stream_);
+                              dptr<T>(dweight), rows_of(x), x.dim(-1), scratch, accumulate, stream_);
   });
 }
 

@@ -130,11 +130,12 @@ class CudaBackend final : public Backend {
   void layernorm_forward(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& out,
                          const Tensor& mean, const Tensor& rstd, float eps) override;
   void layernorm_backward(const Tensor& dout, const Tensor& x, const Tensor& weight, const Tensor& mean,
-                          const Tensor& rstd, const Tensor& dx, const Tensor& dweight, const Tensor& dbias) override;
+                          const Tensor& rstd, const Tensor& dx, const Tensor& dweight, const Tensor& dbias,
+                          bool accumulate = false) override;
   void rmsnorm_forward(const Tensor& x, const Tensor& weight, const Tensor& out, const Tensor& rstd,
                        float eps) override;
   void rmsnorm_backward(const Tensor& dout, const Tensor& x, const Tensor& weight, const Tensor& rstd,
-                        const Tensor& dx, const Tensor& dweight) override;
+                        const Tensor& dx, const Tensor& dweight, bool accumulate = false) override;
   void gelu_forward(const Tensor& x, const Tensor& out) override;
   void gelu_backward(const Tensor& x, const Tensor& dout, const Tensor& dx) override;
   void glu_forward(const Tensor& x, const Tensor& out, GateActivation act) override;
@@ -314,6 +315,7 @@ class CudaBackend final : public Backend {
     float alpha = 1.0f, beta = 0.0f;
     cudaDataType_t in_type = CUDA_R_32F;
     cudaDataType_t out_type = CUDA_R_32F;  // or CUDA_R_16BF: bf16 A and B, beta 0
+    const void* c_in = nullptr;            // where beta's C is read (GemmSpec::c_in; null: c)
   };
   static GemmCall gemm_call(const Tensor& a, const Tensor& b, const Tensor& c, const GemmSpec& spec,
                             const checks::GemmDims& d);

@@ -53,9 +53,10 @@ void CudaBackend::gemm(const Tensor& a, const Tensor& b, const Tensor& c, const 
              d.n, ", ", d.k, ") exceed cuBLAS's 32-bit sizes");
   bool bias_done = false;  // cuBLASLt's epilogue added it
   if (a.dtype() == DTYPE_F64) {
+    if (spec.c_in != nullptr && spec.beta != 0.0f) copy(*spec.c_in, c);
     gemm_f64(a, b, c, spec, d);
   } else if (a.dtype() == DTYPE_F32 || a.dtype() == DTYPE_BF16) {
-    const GemmCall call = gemm_call(a, b, c, spec, d);
+    GemmCall call = gemm_call(a, b, c, spec, d);
     if (call.out_type == CUDA_R_16BF) {
       gemm_bf16_out(call, bias);
       return;
@@ -64,10 +65,19 @@ void CudaBackend::gemm(const Tensor& a, const Tensor& b, const Tensor& c, const 
         {.m = d.m, .n = d.n, .k = d.k, .trans_a = spec.trans_a, .trans_b = spec.trans_b, .batch = spec.batch,
          .in_bytes = static_cast<size_t>(in_bytes(call.in_type)), .out_bytes = 4},
         panel_limits_);
-    if (panels.dim == GemmPanels::NONE) {
-      bias_done = gemm_lt(call, bias ? bias->device_ptr() : nullptr);
-    } else {
-      gemm_panels(call, panels);
+    // A separate C (GemmSpec::c_in) goes to cuBLASLt as its C; the other paths read C in place,
+    // copied from c_in first.
+    const void* bias_ptr = bias ? bias->device_ptr() : nullptr;
+    bool done = false;
+    if (call.c_in != nullptr && panels.dim == GemmPanels::NONE) {
+      bool declined = false;
+      bias_done = gemm_lt(call, bias_ptr, false, &declined);
+      done = !declined;
+    }
+    if (!done) {
+      if (call.c_in != nullptr) copy(*spec.c_in, c), call.c_in = nullptr;
+      if (panels.dim == GemmPanels::NONE) bias_done = gemm_lt(call, bias_ptr);
+      else gemm_panels(call, panels);
     }
   } else {
     throw Error(str_cat("gemm: not supported for dtype ", dtype_name(a.dtype()), " on the CUDA backend (f32, bf16, f64)"));
@@ -99,7 +109,8 @@ CudaBackend::GemmCall CudaBackend::gemm_call(const Tensor& a, const Tensor& b, c
                   .alpha = spec.alpha,
                   .beta = spec.beta,
                   .in_type = a.dtype() == DTYPE_BF16 ? CUDA_R_16BF : CUDA_R_32F,
-                  .out_type = c.dtype() == DTYPE_BF16 ? CUDA_R_16BF : CUDA_R_32F};
+                  .out_type = c.dtype() == DTYPE_BF16 ? CUDA_R_16BF : CUDA_R_32F,
+                  .c_in = spec.c_in && spec.beta != 0.0f ? spec.c_in->device_ptr() : nullptr};
 }
 
 void CudaBackend::gemm_bf16_out(const GemmCall& g, const Tensor* bias) {
@@ -198,7 +209,7 @@ bool CudaBackend::gemm_lt(const GemmCall& g, const void* bias, bool ex_fallback,
     const std::pair<cublasLtMatmulPreferenceAttributes_t, const void*> operands[] = {
         {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, g.b},
         {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, g.a},
-        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, g.c},
+        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, g.c_in ? g.c_in : g.c},
         {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, g.c}};
     for (const auto& [attribute, pointer] : operands) {
       const uint32_t alignment = pointer_alignment(pointer);
@@ -216,7 +227,7 @@ bool CudaBackend::gemm_lt(const GemmCall& g, const void* bias, bool ex_fallback,
       return false;
     }
     const float alpha = g.alpha, beta = g.beta;
-    LOOM_CUBLAS_STATUS(cublasLtMatmul(lt_, desc, &alpha, g.b, la, g.a, lb, &beta, g.c, lc, g.c, lc, &result.algo,
+    LOOM_CUBLAS_STATUS(cublasLtMatmul(lt_, desc, &alpha, g.b, la, g.a, lb, &beta, g.c_in ? g.c_in : g.c, lc, g.c, lc, &result.algo,
                                       lt_workspace_.device_ptr(), ws, stream_));
   } catch (...) {
     cleanup();

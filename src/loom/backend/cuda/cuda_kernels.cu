@@ -497,7 +497,7 @@ __global__ void layernorm_forward_kernel(const T* x, const T* w, const T* b, O* 
 // dx only (dw, db: column_sums). Same shape as the forward; the sums through lane_backward_sums.
 template <typename T>
 __global__ void layernorm_backward_kernel(const T* dout, const T* x, const T* w, const T* mean, const T* rstd, T* dx,
-                                          int64_t rows, int64_t channels) {
+                                          int64_t rows, int64_t channels, bool accumulate) {
   const int lane = static_cast<int>(threadIdx.x) % kWarp, warp = static_cast<int>(threadIdx.x) / kWarp;
   for (int64_t r = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + warp; r < rows;
        r += static_cast<int64_t>(gridDim.x) * kRowsPerBlock) {
@@ -513,7 +513,10 @@ __global__ void layernorm_backward_kernel(const T* dout, const T* x, const T* w,
     const T mean_g = warp_sum(sum_g) / static_cast<T>(channels);
     const T mean_gx = warp_sum(sum_gx) / static_cast<T>(channels);
     T* d = dx + r * channels;
-    for (int64_t c = lane; c < channels; c += kWarp) d[c] = s * (gr[c] * w[c] - mean_g - (xr[c] - m) * s * mean_gx);
+    for (int64_t c = lane; c < channels; c += kWarp) {
+      const T v = mul_rn(s, gr[c] * w[c] - mean_g - (xr[c] - m) * s * mean_gx);  // not contracted into the add
+      d[c] = accumulate ? d[c] + v : v;
+    }
   }
 }
 
@@ -543,7 +546,7 @@ __global__ void rmsnorm_forward_kernel(const T* x, const T* w, O* out, T* rstd, 
 
 template <typename T>
 __global__ void rmsnorm_backward_kernel(const T* dout, const T* x, const T* w, const T* rstd, T* dx, int64_t rows,
-                                        int64_t channels) {
+                                        int64_t channels, bool accumulate) {
   const int lane = static_cast<int>(threadIdx.x) % kWarp, warp = static_cast<int>(threadIdx.x) / kWarp;
   for (int64_t r = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + warp; r < rows;
        r += static_cast<int64_t>(gridDim.x) * kRowsPerBlock) {
@@ -554,7 +557,10 @@ __global__ void rmsnorm_backward_kernel(const T* dout, const T* x, const T* w, c
     lane_backward_sums(gr, w, xr, channels, [&](T gc, T wc, T xc) { sum_gx += gc * wc * xc * s; });
     const T mean_gx = warp_sum(sum_gx) / static_cast<T>(channels);
     T* d = dx + r * channels;
-    for (int64_t c = lane; c < channels; c += kWarp) d[c] = s * (gr[c] * w[c] - xr[c] * s * mean_gx);
+    for (int64_t c = lane; c < channels; c += kWarp) {
+      const T v = mul_rn(s, gr[c] * w[c] - xr[c] * s * mean_gx);  // not contracted into the add
+      d[c] = accumulate ? d[c] + v : v;
+    }
   }
 }
 
@@ -863,12 +869,12 @@ size_t norm_backward_scratch_bytes(int64_t rows, int64_t channels, size_t elem_b
 // dw, db first (they read dout), then dx: so dx may even alias dout.
 template <typename T>
 void layernorm_backward(const T* dout, const T* x, const T* w, const T* mean, const T* rstd, T* dx, T* dw, T* db,
-                        int64_t rows, int64_t channels, void* scratch, cudaStream_t stream) {
+                        int64_t rows, int64_t channels, void* scratch, bool accumulate, cudaStream_t stream) {
   if (rows <= 0 || channels <= 0) return;
   column_sums<T, 2>(LoadLayerNormGrads<T>{dout, x, mean, rstd, channels}, rows, channels, static_cast<T*>(scratch),
                     dw, db, stream);
   launch<layernorm_backward_kernel<T>>(grid_for(rows, kRowsPerBlock), kBlock, 0, stream, dout, x, w, mean, rstd, dx, rows,
-                                                                                     channels);
+                                       channels, accumulate);
   LOOM_CUDA_CHECK_LAUNCH();
 }
 
@@ -883,12 +889,12 @@ void rmsnorm_forward(const T* x, const T* w, O* out, T* rstd, int64_t rows, int6
 
 template <typename T>
 void rmsnorm_backward(const T* dout, const T* x, const T* w, const T* rstd, T* dx, T* dw, int64_t rows,
-                      int64_t channels, void* scratch, cudaStream_t stream) {
+                      int64_t channels, void* scratch, bool accumulate, cudaStream_t stream) {
   if (rows <= 0 || channels <= 0) return;
   column_sums<T, 1>(LoadRmsNormGrad<T>{dout, x, rstd, channels}, rows, channels, static_cast<T*>(scratch), dw,
                     nullptr, stream);
   launch<rmsnorm_backward_kernel<T>>(grid_for(rows, kRowsPerBlock), kBlock, 0, stream, dout, x, w, rstd, dx, rows,
-                                                                                   channels);
+                                     channels, accumulate);
   LOOM_CUDA_CHECK_LAUNCH();
 }
 
@@ -964,10 +970,10 @@ void adamw_step(T* p, const T* grad, T* m, T* v, int64_t n, double lr, double be
   template void layernorm_forward<T, T>(const T*, const T*, const T*, T*, T*, T*, int64_t, int64_t, double,          \
                                         cudaStream_t);                                                               \
   template void layernorm_backward<T>(const T*, const T*, const T*, const T*, const T*, T*, T*, T*, int64_t,         \
-                                      int64_t, void*, cudaStream_t);                                                 \
+                                      int64_t, void*, bool, cudaStream_t);                                           \
   template void rmsnorm_forward<T, T>(const T*, const T*, T*, T*, int64_t, int64_t, double, cudaStream_t);           \
   template void rmsnorm_backward<T>(const T*, const T*, const T*, const T*, T*, T*, int64_t, int64_t, void*,         \
-                                    cudaStream_t);                                                                   \
+                                    bool, cudaStream_t);                                                             \
   template void gelu_forward<T, T>(const T*, T*, int64_t, cudaStream_t);                                             \
   template void gelu_backward<T, T>(const T*, const T*, T*, int64_t, cudaStream_t);                                  \
   template void glu_forward<T, T>(const T*, T*, int64_t, int64_t, GateActivation, cudaStream_t);                    \

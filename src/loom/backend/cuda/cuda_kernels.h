@@ -81,16 +81,16 @@ template <typename T, typename O>
 void layernorm_forward(const T* x, const T* w, const T* b, O* out, T* mean, T* rstd, int64_t rows, int64_t channels,
                        double eps, cudaStream_t stream);
 size_t norm_backward_scratch_bytes(int64_t rows, int64_t channels, size_t elem_bytes);
-// dx overwritten; dw, db accumulated (+=).
+// dx overwritten (or accumulated: dx + the input gradient, bitwise a separate add); dw, db accumulated (+=).
 template <typename T>
 void layernorm_backward(const T* dout, const T* x, const T* w, const T* mean, const T* rstd, T* dx, T* dw, T* db,
-                        int64_t rows, int64_t channels, void* scratch, cudaStream_t stream);
+                        int64_t rows, int64_t channels, void* scratch, bool accumulate, cudaStream_t stream);
 template <typename T, typename O>
 void rmsnorm_forward(const T* x, const T* w, O* out, T* rstd, int64_t rows, int64_t channels, double eps,
                      cudaStream_t stream);
 template <typename T>
 void rmsnorm_backward(const T* dout, const T* x, const T* w, const T* rstd, T* dx, T* dw, int64_t rows,
-                      int64_t channels, void* scratch, cudaStream_t stream);
+                      int64_t channels, void* scratch, bool accumulate, cudaStream_t stream);
 
 // ---------------------------------------------------------------- activations
 // x may be bf16 bits (S = uint16_t, T = float: a bf16 GEMM output), each element widened exactly.
