@@ -6,8 +6,8 @@
 //   build/bench/train_bench --model gpt2-124m --batch 4 --seq 64 --steps 10 --warmup 2 [--compute LIST] [--lora R [--qlora 1] [--dora 1]]
 // --compute takes a comma-separated list of linear recipes (precision/policy.h: f32, bf16, fp16,
 // fp8-delayed, fp8-current, fp8-block), each optionally with +mxfp4 or +nvfp4 (weight QAT) and
-// +f32-saved (precision.activations = f32: no bf16-saved inputs) and +attn-bf16 (precision.attention
-// = bf16); "both" means f32,bf16. Each runs in the same process, one JSON line each; with more than one, a
+// +f32-saved (precision.activations = f32: no bf16-saved inputs), +f32-outputs (precision.outputs =
+// f32: fp32 logits and fc output) and +attn-bf16 (precision.attention = bf16); "both" means f32,bf16. Each runs in the same process, one JSON line each; with more than one, a
 // last line gives every recipe's tokens/s relative to the first.
 // bench/compare_train.py runs it beside the PyTorch reference and prints the ratios.
 #include <chrono>
@@ -112,10 +112,11 @@ double run(const Args& args, const std::string& compute) {
   tc.batch_size = args.batch, tc.seq_len = args.seq, tc.steps = args.warmup + args.steps, tc.schedule.warmup = 1;
   size_t plus = compute.find('+');
   tc.precision.compute = compute.substr(0, plus);
-  while (plus != std::string::npos) {  // "+mxfp4" / "+nvfp4": QAT; "+f32-saved", "+attn-bf16": the precision keys
+  while (plus != std::string::npos) {  // "+mxfp4" / "+nvfp4": QAT; "+f32-saved", "+f32-outputs", "+attn-bf16": the precision keys
     const size_t next = compute.find('+', plus + 1);
     const std::string part = compute.substr(plus + 1, next == std::string::npos ? std::string::npos : next - plus - 1);
     if (part == "f32-saved") tc.precision.activations = "f32";
+    else if (part == "f32-outputs") tc.precision.outputs = "f32";
     else if (part == "attn-bf16") tc.precision.attention = "bf16";
     else tc.precision.qat = part;
     plus = next;

@@ -90,7 +90,7 @@ TEST_P(BackendOpsTest, GemmReadsBetasCFromCIn) {
 // within one bf16 step on a device, whose cuBLASLt may sum a bf16 D in another order; against the
 // CPU within one bf16 rounding. Shapes: each transpose with a bias, a batch with and without one
 // (a device stages a batch with a bias), rows that are not 16-byte multiples (cuBLASLt declines
-// them: staged), and a linear layer's forward.
+// them: staged), a linear layer's forward, and products the CPU computes in several panels.
 TEST_P(BackendOpsTest, GemmBf16OutputIsTheRoundedF32Product) {
   std::vector<GemmCase> cases;
   for (bool ta : {false, true}) {
@@ -100,6 +100,10 @@ TEST_P(BackendOpsTest, GemmBf16OutputIsTheRoundedF32Product) {
   cases.push_back({GemmSpec{false, true, 1.0f, 0.0f, 2}, 16, 24, 32, true});
   cases.push_back({GemmSpec{false, true, 1.0f, 0.0f, 1}, 17, 101, 64, true});
   cases.push_back({GemmSpec{false, true, 1.0f, 0.0f, 1}, 512, 768, 768, true});
+  // More rows than columns, and the CPU's 16 MB panels cut twice: by rows, and by columns (a head).
+  cases.push_back({GemmSpec{true, false, 1.0f, 0.0f, 1}, 40, 24, 37, true});
+  cases.push_back({GemmSpec{false, false, 1.0f, 0.0f, 1}, 70000, 64, 16, true});
+  cases.push_back({GemmSpec{false, true, 1.0f, 0.0f, 1}, 64, 70000, 16, true});
   for (const GemmCase& g : cases) {
     const int64_t b = g.spec.batch;
     const std::string what = gemm_name(DTYPE_BF16, g) + " -> bf16";

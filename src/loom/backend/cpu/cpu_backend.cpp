@@ -62,8 +62,19 @@ void CpuBackend::gemm(const Tensor& a, const Tensor& b, const Tensor& c, const G
   });
 }
 
-// A bf16 C: panels of rows multiplied into an fp32 buffer (at most kPanelFloats), the bias
-// rounded to bf16 added in fp32, each element rounded as cast() rounds.
+namespace {
+// n floats rounded to bf16 bits, in parallel blocks (as cast() rounds).
+void round_rows(const float* x, uint16_t* out, int64_t n) {
+  constexpr int64_t kBlock = 1 << 16;
+#pragma omp parallel for schedule(static) if (n > kBlock)
+  for (int64_t b = 0; b < n; b += kBlock) cpu::round_to_bf16_bits(x + b, out + b, std::min(kBlock, n - b));
+}
+}  // namespace
+
+// A bf16 C: panels multiplied into an fp32 buffer (at most kPanelFloats, kept between calls), the
+// bias rounded to bf16 added in fp32, each element rounded as cast() rounds. The panels cut the
+// longer of C's two sides, so the GEMMs keep the other whole (a head's (B T, V) logits: column
+// panels, the weight read once).
 void CpuBackend::gemm_bf16_out(const Tensor& a, const Tensor& b, const Tensor& c, const GemmSpec& spec,
                                const checks::GemmDims& d, const Tensor* bias) {
   constexpr int64_t kPanelFloats = int64_t{1} << 22;  // 16 MB
@@ -78,19 +89,35 @@ void CpuBackend::gemm_bf16_out(const Tensor& a, const Tensor& b, const Tensor& c
     bias16.resize(static_cast<size_t>(n));
     for (int64_t j = 0; j < n; ++j) bias16[j] = bf16_to_f32(bf16{bits[j]});
   }
-  const int64_t panel = std::clamp<int64_t>(kPanelFloats / std::max<int64_t>(n, 1), 1, std::max<int64_t>(m, 1));
-  std::vector<float> acc(static_cast<size_t>(panel * n));
+  const bool by_rows = m >= n;
+  const int64_t whole = by_rows ? n : m, cut = by_rows ? m : n;
+  const int64_t panel = std::clamp<int64_t>(kPanelFloats / std::max<int64_t>(whole, 1), 1, std::max<int64_t>(cut, 1));
+  if (gemm_out_floats_ < panel * whole) {  // not zeroed: the GEMM overwrites it
+    gemm_out_.reset(new float[static_cast<size_t>(panel * whole)]);
+    gemm_out_floats_ = panel * whole;
+  }
+  float* acc = gemm_out_.get();
   for (int64_t i = 0; i < spec.batch; ++i) {
     const uint16_t* ai = pa + i * d.a_rows * d.a_cols;
     const uint16_t* bi = pb + i * d.b_rows * d.b_cols;
-    for (int64_t first = 0; first < m; first += panel) {
-      const int64_t rows = std::min(panel, m - first);
-      // op(A)'s rows [first, first + rows): a row panel of A (m, k), a column block of A stored (k, m).
-      const uint16_t* a_panel = spec.trans_a ? ai + first : ai + first * d.a_cols;
-      cpu::gemm_bf16(spec.trans_a, spec.trans_b, rows, n, k, spec.alpha, a_panel, d.a_cols, bi, d.b_cols, 0.0f,
-                     acc.data(), n);
-      if (bias) add_bias_rows(acc.data(), bias16.data(), rows, n);
-      cpu::round_to_bf16_bits(acc.data(), pc + (i * m + first) * n, rows * n);
+    uint16_t* ci = pc + i * m * n;
+    for (int64_t first = 0; first < cut; first += panel) {
+      const int64_t count = std::min(panel, cut - first);
+      if (by_rows) {  // op(A)'s rows [first, first + count): a row panel of A (m, k), a column block of A stored (k, m)
+        const uint16_t* a_panel = spec.trans_a ? ai + first : ai + first * d.a_cols;
+        cpu::gemm_bf16(spec.trans_a, spec.trans_b, count, n, k, spec.alpha, a_panel, d.a_cols, bi, d.b_cols, 0.0f,
+                       acc, n);
+        if (bias) add_bias_rows(acc, bias16.data(), count, n);
+        round_rows(acc, ci + first * n, count * n);
+        continue;
+      }
+      // op(B)'s columns [first, first + count): a row panel of B stored (n, k), a column block of B (k, n)
+      const uint16_t* b_panel = spec.trans_b ? bi + first * d.b_cols : bi + first;
+      cpu::gemm_bf16(spec.trans_a, spec.trans_b, m, count, k, spec.alpha, ai, d.a_cols, b_panel, d.b_cols, 0.0f, acc,
+                     count);
+      if (bias) add_bias_rows(acc, bias16.data() + first, m, count);
+#pragma omp parallel for schedule(static) if (m * count > (int64_t{1} << 16))
+      for (int64_t r = 0; r < m; ++r) cpu::round_to_bf16_bits(acc + r * count, ci + r * n + first, count);
     }
   }
 }

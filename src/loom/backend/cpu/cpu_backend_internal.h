@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <string_view>
 
@@ -392,6 +393,8 @@ class CpuBackend final : public Backend {
   static void add_bias_rows(T* c, const T* bias, int64_t rows, int64_t cols);
   void gemm_bf16_out(const Tensor& a, const Tensor& b, const Tensor& c, const GemmSpec& spec,
                      const checks::GemmDims& d, const Tensor* bias);
+  std::unique_ptr<float[]> gemm_out_;  // gemm_bf16_out's fp32 panel (at most 16 MB)
+  int64_t gemm_out_floats_ = 0;
   template <typename F>
   double reduce_fixed_order(const Tensor& x, const char* op, F f);
   static void check_token_range(const char* op, const Tensor& tokens, int64_t vocab);

@@ -847,7 +847,12 @@ inline void cross_entropy_loss_and_grad_bf16(uint16_t* logits, const int32_t* ta
   for (int64_t r = 0; r < rows; ++r) {
     float* x = scratch.data() + static_cast<int64_t>(omp_get_thread_num()) * vocab;
     uint16_t* row = logits + r * row_step;
-    for (int64_t v = 0; v < vocab; ++v) x[v] = bf16_to_f32(bf16{row[v * v_step]});
+    if (by_columns) {
+      for (int64_t v = 0; v < vocab; ++v) x[v] = bf16_to_f32(bf16{row[v * v_step]});
+    } else {
+#pragma omp simd
+      for (int64_t v = 0; v < vocab; ++v) x[v] = bf16_to_f32(bf16{row[v]});
+    }
     cross_entropy_row_loss(x, targets[r], vocab, lse + r, losses + r);
     cross_entropy_row_grad(x, targets[r], lse[r], dloss, x, vocab);
     if (!by_columns) {
