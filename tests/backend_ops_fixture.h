@@ -332,6 +332,7 @@ class BackendOpsTest : public ::testing::TestWithParam<std::string> {
   }
 
   void gemm_cases(DType in, DType out, Tol tol);  // below, with the GEMM tests
+  Operands gemm_ab(DType in, const GemmCase& g);   // a case's random A and B, in dtype `in`
 
   CpuAllocator host_;
   std::unique_ptr<Backend> cpu_ = make_cpu_backend();

@@ -30,13 +30,19 @@ std::string gemm_name(DType in, const GemmCase& g) {
                  g.bias ? " bias" : "");
 }
 
+Operands BackendOpsTest::gemm_ab(DType in, const GemmCase& g) {
+  const int64_t b = g.spec.batch;
+  Operands x;
+  x.tensors["a"] = rnd(g.spec.trans_a ? Shape{b, g.k, g.m} : Shape{b, g.m, g.k}, in, 1);
+  x.tensors["b"] = rnd(g.spec.trans_b ? Shape{b, g.n, g.k} : Shape{b, g.k, g.n}, in, 2);
+  return x;
+}
+
 // A and B of dtype `in`, C and the bias of dtype `out`.
 void BackendOpsTest::gemm_cases(DType in, DType out, Tol tol) {
   for (const GemmCase& g : gemm_shapes(in)) {
     const int64_t b = g.spec.batch;
-    Operands x;
-    x.tensors["a"] = rnd(g.spec.trans_a ? Shape{b, g.k, g.m} : Shape{b, g.m, g.k}, in, 1);
-    x.tensors["b"] = rnd(g.spec.trans_b ? Shape{b, g.n, g.k} : Shape{b, g.k, g.n}, in, 2);
+    Operands x = gemm_ab(in, g);
     x.tensors["c"] = g.spec.beta == 0.0f ? nans({b, g.m, g.n}, out) : rnd({b, g.m, g.n}, out, 3);
     if (g.bias) x.tensors["bias"] = rnd({g.n}, out, 4);
     check(gemm_name(in, g), x,
@@ -62,9 +68,7 @@ TEST_P(BackendOpsTest, GemmReadsBetasCFromCIn) {
                               GemmCase{GemmSpec{false, true, 1.0f, 1.0f, 1}, 17, 101, 64, false}}) {
       const int64_t b = g.spec.batch;
       const std::string what = gemm_name(in, g) + " with c_in";
-      Operands x;
-      x.tensors["a"] = rnd(g.spec.trans_a ? Shape{b, g.k, g.m} : Shape{b, g.m, g.k}, in, 1);
-      x.tensors["b"] = rnd(g.spec.trans_b ? Shape{b, g.n, g.k} : Shape{b, g.k, g.n}, in, 2);
+      Operands x = gemm_ab(in, g);
       x.tensors["c"] = nans({b, g.m, g.n}, out);
       x.tensors["c_in"] = rnd({b, g.m, g.n}, out, 3);
       x.tensors["want"] = rnd({b, g.m, g.n}, out, 3);  // c_in's values
@@ -107,9 +111,7 @@ TEST_P(BackendOpsTest, GemmBf16OutputIsTheRoundedF32Product) {
   for (const GemmCase& g : cases) {
     const int64_t b = g.spec.batch;
     const std::string what = gemm_name(DTYPE_BF16, g) + " -> bf16";
-    Operands x;
-    x.tensors["a"] = rnd(g.spec.trans_a ? Shape{b, g.k, g.m} : Shape{b, g.m, g.k}, DTYPE_BF16, 1);
-    x.tensors["b"] = rnd(g.spec.trans_b ? Shape{b, g.n, g.k} : Shape{b, g.k, g.n}, DTYPE_BF16, 2);
+    Operands x = gemm_ab(DTYPE_BF16, g);
     x.tensors["c"] = nans({b, g.m, g.n}, DTYPE_BF16);
     x.tensors["f"] = nans({b, g.m, g.n}, DTYPE_F32);
     x.tensors["bias"] = rnd({g.n}, DTYPE_F32, 4);

@@ -107,11 +107,6 @@ void check_glu_shapes(const char* op, const Tensor& x, const Tensor& out) {
              x.describe(), ", out ", out.describe());
 }
 
-void check_swiglu(const char* op, const Tensor& x, const Tensor& out) {
-  expect_dtype(out, x.dtype(), op, "out");
-  check_glu_shapes(op, x, out);
-}
-
 ActivationIo check_activation(const char* op, const Tensor& x, const Tensor& out, int64_t numel, const Tensor* dout,
                               int64_t dout_numel) {
   const bool x16 = x.dtype() == DTYPE_BF16;
@@ -124,11 +119,6 @@ ActivationIo check_activation(const char* op, const Tensor& x, const Tensor& out
              " must be f32 or bf16 for a bf16 x");
   expect_numel(out, numel, op, "out");
   return {true, out.dtype() == DTYPE_BF16};
-}
-
-bool check_glu_forward(const char* op, const Tensor& x, const Tensor& out) {
-  check_glu_shapes(op, x, out);
-  return check_output(op, x, out, out.numel());
 }
 
 void check_head_rows(const char* op, const Tensor& x, const Tensor& weight, int64_t first, int64_t n, int64_t hd,

@@ -53,10 +53,6 @@ Dims3 check_embedding(const char* op, const Tensor& tokens, const Tensor& table,
                       const Tensor& activations);
 // x (N, 2F), out (N, F): the shapes only.
 void check_glu_shapes(const char* op, const Tensor& x, const Tensor& out);
-// x (N, 2F), out (N, F) in x's dtype.
-void check_swiglu(const char* op, const Tensor& x, const Tensor& out);
-// glu_forward's: the same shapes, out in x's dtype or bf16 (check_output); returns whether bf16.
-bool check_glu_forward(const char* op, const Tensor& x, const Tensor& out);
 // An activation's (gelu_*, glu_*) x, out (numel elements) and, for a backward, dout (dout_numel):
 // one float dtype, or f32 and bf16 mixed: x bf16 (a bf16 GEMM output, widened exactly; dout then
 // f32), out bf16 (rounded to nearest even). Shapes are the caller's to check.

@@ -516,14 +516,13 @@ double Transformer::head_and_loss(ActivationStore& s, bool compute_loss) {
   const bool fuse = compute_loss && tp_ == nullptr && fused != 0.0f && s.row_weights.empty() &&
                     s.position_weights.empty() && !s.logit_grad.defined();
   const int64_t N = s.batch * s.seq_len, V = config_.vocab_size;
-  // Where the backend asks, the fused loss keeps the logits by columns, (V, B*T) = W final_norm^T:
-  // the head's GEMMs on aligned rows.
-  const bool by_columns = fuse && s.logits.numel() == N * V && head_.computes_plainly(head16_) &&
-                          backend_.logits_by_columns(N, V);
-  // A bf16 head under precision.outputs = bf16 writes the fused loss's logits in bf16, as autocast's
-  // linear returns them; the loss reads them widened and writes d(logits) over them.
-  const bool logits16 = fuse && s.logits.numel() == N * V && policy_.outputs_bf16 &&
-                        head_.setup().recipe == RECIPE_BF16 && head_.computes_plainly(head16_);
+  // A plain head's fused loss: where the backend asks, it keeps the logits by columns, (V, B*T) =
+  // W final_norm^T (the head's GEMMs on aligned rows); a bf16 head under precision.outputs = bf16
+  // writes them in bf16, as autocast's linear returns them (the loss reads them widened and writes
+  // d(logits) over them).
+  const bool plain = fuse && s.logits.numel() == N * V && head_.computes_plainly(head16_);
+  const bool by_columns = plain && backend_.logits_by_columns(N, V);
+  const bool logits16 = plain && policy_.outputs_bf16 && head_.setup().recipe == RECIPE_BF16;
   const Shape shape = by_columns ? Shape{V, N} : s.logits.shape();
   const Tensor logits = logits16 ? ws_.bf16(LinearWorkspace::L, shape) : s.logits.view(0, shape);
   if (by_columns) head_.forward_columns(backend_, s.final_norm, head_w, head16_, logits, &ws_);

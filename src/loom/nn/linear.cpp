@@ -198,12 +198,7 @@ void LinearLayer::forward(Backend& backend, const Tensor& x, const Tensor& w, co
   using S = LinearWorkspace;
   switch (setup_.recipe) {
     case RECIPE_F32: backend.gemm(x, effective_weight(backend, w, w16, *ws), y, spec, bias); return;
-    case RECIPE_BF16: {
-      const Tensor wb = bf16_weight(backend, w, w16, *ws);
-      const Tensor xb = bf16_input(backend, x, *ws, S::A);
-      backend.gemm(xb, wb, y, spec, bias);
-      return;
-    }
+    case RECIPE_BF16: bf16_gemm(backend, x, w, w16, y, spec, bias, *ws); return;
     case RECIPE_FP16: {
       const Tensor wq = fp16_of(backend, effective_weight(backend, w, w16, *ws), *ws, S::W);
       const Tensor xq = fp16_of(backend, x, *ws, S::A);
@@ -254,12 +249,15 @@ void LinearLayer::forward_residual(Backend& backend, const Tensor& x, const Tens
   GemmSpec spec = spec_of(false, true, 1.0f);
   spec.c_in = &residual;
   const Tensor* bias = b.defined() ? &b : nullptr;
-  if (setup_.recipe == RECIPE_F32) {
-    backend.gemm(x, w, y, spec, bias);
-    return;
-  }
-  const Tensor wb = bf16_weight(backend, w, w16, *ws);  // (forward's order: the weight, then the input)
-  backend.gemm(bf16_input(backend, x, *ws, LinearWorkspace::A), wb, y, spec, bias);
+  if (setup_.recipe == RECIPE_F32) backend.gemm(x, w, y, spec, bias);
+  else bf16_gemm(backend, x, w, w16, y, spec, bias, *ws);
+}
+
+void LinearLayer::bf16_gemm(Backend& backend, const Tensor& x, const Tensor& w, const Tensor& w16, const Tensor& y,
+                            const GemmSpec& spec, const Tensor* bias, LinearWorkspace& ws) const {
+  const Tensor wb = bf16_weight(backend, w, w16, ws);
+  const Tensor xb = bf16_input(backend, x, ws, LinearWorkspace::A);
+  backend.gemm(xb, wb, y, spec, bias);
 }
 
 void LinearLayer::forward_columns(Backend& backend, const Tensor& x, const Tensor& w, const Tensor& w16,

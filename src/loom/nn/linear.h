@@ -126,6 +126,9 @@ class LinearLayer {
   Tensor effective_weight(Backend& backend, const Tensor& w, const Tensor& w16, LinearWorkspace& ws) const;
   // That weight in bf16: w16 itself, or effective_weight() cast into workspace slot W.
   Tensor bf16_weight(Backend& backend, const Tensor& w, const Tensor& w16, LinearWorkspace& ws) const;
+  // The bf16 recipe's forward product: y = op(x in bf16, bf16_weight()) per spec.
+  void bf16_gemm(Backend& backend, const Tensor& x, const Tensor& w, const Tensor& w16, const Tensor& y,
+                 const GemmSpec& spec, const Tensor* bias, LinearWorkspace& ws) const;
   // x is fp32, or bf16 for the bf16 recipe (a saved input, nn/plan.h LayerPlan::saved_bf16).
   void check_input(const Tensor& x) const;
   void require_plain(const Tensor& w16) const;  // computes_plainly, or a one-line error

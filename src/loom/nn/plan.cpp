@@ -46,8 +46,9 @@ std::array<bool, 4> saved_bf16(const ModelConfig& config, int64_t layer, const L
   return on;
 }
 
-// LayerPlan::mlp_in_dy_bf16's rule.
-bool mlp_in_dy_bf16(const ModelConfig& config, int64_t layer, const LayerPlan& plan, bool wanted) {
+// LayerPlan::mlp_in_dy_bf16's and fc_bf16's rule (each its own choice): the MLP's first layer in bf16
+// around its GEMMs.
+bool mlp_in_bf16(const ModelConfig& config, int64_t layer, const LayerPlan& plan, bool wanted) {
   if (!wanted || plan.mlp != MlpKind::dense || plan.linears[LINEAR_MLP_IN] != RECIPE_BF16) return false;
   for (const LoraSite& site : lora_sites(config, layer)) {
     if (site.linear == LORA_ON_FC) return false;
@@ -129,8 +130,8 @@ LayerPlan resolve_layer_plan(const ModelConfig& config, int64_t layer, const Pla
   plan.attention_bf16 = choices.attention_bf16 && (plan.attention == AttentionKind::mha || plan.attention == AttentionKind::flash) &&
                         plan.window == 0;
   plan.saved_bf16 = saved_bf16(config, layer, plan, choices.activations_bf16);
-  plan.mlp_in_dy_bf16 = mlp_in_dy_bf16(config, layer, plan, choices.activations_bf16);
-  plan.fc_bf16 = mlp_in_dy_bf16(config, layer, plan, choices.outputs_bf16);  // the same rule, its own choice
+  plan.mlp_in_dy_bf16 = mlp_in_bf16(config, layer, plan, choices.activations_bf16);
+  plan.fc_bf16 = mlp_in_bf16(config, layer, plan, choices.outputs_bf16);
   plan.qkv_dy_bf16 = qkv_dy_bf16(config, layer, plan, choices.activations_bf16);
   return plan;
 }

@@ -21,8 +21,19 @@ namespace loom::cpu {
 
 constexpr int64_t kColumnBlock = 64;  // columns per task in column-parallel reductions
 
+// The calling thread's row of at least n Ts (in cache), one per use, so that an op may hold
+// several at once: an output row (output_row), a widened input row (input_row), a row stored
+// before it is added (the norms' accumulating backward).
+enum ThreadRow { kOutputRow, kInputRow, kAddedRow };
+template <typename T, ThreadRow use>
+T* thread_row(int64_t n) {
+  thread_local std::vector<T> row;
+  if (static_cast<int64_t>(row.size()) < n) row.resize(static_cast<size_t>(n));
+  return row.data();
+}
+
 // A forward op's output O: T itself, or bf16 bits (O = uint16_t with T = float; precision.activations
-// = bf16's saved fields). A bf16 output is computed in T into the calling thread's scratch row and
+// = bf16's saved fields). A bf16 output is computed in T into the calling thread's output row and
 // rounded into out after (round_to_bf16_bits: the bits Backend::cast gives), in cache.
 template <typename T, typename O>
 T* output_row(O* out, int64_t n) {
@@ -30,20 +41,11 @@ T* output_row(O* out, int64_t n) {
     return out;
   } else {
     static_assert(std::is_same_v<T, float> && std::is_same_v<O, uint16_t>, "a bf16 output of an f32 op only");
-    thread_local std::vector<float> row;
-    if (static_cast<int64_t>(row.size()) < n) row.resize(static_cast<size_t>(n));
-    return row.data();
+    return thread_row<float, kOutputRow>(n);
   }
 }
-// A per-thread row of n Ts (in cache): where a value must be rounded and stored before it is used
-// (the norms' accumulating backward adds it to dx as a separate add would, not contracted into an FMA).
-template <typename T>
-T* scratch_row(int64_t n) {
-  thread_local std::vector<T> row;
-  if (static_cast<int64_t>(row.size()) < n) row.resize(static_cast<size_t>(n));
-  return row.data();
-}
-// Adds row t into d (d += t), as add_inplace adds.
+// Adds row t into d (d += t), as add_inplace adds: t is a value stored first (kAddedRow), so that
+// its product is rounded on its own, not contracted into the add.
 template <typename T>
 void add_row(T* d, const T* t, int64_t n) {
 #pragma omp simd
@@ -58,10 +60,9 @@ const T* input_row(const S* x, int64_t n) {
     return x;
   } else {
     static_assert(std::is_same_v<T, float> && std::is_same_v<S, uint16_t>, "a bf16 input of an f32 op only");
-    thread_local std::vector<float> row;
-    if (static_cast<int64_t>(row.size()) < n) row.resize(static_cast<size_t>(n));
-    for (int64_t i = 0; i < n; ++i) row[static_cast<size_t>(i)] = bf16_to_f32(bf16{x[i]});
-    return row.data();
+    float* row = thread_row<float, kInputRow>(n);
+    for (int64_t i = 0; i < n; ++i) row[i] = bf16_to_f32(bf16{x[i]});
+    return row;
   }
 }
 template <typename T, typename O>
@@ -174,7 +175,7 @@ void layernorm_backward(const T* dout, const T* x, const T* w, const T* mean, co
       sum_gx += g * (xr[c] - m) * s;
     }
     const T mean_g = sum_g / static_cast<T>(channels), mean_gx = sum_gx / static_cast<T>(channels);
-    T* d = accumulate ? scratch_row<T>(channels) : dx + r * channels;
+    T* d = accumulate ? thread_row<T, kAddedRow>(channels) : dx + r * channels;
 #pragma omp simd
     for (int64_t c = 0; c < channels; ++c) d[c] = s * (gr[c] * w[c] - mean_g - (xr[c] - m) * s * mean_gx);
     if (accumulate) add_row(dx + r * channels, d, channels);
@@ -221,7 +222,7 @@ inline void rmsnorm_row_dx(const T* g, const T* x, const T* w, T s, T* d, int64_
 #pragma omp simd reduction(+ : sum_gx)
   for (int64_t c = 0; c < channels; ++c) sum_gx += g[c] * w[c] * x[c] * s;
   const T mean_gx = sum_gx / static_cast<T>(channels);
-  T* t = accumulate ? scratch_row<T>(channels) : d;
+  T* t = accumulate ? thread_row<T, kAddedRow>(channels) : d;
 #pragma omp simd
   for (int64_t c = 0; c < channels; ++c) t[c] = s * (g[c] * w[c] - x[c] * s * mean_gx);
   if (accumulate) add_row(d, t, channels);
