@@ -518,6 +518,14 @@ class Cli(LoomCase):
                 "--set", f"{TINY},data.dir={self.data},data.tokenizer=byte")
         self.assertRegex(r.stdout, r"\([1-9][0-9]* linear weights in bf16 in place\)")
         self.assertIn("every request the same tokens: yes", r.stdout)
+        # Sampled requests (each its own seed): batched, each gets the tokens it gets alone; a bad
+        # setting is one line naming the key.
+        r = run("bench", "generate", "--checkpoint", ckpt, "--requests", "3", "--prompt-tokens", "4", "--new-tokens", "6",
+                "--temperature", "1", "--top-p", "0.9")
+        self.assertIn("(sampled at temperature 1, top_k 0, top_p 0.9)", r.stdout)
+        self.assertIn("every request the same tokens: yes", r.stdout)
+        self.assert_one_line_error(run("bench", "generate", "--checkpoint", ckpt, "--top-p", "2", expect_ok=False),
+                                   "sample.top_p")
         self.assert_one_line_error(run("bench", "generate", "--checkpoint", ckpt, "--bf16-weights", expect_ok=False),
                                    "--bf16-weights")
         # The decoding team's spin window (core/threads.h): a bad value is one line naming the

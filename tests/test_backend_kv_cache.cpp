@@ -13,15 +13,21 @@
 //   same;
 // - a row an integer format cannot store (NaN, or beyond fp16) is reported by check_status() with
 //   one line, and a kv_store plan outside its tensors is refused naming kv_store;
-// - argmax_rows, greedy decoding's pick on the backend, is std::max_element's choice (ties).
+// - argmax_rows, greedy decoding's pick on the backend, is std::max_element's choice (ties);
+// - sample_rows, sampled decoding's pick, is the host reference's token (backend/sampling.h) for
+//   every setting of the rule (temperature, top-k, top-p, seeds and draws above 32 bits, ties,
+//   NaN and -inf logits), bit for bit on every backend.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <numeric>
 #include <string>
 #include <vector>
 
 #include "loom/backend/backend.h"
+#include "loom/backend/sampling.h"
+#include "loom/core/philox.h"
 #include "loom/infer/kv_cache.h"
 #include "kv_test_util.h"
 #include "strict_backend.h"
@@ -306,6 +312,71 @@ TEST_P(BackendKvCacheTest, ArgmaxRowsPicksTheFirstLargestValue) {
   backend_->read(out.view(0, {1}), got.data());
   EXPECT_EQ(got[0], 0);
   EXPECT_NE(test::error_of([&] { backend_->argmax_rows(xt, out.view(0, {4})); }).find("argmax_rows"), std::string::npos);
+}
+
+// Sampled decoding's pick (Backend::sample_rows): each row's token is the host reference's
+// (sample_row: the rule of backend/sampling_rule.h) on every backend, bit for bit (the rule's
+// probabilities, weights and sums are exact on both sides), over 12 settings x 4 draws at GPT-2's
+// vocabulary, rows of 7 and of 1 token. The draws vary (a rule that ignored the draw would give
+// one token a row), top-k keeps to the k largest logits, and bad settings are refused naming
+// sample_rows. A kernel drawing over the nucleus with the top-k's sum (checked once) fails this test.
+TEST_P(BackendKvCacheTest, SampleRowsDrawsTheRulesToken) {
+  const auto run = [&](int64_t n, int64_t V, const std::vector<float>& x, const std::vector<RowSampling>& rows) {
+    const Tensor xt = Tensor::empty(backend_->allocator(), {n, V}, DTYPE_F32, MEM_WORKSPACE);
+    const Tensor out = Tensor::empty(backend_->allocator(), {n}, DTYPE_I32, MEM_WORKSPACE);
+    backend_->write(xt, x.data());
+    backend_->sample_rows(xt, rows, out);
+    std::vector<int32_t> got(static_cast<size_t>(n));
+    backend_->read(out, got.data());
+    SampleCandidates scratch;
+    for (int64_t i = 0; i < n; ++i) {
+      EXPECT_EQ(got[static_cast<size_t>(i)], sample_row(x.data() + i * V, V, rows[static_cast<size_t>(i)], scratch))
+          << "row " << i << " of V " << V << ", draw " << rows[static_cast<size_t>(i)].draw;
+    }
+    return got;
+  };
+  const int64_t n = 12, V = 50257;
+  std::vector<float> x(static_cast<size_t>(n * V));
+  philox_fill_normal(x.data(), n * V, 5, 0, 0, 0.0f, 2.0f);
+  const auto at = [&](int64_t r, int64_t v) -> float& { return x[static_cast<size_t>(r * V + v)]; };
+  for (int64_t v = 0; v < V; ++v) at(10, v) = std::round(at(10, v) * 4.0f) / 4.0f;  // ties
+  for (int64_t v = 0; v < V; v += 97) at(10, v) = std::nanf("");
+  for (int64_t v = 5; v < V; v += 89) at(10, v) = -INFINITY;
+  for (int64_t v = 0; v < V; ++v) at(11, v) = -INFINITY;  // no weight anywhere: the first token
+  const std::vector<RowSampling> settings = {
+      {0.0f, 1.0f, 0, 1, 0},     {1.0f, 1.0f, 0, 2, 0},    {0.5f, 1.0f, 1, 3, 0},   {1.0f, 1.0f, 3, 4, 0},
+      {2.0f, 1.0f, 40, 5, 0},    {1.0f, 0.9f, 0, 6, 0},    {0.7f, 0.5f, 50, 7, 0},  {1.0f, 1e-6f, 0, 8, 0},
+      {1.5f, 1.0f, V + 5, 9, 0}, {1.0f, 1.0f, 0, (uint64_t{1} << 40) + 3, uint64_t{1} << 33},
+      {1.0f, 0.95f, 0, 11, 0},   {1.0f, 1.0f, 0, 12, 0}};
+  std::vector<std::vector<int32_t>> draws;
+  for (uint64_t d = 0; d < 4; ++d) {
+    std::vector<RowSampling> rows = settings;
+    for (RowSampling& r : rows) r.draw += d;
+    draws.push_back(run(n, V, x, rows));
+  }
+  std::vector<int32_t> top3(static_cast<size_t>(V));
+  std::iota(top3.begin(), top3.end(), 0);
+  std::partial_sort(top3.begin(), top3.begin() + 3, top3.end(), [&](int32_t a, int32_t b) { return at(3, a) > at(3, b); });
+  int distinct_draws = 0;
+  for (size_t d = 0; d < draws.size(); ++d) {
+    EXPECT_EQ(draws[d][0], static_cast<int32_t>(std::max_element(x.begin(), x.begin() + V) - x.begin()));
+    EXPECT_EQ(draws[d][2], draws[0][2]);  // top_k 1: the argmax whatever the draw
+    EXPECT_TRUE(std::find(top3.begin(), top3.begin() + 3, draws[d][3]) != top3.begin() + 3) << draws[d][3];
+    EXPECT_EQ(draws[d][11], 0);
+    distinct_draws += std::count(draws.begin(), draws.begin() + static_cast<std::ptrdiff_t>(d), draws[d]) == 0 ? 1 : 0;
+  }
+  EXPECT_EQ(distinct_draws, 4);  // every draw changed some row's token
+  std::vector<float> small(7);
+  philox_fill_normal(small.data(), 7, 8, 0, 0, 0.0f, 1.0f);
+  small.insert(small.end(), small.begin(), small.end());
+  run(2, 7, small, {{1.0f, 1.0f, 0, 1, 0}, {0.8f, 0.6f, 2, 1, 1}});
+  run(1, 1, {3.0f}, {{1.0f, 1.0f, 0, 1, 0}});
+  const Tensor xt = Tensor::empty(backend_->allocator(), {2, 7}, DTYPE_F32, MEM_WORKSPACE);
+  const Tensor out = Tensor::empty(backend_->allocator(), {2}, DTYPE_I32, MEM_WORKSPACE);
+  backend_->write(xt, small.data());
+  const std::vector<RowSampling> bad = {{1.0f, 1.0f, 0, 1, 0}, {1.0f, 0.0f, 0, 1, 0}};
+  EXPECT_NE(test::error_of([&] { backend_->sample_rows(xt, bad, out); }).find("sample_rows: row 1"), std::string::npos);
+  EXPECT_NE(test::error_of([&] { backend_->sample_rows(xt, {bad[0]}, out); }).find("sample_rows"), std::string::npos);
 }
 
 INSTANTIATE_TEST_SUITE_P(AllBackends, BackendKvCacheTest, ::testing::Values(std::string("strict"), std::string("cuda")),

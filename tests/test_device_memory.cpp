@@ -313,12 +313,14 @@ TEST(DeviceMemoryTest, GenerationOnDeviceMemoryIsBitwiseTheCpuRun) {
   EXPECT_GT(strict.allocator().tracker().peak(MEM_KV_CACHE), 0u);
 }
 
-// Greedy requests whose logits nobody reads are decoded with the backend's argmax
-// (Backend::argmax_rows: the step reads one int a row instead of its logits) on device memory,
-// with the CPU run's tokens; a sampled request among them, or an on_logits callback, brings the
-// logits back to the host for that step.
-TEST(DeviceMemoryTest, GreedyTokensArePickedOnTheBackendWhenNoOneReadsTheLogits) {
-  const auto run = [](Backend& backend, bool sampled, bool callback) {
+// Requests whose logits nobody reads are decoded with the backend's tokens on device memory
+// (Backend::argmax_rows when every row is greedy, Backend::sample_rows when one samples: the step
+// reads one int a row instead of its logits), with the CPU run's tokens (the host sampler's, drawn
+// from the same rule and Philox counters); a request with a penalty among them, or an on_logits
+// callback, brings the logits back to the host for that step.
+TEST(DeviceMemoryTest, TokensAreDrawnOnTheBackendWhenNoOneReadsTheLogits) {
+  enum Mix { kGreedy, kSampled, kPenalty };
+  const auto run = [](Backend& backend, Mix mix, bool callback) {
     ModelConfig config = model_preset("llama-tiny");
     Transformer model(backend, config);
     model.init_weights(9);
@@ -330,7 +332,10 @@ TEST(DeviceMemoryTest, GreedyTokensArePickedOnTheBackendWhenNoOneReadsTheLogits)
       GenerationRequest r;
       for (int64_t t = 0; t < 3 + i; ++t) r.prompt.push_back(static_cast<int32_t>((t * 13 + i * 5 + 1) % config.vocab_size));
       r.max_new_tokens = 6;
-      r.sampling.temperature = sampled && i == 2 ? 0.7f : 0.0f;
+      if (mix != kGreedy && i >= 1) r.sampling.temperature = 0.7f + 0.3f * static_cast<float>(i);
+      if (i == 2) r.sampling.top_k = 20;
+      if (i == 3) r.sampling.top_p = 0.8f;
+      if (mix == kPenalty && i == 2) r.sampling.presence_penalty = 0.5f;
       r.sampling.seed = 5 + static_cast<uint64_t>(i);
       engine.submit(r);
     }
@@ -340,18 +345,19 @@ TEST(DeviceMemoryTest, GreedyTokensArePickedOnTheBackendWhenNoOneReadsTheLogits)
   };
   auto cpu = make_cpu_backend();
   test::StrictBackend strict;
-  for (const bool sampled : {false, true}) {
-    const auto expected = run(*cpu, sampled, false);
-    const auto got = run(strict, sampled, false);
-    EXPECT_EQ(got.first, expected.first) << sampled;
-    EXPECT_EQ(expected.second, 0) << sampled;  // a host cache: the host samples
-    if (!sampled) {
-      EXPECT_EQ(got.second, 4 * 5);  // every token after the prefill's first
+  for (const Mix mix : {kGreedy, kSampled, kPenalty}) {
+    const auto expected = run(*cpu, mix, false);
+    const auto got = run(strict, mix, false);
+    EXPECT_EQ(got.first, expected.first) << mix;
+    EXPECT_EQ(expected.second, 0) << mix;  // a host cache: the host samples
+    if (mix != kPenalty) {
+      EXPECT_EQ(got.second, 4 * 5) << mix;  // every token after the prefill's first
     } else {
-      EXPECT_LT(got.second, 4 * 5);  // not in the steps with the sampled request
+      EXPECT_LT(got.second, 4 * 5);  // not in the steps with the penalised request
     }
   }
-  EXPECT_EQ(run(strict, false, true).second, 0);  // logits wanted: read
+  EXPECT_NE(run(*cpu, kSampled, false).first, run(*cpu, kGreedy, false).first);  // the sampled mix samples
+  EXPECT_EQ(run(strict, kSampled, true).second, 0);  // logits wanted: read
 }
 
 // Automatic prefix caching with the cache in device memory: a prompt sharing cached blocks feeds

@@ -9,6 +9,8 @@
 #include <vector>
 
 #include "loom/core/error.h"
+#include "loom/backend/scalar_math.h"
+#include "loom/backend/sampling.h"
 #include "loom/core/philox.h"
 #include "loom/infer/sampler.h"
 
@@ -135,52 +137,59 @@ TEST(SamplerTest, SameSeedSameDraws) {
   EXPECT_EQ(histogram({0.8f, 3, 0.9f, 11}, 100), histogram({0.8f, 3, 0.9f, 11}, 100));
 }
 
-// The sampler's full sort of the candidates is a radix sort: its draws equal those of the
-// definition (tokens ordered by probability, ties by token id, the nucleus and the draw's
-// target accumulated in double in that order), computed here with std::stable_sort over token
-// ids, on logits with many ties (multiples of 0.25), 3 temperatures x 2 top_p x 40 draws.
-TEST(SamplerTest, DrawsFollowTheDefinitionOrderWithTies) {
+// The sampler's draws are the rule's (backend/sampling_rule.h), computed here from its definition
+// with other code: the tokens ordered by std::stable_sort on p (ties by token id), integer weights
+// floor(p 2^32) summed in order, the nucleus the first prefix reaching top_p x the kept sum, the
+// token the first prefix above u x the kept sum. On logits with many ties (multiples of 0.25) and
+// a few -inf, 3 temperatures x 2 top_k x 2 top_p x 40 draws. The backend's draw (sample_row from
+// Sampler::row(), counted by took()) is the same token, so a backend may draw in the sampler's place.
+TEST(SamplerTest, DrawsFollowTheRulesDefinitionWithTies) {
   const int64_t V = 3000;
   std::vector<float> logits(V);
   philox_fill_normal(logits.data(), V, 17, 0, 0, 0.0f, 2.0f);
   for (float& l : logits) l = std::round(l * 4.0f) / 4.0f;
+  for (int64_t v = 3; v < V; v += 301) logits[v] = -INFINITY;
   int64_t checked = 0;
   for (const float temperature : {0.5f, 1.0f, 2.0f}) {
-    for (const float top_p : {1.0f, 0.9f}) {
-      const uint64_t seed = 99;
-      Sampler sampler({temperature, 0, top_p, seed});
-      const float max_logit = *std::max_element(logits.begin(), logits.end());
-      std::vector<float> p(V);
-      for (int64_t v = 0; v < V; ++v) p[v] = std::exp((logits[v] - max_logit) / temperature);
-      std::vector<int32_t> order(V);
-      std::iota(order.begin(), order.end(), 0);
-      std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return p[a] > p[b]; });
-      double all = 0.0;
-      for (const int32_t t : order) all += p[t];
-      size_t kept = order.size();
-      if (top_p < 1.0f) {
-        double mass = 0.0;
-        for (kept = 0; kept < order.size() && mass < top_p * all;) mass += p[order[kept++]];
-        all = mass;
-      }
-      for (uint64_t draw = 0; draw < 40; ++draw) {
-        const PhiloxCounter bits = philox4x32_10({static_cast<uint32_t>(draw), 0, 1, 0}, {static_cast<uint32_t>(seed), 0});
-        const double target = static_cast<double>(philox_uniform(bits[0])) * all;
-        double running = 0.0;
-        int32_t want = order[kept - 1];
-        for (size_t i = 0; i < kept; ++i) {
-          running += p[order[i]];
-          if (target < running) {
-            want = order[i];
-            break;
-          }
+    for (const int64_t top_k : {int64_t{0}, int64_t{30}}) {
+      for (const float top_p : {1.0f, 0.9f}) {
+        const uint64_t seed = 99;
+        Sampler sampler({temperature, top_k, top_p, seed});
+        Sampler twin({temperature, top_k, top_p, seed});
+        const float max_logit = *std::max_element(logits.begin(), logits.end());
+        std::vector<float> p(V);
+        for (int64_t v = 0; v < V; ++v) p[v] = math::fast_exp((logits[v] - max_logit) / temperature);
+        std::vector<int32_t> order(V);
+        std::iota(order.begin(), order.end(), 0);
+        std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return p[a] > p[b]; });
+        const auto w = [&](size_t i) { return static_cast<uint64_t>(std::ldexp(static_cast<double>(p[order[i]]), 32)); };
+        size_t kept = top_k > 0 ? static_cast<size_t>(top_k) : order.size();
+        uint64_t all = 0;
+        for (size_t i = 0; i < kept; ++i) all += w(i);
+        if (top_p < 1.0f) {
+          uint64_t mass = 0;
+          size_t i = 0;
+          while (static_cast<double>(mass) < static_cast<double>(top_p) * static_cast<double>(all)) mass += w(i++);
+          kept = i, all = mass;
         }
-        ASSERT_EQ(sampler.sample(logits.data(), V), want) << temperature << " " << top_p << " draw " << draw;
-        ++checked;
+        for (uint64_t draw = 0; draw < 40; ++draw) {
+          const PhiloxCounter bits = philox4x32_10({static_cast<uint32_t>(draw), 0, 1, 0}, {static_cast<uint32_t>(seed), 0});
+          const double target = static_cast<double>(philox_uniform(bits[0])) * static_cast<double>(all);
+          uint64_t running = 0;
+          int32_t want = -1;
+          for (size_t i = 0; i < kept && want < 0; ++i) {
+            running += w(i);
+            if (static_cast<double>(running) > target) want = order[i];
+          }
+          ASSERT_EQ(sampler.sample(logits.data(), V), want) << temperature << " " << top_k << " " << top_p << " draw " << draw;
+          SampleCandidates scratch;
+          ASSERT_EQ(twin.took(sample_row(logits.data(), V, twin.row(), scratch)), want) << "draw " << draw;
+          ++checked;
+        }
       }
     }
   }
-  EXPECT_EQ(checked, 3 * 2 * 40);
+  EXPECT_EQ(checked, 3 * 2 * 2 * 40);
 }
 
 TEST(SamplerTest, InvalidSettingsNameTheKey) {

@@ -23,9 +23,11 @@ const char* kHelp =
     "usage: loom bench generate [--checkpoint PATH | --config FILE --set k=v,...] [--requests N]\n"
     "                           [--prompt-tokens L] [--new-tokens M] [--max-batch B] [--kv FORMAT]\n"
     "                           [--kv-block K] [--kv-group G] [--kv-residual R] [--contiguous]\n"
+    "                           [--temperature T] [--top-k K] [--top-p P]\n"
     "                           [--ppl FORMATS] [--ppl-sequences S]\n"
     "\n"
-    "Generates M tokens (greedy) for each of N prompts of L tokens (default 32 x 32 x 64), windows of\n"
+    "Generates M tokens (greedy, or sampled with --temperature) for each of N prompts of L tokens\n"
+    "(default 32 x 32 x 64), windows of\n"
     "the dataset's validation split (random tokens without one), twice in one run: one request at a\n"
     "time (an engine of one row), then all of them through the engine with continuous batching of\n"
     "up to B rows (default 16). Prints tokens/s of both and their ratio, the time to first token\n"
@@ -101,7 +103,11 @@ int bench_generate(const Args& args) {
   for (int64_t i = 0; i < n; ++i) {
     GenerationRequest r;
     r.prompt = window(i, L);
-    r.sampling.temperature = 0.0f;
+    r.sampling.temperature = static_cast<float>(args.get_double("temperature", 0.0));
+    r.sampling.top_k = args.get_int("top-k", 0);
+    r.sampling.top_p = static_cast<float>(args.get_double("top-p", 1.0));
+    r.sampling.seed = static_cast<uint64_t>(i) + 1;
+    r.sampling.validate();
     r.max_new_tokens = M;
     requests.push_back(std::move(r));
   }
@@ -118,11 +124,15 @@ int bench_generate(const Args& args) {
   const KvCacheConfig cache_config = engine_cache_config(config.model, ec);
   const std::unique_ptr<Transformer> draft = open_draft(args, *backend, ec);
 
+  const SamplingConfig& sampling = requests.front().sampling;
+  const std::string how = sampling.temperature == 0.0f ? std::string("greedy")
+                                                       : str_cat("sampled at temperature ", sampling.temperature, ", top_k ",
+                                                                 sampling.top_k, ", top_p ", sampling.top_p);
   std::printf("%s: %lld parameters (%lld linear weights in bf16 in place); %lld requests of %lld prompt + %lld new "
-              "tokens (greedy); KV cache %s, %s; model set up in %.1f s\n",
+              "tokens (%s); KV cache %s, %s; model set up in %.1f s\n",
               source ? source->path.c_str() : "random init", static_cast<long long>(param_count(config.model)),
               static_cast<long long>(model.bf16_weight_params()),
-              static_cast<long long>(n), static_cast<long long>(L), static_cast<long long>(M), kv.c_str(),
+              static_cast<long long>(n), static_cast<long long>(L), static_cast<long long>(M), how.c_str(), kv.c_str(),
               ec.paged ? str_cat("paged, blocks of ", ec.block_size).c_str() : "contiguous", setup_s);
   // One at a time: each request alone in an engine of one row.
   EngineConfig single = ec;
@@ -223,6 +233,9 @@ int bench_main(int argc, char** argv) {
       {"prompt-tokens", "L", "tokens per prompt (default 32)"},
       {"new-tokens", "M", "tokens generated per request (default 64)"},
       {"max-batch", "B", "rows of continuous batching (default 16)"},
+      {"temperature", "T", "sample at temperature T, request i with seed i + 1 (default 0: greedy)"},
+      {"top-k", "K", "sample from the K most likely tokens (default 0: all)"},
+      {"top-p", "P", "sample from the nucleus of probability P (default 1)"},
       kDraftOption,
       kDraftPMinOption,
       {"speculate", "K", "requests propose up to K tokens by prompt lookup, verified in one forward: the same greedy tokens, sampled ones distributed the same (default 0: off; needs --kv fp32)"},

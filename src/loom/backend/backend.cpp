@@ -255,6 +255,9 @@ void Backend::kv_store(const KvStorePlan&, const std::vector<Tensor>&, const Ten
 }
 
 void Backend::argmax_rows(const Tensor&, const Tensor&) { unsupported(*this, "argmax_rows", "greedy decoding on the backend"); }
+void Backend::sample_rows(const Tensor&, const std::vector<RowSampling>&, const Tensor&) {
+  unsupported(*this, "sample_rows", "sampled decoding on the backend");
+}
 
 void Backend::int_linear(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const IntWeightSpec&, const Tensor*,
                          const Tensor&, float, const Tensor*) {

@@ -16,6 +16,7 @@
 #include "loom/backend/kv_store.h"
 #include "loom/backend/activation.h"
 #include "loom/backend/rope.h"
+#include "loom/backend/sampling.h"
 #include "loom/core/tensor.h"
 
 namespace loom {
@@ -747,6 +748,10 @@ class Backend {
   // Greedy decoding's pick: out[i] (i32, n) = the first index of the largest value of row i of x
   // (f32, (n, V)), std::max_element's choice (rows without NaN). Part of capabilities().kv_cache.
   virtual void argmax_rows(const Tensor& x, const Tensor& out);
+  // Sampled decoding's pick: out[i] (i32, n) = the token the sampling rule (backend/sampling_rule.h:
+  // temperature, top-k, top-p, a Philox draw) gives row i of logits (f32, (n, V)) under rows[i];
+  // the same token on every backend. Checked by check_sample_rows. Part of capabilities().kv_cache.
+  virtual void sample_rows(const Tensor& logits, const std::vector<RowSampling>& rows, const Tensor& out);
   // Muon (Jordan et al. 2024): buf = momentum buf + (1 - momentum) g;
   // u = nesterov ? (1 - momentum) g + momentum buf : buf.
   virtual void muon_momentum(const Tensor& grad, const Tensor& buf, const Tensor& u, const OptimHyper& hyper);

@@ -559,7 +559,7 @@ bool GenerationEngine::step() {
   }
   model_.forward_rows(*store, p.tokens, p.positions, *rows_, &p.logit_rows);
   const auto now = std::chrono::steady_clock::now();
-  const bool on_backend = read_step_outputs(store->logits.view(0, {k, vocab}), p.speculating);
+  const bool on_backend = read_step_outputs(store->logits.view(0, {k, vocab}), p);
   const float* logits = logits_.data();
   const std::vector<std::vector<int32_t>> picked = verify_drafts(p, logits);
   rows_->commit();
@@ -599,7 +599,7 @@ bool GenerationEngine::step() {
     }
     if (on_backend) {
       ++stats_.backend_picks;
-      sampled(a, picks_[static_cast<size_t>(row)], now);
+      sampled(a, a.sampler.took(picks_[static_cast<size_t>(row)]), now);
       continue;
     }
     if (on_logits_ && a.request.logits) on_logits_(a.id, logits + row * vocab, vocab);
@@ -612,11 +612,11 @@ bool GenerationEngine::step() {
   return true;
 }
 
-bool GenerationEngine::read_step_outputs(const Tensor& logits, bool host) {
+bool GenerationEngine::read_step_outputs(const Tensor& logits, const StepPlan& p) {
   Backend& backend = model_.backend();
   const int64_t n = logits.dim(0);
-  const bool on_backend = !host && cache_->in_backend_memory() && std::all_of(active_.begin(), active_.end(), [&](const auto& a) {
-    return a->sampler.plain_greedy() && !(on_logits_ && a->request.logits);
+  const bool on_backend = !p.speculating && cache_->in_backend_memory() && std::all_of(active_.begin(), active_.end(), [&](const auto& a) {
+    return a->sampler.backend_draws() && !(on_logits_ && a->request.logits);
   });
   if (!on_backend) {
     logits_.resize(static_cast<size_t>(logits.numel()));
@@ -627,7 +627,15 @@ bool GenerationEngine::read_step_outputs(const Tensor& logits, bool host) {
     picks_device_ = Tensor::empty(backend.allocator(), {n}, DTYPE_I32, MEM_WORKSPACE);
   }
   const Tensor picks = picks_device_.view(0, {n});
-  backend.argmax_rows(logits, picks);
+  if (std::all_of(active_.begin(), active_.end(), [](const auto& a) { return a->sampler.plain_greedy(); })) {
+    backend.argmax_rows(logits, picks);
+  } else {
+    std::vector<RowSampling> rows(static_cast<size_t>(n));  // a row no request samples: greedy
+    for (size_t i = 0; i < active_.size(); ++i) {
+      if (p.first_logit[i] >= 0) rows[static_cast<size_t>(p.first_logit[i])] = active_[i]->sampler.row();
+    }
+    backend.sample_rows(logits, rows, picks);
+  }
   picks_.resize(static_cast<size_t>(n));
   backend.read(picks, picks_.data());
   return true;

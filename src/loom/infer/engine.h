@@ -54,9 +54,10 @@
 // capabilities().kv_cache (a GPU): a step's rows are stored by one Backend::kv_store and attended
 // by one Backend::kv_attention per layer, a prompt stored by one kv_store, nothing of the cache
 // crossing to the host (a step with a prefix-cache hit's prompt chunk stages its rows through the
-// host; an MLA latent cache stays host memory). There, a step whose rows all sample plain greedy
-// with no one reading their logits (GenerationRequest::logits, on_logits) takes the backend's
-// picks (Backend::argmax_rows: 4 bytes a row) instead of reading the (n, vocab) logits.
+// host; an MLA latent cache stays host memory). There, a step whose rows sample without penalties
+// or drafts, with no one reading their logits (GenerationRequest::logits, on_logits), takes the
+// backend's tokens (Backend::argmax_rows when all are greedy, else Backend::sample_rows: the host
+// sampler's token, backend/sampling_rule.h; 4 bytes a row) instead of reading the (n, vocab) logits.
 #pragma once
 #include <chrono>
 #include <cstdint>
@@ -89,8 +90,9 @@ struct GenerationRequest {
   // into a shared one (copy-on-write).
   int64_t n = 1;
   // Whether the engine's on_logits callback is called for this request. Without it (and with
-  // greedy sampling without penalties) a backend holding the KV cache picks the token itself
-  // (Backend::argmax_rows) and the step moves 4 bytes for the row instead of its vocab logits.
+  // sampling without penalties) a backend holding the KV cache draws the token itself
+  // (Backend::argmax_rows, sample_rows) and the step moves 4 bytes for the row instead of its
+  // vocab logits.
   bool logits = true;
 };
 
@@ -182,7 +184,7 @@ struct EngineStats {
   int64_t peak_blocks = 0;            // blocks in use (paged) or regions (contiguous)
   int64_t peak_bytes_used = 0;        // KV bytes holding positions
   double utilisation_sum = 0;         // of the cache, summed over steps (mean = / steps)
-  int64_t backend_picks = 0;          // tokens picked by Backend::argmax_rows (their logits stayed on the device)
+  int64_t backend_picks = 0;          // tokens drawn by Backend::argmax_rows / sample_rows (their logits stayed on the device)
   int64_t drafted = 0, accepted = 0;  // speculative decoding: draft tokens verified, and kept
   double draft_seconds = 0;           // of seconds, spent in the draft model's proposals
 };
@@ -263,11 +265,12 @@ class GenerationEngine {
   void retire();  // releases the finished requests' sequences and blocks
   // After a new token: finished by a stop token, max_new_tokens or the context.
   void sampled(Active& a, int32_t token, std::chrono::steady_clock::time_point now);
-  // A step's (n, vocab) logits to the host (logits_), or, when every active row samples plain
-  // greedy and no one reads its logits on a backend holding the KV cache, the backend's argmax of
-  // each row (picks_: 4 bytes a row); returns true for the latter.
-  bool read_step_outputs(const Tensor& logits, bool host = false);  // host: always the logits
+  // A step's (n, vocab) logits to the host (logits_), or, when no active row has penalties or
+  // drafts and no one reads its logits on a backend holding the KV cache, each row's token drawn
+  // by the backend (argmax_rows when every row is greedy, else sample_rows under each request's
+  // settings: the host sampler's token) (picks_: 4 bytes a row); returns true for the latter.
   struct StepPlan;
+  bool read_step_outputs(const Tensor& logits, const StepPlan& p);
   StepPlan plan_step();  // the step's rows (and rows_'s sequences), each request's drafts proposed
   // Speculative requests' picks ([active]: the accepted drafts, then the model's own), their kept rows set in rows_.
   std::vector<std::vector<int32_t>> verify_drafts(const StepPlan& plan, const float* logits);
@@ -303,7 +306,7 @@ class GenerationEngine {
   std::function<void(int64_t, const float*, int64_t)> on_logits_;
   std::function<void(int64_t, GenerationResult&&)> on_finish_;
   std::vector<float> logits_;       // host copy of a step's (n, vocab) logits (or a prefill's last row)
-  std::vector<int32_t> picks_;      // the step's rows' argmax (Backend::argmax_rows), host copy
+  std::vector<int32_t> picks_;      // the step's rows' tokens drawn on the backend, host copy
   Tensor picks_device_;             // the same in the backend's memory
   std::vector<float> prefill_qkv_;  // host copy of a prefill's (n_layer, P, qkv_width) rows (device memory)
 };

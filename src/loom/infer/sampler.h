@@ -1,11 +1,15 @@
 // Next-token sampling: greedy, temperature, top-k (Fan et al. 2018) and nucleus/top-p
-// (Holtzman et al. 2020), after OpenAI's presence and frequency penalties. Draws come from
-// Philox(seed, draw index), so a seeded generation is reproducible on any machine.
+// (Holtzman et al. 2020), after OpenAI's presence and frequency penalties. The rule is the
+// backend's (backend/sampling_rule.h: integer weights, exact sums) and draws come from
+// Philox(seed, draw index), so a seeded generation is reproducible on any machine and on any
+// backend that draws it (Backend::sample_rows).
 #pragma once
 #include <cstddef>
 #include <cstdint>
 #include <utility>
 #include <vector>
+
+#include "loom/backend/sampling.h"
 
 namespace loom {
 
@@ -49,13 +53,17 @@ class Sampler {
   bool plain_greedy() const {
     return config_.temperature == 0.0f && config_.presence_penalty == 0.0f && config_.frequency_penalty == 0.0f;
   }
+  // Without penalties the sampler's only state is its draw counter: a backend may draw the token
+  // sample() would (Backend::sample_rows under row()), and took() counts the draw as sample() does.
+  bool backend_draws() const { return config_.presence_penalty == 0.0f && config_.frequency_penalty == 0.0f; }
+  RowSampling row() const { return {config_.temperature, config_.top_p, config_.top_k, config_.seed, draws_}; }
+  int32_t took(int32_t token) {
+    if (config_.temperature > 0.0f) ++draws_;
+    return token;
+  }
 
  private:
   int32_t pick(const float* logits, int64_t vocab, int32_t draft = -1);
-  // candidates_ sorted by probability (unnormalised), the first `keep` of them kept by top_k and
-  // top_p; returns (keep, their total).
-  std::pair<std::size_t, double> candidates(const float* logits, int64_t vocab);
-  int32_t draw(std::size_t keep, double total);  // one of the kept candidates by its weight
   const float* penalised(const float* logits, int64_t vocab);  // logits, or their penalised copy
   double uniform();  // the next Philox draw in [0, 1)
 
@@ -63,8 +71,8 @@ class Sampler {
   uint64_t draws_ = 0;
   std::vector<int32_t> drawn_;     // the tokens drawn so far (penalties only)
   std::vector<float> penalised_;   // the penalised logits, reused
-  std::vector<std::pair<float, int32_t>> candidates_;  // (probability, token), reused
-  std::vector<std::pair<float, int32_t>> sorting_;     // the radix sort's other buffer
+  SampleCandidates candidates_;    // the rule's order and kept prefix, reused
+  std::vector<double> residual_;   // verify's max(0, p - q) over the kept candidates
 };
 
 }  // namespace loom

@@ -351,6 +351,17 @@ class CpuBackend final : public Backend {
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < n; ++i) o[i] = static_cast<int32_t>(std::max_element(p + i * V, p + (i + 1) * V) - (p + i * V));
   }
+  void sample_rows(const Tensor& logits, const std::vector<RowSampling>& rows, const Tensor& out) override {
+    check_sample_rows(logits, rows, out);
+    const int64_t n = logits.dim(0), V = logits.dim(1);
+    const float* p = logits.data<float>();
+    int32_t* o = out.data<int32_t>();
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i) {
+      thread_local SampleCandidates scratch;
+      o[i] = sample_row(p + i * V, V, rows[static_cast<size_t>(i)], scratch);
+    }
+  }
   void kv_store(const KvStorePlan& plan, const std::vector<Tensor>& sources, const Tensor& pool, const Tensor& rings,
                 const Tensor& status) override {
     check_kv_store(plan, sources, pool, rings, status);

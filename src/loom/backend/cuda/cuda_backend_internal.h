@@ -272,6 +272,7 @@ class CudaBackend final : public Backend {
   void kv_store(const KvStorePlan& plan, const std::vector<Tensor>& sources, const Tensor& pool, const Tensor& rings,
                 const Tensor& status) override;
   void argmax_rows(const Tensor& x, const Tensor& out) override;
+  void sample_rows(const Tensor& logits, const std::vector<RowSampling>& rows, const Tensor& out) override;
 
   // ---- For the op files: the libraries' handles, scratch, fixed-order sums, the bad-id flag.
   cublasHandle_t cublas() const { return cublas_; }
@@ -361,6 +362,7 @@ class CudaBackend final : public Backend {
   int64_t panel_gemms_ = 0;
   PinnedStaging kv_staging_;  // kv_attention's plan table on its way to the workspace
   PinnedStaging kv_store_staging_;  // kv_store's plan table on its way to the workspace
+  PinnedStaging sample_staging_;  // sample_rows' settings table on its way to the workspace
 };
 
 }  // namespace loom::cuda_backend_detail

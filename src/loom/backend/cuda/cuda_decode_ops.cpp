@@ -17,6 +17,7 @@
 
 #include "loom/backend/cuda/cuda_backend_internal.h"
 #include "loom/backend/cuda/cuda_decode.h"
+#include "loom/backend/cuda/cuda_sample.h"
 #include "loom/backend/kv_attention.h"
 
 namespace loom::cuda_backend_detail {
@@ -157,6 +158,21 @@ void CudaBackend::argmax_rows(const Tensor& x, const Tensor& out) {
   LOOM_CHECK(x.dim(0) <= INT_MAX && x.dim(1) <= INT_MAX, "argmax_rows: ", x.describe(), " exceeds the CUDA grid");
   if (x.dim(0) == 0) return;
   cuda::argmax_rows(dptr<float>(x), x.dim(0), x.dim(1), dptr<int32_t>(out), stream());
+}
+
+// The rows' settings go to the workspace through their own pinned staging buffer, then the keys,
+// two sorts and the draw (cuda_sample.cu): the logits never leave the device.
+void CudaBackend::sample_rows(const Tensor& logits, const std::vector<RowSampling>& rows, const Tensor& out) {
+  check_sample_rows(logits, rows, out);
+  const int64_t n = logits.dim(0), V = logits.dim(1);
+  if (n == 0) return;
+  LOOM_CHECK(n * V <= INT_MAX, "sample_rows: ", logits.describe(), " exceeds the sort's 2^31 elements");
+  const cuda::SampleLayout at = cuda::sample_layout(n, V);
+  void* host = sample_staging_.acquire(rows.size() * sizeof(RowSampling));
+  std::memcpy(host, rows.data(), rows.size() * sizeof(RowSampling));
+  void* ws = workspace(at.bytes);
+  sample_staging_.upload(static_cast<char*>(ws) + at.rows_at, rows.size() * sizeof(RowSampling), stream());
+  cuda::sample_rows(ws, at, dptr<float>(logits), n, V, dptr<int32_t>(out), stream());
 }
 
 void CudaBackend::kv_store(const KvStorePlan& plan, const std::vector<Tensor>& sources, const Tensor& pool,

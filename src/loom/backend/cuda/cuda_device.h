@@ -53,6 +53,8 @@
 //                        the router's shared-memory phases; weights' warp_sync around DoRA's
 //                        per-warp shared tile.
 //   cuda_compress.cu     1-bit encode: one ballot per 32 elements (the word's bits).
+//   cuda_sample.cu       block_min's shfl_xor tree of ints; the block scan's inclusive scan of
+//                        64-bit weight sums by shfl from lane - d (lane 0's own value below d).
 //   (cuda_decode.cu, issue 45's decode attention, keeps its own warp_sum on __shfl_xor_sync and
 //   is left out of the HIP target until it uses these: CMakeLists.txt, docs/accelerators.md.)
 // Warp-synchronous code without an exchange: none relies on lockstep. The "one thread adds, the
@@ -135,7 +137,7 @@ __host__ __device__ __forceinline__ unsigned short __bfloat16_as_ushort(__nv_bfl
 __host__ __device__ __forceinline__ __nv_bfloat16 __ushort_as_bfloat16(unsigned short x) { return __nv_bfloat16{x}; }
 
 // The scalar math the kernels share with the CPU's (scalar_math.h: exp, tanh, sigmoid; rope.h:
-// RoPE's frequencies; kv_quantize.h: the KV cache's quantizer) is __host__ __device__ under nvcc,
+// RoPE's frequencies; kv_quantize.h: the KV cache's quantizer; sampling_rule.h: the sampling rule) is __host__ __device__ under nvcc,
 // where LOOM_HOST_DEVICE keys on __CUDACC__, which hip-clang does not define. Clang's `#pragma clang force_cuda_host_device`
 // (Clang's CUDA support, as its own <complex> wrapper uses it) makes the functions declared
 // between begin and end both; the headers they include are included above, outside it. So a .cu
@@ -145,6 +147,7 @@ __host__ __device__ __forceinline__ __nv_bfloat16 __ushort_as_bfloat16(unsigned 
 #include "loom/backend/scalar_math.h"
 #include "loom/backend/rope.h"
 #include "loom/backend/kv_quantize.h"
+#include "loom/backend/sampling_rule.h"
 #pragma clang force_cuda_host_device end
 
 #else  // nvcc, or the simulator's stand-ins (sim/include/)
