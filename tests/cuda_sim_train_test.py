@@ -17,6 +17,7 @@ the CPU's greedy tokens and losses within 5e-6.
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import struct
@@ -262,6 +263,21 @@ class CudaSimTrain(unittest.TestCase):
                 split = float(run("eval", "--data", self.data, "--batches", "2").split(" loss ")[1].split(",")[0])
                 text = json.loads(run("eval", "--text", TEXT, "--windows", "4", "--seq-len", "32", "--json").splitlines()[0])
                 served = self.serve_completion(binary, ckpt, device, "The GNU General")
+                # Each decoding step as one CUDA graph (a simulator graph: captured, updated in place,
+                # launched): the same tokens as without, on the CPU they are plain steps.
+                graphs = [{k: r[k] for k in ("id", "text", "tokens", "finish")} for r in map(json.loads, run(
+                    "generate", "--temperature", "1", "--seed", "11", "--prompts", prompts, "--kv", "int8", "--max-batch",
+                    "2", "--tokens", "16", "--step-graphs").splitlines())]
+                self.assertEqual(graphs, batch[0], f"{dev}: --step-graphs changed the tokens")
+                bench = run("bench", "generate", "--requests", "3", "--prompt-tokens", "4", "--new-tokens", "8",
+                            "--max-batch", "2", "--step-graphs")
+                steps = re.search(r"step graphs: (\d+) of the batched run's (\d+) steps", bench)
+                self.assertIsNotNone(steps, bench)
+                if dev == "cuda":
+                    self.assertGreater(int(steps.group(1)), 0, bench)
+                else:
+                    self.assertEqual(int(steps.group(1)), 0, bench)
+                self.assertIn("every request the same tokens: yes", bench)
                 out[dev] = (gen, batch, split, text["loss"], served)
             a, b = out["cuda"], out["cpu"]
             self.assertEqual(a[0], b[0], "generate (greedy, sampled)")

@@ -321,6 +321,46 @@ TEST_P(BackendOpsTest, RopeForwardBackwardWithPosOffset) {
   }
 }
 
+// Decoding's RoPE of a step's rows, each at its own position (Backend::rope_rows_forward, one
+// call): bitwise rope_forward row by row on the same backend, for 70 rows (more than the CUDA
+// kernel's 64 a launch), positions in any order, LongRoPE rows on both sides of its original
+// context (two spans in one call), llama3 scaling and a partial rotary; against the CPU within
+// the elementwise tolerance. Rows' positions that do not match their count are refused by name.
+TEST_P(BackendOpsTest, RopeRowsIsRopeForwardRowByRow) {
+  RopeSpec longrope{10000.0, ROPE_SCALING_LONGROPE, 1.0, 1.0, 4.0, 40.0};
+  longrope.amplitude = 1.19;
+  for (int j = 0; j < 32; ++j) longrope.short_factor[j] = 1.0f + 0.05f * j, longrope.long_factor[j] = 1.0f + 0.9f * j;
+  RopeSpec partial{10000.0};
+  partial.rotary_dim = 16;
+  const RopeSpec llama31{500000.0, ROPE_SCALING_LLAMA3, 8.0, 1.0, 4.0, 8192.0};
+  const int64_t n = 70, hd = 64, heads = 6, W = 8 * hd;
+  std::vector<int64_t> positions(n);
+  for (int64_t r = 0; r < n; ++r) positions[static_cast<size_t>(r)] = (r * 37 + 11) % 90;  // 0 .. 89, unsorted
+  for (DType dtype : {DTYPE_F32, DTYPE_F64}) {
+    for (const RopeSpec& spec : {longrope, partial, llama31}) {
+      Operands x;
+      x.tensors["rows"] = rnd({n, 1, W}, dtype, 3);
+      x.tensors["each"] = x.tensors["rows"];
+      Operands got = copy_to_backend(x);
+      backend_->rope_rows_forward(got["rows"], hd, heads, spec, positions);
+      for (int64_t r = 0; r < n; ++r) {
+        backend_->rope_forward(got["each"].view(r * W, {1, 1, W}), hd, heads, spec, positions[static_cast<size_t>(r)]);
+      }
+      EXPECT_TRUE(bytes_of(*backend_, got["rows"]) == bytes_of(*backend_, got["each"])) << dt(dtype) << " " << spec.scaling;
+      EXPECT_FALSE(bytes_of(*backend_, got["rows"]) == bytes_of(*backend_, copy_to_backend(x)["rows"]));  // rotated
+      check(str_cat("rope rows ", dt(dtype)), x,
+            [&](Backend& be, Operands& o) { be.rope_rows_forward(o["rows"], hd, heads, spec, positions); },
+            {{"rows", elementwise_tol(dtype)}});
+    }
+  }
+  Operands x;
+  x.tensors["rows"] = rnd({n, 1, W}, DTYPE_F32, 3);
+  Operands got = copy_to_backend(x);
+  const std::vector<int64_t> short_list(positions.begin(), positions.begin() + 5);
+  EXPECT_NE(error_of([&] { backend_->rope_rows_forward(got["rows"], hd, heads, partial, short_list); }).find("rope_rows_forward"),
+            std::string::npos);
+}
+
 // ---------------------------------------------------------------- attention
 
 struct AttentionCase {

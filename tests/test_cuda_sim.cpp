@@ -272,6 +272,83 @@ TEST_F(CudaSimChecks, AHostReadAfterAnAsyncCopyWithoutSynchronizationIsStale) {
   EXPECT_EQ(cudaFreeHost(pinned), cudaSuccess);
 }
 
+// CUDA graphs from stream capture: a captured stream runs nothing until the graph is launched,
+// and each launch runs the recorded operations again (a copy from pinned memory reads it at the
+// launch); cudaGraphExecUpdate takes a graph of the same operations' kinds (the new parameters
+// then run) and refuses another shape; a wait for the device or a copy to the host while
+// capturing is refused (reported "capture"), invalidates the capture, and its end says so.
+TEST_F(CudaSimChecks, StreamCaptureRecordsAGraphThatLaunchesReplayAndUpdate) {
+  float* in = device_values(std::vector<float>(64, 1.0f));
+  float* out = device_floats(64);
+  float* pinned = nullptr;
+  ASSERT_EQ(cudaMallocHost(reinterpret_cast<void**>(&pinned), 64 * sizeof(float)), cudaSuccess);
+  for (int i = 0; i < 64; ++i) pinned[i] = 2.0f;
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  const auto capture = [&](bool with_second_copy) {
+    EXPECT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeRelaxed), cudaSuccess);
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    EXPECT_EQ(cudaStreamIsCapturing(stream, &status), cudaSuccess);
+    EXPECT_EQ(status, cudaStreamCaptureStatusActive);
+    EXPECT_EQ(cudaMemcpyAsync(in, pinned, 64 * sizeof(float), cudaMemcpyHostToDevice, stream), cudaSuccess);
+    launch<copy_kernel>(1, 64, 0, stream, in, out, 64);
+    if (with_second_copy) launch<copy_kernel>(1, 64, 0, stream, in, out, 32);
+    cudaGraph_t graph = nullptr;
+    EXPECT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+    return graph;
+  };
+  const auto out0 = [&] {
+    float v = 0.0f;
+    EXPECT_EQ(cudaMemcpy(&v, out, sizeof v, cudaMemcpyDeviceToHost), cudaSuccess);
+    return v;
+  };
+  cudaGraph_t graph = capture(false);
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  float unwritten = 0.0f;  // nothing ran at the capture: `out` was never written
+  (void)cudaMemcpy(&unwritten, out, sizeof unwritten, cudaMemcpyDeviceToHost);
+  EXPECT_EQ(fired(), "initcheck");
+  sim::clear_error();
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  EXPECT_EQ(out0(), 2.0f);
+  for (int i = 0; i < 64; ++i) pinned[i] = 5.0f;  // the next launch copies the pinned bytes anew
+  ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  EXPECT_EQ(out0(), 5.0f);
+  cudaGraph_t same = capture(false), other = capture(true);
+  cudaGraphExecUpdateResultInfo info{};
+  EXPECT_EQ(cudaGraphExecUpdate(exec, same, &info), cudaSuccess);
+  EXPECT_EQ(info.result, cudaGraphExecUpdateSuccess);
+  EXPECT_EQ(cudaGraphExecUpdate(exec, other, &info), cudaErrorGraphExecUpdateFailure);
+  EXPECT_EQ(info.result, cudaGraphExecUpdateErrorTopologyChanged);
+  (void)cudaGetLastError();
+  EXPECT_EQ(fired(), "");
+  // Refused in a capture: a stream synchronization, a copy to the host.
+  for (int refused = 0; refused < 2; ++refused) {
+    ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeRelaxed), cudaSuccess);
+    launch<copy_kernel>(1, 64, 0, stream, in, out, 64);
+    float host[64];
+    EXPECT_EQ(refused == 0 ? cudaStreamSynchronize(stream)
+                           : cudaMemcpyAsync(host, out, sizeof host, cudaMemcpyDeviceToHost, stream),
+              cudaErrorStreamCaptureUnsupported);
+    EXPECT_EQ(sim::last_check(), "capture");
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    EXPECT_EQ(cudaStreamIsCapturing(stream, &status), cudaSuccess);
+    EXPECT_EQ(status, cudaStreamCaptureStatusInvalidated);
+    cudaGraph_t broken = nullptr;
+    EXPECT_EQ(cudaStreamEndCapture(stream, &broken), cudaErrorStreamCaptureInvalidated);
+    EXPECT_EQ(broken, nullptr);
+    (void)cudaGetLastError();
+    sim::clear_error();
+  }
+  for (cudaGraph_t g : {graph, same, other}) EXPECT_EQ(cudaGraphDestroy(g), cudaSuccess);
+  EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
+  EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+  EXPECT_EQ(cudaFreeHost(pinned), cudaSuccess);
+}
+
 using CudaSimDeathTest = CudaSimChecks;
 
 TEST_F(CudaSimDeathTest, AHostReadOfDeviceMemoryIsAFault) {

@@ -37,6 +37,9 @@ const Option kF32WeightsOption = {"f32-weights", "",
                                   "widen a Hugging Face folder's bf16 linear weights to f32 (default: used in place, "
                                   "half the memory)"};
 
+const Option kStepGraphsOption = {"step-graphs", "",
+                                  "each decoding step as one CUDA graph (with the KV cache in the device's memory: the same "
+                                  "tokens, fewer launches)"};
 const Option kDraftOption = {"draft", "PATH",
                              "a smaller model with the same tokenizer (checkpoint or Hugging Face folder) proposes --speculate "
                              "tokens (default 4 with it) that the model verifies in one forward: the same greedy tokens, sampled "
@@ -63,6 +66,7 @@ EngineConfig serving_engine_config(const Args& args, int64_t head_dim) {
   ec.num_blocks = args.get_int("kv-blocks", 0);
   ec.prefill_chunk = args.get_int("prefill-chunk", ec.prefill_chunk);
   ec.speculate = args.get_int("speculate", 0);
+  ec.step_graphs = args.has("step-graphs");
   if (args.has("kv-memory")) ec.kv_memory = parse_bytes(args.get("kv-memory"), "--kv-memory");
   apply_kv_preset(ec, args.get("kv", "fp32"), head_dim);
   return ec;

@@ -35,6 +35,7 @@ struct Option {
 extern const Option kDeviceOption;
 extern const Option kF32WeightsOption;  // --f32-weights (train/model_source.h open_inference_model)
 extern const Option kDraftOption;       // --draft (open_draft)
+extern const Option kStepGraphsOption;  // --step-graphs (EngineConfig::step_graphs)
 extern const Option kDraftPMinOption;   // --draft-p-min (open_draft)
 
 // -h / --help on a subcommand's line: the help text, which main() prints to stdout (exit 0).

@@ -23,7 +23,7 @@ const char* kHelp =
     "usage: loom bench generate [--checkpoint PATH | --config FILE --set k=v,...] [--requests N]\n"
     "                           [--prompt-tokens L] [--new-tokens M] [--max-batch B] [--kv FORMAT]\n"
     "                           [--kv-block K] [--kv-group G] [--kv-residual R] [--contiguous]\n"
-    "                           [--temperature T] [--top-k K] [--top-p P]\n"
+    "                           [--temperature T] [--top-k K] [--top-p P] [--step-graphs]\n"
     "                           [--ppl FORMATS] [--ppl-sequences S]\n"
     "\n"
     "Generates M tokens (greedy, or sampled with --temperature) for each of N prompts of L tokens\n"
@@ -55,6 +55,11 @@ std::vector<std::string> split_list(const std::string& text) {
 }
 
 int bench_generate(const Args& args) {
+  SamplingConfig sampling;  // checked before anything is loaded
+  sampling.temperature = static_cast<float>(args.get_double("temperature", 0.0));
+  sampling.top_k = args.get_int("top-k", 0);
+  sampling.top_p = static_cast<float>(args.get_double("top-p", 1.0));
+  sampling.validate();
   LoomConfig config;
   std::optional<ModelSource> source;
   if (args.has("checkpoint")) {
@@ -103,11 +108,8 @@ int bench_generate(const Args& args) {
   for (int64_t i = 0; i < n; ++i) {
     GenerationRequest r;
     r.prompt = window(i, L);
-    r.sampling.temperature = static_cast<float>(args.get_double("temperature", 0.0));
-    r.sampling.top_k = args.get_int("top-k", 0);
-    r.sampling.top_p = static_cast<float>(args.get_double("top-p", 1.0));
+    r.sampling = sampling;
     r.sampling.seed = static_cast<uint64_t>(i) + 1;
-    r.sampling.validate();
     r.max_new_tokens = M;
     requests.push_back(std::move(r));
   }
@@ -116,6 +118,7 @@ int bench_generate(const Args& args) {
   ec.block_size = args.get_int("kv-block", 16);
   ec.prefill_chunk = args.get_int("prefill-chunk", ec.prefill_chunk);
   ec.speculate = args.get_int("speculate", 0);
+  ec.step_graphs = args.has("step-graphs");
   if (args.has("kv-memory")) ec.kv_memory = parse_bytes(args.get("kv-memory"), "--kv-memory");
   ec.paged = !args.has("contiguous");
   const std::string kv = args.get("kv", "fp32");
@@ -124,7 +127,6 @@ int bench_generate(const Args& args) {
   const KvCacheConfig cache_config = engine_cache_config(config.model, ec);
   const std::unique_ptr<Transformer> draft = open_draft(args, *backend, ec);
 
-  const SamplingConfig& sampling = requests.front().sampling;
   const std::string how = sampling.temperature == 0.0f ? std::string("greedy")
                                                        : str_cat("sampled at temperature ", sampling.temperature, ", top_k ",
                                                                  sampling.top_k, ", top_p ", sampling.top_p);
@@ -177,6 +179,12 @@ int bench_generate(const Args& args) {
               "(all submitted at t = 0)\n", generated / batched_s, batched_s,
               [&] { double s = 0; for (double x : ttft) s += x; return s / ttft.size(); }(), percentile(ttft, 0.5),
               percentile(ttft, 0.9));
+  if (ec.step_graphs) {
+    const Backend::StepGraphCounts g = backend->step_graph_counts();
+    std::printf("step graphs: %lld of the batched run's %lld steps; over both runs %lld graphs made, %lld updated in place\n",
+                static_cast<long long>(st.graph_steps), static_cast<long long>(st.steps), static_cast<long long>(g.made),
+                static_cast<long long>(g.updated));
+  }
   std::printf("ratio %.2fx; %lld steps, %.1f rows per step (max %lld); every request the same tokens: %s (%lld of %lld)\n",
               alone_s / batched_s, static_cast<long long>(st.steps),
               static_cast<double>(st.rows) / std::max<int64_t>(st.steps, 1), static_cast<long long>(ec.max_batch),
@@ -233,6 +241,7 @@ int bench_main(int argc, char** argv) {
       {"prompt-tokens", "L", "tokens per prompt (default 32)"},
       {"new-tokens", "M", "tokens generated per request (default 64)"},
       {"max-batch", "B", "rows of continuous batching (default 16)"},
+      kStepGraphsOption,
       {"temperature", "T", "sample at temperature T, request i with seed i + 1 (default 0: greedy)"},
       {"top-k", "K", "sample from the K most likely tokens (default 0: all)"},
       {"top-p", "P", "sample from the nucleus of probability P (default 1)"},

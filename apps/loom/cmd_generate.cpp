@@ -59,6 +59,7 @@ int generate_main(int argc, char** argv) {
                    {"max-batch", "B", "--prompts: rows of continuous batching (default 8)"},
                    {"draft", "PATH", "--prompts: " + kDraftOption.help},
                    {"draft-p-min", "P", "--prompts: " + kDraftPMinOption.help},
+                   {"step-graphs", "", "--prompts: " + kStepGraphsOption.help},
                    {"speculate", "K", "--prompts: requests propose up to K tokens by prompt lookup, verified in one forward: the same greedy tokens, sampled ones distributed the same (default 0: off; needs --kv fp32)"},
                    {"prefill-chunk", "N", "--prompts: prompts longer than N tokens are fed N a step beside the decoding rows (default 512; 0: each prompt in one forward)"},
                    {"kv", "FORMAT", "--prompts: KV cache format fp32 | bf16 | int8 | int4 | kivi4 | kivi2 (default fp32)"},
@@ -98,6 +99,7 @@ int generate_main(int argc, char** argv) {
     ec.block_size = args.get_int("kv-block", 16);
     ec.prefill_chunk = args.get_int("prefill-chunk", ec.prefill_chunk);
     ec.speculate = args.get_int("speculate", 0);
+    ec.step_graphs = args.has("step-graphs");
     if (args.has("kv-memory")) ec.kv_memory = parse_bytes(args.get("kv-memory"), "--kv-memory");
     ec.paged = !args.has("contiguous");
     apply_kv_preset(ec, args.get("kv", "fp32"), config.model.head_dim());

@@ -150,6 +150,7 @@ int serve_main(int argc, char** argv) {
                    {"max-batch", "N", "rows of continuous batching (default 16); also the largest n"},
                    {"max-queue", "N", "requests waiting for a row before 429 (default 64)"},
                    kDraftOption,
+                   kStepGraphsOption,
                    kDraftPMinOption,
                    {"speculate", "K", "requests propose up to K tokens by prompt lookup, verified in one forward: the same greedy tokens, sampled ones distributed the same (default 0: off; needs --kv fp32)"},
                    {"prefill-chunk", "N", "prompts longer than N tokens are fed N a step beside the decoding rows (default 512; 0: each prompt in one forward)"},

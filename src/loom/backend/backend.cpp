@@ -254,6 +254,26 @@ void Backend::kv_store(const KvStorePlan&, const std::vector<Tensor>&, const Ten
   unsupported(*this, "kv_store", "a KV cache in the backend's memory");
 }
 
+void Backend::rope_rows_forward(const Tensor& x, int64_t head_dim, int64_t n_heads, const RopeSpec& rope,
+                                const std::vector<int64_t>& positions) {
+  checks::check_rope_rows(x, head_dim, n_heads, positions);
+  const int64_t W = x.dim(2);
+  for (size_t r = 0; r < positions.size(); ++r) {
+    rope_forward(x.view(static_cast<int64_t>(r) * W, {1, 1, W}), head_dim, n_heads, rope, positions[r]);
+  }
+}
+
+StepGraphScope::StepGraphScope(Backend& backend, bool on, int64_t key)
+    : backend_(backend), key_(key), on_(on && backend.begin_step_graph()) {}
+StepGraphScope::~StepGraphScope() {
+  if (on_) backend_.abort_step_graph();
+}
+void StepGraphScope::launch() {
+  if (!on_) return;
+  on_ = false;
+  backend_.end_step_graph(key_);
+}
+
 void Backend::argmax_rows(const Tensor&, const Tensor&) { unsupported(*this, "argmax_rows", "greedy decoding on the backend"); }
 void Backend::sample_rows(const Tensor&, const std::vector<RowSampling>&, const Tensor&) {
   unsupported(*this, "sample_rows", "sampled decoding on the backend");

@@ -182,6 +182,25 @@ struct BackendCapabilities {
   // it is; otherwise it widens to f32 scales and u8 zeros).
   bool compact_int_weights = false;
 };
+class Backend;
+// The ops of a scope recorded as one step graph when `on` and the backend has graphs
+// (Backend::begin_step_graph): launch() ends and launches it; a scope left without launch() (an
+// exception) drops the recording.
+class StepGraphScope {
+ public:
+  StepGraphScope(Backend& backend, bool on, int64_t key);
+  ~StepGraphScope();
+  StepGraphScope(const StepGraphScope&) = delete;
+  StepGraphScope& operator=(const StepGraphScope&) = delete;
+  void launch();
+  bool recording() const { return on_; }
+
+ private:
+  Backend& backend_;
+  int64_t key_;
+  bool on_;
+};
+
 inline constexpr BackendCapabilities kEveryCapability{true, true, true, true, true, true, true,
                                                       true, true, true, true, true, true, true};
 
@@ -373,6 +392,11 @@ class Backend {
                             int64_t pos_offset) = 0;
   virtual void rope_backward(const Tensor& dx, int64_t head_dim, int64_t n_heads, const RopeSpec& rope,
                              int64_t pos_offset) = 0;
+  // Decoding's rows, each at its own position: row r of x (n, 1, width) rotated as
+  // rope_forward(that row, ..., positions[r]) rotates it (longrope's span by the row's own context),
+  // bitwise. One call for a step's rows; the default calls rope_forward row by row.
+  virtual void rope_rows_forward(const Tensor& x, int64_t head_dim, int64_t n_heads, const RopeSpec& rope,
+                                 const std::vector<int64_t>& positions);
 
   // Causal self-attention with grouped KV heads: qkv (B,T,(H+2KV)*hd) = [q heads | k heads | v heads];
   // query head h reads kv head h / (H/KV); scale 1/sqrt(hd). out (B,T,H*hd); probs (B,H,T,T) saved.
@@ -748,6 +772,23 @@ class Backend {
   // Greedy decoding's pick: out[i] (i32, n) = the first index of the largest value of row i of x
   // (f32, (n, V)), std::max_element's choice (rows without NaN). Part of capabilities().kv_cache.
   virtual void argmax_rows(const Tensor& x, const Tensor& out);
+  // A decoding step as one graph (CUDA graphs from stream capture): between begin_step_graph()
+  // and end_step_graph(key) the ops are recorded, not run, and end_step_graph launches them as one
+  // graph. The executable graph kept for `key` (the step's shape) takes the new step's parameters
+  // in place when its operations have the same kinds in the same order (cudaGraphExecUpdate), else
+  // it is made anew. Between the two no op may wait for the device or move bytes to or from
+  // pageable host memory (read, write, the ops that return a host value). begin_step_graph()
+  // returns false on a backend without graphs (the ops then run as they come);
+  // abort_step_graph() drops a recording an exception cut short (nothing of it runs).
+  virtual bool begin_step_graph() { return false; }
+  virtual void end_step_graph(int64_t key) { (void)key; }
+  virtual void abort_step_graph() {}
+  struct StepGraphCounts {
+    int64_t made = 0;      // graphs instantiated
+    int64_t updated = 0;   // launches that updated a kept graph in place
+    int64_t launched = 0;  // step graphs launched
+  };
+  virtual StepGraphCounts step_graph_counts() const { return {}; }
   // Sampled decoding's pick: out[i] (i32, n) = the token the sampling rule (backend/sampling_rule.h:
   // temperature, top-k, top-p, a Philox draw) gives row i of logits (f32, (n, V)) under rows[i];
   // the same token on every backend. Checked by check_sample_rows. Part of capabilities().kv_cache.

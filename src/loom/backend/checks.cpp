@@ -140,6 +140,15 @@ void check_rope(const char* op, const Tensor& x, int64_t head_dim, int64_t n_hea
              " (even) must fit in width ", x.dim(2));
 }
 
+void check_rope_rows(const Tensor& x, int64_t head_dim, int64_t n_heads, const std::vector<int64_t>& positions) {
+  check_rope("rope_rows_forward", x, head_dim, n_heads);
+  LOOM_CHECK(x.dim(1) == 1 && x.dim(0) == static_cast<int64_t>(positions.size()), "rope_rows_forward: x must be (n, 1, W) "
+             "for ", positions.size(), " positions, got ", x.describe());
+  for (size_t r = 0; r < positions.size(); ++r) {
+    LOOM_CHECK(positions[r] >= 0, "rope_rows_forward: row ", r, " has position ", positions[r], " (expected >= 0)");
+  }
+}
+
 Dims3 check_attention_sinks(const char* op, const Tensor& out, const Tensor& lse, const Tensor& sinks, int64_t n_head,
                             const Tensor* dout, const Tensor* dsinks) {
   LOOM_CHECK(out.ndim() == 3 && n_head > 0 && out.dim(2) % n_head == 0, op, ": out must be (B, T, H hd) with H = ",

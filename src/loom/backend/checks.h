@@ -2,6 +2,7 @@
 // message on the CPU and on a GPU. Each check throws loom::Error naming the op and the operand.
 #pragma once
 #include <cstdint>
+#include <vector>
 #include <initializer_list>
 
 #include "loom/backend/backend.h"
@@ -64,6 +65,8 @@ ActivationIo check_activation(const char* op, const Tensor& x, const Tensor& out
                               const Tensor* dout = nullptr, int64_t dout_numel = 0);
 // x (B, T, W) with n_heads heads of an even head_dim in its first columns.
 void check_rope(const char* op, const Tensor& x, int64_t head_dim, int64_t n_heads);
+// rope_rows_forward: x (n, 1, W) with n = positions, each position >= 0, and check_rope's heads.
+void check_rope_rows(const Tensor& x, int64_t head_dim, int64_t n_heads, const std::vector<int64_t>& positions);
 // head_rmsnorm_*: x (..., W) holds heads [first, first + n) of hd; in (..., n hd) and rstd
 // (..., n) its rows; weight (hd); all of x's dtype.
 void check_head_rows(const char* op, const Tensor& x, const Tensor& weight, int64_t first, int64_t n, int64_t hd,

@@ -557,7 +557,10 @@ bool GenerationEngine::step() {
     }
     store = &chunk_store_;
   }
-  model_.forward_rows(*store, p.tokens, p.positions, *rows_, &p.logit_rows);
+  const bool graph = config_.step_graphs && rows_->in_backend_memory() && model_.step_graphs() && !p.speculating;
+  const int64_t graphs_before = model_.backend().step_graph_counts().launched;
+  model_.forward_rows(*store, p.tokens, p.positions, *rows_, &p.logit_rows, graph);
+  stats_.graph_steps += model_.backend().step_graph_counts().launched - graphs_before;
   const auto now = std::chrono::steady_clock::now();
   const bool on_backend = read_step_outputs(store->logits.view(0, {k, vocab}), p);
   const float* logits = logits_.data();

@@ -146,6 +146,11 @@ struct EngineConfig {
   // Automatic prefix caching: needs a paged cache without an fp32 window (fp32, bf16, int8 or
   // int4 with no residual), no sliding window and whole-prompt prefill; prefix_cache_supported.
   bool prefix_cache = false;
+  // Decoding steps as one graph each (a CUDA graph: Backend::begin_step_graph): steps whose rows
+  // all decode with the cache in the backend's memory (no prompt chunk, no drafts) of a model
+  // whose step never waits for the host (Transformer::step_graphs). The same tokens and logits;
+  // off by default until a GPU has measured what it gains.
+  bool step_graphs = false;
   // Test-only: with a sliding window (model.attn_window > 0), keep every position's KV blocks
   // instead of forgetting those older than the window (KvCache::forget_before).
   bool keep_all_blocks = false;
@@ -185,6 +190,7 @@ struct EngineStats {
   int64_t peak_bytes_used = 0;        // KV bytes holding positions
   double utilisation_sum = 0;         // of the cache, summed over steps (mean = / steps)
   int64_t backend_picks = 0;          // tokens drawn by Backend::argmax_rows / sample_rows (their logits stayed on the device)
+  int64_t graph_steps = 0;            // steps run as one graph (EngineConfig::step_graphs)
   int64_t drafted = 0, accepted = 0;  // speculative decoding: draft tokens verified, and kept
   double draft_seconds = 0;           // of seconds, spent in the draft model's proposals
 };

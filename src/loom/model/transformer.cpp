@@ -558,7 +558,7 @@ ActivationStore Transformer::allocate_rows(int64_t n, int64_t logit_rows) {
 }
 
 void Transformer::forward_rows(ActivationStore& s, const std::vector<int32_t>& tokens, const std::vector<int64_t>& positions,
-                               DecodeCache& cache, const std::vector<int64_t>* logit_rows) {
+                               DecodeCache& cache, const std::vector<int64_t>* logit_rows, bool graph) {
   LOOM_CHECK(tp_ == nullptr, "decoding a tensor-parallel slice is not supported: gather the model first");
   const int64_t n = s.batch, C = config_.d_model;
   LOOM_CHECK(s.seq_len == 1 && static_cast<int64_t>(tokens.size()) == n && static_cast<int64_t>(positions.size()) == n,
@@ -568,6 +568,9 @@ void Transformer::forward_rows(ActivationStore& s, const std::vector<int32_t>& t
                " outside [0, model.max_seq_len = ", config_.max_seq_len, ")");
   }
   backend_.write(s.tokens, tokens.data());
+  LOOM_CHECK(!graph || step_graphs(), "forward_rows: this model's decoding step cannot be one graph");
+  const int64_t graph_key = n * 65536 + (logit_rows ? static_cast<int64_t>(logit_rows->size()) : n);
+  StepGraphScope recording(backend_, graph, graph_key);
   if (pos_w.defined()) {  // learned positions: each row its own
     for (int64_t r = 0; r < n; ++r) {
       const Tensor pos = pos_w.view(positions[r] * C, {1, C});
@@ -586,6 +589,7 @@ void Transformer::forward_rows(ActivationStore& s, const std::vector<int32_t>& t
     LOOM_CHECK(s.logits.dim(0) == n, "forward_rows: a store with logits for ", s.logits.dim(0), " of its ", n,
                " rows needs the rows named");
     head_.forward_plain(backend_, s.final_norm, head_w, Tensor{}, s.logits, 0.0f, &ws_);
+    recording.launch();
     return;
   }
   // The named rows' normed states moved to the front (row r >= i to row i, in order), then the head on those.
@@ -599,6 +603,7 @@ void Transformer::forward_rows(ActivationStore& s, const std::vector<int32_t>& t
     if (r != i) backend_.copy(s.final_norm.view(r * C, {1, 1, C}), s.final_norm.view(i * C, {1, 1, C}));
   }
   head_.forward_plain(backend_, s.final_norm.view(0, {k, 1, C}), head_w, Tensor{}, s.logits.view(0, {k, 1, V}), 0.0f, &ws_);
+  recording.launch();
 }
 
 void Transformer::set_tensor_parallel(Communicator* tp, int64_t vocab_begin, int64_t vocab_valid, bool sequence_parallel) {

@@ -128,9 +128,15 @@ class Transformer {
   // logit_rows (increasing rows of [0, n)) only those rows' logits are computed, into rows 0, 1,
   // ... of store.logits, which allocate_rows(n, k) sizes for k rows (a prompt chunk's rows need
   // none but its last: the head's (rows, vocab) product and memory are the step's rows that sample).
+  // `graph` (a cache in the backend's memory, step_graphs() true): everything after the tokens'
+  // upload is one step graph (Backend::begin_step_graph, keyed by the step's rows and logit rows).
   ActivationStore allocate_rows(int64_t n, int64_t logit_rows = 0);
   void forward_rows(ActivationStore& store, const std::vector<int32_t>& tokens, const std::vector<int64_t>& positions,
-                    DecodeCache& cache, const std::vector<int64_t>* logit_rows = nullptr);
+                    DecodeCache& cache, const std::vector<int64_t>* logit_rows = nullptr, bool graph = false);
+  // Whether a decoding step of this model can be one step graph: none of its layers waits for the
+  // host mid-step (MoE's dispatch reads a flag; MLA's latent cache and gated DeltaNet's state
+  // stay host memory).
+  bool step_graphs() const { return config_.moe_experts == 0 && !config_.mla() && config_.linear_interval == 0; }
   // Accumulates into grads() the gradient of loss_weight * (mean loss of the last forward).
   // `ready`, if given, is told as backward proceeds that every gradient at flat offset >= its
   // argument is final (after the head and final norm, after each block, then 0): data

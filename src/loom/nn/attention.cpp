@@ -384,11 +384,7 @@ void AttentionLayer::forward_rows(Backend& backend, const Tensor& x, AttentionSa
     qkv_.forward_plain(backend, input, p.qkv_w, p.qkv_b, s.qkv, 0.0f, links_.ws);
     lora_forward(backend, input, p.qkv_lora, config_.lora_scale(), s.qkv, links_.ws, {}, p.qkv_w);
     qk_norm_forward(backend, s.qkv.view(0, {n, W}), s);
-    if (plan_.rope) {
-      for (int64_t r = 0; r < n; ++r) {
-        backend.rope_forward(s.qkv.view(r * W, {1, 1, W}), hd, H + config_.n_kv_head, plan_.rope_spec, positions[r]);
-      }
-    }
+    if (plan_.rope) backend.rope_rows_forward(s.qkv.view(0, {n, 1, W}), hd, H + config_.n_kv_head, plan_.rope_spec, positions);
     if (rows_in_backend) {  // the rows stay in the backend's memory
       cache.attend_all(backend, layer, s.qkv.view(0, {n, W}), s.attn.view(0, {n, H * hd}));
     } else {

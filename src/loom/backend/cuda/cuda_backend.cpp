@@ -79,7 +79,9 @@ CudaBackend::CudaBackend(int device) : device_(device) {
 }
 
 CudaBackend::~CudaBackend() {
+  abort_step_graph();
   (void)cudaStreamSynchronize(stream_);
+  destroy_graphs();
   pending_.clear();  // a check nobody synchronized for is dropped with the backend
   workspace_ = Tensor();
   lt_workspace_ = Tensor();
@@ -348,6 +350,26 @@ void CudaBackend::rope_forward(const Tensor& x, int64_t head_dim, int64_t n_head
 void CudaBackend::rope_backward(const Tensor& dx, int64_t head_dim, int64_t n_heads, const RopeSpec& rope_spec,
                    int64_t pos_offset) {
   rope(dx, head_dim, n_heads, rope_spec, pos_offset, -1.0, "rope_backward");
+}
+
+// A decoding step's rows in launches of up to kRopeRows rows of one span (longrope chooses its
+// factors by the row's context: a step whose rows straddle original_context takes two groups).
+void CudaBackend::rope_rows_forward(const Tensor& x, int64_t head_dim, int64_t n_heads, const RopeSpec& rope_spec,
+                                   const std::vector<int64_t>& positions) {
+  checks::check_rope_rows(x, head_dim, n_heads, positions);
+  const int64_t n = x.dim(0), W = x.dim(2);
+  dispatch_float(x.dtype(), "rope_rows_forward", kBackend, [&]<typename T>() {
+    for (int64_t r = 0; r < n;) {
+      const RopeSpec span = rope_span(rope_spec, positions[static_cast<size_t>(r)] + 1);
+      cuda::RopeRows rows;
+      const int64_t first = r;
+      while (r < n && rows.n < cuda::kRopeRows &&
+             rope_span(rope_spec, positions[static_cast<size_t>(r)] + 1).long_span == span.long_span) {
+        rows.pos[rows.n++] = positions[static_cast<size_t>(r++)];
+      }
+      cuda::rope_rows<T>(dptr<T>(x) + first * W, rows, W, head_dim, n_heads, span, stream_);
+    }
+  });
 }
 
 void CudaBackend::attention_forward(const Tensor& qkv, const Tensor& out, const Tensor& probs, int64_t n_head,

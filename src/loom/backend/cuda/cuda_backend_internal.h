@@ -62,7 +62,11 @@ bool decode_ops_complete();          // cuda_decode_ops.cpp     kv_cache
 // Page-locked host memory for an op's small host -> device tables (kv_attention's plan), kept and
 // grown across calls. acquire() first waits for the previous copy out of the buffer (an event, not
 // the stream), so the host never rewrites a buffer an enqueued copy still reads; upload() enqueues
-// the copy on the stream and records the event. Defined in cuda_decode_ops.cpp.
+// the copy on the stream and records the event. While a step graph is recorded (begin_graph ..
+// end_graph) neither waits nor records: each acquire() takes a new region of an arena that stays
+// untouched until the graph has run (the next begin_graph waits for the event recorded after its
+// launch), and upload() enqueues only the copy, which the graph repeats from that region.
+// Defined in cuda_decode_ops.cpp.
 class PinnedStaging {
  public:
   PinnedStaging() = default;
@@ -71,11 +75,21 @@ class PinnedStaging {
   PinnedStaging& operator=(const PinnedStaging&) = delete;
   void* acquire(size_t bytes);
   void upload(void* device, size_t bytes, cudaStream_t stream);
+  void begin_graph();                          // before the capture begins (it may wait)
+  void end_graph();                            // after the capture ends
+  void graph_launched(cudaStream_t stream);    // after the launch: the arena's event
 
  private:
   void* host_ = nullptr;
   size_t capacity_ = 0;
   cudaEvent_t copied_ = nullptr;
+  // The step graph's arena: chunks of page-locked memory, regions handed out in order.
+  bool graph_ = false;
+  std::vector<std::pair<char*, size_t>> chunks_;
+  size_t chunk_ = 0, used_ = 0;  // the chunk being filled, and its bytes handed out
+  void* region_ = nullptr;       // the last region acquire() gave (what upload() copies)
+  cudaEvent_t arena_done_ = nullptr;
+  bool arena_pending_ = false;   // arena_done_ recorded since the last begin_graph
 };
 
 // Device memory through the block cache; zeroing runs on the backend's stream.
@@ -144,6 +158,8 @@ class CudaBackend final : public Backend {
                     int64_t pos_offset) override;
   void rope_backward(const Tensor& dx, int64_t head_dim, int64_t n_heads, const RopeSpec& rope_spec,
                      int64_t pos_offset) override;
+  void rope_rows_forward(const Tensor& x, int64_t head_dim, int64_t n_heads, const RopeSpec& rope_spec,
+                         const std::vector<int64_t>& positions) override;
   void attention_forward(const Tensor& qkv, const Tensor& out, const Tensor& probs, int64_t n_head,
                          int64_t n_kv_head, int64_t window) override;
   void attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out, const Tensor& probs,
@@ -273,6 +289,11 @@ class CudaBackend final : public Backend {
                 const Tensor& status) override;
   void argmax_rows(const Tensor& x, const Tensor& out) override;
   void sample_rows(const Tensor& logits, const std::vector<RowSampling>& rows, const Tensor& out) override;
+  // ---- cuda_graph_ops.cpp: a decoding step as one CUDA graph (stream capture, cudaGraphExecUpdate)
+  bool begin_step_graph() override;
+  void end_step_graph(int64_t key) override;
+  void abort_step_graph() override;
+  StepGraphCounts step_graph_counts() const override { return graph_counts_; }
 
   // ---- For the op files: the libraries' handles, scratch, fixed-order sums, the bad-id flag.
   cublasHandle_t cublas() const { return cublas_; }
@@ -363,6 +384,11 @@ class CudaBackend final : public Backend {
   PinnedStaging kv_staging_;  // kv_attention's plan table on its way to the workspace
   PinnedStaging kv_store_staging_;  // kv_store's plan table on its way to the workspace
   PinnedStaging sample_staging_;  // sample_rows' settings table on its way to the workspace
+  // Step graphs: the executable graph of each key (a step's shape), and what they did.
+  std::vector<std::pair<int64_t, cudaGraphExec_t>> graphs_;
+  bool capturing_ = false;
+  StepGraphCounts graph_counts_;
+  void destroy_graphs();
 };
 
 }  // namespace loom::cuda_backend_detail

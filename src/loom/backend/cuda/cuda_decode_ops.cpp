@@ -31,10 +31,45 @@ PinnedStaging::~PinnedStaging() {
     (void)cudaEventSynchronize(copied_);
     (void)cudaEventDestroy(copied_);
   }
+  if (arena_done_ != nullptr) {
+    if (arena_pending_) (void)cudaEventSynchronize(arena_done_);
+    (void)cudaEventDestroy(arena_done_);
+  }
   if (host_ != nullptr) (void)cudaFreeHost(host_);
+  for (auto& [chunk, bytes] : chunks_) (void)cudaFreeHost(chunk);
+}
+
+void PinnedStaging::begin_graph() {
+  if (arena_done_ == nullptr) LOOM_CUDA_CHECK(cudaEventCreateWithFlags(&arena_done_, cudaEventDisableTiming));
+  if (arena_pending_) LOOM_CUDA_CHECK(cudaEventSynchronize(arena_done_));  // the last graph has read its regions
+  arena_pending_ = false;
+  graph_ = true;
+  chunk_ = used_ = 0;
+}
+
+void PinnedStaging::end_graph() { graph_ = false; }
+
+void PinnedStaging::graph_launched(cudaStream_t stream) {
+  if (arena_done_ == nullptr) return;
+  LOOM_CUDA_CHECK(cudaEventRecord(arena_done_, stream));
+  arena_pending_ = true;
 }
 
 void* PinnedStaging::acquire(size_t bytes) {
+  if (graph_) {  // a new region of the arena (cudaMallocHost is allowed in a relaxed capture)
+    const size_t need = (bytes + 255) / 256 * 256;
+    while (chunk_ < chunks_.size() && used_ + need > chunks_[chunk_].second) ++chunk_, used_ = 0;
+    if (chunk_ == chunks_.size()) {
+      const size_t grown = std::max({need, size_t{64} << 10, chunks_.empty() ? size_t{0} : 2 * chunks_.back().second});
+      void* chunk = nullptr;
+      LOOM_CUDA_CHECK(cudaMallocHost(&chunk, grown));
+      chunks_.emplace_back(static_cast<char*>(chunk), grown);
+      used_ = 0;
+    }
+    region_ = chunks_[chunk_].first + used_;
+    used_ += need;
+    return region_;
+  }
   if (copied_ == nullptr) {
     LOOM_CUDA_CHECK(cudaEventCreateWithFlags(&copied_, cudaEventDisableTiming));
   } else {
@@ -53,6 +88,10 @@ void* PinnedStaging::acquire(size_t bytes) {
 
 void PinnedStaging::upload(void* device, size_t bytes, cudaStream_t stream) {
   if (bytes == 0) return;
+  if (graph_) {  // the graph copies from the region at each launch; no event in a capture
+    LOOM_CUDA_CHECK(cudaMemcpyAsync(device, region_, bytes, cudaMemcpyHostToDevice, stream));
+    return;
+  }
   LOOM_CUDA_CHECK(cudaMemcpyAsync(device, host_, bytes, cudaMemcpyHostToDevice, stream));
   LOOM_CUDA_CHECK(cudaEventRecord(copied_, stream));
 }

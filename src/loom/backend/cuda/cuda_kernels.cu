@@ -664,6 +664,20 @@ __global__ void glu_backward_kernel(const S* x, const T* dout, O* dx, int64_t ro
 // sin as the CPU), then the pair (j, j + hd/2) of each head of its group in row (b, t) rotated
 // in T. Few rows (decoding) split the heads into groups, each recomputing the angle, so that a
 // token's rotation is not 64 threads walking 32 heads (20 us a call on an H200, 2026-12-04).
+// The pair (j, j + half) of heads [h0, h1) of one row rotated by `angle` (cos and sin in double,
+// times the spec's amplitude, then rounded to T): rope_kernel's and rope_rows_kernel's step.
+template <typename T>
+__device__ __forceinline__ void rope_rotate_pair(T* row, int64_t j, int64_t half, int64_t h0, int64_t h1, int64_t head_dim,
+                                                 double angle, double amplitude) {
+  const T cs = static_cast<T>(::cos(angle) * amplitude), sn = static_cast<T>(::sin(angle) * amplitude);
+  for (int64_t h = h0; h < h1; ++h) {
+    T* v = row + h * head_dim;
+    const T a = v[j], c = v[j + half];
+    v[j] = a * cs - c * sn;
+    v[j + half] = c * cs + a * sn;
+  }
+}
+
 template <typename T>
 __global__ void rope_kernel(T* x, int64_t batch, int64_t seq_len, int64_t width, int64_t head_dim, int64_t n_heads,
                             int64_t heads_per_group, RopeSpec rope, int64_t pos_offset, double direction) {
@@ -673,15 +687,24 @@ __global__ void rope_kernel(T* x, int64_t batch, int64_t seq_len, int64_t width,
   for (int64_t i = thread_index(); i < n; i += thread_count()) {
     const int64_t j = i % half, group = (i / half) % groups, bt = i / (half * groups), t = bt % seq_len;
     const double angle = direction * static_cast<double>(pos_offset + t) * rope_inv_freq(rope, j, rotary);
-    const T cs = static_cast<T>(::cos(angle) * rope.amplitude), sn = static_cast<T>(::sin(angle) * rope.amplitude);
-    T* row = x + bt * width;
-    const int64_t h1 = min64(n_heads, (group + 1) * heads_per_group);
-    for (int64_t h = group * heads_per_group; h < h1; ++h) {
-      T* v = row + h * head_dim;
-      const T a = v[j], c = v[j + half];
-      v[j] = a * cs - c * sn;
-      v[j + half] = c * cs + a * sn;
-    }
+    rope_rotate_pair(x + bt * width, j, half, group * heads_per_group, min64(n_heads, (group + 1) * heads_per_group),
+                     head_dim, angle, rope.amplitude);
+  }
+}
+
+// Decoding's rows, each at its own position (rows.pos): rope_kernel's arithmetic with seq_len 1
+// and pos_offset = the row's position, for up to kRopeRows rows in one launch.
+template <typename T>
+__global__ void rope_rows_kernel(T* x, RopeRows rows, int64_t width, int64_t head_dim, int64_t n_heads,
+                                 int64_t heads_per_group, RopeSpec rope) {
+  const int64_t rotary = rope_rotary_dim(rope, head_dim), half = rotary / 2;
+  const int64_t groups = (n_heads + heads_per_group - 1) / heads_per_group;
+  const int64_t n = rows.n * half * groups;
+  for (int64_t i = thread_index(); i < n; i += thread_count()) {
+    const int64_t j = i % half, group = (i / half) % groups, r = i / (half * groups);
+    const double angle = static_cast<double>(rows.pos[r]) * rope_inv_freq(rope, j, rotary);  // direction 1
+    rope_rotate_pair(x + r * width, j, half, group * heads_per_group, min64(n_heads, (group + 1) * heads_per_group),
+                     head_dim, angle, rope.amplitude);
   }
 }
 
@@ -944,6 +967,20 @@ void rope_rotate(T* x, int64_t batch, int64_t seq_len, int64_t width, int64_t he
 }
 
 template <typename T>
+void rope_rows(T* x, const RopeRows& rows, int64_t width, int64_t head_dim, int64_t n_heads, const RopeSpec& rope,
+               cudaStream_t stream) {
+  const int64_t pairs = rows.n * (head_dim / 2);
+  if (pairs <= 0 || n_heads <= 0) return;
+  constexpr int64_t kRopeThreads = 16384;  // as rope_rotate: heads split into groups while the rows are few
+  const int64_t groups = std::clamp<int64_t>(kRopeThreads / pairs, 1, n_heads);
+  const int64_t per_group = (n_heads + groups - 1) / groups;
+  const int64_t threads = pairs * ((n_heads + per_group - 1) / per_group);
+  launch<rope_rows_kernel<T>>(grid_for(threads, kBlock), kBlock, 0, stream, x, rows, width, head_dim, n_heads,
+                              per_group, rope);
+  LOOM_CUDA_CHECK_LAUNCH();
+}
+
+template <typename T>
 void adamw_step(T* p, const T* grad, T* m, T* v, int64_t n, double lr, double beta1, double beta2, double eps,
                 double weight_decay, double grad_scale, double bias1, double bias2, cudaStream_t stream) {
   if (n <= 0) return;
@@ -980,6 +1017,7 @@ void adamw_step(T* p, const T* grad, T* m, T* v, int64_t n, double lr, double be
   template void glu_backward<T, T>(const T*, const T*, T*, int64_t, int64_t, GateActivation, cudaStream_t);         \
   template void rope_rotate<T>(T*, int64_t, int64_t, int64_t, int64_t, int64_t, const RopeSpec&, int64_t, double, \
                                cudaStream_t);                                                                        \
+  template void rope_rows<T>(T*, const RopeRows&, int64_t, int64_t, int64_t, const RopeSpec&, cudaStream_t);         \
   template void adamw_step<T>(T*, const T*, T*, T*, int64_t, double, double, double, double, double, double, double, \
                               double, cudaStream_t);
 

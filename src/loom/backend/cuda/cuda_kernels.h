@@ -110,6 +110,18 @@ void glu_backward(const S* x, const T* dout, O* dx, int64_t rows, int64_t hidden
 template <typename T>
 void rope_rotate(T* x, int64_t batch, int64_t seq_len, int64_t width, int64_t head_dim, int64_t n_heads, const RopeSpec& rope,
                  int64_t pos_offset, double direction, cudaStream_t stream);
+// Decoding's rows (Backend::rope_rows_forward): row r of x (rows.n, width) rotated forward at
+// position rows.pos[r], bitwise rope_rotate's (batch 1, seq_len 1, pos_offset rows.pos[r]); `rope`
+// already holds the rows' span (longrope: rows of one span per call). One launch for up to
+// kRopeRows rows, their positions in the kernel's parameters (no copy).
+constexpr int kRopeRows = 64;
+struct RopeRows {
+  int64_t n = 0;
+  int64_t pos[kRopeRows] = {};
+};
+template <typename T>
+void rope_rows(T* x, const RopeRows& rows, int64_t width, int64_t head_dim, int64_t n_heads, const RopeSpec& rope,
+               cudaStream_t stream);
 
 // ---------------------------------------------------------------- optimizer
 // AdamW with the CPU kernel's exact formula; bias1 = 1 - beta1^t, bias2 = 1 - beta2^t.

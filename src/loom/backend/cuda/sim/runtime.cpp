@@ -156,6 +156,13 @@ struct CUstream_st {
   std::mutex mu;
   std::condition_variable cv, done_cv;
   std::deque<loom::sim::Task> queue;
+  // Stream capture (cudaStreamBeginCapture .. cudaStreamEndCapture): the operations enqueued
+  // meanwhile are recorded here instead of run; `invalid` once a call the capture forbids came.
+  struct Capture {
+    std::vector<loom::sim::Task> tasks;
+    bool invalid = false;
+  };
+  std::unique_ptr<Capture> capture;  // guarded by mu
   uint64_t enqueued = 0, done = 0;
   bool stopping = false;
   std::thread worker;
@@ -172,6 +179,14 @@ struct EventState {
 };
 struct CUevent_st {
   std::shared_ptr<EventState> state = std::make_shared<EventState>();
+};
+// A captured graph and its executable form: the capture's operations in their order (a stream
+// capture of one stream is a chain), each run again by every launch.
+struct CUgraph_st {
+  std::vector<loom::sim::Task> tasks;
+};
+struct CUgraphExec_st {
+  std::vector<loom::sim::Task> tasks;
 };
 
 namespace loom::sim {
@@ -192,6 +207,13 @@ CUstream_st* stream_of(cudaStream_t s) { return s == nullptr ? legacy_stream() :
 void enqueue_ordered(cudaStream_t s, Task task) {
   ensure_init();
   CUstream_st* target = stream_of(s);
+  {
+    std::lock_guard<std::mutex> lock(target->mu);
+    if (target->capture) {  // recorded, run by each launch of the graph
+      if (!target->capture->invalid) target->capture->tasks.push_back(std::move(task));
+      return;
+    }
+  }
   std::vector<std::pair<CUstream_st*, uint64_t>> waits;
   if (target == legacy_stream()) {
     std::lock_guard<std::mutex> lock(g_streams_mu);
@@ -226,6 +248,32 @@ void enqueue(cudaStream_t stream, const char* what, std::function<void()> work) 
 }
 void enqueue_always(cudaStream_t stream, const char* what, std::function<void()> work) {
   enqueue_ordered(stream, Task{std::move(work), what, true});
+}
+
+bool capturing(cudaStream_t stream) {
+  CUstream_st* s = stream_of(stream);
+  std::lock_guard<std::mutex> lock(s->mu);
+  return s->capture != nullptr;
+}
+
+cudaError_t refuse_in_capture(cudaStream_t stream, const std::string& what) {
+  CUstream_st* s = stream_of(stream);
+  {
+    std::lock_guard<std::mutex> lock(s->mu);
+    if (s->capture) s->capture->invalid = true;
+  }
+  record_report("capture", what + " while the stream is capturing a graph: CUDA refuses it "
+                                  "(cudaErrorStreamCaptureUnsupported) and the capture is invalidated");
+  return result_of(cudaErrorStreamCaptureUnsupported);
+}
+
+bool any_capturing() {
+  std::vector<CUstream_st*> all;
+  {
+    std::lock_guard<std::mutex> lock(g_streams_mu);
+    all = g_streams;
+  }
+  return std::any_of(all.begin(), all.end(), [](CUstream_st* s) { return capturing(s); });
 }
 
 std::atomic<uint64_t> g_host_waits{0};
@@ -296,6 +344,7 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device) {
 
 cudaError_t cudaDeviceSynchronize(void) {
   ensure_init();
+  if (any_capturing()) return refuse_in_capture(nullptr, "cudaDeviceSynchronize");
   count_host_wait();
   std::vector<CUstream_st*> all;
   {
@@ -338,6 +387,9 @@ const char* cudaGetErrorName(cudaError_t error) {
     case cudaErrorIllegalInstruction: return "cudaErrorIllegalInstruction";
     case cudaErrorMisalignedAddress: return "cudaErrorMisalignedAddress";
     case cudaErrorLaunchFailure: return "cudaErrorLaunchFailure";
+    case cudaErrorStreamCaptureUnsupported: return "cudaErrorStreamCaptureUnsupported";
+    case cudaErrorStreamCaptureInvalidated: return "cudaErrorStreamCaptureInvalidated";
+    case cudaErrorGraphExecUpdateFailure: return "cudaErrorGraphExecUpdateFailure";
     default: return "cudaErrorUnknown";
   }
 }
@@ -361,6 +413,9 @@ const char* cudaGetErrorString(cudaError_t error) {
     case cudaErrorIllegalInstruction: return "an illegal instruction was encountered";
     case cudaErrorMisalignedAddress: return "misaligned address";
     case cudaErrorLaunchFailure: return "unspecified launch failure";
+    case cudaErrorStreamCaptureUnsupported: return "operation not permitted when stream is capturing";
+    case cudaErrorStreamCaptureInvalidated: return "operation failed due to a previous error during capture";
+    case cudaErrorGraphExecUpdateFailure: return "the graph update was not performed because it included changes which violated constraints specific to instantiated graph update";
     default: return "unknown error";
   }
 }
@@ -390,6 +445,7 @@ cudaError_t cudaStreamDestroy(cudaStream_t stream) {
 }
 cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
   ensure_init();
+  if (capturing(stream)) return refuse_in_capture(stream, "cudaStreamSynchronize");
   count_host_wait();
   drain(stream);
   settle_pinned();
@@ -416,6 +472,8 @@ cudaError_t cudaEventDestroy(cudaEvent_t event) {
 }
 cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
   if (!event) return result_of(cudaErrorInvalidResourceHandle);
+  // (CUDA records an event node; the simulator's graphs hold none, and Loom's captures need none.)
+  if (capturing(stream)) return refuse_in_capture(stream, "cudaEventRecord");
   std::shared_ptr<EventState> e = event->state;
   uint64_t generation;
   {
@@ -456,6 +514,7 @@ cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) 
 }
 cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned int) {
   if (!event) return result_of(cudaErrorInvalidResourceHandle);
+  if (capturing(stream)) return refuse_in_capture(stream, "cudaStreamWaitEvent");
   std::shared_ptr<EventState> e = event->state;
   uint64_t target;
   {
@@ -467,6 +526,73 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned
     e->cv.wait(lock, [&] { return e->completed >= target; });
   });
   return sticky_or(cudaSuccess);
+}
+
+cudaError_t cudaStreamBeginCapture(cudaStream_t stream, enum cudaStreamCaptureMode mode) {
+  ensure_init();
+  if (stream == nullptr || mode > cudaStreamCaptureModeRelaxed) return result_of(cudaErrorInvalidValue);  // not the legacy stream
+  std::lock_guard<std::mutex> lock(stream->mu);
+  if (stream->capture) return result_of(cudaErrorInvalidValue);
+  stream->capture = std::make_unique<CUstream_st::Capture>();
+  return sticky_or(cudaSuccess);
+}
+cudaError_t cudaStreamEndCapture(cudaStream_t stream, cudaGraph_t* graph) {
+  if (stream == nullptr || graph == nullptr) return result_of(cudaErrorInvalidValue);
+  std::unique_ptr<CUstream_st::Capture> capture;
+  {
+    std::lock_guard<std::mutex> lock(stream->mu);
+    capture = std::move(stream->capture);
+  }
+  *graph = nullptr;
+  if (!capture) return result_of(cudaErrorInvalidValue);  // not capturing
+  if (capture->invalid) return result_of(cudaErrorStreamCaptureInvalidated);
+  *graph = new CUgraph_st{std::move(capture->tasks)};
+  return sticky_or(cudaSuccess);
+}
+cudaError_t cudaStreamIsCapturing(cudaStream_t stream, enum cudaStreamCaptureStatus* status) {
+  if (status == nullptr) return result_of(cudaErrorInvalidValue);
+  CUstream_st* s = stream_of(stream);
+  std::lock_guard<std::mutex> lock(s->mu);
+  *status = !s->capture ? cudaStreamCaptureStatusNone
+                        : (s->capture->invalid ? cudaStreamCaptureStatusInvalidated : cudaStreamCaptureStatusActive);
+  return cudaSuccess;
+}
+cudaError_t cudaGraphInstantiate(cudaGraphExec_t* exec, cudaGraph_t graph, unsigned long long) {
+  if (exec == nullptr || graph == nullptr) return result_of(cudaErrorInvalidValue);
+  *exec = new CUgraphExec_st{graph->tasks};
+  return sticky_or(cudaSuccess);
+}
+// The update keeps the executable's topology and takes the new graph's parameters: the same
+// number of operations of the same kinds in the same order (a kernel, a copy, a library call).
+cudaError_t cudaGraphExecUpdate(cudaGraphExec_t exec, cudaGraph_t graph, cudaGraphExecUpdateResultInfo* info) {
+  if (exec == nullptr || graph == nullptr || info == nullptr) return result_of(cudaErrorInvalidValue);
+  *info = cudaGraphExecUpdateResultInfo{cudaGraphExecUpdateSuccess, nullptr, nullptr};
+  if (exec->tasks.size() != graph->tasks.size()) {
+    info->result = cudaGraphExecUpdateErrorTopologyChanged;
+    return result_of(cudaErrorGraphExecUpdateFailure);
+  }
+  for (size_t i = 0; i < exec->tasks.size(); ++i) {
+    if (std::strcmp(exec->tasks[i].what, graph->tasks[i].what) != 0) {
+      info->result = cudaGraphExecUpdateErrorNodeTypeChanged;
+      return result_of(cudaErrorGraphExecUpdateFailure);
+    }
+  }
+  exec->tasks = graph->tasks;
+  return sticky_or(cudaSuccess);
+}
+cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t stream) {
+  if (exec == nullptr) return result_of(cudaErrorInvalidResourceHandle);
+  ensure_init();
+  for (const Task& task : exec->tasks) enqueue_ordered(stream, task);
+  return sticky_or(cudaSuccess);
+}
+cudaError_t cudaGraphDestroy(cudaGraph_t graph) {
+  delete graph;
+  return cudaSuccess;
+}
+cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec) {
+  delete exec;  // a launch already enqueued keeps its own copies of the operations
+  return cudaSuccess;
 }
 
 }  // extern "C"

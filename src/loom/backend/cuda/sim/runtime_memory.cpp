@@ -343,6 +343,12 @@ cudaError_t copy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind, 
     std::memmove(dst, src, bytes);
     return cudaSuccess;
   }
+  // In a capture: host-to-device copies from pinned memory (read when the graph runs) and copies
+  // on the device. CUDA also refuses pageable memory and synchronous copies there; a copy to the
+  // host, which CUDA would capture, the simulator's graphs do not hold (Loom's need none).
+  if (capturing(stream) && (!async || ss == Side::kHost || !dst_device)) {
+    return refuse_in_capture(stream, std::string(what) + (!async ? "" : !dst_device ? " to the host" : " from pageable memory"));
+  }
   if (dst_device && !src_device) copy_to_device(dst, src, bytes, ss, stream, what);
   else if (!dst_device) copy_to_host(dst, src, bytes, ds, stream, async, what);
   else copy_on_device(dst, src, bytes, stream, what);

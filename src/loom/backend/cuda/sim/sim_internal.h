@@ -58,6 +58,11 @@ void settle_pinned();
 
 // enqueue() for operations that must run after a sticky error too (event records and waits).
 void enqueue_always(cudaStream_t stream, const char* what, std::function<void()> work);
+// Stream capture: whether `stream` is capturing a graph, and the refusal of a call a capture
+// forbids (a synchronization, a copy to or from pageable memory): reports it ("capture"),
+// invalidates the capture and returns cudaErrorStreamCaptureUnsupported (as the thread's error).
+bool capturing(cudaStream_t stream);
+cudaError_t refuse_in_capture(cudaStream_t stream, const std::string& what);
 
 // The running kernel and thread ("kernel K, block (x,y,z), thread (x,y,z)"), "" outside kernels.
 std::string kernel_position();
