@@ -354,8 +354,9 @@ class StrictBackend final : public Backend {
     cpu_->kv_attention(host_plan, h(q), h(pool), rings.defined() ? h(rings) : Tensor{}, h(out));
   }
   void argmax_rows(const Tensor& x, const Tensor& out) override { cpu_->argmax_rows(h(x), h(out)); }
-  void sample_rows(const Tensor& logits, const std::vector<RowSampling>& rows, const Tensor& out) override {
-    cpu_->sample_rows(h(logits), rows, h(out));
+  void sample_rows(const Tensor& logits, const std::vector<RowSampling>& rows, const std::vector<SamplePenalty>& penalties,
+                   const Tensor& out) override {
+    cpu_->sample_rows(h(logits), rows, penalties, h(out));
   }
   void kv_store(const KvStorePlan& plan, const std::vector<Tensor>& sources, const Tensor& pool, const Tensor& rings,
                 const Tensor& status) override {

@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -318,19 +319,25 @@ TEST_P(BackendKvCacheTest, ArgmaxRowsPicksTheFirstLargestValue) {
 // (sample_row: the rule of backend/sampling_rule.h) on every backend, bit for bit (the rule's
 // probabilities, weights and sums are exact on both sides), over 12 settings x 4 draws at GPT-2's
 // vocabulary, rows of 7 and of 1 token. The draws vary (a rule that ignored the draw would give
-// one token a row), top-k keeps to the k largest logits, and bad settings are refused naming
-// sample_rows. A kernel drawing over the nucleus with the top-k's sum (checked once) fails this test.
+// one token a row), top-k keeps to the k largest logits, OpenAI's penalties are subtracted from
+// the logits in place as the host sampler subtracts them, and bad settings or penalties are
+// refused naming sample_rows. A kernel drawing over the nucleus with the top-k's sum (checked once) fails this test.
 TEST_P(BackendKvCacheTest, SampleRowsDrawsTheRulesToken) {
-  const auto run = [&](int64_t n, int64_t V, const std::vector<float>& x, const std::vector<RowSampling>& rows) {
+  const auto run = [&](int64_t n, int64_t V, const std::vector<float>& x, const std::vector<RowSampling>& rows,
+                       const std::vector<SamplePenalty>& penalties = {}) {
     const Tensor xt = Tensor::empty(backend_->allocator(), {n, V}, DTYPE_F32, MEM_WORKSPACE);
     const Tensor out = Tensor::empty(backend_->allocator(), {n}, DTYPE_I32, MEM_WORKSPACE);
     backend_->write(xt, x.data());
-    backend_->sample_rows(xt, rows, out);
+    backend_->sample_rows(xt, rows, penalties, out);
     std::vector<int32_t> got(static_cast<size_t>(n));
     backend_->read(out, got.data());
+    std::vector<float> penalised = x, after(x.size());
+    apply_penalties(penalised.data(), V, penalties);
+    backend_->read(xt, after.data());
+    EXPECT_EQ(std::memcmp(after.data(), penalised.data(), after.size() * sizeof(float)), 0) << "the penalised logits";
     SampleCandidates scratch;
     for (int64_t i = 0; i < n; ++i) {
-      EXPECT_EQ(got[static_cast<size_t>(i)], sample_row(x.data() + i * V, V, rows[static_cast<size_t>(i)], scratch))
+      EXPECT_EQ(got[static_cast<size_t>(i)], sample_row(penalised.data() + i * V, V, rows[static_cast<size_t>(i)], scratch))
           << "row " << i << " of V " << V << ", draw " << rows[static_cast<size_t>(i)].draw;
     }
     return got;
@@ -366,6 +373,16 @@ TEST_P(BackendKvCacheTest, SampleRowsDrawsTheRulesToken) {
     distinct_draws += std::count(draws.begin(), draws.begin() + static_cast<std::ptrdiff_t>(d), draws[d]) == 0 ? 1 : 0;
   }
   EXPECT_EQ(distinct_draws, 4);  // every draw changed some row's token
+  // OpenAI's penalties: each row's last draw's tokens penalised (presence 0.5 + frequency 0.3 x
+  // count); a greedy row whose argmax is penalised away picks another token.
+  std::vector<SamplePenalty> penalties;
+  for (int32_t r = 0; r < n; ++r) {
+    penalties.push_back({r, draws[3][static_cast<size_t>(r)], 0.5f + 0.3f * static_cast<float>(r % 3 + 1)});
+  }
+  penalties.push_back({0, draws[0][0] == 7 ? 8 : 7, 0.8f});
+  penalties[0].amount = 100.0f;  // row 0 is greedy: its argmax must change
+  const std::vector<int32_t> penalised = run(n, V, x, settings, penalties);
+  EXPECT_NE(penalised[0], draws[0][0]);
   std::vector<float> small(7);
   philox_fill_normal(small.data(), 7, 8, 0, 0, 0.0f, 1.0f);
   small.insert(small.end(), small.begin(), small.end());
@@ -375,8 +392,13 @@ TEST_P(BackendKvCacheTest, SampleRowsDrawsTheRulesToken) {
   const Tensor out = Tensor::empty(backend_->allocator(), {2}, DTYPE_I32, MEM_WORKSPACE);
   backend_->write(xt, small.data());
   const std::vector<RowSampling> bad = {{1.0f, 1.0f, 0, 1, 0}, {1.0f, 0.0f, 0, 1, 0}};
-  EXPECT_NE(test::error_of([&] { backend_->sample_rows(xt, bad, out); }).find("sample_rows: row 1"), std::string::npos);
-  EXPECT_NE(test::error_of([&] { backend_->sample_rows(xt, {bad[0]}, out); }).find("sample_rows"), std::string::npos);
+  EXPECT_NE(test::error_of([&] { backend_->sample_rows(xt, bad, {}, out); }).find("sample_rows: row 1"), std::string::npos);
+  EXPECT_NE(test::error_of([&] { backend_->sample_rows(xt, {bad[0]}, {}, out); }).find("sample_rows"), std::string::npos);
+  const std::vector<RowSampling> good = {bad[0], bad[0]};
+  EXPECT_NE(test::error_of([&] { backend_->sample_rows(xt, good, {{1, 7, 1.0f}}, out); }).find("penalty 0 of row 1 token 7"),
+            std::string::npos);
+  EXPECT_NE(test::error_of([&] { backend_->sample_rows(xt, good, {{1, 3, 1.0f}, {1, 3, 2.0f}}, out); }).find("two penalties"),
+            std::string::npos);
 }
 
 INSTANTIATE_TEST_SUITE_P(AllBackends, BackendKvCacheTest, ::testing::Values(std::string("strict"), std::string("cuda")),

@@ -275,7 +275,7 @@ void StepGraphScope::launch() {
 }
 
 void Backend::argmax_rows(const Tensor&, const Tensor&) { unsupported(*this, "argmax_rows", "greedy decoding on the backend"); }
-void Backend::sample_rows(const Tensor&, const std::vector<RowSampling>&, const Tensor&) {
+void Backend::sample_rows(const Tensor&, const std::vector<RowSampling>&, const std::vector<SamplePenalty>&, const Tensor&) {
   unsupported(*this, "sample_rows", "sampled decoding on the backend");
 }
 

@@ -790,9 +790,12 @@ class Backend {
   };
   virtual StepGraphCounts step_graph_counts() const { return {}; }
   // Sampled decoding's pick: out[i] (i32, n) = the token the sampling rule (backend/sampling_rule.h:
-  // temperature, top-k, top-p, a Philox draw) gives row i of logits (f32, (n, V)) under rows[i];
-  // the same token on every backend. Checked by check_sample_rows. Part of capabilities().kv_cache.
-  virtual void sample_rows(const Tensor& logits, const std::vector<RowSampling>& rows, const Tensor& out);
+  // temperature, top-k, top-p, a Philox draw) gives row i of logits (f32, (n, V)) under rows[i],
+  // after the penalties (OpenAI's presence and frequency, SamplePenalty) are subtracted from the
+  // logits in place; the same token on every backend. Checked by check_sample_rows. Part of
+  // capabilities().kv_cache.
+  virtual void sample_rows(const Tensor& logits, const std::vector<RowSampling>& rows,
+                           const std::vector<SamplePenalty>& penalties, const Tensor& out);
   // Muon (Jordan et al. 2024): buf = momentum buf + (1 - momentum) g;
   // u = nesterov ? (1 - momentum) g + momentum buf : buf.
   virtual void muon_momentum(const Tensor& grad, const Tensor& buf, const Tensor& u, const OptimHyper& hyper);

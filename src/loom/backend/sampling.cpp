@@ -12,7 +12,8 @@
 
 namespace loom {
 
-void check_sample_rows(const Tensor& logits, const std::vector<RowSampling>& rows, const Tensor& out) {
+void check_sample_rows(const Tensor& logits, const std::vector<RowSampling>& rows,
+                       const std::vector<SamplePenalty>& penalties, const Tensor& out) {
   LOOM_CHECK(logits.dtype() == DTYPE_F32 && logits.ndim() == 2 && logits.dim(1) >= 1 && logits.dim(1) < kMaxSampleVocab,
              "sample_rows: logits must be f32 (rows, V) with 1 <= V < ", kMaxSampleVocab, ", got ", logits.describe());
   LOOM_CHECK(static_cast<int64_t>(rows.size()) == logits.dim(0), "sample_rows: ", rows.size(), " rows' settings for ",
@@ -25,6 +26,22 @@ void check_sample_rows(const Tensor& logits, const std::vector<RowSampling>& row
                " has temperature ", r.temperature, ", top_k ", r.top_k, ", top_p ", r.top_p,
                " (expected temperature >= 0, top_k >= 0, top_p in (0, 1])");
   }
+  std::vector<std::pair<int32_t, int32_t>> seen;
+  seen.reserve(penalties.size());
+  for (size_t i = 0; i < penalties.size(); ++i) {
+    const SamplePenalty& p = penalties[i];
+    LOOM_CHECK(p.row >= 0 && p.row < logits.dim(0) && p.token >= 0 && p.token < logits.dim(1), "sample_rows: penalty ", i,
+               " of row ", p.row, " token ", p.token, " is outside the logits ", logits.describe());
+    seen.emplace_back(p.row, p.token);
+  }
+  std::sort(seen.begin(), seen.end());
+  const auto twice = std::adjacent_find(seen.begin(), seen.end());
+  LOOM_CHECK(twice == seen.end(), "sample_rows: two penalties of row ", twice == seen.end() ? 0 : twice->first, " token ",
+             twice == seen.end() ? 0 : twice->second, " (expected one per token)");
+}
+
+void apply_penalties(float* logits, int64_t vocab, const std::vector<SamplePenalty>& penalties) {
+  for (const SamplePenalty& p : penalties) logits[static_cast<int64_t>(p.row) * vocab + p.token] -= p.amount;
 }
 
 double sample_uniform(uint64_t seed, uint64_t draw) {

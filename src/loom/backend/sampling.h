@@ -13,8 +13,13 @@
 namespace loom {
 
 // sample_rows' operands: logits f32 (n, V) with 1 <= V < kMaxSampleVocab, one RowSampling a row
-// (temperature >= 0, top_k >= 0, top_p in (0, 1]), out i32 (n); throws naming sample_rows.
-void check_sample_rows(const Tensor& logits, const std::vector<RowSampling>& rows, const Tensor& out);
+// (temperature >= 0, top_k >= 0, top_p in (0, 1]), penalties inside (n, V) with at most one entry
+// per (row, token), out i32 (n); throws naming sample_rows.
+void check_sample_rows(const Tensor& logits, const std::vector<RowSampling>& rows,
+                       const std::vector<SamplePenalty>& penalties, const Tensor& out);
+
+// logits (rows of `vocab`) minus each penalty's amount, in place: sample_rows' first step.
+void apply_penalties(float* logits, int64_t vocab, const std::vector<SamplePenalty>& penalties);
 
 // The rule's uniform u of a row's draw (Philox4x32-10 word 0 at (draw lo, draw hi, 1, 0)).
 double sample_uniform(uint64_t seed, uint64_t draw);

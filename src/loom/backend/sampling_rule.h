@@ -38,6 +38,15 @@ struct RowSampling {
   uint64_t draw = 0;         // the Philox counter of the row's draw
 };
 
+// OpenAI's presence and frequency penalties of one row's token, applied before the rule:
+// logit[token] -= amount, amount = presence + frequency x (times the token was drawn), computed
+// in float by the host sampler (infer/sampler.h). One entry per (row, token).
+struct SamplePenalty {
+  int32_t row = 0;
+  int32_t token = 0;
+  float amount = 0.0f;
+};
+
 // The largest vocabulary the rule's double sums stay exact for.
 inline constexpr int64_t kMaxSampleVocab = int64_t{1} << 21;
 

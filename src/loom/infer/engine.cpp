@@ -618,8 +618,8 @@ bool GenerationEngine::step() {
 bool GenerationEngine::read_step_outputs(const Tensor& logits, const StepPlan& p) {
   Backend& backend = model_.backend();
   const int64_t n = logits.dim(0);
-  const bool on_backend = !p.speculating && cache_->in_backend_memory() && std::all_of(active_.begin(), active_.end(), [&](const auto& a) {
-    return a->sampler.backend_draws() && !(on_logits_ && a->request.logits);
+  const bool on_backend = !p.speculating && cache_->in_backend_memory() && std::none_of(active_.begin(), active_.end(), [&](const auto& a) {
+    return on_logits_ && a->request.logits;
   });
   if (!on_backend) {
     logits_.resize(static_cast<size_t>(logits.numel()));
@@ -634,10 +634,14 @@ bool GenerationEngine::read_step_outputs(const Tensor& logits, const StepPlan& p
     backend.argmax_rows(logits, picks);
   } else {
     std::vector<RowSampling> rows(static_cast<size_t>(n));  // a row no request samples: greedy
+    std::vector<SamplePenalty> penalties;
     for (size_t i = 0; i < active_.size(); ++i) {
-      if (p.first_logit[i] >= 0) rows[static_cast<size_t>(p.first_logit[i])] = active_[i]->sampler.row();
+      const int64_t row = p.first_logit[i];
+      if (row < 0) continue;
+      rows[static_cast<size_t>(row)] = active_[i]->sampler.row();
+      active_[i]->sampler.penalties(static_cast<int32_t>(row), penalties);
     }
-    backend.sample_rows(logits, rows, picks);
+    backend.sample_rows(logits, rows, penalties, picks);
   }
   picks_.resize(static_cast<size_t>(n));
   backend.read(picks, picks_.data());

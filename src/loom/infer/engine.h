@@ -54,10 +54,11 @@
 // capabilities().kv_cache (a GPU): a step's rows are stored by one Backend::kv_store and attended
 // by one Backend::kv_attention per layer, a prompt stored by one kv_store, nothing of the cache
 // crossing to the host (a step with a prefix-cache hit's prompt chunk stages its rows through the
-// host; an MLA latent cache stays host memory). There, a step whose rows sample without penalties
-// or drafts, with no one reading their logits (GenerationRequest::logits, on_logits), takes the
-// backend's tokens (Backend::argmax_rows when all are greedy, else Backend::sample_rows: the host
-// sampler's token, backend/sampling_rule.h; 4 bytes a row) instead of reading the (n, vocab) logits.
+// host; an MLA latent cache stays host memory). There, a step without drafts, with no one reading
+// its logits (GenerationRequest::logits, on_logits), takes the backend's tokens
+// (Backend::argmax_rows when all are greedy, else Backend::sample_rows with OpenAI's penalties:
+// the host sampler's token, backend/sampling_rule.h; 4 bytes a row) instead of reading the
+// (n, vocab) logits.
 #pragma once
 #include <chrono>
 #include <cstdint>
@@ -89,8 +90,8 @@ struct GenerationRequest {
   // forked from it: they share the prompt's KV blocks, each copying a block only when it writes
   // into a shared one (copy-on-write).
   int64_t n = 1;
-  // Whether the engine's on_logits callback is called for this request. Without it (and with
-  // sampling without penalties) a backend holding the KV cache draws the token itself
+  // Whether the engine's on_logits callback is called for this request. Without it a backend
+  // holding the KV cache draws the token itself
   // (Backend::argmax_rows, sample_rows) and the step moves 4 bytes for the row instead of its
   // vocab logits.
   bool logits = true;
@@ -271,10 +272,10 @@ class GenerationEngine {
   void retire();  // releases the finished requests' sequences and blocks
   // After a new token: finished by a stop token, max_new_tokens or the context.
   void sampled(Active& a, int32_t token, std::chrono::steady_clock::time_point now);
-  // A step's (n, vocab) logits to the host (logits_), or, when no active row has penalties or
-  // drafts and no one reads its logits on a backend holding the KV cache, each row's token drawn
-  // by the backend (argmax_rows when every row is greedy, else sample_rows under each request's
-  // settings: the host sampler's token) (picks_: 4 bytes a row); returns true for the latter.
+  // A step's (n, vocab) logits to the host (logits_), or, when the step has no drafts and no one
+  // reads its logits on a backend holding the KV cache, each row's token drawn by the backend
+  // (argmax_rows when every row is plain greedy, else sample_rows under each request's settings
+  // and penalties: the host sampler's token) (picks_: 4 bytes a row); returns true for the latter.
   struct StepPlan;
   bool read_step_outputs(const Tensor& logits, const StepPlan& p);
   StepPlan plan_step();  // the step's rows (and rows_'s sequences), each request's drafts proposed

@@ -35,16 +35,23 @@ int32_t Sampler::verify(const float* logits, int64_t vocab, int32_t draft) {
 
 double Sampler::uniform() { return sample_uniform(config_.seed, draws_++); }
 
-const float* Sampler::penalised(const float* logits, int64_t vocab) {
-  penalised_.assign(logits, logits + vocab);
+void Sampler::penalties(int32_t row, std::vector<SamplePenalty>& out) const {
+  if (config_.presence_penalty == 0.0f && config_.frequency_penalty == 0.0f) return;
   std::vector<int32_t> sorted = drawn_;
   std::sort(sorted.begin(), sorted.end());
   for (size_t i = 0; i < sorted.size();) {
     size_t j = i;
     while (j < sorted.size() && sorted[j] == sorted[i]) ++j;
-    penalised_[static_cast<size_t>(sorted[i])] -= config_.presence_penalty + config_.frequency_penalty * static_cast<float>(j - i);
+    out.push_back({row, sorted[i], config_.presence_penalty + config_.frequency_penalty * static_cast<float>(j - i)});
     i = j;
   }
+}
+
+const float* Sampler::penalised(const float* logits, int64_t vocab) {
+  penalised_.assign(logits, logits + vocab);
+  std::vector<SamplePenalty> amounts;
+  penalties(0, amounts);
+  apply_penalties(penalised_.data(), vocab, amounts);
   return penalised_.data();
 }
 

@@ -53,11 +53,13 @@ class Sampler {
   bool plain_greedy() const {
     return config_.temperature == 0.0f && config_.presence_penalty == 0.0f && config_.frequency_penalty == 0.0f;
   }
-  // Without penalties the sampler's only state is its draw counter: a backend may draw the token
-  // sample() would (Backend::sample_rows under row()), and took() counts the draw as sample() does.
-  bool backend_draws() const { return config_.presence_penalty == 0.0f && config_.frequency_penalty == 0.0f; }
+  // A backend may draw the token sample() would (Backend::sample_rows under row() and the row's
+  // penalties()), and took() counts the draw and the token as sample() does.
   RowSampling row() const { return {config_.temperature, config_.top_p, config_.top_k, config_.seed, draws_}; }
+  // The penalties of the next draw, one per distinct token drawn so far, for the step's row `row`.
+  void penalties(int32_t row, std::vector<SamplePenalty>& out) const;
   int32_t took(int32_t token) {
+    if (config_.presence_penalty != 0.0f || config_.frequency_penalty != 0.0f) drawn_.push_back(token);
     if (config_.temperature > 0.0f) ++draws_;
     return token;
   }

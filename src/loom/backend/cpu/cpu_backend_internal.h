@@ -351,9 +351,11 @@ class CpuBackend final : public Backend {
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < n; ++i) o[i] = static_cast<int32_t>(std::max_element(p + i * V, p + (i + 1) * V) - (p + i * V));
   }
-  void sample_rows(const Tensor& logits, const std::vector<RowSampling>& rows, const Tensor& out) override {
-    check_sample_rows(logits, rows, out);
+  void sample_rows(const Tensor& logits, const std::vector<RowSampling>& rows, const std::vector<SamplePenalty>& penalties,
+                   const Tensor& out) override {
+    check_sample_rows(logits, rows, penalties, out);
     const int64_t n = logits.dim(0), V = logits.dim(1);
+    apply_penalties(logits.data<float>(), V, penalties);
     const float* p = logits.data<float>();
     int32_t* o = out.data<int32_t>();
 #pragma omp parallel for schedule(static)

@@ -288,7 +288,8 @@ class CudaBackend final : public Backend {
   void kv_store(const KvStorePlan& plan, const std::vector<Tensor>& sources, const Tensor& pool, const Tensor& rings,
                 const Tensor& status) override;
   void argmax_rows(const Tensor& x, const Tensor& out) override;
-  void sample_rows(const Tensor& logits, const std::vector<RowSampling>& rows, const Tensor& out) override;
+  void sample_rows(const Tensor& logits, const std::vector<RowSampling>& rows, const std::vector<SamplePenalty>& penalties,
+                   const Tensor& out) override;
   // ---- cuda_graph_ops.cpp: a decoding step as one CUDA graph (stream capture, cudaGraphExecUpdate)
   bool begin_step_graph() override;
   void end_step_graph(int64_t key) override;

@@ -199,19 +199,25 @@ void CudaBackend::argmax_rows(const Tensor& x, const Tensor& out) {
   cuda::argmax_rows(dptr<float>(x), x.dim(0), x.dim(1), dptr<int32_t>(out), stream());
 }
 
-// The rows' settings go to the workspace through their own pinned staging buffer, then the keys,
-// two sorts and the draw (cuda_sample.cu): the logits never leave the device.
-void CudaBackend::sample_rows(const Tensor& logits, const std::vector<RowSampling>& rows, const Tensor& out) {
-  check_sample_rows(logits, rows, out);
+// The rows' settings and the penalties go to the workspace through their own pinned staging
+// buffer, then the penalties, the keys, two sorts and the draw (cuda_sample.cu): the logits never
+// leave the device.
+void CudaBackend::sample_rows(const Tensor& logits, const std::vector<RowSampling>& rows,
+                              const std::vector<SamplePenalty>& penalties, const Tensor& out) {
+  check_sample_rows(logits, rows, penalties, out);
   const int64_t n = logits.dim(0), V = logits.dim(1);
   if (n == 0) return;
   LOOM_CHECK(n * V <= INT_MAX, "sample_rows: ", logits.describe(), " exceeds the sort's 2^31 elements");
-  const cuda::SampleLayout at = cuda::sample_layout(n, V);
-  void* host = sample_staging_.acquire(rows.size() * sizeof(RowSampling));
+  const cuda::SampleLayout at = cuda::sample_layout(n, V, static_cast<int64_t>(penalties.size()));
+  const size_t table = at.max_at - at.rows_at;  // the settings and the penalties, as they are laid out there
+  char* host = static_cast<char*>(sample_staging_.acquire(table));
   std::memcpy(host, rows.data(), rows.size() * sizeof(RowSampling));
+  if (!penalties.empty()) {
+    std::memcpy(host + (at.penalties_at - at.rows_at), penalties.data(), penalties.size() * sizeof(SamplePenalty));
+  }
   void* ws = workspace(at.bytes);
-  sample_staging_.upload(static_cast<char*>(ws) + at.rows_at, rows.size() * sizeof(RowSampling), stream());
-  cuda::sample_rows(ws, at, dptr<float>(logits), n, V, dptr<int32_t>(out), stream());
+  sample_staging_.upload(static_cast<char*>(ws) + at.rows_at, table, stream());
+  cuda::sample_rows(ws, at, dptr<float>(logits), n, V, static_cast<int64_t>(penalties.size()), dptr<int32_t>(out), stream());
 }
 
 void CudaBackend::kv_store(const KvStorePlan& plan, const std::vector<Tensor>& sources, const Tensor& pool,

@@ -55,8 +55,7 @@
 //   cuda_compress.cu     1-bit encode: one ballot per 32 elements (the word's bits).
 //   cuda_sample.cu       block_min's shfl_xor tree of ints; the block scan's inclusive scan of
 //                        64-bit weight sums by shfl from lane - d (lane 0's own value below d).
-//   (cuda_decode.cu, issue 45's decode attention, keeps its own warp_sum on __shfl_xor_sync and
-//   is left out of the HIP target until it uses these: CMakeLists.txt, docs/accelerators.md.)
+//   cuda_decode.cu       warp_sum (decode attention's scores, split-KV merges).
 // Warp-synchronous code without an exchange: none relies on lockstep. The "one thread adds, the
 // other warps stage" kernels (compress's seq_sum and Gram-Schmidt) order through __syncthreads;
 // on wave64 warps 0 and 1 share a wavefront and serialize there (correct, less overlap).

@@ -3,6 +3,8 @@
 // no contraction (-fmad=false: CMakeLists.txt LOOM_NO_CONTRACT_CUDA), integer weights whose sums
 // are exact in any order, the draw's double products rounded once on both sides.
 //
+//   penalty_kernel       OpenAI's presence and frequency penalties subtracted from the logits in
+//                        place, a thread per (row, token) entry (the host's float subtraction).
 //   sample_keys_kernel   a block of 256 per row: the row's largest logit (NaN ignored), then each
 //                        token's key (~bits of p: ascending keys are descending p) and value
 //                        (row x V + token), and the row's weight sum. Reads V logits, writes 8 V bytes.
@@ -84,6 +86,15 @@ __global__ void __launch_bounds__(kKeyThreads)
     __syncthreads();
   }
   if (threadIdx.x == 0) row_max[r] = m, sums[r] = part[0];
+}
+
+// OpenAI's penalties, one thread per (row, token) entry: logit -= amount, as the host subtracts it.
+__global__ void penalty_kernel(float* __restrict__ logits, int64_t V, const SamplePenalty* __restrict__ penalties,
+                               int64_t n) {
+  for (int64_t i = thread_index(); i < n; i += thread_count()) {
+    const SamplePenalty p = penalties[i];
+    logits[static_cast<int64_t>(p.row) * V + p.token] -= p.amount;
+  }
 }
 
 __global__ void row_of_kernel(const uint32_t* __restrict__ vals, int64_t n, uint32_t V, uint32_t* __restrict__ keys) {
@@ -229,7 +240,7 @@ __global__ void __launch_bounds__(kDrawThreads)
 
 }  // namespace
 
-SampleLayout sample_layout(int64_t rows, int64_t V) {
+SampleLayout sample_layout(int64_t rows, int64_t V, int64_t penalties) {
   const int64_t n = rows * V;
   SampleLayout at;
   size_t off = 0;
@@ -238,7 +249,10 @@ SampleLayout sample_layout(int64_t rows, int64_t V) {
     off += align256(bytes);
     return at_;
   };
-  at.rows_at = take(static_cast<size_t>(rows) * sizeof(RowSampling));
+  at.rows_at = off;
+  at.penalties_at = at.rows_at + align256(static_cast<size_t>(rows) * sizeof(RowSampling));
+  off = at.penalties_at;
+  take(static_cast<size_t>(penalties) * sizeof(SamplePenalty));
   at.max_at = take(static_cast<size_t>(rows) * sizeof(float));
   at.sums_at = take(static_cast<size_t>(rows) * sizeof(unsigned long long));
   at.keys_a = take(static_cast<size_t>(n) * 4);
@@ -251,10 +265,15 @@ SampleLayout sample_layout(int64_t rows, int64_t V) {
   return at;
 }
 
-void sample_rows(void* ws, const SampleLayout& at, const float* logits, int64_t rows, int64_t V, int32_t* out,
-                 cudaStream_t stream) {
+void sample_rows(void* ws, const SampleLayout& at, float* logits, int64_t rows, int64_t V, int64_t penalties,
+                 int32_t* out, cudaStream_t stream) {
   char* w = static_cast<char*>(ws);
   const auto* table = reinterpret_cast<const RowSampling*>(w + at.rows_at);
+  if (penalties > 0) {
+    launch<penalty_kernel>(dim3(grid_for(penalties, 256)), 256, 0, stream, logits, V,
+                           reinterpret_cast<const SamplePenalty*>(w + at.penalties_at), penalties);
+    LOOM_CUDA_CHECK_LAUNCH();
+  }
   auto* row_max = reinterpret_cast<float*>(w + at.max_at);
   auto* sums = reinterpret_cast<unsigned long long*>(w + at.sums_at);
   auto* keys_a = reinterpret_cast<uint32_t*>(w + at.keys_a);

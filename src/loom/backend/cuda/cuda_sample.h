@@ -10,17 +10,19 @@
 
 namespace loom::cuda {
 
-// The workspace of one call: the rows' settings (`rows` RowSampling, copied there by the caller in
-// stream order), each row's largest logit and weight sum, two key and two value arrays of rows x V
-// words, the radix sort's temporary storage.
+// The workspace of one call: the rows' settings (`rows` RowSampling) and the penalties
+// (SamplePenalty), copied there by the caller in stream order as one table [rows_at, max_at), each
+// row's largest logit and weight sum, two key and two value arrays of rows x V words, the radix
+// sort's temporary storage.
 struct SampleLayout {
-  size_t rows_at = 0, max_at = 0, sums_at = 0, keys_a = 0, vals_a = 0, keys_b = 0, vals_b = 0, temp_at = 0;
-  size_t temp_bytes = 0, bytes = 0;
+  size_t rows_at = 0, penalties_at = 0, max_at = 0, sums_at = 0, keys_a = 0, vals_a = 0, keys_b = 0, vals_b = 0;
+  size_t temp_at = 0, temp_bytes = 0, bytes = 0;
 };
-SampleLayout sample_layout(int64_t rows, int64_t V);
+SampleLayout sample_layout(int64_t rows, int64_t V, int64_t penalties);
 
-// out[r] = the rule's token for row r of logits (rows, V), enqueued on `stream`; rows * V < 2^31.
-void sample_rows(void* ws, const SampleLayout& at, const float* logits, int64_t rows, int64_t V, int32_t* out,
-                 cudaStream_t stream);
+// logits (rows, V) minus the penalties, in place, then out[r] = the rule's token for row r,
+// enqueued on `stream`; rows * V < 2^31.
+void sample_rows(void* ws, const SampleLayout& at, float* logits, int64_t rows, int64_t V, int64_t penalties,
+                 int32_t* out, cudaStream_t stream);
 
 }  // namespace loom::cuda
