@@ -242,15 +242,15 @@ TEST(CudaFeatures, StepGraphsDecodeBitwiseAsWithoutThem) {
       ASSERT_TRUE(model.step_graphs());
       const auto run = [&](bool graphs, bool logits) {
         EngineConfig ec;
-        ec.max_batch = 3, ec.block_size = 4, ec.step_graphs = graphs;
+        ec.max_batch = 9, ec.block_size = 4, ec.step_graphs = graphs;
         apply_kv_preset(ec, kv, config.head_dim());
         GenerationEngine engine(model, ec);
         std::vector<float> seen;
         if (logits) engine.set_on_logits([&](int64_t, const float* l, int64_t v) { seen.insert(seen.end(), l, l + v); });
-        for (int64_t i = 0; i < 5; ++i) {
+        for (int64_t i = 0; i < 11; ++i) {
           GenerationRequest r;
-          for (int64_t t = 0; t < 2 + 2 * i; ++t) r.prompt.push_back(static_cast<int32_t>((t * 7 + i * 3 + 1) % config.vocab_size));
-          r.max_new_tokens = 4 + i;
+          for (int64_t t = 0; t < 2 + i % 6; ++t) r.prompt.push_back(static_cast<int32_t>((t * 7 + i * 3 + 1) % config.vocab_size));
+          r.max_new_tokens = 4 + i % 5;
           r.sampling.temperature = i % 2 == 0 ? 0.0f : 0.8f;
           r.sampling.top_p = 0.9f;
           r.sampling.seed = 3 + static_cast<uint64_t>(i);

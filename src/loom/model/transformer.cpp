@@ -568,14 +568,21 @@ void Transformer::forward_rows(ActivationStore& s, const std::vector<int32_t>& t
                " outside [0, model.max_seq_len = ", config_.max_seq_len, ")");
   }
   backend_.write(s.tokens, tokens.data());
+  if (pos_w.defined()) {  // learned positions: the rows' positions as ids, in the rows' targets (decoding has none)
+    const std::vector<int32_t> ids(positions.begin(), positions.end());
+    backend_.write(s.targets, ids.data());
+  }
   LOOM_CHECK(!graph || step_graphs(), "forward_rows: this model's decoding step cannot be one graph");
   const int64_t graph_key = n * 65536 + (logit_rows ? static_cast<int64_t>(logit_rows->size()) : n);
   StepGraphScope recording(backend_, graph, graph_key);
-  if (pos_w.defined()) {  // learned positions: each row its own
-    for (int64_t r = 0; r < n; ++r) {
-      const Tensor pos = pos_w.view(positions[r] * C, {1, C});
-      backend_.embedding_forward(s.tokens.view(r, {1, 1}), embed_w, &pos, s.blocks[0].input.view(r * C, {1, 1, C}));
-    }
+  if (pos_w.defined()) {
+    // Each row's token embedding, then its position's row of pos_w looked up the same way and
+    // added: bitwise the one lookup with positions (one rounding of token + position), in three
+    // ops whatever the rows (a lookup per row claimed an id-check slot each, which a step graph
+    // cannot read back mid-capture when they run out).
+    backend_.embedding_forward(s.tokens, embed_w, nullptr, s.blocks[0].input);
+    backend_.embedding_forward(s.targets, pos_w, nullptr, s.final_input);
+    backend_.add_inplace(s.blocks[0].input, s.final_input);
   } else {
     backend_.embedding_forward(s.tokens, embed_w, nullptr, s.blocks[0].input);
   }
