@@ -229,6 +229,19 @@ class BackendOpsTest : public ::testing::TestWithParam<std::string> {
     for (int64_t i = 0; i < t.numel(); ++i) b.data<bf16>()[i] = f32_to_bf16(t.data<float>()[i]);
     return b;
   }
+  // A norm's operands over (N, C): x with a mean offset (2 + U(-3, 3), which a one-pass variance
+  // would get wrong), weight, bias, dout, and the forward's out, mean and rstd as NaN.
+  Operands norm_operands(int64_t N, int64_t C, DType dtype) {
+    Operands x;
+    x.tensors["x"] = rnd({N, C}, dtype, 1, 3.0, 2.0);
+    x.tensors["weight"] = rnd({C}, dtype, 2);
+    x.tensors["bias"] = rnd({C}, dtype, 3);
+    x.tensors["dout"] = rnd({N, C}, dtype, 4);
+    x.tensors["out"] = nans({N, C}, dtype);
+    x.tensors["mean"] = nans({N}, dtype);
+    x.tensors["rstd"] = nans({N}, dtype);
+    return x;
+  }
   // An output the op must overwrite: NaN everywhere.
   Tensor nans(Shape shape, DType dtype) {
     Tensor t = empty(std::move(shape), dtype);

@@ -19,14 +19,7 @@ const std::vector<std::pair<int64_t, int64_t>> kNormShapes = {{2 * 17, 37}, {33,
 TEST_P(BackendOpsTest, LayerNormForwardBackward) {
   for (DType dtype : kFloatTypes) {
     for (auto [N, C] : kNormShapes) {
-      Operands x;
-      x.tensors["x"] = rnd({N, C}, dtype, 1, 3.0, 2.0);
-      x.tensors["weight"] = rnd({C}, dtype, 2);
-      x.tensors["bias"] = rnd({C}, dtype, 3);
-      x.tensors["dout"] = rnd({N, C}, dtype, 4);
-      x.tensors["out"] = nans({N, C}, dtype);
-      x.tensors["mean"] = nans({N}, dtype);
-      x.tensors["rstd"] = nans({N}, dtype);
+      Operands x = norm_operands(N, C, dtype);
       x.tensors["dx"] = nans({N, C}, dtype);
       x.tensors["dweight"] = rnd({C}, dtype, 5);
       x.tensors["dbias"] = rnd({C}, dtype, 6);
@@ -45,12 +38,7 @@ TEST_P(BackendOpsTest, LayerNormForwardBackward) {
 TEST_P(BackendOpsTest, RmsNormForwardBackward) {
   for (DType dtype : kFloatTypes) {
     for (auto [N, C] : kNormShapes) {
-      Operands x;
-      x.tensors["x"] = rnd({N, C}, dtype, 1, 3.0, 2.0);
-      x.tensors["weight"] = rnd({C}, dtype, 2);
-      x.tensors["dout"] = rnd({N, C}, dtype, 4);
-      x.tensors["out"] = nans({N, C}, dtype);
-      x.tensors["rstd"] = nans({N}, dtype);
+      Operands x = norm_operands(N, C, dtype);  // (bias and mean unused)
       x.tensors["dx"] = nans({N, C}, dtype);
       x.tensors["dweight"] = rnd({C}, dtype, 5);
       const Tol tol = elementwise_tol(dtype);
@@ -71,14 +59,7 @@ TEST_P(BackendOpsTest, NormBackwardsAccumulateIntoDxAsASeparateAdd) {
   for (DType dtype : kFloatTypes) {
     for (auto [N, C] : kNormShapes) {
       for (const bool rms : {false, true}) {
-        Operands x;
-        x.tensors["x"] = rnd({N, C}, dtype, 1, 3.0, 2.0);
-        x.tensors["weight"] = rnd({C}, dtype, 2);
-        x.tensors["bias"] = rnd({C}, dtype, 3);
-        x.tensors["dout"] = rnd({N, C}, dtype, 4);
-        x.tensors["out"] = nans({N, C}, dtype);
-        x.tensors["mean"] = nans({N}, dtype);
-        x.tensors["rstd"] = nans({N}, dtype);
+        Operands x = norm_operands(N, C, dtype);
         x.tensors["acc"] = rnd({N, C}, dtype, 7, 2.0);
         x.tensors["want"] = rnd({N, C}, dtype, 7, 2.0);  // acc's values
         x.tensors["scratch"] = nans({N, C}, dtype);

@@ -58,6 +58,15 @@ std::unique_ptr<Transformer> open_draft(const Args& args, Backend& backend, Engi
   return open_inference_model(source, backend, args.has("f32-weights"));
 }
 
+SamplingConfig sampling_from_args(const Args& args, SamplingConfig s) {
+  s.temperature = args.has("greedy") ? 0.0f : static_cast<float>(args.get_double("temperature", s.temperature));
+  s.top_k = args.get_int("top-k", s.top_k);
+  s.top_p = static_cast<float>(args.get_double("top-p", s.top_p));
+  s.seed = static_cast<uint64_t>(args.get_int("seed", static_cast<int64_t>(s.seed)));
+  s.validate();
+  return s;
+}
+
 EngineConfig serving_engine_config(const Args& args, int64_t head_dim) {
   EngineConfig ec;
   ec.max_batch = args.get_int("max-batch", 16);

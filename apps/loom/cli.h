@@ -68,6 +68,9 @@ std::unique_ptr<Transformer> open_draft(const Args& args, Backend& backend, Engi
 // loom serve's engine from its flags (--max-batch, --kv-block, --kv-blocks, --prefill-chunk,
 // --speculate, --kv-memory, --kv), as loom memory --serve reads them too.
 EngineConfig serving_engine_config(const Args& args, int64_t head_dim);
+// --temperature (or --greedy), --top-k, --top-p and --seed over `defaults`, checked
+// (SamplingConfig::validate) before anything is loaded: generate's and bench generate's settings.
+SamplingConfig sampling_from_args(const Args& args, SamplingConfig defaults);
 // The engine's step workspace (GenerationEngine::workspace_bytes) for a banner.
 std::string workspace_note(const GenerationEngine& engine);
 

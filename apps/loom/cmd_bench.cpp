@@ -55,11 +55,7 @@ std::vector<std::string> split_list(const std::string& text) {
 }
 
 int bench_generate(const Args& args) {
-  SamplingConfig sampling;  // checked before anything is loaded
-  sampling.temperature = static_cast<float>(args.get_double("temperature", 0.0));
-  sampling.top_k = args.get_int("top-k", 0);
-  sampling.top_p = static_cast<float>(args.get_double("top-p", 1.0));
-  sampling.validate();
+  const SamplingConfig sampling = sampling_from_args(args, SamplingConfig{0.0f, 0, 1.0f, 1});  // greedy by default
   LoomConfig config;
   std::optional<ModelSource> source;
   if (args.has("checkpoint")) {

@@ -75,11 +75,7 @@ int generate_main(int argc, char** argv) {
   if (args.has("prompt-file")) {
     prompt = read_text_file(args.get("prompt-file"), uint64_t{16} << 20, "--prompt-file's limit");
   }
-  SamplingConfig sampling = config.sample.sampling;
-  sampling.temperature = args.has("greedy") ? 0.0f : static_cast<float>(args.get_double("temperature", sampling.temperature));
-  sampling.top_k = args.get_int("top-k", sampling.top_k);
-  sampling.top_p = static_cast<float>(args.get_double("top-p", sampling.top_p));
-  sampling.seed = static_cast<uint64_t>(args.get_int("seed", static_cast<int64_t>(sampling.seed)));
+  const SamplingConfig sampling = sampling_from_args(args, config.sample.sampling);
 
   const auto tokenizer = model_tokenizer(config);
   auto backend = inference_backend(source, args.get("device", ""));

@@ -91,9 +91,8 @@ struct GenerationRequest {
   // into a shared one (copy-on-write).
   int64_t n = 1;
   // Whether the engine's on_logits callback is called for this request. Without it a backend
-  // holding the KV cache draws the token itself
-  // (Backend::argmax_rows, sample_rows) and the step moves 4 bytes for the row instead of its
-  // vocab logits.
+  // holding the KV cache draws the token itself (Backend::argmax_rows, sample_rows) and the step
+  // moves 4 bytes for the row instead of its vocab logits.
   bool logits = true;
 };
 

@@ -20,14 +20,14 @@ void SamplingConfig::validate() const {
 Sampler::Sampler(SamplingConfig config) : config_(config) { config_.validate(); }
 
 int32_t Sampler::sample(const float* logits, int64_t vocab) {
-  if (config_.presence_penalty == 0.0f && config_.frequency_penalty == 0.0f) return pick(logits, vocab);
+  if (!penalised_draws()) return pick(logits, vocab);
   const int32_t token = pick(penalised(logits, vocab), vocab);
   drawn_.push_back(token);
   return token;
 }
 
 int32_t Sampler::verify(const float* logits, int64_t vocab, int32_t draft) {
-  const bool penalties = config_.presence_penalty != 0.0f || config_.frequency_penalty != 0.0f;
+  const bool penalties = penalised_draws();
   const int32_t token = pick(penalties ? penalised(logits, vocab) : logits, vocab, draft);
   if (penalties) drawn_.push_back(token);
   return token;
@@ -36,7 +36,7 @@ int32_t Sampler::verify(const float* logits, int64_t vocab, int32_t draft) {
 double Sampler::uniform() { return sample_uniform(config_.seed, draws_++); }
 
 void Sampler::penalties(int32_t row, std::vector<SamplePenalty>& out) const {
-  if (config_.presence_penalty == 0.0f && config_.frequency_penalty == 0.0f) return;
+  if (!penalised_draws()) return;
   std::vector<int32_t> sorted = drawn_;
   std::sort(sorted.begin(), sorted.end());
   for (size_t i = 0; i < sorted.size();) {
@@ -89,7 +89,7 @@ int32_t Sampler::propose(const float* logits, int64_t vocab, float* q) {
 
 int32_t Sampler::verify(const float* logits, int64_t vocab, int32_t draft, const float* q) {
   if (q == nullptr) return verify(logits, vocab, draft);
-  const bool penalties = config_.presence_penalty != 0.0f || config_.frequency_penalty != 0.0f;
+  const bool penalties = penalised_draws();
   const float* z = penalties ? penalised(logits, vocab) : logits;
   int32_t token = 0;
   if (config_.temperature == 0.0f) {

@@ -51,15 +51,17 @@ class Sampler {
   // Greedy without penalties: the token is the logits' first argmax and the sampler keeps no
   // state, so a backend may pick it (Backend::argmax_rows) without the host seeing the logits.
   bool plain_greedy() const {
-    return config_.temperature == 0.0f && config_.presence_penalty == 0.0f && config_.frequency_penalty == 0.0f;
+    return config_.temperature == 0.0f && !penalised_draws();
   }
   // A backend may draw the token sample() would (Backend::sample_rows under row() and the row's
   // penalties()), and took() counts the draw and the token as sample() does.
+  // Whether OpenAI's penalties apply (the sampler then remembers the tokens it drew).
+  bool penalised_draws() const { return config_.presence_penalty != 0.0f || config_.frequency_penalty != 0.0f; }
   RowSampling row() const { return {config_.temperature, config_.top_p, config_.top_k, config_.seed, draws_}; }
   // The penalties of the next draw, one per distinct token drawn so far, for the step's row `row`.
   void penalties(int32_t row, std::vector<SamplePenalty>& out) const;
   int32_t took(int32_t token) {
-    if (config_.presence_penalty != 0.0f || config_.frequency_penalty != 0.0f) drawn_.push_back(token);
+    if (penalised_draws()) drawn_.push_back(token);
     if (config_.temperature > 0.0f) ++draws_;
     return token;
   }
