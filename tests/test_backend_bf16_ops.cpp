@@ -372,6 +372,56 @@ TEST_P(BackendBf16AttentionTest, FlashWithABf16OutputIsTheF32OutputRounded) {
             std::string::npos);
 }
 
+// qkv and dout as a bf16 GEMM writes them (precision.outputs = bf16): on each backend a bf16
+// input gives the bits of its f32 source (both round it to those bf16 values), dout's through D
+// too: the backward from a bf16 dout is bitwise the one from its widened values (on CUDA not the
+// one from the unrounded f32 dout, whose D the kernels sum unrounded: the test can tell). Mixed inputs (one bf16,
+// one f32) and f32 views only 4-byte aligned (read from bf16 copies on CUDA, so D from the rounded
+// dout, as the CPU's default always computes it) give the same bits.
+TEST_P(BackendBf16AttentionTest, FlashWithBf16InputsIsTheF32InputsRounded) {
+  for (const AttentionCase& c : {AttentionCase{2, 70, 4, 2, 64}, AttentionCase{1, 40, 2, 1, 128},
+                                 AttentionCase{2, 17, 4, 2, 8}}) {
+    Backend& b = *backend_;
+    const int64_t n_out = c.B * c.T * c.H * c.hd;
+    const Shape qkv_shape{c.B, c.T, c.width()}, out_shape{c.B, c.T, c.H * c.hd}, lse_shape{c.B, c.H, c.T};
+    const std::vector<float> qkv = uniform(c.B * c.T * c.width(), 401, 1.0), dout = uniform(n_out, 402, 1.0);
+    const Tensor q = upload(b, qkv_shape, qkv), d = upload(b, out_shape, dout);
+    const Tensor q_view = upload(b, qkv_shape, qkv, 1), d_view = upload(b, out_shape, dout, 1);
+    const auto bf16_of = [&](const Tensor& x) {
+      const Tensor y = Tensor::empty(b.allocator(), x.shape(), DTYPE_BF16, MEM_WORKSPACE);
+      b.cast(x, y);
+      return y;
+    };
+    const Tensor q16 = bf16_of(q), d16 = bf16_of(d);
+    const Tensor d_rounded = upload(b, out_shape, {});
+    b.cast(d16, d_rounded);
+    struct Result {
+      std::vector<float> out, lse, dqkv;
+    };
+    const auto run = [&](const Tensor& qq, const Tensor& dd) {
+      const Tensor out = upload(b, out_shape, {}), lse = upload(b, lse_shape, {}), dq = upload(b, qkv_shape, {});
+      b.flash_attention_forward_bf16(qq, out, lse, c.H, c.KV);
+      b.flash_attention_backward_bf16(dd, qq, out, lse, dq, c.H, c.KV);
+      return Result{download(b, out), download(b, lse), download(b, dq)};
+    };
+    const Result want = run(q, d_rounded);
+    for (const auto& [what, got] : {std::pair{"bf16 qkv and dout", run(q16, d16)}, std::pair{"bf16 dout", run(q, d16)},
+                                    std::pair{"bf16 qkv", run(q16, d_rounded)},
+                                    std::pair{"a 4-byte aligned qkv", run(q_view, d_rounded)},
+                                    std::pair{"a 4-byte aligned dout (read rounded)", run(q, d_view)}}) {
+      EXPECT_TRUE(bits_of(got.out) == bits_of(want.out)) << c.name() << ": out with " << what << " on " << GetParam();
+      EXPECT_TRUE(bits_of(got.lse) == bits_of(want.lse)) << c.name() << ": lse with " << what << " on " << GetParam();
+      EXPECT_TRUE(bits_of(got.dqkv) == bits_of(want.dqkv))
+          << c.name() << ": dqkv with " << what << " on " << GetParam();
+    }
+    // CUDA's kernels take an aligned f32 dout's D from its unrounded values (the CPU's default
+    // rounds dout first): other bits, which the comparisons above would see.
+    if (GetParam() == "cuda" && c.hd != 8) {
+      EXPECT_FALSE(bits_of(run(q, d).dqkv) == bits_of(want.dqkv)) << c.name() << ": D from the unrounded dout";
+    }
+  }
+}
+
 // Operands of the wrong dtype or shape fail naming the op.
 TEST_P(BackendBf16AttentionTest, BadOperandsAreOneLineErrorsNamingTheOp) {
   Allocator& a = backend_->allocator();

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "loom/backend/cuda/cuda_device.h"
 #include "loom/backend/cuda/cuda_launch.h"
 #include "loom/backend/cuda/sim/sim_runtime.h"
 #include "loom/core/dtype.h"
@@ -76,6 +77,29 @@ template <bool kBroken>
 __global__ void load_float4(const float* in, float* out) {
   const float4 v = *reinterpret_cast<const float4*>(in + (kBroken ? 1 : 0));
   out[threadIdx.x] = v.x + v.y + v.z + v.w;
+}
+
+// cp.async (cuda_device.h): each of 32 threads copies two 16-byte rows into its shared slots, in two
+// groups, and records slot values before any wait (the old zeros: the simulator lands a copy at
+// the wait that completes its group), after wait<1> (group 0 only), after wait<0>, and, after a
+// barrier, its neighbour's slot. The broken twin reads the neighbour's slot without the barrier.
+template <bool kBroken>
+__global__ void async_copies(const float* in, float* out) {
+  __shared__ __align__(16) float slots[64][4];
+  const int t = static_cast<int>(threadIdx.x);
+  for (int k = 0; k < 4; ++k) slots[t][k] = slots[32 + t][k] = 0.0f;
+  cuda::cp_async<16>(slots[t], in + 4 * t);
+  cuda::cp_async_commit();
+  cuda::cp_async<16>(slots[32 + t], in + 4 * (32 + t));
+  cuda::cp_async_commit();
+  out[5 * t] = slots[t][0] + slots[32 + t][0];
+  cuda::cp_async_wait<1>();
+  out[5 * t + 1] = slots[t][0];
+  out[5 * t + 2] = slots[32 + t][0];
+  cuda::cp_async_wait<0>();
+  out[5 * t + 3] = slots[32 + t][0];
+  if (!kBroken) __syncthreads();
+  out[5 * t + 4] = slots[(t + 1) % 32][1];
 }
 
 __global__ void copy_kernel(const float* in, float* out, int n) {
@@ -147,6 +171,27 @@ TEST_F(CudaSimChecks, RacecheckFindsTheMissingSyncthreads) {
   EXPECT_NE(report.find("block_sum<true>"), std::string::npos) << report;
   EXPECT_NE(report.find("shared memory hazard"), std::string::npos) << report;
   EXPECT_NE(report.find("thread ("), std::string::npos) << report;
+}
+
+TEST_F(CudaSimChecks, CpAsyncLandsAtTheWaitOfItsGroupAndRacecheckSeesIt) {
+  std::vector<float> values(256);
+  for (int i = 0; i < 256; ++i) values[static_cast<size_t>(i)] = static_cast<float>(i + 1);
+  const float* in = device_values(values);
+  float* out = device_floats(5 * 32);
+  launch<async_copies<false>>(1, 32, 0, nullptr, in, out);
+  EXPECT_EQ(fired(), "") << sim::last_report();
+  std::vector<float> got(5 * 32);
+  ASSERT_EQ(cudaMemcpy(got.data(), out, got.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+  for (int t = 0; t < 32; ++t) {
+    EXPECT_EQ(got[5 * t], 0.0f) << "thread " << t << ": a copy landed before its wait";
+    EXPECT_EQ(got[5 * t + 1], values[4 * t]) << "thread " << t << ": group 0 not complete after wait<1>";
+    EXPECT_EQ(got[5 * t + 2], 0.0f) << "thread " << t << ": group 1 complete after wait<1>";
+    EXPECT_EQ(got[5 * t + 3], values[4 * (32 + t)]) << "thread " << t;
+    EXPECT_EQ(got[5 * t + 4], values[4 * ((t + 1) % 32) + 1]) << "thread " << t;
+  }
+  launch<async_copies<true>>(1, 32, 0, nullptr, in, out);
+  EXPECT_EQ(fired(), "racecheck");
+  EXPECT_NE(sim::last_report().find("async_copies<true>"), std::string::npos) << sim::last_report();
 }
 
 TEST_F(CudaSimChecks, SynccheckFindsAShuffleMaskThatMissesLanes) {

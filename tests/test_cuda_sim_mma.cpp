@@ -174,6 +174,75 @@ TEST(CudaSimMma, ASwappedFragmentRegisterIsCaught) {
   EXPECT_GT(worst, 0.1 * scale);  // far outside 17 u sum |terms| (about 1e-4 here)
 }
 
+// ---------------------------------------------------------------- ldmatrix
+// One warp loads a 16 x 40 tile of distinct 16-bit patterns into shared memory (rows of 80
+// bytes), then per lane: an A fragment (quad_row, rows 0-15, columns 8-23), the B fragments of
+// two k-steps of the n-tile whose columns are rows 8-15 (strip_row from column 0), and with
+// .trans the B fragments of n-tiles 16 and 24 over k rows 0-15 (quad_row); 12 registers a lane.
+// The broken variant gives quad_row the lane of the other half-warp's row (lane ^ 8).
+constexpr int kLdRows = 16, kLdCols = 40;
+template <bool kBroken>
+__global__ void ldmatrix_kernel(const uint16_t* src, uint32_t* regs) {
+  __shared__ __align__(16) uint32_t tile[kLdRows][kLdCols / 2];  // stored a word (two elements) per thread
+  const int lane = static_cast<int>(threadIdx.x);
+  for (int i = lane; i < kLdRows * kLdCols / 2; i += 32) {
+    tile[i / (kLdCols / 2)][i % (kLdCols / 2)] = mma::pair_bf16(src[2 * i], src[2 * i + 1]);
+  }
+  __syncthreads();
+  const int quad_lane = kBroken ? lane ^ 8 : lane;
+  uint32_t a[4], b[4], bt[4];
+  mma::ldmatrix_x4<false>(a, mma::quad_row(tile, 2 * kLdCols, 0, 8, quad_lane));
+  mma::ldmatrix_x4<false>(b, mma::strip_row(tile, 2 * kLdCols, 8, 0, lane));
+  mma::ldmatrix_x4<true>(bt, mma::quad_row(tile, 2 * kLdCols, 0, 16, quad_lane));
+  for (int j = 0; j < 4; ++j) {
+    regs[lane * 12 + j] = a[j];
+    regs[lane * 12 + 4 + j] = b[j];
+    regs[lane * 12 + 8 + j] = bt[j];
+  }
+}
+
+// The registers that disagree with the fragment layouts (cuda_mma.h's index math) of A(m, k) =
+// T[m][8 + k], B_h(k, n) = T[8 + n][16 h + k] and B'_h(k, n) = T[k][16 + 8 h + n].
+template <bool kBroken>
+int ldmatrix_mismatches(uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<uint16_t> t(kLdRows * kLdCols);
+  for (size_t i = 0; i < t.size(); ++i) t[i] = static_cast<uint16_t>((rng() & 0xfc00u) | i);  // distinct
+  uint16_t* src = nullptr;
+  uint32_t* regs = nullptr;
+  EXPECT_EQ(cudaMalloc(reinterpret_cast<void**>(&src), t.size() * 2), cudaSuccess);
+  EXPECT_EQ(cudaMalloc(reinterpret_cast<void**>(&regs), 32 * 12 * 4), cudaSuccess);
+  EXPECT_EQ(cudaMemcpy(src, t.data(), t.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+  launch<ldmatrix_kernel<kBroken>>(1, 32, 0, nullptr, src, regs);
+  std::vector<uint32_t> got(32 * 12);
+  EXPECT_EQ(cudaMemcpy(got.data(), regs, got.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+  expect_no_report();
+  (void)cudaFree(src);
+  (void)cudaFree(regs);
+  const auto T = [&](int r, int c) { return static_cast<uint32_t>(t[r * kLdCols + c]); };
+  int bad = 0;
+  for (int l = 0; l < 32; ++l) {
+    for (int j = 0; j < 4; ++j) {  // A: register j holds elements 2j, 2j + 1
+      const uint32_t want = mma::pair_bf16(T(mma::a_row(l, 2 * j), 8 + mma::a_col(l, 2 * j)),
+                                           T(mma::a_row(l, 2 * j + 1), 8 + mma::a_col(l, 2 * j + 1)));
+      bad += got[l * 12 + j] != want;
+    }
+    for (int h = 0; h < 2; ++h) {
+      for (int j = 0; j < 2; ++j) {  // B fragment h, register j: elements 2j, 2j + 1
+        const int n = mma::b_col(l, 2 * j), k0 = mma::b_row(l, 2 * j), k1 = mma::b_row(l, 2 * j + 1);
+        bad += got[l * 12 + 4 + 2 * h + j] != mma::pair_bf16(T(8 + n, 16 * h + k0), T(8 + n, 16 * h + k1));
+        bad += got[l * 12 + 8 + 2 * h + j] != mma::pair_bf16(T(k0, 16 + 8 * h + n), T(k1, 16 + 8 * h + n));
+      }
+    }
+  }
+  return bad;
+}
+
+TEST(CudaSimMma, LdmatrixGivesTheFragmentLayouts) {
+  for (uint32_t seed : {5u, 6u}) EXPECT_EQ(ldmatrix_mismatches<false>(seed), 0) << "seed " << seed;
+  EXPECT_GT(ldmatrix_mismatches<true>(7), 100);  // half of the A and .trans registers move
+}
+
 // ---------------------------------------------------------------- attention references (double)
 struct Shape {
   int B, T, H, KV, hd;

@@ -222,6 +222,33 @@ TEST(LayerPlanTest, TheInputsOfBf16LinearsAreSavedInBf16WhereTheRecipeAllows) {
   PlanChoices outputs32 = bf16;
   outputs32.outputs_bf16 = false;
   EXPECT_FALSE(resolve_layer_plan(gpt2, 0, outputs32).fc_bf16);
+  // precision.outputs = bf16 around the bf16 flash attention: qkv's output (nothing between the GEMM
+  // and the kernels) and dO (the output projection's d(input)), each its own rule.
+  PlanChoices out16 = bf16;
+  out16.flash = out16.attention_bf16 = true;
+  out16.activations_bf16 = false;  // not what decides them
+  EXPECT_TRUE(resolve_layer_plan(gpt2, 0, out16).qkv_bf16);
+  EXPECT_TRUE(resolve_layer_plan(gpt2, 0, out16).attn_dy_bf16);
+  EXPECT_FALSE(resolve_layer_plan(llama, 0, out16).qkv_bf16);    // RoPE rotates qkv in fp32
+  EXPECT_TRUE(resolve_layer_plan(llama, 0, out16).attn_dy_bf16);  // nothing between proj and the attention
+  EXPECT_FALSE(resolve_layer_plan(gpt2, 0, bf16).qkv_bf16);       // the plain attention
+  EXPECT_FALSE(resolve_layer_plan(gpt2, 0, bf16).attn_dy_bf16);
+  EXPECT_FALSE(resolve_layer_plan(sinks, 0, out16).attn_dy_bf16);  // the sinks' backward rewrites dO in fp32
+  PlanChoices out32 = out16;
+  out32.outputs_bf16 = false;
+  EXPECT_FALSE(resolve_layer_plan(gpt2, 0, out32).qkv_bf16);
+  EXPECT_FALSE(resolve_layer_plan(gpt2, 0, out32).attn_dy_bf16);
+  PlanChoices proj8 = out16;
+  proj8.linears[LINEAR_ATTN_OUT] = RECIPE_FP8_CURRENT;
+  EXPECT_TRUE(resolve_layer_plan(gpt2, 0, proj8).qkv_bf16);
+  EXPECT_FALSE(resolve_layer_plan(gpt2, 0, proj8).attn_dy_bf16);
+  ModelConfig gpt2_lora = gpt2;  // adapters add their terms to fp32 tensors
+  gpt2_lora.peft_method = PeftMethod::lora, gpt2_lora.lora_targets = "q,v";
+  EXPECT_FALSE(resolve_layer_plan(gpt2_lora, 0, out16).qkv_bf16);
+  EXPECT_TRUE(resolve_layer_plan(gpt2_lora, 0, out16).attn_dy_bf16);
+  gpt2_lora.lora_targets = "o";
+  EXPECT_TRUE(resolve_layer_plan(gpt2_lora, 0, out16).qkv_bf16);
+  EXPECT_FALSE(resolve_layer_plan(gpt2_lora, 0, out16).attn_dy_bf16);
   PlanChoices mla = bf16;  // MLA projects in fp32 from norm1's output
   mla.linears[LINEAR_ATTN_QKV] = RECIPE_F32;
   EXPECT_EQ(resolve_layer_plan(model_preset("mla-tiny"), 0, mla).saved_bf16, (Saved{false, false, true, true}));

@@ -22,10 +22,14 @@ Three designs are estimated:
             the head's GEMM writes them rounded, the loss writes d(logits) over them), AdamW reading
             and writing fp32 state;
   built-tc: the same with precision.attention = bf16 (the benchmark's setting): flash attention on
-            tensor cores (cuda_flash_mma.cu: mma.sync m16n8k16, no ldmatrix / cp.async pipelining
-            yet), assumed to reach 150 TFLOP/s, 15% of the dense peak (its author's estimate:
-            100-200), which writes the attention output in bf16 itself (no copy), and d(qkv) in
-            bf16 where no RoPE sits before the QKV projection (GPT-2);
+            tensor cores (cuda_flash_mma.cu: mma.sync m16n8k16, fragments by ldmatrix, 16-byte
+            tile loads, and for bf16 inputs at hd 64 the next tile's cp.async copies in flight),
+            assumed to reach 150 TFLOP/s, 15% of the dense peak (its author's estimate: 100-200;
+            the first form, without ldmatrix, vector loads or pipelining, measured 39 on an H200),
+            which writes the attention output in bf16 itself (no copy), reads qkv in bf16 where
+            no RoPE sits after the QKV projection (GPT-2: the GEMM writes it so) and dO in bf16
+            (the output projection's dX), and writes d(qkv) in bf16 where no RoPE sits before
+            the QKV projection (GPT-2);
   target:   bf16 activations end to end, attention on tensor cores tuned (wgmma, TMA) to 50% of the
             peak (FlashAttention-3 reports 60-75% forward on H100), the cross-entropy reading the
             bf16 logits once.
@@ -98,8 +102,10 @@ def layer_kernels(m: Model, design: str) -> list[Kernel]:
     # GEMMs: forward, and the backward's two (dX and dW).
     for name, k, out in (("qkv", d, qkv), ("attention out", d, d), ("mlp in", d, mlp_in), ("mlp out", ff, d)):
         f = 2 * n * k * out
-        # (mlp in writes its output in bf16: precision.outputs = bf16, LayerPlan::fc_bf16)
-        io = 2 * (n * k + k * out) + (2 if name == "mlp in" else act) * n * out
+        # (mlp in writes its output in bf16: precision.outputs = bf16, LayerPlan::fc_bf16; so does
+        # qkv where the tensor-core flash attention reads it with no RoPE between: qkv_bf16)
+        out16 = name == "mlp in" or (name == "qkv" and design == "built-tc" and not m.swiglu)
+        io = 2 * (n * k + k * out) + (2 if out16 else act) * n * out
         # The output projections add onto the residual stream: cuBLASLt reads it as C (GemmSpec::c_in)
         residual = act * n * out if name in ("attention out", "mlp out") else 0
         ks.append(Kernel(f"{name} GEMM fwd" + (" (+ the residual)" if residual else ""), f, io + residual, "tensor"))
@@ -114,14 +120,18 @@ def layer_kernels(m: Model, design: str) -> list[Kernel]:
     # Attention: causal, so half the T x T scores; forward QK^T and PV, backward four products.
     att = 4 * n * m.seq * d / 2
     o_bytes = act if design == "built" else 2  # O in bf16 from the tensor-core kernels
-    io_flash = act * n * (qkv + d) + o_bytes * n * d
     if design == "built":
+        io_flash = act * n * (qkv + d) + o_bytes * n * d
         ks.append(Kernel("flash attention fwd (CUDA cores)", att, io_flash, "fp32"))
         ks.append(Kernel("flash attention bwd (CUDA cores)", 2.5 * att, 2 * io_flash, "fp32"))
     else:  # the mma.sync kernels' backward makes 7 products (dQ in its own pass), FA2's 5
         bwd = 3.5 if design == "built-tc" else 2.5
-        ks.append(Kernel("flash attention fwd (tensor cores)", att, io_flash, f"attn-{design}"))
-        ks.append(Kernel("flash attention bwd (tensor cores)", bwd * att, 2 * io_flash, f"attn-{design}"))  # (dqkv at act bytes: an upper bound)
+        qkv_b = act if design == "built-tc" and m.swiglu else 2  # (Llama: RoPE's fp32 q and k)
+        dqkv_b = act if design == "built-tc" and m.swiglu else 2
+        fwd_io = qkv_b * n * qkv + 2 * n * d  # qkv read, O written in bf16 (and lse)
+        bwd_io = qkv_b * n * qkv + 2 * n * d + 2 * n * d + dqkv_b * n * qkv  # qkv, O, dO read; dqkv written
+        ks.append(Kernel("flash attention fwd (tensor cores)", att, fwd_io, f"attn-{design}"))
+        ks.append(Kernel("flash attention bwd (tensor cores)", bwd * att, bwd_io, f"attn-{design}"))
     if m.swiglu:  # Llama: RoPE on q and k, in place, forward and backward
         ks.append(Kernel("RoPE fwd + bwd", 6 * n * qkv, 4 * act * n * (d + m.kv_heads * m.hd), "mem"))
     act_name = "SwiGLU" if m.swiglu else "GELU"

@@ -66,11 +66,15 @@ void Backend::attention_backward_bf16(const Tensor&, const Tensor&, const Tensor
   unsupported(*this, "attention_backward_bf16", "precision.attention = bf16");
 }
 namespace {
-// x (f32) rounded to bf16 values, in a new f32 tensor of the backend (workspace memory).
-Tensor bf16_rounded(Backend& backend, const Tensor& x) {
-  const Tensor bf16 = Tensor::empty(backend.allocator(), x.shape(), DTYPE_BF16, MEM_WORKSPACE);
-  backend.cast(x, bf16);
-  Tensor rounded = Tensor::empty(backend.allocator(), x.shape(), DTYPE_F32, MEM_WORKSPACE);
+// x's values rounded to bf16 (x itself bf16: its values), in a new tensor of dtype `wide` (f32
+// or f64) of the backend (workspace memory).
+Tensor bf16_rounded(Backend& backend, const Tensor& x, DType wide) {
+  Tensor bf16 = x;
+  if (x.dtype() != DTYPE_BF16) {
+    bf16 = Tensor::empty(backend.allocator(), x.shape(), DTYPE_BF16, MEM_WORKSPACE);
+    backend.cast(x, bf16);
+  }
+  Tensor rounded = Tensor::empty(backend.allocator(), x.shape(), wide, MEM_WORKSPACE);
   backend.cast(bf16, rounded);
   return rounded;
 }
@@ -79,25 +83,28 @@ Tensor bf16_rounded(Backend& backend, const Tensor& x) {
 void Backend::flash_attention_forward_bf16(const Tensor& qkv, const Tensor& out, const Tensor& lse, int64_t n_head,
                                            int64_t n_kv_head) {
   checks::check_attention("flash_attention_forward_bf16", qkv, out, lse, n_head, n_kv_head, 0, true, true);
-  if (out.dtype() == qkv.dtype()) {
-    flash_attention_forward(bf16_rounded(*this, qkv), out, lse, n_head, n_kv_head, 0);
+  const DType wide = checks::attention_compute_dtype(qkv, true);
+  if (out.dtype() == wide) {
+    flash_attention_forward(bf16_rounded(*this, qkv, wide), out, lse, n_head, n_kv_head, 0);
     return;
   }
-  const Tensor wide = Tensor::empty(allocator(), out.shape(), qkv.dtype(), MEM_WORKSPACE);  // O kept in bf16
-  flash_attention_forward(bf16_rounded(*this, qkv), wide, lse, n_head, n_kv_head, 0);
-  cast(wide, out);
+  const Tensor o = Tensor::empty(allocator(), out.shape(), wide, MEM_WORKSPACE);  // O kept in bf16
+  flash_attention_forward(bf16_rounded(*this, qkv, wide), o, lse, n_head, n_kv_head, 0);
+  cast(o, out);
 }
 void Backend::flash_attention_backward_bf16(const Tensor& dout, const Tensor& qkv, const Tensor& out, const Tensor& lse,
                                             const Tensor& dqkv, int64_t n_head, int64_t n_kv_head) {
   checks::check_attention_backward("flash_attention_backward_bf16", dout, qkv, out, lse, dqkv, n_head, n_kv_head, 0,
                                    true, true);
+  const DType wide = checks::attention_compute_dtype(qkv, true);
   Tensor o = out, g = dqkv;
-  if (out.dtype() != qkv.dtype()) {  // O kept in bf16: D from its widened values
-    o = Tensor::empty(allocator(), out.shape(), qkv.dtype(), MEM_WORKSPACE);
+  if (out.dtype() != wide) {  // O kept in bf16: D from its widened values
+    o = Tensor::empty(allocator(), out.shape(), wide, MEM_WORKSPACE);
     cast(out, o);
   }
-  if (dqkv.dtype() != qkv.dtype()) g = Tensor::empty(allocator(), dqkv.shape(), qkv.dtype(), MEM_WORKSPACE);
-  flash_attention_backward(bf16_rounded(*this, dout), bf16_rounded(*this, qkv), o, lse, g, n_head, n_kv_head, 0);
+  if (dqkv.dtype() != wide) g = Tensor::empty(allocator(), dqkv.shape(), wide, MEM_WORKSPACE);
+  flash_attention_backward(bf16_rounded(*this, dout, wide), bf16_rounded(*this, qkv, wide), o, lse, g, n_head,
+                           n_kv_head, 0);
   if (g.dtype() != dqkv.dtype()) cast(g, dqkv);  // dqkv wanted in bf16: rounded
 }
 void Backend::cross_entropy_loss_and_grad(const Tensor& logits, const Tensor& targets, const Tensor& losses,

@@ -167,6 +167,10 @@ Dims3 check_attention_sinks(const char* op, const Tensor& out, const Tensor& lse
   return {B, T, out.dim(2) / n_head};
 }
 
+DType attention_compute_dtype(const Tensor& qkv, bool bf16_ops) {
+  return bf16_ops && qkv.dtype() == DTYPE_BF16 ? DTYPE_F32 : qkv.dtype();
+}
+
 Dims3 check_attention(const char* op, const Tensor& qkv, const Tensor& out, const Tensor& saved, int64_t n_head,
                       int64_t n_kv_head, int64_t window, bool flash, bool bf16_out) {
   LOOM_CHECK(n_head > 0 && n_kv_head > 0 && n_head % n_kv_head == 0, op, ": n_head ", n_head,
@@ -175,10 +179,11 @@ Dims3 check_attention(const char* op, const Tensor& qkv, const Tensor& out, cons
              ": qkv must be (B, T, (H + 2 KV) hd), got ", qkv.describe());
   LOOM_CHECK(window >= 0, op, ": window must be >= 0, got ", window);
   const int64_t batch = qkv.dim(0), seq_len = qkv.dim(1), head_dim = qkv.dim(2) / (n_head + 2 * n_kv_head);
-  if (!bf16_out || out.dtype() != DTYPE_BF16 || qkv.dtype() != DTYPE_F32) expect_dtype(out, qkv.dtype(), op, "out");
+  const DType wide = attention_compute_dtype(qkv, bf16_out);
+  if (!bf16_out || out.dtype() != DTYPE_BF16 || wide != DTYPE_F32) expect_dtype(out, wide, op, "out");
   expect_numel(out, batch * seq_len * n_head * head_dim, op, "out (B, T, H hd)");
   if (flash) {
-    expect_dtype(saved, qkv.dtype(), op, "lse");
+    expect_dtype(saved, wide, op, "lse");
     expect_numel(saved, batch * n_head * seq_len, op, "lse (B, H, T)");
   } else {
     expect_dtype(saved, qkv.dtype(), op, "probs");
@@ -191,9 +196,10 @@ Dims3 check_attention_backward(const char* op, const Tensor& dout, const Tensor&
                                const Tensor& saved, const Tensor& dqkv, int64_t n_head, int64_t n_kv_head,
                                int64_t window, bool flash, bool bf16_out) {
   const Dims3 dims = check_attention(op, qkv, out, saved, n_head, n_kv_head, window, flash, bf16_out);
-  expect_dtype(dout, qkv.dtype(), op, "dout");
+  const DType wide = attention_compute_dtype(qkv, bf16_out);
+  if (!bf16_out || dout.dtype() != DTYPE_BF16 || wide != DTYPE_F32) expect_dtype(dout, wide, op, "dout");
   expect_numel(dout, out.numel(), op, "dout");
-  if (!bf16_out || dqkv.dtype() != DTYPE_BF16 || qkv.dtype() != DTYPE_F32) expect_dtype(dqkv, qkv.dtype(), op, "dqkv");
+  if (!bf16_out || dqkv.dtype() != DTYPE_BF16 || wide != DTYPE_F32) expect_dtype(dqkv, wide, op, "dqkv");
   expect_numel(dqkv, qkv.numel(), op, "dqkv");
   return dims;
 }

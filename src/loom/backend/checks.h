@@ -71,13 +71,18 @@ void check_rope_rows(const Tensor& x, int64_t head_dim, int64_t n_heads, const s
 // (..., n) its rows; weight (hd); all of x's dtype.
 void check_head_rows(const char* op, const Tensor& x, const Tensor& weight, int64_t first, int64_t n, int64_t hd,
                      const Tensor& in, const Tensor& rstd);
+// The dtype attention computes in: qkv's, or f32 for a bf16 qkv given to the bf16 ops
+// (flash_attention_*_bf16, bf16_ops: qkv as the producing GEMM wrote it).
+DType attention_compute_dtype(const Tensor& qkv, bool bf16_ops);
 // qkv (B, T, (H + 2KV) hd), out (B, T, H hd), and `saved`: probs (B, H, T, T) when flash is
-// false, lse (B, H, T) when true; window >= 0. out has qkv's dtype, or is bf16 for an f32 qkv
-// where bf16_out (flash_attention_*_bf16: O kept in bf16). Returns {B, T, hd}.
+// false, lse (B, H, T) when true; window >= 0. With bf16_out (flash_attention_*_bf16) qkv may
+// be bf16; the compute dtype (attention_compute_dtype) is then f32. out and saved have the
+// compute dtype, or out is bf16 where that is f32 and bf16_out (O kept in bf16). Returns {B, T, hd}.
 Dims3 check_attention(const char* op, const Tensor& qkv, const Tensor& out, const Tensor& saved, int64_t n_head,
                       int64_t n_kv_head, int64_t window, bool flash, bool bf16_out = false);
-// The backward's operands: check_attention's, plus dout shaped as out (in qkv's dtype) and dqkv as
-// qkv (in qkv's dtype, or bf16 for an f32 qkv where bf16_out: its gradient rounded as stored).
+// The backward's operands: check_attention's, plus dout shaped as out and dqkv as qkv, each in
+// the compute dtype, or bf16 where that is f32 and bf16_out (dout as the producing GEMM wrote it,
+// dqkv rounded as stored).
 Dims3 check_attention_backward(const char* op, const Tensor& dout, const Tensor& qkv, const Tensor& out,
                                const Tensor& saved, const Tensor& dqkv, int64_t n_head, int64_t n_kv_head,
                                int64_t window, bool flash, bool bf16_out = false);

@@ -357,6 +357,7 @@ ActivationStore Transformer::allocate_store_for(int64_t batch, int64_t seq_len, 
       plan.attention = AttentionKind::mha;  // a store of whole sequences (decoding) on a cp model
     }
     if (rows) plan.saved_bf16 = {}, plan.fc_bf16 = false;  // decoding's fp32 records
+    if (rows || !grads_.defined()) plan.qkv_bf16 = false;  // the KV cache stores from a prompt's fp32 qkv
     s.blocks[l] = allocate_block_saved(alloc, config_, plan,
                                        {.batch = B, .seq_len = T, .seq_shards = shards(), .split_backward = split_backward,
                                         .keep = keep, .ep = ep_size(), .category = where});

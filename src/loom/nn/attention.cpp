@@ -190,6 +190,7 @@ void attention_saved_fields(const ModelConfig& config, const LayerPlan& plan, co
   const int64_t B = shape.batch, T = shape.seq_len, C = config.d_model, H = config.n_head;
   const int64_t Ts = T / shape.seq_shards;  // the residual stream's positions on this rank
   const bool mla = plan.attention == AttentionKind::mla, flash = plan.attention == AttentionKind::flash;
+  const DType qkv_dtype = plan.qkv_bf16 ? DTYPE_BF16 : DTYPE_F32;  // the GEMM writes it, the flash kernels read it
   if (shape.keep == RECOMPUTE_FULL) return;
   const auto qk_norm_fields = [&] {
     if (!config.qk_norm) return;
@@ -199,7 +200,7 @@ void attention_saved_fields(const ModelConfig& config, const LayerPlan& plan, co
     field(s.k_rstd, {B, T, config.qk_norm_whole ? 1 : config.n_kv_head}, DTYPE_F32);
   };
   if (shape.keep == RECOMPUTE_SELECTIVE) {  // the GEMM outputs (sizes only for MLA: its blocks do not recompute)
-    if (!mla) field(s.qkv, {B, T, config.qkv_width()}, DTYPE_F32);
+    if (!mla) field(s.qkv, {B, T, config.qkv_width()}, qkv_dtype);
     qk_norm_fields();
     field(s.attn, {B, T, config.attn_width()}, saved_dtype(plan, LINEAR_ATTN_OUT));
     if (flash) field(s.lse, {B, H, T}, DTYPE_F32);  // the attention is not recomputed
@@ -230,7 +231,7 @@ void attention_saved_fields(const ModelConfig& config, const LayerPlan& plan, co
     field(s.mla_kr, {B, T, config.mla_rope_dim}, DTYPE_F32);
     field(s.mla_kv, {B, T, H * (config.mla_nope() + config.mla_v())}, DTYPE_F32);
   } else {
-    field(s.qkv, {B, T, config.qkv_width()}, DTYPE_F32);
+    field(s.qkv, {B, T, config.qkv_width()}, qkv_dtype);
     qk_norm_fields();
   }
   // FlashAttention or context parallel keep the rows' log-sum-exp (Ulysses then its own record).
@@ -467,8 +468,14 @@ void AttentionLayer::backward(Backend& backend, const Tensor& x, const Attention
   pass.keep(dy_mid, s.dy_proj);
   // Gated attention: d(gated) first, then d(attn) and the gate projection's d(input) from it.
   Tensor d_gate_input;
+  // dO in bf16 where the plan says (the bf16 flash backward reads it as it is; written rounded by
+  // the projection's bf16 GEMM), else fp32.
+  BlockScratch kd = k;
+  if (plan_.attn_dy_bf16 && part == BACKWARD_ALL && links_.ws != nullptr) {
+    kd.d_attn = links_.ws->bf16(LinearWorkspace::P, k.d_attn.shape());
+  }
   const Tensor d_proj_in = plan_.output_gate ? Tensor::empty(backend.allocator(), k.d_attn.shape(), DTYPE_F32, MEM_WORKSPACE)
-                                             : k.d_attn;
+                                             : kd.d_attn;
   adapted_linear_backward(backend, proj_, attn, p.proj_w, q.proj_w, dy_mid, d_proj_in, pass.dw(g.proj_w), g.proj_b,
                           proj_lora(s), g.proj_lora, links_.ws);
   if (plan_.output_gate) {
@@ -481,7 +488,7 @@ void AttentionLayer::backward(Backend& backend, const Tensor& x, const Attention
   } else {
     // d(qkv) in bf16 where the plan says (the qkv layer's GEMMs read it as it is), else fp32.
     const bool dy16 = plan_.qkv_dy_bf16 && part == BACKWARD_ALL && links_.ws != nullptr;
-    BlockScratch k16 = k;
+    BlockScratch k16 = kd;
     if (dy16) k16.d_qkv = links_.ws->bf16(LinearWorkspace::Y, k.d_qkv.shape());
     const Tensor d_qkv = k16.d_qkv;
     if (s.attn.dtype() == DTYPE_F32 || plan_.attention == AttentionKind::flash) {  // (flash: the bf16 kernels read a bf16 O)

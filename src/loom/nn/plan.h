@@ -76,6 +76,18 @@ struct LayerPlan {
   // nothing rewrites d(qkv) between them: no RoPE (GPT-2's learned positions, NoPE layers), q/k
   // norms, sinks or output gate. Not in a split backward.
   bool qkv_dy_bf16 = false;
+  // The QKV projection writes qkv in bf16, as autocast's linear returns it, and the bf16 flash
+  // kernels read it as it is (the bits they would round an fp32 qkv to): with precision.outputs =
+  // bf16 where qkv_dy_bf16's other conditions hold (nothing reads or rewrites qkv in fp32 between
+  // the GEMM and the attention). Decoding's and inference's records keep it fp32 (the KV cache
+  // stores from them).
+  bool qkv_bf16 = false;
+  // The output projection's backward writes the attention output's gradient dO in bf16 (autocast's
+  // d(input) of a bf16 linear), which the bf16 flash backward reads as it is (D = rowsum(dO o O)
+  // of the bf16 dO): with precision.outputs = bf16, flash with attention_bf16, attn_out's recipe
+  // bf16, no LoRA on it (its term adds to an fp32 gradient), no sinks or output gate (they rewrite
+  // dO). Not in a split backward.
+  bool attn_dy_bf16 = false;
   // precision.attention = bf16 on the plain or flash attention without a window (Backend::
   // attention_forward_bf16 / _backward_bf16, flash_attention_forward_bf16 / _backward_bf16);
   // windowed, context-parallel and MLA attention keep their fp32 GEMMs.

@@ -437,20 +437,37 @@ void CudaBackend::attention_sink_backward(const Tensor& dout, const Tensor& out,
   });
 }
 
+namespace {
+bool aligned16(const Tensor& t) { return reinterpret_cast<uintptr_t>(t.device_ptr()) % 16 == 0; }
+}  // namespace
+
+// The tensor-core kernels read qkv and dout both f32 or both bf16, 16-byte aligned; an f32 input
+// beside a bf16 one, or one not aligned, is read from a bf16 copy (the bits the kernels round it to).
+Tensor CudaBackend::flash_input_bf16(const Tensor& x) {
+  if (x.dtype() == DTYPE_BF16 && aligned16(x)) return x;
+  const Tensor copy = Tensor::empty(allocator(), x.shape(), DTYPE_BF16, MEM_WORKSPACE);
+  cast(x, copy);
+  return copy;
+}
+
 void CudaBackend::flash_attention_forward_bf16(const Tensor& qkv, const Tensor& out, const Tensor& lse, int64_t n_head,
                                                int64_t n_kv_head) {
   const char* op = "flash_attention_forward_bf16";
   const auto [batch, seq_len, head_dim] = check_attention(op, qkv, out, lse, n_head, n_kv_head, 0, true, true);
-  if (qkv.dtype() != DTYPE_F32 || (head_dim != 64 && head_dim != 128)) {
+  if ((qkv.dtype() != DTYPE_F32 && qkv.dtype() != DTYPE_BF16) || (head_dim != 64 && head_dim != 128)) {
     return Backend::flash_attention_forward_bf16(qkv, out, lse, n_head, n_kv_head);
   }
-  if (out.dtype() == DTYPE_BF16) {  // O kept in bf16 (precision.activations = bf16): rounded as stored
-    cuda::flash_mma_attention_forward_bf16_out(dptr<float>(qkv), dptr<uint16_t>(out), dptr<float>(lse), batch, seq_len,
-                                               n_head, n_kv_head, head_dim, 0, stream_);
-    return;
-  }
-  cuda::flash_mma_attention_forward(dptr<float>(qkv), dptr<float>(out), dptr<float>(lse), batch, seq_len, n_head,
-                                    n_kv_head, head_dim, 0, stream_);
+  const auto run = [&](const auto* in) {
+    if (out.dtype() == DTYPE_BF16) {  // O kept in bf16 (precision.activations = bf16): rounded as stored
+      cuda::flash_mma_attention_forward_as(in, dptr<uint16_t>(out), dptr<float>(lse), batch, seq_len, n_head,
+                                           n_kv_head, head_dim, 0, stream_);
+    } else {
+      cuda::flash_mma_attention_forward_as(in, dptr<float>(out), dptr<float>(lse), batch, seq_len, n_head, n_kv_head,
+                                           head_dim, 0, stream_);
+    }
+  };
+  if (qkv.dtype() == DTYPE_F32 && aligned16(qkv)) run(dptr<float>(qkv));
+  else run(dptr<uint16_t>(flash_input_bf16(qkv)));
 }
 
 void CudaBackend::flash_attention_backward_bf16(const Tensor& dout, const Tensor& qkv, const Tensor& out,
@@ -459,23 +476,26 @@ void CudaBackend::flash_attention_backward_bf16(const Tensor& dout, const Tensor
   const char* op = "flash_attention_backward_bf16";
   const auto [batch, seq_len, head_dim] =
       check_attention_backward(op, dout, qkv, out, lse, dqkv, n_head, n_kv_head, 0, true, true);
-  if (qkv.dtype() != DTYPE_F32 || (head_dim != 64 && head_dim != 128)) {
+  if ((qkv.dtype() != DTYPE_F32 && qkv.dtype() != DTYPE_BF16) || (head_dim != 64 && head_dim != 128)) {
     return Backend::flash_attention_backward_bf16(dout, qkv, out, lse, dqkv, n_head, n_kv_head);
   }
   void* scratch = workspace(cuda::flash_mma_attention_backward_scratch_bytes(batch, seq_len, n_head, n_kv_head, head_dim));
   const bool o16 = out.dtype() == DTYPE_BF16, g16 = dqkv.dtype() == DTYPE_BF16;  // O kept, dqkv wanted, in bf16
-  if (o16 || g16) {
-    const auto run = [&](const auto* o, auto* g) {
-      cuda::flash_mma_attention_backward_as(dptr<float>(dout), dptr<float>(qkv), o, dptr<float>(lse), g, scratch, batch,
-                                            seq_len, n_head, n_kv_head, head_dim, 0, stream_);
+  const auto run = [&](const auto* d_out, const auto* in) {
+    const auto with = [&](const auto* o, auto* g) {
+      cuda::flash_mma_attention_backward_as(d_out, in, o, dptr<float>(lse), g, scratch, batch, seq_len, n_head,
+                                            n_kv_head, head_dim, 0, stream_);
     };
-    if (o16 && g16) run(dptr<uint16_t>(out), dptr<uint16_t>(dqkv));
-    else if (o16) run(dptr<uint16_t>(out), dptr<float>(dqkv));
-    else run(dptr<float>(out), dptr<uint16_t>(dqkv));
-    return;
+    if (o16 && g16) with(dptr<uint16_t>(out), dptr<uint16_t>(dqkv));
+    else if (o16) with(dptr<uint16_t>(out), dptr<float>(dqkv));
+    else if (g16) with(dptr<float>(out), dptr<uint16_t>(dqkv));
+    else with(dptr<float>(out), dptr<float>(dqkv));
+  };
+  if (qkv.dtype() == DTYPE_F32 && dout.dtype() == DTYPE_F32 && aligned16(qkv) && aligned16(dout)) {
+    run(dptr<float>(dout), dptr<float>(qkv));
+  } else {
+    run(dptr<uint16_t>(flash_input_bf16(dout)), dptr<uint16_t>(flash_input_bf16(qkv)));
   }
-  cuda::flash_mma_attention_backward(dptr<float>(dout), dptr<float>(qkv), dptr<float>(out), dptr<float>(lse),
-                                     dptr<float>(dqkv), scratch, batch, seq_len, n_head, n_kv_head, head_dim, 0, stream_);
 }
 
 void CudaBackend::cross_entropy_forward(const Tensor& logits, const Tensor& targets, const Tensor& losses,

@@ -322,6 +322,9 @@ class CudaBackend final : public Backend {
   void check_pending();  // reads the pending checks now (a wait), and throws the first bad one
 
  private:
+  // x as the tensor-core flash kernels read it beside a bf16 input: itself where bf16 and 16-byte
+  // aligned, else a bf16 copy in workspace memory (cuda_backend.cpp).
+  Tensor flash_input_bf16(const Tensor& x);
   static constexpr int64_t kLtWorkspaceBytes = int64_t{32} << 20;  // cuBLAS(Lt)'s split-K and Hopper kernels
 
   // One f32 or bf16 x bf16 -> f32 GEMM on raw operands, row-major as Backend::gemm (A (m, k), or

@@ -43,7 +43,7 @@
 //                        (kG = 1..32 consecutive lanes own one flash row: xor offsets < kG stay
 //                        inside the group, hence inside the logical warp).
 //   cuda_flash_mma.cu    quad_max / quad_sum (xor 1 and 2 inside a group of 4 lanes), warp_sum;
-//                        through cuda_mma.h the MMA twin's shfl (see below).
+//                        through cuda_mma.h the MMA twin's and the ldmatrix twin's shfl (see below).
 //   cuda_mla.cu, cuda_moe.cu, cuda_quant.cu, cuda_parallel.cu, cuda_weights.cu,
 //   cuda_optim_factored.cu
 //                        warp_sum / warp_max / warp_fold over the 32 lanes; moe's warp_argmax
@@ -61,7 +61,8 @@
 // on wave64 warps 0 and 1 share a wavefront and serialize there (correct, less overlap).
 // __launch_bounds__(threads, n): CUDA's n is blocks per multiprocessor, HIP's minimum waves per
 // execution unit (HIP Programming Guide, "__launch_bounds__"); both are hints, no semantics.
-// Inline asm: cuda_mma.h's mma.sync (PTX) is nvcc-only; HIP takes the portable twin (below).
+// Inline asm: cuda_mma.h's mma.sync and ldmatrix and cp_async below (PTX) are nvcc-only; HIP
+// takes the portable twins (cp.async: a plain copy at issue).
 // mul_rn's empty-asm register barrier is the simulator's (x86 g++) only.
 //
 // Tensor cores (cuda_mma.h): on HIP, mma_m16n8k16_bf16 is the simulator's twin made of 16 full-warp
@@ -266,6 +267,48 @@ __device__ __forceinline__ void warp_sync() {
   __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "wavefront");
 #else
   __syncwarp();
+#endif
+}
+
+// ---------------------------------------------------------------- asynchronous copies
+// cp.async (PTX ISA 9.2, section 9.7.9.25.3 "Data Movement and Conversion Instructions: cp.async"):
+// kBytes (4, 8 or 16; both addresses aligned to it) from global to shared memory without a register,
+// the copies committed as a group (cp_async_commit) and waited for by group (cp_async_wait<n>:
+// every committed group of this thread but the newest n complete); other threads see the bytes
+// after a __syncthreads that follows the wait. 16-byte copies bypass L1 (.cg). The simulator
+// defers each copy to the wait that completes it (sim/include/cuda_runtime.h); HIP copies at once
+// (a plain load and store: the wait is then trivially satisfied).
+template <int kBytes>
+__device__ __forceinline__ void cp_async(void* shared_dst, const void* global_src) {
+  static_assert(kBytes == 4 || kBytes == 8 || kBytes == 16, "cp.async copies 4, 8 or 16 bytes");
+#if defined(LOOM_CUDA_SIM)
+  ::loom::sim::cp_async(shared_dst, global_src, kBytes);
+#elif defined(LOOM_CUDA_HIP)
+  if constexpr (kBytes == 16) *static_cast<int4*>(shared_dst) = *static_cast<const int4*>(global_src);
+  else if constexpr (kBytes == 8) *static_cast<int2*>(shared_dst) = *static_cast<const int2*>(global_src);
+  else *static_cast<int*>(shared_dst) = *static_cast<const int*>(global_src);
+#else
+  const auto dst = static_cast<uint32_t>(__cvta_generic_to_shared(shared_dst));
+  if constexpr (kBytes == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(global_src) : "memory");
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(dst), "l"(global_src), "n"(kBytes) : "memory");
+  }
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(LOOM_CUDA_SIM)
+  ::loom::sim::cp_async_commit();
+#elif !defined(LOOM_CUDA_HIP)
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+template <int kNewestPending>
+__device__ __forceinline__ void cp_async_wait() {
+#if defined(LOOM_CUDA_SIM)
+  ::loom::sim::cp_async_wait(kNewestPending);
+#elif !defined(LOOM_CUDA_HIP)
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kNewestPending) : "memory");
 #endif
 }
 

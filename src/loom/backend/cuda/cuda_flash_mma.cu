@@ -9,10 +9,14 @@
 // every kernel runs 4 warps (128 threads); a warp owns 16 rows (one MMA row block) of a 64-row
 // block tile; the operand it keeps for the whole loop (Q in the forward and dQ, K and V in dK/dV,
 // dO in dQ) sits in registers as A fragments, read once from global memory and rounded to bf16;
-// the streamed operand tiles are rounded to bf16 when stored into shared memory, one bf16 pair
-// per 32-bit word, rows padded by 4 words (16 bytes) so that a warp's fragment loads hit 32
-// distinct banks. A product's C fragments, rounded to bf16 pairwise, are the next product's A
-// fragment (cuda_mma.h: acc_to_a), so P and dS never leave registers.
+// the streamed operand tiles are read in 16-byte chunks of 8 elements (f32 or bf16 inputs, all of
+// a thread's chunks in flight before the first store) and stored into shared memory in bf16, one
+// bf16 pair per 32-bit word, rows padded by 4 words (16 bytes) so that the eight 16-byte rows of
+// an ldmatrix phase hit distinct banks. Fragments come out of the tiles by ldmatrix.x4 (cuda_mma.h:
+// two B fragments, or an A fragment, per instruction; .trans for the operands stored k-major: V in
+// P V, dO in dV, Q in dK, K in dQ) instead of one 32-bit load per register (two 16-bit ones and a
+// merge for the k-major operands). A product's C fragments, rounded to bf16 pairwise, are the next
+// product's A fragment (cuda_mma.h: acc_to_a), so P and dS never leave registers.
 //
 //   forward   grid (ceil(T / 64), H, B), latest query tiles first. Key/value tiles of 64 rows.
 //             Per warp and tile: S (16 x 64) = Q K^T (8 n-tiles x hd/16 k-steps), mask, online
@@ -33,6 +37,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "loom/backend/cuda/cuda_check.h"
 #include "loom/backend/cuda/cuda_flash_mma.h"
@@ -81,27 +86,123 @@ __host__ __device__ constexpr bool dkdv_kv_shared() {
 }
 
 // ---------------------------------------------------------------- loads
-// Rows [r0, r0 + kRows) of a row-major f32 matrix (leading dimension ld, kHd columns from src)
-// into a shared bf16 tile, one word (two columns) per thread and step; rows >= r_end are 0.
-template <int kRows, int kHd>
-__device__ __forceinline__ void load_tile(uint32_t (*tile)[words<kHd>()], const float* __restrict__ src, int64_t ld,
+// The inputs (qkv, dO) are f32, or bf16 (the bits, as uint16_t) where the producing GEMM wrote
+// them so (precision.outputs = bf16): either way the products read them rounded to bf16, so a bf16
+// input gives the same bits as its f32 source. Rows are read in chunks of 8 elements (32 or 16
+// bytes: every row and head offset is a multiple of 8 elements, the launchers check the bases'
+// 16-byte alignment), all of a tile's chunks in flight before the first store.
+__device__ __forceinline__ uint4 load_chunk(const float* __restrict__ p) {
+  const float4 a = *reinterpret_cast<const float4*>(p), b = *reinterpret_cast<const float4*>(p + 4);
+  return make_uint4(pack_bf16x2(a.x, a.y), pack_bf16x2(a.z, a.w), pack_bf16x2(b.x, b.y), pack_bf16x2(b.z, b.w));
+}
+__device__ __forceinline__ uint4 load_chunk(const uint16_t* __restrict__ p) { return *reinterpret_cast<const uint4*>(p); }
+// Elements c, c + 1 of a row as one bf16 pair (c even).
+__device__ __forceinline__ uint32_t load_pair(const float* __restrict__ p) {
+  const float2 v = *reinterpret_cast<const float2*>(p);
+  return pack_bf16x2(v.x, v.y);
+}
+__device__ __forceinline__ uint32_t load_pair(const uint16_t* __restrict__ p) {
+  return *reinterpret_cast<const uint32_t*>(p);
+}
+
+// Rows [r0, r0 + kRows) of a row-major matrix (leading dimension ld, kHd columns from src) into
+// a shared bf16 tile, a chunk of 8 columns (one 16-byte shared store) per thread and step; rows
+// >= r_end are 0.
+template <int kRows, int kHd, typename In>
+__device__ __forceinline__ void load_tile(uint32_t (*tile)[words<kHd>()], const In* __restrict__ src, int64_t ld,
                                           int r0, int r_end) {
-  constexpr int kW = kHd / 2;
-  for (int idx = static_cast<int>(threadIdx.x); idx < kRows * kW; idx += kThreads) {
-    const int rr = idx / kW, w = idx % kW, r = r0 + rr;
-    uint32_t v = 0;
-    if (r < r_end) {
-      const float* p = src + static_cast<int64_t>(r) * ld + 2 * w;
-      v = pack_bf16x2(p[0], p[1]);
+  constexpr int kChunks = kHd / 8;
+  constexpr int kSteps = kRows * kChunks / kThreads;
+  // Chunks in flight per thread: 4 of bf16 (64 bytes) or 2 of f32 (also 64 bytes; 4 spilled the
+  // hd-128 forward's registers).
+  constexpr int kMax = sizeof(In) == 2 ? 4 : 2;
+  constexpr int kBatch = kSteps < kMax ? kSteps : kMax;
+  static_assert(kRows * kChunks % kThreads == 0 && kSteps % kBatch == 0, "a tile's chunks divide among the threads");
+#pragma unroll
+  for (int s0 = 0; s0 < kSteps; s0 += kBatch) {
+    uint4 v[kBatch];
+#pragma unroll
+    for (int s = 0; s < kBatch; ++s) {
+      const int idx = static_cast<int>(threadIdx.x) + (s0 + s) * kThreads, rr = idx / kChunks, c = idx % kChunks;
+      const int r = r0 + rr;
+      v[s] = r < r_end ? load_chunk(src + static_cast<int64_t>(r) * ld + 8 * c) : make_uint4(0u, 0u, 0u, 0u);
     }
-    tile[rr][w] = v;
+#pragma unroll
+    for (int s = 0; s < kBatch; ++s) {
+      const int idx = static_cast<int>(threadIdx.x) + (s0 + s) * kThreads, rr = idx / kChunks, c = idx % kChunks;
+      *reinterpret_cast<uint4*>(&tile[rr][4 * c]) = v[s];
+    }
   }
 }
 
-// The A fragments (16 rows from r0, all kHd columns: kHd / 16 k-steps) of a row-major f32
-// matrix, straight from global memory, rounded to bf16; rows >= r_end are 0.
-template <int kHd>
-__device__ __forceinline__ void load_a_frags(uint32_t (&a)[kHd / 16][4], const float* __restrict__ src, int64_t ld,
+// The same rows of a bf16 matrix by cp.async (16 bytes a copy, no register), uncommitted; rows
+// >= r_end are 0 (plain stores).
+template <int kRows, int kHd>
+__device__ __forceinline__ void load_tile_async(uint32_t (*tile)[words<kHd>()], const uint16_t* __restrict__ src,
+                                                int64_t ld, int r0, int r_end) {
+  constexpr int kChunks = kHd / 8;
+  constexpr int kSteps = kRows * kChunks / kThreads;
+  static_assert(kRows * kChunks % kThreads == 0, "a tile's chunks divide among the block's threads");
+#pragma unroll
+  for (int s = 0; s < kSteps; ++s) {
+    const int idx = static_cast<int>(threadIdx.x) + s * kThreads, rr = idx / kChunks, c = idx % kChunks;
+    const int r = r0 + rr;
+    if (r < r_end) cp_async<16>(&tile[rr][4 * c], src + static_cast<int64_t>(r) * ld + 8 * c);
+    else *reinterpret_cast<uint4*>(&tile[rr][4 * c]) = make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+
+// Whether a kernel streams its tiles through two shared buffers, the next tile's cp.async copies
+// in flight while the current one is multiplied: bf16 inputs (copied as they are) at hd 64. f32
+// inputs are rounded on the way (through registers), and at hd 128 two buffers would pass the
+// 48 KB of static shared memory a block may have; those load each tile between two barriers.
+template <typename In, int kHd>
+__host__ __device__ constexpr bool pipelined() {
+  return sizeof(In) == 2 && kHd == 64;
+}
+
+// The key and value tiles of keys [j, j + kRows) (rows >= hi zero) into one buffer's kt and vt:
+// cp.async copies committed as one group (pipelined), else rounded through registers.
+template <bool kPipe, int kRows, int kHd, typename In>
+__device__ __forceinline__ void fetch_kv(uint32_t (*kt)[words<kHd>()], uint32_t (*vt)[words<kHd>()],
+                                         const In* __restrict__ kbase, const In* __restrict__ vbase, int64_t ld, int j,
+                                         int hi) {
+  if constexpr (kPipe) {
+    load_tile_async<kRows, kHd>(kt, kbase, ld, j, hi);
+    load_tile_async<kRows, kHd>(vt, vbase, ld, j, hi);
+    cp_async_commit();
+  } else {
+    load_tile<kRows, kHd>(kt, kbase, ld, j, hi);
+    load_tile<kRows, kHd>(vt, vbase, ld, j, hi);
+  }
+}
+
+// Before multiplying the tile from j0 (of a sequence of tiles kStep apart, up to hi) held in
+// buffer buf: pipelined, the next tile's copies are issued into the other buffer and this one's
+// waited for, then a barrier makes every thread's copies visible (the loop's end has another
+// barrier before that buffer is refilled); otherwise a barrier (the previous tile is no longer
+// read), the tile's loads, and a barrier.
+template <bool kPipe, typename Fetch>
+__device__ __forceinline__ void tile_barrier(const Fetch& fetch, int j0, int kStep, int hi, int buf) {
+  if constexpr (kPipe) {
+    if (j0 + kStep < hi) {
+      fetch(j0 + kStep, buf ^ 1);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+  } else {
+    __syncthreads();
+    fetch(j0, buf);
+    __syncthreads();
+  }
+}
+
+// The A fragments (16 rows from r0, all kHd columns: kHd / 16 k-steps) of a row-major matrix,
+// straight from global memory, rounded to bf16; rows >= r_end are 0.
+template <int kHd, typename In>
+__device__ __forceinline__ void load_a_frags(uint32_t (&a)[kHd / 16][4], const In* __restrict__ src, int64_t ld,
                                              int r0, int r_end, int g, int t) {
 #pragma unroll
   for (int ks = 0; ks < kHd / 16; ++ks) {
@@ -109,40 +210,60 @@ __device__ __forceinline__ void load_a_frags(uint32_t (&a)[kHd / 16][4], const f
     for (int j = 0; j < 4; ++j) {
       const int r = r0 + g + (j & 1) * 8;           // a[1], a[3]: row g + 8
       const int c = ks * 16 + 2 * t + (j >> 1) * 8;  // a[2], a[3]: columns + 8
-      const float* p = src + static_cast<int64_t>(r) * ld + c;
-      a[ks][j] = r < r_end ? pack_bf16x2(p[0], p[1]) : 0u;
+      a[ks][j] = r < r_end ? load_pair(src + static_cast<int64_t>(r) * ld + c) : 0u;
     }
   }
 }
 
-// The A fragment (16 x 16) with A(m, k) = tile[m0 + m][k0 + k] (k0 even).
+// Fragments from the shared tiles, by ldmatrix (cuda_mma.h; a tile row is kW words, 16-byte
+// aligned, padded by 16 bytes so that the eight rows of a matrix fall in distinct banks).
+// The A fragment (16 x 16) with A(m, k) = tile[m0 + m][k0 + k].
 template <int kW>
-__device__ __forceinline__ void a_from_rows(uint32_t (&a)[4], const uint32_t (*tile)[kW], int m0, int k0, int g,
-                                            int t) {
-  a[0] = tile[m0 + g][k0 / 2 + t];
-  a[1] = tile[m0 + g + 8][k0 / 2 + t];
-  a[2] = tile[m0 + g][k0 / 2 + t + 4];
-  a[3] = tile[m0 + g + 8][k0 / 2 + t + 4];
+__device__ __forceinline__ void a_from_rows(uint32_t (&a)[4], const uint32_t (*tile)[kW], int m0, int k0, int lane) {
+  mma::ldmatrix_x4<false>(a, mma::quad_row(tile, kW * 4, m0, k0, lane));
+}
+// B (16 x 8) with B(k, n) = tile[n0 + n][k0 + k] for the k-steps k0 (b[0], b[1]) and k0 + 16
+// (b[2], b[3]): a tile row is a B column.
+template <int kW>
+__device__ __forceinline__ void b_pair_from_rows(uint32_t (&b)[4], const uint32_t (*tile)[kW], int n0, int k0,
+                                                 int lane) {
+  mma::ldmatrix_x4<false>(b, mma::strip_row(tile, kW * 4, n0, k0, lane));
+}
+// B (16 x 8) with B(k, n) = tile[k0 + k][n0 + n] for the n-tiles n0 (b[0], b[1]) and n0 + 8
+// (b[2], b[3]): a register pairs two tile rows, which ldmatrix's .trans gathers.
+template <int kW>
+__device__ __forceinline__ void b_pair_from_cols(uint32_t (&b)[4], const uint32_t (*tile)[kW], int k0, int n0,
+                                                 int lane) {
+  mma::ldmatrix_x4<true>(b, mma::quad_row(tile, kW * 4, k0, n0, lane));
+}
+// d += a B, B registers 0-1 (kHalf 0) or 2-3 (kHalf 1) of such a pair.
+template <int kHalf>
+__device__ __forceinline__ void mma_b(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[4]) {
+  const uint32_t bb[2] = {b[2 * kHalf], b[2 * kHalf + 1]};
+  mma_m16n8k16_bf16(d, a, bb, d);
 }
 
-// B (16 x 8) with B(k, n) = tile[n0 + n][k0 + k]: a tile row is a B column, so each register is
-// one shared word (k0 even).
-template <int kW>
-__device__ __forceinline__ void b_from_rows(uint32_t (&b)[2], const uint32_t (*tile)[kW], int n0, int k0, int g,
-                                            int t) {
-  b[0] = tile[n0 + g][k0 / 2 + t];
-  b[1] = tile[n0 + g][k0 / 2 + t + 4];
-}
-
-__device__ __forceinline__ uint32_t half_of(uint32_t word, int odd) { return odd ? word >> 16 : word & 0xffffu; }
-
-// B (16 x 8) with B(k, n) = tile[k0 + k][n0 + n]: a register pairs two tile rows.
-template <int kW>
-__device__ __forceinline__ void b_from_cols(uint32_t (&b)[2], const uint32_t (*tile)[kW], int k0, int n0, int g,
-                                            int t) {
-  const int n = n0 + g, w = n >> 1, odd = n & 1;
-  b[0] = pair_bf16(half_of(tile[k0 + 2 * t][w], odd), half_of(tile[k0 + 2 * t + 1][w], odd));
-  b[1] = pair_bf16(half_of(tile[k0 + 2 * t + 8][w], odd), half_of(tile[k0 + 2 * t + 9][w], odd));
+// acc (the warp's 16 rows x kHd) += A B, A the warp's 16 x kBc products c (C fragments of kBc / 8
+// n-tiles, rounded pairwise into A fragments: acc_to_a) and B (kBc x kHd) the tile's rows by
+// columns: the forward's O += P V and dQ's dQ += dS K. A k-step of 16 keys that no row of the warp
+// sees (past hi, or after its last row under the causal mask) is skipped: A is 0 there.
+template <int kBc, int kHd, bool kCausal>
+__device__ __forceinline__ void rows_times_tile(float (&acc)[kHd / 8][4], const float (&c)[kBc / 8][4],
+                                                const uint32_t (*tile)[words<kHd>()], bool warp_live, int j0, int hi,
+                                                int r_last, int lane) {
+#pragma unroll
+  for (int kk = 0; kk < kBc / 16; ++kk) {
+    if (!warp_live || j0 + kk * 16 >= hi || (kCausal && j0 + kk * 16 > r_last)) continue;  // warp-uniform
+    uint32_t a[4];
+    acc_to_a(a, c[2 * kk], c[2 * kk + 1]);
+#pragma unroll
+    for (int dt = 0; dt < kHd / 8; dt += 2) {
+      uint32_t b[4];
+      b_pair_from_cols<words<kHd>()>(b, tile, kk * 16, dt * 8, lane);
+      mma_b<0>(acc[dt], a, b);
+      mma_b<1>(acc[dt + 1], a, b);
+    }
+  }
 }
 
 __device__ __forceinline__ float quad_max(float v) {
@@ -162,17 +283,18 @@ __device__ __forceinline__ float load_o(const float* p) { return *p; }
 __device__ __forceinline__ float load_o(const uint16_t* p) { return bf16_value(*p); }
 
 // ---------------------------------------------------------------- forward
-template <int kHd, bool kCausal, typename O>
-__global__ void __launch_bounds__(kThreads)
-    flash_mma_forward_kernel(const float* __restrict__ qkv, O* __restrict__ out, float* __restrict__ lse,
+template <int kHd, bool kCausal, typename In, typename O>
+__global__ void __launch_bounds__(kThreads, (pipelined<In, kHd>() ? 3 : 1))
+    flash_mma_forward_kernel(const In* __restrict__ qkv, O* __restrict__ out, float* __restrict__ lse,
                              int seq_len, int n_head, int n_kv_head, float scale) {
   constexpr int kW = words<kHd>();
   constexpr int kBc = 64;        // keys per tile
   constexpr int kKs = kHd / 16;  // k-steps of S = Q K^T
   constexpr int kNt = kBc / 8;   // key n-tiles of S
   constexpr int kDt = kHd / 8;   // dim n-tiles of O
-  __shared__ __align__(16) uint32_t ks[kBc][kW];
-  __shared__ __align__(16) uint32_t vs[kBc][kW];
+  constexpr bool kPipe = pipelined<In, kHd>();
+  __shared__ __align__(16) uint32_t ks[kPipe ? 2 : 1][kBc][kW];
+  __shared__ __align__(16) uint32_t vs[kPipe ? 2 : 1][kBc][kW];
 
   const int n_tiles = (seq_len + kBlockRows - 1) / kBlockRows;
   const int i0 = (n_tiles - 1 - static_cast<int>(blockIdx.x)) * kBlockRows;
@@ -180,14 +302,17 @@ __global__ void __launch_bounds__(kThreads)
   const int kvh = h / (n_head / n_kv_head);
   const int64_t width = static_cast<int64_t>(n_head + 2 * n_kv_head) * kHd;
   const int64_t out_width = static_cast<int64_t>(n_head) * kHd;
-  const float* base = qkv + static_cast<int64_t>(b) * seq_len * width;
-  const float* kbase = base + static_cast<int64_t>(n_head + kvh) * kHd;
-  const float* vbase = base + static_cast<int64_t>(n_head + n_kv_head + kvh) * kHd;
+  const In* base = qkv + static_cast<int64_t>(b) * seq_len * width;
+  const In* kbase = base + static_cast<int64_t>(n_head + kvh) * kHd;
+  const In* vbase = base + static_cast<int64_t>(n_head + n_kv_head + kvh) * kHd;
   const int warp = static_cast<int>(threadIdx.x) / kWarpSize, lane = static_cast<int>(threadIdx.x) % kWarpSize;
   const int g = mma::group_id(lane), t = mma::thread_in_group(lane);
   const int r0 = i0 + warp * kWarpRows;  // the warp's rows r0 + g and r0 + g + 8
   const int r_last = r0 + kWarpRows - 1;
   const bool warp_live = r0 < seq_len;  // the last block's warps past T only load tiles
+  const int hi = kCausal ? min(seq_len, i0 + kBlockRows) : seq_len;
+  const auto fetch = [&](int j, int buf) { fetch_kv<kPipe, kBc, kHd>(ks[buf], vs[buf], kbase, vbase, width, j, hi); };
+  if constexpr (kPipe) fetch(0, 0);  // in flight while Q is read
 
   uint32_t qa[kKs][4];
   load_a_frags<kHd>(qa, base + static_cast<int64_t>(h) * kHd, width, r0, seq_len, g, t);
@@ -196,12 +321,11 @@ __global__ void __launch_bounds__(kThreads)
   for (int dt = 0; dt < kDt; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.0f;
   float m[2] = {-CUDART_INF_F, -CUDART_INF_F}, l[2] = {0.0f, 0.0f};  // l: this lane's part of the row sum
 
-  const int hi = kCausal ? min(seq_len, i0 + kBlockRows) : seq_len;
-  for (int j0 = 0; j0 < hi; j0 += kBc) {
-    __syncthreads();  // the previous tile is no longer read
-    load_tile<kBc, kHd>(ks, kbase, width, j0, hi);
-    load_tile<kBc, kHd>(vs, vbase, width, j0, hi);
-    __syncthreads();
+  for (int j0 = 0, it = 0; j0 < hi; j0 += kBc, ++it) {
+    const int buf = kPipe ? it & 1 : 0;
+    tile_barrier<kPipe>(fetch, j0, kBc, hi, buf);
+    const uint32_t(*kt)[kW] = ks[buf];
+    const uint32_t(*vt)[kW] = vs[buf];
 
     float s[kNt][4];
 #pragma unroll
@@ -209,10 +333,11 @@ __global__ void __launch_bounds__(kThreads)
       s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
       if (!warp_live || j0 + nt * 8 >= hi || (kCausal && j0 + nt * 8 > r_last)) continue;  // warp-uniform: masked
 #pragma unroll
-      for (int kk = 0; kk < kKs; ++kk) {
-        uint32_t bk[2];
-        b_from_rows<kW>(bk, ks, nt * 8, kk * 16, g, t);
-        mma_m16n8k16_bf16(s[nt], qa[kk], bk, s[nt]);
+      for (int kk = 0; kk < kKs; kk += 2) {
+        uint32_t bk[4];
+        b_pair_from_rows<kW>(bk, kt, nt * 8, kk * 16, lane);
+        mma_b<0>(s[nt], qa[kk], bk);
+        mma_b<1>(s[nt], qa[kk + 1], bk);
       }
     }
     // Scale and mask; online softmax per row r (0: r0 + g, 1: r0 + g + 8).
@@ -252,18 +377,8 @@ __global__ void __launch_bounds__(kThreads)
       m[r] = mx;
     }
     // O += P V: P (16 x 64) as 4 k-steps of A fragments, V (64 x hd) as B.
-#pragma unroll
-    for (int kk = 0; kk < kBc / 16; ++kk) {
-      if (!warp_live || j0 + kk * 16 >= hi || (kCausal && j0 + kk * 16 > r_last)) continue;  // P is 0 there
-      uint32_t pa[4];
-      acc_to_a(pa, s[2 * kk], s[2 * kk + 1]);
-#pragma unroll
-      for (int dt = 0; dt < kDt; ++dt) {
-        uint32_t bv[2];
-        b_from_cols<kW>(bv, vs, kk * 16, dt * 8, g, t);
-        mma_m16n8k16_bf16(o[dt], pa, bv, o[dt]);
-      }
-    }
+    rows_times_tile<kBc, kHd, kCausal>(o, s, vt, warp_live, j0, hi, r_last, lane);
+    if constexpr (kPipe) __syncthreads();  // buffer buf is the next fetch's
   }
 
 #pragma unroll
@@ -286,25 +401,25 @@ __global__ void __launch_bounds__(kThreads)
 // ---------------------------------------------------------------- backward
 // D[b, h, i] = dO[b, i, h] . O[b, i, h] in fp32; one warp per (b, i, h) row, lane-strided then a
 // fixed shuffle tree.
-template <typename O>
+template <typename In, typename O>
 __global__ void __launch_bounds__(kDsumWarps* kWarpSize)
-    flash_mma_dsum_kernel(const float* __restrict__ dout, const O* __restrict__ out, float* __restrict__ dsum,
+    flash_mma_dsum_kernel(const In* __restrict__ dout, const O* __restrict__ out, float* __restrict__ dsum,
                           int64_t rows, int seq_len, int n_head, int head_dim) {
   const int64_t r = static_cast<int64_t>(blockIdx.x) * kDsumWarps + threadIdx.x / kWarpSize;
   if (r >= rows) return;  // warp-uniform
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
-  const float* x = dout + r * head_dim;
+  const In* x = dout + r * head_dim;
   const O* y = out + r * head_dim;
   float acc = 0.0f;
-  for (int d = lane; d < head_dim; d += kWarpSize) acc += x[d] * load_o(y + d);
+  for (int d = lane; d < head_dim; d += kWarpSize) acc += load_o(x + d) * load_o(y + d);
   acc = warp_sum(acc);
   const int64_t bt = r / n_head, h = r % n_head, b = bt / seq_len, i = bt % seq_len;
   if (lane == 0) dsum[(b * n_head + h) * seq_len + i] = acc;
 }
 
-template <int kHd, bool kCausal, typename G>
+template <int kHd, bool kCausal, typename In, typename G>
 __global__ void __launch_bounds__(kThreads, 1)
-    flash_mma_dkdv_kernel(const float* __restrict__ dout, const float* __restrict__ qkv,
+    flash_mma_dkdv_kernel(const In* __restrict__ dout, const In* __restrict__ qkv,
                           const float* __restrict__ lse, const float* __restrict__ dsum, G* __restrict__ dqkv,
                           int seq_len, int n_head, int n_kv_head, float scale) {
   constexpr int kW = words<kHd>();
@@ -312,10 +427,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int kKs = kHd / 16;
   constexpr int kQt = kBq / 8;  // query n-tiles of S^T
   constexpr int kDt = kHd / 8;
-  __shared__ __align__(16) uint32_t qs[kBq][kW];
-  __shared__ __align__(16) uint32_t dos[kBq][kW];
-  __shared__ float lses[kBq];
-  __shared__ float dsums[kBq];
+  constexpr bool kPipe = pipelined<In, kHd>();
+  __shared__ __align__(16) uint32_t qs[kPipe ? 2 : 1][kBq][kW];
+  __shared__ __align__(16) uint32_t dos[kPipe ? 2 : 1][kBq][kW];
+  __shared__ __align__(16) float lses[kPipe ? 2 : 1][kBq];
+  __shared__ __align__(16) float dsums[kPipe ? 2 : 1][kBq];
   constexpr bool kKvShared = dkdv_kv_shared<kHd>();
   __shared__ __align__(16) uint32_t kts[kKvShared ? kBlockRows : 1][kW];  // the block's keys and values
   __shared__ __align__(16) uint32_t vts[kKvShared ? kBlockRows : 1][kW];
@@ -325,7 +441,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int group = n_head / n_kv_head;
   const int64_t width = static_cast<int64_t>(n_head + 2 * n_kv_head) * kHd;
   const int64_t out_width = static_cast<int64_t>(n_head) * kHd;
-  const float* base = qkv + static_cast<int64_t>(b) * seq_len * width;
+  const In* base = qkv + static_cast<int64_t>(b) * seq_len * width;
   const int64_t kcol = static_cast<int64_t>(n_head + kvh) * kHd;
   const int64_t vcol = static_cast<int64_t>(n_head + n_kv_head + kvh) * kHd;
   const int warp = static_cast<int>(threadIdx.x) / kWarpSize, lane = static_cast<int>(threadIdx.x) % kWarpSize;
@@ -348,23 +464,46 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int e = 0; e < 4; ++e) dk[dt][e] = dv[dt][e] = 0.0f;
   }
 
+  // The query tiles, the group's heads in order and each head's tiles from qlo on, as one
+  // sequence: tile n is head r = n / per_head's from i0 = qlo + (n % per_head) kBq.
   const int qlo = kCausal ? j0 : 0;
-  for (int r = 0; r < group; ++r) {
-    const int h = kvh * group + r;
-    const float* qsrc = base + static_cast<int64_t>(h) * kHd;
-    const float* dosrc = dout + static_cast<int64_t>(b) * seq_len * out_width + static_cast<int64_t>(h) * kHd;
+  const int per_head = (seq_len - qlo + kBq - 1) / kBq;
+  const auto fetch = [&](int n, int buf) {
+    const int h = kvh * group + n / per_head, i0 = qlo + (n % per_head) * kBq;
+    const In* qsrc = base + static_cast<int64_t>(i0) * width + static_cast<int64_t>(h) * kHd;
+    const In* dosrc = dout + (static_cast<int64_t>(b) * seq_len + i0) * out_width + static_cast<int64_t>(h) * kHd;
     const float* lse_h = lse + (static_cast<int64_t>(b) * n_head + h) * seq_len;
     const float* dsum_h = dsum + (static_cast<int64_t>(b) * n_head + h) * seq_len;
-    for (int i0 = qlo; i0 < seq_len; i0 += kBq) {
-      __syncthreads();  // the previous tile is no longer read
-      load_tile<kBq, kHd>(qs, qsrc + static_cast<int64_t>(i0) * width, width, 0, seq_len - i0);
-      load_tile<kBq, kHd>(dos, dosrc + static_cast<int64_t>(i0) * out_width, out_width, 0, seq_len - i0);
-      if (static_cast<int>(threadIdx.x) < kBq) {
-        const int i = i0 + static_cast<int>(threadIdx.x);
-        lses[threadIdx.x] = i < seq_len ? lse_h[i] : 0.0f;
-        dsums[threadIdx.x] = i < seq_len ? dsum_h[i] : 0.0f;
+    const int q = static_cast<int>(threadIdx.x), i = i0 + q;
+    if constexpr (kPipe) {
+      load_tile_async<kBq, kHd>(qs[buf], qsrc, width, 0, seq_len - i0);
+      load_tile_async<kBq, kHd>(dos[buf], dosrc, out_width, 0, seq_len - i0);
+      if (q < kBq && i < seq_len) {
+        cp_async<4>(&lses[buf][q], lse_h + i);
+        cp_async<4>(&dsums[buf][q], dsum_h + i);
+      } else if (q < kBq) {
+        lses[buf][q] = dsums[buf][q] = 0.0f;
       }
-      __syncthreads();
+      cp_async_commit();
+    } else {
+      load_tile<kBq, kHd>(qs[buf], qsrc, width, 0, seq_len - i0);
+      load_tile<kBq, kHd>(dos[buf], dosrc, out_width, 0, seq_len - i0);
+      if (q < kBq) {
+        lses[buf][q] = i < seq_len ? lse_h[i] : 0.0f;
+        dsums[buf][q] = i < seq_len ? dsum_h[i] : 0.0f;
+      }
+    }
+  };
+  if constexpr (kPipe) fetch(0, 0);
+  for (int n = 0; n < group * per_head; ++n) {
+    const int buf = kPipe ? n & 1 : 0;
+    const int i0 = qlo + (n % per_head) * kBq;
+    tile_barrier<kPipe>(fetch, n, 1, group * per_head, buf);
+    {
+      const uint32_t(*qt)[kW] = qs[buf];
+      const uint32_t(*dot)[kW] = dos[buf];
+      const float* lq = lses[buf];
+      const float* dq_sum = dsums[buf];
 
       // S^T (16 keys x kBq queries) = K Q^T, dP^T = V dO^T.
       float st[kQt][4], dpt[kQt][4];
@@ -375,19 +514,25 @@ __global__ void __launch_bounds__(kThreads, 1)
         // warp-uniform: no key of the warp, no query of the n-tile, or every query before every key
         if (!warp_live || i0 + nt * 8 >= seq_len || (kCausal && i0 + nt * 8 + 7 < k0)) continue;
 #pragma unroll
-        for (int kk = 0; kk < kKs; ++kk) {
-          uint32_t bq[2], bo[2];
-          b_from_rows<kW>(bq, qs, nt * 8, kk * 16, g, t);
-          b_from_rows<kW>(bo, dos, nt * 8, kk * 16, g, t);
+        for (int kk = 0; kk < kKs; kk += 2) {
+          uint32_t bq[4], bo[4];
+          b_pair_from_rows<kW>(bq, qt, nt * 8, kk * 16, lane);
+          b_pair_from_rows<kW>(bo, dot, nt * 8, kk * 16, lane);
           if constexpr (kKvShared) {
             uint32_t a[4];
-            a_from_rows<kW>(a, kts, warp * kWarpRows, kk * 16, g, t);
-            mma_m16n8k16_bf16(st[nt], a, bq, st[nt]);
-            a_from_rows<kW>(a, vts, warp * kWarpRows, kk * 16, g, t);
-            mma_m16n8k16_bf16(dpt[nt], a, bo, dpt[nt]);
+            a_from_rows<kW>(a, kts, warp * kWarpRows, kk * 16, lane);
+            mma_b<0>(st[nt], a, bq);
+            a_from_rows<kW>(a, vts, warp * kWarpRows, kk * 16, lane);
+            mma_b<0>(dpt[nt], a, bo);
+            a_from_rows<kW>(a, kts, warp * kWarpRows, kk * 16 + 16, lane);
+            mma_b<1>(st[nt], a, bq);
+            a_from_rows<kW>(a, vts, warp * kWarpRows, kk * 16 + 16, lane);
+            mma_b<1>(dpt[nt], a, bo);
           } else {
-            mma_m16n8k16_bf16(st[nt], ka[kk], bq, st[nt]);
-            mma_m16n8k16_bf16(dpt[nt], va[kk], bo, dpt[nt]);
+            mma_b<0>(st[nt], ka[kk], bq);
+            mma_b<0>(dpt[nt], va[kk], bo);
+            mma_b<1>(st[nt], ka[kk + 1], bq);
+            mma_b<1>(dpt[nt], va[kk + 1], bo);
           }
         }
       }
@@ -399,9 +544,9 @@ __global__ void __launch_bounds__(kThreads, 1)
           const int key = k0 + g + (e >= 2 ? 8 : 0);
           const int qq = nt * 8 + 2 * t + (e & 1), q = i0 + qq;
           const bool ok = key < seq_len && q < seq_len && (!kCausal || q >= key);
-          const float p = ok ? expf(st[nt][e] * scale - lses[qq]) : 0.0f;
+          const float p = ok ? expf(st[nt][e] * scale - lq[qq]) : 0.0f;
           st[nt][e] = p;
-          dpt[nt][e] = p * (dpt[nt][e] - dsums[qq]);
+          dpt[nt][e] = p * (dpt[nt][e] - dq_sum[qq]);
         }
       }
       // dV += P^T dO, dK += dS^T Q (k = the tile's queries).
@@ -413,15 +558,18 @@ __global__ void __launch_bounds__(kThreads, 1)
         acc_to_a(pa, st[2 * kk], st[2 * kk + 1]);
         acc_to_a(dsa, dpt[2 * kk], dpt[2 * kk + 1]);
 #pragma unroll
-        for (int dt = 0; dt < kDt; ++dt) {
-          uint32_t bo[2], bq[2];
-          b_from_cols<kW>(bo, dos, kk * 16, dt * 8, g, t);
-          b_from_cols<kW>(bq, qs, kk * 16, dt * 8, g, t);
-          mma_m16n8k16_bf16(dv[dt], pa, bo, dv[dt]);
-          mma_m16n8k16_bf16(dk[dt], dsa, bq, dk[dt]);
+        for (int dt = 0; dt < kDt; dt += 2) {
+          uint32_t bo[4], bq[4];
+          b_pair_from_cols<kW>(bo, dot, kk * 16, dt * 8, lane);
+          b_pair_from_cols<kW>(bq, qt, kk * 16, dt * 8, lane);
+          mma_b<0>(dv[dt], pa, bo);
+          mma_b<0>(dk[dt], dsa, bq);
+          mma_b<1>(dv[dt + 1], pa, bo);
+          mma_b<1>(dk[dt + 1], dsa, bq);
         }
       }
     }
+    if constexpr (kPipe) __syncthreads();  // buffer buf is the next fetch's
   }
 
 #pragma unroll
@@ -441,9 +589,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-template <int kHd, bool kCausal, typename G>
+template <int kHd, bool kCausal, typename In, typename G>
 __global__ void __launch_bounds__(kThreads, 1)
-    flash_mma_dq_kernel(const float* __restrict__ dout, const float* __restrict__ qkv, const float* __restrict__ lse,
+    flash_mma_dq_kernel(const In* __restrict__ dout, const In* __restrict__ qkv, const float* __restrict__ lse,
                         const float* __restrict__ dsum, G* __restrict__ dqkv, int seq_len, int n_head,
                         int n_kv_head, float scale) {
   constexpr int kW = words<kHd>();
@@ -451,8 +599,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int kKs = kHd / 16;
   constexpr int kNt = kBc / 8;
   constexpr int kDt = kHd / 8;
-  __shared__ __align__(16) uint32_t ks[kBc][kW];
-  __shared__ __align__(16) uint32_t vs[kBc][kW];
+  constexpr bool kPipe = pipelined<In, kHd>();
+  __shared__ __align__(16) uint32_t ks[kPipe ? 2 : 1][kBc][kW];
+  __shared__ __align__(16) uint32_t vs[kPipe ? 2 : 1][kBc][kW];
 
   const int n_tiles = (seq_len + kBlockRows - 1) / kBlockRows;
   const int i0 = (n_tiles - 1 - static_cast<int>(blockIdx.x)) * kBlockRows;
@@ -460,14 +609,18 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int kvh = h / (n_head / n_kv_head);
   const int64_t width = static_cast<int64_t>(n_head + 2 * n_kv_head) * kHd;
   const int64_t out_width = static_cast<int64_t>(n_head) * kHd;
-  const float* base = qkv + static_cast<int64_t>(b) * seq_len * width;
-  const float* kbase = base + static_cast<int64_t>(n_head + kvh) * kHd;
-  const float* vbase = base + static_cast<int64_t>(n_head + n_kv_head + kvh) * kHd;
+  const In* base = qkv + static_cast<int64_t>(b) * seq_len * width;
+  const In* kbase = base + static_cast<int64_t>(n_head + kvh) * kHd;
+  const In* vbase = base + static_cast<int64_t>(n_head + n_kv_head + kvh) * kHd;
   const int warp = static_cast<int>(threadIdx.x) / kWarpSize, lane = static_cast<int>(threadIdx.x) % kWarpSize;
   const int g = mma::group_id(lane), t = mma::thread_in_group(lane);
   const int r0 = i0 + warp * kWarpRows;
   const int r_last = r0 + kWarpRows - 1;
   const bool warp_live = r0 < seq_len;  // the last block's warps past T only load tiles
+
+  const int hi = kCausal ? min(seq_len, i0 + kBlockRows) : seq_len;
+  const auto fetch = [&](int j, int buf) { fetch_kv<kPipe, kBc, kHd>(ks[buf], vs[buf], kbase, vbase, width, j, hi); };
+  if constexpr (kPipe) fetch(0, 0);
 
   uint32_t qa[kKs][4], doa[kKs][4];
   load_a_frags<kHd>(qa, base + static_cast<int64_t>(h) * kHd, width, r0, seq_len, g, t);
@@ -485,12 +638,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
   for (int dt = 0; dt < kDt; ++dt) dq[dt][0] = dq[dt][1] = dq[dt][2] = dq[dt][3] = 0.0f;
 
-  const int hi = kCausal ? min(seq_len, i0 + kBlockRows) : seq_len;
-  for (int j0 = 0; j0 < hi; j0 += kBc) {
-    __syncthreads();
-    load_tile<kBc, kHd>(ks, kbase, width, j0, hi);
-    load_tile<kBc, kHd>(vs, vbase, width, j0, hi);
-    __syncthreads();
+  for (int j0 = 0, it = 0; j0 < hi; j0 += kBc, ++it) {
+    const int buf = kPipe ? it & 1 : 0;
+    tile_barrier<kPipe>(fetch, j0, kBc, hi, buf);
+    const uint32_t(*kt)[kW] = ks[buf];
+    const uint32_t(*vt)[kW] = vs[buf];
 
     // S = Q K^T, dP = dO V^T (16 queries x kBc keys).
     float s[kNt][4], dp[kNt][4];
@@ -500,12 +652,14 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int e = 0; e < 4; ++e) s[nt][e] = dp[nt][e] = 0.0f;
       if (!warp_live || j0 + nt * 8 >= hi || (kCausal && j0 + nt * 8 > r_last)) continue;  // warp-uniform: masked
 #pragma unroll
-      for (int kk = 0; kk < kKs; ++kk) {
-        uint32_t bk[2], bv[2];
-        b_from_rows<kW>(bk, ks, nt * 8, kk * 16, g, t);
-        b_from_rows<kW>(bv, vs, nt * 8, kk * 16, g, t);
-        mma_m16n8k16_bf16(s[nt], qa[kk], bk, s[nt]);
-        mma_m16n8k16_bf16(dp[nt], doa[kk], bv, dp[nt]);
+      for (int kk = 0; kk < kKs; kk += 2) {
+        uint32_t bk[4], bv[4];
+        b_pair_from_rows<kW>(bk, kt, nt * 8, kk * 16, lane);
+        b_pair_from_rows<kW>(bv, vt, nt * 8, kk * 16, lane);
+        mma_b<0>(s[nt], qa[kk], bk);
+        mma_b<0>(dp[nt], doa[kk], bv);
+        mma_b<1>(s[nt], qa[kk + 1], bk);
+        mma_b<1>(dp[nt], doa[kk + 1], bv);
       }
     }
     // dS = P o (dP - D), P = exp(scale S - lse) (0 off the mask), in s.
@@ -521,18 +675,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
     // dQ += dS K.
-#pragma unroll
-    for (int kk = 0; kk < kBc / 16; ++kk) {
-      if (!warp_live || j0 + kk * 16 >= hi || (kCausal && j0 + kk * 16 > r_last)) continue;  // dS is 0 there
-      uint32_t dsa[4];
-      acc_to_a(dsa, s[2 * kk], s[2 * kk + 1]);
-#pragma unroll
-      for (int dt = 0; dt < kDt; ++dt) {
-        uint32_t bk[2];
-        b_from_cols<kW>(bk, ks, kk * 16, dt * 8, g, t);
-        mma_m16n8k16_bf16(dq[dt], dsa, bk, dq[dt]);
-      }
-    }
+    rows_times_tile<kBc, kHd, kCausal>(dq, s, kt, warp_live, j0, hi, r_last, lane);
+    if constexpr (kPipe) __syncthreads();  // buffer buf is the next fetch's
   }
 
 #pragma unroll
@@ -574,76 +718,89 @@ Dims check_dims(const char* op, int64_t batch, int64_t seq_len, int64_t n_head, 
 
 float attention_scale(int hd) { return 1.0f / std::sqrt(static_cast<float>(hd)); }
 
-template <int kHd, bool kCausal, typename O>
-void forward_hd(const float* qkv, O* out, float* lse, int64_t batch, const Dims& d, cudaStream_t stream) {
+template <int kHd, bool kCausal, typename In, typename O>
+void forward_hd(const In* qkv, O* out, float* lse, int64_t batch, const Dims& d, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>((d.T + kBlockRows - 1) / kBlockRows), static_cast<unsigned>(d.H),
                   static_cast<unsigned>(batch));
-  launch<flash_mma_forward_kernel<kHd, kCausal, O>>(grid, kThreads, 0, stream, qkv, out, lse, d.T, d.H, d.KV,
-                                                 attention_scale(kHd));
+  launch<flash_mma_forward_kernel<kHd, kCausal, In, O>>(grid, kThreads, 0, stream, qkv, out, lse, d.T, d.H, d.KV,
+                                                        attention_scale(kHd));
   LOOM_CUDA_CHECK_LAUNCH();
 }
 
-template <int kHd, bool kCausal, typename G>
-void backward_hd(const float* dout, const float* qkv, const float* dsum, const float* lse, G* dqkv, int64_t batch,
+template <int kHd, bool kCausal, typename In, typename G>
+void backward_hd(const In* dout, const In* qkv, const float* dsum, const float* lse, G* dqkv, int64_t batch,
                  const Dims& d, cudaStream_t stream) {
   const unsigned tiles = static_cast<unsigned>((d.T + kBlockRows - 1) / kBlockRows);
   const float scale = attention_scale(kHd);
-  launch<flash_mma_dkdv_kernel<kHd, kCausal, G>>(dim3(tiles, static_cast<unsigned>(d.KV), static_cast<unsigned>(batch)),
-                                              kThreads, 0, stream, dout, qkv, lse, dsum, dqkv, d.T, d.H, d.KV, scale);
+  launch<flash_mma_dkdv_kernel<kHd, kCausal, In, G>>(
+      dim3(tiles, static_cast<unsigned>(d.KV), static_cast<unsigned>(batch)), kThreads, 0, stream, dout, qkv, lse,
+      dsum, dqkv, d.T, d.H, d.KV, scale);
   LOOM_CUDA_CHECK_LAUNCH();
-  launch<flash_mma_dq_kernel<kHd, kCausal, G>>(dim3(tiles, static_cast<unsigned>(d.H), static_cast<unsigned>(batch)),
-                                            kThreads, 0, stream, dout, qkv, lse, dsum, dqkv, d.T, d.H, d.KV, scale);
+  launch<flash_mma_dq_kernel<kHd, kCausal, In, G>>(
+      dim3(tiles, static_cast<unsigned>(d.H), static_cast<unsigned>(batch)), kThreads, 0, stream, dout, qkv, lse,
+      dsum, dqkv, d.T, d.H, d.KV, scale);
   LOOM_CUDA_CHECK_LAUNCH();
 }
 
-template <typename O>
-void forward_o(const float* qkv, O* out, float* lse, int64_t batch, int64_t seq_len, int64_t n_head, int64_t n_kv_head,
-               int64_t head_dim, int64_t window, cudaStream_t stream, bool causal, const char* op) {
-  const Dims d = check_dims(op, batch, seq_len, n_head, n_kv_head, head_dim, window);
-  if (d.empty) return;
-  if (d.hd == 64) {
-    if (causal) forward_hd<64, true, O>(qkv, out, lse, batch, d, stream);
-    else forward_hd<64, false, O>(qkv, out, lse, batch, d, stream);
-  } else {
-    if (causal) forward_hd<128, true, O>(qkv, out, lse, batch, d, stream);
-    else forward_hd<128, false, O>(qkv, out, lse, batch, d, stream);
-  }
+// The kernels read their inputs in 16-byte chunks.
+void check_aligned(const char* op, const void* p, const char* what) {
+  LOOM_CHECK(reinterpret_cast<uintptr_t>(p) % 16 == 0, op, ": ", what, " must be 16-byte aligned for the tensor-core "
+             "kernels");
 }
 
-template <typename O, typename G>
-void backward_o(const float* dout, const float* qkv, const O* out, const float* lse, G* dqkv, void* scratch,
-                int64_t batch, int64_t seq_len, int64_t n_head, int64_t n_kv_head, int64_t head_dim, int64_t window,
-                cudaStream_t stream, bool causal, const char* op) {
-  const Dims d = check_dims(op, batch, seq_len, n_head, n_kv_head, head_dim, window);
-  if (d.empty) return;
-  float* dsum = static_cast<float*>(scratch);  // (B, H, T)
-  const int64_t rows = batch * seq_len * n_head;
-  launch<flash_mma_dsum_kernel<O>>(static_cast<unsigned>((rows + kDsumWarps - 1) / kDsumWarps),
-                                   kDsumWarps * kWarpSize, 0, stream, dout, out, dsum, rows, d.T, d.H, d.hd);
-  LOOM_CUDA_CHECK_LAUNCH();
+// The kernels for (head_dim, causal); the full (non-causal) form only for f32 inputs (the tests'
+// reference runs: every model's attention is causal).
+template <typename In, typename Run>
+void dispatch_kernels(const Dims& d, bool causal, const char* op, Run run) {
+  constexpr bool kF32 = std::is_same_v<In, float>;
+  LOOM_CHECK(causal || kF32, op, ": the tensor-core kernels' bf16 inputs are causal only");
   if (d.hd == 64) {
-    if (causal) backward_hd<64, true, G>(dout, qkv, dsum, lse, dqkv, batch, d, stream);
-    else backward_hd<64, false, G>(dout, qkv, dsum, lse, dqkv, batch, d, stream);
+    if (causal) run.template operator()<64, true>();
+    else if constexpr (kF32) run.template operator()<64, false>();
   } else {
-    if (causal) backward_hd<128, true, G>(dout, qkv, dsum, lse, dqkv, batch, d, stream);
-    else backward_hd<128, false, G>(dout, qkv, dsum, lse, dqkv, batch, d, stream);
+    if (causal) run.template operator()<128, true>();
+    else if constexpr (kF32) run.template operator()<128, false>();
   }
 }
 
 }  // namespace
 
+template <typename In, typename O>
+void flash_mma_attention_forward_as(const In* qkv, O* out, float* lse, int64_t batch, int64_t seq_len, int64_t n_head,
+                                    int64_t n_kv_head, int64_t head_dim, int64_t window, cudaStream_t stream,
+                                    bool causal) {
+  const char* op = "flash_mma_attention_forward";
+  const Dims d = check_dims(op, batch, seq_len, n_head, n_kv_head, head_dim, window);
+  if (d.empty) return;
+  check_aligned(op, qkv, "qkv");
+  dispatch_kernels<In>(d, causal, op, [&]<int kHd, bool kCausal>() {
+    forward_hd<kHd, kCausal, In, O>(qkv, out, lse, batch, d, stream);
+  });
+}
+
+template <typename In, typename O, typename G>
+void flash_mma_attention_backward_as(const In* dout, const In* qkv, const O* out, const float* lse, G* dqkv,
+                                     void* scratch, int64_t batch, int64_t seq_len, int64_t n_head, int64_t n_kv_head,
+                                     int64_t head_dim, int64_t window, cudaStream_t stream, bool causal) {
+  const char* op = "flash_mma_attention_backward";
+  const Dims d = check_dims(op, batch, seq_len, n_head, n_kv_head, head_dim, window);
+  if (d.empty) return;
+  check_aligned(op, qkv, "qkv");
+  check_aligned(op, dout, "dout");
+  float* dsum = static_cast<float*>(scratch);  // (B, H, T)
+  const int64_t rows = batch * seq_len * n_head;
+  launch<flash_mma_dsum_kernel<In, O>>(static_cast<unsigned>((rows + kDsumWarps - 1) / kDsumWarps),
+                                       kDsumWarps * kWarpSize, 0, stream, dout, out, dsum, rows, d.T, d.H, d.hd);
+  LOOM_CUDA_CHECK_LAUNCH();
+  dispatch_kernels<In>(d, causal, op, [&]<int kHd, bool kCausal>() {
+    backward_hd<kHd, kCausal, In, G>(dout, qkv, dsum, lse, dqkv, batch, d, stream);
+  });
+}
+
 void flash_mma_attention_forward(const float* qkv, float* out, float* lse, int64_t batch, int64_t seq_len,
                                  int64_t n_head, int64_t n_kv_head, int64_t head_dim, int64_t window,
                                  cudaStream_t stream, bool causal) {
-  forward_o(qkv, out, lse, batch, seq_len, n_head, n_kv_head, head_dim, window, stream, causal,
-            "flash_mma_attention_forward");
-}
-
-void flash_mma_attention_forward_bf16_out(const float* qkv, uint16_t* out, float* lse, int64_t batch, int64_t seq_len,
-                                          int64_t n_head, int64_t n_kv_head, int64_t head_dim, int64_t window,
-                                          cudaStream_t stream) {
-  forward_o(qkv, out, lse, batch, seq_len, n_head, n_kv_head, head_dim, window, stream, true,
-            "flash_mma_attention_forward_bf16_out");
+  flash_mma_attention_forward_as(qkv, out, lse, batch, seq_len, n_head, n_kv_head, head_dim, window, stream, causal);
 }
 
 size_t flash_mma_attention_backward_scratch_bytes(int64_t batch, int64_t seq_len, int64_t n_head,
@@ -655,24 +812,30 @@ void flash_mma_attention_backward(const float* dout, const float* qkv, const flo
                                   float* dqkv, void* scratch, int64_t batch, int64_t seq_len, int64_t n_head,
                                   int64_t n_kv_head, int64_t head_dim, int64_t window, cudaStream_t stream,
                                   bool causal) {
-  backward_o(dout, qkv, out, lse, dqkv, scratch, batch, seq_len, n_head, n_kv_head, head_dim, window, stream, causal,
-             "flash_mma_attention_backward");
+  flash_mma_attention_backward_as(dout, qkv, out, lse, dqkv, scratch, batch, seq_len, n_head, n_kv_head, head_dim,
+                                  window, stream, causal);
 }
 
-template <typename O, typename G>
-void flash_mma_attention_backward_as(const float* dout, const float* qkv, const O* out, const float* lse, G* dqkv,
-                                     void* scratch, int64_t batch, int64_t seq_len, int64_t n_head, int64_t n_kv_head,
-                                     int64_t head_dim, int64_t window, cudaStream_t stream) {
-  backward_o(dout, qkv, out, lse, dqkv, scratch, batch, seq_len, n_head, n_kv_head, head_dim, window, stream, true,
-             "flash_mma_attention_backward");
-}
-#define LOOM_FLASH_MMA_BACKWARD_AS(O, G)                                                                           \
-  template void flash_mma_attention_backward_as<O, G>(const float*, const float*, const O*, const float*, G*, void*, \
-                                                      int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,          \
-                                                      cudaStream_t);
-LOOM_FLASH_MMA_BACKWARD_AS(uint16_t, float)
-LOOM_FLASH_MMA_BACKWARD_AS(float, uint16_t)
-LOOM_FLASH_MMA_BACKWARD_AS(uint16_t, uint16_t)
+#define LOOM_FLASH_MMA_FORWARD_AS(In, O)                                                                        \
+  template void flash_mma_attention_forward_as<In, O>(const In*, O*, float*, int64_t, int64_t, int64_t, int64_t, \
+                                                      int64_t, int64_t, cudaStream_t, bool);
+LOOM_FLASH_MMA_FORWARD_AS(float, float)
+LOOM_FLASH_MMA_FORWARD_AS(float, uint16_t)
+LOOM_FLASH_MMA_FORWARD_AS(uint16_t, float)
+LOOM_FLASH_MMA_FORWARD_AS(uint16_t, uint16_t)
+#undef LOOM_FLASH_MMA_FORWARD_AS
+#define LOOM_FLASH_MMA_BACKWARD_AS(In, O, G)                                                                     \
+  template void flash_mma_attention_backward_as<In, O, G>(const In*, const In*, const O*, const float*, G*, void*, \
+                                                          int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,    \
+                                                          cudaStream_t, bool);
+LOOM_FLASH_MMA_BACKWARD_AS(float, float, float)
+LOOM_FLASH_MMA_BACKWARD_AS(float, uint16_t, float)
+LOOM_FLASH_MMA_BACKWARD_AS(float, float, uint16_t)
+LOOM_FLASH_MMA_BACKWARD_AS(float, uint16_t, uint16_t)
+LOOM_FLASH_MMA_BACKWARD_AS(uint16_t, float, float)
+LOOM_FLASH_MMA_BACKWARD_AS(uint16_t, uint16_t, float)
+LOOM_FLASH_MMA_BACKWARD_AS(uint16_t, float, uint16_t)
+LOOM_FLASH_MMA_BACKWARD_AS(uint16_t, uint16_t, uint16_t)
 #undef LOOM_FLASH_MMA_BACKWARD_AS
 
 }  // namespace loom::cuda

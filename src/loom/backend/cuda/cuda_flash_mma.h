@@ -10,6 +10,11 @@
 // operand (P, dS, Q, K, V, dO) to bf16, accumulating in fp32; D = rowsum(dO o O) in fp32.
 // Deterministic: no atomics; dK/dV and dQ are two separate passes with fixed summation orders.
 // head_dim must be 64 or 128; window must be 0. Anything else is refused with one line.
+// The _as forms take each tensor in f32 or bf16 (its bits as uint16_t): qkv and dout (In) as
+// the producing GEMM wrote them (a bf16 input is read as it is, the same bits as rounding its
+// f32 source; D then sums the bf16 dO), out (O) and dqkv (G) rounded to nearest even as they are
+// stored. qkv and dout must be 16-byte aligned (the kernels read 16-byte chunks); bf16 inputs
+// are causal only.
 #pragma once
 #include <cuda_runtime_api.h>
 
@@ -27,9 +32,10 @@ void flash_mma_attention_forward(const float* qkv, float* out, float* lse, int64
 // The same with O in bf16 (out, and the backward's out, as bf16 bits): O rounded to nearest even as
 // it is stored, D = rowsum(dO o O) of the bf16 O (as autocast's attention computes it from its
 // bf16 output). Causal.
-void flash_mma_attention_forward_bf16_out(const float* qkv, uint16_t* out, float* lse, int64_t batch, int64_t seq_len,
-                                          int64_t n_head, int64_t n_kv_head, int64_t head_dim, int64_t window,
-                                          cudaStream_t stream);
+template <typename In, typename O>
+void flash_mma_attention_forward_as(const In* qkv, O* out, float* lse, int64_t batch, int64_t seq_len, int64_t n_head,
+                                    int64_t n_kv_head, int64_t head_dim, int64_t window, cudaStream_t stream,
+                                    bool causal = true);
 // Scratch of the backward: D (B, H, T) f32.
 size_t flash_mma_attention_backward_scratch_bytes(int64_t batch, int64_t seq_len, int64_t n_head, int64_t n_kv_head,
                                                   int64_t head_dim);
@@ -40,9 +46,9 @@ void flash_mma_attention_backward(const float* dout, const float* qkv, const flo
 // The backward with O, dqkv or both in bf16 (bits; O = uint16_t: D from the bf16 O; G = uint16_t:
 // dQ, dK, dV rounded to nearest even as they are stored, for a bf16 GEMM that reads them as they
 // are). Causal. Instantiated for (uint16_t, float), (float, uint16_t), (uint16_t, uint16_t).
-template <typename O, typename G>
-void flash_mma_attention_backward_as(const float* dout, const float* qkv, const O* out, const float* lse, G* dqkv,
+template <typename In, typename O, typename G>
+void flash_mma_attention_backward_as(const In* dout, const In* qkv, const O* out, const float* lse, G* dqkv,
                                      void* scratch, int64_t batch, int64_t seq_len, int64_t n_head, int64_t n_kv_head,
-                                     int64_t head_dim, int64_t window, cudaStream_t stream);
+                                     int64_t head_dim, int64_t window, cudaStream_t stream, bool causal = true);
 
 }  // namespace loom::cuda

@@ -85,6 +85,83 @@ __device__ __forceinline__ void acc_to_a(uint32_t (&a)[4], const float (&c0)[4],
   a[3] = pack_bf16x2(c1[2], c1[3]);
 }
 
+// ---------------------------------------------------------------- fragments from shared memory
+// ldmatrix (PTX ISA 9.2, section 9.7.14.5.15 "Warp-level matrix load instruction: ldmatrix"):
+//   ldmatrix.sync.aligned.m8n8.x{2,4}{,.trans}.shared.b16
+// loads kN 8 x 8 matrices of 16-bit elements from shared memory, matrix i's eight rows at the
+// 16-byte aligned addresses given by lanes 8 i .. 8 i + 7 (`row`: the lane's row, 8 contiguous
+// elements). Lane l receives, in register i,
+//   without .trans: matrix i's row l / 4, elements 2 (l % 4) and 2 (l % 4) + 1;
+//   with .trans:    matrix i's elements (2 (l % 4), l / 4) and (2 (l % 4) + 1, l / 4) (a column pair),
+// the lower-index element in the low half. So a matrix of rows n and columns k is a B fragment
+// register (b[j] = B[2t, 2t+1][g]: row g of the stored B^T) without .trans, and a matrix of
+// rows k and columns n is one with .trans; four matrices at rows (m, m + 8) x columns (k, k + 8)
+// are an A fragment. The simulator's and HIP's twin: each lane fetches the row addresses it needs
+// from their lanes by shuffles and reads the words itself (every lane must call it together).
+namespace detail {
+__device__ __forceinline__ int twin_lane() {
+#if defined(LOOM_CUDA_SIM)
+  return ::loom::sim::lane_id();
+#elif defined(LOOM_CUDA_HIP)
+  return static_cast<int>(__lane_id() & 31u);  // the lane in the logical 32-lane warp
+#else
+  return 0;
+#endif
+}
+template <int kN, bool kTrans>
+__device__ __forceinline__ void ldmatrix_twin(uint32_t (&r)[kN], const void* row) {
+  const int lane = twin_lane();
+  const uint64_t mine = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(row));
+  for (int i = 0; i < kN; ++i) {
+    if constexpr (kTrans) {  // rows 2 (l % 4) and 2 (l % 4) + 1 of matrix i, column l / 4
+      const auto* lo = reinterpret_cast<const uint16_t*>(
+          static_cast<uintptr_t>(::loom::cuda::shfl(mine, 8 * i + 2 * (lane & 3))));
+      const auto* hi = reinterpret_cast<const uint16_t*>(
+          static_cast<uintptr_t>(::loom::cuda::shfl(mine, 8 * i + 2 * (lane & 3) + 1)));
+      r[i] = pair_bf16(lo[lane >> 2], hi[lane >> 2]);
+    } else {  // row l / 4 of matrix i, its word l % 4
+      const auto* words = reinterpret_cast<const uint32_t*>(
+          static_cast<uintptr_t>(::loom::cuda::shfl(mine, 8 * i + (lane >> 2))));
+      r[i] = words[lane & 3];
+    }
+  }
+}
+}  // namespace detail
+
+template <bool kTrans = false>
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
+#if defined(LOOM_CUDA_SIM) || defined(LOOM_CUDA_HIP)
+  detail::ldmatrix_twin<4, kTrans>(r, row);
+#else
+  const auto addr = static_cast<uint32_t>(__cvta_generic_to_shared(row));
+  if constexpr (kTrans) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+  }
+#endif
+}
+
+// The lane's row address for four matrices at rows (r0, r0 + 8) x columns (c0, c0 + 8) of a
+// row-major tile of 16-bit elements (`stride` bytes a row, 16-byte aligned), in the order
+// (r0, c0), (r0 + 8, c0), (r0, c0 + 8), (r0 + 8, c0 + 8): an A fragment of the 16 x 16 block
+// without .trans, the B fragments of the n-tiles c0 and c0 + 8 (k rows r0..r0 + 15) with it.
+__device__ __forceinline__ const void* quad_row(const void* tile, int stride, int r0, int c0, int lane) {
+  const int r = r0 + (lane & 7) + ((lane >> 3) & 1) * 8, c = c0 + (lane >> 4) * 8;
+  return static_cast<const char*>(tile) + static_cast<int64_t>(r) * stride + 2 * c;
+}
+// The lane's row address for four matrices at rows r0 x columns c0, c0 + 8, c0 + 16, c0 + 24:
+// without .trans, the B fragments of k-steps c0 and c0 + 16 of the n-tile whose 8 columns
+// are the tile's rows r0..r0 + 7 (B(k, n) = tile[r0 + n][c0 + k]).
+__device__ __forceinline__ const void* strip_row(const void* tile, int stride, int r0, int c0, int lane) {
+  const int r = r0 + (lane & 7), c = c0 + (lane >> 3) * 8;
+  return static_cast<const char*>(tile) + static_cast<int64_t>(r) * stride + 2 * c;
+}
+
 // ---------------------------------------------------------------- the product
 // d = a b + c (d may alias c).
 __device__ __forceinline__ void mma_m16n8k16_bf16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2],

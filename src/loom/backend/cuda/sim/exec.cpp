@@ -174,9 +174,12 @@ void run_block(GridLaunch& launch, Block& b, uint3 idx) {
     t.idx = uint3{static_cast<unsigned>(i) % b.dim.x, (static_cast<unsigned>(i) / b.dim.x) % b.dim.y,
                   static_cast<unsigned>(i) / (b.dim.x * b.dim.y)};
     t.state = State::kReady;
+    t.async.clear();
+    t.async_groups = 0;
     t.fiber = ctx::fiber(std::allocator_arg, PooledStack{}, [&launch, &t](ctx::fiber&& back) {
       t.back = std::move(back);
       launch.run(launch.args.get());
+      finish_async_copies();
       t.state = State::kDone;
       return std::move(t.back);
     });

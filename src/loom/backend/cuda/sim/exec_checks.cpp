@@ -173,6 +173,51 @@ inline void aligned_access(void* p, size_t n, bool write) {
 
 void vector_access(const void* p, size_t bytes, bool write) { aligned_access(const_cast<void*>(p), bytes, write); }
 
+// ---------------------------------------------------------------- cp.async
+namespace {
+void complete_async(SimThread& t, uint32_t below) {  // the copies of groups < below, in issue order
+  size_t kept = 0;
+  for (SimThread::AsyncCopy& c : t.async) {
+    if (c.group < below) {
+      aligned_access(c.dst, static_cast<size_t>(c.size), true);
+      std::memcpy(c.dst, c.bytes, static_cast<size_t>(c.size));
+    } else {
+      t.async[kept++] = c;
+    }
+  }
+  t.async.resize(kept);
+}
+}  // namespace
+
+void cp_async(void* shared_dst, const void* global_src, int bytes) {
+  SimThread& t = *t_thread;
+  if (!(bytes == 4 || bytes == 8 || bytes == 16) || !in_shared(reinterpret_cast<uintptr_t>(shared_dst)) ||
+      !in_arena(reinterpret_cast<uintptr_t>(global_src))) {
+    return violation("memcheck", "cp.async of " + std::to_string(bytes) + " bytes from " +
+                                     hex_address(reinterpret_cast<uintptr_t>(global_src)) +
+                                     ": needs 4, 8 or 16 bytes from global to shared memory",
+                     cudaErrorIllegalAddress);
+  }
+  void* src = const_cast<void*>(global_src);
+  aligned_access(src, static_cast<size_t>(bytes), false);
+  aligned_access(shared_dst, static_cast<size_t>(bytes), true);
+  if (t_block->failed) return;
+  SimThread::AsyncCopy c{shared_dst, {}, bytes, t.async_groups};
+  std::memcpy(c.bytes, src, static_cast<size_t>(bytes));
+  t.async.push_back(c);
+}
+void cp_async_commit() { ++t_thread->async_groups; }
+void cp_async_wait(int newest_pending) {
+  SimThread& t = *t_thread;
+  const uint32_t n = static_cast<uint32_t>(std::max(newest_pending, 0));
+  complete_async(t, t.async_groups > n ? t.async_groups - n : 0);
+}
+void finish_async_copies() {
+  SimThread& t = *t_thread;
+  for (const SimThread::AsyncCopy& c : t.async) std::memcpy(c.dst, c.bytes, static_cast<size_t>(c.size));
+  t.async.clear();
+}
+
 // ---------------------------------------------------------------- atomics
 namespace {
 template <typename T>

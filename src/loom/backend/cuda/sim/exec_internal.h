@@ -31,7 +31,18 @@ struct SimThread {
   State state = State::kReady;
   int result = 0;      // a barrier's reduction
   uint64_t exchanged = 0;
+  // cp.async copies issued and not yet complete (exec_checks.cpp), and the groups committed.
+  struct AsyncCopy {
+    void* dst;
+    unsigned char bytes[16];
+    int size;
+    uint32_t group;
+  };
+  std::vector<AsyncCopy> async;
+  uint32_t async_groups = 0;
 };
+// Writes the running thread's pending cp.async copies (it exits).
+void finish_async_copies();
 
 struct WarpState {
   unsigned pending = 0;   // the mask of the exchange in progress (0: none)

@@ -68,6 +68,7 @@ LOOM_SIM_VECTOR(float4, float, 16, x, y, z, w)
 LOOM_SIM_VECTOR(double2, double, 16, x, y)
 LOOM_SIM_VECTOR(int2, int, 8, x, y)
 LOOM_SIM_VECTOR(int4, int, 16, x, y, z, w)
+LOOM_SIM_VECTOR(uint4, unsigned, 16, x, y, z, w)
 #undef LOOM_SIM_VECTOR
 inline float2 make_float2(float x, float y) {
   float2 v;
@@ -76,6 +77,11 @@ inline float2 make_float2(float x, float y) {
 }
 inline float4 make_float4(float x, float y, float z, float w) {
   float4 v;
+  v.x = x, v.y = y, v.z = z, v.w = w;
+  return v;
+}
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) {
+  uint4 v;
   v.x = x, v.y = y, v.z = z, v.w = w;
   return v;
 }
@@ -113,6 +119,14 @@ uint64_t warp_exchange(unsigned mask, uint64_t bits, int source, const char* kin
 unsigned warp_vote(unsigned mask, int predicate, const char* kind);  // the ballot of the lanes in mask
 void warp_sync(unsigned mask);
 int lane_id();
+// cp.async (PTX: cp.async.{ca,cg}.shared.global of 4, 8 or 16 bytes; cp.async.commit_group;
+// cp.async.wait_group n): the source is checked and read at issue, the shared destination checked
+// as a write at issue (a copy into a tile other threads may still read is a hazard then) and
+// written only when a wait completes its group, so a read before the wait finds the old bytes,
+// as it may on a GPU. Copies a thread leaves pending land when it exits.
+void cp_async(void* shared_dst, const void* global_src, int bytes);
+void cp_async_commit();
+void cp_async_wait(int newest_pending);  // completes every committed group but the newest n
 // Atomics on device or shared memory: checked like any access, then done atomically.
 unsigned long long atomic_u64(unsigned long long* p, unsigned long long v, int op);
 unsigned atomic_u32(unsigned* p, unsigned v, int op);
