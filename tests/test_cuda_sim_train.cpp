@@ -94,43 +94,48 @@ TEST(CudaSimTraining, TheCudaBackendTrainsAsTheCpuAndIsBitwiseDeterministic) {
 
 // GPT-2's training step as the benchmark runs it (bf16 linears, flash attention in bf16 on tensor
 // cores, precision.outputs = bf16: qkv written and read in bf16, dO from the output projection in
-// bf16), on a model whose heads are 64 wide (the tensor-core kernels' size; the presets' are 8):
+// bf16), and Llama's (qkv through RoPE on an fp32 staging, then rounded into the record), on
+// models whose heads are 64 wide (the tensor-core kernels' size; the presets' are 8 and 16):
 // against the CPU, whose bf16 flash attention rounds the same q, k, v and dO but not P and dS
 // (the tensor cores' operands): the losses agree within bf16's unit roundoff u = 2^-8, the
 // gradient norms and the weights after 4 steps within 4 u of the largest of their kind (P and dS
 // each one more rounding of a product's operand).
 // Two runs bitwise equal whatever order the blocks run in; no simulator check fires.
 TEST(CudaSimTraining, TheTensorCoreAttentionTrainsAsTheCpu) {
-  ModelConfig config = model_preset("gpt2-tiny");
-  config.n_head = config.n_kv_head = 2, config.d_model = 128, config.d_ff = 256;  // heads of 64
-  TrainConfig tc;
-  tc.batch_size = 2, tc.seq_len = 16, tc.schedule.warmup = 1;
-  tc.precision.compute = "bf16", tc.precision.attention = "bf16";
-  tc.flash_attention = true;
-  const auto run = [&](Backend& backend) {
-    return train(backend, config, tc, [](const Transformer& model) {
-      EXPECT_TRUE(model.layer_plans().front().qkv_bf16 && model.layer_plans().front().attn_dy_bf16);
-    });
-  };
-  auto cpu = make_cpu_backend();
-  const TrainRun expected = run(*cpu);
-  auto cuda = make_backend("cuda");
-  sim::set_block_order_seed(1);
-  const TrainRun got = run(*cuda);
-  sim::set_block_order_seed(7);
-  const TrainRun again = run(*cuda);
-  sim::set_block_order_seed(1);
-  EXPECT_EQ(got.losses, again.losses);
-  EXPECT_TRUE(got.params == again.params) << "the weights differ between block orders";
-  const double u = 0x1p-8;
-  const double losses = test::max_rel_error(got.losses, expected.losses), norms = test::max_rel_error(got.norms, expected.norms),
-               params = test::max_rel_error(got.params, expected.params);
-  std::printf("tensor-core attention: max relative difference to the CPU: losses %.2e, grad norms %.2e, weights %.2e\n",
-              losses, norms, params);
-  EXPECT_LT(losses, u);
-  EXPECT_LT(norms, 4 * u);
-  EXPECT_LT(params, 4 * u);
-  EXPECT_EQ(sim::last_report(), "");
+  for (const char* preset : {"gpt2-tiny", "llama-tiny"}) {
+    ModelConfig config = model_preset(preset);
+    config.n_head = 2, config.n_kv_head = config.arch == ARCH_GPT2 ? 2 : 1;  // heads of 64
+    config.d_model = 128, config.d_ff = 256;
+    TrainConfig tc;
+    tc.batch_size = 2, tc.seq_len = 16, tc.schedule.warmup = 1;
+    tc.precision.compute = "bf16", tc.precision.attention = "bf16";
+    tc.flash_attention = true;
+    const auto run = [&](Backend& backend) {
+      return train(backend, config, tc, [&](const Transformer& model) {
+        EXPECT_TRUE(model.layer_plans().front().qkv_bf16 && model.layer_plans().front().attn_dy_bf16) << preset;
+      });
+    };
+    auto cpu = make_cpu_backend();
+    const TrainRun expected = run(*cpu);
+    auto cuda = make_backend("cuda");
+    sim::set_block_order_seed(1);
+    const TrainRun got = run(*cuda);
+    sim::set_block_order_seed(7);
+    const TrainRun again = run(*cuda);
+    sim::set_block_order_seed(1);
+    EXPECT_EQ(got.losses, again.losses) << preset;
+    EXPECT_TRUE(got.params == again.params) << preset << ": the weights differ between block orders";
+    const double u = 0x1p-8;
+    const double losses = test::max_rel_error(got.losses, expected.losses);
+    const double norms = test::max_rel_error(got.norms, expected.norms);
+    const double params = test::max_rel_error(got.params, expected.params);
+    std::printf("%s, tensor-core attention: max relative difference to the CPU: losses %.2e, grad norms %.2e, "
+                "weights %.2e\n", preset, losses, norms, params);
+    EXPECT_LT(losses, u) << preset;
+    EXPECT_LT(norms, 4 * u) << preset;
+    EXPECT_LT(params, 4 * u) << preset;
+    EXPECT_EQ(sim::last_report(), "") << preset;
+  }
 }
 
 // No host synchronisation inside a step's forward and backward but the loss's read (docs/cuda.md

@@ -222,14 +222,15 @@ TEST(LayerPlanTest, TheInputsOfBf16LinearsAreSavedInBf16WhereTheRecipeAllows) {
   PlanChoices outputs32 = bf16;
   outputs32.outputs_bf16 = false;
   EXPECT_FALSE(resolve_layer_plan(gpt2, 0, outputs32).fc_bf16);
-  // precision.outputs = bf16 around the bf16 flash attention: qkv's output (nothing between the GEMM
-  // and the kernels) and dO (the output projection's d(input)), each its own rule.
+  // precision.outputs = bf16 around the bf16 flash attention: qkv's record (written by the GEMM, or
+  // staged in fp32 under RoPE, q/k norms or adapters and rounded) and dO (the output projection's
+  // d(input)), each its own rule.
   PlanChoices out16 = bf16;
   out16.flash = out16.attention_bf16 = true;
   out16.activations_bf16 = false;  // not what decides them
   EXPECT_TRUE(resolve_layer_plan(gpt2, 0, out16).qkv_bf16);
   EXPECT_TRUE(resolve_layer_plan(gpt2, 0, out16).attn_dy_bf16);
-  EXPECT_FALSE(resolve_layer_plan(llama, 0, out16).qkv_bf16);    // RoPE rotates qkv in fp32
+  EXPECT_TRUE(resolve_layer_plan(llama, 0, out16).qkv_bf16);     // RoPE rotates an fp32 staging
   EXPECT_TRUE(resolve_layer_plan(llama, 0, out16).attn_dy_bf16);  // nothing between proj and the attention
   EXPECT_FALSE(resolve_layer_plan(gpt2, 0, bf16).qkv_bf16);       // the plain attention
   EXPECT_FALSE(resolve_layer_plan(gpt2, 0, bf16).attn_dy_bf16);
@@ -244,7 +245,7 @@ TEST(LayerPlanTest, TheInputsOfBf16LinearsAreSavedInBf16WhereTheRecipeAllows) {
   EXPECT_FALSE(resolve_layer_plan(gpt2, 0, proj8).attn_dy_bf16);
   ModelConfig gpt2_lora = gpt2;  // adapters add their terms to fp32 tensors
   gpt2_lora.peft_method = PeftMethod::lora, gpt2_lora.lora_targets = "q,v";
-  EXPECT_FALSE(resolve_layer_plan(gpt2_lora, 0, out16).qkv_bf16);
+  EXPECT_TRUE(resolve_layer_plan(gpt2_lora, 0, out16).qkv_bf16);  // the adapter adds into the staging
   EXPECT_TRUE(resolve_layer_plan(gpt2_lora, 0, out16).attn_dy_bf16);
   gpt2_lora.lora_targets = "o";
   EXPECT_TRUE(resolve_layer_plan(gpt2_lora, 0, out16).qkv_bf16);

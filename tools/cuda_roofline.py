@@ -126,14 +126,16 @@ def layer_kernels(m: Model, design: str) -> list[Kernel]:
         ks.append(Kernel("flash attention bwd (CUDA cores)", 2.5 * att, 2 * io_flash, "fp32"))
     else:  # the mma.sync kernels' backward makes 7 products (dQ in its own pass), FA2's 5
         bwd = 3.5 if design == "built-tc" else 2.5
-        qkv_b = act if design == "built-tc" and m.swiglu else 2  # (Llama: RoPE's fp32 q and k)
-        dqkv_b = act if design == "built-tc" and m.swiglu else 2
+        qkv_b = 2  # (Llama: RoPE's fp32 staging rounded into the bf16 record, a copy below)
+        dqkv_b = act if design == "built-tc" and m.swiglu else 2  # (RoPE's backward reads fp32)
         fwd_io = qkv_b * n * qkv + 2 * n * d  # qkv read, O written in bf16 (and lse)
         bwd_io = qkv_b * n * qkv + 2 * n * d + 2 * n * d + dqkv_b * n * qkv  # qkv, O, dO read; dqkv written
         ks.append(Kernel("flash attention fwd (tensor cores)", att, fwd_io, f"attn-{design}"))
         ks.append(Kernel("flash attention bwd (tensor cores)", bwd * att, bwd_io, f"attn-{design}"))
     if m.swiglu:  # Llama: RoPE on q and k, in place, forward and backward
         ks.append(Kernel("RoPE fwd + bwd", 6 * n * qkv, 4 * act * n * (d + m.kv_heads * m.hd), "mem"))
+        if design == "built-tc":  # the rotated fp32 staging rounded into the bf16 record (qkv_bf16)
+            ks.append(Kernel("qkv: bf16 copy after RoPE", 0, n * qkv * 6, "mem"))
     act_name = "SwiGLU" if m.swiglu else "GELU"
     # The activation reads fc's bf16 output and writes its own in bf16; its backward reads fc's output
     # again and d(act) (fp32 in the built designs) and writes d(fc output) in bf16.

@@ -316,9 +316,15 @@ void AttentionLayer::forward(Backend& backend, const Tensor& x, AttentionSaved& 
     mla_forward(backend, config_, p.mla, s.norm.out, mla_activations(s));
   } else {
     const Tensor input = pre ? links_.whole(backend, s.norm.out, T) : x;  // (sequence parallel: gathered)
-    adapted_linear_forward(backend, qkv_, input, p.qkv_w, q.qkv_w, p.qkv_b, s.qkv, qkv_lora(s), links_.ws);
-    qk_norm_forward(backend, s.qkv, s);
-    if (plan_.rope) rope(backend, s.qkv, false, s.docs);
+    // qkv kept in bf16 (LayerPlan::qkv_bf16): written so by the GEMM, or staged in fp32 for the
+    // adapters, the q/k norms and RoPE, then rounded (the bits the flash kernels would round to).
+    const bool qkv_staged = s.qkv.dtype() == DTYPE_BF16 && (plan_.rope || config_.qk_norm || !p.qkv_lora.empty());
+    LOOM_CHECK(!qkv_staged || links_.ws != nullptr, "attention: a bf16 qkv record under RoPE needs a workspace");
+    const Tensor qkv = qkv_staged ? links_.ws->f32(LinearWorkspace::R, s.qkv.shape()) : s.qkv;
+    adapted_linear_forward(backend, qkv_, input, p.qkv_w, q.qkv_w, p.qkv_b, qkv, qkv_lora(s), links_.ws);
+    qk_norm_forward(backend, qkv, s);
+    if (plan_.rope) rope(backend, qkv, false, s.docs);
+    if (qkv_staged) backend.cast(qkv, s.qkv);
     // O kept in bf16 (LayerPlan::saved_bf16): the bf16 flash kernels write it rounded; the plain
     // attention computes it in fp32, then rounded into s.attn.
     if (s.attn.dtype() == DTYPE_F32 || plan_.attention == AttentionKind::flash) {

@@ -36,8 +36,9 @@ class LinearWorkspace {
   // output gradient in bf16 from the op before to its layer's backward: the MLP's first layer's
   // from the activation (LayerPlan::mlp_in_dy_bf16), the QKV projection's from the flash attention
   // (qkv_dy_bf16), one after the other; P: the attention output's gradient in bf16, from the output
-  // projection's backward to the flash backward (LayerPlan::attn_dy_bf16).
-  enum Slot { A, B, C, W, Q, D, E, F, G, H, S, L, Y, P, SLOT_COUNT };
+  // projection's backward to the flash backward (LayerPlan::attn_dy_bf16); R: the QKV projection's
+  // fp32 output under RoPE or q/k norms, rounded into a bf16 record after (LayerPlan::qkv_bf16).
+  enum Slot { A, B, C, W, Q, D, E, F, G, H, S, L, Y, P, R, SLOT_COUNT };
   explicit LinearWorkspace(Allocator& allocator) : allocator_(allocator) {}
   // A view of `shape` into slot's f32 (or bf16) buffer, growing it when too small.
   Tensor f32(Slot slot, const Shape& shape);

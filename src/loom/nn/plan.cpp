@@ -56,9 +56,9 @@ bool mlp_in_bf16(const ModelConfig& config, int64_t layer, const LayerPlan& plan
   return true;
 }
 
-// LayerPlan::qkv_dy_bf16's and qkv_bf16's rule (each its own choice): the QKV projection in bf16 around
-// the bf16 flash attention, with nothing between them.
-bool qkv_flash_bf16(const ModelConfig& config, int64_t layer, const LayerPlan& plan, bool wanted) {
+// LayerPlan::qkv_dy_bf16's rule: the QKV projection's bf16 GEMMs take the bf16 flash attention's
+// d(qkv) with nothing between them.
+bool qkv_dy_bf16(const ModelConfig& config, int64_t layer, const LayerPlan& plan, bool wanted) {
   if (!wanted || plan.attention != AttentionKind::flash || !plan.attention_bf16 || plan.rope || config.qk_norm ||
       plan.sinks || plan.output_gate || plan.linears[LINEAR_ATTN_QKV] != RECIPE_BF16) {
     return false;
@@ -145,8 +145,8 @@ LayerPlan resolve_layer_plan(const ModelConfig& config, int64_t layer, const Pla
   plan.saved_bf16 = saved_bf16(config, layer, plan, choices.activations_bf16);
   plan.mlp_in_dy_bf16 = mlp_in_bf16(config, layer, plan, choices.activations_bf16);
   plan.fc_bf16 = mlp_in_bf16(config, layer, plan, choices.outputs_bf16);
-  plan.qkv_dy_bf16 = qkv_flash_bf16(config, layer, plan, choices.activations_bf16);
-  plan.qkv_bf16 = qkv_flash_bf16(config, layer, plan, choices.outputs_bf16);
+  plan.qkv_dy_bf16 = qkv_dy_bf16(config, layer, plan, choices.activations_bf16);
+  plan.qkv_bf16 = choices.outputs_bf16 && plan.attention == AttentionKind::flash && plan.attention_bf16;
   plan.attn_dy_bf16 = attn_dy_bf16(config, layer, plan, choices.outputs_bf16);
   return plan;
 }

@@ -76,11 +76,12 @@ struct LayerPlan {
   // nothing rewrites d(qkv) between them: no RoPE (GPT-2's learned positions, NoPE layers), q/k
   // norms, sinks or output gate. Not in a split backward.
   bool qkv_dy_bf16 = false;
-  // The QKV projection writes qkv in bf16, as autocast's linear returns it, and the bf16 flash
-  // kernels read it as it is (the bits they would round an fp32 qkv to): with precision.outputs =
-  // bf16 where qkv_dy_bf16's other conditions hold (nothing reads or rewrites qkv in fp32 between
-  // the GEMM and the attention). Decoding's and inference's records keep it fp32 (the KV cache
-  // stores from them).
+  // The record keeps qkv in bf16, which the bf16 flash kernels read as it is (the bits they would
+  // round an fp32 qkv to): with precision.outputs = bf16, flash with attention_bf16. The QKV
+  // projection writes it so, as autocast's linear returns it, where nothing rewrites qkv before
+  // the attention; under RoPE, q/k norms or a LoRA adapter on qkv the projection, the norms and
+  // RoPE run on an fp32 staging of its output, rounded into the record after (nn/attention.cpp).
+  // Decoding's and inference's records keep it fp32 (the KV cache stores from them).
   bool qkv_bf16 = false;
   // The output projection's backward writes the attention output's gradient dO in bf16 (autocast's
   // d(input) of a bf16 linear), which the bf16 flash backward reads as it is (D = rowsum(dO o O)
