@@ -23,7 +23,7 @@ Three designs are estimated:
             and writing fp32 state;
   built-tc: the same with precision.attention = bf16 (the benchmark's setting): flash attention on
             tensor cores (cuda_flash_mma.cu: mma.sync m16n8k16, fragments by ldmatrix, 16-byte
-            tile loads, and for bf16 inputs at hd 64 the next tile's cp.async copies in flight),
+            tile loads, and for bf16 inputs the next tile's cp.async copies in flight where two buffers fit),
             assumed to reach 150 TFLOP/s, 15% of the dense peak (its author's estimate: 100-200;
             the first form, without ldmatrix, vector loads or pipelining, measured 39 on an H200),
             which writes the attention output in bf16 itself (no copy), reads qkv in bf16 where

@@ -152,13 +152,15 @@ __device__ __forceinline__ void load_tile_async(uint32_t (*tile)[words<kHd>()], 
   }
 }
 
-// Whether a kernel streams its tiles through two shared buffers, the next tile's cp.async copies
-// in flight while the current one is multiplied: bf16 inputs (copied as they are) at hd 64. f32
-// inputs are rounded on the way (through registers), and at hd 128 two buffers would pass the
-// 48 KB of static shared memory a block may have; those load each tile between two barriers.
-template <typename In, int kHd>
+// Whether a kernel streams its tiles (two of kRows rows each, beside kOther bytes of its own shared
+// memory) through two shared buffers, the next tile's cp.async copies in flight while the current
+// one is multiplied: bf16 inputs (copied as they are) where two buffers fit the 48 KB of static
+// shared memory a block may have (hd 64; at hd 128 dQ's 32-row key tiles, not the forward's 64
+// nor dK/dV's beside the block's keys and values). f32 inputs are rounded on the way (through
+// registers); those, and the tiles that do not fit twice, load between two barriers.
+template <typename In, int kHd, int kRows, int kOther = 0>
 __host__ __device__ constexpr bool pipelined() {
-  return sizeof(In) == 2 && kHd == 64;
+  return sizeof(In) == 2 && 2 * 2 * kRows * words<kHd>() * 4 + kOther <= 48 * 1024;
 }
 
 // The key and value tiles of keys [j, j + kRows) (rows >= hi zero) into one buffer's kt and vt:
@@ -284,7 +286,7 @@ __device__ __forceinline__ float load_o(const uint16_t* p) { return bf16_value(*
 
 // ---------------------------------------------------------------- forward
 template <int kHd, bool kCausal, typename In, typename O>
-__global__ void __launch_bounds__(kThreads, (pipelined<In, kHd>() ? 3 : 1))
+__global__ void __launch_bounds__(kThreads, (pipelined<In, kHd, 64>() ? 3 : 1))
     flash_mma_forward_kernel(const In* __restrict__ qkv, O* __restrict__ out, float* __restrict__ lse,
                              int seq_len, int n_head, int n_kv_head, float scale) {
   constexpr int kW = words<kHd>();
@@ -292,7 +294,7 @@ __global__ void __launch_bounds__(kThreads, (pipelined<In, kHd>() ? 3 : 1))
   constexpr int kKs = kHd / 16;  // k-steps of S = Q K^T
   constexpr int kNt = kBc / 8;   // key n-tiles of S
   constexpr int kDt = kHd / 8;   // dim n-tiles of O
-  constexpr bool kPipe = pipelined<In, kHd>();
+  constexpr bool kPipe = pipelined<In, kHd, kBc>();
   __shared__ __align__(16) uint32_t ks[kPipe ? 2 : 1][kBc][kW];
   __shared__ __align__(16) uint32_t vs[kPipe ? 2 : 1][kBc][kW];
 
@@ -427,12 +429,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int kKs = kHd / 16;
   constexpr int kQt = kBq / 8;  // query n-tiles of S^T
   constexpr int kDt = kHd / 8;
-  constexpr bool kPipe = pipelined<In, kHd>();
+  constexpr bool kKvShared = dkdv_kv_shared<kHd>();
+  constexpr int kKvBytes = 2 * (kKvShared ? kBlockRows : 1) * kW * 4;  // kts and vts below
+  constexpr bool kPipe = pipelined<In, kHd, kBq, kKvBytes + 2 * 2 * kBq * 4>();
   __shared__ __align__(16) uint32_t qs[kPipe ? 2 : 1][kBq][kW];
   __shared__ __align__(16) uint32_t dos[kPipe ? 2 : 1][kBq][kW];
   __shared__ __align__(16) float lses[kPipe ? 2 : 1][kBq];
   __shared__ __align__(16) float dsums[kPipe ? 2 : 1][kBq];
-  constexpr bool kKvShared = dkdv_kv_shared<kHd>();
   __shared__ __align__(16) uint32_t kts[kKvShared ? kBlockRows : 1][kW];  // the block's keys and values
   __shared__ __align__(16) uint32_t vts[kKvShared ? kBlockRows : 1][kW];
 
@@ -599,7 +602,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int kKs = kHd / 16;
   constexpr int kNt = kBc / 8;
   constexpr int kDt = kHd / 8;
-  constexpr bool kPipe = pipelined<In, kHd>();
+  constexpr bool kPipe = pipelined<In, kHd, kBc>();
   __shared__ __align__(16) uint32_t ks[kPipe ? 2 : 1][kBc][kW];
   __shared__ __align__(16) uint32_t vs[kPipe ? 2 : 1][kBc][kW];
 
