@@ -107,6 +107,7 @@ BackendCapabilities CudaBackend::capabilities() const {
   caps.dora = dora_ops_complete();
   caps.nf4 = nf4_ops_complete();
   caps.int_weights = int_weight_ops_complete();
+  caps.compact_int_weights = caps.int_weights;  // the same kernels read f16 scales and missing zeros
   caps.kv_cache = decode_ops_complete();
   return caps;
 }

@@ -195,6 +195,16 @@ __device__ __forceinline__ uint16_t bf16_bits(float v) {
   return static_cast<uint16_t>(u >> 16);
 }
 __device__ __forceinline__ float bf16_value(uint16_t bits) { return __uint_as_float(static_cast<uint32_t>(bits) << 16); }
+// f16 bits widened to f32, exactly (IEEE 754 binary16: every value, subnormals included, is an
+// f32 one): the value F16C's vcvtph2ps gives on the CPU.
+__device__ __forceinline__ float f16_value(uint16_t bits) {
+  const uint32_t sign = static_cast<uint32_t>(bits & 0x8000u) << 16, exponent = (bits >> 10) & 0x1fu,
+                 mantissa = bits & 0x3ffu;
+  if (exponent == 0x1fu) return __uint_as_float(sign | 0x7f800000u | (mantissa << 13));  // inf, NaN
+  if (exponent != 0) return __uint_as_float(sign | ((exponent + 112u) << 23) | (mantissa << 13));
+  const float magnitude = static_cast<float>(mantissa) * 0x1p-24f;  // subnormal: exact
+  return sign != 0 ? -magnitude : magnitude;
+}
 
 // ---------------------------------------------------------------- exchanges in the logical warp
 // Every lane of the logical warp must call each of these together (CUDA's full mask).

@@ -49,13 +49,20 @@ void check_int_weight(const char* op, const Tensor& x, const Tensor& codes, cons
              op, ": group ", s.group, " and ", s.cols, " columns do not fit the packed format");
   LOOM_CHECK(s.rows >= 0 && codes.dtype() == DTYPE_U8 && codes.numel() == s.rows * row_bytes(s.bits, s.cols), op,
              ": codes ", codes.describe(), " for (", s.rows, ", ", s.cols, ") at ", s.bits, " bits");
-  LOOM_CHECK(scales.dtype() == DTYPE_F32 && zeros.dtype() == DTYPE_U8 && scales.numel() == s.rows * (s.cols / s.group) &&
-                 zeros.numel() == scales.numel(),
-             op, ": scales ", scales.describe(), " / zeros ", zeros.describe());
+  LOOM_CHECK((scales.dtype() == DTYPE_F32 || scales.dtype() == DTYPE_F16) && scales.numel() == s.rows * (s.cols / s.group) &&
+                 (!zeros.defined() || (zeros.dtype() == DTYPE_U8 && zeros.numel() == scales.numel())),
+             op, ": scales ", scales.describe(), " / zeros ", zeros.defined() ? zeros.describe() : "(none)", " for (",
+             s.rows, ", ", s.cols / s.group, ") groups");
   LOOM_CHECK(!x.defined() || (x.dtype() == DTYPE_F32 && x.numel() % s.cols == 0), op, ": x ", x.describe(), " for ",
              s.cols, " columns");
   LOOM_CHECK(input_scale == nullptr || (input_scale->dtype() == DTYPE_F32 && input_scale->numel() == s.cols), op,
              ": input scale for ", s.cols, " columns");
+}
+
+// The kernels' view of the group parameters: f32 or f16 scales, zeros or none (symmetric).
+cuda::IntGroups int_groups(const Tensor& scales, const Tensor& zeros) {
+  return {scales.device_ptr(), scales.dtype() == DTYPE_F16,
+          zeros.defined() ? static_cast<const uint8_t*>(zeros.device_ptr()) : nullptr};
 }
 
 }  // namespace
@@ -116,8 +123,8 @@ void CudaBackend::int_linear(const Tensor& x, const Tensor& codes, const Tensor&
   LOOM_CHECK(y.dtype() == DTYPE_F32 && y.numel() == N * O, "int_linear: y ", y.describe(), " for (", N, ", ", O, ")");
   LOOM_CHECK(bias == nullptr || (bias->dtype() == DTYPE_F32 && bias->numel() == O), "int_linear: bias for ", O, " rows");
   void* scratch = spec.act_int8 ? workspace(cuda::int_linear_scratch_bytes(N, true)) : nullptr;
-  cuda::int_linear(dptr<float>(x), dptr<uint8_t>(codes), dptr<float>(scales), dptr<uint8_t>(zeros), spec.bits,
-                   spec.group, O, K, spec.act_int8, input_scale != nullptr ? dptr<float>(*input_scale) : nullptr,
+  cuda::int_linear(dptr<float>(x), dptr<uint8_t>(codes), int_groups(scales, zeros), spec.bits, spec.group, O, K,
+                   spec.act_int8, input_scale != nullptr ? dptr<float>(*input_scale) : nullptr,
                    dptr<float>(y), N, beta, bias != nullptr ? dptr<float>(*bias) : nullptr, scratch, stream());
 }
 
@@ -136,8 +143,7 @@ void CudaBackend::int_dequantize(const Tensor& codes, const Tensor& scales, cons
   check_int_weight("int_dequantize", Tensor{}, codes, scales, zeros, spec, input_scale);
   LOOM_CHECK(out.dtype() == DTYPE_F32 && out.numel() == spec.rows * spec.cols, "int_dequantize: out ", out.describe(),
              " for (", spec.rows, ", ", spec.cols, ")");
-  cuda::int_dequantize(dptr<uint8_t>(codes), dptr<float>(scales), dptr<uint8_t>(zeros), spec.bits, spec.group,
-                       spec.rows, spec.cols, input_scale != nullptr ? dptr<float>(*input_scale) : nullptr,
+  cuda::int_dequantize(dptr<uint8_t>(codes), int_groups(scales, zeros), spec.bits, spec.group, spec.rows, spec.cols, input_scale != nullptr ? dptr<float>(*input_scale) : nullptr,
                        dptr<float>(out), stream());
 }
 

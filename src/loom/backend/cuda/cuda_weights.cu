@@ -27,6 +27,8 @@
 //                  16-byte bf16) stores when the range starts at a multiple of 8 and out is
 //                  16-byte aligned; grid-stride, 256 threads, grid capped at 8192 blocks.
 //   int_dequantize w_oc = s_g (q_oc - z_g) (x input_scale_c). b/8 B read + 4 B written, 1-2 F.
+//                  (s_g f32, or f16 widened exactly; z_g u8, or 2^(b - 1) without zeros: the
+//                  compact group parameters, 2 B a group instead of 5, the same numbers.)
 //                  One thread per 8 columns (8 codes, 8-byte loads for 8 and 4 bits), two
 //                  float4 stores; grid-stride, 256 threads.
 //   int_linear     y_no = beta y_no + sum_c x_nc v_c w_oc (+ bias_o), weight-only: per 8 columns
@@ -306,8 +308,27 @@ __device__ __forceinline__ void unpack8(Packed8 b, int64_t c0, int q[8]) {
   }
 }
 
+// A group's scale and zero point (IntGroups): an f16 scale widened exactly (every f16 value is
+// an f32 one), a missing zero point 2^(BITS - 1); so a compact weight gives the widened one's
+// numbers bit for bit.
+struct GroupParams {
+  const void* scales;
+  const uint8_t* zeros;
+  bool f16;
+  float symmetric_zero;
+  __device__ __forceinline__ float scale(int64_t i) const {
+    return f16 ? f16_value(static_cast<const uint16_t*>(scales)[i]) : static_cast<const float*>(scales)[i];
+  }
+  __device__ __forceinline__ float zero(int64_t i) const {
+    return zeros != nullptr ? static_cast<float>(zeros[i]) : symmetric_zero;
+  }
+};
+GroupParams group_params(IntGroups g, int bits) {
+  return {g.scales, g.zeros, g.f16, static_cast<float>(1 << (bits - 1))};
+}
+
 template <int BITS>
-__global__ void int_dequantize_kernel(const uint8_t* codes, const float* scales, const uint8_t* zeros, int64_t group,
+__global__ void int_dequantize_kernel(const uint8_t* codes, GroupParams params, int64_t group,
                                       int64_t rows, int64_t cols, const float* input_scale, float* out, bool aligned,
                                       bool vec) {
   const int64_t per_row = cols / 8, groups = cols / group, rb = row_bytes(BITS, cols);
@@ -315,7 +336,7 @@ __global__ void int_dequantize_kernel(const uint8_t* codes, const float* scales,
     const int64_t o = i / per_row, c0 = (i - o * per_row) * 8;
     int q[8];
     unpack8<BITS>(load8<BITS>(codes + o * rb, c0, aligned), c0, q);
-    const float s = scales[o * groups + c0 / group], z = static_cast<float>(zeros[o * groups + c0 / group]);
+    const float s = params.scale(o * groups + c0 / group), z = params.zero(o * groups + c0 / group);
     float w[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
@@ -358,7 +379,7 @@ __global__ void act_scale_kernel(const float* x, const float* input_scale, float
 // Blocks own 8 output rows (one per warp) x chunks of NR input rows (grid-stride in both).
 // Shared tile: NR rows x 256 columns of the input (f32 bits, or W8A8's int8 codes as ints).
 template <int BITS, int NR, bool INT8>
-__global__ void int_linear_kernel(const float* x, const uint8_t* codes, const float* scales, const uint8_t* zeros, int64_t group,
+__global__ void int_linear_kernel(const float* x, const uint8_t* codes, GroupParams params, int64_t group,
                       int64_t rows, int64_t cols, const float* input_scale, const float* sx, float* y, int64_t n,
                       float beta, const float* bias, bool aligned) {
   __shared__ int tile[NR][kLinTile];
@@ -381,7 +402,7 @@ __global__ void int_linear_kernel(const float* x, const uint8_t* codes, const fl
       float s_cur = 0.0f, z_cur = 0.0f;
       if (active && l0 < cols) {
         cur = load8<BITS>(row, l0, aligned);
-        if constexpr (!INT8) s_cur = scales[o * groups + l0 / group], z_cur = static_cast<float>(zeros[o * groups + l0 / group]);
+        if constexpr (!INT8) s_cur = params.scale(o * groups + l0 / group), z_cur = params.zero(o * groups + l0 / group);
       }
       for (int64_t t0 = 0; t0 < cols; t0 += kLinTile) {
         const int width = static_cast<int>(min64(kLinTile, cols - t0));
@@ -390,7 +411,7 @@ __global__ void int_linear_kernel(const float* x, const uint8_t* codes, const fl
         float s_next = 0.0f, z_next = 0.0f;
         if (active && c1 < cols) {
           next = load8<BITS>(row, c1, aligned);
-          if constexpr (!INT8) s_next = scales[o * groups + c1 / group], z_next = static_cast<float>(zeros[o * groups + c1 / group]);
+          if constexpr (!INT8) s_next = params.scale(o * groups + c1 / group), z_next = params.zero(o * groups + c1 / group);
         }
         __syncthreads();  // the previous tile's readers are done
         for (int k = static_cast<int>(threadIdx.x); k < NR * kLinTile; k += kLinWarps * kWarp) {
@@ -441,7 +462,7 @@ __global__ void int_linear_kernel(const float* x, const uint8_t* codes, const fl
         float v;
         if constexpr (INT8) {
           const int d = warp_sum(iacc[r]);
-          v = active && r < nrows ? mul_gpu_rn(mul_gpu_rn(sx[n0 + r], scales[o]), static_cast<float>(d)) : 0.0f;
+          v = active && r < nrows ? mul_gpu_rn(mul_gpu_rn(sx[n0 + r], params.scale(o)), static_cast<float>(d)) : 0.0f;
         } else {
           v = warp_sum(facc[r]);
         }
@@ -549,24 +570,24 @@ void launch_bf16_weight_linear(const float* x, const uint16_t* w, int64_t rows, 
 }
 
 template <int BITS, int NR, bool INT8>
-void launch_int_linear(const float* x, const uint8_t* codes, const float* scales, const uint8_t* zeros, int64_t group,
+void launch_int_linear(const float* x, const uint8_t* codes, GroupParams params, int64_t group,
                        int64_t rows, int64_t cols, const float* input_scale, const float* sx, float* y, int64_t n,
                        float beta, const float* bias, bool aligned, cudaStream_t stream) {
   const int64_t chunks = (n + NR - 1) / NR;
   const dim3 grid(grid_for(rows, kLinWarps), static_cast<unsigned>(chunks < kMaxGridY ? chunks : kMaxGridY));
-  launch<int_linear_kernel<BITS, NR, INT8>>(grid, dim3(kLinWarps * kWarp), 0, stream, x, codes, scales, zeros, group,
+  launch<int_linear_kernel<BITS, NR, INT8>>(grid, dim3(kLinWarps * kWarp), 0, stream, x, codes, params, group,
                                             rows, cols, input_scale, sx, y, n, beta, bias, aligned);
   LOOM_CUDA_CHECK_LAUNCH();
 }
 
 template <int BITS, bool INT8>
-void int_linear_rows(int64_t n, const float* x, const uint8_t* codes, const float* scales, const uint8_t* zeros,
+void int_linear_rows(int64_t n, const float* x, const uint8_t* codes, GroupParams params,
                      int64_t group, int64_t rows, int64_t cols, const float* input_scale, const float* sx, float* y,
                      float beta, const float* bias, bool aligned, cudaStream_t stream) {
-  if (n == 1) launch_int_linear<BITS, 1, INT8>(x, codes, scales, zeros, group, rows, cols, input_scale, sx, y, n, beta, bias, aligned, stream);
-  else if (n == 2) launch_int_linear<BITS, 2, INT8>(x, codes, scales, zeros, group, rows, cols, input_scale, sx, y, n, beta, bias, aligned, stream);
-  else if (n <= 4) launch_int_linear<BITS, 4, INT8>(x, codes, scales, zeros, group, rows, cols, input_scale, sx, y, n, beta, bias, aligned, stream);
-  else launch_int_linear<BITS, 8, INT8>(x, codes, scales, zeros, group, rows, cols, input_scale, sx, y, n, beta, bias, aligned, stream);
+  if (n == 1) launch_int_linear<BITS, 1, INT8>(x, codes, params, group, rows, cols, input_scale, sx, y, n, beta, bias, aligned, stream);
+  else if (n == 2) launch_int_linear<BITS, 2, INT8>(x, codes, params, group, rows, cols, input_scale, sx, y, n, beta, bias, aligned, stream);
+  else if (n <= 4) launch_int_linear<BITS, 4, INT8>(x, codes, params, group, rows, cols, input_scale, sx, y, n, beta, bias, aligned, stream);
+  else launch_int_linear<BITS, 8, INT8>(x, codes, params, group, rows, cols, input_scale, sx, y, n, beta, bias, aligned, stream);
 }
 
 bool aligned_to(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
@@ -612,15 +633,16 @@ void nf4_dequantize(const uint8_t* codes, const uint8_t* absmax_codes, const flo
   LOOM_CUDA_CHECK_LAUNCH();
 }
 
-void int_dequantize(const uint8_t* codes, const float* scales, const uint8_t* zeros, int bits, int64_t group,
-                    int64_t rows, int64_t cols, const float* input_scale, float* out, cudaStream_t stream) {
+void int_dequantize(const uint8_t* codes, IntGroups groups, int bits, int64_t group, int64_t rows, int64_t cols,
+                    const float* input_scale, float* out, cudaStream_t stream) {
+  const GroupParams params = group_params(groups, bits);
   const int64_t items = rows * (cols / 8);
   if (items == 0) return;
   const bool aligned = aligned_to(codes, 8), vec = aligned_to(out, 16);
   const dim3 grid(grid_for(items, kBlock)), block(kBlock);
-  if (bits == 8) launch<int_dequantize_kernel<8>>(grid, block, 0, stream, codes, scales, zeros, group, rows, cols, input_scale, out, aligned, vec);
-  else if (bits == 4) launch<int_dequantize_kernel<4>>(grid, block, 0, stream, codes, scales, zeros, group, rows, cols, input_scale, out, aligned, vec);
-  else launch<int_dequantize_kernel<3>>(grid, block, 0, stream, codes, scales, zeros, group, rows, cols, input_scale, out, aligned, vec);
+  if (bits == 8) launch<int_dequantize_kernel<8>>(grid, block, 0, stream, codes, params, group, rows, cols, input_scale, out, aligned, vec);
+  else if (bits == 4) launch<int_dequantize_kernel<4>>(grid, block, 0, stream, codes, params, group, rows, cols, input_scale, out, aligned, vec);
+  else launch<int_dequantize_kernel<3>>(grid, block, 0, stream, codes, params, group, rows, cols, input_scale, out, aligned, vec);
   LOOM_CUDA_CHECK_LAUNCH();
 }
 
@@ -628,21 +650,22 @@ size_t int_linear_scratch_bytes(int64_t n, bool act_int8) {
   return act_int8 ? static_cast<size_t>(n) * sizeof(float) : 0;
 }
 
-void int_linear(const float* x, const uint8_t* codes, const float* scales, const uint8_t* zeros, int bits,
-                int64_t group, int64_t rows, int64_t cols, bool act_int8, const float* input_scale, float* y,
-                int64_t n, float beta, const float* bias, void* scratch, cudaStream_t stream) {
+void int_linear(const float* x, const uint8_t* codes, IntGroups groups, int bits, int64_t group, int64_t rows,
+                int64_t cols, bool act_int8, const float* input_scale, float* y, int64_t n, float beta,
+                const float* bias, void* scratch, cudaStream_t stream) {
   if (n == 0 || rows == 0) return;
+  const GroupParams params = group_params(groups, bits);
   const bool aligned = aligned_to(codes, 8);
   if (act_int8) {
     float* sx = static_cast<float*>(scratch);
     launch<act_scale_kernel>(grid_for(n, 1), dim3(kBlock), 0, stream, x, input_scale, sx, n, cols);
     LOOM_CUDA_CHECK_LAUNCH();
-    int_linear_rows<8, true>(n, x, codes, scales, zeros, group, rows, cols, input_scale, sx, y, beta, bias, aligned, stream);
+    int_linear_rows<8, true>(n, x, codes, params, group, rows, cols, input_scale, sx, y, beta, bias, aligned, stream);
     return;
   }
-  if (bits == 8) int_linear_rows<8, false>(n, x, codes, scales, zeros, group, rows, cols, input_scale, nullptr, y, beta, bias, aligned, stream);
-  else if (bits == 4) int_linear_rows<4, false>(n, x, codes, scales, zeros, group, rows, cols, input_scale, nullptr, y, beta, bias, aligned, stream);
-  else int_linear_rows<3, false>(n, x, codes, scales, zeros, group, rows, cols, input_scale, nullptr, y, beta, bias, aligned, stream);
+  if (bits == 8) int_linear_rows<8, false>(n, x, codes, params, group, rows, cols, input_scale, nullptr, y, beta, bias, aligned, stream);
+  else if (bits == 4) int_linear_rows<4, false>(n, x, codes, params, group, rows, cols, input_scale, nullptr, y, beta, bias, aligned, stream);
+  else int_linear_rows<3, false>(n, x, codes, params, group, rows, cols, input_scale, nullptr, y, beta, bias, aligned, stream);
 }
 
 void bf16_weight_linear(const float* x, const uint16_t* w, int64_t rows, int64_t cols, float* y, int64_t n, float beta,

@@ -30,17 +30,25 @@ void nf4_dequantize(const uint8_t* codes, const uint8_t* absmax_codes, const flo
                     cudaStream_t stream);
 
 // ---------------------------------------------------------------- integer weights (precision/int_quant.h)
+// A weight's group parameters (rows, cols / group): f32 scales, or f16 ones (their bits;
+// BackendCapabilities::compact_int_weights), and u8 zero points, or none: every group's zero point
+// is 2^(bits - 1) (a symmetric weight stored compact).
+struct IntGroups {
+  const void* scales = nullptr;
+  bool f16 = false;
+  const uint8_t* zeros = nullptr;
+};
 // W (rows, cols) = s (q - z) per group of `group` columns, times input_scale[c] (when not null).
-void int_dequantize(const uint8_t* codes, const float* scales, const uint8_t* zeros, int bits, int64_t group,
-                    int64_t rows, int64_t cols, const float* input_scale, float* out, cudaStream_t stream);
+void int_dequantize(const uint8_t* codes, IntGroups params, int bits, int64_t group, int64_t rows, int64_t cols,
+                    const float* input_scale, float* out, cudaStream_t stream);
 // y (n, rows) = beta y + x (n, cols) diag(input_scale) @ W^T (+ bias). Weight-only (act_int8
 // false): the codes are dequantized in registers and multiplied in f32. act_int8 (bits 8, one
 // group per row): each input row quantized to int8 (s_x = max |x| / 127) and the products summed
 // exactly in int32. `scratch`: at least int_linear_scratch_bytes(n, act_int8) bytes.
 size_t int_linear_scratch_bytes(int64_t n, bool act_int8);
-void int_linear(const float* x, const uint8_t* codes, const float* scales, const uint8_t* zeros, int bits,
-                int64_t group, int64_t rows, int64_t cols, bool act_int8, const float* input_scale, float* y,
-                int64_t n, float beta, const float* bias, void* scratch, cudaStream_t stream);
+void int_linear(const float* x, const uint8_t* codes, IntGroups params, int bits, int64_t group, int64_t rows,
+                int64_t cols, bool act_int8, const float* input_scale, float* y, int64_t n, float beta,
+                const float* bias, void* scratch, cudaStream_t stream);
 
 // ---------------------------------------------------------------- bf16 weights used in place
 // y (n, rows) = beta y + x (n, cols) @ W^T (+ bias), W bf16 (rows, cols) widened exactly, f32
