@@ -171,6 +171,13 @@ DType attention_compute_dtype(const Tensor& qkv, bool bf16_ops) {
   return bf16_ops && qkv.dtype() == DTYPE_BF16 ? DTYPE_F32 : qkv.dtype();
 }
 
+namespace {
+// An attention operand in the compute dtype `wide`, or bf16 where the bf16 ops compute in f32.
+void expect_attention_dtype(const Tensor& t, DType wide, bool bf16_ops, const char* op, const char* what) {
+  if (!bf16_ops || t.dtype() != DTYPE_BF16 || wide != DTYPE_F32) expect_dtype(t, wide, op, what);
+}
+}  // namespace
+
 Dims3 check_attention(const char* op, const Tensor& qkv, const Tensor& out, const Tensor& saved, int64_t n_head,
                       int64_t n_kv_head, int64_t window, bool flash, bool bf16_out) {
   LOOM_CHECK(n_head > 0 && n_kv_head > 0 && n_head % n_kv_head == 0, op, ": n_head ", n_head,
@@ -180,7 +187,7 @@ Dims3 check_attention(const char* op, const Tensor& qkv, const Tensor& out, cons
   LOOM_CHECK(window >= 0, op, ": window must be >= 0, got ", window);
   const int64_t batch = qkv.dim(0), seq_len = qkv.dim(1), head_dim = qkv.dim(2) / (n_head + 2 * n_kv_head);
   const DType wide = attention_compute_dtype(qkv, bf16_out);
-  if (!bf16_out || out.dtype() != DTYPE_BF16 || wide != DTYPE_F32) expect_dtype(out, wide, op, "out");
+  expect_attention_dtype(out, wide, bf16_out, op, "out");
   expect_numel(out, batch * seq_len * n_head * head_dim, op, "out (B, T, H hd)");
   if (flash) {
     expect_dtype(saved, wide, op, "lse");
@@ -197,9 +204,9 @@ Dims3 check_attention_backward(const char* op, const Tensor& dout, const Tensor&
                                int64_t window, bool flash, bool bf16_out) {
   const Dims3 dims = check_attention(op, qkv, out, saved, n_head, n_kv_head, window, flash, bf16_out);
   const DType wide = attention_compute_dtype(qkv, bf16_out);
-  if (!bf16_out || dout.dtype() != DTYPE_BF16 || wide != DTYPE_F32) expect_dtype(dout, wide, op, "dout");
+  expect_attention_dtype(dout, wide, bf16_out, op, "dout");
   expect_numel(dout, out.numel(), op, "dout");
-  if (!bf16_out || dqkv.dtype() != DTYPE_BF16 || wide != DTYPE_F32) expect_dtype(dqkv, wide, op, "dqkv");
+  expect_attention_dtype(dqkv, wide, bf16_out, op, "dqkv");
   expect_numel(dqkv, qkv.numel(), op, "dqkv");
   return dims;
 }

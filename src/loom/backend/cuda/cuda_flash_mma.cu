@@ -9,8 +9,8 @@
 // every kernel runs 4 warps (128 threads); a warp owns 16 rows (one MMA row block) of a 64-row
 // block tile; the operand it keeps for the whole loop (Q in the forward and dQ, K and V in dK/dV,
 // dO in dQ) sits in registers as A fragments, read once from global memory and rounded to bf16;
-// the streamed operand tiles are read in 16-byte chunks of 8 elements (f32 or bf16 inputs, all of
-// a thread's chunks in flight before the first store) and stored into shared memory in bf16, one
+// the streamed operand tiles are read in 16-byte chunks of 8 elements (f32 or bf16 inputs, a
+// thread's chunks in batches of 64 bytes in flight before their stores) and stored into shared memory in bf16, one
 // bf16 pair per 32-bit word, rows padded by 4 words (16 bytes) so that the eight 16-byte rows of
 // an ldmatrix phase hit distinct banks. Fragments come out of the tiles by ldmatrix.x4 (cuda_mma.h:
 // two B fragments, or an A fragment, per instruction; .trans for the operands stored k-major: V in
@@ -90,7 +90,7 @@ __host__ __device__ constexpr bool dkdv_kv_shared() {
 // them so (precision.outputs = bf16): either way the products read them rounded to bf16, so a bf16
 // input gives the same bits as its f32 source. Rows are read in chunks of 8 elements (32 or 16
 // bytes: every row and head offset is a multiple of 8 elements, the launchers check the bases'
-// 16-byte alignment), all of a tile's chunks in flight before the first store.
+// 16-byte alignment), a thread's chunks in batches of 64 bytes in flight before their stores.
 __device__ __forceinline__ uint4 load_chunk(const float* __restrict__ p) {
   const float4 a = *reinterpret_cast<const float4*>(p), b = *reinterpret_cast<const float4*>(p + 4);
   return make_uint4(pack_bf16x2(a.x, a.y), pack_bf16x2(a.z, a.w), pack_bf16x2(b.x, b.y), pack_bf16x2(b.z, b.w));
@@ -502,74 +502,72 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int buf = kPipe ? n & 1 : 0;
     const int i0 = qlo + (n % per_head) * kBq;
     tile_barrier<kPipe>(fetch, n, 1, group * per_head, buf);
-    {
-      const uint32_t(*qt)[kW] = qs[buf];
-      const uint32_t(*dot)[kW] = dos[buf];
-      const float* lq = lses[buf];
-      const float* dq_sum = dsums[buf];
+    const uint32_t(*qt)[kW] = qs[buf];
+    const uint32_t(*dot)[kW] = dos[buf];
+    const float* lq = lses[buf];
+    const float* dq_sum = dsums[buf];
 
-      // S^T (16 keys x kBq queries) = K Q^T, dP^T = V dO^T.
-      float st[kQt][4], dpt[kQt][4];
+    // S^T (16 keys x kBq queries) = K Q^T, dP^T = V dO^T.
+    float st[kQt][4], dpt[kQt][4];
 #pragma unroll
-      for (int nt = 0; nt < kQt; ++nt) {
+    for (int nt = 0; nt < kQt; ++nt) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) st[nt][e] = dpt[nt][e] = 0.0f;
-        // warp-uniform: no key of the warp, no query of the n-tile, or every query before every key
-        if (!warp_live || i0 + nt * 8 >= seq_len || (kCausal && i0 + nt * 8 + 7 < k0)) continue;
+      for (int e = 0; e < 4; ++e) st[nt][e] = dpt[nt][e] = 0.0f;
+      // warp-uniform: no key of the warp, no query of the n-tile, or every query before every key
+      if (!warp_live || i0 + nt * 8 >= seq_len || (kCausal && i0 + nt * 8 + 7 < k0)) continue;
 #pragma unroll
-        for (int kk = 0; kk < kKs; kk += 2) {
-          uint32_t bq[4], bo[4];
-          b_pair_from_rows<kW>(bq, qt, nt * 8, kk * 16, lane);
-          b_pair_from_rows<kW>(bo, dot, nt * 8, kk * 16, lane);
-          if constexpr (kKvShared) {
-            uint32_t a[4];
-            a_from_rows<kW>(a, kts, warp * kWarpRows, kk * 16, lane);
-            mma_b<0>(st[nt], a, bq);
-            a_from_rows<kW>(a, vts, warp * kWarpRows, kk * 16, lane);
-            mma_b<0>(dpt[nt], a, bo);
-            a_from_rows<kW>(a, kts, warp * kWarpRows, kk * 16 + 16, lane);
-            mma_b<1>(st[nt], a, bq);
-            a_from_rows<kW>(a, vts, warp * kWarpRows, kk * 16 + 16, lane);
-            mma_b<1>(dpt[nt], a, bo);
-          } else {
-            mma_b<0>(st[nt], ka[kk], bq);
-            mma_b<0>(dpt[nt], va[kk], bo);
-            mma_b<1>(st[nt], ka[kk + 1], bq);
-            mma_b<1>(dpt[nt], va[kk + 1], bo);
-          }
+      for (int kk = 0; kk < kKs; kk += 2) {
+        uint32_t bq[4], bo[4];
+        b_pair_from_rows<kW>(bq, qt, nt * 8, kk * 16, lane);
+        b_pair_from_rows<kW>(bo, dot, nt * 8, kk * 16, lane);
+        if constexpr (kKvShared) {
+          uint32_t a[4];
+          a_from_rows<kW>(a, kts, warp * kWarpRows, kk * 16, lane);
+          mma_b<0>(st[nt], a, bq);
+          a_from_rows<kW>(a, vts, warp * kWarpRows, kk * 16, lane);
+          mma_b<0>(dpt[nt], a, bo);
+          a_from_rows<kW>(a, kts, warp * kWarpRows, kk * 16 + 16, lane);
+          mma_b<1>(st[nt], a, bq);
+          a_from_rows<kW>(a, vts, warp * kWarpRows, kk * 16 + 16, lane);
+          mma_b<1>(dpt[nt], a, bo);
+        } else {
+          mma_b<0>(st[nt], ka[kk], bq);
+          mma_b<0>(dpt[nt], va[kk], bo);
+          mma_b<1>(st[nt], ka[kk + 1], bq);
+          mma_b<1>(dpt[nt], va[kk + 1], bo);
         }
       }
-      // P^T = exp(scale S^T - lse) (0 off the mask), dS^T = P^T o (dP^T - D), in place.
+    }
+    // P^T = exp(scale S^T - lse) (0 off the mask), dS^T = P^T o (dP^T - D), in place.
 #pragma unroll
-      for (int nt = 0; nt < kQt; ++nt) {
+    for (int nt = 0; nt < kQt; ++nt) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int key = k0 + g + (e >= 2 ? 8 : 0);
-          const int qq = nt * 8 + 2 * t + (e & 1), q = i0 + qq;
-          const bool ok = key < seq_len && q < seq_len && (!kCausal || q >= key);
-          const float p = ok ? expf(st[nt][e] * scale - lq[qq]) : 0.0f;
-          st[nt][e] = p;
-          dpt[nt][e] = p * (dpt[nt][e] - dq_sum[qq]);
-        }
+      for (int e = 0; e < 4; ++e) {
+        const int key = k0 + g + (e >= 2 ? 8 : 0);
+        const int qq = nt * 8 + 2 * t + (e & 1), q = i0 + qq;
+        const bool ok = key < seq_len && q < seq_len && (!kCausal || q >= key);
+        const float p = ok ? expf(st[nt][e] * scale - lq[qq]) : 0.0f;
+        st[nt][e] = p;
+        dpt[nt][e] = p * (dpt[nt][e] - dq_sum[qq]);
       }
-      // dV += P^T dO, dK += dS^T Q (k = the tile's queries).
+    }
+    // dV += P^T dO, dK += dS^T Q (k = the tile's queries).
 #pragma unroll
-      for (int kk = 0; kk < kBq / 16; ++kk) {
-        // warp-uniform: P^T and dS^T are 0 there
-        if (!warp_live || i0 + kk * 16 >= seq_len || (kCausal && i0 + kk * 16 + 15 < k0)) continue;
-        uint32_t pa[4], dsa[4];
-        acc_to_a(pa, st[2 * kk], st[2 * kk + 1]);
-        acc_to_a(dsa, dpt[2 * kk], dpt[2 * kk + 1]);
+    for (int kk = 0; kk < kBq / 16; ++kk) {
+      // warp-uniform: P^T and dS^T are 0 there
+      if (!warp_live || i0 + kk * 16 >= seq_len || (kCausal && i0 + kk * 16 + 15 < k0)) continue;
+      uint32_t pa[4], dsa[4];
+      acc_to_a(pa, st[2 * kk], st[2 * kk + 1]);
+      acc_to_a(dsa, dpt[2 * kk], dpt[2 * kk + 1]);
 #pragma unroll
-        for (int dt = 0; dt < kDt; dt += 2) {
-          uint32_t bo[4], bq[4];
-          b_pair_from_cols<kW>(bo, dot, kk * 16, dt * 8, lane);
-          b_pair_from_cols<kW>(bq, qt, kk * 16, dt * 8, lane);
-          mma_b<0>(dv[dt], pa, bo);
-          mma_b<0>(dk[dt], dsa, bq);
-          mma_b<1>(dv[dt + 1], pa, bo);
-          mma_b<1>(dk[dt + 1], dsa, bq);
-        }
+      for (int dt = 0; dt < kDt; dt += 2) {
+        uint32_t bo[4], bq[4];
+        b_pair_from_cols<kW>(bo, dot, kk * 16, dt * 8, lane);
+        b_pair_from_cols<kW>(bq, qt, kk * 16, dt * 8, lane);
+        mma_b<0>(dv[dt], pa, bo);
+        mma_b<0>(dk[dt], dsa, bq);
+        mma_b<1>(dv[dt + 1], pa, bo);
+        mma_b<1>(dk[dt + 1], dsa, bq);
       }
     }
     if constexpr (kPipe) __syncthreads();  // buffer buf is the next fetch's
