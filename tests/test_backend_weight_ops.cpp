@@ -8,9 +8,9 @@
 //   width and group;
 // - int_linear: against y = beta y + x diag(s) W^T + b in f64 from the dequantized weight
 //   (W8A8: from the int8-rounded inputs, as the op states), within 2e-5 (1 + |y|); 1 to 17 input
-//   rows, rows and columns that are not multiples of the kernels' tiles. The CPU backend may
-//   quantize the activations of weight-only formats too (cpu::int_linear_quantizes_activations(),
-//   AVX512-VNNI), so for it the bound of that rounding (s_x / 2 sum |w| per group) is added.
+//   rows, rows and columns that are not multiples of the kernels' tiles. The CPU backend
+//   quantizes the activations of weight-only formats too (int8 per row and group, with VNNI or
+//   AVX2), so for it the bound of that rounding (s_x / 2 sum |w| per group) is added.
 // - bf16_weight_linear: against y = beta y + x W^T + b in f64 from the exactly widened bf16
 //   weight, within 2e-5 (1 + |y|); 1 to 40 input rows (the CPU's direct and tiled paths, the
 //   CUDA kernel's chunks and its default), columns that are and are not multiples of 8, and the
@@ -300,7 +300,7 @@ TEST_P(BackendIntWeightOpsTest, LinearMatchesDequantizeThenF64AndDequantizeIsBit
       const std::vector<float> bias = c.bias ? normal(O, 7, 0.1f) : std::vector<float>{};
       Tensor bt;
       if (c.bias) bt = upload(b, {O}, bias);
-      const bool quantized_input = c.act_int8 || (cpu_ && cpu::int_linear_quantizes_activations());
+      const bool quantized_input = c.act_int8 || cpu_;
       for (int64_t N : {1, 2, 3, 5, 17}) {
         const std::vector<float> x = normal(N * K, 100 + static_cast<uint64_t>(N), 1.0f), y0 = normal(N * O, 200 + static_cast<uint64_t>(N), 1.0f);
         const Tensor xt = upload(b, {N, K}, x), yt = upload(b, {N, O}, y0);
@@ -389,6 +389,42 @@ TEST_P(BackendIntWeightOpsTest, CompactGroupParametersGiveTheWidenedWeightsNumbe
   bad.scales[2] = 0.1f;  // not an f16 value
   EXPECT_NE(test::error_of([&] { int_weight_to_backend(bad, b, MEM_PARAMETERS); }).find("not an f16 value"), std::string::npos);
   EXPECT_NO_THROW(int_weight_to_backend(bad, b, MEM_PARAMETERS, /*compact=*/false));  // widened: any f32 scale
+}
+
+// The integer sums stay exact at their extremes: groups whose codes are 2^b - 1 side by side and 0
+// (rtn's asymmetric groups map each group's max and min there) against inputs at full scale
+// (q_x = +-127: all +1, all -1, and pairs of alternating sign). An AVX2 kernel adding pairs of
+// u8 x s8 products in saturating int16 (maddubs) on the codes themselves reaches 2 x 255 x 127
+// at 8 bits and fails; so does one taking c - 128 as |c - 128| without the sign trick's care.
+TEST_P(BackendIntWeightOpsTest, ExtremeCodesAndFullScaleInputsSumExactly) {
+  Backend& b = *backend_;
+  const int64_t O = 8, K = 256, N = 3;
+  std::vector<float> w(static_cast<size_t>(O * K)), x(static_cast<size_t>(N * K));
+  for (int64_t o = 0; o < O; ++o) {
+    for (int64_t c = 0; c < K; ++c) w[static_cast<size_t>(o * K + c)] = (c % 32 == 5 || c % 7 == o % 7) ? -1.0f : 1.0f + 0.01f * o;
+  }
+  for (int64_t c = 0; c < K; ++c) {
+    x[static_cast<size_t>(c)] = 1.0f, x[static_cast<size_t>(K + c)] = -1.0f;
+    x[static_cast<size_t>(2 * K + c)] = (c / 2) % 2 == 0 ? 1.0f : -1.0f;
+  }
+  for (const int bits : {8, 4}) {
+    for (const int64_t group : {int64_t{32}, int64_t{0}}) {
+      const IntWeightSpec spec = int_weight_spec(bits, group, O, K, false, "op");
+      const IntWeight q = rtn_quantize(w, spec);
+      ASSERT_EQ(*std::max_element(q.codes.begin(), q.codes.end()), bits == 8 ? 255 : 0xFF);  // 4 bits: two 15s a byte
+      const IntWeightDevice d = int_weight_to_backend(q, b, MEM_PARAMETERS);
+      const Tensor xt = upload(b, {N, K}, x), yt = upload(b, {N, O}, std::vector<float>(static_cast<size_t>(N * O), 0.0f));
+      b.int_linear(xt, d.codes, d.scales, d.zeros, spec, nullptr, yt, 0.0f, nullptr);
+      std::vector<double> unused;
+      const std::vector<double> want = reference_linear(x, N, q, {}, {}, std::vector<float>(static_cast<size_t>(N * O)), 0.0f,
+                                                        cpu_, unused);  // the CPU quantizes the inputs
+      const std::vector<float> got = download(b, yt);
+      for (int64_t i = 0; i < N * O; ++i) {
+        ASSERT_NEAR(got[static_cast<size_t>(i)], want[static_cast<size_t>(i)], 2e-5 * (1.0 + std::fabs(want[static_cast<size_t>(i)])))
+            << bits << " bits, group " << group << ", element " << i;
+      }
+    }
+  }
 }
 
 TEST_P(BackendIntWeightOpsTest, BadOperandsNameTheOp) {

@@ -15,6 +15,11 @@
 //   rest: each row's stream is fetched kPrefetch weights (8 KiB) ahead, past the hardware
 //   prefetcher's page boundaries, which also hides the L2 latency of a 14,336-column input that
 //   no longer fits L1 (for which the kernel used to run 4 weight rows a pass over x).
+//   One input row (a single stream's decoding step) reads 4 weight rows at a time again, each
+//   fetched ahead as before (dot_weight_rows): on an AMD Zen 3 core (AVX2 only) the single
+//   prefetched stream read 16-19 GB/s of weights on one thread and 28-30 on two, four streams
+//   24-27 and 37-54, the f32 GEMM's rate (bench/int_linear_bench --shapes llama8b --rows 1,
+//   2026-12-07); on the Zen 5 machine above this form is not yet measured.
 // - More rows (prefill, evaluation): compute-bound, so tiles of kTileRows weight rows are
 //   widened into an f32 buffer and multiplied by the f32 GEMM (cpu_gemm.h) into y's columns;
 //   the widened copy is one tile (4 MiB at 4096 columns), never the whole weight.
@@ -99,6 +104,35 @@ void dot_rows(const float* xs, int64_t K, const uint16_t* w, float* sums) {
   }
 }
 
+// sums[j] = sum_c x[c] w_j[c] for R weight rows (K apart) against one input row (split by
+// split_even_odd): one input row reads R weight streams at once. On a CPU whose one core keeps
+// too few of one stream's cache misses in flight (AMD Zen 3, AVX2) one stream reads 16-19 GB/s of
+// weights a core, four 24-27 (the f32 GEMM's rate); each row is still fetched kPrefetch ahead,
+// which is what a Zen 5 core needed (see the top of the file) and changed nothing here.
+template <int R>
+void dot_weight_rows(const float* xs, int64_t K, const uint16_t* w, float* sums) {
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m256 a[R][2];  // even and odd columns: 2R chains of FMAs, enough at R = 4 (4 accumulators a row spill)
+  for (int j = 0; j < R; ++j) a[j][0] = a[j][1] = _mm256_setzero_ps();
+  int64_t c = 0;
+  for (; c + kChunk <= K; c += kChunk) {
+    if (c % (2 * kChunk) == 0) {  // one 64-byte line of each row per two chunks
+      for (int j = 0; j < R; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + j * K + c + kPrefetch), _MM_HINT_T0);
+    }
+    const __m256 xe = _mm256_loadu_ps(xs + c), xo = _mm256_loadu_ps(xs + c + kChunk / 2);
+    for (int j = 0; j < R; ++j) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * K + c));
+      a[j][0] = _mm256_fmadd_ps(xe, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)), a[j][0]);
+      a[j][1] = _mm256_fmadd_ps(xo, _mm256_castsi256_ps(_mm256_and_si256(v, high)), a[j][1]);
+    }
+  }
+  for (int j = 0; j < R; ++j) {
+    float s = hsum(_mm256_add_ps(a[j][0], a[j][1]));
+    for (int64_t k = c; k < K; ++k) s += xs[k] * bf16_to_f32(bf16{w[j * K + k]});
+    sums[j] = s;
+  }
+}
+
 void direct(const float* x, const uint16_t* w, float* y, int64_t N, int64_t O, int64_t K, float beta, const float* bias) {
   thread_local std::vector<float> split;  // the calling thread's; the team reads it
   split.resize(static_cast<size_t>(N * K));
@@ -109,6 +143,21 @@ void direct(const float* x, const uint16_t* w, float* y, int64_t N, int64_t O, i
     float& dst = y[n * O + o];
     dst = beta == 0.0f ? out : beta * dst + out;
   };
+  if (N == 1) {  // four weight rows a pass (dot_weight_rows)
+    short_region(O, [&](int64_t begin, int64_t end) {
+      float sums[4];
+      int64_t o = begin;
+      for (; o + 4 <= end; o += 4) {
+        dot_weight_rows<4>(xs, K, w + o * K, sums);
+        for (int j = 0; j < 4; ++j) store(0, o + j, sums[j]);
+      }
+      for (; o < end; ++o) {
+        dot_weight_rows<1>(xs, K, w + o * K, sums);
+        store(0, o, sums[0]);
+      }
+    });
+    return;
+  }
   short_region(O, [&](int64_t begin, int64_t end) {
     for (int64_t o = begin; o < end; ++o) {
       const uint16_t* row = w + o * K;

@@ -1,21 +1,24 @@
 // The CPU kernels of Backend::int_linear and int_dequantize (the contract in backend.h, the
-// packing in precision/int_quant.h). On CPUs with AVX512-VNNI (Zen 4/5, Ice Lake and later) every
-// format runs the integer kernel below (weight_only_vnni: the input quantized to int8 per row and
-// group, vpdpbusd on 32 codes at a time); elsewhere AVX2 + FMA intrinsics (x86-64-v3, Loom's
-// baseline) in the ways this paragraph describes:
+// packing in precision/int_quant.h). Every format multiplies with the input quantized to int8 per
+// row and group (q_x = round(x / s_x), s_x = max |x| / 127, as llama.cpp's q8_0 activations), and
+// sums code times input code in int32, exactly:
+// - on CPUs with AVX512-VNNI (Zen 4/5, Ice Lake and later) with vpdpbusd, 32 codes at a time
+//   (weight_only_vnni; int4_vnni_blocks, 128 at a time, for 4-bit groups of 32 or multiples of 128);
+// - elsewhere with AVX2 (x86-64-v3, Loom's baseline; weight_only_avx2): _mm256_maddubs_epi16 of
+//   the u8 codes and the s8 inputs, then _mm256_madd_epi16 to int32. maddubs adds pairs in int16
+//   with saturation, which 4- and 3-bit codes cannot reach (2 x 15 x 127 < 2^15); 8-bit codes are
+//   taken as c - 128 in s8 and multiplied as |c - 128| times the input with c - 128's sign
+//   (2 x 128 x 127 < 2^15; llama.cpp's q8_0 dot product does the same), the 128 going into the
+//   zero point's term. Before, the AVX2 kernel widened the codes to f32 and ran FMAs: compute-
+//   bound at 4 bits (see docs/performance.md for the figures on an AVX2-only CPU).
+// Per group: acc += s_w s_x (sum_c q_x q_w) and, outside the loop, y -= s_w z s_x sum_c q_x, the
+// zero point's term from each input row's group sums. The sums are in a fixed order per output,
+// so results do not depend on the thread count.
 //
 // With an input scale (AWQ, SmoothQuant) int_linear multiplies a copy of x by it and
-// int_dequantize multiplies the weight's columns by it.
-// - Weight-only (8, 4, 3 bits): decoding is memory-bound, so the codes are read once per output
-//   row and turned into f32 in registers (u8 -> i32 -> f32), multiplied with up to 4 input rows
-//   at a time. Per group: acc += s (sum_c x_c q_c) and, outside the loop, y -= s z sum_c x_c (the
-//   zero point's term from each input row's group sums, computed once per call). The f32 sums
-//   are in a fixed order per output, so results do not depend on the thread count.
-// - W8A8 (SmoothQuant): each input row is quantized to int8 (symmetric, per row), and the dot
-//   products of int8 codes run in int32 with _mm256_maddubs_epi16 on |x| and sign(x) w (both
-//   operands in [-127, 127], so the int16 pair sums cannot saturate: 2 127^2 < 2^15), then
-//   _mm256_madd_epi16 to int32: exact.
-// OpenMP splits the output rows (static schedule).
+// int_dequantize multiplies the weight's columns by it. W8A8 (SmoothQuant) is the 8-bit format
+// with one group per row. OpenMP splits the output rows (static schedule), or a decoding step's
+// short-region team.
 //
 // Group parameters are f32 scales and u8 zero points, or compact as the checkpoint stores them
 // (BackendCapabilities::compact_int_weights): f16 scales, widened one row at a time into the
@@ -76,10 +79,12 @@ inline void chunk_codes(const uint8_t* row, int64_t c, __m128i& lo, __m128i& hi)
   }
 }
 
-// A row's zero points: u8 per group, or one value for every group (p == nullptr).
+// A row's zero points: u8 per group, or one value for every group (p == nullptr); the kernels
+// whose sums are of c - offset rather than of the codes c take z - offset.
 struct ZeroPoints {
   const uint8_t* p;
   float z;
+  float offset = 0.0f;
 };
 
 // A weight's group parameters as the kernels read them, one output row at a time.
@@ -102,78 +107,94 @@ struct GroupRows {
   ZeroPoints zero_points(int64_t o) const { return {zeros != nullptr ? zeros + o * groups : nullptr, zero}; }
 };
 
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const int32_t* p) { return _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
-
 // The zero points' term of one output row against NR input rows: out[r] = sum_g f_g z_g q_{r,g}
-// with f_g = s_g t_{r,g} (t: the input's per-group scale, or none) and q the input's group sums
+// with f_g = s_g t_{r,g} (t: the input's per-group scale) and q the input codes' group sums
 // (rows `groups` apart); 8 groups at a time, so no sum waits on the previous group's.
-template <int NR, class T>
-void zero_terms(int64_t groups, const float* scales, ZeroPoints zeros, const float* in_scales, const T* sums,
+template <int NR>
+void zero_terms(int64_t groups, const float* scales, ZeroPoints zeros, const float* in_scales, const int32_t* sums,
                 int64_t n0, float* out) {
-  const __m256 zconst = _mm256_set1_ps(zeros.z);
+  const __m256 zconst = _mm256_set1_ps(zeros.z - zeros.offset), offset = _mm256_set1_ps(zeros.offset);
   for (int r = 0; r < NR; ++r) {
-    const T* q = sums + (n0 + r) * groups;
-    const float* t = in_scales != nullptr ? in_scales + (n0 + r) * groups : nullptr;
+    const int32_t* q = sums + (n0 + r) * groups;
+    const float* t = in_scales + (n0 + r) * groups;
     __m256 acc = _mm256_setzero_ps();
     int64_t g = 0;
     for (; g + 8 <= groups; g += 8) {
-      const __m256 z = zeros.p == nullptr
-                           ? zconst
-                           : _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(zeros.p + g))));
-      __m256 f = _mm256_loadu_ps(scales + g);
-      if (t != nullptr) f = _mm256_mul_ps(f, _mm256_loadu_ps(t + g));
-      acc = _mm256_fmadd_ps(_mm256_mul_ps(f, z), load8(q + g), acc);
+      const __m256 z =
+          zeros.p == nullptr
+              ? zconst
+              : _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(zeros.p + g)))), offset);
+      const __m256 f = _mm256_mul_ps(_mm256_loadu_ps(scales + g), _mm256_loadu_ps(t + g));
+      const __m256 qg = _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + g)));
+      acc = _mm256_fmadd_ps(_mm256_mul_ps(f, z), qg, acc);
     }
     float sum = hsum(acc);
     for (; g < groups; ++g) {
-      const float f = t != nullptr ? scales[g] * t[g] : scales[g];
-      const float z = zeros.p == nullptr ? zeros.z : static_cast<float>(zeros.p[g]);
-      sum = std::fma(f * z, static_cast<float>(q[g]), sum);  // explicit: the same rounding in every inlined copy
+      const float z = (zeros.p == nullptr ? zeros.z : static_cast<float>(zeros.p[g])) - zeros.offset;
+      sum = std::fma(scales[g] * t[g] * z, static_cast<float>(q[g]), sum);  // explicit: the same rounding in every inlined copy
     }
     out[r] = sum;
   }
 }
 
-// One output row o against NR input rows [n0, n0 + NR): out[r] = sum_g s_g (sum_c x_c q_c) - s_g z_g xsum_g.
-// AVX2: 4 vectors of 8 per chunk of 32 columns, each with its own accumulator (an FMA's result is
-// ready 4 cycles after it issues: chained, the 4 products of a chunk took 16 cycles a row).
-template <int BITS, int NR>
-void weight_only_avx2(const float* x, int64_t K, int64_t n0, const uint8_t* row, const float* scales, ZeroPoints zeros,
-                      int64_t group, const float* xsums, float* out) {
-  const int64_t groups = K / group;
-  __m256 total[NR];
-  for (int r = 0; r < NR; ++r) total[r] = _mm256_setzero_ps();
-  constexpr int A = NR <= 2 ? 4 : 2;  // accumulators a row (16 registers: 3-4 rows keep 2)
-  for (int64_t g = 0; g < groups; ++g) {
-    __m256 acc[NR][A];
-    for (int r = 0; r < NR; ++r) {
-      for (int k = 0; k < A; ++k) acc[r][k] = _mm256_setzero_ps();
-    }
-    for (int64_t c = g * group; c < (g + 1) * group; c += 32) {
-      __m128i lo, hi;
-      chunk_codes<BITS>(row, c, lo, hi);
-      const __m256 w[4] = {u8_to_f32(lo), u8_to_f32(_mm_srli_si128(lo, 8)), u8_to_f32(hi), u8_to_f32(_mm_srli_si128(hi, 8))};
-      for (int r = 0; r < NR; ++r) {
-        const float* xr = x + (n0 + r) * K + c;
-        for (int k = 0; k < 4; ++k) acc[r][k % A] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8 * k), w[k], acc[r][k % A]);
-      }
-    }
-    const __m256 sv = _mm256_set1_ps(scales[g]);
-    for (int r = 0; r < NR; ++r) {
-      __m256 a = acc[r][0];
-      for (int k = 1; k < A; ++k) a = _mm256_add_ps(a, acc[r][k]);
-      total[r] = _mm256_fmadd_ps(sv, a, total[r]);
-    }
+// sum_c code_c q_c over 32 columns into acc's 8 int32 lanes, AVX2 (see the top of the file): for
+// 4 and 3 bits the codes themselves, for 8 bits c - 128 (the caller's zero points take the 128).
+template <int BITS>
+inline __m256i dot32_avx2(__m256i acc, __m256i codes, __m256i xq) {
+  __m256i pairs;
+  if constexpr (BITS == 8) {
+    const __m256i w = _mm256_xor_si256(codes, _mm256_set1_epi8(static_cast<char>(0x80)));  // c - 128 as s8
+    pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xq, w));
+  } else {
+    pairs = _mm256_maddubs_epi16(codes, xq);
   }
-  float zero_term[NR];
-  zero_terms<NR>(groups, scales, zeros, nullptr, xsums, n0, zero_term);
-  for (int r = 0; r < NR; ++r) out[r] = hsum(total[r]) - zero_term[r];
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
 
-// Weight-only with 8-bit activations (CPUs with AVX512-VNNI, as llama.cpp's q8_0 dot products):
-// the input row's group is quantized to int8, q_x = round(x / s_x), s_x = max |x| / 127, and
-// sum_c q_x q_w runs in int32 with vpdpbusd (u8 codes times s8 inputs, 32 per instruction);
+template <int BITS, int NR>
+inline void avx2_group(const int8_t* xq, int64_t K, int64_t n0, const uint8_t* row, const float* scales, const float* xs,
+                       int64_t group, int64_t groups, int64_t g, __m256 (&total)[NR]) {
+  __m256i acc[NR];
+  for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_si256();
+  for (int64_t c = g * group; c < (g + 1) * group; c += 32) {
+    __m128i lo, hi;
+    chunk_codes<BITS>(row, c, lo, hi);
+    const __m256i codes = _mm256_set_m128i(hi, lo);
+    for (int r = 0; r < NR; ++r) {
+      acc[r] = dot32_avx2<BITS>(acc[r], codes, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (n0 + r) * K + c)));
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    total[r] = _mm256_fmadd_ps(_mm256_set1_ps(scales[g] * xs[(n0 + r) * groups + g]), _mm256_cvtepi32_ps(acc[r]), total[r]);
+  }
+}
+
+// One output row o against NR input rows [n0, n0 + NR), AVX2: out[r] = sum_g s_w s_x (sum_c q_x q_w
+// - z sum_c q_x). Four groups in flight, as weight_only_vnni below.
+template <int BITS, int NR>
+void weight_only_avx2(const int8_t* xq, int64_t K, int64_t n0, const uint8_t* row, const float* scales, ZeroPoints zeros,
+                      int64_t group, const float* xs, const int32_t* xqsum, float* out) {
+  const int64_t groups = K / group;
+  __m256 t0[NR], t1[NR], t2[NR], t3[NR];
+  for (int r = 0; r < NR; ++r) t0[r] = t1[r] = t2[r] = t3[r] = _mm256_setzero_ps();
+  int64_t g = 0;
+  for (; g + 4 <= groups; g += 4) {
+    avx2_group<BITS, NR>(xq, K, n0, row, scales, xs, group, groups, g, t0);
+    avx2_group<BITS, NR>(xq, K, n0, row, scales, xs, group, groups, g + 1, t1);
+    avx2_group<BITS, NR>(xq, K, n0, row, scales, xs, group, groups, g + 2, t2);
+    avx2_group<BITS, NR>(xq, K, n0, row, scales, xs, group, groups, g + 3, t3);
+  }
+  for (; g < groups; ++g) avx2_group<BITS, NR>(xq, K, n0, row, scales, xs, group, groups, g, t0);
+  if constexpr (BITS == 8) zeros.offset = 128.0f;
+  float zero_term[NR];
+  zero_terms<NR>(groups, scales, zeros, xs, xqsum, n0, zero_term);
+  for (int r = 0; r < NR; ++r) {
+    out[r] = hsum(_mm256_add_ps(_mm256_add_ps(t0[r], t1[r]), _mm256_add_ps(t2[r], t3[r]))) - zero_term[r];
+  }
+}
+
+// The same with AVX512-VNNI: sum_c q_x q_w runs in int32 with vpdpbusd (u8 codes times s8 inputs,
+// 32 per instruction, no intermediate saturation);
 // out += s_w s_x (sum q_x q_w - z sum q_x) per group. Four groups are in flight at a time, each
 // scaled into its own f32 accumulator: one group after the other chained the vpdpbusd latency
 // (5 cycles) and the FMA's (4), so the loop ran at a chunk of 32 codes per 4-6 cycles, half
@@ -296,11 +317,8 @@ VnniKernel int4_block_kernel(int nr) {
   }
 }
 
-using RowKernel = void (*)(const float*, int64_t, int64_t, const uint8_t*, const float*, ZeroPoints, int64_t,
-                           const float*, float*);
-
 template <int BITS>
-RowKernel row_kernel(int nr) {
+VnniKernel avx2_kernel(int nr) {
   switch (nr) {
     case 1: return weight_only_avx2<BITS, 1>;
     case 2: return weight_only_avx2<BITS, 2>;
@@ -309,23 +327,17 @@ RowKernel row_kernel(int nr) {
   }
 }
 
-RowKernel weight_only_kernel(int bits, int nr) {
-  return bits == 8 ? row_kernel<8>(nr) : (bits == 4 ? row_kernel<4>(nr) : row_kernel<3>(nr));
+bool has_vnni() {
+  static const bool vnni = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  return vnni;
 }
 
-// sum_c qx_c (code_c - 128) over one row, exact in int32.
-int32_t dot_s8(const int8_t* qx, const uint8_t* codes, int64_t K) {
-  __m256i acc = _mm256_setzero_si256();
-  const __m256i ones = _mm256_set1_epi16(1), bias = _mm256_set1_epi8(static_cast<char>(0x80));
-  for (int64_t c = 0; c < K; c += 32) {
-    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + c));
-    const __m256i w = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + c)), bias);  // code - 128
-    const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(a, a), _mm256_sign_epi8(w, a));
-    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, ones));
-  }
-  const __m128i s = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
-  const __m128i t = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-  return _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1)));
+// The kernel of one output row against nr input rows.
+VnniKernel row_kernel(const IntWeightSpec& s, int nr) {
+  if (!has_vnni()) return s.bits == 8 ? avx2_kernel<8>(nr) : (s.bits == 4 ? avx2_kernel<4>(nr) : avx2_kernel<3>(nr));
+  if (int4_blocks(s)) return int4_block_kernel(nr);
+  return s.bits == 8 ? vnni_kernel<8>(nr) : (s.bits == 4 ? vnni_kernel<4>(nr) : vnni_kernel<3>(nr));
 }
 
 void check_operands(const Tensor& x, const Tensor& codes, const Tensor& scales, const Tensor& zeros,
@@ -364,6 +376,36 @@ void each_output_row(int64_t rows, const GroupRows& params, bool short_region_ro
   }
 }
 
+// One group of an input row to int8 (n a multiple of 32): q = round(x / s) to nearest even (as
+// nearbyint), clamped to [-127, 127], s = max |x| / 127 (1 for a group of zeros); returns s and
+// writes the codes and their sum. A NaN is left out of the maximum and becomes -127.
+float quantize_group(const float* x, int64_t n, int8_t* q, int32_t& sum) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 m = _mm256_setzero_ps();
+  for (int64_t c = 0; c < n; c += 8) m = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + c)), m);
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
+  const float scale = amax > 0.0f ? amax / 127.0f : 1.0f;
+  const __m256 sv = _mm256_set1_ps(scale), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes packs' interleaving of 128-bit lanes
+  __m256i total = _mm256_setzero_si256();
+  for (int64_t c = 0; c < n; c += 32) {
+    __m256i v[4];
+    for (int k = 0; k < 4; ++k) {
+      const __m256 r = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + c + 8 * k), sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      v[k] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
+      total = _mm256_add_epi32(total, v[k]);
+    }
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + c), _mm256_permutevar8x32_epi32(bytes, order));
+  }
+  const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+  const __m128i s2 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+  sum = _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0xB1)));
+  return scale;
+}
+
 GroupRows group_rows(const Tensor& scales, const Tensor& zeros, const IntWeightSpec& s) {
   GroupRows p;
   if (scales.dtype() == DTYPE_F32) p.f32 = scales.data<float>();
@@ -375,12 +417,6 @@ GroupRows group_rows(const Tensor& scales, const Tensor& zeros, const IntWeightS
 }
 
 }  // namespace
-
-bool int_linear_quantizes_activations() {
-  static const bool vnni = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
-  return vnni;
-}
 
 void int_linear(const Tensor& x, const Tensor& codes, const Tensor& scales, const Tensor& zeros, const IntWeightSpec& s,
                 const Tensor* input_scale, const Tensor& y, float beta, const Tensor* bias) {
@@ -409,63 +445,23 @@ void int_linear(const Tensor& x, const Tensor& codes, const Tensor& scales, cons
     float& dst = yp[n * O + o];
     dst = beta == 0.0f ? v : beta * dst + v;
   };
-  if (s.act_int8 || int_linear_quantizes_activations()) {
-    // Each row's groups (W8A8: the whole row) to int8: scale, codes, and the codes' sum.
-    std::vector<int8_t> qx(static_cast<size_t>(N * K));
-    std::vector<float> sx(static_cast<size_t>(N * groups));
-    std::vector<int32_t> qsum(static_cast<size_t>(N * groups));
-    const bool blocks = int_linear_quantizes_activations() && int4_blocks(s);  // qx in int4_input_order
+  // Each row's groups (W8A8: the whole row) to int8: scale, codes, and the codes' sum.
+  std::vector<int8_t> qx(static_cast<size_t>(N * K));
+  std::vector<float> sx(static_cast<size_t>(N * groups));
+  std::vector<int32_t> qsum(static_cast<size_t>(N * groups));
 #pragma omp parallel for schedule(static) if (N * K >= kParallelMinElements)
-    for (int64_t ng = 0; ng < N * groups; ++ng) {
-      const float* xg = xp + ng * s.group;  // rows are K = groups x group long: group ng starts at ng x group
-      float amax = 0.0f;
-      for (int64_t c = 0; c < s.group; ++c) amax = std::max(amax, std::fabs(xg[c]));
-      const float scale = amax > 0.0f ? amax / 127.0f : 1.0f;
-      int32_t sum = 0;
-      for (int64_t c = 0; c < s.group; ++c) {
-        const int8_t q = static_cast<int8_t>(std::clamp(std::nearbyint(xg[c] / scale), -127.0f, 127.0f));
-        const int64_t at = ng * s.group + c;  // = row x K + column
-        qx[static_cast<size_t>(blocks ? at - at % K + int4_input_order(at % K) : at)] = q;
-        sum += q;
-      }
-      sx[static_cast<size_t>(ng)] = scale, qsum[static_cast<size_t>(ng)] = sum;
-    }
-    if (!int_linear_quantizes_activations()) {  // W8A8 without VNNI: maddubs on |x| and sign(x) (q_w - 128)
-#pragma omp parallel for schedule(static)
-      for (int64_t o = 0; o < O; ++o) {
-        const float scale = params.f32 != nullptr ? params.f32[o] : _cvtsh_ss(params.f16[o]);  // one group per row
-        for (int64_t n = 0; n < N; ++n) {
-          const int32_t d = dot_s8(qx.data() + n * K, cp + o * rb, K);
-          store(n, o, sx[static_cast<size_t>(n)] * scale * static_cast<float>(d));
-        }
-      }
-      return;
-    }
-    each_output_row(O, params, N <= kShortRegionRows, [&](int64_t o, const float* so) {
-      for (int64_t n0 = 0; n0 < N; n0 += kRowBlock) {
-        const int nr = static_cast<int>(std::min<int64_t>(kRowBlock, N - n0));
-        float out[kRowBlock];
-        const VnniKernel k = blocks ? int4_block_kernel(nr)
-                             : s.bits == 8 ? vnni_kernel<8>(nr) : (s.bits == 4 ? vnni_kernel<4>(nr) : vnni_kernel<3>(nr));
-        k(qx.data(), K, n0, cp + o * rb, so, params.zero_points(o), s.group, sx.data(), qsum.data(), out);
-        for (int r = 0; r < nr; ++r) store(n0 + r, o, out[r]);
-      }
-    });
-    return;
+  for (int64_t ng = 0; ng < N * groups; ++ng) {  // rows are K = groups x group long: group ng starts at ng x group
+    sx[static_cast<size_t>(ng)] = quantize_group(xp + ng * s.group, s.group, qx.data() + ng * s.group, qsum[static_cast<size_t>(ng)]);
   }
-  std::vector<float> xsums(static_cast<size_t>(N * groups));  // each row's group sums (the zero points' term)
-  for (int64_t n = 0; n < N; ++n) {
-    for (int64_t g = 0; g < groups; ++g) {
-      float t = 0.0f;
-      for (int64_t c = g * s.group; c < (g + 1) * s.group; ++c) t += xp[n * K + c];
-      xsums[static_cast<size_t>(n * groups + g)] = t;
-    }
+  if (has_vnni() && int4_blocks(s)) {  // int4_vnni_blocks reads each row's codes in int4_input_order
+    const std::vector<int8_t> natural = qx;
+    for (int64_t at = 0; at < N * K; ++at) qx[static_cast<size_t>(at - at % K + int4_input_order(at % K))] = natural[static_cast<size_t>(at)];
   }
   each_output_row(O, params, N <= kShortRegionRows, [&](int64_t o, const float* so) {
     for (int64_t n0 = 0; n0 < N; n0 += kRowBlock) {
       const int nr = static_cast<int>(std::min<int64_t>(kRowBlock, N - n0));
       float out[kRowBlock];
-      weight_only_kernel(s.bits, nr)(xp, K, n0, cp + o * rb, so, params.zero_points(o), s.group, xsums.data(), out);
+      row_kernel(s, nr)(qx.data(), K, n0, cp + o * rb, so, params.zero_points(o), s.group, sx.data(), qsum.data(), out);
       for (int r = 0; r < nr; ++r) store(n0 + r, o, out[r]);
     }
   });

@@ -44,9 +44,8 @@ void nf4_dequantize(const Tensor& codes, const Tensor& absmax_codes, const Tenso
 // The soft-target loss and its gradient (cpu_soft_target.cpp).
 void soft_target_loss(const Tensor& logits, const Tensor& teacher, float temperature, float grad_scale, const Tensor& losses,
                       const Tensor& grad);
-// Post-training-quantized weights (cpu_int_linear.cpp). On a CPU with AVX512-VNNI the weight-only
-// formats multiply with the input quantized to int8 per row and group (int_linear_quantizes_activations).
-bool int_linear_quantizes_activations();
+// Post-training-quantized weights (cpu_int_linear.cpp): every format multiplies with the input
+// quantized to int8 per row and group (the whole row for W8A8).
 void int_linear(const Tensor& x, const Tensor& codes, const Tensor& scales, const Tensor& zeros, const IntWeightSpec& spec,
                 const Tensor* input_scale, const Tensor& y, float beta, const Tensor* bias);
 void int_dequantize(const Tensor& codes, const Tensor& scales, const Tensor& zeros, const IntWeightSpec& spec,
