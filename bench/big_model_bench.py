@@ -40,6 +40,8 @@ OMP_NUM_THREADS), llama.cpp's from the same 16 prompt token ids, greedy, one run
 of the medians per thread count and the best Loom / best llama.cpp ratio, with the CPU's model
 name and whether it has AVX-512; every round's figures go to OUT/llama_cpp_results.json.
 --skip-generate skips the bf16 / f32 table only (--quantize, --qlora and --llama-cpp still run).
+--loom-base BIN adds another Loom binary (a build from before a change) to every round, as the
+engine "loom base".
 --busy-core C runs every --llama-cpp run beside a busy process (a shell loop pinned to core C,
 started before and killed after each run, as bench/contention_bench.py does for training).
 """
@@ -364,7 +366,9 @@ def llama_cpp_compare(args, folder: str, cfg: dict, file_bytes: int) -> None:
           f"{args.rounds} rounds" + (f"; beside a busy loop on core {args.busy_core}" if args.busy_core is not None else ""))
     avail = 0.9 * available_bytes()
     waits = [w.strip() for w in args.loom_wait.split(",") if w.strip()]
-    looms = {("loom" if w == "passive" else f"loom {w}"): w for w in waits}
+    looms = {("loom" if w == "passive" else f"loom {w}"): (args.loom, w) for w in waits}
+    if args.loom_base:  # another build of Loom (say, before a change) in the same rounds, default waits
+        looms["loom base"] = (args.loom_base, "passive")
     raw = []
     for rnd in range(args.rounds):
         for t in types:
@@ -378,8 +382,9 @@ def llama_cpp_compare(args, folder: str, cfg: dict, file_bytes: int) -> None:
                         rec["skipped"] = f"{fmt_bytes(size)} of weights, {fmt_bytes(avail / 0.9)} available"
                     elif engine in looms:
                         with busy_core(args.busy_core):
-                            rec.update(model=loom_dir, **run_generate(args.loom, loom_dir, False, threads=n,
-                                                                      new_tokens=args.new_tokens, wait=looms[engine]))
+                            binary, wait = looms[engine]
+                            rec.update(model=loom_dir, **run_generate(binary, loom_dir, False, threads=n,
+                                                                      new_tokens=args.new_tokens, wait=wait))
                     else:
                         with busy_core(args.busy_core):
                             rec.update(model=gguf, **run_llama_speed(gguf, prompt, args.new_tokens, n, work))
@@ -403,7 +408,7 @@ def llama_cpp_compare(args, folder: str, cfg: dict, file_bytes: int) -> None:
     print("|" + "---|" * len(head))
     summary = []
     for t, engine in [(t, e) for t in types for e in looms]:
-        label = f"{LOOM_OF_GGUF[t][0]} ({looms[engine]}) / {exports[t]['type']}"
+        label = f"{LOOM_OF_GGUF[t][0]} ({engine}, {looms[engine][1]}) / {exports[t]['type']}"
         loom_m = [median(t, engine, n) for n in threads]
         llama_m = [median(t, "llama.cpp", n) for n in threads]
         rss = [r["peak_rss"] for r in raw if r["format"] == t and r["engine"] == engine and "peak_rss" in r]
@@ -414,7 +419,8 @@ def llama_cpp_compare(args, folder: str, cfg: dict, file_bytes: int) -> None:
         print(f"| {label} | " + " | ".join(cell(x) for x in loom_m + llama_m) + " | " +
               (f"{ratio:.2f}x" if ratio is not None else "-") + " | " +
               (fmt_bytes(statistics.median(rss)) if rss else "-") + " |")
-        summary.append({"format": t, "gguf_type": exports[t]["type"], "loom_model": models[t], "loom_wait": looms[engine],
+        summary.append({"format": t, "gguf_type": exports[t]["type"], "loom_model": models[t], "loom": engine, "loom_binary": looms[engine][0],
+                        "loom_wait": looms[engine][1],
                         "loom_decode_median": dict(zip(map(str, threads), loom_m)),
                         "llama_cpp_decode_median": dict(zip(map(str, threads), llama_m)),
                         "best_loom_over_best_llama_cpp": ratio})
@@ -453,6 +459,8 @@ def main() -> None:
                     help="--llama-cpp: OMP_WAIT_POLICY values for Loom's runs, each its own row (default passive, "
                          "Loom's own; llama.cpp's threads spin), or nospin: passive with LOOM_SPIN_US=0 (the decoding "
                          "team sleeps at once, as every wait did before it)")
+    ap.add_argument("--loom-base", default="", metavar="BIN",
+                    help="--llama-cpp: also run this Loom binary (say, a build from before a change) in every round")
     ap.add_argument("--busy-core", type=int, default=None,
                     help="--llama-cpp: run every engine beside a shell loop spinning on this core")
     ap.add_argument("--formats", default=",".join(GGUF_TYPES),

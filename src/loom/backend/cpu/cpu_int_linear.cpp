@@ -4,13 +4,14 @@
 // sums code times input code in int32, exactly:
 // - on CPUs with AVX512-VNNI (Zen 4/5, Ice Lake and later) with vpdpbusd, 32 codes at a time
 //   (weight_only_vnni; int4_vnni_blocks, 128 at a time, for 4-bit groups of 32 or multiples of 128);
-// - elsewhere with AVX2 (x86-64-v3, Loom's baseline; weight_only_avx2): _mm256_maddubs_epi16 of
-//   the u8 codes and the s8 inputs, then _mm256_madd_epi16 to int32. maddubs adds pairs in int16
-//   with saturation, which 4- and 3-bit codes cannot reach (2 x 15 x 127 < 2^15); 8-bit codes are
-//   taken as c - 128 in s8 and multiplied as |c - 128| times the input with c - 128's sign
-//   (2 x 128 x 127 < 2^15; llama.cpp's q8_0 dot product does the same), the 128 going into the
-//   zero point's term. Before, the AVX2 kernel widened the codes to f32 and ran FMAs: compute-
-//   bound at 4 bits (see docs/performance.md for the figures on an AVX2-only CPU).
+// - elsewhere with AVX2 (x86-64-v3, Loom's baseline; weight_only_avx2, and int4_avx2_pairs, 64
+//   codes at a time, for 4-bit groups of 32): _mm256_maddubs_epi16 of the u8 codes and the s8
+//   inputs, then _mm256_madd_epi16 to int32. maddubs adds pairs in int16 with saturation, which
+//   4- and 3-bit codes cannot reach (2 x 15 x 127 < 2^15); 8-bit codes are taken as c - 128 in s8
+//   and multiplied as |c - 128| times the input with c - 128's sign (2 x 128 x 127 < 2^15;
+//   llama.cpp's q8_0 dot product does the same), the 128 going into the zero point's term.
+//   Before, the AVX2 kernel widened the codes to f32 and ran FMAs: compute-bound at 4 bits
+//   (docs/compression.md and docs/performance.md give the figures on an AVX2-only CPU).
 // Per group: acc += s_w s_x (sum_c q_x q_w) and, outside the loop, y -= s_w z s_x sum_c q_x, the
 // zero point's term from each input row's group sums. The sums are in a fixed order per output,
 // so results do not depend on the thread count.
@@ -193,6 +194,50 @@ void weight_only_avx2(const int8_t* xq, int64_t K, int64_t n0, const uint8_t* ro
   }
 }
 
+// 4-bit codes in groups of 32, 64 columns at a time (AVX2: one 32-byte load of 2 chunks), K a
+// multiple of 64. The input's int8 codes are stored permuted per block of 64 columns
+// (int4_pair_order) so that the low nibbles of the 32 bytes meet its first 32 bytes and the high
+// nibbles its second: two maddubs (pairs at most 2 x 15 x 127, their sum at most 7,620: int16
+// holds it) and one madd give the two groups' sums in the two 128-bit lanes, scaled by their
+// s_w s_x at once. About 16 instructions per 64 codes where avx2_group spends about 13 per 32.
+template <int NR>
+void int4_avx2_pairs(const int8_t* xp, int64_t K, int64_t n0, const uint8_t* row, const float* scales, ZeroPoints zeros,
+                     int64_t group, const float* xs, const int32_t* xqsum, float* out) {
+  const int64_t groups = K / group;
+  const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i spread = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+  __m256 t0[NR], t1[NR];
+  for (int r = 0; r < NR; ++r) t0[r] = t1[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < K; b += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(row + b / 2 + kCodePrefetch), _MM_HINT_T0);
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b / 2));
+    const __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+    const int64_t g = b / 32;  // the block's two groups
+    for (int r = 0; r < NR; ++r) {
+      const int8_t* xb = xp + (n0 + r) * K + b;
+      const float* xsr = xs + (n0 + r) * groups;
+      const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb))),
+                                         _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 32))));
+      const __m128 f2 = _mm_mul_ps(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(scales + g))),
+                                   _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(xsr + g))));
+      const __m256 f = _mm256_permutevar8x32_ps(_mm256_zextps128_ps256(f2), spread);
+      const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
+      if ((b / 64) % 2 == 0) t0[r] = _mm256_fmadd_ps(f, sums, t0[r]);
+      else t1[r] = _mm256_fmadd_ps(f, sums, t1[r]);
+    }
+  }
+  float zero_term[NR];
+  zero_terms<NR>(groups, scales, zeros, xs, xqsum, n0, zero_term);
+  for (int r = 0; r < NR; ++r) out[r] = hsum(_mm256_add_ps(t0[r], t1[r])) - zero_term[r];
+}
+
+// Column c of a row's input codes where int4_avx2_pairs reads it: in each block of 64, column
+// 32 j + i (i < 16) at 16 j + i and column 32 j + 16 + i at 32 + 16 j + i.
+inline int64_t int4_pair_order(int64_t c) {
+  const int64_t b = c & ~int64_t{63}, j = (c & 63) / 32, i = c & 31;
+  return b + (i < 16 ? 16 * j + i : 32 + 16 * j + (i - 16));
+}
+
 // The same with AVX512-VNNI: sum_c q_x q_w runs in int32 with vpdpbusd (u8 codes times s8 inputs,
 // 32 per instruction, no intermediate saturation);
 // out += s_w s_x (sum q_x q_w - z sum q_x) per group. Four groups are in flight at a time, each
@@ -317,6 +362,15 @@ VnniKernel int4_block_kernel(int nr) {
   }
 }
 
+VnniKernel int4_pair_kernel(int nr) {
+  switch (nr) {
+    case 1: return int4_avx2_pairs<1>;
+    case 2: return int4_avx2_pairs<2>;
+    case 3: return int4_avx2_pairs<3>;
+    default: return int4_avx2_pairs<4>;
+  }
+}
+
 template <int BITS>
 VnniKernel avx2_kernel(int nr) {
   switch (nr) {
@@ -333,9 +387,22 @@ bool has_vnni() {
   return vnni;
 }
 
+// Whether int4_avx2_pairs runs this weight (a CPU without VNNI).
+bool int4_pairs(const IntWeightSpec& s) { return s.bits == 4 && !s.act_int8 && s.cols % 64 == 0 && s.group == 32; }
+
+// Where a kernel reads each column of a row's input codes, if not in order.
+using InputOrder = int64_t (*)(int64_t);
+InputOrder input_order(const IntWeightSpec& s) {
+  if (has_vnni()) return int4_blocks(s) ? int4_input_order : nullptr;
+  return int4_pairs(s) ? int4_pair_order : nullptr;
+}
+
 // The kernel of one output row against nr input rows.
 VnniKernel row_kernel(const IntWeightSpec& s, int nr) {
-  if (!has_vnni()) return s.bits == 8 ? avx2_kernel<8>(nr) : (s.bits == 4 ? avx2_kernel<4>(nr) : avx2_kernel<3>(nr));
+  if (!has_vnni()) {
+    if (int4_pairs(s)) return int4_pair_kernel(nr);
+    return s.bits == 8 ? avx2_kernel<8>(nr) : (s.bits == 4 ? avx2_kernel<4>(nr) : avx2_kernel<3>(nr));
+  }
   if (int4_blocks(s)) return int4_block_kernel(nr);
   return s.bits == 8 ? vnni_kernel<8>(nr) : (s.bits == 4 ? vnni_kernel<4>(nr) : vnni_kernel<3>(nr));
 }
@@ -453,9 +520,9 @@ void int_linear(const Tensor& x, const Tensor& codes, const Tensor& scales, cons
   for (int64_t ng = 0; ng < N * groups; ++ng) {  // rows are K = groups x group long: group ng starts at ng x group
     sx[static_cast<size_t>(ng)] = quantize_group(xp + ng * s.group, s.group, qx.data() + ng * s.group, qsum[static_cast<size_t>(ng)]);
   }
-  if (has_vnni() && int4_blocks(s)) {  // int4_vnni_blocks reads each row's codes in int4_input_order
+  if (const InputOrder order = input_order(s)) {  // the 4-bit block kernels read each row's codes permuted
     const std::vector<int8_t> natural = qx;
-    for (int64_t at = 0; at < N * K; ++at) qx[static_cast<size_t>(at - at % K + int4_input_order(at % K))] = natural[static_cast<size_t>(at)];
+    for (int64_t at = 0; at < N * K; ++at) qx[static_cast<size_t>(at - at % K + order(at % K))] = natural[static_cast<size_t>(at)];
   }
   each_output_row(O, params, N <= kShortRegionRows, [&](int64_t o, const float* so) {
     for (int64_t n0 = 0; n0 < N; n0 += kRowBlock) {
