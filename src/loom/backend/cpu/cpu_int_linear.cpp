@@ -202,7 +202,7 @@ void weight_only_avx2(const int8_t* xq, int64_t K, int64_t n0, const uint8_t* ro
 
 // 4-bit codes in groups of 32, 64 columns at a time (AVX2: one 32-byte load of 2 chunks), K a
 // multiple of 64. The input's int8 codes are stored permuted per block of 64 columns
-// (int4_pair_order) so that the low nibbles of the 32 bytes meet its first 32 bytes and the high
+// (input_block 64) so that the low nibbles of the 32 bytes meet its first 32 bytes and the high
 // nibbles its second: two maddubs (pairs at most 2 x 15 x 127, their sum at most 7,620: int16
 // holds it) and one madd give the two groups' sums in the two 128-bit lanes, scaled by their
 // s_w s_x at once. About 16 instructions per 64 codes where avx2_group spends about 13 per 32.
@@ -235,13 +235,6 @@ void int4_avx2_pairs(const int8_t* xp, int64_t K, int64_t n0, const uint8_t* row
   float zero_term[NR];
   zero_terms<NR>(groups, scales, zeros, xs, xqsum, n0, zero_term);
   for (int r = 0; r < NR; ++r) out[r] = hsum(_mm256_add_ps(t0[r], t1[r])) - zero_term[r];
-}
-
-// Column c of a row's input codes where int4_avx2_pairs reads it: in each block of 64, column
-// 32 j + i (i < 16) at 16 j + i and column 32 j + 16 + i at 32 + 16 j + i.
-inline int64_t int4_pair_order(int64_t c) {
-  const int64_t b = c & ~int64_t{63}, j = (c & 63) / 32, i = c & 31;
-  return b + (i < 16 ? 16 * j + i : 32 + 16 * j + (i - 16));
 }
 
 // The same with AVX512-VNNI: sum_c q_x q_w runs in int32 with vpdpbusd (u8 codes times s8 inputs,
@@ -293,7 +286,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,bmi2"))) void weight
 
 // 4-bit codes 128 columns at a time (AVX-512: one 64-byte load of 4 chunks), for groups of 32 or a
 // multiple of 128 and K a multiple of 128. The input's int8 codes are stored permuted per block of
-// 128 columns (int4_input_order), so that the low nibbles of the 64 bytes meet its first half and
+// 128 columns (input_block 128), so that the low nibbles of the 64 bytes meet its first half and
 // the high nibbles its second: two vpdpbusd give the 4 chunks' sums in the 4 lanes of 128 bits,
 // scaled by their groups' s_w s_x at once. About 14 instructions per 128 codes where the 32-column
 // kernel spends about 16 per 32 (measured on Llama-3-8B's shapes, one core: 13 GB/s of codes
@@ -337,13 +330,6 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,bmi2"))) void int4_v
 // Whether int4_vnni_blocks runs this weight.
 bool int4_blocks(const IntWeightSpec& s) {
   return s.bits == 4 && !s.act_int8 && s.cols % 128 == 0 && (s.group == 32 || s.group % 128 == 0);
-}
-
-// Column c of a row's input codes where int4_vnni_blocks reads it: in each block of 128, column
-// 32 j + i (i < 16) at 16 j + i and column 32 j + 16 + i at 64 + 16 j + i.
-inline int64_t int4_input_order(int64_t c) {
-  const int64_t b = c & ~int64_t{127}, j = (c & 127) / 32, i = c & 31;
-  return b + (i < 16 ? 16 * j + i : 64 + 16 * j + (i - 16));
 }
 
 using VnniKernel = void (*)(const int8_t*, int64_t, int64_t, const uint8_t*, const float*, ZeroPoints, int64_t,
@@ -396,11 +382,13 @@ bool has_vnni() {
 // Whether int4_avx2_pairs runs this weight (a CPU without VNNI).
 bool int4_pairs(const IntWeightSpec& s) { return s.bits == 4 && !s.act_int8 && s.cols % 64 == 0 && s.group == 32; }
 
-// Where a kernel reads each column of a row's input codes, if not in order.
-using InputOrder = int64_t (*)(int64_t);
-InputOrder input_order(const IntWeightSpec& s) {
-  if (has_vnni()) return int4_blocks(s) ? int4_input_order : nullptr;
-  return int4_pairs(s) ? int4_pair_order : nullptr;
+// The block of B columns within which the row kernel reads the input's codes permuted, or 0 for
+// in order: the 4-bit block kernels (B = 128 int4_vnni_blocks, 64 int4_avx2_pairs) read chunk j
+// of 32 columns (j < B / 32) as its first 16 codes at 16 j and its last 16 at B / 2 + 16 j, so
+// that the low nibbles of B / 2 code bytes meet the first half and the high nibbles the second.
+int64_t input_block(const IntWeightSpec& s) {
+  if (has_vnni()) return int4_blocks(s) ? 128 : 0;
+  return int4_pairs(s) ? 64 : 0;
 }
 
 // The kernel of one output row against nr input rows.
@@ -449,10 +437,12 @@ void each_output_row(int64_t rows, const GroupRows& params, bool short_region_ro
   }
 }
 
-// One group of an input row to int8 (n a multiple of 32): q = round(x / s) to nearest even (as
+// One group of the input to int8 (n a multiple of 32): q = round(x / s) to nearest even (as
 // nearbyint), clamped to [-127, 127], s = max |x| / 127 (1 for a group of zeros); returns s and
-// writes the codes and their sum. A NaN is left out of the maximum and becomes -127.
-float quantize_group(const float* x, int64_t n, int8_t* q, int32_t& sum) {
+// writes the codes and their sum. A NaN is left out of the maximum and becomes -127. The group
+// starts at element `at` of the input (rows K apart, K a multiple of `block`), and its codes go
+// to q[at ...] in order, or in input_block's order.
+float quantize_group(const float* x, int64_t n, int64_t at, int64_t block, int8_t* q, int32_t& sum) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   __m256 m = _mm256_setzero_ps();
   for (int64_t c = 0; c < n; c += 8) m = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + c)), m);
@@ -470,8 +460,12 @@ float quantize_group(const float* x, int64_t n, int8_t* q, int32_t& sum) {
       v[k] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
       total = _mm256_add_epi32(total, v[k]);
     }
-    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + c), _mm256_permutevar8x32_epi32(bytes, order));
+    const __m256i bytes = _mm256_permutevar8x32_epi32(
+        _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3])), order);
+    const int64_t a = at + c;  // a chunk of 32 columns
+    const int64_t first = block == 0 ? a : (a & ~(block - 1)) + 16 * ((a & (block - 1)) / 32);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + first), _mm256_castsi256_si128(bytes));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + first + (block == 0 ? 16 : block / 2)), _mm256_extracti128_si256(bytes, 1));
   }
   const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
   const __m128i s2 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
@@ -522,19 +516,18 @@ void int_linear(const Tensor& x, const Tensor& codes, const Tensor& scales, cons
   std::vector<int8_t> qx(static_cast<size_t>(N * K));
   std::vector<float> sx(static_cast<size_t>(N * groups));
   std::vector<int32_t> qsum(static_cast<size_t>(N * groups));
+  const int64_t block = input_block(s);
 #pragma omp parallel for schedule(static) if (N * K >= kParallelMinElements)
   for (int64_t ng = 0; ng < N * groups; ++ng) {  // rows are K = groups x group long: group ng starts at ng x group
-    sx[static_cast<size_t>(ng)] = quantize_group(xp + ng * s.group, s.group, qx.data() + ng * s.group, qsum[static_cast<size_t>(ng)]);
+    sx[static_cast<size_t>(ng)] = quantize_group(xp + ng * s.group, s.group, ng * s.group, block, qx.data(), qsum[static_cast<size_t>(ng)]);
   }
-  if (const InputOrder order = input_order(s)) {  // the 4-bit block kernels read each row's codes permuted
-    const std::vector<int8_t> natural = qx;
-    for (int64_t at = 0; at < N * K; ++at) qx[static_cast<size_t>(at - at % K + order(at % K))] = natural[static_cast<size_t>(at)];
-  }
+  VnniKernel kernels[kRowBlock + 1];  // by the number of input rows a call of it multiplies
+  for (int nr = 1; nr <= kRowBlock; ++nr) kernels[nr] = row_kernel(s, nr);
   each_output_row(O, params, N <= kShortRegionRows, [&](int64_t o, const float* so) {
     for (int64_t n0 = 0; n0 < N; n0 += kRowBlock) {
       const int nr = static_cast<int>(std::min<int64_t>(kRowBlock, N - n0));
       float out[kRowBlock];
-      row_kernel(s, nr)(qx.data(), K, n0, cp + o * rb, so, params.zero_points(o), s.group, sx.data(), qsum.data(), out);
+      kernels[nr](qx.data(), K, n0, cp + o * rb, so, params.zero_points(o), s.group, sx.data(), qsum.data(), out);
       for (int r = 0; r < nr; ++r) store(n0 + r, o, out[r]);
     }
   });
