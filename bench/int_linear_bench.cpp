@@ -7,7 +7,8 @@
 // the weight to fill 256 MiB (f32) and the time is per call.
 //
 // --shapes llama8b: Llama-3-8B's block (qkv 4096->6144, o, gate/up 4096->28672, down 14336->4096)
-// instead, --group G the weights' group (default 128), --rows N only that row count; bf16 rows
+// instead, --group G the weights' group (default 128; int8s / int4s: symmetric groups with f16
+// scales, as ggml's q8_0 / q4_0 at group 32), --rows N only that row count; bf16 rows
 // (Backend::bf16_weight_linear, a bf16 checkpoint's weights used in place) are printed too.
 //
 // Usage: int_linear_bench [--seconds S] [--shapes gpt2|llama8b] [--group G] [--rows N]   (default 0.2 s per case)
@@ -69,8 +70,11 @@ int main(int argc, char** argv) {
     const char* name;
     int bits;
     bool act_int8;
+    IntStorage storage;
   };
-  const Format formats[] = {{"int8", 8, false}, {"int4", 4, false}, {"int3", 3, false}, {"w8a8", 8, true}};
+  // int8s / int4s: ggml's q8_0 / q4_0 layout (symmetric groups, f16 scales: loom quantize --scales f16 --symmetric)
+  const Format formats[] = {{"int8", 8, false, {}},          {"int4", 4, false, {}},  {"int3", 3, false, {}},
+                            {"int8s", 8, false, {true, true}}, {"int4s", 4, false, {true, true}}, {"w8a8", 8, true, {}}};
   std::printf("%-16s %4s %-6s %10s %10s %8s\n", "shape", "rows", "format", "us", "GB/s", "vs f32");
   for (const Shape2& sh : shapes) {
     std::vector<float> w(static_cast<size_t>(sh.out * sh.in));
@@ -107,7 +111,7 @@ int main(int argc, char** argv) {
       std::printf("%-16s %4lld %-6s %10.1f %10.1f %7.2fx\n", sh.name, static_cast<long long>(n), "bf16", b16 * 1e6,
                   static_cast<double>(sh.out * sh.in * 2) / b16 / 1e9, f32 / b16);
       for (const Format& f : formats) {
-        const IntWeight q = rtn_quantize(w, int_weight_spec(f.bits, f.act_int8 ? 0 : group, sh.out, sh.in, f.act_int8, sh.name));
+        const IntWeight q = rtn_quantize(w, int_weight_spec(f.bits, f.act_int8 ? 0 : group, sh.out, sh.in, f.act_int8, sh.name), f.storage);
         std::vector<IntWeightDevice> ds;
         for (int64_t k = 0; k < copies; ++k) ds.push_back(int_weight_to_backend(q, *backend, MEM_PARAMETERS));
         const IntWeightDevice& d = ds[0];

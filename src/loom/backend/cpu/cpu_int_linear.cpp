@@ -32,6 +32,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "loom/backend/cpu/cpu_avx2.h"
@@ -108,40 +109,44 @@ struct GroupRows {
   ZeroPoints zero_points(int64_t o) const { return {zeros != nullptr ? zeros + o * groups : nullptr, zero}; }
 };
 
-// The zero points' term of one output row against NR input rows: out[r] = sum_g f_g z_g q_{r,g}
-// with f_g = s_g t_{r,g} (t: the input's per-group scale) and q the input codes' group sums
-// (rows `groups` apart); 8 groups at a time, so no sum waits on the previous group's. Every
-// group's z - offset 0 (symmetric 8-bit codes under the AVX2 kernel) makes each term 0: none is
-// read (in an 8B model's decoding this loop was a tenth of the 8-bit kernel's time).
+// The zero points' term of one output row against NR input rows: out[r] = sum_g s_g z_g u_{r,g},
+// u = t q (t: the input's per-group scale, q its codes' group sum; int_linear forms u once per
+// call, rows `groups` apart). Four accumulators of 8 groups each: one chained the FMA's latency
+// (in an 8B model's int4 decoding this loop was a sixth of the kernel's time, waiting on it).
+// Every group's z - offset 0 (symmetric 8-bit codes under the AVX2 kernel) makes each term 0:
+// none is read. A constant z multiplies the sum once.
 template <int NR>
-void zero_terms(int64_t groups, const float* scales, ZeroPoints zeros, const float* in_scales, const int32_t* sums,
-                int64_t n0, float* out) {
+void zero_terms(int64_t groups, const float* scales, ZeroPoints zeros, const float* u_all, int64_t n0, float* out) {
   if (zeros.p == nullptr && zeros.z == zeros.offset) {
     for (int r = 0; r < NR; ++r) out[r] = 0.0f;
     return;
   }
-  const __m256 zconst = _mm256_set1_ps(zeros.z - zeros.offset), offset = _mm256_set1_ps(zeros.offset);
-  for (int r = 0; r < NR; ++r) {
-    const int32_t* q = sums + (n0 + r) * groups;
-    const float* t = in_scales + (n0 + r) * groups;
-    __m256 acc = _mm256_setzero_ps();
-    int64_t g = 0;
-    for (; g + 8 <= groups; g += 8) {
-      const __m256 z =
-          zeros.p == nullptr
-              ? zconst
-              : _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(zeros.p + g)))), offset);
-      const __m256 f = _mm256_mul_ps(_mm256_loadu_ps(scales + g), _mm256_loadu_ps(t + g));
-      const __m256 qg = _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + g)));
-      acc = _mm256_fmadd_ps(_mm256_mul_ps(f, z), qg, acc);
+  const auto rows = [&](auto per_group) {  // per_group: u8 zero points, else one z for every group
+    const __m256 offset = _mm256_set1_ps(zeros.offset);
+    const auto weight = [&](int64_t g) {  // s_g (z_g - offset), or s_g for a constant z
+      const __m256 s = _mm256_loadu_ps(scales + g);
+      if constexpr (!decltype(per_group)::value) return s;
+      const __m128i z8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(zeros.p + g));
+      return _mm256_mul_ps(s, _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(z8)), offset));
+    };
+    for (int r = 0; r < NR; ++r) {
+      const float* u = u_all + (n0 + r) * groups;
+      __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+      int64_t g = 0;
+      for (; g + 32 <= groups; g += 32) {
+        for (int k = 0; k < 4; ++k) acc[k] = _mm256_fmadd_ps(weight(g + 8 * k), _mm256_loadu_ps(u + g + 8 * k), acc[k]);
+      }
+      for (; g + 8 <= groups; g += 8) acc[0] = _mm256_fmadd_ps(weight(g), _mm256_loadu_ps(u + g), acc[0]);
+      float sum = hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+      for (; g < groups; ++g) {  // std::fma: the same rounding in every inlined copy
+        const float w = decltype(per_group)::value ? scales[g] * (static_cast<float>(zeros.p[g]) - zeros.offset) : scales[g];
+        sum = std::fma(w, u[g], sum);
+      }
+      out[r] = decltype(per_group)::value ? sum : sum * (zeros.z - zeros.offset);
     }
-    float sum = hsum(acc);
-    for (; g < groups; ++g) {
-      const float z = (zeros.p == nullptr ? zeros.z : static_cast<float>(zeros.p[g])) - zeros.offset;
-      sum = std::fma(scales[g] * t[g] * z, static_cast<float>(q[g]), sum);  // explicit: the same rounding in every inlined copy
-    }
-    out[r] = sum;
-  }
+  };
+  if (zeros.p != nullptr) rows(std::true_type{});
+  else rows(std::false_type{});
 }
 
 // sum_c code_c q_c over 32 columns into acc's 8 int32 lanes, AVX2 (see the top of the file): for
@@ -180,7 +185,7 @@ inline void avx2_group(const int8_t* xq, int64_t K, int64_t n0, const uint8_t* r
 // - z sum_c q_x). Four groups in flight, as weight_only_vnni below.
 template <int BITS, int NR>
 void weight_only_avx2(const int8_t* xq, int64_t K, int64_t n0, const uint8_t* row, const float* scales, ZeroPoints zeros,
-                      int64_t group, const float* xs, const int32_t* xqsum, float* out) {
+                      int64_t group, const float* xs, const float* xu, float* out) {
   const int64_t groups = K / group;
   __m256 t0[NR], t1[NR], t2[NR], t3[NR];
   for (int r = 0; r < NR; ++r) t0[r] = t1[r] = t2[r] = t3[r] = _mm256_setzero_ps();
@@ -194,7 +199,7 @@ void weight_only_avx2(const int8_t* xq, int64_t K, int64_t n0, const uint8_t* ro
   for (; g < groups; ++g) avx2_group<BITS, NR>(xq, K, n0, row, scales, xs, group, groups, g, t0);
   if constexpr (BITS == 8) zeros.offset = 128.0f;
   float zero_term[NR];
-  zero_terms<NR>(groups, scales, zeros, xs, xqsum, n0, zero_term);
+  zero_terms<NR>(groups, scales, zeros, xu, n0, zero_term);
   for (int r = 0; r < NR; ++r) {
     out[r] = hsum(_mm256_add_ps(_mm256_add_ps(t0[r], t1[r]), _mm256_add_ps(t2[r], t3[r]))) - zero_term[r];
   }
@@ -208,7 +213,7 @@ void weight_only_avx2(const int8_t* xq, int64_t K, int64_t n0, const uint8_t* ro
 // s_w s_x at once. About 16 instructions per 64 codes where avx2_group spends about 13 per 32.
 template <int NR>
 void int4_avx2_pairs(const int8_t* xp, int64_t K, int64_t n0, const uint8_t* row, const float* scales, ZeroPoints zeros,
-                     int64_t group, const float* xs, const int32_t* xqsum, float* out) {
+                     int64_t group, const float* xs, const float* xu, float* out) {
   const int64_t groups = K / group;
   const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   const __m256i spread = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
@@ -233,7 +238,7 @@ void int4_avx2_pairs(const int8_t* xp, int64_t K, int64_t n0, const uint8_t* row
     }
   }
   float zero_term[NR];
-  zero_terms<NR>(groups, scales, zeros, xs, xqsum, n0, zero_term);
+  zero_terms<NR>(groups, scales, zeros, xu, n0, zero_term);
   for (int r = 0; r < NR; ++r) out[r] = hsum(_mm256_add_ps(t0[r], t1[r])) - zero_term[r];
 }
 
@@ -265,7 +270,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,bmi2"), always_inlin
 template <int BITS, int NR>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,bmi2"))) void weight_only_vnni(
     const int8_t* xq, int64_t K, int64_t n0, const uint8_t* row, const float* scales, ZeroPoints zeros, int64_t group,
-    const float* xs, const int32_t* xqsum, float* out) {
+    const float* xs, const float* xu, float* out) {
   const int64_t groups = K / group;
   __m256 t0[NR], t1[NR], t2[NR], t3[NR];
   for (int r = 0; r < NR; ++r) t0[r] = t1[r] = t2[r] = t3[r] = _mm256_setzero_ps();
@@ -278,7 +283,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,bmi2"))) void weight
   }
   for (; g < groups; ++g) vnni_group<BITS, NR>(xq, K, n0, row, scales, xs, group, groups, g, t0);
   float zero_term[NR];
-  zero_terms<NR>(groups, scales, zeros, xs, xqsum, n0, zero_term);
+  zero_terms<NR>(groups, scales, zeros, xu, n0, zero_term);
   for (int r = 0; r < NR; ++r) {
     out[r] = hsum(_mm256_add_ps(_mm256_add_ps(t0[r], t1[r]), _mm256_add_ps(t2[r], t3[r]))) - zero_term[r];
   }
@@ -298,7 +303,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,bmi2"))) void weight
 template <int NR>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,bmi2"))) void int4_vnni_blocks(
     const int8_t* xp, int64_t K, int64_t n0, const uint8_t* row, const float* scales, ZeroPoints zeros,
-    int64_t group, const float* xs, const int32_t* xqsum, float* out) {
+    int64_t group, const float* xs, const float* xu, float* out) {
   const int64_t groups = K / group;
   const __m512i mask = _mm512_set1_epi8(0x0F);
   const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
@@ -322,7 +327,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,bmi2"))) void int4_v
     }
   }
   float zero_term[NR];
-  zero_terms<NR>(groups, scales, zeros, xs, xqsum, n0, zero_term);
+  zero_terms<NR>(groups, scales, zeros, xu, n0, zero_term);
   for (int r = 0; r < NR; ++r) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(t0[r], t1[r])) - zero_term[r];
 }
 #pragma GCC diagnostic pop
@@ -333,7 +338,7 @@ bool int4_blocks(const IntWeightSpec& s) {
 }
 
 using VnniKernel = void (*)(const int8_t*, int64_t, int64_t, const uint8_t*, const float*, ZeroPoints, int64_t,
-                            const float*, const int32_t*, float*);
+                            const float*, const float*, float*);
 
 template <int BITS>
 VnniKernel vnni_kernel(int nr) {
@@ -521,13 +526,15 @@ void int_linear(const Tensor& x, const Tensor& codes, const Tensor& scales, cons
   for (int64_t ng = 0; ng < N * groups; ++ng) {  // rows are K = groups x group long: group ng starts at ng x group
     sx[static_cast<size_t>(ng)] = quantize_group(xp + ng * s.group, s.group, ng * s.group, block, qx.data(), qsum[static_cast<size_t>(ng)]);
   }
+  std::vector<float> xu(static_cast<size_t>(N * groups));  // t q per input group, for the zero points' terms
+  for (size_t i = 0; i < xu.size(); ++i) xu[i] = sx[i] * static_cast<float>(qsum[i]);
   VnniKernel kernels[kRowBlock + 1];  // by the number of input rows a call of it multiplies
   for (int nr = 1; nr <= kRowBlock; ++nr) kernels[nr] = row_kernel(s, nr);
   each_output_row(O, params, N <= kShortRegionRows, [&](int64_t o, const float* so) {
     for (int64_t n0 = 0; n0 < N; n0 += kRowBlock) {
       const int nr = static_cast<int>(std::min<int64_t>(kRowBlock, N - n0));
       float out[kRowBlock];
-      kernels[nr](qx.data(), K, n0, cp + o * rb, so, params.zero_points(o), s.group, sx.data(), qsum.data(), out);
+      kernels[nr](qx.data(), K, n0, cp + o * rb, so, params.zero_points(o), s.group, sx.data(), xu.data(), out);
       for (int r = 0; r < nr; ++r) store(n0 + r, o, out[r]);
     }
   });
