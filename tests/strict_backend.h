@@ -80,16 +80,18 @@ class StrictBackend final : public Backend {
   }
   void layernorm_backward(const Tensor& dout, const Tensor& x, const Tensor& weight, const Tensor& mean,
                           const Tensor& rstd, const Tensor& dx, const Tensor& dweight, const Tensor& dbias,
-                          bool accumulate = false) override {
-    cpu_->layernorm_backward(h(dout), h(x), h(weight), h(mean), h(rstd), h(dx), h(dweight), h(dbias), accumulate);
+                          bool accumulate = false, const Tensor& dx16 = Tensor{}) override {
+    cpu_->layernorm_backward(h(dout), h(x), h(weight), h(mean), h(rstd), h(dx), h(dweight), h(dbias), accumulate,
+                             h(dx16));
   }
   void rmsnorm_forward(const Tensor& x, const Tensor& weight, const Tensor& out, const Tensor& rstd,
                        float eps) override {
     cpu_->rmsnorm_forward(h(x), h(weight), h(out), h(rstd), eps);
   }
   void rmsnorm_backward(const Tensor& dout, const Tensor& x, const Tensor& weight, const Tensor& rstd,
-                        const Tensor& dx, const Tensor& dweight, bool accumulate = false) override {
-    cpu_->rmsnorm_backward(h(dout), h(x), h(weight), h(rstd), h(dx), h(dweight), accumulate);
+                        const Tensor& dx, const Tensor& dweight, bool accumulate = false,
+                        const Tensor& dx16 = Tensor{}) override {
+    cpu_->rmsnorm_backward(h(dout), h(x), h(weight), h(rstd), h(dx), h(dweight), accumulate, h(dx16));
   }
   void gelu_forward(const Tensor& x, const Tensor& out) override { cpu_->gelu_forward(h(x), h(out)); }
   void gelu_backward(const Tensor& x, const Tensor& dout, const Tensor& dx) override {

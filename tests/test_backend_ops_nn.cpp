@@ -89,6 +89,74 @@ TEST_P(BackendOpsTest, NormBackwardsAccumulateIntoDxAsASeparateAdd) {
   }
 }
 
+// The norms' backward with a bf16 copy of dx (dx16: the residual stream's gradient for the bf16
+// GEMMs of fc2 / proj, LayerPlan::proj_dy_bf16 / fc2_dy_bf16), overwriting and accumulating: on
+// each backend dx16 is bitwise cast(dx) of the finished dx (the accumulated sum), dx is bitwise the
+// op's without dx16, and both are within tolerance of the CPU (for dx16 one bf16 step of an
+// element, at most 2^-7 of the largest: a 1-ulp f32 difference may round the other way). GPT-2
+// small's 4096 x 768 holds ~48 elements exactly halfway between two bf16 values (ties to even).
+// A dx16 that is not bf16, of another size, or of an f64 op is refused naming the op.
+TEST_P(BackendOpsTest, NormBackwardsWriteTheirDxRoundedToBf16) {
+  constexpr Tol kOneBf16Step{1.0 / 128};
+  for (auto [N, C] : kNormShapes) {
+    for (const bool rms : {false, true}) {
+      for (const bool accumulate : {false, true}) {
+        Operands x = norm_operands(N, C, DTYPE_F32);
+        x.tensors["dx"] = rnd({N, C}, DTYPE_F32, 7, 2.0);  // the stream's gradient before (accumulate)
+        x.tensors["plain"] = rnd({N, C}, DTYPE_F32, 7, 2.0);
+        x.tensors["dx16"] = nans({N, C}, DTYPE_BF16);
+        x.tensors["rounded"] = nans({N, C}, DTYPE_BF16);
+        for (const char* name : {"dweight", "dbias", "dweight2", "dbias2"}) x.tensors[name] = rnd({C}, DTYPE_F32, 5);
+        const std::string what = str_cat(rms ? "rmsnorm" : "layernorm", " backward", accumulate ? " accumulating" : "",
+                                         " with dx16 (", N, ", ", C, ")");
+        check(what, x,
+              [rms, accumulate, &what](Backend& be, Operands& o) {
+                const auto backward = [&](const char* dx, const char* dw, const char* db, const Tensor& dx16) {
+                  if (rms) be.rmsnorm_backward(o["dout"], o["x"], o["weight"], o["rstd"], o[dx], o[dw], accumulate, dx16);
+                  else be.layernorm_backward(o["dout"], o["x"], o["weight"], o["mean"], o["rstd"], o[dx], o[dw], o[db],
+                                             accumulate, dx16);
+                };
+                if (rms) be.rmsnorm_forward(o["x"], o["weight"], o["out"], o["rstd"], 1e-5f);
+                else be.layernorm_forward(o["x"], o["weight"], o["bias"], o["out"], o["mean"], o["rstd"], 1e-5f);
+                backward("dx", "dweight", "dbias", o["dx16"]);
+                backward("plain", "dweight2", "dbias2", Tensor{});
+                be.cast(o["plain"], o["rounded"]);
+                EXPECT_TRUE(bytes_of(be, o["dx16"]) == bytes_of(be, o["rounded"]))
+                    << what << " on " << be.name() << ": dx16 is not the bits of cast(dx)";
+                EXPECT_TRUE(bytes_of(be, o["dx"]) == bytes_of(be, o["plain"]))
+                    << what << " on " << be.name() << ": dx is not the op's without dx16";
+                EXPECT_TRUE(bytes_of(be, o["dweight"]) == bytes_of(be, o["dweight2"])) << what << " on " << be.name();
+              },
+              {{"dx", elementwise_tol(DTYPE_F32)}, {"dx16", kOneBf16Step}}, true);
+      }
+    }
+  }
+  Operands bad = norm_operands(4, 8, DTYPE_F32);
+  bad.tensors["dx"] = nans({4, 8}, DTYPE_F32);
+  bad.tensors["dw"] = rnd({8}, DTYPE_F32, 5);
+  bad.tensors["f32"] = nans({4, 8}, DTYPE_F32);
+  bad.tensors["short"] = nans({4, 7}, DTYPE_BF16);
+  Operands o = copy_to_backend(bad);
+  for (const char* copy : {"f32", "short"}) {
+    const std::string rms_error = test::error_of([&] {
+      backend_->rmsnorm_backward(o["dout"], o["x"], o["weight"], o["rstd"], o["dx"], o["dw"], false, o[copy]);
+    });
+    EXPECT_NE(rms_error.find("rmsnorm_backward"), std::string::npos) << copy << ": " << rms_error;
+    const std::string ln_error = test::error_of([&] {
+      backend_->layernorm_backward(o["dout"], o["x"], o["weight"], o["mean"], o["rstd"], o["dx"], o["dw"], o["bias"],
+                                   true, o[copy]);
+    });
+    EXPECT_NE(ln_error.find("layernorm_backward"), std::string::npos) << copy << ": " << ln_error;
+  }
+  Operands wide = norm_operands(4, 8, DTYPE_F64);
+  wide.tensors["dx"] = nans({4, 8}, DTYPE_F64);
+  wide.tensors["dw"] = rnd({8}, DTYPE_F64, 5);
+  wide.tensors["dx16"] = nans({4, 8}, DTYPE_BF16);
+  Operands w = copy_to_backend(wide);
+  EXPECT_THROW(backend_->rmsnorm_backward(w["dout"], w["x"], w["weight"], w["rstd"], w["dx"], w["dw"], false, w["dx16"]),
+               Error);
+}
+
 // ---------------------------------------------------------------- activations
 
 TEST_P(BackendOpsTest, GeluForwardBackward) {

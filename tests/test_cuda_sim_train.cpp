@@ -94,8 +94,9 @@ TEST(CudaSimTraining, TheCudaBackendTrainsAsTheCpuAndIsBitwiseDeterministic) {
 
 // GPT-2's training step as the benchmark runs it (bf16 linears, flash attention in bf16 on tensor
 // cores, precision.outputs = bf16: qkv written and read in bf16, dO from the output projection in
-// bf16), and Llama's (qkv through RoPE on an fp32 staging, then rounded into the record), on
-// models whose heads are 64 wide (the tensor-core kernels' size; the presets' are 8 and 16):
+// bf16, proj's and fc2's dy rounded by the norms' backward), and Llama's (qkv through RoPE on an
+// fp32 staging, then rounded into the record), on models whose heads are 64 wide (the tensor-core
+// kernels' size; the presets' are 8 and 16):
 // against the CPU, whose bf16 flash attention rounds the same q, k, v and dO but not P and dS
 // (the tensor cores' operands): the losses agree within bf16's unit roundoff u = 2^-8, the
 // gradient norms and the weights after 4 steps within 4 u of the largest of their kind (P and dS
@@ -112,7 +113,9 @@ TEST(CudaSimTraining, TheTensorCoreAttentionTrainsAsTheCpu) {
     tc.flash_attention = true;
     const auto run = [&](Backend& backend) {
       return train(backend, config, tc, [&](const Transformer& model) {
-        EXPECT_TRUE(model.layer_plans().front().qkv_bf16 && model.layer_plans().front().attn_dy_bf16) << preset;
+        const LayerPlan& plan = model.layer_plans().front();
+        EXPECT_TRUE(plan.qkv_bf16 && plan.attn_dy_bf16) << preset;
+        EXPECT_TRUE(plan.proj_dy_bf16 && plan.fc2_dy_bf16) << preset;  // the norms' backward round dy for both
       });
     };
     auto cpu = make_cpu_backend();

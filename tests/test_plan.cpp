@@ -253,6 +253,36 @@ TEST(LayerPlanTest, TheInputsOfBf16LinearsAreSavedInBf16WhereTheRecipeAllows) {
   PlanChoices mla = bf16;  // MLA projects in fp32 from norm1's output
   mla.linears[LINEAR_ATTN_QKV] = RECIPE_F32;
   EXPECT_EQ(resolve_layer_plan(model_preset("mla-tiny"), 0, mla).saved_bf16, (Saved{false, false, true, true}));
+  // proj's and fc2's output gradient (the residual stream's) read in bf16 from the norm backward
+  // that finalises it: each layer's recipe bf16, no output norms, sequence parallelism, adapter on
+  // it or MoE; not with precision.activations = f32.
+  const auto residual16 = [](const ModelConfig& c, int64_t layer, const PlanChoices& ch) {
+    const LayerPlan p = resolve_layer_plan(c, layer, ch);
+    return std::array<bool, 2>{p.proj_dy_bf16, p.fc2_dy_bf16};
+  };
+  using Pair = std::array<bool, 2>;
+  EXPECT_EQ(residual16(gpt2, 0, bf16), (Pair{true, true}));
+  EXPECT_EQ(residual16(llama, 1, flash16), (Pair{true, true}));
+  EXPECT_EQ(residual16(llama, 0, ring), (Pair{true, true}));
+  EXPECT_EQ(residual16(gpt2, 0, off), (Pair{false, false}));
+  EXPECT_EQ(residual16(gpt2, 0, {}), (Pair{false, false}));
+  EXPECT_EQ(residual16(gpt2, 0, mixed), (Pair{true, false}));  // fc2 in fp8
+  PlanChoices out8 = bf16;
+  out8.linears[LINEAR_ATTN_OUT] = RECIPE_FP8_CURRENT;
+  EXPECT_EQ(residual16(gpt2, 0, out8), (Pair{false, true}));
+  EXPECT_EQ(residual16(gpt2, 0, out16), (Pair{false, false}));  // precision.activations = f32 decides them
+  EXPECT_EQ(residual16(llama, 0, sp), (Pair{false, false}));   // gathered in fp32 before the GEMMs
+  PlanChoices tp = bf16;                                       // a whole d(residual) on every rank
+  tp.tensor_parallel = true;
+  EXPECT_EQ(residual16(llama, 0, tp), (Pair{true, true}));
+  EXPECT_EQ(residual16(lora, 0, bf16), (Pair{true, false}));  // an adapter on down
+  EXPECT_EQ(residual16(gpt2_lora, 0, bf16), (Pair{false, true}));  // on o
+  EXPECT_EQ(residual16(moe, 1, bf16), (Pair{false, false}));
+  EXPECT_EQ(residual16(moe, 0, bf16), (Pair{true, true}));
+  ModelConfig olmo2 = llama;  // output norms: the gradient is the norm's
+  olmo2.post_norm = true;
+  EXPECT_EQ(residual16(olmo2, 0, bf16), (Pair{false, false}));
+  EXPECT_EQ(residual16(model_preset("gemma-tiny"), 0, bf16), (Pair{false, false}));  // sandwich norms
 
   // Bytes: B T (C + attn_width + C + F) elements at 2 bytes instead of 4, for every policy's
   // fields that are kept (selective keeps the attention output; full nothing of them).

@@ -15,8 +15,10 @@ Three designs are estimated:
             precision.outputs = bf16, the defaults): the residual stream, the GEMM outputs but fc's
             and the logits, and the gradients in fp32; fc's output in bf16; the GEMMs' saved
             inputs (the norms' outputs, the MLP activation) and the MLP's first GEMM's output
-            gradient written in bf16 by the kernels that produce them; a bf16 copy (a cast kernel)
-            of the other GEMMs' output gradients, and of the
+            gradient written in bf16 by the kernels that produce them, and the output GEMMs' (the
+            residual stream's gradient, kept fp32) rounded to bf16 by the norm backward that
+            finalises it (one 2-byte store an element more); a bf16 copy (a cast kernel) of the
+            QKV GEMM's output gradient, and of the
             attention output (fp32 here) for its projection; flash attention on CUDA cores
             (FlashAttention-2's loop in fp32 FMAs), bf16 logits (precision.logits = bf16, the default:
             the head's GEMM writes them rounded, the loss writes d(logits) over them), AdamW reading
@@ -97,8 +99,11 @@ def layer_kernels(m: Model, design: str) -> list[Kernel]:
     # Norms: forward reads x, writes out in bf16 (the GEMM's saved input, every design).
     for which in ("attention norm", "mlp norm"):
         ks.append(Kernel(f"{which} fwd", 8 * n * d, n * d * (act + 2), "mem"))
-        # (reads dout and x, adds its dx into the residual stream's gradient: read + write)
-        ks.append(Kernel(f"{which} bwd (+= d(residual))", 12 * n * d, n * d * 4 * act, "mem"))
+        # (reads dout and x, adds its dx into the residual stream's gradient: read + write; in the
+        # built designs also its bf16 rounding, the output GEMMs' dy: proj's from the MLP's norm, the
+        # block before's fc2's from the attention's (the last block's from the final norm, not listed))
+        ks.append(Kernel(f"{which} bwd (+= d(residual)" + (", its bf16 copy)" if built else ")"), 12 * n * d,
+                         n * d * 4 * act + (2 * n * d if built else 0), "mem"))
     # GEMMs: forward, and the backward's two (dX and dW).
     for name, k, out in (("qkv", d, qkv), ("attention out", d, d), ("mlp in", d, mlp_in), ("mlp out", ff, d)):
         f = 2 * n * k * out
@@ -111,8 +116,9 @@ def layer_kernels(m: Model, design: str) -> list[Kernel]:
         ks.append(Kernel(f"{name} GEMM fwd" + (" (+ the residual)" if residual else ""), f, io + residual, "tensor"))
         ks.append(Kernel(f"{name} GEMM bwd (dX, dW)", 2 * f, 2 * io + 4 * k * out, "tensor"))
         # (mlp in's comes from the activation's backward in bf16; qkv's from the tensor-core flash
-        # backward where no RoPE sits between them: GPT-2 under built-tc)
-        bf16_dy = name == "mlp in" or (name == "qkv" and design == "built-tc" and not m.swiglu)
+        # backward where no RoPE sits between them: GPT-2 under built-tc; the output GEMMs' from the
+        # norms' backward above: LayerPlan::proj_dy_bf16 / fc2_dy_bf16)
+        bf16_dy = name in ("mlp in", "attention out", "mlp out") or (name == "qkv" and design == "built-tc" and not m.swiglu)
         if built and not bf16_dy:  # the fp32 d(output) read, its bf16 copy written, for dX and dW
             ks.append(Kernel(f"{name}: bf16 copy of d(output)", 0, n * out * 6, "mem"))
         if design == "built" and name == "attention out":  # an fp32 O, copied for the forward and for dW

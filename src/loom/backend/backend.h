@@ -266,15 +266,19 @@ class Backend {
                                  const Tensor& mean, const Tensor& rstd, float eps) = 0;
   // The backwards overwrite dx, or with accumulate add the input gradient into it (dx += ..., the
   // residual stream's gradient: bitwise the op into a scratch then add_inplace); dweight and dbias
-  // accumulate.
+  // accumulate. dx16, when defined (bf16, dx's size, an f32 x), also gets dx's final values (the
+  // sum, with accumulate) rounded to nearest even: the bits cast(dx, dx16) would give, one 2-byte
+  // store an element more (the residual stream's gradient for the bf16 GEMMs of the layer whose
+  // output gradient it is: LayerPlan::proj_dy_bf16 / fc2_dy_bf16).
   virtual void layernorm_backward(const Tensor& dout, const Tensor& x, const Tensor& weight, const Tensor& mean,
                                   const Tensor& rstd, const Tensor& dx, const Tensor& dweight,
-                                  const Tensor& dbias, bool accumulate = false) = 0;
+                                  const Tensor& dbias, bool accumulate = false, const Tensor& dx16 = Tensor{}) = 0;
   // RMSNorm (Zhang & Sennrich 2019): out = x * rstd * weight, rstd = 1/sqrt(mean(x^2) + eps).
   virtual void rmsnorm_forward(const Tensor& x, const Tensor& weight, const Tensor& out, const Tensor& rstd,
                                float eps) = 0;
   virtual void rmsnorm_backward(const Tensor& dout, const Tensor& x, const Tensor& weight, const Tensor& rstd,
-                                const Tensor& dx, const Tensor& dweight, bool accumulate = false) = 0;
+                                const Tensor& dx, const Tensor& dweight, bool accumulate = false,
+                                const Tensor& dx16 = Tensor{}) = 0;
 
   // Per-head RMSNorm (Qwen3's q_norm / k_norm) in place on heads [first, first + n) of x
   // (B,T,W), each hd wide: in (B,T,n hd) = the heads before, rstd (B,T,n), head = head * rstd

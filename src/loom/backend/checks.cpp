@@ -64,6 +64,14 @@ bool check_output(const char* op, const Tensor& x, const Tensor& out, int64_t nu
   return bf16;
 }
 
+bool check_rounded_copy(const char* op, const Tensor& x, const Tensor& dx, const Tensor& dx16) {
+  if (!dx16.defined()) return false;
+  LOOM_CHECK(dx16.dtype() == DTYPE_BF16 && x.dtype() == DTYPE_F32, op, ": dx16 ", dx16.describe(),
+             " must be bf16, for an f32 x (got ", dtype_name(x.dtype()), ")");
+  expect_numel(dx16, dx.numel(), op, "dx16");
+  return true;
+}
+
 bool check_bias_backward(const Tensor& dout, const Tensor& dbias) {
   const bool bf16 = dout.dtype() == DTYPE_BF16 && dbias.dtype() == DTYPE_F32;
   if (!bf16) expect_dtype(dbias, dout.dtype(), "bias_backward", "dbias");

@@ -38,6 +38,9 @@ void check_elementwise(const char* op, const Tensor& x, std::initializer_list<co
 // A forward op's output `out` of numel elements: x's dtype, or bf16 when x is f32 (the op rounds
 // its output to nearest even: precision.activations = bf16's saved fields). Returns whether bf16.
 bool check_output(const char* op, const Tensor& x, const Tensor& out, int64_t numel);
+// A norm backward's dx16 (Backend::layernorm_backward): undefined, or bf16 of dx's numel for an
+// f32 x (dx's values rounded to nearest even). Returns whether defined.
+bool check_rounded_copy(const char* op, const Tensor& x, const Tensor& dx, const Tensor& dx16);
 // bias_backward's dout (.., N) and dbias (N): one float dtype, or a bf16 dout with an f32 dbias
 // (a gradient the op before wrote in bf16). Returns whether dout is bf16.
 bool check_bias_backward(const Tensor& dout, const Tensor& dbias);

@@ -721,6 +721,14 @@ void Transformer::backward_stage(ActivationStore& s, int64_t first, int64_t last
     for (int64_t l = last; l-- > first;) blocks_[l].backward(backend_, s.blocks[l], d_res, k, BACKWARD_WEIGHT);
     return;
   }
+  // d_res rounded to bf16 for the fc2 of block l where its plan reads it so (nn/layer.h
+  // residual_dy16), written by the norm backward that finalises d_res: the final norm's for the
+  // last block, block l + 1's norm1 for the others (not across a stage's edges: none before `first`,
+  // and a later stage's d_res comes from the caller).
+  const auto fc2_dy16 = [&](int64_t l) {
+    return l >= first ? residual_dy16(blocks_[l].plan(), LINEAR_MLP_OUT, part, &ws_, d_res.shape()) : Tensor{};
+  };
+  Tensor d_res16;
   if (last == config_.n_layer) {
     use(0);
     // d(logits) replaces the logits in place: dL/dlogit = w/(B T) (softmax - onehot).
@@ -773,18 +781,22 @@ void Transformer::backward_stage(ActivationStore& s, int64_t first, int64_t last
     } else if (tp_ != nullptr) {
       tp_->all_reduce(k.d_norm);  // f: the vocabulary slices' partial d(final norm)
     }
-    norm_backward(backend_, config_, dn, s.final_input, final_w, s.final_mean, s.final_rstd, d_res, d_final_w, d_final_b);
+    d_res16 = fc2_dy16(last - 1);
+    norm_backward(backend_, config_, dn, s.final_input, final_w, s.final_mean, s.final_rstd, d_res, d_final_w, d_final_b,
+                  false, d_res16);
     if (ready && frozen_end_ == 0) ready(final_offset_);  // LoRA: the adapters, last in the buffer, finish last
   }  // else d_res holds d(stage output), put there by the caller (stage_grad)
   for (int64_t l = last; l-- > first;) {
     use(static_cast<int>(l) + 1);
+    const ResidualDy16 r16{d_res16, fc2_dy16(l - 1)};
     if (!recompute_.empty() && recompute_[l] != RECOMPUTE_NONE) {  // the kept fields, completed
       BlockSaved full = recompute_record_;
       blocks_[l].recompute(backend_, s.blocks[l], recompute_[l], full, recompute_out_);
-      blocks_[l].backward(backend_, full, d_res, k, part);
+      blocks_[l].backward(backend_, full, d_res, k, part, r16);
     } else {
-      blocks_[l].backward(backend_, s.blocks[l], d_res, k, part);
+      blocks_[l].backward(backend_, s.blocks[l], d_res, k, part, r16);
     }
+    d_res16 = r16.out;
     done(static_cast<int>(l) + 1);
     if (ready && frozen_end_ == 0) ready(block_offset_[l]);
   }

@@ -449,7 +449,7 @@ void AttentionLayer::mla_rows(Backend& backend, AttentionSaved& s, const std::ve
 }
 
 void AttentionLayer::backward(Backend& backend, const Tensor& x, const AttentionSaved& s, const Tensor& d_residual,
-                              BlockScratch& k, BackwardPart part) {
+                              BlockScratch& k, BackwardPart part, const ResidualDy16& r16) {
   const AttentionParams& p = params_;
   const AttentionParams& g = grads_;
   const AttentionParams& q = params16_;
@@ -482,8 +482,11 @@ void AttentionLayer::backward(Backend& backend, const Tensor& x, const Attention
   }
   const Tensor d_proj_in = plan_.output_gate ? Tensor::empty(backend.allocator(), k.d_attn.shape(), DTYPE_F32, MEM_WORKSPACE)
                                              : kd.d_attn;
+  // r16.in: d(mid) rounded by norm2's backward, which finalised it (LayerPlan::proj_dy_bf16), for proj's GEMMs.
+  LOOM_CHECK(!r16.in.defined() || (!post && links_.seq == nullptr), "attention backward: a bf16 d(mid) for proj with "
+             "an output norm or sequence parallelism");
   adapted_linear_backward(backend, proj_, attn, p.proj_w, q.proj_w, dy_mid, d_proj_in, pass.dw(g.proj_w), g.proj_b,
-                          proj_lora(s), g.proj_lora, links_.ws);
+                          proj_lora(s), g.proj_lora, links_.ws, r16.in);
   if (plan_.output_gate) {
     const Tensor& gate_in = pre ? s.norm.out : x;  // the gate projection's input
     d_gate_input = Tensor::empty(backend.allocator(), gate_in.shape(), DTYPE_F32, MEM_WORKSPACE);
@@ -517,10 +520,12 @@ void AttentionLayer::backward(Backend& backend, const Tensor& x, const Attention
   }
   if (!pre) {  // d(x) = d(mid) + the attention's d(x)
     backend.add_inplace(d_residual, k.d_norm.view(0, d_residual.shape()));
+    if (r16.out.defined()) backend.cast(d_residual, r16.out);  // (no norm to write it: plan rules leave this out)
     return;
   }
-  // f: the heads' partial d(norm1 output), then through norm1 into d(x).
-  norm_residual_backward(backend, config_, links_, k, true, d_residual, x, p.norm_w, s.norm, g.norm_w, g.norm_b);
+  // f: the heads' partial d(norm1 output), then through norm1 into d(x) (and its bf16 rounding).
+  norm_residual_backward(backend, config_, links_, k, true, d_residual, x, p.norm_w, s.norm, g.norm_w, g.norm_b,
+                         r16.out);
 }
 
 void AttentionLayer::recompute_selective(Backend& backend, const Tensor& x, AttentionSaved& s,

@@ -102,8 +102,10 @@ class AttentionLayer {
                     const std::vector<int64_t>& positions, DecodeCache& cache, int64_t layer) const;
   // d_residual: gradient w.r.t. mid on entry, w.r.t. x on exit (BACKWARD_ALL / _INPUT);
   // BACKWARD_WEIGHT: only the projections' weight gradients from the kept output gradients.
+  // r16 (nn/layer.h ResidualDy16): d(mid) in bf16 for proj, and where norm1's backward writes
+  // d(x)'s rounding for the block before's fc2.
   void backward(Backend& backend, const Tensor& x, const AttentionSaved& s, const Tensor& d_residual,
-                BlockScratch& k, BackwardPart part);
+                BlockScratch& k, BackwardPart part, const ResidualDy16& r16 = {});
   // Selective recompute (mha / flash, a whole layer): norm1 from x, and the probabilities from
   // the kept qkv (flash keeps lse: nothing to rerun); out_scratch takes the attention output.
   void recompute_selective(Backend& backend, const Tensor& x, AttentionSaved& s, const Tensor& out_scratch) const;

@@ -264,16 +264,19 @@ void Block::forward_rows(Backend& backend, BlockSaved& s, const Tensor& out, con
 }
 
 void Block::backward(Backend& backend, const BlockSaved& s, const Tensor& d_residual, BlockScratch& k,
-                     BackwardPart part) {
+                     BackwardPart part, const ResidualDy16& r16) {
   // d_residual: d(out) -> d(mid) through the MLP sub-layer and its residual path, then -> d(input).
-  mlp_.backward(backend, s.mid, s.mlp, d_residual, k, part);
+  // d(mid) in bf16 for the attention's proj where its plan reads it so, written by norm2's backward.
+  const Tensor mid16 = residual_dy16(plan_, LINEAR_ATTN_OUT, part, links_.ws, d_residual.shape());
+  mlp_.backward(backend, s.mid, s.mlp, d_residual, k, part, {r16.in, mid16});
   if (linear_) {
     LOOM_CHECK(part == BACKWARD_ALL, "a gated DeltaNet block's backward is not split into input and weight passes "
                "(zero-bubble pipeline schedules) yet");
     linear_->backward(backend, s.input, s.linear, d_residual);
+    if (r16.out.defined()) backend.cast(d_residual, r16.out);  // its norm's backward writes no bf16 copy
     return;
   }
-  attention_.backward(backend, s.input, s.attention, d_residual, k, part);
+  attention_.backward(backend, s.input, s.attention, d_residual, k, part, {mid16, r16.out});
 }
 
 }  // namespace loom

@@ -81,9 +81,11 @@ class Block {
   void forward_rows(Backend& backend, BlockSaved& saved, const Tensor& out, const std::vector<int64_t>& positions,
                     DecodeCache& cache, int64_t layer) const;
   // d_residual (B,T,C): gradient w.r.t. the block output on entry, w.r.t. its input on exit.
-  // Parameter gradients accumulate.
+  // Parameter gradients accumulate. r16 (nn/layer.h ResidualDy16): `in`, d(output) rounded to bf16
+  // for fc2 (LayerPlan::fc2_dy_bf16; written by the norm backward after this block), `out`, where
+  // norm1's backward writes d(input)'s rounding for the block before's fc2 (residual_dy16 of its plan).
   void backward(Backend& backend, const BlockSaved& saved, const Tensor& d_residual, BlockScratch& scratch,
-                BackwardPart part = BACKWARD_ALL);
+                BackwardPart part = BACKWARD_ALL, const ResidualDy16& r16 = {});
   // The precision policy's recipes for the four linear layers. params16 holds views into the
   // weights' bf16 copy when the policy keeps one (precision.param = bf16), else is empty.
   void set_precision(const PrecisionPolicy& policy, BlockParams params16, LinearWorkspace* workspace);

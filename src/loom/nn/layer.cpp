@@ -15,9 +15,9 @@ void norm_forward(Backend& backend, const ModelConfig& config, const Tensor& x, 
 
 void norm_backward(Backend& backend, const ModelConfig& config, const Tensor& dout, const Tensor& x,
                    const Tensor& weight, const Tensor& mean, const Tensor& rstd, const Tensor& dx,
-                   const Tensor& dweight, const Tensor& dbias, bool accumulate) {
-  if (config.rmsnorm()) backend.rmsnorm_backward(dout, x, weight, rstd, dx, dweight, accumulate);
-  else backend.layernorm_backward(dout, x, weight, mean, rstd, dx, dweight, dbias, accumulate);
+                   const Tensor& dweight, const Tensor& dbias, bool accumulate, const Tensor& dx16) {
+  if (config.rmsnorm()) backend.rmsnorm_backward(dout, x, weight, rstd, dx, dweight, accumulate, dx16);
+  else backend.layernorm_backward(dout, x, weight, mean, rstd, dx, dweight, dbias, accumulate, dx16);
 }
 
 Tensor LayerLinks::whole(Backend& backend, const Tensor& shard, int64_t seq_len) const {
@@ -71,10 +71,11 @@ void adapted_linear_forward(Backend& backend, LinearLayer& layer, const Tensor& 
 
 void adapted_linear_backward(Backend& backend, LinearLayer& layer, const Tensor& x, const Tensor& w, const Tensor& w16,
                              const Tensor& dy, const Tensor& dx, const Tensor& dw, const Tensor& db,
-                             const LoraTerm& lora, const LoraAdapters& grads, LinearWorkspace* ws) {
+                             const LoraTerm& lora, const LoraAdapters& grads, LinearWorkspace* ws,
+                             const Tensor& dy16) {
   const LoraAdapters& adapters = adapters_of(lora);
   const LoraWeight lw = lora_layer_weight(backend, w, w16, adapters, lora.scale, lora.dropout, ws);
-  layer.backward(backend, x, lw.w, w16, dy, dx, dw, db, ws);
+  layer.backward(backend, x, lw.w, w16, dy, dx, dw, db, ws, dy16);
   lora_backward(backend, x, adapters, grads, lora.scale, dy, dx, ws, lora.dropout, w, lw.dora_merged);
 }
 
@@ -126,7 +127,8 @@ void post_norm_residual(Backend& backend, const ModelConfig& config, const Tenso
 
 void norm_residual_backward(Backend& backend, const ModelConfig& config, const LayerLinks& links, BlockScratch& k,
                             bool partial, const Tensor& d_residual, const Tensor& x, const Tensor& weight,
-                            const NormSaved& norm, const Tensor& dweight, const Tensor& dbias) {
+                            const NormSaved& norm, const Tensor& dweight, const Tensor& dbias,
+                            const Tensor& d_residual16) {
   // Sequence parallel: the partial gradient (whole sequence, k.d_norm) is reduced onto the
   // shard in d_tmp. The norm's input gradient is added into d_residual by the norm's backward
   // itself (accumulate: one pass over the residual stream's gradient, no separate add).
@@ -134,7 +136,16 @@ void norm_residual_backward(Backend& backend, const ModelConfig& config, const L
   const Tensor dn = sp ? k.d_tmp.view(0, d_residual.shape()) : k.d_norm;
   if (partial && sp) sequence_reduce_scatter(backend, *links.tp, k.d_norm, dn, links.seq->staging);
   else if (partial && links.tp != nullptr) links.tp->all_reduce(k.d_norm);
-  norm_backward(backend, config, dn, x, weight, norm.mean, norm.rstd, d_residual, dweight, dbias, true);
+  norm_backward(backend, config, dn, x, weight, norm.mean, norm.rstd, d_residual, dweight, dbias, true, d_residual16);
+}
+
+Tensor residual_dy16(const LayerPlan& reader, LinearKind kind, BackwardPart part, LinearWorkspace* ws,
+                     const Shape& shape) {
+  LOOM_CHECK(kind == LINEAR_ATTN_OUT || kind == LINEAR_MLP_OUT, "residual_dy16: the residual stream's gradient is "
+             "the output gradient of a block's output layers only");
+  const bool reads = kind == LINEAR_ATTN_OUT ? reader.proj_dy_bf16 : reader.fc2_dy_bf16;
+  if (!reads || part != BACKWARD_ALL || ws == nullptr) return {};
+  return ws->bf16(LinearWorkspace::O, shape);
 }
 
 }  // namespace loom

@@ -30,9 +30,10 @@ struct NormSaved {
 // Normalisation of the configured kind (LayerNorm or RMSNorm) over the last dim.
 void norm_forward(Backend& backend, const ModelConfig& config, const Tensor& x, const Tensor& weight,
                   const Tensor& bias, const Tensor& out, const Tensor& mean, const Tensor& rstd);
+// dx16: undefined, or dx's final values rounded to bf16 (Backend::layernorm_backward's).
 void norm_backward(Backend& backend, const ModelConfig& config, const Tensor& dout, const Tensor& x,
                    const Tensor& weight, const Tensor& mean, const Tensor& rstd, const Tensor& dx,
-                   const Tensor& dweight, const Tensor& dbias, bool accumulate = false);
+                   const Tensor& dweight, const Tensor& dbias, bool accumulate = false, const Tensor& dx16 = Tensor{});
 
 // Which part of a backward to run: all of it, the input gradient (and the norms' and biases'
 // gradients) keeping the linear layers' output gradients, or the linear layers' weight
@@ -139,10 +140,12 @@ void residual_linear_forward(Backend& backend, const LayerLinks& links, LinearLa
 void adapted_linear_forward(Backend& backend, LinearLayer& layer, const Tensor& x, const Tensor& w, const Tensor& w16,
                             const Tensor& b, const Tensor& y, const LoraTerm& lora, LinearWorkspace* ws);
 // Its backward: dx = dy (the weight the forward used) plus the adapters' part, dw (undefined when
-// frozen) and db as LinearLayer::backward, and the adapters' gradients into `grads`.
+// frozen) and db as LinearLayer::backward, and the adapters' gradients into `grads`. dy16: dy
+// already rounded to bf16 for the layer's GEMMs, or undefined (LinearLayer::backward).
 void adapted_linear_backward(Backend& backend, LinearLayer& layer, const Tensor& x, const Tensor& w, const Tensor& w16,
                              const Tensor& dy, const Tensor& dx, const Tensor& dw, const Tensor& db,
-                             const LoraTerm& lora, const LoraAdapters& grads, LinearWorkspace* ws);
+                             const LoraTerm& lora, const LoraAdapters& grads, LinearWorkspace* ws,
+                             const Tensor& dy16 = Tensor{});
 
 // Activation-gradient scratch shared by all blocks of a backward pass (overwritten each use).
 struct BlockScratch {
@@ -156,14 +159,34 @@ struct BlockScratch {
 
 BlockScratch allocate_block_scratch(Allocator& allocator, const ModelConfig& config, int64_t batch, int64_t seq_len);
 
+// The residual stream's gradient in bf16 for the block output layer `kind` (LINEAR_ATTN_OUT: proj,
+// LINEAR_MLP_OUT: fc2) of a block of plan `reader`, whose output gradient it is
+// (LayerPlan::proj_dy_bf16 / fc2_dy_bf16): workspace slot O viewed to `shape`, where the norm
+// backward that finalises the gradient writes its rounding (norm2's for proj, the next block's norm1
+// or the final norm's for fc2); undefined where the layer rounds its dy itself (its flag off, a
+// split backward, no workspace). The one decision both ends follow: the writer asks it with the
+// reader's plan (Block::backward, Transformer::backward_stage) and hands the tensor to the reader.
+Tensor residual_dy16(const LayerPlan& reader, LinearKind kind, BackwardPart part, LinearWorkspace* ws,
+                     const Shape& shape);
+
+// A sub-layer backward's residual gradient in bf16 (residual_dy16): `in`, d_residual on entry
+// rounded (written by the norm backward before; its output layer reads it as its dy; undefined:
+// the layer rounds dy itself), and `out`, where the sub-layer's own norm backward writes d_residual's
+// rounding on exit (undefined: none wanted).
+struct ResidualDy16 {
+  Tensor in, out;
+};
+
 // A sub-layer's pre-norm backward and residual: the gradient w.r.t. the norm's output, in
 // k.d_norm, through the norm, added to d_residual (which then holds the gradient w.r.t. the
 // sub-layer's input x). `partial`: k.d_norm holds this rank's heads' or hidden slice's partial
 // gradient, first summed over the tp group (f: all-reduce) or reduced onto the shard
-// (reduce-scatter).
+// (reduce-scatter). d_residual16: undefined, or where d_residual's final values are also written
+// rounded to bf16 (ResidualDy16::out).
 void norm_residual_backward(Backend& backend, const ModelConfig& config, const LayerLinks& links, BlockScratch& k,
                             bool partial, const Tensor& d_residual, const Tensor& x, const Tensor& weight,
-                            const NormSaved& norm, const Tensor& dweight, const Tensor& dbias);
+                            const NormSaved& norm, const Tensor& dweight, const Tensor& dbias,
+                            const Tensor& d_residual16 = Tensor{});
 
 // A sub-layer's post-norm (model.post_norm, OLMo 2): out = norm(y) + residual, the norm's
 // statistics in `norm` (its input y kept by the caller for the backward). out must not alias

@@ -293,7 +293,8 @@ void LinearLayer::backward_columns(Backend& backend, const Tensor& x, const Tens
 }
 
 void LinearLayer::backward(Backend& backend, const Tensor& x, const Tensor& w, const Tensor& w16, const Tensor& dy,
-                           const Tensor& dx, const Tensor& dw, const Tensor& db, LinearWorkspace* ws) {
+                           const Tensor& dx, const Tensor& dw, const Tensor& db, LinearWorkspace* ws,
+                           const Tensor& dy16) {
   LOOM_CHECK(int_weight_ == nullptr, "a quantized checkpoint (loom quantize) cannot be trained: its weights are "
              "integer codes; fine-tune the checkpoint it was made from");
   LOOM_CHECK(!bf16_weight_.defined(), "a model loaded for inference with its bf16 weights in place cannot be trained "
@@ -302,6 +303,10 @@ void LinearLayer::backward(Backend& backend, const Tensor& x, const Tensor& w, c
   LOOM_CHECK(dy.dtype() == DTYPE_F32 || (dy.dtype() == DTYPE_BF16 && setup_.recipe == RECIPE_BF16),
              "linear layer (", recipe_name(setup_.recipe), "): an output gradient in ", dtype_name(dy.dtype()),
              " (only the bf16 recipe reads a bf16 one)");
+  LOOM_CHECK(!dy16.defined() || (setup_.recipe == RECIPE_BF16 && dy.dtype() == DTYPE_F32 &&
+                                 dy16.dtype() == DTYPE_BF16 && dy16.numel() == dy.numel()),
+             "linear layer (", recipe_name(setup_.recipe), "): a rounded copy of dy needs the bf16 recipe, an fp32 dy "
+             "and a bf16 copy of its size");
   if (db.defined()) backend.bias_backward(dy, db);  // an fp32 reduction in every recipe (of a bf16 dy's values)
   const GemmSpec dgrad = spec_of(false, false, 0.0f), wgrad = spec_of(true, false, 1.0f);
   if (setup_.recipe == RECIPE_F32 && setup_.qat == QAT_NONE && !w16.defined() && base_ == nullptr) {
@@ -321,7 +326,8 @@ void LinearLayer::backward(Backend& backend, const Tensor& x, const Tensor& w, c
     }
     case RECIPE_BF16: {
       const Tensor wb = bf16_weight(backend, w, w16, *ws);
-      const Tensor dyb = bf16_input(backend, dy, *ws, S::A);  // (a bf16 dy: the loss's, Transformer::backward)
+      // (a bf16 dy: the loss's, Transformer::backward; dy16: the norm backward's rounding of dy)
+      const Tensor dyb = dy16.defined() ? dy16.view(0, dy.shape()) : bf16_input(backend, dy, *ws, S::A);
       backend.gemm(dyb, wb, dx, dgrad);
       if (!dw.defined()) return;
       backend.gemm(dyb, bf16_input(backend, x, *ws, S::B), dw, wgrad);

@@ -37,8 +37,10 @@ class LinearWorkspace {
   // from the activation (LayerPlan::mlp_in_dy_bf16), the QKV projection's from the flash attention
   // (qkv_dy_bf16), one after the other; P: the attention output's gradient in bf16, from the output
   // projection's backward to the flash backward (LayerPlan::attn_dy_bf16); R: the QKV projection's
-  // fp32 output under RoPE or q/k norms, rounded into a bf16 record after (LayerPlan::qkv_bf16).
-  enum Slot { A, B, C, W, Q, D, E, F, G, H, S, L, Y, P, R, SLOT_COUNT };
+  // fp32 output under RoPE or q/k norms, rounded into a bf16 record after (LayerPlan::qkv_bf16);
+  // O: the residual stream's gradient in bf16, written by the norm backward that finalises it, read
+  // by fc2's / proj's backward as its dy (LayerPlan::proj_dy_bf16 / fc2_dy_bf16, nn/layer.h residual_dy16).
+  enum Slot { A, B, C, W, Q, D, E, F, G, H, S, L, Y, P, R, O, SLOT_COUNT };
   explicit LinearWorkspace(Allocator& allocator) : allocator_(allocator) {}
   // A view of `shape` into slot's f32 (or bf16) buffer, growing it when too small.
   Tensor f32(Slot slot, const Shape& shape);
@@ -95,8 +97,12 @@ class LinearLayer {
   // undefined to compute the other half alone (the input / weight split of zero-bubble schedules).
   // dy may be bf16 with the bf16 recipe (the loss's gradient for the head, the MLP activation's
   // backward for fc: LayerPlan::mlp_in_dy_bf16); db then sums its bf16 values, as autocast does.
+  // dy16, when defined (the bf16 recipe, an fp32 dy): dy rounded to bf16 already (the bits cast
+  // gives: the residual stream's gradient from the norm backward, LayerPlan::proj_dy_bf16 /
+  // fc2_dy_bf16), which the GEMMs read instead of rounding dy; db sums dy.
   void backward(Backend& backend, const Tensor& x, const Tensor& w, const Tensor& w16, const Tensor& dy,
-                const Tensor& dx, const Tensor& dw, const Tensor& db, LinearWorkspace* ws);
+                const Tensor& dx, const Tensor& dw, const Tensor& db, LinearWorkspace* ws,
+                const Tensor& dy16 = Tensor{});
 
   // A loss pass's head with its logits kept by columns (Backend::logits_by_columns): yt (out, N)
   // = w x^T, and from dyt (out, N): dx = dyt^T w, dw += dyt x (dw may be undefined: a frozen

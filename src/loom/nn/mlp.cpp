@@ -115,7 +115,7 @@ void MlpLayer::forward_rows(Backend& backend, const Tensor& mid, MlpSaved& s, co
 }
 
 void MlpLayer::backward(Backend& backend, const Tensor& mid, const MlpSaved& s, const Tensor& d_residual,
-                        BlockScratch& k, BackwardPart part) {
+                        BlockScratch& k, BackwardPart part, const ResidualDy16& r16) {
   const MlpParams& p = params_;
   const MlpParams& g = grads_;
   const MlpParams& q = params16_;
@@ -125,7 +125,8 @@ void MlpLayer::backward(Backend& backend, const Tensor& mid, const MlpSaved& s, 
     const int64_t T = s.norm.out.dim(1), N = s.norm.out.dim(0) * T, C = config_.d_model;
     moe_backward(backend, config_, p.moe, g.moe, s.norm.out.view(0, {N, C}), s.moe, *moe_scratch_,
                  d_residual.view(0, {N, C}), k.d_norm.view(0, {N, C}), loss_weight_, T, ep_);
-    norm_residual_backward(backend, config_, links_, k, false, d_residual, mid, p.norm_w, s.norm, g.norm_w, g.norm_b);
+    norm_residual_backward(backend, config_, links_, k, false, d_residual, mid, p.norm_w, s.norm, g.norm_w, g.norm_b,
+                           r16.out);
     return;
   }
   const int64_t T = s.fc.dim(1);
@@ -146,8 +147,11 @@ void MlpLayer::backward(Backend& backend, const Tensor& mid, const MlpSaved& s, 
   if (post) norm_backward(backend, config_, d_residual, s.post_in, p.post_norm_w, Tensor{}, s.post.rstd, k.d_tmp, g.post_norm_w, Tensor{});
   const Tensor dy_out = post ? k.d_tmp.view(0, d_residual.shape()) : whole(d_residual);
   pass.keep(dy_out, s.dy_fc2);
+  // r16.in: d(out) rounded by the norm backward that finalised it (LayerPlan::fc2_dy_bf16), for fc2's GEMMs.
+  LOOM_CHECK(!r16.in.defined() || (!post && links_.seq == nullptr), "mlp backward: a bf16 d(out) for fc2 with an "
+             "output norm or sequence parallelism");
   adapted_linear_backward(backend, fc2_, s.act, p.fc2_w, q.fc2_w, dy_out, k.d_act, pass.dw(g.fc2_w), g.fc2_b,
-                          fc2_lora(s), g.fc2_lora, links_.ws);
+                          fc2_lora(s), g.fc2_lora, links_.ws, r16.in);
   // d(fc output): in bf16 where the plan says (fc's GEMMs read it as it is), else fp32.
   const bool dy16 = plan_.mlp_in_dy_bf16 && part == BACKWARD_ALL && links_.ws != nullptr;
   const Tensor d_fc = dy16 ? links_.ws->bf16(LinearWorkspace::Y, k.d_fc.shape()) : k.d_fc;
@@ -159,10 +163,12 @@ void MlpLayer::backward(Backend& backend, const Tensor& mid, const MlpSaved& s, 
                           g.fc_lora, links_.ws);
   if (!pre) {  // d(mid) = d(out) + the MLP's d(mid)
     backend.add_inplace(d_residual, k.d_norm.view(0, d_residual.shape()));
+    if (r16.out.defined()) backend.cast(d_residual, r16.out);  // (no norm to write it: plan rules leave this out)
     return;
   }
-  // f: the hidden slices' partial d(norm2 output), then through norm2 into d(mid).
-  norm_residual_backward(backend, config_, links_, k, true, d_residual, mid, p.norm_w, s.norm, g.norm_w, g.norm_b);
+  // f: the hidden slices' partial d(norm2 output), then through norm2 into d(mid) (and its bf16 rounding).
+  norm_residual_backward(backend, config_, links_, k, true, d_residual, mid, p.norm_w, s.norm, g.norm_w, g.norm_b,
+                         r16.out);
 }
 
 void MlpLayer::recompute_selective(Backend& backend, const Tensor& mid, MlpSaved& s) const {

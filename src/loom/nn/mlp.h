@@ -63,9 +63,10 @@ class MlpLayer {
   void forward_rows(Backend& backend, const Tensor& mid, MlpSaved& s, const Tensor& out) const;
   // d_residual: gradient w.r.t. out on entry, w.r.t. mid on exit (BACKWARD_ALL / _INPUT);
   // BACKWARD_WEIGHT: fc2's and fc's weight gradients from the kept output gradients (an MoE's
-  // came in the input pass).
+  // came in the input pass). r16 (nn/layer.h ResidualDy16): d(out) in bf16 for fc2, and where
+  // norm2's backward writes d(mid)'s rounding for the attention's proj.
   void backward(Backend& backend, const Tensor& mid, const MlpSaved& s, const Tensor& d_residual, BlockScratch& k,
-                BackwardPart part);
+                BackwardPart part, const ResidualDy16& r16 = {});
   // Selective recompute (dense, a whole layer): norm2 from mid and the activation from the kept fc.
   void recompute_selective(Backend& backend, const Tensor& mid, MlpSaved& s) const;
 

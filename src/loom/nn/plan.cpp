@@ -81,6 +81,20 @@ bool attn_dy_bf16(const ModelConfig& config, int64_t layer, const LayerPlan& pla
   return true;
 }
 
+// LayerPlan::proj_dy_bf16's and fc2_dy_bf16's rule: the block's output layer `kind` (attn_out or
+// mlp_out) reads the residual stream's gradient in bf16 from the norm backward that finalises it.
+bool residual_dy_bf16(const ModelConfig& config, int64_t layer, const LayerPlan& plan, LinearKind kind, bool wanted) {
+  if (!wanted || plan.linears[kind] != RECIPE_BF16 || config.post_norms() || plan.sequence_parallel ||
+      plan.mlp != MlpKind::dense || (kind == LINEAR_ATTN_OUT && plan.attention == AttentionKind::linear)) {
+    return false;
+  }
+  const LoraLinear adapted = kind == LINEAR_ATTN_OUT ? LORA_ON_PROJ : LORA_ON_FC2;
+  for (const LoraSite& site : lora_sites(config, layer)) {
+    if (site.linear == adapted) return false;
+  }
+  return true;
+}
+
 }  // namespace
 
 LayerPlan resolve_layer_plan(const ModelConfig& config, int64_t layer, const PlanChoices& choices) {
@@ -148,6 +162,8 @@ LayerPlan resolve_layer_plan(const ModelConfig& config, int64_t layer, const Pla
   plan.qkv_dy_bf16 = qkv_dy_bf16(config, layer, plan, choices.activations_bf16);
   plan.qkv_bf16 = choices.outputs_bf16 && plan.attention == AttentionKind::flash && plan.attention_bf16;
   plan.attn_dy_bf16 = attn_dy_bf16(config, layer, plan, choices.outputs_bf16);
+  plan.proj_dy_bf16 = residual_dy_bf16(config, layer, plan, LINEAR_ATTN_OUT, choices.activations_bf16);
+  plan.fc2_dy_bf16 = residual_dy_bf16(config, layer, plan, LINEAR_MLP_OUT, choices.activations_bf16);
   return plan;
 }
 

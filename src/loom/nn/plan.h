@@ -89,6 +89,18 @@ struct LayerPlan {
   // bf16, no LoRA on it (its term adds to an fp32 gradient), no sinks or output gate (they rewrite
   // dO). Not in a split backward.
   bool attn_dy_bf16 = false;
+  // The output gradients of the output projection (proj_dy_bf16) and of the MLP's second layer
+  // (fc2_dy_bf16) are the residual stream's gradient, kept fp32; the norm backward that finalises
+  // it (accumulating into the stream) also writes it rounded to bf16 (Backend::layernorm_backward's
+  // dx16: the bits the cast gives), which the layer's bf16 GEMMs read instead of a cast of their
+  // own; its bias gradient still sums the fp32 one, so no bit changes. proj's comes from norm2's
+  // backward in the same block, fc2's from the next block's norm1 backward or the final norm's.
+  // With precision.activations = bf16 where the layer's recipe is bf16, no output norms
+  // (post_norms: its gradient is the norm's), no sequence parallelism (it is gathered in fp32), no
+  // LoRA adapter on it, a dense MLP. Not in a split backward. The flag of the layer that reads it
+  // decides; the norm before writes where it says (nn/layer.h residual_dy16).
+  bool proj_dy_bf16 = false;
+  bool fc2_dy_bf16 = false;
   // precision.attention = bf16 on the plain or flash attention without a window (Backend::
   // attention_forward_bf16 / _backward_bf16, flash_attention_forward_bf16 / _backward_bf16);
   // windowed, context-parallel and MLA attention keep their fp32 GEMMs.

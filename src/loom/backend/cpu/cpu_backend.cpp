@@ -255,12 +255,14 @@ void CpuBackend::layernorm_forward(const Tensor& x, const Tensor& weight, const 
 
 void CpuBackend::layernorm_backward(const Tensor& dout, const Tensor& x, const Tensor& weight, const Tensor& mean,
                                     const Tensor& rstd, const Tensor& dx, const Tensor& dweight, const Tensor& dbias,
-                                    bool accumulate) {
+                                    bool accumulate, const Tensor& dx16) {
   const char* op = "layernorm_backward";
   check_row_op(op, x, {&dout, &dx}, {&weight, &dweight, &dbias}, {&mean, &rstd});
+  uint16_t* rounded = checks::check_rounded_copy(op, x, dx, dx16) ? bf16_bits(dx16) : nullptr;
   dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() {
     cpu::layernorm_backward(dout.data<T>(), x.data<T>(), weight.data<T>(), mean.data<T>(), rstd.data<T>(),
-                            dx.data<T>(), dweight.data<T>(), dbias.data<T>(), rows_of(x), x.dim(-1), accumulate);
+                            dx.data<T>(), dweight.data<T>(), dbias.data<T>(), rows_of(x), x.dim(-1), accumulate,
+                            rounded);
   });
 }
 
@@ -280,12 +282,13 @@ void CpuBackend::rmsnorm_forward(const Tensor& x, const Tensor& weight, const Te
 }
 
 void CpuBackend::rmsnorm_backward(const Tensor& dout, const Tensor& x, const Tensor& weight, const Tensor& rstd,
-                                  const Tensor& dx, const Tensor& dweight, bool accumulate) {
+                                  const Tensor& dx, const Tensor& dweight, bool accumulate, const Tensor& dx16) {
   const char* op = "rmsnorm_backward";
   check_row_op(op, x, {&dout, &dx}, {&weight, &dweight}, {&rstd});
+  uint16_t* rounded = checks::check_rounded_copy(op, x, dx, dx16) ? bf16_bits(dx16) : nullptr;
   dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() {
     cpu::rmsnorm_backward(dout.data<T>(), x.data<T>(), weight.data<T>(), rstd.data<T>(), dx.data<T>(),
-                          dweight.data<T>(), rows_of(x), x.dim(-1), accumulate);
+                          dweight.data<T>(), rows_of(x), x.dim(-1), accumulate, rounded);
   });
 }
 

@@ -69,11 +69,12 @@ class CpuBackend final : public Backend {
                          const Tensor& mean, const Tensor& rstd, float eps) override;
   void layernorm_backward(const Tensor& dout, const Tensor& x, const Tensor& weight, const Tensor& mean,
                           const Tensor& rstd, const Tensor& dx, const Tensor& dweight, const Tensor& dbias,
-                          bool accumulate = false) override;
+                          bool accumulate = false, const Tensor& dx16 = Tensor{}) override;
   void rmsnorm_forward(const Tensor& x, const Tensor& weight, const Tensor& out, const Tensor& rstd,
                        float eps) override;
   void rmsnorm_backward(const Tensor& dout, const Tensor& x, const Tensor& weight, const Tensor& rstd,
-                        const Tensor& dx, const Tensor& dweight, bool accumulate = false) override;
+                        const Tensor& dx, const Tensor& dweight, bool accumulate = false,
+                        const Tensor& dx16 = Tensor{}) override;
   void head_rmsnorm_forward(const Tensor& x, const Tensor& weight, int64_t first, int64_t n, int64_t hd, float eps,
                             const Tensor& in, const Tensor& rstd) override;
   void head_rmsnorm_backward(const Tensor& dx, const Tensor& in, const Tensor& weight, const Tensor& rstd,

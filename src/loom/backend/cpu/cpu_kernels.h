@@ -158,10 +158,11 @@ void layernorm_forward(const T* x, const T* w, const T* b, O* out, T* mean, T* r
 
 // xhat = (x - mean) * rstd; g = dout * w;
 // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) (or dx += that: accumulate); dw += sum_rows
-// dout * xhat; db += sum_rows dout.
+// dout * xhat; db += sum_rows dout. dx16 (f32 only; null: none): each finished row of dx rounded
+// to bf16 bits as cast rounds (round_to_bf16_bits), while it is in cache.
 template <typename T>
 void layernorm_backward(const T* dout, const T* x, const T* w, const T* mean, const T* rstd, T* dx, T* dw,
-                        T* db, int64_t rows, int64_t channels, bool accumulate = false) {
+                        T* db, int64_t rows, int64_t channels, bool accumulate = false, uint16_t* dx16 = nullptr) {
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * channels;
@@ -179,6 +180,9 @@ void layernorm_backward(const T* dout, const T* x, const T* w, const T* mean, co
 #pragma omp simd
     for (int64_t c = 0; c < channels; ++c) d[c] = s * (gr[c] * w[c] - mean_g - (xr[c] - m) * s * mean_gx);
     if (accumulate) add_row(dx + r * channels, d, channels);
+    if constexpr (std::is_same_v<T, float>) {
+      if (dx16 != nullptr) round_to_bf16_bits(dx + r * channels, dx16 + r * channels, channels);
+    }
   }
 #pragma omp parallel for schedule(static)
   for (int64_t c0 = 0; c0 < channels; c0 += kColumnBlock) {
@@ -229,12 +233,16 @@ inline void rmsnorm_row_dx(const T* g, const T* x, const T* w, T s, T* d, int64_
 }
 
 // xhat = x * rstd; g = dout * w; dx = rstd * (g - xhat * mean(g * xhat)); dw += sum_rows dout * xhat.
+// dx16: as layernorm_backward's.
 template <typename T>
 void rmsnorm_backward(const T* dout, const T* x, const T* w, const T* rstd, T* dx, T* dw, int64_t rows,
-                      int64_t channels, bool accumulate = false) {
+                      int64_t channels, bool accumulate = false, uint16_t* dx16 = nullptr) {
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < rows; ++r) {
     rmsnorm_row_dx(dout + r * channels, x + r * channels, w, rstd[r], dx + r * channels, channels, accumulate);
+    if constexpr (std::is_same_v<T, float>) {
+      if (dx16 != nullptr) round_to_bf16_bits(dx + r * channels, dx16 + r * channels, channels);
+    }
   }
 #pragma omp parallel for schedule(static)
   for (int64_t c0 = 0; c0 < channels; c0 += kColumnBlock) {

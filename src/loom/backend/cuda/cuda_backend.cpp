@@ -242,13 +242,14 @@ void CudaBackend::layernorm_forward(const Tensor& x, const Tensor& weight, const
 
 void CudaBackend::layernorm_backward(const Tensor& dout, const Tensor& x, const Tensor& weight, const Tensor& mean,
                         const Tensor& rstd, const Tensor& dx, const Tensor& dweight, const Tensor& dbias,
-                        bool accumulate) {
+                        bool accumulate, const Tensor& dx16) {
   const char* op = "layernorm_backward";
   check_row_op(op, x, {&dout, &dx}, {&weight, &dweight, &dbias}, {&mean, &rstd});
+  uint16_t* rounded = checks::check_rounded_copy(op, x, dx, dx16) ? dptr<uint16_t>(dx16) : nullptr;
   dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() {
     void* scratch = workspace(cuda::norm_backward_scratch_bytes(rows_of(x), x.dim(-1), sizeof(T)));
     cuda::layernorm_backward<T>(dptr<T>(dout), dptr<T>(x), dptr<T>(weight), dptr<T>(mean), dptr<T>(rstd),
-                                dptr<T>(dx), dptr<T>(dweight), dptr<T>(dbias), rows_of(x), x.dim(-1), scratch,
+                                dptr<T>(dx), rounded, dptr<T>(dweight), dptr<T>(dbias), rows_of(x), x.dim(-1), scratch,
                                 accumulate, stream_);
   });
 }
@@ -269,12 +270,13 @@ void CudaBackend::rmsnorm_forward(const Tensor& x, const Tensor& weight, const T
 }
 
 void CudaBackend::rmsnorm_backward(const Tensor& dout, const Tensor& x, const Tensor& weight, const Tensor& rstd,
-                      const Tensor& dx, const Tensor& dweight, bool accumulate) {
+                      const Tensor& dx, const Tensor& dweight, bool accumulate, const Tensor& dx16) {
   const char* op = "rmsnorm_backward";
   check_row_op(op, x, {&dout, &dx}, {&weight, &dweight}, {&rstd});
+  uint16_t* rounded = checks::check_rounded_copy(op, x, dx, dx16) ? dptr<uint16_t>(dx16) : nullptr;
   dispatch_float(x.dtype(), op, kBackend, [&]<typename T>() {
     void* scratch = workspace(cuda::norm_backward_scratch_bytes(rows_of(x), x.dim(-1), sizeof(T)));
-    cuda::rmsnorm_backward<T>(dptr<T>(dout), dptr<T>(x), dptr<T>(weight), dptr<T>(rstd), dptr<T>(dx),
+    cuda::rmsnorm_backward<T>(dptr<T>(dout), dptr<T>(x), dptr<T>(weight), dptr<T>(rstd), dptr<T>(dx), rounded,
                               dptr<T>(dweight), rows_of(x), x.dim(-1), scratch, accumulate, stream_);
   });
 }

@@ -145,11 +145,12 @@ class CudaBackend final : public Backend {
                          const Tensor& mean, const Tensor& rstd, float eps) override;
   void layernorm_backward(const Tensor& dout, const Tensor& x, const Tensor& weight, const Tensor& mean,
                           const Tensor& rstd, const Tensor& dx, const Tensor& dweight, const Tensor& dbias,
-                          bool accumulate = false) override;
+                          bool accumulate = false, const Tensor& dx16 = Tensor{}) override;
   void rmsnorm_forward(const Tensor& x, const Tensor& weight, const Tensor& out, const Tensor& rstd,
                        float eps) override;
   void rmsnorm_backward(const Tensor& dout, const Tensor& x, const Tensor& weight, const Tensor& rstd,
-                        const Tensor& dx, const Tensor& dweight, bool accumulate = false) override;
+                        const Tensor& dx, const Tensor& dweight, bool accumulate = false,
+                        const Tensor& dx16 = Tensor{}) override;
   void gelu_forward(const Tensor& x, const Tensor& out) override;
   void gelu_backward(const Tensor& x, const Tensor& dout, const Tensor& dx) override;
   void glu_forward(const Tensor& x, const Tensor& out, GateActivation act) override;

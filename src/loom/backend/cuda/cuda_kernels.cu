@@ -494,10 +494,22 @@ __global__ void layernorm_forward_kernel(const T* x, const T* w, const T* b, O* 
   }
 }
 
+// A norm backward's dx element: v, or d + v (accumulate: the product v already rounded on its
+// own), and with dx16 (f32 only) the same value rounded to bf16 bits as the cast rounds it.
+template <typename T>
+__device__ __forceinline__ void store_norm_dx(T* d, uint16_t* d16, T v, bool accumulate) {
+  const T sum = accumulate ? *d + v : v;
+  *d = sum;
+  if constexpr (sizeof(T) == sizeof(float)) {
+    if (d16 != nullptr) *d16 = bf16_bits(sum);
+  }
+}
+
 // dx only (dw, db: column_sums). Same shape as the forward; the sums through lane_backward_sums.
+// dx16: null, or dx's values rounded to bf16 (store_norm_dx).
 template <typename T>
 __global__ void layernorm_backward_kernel(const T* dout, const T* x, const T* w, const T* mean, const T* rstd, T* dx,
-                                          int64_t rows, int64_t channels, bool accumulate) {
+                                          uint16_t* dx16, int64_t rows, int64_t channels, bool accumulate) {
   const int lane = static_cast<int>(threadIdx.x) % kWarp, warp = static_cast<int>(threadIdx.x) / kWarp;
   for (int64_t r = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + warp; r < rows;
        r += static_cast<int64_t>(gridDim.x) * kRowsPerBlock) {
@@ -513,9 +525,10 @@ __global__ void layernorm_backward_kernel(const T* dout, const T* x, const T* w,
     const T mean_g = warp_sum(sum_g) / static_cast<T>(channels);
     const T mean_gx = warp_sum(sum_gx) / static_cast<T>(channels);
     T* d = dx + r * channels;
+    uint16_t* d16 = dx16 != nullptr ? dx16 + r * channels : nullptr;
     for (int64_t c = lane; c < channels; c += kWarp) {
       const T v = mul_rn(s, gr[c] * w[c] - mean_g - (xr[c] - m) * s * mean_gx);  // not contracted into the add
-      d[c] = accumulate ? d[c] + v : v;
+      store_norm_dx(d + c, d16 != nullptr ? d16 + c : nullptr, v, accumulate);
     }
   }
 }
@@ -545,8 +558,8 @@ __global__ void rmsnorm_forward_kernel(const T* x, const T* w, O* out, T* rstd, 
 }
 
 template <typename T>
-__global__ void rmsnorm_backward_kernel(const T* dout, const T* x, const T* w, const T* rstd, T* dx, int64_t rows,
-                                        int64_t channels, bool accumulate) {
+__global__ void rmsnorm_backward_kernel(const T* dout, const T* x, const T* w, const T* rstd, T* dx, uint16_t* dx16,
+                                        int64_t rows, int64_t channels, bool accumulate) {
   const int lane = static_cast<int>(threadIdx.x) % kWarp, warp = static_cast<int>(threadIdx.x) / kWarp;
   for (int64_t r = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + warp; r < rows;
        r += static_cast<int64_t>(gridDim.x) * kRowsPerBlock) {
@@ -557,9 +570,10 @@ __global__ void rmsnorm_backward_kernel(const T* dout, const T* x, const T* w, c
     lane_backward_sums(gr, w, xr, channels, [&](T gc, T wc, T xc) { sum_gx += gc * wc * xc * s; });
     const T mean_gx = warp_sum(sum_gx) / static_cast<T>(channels);
     T* d = dx + r * channels;
+    uint16_t* d16 = dx16 != nullptr ? dx16 + r * channels : nullptr;
     for (int64_t c = lane; c < channels; c += kWarp) {
       const T v = mul_rn(s, gr[c] * w[c] - xr[c] * s * mean_gx);  // not contracted into the add
-      d[c] = accumulate ? d[c] + v : v;
+      store_norm_dx(d + c, d16 != nullptr ? d16 + c : nullptr, v, accumulate);
     }
   }
 }
@@ -891,13 +905,14 @@ size_t norm_backward_scratch_bytes(int64_t rows, int64_t channels, size_t elem_b
 
 // dw, db first (they read dout), then dx: so dx may even alias dout.
 template <typename T>
-void layernorm_backward(const T* dout, const T* x, const T* w, const T* mean, const T* rstd, T* dx, T* dw, T* db,
-                        int64_t rows, int64_t channels, void* scratch, bool accumulate, cudaStream_t stream) {
+void layernorm_backward(const T* dout, const T* x, const T* w, const T* mean, const T* rstd, T* dx, uint16_t* dx16,
+                        T* dw, T* db, int64_t rows, int64_t channels, void* scratch, bool accumulate,
+                        cudaStream_t stream) {
   if (rows <= 0 || channels <= 0) return;
   column_sums<T, 2>(LoadLayerNormGrads<T>{dout, x, mean, rstd, channels}, rows, channels, static_cast<T*>(scratch),
                     dw, db, stream);
-  launch<layernorm_backward_kernel<T>>(grid_for(rows, kRowsPerBlock), kBlock, 0, stream, dout, x, w, mean, rstd, dx, rows,
-                                       channels, accumulate);
+  launch<layernorm_backward_kernel<T>>(grid_for(rows, kRowsPerBlock), kBlock, 0, stream, dout, x, w, mean, rstd, dx, dx16,
+                                       rows, channels, accumulate);
   LOOM_CUDA_CHECK_LAUNCH();
 }
 
@@ -911,12 +926,12 @@ void rmsnorm_forward(const T* x, const T* w, O* out, T* rstd, int64_t rows, int6
 }
 
 template <typename T>
-void rmsnorm_backward(const T* dout, const T* x, const T* w, const T* rstd, T* dx, T* dw, int64_t rows,
+void rmsnorm_backward(const T* dout, const T* x, const T* w, const T* rstd, T* dx, uint16_t* dx16, T* dw, int64_t rows,
                       int64_t channels, void* scratch, bool accumulate, cudaStream_t stream) {
   if (rows <= 0 || channels <= 0) return;
   column_sums<T, 1>(LoadRmsNormGrad<T>{dout, x, rstd, channels}, rows, channels, static_cast<T*>(scratch), dw,
                     nullptr, stream);
-  launch<rmsnorm_backward_kernel<T>>(grid_for(rows, kRowsPerBlock), kBlock, 0, stream, dout, x, w, rstd, dx, rows,
+  launch<rmsnorm_backward_kernel<T>>(grid_for(rows, kRowsPerBlock), kBlock, 0, stream, dout, x, w, rstd, dx, dx16, rows,
                                      channels, accumulate);
   LOOM_CUDA_CHECK_LAUNCH();
 }
@@ -1006,11 +1021,11 @@ void adamw_step(T* p, const T* grad, T* m, T* v, int64_t n, double lr, double be
                                       unsigned long long*, cudaStream_t);                                            \
   template void layernorm_forward<T, T>(const T*, const T*, const T*, T*, T*, T*, int64_t, int64_t, double,          \
                                         cudaStream_t);                                                               \
-  template void layernorm_backward<T>(const T*, const T*, const T*, const T*, const T*, T*, T*, T*, int64_t,         \
-                                      int64_t, void*, bool, cudaStream_t);                                           \
+  template void layernorm_backward<T>(const T*, const T*, const T*, const T*, const T*, T*, uint16_t*, T*, T*,      \
+                                      int64_t, int64_t, void*, bool, cudaStream_t);                                  \
   template void rmsnorm_forward<T, T>(const T*, const T*, T*, T*, int64_t, int64_t, double, cudaStream_t);           \
-  template void rmsnorm_backward<T>(const T*, const T*, const T*, const T*, T*, T*, int64_t, int64_t, void*,         \
-                                    bool, cudaStream_t);                                                             \
+  template void rmsnorm_backward<T>(const T*, const T*, const T*, const T*, T*, uint16_t*, T*, int64_t, int64_t,    \
+                                    void*, bool, cudaStream_t);                                                      \
   template void gelu_forward<T, T>(const T*, T*, int64_t, cudaStream_t);                                             \
   template void gelu_backward<T, T>(const T*, const T*, T*, int64_t, cudaStream_t);                                  \
   template void glu_forward<T, T>(const T*, T*, int64_t, int64_t, GateActivation, cudaStream_t);                    \

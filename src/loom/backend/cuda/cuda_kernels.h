@@ -82,14 +82,16 @@ void layernorm_forward(const T* x, const T* w, const T* b, O* out, T* mean, T* r
                        double eps, cudaStream_t stream);
 size_t norm_backward_scratch_bytes(int64_t rows, int64_t channels, size_t elem_bytes);
 // dx overwritten (or accumulated: dx + the input gradient, bitwise a separate add); dw, db accumulated (+=).
+// dx16: null, or (T = float) dx's values rounded to bf16 bits as cast_f32_to_bf16, in the same store.
 template <typename T>
-void layernorm_backward(const T* dout, const T* x, const T* w, const T* mean, const T* rstd, T* dx, T* dw, T* db,
-                        int64_t rows, int64_t channels, void* scratch, bool accumulate, cudaStream_t stream);
+void layernorm_backward(const T* dout, const T* x, const T* w, const T* mean, const T* rstd, T* dx, uint16_t* dx16,
+                        T* dw, T* db, int64_t rows, int64_t channels, void* scratch, bool accumulate,
+                        cudaStream_t stream);
 template <typename T, typename O>
 void rmsnorm_forward(const T* x, const T* w, O* out, T* rstd, int64_t rows, int64_t channels, double eps,
                      cudaStream_t stream);
 template <typename T>
-void rmsnorm_backward(const T* dout, const T* x, const T* w, const T* rstd, T* dx, T* dw, int64_t rows,
+void rmsnorm_backward(const T* dout, const T* x, const T* w, const T* rstd, T* dx, uint16_t* dx16, T* dw, int64_t rows,
                       int64_t channels, void* scratch, bool accumulate, cudaStream_t stream);
 
 // ---------------------------------------------------------------- activations
