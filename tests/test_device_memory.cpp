@@ -259,6 +259,77 @@ EngineRun run_engine(Backend& backend, const ModelConfig& config, const EngineCo
   return out;
 }
 
+// A model set for training with the bf16 flash attention (train.flash_attention, precision.attention
+// = bf16: the end-of-training sample, or a checkpoint of such a run) keeps its prompt's q/k/v record
+// in bf16; the engine stores the prompt's K/V rows widened from it (GenerationEngine::store_prompt),
+// into the host cache (CPU) and from device memory (strict). Before, reading the record as f32 threw.
+// Greedy logits: the prefill's row and every decoding step's (each reads the stored rows) must be
+// the fp32 model's within bf16's rounding of the attention's inputs, up to the first token where
+// the two runs part; bf16 bits read as floats, or another layer's rows, are far outside it.
+struct GreedyRun {
+  std::vector<std::vector<int32_t>> tokens;  // [request]
+  std::vector<std::vector<float>> logits;    // [request] the rows its tokens were drawn from
+};
+
+GreedyRun greedy_engine_run(Backend& backend, const ModelConfig& config, bool bf16_flash) {
+  Transformer model(backend, config);
+  model.init_weights(9);
+  if (bf16_flash) {
+    PrecisionConfig precision;
+    precision.attention = "bf16";
+    model.set_flash_attention(true);
+    model.set_precision(resolve_policy(precision));
+  }
+  EngineConfig ec;
+  ec.max_batch = 2, ec.block_size = 4;
+  GenerationEngine engine(model, ec);
+  GreedyRun out;
+  out.logits.resize(2);
+  engine.set_on_logits([&out](int64_t id, const float* logits, int64_t vocab) {
+    std::vector<float>& v = out.logits.at(static_cast<size_t>(id));
+    v.insert(v.end(), logits, logits + vocab);
+  });
+  for (int64_t i = 0; i < 2; ++i) {
+    GenerationRequest r;
+    for (int64_t t = 0; t < 5 + 2 * i; ++t) r.prompt.push_back(static_cast<int32_t>((t * 29 + i * 11 + 3) % config.vocab_size));
+    r.max_new_tokens = 6;
+    r.sampling.temperature = 0.0f;
+    EXPECT_EQ(engine.submit(std::move(r)), i);
+  }
+  for (const GenerationResult& g : engine.run()) out.tokens.push_back(g.tokens);
+  return out;
+}
+
+TEST(DeviceMemoryTest, GenerationAfterABf16FlashPrefillReadsTheWidenedRecord) {
+  auto cpu = make_cpu_backend();
+  test::StrictBackend strict;
+  for (const char* preset : {"gpt2-tiny", "llama-tiny"}) {
+    const ModelConfig config = model_preset(preset);
+    const size_t V = static_cast<size_t>(config.vocab_size);
+    const GreedyRun f32 = greedy_engine_run(*cpu, config, false);
+    const GreedyRun got = greedy_engine_run(*cpu, config, true);
+    const GreedyRun device = greedy_engine_run(strict, config, true);
+    EXPECT_EQ(device.tokens, got.tokens) << preset;
+    EXPECT_EQ(device.logits, got.logits) << preset;
+    ASSERT_EQ(got.tokens.size(), 2u) << preset;
+    ASSERT_EQ(f32.tokens.size(), 2u) << preset;
+    for (size_t r = 0; r < 2; ++r) {
+      size_t same = 0;  // tokens before the runs part
+      while (same < got.tokens[r].size() && same < f32.tokens[r].size() && got.tokens[r][same] == f32.tokens[r][same]) ++same;
+      const size_t rows = std::min({same + 1, got.tokens[r].size(), f32.tokens[r].size()});
+      ASSERT_GE(got.logits[r].size(), rows * V) << preset;
+      float largest = 0.0f, worst = 0.0f;
+      for (size_t i = 0; i < rows * V; ++i) {
+        largest = std::max(largest, std::fabs(f32.logits[r][i]));
+        worst = std::max(worst, std::fabs(got.logits[r][i] - f32.logits[r][i]));
+      }
+      EXPECT_GE(rows, 3u) << preset << " request " << r << ": decoding steps compared";
+      EXPECT_LE(worst, 2e-2f * largest) << preset << " request " << r << ": logits against the fp32 model's";
+      EXPECT_GT(worst, 0.0f) << preset << " request " << r << ": the bf16 attention rounds";
+    }
+  }
+}
+
 TEST(DeviceMemoryTest, GenerationOnDeviceMemoryIsBitwiseTheCpuRun) {
   struct Mode {
     const char* name;
