@@ -345,44 +345,45 @@ void GenerationEngine::store_prompt(const ActivationStore& s, int64_t seq, int64
   const ModelConfig& c = model_.config();
   const int64_t H = c.n_head, hd = c.head_dim(), W = c.qkv_width(), KW = c.n_kv_head * hd;
   Backend& backend = model_.backend();
-  // Layer l's (P, W) q/k/v rows in f32: the record itself, or (bf16 around the bf16 flash
-  // attention: LayerPlan::qkv_bf16) widened once, so the cache holds the values the prompt's
-  // attention read. The widened copies live until the cache's flush (write_rows keeps its source).
-  std::vector<Tensor> widened;
-  const auto qkv_rows = [&](int64_t l) {
-    const Tensor rows = s.blocks[static_cast<size_t>(l)].attention.qkv.view(0, {P, W});
-    if (rows.dtype() == DTYPE_F32) return rows;
-    widened.push_back(Tensor::empty(backend.allocator(), {P, W}, DTYPE_F32, MEM_WORKSPACE));
-    backend.cast(rows, widened.back());
-    return widened.back();
-  };
-  if (cache_->in_backend_memory()) {  // each layer's (P, W) rows stored from where they are
-    std::vector<Tensor> rows;  // (layers may differ: windowed ones keep an fp32 record)
-    for (int64_t l = 0; l < c.n_layer; ++l) rows.push_back(qkv_rows(l));
+  // Each layer's (P, W) q/k/v rows (after RoPE) in f32: the record itself, or (bf16 around the
+  // bf16 flash attention: LayerPlan::qkv_bf16) widened once, so the cache holds the values the
+  // prompt's attention read. Kept until the cache's flush (write_rows keeps its source). Layers
+  // may differ (windowed ones keep an fp32 record); MLA has no q/k/v record.
+  std::vector<Tensor> rows;
+  for (int64_t l = 0; l < (c.mla() ? 0 : c.n_layer); ++l) {
+    const Tensor record = s.blocks[static_cast<size_t>(l)].attention.qkv.view(0, {P, W});
+    if (record.dtype() == DTYPE_F32) {
+      rows.push_back(record);
+      continue;
+    }
+    rows.push_back(Tensor::empty(backend.allocator(), {P, W}, DTYPE_F32, MEM_WORKSPACE));
+    backend.cast(record, rows.back());
+  }
+  if (cache_->in_backend_memory()) {  // each layer's rows stored from where they are
     for (int64_t t = 0; t < P; ++t) {
       for (int64_t l = 0; l < c.n_layer; ++l) {
-        cache_->write_rows(l, {seq}, rows[static_cast<size_t>(l)], t, H * hd, H * hd + KW);
+        cache_->write_rows(l, {seq}, rows.at(static_cast<size_t>(l)), t, H * hd, H * hd + KW);
       }
       cache_->advance(seq);
     }
     cache_->flush();  // one kv_store for the whole prompt
     return;
   }
-  // A host cache: each layer's (P, W) q/k/v rows (after RoPE) on the host, in place where the host
-  // can read the backend's memory, else read in one Backend::read a layer into prefill_qkv_.
+  // A host cache: each layer's rows on the host, in place where the host can read the backend's
+  // memory, else read in one Backend::read a layer into prefill_qkv_.
   std::vector<float> latent(static_cast<size_t>(c.mla() ? kv_cache_width(c) : 0));
   std::vector<const float*> qkv(static_cast<size_t>(c.n_layer), nullptr);
   if (!c.mla()) {
-    const bool in_place = s.blocks.front().attention.qkv.host_accessible();
+    const bool in_place = rows.front().host_accessible();
     if (!in_place) prefill_qkv_.resize(static_cast<size_t>(c.n_layer * P * W));
     for (int64_t l = 0; l < c.n_layer; ++l) {
-      const Tensor rows = qkv_rows(l);
+      const Tensor& layer = rows[static_cast<size_t>(l)];
       if (in_place) {
-        qkv[static_cast<size_t>(l)] = rows.data<float>();
+        qkv[static_cast<size_t>(l)] = layer.data<float>();
         continue;
       }
       float* host = prefill_qkv_.data() + l * P * W;
-      backend.read(rows, host);
+      backend.read(layer, host);
       qkv[static_cast<size_t>(l)] = host;
     }
   }

@@ -517,17 +517,18 @@ void int_linear(const Tensor& x, const Tensor& codes, const Tensor& scales, cons
     float& dst = yp[n * O + o];
     dst = beta == 0.0f ? v : beta * dst + v;
   };
-  // Each row's groups (W8A8: the whole row) to int8: scale, codes, and the codes' sum.
+  // Each row's groups (W8A8: the whole row) to int8: scale t, codes, and t times the codes' sum
+  // (the zero points' terms read it).
   std::vector<int8_t> qx(static_cast<size_t>(N * K));
-  std::vector<float> sx(static_cast<size_t>(N * groups));
-  std::vector<int32_t> qsum(static_cast<size_t>(N * groups));
+  std::vector<float> sx(static_cast<size_t>(N * groups)), xu(static_cast<size_t>(N * groups));
   const int64_t block = input_block(s);
 #pragma omp parallel for schedule(static) if (N * K >= kParallelMinElements)
   for (int64_t ng = 0; ng < N * groups; ++ng) {  // rows are K = groups x group long: group ng starts at ng x group
-    sx[static_cast<size_t>(ng)] = quantize_group(xp + ng * s.group, s.group, ng * s.group, block, qx.data(), qsum[static_cast<size_t>(ng)]);
+    int32_t sum = 0;
+    const float t = quantize_group(xp + ng * s.group, s.group, ng * s.group, block, qx.data(), sum);
+    sx[static_cast<size_t>(ng)] = t;
+    xu[static_cast<size_t>(ng)] = t * static_cast<float>(sum);
   }
-  std::vector<float> xu(static_cast<size_t>(N * groups));  // t q per input group, for the zero points' terms
-  for (size_t i = 0; i < xu.size(); ++i) xu[i] = sx[i] * static_cast<float>(qsum[i]);
   VnniKernel kernels[kRowBlock + 1];  // by the number of input rows a call of it multiplies
   for (int nr = 1; nr <= kRowBlock; ++nr) kernels[nr] = row_kernel(s, nr);
   each_output_row(O, params, N <= kShortRegionRows, [&](int64_t o, const float* so) {
