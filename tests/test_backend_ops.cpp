@@ -148,6 +148,73 @@ TEST_P(BackendOpsTest, GemmBf16OutputIsTheRoundedF32Product) {
   EXPECT_THROW(backend_->gemm(o["a"], o["b"], o["c"], GemmSpec{false, false, 1.0f, 1.0f, 1}), Error);
 }
 
+// Backend::gemm_gelu / gemm_dgelu (the MLP's GEMMs with their GELU, LayerPlan::fc_gelu and
+// fc2_dgelu), bf16 A, B, pre, act and dx: against the CPU within a bf16 step of the largest
+// element, 2^-7 of it (a device may take the GELU of the unrounded sum x where the ops take it of
+// bf16(x): |gelu(x) - gelu(bf16(x))| <= 1.13 * 2^-9 |x|, plus each act's own rounding, 2^-9 of
+// it: at most 1.6 * 2^-8 of the largest), and on the backend itself against the ops they stand
+// for (gemm() into pre, gelu_forward; gemm() into f32, gelu_backward on the same pre) within the
+// same bound; bitwise on the strict
+// backend, whose ops are the default (those very ops). Shapes: fc's forward x W^T + b and fc2's
+// input gradient dy W (CUDA fuses both into cuBLASLt's epilogues), and odd columns (aux's leading
+// dimension not a multiple of 8: the default there). GELU inputs in [-4, 4]: its tails and its
+// minimum. A gemm_dgelu that skipped gelu' (dx = the product) fails.
+TEST_P(BackendOpsTest, GemmWithItsGeluIsTheGemmThenTheGelu) {
+  for (const GemmCase& g : {GemmCase{GemmSpec{false, true, 1.0f, 0.0f, 1}, 64, 256, 96, true},
+                            GemmCase{GemmSpec{false, false, 1.0f, 0.0f, 1}, 64, 256, 96, false},
+                            GemmCase{GemmSpec{false, true, 1.0f, 0.0f, 1}, 17, 101, 64, true}}) {
+    const std::string what = gemm_name(DTYPE_BF16, g) + " with its GELU";
+    Operands x;
+    const double s = 2.0 / std::sqrt(static_cast<double>(g.k));  // sums of about U(-4, 4)'s spread
+    x.tensors["a"] = rnd(g.spec.trans_a ? Shape{g.k, g.m} : Shape{g.m, g.k}, DTYPE_BF16, 1, std::sqrt(3.0 * s));
+    x.tensors["b"] = rnd(g.spec.trans_b ? Shape{g.n, g.k} : Shape{g.k, g.n}, DTYPE_BF16, 2, std::sqrt(3.0 * s));
+    for (const char* name : {"pre", "act", "dx", "pre_ref", "act_ref", "dx_ref"}) {
+      x.tensors[name] = nans({g.m, g.n}, DTYPE_BF16);
+    }
+    x.tensors["scratch"] = nans({g.m, g.n}, DTYPE_F32);
+    x.tensors["sum"] = nans({g.m, g.n}, DTYPE_F32);
+    x.tensors["bias"] = rnd({g.n}, DTYPE_F32, 4, 0.5);
+    const Op op = [g](Backend& be, Operands& o) {
+      const Tensor* bias = g.bias ? &o["bias"] : nullptr;
+      be.gemm_gelu(o["a"], o["b"], o["pre"], o["act"], g.spec, bias);
+      be.gemm_dgelu(o["a"], o["b"], o["pre"], o["scratch"], o["dx"], g.spec);
+    };
+    const Op ref = [g](Backend& be, Operands& o) {
+      be.gemm(o["a"], o["b"], o["pre_ref"], g.spec, g.bias ? &o["bias"] : nullptr);
+      be.gelu_forward(o["pre_ref"], o["act_ref"]);
+      be.gemm(o["a"], o["b"], o["sum"], g.spec);
+      be.gelu_backward(o["pre"], o["sum"], o["dx_ref"]);
+    };
+    const Tol bf16_step{1.0 / 128};
+    check(what, x, [&](Backend& be, Operands& o) { op(be, o), ref(be, o); },
+          {{"pre", bf16_step}, {"act", bf16_step}, {"dx", bf16_step}});
+    Operands got = copy_to_backend(x);
+    op(*backend_, got);
+    ref(*backend_, got);
+    for (const std::string name : {"pre", "act", "dx"}) {
+      const std::vector<uint8_t> fused = bytes_of(*backend_, got[name]), plain = bytes_of(*backend_, got[name + "_ref"]);
+      if (GetParam() == "strict") {
+        EXPECT_TRUE(fused == plain) << what << ": " << name << " is not the ops' bits";
+      }
+      const Mismatch m = rel_error(values_of(fused, DTYPE_BF16), values_of(plain, DTYPE_BF16));
+      EXPECT_LE(m.error, bf16_step.rel) << what << ": " << name << " against the ops on " << GetParam() << ", element "
+                                        << m.index << ": " << m.got << ", the ops' " << m.want;
+    }
+  }
+  // Operands the GEMM cannot take: beta, and an f32 scratch of another size.
+  Operands x;
+  x.tensors["a"] = rnd({4, 8}, DTYPE_BF16, 1);
+  x.tensors["b"] = rnd({8, 8}, DTYPE_BF16, 2);
+  x.tensors["pre"] = rnd({4, 8}, DTYPE_BF16, 3);
+  x.tensors["act"] = rnd({4, 8}, DTYPE_BF16, 3);
+  x.tensors["scratch"] = rnd({4, 4}, DTYPE_F32, 3);
+  Operands o = copy_to_backend(x);
+  EXPECT_NE(error_of([&] { backend_->gemm_gelu(o["a"], o["b"], o["pre"], o["act"], GemmSpec{false, false, 1.0f, 1.0f, 1}); })
+                .find("gemm_gelu: the product is written, not accumulated"),
+            std::string::npos);
+  EXPECT_THROW(backend_->gemm_dgelu(o["a"], o["b"], o["pre"], o["scratch"], o["act"], GemmSpec{}), Error);
+}
+
 // ---------------------------------------------------------------- elementwise, casts, reductions
 
 

@@ -17,6 +17,7 @@
 #include <cstring>
 #include <cub/device/device_radix_sort.cuh>
 #include <limits>
+#include <numbers>
 #include <numeric>
 #include <random>
 #include <string>
@@ -824,6 +825,82 @@ TEST_F(CudaSimLt, BiasEpilogue) {
       EXPECT_NEAR(decode(after, CUDA_R_32F, at), e.value[at] + bias[i], 1e-6 * (e.bound[at] + 1)) << i << ", " << j;
     }
   }
+}
+
+// CUBLASLT_EPILOGUE_GELU_AUX_BIAS writes the GELU's input (the product plus the bias) to the
+// auxiliary matrix and its GELU (tanh form) to D; CUBLASLT_EPILOGUE_DGELU reads that matrix and
+// writes the product times GELU'. Against double references from the formulas (f32 here: within
+// 1e-5 of the sum's magnitude). The auxiliary matrix needs a leading dimension that is a multiple
+// of 8 and at least D's rows (the heuristic's INVALID_VALUE), and a pointer (the matmul's).
+TEST_F(CudaSimLt, GeluEpilogues) {
+  GemmShape s = make_shape(false, false, 0, 4);
+  s.batch = 1;
+  const int64_t aux_ld = round_up(s.m, 8);
+  std::vector<double> a = random_values(s.a_elems(), CUDA_R_32F, 51), b = random_values(s.b_elems(), CUDA_R_32F, 52);
+  for (double& v : a) v *= 2.0;  // sums over k = 7 of about U(-2, 2)^2: GELU's tails and minimum
+  const std::vector<double> bias = random_values(static_cast<size_t>(s.m), CUDA_R_32F, 53);
+  DeviceBytes da(encode(a, CUDA_R_32F)), db(encode(b, CUDA_R_32F)), dbias(encode(bias, CUDA_R_32F)),
+      dd(encode(std::vector<double>(s.c_elems()), CUDA_R_32F)),
+      daux(encode(std::vector<double>(static_cast<size_t>(aux_ld * s.n)), CUDA_R_32F));
+  const auto run = [&](uint32_t epilogue, int64_t ld, const void* aux, const void* bias_ptr, cublasStatus_t* heuristic) {
+    LtProblem lt(s, CUDA_R_32F, CUDA_R_32F, CUBLAS_COMPUTE_32F);
+    EXPECT_EQ(cublasLtMatmulDescSetAttribute(lt.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof epilogue),
+              CUBLAS_STATUS_SUCCESS);
+    if (bias_ptr != nullptr) {
+      EXPECT_EQ(cublasLtMatmulDescSetAttribute(lt.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias_ptr, sizeof bias_ptr),
+                CUBLAS_STATUS_SUCCESS);
+    }
+    EXPECT_EQ(cublasLtMatmulDescSetAttribute(lt.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof aux),
+              CUBLAS_STATUS_SUCCESS);
+    EXPECT_EQ(cublasLtMatmulDescSetAttribute(lt.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ld, sizeof ld),
+              CUBLAS_STATUS_SUCCESS);
+    cublasLtMatmulHeuristicResult_t result{};
+    int found = 0;
+    *heuristic = lt.heuristic(lt_, &result, &found);
+    if (*heuristic != CUBLAS_STATUS_SUCCESS) return *heuristic;
+    const float alpha = 1.0f, beta = 0.0f;
+    const cublasStatus_t status = cublasLtMatmul(lt_, lt.desc, &alpha, da.get(), lt.a, db.get(), lt.b, &beta, dd.get(),
+                                                 lt.c, dd.get(), lt.c, &result.algo, nullptr, 0, stream_);
+    sync();
+    return status;
+  };
+  cublasStatus_t heuristic = CUBLAS_STATUS_SUCCESS;
+  ASSERT_EQ(run(CUBLASLT_EPILOGUE_GELU_AUX_BIAS, aux_ld, daux.get(), dbias.get(), &heuristic), CUBLAS_STATUS_SUCCESS);
+  const Expected e = reference_gemm(s, a, b, std::vector<double>(s.c_elems(), 0.0), 1.0, 0.0);
+  const double kScale = std::sqrt(2.0 / std::numbers::pi);
+  const auto tanh_u = [&](double x) { return std::tanh(kScale * (x + 0.044715 * x * x * x)); };
+  const std::vector<unsigned char> act = dd.download(), pre = daux.download();
+  std::vector<double> x(static_cast<size_t>(s.m * s.n));
+  double seen_min = 0, seen_max = 0;
+  for (int j = 0; j < s.n; ++j) {
+    for (int i = 0; i < s.m; ++i) {
+      const size_t at = static_cast<size_t>(i + j * s.ldc);
+      const double tol = 1e-5 * (e.bound[at] + 1);
+      x[i + j * s.m] = e.value[at] + bias[i];
+      seen_min = std::min(seen_min, x[i + j * s.m]), seen_max = std::max(seen_max, x[i + j * s.m]);
+      EXPECT_NEAR(decode(pre, CUDA_R_32F, static_cast<size_t>(i + j * aux_ld)), x[i + j * s.m], tol) << i << ", " << j;
+      EXPECT_NEAR(decode(act, CUDA_R_32F, at), 0.5 * x[i + j * s.m] * (1 + tanh_u(x[i + j * s.m])), tol) << i << ", " << j;
+    }
+  }
+  EXPECT_LT(seen_min, -2.0);  // the inputs reach GELU's tail and its minimum (-0.75)
+  EXPECT_GT(seen_max, 2.0);
+  // DGELU: the same product times GELU' of the auxiliary matrix just written (no bias).
+  ASSERT_EQ(run(CUBLASLT_EPILOGUE_DGELU, aux_ld, daux.get(), nullptr, &heuristic), CUBLAS_STATUS_SUCCESS);
+  const std::vector<unsigned char> dx = dd.download();
+  for (int j = 0; j < s.n; ++j) {
+    for (int i = 0; i < s.m; ++i) {
+      const size_t at = static_cast<size_t>(i + j * s.ldc);
+      const double v = decode(pre, CUDA_R_32F, static_cast<size_t>(i + j * aux_ld)), t = tanh_u(v);
+      const double slope = 0.5 * (1 + t) + 0.5 * v * (1 - t * t) * kScale * (1 + 3 * 0.044715 * v * v);
+      EXPECT_NEAR(decode(dx, CUDA_R_32F, at), e.value[at] * slope, 1e-5 * (e.bound[at] + 1)) << i << ", " << j;
+    }
+  }
+  // The auxiliary matrix's rules.
+  EXPECT_EQ(run(CUBLASLT_EPILOGUE_DGELU, aux_ld + 4, daux.get(), nullptr, &heuristic), CUBLAS_STATUS_INVALID_VALUE);
+  EXPECT_EQ(heuristic, CUBLAS_STATUS_INVALID_VALUE) << "an aux leading dimension that is not a multiple of 8";
+  EXPECT_EQ(run(CUBLASLT_EPILOGUE_GELU_AUX, 0, daux.get(), nullptr, &heuristic), CUBLAS_STATUS_INVALID_VALUE);
+  EXPECT_EQ(run(CUBLASLT_EPILOGUE_GELU_AUX, aux_ld, nullptr, nullptr, &heuristic), CUBLAS_STATUS_INVALID_VALUE);
+  EXPECT_EQ(heuristic, CUBLAS_STATUS_SUCCESS) << "the heuristic does not read the pointer";
 }
 
 TEST_F(CudaSimLt, PointersOutsideDeviceMemory) {

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "loom/backend/cuda/cuda_backend.h"
 #include "loom/backend/cuda/sim/sim_runtime.h"
 #include "loom/checkpoint/checkpoint.h"
 #include "loom/train/config.h"
@@ -94,7 +95,8 @@ TEST(CudaSimTraining, TheCudaBackendTrainsAsTheCpuAndIsBitwiseDeterministic) {
 
 // GPT-2's training step as the benchmark runs it (bf16 linears, flash attention in bf16 on tensor
 // cores, precision.outputs = bf16: qkv written and read in bf16, dO from the output projection in
-// bf16, proj's and fc2's dy rounded by the norms' backward), and Llama's (qkv through RoPE on an
+// bf16, proj's and fc2's dy rounded by the norms' backward, the GELU in fc's and fc2's GEMMs'
+// cuBLASLt epilogues: the activation from fc's unrounded sum), and Llama's (qkv through RoPE on an
 // fp32 staging, then rounded into the record), on models whose heads are 64 wide (the tensor-core
 // kernels' size; the presets' are 8 and 16):
 // against the CPU, whose bf16 flash attention rounds the same q, k, v and dO but not P and dS
@@ -116,6 +118,8 @@ TEST(CudaSimTraining, TheTensorCoreAttentionTrainsAsTheCpu) {
         const LayerPlan& plan = model.layer_plans().front();
         EXPECT_TRUE(plan.qkv_bf16 && plan.attn_dy_bf16) << preset;
         EXPECT_TRUE(plan.proj_dy_bf16 && plan.fc2_dy_bf16) << preset;  // the norms' backward round dy for both
+        const bool gelu = config.arch == ARCH_GPT2;  // its GELU in the GEMMs' epilogues (Llama: SwiGLU)
+        EXPECT_TRUE(plan.fc_gelu == gelu && plan.fc2_dgelu == gelu) << preset;
       });
     };
     auto cpu = make_cpu_backend();
@@ -123,6 +127,8 @@ TEST(CudaSimTraining, TheTensorCoreAttentionTrainsAsTheCpu) {
     auto cuda = make_backend("cuda");
     sim::set_block_order_seed(1);
     const TrainRun got = run(*cuda);
+    // GPT-2: fc's forward and fc2's input gradient with cuBLASLt's GELU epilogues, each layer and step.
+    EXPECT_EQ(cuda_gelu_epilogue_gemms(*cuda), config.arch == ARCH_GPT2 ? 4 * 2 * config.n_layer : 0) << preset;
     sim::set_block_order_seed(7);
     const TrainRun again = run(*cuda);
     sim::set_block_order_seed(1);

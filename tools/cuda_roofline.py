@@ -17,8 +17,10 @@ Three designs are estimated:
             inputs (the norms' outputs, the MLP activation) and the MLP's first GEMM's output
             gradient written in bf16 by the kernels that produce them, and the output GEMMs' (the
             residual stream's gradient, kept fp32) rounded to bf16 by the norm backward that
-            finalises it (one 2-byte store an element more); a bf16 copy (a cast kernel) of the
-            QKV GEMM's output gradient, and of the
+            finalises it (one 2-byte store an element more); GPT-2's GELU in its GEMMs' cuBLASLt
+            epilogues (GELU_AUX_BIAS writes the activation beside fc's output, DGELU writes
+            d(fc output) from fc2's dX: no GELU kernels; Llama's SwiGLU keeps its two); a bf16
+            copy (a cast kernel) of the QKV GEMM's output gradient, and of the
             attention output (fp32 here) for its projection; flash attention on CUDA cores
             (FlashAttention-2's loop in fp32 FMAs), bf16 logits (precision.logits = bf16, the default:
             the head's GEMM writes them rounded, the loss writes d(logits) over them), AdamW reading
@@ -113,8 +115,14 @@ def layer_kernels(m: Model, design: str) -> list[Kernel]:
         io = 2 * (n * k + k * out) + (2 if out16 else act) * n * out
         # The output projections add onto the residual stream: cuBLASLt reads it as C (GemmSpec::c_in)
         residual = act * n * out if name in ("attention out", "mlp out") else 0
-        ks.append(Kernel(f"{name} GEMM fwd" + (" (+ the residual)" if residual else ""), f, io + residual, "tensor"))
-        ks.append(Kernel(f"{name} GEMM bwd (dX, dW)", 2 * f, 2 * io + 4 * k * out, "tensor"))
+        # GELU in the epilogues (LayerPlan::fc_gelu / fc2_dgelu: cuBLASLt's GELU_AUX_BIAS writes the
+        # activation beside fc's output; DGELU reads fc's output and writes d(fc output) in bf16)
+        gelu_fwd = 2 * n * out if name == "mlp in" and not m.swiglu else 0
+        gelu_bwd = 2 * n * k if name == "mlp out" and not m.swiglu else 0
+        fwd_name = f"{name} GEMM fwd" + (" (+ the residual)" if residual else "") + (" (+ GELU)" if gelu_fwd else "")
+        ks.append(Kernel(fwd_name, f, io + residual + gelu_fwd, "tensor"))
+        bwd_name = f"{name} GEMM bwd (dX" + (" through GELU'" if gelu_bwd else "") + ", dW)"
+        ks.append(Kernel(bwd_name, 2 * f, 2 * io + 4 * k * out + gelu_bwd, "tensor"))
         # (mlp in's comes from the activation's backward in bf16; qkv's from the tensor-core flash
         # backward where no RoPE sits between them: GPT-2 under built-tc; the output GEMMs' from the
         # norms' backward above: LayerPlan::proj_dy_bf16 / fc2_dy_bf16)
@@ -142,11 +150,11 @@ def layer_kernels(m: Model, design: str) -> list[Kernel]:
         ks.append(Kernel("RoPE fwd + bwd", 6 * n * qkv, 4 * act * n * (d + m.kv_heads * m.hd), "mem"))
         if design == "built-tc":  # the rotated fp32 staging rounded into the bf16 record (qkv_bf16)
             ks.append(Kernel("qkv: bf16 copy after RoPE", 0, n * qkv * 6, "mem"))
-    act_name = "SwiGLU" if m.swiglu else "GELU"
-    # The activation reads fc's bf16 output and writes its own in bf16; its backward reads fc's output
-    # again and d(act) (fp32 in the built designs) and writes d(fc output) in bf16.
-    ks.append(Kernel(f"{act_name} fwd", 10 * n * ff, 2 * n * mlp_in + 2 * n * ff, "mem"))
-    ks.append(Kernel(f"{act_name} bwd", 20 * n * ff, 2 * n * mlp_in + act * n * ff + 2 * n * mlp_in, "mem"))
+    # SwiGLU reads fc's bf16 output and writes its own in bf16; its backward reads fc's output again
+    # and d(act) (fp32 in the built designs) and writes d(fc output) in bf16. (GELU: in the GEMMs.)
+    if m.swiglu:
+        ks.append(Kernel("SwiGLU fwd", 10 * n * ff, 2 * n * mlp_in + 2 * n * ff, "mem"))
+        ks.append(Kernel("SwiGLU bwd", 20 * n * ff, 2 * n * mlp_in + act * n * ff + 2 * n * mlp_in, "mem"))
     # (the residual adds: the forward's in the output GEMMs, the backward's in the norms' backward)
     return ks
 

@@ -1,7 +1,7 @@
 // The defaults of the Backend interface's optional ops: a one-line error naming the op and the
 // backend (the gradient compression, model-parallel, mixture-of-experts and latent-attention ops;
-// a backend that has them says so in its capabilities), and the portable default of
-// bf16_weight_linear (widen, then gemm).
+// a backend that has them says so in its capabilities), and the portable defaults of
+// bf16_weight_linear (widen, then gemm) and of gemm_gelu / gemm_dgelu (the GEMM, then the GELU op).
 #include "loom/backend/backend.h"
 #include "loom/backend/checks.h"
 
@@ -31,6 +31,20 @@ namespace {
   unsupported(backend, op, "fp16 / fp8 recipes, QAT and bf16 master weights");
 }
 }  // namespace
+
+void Backend::gemm_gelu(const Tensor& a, const Tensor& b, const Tensor& pre, const Tensor& act, const GemmSpec& spec,
+                        const Tensor* bias) {
+  checks::check_gemm_gelu("gemm_gelu", a, b, pre, act, spec, bias, nullptr);
+  gemm(a, b, pre, spec, bias);
+  gelu_forward(pre, act);
+}
+
+void Backend::gemm_dgelu(const Tensor& a, const Tensor& b, const Tensor& pre, const Tensor& scratch, const Tensor& dx,
+                         const GemmSpec& spec) {
+  checks::check_gemm_gelu("gemm_dgelu", a, b, pre, dx, spec, nullptr, &scratch);
+  gemm(a, b, scratch, spec);
+  gelu_backward(pre, scratch, dx);
+}
 
 void Backend::topk_extract(const Tensor&, const Tensor&, const Tensor&, const Tensor&) { unsupported(*this, "topk_extract"); }
 void Backend::scatter_add(const Tensor&, const Tensor&, const Tensor&) { unsupported(*this, "scatter_add"); }

@@ -292,6 +292,20 @@ class Backend {
   // GELU, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
   virtual void gelu_forward(const Tensor& x, const Tensor& out) = 0;
   virtual void gelu_backward(const Tensor& x, const Tensor& dout, const Tensor& dx) = 0;
+  // The MLP's first GEMM with its GELU (the tanh form above) in one op, for a backend whose GEMM
+  // can apply it in its epilogue: pre = op(A) op(B) (+ bias), written as gemm() writes it (beta 0),
+  // and act = gelu(pre). The default runs gemm() then gelu_forward(pre, act): act is the GELU of
+  // pre as rounded. CUDA with bf16 A, B, pre and act takes it in cuBLASLt's epilogue
+  // (CUBLASLT_EPILOGUE_GELU_AUX_BIAS: pre is its auxiliary output) from the unrounded fp32 sum, so
+  // act may differ from the default's by what one rounding of pre moves it (a bf16 step of act).
+  virtual void gemm_gelu(const Tensor& a, const Tensor& b, const Tensor& pre, const Tensor& act, const GemmSpec& spec,
+                         const Tensor* bias = nullptr);
+  // Its backward through the next GEMM: dx = gelu'(pre) o (op(A) op(B)) (beta 0, no bias), gelu'
+  // as gelu_backward's. The default computes the product into `scratch` (f32, dx's shape), then
+  // gelu_backward(pre, scratch, dx); CUDA with bf16 A, B, pre and dx applies gelu' in cuBLASLt's
+  // epilogue (CUBLASLT_EPILOGUE_DGELU, pre its auxiliary input) and leaves scratch unwritten.
+  virtual void gemm_dgelu(const Tensor& a, const Tensor& b, const Tensor& pre, const Tensor& scratch, const Tensor& dx,
+                          const GemmSpec& spec);
   // Gated MLP activation (backend/activation.h; Shazeer 2020): x (N, 2F) = [gate | up]; out (N, F)
   // = act(gate) * up: SwiGLU (silu) or GeGLU (gelu_tanh).
   virtual void glu_forward(const Tensor& x, const Tensor& out, GateActivation act) = 0;

@@ -49,6 +49,18 @@ GemmDims check_gemm(const Tensor& a, const Tensor& b, const Tensor& c, const Gem
   return d;
 }
 
+GemmDims check_gemm_gelu(const char* op, const Tensor& a, const Tensor& b, const Tensor& pre, const Tensor& other,
+                         const GemmSpec& spec, const Tensor* bias, const Tensor* scratch) {
+  LOOM_CHECK(spec.beta == 0.0f && spec.c_in == nullptr, op, ": the product is written, not accumulated (beta ",
+             spec.beta, ", expected 0)");
+  const Tensor& c = scratch != nullptr ? *scratch : pre;
+  if (scratch != nullptr) expect_dtype(*scratch, DTYPE_F32, op, "scratch");
+  const GemmDims d = check_gemm(a, b, c, spec, bias);
+  expect_numel(pre, c.numel(), op, "pre");
+  expect_numel(other, c.numel(), op, scratch != nullptr ? "dx" : "act");
+  return d;
+}
+
 void check_elementwise(const char* op, const Tensor& x, std::initializer_list<const Tensor*> others) {
   for (const Tensor* t : others) {
     expect_dtype(*t, x.dtype(), op, "operand");

@@ -30,6 +30,10 @@ struct GemmDims {
   int64_t m, n, k, a_rows, a_cols, b_rows, b_cols;
 };
 GemmDims check_gemm(const Tensor& a, const Tensor& b, const Tensor& c, const GemmSpec& spec, const Tensor* bias);
+// Backend::gemm_gelu's operands (scratch null: pre is the GEMM's C, other the activation of its
+// size) or gemm_dgelu's (the f32 scratch is the GEMM's C, other is dx, pre of its size): beta 0.
+GemmDims check_gemm_gelu(const char* op, const Tensor& a, const Tensor& b, const Tensor& pre, const Tensor& other,
+                         const GemmSpec& spec, const Tensor* bias, const Tensor* scratch);
 // Backend::bf16_weight_linear's operands; returns N, the input rows.
 int64_t check_bf16_weight_linear(const Tensor& x, const Tensor& w, const Tensor& y, const Tensor* bias);
 

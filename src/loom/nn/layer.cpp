@@ -72,10 +72,12 @@ void adapted_linear_forward(Backend& backend, LinearLayer& layer, const Tensor& 
 void adapted_linear_backward(Backend& backend, LinearLayer& layer, const Tensor& x, const Tensor& w, const Tensor& w16,
                              const Tensor& dy, const Tensor& dx, const Tensor& dw, const Tensor& db,
                              const LoraTerm& lora, const LoraAdapters& grads, LinearWorkspace* ws,
-                             const Tensor& dy16) {
+                             const Tensor& dy16, const GeluBackward* gelu) {
   const LoraAdapters& adapters = adapters_of(lora);
+  LOOM_CHECK(gelu == nullptr || adapters.empty(), "linear layer: a GELU's input gradient from the GEMM with LoRA "
+             "adapters (their term adds to the layer's input gradient)");
   const LoraWeight lw = lora_layer_weight(backend, w, w16, adapters, lora.scale, lora.dropout, ws);
-  layer.backward(backend, x, lw.w, w16, dy, dx, dw, db, ws, dy16);
+  layer.backward(backend, x, lw.w, w16, dy, dx, dw, db, ws, dy16, gelu);
   lora_backward(backend, x, adapters, grads, lora.scale, dy, dx, ws, lora.dropout, w, lw.dora_merged);
 }
 

@@ -141,11 +141,12 @@ void adapted_linear_forward(Backend& backend, LinearLayer& layer, const Tensor& 
                             const Tensor& b, const Tensor& y, const LoraTerm& lora, LinearWorkspace* ws);
 // Its backward: dx = dy (the weight the forward used) plus the adapters' part, dw (undefined when
 // frozen) and db as LinearLayer::backward, and the adapters' gradients into `grads`. dy16: dy
-// already rounded to bf16 for the layer's GEMMs, or undefined (LinearLayer::backward).
+// already rounded to bf16 for the layer's GEMMs, or undefined (LinearLayer::backward). gelu: dx
+// is that GELU's input gradient instead (LinearLayer::backward; a layer without adapters only).
 void adapted_linear_backward(Backend& backend, LinearLayer& layer, const Tensor& x, const Tensor& w, const Tensor& w16,
                              const Tensor& dy, const Tensor& dx, const Tensor& dw, const Tensor& db,
                              const LoraTerm& lora, const LoraAdapters& grads, LinearWorkspace* ws,
-                             const Tensor& dy16 = Tensor{});
+                             const Tensor& dy16 = Tensor{}, const GeluBackward* gelu = nullptr);
 
 // Activation-gradient scratch shared by all blocks of a backward pass (overwritten each use).
 struct BlockScratch {

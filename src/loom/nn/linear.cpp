@@ -253,6 +253,19 @@ void LinearLayer::forward_residual(Backend& backend, const Tensor& x, const Tens
   else bf16_gemm(backend, x, w, w16, y, spec, bias, *ws);
 }
 
+void LinearLayer::forward_gelu(Backend& backend, const Tensor& x, const Tensor& w, const Tensor& w16, const Tensor& b,
+                               const Tensor& pre, const Tensor& act, LinearWorkspace* ws) {
+  if (setup_.recipe != RECIPE_BF16 || int_weight_ != nullptr || bf16_weight_.defined() || ws == nullptr) {
+    forward(backend, x, w, w16, b, pre, 0.0f, ws);  // (a quantized or bf16-in-place weight: its own product)
+    backend.gelu_forward(pre, act);
+    return;
+  }
+  check_input(x);
+  const Tensor wb = bf16_weight(backend, w, w16, *ws);
+  const Tensor xb = bf16_input(backend, x, *ws, LinearWorkspace::A);
+  backend.gemm_gelu(xb, wb, pre, act, spec_of(false, true, 0.0f), b.defined() ? &b : nullptr);
+}
+
 void LinearLayer::bf16_gemm(Backend& backend, const Tensor& x, const Tensor& w, const Tensor& w16, const Tensor& y,
                             const GemmSpec& spec, const Tensor* bias, LinearWorkspace& ws) const {
   const Tensor wb = bf16_weight(backend, w, w16, ws);
@@ -294,7 +307,9 @@ void LinearLayer::backward_columns(Backend& backend, const Tensor& x, const Tens
 
 void LinearLayer::backward(Backend& backend, const Tensor& x, const Tensor& w, const Tensor& w16, const Tensor& dy,
                            const Tensor& dx, const Tensor& dw, const Tensor& db, LinearWorkspace* ws,
-                           const Tensor& dy16) {
+                           const Tensor& dy16, const GeluBackward* gelu) {
+  LOOM_CHECK(gelu == nullptr || (setup_.recipe == RECIPE_BF16 && dx.defined()), "linear layer (",
+             recipe_name(setup_.recipe), "): a GELU's input gradient from the GEMM needs the bf16 recipe");
   LOOM_CHECK(int_weight_ == nullptr, "a quantized checkpoint (loom quantize) cannot be trained: its weights are "
              "integer codes; fine-tune the checkpoint it was made from");
   LOOM_CHECK(!bf16_weight_.defined(), "a model loaded for inference with its bf16 weights in place cannot be trained "
@@ -328,7 +343,8 @@ void LinearLayer::backward(Backend& backend, const Tensor& x, const Tensor& w, c
       const Tensor wb = bf16_weight(backend, w, w16, *ws);
       // (a bf16 dy: the loss's, Transformer::backward; dy16: the norm backward's rounding of dy)
       const Tensor dyb = dy16.defined() ? dy16.view(0, dy.shape()) : bf16_input(backend, dy, *ws, S::A);
-      backend.gemm(dyb, wb, dx, dgrad);
+      if (gelu != nullptr) backend.gemm_dgelu(dyb, wb, gelu->pre, gelu->scratch, dx, dgrad);
+      else backend.gemm(dyb, wb, dx, dgrad);
       if (!dw.defined()) return;
       backend.gemm(dyb, bf16_input(backend, x, *ws, S::B), dw, wgrad);
       return;

@@ -52,6 +52,14 @@ class LinearWorkspace {
   std::array<Tensor, SLOT_COUNT> f32_, bf16_;
 };
 
+// The GELU whose input gradient a layer's input gradient becomes (LayerPlan::fc2_dgelu): dx =
+// gelu'(pre) o (dy w) through Backend::gemm_dgelu; scratch (f32, dx's shape) for a backend that
+// computes the product first.
+struct GeluBackward {
+  Tensor pre;
+  Tensor scratch;
+};
+
 // How one linear layer computes; default-constructed = fp32, no state.
 struct LinearSetup {
   LinearRecipe recipe = RECIPE_F32;
@@ -100,9 +108,15 @@ class LinearLayer {
   // dy16, when defined (the bf16 recipe, an fp32 dy): dy rounded to bf16 already (the bits cast
   // gives: the residual stream's gradient from the norm backward, LayerPlan::proj_dy_bf16 /
   // fc2_dy_bf16), which the GEMMs read instead of rounding dy; db sums dy.
+  // gelu (the bf16 recipe only): dx is the gradient of that GELU's input instead (GeluBackward).
   void backward(Backend& backend, const Tensor& x, const Tensor& w, const Tensor& w16, const Tensor& dy,
                 const Tensor& dx, const Tensor& dw, const Tensor& db, LinearWorkspace* ws,
-                const Tensor& dy16 = Tensor{});
+                const Tensor& dy16 = Tensor{}, const GeluBackward* gelu = nullptr);
+  // The forward with a GELU after it (LayerPlan::fc_gelu): pre = x w^T + b (the activation's
+  // input) and act = gelu(pre); the bf16 recipe's GEMM through Backend::gemm_gelu, any other way
+  // of computing the layer (another recipe, a quantized or bf16-in-place weight) forward() then gelu_forward.
+  void forward_gelu(Backend& backend, const Tensor& x, const Tensor& w, const Tensor& w16, const Tensor& b,
+                    const Tensor& pre, const Tensor& act, LinearWorkspace* ws);
 
   // A loss pass's head with its logits kept by columns (Backend::logits_by_columns): yt (out, N)
   // = w x^T, and from dyt (out, N): dx = dyt^T w, dw += dyt x (dw may be undefined: a frozen

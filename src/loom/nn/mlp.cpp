@@ -59,8 +59,12 @@ void MlpLayer::forward(Backend& backend, const Tensor& mid, MlpSaved& s, const T
   }
   const int64_t T = s.fc.dim(1);
   const Tensor input = pre ? links_.whole(backend, s.norm.out, T) : mid;  // (sequence parallel: gathered)
-  adapted_linear_forward(backend, fc_, input, p.fc_w, q.fc_w, p.fc_b, s.fc, fc_lora(s), links_.ws);
-  activation(backend, s);
+  if (plan_.fc_gelu) {  // fc's output and its GELU from one GEMM where the backend fuses them
+    fc_.forward_gelu(backend, input, p.fc_w, q.fc_w, p.fc_b, s.fc, s.act, links_.ws);
+  } else {
+    adapted_linear_forward(backend, fc_, input, p.fc_w, q.fc_w, p.fc_b, s.fc, fc_lora(s), links_.ws);
+    activation(backend, s);
+  }
   if (post) {  // out = mid + norm(fc2(act)) (a whole layer: no tp)
     adapted_linear_forward(backend, fc2_, s.act, p.fc2_w, q.fc2_w, p.fc2_b, s.post_in, fc2_lora(s), links_.ws);
     post_norm_residual(backend, config_, s.post_in, p.post_norm_w, Tensor{}, s.post, mid, out);
@@ -150,13 +154,19 @@ void MlpLayer::backward(Backend& backend, const Tensor& mid, const MlpSaved& s, 
   // r16.in: d(out) rounded by the norm backward that finalised it (LayerPlan::fc2_dy_bf16), for fc2's GEMMs.
   LOOM_CHECK(!r16.in.defined() || (!post && links_.seq == nullptr), "mlp backward: a bf16 d(out) for fc2 with an "
              "output norm or sequence parallelism");
-  adapted_linear_backward(backend, fc2_, s.act, p.fc2_w, q.fc2_w, dy_out, k.d_act, pass.dw(g.fc2_w), g.fc2_b,
-                          fc2_lora(s), g.fc2_lora, links_.ws, r16.in);
   // d(fc output): in bf16 where the plan says (fc's GEMMs read it as it is), else fp32.
   const bool dy16 = plan_.mlp_in_dy_bf16 && part == BACKWARD_ALL && links_.ws != nullptr;
   const Tensor d_fc = dy16 ? links_.ws->bf16(LinearWorkspace::Y, k.d_fc.shape()) : k.d_fc;
-  if (config_.gated_mlp()) backend.glu_backward(s.fc, k.d_act, d_fc, config_.gate_activation);
-  else backend.gelu_backward(s.fc, k.d_act, d_fc);
+  if (plan_.fc2_dgelu && dy16) {  // d(fc output) from fc2's input-gradient GEMM, through the GELU at once
+    const GeluBackward gelu{s.fc, k.d_act};
+    adapted_linear_backward(backend, fc2_, s.act, p.fc2_w, q.fc2_w, dy_out, d_fc, pass.dw(g.fc2_w), g.fc2_b,
+                            fc2_lora(s), g.fc2_lora, links_.ws, r16.in, &gelu);
+  } else {
+    adapted_linear_backward(backend, fc2_, s.act, p.fc2_w, q.fc2_w, dy_out, k.d_act, pass.dw(g.fc2_w), g.fc2_b,
+                            fc2_lora(s), g.fc2_lora, links_.ws, r16.in);
+    if (config_.gated_mlp()) backend.glu_backward(s.fc, k.d_act, d_fc, config_.gate_activation);
+    else backend.gelu_backward(s.fc, k.d_act, d_fc);
+  }
   pass.keep(d_fc, s.dy_fc);
   const Tensor input = pre ? whole(s.norm.out) : mid;
   adapted_linear_backward(backend, fc_, input, p.fc_w, q.fc_w, d_fc, k.d_norm, pass.dw(g.fc_w), g.fc_b, fc_lora(s),

@@ -46,6 +46,13 @@ std::array<bool, 4> saved_bf16(const ModelConfig& config, int64_t layer, const L
   return on;
 }
 
+bool has_lora_on(const ModelConfig& config, int64_t layer, LoraLinear linear) {
+  for (const LoraSite& site : lora_sites(config, layer)) {
+    if (site.linear == linear) return true;
+  }
+  return false;
+}
+
 // LayerPlan::mlp_in_dy_bf16's and fc_bf16's rule (each its own choice): the MLP's first layer in bf16
 // around its GEMMs.
 bool mlp_in_bf16(const ModelConfig& config, int64_t layer, const LayerPlan& plan, bool wanted) {
@@ -159,6 +166,10 @@ LayerPlan resolve_layer_plan(const ModelConfig& config, int64_t layer, const Pla
   plan.saved_bf16 = saved_bf16(config, layer, plan, choices.activations_bf16);
   plan.mlp_in_dy_bf16 = mlp_in_bf16(config, layer, plan, choices.activations_bf16);
   plan.fc_bf16 = mlp_in_bf16(config, layer, plan, choices.outputs_bf16);
+  const bool gelu = plan.fc_bf16 && !config.gated_mlp();
+  plan.fc_gelu = gelu && plan.saved_bf16[LINEAR_MLP_OUT];
+  plan.fc2_dgelu = gelu && plan.mlp_in_dy_bf16 && plan.linears[LINEAR_MLP_OUT] == RECIPE_BF16 &&
+                   !has_lora_on(config, layer, LORA_ON_FC2);
   plan.qkv_dy_bf16 = qkv_dy_bf16(config, layer, plan, choices.activations_bf16);
   plan.qkv_bf16 = choices.outputs_bf16 && plan.attention == AttentionKind::flash && plan.attention_bf16;
   plan.attn_dy_bf16 = attn_dy_bf16(config, layer, plan, choices.outputs_bf16);

@@ -71,6 +71,14 @@ struct LayerPlan {
   // precision.outputs = bf16 where mlp_in's recipe is bf16, the MLP dense and no LoRA adapter on it
   // (which adds its term to an fp32 output). Decoding's records keep it fp32.
   bool fc_bf16 = false;
+  // The MLP's GELU inside its GEMMs (Backend::gemm_gelu / gemm_dgelu: cuBLASLt's GELU_AUX_BIAS and
+  // DGELU epilogues on CUDA; elsewhere the GEMM, then the GELU op, as before). fc_gelu: fc's GEMM
+  // writes its output (the GELU's input, kept) and the activation at once; with a GELU MLP (not
+  // gated), fc_bf16 and the activation saved in bf16. fc2_dgelu: fc2's input-gradient GEMM writes
+  // the GELU input's gradient (mlp_in_dy_bf16) at once, reading fc's output as kept; with a GELU
+  // MLP, fc_bf16, mlp_in_dy_bf16 and fc2 in bf16 without a LoRA adapter (its term adds to d(act)).
+  bool fc_gelu = false;
+  bool fc2_dgelu = false;
   // The same for the QKV projection: the bf16 flash attention's backward writes d(qkv) in bf16
   // (flash with attention_bf16, activations bf16, attn_qkv's recipe bf16, no LoRA on it), where
   // nothing rewrites d(qkv) between them: no RoPE (GPT-2's learned positions, NoPE layers), q/k

@@ -639,5 +639,6 @@ cudaStream_t cuda_stream(Backend& backend) { return as_cuda(backend).stream(); }
 int cuda_device(Backend& backend) { return as_cuda(backend).device(); }
 size_t cuda_reserved_bytes(Backend& backend) { return as_cuda(backend).reserved_bytes(); }
 int64_t cuda_panel_gemms(Backend& backend) { return as_cuda(backend).panel_gemms(); }
+int64_t cuda_gelu_epilogue_gemms(Backend& backend) { return as_cuda(backend).gelu_epilogue_gemms(); }
 
 }  // namespace loom

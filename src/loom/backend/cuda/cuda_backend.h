@@ -19,5 +19,7 @@ int cuda_device(Backend& backend);
 size_t cuda_reserved_bytes(Backend& backend);
 // GEMMs the backend has run in staged panels (backend/gemm_panels.h: rows not 16-byte multiples).
 int64_t cuda_panel_gemms(Backend& backend);
+// GEMMs the backend has run with cuBLASLt's GELU epilogues (Backend::gemm_gelu / gemm_dgelu fused).
+int64_t cuda_gelu_epilogue_gemms(Backend& backend);
 
 }  // namespace loom

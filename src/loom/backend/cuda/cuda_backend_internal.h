@@ -124,10 +124,16 @@ class CudaBackend final : public Backend {
   size_t reserved_bytes() const { return allocator_->reserved_bytes(); }
   // GEMMs run in staged panels so far (gemm_panels.h), for the tests.
   int64_t panel_gemms() const { return panel_gemms_; }
+  // GEMMs run with a GELU epilogue so far (gemm_gelu, gemm_dgelu), for the tests.
+  int64_t gelu_epilogue_gemms() const { return gelu_epilogue_gemms_; }
   void write(const Tensor& dst, const void* host) override;
   void read(const Tensor& src, void* host) override;
   void synchronize() override;
   void gemm(const Tensor& a, const Tensor& b, const Tensor& c, const GemmSpec& spec, const Tensor* bias) override;
+  void gemm_gelu(const Tensor& a, const Tensor& b, const Tensor& pre, const Tensor& act, const GemmSpec& spec,
+                 const Tensor* bias) override;
+  void gemm_dgelu(const Tensor& a, const Tensor& b, const Tensor& pre, const Tensor& scratch, const Tensor& dx,
+                  const GemmSpec& spec) override;
   void fill(const Tensor& x, double value) override;
   void copy(const Tensor& src, const Tensor& dst) override;
   void cast(const Tensor& src, const Tensor& dst) override;
@@ -343,6 +349,11 @@ class CudaBackend final : public Backend {
     cudaDataType_t in_type = CUDA_R_32F;
     cudaDataType_t out_type = CUDA_R_32F;  // or CUDA_R_16BF: bf16 A and B, beta 0
     const void* c_in = nullptr;            // where beta's C is read (GemmSpec::c_in; null: c)
+    // cuBLASLt's GELU epilogues (Backend::gemm_gelu / gemm_dgelu): forward writes aux = the sum
+    // (+ bias) and C = its GELU (GELU_AUX(_BIAS)); backward reads aux and writes C = the sum times
+    // GELU'(aux) (DGELU). aux is laid out as C (ldc), of C's type.
+    enum class Gelu : uint8_t { none, forward, backward } gelu = Gelu::none;
+    const void* aux = nullptr;
   };
   static GemmCall gemm_call(const Tensor& a, const Tensor& b, const Tensor& c, const GemmSpec& spec,
                             const checks::GemmDims& d);
@@ -360,6 +371,10 @@ class CudaBackend final : public Backend {
   // A large GEMM with misaligned rows, in panels staged through padded rows (gemm_panels.h).
   void gemm_panels(const GemmCall& g, const GemmPanels& p);
   void gemm_f64(const Tensor& a, const Tensor& b, const Tensor& c, const GemmSpec& spec, const checks::GemmDims& d);
+  // gemm_gelu's / gemm_dgelu's product with the GELU in cuBLASLt's epilogue, when A, B, C and aux
+  // are bf16, one matrix, no panels and the heuristic has an algorithm; false (nothing run) otherwise.
+  bool gemm_gelu_epilogue(const Tensor& a, const Tensor& b, const Tensor& aux, const Tensor& c, const GemmSpec& spec,
+                          const Tensor* bias, GemmCall::Gelu gelu);
 
   void rope(const Tensor& x, int64_t head_dim, int64_t n_heads, const RopeSpec& rope_spec, int64_t pos_offset, double direction,
             const char* op);
@@ -386,6 +401,7 @@ class CudaBackend final : public Backend {
   // LOOM_CUDA_GEMM_PANEL_BYTES / LOOM_CUDA_GEMM_PANEL_MIN_FLOPS override the defaults (read once).
   GemmPanelLimits panel_limits_;
   int64_t panel_gemms_ = 0;
+  int64_t gelu_epilogue_gemms_ = 0;
   PinnedStaging kv_staging_;  // kv_attention's plan table on its way to the workspace
   PinnedStaging kv_store_staging_;  // kv_store's plan table on its way to the workspace
   PinnedStaging sample_staging_;  // sample_rows' settings table on its way to the workspace

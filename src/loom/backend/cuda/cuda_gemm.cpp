@@ -11,6 +11,8 @@
 //     staged through padded rows (gemm_panels.h), so cuBLASLt's tensor-core kernels take them;
 //   shapes cuBLASLt declines (rows not 16-byte aligned): cublasGemmStridedBatchedEx, fp32 accumulation.
 // The bias goes into cuBLASLt's epilogue (CUBLASLT_EPILOGUE_BIAS), or a row kernel after the other GEMMs.
+// gemm_gelu / gemm_dgelu put the MLP's GELU into the epilogue too (GELU_AUX_BIAS, DGELU) where the
+// operands are bf16 and the heuristic has an algorithm; otherwise the GEMM, then the GELU kernel.
 #include <cublasLt.h>
 #include <cublas_v2.h>
 
@@ -179,10 +181,22 @@ bool CudaBackend::gemm_lt(const GemmCall& g, const void* bias, bool ex_fallback,
     // The bias in the GEMM's epilogue (one pass over C saved): cuBLAS's D is our C^T, whose rows
     // are our columns, so its per-row bias is our bias[n]. One matrix only (a batch would need the
     // bias's batch stride); the other calls add it with a kernel after the GEMM.
-    if (use_bias) {
-      const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
+    cublasLtEpilogue_t epilogue = use_bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
+    if (g.gelu == GemmCall::Gelu::forward) epilogue = use_bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX;
+    if (g.gelu == GemmCall::Gelu::backward) epilogue = CUBLASLT_EPILOGUE_DGELU;  // (gemm_dgelu has no bias)
+    if (epilogue != CUBLASLT_EPILOGUE_DEFAULT) {
       LOOM_CUBLAS_STATUS(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)));
+    }
+    if (use_bias) {
       LOOM_CUBLAS_STATUS(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+    }
+    // The GELU's input matrix: cuBLAS's D is our C^T, so aux, laid out as C, has C's leading dimension.
+    if (g.gelu != GemmCall::Gelu::none) {
+      const int64_t aux_ld = g.ldc;
+      LOOM_CUBLAS_STATUS(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &g.aux,
+                                                        sizeof(g.aux)));
+      LOOM_CUBLAS_STATUS(
+          cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &aux_ld, sizeof(aux_ld)));
     }
     // Column-major views: our row-major (r, c) with leading dim ld is cuBLAS's (c, r) with ld.
     LOOM_CUBLAS_STATUS(cublasLtMatrixLayoutCreate(&la, g.in_type, b_cols, b_rows, g.ldb));
@@ -235,6 +249,47 @@ bool CudaBackend::gemm_lt(const GemmCall& g, const void* bias, bool ex_fallback,
   }
   cleanup();
   return use_bias;
+}
+
+void CudaBackend::gemm_gelu(const Tensor& a, const Tensor& b, const Tensor& pre, const Tensor& act,
+                            const GemmSpec& spec, const Tensor* bias) {
+  checks::check_gemm_gelu("gemm_gelu", a, b, pre, act, spec, bias, nullptr);
+  if (!gemm_gelu_epilogue(a, b, pre, act, spec, bias, GemmCall::Gelu::forward)) Backend::gemm_gelu(a, b, pre, act, spec, bias);
+}
+
+void CudaBackend::gemm_dgelu(const Tensor& a, const Tensor& b, const Tensor& pre, const Tensor& scratch,
+                             const Tensor& dx, const GemmSpec& spec) {
+  checks::check_gemm_gelu("gemm_dgelu", a, b, pre, dx, spec, nullptr, &scratch);
+  if (!gemm_gelu_epilogue(a, b, pre, dx, spec, nullptr, GemmCall::Gelu::backward)) {
+    Backend::gemm_dgelu(a, b, pre, scratch, dx, spec);
+  }
+}
+
+// cuBLASLt's GELU epilogues take one matrix of bf16 A, B, D and aux here (the autocast layout the
+// MLP writes); aux's leading dimension must be a multiple of 8 elements. Anything else, and any
+// shape the heuristic declines, runs the default: the GEMM, then the GELU kernel.
+bool CudaBackend::gemm_gelu_epilogue(const Tensor& a, const Tensor& b, const Tensor& aux, const Tensor& c,
+                                     const GemmSpec& spec, const Tensor* bias, GemmCall::Gelu gelu) {
+  if (a.dtype() != DTYPE_BF16 || c.dtype() != DTYPE_BF16 || aux.dtype() != DTYPE_BF16 || spec.batch != 1) return false;
+  const checks::GemmDims d = checks::check_gemm(a, b, c, spec, bias);
+  if (d.m == 0 || d.n == 0 || d.n % 8 != 0 || d.m > INT_MAX || d.n > INT_MAX || d.k > INT_MAX) return false;
+  if (pointer_alignment(aux.device_ptr()) < 16) return false;  // (no preference states aux's alignment)
+  const GemmPanels panels = plan_gemm_panels({.m = d.m, .n = d.n, .k = d.k, .trans_a = spec.trans_a,
+                                              .trans_b = spec.trans_b, .batch = 1, .in_bytes = 2, .out_bytes = 2},
+                                             panel_limits_);
+  if (panels.dim != GemmPanels::NONE) return false;
+  GemmCall call = gemm_call(a, b, c, spec, d);
+  call.gelu = gelu;
+  call.aux = aux.device_ptr();
+  uint16_t* bias16 = nullptr;  // cuBLASLt's bias has D's type
+  if (bias != nullptr) {
+    bias16 = static_cast<uint16_t*>(workspace(static_cast<size_t>(d.n) * 2));
+    cuda::cast_f32_to_bf16(dptr<float>(*bias), bias16, d.n, stream_);
+  }
+  bool declined = false;
+  gemm_lt(call, bias16, false, &declined);
+  if (!declined) ++gelu_epilogue_gemms_;
+  return !declined;
 }
 
 void CudaBackend::gemm_ex(const GemmCall& g) {

@@ -113,6 +113,21 @@ void store(void* base, cudaDataType type, int64_t index, Acc value) {
   }
 }
 
+// The GELU epilogues' function and slope, the tanh form (Hendrycks & Gimpel 2016), in the
+// accumulator's type from the unrounded sum: gelu(x) = 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x +
+// 0.044715 x^3); gelu'(x) = 0.5 (1 + tanh u) + 0.5 x (1 - tanh^2 u) sqrt(2/pi) (1 + 3 0.044715 x^2).
+template <typename Acc>
+Acc gelu(Acc x) {
+  const Acc u = Acc(0.7978845608028654) * (x + Acc(0.044715) * x * x * x);
+  return Acc(0.5) * x * (Acc(1) + std::tanh(u));
+}
+template <typename Acc>
+Acc gelu_slope(Acc x) {
+  const Acc t = std::tanh(Acc(0.7978845608028654) * (x + Acc(0.044715) * x * x * x));
+  return Acc(0.5) * (Acc(1) + t) +
+         Acc(0.5) * x * (Acc(1) - t * t) * Acc(0.7978845608028654) * (Acc(1) + Acc(3 * 0.044715) * x * x);
+}
+
 }  // namespace
 
 // ------------------------------------------------------------------------------------ the product
@@ -231,15 +246,24 @@ void run_gemm(const Gemm& g) {
         b_cols[j * g.k + q] = widen(b, g.b.type, g.trans_b ? j + q * g.b.ld : q + j * g.b.ld);
       }
     }
+    void* aux = g.gelu == Gemm::Gelu::kNone ? nullptr : const_cast<void*>(g.aux.batch(p));
+    if (g.gelu == Gemm::Gelu::kBackward) check_matrix_initialized(g.aux, aux, api + " aux");
     for (int64_t j = 0; j < g.n; ++j) {
       for (int64_t i = 0; i < g.m; ++i) {
         Acc value = alpha * dot(a_rows.data() + i * g.k, b_cols.data() + j * g.k, g.k);
         if (read_c) value += beta * load<Acc>(c, g.c.type, i + j * g.c.ld);
         if (bias) value += load<Acc>(bias, g.d.type, i);
+        if (g.gelu == Gemm::Gelu::kForward) {
+          store<Acc>(aux, g.aux.type, i + j * g.aux.ld, value);
+          value = gelu(value);
+        } else if (g.gelu == Gemm::Gelu::kBackward) {
+          value *= gelu_slope(load<Acc>(aux, g.aux.type, i + j * g.aux.ld));
+        }
         store<Acc>(d, g.d.type, i + j * g.d.ld, value);
       }
     }
     mark_matrix_written(g.d, d);
+    if (g.gelu == Gemm::Gelu::kForward) mark_matrix_written(g.aux, aux);
   }
 }
 

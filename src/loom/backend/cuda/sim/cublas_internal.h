@@ -58,6 +58,11 @@ struct Gemm {
   Scalar alpha{}, beta{};
   const void* bias = nullptr;  // m elements of d's type per batch (CUBLASLT_EPILOGUE_BIAS)
   int64_t bias_stride = 0;
+  // The GELU epilogues (tanh form): kForward writes the GELU's input (the sum plus the bias) to aux
+  // and its GELU to D (CUBLASLT_EPILOGUE_GELU_AUX(_BIAS)); kBackward reads aux and writes the sum
+  // times GELU'(aux) (CUBLASLT_EPILOGUE_DGELU). aux: D's type and shape, its own ld and stride.
+  enum class Gelu { kNone, kForward, kBackward } gelu = Gelu::kNone;
+  Operand aux{"aux", nullptr, CUDA_R_32F, 0, 0, 0, 0};
 };
 
 // Runs a whole call on the stream's worker (device memory addressable).

@@ -43,6 +43,10 @@ struct cublasLtMatmulDescOpaque_t {
   const void* c_scale = nullptr;
   const void* d_scale = nullptr;
   int32_t bias_type = -1;  // -1: D's type
+  const void* aux = nullptr;  // GELU_AUX(_BIAS): written; DGELU: read
+  int64_t aux_ld = 0;
+  int64_t aux_batch_stride = 0;
+  int32_t aux_type = -1;  // -1: D's type
 };
 
 struct cublasLtMatmulPreferenceOpaque_t {
@@ -126,6 +130,14 @@ Field desc_field(cublasLtMatmulDescOpaque_t& d, cublasLtMatmulDescAttributes_t a
       return field(d.d_scale);
     case CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE:
       return field(d.bias_type);
+    case CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER:
+      return field(d.aux);
+    case CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD:
+      return field(d.aux_ld);
+    case CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_BATCH_STRIDE:
+      return field(d.aux_batch_stride);
+    case CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE:
+      return field(d.aux_type);
   }
   return {};
 }
@@ -219,12 +231,26 @@ cublasStatus_t describe_lt(const char* api, const cublasLtMatmulDescOpaque_t* de
   if (desc->pointer_mode != CUBLASLT_POINTER_MODE_HOST && desc->pointer_mode != CUBLASLT_POINTER_MODE_DEVICE) {
     return CUBLAS_STATUS_NOT_SUPPORTED;
   }
-  if (desc->epilogue != CUBLASLT_EPILOGUE_DEFAULT && desc->epilogue != CUBLASLT_EPILOGUE_BIAS) {
+  const uint32_t e = desc->epilogue;
+  const bool gelu_out = e == CUBLASLT_EPILOGUE_GELU_AUX || e == CUBLASLT_EPILOGUE_GELU_AUX_BIAS;
+  const bool has_bias = e == CUBLASLT_EPILOGUE_BIAS || e == CUBLASLT_EPILOGUE_GELU_AUX_BIAS;
+  if (e != CUBLASLT_EPILOGUE_DEFAULT && !has_bias && !gelu_out && e != CUBLASLT_EPILOGUE_DGELU) {
     return CUBLAS_STATUS_NOT_SUPPORTED;
   }
-  if (desc->epilogue == CUBLASLT_EPILOGUE_BIAS && desc->bias_type != -1 &&
-      desc->bias_type != static_cast<int32_t>(ld.type)) {
+  if (has_bias && desc->bias_type != -1 && desc->bias_type != static_cast<int32_t>(ld.type)) {
     return CUBLAS_STATUS_NOT_SUPPORTED;
+  }
+  // The GELU epilogues' auxiliary matrix (the GELU's input): D's shape, its leading dimension a
+  // multiple of 8 and at least D's rows, a batch stride a multiple of 8, the type D's (no other
+  // is simulated). Simulated for fp32 arithmetic with a real D only.
+  if (gelu_out || e == CUBLASLT_EPILOGUE_DGELU) {
+    const bool real = ld.type == CUDA_R_32F || ld.type == CUDA_R_16BF;
+    if (!real || (desc->aux_type != -1 && desc->aux_type != static_cast<int32_t>(ld.type))) {
+      return CUBLAS_STATUS_NOT_SUPPORTED;
+    }
+    if (desc->aux_ld % 8 != 0 || desc->aux_ld < static_cast<int64_t>(ld.rows) || desc->aux_batch_stride % 8 != 0) {
+      return CUBLAS_STATUS_INVALID_VALUE;
+    }
   }
   if (desc->a_scale || desc->b_scale || desc->c_scale || desc->d_scale) return CUBLAS_STATUS_INVALID_VALUE;
 
@@ -427,18 +453,25 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t lightHandle, cublasLtMatmulDesc_t
   }
   if (workspaceSizeInBytes < chosen.data[kWorkspace]) return CUBLAS_STATUS_INVALID_VALUE;
   if (workspaceSizeInBytes > 0 && !aligned(workspace, 256)) return CUBLAS_STATUS_INVALID_VALUE;
-  if (computeDesc->epilogue == CUBLASLT_EPILOGUE_BIAS && computeDesc->bias == nullptr) {
-    return CUBLAS_STATUS_INVALID_VALUE;
-  }
+  const uint32_t e = computeDesc->epilogue;
+  const bool has_bias = e == CUBLASLT_EPILOGUE_BIAS || e == CUBLASLT_EPILOGUE_GELU_AUX_BIAS;
+  const bool gelu_out = e == CUBLASLT_EPILOGUE_GELU_AUX || e == CUBLASLT_EPILOGUE_GELU_AUX_BIAS;
+  if (has_bias && computeDesc->bias == nullptr) return CUBLAS_STATUS_INVALID_VALUE;
+  if ((gelu_out || e == CUBLASLT_EPILOGUE_DGELU) && computeDesc->aux == nullptr) return CUBLAS_STATUS_INVALID_VALUE;
   if (g.m == 0 || g.n == 0) return CUBLAS_STATUS_SUCCESS;
 
   g.a.ptr = A;
   g.b.ptr = B;
   g.c.ptr = C;
   g.d.ptr = D;
-  if (computeDesc->epilogue == CUBLASLT_EPILOGUE_BIAS) {
+  if (has_bias) {
     g.bias = computeDesc->bias;
     g.bias_stride = computeDesc->bias_batch_stride;
+  }
+  if (gelu_out || e == CUBLASLT_EPILOGUE_DGELU) {
+    g.gelu = gelu_out ? Gemm::Gelu::kForward : Gemm::Gelu::kBackward;
+    g.aux = Operand{"aux", computeDesc->aux, g.d.type, g.d.rows, g.d.cols, computeDesc->aux_ld,
+                    computeDesc->aux_batch_stride};
   }
   if (!take_scalars(api, computeDesc->pointer_mode == CUBLASLT_POINTER_MODE_DEVICE, alpha, beta, &g)) {
     return CUBLAS_STATUS_INVALID_VALUE;
@@ -448,6 +481,7 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t lightHandle, cublasLtMatmulDesc_t
   bool in_device_memory = check_operand_memory(api, g.a, g.batch) && check_operand_memory(api, g.b, g.batch) &&
                           (!reads_c || check_operand_memory(api, g.c, g.batch)) &&
                           check_operand_memory(api, g.d, g.batch) &&
+                          (g.gelu == Gemm::Gelu::kNone || check_operand_memory(api, g.aux, g.batch)) &&
                           check_device_range(api, "workspace", workspace, workspaceSizeInBytes);
   for (int64_t p = 0; in_device_memory && g.bias && p < g.batch; ++p) {
     const void* bias = static_cast<const char*>(g.bias) + p * g.bias_stride * static_cast<int64_t>(type_size(g.d.type));

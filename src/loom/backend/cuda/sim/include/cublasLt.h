@@ -76,10 +76,14 @@ typedef enum {
   CUBLASLT_MATMUL_DESC_EPILOGUE = 7,            // uint32_t (cublasLtEpilogue_t), default DEFAULT
   CUBLASLT_MATMUL_DESC_BIAS_POINTER = 8,        // const void*, default NULL
   CUBLASLT_MATMUL_DESC_BIAS_BATCH_STRIDE = 10,  // int64_t, elements, default 0
+  CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER = 11,       // void* (GELU_AUX: written) / const void* (DGELU: read)
+  CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD = 12,            // int64_t, elements: a multiple of 8, >= D's rows
+  CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_BATCH_STRIDE = 13,  // int64_t, elements, a multiple of 8, default 0
   CUBLASLT_MATMUL_DESC_A_SCALE_POINTER = 17,    // const void*, default NULL (fp8 only)
   CUBLASLT_MATMUL_DESC_B_SCALE_POINTER = 18,    // const void*, default NULL (fp8 only)
   CUBLASLT_MATMUL_DESC_C_SCALE_POINTER = 19,    // const void*, default NULL (fp8 only)
   CUBLASLT_MATMUL_DESC_D_SCALE_POINTER = 20,    // const void*, default NULL (fp8 only)
+  CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE = 22,  // int32_t (cudaDataType), default -1: D's type
   CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE = 26,     // int32_t (cudaDataType), default -1: D's type
 } cublasLtMatmulDescAttributes_t;
 
@@ -90,6 +94,10 @@ typedef enum {
   CUBLASLT_EPILOGUE_RELU_BIAS = CUBLASLT_EPILOGUE_RELU | CUBLASLT_EPILOGUE_BIAS,
   CUBLASLT_EPILOGUE_GELU = 32,
   CUBLASLT_EPILOGUE_GELU_BIAS = CUBLASLT_EPILOGUE_GELU | CUBLASLT_EPILOGUE_BIAS,
+  CUBLASLT_EPILOGUE_GELU_AUX = CUBLASLT_EPILOGUE_GELU | 128,  // D = GELU(x), the GELU's input x to aux
+  CUBLASLT_EPILOGUE_GELU_AUX_BIAS = CUBLASLT_EPILOGUE_GELU_AUX | CUBLASLT_EPILOGUE_BIAS,
+  CUBLASLT_EPILOGUE_DGELU = 64 | 128,  // D = the product times GELU'(aux)
+  CUBLASLT_EPILOGUE_DGELU_BGRAD = CUBLASLT_EPILOGUE_DGELU | 16,
 } cublasLtEpilogue_t;
 
 typedef enum {
