@@ -731,59 +731,8 @@ void Transformer::backward_stage(ActivationStore& s, int64_t first, int64_t last
   Tensor d_res16;
   if (last == config_.n_layer) {
     use(0);
-    // d(logits) replaces the logits in place: dL/dlogit = w/(B T) (softmax - onehot).
-    const float scale = loss_weight * s.ce_weight / static_cast<float>(B * T);
-    const Tensor dlogits = s.dlogits.defined() ? s.dlogits : s.logits;
-    if (s.dlogits.defined()) {  // the loss pass computed it (ActivationStore::fused_loss_weight)
-      LOOM_CHECK(s.dlogits_weight == loss_weight && s.position_weights.empty() && s.row_weights.empty() &&
-                 !s.logit_grad.defined(), "backward: the loss pass computed d(logits) with loss weight ",
-                 s.dlogits_weight, ", backward runs with ", loss_weight, " (or per-row / position weights or a logit "
-                 "gradient were set after the forward)");
-    } else if (!s.position_weights.empty()) {  // each position its own weight (one op per position that has one)
-      LOOM_CHECK(tp_ == nullptr && static_cast<int64_t>(s.position_weights.size()) == B * T, "per-position loss weights: ",
-                 s.position_weights.size(), " weights for ", B * T, " positions",
-                 tp_ != nullptr ? " (not with tensor parallelism)" : "");
-      const int64_t V = s.logits.dim(-1);
-      for (int64_t i = 0; i < B * T; ++i) {
-        const Tensor logits = s.logits.view(i * V, {1, V});
-        const float w = s.position_weights[static_cast<size_t>(i)];
-        if (w == 0.0f) backend_.fill(logits, 0.0);  // a masked or weightless position: no gradient
-        else backend_.cross_entropy_backward(logits, s.targets.view(i, {1}), s.lse.view(i, {1}), loss_weight * w, logits);
-      }
-    } else if (!s.row_weights.empty()) {  // a sequence-level objective: each row its own weight
-      LOOM_CHECK(tp_ == nullptr && static_cast<int64_t>(s.row_weights.size()) == B, "per-row loss weights: ",
-                 s.row_weights.size(), " weights for ", B, " rows", tp_ != nullptr ? " (not with tensor parallelism)" : "");
-      const int64_t V = s.logits.dim(-1);
-      for (int64_t b = 0; b < B; ++b) {
-        const Tensor logits = s.logits.view(b * T * V, {T, V});
-        backend_.cross_entropy_backward(logits, s.targets.view(b * T, {T}), s.lse.view(b * T, {T}),
-                                        loss_weight * s.row_weights[static_cast<size_t>(b)], logits);
-      }
-    } else if (tp_ != nullptr) {
-      vocab_parallel_cross_entropy_backward(backend_, s.logits, s.targets, s.lse, vocab_.begin, vocab_.valid, scale,
-                                            s.logits);
-    } else {
-      backend_.cross_entropy_backward(s.logits, s.targets, s.lse, scale, s.logits);
-    }
-    if (s.logit_grad.defined()) {  // a soft-target term (already scaled by its weight and 1/(B T))
-      LOOM_CHECK(tp_ == nullptr && s.row_weights.empty() && s.position_weights.empty(), "a logit gradient (soft targets) "
-                 "with tensor parallelism or per-row weights is not supported");
-      backend_.axpy(s.logits, s.logit_grad, loss_weight);
-    }
-    // d_norm = d_logits @ W (B*T, C); dW += d_logits^T @ final_norm (V, C)
-    if (s.dlogits_by_columns) head_.backward_columns(backend_, s.final_norm, head_w, head16_, dlogits, k.d_norm, d_head_w, &ws_);
-    else head_.backward(backend_, s.final_norm, head_w, head16_, dlogits, k.d_norm, d_head_w, Tensor{}, &ws_);
-    s.dlogits = Tensor{}, s.dlogits_by_columns = false;
-    Tensor dn = k.d_norm;
-    if (sp_) {  // reduced onto the shard
-      dn = k.d_tmp.view(0, d_res.shape());
-      sequence_reduce_scatter(backend_, *tp_, k.d_norm, dn, seq_.staging);
-    } else if (tp_ != nullptr) {
-      tp_->all_reduce(k.d_norm);  // f: the vocabulary slices' partial d(final norm)
-    }
     d_res16 = fc2_dy16(last - 1);
-    norm_backward(backend_, config_, dn, s.final_input, final_w, s.final_mean, s.final_rstd, d_res, d_final_w, d_final_b,
-                  false, d_res16);
+    head_and_loss_backward(s, loss_weight, k, d_res, d_res16);
     if (ready && frozen_end_ == 0) ready(final_offset_);  // LoRA: the adapters, last in the buffer, finish last
   }  // else d_res holds d(stage output), put there by the caller (stage_grad)
   for (int64_t l = last; l-- > first;) {
@@ -801,40 +750,100 @@ void Transformer::backward_stage(ActivationStore& s, int64_t first, int64_t last
     if (ready && frozen_end_ == 0) ready(block_offset_[l]);
   }
   if (first > 0) return;  // d_res now holds d(stage input)
+  if (d_embed_w.defined()) embedding_backward(s, d_res);  // (frozen embeddings, LoRA: none)
+  done(0);
+  if (ready) ready(0);
+}
+
+Tensor Transformer::logits_backward(ActivationStore& s, float loss_weight) {
+  const int64_t B = s.batch, T = s.seq_len;
+  // d(logits) replaces the logits in place: dL/dlogit = w/(B T) (softmax - onehot).
+  const float scale = loss_weight * s.ce_weight / static_cast<float>(B * T);
+  const Tensor dlogits = s.dlogits.defined() ? s.dlogits : s.logits;
+  if (s.dlogits.defined()) {  // the loss pass computed it (ActivationStore::fused_loss_weight)
+    LOOM_CHECK(s.dlogits_weight == loss_weight && s.position_weights.empty() && s.row_weights.empty() &&
+               !s.logit_grad.defined(), "backward: the loss pass computed d(logits) with loss weight ",
+               s.dlogits_weight, ", backward runs with ", loss_weight, " (or per-row / position weights or a logit "
+               "gradient were set after the forward)");
+  } else if (!s.position_weights.empty()) {  // each position its own weight (one op per position that has one)
+    LOOM_CHECK(tp_ == nullptr && static_cast<int64_t>(s.position_weights.size()) == B * T, "per-position loss weights: ",
+               s.position_weights.size(), " weights for ", B * T, " positions",
+               tp_ != nullptr ? " (not with tensor parallelism)" : "");
+    const int64_t V = s.logits.dim(-1);
+    for (int64_t i = 0; i < B * T; ++i) {
+      const Tensor logits = s.logits.view(i * V, {1, V});
+      const float w = s.position_weights[static_cast<size_t>(i)];
+      if (w == 0.0f) backend_.fill(logits, 0.0);  // a masked or weightless position: no gradient
+      else backend_.cross_entropy_backward(logits, s.targets.view(i, {1}), s.lse.view(i, {1}), loss_weight * w, logits);
+    }
+  } else if (!s.row_weights.empty()) {  // a sequence-level objective: each row its own weight
+    LOOM_CHECK(tp_ == nullptr && static_cast<int64_t>(s.row_weights.size()) == B, "per-row loss weights: ",
+               s.row_weights.size(), " weights for ", B, " rows", tp_ != nullptr ? " (not with tensor parallelism)" : "");
+    const int64_t V = s.logits.dim(-1);
+    for (int64_t b = 0; b < B; ++b) {
+      const Tensor logits = s.logits.view(b * T * V, {T, V});
+      backend_.cross_entropy_backward(logits, s.targets.view(b * T, {T}), s.lse.view(b * T, {T}),
+                                      loss_weight * s.row_weights[static_cast<size_t>(b)], logits);
+    }
+  } else if (tp_ != nullptr) {
+    vocab_parallel_cross_entropy_backward(backend_, s.logits, s.targets, s.lse, vocab_.begin, vocab_.valid, scale,
+                                          s.logits);
+  } else {
+    backend_.cross_entropy_backward(s.logits, s.targets, s.lse, scale, s.logits);
+  }
+  if (s.logit_grad.defined()) {  // a soft-target term (already scaled by its weight and 1/(B T))
+    LOOM_CHECK(tp_ == nullptr && s.row_weights.empty() && s.position_weights.empty(), "a logit gradient (soft targets) "
+               "with tensor parallelism or per-row weights is not supported");
+    backend_.axpy(s.logits, s.logit_grad, loss_weight);
+  }
+  return dlogits;
+}
+
+void Transformer::head_and_loss_backward(ActivationStore& s, float loss_weight, BlockScratch& k, const Tensor& d_res,
+                                         const Tensor& d_res16) {
+  const Tensor dlogits = logits_backward(s, loss_weight);
+  // d_norm = d_logits @ W (B*T, C); dW += d_logits^T @ final_norm (V, C)
+  if (s.dlogits_by_columns) head_.backward_columns(backend_, s.final_norm, head_w, head16_, dlogits, k.d_norm, d_head_w, &ws_);
+  else head_.backward(backend_, s.final_norm, head_w, head16_, dlogits, k.d_norm, d_head_w, Tensor{}, &ws_);
+  s.dlogits = Tensor{}, s.dlogits_by_columns = false;
+  Tensor dn = k.d_norm;
+  if (sp_) {  // reduced onto the shard
+    dn = k.d_tmp.view(0, d_res.shape());
+    sequence_reduce_scatter(backend_, *tp_, k.d_norm, dn, seq_.staging);
+  } else if (tp_ != nullptr) {
+    tp_->all_reduce(k.d_norm);  // f: the vocabulary slices' partial d(final norm)
+  }
+  norm_backward(backend_, config_, dn, s.final_input, final_w, s.final_mean, s.final_rstd, d_res, d_final_w, d_final_b,
+                false, d_res16);
+}
+
+void Transformer::embedding_backward(ActivationStore& s, const Tensor& d_res) {
+  const int64_t B = s.batch, T = s.seq_len;
+  if (config_.embed_scale > 0.0f) backend_.scale_inplace(d_res, config_.embed_scale);  // d(rows) = scale d(x0)
   const auto d_positions = [&](const Tensor& d) {  // learned positions, restarted at packed documents' starts
     for_each_document(s, d, [&](const Tensor& rows) { positions_backward(backend_, rows, d_pos_w); });
   };
-  const auto embedding_backward = [&] {
-    if (sp_) {  // the shards' gradients gathered for the vocabulary-parallel embedding
-      const Tensor full = seq_.full.view(0, {B, T, config_.d_model});
-      sequence_all_gather(backend_, *tp_, d_res, full, seq_.staging);
-      vocab_parallel_embedding_backward(backend_, s.tokens, full, d_embed_w, vocab_.begin, vocab_.valid);
-      if (d_pos_w.defined()) positions_backward(backend_, d_res, d_pos_w, tp_->rank() * d_res.dim(1));
-    } else if (tp_ != nullptr) {
-      vocab_parallel_embedding_backward(backend_, s.tokens, d_res, d_embed_w, vocab_.begin, vocab_.valid);
-      if (d_pos_w.defined() && cp_.comm != nullptr) {
-        for_each_chunk(d_res, [&](const Tensor& rows, int64_t start) { positions_backward(backend_, rows, d_pos_w, start); });
-      } else if (d_pos_w.defined()) {
-        d_positions(d_res);
-      }
-    } else if (cp_.comm != nullptr) {
-      backend_.embedding_backward(s.tokens, d_res, d_embed_w, nullptr);
-      if (d_pos_w.defined()) {
-        for_each_chunk(d_res, [&](const Tensor& rows, int64_t start) { positions_backward(backend_, rows, d_pos_w, start); });
-      }
-    } else if (!s.docs.empty() && d_pos_w.defined()) {
-      backend_.embedding_backward(s.tokens, d_res, d_embed_w, nullptr);
-      d_positions(d_res);
-    } else {
-      backend_.embedding_backward(s.tokens, d_res, d_embed_w, d_pos_w.defined() ? &d_pos_w : nullptr);
-    }
+  const auto chunk_positions = [&] {
+    for_each_chunk(d_res, [&](const Tensor& rows, int64_t start) { positions_backward(backend_, rows, d_pos_w, start); });
   };
-  if (d_embed_w.defined()) {  // frozen embeddings (LoRA): none
-    if (config_.embed_scale > 0.0f) backend_.scale_inplace(d_res, config_.embed_scale);  // d(rows) = scale d(x0)
-    embedding_backward();
+  if (sp_) {  // the shards' gradients gathered for the vocabulary-parallel embedding
+    const Tensor full = seq_.full.view(0, {B, T, config_.d_model});
+    sequence_all_gather(backend_, *tp_, d_res, full, seq_.staging);
+    vocab_parallel_embedding_backward(backend_, s.tokens, full, d_embed_w, vocab_.begin, vocab_.valid);
+    if (d_pos_w.defined()) positions_backward(backend_, d_res, d_pos_w, tp_->rank() * d_res.dim(1));
+  } else if (tp_ != nullptr) {
+    vocab_parallel_embedding_backward(backend_, s.tokens, d_res, d_embed_w, vocab_.begin, vocab_.valid);
+    if (d_pos_w.defined() && cp_.comm != nullptr) chunk_positions();
+    else if (d_pos_w.defined()) d_positions(d_res);
+  } else if (cp_.comm != nullptr) {
+    backend_.embedding_backward(s.tokens, d_res, d_embed_w, nullptr);
+    if (d_pos_w.defined()) chunk_positions();
+  } else if (!s.docs.empty() && d_pos_w.defined()) {
+    backend_.embedding_backward(s.tokens, d_res, d_embed_w, nullptr);
+    d_positions(d_res);
+  } else {
+    backend_.embedding_backward(s.tokens, d_res, d_embed_w, d_pos_w.defined() ? &d_pos_w : nullptr);
   }
-  done(0);
-  if (ready) ready(0);
 }
 
 }  // namespace loom

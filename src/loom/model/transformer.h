@@ -304,6 +304,17 @@ class Transformer {
   Fp8ScalingState scaling_state_;    // see pack_scaling_state()
   std::vector<DelayedScaling*> delayed_scalings();  // of the fp8-delayed linear layers, in their order
   double head_and_loss(ActivationStore& s, bool compute_loss);  // forward_stage's end on the last stage
+  // backward_stage's start on the last stage: d(logits) (logits_backward), the head's backward
+  // into k.d_norm, then the final norm's into d_res (rounded into d_res16 too where defined: the
+  // last block's fc2 reads it, nn/layer.h residual_dy16).
+  void head_and_loss_backward(ActivationStore& s, float loss_weight, BlockScratch& k, const Tensor& d_res,
+                              const Tensor& d_res16);
+  // d(logits) over the logits from the loss and its weights (or the loss pass's, as it left it);
+  // returns the tensor that holds it.
+  Tensor logits_backward(ActivationStore& s, float loss_weight);
+  // backward_stage's end on the first stage: the embedding's and learned positions' gradients
+  // from d_res = d(x0) (scaled by embed_scale in place first).
+  void embedding_backward(ActivationStore& s, const Tensor& d_res);
   ParamUseHooks hooks_;
   Communicator* tp_ = nullptr;
   struct {
