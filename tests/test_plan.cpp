@@ -222,6 +222,24 @@ TEST(LayerPlanTest, TheInputsOfBf16LinearsAreSavedInBf16WhereTheRecipeAllows) {
   PlanChoices outputs32 = bf16;
   outputs32.outputs_bf16 = false;
   EXPECT_FALSE(resolve_layer_plan(gpt2, 0, outputs32).fc_bf16);
+  // The GELU in fc's and fc2's GEMMs (Backend::gemm_gelu / gemm_dgelu): GPT-2 with fc's output, the
+  // activation and its gradient in bf16; not Llama's SwiGLU, not without those bf16 fields, not fc2
+  // with an adapter; the forward's not under selective recompute (it takes the activation again).
+  EXPECT_TRUE(resolve_layer_plan(gpt2, 0, bf16).fc_gelu && resolve_layer_plan(gpt2, 0, bf16).fc2_dgelu);
+  EXPECT_FALSE(resolve_layer_plan(llama, 0, bf16).fc_gelu || resolve_layer_plan(llama, 0, bf16).fc2_dgelu);
+  EXPECT_FALSE(resolve_layer_plan(gpt2, 0, outputs32).fc_gelu || resolve_layer_plan(gpt2, 0, outputs32).fc2_dgelu);
+  EXPECT_FALSE(resolve_layer_plan(gpt2, 0, off).fc2_dgelu);
+  ModelConfig gpt2_down = gpt2;  // an adapter on fc2 reads the activation in fp32 and adds its term to d(act)
+  gpt2_down.peft_method = PeftMethod::lora, gpt2_down.lora_targets = "down";
+  EXPECT_TRUE(resolve_layer_plan(gpt2_down, 0, bf16).fc_bf16 && resolve_layer_plan(gpt2_down, 0, bf16).mlp_in_dy_bf16);
+  EXPECT_FALSE(resolve_layer_plan(gpt2_down, 0, bf16).fc_gelu || resolve_layer_plan(gpt2_down, 0, bf16).fc2_dgelu);
+  PlanChoices selective = bf16;
+  selective.recompute = RECOMPUTE_SELECTIVE;
+  EXPECT_FALSE(resolve_layer_plan(gpt2, 0, selective).fc_gelu);
+  EXPECT_TRUE(resolve_layer_plan(gpt2, 0, selective).fc2_dgelu);
+  PlanChoices full = bf16;
+  full.recompute = RECOMPUTE_FULL;  // the forward runs again as it ran
+  EXPECT_TRUE(resolve_layer_plan(gpt2, 0, full).fc_gelu);
   // precision.outputs = bf16 around the bf16 flash attention: qkv's record (written by the GEMM, or
   // staged in fp32 under RoPE, q/k norms or adapters and rounded) and dO (the output projection's
   // d(input)), each its own rule.

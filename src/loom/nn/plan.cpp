@@ -167,7 +167,8 @@ LayerPlan resolve_layer_plan(const ModelConfig& config, int64_t layer, const Pla
   plan.mlp_in_dy_bf16 = mlp_in_bf16(config, layer, plan, choices.activations_bf16);
   plan.fc_bf16 = mlp_in_bf16(config, layer, plan, choices.outputs_bf16);
   const bool gelu = plan.fc_bf16 && !config.gated_mlp();
-  plan.fc_gelu = gelu && plan.saved_bf16[LINEAR_MLP_OUT];
+  // (selective recompute takes the activation again from fc's kept output: the forward does too)
+  plan.fc_gelu = gelu && plan.saved_bf16[LINEAR_MLP_OUT] && plan.recompute != RECOMPUTE_SELECTIVE;
   plan.fc2_dgelu = gelu && plan.mlp_in_dy_bf16 && plan.linears[LINEAR_MLP_OUT] == RECIPE_BF16 &&
                    !has_lora_on(config, layer, LORA_ON_FC2);
   plan.qkv_dy_bf16 = qkv_dy_bf16(config, layer, plan, choices.activations_bf16);

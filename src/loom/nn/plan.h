@@ -74,7 +74,9 @@ struct LayerPlan {
   // The MLP's GELU inside its GEMMs (Backend::gemm_gelu / gemm_dgelu: cuBLASLt's GELU_AUX_BIAS and
   // DGELU epilogues on CUDA; elsewhere the GEMM, then the GELU op, as before). fc_gelu: fc's GEMM
   // writes its output (the GELU's input, kept) and the activation at once; with a GELU MLP (not
-  // gated), fc_bf16 and the activation saved in bf16. fc2_dgelu: fc2's input-gradient GEMM writes
+  // gated), fc_bf16 and the activation saved in bf16, not under selective recompute (which takes
+  // the activation again from fc's kept output with gelu_forward: the forward takes it so too,
+  // where a device's epilogue takes it of the unrounded sum). fc2_dgelu: fc2's input-gradient GEMM writes
   // the GELU input's gradient (mlp_in_dy_bf16) at once, reading fc's output as kept; with a GELU
   // MLP, fc_bf16, mlp_in_dy_bf16 and fc2 in bf16 without a LoRA adapter (its term adds to d(act)).
   bool fc_gelu = false;
