@@ -157,13 +157,12 @@ void MlpLayer::backward(Backend& backend, const Tensor& mid, const MlpSaved& s, 
   // d(fc output): in bf16 where the plan says (fc's GEMMs read it as it is), else fp32.
   const bool dy16 = plan_.mlp_in_dy_bf16 && part == BACKWARD_ALL && links_.ws != nullptr;
   const Tensor d_fc = dy16 ? links_.ws->bf16(LinearWorkspace::Y, k.d_fc.shape()) : k.d_fc;
-  if (plan_.fc2_dgelu && dy16) {  // d(fc output) from fc2's input-gradient GEMM, through the GELU at once
-    const GeluBackward gelu{s.fc, k.d_act};
-    adapted_linear_backward(backend, fc2_, s.act, p.fc2_w, q.fc2_w, dy_out, d_fc, pass.dw(g.fc2_w), g.fc2_b,
-                            fc2_lora(s), g.fc2_lora, links_.ws, r16.in, &gelu);
-  } else {
-    adapted_linear_backward(backend, fc2_, s.act, p.fc2_w, q.fc2_w, dy_out, k.d_act, pass.dw(g.fc2_w), g.fc2_b,
-                            fc2_lora(s), g.fc2_lora, links_.ws, r16.in);
+  // fused: fc2's input-gradient GEMM writes d(fc output) through the GELU at once (k.d_act its scratch)
+  const bool fused = plan_.fc2_dgelu && dy16;
+  const GeluBackward gelu{s.fc, k.d_act};
+  adapted_linear_backward(backend, fc2_, s.act, p.fc2_w, q.fc2_w, dy_out, fused ? d_fc : k.d_act, pass.dw(g.fc2_w),
+                          g.fc2_b, fc2_lora(s), g.fc2_lora, links_.ws, r16.in, fused ? &gelu : nullptr);
+  if (!fused) {
     if (config_.gated_mlp()) backend.glu_backward(s.fc, k.d_act, d_fc, config_.gate_activation);
     else backend.gelu_backward(s.fc, k.d_act, d_fc);
   }

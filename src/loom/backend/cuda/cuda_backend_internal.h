@@ -373,8 +373,9 @@ class CudaBackend final : public Backend {
   void gemm_f64(const Tensor& a, const Tensor& b, const Tensor& c, const GemmSpec& spec, const checks::GemmDims& d);
   // gemm_gelu's / gemm_dgelu's product with the GELU in cuBLASLt's epilogue, when A, B, C and aux
   // are bf16, one matrix, no panels and the heuristic has an algorithm; false (nothing run) otherwise.
+  // d: the dimensions check_gemm_gelu found (C's shape is d.m x d.n).
   bool gemm_gelu_epilogue(const Tensor& a, const Tensor& b, const Tensor& aux, const Tensor& c, const GemmSpec& spec,
-                          const Tensor* bias, GemmCall::Gelu gelu);
+                          const checks::GemmDims& d, const Tensor* bias, GemmCall::Gelu gelu);
 
   void rope(const Tensor& x, int64_t head_dim, int64_t n_heads, const RopeSpec& rope_spec, int64_t pos_offset, double direction,
             const char* op);

@@ -253,14 +253,16 @@ bool CudaBackend::gemm_lt(const GemmCall& g, const void* bias, bool ex_fallback,
 
 void CudaBackend::gemm_gelu(const Tensor& a, const Tensor& b, const Tensor& pre, const Tensor& act,
                             const GemmSpec& spec, const Tensor* bias) {
-  checks::check_gemm_gelu("gemm_gelu", a, b, pre, act, spec, bias, nullptr);
-  if (!gemm_gelu_epilogue(a, b, pre, act, spec, bias, GemmCall::Gelu::forward)) Backend::gemm_gelu(a, b, pre, act, spec, bias);
+  const checks::GemmDims d = checks::check_gemm_gelu("gemm_gelu", a, b, pre, act, spec, bias, nullptr);
+  if (!gemm_gelu_epilogue(a, b, pre, act, spec, d, bias, GemmCall::Gelu::forward)) {
+    Backend::gemm_gelu(a, b, pre, act, spec, bias);
+  }
 }
 
 void CudaBackend::gemm_dgelu(const Tensor& a, const Tensor& b, const Tensor& pre, const Tensor& scratch,
                              const Tensor& dx, const GemmSpec& spec) {
-  checks::check_gemm_gelu("gemm_dgelu", a, b, pre, dx, spec, nullptr, &scratch);
-  if (!gemm_gelu_epilogue(a, b, pre, dx, spec, nullptr, GemmCall::Gelu::backward)) {
+  const checks::GemmDims d = checks::check_gemm_gelu("gemm_dgelu", a, b, pre, dx, spec, nullptr, &scratch);
+  if (!gemm_gelu_epilogue(a, b, pre, dx, spec, d, nullptr, GemmCall::Gelu::backward)) {
     Backend::gemm_dgelu(a, b, pre, scratch, dx, spec);
   }
 }
@@ -269,9 +271,9 @@ void CudaBackend::gemm_dgelu(const Tensor& a, const Tensor& b, const Tensor& pre
 // MLP writes); aux's leading dimension must be a multiple of 8 elements. Anything else, and any
 // shape the heuristic declines, runs the default: the GEMM, then the GELU kernel.
 bool CudaBackend::gemm_gelu_epilogue(const Tensor& a, const Tensor& b, const Tensor& aux, const Tensor& c,
-                                     const GemmSpec& spec, const Tensor* bias, GemmCall::Gelu gelu) {
+                                     const GemmSpec& spec, const checks::GemmDims& d, const Tensor* bias,
+                                     GemmCall::Gelu gelu) {
   if (a.dtype() != DTYPE_BF16 || c.dtype() != DTYPE_BF16 || aux.dtype() != DTYPE_BF16 || spec.batch != 1) return false;
-  const checks::GemmDims d = checks::check_gemm(a, b, c, spec, bias);
   if (d.m == 0 || d.n == 0 || d.n % 8 != 0 || d.m > INT_MAX || d.n > INT_MAX || d.k > INT_MAX) return false;
   if (pointer_alignment(aux.device_ptr()) < 16) return false;  // (no preference states aux's alignment)
   const GemmPanels panels = plan_gemm_panels({.m = d.m, .n = d.n, .k = d.k, .trans_a = spec.trans_a,

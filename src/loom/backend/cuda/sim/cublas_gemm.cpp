@@ -116,16 +116,19 @@ void store(void* base, cudaDataType type, int64_t index, Acc value) {
 // The GELU epilogues' function and slope, the tanh form (Hendrycks & Gimpel 2016), in the
 // accumulator's type from the unrounded sum: gelu(x) = 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x +
 // 0.044715 x^3); gelu'(x) = 0.5 (1 + tanh u) + 0.5 x (1 - tanh^2 u) sqrt(2/pi) (1 + 3 0.044715 x^2).
+constexpr double kGeluScale = 0.7978845608028654, kGeluCubic = 0.044715;  // sqrt(2/pi), the cubic's
+template <typename Acc>
+Acc gelu_tanh(Acc x) {  // tanh(u)
+  return std::tanh(Acc(kGeluScale) * (x + Acc(kGeluCubic) * x * x * x));
+}
 template <typename Acc>
 Acc gelu(Acc x) {
-  const Acc u = Acc(0.7978845608028654) * (x + Acc(0.044715) * x * x * x);
-  return Acc(0.5) * x * (Acc(1) + std::tanh(u));
+  return Acc(0.5) * x * (Acc(1) + gelu_tanh(x));
 }
 template <typename Acc>
 Acc gelu_slope(Acc x) {
-  const Acc t = std::tanh(Acc(0.7978845608028654) * (x + Acc(0.044715) * x * x * x));
-  return Acc(0.5) * (Acc(1) + t) +
-         Acc(0.5) * x * (Acc(1) - t * t) * Acc(0.7978845608028654) * (Acc(1) + Acc(3 * 0.044715) * x * x);
+  const Acc t = gelu_tanh(x);
+  return Acc(0.5) * (Acc(1) + t) + Acc(0.5) * x * (Acc(1) - t * t) * Acc(kGeluScale) * (Acc(1) + Acc(3 * kGeluCubic) * x * x);
 }
 
 }  // namespace

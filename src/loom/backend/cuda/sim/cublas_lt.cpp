@@ -63,6 +63,17 @@ namespace {
 
 // ------------------------------------------------------------------------------------ cuBLASLt
 
+// What an epilogue adds to the product: a bias (BIAS, GELU_AUX_BIAS), or a GELU whose input it
+// writes to the auxiliary matrix (GELU_AUX(_BIAS)), or GELU' of that matrix (DGELU).
+struct Epilogue {
+  bool bias = false, gelu_out = false, dgelu = false;
+  explicit Epilogue(uint32_t e)
+      : bias(e == CUBLASLT_EPILOGUE_BIAS || e == CUBLASLT_EPILOGUE_GELU_AUX_BIAS),
+        gelu_out(e == CUBLASLT_EPILOGUE_GELU_AUX || e == CUBLASLT_EPILOGUE_GELU_AUX_BIAS),
+        dgelu(e == CUBLASLT_EPILOGUE_DGELU) {}
+  bool aux() const { return gelu_out || dgelu; }
+};
+
 // An attribute of a descriptor: where it is stored and its size.
 struct Field {
   void* addr = nullptr;
@@ -231,19 +242,15 @@ cublasStatus_t describe_lt(const char* api, const cublasLtMatmulDescOpaque_t* de
   if (desc->pointer_mode != CUBLASLT_POINTER_MODE_HOST && desc->pointer_mode != CUBLASLT_POINTER_MODE_DEVICE) {
     return CUBLAS_STATUS_NOT_SUPPORTED;
   }
-  const uint32_t e = desc->epilogue;
-  const bool gelu_out = e == CUBLASLT_EPILOGUE_GELU_AUX || e == CUBLASLT_EPILOGUE_GELU_AUX_BIAS;
-  const bool has_bias = e == CUBLASLT_EPILOGUE_BIAS || e == CUBLASLT_EPILOGUE_GELU_AUX_BIAS;
-  if (e != CUBLASLT_EPILOGUE_DEFAULT && !has_bias && !gelu_out && e != CUBLASLT_EPILOGUE_DGELU) {
-    return CUBLAS_STATUS_NOT_SUPPORTED;
-  }
-  if (has_bias && desc->bias_type != -1 && desc->bias_type != static_cast<int32_t>(ld.type)) {
+  const Epilogue e(desc->epilogue);
+  if (desc->epilogue != CUBLASLT_EPILOGUE_DEFAULT && !e.bias && !e.aux()) return CUBLAS_STATUS_NOT_SUPPORTED;
+  if (e.bias && desc->bias_type != -1 && desc->bias_type != static_cast<int32_t>(ld.type)) {
     return CUBLAS_STATUS_NOT_SUPPORTED;
   }
   // The GELU epilogues' auxiliary matrix (the GELU's input): D's shape, its leading dimension a
   // multiple of 8 and at least D's rows, a batch stride a multiple of 8, the type D's (no other
   // is simulated). Simulated for fp32 arithmetic with a real D only.
-  if (gelu_out || e == CUBLASLT_EPILOGUE_DGELU) {
+  if (e.aux()) {
     const bool real = ld.type == CUDA_R_32F || ld.type == CUDA_R_16BF;
     if (!real || (desc->aux_type != -1 && desc->aux_type != static_cast<int32_t>(ld.type))) {
       return CUBLAS_STATUS_NOT_SUPPORTED;
@@ -453,23 +460,21 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t lightHandle, cublasLtMatmulDesc_t
   }
   if (workspaceSizeInBytes < chosen.data[kWorkspace]) return CUBLAS_STATUS_INVALID_VALUE;
   if (workspaceSizeInBytes > 0 && !aligned(workspace, 256)) return CUBLAS_STATUS_INVALID_VALUE;
-  const uint32_t e = computeDesc->epilogue;
-  const bool has_bias = e == CUBLASLT_EPILOGUE_BIAS || e == CUBLASLT_EPILOGUE_GELU_AUX_BIAS;
-  const bool gelu_out = e == CUBLASLT_EPILOGUE_GELU_AUX || e == CUBLASLT_EPILOGUE_GELU_AUX_BIAS;
-  if (has_bias && computeDesc->bias == nullptr) return CUBLAS_STATUS_INVALID_VALUE;
-  if ((gelu_out || e == CUBLASLT_EPILOGUE_DGELU) && computeDesc->aux == nullptr) return CUBLAS_STATUS_INVALID_VALUE;
+  const Epilogue e(computeDesc->epilogue);
+  if (e.bias && computeDesc->bias == nullptr) return CUBLAS_STATUS_INVALID_VALUE;
+  if (e.aux() && computeDesc->aux == nullptr) return CUBLAS_STATUS_INVALID_VALUE;
   if (g.m == 0 || g.n == 0) return CUBLAS_STATUS_SUCCESS;
 
   g.a.ptr = A;
   g.b.ptr = B;
   g.c.ptr = C;
   g.d.ptr = D;
-  if (has_bias) {
+  if (e.bias) {
     g.bias = computeDesc->bias;
     g.bias_stride = computeDesc->bias_batch_stride;
   }
-  if (gelu_out || e == CUBLASLT_EPILOGUE_DGELU) {
-    g.gelu = gelu_out ? Gemm::Gelu::kForward : Gemm::Gelu::kBackward;
+  if (e.aux()) {
+    g.gelu = e.gelu_out ? Gemm::Gelu::kForward : Gemm::Gelu::kBackward;
     g.aux = Operand{"aux", computeDesc->aux, g.d.type, g.d.rows, g.d.cols, computeDesc->aux_ld,
                     computeDesc->aux_batch_stride};
   }
